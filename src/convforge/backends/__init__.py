@@ -1,0 +1,44 @@
+"""Back-ends: ``get_backend("cuda"|"opencl")``. Vendor APIs are imported only in cuda.py and opencl.py."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from convforge.backends.base import Backend
+
+_INSTANCES: dict[str, Backend] = {}
+
+
+def get_backend(name: str, device: str | int | None = None) -> Backend:
+    """The shared back-end instance for ``name`` and device (compiled programs are cached in it)."""
+    key = f"{name}:{device}"
+    if key not in _INSTANCES:
+        if name == "cuda":
+            from convforge.backends.cuda import CudaBackend
+
+            _INSTANCES[key] = CudaBackend(None if device is None else int(device))
+        elif name == "opencl":
+            from convforge.backends.opencl import OpenCLBackend
+
+            _INSTANCES[key] = OpenCLBackend(None if device is None else str(device))
+        else:
+            raise ValueError(f"backend ({name!r}) must be 'cuda' or 'opencl'")
+    return _INSTANCES[key]
+
+
+def cuda_available() -> bool:
+    """True when CuPy imports and sees at least one CUDA device."""
+    try:
+        from convforge.backends.cuda import device_count
+    except Exception:  # noqa: BLE001 - no cupy, or a broken install: no CUDA
+        return False
+    return device_count() > 0
+
+
+def opencl_available() -> bool:
+    try:
+        from convforge.backends.opencl import list_devices
+    except Exception:  # noqa: BLE001
+        return False
+    return bool(list_devices())

@@ -1,0 +1,60 @@
+"""On-disk cache of compiled programs. Entries are written to a temporary file and renamed into
+place, so a crash or two processes never leave a partial entry; a checksum header catches the rest."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
+_MAGIC = b"CFC1"
+
+
+def cache_key(*parts: str) -> str:
+    """Hash of everything an entry was built from (source, options, compiler, device, driver, version)."""
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+class DiskCache:
+    """A folder of ``<key>.bin`` files: 4-byte magic, 32-byte sha256 of the payload, payload."""
+
+    def __init__(self, folder: Path, enabled: bool = True) -> None:
+        self.folder = folder
+        self.enabled = enabled
+
+    def _path(self, key: str) -> Path:
+        return self.folder / f"{key}.bin"
+
+    def get(self, key: str) -> bytes | None:
+        if not self.enabled:
+            return None
+        path = self._path(key)
+        try:
+            data = path.read_bytes()
+        except OSError:
+            return None
+        payload = data[36:]
+        if data[:4] != _MAGIC or hashlib.sha256(payload).digest() != data[4:36]:
+            path.unlink(missing_ok=True)  # corrupt: drop it and rebuild
+            return None
+        return payload
+
+    def put(self, key: str, payload: bytes) -> None:
+        if not self.enabled:
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".tmp-", suffix=".bin")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(_MAGIC + hashlib.sha256(payload).digest() + payload)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self._path(key))
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise

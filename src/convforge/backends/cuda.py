@@ -1,0 +1,162 @@
+"""CUDA back-end through CuPy: NVRTC to a cubin for the device's arch, raw launches on the caller's
+current stream, CUDA events. The only file that imports cupy (and, for interop, torch)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import cupy as cp
+import numpy as np
+
+from convforge.backends.base import Backend, CompileError, const_args
+from convforge.codegen.dialect import Kernel, LocalBuf
+from convforge.plan import DeviceInfo, Launch
+
+
+def device_count() -> int:
+    try:
+        return int(cp.cuda.runtime.getDeviceCount())
+    except Exception:  # noqa: BLE001 - no driver, no device: CUDA is simply absent
+        return 0
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+
+    def __init__(self, device_id: int | None = None) -> None:
+        super().__init__()
+        self.device_id = cp.cuda.Device().id if device_id is None else device_id
+        rt = cp.cuda.runtime
+        props = rt.getDeviceProperties(self.device_id)
+        name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+        self.arch = f"sm_{props['major']}{props['minor']}"
+        self.device = DeviceInfo(
+            backend="cuda", name=name, driver=str(rt.driverGetVersion()),
+            cc=(props["major"], props["minor"]), max_threads=props["maxThreadsPerBlock"],
+            shared_bytes=props["sharedMemPerBlock"],
+            shared_optin_bytes=props.get("sharedMemPerBlockOptin", props["sharedMemPerBlock"]),
+            const_bytes=props["totalConstMem"], warp=props["warpSize"],
+            units=props["multiProcessorCount"], l2_bytes=props.get("l2CacheSize", 0))
+        self.stream: Any = None  # None = CuPy's current stream at call time
+
+    # -- compiler ---------------------------------------------------------------------------
+    def compile_options(self) -> list[str]:
+        return [f"--gpu-architecture={self.arch}", "--std=c++17"]
+
+    def compiler_version(self) -> str:
+        from cupy_backends.cuda.libs import nvrtc
+
+        return "nvrtc-%d.%d" % nvrtc.getVersion()
+
+    def build(self, source: str) -> tuple[Any, bytes | None]:
+        from cupy_backends.cuda.libs import nvrtc
+
+        prog = nvrtc.createProgram(source, "convforge.cu", (), ())
+        try:
+            try:
+                nvrtc.compileProgram(prog, self.compile_options())
+            except nvrtc.NVRTCError:
+                log = nvrtc.getProgramLog(prog)
+                raise CompileError(f"NVRTC failed for {self.arch}:\n{log}") from None
+            cubin = bytes(nvrtc.getCUBIN(prog))
+        finally:
+            nvrtc.destroyProgram(prog)
+        mod = self.load_binary(cubin)
+        if mod is None:
+            raise CompileError("NVRTC produced a cubin the driver would not load")
+        return mod, cubin
+
+    def load_binary(self, blob: bytes) -> Any | None:
+        try:
+            with cp.cuda.Device(self.device_id):
+                mod = cp.cuda.function.Module()
+                mod.load(blob)
+                return mod
+        except Exception:  # noqa: BLE001 - a stale or foreign binary: rebuild
+            return None
+
+    def function(self, program: Any, kernel: Kernel) -> Any:
+        fn = program.get_function(kernel.name)
+        lb = kernel.local_buf()
+        if lb is not None and lb.nbytes > 48 * 1024:
+            cp.cuda.driver.funcSetAttribute(
+                fn.ptr, cp.cuda.driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, lb.nbytes)
+        return fn
+
+    # -- memory -----------------------------------------------------------------------------
+    def empty(self, nbytes: int) -> Any:
+        with cp.cuda.Device(self.device_id):
+            return cp.empty(max(nbytes, 4) // 4, dtype=cp.float32)
+
+    def upload(self, array: np.ndarray) -> Any:
+        with cp.cuda.Device(self.device_id):
+            return cp.asarray(np.ascontiguousarray(array, dtype=np.float32))
+
+    def download(self, buf: Any, shape: tuple[int, ...]) -> np.ndarray:
+        return cp.asnumpy(buf).reshape(shape)
+
+    def fill(self, buf: Any, value: float, nbytes: int) -> None:
+        with self._stream():
+            buf.ravel()[: nbytes // 4].fill(value)
+
+    def _stream(self) -> Any:
+        return self.stream if self.stream is not None else cp.cuda.get_current_stream()
+
+    # -- execution --------------------------------------------------------------------------
+    def launch(self, program: Any, fn: Any, kernel: Kernel, step: Launch, args: list[Any]) -> None:
+        stream = self._stream()
+        for cbuf, src in const_args(kernel, args):
+            dst = program.get_global(cbuf.name)
+            nbytes = min(src.nbytes, 4 * cbuf.count)
+            dst.copy_from_device_async(src.data, nbytes, stream)
+        vals = [a for a, spec in zip(args, [x for x in kernel.args if not isinstance(x, LocalBuf)])
+                if not _is_const(spec)]
+        lb = kernel.local_buf()
+        fn(step.grid, step.block, tuple(vals), shared_mem=lb.nbytes if lb else 0, stream=stream)
+
+    def synchronize(self) -> None:
+        self._stream().synchronize()
+
+    def time_ms(self, fn: Callable[[], None], repeats: int) -> list[float]:
+        stream = self._stream()
+        times = []
+        for _ in range(repeats):
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            start.record(stream)
+            fn()
+            end.record(stream)
+            end.synchronize()
+            times.append(float(cp.cuda.get_elapsed_time(start, end)))
+        return times
+
+    # -- interop ----------------------------------------------------------------------------
+    def wrap(self, array: Any) -> Any:
+        """A CuPy view of a CuPy array or torch CUDA tensor (no copy)."""
+        return array if isinstance(array, cp.ndarray) else cp.asarray(array)
+
+    def use_stream_of(self, array: Any) -> None:
+        """Run on the stream current for the array's library (torch's or CuPy's)."""
+        if type(array).__module__.startswith("torch"):
+            import torch
+
+            self.stream = cp.cuda.ExternalStream(torch.cuda.current_stream(array.device).cuda_stream,
+                                                 array.device.index or 0)
+        else:
+            self.stream = None
+
+    def empty_like_input(self, array: Any, shape: tuple[int, ...]) -> tuple[Any, Any]:
+        """(user-facing output, CuPy view of it) of the same library and device as ``array``."""
+        if type(array).__module__.startswith("torch"):
+            import torch
+
+            out = torch.empty(shape, dtype=torch.float32, device=array.device)
+            return out, cp.asarray(out)
+        with cp.cuda.Device(self.device_id):
+            out = cp.empty(shape, dtype=cp.float32)
+        return out, out
+
+
+def _is_const(arg: Any) -> bool:
+    from convforge.codegen.dialect import ConstBuf
+
+    return isinstance(arg, ConstBuf)

@@ -1,0 +1,134 @@
+"""OpenCL back-end through PyOpenCL: PoCL on CPUs, vendor drivers on GPUs. Only file importing pyopencl."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+import pyopencl as cl
+
+from convforge.backends.base import Backend, CompileError
+from convforge.codegen.dialect import ConstBuf, Kernel, LocalBuf, Scalar
+from convforge.config import config
+from convforge.plan import DeviceInfo, Launch
+
+_OPTIONS = ["-cl-std=CL1.2"]
+
+
+def list_devices() -> list[tuple[int, int, str, str]]:
+    """(platform index, device index, platform name, device name) of every OpenCL device."""
+    out = []
+    try:
+        platforms = cl.get_platforms()
+    except cl.Error:
+        return []
+    for pi, plat in enumerate(platforms):
+        for di, dev in enumerate(plat.get_devices()):
+            out.append((pi, di, plat.name, dev.name))
+    return out
+
+
+def _pick(spec: str) -> cl.Device:
+    platforms = cl.get_platforms()
+    if spec:
+        pi, _, di = spec.partition(":")
+        return platforms[int(pi)].get_devices()[int(di or 0)]
+    devices = [d for p in platforms for d in p.get_devices()]
+    if not devices:
+        raise RuntimeError("no OpenCL device found (pip install 'pyopencl[pocl]' for a CPU one)")
+    gpus = [d for d in devices if d.type & cl.device_type.GPU]
+    return (gpus or devices)[0]
+
+
+class OpenCLBackend(Backend):
+    name = "opencl"
+
+    def __init__(self, device: str | None = None) -> None:
+        super().__init__()
+        self.cl_device = _pick(config.opencl_device if device is None else device)
+        self.ctx = cl.Context([self.cl_device])
+        self.queue = cl.CommandQueue(
+            self.ctx, properties=cl.command_queue_properties.PROFILING_ENABLE)
+        d = self.cl_device
+        is_gpu = bool(d.type & cl.device_type.GPU)
+        self.device = DeviceInfo(
+            backend="opencl", name=d.name.strip(), driver=d.driver_version,
+            platform=d.platform.name + " " + d.platform.version,
+            max_threads=d.max_work_group_size, shared_bytes=d.local_mem_size,
+            shared_optin_bytes=d.local_mem_size, const_bytes=d.max_constant_buffer_size,
+            warp=32 if is_gpu else 1, units=d.max_compute_units, is_gpu=is_gpu)
+
+    # -- compiler ---------------------------------------------------------------------------
+    def compile_options(self) -> list[str]:
+        return list(_OPTIONS)
+
+    def compiler_version(self) -> str:
+        return self.cl_device.platform.version + "|" + self.cl_device.version
+
+    def build(self, source: str) -> tuple[Any, bytes | None]:
+        try:
+            prog = cl.Program(self.ctx, source).build(options=_OPTIONS)
+        except cl.RuntimeError as err:
+            raise CompileError(f"OpenCL build failed on {self.device.name}:\n{err}") from None
+        binaries = prog.get_info(cl.program_info.BINARIES)
+        return prog, (bytes(binaries[0]) if binaries and binaries[0] else None)
+
+    def load_binary(self, blob: bytes) -> Any | None:
+        try:
+            return cl.Program(self.ctx, [self.cl_device], [blob]).build(options=_OPTIONS)
+        except cl.Error:
+            return None
+
+    def function(self, program: Any, kernel: Kernel) -> Any:
+        fn = cl.Kernel(program, kernel.name)
+        dtypes: list[Any] = []
+        for a in kernel.args:
+            if isinstance(a, Scalar):
+                dtypes.append(np.float32 if a.ctype == "float" else np.int32)
+            else:
+                dtypes.append(None)
+        fn.set_scalar_arg_dtypes(dtypes)
+        return fn
+
+    # -- memory -----------------------------------------------------------------------------
+    def empty(self, nbytes: int) -> Any:
+        return cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE, size=max(nbytes, 4))
+
+    def upload(self, array: np.ndarray) -> Any:
+        arr = np.ascontiguousarray(array, dtype=np.float32)
+        buf = self.empty(arr.nbytes)
+        cl.enqueue_copy(self.queue, buf, arr)
+        return buf
+
+    def download(self, buf: Any, shape: tuple[int, ...]) -> np.ndarray:
+        out = np.empty(shape, dtype=np.float32)
+        cl.enqueue_copy(self.queue, out, buf)
+        return out
+
+    def fill(self, buf: Any, value: float, nbytes: int) -> None:
+        cl.enqueue_fill_buffer(self.queue, buf, np.float32(value), 0, nbytes)
+
+    # -- execution --------------------------------------------------------------------------
+    def launch(self, program: Any, fn: Any, kernel: Kernel, step: Launch, args: list[Any]) -> None:
+        full: list[Any] = []
+        it = iter(args)
+        for a in kernel.args:
+            full.append(cl.LocalMemory(a.nbytes) if isinstance(a, LocalBuf) else next(it))
+        gsize = tuple(g * b for g, b in zip(step.grid, step.block))
+        fn(self.queue, gsize, step.block, *full)
+
+    def synchronize(self) -> None:
+        self.queue.finish()
+
+    def time_ms(self, fn: Callable[[], None], repeats: int) -> list[float]:
+        times = []
+        for _ in range(repeats):
+            start = cl.enqueue_marker(self.queue)
+            fn()
+            end = cl.enqueue_marker(self.queue)
+            end.wait()
+            times.append((end.profile.end - start.profile.start) * 1e-6)
+        return times
+
+
+__all__ = ["OpenCLBackend", "list_devices", "ConstBuf"]

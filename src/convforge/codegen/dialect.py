@@ -1,0 +1,112 @@
+"""The kernel dialect: one neutral C subset that renders to CUDA C and OpenCL C.
+
+A kernel body is plain C using these tokens, which each renderer spells its own way:
+
+    GROUP_ID(d) LOCAL_ID(d) GROUP_SIZE(d) NUM_GROUPS(d)   thread and group indices, d in 0..2
+    BARRIER()                                             block-wide barrier on shared memory
+    SHARED                                                qualifier of a shared-memory declaration
+    LOCAL_PTR / GLOBAL_PTR                                address-space qualifier of a pointer
+    VLOAD4(off, p) / VSTORE4(v, off, p)                   float4 at p + 4*off
+    MAKE_FLOAT4(a, b, c, d)                               float4 constructor
+    FMA(a, b, c)                                          fused a*b + c
+    MAX(a, b)                                             float maximum
+    LDG(p)                                                read-only load of *p
+    SHFL(v, lane)                                         warp shuffle (feature "shuffle", CUDA only)
+
+Parameters are typed objects that write their own declarations, never pasted strings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+Dim3 = tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class Buf:
+    """A global-memory pointer argument."""
+
+    name: str
+    ctype: str = "float"
+    readonly: bool = True
+
+
+@dataclass(frozen=True)
+class ConstBuf:
+    """An array in constant memory (CUDA: a module symbol filled before launch; OpenCL: __constant)."""
+
+    name: str
+    count: int
+    ctype: str = "float"
+
+
+@dataclass(frozen=True)
+class Scalar:
+    """A by-value scalar argument."""
+
+    name: str
+    ctype: str = "int"
+
+
+@dataclass(frozen=True)
+class LocalBuf:
+    """Shared memory sized at launch (CUDA: extern __shared__; OpenCL: a __local argument).
+
+    Needed for more than 48 KB of shared memory on CUDA. The body sees a ``float*`` named ``name``.
+    """
+
+    name: str
+    nbytes: int
+
+
+Arg = Buf | ConstBuf | Scalar | LocalBuf
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel in the dialect: its name, arguments, body, fixed block size and features."""
+
+    name: str
+    args: tuple[Arg, ...]
+    body: str
+    block: Dim3
+    requires: frozenset[str] = field(default_factory=frozenset)
+    helpers: str = ""  # device functions in the dialect, emitted before the kernel
+    comment: str = ""
+
+    @property
+    def threads(self) -> int:
+        return self.block[0] * self.block[1] * self.block[2]
+
+    def const_bufs(self) -> list[ConstBuf]:
+        return [a for a in self.args if isinstance(a, ConstBuf)]
+
+    def local_buf(self) -> LocalBuf | None:
+        bufs = [a for a in self.args if isinstance(a, LocalBuf)]
+        if len(bufs) > 1:
+            raise ValueError(f"{self.name}: at most one launch-sized shared buffer")
+        return bufs[0] if bufs else None
+
+
+def split_call(text: str, start: int) -> tuple[list[str], int]:
+    """Split the argument list opening at text[start] == '(' at top-level commas.
+
+    Returns the arguments and the index just past the closing parenthesis.
+    """
+    depth, args, cur = 0, [], start + 1
+    i = start
+    while i < len(text):
+        ch = text[i]
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+            if depth == 0:
+                args.append(text[cur:i].strip())
+                return [a for a in args if a != "" or len(args) > 1], i + 1
+        elif ch == "," and depth == 1:
+            args.append(text[cur:i].strip())
+            cur = i + 1
+        i += 1
+    raise ValueError(f"unbalanced parentheses after {text[max(0, start - 20):start + 20]!r}")

@@ -1,0 +1,66 @@
+"""The variant registry: one module per family registers its variants here."""
+
+from __future__ import annotations
+
+from convforge.plan import DeviceInfo, Variant
+from convforge.spec import ConvSpec
+
+FAMILIES = ("direct", "im2col", "implicit_gemm", "im2win", "winograd", "gemm1x1")
+_REGISTRY: dict[str, Variant] = {}
+
+
+def register(variant: Variant) -> Variant:
+    """Add a variant instance under its name."""
+    if variant.name in _REGISTRY:
+        raise ValueError(f"variant {variant.name} registered twice")
+    _REGISTRY[variant.name] = variant
+    return variant
+
+
+def _load() -> None:
+    # Importing the family modules registers their variants.
+    import importlib
+    import pkgutil
+
+    for mod in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{mod.name}")
+
+
+def all_variants() -> list[Variant]:
+    if not _REGISTRY:
+        _load()
+    return list(_REGISTRY.values())
+
+
+def get_variant(name: str) -> Variant:
+    all_variants()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown variant {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
+
+
+def select(algo: str, spec: ConvSpec, device: DeviceInfo) -> list[Variant]:
+    """Variants named by ``algo`` (a family, a variant or 'auto') that apply to ``spec``."""
+    variants = all_variants()
+    if algo == "auto":
+        chosen = variants
+    elif algo in _REGISTRY:
+        chosen = [_REGISTRY[algo]]
+    else:
+        chosen = [v for v in variants if v.family == algo]
+        if not chosen:
+            known = sorted(set(FAMILIES) | set(_REGISTRY))
+            raise ValueError(f"algo ({algo!r}) is not a family or variant; known: {', '.join(known)}")
+    return [v for v in chosen if v.applies(spec, device) is None]
+
+
+def reasons(algo: str, spec: ConvSpec, device: DeviceInfo) -> dict[str, str]:
+    """Why each variant named by ``algo`` does not apply (for error messages)."""
+    out = {}
+    for v in all_variants():
+        if algo in ("auto", v.name, v.family):
+            why = v.applies(spec, device)
+            if why:
+                out[v.name] = why
+    return out

@@ -1,0 +1,317 @@
+"""Direct convolution, after the CUDA_Conv2d study: register-blocked outputs, input tile + halo in
+shared memory, filters in constant memory, warp-shuffle reuse of input rows (CUDA), read-only path.
+
+Thread (lx, ly) of a (bq, bp) block computes tp x tq outputs at p = p0 + ly + i*bp, q = q0 + lx + j*bq
+(so neighbouring threads touch neighbouring columns) for tk output channels.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from convforge.codegen.dialect import Arg, Buf, ConstBuf, Kernel
+from convforge.codegen.meta import Code, cdiv
+from convforge.kernels import register
+from convforge.kernels.common import io_arrays, out_args, out_refs
+from convforge.params import Params
+from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
+from convforge.spec import ConvSpec
+
+_UNROLL_LIMIT = 1024  # fully unroll r and s while R*S*outputs-per-thread stays under this
+
+
+class DirectBase(Variant):
+    """Shared metacode of the three direct variants; subclasses choose how inputs are read."""
+
+    family = "direct"
+    tolerance = 1e-5
+
+    # -- parameters -------------------------------------------------------------------------
+    def _grid_points(self, spec: ConvSpec, device: DeviceInfo) -> list[dict[str, int]]:
+        pts = []
+        for bq, bp, tq, tp, tk in itertools.product((32, 16, 8), (8, 4, 2, 1), (1, 2, 4),
+                                                   (1, 2, 4), (1, 2, 4, 8, 16)):
+            if bq * bp > device.max_threads or bq * bp < 32 or tq * tp * tk > 64:
+                continue
+            if bq * tq > 2 * spec.q + 32 or bp * tp > 2 * spec.p + 8 or tk > 2 * spec.k:
+                continue
+            pts.append(dict(bq=bq, bp=bp, tq=tq, tp=tp, tk=tk))
+        return pts
+
+    def _wconst_ok(self, spec: ConvSpec, device: DeviceInfo) -> bool:
+        nbytes = 4 * spec.k * spec.c * spec.r * spec.s
+        return nbytes <= min(device.const_bytes, 64 * 1024)
+
+    # -- metacode ---------------------------------------------------------------------------
+    def _args(self, spec: ConvSpec, params: Params, epi: Epilogue) -> tuple[Arg, ...]:
+        wcount = spec.k * spec.c * spec.r * spec.s
+        warg: Arg = ConstBuf("wc", wcount) if params.wconst else Buf("w")
+        return (Buf("x"), warg) + out_args(epi)
+
+    def _head(self, code: Code, spec: ConvSpec, p: Params) -> None:
+        kb = cdiv(spec.k, p.tk)
+        code(f"const int n = GROUP_ID(2) / {kb};",
+             f"const int k0 = (GROUP_ID(2) % {kb}) * {p.tk};",
+             f"const int p0 = GROUP_ID(1) * {p.bp * p.tp};",
+             f"const int q0 = GROUP_ID(0) * {p.bq * p.tq};",
+             "const int ly = LOCAL_ID(1), lx = LOCAL_ID(0);")
+        for kk in range(p.tk):
+            code(f"const int kw{kk} = min(k0 + {kk}, {spec.k - 1});  // clamped: loads stay in bounds")
+        for kk, i, j in self._outs(p):
+            code(f"float acc{kk}_{i}_{j} = 0.0f;")
+
+    @staticmethod
+    def _outs(p: Params) -> list[tuple[int, int, int]]:
+        return list(itertools.product(range(p.tk), range(p.tp), range(p.tq)))
+
+    def _fmas(self, code: Code, spec: ConvSpec, p: Params, r: str, s: int,
+              xval: dict[tuple[int, int], str]) -> None:
+        """Load tk weights for (c, r, s) and accumulate them against the tp x tq inputs."""
+        wname = "wc" if p.wconst else "w"
+        crs = spec.c * spec.r * spec.s
+        with code.block(""):
+            for kk in range(p.tk):
+                code(f"const float w{kk} = {wname}[kw{kk} * {crs} + c * {spec.r * spec.s}"
+                     f" + ({r}) * {spec.s} + {s}];")
+            for kk, i, j in self._outs(p):
+                code(f"acc{kk}_{i}_{j} = FMA(w{kk}, {xval[(i, j)]}, acc{kk}_{i}_{j});")
+
+    def _store(self, code: Code, spec: ConvSpec, p: Params, epi: Epilogue) -> None:
+        _, _, yd = io_arrays(spec)
+        for kk, i, j in self._outs(p):
+            k, pp, qq = f"k0 + {kk}", f"p0 + ly + {i * p.bp}", f"q0 + lx + {j * p.bq}"
+            cond = f"{k} < {spec.k} && {pp} < {spec.p} && {qq} < {spec.q}"
+            idx = yd.index(n="n", k=k, p=pp, q=qq)
+            code(f"if ({cond}) y[{idx}] = {epi.apply(f'acc{kk}_{i}_{j}', k)};")
+
+    def _rs_loops(self, code: Code, spec: ConvSpec, p: Params, body: object) -> None:
+        """Emit body(r_expr, s) for every tap, r unrolled when small enough."""
+        assert callable(body)
+        outs = p.tk * p.tp * p.tq
+        if spec.r * spec.s * outs <= _UNROLL_LIMIT:
+            for r in range(spec.r):
+                for s in range(spec.s):
+                    with code.block(f"/* r={r} s={s} */"):
+                        body(str(r), s)
+        else:
+            with code.block(f"for (int r = 0; r < {spec.r}; ++r)"):
+                for s in range(spec.s):
+                    with code.block(f"/* s={s} */"):
+                        body("r", s)
+
+    def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
+             epilogue: Epilogue = Epilogue()) -> Plan:
+        code = Code()
+        self._head(code, spec, params)
+        self._main_loop(code, spec, params)
+        self._store(code, spec, params, epilogue)
+        name = f"conv_{self.name}"
+        block = (params.bq, params.bp, 1)
+        requires = frozenset({"shuffle"}) if self.name == "direct_shfl" else frozenset()
+        kernel = Kernel(name, self._args(spec, params, epilogue), code.text(), block, requires,
+                        comment=f"{self.name}: {params.short()}")
+        grid = (cdiv(spec.q, params.bq * params.tq), cdiv(spec.p, params.bp * params.tp),
+                spec.n * cdiv(spec.k, params.tk))
+        launch = Launch(name, grid, block, ("x", "w") + out_refs(epilogue))
+        return Plan(self.name, self.family, spec, params, (kernel,), (launch,),
+                    tolerance=self.tolerance, epilogue=epilogue)
+
+    def _main_loop(self, code: Code, spec: ConvSpec, p: Params) -> None:
+        raise NotImplementedError
+
+
+class Direct(DirectBase):
+    """Inputs read straight from global memory (through the read-only path when ``ldg``)."""
+
+    name = "direct"
+
+    def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
+        out = [self.default(spec, device)]
+        wc = [False, True] if self._wconst_ok(spec, device) else [False]
+        ldg = [True, False] if device.backend == "cuda" else [False]
+        for pt in self._grid_points(spec, device):
+            for wconst, use_ldg in itertools.product(wc, ldg):
+                prm = Params(pt, wconst=wconst, ldg=use_ldg)
+                if prm not in out:
+                    out.append(prm)
+        return out
+
+    def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
+        if not device.is_gpu:
+            return Params(bq=8, bp=4, tq=1, tp=1, tk=1, wconst=False, ldg=False)
+        tk = min(8, spec.k)
+        return Params(bq=32, bp=4, tq=1, tp=2, tk=tk, wconst=False, ldg=device.backend == "cuda")
+
+    def _main_loop(self, code: Code, spec: ConvSpec, p: Params) -> None:
+        (sh, sw), (dh, dw) = spec.stride, spec.dilation
+        pt, pl = spec.pad[0], spec.pad[2]
+        hw = spec.h * spec.w
+        code(f"const GLOBAL_PTR float* xn = x + n * {spec.c * hw};")
+        with code.block(f"for (int c = 0; c < {spec.c}; ++c)"):
+            code(f"const GLOBAL_PTR float* xc = xn + c * {hw};")
+
+            def tap(r: str, s: int) -> None:
+                xval = {}
+                for i in range(p.tp):
+                    for j in range(p.tq):
+                        iy = f"(p0 + ly + {i * p.bp}) * {sh} + ({r}) * {dh} - {pt}"
+                        ix = f"(q0 + lx + {j * p.bq}) * {sw} + {s * dw - pl}"
+                        ptr = f"xc + iy * {spec.w} + ix"
+                        load = f"LDG({ptr})" if p.ldg else f"*({ptr})"
+                        nm = f"x{i}_{j}"
+                        code(f"float {nm};",
+                             f"{{ const int iy = {iy}, ix = {ix};",
+                             f"  {nm} = ((unsigned)iy < {spec.h}u && (unsigned)ix < {spec.w}u)"
+                             f" ? {load} : 0.0f; }}")
+                        xval[(i, j)] = nm
+                self._fmas(code, spec, p, r, s, xval)
+
+            self._rs_loops(code, spec, p, tap)
+
+
+class DirectSmem(DirectBase):
+    """The block's input tile plus halo staged in shared memory, ``cc`` channels per stage."""
+
+    name = "direct_smem"
+
+    def _tile(self, spec: ConvSpec, p: Params) -> tuple[int, int]:
+        ih = (p.bp * p.tp - 1) * spec.stride[0] + (spec.r - 1) * spec.dilation[0] + 1
+        iw = (p.bq * p.tq - 1) * spec.stride[1] + (spec.s - 1) * spec.dilation[1] + 1
+        return ih, iw
+
+    def _fits(self, spec: ConvSpec, p: Params, device: DeviceInfo) -> bool:
+        ih, iw = self._tile(spec, p)
+        return 4 * p.cc * ih * iw <= min(device.shared_bytes, 48 * 1024)
+
+    def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
+        out = [self.default(spec, device)]
+        wc = [False, True] if self._wconst_ok(spec, device) else [False]
+        for pt in self._grid_points(spec, device):
+            for wconst, cc in itertools.product(wc, (1, 2, 4)):
+                prm = Params(pt, wconst=wconst, cc=cc)
+                if cc <= spec.c and self._fits(spec, prm, device) and prm not in out:
+                    out.append(prm)
+        return out
+
+    def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
+        prm = Params(bq=32, bp=4, tq=1, tp=2, tk=min(8, spec.k), wconst=False, cc=1)
+        if not device.is_gpu:
+            prm = Params(bq=8, bp=4, tq=1, tp=1, tk=1, wconst=False, cc=1)
+        if not self._fits(spec, prm, device):
+            prm = prm.replace(bq=8, bp=4, tq=1, tp=1)
+        return prm
+
+    def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
+        why = super().applies(spec, device)
+        if why:
+            return why
+        smallest = Params(bq=8, bp=4, tq=1, tp=1, tk=1, wconst=False, cc=1)
+        if not self._fits(spec, smallest, device):
+            return "input tile plus halo does not fit in shared memory"
+        return None
+
+    def _main_loop(self, code: Code, spec: ConvSpec, p: Params) -> None:
+        (sh, sw), (dh, dw) = spec.stride, spec.dilation
+        pt, pl = spec.pad[0], spec.pad[2]
+        ih, iw = self._tile(spec, p)
+        hw, nt = spec.h * spec.w, p.bq * p.bp
+        tile = p.cc * ih * iw
+        code(f"SHARED float xs[{tile}];  // {p.cc} channel(s) x {ih} x {iw} input tile with halo",
+             f"const GLOBAL_PTR float* xn = x + n * {spec.c * hw};",
+             f"const int y0 = p0 * {sh} - {pt}, x0 = q0 * {sw} - {pl};",
+             "const int tid = ly * %d + lx;" % p.bq)
+        with code.block(f"for (int cb = 0; cb < {spec.c}; cb += {p.cc})"):
+            with code.block(f"for (int t = tid; t < {tile}; t += {nt})"):
+                code(f"const int ci = t / {ih * iw}, rem = t % {ih * iw};",
+                     f"const int iy = y0 + rem / {iw}, ix = x0 + rem % {iw};",
+                     f"xs[t] = (cb + ci < {spec.c} && (unsigned)iy < {spec.h}u && "
+                     f"(unsigned)ix < {spec.w}u) ? xn[(cb + ci) * {hw} + iy * {spec.w} + ix] : 0.0f;")
+            code("BARRIER();")
+            with code.block(f"for (int ci = 0; ci < {p.cc}; ++ci)"):
+                code("const int c = cb + ci;")
+                with code.block(f"if (c < {spec.c})"):
+                    def tap(r: str, s: int) -> None:
+                        xval = {}
+                        for i in range(p.tp):
+                            for j in range(p.tq):
+                                row = f"(ly + {i * p.bp}) * {sh} + ({r}) * {dh}"
+                                col = f"(lx + {j * p.bq}) * {sw} + {s * dw}"
+                                xval[(i, j)] = f"xs[ci * {ih * iw} + ({row}) * {iw} + {col}]"
+                        self._fmas(code, spec, p, r, s, xval)
+
+                    self._rs_loops(code, spec, p, tap)
+            code("BARRIER();")
+
+
+class DirectShfl(DirectBase):
+    """CUDA only: each warp is 32 consecutive output columns; a lane loads two input values per
+    row and the neighbours' taps arrive by warp shuffle instead of separate loads."""
+
+    name = "direct_shfl"
+    backends = frozenset({"cuda"})
+
+    def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
+        why = super().applies(spec, device)
+        if why:
+            return why
+        if spec.stride[1] != 1:
+            return "warp-shuffle reuse needs horizontal stride 1"
+        if (spec.s - 1) * spec.dilation[1] > 31:
+            return "filter wider than a warp"
+        return None
+
+    def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
+        out = [self.default(spec, device)]
+        wc = [False, True] if self._wconst_ok(spec, device) else [False]
+        for bp, tp, tk, wconst in itertools.product((8, 4, 2, 1), (1, 2, 4), (1, 2, 4, 8, 16), wc):
+            prm = Params(bq=32, bp=bp, tq=1, tp=tp, tk=tk, wconst=wconst)
+            if tp * tk <= 64 and bp * tp <= 2 * spec.p + 8 and tk <= 2 * spec.k and prm not in out:
+                out.append(prm)
+        return out
+
+    def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
+        return Params(bq=32, bp=4, tq=1, tp=2, tk=min(8, spec.k), wconst=False)
+
+    def _main_loop(self, code: Code, spec: ConvSpec, p: Params) -> None:
+        (sh, _), (dh, dw) = spec.stride, spec.dilation
+        pt, pl = spec.pad[0], spec.pad[2]
+        hw = spec.h * spec.w
+        code(f"const GLOBAL_PTR float* xn = x + n * {spec.c * hw};",
+             f"const int xa = q0 + lx - {pl}, xb = xa + 32;")
+        with code.block(f"for (int c = 0; c < {spec.c}; ++c)"):
+            code(f"const GLOBAL_PTR float* xc = xn + c * {hw};")
+
+            def tap_row(r: str) -> None:
+                for i in range(p.tp):
+                    code(f"const int iy{i} = (p0 + ly + {i * p.bp}) * {sh} + ({r}) * {dh} - {pt};",
+                         f"const bool ok{i} = (unsigned)iy{i} < {spec.h}u;",
+                         f"const float a{i} = (ok{i} && (unsigned)xa < {spec.w}u) ? "
+                         f"LDG(xc + iy{i} * {spec.w} + xa) : 0.0f;",
+                         f"const float b{i} = (ok{i} && (unsigned)xb < {spec.w}u) ? "
+                         f"LDG(xc + iy{i} * {spec.w} + xb) : 0.0f;")
+                for s in range(spec.s):
+                    off = s * dw
+                    xval = {}
+                    for i in range(p.tp):
+                        if off == 0:
+                            xval[(i, 0)] = f"a{i}"
+                            continue
+                        # Both shuffles run on every lane (a divergent shuffle is undefined).
+                        code(f"const float sa{i}_{s} = SHFL(a{i}, (lx + {off}) & 31);",
+                             f"const float sb{i}_{s} = SHFL(b{i}, (lx + {off}) & 31);",
+                             f"const float s{i}_{s} = (lx + {off} < 32) ? sa{i}_{s} : sb{i}_{s};")
+                        xval[(i, 0)] = f"s{i}_{s}"
+                    self._fmas(code, spec, p, r, s, xval)
+
+            if spec.r * spec.s * p.tk * p.tp <= _UNROLL_LIMIT:
+                for r in range(spec.r):
+                    with code.block(f"/* r={r} */"):
+                        tap_row(str(r))
+            else:
+                with code.block(f"for (int r = 0; r < {spec.r}; ++r)"):
+                    tap_row("r")
+
+
+register(Direct())
+register(DirectSmem())
+register(DirectShfl())

@@ -1,0 +1,141 @@
+"""Plans, devices and the Variant interface.
+
+A Plan is everything needed to run one convolution: generated kernels, the launches in order,
+and the workspace. Checking, timing, tuning, benchmarking and graphs work on Plans only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Union
+
+from convforge.codegen.dialect import Dim3, Kernel
+from convforge.codegen.render import render
+from convforge.params import Params
+from convforge.spec import ConvSpec
+
+ArgRef = Union[str, int, float]  # a buffer name ("x", "w", "y", "bias", a workspace) or a scalar
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch: grid in blocks, block in threads, arguments by kernel order."""
+
+    kernel: str
+    grid: Dim3
+    block: Dim3
+    args: tuple[ArgRef, ...]
+
+
+@dataclass(frozen=True)
+class Fill:
+    """Set a buffer to a float value (used before accumulating kernels)."""
+
+    buffer: str
+    value: float = 0.0
+
+
+Step = Union[Launch, Fill]
+
+
+@dataclass(frozen=True)
+class Epilogue:
+    """Work folded into the output write: per-channel bias and ReLU."""
+
+    bias: bool = False
+    relu: bool = False
+
+    def apply(self, acc: str, k: str) -> str:
+        """Expression of the stored value given accumulator ``acc`` for channel ``k``."""
+        expr = f"{acc} + bias[{k}]" if self.bias else acc
+        return f"MAX({expr}, 0.0f)" if self.relu else expr
+
+    def tag(self) -> str:
+        return ("_bias" if self.bias else "") + ("_relu" if self.relu else "")
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What the variants and the tuner need to know about a device."""
+
+    backend: str
+    name: str
+    driver: str = ""
+    platform: str = ""
+    cc: tuple[int, int] | None = None
+    max_threads: int = 1024
+    shared_bytes: int = 48 * 1024
+    shared_optin_bytes: int = 48 * 1024
+    const_bytes: int = 64 * 1024
+    warp: int = 32
+    units: int = 1
+    l2_bytes: int = 0
+    is_gpu: bool = True
+
+    def key(self) -> str:
+        cc = f"sm{self.cc[0]}{self.cc[1]}" if self.cc else self.platform
+        return f"{self.backend}|{self.name}|{cc}|{self.driver}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Generated kernels + ordered steps + workspace for one spec, variant and parameter set."""
+
+    variant: str
+    family: str
+    spec: ConvSpec
+    params: Params
+    kernels: tuple[Kernel, ...]
+    steps: tuple[Step, ...]
+    workspace: tuple[tuple[str, int], ...] = ()
+    tolerance: float = 1e-5
+    epilogue: Epilogue = field(default_factory=Epilogue)
+
+    @property
+    def workspace_bytes(self) -> int:
+        return sum(b for _, b in self.workspace)
+
+    @property
+    def requires(self) -> frozenset[str]:
+        out: set[str] = set()
+        for k in self.kernels:
+            out |= k.requires
+        return frozenset(out)
+
+    def source(self, backend: str) -> str:
+        title = f"{self.variant} [{self.params.short()}] {self.spec.short()}{self.epilogue.tag()}"
+        return render(list(self.kernels), backend, title)
+
+    def describe(self) -> str:
+        return f"{self.variant}({self.params.short()})"
+
+
+class Variant:
+    """One algorithm family member. Subclasses set the class attributes and three methods."""
+
+    name: str = ""
+    family: str = ""
+    backends: frozenset[str] = frozenset({"cuda", "opencl"})
+    tolerance: float = 1e-5
+    specialised: int = 0  # higher = more specialised; the heuristic prefers it when it applies
+
+    def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
+        """None when the variant can run ``spec`` on ``device``, otherwise the reason it cannot."""
+        if device.backend not in self.backends:
+            return f"{self.name} runs only on {sorted(self.backends)}"
+        return None
+
+    def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
+        """Every parameter set worth trying, each valid for ``spec`` and ``device``."""
+        raise NotImplementedError
+
+    def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
+        """A good parameter set without tuning (first of the space by default)."""
+        return self.space(spec, device)[0]
+
+    def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
+             epilogue: Epilogue = Epilogue()) -> Plan:
+        raise NotImplementedError
+
+    def workspace_bytes(self, spec: ConvSpec, params: Params) -> int:
+        return 0

@@ -1,0 +1,183 @@
+"""ConvSpec: one 2-D convolution, validated, with its output shape and FLOP count."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+Pair = tuple[int, int]
+Quad = tuple[int, int, int, int]
+
+
+def _pair(name: str, value: int | Sequence[int]) -> Pair:
+    """Normalise an int or an (h, w) pair."""
+    if isinstance(value, int):
+        return (value, value)
+    vals = tuple(value)
+    if len(vals) != 2 or not all(isinstance(v, int) for v in vals):
+        raise ValueError(f"{name} ({value!r}) must be an int or a pair of ints")
+    return (vals[0], vals[1])
+
+
+def normalize_padding(padding: int | Sequence[int]) -> Quad:
+    """Padding as (top, bottom, left, right) from an int, (ph, pw) or a 4-tuple."""
+    if isinstance(padding, int):
+        return (padding, padding, padding, padding)
+    vals = tuple(padding)
+    if not all(isinstance(v, int) for v in vals):
+        raise ValueError(f"padding ({padding!r}) must hold ints")
+    if len(vals) == 2:
+        return (vals[0], vals[0], vals[1], vals[1])
+    if len(vals) == 4:
+        return (vals[0], vals[1], vals[2], vals[3])
+    raise ValueError(f"padding ({padding!r}) must be an int, (h, w) or (top, bottom, left, right)")
+
+
+@dataclass(frozen=True)
+class ConvSpec:
+    """A forward 2-D convolution, NCHW input, KCRS filters, NKPQ output, float32."""
+
+    n: int
+    c: int
+    h: int
+    w: int
+    k: int
+    r: int
+    s: int
+    stride: Pair = (1, 1)
+    pad: Quad = (0, 0, 0, 0)
+    dilation: Pair = (1, 1)
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for field in ("n", "c", "h", "w", "k", "r", "s"):
+            v = getattr(self, field)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"{field.upper()} ({v!r}) must be a positive int")
+        for field, vals in (("stride", self.stride), ("dilation", self.dilation)):
+            if len(vals) != 2 or any(not isinstance(v, int) or v <= 0 for v in vals):
+                raise ValueError(f"{field} ({vals!r}) must be positive")
+        if len(self.pad) != 4:
+            raise ValueError(f"padding ({self.pad!r}) must have 4 entries")
+        for v in self.pad:
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"padding ({v!r}) must be >= 0")
+        if self.dtype != "float32":
+            raise ValueError(f"dtype ({self.dtype!r}) must be float32")
+        eff_r, eff_s = self.eff_r, self.eff_s
+        hp, wp = self.h + self.pad[0] + self.pad[1], self.w + self.pad[2] + self.pad[3]
+        if eff_r > hp or eff_s > wp:
+            raise ValueError(
+                f"dilated kernel ({eff_r}x{eff_s}) is larger than the padded input ({hp}x{wp})"
+            )
+
+    @classmethod
+    def make(
+        cls,
+        n: int, c: int, h: int, w: int, k: int, r: int, s: int,
+        stride: int | Sequence[int] = 1,
+        padding: int | Sequence[int] = 0,
+        dilation: int | Sequence[int] = 1,
+    ) -> ConvSpec:
+        """Build a spec from the loose forms users write (ints or pairs)."""
+        return cls(n, c, h, w, k, r, s, _pair("stride", stride), normalize_padding(padding),
+                   _pair("dilation", dilation))
+
+    @classmethod
+    def from_shapes(
+        cls,
+        x_shape: Sequence[int],
+        w_shape: Sequence[int],
+        stride: int | Sequence[int] = 1,
+        padding: int | Sequence[int] = 0,
+        dilation: int | Sequence[int] = 1,
+    ) -> ConvSpec:
+        """Spec of conv(x, w) from NCHW and KCRS shapes, checking rank and channels."""
+        if len(x_shape) != 4:
+            raise ValueError(f"input must have rank 4 (N, C, H, W), got shape {tuple(x_shape)}")
+        if len(w_shape) != 4:
+            raise ValueError(f"weights must have rank 4 (K, C, R, S), got shape {tuple(w_shape)}")
+        n, c, h, w = (int(v) for v in x_shape)
+        k, wc, r, s = (int(v) for v in w_shape)
+        if wc != c:
+            raise ValueError(f"channel mismatch: input has C={c}, weights have C={wc}")
+        return cls.make(n, c, h, w, k, r, s, stride, padding, dilation)
+
+    @property
+    def eff_r(self) -> int:
+        return (self.r - 1) * self.dilation[0] + 1
+
+    @property
+    def eff_s(self) -> int:
+        return (self.s - 1) * self.dilation[1] + 1
+
+    @property
+    def p(self) -> int:
+        """Output height."""
+        return (self.h + self.pad[0] + self.pad[1] - self.eff_r) // self.stride[0] + 1
+
+    @property
+    def q(self) -> int:
+        """Output width."""
+        return (self.w + self.pad[2] + self.pad[3] - self.eff_s) // self.stride[1] + 1
+
+    @property
+    def x_shape(self) -> tuple[int, int, int, int]:
+        return (self.n, self.c, self.h, self.w)
+
+    @property
+    def w_shape(self) -> tuple[int, int, int, int]:
+        return (self.k, self.c, self.r, self.s)
+
+    @property
+    def y_shape(self) -> tuple[int, int, int, int]:
+        return (self.n, self.k, self.p, self.q)
+
+    @property
+    def flops(self) -> int:
+        """2·N·K·P·Q·C·R·S: the figure every algorithm is measured by."""
+        return 2 * self.n * self.k * self.p * self.q * self.c * self.r * self.s
+
+    @property
+    def symmetric_pad(self) -> bool:
+        return self.pad[0] == self.pad[1] and self.pad[2] == self.pad[3]
+
+    def key(self) -> str:
+        """A stable text key, used in caches and the tuning database."""
+        st, pd, dl = self.stride, self.pad, self.dilation
+        return (f"n{self.n}c{self.c}h{self.h}w{self.w}k{self.k}r{self.r}s{self.s}"
+                f"_st{st[0]}x{st[1]}_pd{pd[0]}.{pd[1]}.{pd[2]}.{pd[3]}_dl{dl[0]}x{dl[1]}_{self.dtype}")
+
+    def short(self) -> str:
+        """Human-readable one-liner."""
+        return (f"N{self.n} C{self.c} {self.h}x{self.w} -> K{self.k} {self.r}x{self.s}"
+                f" /{self.stride[0]}x{self.stride[1]} pad{list(self.pad)} dil{list(self.dilation)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"N": self.n, "C": self.c, "H": self.h, "W": self.w, "K": self.k, "R": self.r,
+                "S": self.s, "stride": list(self.stride), "pad": list(self.pad),
+                "dilation": list(self.dilation)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ConvSpec:
+        return cls.make(d["N"], d["C"], d["H"], d["W"], d["K"], d["R"], d["S"],
+                        d.get("stride", 1), d.get("pad", 0), d.get("dilation", 1))
+
+    @classmethod
+    def parse(cls, text: str) -> ConvSpec:
+        """Parse 'N=1,C=3,H=13,W=13,K=8,R=3,S=3,stride=1,pad=1,dilation=1' (pad may be 1x1 or 0x1x0x1)."""
+        d: dict[str, Any] = {}
+        for item in text.replace(" ", "").split(","):
+            if not item:
+                continue
+            if "=" not in item:
+                raise ValueError(f"spec item {item!r} must be KEY=VALUE")
+            key, val = item.split("=", 1)
+            key = key.strip()
+            parts = [int(v) for v in val.split("x")]
+            d[key if key in ("stride", "pad", "dilation") else key.upper()] = (
+                parts[0] if len(parts) == 1 else parts)
+        missing = [f for f in "NCHWKRS" if f not in d]
+        if missing:
+            raise ValueError(f"spec {text!r} lacks {', '.join(missing)}")
+        return cls.from_dict(d)
