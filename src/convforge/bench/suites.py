@@ -1,0 +1,113 @@
+"""Benchmark suites: the built-in ones (data files in ``suites/``) and user files.
+
+A user file is a JSON list of objects, one per layer::
+
+    [{"name": "my3x3", "N": 8, "C": 64, "H": 56, "W": 56, "K": 64, "R": 3, "S": 3, "stride": 1, "pad": 1},
+     {"N": 1, "C": 3, "H": 224, "W": 224, "K": 64, "R": 7, "S": 7, "stride": [2, 2], "pad": [3, 3],
+      "dilation": 1}]
+
+Keys ``N C H W K R S stride pad`` are required; ``name`` and ``dilation`` are optional; ``stride``, ``pad`` and
+``dilation`` are an int or an ``[h, w]`` pair. The built-in files are objects with a ``comment`` and ``layers``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from convforge.spec import ConvSpec
+
+BUILTIN = ("resnet", "boda", "mec")
+REQUIRED = ("N", "C", "H", "W", "K", "R", "S", "stride", "pad")
+OPTIONAL = ("name", "dilation")
+
+
+class SuiteError(ValueError):
+    """A suite file could not be read; the message names the file and the bad row."""
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One benchmarked convolution and the name it is reported under."""
+
+    name: str
+    spec: ConvSpec
+
+
+def _int_or_pair(where: str, key: str, value: Any) -> int | list[int]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if (isinstance(value, list) and len(value) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
+        return list(value)
+    raise SuiteError(f"{where}: '{key}' ({value!r}) must be an int or an [h, w] pair of ints")
+
+
+def parse_row(row: Any, where: str) -> Layer:
+    """One suite row to a Layer; ``where`` (file and row number) prefixes every error."""
+    if not isinstance(row, dict):
+        raise SuiteError(f"{where}: must be a JSON object with keys {' '.join(REQUIRED)}, got {row!r}")
+    missing = [k for k in REQUIRED if k not in row]
+    if missing:
+        raise SuiteError(f"{where}: missing key(s) {', '.join(missing)}")
+    unknown = sorted(set(row) - set(REQUIRED) - set(OPTIONAL))
+    if unknown:
+        raise SuiteError(f"{where}: unknown key(s) {', '.join(unknown)} (allowed: "
+                         f"{' '.join(REQUIRED + OPTIONAL)})")
+    for key in "NCHWKRS":
+        v = row[key]
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise SuiteError(f"{where}: '{key}' ({v!r}) must be an int")
+    stride = _int_or_pair(where, "stride", row["stride"])
+    pad = _int_or_pair(where, "pad", row["pad"])
+    dilation = _int_or_pair(where, "dilation", row.get("dilation", 1))
+    try:
+        spec = ConvSpec.make(row["N"], row["C"], row["H"], row["W"], row["K"], row["R"], row["S"],
+                             stride, pad, dilation)
+    except ValueError as err:
+        raise SuiteError(f"{where}: {err}") from None
+    name = row.get("name", "")
+    if not isinstance(name, str):
+        raise SuiteError(f"{where}: 'name' ({name!r}) must be a string")
+    return Layer(name or where.rsplit(" ", 1)[-1].replace("#", "layer"), spec)
+
+
+def parse_suite(data: Any, source: str) -> list[Layer]:
+    """Layers from parsed JSON: a list of rows, or an object with a ``layers`` list."""
+    rows = data.get("layers") if isinstance(data, dict) else data
+    if not isinstance(rows, list) or not rows:
+        raise SuiteError(f"{source}: must be a non-empty JSON list of layer objects")
+    return [parse_row(row, f"{source} row #{i + 1}") for i, row in enumerate(rows)]
+
+
+def load_file(path: str | Path) -> list[Layer]:
+    """Layers of a user JSON file."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except OSError as err:
+        raise SuiteError(f"{p}: cannot read ({err.strerror})") from None
+    except json.JSONDecodeError as err:
+        raise SuiteError(f"{p}: not valid JSON (line {err.lineno}: {err.msg})") from None
+    return parse_suite(data, str(p))
+
+
+def builtin(name: str) -> list[Layer]:
+    """A built-in suite by name."""
+    if name not in BUILTIN:
+        raise SuiteError(f"suite ({name!r}) must be one of {', '.join(BUILTIN)} or a JSON file")
+    text = resources.files("convforge.bench").joinpath(f"suites/{name}.json").read_text()
+    return parse_suite(json.loads(text), f"suite {name}")
+
+
+def load_suite(name_or_path: str, limit: int | None = None) -> list[Layer]:
+    """A built-in suite or a user file, optionally cut to its first ``limit`` layers."""
+    layers = builtin(name_or_path) if name_or_path in BUILTIN else load_file(name_or_path)
+    if limit is not None:
+        if limit <= 0:
+            raise SuiteError(f"--limit ({limit}) must be positive")
+        layers = layers[:limit]
+    return layers
