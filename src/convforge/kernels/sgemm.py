@@ -1,0 +1,381 @@
+"""A tiled SGEMM kernel generator in the dialect, shared by every GEMM-shaped variant.
+
+C (M x N) = A (M x K) . B (K x N), optionally batched (GROUP_ID(2)) and split along K.
+
+A block of ``(bm/tm)*(bn/tn)`` threads computes a ``bm x bn`` tile of C; each thread holds a
+``tm x tn`` micro-tile of accumulators in registers and runs an outer-product micro-kernel over
+``bk``-deep slices of A and B staged in shared memory. Shared memory is k-major (``As[k][m]``,
+``Bs[k][n]``) so each thread reads its micro-tile rows and columns as float4s. Options:
+
+* ``va`` / ``vb`` (1 or 4): global loads of A / B as float4 along the operand's fast dimension;
+* ``pf``: register prefetch -- the next slice is loaded into registers while this one is computed;
+* ``db``: double-buffered shared memory (requires ``pf``), one barrier per slice instead of two.
+
+The operands are pluggable: an :class:`Operand` says how one thread reads element (i, k) of A
+(i = row m) or B (i = column n), so an im2col matrix, a virtual im2col matrix (implicit GEMM), a
+window tensor (im2win), raw NCHW input (1x1) or a Winograd-transformed batch all drive the same
+generator. A :class:`Store` says how an accumulator reaches memory (epilogue included).
+
+Edges are guarded by predication; no size needs to divide a tile. Every loop bound is a
+compile-time constant and the micro-kernel is unrolled, so accumulators stay in registers.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from convforge.codegen.dialect import Arg, Dim3, Kernel
+from convforge.codegen.meta import Code, cdiv
+from convforge.params import Params
+from convforge.plan import DeviceInfo
+
+# (i expression, tag) -> statements run once per thread before the main loop
+SetupFn = Callable[[str, str], list[str]]
+# (tag, k expression, destination) -> statements assigning dst for an in-bounds element (or float4)
+LoadFn = Callable[[str, str, str], list[str]]
+# (m expression, tag of column, value) -> statements storing one accumulator (in bounds)
+PutFn = Callable[[str, str, str], list[str]]
+
+
+def _default_setup(i: str, tag: str) -> list[str]:
+    return []
+
+
+@dataclass(frozen=True)
+class Operand:
+    """How a thread reads one GEMM input: A as (i=m, k), B as (k, i=n).
+
+    ``setup(i, tag)`` runs once per distinct fixed index ``i`` a thread loads (hoisted out of the
+    K loop: decompose a column into image/row/column, form a base pointer, ...); the index itself
+    is the int ``{tag}_i`` and names the callback defines should start with ``tag``.
+    ``load(tag, k, dst)`` assigns element (tag, k) to ``dst``; it is only called inside an ``i < I && k < K`` guard, so it must handle only what the operand adds
+    (padding). ``vload(tag, k, dst)`` assigns a float4 of 4 consecutive elements along ``fast``
+    starting at an index that is a multiple of 4; give it only when such a chunk is 16-byte
+    aligned and either wholly inside or wholly outside the matrix.
+
+    ``fast`` is the dimension consecutive threads walk ("k" or "i"): choose the one contiguous
+    in memory so that global loads coalesce.
+    """
+
+    load: LoadFn
+    fast: str = "k"
+    setup: SetupFn = _default_setup
+    vload: LoadFn | None = None
+
+    def __post_init__(self) -> None:
+        if self.fast not in ("k", "i"):
+            raise ValueError(f"Operand.fast ({self.fast!r}) must be 'k' or 'i'")
+
+
+@dataclass(frozen=True)
+class Store:
+    """How a thread writes C: ``setup(n, tag)`` once per column it owns (the column is the int
+    ``{tag}_i``), ``put(m, tag, v)`` per accumulator, called only inside ``m < M && n < N``."""
+
+    put: PutFn
+    setup: SetupFn = _default_setup
+
+
+@dataclass(frozen=True)
+class GemmShape:
+    """Problem sizes of one GEMM launch; ``batch`` GEMMs side by side, K cut into ``ksplit``."""
+
+    m: int
+    n: int
+    k: int
+    batch: int = 1
+    ksplit: int = 1
+
+    @property
+    def klen(self) -> int:
+        """Reduction length of one K split, rounded to a multiple of 16 (any bk divides it)."""
+        return cdiv(cdiv(self.k, self.ksplit), 16) * 16
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Derived sizes of one parameter set."""
+
+    bm: int
+    bn: int
+    bk: int
+    tm: int
+    tn: int
+    threads: int = field(init=False)
+    tx: int = field(init=False)
+    ty: int = field(init=False)
+    gm: int = field(init=False)
+    gn: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tx", self.bn // self.tn)
+        object.__setattr__(self, "ty", self.bm // self.tm)
+        object.__setattr__(self, "threads", self.tx * self.ty)
+        object.__setattr__(self, "gm", 4 if self.tm % 4 == 0 else 1)
+        object.__setattr__(self, "gn", 4 if self.tn % 4 == 0 else 1)
+
+    def row(self, i: int) -> str:
+        """Tile-relative row of micro-tile row i: groups of gm rows, spread by ty*gm."""
+        g = self.gm
+        return f"{(i // g) * self.ty * g + i % g} + ty * {g}"
+
+    def col(self, j: int) -> str:
+        g = self.gn
+        return f"{(j // g) * self.tx * g + j % g} + tx * {g}"
+
+
+def layout_ok(p: Params, va_ok: bool = True, vb_ok: bool = True,
+              a_fast: str = "k", b_fast: str = "i", max_threads: int = 1024,
+              shared_bytes: int = 48 * 1024) -> bool:
+    """Whether a parameter set is valid for the generator (tiles divide, loads spread evenly)."""
+    if p.bm % p.tm or p.bn % p.tn or (p.db and not p.pf):
+        return False
+    if (p.va == 4 and not va_ok) or (p.vb == 4 and not vb_ok):
+        return False
+    lay = _Layout(p.bm, p.bn, p.bk, p.tm, p.tn)
+    if not 32 <= lay.threads <= max_threads:
+        return False
+    for bi, v, fast in ((p.bm, p.va, a_fast), (p.bn, p.vb, b_fast)):
+        along = p.bk if fast == "k" else bi
+        chunks = bi * p.bk // v
+        if along % v or chunks % lay.threads or chunks < lay.threads:
+            return False
+    return shared_bytes_of(p) <= shared_bytes
+
+
+def shared_bytes_of(p: Params) -> int:
+    """Static shared memory of the generated kernel."""
+    lda, ldb = p.bm + 4, p.bn + 4
+    return 4 * (2 if p.db else 1) * p.bk * (lda + ldb)
+
+
+def gemm_space(m: int, n: int, k: int, device: DeviceInfo, va_ok: bool = True,
+               vb_ok: bool = True, a_fast: str = "k", b_fast: str = "i") -> list[Params]:
+    """Every sensible parameter set for an M x N x K GEMM on ``device`` (default first)."""
+    out = [gemm_default(m, n, k, device, va_ok, vb_ok, a_fast, b_fast)]
+    for bm, bn, bk, tm, tn, va, vb, pipe in itertools.product(
+            (32, 64, 128), (32, 64, 128), (8, 16), (4, 8), (4, 8), (4, 1), (4, 1),
+            ((1, 1), (1, 0), (0, 0))):
+        if bm > 2 * max(m, 16) or bn > 2 * max(n, 16):
+            continue
+        p = Params(bm=bm, bn=bn, bk=bk, tm=tm, tn=tn, va=va, vb=vb, pf=pipe[0], db=pipe[1])
+        if p not in out and layout_ok(p, va_ok, vb_ok, a_fast, b_fast, device.max_threads,
+                                      min(device.shared_bytes, 48 * 1024)):
+            out.append(p)
+    return out
+
+
+def gemm_default(m: int, n: int, k: int, device: DeviceInfo, va_ok: bool = True,
+                 vb_ok: bool = True, a_fast: str = "k", b_fast: str = "i") -> Params:
+    """A good untuned choice: 128x128x8 / 8x8 / 256 threads for big GEMMs, smaller for small ones;
+    a small cheap tile on CPUs."""
+    if not device.is_gpu:
+        cands = [(32, 32, 8, 4, 4)]
+    else:
+        bm = 128 if m > 64 else 64 if m > 32 else 32
+        bn = 128 if n > 64 else 64 if n > 32 else 32
+        cands = [(bm, bn, 8, 8 if bm >= 64 else 4, 8 if bn >= 64 else 4), (bm, bn, 16, 4, 4),
+                 (32, 32, 8, 4, 4)]
+    for (bm, bn, bk, tm, tn), va, vb in itertools.product(cands, (4, 1), (4, 1)):
+        p = Params(bm=bm, bn=bn, bk=bk, tm=tm, tn=tn, va=va if va_ok else 1,
+                   vb=vb if vb_ok else 1, pf=1, db=1 if device.is_gpu else 0)
+        if layout_ok(p, va_ok, vb_ok, a_fast, b_fast, device.max_threads,
+                     min(device.shared_bytes, 48 * 1024)):
+            return p
+    raise ValueError(f"no GEMM tile fits M={m} N={n} K={k} on {device.name}")
+
+
+def gemm_grid(shape: GemmShape, p: Params) -> Dim3:
+    """Grid of blocks: x over N tiles, y over M tiles, z over batch x K splits."""
+    return (cdiv(shape.n, p.bn), cdiv(shape.m, p.bm), shape.batch * shape.ksplit)
+
+
+def gemm_block(p: Params) -> Dim3:
+    return (_Layout(p.bm, p.bn, p.bk, p.tm, p.tn).threads, 1, 1)
+
+
+def gemm_kernel(name: str, shape: GemmShape, p: Params, a: Operand, b: Operand, c: Store,
+                args: tuple[Arg, ...], prelude: tuple[str, ...] = (),
+                comment: str = "") -> Kernel:
+    """Generate the kernel ``name``: C = A.B for ``shape`` with parameters ``p``.
+
+    The body defines, before ``prelude`` runs: ``tid`` (thread in block), ``bz`` (batch index),
+    ``kz`` (K-split index), ``m0``/``n0`` (tile origin) and ``kbeg``/``kend`` (this split's K
+    range). Operand and store callbacks may use them; ``prelude`` may offset pointers by ``bz``.
+    Launch with :func:`gemm_grid` and :func:`gemm_block`.
+    """
+    if not layout_ok(p, a.vload is not None, b.vload is not None, a.fast, b.fast):
+        raise ValueError(f"GEMM parameters {p.short()} are invalid for this generator "
+                         "(tiles must divide, loads must spread evenly over the threads)")
+    lay = _Layout(p.bm, p.bn, p.bk, p.tm, p.tn)
+    code = Code()
+    code(f"const int tid = LOCAL_ID(0), tx = tid % {lay.tx}, ty = tid / {lay.tx};",
+         f"const int bz = GROUP_ID(2) / {shape.ksplit}, kz = GROUP_ID(2) % {shape.ksplit};",
+         f"const int m0 = GROUP_ID(1) * {p.bm}, n0 = GROUP_ID(0) * {p.bn};",
+         f"const int kbeg = kz * {shape.klen}, kend = min(kbeg + {shape.klen}, {shape.k});")
+    code(*prelude)
+    _shared(code, p)
+    ga = _Loader("a", a, shape.m, p.bm, p.bk, p.va, lay.threads, "m0", "As", p.bm + 4)
+    gb = _Loader("b", b, shape.n, p.bn, p.bk, p.vb, lay.threads, "n0", "Bs", p.bn + 4)
+    ga.setup(code)
+    gb.setup(code)
+    for i, j in itertools.product(range(p.tm), range(p.tn)):
+        code(f"float c{i}_{j} = 0.0f;")
+    _main_loop(code, p, lay, ga, gb)
+    _store(code, shape, p, lay, c)
+    return Kernel(name, args, code.text(), gemm_block(p), comment=comment or
+                  f"sgemm {shape.m}x{shape.n}x{shape.k} batch {shape.batch} split "
+                  f"{shape.ksplit}: {p.short()}")
+
+
+def _shared(code: Code, p: Params) -> None:
+    """Shared tiles declared as float4 (16-byte aligned), used through float pointers."""
+    nbuf = 2 if p.db else 1
+    for nm, ld in (("As", p.bm + 4), ("Bs", p.bn + 4)):
+        size = nbuf * p.bk * ld
+        code(f"SHARED float4 {nm}4[{size // 4}];  // {nbuf} x {p.bk} x {ld}",
+             f"LOCAL_PTR float* {nm} = (LOCAL_PTR float*){nm}4;")
+
+
+class _Loader:
+    """The global->register->shared traffic of one operand tile (bi x bk)."""
+
+    def __init__(self, nm: str, op: Operand, size: int, bi: int, bk: int, v: int,
+                 threads: int, origin: str, smem: str, ld: int) -> None:
+        self.nm, self.op, self.size, self.bi, self.bk, self.v = nm, op, size, bi, bk, v
+        self.origin, self.smem, self.ld = origin, smem, ld
+        self.slots = bi * bk // v // threads
+        self.pos = [self._pos(s, threads) for s in range(self.slots)]
+        self.tags: dict[str, str] = {}
+
+    def _pos(self, s: int, threads: int) -> tuple[str, str]:
+        """(i, k) offsets inside the tile of slot s's first element, as C expressions."""
+        per = (self.bk if self.op.fast == "k" else self.bi) // self.v  # chunks along fast dim
+        if threads % per == 0:
+            lane = "0" if per == 1 else f"(tid % {per})" + (f" * {self.v}" if self.v > 1 else "")
+            other = f"tid / {per}" + (f" + {s * threads // per}" if s else "")
+        else:
+            lane = f"((tid + {s * threads}) % {per}) * {self.v}"
+            other = f"(tid + {s * threads}) / {per}"
+        return (other, lane) if self.op.fast == "k" else (lane, other)
+
+    def setup(self, code: Code) -> None:
+        for s, (i, k) in enumerate(self.pos):
+            if i not in self.tags:
+                tag = f"{self.nm}{len(self.tags)}"
+                self.tags[i] = tag
+                code(f"const int {tag}_i = {self.origin} + {i};",
+                     f"const bool {tag}_ok = {tag}_i < {self.size};")
+                code(*self.op.setup(f"{tag}_i", tag))
+            code(f"const int {self.nm}k{s} = {k};")
+        kind = "float4" if self.v == 4 else "float"
+        for s in range(self.slots):
+            code(f"{kind} {self.nm}r{s};")
+
+    def load(self, code: Code, k0: str, direct: bool = False, buf: str = "0") -> None:
+        """Load slice starting at k0 into the registers (and straight to shared when direct)."""
+        for s, (i, _) in enumerate(self.pos):
+            tag, dst = self.tags[i], f"{self.nm}r{s}"
+            zero = "MAKE_FLOAT4(0.0f, 0.0f, 0.0f, 0.0f)" if self.v == 4 else "0.0f"
+            with code.block(""):
+                code(f"const int kg = {k0} + {self.nm}k{s};", f"{dst} = {zero};")
+                with code.block(f"if ({tag}_ok && kg < kend)"):
+                    fn = self.op.vload if self.v == 4 else self.op.load
+                    assert fn is not None
+                    code(*fn(tag, "kg", dst))
+        if direct:
+            self.stash(code, buf)
+
+    def stash(self, code: Code, buf: str) -> None:
+        """Registers -> shared buffer ``buf`` (k-major, leading dimension ld)."""
+        base = f"({self.smem} + {buf} * {self.bk * self.ld})" if buf != "0" else self.smem
+        for s, (i, k) in enumerate(self.pos):
+            dst = f"{self.nm}r{s}"
+            if self.v == 1:
+                code(f"{base}[({k}) * {self.ld} + {i}] = {dst};")
+            elif self.op.fast == "i":
+                code(f"VSTORE4({dst}, 0, {base} + ({k}) * {self.ld} + {i});")
+            else:
+                for e, comp in enumerate("xyzw"):
+                    code(f"{base}[({k} + {e}) * {self.ld} + {i}] = {dst}.{comp};")
+
+
+def _main_loop(code: Code, p: Params, lay: _Layout, ga: _Loader, gb: _Loader) -> None:
+    """The K loop in one of three pipelines: plain, register prefetch, prefetch + double buffer."""
+    nk = f"(kend - kbeg + {p.bk - 1}) / {p.bk}"
+    if not p.pf:
+        with code.block(f"for (int kt = 0; kt < {nk}; ++kt)"):
+            ga.load(code, f"kbeg + kt * {p.bk}", direct=True)
+            gb.load(code, f"kbeg + kt * {p.bk}", direct=True)
+            code("BARRIER();")
+            _micro(code, p, lay, "0")
+            code("BARRIER();")
+        return
+    code(f"const int nk = {nk};")
+    ga.load(code, "kbeg")
+    gb.load(code, "kbeg")
+    if p.db:
+        ga.stash(code, "0")
+        gb.stash(code, "0")
+        code("BARRIER();")
+        with code.block("for (int kt = 0; kt < nk; ++kt)"):
+            code("const int cur = kt & 1;")
+            with code.block("if (kt + 1 < nk)"):
+                ga.load(code, f"kbeg + (kt + 1) * {p.bk}")
+                gb.load(code, f"kbeg + (kt + 1) * {p.bk}")
+            _micro(code, p, lay, "cur")
+            with code.block("if (kt + 1 < nk)"):
+                ga.stash(code, "(cur ^ 1)")
+                gb.stash(code, "(cur ^ 1)")
+            code("BARRIER();")
+        return
+    with code.block("for (int kt = 0; kt < nk; ++kt)"):
+        ga.stash(code, "0")
+        gb.stash(code, "0")
+        code("BARRIER();")
+        with code.block("if (kt + 1 < nk)"):
+            ga.load(code, f"kbeg + (kt + 1) * {p.bk}")
+            gb.load(code, f"kbeg + (kt + 1) * {p.bk}")
+        _micro(code, p, lay, "0")
+        code("BARRIER();")
+
+
+def _micro(code: Code, p: Params, lay: _Layout, buf: str) -> None:
+    """Outer-product micro-kernel over the bk-deep slice in shared buffer ``buf``."""
+    lda, ldb = p.bm + 4, p.bn + 4
+    a_base = "As" if buf == "0" else f"(As + {buf} * {p.bk * lda})"
+    b_base = "Bs" if buf == "0" else f"(Bs + {buf} * {p.bk * ldb})"
+    code("#pragma unroll")
+    with code.block(f"for (int kk = 0; kk < {p.bk}; ++kk)"):
+        code(f"const LOCAL_PTR float* ap = {a_base} + kk * {lda};",
+             f"const LOCAL_PTR float* bp = {b_base} + kk * {ldb};")
+        _regs(code, "a", "ap", p.tm, lay.gm, lay.row)
+        _regs(code, "b", "bp", p.tn, lay.gn, lay.col)
+        for i, j in itertools.product(range(p.tm), range(p.tn)):
+            code(f"c{i}_{j} = FMA(a{i}, b{j}, c{i}_{j});")
+
+
+def _regs(code: Code, nm: str, ptr: str, count: int, g: int, pos: Callable[[int], str]) -> None:
+    """Read a micro-tile row/column from shared memory: float4s when the group is 4."""
+    for i in range(0, count, g):
+        if g == 4:
+            code(f"const float4 {nm}v{i // 4} = VLOAD4(0, {ptr} + {pos(i)});")
+            for e, comp in enumerate("xyzw"):
+                code(f"const float {nm}{i + e} = {nm}v{i // 4}.{comp};")
+        else:
+            code(f"const float {nm}{i} = {ptr}[{pos(i)}];")
+
+
+def _store(code: Code, shape: GemmShape, p: Params, lay: _Layout, c: Store) -> None:
+    """Guarded stores of the micro-tile through the Store callbacks."""
+    for j in range(p.tn):
+        code(f"const int cs{j}_i = n0 + {lay.col(j)};")
+        code(*c.setup(f"cs{j}_i", f"cs{j}"))
+    for i in range(p.tm):
+        code(f"const int cm{i} = m0 + {lay.row(i)};")
+        with code.block(f"if (cm{i} < {shape.m})"):
+            for j in range(p.tn):
+                with code.block(f"if (cs{j}_i < {shape.n})"):
+                    code(*c.put(f"cm{i}", f"cs{j}", f"c{i}_{j}"))
