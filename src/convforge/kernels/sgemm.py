@@ -50,8 +50,9 @@ class Operand:
     ``setup(i, tag)`` runs once per distinct fixed index ``i`` a thread loads (hoisted out of the
     K loop: decompose a column into image/row/column, form a base pointer, ...); the index itself
     is the int ``{tag}_i`` and names the callback defines should start with ``tag``.
-    ``load(tag, k, dst)`` assigns element (tag, k) to ``dst``; it is only called inside an ``i < I && k < K`` guard, so it must handle only what the operand adds
-    (padding). ``vload(tag, k, dst)`` assigns a float4 of 4 consecutive elements along ``fast``
+    ``load(tag, k, dst)`` assigns element (tag, k) to ``dst``; it is only called inside an
+    ``i < I && k < K`` guard, so it must handle only what the operand adds (padding).
+    ``vload(tag, k, dst)`` assigns a float4 of 4 consecutive elements along ``fast``
     starting at an index that is a multiple of 4; give it only when such a chunk is 16-byte
     aligned and either wholly inside or wholly outside the matrix.
 

@@ -1,0 +1,83 @@
+"""Choices without measuring: Boda's rule (most specialised applicable variant, default parameters)
+and the cheap resource model that prunes a tuning space before anything is compiled."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from convforge import kernels
+from convforge.params import Params
+from convforge.plan import DeviceInfo, Epilogue, Plan, Variant
+from convforge.spec import ConvSpec
+
+MAX_REGISTERS = 255  # per thread on every NVIDIA architecture since Kepler
+NO_EPILOGUE = Epilogue()
+_SHARED_DECL = re.compile(r"SHARED\s+float\s+\w+\s*\[(\d+)\]")
+_FLOAT_DECL = re.compile(r"\bfloat\d?\s+(\w+)\s*[=;]")
+
+
+def applicable(spec: ConvSpec, device: DeviceInfo, workspace_limit: int | None = None,
+               variants: Sequence[Variant] | None = None) -> list[Variant]:
+    """Variants that run ``spec`` on ``device`` within the workspace limit, most specialised first.
+
+    Ties keep registration order, so the choice is deterministic.
+    """
+    pool = kernels.select("auto", spec, device) if variants is None else [
+        v for v in variants if v.applies(spec, device) is None]
+    out = []
+    for v in pool:
+        if workspace_limit is not None and v.workspace_bytes(spec, v.default(spec, device)) > workspace_limit:
+            continue
+        out.append(v)
+    order = {id(v): i for i, v in enumerate(out)}
+    return sorted(out, key=lambda v: (-v.specialised, order[id(v)]))
+
+
+def heuristic_choice(spec: ConvSpec, device: DeviceInfo, workspace_limit: int | None = None,
+                     variants: Sequence[Variant] | None = None) -> tuple[Variant, Params]:
+    """Boda's rule: the most specialised applicable variant with its default parameters."""
+    ranked = applicable(spec, device, workspace_limit, variants)
+    if not ranked:
+        why = kernels.reasons("auto", spec, device)
+        detail = "; ".join(f"{k}: {r}" for k, r in why.items()) or "none fits the workspace limit"
+        raise ValueError(f"no variant applies to {spec.short()} on {device.backend} ({detail})")
+    best = ranked[0]
+    return best, best.default(spec, device)
+
+
+def shared_bytes(plan: Plan) -> int:
+    """Largest shared memory of any kernel: launch-sized buffer plus static SHARED float arrays."""
+    most = 0
+    for k in plan.kernels:
+        lb = k.local_buf()
+        static = sum(4 * int(m.group(1)) for m in _SHARED_DECL.finditer(k.body))
+        most = max(most, (lb.nbytes if lb else 0) + static)
+    return most
+
+
+def estimated_registers(plan: Plan) -> int:
+    """Accumulators + loads: distinct scalar float names declared in the largest kernel body.
+
+    A cheap upper-ish bound that needs no compiler; ptxas decides the real figure.
+    """
+    return max((len(set(_FLOAT_DECL.findall(k.body))) for k in plan.kernels), default=0)
+
+
+def prune_reason(plan: Plan, device: DeviceInfo) -> str | None:
+    """Why ``plan`` cannot be worth compiling on ``device`` (None when it passes the cheap model)."""
+    threads = max((k.threads for k in plan.kernels), default=0)
+    if threads > device.max_threads:
+        return f"{threads} threads per block > device maximum {device.max_threads}"
+    smem = shared_bytes(plan)
+    if smem > max(device.shared_bytes, device.shared_optin_bytes):
+        return f"{smem} B shared memory > {device.shared_optin_bytes} B"
+    regs = estimated_registers(plan)
+    if device.backend == "cuda" and regs > MAX_REGISTERS:
+        return f"about {regs} registers per thread > {MAX_REGISTERS}"
+    return None
+
+
+def epilogue_key(epi: Epilogue) -> str:
+    """The epilogue as stored in the database: 'none', 'bias', 'relu' or 'bias_relu'."""
+    return epi.tag().lstrip("_") or "none"

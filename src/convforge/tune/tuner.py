@@ -1,0 +1,363 @@
+"""The autotuner: candidates (defaults of every applicable variant, then a seeded, pruned sample of
+each space) compiled in parallel, checked against the float64 reference, timed by device events
+(warm-up, median of repeats); the fastest correct one is stored in the tuning database.
+
+A candidate that fails to build, compile, launch or check scores infinity with its reason logged on
+``convforge.tune``; the search goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import statistics
+import time
+import zlib
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from convforge import __version__
+from convforge.backends.base import Backend, Executable
+from convforge.check import random_inputs
+from convforge.params import Params
+from convforge.plan import Epilogue, Plan, Variant
+from convforge.reference import conv2d_ref, rel_l2
+from convforge.spec import ConvSpec
+from convforge.tune.db import KEY_FIELDS, Entry, Measurement, TuningDB, now
+from convforge.tune.heuristic import NO_EPILOGUE, applicable, epilogue_key, prune_reason
+
+log = logging.getLogger("convforge.tune")
+
+INF = float("inf")
+REF_FLOP_LIMIT = 4e8  # reference on at most this many FLOPs; later images are compared with a verified output
+
+
+class TuneError(RuntimeError):
+    """No candidate produced a correct result."""
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Tuning effort per layer: seconds, candidates, or both (whichever runs out first)."""
+
+    seconds: float | None = 12.0
+    candidates: int | None = 24
+
+    @classmethod
+    def parse(cls, text: str) -> Budget:
+        """``"30s"``, ``"2m"`` (seconds), ``"20"`` (candidates), or both: ``"30s,20"``."""
+        seconds: float | None = None
+        candidates: int | None = None
+        for part in filter(None, text.replace(" ", "").lower().split(",")):
+            if part[-1] in "sm" and part[:-1].replace(".", "", 1).isdigit():
+                seconds = float(part[:-1]) * (60 if part[-1] == "m" else 1)
+            elif part.isdigit():
+                candidates = int(part)
+            else:
+                raise ValueError(f"budget ({part!r}) must be seconds ('30s', '2m') "
+                                 "or a candidate count ('20')")
+        if seconds is None and candidates is None:
+            raise ValueError("budget is empty")
+        return cls(seconds, candidates)
+
+    def __str__(self) -> str:
+        parts = ([f"{self.seconds:g}s"] if self.seconds is not None else []) + (
+            [f"{self.candidates} candidates"] if self.candidates is not None else [])
+        return " or ".join(parts) + " per layer"
+
+
+@dataclass
+class Candidate:
+    """One (variant, parameters) point and what became of it."""
+
+    variant: Variant
+    params: Params
+    plan: Plan | None = None
+    time_ms: float = INF
+    error: float | None = None
+    status: str = "pending"  # "ok" or why it scored infinity
+    is_default: bool = False
+
+    def describe(self) -> str:
+        return f"{self.variant.name}({self.params.short()})"
+
+    def measurement(self) -> Measurement:
+        return Measurement(self.variant.name, self.params.to_json(),
+                           self.time_ms if self.status == "ok" else None, self.error, self.status)
+
+
+@dataclass
+class TuneResult:
+    """The outcome for one layer; ``from_db`` when the database already knew it (nothing was timed)."""
+
+    spec: ConvSpec
+    epilogue: Epilogue
+    entry: Entry
+    variant: Variant
+    params: Params
+    from_db: bool
+    candidates: list[Candidate] = field(default_factory=list)
+
+    @property
+    def choice(self) -> tuple[Variant, Params]:
+        return self.variant, self.params
+
+
+class _Bench:
+    """Inputs, buffers and reference for one layer, shared by every candidate."""
+
+    def __init__(self, backend: Backend, spec: ConvSpec, epi: Epilogue, seed: int) -> None:
+        self.backend, self.spec, self.epi = backend, spec, epi
+        rng = np.random.default_rng(seed)
+        x, w, b = random_inputs(spec, rng, epi.bias)
+        self.bufs: dict[str, Any] = {"x": backend.upload(x), "w": backend.upload(w),
+                                     "y": backend.empty(4 * int(np.prod(spec.y_shape)))}
+        if b is not None:
+            self.bufs["bias"] = backend.upload(b)
+        per_image = max(1, spec.flops // max(spec.n, 1))
+        self.n_ref = max(1, min(spec.n, int(REF_FLOP_LIMIT // per_image)))
+        sub = ConvSpec(self.n_ref, spec.c, spec.h, spec.w, spec.k, spec.r, spec.s, spec.stride,
+                       spec.pad, spec.dilation)
+        self.ref = conv2d_ref(x[: self.n_ref], w, sub, b, epi.relu)
+        self.verified: np.ndarray | None = None  # a correct candidate's whole output
+
+    def check(self, exe: Executable, tolerance: float) -> tuple[float, str | None]:
+        """Run once on NaN-poisoned output and workspace; (rel error, None or why it is wrong)."""
+        be, spec = self.backend, self.spec
+        y_bytes = 4 * int(np.prod(spec.y_shape))
+        be.fill(self.bufs["y"], float("nan"), y_bytes)
+        for buf, (_, nbytes) in zip(exe.workspace().values(), exe.plan.workspace, strict=True):
+            be.fill(buf, float("nan"), nbytes)
+        exe(self.bufs)
+        be.synchronize()
+        out = be.download(self.bufs["y"], spec.y_shape)
+        unwritten = int(np.isnan(out).sum())
+        err = rel_l2(out[: self.n_ref], self.ref)
+        if self.verified is not None and self.n_ref < spec.n:
+            err = max(err, rel_l2(out[self.n_ref:], self.verified[self.n_ref:].astype(np.float64)) / 2)
+        if unwritten:
+            return err, f"wrong: {unwritten}/{out.size} outputs never written"
+        if not math.isfinite(err) or err > tolerance:
+            return err, f"wrong: rel L2 error {err:.2e} > tolerance {tolerance:.0e}"
+        if self.verified is None:
+            self.verified = out
+        return err, None
+
+
+class Tuner:
+    """Tunes layers on one back-end into an (optional) database. Usable without the CLI."""
+
+    def __init__(self, backend: Backend, db: TuningDB | None = None, budget: Budget = Budget(),
+                 seed: int = 0, repeats: int | None = None, workers: int | None = None,
+                 variants: Sequence[Variant] | None = None,
+                 on_candidate: Callable[[Candidate], None] | None = None) -> None:
+        self.backend, self.db, self.budget, self.seed = backend, db, budget, seed
+        self.repeats = repeats or (25 if backend.device.is_gpu else 5)
+        self.workers = workers or 8
+        self.variants = variants
+        self.on_candidate = on_candidate
+        self.timings = 0  # candidates timed by this tuner (a warm database leaves it at zero)
+
+    # -- keys and the database ------------------------------------------------------------
+    def key(self, spec: ConvSpec, epi: Epilogue) -> tuple[str, ...]:
+        dev = self.backend.device
+        return (dev.key(), self.backend.name, __version__, spec.key(), spec.dtype, epilogue_key(epi))
+
+    def lookup(self, spec: ConvSpec, epi: Epilogue = NO_EPILOGUE) -> Entry | None:
+        return self.db.get(*self.key(spec, epi)) if self.db is not None else None
+
+    def _known(self, entry: Entry) -> Variant | None:
+        pool = self.variants
+        if pool is None:
+            from convforge.kernels import all_variants
+
+            pool = all_variants()
+        return next((v for v in pool if v.name == entry.variant), None)
+
+    # -- the search -----------------------------------------------------------------------
+    def tune(self, spec: ConvSpec, epilogue: Epilogue = NO_EPILOGUE, workspace_limit: int | None = None,
+             force: bool = False) -> TuneResult:
+        """Best correct (variant, params) for ``spec``: from the database, or measured and stored."""
+        entry = None if force else self.lookup(spec, epilogue)
+        if entry is not None:
+            variant = self._known(entry)
+            if variant is not None and (workspace_limit is None or entry.workspace <= workspace_limit):
+                return TuneResult(spec, epilogue, entry, variant, Params.from_json(entry.params), True)
+        start = time.perf_counter()
+        cands = self.search(spec, epilogue, workspace_limit)
+        ok = [c for c in cands if c.status == "ok"]
+        if not ok:
+            reasons = "; ".join(f"{c.describe()}: {c.status}" for c in cands) or "no candidates"
+            raise TuneError(f"no correct candidate for {spec.short()}: {reasons}")
+        best = min(ok, key=lambda c: c.time_ms)
+        heur = cands[0] if cands[0].is_default else None
+        entry = self._entry(spec, epilogue, best, heur, len(cands), time.perf_counter() - start)
+        if self.db is not None:
+            self.db.put(entry)
+            self.db.add_measurements(entry.key, [c.measurement() for c in cands])
+        return TuneResult(spec, epilogue, entry, best.variant, best.params, False, cands)
+
+    def _entry(self, spec: ConvSpec, epi: Epilogue, best: Candidate, heur: Candidate | None,
+               n: int, seconds: float) -> Entry:
+        assert best.plan is not None
+        key = dict(zip(KEY_FIELDS, self.key(spec, epi), strict=True))
+        return Entry(**key, variant=best.variant.name, params=best.params.to_json(),
+                     time_ms=best.time_ms, workspace=best.plan.workspace_bytes, error=best.error or 0.0,
+                     date=now(), spec_json=json.dumps(spec.to_dict(), sort_keys=True),
+                     heuristic_variant=heur.variant.name if heur else "",
+                     heuristic_params=heur.params.to_json() if heur else "{}",
+                     heuristic_ms=heur.time_ms if heur and heur.status == "ok" else None,
+                     candidates=n, seconds=round(seconds, 3))
+
+    def search(self, spec: ConvSpec, epi: Epilogue = NO_EPILOGUE,
+               workspace_limit: int | None = None) -> list[Candidate]:
+        """Compile ahead in a thread pool, check and time in order, within the budget."""
+        gen = self.generate(spec, epi, workspace_limit)
+        limit = self.budget.candidates if self.budget.candidates is not None else 10**9
+        deadline = time.perf_counter() + (self.budget.seconds if self.budget.seconds is not None else 1e9)
+        done: list[Candidate] = []
+        bench: _Bench | None = None
+        with ThreadPoolExecutor(self.workers, thread_name_prefix="convforge-compile") as pool:
+            queue: deque[tuple[Candidate, Future[None]]] = deque()
+            issued = 0
+            while True:
+                while len(queue) < 2 * self.workers and issued < limit:
+                    cand = next(gen, None)
+                    if cand is None:
+                        limit = issued
+                        break
+                    queue.append((cand, pool.submit(self._compile, cand)))
+                    issued += 1
+                if not queue:
+                    break
+                cand, fut = queue.popleft()
+                if time.perf_counter() > deadline and not cand.is_default and done:
+                    for _, f in queue:
+                        f.cancel()
+                    break
+                fut.result()
+                if cand.status == "compiled":
+                    bench = bench or _Bench(self.backend, spec, epi, self.seed)
+                    self._measure(cand, bench, done)
+                done.append(cand)
+                if self.on_candidate is not None:
+                    self.on_candidate(cand)
+        return done
+
+    def generate(self, spec: ConvSpec, epi: Epilogue,
+                 workspace_limit: int | None = None) -> Iterator[Candidate]:
+        """Defaults of every applicable variant (the heuristic's first), then each space sampled
+        round-robin in a seeded order, pruned by the cheap resource model, without repeats."""
+        dev = self.backend.device
+        ranked = applicable(spec, dev, workspace_limit, self.variants)
+        seen: set[tuple[str, Params]] = set()
+
+        def make(v: Variant, prm: Params, is_default: bool) -> Candidate | None:
+            if (v.name, prm) in seen:
+                return None
+            seen.add((v.name, prm))
+            if workspace_limit is not None and v.workspace_bytes(spec, prm) > workspace_limit:
+                return None
+            cand = Candidate(v, prm, is_default=is_default)
+            try:
+                cand.plan = v.plan(spec, prm, dev, epi)
+            except Exception as err:  # noqa: BLE001 - a generator bug scores infinity, not a crash
+                return _failed(cand, f"plan failed: {type(err).__name__}: {err}")
+            why = prune_reason(cand.plan, dev)
+            if why is not None and not is_default:
+                log.debug("pruned %s: %s", cand.describe(), why)
+                return None
+            return cand
+
+        for v in ranked:
+            cand = make(v, v.default(spec, dev), True)
+            if cand is not None:
+                yield cand
+        rng = random.Random(self.seed ^ zlib.crc32(spec.key().encode()))
+        spaces = []
+        for v in ranked:
+            pts = list(v.space(spec, dev))
+            rng.shuffle(pts)
+            spaces.append((v, iter(pts)))
+        while spaces:
+            for item in list(spaces):
+                prm = next(item[1], None)
+                if prm is None:
+                    spaces.remove(item)
+                    continue
+                cand = make(item[0], prm, False)
+                if cand is not None:
+                    yield cand
+
+    # -- compiling and measuring ----------------------------------------------------------
+    def _compile(self, cand: Candidate) -> None:
+        """Runs in a worker thread: the compilers release the GIL."""
+        if cand.plan is None or cand.status != "pending":
+            return
+        try:
+            self.backend.program(cand.plan.source(self.backend.name))
+            cand.status = "compiled"
+        except Exception as err:  # noqa: BLE001 - CompileError or a resource error: score infinity
+            _failed(cand, f"compile failed: {_first_lines(err)}")
+
+    def _measure(self, cand: Candidate, bench: _Bench, done: list[Candidate]) -> None:
+        assert cand.plan is not None
+        try:
+            exe = self.backend.executable(cand.plan)
+            cand.error, wrong = bench.check(exe, cand.plan.tolerance)
+        except Exception as err:  # noqa: BLE001 - launch failures (resources) score infinity
+            _failed(cand, f"launch failed: {_first_lines(err)}")
+            return
+        if wrong is not None:
+            log.warning("%s on %s is %s", cand.describe(), bench.spec.short(), wrong)
+            _failed(cand, wrong)
+            return
+        best = min((c.time_ms for c in done if c.status == "ok"), default=INF)
+        run = lambda: exe(bench.bufs)  # noqa: E731
+        try:
+            run()  # warm-up (the check run was the first)
+            self.backend.synchronize()
+            first = self.backend.time_ms(run, 1)[0]
+            self.timings += 1
+            if first > 3 * best:  # clearly slower: one timing is enough to lose
+                times = [first]
+            else:
+                reps = max(3, min(self.repeats, int(200.0 / max(first, 1e-3))))
+                times = self.backend.time_ms(run, reps)
+        except Exception as err:  # noqa: BLE001
+            _failed(cand, f"timing failed: {_first_lines(err)}")
+            return
+        cand.time_ms = float(statistics.median(times))
+        cand.status = "ok"
+        log.debug("%s: %.4f ms (err %.1e)", cand.describe(), cand.time_ms, cand.error)
+
+
+def _failed(cand: Candidate, why: str) -> Candidate:
+    cand.status, cand.time_ms = why, INF
+    log.info("candidate %s scores infinity: %s", cand.describe(), why)
+    return cand
+
+
+def _first_lines(err: BaseException, n: int = 6) -> str:
+    text = f"{type(err).__name__}: {err}".strip()
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return " | ".join(lines[:n])
+
+
+def measure_dispatch(spec: ConvSpec, backend: Backend, calls: int = 20000,
+                     epilogue: Epilogue = NO_EPILOGUE) -> float:
+    """Microseconds per warm ``choose()`` call (the API's dispatch overhead on a known layer)."""
+    from convforge.tune import choose
+
+    choose(spec, backend, epilogue, None)
+    start = time.perf_counter()
+    for _ in range(calls):
+        choose(spec, backend, epilogue, None)
+    return (time.perf_counter() - start) / calls * 1e6
