@@ -1,0 +1,6 @@
+"""Winograd convolution: exact transform matrices, the non-fused pipeline and the fused kernel.
+
+Importing this package registers its variants (the kernels package imports it automatically).
+"""
+
+from convforge.kernels.winograd import matrices, nonfused  # noqa: F401

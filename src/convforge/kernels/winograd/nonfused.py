@@ -1,0 +1,215 @@
+"""Non-fused Winograd (Lavin & Gray; Nervana's separate-kernel form): four generated kernels.
+
+    filter transform  U[e][c][k] = (G g G^T)[e]          alpha^2 x C x K      (every call)
+    input transform   V[e][c][t] = (B^T d B)[e]          alpha^2 x C x T
+    batched GEMM      M[e][k][t] = sum_c U[e][c][k] V[e][c][t]   alpha^2 batches
+    output transform  y[n][k][tile] = A^T M A
+
+T = N * tiles_h * tiles_w (tiles of every image in one GEMM dimension: superblocking for small N).
+Any r x s filter with m + r - 1 <= 8, any N, C, K, H, W and padding; stride and dilation 1.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from convforge.codegen.dialect import Buf, Kernel
+from convforge.codegen.meta import Code, cdiv
+from convforge.kernels import register
+from convforge.kernels.common import out_args, out_refs
+from convforge.kernels.winograd.tiles import (
+    STORE2_HELPER, Geometry, emit_filter_transform, emit_input_transform, emit_output_store,
+    emit_output_transform, emit_tile_load, emit_tile_masks, emit_tile_origin)
+from convforge.params import Params
+from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
+from convforge.spec import ConvSpec
+
+MAX_ALPHA = 8
+_INT_LIMIT = 2 ** 31 - 1
+
+
+def tolerance(m: int, r: int, s: int) -> float:
+    """Relative L2 tolerance of F(m x m, r x s), from the accuracy table in docs/NOTES-winograd.md."""
+    alpha = m + max(r, s) - 1
+    return {1: 1e-5, 2: 1e-5, 3: 1e-5, 4: 1e-5, 5: 2e-5, 6: 5e-5, 7: 2e-4}.get(alpha, 1e-3)
+
+
+def winograd_applies(spec: ConvSpec, m: int, max_alpha: int) -> str | None:
+    """Shared restrictions of every Winograd variant (None when ``spec`` is accepted)."""
+    if spec.stride != (1, 1):
+        return f"Winograd needs stride 1, got {spec.stride}"
+    if spec.dilation != (1, 1):
+        return f"Winograd needs dilation 1, got {spec.dilation}"
+    if m + max(spec.r, spec.s) - 1 > max_alpha:
+        return (f"F({m}, {max(spec.r, spec.s)}) has alpha {m + max(spec.r, spec.s) - 1} > "
+                f"{max_alpha} (too inaccurate in float32)")
+    return None
+
+
+class WinogradNonFused(Variant):
+    """Separate transform kernels around an alpha^2-batched GEMM; workspace U, V and M."""
+
+    family = "winograd"
+
+    def __init__(self, m: int) -> None:
+        self.m = m
+        self.name = f"winograd_nonfused_f{m}"
+        self.tolerance = tolerance(m, 3, 3)
+
+    def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
+        why = super().applies(spec, device) or winograd_applies(spec, self.m, MAX_ALPHA)
+        if why:
+            return why
+        g = Geometry(spec, self.m)
+        if max(g.a2 * spec.c * g.tiles, g.a2 * spec.k * g.tiles) > _INT_LIMIT:
+            return "workspace larger than 2^31 elements (32-bit indexing)"
+        return None
+
+    # -- parameters -------------------------------------------------------------------------
+    def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
+        if not device.is_gpu:
+            return Params(bm=16, bn=16, bk=4, tm=2, tn=2, tb=64)
+        bm = 64 if spec.k <= 64 else 128
+        return Params(bm=bm, bn=128, bk=8, tm=8, tn=8, tb=128)
+
+    def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
+        out = [self.default(spec, device)]
+        for bm, bn, bk, tm, tn in itertools.product((32, 64, 128), (32, 64, 128), (4, 8, 16),
+                                                    (4, 8), (4, 8)):
+            threads = (bm // tm) * (bn // tn)
+            if not 32 <= threads <= min(256, device.max_threads) or bm < tm or bn < tn:
+                continue
+            prm = Params(bm=bm, bn=bn, bk=bk, tm=tm, tn=tn, tb=128)
+            if prm not in out:
+                out.append(prm)
+        return out
+
+    def workspace_bytes(self, spec: ConvSpec, params: Params) -> int:
+        return sum(b for _, b in self._workspace(spec))
+
+    def _workspace(self, spec: ConvSpec) -> tuple[tuple[str, int], ...]:
+        g = Geometry(spec, self.m)
+        return (("wino_u", 4 * g.a2 * spec.c * spec.k), ("wino_v", 4 * g.a2 * spec.c * g.tiles),
+                ("wino_m", 4 * g.a2 * spec.k * g.tiles))
+
+    # -- plan -------------------------------------------------------------------------------
+    def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
+             epilogue: Epilogue = Epilogue()) -> Plan:
+        g = Geometry(spec, self.m)
+        p = params
+        tb = p.tb
+        kernels = (self._filter_kernel(g, tb), self._input_kernel(g, tb), self._gemm_kernel(g, p),
+                   self._output_kernel(g, tb, epilogue))
+        gemm_grid = (cdiv(g.tiles, p.bn), cdiv(spec.k, p.bm), g.a2)
+        steps = (
+            Launch(kernels[0].name, (cdiv(spec.k * spec.c, tb), 1, 1), (tb, 1, 1), ("w", "wino_u")),
+            Launch(kernels[1].name, (cdiv(spec.c * g.tiles, tb), 1, 1), (tb, 1, 1),
+                   ("x", "wino_v")),
+            Launch(kernels[2].name, gemm_grid, kernels[2].block, ("wino_u", "wino_v", "wino_m")),
+            Launch(kernels[3].name, (cdiv(spec.k * g.tiles, tb), 1, 1), (tb, 1, 1),
+                   ("wino_m",) + out_refs(epilogue)),
+        )
+        return Plan(self.name, self.family, spec, params, kernels, steps,
+                    workspace=self._workspace(spec), tolerance=tolerance(self.m, spec.r, spec.s),
+                    epilogue=epilogue)
+
+    def _filter_kernel(self, g: Geometry, tb: int) -> Kernel:
+        s = g.spec
+        rs, ck = s.r * s.s, s.c * s.k
+        code = Code()
+        code(f"const int idx = GROUP_ID(0) * {tb} + LOCAL_ID(0);",
+             f"if (idx >= {ck}) return;",
+             f"const int k = idx % {s.k}, c = idx / {s.k};  // U[e][c][k]: stores coalesced in k",
+             f"const GLOBAL_PTR float* wp = w + (k * {s.c} + c) * {rs};")
+        for i, j in itertools.product(range(s.r), range(s.s)):
+            code(f"const float g{i}_{j} = wp[{i * s.s + j}];")
+        emit_filter_transform(code, g, "g", "u", "gt")
+        for i, j in itertools.product(range(g.ah), range(g.aw)):
+            code(f"u[{(i * g.aw + j) * ck} + idx] = u{i}_{j};")
+        return Kernel("wino_filter_transform", (Buf("w"), Buf("u", readonly=False)),
+                      code.text(), (tb, 1, 1), comment=f"{self.name}: G g G^T")
+
+    def _input_kernel(self, g: Geometry, tb: int) -> Kernel:
+        s = g.spec
+        total = s.c * g.tiles
+        code = Code()
+        code(f"const int idx = GROUP_ID(0) * {tb} + LOCAL_ID(0);",
+             f"if (idx >= {total}) return;",
+             f"const int t = idx % {g.tiles}, c = idx / {g.tiles};  // V[e][c][t]")
+        emit_tile_origin(code, g, "t")
+        emit_tile_masks(code, g, "1")
+        code(f"const int base = (n * {s.c} + c) * {s.h * s.w} + iy * {s.w} + ix;")
+        emit_tile_load(code, g, "x", "base", "d")
+        emit_input_transform(code, g, "d", "v", "dt")
+        for i, j in itertools.product(range(g.ah), range(g.aw)):
+            code(f"v[{(i * g.aw + j) * total} + idx] = v{i}_{j};")
+        return Kernel("wino_input_transform", (Buf("x"), Buf("v", readonly=False)),
+                      code.text(), (tb, 1, 1), comment=f"{self.name}: B^T d B")
+
+    def _output_kernel(self, g: Geometry, tb: int, epi: Epilogue) -> Kernel:
+        s = g.spec
+        total = s.k * g.tiles
+        code = Code()
+        code(f"const int idx = GROUP_ID(0) * {tb} + LOCAL_ID(0);",
+             f"if (idx >= {total}) return;",
+             f"const int t = idx % {g.tiles}, k = idx / {g.tiles};")
+        for i, j in itertools.product(range(g.ah), range(g.aw)):
+            code(f"const float m{i}_{j} = mw[{(i * g.aw + j) * total} + idx];")
+        emit_output_transform(code, g, "m", "o", "mt")
+        emit_tile_origin(code, g, "t")
+        emit_output_store(code, g, epi, "o", "k", "1")
+        return Kernel("wino_output_transform", (Buf("mw"),) + out_args(epi), code.text(),
+                      (tb, 1, 1), helpers=STORE2_HELPER, comment=f"{self.name}: A^T M A")
+
+    def _gemm_kernel(self, g: Geometry, p: Params) -> Kernel:
+        """M[e] = U[e]^T V[e]: bm x bn block tile, tm x tn per thread, bk channels per stage."""
+        s = g.spec
+        kk, tt, cc = s.k, g.tiles, s.c
+        nx, ny = p.bn // p.tn, p.bm // p.tm
+        nt = nx * ny
+        code = Code()
+        code(f"SHARED float As[{p.bk * p.bm}];  // U tile: bk channels x bm filters",
+             f"SHARED float Bs[{p.bk * p.bn}];  // V tile: bk channels x bn tiles",
+             f"const int t0 = GROUP_ID(0) * {p.bn}, k0 = GROUP_ID(1) * {p.bm}, e = GROUP_ID(2);",
+             f"const int tx = LOCAL_ID(0), ty = LOCAL_ID(1), tid = ty * {nx} + tx;",
+             f"const GLOBAL_PTR float* ue = u + e * {cc * kk};",
+             f"const GLOBAL_PTR float* ve = v + e * {cc * tt};")
+        for i, j in itertools.product(range(p.tm), range(p.tn)):
+            code(f"float acc{i}_{j} = 0.0f;")
+        with code.block(f"for (int c0 = 0; c0 < {cc}; c0 += {p.bk})"):
+            self._stage_load(code, "As", "ue", p.bk, p.bm, kk, "k0", nt, cc)
+            self._stage_load(code, "Bs", "ve", p.bk, p.bn, tt, "t0", nt, cc)
+            code("BARRIER();")
+            for c in range(p.bk):
+                with code.block(f"/* c = {c} */"):
+                    for i in range(p.tm):
+                        code(f"const float a{i} = As[{c * p.bm} + ty + {i * ny}];")
+                    for j in range(p.tn):
+                        code(f"const float b{j} = Bs[{c * p.bn} + tx + {j * nx}];")
+                    for i, j in itertools.product(range(p.tm), range(p.tn)):
+                        code(f"acc{i}_{j} = FMA(a{i}, b{j}, acc{i}_{j});")
+            code("BARRIER();")
+        code(f"GLOBAL_PTR float* me = mw + e * {kk * tt};")
+        for i, j in itertools.product(range(p.tm), range(p.tn)):
+            k, t = f"k0 + ty + {i * ny}", f"t0 + tx + {j * nx}"
+            code(f"if ({k} < {kk} && {t} < {tt}) me[({k}) * {tt} + {t}] = acc{i}_{j};")
+        return Kernel("wino_batched_gemm",
+                      (Buf("u"), Buf("v"), Buf("mw", readonly=False)), code.text(),
+                      (nx, ny, 1), comment=f"{self.name}: {g.a2} batched GEMMs {p.short()}")
+
+    @staticmethod
+    def _stage_load(code: Code, dst: str, src: str, bk: int, width: int, ld: int, col0: str,
+                    nt: int, rows: int) -> None:
+        """Copy a bk x width stage (rows are channels, ``rows`` in all) to shared memory, 0 outside."""
+        total = bk * width
+        for it in range(cdiv(total, nt)):
+            with code.block(f"/* {dst} part {it} */"):
+                code(f"const int l = tid + {it * nt};",
+                     f"const int rr = l / {width}, cw = l % {width};")
+                cond = f"c0 + rr < {rows} && {col0} + cw < {ld}"
+                stmt = f"{dst}[l] = ({cond}) ? {src}[(c0 + rr) * {ld} + {col0} + cw] : 0.0f;"
+                code(f"if (l < {total}) {stmt}" if total % nt else stmt)
+
+
+register(WinogradNonFused(2))
+register(WinogradNonFused(4))
