@@ -35,7 +35,30 @@ class Fill:
     value: float = 0.0
 
 
-Step = Union[Launch, Fill]
+@dataclass(frozen=True)
+class Gemm:
+    """A library SGEMM (cuBLAS on CUDA): row-major C[i] = A[i] (m x k) . B[i] (k x n), i < batch.
+
+    Operands are named buffers; leading dimensions and batch strides count elements (a stride
+    of 0 reuses one matrix for every batch entry). Back-ends without a library GEMM refuse it.
+    """
+
+    a: str
+    b: str
+    c: str
+    m: int
+    n: int
+    k: int
+    lda: int
+    ldb: int
+    ldc: int
+    batch: int = 1
+    stride_a: int = 0
+    stride_b: int = 0
+    stride_c: int = 0
+
+
+Step = Union[Launch, Fill, Gemm]
 
 
 @dataclass(frozen=True)

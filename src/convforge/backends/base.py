@@ -11,7 +11,7 @@ from convforge import __version__
 from convforge.backends.cache import DiskCache, cache_key
 from convforge.codegen.dialect import ConstBuf, Kernel, LocalBuf, Scalar
 from convforge.config import config
-from convforge.plan import DeviceInfo, Fill, Launch, Plan
+from convforge.plan import DeviceInfo, Fill, Gemm, Launch, Plan
 
 
 class CompileError(RuntimeError):
@@ -78,6 +78,10 @@ class Backend(ABC):
     @abstractmethod
     def launch(self, program: Any, fn: Any, kernel: Kernel, step: Launch, args: list[Any]) -> None: ...
 
+    def gemm(self, step: Gemm, a: Any, b: Any, c: Any) -> None:
+        """Run a library GEMM step on buffers a, b, c (only back-ends with a BLAS provide it)."""
+        raise NotImplementedError(f"the {self.name} back-end has no library GEMM")
+
     @abstractmethod
     def synchronize(self) -> None: ...
 
@@ -119,6 +123,9 @@ class Executable:
         for step in self.plan.steps:
             if isinstance(step, Fill):
                 self.backend.fill(bufs[step.buffer], step.value, sizes[step.buffer])
+                continue
+            if isinstance(step, Gemm):
+                self.backend.gemm(step, bufs[step.a], bufs[step.b], bufs[step.c])
                 continue
             kernel = self.kernels[step.kernel]
             args = []

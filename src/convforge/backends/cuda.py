@@ -10,7 +10,7 @@ import numpy as np
 
 from convforge.backends.base import Backend, CompileError, const_args
 from convforge.codegen.dialect import Kernel, LocalBuf
-from convforge.plan import DeviceInfo, Launch
+from convforge.plan import DeviceInfo, Gemm, Launch
 
 
 def device_count() -> int:
@@ -114,6 +114,14 @@ class CudaBackend(Backend):
         lb = kernel.local_buf()
         fn(step.grid, step.block, tuple(vals), shared_mem=lb.nbytes if lb else 0, stream=stream)
 
+    def gemm(self, step: Gemm, a: Any, b: Any, c: Any) -> None:
+        """Strided-batched row-major SGEMM through cuBLAS (CuPy's matmul), on the current stream."""
+        av = _matrices(a, step.batch, step.m, step.k, step.lda, step.stride_a)
+        bv = _matrices(b, step.batch, step.k, step.n, step.ldb, step.stride_b)
+        cv = _matrices(c, step.batch, step.m, step.n, step.ldc, step.stride_c)
+        with cp.cuda.Device(self.device_id), self._stream():
+            cp.matmul(av, bv, out=cv)
+
     def synchronize(self) -> None:
         self._stream().synchronize()
 
@@ -154,6 +162,12 @@ class CudaBackend(Backend):
         with cp.cuda.Device(self.device_id):
             out = cp.empty(shape, dtype=cp.float32)
         return out, out
+
+
+def _matrices(buf: Any, batch: int, rows: int, cols: int, ld: int, stride: int) -> Any:
+    """A (batch, rows, cols) float32 view of a flat buffer (element strides; 0 = broadcast)."""
+    return cp.lib.stride_tricks.as_strided(buf, shape=(batch, rows, cols),
+                                           strides=(4 * stride, 4 * ld, 4))
 
 
 def _is_const(arg: Any) -> bool:
