@@ -52,7 +52,8 @@ def select(algo: str, spec: ConvSpec, device: DeviceInfo) -> list[Variant]:
         if not chosen:
             known = sorted(set(FAMILIES) | set(_REGISTRY))
             raise ValueError(f"algo ({algo!r}) is not a family or variant; known: {', '.join(known)}")
-    return [v for v in chosen if v.applies(spec, device) is None]
+    usable = [v for v in chosen if v.applies(spec, device) is None]
+    return sorted(usable, key=lambda v: -v.specialised)  # most specialised first (Boda's rule)
 
 
 def reasons(algo: str, spec: ConvSpec, device: DeviceInfo) -> dict[str, str]:

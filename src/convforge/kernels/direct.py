@@ -173,6 +173,7 @@ class DirectSmem(DirectBase):
     """The block's input tile plus halo staged in shared memory, ``cc`` channels per stage."""
 
     name = "direct_smem"
+    specialised = 1
 
     def _tile(self, spec: ConvSpec, p: Params) -> tuple[int, int]:
         ih = (p.bp * p.tp - 1) * spec.stride[0] + (spec.r - 1) * spec.dilation[0] + 1
@@ -249,6 +250,7 @@ class DirectShfl(DirectBase):
 
     name = "direct_shfl"
     backends = frozenset({"cuda"})
+    specialised = 2
 
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
         why = super().applies(spec, device)

@@ -1,0 +1,72 @@
+"""Check and time every registered CUDA variant's default on a few layers (GPU machine).
+
+--sanitize: tiny shapes, one run each (for compute-sanitizer). Otherwise: a table of median
+times and effective TFLOPS, every transform of each plan inside the timed call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import numpy as np
+
+from convforge.backends import get_backend
+from convforge.check import check_plan, random_inputs
+from convforge.kernels import all_variants
+from convforge.spec import ConvSpec
+
+TINY = [ConvSpec.make(1, 3, 13, 11, 5, 3, 3, 1, (0, 1, 1, 0)), ConvSpec.make(2, 8, 9, 9, 4, 1, 1),
+        ConvSpec.make(1, 2, 27, 27, 3, 11, 11, 4, 1)]
+LAYERS = {
+    "resnet64@56 N32": ConvSpec.make(32, 64, 56, 56, 64, 3, 3, 1, 1),
+    "resnet128@28 N32": ConvSpec.make(32, 128, 28, 28, 128, 3, 3, 1, 1),
+    "resnet256@14 N32": ConvSpec.make(32, 256, 14, 14, 256, 3, 3, 1, 1),
+    "resnet512@7 N32": ConvSpec.make(32, 512, 7, 7, 512, 3, 3, 1, 1),
+    "mec cv8 N128": ConvSpec.make(128, 64, 112, 112, 128, 3, 3),
+    "mec cv1 N128": ConvSpec.make(128, 3, 227, 227, 96, 11, 11, 4, 0),
+    "boda 1x1 832@7 N5": ConvSpec.make(5, 832, 7, 7, 256, 1, 1),
+}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sanitize", action="store_true")
+    ap.add_argument("--only", default="", help="comma-separated variant names")
+    args = ap.parse_args()
+    be = get_backend("cuda")
+    only = set(filter(None, args.only.split(",")))
+    variants = [v for v in all_variants() if "cuda" in v.backends and (not only or v.name in only)]
+    specs = {s.key(): s for s in TINY} if args.sanitize else LAYERS
+    bad = 0
+    print(f"{'layer':20s} {'variant':26s} {'ms':>9s} {'TFLOPS':>7s} {'rel err':>9s}  params")
+    for label, spec in specs.items():
+        for v in variants:
+            if v.applies(spec, be.device):
+                continue
+            prm = v.default(spec, be.device)
+            plan = v.plan(spec, prm, be.device)
+            try:
+                exe = be.executable(plan)
+                res = check_plan(plan, be, exe=exe, batch_slice=1)
+            except Exception as err:  # noqa: BLE001 - report and go on to the next variant
+                print(f"{label[:20]:20s} {v.name:26s} ERROR {type(err).__name__}: {str(err)[:200]}")
+                bad += 1
+                continue
+            bad += not res.ok
+            if args.sanitize:
+                print(f"{label[:20]:20s} {v.name:26s} {res}")
+                continue
+            x, w, _ = random_inputs(spec, np.random.default_rng(0))
+            bufs = {"x": be.upload(x), "w": be.upload(w), "y": be.empty(4 * spec.n * spec.k * spec.p * spec.q)}
+            for _ in range(3):
+                exe(bufs)
+            ms = statistics.median(be.time_ms(lambda: exe(bufs), 15))
+            print(f"{label[:20]:20s} {v.name:26s} {ms:9.3f} {spec.flops / ms / 1e9:7.1f} "
+                  f"{res.rel_err:9.2e}{'' if res.ok else ' FAIL'}  {prm.short()}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""The command line: convforge devices | algos | show | bench | tune | db."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+from convforge import __version__
+from convforge.params import Params
+from convforge.spec import ConvSpec
+
+SPEC_HELP = "layer, e.g. 'N=1,C=3,H=13,W=13,K=8,R=3,S=3,stride=1,pad=1' (pad: 1, 1x2 or 0x1x1x0)"
+
+
+def cmd_devices(args: argparse.Namespace) -> int:
+    """List the CUDA and OpenCL devices convforge can use."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"convforge {__version__}: devices")
+    for col in ("back-end", "index", "platform", "device"):
+        table.add_column(col)
+    try:
+        from convforge.backends.cuda import CudaBackend, device_count
+
+        for i in range(device_count()):
+            dev = CudaBackend(i).device
+            table.add_row("cuda", str(i), f"driver {dev.driver}", f"{dev.name} (sm_{dev.cc[0]}{dev.cc[1]})"
+                          if dev.cc else dev.name)
+    except ImportError:
+        table.add_row("cuda", "-", r"CuPy not installed (pip install 'convforge\[cuda]')", "")
+    try:
+        from convforge.backends.opencl import list_devices
+
+        for pi, di, plat, name in list_devices():
+            table.add_row("opencl", f"{pi}:{di}", plat, name)
+    except ImportError:
+        table.add_row("opencl", "-", "PyOpenCL not installed", "")
+    Console().print(table)
+    return 0
+
+
+def _device_for(backend: str):  # type: ignore[no-untyped-def]
+    """The real device when present, otherwise a nominal one (so sources can be shown anywhere)."""
+    from convforge.plan import DeviceInfo
+
+    if backend == "cuda":
+        from convforge.backends import cuda_available, get_backend
+
+        if cuda_available():
+            return get_backend("cuda").device
+        return DeviceInfo("cuda", "nominal sm_90", cc=(9, 0), shared_optin_bytes=227 * 1024, units=132)
+    from convforge.backends import get_backend
+
+    return get_backend("opencl").device
+
+
+def cmd_algos(args: argparse.Namespace) -> int:
+    """Variants that apply to a layer, with their default parameters and space size."""
+    from convforge import kernels
+
+    spec = ConvSpec.parse(args.spec)
+    dev = _device_for(args.backend)
+    print(f"{spec.short()}  (P={spec.p}, Q={spec.q}, {spec.flops / 1e9:.3f} GFLOP) on {dev.name}")
+    for v in kernels.all_variants():
+        why = v.applies(spec, dev)
+        if why:
+            print(f"  - {v.name:26s} not applicable: {why}")
+        else:
+            print(f"  + {v.name:26s} default [{v.default(spec, dev).short()}], "
+                  f"{len(v.space(spec, dev))} points")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    """Print the generated source of a spec/variant on one or both back-ends."""
+    from convforge import kernels
+    from convforge.plan import Epilogue
+
+    spec = ConvSpec.parse(args.spec)
+    variant = kernels.get_variant(args.variant)
+    backends = ["cuda", "opencl"] if args.backend == "both" else [args.backend]
+    for be in backends:
+        if be not in variant.backends:
+            print(f"// {variant.name} is not offered on {be}", file=sys.stderr)
+            continue
+        dev = _device_for(be)
+        why = variant.applies(spec, dev)
+        if why:
+            print(f"error: {variant.name} does not apply: {why}", file=sys.stderr)
+            return 2
+        prm = Params.parse(args.params) if args.params else variant.default(spec, dev)
+        if args.params:
+            prm = Params(dict(variant.default(spec, dev)), **dict(prm))
+        plan = variant.plan(spec, prm, dev, Epilogue(args.bias, args.relu))
+        src = plan.source(be)
+        print(f"// ===== {be} =====")
+        print(src)
+        if args.ptxas and be == "cuda":
+            from convforge.codegen.nvcc import ptxas_report
+
+            for info in ptxas_report(src):
+                print(f"// ptxas {info.kernel}: {info.registers} registers, {info.spill_stores}+"
+                      f"{info.spill_loads} spill bytes, {info.stack} stack, {info.shared} smem")
+    return 0
+
+
+def _add_optional(sub: argparse._SubParsersAction, name: str, module: str, add: str, run: str,
+                  help_text: str) -> None:
+    """Sub-commands owned by other packages; absent ones say so instead of crashing."""
+    import importlib
+
+    p = sub.add_parser(name, help=help_text)
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as err:
+        msg = str(err)
+        p.set_defaults(func=lambda a: _unavailable(name, msg))
+        return
+    getattr(mod, add)(p)
+    p.set_defaults(func=getattr(mod, run))
+
+
+def _unavailable(name: str, why: str) -> int:
+    print(f"convforge {name} is not available: {why}", file=sys.stderr)
+    return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="convforge", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"convforge {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("devices", help="list usable devices and back-ends")
+    p.set_defaults(func=cmd_devices)
+    p = sub.add_parser("algos", help="list the variants that apply to a layer")
+    p.add_argument("--spec", required=True, help=SPEC_HELP)
+    p.add_argument("--backend", choices=("cuda", "opencl"), default="cuda")
+    p.set_defaults(func=cmd_algos)
+    p = sub.add_parser("show", help="print generated kernel source")
+    p.add_argument("--spec", required=True, help=SPEC_HELP)
+    p.add_argument("--variant", default="direct")
+    p.add_argument("--params", default="", help="override default parameters, e.g. 'tp=2,tk=4'")
+    p.add_argument("--backend", choices=("cuda", "opencl", "both"), default="both")
+    p.add_argument("--bias", action="store_true")
+    p.add_argument("--relu", action="store_true")
+    p.add_argument("--ptxas", action="store_true", help="also compile with nvcc and print registers/spills")
+    p.set_defaults(func=cmd_show)
+    _add_optional(sub, "bench", "convforge.bench.command", "add_arguments", "main",
+                  "benchmark suites against cuDNN-best")
+    _add_optional(sub, "tune", "convforge.tune.command", "add_tune_arguments", "tune_main",
+                  "autotune a suite into the tuning database")
+    _add_optional(sub, "db", "convforge.tune.command", "add_db_arguments", "db_main",
+                  "inspect, export, import or clear the tuning database")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return int(func(args) or 0)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

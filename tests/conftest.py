@@ -1,0 +1,45 @@
+"""Shared fixtures: the OpenCL back-end (PoCL on CI), the CUDA back-end (GPU tier), nominal devices."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from convforge.plan import DeviceInfo
+
+NOMINAL_CUDA = DeviceInfo("cuda", "nominal sm_90", cc=(9, 0), shared_optin_bytes=227 * 1024, units=132)
+NOMINAL_OPENCL_GPU = DeviceInfo("opencl", "nominal OpenCL GPU", units=132)
+
+
+@pytest.fixture(scope="session")
+def ocl():
+    """The OpenCL back-end. On CI a missing device is an error, never a silent skip."""
+    from convforge.backends import get_backend, opencl_available
+
+    if not opencl_available():
+        if os.environ.get("CI"):
+            pytest.fail("no OpenCL device on CI: is pyopencl[pocl] installed?")
+        pytest.skip("no OpenCL device (pip install 'pyopencl[pocl]')")
+    return get_backend("opencl")
+
+
+@pytest.fixture(scope="session")
+def cuda():
+    """The CUDA back-end; GPU-tier tests skip with this reason when there is no CUDA device."""
+    from convforge.backends import cuda_available, get_backend
+
+    if not cuda_available():
+        pytest.skip("GPU tier: no CUDA device (run scripts/gpu-check on a GPU machine)")
+    return get_backend("cuda")
+
+
+@pytest.fixture(scope="session")
+def nvcc_ok():
+    from convforge.codegen.nvcc import nvcc_path
+
+    if nvcc_path() is None:
+        if os.environ.get("CI"):
+            pytest.fail("nvcc missing on CI: the CUDA compile tier cannot run")
+        pytest.skip("nvcc not on PATH: CUDA compile checks skipped")
+    return True

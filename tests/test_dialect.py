@@ -1,0 +1,101 @@
+"""The kernel dialect renders to both back-ends; features are refused where absent; the disk cache."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from convforge.backends.cache import DiskCache, cache_key
+from convforge.codegen.dialect import Buf, ConstBuf, Kernel, LocalBuf, Scalar
+from convforge.codegen.render import render
+
+BODY = """    SHARED float t[64];
+    const int i = GROUP_ID(0) * GROUP_SIZE(0) + LOCAL_ID(0);
+    t[LOCAL_ID(0)] = LDG(x + i);
+    BARRIER();
+    const float4 v = VLOAD4(0, x);
+    y[i] = MAX(FMA(t[LOCAL_ID(0)], wc[0], v.x), 0.0f) * alpha;
+"""
+
+
+def _kernel(**kw) -> Kernel:
+    args = (Buf("x"), ConstBuf("wc", 4), Buf("y", readonly=False), Scalar("alpha", "float"))
+    return Kernel("k", args, BODY, (64, 1, 1), **kw)
+
+
+def test_cuda_spelling():
+    src = render([_kernel()], "cuda")
+    for piece in ("__constant__ float wc[4];", '__global__ void __launch_bounds__(64)', "__shared__ float t[64]",
+                  "blockIdx.x", "__syncthreads()", "__ldg(x + i)", "fmaxf(fmaf(", "const float alpha",
+                  "(*(const float4*)((x) + 4 * (0)))"):
+        assert piece in src, piece
+    assert "wc," not in src.split("void")[1]  # the constant symbol is not a parameter
+
+
+def test_opencl_spelling():
+    src = render([_kernel()], "opencl")
+    for piece in ("__constant float* restrict wc", "reqd_work_group_size(64, 1, 1)", "__local float t[64]",
+                  "get_group_id(0)", "barrier(CLK_LOCAL_MEM_FENCE)", "(*(x + i))", "fmax(mad(",
+                  "vload4(0, x)"):
+        assert piece in src, piece
+
+
+def test_features_refused_where_absent():
+    k = Kernel("k", (Buf("x"),), "float v = SHFL(1.0f, 0);", (32, 1, 1), frozenset({"shuffle"}))
+    assert "__shfl_sync" in render([k], "cuda")
+    with pytest.raises(ValueError, match=r"opencl back-end lacks features \['shuffle'\]"):
+        render([k], "opencl")
+    with pytest.raises(ValueError, match="backend"):
+        render([k], "metal")
+
+
+def test_launch_sized_shared_memory():
+    k = Kernel("k", (Buf("x"), LocalBuf("smem", 65536)), "smem[0] = x[0];", (32, 1, 1))
+    assert "extern __shared__ __align__(16) float smem[];" in render([k], "cuda")
+    assert "__local float* restrict smem" in render([k], "opencl")
+
+
+def test_opencl_runs_the_dialect(ocl):
+    from convforge.codegen.dialect import Buf
+    from convforge.plan import Launch, Plan
+    from convforge.params import Params
+    from convforge.spec import ConvSpec
+
+    spec = ConvSpec.make(1, 1, 4, 4, 1, 1, 1)
+    k = Kernel("scale", (Buf("x"), Buf("y", readonly=False), Scalar("a", "float")),
+               "    const int i = GROUP_ID(0) * GROUP_SIZE(0) + LOCAL_ID(0);\n"
+               "    if (i < 16) y[i] = FMA(x[i], a, 1.0f);\n", (8, 1, 1))
+    plan = Plan("scale", "test", spec, Params(), (k,), (Launch("scale", (2, 1, 1), (8, 1, 1), ("x", "y", 2.0)),))
+    x = np.arange(16, dtype=np.float32)
+    bufs = {"x": ocl.upload(x), "y": ocl.empty(64)}
+    ocl.executable(plan)(bufs)
+    np.testing.assert_array_equal(ocl.download(bufs["y"], (16,)), 2 * x + 1)
+
+
+def test_disk_cache_is_atomic_and_detects_corruption(tmp_path):
+    cache = DiskCache(tmp_path)
+    key = cache_key("src", "opts", "nvrtc-13.0", "H200", "580", "0.1.0")
+    assert key != cache_key("src", "opts", "nvrtc-13.0", "H100", "580", "0.1.0")
+    assert cache.get(key) is None
+    cache.put(key, b"binary")
+    assert cache.get(key) == b"binary"
+    assert not list(tmp_path.glob(".tmp-*")), "temporary files must be renamed into place"
+    path = tmp_path / f"{key}.bin"
+    path.write_bytes(path.read_bytes()[:-2] + b"XX")  # corrupt payload
+    assert cache.get(key) is None and not path.exists()
+
+
+def test_opencl_program_comes_back_from_disk(ocl, tmp_path, monkeypatch):
+    from convforge.backends.opencl import OpenCLBackend
+
+    k = Kernel("one", (Buf("y", readonly=False),), "    y[0] = 1.0f;\n", (1, 1, 1))
+    src = render([k], "opencl")
+    be = OpenCLBackend()
+    be.disk = DiskCache(tmp_path)
+    be.program(src)
+    assert len(list(tmp_path.glob("*.bin"))) == 1
+    be2 = OpenCLBackend()
+    be2.disk = DiskCache(tmp_path)
+    calls = []
+    monkeypatch.setattr(be2, "build", lambda s: calls.append(s))
+    assert be2.program(src) is not None and not calls, "second back-end should load the cached binary"

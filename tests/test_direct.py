@@ -1,0 +1,75 @@
+"""Direct convolution: every variant on PoCL against the float64 reference, CUDA compile checks."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import NOMINAL_CUDA
+from helpers import ODD_SPECS, assert_compiles_clean, sample
+from convforge.check import check_plan
+from convforge.kernels import get_variant
+from convforge.plan import Epilogue
+from convforge.spec import ConvSpec
+
+OCL_VARIANTS = ["direct", "direct_smem"]
+
+
+@pytest.mark.parametrize("spec", ODD_SPECS, ids=lambda s: s.key())
+@pytest.mark.parametrize("name", OCL_VARIANTS)
+def test_variant_on_pocl(ocl, name, spec):
+    v = get_variant(name)
+    if v.applies(spec, ocl.device):
+        pytest.skip(f"{name}: {v.applies(spec, ocl.device)}")
+    for i, params in enumerate(sample(v, spec, ocl.device, k=2, seed=hash(spec.key()) % 1000)):
+        res = check_plan(v.plan(spec, params, ocl.device), ocl, seed=i)
+        assert res.ok, f"{name} [{params.short()}] {spec.short()}: {res}"
+
+
+def test_epilogue_bias_relu(ocl):
+    spec = ODD_SPECS[1]
+    v = get_variant("direct")
+    res = check_plan(v.plan(spec, v.default(spec, ocl.device), ocl.device, Epilogue(True, True)), ocl)
+    assert res.ok, str(res)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n=st.integers(1, 3), c=st.integers(1, 6), h=st.integers(1, 20), w=st.integers(1, 20),
+       k=st.integers(1, 9), r=st.integers(1, 5), s=st.integers(1, 5), sh=st.integers(1, 4),
+       sw=st.integers(1, 4), pad=st.tuples(*[st.integers(0, 2)] * 4), dh=st.integers(1, 2))
+def test_random_specs(ocl, n, c, h, w, k, r, s, sh, sw, pad, dh):
+    try:
+        spec = ConvSpec.make(n, c, h, w, k, r, s, (sh, sw), pad, (dh, 1))
+    except ValueError:
+        return  # the kernel does not fit this input; ConvSpec's own tests cover the message
+    v = get_variant("direct_smem")
+    res = check_plan(v.plan(spec, v.default(spec, ocl.device), ocl.device), ocl)
+    assert res.ok, f"{spec.short()}: {res}"
+
+
+def test_checker_catches_unwritten_outputs(ocl):
+    """A plan whose grid misses the last rows must fail with unwritten outputs reported."""
+    import dataclasses
+
+    spec = ConvSpec.make(1, 2, 13, 13, 3, 3, 3, 1, 1)
+    v = get_variant("direct")
+    plan = v.plan(spec, v.default(spec, ocl.device), ocl.device)
+    launch = plan.steps[0]
+    short = dataclasses.replace(launch, grid=(launch.grid[0], launch.grid[1] - 1, launch.grid[2]))
+    res = check_plan(dataclasses.replace(plan, steps=(short,)), ocl)
+    assert not res.ok and res.unwritten > 0 and "never written" in str(res)
+
+
+CUDA_SPECS = [ConvSpec.make(32, 64, 56, 56, 64, 3, 3, 1, 1), ConvSpec.make(128, 3, 227, 227, 96, 11, 11, 4, 0),
+              ConvSpec.make(5, 832, 7, 7, 128, 1, 1), ODD_SPECS[3]]
+
+
+@pytest.mark.parametrize("spec", CUDA_SPECS, ids=lambda s: s.key())
+@pytest.mark.parametrize("name", ["direct", "direct_smem", "direct_shfl"])
+def test_cuda_compiles_without_spills(nvcc_ok, name, spec):
+    v = get_variant(name)
+    if v.applies(spec, NOMINAL_CUDA):
+        pytest.skip(f"{name}: {v.applies(spec, NOMINAL_CUDA)}")
+    for params in sample(v, spec, NOMINAL_CUDA, k=1):
+        assert_compiles_clean(v, spec, params, NOMINAL_CUDA)

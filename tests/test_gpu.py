@@ -1,0 +1,66 @@
+"""GPU tier: every CUDA variant on the device against the float64 reference, torch/CuPy interop.
+
+Skipped (with the reason shown) where there is no CUDA device; scripts/gpu-check runs it on the lent GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from helpers import ODD_SPECS, sample
+from convforge.check import check_plan
+from convforge.kernels import all_variants
+from convforge.reference import conv2d_ref, rel_l2
+from convforge.spec import ConvSpec
+
+pytestmark = pytest.mark.gpu
+
+GPU_SPECS = ODD_SPECS + [ConvSpec.make(2, 64, 56, 56, 64, 3, 3, 1, 1), ConvSpec.make(3, 512, 7, 7, 512, 3, 3, 1, 1),
+                         ConvSpec.make(5, 832, 7, 7, 128, 1, 1), ConvSpec.make(2, 3, 227, 227, 96, 11, 11, 4, 0),
+                         ConvSpec.make(1, 96, 24, 24, 256, 5, 5, 1, 2)]
+NAMES = [v.name for v in all_variants() if "cuda" in v.backends]
+
+
+@pytest.mark.parametrize("spec", GPU_SPECS, ids=lambda s: s.key())
+@pytest.mark.parametrize("name", NAMES)
+def test_variant_on_gpu(cuda, name, spec):
+    v = next(v for v in all_variants() if v.name == name)
+    why = v.applies(spec, cuda.device)
+    if why:
+        pytest.skip(f"{name}: {why}")
+    for i, params in enumerate(sample(v, spec, cuda.device, k=2, seed=3)):
+        res = check_plan(v.plan(spec, params, cuda.device), cuda, seed=i, batch_slice=2)
+        assert res.ok, f"{name} [{params.short()}] {spec.short()}: {res}"
+
+
+def test_torch_tensors_in_and_out(cuda):
+    import torch
+
+    import convforge
+
+    x = torch.rand(2, 3, 13, 17, device="cuda") - 0.5
+    w = torch.rand(5, 3, 3, 3, device="cuda") - 0.5
+    b = torch.rand(5, device="cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        y = convforge.conv2d(x, w, b, padding=(1, 0, 2, 1), stride=(1, 2))
+    stream.synchronize()
+    assert isinstance(y, torch.Tensor) and y.device == x.device
+    spec = ConvSpec.make(2, 3, 13, 17, 5, 3, 3, (1, 2), (1, 0, 2, 1))
+    ref = conv2d_ref(x.cpu().numpy(), w.cpu().numpy(), spec, b.cpu().numpy())
+    assert rel_l2(y.cpu().numpy(), ref) < 1e-5
+
+
+def test_cupy_arrays_in_and_out(cuda):
+    import cupy as cp
+
+    import convforge
+
+    rng = np.random.default_rng(0)
+    xh = rng.uniform(-1, 1, (1, 4, 11, 11)).astype(np.float32)
+    wh = rng.uniform(-1, 1, (3, 4, 5, 5)).astype(np.float32)
+    for algo in ("direct", "direct_smem", "direct_shfl"):
+        y = convforge.conv2d(cp.asarray(xh), cp.asarray(wh), padding=2, algo=algo)
+        assert isinstance(y, cp.ndarray)
+        assert rel_l2(cp.asnumpy(y), conv2d_ref(xh, wh, ConvSpec.make(1, 4, 11, 11, 3, 5, 5, 1, 2))) < 1e-5

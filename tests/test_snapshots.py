@@ -1,0 +1,35 @@
+"""Generated-source snapshots: a generator change that alters code nobody meant to touch shows up here.
+
+Regenerate deliberately with ``CONVFORGE_UPDATE_SNAPSHOTS=1 pytest tests/test_snapshots.py``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import NOMINAL_CUDA, NOMINAL_OPENCL_GPU
+from convforge.kernels import all_variants
+from convforge.spec import ConvSpec
+
+SNAP = Path(__file__).parent / "snapshots"
+SPECS = {"3x3": ConvSpec.make(2, 5, 11, 11, 6, 3, 3, 1, 1), "1x1": ConvSpec.make(2, 8, 7, 7, 6, 1, 1)}
+CASES = [(v.name, tag, be) for v in all_variants() for tag in SPECS for be in sorted(v.backends)]
+
+
+@pytest.mark.parametrize("name, tag, backend", CASES)
+def test_generated_source_snapshot(name, tag, backend):
+    variant = next(v for v in all_variants() if v.name == name)
+    device = NOMINAL_CUDA if backend == "cuda" else NOMINAL_OPENCL_GPU
+    spec = SPECS[tag]
+    if variant.applies(spec, device):
+        pytest.skip(f"{name} does not apply to the {tag} snapshot spec")
+    src = variant.plan(spec, variant.default(spec, device), device).source(backend)
+    path = SNAP / f"{name}.{tag}.{backend}.txt"
+    if os.environ.get("CONVFORGE_UPDATE_SNAPSHOTS"):
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(src)
+    assert path.exists(), f"no snapshot {path.name}: run with CONVFORGE_UPDATE_SNAPSHOTS=1 and review it"
+    assert src == path.read_text(), f"generated source of {name} changed; review and update the snapshot"

@@ -1,0 +1,95 @@
+"""ConvSpec validation, shapes and FLOPs; named arrays."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from convforge.arrays import ArrayDesc
+from convforge.reference import conv2d_ref
+from convforge.spec import ConvSpec
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(n=0), r"N \(0\) must be a positive int"),
+    (dict(c=-3), r"C \(-3\) must be a positive int"),
+    (dict(k=0), r"K \(0\) must be a positive int"),
+    (dict(padding=-1), r"padding \(-1\) must be >= 0"),
+    (dict(padding=(0, 1, -2, 0)), r"padding \(-2\) must be >= 0"),
+    (dict(stride=0), r"stride \(\(0, 0\)\) must be positive"),
+    (dict(dilation=(1, 0)), r"dilation \(\(1, 0\)\) must be positive"),
+    (dict(r=9), r"dilated kernel \(9x3\) is larger than the padded input \(7x7\)"),
+    (dict(dilation=4), r"dilated kernel \(9x9\) is larger than the padded input \(7x7\)"),
+    (dict(padding=(1, 2, 3)), r"padding .* must be an int, \(h, w\) or"),
+])
+def test_bad_spec_names_field_and_value(kwargs, message):
+    base = dict(n=1, c=2, h=7, w=7, k=3, r=3, s=3, stride=1, padding=0, dilation=1)
+    base.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        ConvSpec.make(**base)
+
+
+def test_shape_errors():
+    with pytest.raises(ValueError, match=r"input must have rank 4"):
+        ConvSpec.from_shapes((1, 3, 8), (4, 3, 3, 3))
+    with pytest.raises(ValueError, match=r"channel mismatch: input has C=3, weights have C=2"):
+        ConvSpec.from_shapes((1, 3, 8, 8), (4, 2, 3, 3))
+    with pytest.raises(ValueError, match=r"dtype \('float16'\) must be float32"):
+        ConvSpec(1, 1, 4, 4, 1, 1, 1, dtype="float16")
+
+
+@pytest.mark.parametrize("h, r, stride, pad, dil", [
+    (13, 3, 1, (1, 1), 1), (13, 3, 2, (0, 1), 1), (227, 11, 4, (0, 0), 1), (17, 5, 1, (2, 2), 2),
+    (8, 1, 3, (0, 0), 1),
+])
+def test_output_size_matches_reference(h, r, stride, pad, dil):
+    spec = ConvSpec.make(1, 1, h, h + 2, 1, r, r, stride, (pad[0], pad[1], pad[1], pad[0]), dil)
+    x = np.ones(spec.x_shape, np.float32)
+    w = np.ones(spec.w_shape, np.float32)
+    assert conv2d_ref(x, w, spec).shape == spec.y_shape
+    expected_p = (h + pad[0] + pad[1] - dil * (r - 1) - 1) // stride + 1
+    assert spec.p == expected_p
+
+
+def test_flops_and_keys():
+    spec = ConvSpec.make(32, 64, 56, 56, 64, 3, 3, 1, 1)
+    assert spec.flops == 2 * 32 * 64 * 56 * 56 * 64 * 9
+    assert ConvSpec.parse("N=32,C=64,H=56,W=56,K=64,R=3,S=3,stride=1,pad=1") == spec
+    assert ConvSpec.from_dict(spec.to_dict()) == spec
+    assert ConvSpec.parse("N=1,C=1,H=5,W=5,K=1,R=3,S=3,pad=0x1x1x0").pad == (0, 1, 1, 0)
+    with pytest.raises(ValueError, match="lacks"):
+        ConvSpec.parse("N=1,C=1")
+
+
+def test_reference_against_direct_loops():
+    rng = np.random.default_rng(1)
+    spec = ConvSpec.make(2, 3, 7, 6, 2, 3, 2, (2, 1), (1, 0, 2, 1), (1, 2))
+    x = rng.standard_normal(spec.x_shape)
+    w = rng.standard_normal(spec.w_shape)
+    out = conv2d_ref(x, w, spec)
+    xp = np.pad(x, ((0, 0), (0, 0), (1, 0), (2, 1)))
+    for n, k, p, q in [(0, 0, 0, 0), (1, 1, spec.p - 1, spec.q - 1), (1, 0, 1, 2)]:
+        acc = 0.0
+        for c in range(3):
+            for r in range(3):
+                for s in range(2):
+                    acc += xp[n, c, p * 2 + r, q + 2 * s] * w[k, c, r, s]
+        assert out[n, k, p, q] == pytest.approx(acc)
+
+
+def test_named_arrays_refuse_wrong_binding():
+    x = ArrayDesc.of("x", "n:c:y:x", (2, 3, 5, 7))
+    assert x.stride("c") == 35 and x.nbytes == 4 * 210
+    assert x.index(n="n", c="c", y="iy", x="ix") == "(n)*105 + (c)*35 + (iy)*7 + (ix)"
+    x.check("n:c:y:x", (2, 3, 5, 7), (105, 35, 7, 1))
+    with pytest.raises(ValueError, match=r"expected dimensions n:c:y:x, got k:c:r:s"):
+        x.check("k:c:r:s", (2, 3, 5, 7))
+    with pytest.raises(ValueError, match=r"expected shape \(2, 3, 5, 7\)"):
+        x.check("n:c:y:x", (2, 3, 5, 8))
+    with pytest.raises(ValueError, match="contiguous"):
+        x.check("n:c:y:x", (2, 3, 5, 7), (105, 1, 21, 3))
+    with pytest.raises(KeyError, match="no dimension"):
+        x.index(k="k")
+    rt = ArrayDesc.of("w", "k:c:r:s", (4, 3, 3, 3), runtime=True)
+    assert rt.index(k="k", s=1) == "(k)*w_stride_k + (1)*w_stride_s"
+    assert rt.stride_args()[0] == ("w_stride_k", 27)
