@@ -296,6 +296,31 @@ class Tuner:
                 if cand is not None:
                     yield cand
 
+    def measure_many(self, spec: ConvSpec, epi: Epilogue,
+                     points: Sequence[tuple[Variant, Params]]) -> list[Candidate]:
+        """Compile (in parallel), check and time the given points on one layer, outside any budget."""
+        dev = self.backend.device
+        cands = []
+        for v, prm in points:
+            cand = Candidate(v, prm)
+            why = v.applies(spec, dev)
+            if why is not None:
+                _failed(cand, f"does not apply: {why}")
+            else:
+                try:
+                    cand.plan = v.plan(spec, prm, dev, epi)
+                except Exception as err:  # noqa: BLE001
+                    _failed(cand, f"plan failed: {type(err).__name__}: {err}")
+            cands.append(cand)
+        with ThreadPoolExecutor(self.workers, thread_name_prefix="convforge-compile") as pool:
+            list(pool.map(self._compile, cands))
+        bench: _Bench | None = None
+        for cand in cands:
+            if cand.status == "compiled":
+                bench = bench or _Bench(self.backend, spec, epi, self.seed)
+                self._measure(cand, bench, [])
+        return cands
+
     # -- compiling and measuring ----------------------------------------------------------
     def _compile(self, cand: Candidate) -> None:
         """Runs in a worker thread: the compilers release the GIL."""

@@ -1,0 +1,280 @@
+"""``convforge tune`` and ``convforge db list|show|export|import|clear``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from convforge.config import config
+from convforge.plan import Epilogue
+from convforge.spec import ConvSpec
+from convforge.tune.db import Entry, TuningDB
+from convforge.tune.tuner import Budget, Candidate, TuneError, Tuner, TuneResult, measure_dispatch
+
+DEFAULT_BUDGET = "12s,24"
+
+
+# -- convforge tune -----------------------------------------------------------------------
+def add_tune_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--suite", help="built-in suite name (resnet, boda, mec) or a JSON suite file")
+    p.add_argument("--spec", action="append", default=[], metavar="SPEC",
+                   help="a layer such as 'N=1,C=3,H=13,W=13,K=8,R=3,S=3,pad=1' (repeatable)")
+    p.add_argument("--limit", type=int, help="tune only the first LIMIT layers of the suite")
+    p.add_argument("--budget", default=DEFAULT_BUDGET,
+                   help="per layer: seconds ('30s'), candidates ('20') or both ('12s,24'); "
+                        f"default {DEFAULT_BUDGET}")
+    p.add_argument("--backend", choices=("cuda", "opencl"), help="default: cuda when present, else opencl")
+    p.add_argument("--device", help="CUDA device index or OpenCL 'platform:device'")
+    p.add_argument("--db", type=Path, help=f"tuning database (default {config.tuning_db})")
+    p.add_argument("--bias", action="store_true", help="tune with a bias epilogue")
+    p.add_argument("--relu", action="store_true", help="tune with a ReLU epilogue")
+    p.add_argument("--force", action="store_true", help="re-tune layers the database already knows")
+    p.add_argument("--seed", type=int, default=0, help="seed of the space sample and of the check inputs")
+    p.add_argument("--workers", type=int, default=8, help="compile threads")
+    p.add_argument("--report", type=Path, metavar="DIR",
+                   help="also write Boda's autotuned / heuristic / fixed-parameters comparison to DIR "
+                        "(report.json, report.png)")
+    p.add_argument("--report-sets", type=int, default=3,
+                   help="parameter sets per variant tried as the fixed setting (default 3)")
+    p.add_argument("--dispatch-overhead", action="store_true",
+                   help="measure choose() per call on the first layer afterwards (µs)")
+    p.add_argument("-v", "--verbose", action="store_true", help="log every candidate's fate")
+
+
+def _layers(args: argparse.Namespace) -> list[tuple[str, ConvSpec]]:
+    out: list[tuple[str, ConvSpec]] = []
+    if args.suite:
+        try:
+            from convforge.bench.suites import load_suite
+        except ImportError as err:
+            raise ValueError("suites need convforge.bench.suites; pass layers with --spec") from err
+        for item in load_suite(args.suite):
+            pair: Any = item
+            name, spec = (pair.name, pair.spec) if hasattr(pair, "spec") else pair
+            out.append((str(name), spec))
+    for i, text in enumerate(args.spec):
+        out.append((f"spec{i + 1}", ConvSpec.parse(text)))
+    if args.limit is not None:
+        out = out[: args.limit]
+    if not out:
+        raise ValueError("nothing to tune: give --suite NAME|FILE or --spec")
+    return out
+
+
+def _backend(args: argparse.Namespace) -> Any:
+    from convforge.backends import cuda_available, get_backend
+
+    name = args.backend or ("cuda" if cuda_available() else "opencl")
+    return get_backend(name, args.device)
+
+
+def tune_main(args: argparse.Namespace) -> int:
+    """Tune a suite or layers into the database, with a progress bar and a closing table."""
+    from rich.console import Console
+
+    console = Console()
+    _setup_logging(args.verbose)
+    try:
+        layers = _layers(args)
+        budget = Budget.parse(args.budget)
+    except ValueError as err:
+        console.print(f"[red]error:[/red] {err}")
+        return 2
+    backend = _backend(args)
+    db = TuningDB(args.db or config.tuning_db)
+    epi = Epilogue(bias=args.bias, relu=args.relu)
+    console.print(f"device: {backend.device.name} ({backend.name}, {backend.device.driver}); "
+                  f"database: {db.path}; budget: {budget}")
+    results, failed = _run(console, layers, backend, db, budget, epi, args)
+    console.print(_table(layers, results, failed, backend.name))
+    fresh = sum(not r.from_db for r in results.values())
+    console.print(f"{fresh} layer(s) tuned, {len(results) - fresh} from the database, "
+                  f"{len(failed)} failed; {_tuner_timings(results)} candidate(s) timed")
+    if args.report and results:
+        from convforge.kernels import all_variants
+        from convforge.tune.report import build_report, write_report
+
+        tuner = Tuner(backend, db, budget, args.seed, workers=args.workers)
+        doc = build_report(tuner, layers, results, all_variants(), args.report_sets)
+        files = write_report(args.report, doc)
+        console.print("report: " + ", ".join(str(f) for f in files))
+    if args.dispatch_overhead and results:
+        from convforge.tune import clear_choices
+
+        clear_choices()
+        with _db_config(db.path):
+            us = measure_dispatch(layers[0][1], backend, epilogue=epi)
+        console.print(f"dispatch overhead of choose() with a warm database: {us:.2f} µs per call")
+    return 1 if failed else 0
+
+
+def _setup_logging(verbose: bool) -> None:
+    """Candidates' fates on the console with ``-v``; warnings (wrong results, rebuilt database) always."""
+    logger = logging.getLogger("convforge.tune")
+    logger.setLevel(logging.INFO if verbose else logging.WARNING)
+    if not logger.handlers:
+        from rich.logging import RichHandler
+
+        logger.addHandler(RichHandler(show_path=False, show_time=False))
+
+
+def _tuner_timings(results: dict[str, TuneResult]) -> int:
+    return sum(1 for r in results.values() for c in r.candidates if c.status == "ok")
+
+
+def _run(console: Any, layers: list[tuple[str, ConvSpec]], backend: Any, db: TuningDB, budget: Budget,
+         epi: Epilogue, args: argparse.Namespace) -> tuple[dict[str, TuneResult], dict[str, str]]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    results: dict[str, TuneResult] = {}
+    failed: dict[str, str] = {}
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=False) as bar:
+        total = bar.add_task("layers", total=len(layers))
+        cands = bar.add_task("candidates", total=budget.candidates)
+
+        def tick(c: Candidate) -> None:
+            bar.update(cands, advance=1, description=f"  {c.describe()[:60]}")
+
+        tuner = Tuner(backend, db, budget, args.seed, workers=args.workers, on_candidate=tick)
+        for name, spec in layers:
+            bar.reset(cands, total=budget.candidates, description=f"  {name}")
+            try:
+                results[name] = tuner.tune(spec, epi, force=args.force)
+            except TuneError as err:
+                failed[name] = str(err)
+                console.print(f"[red]{name}: {err}[/red]")
+            bar.advance(total)
+    return results, failed
+
+
+def _table(layers: list[tuple[str, ConvSpec]], results: dict[str, TuneResult], failed: dict[str, str],
+           backend: str) -> Any:
+    from rich.table import Table
+
+    table = Table(title=f"tuned on {backend}")
+    numeric = ("ms", "GFLOPS", "heur. ms", "speed-up")
+    for col in ("layer", "variant", "parameters", *numeric[:2], "heuristic", *numeric[2:], "from"):
+        table.add_column(col, justify="right" if col in numeric else "left")
+    for name, spec in layers:
+        if name in failed:
+            table.add_row(name, "[red]failed[/red]", "", "", "", "", "", "", "")
+            continue
+        e = results[name].entry
+        prm = " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in json.loads(e.params).items())
+        sp = e.speedup
+        table.add_row(name, e.variant, prm, f"{e.time_ms:.4f}", f"{spec.flops / e.time_ms / 1e6:.1f}",
+                      e.heuristic_variant, "" if e.heuristic_ms is None else f"{e.heuristic_ms:.4f}",
+                      "" if sp is None else f"{sp:.2f}×", "db" if results[name].from_db else "tuned")
+    return table
+
+
+class _db_config:
+    """Point ``config`` at a database for the duration of a block."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.old = path, config.db_path
+
+    def __enter__(self) -> None:
+        config.db_path = self.path
+
+    def __exit__(self, *exc: object) -> None:
+        config.db_path = self.old
+
+
+# -- convforge db -------------------------------------------------------------------------
+def add_db_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--db", type=Path, help=f"tuning database (default {config.tuning_db})")
+    sub = p.add_subparsers(dest="db_command", metavar="{list,show,export,import,clear}")
+    sub.required = True
+    ls = sub.add_parser("list", help="one line per tuned layer")
+    show = sub.add_parser("show", help="every field of the entries matching a layer or key fields")
+    for q in (ls, show):
+        q.add_argument("--spec", help="only this layer (ConvSpec text)")
+        q.add_argument("--backend", help="only this back-end")
+        q.add_argument("--variant", help="only this variant")
+    exp = sub.add_parser("export", help="write the entries as JSON (to share between machines)")
+    exp.add_argument("file", type=Path, help="output JSON file ('-' for stdout)")
+    exp.add_argument("--backend", help="only this back-end")
+    imp = sub.add_parser("import", help="merge entries from an exported JSON file")
+    imp.add_argument("file", type=Path)
+    imp.add_argument("--replace", action="store_true", help="overwrite entries even when they are faster")
+    clr = sub.add_parser("clear", help="delete entries (all without filters)")
+    clr.add_argument("--backend", help="only this back-end")
+    clr.add_argument("--spec", help="only this layer (ConvSpec text)")
+
+
+def _match(args: argparse.Namespace) -> dict[str, str]:
+    out = {}
+    if getattr(args, "backend", None):
+        out["backend"] = args.backend
+    if getattr(args, "variant", None):
+        out["variant"] = args.variant
+    if getattr(args, "spec", None):
+        out["spec"] = ConvSpec.parse(args.spec).key()
+    return out
+
+
+def db_main(args: argparse.Namespace) -> int:
+    """The database sub-commands."""
+    from rich.console import Console
+
+    console = Console()
+    try:
+        match = _match(args)
+    except ValueError as err:
+        console.print(f"[red]error:[/red] {err}")
+        return 2
+    db = TuningDB(args.db or config.tuning_db)
+    cmd = args.db_command
+    if cmd == "list":
+        console.print(_list_table(db.entries(**match), db.path))
+    elif cmd == "show":
+        for e in db.entries(**match):
+            console.print_json(json.dumps(_entry_doc(e)))
+    elif cmd == "export":
+        if str(args.file) == "-":
+            print(json.dumps(db.export_json(None, **match), indent=1))
+        else:
+            doc = db.export_json(args.file, **match)
+            console.print(f"exported {len(doc['entries'])} entries to {args.file}")
+    elif cmd == "import":
+        try:
+            n = db.import_json(args.file, only_if_faster=not args.replace)
+        except (OSError, ValueError) as err:
+            console.print(f"[red]error:[/red] cannot import {args.file}: {err}")
+            return 1
+        console.print(f"imported {n} entries into {db.path}")
+    elif cmd == "clear":
+        console.print(f"deleted {db.clear(**match)} entries from {db.path}")
+    return 0
+
+
+def _entry_doc(e: Entry) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    doc = asdict(e)
+    doc["params"] = json.loads(e.params)
+    doc["heuristic_params"] = json.loads(e.heuristic_params)
+    doc["spec_json"] = json.loads(e.spec_json)
+    return doc
+
+
+def _list_table(entries: list[Entry], path: Path) -> Any:
+    from rich.table import Table
+
+    table = Table(title=f"{path}: {len(entries)} entries")
+    for col in ("device", "back-end", "layer", "epilogue", "variant", "parameters", "ms", "speed-up", "date"):
+        table.add_column(col)
+    for e in entries:
+        prm = " ".join(f"{k}={v}" for k, v in json.loads(e.params).items())
+        sp = e.speedup
+        table.add_row(e.device.split("|")[1] if "|" in e.device else e.device, e.backend, e.spec, e.epilogue,
+                      e.variant, prm, f"{e.time_ms:.4f}", "" if sp is None else f"{sp:.2f}×", e.date[:19])
+    return table
+
+
+__all__ = ["add_tune_arguments", "tune_main", "add_db_arguments", "db_main"]
