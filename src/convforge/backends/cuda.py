@@ -106,7 +106,7 @@ class CudaBackend(Backend):
     def launch(self, program: Any, fn: Any, kernel: Kernel, step: Launch, args: list[Any]) -> None:
         stream = self._stream()
         for cbuf, src in const_args(kernel, args):
-            dst = program.get_global(cbuf.name)
+            dst = program.get_global_var(cbuf.name)
             nbytes = min(src.nbytes, 4 * cbuf.count)
             dst.copy_from_device_async(src.data, nbytes, stream)
         vals = [a for a, spec in zip(args, [x for x in kernel.args if not isinstance(x, LocalBuf)])
