@@ -62,7 +62,7 @@ def main() -> int:
             bufs = {"x": be.upload(x), "w": be.upload(w), "y": be.empty(4 * spec.n * spec.k * spec.p * spec.q)}
             for _ in range(3):
                 exe(bufs)
-            ms = statistics.median(be.time_ms(lambda: exe(bufs), 15))
+            ms = statistics.median(be.time_ms(lambda: exe(bufs), 15))  # noqa: B023 - called at once
             print(f"{label[:20]:20s} {v.name:26s} {ms:9.3f} {spec.flops / ms / 1e9:7.1f} "
                   f"{res.rel_err:9.2e}{'' if res.ok else ' FAIL'}  {prm.short()}")
     return 1 if bad else 0

@@ -57,8 +57,8 @@ def test_launch_sized_shared_memory():
 
 def test_opencl_runs_the_dialect(ocl):
     from convforge.codegen.dialect import Buf
-    from convforge.plan import Launch, Plan
     from convforge.params import Params
+    from convforge.plan import Launch, Plan
     from convforge.spec import ConvSpec
 
     spec = ConvSpec.make(1, 1, 4, 4, 1, 1, 1)

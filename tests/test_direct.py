@@ -7,11 +7,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import NOMINAL_CUDA
-from helpers import ODD_SPECS, assert_compiles_clean, sample
 from convforge.check import check_plan
 from convforge.kernels import get_variant
 from convforge.plan import Epilogue
 from convforge.spec import ConvSpec
+from helpers import ODD_SPECS, assert_compiles_clean, sample
 
 OCL_VARIANTS = ["direct", "direct_smem"]
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from helpers import ODD_SPECS, sample
 from convforge.check import check_plan
 from convforge.kernels import all_variants
 from convforge.reference import conv2d_ref, rel_l2
 from convforge.spec import ConvSpec
+from helpers import ODD_SPECS, sample
 
 pytestmark = pytest.mark.gpu
 

@@ -7,8 +7,8 @@ sizes and strides either folded in as compile-time constants or read from run-ti
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 
 def _contiguous(sizes: Sequence[int]) -> tuple[int, ...]:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -129,7 +130,7 @@ class Executable:
                 continue
             kernel = self.kernels[step.kernel]
             args = []
-            for spec_arg, ref in zip(self._value_args(kernel), step.args):
+            for spec_arg, ref in zip(self._value_args(kernel), step.args, strict=True):
                 if isinstance(spec_arg, Scalar):
                     dtype = np.float32 if spec_arg.ctype == "float" else np.int32
                     args.append(dtype(ref))

@@ -3,7 +3,8 @@ current stream, CUDA events. The only file that imports cupy (and, for interop, 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import cupy as cp
 import numpy as np

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pyopencl as cl
@@ -106,7 +107,7 @@ class OpenCLBackend(Backend):
         return out
 
     def fill(self, buf: Any, value: float, nbytes: int) -> None:
-        cl.enqueue_fill_buffer(self.queue, buf, np.float32(value), 0, nbytes)
+        cl.enqueue_fill_buffer(self.queue, buf, np.array([value], np.float32), 0, nbytes)
 
     # -- execution --------------------------------------------------------------------------
     def launch(self, program: Any, fn: Any, kernel: Kernel, step: Launch, args: list[Any]) -> None:
