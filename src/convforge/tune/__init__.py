@@ -30,6 +30,7 @@ log = logging.getLogger("convforge.tune")
 _CHOICES: dict[tuple[Any, ...], tuple[Variant, Params]] = {}
 _DBS: dict[Path, TuningDB | None] = {}
 _LOCK = threading.Lock()
+AUTOTUNE_BUDGET = Budget()  # effort of tuning on first sight (config.autotune); may be changed
 
 
 def open_db(path: Path | None = None) -> TuningDB | None:
@@ -69,7 +70,7 @@ def choose(spec: ConvSpec, backend: Backend, epilogue: Epilogue = NO_EPILOGUE,
 def _choose_slow(spec: ConvSpec, backend: Backend, epi: Epilogue,
                  workspace_limit: int | None) -> tuple[Variant, Params]:
     db = open_db()
-    tuner = Tuner(backend, db)
+    tuner = Tuner(backend, db, AUTOTUNE_BUDGET)
     if db is not None:
         try:
             entry = tuner.lookup(spec, epi)

@@ -224,7 +224,7 @@ class Tuner:
         deadline = time.perf_counter() + (self.budget.seconds if self.budget.seconds is not None else 1e9)
         done: list[Candidate] = []
         bench: _Bench | None = None
-        with ThreadPoolExecutor(self.workers, thread_name_prefix="convforge-compile") as pool:
+        with self._pool() as pool:
             queue: deque[tuple[Candidate, Future[None]]] = deque()
             issued = 0
             while True:
@@ -243,6 +243,7 @@ class Tuner:
                         f.cancel()
                     break
                 fut.result()
+                self._retry_here(cand)
                 if cand.status == "compiled":
                     bench = bench or _Bench(self.backend, spec, epi, self.seed)
                     self._measure(cand, bench, done)
@@ -312,8 +313,10 @@ class Tuner:
                 except Exception as err:  # noqa: BLE001
                     _failed(cand, f"plan failed: {type(err).__name__}: {err}")
             cands.append(cand)
-        with ThreadPoolExecutor(self.workers, thread_name_prefix="convforge-compile") as pool:
+        with self._pool() as pool:
             list(pool.map(self._compile, cands))
+        for cand in cands:
+            self._retry_here(cand)
         bench: _Bench | None = None
         for cand in cands:
             if cand.status == "compiled":
@@ -322,6 +325,31 @@ class Tuner:
         return cands
 
     # -- compiling and measuring ----------------------------------------------------------
+    def _pool(self) -> ThreadPoolExecutor:
+        """Compile threads; each first makes a device call so that (on CUDA) the device's context
+        is current in the thread before a module is loaded there."""
+
+        def init() -> None:
+            try:
+                self.backend.synchronize()
+            except Exception as err:  # noqa: BLE001 - the main-thread retry covers it
+                log.debug("compile thread could not touch the device: %s", err)
+
+        return ThreadPoolExecutor(self.workers, thread_name_prefix="convforge-compile", initializer=init)
+
+    def _retry_here(self, cand: Candidate) -> None:
+        """A compile that failed in a worker is tried once more on this thread before it scores
+        infinity (a driver that wants modules loaded on the thread owning the context)."""
+        if cand.plan is None or not cand.status.startswith("compile failed"):
+            return
+        try:
+            self.backend.program(cand.plan.source(self.backend.name))
+        except Exception:  # noqa: BLE001 - really broken: keep the worker's reason
+            return
+        log.warning("%s compiled only on the main thread; compile threads do not work here",
+                    cand.describe())
+        cand.status, cand.time_ms = "compiled", INF
+
     def _compile(self, cand: Candidate) -> None:
         """Runs in a worker thread: the compilers release the GIL."""
         if cand.plan is None or cand.status != "pending":

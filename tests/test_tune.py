@@ -1,0 +1,271 @@
+"""The tuner, the heuristic and the tuning database, on PoCL with tiny layers and small budgets."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import multiprocessing
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from convforge.config import config
+from convforge.kernels import get_variant
+from convforge.params import Params
+from convforge.plan import DeviceInfo, Epilogue, Plan, Variant
+from convforge.spec import ConvSpec
+from convforge.tune import Budget, TuningDB, choose, clear_choices, heuristic_choice, measure_dispatch
+from convforge.tune.db import SCHEMA_VERSION, Entry, now
+from convforge.tune.heuristic import NO_EPILOGUE
+from convforge.tune.tuner import Tuner
+
+SPEC = ConvSpec.make(1, 3, 13, 13, 5, 3, 3, 1, 1)
+SPEC2 = ConvSpec.make(2, 2, 11, 9, 3, 3, 3, 2, (1, 0, 2, 1))
+
+
+@pytest.fixture(scope="module")
+def backend():  # type: ignore[no-untyped-def]
+    from convforge.backends import get_backend, opencl_available
+
+    if not opencl_available():
+        pytest.skip("no OpenCL device")
+    return get_backend("opencl")
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> TuningDB:
+    return TuningDB(tmp_path / "tuning.sqlite")
+
+
+def count_timings(backend, monkeypatch) -> list[int]:  # type: ignore[no-untyped-def]
+    """Wrap the back-end's timer so a test sees how often anything was timed."""
+    calls = [0]
+    real = backend.time_ms
+
+    def counted(fn, repeats):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        return real(fn, repeats)
+
+    monkeypatch.setattr(backend, "time_ms", counted)
+    return calls
+
+
+class _Edited(Variant):
+    """A real variant whose generated body is edited (to break compiling or the result)."""
+
+    def __init__(self, base: str, name: str, edit: tuple[str, str], specialised: int = 100) -> None:
+        self.base = get_variant(base)
+        self.name, self.family, self.edit, self.specialised = name, "test", edit, specialised
+
+    def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
+        return [self.base.default(spec, device)]
+
+    def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
+             epilogue: Epilogue = NO_EPILOGUE) -> Plan:
+        plan = self.base.plan(spec, params, device, epilogue)
+        k = plan.kernels[0]
+        k = dataclasses.replace(k, body=k.body.replace(*self.edit, 1))
+        return dataclasses.replace(plan, variant=self.name, kernels=(k,) + plan.kernels[1:])
+
+
+# -- budget and heuristic (no device) ------------------------------------------------------
+def test_budget_parse() -> None:
+    assert Budget.parse("30s") == Budget(30.0, None)
+    assert Budget.parse("20") == Budget(None, 20)
+    assert Budget.parse("2m,8") == Budget(120.0, 8)
+    with pytest.raises(ValueError, match="budget"):
+        Budget.parse("fast")
+
+
+def test_heuristic_prefers_most_specialised() -> None:
+    dev = DeviceInfo("opencl", "nominal", is_gpu=False)
+    direct, smem = get_variant("direct"), get_variant("direct_smem")
+    lo = _Edited("direct", "lo", ("", ""), specialised=-5)
+    hi = _Edited("direct_smem", "hi", ("", ""), specialised=50)
+    v, prm = heuristic_choice(SPEC, dev, variants=[lo, direct, hi, smem])
+    assert v is hi and prm == smem.default(SPEC, dev)
+    v, prm = heuristic_choice(SPEC, dev, variants=[lo, direct])
+    assert v is direct and prm == direct.default(SPEC, dev)
+
+
+# -- the tuner on PoCL ------------------------------------------------------------------------
+def test_tune_then_warm_database_does_no_timing(backend, db, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    timings = count_timings(backend, monkeypatch)
+    variants = [get_variant("direct"), get_variant("direct_smem")]
+    tuner = Tuner(backend, db, Budget(None, 3), variants=variants)
+    res = tuner.tune(SPEC2)
+    assert not res.from_db and len(res.candidates) == 3
+    assert res.candidates[0].is_default and res.candidates[1].is_default  # defaults measured first
+    assert all(c.status == "ok" for c in res.candidates), [c.status for c in res.candidates]
+    assert res.entry.time_ms == min(c.time_ms for c in res.candidates)
+    assert res.entry.heuristic_ms is not None and res.entry.error < 1e-5
+    assert timings[0] >= 3 and tuner.timings == 3
+    assert len(db.measurements(res.entry.key)) == 3
+
+    before = timings[0]
+    again = Tuner(backend, TuningDB(db.path), Budget(None, 3), variants=variants)
+    warm = again.tune(SPEC2)
+    assert warm.from_db and warm.choice == res.choice
+    assert timings[0] == before and again.timings == 0
+
+
+def test_failed_compile_scores_infinity_and_search_goes_on(backend, caplog) -> None:  # type: ignore[no-untyped-def]
+    broken = _Edited("direct", "broken", ("{", "{ this is not C;"))
+    tuner = Tuner(backend, None, Budget(None, 2), variants=[broken, get_variant("direct")])
+    with caplog.at_level(logging.INFO, logger="convforge.tune"):
+        res = tuner.tune(SPEC)
+    first = res.candidates[0]
+    assert first.variant is broken and first.time_ms == float("inf")
+    assert first.status.startswith("compile failed")
+    assert any("broken" in r.getMessage() and "compile failed" in r.getMessage() for r in caplog.records)
+    assert res.variant.name == "direct"
+
+
+def test_wrong_result_never_wins(backend, caplog) -> None:  # type: ignore[no-untyped-def]
+    wrong = _Edited("direct", "wrong", ("= 0.0f;", "= 1.0f;"))
+    tuner = Tuner(backend, None, Budget(None, 2), variants=[wrong, get_variant("direct")])
+    with caplog.at_level(logging.WARNING, logger="convforge.tune"):
+        res = tuner.tune(SPEC)
+    assert res.candidates[0].status.startswith("wrong")
+    assert res.variant.name == "direct"
+    assert any("wrong" in r.getMessage() for r in caplog.records)
+
+
+def test_choose_database_autotune_and_heuristic(backend, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(config, "db_path", tmp_path / "choose.sqlite")
+    monkeypatch.setattr(config, "autotune", False)
+    clear_choices()
+    try:
+        v, prm = choose(SPEC, backend)
+        assert (v, prm) == heuristic_choice(SPEC, backend.device)
+        db = TuningDB(config.tuning_db)
+        assert db.entries() == []  # the heuristic stores nothing
+
+        monkeypatch.setattr(config, "autotune", True)
+        timings = count_timings(backend, monkeypatch)
+        monkeypatch.setattr("convforge.tune.AUTOTUNE_BUDGET", Budget(None, 2))
+        v, prm = choose(SPEC, backend)
+        assert timings[0] >= 1 and len(db.entries()) == 1
+        stored = db.entries()[0]
+        assert (stored.variant, Params.from_json(stored.params)) == (v.name, prm)
+
+        monkeypatch.setattr(config, "autotune", False)
+        clear_choices()
+        before = timings[0]
+        assert choose(SPEC, backend) == (v, prm)  # from the database, without timing
+        assert timings[0] == before
+        us = measure_dispatch(SPEC, backend, calls=20000)
+        print(f"choose() warm: {us:.2f} us per call")
+        assert us < 20
+    finally:
+        clear_choices()
+
+
+# -- the database -----------------------------------------------------------------------------
+def _entry(i: int, time_ms: float = 1.0, device: str = "dev") -> Entry:
+    return Entry(device, "opencl", "0.1.0", f"spec{i}", "float32", "none", "direct",
+                 json.dumps({"tk": i % 4}), time_ms, 0, 1e-7, now())
+
+
+def _writer(path: str, start: int, count: int) -> None:
+    db = TuningDB(path)
+    for i in range(start, start + count):
+        db.put(_entry(i))
+        db.put(_entry(0, time_ms=float(i)))  # both processes fight over one key too
+    db.close()
+
+
+def test_two_processes_write_at_once(tmp_path: Path) -> None:
+    path = str(tmp_path / "shared.sqlite")
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_writer, args=(path, 1 + 100 * k, 60)) for k in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    db = TuningDB(path)
+    assert len(db.entries()) == 121
+    assert db.conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+def test_corrupt_file_is_moved_aside_and_rebuilt(tmp_path: Path) -> None:
+    path = tmp_path / "tuning.sqlite"
+    path.write_bytes(b"this is not a database " * 200)
+    with pytest.warns(RuntimeWarning, match="moved to"):
+        db = TuningDB(path)
+    assert db.entries() == []
+    db.put(_entry(1))
+    assert len(db.entries()) == 1
+    aside = list(tmp_path.glob("tuning.sqlite.bad-*"))
+    assert len(aside) == 1 and aside[0].read_bytes().startswith(b"this is not")
+
+
+@pytest.mark.parametrize("version", [0, SCHEMA_VERSION + 1])
+def test_other_format_is_moved_aside(tmp_path: Path, version: int) -> None:
+    path = tmp_path / "tuning.sqlite"
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE results (spec TEXT, best TEXT)")
+    conn.execute("INSERT INTO results VALUES ('old', 'layout')")
+    conn.execute(f"PRAGMA user_version = {version}")
+    conn.commit()
+    conn.close()
+    with pytest.warns(RuntimeWarning, match="format"):
+        db = TuningDB(path)
+    assert db.entries() == []
+    assert len(list(tmp_path.glob("tuning.sqlite.bad-*"))) == 1
+
+
+def test_export_import_round_trip(tmp_path: Path) -> None:
+    a = TuningDB(tmp_path / "a.sqlite")
+    for i in range(5):
+        a.put(_entry(i, time_ms=1.0 + i))
+    doc = a.export_json(tmp_path / "out.json")
+    assert len(doc["entries"]) == 5
+    b = TuningDB(tmp_path / "b.sqlite")
+    b.put(_entry(0, time_ms=0.5))  # faster than the import: kept
+    assert b.import_json(tmp_path / "out.json") == 4
+    got = {e.spec: e for e in b.entries()}
+    assert got["spec0"].time_ms == 0.5
+    assert [got[e.spec] for e in a.entries()[1:]] == a.entries()[1:]
+    assert b.import_json(tmp_path / "out.json", only_if_faster=False) == 5
+    assert b.entries() == a.entries()
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="export"):
+        b.import_json(tmp_path / "bad.json")
+    assert b.clear(spec="spec1") == 1 and len(b.entries()) == 4
+
+
+# -- the commands ----------------------------------------------------------------------------
+def _parse(add, argv: list[str]) -> argparse.Namespace:  # type: ignore[no-untyped-def]
+    p = argparse.ArgumentParser()
+    add(p)
+    return p.parse_args(argv)
+
+
+def test_tune_command_report_and_db_commands(backend, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from convforge.tune.command import add_db_arguments, add_tune_arguments, db_main, tune_main
+
+    dbp = str(tmp_path / "cli.sqlite")
+    spec = "N=1,C=3,H=13,W=13,K=5,R=3,S=3,pad=1"
+    args = _parse(add_tune_arguments, ["--spec", spec, "--budget", "2", "--db", dbp,
+                                       "--report", str(tmp_path / "rep")])
+    assert tune_main(args) == 0
+    doc = json.loads((tmp_path / "rep" / "report.json").read_text())
+    row = doc["layers"][0]
+    assert row["tuned"]["ms"] > 0 and row["heuristic"]["ms"] > 0 and row["fixed"] is not None
+    assert (tmp_path / "rep" / "report.png").stat().st_size > 0
+
+    assert tune_main(_parse(add_tune_arguments, ["--spec", spec, "--budget", "2", "--db", dbp])) == 0
+    assert "1 from the database" in capsys.readouterr().out
+
+    assert db_main(_parse(add_db_arguments, ["--db", dbp, "list"])) == 0
+    exp = tmp_path / "exp.json"
+    assert db_main(_parse(add_db_arguments, ["--db", dbp, "export", str(exp)])) == 0
+    assert db_main(_parse(add_db_arguments, ["--db", dbp, "clear"])) == 0
+    assert TuningDB(dbp).entries() == []
+    assert db_main(_parse(add_db_arguments, ["--db", dbp, "import", str(exp)])) == 0
+    assert len(TuningDB(dbp).entries()) == 1
