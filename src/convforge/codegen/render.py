@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Callable
+from collections.abc import Callable
 
 from convforge.codegen.dialect import Arg, Buf, ConstBuf, Kernel, LocalBuf, Scalar, split_call
 
