@@ -1,0 +1,125 @@
+"""``convforge bench``: run a suite with convforge and the baselines, print the table, write results.
+
+Wired by cli.py as ``add_arguments(subparser)`` and ``main(args)``; ``python -m convforge.bench.command``
+runs it standalone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from convforge.backends.base import Backend
+from convforge.bench import baselines, ceilings, plots, report, runner
+from convforge.bench.suites import BUILTIN, SuiteError, load_suite
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Bench's options on the ``bench`` subparser."""
+    parser.add_argument("--suite", required=True, metavar="NAME|FILE",
+                        help=f"built-in suite ({', '.join(BUILTIN)}) or a JSON file of layers")
+    parser.add_argument("--limit", type=int, metavar="K", help="only the first K layers")
+    parser.add_argument("--algo", action="append", metavar="A",
+                        help="family, variant or 'auto' (repeatable; default: auto)")
+    parser.add_argument("--backend", choices=("cuda", "opencl"),
+                        help="default: cuda when a CUDA device is visible, else opencl")
+    parser.add_argument("--baseline", choices=baselines.KINDS,
+                        help="default: cudnn on cuda, torch (CPU or GPU) on opencl")
+    parser.add_argument("--out", metavar="DIR", help="write results.json, results.csv and PNG plots here")
+    parser.add_argument("--compare-backends", action="store_true",
+                        help="run convforge through CUDA and OpenCL on the same GPU, side by side")
+    parser.add_argument("--warmup", type=int, help="untimed calls first (default 3 on GPUs, 1 on CPUs)")
+    parser.add_argument("--repeats", type=int, help="timed calls, median taken (default 25 / 3)")
+    parser.add_argument("--batch-slice", type=int, metavar="N",
+                        help="check only the first N images against the reference")
+    parser.add_argument("--quick-ceilings", action="store_true",
+                        help="measure the ceilings with tiny kernels (smoke tests)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _backends(args: argparse.Namespace) -> list[Backend]:
+    """The back-ends to run: one, or CUDA then OpenCL. OpenCL (pyopencl) is imported only when asked."""
+    from convforge.backends import cuda_available, get_backend
+
+    if args.compare_backends:
+        return [get_backend("cuda"), get_backend("opencl")]
+    name = args.backend or ("cuda" if cuda_available() else "opencl")
+    return [get_backend(name)]
+
+
+def _baseline_kind(args: argparse.Namespace, bes: list[Backend]) -> str:
+    if args.baseline:
+        return str(args.baseline)
+    return "cudnn" if bes[0].name == "cuda" else "torch"
+
+
+def _run(args: argparse.Namespace, console: Console) -> int:
+    layers = load_suite(args.suite, args.limit)
+    bes = _backends(args)
+    kind = _baseline_kind(args, bes)
+    env = runner.environment(bes, kind)
+    report.print_header(console, env, args.suite, len(layers))
+    notes = []
+    why = baselines.unavailable(kind, bes[0].name)
+    if why:
+        notes.append(why)
+        console.print(f"[yellow]baseline: {why}[/]")
+    ceil = {}
+    for be in bes:
+        ceil[be.name] = ceilings.measure(be, quick=args.quick_ceilings)
+    report.print_ceilings(console, ceil)
+    cfg = runner.BenchConfig(tuple(args.algo or ["auto"]), kind, args.warmup, args.repeats,
+                             args.batch_slice, args.seed)
+    on_gpu = bes[0].device.is_gpu
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("layers", total=len(layers))
+
+        def on_layer(i: int, layer: runner.Layer) -> None:
+            bar.update(task, completed=i, description=f"layer {i + 1}/{len(layers)}: {layer.name}")
+
+        rows = runner.run_suite(layers, bes, cfg, ceil, on_gpu, on_layer)
+        bar.update(task, completed=len(layers))
+    console.print(report.layer_table(rows, f"{args.suite} on {env['device']}"))
+    if any(not r.impl.startswith("convforge") for r in rows):
+        console.print(report.baseline_table(rows))
+    if args.compare_backends:
+        console.print(report.compare_table(rows))
+    failed = [r for r in rows if r.impl.startswith("convforge") and r.ok is False]
+    if args.out:
+        _write(Path(args.out), env, ceil, args.suite, rows, notes, console)
+    if failed:
+        console.print(f"[red]{len(failed)} convforge result(s) FAILED the check or did not run[/]")
+    return 1 if failed else 0
+
+
+def _write(out: Path, env: dict[str, object], ceil: dict[str, ceilings.Ceilings], suite: str,
+           rows: list[runner.Row], notes: list[str], console: Console) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    report.write_json(out / "results.json", env, ceil, suite, rows, notes)
+    report.write_csv(out / "results.csv", env, rows)
+    pngs = plots.write_plots(out, rows, ceil)
+    what = ", ".join(p.name for p in pngs) if pngs else "no plots (pip install 'convforge[plot]')"
+    console.print(f"wrote {out}/results.json, results.csv, {what}")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``convforge bench`` with parsed arguments; the exit status is 1 when a result failed."""
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=200)  # logs and pipes get the whole table, not an 80-column squeeze
+    try:
+        return _run(args, console)
+    except SuiteError as err:
+        console.print(f"[red]error:[/] {err}")
+        return 2
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(prog="convforge bench")
+    add_arguments(p)
+    sys.exit(main(p.parse_args()))

@@ -1,0 +1,173 @@
+"""cuDNN's legacy forward API through ctypes, on the libcudnn that PyTorch ships.
+
+Every forward algorithm is tried with FP32 data and FMA math (no tensor cores); NOT_SUPPORTED ones are
+reported with their status. Buffers and workspace are torch allocations; times are torch.cuda events
+on torch's current stream. Imported only by ``baselines`` when torch and a CUDA device exist.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from pathlib import Path
+from typing import Any
+
+from convforge.bench.baselines import BaselineResult, _rel_err, _time_cuda
+from convforge.bench.timing import Timing, cycle
+from convforge.spec import ConvSpec
+
+ALGOS = ("IMPLICIT_GEMM", "IMPLICIT_PRECOMP_GEMM", "GEMM", "DIRECT", "FFT", "FFT_TILING", "WINOGRAD",
+         "WINOGRAD_NONFUSED")
+_FLOAT, _NCHW, _CROSS_CORRELATION = 0, 0, 1
+_DEFAULT_MATH, _FMA_MATH = 0, 3
+_LIBS = ("libcudnn.so.9", "libcudnn_cnn.so.9", "libcudnn_ops.so.9", "libcudnn_graph.so.9")
+
+
+def _lib_dirs() -> list[Path]:
+    """site-packages/nvidia/cudnn/lib of every path entry (where PyTorch's wheel dependency lives)."""
+    out = []
+    for entry in sys.path:
+        d = Path(entry) / "nvidia" / "cudnn" / "lib"
+        if d.is_dir():
+            out.append(d)
+    return out
+
+
+class _Api:
+    """Symbols looked up across libcudnn and its sub-libraries (cuDNN 9 splits them)."""
+
+    def __init__(self) -> None:
+        import torch
+
+        torch.backends.cudnn.version()  # makes torch load its libcudnn first
+        self.libs: list[ctypes.CDLL] = []
+        for name in _LIBS:
+            for cand in [str(d / name) for d in _lib_dirs()] + [name]:
+                try:
+                    self.libs.append(ctypes.CDLL(cand))
+                    break
+                except OSError:
+                    continue
+        if not self.libs:
+            raise OSError("libcudnn.so.9 not found (looked in site-packages/nvidia/cudnn/lib)")
+        self.fn("cudnnGetErrorString").restype = ctypes.c_char_p
+
+    def fn(self, name: str) -> Any:
+        for lib in self.libs:
+            try:
+                return getattr(lib, name)
+            except AttributeError:
+                continue
+        raise AttributeError(f"cuDNN symbol {name} not found")
+
+    def error(self, status: int) -> str:
+        return str(self.fn("cudnnGetErrorString")(status).decode())
+
+    def __call__(self, name: str, *args: Any) -> int:
+        return int(self.fn(name)(*args))
+
+    def check(self, name: str, *args: Any) -> None:
+        status = self(name, *args)
+        if status != 0:
+            raise RuntimeError(f"{name}: {self.error(status)}")
+
+
+_API: _Api | None = None
+_HANDLE = ctypes.c_void_p()
+
+
+def _api() -> _Api:
+    global _API
+    if _API is None:
+        api = _Api()
+        api.check("cudnnCreate", ctypes.byref(_HANDLE))
+        _API = api
+    return _API
+
+
+def version() -> str:
+    try:
+        return str(_api().fn("cudnnGetVersion")())
+    except (OSError, AttributeError, RuntimeError):
+        return ""
+
+
+class _Descriptors:
+    """x, w, y and convolution descriptors of one layer; destroyed on exit."""
+
+    def __init__(self, api: _Api) -> None:
+        self.api = api
+        self.x, self.y = ctypes.c_void_p(), ctypes.c_void_p()
+        self.w, self.conv = ctypes.c_void_p(), ctypes.c_void_p()
+        self.math = "FMA"
+
+    def __enter__(self) -> _Descriptors:
+        return self
+
+    def build(self, spec: ConvSpec) -> None:
+        a, v = self.api, ctypes.c_int
+        a.check("cudnnCreateTensorDescriptor", ctypes.byref(self.x))
+        a.check("cudnnCreateTensorDescriptor", ctypes.byref(self.y))
+        a.check("cudnnCreateFilterDescriptor", ctypes.byref(self.w))
+        a.check("cudnnCreateConvolutionDescriptor", ctypes.byref(self.conv))
+        a.check("cudnnSetTensor4dDescriptor", self.x, v(_NCHW), v(_FLOAT), *map(v, spec.x_shape))
+        a.check("cudnnSetTensor4dDescriptor", self.y, v(_NCHW), v(_FLOAT), *map(v, spec.y_shape))
+        a.check("cudnnSetFilter4dDescriptor", self.w, v(_FLOAT), v(_NCHW), *map(v, spec.w_shape))
+        a.check("cudnnSetConvolution2dDescriptor", self.conv, v(spec.pad[0]), v(spec.pad[2]),
+                v(spec.stride[0]), v(spec.stride[1]), v(spec.dilation[0]), v(spec.dilation[1]),
+                v(_CROSS_CORRELATION), v(_FLOAT))
+        if a("cudnnSetConvolutionMathType", self.conv, v(_FMA_MATH)) != 0:
+            a.check("cudnnSetConvolutionMathType", self.conv, v(_DEFAULT_MATH))
+            self.math = "DEFAULT"
+
+    def __exit__(self, *exc: object) -> None:
+        for name, d in (("cudnnDestroyTensorDescriptor", self.x), ("cudnnDestroyTensorDescriptor", self.y),
+                        ("cudnnDestroyFilterDescriptor", self.w),
+                        ("cudnnDestroyConvolutionDescriptor", self.conv)):
+            if d.value:
+                self.api(name, d)
+
+
+def _one(api: _Api, d: _Descriptors, algo: int, spec: ConvSpec, sets: list[tuple[Any, Any]],
+         ref: Any, timing: Timing) -> BaselineResult:
+    import torch
+
+    name, v = f"cudnn:{ALGOS[algo]}", ctypes.c_int
+    ws = ctypes.c_size_t()
+    status = api("cudnnGetConvolutionForwardWorkspaceSize", _HANDLE, d.x, d.w, d.conv, d.y, v(algo),
+                 ctypes.byref(ws))
+    if status != 0:
+        return BaselineResult(name, ALGOS[algo], "fp32", None, status=api.error(status))
+    work = torch.empty(max(ws.value, 1), dtype=torch.uint8, device="cuda")
+    y = torch.empty(spec.y_shape, dtype=torch.float32, device="cuda")
+    alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+
+    def call(x: Any, w: Any) -> int:
+        return api("cudnnConvolutionForward", _HANDLE, ctypes.byref(alpha), d.x,
+                   ctypes.c_void_p(x.data_ptr()), d.w, ctypes.c_void_p(w.data_ptr()), d.conv, v(algo),
+                   ctypes.c_void_p(work.data_ptr()), ctypes.c_size_t(ws.value), ctypes.byref(beta), d.y,
+                   ctypes.c_void_p(y.data_ptr()))
+
+    status = call(*sets[0])
+    if status != 0:
+        return BaselineResult(name, ALGOS[algo], "fp32", None, ws.value, status=api.error(status))
+    err = _rel_err(y, ref)
+    it = cycle(sets)
+    ms = _time_cuda(lambda: call(*next(it)), timing)
+    note = "ok" if d.math == "FMA" else "ok (FMA math refused: DEFAULT math, TF32 possible)"
+    return BaselineResult(name, ALGOS[algo], "fp32", ms, ws.value, err, note)
+
+
+def all_algorithms(spec: ConvSpec, sets: list[tuple[Any, Any]], ref: Any,
+                   timing: Timing) -> list[BaselineResult]:
+    """Each of the 8 legacy forward algorithms, timed, or with the status that stopped it."""
+    import torch
+
+    try:
+        api = _api()
+    except (OSError, AttributeError, RuntimeError) as err:
+        return [BaselineResult("cudnn:legacy", "-", "fp32", None, status=f"unavailable: {err}")]
+    api.check("cudnnSetStream", _HANDLE, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+    with _Descriptors(api) as d:
+        d.build(spec)
+        return [_one(api, d, algo, spec, sets, ref, timing) for algo in range(len(ALGOS))]

@@ -1,0 +1,121 @@
+"""Reports: the header, the per-layer table (rich), the back-end comparison, results.json and results.csv."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from convforge.bench.ceilings import Ceilings
+from convforge.bench.runner import Row
+
+CSV_FIELDS = ("layer", "index", "impl", "backend", "algo", "precision", "time_ms", "tflops", "pct_peak",
+              "workspace_bytes", "rel_err", "ok", "status", "baseline_impl", "baseline_algo",
+              "baseline_ms", "speedup", "flops", "min_bytes", "chosen_by", "N", "C", "H", "W", "K", "R", "S",
+              "stride", "pad", "dilation")
+ENV_FIELDS = ("device", "driver", "platform", "convforge", "torch", "cudnn", "cupy", "pyopencl", "numpy")
+
+
+def _num(v: float | None, fmt: str) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
+
+
+def _bytes(v: int | None) -> str:
+    if v is None:
+        return "-"
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if v >= scale:
+            return f"{v / scale:.1f} {unit}"
+    return f"{v} B"
+
+
+def print_header(console: Console, env: dict[str, Any], suite: str, nlayers: int) -> None:
+    console.print(f"[bold]convforge bench[/] suite [cyan]{suite}[/] ({nlayers} layers)")
+    console.print(f"device: {env['device']}  driver: {env['driver'] or '-'}  ({env.get('platform') or '-'})")
+    console.print(f"torch: {env.get('torch') or 'not installed'}  cuDNN: {env.get('cudnn') or '-'}  "
+                  f"cupy: {env.get('cupy') or '-'}  pyopencl: {env.get('pyopencl') or '-'}  "
+                  f"convforge {env['convforge']}")
+
+
+def print_ceilings(console: Console, ceilings: dict[str, Ceilings]) -> None:
+    for backend, c in ceilings.items():
+        console.print(f"ceilings ({backend}): {c}")
+
+
+def layer_table(rows: list[Row], title: str = "") -> Table:
+    """One line per layer x convforge implementation, with its baseline beside it."""
+    t = Table(title=title or None, show_lines=False)
+    for col, just in (("layer", "left"), ("convforge variant", "left"), ("time ms", "right"),
+                      ("TFLOPS", "right"), ("% peak", "right"), ("baseline ms", "right"),
+                      ("baseline algo", "left"), ("speed-up", "right"), ("workspace", "right"),
+                      ("rel err", "right"), ("check", "left")):
+        t.add_column(col, justify=just)  # type: ignore[arg-type]
+    for r in rows:
+        if not r.impl.startswith("convforge"):
+            continue
+        check = "ok" if r.ok else ("[red]FAIL[/]" if r.ok is False else "-")
+        if r.status.startswith("error"):
+            check = f"[red]{r.status[:60]}[/]"
+        variant = r.algo if len(r.algo) < 48 else r.algo[:45] + "..."
+        base = f"{r.baseline_impl}: {r.baseline_algo}" if r.baseline_impl else "none available"
+        t.add_row(r.layer, f"{variant} [{r.backend}]", _num(r.time_ms, ".3f"), _num(r.tflops, ".4g"),
+                  _num(r.pct_peak, ".1f"), _num(r.baseline_ms, ".3f"), base, _num(r.speedup, ".2f"),
+                  _bytes(r.workspace_bytes), _num(r.rel_err, ".1e"), check)
+    return t
+
+
+def baseline_table(rows: list[Row]) -> Table:
+    """Every baseline implementation (cuDNN algorithms with their status, other precisions labelled)."""
+    t = Table(title="baselines")
+    for col in ("layer", "impl", "algo", "precision", "time ms", "TFLOPS", "workspace", "rel err", "status"):
+        t.add_column(col)
+    for r in rows:
+        if r.impl.startswith("convforge"):
+            continue
+        t.add_row(r.layer, r.impl, r.algo, r.precision, _num(r.time_ms, ".3f"), _num(r.tflops, ".4g"),
+                  _bytes(r.workspace_bytes), _num(r.rel_err, ".1e"), r.status[:50])
+    return t
+
+
+def compare_table(rows: list[Row]) -> Table:
+    """CUDA vs OpenCL on one GPU: the same generated source through both, side by side."""
+    t = Table(title="CUDA vs OpenCL (same generated kernels)")
+    for col in ("layer", "variant", "cuda ms", "opencl ms", "opencl / cuda"):
+        t.add_column(col)
+    by: dict[tuple[str, str], dict[str, Row]] = {}
+    for r in rows:
+        if r.impl.startswith("convforge"):
+            by.setdefault((r.layer, r.impl), {})[r.backend] = r
+    for (layer, impl), d in by.items():
+        cu, oc = d.get("cuda"), d.get("opencl")
+        ratio = (oc.time_ms / cu.time_ms) if cu and oc and cu.time_ms and oc.time_ms else None
+        variant = " / ".join(sorted({r.algo for r in d.values()}))
+        t.add_row(layer, f"{impl}: {variant}", _num(cu.time_ms if cu else None, ".3f"),
+                  _num(oc.time_ms if oc else None, ".3f"), _num(ratio, ".2f"))
+    return t
+
+
+def write_json(path: Path, env: dict[str, Any], ceilings: dict[str, Ceilings], suite: str,
+               rows: list[Row], notes: list[str]) -> None:
+    doc = {"suite": suite, "env": env, "ceilings": {k: c.to_dict() for k, c in ceilings.items()},
+           "notes": notes, "rows": [r.to_dict() for r in rows]}
+    path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+
+
+def write_csv(path: Path, env: dict[str, Any], rows: list[Row]) -> None:
+    """One line per layer x implementation, with the device, driver and library versions on each."""
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(CSV_FIELDS) + list(ENV_FIELDS))
+        w.writeheader()
+        for r in rows:
+            d = r.to_dict()
+            spec = d.pop("spec")
+            d.update({k: spec.get(k, "") for k in ("N", "C", "H", "W", "K", "R", "S")})
+            d.update({k: "x".join(map(str, spec.get(k, []))) for k in ("stride", "pad", "dilation")})
+            d.update({k: env.get(k, "") for k in ENV_FIELDS})
+            w.writerow({k: d.get(k, "") for k in w.fieldnames})

@@ -1,0 +1,237 @@
+"""Running a suite: for each layer, the convforge implementations (checked against the float64
+reference, then timed) and the baselines, as one Row per layer x implementation."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from convforge import __version__
+from convforge.backends.base import Backend
+from convforge.bench import baselines
+from convforge.bench.ceilings import Ceilings
+from convforge.bench.suites import Layer
+from convforge.bench.timing import Timing, check_slice, cycle, run_timed
+from convforge.check import check_plan, random_inputs
+from convforge.kernels import reasons, select
+from convforge.params import Params
+from convforge.plan import DeviceInfo, Variant
+from convforge.spec import ConvSpec
+
+
+@dataclass
+class Row:
+    """One layer x implementation. Convforge rows carry their check and the baseline they beat (or not)."""
+
+    layer: str
+    index: int
+    impl: str
+    backend: str
+    algo: str
+    precision: str
+    time_ms: float | None
+    tflops: float | None = None
+    pct_peak: float | None = None
+    workspace_bytes: int | None = None
+    rel_err: float | None = None
+    ok: bool | None = None
+    status: str = "ok"
+    baseline_impl: str = ""
+    baseline_algo: str = ""
+    baseline_ms: float | None = None
+    speedup: float | None = None
+    flops: int = 0
+    min_bytes: int = 0
+    chosen_by: str = ""
+    spec: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to run: algorithms, baseline kind, timing overrides, check slice, seed."""
+
+    algos: tuple[str, ...] = ("auto",)
+    baseline: str = "none"
+    warmup: int | None = None
+    repeats: int | None = None
+    batch_slice: int | None = None
+    seed: int = 0
+
+
+def heuristic(algo: str, spec: ConvSpec, device: DeviceInfo) -> tuple[Variant, Params]:
+    """The most specialised applicable variant named by ``algo``, with its default parameters."""
+    cands = select(algo, spec, device)
+    if not cands:
+        why = "; ".join(f"{k}: {v}" for k, v in reasons(algo, spec, device).items())
+        raise ValueError(f"no variant of {algo!r} applies ({why or 'none registered'})")
+    variant = sorted(cands, key=lambda v: -v.specialised)[0]
+    return variant, variant.default(spec, device)
+
+
+def _tuned(spec: ConvSpec, be: Backend) -> tuple[Variant, Params] | None:
+    """The tuning database's choice when ``convforge.tune.choose`` exists and knows this layer."""
+    try:
+        from convforge import tune
+        from convforge.kernels import get_variant
+
+        pick: Any = tune.choose(spec, be)
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return None
+    if pick is None:
+        return None
+    variant, params = (pick.variant, pick.params) if hasattr(pick, "params") else pick
+    return (get_variant(variant) if isinstance(variant, str) else variant), params
+
+
+def choose(algo: str, spec: ConvSpec, be: Backend) -> tuple[Variant, Params, str]:
+    """(variant, params, how chosen) for ``--algo`` value ``algo``."""
+    if algo == "auto":
+        tuned = _tuned(spec, be)
+        if tuned is not None:
+            return tuned[0], tuned[1], "tune.choose"
+    variant, params = heuristic(algo, spec, be.device)
+    return variant, params, "heuristic"
+
+
+def _flops_row(row: Row, spec: ConvSpec, peak: float | None) -> Row:
+    if row.time_ms:
+        row.tflops = spec.flops / (row.time_ms * 1e-3) / 1e12
+        row.pct_peak = 100.0 * row.tflops / peak if peak else None
+    return row
+
+
+def _input_sets(be: Backend, spec: ConvSpec, timing: Timing, seed: int) -> list[dict[str, Any]]:
+    """``timing.sets`` fresh (x, w) pairs on the device sharing one output buffer."""
+    rng = np.random.default_rng(seed + 1)
+    y = be.empty(4 * spec.n * spec.k * spec.p * spec.q)
+    out = []
+    for _ in range(timing.sets):
+        x, w, _b = random_inputs(spec, rng)
+        out.append({"x": be.upload(x), "w": be.upload(w), "y": y})
+    return out
+
+
+def run_convforge(layer: Layer, index: int, be: Backend, algo: str, cfg: BenchConfig,
+                  timing: Timing, peak: float | None) -> Row:
+    """Check then time one convforge implementation; failures become rows, never exceptions."""
+    spec = layer.spec
+    base: dict[str, Any] = dict(layer=layer.name, index=index, impl=f"convforge:{algo}",
+                                backend=be.name, precision="fp32", flops=spec.flops, spec=spec.to_dict())
+    try:
+        variant, params, how = choose(algo, spec, be)
+        plan = variant.plan(spec, params, be.device)
+        exe = be.executable(plan)
+    except Exception as err:  # noqa: BLE001 - no variant, or a compile error: report it
+        return Row(**base, algo="-", time_ms=None, ok=False, status=f"error: {str(err)[:200]}")
+    row = Row(**base, algo=plan.describe(), time_ms=None, workspace_bytes=plan.workspace_bytes,
+              chosen_by=how)
+    try:
+        bs = cfg.batch_slice if cfg.batch_slice is not None else (
+            1 if not be.device.is_gpu else check_slice(spec))
+        chk = check_plan(plan, be, cfg.seed, exe=exe, batch_slice=bs)
+        row.rel_err, row.ok = chk.rel_err, chk.ok
+        row.status = "ok" if chk.ok else f"FAIL ({chk})"
+        it = cycle(_input_sets(be, spec, timing, cfg.seed))
+        row.time_ms = run_timed(lambda: exe(next(it)), be.synchronize, be.time_ms, timing)
+    except Exception as err:  # noqa: BLE001 - a launch failure is a result too
+        row.ok, row.status = False, f"error: {str(err)[:200]}"
+    return _flops_row(row, spec, peak)
+
+
+def baseline_rows(layer: Layer, index: int, results: list[baselines.BaselineResult],
+                  peak: float | None) -> list[Row]:
+    spec = layer.spec
+    out = []
+    for r in results:
+        row = Row(layer.name, index, r.impl, "torch", r.algo, r.precision, r.time_ms,
+                  workspace_bytes=r.workspace_bytes, rel_err=r.rel_err, status=r.status,
+                  flops=spec.flops, spec=spec.to_dict())
+        out.append(_flops_row(row, spec, peak))
+    return out
+
+
+def attach_baseline(rows: list[Row], ref: baselines.BaselineResult | None) -> None:
+    """Fill the baseline columns and speed-up of convforge rows."""
+    if ref is None:
+        return
+    for row in rows:
+        row.baseline_impl, row.baseline_algo, row.baseline_ms = ref.impl, ref.algo, ref.time_ms
+        if row.time_ms and ref.time_ms:
+            row.speedup = ref.time_ms / row.time_ms
+
+
+def bench_layer(layer: Layer, index: int, bes: list[Backend], cfg: BenchConfig,
+                ceilings: dict[str, Ceilings], baseline_on_gpu: bool) -> list[Row]:
+    """All rows of one layer: convforge on every back-end and algorithm, then the baselines."""
+    from convforge.bench.timing import layer_bytes
+
+    spec = layer.spec
+    rows: list[Row] = []
+    for be in bes:
+        timing = Timing.for_layer(spec, be.device, cfg.warmup, cfg.repeats)
+        peak = ceilings[be.name].ffma_tflops if be.name in ceilings else None
+        seen: set[str] = set()
+        for algo in cfg.algos:
+            row = run_convforge(layer, index, be, algo, cfg, timing, peak)
+            if row.algo != "-" and row.algo in seen:
+                continue  # 'auto' and an explicit family picked the same variant
+            seen.add(row.algo)
+            rows.append(row)
+    timing = Timing.for_layer(spec, bes[0].device, cfg.warmup, cfg.repeats)
+    peak0 = ceilings[bes[0].name].ffma_tflops if bes[0].name in ceilings else None
+    results = baselines.run(cfg.baseline, spec, timing, baseline_on_gpu)
+    attach_baseline(rows, baselines.primary(results))
+    rows += baseline_rows(layer, index, results, peak0)
+    for row in rows:
+        row.min_bytes = layer_bytes(spec)
+    return rows
+
+
+def run_suite(layers: list[Layer], bes: list[Backend], cfg: BenchConfig,
+              ceilings: dict[str, Ceilings], baseline_on_gpu: bool,
+              on_layer: Callable[[int, Layer], None] | None = None) -> list[Row]:
+    """Rows of every layer in order; ``on_layer`` is told which layer starts (progress bars)."""
+    rows: list[Row] = []
+    for i, layer in enumerate(layers):
+        if on_layer:
+            on_layer(i, layer)
+        rows += bench_layer(layer, i + 1, bes, cfg, ceilings, baseline_on_gpu)
+    return rows
+
+
+def _dist_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+def environment(bes: list[Backend], baseline: str) -> dict[str, Any]:
+    """Device, driver and library versions printed at the top and written with every row."""
+    dev = bes[0].device
+    env: dict[str, Any] = {
+        "device": dev.name, "driver": dev.driver, "platform": dev.platform,
+        "backends": ",".join(b.name for b in bes), "convforge": __version__,
+        "numpy": np.__version__, "python": platform.python_version(),
+        "pyopencl": _dist_version("pyopencl"),
+        "cupy": next((v for v in (_dist_version(n) for n in ("cupy-cuda13x", "cupy-cuda12x", "cupy"))
+                      if v), ""),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    if baseline != "none":
+        env.update(baselines.versions())
+    else:
+        env.update({"torch": _dist_version("torch"), "cudnn": ""})
+    for be in bes[1:]:
+        env[f"device_{be.name}"] = be.device.name
+        env[f"driver_{be.name}"] = be.device.driver
+    return env
