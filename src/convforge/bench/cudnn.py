@@ -170,4 +170,11 @@ def all_algorithms(spec: ConvSpec, sets: list[tuple[Any, Any]], ref: Any,
     api.check("cudnnSetStream", _HANDLE, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
     with _Descriptors(api) as d:
         d.build(spec)
-        return [_one(api, d, algo, spec, sets, ref, timing) for algo in range(len(ALGOS))]
+        out = []
+        for algo in range(len(ALGOS)):
+            try:
+                out.append(_one(api, d, algo, spec, sets, ref, timing))
+            except RuntimeError as err:  # e.g. out of memory for an FFT workspace
+                out.append(BaselineResult(f"cudnn:{ALGOS[algo]}", ALGOS[algo], "fp32", None,
+                                          status=f"failed: {str(err)[:80]}"))
+        return out

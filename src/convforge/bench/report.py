@@ -61,7 +61,7 @@ def layer_table(rows: list[Row], title: str = "") -> Table:
         check = "ok" if r.ok else ("[red]FAIL[/]" if r.ok is False else "-")
         if r.status.startswith("error"):
             check = f"[red]{r.status[:60]}[/]"
-        variant = r.algo if len(r.algo) < 48 else r.algo[:45] + "..."
+        variant = r.algo if len(r.algo) < 72 else r.algo[:69] + "..."
         base = f"{r.baseline_impl}: {r.baseline_algo}" if r.baseline_impl else "none available"
         t.add_row(r.layer, f"{variant} [{r.backend}]", _num(r.time_ms, ".3f"), _num(r.tflops, ".4g"),
                   _num(r.pct_peak, ".1f"), _num(r.baseline_ms, ".3f"), base, _num(r.speedup, ".2f"),
