@@ -1,0 +1,422 @@
+"""Convolution as GEMM: im2col + our SGEMM, im2col + cuBLAS, implicit GEMM (plain and with a
+precomputed (c, r, s) offset table, like cuDNN's PRECOMP variant) and the 1x1 path (Boda's k1conv,
+with split-K for small N*P*Q and large C).
+
+Orientation everywhere: M = K (output channels), N = N*P*Q (images x output pixels), reduction
+= C*R*S in (c, r, s) order. A is the filter tensor read as a K x CRS row-major matrix; B is the
+(real or virtual) im2col matrix CRS x NPQ; C is stored straight into the NCHW output with the
+epilogue applied. The SGEMM body comes from :mod:`convforge.kernels.sgemm`.
+"""
+
+from __future__ import annotations
+
+from convforge.codegen.dialect import Arg, Buf, Kernel
+from convforge.codegen.meta import Code, cdiv
+from convforge.kernels import register
+from convforge.kernels.common import out_args, out_refs
+from convforge.kernels.sgemm import (
+    GemmShape,
+    Operand,
+    Store,
+    gemm_block,
+    gemm_default,
+    gemm_grid,
+    gemm_kernel,
+    gemm_space,
+)
+from convforge.params import Params
+from convforge.plan import DeviceInfo, Epilogue, Gemm, Launch, Plan, Step, Variant
+from convforge.spec import ConvSpec
+
+_INT_LIMIT = 2**31 - 1
+_ELT_BLOCK = 256  # threads per block of the element-wise kernels (transforms, reductions)
+
+
+# -- shared metacode ------------------------------------------------------------------------
+def filter_operand(spec: ConvSpec, name: str = "w", ld: int | None = None) -> Operand:
+    """A = filters as a K x CRS row-major matrix (row stride ``ld``), float4 loads along CRS
+    when rows are 16-byte aligned."""
+    ld = ld or spec.c * spec.r * spec.s
+    vload = None
+    if ld % 4 == 0:
+        def vload(t: str, k: str, d: str) -> list[str]:
+            return [f"{d} = VLOAD4(0, {name} + {t}_i * {ld} + {k});"]
+    return Operand(load=lambda t, k, d: [f"{d} = {name}[{t}_i * {ld} + {k}];"],
+                   fast="k", vload=vload)
+
+
+def nchw_store(spec: ConvSpec, epi: Epilogue, out: str = "y", raw: bool = False) -> Store:
+    """C (K x NPQ) into an N x K x P x Q tensor; ``raw`` skips the epilogue (partial sums)."""
+    pq, kpq = spec.p * spec.q, spec.k * spec.p * spec.q
+
+    def setup(i: str, t: str) -> list[str]:
+        return [f"const int {t}_n = {i} / {pq};",
+                f"const int {t}_o = {t}_n * {kpq} + ({i} - {t}_n * {pq});"]
+
+    def put(m: str, t: str, v: str) -> list[str]:
+        val = v if raw else epi.apply(v, f"({m})")
+        return [f"{out}[{t}_o + ({m}) * {pq}] = {val};"]
+
+    return Store(put=put, setup=setup)
+
+
+def too_big(spec: ConvSpec, extra: int = 0) -> str | None:
+    """Reason when some array would need 64-bit indices (the kernels index with int)."""
+    biggest = max(spec.n * spec.c * spec.h * spec.w, spec.n * spec.k * spec.p * spec.q, extra)
+    if biggest > _INT_LIMIT:
+        return f"an array of {biggest} elements needs 64-bit indexing"
+    return None
+
+
+def elementwise(name: str, total: int, args: tuple[Arg, ...], body: list[str],
+                comment: str) -> tuple[Kernel, tuple[int, int, int]]:
+    """A 1-D kernel where thread ``e`` < ``total`` runs ``body``; returns it and its grid."""
+    code = Code()
+    code(f"const int e = GROUP_ID(0) * {_ELT_BLOCK} + LOCAL_ID(0);")
+    with code.block(f"if (e < {total})"):
+        code(*body)
+    return (Kernel(name, args, code.text(), (_ELT_BLOCK, 1, 1), comment=comment),
+            (cdiv(total, _ELT_BLOCK), 1, 1))
+
+
+def gemm_plan(variant: Variant, spec: ConvSpec, params: Params, epi: Epilogue, b: Operand,
+              extra_args: tuple[Arg, ...], extra_refs: tuple[str, ...],
+              pre: tuple[tuple[Kernel, Step], ...] = (), workspace: tuple[tuple[str, int], ...] = (),
+              a: Operand | None = None, a_ref: str = "w") -> Plan:
+    """Plan of [pre-kernels] + one SGEMM writing the NCHW output."""
+    shape = GemmShape(spec.k, spec.n * spec.p * spec.q, spec.c * spec.r * spec.s)
+    name = f"{variant.name}_sgemm"
+    args = (Buf(a_ref),) + extra_args + out_args(epi)
+    kern = gemm_kernel(name, shape, params, a or filter_operand(spec), b, nchw_store(spec, epi),
+                       args, comment=f"{variant.name}: {params.short()}")
+    launch = Launch(name, gemm_grid(shape, params), gemm_block(params),
+                    (a_ref,) + extra_refs + out_refs(epi))
+    return Plan(variant.name, variant.family, spec, params,
+                tuple(k for k, _ in pre) + (kern,), tuple(s for _, s in pre) + (launch,),
+                workspace, variant.tolerance, epi)
+
+
+class _ConvGemmBase(Variant):
+    """Space and default from the SGEMM generator, for M = K, N = NPQ, K = CRS."""
+
+    tolerance = 1e-5
+
+    def _b_vec(self, spec: ConvSpec) -> bool:
+        return False
+
+    def _a_vec(self, spec: ConvSpec) -> bool:
+        return (spec.c * spec.r * spec.s) % 4 == 0
+
+    def _mnk(self, spec: ConvSpec) -> tuple[int, int, int]:
+        return spec.k, spec.n * spec.p * spec.q, spec.c * spec.r * spec.s
+
+    def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
+        return super().applies(spec, device) or too_big(spec)
+
+    def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
+        return gemm_space(*self._mnk(spec), device, self._a_vec(spec), self._b_vec(spec))
+
+    def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
+        return gemm_default(*self._mnk(spec), device, self._a_vec(spec), self._b_vec(spec))
+
+
+# -- im2col ---------------------------------------------------------------------------------
+def im2col_kernel(spec: ConvSpec, per_image: bool) -> tuple[Kernel, tuple[int, int, int]]:
+    """Write the CRS x NPQ matrix (``per_image``: N blocks of CRS x PQ) into ``col``.
+
+    Thread (crs = GROUP_ID(1), npq) writes one element; writes are coalesced along npq.
+    """
+    (sh, sw), (dh, dw) = spec.stride, spec.dilation
+    pt, pl = spec.pad[0], spec.pad[2]
+    pq, npq, rs, hw = spec.p * spec.q, spec.n * spec.p * spec.q, spec.r * spec.s, spec.h * spec.w
+    crs = spec.c * rs
+    code = Code()
+    code("const int crs = GROUP_ID(1);",
+         f"const int c = crs / {rs}, r = (crs % {rs}) / {spec.s}, s = crs % {spec.s};",
+         f"const int i = GROUP_ID(0) * {_ELT_BLOCK} + LOCAL_ID(0);")
+    with code.block(f"if (i < {npq})"):
+        code(f"const int n = i / {pq}, pix = i % {pq};",
+             f"const int iy = (pix / {spec.q}) * {sh} + r * {dh} - {pt};",
+             f"const int ix = (pix % {spec.q}) * {sw} + s * {dw} - {pl};",
+             f"const float v = ((unsigned)iy < {spec.h}u && (unsigned)ix < {spec.w}u)"
+             f" ? x[n * {spec.c * hw} + c * {hw} + iy * {spec.w} + ix] : 0.0f;")
+        dst = f"n * {crs * pq} + crs * {pq} + pix" if per_image else f"crs * {npq} + i"
+        code(f"col[{dst}] = v;")
+    kern = Kernel("im2col", (Buf("x"), Buf("col", readonly=False)), code.text(),
+                  (_ELT_BLOCK, 1, 1), comment="im2col: " + ("N x CRS x PQ" if per_image else
+                                                            "CRS x NPQ"))
+    return kern, (cdiv(npq, _ELT_BLOCK), crs, 1)
+
+
+def col_elements(spec: ConvSpec) -> int:
+    return spec.c * spec.r * spec.s * spec.n * spec.p * spec.q
+
+
+class Im2colGemm(_ConvGemmBase):
+    """im2col on the device into a workspace, then our tiled SGEMM."""
+
+    name = "im2col_gemm"
+    family = "im2col"
+
+    def _b_vec(self, spec: ConvSpec) -> bool:
+        return (spec.n * spec.p * spec.q) % 4 == 0
+
+    def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
+        return (super().applies(spec, device) or too_big(spec, col_elements(spec))
+                or (None if spec.c * spec.r * spec.s <= 65535 else "C*R*S above 65535"))
+
+    def workspace_bytes(self, spec: ConvSpec, params: Params) -> int:
+        return 4 * col_elements(spec)
+
+    def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
+             epilogue: Epilogue = Epilogue()) -> Plan:
+        npq = spec.n * spec.p * spec.q
+        pre, grid = im2col_kernel(spec, per_image=False)
+
+        def vload(t: str, k: str, d: str) -> list[str]:
+            return [f"{d} = VLOAD4(0, col + ({k}) * {npq} + {t}_i);"]
+
+        b = Operand(load=lambda t, k, d: [f"{d} = col[({k}) * {npq} + {t}_i];"], fast="i",
+                    vload=vload if npq % 4 == 0 else None)
+        step = Launch("im2col", grid, pre.block, ("x", "col"))
+        return gemm_plan(self, spec, params, epilogue, b, (Buf("col"),), ("col",), ((pre, step),),
+                         (("col", self.workspace_bytes(spec, params)),))
+
+
+class Im2colCublas(Variant):
+    """im2col on the device (N x CRS x PQ), then one strided-batched cuBLAS SGEMM per call:
+    the library path the im2win paper compares against. CUDA only."""
+
+    name = "im2col_cublas"
+    family = "im2col"
+    backends = frozenset({"cuda"})
+    tolerance = 1e-5
+
+    def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
+        return (super().applies(spec, device) or too_big(spec, col_elements(spec))
+                or (None if spec.c * spec.r * spec.s <= 65535 else "C*R*S above 65535"))
+
+    def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
+        return [Params(library="cublas")]
+
+    def workspace_bytes(self, spec: ConvSpec, params: Params) -> int:
+        return 4 * col_elements(spec)
+
+    def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
+             epilogue: Epilogue = Epilogue()) -> Plan:
+        pq, crs = spec.p * spec.q, spec.c * spec.r * spec.s
+        kern, grid = im2col_kernel(spec, per_image=True)
+        steps: list[Step] = [Launch("im2col", grid, kern.block, ("x", "col")),
+                             Gemm("w", "col", "y", spec.k, pq, crs, lda=crs, ldb=pq, ldc=pq,
+                                  batch=spec.n, stride_a=0, stride_b=crs * pq,
+                                  stride_c=spec.k * pq)]
+        kernels = [kern]
+        if epilogue.bias or epilogue.relu:
+            total = spec.n * spec.k * pq
+            body = [f"y[e] = {epilogue.apply('y[e]', f'(e / {pq}) % {spec.k}')};"]
+            args = (Buf("y", readonly=False),) + ((Buf("bias"),) if epilogue.bias else ())
+            epk, egrid = elementwise("im2col_cublas_epilogue", total, args, body,
+                                     "bias/ReLU after the library GEMM")
+            kernels.append(epk)
+            steps.append(Launch(epk.name, egrid, epk.block, out_refs(epilogue)))
+        return Plan(self.name, self.family, spec, params, tuple(kernels), tuple(steps),
+                    (("col", self.workspace_bytes(spec, params)),), self.tolerance, epilogue)
+
+
+# -- implicit GEMM --------------------------------------------------------------------------
+def implicit_operand(spec: ConvSpec, table: bool) -> Operand:
+    """B = the virtual im2col matrix, each element computed from x on the fly.
+
+    Per column (hoisted): image, output row/col -> the input corner. Per element: (c, r, s) by
+    division (``table`` False) or from the precomputed table ``tab`` (offset, packed dy/dx).
+    """
+    (sh, sw), (dh, dw) = spec.stride, spec.dilation
+    pt, pl = spec.pad[0], spec.pad[2]
+    pq, hw, rs = spec.p * spec.q, spec.h * spec.w, spec.r * spec.s
+
+    def setup(i: str, t: str) -> list[str]:
+        return [f"const int {t}_n = {i} / {pq}, {t}_pix = {i} - {t}_n * {pq};",
+                f"const int {t}_y = ({t}_pix / {spec.q}) * {sh} - {pt};",
+                f"const int {t}_x = ({t}_pix % {spec.q}) * {sw} - {pl};",
+                f"const int {t}_b = {t}_n * {spec.c * hw} + {t}_y * {spec.w} + {t}_x;"]
+
+    def load_div(t: str, k: str, d: str) -> list[str]:
+        return [f"const int c = ({k}) / {rs}, rr = ({k}) - c * {rs};",
+                f"const int r = rr / {spec.s}, s = rr - r * {spec.s};",
+                f"const int iy = {t}_y + r * {dh}, ix = {t}_x + s * {dw};",
+                f"if ((unsigned)iy < {spec.h}u && (unsigned)ix < {spec.w}u) "
+                f"{d} = x[{t}_b + c * {hw} + r * {dh * spec.w} + s * {dw}];"]
+
+    def load_tab(t: str, k: str, d: str) -> list[str]:
+        return [f"const int off = tab[2 * ({k})], dyx = tab[2 * ({k}) + 1];",
+                f"const int iy = {t}_y + (dyx >> 16), ix = {t}_x + (dyx & 0xffff);",
+                f"if ((unsigned)iy < {spec.h}u && (unsigned)ix < {spec.w}u) "
+                f"{d} = x[{t}_b + off];"]
+
+    return Operand(load=load_tab if table else load_div, fast="i", setup=setup)
+
+
+def offset_table_kernel(spec: ConvSpec) -> tuple[Kernel, tuple[int, int, int]]:
+    """tab[2k] = input offset of reduction index k = (c, r, s); tab[2k+1] = (r*dh << 16) | s*dw."""
+    rs, hw, (dh, dw) = spec.r * spec.s, spec.h * spec.w, spec.dilation
+    body = [f"const int c = e / {rs}, r = (e % {rs}) / {spec.s}, s = e % {spec.s};",
+            f"tab[2 * e] = c * {hw} + r * {dh * spec.w} + s * {dw};",
+            f"tab[2 * e + 1] = ((r * {dh}) << 16) | (s * {dw});"]
+    return elementwise("implicit_offsets", spec.c * rs, (Buf("tab", "int", readonly=False),),
+                       body, "(c, r, s) offset table of the PRECOMP implicit GEMM")
+
+
+class ImplicitGemm(_ConvGemmBase):
+    """No materialised matrix: the B tile is gathered from x with on-the-fly (c, r, s) division."""
+
+    name = "implicit_gemm"
+    family = "implicit_gemm"
+
+    def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
+             epilogue: Epilogue = Epilogue()) -> Plan:
+        return gemm_plan(self, spec, params, epilogue, implicit_operand(spec, table=False),
+                         (Buf("x"),), ("x",))
+
+
+class ImplicitGemmPrecomp(_ConvGemmBase):
+    """Implicit GEMM reading (c, r, s) offsets from a table built on the device (8 B per CRS)."""
+
+    name = "implicit_gemm_precomp"
+    family = "implicit_gemm"
+
+    def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
+        why = super().applies(spec, device)
+        if why is None and (spec.eff_r >= 1 << 15 or spec.eff_s >= 1 << 16):
+            why = "filter extent too large for the packed offset table"
+        return why
+
+    def workspace_bytes(self, spec: ConvSpec, params: Params) -> int:
+        return 8 * spec.c * spec.r * spec.s
+
+    def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
+             epilogue: Epilogue = Epilogue()) -> Plan:
+        tk, grid = offset_table_kernel(spec)
+        step = Launch(tk.name, grid, tk.block, ("tab",))
+        return gemm_plan(self, spec, params, epilogue, implicit_operand(spec, table=True),
+                         (Buf("x"), Buf("tab", "int")), ("x", "tab"), ((tk, step),),
+                         (("tab", self.workspace_bytes(spec, params)),))
+
+
+# -- 1x1 ------------------------------------------------------------------------------------
+def pointwise_operand(spec: ConvSpec) -> Operand:
+    """B = x read directly as C x (N*P*Q): column -> (image, input pixel), row = channel.
+
+    Padding and stride are resolved once per column (they do not depend on the channel); with
+    stride 1 and no padding, float4 loads along the pixels when H*W is a multiple of 4.
+    """
+    (sh, sw), pt, pl = spec.stride, spec.pad[0], spec.pad[2]
+    pq, hw = spec.p * spec.q, spec.h * spec.w
+    plain = spec.stride == (1, 1) and spec.pad == (0, 0, 0, 0)
+
+    def setup(i: str, t: str) -> list[str]:
+        lines = [f"const int {t}_n = {i} / {pq}, {t}_pix = {i} - {t}_n * {pq};"]
+        if plain:
+            return lines + [f"const int {t}_b = {t}_n * {spec.c * hw} + {t}_pix;",
+                            f"const bool {t}_in = true;"]
+        return lines + [f"const int {t}_y = ({t}_pix / {spec.q}) * {sh} - {pt};",
+                        f"const int {t}_x = ({t}_pix % {spec.q}) * {sw} - {pl};",
+                        f"const bool {t}_in = (unsigned){t}_y < {spec.h}u && "
+                        f"(unsigned){t}_x < {spec.w}u;",
+                        f"const int {t}_b = {t}_n * {spec.c * hw} + {t}_y * {spec.w} + {t}_x;"]
+
+    def load(t: str, k: str, d: str) -> list[str]:
+        return [f"if ({t}_in) {d} = x[{t}_b + ({k}) * {hw}];"]
+
+    def vload(t: str, k: str, d: str) -> list[str]:
+        return [f"{d} = VLOAD4(0, x + {t}_b + ({k}) * {hw});"]
+
+    return Operand(load=load, fast="i", setup=setup,
+                   vload=vload if plain and hw % 4 == 0 else None)
+
+
+class Gemm1x1(_ConvGemmBase):
+    """Boda's k1conv: a 1x1 convolution (any stride/padding) as a GEMM over channels, no transform."""
+
+    name = "gemm1x1"
+    family = "gemm1x1"
+    specialised = 2
+
+    def _b_vec(self, spec: ConvSpec) -> bool:
+        return (spec.stride == (1, 1) and spec.pad == (0, 0, 0, 0)
+                and (spec.h * spec.w) % 4 == 0)
+
+    def _a_vec(self, spec: ConvSpec) -> bool:
+        return spec.c % 4 == 0
+
+    def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
+        if spec.r != 1 or spec.s != 1:
+            return "only 1x1 filters"
+        return super().applies(spec, device)
+
+    def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
+             epilogue: Epilogue = Epilogue()) -> Plan:
+        return gemm_plan(self, spec, params, epilogue, pointwise_operand(spec),
+                         (Buf("x"),), ("x",))
+
+
+class Gemm1x1SplitK(Gemm1x1):
+    """1x1 with the channel reduction split over ``ks`` blocks writing partial outputs to a
+    workspace, then summed (with the epilogue) by a second kernel: fills the GPU when N*P*Q is
+    small and C large (GoogLeNet's 7x7x832 layers at batch 5)."""
+
+    name = "gemm1x1_splitk"
+    specialised = 1
+
+    def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
+        why = super().applies(spec, device)
+        if why is None and spec.c < 32:
+            why = "split-K needs C >= 32"
+        return why
+
+    def _splits(self, spec: ConvSpec) -> list[int]:
+        return [ks for ks in (2, 4, 8, 16) if cdiv(spec.c, ks) >= 8]
+
+    def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
+        out = []
+        for ks in self._splits(spec):
+            out += [p.replace(ks=ks) for p in super().space(spec, device)]
+        default = self.default(spec, device)
+        return [default] + [p for p in out if p != default]
+
+    def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
+        base = super().default(spec, device)
+        tiles = cdiv(spec.k, base.bm) * cdiv(spec.n * spec.p * spec.q, base.bn)
+        want = max(2, 2 * max(device.units, 1) // max(tiles, 1))
+        ks = max([k for k in self._splits(spec) if k <= want], default=self._splits(spec)[0])
+        return base.replace(ks=ks)
+
+    def workspace_bytes(self, spec: ConvSpec, params: Params) -> int:
+        return 4 * params.ks * spec.n * spec.k * spec.p * spec.q
+
+    def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
+             epilogue: Epilogue = Epilogue()) -> Plan:
+        total = spec.n * spec.k * spec.p * spec.q
+        shape = GemmShape(spec.k, spec.n * spec.p * spec.q, spec.c, ksplit=params.ks)
+        gparams = Params({k: v for k, v in params.items() if k != "ks"})
+        name = f"{self.name}_sgemm"
+        store = nchw_store(spec, epilogue, out=f"(part + kz * {total})", raw=True)
+        kern = gemm_kernel(name, shape, gparams, filter_operand(spec), pointwise_operand(spec),
+                           store, (Buf("w"), Buf("x"), Buf("part", readonly=False)),
+                           comment=f"{self.name}: {params.short()}")
+        sums = " + ".join(f"part[{j * total} + e]" for j in range(params.ks))
+        pq = spec.p * spec.q
+        red, rgrid = elementwise(f"{self.name}_reduce", total, (Buf("part"),) + out_args(epilogue),
+                                 [f"y[e] = {epilogue.apply(f'({sums})', f'(e / {pq}) % {spec.k}')};"],
+                                 f"sum of {params.ks} split-K partial outputs")
+        steps = (Launch(name, gemm_grid(shape, gparams), gemm_block(gparams), ("w", "x", "part")),
+                 Launch(red.name, rgrid, red.block, ("part",) + out_refs(epilogue)))
+        return Plan(self.name, self.family, spec, params, (kern, red), steps,
+                    (("part", self.workspace_bytes(spec, params)),), self.tolerance, epilogue)
+
+
+register(Im2colGemm())
+register(Im2colCublas())
+register(ImplicitGemm())
+register(ImplicitGemmPrecomp())
+register(Gemm1x1())
+register(Gemm1x1SplitK())
