@@ -192,3 +192,37 @@ def test_bench_bad_suite_message(capsys: pytest.CaptureFixture[str]) -> None:
 
     assert main(["bench", "--suite", "nosuch.json", "--backend", "opencl"]) == 2
     assert "nosuch.json" in capsys.readouterr().out
+
+
+def test_reports_and_plots_with_baselines(tmp_path: Path) -> None:
+    """JSON, CSV and all four plots from synthetic GPU-like rows (cuDNN algorithms, other precisions)."""
+    from convforge.bench import plots
+
+    spec = ConvSpec.make(32, 64, 56, 56, 64, 3, 3, 1, 1)
+    base = baselines.BaselineResult("cudnn-best", "FFT_TILING", "fp32", 1.0, 1 << 20, 1e-6)
+    rows = []
+    for i, name in enumerate(("a", "b")):
+        conv = Row(name, i + 1, "convforge:auto", "cuda", "winograd(x)", "fp32", 0.8, workspace_bytes=1 << 22,
+                   rel_err=1e-6, ok=True, flops=spec.flops, min_bytes=1 << 24, spec=spec.to_dict())
+        attach_baseline([conv], base)
+        rows.append(conv)
+        for impl, prec, ms in (("cudnn-best", "fp32", 1.0), ("cudnn:GEMM", "fp32", 3.0),
+                               ("torch-tf32", "tf32", 0.5), ("cudnn:DIRECT", "fp32", None)):
+            rows.append(Row(name, i + 1, impl, "torch", impl, prec, ms, workspace_bytes=0,
+                            flops=spec.flops, min_bytes=1 << 24, spec=spec.to_dict()))
+    for r in rows:
+        if r.time_ms:
+            r.tflops = r.flops / (r.time_ms * 1e-3) / 1e12
+    ceil = {"cuda": ceilings.Ceilings(60.0, 4000.0)}
+    env = {"device": "NVIDIA H200", "driver": "13000", "convforge": "0.1.0", "torch": "2.11", "cudnn": "91900"}
+    report.write_json(tmp_path / "results.json", env, ceil, "resnet", rows, [])
+    report.write_csv(tmp_path / "results.csv", env, rows)
+    with (tmp_path / "results.csv").open() as fh:
+        lines = list(csv.DictReader(fh))
+    assert len(lines) == 10 and lines[0]["cudnn"] == "91900" and lines[0]["speedup"] == "1.25"
+    paths = plots.write_plots(tmp_path, rows, ceil)
+    assert [p.name for p in paths] == ["tflops.png", "speedup.png", "workspace.png", "roofline.png"]
+    assert all(p.stat().st_size > 1000 for p in paths)
+    console = Console(width=220, record=True)
+    console.print(report.baseline_table(rows))
+    assert "tf32" in console.export_text()
