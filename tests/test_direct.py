@@ -27,6 +27,15 @@ def test_variant_on_pocl(ocl, name, spec):
         assert res.ok, f"{name} [{params.short()}] {spec.short()}: {res}"
 
 
+def test_runtime_strides(ocl):
+    """With rt=True the strides are kernel arguments, and the result is the same."""
+    spec = ODD_SPECS[2]
+    v = get_variant("direct")
+    plan = v.plan(spec, v.default(spec, ocl.device).replace(rt=True), ocl.device)
+    assert "const int x_stride_c" in plan.source("opencl")
+    assert check_plan(plan, ocl).ok
+
+
 def test_epilogue_bias_relu(ocl):
     spec = ODD_SPECS[1]
     v = get_variant("direct")

@@ -9,7 +9,7 @@ from convforge.codegen.dialect import Arg, Buf, ConstBuf, Kernel, LocalBuf, Scal
 
 _TOKEN = re.compile(r"\b(GROUP_ID|LOCAL_ID|GROUP_SIZE|NUM_GROUPS|BARRIER|VLOAD4|VSTORE4|"
                     r"MAKE_FLOAT4|FMA|MAX|LDG|SHFL)\(")
-_WORDS = re.compile(r"\b(SHARED|LOCAL_PTR|GLOBAL_PTR|RESTRICT|DEVICE)\b")
+_WORDS = re.compile(r"\b(SHARED|LOCAL_PTR|GLOBAL_PTR|RESTRICT|DEVICE)\b( ?)")
 
 
 class Renderer:
@@ -36,7 +36,9 @@ class Renderer:
 
     def expand(self, text: str) -> str:
         """Replace dialect tokens, innermost first, so arguments may hold tokens too."""
-        text = _WORDS.sub(lambda m: self.words[m.group(1)], text)
+        # A word that spells as nothing takes its following space with it.
+        text = _WORDS.sub(lambda m: self.words[m.group(1)] + (m.group(2) if self.words[m.group(1)] else ""),
+                          text)
         # From the last token back: a token's arguments lie after it, so they are done first,
         # and text before the current token never moves.
         for m in reversed(list(_TOKEN.finditer(text))):

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import itertools
 
-from convforge.codegen.dialect import Arg, Buf, ConstBuf, Kernel
+from convforge.arrays import ArrayDesc
+from convforge.codegen.dialect import Arg, Buf, ConstBuf, Kernel, Scalar
 from convforge.codegen.meta import Code, cdiv
 from convforge.kernels import register
-from convforge.kernels.common import io_arrays, out_args, out_refs
+from convforge.kernels.common import out_args, out_refs
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
 from convforge.spec import ConvSpec
@@ -43,10 +44,21 @@ class DirectBase(Variant):
         return nbytes <= min(device.const_bytes, 64 * 1024)
 
     # -- metacode ---------------------------------------------------------------------------
+    def _arrays(self, spec: ConvSpec, p: Params) -> tuple[ArrayDesc, ArrayDesc]:
+        """Input and output descriptors; with ``rt`` their strides are run-time arguments."""
+        rt = bool(p.get("rt", False))
+        return (ArrayDesc.of("x", "n:c:y:x", spec.x_shape, runtime=rt),
+                ArrayDesc.of("y", "n:k:p:q", spec.y_shape, runtime=rt))
+
+    def _stride_args(self, spec: ConvSpec, p: Params) -> list[tuple[str, int]]:
+        xd, yd = self._arrays(spec, p)
+        return xd.stride_args() + yd.stride_args()
+
     def _args(self, spec: ConvSpec, params: Params, epi: Epilogue) -> tuple[Arg, ...]:
         wcount = spec.k * spec.c * spec.r * spec.s
         warg: Arg = ConstBuf("wc", wcount) if params.wconst else Buf("w")
-        return (Buf("x"), warg) + out_args(epi)
+        strides = tuple(Scalar(name) for name, _ in self._stride_args(spec, params))
+        return (Buf("x"), warg) + out_args(epi) + strides
 
     def _head(self, code: Code, spec: ConvSpec, p: Params) -> None:
         kb = cdiv(spec.k, p.tk)
@@ -77,7 +89,7 @@ class DirectBase(Variant):
                 code(f"acc{kk}_{i}_{j} = FMA(w{kk}, {xval[(i, j)]}, acc{kk}_{i}_{j});")
 
     def _store(self, code: Code, spec: ConvSpec, p: Params, epi: Epilogue) -> None:
-        _, _, yd = io_arrays(spec)
+        _, yd = self._arrays(spec, p)
         for kk, i, j in self._outs(p):
             k, pp, qq = f"k0 + {kk}", f"p0 + ly + {i * p.bp}", f"q0 + lx + {j * p.bq}"
             cond = f"{k} < {spec.k} && {pp} < {spec.p} && {qq} < {spec.q}"
@@ -112,7 +124,8 @@ class DirectBase(Variant):
                         comment=f"{self.name}: {params.short()}")
         grid = (cdiv(spec.q, params.bq * params.tq), cdiv(spec.p, params.bp * params.tp),
                 spec.n * cdiv(spec.k, params.tk))
-        launch = Launch(name, grid, block, ("x", "w") + out_refs(epilogue))
+        strides = tuple(v for _, v in self._stride_args(spec, params))
+        launch = Launch(name, grid, block, ("x", "w") + out_refs(epilogue) + strides)
         return Plan(self.name, self.family, spec, params, (kernel,), (launch,),
                     tolerance=self.tolerance, epilogue=epilogue)
 
@@ -121,7 +134,8 @@ class DirectBase(Variant):
 
 
 class Direct(DirectBase):
-    """Inputs read straight from global memory (through the read-only path when ``ldg``)."""
+    """Inputs read straight from global memory (through the read-only/texture cache when ``ldg``);
+    with ``rt`` the input and output strides are run-time kernel arguments."""
 
     name = "direct"
 
@@ -134,6 +148,8 @@ class Direct(DirectBase):
                 prm = Params(pt, wconst=wconst, ldg=use_ldg)
                 if prm not in out:
                     out.append(prm)
+        # Strides as run-time arguments: one binary serves any strides (a few points suffice).
+        out += [prm.replace(rt=True) for prm in out[:4]]
         return out
 
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
@@ -145,10 +161,10 @@ class Direct(DirectBase):
     def _main_loop(self, code: Code, spec: ConvSpec, p: Params) -> None:
         (sh, sw), (dh, dw) = spec.stride, spec.dilation
         pt, pl = spec.pad[0], spec.pad[2]
-        hw = spec.h * spec.w
-        code(f"const GLOBAL_PTR float* xn = x + n * {spec.c * hw};")
+        xd, _ = self._arrays(spec, p)
+        code(f"const GLOBAL_PTR float* xn = x + {xd.index(n='n')};")
         with code.block(f"for (int c = 0; c < {spec.c}; ++c)"):
-            code(f"const GLOBAL_PTR float* xc = xn + c * {hw};")
+            code(f"const GLOBAL_PTR float* xc = xn + {xd.index(c='c')};")
 
             def tap(r: str, s: int) -> None:
                 xval = {}
@@ -156,7 +172,7 @@ class Direct(DirectBase):
                     for j in range(p.tq):
                         iy = f"(p0 + ly + {i * p.bp}) * {sh} + ({r}) * {dh} - {pt}"
                         ix = f"(q0 + lx + {j * p.bq}) * {sw} + {s * dw - pl}"
-                        ptr = f"xc + iy * {spec.w} + ix"
+                        ptr = f"xc + {xd.index(y='iy', x='ix')}"
                         load = f"LDG({ptr})" if p.ldg else f"*({ptr})"
                         nm = f"x{i}_{j}"
                         code(f"float {nm};",
