@@ -14,7 +14,7 @@ from convforge.spec import ConvSpec
 from convforge.tune.db import Entry, TuningDB
 from convforge.tune.tuner import Budget, Candidate, TuneError, Tuner, TuneResult, measure_dispatch
 
-DEFAULT_BUDGET = "12s,24"
+DEFAULT_BUDGET = "10s,24"  # Boda's 43 layers in under 10 minutes on a GPU
 
 
 # -- convforge tune -----------------------------------------------------------------------
@@ -33,7 +33,7 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--relu", action="store_true", help="tune with a ReLU epilogue")
     p.add_argument("--force", action="store_true", help="re-tune layers the database already knows")
     p.add_argument("--seed", type=int, default=0, help="seed of the space sample and of the check inputs")
-    p.add_argument("--workers", type=int, default=8, help="compile threads")
+    p.add_argument("--workers", type=int, help="compile threads (default: CPU count, at most 16)")
     p.add_argument("--report", type=Path, metavar="DIR",
                    help="also write Boda's autotuned / heuristic / fixed-parameters comparison to DIR "
                         "(report.json, report.png)")

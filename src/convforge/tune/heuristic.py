@@ -59,22 +59,32 @@ def shared_bytes(plan: Plan) -> int:
 def estimated_registers(plan: Plan) -> int:
     """Accumulators + loads: distinct scalar float names declared in the largest kernel body.
 
-    A cheap upper-ish bound that needs no compiler; ptxas decides the real figure.
+    Names in disjoint scopes share registers, so this over-counts; ptxas decides the real figure.
     """
     return max((len(set(_FLOAT_DECL.findall(k.body))) for k in plan.kernels), default=0)
 
 
-def prune_reason(plan: Plan, device: DeviceInfo) -> str | None:
-    """Why ``plan`` cannot be worth compiling on ``device`` (None when it passes the cheap model)."""
+def prune_reason(plan: Plan, device: DeviceInfo, variant: Variant | None = None) -> str | None:
+    """Why ``plan`` cannot be worth compiling on ``device`` (None when it passes the cheap model).
+
+    A variant may supply ``registers(spec, params) -> int`` (accumulators + loads per thread);
+    otherwise declared names are counted and only a count far past the limit prunes.
+    """
     threads = max((k.threads for k in plan.kernels), default=0)
     if threads > device.max_threads:
         return f"{threads} threads per block > device maximum {device.max_threads}"
     smem = shared_bytes(plan)
     if smem > max(device.shared_bytes, device.shared_optin_bytes):
         return f"{smem} B shared memory > {device.shared_optin_bytes} B"
-    regs = estimated_registers(plan)
-    if device.backend == "cuda" and regs > MAX_REGISTERS:
-        return f"about {regs} registers per thread > {MAX_REGISTERS}"
+    if device.backend != "cuda":
+        return None
+    model = getattr(variant, "registers", None)
+    if callable(model):
+        regs, limit = int(model(plan.spec, plan.params)), MAX_REGISTERS
+    else:
+        regs, limit = estimated_registers(plan), int(1.5 * MAX_REGISTERS)
+    if regs > limit:
+        return f"about {regs} registers per thread > {limit}"
     return None
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import random
 import statistics
 import time
@@ -47,7 +48,7 @@ class TuneError(RuntimeError):
 class Budget:
     """Tuning effort per layer: seconds, candidates, or both (whichever runs out first)."""
 
-    seconds: float | None = 12.0
+    seconds: float | None = 10.0
     candidates: int | None = 24
 
     @classmethod
@@ -160,7 +161,7 @@ class Tuner:
                  on_candidate: Callable[[Candidate], None] | None = None) -> None:
         self.backend, self.db, self.budget, self.seed = backend, db, budget, seed
         self.repeats = repeats or (25 if backend.device.is_gpu else 5)
-        self.workers = workers or 8
+        self.workers = workers or min(16, os.cpu_count() or 4)
         self.variants = variants
         self.on_candidate = on_candidate
         self.timings = 0  # candidates timed by this tuner (a warm database leaves it at zero)
@@ -271,7 +272,7 @@ class Tuner:
                 cand.plan = v.plan(spec, prm, dev, epi)
             except Exception as err:  # noqa: BLE001 - a generator bug scores infinity, not a crash
                 return _failed(cand, f"plan failed: {type(err).__name__}: {err}")
-            why = prune_reason(cand.plan, dev)
+            why = prune_reason(cand.plan, dev, v)
             if why is not None and not is_default:
                 log.debug("pruned %s: %s", cand.describe(), why)
                 return None
