@@ -3,4 +3,4 @@
 Importing this package registers its variants (the kernels package imports it automatically).
 """
 
-from convforge.kernels.winograd import matrices, nonfused  # noqa: F401
+from convforge.kernels.winograd import fused, matrices, nonfused  # noqa: F401

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from fractions import Fraction
-from functools import lru_cache
+from functools import cache
 
 Matrix = tuple[tuple[Fraction, ...], ...]
 
@@ -49,7 +49,7 @@ class Transform:
     def alpha(self) -> int:
         return self.m + self.r - 1
 
-    def as_float(self, name: str, dtype: str = "float64") -> "object":
+    def as_float(self, name: str, dtype: str = "float64") -> object:
         """The named matrix ('AT', 'G', 'BT') as a NumPy array of ``dtype``."""
         import numpy as np
 
@@ -88,7 +88,7 @@ def _row_scale(row: list[Fraction]) -> Fraction:
     return -scale if nz[0] < 0 else scale
 
 
-@lru_cache(maxsize=None)
+@cache
 def winograd(m: int, r: int, points: tuple[Fraction, ...] | None = None) -> Transform:
     """Exact transform matrices of F(m, r) from the first alpha - 1 ``points`` (default POINTS)."""
     if m < 1 or r < 1:

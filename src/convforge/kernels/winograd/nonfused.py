@@ -18,8 +18,16 @@ from convforge.codegen.meta import Code, cdiv
 from convforge.kernels import register
 from convforge.kernels.common import out_args, out_refs
 from convforge.kernels.winograd.tiles import (
-    STORE2_HELPER, Geometry, emit_filter_transform, emit_input_transform, emit_output_store,
-    emit_output_transform, emit_tile_load, emit_tile_masks, emit_tile_origin)
+    STORE2_HELPER,
+    Geometry,
+    emit_filter_transform,
+    emit_input_transform,
+    emit_output_store,
+    emit_output_transform,
+    emit_tile_load,
+    emit_tile_masks,
+    emit_tile_origin,
+)
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
 from convforge.spec import ConvSpec

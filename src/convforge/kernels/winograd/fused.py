@@ -1,0 +1,440 @@
+"""Fused Winograd F(2x2, 3x3) and F(4x4, 3x3) in openCNN's design.
+
+One block owns bk filters x bn tiles (tiles of all images: superblocking) and loops over the
+channels bc at a time:
+
+* filters are transformed once per call by their own kernel into a blocked layout
+  U[k block][c block][e][c][k] (zero-padded), so each stage is one contiguous, float4-loaded chunk;
+* the block's bn x bc input windows are loaded (predicated: padding and edges read 0), transformed
+  in registers (B^T d B, integer coefficients) and written to shared memory as V[e][c][tile];
+* the element-wise stage is alpha^2 small GEMMs: lane group ("warp") w owns E = alpha^2 / groups of
+  them; each lane an outer-product micro-tile tk x tn read from shared memory with float4 loads;
+* double buffering: the next stage's global loads go to registers before the current stage's
+  products, and are transformed and stored into the other buffer after them (one barrier a stage);
+* the output goes back through shared memory, a round per k-slice, in a row layout whose padding
+  is chosen by simulating the warp's bank accesses (conflict-free stores, after openCNN's optSTS64),
+  then each thread runs A^T M A for one (filter, tile) pair at a time and stores whole tile rows
+  (float2 / float4 when Q allows), consecutive threads on consecutive tiles: coalesced.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from convforge.codegen.dialect import Buf, Kernel, LocalBuf
+from convforge.codegen.meta import Code, cdiv
+from convforge.kernels import register
+from convforge.kernels.common import out_args, out_refs
+from convforge.kernels.winograd.nonfused import tolerance, winograd_applies
+from convforge.kernels.winograd.tiles import (
+    STORE2_HELPER,
+    Geometry,
+    emit_filter_transform,
+    emit_input_transform,
+    emit_output_store,
+    emit_output_transform,
+    emit_tile_load,
+    emit_tile_masks,
+    emit_tile_origin,
+)
+from convforge.params import Params
+from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
+from convforge.spec import ConvSpec
+
+_BANKS = 32
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Derived sizes of one parameter set (all in floats unless named bytes)."""
+
+    g: Geometry
+    bk: int
+    bn: int
+    bc: int
+    lk: int
+    ln: int
+    groups: int
+
+    @property
+    def lanes(self) -> int:
+        return self.lk * self.ln
+
+    @property
+    def threads(self) -> int:
+        return self.lanes * self.groups
+
+    @property
+    def e_per_group(self) -> int:
+        return self.g.a2 // self.groups
+
+    @property
+    def tk(self) -> int:
+        return self.bk // self.lk
+
+    @property
+    def tn(self) -> int:
+        return self.bn // self.ln
+
+    @property
+    def vk(self) -> int:
+        return min(4, self.tk)
+
+    @property
+    def vn(self) -> int:
+        return min(4, self.tn)
+
+    @property
+    def u_chunk(self) -> int:
+        """Transformed filters of one stage: alpha^2 x bc x bk."""
+        return self.g.a2 * self.bc * self.bk
+
+    @property
+    def stage(self) -> int:
+        return self.u_chunk + self.g.a2 * self.bc * self.bn
+
+    @property
+    def kr(self) -> int:
+        """Filters per output round (one float4-group of every lane's k values)."""
+        return self.lk * self.vk
+
+    @property
+    def row_pad(self) -> int:
+        return best_pad(self.lk, self.ln, self.vk, self.vn, self.bn)
+
+    @property
+    def staging(self) -> int:
+        return self.g.a2 * self.kr * (self.bn + self.row_pad)
+
+    @property
+    def smem_bytes(self) -> int:
+        return 4 * max(2 * self.stage, self.staging)
+
+    @property
+    def in_pairs(self) -> int:
+        """(tile, channel) input windows per stage, and per thread."""
+        return self.bn * self.bc
+
+    @property
+    def in_per_thread(self) -> int:
+        return cdiv(self.in_pairs, self.threads)
+
+    @property
+    def f4_per_thread(self) -> int:
+        return cdiv(self.u_chunk // 4, self.threads)
+
+    def why_invalid(self, max_threads: int) -> str | None:
+        if self.g.a2 % self.groups:
+            return f"alpha^2 = {self.g.a2} not divisible by {self.groups} lane groups"
+        if self.bk % self.lk or self.bn % self.ln or self.bk % 4:
+            return "bk, bn must split evenly over lanes and bk be a multiple of 4"
+        if self.tk % self.vk or self.tn % self.vn:
+            return "micro-tile not a multiple of the vector width"
+        if self.threads > max_threads:
+            return f"{self.threads} threads > {max_threads}"
+        return None
+
+
+def best_pad(lk: int, ln: int, vk: int, vn: int, bn: int) -> int:
+    """Row padding (floats) of the output staging buffer with the fewest shared-memory wavefronts
+    for one warp's stores, found by simulating 32 banks; 128-bit stores go 8 lanes per phase."""
+    best, best_cost = 0, None
+    for pad in range(0, 32, max(vn, 1)):
+        cost = 0
+        for v in range(vk):
+            addrs = []
+            for lane in range(lk * ln):
+                lkid, lnid = lane // ln, lane % ln
+                addrs.append((lkid * vk + v) * (bn + pad) + lnid * vn)
+            per_phase = max(1, 32 // vn) if vn > 1 else 32
+            for ph in range(0, len(addrs), per_phase):
+                banks: dict[int, set[int]] = {}
+                for a in addrs[ph:ph + per_phase]:
+                    for w in range(vn):
+                        banks.setdefault((a + w) % _BANKS, set()).add(a + w)
+                cost += max(len(s) for s in banks.values())
+        if best_cost is None or cost < best_cost:
+            best, best_cost = pad, cost
+    return best
+
+
+class WinogradFused(Variant):
+    """Fused F(m x m, 3 x 3): one filter-transform launch, then one fused kernel."""
+
+    family = "winograd"
+    specialised = 2
+
+    def __init__(self, m: int) -> None:
+        self.m = m
+        self.name = f"winograd_fused_f{m}"
+        self.tolerance = tolerance(m, 3, 3)
+
+    def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
+        why = super().applies(spec, device)
+        if why:
+            return why
+        if (spec.r, spec.s) != (3, 3):
+            return f"the fused Winograd kernel is for 3x3 filters, got {spec.r}x{spec.s}"
+        why = winograd_applies(spec, self.m, self.m + 2)
+        if why:
+            return why
+        g = Geometry(spec, self.m)
+        if g.tiles * spec.c * spec.h * spec.w > 2 ** 31 - 1 or spec.n * spec.c * spec.h * spec.w \
+                > 2 ** 31 - 1:
+            return "tensor larger than 2^31 elements (32-bit indexing)"
+        if not self.space(spec, device):
+            return "no parameter set fits this device's shared memory and threads"
+        return None
+
+    # -- parameters -------------------------------------------------------------------------
+    def _candidates(self, device: DeviceInfo) -> list[dict[str, int]]:
+        if not device.is_gpu:
+            if self.m == 2:
+                return [dict(bk=8, bn=8, bc=4, lk=2, ln=2, groups=4),
+                        dict(bk=8, bn=4, bc=3, lk=2, ln=1, groups=8),
+                        dict(bk=4, bn=8, bc=2, lk=1, ln=4, groups=2)]
+            return [dict(bk=4, bn=8, bc=2, lk=2, ln=2, groups=6),
+                    dict(bk=8, bn=4, bc=2, lk=2, ln=1, groups=12),
+                    dict(bk=4, bn=4, bc=3, lk=1, ln=2, groups=9)]
+        # Each GPU point was checked with ptxas (sm_90): 0 spills, registers in NOTES-winograd.md.
+        if self.m == 2:  # openCNN: 64 filters x 32 tiles x 8 channels, 8 warps, 8x8 per lane
+            return [dict(bk=64, bn=32, bc=8, lk=8, ln=4, groups=8),
+                    dict(bk=64, bn=32, bc=4, lk=8, ln=4, groups=8),
+                    dict(bk=32, bn=64, bc=8, lk=4, ln=8, groups=8),
+                    dict(bk=32, bn=32, bc=8, lk=4, ln=8, groups=8)]
+        # F(4x4): 36 elements over 6 warps (6 each), 32 x 16 per warp and element, 4x4 per lane:
+        # 96 accumulators; 128 (openCNN's F2 figure) spills under the 224-register cap of 288 threads.
+        return [dict(bk=32, bn=16, bc=4, lk=8, ln=4, groups=6),
+                dict(bk=32, bn=16, bc=8, lk=8, ln=4, groups=6),
+                dict(bk=16, bn=32, bc=4, lk=4, ln=8, groups=6)]
+
+    def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
+        g = Geometry(spec, self.m)
+        out = []
+        for cand in self._candidates(device):
+            lay = Layout(g, **cand)
+            if lay.why_invalid(device.max_threads) or lay.smem_bytes > device.shared_optin_bytes:
+                continue
+            out.append(Params(cand))
+        return out
+
+    def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
+        return self.space(spec, device)[0]
+
+    def _layout(self, spec: ConvSpec, p: Params) -> Layout:
+        return Layout(Geometry(spec, self.m), p.bk, p.bn, p.bc, p.lk, p.ln, p.groups)
+
+    def _workspace(self, lay: Layout) -> tuple[tuple[str, int], ...]:
+        s = lay.g.spec
+        return (("wino_u", 4 * cdiv(s.k, lay.bk) * cdiv(s.c, lay.bc) * lay.u_chunk),)
+
+    def workspace_bytes(self, spec: ConvSpec, params: Params) -> int:
+        return sum(b for _, b in self._workspace(self._layout(spec, params)))
+
+    # -- plan -------------------------------------------------------------------------------
+    def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
+             epilogue: Epilogue = Epilogue()) -> Plan:
+        lay = self._layout(spec, params)
+        why = lay.why_invalid(device.max_threads)
+        if why:
+            raise ValueError(f"{self.name}: {params.short()}: {why}")
+        g = lay.g
+        kpad, cpad = cdiv(spec.k, lay.bk) * lay.bk, cdiv(spec.c, lay.bc) * lay.bc
+        ftb = 128 if device.is_gpu else 32
+        fk = _filter_kernel(lay, ftb, self.name)
+        mk = _main_kernel(lay, epilogue, self.name)
+        steps = (Launch(fk.name, (cdiv(kpad * cpad, ftb), 1, 1), (ftb, 1, 1), ("w", "wino_u")),
+                 Launch(mk.name, (cdiv(g.tiles, lay.bn), cdiv(spec.k, lay.bk), 1),
+                        (lay.threads, 1, 1), ("x", "wino_u") + out_refs(epilogue)))
+        return Plan(self.name, self.family, spec, params, (fk, mk), steps,
+                    workspace=self._workspace(lay), tolerance=self.tolerance, epilogue=epilogue)
+
+
+def _filter_kernel(lay: Layout, tb: int, vname: str) -> Kernel:
+    """U[kb][cb][e][cc][kk] = (G g G^T)[e] of filter kb*bk+kk, channel cb*bc+cc; zero padding."""
+    g, s = lay.g, lay.g.spec
+    kb_n, cb_n = cdiv(s.k, lay.bk), cdiv(s.c, lay.bc)
+    kpad, total = kb_n * lay.bk, kb_n * lay.bk * cb_n * lay.bc
+    code = Code()
+    code(f"const int idx = GROUP_ID(0) * {tb} + LOCAL_ID(0);",
+         f"if (idx >= {total}) return;",
+         f"const int k = idx % {kpad}, c = idx / {kpad};",
+         f"const int kb = k / {lay.bk}, kk = k % {lay.bk}, cb = c / {lay.bc}, cc = c % {lay.bc};",
+         f"const bool ok = k < {s.k} && c < {s.c};",
+         f"const GLOBAL_PTR float* wp = w + (ok ? (k * {s.c} + c) * 9 : 0);")
+    for i, j in itertools.product(range(3), range(3)):
+        code(f"const float g{i}_{j} = ok ? wp[{i * 3 + j}] : 0.0f;")
+    emit_filter_transform(code, g, "g", "u", "gt")
+    code(f"GLOBAL_PTR float* up = uw + (kb * {cb_n} + cb) * {lay.u_chunk} + cc * {lay.bk} + kk;")
+    for i, j in itertools.product(range(g.ah), range(g.aw)):
+        code(f"up[{(i * g.aw + j) * lay.bc * lay.bk}] = u{i}_{j};")
+    return Kernel("wino_fused_filter_transform", (Buf("w"), Buf("uw", readonly=False)),
+                  code.text(), (tb, 1, 1), comment=f"{vname}: G g G^T, blocked {lay.bk}x{lay.bc}")
+
+
+def _main_kernel(lay: Layout, epi: Epilogue, vname: str) -> Kernel:
+    code = Code()
+    _emit_setup(code, lay)
+    _emit_main_loop(code, lay)
+    _emit_output(code, lay, epi)
+    args = (Buf("x"), Buf("uw")) + out_args(epi) + (LocalBuf("smem", lay.smem_bytes),)
+    p = lay
+    note = (f"{vname}: bk={p.bk} bn={p.bn} bc={p.bc} lanes {p.lk}x{p.ln} x {p.groups} groups, "
+            f"{p.tk}x{p.tn} per lane x {p.e_per_group} elements, smem {p.smem_bytes} B")
+    return Kernel("wino_fused", args, code.text(), (lay.threads, 1, 1), helpers=STORE2_HELPER,
+                  comment=note)
+
+
+def _emit_setup(code: Code, lay: Layout) -> None:
+    g, s = lay.g, lay.g.spec
+    code("const int tid = LOCAL_ID(0), tb = GROUP_ID(0), kb = GROUP_ID(1);",
+         f"const int grp = tid / {lay.lanes}, lane = tid % {lay.lanes};",
+         f"const int lkid = lane / {lay.ln}, lnid = lane % {lay.ln};",
+         f"const int ua = grp * {lay.e_per_group * lay.bc * lay.bk} + lkid * {lay.vk};"
+         "  // this lane's filter operands",
+         f"const int va = {lay.u_chunk} + grp * {lay.e_per_group * lay.bc * lay.bn} + "
+         f"lnid * {lay.vn};  // and tile operands",
+         f"const GLOBAL_PTR float* ub = uw + kb * {cdiv(s.c, lay.bc) * lay.u_chunk};")
+    for i in range(lay.in_per_thread):
+        sfx = f"_{i}"
+        code(f"const int pr{sfx} = tid + {i * lay.threads};",
+             f"const int jt{sfx} = pr{sfx} % {lay.bn}, cc{sfx} = pr{sfx} / {lay.bn};",
+             f"const int t{sfx} = tb * {lay.bn} + jt{sfx};")
+        emit_tile_origin(code, g, f"t{sfx}", sfx)
+        ok = f"t{sfx} < {g.tiles}" + (f" && pr{sfx} < {lay.in_pairs}"
+                                      if lay.in_pairs % lay.threads else "")
+        emit_tile_masks(code, g, ok, sfx)
+        code(f"const int xb{sfx} = (n{sfx} * {s.c} + cc{sfx}) * {s.h * s.w} + "
+             f"iy{sfx} * {s.w} + ix{sfx};")
+        for a, b in itertools.product(range(g.ah), range(g.aw)):
+            code(f"float d{sfx}{a}_{b};")
+    for i in range(lay.f4_per_thread):
+        code(f"float4 f{i} = MAKE_FLOAT4(0.0f, 0.0f, 0.0f, 0.0f);")
+    for el, ki, ni in itertools.product(range(lay.e_per_group), range(lay.tk), range(lay.tn)):
+        code(f"float acc{el}_{ki}_{ni} = 0.0f;")
+
+
+def _emit_load_stage(code: Code, lay: Layout, cb: str) -> None:
+    """Global loads of stage ``cb`` into registers: filter float4s, then input windows."""
+    g, s = lay.g, lay.g.spec
+    nf4 = lay.u_chunk // 4
+    code(f"const GLOBAL_PTR float* us = ub + ({cb}) * {lay.u_chunk};")
+    for i in range(lay.f4_per_thread):
+        stmt = f"f{i} = VLOAD4(tid + {i * lay.threads}, us);"
+        last = (i + 1) * lay.threads > nf4
+        code(f"if (tid + {i * lay.threads} < {nf4}) {stmt}" if last else stmt)
+    for i in range(lay.in_per_thread):
+        sfx = f"_{i}"
+        cond = f"({cb}) * {lay.bc} + cc{sfx} < {s.c}" if s.c % lay.bc else ""
+        emit_tile_load(code, g, "x", f"xb{sfx} + ({cb}) * {lay.bc * s.h * s.w}", f"d{sfx}", sfx,
+                       decl=False, cond=cond)
+
+
+def _emit_store_stage(code: Code, lay: Layout, buf: str) -> None:
+    """Registers of a stage into shared buffer ``buf``: filters as is, inputs transformed."""
+    g = lay.g
+    nf4 = lay.u_chunk // 4
+    code(f"LOCAL_PTR float* sb = smem + {buf};")
+    for i in range(lay.f4_per_thread):
+        stmt = f"VSTORE4(f{i}, tid + {i * lay.threads}, sb);"
+        last = (i + 1) * lay.threads > nf4
+        code(f"if (tid + {i * lay.threads} < {nf4}) {stmt}" if last else stmt)
+    for i in range(lay.in_per_thread):
+        sfx = f"_{i}"
+        with code.block(f"/* input window {i} */"):
+            emit_input_transform(code, g, f"d{sfx}", "v", "dt")
+            guard = f"if (pr{sfx} < {lay.in_pairs}) " if lay.in_pairs % lay.threads else ""
+            for a, b in itertools.product(range(g.ah), range(g.aw)):
+                e = a * g.aw + b
+                code(f"{guard}sb[{lay.u_chunk + e * lay.bc * lay.bn} + cc{sfx} * {lay.bn} + "
+                     f"jt{sfx}] = v{a}_{b};")
+
+
+def _operands(code: Code, lay: Layout, name: str, base: str, t: int, v: int, lanes: int) -> None:
+    """Declare ``name{i}`` for i < t from shared memory: float4 groups lanes*v apart."""
+    for grp in range(t // v):
+        off = f"{base} + {grp * lanes * v}"
+        if v == 4:
+            code(f"const float4 {name}v{grp} = VLOAD4(0, sb + {off});")
+            for c, comp in enumerate("xyzw"):
+                code(f"const float {name}{grp * 4 + c} = {name}v{grp}.{comp};")
+        else:
+            for c in range(v):
+                code(f"const float {name}{grp * v + c} = sb[{off} + {c}];")
+
+
+def _emit_products(code: Code, lay: Layout) -> None:
+    """The element-wise stage: per channel, per owned element, a tk x tn outer product."""
+    for cc in range(lay.bc):
+        for el in range(lay.e_per_group):
+            with code.block(f"/* channel {cc}, element {el} */"):
+                _operands(code, lay, "a", f"ua + {(el * lay.bc + cc) * lay.bk}", lay.tk, lay.vk,
+                          lay.lk)
+                _operands(code, lay, "b", f"va + {(el * lay.bc + cc) * lay.bn}", lay.tn, lay.vn,
+                          lay.ln)
+                for ki, ni in itertools.product(range(lay.tk), range(lay.tn)):
+                    code(f"acc{el}_{ki}_{ni} = FMA(a{ki}, b{ni}, acc{el}_{ki}_{ni});")
+
+
+def _emit_main_loop(code: Code, lay: Layout) -> None:
+    cbn = cdiv(lay.g.spec.c, lay.bc)
+    with code.block("/* prologue: stage 0 */"):
+        _emit_load_stage(code, lay, "0")
+        _emit_store_stage(code, lay, "0")
+    code("BARRIER();")
+    with code.block(f"for (int cb = 0; cb < {cbn}; ++cb)"):
+        code(f"const int cur = (cb & 1) * {lay.stage};",
+             f"const bool more = cb + 1 < {cbn};")
+        with code.block("if (more)"):
+            _emit_load_stage(code, lay, "cb + 1")
+        with code.block(""):
+            code("const LOCAL_PTR float* sb = smem + cur;")
+            _emit_products(code, lay)
+        with code.block("if (more)"):
+            _emit_store_stage(code, lay, f"{lay.stage} - cur")
+        code("BARRIER();")
+
+
+def _emit_output(code: Code, lay: Layout, epi: Epilogue) -> None:
+    """Rounds of: accumulators to shared (conflict-free rows), barrier, A^T M A and stores."""
+    g, s = lay.g, lay.g.spec
+    rs = lay.bn + lay.row_pad
+    pairs = lay.kr * lay.bn
+    per = cdiv(pairs, lay.threads)
+    for rho in range(lay.tk // lay.vk):
+        with code.block(f"/* output round {rho}: filters {rho * lay.kr}..{(rho + 1) * lay.kr - 1}"
+                        f" of the block */"):
+            for el, v in itertools.product(range(lay.e_per_group), range(lay.vk)):
+                row = f"(grp * {lay.e_per_group} + {el}) * {lay.kr * rs} + (lkid * {lay.vk} + {v})" \
+                      f" * {rs} + lnid * {lay.vn}"
+                ki = rho * lay.vk + v
+                for grp_n in range(lay.tn // lay.vn):
+                    vals = [f"acc{el}_{ki}_{grp_n * lay.vn + c}" for c in range(lay.vn)]
+                    off = f"{row} + {grp_n * lay.ln * lay.vn}"
+                    if lay.vn == 4:
+                        code(f"VSTORE4(MAKE_FLOAT4({', '.join(vals)}), 0, smem + {off});")
+                    else:
+                        for c, val in enumerate(vals):
+                            code(f"smem[{off} + {c}] = {val};")
+            code("BARRIER();")
+            for i in range(per):
+                with code.block(f"/* pair {i} */"):
+                    code(f"const int pr = tid + {i * lay.threads};",
+                         f"const int jt = pr % {lay.bn}, kr = pr / {lay.bn};",
+                         f"const int t = tb * {lay.bn} + jt;",
+                         f"const int k = kb * {lay.bk} + {rho * lay.kr} + kr;")
+                    for a, b in itertools.product(range(g.ah), range(g.aw)):
+                        code(f"const float m{a}_{b} = smem[{(a * g.aw + b) * lay.kr * rs} + "
+                             f"kr * {rs} + jt];")
+                    emit_output_transform(code, g, "m", "o", "mt")
+                    code(f"const int tc = min(t, {g.tiles - 1});")
+                    emit_tile_origin(code, g, "tc")
+                    ok = f"t < {g.tiles} && k < {s.k}" + (f" && pr < {pairs}"
+                                                          if pairs % lay.threads else "")
+                    emit_output_store(code, g, epi, "o", "k", ok)
+            code("BARRIER();")
+
+
+register(WinogradFused(2))
+register(WinogradFused(4))

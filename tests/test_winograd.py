@@ -1,0 +1,200 @@
+"""Winograd: exact transform identities, float32 transform error, every variant on PoCL on odd
+shapes (default + sampled parameters), and a CUDA compile of each default with 0 spills."""
+
+from __future__ import annotations
+
+import random
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+from convforge.codegen.nvcc import nvcc_path, ptxas_report
+from convforge.kernels import get_variant
+from convforge.kernels.winograd.matrices import Matrix, matmul, transpose, winograd
+from convforge.plan import DeviceInfo
+from convforge.spec import ConvSpec
+
+SIZES = [(2, 3), (4, 3), (6, 3), (2, 5), (3, 2), (4, 5)]
+# float32 transform error bounds per F(m, r), about 10x what the 1-D/2-D error test measures
+F32_BOUND = {(2, 3): 1e-6, (4, 3): 5e-6, (6, 3): 5e-5, (2, 5): 5e-6, (3, 2): 1e-6, (4, 5): 1e-4}
+
+
+def _rand_frac(rng: random.Random, shape: tuple[int, int]) -> Matrix:
+    return tuple(tuple(Fraction(rng.randint(-9, 9), rng.randint(1, 5)) for _ in range(shape[1]))
+                 for _ in range(shape[0]))
+
+
+def _hadamard(a: Matrix, b: Matrix) -> Matrix:
+    return tuple(tuple(x * y for x, y in zip(ra, rb)) for ra, rb in zip(a, b))
+
+
+def _corr2d(d: Matrix, g: Matrix, m: int) -> Matrix:
+    r = len(g)
+    return tuple(tuple(sum((d[i + a][j + b] * g[a][b] for a in range(r) for b in range(r)),
+                           Fraction(0)) for j in range(m)) for i in range(m))
+
+
+@pytest.mark.parametrize("m,r", SIZES)
+def test_identity_1d_exact(m: int, r: int) -> None:
+    t = winograd(m, r)
+    rng = random.Random(m * 10 + r)
+    for _ in range(5):
+        d = _rand_frac(rng, (t.alpha, 1))
+        g = _rand_frac(rng, (r, 1))
+        y = matmul(t.AT, _hadamard(matmul(t.G, g), matmul(t.BT, d)))
+        want = tuple((sum((d[i + j][0] * g[j][0] for j in range(r)), Fraction(0)),)
+                     for i in range(m))
+        assert y == want
+
+
+@pytest.mark.parametrize("m,r", SIZES)
+def test_identity_2d_exact(m: int, r: int) -> None:
+    t = winograd(m, r)
+    rng = random.Random(m * 100 + r)
+    d = _rand_frac(rng, (t.alpha, t.alpha))
+    g = _rand_frac(rng, (r, r))
+    u = matmul(matmul(t.G, g), transpose(t.G))
+    v = matmul(matmul(t.BT, d), transpose(t.BT))
+    y = matmul(matmul(t.AT, _hadamard(u, v)), transpose(t.AT))
+    assert y == _corr2d(d, g, m)
+
+
+def test_input_transform_is_integer() -> None:
+    for m, r in SIZES:
+        assert all(v.denominator == 1 for row in winograd(m, r).BT for v in row)
+
+
+@pytest.mark.parametrize("m,r", SIZES)
+def test_float32_error(m: int, r: int) -> None:
+    """2-D tiles through float32 transforms vs float64 direct correlation, relative L2."""
+    t = winograd(m, r)
+    at, g_, bt = (t.as_float(n, "float32") for n in ("AT", "G", "BT"))
+    rng = np.random.default_rng(0)
+    d = rng.uniform(-1, 1, (256, t.alpha, t.alpha)).astype(np.float32)
+    g = rng.uniform(-1, 1, (256, r, r)).astype(np.float32)
+    u = g_ @ g @ g_.T
+    v = bt @ d @ bt.T
+    y = at @ (u * v) @ at.T
+    ref = np.zeros((256, m, m))
+    for a in range(r):
+        for b in range(r):
+            ref += d[:, a:a + m, b:b + m].astype(np.float64) * g[:, a:a + 1, b:b + 1]
+    err = np.linalg.norm(y - ref) / np.linalg.norm(ref)
+    assert err < F32_BOUND[(m, r)], err
+
+
+def test_points_validated() -> None:
+    with pytest.raises(ValueError):
+        winograd(2, 3, (Fraction(0), Fraction(0), Fraction(1)))
+    with pytest.raises(ValueError):
+        winograd(6, 3, (Fraction(0), Fraction(1)))
+
+
+# -- kernels on PoCL ---------------------------------------------------------------------------
+
+ODD = [
+    ConvSpec.make(1, 1, 13, 13, 1, 3, 3, padding=1),
+    ConvSpec.make(3, 5, 7, 11, 9, 3, 3, padding=(0, 1, 1, 0)),
+    ConvSpec.make(2, 17, 13, 7, 70, 3, 3, padding=1),
+    ConvSpec.make(1, 9, 5, 5, 3, 3, 3, padding=0),
+]
+VARIANTS = ["winograd_nonfused_f2", "winograd_nonfused_f4", "winograd_fused_f2",
+            "winograd_fused_f4"]
+
+
+@pytest.fixture(scope="module")
+def backend():  # type: ignore[no-untyped-def]
+    from convforge.backends import get_backend, opencl_available
+
+    if not opencl_available():
+        pytest.skip("no OpenCL device")
+    return get_backend("opencl")
+
+
+def _check(backend, name: str, spec: ConvSpec, params=None) -> None:  # type: ignore[no-untyped-def]
+    from convforge.check import check_plan
+
+    v = get_variant(name)
+    assert v.applies(spec, backend.device) is None
+    prm = params if params is not None else v.default(spec, backend.device)
+    res = check_plan(v.plan(spec, prm, backend.device), backend, seed=1)
+    assert res.ok, f"{name} {prm.short()} {spec.short()}: {res}"
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("spec", ODD, ids=lambda s: s.key())
+def test_default_on_odd_shapes(backend, name: str, spec: ConvSpec) -> None:  # type: ignore[no-untyped-def]
+    _check(backend, name, spec)
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_sampled_params(backend, name: str) -> None:  # type: ignore[no-untyped-def]
+    spec = ConvSpec.make(2, 10, 9, 6, 13, 3, 3, padding=(1, 0, 0, 1))
+    v = get_variant(name)
+    space = v.space(spec, backend.device)[1:]
+    for prm in random.Random(7).sample(space, min(2, len(space))):
+        _check(backend, name, spec, prm)
+
+
+def test_nonfused_other_filters(backend) -> None:  # type: ignore[no-untyped-def]
+    _check(backend, "winograd_nonfused_f2", ConvSpec.make(1, 3, 11, 8, 4, 5, 5, padding=2))
+    _check(backend, "winograd_nonfused_f2", ConvSpec.make(2, 4, 9, 10, 3, 2, 3))
+    _check(backend, "winograd_nonfused_f4", ConvSpec.make(1, 2, 7, 9, 5, 1, 3, padding=(0, 0, 1, 1)))
+
+
+def test_epilogue(backend) -> None:  # type: ignore[no-untyped-def]
+    from convforge.check import check_plan
+    from convforge.plan import Epilogue
+
+    spec = ConvSpec.make(2, 6, 9, 9, 5, 3, 3, padding=1)
+    for name in ("winograd_nonfused_f2", "winograd_fused_f2"):
+        v = get_variant(name)
+        plan = v.plan(spec, v.default(spec, backend.device), backend.device,
+                      Epilogue(bias=True, relu=True))
+        assert check_plan(plan, backend, seed=2).ok
+
+
+def test_applies_reasons() -> None:
+    dev = DeviceInfo(backend="opencl", name="cpu", is_gpu=False, shared_optin_bytes=1 << 20)
+    fused = get_variant("winograd_fused_f2")
+    assert "stride" in (fused.applies(ConvSpec.make(1, 3, 9, 9, 4, 3, 3, stride=2), dev) or "")
+    assert "dilation" in (fused.applies(ConvSpec.make(1, 3, 9, 9, 4, 3, 3, dilation=2), dev) or "")
+    assert "3x3" in (fused.applies(ConvSpec.make(1, 3, 9, 9, 4, 5, 5), dev) or "")
+    nf4 = get_variant("winograd_nonfused_f4")
+    assert "alpha" in (nf4.applies(ConvSpec.make(1, 3, 19, 19, 4, 7, 7), dev) or "")
+    assert nf4.applies(ConvSpec.make(1, 3, 19, 19, 4, 5, 5), dev) is None
+
+
+def test_workspace_reported() -> None:
+    dev = DeviceInfo(backend="cuda", name="H200", cc=(9, 0), shared_optin_bytes=227 * 1024)
+    spec = ConvSpec.make(32, 64, 56, 56, 64, 3, 3, padding=1)
+    nf = get_variant("winograd_nonfused_f2")
+    plan = nf.plan(spec, nf.default(spec, dev), dev)
+    tiles = 32 * 28 * 28
+    assert dict(plan.workspace) == {"wino_u": 4 * 16 * 64 * 64, "wino_v": 4 * 16 * 64 * tiles,
+                                    "wino_m": 4 * 16 * 64 * tiles}
+    fu = get_variant("winograd_fused_f4")
+    plan = fu.plan(spec, fu.default(spec, dev), dev)
+    assert plan.workspace_bytes == 4 * 36 * 64 * 64 and len(plan.steps) == 2
+
+
+# -- CUDA compile --------------------------------------------------------------------------------
+
+RESNET = [ConvSpec.make(32, 64, 56, 56, 64, 3, 3, padding=1),
+          ConvSpec.make(128, 512, 7, 7, 512, 3, 3, padding=1)]
+
+
+@pytest.mark.skipif(nvcc_path() is None, reason="nvcc not on PATH: CUDA compile check skipped")
+@pytest.mark.parametrize("name", VARIANTS)
+def test_cuda_compiles_without_spills(name: str) -> None:
+    dev = DeviceInfo(backend="cuda", name="H200", cc=(9, 0), shared_optin_bytes=227 * 1024,
+                     units=132)
+    v = get_variant(name)
+    spec = RESNET[0]
+    plan = v.plan(spec, v.default(spec, dev), dev)
+    infos = ptxas_report(plan.source("cuda"))
+    assert {i.kernel for i in infos} == {k.name for k in plan.kernels}
+    for info in infos:
+        assert info.spill_stores == 0 and info.spill_loads == 0, info
+        assert info.registers <= 255
