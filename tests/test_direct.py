@@ -82,3 +82,13 @@ def test_cuda_compiles_without_spills(nvcc_ok, name, spec):
         pytest.skip(f"{name}: {v.applies(spec, NOMINAL_CUDA)}")
     for params in sample(v, spec, NOMINAL_CUDA, k=1):
         assert_compiles_clean(v, spec, params, NOMINAL_CUDA)
+
+
+@pytest.mark.parametrize("extra", [dict(tex=True, ldg=False), dict(rt=True), dict(wconst=True)])
+def test_cuda_input_paths_compile(nvcc_ok, extra):
+    spec = CUDA_SPECS[0]
+    v = get_variant("direct")
+    assert_compiles_clean(v, spec, v.default(spec, NOMINAL_CUDA).replace(**extra), NOMINAL_CUDA)
+    if extra.get("tex"):
+        with pytest.raises(ValueError, match="lacks features"):
+            v.plan(spec, v.default(spec, NOMINAL_CUDA).replace(**extra), NOMINAL_CUDA).source("opencl")

@@ -64,3 +64,12 @@ def test_cupy_arrays_in_and_out(cuda):
         y = convforge.conv2d(cp.asarray(xh), cp.asarray(wh), padding=2, algo=algo)
         assert isinstance(y, cp.ndarray)
         assert rel_l2(cp.asnumpy(y), conv2d_ref(xh, wh, ConvSpec.make(1, 4, 11, 11, 3, 5, 5, 1, 2))) < 1e-5
+
+
+@pytest.mark.parametrize("spec", GPU_SPECS[:5], ids=lambda s: s.key())
+@pytest.mark.parametrize("extra", [dict(tex=True, ldg=False), dict(rt=True), dict(wconst=True)])
+def test_direct_input_paths_on_gpu(cuda, spec, extra):
+    """Texture-object reads, run-time strides and constant-memory filters, each against the reference."""
+    v = next(v for v in all_variants() if v.name == "direct")
+    res = check_plan(v.plan(spec, v.default(spec, cuda.device).replace(**extra), cuda.device), cuda)
+    assert res.ok, f"direct {extra} {spec.short()}: {res}"

@@ -10,7 +10,7 @@ import cupy as cp
 import numpy as np
 
 from convforge.backends.base import Backend, CompileError, const_args
-from convforge.codegen.dialect import Kernel, LocalBuf
+from convforge.codegen.dialect import Kernel, LocalBuf, TexBuf
 from convforge.plan import DeviceInfo, Gemm, Launch
 
 
@@ -39,6 +39,7 @@ class CudaBackend(Backend):
             const_bytes=props["totalConstMem"], warp=props["warpSize"],
             units=props["multiProcessorCount"], l2_bytes=props.get("l2CacheSize", 0))
         self.stream: Any = None  # None = CuPy's current stream at call time
+        self._textures: dict[tuple[int, int], Any] = {}
 
     # -- compiler ---------------------------------------------------------------------------
     def compile_options(self) -> list[str]:
@@ -110,10 +111,24 @@ class CudaBackend(Backend):
             dst = program.get_global_var(cbuf.name)
             nbytes = min(src.nbytes, 4 * cbuf.count)
             dst.copy_from_device_async(src.data, nbytes, stream)
-        vals = [a for a, spec in zip(args, [x for x in kernel.args if not isinstance(x, LocalBuf)])
-                if not _is_const(spec)]
+        specs = [x for x in kernel.args if not isinstance(x, LocalBuf)]
+        vals = [self._texture(a) if isinstance(spec, TexBuf) else a
+                for a, spec in zip(args, specs) if not _is_const(spec)]
         lb = kernel.local_buf()
         fn(step.grid, step.block, tuple(vals), shared_mem=lb.nbytes if lb else 0, stream=stream)
+
+    def _texture(self, array: Any) -> Any:
+        """A linear float texture object over ``array``, made once per (address, size)."""
+        key = (int(array.data.ptr), int(array.nbytes))
+        tex = self._textures.get(key)
+        if tex is None:
+            t, rt = cp.cuda.texture, cp.cuda.runtime
+            ch = t.ChannelFormatDescriptor(32, 0, 0, 0, rt.cudaChannelFormatKindFloat)
+            res = t.ResourceDescriptor(rt.cudaResourceTypeLinear, arr=array, chDesc=ch,
+                                       sizeInBytes=array.nbytes)
+            desc = t.TextureDescriptor(None, rt.cudaFilterModePoint, rt.cudaReadModeElementType)
+            tex = self._textures[key] = t.TextureObject(res, desc)
+        return tex
 
     def gemm(self, step: Gemm, a: Any, b: Any, c: Any) -> None:
         """Strided-batched row-major SGEMM through cuBLAS (CuPy's matmul), on the current stream."""

@@ -9,7 +9,7 @@ import numpy as np
 import pyopencl as cl
 
 from convforge.backends.base import Backend, CompileError
-from convforge.codegen.dialect import ConstBuf, Kernel, LocalBuf, Scalar
+from convforge.codegen.dialect import Kernel, LocalBuf, Scalar
 from convforge.config import config
 from convforge.plan import DeviceInfo, Launch
 
@@ -132,4 +132,4 @@ class OpenCLBackend(Backend):
         return times
 
 
-__all__ = ["OpenCLBackend", "list_devices", "ConstBuf"]
+__all__ = ["OpenCLBackend", "list_devices"]

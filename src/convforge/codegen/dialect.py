@@ -12,6 +12,7 @@ A kernel body is plain C using these tokens, which each renderer spells its own 
     MAX(a, b)                                             float maximum
     LDG(p)                                                read-only load of *p
     SHFL(v, lane)                                         warp shuffle (feature "shuffle", CUDA only)
+    TEX(t, i)                                             element i of a TexBuf (feature "texture")
 
 Parameters are typed objects that write their own declarations, never pasted strings.
 """
@@ -60,7 +61,15 @@ class LocalBuf:
     nbytes: int
 
 
-Arg = Buf | ConstBuf | Scalar | LocalBuf
+@dataclass(frozen=True)
+class TexBuf:
+    """A read-only float buffer read through the texture unit (CUDA texture object over linear
+    memory, created by the back-end at launch; feature "texture"). Read it with ``TEX(name, i)``."""
+
+    name: str
+
+
+Arg = Buf | ConstBuf | Scalar | LocalBuf | TexBuf
 
 
 @dataclass(frozen=True)

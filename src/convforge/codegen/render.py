@@ -5,10 +5,10 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from convforge.codegen.dialect import Arg, Buf, ConstBuf, Kernel, LocalBuf, Scalar, split_call
+from convforge.codegen.dialect import Arg, Buf, ConstBuf, Kernel, LocalBuf, Scalar, TexBuf, split_call
 
 _TOKEN = re.compile(r"\b(GROUP_ID|LOCAL_ID|GROUP_SIZE|NUM_GROUPS|BARRIER|VLOAD4|VSTORE4|"
-                    r"MAKE_FLOAT4|FMA|MAX|LDG|SHFL)\(")
+                    r"MAKE_FLOAT4|FMA|MAX|LDG|SHFL|TEX)\(")
 _WORDS = re.compile(r"\b(SHARED|LOCAL_PTR|GLOBAL_PTR|RESTRICT|DEVICE)\b( ?)")
 
 
@@ -73,7 +73,7 @@ class Renderer:
 
 class CudaRenderer(Renderer):
     name = "cuda"
-    features = frozenset({"shuffle", "constant", "ldg"})
+    features = frozenset({"shuffle", "constant", "ldg", "texture"})
     words = {"SHARED": "__shared__", "LOCAL_PTR": "", "GLOBAL_PTR": "", "RESTRICT": "__restrict__",
              "DEVICE": "__device__ __forceinline__"}
     _dims = "xyz"
@@ -94,6 +94,7 @@ class CudaRenderer(Renderer):
             "MAX": lambda: f"fmaxf({', '.join(args)})",
             "LDG": lambda: f"__ldg({args[0]})",
             "SHFL": lambda: f"__shfl_sync(0xffffffffu, {args[0]}, {args[1]})",
+            "TEX": lambda: f"tex1Dfetch<float>({args[0]}, {args[1]})",
         }
         return table[token]()
 
@@ -101,6 +102,8 @@ class CudaRenderer(Renderer):
         if isinstance(arg, Buf):
             const = "const " if arg.readonly else ""
             return f"{const}{arg.ctype}* __restrict__ {arg.name}"
+        if isinstance(arg, TexBuf):
+            return f"const cudaTextureObject_t {arg.name}"
         if isinstance(arg, (ConstBuf, LocalBuf)):
             return None  # a module-level __constant__ symbol / extern __shared__ array
         assert isinstance(arg, Scalar)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 
 from convforge.arrays import ArrayDesc
-from convforge.codegen.dialect import Arg, Buf, ConstBuf, Kernel, Scalar
+from convforge.codegen.dialect import Arg, Buf, ConstBuf, Kernel, Scalar, TexBuf
 from convforge.codegen.meta import Code, cdiv
 from convforge.kernels import register
 from convforge.kernels.common import out_args, out_refs
@@ -18,7 +18,8 @@ from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
 from convforge.spec import ConvSpec
 
-_UNROLL_LIMIT = 1024  # fully unroll r and s while R*S*outputs-per-thread stays under this
+_UNROLL_LIMIT = 1024
+_TEX_LIMIT = 1 << 27  # elements a linear texture object may span  # fully unroll r and s while R*S*outputs-per-thread stays under this
 
 
 class DirectBase(Variant):
@@ -57,8 +58,12 @@ class DirectBase(Variant):
     def _args(self, spec: ConvSpec, params: Params, epi: Epilogue) -> tuple[Arg, ...]:
         wcount = spec.k * spec.c * spec.r * spec.s
         warg: Arg = ConstBuf("wc", wcount) if params.wconst else Buf("w")
+        xarg: Arg = TexBuf("x") if params.get("tex", False) else Buf("x")
         strides = tuple(Scalar(name) for name, _ in self._stride_args(spec, params))
-        return (Buf("x"), warg) + out_args(epi) + strides
+        return (xarg, warg) + out_args(epi) + strides
+
+    def _requires(self, params: Params) -> frozenset[str]:
+        return frozenset({"texture"}) if params.get("tex", False) else frozenset()
 
     def _head(self, code: Code, spec: ConvSpec, p: Params) -> None:
         kb = cdiv(spec.k, p.tk)
@@ -119,8 +124,7 @@ class DirectBase(Variant):
         self._store(code, spec, params, epilogue)
         name = f"conv_{self.name}"
         block = (params.bq, params.bp, 1)
-        requires = frozenset({"shuffle"}) if self.name == "direct_shfl" else frozenset()
-        kernel = Kernel(name, self._args(spec, params, epilogue), code.text(), block, requires,
+        kernel = Kernel(name, self._args(spec, params, epilogue), code.text(), block, self._requires(params),
                         comment=f"{self.name}: {params.short()}")
         grid = (cdiv(spec.q, params.bq * params.tq), cdiv(spec.p, params.bp * params.tp),
                 spec.n * cdiv(spec.k, params.tk))
@@ -149,7 +153,10 @@ class Direct(DirectBase):
                 if prm not in out:
                     out.append(prm)
         # Strides as run-time arguments: one binary serves any strides (a few points suffice).
-        out += [prm.replace(rt=True) for prm in out[:4]]
+        base = out[:6]
+        out += [prm.replace(rt=True) for prm in base[:4]]
+        if device.backend == "cuda" and spec.n * spec.c * spec.h * spec.w <= _TEX_LIMIT:
+            out += [prm.replace(tex=True, ldg=False) for prm in base]  # reads through texture objects
         return out
 
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
@@ -162,9 +169,13 @@ class Direct(DirectBase):
         (sh, sw), (dh, dw) = spec.stride, spec.dilation
         pt, pl = spec.pad[0], spec.pad[2]
         xd, _ = self._arrays(spec, p)
-        code(f"const GLOBAL_PTR float* xn = x + {xd.index(n='n')};")
+        tex = bool(p.get("tex", False))
+        if tex:  # integer offsets into the texture instead of pointers
+            code(f"const int xn = {xd.index(n='n')};")
+        else:
+            code(f"const GLOBAL_PTR float* xn = x + {xd.index(n='n')};")
         with code.block(f"for (int c = 0; c < {spec.c}; ++c)"):
-            code(f"const GLOBAL_PTR float* xc = xn + {xd.index(c='c')};")
+            code(f"const {'int' if tex else 'GLOBAL_PTR float*'} xc = xn + {xd.index(c='c')};")
 
             def tap(r: str, s: int) -> None:
                 xval = {}
@@ -173,7 +184,7 @@ class Direct(DirectBase):
                         iy = f"(p0 + ly + {i * p.bp}) * {sh} + ({r}) * {dh} - {pt}"
                         ix = f"(q0 + lx + {j * p.bq}) * {sw} + {s * dw - pl}"
                         ptr = f"xc + {xd.index(y='iy', x='ix')}"
-                        load = f"LDG({ptr})" if p.ldg else f"*({ptr})"
+                        load = f"TEX(x, {ptr})" if tex else f"LDG({ptr})" if p.ldg else f"*({ptr})"
                         nm = f"x{i}_{j}"
                         code(f"float {nm};",
                              f"{{ const int iy = {iy}, ix = {ix};",
@@ -267,6 +278,9 @@ class DirectShfl(DirectBase):
     name = "direct_shfl"
     backends = frozenset({"cuda"})
     specialised = 2
+
+    def _requires(self, params: Params) -> frozenset[str]:
+        return frozenset({"shuffle"})
 
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
         why = super().applies(spec, device)
