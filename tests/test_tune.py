@@ -91,6 +91,24 @@ def test_heuristic_prefers_most_specialised() -> None:
     assert v is direct and prm == direct.default(SPEC, dev)
 
 
+def test_prune_model() -> None:
+    from convforge.tune.heuristic import prune_reason
+
+    cuda = DeviceInfo("cuda", "nominal", cc=(9, 0), max_threads=1024)
+    direct = get_variant("direct")
+    prm = direct.default(SPEC, cuda)
+    plan = direct.plan(SPEC, prm, cuda)
+    assert prune_reason(plan, cuda, direct) is None
+    small = dataclasses.replace(cuda, max_threads=16)
+    assert "threads per block" in (prune_reason(plan, small, direct) or "")
+
+    class Greedy(_Edited):
+        def registers(self, spec: ConvSpec, params: Params) -> int:
+            return 300
+
+    assert "registers" in (prune_reason(plan, cuda, Greedy("direct", "greedy", ("", ""))) or "")
+
+
 # -- the tuner on PoCL ------------------------------------------------------------------------
 def test_tune_then_warm_database_does_no_timing(backend, db, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     timings = count_timings(backend, monkeypatch)

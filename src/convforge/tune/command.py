@@ -17,6 +17,14 @@ from convforge.tune.tuner import Budget, Candidate, TuneError, Tuner, TuneResult
 DEFAULT_BUDGET = "10s,24"  # Boda's 43 layers in under 10 minutes on a GPU
 
 
+def _console() -> Any:
+    """A rich console; wide when writing to a file or pipe, so table rows stay on one line."""
+    from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(width=180)
+
+
 # -- convforge tune -----------------------------------------------------------------------
 def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suite", help="built-in suite name (resnet, boda, mec) or a JSON suite file")
@@ -73,9 +81,7 @@ def _backend(args: argparse.Namespace) -> Any:
 
 def tune_main(args: argparse.Namespace) -> int:
     """Tune a suite or layers into the database, with a progress bar and a closing table."""
-    from rich.console import Console
-
-    console = Console()
+    console = _console()
     _setup_logging(args.verbose)
     try:
         layers = _layers(args)
@@ -220,9 +226,7 @@ def _match(args: argparse.Namespace) -> dict[str, str]:
 
 def db_main(args: argparse.Namespace) -> int:
     """The database sub-commands."""
-    from rich.console import Console
-
-    console = Console()
+    console = _console()
     try:
         match = _match(args)
     except ValueError as err:

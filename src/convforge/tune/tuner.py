@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import random
+import sqlite3
 import statistics
 import time
 import zlib
@@ -201,8 +202,11 @@ class Tuner:
         heur = cands[0] if cands[0].is_default else None
         entry = self._entry(spec, epilogue, best, heur, len(cands), time.perf_counter() - start)
         if self.db is not None:
-            self.db.put(entry)
-            self.db.add_measurements(entry.key, [c.measurement() for c in cands])
+            try:
+                self.db.put(entry)
+                self.db.add_measurements(entry.key, [c.measurement() for c in cands])
+            except sqlite3.Error as err:  # a full disk or a file broken under us: keep the answer
+                log.warning("could not store the tuning result in %s: %s", self.db.path, err)
         return TuneResult(spec, epilogue, entry, best.variant, best.params, False, cands)
 
     def _entry(self, spec: ConvSpec, epi: Epilogue, best: Candidate, heur: Candidate | None,
