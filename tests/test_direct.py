@@ -86,9 +86,16 @@ def test_cuda_compiles_without_spills(nvcc_ok, name, spec):
 
 @pytest.mark.parametrize("extra", [dict(tex=True, ldg=False), dict(rt=True), dict(wconst=True)])
 def test_cuda_input_paths_compile(nvcc_ok, extra):
-    spec = CUDA_SPECS[0]
+    spec = CUDA_SPECS[3]
     v = get_variant("direct")
     assert_compiles_clean(v, spec, v.default(spec, NOMINAL_CUDA).replace(**extra), NOMINAL_CUDA)
     if extra.get("tex"):
         with pytest.raises(ValueError, match="lacks features"):
             v.plan(spec, v.default(spec, NOMINAL_CUDA).replace(**extra), NOMINAL_CUDA).source("opencl")
+
+
+def test_constant_filters_refused_when_too_big():
+    spec = CUDA_SPECS[0]  # 64x64x3x3 filters: 147 KB > 64 KB of constant memory
+    v = get_variant("direct")
+    with pytest.raises(ValueError, match="constant memory"):
+        v.plan(spec, v.default(spec, NOMINAL_CUDA).replace(wconst=True), NOMINAL_CUDA)

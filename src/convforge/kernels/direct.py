@@ -118,6 +118,9 @@ class DirectBase(Variant):
 
     def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
              epilogue: Epilogue = Epilogue()) -> Plan:
+        if params.get("wconst", False) and not self._wconst_ok(spec, device):
+            raise ValueError(f"{self.name}: filters ({4 * spec.k * spec.c * spec.r * spec.s} bytes) do not fit "
+                             "in constant memory")
         code = Code()
         self._head(code, spec, params)
         self._main_loop(code, spec, params)
