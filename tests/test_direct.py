@@ -84,7 +84,7 @@ def test_cuda_compiles_without_spills(nvcc_ok, name, spec):
         assert_compiles_clean(v, spec, params, NOMINAL_CUDA)
 
 
-@pytest.mark.parametrize("extra", [dict(tex=True, ldg=False), dict(rt=True), dict(wconst=True)])
+@pytest.mark.parametrize("extra", [dict(tex=True, ldg=False), dict(rt=True, tk=4), dict(wconst=True)])
 def test_cuda_input_paths_compile(nvcc_ok, extra):
     spec = CUDA_SPECS[3]
     v = get_variant("direct")

@@ -157,7 +157,8 @@ class Direct(DirectBase):
                     out.append(prm)
         # Strides as run-time arguments: one binary serves any strides (a few points suffice).
         base = out[:6]
-        out += [prm.replace(rt=True) for prm in base[:4]]
+        # (fewer channels per thread: run-time index arithmetic costs registers)
+        out += [prm.replace(rt=True, tk=min(prm.tk, 4)) for prm in base[:4]]
         if device.backend == "cuda" and spec.n * spec.c * spec.h * spec.w <= _TEX_LIMIT:
             out += [prm.replace(tex=True, ldg=False) for prm in base]  # reads through texture objects
         return out
