@@ -27,8 +27,13 @@ def applicable(spec: ConvSpec, device: DeviceInfo, workspace_limit: int | None =
         v for v in variants if v.applies(spec, device) is None]
     out = []
     for v in pool:
-        if workspace_limit is not None and v.workspace_bytes(spec, v.default(spec, device)) > workspace_limit:
-            continue
+        if workspace_limit is not None:
+            try:
+                need = v.workspace_bytes(spec, v.default(spec, device))
+            except Exception:  # noqa: BLE001 - a variant that cannot size itself is not applicable
+                continue
+            if need > workspace_limit:
+                continue
         out.append(v)
     order = {id(v): i for i, v in enumerate(out)}
     return sorted(out, key=lambda v: (-v.specialised, order[id(v)]))

@@ -283,13 +283,22 @@ class Tuner:
             return cand
 
         for v in ranked:
-            cand = make(v, v.default(spec, dev), True)
+            try:
+                default = v.default(spec, dev)
+            except Exception as err:  # noqa: BLE001 - a variant's bug costs its candidates only
+                log.warning("%s has no default for %s: %s", v.name, spec.short(), err)
+                continue
+            cand = make(v, default, True)
             if cand is not None:
                 yield cand
         rng = random.Random(self.seed ^ zlib.crc32(spec.key().encode()))
         spaces = []
         for v in ranked:
-            pts = list(v.space(spec, dev))
+            try:
+                pts = list(v.space(spec, dev))
+            except Exception as err:  # noqa: BLE001
+                log.warning("%s has no space for %s: %s", v.name, spec.short(), err)
+                continue
             rng.shuffle(pts)
             spaces.append((v, iter(pts)))
         while spaces:
