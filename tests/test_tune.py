@@ -130,6 +130,14 @@ def test_tune_then_warm_database_does_no_timing(backend, db, monkeypatch) -> Non
     assert timings[0] == before and again.timings == 0
 
 
+def test_time_budget_stops_the_search(backend) -> None:  # type: ignore[no-untyped-def]
+    variants = [get_variant("direct"), get_variant("direct_smem")]
+    tuner = Tuner(backend, None, Budget(0.01, None), variants=variants, workers=2)
+    res = tuner.tune(SPEC)
+    assert [c.is_default for c in res.candidates[:2]] == [True, True]  # defaults always measured
+    assert len(res.candidates) <= 3
+
+
 def test_failed_compile_scores_infinity_and_search_goes_on(backend, caplog) -> None:  # type: ignore[no-untyped-def]
     broken = _Edited("direct", "broken", ("{", "{ this is not C;"))
     tuner = Tuner(backend, None, Budget(None, 2), variants=[broken, get_variant("direct")])
