@@ -144,7 +144,7 @@ def test_cudnn_best_and_speedup() -> None:
     console = Console(width=200, record=True)
     console.print(report.layer_table(rows))
     text = console.export_text()
-    assert "FAIL" in text and "FFT_TILING" in text
+    assert "FAIL" in text and "FFT_TILING" in text and "[opencl]" in text
 
 
 def test_no_vendor_import() -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from convforge.bench.ceilings import Ceilings
@@ -60,10 +61,10 @@ def layer_table(rows: list[Row], title: str = "") -> Table:
             continue
         check = "ok" if r.ok else ("[red]FAIL[/]" if r.ok is False else "-")
         if r.status.startswith("error"):
-            check = f"[red]{r.status[:60]}[/]"
+            check = f"[red]{escape(r.status[:60])}[/]"
         variant = r.algo if len(r.algo) < 72 else r.algo[:69] + "..."
-        base = f"{r.baseline_impl}: {r.baseline_algo}" if r.baseline_impl else "none available"
-        t.add_row(r.layer, f"{variant} [{r.backend}]", _num(r.time_ms, ".3f"), _num(r.tflops, ".4g"),
+        base = escape(f"{r.baseline_impl}: {r.baseline_algo}") if r.baseline_impl else "none available"
+        t.add_row(escape(r.layer), escape(f"{variant} [{r.backend}]"), _num(r.time_ms, ".3f"), _num(r.tflops, ".4g"),
                   _num(r.pct_peak, ".1f"), _num(r.baseline_ms, ".3f"), base, _num(r.speedup, ".2f"),
                   _bytes(r.workspace_bytes), _num(r.rel_err, ".1e"), check)
     return t
@@ -77,8 +78,9 @@ def baseline_table(rows: list[Row]) -> Table:
     for r in rows:
         if r.impl.startswith("convforge"):
             continue
-        t.add_row(r.layer, r.impl, r.algo, r.precision, _num(r.time_ms, ".3f"), _num(r.tflops, ".4g"),
-                  _bytes(r.workspace_bytes), _num(r.rel_err, ".1e"), r.status[:50])
+        t.add_row(escape(r.layer), escape(r.impl), escape(r.algo), r.precision, _num(r.time_ms, ".3f"),
+                  _num(r.tflops, ".4g"),
+                  _bytes(r.workspace_bytes), _num(r.rel_err, ".1e"), escape(r.status[:50]))
     return t
 
 
@@ -95,7 +97,7 @@ def compare_table(rows: list[Row]) -> Table:
         cu, oc = d.get("cuda"), d.get("opencl")
         ratio = (oc.time_ms / cu.time_ms) if cu and oc and cu.time_ms and oc.time_ms else None
         variant = " / ".join(sorted({r.algo for r in d.values()}))
-        t.add_row(layer, f"{impl}: {variant}", _num(cu.time_ms if cu else None, ".3f"),
+        t.add_row(escape(layer), escape(f"{impl}: {variant}"), _num(cu.time_ms if cu else None, ".3f"),
                   _num(oc.time_ms if oc else None, ".3f"), _num(ratio, ".2f"))
     return t
 
