@@ -76,7 +76,7 @@ class Im2win(Variant):
         out = gemm_space(*self._mnk(spec), device, True, False)
         # Ablation point: micro-kernel off (one output per thread, 16 x 16 block).
         for pf, db in ((1, 1), (0, 0)):
-            p = Params(bm=16, bn=16, bk=16, tm=1, tn=1, va=4, vb=1, pf=pf, db=db)
+            p = Params(bm=16, bn=16, bk=64, tm=1, tn=1, va=4, vb=1, pf=pf, db=db)
             if layout_ok(p, True, False) and p not in out:
                 out.append(p)
         return out

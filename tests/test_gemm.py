@@ -1,0 +1,213 @@
+"""GEMM family: the SGEMM generator, im2col, implicit GEMM, im2win and 1x1 on PoCL against the
+float64 reference; workspace figures; library-GEMM plumbing; CUDA compile checks (no spills)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from conftest import NOMINAL_CUDA
+from convforge.backends.base import Backend
+from convforge.check import check_plan
+from convforge.codegen.dialect import Buf
+from convforge.kernels import get_variant
+from convforge.kernels.sgemm import (
+    GemmShape,
+    Operand,
+    Store,
+    gemm_block,
+    gemm_default,
+    gemm_grid,
+    gemm_kernel,
+    gemm_space,
+)
+from convforge.params import Params
+from convforge.plan import Epilogue, Gemm, Launch, Plan
+from convforge.spec import ConvSpec
+from helpers import ODD_SPECS, assert_compiles_clean, sample
+
+GENERAL = ["im2col_gemm", "implicit_gemm", "implicit_gemm_precomp", "im2win"]
+POINTWISE = ["gemm1x1", "gemm1x1_splitk"]
+# N=1/C=1/K=1 3x3, asymmetric pad, stride 2 on a prime height, dilation 2, 11x11/4 asymmetric.
+GENERAL_SPECS = [ODD_SPECS[0], ODD_SPECS[2], ODD_SPECS[3], ODD_SPECS[4]]
+POINTWISE_SPECS = [ConvSpec.make(2, 40, 7, 7, 13, 1, 1),
+                   ConvSpec.make(1, 36, 9, 10, 5, 1, 1, 2, (0, 1, 1, 0))]
+
+
+# -- the SGEMM generator on its own -----------------------------------------------------------
+def _plain_gemm(shape: GemmShape, p: Params) -> Plan:
+    m, n, k, ks = shape.m, shape.n, shape.k, shape.ksplit
+    a = Operand(load=lambda t, kk, d: [f"{d} = A[bz * {m * k} + {t}_i * {k} + {kk}];"], fast="k")
+    b = Operand(load=lambda t, kk, d: [f"{d} = B[bz * {k * n} + ({kk}) * {n} + {t}_i];"], fast="i",
+                vload=(lambda t, kk, d: [f"{d} = VLOAD4(0, B + bz * {k * n} + ({kk}) * {n} + {t}_i);"])
+                if n % 4 == 0 else None)
+    c = Store(put=lambda mm, t, v: [f"C[(bz * {ks} + kz) * {m * n} + ({mm}) * {n} + {t}_i] = {v};"])
+    kern = gemm_kernel("g", shape, p, a, b, c, (Buf("A"), Buf("B"), Buf("C", readonly=False)))
+    launch = Launch("g", gemm_grid(shape, p), gemm_block(p), ("A", "B", "C"))
+    return Plan("sgemm", "test", ConvSpec.make(1, 1, 1, 1, 1, 1, 1), p, (kern,), (launch,))
+
+
+@pytest.mark.parametrize("shape,params", [
+    (GemmShape(13, 71, 29), None),
+    (GemmShape(67, 129, 37, batch=3), Params(bm=32, bn=64, bk=16, tm=4, tn=8, va=1, vb=1, pf=1, db=1)),
+    (GemmShape(40, 36, 100, ksplit=3), Params(bm=64, bn=32, bk=8, tm=8, tn=4, va=1, vb=4, pf=0, db=0)),
+], ids=["default", "batched-db", "splitk-plain"])
+def test_sgemm_generator(ocl, shape, params):
+    p = params or gemm_default(shape.m, shape.n, shape.k, ocl.device, False, shape.n % 4 == 0)
+    plan = _plain_gemm(shape, p)
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((shape.batch, shape.m, shape.k)).astype(np.float32)
+    b = rng.standard_normal((shape.batch, shape.k, shape.n)).astype(np.float32)
+    cbuf = ocl.upload(np.full((shape.batch * shape.ksplit, shape.m, shape.n), np.nan, np.float32))
+    ocl.executable(plan)({"A": ocl.upload(a), "B": ocl.upload(b), "C": cbuf})
+    ocl.synchronize()
+    got = ocl.download(cbuf, (shape.batch, shape.ksplit, shape.m, shape.n)).sum(axis=1)
+    ref = np.einsum("bmk,bkn->bmn", a.astype(np.float64), b.astype(np.float64))
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-5
+
+
+def test_sgemm_space_is_valid():
+    space = gemm_space(128, 4096, 576, NOMINAL_CUDA)
+    assert space[0] == Params(bm=128, bn=128, bk=8, tm=8, tn=8, va=4, vb=4, pf=1, db=1)
+    assert len(space) == len(set(space)) > 50
+    with pytest.raises(ValueError, match="invalid"):
+        _plain_gemm(GemmShape(64, 64, 64), Params(bm=64, bn=64, bk=8, tm=4, tn=4, va=4, vb=4,
+                                                  pf=1, db=1))
+
+
+# -- convolution variants on PoCL -------------------------------------------------------------
+def _check(ocl: Any, name: str, spec: ConvSpec, params: Params, epi: Epilogue = Epilogue()) -> None:
+    v = get_variant(name)
+    plan = v.plan(spec, params, ocl.device, epi)
+    assert plan.workspace_bytes == v.workspace_bytes(spec, params)
+    res = check_plan(plan, ocl, seed=3)
+    assert res.ok, f"{name} [{params.short()}] {spec.short()}: {res}"
+
+
+@pytest.mark.parametrize("spec", GENERAL_SPECS, ids=lambda s: s.key())
+@pytest.mark.parametrize("name", GENERAL)
+def test_general_variant_default(ocl, name, spec):
+    v = get_variant(name)
+    assert v.applies(spec, ocl.device) is None
+    _check(ocl, name, spec, v.default(spec, ocl.device))
+
+
+@pytest.mark.parametrize("name", GENERAL)
+def test_general_variant_sampled(ocl, name):
+    spec = ODD_SPECS[1]
+    v = get_variant(name)
+    for params in sample(v, spec, ocl.device, k=1, seed=7)[1:]:
+        _check(ocl, name, spec, params, Epilogue(bias=True, relu=True))
+
+
+@pytest.mark.parametrize("spec", POINTWISE_SPECS, ids=lambda s: s.key())
+@pytest.mark.parametrize("name", POINTWISE)
+def test_pointwise(ocl, name, spec):
+    v = get_variant(name)
+    assert v.applies(spec, ocl.device) is None
+    params = sample(v, spec, ocl.device, k=1, seed=2)[-1]
+    _check(ocl, name, spec, params, Epilogue(bias=True, relu=spec.stride == (2, 2)))
+
+
+def test_pointwise_refuses_3x3(ocl):
+    assert "1x1" in (get_variant("gemm1x1").applies(ODD_SPECS[1], ocl.device) or "")
+
+
+def test_im2win_ablation_points(ocl):
+    """Micro-kernel off (one output per thread) and prefetch/double buffer off stay correct."""
+    spec = ODD_SPECS[1]
+    v = get_variant("im2win")
+    space = v.space(spec, ocl.device)
+    off = [p for p in space if p.tm == 1 and p.tn == 1]
+    assert len(off) == 2 and any(not p.pf for p in space) and any(p.va == 1 for p in space)
+    _check(ocl, "im2win", spec, off[1])
+
+
+# -- workspace ------------------------------------------------------------------------------
+MEC = {"cv1": ConvSpec.make(128, 3, 227, 227, 96, 11, 11, 4), "cv3": ConvSpec.make(128, 3, 227, 227, 64, 7, 7, 2),
+       "cv8": ConvSpec.make(128, 64, 112, 112, 128, 3, 3), "cv10": ConvSpec.make(128, 128, 28, 28, 128, 3, 3),
+       "cv12": ConvSpec.make(128, 512, 7, 7, 512, 3, 3)}
+
+
+@pytest.mark.parametrize("layer", sorted(MEC))
+def test_im2win_workspace_below_im2col(layer):
+    spec = MEC[layer]
+    win = get_variant("im2win").workspace_bytes(spec, Params())
+    col = get_variant("im2col_gemm").workspace_bytes(spec, Params())
+    assert win < col, f"{layer}: im2win {win} >= im2col {col}"
+
+
+def test_workspace_figures():
+    spec = ConvSpec.make(5, 832, 7, 7, 128, 1, 1)
+    assert get_variant("implicit_gemm").workspace_bytes(spec, Params()) == 0
+    assert get_variant("gemm1x1").workspace_bytes(spec, Params()) == 0
+    assert get_variant("implicit_gemm_precomp").workspace_bytes(spec, Params()) == 8 * 832
+    v = get_variant("gemm1x1_splitk")
+    p = v.default(spec, NOMINAL_CUDA)
+    assert p.ks > 1 and v.workspace_bytes(spec, p) == 4 * p.ks * 5 * 128 * 49
+    assert get_variant("im2col_cublas").workspace_bytes(spec, Params()) == 4 * 832 * 5 * 49
+
+
+# -- the library GEMM path (cuBLAS), exercised up to the back-end call ------------------------
+class _FakeBackend(Backend):
+    """Records launches and GEMM steps; compiles nothing."""
+
+    name = "cuda"
+    device = NOMINAL_CUDA
+
+    def __init__(self) -> None:
+        self._programs, self.calls = {}, []
+        self.disk = type("NoDisk", (), {"get": lambda *a: None, "put": lambda *a: None})()
+
+    def compile_options(self): return []
+    def compiler_version(self): return "fake"
+    def build(self, source): return object(), None
+    def load_binary(self, blob): return None
+    def function(self, program, kernel): return kernel.name
+    def empty(self, nbytes): return f"buf{nbytes}"
+    def upload(self, array): return array
+    def download(self, buf, shape): return buf
+    def fill(self, buf, value, nbytes): self.calls.append(("fill", buf))
+    def launch(self, program, fn, kernel, step, args): self.calls.append(("launch", fn, args))
+    def gemm(self, step, a, b, c): self.calls.append(("gemm", step, a, b, c))
+    def synchronize(self): pass
+    def time_ms(self, fn, repeats): return [0.0] * repeats
+
+
+def test_im2col_cublas_plan_reaches_backend_gemm(ocl):
+    spec = ConvSpec.make(2, 3, 13, 11, 5, 3, 3, 1, (0, 1, 1, 0))
+    v = get_variant("im2col_cublas")
+    assert v.applies(spec, ocl.device) is not None  # CUDA only
+    plan = v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA, Epilogue(bias=True))
+    be = _FakeBackend()
+    be.executable(plan)({"x": "X", "w": "W", "y": "Y", "bias": "B"})
+    kinds = [c[0] for c in be.calls]
+    assert kinds == ["launch", "gemm", "launch"]
+    step = be.calls[1][1]
+    pq, crs = spec.p * spec.q, 27
+    assert isinstance(step, Gemm) and be.calls[1][2:] == ("W", f"buf{4 * crs * pq * 2}", "Y")
+    assert (step.m, step.n, step.k, step.batch, step.stride_a, step.stride_b, step.stride_c) == (
+        5, pq, crs, 2, 0, crs * pq, 5 * pq)
+    with pytest.raises(NotImplementedError):
+        ocl.gemm(step, None, None, None)
+
+
+# -- CUDA compile checks --------------------------------------------------------------------
+CUDA_SPECS = [ConvSpec.make(32, 64, 56, 56, 64, 3, 3, 1, 1), ConvSpec.make(128, 3, 227, 227, 96, 11, 11, 4)]
+
+
+@pytest.mark.parametrize("spec", CUDA_SPECS, ids=["resnet56", "alexnet11x11s4"])
+@pytest.mark.parametrize("name", GENERAL + ["im2col_cublas"])
+def test_cuda_compiles_without_spills(nvcc_ok, name, spec):
+    v = get_variant(name)
+    assert v.applies(spec, NOMINAL_CUDA) is None
+    assert_compiles_clean(v, spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA, Epilogue(True, True))
+
+
+@pytest.mark.parametrize("name", POINTWISE)
+def test_cuda_compiles_pointwise(nvcc_ok, name):
+    spec = ConvSpec.make(5, 832, 7, 7, 128, 1, 1)
+    v = get_variant(name)
+    assert_compiles_clean(v, spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA)
