@@ -39,7 +39,9 @@ POINTWISE_SPECS = [ConvSpec.make(2, 40, 7, 7, 13, 1, 1),
 # -- the SGEMM generator on its own -----------------------------------------------------------
 def _plain_gemm(shape: GemmShape, p: Params) -> Plan:
     m, n, k, ks = shape.m, shape.n, shape.k, shape.ksplit
-    a = Operand(load=lambda t, kk, d: [f"{d} = A[bz * {m * k} + {t}_i * {k} + {kk}];"], fast="k")
+    a = Operand(load=lambda t, kk, d: [f"{d} = A[bz * {m * k} + {t}_i * {k} + {kk}];"], fast="k",
+                vload=(lambda t, kk, d: [f"{d} = VLOAD4(0, A + bz * {m * k} + {t}_i * {k} + {kk});"])
+                if k % 4 == 0 else None)
     b = Operand(load=lambda t, kk, d: [f"{d} = B[bz * {k * n} + ({kk}) * {n} + {t}_i];"], fast="i",
                 vload=(lambda t, kk, d: [f"{d} = VLOAD4(0, B + bz * {k * n} + ({kk}) * {n} + {t}_i);"])
                 if n % 4 == 0 else None)
@@ -53,7 +55,8 @@ def _plain_gemm(shape: GemmShape, p: Params) -> Plan:
     (GemmShape(13, 71, 29), None),
     (GemmShape(67, 129, 37, batch=3), Params(bm=32, bn=64, bk=16, tm=4, tn=8, va=1, vb=1, pf=1, db=1)),
     (GemmShape(40, 36, 100, ksplit=3), Params(bm=64, bn=32, bk=8, tm=8, tn=4, va=1, vb=4, pf=0, db=0)),
-], ids=["default", "batched-db", "splitk-plain"])
+    (GemmShape(33, 20, 52, ksplit=5), Params(bm=32, bn=32, bk=16, tm=4, tn=4, va=4, vb=4, pf=1, db=1)),
+], ids=["default", "batched-db", "splitk-plain", "splitk-vec"])
 def test_sgemm_generator(ocl, shape, params):
     p = params or gemm_default(shape.m, shape.n, shape.k, ocl.device, False, shape.n % 4 == 0)
     plan = _plain_gemm(shape, p)

@@ -91,8 +91,9 @@ class GemmShape:
 
     @property
     def klen(self) -> int:
-        """Reduction length of one K split, rounded to a multiple of 16 (any bk divides it)."""
-        return cdiv(cdiv(self.k, self.ksplit), 16) * 16
+        """Reduction length of one K split, a multiple of 4 so float4 chunks never straddle
+        two splits (tiles may: loads are guarded by the split's end)."""
+        return cdiv(cdiv(self.k, self.ksplit), 4) * 4
 
 
 @dataclass(frozen=True)
