@@ -26,8 +26,13 @@ def _load() -> None:
         importlib.import_module(f"{__name__}.{mod.name}")
 
 
+_LOADED = False
+
+
 def all_variants() -> list[Variant]:
-    if not _REGISTRY:
+    global _LOADED
+    if not _LOADED:  # a flag, not "registry empty": one family may be imported before the rest
+        _LOADED = True
         _load()
     return list(_REGISTRY.values())
 

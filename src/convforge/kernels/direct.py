@@ -204,7 +204,7 @@ class DirectSmem(DirectBase):
     """The block's input tile plus halo staged in shared memory, ``cc`` channels per stage."""
 
     name = "direct_smem"
-    specialised = 1
+    specialised = 2
 
     def _tile(self, spec: ConvSpec, p: Params) -> tuple[int, int]:
         ih = (p.bp * p.tp - 1) * spec.stride[0] + (spec.r - 1) * spec.dilation[0] + 1
@@ -281,7 +281,7 @@ class DirectShfl(DirectBase):
 
     name = "direct_shfl"
     backends = frozenset({"cuda"})
-    specialised = 2
+    specialised = 1
 
     def _requires(self, params: Params) -> frozenset[str]:
         return frozenset({"shuffle"})

@@ -156,6 +156,7 @@ class Im2colGemm(_ConvGemmBase):
     """im2col on the device into a workspace, then our tiled SGEMM."""
 
     name = "im2col_gemm"
+    specialised = 3
     family = "im2col"
 
     def _b_vec(self, spec: ConvSpec) -> bool:
@@ -188,6 +189,7 @@ class Im2colCublas(Variant):
     the library path the im2win paper compares against. CUDA only."""
 
     name = "im2col_cublas"
+    specialised = 2
     family = "im2col"
     backends = frozenset({"cuda"})
     tolerance = 1e-5
@@ -270,6 +272,7 @@ class ImplicitGemm(_ConvGemmBase):
     """No materialised matrix: the B tile is gathered from x with on-the-fly (c, r, s) division."""
 
     name = "implicit_gemm"
+    specialised = 5
     family = "implicit_gemm"
 
     def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
@@ -282,6 +285,7 @@ class ImplicitGemmPrecomp(_ConvGemmBase):
     """Implicit GEMM reading (c, r, s) offsets from a table built on the device (8 B per CRS)."""
 
     name = "implicit_gemm_precomp"
+    specialised = 4
     family = "implicit_gemm"
 
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
@@ -339,7 +343,7 @@ class Gemm1x1(_ConvGemmBase):
 
     name = "gemm1x1"
     family = "gemm1x1"
-    specialised = 2
+    specialised = 10
 
     def _b_vec(self, spec: ConvSpec) -> bool:
         return (spec.stride == (1, 1) and spec.pad == (0, 0, 0, 0)
@@ -365,12 +369,17 @@ class Gemm1x1SplitK(Gemm1x1):
     small and C large (GoogLeNet's 7x7x832 layers at batch 5)."""
 
     name = "gemm1x1_splitk"
-    specialised = 1
+    specialised = 11
 
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
         why = super().applies(spec, device)
         if why is None and spec.c < 32:
             why = "split-K needs C >= 32"
+        if why is None:
+            base = Gemm1x1.default(self, spec, device)
+            tiles = cdiv(spec.k, base.bm) * cdiv(spec.n * spec.p * spec.q, base.bn)
+            if tiles >= max(device.units, 1):
+                why = f"N*P*Q already gives {tiles} tiles for {device.units} compute units"
         return why
 
     def _splits(self, spec: ConvSpec) -> list[int]:

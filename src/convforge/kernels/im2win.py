@@ -63,6 +63,7 @@ class Im2win(Variant):
     """Window transform of input (and filter reorder) on the device, then the tiled GEMM."""
 
     name = "im2win"
+    specialised = 4
     family = "im2win"
     tolerance = 1e-5
 

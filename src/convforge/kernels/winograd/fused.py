@@ -163,11 +163,12 @@ class WinogradFused(Variant):
     """Fused F(m x m, 3 x 3): one filter-transform launch, then one fused kernel."""
 
     family = "winograd"
-    specialised = 2
+    specialised = 7  # fused F(4x4) 9, fused F(2x2) 7 (set in __init__)
 
     def __init__(self, m: int) -> None:
         self.m = m
         self.name = f"winograd_fused_f{m}"
+        self.specialised = 9 if m == 4 else 7
         self.tolerance = tolerance(m, 3, 3)
 
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
@@ -179,9 +180,7 @@ class WinogradFused(Variant):
         why = winograd_applies(spec, self.m, self.m + 2)
         if why:
             return why
-        g = Geometry(spec, self.m)
-        if g.tiles * spec.c * spec.h * spec.w > 2 ** 31 - 1 or spec.n * spec.c * spec.h * spec.w \
-                > 2 ** 31 - 1:
+        if spec.n * max(spec.c * spec.h * spec.w, spec.k * spec.p * spec.q) > 2 ** 31 - 1:
             return "tensor larger than 2^31 elements (32-bit indexing)"
         if not self.space(spec, device):
             return "no parameter set fits this device's shared memory and threads"
@@ -420,8 +419,12 @@ def _emit_output(code: Code, lay: Layout, epi: Epilogue) -> None:
             code("BARRIER();")
             for i in range(per):
                 with code.block(f"/* pair {i} */"):
+                    # Past the last pair (pairs not a multiple of threads) the shared reads are
+                    # clamped in bounds and the store is masked.
+                    kr_expr = f"pr / {lay.bn}" if not pairs % lay.threads else \
+                        f"min(pr / {lay.bn}, {lay.kr - 1})"
                     code(f"const int pr = tid + {i * lay.threads};",
-                         f"const int jt = pr % {lay.bn}, kr = pr / {lay.bn};",
+                         f"const int jt = pr % {lay.bn}, kr = {kr_expr};",
                          f"const int t = tb * {lay.bn} + jt;",
                          f"const int k = kb * {lay.bk} + {rho * lay.kr} + kr;")
                     for a, b in itertools.product(range(g.ah), range(g.aw)):

@@ -62,12 +62,15 @@ class WinogradNonFused(Variant):
     def __init__(self, m: int) -> None:
         self.m = m
         self.name = f"winograd_nonfused_f{m}"
+        self.specialised = 8 if m == 4 else 6
         self.tolerance = tolerance(m, 3, 3)
 
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
         why = super().applies(spec, device) or winograd_applies(spec, self.m, MAX_ALPHA)
         if why:
             return why
+        if spec.r == spec.s == 1:
+            return "1x1 filters: Winograd saves no multiplications"
         g = Geometry(spec, self.m)
         if max(g.a2 * spec.c * g.tiles, g.a2 * spec.k * g.tiles) > _INT_LIMIT:
             return "workspace larger than 2^31 elements (32-bit indexing)"
