@@ -25,8 +25,12 @@ LAYERS = {
     "resnet256@14 N32": ConvSpec.make(32, 256, 14, 14, 256, 3, 3, 1, 1),
     "resnet512@7 N32": ConvSpec.make(32, 512, 7, 7, 512, 3, 3, 1, 1),
     "mec cv8 N128": ConvSpec.make(128, 64, 112, 112, 128, 3, 3),
+    "mec cv10 N128": ConvSpec.make(128, 128, 28, 28, 128, 3, 3),
     "mec cv1 N128": ConvSpec.make(128, 3, 227, 227, 96, 11, 11, 4, 0),
     "boda 1x1 832@7 N5": ConvSpec.make(5, 832, 7, 7, 256, 1, 1),
+    "boda 1x1 256@27 N5": ConvSpec.make(5, 256, 27, 27, 256, 1, 1),
+    "boda 3x3 160@14 N5": ConvSpec.make(5, 160, 14, 14, 320, 3, 3, 1, 1),
+    "boda 5x5 32@28 N5": ConvSpec.make(5, 32, 28, 28, 96, 5, 5, 1, 2),
 }
 
 
