@@ -14,6 +14,19 @@ from convforge.codegen.dialect import Kernel, LocalBuf, TexBuf
 from convforge.plan import DeviceInfo, Gemm, Launch
 
 
+def _driver_version() -> str:
+    """The NVIDIA driver's version (e.g. 580.159.04) from NVML, else the CUDA driver API version."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        ver = pynvml.nvmlSystemGetDriverVersion()
+        return ver.decode() if isinstance(ver, bytes) else str(ver)
+    except Exception:  # noqa: BLE001 - NVML absent: fall back to what CUDA itself says
+        v = int(cp.cuda.runtime.driverGetVersion())
+        return f"CUDA {v // 1000}.{v % 1000 // 10}"
+
+
 def device_count() -> int:
     try:
         return int(cp.cuda.runtime.getDeviceCount())
@@ -32,7 +45,7 @@ class CudaBackend(Backend):
         name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
         self.arch = f"sm_{props['major']}{props['minor']}"
         self.device = DeviceInfo(
-            backend="cuda", name=name, driver=str(rt.driverGetVersion()),
+            backend="cuda", name=name, driver=_driver_version(),
             cc=(props["major"], props["minor"]), max_threads=props["maxThreadsPerBlock"],
             shared_bytes=props["sharedMemPerBlock"],
             shared_optin_bytes=props.get("sharedMemPerBlockOptin", props["sharedMemPerBlock"]),
