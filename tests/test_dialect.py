@@ -99,3 +99,15 @@ def test_opencl_program_comes_back_from_disk(ocl, tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(be2, "build", lambda s: calls.append(s))
     assert be2.program(src) is not None and not calls, "second back-end should load the cached binary"
+
+
+def test_too_small_buffer_is_refused(ocl):
+    from convforge.kernels import get_variant
+    from convforge.spec import ConvSpec
+
+    spec = ConvSpec.make(1, 2, 9, 9, 3, 3, 3)
+    v = get_variant("direct")
+    exe = ocl.executable(v.plan(spec, v.default(spec, ocl.device), ocl.device))
+    bufs = {"x": ocl.empty(4 * 2 * 9 * 9), "w": ocl.empty(4 * 3 * 2 * 9), "y": ocl.empty(4 * 3 * 7 * 6)}
+    with pytest.raises(ValueError, match=r"y \(n:k:p:q\) needs 588 bytes"):
+        exe(bufs)

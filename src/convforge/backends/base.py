@@ -10,9 +10,9 @@ import numpy as np
 
 from convforge import __version__
 from convforge.backends.cache import DiskCache, cache_key
-from convforge.codegen.dialect import ConstBuf, Kernel, LocalBuf, Scalar
+from convforge.codegen.dialect import Kernel, LocalBuf, Scalar
 from convforge.config import config
-from convforge.plan import DeviceInfo, Fill, Gemm, Launch, Plan
+from convforge.plan import DeviceInfo, Fill, Gemm, Launch, Plan, Step
 
 
 class CompileError(RuntimeError):
@@ -75,6 +75,10 @@ class Backend(ABC):
     @abstractmethod
     def fill(self, buf: Any, value: float, nbytes: int) -> None: ...
 
+    @abstractmethod
+    def nbytes(self, buf: Any) -> int:
+        """Size of a device buffer in bytes."""
+
     # -- execution --------------------------------------------------------------------------
     @abstractmethod
     def launch(self, program: Any, fn: Any, kernel: Kernel, step: Launch, args: list[Any]) -> None: ...
@@ -95,7 +99,11 @@ class Backend(ABC):
 
 
 class Executable:
-    """A Plan compiled for one back-end: call it with a dict of buffers."""
+    """A Plan compiled for one back-end: call it with a dict of buffers.
+
+    Everything that does not depend on the buffers (argument order, scalar conversion, sizes,
+    workspace) is worked out once here, so a call does little more than the launches.
+    """
 
     def __init__(self, backend: Backend, plan: Plan) -> None:
         self.backend, self.plan = backend, plan
@@ -103,6 +111,25 @@ class Executable:
         self.kernels = {k.name: k for k in plan.kernels}
         self.functions = {k.name: backend.function(self.program, k) for k in plan.kernels}
         self._workspace: dict[str, Any] | None = None
+        s = plan.spec
+        self._sizes = {"x": 4 * s.n * s.c * s.h * s.w, "w": 4 * s.k * s.c * s.r * s.s,
+                       "y": 4 * s.n * s.k * s.p * s.q, "bias": 4 * s.k, **dict(plan.workspace)}
+        self._steps = [self._prepare(step) for step in plan.steps]
+
+    def _prepare(self, step: Step) -> tuple[Any, ...]:
+        if isinstance(step, Fill):
+            return ("fill", step.buffer, step.value, self._sizes[step.buffer])
+        if isinstance(step, Gemm):
+            return ("gemm", step)
+        kernel = self.kernels[step.kernel]
+        template: list[tuple[str | None, Any]] = []
+        for spec_arg, ref in zip(self._value_args(kernel), step.args, strict=True):
+            if isinstance(spec_arg, Scalar):
+                dtype = np.float32 if spec_arg.ctype == "float" else np.int32
+                template.append((None, dtype(ref)))
+            else:
+                template.append((str(ref), None))
+        return ("launch", kernel, step, self.functions[step.kernel], template)
 
     def workspace(self) -> dict[str, Any]:
         """Workspace buffers, allocated once per executable."""
@@ -112,39 +139,32 @@ class Executable:
         return self._workspace
 
     def sizes(self) -> dict[str, int]:
-        s = self.plan.spec
-        out = {"x": 4 * s.n * s.c * s.h * s.w, "w": 4 * s.k * s.c * s.r * s.s,
-               "y": 4 * s.n * s.k * s.p * s.q, "bias": 4 * s.k}
-        out.update(dict(self.plan.workspace))
-        return out
+        return dict(self._sizes)
+
+    def check_buffers(self, buffers: dict[str, Any]) -> None:
+        """Refuse a bound buffer smaller than its named array (n:c:y:x, k:c:r:s, n:k:p:q, k)."""
+        dims = {"x": "n:c:y:x", "w": "k:c:r:s", "y": "n:k:p:q", "bias": "k"}
+        for name, layout in dims.items():
+            buf = buffers.get(name)
+            if buf is not None and self.backend.nbytes(buf) < self._sizes[name]:
+                raise ValueError(f"{name} ({layout}) needs {self._sizes[name]} bytes for "
+                                 f"{self.plan.spec.short()}, the buffer bound holds {self.backend.nbytes(buf)}")
 
     def __call__(self, buffers: dict[str, Any]) -> None:
+        self.check_buffers(buffers)
         bufs = {**self.workspace(), **buffers}
-        sizes = self.sizes()
-        for step in self.plan.steps:
-            if isinstance(step, Fill):
-                self.backend.fill(bufs[step.buffer], step.value, sizes[step.buffer])
-                continue
-            if isinstance(step, Gemm):
+        for item in self._steps:
+            if item[0] == "fill":
+                self.backend.fill(bufs[item[1]], item[2], item[3])
+            elif item[0] == "gemm":
+                step = item[1]
                 self.backend.gemm(step, bufs[step.a], bufs[step.b], bufs[step.c])
-                continue
-            kernel = self.kernels[step.kernel]
-            args = []
-            for spec_arg, ref in zip(self._value_args(kernel), step.args, strict=True):
-                if isinstance(spec_arg, Scalar):
-                    dtype = np.float32 if spec_arg.ctype == "float" else np.int32
-                    args.append(dtype(ref))
-                else:
-                    args.append(bufs[str(ref)])
-            self.backend.launch(self.program, self.functions[step.kernel], kernel, step, args)
+            else:
+                _, kernel, step, fn, template = item
+                args = [val if name is None else bufs[name] for name, val in template]
+                self.backend.launch(self.program, fn, kernel, step, args)
 
     @staticmethod
     def _value_args(kernel: Kernel) -> list[Any]:
         """Kernel arguments that a Launch supplies (shared buffers are supplied by the back-end)."""
         return [a for a in kernel.args if not isinstance(a, LocalBuf)]
-
-
-def const_args(kernel: Kernel, args: list[Any]) -> list[tuple[ConstBuf, Any]]:
-    """Pairs of constant-memory parameter and the buffer bound to it."""
-    vals = [a for a in kernel.args if not isinstance(a, LocalBuf)]
-    return [(a, v) for a, v in zip(vals, args) if isinstance(a, ConstBuf)]

@@ -9,8 +9,8 @@ from typing import Any
 import cupy as cp
 import numpy as np
 
-from convforge.backends.base import Backend, CompileError, const_args
-from convforge.codegen.dialect import Kernel, LocalBuf, TexBuf
+from convforge.backends.base import Backend, CompileError
+from convforge.codegen.dialect import ConstBuf, Kernel, LocalBuf, TexBuf
 from convforge.plan import DeviceInfo, Gemm, Launch
 
 
@@ -53,6 +53,7 @@ class CudaBackend(Backend):
             units=props["multiProcessorCount"], l2_bytes=props.get("l2CacheSize", 0))
         self.stream: Any = None  # None = CuPy's current stream at call time
         self._textures: dict[tuple[int, int], Any] = {}
+        self._layouts: dict[Kernel, Any] = {}
 
     # -- compiler ---------------------------------------------------------------------------
     def compile_options(self) -> list[str]:
@@ -61,7 +62,8 @@ class CudaBackend(Backend):
     def compiler_version(self) -> str:
         from cupy_backends.cuda.libs import nvrtc
 
-        return "nvrtc-%d.%d" % nvrtc.getVersion()
+        major, minor = nvrtc.getVersion()
+        return f"nvrtc-{major}.{minor}"
 
     def build(self, source: str) -> tuple[Any, bytes | None]:
         from cupy_backends.cuda.libs import nvrtc
@@ -110,6 +112,9 @@ class CudaBackend(Backend):
     def download(self, buf: Any, shape: tuple[int, ...]) -> np.ndarray:
         return cp.asnumpy(buf).reshape(shape)
 
+    def nbytes(self, buf: Any) -> int:
+        return int(buf.nbytes)
+
     def fill(self, buf: Any, value: float, nbytes: int) -> None:
         with self._stream():
             buf.ravel()[: nbytes // 4].fill(value)
@@ -120,16 +125,23 @@ class CudaBackend(Backend):
     # -- execution --------------------------------------------------------------------------
     def launch(self, program: Any, fn: Any, kernel: Kernel, step: Launch, args: list[Any]) -> None:
         stream = self._stream()
-        for cbuf, src in const_args(kernel, args):
+        layout = self._layouts.get(kernel)
+        if layout is None:  # per kernel, once: which arguments are constants, textures, values
+            specs = [x for x in kernel.args if not isinstance(x, LocalBuf)]
+            lb = kernel.local_buf()
+            layout = self._layouts[kernel] = (
+                [(i, a) for i, a in enumerate(specs) if isinstance(a, ConstBuf)],
+                [(i, isinstance(a, TexBuf)) for i, a in enumerate(specs) if not isinstance(a, ConstBuf)],
+                lb.nbytes if lb else 0)
+        consts, values, shared = layout
+        for i, cbuf in consts:
+            src = args[i]
             dst = program.get_global_var(cbuf.name)  # the symbol's device address
             nbytes = min(src.nbytes, 4 * cbuf.count)
             cp.cuda.runtime.memcpyAsync(int(dst), src.data.ptr, nbytes,
                                         cp.cuda.runtime.memcpyDeviceToDevice, stream.ptr)
-        specs = [x for x in kernel.args if not isinstance(x, LocalBuf)]
-        vals = [self._texture(a) if isinstance(spec, TexBuf) else a
-                for a, spec in zip(args, specs) if not _is_const(spec)]
-        lb = kernel.local_buf()
-        fn(step.grid, step.block, tuple(vals), shared_mem=lb.nbytes if lb else 0, stream=stream)
+        vals = tuple(self._texture(args[i]) if tex else args[i] for i, tex in values)
+        fn(step.grid, step.block, vals, shared_mem=shared, stream=stream)
 
     def _texture(self, array: Any) -> Any:
         """A linear float texture object over ``array``, made once per (address, size)."""
@@ -198,9 +210,3 @@ def _matrices(buf: Any, batch: int, rows: int, cols: int, ld: int, stride: int) 
     """A (batch, rows, cols) float32 view of a flat buffer (element strides; 0 = broadcast)."""
     return cp.lib.stride_tricks.as_strided(buf, shape=(batch, rows, cols),
                                            strides=(4 * stride, 4 * ld, 4))
-
-
-def _is_const(arg: Any) -> bool:
-    from convforge.codegen.dialect import ConstBuf
-
-    return isinstance(arg, ConstBuf)

@@ -106,6 +106,9 @@ class OpenCLBackend(Backend):
         cl.enqueue_copy(self.queue, out, buf)
         return out
 
+    def nbytes(self, buf: Any) -> int:
+        return int(buf.size)
+
     def fill(self, buf: Any, value: float, nbytes: int) -> None:
         cl.enqueue_fill_buffer(self.queue, buf, np.array([value], np.float32), 0, nbytes)
 
