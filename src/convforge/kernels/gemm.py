@@ -229,12 +229,15 @@ class Im2colCublas(Variant):
 def implicit_operand(spec: ConvSpec, table: bool) -> Operand:
     """B = the virtual im2col matrix, each element computed from x on the fly.
 
-    Per column (hoisted): image, output row/col -> the input corner. Per element: (c, r, s) by
-    division (``table`` False) or from the precomputed table ``tab`` (offset, packed dy/dx).
+    Per column (hoisted): image, output row/col -> the input corner. Per k row (shared by the
+    columns a thread loads): (c, r, s) by constant division into an offset (``table`` False) or
+    from the precomputed table ``tab`` (offset, packed dy/dx). Without padding every (r, s) of a
+    valid output lands inside the image, so the bounds test disappears.
     """
     (sh, sw), (dh, dw) = spec.stride, spec.dilation
     pt, pl = spec.pad[0], spec.pad[2]
     pq, hw, rs = spec.p * spec.q, spec.h * spec.w, spec.r * spec.s
+    padded = any(spec.pad)
 
     def setup(i: str, t: str) -> list[str]:
         return [f"const int {t}_n = {i} / {pq}, {t}_pix = {i} - {t}_n * {pq};",
@@ -255,7 +258,29 @@ def implicit_operand(spec: ConvSpec, table: bool) -> Operand:
                 f"if ((unsigned)iy < {spec.h}u && (unsigned)ix < {spec.w}u) "
                 f"{d} = x[{t}_b + off];"]
 
-    return Operand(load=load_tab if table else load_div, fast="i", setup=setup)
+    def kprep_div(kt: str, k: str) -> list[str]:
+        lines = [f"const int {kt}_c = ({k}) / {rs}, {kt}_rs = ({k}) - {kt}_c * {rs};",
+                 f"const int {kt}_r = {kt}_rs / {spec.s}, {kt}_s = {kt}_rs - {kt}_r * {spec.s};",
+                 f"const int {kt}_off = {kt}_c * {hw} + {kt}_r * {dh * spec.w} + {kt}_s * {dw};"]
+        if padded:
+            lines.append(f"const int {kt}_dy = {kt}_r * {dh}, {kt}_dx = {kt}_s * {dw};")
+        return lines
+
+    def kprep_tab(kt: str, k: str) -> list[str]:
+        lines = [f"const int {kt}_off = tab[2 * ({k})];"]
+        if padded:
+            lines += [f"const int {kt}_dyx = tab[2 * ({k}) + 1];",
+                      f"const int {kt}_dy = {kt}_dyx >> 16, {kt}_dx = {kt}_dyx & 0xffff;"]
+        return lines
+
+    def kload(t: str, kt: str, d: str) -> list[str]:
+        if not padded:
+            return [f"{d} = x[{t}_b + {kt}_off];"]
+        return [f"if ((unsigned)({t}_y + {kt}_dy) < {spec.h}u && "
+                f"(unsigned)({t}_x + {kt}_dx) < {spec.w}u) {d} = x[{t}_b + {kt}_off];"]
+
+    return Operand(load=load_tab if table else load_div, fast="i", setup=setup,
+                   kprep=kprep_tab if table else kprep_div, kload=kload)
 
 
 def offset_table_kernel(spec: ConvSpec) -> tuple[Kernel, tuple[int, int, int]]:

@@ -55,8 +55,18 @@ def window_operand(spec: ConvSpec) -> Operand:
             return lines + [f"{d} = win[{t}_b + c * {plane} + j];"]
         return lines + [f"{d} = win[{t}_b + c * {plane} + (j / {r}) * {dw * r} + j % {r}];"]
 
+    def kprep(kt: str, k: str) -> list[str]:
+        lines = [f"const int {kt}_c = ({k}) / {s * r}, {kt}_j = ({k}) - {kt}_c * {s * r};"]
+        if dw == 1:
+            return lines + [f"const int {kt}_off = {kt}_c * {plane} + {kt}_j;"]
+        return lines + [f"const int {kt}_off = {kt}_c * {plane} + ({kt}_j / {r}) * {dw * r}"
+                        f" + {kt}_j % {r};"]
+
+    def kload(t: str, kt: str, d: str) -> list[str]:
+        return [f"{d} = win[{t}_b + {kt}_off];"]
+
     assert ww > 0
-    return Operand(load=load, fast="i", setup=setup)
+    return Operand(load=load, fast="i", setup=setup, kprep=kprep, kload=kload)
 
 
 class Im2win(Variant):

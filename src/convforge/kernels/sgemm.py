@@ -37,6 +37,10 @@ SetupFn = Callable[[str, str], list[str]]
 LoadFn = Callable[[str, str, str], list[str]]
 # (m expression, tag of column, value) -> statements storing one accumulator (in bounds)
 PutFn = Callable[[str, str, str], list[str]]
+# (k tag, k expression) -> statements defining per-k values named ``{ktag}_*``
+KPrepFn = Callable[[str, str], list[str]]
+# (column tag, k tag, destination) -> statements assigning dst from per-column and per-k values
+KLoadFn = Callable[[str, str, str], list[str]]
 
 
 def _default_setup(i: str, tag: str) -> list[str]:
@@ -58,12 +62,19 @@ class Operand:
 
     ``fast`` is the dimension consecutive threads walk ("k" or "i"): choose the one contiguous
     in memory so that global loads coalesce.
+
+    ``kprep``/``kload`` (optional, scalar loads with ``fast == "i"``): split the address of an
+    element into a per-column part (``setup``) and a per-k part (``kprep(ktag, k)``, names
+    ``{ktag}_*``); the generator then gives each thread several columns at the same k, so the
+    per-k part (an im2col (c, r, s) decomposition, say) is computed once per k for all of them.
     """
 
     load: LoadFn
     fast: str = "k"
     setup: SetupFn = _default_setup
     vload: LoadFn | None = None
+    kprep: KPrepFn | None = None
+    kload: KLoadFn | None = None
 
     def __post_init__(self) -> None:
         if self.fast not in ("k", "i"):
@@ -242,15 +253,40 @@ def _shared(code: Code, p: Params) -> None:
 
 
 class _Loader:
-    """The global->register->shared traffic of one operand tile (bi x bk)."""
+    """The global->register->shared traffic of one operand tile (bi x bk).
+
+    Each thread loads ``slots`` elements (or float4s) per slice at fixed tile positions. Indices
+    along i are clamped into the matrix (a row/column past the edge re-reads the last one; its
+    results are never stored), so only the k range needs a guard. Operands with ``kload`` get
+    the grouped layout: a thread's slots are ``ni`` columns x ``nk`` k rows, and per-k work is
+    done once per k row.
+    """
 
     def __init__(self, nm: str, op: Operand, size: int, bi: int, bk: int, v: int,
                  threads: int, origin: str, smem: str, ld: int) -> None:
         self.nm, self.op, self.size, self.bi, self.bk, self.v = nm, op, size, bi, bk, v
         self.origin, self.smem, self.ld = origin, smem, ld
         self.slots = bi * bk // v // threads
-        self.pos = [self._pos(s, threads) for s in range(self.slots)]
+        self.ni = self._columns(threads) if op.kload is not None and v == 1 and op.fast == "i" \
+            else 0
+        if self.ni:
+            lanes, rows = bi // self.ni, threads // (bi // self.ni)
+            self.pos = [(f"tid % {lanes}" + (f" + {ji * lanes}" if ji else ""),
+                         f"tid / {lanes}" + (f" + {jk * rows}" if jk else ""))
+                        for jk in range(self.slots // self.ni) for ji in range(self.ni)]
+        else:
+            self.pos = [self._pos(s, threads) for s in range(self.slots)]
         self.tags: dict[str, str] = {}
+        self.krows: dict[str, int] = {}
+
+    def _columns(self, threads: int) -> int:
+        """Columns per thread of the grouped layout: the most that keep >= 32 lanes along i."""
+        for ni in range(self.slots, 0, -1):
+            lanes = self.bi // ni if self.bi % ni == 0 else 0
+            if (self.slots % ni == 0 and lanes and threads % lanes == 0
+                    and self.bk % (threads // lanes) == 0 and lanes >= min(32, self.bi)):
+                return ni
+        return 0
 
     def _pos(self, s: int, threads: int) -> tuple[str, str]:
         """(i, k) offsets inside the tile of slot s's first element, as C expressions."""
@@ -264,31 +300,51 @@ class _Loader:
         return (other, lane) if self.op.fast == "k" else (lane, other)
 
     def setup(self, code: Code) -> None:
+        last = self.size - (self.v if self.op.fast == "i" else 1)
         for s, (i, k) in enumerate(self.pos):
             if i not in self.tags:
                 tag = f"{self.nm}{len(self.tags)}"
                 self.tags[i] = tag
-                code(f"const int {tag}_i = {self.origin} + {i};",
-                     f"const bool {tag}_ok = {tag}_i < {self.size};")
+                code(f"const int {tag}_i = min({self.origin} + {i}, {max(last, 0)});")
                 code(*self.op.setup(f"{tag}_i", tag))
-            code(f"const int {self.nm}k{s} = {k};")
+            if self.ni:
+                if k not in self.krows:
+                    self.krows[k] = len(self.krows)
+                    code(f"const int {self.nm}k{self.krows[k]} = {k};")
+            else:
+                code(f"const int {self.nm}k{s} = {k};")
         kind = "float4" if self.v == 4 else "float"
         for s in range(self.slots):
             code(f"{kind} {self.nm}r{s};")
 
     def load(self, code: Code, k0: str, direct: bool = False, buf: str = "0") -> None:
         """Load slice starting at k0 into the registers (and straight to shared when direct)."""
-        for s, (i, _) in enumerate(self.pos):
+        zero = "MAKE_FLOAT4(0.0f, 0.0f, 0.0f, 0.0f)" if self.v == 4 else "0.0f"
+        if self.ni:
+            self._load_grouped(code, k0, zero)
+        for s, (i, _) in enumerate(self.pos if not self.ni else []):
             tag, dst = self.tags[i], f"{self.nm}r{s}"
-            zero = "MAKE_FLOAT4(0.0f, 0.0f, 0.0f, 0.0f)" if self.v == 4 else "0.0f"
             with code.block(""):
                 code(f"const int kg = {k0} + {self.nm}k{s};", f"{dst} = {zero};")
-                with code.block(f"if ({tag}_ok && kg < kend)"):
+                with code.block("if (kg < kend)"):
                     fn = self.op.vload if self.v == 4 else self.op.load
                     assert fn is not None
                     code(*fn(tag, "kg", dst))
         if direct:
             self.stash(code, buf)
+
+    def _load_grouped(self, code: Code, k0: str, zero: str) -> None:
+        """One block per k row: the per-k part once, then the row's ``ni`` columns."""
+        assert self.op.kprep is not None and self.op.kload is not None
+        kt = f"{self.nm}t"
+        for j in range(self.slots // self.ni):
+            with code.block(""):
+                code(f"const int kg = {k0} + {self.nm}k{j};", *self.op.kprep(kt, "kg"))
+                for s in range(j * self.ni, (j + 1) * self.ni):
+                    dst = f"{self.nm}r{s}"
+                    code(f"{dst} = {zero};")
+                    with code.block("if (kg < kend)"):
+                        code(*self.op.kload(self.tags[self.pos[s][0]], kt, dst))
 
     def stash(self, code: Code, buf: str) -> None:
         """Registers -> shared buffer ``buf`` (k-major, leading dimension ld)."""
