@@ -187,6 +187,26 @@ def test_bench_pocl_end_to_end(ocl, tmp_path: Path, capsys: pytest.CaptureFixtur
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
 
 
+def test_bench_ablation_im2win_pocl(ocl, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    """--ablation im2win: one checked, timed row per layer x configuration, in the table and JSON."""
+    from convforge.cli import main
+
+    f = tmp_path / "tiny.json"
+    f.write_text(json.dumps(TINY))
+    out = tmp_path / "abl"
+    rc = main(["bench", "--ablation", "im2win", "--suite", str(f), "--limit", "1", "--backend",
+               "opencl", "--out", str(out), "--quick-ceilings", "--repeats", "1", "--warmup", "1"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "im2win ablation" in text and "no micro-kernel" in text
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    labels = [r["algo"].split(":")[0] for r in rows]
+    assert labels == ["all on", "no prefetch/double buffer", "no vector loads", "no micro-kernel"]
+    for r in rows:
+        assert r["layer"] == "tiny3x3" and r["ok"] is True and r["time_ms"] > 0
+    assert "pf=0" in rows[1]["algo"] and "va=1" in rows[2]["algo"] and "tm=1" in rows[3]["algo"]
+
+
 def test_bench_bad_suite_message(capsys: pytest.CaptureFixture[str]) -> None:
     from convforge.cli import main
 

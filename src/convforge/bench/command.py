@@ -16,12 +16,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from convforge.backends.base import Backend
 from convforge.bench import baselines, ceilings, plots, report, runner
 from convforge.bench.suites import BUILTIN, SuiteError, load_suite
+from convforge.bench.timing import Timing
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Bench's options on the ``bench`` subparser."""
-    parser.add_argument("--suite", required=True, metavar="NAME|FILE",
-                        help=f"built-in suite ({', '.join(BUILTIN)}) or a JSON file of layers")
+    parser.add_argument("--suite", metavar="NAME|FILE",
+                        help=f"built-in suite ({', '.join(BUILTIN)}) or a JSON file of layers "
+                        "(required, except with --ablation: mec)")
     parser.add_argument("--limit", type=int, metavar="K", help="only the first K layers")
     parser.add_argument("--algo", action="append", metavar="A",
                         help="family, variant or 'auto' (repeatable; default: auto)")
@@ -39,6 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick-ceilings", action="store_true",
                         help="measure the ceilings with tiny kernels (smoke tests)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ablation", choices=sorted(runner.ABLATIONS),
+                        help="time one variant in its ablation configurations instead "
+                        "(im2win: all on / no prefetch+double buffer / no vector loads / "
+                        "no micro-kernel); no baseline unless --baseline is given")
 
 
 def _backends(args: argparse.Namespace) -> list[Backend]:
@@ -58,6 +64,12 @@ def _baseline_kind(args: argparse.Namespace, bes: list[Backend]) -> str:
 
 
 def _run(args: argparse.Namespace, console: Console) -> int:
+    if args.suite is None:
+        if not args.ablation:
+            raise SuiteError("--suite is required (a built-in name or a JSON file)")
+        args.suite = "mec"
+    if args.ablation:
+        return _run_ablation(args, console)
     layers = load_suite(args.suite, args.limit)
     bes = _backends(args)
     kind = _baseline_kind(args, bes)
@@ -95,6 +107,42 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     if failed:
         console.print(f"[red]{len(failed)} convforge result(s) FAILED the check or did not run[/]")
     return 1 if failed else 0
+
+
+def _run_ablation(args: argparse.Namespace, console: Console) -> int:
+    """``--ablation NAME``: every layer of the suite in each configuration, one row each."""
+    layers = load_suite(args.suite, args.limit)
+    be = _backends(args)[0]
+    kind = args.baseline or "none"
+    env = runner.environment([be], kind)
+    report.print_header(console, env, args.suite, len(layers))
+    ceil = {be.name: ceilings.measure(be, quick=args.quick_ceilings)}
+    report.print_ceilings(console, ceil)
+    cfg = runner.BenchConfig(("auto",), kind, args.warmup, args.repeats, args.batch_slice,
+                             args.seed)
+    rows = runner.run_ablation(args.ablation, layers, be, cfg, ceil)
+    if kind != "none":
+        for layer_rows in _by_layer(rows):
+            spec = layers[layer_rows[0].index - 1].spec
+            timing = Timing.for_layer(spec, be.device, cfg.warmup, cfg.repeats)
+            results = baselines.run(kind, spec, timing, be.device.is_gpu)
+            runner.attach_baseline(layer_rows, baselines.primary(results))
+    console.print(report.layer_table(rows, f"{args.ablation} ablation, {args.suite} on "
+                                           f"{env['device']}"))
+    if args.out:
+        _write(Path(args.out), env, ceil, args.suite, rows, [f"ablation {args.ablation}"],
+               console)
+    failed = [r for r in rows if r.ok is False]
+    if failed:
+        console.print(f"[red]{len(failed)} configuration(s) FAILED the check or did not run[/]")
+    return 1 if failed else 0
+
+
+def _by_layer(rows: list[runner.Row]) -> list[list[runner.Row]]:
+    groups: dict[int, list[runner.Row]] = {}
+    for r in rows:
+        groups.setdefault(r.index, []).append(r)
+    return list(groups.values())
 
 
 def _write(out: Path, env: dict[str, object], ceil: dict[str, ceilings.Ceilings], suite: str,

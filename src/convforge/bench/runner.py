@@ -121,13 +121,16 @@ def _input_sets(be: Backend, spec: ConvSpec, timing: Timing, seed: int) -> list[
 
 
 def run_convforge(layer: Layer, index: int, be: Backend, algo: str, cfg: BenchConfig,
-                  timing: Timing, peak: float | None) -> Row:
-    """Check then time one convforge implementation; failures become rows, never exceptions."""
+                  timing: Timing, peak: float | None,
+                  pick: tuple[Variant, Params] | None = None) -> Row:
+    """Check then time one convforge implementation; failures become rows, never exceptions.
+
+    ``pick`` fixes the variant and parameters (ablations) instead of choosing by ``algo``."""
     spec = layer.spec
     base: dict[str, Any] = dict(layer=layer.name, index=index, impl=f"convforge:{algo}",
                                 backend=be.name, precision="fp32", flops=spec.flops, spec=spec.to_dict())
     try:
-        variant, params, how = choose(algo, spec, be)
+        variant, params, how = (*pick, "ablation") if pick else choose(algo, spec, be)
         plan = variant.plan(spec, params, be.device)
         exe = be.executable(plan)
     except Exception as err:  # noqa: BLE001 - no variant, or a compile error: report it
@@ -205,6 +208,46 @@ def run_suite(layers: list[Layer], bes: list[Backend], cfg: BenchConfig,
         if on_layer:
             on_layer(i, layer)
         rows += bench_layer(layer, i + 1, bes, cfg, ceilings, baseline_on_gpu)
+    return rows
+
+
+# -- ablations --------------------------------------------------------------------------------
+# name -> (variant, [(configuration label, parameter overrides of the default)])
+ABLATIONS: dict[str, tuple[str, list[tuple[str, dict[str, int]]]]] = {
+    "im2win": ("im2win", [
+        ("all on", {}),
+        ("no prefetch/double buffer", {"pf": 0, "db": 0}),
+        ("no vector loads", {"va": 1, "vb": 1}),
+        ("no micro-kernel", {"bm": 16, "bn": 16, "bk": 64, "tm": 1, "tn": 1}),
+    ]),
+}
+
+
+def ablation_points(name: str, spec: ConvSpec, device: DeviceInfo) -> list[tuple[str, Variant, Params]]:
+    """(label, variant, params) of each configuration of ablation ``name`` on ``spec``."""
+    from convforge.kernels import get_variant
+
+    vname, configs = ABLATIONS[name]
+    variant = get_variant(vname)
+    default = variant.default(spec, device)
+    return [(label, variant, default.replace(**over)) for label, over in configs]
+
+
+def run_ablation(name: str, layers: list[Layer], be: Backend, cfg: BenchConfig,
+                 ceilings: dict[str, Ceilings],
+                 on_layer: Callable[[int, Layer], None] | None = None) -> list[Row]:
+    """One row per layer x configuration of ablation ``name`` (checked, then timed)."""
+    rows: list[Row] = []
+    peak = ceilings[be.name].ffma_tflops if be.name in ceilings else None
+    for i, layer in enumerate(layers):
+        if on_layer:
+            on_layer(i, layer)
+        timing = Timing.for_layer(layer.spec, be.device, cfg.warmup, cfg.repeats)
+        for label, variant, params in ablation_points(name, layer.spec, be.device):
+            row = run_convforge(layer, i + 1, be, f"{name}[{label}]", cfg, timing, peak,
+                                pick=(variant, params))
+            row.algo = f"{label}: {row.algo}" if row.algo != "-" else f"{label}: -"
+            rows.append(row)
     return rows
 
 
