@@ -215,3 +215,27 @@ def test_cuda_compiles_pointwise(nvcc_ok, name):
     spec = ConvSpec.make(5, 832, 7, 7, 128, 1, 1)
     v = get_variant(name)
     assert_compiles_clean(v, spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA)
+
+
+# -- the GPU defaults' tiles, on PoCL --------------------------------------------------------
+@pytest.mark.parametrize("name,spec,params", [
+    ("implicit_gemm", ConvSpec.make(2, 3, 23, 23, 96, 5, 5, 2),
+     Params(bm=96, bn=128, bk=24, tm=8, tn=8, va=1, vb=1, pf=1, db=1)),
+    ("implicit_gemm", ConvSpec.make(2, 8, 13, 11, 70, 3, 3),
+     Params(bm=128, bn=64, bk=16, tm=8, tn=8, va=4, vb=1, pf=1, db=1)),
+    ("gemm1x1_splitk", ConvSpec.make(5, 64, 1, 1, 70, 1, 1),
+     Params(bm=64, bn=16, bk=16, tm=4, tn=4, va=4, vb=1, pf=1, db=1, ks=4)),
+], ids=["96x128x24", "128x64x16", "fc-64x16-splitk"])
+def test_gpu_default_tiles_on_pocl(ocl, name, spec, params):
+    _check(ocl, name, spec, params)
+
+
+def test_gpu_defaults_for_mec_and_fc():
+    """The measured-best tiles are what the defaults pick on a 132-SM GPU."""
+    cv1, cv8 = MEC["cv1"], MEC["cv8"]
+    assert get_variant("implicit_gemm").default(cv1, NOMINAL_CUDA).bm == 96
+    p = get_variant("implicit_gemm").default(cv8, NOMINAL_CUDA)
+    assert (p.bm, p.bn, p.bk) == (128, 64, 16)
+    fc = ConvSpec.make(5, 4096, 1, 1, 4096, 1, 1)
+    p = get_variant("gemm1x1_splitk").default(fc, NOMINAL_CUDA)
+    assert p.bn == 16 and p.ks > 1

@@ -181,9 +181,11 @@ def gemm_space(m: int, n: int, k: int, device: DeviceInfo, va_ok: bool = True,
 
 
 def gemm_default(m: int, n: int, k: int, device: DeviceInfo, va_ok: bool = True,
-                 vb_ok: bool = True, a_fast: str = "k", b_fast: str = "i") -> Params:
+                 vb_ok: bool = True, a_fast: str = "k", b_fast: str = "i",
+                 prefer: tuple[tuple[int, int, int, int, int], ...] = ()) -> Params:
     """A good untuned choice: 128x128x8 / 8x8 / 256 threads for big GEMMs, smaller for small ones;
-    a small cheap tile on CPUs."""
+    a small cheap tile on CPUs. On GPUs the tiles ``prefer`` (bm, bn, bk, tm, tn) come first,
+    each taken when valid."""
     if not device.is_gpu:
         cands = [(32, 32, 8, 4, 4)]
     else:
@@ -191,6 +193,7 @@ def gemm_default(m: int, n: int, k: int, device: DeviceInfo, va_ok: bool = True,
         bn = 128 if n > 64 else 64 if n > 32 else 32
         cands = [(bm, bn, 8, 8 if bm >= 64 else 4, 8 if bn >= 64 else 4), (bm, bn, 16, 4, 4),
                  (32, 32, 8, 4, 4)]
+        cands = list(prefer) + cands
     for (bm, bn, bk, tm, tn), va, vb in itertools.product(cands, (4, 1), (4, 1)):
         p = Params(bm=bm, bn=bn, bk=bk, tm=tm, tn=tn, va=va if va_ok else 1,
                    vb=vb if vb_ok else 1, pf=1, db=1 if device.is_gpu else 0)
