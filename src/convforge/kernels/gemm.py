@@ -439,9 +439,14 @@ class Gemm1x1SplitK(Gemm1x1):
         if why is None and spec.c < 32:
             why = "split-K needs C >= 32"
         if why is None and device.is_gpu:
+            # H200, Boda's batch-5 layers: the extra reduce pass loses once the plain GEMM has
+            # half a block per SM (3b: 0.0186 against 0.0172 ms) or the reduction is short
+            # (3a, C=192: 0.0196 against 0.0136 ms).
             tiles = self._tiles(spec, device)
-            if tiles >= max(device.units, 1):
+            if 2 * tiles >= max(device.units, 1):
                 why = f"N*P*Q already gives {tiles} tiles for {device.units} compute units"
+            elif spec.c < 256:
+                why = "split-K pays only for C >= 256 on GPUs"
         return why
 
     def _tiles(self, spec: ConvSpec, device: DeviceInfo) -> int:
