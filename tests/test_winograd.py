@@ -175,8 +175,11 @@ def test_workspace_reported() -> None:
     assert dict(plan.workspace) == {"wino_u": 4 * 16 * 64 * 64, "wino_v": 4 * 16 * 64 * tiles,
                                     "wino_m": 4 * 16 * 64 * tiles}
     fu = get_variant("winograd_fused_f4")
-    plan = fu.plan(spec, fu.default(spec, dev), dev)
-    assert plan.workspace_bytes == 4 * 36 * 64 * 64 and len(plan.steps) == 2
+    prm = fu.default(spec, dev)
+    plan = fu.plan(spec, prm, dev)  # raw 3x3 taps, blocked (fl=1): 9 floats per filter
+    assert plan.workspace_bytes == 4 * 9 * 64 * 64 and len(plan.steps) == 2
+    plan = fu.plan(spec, prm.replace(fl=0, groups=6), dev)  # transformed: alpha^2 = 36
+    assert plan.workspace_bytes == 4 * 36 * 64 * 64
 
 
 # -- CUDA compile --------------------------------------------------------------------------------
@@ -198,3 +201,18 @@ def test_cuda_compiles_without_spills(name: str) -> None:
     for info in infos:
         assert info.spill_stores == 0 and info.spill_loads == 0, info
         assert info.registers <= 255
+
+
+@pytest.mark.skipif(nvcc_path() is None, reason="nvcc not on PATH: CUDA compile check skipped")
+@pytest.mark.parametrize("name", ["winograd_fused_f2", "winograd_fused_f4"])
+def test_fused_space_without_spills(name: str) -> None:
+    """Every GPU tuning point of the fused kernels compiles with 0 spills (ptxas, sm_90)."""
+    dev = DeviceInfo(backend="cuda", name="H200", cc=(9, 0), shared_optin_bytes=227 * 1024,
+                     units=132)
+    v = get_variant(name)
+    spec = ConvSpec.make(32, 128, 28, 28, 128, 3, 3, padding=1)
+    space = v.space(spec, dev)
+    assert space[0]["fl"] == 1 and len(space) >= 8
+    for prm in space:
+        for info in ptxas_report(v.plan(spec, prm, dev).source("cuda")):
+            assert info.spill_stores == 0 and info.spill_loads == 0, (prm.short(), info)

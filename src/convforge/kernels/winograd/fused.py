@@ -56,6 +56,8 @@ class Layout:
     lk: int
     ln: int
     groups: int
+    fl: int = 0  # 1: raw filters in the workspace, G g G^T inside the main loop
+
 
     @property
     def lanes(self) -> int:
@@ -91,6 +93,16 @@ class Layout:
         return self.g.a2 * self.bc * self.bk
 
     @property
+    def w_chunk(self) -> int:
+        """Filters of one stage as read from global memory: transformed, or raw 3x3 (fl)."""
+        return 9 * self.bc * self.bk if self.fl else self.u_chunk
+
+    @property
+    def fl_per_thread(self) -> int:
+        """Raw filters (9 scalars each) a thread loads and transforms per stage (fl)."""
+        return cdiv(self.bc * self.bk, self.threads) if self.fl else 0
+
+    @property
     def stage(self) -> int:
         return self.u_chunk + self.g.a2 * self.bc * self.bn
 
@@ -122,7 +134,7 @@ class Layout:
 
     @property
     def f4_per_thread(self) -> int:
-        return cdiv(self.u_chunk // 4, self.threads)
+        return 0 if self.fl else cdiv(self.u_chunk // 4, self.threads)
 
     def why_invalid(self, max_threads: int) -> str | None:
         if self.g.a2 % self.groups:
@@ -190,23 +202,35 @@ class WinogradFused(Variant):
     def _candidates(self, device: DeviceInfo) -> list[dict[str, int]]:
         if not device.is_gpu:
             if self.m == 2:
-                return [dict(bk=8, bn=8, bc=4, lk=2, ln=2, groups=4),
-                        dict(bk=8, bn=4, bc=3, lk=2, ln=1, groups=8),
-                        dict(bk=4, bn=8, bc=2, lk=1, ln=4, groups=2)]
-            return [dict(bk=4, bn=8, bc=2, lk=2, ln=2, groups=6),
-                    dict(bk=8, bn=4, bc=2, lk=2, ln=1, groups=12),
-                    dict(bk=4, bn=4, bc=3, lk=1, ln=2, groups=9)]
+                return [dict(bk=8, bn=8, bc=4, lk=2, ln=2, groups=4, fl=0),
+                        dict(bk=8, bn=4, bc=3, lk=2, ln=1, groups=8, fl=1),
+                        dict(bk=4, bn=8, bc=2, lk=1, ln=4, groups=2, fl=1),
+                        dict(bk=8, bn=8, bc=3, lk=2, ln=4, groups=2, fl=1)]
+            return [dict(bk=4, bn=8, bc=2, lk=2, ln=2, groups=6, fl=0),
+                    dict(bk=8, bn=4, bc=2, lk=2, ln=1, groups=12, fl=1),
+                    dict(bk=4, bn=4, bc=3, lk=1, ln=2, groups=9, fl=1),
+                    dict(bk=8, bn=4, bc=3, lk=4, ln=2, groups=4, fl=1)]
         # Each GPU point was checked with ptxas (sm_90): 0 spills, registers in NOTES-winograd.md.
         if self.m == 2:  # openCNN: 64 filters x 32 tiles x 8 channels, 8 warps, 8x8 per lane
-            return [dict(bk=64, bn=32, bc=8, lk=8, ln=4, groups=8),
+            base = [dict(bk=64, bn=32, bc=8, lk=8, ln=4, groups=8),
                     dict(bk=64, bn=32, bc=4, lk=8, ln=4, groups=8),
                     dict(bk=32, bn=64, bc=8, lk=4, ln=8, groups=8),
-                    dict(bk=32, bn=32, bc=8, lk=4, ln=8, groups=8)]
-        # F(4x4): 36 elements over 6 warps (6 each), 32 x 16 per warp and element, 4x4 per lane:
-        # 96 accumulators; 128 (openCNN's F2 figure) spills under the 224-register cap of 288 threads.
-        return [dict(bk=32, bn=16, bc=4, lk=8, ln=4, groups=6),
-                dict(bk=32, bn=16, bc=8, lk=8, ln=4, groups=6),
-                dict(bk=16, bn=32, bc=4, lk=4, ln=8, groups=6)]
+                    dict(bk=32, bn=32, bc=8, lk=4, ln=8, groups=8),
+                    # 4 warps x 4 elements, 4x8 per lane: 2 blocks per SM
+                    dict(bk=32, bn=32, bc=8, lk=8, ln=4, groups=4)]
+        else:
+            # Default: 4 warps x 9 elements (144 accumulators, 255 registers), 2 blocks per SM
+            # (H200: fastest F(4x4) point on all 8 ResNet layers measured, 1.2-1.5x the 6-warp one).
+            base = [dict(bk=32, bn=16, bc=8, lk=8, ln=4, groups=4),
+                    dict(bk=32, bn=16, bc=4, lk=8, ln=4, groups=4),
+                    dict(bk=32, bn=16, bc=4, lk=8, ln=4, groups=6),
+                    dict(bk=32, bn=16, bc=8, lk=8, ln=4, groups=6),
+                    dict(bk=16, bn=32, bc=4, lk=4, ln=8, groups=6)]
+        # Raw filters transformed in the loop (fl=1) first (H200: 7-15% faster than fl=0 at
+        # 64x32x8); the pre-transformed layout (fl=0) only where it does not spill (the
+        # 9-element F(4x4) points need fl's fewer registers).
+        return [dict(c, fl=fl) for fl in (1, 0) for c in base
+                if fl or c["lk"] * c["ln"] * c["groups"] > 128 or self.m == 2]
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
         g = Geometry(spec, self.m)
@@ -222,11 +246,12 @@ class WinogradFused(Variant):
         return self.space(spec, device)[0]
 
     def _layout(self, spec: ConvSpec, p: Params) -> Layout:
-        return Layout(Geometry(spec, self.m), p.bk, p.bn, p.bc, p.lk, p.ln, p.groups)
+        return Layout(Geometry(spec, self.m), p.bk, p.bn, p.bc, p.lk, p.ln, p.groups,
+                      int(p.get("fl", 0)))
 
     def _workspace(self, lay: Layout) -> tuple[tuple[str, int], ...]:
         s = lay.g.spec
-        return (("wino_u", 4 * cdiv(s.k, lay.bk) * cdiv(s.c, lay.bc) * lay.u_chunk),)
+        return (("wino_u", 4 * cdiv(s.k, lay.bk) * cdiv(s.c, lay.bc) * lay.w_chunk),)
 
     def workspace_bytes(self, spec: ConvSpec, params: Params) -> int:
         return sum(b for _, b in self._workspace(self._layout(spec, params)))
@@ -251,7 +276,11 @@ class WinogradFused(Variant):
 
 
 def _filter_kernel(lay: Layout, tb: int, vname: str) -> Kernel:
-    """U[kb][cb][e][cc][kk] = (G g G^T)[e] of filter kb*bk+kk, channel cb*bc+cc; zero padding."""
+    """U[kb][cb][e][cc][kk] = (G g G^T)[e] of filter kb*bk+kk, channel cb*bc+cc; zero padding.
+
+    With ``fl`` the same blocked layout holds the raw taps (9 instead of alpha^2 floats per
+    filter: 1.8x less to read for F(2x2), 4x for F(4x4)); the main loop transforms them.
+    """
     g, s = lay.g, lay.g.spec
     kb_n, cb_n = cdiv(s.k, lay.bk), cdiv(s.c, lay.bc)
     kpad, total = kb_n * lay.bk, kb_n * lay.bk * cb_n * lay.bc
@@ -264,12 +293,19 @@ def _filter_kernel(lay: Layout, tb: int, vname: str) -> Kernel:
          f"const GLOBAL_PTR float* wp = w + (ok ? (k * {s.c} + c) * 9 : 0);")
     for i, j in itertools.product(range(3), range(3)):
         code(f"const float g{i}_{j} = ok ? wp[{i * 3 + j}] : 0.0f;")
-    emit_filter_transform(code, g, "g", "u", "gt")
-    code(f"GLOBAL_PTR float* up = uw + (kb * {cb_n} + cb) * {lay.u_chunk} + cc * {lay.bk} + kk;")
-    for i, j in itertools.product(range(g.ah), range(g.aw)):
-        code(f"up[{(i * g.aw + j) * lay.bc * lay.bk}] = u{i}_{j};")
+    code(f"GLOBAL_PTR float* up = uw + (kb * {cb_n} + cb) * {lay.w_chunk} + cc * {lay.bk} + kk;")
+    if lay.fl:
+        for i, j in itertools.product(range(3), range(3)):
+            code(f"up[{(i * 3 + j) * lay.bc * lay.bk}] = g{i}_{j};")
+        what = "raw taps"
+    else:
+        emit_filter_transform(code, g, "g", "u", "gt")
+        for i, j in itertools.product(range(g.ah), range(g.aw)):
+            code(f"up[{(i * g.aw + j) * lay.bc * lay.bk}] = u{i}_{j};")
+        what = "G g G^T"
     return Kernel("wino_fused_filter_transform", (Buf("w"), Buf("uw", readonly=False)),
-                  code.text(), (tb, 1, 1), comment=f"{vname}: G g G^T, blocked {lay.bk}x{lay.bc}")
+                  code.text(), (tb, 1, 1),
+                  comment=f"{vname}: {what}, blocked {lay.bk}x{lay.bc}")
 
 
 def _main_kernel(lay: Layout, epi: Epilogue, vname: str) -> Kernel:
@@ -294,7 +330,7 @@ def _emit_setup(code: Code, lay: Layout) -> None:
          "  // this lane's filter operands",
          f"const int va = {lay.u_chunk} + grp * {lay.e_per_group * lay.bc * lay.bn} + "
          f"lnid * {lay.vn};  // and tile operands",
-         f"const GLOBAL_PTR float* ub = uw + kb * {cdiv(s.c, lay.bc) * lay.u_chunk};")
+         f"const GLOBAL_PTR float* ub = uw + kb * {cdiv(s.c, lay.bc) * lay.w_chunk};")
     for i in range(lay.in_per_thread):
         sfx = f"_{i}"
         code(f"const int pr{sfx} = tid + {i * lay.threads};",
@@ -310,6 +346,8 @@ def _emit_setup(code: Code, lay: Layout) -> None:
             code(f"float d{sfx}{a}_{b};")
     for i in range(lay.f4_per_thread):
         code(f"float4 f{i} = MAKE_FLOAT4(0.0f, 0.0f, 0.0f, 0.0f);")
+    for i, j in itertools.product(range(lay.fl_per_thread), range(9)):
+        code(f"float g_{i}_{j // 3}_{j % 3} = 0.0f;")
     for el, ki, ni in itertools.product(range(lay.e_per_group), range(lay.tk), range(lay.tn)):
         code(f"float acc{el}_{ki}_{ni} = 0.0f;")
 
@@ -318,7 +356,17 @@ def _emit_load_stage(code: Code, lay: Layout, cb: str) -> None:
     """Global loads of stage ``cb`` into registers: filter float4s, then input windows."""
     g, s = lay.g, lay.g.spec
     nf4 = lay.u_chunk // 4
-    code(f"const GLOBAL_PTR float* us = ub + ({cb}) * {lay.u_chunk};")
+    code(f"const GLOBAL_PTR float* us = ub + ({cb}) * {lay.w_chunk};")
+    nfl = lay.bc * lay.bk
+    for i in range(lay.fl_per_thread):
+        last = (i + 1) * lay.threads > nfl
+        loads = [f"g_{i}_{j // 3}_{j % 3} = us[tid + {i * lay.threads + j * nfl}];"
+                 for j in range(9)]
+        if last:
+            with code.block(f"if (tid + {i * lay.threads} < {nfl})"):
+                code(*loads)
+        else:
+            code(*loads)
     for i in range(lay.f4_per_thread):
         stmt = f"f{i} = VLOAD4(tid + {i * lay.threads}, us);"
         last = (i + 1) * lay.threads > nf4
@@ -335,6 +383,14 @@ def _emit_store_stage(code: Code, lay: Layout, buf: str) -> None:
     g = lay.g
     nf4 = lay.u_chunk // 4
     code(f"LOCAL_PTR float* sb = smem + {buf};")
+    nfl = lay.bc * lay.bk
+    for i in range(lay.fl_per_thread):
+        last = (i + 1) * lay.threads > nfl
+        with code.block(f"if (tid + {i * lay.threads} < {nfl})" if last
+                        else f"/* filters {i}: G g G^T */"):
+            emit_filter_transform(code, g, f"g_{i}_", "u", "gt")
+            for a, b in itertools.product(range(g.ah), range(g.aw)):
+                code(f"sb[{(a * g.aw + b) * nfl} + tid + {i * lay.threads}] = u{a}_{b};")
     for i in range(lay.f4_per_thread):
         stmt = f"VSTORE4(f{i}, tid + {i * lay.threads}, sb);"
         last = (i + 1) * lay.threads > nf4
