@@ -7,14 +7,13 @@ and the workspace. Checking, timing, tuning, benchmarking and graphs work on Pla
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
 
 from convforge.codegen.dialect import Dim3, Kernel
 from convforge.codegen.render import render
 from convforge.params import Params
 from convforge.spec import ConvSpec
 
-ArgRef = Union[str, int, float]  # a buffer name ("x", "w", "y", "bias", a workspace) or a scalar
+ArgRef = str | int | float  # a buffer name ("x", "w", "y", "bias", a workspace) or a scalar
 
 
 @dataclass(frozen=True)
@@ -58,7 +57,7 @@ class Gemm:
     stride_c: int = 0
 
 
-Step = Union[Launch, Fill, Gemm]
+Step = Launch | Fill | Gemm
 
 
 @dataclass(frozen=True)

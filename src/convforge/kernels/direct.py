@@ -18,8 +18,8 @@ from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
 from convforge.spec import ConvSpec
 
-_UNROLL_LIMIT = 1024
-_TEX_LIMIT = 1 << 27  # elements a linear texture object may span  # fully unroll r and s while R*S*outputs-per-thread stays under this
+_UNROLL_LIMIT = 1024  # fully unroll r and s while R*S*outputs-per-thread stays under this
+_TEX_LIMIT = 1 << 27  # elements a linear texture object may span
 
 
 class DirectBase(Variant):
@@ -251,7 +251,7 @@ class DirectSmem(DirectBase):
         code(f"SHARED float xs[{tile}];  // {p.cc} channel(s) x {ih} x {iw} input tile with halo",
              f"const GLOBAL_PTR float* xn = x + n * {spec.c * hw};",
              f"const int y0 = p0 * {sh} - {pt}, x0 = q0 * {sw} - {pl};",
-             "const int tid = ly * %d + lx;" % p.bq)
+             f"const int tid = ly * {p.bq} + lx;")
         with code.block(f"for (int cb = 0; cb < {spec.c}; cb += {p.cc})"):
             with code.block(f"for (int t = tid; t < {tile}; t += {nt})"):
                 code(f"const int ci = t / {ih * iw}, rem = t % {ih * iw};",

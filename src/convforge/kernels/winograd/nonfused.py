@@ -62,7 +62,7 @@ class WinogradNonFused(Variant):
     def __init__(self, m: int) -> None:
         self.m = m
         self.name = f"winograd_nonfused_f{m}"
-        self.specialised = 8 if m == 4 else 6
+        self.specialised = 7 if m == 4 else 6
         self.tolerance = tolerance(m, 3, 3)
 
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
