@@ -239,3 +239,25 @@ def test_gpu_defaults_for_mec_and_fc():
     fc = ConvSpec.make(5, 4096, 1, 1, 4096, 1, 1)
     p = get_variant("gemm1x1_splitk").default(fc, NOMINAL_CUDA)
     assert p.bn == 16 and p.ks > 1
+
+
+FC_SPECS = [ConvSpec.make(2, 5, 6, 6, 7, 6, 6), ConvSpec.make(1, 40, 3, 3, 13, 3, 3, 2)]
+
+
+@pytest.mark.parametrize("spec", FC_SPECS, ids=lambda s: s.key())
+def test_full_window_runs_as_pointwise(ocl, spec):
+    """A filter covering the whole input (fc6) runs through the 1x1 path on the rewritten spec."""
+    v = get_variant("gemm_fc")
+    assert v.applies(spec, ocl.device) is None
+    for params in v.space(spec, ocl.device)[:3]:
+        plan = v.plan(spec, params, ocl.device)
+        assert plan.spec == spec and plan.variant == "gemm_fc"
+        res = check_plan(plan, ocl)
+        assert res.ok, f"{params.short()}: {res}"
+    assert "does not cover" in v.applies(ConvSpec.make(1, 3, 8, 8, 4, 3, 3, 1, 1), ocl.device)
+
+
+def test_full_window_compiles(nvcc_ok):
+    spec = ConvSpec.make(5, 256, 6, 6, 4096, 6, 6)  # AlexNet fc6 at batch 5
+    v = get_variant("gemm_fc")
+    assert_compiles_clean(v, spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA)

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.gpu
 
 GPU_SPECS = ODD_SPECS + [ConvSpec.make(2, 64, 56, 56, 64, 3, 3, 1, 1), ConvSpec.make(3, 512, 7, 7, 512, 3, 3, 1, 1),
                          ConvSpec.make(5, 832, 7, 7, 128, 1, 1), ConvSpec.make(2, 3, 227, 227, 96, 11, 11, 4, 0),
-                         ConvSpec.make(1, 96, 24, 24, 256, 5, 5, 1, 2)]
+                         ConvSpec.make(1, 96, 24, 24, 256, 5, 5, 1, 2), ConvSpec.make(5, 256, 6, 6, 512, 6, 6)]
 NAMES = [v.name for v in all_variants() if "cuda" in v.backends]
 
 

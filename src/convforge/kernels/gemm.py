@@ -10,6 +10,8 @@ epilogue applied. The SGEMM body comes from :mod:`convforge.kernels.sgemm`.
 
 from __future__ import annotations
 
+import dataclasses
+
 from convforge.codegen.dialect import Arg, Buf, Kernel
 from convforge.codegen.meta import Code, cdiv
 from convforge.kernels import register
@@ -498,9 +500,59 @@ class Gemm1x1SplitK(Gemm1x1):
                     (("part", self.workspace_bytes(spec, params)),), self.tolerance, epilogue)
 
 
+class GemmFullWindow(Variant):
+    """A filter that covers the whole unpadded input (a fully-connected layer such as AlexNet's fc6)
+    is a 1x1 convolution over C*R*S channels of a 1x1 image, with the very same memory layout of
+    x, w and y: run it by the 1x1 path (split-K when that applies) on the rewritten spec."""
+
+    name = "gemm_fc"
+    family = "gemm1x1"
+    specialised = 12
+
+    def __init__(self) -> None:
+        self.plain, self.split = Gemm1x1(), Gemm1x1SplitK()
+
+    @staticmethod
+    def pointwise(spec: ConvSpec) -> ConvSpec:
+        return ConvSpec(spec.n, spec.c * spec.r * spec.s, 1, 1, spec.k, 1, 1)
+
+    def _inner(self, spec: ConvSpec, device: DeviceInfo, params: Params | None = None) -> Variant:
+        if params is not None:
+            return self.split if "ks" in params else self.plain
+        return self.split if self.split.applies(self.pointwise(spec), device) is None else self.plain
+
+    def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
+        full = (spec.p == spec.q == 1 and spec.pad == (0, 0, 0, 0) and (spec.r, spec.s) == (spec.h, spec.w)
+                and spec.dilation == (1, 1))
+        if not full:
+            return "the filter does not cover the whole unpadded input"
+        if spec.r == spec.s == 1:
+            return "already 1x1: gemm1x1 runs it"
+        return super().applies(spec, device) or self.plain.applies(self.pointwise(spec), device)
+
+    def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
+        pw = self.pointwise(spec)
+        split = self.split.space(pw, device) if self.split.applies(pw, device) is None else []
+        out = [self.default(spec, device)]
+        out += [p for p in split + self.plain.space(pw, device) if p not in out]
+        return out
+
+    def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
+        return self._inner(spec, device).default(self.pointwise(spec), device)
+
+    def workspace_bytes(self, spec: ConvSpec, params: Params) -> int:
+        return self._inner(spec, DeviceInfo("", ""), params).workspace_bytes(self.pointwise(spec), params)
+
+    def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
+             epilogue: Epilogue = Epilogue()) -> Plan:
+        inner = self._inner(spec, device, params).plan(self.pointwise(spec), params, device, epilogue)
+        return dataclasses.replace(inner, variant=self.name, spec=spec)
+
+
 register(Im2colGemm())
 register(Im2colCublas())
 register(ImplicitGemm())
 register(ImplicitGemmPrecomp())
 register(Gemm1x1())
 register(Gemm1x1SplitK())
+register(GemmFullWindow())
