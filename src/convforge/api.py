@@ -32,7 +32,25 @@ def _kind(a: Any, what: str) -> str:
     raise ValueError(f"{what} must be a NumPy array, CuPy array or torch CUDA tensor, got {type(a).__name__}")
 
 
+_SPECS: dict[tuple[Any, ...], ConvSpec] = {}
+
+
+def _spec(x_shape: tuple[int, ...], w_shape: tuple[int, ...], stride: Any, padding: Any,
+          dilation: Any) -> ConvSpec:
+    """ConvSpec.from_shapes, remembered for hashable arguments (it runs on every call)."""
+    try:
+        key = (x_shape, w_shape, stride, padding, dilation)
+        spec = _SPECS.get(key)
+    except TypeError:  # lists: build it every time
+        return ConvSpec.from_shapes(x_shape, w_shape, stride, padding, dilation)
+    if spec is None:
+        spec = _SPECS[key] = ConvSpec.from_shapes(x_shape, w_shape, stride, padding, dilation)
+    return spec
+
+
 def _check_array(a: Any, what: str, rank: int) -> None:
+    if isinstance(a, np.ndarray) and a.ndim == rank and a.dtype == np.float32:
+        return  # the common case, quickly
     if len(a.shape) != rank:
         raise ValueError(f"{what} must have rank {rank}, got shape {tuple(a.shape)}")
     dtype = str(a.dtype).replace("torch.", "")
@@ -41,6 +59,8 @@ def _check_array(a: Any, what: str, rank: int) -> None:
 
 
 def _check_layout(a: Any, what: str, rank: int) -> None:
+    if isinstance(a, np.ndarray) and a.flags.c_contiguous:
+        return
     contiguous = (a.flags["C_CONTIGUOUS"] if hasattr(a, "flags") and not callable(a.flags)
                   else a.is_contiguous())
     if not contiguous:
@@ -98,7 +118,7 @@ def conv2d(x: Any, w: Any, bias: Any = None, stride: int | Sequence[int] = 1,
         raise ValueError("input and weights must be the same kind of array")
     _check_array(x, "input", 4)
     _check_array(w, "weights", 4)
-    spec = ConvSpec.from_shapes(x.shape, w.shape, stride, padding, dilation)
+    spec = _spec(tuple(x.shape), tuple(w.shape), stride, padding, dilation)
     _check_layout(x, "input", 4)
     _check_layout(w, "weights", 4)
     if bias is not None:
