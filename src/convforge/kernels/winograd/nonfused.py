@@ -7,6 +7,11 @@
 
 T = N * tiles_h * tiles_w (tiles of every image in one GEMM dimension: superblocking for small N).
 Any r x s filter with m + r - 1 <= 8, any N, C, K, H, W and padding; stride and dilation 1.
+
+The batched GEMM comes from one of two generators, chosen by the tuning parameter ``gemm``:
+``"own"`` (the parameter absent, as in the default) is the simple tiled kernel below;
+``"sgemm"`` is the shared generator of ``kernels/sgemm.py`` (float4 loads, register prefetch,
+double-buffered shared memory) with batch = alpha^2.
 """
 
 from __future__ import annotations
@@ -17,6 +22,16 @@ from convforge.codegen.dialect import Buf, Kernel
 from convforge.codegen.meta import Code, cdiv
 from convforge.kernels import register
 from convforge.kernels.common import out_args, out_refs
+from convforge.kernels.sgemm import (
+    GemmShape,
+    Operand,
+    Store,
+    gemm_block,
+    gemm_default,
+    gemm_grid,
+    gemm_kernel,
+    gemm_space,
+)
 from convforge.kernels.winograd.tiles import (
     STORE2_HELPER,
     Geometry,
@@ -78,12 +93,16 @@ class WinogradNonFused(Variant):
 
     # -- parameters -------------------------------------------------------------------------
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
+        """The own GEMM kernel (no ``gemm`` key). It stays the default on GPUs because it is the
+        one measured there (58-62 effective TFLOPS for F(4x4) on the H200); the sgemm points
+        have not been timed on a GPU yet, so the autotuner compares the two."""
         if not device.is_gpu:
             return Params(bm=16, bn=16, bk=4, tm=2, tn=2, tb=64)
         bm = 64 if spec.k <= 64 else 128
         return Params(bm=bm, bn=128, bk=8, tm=8, tn=8, tb=128)
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
+        """The default, the own kernel's tiles, then every sgemm point (``gemm="sgemm"``)."""
         out = [self.default(spec, device)]
         for bm, bn, bk, tm, tn in itertools.product((32, 64, 128), (32, 64, 128), (4, 8, 16),
                                                     (4, 8), (4, 8)):
@@ -93,7 +112,21 @@ class WinogradNonFused(Variant):
             prm = Params(bm=bm, bn=bn, bk=bk, tm=tm, tn=tn, tb=128)
             if prm not in out:
                 out.append(prm)
-        return out
+        return out + self.sgemm_space(spec, device)
+
+    def sgemm_default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
+        """The sgemm generator's own choice for this GEMM (first point of :meth:`sgemm_space`)."""
+        return self.sgemm_space(spec, device)[0]
+
+    def sgemm_space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
+        """sgemm points for M = K, N = T, K = C; float4 loads where rows are 16-byte aligned."""
+        g = Geometry(spec, self.m)
+        tb = 128 if device.is_gpu else 64
+        mnk = (spec.k, g.tiles, spec.c)
+        vec = (spec.k % 4 == 0, g.tiles % 4 == 0)
+        pts = [gemm_default(*mnk, device, *vec, a_fast="i", b_fast="i")]
+        pts += [p for p in gemm_space(*mnk, device, *vec, a_fast="i", b_fast="i") if p != pts[0]]
+        return [p.replace(gemm="sgemm", tb=tb) for p in pts]
 
     def workspace_bytes(self, spec: ConvSpec, params: Params) -> int:
         return sum(b for _, b in self._workspace(spec))
@@ -109,14 +142,22 @@ class WinogradNonFused(Variant):
         g = Geometry(spec, self.m)
         p = params
         tb = p.tb
-        kernels = (self._filter_kernel(g, tb), self._input_kernel(g, tb), self._gemm_kernel(g, p),
+        if p.get("gemm", "own") == "sgemm":
+            gp = Params({k: v for k, v in p.items() if k not in ("gemm", "tb")})
+            gemm = self._sgemm_kernel(g, gp)
+            grid, block = gemm_grid(self._shape(g), gp), gemm_block(gp)
+        elif p.get("gemm", "own") == "own":
+            gemm = self._gemm_kernel(g, p)
+            grid, block = (cdiv(g.tiles, p.bn), cdiv(spec.k, p.bm), g.a2), gemm.block
+        else:
+            raise ValueError(f"{self.name}: gemm={p.gemm!r} (expected 'own' or 'sgemm')")
+        kernels = (self._filter_kernel(g, tb), self._input_kernel(g, tb), gemm,
                    self._output_kernel(g, tb, epilogue))
-        gemm_grid = (cdiv(g.tiles, p.bn), cdiv(spec.k, p.bm), g.a2)
         steps = (
             Launch(kernels[0].name, (cdiv(spec.k * spec.c, tb), 1, 1), (tb, 1, 1), ("w", "wino_u")),
             Launch(kernels[1].name, (cdiv(spec.c * g.tiles, tb), 1, 1), (tb, 1, 1),
                    ("x", "wino_v")),
-            Launch(kernels[2].name, gemm_grid, kernels[2].block, ("wino_u", "wino_v", "wino_m")),
+            Launch(kernels[2].name, grid, block, ("wino_u", "wino_v", "wino_m")),
             Launch(kernels[3].name, (cdiv(spec.k * g.tiles, tb), 1, 1), (tb, 1, 1),
                    ("wino_m",) + out_refs(epilogue)),
         )
@@ -207,6 +248,37 @@ class WinogradNonFused(Variant):
         return Kernel("wino_batched_gemm",
                       (Buf("u"), Buf("v"), Buf("mw", readonly=False)), code.text(),
                       (nx, ny, 1), comment=f"{self.name}: {g.a2} batched GEMMs {p.short()}")
+
+    @staticmethod
+    def _shape(g: Geometry) -> GemmShape:
+        return GemmShape(g.spec.k, g.tiles, g.spec.c, batch=g.a2)
+
+    def _sgemm_kernel(self, g: Geometry, p: Params) -> Kernel:
+        """M[e] = U[e]^T V[e] by the shared generator: A (i = k, c) = U[e][c][k] and
+        B (c, i = t) = V[e][c][t] are both contiguous along i, so consecutive threads walk i
+        (float4 loads when K resp. T is a multiple of 4); ``bz`` is the batch e."""
+        s = g.spec
+        kk, tt, cc = s.k, g.tiles, s.c
+
+        def operand(ptr: str, ld: int) -> Operand:
+            def load(t: str, k: str, d: str) -> list[str]:
+                return [f"{d} = {ptr}[({k}) * {ld} + {t}_i];"]
+
+            def vload(t: str, k: str, d: str) -> list[str]:
+                return [f"{d} = VLOAD4(0, {ptr} + ({k}) * {ld} + {t}_i);"]
+
+            return Operand(load=load, fast="i", vload=vload if ld % 4 == 0 else None)
+
+        def put(m: str, t: str, v: str) -> list[str]:
+            return [f"me[({m}) * {tt} + {t}_i] = {v};"]
+
+        prelude = (f"const GLOBAL_PTR float* ue = u + bz * {cc * kk};  // U[e]: C x K",
+                   f"const GLOBAL_PTR float* ve = v + bz * {cc * tt};  // V[e]: C x T",
+                   f"GLOBAL_PTR float* me = mw + bz * {kk * tt};  // M[e]: K x T")
+        return gemm_kernel("wino_batched_sgemm", self._shape(g), p, operand("ue", kk),
+                           operand("ve", tt), Store(put=put),
+                           (Buf("u"), Buf("v"), Buf("mw", readonly=False)), prelude,
+                           comment=f"{self.name}: {g.a2} batched GEMMs (sgemm) {p.short()}")
 
     @staticmethod
     def _stage_load(code: Code, dst: str, src: str, bk: int, width: int, ld: int, col0: str,
