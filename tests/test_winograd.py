@@ -12,6 +12,7 @@ import pytest
 from convforge.codegen.nvcc import nvcc_path, ptxas_report
 from convforge.kernels import get_variant
 from convforge.kernels.winograd.matrices import Matrix, matmul, transpose, winograd
+from convforge.params import Params
 from convforge.plan import DeviceInfo
 from convforge.spec import ConvSpec
 
@@ -143,6 +144,43 @@ def test_nonfused_other_filters(backend) -> None:  # type: ignore[no-untyped-def
     _check(backend, "winograd_nonfused_f4", ConvSpec.make(1, 2, 7, 9, 5, 1, 3, padding=(0, 0, 1, 1)))
 
 
+SGEMM_ODD = [
+    ConvSpec.make(1, 13, 11, 9, 7, 3, 3, padding=(0, 1, 1, 0)),  # N=1, odd C/K, asymmetric pad
+    ConvSpec.make(2, 37, 9, 10, 71, 3, 3, padding=1),  # C, K across several partial tiles
+    ConvSpec.make(1, 6, 12, 9, 8, 5, 5, padding=(2, 1, 2, 0)),  # 5x5 (F(4x4, 5x5): alpha 8)
+]
+
+
+@pytest.mark.parametrize("m", [2, 4])
+def test_nonfused_sgemm_on_odd_shapes(backend, m: int) -> None:  # type: ignore[no-untyped-def]
+    """The batched GEMM from kernels/sgemm.py (gemm=sgemm): the CPU point on odd shapes, and a
+    GPU-style point (float4 loads of U and V, prefetch + double buffer) where K, T % 4 == 0."""
+    name = f"winograd_nonfused_f{m}"
+    v = get_variant(name)
+    for spec in SGEMM_ODD:
+        prm = v.sgemm_default(spec, backend.device)
+        assert prm["gemm"] == "sgemm"
+        _check(backend, name, spec, prm)
+    spec = ConvSpec.make(2, 20, 8, 8, 36, 3, 3, padding=1)
+    vec = Params(bm=32, bn=32, bk=8, tm=4, tn=4, va=4, vb=4, pf=1, db=1, gemm="sgemm", tb=64)
+    assert vec in v.space(spec, backend.device)
+    _check(backend, name, spec, vec)
+
+
+def test_nonfused_space_offers_both_gemms() -> None:
+    dev = DeviceInfo(backend="cuda", name="H200", cc=(9, 0), shared_optin_bytes=227 * 1024,
+                     units=132)
+    v = get_variant("winograd_nonfused_f4")
+    spec = RESNET[0]
+    space = v.space(spec, dev)
+    assert "gemm" not in space[0]  # default: the own kernel (the one timed on the H200)
+    kinds = {p.get("gemm", "own") for p in space}
+    assert kinds == {"own", "sgemm"}
+    assert v.sgemm_default(spec, dev) in space
+    names = {k.name for k in v.plan(spec, v.sgemm_default(spec, dev), dev).kernels}
+    assert "wino_batched_sgemm" in names and "wino_batched_gemm" not in names
+
+
 def test_epilogue(backend) -> None:  # type: ignore[no-untyped-def]
     from convforge.check import check_plan
     from convforge.plan import Epilogue
@@ -196,6 +234,23 @@ def test_cuda_compiles_without_spills(name: str) -> None:
     v = get_variant(name)
     spec = RESNET[0]
     plan = v.plan(spec, v.default(spec, dev), dev)
+    infos = ptxas_report(plan.source("cuda"))
+    assert {i.kernel for i in infos} == {k.name for k in plan.kernels}
+    for info in infos:
+        assert info.spill_stores == 0 and info.spill_loads == 0, info
+        assert info.registers <= 255
+
+
+@pytest.mark.skipif(nvcc_path() is None, reason="nvcc not on PATH: CUDA compile check skipped")
+@pytest.mark.parametrize("m", [2, 4])
+@pytest.mark.parametrize("spec", [RESNET[0], ConvSpec.make(5, 832, 7, 7, 384, 3, 3, padding=1)],
+                         ids=lambda s: s.key())
+def test_nonfused_sgemm_compiles_without_spills(m: int, spec: ConvSpec) -> None:
+    """The sgemm path's default point: every kernel of the plan compiles with 0 spills."""
+    dev = DeviceInfo(backend="cuda", name="H200", cc=(9, 0), shared_optin_bytes=227 * 1024,
+                     units=132)
+    v = get_variant(f"winograd_nonfused_f{m}")
+    plan = v.plan(spec, v.sgemm_default(spec, dev), dev)
     infos = ptxas_report(plan.source("cuda"))
     assert {i.kernel for i in infos} == {k.name for k in plan.kernels}
     for info in infos:
