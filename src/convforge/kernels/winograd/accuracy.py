@@ -1,4 +1,4 @@
-"""Accuracy table of the Winograd variants beside direct on the ResNet 3x3 layers.
+"""Accuracy table of the Winograd variants beside direct and implicit GEMM on the ResNet 3x3 layers.
 
 ``python -m convforge.kernels.winograd.accuracy [N]`` prints a Markdown table of relative L2 error
 against the float64 reference. The error is arithmetic (float32 rounding of the transforms and
@@ -13,7 +13,7 @@ import sys
 from convforge.spec import ConvSpec
 
 LAYERS = ((64, 56), (128, 28), (256, 14), (512, 7))
-VARIANTS = ("direct", "winograd_nonfused_f2", "winograd_fused_f2", "winograd_nonfused_f4",
+VARIANTS = ("direct", "implicit_gemm", "winograd_nonfused_f2", "winograd_fused_f2", "winograd_nonfused_f4",
             "winograd_fused_f4")
 
 
