@@ -28,7 +28,7 @@ def main() -> None:
                 res = check_plan(plan, be, exe=exe, batch_slice=1)
                 for _ in range(3):
                     exe(bufs)
-                ms = statistics.median(be.time_ms(lambda exe=exe: exe(bufs), 25))
+                ms = statistics.median(be.time_ms(lambda exe=exe, bufs=bufs: exe(bufs), 25))
                 print(f"{spec.short()[:40]:40s} {name:22s} {label:6s} {ms:8.4f} ms "
                       f"{spec.flops / ms / 1e9:6.1f} TFLOPS  {res}")
 
