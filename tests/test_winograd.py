@@ -173,7 +173,8 @@ def test_nonfused_space_offers_both_gemms() -> None:
     v = get_variant("winograd_nonfused_f4")
     spec = RESNET[0]
     space = v.space(spec, dev)
-    assert "gemm" not in space[0]  # default: the own kernel (the one timed on the H200)
+    assert space[0].get("gemm") == "sgemm"  # GPU default: the shared generator (faster on the H200)
+    assert v.own_default(spec, dev) in space
     kinds = {p.get("gemm", "own") for p in space}
     assert kinds == {"own", "sgemm"}
     assert v.sgemm_default(spec, dev) in space
