@@ -15,7 +15,8 @@ from convforge.kernels import all_variants
 from convforge.spec import ConvSpec
 
 SNAP = Path(__file__).parent / "snapshots"
-SPECS = {"3x3": ConvSpec.make(2, 5, 11, 11, 6, 3, 3, 1, 1), "1x1": ConvSpec.make(2, 8, 7, 7, 6, 1, 1)}
+SPECS = {"3x3": ConvSpec.make(2, 5, 11, 11, 6, 3, 3, 1, 1), "1x1": ConvSpec.make(2, 8, 7, 7, 6, 1, 1),
+         "1x1deep": ConvSpec.make(1, 256, 2, 2, 16, 1, 1), "fc": ConvSpec.make(2, 40, 3, 3, 13, 3, 3)}
 CASES = [(v.name, tag, be) for v in all_variants() for tag in SPECS for be in sorted(v.backends)]
 
 
