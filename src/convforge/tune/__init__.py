@@ -81,7 +81,13 @@ def _choose_slow(spec: ConvSpec, backend: Backend, epi: Epilogue,
             variant = tuner._known(entry)
             fits = workspace_limit is None or entry.workspace <= workspace_limit
             if variant is not None and fits and variant.applies(spec, backend.device) is None:
-                return variant, Params.from_json(entry.params)
+                params = Params.from_json(entry.params)
+                try:  # an entry from an older generator may name parameters it no longer takes
+                    variant.plan(spec, params, backend.device, epi)
+                    return variant, params
+                except Exception as err:  # noqa: BLE001 - a stale entry is a slower choice, never a crash
+                    log.warning("stored choice %s [%s] no longer plans (%s); using the heuristic",
+                                variant.name, params.short(), err)
     if config.autotune:
         try:
             return tuner.tune(spec, epi, workspace_limit, force=True).choice
