@@ -295,3 +295,23 @@ def test_tune_command_report_and_db_commands(backend, tmp_path, capsys) -> None:
     assert TuningDB(dbp).entries() == []
     assert db_main(_parse(add_db_arguments, ["--db", dbp, "import", str(exp)])) == 0
     assert len(TuningDB(dbp).entries()) == 1
+
+
+def test_stale_database_entry_falls_back_to_heuristic(backend, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """An entry whose parameters the generator no longer takes is not used (and does not crash)."""
+    import dataclasses
+
+    monkeypatch.setattr(config, "db_path", tmp_path / "stale.sqlite")
+    monkeypatch.setattr(config, "autotune", True)
+    monkeypatch.setattr("convforge.tune.AUTOTUNE_BUDGET", Budget(None, 1))
+    clear_choices()
+    try:
+        choose(SPEC, backend)  # tunes and stores one entry
+        db = TuningDB(config.tuning_db)
+        entry = db.entries()[0]
+        db.put(dataclasses.replace(entry, variant="direct", params='{"bq": 7}'))
+        monkeypatch.setattr(config, "autotune", False)
+        clear_choices()
+        assert choose(SPEC, backend) == heuristic_choice(SPEC, backend.device)
+    finally:
+        clear_choices()
