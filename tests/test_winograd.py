@@ -272,3 +272,72 @@ def test_fused_space_without_spills(name: str) -> None:
     for prm in space:
         for info in ptxas_report(v.plan(spec, prm, dev).source("cuda")):
             assert info.spill_stores == 0 and info.spill_loads == 0, (prm.short(), info)
+
+
+# -- split-C (ks): channel slices over grid z, partial outputs reduced with the epilogue -----------
+
+SPLIT_SPEC = ConvSpec.make(1, 37, 13, 7, 70, 3, 3, padding=(0, 1, 2, 1))  # C=37: edge stage
+
+
+@pytest.mark.parametrize("m,cases", [
+    (2, [(0, 2), (0, 3), (1, 3)]),  # bc=4: 10 stages as 5+5 and 3+3+4 (odd cb0); bc=3: 4+4+5
+    (4, [(0, 2), (3, 3)]),  # bc=2: 19 stages as 9+10; bc=3: 13 as 4+4+5
+])
+def test_fused_split_c_on_odd_shapes(backend, m: int, cases) -> None:  # type: ignore[no-untyped-def]
+    """ks slices, even and uneven, the last holding the predicated edge stage; bias + ReLU in
+    the reduce kernel; output and workspace NaN-poisoned by check_plan."""
+    from convforge.check import check_plan
+    from convforge.plan import Epilogue
+
+    v = get_variant(f"winograd_fused_f{m}")
+    space = v.space(SPLIT_SPEC, backend.device)
+    assert "ks" not in space[0] and any("ks" in p for p in space)
+    for idx, ks in cases:
+        prm = space[idx].replace(ks=ks)
+        plan = v.plan(SPLIT_SPEC, prm, backend.device, Epilogue(bias=True, relu=True))
+        assert [k.name for k in plan.kernels][-1] == "wino_fused_reduce" and len(plan.steps) == 3
+        res = check_plan(plan, backend, seed=4)
+        assert res.ok, f"{prm.short()}: {res}"
+
+
+def test_fused_split_c_space_and_workspace() -> None:
+    """Split points come after every unsplit point (defaults unchanged), only where the unsplit
+    grid is under 2 blocks per SM; the workspace holds ks partial outputs."""
+    dev = DeviceInfo(backend="cuda", name="H200", cc=(9, 0), shared_optin_bytes=227 * 1024,
+                     units=132)
+    small, big = (ConvSpec.make(n, 512, 7, 7, 512, 3, 3, padding=1) for n in (32, 128))
+    for m in (2, 4):
+        v = get_variant(f"winograd_fused_f{m}")
+        space = v.space(small, dev)
+        first = next(i for i, p in enumerate(space) if "ks" in p)
+        assert all("ks" in p for p in space[first:]) and "ks" not in v.default(small, dev)
+        assert {p["ks"] for p in space[first:]} == {2, 4, 8}
+        assert not any("ks" in p for p in v.space(big, dev))
+        prm = space[first]
+        plan = v.plan(small, prm, dev)
+        part = 4 * prm["ks"] * small.n * small.k * small.p * small.q
+        assert dict(plan.workspace)["wino_part"] == part
+        assert v.workspace_bytes(small, prm) == plan.workspace_bytes
+        assert plan.steps[1].grid[2] == prm["ks"]
+    with pytest.raises(ValueError):  # more slices than channel stages
+        v.plan(small, v.default(small, dev).replace(ks=65), dev)
+
+
+@pytest.mark.skipif(nvcc_path() is None, reason="nvcc not on PATH: CUDA compile check skipped")
+@pytest.mark.parametrize("name", ["winograd_fused_f2", "winograd_fused_f4"])
+def test_fused_split_c_without_spills(name: str) -> None:
+    """Every split-C GPU point on the small-grid ResNet layers (even slices) and on a C = 200
+    layer (uneven slices where offered) compiles with 0 spills, the reduce kernel included."""
+    dev = DeviceInfo(backend="cuda", name="H200", cc=(9, 0), shared_optin_bytes=227 * 1024,
+                     units=132)
+    v = get_variant(name)
+    seen = 0
+    for spec in (ConvSpec.make(32, 512, 7, 7, 512, 3, 3, padding=1),
+                 ConvSpec.make(32, 256, 14, 14, 256, 3, 3, padding=1),
+                 ConvSpec.make(32, 200, 7, 7, 512, 3, 3, padding=(1, 0, 1, 1))):
+        for prm in (p for p in v.space(spec, dev) if "ks" in p):
+            seen += 1
+            for info in ptxas_report(v.plan(spec, prm, dev).source("cuda")):
+                assert info.spill_stores == 0 and info.spill_loads == 0, (prm.short(), info)
+                assert info.registers <= 255
+    assert seen >= 9

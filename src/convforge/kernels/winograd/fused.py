@@ -15,6 +15,11 @@ channels bc at a time:
   is chosen by simulating the warp's bank accesses (conflict-free stores, after openCNN's optSTS64),
   then each thread runs A^T M A for one (filter, tile) pair at a time and stores whole tile rows
   (float2 / float4 when Q allows), consecutive threads on consecutive tiles: coalesced.
+
+Split-C (tuning parameter ``ks`` > 1, grid z): the output transform is linear, so ``ks`` blocks
+per (tile block, filter block) each run a slice of the channel stages and store their partial
+output A^T M A (no epilogue) to the workspace ``wino_part[ks][N][K][P][Q]``; a reduce kernel sums
+the slices and applies bias/ReLU. More, shorter blocks for small P x Q layers with many channels.
 """
 
 from __future__ import annotations
@@ -22,10 +27,11 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from convforge.codegen.dialect import Buf, Kernel, LocalBuf
+from convforge.codegen.dialect import Arg, Buf, Kernel, LocalBuf
 from convforge.codegen.meta import Code, cdiv
 from convforge.kernels import register
 from convforge.kernels.common import out_args, out_refs
+from convforge.kernels.gemm import elementwise
 from convforge.kernels.winograd.nonfused import tolerance, winograd_applies
 from convforge.kernels.winograd.tiles import (
     STORE2_HELPER,
@@ -43,6 +49,14 @@ from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
 from convforge.spec import ConvSpec
 
 _BANKS = 32
+_SPLITS = (2, 4, 8)
+# GPU points that also come split over channels (fl=1), on layers with a small unsplit grid, and
+# whether uneven slices (a run-time trip count) are offered: the 255-register F(4x4) 4-warp point
+# spills 20 bytes with one (ptxas sm_90), so it is split only where ks divides the stages.
+_SPLIT_GPU = {2: [(dict(bk=64, bn=32, bc=8, lk=8, ln=4, groups=8), True),
+                  (dict(bk=32, bn=32, bc=8, lk=4, ln=8, groups=8), True)],
+              4: [(dict(bk=32, bn=16, bc=8, lk=8, ln=4, groups=4), False),
+                  (dict(bk=32, bn=16, bc=4, lk=8, ln=4, groups=6), True)]}
 
 
 @dataclass(frozen=True)
@@ -57,7 +71,12 @@ class Layout:
     ln: int
     groups: int
     fl: int = 0  # 1: raw filters in the workspace, G g G^T inside the main loop
+    ks: int = 1  # > 1: channel stages split over ks blocks (grid z), partial outputs reduced
 
+    @property
+    def cbn(self) -> int:
+        """Channel stages (bc channels each, the last one predicated when bc does not divide C)."""
+        return cdiv(self.g.spec.c, self.bc)
 
     @property
     def lanes(self) -> int:
@@ -145,6 +164,10 @@ class Layout:
             return "micro-tile not a multiple of the vector width"
         if self.threads > max_threads:
             return f"{self.threads} threads > {max_threads}"
+        if not 1 <= self.ks <= self.cbn:
+            return f"ks = {self.ks} channel slices for {self.cbn} stages"
+        if self.ks > 1 and self.ks * _out_elements(self.g.spec) > 2 ** 31 - 1:
+            return "split-C partial outputs need 64-bit indexing"
         return None
 
 
@@ -240,6 +263,26 @@ class WinogradFused(Variant):
             if lay.why_invalid(device.max_threads) or lay.smem_bytes > device.shared_optin_bytes:
                 continue
             out.append(Params(cand))
+        return out + self._split_points(g, device, out)
+
+    def _split_points(self, g: Geometry, device: DeviceInfo, base: list[Params]) -> list[Params]:
+        """Split-C points (``ks``), after all unsplit ones so defaults stay as they are: on GPUs
+        for a few points whose unsplit grid has fewer than two blocks per compute unit, with
+        ks in (2, 4, 8) leaving every slice at least two stages; on CPUs for the first two
+        points (there to exercise the path, small tiles fill a CPU anyway)."""
+        units = max(device.units, 1)
+        picks: list[tuple[Params, bool]] = []
+        for p in base:
+            if not device.is_gpu:
+                picks += [(p, True)] if len(picks) < 2 else []
+            elif p.get("fl") == 1 and cdiv(g.tiles, p.bn) * cdiv(g.spec.k, p.bk) < 2 * units:
+                picks += [(p, uneven) for c, uneven in _SPLIT_GPU[self.m]
+                          if all(p[k] == v for k, v in c.items())]
+        out = []
+        for p, uneven in picks:
+            cbn = cdiv(g.spec.c, p.bc)
+            out += [p.replace(ks=ks) for ks in _SPLITS
+                    if cbn >= 2 * ks and (uneven or cbn % ks == 0)]
         return out
 
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
@@ -247,11 +290,14 @@ class WinogradFused(Variant):
 
     def _layout(self, spec: ConvSpec, p: Params) -> Layout:
         return Layout(Geometry(spec, self.m), p.bk, p.bn, p.bc, p.lk, p.ln, p.groups,
-                      int(p.get("fl", 0)))
+                      int(p.get("fl", 0)), int(p.get("ks", 1)))
 
     def _workspace(self, lay: Layout) -> tuple[tuple[str, int], ...]:
         s = lay.g.spec
-        return (("wino_u", 4 * cdiv(s.k, lay.bk) * cdiv(s.c, lay.bc) * lay.w_chunk),)
+        ws: tuple[tuple[str, int], ...] = (("wino_u", 4 * cdiv(s.k, lay.bk) * lay.cbn * lay.w_chunk),)
+        if lay.ks > 1:  # partial outputs of the channel slices, [ks][N][K][P][Q]
+            ws += (("wino_part", 4 * lay.ks * _out_elements(s)),)
+        return ws
 
     def workspace_bytes(self, spec: ConvSpec, params: Params) -> int:
         return sum(b for _, b in self._workspace(self._layout(spec, params)))
@@ -268,11 +314,31 @@ class WinogradFused(Variant):
         ftb = 128 if device.is_gpu else 32
         fk = _filter_kernel(lay, ftb, self.name)
         mk = _main_kernel(lay, epilogue, self.name)
-        steps = (Launch(fk.name, (cdiv(kpad * cpad, ftb), 1, 1), (ftb, 1, 1), ("w", "wino_u")),
-                 Launch(mk.name, (cdiv(g.tiles, lay.bn), cdiv(spec.k, lay.bk), 1),
-                        (lay.threads, 1, 1), ("x", "wino_u") + out_refs(epilogue)))
-        return Plan(self.name, self.family, spec, params, (fk, mk), steps,
+        grid = (cdiv(g.tiles, lay.bn), cdiv(spec.k, lay.bk), lay.ks)
+        out = ("wino_part",) if lay.ks > 1 else out_refs(epilogue)
+        kernels: tuple[Kernel, ...] = (fk, mk)
+        steps: tuple[Launch, ...] = (
+            Launch(fk.name, (cdiv(kpad * cpad, ftb), 1, 1), (ftb, 1, 1), ("w", "wino_u")),
+            Launch(mk.name, grid, (lay.threads, 1, 1), ("x", "wino_u") + out))
+        if lay.ks > 1:
+            rk, rgrid = _reduce_kernel(spec, lay.ks, epilogue)
+            kernels += (rk,)
+            steps += (Launch(rk.name, rgrid, rk.block, ("wino_part",) + out_refs(epilogue)),)
+        return Plan(self.name, self.family, spec, params, kernels, steps,
                     workspace=self._workspace(lay), tolerance=self.tolerance, epilogue=epilogue)
+
+
+def _out_elements(s: ConvSpec) -> int:
+    return s.n * s.k * s.p * s.q
+
+
+def _reduce_kernel(s: ConvSpec, ks: int, epi: Epilogue) -> tuple[Kernel, tuple[int, int, int]]:
+    """y = epilogue(sum of the ks partial outputs), one thread per output element."""
+    total = _out_elements(s)
+    sums = " + ".join(f"part[{j * total} + e]" for j in range(ks))
+    body = [f"y[e] = {epi.apply(f'({sums})', f'(e / {s.p * s.q}) % {s.k}')};"]
+    return elementwise("wino_fused_reduce", total, (Buf("part"),) + out_args(epi), body,
+                       f"sum of {ks} split-C partial outputs")
 
 
 def _filter_kernel(lay: Layout, tb: int, vname: str) -> Kernel:
@@ -312,11 +378,20 @@ def _main_kernel(lay: Layout, epi: Epilogue, vname: str) -> Kernel:
     code = Code()
     _emit_setup(code, lay)
     _emit_main_loop(code, lay)
+    if lay.ks > 1:  # a slice stores its raw partial output; the reduce kernel adds the epilogue
+        code(f"GLOBAL_PTR float* y = part + kz * {_out_elements(lay.g.spec)};"
+             "  // this slice's partial output")
+        epi = Epilogue()
+        outs: tuple[Arg, ...] = (Buf("part", readonly=False),)
+    else:
+        outs = out_args(epi)
     _emit_output(code, lay, epi)
-    args = (Buf("x"), Buf("uw")) + out_args(epi) + (LocalBuf("smem", lay.smem_bytes),)
+    args = (Buf("x"), Buf("uw")) + outs + (LocalBuf("smem", lay.smem_bytes),)
     p = lay
     note = (f"{vname}: bk={p.bk} bn={p.bn} bc={p.bc} lanes {p.lk}x{p.ln} x {p.groups} groups, "
             f"{p.tk}x{p.tn} per lane x {p.e_per_group} elements, smem {p.smem_bytes} B")
+    if p.ks > 1:
+        note += f", channels split over {p.ks} slices"
     return Kernel("wino_fused", args, code.text(), (lay.threads, 1, 1), helpers=STORE2_HELPER,
                   comment=note)
 
@@ -329,8 +404,12 @@ def _emit_setup(code: Code, lay: Layout) -> None:
          f"const int ua = grp * {lay.e_per_group * lay.bc * lay.bk} + lkid * {lay.vk};"
          "  // this lane's filter operands",
          f"const int va = {lay.u_chunk} + grp * {lay.e_per_group * lay.bc * lay.bn} + "
-         f"lnid * {lay.vn};  // and tile operands",
-         f"const GLOBAL_PTR float* ub = uw + kb * {cdiv(s.c, lay.bc) * lay.w_chunk};")
+         f"lnid * {lay.vn};  // and tile operands")
+    ub = f"uw + kb * {lay.cbn * lay.w_chunk}"
+    if lay.ks > 1:
+        _emit_slice(code, lay)
+        ub += f" + cb0 * {lay.w_chunk}"
+    code(f"const GLOBAL_PTR float* ub = {ub};")
     for i in range(lay.in_per_thread):
         sfx = f"_{i}"
         code(f"const int pr{sfx} = tid + {i * lay.threads};",
@@ -340,8 +419,9 @@ def _emit_setup(code: Code, lay: Layout) -> None:
         ok = f"t{sfx} < {g.tiles}" + (f" && pr{sfx} < {lay.in_pairs}"
                                       if lay.in_pairs % lay.threads else "")
         emit_tile_masks(code, g, ok, sfx)
+        slice_off = f" + cb0 * {lay.bc * s.h * s.w}" if lay.ks > 1 else ""
         code(f"const int xb{sfx} = (n{sfx} * {s.c} + cc{sfx}) * {s.h * s.w} + "
-             f"iy{sfx} * {s.w} + ix{sfx};")
+             f"iy{sfx} * {s.w} + ix{sfx}{slice_off};")
         for a, b in itertools.product(range(g.ah), range(g.aw)):
             code(f"float d{sfx}{a}_{b};")
     for i in range(lay.f4_per_thread):
@@ -373,7 +453,8 @@ def _emit_load_stage(code: Code, lay: Layout, cb: str) -> None:
         code(f"if (tid + {i * lay.threads} < {nf4}) {stmt}" if last else stmt)
     for i in range(lay.in_per_thread):
         sfx = f"_{i}"
-        cond = f"({cb}) * {lay.bc} + cc{sfx} < {s.c}" if s.c % lay.bc else ""
+        first = "cb0 + " if lay.ks > 1 else ""
+        cond = f"({first}{cb}) * {lay.bc} + cc{sfx} < {s.c}" if s.c % lay.bc else ""
         emit_tile_load(code, g, "x", f"xb{sfx} + ({cb}) * {lay.bc * s.h * s.w}", f"d{sfx}", sfx,
                        decl=False, cond=cond)
 
@@ -432,15 +513,28 @@ def _emit_products(code: Code, lay: Layout) -> None:
                     code(f"acc{el}_{ki}_{ni} = FMA(a{ki}, b{ni}, acc{el}_{ki}_{ni});")
 
 
+def _emit_slice(code: Code, lay: Layout) -> None:
+    """ks > 1: this block's channel stages [cb0, cb0 + nst), balanced over the ks slices (they
+    differ by at most one stage); the filter and input bases are offset by cb0, so the loop below
+    counts from 0 as without a split (a compile-time trip count when ks divides the stages)."""
+    cbn, ks = lay.cbn, lay.ks
+    code("const int kz = GROUP_ID(2);  // channel slice")
+    if cbn % ks:
+        code(f"const int cb0 = kz * {cbn} / {ks}, nst = (kz + 1) * {cbn} / {ks} - cb0;")
+    else:
+        code(f"const int cb0 = kz * {cbn // ks};  // {cbn // ks} stages a slice")
+
+
 def _emit_main_loop(code: Code, lay: Layout) -> None:
-    cbn = cdiv(lay.g.spec.c, lay.bc)
+    """Double-buffered loop over this block's channel stages (all of them unless split)."""
+    end = "nst" if lay.ks > 1 and lay.cbn % lay.ks else f"{lay.cbn // lay.ks}"
     with code.block("/* prologue: stage 0 */"):
         _emit_load_stage(code, lay, "0")
         _emit_store_stage(code, lay, "0")
     code("BARRIER();")
-    with code.block(f"for (int cb = 0; cb < {cbn}; ++cb)"):
+    with code.block(f"for (int cb = 0; cb < {end}; ++cb)"):
         code(f"const int cur = (cb & 1) * {lay.stage};",
-             f"const bool more = cb + 1 < {cbn};")
+             f"const bool more = cb + 1 < {end};")
         with code.block("if (more)"):
             _emit_load_stage(code, lay, "cb + 1")
         with code.block(""):
