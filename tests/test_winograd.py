@@ -341,3 +341,19 @@ def test_fused_split_c_without_spills(name: str) -> None:
                 assert info.spill_stores == 0 and info.spill_loads == 0, (prm.short(), info)
                 assert info.registers <= 255
     assert seen >= 9
+
+
+@pytest.mark.parametrize("m", [2, 4])
+def test_fused_points_for_opencl_gpus(backend, m) -> None:  # type: ignore[no-untyped-def]
+    """NVIDIA's OpenCL gives 48 KB of local memory: the fused kernels still have a point that fits,
+    and it computes the right thing (run here on PoCL with the GPU-sized tiles)."""
+    from conftest import NOMINAL_OPENCL_GPU
+
+    from convforge.check import check_plan
+
+    spec = ConvSpec.make(1, 37, 13, 7, 70, 3, 3, 1, (0, 1, 1, 0))
+    v = get_variant(f"winograd_fused_f{m}")
+    assert v.applies(spec, NOMINAL_OPENCL_GPU) is None
+    params = v.default(spec, NOMINAL_OPENCL_GPU)
+    res = check_plan(v.plan(spec, params, backend.device), backend)
+    assert res.ok, f"{params.short()}: {res}"

@@ -240,7 +240,9 @@ class WinogradFused(Variant):
                     dict(bk=32, bn=64, bc=8, lk=4, ln=8, groups=8),
                     dict(bk=32, bn=32, bc=8, lk=4, ln=8, groups=8),
                     # 4 warps x 4 elements, 4x8 per lane: 2 blocks per SM
-                    dict(bk=32, bn=32, bc=8, lk=8, ln=4, groups=4)]
+                    dict(bk=32, bn=32, bc=8, lk=8, ln=4, groups=4),
+                    # 32 KB of shared memory: fits OpenCL GPUs' 48 KB local memory (191 registers)
+                    dict(bk=32, bn=32, bc=4, lk=4, ln=8, groups=8)]
         else:
             # Default: 4 warps x 9 elements (144 accumulators, 255 registers), 2 blocks per SM
             # (H200: fastest F(4x4) point on all 8 ResNet layers measured, 1.2-1.5x the 6-warp one).
@@ -248,7 +250,9 @@ class WinogradFused(Variant):
                     dict(bk=32, bn=16, bc=4, lk=8, ln=4, groups=4),
                     dict(bk=32, bn=16, bc=4, lk=8, ln=4, groups=6),
                     dict(bk=32, bn=16, bc=8, lk=8, ln=4, groups=6),
-                    dict(bk=16, bn=32, bc=4, lk=4, ln=8, groups=6)]
+                    dict(bk=16, bn=32, bc=4, lk=4, ln=8, groups=6),
+                    # 45 KB: fits OpenCL GPUs' 48 KB local memory (255 registers, 64 threads)
+                    dict(bk=16, bn=16, bc=4, lk=4, ln=4, groups=4)]
         # Raw filters transformed in the loop (fl=1) first (H200: 7-15% faster than fl=0 at
         # 64x32x8); the pre-transformed layout (fl=0) only where it does not spill (the
         # 9-element F(4x4) points need fl's fewer registers).
