@@ -348,7 +348,6 @@ def test_fused_points_for_opencl_gpus(backend, m) -> None:  # type: ignore[no-un
     """NVIDIA's OpenCL gives 48 KB of local memory: the fused kernels still have a point that fits,
     and it computes the right thing (run here on PoCL with the GPU-sized tiles)."""
     from conftest import NOMINAL_OPENCL_GPU
-
     from convforge.check import check_plan
 
     spec = ConvSpec.make(1, 37, 13, 7, 70, 3, 3, 1, (0, 1, 1, 0))
