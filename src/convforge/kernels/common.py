@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from convforge.codegen.dialect import Arg, Buf
 from convforge.plan import Epilogue
-from convforge.spec import ConvSpec
 
 
 def out_args(epi: Epilogue) -> tuple[Arg, ...]:
