@@ -9,11 +9,12 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
+from conftest import NOMINAL_CUDA
 from convforge.codegen.nvcc import nvcc_path, ptxas_report
 from convforge.kernels import get_variant
 from convforge.kernels.winograd.matrices import Matrix, matmul, transpose, winograd
 from convforge.params import Params
-from convforge.plan import DeviceInfo
+from convforge.plan import DeviceInfo, Plan
 from convforge.spec import ConvSpec
 
 SIZES = [(2, 3), (4, 3), (6, 3), (2, 5), (3, 2), (4, 5)]
@@ -168,8 +169,7 @@ def test_nonfused_sgemm_on_odd_shapes(backend, m: int) -> None:  # type: ignore[
 
 
 def test_nonfused_space_offers_both_gemms() -> None:
-    dev = DeviceInfo(backend="cuda", name="H200", cc=(9, 0), shared_optin_bytes=227 * 1024,
-                     units=132)
+    dev = NOMINAL_CUDA
     v = get_variant("winograd_nonfused_f4")
     spec = RESNET[0]
     space = v.space(spec, dev)
@@ -223,6 +223,15 @@ def test_workspace_reported() -> None:
 
 # -- CUDA compile --------------------------------------------------------------------------------
 
+def _assert_ptxas_clean(plan: Plan) -> None:
+    """Every kernel of the plan compiles (sm_90) with no spill and at most 255 registers."""
+    infos = ptxas_report(plan.source("cuda"))
+    assert {i.kernel for i in infos} == {k.name for k in plan.kernels}
+    for info in infos:
+        assert info.spill_stores == 0 and info.spill_loads == 0, info
+        assert info.registers <= 255
+
+
 RESNET = [ConvSpec.make(32, 64, 56, 56, 64, 3, 3, padding=1),
           ConvSpec.make(128, 512, 7, 7, 512, 3, 3, padding=1)]
 
@@ -230,16 +239,11 @@ RESNET = [ConvSpec.make(32, 64, 56, 56, 64, 3, 3, padding=1),
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc not on PATH: CUDA compile check skipped")
 @pytest.mark.parametrize("name", VARIANTS)
 def test_cuda_compiles_without_spills(name: str) -> None:
-    dev = DeviceInfo(backend="cuda", name="H200", cc=(9, 0), shared_optin_bytes=227 * 1024,
-                     units=132)
+    dev = NOMINAL_CUDA
     v = get_variant(name)
     spec = RESNET[0]
     plan = v.plan(spec, v.default(spec, dev), dev)
-    infos = ptxas_report(plan.source("cuda"))
-    assert {i.kernel for i in infos} == {k.name for k in plan.kernels}
-    for info in infos:
-        assert info.spill_stores == 0 and info.spill_loads == 0, info
-        assert info.registers <= 255
+    _assert_ptxas_clean(plan)
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc not on PATH: CUDA compile check skipped")
@@ -248,23 +252,17 @@ def test_cuda_compiles_without_spills(name: str) -> None:
                          ids=lambda s: s.key())
 def test_nonfused_sgemm_compiles_without_spills(m: int, spec: ConvSpec) -> None:
     """The sgemm path's default point: every kernel of the plan compiles with 0 spills."""
-    dev = DeviceInfo(backend="cuda", name="H200", cc=(9, 0), shared_optin_bytes=227 * 1024,
-                     units=132)
+    dev = NOMINAL_CUDA
     v = get_variant(f"winograd_nonfused_f{m}")
     plan = v.plan(spec, v.sgemm_default(spec, dev), dev)
-    infos = ptxas_report(plan.source("cuda"))
-    assert {i.kernel for i in infos} == {k.name for k in plan.kernels}
-    for info in infos:
-        assert info.spill_stores == 0 and info.spill_loads == 0, info
-        assert info.registers <= 255
+    _assert_ptxas_clean(plan)
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc not on PATH: CUDA compile check skipped")
 @pytest.mark.parametrize("name", ["winograd_fused_f2", "winograd_fused_f4"])
 def test_fused_space_without_spills(name: str) -> None:
     """Every GPU tuning point of the fused kernels compiles with 0 spills (ptxas, sm_90)."""
-    dev = DeviceInfo(backend="cuda", name="H200", cc=(9, 0), shared_optin_bytes=227 * 1024,
-                     units=132)
+    dev = NOMINAL_CUDA
     v = get_variant(name)
     spec = ConvSpec.make(32, 128, 28, 28, 128, 3, 3, padding=1)
     space = v.space(spec, dev)
@@ -303,8 +301,7 @@ def test_fused_split_c_on_odd_shapes(backend, m: int, cases) -> None:  # type: i
 def test_fused_split_c_space_and_workspace() -> None:
     """Split points come after every unsplit point (defaults unchanged), only where the unsplit
     grid is under 2 blocks per SM; the workspace holds ks partial outputs."""
-    dev = DeviceInfo(backend="cuda", name="H200", cc=(9, 0), shared_optin_bytes=227 * 1024,
-                     units=132)
+    dev = NOMINAL_CUDA
     small, big = (ConvSpec.make(n, 512, 7, 7, 512, 3, 3, padding=1) for n in (32, 128))
     for m in (2, 4):
         v = get_variant(f"winograd_fused_f{m}")
@@ -328,8 +325,7 @@ def test_fused_split_c_space_and_workspace() -> None:
 def test_fused_split_c_without_spills(name: str) -> None:
     """Every split-C GPU point on the small-grid ResNet layers (even slices) and on a C = 200
     layer (uneven slices where offered) compiles with 0 spills, the reduce kernel included."""
-    dev = DeviceInfo(backend="cuda", name="H200", cc=(9, 0), shared_optin_bytes=227 * 1024,
-                     units=132)
+    dev = NOMINAL_CUDA
     v = get_variant(name)
     seen = 0
     for spec in (ConvSpec.make(32, 512, 7, 7, 512, 3, 3, padding=1),
