@@ -1,13 +1,15 @@
 """Check and time every point of the fused Winograd space on a few ResNet layers (GPU machine).
 
 Default: a table (layer, variant, point, ms, effective TFLOPS, rel err), every launch of the plan
-inside the timed call, best point per layer marked. ``--one LAYER VARIANT INDEX``: run that point
-once with no check (for ``ncu -k regex:wino_fused``).
+inside the timed call, best point per layer marked. ``--one LAYER VARIANT INDEX|best``: run that point
+(best: the sweep's fastest, from $OUT/sweep-best.json) once with no check (for ``ncu -k regex:wino_fused``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 
 import numpy as np
@@ -15,6 +17,7 @@ import numpy as np
 from convforge.backends import get_backend
 from convforge.check import random_inputs
 from convforge.kernels import get_variant
+from convforge.params import Params
 from convforge.plan import Epilogue
 from convforge.spec import ConvSpec
 from convforge.tune.tuner import Tuner
@@ -23,6 +26,8 @@ LAYERS = {f"res{c}@{h} N{n}": ConvSpec.make(n, c, h, h, c, 3, 3, 1, 1)
           for n in (32, 64, 96, 128) for c, h in ((64, 56), (128, 28), (256, 14), (512, 7))}
 LAYERS["tiny"] = ConvSpec.make(1, 5, 9, 7, 6, 3, 3, 1, 1)
 VARIANTS = ("winograd_fused_f2", "winograd_fused_f4")
+BEST_FILE = os.environ.get("OUT", "/tmp") + "/sweep-best.json"
+BEST: dict[str, str] = {}
 
 
 def _bufs(be, spec: ConvSpec) -> dict:  # type: ignore[no-untyped-def]
@@ -39,6 +44,10 @@ def sweep(be, labels: list[str], variants: list[str], limit: int) -> int:  # typ
                   for prm in get_variant(n).space(spec, be.device)[:limit]]
         cands = tuner.measure_many(spec, Epilogue(), points)
         best = min(c.time_ms for c in cands)
+        for n in variants:  # the fastest point of each variant, for --one LAYER VARIANT best
+            mine = [c for c in cands if c.variant.name == n and c.status == "ok"]
+            if mine:
+                BEST[f"{label}|{n}"] = min(mine, key=lambda c: c.time_ms).params.to_json()
         for c in cands:
             ok = c.status == "ok"
             bad += not ok
@@ -62,14 +71,20 @@ def main() -> int:
     if args.one:
         spec = LAYERS[args.one[0]]
         v = get_variant(args.one[1])
-        prm = v.space(spec, be.device)[int(args.one[2])]
+        if args.one[2] == "best":
+            prm = Params.from_json(json.load(open(BEST_FILE))[f"{args.one[0]}|{v.name}"])
+        else:
+            prm = v.space(spec, be.device)[int(args.one[2])]
         exe = be.executable(v.plan(spec, prm, be.device))
         bufs = _bufs(be, spec)
         exe(bufs)
         be.synchronize()
         print(f"{args.one[0]} {v.name} {prm.short()}")
         return 0
-    return 1 if sweep(be, args.layers.split(","), args.variants.split(","), args.limit) else 0
+    bad = sweep(be, args.layers.split(","), args.variants.split(","), args.limit)
+    with open(BEST_FILE, "w") as f:
+        json.dump(BEST, f, indent=1)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

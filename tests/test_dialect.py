@@ -40,6 +40,56 @@ def test_opencl_spelling():
         assert piece in src, piece
 
 
+ASYNC = """    SHARED float t[64];
+    const U64 m = 5;
+    COPY4_ASYNC(t + 4 * LOCAL_ID(0), x + 4 * LOCAL_ID(0));
+    COPY1_ASYNC(t, 3, x, 7, m, 2);
+    COPY_WAIT();
+    BARRIER();
+"""
+
+
+def test_async_copy_spelling():
+    """cp.async on sm_80+ (a plain copy below, and on OpenCL), 64-bit masks, immediate offsets."""
+    k = Kernel("k", (Buf("x"),), ASYNC, (16, 1, 1))
+    cuda = render([k], "cuda")
+    for piece in ("cp.async.cg.shared.global [%0], [%1], 16;", "cp.async.ca.shared.global [%0+%4], [%1+%5], 4, z;",
+                  "cp.async.wait_all;", "#if __CUDA_ARCH__ >= 800", "const unsigned long long m = 5;",
+                  "cf_copy1_async(t, 3, x, 7, m, 2);", "cf_copy_wait();"):
+        assert piece in cuda, piece
+    ocl = render([k], "opencl")
+    for piece in ("vstore4(vload4(0, x + 4 * ((int)get_local_id(0))), 0, t + 4 * ((int)get_local_id(0)))",
+                  "((t)[3] = (((m) >> (2)) & 1ul) ? (x)[7] : 0.0f)", "const ulong m = 5;"):
+        assert piece in ocl, piece
+    assert "cp.async" not in render([_kernel()], "cuda")  # the helpers only where used
+
+
+def test_opencl_runs_async_copies(ocl):
+    """On OpenCL the copies are synchronous; masked-off elements read as 0."""
+    from convforge.params import Params
+    from convforge.plan import Launch, Plan
+    from convforge.spec import ConvSpec
+
+    body = """    SHARED float t[8];
+    const U64 m = 0xB;  // elements 0, 1, 3 exist
+    if (LOCAL_ID(0) == 0) {
+        COPY4_ASYNC(t + 4, x + 4);
+        COPY1_ASYNC(t, 0, x, 0, m, 0); COPY1_ASYNC(t, 1, x, 1, m, 1);
+        COPY1_ASYNC(t, 2, x, 2, m, 2); COPY1_ASYNC(t, 3, x, 3, m, 3);
+    }
+    COPY_WAIT();
+    BARRIER();
+    y[LOCAL_ID(0)] = t[LOCAL_ID(0)];
+"""
+    k = Kernel("k", (Buf("x"), Buf("y", readonly=False)), body, (8, 1, 1))
+    plan = Plan("k", "test", ConvSpec.make(1, 1, 2, 4, 1, 1, 1), Params(), (k,),
+                (Launch("k", (1, 1, 1), (8, 1, 1), ("x", "y")),))
+    x = np.arange(1, 9, dtype=np.float32)
+    bufs = {"x": ocl.upload(x), "y": ocl.empty(32)}
+    ocl.executable(plan)(bufs)
+    np.testing.assert_array_equal(ocl.download(bufs["y"], (8,)), [1, 2, 0, 4, 5, 6, 7, 8])
+
+
 def test_features_refused_where_absent():
     k = Kernel("k", (Buf("x"),), "float v = SHFL(1.0f, 0);", (32, 1, 1), frozenset({"shuffle"}))
     assert "__shfl_sync" in render([k], "cuda")

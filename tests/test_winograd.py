@@ -139,6 +139,33 @@ def test_sampled_params(backend, name: str) -> None:  # type: ignore[no-untyped-
         _check(backend, name, spec, prm)
 
 
+@pytest.mark.parametrize("m", [2, 4])
+def test_fused_async_copies_on_odd_shapes(backend, m: int) -> None:  # type: ignore[no-untyped-def]
+    """The cp.async points (ca: transformed filters, ci: raw input windows through a per-thread
+    shared area) on every odd shape, and ci split over channels."""
+    name = f"winograd_fused_f{m}"
+    v = get_variant(name)
+    for spec in ODD:
+        pts = [p for p in v.space(spec, backend.device) if "ca" in p or "ci" in p]
+        assert any("ca" in p for p in pts) and any("ci" in p and "ca" not in p for p in pts)
+        for prm in pts:
+            if "ks" not in prm:
+                _check(backend, name, spec, prm)
+    prm = next(p for p in v.space(SPLIT_SPEC, backend.device) if "ci" in p)
+    _check(backend, name, SPLIT_SPEC, prm.replace(ks=3))
+
+
+def test_fused_async_points_on_gpus() -> None:
+    """GPU spaces offer ca/ci points after the register-staged ones; their CUDA uses cp.async."""
+    for m in (2, 4):
+        v = get_variant(f"winograd_fused_f{m}")
+        space = v.space(RESNET[1], NOMINAL_CUDA)
+        assert "ca" not in space[0] and "ci" not in space[0]
+        prm = next(p for p in space if "ci" in p and "ca" in p)
+        src = v.plan(RESNET[1], prm, NOMINAL_CUDA).source("cuda")
+        assert src.count("cf_copy1_async(") >= (m + 2) ** 2 and "cf_copy4_async(" in src
+
+
 def test_nonfused_other_filters(backend) -> None:  # type: ignore[no-untyped-def]
     _check(backend, "winograd_nonfused_f2", ConvSpec.make(1, 3, 11, 8, 4, 5, 5, padding=2))
     _check(backend, "winograd_nonfused_f2", ConvSpec.make(2, 4, 9, 10, 3, 2, 3))

@@ -6,6 +6,7 @@ A kernel body is plain C using these tokens, which each renderer spells its own 
     BARRIER()                                             block-wide barrier on shared memory
     SHARED                                                qualifier of a shared-memory declaration
     LOCAL_PTR / GLOBAL_PTR                                address-space qualifier of a pointer
+    U64                                                   64-bit unsigned integer type
     VLOAD4(off, p) / VSTORE4(v, off, p)                   float4 at p + 4*off
     MAKE_FLOAT4(a, b, c, d)                               float4 constructor
     FMA(a, b, c)                                          fused a*b + c
@@ -13,6 +14,15 @@ A kernel body is plain C using these tokens, which each renderer spells its own 
     LDG(p)                                                read-only load of *p
     SHFL(v, lane)                                         warp shuffle (feature "shuffle", CUDA only)
     TEX(t, i)                                             element i of a TexBuf (feature "texture")
+    COPY4_ASYNC(dst, src)                                 4 floats global -> shared, 16-byte aligned;
+                                                          CUDA sm_80+: cp.async (no registers, in
+                                                          flight until COPY_WAIT); else a plain copy
+    COPY1_ASYNC(dst, doff, src, soff, mask, bit)          dst[doff] = src[soff], or 0 (src not read)
+                                                          when bit ``bit`` of the 64-bit ``mask`` is
+                                                          clear; doff, soff, bit constants; as
+                                                          COPY4_ASYNC
+    COPY_WAIT()                                           wait for this thread's COPY4_ASYNCs (then
+                                                          BARRIER() before others read them)
 
 Parameters are typed objects that write their own declarations, never pasted strings.
 """

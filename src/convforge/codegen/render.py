@@ -8,8 +8,8 @@ from collections.abc import Callable
 from convforge.codegen.dialect import Arg, Buf, ConstBuf, Kernel, LocalBuf, Scalar, TexBuf, split_call
 
 _TOKEN = re.compile(r"\b(GROUP_ID|LOCAL_ID|GROUP_SIZE|NUM_GROUPS|BARRIER|VLOAD4|VSTORE4|"
-                    r"MAKE_FLOAT4|FMA|MAX|LDG|SHFL|TEX)\(")
-_WORDS = re.compile(r"\b(SHARED|LOCAL_PTR|GLOBAL_PTR|RESTRICT|DEVICE)\b( ?)")
+                    r"MAKE_FLOAT4|FMA|MAX|LDG|SHFL|TEX|COPY4_ASYNC|COPY1_ASYNC|COPY_WAIT)\(")
+_WORDS = re.compile(r"\b(SHARED|LOCAL_PTR|GLOBAL_PTR|RESTRICT|DEVICE|U64)\b( ?)")
 
 
 class Renderer:
@@ -75,7 +75,7 @@ class CudaRenderer(Renderer):
     name = "cuda"
     features = frozenset({"shuffle", "constant", "ldg", "texture"})
     words = {"SHARED": "__shared__", "LOCAL_PTR": "", "GLOBAL_PTR": "", "RESTRICT": "__restrict__",
-             "DEVICE": "__device__ __forceinline__"}
+             "DEVICE": "__device__ __forceinline__", "U64": "unsigned long long"}
     _dims = "xyz"
 
     def call(self, token: str, args: list[str]) -> str:
@@ -95,6 +95,9 @@ class CudaRenderer(Renderer):
             "LDG": lambda: f"__ldg({args[0]})",
             "SHFL": lambda: f"__shfl_sync(0xffffffffu, {args[0]}, {args[1]})",
             "TEX": lambda: f"tex1Dfetch<float>({args[0]}, {args[1]})",
+            "COPY4_ASYNC": lambda: f"cf_copy4_async({args[0]}, {args[1]})",
+            "COPY1_ASYNC": lambda: f"cf_copy1_async({', '.join(args)})",
+            "COPY_WAIT": lambda: "cf_copy_wait()",
         }
         return table[token]()
 
@@ -114,7 +117,10 @@ class CudaRenderer(Renderer):
         for k in kernels:
             for cb in k.const_bufs():
                 seen[cb.name] = cb
-        return [f"__constant__ {cb.ctype} {cb.name}[{cb.count}];" for cb in seen.values()] + [""]
+        head = [f"__constant__ {cb.ctype} {cb.name}[{cb.count}];" for cb in seen.values()] + [""]
+        if any(re.search(r"\bCOPY[14]_ASYNC\(", k.body) for k in kernels):
+            head += _CUDA_COPY_ASYNC.splitlines() + [""]
+        return head
 
     def body_head(self, k: Kernel) -> list[str]:
         lb = k.local_buf()
@@ -125,11 +131,44 @@ class CudaRenderer(Renderer):
                 f"{k.name}({params})")
 
 
+# cp.async (sm_80+): the copy goes to shared memory without registers (16 bytes: .cg, L1 bypassed;
+# 4 bytes: .ca, zero-filled when the source size is 0); older architectures get a synchronous copy
+# with the same meaning.
+_CUDA_COPY_ASYNC = r"""__device__ __forceinline__ void cf_copy4_async(float* dst, const float* src)
+{
+#if __CUDA_ARCH__ >= 800
+    unsigned s;
+    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(s), "l"(src) : "memory");
+#else
+    *(float4*)dst = __ldg((const float4*)src);
+#endif
+}
+#if __CUDA_ARCH__ >= 800
+#define cf_copy1_async(dst, doff, src, soff, mask, bit) do { \
+    unsigned cf_s_; \
+    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(cf_s_) : "l"(dst)); \
+    asm volatile("{ .reg .pred p; .reg .b64 t; .reg .u32 z; and.b64 t, %2, %3; setp.ne.b64 p, t, 0; " \
+                 "selp.u32 z, 4, 0, p; cp.async.ca.shared.global [%0+%4], [%1+%5], 4, z; }" \
+                 :: "r"(cf_s_), "l"(src), "l"(mask), "n"(1ull << (bit)), "n"(4 * (doff)), \
+                 "n"(4 * (soff)) : "memory"); } while (0)
+#else
+#define cf_copy1_async(dst, doff, src, soff, mask, bit) \
+    ((dst)[doff] = (((mask) >> (bit)) & 1ull) ? __ldg((src) + (soff)) : 0.0f)
+#endif
+__device__ __forceinline__ void cf_copy_wait()
+{
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}"""
+
+
 class OpenCLRenderer(Renderer):
     name = "opencl"
     features = frozenset({"constant"})
     words = {"SHARED": "__local", "LOCAL_PTR": "__local", "GLOBAL_PTR": "__global",
-             "RESTRICT": "restrict", "DEVICE": "inline"}
+             "RESTRICT": "restrict", "DEVICE": "inline", "U64": "ulong"}
 
     def call(self, token: str, args: list[str]) -> str:
         table: dict[str, Callable[[], str]] = {
@@ -144,6 +183,10 @@ class OpenCLRenderer(Renderer):
             "FMA": lambda: f"mad({', '.join(args)})",
             "MAX": lambda: f"fmax({', '.join(args)})",
             "LDG": lambda: f"(*({args[0]}))",
+            "COPY4_ASYNC": lambda: f"vstore4(vload4(0, {args[1]}), 0, {args[0]})",
+            "COPY1_ASYNC": lambda: (f"(({args[0]})[{args[1]}] = ((({args[4]}) >> ({args[5]})) & 1ul) ? "
+                                    f"({args[2]})[{args[3]}] : 0.0f)"),
+            "COPY_WAIT": lambda: "((void)0)",
         }
         if token not in table:
             raise ValueError(f"OpenCL renderer has no spelling for {token}")

@@ -40,6 +40,8 @@ from convforge.kernels.winograd.tiles import (
     emit_input_transform,
     emit_output_store,
     emit_output_transform,
+    emit_tile_copy,
+    emit_window_mask,
     emit_tile_load,
     emit_tile_masks,
     emit_tile_origin,
@@ -72,6 +74,8 @@ class Layout:
     groups: int
     fl: int = 0  # 1: raw filters in the workspace, G g G^T inside the main loop
     ks: int = 1  # > 1: channel stages split over ks blocks (grid z), partial outputs reduced
+    ca: int = 0  # 1: transformed filters copied global -> shared by COPY4_ASYNC (no registers)
+    ci: int = 0  # 1: input windows copied raw to a per-thread shared area by COPY1_ASYNC
 
     @property
     def cbn(self) -> int:
@@ -139,8 +143,13 @@ class Layout:
         return self.g.a2 * self.kr * (self.bn + self.row_pad)
 
     @property
+    def raw(self) -> int:
+        """ci: the per-thread raw input windows, [window][e][thread], after the two stage buffers."""
+        return self.in_per_thread * self.g.a2 * self.threads if self.ci else 0
+
+    @property
     def smem_bytes(self) -> int:
-        return 4 * max(2 * self.stage, self.staging)
+        return 4 * max(2 * self.stage + self.raw, self.staging)
 
     @property
     def in_pairs(self) -> int:
@@ -153,6 +162,7 @@ class Layout:
 
     @property
     def f4_per_thread(self) -> int:
+        """Float4s of transformed filters a thread moves per stage (through registers unless ca)."""
         return 0 if self.fl else cdiv(self.u_chunk // 4, self.threads)
 
     def why_invalid(self, max_threads: int) -> str | None:
@@ -164,6 +174,8 @@ class Layout:
             return "micro-tile not a multiple of the vector width"
         if self.threads > max_threads:
             return f"{self.threads} threads > {max_threads}"
+        if self.ca and self.fl:
+            return "ca copies transformed filters (fl = 0); raw taps need G g G^T in registers"
         if not 1 <= self.ks <= self.cbn:
             return f"ks = {self.ks} channel slices for {self.cbn} stages"
         if self.ks > 1 and self.ks * _out_elements(self.g.spec) > 2 ** 31 - 1:
@@ -228,11 +240,15 @@ class WinogradFused(Variant):
                 return [dict(bk=8, bn=8, bc=4, lk=2, ln=2, groups=4, fl=0),
                         dict(bk=8, bn=4, bc=3, lk=2, ln=1, groups=8, fl=1),
                         dict(bk=4, bn=8, bc=2, lk=1, ln=4, groups=2, fl=1),
-                        dict(bk=8, bn=8, bc=3, lk=2, ln=4, groups=2, fl=1)]
+                        dict(bk=8, bn=8, bc=3, lk=2, ln=4, groups=2, fl=1),
+                        dict(bk=8, bn=4, bc=5, lk=2, ln=2, groups=4, fl=0, ca=1, ci=1),
+                        dict(bk=4, bn=8, bc=3, lk=2, ln=2, groups=2, fl=1, ci=1)]
             return [dict(bk=4, bn=8, bc=2, lk=2, ln=2, groups=6, fl=0),
                     dict(bk=8, bn=4, bc=2, lk=2, ln=1, groups=12, fl=1),
                     dict(bk=4, bn=4, bc=3, lk=1, ln=2, groups=9, fl=1),
-                    dict(bk=8, bn=4, bc=3, lk=4, ln=2, groups=4, fl=1)]
+                    dict(bk=8, bn=4, bc=3, lk=4, ln=2, groups=4, fl=1),
+                    dict(bk=8, bn=8, bc=3, lk=2, ln=4, groups=4, fl=0, ca=1),
+                    dict(bk=4, bn=8, bc=2, lk=2, ln=2, groups=3, fl=1, ci=1)]
         # Each GPU point was checked with ptxas (sm_90): 0 spills, registers in NOTES-winograd.md.
         if self.m == 2:  # openCNN: 64 filters x 32 tiles x 8 channels, 8 warps, 8x8 per lane
             base = [dict(bk=64, bn=32, bc=8, lk=8, ln=4, groups=8),
@@ -256,8 +272,13 @@ class WinogradFused(Variant):
         # Raw filters transformed in the loop (fl=1) first (H200: 7-15% faster than fl=0 at
         # 64x32x8); the pre-transformed layout (fl=0) only where it does not spill (the
         # 9-element F(4x4) points need fl's fewer registers).
-        return [dict(c, fl=fl) for fl in (1, 0) for c in base
-                if fl or c["lk"] * c["ln"] * c["groups"] > 128 or self.m == 2]
+        # Then cp.async staging (sm_80+; a plain copy elsewhere): ca = the pre-transformed filters
+        # (no prefetch registers, no transform in the loop), ci = the raw input windows (no
+        # prefetch registers; read back from shared memory to be transformed).
+        pts = [dict(c, fl=fl) for fl in (1, 0) for c in base] + \
+            [dict(c, **x) for x in (dict(fl=0, ca=1), dict(fl=0, ca=1, ci=1), dict(fl=1, ci=1))
+             for c in base]
+        return [p for p in pts if p["fl"] or p["lk"] * p["ln"] * p["groups"] > 128 or self.m == 2]
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
         g = Geometry(spec, self.m)
@@ -294,7 +315,8 @@ class WinogradFused(Variant):
 
     def _layout(self, spec: ConvSpec, p: Params) -> Layout:
         return Layout(Geometry(spec, self.m), p.bk, p.bn, p.bc, p.lk, p.ln, p.groups,
-                      int(p.get("fl", 0)), int(p.get("ks", 1)))
+                      int(p.get("fl", 0)), int(p.get("ks", 1)), int(p.get("ca", 0)),
+                      int(p.get("ci", 0)))
 
     def _workspace(self, lay: Layout) -> tuple[tuple[str, int], ...]:
         s = lay.g.spec
@@ -396,6 +418,9 @@ def _main_kernel(lay: Layout, epi: Epilogue, vname: str) -> Kernel:
             f"{p.tk}x{p.tn} per lane x {p.e_per_group} elements, smem {p.smem_bytes} B")
     if p.ks > 1:
         note += f", channels split over {p.ks} slices"
+    if p.ca or p.ci:
+        what = " and ".join(w for w, on in (("filters", p.ca), ("raw inputs", p.ci)) if on)
+        note += f", {what} copied to shared memory asynchronously"
     return Kernel("wino_fused", args, code.text(), (lay.threads, 1, 1), helpers=STORE2_HELPER,
                   comment=note)
 
@@ -423,12 +448,14 @@ def _emit_setup(code: Code, lay: Layout) -> None:
         ok = f"t{sfx} < {g.tiles}" + (f" && pr{sfx} < {lay.in_pairs}"
                                       if lay.in_pairs % lay.threads else "")
         emit_tile_masks(code, g, ok, sfx)
+        if lay.ci:
+            emit_window_mask(code, g, f"win{sfx}", sfx)
         slice_off = f" + cb0 * {lay.bc * s.h * s.w}" if lay.ks > 1 else ""
         code(f"const int xb{sfx} = (n{sfx} * {s.c} + cc{sfx}) * {s.h * s.w} + "
              f"iy{sfx} * {s.w} + ix{sfx}{slice_off};")
-        for a, b in itertools.product(range(g.ah), range(g.aw)):
+        for a, b in itertools.product(range(g.ah) if not lay.ci else (), range(g.aw)):
             code(f"float d{sfx}{a}_{b};")
-    for i in range(lay.f4_per_thread):
+    for i in range(0 if lay.ca else lay.f4_per_thread):
         code(f"float4 f{i} = MAKE_FLOAT4(0.0f, 0.0f, 0.0f, 0.0f);")
     for i, j in itertools.product(range(lay.fl_per_thread), range(9)):
         code(f"float g_{i}_{j // 3}_{j % 3} = 0.0f;")
@@ -436,8 +463,9 @@ def _emit_setup(code: Code, lay: Layout) -> None:
         code(f"float acc{el}_{ki}_{ni} = 0.0f;")
 
 
-def _emit_load_stage(code: Code, lay: Layout, cb: str) -> None:
-    """Global loads of stage ``cb`` into registers: filter float4s, then input windows."""
+def _emit_load_stage(code: Code, lay: Layout, cb: str, buf: str) -> None:
+    """Global loads of stage ``cb``: filter float4s into registers (or, with ``ca``, copied
+    asynchronously straight into shared buffer ``buf``), then input windows into registers."""
     g, s = lay.g, lay.g.spec
     nf4 = lay.u_chunk // 4
     code(f"const GLOBAL_PTR float* us = ub + ({cb}) * {lay.w_chunk};")
@@ -452,15 +480,22 @@ def _emit_load_stage(code: Code, lay: Layout, cb: str) -> None:
         else:
             code(*loads)
     for i in range(lay.f4_per_thread):
-        stmt = f"f{i} = VLOAD4(tid + {i * lay.threads}, us);"
+        j = f"tid + {i * lay.threads}"
+        stmt = f"COPY4_ASYNC(smem + {buf} + 4 * ({j}), us + 4 * ({j}));" if lay.ca else \
+            f"f{i} = VLOAD4({j}, us);"
         last = (i + 1) * lay.threads > nf4
-        code(f"if (tid + {i * lay.threads} < {nf4}) {stmt}" if last else stmt)
+        code(f"if ({j} < {nf4}) {stmt}" if last else stmt)
     for i in range(lay.in_per_thread):
         sfx = f"_{i}"
         first = "cb0 + " if lay.ks > 1 else ""
         cond = f"({first}{cb}) * {lay.bc} + cc{sfx} < {s.c}" if s.c % lay.bc else ""
-        emit_tile_load(code, g, "x", f"xb{sfx} + ({cb}) * {lay.bc * s.h * s.w}", f"d{sfx}", sfx,
-                       decl=False, cond=cond)
+        base = f"xb{sfx} + ({cb}) * {lay.bc * s.h * s.w}"
+        if lay.ci:
+            mask = f"({cond}) ? win{sfx} : (U64)0" if cond else f"win{sfx}"
+            emit_tile_copy(code, g, f"x + {base}", f"smem + {_raw_at(lay, i)}", lay.threads,
+                           f"({mask})")
+        else:
+            emit_tile_load(code, g, "x", base, f"d{sfx}", sfx, decl=False, cond=cond)
 
 
 def _emit_store_stage(code: Code, lay: Layout, buf: str) -> None:
@@ -476,19 +511,27 @@ def _emit_store_stage(code: Code, lay: Layout, buf: str) -> None:
             emit_filter_transform(code, g, f"g_{i}_", "u", "gt")
             for a, b in itertools.product(range(g.ah), range(g.aw)):
                 code(f"sb[{(a * g.aw + b) * nfl} + tid + {i * lay.threads}] = u{a}_{b};")
-    for i in range(lay.f4_per_thread):
+    for i in range(0 if lay.ca else lay.f4_per_thread):
         stmt = f"VSTORE4(f{i}, tid + {i * lay.threads}, sb);"
         last = (i + 1) * lay.threads > nf4
         code(f"if (tid + {i * lay.threads} < {nf4}) {stmt}" if last else stmt)
     for i in range(lay.in_per_thread):
         sfx = f"_{i}"
         with code.block(f"/* input window {i} */"):
+            for a, b in itertools.product(range(g.ah) if lay.ci else (), range(g.aw)):
+                code(f"const float d{sfx}{a}_{b} = smem[{_raw_at(lay, i)} + "
+                     f"{(a * g.aw + b) * lay.threads}];")
             emit_input_transform(code, g, f"d{sfx}", "v", "dt")
             guard = f"if (pr{sfx} < {lay.in_pairs}) " if lay.in_pairs % lay.threads else ""
             for a, b in itertools.product(range(g.ah), range(g.aw)):
                 e = a * g.aw + b
                 code(f"{guard}sb[{lay.u_chunk + e * lay.bc * lay.bn} + cc{sfx} * {lay.bn} + "
                      f"jt{sfx}] = v{a}_{b};")
+
+
+def _raw_at(lay: Layout, i: int) -> str:
+    """Offset of this thread's raw input window i (ci), element stride = threads."""
+    return f"{2 * lay.stage + i * lay.g.a2 * lay.threads} + tid"
 
 
 def _operands(code: Code, lay: Layout, name: str, base: str, t: int, v: int, lanes: int) -> None:
@@ -532,18 +575,22 @@ def _emit_slice(code: Code, lay: Layout) -> None:
 def _emit_main_loop(code: Code, lay: Layout) -> None:
     """Double-buffered loop over this block's channel stages (all of them unless split)."""
     end = "nst" if lay.ks > 1 and lay.cbn % lay.ks else f"{lay.cbn // lay.ks}"
+    wait = ("COPY_WAIT();  // this thread's asynchronous copies have landed",) \
+        if lay.ca or lay.ci else ()
     with code.block("/* prologue: stage 0 */"):
-        _emit_load_stage(code, lay, "0")
+        _emit_load_stage(code, lay, "0", "0")
+        code(*wait)
         _emit_store_stage(code, lay, "0")
     code("BARRIER();")
     with code.block(f"for (int cb = 0; cb < {end}; ++cb)"):
         code(f"const int cur = (cb & 1) * {lay.stage};",
              f"const bool more = cb + 1 < {end};")
         with code.block("if (more)"):
-            _emit_load_stage(code, lay, "cb + 1")
+            _emit_load_stage(code, lay, "cb + 1", f"{lay.stage} - cur")
         with code.block(""):
             code("const LOCAL_PTR float* sb = smem + cur;")
             _emit_products(code, lay)
+        code(*wait)
         with code.block("if (more)"):
             _emit_store_stage(code, lay, f"{lay.stage} - cur")
         code("BARRIER();")

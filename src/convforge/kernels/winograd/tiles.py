@@ -94,6 +94,27 @@ def emit_tile_load(code: Code, g: Geometry, src: str, base: str, dst: str, sfx: 
             code(f"{lhs} = {pred} ? {src}[{off}] : 0.0f;")
 
 
+def emit_tile_copy(code: Code, g: Geometry, src: str, dst: str, stride: int, mask: str) -> None:
+    """As ``emit_tile_load``, but each element goes by COPY1_ASYNC to shared memory at
+    ``dst + e * stride`` (e = i * alpha_w + j) instead of a register, so the window is in flight
+    while the caller computes and costs no registers. ``src`` points at the window's origin and
+    ``mask`` (``emit_window_mask``) says which elements exist; the others read as 0."""
+    w = g.spec.w
+    for i in range(g.ah):
+        for j in range(g.aw):
+            e = i * g.aw + j
+            code(f"COPY1_ASYNC({dst}, {e * stride}, {src}, {i * w + j}, {mask}, {e});")
+
+
+def emit_window_mask(code: Code, g: Geometry, name: str, sfx: str = "") -> None:
+    """``name``: bit i * alpha_w + j set when element (i, j) of the window is inside the image
+    (from ``emit_tile_masks``' row and column bits); alpha^2 <= 64."""
+    assert g.a2 <= 64
+    code(f"U64 {name} = 0;")
+    with code.block(f"for (int i = 0; i < {g.ah}; ++i)"):
+        code(f"if ((rmask{sfx} >> i) & 1u) {name} |= (U64)cmask{sfx} << (i * {g.aw});")
+
+
 def emit_input_transform(code: Code, g: Geometry, src: str, dst: str, tmp: str) -> None:
     """dst = B_h^T src B_w as straight-line code (integer coefficients, zeros skipped)."""
     code(*emit_2d(g.th.BT, g.tw.BT, src, dst, tmp))
