@@ -15,10 +15,13 @@ import numpy as np
 from convforge.backends import get_backend
 from convforge.check import check_plan, random_inputs
 from convforge.kernels import all_variants
+from convforge.params import Params
+from convforge.plan import DeviceInfo, Variant
 from convforge.spec import ConvSpec
 
 TINY = [ConvSpec.make(1, 3, 13, 11, 5, 3, 3, 1, (0, 1, 1, 0)), ConvSpec.make(2, 8, 9, 9, 4, 1, 1),
-        ConvSpec.make(1, 2, 27, 27, 3, 11, 11, 4, 1)]
+        ConvSpec.make(1, 2, 27, 27, 3, 11, 11, 4, 1),
+        ConvSpec.make(1, 37, 13, 7, 70, 3, 3, 1, (0, 1, 2, 1))]  # C=37: split-C with an edge stage
 LAYERS = {
     "resnet64@56 N32": ConvSpec.make(32, 64, 56, 56, 64, 3, 3, 1, 1),
     "resnet128@28 N32": ConvSpec.make(32, 128, 28, 28, 128, 3, 3, 1, 1),
@@ -49,27 +52,44 @@ def main() -> int:
         for v in variants:
             if v.applies(spec, be.device):
                 continue
-            prm = v.default(spec, be.device)
-            plan = v.plan(spec, prm, be.device)
-            try:
-                exe = be.executable(plan)
-                res = check_plan(plan, be, exe=exe, batch_slice=1)
-            except Exception as err:  # noqa: BLE001 - report and go on to the next variant
-                print(f"{label[:20]:20s} {v.name:26s} ERROR {type(err).__name__}: {str(err)[:200]}")
-                bad += 1
-                continue
-            bad += not res.ok
-            if args.sanitize:
-                print(f"{label[:20]:20s} {v.name:26s} {res}")
-                continue
-            x, w, _ = random_inputs(spec, np.random.default_rng(0))
-            bufs = {"x": be.upload(x), "w": be.upload(w), "y": be.empty(4 * spec.n * spec.k * spec.p * spec.q)}
-            for _ in range(3):
-                exe(bufs)
-            ms = statistics.median(be.time_ms(lambda: exe(bufs), 15))  # noqa: B023 - called at once
-            print(f"{label[:20]:20s} {v.name:26s} {ms:9.3f} {spec.flops / ms / 1e9:7.1f} "
-                  f"{res.rel_err:9.2e}{'' if res.ok else ' FAIL'}  {prm.short()}")
+            for prm in _points(v, spec, be.device, args.sanitize):
+                bad += _run(be, label, spec, v, prm, args.sanitize)
     return 1 if bad else 0
+
+
+def _points(v: Variant, spec: ConvSpec, dev: DeviceInfo, sanitize: bool) -> list[Params]:
+    """The default; under --sanitize also the first point of each staging kind of the fused
+    Winograd spaces (cp.async filters / inputs, split-C), which are not defaults."""
+    pts = [v.default(spec, dev)]
+    if sanitize and v.name.startswith("winograd_fused"):
+        space = v.space(spec, dev)
+        for keys in (("ca",), ("ci",), ("ca", "ci"), ("ks",)):
+            hit = next((p for p in space if all(k in p for k in keys)), None)
+            if hit is not None and hit not in pts:
+                pts.append(hit)
+    return pts
+
+
+def _run(be, label: str, spec: ConvSpec, v: Variant, prm: Params, sanitize: bool) -> int:  # type: ignore[no-untyped-def]
+    """Check (and unless sanitizing, time) one point; 1 when it failed."""
+    plan = v.plan(spec, prm, be.device)
+    try:
+        exe = be.executable(plan)
+        res = check_plan(plan, be, exe=exe, batch_slice=1)
+    except Exception as err:  # noqa: BLE001 - report and go on to the next variant
+        print(f"{label[:20]:20s} {v.name:26s} ERROR {type(err).__name__}: {str(err)[:200]}")
+        return 1
+    if sanitize:
+        print(f"{label[:20]:20s} {v.name:26s} {res}  {prm.short()}")
+        return int(not res.ok)
+    x, w, _ = random_inputs(spec, np.random.default_rng(0))
+    bufs = {"x": be.upload(x), "w": be.upload(w), "y": be.empty(4 * spec.n * spec.k * spec.p * spec.q)}
+    for _ in range(3):
+        exe(bufs)
+    ms = statistics.median(be.time_ms(lambda: exe(bufs), 15))
+    print(f"{label[:20]:20s} {v.name:26s} {ms:9.3f} {spec.flops / ms / 1e9:7.1f} "
+          f"{res.rel_err:9.2e}{'' if res.ok else ' FAIL'}  {prm.short()}")
+    return int(not res.ok)
 
 
 if __name__ == "__main__":

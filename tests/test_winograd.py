@@ -327,7 +327,7 @@ def test_fused_split_c_on_odd_shapes(backend, m: int, cases) -> None:  # type: i
 
 def test_fused_split_c_space_and_workspace() -> None:
     """Split points come after every unsplit point (defaults unchanged), only where the unsplit
-    grid is under 2 blocks per SM; the workspace holds ks partial outputs."""
+    grid is under 3 blocks per SM; the workspace holds ks partial outputs."""
     dev = NOMINAL_CUDA
     small, big = (ConvSpec.make(n, 512, 7, 7, 512, 3, 3, padding=1) for n in (32, 128))
     for m in (2, 4):

@@ -292,7 +292,8 @@ class WinogradFused(Variant):
 
     def _split_points(self, g: Geometry, device: DeviceInfo, base: list[Params]) -> list[Params]:
         """Split-C points (``ks``), after all unsplit ones so defaults stay as they are: on GPUs
-        for a few points whose unsplit grid has fewer than two blocks per compute unit, with
+        for a few points whose unsplit grid has fewer than three blocks per compute unit (H200:
+        F(2x2) 256@14^2 N32 ks=2 1.19x faster than unsplit; N64 has 392 blocks), with
         ks in (2, 4, 8) leaving every slice at least two stages; on CPUs for the first two
         points (there to exercise the path, small tiles fill a CPU anyway)."""
         units = max(device.units, 1)
@@ -300,7 +301,8 @@ class WinogradFused(Variant):
         for p in base:
             if not device.is_gpu:
                 picks += [(p, True)] if len(picks) < 2 else []
-            elif p.get("fl") == 1 and cdiv(g.tiles, p.bn) * cdiv(g.spec.k, p.bk) < 2 * units:
+            elif p.get("fl") == 1 and "ci" not in p and \
+                    cdiv(g.tiles, p.bn) * cdiv(g.spec.k, p.bk) < 3 * units:
                 picks += [(p, uneven) for c, uneven in _SPLIT_GPU[self.m]
                           if all(p[k] == v for k, v in c.items())]
         out = []
