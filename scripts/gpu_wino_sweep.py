@@ -71,7 +71,9 @@ def main() -> int:
     if args.one:
         spec = LAYERS[args.one[0]]
         v = get_variant(args.one[1])
-        if args.one[2] == "best":
+        if args.one[2] == "default":
+            prm = v.default(spec, be.device)
+        elif args.one[2] == "best":
             prm = Params.from_json(json.load(open(BEST_FILE))[f"{args.one[0]}|{v.name}"])
         else:
             prm = v.space(spec, be.device)[int(args.one[2])]

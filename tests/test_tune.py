@@ -138,6 +138,26 @@ def test_time_budget_stops_the_search(backend) -> None:  # type: ignore[no-untyp
     assert len(res.candidates) <= 3
 
 
+def test_sampling_focuses_on_competitive_variants(backend, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    """Every default is timed before any sampled point, and a variant whose default is more than
+    FOCUS x the best gets no sampled points (here direct_smem, made 10x slower)."""
+    real = Tuner._measure
+
+    def slowed(self, cand, bench, done):  # type: ignore[no-untyped-def]
+        real(self, cand, bench, done)
+        if cand.variant.name == "direct_smem":
+            cand.time_ms *= 10
+
+    monkeypatch.setattr(Tuner, "_measure", slowed)
+    variants = [get_variant("direct_smem"), get_variant("direct")]
+    with caplog.at_level(logging.INFO, logger="convforge.tune"):
+        res = Tuner(backend, None, Budget(None, 7), variants=variants, workers=2).tune(SPEC)
+    flags = [c.is_default for c in res.candidates]
+    assert flags[:2] == [True, True] and not any(flags[2:]) and len(flags) == 7
+    assert {c.variant.name for c in res.candidates[2:]} == {"direct"}
+    assert any("sampling only direct " in r.getMessage() for r in caplog.records)
+
+
 def test_failed_compile_scores_infinity_and_search_goes_on(backend, caplog) -> None:  # type: ignore[no-untyped-def]
     broken = _Edited("direct", "broken", ("{", "{ this is not C;"))
     tuner = Tuner(backend, None, Budget(None, 2), variants=[broken, get_variant("direct")])

@@ -38,7 +38,19 @@ from convforge.tune.heuristic import NO_EPILOGUE, applicable, epilogue_key, prun
 log = logging.getLogger("convforge.tune")
 
 INF = float("inf")
+FOCUS = 2.0  # after the defaults, only variants whose default ran within FOCUS x the best are sampled
 REF_FLOP_LIMIT = 4e8  # reference on at most this many FLOPs; later images are compared with a verified output
+
+
+def _focus(done: Sequence[Candidate]) -> set[str]:
+    """Variants whose timed defaults came within FOCUS x the fastest (all of them if none ran)."""
+    ok = [c for c in done if c.status == "ok"]
+    if not ok:
+        return {c.variant.name for c in done}
+    best = min(c.time_ms for c in ok)
+    keep = {c.variant.name for c in ok if c.time_ms <= FOCUS * best}
+    log.info("sampling only %s (defaults within %gx of the best)", ", ".join(sorted(keep)), FOCUS)
+    return keep
 
 
 class TuneError(RuntimeError):
@@ -223,21 +235,32 @@ class Tuner:
 
     def search(self, spec: ConvSpec, epi: Epilogue = NO_EPILOGUE,
                workspace_limit: int | None = None) -> list[Candidate]:
-        """Compile ahead in a thread pool, check and time in order, within the budget."""
-        gen = self.generate(spec, epi, workspace_limit)
+        """Compile ahead in a thread pool, check and time in order, within the budget. Sampled
+        points wait until every default is timed; then only variants whose default came within
+        FOCUS x the best default are sampled (a direct kernel 5x behind Winograd gets no more)."""
+        focus: list[set[str] | None] = [None]
+        gen = self.generate(spec, epi, workspace_limit, lambda: focus[0])
         limit = self.budget.candidates if self.budget.candidates is not None else 10**9
         deadline = time.perf_counter() + (self.budget.seconds if self.budget.seconds is not None else 1e9)
         done: list[Candidate] = []
         bench: _Bench | None = None
+        held: Candidate | None = None
         with self._pool() as pool:
             queue: deque[tuple[Candidate, Future[None]]] = deque()
             issued = 0
             while True:
                 while len(queue) < 2 * self.workers and issued < limit:
-                    cand = next(gen, None)
+                    cand, held = held or next(gen, None), None
                     if cand is None:
                         limit = issued
                         break
+                    if not cand.is_default and focus[0] is None:
+                        if any(c.is_default for c, _ in queue):
+                            held = cand  # until the defaults are timed
+                            break
+                        focus[0] = keep = _focus(done)
+                        if cand.variant.name not in keep:
+                            continue
                     queue.append((cand, pool.submit(self._compile, cand)))
                     issued += 1
                 if not queue:
@@ -257,10 +280,11 @@ class Tuner:
                     self.on_candidate(cand)
         return done
 
-    def generate(self, spec: ConvSpec, epi: Epilogue,
-                 workspace_limit: int | None = None) -> Iterator[Candidate]:
+    def generate(self, spec: ConvSpec, epi: Epilogue, workspace_limit: int | None = None,
+                 focus: Callable[[], set[str] | None] | None = None) -> Iterator[Candidate]:
         """Defaults of every applicable variant (the heuristic's first), then each space sampled
-        round-robin in a seeded order, pruned by the cheap resource model, without repeats."""
+        round-robin in a seeded order, pruned by the cheap resource model, without repeats;
+        ``focus()``, when it gives a set, names the only variants still sampled."""
         dev = self.backend.device
         ranked = applicable(spec, dev, workspace_limit, self.variants)
         seen: set[tuple[str, Params]] = set()
@@ -303,7 +327,8 @@ class Tuner:
             spaces.append((v, iter(pts)))
         while spaces:
             for item in list(spaces):
-                prm = next(item[1], None)
+                keep = focus() if focus is not None else None
+                prm = next(item[1], None) if keep is None or item[0].name in keep else None
                 if prm is None:
                     spaces.remove(item)
                     continue

@@ -41,10 +41,10 @@ from convforge.kernels.winograd.tiles import (
     emit_output_store,
     emit_output_transform,
     emit_tile_copy,
-    emit_window_mask,
     emit_tile_load,
     emit_tile_masks,
     emit_tile_origin,
+    emit_window_mask,
 )
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
