@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import NOMINAL_CUDA
+from convforge.check import check_plan
 from convforge.codegen.nvcc import nvcc_path, ptxas_report
 from convforge.kernels import get_variant
 from convforge.kernels.winograd.matrices import Matrix, matmul, transpose, winograd
@@ -193,6 +194,37 @@ def test_nonfused_sgemm_on_odd_shapes(backend, m: int) -> None:  # type: ignore[
     vec = Params(bm=32, bn=32, bk=8, tm=4, tn=4, va=4, vb=4, pf=1, db=1, gemm="sgemm", tb=64)
     assert vec in v.space(spec, backend.device)
     _check(backend, name, spec, vec)
+
+
+@pytest.mark.parametrize("m", [2, 4])
+def test_nonfused_split_gemm_on_odd_shapes(backend, m: int) -> None:  # type: ignore[no-untyped-def]
+    """The batched GEMM split over channels (ks slices of M, summed by the output transform),
+    even and uneven splits, bias + ReLU; M and the output NaN-poisoned by check_plan."""
+    from convforge.plan import Epilogue
+
+    name = f"winograd_nonfused_f{m}"
+    v = get_variant(name)
+    for spec, ks in ((SGEMM_ODD[1], 3), (SGEMM_ODD[0], 2)):
+        prm = v.sgemm_default(spec, backend.device).replace(ks=ks)
+        plan = v.plan(spec, prm, backend.device, Epilogue(bias=True, relu=True))
+        g = 4 * (m + 2) ** 2 * spec.k * (spec.n * -(-spec.p // m) * -(-spec.q // m))
+        assert dict(plan.workspace)["wino_m"] == ks * g and plan.steps[2].grid[2] == ks * (m + 2) ** 2
+        res = check_plan(plan, backend, seed=3)
+        assert res.ok, f"{prm.short()} {spec.short()}: {res}"
+
+
+def test_nonfused_split_default_by_wave_model() -> None:
+    """Small grids (ResNet 512@7² N32: 144 GEMM blocks for 264 slots) get a channel split by
+    default; big ones (N128) and CPUs do not; a split needs the sgemm path."""
+    v = get_variant("winograd_nonfused_f4")
+    small, big = (ConvSpec.make(n, 512, 7, 7, 512, 3, 3, padding=1) for n in (32, 128))
+    assert v.default(small, NOMINAL_CUDA)["ks"] == 3
+    assert "ks" not in v.default(big, NOMINAL_CUDA)
+    assert any(p.get("ks") == 2 for p in v.space(big, NOMINAL_CUDA)[:6])
+    cpu = DeviceInfo("opencl", "cpu", is_gpu=False)
+    assert "ks" not in v.default(small, cpu)
+    with pytest.raises(ValueError, match="ks=2 needs gemm='sgemm'"):
+        v.plan(small, v.own_default(small, NOMINAL_CUDA).replace(ks=2), NOMINAL_CUDA)
 
 
 def test_nonfused_space_offers_both_gemms() -> None:
