@@ -71,6 +71,8 @@ def _check_layout(a: Any, what: str, rank: int) -> None:
 
 def _pick(algo: str, spec: ConvSpec, be: Backend, epi: Epilogue,
           workspace_limit: int | None, params: Params | None) -> tuple[Variant, Params]:
+    """``auto``: the tuning database's choice (``choose``, Boda's rule when it has none); an
+    explicit family/variant or parameters: Boda's rule over what ``algo`` names."""
     if algo == "auto" and params is None:
         try:
             from convforge.tune import choose
@@ -78,14 +80,7 @@ def _pick(algo: str, spec: ConvSpec, be: Backend, epi: Epilogue,
             choose = None  # type: ignore[assignment]
         if choose is not None:
             return choose(spec, be, epi, workspace_limit)
-    variants = kernels.select(algo, spec, be.device)
-    for v in variants:
-        prm = params if params is not None else v.default(spec, be.device)
-        if workspace_limit is None or v.workspace_bytes(spec, prm) <= workspace_limit:
-            return v, prm
-    why = kernels.reasons(algo, spec, be.device)
-    detail = "; ".join(f"{k}: {r}" for k, r in why.items()) or "none fits the workspace limit"
-    raise ValueError(f"no {algo!r} variant applies to {spec.short()} on {be.name} ({detail})")
+    return kernels.most_specialised(algo, spec, be.device, workspace_limit, params)
 
 
 def plan_for(spec: ConvSpec, be: Backend, algo: str = "auto", epilogue: Epilogue = Epilogue(),

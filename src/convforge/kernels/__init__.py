@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from convforge.params import Params
 from convforge.plan import DeviceInfo, Variant
 from convforge.spec import ConvSpec
 
@@ -59,6 +62,32 @@ def select(algo: str, spec: ConvSpec, device: DeviceInfo) -> list[Variant]:
             raise ValueError(f"algo ({algo!r}) is not a family or variant; known: {', '.join(known)}")
     usable = [v for v in chosen if v.applies(spec, device) is None]
     return sorted(usable, key=lambda v: -v.specialised)  # most specialised first (Boda's rule)
+
+
+def most_specialised(algo: str, spec: ConvSpec, device: DeviceInfo, workspace_limit: int | None = None,
+                     params: Params | None = None,
+                     variants: Sequence[Variant] | None = None) -> tuple[Variant, Params]:
+    """Boda's rule, the one copy of it: the most specialised variant named by ``algo`` (or among
+    ``variants``) that applies to ``spec``, with its default parameters (or ``params``), whose
+    workspace fits ``workspace_limit``. Ties keep registration order."""
+    if variants is None:
+        pool = select(algo, spec, device)
+    else:
+        pool = sorted((v for v in variants if v.applies(spec, device) is None),
+                      key=lambda v: -v.specialised)
+    for v in pool:
+        prm = params if params is not None else v.default(spec, device)
+        if workspace_limit is None:
+            return v, prm
+        try:
+            need = v.workspace_bytes(spec, prm)
+        except Exception:  # noqa: BLE001 - a variant that cannot size itself does not fit
+            continue
+        if need <= workspace_limit:
+            return v, prm
+    why = reasons(algo, spec, device)
+    detail = "; ".join(f"{k}: {r}" for k, r in why.items()) or "none fits the workspace limit"
+    raise ValueError(f"no {algo!r} variant applies to {spec.short()} on {device.backend} ({detail})")
 
 
 def reasons(algo: str, spec: ConvSpec, device: DeviceInfo) -> dict[str, str]:

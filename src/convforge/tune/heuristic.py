@@ -41,14 +41,8 @@ def applicable(spec: ConvSpec, device: DeviceInfo, workspace_limit: int | None =
 
 def heuristic_choice(spec: ConvSpec, device: DeviceInfo, workspace_limit: int | None = None,
                      variants: Sequence[Variant] | None = None) -> tuple[Variant, Params]:
-    """Boda's rule: the most specialised applicable variant with its default parameters."""
-    ranked = applicable(spec, device, workspace_limit, variants)
-    if not ranked:
-        why = kernels.reasons("auto", spec, device)
-        detail = "; ".join(f"{k}: {r}" for k, r in why.items()) or "none fits the workspace limit"
-        raise ValueError(f"no variant applies to {spec.short()} on {device.backend} ({detail})")
-    best = ranked[0]
-    return best, best.default(spec, device)
+    """Boda's rule for ``auto`` (:func:`convforge.kernels.most_specialised`)."""
+    return kernels.most_specialised("auto", spec, device, workspace_limit, variants=variants)
 
 
 def shared_bytes(plan: Plan) -> int:
