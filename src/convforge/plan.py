@@ -141,6 +141,11 @@ class Variant:
     tolerance: float = 1e-5
     specialised: int = 0  # higher = more specialised; the heuristic prefers it when it applies
 
+    def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
+        """The heuristic's preference for this variant on ``spec`` (Boda's rule: how specialised it
+        is); a variant whose measured standing depends on the layer overrides it."""
+        return self.specialised
+
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
         """None when the variant can run ``spec`` on ``device``, otherwise the reason it cannot."""
         if device.backend not in self.backends:

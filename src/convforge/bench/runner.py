@@ -19,7 +19,7 @@ from convforge.bench.ceilings import Ceilings
 from convforge.bench.suites import Layer
 from convforge.bench.timing import Timing, check_slice, cycle, run_timed
 from convforge.check import check_plan, random_inputs
-from convforge.kernels import reasons, select
+from convforge.kernels import most_specialised
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Variant
 from convforge.spec import ConvSpec
@@ -69,12 +69,7 @@ class BenchConfig:
 
 def heuristic(algo: str, spec: ConvSpec, device: DeviceInfo) -> tuple[Variant, Params]:
     """The most specialised applicable variant named by ``algo``, with its default parameters."""
-    cands = select(algo, spec, device)
-    if not cands:
-        why = "; ".join(f"{k}: {v}" for k, v in reasons(algo, spec, device).items())
-        raise ValueError(f"no variant of {algo!r} applies ({why or 'none registered'})")
-    variant = sorted(cands, key=lambda v: -v.specialised)[0]
-    return variant, variant.default(spec, device)
+    return most_specialised(algo, spec, device)
 
 
 def _tuned(spec: ConvSpec, be: Backend) -> tuple[Variant, Params] | None:

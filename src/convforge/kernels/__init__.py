@@ -61,7 +61,7 @@ def select(algo: str, spec: ConvSpec, device: DeviceInfo) -> list[Variant]:
             known = sorted(set(FAMILIES) | set(_REGISTRY))
             raise ValueError(f"algo ({algo!r}) is not a family or variant; known: {', '.join(known)}")
     usable = [v for v in chosen if v.applies(spec, device) is None]
-    return sorted(usable, key=lambda v: -v.specialised)  # most specialised first (Boda's rule)
+    return sorted(usable, key=lambda v: -v.rank(spec, device))  # most specialised first (Boda's rule)
 
 
 def most_specialised(algo: str, spec: ConvSpec, device: DeviceInfo, workspace_limit: int | None = None,
@@ -74,7 +74,7 @@ def most_specialised(algo: str, spec: ConvSpec, device: DeviceInfo, workspace_li
         pool = select(algo, spec, device)
     else:
         pool = sorted((v for v in variants if v.applies(spec, device) is None),
-                      key=lambda v: -v.specialised)
+                      key=lambda v: -v.rank(spec, device))
     for v in pool:
         prm = params if params is not None else v.default(spec, device)
         if workspace_limit is None:

@@ -36,7 +36,7 @@ def applicable(spec: ConvSpec, device: DeviceInfo, workspace_limit: int | None =
                 continue
         out.append(v)
     order = {id(v): i for i, v in enumerate(out)}
-    return sorted(out, key=lambda v: (-v.specialised, order[id(v)]))
+    return sorted(out, key=lambda v: (-v.rank(spec, device), order[id(v)]))
 
 
 def heuristic_choice(spec: ConvSpec, device: DeviceInfo, workspace_limit: int | None = None,

@@ -218,6 +218,13 @@ class WinogradFused(Variant):
         self.specialised = 8 if m == 4 else 9  # measured: F(2x2) fused wins most ResNet layers
         self.tolerance = tolerance(m, 3, 3)
 
+    def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
+        """F(4x4) first on GPUs above 32x32 outputs (H200: ResNet 64@56², N32-128, its default
+        beats fused F(2x2) and non-fused F(4x4) defaults); F(2x2) otherwise."""
+        if self.m == 4 and device.is_gpu and spec.p * spec.q > 32 * 32:
+            return 10
+        return self.specialised
+
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
         why = super().applies(spec, device)
         if why:

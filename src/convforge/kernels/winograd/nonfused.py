@@ -80,6 +80,16 @@ class WinogradNonFused(Variant):
         self.specialised = 7 if m == 4 else 6
         self.tolerance = tolerance(m, 3, 3)
 
+    def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
+        """F(4x4) first on GPUs for 3x3 layers of at most 32x32 outputs with >= 64 tiles: there its
+        defaults (split GEMM included) beat every fused default on the H200 (ResNet 128@28² to
+        512@7², N32-128; Boda 3x3 at N5); bigger images stay with fused F(4x4), N=1 with fused
+        F(2x2) (too few tiles for a GEMM)."""
+        if (self.m == 4 and device.is_gpu and (spec.r, spec.s) == (3, 3)
+                and spec.p * spec.q <= 32 * 32 and Geometry(spec, 4).tiles >= 64):
+            return 10
+        return self.specialised
+
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
         why = super().applies(spec, device) or winograd_applies(spec, self.m, MAX_ALPHA)
         if why:
