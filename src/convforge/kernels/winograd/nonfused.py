@@ -131,7 +131,7 @@ class WinogradNonFused(Variant):
             fma = p.bm * p.bn * cdiv(spec.c, ks) * per_sm / (128 * 0.6)
             return waves * fma + (ks - 1) * 2 * m_bytes / (max(device.units, 1) * 15)
 
-        best = min((ks for ks in (1, 2, 3, 4) if spec.c // ks >= 32), key=cost)
+        best = min((ks for ks in (1, 2, 3, 4) if ks == 1 or spec.c // ks >= 32), key=cost)
         return p.replace(ks=best) if best > 1 and cost(best) < 0.85 * cost(1) else p
 
     def own_default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
