@@ -58,10 +58,10 @@ def main() -> int:
 
 
 def _points(v: Variant, spec: ConvSpec, dev: DeviceInfo, sanitize: bool) -> list[Params]:
-    """The default; under --sanitize also the first point of each staging kind of the fused
-    Winograd spaces (cp.async filters / inputs, split-C), which are not defaults."""
+    """The default; under --sanitize also the first point of each staging kind of the Winograd
+    spaces (fused: cp.async filters / inputs, split-C; non-fused: the split GEMM), not defaults."""
     pts = [v.default(spec, dev)]
-    if sanitize and v.name.startswith("winograd_fused"):
+    if sanitize and v.name.startswith("winograd_"):
         space = v.space(spec, dev)
         for keys in (("ca",), ("ci",), ("ca", "ci"), ("ks",)):
             hit = next((p for p in space if all(k in p for k in keys)), None)
