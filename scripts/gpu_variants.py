@@ -21,7 +21,8 @@ from convforge.spec import ConvSpec
 
 TINY = [ConvSpec.make(1, 3, 13, 11, 5, 3, 3, 1, (0, 1, 1, 0)), ConvSpec.make(2, 8, 9, 9, 4, 1, 1),
         ConvSpec.make(1, 2, 27, 27, 3, 11, 11, 4, 1),
-        ConvSpec.make(1, 37, 13, 7, 70, 3, 3, 1, (0, 1, 2, 1))]  # C=37: split-C with an edge stage
+        ConvSpec.make(1, 37, 13, 7, 70, 3, 3, 1, (0, 1, 2, 1)),  # C=37: split-C with an edge stage
+        ConvSpec.make(2, 70, 9, 9, 36, 3, 3, 1, 1)]  # C=70: the non-fused split GEMM (ks 2)
 LAYERS = {
     "resnet64@56 N32": ConvSpec.make(32, 64, 56, 56, 64, 3, 3, 1, 1),
     "resnet128@28 N32": ConvSpec.make(32, 128, 28, 28, 128, 3, 3, 1, 1),
