@@ -216,11 +216,8 @@ class WinogradNonFused(Variant):
     def _filter_kernel(self, g: Geometry, tb: int) -> Kernel:
         s = g.spec
         rs, ck = s.r * s.s, s.c * s.k
-        code = Code()
-        code(f"const int idx = GROUP_ID(0) * {tb} + LOCAL_ID(0);",
-             f"if (idx >= {ck}) return;",
-             f"const int k = idx % {s.k}, c = idx / {s.k};  // U[e][c][k]: stores coalesced in k",
-             f"const GLOBAL_PTR float* wp = w + (k * {s.c} + c) * {rs};")
+        code = _per_thread(tb, ck, ("k", s.k), "c", "U[e][c][k]: stores coalesced in k")
+        code(f"const GLOBAL_PTR float* wp = w + (k * {s.c} + c) * {rs};")
         for i, j in itertools.product(range(s.r), range(s.s)):
             code(f"const float g{i}_{j} = wp[{i * s.s + j}];")
         emit_filter_transform(code, g, "g", "u", "gt")
@@ -232,10 +229,7 @@ class WinogradNonFused(Variant):
     def _input_kernel(self, g: Geometry, tb: int) -> Kernel:
         s = g.spec
         total = s.c * g.tiles
-        code = Code()
-        code(f"const int idx = GROUP_ID(0) * {tb} + LOCAL_ID(0);",
-             f"if (idx >= {total}) return;",
-             f"const int t = idx % {g.tiles}, c = idx / {g.tiles};  // V[e][c][t]")
+        code = _per_thread(tb, total, ("t", g.tiles), "c", "V[e][c][t]")
         emit_tile_origin(code, g, "t")
         emit_tile_masks(code, g, "1")
         code(f"const int base = (n * {s.c} + c) * {s.h * s.w} + iy * {s.w} + ix;")
@@ -250,10 +244,7 @@ class WinogradNonFused(Variant):
         """A^T M A per (filter, tile); with a split GEMM M is the sum of its ks channel slices."""
         s = g.spec
         total = s.k * g.tiles
-        code = Code()
-        code(f"const int idx = GROUP_ID(0) * {tb} + LOCAL_ID(0);",
-             f"if (idx >= {total}) return;",
-             f"const int t = idx % {g.tiles}, k = idx / {g.tiles};")
+        code = _per_thread(tb, total, ("t", g.tiles), "k")
         for i, j in itertools.product(range(g.ah), range(g.aw)):
             terms = " + ".join(f"mw[{(z * g.a2 + i * g.aw + j) * total} + idx]" for z in range(ks))
             code(f"const float m{i}_{j} = {terms};")
@@ -344,6 +335,17 @@ class WinogradNonFused(Variant):
                 cond = f"c0 + rr < {rows} && {col0} + cw < {ld}"
                 stmt = f"{dst}[l] = ({cond}) ? {src}[(c0 + rr) * {ld} + {col0} + cw] : 0.0f;"
                 code(f"if (l < {total}) {stmt}" if total % nt else stmt)
+
+
+def _per_thread(tb: int, total: int, fast: tuple[str, int], slow: str, note: str = "") -> Code:
+    """The transform kernels' prologue: one thread per (slow, fast) pair, ``fast`` varying
+    quickest (coalesced), threads past ``total`` leave."""
+    name, n = fast
+    code = Code()
+    code(f"const int idx = GROUP_ID(0) * {tb} + LOCAL_ID(0);",
+         f"if (idx >= {total}) return;",
+         f"const int {name} = idx % {n}, {slow} = idx / {n};" + (f"  // {note}" if note else ""))
+    return code
 
 
 register(WinogradNonFused(2))
