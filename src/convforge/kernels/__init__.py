@@ -64,27 +64,37 @@ def select(algo: str, spec: ConvSpec, device: DeviceInfo) -> list[Variant]:
     return sorted(usable, key=lambda v: -v.rank(spec, device))  # most specialised first (Boda's rule)
 
 
-def most_specialised(algo: str, spec: ConvSpec, device: DeviceInfo, workspace_limit: int | None = None,
-                     params: Params | None = None,
-                     variants: Sequence[Variant] | None = None) -> tuple[Variant, Params]:
-    """Boda's rule, the one copy of it: the most specialised variant named by ``algo`` (or among
-    ``variants``) that applies to ``spec``, with its default parameters (or ``params``), whose
-    workspace fits ``workspace_limit``. Ties keep registration order."""
+def ranked(algo: str, spec: ConvSpec, device: DeviceInfo, workspace_limit: int | None = None,
+           variants: Sequence[Variant] | None = None, params: Params | None = None) -> list[Variant]:
+    """Variants named by ``algo`` (or among ``variants``) that apply to ``spec`` and whose workspace
+    with their default parameters (or ``params``) fits ``workspace_limit``, most specialised first
+    (``Variant.rank``); ties keep registration order, so the order is deterministic."""
     if variants is None:
         pool = select(algo, spec, device)
     else:
         pool = sorted((v for v in variants if v.applies(spec, device) is None),
                       key=lambda v: -v.rank(spec, device))
+    if workspace_limit is None:
+        return pool
+    out = []
     for v in pool:
-        prm = params if params is not None else v.default(spec, device)
-        if workspace_limit is None:
-            return v, prm
         try:
-            need = v.workspace_bytes(spec, prm)
+            need = v.workspace_bytes(spec, params if params is not None else v.default(spec, device))
         except Exception:  # noqa: BLE001 - a variant that cannot size itself does not fit
             continue
         if need <= workspace_limit:
-            return v, prm
+            out.append(v)
+    return out
+
+
+def most_specialised(algo: str, spec: ConvSpec, device: DeviceInfo, workspace_limit: int | None = None,
+                     params: Params | None = None,
+                     variants: Sequence[Variant] | None = None) -> tuple[Variant, Params]:
+    """Boda's rule, the one copy of it: the first of :func:`ranked`, with its default parameters
+    (or ``params``)."""
+    pool = ranked(algo, spec, device, workspace_limit, variants, params)
+    if pool:
+        return pool[0], params if params is not None else pool[0].default(spec, device)
     why = reasons(algo, spec, device)
     detail = "; ".join(f"{k}: {r}" for k, r in why.items()) or "none fits the workspace limit"
     raise ValueError(f"no {algo!r} variant applies to {spec.short()} on {device.backend} ({detail})")

@@ -19,24 +19,9 @@ _FLOAT_DECL = re.compile(r"\bfloat\d?\s+(\w+)\s*[=;]")
 
 def applicable(spec: ConvSpec, device: DeviceInfo, workspace_limit: int | None = None,
                variants: Sequence[Variant] | None = None) -> list[Variant]:
-    """Variants that run ``spec`` on ``device`` within the workspace limit, most specialised first.
-
-    Ties keep registration order, so the choice is deterministic.
-    """
-    pool = kernels.select("auto", spec, device) if variants is None else [
-        v for v in variants if v.applies(spec, device) is None]
-    out = []
-    for v in pool:
-        if workspace_limit is not None:
-            try:
-                need = v.workspace_bytes(spec, v.default(spec, device))
-            except Exception:  # noqa: BLE001 - a variant that cannot size itself is not applicable
-                continue
-            if need > workspace_limit:
-                continue
-        out.append(v)
-    order = {id(v): i for i, v in enumerate(out)}
-    return sorted(out, key=lambda v: (-v.rank(spec, device), order[id(v)]))
+    """Variants that run ``spec`` on ``device`` within the workspace limit, most specialised first
+    (:func:`convforge.kernels.ranked`)."""
+    return kernels.ranked("auto", spec, device, workspace_limit, variants)
 
 
 def heuristic_choice(spec: ConvSpec, device: DeviceInfo, workspace_limit: int | None = None,
