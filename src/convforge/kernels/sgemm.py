@@ -382,23 +382,24 @@ def _main_loop(code: Code, p: Params, lay: _Layout, ga: _Loader, gb: _Loader) ->
         gb.stash(code, "0")
         code("BARRIER();")
         with code.block("for (int kt = 0; kt < nk; ++kt)"):
-            code("const int cur = kt & 1;")
-            with code.block("if (kt + 1 < nk)"):
-                ga.load(code, f"kbeg + (kt + 1) * {p.bk}")
-                gb.load(code, f"kbeg + (kt + 1) * {p.bk}")
+            # Unconditional prefetch (the last slice re-reads itself into the idle buffer): a
+            # guarded one lets ptxas sink the loads below the micro-kernel, into the guarded
+            # stash, where their latency is no longer hidden.
+            code("const int cur = kt & 1;",
+                 f"const int knext = kbeg + min(kt + 1, nk - 1) * {p.bk};")
+            ga.load(code, "knext")
+            gb.load(code, "knext")
             _micro(code, p, lay, "cur")
-            with code.block("if (kt + 1 < nk)"):
-                ga.stash(code, "(cur ^ 1)")
-                gb.stash(code, "(cur ^ 1)")
+            ga.stash(code, "(cur ^ 1)")
+            gb.stash(code, "(cur ^ 1)")
             code("BARRIER();")
         return
     with code.block("for (int kt = 0; kt < nk; ++kt)"):
         ga.stash(code, "0")
         gb.stash(code, "0")
-        code("BARRIER();")
-        with code.block("if (kt + 1 < nk)"):
-            ga.load(code, f"kbeg + (kt + 1) * {p.bk}")
-            gb.load(code, f"kbeg + (kt + 1) * {p.bk}")
+        code("BARRIER();", f"const int knext = kbeg + min(kt + 1, nk - 1) * {p.bk};")
+        ga.load(code, "knext")  # unconditional, as above
+        gb.load(code, "knext")
         _micro(code, p, lay, "0")
         code("BARRIER();")
 
