@@ -106,10 +106,17 @@ class WinogradNonFused(Variant):
         """On GPUs the batched GEMM from the shared generator (``gemm="sgemm"``): on the H200 it beat
         the family's own kernel on every layer timed (F(4x4), N32 64@56²: 0.116 against 0.127 ms;
         256@14²: 0.131 against 0.184; N5 832@7²: 0.099 against 0.255). On CPUs the own kernel's
-        small tile, which compiles quickly on PoCL."""
+        small tile, which compiles quickly on PoCL. Unsplit GEMMs over >= 128 channels take 16-deep
+        slices (H200, F(4x4), bk=16 against 8: 2-4 % faster at 128@28² N32/N128, 256@14² N64/N128,
+        512@7² N128; 2-5 % slower split or at C=64)."""
         if not device.is_gpu:
             return self.own_default(spec, device)
-        return self.split_default(spec, device, self.sgemm_default(spec, device))
+        p = self.split_default(spec, device, self.sgemm_default(spec, device))
+        deep = p.replace(bk=16)
+        if p.get("ks", 1) == 1 and spec.c >= 128 and p.bk == 8 and deep in self.sgemm_space(
+                spec, device):
+            return deep
+        return p
 
     def split_default(self, spec: ConvSpec, device: DeviceInfo, p: Params) -> Params:
         """``p`` with the channel split ``ks`` (1-4) a wave model prefers, when it saves 15 %.
