@@ -59,7 +59,13 @@ def nchw_store(spec: ConvSpec, epi: Epilogue, out: str = "y", raw: bool = False)
         val = v if raw else epi.apply(v, f"({m})")
         return [f"{out}[{t}_o + ({m}) * {pq}] = {val};"]
 
-    return Store(put=put, setup=setup)
+    def vput(m: str, t: str, vs: list[str]) -> list[str]:
+        vals = ", ".join(v if raw else epi.apply(v, f"({m})") for v in vs)
+        return [f"VSTORE4(MAKE_FLOAT4({vals}), 0, {out} + {t}_o + ({m}) * {pq});"]
+
+    # 4 consecutive columns (from a multiple of 4) stay in one image and 16-byte aligned
+    # when P*Q is a multiple of 4.
+    return Store(put=put, setup=setup, vput=vput if pq % 4 == 0 else None)
 
 
 def too_big(spec: ConvSpec, extra: int = 0) -> str | None:

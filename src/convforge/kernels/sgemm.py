@@ -37,6 +37,8 @@ SetupFn = Callable[[str, str], list[str]]
 LoadFn = Callable[[str, str, str], list[str]]
 # (m expression, tag of column, value) -> statements storing one accumulator (in bounds)
 PutFn = Callable[[str, str, str], list[str]]
+# (m expression, tag of the first of 4 columns, 4 values) -> statements storing them (in bounds)
+VPutFn = Callable[[str, str, list[str]], list[str]]
 # (k tag, k expression) -> statements defining per-k values named ``{ktag}_*``
 KPrepFn = Callable[[str, str], list[str]]
 # (column tag, k tag, destination) -> statements assigning dst from per-column and per-k values
@@ -84,10 +86,14 @@ class Operand:
 @dataclass(frozen=True)
 class Store:
     """How a thread writes C: ``setup(n, tag)`` once per column it owns (the column is the int
-    ``{tag}_i``), ``put(m, tag, v)`` per accumulator, called only inside ``m < M && n < N``."""
+    ``{tag}_i``), ``put(m, tag, v)`` per accumulator, called only inside ``m < M && n < N``.
+    ``vput(m, tag, values)`` (optional) stores 4 consecutive columns starting at ``{tag}_i``
+    (a multiple of 4) as one float4; give it only when every such chunk is 16-byte aligned and
+    contiguous, with N a multiple of 4."""
 
     put: PutFn
     setup: SetupFn = _default_setup
+    vput: VPutFn | None = None
 
 
 @dataclass(frozen=True)
@@ -435,9 +441,14 @@ def _store(code: Code, shape: GemmShape, p: Params, lay: _Layout, c: Store) -> N
     for j in range(p.tn):
         code(f"const int cs{j}_i = n0 + {lay.col(j)};")
         code(*c.setup(f"cs{j}_i", f"cs{j}"))
+    vec = c.vput is not None and lay.gn == 4 and shape.n % 4 == 0
     for i in range(p.tm):
         code(f"const int cm{i} = m0 + {lay.row(i)};")
         with code.block(f"if (cm{i} < {shape.m})"):
-            for j in range(p.tn):
+            for j in range(0, p.tn, 4 if vec else 1):
                 with code.block(f"if (cs{j}_i < {shape.n})"):
-                    code(*c.put(f"cm{i}", f"cs{j}", f"c{i}_{j}"))
+                    if vec:  # 4 consecutive columns, wholly inside or outside (N % 4 == 0)
+                        assert c.vput is not None
+                        code(*c.vput(f"cm{i}", f"cs{j}", [f"c{i}_{j + e}" for e in range(4)]))
+                    else:
+                        code(*c.put(f"cm{i}", f"cs{j}", f"c{i}_{j}"))

@@ -320,12 +320,15 @@ class WinogradNonFused(Variant):
         def put(m: str, t: str, v: str) -> list[str]:
             return [f"me[({m}) * {tt} + {t}_i] = {v};"]
 
+        def vput(m: str, t: str, vs: list[str]) -> list[str]:
+            return [f"VSTORE4(MAKE_FLOAT4({', '.join(vs)}), 0, me + ({m}) * {tt} + {t}_i);"]
+
         prelude = (f"const GLOBAL_PTR float* ue = u + bz * {cc * kk};  // U[e]: C x K",
                    f"const GLOBAL_PTR float* ve = v + bz * {cc * tt};  // V[e]: C x T",
                    f"GLOBAL_PTR float* me = mw + (kz * {g.a2} + bz) * {kk * tt};"
                    "  // M[e] (of channel slice kz): K x T")
         return gemm_kernel("wino_batched_sgemm", self._shape(g, ks), p, operand("ue", kk),
-                           operand("ve", tt), Store(put=put),
+                           operand("ve", tt), Store(put=put, vput=vput if tt % 4 == 0 else None),
                            (Buf("u"), Buf("v"), Buf("mw", readonly=False)), prelude,
                            comment=f"{self.name}: {g.a2} batched GEMMs (sgemm) {p.short()}"
                            + (f", channels in {ks} slices" if ks > 1 else ""))
