@@ -52,6 +52,25 @@ def test_torch_tensors_in_and_out(cuda):
     assert rel_l2(y.cpu().numpy(), ref) < 1e-5
 
 
+@pytest.mark.parametrize("algo", ["auto", "gemm1x1", "implicit_gemm", "winograd_nonfused_f4"])
+def test_misaligned_views_are_read_correctly(cuda, algo):
+    """Contiguous views 4 bytes into a buffer (not 16-byte aligned) as input and weights: the
+    float4 loads of the GEMM kernels need an aligned copy, taken by the back-end."""
+    import torch
+
+    import convforge
+
+    r = 1 if algo == "gemm1x1" else 3
+    base_x = torch.rand(2 * 8 * 12 * 12 + 1, device="cuda") - 0.5
+    base_w = torch.rand(16 * 8 * r * r + 1, device="cuda") - 0.5
+    x = base_x[1:].view(2, 8, 12, 12)
+    w = base_w[1:].view(16, 8, r, r)
+    assert x.data_ptr() % 16 and w.data_ptr() % 16
+    y = convforge.conv2d(x, w, padding=r // 2, algo=algo)
+    ref = conv2d_ref(x.cpu().numpy(), w.cpu().numpy(), ConvSpec.make(2, 8, 12, 12, 16, r, r, 1, r // 2))
+    assert rel_l2(y.cpu().numpy(), ref) < 5e-5
+
+
 def test_cupy_arrays_in_and_out(cuda):
     import cupy as cp
 

@@ -181,8 +181,11 @@ class CudaBackend(Backend):
 
     # -- interop ----------------------------------------------------------------------------
     def wrap(self, array: Any) -> Any:
-        """A CuPy view of a CuPy array or torch CUDA tensor (no copy)."""
-        return array if isinstance(array, cp.ndarray) else cp.asarray(array)
+        """A CuPy view of a CuPy array or torch CUDA tensor: no copy, unless its data is not
+        16-byte aligned (a view at an odd offset), which float4 loads cannot read: then an
+        aligned copy."""
+        view = array if isinstance(array, cp.ndarray) else cp.asarray(array)
+        return view if view.data.ptr % 16 == 0 else view.copy()
 
     def use_stream_of(self, array: Any) -> None:
         """Run on the stream current for the array's library (torch's or CuPy's)."""
