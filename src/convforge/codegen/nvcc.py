@@ -5,10 +5,12 @@ Used by the CPU test tier (no GPU needed) and ``convforge show --ptxas``.
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 
@@ -29,19 +31,54 @@ def nvcc_path() -> str | None:
 
 def ptxas_report(source: str, arch: str = "sm_90") -> list[PtxasInfo]:
     """Compile ``source`` to a cubin with ``-Xptxas -v``; raise RuntimeError with the log on error."""
-    nvcc = nvcc_path()
+    return parse_ptxas(_compile(source, arch, sass=False)[0])
+
+
+def tool_path(name: str) -> str | None:
+    """A CUDA tool from PATH, else from its ``nvidia-cuda-<name>`` wheel (nvidia/cu*/bin)."""
+    found = shutil.which(name)
+    if found:
+        return found
+    for entry in sys.path:
+        for cand in sorted(glob.glob(os.path.join(entry, "nvidia", "cu*", "bin", name))):
+            if os.access(cand, os.X_OK):
+                return cand
+    return None
+
+
+def cuobjdump_path() -> str | None:
+    """cuobjdump, when nvdisasm (which ``cuobjdump -sass`` runs) is there too."""
+    return tool_path("cuobjdump") if tool_path("nvdisasm") else None
+
+
+def sass_report(source: str, arch: str = "sm_90") -> tuple[list[PtxasInfo], str]:
+    """(ptxas figures, SASS text of the cubin from ``cuobjdump -sass``)."""
+    return parse_ptxas((out := _compile(source, arch, sass=True))[0]), out[1]
+
+
+def _compile(source: str, arch: str, sass: bool) -> tuple[str, str]:
+    """(ptxas log, SASS text or "") of ``source``; RuntimeError naming what failed."""
+    nvcc, dump = nvcc_path(), cuobjdump_path() if sass else None
     if nvcc is None:
         raise RuntimeError("nvcc not found on PATH")
+    if sass and dump is None:
+        raise RuntimeError("cuobjdump / nvdisasm not found (CUDA toolkit, or pip install "
+                           "nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
     with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "k.cu")
+        src, cubin = os.path.join(tmp, "k.cu"), os.path.join(tmp, "k.cubin")
         with open(src, "w") as f:
             f.write(source)
         proc = subprocess.run([nvcc, f"-arch={arch}", "-cubin", "-std=c++17", "-Xptxas", "-v",
-                               "-o", os.path.join(tmp, "k.cubin"), src],
-                              capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"nvcc failed:\n{proc.stderr}")
-    return parse_ptxas(proc.stderr)
+                               "-o", cubin, src], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"nvcc failed:\n{proc.stderr}")
+        if not dump:
+            return proc.stderr, ""
+        env = dict(os.environ, NVDISASM_PATH=os.path.dirname(tool_path("nvdisasm") or ""))
+        dis = subprocess.run([dump, "-sass", cubin], capture_output=True, text=True, env=env)
+        if dis.returncode != 0:
+            raise RuntimeError(f"cuobjdump failed:\n{dis.stderr}")
+        return proc.stderr, dis.stdout
 
 
 def parse_ptxas(log: str) -> list[PtxasInfo]:
