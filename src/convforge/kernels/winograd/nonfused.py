@@ -111,10 +111,10 @@ class WinogradNonFused(Variant):
         512@7² N128; 2-5 % slower split or at C=64)."""
         if not device.is_gpu:
             return self.own_default(spec, device)
-        p = self.split_default(spec, device, self.sgemm_default(spec, device))
+        space = self.sgemm_space(spec, device)
+        p = self.split_default(spec, device, space[0])
         deep = p.replace(bk=16)
-        if p.get("ks", 1) == 1 and spec.c >= 128 and p.bk == 8 and deep in self.sgemm_space(
-                spec, device):
+        if p.get("ks", 1) == 1 and spec.c >= 128 and p.bk == 8 and deep in space:
             return deep
         return p
 
