@@ -60,11 +60,12 @@ def main() -> int:
 
 def _points(v: Variant, spec: ConvSpec, dev: DeviceInfo, sanitize: bool) -> list[Params]:
     """The default; under --sanitize also the first point of each staging kind of the Winograd
-    spaces (fused: cp.async filters / inputs, split-C; non-fused: the split GEMM), not defaults."""
+    spaces (fused: cp.async filters / inputs, split-C, two-block register cap; non-fused: the split
+    GEMM), not defaults."""
     pts = [v.default(spec, dev)]
     if sanitize and v.name.startswith("winograd_"):
         space = v.space(spec, dev)
-        for keys in (("ca",), ("ci",), ("ca", "ci"), ("ks",)):
+        for keys in (("ca",), ("ci",), ("ca", "ci"), ("ks",), ("mb",)):
             hit = next((p for p in space if all(k in p for k in keys)), None)
             if hit is not None and hit not in pts:
                 pts.append(hit)

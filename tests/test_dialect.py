@@ -32,6 +32,12 @@ def test_cuda_spelling():
     assert "wc," not in src.split("void")[1]  # the constant symbol is not a parameter
 
 
+def test_min_blocks_launch_bound():
+    """min_blocks becomes CUDA's second launch bound (a register cap); OpenCL has no spelling."""
+    assert "__launch_bounds__(64, 2)" in render([_kernel(min_blocks=2)], "cuda")
+    assert "reqd_work_group_size(64, 1, 1)" in render([_kernel(min_blocks=2)], "opencl")
+
+
 def test_opencl_spelling():
     src = render([_kernel()], "opencl")
     for piece in ("__constant float* restrict wc", "reqd_work_group_size(64, 1, 1)", "__local float t[64]",

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import NOMINAL_CUDA
 from convforge.check import check_plan
-from convforge.codegen.nvcc import ptxas_report
+from convforge.codegen.nvcc import PtxasInfo, ptxas_report
 from convforge.kernels import get_variant
 from convforge.kernels.winograd.matrices import Matrix, matmul, transpose, winograd
 from convforge.params import Params
@@ -282,13 +282,14 @@ def test_workspace_reported() -> None:
 
 # -- CUDA compile --------------------------------------------------------------------------------
 
-def _assert_ptxas_clean(plan: Plan) -> None:
+def _assert_ptxas_clean(plan: Plan) -> list[PtxasInfo]:
     """Every kernel of the plan compiles (sm_90) with no spill and at most 255 registers."""
     infos = ptxas_report(plan.source("cuda"))
     assert {i.kernel for i in infos} == {k.name for k in plan.kernels}
     for info in infos:
         assert info.spill_stores == 0 and info.spill_loads == 0, info
         assert info.registers <= 255
+    return infos
 
 
 RESNET = [ConvSpec.make(32, 64, 56, 56, 64, 3, 3, padding=1),
@@ -303,6 +304,24 @@ def test_cuda_compiles_without_spills(name: str) -> None:
     spec = RESNET[0]
     plan = v.plan(spec, v.default(spec, dev), dev)
     _assert_ptxas_clean(plan)
+
+
+@pytest.mark.usefixtures("nvcc_ok")  # skips without nvcc, fails on CI
+@pytest.mark.parametrize("m", [2, 4])
+@pytest.mark.parametrize("spec", RESNET, ids=lambda s: s.key())
+def test_two_block_points_fit_their_register_cap(m: int, spec: ConvSpec) -> None:
+    """Fused points with mb=2 (__launch_bounds__(threads, 2)) compile with no spill and within two
+    blocks' share of the 64K-register file: the claim they are offered on."""
+    dev = NOMINAL_CUDA
+    v = get_variant(f"winograd_fused_f{m}")
+    points = [p for p in v.space(spec, dev) if p.get("mb")]
+    assert points, "no two-block point offered"
+    for p in points:
+        plan = v.plan(spec, p, dev)
+        assert "__launch_bounds__(" in plan.source("cuda") and ", 2)" in plan.source("cuda")
+        info = next(i for i in _assert_ptxas_clean(plan) if i.kernel == "wino_fused")
+        threads = next(k.threads for k in plan.kernels if k.name == "wino_fused")
+        assert info.registers <= 65536 // (2 * threads), (p.short(), info)
 
 
 @pytest.mark.usefixtures("nvcc_ok")  # skips without nvcc, fails on CI

@@ -93,6 +93,7 @@ class Kernel:
     requires: frozenset[str] = field(default_factory=frozenset)
     helpers: str = ""  # device functions in the dialect, emitted before the kernel
     comment: str = ""
+    min_blocks: int = 0  # > 0: blocks per SM the compiler must leave room for (CUDA launch bound)
 
     @property
     def threads(self) -> int:

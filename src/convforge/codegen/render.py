@@ -127,7 +127,8 @@ class CudaRenderer(Renderer):
         return [f"    extern __shared__ __align__(16) float {lb.name}[];"] if lb else []
 
     def kernel_head(self, k: Kernel, params: str) -> str:
-        return (f'extern "C" __global__ void __launch_bounds__({k.threads})\n'
+        bounds = f"{k.threads}, {k.min_blocks}" if k.min_blocks else f"{k.threads}"
+        return (f'extern "C" __global__ void __launch_bounds__({bounds})\n'
                 f"{k.name}({params})")
 
 

@@ -61,6 +61,19 @@ _SPLIT_GPU = {2: [(dict(bk=64, bn=32, bc=8, lk=8, ln=4, groups=8), True),
                   (dict(bk=32, bn=16, bc=4, lk=8, ln=4, groups=6), True)]}
 
 
+# GPU points that ptxas (sm_90, nvcc 13.0) fits into two blocks' share of the register file without
+# spilling, offered with that launch bound (mb=2) after every other point: F(2x2) 256 threads at 128
+# registers (16 warps per SM instead of 8), F(4x4) 192 threads at 168 with the input windows staged
+# by cp.async (ci). Checked on ResNet layers by tests/test_winograd.py; not yet timed on a GPU.
+_TWO_BLOCKS = {2: [dict(bk=32, bn=32, bc=8, lk=4, ln=8, groups=8, fl=1),
+                   dict(bk=32, bn=32, bc=8, lk=4, ln=8, groups=8, fl=0),
+                   dict(bk=32, bn=32, bc=8, lk=4, ln=8, groups=8, fl=0, ca=1),
+                   dict(bk=32, bn=32, bc=8, lk=4, ln=8, groups=8, fl=1, ci=1)],
+               4: [dict(bk=32, bn=16, bc=8, lk=8, ln=4, groups=6, fl=1, ci=1),
+                   dict(bk=32, bn=16, bc=4, lk=8, ln=4, groups=6, fl=1, ci=1),
+                   dict(bk=16, bn=32, bc=4, lk=4, ln=8, groups=6, fl=1, ci=1)]}
+
+
 @dataclass(frozen=True)
 class Layout:
     """Derived sizes of one parameter set (all in floats unless named bytes)."""
@@ -76,6 +89,7 @@ class Layout:
     ks: int = 1  # > 1: channel stages split over ks blocks (grid z), partial outputs reduced
     ca: int = 0  # 1: transformed filters copied global -> shared by COPY4_ASYNC (no registers)
     ci: int = 0  # 1: input windows copied raw to a per-thread shared area by COPY1_ASYNC
+    mb: int = 0  # > 0: blocks per SM ptxas must leave room for (registers <= 64K / (mb * threads))
 
     @property
     def cbn(self) -> int:
@@ -285,14 +299,16 @@ class WinogradFused(Variant):
         pts = [dict(c, fl=fl) for fl in (1, 0) for c in base] + \
             [dict(c, **x) for x in (dict(fl=0, ca=1), dict(fl=0, ca=1, ci=1), dict(fl=1, ci=1))
              for c in base]
-        return [p for p in pts if p["fl"] or p["lk"] * p["ln"] * p["groups"] > 128 or self.m == 2]
+        pts = [p for p in pts if p["fl"] or p["lk"] * p["ln"] * p["groups"] > 128 or self.m == 2]
+        return pts + [dict(c, mb=2) for c in _TWO_BLOCKS[self.m]]
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
         g = Geometry(spec, self.m)
         out = []
         for cand in self._candidates(device):
             lay = Layout(g, **cand)
-            if lay.why_invalid(device.max_threads) or lay.smem_bytes > device.shared_optin_bytes:
+            if lay.why_invalid(device.max_threads) or \
+                    max(lay.mb, 1) * lay.smem_bytes > device.shared_optin_bytes:
                 continue
             out.append(Params(cand))
         return out + self._split_points(g, device, out)
@@ -308,7 +324,7 @@ class WinogradFused(Variant):
         for p in base:
             if not device.is_gpu:
                 picks += [(p, True)] if len(picks) < 2 else []
-            elif p.get("fl") == 1 and "ci" not in p and \
+            elif p.get("fl") == 1 and "ci" not in p and "mb" not in p and \
                     cdiv(g.tiles, p.bn) * cdiv(g.spec.k, p.bk) < 3 * units:
                 picks += [(p, uneven) for c, uneven in _SPLIT_GPU[self.m]
                           if all(p[k] == v for k, v in c.items())]
@@ -325,7 +341,7 @@ class WinogradFused(Variant):
     def _layout(self, spec: ConvSpec, p: Params) -> Layout:
         return Layout(Geometry(spec, self.m), p.bk, p.bn, p.bc, p.lk, p.ln, p.groups,
                       int(p.get("fl", 0)), int(p.get("ks", 1)), int(p.get("ca", 0)),
-                      int(p.get("ci", 0)))
+                      int(p.get("ci", 0)), int(p.get("mb", 0)))
 
     def _workspace(self, lay: Layout) -> tuple[tuple[str, int], ...]:
         s = lay.g.spec
@@ -430,8 +446,10 @@ def _main_kernel(lay: Layout, epi: Epilogue, vname: str) -> Kernel:
     if p.ca or p.ci:
         what = " and ".join(w for w, on in (("filters", p.ca), ("raw inputs", p.ci)) if on)
         note += f", {what} copied to shared memory asynchronously"
+    if p.mb:
+        note += f", registers capped for {p.mb} blocks per SM"
     return Kernel("wino_fused", args, code.text(), (lay.threads, 1, 1), helpers=STORE2_HELPER,
-                  comment=note)
+                  comment=note, min_blocks=lay.mb)
 
 
 def _emit_setup(code: Code, lay: Layout) -> None:
