@@ -75,3 +75,55 @@ def test_cli_devices_and_algos(ocl, capsys):
     assert "opencl" in capsys.readouterr().out
     assert main(["algos", "--spec", "N=1,C=3,H=13,W=13,K=8,R=3,S=3", "--backend", "opencl"]) == 0
     assert "direct" in capsys.readouterr().out
+
+
+def test_max_error_policy(capsys):
+    """'auto' and families keep to variants whose tolerance is within config.max_error; a named
+    variant always runs; bad limits are clean errors; the tuning key keeps the limits apart."""
+    from conftest import NOMINAL_CUDA
+    from convforge import kernels
+    from convforge.config import DEFAULT_MAX_ERROR, config, parse_max_error
+
+    spec = ConvSpec.make(32, 256, 14, 14, 256, 3, 3, 1, 1)
+    assert config.max_error == DEFAULT_MAX_ERROR
+    assert "winograd_nonfused_f7" in [v.name for v in kernels.select("auto", spec, NOMINAL_CUDA)]
+    saved = config.max_error
+    try:
+        config.max_error = 5e-5
+        names = [v.name for v in kernels.select("winograd", spec, NOMINAL_CUDA)]
+        assert "winograd_nonfused_f4" in names and "winograd_nonfused_f7" not in names
+        assert [v.name for v in kernels.select("winograd_nonfused_f7", spec, NOMINAL_CUDA)] == [
+            "winograd_nonfused_f7"]
+        assert "max_error" in kernels.reasons("auto", spec, NOMINAL_CUDA)["winograd_nonfused_f6"]
+        assert main(["algos", "--spec", "N=32,C=256,H=14,W=14,K=256,R=3,S=3,pad=1"]) == 0
+        assert "winograd_nonfused_f7" in capsys.readouterr().out
+    finally:
+        config.max_error = saved
+    assert main(["algos", "--spec", "N=1,C=8,H=14,W=14,K=8,R=3,S=3,pad=1", "--max-error", "1e-5"]) == 0
+    out = capsys.readouterr().out
+    assert "~ winograd_nonfused_f4" in out and "tolerance 5e-05 > max_error 1e-05" in out
+    config.max_error = saved
+    with pytest.raises(ValueError, match=r"max_error \(-1\) must be > 0"):
+        parse_max_error("-1")
+    with pytest.raises(ValueError, match=r"max_error \('tight'\) must be a number"):
+        parse_max_error("tight")
+    with pytest.raises(SystemExit):
+        main(["algos", "--spec", "N=1,C=8,H=14,W=14,K=8,R=3,S=3", "--max-error", "0"])
+    assert "max_error (0) must be > 0" in capsys.readouterr().err
+
+
+def test_tuning_key_keeps_accuracy_limits_apart(ocl):
+    from convforge.config import config
+    from convforge.tune import Tuner
+    from convforge.tune.heuristic import NO_EPILOGUE
+
+    spec = ConvSpec.make(1, 8, 14, 14, 8, 3, 3, 1, 1)
+    tuner = Tuner(ocl)
+    default_key = tuner.key(spec, NO_EPILOGUE)
+    saved = config.max_error
+    try:
+        config.max_error = 1e-5
+        strict_key = tuner.key(spec, NO_EPILOGUE)
+    finally:
+        config.max_error = saved
+    assert default_key != strict_key and "max_error=1e-05" in strict_key[-1]

@@ -18,9 +18,10 @@ from convforge.params import Params
 from convforge.plan import DeviceInfo, Plan
 from convforge.spec import ConvSpec
 
-SIZES = [(2, 3), (4, 3), (6, 3), (2, 5), (3, 2), (4, 5)]
+SIZES = [(2, 3), (4, 3), (6, 3), (7, 3), (2, 5), (3, 2), (4, 5)]
 # float32 transform error bounds per F(m, r), about 10x what the 1-D/2-D error test measures
-F32_BOUND = {(2, 3): 1e-6, (4, 3): 5e-6, (6, 3): 5e-5, (2, 5): 5e-6, (3, 2): 1e-6, (4, 5): 1e-4}
+F32_BOUND = {(2, 3): 1e-6, (4, 3): 5e-6, (6, 3): 5e-5, (7, 3): 3e-4, (2, 5): 5e-6, (3, 2): 1e-6,
+             (4, 5): 1e-4}
 
 
 def _rand_frac(rng: random.Random, shape: tuple[int, int]) -> Matrix:
@@ -102,8 +103,8 @@ ODD = [
     ConvSpec.make(2, 17, 13, 7, 70, 3, 3, padding=1),
     ConvSpec.make(1, 9, 5, 5, 3, 3, 3, padding=0),
 ]
-VARIANTS = ["winograd_nonfused_f2", "winograd_nonfused_f4", "winograd_fused_f2",
-            "winograd_fused_f4"]
+VARIANTS = ["winograd_nonfused_f2", "winograd_nonfused_f4", "winograd_nonfused_f6",
+            "winograd_nonfused_f7", "winograd_fused_f2", "winograd_fused_f4"]
 
 
 @pytest.fixture(scope="module")
@@ -213,6 +214,39 @@ def test_nonfused_split_gemm_on_odd_shapes(backend, m: int) -> None:  # type: ig
         assert res.ok, f"{prm.short()} {spec.short()}: {res}"
 
 
+@pytest.mark.parametrize("m", [2, 4, 7])
+def test_nonfused_staged_output_on_odd_shapes(backend, m: int) -> None:  # type: ignore[no-untyped-def]
+    """Output tiles stored through shared memory (so=1) and directly (so=0) on odd shapes: partial
+    tiles on the right and bottom edges, a last block with threads past the end, bias + ReLU
+    from the per-tile filter index, and a split GEMM's slices summed first."""
+    from convforge.plan import Epilogue
+
+    v = get_variant(f"winograd_nonfused_f{m}")
+    specs = ODD[:3] + [SGEMM_ODD[1]]
+    for spec in specs:
+        for so in (0, 1):
+            prm = v.default(spec, backend.device).replace(so=so)
+            for epi in (Epilogue(), Epilogue(bias=True, relu=True)):
+                res = check_plan(v.plan(spec, prm, backend.device, epi), backend, seed=5)
+                assert res.ok, f"so={so} {epi} {spec.short()}: {res}"
+    prm = v.sgemm_default(SGEMM_ODD[1], backend.device).replace(ks=2, so=1)
+    res = check_plan(v.plan(SGEMM_ODD[1], prm, backend.device), backend, seed=6)
+    assert res.ok, res
+
+
+def test_staged_output_default_rule() -> None:
+    """so=1 by default unless each tile row is one vector store (m = 2 or 4 and Q % m == 0); the
+    space offers the other choice second; a block whose staging exceeds 48 KB is refused."""
+    for m, q, so in ((4, 56, 0), (4, 14, 1), (4, 7, 1), (2, 28, 0), (2, 7, 1), (7, 56, 1), (6, 28, 1)):
+        v = get_variant(f"winograd_nonfused_f{m}")
+        spec = ConvSpec.make(32, 64, q, q, 64, 3, 3, padding=1)
+        space = v.space(spec, NOMINAL_CUDA)
+        assert space[0].get("so", 0) == so and space[1].get("so", 0) == 1 - so, (m, q)
+    v, spec = get_variant("winograd_nonfused_f7"), RESNET[1]
+    with pytest.raises(ValueError, match="so=1 .*shared memory"):
+        v.plan(spec, v.default(spec, NOMINAL_CUDA).replace(tb=512), NOMINAL_CUDA)
+
+
 def test_nonfused_split_default_by_wave_model() -> None:
     """Small grids (ResNet 512@7² N32: 144 GEMM blocks for 264 slots) get a channel split by
     default; big ones (N128) and CPUs do not; a split needs the sgemm path."""
@@ -262,6 +296,17 @@ def test_applies_reasons() -> None:
     nf4 = get_variant("winograd_nonfused_f4")
     assert "alpha" in (nf4.applies(ConvSpec.make(1, 3, 19, 19, 4, 7, 7), dev) or "")
     assert nf4.applies(ConvSpec.make(1, 3, 19, 19, 4, 5, 5), dev) is None
+    nf7 = get_variant("winograd_nonfused_f7")
+    assert "alpha 11 > 9" in (nf7.applies(ConvSpec.make(1, 3, 19, 19, 4, 5, 5), dev) or "")
+
+
+def test_tolerance_grows_with_alpha() -> None:
+    """One stated tolerance per tile size (alpha), from the accuracy table; F(7x7) the loosest."""
+    from convforge.kernels.winograd.nonfused import tolerance
+
+    tols = [tolerance(m, 3, 3) for m in (2, 4, 6, 7)]
+    assert tols == sorted(tols) and tols[0] == 1e-5 and tols[-1] == 5e-4
+    assert [get_variant(f"winograd_nonfused_f{m}").tolerance for m in (2, 4, 6, 7)] == tols
 
 
 def test_workspace_reported() -> None:
@@ -325,15 +370,18 @@ def test_two_block_points_fit_their_register_cap(m: int, spec: ConvSpec) -> None
 
 
 @pytest.mark.usefixtures("nvcc_ok")  # skips without nvcc, fails on CI
-@pytest.mark.parametrize("m", [2, 4])
+@pytest.mark.parametrize("m", [2, 4, 6, 7])
 @pytest.mark.parametrize("spec", [RESNET[0], ConvSpec.make(5, 832, 7, 7, 384, 3, 3, padding=1)],
                          ids=lambda s: s.key())
 def test_nonfused_sgemm_compiles_without_spills(m: int, spec: ConvSpec) -> None:
-    """The sgemm path's default point: every kernel of the plan compiles with 0 spills."""
+    """The sgemm path's default point, and the default with the other output store (so), and
+    with a 3-way channel split: every kernel of the plan compiles with 0 spills."""
     dev = NOMINAL_CUDA
     v = get_variant(f"winograd_nonfused_f{m}")
-    plan = v.plan(spec, v.sgemm_default(spec, dev), dev)
-    _assert_ptxas_clean(plan)
+    first = v.default(spec, dev)
+    for prm in (v.sgemm_default(spec, dev), first.replace(so=1 - first.get("so", 0)),
+                first.replace(ks=3)):
+        _assert_ptxas_clean(v.plan(spec, prm, dev))
 
 
 @pytest.mark.usefixtures("nvcc_ok")  # skips without nvcc, fails on CI

@@ -7,6 +7,7 @@ import sys
 from collections.abc import Callable
 
 from convforge import __version__
+from convforge.config import MAX_ERROR_HELP, config, max_error_arg
 from convforge.params import Params
 from convforge.spec import ConvSpec
 
@@ -67,6 +68,10 @@ def cmd_algos(args: argparse.Namespace) -> int:
         why = v.applies(spec, dev)
         if why:
             print(f"  - {v.name:26s} not applicable: {why}")
+            continue
+        why = kernels.accurate_enough(v)
+        if why:
+            print(f"  ~ {v.name:26s} not chosen by 'auto': {why} (runs when named)")
         else:
             print(f"  + {v.name:26s} default [{v.default(spec, dev).short()}], "
                   f"{len(v.space(spec, dev))} points")
@@ -136,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("algos", help="list the variants that apply to a layer")
     p.add_argument("--spec", required=True, help=SPEC_HELP)
     p.add_argument("--backend", choices=("cuda", "opencl"), default="cuda")
+    p.add_argument("--max-error", type=max_error_arg, metavar="E", help=MAX_ERROR_HELP)
     p.set_defaults(func=cmd_algos)
     p = sub.add_parser("show", help="print generated kernel source")
     p.add_argument("--spec", required=True, help=SPEC_HELP)
@@ -157,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "max_error", None) is not None:
+        config.max_error = args.max_error
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return int(func(args) or 0)

@@ -17,6 +17,7 @@ from convforge.backends.base import Backend
 from convforge.bench import baselines, ceilings, plots, report, runner
 from convforge.bench.suites import BUILTIN, SuiteError, load_suite
 from convforge.bench.timing import Timing
+from convforge.config import MAX_ERROR_HELP, max_error_arg
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick-ceilings", action="store_true",
                         help="measure the ceilings with tiny kernels (smoke tests)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-error", type=max_error_arg, metavar="E", help=MAX_ERROR_HELP)
     parser.add_argument("--ablation", choices=sorted(runner.ABLATIONS),
                         help="time one variant in its ablation configurations instead "
                         "(im2win: all on / no prefetch+double buffer / no vector loads / "

@@ -60,13 +60,24 @@ def select(algo: str, spec: ConvSpec, device: DeviceInfo) -> list[Variant]:
         if not chosen:
             known = sorted(set(FAMILIES) | set(_REGISTRY))
             raise ValueError(f"algo ({algo!r}) is not a family or variant; known: {', '.join(known)}")
-    usable = [v for v in chosen if v.applies(spec, device) is None]
+    usable = [v for v in chosen if v.applies(spec, device) is None
+              and (algo == v.name or accurate_enough(v) is None)]
     return sorted(usable, key=lambda v: -v.rank(spec, device))  # most specialised first (Boda's rule)
+
+
+def accurate_enough(variant: Variant) -> str | None:
+    """None when ``variant``'s stated tolerance is within ``config.max_error``, else why not."""
+    from convforge.config import config
+
+    if variant.tolerance <= config.max_error:
+        return None
+    return f"tolerance {variant.tolerance:.0e} > max_error {config.max_error:.0e}"
 
 
 def ranked(algo: str, spec: ConvSpec, device: DeviceInfo, workspace_limit: int | None = None,
            variants: Sequence[Variant] | None = None, params: Params | None = None) -> list[Variant]:
-    """Variants named by ``algo`` (or among ``variants``) that apply to ``spec`` and whose workspace
+    """Variants named by ``algo`` (within ``config.max_error``; or any of ``variants``, the
+    caller's own pool) that apply to ``spec`` and whose workspace
     with their default parameters (or ``params``) fits ``workspace_limit``, most specialised first
     (``Variant.rank``); ties keep registration order, so the order is deterministic."""
     if variants is None:
@@ -105,7 +116,7 @@ def reasons(algo: str, spec: ConvSpec, device: DeviceInfo) -> dict[str, str]:
     out = {}
     for v in all_variants():
         if algo in ("auto", v.name, v.family):
-            why = v.applies(spec, device)
+            why = v.applies(spec, device) or (None if algo == v.name else accurate_enough(v))
             if why:
                 out[v.name] = why
     return out

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from convforge.config import config
+from convforge.kernels import accurate_enough
 from convforge.params import Params
 from convforge.plan import Epilogue, Variant
 from convforge.spec import ConvSpec
@@ -59,7 +60,8 @@ def clear_choices() -> None:
 def choose(spec: ConvSpec, backend: Backend, epilogue: Epilogue = NO_EPILOGUE,
            workspace_limit: int | None = None) -> tuple[Variant, Params]:
     """(variant, params) for ``spec`` on ``backend``: database, else tune (if enabled), else heuristic."""
-    key = (backend, spec, epilogue, workspace_limit, config.autotune, config.db_path, config.cache_dir)
+    key = (backend, spec, epilogue, workspace_limit, config.autotune, config.db_path, config.cache_dir,
+           config.max_error)
     hit = _CHOICES.get(key)
     if hit is None:
         hit = _choose_slow(spec, backend, epilogue, workspace_limit)
@@ -80,7 +82,8 @@ def _choose_slow(spec: ConvSpec, backend: Backend, epi: Epilogue,
         if entry is not None:
             variant = tuner._known(entry)
             fits = workspace_limit is None or entry.workspace <= workspace_limit
-            if variant is not None and fits and variant.applies(spec, backend.device) is None:
+            if (variant is not None and fits and variant.applies(spec, backend.device) is None
+                    and accurate_enough(variant) is None):
                 params = Params.from_json(entry.params)
                 try:  # an entry from an older generator may name parameters it no longer takes
                     variant.plan(spec, params, backend.device, epi)

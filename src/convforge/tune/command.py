@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from convforge.config import config
+from convforge.config import MAX_ERROR_HELP, config, max_error_arg
 from convforge.plan import Epilogue
 from convforge.spec import ConvSpec
 from convforge.tune.db import Entry, TuningDB
@@ -41,6 +41,7 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--relu", action="store_true", help="tune with a ReLU epilogue")
     p.add_argument("--force", action="store_true", help="re-tune layers the database already knows")
     p.add_argument("--seed", type=int, default=0, help="seed of the space sample and of the check inputs")
+    p.add_argument("--max-error", type=max_error_arg, metavar="E", help=MAX_ERROR_HELP)
     p.add_argument("--workers", type=int, help="compile threads (default: CPU count, at most 16)")
     p.add_argument("--report", type=Path, metavar="DIR",
                    help="also write Boda's autotuned / heuristic / fixed-parameters comparison to DIR "

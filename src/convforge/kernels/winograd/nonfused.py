@@ -32,6 +32,11 @@ from convforge.kernels.sgemm import (
     gemm_kernel,
     gemm_space,
 )
+from convforge.kernels.winograd.staged import (
+    STATIC_SHARED_LIMIT,
+    emit_staged_output,
+    staged_bytes,
+)
 from convforge.kernels.winograd.tiles import (
     STORE2_HELPER,
     Geometry,
@@ -47,14 +52,14 @@ from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
 from convforge.spec import ConvSpec
 
-MAX_ALPHA = 8
+MAX_ALPHA = 9
 _INT_LIMIT = 2 ** 31 - 1
 
 
 def tolerance(m: int, r: int, s: int) -> float:
     """Relative L2 tolerance of F(m x m, r x s), from the accuracy table in docs/NOTES-winograd.md."""
     alpha = m + max(r, s) - 1
-    return {1: 1e-5, 2: 1e-5, 3: 1e-5, 4: 1e-5, 5: 2e-5, 6: 5e-5, 7: 2e-4}.get(alpha, 1e-3)
+    return {1: 1e-5, 2: 1e-5, 3: 1e-5, 4: 1e-5, 5: 2e-5, 6: 5e-5, 7: 1e-4, 8: 1e-4, 9: 5e-4}[alpha]
 
 
 def winograd_applies(spec: ConvSpec, m: int, max_alpha: int) -> str | None:
@@ -77,16 +82,22 @@ class WinogradNonFused(Variant):
     def __init__(self, m: int) -> None:
         self.m = m
         self.name = f"winograd_nonfused_f{m}"
-        self.specialised = 7 if m == 4 else 6
+        self.specialised = {4: 7, 7: 5}.get(m, 6)
         self.tolerance = tolerance(m, 3, 3)
 
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
-        """F(4x4) first on GPUs for 3x3 layers of at most 32x32 outputs with >= 64 tiles: there its
-        defaults (split GEMM included) beat every fused default on the H200 (ResNet 128@28² to
-        512@7², N32-128; Boda 3x3 at N5); bigger images stay with fused F(4x4), N=1 with fused
-        F(2x2) (too few tiles for a GEMM)."""
-        if (self.m == 4 and device.is_gpu and (spec.r, spec.s) == (3, 3)
-                and spec.p * spec.q <= 32 * 32 and Geometry(spec, 4).tiles >= 64):
+        """On GPUs, for 3x3 layers of at most 64x64 outputs and N >= 16: F(7x7) first where its
+        multiplications (81/49 per output, times the padding to whole tiles) are under 0.8 of
+        F(4x4)'s (H200, defaults with staged stores: 5-38 % faster than F(4x4) on all 8 ResNet
+        layers timed, N32 and N128); else F(4x4) for outputs of at most 32x32 with >= 64 tiles:
+        there its defaults (split GEMM included) beat every fused default (ResNet 128@28² to 512@7²,
+        N32-128; Boda 3x3 at N5); bigger images stay with fused F(4x4), N=1 with fused F(2x2)."""
+        if not (device.is_gpu and (spec.r, spec.s) == (3, 3)):
+            return self.specialised
+        if (self.m == 7 and spec.p * spec.q <= 64 * 64 and spec.n >= 16
+                and _work(spec, 7) < 0.8 * _work(spec, 4)):
+            return 11
+        if self.m == 4 and spec.p * spec.q <= 32 * 32 and Geometry(spec, 4).tiles >= 64:
             return 10
         return self.specialised
 
@@ -110,13 +121,20 @@ class WinogradNonFused(Variant):
         slices (H200, F(4x4), bk=16 against 8: 2-4 % faster at 128@28² N32/N128, 256@14² N64/N128,
         512@7² N128; 2-5 % slower split or at C=64)."""
         if not device.is_gpu:
-            return self.own_default(spec, device)
+            return self._stores(spec, self.own_default(spec, device))
         space = self.sgemm_space(spec, device)
         p = self.split_default(spec, device, space[0])
         deep = p.replace(bk=16)
         if p.get("ks", 1) == 1 and spec.c >= 128 and p.bk == 8 and deep in space:
-            return deep
-        return p
+            return self._stores(spec, deep)
+        return self._stores(spec, p)
+
+    def _stores(self, spec: ConvSpec, p: Params) -> Params:
+        """``p`` with so=1 (output tiles stored through shared memory, staged.py) unless each
+        tile row is one aligned vector store (m = 2 or 4 and Q a multiple of m). H200, defaults:
+        F(7x7) 19-27 % faster with so=1 on ResNet, F(4x4) 5 % at 7x7 and 14x14, F(4x4) at 28x28
+        and 56x56 (float4 rows) 0-2 % slower."""
+        return p if self.m in (2, 4) and spec.q % self.m == 0 else p.replace(so=1)
 
     def split_default(self, spec: ConvSpec, device: DeviceInfo, p: Params) -> Params:
         """``p`` with the channel split ``ks`` (1-4) a wave model prefers, when it saves 15 %.
@@ -151,7 +169,8 @@ class WinogradNonFused(Variant):
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
         """The default, the own kernel's tiles, then every sgemm point (``gemm="sgemm"``); on
         GPUs the default GEMM tile split over channels too (``ks`` 2-4)."""
-        out = [self.default(spec, device), self.own_default(spec, device)]
+        first = self.default(spec, device)
+        out = [first, first.replace(so=1 - int(first.get("so", 0))), self.own_default(spec, device)]
         if device.is_gpu:
             sg = self.sgemm_default(spec, device)
             out += [p for p in [sg] + [sg.replace(ks=k) for k in (2, 3, 4) if spec.c // k >= 32]
@@ -198,7 +217,7 @@ class WinogradNonFused(Variant):
         if ks > 1 and (p.get("gemm") != "sgemm" or not 1 < ks <= spec.c):
             raise ValueError(f"{self.name}: ks={ks} needs gemm='sgemm' and at most C slices")
         if p.get("gemm", "own") == "sgemm":
-            gp = Params({k: v for k, v in p.items() if k not in ("gemm", "tb", "ks")})
+            gp = Params({k: v for k, v in p.items() if k not in ("gemm", "tb", "ks", "so")})
             gemm = self._sgemm_kernel(g, gp, ks)
             grid, block = gemm_grid(self._shape(g, ks), gp), gemm_block(gp)
         elif p.get("gemm", "own") == "own":
@@ -206,8 +225,12 @@ class WinogradNonFused(Variant):
             grid, block = (cdiv(g.tiles, p.bn), cdiv(spec.k, p.bm), g.a2), gemm.block
         else:
             raise ValueError(f"{self.name}: gemm={p.gemm!r} (expected 'own' or 'sgemm')")
+        so = bool(p.get("so", 0))
+        if so and staged_bytes(g, tb) > STATIC_SHARED_LIMIT:
+            raise ValueError(f"{self.name}: so=1 (staged output) of {tb} tiles needs "
+                             f"{staged_bytes(g, tb)} bytes of shared memory (limit {STATIC_SHARED_LIMIT})")
         kernels = (self._filter_kernel(g, tb), self._input_kernel(g, tb), gemm,
-                   self._output_kernel(g, tb, epilogue, ks))
+                   self._output_kernel(g, tb, epilogue, ks, so))
         steps = (
             Launch(kernels[0].name, (cdiv(spec.k * spec.c, tb), 1, 1), (tb, 1, 1), ("w", "wino_u")),
             Launch(kernels[1].name, (cdiv(spec.c * g.tiles, tb), 1, 1), (tb, 1, 1),
@@ -247,19 +270,33 @@ class WinogradNonFused(Variant):
         return Kernel("wino_input_transform", (Buf("x"), Buf("v", readonly=False)),
                       code.text(), (tb, 1, 1), comment=f"{self.name}: B^T d B")
 
-    def _output_kernel(self, g: Geometry, tb: int, epi: Epilogue, ks: int = 1) -> Kernel:
-        """A^T M A per (filter, tile); with a split GEMM M is the sum of its ks channel slices."""
+    def _output_kernel(self, g: Geometry, tb: int, epi: Epilogue, ks: int = 1,
+                       staged: bool = False) -> Kernel:
+        """A^T M A per (filter, tile); with a split GEMM M is the sum of its ks channel slices;
+        ``staged``: tiles stored by the whole block through shared memory (staged.py)."""
         s = g.spec
         total = s.k * g.tiles
-        code = _per_thread(tb, total, ("t", g.tiles), "k")
+        if staged:
+            code = Code()
+            code(f"const int lid = LOCAL_ID(0), idx = GROUP_ID(0) * {tb} + lid;",
+                 f"const int t = idx % {g.tiles}, k = idx / {g.tiles};",
+                 f"const int ri = idx < {total} ? idx : {total - 1};  // rows past the end read the last")
+            at = "ri"
+        else:
+            code = _per_thread(tb, total, ("t", g.tiles), "k")
+            at = "idx"
         for i, j in itertools.product(range(g.ah), range(g.aw)):
-            terms = " + ".join(f"mw[{(z * g.a2 + i * g.aw + j) * total} + idx]" for z in range(ks))
+            terms = " + ".join(f"mw[{(z * g.a2 + i * g.aw + j) * total} + {at}]" for z in range(ks))
             code(f"const float m{i}_{j} = {terms};")
         emit_output_transform(code, g, "m", "o", "mt")
-        emit_tile_origin(code, g, "t")
-        emit_output_store(code, g, epi, "o", "k", "1")
+        if staged:
+            emit_staged_output(code, g, tb, total, epi, "o", "k", "t", f"idx < {total}")
+        else:
+            emit_tile_origin(code, g, "t")
+            emit_output_store(code, g, epi, "o", "k", "1")
         return Kernel("wino_output_transform", (Buf("mw"),) + out_args(epi), code.text(),
-                      (tb, 1, 1), helpers=STORE2_HELPER, comment=f"{self.name}: A^T M A")
+                      (tb, 1, 1), helpers=STORE2_HELPER,
+                      comment=f"{self.name}: A^T M A" + (" (staged tiles)" if staged else ""))
 
     def _gemm_kernel(self, g: Geometry, p: Params) -> Kernel:
         """M[e] = U[e]^T V[e]: bm x bn block tile, tm x tn per thread, bk channels per stage."""
@@ -347,6 +384,12 @@ class WinogradNonFused(Variant):
                 code(f"if (l < {total}) {stmt}" if total % nt else stmt)
 
 
+def _work(spec: ConvSpec, m: int) -> float:
+    """Element-wise multiplications of F(m x m, 3 x 3) per output, padding to whole tiles included."""
+    g = Geometry(spec, m)
+    return g.a2 * g.tiles / (spec.n * spec.p * spec.q)
+
+
 def _per_thread(tb: int, total: int, fast: tuple[str, int], slow: str, note: str = "") -> Code:
     """The transform kernels' prologue: one thread per (slow, fast) pair, ``fast`` varying
     quickest (coalesced), threads past ``total`` leave."""
@@ -360,3 +403,5 @@ def _per_thread(tb: int, total: int, fast: tuple[str, int], slow: str, note: str
 
 register(WinogradNonFused(2))
 register(WinogradNonFused(4))
+register(WinogradNonFused(6))
+register(WinogradNonFused(7))
