@@ -14,7 +14,7 @@ from convforge.spec import ConvSpec
 
 LAYERS = ((64, 56), (128, 28), (256, 14), (512, 7))
 VARIANTS = ("direct", "implicit_gemm", "winograd_nonfused_f2", "winograd_fused_f2", "winograd_nonfused_f4",
-            "winograd_fused_f4")
+            "winograd_fused_f4", "winograd_nonfused_f6", "winograd_nonfused_f7")
 
 
 def table(n: int = 1, seed: int = 0) -> str:

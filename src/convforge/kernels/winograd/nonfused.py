@@ -88,7 +88,7 @@ class WinogradNonFused(Variant):
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
         """On GPUs, for 3x3 layers of at most 64x64 outputs and N >= 16: F(7x7) first where its
         multiplications (81/49 per output, times the padding to whole tiles) are under 0.8 of
-        F(4x4)'s (H200, defaults with staged stores: 5-38 % faster than F(4x4) on all 8 ResNet
+        F(4x4)'s (H200, defaults with staged stores: 6-31 % less time than F(4x4) on all 8 ResNet
         layers timed, N32 and N128); else F(4x4) for outputs of at most 32x32 with >= 64 tiles:
         there its defaults (split GEMM included) beat every fused default (ResNet 128@28² to 512@7²,
         N32-128; Boda 3x3 at N5); bigger images stay with fused F(4x4), N=1 with fused F(2x2)."""
@@ -132,8 +132,8 @@ class WinogradNonFused(Variant):
     def _stores(self, spec: ConvSpec, p: Params) -> Params:
         """``p`` with so=1 (output tiles stored through shared memory, staged.py) unless each
         tile row is one aligned vector store (m = 2 or 4 and Q a multiple of m). H200, defaults:
-        F(7x7) 19-27 % faster with so=1 on ResNet, F(4x4) 5 % at 7x7 and 14x14, F(4x4) at 28x28
-        and 56x56 (float4 rows) 0-2 % slower."""
+        F(7x7) 8-27 % less time with so=1 on ResNet, F(4x4) 2-6 % at 7x7 and 14x14, F(4x4) at 28x28
+        and 56x56 (float4 rows) 0.5-3 % slower."""
         return p if self.m in (2, 4) and spec.q % self.m == 0 else p.replace(so=1)
 
     def split_default(self, spec: ConvSpec, device: DeviceInfo, p: Params) -> Params:
