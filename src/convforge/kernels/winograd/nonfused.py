@@ -59,7 +59,10 @@ _INT_LIMIT = 2 ** 31 - 1
 def tolerance(m: int, r: int, s: int) -> float:
     """Relative L2 tolerance of F(m x m, r x s), from the accuracy table in docs/NOTES-winograd.md."""
     alpha = m + max(r, s) - 1
-    return {1: 1e-5, 2: 1e-5, 3: 1e-5, 4: 1e-5, 5: 2e-5, 6: 5e-5, 7: 1e-4, 8: 1e-4, 9: 5e-4}[alpha]
+    tols = {1: 1e-5, 2: 1e-5, 3: 1e-5, 4: 1e-5, 5: 2e-5, 6: 5e-5, 7: 1e-4, 8: 1e-4, 9: 5e-4}
+    if alpha not in tols:
+        raise ValueError(f"F({m}, {max(r, s)}) has alpha {alpha} > {MAX_ALPHA}: no stated tolerance")
+    return tols[alpha]
 
 
 def winograd_applies(spec: ConvSpec, m: int, max_alpha: int) -> str | None:
