@@ -34,3 +34,21 @@ def test_generated_source_snapshot(name, tag, backend):
         path.write_text(src)
     assert path.exists(), f"no snapshot {path.name}: run with CONVFORGE_UPDATE_SNAPSHOTS=1 and review it"
     assert src == path.read_text(), f"generated source of {name} changed; review and update the snapshot"
+
+
+@pytest.mark.parametrize("name", ["winograd_nonfused_f6", "winograd_nonfused_f7"])
+@pytest.mark.parametrize("backend", ["cuda", "opencl"])
+def test_full_filter_transform_snapshot(name, backend):
+    """The 3x3 snapshot spec has few tiles, so F(6x6)/F(7x7) default to half-transformed filters
+    (hf=1); this pins the other path, the full G g G^T filter transform and the plain GEMM."""
+    variant = next(v for v in all_variants() if v.name == name)
+    device = NOMINAL_CUDA if backend == "cuda" else NOMINAL_OPENCL_GPU
+    spec = SPECS["3x3"]
+    prm = variant.default(spec, device)
+    assert prm.get("hf") == 1
+    src = variant.plan(spec, prm.replace(hf=0), device).source(backend)
+    path = SNAP / f"{name}.3x3-hf0.{backend}.txt"
+    if os.environ.get("CONVFORGE_UPDATE_SNAPSHOTS"):
+        path.write_text(src)
+    assert path.exists(), f"no snapshot {path.name}: run with CONVFORGE_UPDATE_SNAPSHOTS=1 and review it"
+    assert src == path.read_text(), f"generated source of {name} (hf=0) changed; review and update"

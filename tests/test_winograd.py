@@ -14,6 +14,7 @@ from convforge.check import check_plan
 from convforge.codegen.nvcc import PtxasInfo, ptxas_report
 from convforge.kernels import get_variant
 from convforge.kernels.winograd.matrices import Matrix, matmul, transpose, winograd
+from convforge.kernels.winograd.tiles import Geometry
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Plan
 from convforge.spec import ConvSpec
@@ -234,6 +235,51 @@ def test_nonfused_staged_output_on_odd_shapes(backend, m: int) -> None:  # type:
     assert res.ok, res
 
 
+@pytest.mark.parametrize("m", [2, 4, 7])
+def test_nonfused_half_filters_on_odd_shapes(backend, m: int) -> None:  # type: ignore[no-untyped-def]
+    """hf=1: the filter kernel writes H = G_h g only and the GEMM's A loads finish U = H G_w^T.
+    Odd shapes, 5x5 and 3x2 filters (r != s), a channel split, bias + ReLU, and float4 A loads;
+    the workspace holds alpha_h * s floats per filter instead of alpha^2."""
+    from convforge.plan import Epilogue
+
+    v = get_variant(f"winograd_nonfused_f{m}")
+    specs = ODD[1:3] + SGEMM_ODD + [ConvSpec.make(2, 7, 9, 10, 5, 3, 2, padding=1)]
+    vec = Params(bm=32, bn=32, bk=8, tm=4, tn=4, va=4, vb=4, pf=1, db=1, gemm="sgemm", tb=64, hf=1)
+    checked = 0
+    for spec in [sp for sp in specs if v.applies(sp, backend.device) is None]:
+        prm = v.sgemm_default(spec, backend.device).replace(hf=1)
+        for p, epi in ((prm, Epilogue()), (prm.replace(ks=2, so=1), Epilogue(bias=True, relu=True))):
+            plan = v.plan(spec, p, backend.device, epi)
+            g = Geometry(spec, m)
+            assert dict(plan.workspace)["wino_u"] == 4 * g.ah * spec.s * spec.c * spec.k
+            res = check_plan(plan, backend, seed=7)
+            assert res.ok, f"{p.short()} {spec.short()}: {res}"
+            checked += 1
+    spec = ConvSpec.make(2, 20, 8, 8, 36, 3, 3, padding=1)  # K and T multiples of 4: float4 loads
+    res = check_plan(v.plan(spec, vec, backend.device), backend, seed=8)
+    assert res.ok, res
+    assert checked >= 8
+    with pytest.raises(ValueError, match="hf=1 .* needs gemm='sgemm'"):
+        v.plan(spec, v.own_default(spec, backend.device).replace(hf=1), backend.device)
+
+
+def test_half_filters_default_rule() -> None:
+    """GPU defaults take hf=1 for alpha >= 8 with at most 64 GEMM columns (ResNet 512@7² N32 and
+    N64 under F(7x7)), never for F(4x4) or larger grids; the space offers it with each split."""
+    small, big = (ConvSpec.make(n, 512, 7, 7, 512, 3, 3, padding=1) for n in (32, 128))
+    f7, f4 = get_variant("winograd_nonfused_f7"), get_variant("winograd_nonfused_f4")
+    assert f7.default(small, NOMINAL_CUDA).get("hf") == 1
+    assert f7.default(big, NOMINAL_CUDA).get("hf", 0) == 0
+    assert f4.default(small, NOMINAL_CUDA).get("hf", 0) == 0
+    space = f7.space(small, NOMINAL_CUDA)
+    assert {p.get("ks", 1) for p in space[:8] if p.get("hf")} == {1, 2, 3, 4}
+    assert any(not p.get("hf") for p in space[:4])
+    wide = ConvSpec.make(64, 256, 14, 14, 256, 3, 3, padding=1)  # 256 GEMM columns
+    assert not any(p.get("hf") for p in f7.space(wide, NOMINAL_CUDA))
+    cpu = DeviceInfo("opencl", "cpu", is_gpu=False)
+    assert not any(p.get("hf") for p in f7.space(small, cpu))
+
+
 def test_staged_output_default_rule() -> None:
     """so=1 by default unless each tile row is one vector store (m = 2 or 4 and Q % m == 0); the
     space offers the other choice second; a block whose staging exceeds 48 KB is refused."""
@@ -380,7 +426,7 @@ def test_nonfused_sgemm_compiles_without_spills(m: int, spec: ConvSpec) -> None:
     v = get_variant(f"winograd_nonfused_f{m}")
     first = v.default(spec, dev)
     for prm in (v.sgemm_default(spec, dev), first.replace(so=1 - first.get("so", 0)),
-                first.replace(ks=3)):
+                first.replace(ks=3), first.replace(hf=1 - first.get("hf", 0))):
         _assert_ptxas_clean(v.plan(spec, prm, dev))
 
 

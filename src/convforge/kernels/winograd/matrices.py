@@ -155,6 +155,17 @@ def lincomb(coeffs: tuple[Fraction, ...], names: list[str]) -> str:
     return " ".join(terms) if terms else "0.0f"
 
 
+def row_select(mat: Matrix, col: int, index: str) -> str:
+    """C expression of mat[index][col] for a run-time row ``index`` (a chain of selects; the
+    caller evaluates it once, outside any loop)."""
+    vals = [_literal_signed(row[col]) for row in mat]
+    return " : ".join(f"{index} == {i} ? {v}" for i, v in enumerate(vals[:-1])) + f" : {vals[-1]}"
+
+
+def _literal_signed(v: Fraction) -> str:
+    return _literal(v) if v >= 0 else f"-{_literal(-v)}"
+
+
 def emit_2d(left: Matrix, right: Matrix, src: str, dst: str, tmp: str,
             decl: str = "const float") -> list[str]:
     """Lines computing dst = left . src . right^T for named scalars ``src{i}_{j}``.

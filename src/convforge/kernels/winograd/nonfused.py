@@ -32,6 +32,7 @@ from convforge.kernels.sgemm import (
     gemm_kernel,
     gemm_space,
 )
+from convforge.kernels.winograd.matrices import lincomb, row_select
 from convforge.kernels.winograd.staged import (
     STATIC_SHARED_LIMIT,
     emit_staged_output,
@@ -129,8 +130,16 @@ class WinogradNonFused(Variant):
         p = self.split_default(spec, device, space[0])
         deep = p.replace(bk=16)
         if p.get("ks", 1) == 1 and spec.c >= 128 and p.bk == 8 and deep in space:
-            return self._stores(spec, deep)
-        return self._stores(spec, p)
+            p = deep
+        return self._stores(spec, p.replace(hf=1) if self._half_default(spec) else p)
+
+    def _half_default(self, spec: ConvSpec) -> bool:
+        """hf=1 (half-transformed filters, :meth:`_half_operand`) by default where U dwarfs the
+        GEMM's other operand: alpha >= 8 (H is s/alpha of U) and at most 64 GEMM columns. H200,
+        F(7x7) defaults: 512@7² N32 0.105 -> 0.098 ms (0.083 with ks=2), N64 0.144 -> 0.134
+        (0.123 with ks=1); N96 and N128 unchanged, 256@14² N32 +4 % (-6 % with ks=2), N64 and
+        N128 11-18 % slower, F(4x4) slower everywhere."""
+        return self.m + max(spec.r, spec.s) - 1 >= 8 and Geometry(spec, self.m).tiles <= 64
 
     def _stores(self, spec: ConvSpec, p: Params) -> Params:
         """``p`` with so=1 (output tiles stored through shared memory, staged.py) unless each
@@ -171,9 +180,15 @@ class WinogradNonFused(Variant):
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
         """The default, the own kernel's tiles, then every sgemm point (``gemm="sgemm"``); on
-        GPUs the default GEMM tile split over channels too (``ks`` 2-4)."""
+        GPUs the default GEMM tile split over channels too (``ks`` 2-4), and for alpha >= 8 with
+        at most 128 GEMM columns the half-transformed filters (``hf``) with each split first."""
         first = self.default(spec, device)
-        out = [first, first.replace(so=1 - int(first.get("so", 0))), self.own_default(spec, device)]
+        out = [first, first.replace(so=1 - int(first.get("so", 0)))]
+        if device.is_gpu and self.m + max(spec.r, spec.s) - 1 >= 8 and Geometry(spec, self.m).tiles <= 128:
+            out += [q for q in [first.replace(hf=1 - int(first.get("hf", 0)))] +
+                    [first.replace(hf=1, ks=k) for k in (1, 2, 3, 4) if k == 1 or spec.c // k >= 32]
+                    if q not in out]
+        out.append(self.own_default(spec, device))
         if device.is_gpu:
             sg = self.sgemm_default(spec, device)
             out += [p for p in [sg] + [sg.replace(ks=k) for k in (2, 3, 4) if spec.c // k >= 32]
@@ -203,12 +218,15 @@ class WinogradNonFused(Variant):
         return [p.replace(gemm="sgemm", tb=tb) for p in pts]
 
     def workspace_bytes(self, spec: ConvSpec, params: Params) -> int:
-        return sum(b for _, b in self._workspace(spec, int(params.get("ks", 1))))
+        ws = self._workspace(spec, int(params.get("ks", 1)), bool(params.get("hf", 0)))
+        return sum(b for _, b in ws)
 
-    def _workspace(self, spec: ConvSpec, ks: int = 1) -> tuple[tuple[str, int], ...]:
-        """U, V and M (ks channel slices of M when the GEMM is split)."""
+    def _workspace(self, spec: ConvSpec, ks: int = 1, hf: bool = False) -> tuple[tuple[str, int], ...]:
+        """U (or with ``hf`` the half-transformed H), V and M (ks channel slices of M when the
+        GEMM is split)."""
         g = Geometry(spec, self.m)
-        return (("wino_u", 4 * g.a2 * spec.c * spec.k), ("wino_v", 4 * g.a2 * spec.c * g.tiles),
+        per_filter = g.ah * spec.s if hf else g.a2
+        return (("wino_u", 4 * per_filter * spec.c * spec.k), ("wino_v", 4 * g.a2 * spec.c * g.tiles),
                 ("wino_m", 4 * ks * g.a2 * spec.k * g.tiles))
 
     # -- plan -------------------------------------------------------------------------------
@@ -219,40 +237,62 @@ class WinogradNonFused(Variant):
         tb, ks = p.tb, int(p.get("ks", 1))
         if ks > 1 and (p.get("gemm") != "sgemm" or not 1 < ks <= spec.c):
             raise ValueError(f"{self.name}: ks={ks} needs gemm='sgemm' and at most C slices")
-        if p.get("gemm", "own") == "sgemm":
-            gp = Params({k: v for k, v in p.items() if k not in ("gemm", "tb", "ks", "so")})
-            gemm = self._sgemm_kernel(g, gp, ks)
+        kind, hf = p.get("gemm", "own"), bool(p.get("hf", 0))
+        if kind == "sgemm":
+            gp = Params({k: v for k, v in p.items() if k not in ("gemm", "tb", "ks", "so", "hf")})
+            gemm = self._sgemm_kernel(g, gp, ks, hf)
             grid, block = gemm_grid(self._shape(g, ks), gp), gemm_block(gp)
-        elif p.get("gemm", "own") == "own":
+        elif kind == "own":
             gemm = self._gemm_kernel(g, p)
             grid, block = (cdiv(g.tiles, p.bn), cdiv(spec.k, p.bm), g.a2), gemm.block
         else:
             raise ValueError(f"{self.name}: gemm={p.gemm!r} (expected 'own' or 'sgemm')")
-        so = bool(p.get("so", 0))
-        if so and staged_bytes(g, tb) > STATIC_SHARED_LIMIT:
-            raise ValueError(f"{self.name}: so=1 (staged output) of {tb} tiles needs "
-                             f"{staged_bytes(g, tb)} bytes of shared memory (limit {STATIC_SHARED_LIMIT})")
-        kernels = (self._filter_kernel(g, tb), self._input_kernel(g, tb), gemm,
-                   self._output_kernel(g, tb, epilogue, ks, so))
+        if hf and kind != "sgemm":
+            raise ValueError(f"{self.name}: hf=1 (half-transformed filters) needs gemm='sgemm'")
+        out = self._output_kernel(g, tb, epilogue, ks, self._staged(g, p))
+        kernels = (self._filter_kernel(g, tb, hf), self._input_kernel(g, tb), gemm, out)
         steps = (
             Launch(kernels[0].name, (cdiv(spec.k * spec.c, tb), 1, 1), (tb, 1, 1), ("w", "wino_u")),
-            Launch(kernels[1].name, (cdiv(spec.c * g.tiles, tb), 1, 1), (tb, 1, 1),
-                   ("x", "wino_v")),
+            self._input_launch(g, tb),
             Launch(kernels[2].name, grid, block, ("wino_u", "wino_v", "wino_m")),
-            Launch(kernels[3].name, (cdiv(spec.k * g.tiles, tb), 1, 1), (tb, 1, 1),
-                   ("wino_m",) + out_refs(epilogue)),
+            self._output_launch(g, tb, epilogue),
         )
         return Plan(self.name, self.family, spec, params, kernels, steps,
-                    workspace=self._workspace(spec, ks), tolerance=tolerance(self.m, spec.r, spec.s),
-                    epilogue=epilogue)
+                    workspace=self._workspace(spec, ks, hf),
+                    tolerance=tolerance(self.m, spec.r, spec.s), epilogue=epilogue)
 
-    def _filter_kernel(self, g: Geometry, tb: int) -> Kernel:
+    def _staged(self, g: Geometry, p: Params) -> bool:
+        so = bool(p.get("so", 0))
+        if so and staged_bytes(g, p.tb) > STATIC_SHARED_LIMIT:
+            raise ValueError(f"{self.name}: so=1 (staged output) of {p.tb} tiles needs "
+                             f"{staged_bytes(g, p.tb)} bytes of shared memory (limit {STATIC_SHARED_LIMIT})")
+        return so
+
+    @staticmethod
+    def _input_launch(g: Geometry, tb: int) -> Launch:
+        return Launch("wino_input_transform", (cdiv(g.spec.c * g.tiles, tb), 1, 1), (tb, 1, 1),
+                      ("x", "wino_v"))
+
+    @staticmethod
+    def _output_launch(g: Geometry, tb: int, epi: Epilogue) -> Launch:
+        return Launch("wino_output_transform", (cdiv(g.spec.k * g.tiles, tb), 1, 1), (tb, 1, 1),
+                      ("wino_m",) + out_refs(epi))
+
+    def _filter_kernel(self, g: Geometry, tb: int, half: bool = False) -> Kernel:
+        """U = G g G^T per (filter, channel); ``half``: only H = G_h g (alpha_h x s floats
+        instead of alpha^2, the GEMM's A loads finish the transform; hf=1)."""
         s = g.spec
         rs, ck = s.r * s.s, s.c * s.k
         code = _per_thread(tb, ck, ("k", s.k), "c", "U[e][c][k]: stores coalesced in k")
         code(f"const GLOBAL_PTR float* wp = w + (k * {s.c} + c) * {rs};")
         for i, j in itertools.product(range(s.r), range(s.s)):
             code(f"const float g{i}_{j} = wp[{i * s.s + j}];")
+        if half:
+            for i, b in itertools.product(range(g.ah), range(s.s)):
+                expr = lincomb(g.th.G[i], [f"g{a}_{b}" for a in range(s.r)])
+                code(f"u[{(i * s.s + b) * ck} + idx] = {expr};")
+            return Kernel("wino_filter_transform", (Buf("w"), Buf("u", readonly=False)),
+                          code.text(), (tb, 1, 1), comment=f"{self.name}: H = G g (half)")
         emit_filter_transform(code, g, "g", "u", "gt")
         for i, j in itertools.product(range(g.ah), range(g.aw)):
             code(f"u[{(i * g.aw + j) * ck} + idx] = u{i}_{j};")
@@ -341,10 +381,11 @@ class WinogradNonFused(Variant):
     def _shape(g: Geometry, ks: int = 1) -> GemmShape:
         return GemmShape(g.spec.k, g.tiles, g.spec.c, batch=g.a2, ksplit=ks)
 
-    def _sgemm_kernel(self, g: Geometry, p: Params, ks: int = 1) -> Kernel:
+    def _sgemm_kernel(self, g: Geometry, p: Params, ks: int = 1, half: bool = False) -> Kernel:
         """M[e] = U[e]^T V[e] by the shared generator: A (i = k, c) = U[e][c][k] and
         B (c, i = t) = V[e][c][t] are both contiguous along i, so consecutive threads walk i
-        (float4 loads when K resp. T is a multiple of 4); ``bz`` is the batch e."""
+        (float4 loads when K resp. T is a multiple of 4); ``bz`` is the batch e. ``half``: A is
+        formed from the half-transformed filters (:meth:`_half_operand`)."""
         s = g.spec
         kk, tt, cc = s.k, g.tiles, s.c
 
@@ -363,15 +404,40 @@ class WinogradNonFused(Variant):
         def vput(m: str, t: str, vs: list[str]) -> list[str]:
             return [f"VSTORE4(MAKE_FLOAT4({', '.join(vs)}), 0, me + ({m}) * {tt} + {t}_i);"]
 
-        prelude = (f"const GLOBAL_PTR float* ue = u + bz * {cc * kk};  // U[e]: C x K",
-                   f"const GLOBAL_PTR float* ve = v + bz * {cc * tt};  // V[e]: C x T",
-                   f"GLOBAL_PTR float* me = mw + (kz * {g.a2} + bz) * {kk * tt};"
-                   "  // M[e] (of channel slice kz): K x T")
-        return gemm_kernel("wino_batched_sgemm", self._shape(g, ks), p, operand("ue", kk),
+        a, prelude = self._half_operand(g) if half else (
+            operand("ue", kk), (f"const GLOBAL_PTR float* ue = u + bz * {cc * kk};  // U[e]: C x K",))
+        prelude += (f"const GLOBAL_PTR float* ve = v + bz * {cc * tt};  // V[e]: C x T",
+                    f"GLOBAL_PTR float* me = mw + (kz * {g.a2} + bz) * {kk * tt};"
+                    "  // M[e] (of channel slice kz): K x T")
+        return gemm_kernel("wino_batched_sgemm", self._shape(g, ks), p, a,
                            operand("ve", tt), Store(put=put, vput=vput if tt % 4 == 0 else None),
                            (Buf("u"), Buf("v"), Buf("mw", readonly=False)), prelude,
-                           comment=f"{self.name}: {g.a2} batched GEMMs (sgemm) {p.short()}"
+                           comment=f"{self.name}: {g.a2} batched GEMMs (sgemm"
+                           + (", A = G_w H" if half else "") + f") {p.short()}"
                            + (f", channels in {ks} slices" if ks > 1 else ""))
+
+    @staticmethod
+    def _half_operand(g: Geometry) -> tuple[Operand, tuple[str, ...]]:
+        """A operand that finishes the filter transform (hf=1): U[i, j] = sum_b G_w[j][b] H[i][b],
+        s loads of H and s FMAs per element; the batch's coefficients G_w[j][b] are picked once
+        per block. Saves the filter transform writing alpha^2 floats per filter (and the GEMM
+        reading them) at the price of s-fold A loads, mostly L2 hits (H is s/alpha_w of U)."""
+        s = g.spec
+        kk, bs = s.k, range(s.s)
+
+        def load(t: str, k: str, d: str) -> list[str]:
+            return [f"{d} = " + " + ".join(f"gj{b} * hp{b}[({k}) * {kk} + {t}_i]" for b in bs) + ";"]
+
+        def vload(t: str, k: str, d: str) -> list[str]:
+            lines = [f"const float4 h{b} = VLOAD4(0, hp{b} + ({k}) * {kk} + {t}_i);" for b in bs]
+            comps = [" + ".join(f"gj{b} * h{b}.{x}" for b in bs) for x in "xyzw"]
+            return ["{", *lines, f"{d} = MAKE_FLOAT4({', '.join(comps)});", "}"]
+
+        prelude = (f"const int hi = bz / {g.aw}, hj = bz % {g.aw};  // batch e = (hi, hj)",
+                   *(f"const float gj{b} = {row_select(g.tw.G, b, 'hj')};" for b in bs),
+                   *(f"const GLOBAL_PTR float* hp{b} = u + (hi * {s.s} + {b}) * {s.c * kk};"
+                     "  // H[i][b]: C x K" for b in bs))
+        return Operand(load=load, fast="i", vload=vload if kk % 4 == 0 else None), prelude
 
     @staticmethod
     def _stage_load(code: Code, dst: str, src: str, bk: int, width: int, ld: int, col0: str,
