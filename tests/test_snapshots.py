@@ -39,14 +39,15 @@ def test_generated_source_snapshot(name, tag, backend):
 @pytest.mark.parametrize("name", ["winograd_nonfused_f6", "winograd_nonfused_f7"])
 @pytest.mark.parametrize("backend", ["cuda", "opencl"])
 def test_full_filter_transform_snapshot(name, backend):
-    """The 3x3 snapshot spec has few tiles, so F(6x6)/F(7x7) default to half-transformed filters
-    (hf=1); this pins the other path, the full G g G^T filter transform and the plain GEMM."""
+    """F(6x6)/F(7x7) default to split transforms (xi, xo) and, on the 3x3 snapshot spec's few
+    tiles, half-transformed filters (hf=1); this pins the other paths: the full G g G^T filter
+    transform, the plain GEMM and the thread-per-tile transforms with staged stores."""
     variant = next(v for v in all_variants() if v.name == name)
     device = NOMINAL_CUDA if backend == "cuda" else NOMINAL_OPENCL_GPU
     spec = SPECS["3x3"]
     prm = variant.default(spec, device)
-    assert prm.get("hf") == 1
-    src = variant.plan(spec, prm.replace(hf=0), device).source(backend)
+    assert prm.get("hf") == prm.get("xi") == prm.get("xo") == 1
+    src = variant.plan(spec, prm.replace(hf=0, xi=0, xo=0, so=1), device).source(backend)
     path = SNAP / f"{name}.3x3-hf0.{backend}.txt"
     if os.environ.get("CONVFORGE_UPDATE_SNAPSHOTS"):
         path.write_text(src)

@@ -263,6 +263,29 @@ def test_nonfused_half_filters_on_odd_shapes(backend, m: int) -> None:  # type: 
         v.plan(spec, v.own_default(spec, backend.device).replace(hf=1), backend.device)
 
 
+@pytest.mark.parametrize("m", [2, 4, 7])
+def test_nonfused_split_transforms_on_odd_shapes(backend, m: int) -> None:  # type: ignore[no-untyped-def]
+    """xi / xo (split.py): a thread per row/column of a tile, 32 tiles per block. Odd shapes with
+    partial tiles and a last block past the end, 5x5 and 3x2 filters (alpha_h != alpha_w),
+    a channel split summed in the output pass, bias + ReLU through the staged stores."""
+    from convforge.plan import Epilogue
+
+    v = get_variant(f"winograd_nonfused_f{m}")
+    specs = ODD[:3] + SGEMM_ODD + [ConvSpec.make(2, 7, 9, 10, 5, 3, 2, padding=1)]
+    checked = 0
+    for spec in [sp for sp in specs if v.applies(sp, backend.device) is None]:
+        base = v.default(spec, backend.device)
+        pts = [(base.replace(xi=1), Epilogue()), (base.replace(xo=1), Epilogue(bias=True)),
+               (base.replace(xi=1, xo=1), Epilogue(bias=True, relu=True))]
+        if spec.c >= 2:
+            pts.append((v.sgemm_default(spec, backend.device).replace(ks=2, xi=1, xo=1), Epilogue()))
+        for prm, epi in pts:
+            res = check_plan(v.plan(spec, prm, backend.device, epi), backend, seed=9)
+            assert res.ok, f"{prm.short()} {epi} {spec.short()}: {res}"
+            checked += 1
+    assert checked >= 12
+
+
 def test_half_filters_default_rule() -> None:
     """GPU defaults take hf=1 for alpha >= 8 with at most 64 GEMM columns (ResNet 512@7² N32 and
     N64 under F(7x7)), never for F(4x4) or larger grids; the space offers it with each split."""
@@ -273,7 +296,7 @@ def test_half_filters_default_rule() -> None:
     assert f4.default(small, NOMINAL_CUDA).get("hf", 0) == 0
     space = f7.space(small, NOMINAL_CUDA)
     assert {p.get("ks", 1) for p in space[:8] if p.get("hf")} == {1, 2, 3, 4}
-    assert any(not p.get("hf") for p in space[:4])
+    assert any(not p.get("hf") for p in space[:10])
     wide = ConvSpec.make(64, 256, 14, 14, 256, 3, 3, padding=1)  # 256 GEMM columns
     assert not any(p.get("hf") for p in f7.space(wide, NOMINAL_CUDA))
     cpu = DeviceInfo("opencl", "cpu", is_gpu=False)
@@ -283,14 +306,20 @@ def test_half_filters_default_rule() -> None:
 def test_staged_output_default_rule() -> None:
     """so=1 by default unless each tile row is one vector store (m = 2 or 4 and Q % m == 0); the
     space offers the other choice second; a block whose staging exceeds 48 KB is refused."""
-    for m, q, so in ((4, 56, 0), (4, 14, 1), (4, 7, 1), (2, 28, 0), (2, 7, 1), (7, 56, 1), (6, 28, 1)):
+    for m, q, so in ((4, 56, 0), (4, 14, 1), (4, 7, 1), (2, 28, 0), (2, 7, 1)):
         v = get_variant(f"winograd_nonfused_f{m}")
         spec = ConvSpec.make(32, 64, q, q, 64, 3, 3, padding=1)
         space = v.space(spec, NOMINAL_CUDA)
         assert space[0].get("so", 0) == so and space[1].get("so", 0) == 1 - so, (m, q)
+        assert space[0].get("xo", 0) == 0 and any(p.get("xo") for p in space[:10])
+    for m, q in ((7, 56), (6, 28)):  # alpha >= 8: split transforms (staged inside), then so=1
+        v = get_variant(f"winograd_nonfused_f{m}")
+        space = v.space(ConvSpec.make(32, 64, q, q, 64, 3, 3, padding=1), NOMINAL_CUDA)
+        assert space[0].get("xi") == space[0].get("xo") == 1 and "so" not in space[0], (m, q)
+        assert space[1].get("xo") == 0 and space[1].get("so") == 1, (m, q)
     v, spec = get_variant("winograd_nonfused_f7"), RESNET[1]
     with pytest.raises(ValueError, match="so=1 .*shared memory"):
-        v.plan(spec, v.default(spec, NOMINAL_CUDA).replace(tb=512), NOMINAL_CUDA)
+        v.plan(spec, v.default(spec, NOMINAL_CUDA).replace(tb=512, xo=0, so=1), NOMINAL_CUDA)
 
 
 def test_nonfused_split_default_by_wave_model() -> None:
@@ -426,7 +455,8 @@ def test_nonfused_sgemm_compiles_without_spills(m: int, spec: ConvSpec) -> None:
     v = get_variant(f"winograd_nonfused_f{m}")
     first = v.default(spec, dev)
     for prm in (v.sgemm_default(spec, dev), first.replace(so=1 - first.get("so", 0)),
-                first.replace(ks=3), first.replace(hf=1 - first.get("hf", 0))):
+                first.replace(ks=3), first.replace(hf=1 - first.get("hf", 0)),
+                first.replace(xi=1 - first.get("xi", 0), xo=1 - first.get("xo", 0))):
         _assert_ptxas_clean(v.plan(spec, prm, dev))
 
 

@@ -33,6 +33,7 @@ from convforge.kernels.sgemm import (
     gemm_space,
 )
 from convforge.kernels.winograd.matrices import lincomb, row_select
+from convforge.kernels.winograd.split import split_grid, split_input_kernel, split_output_kernel
 from convforge.kernels.winograd.staged import (
     STATIC_SHARED_LIMIT,
     emit_staged_output,
@@ -131,6 +132,8 @@ class WinogradNonFused(Variant):
         deep = p.replace(bk=16)
         if p.get("ks", 1) == 1 and spec.c >= 128 and p.bk == 8 and deep in space:
             p = deep
+        if self.m + max(spec.r, spec.s) - 1 >= 8:
+            p = p.replace(xi=1, xo=1)
         return self._stores(spec, p.replace(hf=1) if self._half_default(spec) else p)
 
     def _half_default(self, spec: ConvSpec) -> bool:
@@ -138,7 +141,9 @@ class WinogradNonFused(Variant):
         GEMM's other operand: alpha >= 8 (H is s/alpha of U) and at most 64 GEMM columns. H200,
         F(7x7) defaults: 512@7² N32 0.105 -> 0.098 ms (0.083 with ks=2), N64 0.144 -> 0.134
         (0.123 with ks=1); N96 and N128 unchanged, 256@14² N32 +4 % (-6 % with ks=2), N64 and
-        N128 11-18 % slower, F(4x4) slower everywhere."""
+        N128 11-18 % slower, F(4x4) slower everywhere. (The same alpha >= 8 defaults take the
+        split transforms xi=1, xo=1 of split.py: H200, F(7x7), 1-10 % less time on all 16 ResNet
+        layers, none slower.)"""
         return self.m + max(spec.r, spec.s) - 1 >= 8 and Geometry(spec, self.m).tiles <= 64
 
     def _stores(self, spec: ConvSpec, p: Params) -> Params:
@@ -146,6 +151,8 @@ class WinogradNonFused(Variant):
         tile row is one aligned vector store (m = 2 or 4 and Q a multiple of m). H200, defaults:
         F(7x7) 8-27 % less time with so=1 on ResNet, F(4x4) 2-6 % at 7x7 and 14x14, F(4x4) at 28x28
         and 56x56 (float4 rows) 0.5-3 % slower."""
+        if p.get("xo"):
+            return p
         return p if self.m in (2, 4) and spec.q % self.m == 0 else p.replace(so=1)
 
     def split_default(self, spec: ConvSpec, device: DeviceInfo, p: Params) -> Params:
@@ -179,15 +186,22 @@ class WinogradNonFused(Variant):
         return Params(bm=bm, bn=128, bk=8, tm=8, tn=8, tb=128)
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
-        """The default, the own kernel's tiles, then every sgemm point (``gemm="sgemm"``); on
-        GPUs the default GEMM tile split over channels too (``ks`` 2-4), and for alpha >= 8 with
-        at most 128 GEMM columns the half-transformed filters (``hf``) with each split first."""
+        """First the default and its neighbours (the tuner times these before sampling the rest):
+        the other transform/store choice; on GPUs each channel split (``ks`` 1-4) of the default
+        and, for alpha >= 8 with at most 128 GEMM columns, of the default with ``hf`` flipped.
+        Then the own kernel's tiles and every sgemm point (``gemm="sgemm"``)."""
         first = self.default(spec, device)
-        out = [first, first.replace(so=1 - int(first.get("so", 0)))]
-        if device.is_gpu and self.m + max(spec.r, spec.s) - 1 >= 8 and Geometry(spec, self.m).tiles <= 128:
-            out += [q for q in [first.replace(hf=1 - int(first.get("hf", 0)))] +
-                    [first.replace(hf=1, ks=k) for k in (1, 2, 3, 4) if k == 1 or spec.c // k >= 32]
-                    if q not in out]
+        out = [first, first.replace(xi=0, xo=0, so=1) if first.get("xo") else
+               first.replace(so=1 - int(first.get("so", 0)))]
+        if device.is_gpu:
+            splits = [k for k in (1, 2, 3, 4) if k == 1 or spec.c // k >= 32]
+            out += [_split(first, k) for k in splits]
+            if self.m + max(spec.r, spec.s) - 1 >= 8 and Geometry(spec, self.m).tiles <= 128:
+                hf = first.replace(hf=1 - int(first.get("hf", 0)))
+                out += [_split(hf, k) for k in splits]
+            if not first.get("xo"):
+                out.append(first.replace(xi=1, xo=1))
+        out = list(dict.fromkeys(out))
         out.append(self.own_default(spec, device))
         if device.is_gpu:
             sg = self.sgemm_default(spec, device)
@@ -239,7 +253,7 @@ class WinogradNonFused(Variant):
             raise ValueError(f"{self.name}: ks={ks} needs gemm='sgemm' and at most C slices")
         kind, hf = p.get("gemm", "own"), bool(p.get("hf", 0))
         if kind == "sgemm":
-            gp = Params({k: v for k, v in p.items() if k not in ("gemm", "tb", "ks", "so", "hf")})
+            gp = Params({k: v for k, v in p.items() if k not in ("gemm", "tb", "ks", "so", "hf", "xi", "xo")})
             gemm = self._sgemm_kernel(g, gp, ks, hf)
             grid, block = gemm_grid(self._shape(g, ks), gp), gemm_block(gp)
         elif kind == "own":
@@ -249,13 +263,21 @@ class WinogradNonFused(Variant):
             raise ValueError(f"{self.name}: gemm={p.gemm!r} (expected 'own' or 'sgemm')")
         if hf and kind != "sgemm":
             raise ValueError(f"{self.name}: hf=1 (half-transformed filters) needs gemm='sgemm'")
-        out = self._output_kernel(g, tb, epilogue, ks, self._staged(g, p))
-        kernels = (self._filter_kernel(g, tb, hf), self._input_kernel(g, tb), gemm, out)
+        xi, xo = bool(p.get("xi", 0)), bool(p.get("xo", 0))
+        inp = split_input_kernel(g, f"{self.name}: B^T d B (thread per row/column)") if xi \
+            else self._input_kernel(g, tb)
+        out = split_output_kernel(g, epilogue, ks, f"{self.name}: A^T M A (thread per column/row, "
+                                  "staged tiles)") if xo \
+            else self._output_kernel(g, tb, epilogue, ks, self._staged(g, p))
+        kernels = (self._filter_kernel(g, tb, hf), inp, gemm, out)
+        tiles_in, tiles_out = spec.c * g.tiles, spec.k * g.tiles
         steps = (
             Launch(kernels[0].name, (cdiv(spec.k * spec.c, tb), 1, 1), (tb, 1, 1), ("w", "wino_u")),
-            self._input_launch(g, tb),
+            Launch(inp.name, split_grid(tiles_in) if xi else (cdiv(tiles_in, tb), 1, 1), inp.block,
+                   ("x", "wino_v")),
             Launch(kernels[2].name, grid, block, ("wino_u", "wino_v", "wino_m")),
-            self._output_launch(g, tb, epilogue),
+            Launch(out.name, split_grid(tiles_out) if xo else (cdiv(tiles_out, tb), 1, 1), out.block,
+                   ("wino_m",) + out_refs(epilogue)),
         )
         return Plan(self.name, self.family, spec, params, kernels, steps,
                     workspace=self._workspace(spec, ks, hf),
@@ -267,16 +289,6 @@ class WinogradNonFused(Variant):
             raise ValueError(f"{self.name}: so=1 (staged output) of {p.tb} tiles needs "
                              f"{staged_bytes(g, p.tb)} bytes of shared memory (limit {STATIC_SHARED_LIMIT})")
         return so
-
-    @staticmethod
-    def _input_launch(g: Geometry, tb: int) -> Launch:
-        return Launch("wino_input_transform", (cdiv(g.spec.c * g.tiles, tb), 1, 1), (tb, 1, 1),
-                      ("x", "wino_v"))
-
-    @staticmethod
-    def _output_launch(g: Geometry, tb: int, epi: Epilogue) -> Launch:
-        return Launch("wino_output_transform", (cdiv(g.spec.k * g.tiles, tb), 1, 1), (tb, 1, 1),
-                      ("wino_m",) + out_refs(epi))
 
     def _filter_kernel(self, g: Geometry, tb: int, half: bool = False) -> Kernel:
         """U = G g G^T per (filter, channel); ``half``: only H = G_h g (alpha_h x s floats
@@ -451,6 +463,11 @@ class WinogradNonFused(Variant):
                 cond = f"c0 + rr < {rows} && {col0} + cw < {ld}"
                 stmt = f"{dst}[l] = ({cond}) ? {src}[(c0 + rr) * {ld} + {col0} + cw] : 0.0f;"
                 code(f"if (l < {total}) {stmt}" if total % nt else stmt)
+
+
+def _split(p: Params, ks: int) -> Params:
+    """``p`` with its GEMM cut into ``ks`` channel slices (no ``ks`` key for one)."""
+    return p.replace(ks=ks) if ks > 1 else Params({k: v for k, v in p.items() if k != "ks"})
 
 
 def _work(spec: ConvSpec, m: int) -> float:

@@ -35,25 +35,46 @@ def emit_staged_output(code: Code, g: Geometry, tb: int, total: int, epi: Epilog
                        k: str, t: str, ok: str) -> None:
     """Store the m x m outputs ``src{i}_{j}`` of tile ``t``, filter ``k`` (valid when ``ok``)
     through shared memory: every thread of the block must reach this point."""
-    s, m = g.spec, g.m
-    st = odd_stride(m * m)
-    code(f"SHARED float otile[{tb * st}];  // the block's {tb} output tiles, {m} x {m}, stride {st}",
-         f"SHARED int obase[{tb}], olim[{tb}];  // offset in y; valid rows << 4 | valid columns")
-    if epi.bias:
-        code(f"SHARED int ok_[{tb}];  // the filter of each tile (bias)")
+    m, st = g.m, odd_stride(g.m * g.m)
+    emit_staged_tiles(code, g, tb, epi)
     with code.block(f"if ({ok})"):
-        emit_tile_origin(code, g, t)
-        code(f"obase[lid] = ((n * {s.k} + ({k})) * {s.p} + oy) * {s.q} + ox;",
-             f"olim[lid] = ({s.p} - oy < {m} ? {s.p} - oy : {m}) << 4 | "
-             f"({s.q} - ox < {m} ? {s.q} - ox : {m});")
-        if epi.bias:
-            code(f"ok_[lid] = {k};")
+        emit_tile_info(code, g, epi, k, t, "lid")
         for i, j in itertools.product(range(m), range(m)):
             code(f"otile[lid * {st} + {i * m + j}] = {src}{i}_{j};")
-    code("else olim[lid] = 0;", "BARRIER();",
-         f"// element l = lid + e * {tb}: row i, tile lt, column j (j fastest) -> coalesced rows")
-    for e in range(m * m):
+    code("else olim[lid] = 0;", "BARRIER();")
+    emit_staged_stores(code, g, tb, tb, epi)
+
+
+def emit_staged_tiles(code: Code, g: Geometry, tiles: int, epi: Epilogue) -> None:
+    """Declare the shared staging of ``tiles`` output tiles: values, offsets in y, limits."""
+    m, st = g.m, odd_stride(g.m * g.m)
+    code(f"SHARED float otile[{tiles * st}];  // the block's {tiles} output tiles, {m} x {m}, stride {st}",
+         f"SHARED int obase[{tiles}], olim[{tiles}];  // offset in y; valid rows << 4 | valid columns")
+    if epi.bias:
+        code(f"SHARED int ok_[{tiles}];  // the filter of each tile (bias)")
+
+
+def emit_tile_info(code: Code, g: Geometry, epi: Epilogue, k: str, t: str, slot: str) -> None:
+    """Record tile ``t`` (filter ``k``) in staging slot ``slot``: where it goes, how much fits."""
+    s, m = g.spec, g.m
+    emit_tile_origin(code, g, t)
+    code(f"obase[{slot}] = ((n * {s.k} + ({k})) * {s.p} + oy) * {s.q} + ox;",
+         f"olim[{slot}] = ({s.p} - oy < {m} ? {s.p} - oy : {m}) << 4 | "
+         f"({s.q} - ox < {m} ? {s.q} - ox : {m});")
+    if epi.bias:
+        code(f"ok_[{slot}] = {k};")
+
+
+def emit_staged_stores(code: Code, g: Geometry, tiles: int, threads: int, epi: Epilogue) -> None:
+    """All ``threads`` threads (index ``lid``) store the staged tiles, element l in (row i,
+    tile, column j) order: consecutive threads write runs of output rows, which coalesce."""
+    s, m, st = g.spec, g.m, odd_stride(g.m * g.m)
+    count = tiles * m * m
+    code(f"// element l = lid + e * {threads}: row i, tile lt, column j (j fastest) -> coalesced rows")
+    for e in range(-(-count // threads)):
         val = epi.apply(f"otile[lt * {st} + i * {m} + j]", "ok_[lt]")
-        code(f"{{ const int l = lid + {e * tb}, i = l / {tb * m}, lt = (l % {tb * m}) / {m}, "
-             f"j = l % {m}, lim = olim[lt];",
+        guard = f"l < {count} && " if (e + 1) * threads > count else ""
+        code(f"{{ const int l = lid + {e * threads}, i = l / {tiles * m}, lt = (l % {tiles * m}) / {m}, "
+             f"j = l % {m}, lim = {'l < ' + str(count) + ' ? ' if guard else ''}olim[lt]"
+             f"{' : 0' if guard else ''};",
              f"  if (i < (lim >> 4) && j < (lim & 15)) y[obase[lt] + i * {s.q} + j] = {val}; }}")
