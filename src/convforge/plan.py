@@ -140,6 +140,7 @@ class Variant:
     backends: frozenset[str] = frozenset({"cuda", "opencl"})
     tolerance: float = 1e-5
     specialised: int = 0  # higher = more specialised; the heuristic prefers it when it applies
+    space_lead: int = 0  # the tuner tries this many first points of space() in order, then samples
 
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
         """The heuristic's preference for this variant on ``spec`` (Boda's rule: how specialised it

@@ -39,7 +39,6 @@ from convforge.tune.heuristic import NO_EPILOGUE, applicable, epilogue_key, prun
 log = logging.getLogger("convforge.tune")
 
 INF = float("inf")
-SPACE_LEAD = 10  # the first points of a space (the default's neighbours) are tried in order, the rest sampled
 FOCUS = 2.0  # after the defaults, only variants whose default ran within FOCUS x the best are sampled
 REF_FLOP_LIMIT = 4e8  # reference on at most this many FLOPs; later images are compared with a verified output
 
@@ -241,8 +240,8 @@ class Tuner:
     def search(self, spec: ConvSpec, epi: Epilogue = NO_EPILOGUE,
                workspace_limit: int | None = None) -> list[Candidate]:
         """Compile ahead in a thread pool, check and time in order, within the budget. Space
-        points (each space's first SPACE_LEAD in order, then a random sample) wait until every
-        default is timed; then only variants whose default came within
+        points (a random sample, after the variant's ``space_lead`` first points in order) wait
+        until every default is timed; then only variants whose default came within
         FOCUS x the best default are sampled (a direct kernel 5x behind Winograd gets no more)."""
         focus: list[set[str] | None] = [None]
         gen = self.generate(spec, epi, workspace_limit, lambda: focus[0])
@@ -329,7 +328,7 @@ class Tuner:
             except Exception as err:  # noqa: BLE001
                 log.warning("%s has no space for %s: %s", v.name, spec.short(), err)
                 continue
-            lead, rest = pts[:SPACE_LEAD], pts[SPACE_LEAD:]
+            lead, rest = pts[:v.space_lead], pts[v.space_lead:]
             rng.shuffle(rest)
             spaces.append((v, iter(lead + rest)))
         while spaces:

@@ -83,6 +83,7 @@ class WinogradNonFused(Variant):
     """Separate transform kernels around an alpha^2-batched GEMM; workspace U, V and M."""
 
     family = "winograd"
+    space_lead = 10  # the default's neighbours (splits, hf, transform choices) lead the space
 
     def __init__(self, m: int) -> None:
         self.m = m
