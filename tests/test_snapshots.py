@@ -46,8 +46,8 @@ def test_full_filter_transform_snapshot(name, backend):
     device = NOMINAL_CUDA if backend == "cuda" else NOMINAL_OPENCL_GPU
     spec = SPECS["3x3"]
     prm = variant.default(spec, device)
-    assert prm.get("hf") == prm.get("xi") == prm.get("xo") == 1
-    src = variant.plan(spec, prm.replace(hf=0, xi=0, xo=0, so=1), device).source(backend)
+    assert prm.get("hf") == prm.get("xi") == prm.get("xo") == prm.get("lo") == 1
+    src = variant.plan(spec, prm.replace(hf=0, xi=0, xo=0, so=1, lo=0), device).source(backend)
     path = SNAP / f"{name}.3x3-hf0.{backend}.txt"
     if os.environ.get("CONVFORGE_UPDATE_SNAPSHOTS"):
         path.write_text(src)

@@ -286,6 +286,67 @@ def test_nonfused_split_transforms_on_odd_shapes(backend, m: int) -> None:  # ty
     assert checked >= 12
 
 
+@pytest.mark.parametrize("m", [6, 7])
+def test_nonfused_l2_order_and_block_tiles_on_odd_shapes(backend, m: int) -> None:  # type: ignore[no-untyped-def]
+    """lo=1 (tile-major transforms, the GEMM's blocks last tiles first, every batch of a tile
+    block together) and xt (16 / 64 tiles per transform block), with GPU defaults run on PoCL:
+    partial tiles, several M and N blocks of the GEMM, a channel split, bias + ReLU; and the
+    96-column GEMM tile (8 x 12 per thread) over a partial last block."""
+    from convforge.plan import Epilogue
+
+    v = get_variant(f"winograd_nonfused_f{m}")
+    specs = [ConvSpec.make(3, 9, 40, 38, 70, 3, 3, padding=(1, 1, 0, 2)),  # 2 x 2 GEMM blocks
+             ConvSpec.make(1, 5, 23, 17, 7, 3, 3, padding=(1, 0, 2, 1))]
+    checked = 0
+    for spec in specs:
+        base = v.default(spec, NOMINAL_CUDA)
+        for mod, epi in ((dict(lo=1), Epilogue()), (dict(lo=1, xt=16, ks=2), Epilogue(bias=True)),
+                         (dict(xt=64), Epilogue(bias=True, relu=True)), (dict(lo=1, xt=64, hf=1), Epilogue())):
+            prm = base.replace(**mod)
+            res = check_plan(v.plan(spec, prm, backend.device, epi), backend, seed=5)
+            assert res.ok, f"{prm.short()} {epi} {spec.short()}: {res}"
+            checked += 1
+    wide = ConvSpec.make(2, 12, 30, 30, 20, 3, 3, padding=1)  # 2 * 25 tiles (F(6)) / 2 * 25 (F(7))
+    tile = Params(bm=32, bn=96, bk=16, tm=4, tn=12, va=1, vb=1, pf=1, db=1, gemm="sgemm", tb=128)
+    res = check_plan(v.plan(wide, tile.replace(xi=1, xo=1, lo=1), backend.device), backend, seed=5)
+    assert res.ok, res
+    assert checked == 8
+    with pytest.raises(ValueError, match="lo=1 .* needs xi=1, xo=1"):
+        v.plan(wide, tile.replace(lo=1, xi=0, xo=1), NOMINAL_CUDA)
+    with pytest.raises(ValueError, match="xt \\(24\\) must be one of"):
+        v.plan(wide, tile.replace(xi=1, xo=1, xt=24), NOMINAL_CUDA)
+
+
+def test_f7_gemm_tile_default_rule() -> None:
+    """F(7x7) GPU defaults (H200, round 7): the 64 x 64 x 16 GEMM tile unsplit from 64 GEMM
+    columns up, the 64 x 96 tile in 2 channel slices for a multiple of 96 columns that is not
+    one of 64 (512@7² N96), the generator's choice with the wave model's split and hf + lo below
+    64 columns; the space leads with xt=16 and lo flipped for <= 128 columns, and the other
+    tiles early; every GPU space point keeps the default's transform choices."""
+    f7 = get_variant("winograd_nonfused_f7")
+    def layer(n: int, c: int, hw: int) -> ConvSpec:
+        return ConvSpec.make(n, c, hw, hw, c, 3, 3, padding=1)
+
+    for n, c, hw in ((32, 64, 56), (128, 128, 28), (64, 256, 14), (128, 512, 7)):
+        d = f7.default(layer(n, c, hw), NOMINAL_CUDA)
+        assert (d.bm, d.bn, d.bk, d.tm, d.tn, d.get("ks", 1)) == (64, 64, 16, 8, 8, 1), (n, c, hw)
+        assert d.get("xi") == d.get("xo") == 1 and "lo" not in d and "hf" not in d
+    d96 = f7.default(layer(96, 512, 7), NOMINAL_CUDA)
+    assert (d96.bm, d96.bn, d96.tn, d96.get("ks")) == (64, 96, 12, 2)
+    small = layer(32, 512, 7)
+    d32 = f7.default(small, NOMINAL_CUDA)
+    assert d32.get("hf") == d32.get("lo") == 1 and d32.bn == 32
+    space = f7.space(small, NOMINAL_CUDA)
+    assert space[2] == d32.replace(xt=16) and "lo" not in space[3]
+    assert not any("lo" in p or "xt" in p for p in f7.space(layer(128, 64, 56), NOMINAL_CUDA)[:3])
+    lead = f7.space(layer(96, 512, 7), NOMINAL_CUDA)[:f7.space_lead]
+    assert any(p.bn == 64 and p.bk == 16 for p in lead) and any(p.bn == 128 for p in lead)
+    space = f7.space(layer(64, 128, 28), NOMINAL_CUDA)
+    assert space[1].get("xo") == 0 and space[1].get("so") == 1  # the one point without them
+    for p in space[2:]:
+        assert p.get("gemm", "own") == "own" or (p.get("xi") == p.get("xo") == 1 and p.pf == p.db == 1)
+
+
 def test_half_filters_default_rule() -> None:
     """GPU defaults take hf=1 for alpha >= 8 with at most 64 GEMM columns (ResNet 512@7² N32 and
     N64 under F(7x7)), never for F(4x4) or larger grids; the space offers it with each split."""
@@ -456,8 +517,14 @@ def test_nonfused_sgemm_compiles_without_spills(m: int, spec: ConvSpec) -> None:
     first = v.default(spec, dev)
     for prm in (v.sgemm_default(spec, dev), first.replace(so=1 - first.get("so", 0)),
                 first.replace(ks=3), first.replace(hf=1 - first.get("hf", 0)),
-                first.replace(xi=1 - first.get("xi", 0), xo=1 - first.get("xo", 0))):
+                first.replace(xi=1 - first.get("xi", 0), xo=1 - first.get("xo", 0), lo=0)):
         _assert_ptxas_clean(v.plan(spec, prm, dev))
+    if m >= 6:  # the 96-column tile (8 x 12 accumulators), the L2 order and the transform blocks
+        vb = 4 if Geometry(spec, m).tiles % 4 == 0 else 1
+        n96 = Params(bm=64, bn=96, bk=8, tm=8, tn=12, va=4, vb=vb, pf=1, db=1, gemm="sgemm", tb=128)
+        for prm in (n96.replace(xi=1, xo=1, ks=2), first.replace(xi=1, xo=1, lo=1, xt=64),
+                    first.replace(xi=1, xo=1, xt=16)):
+            _assert_ptxas_clean(v.plan(spec, prm, dev))
 
 
 @pytest.mark.usefixtures("nvcc_ok")  # skips without nvcc, fails on CI

@@ -175,10 +175,10 @@ def gemm_space(m: int, n: int, k: int, device: DeviceInfo, va_ok: bool = True,
     """Every sensible parameter set for an M x N x K GEMM on ``device`` (default first)."""
     out = [gemm_default(m, n, k, device, va_ok, vb_ok, a_fast, b_fast)]
     for bm, bn, bk, tm, tn, va, vb, pipe in itertools.product(
-            (32, 64, 128), (32, 64, 128), (8, 16), (4, 8), (4, 8), (4, 1), (4, 1),
+            (32, 64, 128), (32, 64, 96, 128), (8, 16), (4, 8), (4, 8, 12), (4, 1), (4, 1),
             ((1, 1), (1, 0), (0, 0))):
-        if bm > 2 * max(m, 16) or bn > 2 * max(n, 16):
-            continue
+        if bm > 2 * max(m, 16) or bn > 2 * max(n, 16) or (bn == 96) != (tn == 12):
+            continue  # 96 x 12: N = 96 (ResNet 512@7² N96 under F(7x7)) without a 128-wide tile's waste
         p = Params(bm=bm, bn=bn, bk=bk, tm=tm, tn=tn, va=va, vb=vb, pf=pipe[0], db=pipe[1])
         if p not in out and layout_ok(p, va_ok, vb_ok, a_fast, b_fast, device.max_threads,
                                       min(device.shared_bytes, 48 * 1024)):
@@ -220,22 +220,31 @@ def gemm_block(p: Params) -> Dim3:
 
 def gemm_kernel(name: str, shape: GemmShape, p: Params, a: Operand, b: Operand, c: Store,
                 args: tuple[Arg, ...], prelude: tuple[str, ...] = (),
-                comment: str = "") -> Kernel:
+                comment: str = "", n_last_first: bool = False) -> Kernel:
     """Generate the kernel ``name``: C = A.B for ``shape`` with parameters ``p``.
 
     The body defines, before ``prelude`` runs: ``tid`` (thread in block), ``bz`` (batch index),
     ``kz`` (K-split index), ``m0``/``n0`` (tile origin) and ``kbeg``/``kend`` (this split's K
     range). Operand and store callbacks may use them; ``prelude`` may offset pointers by ``bz``.
-    Launch with :func:`gemm_grid` and :func:`gemm_block`.
+    Launch with :func:`gemm_grid` and :func:`gemm_block`. ``n_last_first``: blocks are taken
+    in the order (N tile descending, then M tile, then batch and split fastest) instead of the
+    grid's, so a GEMM whose B was just written N-column by N-column starts on what is still in L2.
     """
     if not layout_ok(p, a.vload is not None, b.vload is not None, a.fast, b.fast):
         raise ValueError(f"GEMM parameters {p.short()} are invalid for this generator "
                          "(tiles must divide, loads must spread evenly over the threads)")
     lay = _Layout(p.bm, p.bn, p.bk, p.tm, p.tn)
     code = Code()
-    code(f"const int tid = LOCAL_ID(0), tx = tid % {lay.tx}, ty = tid / {lay.tx};",
-         f"const int bz = GROUP_ID(2) / {shape.ksplit}, kz = GROUP_ID(2) % {shape.ksplit};",
-         f"const int m0 = GROUP_ID(1) * {p.bm}, n0 = GROUP_ID(0) * {p.bn};",
+    code(f"const int tid = LOCAL_ID(0), tx = tid % {lay.tx}, ty = tid / {lay.tx};")
+    if n_last_first:
+        gx, gy, gz = gemm_grid(shape, p)
+        code(f"const int lin = GROUP_ID(0) + {gx} * (GROUP_ID(1) + {gy} * GROUP_ID(2));",
+             f"const int gz_ = lin % {gz}, gy_ = lin / {gz} % {gy}, gx_ = {gx - 1} - lin / {gy * gz};")
+        ids = ("gx_", "gy_", "gz_")
+    else:
+        ids = ("GROUP_ID(0)", "GROUP_ID(1)", "GROUP_ID(2)")
+    code(f"const int bz = {ids[2]} / {shape.ksplit}, kz = {ids[2]} % {shape.ksplit};",
+         f"const int m0 = {ids[1]} * {p.bm}, n0 = {ids[0]} * {p.bn};",
          f"const int kbeg = kz * {shape.klen}, kend = min(kbeg + {shape.klen}, {shape.k});")
     code(*prelude)
     _shared(code, p)

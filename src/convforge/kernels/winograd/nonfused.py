@@ -12,6 +12,11 @@ The batched GEMM comes from one of two generators, chosen by the tuning paramete
 ``"own"`` (the parameter absent, as in the default) is the simple tiled kernel below;
 ``"sgemm"`` is the shared generator of ``kernels/sgemm.py`` (float4 loads, register prefetch,
 double-buffered shared memory) with batch = alpha^2.
+
+Other tuning parameters: ``ks`` (GEMM channel slices, summed by the output transform), ``hf``
+(half-transformed filters finished by the GEMM's A loads), ``so`` (staged output stores), ``xi``
+/ ``xo`` (split transforms, split.py) with ``xt`` (their tiles per block) and ``lo`` (L2 order:
+tile-major transforms, the GEMM's blocks last tiles first).
 """
 
 from __future__ import annotations
@@ -33,7 +38,13 @@ from convforge.kernels.sgemm import (
     gemm_space,
 )
 from convforge.kernels.winograd.matrices import lincomb, row_select
-from convforge.kernels.winograd.split import split_grid, split_input_kernel, split_output_kernel
+from convforge.kernels.winograd.split import (
+    XT,
+    XT_CHOICES,
+    split_grid,
+    split_input_kernel,
+    split_output_kernel,
+)
 from convforge.kernels.winograd.staged import (
     STATIC_SHARED_LIMIT,
     emit_staged_output,
@@ -55,6 +66,12 @@ from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
 from convforge.spec import ConvSpec
 
 MAX_ALPHA = 9
+# H200, F(7x7) with split transforms, every fast sgemm tile timed (docs/NOTES-winograd.md, round 7):
+# 64 x 64 x 16 with 8 x 8 per thread (64 threads) was fastest or within 3 % at 64@56² and 128@28²,
+# N32-N128; 64 x 96 with 8 x 12 wins where the GEMM has 96 columns (512@7² N96: 0.159 against 0.208 ms).
+_SMALL_TILE = (64, 64, 16, 8, 8)
+_N96_TILE = (64, 96, 8, 8, 12)
+_TRANSFORM_KEYS = ("so", "xi", "xo", "xt", "lo")  # non-GEMM choices a GPU space point inherits from the default
 _INT_LIMIT = 2 ** 31 - 1
 
 
@@ -83,7 +100,7 @@ class WinogradNonFused(Variant):
     """Separate transform kernels around an alpha^2-batched GEMM; workspace U, V and M."""
 
     family = "winograd"
-    space_lead = 10  # the default's neighbours (splits, hf, transform choices) lead the space
+    space_lead = 16  # the default's neighbours (splits, hf, transform choices) lead the space
 
     def __init__(self, m: int) -> None:
         self.m = m
@@ -129,13 +146,38 @@ class WinogradNonFused(Variant):
         if not device.is_gpu:
             return self._stores(spec, self.own_default(spec, device))
         space = self.sgemm_space(spec, device)
-        p = self.split_default(spec, device, space[0])
-        deep = p.replace(bk=16)
-        if p.get("ks", 1) == 1 and spec.c >= 128 and p.bk == 8 and deep in space:
-            p = deep
-        if self.m + max(spec.r, spec.s) - 1 >= 8:
-            p = p.replace(xi=1, xo=1)
-        return self._stores(spec, p.replace(hf=1) if self._half_default(spec) else p)
+        small = self._small_default(spec, device)
+        if small is not None:
+            p = small
+        else:
+            p = self.split_default(spec, device, space[0])
+            deep = p.replace(bk=16)
+            if p.get("ks", 1) == 1 and spec.c >= 128 and p.bk == 8 and deep in space:
+                p = deep
+            if self.m + max(spec.r, spec.s) - 1 >= 8:
+                p = p.replace(xi=1, xo=1)
+        return self._stores(spec, p.replace(hf=1, lo=1) if self._half_default(spec) else p)
+
+    def _small_default(self, spec: ConvSpec, device: DeviceInfo) -> Params | None:
+        """For alpha >= 8 with at least 64 GEMM columns: the 64 x 64 x 16 tile unsplit, or for a
+        column count that is a multiple of 96 but not of 64 the 64 x 96 tile in 2 channel slices
+        (H200, round 7: each tile's splits were slower, except 64 x 96 at 512@7² N96: ks=2 0.159,
+        unsplit 0.18 ms); with split transforms. None where this rule does not apply."""
+        t = Geometry(spec, self.m).tiles
+        if self.m + max(spec.r, spec.s) - 1 < 8 or t < 64:
+            return None
+        if t % 96 == 0 and t % 64 and spec.c // 2 >= 32:
+            p = self._tile(spec, device, _N96_TILE)
+            p = p.replace(ks=2) if p is not None else None
+        else:
+            p = self._tile(spec, device, _SMALL_TILE)
+        return p.replace(xi=1, xo=1) if p is not None else None
+
+    def _tile(self, spec: ConvSpec, device: DeviceInfo, tile: tuple[int, ...]) -> Params | None:
+        """The fast sgemm point with (bm, bn, bk, tm, tn) = ``tile``, if the GEMM offers it."""
+        keys = ("bm", "bn", "bk", "tm", "tn")
+        return next((p for p in self._gemm_tiles(spec, device)
+                     if tuple(p[k] for k in keys) == tile), None)
 
     def _half_default(self, spec: ConvSpec) -> bool:
         """hf=1 (half-transformed filters, :meth:`_half_operand`) by default where U dwarfs the
@@ -144,7 +186,9 @@ class WinogradNonFused(Variant):
         (0.123 with ks=1); N96 and N128 unchanged, 256@14² N32 +4 % (-6 % with ks=2), N64 and
         N128 11-18 % slower, F(4x4) slower everywhere. (The same alpha >= 8 defaults take the
         split transforms xi=1, xo=1 of split.py: H200, F(7x7), 1-10 % less time on all 16 ResNet
-        layers, none slower.)"""
+        layers, none slower.) The same layers take lo=1, the L2 order of the GEMM's blocks and the
+        transforms' tiles (H200, F(7x7) defaults: 512@7² N32 0.092 -> 0.086 ms, N64 0.120 ->
+        0.117; 3-27 % slower on every layer with more columns)."""
         return self.m + max(spec.r, spec.s) - 1 >= 8 and Geometry(spec, self.m).tiles <= 64
 
     def _stores(self, spec: ConvSpec, p: Params) -> Params:
@@ -188,35 +232,60 @@ class WinogradNonFused(Variant):
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
         """First the default and its neighbours (the tuner times these before sampling the rest):
-        the other transform/store choice; on GPUs each channel split (``ks`` 1-4) of the default
-        and, for alpha >= 8 with at most 128 GEMM columns, of the default with ``hf`` flipped.
-        Then the own kernel's tiles and every sgemm point (``gemm="sgemm"``)."""
+        the other transform/store choice; on GPUs, for split transforms over at most 128 GEMM
+        columns, xt=16 and lo flipped; each channel split (``ks`` 1-4) of the default and, for
+        alpha >= 8 with at most 128 GEMM columns, of the default with ``hf`` flipped; the other
+        GEMM tiles of :meth:`_alternates`.
+        On GPUs the rest is every fast sgemm tile (:meth:`_gemm_tiles`) under the default's
+        transform choices, at each split and hf choice, and the own kernel's default; on CPUs
+        the own kernel's tiles and every sgemm point."""
         first = self.default(spec, device)
-        out = [first, first.replace(xi=0, xo=0, so=1) if first.get("xo") else
+        out = [first, _unset(first.replace(xi=0, xo=0, so=1), "lo", "xt") if first.get("xo") else
                first.replace(so=1 - int(first.get("so", 0)))]
-        if device.is_gpu:
-            splits = [k for k in (1, 2, 3, 4) if k == 1 or spec.c // k >= 32]
-            out += [_split(first, k) for k in splits]
-            if self.m + max(spec.r, spec.s) - 1 >= 8 and Geometry(spec, self.m).tiles <= 128:
-                hf = first.replace(hf=1 - int(first.get("hf", 0)))
-                out += [_split(hf, k) for k in splits]
-            if not first.get("xo"):
-                out.append(first.replace(xi=1, xo=1))
-        out = list(dict.fromkeys(out))
+        if device.is_gpu and first.get("xo") and Geometry(spec, self.m).tiles <= 128:
+            out += [first.replace(xt=16), _unset(first, "lo") if first.get("lo") else first.replace(lo=1)]
+        if not device.is_gpu:
+            out.append(self.own_default(spec, device))
+            for bm, bn, bk, tm, tn in itertools.product((32, 64, 128), (32, 64, 128), (4, 8, 16),
+                                                        (4, 8), (4, 8)):
+                threads = (bm // tm) * (bn // tn)
+                if 32 <= threads <= min(256, device.max_threads) and bm >= tm and bn >= tn:
+                    out.append(Params(bm=bm, bn=bn, bk=bk, tm=tm, tn=tn, tb=128))
+            return list(dict.fromkeys(out + self.sgemm_space(spec, device)))
+        splits = [k for k in (1, 2, 3, 4) if k == 1 or spec.c // k >= 32]
+        out += [_split(first, k) for k in splits]
+        flags = [first]
+        if self.m + max(spec.r, spec.s) - 1 >= 8 and Geometry(spec, self.m).tiles <= 128:
+            flags.append(first.replace(hf=1 - int(first.get("hf", 0))))
+            out += [_split(flags[1], k) for k in splits]
+        if not first.get("xo"):
+            out.append(first.replace(xi=1, xo=1))
+        out += self._alternates(spec, device, first)
         out.append(self.own_default(spec, device))
-        if device.is_gpu:
-            sg = self.sgemm_default(spec, device)
-            out += [p for p in [sg] + [sg.replace(ks=k) for k in (2, 3, 4) if spec.c // k >= 32]
-                    if p not in out]
-        for bm, bn, bk, tm, tn in itertools.product((32, 64, 128), (32, 64, 128), (4, 8, 16),
-                                                    (4, 8), (4, 8)):
-            threads = (bm // tm) * (bn // tn)
-            if not 32 <= threads <= min(256, device.max_threads) or bm < tm or bn < tn:
-                continue
-            prm = Params(bm=bm, bn=bn, bk=bk, tm=tm, tn=tn, tb=128)
-            if prm not in out:
-                out.append(prm)
-        return out + [p for p in self.sgemm_space(spec, device) if p not in out]
+        keep = {k: v for k, v in first.items() if k in _TRANSFORM_KEYS}
+        for tile, base, k in itertools.product(self._gemm_tiles(spec, device), flags, splits):
+            out.append(_split(tile.replace(**{**keep, "hf": base.get("hf", 0)}), k))
+        return list(dict.fromkeys(p if p.get("hf") else Params({k: v for k, v in p.items() if k != "hf"})
+                                  for p in out))
+
+    def _alternates(self, spec: ConvSpec, device: DeviceInfo, first: Params) -> list[Params]:
+        """Other GEMM tiles worth timing early, unsplit and in 2 channel slices, under the
+        default's transform choices: the small tile, the sgemm generator's own choice (128-wide
+        for large GEMMs) and, for a multiple of 96 GEMM columns, the 96-wide tile."""
+        tiles = [self._tile(spec, device, _SMALL_TILE), self.sgemm_default(spec, device)]
+        if Geometry(spec, self.m).tiles % 96 == 0:
+            tiles.append(self._tile(spec, device, _N96_TILE))
+        keep = {k: v for k, v in first.items() if k in _TRANSFORM_KEYS + ("hf",)}
+        return [_split(t.replace(**keep), k) for t in tiles if t is not None
+                for k in (1, 2) if k == 1 or spec.c // k >= 32]
+
+    def _gemm_tiles(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
+        """The sgemm points worth timing on a GPU: register prefetch with double buffering and the
+        widest global loads the operands allow (every other pipeline or load width lost on the
+        H200 wherever it was timed, docs/NOTES-winograd.md rounds 4-6)."""
+        pts = self.sgemm_space(spec, device)
+        va, vb = max(p.va for p in pts), max(p.vb for p in pts)
+        return [p for p in pts if p.pf and p.db and p.va == va and p.vb == vb]
 
     def sgemm_default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
         """The sgemm generator's own choice for this GEMM (first point of :meth:`sgemm_space`)."""
@@ -249,40 +318,50 @@ class WinogradNonFused(Variant):
              epilogue: Epilogue = Epilogue()) -> Plan:
         g = Geometry(spec, self.m)
         p = params
-        tb, ks = p.tb, int(p.get("ks", 1))
-        if ks > 1 and (p.get("gemm") != "sgemm" or not 1 < ks <= spec.c):
-            raise ValueError(f"{self.name}: ks={ks} needs gemm='sgemm' and at most C slices")
-        kind, hf = p.get("gemm", "own"), bool(p.get("hf", 0))
+        tb, ks, kind, hf, xi, xo, xt, lo = self._checked(spec, p)
         if kind == "sgemm":
-            gp = Params({k: v for k, v in p.items() if k not in ("gemm", "tb", "ks", "so", "hf", "xi", "xo")})
-            gemm = self._sgemm_kernel(g, gp, ks, hf)
+            gp = Params({k: v for k, v in p.items()
+                         if k not in ("gemm", "tb", "ks", "so", "hf", "xi", "xo", "xt", "lo")})
+            gemm = self._sgemm_kernel(g, gp, ks, hf, lo)
             grid, block = gemm_grid(self._shape(g, ks), gp), gemm_block(gp)
-        elif kind == "own":
+        else:
             gemm = self._gemm_kernel(g, p)
             grid, block = (cdiv(g.tiles, p.bn), cdiv(spec.k, p.bm), g.a2), gemm.block
-        else:
-            raise ValueError(f"{self.name}: gemm={p.gemm!r} (expected 'own' or 'sgemm')")
-        if hf and kind != "sgemm":
-            raise ValueError(f"{self.name}: hf=1 (half-transformed filters) needs gemm='sgemm'")
-        xi, xo = bool(p.get("xi", 0)), bool(p.get("xo", 0))
-        inp = split_input_kernel(g, f"{self.name}: B^T d B (thread per row/column)") if xi \
+        inp = split_input_kernel(g, f"{self.name}: B^T d B (thread per row/column)", xt, lo) if xi \
             else self._input_kernel(g, tb)
         out = split_output_kernel(g, epilogue, ks, f"{self.name}: A^T M A (thread per column/row, "
-                                  "staged tiles)") if xo \
+                                  "staged tiles)", xt, lo) if xo \
             else self._output_kernel(g, tb, epilogue, ks, self._staged(g, p))
         kernels = (self._filter_kernel(g, tb, hf), inp, gemm, out)
         tiles_in, tiles_out = spec.c * g.tiles, spec.k * g.tiles
         steps = (
             Launch(kernels[0].name, (cdiv(spec.k * spec.c, tb), 1, 1), (tb, 1, 1), ("w", "wino_u")),
-            Launch(inp.name, split_grid(tiles_in) if xi else (cdiv(tiles_in, tb), 1, 1), inp.block,
+            Launch(inp.name, split_grid(tiles_in, xt, spec.c * lo) if xi else (cdiv(tiles_in, tb), 1, 1), inp.block,
                    ("x", "wino_v")),
             Launch(kernels[2].name, grid, block, ("wino_u", "wino_v", "wino_m")),
-            Launch(out.name, split_grid(tiles_out) if xo else (cdiv(tiles_out, tb), 1, 1), out.block,
+            Launch(out.name, split_grid(tiles_out, xt, spec.k * lo) if xo else (cdiv(tiles_out, tb), 1, 1), out.block,
                    ("wino_m",) + out_refs(epilogue)),
         )
         return Plan(self.name, self.family, spec, params, kernels, steps,
                     workspace=self._workspace(spec, ks, hf),
                     tolerance=tolerance(self.m, spec.r, spec.s), epilogue=epilogue)
+
+    def _checked(self, spec: ConvSpec, p: Params) -> tuple[int, int, str, bool, bool, bool, int, bool]:
+        """(tb, ks, gemm, hf, xi, xo, xt, lo) of ``p``, or a ValueError naming the bad choice."""
+        ks, kind, hf = int(p.get("ks", 1)), p.get("gemm", "own"), bool(p.get("hf", 0))
+        xi, xo, xt, lo = (bool(p.get("xi", 0)), bool(p.get("xo", 0)), int(p.get("xt", XT)),
+                          bool(p.get("lo", 0)))
+        if kind not in ("own", "sgemm"):
+            raise ValueError(f"{self.name}: gemm={kind!r} (expected 'own' or 'sgemm')")
+        if ks > 1 and (kind != "sgemm" or not 1 < ks <= spec.c):
+            raise ValueError(f"{self.name}: ks={ks} needs gemm='sgemm' and at most C slices")
+        if hf and kind != "sgemm":
+            raise ValueError(f"{self.name}: hf=1 (half-transformed filters) needs gemm='sgemm'")
+        if xt not in XT_CHOICES:
+            raise ValueError(f"{self.name}: xt ({xt}) must be one of {XT_CHOICES}")
+        if lo and not (xi and xo and kind == "sgemm"):
+            raise ValueError(f"{self.name}: lo=1 (L2 order) needs xi=1, xo=1 and gemm='sgemm'")
+        return p.tb, ks, kind, hf, xi, xo, xt, lo
 
     def _staged(self, g: Geometry, p: Params) -> bool:
         so = bool(p.get("so", 0))
@@ -394,11 +473,15 @@ class WinogradNonFused(Variant):
     def _shape(g: Geometry, ks: int = 1) -> GemmShape:
         return GemmShape(g.spec.k, g.tiles, g.spec.c, batch=g.a2, ksplit=ks)
 
-    def _sgemm_kernel(self, g: Geometry, p: Params, ks: int = 1, half: bool = False) -> Kernel:
+    def _sgemm_kernel(self, g: Geometry, p: Params, ks: int = 1, half: bool = False,
+                      l2_order: bool = False) -> Kernel:
         """M[e] = U[e]^T V[e] by the shared generator: A (i = k, c) = U[e][c][k] and
         B (c, i = t) = V[e][c][t] are both contiguous along i, so consecutive threads walk i
         (float4 loads when K resp. T is a multiple of 4); ``bz`` is the batch e. ``half``: A is
-        formed from the half-transformed filters (:meth:`_half_operand`)."""
+        formed from the half-transformed filters (:meth:`_half_operand`). ``l2_order`` (lo=1):
+        the last tiles first, every batch of a tile block together (the tile-major input
+        transform wrote those last, so they are still in L2; the output transform then starts on
+        the first tiles, which this GEMM wrote last)."""
         s = g.spec
         kk, tt, cc = s.k, g.tiles, s.c
 
@@ -427,7 +510,8 @@ class WinogradNonFused(Variant):
                            (Buf("u"), Buf("v"), Buf("mw", readonly=False)), prelude,
                            comment=f"{self.name}: {g.a2} batched GEMMs (sgemm"
                            + (", A = G_w H" if half else "") + f") {p.short()}"
-                           + (f", channels in {ks} slices" if ks > 1 else ""))
+                           + (f", channels in {ks} slices" if ks > 1 else ""),
+                           n_last_first=l2_order)
 
     @staticmethod
     def _half_operand(g: Geometry) -> tuple[Operand, tuple[str, ...]]:
@@ -464,6 +548,11 @@ class WinogradNonFused(Variant):
                 cond = f"c0 + rr < {rows} && {col0} + cw < {ld}"
                 stmt = f"{dst}[l] = ({cond}) ? {src}[(c0 + rr) * {ld} + {col0} + cw] : 0.0f;"
                 code(f"if (l < {total}) {stmt}" if total % nt else stmt)
+
+
+def _unset(p: Params, *keys: str) -> Params:
+    """``p`` without ``keys``."""
+    return Params({k: v for k, v in p.items() if k not in keys})
 
 
 def _split(p: Params, ks: int) -> Params:
