@@ -54,6 +54,36 @@ def test_identity_1d_exact(m: int, r: int) -> None:
 
 
 @pytest.mark.parametrize("m,r", SIZES)
+def test_paired_output_sums_equal_plain_rows(m: int, r: int) -> None:
+    """paired_lincombs (A^T's columns at +-p share one sum or difference) computes every row of
+    A^T exactly as the plain linear combination does, and saves terms where points pair up."""
+    import re
+
+    from convforge.kernels.winograd.matrices import lincomb, paired_lincombs
+
+    t = winograd(m, r)
+    names = [f"c{i}" for i in range(t.alpha)]
+    pre, rows = paired_lincombs(t.AT, names, "p")
+    rng = random.Random(m * 7 + r)
+    env = {nm: float(rng.uniform(-1, 1)) for nm in names}
+
+    def value(expr: str) -> float:
+        return float(eval(re.sub(r"(\d+\.\d*(?:e-?\d+)?)f", r"\1", expr), {}, env))  # noqa: S307
+
+    for stmt in pre:
+        lhs, rhs = stmt.removeprefix("const float ").rstrip(";").split(" = ")
+        env[lhs] = value(rhs)
+    for row, expr in zip(t.AT, rows):
+        want = value(lincomb(row, names))
+        assert value(expr) == pytest.approx(want, rel=1e-12, abs=1e-12), (row, expr)
+    plain = sum(sum(1 for c in row if c) for row in t.AT)  # terms, i.e. multiply-adds
+    paired = sum(len(re.findall(r"\b[cp][sd]?\d+\b", expr)) for expr in rows) + len(pre)
+    assert paired <= plain
+    if t.m >= 6:  # +-1, +-2 and +-1/2 pair up over many rows
+        assert paired < 0.8 * plain
+
+
+@pytest.mark.parametrize("m,r", SIZES)
 def test_identity_2d_exact(m: int, r: int) -> None:
     t = winograd(m, r)
     rng = random.Random(m * 100 + r)

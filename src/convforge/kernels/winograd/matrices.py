@@ -155,6 +155,37 @@ def lincomb(coeffs: tuple[Fraction, ...], names: list[str]) -> str:
     return " ".join(terms) if terms else "0.0f"
 
 
+def paired_lincombs(mat: Matrix, names: list[str], tmp: str) -> tuple[list[str], list[str]]:
+    """C for every row of ``mat`` applied to ``names``, with column pairs shared: where column c2
+    is column c1 times +-1 in every row (A^T's columns at +-p: p^o and (-p)^o), the pair's sum
+    and difference are formed once (``{tmp}s{k}``, ``{tmp}d{k}``) and each row takes one term
+    for the pair instead of two. Returns (statements to run first, one expression per row)."""
+    cols = len(mat[0])
+    free, pairs = list(range(cols)), []
+    for c1 in range(cols):
+        for c2 in range(c1 + 1, cols):
+            if c1 in free and c2 in free and any(row[c1] for row in mat) and \
+                    all(abs(row[c2]) == abs(row[c1]) for row in mat):
+                pairs.append((c1, c2))
+                free.remove(c1)
+                free.remove(c2)
+    used: set[tuple[int, str]] = set()
+    exprs = []
+    for row in mat:
+        coeffs = [row[c] for c in free]
+        vars_ = [names[c] for c in free]
+        for k, (c1, c2) in enumerate(pairs):
+            if row[c1]:
+                kind = "s" if row[c2] == row[c1] else "d"
+                used.add((k, kind))
+                coeffs.append(row[c1])
+                vars_.append(f"{tmp}{kind}{k}")
+        exprs.append(lincomb(tuple(coeffs), vars_))
+    pre = [f"const float {tmp}{kind}{k} = {names[c1]} {'+' if kind == 's' else '-'} {names[c2]};"
+           for k, (c1, c2) in enumerate(pairs) for kind in "sd" if (k, kind) in used]
+    return pre, exprs
+
+
 def row_select(mat: Matrix, col: int, index: str) -> str:
     """C expression of mat[index][col] for a run-time row ``index`` (a chain of selects; the
     caller evaluates it once, outside any loop)."""

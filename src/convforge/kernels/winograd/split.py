@@ -20,7 +20,7 @@ from __future__ import annotations
 from convforge.codegen.dialect import Buf, Dim3, Kernel
 from convforge.codegen.meta import Code, cdiv
 from convforge.kernels.common import out_args
-from convforge.kernels.winograd.matrices import lincomb
+from convforge.kernels.winograd.matrices import lincomb, paired_lincombs
 from convforge.kernels.winograd.staged import emit_staged_stores, emit_staged_tiles, emit_tile_info, odd_stride
 from convforge.kernels.winograd.tiles import Geometry, emit_tile_origin
 from convforge.plan import Epilogue
@@ -101,8 +101,10 @@ def split_output_kernel(g: Geometry, epi: Epilogue, ks: int, comment: str, xt: i
     for i in range(ah):
         terms = " + ".join(f"mw[{(z * g.a2 + i * aw) * total} + j * {total} + ri]" for z in range(ks))
         code(f"const float c{i} = {terms};")
+    pre, rows = paired_lincombs(g.th.AT, [f"c{i}" for i in range(ah)], "p")
+    code(*pre)
     for o in range(m):
-        code(f"xout[(j * {m} + {o}) * {xt} + lt] = {lincomb(g.th.AT[o], [f'c{i}' for i in range(ah)])};")
+        code(f"xout[(j * {m} + {o}) * {xt} + lt] = {rows[o]};")
     with code.block("if (j == 0)"):
         with code.block(f"if ({live})"):
             emit_tile_info(code, g, epi, "k", "t", "lt")
@@ -111,8 +113,10 @@ def split_output_kernel(g: Geometry, epi: Epilogue, ks: int, comment: str, xt: i
     with code.block(f"if (j < {m})"):
         for jj in range(aw):
             code(f"const float r{jj} = xout[({jj} * {m} + j) * {xt} + lt];")
+        pre, rows = paired_lincombs(g.tw.AT, [f"r{jj}" for jj in range(aw)], "q")
+        code(*pre)
         for x in range(m):
-            code(f"otile[lt * {st} + j * {m} + {x}] = {lincomb(g.tw.AT[x], [f'r{jj}' for jj in range(aw)])};")
+            code(f"otile[lt * {st} + j * {m} + {x}] = {rows[x]};")
     code("BARRIER();")
     emit_staged_stores(code, g, xt, xt * aw, epi)
     return Kernel("wino_output_transform", (Buf("mw"),) + out_args(epi), code.text(),

@@ -70,6 +70,16 @@ def emit_staged_stores(code: Code, g: Geometry, tiles: int, threads: int, epi: E
     tile, column j) order: consecutive threads write runs of output rows, which coalesce."""
     s, m, st = g.spec, g.m, odd_stride(g.m * g.m)
     count = tiles * m * m
+    if threads >= tiles * m:  # a thread per (tile, column), looping over the rows: no index math per element
+        code(f"// thread lid < {tiles * m}: tile lid / {m}, column lid % {m}; row i of every tile per step")
+        with code.block(f"if (lid < {tiles * m})"):
+            code(f"const int lt = lid / {m}, j = lid % {m}, lim = olim[lt], rows = lim >> 4;",
+                 "GLOBAL_PTR float* yo = y + obase[lt] + j;")
+            with code.block("if (j < (lim & 15))"):
+                for i in range(m):
+                    v = epi.apply(f"otile[lt * {st} + {i * m} + j]", "ok_[lt]")
+                    code(f"if ({i} < rows) yo[{i * s.q}] = {v};")
+        return
     code(f"// element l = lid + e * {threads}: row i, tile lt, column j (j fastest) -> coalesced rows")
     for e in range(-(-count // threads)):
         val = epi.apply(f"otile[lt * {st} + i * {m} + j]", "ok_[lt]")
