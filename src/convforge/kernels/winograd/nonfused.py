@@ -154,7 +154,7 @@ class WinogradNonFused(Variant):
             deep = p.replace(bk=16)
             if p.get("ks", 1) == 1 and spec.c >= 128 and p.bk == 8 and deep in space:
                 p = deep
-            if self.m + max(spec.r, spec.s) - 1 >= 8:
+            if self._big_alpha(spec):
                 p = p.replace(xi=1, xo=1)
         return self._stores(spec, p.replace(hf=1, lo=1) if self._half_default(spec) else p)
 
@@ -164,7 +164,7 @@ class WinogradNonFused(Variant):
         (H200, round 7: each tile's splits were slower, except 64 x 96 at 512@7² N96: ks=2 0.159,
         unsplit 0.18 ms); with split transforms. None where this rule does not apply."""
         t = Geometry(spec, self.m).tiles
-        if self.m + max(spec.r, spec.s) - 1 < 8 or t < 64:
+        if not self._big_alpha(spec) or t < 64:
             return None
         if t % 96 == 0 and t % 64 and spec.c // 2 >= 32:
             p = self._tile(spec, device, _N96_TILE)
@@ -172,6 +172,11 @@ class WinogradNonFused(Variant):
         else:
             p = self._tile(spec, device, _SMALL_TILE)
         return p.replace(xi=1, xo=1) if p is not None else None
+
+    def _big_alpha(self, spec: ConvSpec) -> bool:
+        """alpha >= 8 (F(6x6)/F(7x7) with 3x3, F(4x4) with 5x5): where the split transforms,
+        hf and the small GEMM tiles were measured to pay."""
+        return self.m + max(spec.r, spec.s) - 1 >= 8
 
     def _tile(self, spec: ConvSpec, device: DeviceInfo, tile: tuple[int, ...]) -> Params | None:
         """The fast sgemm point with (bm, bn, bk, tm, tn) = ``tile``, if the GEMM offers it."""
@@ -189,7 +194,7 @@ class WinogradNonFused(Variant):
         layers, none slower.) The same layers take lo=1, the L2 order of the GEMM's blocks and the
         transforms' tiles (H200, F(7x7) defaults: 512@7² N32 0.092 -> 0.086 ms, N64 0.120 ->
         0.117; 3-27 % slower on every layer with more columns)."""
-        return self.m + max(spec.r, spec.s) - 1 >= 8 and Geometry(spec, self.m).tiles <= 64
+        return self._big_alpha(spec) and Geometry(spec, self.m).tiles <= 64
 
     def _stores(self, spec: ConvSpec, p: Params) -> Params:
         """``p`` with so=1 (output tiles stored through shared memory, staged.py) unless each
@@ -245,17 +250,11 @@ class WinogradNonFused(Variant):
         if device.is_gpu and first.get("xo") and Geometry(spec, self.m).tiles <= 128:
             out += [first.replace(xt=16), _unset(first, "lo") if first.get("lo") else first.replace(lo=1)]
         if not device.is_gpu:
-            out.append(self.own_default(spec, device))
-            for bm, bn, bk, tm, tn in itertools.product((32, 64, 128), (32, 64, 128), (4, 8, 16),
-                                                        (4, 8), (4, 8)):
-                threads = (bm // tm) * (bn // tn)
-                if 32 <= threads <= min(256, device.max_threads) and bm >= tm and bn >= tn:
-                    out.append(Params(bm=bm, bn=bn, bk=bk, tm=tm, tn=tn, tb=128))
-            return list(dict.fromkeys(out + self.sgemm_space(spec, device)))
+            return list(dict.fromkeys(out + self._cpu_rest(spec, device)))
         splits = [k for k in (1, 2, 3, 4) if k == 1 or spec.c // k >= 32]
         out += [_split(first, k) for k in splits]
         flags = [first]
-        if self.m + max(spec.r, spec.s) - 1 >= 8 and Geometry(spec, self.m).tiles <= 128:
+        if self._big_alpha(spec) and Geometry(spec, self.m).tiles <= 128:
             flags.append(first.replace(hf=1 - int(first.get("hf", 0))))
             out += [_split(flags[1], k) for k in splits]
         if not first.get("xo"):
@@ -267,6 +266,16 @@ class WinogradNonFused(Variant):
             out.append(_split(tile.replace(**{**keep, "hf": base.get("hf", 0)}), k))
         return list(dict.fromkeys(p if p.get("hf") else Params({k: v for k, v in p.items() if k != "hf"})
                                   for p in out))
+
+    def _cpu_rest(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
+        """The CPU space after its lead: the own kernel's tiles, then every sgemm point."""
+        out = [self.own_default(spec, device)]
+        for bm, bn, bk, tm, tn in itertools.product((32, 64, 128), (32, 64, 128), (4, 8, 16),
+                                                    (4, 8), (4, 8)):
+            threads = (bm // tm) * (bn // tn)
+            if 32 <= threads <= min(256, device.max_threads) and bm >= tm and bn >= tn:
+                out.append(Params(bm=bm, bn=bn, bk=bk, tm=tm, tn=tn, tb=128))
+        return out + self.sgemm_space(spec, device)
 
     def _alternates(self, spec: ConvSpec, device: DeviceInfo, first: Params) -> list[Params]:
         """Other GEMM tiles worth timing early, unsplit and in 2 channel slices, under the
