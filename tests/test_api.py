@@ -77,32 +77,33 @@ def test_cli_devices_and_algos(ocl, capsys):
     assert "direct" in capsys.readouterr().out
 
 
-def test_max_error_policy(capsys):
-    """'auto' and families keep to variants whose tolerance is within config.max_error; a named
-    variant always runs; bad limits are clean errors; the tuning key keeps the limits apart."""
+def test_precision_policy(capsys):
+    """'auto' and families keep to the precision class (default fp32: F(4x4) and below) and to
+    max_error on stated errors; a named variant always runs; bad limits are clean errors."""
     from conftest import NOMINAL_CUDA
     from convforge import kernels
-    from convforge.config import DEFAULT_MAX_ERROR, config, parse_max_error
+    from convforge.config import config, parse_max_error
 
     spec = ConvSpec.make(32, 256, 14, 14, 256, 3, 3, 1, 1)
-    assert config.max_error == DEFAULT_MAX_ERROR
-    assert "winograd_nonfused_f7" in [v.name for v in kernels.select("auto", spec, NOMINAL_CUDA)]
-    saved = config.max_error
+    assert config.precision == "fp32" and config.max_error is None
+    names = [v.name for v in kernels.select("auto", spec, NOMINAL_CUDA)]
+    assert "winograd_nonfused_f4" in names and "winograd_nonfused_f7" not in names
+    assert "precision class" in kernels.reasons("auto", spec, NOMINAL_CUDA)["winograd_nonfused_f6"]
+    saved = config.precision, config.max_error
     try:
-        config.max_error = 5e-5
+        config.precision = "relaxed"
+        assert "winograd_nonfused_f7" in [v.name for v in kernels.select("auto", spec, NOMINAL_CUDA)]
+        config.precision, config.max_error = "fp32", 1e-6
         names = [v.name for v in kernels.select("winograd", spec, NOMINAL_CUDA)]
-        assert "winograd_nonfused_f4" in names and "winograd_nonfused_f7" not in names
+        assert "winograd_nonfused_f2" in names and "winograd_nonfused_f4" not in names
         assert [v.name for v in kernels.select("winograd_nonfused_f7", spec, NOMINAL_CUDA)] == [
             "winograd_nonfused_f7"]
-        assert "max_error" in kernels.reasons("auto", spec, NOMINAL_CUDA)["winograd_nonfused_f6"]
-        assert main(["algos", "--spec", "N=32,C=256,H=14,W=14,K=256,R=3,S=3,pad=1"]) == 0
-        assert "winograd_nonfused_f7" in capsys.readouterr().out
     finally:
-        config.max_error = saved
-    assert main(["algos", "--spec", "N=1,C=8,H=14,W=14,K=8,R=3,S=3,pad=1", "--max-error", "1e-5"]) == 0
+        config.precision, config.max_error = saved
+    assert main(["algos", "--spec", "N=1,C=8,H=14,W=14,K=8,R=3,S=3,pad=1", "--max-error", "1e-6"]) == 0
     out = capsys.readouterr().out
-    assert "~ winograd_nonfused_f4" in out and "tolerance 5e-05 > max_error 1e-05" in out
-    config.max_error = saved
+    assert "~ winograd_nonfused_f4" in out and "stated error 3.5e-06 > max_error 1e-06" in out
+    config.precision, config.max_error = saved
     with pytest.raises(ValueError, match=r"max_error \(-1\) must be > 0"):
         parse_max_error("-1")
     with pytest.raises(ValueError, match=r"max_error \('tight'\) must be a number"):

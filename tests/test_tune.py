@@ -94,25 +94,25 @@ def test_heuristic_prefers_most_specialised() -> None:
 def test_heuristic_ranks_winograd_by_layer_on_gpus() -> None:
     """Measured on the H200 (docs/NOTES-winograd.md): non-fused F(7x7) for 3x3 layers up to 64x64
     outputs at N >= 16 where it saves >= 20 % of F(4x4)'s multiplications; non-fused F(4x4) up to
-    32x32 outputs otherwise (or when max_error excludes F(7x7)), fused F(4x4) above, fused F(2x2)
-    at N=1 and on CPUs."""
+    32x32 outputs otherwise (and in the default fp32 class, which excludes F(7x7)), fused F(4x4)
+    above, fused F(2x2) at N=1 and on CPUs."""
     from conftest import NOMINAL_CUDA
     from convforge.config import config
 
     def pick(n: int, c: int, hw: int, dev: DeviceInfo = NOMINAL_CUDA) -> str:
         return heuristic_choice(ConvSpec.make(n, c, hw, hw, c, 3, 3, 1, 1), dev)[0].name
 
-    assert pick(32, 256, 14) == pick(128, 512, 7) == pick(32, 64, 56) == "winograd_nonfused_f7"
+    assert pick(32, 256, 14) == pick(128, 512, 7) == "winograd_nonfused_f4"
+    assert pick(32, 64, 56) == "winograd_fused_f4"
     assert pick(5, 160, 14) == "winograd_nonfused_f4"
     assert pick(1, 256, 14) == "winograd_fused_f2"
     assert pick(32, 256, 14, DeviceInfo("opencl", "cpu", is_gpu=False)) == "winograd_fused_f2"
-    saved = config.max_error
+    saved = config.precision
     try:
-        config.max_error = 5e-5
-        assert pick(32, 256, 14) == pick(128, 512, 7) == "winograd_nonfused_f4"
-        assert pick(32, 64, 56) == "winograd_fused_f4"
+        config.precision = "relaxed"
+        assert pick(32, 256, 14) == pick(128, 512, 7) == pick(32, 64, 56) == "winograd_nonfused_f7"
     finally:
-        config.max_error = saved
+        config.precision = saved
 
 
 def test_prune_model() -> None:

@@ -69,7 +69,7 @@ def cmd_algos(args: argparse.Namespace) -> int:
         if why:
             print(f"  - {v.name:26s} not applicable: {why}")
             continue
-        why = kernels.accurate_enough(v)
+        why = kernels.accurate_enough(v, spec)
         if why:
             print(f"  ~ {v.name:26s} not chosen by 'auto': {why} (runs when named)")
         else:

@@ -138,7 +138,9 @@ class Variant:
     name: str = ""
     family: str = ""
     backends: frozenset[str] = frozenset({"cuda", "opencl"})
-    tolerance: float = 1e-5
+    tolerance: float = 1e-5  # the correctness check's bound (relative L2 vs float64)
+    precision: str = "fp32"  # the accuracy class it states: "fp32" or "relaxed" (convforge.precision)
+    exact: bool = False  # plain float32 sums of products (direct, GEMM family): the verifier's family
     specialised: int = 0  # higher = more specialised; the heuristic prefers it when it applies
     space_lead: int = 0  # the tuner tries this many first points of space() in order, then samples
 
@@ -146,6 +148,11 @@ class Variant:
         """The heuristic's preference for this variant on ``spec`` (Boda's rule: how specialised it
         is); a variant whose measured standing depends on the layer overrides it."""
         return self.specialised
+
+    def expected_error(self, spec: ConvSpec) -> float:
+        """Typical relative L2 error on ``spec`` (stated, from docs/NOTES-winograd.md's accuracy table):
+        what the precision rule uses where the tuner measured nothing."""
+        return 1e-6 if self.precision == "fp32" else 1e-4
 
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
         """None when the variant can run ``spec`` on ``device``, otherwise the reason it cannot."""

@@ -61,17 +61,24 @@ def select(algo: str, spec: ConvSpec, device: DeviceInfo) -> list[Variant]:
             known = sorted(set(FAMILIES) | set(_REGISTRY))
             raise ValueError(f"algo ({algo!r}) is not a family or variant; known: {', '.join(known)}")
     usable = [v for v in chosen if v.applies(spec, device) is None
-              and (algo == v.name or accurate_enough(v) is None)]
+              and (algo == v.name or accurate_enough(v, spec) is None)]
     return sorted(usable, key=lambda v: -v.rank(spec, device))  # most specialised first (Boda's rule)
 
 
-def accurate_enough(variant: Variant) -> str | None:
-    """None when ``variant``'s stated tolerance is within ``config.max_error``, else why not."""
+def accurate_enough(variant: Variant, spec: ConvSpec | None = None, precision: str | None = None,
+                    max_error: float | None = None) -> str | None:
+    """None when ``variant``'s stated accuracy is admitted by the precision class (default
+    ``config.precision``) and, when set, ``max_error`` (default ``config.max_error``); else why not.
+    Stated figures only: measured errors are the dispatcher's business (convforge.dispatch)."""
     from convforge.config import config
 
-    if variant.tolerance <= config.max_error:
-        return None
-    return f"tolerance {variant.tolerance:.0e} > max_error {config.max_error:.0e}"
+    precision = precision or config.precision
+    bound = max_error if max_error is not None else config.max_error
+    if precision == "fp32" and variant.precision != "fp32":
+        return f"precision class {variant.precision!r} is outside 'fp32' (use precision='relaxed')"
+    if bound is not None and spec is not None and variant.expected_error(spec) > bound:
+        return f"stated error {variant.expected_error(spec):.1e} > max_error {bound:.0e}"
+    return None
 
 
 def ranked(algo: str, spec: ConvSpec, device: DeviceInfo, workspace_limit: int | None = None,
@@ -116,7 +123,7 @@ def reasons(algo: str, spec: ConvSpec, device: DeviceInfo) -> dict[str, str]:
     out = {}
     for v in all_variants():
         if algo in ("auto", v.name, v.family):
-            why = v.applies(spec, device) or (None if algo == v.name else accurate_enough(v))
+            why = v.applies(spec, device) or (None if algo == v.name else accurate_enough(v, spec))
             if why:
                 out[v.name] = why
     return out

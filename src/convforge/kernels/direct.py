@@ -27,6 +27,7 @@ class DirectBase(Variant):
 
     family = "direct"
     tolerance = 1e-5
+    exact = True
 
     # -- parameters -------------------------------------------------------------------------
     def _grid_points(self, spec: ConvSpec, device: DeviceInfo) -> list[dict[str, int]]:

@@ -108,6 +108,7 @@ class _ConvGemmBase(Variant):
     """Space and default from the SGEMM generator, for M = K, N = NPQ, K = CRS."""
 
     tolerance = 1e-5
+    exact = True
 
     def _b_vec(self, spec: ConvSpec) -> bool:
         return False
@@ -217,6 +218,7 @@ class Im2colCublas(Variant):
     family = "im2col"
     backends = frozenset({"cuda"})
     tolerance = 1e-5
+    exact = True
 
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
         return (super().applies(spec, device) or too_big(spec, col_elements(spec))
@@ -514,6 +516,7 @@ class GemmFullWindow(Variant):
     name = "gemm_fc"
     family = "gemm1x1"
     specialised = 12
+    exact = True
 
     def __init__(self) -> None:
         self.plain, self.split = Gemm1x1(), Gemm1x1SplitK()

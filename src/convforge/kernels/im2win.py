@@ -76,6 +76,7 @@ class Im2win(Variant):
     specialised = 4
     family = "im2win"
     tolerance = 1e-5
+    exact = True
 
     def _mnk(self, spec: ConvSpec) -> tuple[int, int, int]:
         return spec.k, spec.n * spec.p * spec.q, spec.c * spec.r * spec.s

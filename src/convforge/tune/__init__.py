@@ -61,7 +61,7 @@ def choose(spec: ConvSpec, backend: Backend, epilogue: Epilogue = NO_EPILOGUE,
            workspace_limit: int | None = None) -> tuple[Variant, Params]:
     """(variant, params) for ``spec`` on ``backend``: database, else tune (if enabled), else heuristic."""
     key = (backend, spec, epilogue, workspace_limit, config.autotune, config.db_path, config.cache_dir,
-           config.max_error)
+           config.max_error, config.precision)
     hit = _CHOICES.get(key)
     if hit is None:
         hit = _choose_slow(spec, backend, epilogue, workspace_limit)
@@ -83,7 +83,7 @@ def _choose_slow(spec: ConvSpec, backend: Backend, epi: Epilogue,
             variant = tuner._known(entry)
             fits = workspace_limit is None or entry.workspace <= workspace_limit
             if (variant is not None and fits and variant.applies(spec, backend.device) is None
-                    and accurate_enough(variant) is None):
+                    and accurate_enough(variant, spec) is None):
                 params = Params.from_json(entry.params)
                 try:  # an entry from an older generator may name parameters it no longer takes
                     variant.plan(spec, params, backend.device, epi)

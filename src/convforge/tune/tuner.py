@@ -28,7 +28,7 @@ import numpy as np
 from convforge import __version__
 from convforge.backends.base import Backend, Executable
 from convforge.check import random_inputs
-from convforge.config import DEFAULT_MAX_ERROR, config
+from convforge.config import config
 from convforge.params import Params
 from convforge.plan import Epilogue, Plan, Variant
 from convforge.reference import conv2d_ref, rel_l2
@@ -184,8 +184,9 @@ class Tuner:
     def key(self, spec: ConvSpec, epi: Epilogue) -> tuple[str, ...]:
         dev = self.backend.device
         epi_key = epilogue_key(epi)
-        if config.max_error != DEFAULT_MAX_ERROR:  # choices under another accuracy limit apart
+        if config.max_error is not None:  # choices under another accuracy limit apart
             epi_key += f"|max_error={config.max_error:g}"
+        epi_key += f"|{config.precision}"
         return (dev.key(), self.backend.name, __version__, spec.key(), spec.dtype, epi_key)
 
     def lookup(self, spec: ConvSpec, epi: Epilogue = NO_EPILOGUE) -> Entry | None:

@@ -32,7 +32,7 @@ from convforge.codegen.meta import Code, cdiv
 from convforge.kernels import register
 from convforge.kernels.common import out_args, out_refs
 from convforge.kernels.gemm import elementwise
-from convforge.kernels.winograd.nonfused import tolerance, winograd_applies
+from convforge.kernels.winograd.nonfused import expected_error, precision_class, tolerance, winograd_applies
 from convforge.kernels.winograd.tiles import (
     STORE2_HELPER,
     Geometry,
@@ -231,6 +231,10 @@ class WinogradFused(Variant):
         self.name = f"winograd_fused_f{m}"
         self.specialised = 8 if m == 4 else 9  # measured: F(2x2) fused wins most ResNet layers
         self.tolerance = tolerance(m, 3, 3)
+        self.precision = precision_class(m)
+
+    def expected_error(self, spec: ConvSpec) -> float:
+        return expected_error(self.m, spec.r, spec.s)
 
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
         """F(4x4) first on GPUs above 32x32 outputs (H200: ResNet 64@56², N32-128, its default

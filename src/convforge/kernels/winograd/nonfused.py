@@ -84,6 +84,22 @@ def tolerance(m: int, r: int, s: int) -> float:
     return tols[alpha]
 
 
+# Typical relative L2 error per tile size alpha on 3x3 layers (PoCL, ResNet layers, N=2; the upper
+# end of docs/NOTES-winograd.md's accuracy table): what the precision rule assumes before a measurement.
+_EXPECTED = {4: 7e-7, 5: 2e-6, 6: 3.5e-6, 7: 6e-6, 8: 8e-6, 9: 1e-4}
+FP32_MAX_ALPHA = 6  # F(4x4,3x3) and below state FP32-grade accuracy; F(6x6) and F(7x7) are "relaxed"
+
+
+def expected_error(m: int, r: int, s: int) -> float:
+    """Stated typical relative L2 error of F(m x m, r x s)."""
+    return _EXPECTED.get(m + max(r, s) - 1, 1e-4)
+
+
+def precision_class(m: int, r: int = 3) -> str:
+    """'fp32' for tile sizes whose error is FP32-grade (alpha <= 6), else 'relaxed'."""
+    return "fp32" if m + r - 1 <= FP32_MAX_ALPHA else "relaxed"
+
+
 def winograd_applies(spec: ConvSpec, m: int, max_alpha: int) -> str | None:
     """Shared restrictions of every Winograd variant (None when ``spec`` is accepted)."""
     if spec.stride != (1, 1):
@@ -107,6 +123,10 @@ class WinogradNonFused(Variant):
         self.name = f"winograd_nonfused_f{m}"
         self.specialised = {4: 7, 7: 5}.get(m, 6)
         self.tolerance = tolerance(m, 3, 3)
+        self.precision = precision_class(m)
+
+    def expected_error(self, spec: ConvSpec) -> float:
+        return expected_error(self.m, spec.r, spec.s)
 
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
         """On GPUs, for 3x3 layers of at most 64x64 outputs and N >= 16: F(7x7) first where its
