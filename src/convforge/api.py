@@ -7,14 +7,12 @@ from typing import Any
 
 import numpy as np
 
-from convforge import kernels
+from convforge import dispatch, kernels
 from convforge.backends import cuda_available, get_backend
 from convforge.backends.base import Backend, Executable
 from convforge.params import Params
-from convforge.plan import DeviceInfo, Epilogue, Plan, Variant
+from convforge.plan import DeviceInfo, Epilogue, Plan
 from convforge.spec import ConvSpec
-
-_EXECUTABLES: dict[tuple[str, str, ConvSpec, Params, Epilogue], Executable] = {}
 
 
 def _kind(a: Any, what: str) -> str:
@@ -69,36 +67,16 @@ def _check_layout(a: Any, what: str, rank: int) -> None:
                          f"pass a contiguous {layout} array")
 
 
-def _pick(algo: str, spec: ConvSpec, be: Backend, epi: Epilogue,
-          workspace_limit: int | None, params: Params | None) -> tuple[Variant, Params]:
-    """``auto``: the tuning database's choice (``choose``, Boda's rule when it has none); an
-    explicit family/variant or parameters: Boda's rule over what ``algo`` names."""
-    if algo == "auto" and params is None:
-        try:
-            from convforge.tune import choose
-        except ImportError:
-            choose = None  # type: ignore[assignment]
-        if choose is not None:
-            return choose(spec, be, epi, workspace_limit)
-    return kernels.most_specialised(algo, spec, be.device, workspace_limit, params)
-
-
 def plan_for(spec: ConvSpec, be: Backend, algo: str = "auto", epilogue: Epilogue = Epilogue(),
              workspace_limit: int | None = None, params: Params | None = None) -> Plan:
     """The Plan ``conv2d`` would run for ``spec`` on back-end ``be``."""
-    variant, prm = _pick(algo, spec, be, epilogue, workspace_limit, params)
-    return variant.plan(spec, prm, be.device, epilogue)
+    ch = dispatch.choose(spec, be, epilogue, algo=algo, workspace_limit=workspace_limit, params=params)
+    return ch.variant.plan(spec, ch.params, be.device, epilogue)
 
 
 def executable_for(spec: ConvSpec, be: Backend, algo: str = "auto", epilogue: Epilogue = Epilogue(),
                    workspace_limit: int | None = None, params: Params | None = None) -> Executable:
-    variant, prm = _pick(algo, spec, be, epilogue, workspace_limit, params)
-    key = (be.device.key(), variant.name, spec, prm, epilogue)
-    exe = _EXECUTABLES.get(key)
-    if exe is None:
-        exe = be.executable(variant.plan(spec, prm, be.device, epilogue))
-        _EXECUTABLES[key] = exe
-    return exe
+    return dispatch.executable(spec, be, epilogue, algo=algo, workspace_limit=workspace_limit, params=params)
 
 
 def conv2d(x: Any, w: Any, bias: Any = None, stride: int | Sequence[int] = 1,
