@@ -20,6 +20,15 @@ FP32_SLACK = 2.0
 DEFAULT_MAX_ERROR = 1e-3  # the old default bound, kept for readers of old databases
 
 
+def precision_key(precision: str | None = None, max_error: float | None = None) -> str:
+    """The tuning database's precision field: the class name, or ``max_error=E`` under a finer bound
+    (defaults: ``config.precision`` and ``config.max_error``)."""
+    bound = max_error if max_error is not None else config.max_error
+    if bound is not None:
+        return f"max_error={bound:g}"
+    return precision or config.precision
+
+
 def parse_precision(text: str) -> str:
     """A precision class name; ValueError naming the allowed ones otherwise."""
     if text not in PRECISIONS:
