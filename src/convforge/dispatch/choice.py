@@ -1,20 +1,29 @@
-"""Which variant and parameters run a spec: the tuning database's entry for the precision class,
-else autotuning (``config.autotune``), else Boda's heuristic over the variants the class admits."""
+"""Which variant and parameters run a spec: the one place that decides.
+
+For ``algo="auto"``: the tuning database's entry for the precision class (or, under ``max_error``,
+any entry whose *measured* error is within it), else autotuning when ``config.autotune`` is on,
+else Boda's heuristic over the variants whose *stated* accuracy the class admits. A family name
+takes the heuristic within that family; a variant name or explicit parameters always run as named.
+Answers are cached per argument set, so a warm call is one dictionary lookup.
+"""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from convforge import kernels
-from convforge.config import config
+from convforge.config import PRECISIONS, config, parse_precision, precision_key
 from convforge.params import Params
 from convforge.plan import Epilogue, Variant
 from convforge.spec import ConvSpec
 
 if TYPE_CHECKING:
     from convforge.backends.base import Backend
+    from convforge.tune.db import Entry
 
+log = logging.getLogger("convforge.dispatch")
 _CHOICES: dict[tuple[Any, ...], Choice] = {}
 
 
@@ -24,7 +33,7 @@ class Choice:
 
     variant: Variant
     params: Params
-    error: float | None = None  # measured (tuned entries) or None (stated only)
+    error: float | None = None  # measured (database, tuning) or None (stated only)
     source: str = "heuristic"  # "db", "tuned", "heuristic" or "named"
 
 
@@ -32,24 +41,108 @@ def choose(spec: ConvSpec, backend: Backend, epilogue: Epilogue = Epilogue(), *,
            precision: str | None = None, max_error: float | None = None,
            workspace_limit: int | None = None, params: Params | None = None) -> Choice:
     """The (variant, params) that runs ``spec`` on ``backend`` (cached per argument set)."""
-    key = (backend, spec, epilogue, algo, precision or config.precision,
-           max_error if max_error is not None else config.max_error, workspace_limit, params,
+    prec = parse_precision(precision) if precision is not None else config.precision
+    bound = max_error if max_error is not None else config.max_error
+    key = (backend, spec, epilogue, algo, prec, bound, workspace_limit, params,
            config.autotune, config.db_path, config.cache_dir)
     hit = _CHOICES.get(key)
     if hit is None:
-        hit = _CHOICES[key] = _choose_slow(spec, backend, epilogue, algo, workspace_limit, params)
+        hit = _CHOICES[key] = _choose_slow(spec, backend, epilogue, algo, prec, bound, workspace_limit,
+                                           params)
     return hit
 
 
-def _choose_slow(spec: ConvSpec, backend: Backend, epi: Epilogue, algo: str,
-                 workspace_limit: int | None, params: Params | None) -> Choice:
-    if algo == "auto" and params is None:
-        from convforge import tune
+def _choose_slow(spec: ConvSpec, backend: Backend, epi: Epilogue, algo: str, prec: str,
+                 bound: float | None, workspace_limit: int | None, params: Params | None) -> Choice:
+    dev = backend.device
+    if params is not None or (algo != "auto" and algo not in kernels.FAMILIES):
+        variant, prm = kernels.most_specialised(algo, spec, dev, workspace_limit, params)
+        return Choice(variant, prm, None, "named")
+    if algo == "auto":
+        hit = _from_db(spec, backend, epi, prec, bound, workspace_limit)
+        if hit is not None:
+            return hit
+        if config.autotune:
+            hit = _tune_now(spec, backend, epi, prec, bound, workspace_limit)
+            if hit is not None:
+                return hit
+    try:
+        variant, prm = kernels.most_specialised(algo, spec, dev, workspace_limit, precision=prec,
+                                                max_error=bound)
+    except ValueError:
+        if bound is None or algo != "auto":
+            raise
+        raise ValueError(_unmeetable(spec, backend, bound)) from None
+    return Choice(variant, prm, None, "heuristic")
 
-        variant, prm = tune.choose(spec, backend, epi, workspace_limit)
-        return Choice(variant, prm, None, "db")
-    variant, prm = kernels.most_specialised(algo, spec, backend.device, workspace_limit, params)
-    return Choice(variant, prm, None, "named" if algo != "auto" else "heuristic")
+
+def _unmeetable(spec: ConvSpec, backend: Backend, bound: float) -> str:
+    """The error message of a max_error no variant states it can meet."""
+    best = kernels.most_accurate(spec, backend.device)
+    what = f"{best.name} states {best.expected_error(spec):.1e}" if best else "no variant applies"
+    return (f"max_error ({bound:g}) cannot be met on {spec.short()}: the most accurate variant, {what} "
+            "(tune the layer to measure it, or raise max_error)")
+
+
+def _entries(spec: ConvSpec, backend: Backend, epi: Epilogue, prec: str, bound: float | None) -> list[Entry]:
+    """Database entries that may serve: the class's own (or the max_error key's), then, under
+    max_error, the classes' entries (their measured error is checked by the caller)."""
+    from convforge.tune import Tuner, open_db
+
+    db = open_db()
+    if db is None:
+        return []
+    keys = [precision_key(prec, bound)] + (list(PRECISIONS) if bound is not None else [])
+    out: list[Entry] = []
+    for k in keys:
+        tuner = Tuner(backend, db, precision=k if k in PRECISIONS else prec,
+                      max_error=bound if k not in PRECISIONS else None)
+        try:
+            entry = tuner.lookup(spec, epi)
+        except Exception as err:  # noqa: BLE001 - a database problem is a slower choice, never a crash
+            log.warning("tuning database lookup failed (%s); using the heuristic", err)
+            return out
+        if entry is not None:
+            out.append(entry)
+    return out
+
+
+def _from_db(spec: ConvSpec, backend: Backend, epi: Epilogue, prec: str, bound: float | None,
+             workspace_limit: int | None) -> Choice | None:
+    """The first stored entry that still applies, fits, plans and (under max_error) measured within it."""
+    for entry in _entries(spec, backend, epi, prec, bound):
+        if bound is not None and not entry.error <= bound:
+            continue
+        try:
+            variant = kernels.get_variant(entry.variant)
+        except ValueError:
+            continue
+        if workspace_limit is not None and entry.workspace > workspace_limit:
+            continue
+        if variant.applies(spec, backend.device) is not None:
+            continue
+        params = Params.from_json(entry.params)
+        try:  # an entry from an older generator may name parameters it no longer takes
+            variant.plan(spec, params, backend.device, epi)
+        except Exception as err:  # noqa: BLE001 - a stale entry is a slower choice, never a crash
+            log.warning("stored choice %s [%s] no longer plans (%s); skipped", variant.name, params.short(), err)
+            continue
+        return Choice(variant, params, entry.error, "db")
+    return None
+
+
+def _tune_now(spec: ConvSpec, backend: Backend, epi: Epilogue, prec: str, bound: float | None,
+              workspace_limit: int | None) -> Choice | None:
+    """Autotune on first sight (``config.autotune``) into the database."""
+    from convforge.tune import AUTOTUNE_BUDGET, TuneError, Tuner, open_db
+
+    tuner = Tuner(backend, open_db(writable=True), AUTOTUNE_BUDGET, precision=prec, max_error=bound)
+    try:
+        res = tuner.tune(spec, epi, workspace_limit, force=True)
+    except TuneError as err:
+        log.warning("autotuning failed, using the heuristic: %s", err)
+        return None
+    return Choice(res.variant, res.params, res.entry.error, "tuned")
 
 
 def clear_choices() -> None:

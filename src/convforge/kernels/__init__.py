@@ -48,8 +48,10 @@ def get_variant(name: str) -> Variant:
         raise ValueError(f"unknown variant {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
 
 
-def select(algo: str, spec: ConvSpec, device: DeviceInfo) -> list[Variant]:
-    """Variants named by ``algo`` (a family, a variant or 'auto') that apply to ``spec``."""
+def select(algo: str, spec: ConvSpec, device: DeviceInfo, *, precision: str | None = None,
+           max_error: float | None = None) -> list[Variant]:
+    """Variants named by ``algo`` (a family, a variant or 'auto') that apply to ``spec``; 'auto' and
+    families keep to those whose stated accuracy the precision class (and ``max_error``) admits."""
     variants = all_variants()
     if algo == "auto":
         chosen = variants
@@ -61,7 +63,7 @@ def select(algo: str, spec: ConvSpec, device: DeviceInfo) -> list[Variant]:
             known = sorted(set(FAMILIES) | set(_REGISTRY))
             raise ValueError(f"algo ({algo!r}) is not a family or variant; known: {', '.join(known)}")
     usable = [v for v in chosen if v.applies(spec, device) is None
-              and (algo == v.name or accurate_enough(v, spec) is None)]
+              and (algo == v.name or accurate_enough(v, spec, precision, max_error) is None)]
     return sorted(usable, key=lambda v: -v.rank(spec, device))  # most specialised first (Boda's rule)
 
 
@@ -74,7 +76,7 @@ def accurate_enough(variant: Variant, spec: ConvSpec | None = None, precision: s
 
     precision = precision or config.precision
     bound = max_error if max_error is not None else config.max_error
-    if precision == "fp32" and variant.precision != "fp32":
+    if bound is None and precision == "fp32" and variant.precision != "fp32":
         return f"precision class {variant.precision!r} is outside 'fp32' (use precision='relaxed')"
     if bound is not None and spec is not None and variant.expected_error(spec) > bound:
         return f"stated error {variant.expected_error(spec):.1e} > max_error {bound:.0e}"
@@ -82,13 +84,14 @@ def accurate_enough(variant: Variant, spec: ConvSpec | None = None, precision: s
 
 
 def ranked(algo: str, spec: ConvSpec, device: DeviceInfo, workspace_limit: int | None = None,
-           variants: Sequence[Variant] | None = None, params: Params | None = None) -> list[Variant]:
-    """Variants named by ``algo`` (within ``config.max_error``; or any of ``variants``, the
+           variants: Sequence[Variant] | None = None, params: Params | None = None, *,
+           precision: str | None = None, max_error: float | None = None) -> list[Variant]:
+    """Variants named by ``algo`` (within the precision class; or any of ``variants``, the
     caller's own pool) that apply to ``spec`` and whose workspace
     with their default parameters (or ``params``) fits ``workspace_limit``, most specialised first
     (``Variant.rank``); ties keep registration order, so the order is deterministic."""
     if variants is None:
-        pool = select(algo, spec, device)
+        pool = select(algo, spec, device, precision=precision, max_error=max_error)
     else:
         pool = sorted((v for v in variants if v.applies(spec, device) is None),
                       key=lambda v: -v.rank(spec, device))
@@ -106,24 +109,34 @@ def ranked(algo: str, spec: ConvSpec, device: DeviceInfo, workspace_limit: int |
 
 
 def most_specialised(algo: str, spec: ConvSpec, device: DeviceInfo, workspace_limit: int | None = None,
-                     params: Params | None = None,
-                     variants: Sequence[Variant] | None = None) -> tuple[Variant, Params]:
+                     params: Params | None = None, variants: Sequence[Variant] | None = None, *,
+                     precision: str | None = None, max_error: float | None = None) -> tuple[Variant, Params]:
     """Boda's rule, the one copy of it: the first of :func:`ranked`, with its default parameters
     (or ``params``)."""
-    pool = ranked(algo, spec, device, workspace_limit, variants, params)
+    pool = ranked(algo, spec, device, workspace_limit, variants, params, precision=precision,
+                  max_error=max_error)
     if pool:
         return pool[0], params if params is not None else pool[0].default(spec, device)
-    why = reasons(algo, spec, device)
+    why = reasons(algo, spec, device, precision=precision, max_error=max_error)
     detail = "; ".join(f"{k}: {r}" for k, r in why.items()) or "none fits the workspace limit"
     raise ValueError(f"no {algo!r} variant applies to {spec.short()} on {device.backend} ({detail})")
 
 
-def reasons(algo: str, spec: ConvSpec, device: DeviceInfo) -> dict[str, str]:
+def most_accurate(spec: ConvSpec, device: DeviceInfo) -> Variant | None:
+    """The applicable variant of the smallest stated error (an exact one: direct or GEMM family)."""
+    pool = [v for v in all_variants() if v.applies(spec, device) is None]
+    return min(pool, key=lambda v: (v.expected_error(spec), not v.exact, -v.rank(spec, device)),
+               default=None)
+
+
+def reasons(algo: str, spec: ConvSpec, device: DeviceInfo, *, precision: str | None = None,
+            max_error: float | None = None) -> dict[str, str]:
     """Why each variant named by ``algo`` does not apply (for error messages)."""
     out = {}
     for v in all_variants():
         if algo in ("auto", v.name, v.family):
-            why = v.applies(spec, device) or (None if algo == v.name else accurate_enough(v, spec))
+            why = v.applies(spec, device) or (
+                None if algo == v.name else accurate_enough(v, spec, precision, max_error))
             if why:
                 out[v.name] = why
     return out

@@ -1,8 +1,7 @@
-"""Autotuning, variant selection and the tuning database.
+"""Autotuning and the tuning database.
 
-``choose`` is what ``conv2d(..., algo="auto")`` calls: the database's choice when it has one, else
-(with ``config.autotune``) tune now and store, else Boda's heuristic. Answers are cached in memory,
-so a warm call is one dictionary lookup.
+The choice of a variant for a call lives in :mod:`convforge.dispatch` (database first, then tuning
+on first sight when ``config.autotune`` is on, then the heuristic); this package measures and stores.
 """
 
 from __future__ import annotations
@@ -10,10 +9,8 @@ from __future__ import annotations
 import logging
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 from convforge.config import config
-from convforge.kernels import accurate_enough
 from convforge.params import Params
 from convforge.plan import Epilogue, Variant
 from convforge.spec import ConvSpec
@@ -21,79 +18,44 @@ from convforge.tune.db import Entry, TuningDB
 from convforge.tune.heuristic import NO_EPILOGUE, heuristic_choice
 from convforge.tune.tuner import Budget, TuneError, Tuner, TuneResult, measure_dispatch
 
-if TYPE_CHECKING:
-    from convforge.backends.base import Backend
-
 __all__ = ["choose", "clear_choices", "open_db", "Budget", "Entry", "Tuner", "TuneError", "TuneResult",
-           "TuningDB", "heuristic_choice", "measure_dispatch"]
+           "TuningDB", "heuristic_choice", "measure_dispatch", "AUTOTUNE_BUDGET"]
 
 log = logging.getLogger("convforge.tune")
-_CHOICES: dict[tuple[Any, ...], tuple[Variant, Params]] = {}
-_DBS: dict[Path, TuningDB | None] = {}
+_DBS: dict[tuple[Path, bool], TuningDB | None] = {}
 _LOCK = threading.Lock()
 AUTOTUNE_BUDGET = Budget()  # effort of tuning on first sight (config.autotune); may be changed
 
 
-def open_db(path: Path | None = None) -> TuningDB | None:
+def open_db(path: Path | None = None, writable: bool = False) -> TuningDB | None:
     """The shared database at ``path`` (default ``config.tuning_db``); None if it cannot be opened."""
     path = Path(path or config.tuning_db)
     with _LOCK:
-        if path not in _DBS:
+        if (path, writable) not in _DBS:
             try:
-                _DBS[path] = TuningDB(path)
+                _DBS[path, writable] = TuningDB(path)
             except Exception as err:  # noqa: BLE001 - no database is a slower choice, never a crash
                 log.warning("tuning database %s unavailable (%s); using the heuristic", path, err)
-                _DBS[path] = None
-        return _DBS[path]
+                _DBS[path, writable] = None
+        return _DBS[path, writable]
 
 
 def clear_choices() -> None:
     """Forget cached choices and database handles (after the database changed underneath)."""
+    from convforge import dispatch
+
+    dispatch.clear_choices()
     with _LOCK:
-        _CHOICES.clear()
         for db in _DBS.values():
             if db is not None:
                 db.close()
         _DBS.clear()
 
 
-def choose(spec: ConvSpec, backend: Backend, epilogue: Epilogue = NO_EPILOGUE,
+def choose(spec: ConvSpec, backend: object, epilogue: Epilogue = NO_EPILOGUE,
            workspace_limit: int | None = None) -> tuple[Variant, Params]:
-    """(variant, params) for ``spec`` on ``backend``: database, else tune (if enabled), else heuristic."""
-    key = (backend, spec, epilogue, workspace_limit, config.autotune, config.db_path, config.cache_dir,
-           config.max_error, config.precision)
-    hit = _CHOICES.get(key)
-    if hit is None:
-        hit = _choose_slow(spec, backend, epilogue, workspace_limit)
-        _CHOICES[key] = hit
-    return hit
+    """(variant, params) for ``spec``: :func:`convforge.dispatch.choose` with ``algo='auto'``."""
+    from convforge import dispatch
 
-
-def _choose_slow(spec: ConvSpec, backend: Backend, epi: Epilogue,
-                 workspace_limit: int | None) -> tuple[Variant, Params]:
-    db = open_db()
-    tuner = Tuner(backend, db, AUTOTUNE_BUDGET)
-    if db is not None:
-        try:
-            entry = tuner.lookup(spec, epi)
-        except Exception as err:  # noqa: BLE001
-            log.warning("tuning database lookup failed (%s); using the heuristic", err)
-            entry = None
-        if entry is not None:
-            variant = tuner._known(entry)
-            fits = workspace_limit is None or entry.workspace <= workspace_limit
-            if (variant is not None and fits and variant.applies(spec, backend.device) is None
-                    and accurate_enough(variant, spec) is None):
-                params = Params.from_json(entry.params)
-                try:  # an entry from an older generator may name parameters it no longer takes
-                    variant.plan(spec, params, backend.device, epi)
-                    return variant, params
-                except Exception as err:  # noqa: BLE001 - a stale entry is a slower choice, never a crash
-                    log.warning("stored choice %s [%s] no longer plans (%s); using the heuristic",
-                                variant.name, params.short(), err)
-    if config.autotune:
-        try:
-            return tuner.tune(spec, epi, workspace_limit, force=True).choice
-        except TuneError as err:
-            log.warning("autotuning failed, using the heuristic: %s", err)
-    return heuristic_choice(spec, backend.device, workspace_limit)
+    ch = dispatch.choose(spec, backend, epilogue, workspace_limit=workspace_limit)  # type: ignore[arg-type]
+    return ch.variant, ch.params

@@ -28,7 +28,7 @@ import numpy as np
 from convforge import __version__
 from convforge.backends.base import Backend, Executable
 from convforge.check import random_inputs
-from convforge.config import config
+from convforge.config import FP32_SLACK, PRECISIONS, config, precision_key
 from convforge.params import Params
 from convforge.plan import Epilogue, Plan, Variant
 from convforge.reference import conv2d_ref, rel_l2
@@ -126,7 +126,13 @@ class TuneResult:
 
 
 class _Bench:
-    """Inputs, buffers and reference for one layer, shared by every candidate."""
+    """Inputs, buffers and the judges for one layer, shared by every candidate.
+
+    The float64 reference judges every image it covers (the first ``n_ref``, at most
+    REF_FLOP_LIMIT FLOPs); the rest of the batch is judged against the output of the most accurate
+    family (an exact variant: direct or GEMM, itself checked against the reference first), never
+    against whichever candidate happened to pass first.
+    """
 
     def __init__(self, backend: Backend, spec: ConvSpec, epi: Epilogue, seed: int) -> None:
         self.backend, self.spec, self.epi = backend, spec, epi
@@ -141,28 +147,52 @@ class _Bench:
         sub = ConvSpec(self.n_ref, spec.c, spec.h, spec.w, spec.k, spec.r, spec.s, spec.stride,
                        spec.pad, spec.dilation)
         self.ref = conv2d_ref(x[: self.n_ref], w, sub, b, epi.relu)
-        self.verified: np.ndarray | None = None  # a correct candidate's whole output
+        self._rest: np.ndarray | None = None  # the verifier's output for images n_ref..n-1
+        self.verifier = ""  # which variant produced it
 
-    def check(self, exe: Executable, tolerance: float) -> tuple[float, str | None]:
-        """Run once on NaN-poisoned output and workspace; (rel error, None or why it is wrong)."""
+    def _run(self, exe: Executable) -> np.ndarray:
+        """Run once on NaN-poisoned output and workspace; the whole output on the host."""
         be, spec = self.backend, self.spec
-        y_bytes = 4 * int(np.prod(spec.y_shape))
-        be.fill(self.bufs["y"], float("nan"), y_bytes)
+        be.fill(self.bufs["y"], float("nan"), 4 * int(np.prod(spec.y_shape)))
         for buf, (_, nbytes) in zip(exe.workspace().values(), exe.plan.workspace, strict=True):
             be.fill(buf, float("nan"), nbytes)
         exe(self.bufs)
         be.synchronize()
-        out = be.download(self.bufs["y"], spec.y_shape)
+        return be.download(self.bufs["y"], spec.y_shape)
+
+    def rest(self) -> np.ndarray:
+        """The verified output of the images past the reference's slice, made once by the first
+        exact variant (most specialised first) whose own output passes the reference."""
+        if self._rest is None:
+            from convforge.kernels import all_variants
+
+            dev = self.backend.device
+            exact = [v for v in all_variants() if v.exact and v.applies(self.spec, dev) is None]
+            for v in sorted(exact, key=lambda v: -v.rank(self.spec, dev)):
+                try:
+                    exe = self.backend.executable(v.plan(self.spec, v.default(self.spec, dev), dev, self.epi))
+                    out = self._run(exe)
+                except Exception as err:  # noqa: BLE001 - try the next exact variant
+                    log.info("verifier %s unusable on %s: %s", v.name, self.spec.short(), err)
+                    continue
+                if rel_l2(out[: self.n_ref], self.ref) <= v.tolerance and not np.isnan(out).any():
+                    self._rest, self.verifier = out[self.n_ref:].astype(np.float64), v.name
+                    break
+            else:
+                raise TuneError(f"no exact variant verifies {self.spec.short()} past image {self.n_ref}")
+        return self._rest
+
+    def check(self, exe: Executable, tolerance: float) -> tuple[float, str | None]:
+        """Run once on NaN-poisoned output and workspace; (rel error, None or why it is wrong)."""
+        out = self._run(exe)
         unwritten = int(np.isnan(out).sum())
         err = rel_l2(out[: self.n_ref], self.ref)
-        if self.verified is not None and self.n_ref < spec.n:
-            err = max(err, rel_l2(out[self.n_ref:], self.verified[self.n_ref:].astype(np.float64)) / 2)
+        if self.n_ref < self.spec.n and not unwritten:
+            err = max(err, rel_l2(out[self.n_ref:], self.rest()))
         if unwritten:
             return err, f"wrong: {unwritten}/{out.size} outputs never written"
         if not math.isfinite(err) or err > tolerance:
             return err, f"wrong: rel L2 error {err:.2e} > tolerance {tolerance:.0e}"
-        if self.verified is None:
-            self.verified = out
         return err, None
 
 
@@ -172,8 +202,11 @@ class Tuner:
     def __init__(self, backend: Backend, db: TuningDB | None = None, budget: Budget = Budget(),
                  seed: int = 0, repeats: int | None = None, workers: int | None = None,
                  variants: Sequence[Variant] | None = None,
-                 on_candidate: Callable[[Candidate], None] | None = None) -> None:
+                 on_candidate: Callable[[Candidate], None] | None = None,
+                 precision: str | None = None, max_error: float | None = None) -> None:
         self.backend, self.db, self.budget, self.seed = backend, db, budget, seed
+        self.precision = precision or config.precision
+        self.max_error = max_error if max_error is not None else config.max_error
         self.repeats = repeats or (25 if backend.device.is_gpu else 5)
         self.workers = workers or min(16, os.cpu_count() or 4)
         self.variants = variants
@@ -184,9 +217,7 @@ class Tuner:
     def key(self, spec: ConvSpec, epi: Epilogue) -> tuple[str, ...]:
         dev = self.backend.device
         epi_key = epilogue_key(epi)
-        if config.max_error is not None:  # choices under another accuracy limit apart
-            epi_key += f"|max_error={config.max_error:g}"
-        epi_key += f"|{config.precision}"
+        epi_key += f"|{precision_key(self.precision, self.max_error)}"  # classes apart
         return (dev.key(), self.backend.name, __version__, spec.key(), spec.dtype, epi_key)
 
     def lookup(self, spec: ConvSpec, epi: Epilogue = NO_EPILOGUE) -> Entry | None:
@@ -215,7 +246,7 @@ class Tuner:
         if not ok:
             reasons = "; ".join(f"{c.describe()}: {c.status}" for c in cands) or "no candidates"
             raise TuneError(f"no correct candidate for {spec.short()}: {reasons}")
-        best = min(ok, key=lambda c: c.time_ms)
+        best = self.select(spec, ok)
         heur = cands[0] if cands[0].is_default else None
         entry = self._entry(spec, epilogue, best, heur, len(cands), time.perf_counter() - start)
         if self.db is not None:
@@ -225,6 +256,40 @@ class Tuner:
             except sqlite3.Error as err:  # a full disk or a file broken under us: keep the answer
                 log.warning("could not store the tuning result in %s: %s", self.db.path, err)
         return TuneResult(spec, epilogue, entry, best.variant, best.params, False, cands)
+
+    def bound(self, ok: Sequence[Candidate]) -> float:
+        """The largest measured error admitted on this layer: ``max_error`` when set; 1e-3 for
+        'relaxed'; for 'fp32' 5e-6, or FP32_SLACK x the most accurate candidate's error where
+        even that exceeds 5e-6 (very long reductions)."""
+        if self.max_error is not None:
+            return self.max_error
+        limit = PRECISIONS[self.precision]
+        if self.precision == "fp32":
+            least = min((c.error for c in ok if c.error is not None), default=limit)
+            limit = max(limit, FP32_SLACK * least)
+        return limit
+
+    def select(self, spec: ConvSpec, ok: Sequence[Candidate]) -> Candidate:
+        """The fastest correct candidate whose measured error the precision rule admits."""
+        bound = self.bound(ok)
+        admitted = [c for c in ok if c.error is not None and c.error <= bound]
+        if not admitted:
+            least = min(ok, key=lambda c: c.error if c.error is not None else INF)
+            raise TuneError(f"no candidate for {spec.short()} is within max_error {bound:.1e}: the most "
+                            f"accurate, {least.describe()}, measured {least.error:.2e}")
+        return min(admitted, key=lambda c: c.time_ms)
+
+    def pool(self, spec: ConvSpec) -> list[Variant]:
+        """The variants worth trying in this precision class: those whose stated class it admits
+        (under ``max_error``: stated error within 4 x of it), and always the exact ones."""
+        from convforge.kernels import all_variants
+
+        pool = list(self.variants) if self.variants is not None else all_variants()
+        if self.max_error is not None:
+            return [v for v in pool if v.exact or v.expected_error(spec) <= 4 * self.max_error]
+        if self.precision == "fp32":
+            return [v for v in pool if v.exact or v.precision == "fp32"]
+        return pool
 
     def _entry(self, spec: ConvSpec, epi: Epilogue, best: Candidate, heur: Candidate | None,
                n: int, seconds: float) -> Entry:
@@ -292,7 +357,7 @@ class Tuner:
         round-robin in a seeded order, pruned by the cheap resource model, without repeats;
         ``focus()``, when it gives a set, names the only variants still sampled."""
         dev = self.backend.device
-        ranked = applicable(spec, dev, workspace_limit, self.variants)
+        ranked = applicable(spec, dev, workspace_limit, self.pool(spec))
         seen: set[tuple[str, Params]] = set()
 
         def make(v: Variant, prm: Params, is_default: bool) -> Candidate | None:
