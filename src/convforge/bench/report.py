@@ -1,10 +1,12 @@
-"""Reports: the header, the per-layer table (rich), the back-end comparison, results.json and results.csv."""
+"""Reports: the header, the per-layer table of each precision class (rich), the per-class summary, the
+back-end comparison, results.json and results.csv."""
 
 from __future__ import annotations
 
 import csv
 import json
 import math
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -12,13 +14,14 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from convforge.bench.baselines import BASELINE_NAMES
 from convforge.bench.ceilings import Ceilings
 from convforge.bench.runner import Row
 
 CSV_FIELDS = ("layer", "index", "impl", "backend", "algo", "precision", "time_ms", "tflops", "pct_peak",
               "workspace_bytes", "rel_err", "ok", "status", "baseline_impl", "baseline_algo",
-              "baseline_ms", "speedup", "flops", "min_bytes", "chosen_by", "N", "C", "H", "W", "K", "R", "S",
-              "stride", "pad", "dilation")
+              "baseline_ms", "speedup", "baseline_error", "error_ratio", "flops", "min_bytes", "chosen_by",
+              "N", "C", "H", "W", "K", "R", "S", "stride", "pad", "dilation")
 ENV_FIELDS = ("device", "driver", "platform", "convforge", "torch", "cudnn", "cupy", "pyopencl", "numpy")
 
 
@@ -48,26 +51,79 @@ def print_ceilings(console: Console, ceilings: dict[str, Ceilings]) -> None:
         console.print(f"ceilings ({backend}): {c}")
 
 
-def layer_table(rows: list[Row], title: str = "") -> Table:
-    """One line per layer x convforge implementation, with its baseline beside it."""
+def _convforge(rows: list[Row], precision: str | None = None) -> list[Row]:
+    return [r for r in rows if r.impl.startswith("convforge") and precision in (None, r.precision)]
+
+
+def classes(rows: list[Row]) -> list[str]:
+    """The precision classes of the convforge rows, in the order they were run."""
+    return list(dict.fromkeys(r.precision for r in _convforge(rows)))
+
+
+def class_title(precision: str, rows: list[Row], what: str = "") -> str:
+    """'fp32 class vs cuDNN-best FP32 (cudnn-best) — what': every table names its class and baseline."""
+    impls = sorted({r.baseline_impl for r in _convforge(rows, precision) if r.baseline_impl})
+    base = BASELINE_NAMES.get(precision, "?") if any(i.startswith("cudnn-best") for i in impls) else (
+        ", ".join(impls) or "no baseline available")
+    return f"{precision} class vs {base}" + (f" — {what}" if what else "")
+
+
+def layer_table(rows: list[Row], title: str = "", precision: str | None = None) -> Table:
+    """One line per layer x convforge implementation of ``precision``'s class (all classes when None),
+    with the class's baseline beside it: time, speed-up, both measured errors and their ratio."""
     t = Table(title=title or None, show_lines=False)
-    for col, just in (("layer", "left"), ("convforge variant", "left"), ("time ms", "right"),
-                      ("TFLOPS", "right"), ("% peak", "right"), ("baseline ms", "right"),
-                      ("baseline algo", "left"), ("speed-up", "right"), ("workspace", "right"),
-                      ("rel err", "right"), ("check", "left")):
+    for col, just in (("layer", "left"), ("class", "left"), ("convforge variant", "left"),
+                      ("time ms", "right"), ("TFLOPS", "right"), ("% peak", "right"),
+                      ("baseline ms", "right"), ("baseline algo", "left"), ("speed-up", "right"),
+                      ("workspace", "right"), ("rel err", "right"), ("baseline err", "right"),
+                      ("err ratio", "right"), ("check", "left")):
         t.add_column(col, justify=just)  # type: ignore[arg-type]
-    for r in rows:
-        if not r.impl.startswith("convforge"):
-            continue
+    for r in _convforge(rows, precision):
         check = "ok" if r.ok else ("[red]FAIL[/]" if r.ok is False else "-")
         if r.status.startswith("error"):
             check = f"[red]{escape(r.status[:60])}[/]"
         variant = r.algo if len(r.algo) < 72 else r.algo[:69] + "..."
         base = escape(f"{r.baseline_impl}: {r.baseline_algo}") if r.baseline_impl else "none available"
-        t.add_row(escape(r.layer), escape(f"{variant} [{r.backend}]"), _num(r.time_ms, ".3f"), _num(r.tflops, ".4g"),
-                  _num(r.pct_peak, ".1f"), _num(r.baseline_ms, ".3f"), base, _num(r.speedup, ".2f"),
-                  _bytes(r.workspace_bytes), _num(r.rel_err, ".1e"), check)
+        t.add_row(escape(r.layer), r.precision, escape(f"{variant} [{r.backend}]"), _num(r.time_ms, ".3f"),
+                  _num(r.tflops, ".4g"), _num(r.pct_peak, ".1f"), _num(r.baseline_ms, ".3f"), base,
+                  _num(r.speedup, ".2f"), _bytes(r.workspace_bytes), _num(r.rel_err, ".1e"),
+                  _num(r.baseline_error, ".1e"), _num(r.error_ratio, ".2f"), check)
     return t
+
+
+def geomean(values: Iterable[float | None]) -> float | None:
+    """Geometric mean of the positive values (None when there are none)."""
+    vals = [v for v in values if v is not None and v > 0 and not math.isinf(v)]
+    return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else None
+
+
+def summary(rows: list[Row]) -> dict[str, dict[str, Any]]:
+    """Per class: geometric-mean speed-up and error ratio over the convforge rows that passed, and
+    how many rows each mean covers (results.json's ``summary``, the line printed under each table)."""
+    out: dict[str, dict[str, Any]] = {}
+    for prec in classes(rows):
+        good = [r for r in _convforge(rows, prec) if r.ok]
+        speed = [r.speedup for r in good if r.speedup]
+        ratio = [r.error_ratio for r in good if r.error_ratio]
+        base = sorted({r.baseline_impl for r in good if r.baseline_impl})
+        out[prec] = {"baseline": ", ".join(base), "speedup_geomean": geomean(speed),
+                     "error_ratio_geomean": geomean(ratio), "rows": len(_convforge(rows, prec)),
+                     "rows_with_speedup": len(speed), "rows_with_error_ratio": len(ratio),
+                     "max_rel_err": max((r.rel_err for r in good if r.rel_err is not None), default=None)}
+    return out
+
+
+def summary_lines(rows: list[Row]) -> list[str]:
+    """One line per class: 'fp32 class vs cuDNN-best FP32: geometric-mean speed-up 1.07x over 16
+    rows, geometric-mean error ratio 0.9 (convforge error / baseline error), max error 3.1e-06'."""
+    lines = []
+    for prec, s in summary(rows).items():
+        sp, er = s["speedup_geomean"], s["error_ratio_geomean"]
+        lines.append(f"{class_title(prec, rows)}: geometric-mean speed-up "
+                     f"{_num(sp, '.2f')}{'x' if sp else ''} over {s['rows_with_speedup']} row(s), "
+                     f"geometric-mean error ratio {_num(er, '.2f')} over {s['rows_with_error_ratio']} "
+                     f"(convforge error / baseline error), max convforge error {_num(s['max_rel_err'], '.1e')}")
+    return lines
 
 
 def baseline_table(rows: list[Row]) -> Table:
@@ -90,9 +146,8 @@ def compare_table(rows: list[Row]) -> Table:
     for col in ("layer", "variant", "cuda ms", "opencl ms", "opencl / cuda"):
         t.add_column(col)
     by: dict[tuple[str, str], dict[str, Row]] = {}
-    for r in rows:
-        if r.impl.startswith("convforge"):
-            by.setdefault((r.layer, r.impl), {})[r.backend] = r
+    for r in _convforge(rows):
+        by.setdefault((r.layer, f"{r.impl} ({r.precision})"), {})[r.backend] = r
     for (layer, impl), d in by.items():
         cu, oc = d.get("cuda"), d.get("opencl")
         ratio = (oc.time_ms / cu.time_ms) if cu and oc and cu.time_ms and oc.time_ms else None
@@ -105,7 +160,8 @@ def compare_table(rows: list[Row]) -> Table:
 def write_json(path: Path, env: dict[str, Any], ceilings: dict[str, Ceilings], suite: str,
                rows: list[Row], notes: list[str]) -> None:
     doc = {"suite": suite, "env": env, "ceilings": {k: c.to_dict() for k, c in ceilings.items()},
-           "notes": notes, "rows": [r.to_dict() for r in rows]}
+           "notes": notes, "precisions": classes(rows), "summary": summary(rows),
+           "rows": [r.to_dict() for r in rows]}
     path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
 
 
