@@ -360,7 +360,6 @@ def test_relaxed_heuristic_picks_big_winograd_on_gpu_resnet(tmp_path: Path,
     """No tuned entry (an empty database): the relaxed class takes Winograd F(6x6)/F(7x7) on the
     ResNet layers of a nominal H100-class device, the fp32 class keeps to fp32-class variants."""
     from conftest import NOMINAL_CUDA
-
     from convforge import dispatch
     from convforge.config import config
 
