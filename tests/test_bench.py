@@ -504,3 +504,64 @@ def test_torch_flags_restored() -> None:
         raise RuntimeError("boom")
     assert [getattr(obj, attr) for obj, attr, _on, _off in switches] == before
     assert (torch.backends.cudnn.enabled, torch.backends.cudnn.benchmark) == flags
+
+
+def _benchmarks_md():  # type: ignore[no-untyped-def]
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "benchmarks_md.py"
+    spec = importlib.util.spec_from_file_location("benchmarks_md", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_benchmarks_md_one_table_per_class(tmp_path: Path) -> None:
+    """scripts/benchmarks_md.py: every title names the class and its baseline, errors side by side;
+    results from before precision classes are labelled by their measured errors."""
+    md = _benchmarks_md()
+    spec = ConvSpec.make(32, 64, 56, 56, 64, 3, 3, 1, 1)
+    res = _gpu_results()
+    best = {"fp32": baselines.best_fp32(res), "relaxed": baselines.best_tf32(res)}
+    rows = []
+    for prec, (algo, ms, err) in (("fp32", ("winograd_nonfused_f4(x)", 0.8, 1.5e-6)),
+                                  ("relaxed", ("winograd_nonfused_f7(x)", 0.5, 5e-5))):
+        row = Row("a", 1, "convforge:auto", "cuda", algo, prec, ms, rel_err=err, ok=True, flops=spec.flops,
+                  workspace_bytes=1 << 20, spec=spec.to_dict())
+        attach_baseline([row], best[prec])
+        rows.append(row)
+    for b in [best["fp32"], best["relaxed"]] + res:
+        assert b is not None
+        rows += runner.baseline_rows(suites.Layer("a", spec), 1, [b], None)
+    for r in rows:
+        r.tflops = r.flops / (r.time_ms * 1e-3) / 1e12 if r.time_ms else None
+    report.write_json(tmp_path / "results.json", {"device": "NVIDIA H200", "time": "2026-11-23"}, {},
+                      "resnet", rows, [])
+    text = md.table(tmp_path)
+    titles = [line for line in text.splitlines() if line.startswith("###")]
+    assert titles == ["### resnet — fp32 class vs cuDNN-best FP32 — NVIDIA H200 (2026-11-23)",
+                      "### resnet — relaxed class vs cuDNN-best TF32 — NVIDIA H200 (2026-11-23)"]
+    fp32_row, relaxed_row = [line for line in text.splitlines() if line.startswith("| a |")]
+    assert "(FFT_TILING)" in fp32_row and "1.25×" in fp32_row and "| 1.5e-06 | 3.0e-07 | 5.00 |" in fp32_row
+    assert "(IMPLICIT_PRECOMP_GEMM)" in relaxed_row and "0.80×" in relaxed_row
+    assert "| 5.0e-05 | 2.5e-04 | 0.20 |" in relaxed_row and "1.20×" in relaxed_row  # vs torch-tf32 0.6 ms
+    assert "relaxed class: geometric-mean speed-up of the best convforge variant **0.80×**" in text
+    assert "error ratio **5.00**" in text and "error ratio **0.20**" in text
+    # results written before precision classes: no "precisions" key, class told by measured errors
+    doc = json.loads((tmp_path / "results.json").read_text())
+    del doc["precisions"]
+    doc["rows"] = [r for r in doc["rows"] if r["precision"] != "relaxed"]
+    (tmp_path / "results.json").write_text(json.dumps(doc))
+    assert "fp32 class (by its measured errors" in md.table(tmp_path)
+    doc["rows"][0]["rel_err"] = 3e-5
+    (tmp_path / "results.json").write_text(json.dumps(doc))
+    assert "relaxed class (old default, errors up to 1e-3" in md.table(tmp_path)
+
+
+def test_tf32_override_note(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NVIDIA_TF32_OVERRIDE", raising=False)
+    assert baselines.tf32_note("cudnn", ("fp32", "relaxed")) is None
+    monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")
+    assert "without TF32" in (baselines.tf32_note("cudnn", ("relaxed",)) or "")
+    assert baselines.tf32_note("cudnn", ("fp32",)) is None and baselines.tf32_note("none", ("relaxed",)) is None

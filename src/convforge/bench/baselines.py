@@ -10,6 +10,7 @@ convforge imports and benchmarks without torch, it just reports that no baseline
 from __future__ import annotations
 
 import importlib.util
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -74,6 +75,14 @@ def unavailable(kind: str, backend: str) -> str | None:
         if not torch.cuda.is_available():
             return "PyTorch sees no CUDA device: no cuDNN baseline"
     return None
+
+
+def tf32_note(kind: str, classes: tuple[str, ...]) -> str | None:
+    """A warning when the relaxed class's TF32 baseline cannot use TF32: NVIDIA_TF32_OVERRIDE=0 turns
+    it off in cuDNN and cuBLAS for the whole process (cuDNN-best TF32 would then be an FP32 figure)."""
+    if kind == "none" or "relaxed" not in classes or os.environ.get("NVIDIA_TF32_OVERRIDE") != "0":
+        return None
+    return "NVIDIA_TF32_OVERRIDE=0: the relaxed class's 'TF32' baseline runs without TF32 (FP32 math)"
 
 
 def run(kind: str, spec: ConvSpec, timing: Timing, on_gpu: bool,

@@ -96,12 +96,17 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     if why:
         notes.append(why)
         console.print(f"[yellow]baseline: {why}[/]")
+    classes = precisions(args.precision_classes)
+    tf32 = baselines.tf32_note(kind, classes)
+    if tf32:
+        notes.append(tf32)
+        console.print(f"[yellow]baseline: {tf32}[/]")
     ceil = {}
     for be in bes:
         ceil[be.name] = ceilings.measure(be, quick=args.quick_ceilings)
     report.print_ceilings(console, ceil)
     cfg = runner.BenchConfig(tuple(args.algo or ["auto"]), kind, args.warmup, args.repeats,
-                             args.batch_slice, args.seed, precisions(args.precision_classes))
+                             args.batch_slice, args.seed, classes)
     on_gpu = bes[0].device.is_gpu
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=True) as bar:
