@@ -565,3 +565,33 @@ def test_tf32_override_note(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")
     assert "without TF32" in (baselines.tf32_note("cudnn", ("relaxed",)) or "")
     assert baselines.tf32_note("cudnn", ("fp32",)) is None and baselines.tf32_note("none", ("relaxed",)) is None
+
+
+# -- GPU tier (skips here: no CUDA device) -------------------------------------------------------------
+def test_gpu_cudnn_baselines_per_class(cuda) -> None:  # type: ignore[no-untyped-def]
+    """On a GPU with PyTorch and cuDNN: FMA-math rows make cuDNN-best FP32, default-math rows
+    cuDNN-best TF32; both have times and errors; no torch flag is left changed."""
+    torch = pytest.importorskip("torch", reason="GPU tier: PyTorch is not installed")
+    if not torch.cuda.is_available():
+        pytest.skip("GPU tier: PyTorch sees no CUDA device")
+    from convforge.bench.timing import Timing
+
+    spec = ConvSpec.make(8, 64, 28, 28, 64, 3, 3, 1, 1)
+    switches = baselines._tf32_switches(torch)
+    before = ([getattr(o, a) for o, a, _on, _off in switches],
+              torch.backends.cudnn.benchmark, torch.backends.cudnn.enabled)
+    res = baselines.run("cudnn", spec, Timing(1, 3, 1), True, ("fp32", "relaxed"))
+    after = ([getattr(o, a) for o, a, _on, _off in switches],
+             torch.backends.cudnn.benchmark, torch.backends.cudnn.enabled)
+    assert after == before
+    by = {r.impl: r for r in res}
+    fp32, tf32 = by["cudnn-best"], by["cudnn-best-tf32"]
+    assert fp32.precision == "fp32" and tf32.precision == "tf32"
+    assert fp32.time_ms and tf32.time_ms and fp32.rel_err is not None and tf32.rel_err is not None
+    assert fp32.rel_err < 5e-6  # FMA math: FP32-grade
+    tf32_rows = [r for r in res if r.impl.startswith("cudnn-tf32:")]
+    assert len(tf32_rows) == 8 and all(r.precision == "tf32" for r in tf32_rows)
+    assert len([r for r in res if r.impl.startswith("cudnn:")]) == 8
+    assert baselines.for_class(res, "relaxed") == tf32 and baselines.for_class(res, "fp32") == fp32
+    assert tf32.time_ms <= (by["torch-tf32"].time_ms or float("inf"))  # the best of, PyTorch's pick included
+    assert fp32.time_ms <= (by["torch-pick"].time_ms or float("inf"))
