@@ -414,15 +414,24 @@ def test_reports_carry_class_and_errors(tmp_path: Path) -> None:
                       spec=ConvSpec.make(1, 4, 9, 9, 4, 3, 3).to_dict())
             attach_baseline([row], ref)
             rows.append(row)
+    slow = Row("l0", 1, "convforge:direct", "cuda", "d", "fp32", 4.0, rel_err=1e-7, ok=True)
+    attach_baseline([slow], BaselineResult("cudnn-best", "ALGO", "fp32", 1.0, 0, 1e-6))
+    failed = Row("l1", 2, "convforge:direct", "cuda", "-", "fp32", None, ok=False, status="error: x")
+    rows = rows[:2] + [slow, failed] + rows[2:]
     s = report.summary(rows)
     assert list(s) == ["fp32", "relaxed"]
+    assert s["fp32"]["layers"] == 2 and s["fp32"]["failed"] == 1 and s["fp32"]["n_speedup"] == 2
+    assert s["fp32"]["by_impl"]["convforge:direct [cuda]"]["speedup_geomean"] == pytest.approx(0.25)
     assert s["fp32"]["speedup_geomean"] == pytest.approx(1.0)  # 2x and 0.5x
     assert s["fp32"]["error_ratio_geomean"] == pytest.approx(4.0)  # 2 and 8
     assert s["relaxed"]["error_ratio_geomean"] == pytest.approx(0.5)  # 0.25 and 1
     assert s["relaxed"]["baseline"] == "cudnn-best-tf32"
     lines = report.summary_lines(rows)
     assert lines[0].startswith("fp32 class vs cuDNN-best FP32") and "error ratio 4.00" in lines[0]
-    assert lines[1].startswith("relaxed class vs cuDNN-best TF32") and "speed-up 1.00x" in lines[1]
+    assert lines[1].startswith("  convforge:auto [cuda]") and lines[2].startswith("  convforge:direct [cuda]")
+    assert "speed-up 0.25x over 1 layer(s)" in lines[2] and "1 fp32-class convforge row(s) failed" in lines[3]
+    assert lines[4].startswith("relaxed class vs cuDNN-best TF32") and "speed-up 1.00x" in lines[4]
+    assert len(lines) == 5
     console = Console(width=250, record=True)
     console.print(report.layer_table(rows, report.class_title("relaxed", rows, "suite"), "relaxed"))
     text = console.export_text()
@@ -431,13 +440,13 @@ def test_reports_carry_class_and_errors(tmp_path: Path) -> None:
     report.write_json(tmp_path / "results.json", {"device": "d"}, {}, "s", rows, [])
     doc = json.loads((tmp_path / "results.json").read_text())
     assert doc["precisions"] == ["fp32", "relaxed"] and doc["summary"]["fp32"]["error_ratio_geomean"] > 3.9
-    assert doc["rows"][2]["precision"] == "relaxed" and doc["rows"][2]["baseline_error"] == 2e-4
+    assert doc["rows"][4]["precision"] == "relaxed" and doc["rows"][4]["baseline_error"] == 2e-4
     report.write_csv(tmp_path / "results.csv", {"device": "d"}, rows)
     with (tmp_path / "results.csv").open() as fh:
         lines_csv = list(csv.DictReader(fh))
-    assert [x["precision"] for x in lines_csv] == ["fp32", "fp32", "relaxed", "relaxed"]
+    assert [x["precision"] for x in lines_csv] == ["fp32"] * 4 + ["relaxed"] * 2
     assert float(lines_csv[0]["error_ratio"]) == pytest.approx(2.0)
-    assert float(lines_csv[3]["baseline_error"]) == pytest.approx(2e-4)
+    assert float(lines_csv[5]["baseline_error"]) == pytest.approx(2e-4)
 
 
 @pytest.mark.parametrize("baseline", ["none", "torch"])

@@ -97,32 +97,58 @@ def geomean(values: Iterable[float | None]) -> float | None:
     return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else None
 
 
+def _stats(rows: list[Row]) -> dict[str, Any]:
+    speed = [r.speedup for r in rows if r.speedup]
+    ratio = [r.error_ratio for r in rows if r.error_ratio]
+    return {"speedup_geomean": geomean(speed), "error_ratio_geomean": geomean(ratio),
+            "n_speedup": len(speed), "n_error_ratio": len(ratio),
+            "max_rel_err": max((r.rel_err for r in rows if r.rel_err is not None), default=None)}
+
+
+def _best_per_layer(rows: list[Row]) -> list[Row]:
+    """The fastest passing convforge row of each layer (over algorithms and back-ends)."""
+    best: dict[int, Row] = {}
+    for r in rows:
+        if r.ok and r.time_ms and (r.index not in best or r.time_ms < (best[r.index].time_ms or 0.0)):
+            best[r.index] = r
+    return list(best.values())
+
+
 def summary(rows: list[Row]) -> dict[str, dict[str, Any]]:
-    """Per class: geometric-mean speed-up and error ratio over the convforge rows that passed, and
-    how many rows each mean covers (results.json's ``summary``, the line printed under each table)."""
+    """Per class, over the fastest passing convforge row of each layer: geometric-mean speed-up and
+    error ratio against the class's baseline, how many layers each covers, the largest error, failures;
+    ``by_impl`` the same per implementation and back-end (results.json's ``summary``)."""
     out: dict[str, dict[str, Any]] = {}
     for prec in classes(rows):
-        good = [r for r in _convforge(rows, prec) if r.ok]
-        speed = [r.speedup for r in good if r.speedup]
-        ratio = [r.error_ratio for r in good if r.error_ratio]
-        base = sorted({r.baseline_impl for r in good if r.baseline_impl})
-        out[prec] = {"baseline": ", ".join(base), "speedup_geomean": geomean(speed),
-                     "error_ratio_geomean": geomean(ratio), "rows": len(_convforge(rows, prec)),
-                     "rows_with_speedup": len(speed), "rows_with_error_ratio": len(ratio),
-                     "max_rel_err": max((r.rel_err for r in good if r.rel_err is not None), default=None)}
+        ours = _convforge(rows, prec)
+        best = _best_per_layer(ours)
+        impls = list(dict.fromkeys(f"{r.impl} [{r.backend}]" for r in ours))
+        out[prec] = {"baseline": ", ".join(sorted({r.baseline_impl for r in best if r.baseline_impl})),
+                     **_stats(best), "layers": len({r.index for r in ours}),
+                     "failed": sum(1 for r in ours if not r.ok),
+                     "by_impl": {i: _stats([r for r in ours if r.ok and f"{r.impl} [{r.backend}]" == i])
+                                 for i in impls}}
     return out
 
 
+def _line(head: str, s: dict[str, Any]) -> str:
+    sp, er = s["speedup_geomean"], s["error_ratio_geomean"]
+    return (f"{head}: geometric-mean speed-up {_num(sp, '.2f')}{'x' if sp else ''} over {s['n_speedup']} "
+            f"layer(s), geometric-mean error ratio {_num(er, '.2f')} over {s['n_error_ratio']} "
+            f"(convforge error / baseline error), largest convforge error {_num(s['max_rel_err'], '.1e')}")
+
+
 def summary_lines(rows: list[Row]) -> list[str]:
-    """One line per class: 'fp32 class vs cuDNN-best FP32: geometric-mean speed-up 1.07x over 16
-    rows, geometric-mean error ratio 0.9 (convforge error / baseline error), max error 3.1e-06'."""
+    """Per class: 'fp32 class vs cuDNN-best FP32: geometric-mean speed-up 1.07x over 16 layer(s),
+    geometric-mean error ratio 1.70 over 16 (...)' for the fastest convforge row of each layer, then
+    one indented line per implementation when several ran, and the failures."""
     lines = []
     for prec, s in summary(rows).items():
-        sp, er = s["speedup_geomean"], s["error_ratio_geomean"]
-        lines.append(f"{class_title(prec, rows)}: geometric-mean speed-up "
-                     f"{_num(sp, '.2f')}{'x' if sp else ''} over {s['rows_with_speedup']} row(s), "
-                     f"geometric-mean error ratio {_num(er, '.2f')} over {s['rows_with_error_ratio']} "
-                     f"(convforge error / baseline error), max convforge error {_num(s['max_rel_err'], '.1e')}")
+        lines.append(_line(class_title(prec, rows), s))
+        if len(s["by_impl"]) > 1:
+            lines += [_line(f"  {impl}", st) for impl, st in s["by_impl"].items()]
+        if s["failed"]:
+            lines.append(f"  {s['failed']} {prec}-class convforge row(s) failed their check or did not run")
     return lines
 
 

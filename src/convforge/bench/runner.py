@@ -116,6 +116,8 @@ def run_convforge(layer: Layer, index: int, be: Backend, algo: str, cfg: BenchCo
             exe = be.executable(plan)
         else:
             variant, params, how = choose(algo, spec, be, precision)
+            if precision == "fp32" and variant.precision != "fp32":  # a variant named explicitly
+                how = f"{how}, {variant.precision}-class variant"
             plan = variant.plan(spec, params, be.device)
             exe = dispatch.executable(spec, be, algo=algo, precision=precision)
     except Exception as err:  # noqa: BLE001 - no variant, or a compile error: report it
