@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from convforge.bench import baselines, ceilings, report, suites
+from convforge.bench import baselines, ceilings, command, report, runner, suites
+from convforge.bench.baselines import BaselineResult
 from convforge.bench.runner import Row, attach_baseline
 from convforge.bench.timing import check_slice, rotation_sets
 from convforge.plan import DeviceInfo
@@ -169,7 +170,7 @@ def test_bench_pocl_end_to_end(ocl, tmp_path: Path, capsys: pytest.CaptureFixtur
     f.write_text(json.dumps(TINY))
     out = tmp_path / "out"
     rc = main(["bench", "--suite", str(f), "--backend", "opencl", "--algo", "direct", "--algo", "auto",
-               "--out", str(out), "--quick-ceilings", "--repeats", "2", "--warmup", "1"])
+               "--baseline", "none", "--out", str(out), "--quick-ceilings", "--repeats", "2", "--warmup", "1"])
     text = capsys.readouterr().out
     assert rc == 0, text
     assert "no baseline" in text and "ceilings (opencl)" in text and "tiny3x3" in text
@@ -246,3 +247,360 @@ def test_reports_and_plots_with_baselines(tmp_path: Path) -> None:
     console = Console(width=220, record=True)
     console.print(report.baseline_table(rows))
     assert "tf32" in console.export_text()
+
+
+# -- precision classes: each against its own baseline ---------------------------------------------------
+def test_precision_option_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
+    from convforge.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["bench", "--suite", "resnet"]).precision_classes is None
+    assert parse(["bench", "--suite", "resnet", "--precision", "both"]).precision_classes == "both"
+    assert parse(["bench", "--suite", "resnet", "--precision", "relaxed"]).precision_classes == "relaxed"
+    with pytest.raises(SystemExit):
+        parse(["bench", "--suite", "resnet", "--precision", "tf32"])
+    assert command.precisions("both") == ("fp32", "relaxed")
+    assert command.precisions("relaxed") == ("relaxed",)
+    from convforge.config import config
+
+    assert command.precisions(None) == ("fp32",)  # the default class
+    monkeypatch.setattr(config, "precision", "relaxed")  # CONVFORGE_PRECISION=relaxed
+    assert command.precisions(None) == ("relaxed",)
+
+
+def test_error_ratio_and_attach() -> None:
+    assert runner.error_ratio(3e-6, 1.5e-6) == pytest.approx(2.0)
+    assert runner.error_ratio(None, 1e-6) is None and runner.error_ratio(1e-6, None) is None
+    assert runner.error_ratio(1e-6, 0.0) is None  # no ratio to an exact baseline
+    rows = [Row("l", 1, "convforge:auto", "cuda", "w", "relaxed", 0.5, rel_err=4e-5),
+            Row("l", 1, "convforge:direct", "cuda", "d", "relaxed", 2.0, rel_err=None)]
+    attach_baseline(rows, BaselineResult("cudnn-best-tf32", "IMPLICIT_GEMM", "tf32", 1.0, 0, 2e-4))
+    assert (rows[0].baseline_error, rows[0].error_ratio, rows[0].speedup) == (2e-4, pytest.approx(0.2), 2.0)
+    assert rows[1].baseline_error == 2e-4 and rows[1].error_ratio is None
+    assert rows[1].speedup == pytest.approx(0.5)
+
+
+def _gpu_results() -> list[BaselineResult]:
+    """A GPU layer's baseline results: FP32 (FMA) and TF32 (default math) cuDNN rows, context rows."""
+    r = BaselineResult
+    return [r("torch-pick", "pick", "fp32", 2.0, 0, 1e-6),
+            r("cudnn:FFT_TILING", "FFT_TILING", "fp32", 1.0, 4096, 3e-7),
+            r("cudnn:WINOGRAD", "WINOGRAD", "fp32", None, status="NOT_SUPPORTED"),
+            r("im2col+cublas", "torch, cuDNN off", "fp32", 0.9, 0, 1e-6),  # context, no candidate
+            r("torch-tf32", "pick, TF32", "tf32", 0.6, 0, 2.6e-4),
+            r("cudnn-tf32:IMPLICIT_PRECOMP_GEMM", "IMPLICIT_PRECOMP_GEMM", "tf32", 0.4, 1024, 2.5e-4),
+            r("cudnn-tf32:FFT_TILING", "FFT_TILING", "tf32", 1.1, 4096, 3e-7),
+            r("torch-fp16-cl", "pick", "fp16", 0.1, 0, 3e-4)]  # context, in no class
+
+
+def test_best_per_class() -> None:
+    res = _gpu_results()
+    fp32, tf32 = baselines.best_fp32(res), baselines.best_tf32(res)
+    assert fp32 == BaselineResult("cudnn-best", "FFT_TILING", "fp32", 1.0, 4096, 3e-7)
+    assert tf32 == BaselineResult("cudnn-best-tf32", "IMPLICIT_PRECOMP_GEMM", "tf32", 0.4, 1024, 2.5e-4)
+    # PyTorch's TF32 pick wins when it is the fastest; FP32 rows are never TF32 candidates
+    faster = [BaselineResult("torch-tf32", "pick", "tf32", 0.3, 0, 2e-4)] + res
+    assert baselines.best_tf32(faster) == BaselineResult("cudnn-best-tf32", "pick", "tf32", 0.3, 0, 2e-4)
+    only_fp32 = [r for r in res if not r.impl.startswith("cudnn-tf32:")]
+    assert baselines.best_tf32(only_fp32) is None  # no default-math cuDNN rows: no cuDNN-best TF32
+
+
+def test_for_class_picks_each_class_baseline() -> None:
+    res = _gpu_results()
+    with_best = [b for b in (baselines.best_fp32(res), baselines.best_tf32(res)) if b] + res
+    fp32, relaxed = baselines.for_class(with_best, "fp32"), baselines.for_class(with_best, "relaxed")
+    assert fp32 is not None and (fp32.impl, fp32.precision, fp32.time_ms) == ("cudnn-best", "fp32", 1.0)
+    assert relaxed is not None and (relaxed.impl, relaxed.precision) == ("cudnn-best-tf32", "tf32")
+    assert relaxed.time_ms == 0.4 and baselines.primary(with_best) == fp32
+    # --baseline torch on a GPU: PyTorch's own picks, TF32 for the relaxed class
+    picks = [r for r in res if not r.impl.startswith("cudnn")]
+    assert baselines.for_class(picks, "fp32").impl == "torch-pick"  # type: ignore[union-attr]
+    assert baselines.for_class(picks, "relaxed").impl == "torch-tf32"  # type: ignore[union-attr]
+    # a TF32 run that failed leaves the relaxed class without a baseline, never with the FP32 one
+    failed = [BaselineResult("torch-tf32", "pick", "tf32", None, status="failed")] + picks[:1]
+    assert baselines.for_class(failed, "relaxed") is None
+    # PyTorch on a CPU has no TF32: both classes compare with its FP32 result
+    cpu = [BaselineResult("torch-cpu", "torch CPU", "fp32", 30.0, 0, 9e-8)]
+    assert baselines.for_class(cpu, "relaxed") == baselines.for_class(cpu, "fp32") == cpu[0]
+    assert baselines.for_class([], "relaxed") is None
+    with pytest.raises(ValueError, match="precision"):
+        baselines.for_class(res, "tf32")
+
+
+def test_runner_routes_the_choice_through_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """'auto' and named algorithms go to convforge.dispatch with the row's class."""
+    from convforge import dispatch
+    from convforge.dispatch import Choice
+    from convforge.kernels import get_variant
+    from convforge.params import Params
+
+    seen = []
+
+    def fake(spec: ConvSpec, be: object, epilogue: object = None, **kw: object) -> Choice:
+        seen.append(kw)
+        return Choice(get_variant("direct"), Params(), 1e-7, "db")
+
+    monkeypatch.setattr(dispatch, "choose", fake)
+    spec = ConvSpec.make(1, 4, 9, 9, 4, 3, 3, padding=1)
+    variant, _params, how = runner.choose("auto", spec, object(), "relaxed")  # type: ignore[arg-type]
+    assert (variant.name, how) == ("direct", "db")
+    runner.choose("winograd", spec, object())  # type: ignore[arg-type]
+    assert seen == [{"algo": "auto", "precision": "relaxed"}, {"algo": "winograd", "precision": "fp32"}]
+
+
+class _NominalBackend:
+    """Only what dispatch's choice reads: a name and a DeviceInfo (no device needed)."""
+
+    def __init__(self, device: DeviceInfo) -> None:
+        self.name, self.device = device.backend, device
+
+
+def test_relaxed_heuristic_picks_big_winograd_on_gpu_resnet(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """No tuned entry (an empty database): the relaxed class takes Winograd F(6x6)/F(7x7) on the
+    ResNet layers of a nominal H100-class device, the fp32 class keeps to fp32-class variants."""
+    from conftest import NOMINAL_CUDA
+    from convforge import dispatch
+    from convforge.config import config
+
+    monkeypatch.setattr(config, "db_path", tmp_path / "empty.sqlite")
+    monkeypatch.setattr(config, "autotune", False)
+    monkeypatch.setattr(config, "max_error", None)
+    dispatch.clear_choices()
+    be = _NominalBackend(NOMINAL_CUDA)
+    for layer in suites.load_suite("resnet"):
+        relaxed = dispatch.choose(layer.spec, be, precision="relaxed")  # type: ignore[arg-type]
+        assert relaxed.source == "heuristic", layer.name
+        assert relaxed.variant.name.endswith(("_f6", "_f7")), (layer.name, relaxed.variant.name)
+        assert relaxed.variant.precision == "relaxed"
+        fp32 = dispatch.choose(layer.spec, be, precision="fp32")  # type: ignore[arg-type]
+        assert fp32.variant.precision == "fp32", (layer.name, fp32.variant.name)
+    dispatch.clear_choices()
+
+
+def test_bench_layer_gives_each_class_its_baseline(ocl, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """Both classes on PoCL with GPU-like baseline results: fp32 rows against cuDNN-best FP32, relaxed
+    rows against cuDNN-best TF32, each with both errors and their ratio; baselines run once, for both."""
+    calls = []
+
+    def fake_run(kind: str, spec: ConvSpec, timing: object, on_gpu: bool,
+                 classes: tuple[str, ...] = ("fp32",)) -> list[BaselineResult]:
+        calls.append(classes)
+        res = _gpu_results()
+        return [b for b in (baselines.best_fp32(res), baselines.best_tf32(res)) if b] + res
+
+    monkeypatch.setattr(baselines, "run", fake_run)
+    layer = suites.parse_row(TINY[0], "test")
+    cfg = runner.BenchConfig(("auto",), "cudnn", 1, 1, None, 0, ("fp32", "relaxed"))
+    rows = runner.bench_layer(layer, 1, [ocl], cfg, {}, False)
+    assert calls == [("fp32", "relaxed")]
+    ours = [r for r in rows if r.impl.startswith("convforge")]
+    assert [r.precision for r in ours] == ["fp32", "relaxed"]
+    for r, (impl, err) in zip(ours, (("cudnn-best", 3e-7), ("cudnn-best-tf32", 2.5e-4))):
+        assert r.ok and r.baseline_impl == impl and r.baseline_error == err
+        assert r.rel_err is not None and r.error_ratio == pytest.approx(r.rel_err / err)
+    assert {r.impl for r in rows if not r.impl.startswith("convforge")} >= {"cudnn-best", "cudnn-best-tf32"}
+
+
+def test_reports_carry_class_and_errors(tmp_path: Path) -> None:
+    """Titles name class and baseline; JSON/CSV carry precision, baseline_error, error_ratio; the
+    per-class summary is the geometric mean of speed-ups and error ratios."""
+    rows = []
+    for prec, base, errs in (("fp32", ("cudnn-best", "fp32", 1e-6), (2e-6, 8e-6)),
+                             ("relaxed", ("cudnn-best-tf32", "tf32", 2e-4), (5e-5, 2e-4))):
+        ref = BaselineResult(base[0], "ALGO", base[1], 1.0, 0, base[2])
+        for i, (err, ms) in enumerate(zip(errs, (0.5, 2.0))):
+            row = Row(f"l{i}", i + 1, "convforge:auto", "cuda", "v", prec, ms, rel_err=err, ok=True,
+                      spec=ConvSpec.make(1, 4, 9, 9, 4, 3, 3).to_dict())
+            attach_baseline([row], ref)
+            rows.append(row)
+    slow = Row("l0", 1, "convforge:direct", "cuda", "d", "fp32", 4.0, rel_err=1e-7, ok=True)
+    attach_baseline([slow], BaselineResult("cudnn-best", "ALGO", "fp32", 1.0, 0, 1e-6))
+    failed = Row("l1", 2, "convforge:direct", "cuda", "-", "fp32", None, ok=False, status="error: x")
+    rows = rows[:2] + [slow, failed] + rows[2:]
+    s = report.summary(rows)
+    assert list(s) == ["fp32", "relaxed"]
+    assert s["fp32"]["layers"] == 2 and s["fp32"]["failed"] == 1 and s["fp32"]["n_speedup"] == 2
+    assert s["fp32"]["by_impl"]["convforge:direct [cuda]"]["speedup_geomean"] == pytest.approx(0.25)
+    assert s["fp32"]["speedup_geomean"] == pytest.approx(1.0)  # 2x and 0.5x
+    assert s["fp32"]["error_ratio_geomean"] == pytest.approx(4.0)  # 2 and 8
+    assert s["relaxed"]["error_ratio_geomean"] == pytest.approx(0.5)  # 0.25 and 1
+    assert s["relaxed"]["baseline"] == "cudnn-best-tf32"
+    lines = report.summary_lines(rows)
+    assert lines[0].startswith("fp32 class vs cuDNN-best FP32") and "error ratio 4.00" in lines[0]
+    assert lines[1].startswith("  convforge:auto [cuda]") and lines[2].startswith("  convforge:direct [cuda]")
+    assert "speed-up 0.25x over 1 layer(s)" in lines[2] and "1 fp32-class convforge row(s) failed" in lines[3]
+    assert lines[4].startswith("relaxed class vs cuDNN-best TF32") and "speed-up 1.00x" in lines[4]
+    assert len(lines) == 5
+    console = Console(width=250, record=True)
+    console.print(report.layer_table(rows, report.class_title("relaxed", rows, "suite"), "relaxed"))
+    text = console.export_text()
+    assert "relaxed class vs cuDNN-best TF32 — suite" in text and "baseline err" in text
+    assert "fp32 " not in text and "0.25" in text  # only the class's rows, the error ratio shown
+    report.write_json(tmp_path / "results.json", {"device": "d"}, {}, "s", rows, [])
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["precisions"] == ["fp32", "relaxed"] and doc["summary"]["fp32"]["error_ratio_geomean"] > 3.9
+    assert doc["rows"][4]["precision"] == "relaxed" and doc["rows"][4]["baseline_error"] == 2e-4
+    report.write_csv(tmp_path / "results.csv", {"device": "d"}, rows)
+    with (tmp_path / "results.csv").open() as fh:
+        lines_csv = list(csv.DictReader(fh))
+    assert [x["precision"] for x in lines_csv] == ["fp32"] * 4 + ["relaxed"] * 2
+    assert float(lines_csv[0]["error_ratio"]) == pytest.approx(2.0)
+    assert float(lines_csv[5]["baseline_error"]) == pytest.approx(2e-4)
+
+
+@pytest.mark.parametrize("baseline", ["none", "torch"])
+def test_bench_precision_both_pocl(ocl, tmp_path: Path, capsys: pytest.CaptureFixture[str],  # type: ignore[no-untyped-def]
+                                   monkeypatch: pytest.MonkeyPatch, baseline: str) -> None:
+    """`bench --precision both` on PoCL runs both classes, labels every table and row, and writes
+    the per-class summary; --baseline torch works without torch (this machine, CI)."""
+    from convforge.cli import main
+
+    monkeypatch.setattr(baselines, "torch_available", lambda: False)
+    f = tmp_path / "tiny.json"
+    f.write_text(json.dumps(TINY[:1]))
+    out = tmp_path / "out"
+    rc = main(["bench", "--suite", str(f), "--backend", "opencl", "--precision", "both", "--baseline", baseline,
+               "--out", str(out), "--quick-ceilings", "--repeats", "1", "--warmup", "1"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "fp32 class vs no baseline available" in text and "relaxed class vs no baseline available" in text
+    assert ("not installed" if baseline == "torch" else "no baseline requested") in text
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["precisions"] == ["fp32", "relaxed"] and set(doc["summary"]) == {"fp32", "relaxed"}
+    rows = doc["rows"]
+    assert [r["precision"] for r in rows] == ["fp32", "relaxed"]
+    for r in rows:
+        assert r["ok"] is True and r["rel_err"] < 1e-3 and r["time_ms"] > 0
+        assert r["baseline_error"] is None and r["error_ratio"] is None
+    with (out / "results.csv").open() as fh:
+        assert [x["precision"] for x in csv.DictReader(fh)] == ["fp32", "relaxed"]
+
+
+def test_bench_torch_cpu_baseline_both_classes(ocl, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    """With PyTorch installed (CPU): both classes compare with torch-cpu, error ratio filled."""
+    pytest.importorskip("torch", reason="PyTorch is not installed: the CPU baseline cannot run")
+    from convforge.cli import main
+
+    f = tmp_path / "tiny.json"
+    f.write_text(json.dumps(TINY[:1]))
+    out = tmp_path / "out"
+    rc = main(["bench", "--suite", str(f), "--backend", "opencl", "--precision", "both", "--baseline", "torch",
+               "--out", str(out), "--quick-ceilings", "--repeats", "1", "--warmup", "1"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    ours = [r for r in rows if r["impl"].startswith("convforge")]
+    assert [r["precision"] for r in ours] == ["fp32", "relaxed"]
+    for r in ours:
+        assert r["baseline_impl"] == "torch-cpu" and 0 < r["baseline_error"] < 1e-5
+        assert r["error_ratio"] == pytest.approx(r["rel_err"] / r["baseline_error"])
+    assert "fp32 class vs torch-cpu" in text and "geometric-mean error ratio" in text
+
+
+def test_torch_flags_restored() -> None:
+    """Baselines never leave TF32, cudnn.benchmark or cudnn.enabled changed, errors included."""
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+    switches = baselines._tf32_switches(torch)
+    before = [getattr(obj, attr) for obj, attr, _on, _off in switches]
+    flags = (torch.backends.cudnn.enabled, torch.backends.cudnn.benchmark)
+    with pytest.raises(RuntimeError, match="boom"), baselines.torch_flags() as set_flags:
+        set_flags(tf32=True, enabled=False, benchmark=not flags[1])
+        assert [getattr(o, a) for o, a, _on, _off in switches] == [on for _o, _a, on, _off in switches]
+        assert torch.backends.cudnn.enabled is False
+        set_flags(tf32=False)
+        assert [getattr(o, a) for o, a, _on, _off in switches] == [off for _o, _a, _on, off in switches]
+        raise RuntimeError("boom")
+    assert [getattr(obj, attr) for obj, attr, _on, _off in switches] == before
+    assert (torch.backends.cudnn.enabled, torch.backends.cudnn.benchmark) == flags
+
+
+def _benchmarks_md():  # type: ignore[no-untyped-def]
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "benchmarks_md.py"
+    spec = importlib.util.spec_from_file_location("benchmarks_md", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_benchmarks_md_one_table_per_class(tmp_path: Path) -> None:
+    """scripts/benchmarks_md.py: every title names the class and its baseline, errors side by side;
+    results from before precision classes are labelled by their measured errors."""
+    md = _benchmarks_md()
+    spec = ConvSpec.make(32, 64, 56, 56, 64, 3, 3, 1, 1)
+    res = _gpu_results()
+    best = {"fp32": baselines.best_fp32(res), "relaxed": baselines.best_tf32(res)}
+    rows = []
+    for prec, (algo, ms, err) in (("fp32", ("winograd_nonfused_f4(x)", 0.8, 1.5e-6)),
+                                  ("relaxed", ("winograd_nonfused_f7(x)", 0.5, 5e-5))):
+        row = Row("a", 1, "convforge:auto", "cuda", algo, prec, ms, rel_err=err, ok=True, flops=spec.flops,
+                  workspace_bytes=1 << 20, spec=spec.to_dict())
+        attach_baseline([row], best[prec])
+        rows.append(row)
+    for b in [best["fp32"], best["relaxed"]] + res:
+        assert b is not None
+        rows += runner.baseline_rows(suites.Layer("a", spec), 1, [b], None)
+    for r in rows:
+        r.tflops = r.flops / (r.time_ms * 1e-3) / 1e12 if r.time_ms else None
+    report.write_json(tmp_path / "results.json", {"device": "NVIDIA H200", "time": "2026-11-23"}, {},
+                      "resnet", rows, [])
+    text = md.table(tmp_path)
+    titles = [line for line in text.splitlines() if line.startswith("###")]
+    assert titles == ["### resnet — fp32 class vs cuDNN-best FP32 — NVIDIA H200 (2026-11-23)",
+                      "### resnet — relaxed class vs cuDNN-best TF32 — NVIDIA H200 (2026-11-23)"]
+    fp32_row, relaxed_row = [line for line in text.splitlines() if line.startswith("| a |")]
+    assert "(FFT_TILING)" in fp32_row and "1.25×" in fp32_row and "| 1.5e-06 | 3.0e-07 | 5.00 |" in fp32_row
+    assert "(IMPLICIT_PRECOMP_GEMM)" in relaxed_row and "0.80×" in relaxed_row
+    assert "| 5.0e-05 | 2.5e-04 | 0.20 |" in relaxed_row and "1.20×" in relaxed_row  # vs torch-tf32 0.6 ms
+    assert "relaxed class: geometric-mean speed-up of the best convforge variant **0.80×**" in text
+    assert "error ratio **5.00**" in text and "error ratio **0.20**" in text
+    # results written before precision classes: no "precisions" key, class told by measured errors
+    doc = json.loads((tmp_path / "results.json").read_text())
+    del doc["precisions"]
+    doc["rows"] = [r for r in doc["rows"] if r["precision"] != "relaxed"]
+    (tmp_path / "results.json").write_text(json.dumps(doc))
+    assert "fp32 class (by its measured errors" in md.table(tmp_path)
+    doc["rows"][0]["rel_err"] = 3e-5
+    (tmp_path / "results.json").write_text(json.dumps(doc))
+    assert "relaxed class (old default, errors up to 1e-3" in md.table(tmp_path)
+
+
+def test_tf32_override_note(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NVIDIA_TF32_OVERRIDE", raising=False)
+    assert baselines.tf32_note("cudnn", ("fp32", "relaxed")) is None
+    monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")
+    assert "without TF32" in (baselines.tf32_note("cudnn", ("relaxed",)) or "")
+    assert baselines.tf32_note("cudnn", ("fp32",)) is None and baselines.tf32_note("none", ("relaxed",)) is None
+
+
+# -- GPU tier (skips here: no CUDA device) -------------------------------------------------------------
+def test_gpu_cudnn_baselines_per_class(cuda) -> None:  # type: ignore[no-untyped-def]
+    """On a GPU with PyTorch and cuDNN: FMA-math rows make cuDNN-best FP32, default-math rows
+    cuDNN-best TF32; both have times and errors; no torch flag is left changed."""
+    torch = pytest.importorskip("torch", reason="GPU tier: PyTorch is not installed")
+    if not torch.cuda.is_available():
+        pytest.skip("GPU tier: PyTorch sees no CUDA device")
+    from convforge.bench.timing import Timing
+
+    spec = ConvSpec.make(8, 64, 28, 28, 64, 3, 3, 1, 1)
+    switches = baselines._tf32_switches(torch)
+    before = ([getattr(o, a) for o, a, _on, _off in switches],
+              torch.backends.cudnn.benchmark, torch.backends.cudnn.enabled)
+    res = baselines.run("cudnn", spec, Timing(1, 3, 1), True, ("fp32", "relaxed"))
+    after = ([getattr(o, a) for o, a, _on, _off in switches],
+             torch.backends.cudnn.benchmark, torch.backends.cudnn.enabled)
+    assert after == before
+    by = {r.impl: r for r in res}
+    fp32, tf32 = by["cudnn-best"], by["cudnn-best-tf32"]
+    assert fp32.precision == "fp32" and tf32.precision == "tf32"
+    assert fp32.time_ms and tf32.time_ms and fp32.rel_err is not None and tf32.rel_err is not None
+    assert fp32.rel_err < 5e-6  # FMA math: FP32-grade
+    tf32_rows = [r for r in res if r.impl.startswith("cudnn-tf32:")]
+    assert len(tf32_rows) == 8 and all(r.precision == "tf32" for r in tf32_rows)
+    assert len([r for r in res if r.impl.startswith("cudnn:")]) == 8
+    assert baselines.for_class(res, "relaxed") == tf32 and baselines.for_class(res, "fp32") == fp32
+    assert tf32.time_ms <= (by["torch-tf32"].time_ms or float("inf"))  # the best of, PyTorch's pick included
+    assert fp32.time_ms <= (by["torch-pick"].time_ms or float("inf"))

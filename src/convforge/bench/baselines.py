@@ -1,5 +1,7 @@
-"""Baselines: cuDNN-best (PyTorch's pick and every legacy cuDNN forward algorithm, FP32 FMA math),
-im2col+cuBLAS, PyTorch TF32 and FP16 channels-last for context, and PyTorch on the CPU.
+"""Baselines, one per precision class: cuDNN-best FP32 (PyTorch's pick with TF32 off and every legacy
+cuDNN forward algorithm with FMA math) for the fp32 class, cuDNN-best TF32 (PyTorch's pick with TF32
+allowed and every legacy algorithm with default math) for the relaxed class; im2col+cuBLAS and PyTorch
+FP16 channels-last as labelled context; PyTorch on the CPU (FP32, there is no TF32 there).
 
 This module and ``cudnn.py`` are the only bench files that import torch, and only inside functions:
 convforge imports and benchmarks without torch, it just reports that no baseline was available.
@@ -8,8 +10,10 @@ convforge imports and benchmarks without torch, it just reports that no baseline
 from __future__ import annotations
 
 import importlib.util
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -17,7 +21,11 @@ from convforge.bench.timing import Timing, cycle, median
 from convforge.spec import ConvSpec
 
 KINDS = ("cudnn", "torch", "none")
-FP32_IMPLS = ("torch-pick",)  # plus every "cudnn:<ALGO>": the candidates of cuDNN-best
+CLASSES = ("fp32", "relaxed")  # convforge.config.PRECISIONS, in the order they are reported
+FP32_IMPLS = ("torch-pick",)  # plus every "cudnn:<ALGO>": the candidates of cuDNN-best FP32
+TF32_IMPLS = ("torch-tf32",)  # plus every "cudnn-tf32:<ALGO>": the candidates of cuDNN-best TF32
+BEST = {"fp32": "cudnn-best", "relaxed": "cudnn-best-tf32"}  # each class's baseline row
+BASELINE_NAMES = {"fp32": "cuDNN-best FP32", "relaxed": "cuDNN-best TF32"}
 
 
 @dataclass(frozen=True)
@@ -69,8 +77,18 @@ def unavailable(kind: str, backend: str) -> str | None:
     return None
 
 
-def run(kind: str, spec: ConvSpec, timing: Timing, on_gpu: bool) -> list[BaselineResult]:
-    """Every baseline implementation of ``kind`` on ``spec`` (empty when none is available)."""
+def tf32_note(kind: str, classes: tuple[str, ...]) -> str | None:
+    """A warning when the relaxed class's TF32 baseline cannot use TF32: NVIDIA_TF32_OVERRIDE=0 turns
+    it off in cuDNN and cuBLAS for the whole process (cuDNN-best TF32 would then be an FP32 figure)."""
+    if kind == "none" or "relaxed" not in classes or os.environ.get("NVIDIA_TF32_OVERRIDE") != "0":
+        return None
+    return "NVIDIA_TF32_OVERRIDE=0: the relaxed class's 'TF32' baseline runs without TF32 (FP32 math)"
+
+
+def run(kind: str, spec: ConvSpec, timing: Timing, on_gpu: bool,
+        classes: tuple[str, ...] = ("fp32",)) -> list[BaselineResult]:
+    """Every baseline implementation of ``kind`` on ``spec`` that the precision ``classes`` need
+    (empty when none is available)."""
     if kind == "none" or not torch_available():
         return []
     if not spec.symmetric_pad:
@@ -80,32 +98,59 @@ def run(kind: str, spec: ConvSpec, timing: Timing, on_gpu: bool) -> list[Baselin
     if kind == "cudnn" or (kind == "torch" and on_gpu):
         if not torch.cuda.is_available():
             return [BaselineResult(kind, "-", "fp32", None, status="PyTorch sees no CUDA device")]
-        return _gpu_baselines(spec, timing, with_cudnn=kind == "cudnn")
+        return _gpu_baselines(spec, timing, kind == "cudnn", classes)
     return _cpu_baselines(spec, timing)
 
 
-def best_fp32(results: list[BaselineResult]) -> BaselineResult | None:
-    """cuDNN-best: the fastest of PyTorch's FP32 pick and every cuDNN algorithm (None without cuDNN rows)."""
-    if not any(r.impl.startswith("cudnn:") for r in results):
+def _fastest(results: list[BaselineResult], precision: str, impls: tuple[str, ...], prefix: str,
+             name: str) -> BaselineResult | None:
+    """The fastest timed result among ``impls`` and the ``prefix``-named cuDNN algorithms, renamed
+    ``name`` (None unless at least one cuDNN algorithm row is there: no cuDNN, no cuDNN-best)."""
+    if not any(r.impl.startswith(prefix) for r in results):
         return None
-    cands = [r for r in results if r.time_ms is not None and r.precision == "fp32"
-             and (r.impl in FP32_IMPLS or r.impl.startswith("cudnn:"))]
+    cands = [r for r in results if r.time_ms is not None and r.precision == precision
+             and (r.impl in impls or r.impl.startswith(prefix))]
     if not cands:
         return None
     win = min(cands, key=lambda r: r.time_ms or 0.0)
-    algo = win.impl.removeprefix("cudnn:") if win.impl.startswith("cudnn:") else win.algo
-    return BaselineResult("cudnn-best", algo, "fp32", win.time_ms, win.workspace_bytes, win.rel_err)
+    algo = win.impl.removeprefix(prefix) if win.impl.startswith(prefix) else win.algo
+    return BaselineResult(name, algo, precision, win.time_ms, win.workspace_bytes, win.rel_err)
+
+
+def best_fp32(results: list[BaselineResult]) -> BaselineResult | None:
+    """cuDNN-best FP32: the fastest of PyTorch's FP32 pick and every cuDNN algorithm with FMA math."""
+    return _fastest(results, "fp32", FP32_IMPLS, "cudnn:", BEST["fp32"])
+
+
+def best_tf32(results: list[BaselineResult]) -> BaselineResult | None:
+    """cuDNN-best TF32: the fastest of PyTorch's TF32 pick and every cuDNN algorithm with default math."""
+    return _fastest(results, "tf32", TF32_IMPLS, "cudnn-tf32:", BEST["relaxed"])
+
+
+def _timed(results: list[BaselineResult], pred: Callable[[BaselineResult], bool]) -> BaselineResult | None:
+    return next((r for r in results if r.time_ms is not None and pred(r)), None)
+
+
+def for_class(results: list[BaselineResult], precision: str) -> BaselineResult | None:
+    """The baseline the ``precision`` class's speed-ups are against.
+
+    fp32: cuDNN-best FP32, else the first FP32 result with a time (PyTorch's pick, PyTorch on the CPU).
+    relaxed: cuDNN-best TF32, else PyTorch's TF32 pick; where no TF32 result exists at all (PyTorch on
+    a CPU, which has no TF32 mode) the FP32 baseline, whose precision the row then names."""
+    if precision not in CLASSES:
+        raise ValueError(f"precision ({precision!r}) must be one of {', '.join(CLASSES)}")
+    best = _timed(results, lambda r: r.impl == BEST[precision])
+    if best is not None or precision == "fp32":
+        return best or _timed(results, lambda r: r.precision == "fp32")
+    tf32 = _timed(results, lambda r: r.impl in TF32_IMPLS)
+    if tf32 is not None or any(r.precision == "tf32" for r in results):
+        return tf32
+    return for_class(results, "fp32")
 
 
 def primary(results: list[BaselineResult]) -> BaselineResult | None:
-    """The baseline speed-ups are against: cuDNN-best, else the first FP32 result with a time."""
-    for r in results:
-        if r.impl == "cudnn-best" and r.time_ms is not None:
-            return r
-    for r in results:
-        if r.precision == "fp32" and r.time_ms is not None:
-            return r
-    return None
+    """The fp32 class's baseline (kept for callers that know one class)."""
+    return for_class(results, "fp32")
 
 
 # -- torch helpers ------------------------------------------------------------------------------
@@ -178,7 +223,44 @@ def _torch_variant(name: str, algo: str, precision: str, spec: ConvSpec, sets: l
     return BaselineResult(name, algo, precision, ms, ws, err)
 
 
-def _gpu_baselines(spec: ConvSpec, timing: Timing, with_cudnn: bool) -> list[BaselineResult]:
+def _tf32_switches(torch: Any) -> list[tuple[Any, str, Any, Any]]:
+    """(object, attribute, value with TF32 on, value with TF32 off) of cuDNN convolutions' and cuBLAS
+    matmuls' TF32 switches: the per-operator ``fp32_precision`` of newer PyTorch where it exists
+    (mixing it with the legacy flags raises there), else the legacy ``allow_tf32``."""
+    conv = getattr(torch.backends.cudnn, "conv", None)
+    mm = torch.backends.cuda.matmul
+    if conv is not None and hasattr(conv, "fp32_precision") and hasattr(mm, "fp32_precision"):
+        return [(conv, "fp32_precision", "tf32", "ieee"), (mm, "fp32_precision", "tf32", "ieee")]
+    return [(torch.backends.cudnn, "allow_tf32", True, False), (mm, "allow_tf32", True, False)]
+
+
+@contextmanager
+def torch_flags() -> Iterator[Callable[..., None]]:
+    """A setter of cuDNN's ``enabled`` and ``benchmark`` flags and of TF32 (cuDNN and cuBLAS) for the
+    baselines; every flag it may touch is restored on exit, errors included, so a benchmark never
+    leaves TF32 or ``cudnn.benchmark`` changed for the rest of the process."""
+    import torch
+
+    cudnn = torch.backends.cudnn
+    switches = _tf32_switches(torch)
+    saved = [(cudnn, "enabled", cudnn.enabled), (cudnn, "benchmark", cudnn.benchmark)]
+    saved += [(obj, attr, getattr(obj, attr)) for obj, attr, _on, _off in switches]
+
+    def set_flags(*, tf32: bool, enabled: bool = True, benchmark: bool = True) -> None:
+        cudnn.enabled, cudnn.benchmark = enabled, benchmark
+        for obj, attr, on, off in switches:
+            setattr(obj, attr, on if tf32 else off)
+
+    try:
+        yield set_flags
+    finally:
+        for obj, attr, value in reversed(saved):
+            setattr(obj, attr, value)
+
+
+def _gpu_baselines(spec: ConvSpec, timing: Timing, with_cudnn: bool,
+                   classes: tuple[str, ...]) -> list[BaselineResult]:
+    """PyTorch's picks and, ``with_cudnn``, every legacy cuDNN algorithm, in the math each class needs."""
     import torch
 
     from convforge.bench import cudnn
@@ -187,31 +269,29 @@ def _gpu_baselines(spec: ConvSpec, timing: Timing, with_cudnn: bool) -> list[Bas
     sets = [(torch.rand(spec.x_shape, device="cuda", generator=gen) * 2 - 1,
              torch.rand(spec.w_shape, device="cuda", generator=gen) * 2 - 1) for _ in range(timing.sets)]
     args = _conv_args(spec)
-    saved = (torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32,
-             torch.backends.cudnn.enabled)
     out: list[BaselineResult] = []
-    try:
-        torch.backends.cudnn.enabled = True
+    with torch_flags() as set_flags:
+        set_flags(tf32=False, benchmark=False)
         ref = torch.nn.functional.conv2d(sets[0][0].double(), sets[0][1].double(), **args)
-        torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32 = True, False
+        set_flags(tf32=False)
         out.append(_torch_variant("torch-pick", "cudnn.benchmark pick", "fp32", spec, sets, ref, timing))
-        if with_cudnn:
-            out += cudnn.all_algorithms(spec, sets, ref, timing)
-        torch.backends.cudnn.enabled = False
+        if with_cudnn and "fp32" in classes:
+            out += cudnn.all_algorithms(spec, sets, ref, timing, math="fma")
+        set_flags(tf32=False, enabled=False)
         out.append(_torch_variant("im2col+cublas", "torch, cuDNN off", "fp32", spec, sets, ref, timing))
-        torch.backends.cudnn.enabled = True
-        torch.backends.cudnn.allow_tf32 = True
-        out.append(_torch_variant("torch-tf32", "cudnn.benchmark pick", "tf32", spec, sets, ref, timing))
-        torch.backends.cudnn.allow_tf32 = False
+        set_flags(tf32=True)
+        out.append(_torch_variant("torch-tf32", "cudnn.benchmark pick, TF32", "tf32", spec, sets, ref,
+                                  timing))
+        if with_cudnn and "relaxed" in classes:
+            out += cudnn.all_algorithms(spec, sets, ref, timing, math="default")
+        set_flags(tf32=False)
         cl = torch.channels_last
         half = [(x.half().to(memory_format=cl), w.half().to(memory_format=cl)) for x, w in sets]
-        out.append(_torch_variant("torch-fp16-cl", "cudnn.benchmark pick, NHWC", "fp16", spec, half,
-                                  ref, timing))
-    finally:
-        (torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32,
-         torch.backends.cudnn.enabled) = saved
-    best = best_fp32(out)
-    return ([best] if best else []) + out
+        out.append(_torch_variant("torch-fp16-cl", "cudnn.benchmark pick, NHWC (context)", "fp16", spec,
+                                  half, ref, timing))
+    bests = [b for b in (best_fp32(out) if "fp32" in classes else None,
+                         best_tf32(out) if "relaxed" in classes else None) if b is not None]
+    return bests + out
 
 
 def _cpu_baselines(spec: ConvSpec, timing: Timing) -> list[BaselineResult]:

@@ -17,7 +17,9 @@ from convforge.backends.base import Backend
 from convforge.bench import baselines, ceilings, plots, report, runner
 from convforge.bench.suites import BUILTIN, SuiteError, load_suite
 from convforge.bench.timing import Timing
-from convforge.config import MAX_ERROR_HELP, max_error_arg
+from convforge.config import MAX_ERROR_HELP, config, max_error_arg
+
+PRECISION_CHOICES = ("fp32", "relaxed", "both")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="measure the ceilings with tiny kernels (smoke tests)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-error", type=max_error_arg, metavar="E", help=MAX_ERROR_HELP)
+    parser.add_argument("--precision", dest="precision_classes", choices=PRECISION_CHOICES,
+                        help="accuracy class(es) to run, each against its own baseline: 'fp32' (error "
+                        "<= 5e-6, vs cuDNN-best FP32), 'relaxed' (<= 1e-3, vs cuDNN-best TF32) or 'both' "
+                        "(default: fp32, or CONVFORGE_PRECISION)")
     parser.add_argument("--ablation", choices=sorted(runner.ABLATIONS),
                         help="time one variant in its ablation configurations instead "
                         "(im2win: all on / no prefetch+double buffer / no vector loads / "
@@ -65,6 +71,14 @@ def _baseline_kind(args: argparse.Namespace, bes: list[Backend]) -> str:
     return "cudnn" if bes[0].name == "cuda" else "torch"
 
 
+def precisions(choice: str | None) -> tuple[str, ...]:
+    """The classes ``--precision`` names, in report order (None: ``config.precision``)."""
+    choice = choice or config.precision
+    if choice not in PRECISION_CHOICES:
+        raise SuiteError(f"--precision ({choice!r}) must be one of {', '.join(PRECISION_CHOICES)}")
+    return ("fp32", "relaxed") if choice == "both" else (choice,)
+
+
 def _run(args: argparse.Namespace, console: Console) -> int:
     if args.suite is None:
         if not args.ablation:
@@ -82,12 +96,17 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     if why:
         notes.append(why)
         console.print(f"[yellow]baseline: {why}[/]")
+    classes = precisions(args.precision_classes)
+    tf32 = baselines.tf32_note(kind, classes)
+    if tf32:
+        notes.append(tf32)
+        console.print(f"[yellow]baseline: {tf32}[/]")
     ceil = {}
     for be in bes:
         ceil[be.name] = ceilings.measure(be, quick=args.quick_ceilings)
     report.print_ceilings(console, ceil)
     cfg = runner.BenchConfig(tuple(args.algo or ["auto"]), kind, args.warmup, args.repeats,
-                             args.batch_slice, args.seed)
+                             args.batch_slice, args.seed, classes)
     on_gpu = bes[0].device.is_gpu
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=True) as bar:
@@ -98,11 +117,15 @@ def _run(args: argparse.Namespace, console: Console) -> int:
 
         rows = runner.run_suite(layers, bes, cfg, ceil, on_gpu, on_layer)
         bar.update(task, completed=len(layers))
-    console.print(report.layer_table(rows, f"{args.suite} on {env['device']}"))
+    for prec in cfg.precisions:
+        what = f"{args.suite} on {env['device']}"
+        console.print(report.layer_table(rows, report.class_title(prec, rows, what), prec))
     if any(not r.impl.startswith("convforge") for r in rows):
         console.print(report.baseline_table(rows))
     if args.compare_backends:
         console.print(report.compare_table(rows))
+    for line in report.summary_lines(rows):
+        console.print(line)
     failed = [r for r in rows if r.impl.startswith("convforge") and r.ok is False]
     if args.out:
         _write(Path(args.out), env, ceil, args.suite, rows, notes, console)

@@ -1,8 +1,10 @@
 """cuDNN's legacy forward API through ctypes, on the libcudnn that PyTorch ships.
 
-Every forward algorithm is tried with FP32 data and FMA math (no tensor cores); NOT_SUPPORTED ones are
-reported with their status. Buffers and workspace are torch allocations; times are torch.cuda events
-on torch's current stream. Imported only by ``baselines`` when torch and a CUDA device exist.
+Every forward algorithm is tried with FP32 data, in FMA math (no tensor cores: the fp32 class's
+cuDNN-best) or in default math (tensor cores and TF32 permitted, as PyTorch runs cuDNN with
+``allow_tf32``: the relaxed class's cuDNN-best TF32); NOT_SUPPORTED ones are reported with their
+status. Buffers and workspace are torch allocations; times are torch.cuda events on torch's current
+stream. Imported only by ``baselines`` when torch and a CUDA device exist.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ from convforge.spec import ConvSpec
 ALGOS = ("IMPLICIT_GEMM", "IMPLICIT_PRECOMP_GEMM", "GEMM", "DIRECT", "FFT", "FFT_TILING", "WINOGRAD",
          "WINOGRAD_NONFUSED")
 _FLOAT, _NCHW, _CROSS_CORRELATION = 0, 0, 1
+# cudnnMathType_t (cuDNN 9 legacy API): DEFAULT 0 (tensor cores, TF32 for FP32 data, permitted),
+# TENSOR_OP 1, TENSOR_OP_ALLOW_CONVERSION 2 (FP32 data converted to FP16: not a TF32 figure), FMA 3.
 _DEFAULT_MATH, _FMA_MATH = 0, 3
+MATHS = {"fma": ("cudnn:", "fp32"), "default": ("cudnn-tf32:", "tf32")}  # math -> (impl prefix, precision)
 _LIBS = ("libcudnn.so.9", "libcudnn_cnn.so.9", "libcudnn_ops.so.9", "libcudnn_graph.so.9")
 
 
@@ -95,11 +100,11 @@ def version() -> str:
 class _Descriptors:
     """x, w, y and convolution descriptors of one layer; destroyed on exit."""
 
-    def __init__(self, api: _Api) -> None:
+    def __init__(self, api: _Api, math: str = "fma") -> None:
         self.api = api
         self.x, self.y = ctypes.c_void_p(), ctypes.c_void_p()
         self.w, self.conv = ctypes.c_void_p(), ctypes.c_void_p()
-        self.math = "FMA"
+        self.math = math
 
     def __enter__(self) -> _Descriptors:
         return self
@@ -116,9 +121,11 @@ class _Descriptors:
         a.check("cudnnSetConvolution2dDescriptor", self.conv, v(spec.pad[0]), v(spec.pad[2]),
                 v(spec.stride[0]), v(spec.stride[1]), v(spec.dilation[0]), v(spec.dilation[1]),
                 v(_CROSS_CORRELATION), v(_FLOAT))
-        if a("cudnnSetConvolutionMathType", self.conv, v(_FMA_MATH)) != 0:
+        if self.math == "default":
             a.check("cudnnSetConvolutionMathType", self.conv, v(_DEFAULT_MATH))
-            self.math = "DEFAULT"
+        elif a("cudnnSetConvolutionMathType", self.conv, v(_FMA_MATH)) != 0:
+            a.check("cudnnSetConvolutionMathType", self.conv, v(_DEFAULT_MATH))
+            self.math = "fma refused"  # TF32 possible: no longer an FP32 candidate
 
     def __exit__(self, *exc: object) -> None:
         for name, d in (("cudnnDestroyTensorDescriptor", self.x), ("cudnnDestroyTensorDescriptor", self.y),
@@ -132,12 +139,13 @@ def _one(api: _Api, d: _Descriptors, algo: int, spec: ConvSpec, sets: list[tuple
          ref: Any, timing: Timing) -> BaselineResult:
     import torch
 
-    name, v = f"cudnn:{ALGOS[algo]}", ctypes.c_int
+    prefix, prec = MATHS["default" if d.math == "default" else "fma"]
+    name, v = f"{prefix}{ALGOS[algo]}", ctypes.c_int
     ws = ctypes.c_size_t()
     status = api("cudnnGetConvolutionForwardWorkspaceSize", _HANDLE, d.x, d.w, d.conv, d.y, v(algo),
                  ctypes.byref(ws))
     if status != 0:
-        return BaselineResult(name, ALGOS[algo], "fp32", None, status=api.error(status))
+        return BaselineResult(name, ALGOS[algo], prec, None, status=api.error(status))
     work = torch.empty(max(ws.value, 1), dtype=torch.uint8, device="cuda")
     y = torch.empty(spec.y_shape, dtype=torch.float32, device="cuda")
     alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
@@ -150,31 +158,35 @@ def _one(api: _Api, d: _Descriptors, algo: int, spec: ConvSpec, sets: list[tuple
 
     status = call(*sets[0])
     if status != 0:
-        return BaselineResult(name, ALGOS[algo], "fp32", None, ws.value, status=api.error(status))
+        return BaselineResult(name, ALGOS[algo], prec, None, ws.value, status=api.error(status))
     err = _rel_err(y, ref)
     it = cycle(sets)
     ms = _time_cuda(lambda: call(*next(it)), timing)
-    note = "ok" if d.math == "FMA" else "ok (FMA math refused: DEFAULT math, TF32 possible)"
-    return BaselineResult(name, ALGOS[algo], "fp32", ms, ws.value, err, note)
+    if d.math == "fma refused":
+        return BaselineResult(name, ALGOS[algo], "tf32?", ms, ws.value, err,
+                              "ok (FMA math refused: default math, TF32 possible; not an FP32 candidate)")
+    return BaselineResult(name, ALGOS[algo], prec, ms, ws.value, err)
 
 
-def all_algorithms(spec: ConvSpec, sets: list[tuple[Any, Any]], ref: Any,
-                   timing: Timing) -> list[BaselineResult]:
-    """Each of the 8 legacy forward algorithms, timed, or with the status that stopped it."""
+def all_algorithms(spec: ConvSpec, sets: list[tuple[Any, Any]], ref: Any, timing: Timing,
+                   math: str = "fma") -> list[BaselineResult]:
+    """Each of the 8 legacy forward algorithms in ``math`` ("fma": FP32 rows ``cudnn:ALGO``;
+    "default": TF32-permitted rows ``cudnn-tf32:ALGO``), timed, or with the status that stopped it."""
     import torch
 
+    prefix, prec = MATHS[math]
     try:
         api = _api()
     except (OSError, AttributeError, RuntimeError) as err:
-        return [BaselineResult("cudnn:legacy", "-", "fp32", None, status=f"unavailable: {err}")]
+        return [BaselineResult(f"{prefix}legacy", "-", prec, None, status=f"unavailable: {err}")]
     api.check("cudnnSetStream", _HANDLE, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
-    with _Descriptors(api) as d:
+    with _Descriptors(api, math) as d:
         d.build(spec)
         out = []
         for algo in range(len(ALGOS)):
             try:
                 out.append(_one(api, d, algo, spec, sets, ref, timing))
             except RuntimeError as err:  # e.g. out of memory for an FFT workspace
-                out.append(BaselineResult(f"cudnn:{ALGOS[algo]}", ALGOS[algo], "fp32", None,
+                out.append(BaselineResult(f"{prefix}{ALGOS[algo]}", ALGOS[algo], prec, None,
                                           status=f"failed: {str(err)[:80]}"))
         return out

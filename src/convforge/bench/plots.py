@@ -32,7 +32,7 @@ def _series(rows: list[Row], value: str) -> tuple[list[str], dict[str, list[floa
     layers = list(dict.fromkeys(r.layer for r in rows))
     impls: dict[str, list[float]] = {}
     for r in rows:
-        key = f"{r.impl} [{r.backend}]" if r.impl.startswith("convforge") else r.impl
+        key = f"{r.impl} {r.precision} [{r.backend}]" if r.impl.startswith("convforge") else r.impl
         col = impls.setdefault(key, [float("nan")] * len(layers))
         v = getattr(r, value)
         col[layers.index(r.layer)] = float(v) if v is not None else float("nan")
@@ -91,13 +91,14 @@ def write_plots(out: Path, rows: list[Row], ceilings: dict[str, Ceilings]) -> li
         return []
     plt = _pyplot()
     paths = [out / n for n in ("tflops.png", "speedup.png", "workspace.png", "roofline.png")]
-    main = [r for r in rows if not r.impl.startswith("cudnn:")]  # cuDNN-best stands for its algorithms
+    # cuDNN-best FP32 / TF32 stand for their algorithms
+    main = [r for r in rows if not r.impl.startswith(("cudnn:", "cudnn-tf32:"))]
     layers, impls = _series(main, "tflops")
     _bars(plt, paths[0], layers, impls, "effective TFLOPS", "effective TFLOPS per layer")
     conv = [r for r in rows if r.impl.startswith("convforge")]
-    base = next((r.baseline_impl for r in conv if r.baseline_impl), "")
+    base = ", ".join(dict.fromkeys(f"{r.precision}: {r.baseline_impl}" for r in conv if r.baseline_impl))
     layers, impls = _series(conv, "speedup")
-    title = f"speed-up over {base}" if base else "speed-up (no baseline available)"
+    title = f"speed-up over each class's baseline ({base})" if base else "speed-up (no baseline available)"
     _bars(plt, paths[1], layers, impls, "baseline time / convforge time", title)
     layers, impls = _series(rows, "workspace_bytes")
     _bars(plt, paths[2], layers, impls, "workspace bytes", "workspace per implementation", log=True)

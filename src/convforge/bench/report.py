@@ -1,10 +1,12 @@
-"""Reports: the header, the per-layer table (rich), the back-end comparison, results.json and results.csv."""
+"""Reports: the header, the per-layer table of each precision class (rich), the per-class summary, the
+back-end comparison, results.json and results.csv."""
 
 from __future__ import annotations
 
 import csv
 import json
 import math
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -12,13 +14,14 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from convforge.bench.baselines import BASELINE_NAMES
 from convforge.bench.ceilings import Ceilings
 from convforge.bench.runner import Row
 
 CSV_FIELDS = ("layer", "index", "impl", "backend", "algo", "precision", "time_ms", "tflops", "pct_peak",
               "workspace_bytes", "rel_err", "ok", "status", "baseline_impl", "baseline_algo",
-              "baseline_ms", "speedup", "flops", "min_bytes", "chosen_by", "N", "C", "H", "W", "K", "R", "S",
-              "stride", "pad", "dilation")
+              "baseline_ms", "speedup", "baseline_error", "error_ratio", "flops", "min_bytes", "chosen_by",
+              "N", "C", "H", "W", "K", "R", "S", "stride", "pad", "dilation")
 ENV_FIELDS = ("device", "driver", "platform", "convforge", "torch", "cudnn", "cupy", "pyopencl", "numpy")
 
 
@@ -48,26 +51,105 @@ def print_ceilings(console: Console, ceilings: dict[str, Ceilings]) -> None:
         console.print(f"ceilings ({backend}): {c}")
 
 
-def layer_table(rows: list[Row], title: str = "") -> Table:
-    """One line per layer x convforge implementation, with its baseline beside it."""
+def _convforge(rows: list[Row], precision: str | None = None) -> list[Row]:
+    return [r for r in rows if r.impl.startswith("convforge") and precision in (None, r.precision)]
+
+
+def classes(rows: list[Row]) -> list[str]:
+    """The precision classes of the convforge rows, in the order they were run."""
+    return list(dict.fromkeys(r.precision for r in _convforge(rows)))
+
+
+def class_title(precision: str, rows: list[Row], what: str = "") -> str:
+    """'fp32 class vs cuDNN-best FP32 (cudnn-best) — what': every table names its class and baseline."""
+    impls = sorted({r.baseline_impl for r in _convforge(rows, precision) if r.baseline_impl})
+    base = BASELINE_NAMES.get(precision, "?") if any(i.startswith("cudnn-best") for i in impls) else (
+        ", ".join(impls) or "no baseline available")
+    return f"{precision} class vs {base}" + (f" — {what}" if what else "")
+
+
+def layer_table(rows: list[Row], title: str = "", precision: str | None = None) -> Table:
+    """One line per layer x convforge implementation of ``precision``'s class (all classes when None),
+    with the class's baseline beside it: time, speed-up, both measured errors and their ratio."""
     t = Table(title=title or None, show_lines=False)
-    for col, just in (("layer", "left"), ("convforge variant", "left"), ("time ms", "right"),
-                      ("TFLOPS", "right"), ("% peak", "right"), ("baseline ms", "right"),
-                      ("baseline algo", "left"), ("speed-up", "right"), ("workspace", "right"),
-                      ("rel err", "right"), ("check", "left")):
+    for col, just in (("layer", "left"), ("class", "left"), ("convforge variant", "left"),
+                      ("time ms", "right"), ("TFLOPS", "right"), ("% peak", "right"),
+                      ("baseline ms", "right"), ("baseline algo", "left"), ("speed-up", "right"),
+                      ("workspace", "right"), ("rel err", "right"), ("baseline err", "right"),
+                      ("err ratio", "right"), ("check", "left")):
         t.add_column(col, justify=just)  # type: ignore[arg-type]
-    for r in rows:
-        if not r.impl.startswith("convforge"):
-            continue
+    for r in _convforge(rows, precision):
         check = "ok" if r.ok else ("[red]FAIL[/]" if r.ok is False else "-")
         if r.status.startswith("error"):
             check = f"[red]{escape(r.status[:60])}[/]"
         variant = r.algo if len(r.algo) < 72 else r.algo[:69] + "..."
         base = escape(f"{r.baseline_impl}: {r.baseline_algo}") if r.baseline_impl else "none available"
-        t.add_row(escape(r.layer), escape(f"{variant} [{r.backend}]"), _num(r.time_ms, ".3f"), _num(r.tflops, ".4g"),
-                  _num(r.pct_peak, ".1f"), _num(r.baseline_ms, ".3f"), base, _num(r.speedup, ".2f"),
-                  _bytes(r.workspace_bytes), _num(r.rel_err, ".1e"), check)
+        t.add_row(escape(r.layer), r.precision, escape(f"{variant} [{r.backend}]"), _num(r.time_ms, ".3f"),
+                  _num(r.tflops, ".4g"), _num(r.pct_peak, ".1f"), _num(r.baseline_ms, ".3f"), base,
+                  _num(r.speedup, ".2f"), _bytes(r.workspace_bytes), _num(r.rel_err, ".1e"),
+                  _num(r.baseline_error, ".1e"), _num(r.error_ratio, ".2f"), check)
     return t
+
+
+def geomean(values: Iterable[float | None]) -> float | None:
+    """Geometric mean of the positive values (None when there are none)."""
+    vals = [v for v in values if v is not None and v > 0 and not math.isinf(v)]
+    return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else None
+
+
+def _stats(rows: list[Row]) -> dict[str, Any]:
+    speed = [r.speedup for r in rows if r.speedup]
+    ratio = [r.error_ratio for r in rows if r.error_ratio]
+    return {"speedup_geomean": geomean(speed), "error_ratio_geomean": geomean(ratio),
+            "n_speedup": len(speed), "n_error_ratio": len(ratio),
+            "max_rel_err": max((r.rel_err for r in rows if r.rel_err is not None), default=None)}
+
+
+def _best_per_layer(rows: list[Row]) -> list[Row]:
+    """The fastest passing convforge row of each layer (over algorithms and back-ends)."""
+    best: dict[int, Row] = {}
+    for r in rows:
+        if r.ok and r.time_ms and (r.index not in best or r.time_ms < (best[r.index].time_ms or 0.0)):
+            best[r.index] = r
+    return list(best.values())
+
+
+def summary(rows: list[Row]) -> dict[str, dict[str, Any]]:
+    """Per class, over the fastest passing convforge row of each layer: geometric-mean speed-up and
+    error ratio against the class's baseline, how many layers each covers, the largest error, failures;
+    ``by_impl`` the same per implementation and back-end (results.json's ``summary``)."""
+    out: dict[str, dict[str, Any]] = {}
+    for prec in classes(rows):
+        ours = _convforge(rows, prec)
+        best = _best_per_layer(ours)
+        impls = list(dict.fromkeys(f"{r.impl} [{r.backend}]" for r in ours))
+        out[prec] = {"baseline": ", ".join(sorted({r.baseline_impl for r in best if r.baseline_impl})),
+                     **_stats(best), "layers": len({r.index for r in ours}),
+                     "failed": sum(1 for r in ours if not r.ok),
+                     "by_impl": {i: _stats([r for r in ours if r.ok and f"{r.impl} [{r.backend}]" == i])
+                                 for i in impls}}
+    return out
+
+
+def _line(head: str, s: dict[str, Any]) -> str:
+    sp, er = s["speedup_geomean"], s["error_ratio_geomean"]
+    return (f"{head}: geometric-mean speed-up {_num(sp, '.2f')}{'x' if sp else ''} over {s['n_speedup']} "
+            f"layer(s), geometric-mean error ratio {_num(er, '.2f')} over {s['n_error_ratio']} "
+            f"(convforge error / baseline error), largest convforge error {_num(s['max_rel_err'], '.1e')}")
+
+
+def summary_lines(rows: list[Row]) -> list[str]:
+    """Per class: 'fp32 class vs cuDNN-best FP32: geometric-mean speed-up 1.07x over 16 layer(s),
+    geometric-mean error ratio 1.70 over 16 (...)' for the fastest convforge row of each layer, then
+    one indented line per implementation when several ran, and the failures."""
+    lines = []
+    for prec, s in summary(rows).items():
+        lines.append(_line(class_title(prec, rows), s))
+        if len(s["by_impl"]) > 1:
+            lines += [_line(f"  {impl}", st) for impl, st in s["by_impl"].items()]
+        if s["failed"]:
+            lines.append(f"  {s['failed']} {prec}-class convforge row(s) failed their check or did not run")
+    return lines
 
 
 def baseline_table(rows: list[Row]) -> Table:
@@ -90,9 +172,8 @@ def compare_table(rows: list[Row]) -> Table:
     for col in ("layer", "variant", "cuda ms", "opencl ms", "opencl / cuda"):
         t.add_column(col)
     by: dict[tuple[str, str], dict[str, Row]] = {}
-    for r in rows:
-        if r.impl.startswith("convforge"):
-            by.setdefault((r.layer, r.impl), {})[r.backend] = r
+    for r in _convforge(rows):
+        by.setdefault((r.layer, f"{r.impl} ({r.precision})"), {})[r.backend] = r
     for (layer, impl), d in by.items():
         cu, oc = d.get("cuda"), d.get("opencl")
         ratio = (oc.time_ms / cu.time_ms) if cu and oc and cu.time_ms and oc.time_ms else None
@@ -105,7 +186,8 @@ def compare_table(rows: list[Row]) -> Table:
 def write_json(path: Path, env: dict[str, Any], ceilings: dict[str, Ceilings], suite: str,
                rows: list[Row], notes: list[str]) -> None:
     doc = {"suite": suite, "env": env, "ceilings": {k: c.to_dict() for k, c in ceilings.items()},
-           "notes": notes, "rows": [r.to_dict() for r in rows]}
+           "notes": notes, "precisions": classes(rows), "summary": summary(rows),
+           "rows": [r.to_dict() for r in rows]}
     path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
 
 

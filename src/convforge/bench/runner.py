@@ -1,5 +1,7 @@
-"""Running a suite: for each layer, the convforge implementations (checked against the float64
-reference, then timed) and the baselines, as one Row per layer x implementation."""
+"""Running a suite: for each layer and precision class, the convforge implementations (chosen by
+``convforge.dispatch`` within the class, checked against the float64 reference, then timed) and the
+baselines, as one Row per layer x class x implementation. Each class is compared with its own
+baseline (``baselines.for_class``), error beside error."""
 
 from __future__ import annotations
 
@@ -12,14 +14,13 @@ from typing import Any
 
 import numpy as np
 
-from convforge import __version__
+from convforge import __version__, dispatch
 from convforge.backends.base import Backend
 from convforge.bench import baselines
 from convforge.bench.ceilings import Ceilings
 from convforge.bench.suites import Layer
 from convforge.bench.timing import Timing, check_slice, cycle, run_timed
 from convforge.check import check_plan, random_inputs
-from convforge.kernels import most_specialised
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Variant
 from convforge.spec import ConvSpec
@@ -27,7 +28,9 @@ from convforge.spec import ConvSpec
 
 @dataclass
 class Row:
-    """One layer x implementation. Convforge rows carry their check and the baseline they beat (or not)."""
+    """One layer x implementation. Convforge rows carry their precision class, their check and the
+    class's baseline they beat (or not), with both measured errors and their ratio; baseline rows carry
+    their own precision (fp32, tf32, fp16)."""
 
     layer: str
     index: int
@@ -46,6 +49,8 @@ class Row:
     baseline_algo: str = ""
     baseline_ms: float | None = None
     speedup: float | None = None
+    baseline_error: float | None = None
+    error_ratio: float | None = None
     flops: int = 0
     min_bytes: int = 0
     chosen_by: str = ""
@@ -57,7 +62,7 @@ class Row:
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """What to run: algorithms, baseline kind, timing overrides, check slice, seed."""
+    """What to run: algorithms, baseline kind, timing overrides, check slice, seed, precision classes."""
 
     algos: tuple[str, ...] = ("auto",)
     baseline: str = "none"
@@ -65,36 +70,15 @@ class BenchConfig:
     repeats: int | None = None
     batch_slice: int | None = None
     seed: int = 0
+    precisions: tuple[str, ...] = ("fp32",)
 
 
-def heuristic(algo: str, spec: ConvSpec, device: DeviceInfo) -> tuple[Variant, Params]:
-    """The most specialised applicable variant named by ``algo``, with its default parameters."""
-    return most_specialised(algo, spec, device)
-
-
-def _tuned(spec: ConvSpec, be: Backend) -> tuple[Variant, Params] | None:
-    """The tuning database's choice when ``convforge.tune.choose`` exists and knows this layer."""
-    try:
-        from convforge import tune
-        from convforge.kernels import get_variant
-
-        pick: Any = tune.choose(spec, be)
-    except (ImportError, AttributeError, TypeError, ValueError):
-        return None
-    if pick is None:
-        return None
-    variant, params = (pick.variant, pick.params) if hasattr(pick, "params") else pick
-    return (get_variant(variant) if isinstance(variant, str) else variant), params
-
-
-def choose(algo: str, spec: ConvSpec, be: Backend) -> tuple[Variant, Params, str]:
-    """(variant, params, how chosen) for ``--algo`` value ``algo``."""
-    if algo == "auto":
-        tuned = _tuned(spec, be)
-        if tuned is not None:
-            return tuned[0], tuned[1], "tune.choose"
-    variant, params = heuristic(algo, spec, be.device)
-    return variant, params, "heuristic"
+def choose(algo: str, spec: ConvSpec, be: Backend, precision: str = "fp32") -> tuple[Variant, Params, str]:
+    """(variant, params, how chosen) for ``--algo`` value ``algo`` in ``precision``'s class, as every
+    caller gets it (``convforge.dispatch``): 'auto' takes the class's tuned entry, else the heuristic
+    within the class; a family keeps to the class; a variant name runs as named."""
+    ch = dispatch.choose(spec, be, algo=algo, precision=precision)
+    return ch.variant, ch.params, ch.source
 
 
 def _flops_row(row: Row, spec: ConvSpec, peak: float | None) -> Row:
@@ -117,17 +101,25 @@ def _input_sets(be: Backend, spec: ConvSpec, timing: Timing, seed: int) -> list[
 
 def run_convforge(layer: Layer, index: int, be: Backend, algo: str, cfg: BenchConfig,
                   timing: Timing, peak: float | None,
-                  pick: tuple[Variant, Params] | None = None) -> Row:
-    """Check then time one convforge implementation; failures become rows, never exceptions.
+                  pick: tuple[Variant, Params] | None = None, precision: str = "fp32") -> Row:
+    """Check then time one convforge implementation in ``precision``'s class; failures become rows,
+    never exceptions. The executable is ``convforge.dispatch``'s, as conv2d runs it.
 
     ``pick`` fixes the variant and parameters (ablations) instead of choosing by ``algo``."""
     spec = layer.spec
     base: dict[str, Any] = dict(layer=layer.name, index=index, impl=f"convforge:{algo}",
-                                backend=be.name, precision="fp32", flops=spec.flops, spec=spec.to_dict())
+                                backend=be.name, precision=precision, flops=spec.flops, spec=spec.to_dict())
     try:
-        variant, params, how = (*pick, "ablation") if pick else choose(algo, spec, be)
-        plan = variant.plan(spec, params, be.device)
-        exe = be.executable(plan)
+        if pick:
+            variant, params, how = (*pick, "ablation")
+            plan = variant.plan(spec, params, be.device)
+            exe = be.executable(plan)
+        else:
+            variant, params, how = choose(algo, spec, be, precision)
+            if precision == "fp32" and variant.precision != "fp32":  # a variant named explicitly
+                how = f"{how}, {variant.precision}-class variant"
+            plan = variant.plan(spec, params, be.device)
+            exe = dispatch.executable(spec, be, algo=algo, precision=precision)
     except Exception as err:  # noqa: BLE001 - no variant, or a compile error: report it
         return Row(**base, algo="-", time_ms=None, ok=False, status=f"error: {str(err)[:200]}")
     row = Row(**base, algo=plan.describe(), time_ms=None, workspace_bytes=plan.workspace_bytes,
@@ -157,37 +149,51 @@ def baseline_rows(layer: Layer, index: int, results: list[baselines.BaselineResu
     return out
 
 
+def error_ratio(err: float | None, baseline_err: float | None) -> float | None:
+    """convforge's relative L2 error over the baseline's (None when either is missing or the baseline's
+    is 0: a ratio to an exact result says nothing)."""
+    if err is None or baseline_err is None or not baseline_err > 0:
+        return None
+    return err / baseline_err
+
+
 def attach_baseline(rows: list[Row], ref: baselines.BaselineResult | None) -> None:
-    """Fill the baseline columns and speed-up of convforge rows."""
+    """Fill the baseline columns, speed-up and error ratio of convforge rows."""
     if ref is None:
         return
     for row in rows:
         row.baseline_impl, row.baseline_algo, row.baseline_ms = ref.impl, ref.algo, ref.time_ms
+        row.baseline_error = ref.rel_err
+        row.error_ratio = error_ratio(row.rel_err, ref.rel_err)
         if row.time_ms and ref.time_ms:
             row.speedup = ref.time_ms / row.time_ms
 
 
 def bench_layer(layer: Layer, index: int, bes: list[Backend], cfg: BenchConfig,
                 ceilings: dict[str, Ceilings], baseline_on_gpu: bool) -> list[Row]:
-    """All rows of one layer: convforge on every back-end and algorithm, then the baselines."""
+    """All rows of one layer: convforge in every precision class on every back-end and algorithm,
+    then the baselines (run once for all classes); each class's rows get that class's baseline."""
     from convforge.bench.timing import layer_bytes
 
     spec = layer.spec
     rows: list[Row] = []
-    for be in bes:
-        timing = Timing.for_layer(spec, be.device, cfg.warmup, cfg.repeats)
-        peak = ceilings[be.name].ffma_tflops if be.name in ceilings else None
-        seen: set[str] = set()
-        for algo in cfg.algos:
-            row = run_convforge(layer, index, be, algo, cfg, timing, peak)
-            if row.algo != "-" and row.algo in seen:
-                continue  # 'auto' and an explicit family picked the same variant
-            seen.add(row.algo)
-            rows.append(row)
+    for precision in cfg.precisions:
+        for be in bes:
+            timing = Timing.for_layer(spec, be.device, cfg.warmup, cfg.repeats)
+            peak = ceilings[be.name].ffma_tflops if be.name in ceilings else None
+            seen: set[str] = set()
+            for algo in cfg.algos:
+                row = run_convforge(layer, index, be, algo, cfg, timing, peak, precision=precision)
+                if row.algo != "-" and row.algo in seen:
+                    continue  # 'auto' and an explicit family picked the same variant
+                seen.add(row.algo)
+                rows.append(row)
     timing = Timing.for_layer(spec, bes[0].device, cfg.warmup, cfg.repeats)
     peak0 = ceilings[bes[0].name].ffma_tflops if bes[0].name in ceilings else None
-    results = baselines.run(cfg.baseline, spec, timing, baseline_on_gpu)
-    attach_baseline(rows, baselines.primary(results))
+    results = baselines.run(cfg.baseline, spec, timing, baseline_on_gpu, cfg.precisions)
+    for precision in cfg.precisions:
+        attach_baseline([r for r in rows if r.precision == precision],
+                        baselines.for_class(results, precision))
     rows += baseline_rows(layer, index, results, peak0)
     for row in rows:
         row.min_bytes = layer_bytes(spec)
