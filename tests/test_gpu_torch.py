@@ -264,7 +264,9 @@ def test_capture_before_first_use_is_refused_clearly(gpu):
     dispatch.clear_executables()
     spec = ConvSpec.make(2, 16, 14, 14, 24, 3, 3, 1, 1)
     x, w, _ = _tensors(spec, bias=False)
-    dispatch.executable(spec, gpu, algo="winograd_nonfused_f4")  # compiled, workspace not yet allocated
+    from convforge.backends import get_backend
+
+    dispatch.executable(spec, get_backend("cuda", 0), algo="winograd_nonfused_f4")  # compiled, no workspace yet
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="during CUDA-graph capture"):
         with torch.cuda.graph(graph):

@@ -43,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="measure the ceilings with tiny kernels (smoke tests)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-error", type=max_error_arg, metavar="E", help=MAX_ERROR_HELP)
+    parser.add_argument("--model", action="append", metavar="NAME[:BATCH]",
+                        help="whole torchvision model, random weights (repeatable): resnet18, resnet50, vgg16, "
+                        "googlenet, alexnet, inception_v3; PyTorch FP32/TF32/compile vs the converted model")
     parser.add_argument("--ablation", choices=sorted(runner.ABLATIONS),
                         help="time one variant in its ablation configurations instead "
                         "(im2win: all on / no prefetch+double buffer / no vector loads / "
@@ -66,6 +69,11 @@ def _baseline_kind(args: argparse.Namespace, bes: list[Backend]) -> str:
 
 
 def _run(args: argparse.Namespace, console: Console) -> int:
+    if args.model:
+        from convforge.bench import models
+
+        opts = {"max_error": args.max_error} if args.max_error is not None else {}
+        return models.run(args.model, args.out, args.warmup, args.repeats, console, opts)
     if args.suite is None:
         if not args.ablation:
             raise SuiteError("--suite is required (a built-in name or a JSON file)")
