@@ -168,3 +168,123 @@ def test_convert_shares_parameters_when_it_swaps():
     new = ct.Conv2d.from_module(model[0], precision="relaxed")
     assert new.weight is old and new.precision == "relaxed"
     assert new.state_dict().keys() == model[0].state_dict().keys()
+
+
+# -- the raw launch path, with the CUDA driver and CuPy replaced by recorders ----------------------
+
+def _stubbed_cuda_module(monkeypatch):
+    """backends/cuda.py loaded under another name against a stub ``cupy`` (the real module, if any,
+    is left alone), with a driver that records launches instead of making them."""
+    import contextlib
+    import importlib.util
+    import types
+
+    import convforge.backends as backends_pkg
+
+    oom = type("OutOfMemoryError", (Exception,), {})
+    stub = types.ModuleType("cupy")
+    stub.get_default_memory_pool = lambda: types.SimpleNamespace(free_all_blocks=lambda: None)
+    stub.cuda = types.SimpleNamespace(memory=types.SimpleNamespace(OutOfMemoryError=oom),
+                                      Device=lambda i: contextlib.nullcontext())
+    monkeypatch.setitem(sys.modules, "cupy", stub)
+    path = f"{backends_pkg.__path__[0]}/cuda.py"
+    spec = importlib.util.spec_from_file_location("convforge_cuda_stubbed", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    calls = []
+
+    class Driver:
+        multi_gpu = False
+
+        def launch(self, *args):
+            calls.append(args)
+            return 0
+
+        def current_context(self):
+            return 0
+
+    mod._DRIVER = Driver()
+    mod.capturing = lambda stream: stream == 666
+    return mod, calls, oom
+
+
+class _FakeBackend:
+    name, device_id = "cuda", 0
+
+    def __init__(self, device, oom=None):
+        self.device, self.oom = device, oom
+
+    def program(self, source):
+        return None
+
+    def function(self, program, kernel):
+        return types_ns(ptr=hash(kernel.name) & 0xFFFF)
+
+    def empty(self, nbytes):
+        if self.oom:
+            raise self.oom()
+        return types_ns(data=types_ns(ptr=0x70000000 + nbytes), nbytes=nbytes)
+
+    def free_bytes(self):
+        return 12345
+
+
+def types_ns(**kw):
+    import types
+
+    return types.SimpleNamespace(**kw)
+
+
+def test_raw_launch_rewrites_only_the_pointer_slots(monkeypatch):
+    import ctypes
+
+    from conftest import NOMINAL_CUDA
+
+    from convforge.codegen.dialect import LocalBuf, Scalar
+
+    mod, calls, _ = _stubbed_cuda_module(monkeypatch)
+    spec = ConvSpec.make(2, 16, 14, 14, 24, 3, 3, 1, 1)
+    v = next(v for v in all_variants() if v.name == "winograd_nonfused_f4")
+    plan = v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA)
+    exe = mod.CudaExecutable(_FakeBackend(NOMINAL_CUDA), plan)
+    assert exe.fast and exe.derived == ("wino_u",)
+    exe.reserve(0)
+    ws = exe.workspace()
+    for mode, base in (("all", 0), ("rest", 0x90000000), ("weights", 0x90000000)):
+        for ptrs in ((0x1000, 0x2000, 0x3000, 0), (0x1100, 0x2200, 0x3300, 0)):  # slots rewritten per call
+            calls.clear()
+            exe.launch_raw(*ptrs, 77, base, mode)
+            bound = dict(zip(("x", "w", "y", "bias"), ptrs))
+            bound.update({n: (base + exe.derived_offsets[n]) if base else ws[n].data.ptr for n in exe.derived})
+            steps = [s for i, s in enumerate(plan.steps)
+                     if mode == "all" or (i in exe.weight_steps) == (mode == "weights")]
+            assert len(calls) == len(steps) and steps
+            for (fn, gx, gy, gz, bx, by, bz, shared, stream, params, extra), step in zip(calls, steps):
+                kernel = exe.kernels[step.kernel]
+                assert (gx, gy, gz) == step.grid and (bx, by, bz) == step.block and stream == 77
+                lb = kernel.local_buf()
+                assert shared == (lb.nbytes if lb else 0) and extra is None
+                args = [a for a in kernel.args if not isinstance(a, LocalBuf)]
+                cells = (ctypes.c_void_p * len(args)).from_address(params)
+                for i, (arg, ref) in enumerate(zip(args, step.args)):
+                    if isinstance(arg, Scalar):
+                        ctype = ctypes.c_int32 if arg.ctype == "int" else ctypes.c_float
+                        assert ctype.from_address(cells[i]).value == pytest.approx(ref)
+                    else:
+                        want = bound.get(ref) or ws[ref].data.ptr
+                        assert ctypes.c_uint64.from_address(cells[i]).value == want, (mode, ref)
+
+
+def test_workspace_is_refused_under_capture_and_out_of_memory_is_named(monkeypatch):
+    from conftest import NOMINAL_CUDA
+
+    from convforge.backends.base import DeviceMemoryError
+
+    mod, _, oom = _stubbed_cuda_module(monkeypatch)
+    spec = ConvSpec.make(2, 16, 14, 14, 24, 3, 3, 1, 1)
+    v = next(v for v in all_variants() if v.name == "winograd_nonfused_f4")
+    plan = v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA)
+    with pytest.raises(RuntimeError, match="during CUDA-graph capture"):
+        mod.CudaExecutable(_FakeBackend(NOMINAL_CUDA), plan).reserve(666)
+    with pytest.raises(DeviceMemoryError, match=rf"asked for {plan.workspace_bytes} bytes.*12345 bytes free"):
+        mod.CudaExecutable(_FakeBackend(NOMINAL_CUDA, oom), plan).reserve(0)

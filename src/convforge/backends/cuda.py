@@ -268,7 +268,9 @@ class CudaExecutable(Executable):
 
     def __init__(self, backend: CudaBackend, plan: Plan) -> None:
         super().__init__(backend, plan)
-        self.fast = all(isinstance(st, Launch) for st in plan.steps) and not any(
+        known = set(CONV_BUFFERS) | {name for name, _ in plan.workspace}
+        self.fast = all(isinstance(st, Launch) and all(isinstance(r, int | float) or r in known for r in st.args)
+                        for st in plan.steps) and not any(
             isinstance(a, ConstBuf | TexBuf) for k in plan.kernels for a in k.args)
         self.context = 0
         self._ptr_slots: list[tuple[Any, int]] = []

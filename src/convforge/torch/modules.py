@@ -121,10 +121,11 @@ class Conv2d(torch.nn.Conv2d):
         except RuntimeError:  # an inference tensor has no version counter: transform every call
             tag = None
         hit = self._cf_cache.get(key)
-        if hit is not None and tag is not None and hit[0] == tag:
-            return hit[1], hit[2]
+        if hit is not None and (hit[1] is None or (tag is not None and hit[0] == tag)):
+            return None if hit[1] is None else (hit[1], hit[2])
         run = hit[1] if hit is not None else self._runner(x, pad)
-        if run is None:
+        if run is None:  # remembered: the op path falls back to PyTorch and says so once
+            self._cf_cache[key] = (tag, None, None)
             return None
         from convforge.backends.cuda import torch_transform
 
