@@ -239,7 +239,6 @@ def test_raw_launch_rewrites_only_the_pointer_slots(monkeypatch):
     import ctypes
 
     from conftest import NOMINAL_CUDA
-
     from convforge.codegen.dialect import LocalBuf, Scalar
 
     mod, calls, _ = _stubbed_cuda_module(monkeypatch)
@@ -261,6 +260,7 @@ def test_raw_launch_rewrites_only_the_pointer_slots(monkeypatch):
             assert len(calls) == len(steps) and steps
             for (fn, gx, gy, gz, bx, by, bz, shared, stream, params, extra), step in zip(calls, steps):
                 kernel = exe.kernels[step.kernel]
+                assert fn == hash(kernel.name) & 0xFFFF  # the CUfunction of this step's kernel
                 assert (gx, gy, gz) == step.grid and (bx, by, bz) == step.block and stream == 77
                 lb = kernel.local_buf()
                 assert shared == (lb.nbytes if lb else 0) and extra is None
@@ -277,7 +277,6 @@ def test_raw_launch_rewrites_only_the_pointer_slots(monkeypatch):
 
 def test_workspace_is_refused_under_capture_and_out_of_memory_is_named(monkeypatch):
     from conftest import NOMINAL_CUDA
-
     from convforge.backends.base import DeviceMemoryError
 
     mod, _, oom = _stubbed_cuda_module(monkeypatch)
