@@ -251,8 +251,12 @@ def _driver() -> _Driver:
 
 
 def capturing(stream: int) -> bool:
-    """Whether ``stream`` (a raw handle) is capturing a CUDA graph."""
-    return bool(cp.cuda.runtime.streamIsCapturing(stream))
+    """Whether ``stream`` (a raw handle) is capturing a CUDA graph; an error asking (the legacy
+    stream while another stream captures globally) counts as capturing: nothing may allocate."""
+    try:
+        return bool(cp.cuda.runtime.streamIsCapturing(stream))
+    except cp.cuda.runtime.CUDARuntimeError:
+        return True
 
 
 class CudaExecutable(Executable):

@@ -72,7 +72,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     if args.model:
         from convforge.bench import models
 
-        opts = {"max_error": args.max_error} if args.max_error is not None else {}
+        opts = {k: getattr(args, k, None) for k in ("precision", "max_error") if getattr(args, k, None) is not None}
         return models.run(args.model, args.out, args.warmup, args.repeats, console, opts)
     if args.suite is None:
         if not args.ablation:
