@@ -266,6 +266,8 @@ class CudaExecutable(Executable):
     through prepared cuLaunchKernel parameter buffers; plans with Fill or cuBLAS Gemm steps, or
     constant-memory or texture arguments, take the dict path on CuPy views of the same pointers
     (slower, correct; textures are cached per address by the back-end, never rebuilt per call).
+    The workspace is one per executable and device: calls are ordered on one stream (as a model's
+    layers are); concurrent calls of the same layer on two streams would share it.
     """
 
     backend: CudaBackend

@@ -8,6 +8,10 @@ Paths of one forward call, cheapest first:
 - training or torch.compile: the ``convforge::conv2d`` op (autograd formula, fake impl);
 - what convforge does not run (CPU tensors, dtypes other than float32, groups != 1, padding modes
   other than zeros): PyTorch's own forward.
+
+A CUDA graph captured from eager inference replays the filters transformed before capture (the
+transform is not in the graph): after changing weights in place, capture again. Graphs captured
+with grad enabled (training) contain the whole plan and see every weight update.
 """
 
 from __future__ import annotations
