@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -10,6 +10,8 @@ import numpy as np
 from convforge import dispatch, kernels
 from convforge.backends import cuda_available, get_backend
 from convforge.backends.base import Backend, Executable
+from convforge.config import config, parse_precision
+from convforge.dispatch import RUNNERS
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Plan
 from convforge.spec import ConvSpec
@@ -68,24 +70,71 @@ def _check_layout(a: Any, what: str, rank: int) -> None:
 
 
 def plan_for(spec: ConvSpec, be: Backend, algo: str = "auto", epilogue: Epilogue = Epilogue(),
-             workspace_limit: int | None = None, params: Params | None = None) -> Plan:
+             workspace_limit: int | None = None, params: Params | None = None,
+             precision: str | None = None, max_error: float | None = None) -> Plan:
     """The Plan ``conv2d`` would run for ``spec`` on back-end ``be``."""
-    ch = dispatch.choose(spec, be, epilogue, algo=algo, workspace_limit=workspace_limit, params=params)
+    ch = dispatch.choose(spec, be, epilogue, algo=algo, workspace_limit=workspace_limit, params=params,
+                         precision=precision, max_error=max_error)
     return ch.variant.plan(spec, ch.params, be.device, epilogue)
 
 
 def executable_for(spec: ConvSpec, be: Backend, algo: str = "auto", epilogue: Epilogue = Epilogue(),
-                   workspace_limit: int | None = None, params: Params | None = None) -> Executable:
-    return dispatch.executable(spec, be, epilogue, algo=algo, workspace_limit=workspace_limit, params=params)
+                   workspace_limit: int | None = None, params: Params | None = None,
+                   precision: str | None = None, max_error: float | None = None) -> Executable:
+    return dispatch.executable(spec, be, epilogue, algo=algo, workspace_limit=workspace_limit, params=params,
+                               precision=precision, max_error=max_error)
+
+
+# The per-call fast path. A key of cheap attributes of a device call (see dispatch/executables.py)
+# finds a prepared runner; the key function is chosen by the input's type, registered the first
+# time the slow path validates a call with that type. NumPy (OpenCL) calls have no fast path.
+_KEYERS: dict[type, Callable[[Any, Any, Any, tuple[Any, ...]], tuple[Any, ...]]] = {}
+
+
+def _torch_key(x: Any, w: Any, b: Any, rest: tuple[Any, ...]) -> tuple[Any, ...]:
+    bkey = None if b is None else (type(b), b.shape, b.dtype, b.device, b.is_contiguous())
+    return (type(x), type(w), x.shape, w.shape, x.dtype, w.dtype, x.device, w.device, x.is_contiguous(),
+            w.is_contiguous(), bkey, rest)
+
+
+def _cupy_key(x: Any, w: Any, b: Any, rest: tuple[Any, ...]) -> tuple[Any, ...]:
+    bkey = None if b is None else (type(b), b.shape, b.dtype, b.data.device_id, b.flags.c_contiguous)
+    return (type(x), type(w), x.shape, w.shape, x.dtype, w.dtype, x.data.device_id, w.data.device_id,
+            x.flags.c_contiguous, w.flags.c_contiguous, bkey, rest)
 
 
 def conv2d(x: Any, w: Any, bias: Any = None, stride: int | Sequence[int] = 1,
            padding: int | Sequence[int] = 0, dilation: int | Sequence[int] = 1, algo: str = "auto",
            backend: str | None = None, workspace_limit: int | None = None, relu: bool = False,
-           params: Params | dict[str, Any] | None = None) -> Any:
+           params: Params | dict[str, Any] | None = None, precision: str | None = None,
+           max_error: float | None = None) -> Any:
     """Convolve NCHW ``x`` with KCRS ``w`` (float32). NumPy input runs on OpenCL and returns NumPy;
     CuPy arrays and torch CUDA tensors run on CUDA on the caller's current stream and return the
-    same type on the same device. ``algo`` is 'auto', a family or a variant name."""
+    same type on the same device. ``algo`` is 'auto', a family or a variant name; ``precision``
+    ('fp32' | 'relaxed') and ``max_error`` bound what 'auto' may pick (default: ``config``).
+
+    A warm device call is a dictionary hit and a launch: no conversion objects, no synchronisation
+    (torch tensors that require grad work; gradients flow only through ``convforge.torch``)."""
+    keyer = _KEYERS.get(type(x))
+    key = None
+    if keyer is not None:
+        try:
+            key = keyer(x, w, bias, (stride, padding, dilation, algo, backend, workspace_limit, relu, params,
+                                     precision, max_error, config.precision, config.max_error,
+                                     config.autotune, config.db_path))
+            run = RUNNERS.get(key)
+        except TypeError:  # an unhashable argument (a list, a params dict): the slow path
+            key = run = None
+        if run is not None:
+            return run(x, w, bias)
+    return _conv2d(x, w, bias, stride, padding, dilation, algo, backend, workspace_limit, relu, params,
+                   precision, max_error)
+
+
+def _conv2d(x: Any, w: Any, bias: Any, stride: Any, padding: Any, dilation: Any, algo: str,
+            backend: str | None, workspace_limit: int | None, relu: bool, params: Any,
+            precision: str | None, max_error: float | None) -> Any:
+    """The first call of a signature: validate everything, choose, compile, build the runner."""
     kind = _kind(x, "input")
     if _kind(w, "weights") != kind:
         raise ValueError("input and weights must be the same kind of array")
@@ -103,24 +152,41 @@ def conv2d(x: Any, w: Any, bias: Any = None, stride: int | Sequence[int] = 1,
             raise ValueError(f"bias has {bias.shape[0]} entries, weights have K={spec.k}")
     if workspace_limit is not None and workspace_limit < 0:
         raise ValueError(f"workspace_limit ({workspace_limit}) must be >= 0")
+    if precision is not None:
+        parse_precision(precision)
+    if max_error is not None and not (isinstance(max_error, int | float) and max_error > 0):
+        raise ValueError(f"max_error ({max_error!r}) must be a number > 0")
     bname = backend or ("opencl" if kind == "numpy" else "cuda")
     if kind != "numpy" and bname != "cuda":
         raise ValueError(f"backend ({bname!r}) cannot run {kind} device arrays; use backend='cuda'")
-    if kind == "torch" and str(x.device) != str(w.device):
-        raise ValueError(f"input is on {x.device} but weights are on {w.device}")
-    be = get_backend(bname, _device_index(x, kind))
+    dev = _device_index(x, kind)
+    for other, what in ((w, "weights"), (bias, "bias")):
+        if other is not None and kind != "numpy" and _device_index(other, kind) != dev:
+            raise ValueError(f"input is on CUDA device {dev} but {what} are on device {_device_index(other, kind)}")
+    be = get_backend(bname, dev)
     prm = Params(params) if isinstance(params, dict) else params
-    exe = executable_for(spec, be, algo, Epilogue(bias is not None, relu), workspace_limit, prm)
+    epi = Epilogue(bias is not None, relu)
     if kind == "numpy":
+        exe = executable_for(spec, be, algo, epi, workspace_limit, prm, precision, max_error)
         return _run_host(be, exe, x, w, bias)
-    return _run_device(be, exe, x, w, bias)
+    _KEYERS.setdefault(type(x), _torch_key if kind == "torch" else _cupy_key)
+    try:
+        key = _KEYERS[type(x)](x, w, bias, (stride, padding, dilation, algo, backend, workspace_limit, relu,
+                                            params, precision, max_error, config.precision, config.max_error,
+                                            config.autotune, config.db_path))
+        hash(key)
+    except TypeError:
+        key = None
+    run = dispatch.runner(key, spec, be, epi, kind, dev or 0, algo=algo, precision=precision,
+                          max_error=max_error, workspace_limit=workspace_limit, params=prm)
+    return run(x, w, bias)
 
 
 def _device_index(x: Any, kind: str) -> int | None:
     if kind == "torch":
         return int(x.device.index or 0)
     if kind == "cupy":
-        return int(x.device.id)
+        return int(x.data.device_id)
     return None
 
 
@@ -131,16 +197,6 @@ def _run_host(be: Backend, exe: Executable, x: Any, w: Any, bias: Any) -> np.nda
         bufs["bias"] = be.upload(bias)
     exe(bufs)
     return be.download(bufs["y"], spec.y_shape)
-
-
-def _run_device(be: Backend, exe: Executable, x: Any, w: Any, bias: Any) -> Any:
-    be.use_stream_of(x)  # type: ignore[attr-defined]
-    out, yv = be.empty_like_input(x, exe.plan.spec.y_shape)  # type: ignore[attr-defined]
-    bufs = {"x": be.wrap(x), "w": be.wrap(w), "y": yv}  # type: ignore[attr-defined]
-    if bias is not None:
-        bufs["bias"] = be.wrap(bias)  # type: ignore[attr-defined]
-    exe(bufs)
-    return out
 
 
 def default_backend() -> str:

@@ -3,15 +3,20 @@ current stream, CUDA events. The only file that imports cupy (and, for interop, 
 
 from __future__ import annotations
 
+import ctypes
+import logging
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import cupy as cp
 import numpy as np
 
-from convforge.backends.base import Backend, CompileError
-from convforge.codegen.dialect import ConstBuf, Kernel, LocalBuf, TexBuf
-from convforge.plan import DeviceInfo, Gemm, Launch
+from convforge.backends.base import CONV_BUFFERS, Backend, CompileError, DeviceMemoryError, Executable
+from convforge.codegen.dialect import Buf, ConstBuf, Kernel, LocalBuf, Scalar, TexBuf
+from convforge.plan import DeviceInfo, Gemm, Launch, Plan
+
+log = logging.getLogger("convforge")
 
 
 def _driver_version() -> str:
@@ -115,6 +120,16 @@ class CudaBackend(Backend):
     def nbytes(self, buf: Any) -> int:
         return int(buf.nbytes)
 
+    def free_bytes(self) -> int:
+        """Device memory a new allocation can get: the driver's free figure plus CuPy's pooled
+        free blocks (torch's cached blocks are the caller's and not counted)."""
+        with cp.cuda.Device(self.device_id):
+            free = int(cp.cuda.runtime.memGetInfo()[0])
+            return free + int(cp.get_default_memory_pool().free_bytes())
+
+    def executable(self, plan: Plan) -> CudaExecutable:
+        return CudaExecutable(self, plan)
+
     def fill(self, buf: Any, value: float, nbytes: int) -> None:
         with self._stream():
             buf.ravel()[: nbytes // 4].fill(value)
@@ -179,37 +194,275 @@ class CudaBackend(Backend):
         events[-1][1].synchronize()
         return [float(cp.cuda.get_elapsed_time(start, end)) for start, end in events]
 
-    # -- interop ----------------------------------------------------------------------------
-    def wrap(self, array: Any) -> Any:
-        """A CuPy view of a CuPy array or torch CUDA tensor: no copy, unless its data is not
-        16-byte aligned (a view at an odd offset), which float4 loads cannot read: then an
-        aligned copy."""
-        view = array if isinstance(array, cp.ndarray) else cp.asarray(array)
-        return view if view.data.ptr % 16 == 0 else view.copy()
-
-    def use_stream_of(self, array: Any) -> None:
-        """Run on the stream current for the array's library (torch's or CuPy's)."""
-        if type(array).__module__.startswith("torch"):
-            import torch
-
-            self.stream = cp.cuda.ExternalStream(torch.cuda.current_stream(array.device).cuda_stream,
-                                                 array.device.index or 0)
-        else:
-            self.stream = None
-
-    def empty_like_input(self, array: Any, shape: tuple[int, ...]) -> tuple[Any, Any]:
-        """(user-facing output, CuPy view of it) of the same library and device as ``array``."""
-        if type(array).__module__.startswith("torch"):
-            import torch
-
-            out = torch.empty(shape, dtype=torch.float32, device=array.device)
-            return out, cp.asarray(out)
-        with cp.cuda.Device(self.device_id):
-            out = cp.empty(shape, dtype=cp.float32)
-        return out, out
-
 
 def _matrices(buf: Any, batch: int, rows: int, cols: int, ld: int, stride: int) -> Any:
     """A (batch, rows, cols) float32 view of a flat buffer (element strides; 0 = broadcast)."""
     return cp.lib.stride_tricks.as_strided(buf, shape=(batch, rows, cols),
                                            strides=(4 * stride, 4 * ld, 4))
+
+
+# -- the per-call fast path ---------------------------------------------------------------------
+# A warm call of conv2d is: read three device pointers and the current stream handle, allocate the
+# output through the caller's allocator, rewrite the pointer slots of kernel-parameter buffers
+# built once per executable, and call cuLaunchKernel (ctypes on libcuda: one foreign call with
+# plain ints, no conversion objects). Nothing synchronises, nothing reads device memory, nothing
+# allocates outside the caller's allocator once the workspace exists, so CUDA-graph capture works.
+
+class _Driver:
+    """The few libcuda entry points the fast path calls, through ctypes (loaded once)."""
+
+    def __init__(self) -> None:
+        name = "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"
+        lib = ctypes.CDLL(name)
+        u, p = ctypes.c_uint, ctypes.c_void_p
+        self.launch = lib.cuLaunchKernel
+        self.launch.argtypes = [p, u, u, u, u, u, u, u, p, p, p]
+        self.launch.restype = ctypes.c_int
+        self.ctx_get = lib.cuCtxGetCurrent
+        self.ctx_get.argtypes = [ctypes.POINTER(p)]
+        self.ctx_push = lib.cuCtxPushCurrent_v2
+        self.ctx_push.argtypes = [p]
+        self.ctx_pop = lib.cuCtxPopCurrent_v2
+        self.ctx_pop.argtypes = [ctypes.POINTER(p)]
+        self.error_name = lib.cuGetErrorName
+        self.error_name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        self.multi_gpu = device_count() > 1
+
+    def current_context(self) -> int:
+        ctx = ctypes.c_void_p()
+        self.ctx_get(ctypes.byref(ctx))
+        return int(ctx.value or 0)
+
+    def fail(self, rc: int, what: str) -> None:
+        name = ctypes.c_char_p()
+        self.error_name(rc, ctypes.byref(name))
+        text = name.value.decode() if name.value else f"CUDA error {rc}"
+        raise RuntimeError(f"cuLaunchKernel failed for {what}: {text}")
+
+
+_DRIVER: _Driver | None = None
+
+
+def _driver() -> _Driver:
+    global _DRIVER
+    if _DRIVER is None:
+        _DRIVER = _Driver()
+    return _DRIVER
+
+
+def capturing(stream: int) -> bool:
+    """Whether ``stream`` (a raw handle) is capturing a CUDA graph; an error asking (the legacy
+    stream while another stream captures globally) counts as capturing: nothing may allocate."""
+    try:
+        return bool(cp.cuda.runtime.streamIsCapturing(stream))
+    except cp.cuda.runtime.CUDARuntimeError:
+        return True
+
+
+class CudaExecutable(Executable):
+    """An Executable with a raw-pointer entry, :meth:`launch_raw`, for conv plans.
+
+    Plans made of kernel launches with plain pointer and scalar arguments (almost all) launch
+    through prepared cuLaunchKernel parameter buffers; plans with Fill or cuBLAS Gemm steps, or
+    constant-memory or texture arguments, take the dict path on CuPy views of the same pointers
+    (slower, correct; textures are cached per address by the back-end, never rebuilt per call).
+    The workspace is one per executable and device: calls are ordered on one stream (as a model's
+    layers are); concurrent calls of the same layer on two streams would share it.
+    """
+
+    backend: CudaBackend
+
+    def __init__(self, backend: CudaBackend, plan: Plan) -> None:
+        super().__init__(backend, plan)
+        known = set(CONV_BUFFERS) | {name for name, _ in plan.workspace}
+        self.fast = all(isinstance(st, Launch) and all(isinstance(r, int | float) or r in known for r in st.args)
+                        for st in plan.steps) and not any(
+            isinstance(a, ConstBuf | TexBuf) for k in plan.kernels for a in k.args)
+        self.context = 0
+        self._ptr_slots: list[tuple[Any, int]] = []
+        self._ws_slots: list[tuple[Any, str]] = []
+        self._ws_derived: tuple[int, ...] = ()
+        self._runs: dict[str, list[tuple[tuple[int, ...], int]]] = {"all": [], "rest": [], "weights": []}
+        self._keep: list[Any] = []  # ctypes storage the parameter arrays point into
+        if self.fast:
+            for i, step in enumerate(plan.steps):
+                assert isinstance(step, Launch)
+                entry = self._params(step)
+                self._runs["all"].append(entry)
+                self._runs["weights" if i in self.weight_steps else "rest"].append(entry)
+
+    def _params(self, step: Launch) -> tuple[tuple[int, ...], int]:
+        """(launch header, address of the void** parameter array) for one launch, built once."""
+        kernel = self.kernels[step.kernel]
+        slot_of = {name: i for i, name in enumerate(CONV_BUFFERS)}
+        slot_of.update({name: 4 + j for j, name in enumerate(self.derived)})
+        storage: list[Any] = []
+        for arg, ref in zip(self._value_args(kernel), step.args, strict=True):
+            if isinstance(arg, Scalar):
+                storage.append(ctypes.c_float(float(ref)) if arg.ctype == "float" else ctypes.c_int32(int(ref)))
+                continue
+            assert isinstance(arg, Buf)
+            cell = ctypes.c_uint64(0)
+            storage.append(cell)
+            if str(ref) in slot_of:
+                self._ptr_slots.append((cell, slot_of[str(ref)]))
+            else:
+                self._ws_slots.append((cell, str(ref)))
+        array = (ctypes.c_void_p * max(len(storage), 1))(*[ctypes.addressof(c) for c in storage])
+        self._keep += storage + [array]
+        lb = kernel.local_buf()
+        fn = int(self.functions[step.kernel].ptr)
+        head = (fn, *step.grid, *step.block, lb.nbytes if lb else 0)
+        return head, ctypes.addressof(array)
+
+    def reserve(self, stream: int = 0) -> None:
+        """Allocate the workspace now (first, uncaptured use); refuse under CUDA-graph capture,
+        where nothing may allocate; DeviceMemoryError when it does not fit."""
+        if self._workspace is not None:
+            return
+        if self.plan.workspace and capturing(stream):
+            raise RuntimeError(f"{self.plan.describe()} needs {self.plan.workspace_bytes} bytes of workspace, "
+                               "first used during CUDA-graph capture: run the layer once before capturing")
+        pool = cp.get_default_memory_pool()
+        try:
+            ws = self.workspace()
+        except cp.cuda.memory.OutOfMemoryError:
+            pool.free_all_blocks()
+            try:
+                ws = self.workspace()
+            except cp.cuda.memory.OutOfMemoryError:
+                raise DeviceMemoryError(f"workspace of {self.plan.describe()} on {self.plan.spec.short()}",
+                                        self.plan.workspace_bytes, self.backend.free_bytes()) from None
+        with cp.cuda.Device(self.backend.device_id):
+            self.context = _driver().current_context()
+        for cell, name in self._ws_slots:
+            cell.value = int(ws[name].data.ptr)
+        self._ws_derived = tuple(int(ws[name].data.ptr) for name in self.derived)
+
+    def launch_raw(self, x: int, w: int, y: int, bias: int, stream: int, derived: int = 0,
+                   steps: str = "all") -> None:
+        """Run on raw device pointers on raw stream ``stream``. ``derived``: base of a packed
+        buffer of the filter-derived workspace (``derived_offsets``), with ``steps`` "rest" (use
+        it) or "weights" (fill it); 0 uses the executable's own workspace."""
+        if not self.fast:
+            self._launch_views(x, w, y, bias, stream, derived, steps)
+            return
+        if derived:
+            vals = (x, w, y, bias, *[derived + self.derived_offsets[n] for n in self.derived])
+        else:
+            vals = (x, w, y, bias, *self._ws_derived)
+        for cell, i in self._ptr_slots:
+            cell.value = vals[i]
+        drv = _DRIVER or _driver()
+        pushed = drv.multi_gpu and drv.current_context() != self.context
+        if pushed:
+            drv.ctx_push(self.context)
+        try:
+            for head, params in self._runs[steps]:
+                rc = drv.launch(*head, stream, params, None)
+                if rc:
+                    drv.fail(rc, self.plan.describe())
+        finally:
+            if pushed:
+                drv.ctx_pop(ctypes.byref(ctypes.c_void_p()))
+
+    def _launch_views(self, x: int, w: int, y: int, bias: int, stream: int, derived: int, steps: str) -> None:
+        """The dict path on CuPy views of the raw pointers, on the caller's stream."""
+        dev = self.backend.device_id
+        bufs = {name: _view(ptr, self._sizes[name], dev)
+                for name, ptr in zip(CONV_BUFFERS, (x, w, y, bias), strict=True) if ptr}
+        if derived:
+            sizes = dict(self.plan.workspace)
+            bufs.update({n: _view(derived + self.derived_offsets[n], sizes[n], dev) for n in self.derived})
+        be = self.backend
+        saved, be.stream = be.stream, cp.cuda.ExternalStream(stream, dev)
+        try:
+            with cp.cuda.Device(dev):
+                self(bufs, steps)
+        finally:
+            be.stream = saved
+
+
+def _view(ptr: int, nbytes: int, device: int) -> Any:
+    """A flat float32 CuPy array over memory someone else owns (no copy, no ownership)."""
+    mem = cp.cuda.UnownedMemory(ptr, max(nbytes, 4), None, device)
+    return cp.ndarray((max(nbytes, 4) // 4,), cp.float32, cp.cuda.MemoryPointer(mem, 0))
+
+
+def torch_runner(exe: CudaExecutable, device: int) -> Callable[..., Any]:
+    """``run(x, w, bias, derived=None) -> y`` for torch CUDA tensors (validated by the caller).
+
+    ``data_ptr()`` works on tensors that require grad and under inference_mode; the stream is
+    torch's current one (raw handle through torch's cheap accessor); the output comes from
+    torch's caching allocator (``new_empty``), so capture by torch.cuda.graph works. Views whose
+    data is not 16-byte aligned (float4 loads) are copied first.
+    """
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    stream_of: Callable[[int], int] = raw if raw is not None else (
+        lambda i: int(torch.cuda.current_stream(i).cuda_stream))
+    exe.reserve(stream_of(device))
+    shape, launch = exe.plan.spec.y_shape, exe.launch_raw
+
+    def run(x: Any, w: Any, bias: Any = None, derived: Any = None) -> Any:
+        xp, wp = x.data_ptr(), w.data_ptr()
+        if xp & 15:
+            x = torch.empty_like(x).copy_(x)
+            xp = x.data_ptr()
+        if wp & 15:
+            w = torch.empty_like(w).copy_(w)
+            wp = w.data_ptr()
+        y = x.new_empty(shape)
+        if derived is None:
+            launch(xp, wp, y.data_ptr(), 0 if bias is None else bias.data_ptr(), stream_of(device))
+        else:
+            launch(xp, wp, y.data_ptr(), 0 if bias is None else bias.data_ptr(), stream_of(device),
+                   derived.data_ptr(), "rest")
+        return y
+
+    return run
+
+
+def torch_transform(exe: CudaExecutable, w: Any) -> Any:
+    """The filter-derived workspace of ``exe`` for weights ``w``, in a packed torch tensor
+    (None when the plan has no weight-only steps)."""
+    import torch
+
+    if not exe.derived:
+        return None
+    if w.data_ptr() & 15:
+        w = w.contiguous().clone()
+    device = w.device.index or 0
+    packed = torch.empty(exe.derived_bytes // 4, dtype=torch.float32, device=w.device)
+    stream = int(torch.cuda.current_stream(device).cuda_stream)
+    exe.reserve(stream)
+    exe.launch_raw(0, w.data_ptr(), 0, 0, stream, packed.data_ptr(), "weights")
+    return packed
+
+
+def cupy_runner(exe: CudaExecutable, device: int) -> Callable[..., Any]:
+    """``run(x, w, bias) -> y`` for CuPy arrays: ``.data.ptr``, CuPy's current stream, output
+    from CuPy's pool on the arrays' device."""
+    current = cp.cuda.get_current_stream
+    exe.reserve(int(current().ptr))
+    shape, launch, dev = exe.plan.spec.y_shape, exe.launch_raw, cp.cuda.Device(device)
+    multi = _driver().multi_gpu
+
+    def run(x: Any, w: Any, bias: Any = None, derived: Any = None) -> Any:
+        xp, wp = x.data.ptr, w.data.ptr
+        if xp & 15:
+            x = x.copy()
+            xp = x.data.ptr
+        if wp & 15:
+            w = w.copy()
+            wp = w.data.ptr
+        if multi:
+            with dev:
+                y = cp.empty(shape, cp.float32)
+        else:
+            y = cp.empty(shape, cp.float32)
+        launch(xp, wp, y.data.ptr, 0 if bias is None else bias.data.ptr, current().ptr)
+        return y
+
+    return run

@@ -49,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="accuracy class(es) to run, each against its own baseline: 'fp32' (error "
                         "<= 5e-6, vs cuDNN-best FP32), 'relaxed' (<= 1e-3, vs cuDNN-best TF32) or 'both' "
                         "(default: fp32, or CONVFORGE_PRECISION)")
+    parser.add_argument("--model", action="append", metavar="NAME[:BATCH]",
+                        help="whole torchvision model, random weights (repeatable): resnet18, resnet50, vgg16, "
+                        "googlenet, alexnet, inception_v3; PyTorch FP32/TF32/compile vs the converted model")
     parser.add_argument("--ablation", choices=sorted(runner.ABLATIONS),
                         help="time one variant in its ablation configurations instead "
                         "(im2win: all on / no prefetch+double buffer / no vector loads / "
@@ -80,6 +83,13 @@ def precisions(choice: str | None) -> tuple[str, ...]:
 
 
 def _run(args: argparse.Namespace, console: Console) -> int:
+    if args.model:
+        from convforge.bench import models
+
+        opts: dict[str, object] = {"precision": precisions(args.precision_classes)[-1]}
+        if getattr(args, "max_error", None) is not None:
+            opts["max_error"] = args.max_error
+        return models.run(args.model, args.out, args.warmup, args.repeats, console, opts)
     if args.suite is None:
         if not args.ablation:
             raise SuiteError("--suite is required (a built-in name or a JSON file)")

@@ -1,10 +1,26 @@
-"""Compiled, launch-ready executables for a choice, cached per device, variant, spec, parameters
-and epilogue."""
+"""Compiled, launch-ready executables for a choice, and the per-call fast path.
+
+``executable`` caches the compiled Executable per back-end instance (one per device), variant,
+spec, parameters and epilogue. ``runner`` builds, once per distinct call signature, a closure that
+runs a validated device call on raw pointers (backends/cuda.py ``torch_runner`` /
+``cupy_runner``) and files it in ``RUNNERS`` under a key of cheap attributes (types, shapes,
+dtypes, devices, contiguity, the keyword arguments, the configuration's precision settings) that
+``conv2d`` computes per call: a warm call is a dictionary hit and a launch. A key is made only of
+what the slow path validated, so a hit needs no further checking.
+
+Device memory: when the workspace of the chosen variant cannot be allocated, ``auto`` falls back
+to the best variant whose workspace fits in what is free (less the output's size) and logs it once;
+an explicitly named algorithm (or explicit ``params``) raises ``DeviceMemoryError`` naming the bytes
+asked for and the bytes free.
+"""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from convforge.backends.base import DeviceMemoryError
 from convforge.dispatch.choice import choose
 from convforge.params import Params
 from convforge.plan import Epilogue
@@ -13,21 +29,71 @@ from convforge.spec import ConvSpec
 if TYPE_CHECKING:
     from convforge.backends.base import Backend, Executable
 
+log = logging.getLogger("convforge")
+
 _EXECUTABLES: dict[tuple[Any, ...], Executable] = {}
+RUNNERS: dict[tuple[Any, ...], Callable[..., Any]] = {}
+_LOGGED: set[tuple[Any, ...]] = set()
 
 
 def executable(spec: ConvSpec, backend: Backend, epilogue: Epilogue = Epilogue(), *, algo: str = "auto",
                precision: str | None = None, max_error: float | None = None,
                workspace_limit: int | None = None, params: Params | None = None) -> Executable:
-    """The executable of :func:`choose`'s answer, compiled once per back-end."""
+    """The executable of :func:`choose`'s answer, compiled once per back-end (device)."""
     ch = choose(spec, backend, epilogue, algo=algo, precision=precision, max_error=max_error,
                 workspace_limit=workspace_limit, params=params)
-    key = (backend.device.key(), ch.variant.name, spec, ch.params, epilogue)
+    key = (backend, backend.device.key(), ch.variant.name, spec, ch.params, epilogue)
     exe = _EXECUTABLES.get(key)
     if exe is None:
         exe = _EXECUTABLES[key] = backend.executable(ch.variant.plan(spec, ch.params, backend.device, epilogue))
     return exe
 
 
+def runner(key: tuple[Any, ...] | None, spec: ConvSpec, backend: Backend, epilogue: Epilogue, kind: str,
+           device: int, *, algo: str = "auto", precision: str | None = None, max_error: float | None = None,
+           workspace_limit: int | None = None, params: Params | None = None) -> Callable[..., Any]:
+    """``run(x, w, bias, derived=None) -> y`` for validated ``kind`` ("torch" | "cupy") arrays on
+    CUDA device ``device``, remembered under ``key`` (None: not remembered)."""
+    from convforge.backends import cuda
+
+    make = cuda.torch_runner if kind == "torch" else cuda.cupy_runner
+    kw: dict[str, Any] = dict(algo=algo, precision=precision, max_error=max_error, params=params)
+    exe = executable(spec, backend, epilogue, workspace_limit=workspace_limit, **kw)
+    try:
+        run = make(exe, device)  # type: ignore[arg-type]
+    except DeviceMemoryError as err:
+        if algo != "auto" or params is not None:
+            raise
+        exe = _fallback(err, exe, spec, backend, epilogue, workspace_limit, kw)
+        run = make(exe, device)  # type: ignore[arg-type]
+    run.exe = exe  # type: ignore[attr-defined]  # the torch package's filter transforms use it
+    if key is not None:
+        RUNNERS[key] = run
+    return run
+
+
+def _fallback(err: DeviceMemoryError, exe: Executable, spec: ConvSpec, backend: Backend, epilogue: Epilogue,
+              workspace_limit: int | None, kw: dict[str, Any]) -> Executable:
+    """The best variant whose workspace fits in the free memory less the output, logged once."""
+    out_bytes = 4 * spec.n * spec.k * spec.p * spec.q
+    limit = max(0, err.free - out_bytes - (8 << 20))  # a margin for the allocator's rounding
+    if workspace_limit is not None:
+        limit = min(limit, workspace_limit)
+    try:
+        smaller = executable(spec, backend, epilogue, workspace_limit=limit, **kw)
+    except ValueError:
+        raise err from None
+    if smaller.plan.workspace_bytes >= exe.plan.workspace_bytes:
+        raise err
+    tag = (backend, spec, exe.plan.variant, smaller.plan.variant)
+    if tag not in _LOGGED:
+        _LOGGED.add(tag)
+        log.warning("convforge: %s; %s falls back to %s (workspace %d bytes) on %s", err,
+                    exe.plan.describe(), smaller.plan.describe(), smaller.plan.workspace_bytes, spec.short())
+    return smaller
+
+
 def clear_executables() -> None:
+    """Forget compiled executables and the per-call runners built on them."""
     _EXECUTABLES.clear()
+    RUNNERS.clear()

@@ -1,0 +1,230 @@
+"""``convforge bench --model NAME[:BATCH]``: whole torchvision models, random weights, FP32.
+
+Per model: the forward time of PyTorch FP32 eager (cudnn.benchmark on, TF32 off), PyTorch FP32
+replayed from a CUDA graph, PyTorch TF32, ``torch.compile`` FP32, and the model converted by
+``convforge.torch.convert`` run eagerly and from a CUDA graph; each output's relative L2 error
+against a float64 run of the same model on the GPU. CUDA events, warm-up first, median of repeats.
+The converted figures exclude filter transforms (made once per weight version on the warm-up
+call, as an inference runtime does); per-layer suites still time them (BENCHMARKING.md).
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import json
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+MODELS = {"resnet18": 224, "resnet50": 224, "vgg16": 224, "googlenet": 224, "alexnet": 224, "inception_v3": 299}
+FIELDS = ("model", "batch", "impl", "time_ms", "speedup", "rel_err", "err_vs_pytorch", "status", "converted",
+          "left_to_pytorch")
+NOTE = ("convforge figures exclude filter transforms (made once per weight version, outside the timed "
+        "region); PyTorch runs cudnn.benchmark with TF32 off unless the row says TF32")
+
+
+def parse_model(text: str) -> tuple[str, int]:
+    """'resnet50:32' -> ('resnet50', 32); the batch defaults to 1."""
+    name, _, batch = text.partition(":")
+    if name not in MODELS:
+        raise ValueError(f"model ({name!r}) must be one of {', '.join(MODELS)}")
+    try:
+        n = int(batch) if batch else 1
+    except ValueError:
+        raise ValueError(f"batch in --model {text!r} must be an int") from None
+    if n <= 0:
+        raise ValueError(f"batch in --model {text!r} must be > 0")
+    return name, n
+
+
+def build(name: str) -> Any:
+    """A torchvision model with random weights on the GPU in eval mode, or a str saying why not."""
+    try:
+        import torchvision
+    except ImportError:
+        return "torchvision is not installed"
+    ctor = getattr(torchvision.models, name, None)
+    if ctor is None:
+        return f"{name} is missing from torchvision {torchvision.__version__}"
+    kw: dict[str, Any] = {"weights": None}
+    if name in ("googlenet", "inception_v3"):
+        kw.update(aux_logits=False, init_weights=True)
+    return ctor(**kw).cuda().eval()
+
+
+def time_ms(fn: Callable[[], Any], warmup: int, repeats: int) -> float:
+    """Median of CUDA-event times of single calls, after warm-up."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def graphed(model: Any, x: Any, warmup: int) -> tuple[Callable[[], Any], Any]:
+    """(replay, static output) of ``model(x)`` captured in a CUDA graph after warm-up on a side stream."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(max(warmup, 2)):
+            model(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = model(x)
+    return graph.replay, out
+
+
+def _tf32(on: bool) -> None:
+    import torch
+
+    torch.backends.cudnn.benchmark = True
+    torch.backends.cudnn.allow_tf32 = on
+    torch.backends.cuda.matmul.allow_tf32 = on
+
+
+def bench_model(name: str, batch: int, warmup: int, repeats: int, options: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per implementation of one model."""
+    import torch
+
+    import convforge.torch as ct
+
+    model = build(name)
+    if isinstance(model, str):
+        return [dict(model=name, batch=batch, impl="-", status=model)]
+    size = MODELS[name]
+    x = torch.randn(batch, 3, size, size, device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
+    with torch.no_grad():
+        want = copy.deepcopy(model).double()(x.double())
+    conv = copy.deepcopy(model)
+    report = ct.convert(conv, **options)
+    runs: list[tuple[str, Callable[[], Callable[[], Any]], bool]] = [
+        ("pytorch_fp32", lambda: lambda: model(x), False),
+        ("pytorch_fp32_graph", lambda: _replay(model, x, warmup), False),
+        ("pytorch_tf32", lambda: lambda: model(x), True),
+        ("torch_compile_fp32", lambda: _compiled(model, x), False),
+        ("convforge", lambda: lambda: conv(x), False),
+        ("convforge_graph", lambda: _replay(conv, x, warmup), False),
+    ]
+    rows = []
+    for impl, make, tf32 in runs:
+        _tf32(tf32)
+        row: dict[str, Any] = dict(model=name, batch=batch, impl=impl, status="ok")
+        try:
+            with torch.no_grad():
+                fn = make()
+                y = fn()
+                row["time_ms"] = time_ms(fn, warmup, repeats)
+                y = fn()
+                torch.cuda.synchronize()
+            row["rel_err"] = float((y.double() - want).norm() / want.norm())
+        except Exception as err:  # noqa: BLE001 - one failing implementation must not hide the others
+            row["status"] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        if impl.startswith("convforge"):
+            row["converted"], row["left_to_pytorch"] = len(report.converted), "; ".join(
+                f"{k}: {v}" for k, v in report.left.items())
+        rows.append(row)
+    _tf32(False)
+    base = rows[0]
+    for row in rows:
+        if row.get("time_ms") and base.get("time_ms"):
+            row["speedup"] = base["time_ms"] / row["time_ms"]
+        if row.get("rel_err") is not None and base.get("rel_err"):
+            row["err_vs_pytorch"] = row["rel_err"] / base["rel_err"]
+    return rows
+
+
+def _replay(model: Any, x: Any, warmup: int) -> Callable[[], Any]:
+    replay, out = graphed(model, x, warmup)
+
+    def run() -> Any:
+        replay()
+        return out
+
+    return run
+
+
+def _compiled(model: Any, x: Any) -> Callable[[], Any]:
+    import torch
+
+    compiled = torch.compile(model)
+    return lambda: compiled(x)
+
+
+def environment() -> dict[str, Any]:
+    import torch
+
+    from convforge import __version__
+
+    try:
+        import torchvision
+
+        tv = torchvision.__version__
+    except ImportError:
+        tv = ""
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "torchvision": tv,
+            "cudnn": torch.backends.cudnn.version(), "convforge": __version__}
+
+
+def table(rows: list[dict[str, Any]], title: str) -> Table:
+    t = Table(title=title)
+    for col in ("model", "batch", "impl", "time ms", "speed-up", "rel err", "err / PyTorch", "status"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(r["model"], str(r["batch"]), r["impl"], _f(r.get("time_ms"), ".3f"), _f(r.get("speedup"), ".2f"),
+                  _f(r.get("rel_err"), ".2e"), _f(r.get("err_vs_pytorch"), ".2f"), r.get("status", ""))
+    return t
+
+
+def _f(v: float | None, fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def run(specs: list[str], out: str | None, warmup: int | None, repeats: int | None, console: Console,
+        options: dict[str, Any]) -> int:
+    """``convforge bench --model ...``: exit status 2 on bad input or no GPU, 1 when a run failed."""
+    try:
+        models = [parse_model(s) for s in specs]
+    except ValueError as err:
+        console.print(f"[red]error:[/] {err}")
+        return 2
+    try:
+        import torch
+    except ImportError:
+        console.print("[red]error:[/] --model needs PyTorch and torchvision (pip install torch torchvision)")
+        return 2
+    if not torch.cuda.is_available():
+        console.print("[red]error:[/] --model runs on a CUDA device; torch sees none")
+        return 2
+    env = environment()
+    console.print(" | ".join(f"{k} {v}" for k, v in env.items()))
+    rows: list[dict[str, Any]] = []
+    for name, batch in models:
+        rows += bench_model(name, batch, warmup if warmup is not None else 5, repeats or 20, options)
+        console.print(table([r for r in rows if r["model"] == name and r["batch"] == batch], f"{name} N={batch}"))
+    console.print(NOTE)
+    if out:
+        folder = Path(out)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "models.json").write_text(json.dumps({"env": env, "notes": [NOTE], "rows": rows}, indent=1))
+        with open(folder / "models.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(rows)
+        console.print(f"wrote {folder}/models.json, models.csv")
+    return 1 if any(r.get("status") != "ok" and r["impl"] != "-" for r in rows) else 0

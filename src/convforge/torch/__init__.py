@@ -1,0 +1,18 @@
+"""PyTorch drop-in: ``Conv2d`` (an ``nn.Conv2d`` that runs convforge's kernels), ``convert(model)``
+and the ``convforge::conv2d`` operator (torch.compile and CUDA-graph safe, with autograd).
+
+Imported only when torch is installed (torch stays an optional extra): ``import convforge`` never
+imports this package.
+"""
+
+from __future__ import annotations
+
+try:
+    import torch  # noqa: F401
+except ImportError as err:  # pragma: no cover - exercised only without torch
+    raise ImportError("convforge.torch needs PyTorch: pip install torch") from err
+
+from convforge.torch.modules import Conv2d, ConvertReport, convert
+from convforge.torch.ops import conv2d, output_shape
+
+__all__ = ["Conv2d", "ConvertReport", "convert", "conv2d", "output_shape"]

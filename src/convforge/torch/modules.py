@@ -1,0 +1,190 @@
+"""``Conv2d``: a drop-in ``torch.nn.Conv2d`` that runs convforge's kernels, and ``convert``.
+
+Paths of one forward call, cheapest first:
+- eager inference (no grad needed, not compiling): the prepared runner is called directly, with
+  the filter-derived workspace (Winograd U, packed GEMM weights, constant tables) built once per
+  weight version (``weight._version`` and address) and input signature, so no filter transform
+  runs per call;
+- training or torch.compile: the ``convforge::conv2d`` op (autograd formula, fake impl);
+- what convforge does not run (CPU tensors, dtypes other than float32, groups != 1, padding modes
+  other than zeros): PyTorch's own forward.
+
+A CUDA graph captured from eager inference replays the filters transformed before capture (the
+transform is not in the graph): after changing weights in place, capture again. Graphs captured
+with grad enabled (training) contain the whole plan and see every weight update.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from convforge import dispatch
+from convforge.backends import get_backend
+from convforge.config import config, parse_precision
+from convforge.plan import Epilogue
+from convforge.spec import ConvSpec
+
+log = logging.getLogger("convforge")
+OPTIONS = ("algo", "precision", "max_error")
+
+
+def static_reason(m: torch.nn.Conv2d) -> str | None:
+    """Why convforge cannot run this layer whatever its input, or None."""
+    if m.groups != 1:
+        return f"groups={m.groups} (convforge runs groups=1)"
+    if m.padding_mode != "zeros":
+        return f"padding_mode={m.padding_mode!r} (convforge pads with zeros)"
+    if m.weight.dtype != torch.float32:
+        return f"dtype {str(m.weight.dtype).replace('torch.', '')} (convforge runs float32)"
+    if m.weight.device.type != "cuda":
+        return f"parameters on {m.weight.device} (convforge runs CUDA tensors: convert after model.cuda())"
+    return None
+
+
+def padding_quad(m: torch.nn.Conv2d) -> tuple[int, int, int, int]:
+    """(top, bottom, left, right) of an nn.Conv2d: ints, 'valid', or 'same' (the extra row or
+    column at the bottom/right, as PyTorch pads)."""
+    if m.padding == "valid":
+        return (0, 0, 0, 0)
+    if m.padding == "same":
+        out = []
+        for d, k in zip(m.dilation, m.kernel_size):
+            total = d * (k - 1)
+            out += [total // 2, total - total // 2]
+        return (out[0], out[1], out[2], out[3])
+    ph, pw = m.padding  # type: ignore[str-unpack]
+    return (int(ph), int(ph), int(pw), int(pw))
+
+
+class Conv2d(torch.nn.Conv2d):
+    """``torch.nn.Conv2d`` with the same constructor, parameters and state_dict, plus the keyword
+    options ``algo`` ('auto', a family or a variant), ``precision`` ('fp32' | 'relaxed') and
+    ``max_error``; forward runs convforge where it can (see the module docstring)."""
+
+    def __init__(self, *args: Any, algo: str = "auto", precision: str | None = None,
+                 max_error: float | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._cf_setup(algo, precision, max_error)
+
+    def _cf_setup(self, algo: str, precision: str | None, max_error: float | None) -> None:
+        if precision is not None:
+            parse_precision(precision)
+        if max_error is not None and not max_error > 0:
+            raise ValueError(f"max_error ({max_error!r}) must be > 0")
+        self.algo, self.precision, self.max_error = algo, precision, max_error
+        self._cf_cache: dict[tuple[Any, ...], tuple[Any, Any, Any]] = {}
+
+    @classmethod
+    def from_module(cls, m: torch.nn.Conv2d, algo: str = "auto", precision: str | None = None,
+                    max_error: float | None = None) -> Conv2d:
+        """A convforge Conv2d sharing ``m``'s parameters, buffers and hooks (no copy: optimizers
+        that hold the parameters keep working)."""
+        new = cls.__new__(cls)
+        new.__dict__.update(m.__dict__)
+        new._cf_setup(algo, precision, max_error)
+        return new
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(super().__getstate__())
+        state["_cf_cache"] = {}  # device runners and transformed filters are rebuilt on use
+        return state
+
+    def extra_repr(self) -> str:
+        extra = f", algo={self.algo!r}" + (f", precision={self.precision!r}" if self.precision else "")
+        return super().extra_repr() + extra + (f", max_error={self.max_error:g}" if self.max_error else "")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = self.weight, self.bias
+        if (not x.is_cuda or x.dtype != torch.float32 or x.dim() != 4 or static_reason(self) is not None):
+            return super().forward(x)
+        pad = padding_quad(self)
+        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
+                x.requires_grad or w.requires_grad or (b is not None and b.requires_grad))):
+            return torch.ops.convforge.conv2d(x, w, b, list(self.stride), list(pad), list(self.dilation),
+                                              self.algo, self.precision, self.max_error)
+        x = x.contiguous()
+        prepared = self._prepared(x, pad)
+        if prepared is None:
+            return torch.ops.convforge.conv2d(x, w, b, list(self.stride), list(pad), list(self.dilation),
+                                              self.algo, self.precision, self.max_error)
+        run, packed = prepared
+        return run(x, w, b, packed) if packed is not None else run(x, w, b)
+
+    def _prepared(self, x: torch.Tensor, pad: tuple[int, int, int, int]) -> tuple[Any, Any] | None:
+        """(runner, packed filter-derived workspace or None) for this input signature, rebuilt
+        when the weights changed; None when no convforge variant runs the layer (the op then
+        falls back to PyTorch and logs it)."""
+        w = self.weight
+        key = (x.shape, x.device, config.precision, config.max_error, config.autotune, config.db_path)
+        try:
+            tag: Any = (w._version, w.data_ptr())
+        except RuntimeError:  # an inference tensor has no version counter: transform every call
+            tag = None
+        hit = self._cf_cache.get(key)
+        if hit is not None and (hit[1] is None or (tag is not None and hit[0] == tag)):
+            return None if hit[1] is None else (hit[1], hit[2])
+        run = hit[1] if hit is not None else self._runner(x, pad)
+        if run is None:  # remembered: the op path falls back to PyTorch and says so once
+            self._cf_cache[key] = (tag, None, None)
+            return None
+        from convforge.backends.cuda import torch_transform
+
+        packed = torch_transform(run.exe, w.detach().contiguous()) if run.exe.derived else None
+        self._cf_cache[key] = (tag, run, packed)
+        return run, packed
+
+    def _runner(self, x: torch.Tensor, pad: tuple[int, int, int, int]) -> Any:
+        try:
+            spec = ConvSpec.from_shapes(tuple(x.shape), tuple(self.weight.shape), tuple(self.stride), pad,
+                                        tuple(self.dilation))
+            dev = x.device.index or 0
+            return dispatch.runner(None, spec, get_backend("cuda", dev), Epilogue(self.bias is not None), "torch",
+                                   dev, algo=self.algo, precision=self.precision, max_error=self.max_error)
+        except ValueError:
+            return None
+
+
+@dataclass
+class ConvertReport:
+    """What ``convert`` swapped and what it left to PyTorch, with the reason."""
+
+    converted: list[str] = field(default_factory=list)
+    left: dict[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"convforge: {len(self.converted)} conv layer(s) converted, {len(self.left)} left to PyTorch"]
+        lines += [f"  {name or '<model>'}: {why}" for name, why in self.left.items()]
+        return "\n".join(lines)
+
+
+def convert(model: torch.nn.Module, **options: Any) -> ConvertReport:
+    """Swap every eligible ``nn.Conv2d`` in ``model`` (in place) for a convforge ``Conv2d`` that shares
+    its parameters. ``options``: ``algo``, ``precision`` (default ``config.precision``), ``max_error``;
+    each layer's variant is chosen through dispatch (the tuning database first) on its first call."""
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise TypeError(f"convert() got unknown option(s) {unknown}; allowed: {', '.join(OPTIONS)}")
+    report = ConvertReport()
+    for name, m in list(model.named_modules()):
+        if not isinstance(m, torch.nn.Conv2d) or isinstance(m, Conv2d):
+            continue
+        if type(m) is not torch.nn.Conv2d:
+            report.left[name] = f"a subclass of nn.Conv2d ({type(m).__name__}) whose forward may differ"
+            continue
+        why = static_reason(m)
+        if why is not None:
+            report.left[name] = why
+            continue
+        new = Conv2d.from_module(m, **options)
+        if name:
+            parent_name, _, attr = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, attr, new)
+        report.converted.append(name)
+    if "" in report.converted:
+        raise TypeError("convert() swaps layers inside a model; wrap a lone nn.Conv2d with Conv2d.from_module")
+    return report

@@ -1,0 +1,120 @@
+"""The ``convforge::conv2d`` operator, defined with ``torch.library.Library`` (``define``/``impl``:
+cheaper per call than ``custom_op``'s wrapper), with a fake implementation for torch.compile and
+a registered autograd formula whose backward is PyTorch's own ``aten.convolution_backward``.
+
+Schema: ``conv2d(Tensor x, Tensor w, Tensor? bias, int[] stride, int[] padding, int[] dilation,
+str algo, str? precision, float? max_error) -> Tensor``; padding is (top, bottom, left, right).
+Eager inference in ``Conv2d`` skips the op and calls the prepared runner directly with filters
+transformed once per weight version (modules.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from convforge.spec import ConvSpec, normalize_padding
+
+log = logging.getLogger("convforge")
+
+_LIB = torch.library.Library("convforge", "DEF")  # noqa: TOR901 - kept alive for the process
+_LIB.define("conv2d(Tensor x, Tensor w, Tensor? bias, int[] stride, int[] padding, int[] dilation, "
+            "str algo, str? precision, float? max_error) -> Tensor")
+_FELL_BACK: set[tuple[Any, ...]] = set()
+
+
+def output_shape(x_shape: Sequence[Any], w_shape: Sequence[Any], stride: Sequence[int], padding: Sequence[int],
+                 dilation: Sequence[int]) -> tuple[Any, ...]:
+    """(N, K, P, Q) of the op: ConvSpec's answer for concrete sizes, its formula for symbolic ones."""
+    if all(isinstance(v, int) for v in (*x_shape, *w_shape)):
+        return ConvSpec.from_shapes(tuple(x_shape), tuple(w_shape), tuple(stride), tuple(padding),
+                                    tuple(dilation)).y_shape
+    n, _, h, w = x_shape
+    k, _, r, s = w_shape
+    t, b, left, right = padding
+    p = (h + t + b - (r - 1) * dilation[0] - 1) // stride[0] + 1
+    q = (w + left + right - (s - 1) * dilation[1] - 1) // stride[1] + 1
+    return (n, k, p, q)
+
+
+def _torch_conv(x: Any, w: Any, bias: Any, stride: Sequence[int], padding: Sequence[int],
+                dilation: Sequence[int]) -> Any:
+    """PyTorch's convolution with convforge's (top, bottom, left, right) padding."""
+    t, b, left, right = padding
+    if t != b or left != right:
+        return F.conv2d(F.pad(x, (left, right, t, b)), w, bias, tuple(stride), 0, tuple(dilation))
+    return F.conv2d(x, w, bias, tuple(stride), (t, left), tuple(dilation))
+
+
+def _cuda(x: Any, w: Any, bias: Any, stride: list[int], padding: list[int], dilation: list[int], algo: str,
+          precision: str | None, max_error: float | None) -> Any:
+    from convforge.api import conv2d as cf_conv2d
+
+    try:
+        return cf_conv2d(x.contiguous(), w.contiguous(), bias, tuple(stride), tuple(padding), tuple(dilation),
+                         algo, precision=precision, max_error=max_error)
+    except ValueError as err:  # a layer no convforge variant runs: PyTorch's, logged once
+        if algo != "auto":
+            raise
+        tag = (tuple(x.shape), tuple(w.shape), tuple(stride), tuple(padding), tuple(dilation))
+        if tag not in _FELL_BACK:
+            _FELL_BACK.add(tag)
+            log.warning("convforge: %s; PyTorch runs this layer", err)
+        return _torch_conv(x, w, bias, stride, padding, dilation)
+
+
+def _fake(x: Any, w: Any, bias: Any, stride: list[int], padding: list[int], dilation: list[int], algo: str,
+          precision: str | None, max_error: float | None) -> Any:
+    return x.new_empty(output_shape(x.shape, w.shape, stride, padding, dilation))
+
+
+def _cpu(x: Any, w: Any, bias: Any, stride: list[int], padding: list[int], dilation: list[int], algo: str,
+         precision: str | None, max_error: float | None) -> Any:
+    """CPU tensors: PyTorch's convolution (convforge runs torch tensors on CUDA only)."""
+    return _torch_conv(x, w, bias, stride, padding, dilation)
+
+
+_LIB.impl("conv2d", _cuda, "CUDA")
+_LIB.impl("conv2d", _cpu, "CPU")
+torch.library.register_fake("convforge::conv2d", _fake, lib=_LIB)
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    x, w, bias, stride, padding, dilation = inputs[:6]
+    ctx.save_for_backward(x, w)
+    ctx.conv = (list(stride), list(padding), list(dilation), bias is not None)
+
+
+def _backward(ctx: Any, gy: Any) -> tuple[Any, ...]:
+    """Gradients by PyTorch's convolution backward; asymmetric padding is applied to x first and
+    cut from its gradient."""
+    x, w = ctx.saved_tensors
+    stride, padding, dilation, has_bias = ctx.conv
+    need = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], has_bias and ctx.needs_input_grad[2]]
+    t, b, left, right = padding
+    sym = t == b and left == right
+    xin = x if sym else F.pad(x, (left, right, t, b))
+    gx, gw, gb = torch.ops.aten.convolution_backward(
+        gy.contiguous(), xin, w, [w.shape[0]] if has_bias else None, stride, [t, left] if sym else [0, 0],
+        dilation, False, [0, 0], 1, need)
+    if gx is not None and not sym:
+        gx = gx[:, :, t:t + x.shape[2], left:left + x.shape[3]]
+    return gx, gw, gb if has_bias else None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("convforge::conv2d", _backward, setup_context=_setup_context, lib=_LIB)
+
+
+def conv2d(x: Any, w: Any, bias: Any = None, stride: int | Sequence[int] = 1, padding: int | Sequence[int] = 0,
+           dilation: int | Sequence[int] = 1, algo: str = "auto", precision: str | None = None,
+           max_error: float | None = None) -> Any:
+    """``torch.ops.convforge.conv2d`` with the loose argument forms of ``convforge.conv2d``:
+    differentiable, traceable by torch.compile, capturable in CUDA graphs."""
+    st = (stride, stride) if isinstance(stride, int) else tuple(stride)
+    dl = (dilation, dilation) if isinstance(dilation, int) else tuple(dilation)
+    return torch.ops.convforge.conv2d(x, w, bias, list(st), list(normalize_padding(padding)), list(dl), algo,
+                                      precision, max_error)

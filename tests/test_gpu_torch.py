@@ -1,0 +1,273 @@
+"""GPU tier of convforge.torch and the per-call fast path (skips without a CUDA device or torch).
+
+Run on the lent GPU: ``python -m pytest -q tests/test_gpu_torch.py`` (and scripts/host_cost.py for
+the per-call host cost). Every result is checked against a float64 reference; outputs are taken
+from a caching-allocator block poisoned with NaN first, so a kernel that skips an element fails.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from convforge import dispatch
+from convforge.backends.base import DeviceMemoryError
+from convforge.kernels import all_variants
+from convforge.reference import conv2d_ref, rel_l2
+from convforge.spec import ConvSpec
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch", reason="GPU tier of convforge.torch: torch not installed")
+F = torch.nn.functional
+
+SPECS = [ConvSpec.make(2, 3, 13, 17, 5, 3, 3, (1, 2), (1, 0, 2, 1)), ConvSpec.make(1, 16, 14, 14, 24, 3, 3, 1, 1),
+         ConvSpec.make(3, 7, 9, 9, 5, 1, 1), ConvSpec.make(1, 3, 27, 29, 4, 11, 11, 4, (2, 1, 0, 3))]
+
+
+@pytest.fixture
+def gpu(cuda):
+    if not torch.cuda.is_available():
+        pytest.skip("GPU tier: torch sees no CUDA device")
+    return cuda
+
+
+def _poison(shape):
+    """Leave a NaN-filled block of this size in torch's cache, where the next output lands."""
+    t = torch.full(shape, float("nan"), device="cuda")
+    del t
+
+
+def _ref(x, w, spec, b=None):
+    bias = None if b is None else b.detach().cpu().numpy()
+    return conv2d_ref(x.detach().cpu().numpy(), w.detach().cpu().numpy(), spec, bias)
+
+
+def _tensors(spec, bias=True, requires_grad=False, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(spec.x_shape, device="cuda", generator=g)
+    w = torch.randn(spec.w_shape, device="cuda", generator=g, requires_grad=requires_grad)
+    b = torch.randn(spec.k, device="cuda", generator=g, requires_grad=requires_grad) if bias else None
+    return x, w, b
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.key())
+@pytest.mark.parametrize("mode", ["plain", "requires_grad", "no_grad", "inference_mode"])
+def test_conv2d_torch_tensors_every_mode(gpu, spec, mode):
+    import contextlib
+
+    import convforge
+
+    x, w, b = _tensors(spec, requires_grad=mode != "plain")
+    ctx = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(mode, contextlib.nullcontext)
+    with ctx():
+        for i in range(3):  # the first call builds the runner, the others hit it
+            _poison(spec.y_shape)
+            y = convforge.conv2d(x * (i + 1) if i else x, w, b, stride=spec.stride, padding=spec.pad)
+            assert rel_l2(y.cpu().numpy(), _ref(x * (i + 1) if i else x, w, spec, b)) < 1e-5, (mode, i)
+
+
+def test_warm_calls_hit_the_runner_cache(gpu):
+    import convforge
+
+    spec = SPECS[1]
+    x, w, b = _tensors(spec)
+    convforge.conv2d(x, w, b, padding=1)
+    n = len(dispatch.RUNNERS)
+    for _ in range(5):
+        convforge.conv2d(x, w, b, padding=1)
+    assert len(dispatch.RUNNERS) == n
+    convforge.conv2d(x, w, None, padding=1)  # no bias: another signature
+    assert len(dispatch.RUNNERS) == n + 1
+
+
+NAMED = [("direct", {}), ("direct", {"tex": True, "ldg": False}), ("direct", {"wconst": True}),
+         ("implicit_gemm", {}), ("implicit_gemm_precomp", {}), ("im2col_gemm", {}), ("im2col_cublas", {}),
+         ("im2win", {}), ("winograd_nonfused_f4", {}), ("winograd_fused_f2", {})]
+
+
+@pytest.mark.parametrize("name,extra", NAMED, ids=lambda v: str(v))
+@pytest.mark.parametrize("kind", ["torch", "cupy"])
+def test_fast_and_view_paths_per_variant(gpu, name, extra, kind):
+    """Launch-only plans take the raw cuLaunchKernel path; Gemm / constant / texture plans the view
+    path; both on a non-default stream, misaligned views included."""
+    import cupy as cp
+
+    import convforge
+
+    spec = ConvSpec.make(2, 16, 14, 14, 24, 3, 3, 1, 1)
+    v = next(v for v in all_variants() if v.name == name)
+    if v.applies(spec, gpu.device):
+        pytest.skip(f"{name}: {v.applies(spec, gpu.device)}")
+    prm = v.default(spec, gpu.device).replace(**extra) if extra else None
+    x, w, b = _tensors(spec)
+    xs = torch.empty(x.numel() + 1, device="cuda")[1:].view(spec.x_shape)  # 4 bytes off alignment
+    xs.copy_(x)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for xin in (x, xs, x):
+            _poison(spec.y_shape)
+            if kind == "torch":
+                y = convforge.conv2d(xin, w, b, padding=1, algo=name, params=prm)
+            else:
+                with cp.cuda.ExternalStream(stream.cuda_stream):
+                    y = convforge.conv2d(cp.asarray(xin), cp.asarray(w), cp.asarray(b), padding=1, algo=name,
+                                         params=prm)
+                    y = torch.as_tensor(y, device="cuda")
+            stream.synchronize()
+            assert rel_l2(y.cpu().numpy(), _ref(x, w, spec, b)) < v.tolerance, name
+
+
+def test_conv2d_module_training_matches_pytorch_and_learns(gpu, monkeypatch):
+    import convforge.torch as ct
+
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # PyTorch's side in FP32 too
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(),
+                              torch.nn.Conv2d(16, 16, 3, stride=2, padding="valid"), torch.nn.ReLU(),
+                              torch.nn.Conv2d(16, 8, (2, 3), padding="same"), torch.nn.AdaptiveAvgPool2d(1),
+                              torch.nn.Flatten(), torch.nn.Linear(8, 4)).cuda()
+    ours = torch.nn.Sequential(*[m for m in __import__("copy").deepcopy(ref)])
+    report = ct.convert(ours)
+    assert len(report.converted) == 3 and not report.left, report
+    x = torch.randn(8, 3, 17, 17, device="cuda")
+    target = torch.randint(0, 4, (8,), device="cuda")
+    for model in (ref, ours):
+        F.cross_entropy(model(x), target).backward()
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+    opt = torch.optim.Adam(ours.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(60):
+        opt.zero_grad()
+        loss = F.cross_entropy(ours(x), target)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0], losses
+
+
+def test_filter_transform_runs_once_per_weight_version(gpu, monkeypatch):
+    from convforge.backends import cuda as cuda_mod
+    from convforge.torch import modules
+
+    calls = []
+    real = cuda_mod.torch_transform
+    monkeypatch.setattr(cuda_mod, "torch_transform", lambda exe, w: calls.append(1) or real(exe, w))
+    m = modules.Conv2d(16, 24, 3, padding=1, algo="winograd_nonfused_f4").cuda()
+    x = torch.randn(2, 16, 14, 14, device="cuda")
+    spec = ConvSpec.make(2, 16, 14, 14, 24, 3, 3, 1, 1)
+    with torch.inference_mode():
+        for _ in range(4):
+            y = m(x)
+    assert len(calls) == 1
+    assert rel_l2(y.cpu().numpy(), _ref(x, m.weight, spec, m.bias)) < 1e-5
+    with torch.no_grad():
+        m.weight.mul_(-2.0)  # in place: _version moves
+        y = m(x)
+    assert len(calls) == 2
+    assert rel_l2(y.cpu().numpy(), _ref(x, m.weight, spec, m.bias)) < 1e-5
+
+
+def _model():
+    import convforge.torch as ct
+
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.ReLU(),
+                                torch.nn.Conv2d(32, 32, 3, padding=1), torch.nn.ReLU(),
+                                torch.nn.Conv2d(32, 8, 1)).cuda().eval()
+    ref = __import__("copy").deepcopy(model).double()
+    ct.convert(model)
+    return model, ref
+
+
+def test_cuda_graph_capture_and_replay(gpu):
+    model, ref = _model()
+    static_x = torch.randn(4, 3, 20, 20, device="cuda")
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                model(static_x)  # warm-up: runners, workspace, transformed filters
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_y = model(static_x)
+        for seed in range(3):
+            gen = torch.Generator(device="cuda").manual_seed(seed)
+            static_x.copy_(torch.randn(4, 3, 20, 20, device="cuda", generator=gen))
+            graph.replay()
+            want = ref(static_x.double())
+            err = float((static_y.double() - want).norm() / want.norm())
+            assert err < 1e-5, (seed, err)
+
+
+def test_torch_compile_runs_without_graph_breaks(gpu):
+    model, ref = _model()
+    x = torch.randn(2, 3, 16, 16, device="cuda")
+    compiled = torch.compile(model, fullgraph=True)
+    with torch.no_grad():
+        y = compiled(x)
+    want = ref(x.double())
+    assert float((y.double() - want).norm() / want.norm()) < 1e-5
+    reduce = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    with torch.no_grad():
+        for _ in range(3):
+            y = reduce(x)
+    assert float((y.double() - want).norm() / want.norm()) < 1e-5
+
+
+def test_device_memory_exhausted(gpu, monkeypatch, caplog):
+    """Memory filled on purpose: a named algorithm whose workspace does not fit raises an error
+    naming bytes asked and free; 'auto' (forced to that variant first) falls back and logs."""
+    import cupy as cp
+
+    import convforge
+    from convforge.dispatch import executables
+
+    dispatch.clear_executables()
+    cp.get_default_memory_pool().free_all_blocks()
+    spec = ConvSpec.make(8, 256, 56, 56, 64, 3, 3, 1, 1)  # im2col workspace: 231 MB
+    x, w, _ = _tensors(spec, bias=False)
+    im2col = next(v for v in all_variants() if v.name == "im2col_gemm")
+    assert im2col.workspace_bytes(spec, im2col.default(spec, gpu.device)) > 200 << 20
+    torch.cuda.empty_cache()
+    free = torch.cuda.mem_get_info()[0]
+    hog = torch.empty(free - (160 << 20), dtype=torch.uint8, device="cuda")
+    try:
+        with pytest.raises(DeviceMemoryError, match=r"asked for \d+ bytes of device memory, \d+ bytes free"):
+            convforge.conv2d(x, w, padding=1, algo="im2col_gemm")
+        real = executables.choose
+
+        def prefer_im2col(spec_, backend, epilogue, **kw):
+            if kw.get("workspace_limit") is None and kw.get("algo") == "auto":
+                return dispatch.Choice(im2col, im2col.default(spec_, backend.device), None, "test")
+            return real(spec_, backend, epilogue, **kw)
+
+        monkeypatch.setattr(executables, "choose", prefer_im2col)
+        with caplog.at_level(logging.WARNING, logger="convforge"):
+            y = convforge.conv2d(x, w, padding=1)
+            convforge.conv2d(x, w, padding=1)
+        assert sum("falls back" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        del hog
+        dispatch.clear_executables()
+        torch.cuda.empty_cache()
+    one = ConvSpec.make(1, 256, 56, 56, 64, 3, 3, 1, 1)
+    assert rel_l2(y[:1].cpu().numpy(), conv2d_ref(x[:1].cpu().numpy(), w.cpu().numpy(), one)) < 2e-5
+
+
+def test_capture_before_first_use_is_refused_clearly(gpu):
+    import convforge
+
+    dispatch.clear_executables()
+    spec = ConvSpec.make(2, 16, 14, 14, 24, 3, 3, 1, 1)
+    x, w, _ = _tensors(spec, bias=False)
+    from convforge.backends import get_backend
+
+    dispatch.executable(spec, get_backend("cuda", 0), algo="winograd_nonfused_f4")  # compiled, no workspace yet
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="during CUDA-graph capture"):
+        with torch.cuda.graph(graph):
+            convforge.conv2d(x, w, padding=1, algo="winograd_nonfused_f4")

@@ -1,0 +1,289 @@
+"""convforge.torch and the device fast path, CPU side: what can be checked without a GPU.
+
+- the split of a Plan into filter-only steps (run once per weight version) and the rest, run on
+  the OpenCL device: "weights" then "rest" equals the whole plan, and "rest" really reuses the
+  transformed filters it was given;
+- ``import convforge`` imports neither torch nor cupy;
+- with torch installed (skipped with a reason otherwise): the ``convforge::conv2d`` op's CPU
+  kernel, fake impl and autograd formula against PyTorch (asymmetric padding included),
+  torch.compile without graph breaks, ``Conv2d``'s constructor / state_dict, and ``convert``'s
+  report. The CUDA paths are in tests/test_gpu_torch.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from convforge.backends.base import weight_steps
+from convforge.kernels import all_variants
+from convforge.reference import conv2d_ref, rel_l2
+from convforge.spec import ConvSpec
+
+SPEC = ConvSpec.make(2, 5, 11, 13, 7, 3, 3, 1, (1, 0, 2, 1))
+
+
+@pytest.mark.parametrize("name,reads_w", [("winograd_nonfused_f2", True), ("im2win", True),
+                                          ("implicit_gemm_precomp", False)])
+def test_filter_steps_run_once_and_are_reused(ocl, name, reads_w):
+    """Filter transforms (Winograd U, packed im2win filters) and constant tables (the offsets of
+    implicit_gemm_precomp, which then reads w itself) run in "weights" only."""
+    v = next(v for v in all_variants() if v.name == name)
+    if v.applies(SPEC, ocl.device):
+        pytest.skip(f"{name}: {v.applies(SPEC, ocl.device)}")
+    plan = v.plan(SPEC, v.default(SPEC, ocl.device), ocl.device)
+    exe = ocl.executable(plan)
+    steps, derived = weight_steps(plan)
+    assert steps and derived, f"{name}: no filter-only step found in {plan.steps}"
+    assert not {"x", "y", "bias"} & set(derived)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(SPEC.x_shape).astype(np.float32)
+    w1 = rng.standard_normal(SPEC.w_shape).astype(np.float32)
+    w2 = rng.standard_normal(SPEC.w_shape).astype(np.float32)
+    sizes = dict(plan.workspace)
+    own = {n: ocl.empty(sizes[n]) for n in derived}
+    exe({"w": ocl.upload(w1), **own}, steps="weights")
+    y = ocl.upload(np.full(SPEC.y_shape, np.nan, np.float32))
+    # "rest" with the other weights bound: the result must still be w1's (the transform is not redone)
+    exe({"x": ocl.upload(x), "w": ocl.upload(w2), "y": y, **own}, steps="rest")
+    got = ocl.download(y, SPEC.y_shape)
+    used, other = (w1, w2) if reads_w else (w2, w1)
+    err = rel_l2(got, conv2d_ref(x, used, SPEC))
+    assert err < plan.tolerance, f"{name}: rel L2 {err} with cached filters"
+    assert rel_l2(got, conv2d_ref(x, other, SPEC)) > 0.1
+
+
+def test_weight_steps_leave_plain_plans_alone():
+    v = next(v for v in all_variants() if v.name == "direct")
+    from conftest import NOMINAL_CUDA
+
+    plan = v.plan(SPEC, v.default(SPEC, NOMINAL_CUDA), NOMINAL_CUDA)
+    assert weight_steps(plan) == (frozenset(), ())
+
+
+def test_import_convforge_imports_no_vendor_library():
+    code = ("import sys, convforge, convforge.api, convforge.dispatch; "
+            "bad = [m for m in ('torch', 'cupy') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+# -- with torch --------------------------------------------------------------------------------
+
+def _torch():
+    return pytest.importorskip("torch", reason="torch not installed: convforge.torch tests skipped")
+
+
+@pytest.mark.parametrize("pad", [(1, 1, 2, 2), (1, 0, 2, 1), (0, 3, 0, 0)])
+def test_op_forward_and_gradients_match_pytorch(pad):
+    torch = _torch()
+    import torch.nn.functional as F
+
+    import convforge.torch as ct
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 11, 13, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, 3, 3, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(5, generator=g, dtype=torch.float64, requires_grad=True)
+    y = ct.conv2d(x, w, b, stride=(2, 1), padding=pad, dilation=(1, 2))
+    t, bo, le, ri = pad
+    ref = F.conv2d(F.pad(x, (le, ri, t, bo)), w, b, (2, 1), 0, (1, 2))
+    assert y.shape == ref.shape
+    torch.testing.assert_close(y, ref)
+    gy = torch.randn(y.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad(y, (x, w, b), gy)
+    want = torch.autograd.grad(ref, (x, w, b), gy)
+    for got, exp, what in zip(grads, want, "xwb"):
+        torch.testing.assert_close(got, exp, msg=f"gradient of {what}")
+
+
+def test_op_fake_impl_and_compile_without_graph_breaks():
+    torch = _torch()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import convforge.torch as ct
+
+    with FakeTensorMode():
+        y = ct.conv2d(torch.empty(3, 4, 17, 19), torch.empty(8, 4, 5, 3), None, 2, (2, 1, 0, 3))
+    assert tuple(y.shape) == ConvSpec.make(3, 4, 17, 19, 8, 5, 3, 2, (2, 1, 0, 3)).y_shape
+
+    def f(x, w):
+        return torch.relu(ct.conv2d(x, w, None, 1, 1)).sum()
+
+    x, w = torch.randn(1, 2, 7, 7, requires_grad=True), torch.randn(3, 2, 3, 3, requires_grad=True)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")  # fullgraph: a graph break is an error
+    loss = compiled(x, w)
+    loss.backward()
+    torch.testing.assert_close(loss, f(x, w))
+    assert w.grad is not None and x.grad is not None
+
+
+def test_conv2d_module_is_a_drop_in():
+    torch = _torch()
+    import convforge.torch as ct
+
+    ref = torch.nn.Conv2d(4, 6, 3, stride=2, padding=1, bias=True)
+    ours = ct.Conv2d(4, 6, 3, stride=2, padding=1, bias=True, precision="fp32")
+    assert ours.state_dict().keys() == ref.state_dict().keys()
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 4, 9, 9)
+    torch.testing.assert_close(ours(x), ref(x))  # CPU input: PyTorch's forward
+    with pytest.raises(ValueError, match="precision"):
+        ct.Conv2d(4, 6, 3, precision="tf16")
+    same = ct.Conv2d(2, 2, (4, 3), padding="same", dilation=(1, 2))
+    from convforge.torch.modules import padding_quad
+
+    assert padding_quad(same) == (1, 2, 2, 2)
+
+
+def test_convert_swaps_in_place_and_reports_what_it_left():
+    torch = _torch()
+    import convforge.torch as ct
+
+    class Odd(torch.nn.Conv2d):
+        pass
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),
+                                torch.nn.Conv2d(8, 8, 3, groups=2), torch.nn.Conv2d(8, 4, 3, padding_mode="reflect"),
+                                Odd(4, 4, 1), torch.nn.Conv2d(4, 4, 1).double())
+    report = ct.convert(model)
+    text = str(report)
+    assert "groups=2" in report.left["2"] and "reflect" in report.left["3"]
+    assert "Odd" in report.left["4"] and "float64" in report.left["5"]
+    assert "cpu" in report.left["0"]  # parameters on the CPU: left to PyTorch, and said why
+    assert "left to PyTorch" in text
+    with pytest.raises(TypeError, match="allowed"):
+        ct.convert(model, algoo="direct")
+
+
+def test_convert_shares_parameters_when_it_swaps():
+    torch = _torch()
+    import convforge.torch as ct
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1))
+    old = model[0].weight
+    new = ct.Conv2d.from_module(model[0], precision="relaxed")
+    assert new.weight is old and new.precision == "relaxed"
+    assert new.state_dict().keys() == model[0].state_dict().keys()
+
+
+# -- the raw launch path, with the CUDA driver and CuPy replaced by recorders ----------------------
+
+def _stubbed_cuda_module(monkeypatch):
+    """backends/cuda.py loaded under another name against a stub ``cupy`` (the real module, if any,
+    is left alone), with a driver that records launches instead of making them."""
+    import contextlib
+    import importlib.util
+    import types
+
+    import convforge.backends as backends_pkg
+
+    oom = type("OutOfMemoryError", (Exception,), {})
+    stub = types.ModuleType("cupy")
+    stub.get_default_memory_pool = lambda: types.SimpleNamespace(free_all_blocks=lambda: None)
+    stub.cuda = types.SimpleNamespace(memory=types.SimpleNamespace(OutOfMemoryError=oom),
+                                      Device=lambda i: contextlib.nullcontext())
+    monkeypatch.setitem(sys.modules, "cupy", stub)
+    path = f"{backends_pkg.__path__[0]}/cuda.py"
+    spec = importlib.util.spec_from_file_location("convforge_cuda_stubbed", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    calls = []
+
+    class Driver:
+        multi_gpu = False
+
+        def launch(self, *args):
+            calls.append(args)
+            return 0
+
+        def current_context(self):
+            return 0
+
+    mod._DRIVER = Driver()
+    mod.capturing = lambda stream: stream == 666
+    return mod, calls, oom
+
+
+class _FakeBackend:
+    name, device_id = "cuda", 0
+
+    def __init__(self, device, oom=None):
+        self.device, self.oom = device, oom
+
+    def program(self, source):
+        return None
+
+    def function(self, program, kernel):
+        return types_ns(ptr=hash(kernel.name) & 0xFFFF)
+
+    def empty(self, nbytes):
+        if self.oom:
+            raise self.oom()
+        return types_ns(data=types_ns(ptr=0x70000000 + nbytes), nbytes=nbytes)
+
+    def free_bytes(self):
+        return 12345
+
+
+def types_ns(**kw):
+    import types
+
+    return types.SimpleNamespace(**kw)
+
+
+def test_raw_launch_rewrites_only_the_pointer_slots(monkeypatch):
+    import ctypes
+
+    from conftest import NOMINAL_CUDA
+    from convforge.codegen.dialect import LocalBuf, Scalar
+
+    mod, calls, _ = _stubbed_cuda_module(monkeypatch)
+    spec = ConvSpec.make(2, 16, 14, 14, 24, 3, 3, 1, 1)
+    v = next(v for v in all_variants() if v.name == "winograd_nonfused_f4")
+    plan = v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA)
+    exe = mod.CudaExecutable(_FakeBackend(NOMINAL_CUDA), plan)
+    assert exe.fast and exe.derived == ("wino_u",)
+    exe.reserve(0)
+    ws = exe.workspace()
+    for mode, base in (("all", 0), ("rest", 0x90000000), ("weights", 0x90000000)):
+        for ptrs in ((0x1000, 0x2000, 0x3000, 0), (0x1100, 0x2200, 0x3300, 0)):  # slots rewritten per call
+            calls.clear()
+            exe.launch_raw(*ptrs, 77, base, mode)
+            bound = dict(zip(("x", "w", "y", "bias"), ptrs))
+            bound.update({n: (base + exe.derived_offsets[n]) if base else ws[n].data.ptr for n in exe.derived})
+            steps = [s for i, s in enumerate(plan.steps)
+                     if mode == "all" or (i in exe.weight_steps) == (mode == "weights")]
+            assert len(calls) == len(steps) and steps
+            for (fn, gx, gy, gz, bx, by, bz, shared, stream, params, extra), step in zip(calls, steps):
+                kernel = exe.kernels[step.kernel]
+                assert fn == hash(kernel.name) & 0xFFFF  # the CUfunction of this step's kernel
+                assert (gx, gy, gz) == step.grid and (bx, by, bz) == step.block and stream == 77
+                lb = kernel.local_buf()
+                assert shared == (lb.nbytes if lb else 0) and extra is None
+                args = [a for a in kernel.args if not isinstance(a, LocalBuf)]
+                cells = (ctypes.c_void_p * len(args)).from_address(params)
+                for i, (arg, ref) in enumerate(zip(args, step.args)):
+                    if isinstance(arg, Scalar):
+                        ctype = ctypes.c_int32 if arg.ctype == "int" else ctypes.c_float
+                        assert ctype.from_address(cells[i]).value == pytest.approx(ref)
+                    else:
+                        want = bound.get(ref) or ws[ref].data.ptr
+                        assert ctypes.c_uint64.from_address(cells[i]).value == want, (mode, ref)
+
+
+def test_workspace_is_refused_under_capture_and_out_of_memory_is_named(monkeypatch):
+    from conftest import NOMINAL_CUDA
+    from convforge.backends.base import DeviceMemoryError
+
+    mod, _, oom = _stubbed_cuda_module(monkeypatch)
+    spec = ConvSpec.make(2, 16, 14, 14, 24, 3, 3, 1, 1)
+    v = next(v for v in all_variants() if v.name == "winograd_nonfused_f4")
+    plan = v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA)
+    with pytest.raises(RuntimeError, match="during CUDA-graph capture"):
+        mod.CudaExecutable(_FakeBackend(NOMINAL_CUDA), plan).reserve(666)
+    with pytest.raises(DeviceMemoryError, match=rf"asked for {plan.workspace_bytes} bytes.*12345 bytes free"):
+        mod.CudaExecutable(_FakeBackend(NOMINAL_CUDA, oom), plan).reserve(0)
