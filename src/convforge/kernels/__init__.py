@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Variant
@@ -112,10 +113,57 @@ def most_specialised(algo: str, spec: ConvSpec, device: DeviceInfo, workspace_li
     (or ``params``)."""
     pool = ranked(algo, spec, device, workspace_limit, variants, params)
     if pool:
-        return pool[0], params if params is not None else pool[0].default(spec, device)
+        if params is not None:
+            return pool[0], check_params(pool[0], spec, device, params)
+        return pool[0], pool[0].default(spec, device)
     why = reasons(algo, spec, device)
     detail = "; ".join(f"{k}: {r}" for k, r in why.items()) or "none fits the workspace limit"
     raise ValueError(f"no {algo!r} variant applies to {spec.short()} on {device.backend} ({detail})")
+
+
+def check_params(variant: Variant, spec: ConvSpec, device: DeviceInfo, params: Any,
+                 strict: bool = False) -> Params:
+    """``params`` as Params when it names exactly ``variant``'s parameters for ``spec`` (those of its
+    default) with values of the kinds its space uses: ints within the space's range (``strict``:
+    values the space itself takes), strings and booleans among the space's. Otherwise ValueError
+    naming the missing and unknown keys (and the variant's names) or the value and what is allowed."""
+    if not isinstance(params, Mapping):
+        raise TypeError(f"params ({params!r}) must be a dict or Params of parameter names and values")
+    bad_keys = [k for k in params if not isinstance(k, str)]
+    if bad_keys:
+        raise TypeError(f"params keys ({bad_keys!r}) must be strings")
+    prm = params if isinstance(params, Params) else Params(params)
+    default = variant.default(spec, device)
+    names = set(default)
+    missing, unknown = sorted(names - set(prm)), sorted(set(prm) - names)
+    if missing or unknown:
+        what = "; ".join(part for part in (
+            f"missing {', '.join(missing)}" if missing else "",
+            f"unknown {', '.join(unknown)}" if unknown else "") if part)
+        raise ValueError(f"params for {variant.name}: {what} ({variant.name} takes "
+                         f"{', '.join(sorted(names)) or 'no parameters'}; its default here is "
+                         f"{default.short() or '{}'})")
+    taken: dict[str, set[Any]] = {k: {v} for k, v in default.items()}
+    for point in variant.space(spec, device):
+        for k, v in point.items():
+            taken.setdefault(k, set()).add(v)
+    for k, v in prm.items():
+        _check_value(variant.name, k, v, taken.get(k, {default[k]}), strict)
+    return prm
+
+
+def _check_value(variant: str, key: str, value: Any, taken: set[Any], strict: bool) -> None:
+    """ValueError unless ``value`` is one of (or, for ints, within the range of) the values ``taken``."""
+    ints = [v for v in taken if isinstance(v, int) and not isinstance(v, bool)]
+    if isinstance(value, int) and not isinstance(value, bool) and ints and len(ints) == len(taken):
+        ok = value in taken if strict else min(ints) <= value <= max(ints)
+        allowed = (", ".join(map(str, sorted(ints))) if strict or len(ints) < 4
+                   else f"{min(ints)}..{max(ints)}")
+    else:
+        ok = value in taken and type(value) in {type(v) for v in taken}
+        allowed = ", ".join(sorted(repr(v) for v in taken))
+    if not ok:
+        raise ValueError(f"params for {variant}: {key} ({value!r}) must be {allowed} on this layer")
 
 
 def reasons(algo: str, spec: ConvSpec, device: DeviceInfo) -> dict[str, str]:

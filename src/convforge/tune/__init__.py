@@ -29,22 +29,26 @@ __all__ = ["choose", "clear_choices", "open_db", "Budget", "Entry", "Tuner", "Tu
 
 log = logging.getLogger("convforge.tune")
 _CHOICES: dict[tuple[Any, ...], tuple[Variant, Params]] = {}
-_DBS: dict[Path, TuningDB | None] = {}
+_DBS: dict[tuple[Path, bool], TuningDB | None] = {}
 _LOCK = threading.Lock()
 AUTOTUNE_BUDGET = Budget()  # effort of tuning on first sight (config.autotune); may be changed
 
 
-def open_db(path: Path | None = None) -> TuningDB | None:
-    """The shared database at ``path`` (default ``config.tuning_db``); None if it cannot be opened."""
+def open_db(path: Path | None = None, write: bool = False) -> TuningDB | None:
+    """The shared database at ``path`` (default ``config.tuning_db``), read-only unless ``write``;
+    None when there is none (a lookup creates nothing) or it cannot be used (logged once)."""
     path = Path(path or config.tuning_db)
     with _LOCK:
-        if path not in _DBS:
+        key = (path, write)
+        if key not in _DBS:
+            if not write and not path.exists():
+                return None  # not remembered: a later tuning run may create it
             try:
-                _DBS[path] = TuningDB(path)
+                _DBS[key] = TuningDB(path, readonly=not write)
             except Exception as err:  # noqa: BLE001 - no database is a slower choice, never a crash
                 log.warning("tuning database %s unavailable (%s); using the heuristic", path, err)
-                _DBS[path] = None
-        return _DBS[path]
+                _DBS[key] = None
+        return _DBS[key]
 
 
 def clear_choices() -> None:
@@ -71,7 +75,7 @@ def choose(spec: ConvSpec, backend: Backend, epilogue: Epilogue = NO_EPILOGUE,
 
 def _choose_slow(spec: ConvSpec, backend: Backend, epi: Epilogue,
                  workspace_limit: int | None) -> tuple[Variant, Params]:
-    db = open_db()
+    db = open_db(write=config.autotune)
     tuner = Tuner(backend, db, AUTOTUNE_BUDGET)
     if db is not None:
         try:

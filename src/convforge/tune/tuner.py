@@ -28,7 +28,7 @@ import numpy as np
 from convforge import __version__
 from convforge.backends.base import Backend, Executable
 from convforge.check import random_inputs
-from convforge.config import config
+from convforge.config import precision_key
 from convforge.params import Params
 from convforge.plan import Epilogue, Plan, Variant
 from convforge.reference import conv2d_ref, rel_l2
@@ -181,16 +181,14 @@ class Tuner:
         self.timings = 0  # candidates timed by this tuner (a warm database leaves it at zero)
 
     # -- keys and the database ------------------------------------------------------------
-    def key(self, spec: ConvSpec, epi: Epilogue) -> tuple[str, ...]:
+    def key(self, spec: ConvSpec, epi: Epilogue, precision: str | None = None) -> tuple[str, ...]:
+        """The database key (``KEY_FIELDS`` order); the precision field is
+        ``precision_key(precision)`` (the configured class or max_error by default)."""
         dev = self.backend.device
-        epi_key = epilogue_key(epi)
-        if config.max_error is not None:  # choices under another accuracy limit apart
-            epi_key += f"|max_error={config.max_error:g}"
-        epi_key += f"|{config.precision}"
-        return (dev.key(), self.backend.name, __version__, spec.key(), spec.dtype, epi_key)
+        return (dev.key(), self.backend.name, spec.key(), spec.dtype, epilogue_key(epi), precision_key(precision))
 
-    def lookup(self, spec: ConvSpec, epi: Epilogue = NO_EPILOGUE) -> Entry | None:
-        return self.db.get(*self.key(spec, epi)) if self.db is not None else None
+    def lookup(self, spec: ConvSpec, epi: Epilogue = NO_EPILOGUE, precision: str | None = None) -> Entry | None:
+        return self.db.get(*self.key(spec, epi, precision)) if self.db is not None else None
 
     def _known(self, entry: Entry) -> Variant | None:
         pool = self.variants
@@ -227,16 +225,17 @@ class Tuner:
         return TuneResult(spec, epilogue, entry, best.variant, best.params, False, cands)
 
     def _entry(self, spec: ConvSpec, epi: Epilogue, best: Candidate, heur: Candidate | None,
-               n: int, seconds: float) -> Entry:
+               n: int, seconds: float, min_error: float | None = None,
+               precision: str | None = None) -> Entry:
         assert best.plan is not None
-        key = dict(zip(KEY_FIELDS, self.key(spec, epi), strict=True))
-        return Entry(**key, variant=best.variant.name, params=best.params.to_json(),
+        key = dict(zip(KEY_FIELDS, self.key(spec, epi, precision), strict=True))
+        return Entry(**key, version=__version__, variant=best.variant.name, params=best.params.to_json(),
                      time_ms=best.time_ms, workspace=best.plan.workspace_bytes, error=best.error or 0.0,
                      date=now(), spec_json=json.dumps(spec.to_dict(), sort_keys=True),
                      heuristic_variant=heur.variant.name if heur else "",
                      heuristic_params=heur.params.to_json() if heur else "{}",
                      heuristic_ms=heur.time_ms if heur and heur.status == "ok" else None,
-                     candidates=n, seconds=round(seconds, 3))
+                     candidates=n, seconds=round(seconds, 3), min_error=min_error)
 
     def search(self, spec: ConvSpec, epi: Epilogue = NO_EPILOGUE,
                workspace_limit: int | None = None) -> list[Candidate]:
