@@ -121,12 +121,12 @@ def most_specialised(algo: str, spec: ConvSpec, device: DeviceInfo, workspace_li
     raise ValueError(f"no {algo!r} variant applies to {spec.short()} on {device.backend} ({detail})")
 
 
-def check_params(variant: Variant, spec: ConvSpec, device: DeviceInfo, params: Any,
-                 strict: bool = False) -> Params:
+def check_params(variant: Variant, spec: ConvSpec, device: DeviceInfo, params: Any) -> Params:
     """``params`` as Params when it names exactly ``variant``'s parameters for ``spec`` (those of its
-    default) with values of the kinds its space uses: ints within the space's range (``strict``:
-    values the space itself takes), strings and booleans among the space's. Otherwise ValueError
-    naming the missing and unknown keys (and the variant's names) or the value and what is allowed."""
+    default) with plausible values: ints within reach of the space's (up to 4x its largest, so a
+    typo such as tk=100000 never reaches the generator), strings and booleans among the space's.
+    Otherwise ValueError naming the missing and unknown keys (and the variant's names) or the value
+    and what is allowed. Whether the values plan is ``variant.plan``'s to say."""
     if not isinstance(params, Mapping):
         raise TypeError(f"params ({params!r}) must be a dict or Params of parameter names and values")
     bad_keys = [k for k in params if not isinstance(k, str)]
@@ -148,22 +148,23 @@ def check_params(variant: Variant, spec: ConvSpec, device: DeviceInfo, params: A
         for k, v in point.items():
             taken.setdefault(k, set()).add(v)
     for k, v in prm.items():
-        _check_value(variant.name, k, v, taken.get(k, {default[k]}), strict)
+        _check_value(variant.name, k, v, taken.get(k, {default[k]}))
     return prm
 
 
-def _check_value(variant: str, key: str, value: Any, taken: set[Any], strict: bool) -> None:
-    """ValueError unless ``value`` is one of (or, for ints, within the range of) the values ``taken``."""
+def _check_value(variant: str, key: str, value: Any, taken: set[Any]) -> None:
+    """ValueError unless ``value`` is of the kind of the values ``taken`` and, for ints, in reach."""
     ints = [v for v in taken if isinstance(v, int) and not isinstance(v, bool)]
-    if isinstance(value, int) and not isinstance(value, bool) and ints and len(ints) == len(taken):
-        ok = value in taken if strict else min(ints) <= value <= max(ints)
-        allowed = (", ".join(map(str, sorted(ints))) if strict or len(ints) < 4
-                   else f"{min(ints)}..{max(ints)}")
-    else:
-        ok = value in taken and type(value) in {type(v) for v in taken}
+    if ints and len(ints) == len(taken):
+        low, high = min(0, min(ints)), max(64, 4 * max(ints))
+        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+            raise ValueError(f"params for {variant}: {key} ({value!r}) must be an int in {low}..{high}")
+    elif all(isinstance(v, bool) for v in taken):
+        if not isinstance(value, bool):
+            raise ValueError(f"params for {variant}: {key} ({value!r}) must be true or false")
+    elif not (value in taken and type(value) in {type(v) for v in taken}):
         allowed = ", ".join(sorted(repr(v) for v in taken))
-    if not ok:
-        raise ValueError(f"params for {variant}: {key} ({value!r}) must be {allowed} on this layer")
+        raise ValueError(f"params for {variant}: {key} ({value!r}) must be one of {allowed}")
 
 
 def reasons(algo: str, spec: ConvSpec, device: DeviceInfo) -> dict[str, str]:

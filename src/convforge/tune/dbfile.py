@@ -57,23 +57,27 @@ def identify(path: Path) -> FileKind:
         return FileKind("foreign", what=describe(head))
     if len(head) == 100 and int.from_bytes(head[68:72], "big") == APPLICATION_ID:
         return FileKind("ours", schema=int.from_bytes(head[60:64], "big"))
-    return _identify_sqlite(path, int.from_bytes(head[68:72], "big") if len(head) == 100 else 0)
+    return _identify_sqlite(path)
 
 
-def _identify_sqlite(path: Path, app_id: int) -> FileKind:
-    """A SQLite file without our application_id: schema 1 of ours, a blank database, or foreign."""
-    if app_id:
-        return FileKind("foreign", what=f"a SQLite database of another application (application_id {app_id:#x})")
+def _identify_sqlite(path: Path) -> FileKind:
+    """A SQLite file whose header lacks our application_id: ours with the change still in the WAL,
+    schema 1 of ours, a blank database, or foreign."""
     try:
         conn = sqlite3.connect(ro_uri(path), uri=True)
         try:
+            app_id = conn.execute("PRAGMA application_id").fetchone()[0]
             version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if app_id == APPLICATION_ID:
+                return FileKind("ours", schema=version)
             tables = {name: [c[1] for c in conn.execute(f"PRAGMA table_info({name!r})")]
                       for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         finally:
             conn.close()
     except sqlite3.DatabaseError as err:
         return FileKind("foreign", what=f"an unreadable SQLite file ({err}), not recognisably convforge's")
+    if app_id:
+        return FileKind("foreign", what=f"a SQLite database of another application (application_id {app_id:#x})")
     if not tables and version == 0:
         return FileKind("empty")
     if tables == V1_COLUMNS and version == 1:

@@ -119,7 +119,7 @@ def validate_entry(d: Any) -> Entry:
     why = variant.applies(spec, device)
     if why:
         raise ValueError(f"variant {variant.name} does not apply to the layer on {entry.backend}: {why}")
-    params = check_params(variant, spec, device, Params.from_json(entry.params), strict=True)
+    params = check_params(variant, spec, device, Params.from_json(entry.params))
     epi = Epilogue(bias="bias" in entry.epilogue, relu="relu" in entry.epilogue)
     if entry.epilogue not in ("none", "bias", "relu", "bias_relu"):
         raise ValueError(f"epilogue ({entry.epilogue!r}) must be none, bias, relu or bias_relu")
