@@ -25,6 +25,13 @@ def _console() -> Any:
     return console if console.is_terminal else Console(width=180)
 
 
+def _error(msg: str) -> None:
+    """One plain ``error: ...`` line on stderr (the CLI's form for bad input)."""
+    import sys
+
+    print(f"error: {msg}", file=sys.stderr)
+
+
 # -- convforge tune -----------------------------------------------------------------------
 def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suite", help="built-in suite name (resnet, boda, mec) or a JSON suite file")
@@ -88,12 +95,12 @@ def tune_main(args: argparse.Namespace) -> int:
         layers = _layers(args)
         budget = Budget.parse(args.budget)
     except ValueError as err:
-        console.print(f"[red]error:[/red] {err}")
+        _error(f"{err}")
         return 2
     try:
         db = TuningDB(args.db or config.tuning_db)
     except ValueError as err:
-        console.print(f"[red]error:[/red] {err}")
+        _error(f"{err}")
         return 2
     backend = _backend(args)
     epi = Epilogue(bias=args.bias, relu=args.relu)
@@ -238,7 +245,7 @@ def db_main(args: argparse.Namespace) -> int:
         writes = args.db_command in ("import", "clear") and not getattr(args, "dry_run", False)
         db = TuningDB(args.db or config.tuning_db, readonly=not writes)
     except ValueError as err:
-        console.print(f"[red]error:[/red] {err}", soft_wrap=True)
+        _error(f"{err}")
         return 2
     cmd = args.db_command
     if cmd == "list":
@@ -265,7 +272,7 @@ def _import(console: Any, db: TuningDB, args: argparse.Namespace) -> int:
     try:
         rep = db.import_json(args.file, only_if_faster=not args.replace, dry_run=args.dry_run)
     except (OSError, ValueError) as err:
-        console.print(f"[red]error:[/red] cannot import {args.file}: {err}", soft_wrap=True)
+        _error(f"cannot import {args.file}: {err}")
         return 2
     verb = "would store" if args.dry_run else "imported"
     for e in rep.stored:
