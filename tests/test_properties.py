@@ -34,7 +34,8 @@ def _mostly(good, bad):  # type: ignore[no-untyped-def]
 
 dim = _mostly(st.integers(1, 3), st.integers(0, 0))
 STRIDES = _mostly(st.sampled_from([1, 1, 2, (1, 2), [2, 1]]), st.sampled_from([0, -1, (1, 0), [], (1, 2, 3), 1.5]))
-PADS = _mostly(st.sampled_from([0, 1, (1, 0), (0, 1, 2, 1), [1, 1]]), st.sampled_from([-1, (1, -1), [], (1, 2, 3), "1"]))
+PADS = _mostly(st.sampled_from([0, 1, (1, 0), (0, 1, 2, 1), [1, 1]]),
+               st.sampled_from([-1, (1, -1), [], (1, 2, 3), "1"]))
 
 
 @st.composite
