@@ -50,6 +50,9 @@ MALFORMED = [
     ["db", "frobnicate"],
     ["db", "list", "--spec", "N=1"],
     ["db", "show", "--spec", "N=1,C=3,H=9,W=9,K=4,R=3,S=3,bogus=1"],
+    ["devices", "--bogus"],
+    ["db", "import"],
+    ["db", "export"],
     ["nosuchcommand"],
     [],
 ]
@@ -79,6 +82,26 @@ def test_db_commands_on_missing_and_bad_files(capsys, tmp_path) -> None:  # type
         assert rc in (1, 2) and "Traceback" not in out and ("error" in out or "rejected" in out), out
     rc, out = run_main(["db", "--db", str(tmp_path / "t.sqlite"), "import", str(tmp_path / "nofile.json")], capsys)
     assert rc == 2 and "Traceback" not in out
+
+
+def test_db_import_dry_run_stores_nothing(capsys, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from dataclasses import asdict
+
+    from test_db import _entry
+
+    db = tmp_path / "t.sqlite"
+    src = tmp_path / "in.json"
+    good = asdict(_entry())
+    src.write_text(json.dumps({"format": "convforge-tuning", "entries": [good, {**good, "time_ms": "x"}]}))
+    run_main(["db", "--db", str(db), "clear"], capsys)  # creates the database
+    rc, out = run_main(["db", "--db", str(db), "import", "--dry-run", str(src)], capsys)
+    assert rc == 1 and "would store 1 entries" in out and "rejected" in out and "time_ms ('x')" in out
+    rc, out = run_main(["db", "--db", str(db), "list"], capsys)
+    assert rc == 0 and "0 entries" in out
+    rc, out = run_main(["db", "--db", str(db), "import", str(src)], capsys)
+    assert rc == 1 and "imported 1 entries" in out
+    rc, out = run_main(["db", "--db", str(db), "show"], capsys)
+    assert rc == 0 and '"error": 1e-07' in out and '"precision": "fp32"' in out
 
 
 def _foreign(folder: Path) -> list[Path]:

@@ -75,6 +75,19 @@ def test_readonly_missing_creates_nothing(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+def test_conv2d_lookup_creates_no_database(ocl, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from convforge import conv2d
+
+    monkeypatch.setattr(config, "db_path", tmp_path / "tuning.sqlite")
+    monkeypatch.setattr(config, "autotune", False)
+    clear_choices()
+    try:
+        conv2d(np.ones((1, 2, 5, 5), np.float32), np.ones((3, 2, 3, 3), np.float32))
+    finally:
+        clear_choices()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_readonly_refuses_writes(tmp_path: Path) -> None:
     db = TuningDB(tmp_path / "t.sqlite")
     db.put(_entry())
