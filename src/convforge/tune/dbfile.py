@@ -71,7 +71,8 @@ def _identify_sqlite(path: Path) -> FileKind:
             if app_id == APPLICATION_ID:
                 return FileKind("ours", schema=version)
             tables = {name: [c[1] for c in conn.execute(f"PRAGMA table_info({name!r})")]
-                      for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+                      for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table' "
+                                                  "AND substr(name, 1, 7) != 'sqlite_'")}
         finally:
             conn.close()
     except sqlite3.DatabaseError as err:
