@@ -262,20 +262,34 @@ def test_two_processes_write_at_once(tmp_path: Path) -> None:
     assert db.conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
 
+def _corrupt(path: Path) -> None:
+    """Keep a convforge database's header (its identity), wreck the pages after it."""
+    data = bytearray(path.read_bytes())
+    data[100:] = b"\xff" * (len(data) - 100)
+    path.write_bytes(bytes(data))
+
+
 def test_corrupt_file_is_moved_aside_and_rebuilt(tmp_path: Path) -> None:
     path = tmp_path / "tuning.sqlite"
-    path.write_bytes(b"this is not a database " * 200)
+    db = TuningDB(path)
+    for i in range(20):
+        db.put(_entry(i))
+    db.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    db.close()
+    _corrupt(path)
+    before = path.read_bytes()
     with pytest.warns(RuntimeWarning, match="moved to"):
         db = TuningDB(path)
     assert db.entries() == []
     db.put(_entry(1))
     assert len(db.entries()) == 1
     aside = list(tmp_path.glob("tuning.sqlite.bad-*"))
-    assert len(aside) == 1 and aside[0].read_bytes().startswith(b"this is not")
+    assert len(aside) == 1 and aside[0].read_bytes() == before
 
 
-@pytest.mark.parametrize("version", [0, SCHEMA_VERSION + 1])
-def test_other_format_is_moved_aside(tmp_path: Path, version: int) -> None:
+@pytest.mark.parametrize("version", [0, 1, SCHEMA_VERSION + 1])
+def test_other_sqlite_is_refused_untouched(tmp_path: Path, version: int) -> None:
+    """Another application's SQLite file (whatever its user_version) is never renamed or written."""
     path = tmp_path / "tuning.sqlite"
     conn = sqlite3.connect(path)
     conn.execute("CREATE TABLE results (spec TEXT, best TEXT)")
@@ -283,30 +297,42 @@ def test_other_format_is_moved_aside(tmp_path: Path, version: int) -> None:
     conn.execute(f"PRAGMA user_version = {version}")
     conn.commit()
     conn.close()
-    with pytest.warns(RuntimeWarning, match="format"):
-        db = TuningDB(path)
-    assert db.entries() == []
-    assert len(list(tmp_path.glob("tuning.sqlite.bad-*"))) == 1
+    before = path.read_bytes()
+    for readonly in (False, True):
+        with pytest.raises(ValueError, match="another application"):
+            TuningDB(path, readonly=readonly)
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["tuning.sqlite"]
 
 
 def test_export_import_round_trip(tmp_path: Path) -> None:
     a = TuningDB(tmp_path / "a.sqlite")
     for i in range(5):
-        a.put(_entry(i, time_ms=1.0 + i))
+        a.put(_real_entry(i, time_ms=1.0 + i))
     doc = a.export_json(tmp_path / "out.json")
     assert len(doc["entries"]) == 5
     b = TuningDB(tmp_path / "b.sqlite")
-    b.put(_entry(0, time_ms=0.5))  # faster than the import: kept
-    assert b.import_json(tmp_path / "out.json") == 4
+    b.put(_real_entry(0, time_ms=0.5))  # faster than the import: kept
+    rep = b.import_json(tmp_path / "out.json")
+    assert len(rep.stored) == 4 and len(rep.kept) == 1 and rep.rejected == []
     got = {e.spec: e for e in b.entries()}
-    assert got["spec0"].time_ms == 0.5
-    assert [got[e.spec] for e in a.entries()[1:]] == a.entries()[1:]
-    assert b.import_json(tmp_path / "out.json", only_if_faster=False) == 5
+    assert got[_real_entry(0).spec].time_ms == 0.5
+    assert [got[e.spec] for e in a.entries() if e.time_ms > 1.0] == [e for e in a.entries() if e.time_ms > 1.0]
+    assert len(b.import_json(tmp_path / "out.json", only_if_faster=False).stored) == 5
     assert b.entries() == a.entries()
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError, match="export"):
         b.import_json(tmp_path / "bad.json")
-    assert b.clear(spec="spec1") == 1 and len(b.entries()) == 4
+    assert b.clear(spec=_real_entry(1).spec) == 1 and len(b.entries()) == 4
+
+
+def _real_entry(i: int, time_ms: float = 1.0) -> Entry:
+    """An entry that passes import validation: direct's default on a layer of its own."""
+    from conftest import NOMINAL_CUDA
+
+    spec = ConvSpec.make(1, 3, 9 + i, 9, 4, 3, 3, 1, 1)
+    prm = get_variant("direct").default(spec, NOMINAL_CUDA)
+    return Entry("cuda|nominal", "cuda", "0.1.0", spec.key(), spec.dtype, "none", "direct", prm.to_json(),
+                 time_ms, 0, 1e-7, now(), json.dumps(spec.to_dict(), sort_keys=True))
 
 
 # -- the commands ----------------------------------------------------------------------------

@@ -96,8 +96,8 @@ def cmd_show(args: argparse.Namespace) -> int:
             print(f"error: {variant.name} does not apply: {why}", file=sys.stderr)
             return 2
         prm = Params.parse(args.params) if args.params else variant.default(spec, dev)
-        if args.params:
-            prm = Params(dict(variant.default(spec, dev)), **dict(prm))
+        if args.params:  # over the default, so naming only what changes is enough
+            prm = kernels.check_params(variant, spec, dev, Params(dict(variant.default(spec, dev)), **dict(prm)))
         plan = variant.plan(spec, prm, dev, Epilogue(args.bias, args.relu))
         src = plan.source(be)
         print(f"// ===== {be} =====")
@@ -162,15 +162,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if getattr(args, "max_error", None) is not None:
-        config.max_error = args.max_error
-    func: Callable[[argparse.Namespace], int] = args.func
+    """Run one command. Bad input of any kind (arguments, environment variables, files at the
+    database path) is one ``error: ...`` line and exit status 2, never a traceback."""
     try:
+        args = build_parser().parse_args(argv)
+        if getattr(args, "max_error", None) is not None:
+            config.max_error = args.max_error
+        config.validate()
+        func: Callable[[argparse.Namespace], int] = args.func
         return int(func(args) or 0)
-    except ValueError as err:
+    except (ValueError, TypeError, OSError) as err:  # TypeError: bad JSON / params shapes from users
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

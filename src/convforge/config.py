@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 
 def _default_cache_dir() -> Path:
@@ -63,22 +65,94 @@ def max_error_arg(text: str) -> float:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-class Config:
-    """Process-wide settings; attributes may be changed at run time (``convforge.config.autotune = True``)."""
+class ConfigError(ValueError):
+    """An environment variable convforge reads holds a value it cannot use."""
 
-    def __init__(self) -> None:
-        env = os.environ
-        self.cache_dir: Path = Path(env["CONVFORGE_CACHE_DIR"]) if env.get(
-            "CONVFORGE_CACHE_DIR") else _default_cache_dir()
-        self.autotune: bool = env.get("CONVFORGE_AUTOTUNE", "0") not in ("", "0", "false")
-        self.opencl_device: str = env.get("CONVFORGE_OPENCL_DEVICE", "")  # "platform:device"
-        self.db_path: Path | None = Path(env["CONVFORGE_DB"]) if env.get("CONVFORGE_DB") else None
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def parse_bool(name: str, text: str) -> bool:
+    """An on/off environment value; ValueError naming the variable and the allowed spellings."""
+    low = text.strip().lower()
+    if low in _TRUE or low in _FALSE:
+        return low in _TRUE
+    raise ValueError(f"{name} ({text!r}) must be {', '.join(_TRUE)} to enable or {', '.join(_FALSE)} to disable")
+
+
+def parse_opencl_device(text: str) -> str:
+    """``"platform"`` or ``"platform:device"`` (indices from ``convforge devices``), or empty."""
+    pi, sep, di = text.partition(":")
+    if text and not (pi.isdigit() and (not sep or di.isdigit())):
+        raise ValueError(f"CONVFORGE_OPENCL_DEVICE ({text!r}) must be 'PLATFORM' or 'PLATFORM:DEVICE' "
+                         "indices such as '0:1' (see convforge devices)")
+    return text
+
+
+def _env_settings(env: Mapping[str, str]) -> dict[str, tuple[str, Callable[[], Any]]]:
+    """attribute -> (environment variable, parser of its value with the default when unset)."""
+
+    def get(name: str) -> str:
+        return env.get(name, "").strip()
+
+    return {
+        "cache_dir": ("CONVFORGE_CACHE_DIR",
+                      lambda: Path(get("CONVFORGE_CACHE_DIR")) if get("CONVFORGE_CACHE_DIR") else _default_cache_dir()),
+        "autotune": ("CONVFORGE_AUTOTUNE",
+                     lambda: parse_bool("CONVFORGE_AUTOTUNE", get("CONVFORGE_AUTOTUNE") or "0")),
+        "opencl_device": ("CONVFORGE_OPENCL_DEVICE", lambda: parse_opencl_device(get("CONVFORGE_OPENCL_DEVICE"))),
+        "db_path": ("CONVFORGE_DB", lambda: Path(get("CONVFORGE_DB")) if get("CONVFORGE_DB") else None),
         # The accuracy class 'auto' and family choices keep to (explicitly named variants always run),
         # and an optional finer bound on the measured (else stated) relative L2 error.
-        self.precision: str = parse_precision(env.get("CONVFORGE_PRECISION") or DEFAULT_PRECISION)
-        self.max_error: float | None = (parse_max_error(env["CONVFORGE_MAX_ERROR"])
-                                        if env.get("CONVFORGE_MAX_ERROR") else None)
-        self.disk_cache: bool = env.get("CONVFORGE_DISK_CACHE", "1") not in ("0", "false")
+        "precision": ("CONVFORGE_PRECISION",
+                      lambda: parse_precision(get("CONVFORGE_PRECISION") or DEFAULT_PRECISION)),
+        "max_error": ("CONVFORGE_MAX_ERROR",
+                      lambda: parse_max_error(get("CONVFORGE_MAX_ERROR")) if get("CONVFORGE_MAX_ERROR") else None),
+        "disk_cache": ("CONVFORGE_DISK_CACHE",
+                       lambda: parse_bool("CONVFORGE_DISK_CACHE", get("CONVFORGE_DISK_CACHE") or "1")),
+    }
+
+
+class Config:
+    """Process-wide settings; attributes may be changed at run time (``convforge.config.autotune = True``).
+
+    A bad environment value does not fail the import: the setting is left unset, reading it raises
+    :class:`ConfigError` naming the variable (so ``conv2d`` reports it), assigning it clears the
+    problem, and :meth:`validate` (the CLI calls it first) reports every remaining one."""
+
+    cache_dir: Path
+    autotune: bool
+    opencl_device: str  # "platform:device"
+    db_path: Path | None
+    precision: str
+    max_error: float | None
+    disk_cache: bool
+
+    def __init__(self, env: Mapping[str, str] | None = None) -> None:
+        self._problems: dict[str, str] = {}
+        for attr, (var, parse) in _env_settings(os.environ if env is None else env).items():
+            try:
+                setattr(self, attr, parse())
+            except ValueError as err:
+                msg = str(err)
+                self._problems[attr] = msg if var in msg else f"{var}: {msg}"
+
+    def __getattr__(self, name: str) -> Any:
+        # only reached for attributes that are not set: those whose environment value was bad
+        problems = self.__dict__.get("_problems", {})
+        if name in problems:
+            raise ConfigError(problems[name])
+        raise AttributeError(name)
+
+    def problems(self) -> list[str]:
+        """What is wrong with the environment, for settings not since assigned."""
+        return [msg for attr, msg in self._problems.items() if attr not in self.__dict__]
+
+    def validate(self) -> None:
+        """ConfigError listing every bad environment value still in force."""
+        bad = self.problems()
+        if bad:
+            raise ConfigError("; ".join(bad))
 
     @property
     def tuning_db(self) -> Path:

@@ -34,6 +34,23 @@ def normalize_padding(padding: int | Sequence[int]) -> Quad:
     raise ValueError(f"padding ({padding!r}) must be an int, (h, w) or (top, bottom, left, right)")
 
 
+_SPEC_TUPLES = ("stride", "pad", "dilation")
+_SPEC_KEYS = tuple("NCHWKRS") + _SPEC_TUPLES
+
+
+def _spec_key(key: str) -> str:
+    """The canonical spec key for ``key`` (N..S in either case, stride, pad, dilation), or a ValueError
+    suggesting the nearest known one."""
+    import difflib
+
+    canon = key.upper() if len(key) == 1 else key.lower()
+    if canon in _SPEC_KEYS:
+        return canon
+    near = difflib.get_close_matches(key.lower(), [k.lower() for k in _SPEC_KEYS], n=1, cutoff=0.5)
+    hint = f"; did you mean {near[0] if len(near[0]) > 1 else near[0].upper()!r}?" if near else ""
+    raise ValueError(f"unknown spec key {key!r}{hint} (known: {', '.join(_SPEC_KEYS)})")
+
+
 @dataclass(frozen=True)
 class ConvSpec:
     """A forward 2-D convolution, NCHW input, KCRS filters, NKPQ output, float32."""
@@ -166,7 +183,10 @@ class ConvSpec:
 
     @classmethod
     def parse(cls, text: str) -> ConvSpec:
-        """Parse 'N=1,C=3,H=13,W=13,K=8,R=3,S=3,stride=1,pad=1,dilation=1' (pad may be 1x1 or 0x1x0x1)."""
+        """Parse 'N=1,C=3,H=13,W=13,K=8,R=3,S=3,stride=1,pad=1,dilation=1' (pad may be 1x1 or 0x1x0x1);
+        an unknown, repeated or malformed item is a ValueError naming it (and the nearest known key)."""
+        if not isinstance(text, str):
+            raise TypeError(f"spec ({text!r}) must be a string such as 'N=1,C=3,H=13,W=13,K=8,R=3,S=3'")
         d: dict[str, Any] = {}
         for item in text.replace(" ", "").split(","):
             if not item:
@@ -174,10 +194,17 @@ class ConvSpec:
             if "=" not in item:
                 raise ValueError(f"spec item {item!r} must be KEY=VALUE")
             key, val = item.split("=", 1)
-            key = key.strip()
-            parts = [int(v) for v in val.split("x")]
-            d[key if key in ("stride", "pad", "dilation") else key.upper()] = (
-                parts[0] if len(parts) == 1 else parts)
+            key = _spec_key(key.strip())
+            if key in d:
+                raise ValueError(f"spec {text!r} gives {key} twice")
+            try:
+                parts = [int(v) for v in val.split("x")]
+            except ValueError:
+                raise ValueError(f"spec item {item!r}: {val!r} must be an integer "
+                                 "(or AxB / AxBxCxD for stride, pad and dilation)") from None
+            if len(parts) > 1 and key not in _SPEC_TUPLES:
+                raise ValueError(f"spec item {item!r}: {key} takes one integer")
+            d[key] = parts[0] if len(parts) == 1 else parts
         missing = [f for f in "NCHWKRS" if f not in d]
         if missing:
             raise ValueError(f"spec {text!r} lacks {', '.join(missing)}")

@@ -89,16 +89,15 @@ def _entries(spec: ConvSpec, backend: Backend, epi: Epilogue, prec: str, bound: 
     max_error, the classes' entries (their measured error is checked by the caller)."""
     from convforge.tune import Tuner, open_db
 
-    db = open_db()
+    db = open_db(write=config.autotune)
     if db is None:
         return []
+    tuner = Tuner(backend, db, precision=prec, max_error=bound)
     keys = [precision_key(prec, bound)] + (list(PRECISIONS) if bound is not None else [])
     out: list[Entry] = []
     for k in keys:
-        tuner = Tuner(backend, db, precision=k if k in PRECISIONS else prec,
-                      max_error=bound if k not in PRECISIONS else None)
         try:
-            entry = tuner.lookup(spec, epi)
+            entry = tuner.lookup(spec, epi, precision=k)
         except Exception as err:  # noqa: BLE001 - a database problem is a slower choice, never a crash
             log.warning("tuning database lookup failed (%s); using the heuristic", err)
             return out
@@ -136,7 +135,7 @@ def _tune_now(spec: ConvSpec, backend: Backend, epi: Epilogue, prec: str, bound:
     """Autotune on first sight (``config.autotune``) into the database."""
     from convforge.tune import AUTOTUNE_BUDGET, TuneError, Tuner, open_db
 
-    tuner = Tuner(backend, open_db(writable=True), AUTOTUNE_BUDGET, precision=prec, max_error=bound)
+    tuner = Tuner(backend, open_db(write=True), AUTOTUNE_BUDGET, precision=prec, max_error=bound)
     try:
         res = tuner.tune(spec, epi, workspace_limit, force=True)
     except TuneError as err:

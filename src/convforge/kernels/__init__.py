@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Variant
@@ -116,10 +117,58 @@ def most_specialised(algo: str, spec: ConvSpec, device: DeviceInfo, workspace_li
     pool = ranked(algo, spec, device, workspace_limit, variants, params, precision=precision,
                   max_error=max_error)
     if pool:
-        return pool[0], params if params is not None else pool[0].default(spec, device)
+        if params is not None:
+            return pool[0], check_params(pool[0], spec, device, params)
+        return pool[0], pool[0].default(spec, device)
     why = reasons(algo, spec, device, precision=precision, max_error=max_error)
     detail = "; ".join(f"{k}: {r}" for k, r in why.items()) or "none fits the workspace limit"
     raise ValueError(f"no {algo!r} variant applies to {spec.short()} on {device.backend} ({detail})")
+
+
+def check_params(variant: Variant, spec: ConvSpec, device: DeviceInfo, params: Any) -> Params:
+    """``params`` as Params when it names exactly ``variant``'s parameters for ``spec`` (those of its
+    default) with plausible values: ints within reach of the space's (up to 4x its largest, so a
+    typo such as tk=100000 never reaches the generator), strings and booleans among the space's.
+    Otherwise ValueError naming the missing and unknown keys (and the variant's names) or the value
+    and what is allowed. Whether the values plan is ``variant.plan``'s to say."""
+    if not isinstance(params, Mapping):
+        raise TypeError(f"params ({params!r}) must be a dict or Params of parameter names and values")
+    bad_keys = [k for k in params if not isinstance(k, str)]
+    if bad_keys:
+        raise TypeError(f"params keys ({bad_keys!r}) must be strings")
+    prm = params if isinstance(params, Params) else Params(params)
+    default = variant.default(spec, device)
+    names = set(default)
+    missing, unknown = sorted(names - set(prm)), sorted(set(prm) - names)
+    if missing or unknown:
+        what = "; ".join(part for part in (
+            f"missing {', '.join(missing)}" if missing else "",
+            f"unknown {', '.join(unknown)}" if unknown else "") if part)
+        raise ValueError(f"params for {variant.name}: {what} ({variant.name} takes "
+                         f"{', '.join(sorted(names)) or 'no parameters'}; its default here is "
+                         f"{default.short() or '{}'})")
+    taken: dict[str, set[Any]] = {k: {v} for k, v in default.items()}
+    for point in variant.space(spec, device):
+        for k, v in point.items():
+            taken.setdefault(k, set()).add(v)
+    for k, v in prm.items():
+        _check_value(variant.name, k, v, taken.get(k, {default[k]}))
+    return prm
+
+
+def _check_value(variant: str, key: str, value: Any, taken: set[Any]) -> None:
+    """ValueError unless ``value`` is of the kind of the values ``taken`` and, for ints, in reach."""
+    ints = [v for v in taken if isinstance(v, int) and not isinstance(v, bool)]
+    if ints and len(ints) == len(taken):
+        low, high = min(0, min(ints)), max(64, 4 * max(ints))
+        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+            raise ValueError(f"params for {variant}: {key} ({value!r}) must be an int in {low}..{high}")
+    elif all(isinstance(v, bool) for v in taken):
+        if not isinstance(value, bool):
+            raise ValueError(f"params for {variant}: {key} ({value!r}) must be true or false")
+    elif not (value in taken and type(value) in {type(v) for v in taken}):
+        allowed = ", ".join(sorted(repr(v) for v in taken))
+        raise ValueError(f"params for {variant}: {key} ({value!r}) must be one of {allowed}")
 
 
 def most_accurate(spec: ConvSpec, device: DeviceInfo) -> Variant | None:

@@ -27,17 +27,21 @@ _LOCK = threading.Lock()
 AUTOTUNE_BUDGET = Budget()  # effort of tuning on first sight (config.autotune); may be changed
 
 
-def open_db(path: Path | None = None, writable: bool = False) -> TuningDB | None:
-    """The shared database at ``path`` (default ``config.tuning_db``); None if it cannot be opened."""
+def open_db(path: Path | None = None, write: bool = False) -> TuningDB | None:
+    """The shared database at ``path`` (default ``config.tuning_db``), read-only unless ``write``;
+    None when there is none (a lookup creates nothing) or it cannot be used (logged once)."""
     path = Path(path or config.tuning_db)
     with _LOCK:
-        if (path, writable) not in _DBS:
+        key = (path, write)
+        if key not in _DBS:
+            if not write and not path.exists():
+                return None  # not remembered: a later tuning run may create it
             try:
-                _DBS[path, writable] = TuningDB(path)
+                _DBS[key] = TuningDB(path, readonly=not write)
             except Exception as err:  # noqa: BLE001 - no database is a slower choice, never a crash
                 log.warning("tuning database %s unavailable (%s); using the heuristic", path, err)
-                _DBS[path, writable] = None
-        return _DBS[path, writable]
+                _DBS[key] = None
+        return _DBS[key]
 
 
 def clear_choices() -> None:

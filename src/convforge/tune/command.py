@@ -25,6 +25,13 @@ def _console() -> Any:
     return console if console.is_terminal else Console(width=180)
 
 
+def _error(msg: str) -> None:
+    """One plain ``error: ...`` line on stderr (the CLI's form for bad input)."""
+    import sys
+
+    print(f"error: {msg}", file=sys.stderr)
+
+
 # -- convforge tune -----------------------------------------------------------------------
 def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suite", help="built-in suite name (resnet, boda, mec) or a JSON suite file")
@@ -88,10 +95,14 @@ def tune_main(args: argparse.Namespace) -> int:
         layers = _layers(args)
         budget = Budget.parse(args.budget)
     except ValueError as err:
-        console.print(f"[red]error:[/red] {err}")
+        _error(f"{err}")
+        return 2
+    try:
+        db = TuningDB(args.db or config.tuning_db)
+    except ValueError as err:
+        _error(f"{err}")
         return 2
     backend = _backend(args)
-    db = TuningDB(args.db or config.tuning_db)
     epi = Epilogue(bias=args.bias, relu=args.relu)
     console.print(f"device: {backend.device.name} ({backend.name}, {backend.device.driver}); "
                   f"database: {db.path}; budget: {budget}")
@@ -209,6 +220,7 @@ def add_db_arguments(p: argparse.ArgumentParser) -> None:
     imp = sub.add_parser("import", help="merge entries from an exported JSON file")
     imp.add_argument("file", type=Path)
     imp.add_argument("--replace", action="store_true", help="overwrite entries even when they are faster")
+    imp.add_argument("--dry-run", action="store_true", help="check the entries and say what would be stored")
     clr = sub.add_parser("clear", help="delete entries (all without filters)")
     clr.add_argument("--backend", help="only this back-end")
     clr.add_argument("--spec", help="only this layer (ConvSpec text)")
@@ -226,17 +238,19 @@ def _match(args: argparse.Namespace) -> dict[str, str]:
 
 
 def db_main(args: argparse.Namespace) -> int:
-    """The database sub-commands."""
+    """The database sub-commands: list, show and export open the database read-only."""
     console = _console()
     try:
         match = _match(args)
+        writes = args.db_command in ("import", "clear") and not getattr(args, "dry_run", False)
+        db = TuningDB(args.db or config.tuning_db, readonly=not writes)
     except ValueError as err:
-        console.print(f"[red]error:[/red] {err}")
+        _error(f"{err}")
         return 2
-    db = TuningDB(args.db or config.tuning_db)
     cmd = args.db_command
     if cmd == "list":
         console.print(_list_table(db.entries(**match), db.path))
+        _print_not_carried(console, db)
     elif cmd == "show":
         for e in db.entries(**match):
             console.print_json(json.dumps(_entry_doc(e)))
@@ -247,15 +261,37 @@ def db_main(args: argparse.Namespace) -> int:
             doc = db.export_json(args.file, **match)
             console.print(f"exported {len(doc['entries'])} entries to {args.file}")
     elif cmd == "import":
-        try:
-            n = db.import_json(args.file, only_if_faster=not args.replace)
-        except (OSError, ValueError) as err:
-            console.print(f"[red]error:[/red] cannot import {args.file}: {err}")
-            return 1
-        console.print(f"imported {n} entries into {db.path}")
+        return _import(console, db, args)
     elif cmd == "clear":
         console.print(f"deleted {db.clear(**match)} entries from {db.path}")
     return 0
+
+
+def _import(console: Any, db: TuningDB, args: argparse.Namespace) -> int:
+    """Validate every entry, store the good ones (unless --dry-run), list the rejects with reasons."""
+    try:
+        rep = db.import_json(args.file, only_if_faster=not args.replace, dry_run=args.dry_run)
+    except (OSError, ValueError) as err:
+        _error(f"cannot import {args.file}: {err}")
+        return 2
+    verb = "would store" if args.dry_run else "imported"
+    for e in rep.stored:
+        console.print(f"  {verb}: {e.backend} {e.spec} {e.epilogue} {e.precision} {e.variant}", soft_wrap=True)
+    for label, why in rep.rejected:
+        console.print(f"  [red]rejected[/red] {label}: {why}", soft_wrap=True)
+    console.print(f"{verb} {len(rep.stored)} entries into {db.path}; {len(rep.kept)} kept (an existing entry "
+                  f"is faster), {len(rep.rejected)} rejected", soft_wrap=True)
+    return 1 if rep.rejected else 0
+
+
+def _print_not_carried(console: Any, db: TuningDB) -> None:
+    """Entries an upgrade could not carry over (this opening's in-memory upgrade, or the file's log)."""
+    lines = db.not_carried or [f"{entry}: {reason} (upgrade of {date[:19]})"
+                               for date, entry, reason in db.not_carried_log()]
+    if lines:
+        console.print(f"{len(lines)} entries of an older schema were not carried over:")
+        for line in lines:
+            console.print(f"  {line}", soft_wrap=True, markup=False)
 
 
 def _entry_doc(e: Entry) -> dict[str, Any]:
@@ -272,13 +308,15 @@ def _list_table(entries: list[Entry], path: Path) -> Any:
     from rich.table import Table
 
     table = Table(title=f"{path}: {len(entries)} entries")
-    for col in ("device", "back-end", "layer", "epilogue", "variant", "parameters", "ms", "speed-up", "date"):
+    for col in ("device", "back-end", "layer", "epilogue", "precision", "variant", "parameters", "ms", "error",
+                "speed-up", "date"):
         table.add_column(col)
     for e in entries:
         prm = " ".join(f"{k}={v}" for k, v in json.loads(e.params).items())
         sp = e.speedup
         table.add_row(e.device.split("|")[1] if "|" in e.device else e.device, e.backend, e.spec, e.epilogue,
-                      e.variant, prm, f"{e.time_ms:.4f}", "" if sp is None else f"{sp:.2f}×", e.date[:19])
+                      e.precision, e.variant, prm, f"{e.time_ms:.4f}", f"{e.error:.1e}",
+                      "" if sp is None else f"{sp:.2f}×", e.date[:19])
     return table
 
 

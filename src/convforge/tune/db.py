@@ -1,9 +1,12 @@
 """The tuning database: SQLite (WAL) holding the best variant and parameters per device, back-end,
-convforge version, layer, dtype and epilogue, plus every candidate measured (for reports).
+layer, dtype, epilogue and precision class (with the convforge version that tuned it and the errors
+measured), plus every candidate measured (for reports). See docs/DISK.md.
 
-Several processes may tune at once: writes are short ``BEGIN IMMEDIATE`` transactions under a busy
-timeout. A corrupt or older-format file is moved aside (renamed with a timestamp) and rebuilt with a
-warning; opening the database never raises because of what is on disk.
+convforge writes only to a database it recognises as its own (``dbfile.identify``): anything else at
+the path is refused with a :class:`DatabaseError`, never renamed or written. A convforge database of
+an older schema is upgraded in place (after a copy beside it); one failing its integrity check is
+moved aside and rebuilt. Several processes may tune at once: writes are short ``BEGIN IMMEDIATE``
+transactions under a busy timeout.
 """
 
 from __future__ import annotations
@@ -12,37 +15,31 @@ import contextlib
 import datetime as _dt
 import json
 import logging
+import math
 import os
 import sqlite3
 import threading
 import warnings
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 1
+from convforge.tune.dbfile import KEY_FIELDS, SCHEMA_VERSION, create_schema, identify, migrate_v1, ro_uri
+
 EXPORT_FORMAT = "convforge-tuning"
 BUSY_TIMEOUT_S = 60.0
-KEY_FIELDS = ("device", "backend", "version", "spec", "dtype", "epilogue")
+MIN_TIME_MS = 1e-4  # 0.1 us: no kernel launch is faster; an imported claim below it is implausible
 
 log = logging.getLogger("convforge.tune")
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS results (
-    device TEXT NOT NULL, backend TEXT NOT NULL, version TEXT NOT NULL, spec TEXT NOT NULL,
-    dtype TEXT NOT NULL, epilogue TEXT NOT NULL,
-    variant TEXT NOT NULL, params TEXT NOT NULL, time_ms REAL NOT NULL, workspace INTEGER NOT NULL,
-    error REAL NOT NULL, date TEXT NOT NULL, spec_json TEXT NOT NULL DEFAULT '{}',
-    heuristic_variant TEXT NOT NULL DEFAULT '', heuristic_params TEXT NOT NULL DEFAULT '{}',
-    heuristic_ms REAL, candidates INTEGER NOT NULL DEFAULT 0, seconds REAL NOT NULL DEFAULT 0,
-    PRIMARY KEY (device, backend, version, spec, dtype, epilogue));
-CREATE TABLE IF NOT EXISTS measurements (
-    device TEXT NOT NULL, backend TEXT NOT NULL, version TEXT NOT NULL, spec TEXT NOT NULL,
-    dtype TEXT NOT NULL, epilogue TEXT NOT NULL, variant TEXT NOT NULL, params TEXT NOT NULL,
-    time_ms REAL, error REAL, status TEXT NOT NULL, date TEXT NOT NULL,
-    PRIMARY KEY (device, backend, version, spec, dtype, epilogue, variant, params));
-"""
+
+class DatabaseError(ValueError):
+    """The file at the database path cannot be used (it is not ours, or is missing)."""
+
+
+class NoDatabase(DatabaseError, FileNotFoundError):
+    """There is no tuning database at the path (read-only opening)."""
 
 
 def now() -> str:
@@ -51,7 +48,9 @@ def now() -> str:
 
 @dataclass(frozen=True)
 class Entry:
-    """One tuned layer: the key (first six fields) and what was chosen, with the heuristic for comparison."""
+    """One tuned layer: the key (``KEY_FIELDS``) and what was chosen, with the heuristic for comparison.
+    ``error`` is the chosen candidate's measured error, ``min_error`` the smallest any candidate
+    measured on the layer (None when unknown)."""
 
     device: str
     backend: str
@@ -71,6 +70,8 @@ class Entry:
     heuristic_ms: float | None = None
     candidates: int = 0
     seconds: float = 0.0
+    precision: str = "fp32"
+    min_error: float | None = None
 
     @property
     def key(self) -> tuple[str, ...]:
@@ -85,17 +86,11 @@ class Entry:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Entry:
-        names = {f.name for f in fields(cls)}
-        missing = [k for k in KEY_FIELDS + ("variant", "params", "time_ms") if k not in d]
-        if missing:
-            raise ValueError(f"tuning entry lacks {', '.join(missing)}")
-        vals = {k: v for k, v in d.items() if k in names}
-        vals.setdefault("workspace", 0)
-        vals.setdefault("error", 0.0)
-        vals.setdefault("date", now())
-        if not isinstance(vals["params"], str):
-            vals["params"] = json.dumps(vals["params"], sort_keys=True)
-        return cls(**vals)
+        """An entry from an export's object, with its fields' types checked (ValueError naming the
+        field otherwise). Exports of schema 1 lack ``precision``: their error decides it."""
+        from convforge.tune.validate import entry_fields
+
+        return cls(**entry_fields(d))
 
 
 @dataclass(frozen=True)
@@ -109,20 +104,73 @@ class Measurement:
     status: str  # "ok" or the reason it scored infinity
 
 
+@dataclass
+class ImportReport:
+    """What an import stored (or would store), kept back (an existing entry is faster) and rejected."""
+
+    stored: list[Entry] = field(default_factory=list)
+    kept: list[Entry] = field(default_factory=list)
+    rejected: list[tuple[str, str]] = field(default_factory=list)  # (entry label, reason)
+
+
 _ENTRY_COLS = [f.name for f in fields(Entry)]
 
 
 class TuningDB:
-    """A tuning database at ``path``; one connection shared by the threads of this process."""
+    """A tuning database at ``path``; one connection shared by the threads of this process.
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    ``readonly=True`` never creates, writes, migrates or moves anything: a missing file is
+    :class:`NoDatabase`, a schema-1 file is read through its migration into memory."""
+
+    def __init__(self, path: str | os.PathLike[str], readonly: bool = False) -> None:
         self.path = Path(path)
+        self.readonly = readonly
+        self.not_carried: list[str] = []  # entries an upgrade at this opening could not carry over
         self._lock = threading.RLock()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with _file_lock(self.path):
-            self.conn = self._open_checked()
+        self.conn = self._open_readonly() if readonly else self._open_writable()
 
     # -- opening, validation, recovery ----------------------------------------------------
+    def _refuse(self, what: str) -> DatabaseError:
+        return DatabaseError(f"{self.path} is {what}; convforge leaves it untouched "
+                             "(choose another --db / CONVFORGE_DB path)")
+
+    def _open_readonly(self) -> sqlite3.Connection:
+        kind = identify(self.path)
+        if kind.kind == "missing":
+            raise NoDatabase(f"no tuning database at {self.path} (run convforge tune)")
+        if kind.kind == "foreign":
+            raise self._refuse(kind.what)
+        if kind.kind == "ours" and kind.schema > SCHEMA_VERSION:
+            raise self._refuse(_newer(kind.schema))
+        conn = sqlite3.connect(ro_uri(self.path), uri=True, check_same_thread=False, isolation_level=None)
+        if kind.kind == "ours" and kind.schema == SCHEMA_VERSION:
+            return conn
+        mem = sqlite3.connect(":memory:", check_same_thread=False, isolation_level=None)
+        if kind.kind == "empty":
+            conn.close()
+            _init(mem)
+            return mem
+        conn.backup(mem)  # schema 1: upgraded in memory only, the file stays as it is
+        conn.close()
+        self.not_carried = migrate_v1(mem, now())
+        return mem
+
+    def _open_writable(self) -> sqlite3.Connection:
+        from convforge.config import config
+
+        parent = self.path.parent
+        if not parent.is_dir():
+            if parent.resolve() != config.cache_dir.resolve():
+                raise DatabaseError(f"folder {parent} of the tuning database {self.path} does not exist")
+            parent.mkdir(parents=True, exist_ok=True)
+        kind = identify(self.path)
+        if kind.kind == "foreign":
+            raise self._refuse(kind.what)
+        if kind.kind == "ours" and kind.schema > SCHEMA_VERSION:
+            raise self._refuse(_newer(kind.schema))
+        with _file_lock(self.path):
+            return self._open_checked()
+
     def _connect(self) -> sqlite3.Connection:
         conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None,
                                check_same_thread=False)
@@ -130,22 +178,46 @@ class TuningDB:
         return conn
 
     def _open_checked(self) -> sqlite3.Connection:
+        """Under the file lock: check integrity, upgrade schema 1, create a new file's tables."""
+        kind = identify(self.path)  # again: another process may have upgraded it meanwhile
+        if kind.kind == "foreign":
+            raise self._refuse(kind.what)
         conn = self._connect()
         try:
-            problem = _validate(conn)
-            if problem is None:
-                _init(conn)
-                return conn
+            check = conn.execute("PRAGMA quick_check").fetchone()
+            problem = None if check and check[0] == "ok" else (
+                f"corrupt (integrity check: {check[0] if check else 'no answer'})")
         except sqlite3.DatabaseError as err:
             problem = f"unreadable ({err})"
+        if problem is None:
+            if kind.kind == "ours" and kind.schema == 1:
+                self._upgrade(conn)
+            _init(conn)
+            return conn
         conn.close()
         aside = self._move_aside()
         msg = f"tuning database {self.path} is {problem}; moved to {aside.name} and rebuilt"
         log.warning(msg)
-        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        warnings.warn(msg, RuntimeWarning, stacklevel=4)
         conn = self._connect()
         _init(conn)
         return conn
+
+    def _upgrade(self, conn: sqlite3.Connection) -> None:
+        """Schema 1 -> 2 in place, after a consistent copy beside the file."""
+        stamp = _dt.datetime.now().strftime("%Y%m%dT%H%M%S%f")
+        backup = self.path.with_name(f"{self.path.name}.v1-backup-{stamp}")
+        dst = sqlite3.connect(backup)
+        try:
+            conn.backup(dst)
+        finally:
+            dst.close()
+        self.not_carried = migrate_v1(conn, now())
+        msg = (f"tuning database {self.path} upgraded to schema {SCHEMA_VERSION} (copy of the old file: "
+               f"{backup.name})")
+        if self.not_carried:
+            msg += f"; {len(self.not_carried)} entries not carried over: " + "; ".join(self.not_carried)
+        log.warning(msg)
 
     def _move_aside(self) -> Path:
         stamp = _dt.datetime.now().strftime("%Y%m%dT%H%M%S%f")
@@ -164,6 +236,8 @@ class TuningDB:
     @contextlib.contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
         """A short write transaction, taken at once so concurrent writers queue on the busy timeout."""
+        if self.readonly:
+            raise DatabaseError(f"tuning database {self.path} is open read-only")
         with self._lock:
             self.conn.execute("BEGIN IMMEDIATE")
             try:
@@ -174,12 +248,13 @@ class TuningDB:
             self.conn.execute("COMMIT")
 
     # -- results --------------------------------------------------------------------------
-    def get(self, device: str, backend: str, version: str, spec: str, dtype: str,
-            epilogue: str) -> Entry | None:
+    def get(self, device: str, backend: str, spec: str, dtype: str, epilogue: str,
+            precision: str) -> Entry | None:
+        """The entry under the key (``KEY_FIELDS`` order), or None."""
         where = " AND ".join(f"{k} = ?" for k in KEY_FIELDS)
         with self._lock:
             row = self.conn.execute(f"SELECT {', '.join(_ENTRY_COLS)} FROM results WHERE {where}",
-                                    (device, backend, version, spec, dtype, epilogue)).fetchone()
+                                    (device, backend, spec, dtype, epilogue, precision)).fetchone()
         return Entry(*row) if row else None
 
     def put(self, entry: Entry, only_if_faster: bool = False) -> bool:
@@ -188,28 +263,39 @@ class TuningDB:
         marks = ", ".join("?" for _ in _ENTRY_COLS)
         vals = tuple(getattr(entry, c) for c in _ENTRY_COLS)
         with self._write() as conn:
-            if only_if_faster:
-                where = " AND ".join(f"{k} = ?" for k in KEY_FIELDS)
-                row = conn.execute(f"SELECT time_ms FROM results WHERE {where}", entry.key).fetchone()
-                if row is not None and row[0] <= entry.time_ms:
-                    return False
+            if only_if_faster and self._faster_exists(entry):
+                return False
             conn.execute(f"INSERT OR REPLACE INTO results ({cols}) VALUES ({marks})", vals)
         return True
 
+    def _faster_exists(self, entry: Entry) -> bool:
+        where = " AND ".join(f"{k} = ?" for k in KEY_FIELDS)
+        row = self.conn.execute(f"SELECT time_ms FROM results WHERE {where}", entry.key).fetchone()
+        return row is not None and row[0] <= entry.time_ms
+
     def entries(self, **match: str) -> list[Entry]:
         """Every entry whose key fields equal the given values (all entries without arguments)."""
-        bad = set(match) - set(KEY_FIELDS) - {"variant"}
+        bad = set(match) - set(KEY_FIELDS) - {"variant", "version"}
         if bad:
             raise ValueError(f"cannot filter on {sorted(bad)}; use {KEY_FIELDS}")
         where = " AND ".join(f"{k} = ?" for k in match) or "1"
         with self._lock:
             rows = self.conn.execute(
                 f"SELECT {', '.join(_ENTRY_COLS)} FROM results WHERE {where} "
-                "ORDER BY device, backend, spec, epilogue", tuple(match.values())).fetchall()
+                "ORDER BY device, backend, spec, epilogue, precision", tuple(match.values())).fetchall()
         return [Entry(*r) for r in rows]
+
+    def not_carried_log(self) -> list[tuple[str, str, str]]:
+        """(date, entry, reason) of every entry an upgrade of this database could not carry over."""
+        with self._lock:
+            return [tuple(r) for r in self.conn.execute(
+                "SELECT date, entry, reason FROM not_carried ORDER BY date, entry")]
 
     def clear(self, **match: str) -> int:
         """Delete matching entries and their measurements; returns the number of entries deleted."""
+        bad = set(match) - set(KEY_FIELDS) - {"variant", "version"}
+        if bad:
+            raise ValueError(f"cannot filter on {sorted(bad)}; use {KEY_FIELDS}")
         where = " AND ".join(f"{k} = ?" for k in match) or "1"
         with self._write() as conn:
             n = conn.execute(f"DELETE FROM results WHERE {where}", tuple(match.values())).rowcount
@@ -219,10 +305,12 @@ class TuningDB:
 
     # -- measurements ---------------------------------------------------------------------
     def add_measurements(self, key: tuple[str, ...], items: list[Measurement]) -> None:
-        rows = [key + (m.variant, m.params, _finite(m.time_ms), _finite(m.error), m.status, now())
+        from convforge import __version__
+
+        rows = [key + (__version__, m.variant, m.params, _finite(m.time_ms), _finite(m.error), m.status, now())
                 for m in items]
         with self._write() as conn:
-            conn.executemany("INSERT OR REPLACE INTO measurements VALUES (?,?,?,?,?,?,?,?,?,?,?,?)", rows)
+            conn.executemany("INSERT OR REPLACE INTO measurements VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", rows)
 
     def measurements(self, key: tuple[str, ...]) -> list[Measurement]:
         where = " AND ".join(f"{k} = ?" for k in KEY_FIELDS)
@@ -243,46 +331,55 @@ class TuningDB:
             os.replace(tmp, path)
         return doc
 
-    def import_json(self, source: str | os.PathLike[str] | dict[str, Any],
-                    only_if_faster: bool = True) -> int:
-        """Merge entries from an export (file or document); returns how many were stored."""
-        doc = source if isinstance(source, dict) else json.loads(Path(source).read_text())
-        if not isinstance(doc, dict) or doc.get("format") != EXPORT_FORMAT:
-            raise ValueError(f"not a convforge tuning export (format must be {EXPORT_FORMAT!r})")
-        stored = 0
-        for item in doc.get("entries", []):
-            stored += self.put(Entry.from_dict(item), only_if_faster=only_if_faster)
-        return stored
+    def import_json(self, source: str | os.PathLike[str] | dict[str, Any], only_if_faster: bool = True,
+                    dry_run: bool = False) -> ImportReport:
+        """Merge entries from an export (file or document), each validated first (field types, a
+        known variant, parameters that plan for the layer on a nominal device of its back-end);
+        rejects are reported, never stored. ``dry_run`` stores nothing."""
+        from convforge.tune.validate import load_document, validate_entry
+
+        items = load_document(source)
+        report = ImportReport()
+        for i, item in enumerate(items):
+            try:
+                entry = validate_entry(item)
+            except (ValueError, TypeError) as err:
+                report.rejected.append((_label(i, item), str(err)))
+                continue
+            with self._lock:
+                faster = only_if_faster and self._faster_exists(entry)
+            if faster:
+                report.kept.append(entry)
+            elif dry_run or self.put(entry, only_if_faster=only_if_faster):
+                report.stored.append(entry)
+            else:
+                report.kept.append(entry)
+        return report
+
+
+def _label(i: int, item: object) -> str:
+    if isinstance(item, dict):
+        return f"entry {i + 1} ({item.get('backend', '?')} {item.get('spec', '?')} {item.get('variant', '?')})"
+    return f"entry {i + 1}"
+
+
+def _newer(schema: int) -> str:
+    return (f"a tuning database of a newer convforge (schema {schema}; this one reads {SCHEMA_VERSION}): "
+            "upgrade convforge")
 
 
 def _finite(v: float | None) -> float | None:
-    return None if v is None or v != v or v in (float("inf"), float("-inf")) else float(v)
-
-
-def _validate(conn: sqlite3.Connection) -> str | None:
-    """None when the file is a usable database of this schema (or empty), otherwise what is wrong."""
-    check = conn.execute("PRAGMA quick_check").fetchone()
-    if not check or check[0] != "ok":
-        return f"corrupt (integrity check: {check[0] if check else 'no answer'})"
-    version = conn.execute("PRAGMA user_version").fetchone()[0]
-    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-    if version == 0 and not tables:
-        return None  # a new, empty file
-    if version != SCHEMA_VERSION:
-        return f"in an older or unknown format (schema {version}, this convforge reads {SCHEMA_VERSION})"
-    if not {"results", "measurements"} <= tables:
-        return "missing its tables"
-    return None
+    return None if v is None or not math.isfinite(v) else float(v)
 
 
 def _init(conn: sqlite3.Connection) -> None:
-    conn.execute("PRAGMA journal_mode = WAL")
-    conn.execute("PRAGMA synchronous = NORMAL")
+    """Journal settings and schema 2's tables (a no-op on a current database)."""
+    if conn.execute("PRAGMA database_list").fetchone()[2]:  # a file, not :memory:
+        conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute("PRAGMA synchronous = NORMAL")
     conn.execute("BEGIN IMMEDIATE")
     try:
-        for stmt in filter(str.strip, _SCHEMA.split(";")):
-            conn.execute(stmt)
-        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        create_schema(conn)
         conn.execute("COMMIT")
     except BaseException:
         conn.execute("ROLLBACK")

@@ -214,14 +214,15 @@ class Tuner:
         self.timings = 0  # candidates timed by this tuner (a warm database leaves it at zero)
 
     # -- keys and the database ------------------------------------------------------------
-    def key(self, spec: ConvSpec, epi: Epilogue) -> tuple[str, ...]:
+    def key(self, spec: ConvSpec, epi: Epilogue, precision: str | None = None) -> tuple[str, ...]:
+        """The database key (``KEY_FIELDS`` order); the precision field is ``precision`` (a
+        ``precision_key`` value) or this tuner's class / max_error."""
         dev = self.backend.device
-        epi_key = epilogue_key(epi)
-        epi_key += f"|{precision_key(self.precision, self.max_error)}"  # classes apart
-        return (dev.key(), self.backend.name, __version__, spec.key(), spec.dtype, epi_key)
+        prec = precision or precision_key(self.precision, self.max_error)
+        return (dev.key(), self.backend.name, spec.key(), spec.dtype, epilogue_key(epi), prec)
 
-    def lookup(self, spec: ConvSpec, epi: Epilogue = NO_EPILOGUE) -> Entry | None:
-        return self.db.get(*self.key(spec, epi)) if self.db is not None else None
+    def lookup(self, spec: ConvSpec, epi: Epilogue = NO_EPILOGUE, precision: str | None = None) -> Entry | None:
+        return self.db.get(*self.key(spec, epi, precision)) if self.db is not None else None
 
     def _known(self, entry: Entry) -> Variant | None:
         pool = self.variants
@@ -248,7 +249,8 @@ class Tuner:
             raise TuneError(f"no correct candidate for {spec.short()}: {reasons}")
         best = self.select(spec, ok)
         heur = cands[0] if cands[0].is_default else None
-        entry = self._entry(spec, epilogue, best, heur, len(cands), time.perf_counter() - start)
+        least = min((c.error for c in ok if c.error is not None), default=None)
+        entry = self._entry(spec, epilogue, best, heur, len(cands), time.perf_counter() - start, least)
         if self.db is not None:
             try:
                 self.db.put(entry)
@@ -292,16 +294,17 @@ class Tuner:
         return pool
 
     def _entry(self, spec: ConvSpec, epi: Epilogue, best: Candidate, heur: Candidate | None,
-               n: int, seconds: float) -> Entry:
+               n: int, seconds: float, min_error: float | None = None,
+               precision: str | None = None) -> Entry:
         assert best.plan is not None
-        key = dict(zip(KEY_FIELDS, self.key(spec, epi), strict=True))
-        return Entry(**key, variant=best.variant.name, params=best.params.to_json(),
+        key = dict(zip(KEY_FIELDS, self.key(spec, epi, precision), strict=True))
+        return Entry(**key, version=__version__, variant=best.variant.name, params=best.params.to_json(),
                      time_ms=best.time_ms, workspace=best.plan.workspace_bytes, error=best.error or 0.0,
                      date=now(), spec_json=json.dumps(spec.to_dict(), sort_keys=True),
                      heuristic_variant=heur.variant.name if heur else "",
                      heuristic_params=heur.params.to_json() if heur else "{}",
                      heuristic_ms=heur.time_ms if heur and heur.status == "ok" else None,
-                     candidates=n, seconds=round(seconds, 3))
+                     candidates=n, seconds=round(seconds, 3), min_error=min_error)
 
     def search(self, spec: ConvSpec, epi: Epilogue = NO_EPILOGUE,
                workspace_limit: int | None = None) -> list[Candidate]:

@@ -1,0 +1,168 @@
+"""Every sub-command with malformed arguments, bad environment values and foreign files at the
+database path: one ``error:`` line (or argparse's usage message), exit status 2, no traceback, and
+files that are not convforge's left byte-for-byte unchanged."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from convforge.cli import main
+from convforge.config import Config, ConfigError, config
+
+SPEC = "N=1,C=3,H=9,W=9,K=4,R=3,S=3,pad=1"
+SRC = str(Path(__file__).parents[1] / "src")
+
+
+def run_main(argv: list[str], capsys) -> tuple[int, str]:  # type: ignore[no-untyped-def]
+    """main() in process; argparse's own errors exit with status 2 through SystemExit."""
+    try:
+        rc = main(argv)
+    except SystemExit as ex:
+        rc = int(ex.code or 0)
+    out = capsys.readouterr()
+    return rc, out.out + out.err
+
+
+MALFORMED = [
+    ["algos", "--spec", "N=1,C=3,H=9,W=9,K=4,R=3,S=3,strde=2"],
+    ["algos", "--spec", "N=1,C=3,H=9,W=9"],
+    ["algos", "--spec", "N=1,C=3,H=x,W=9,K=4,R=3,S=3"],
+    ["algos", "--spec", SPEC, "--max-error", "abc"],
+    ["algos", "--spec", SPEC, "--max-error", "-1"],
+    ["algos", "--spec", "N=1,C=3,H=2,W=2,K=4,R=3,S=3"],
+    ["show", "--spec", SPEC, "--variant", "nosuch", "--backend", "opencl"],
+    ["show", "--spec", SPEC, "--params", "bogus=1", "--backend", "opencl"],
+    ["show", "--spec", SPEC, "--params", "tk=100000", "--backend", "opencl"],
+    ["show", "--spec", "N=0,C=3,H=9,W=9,K=4,R=3,S=3", "--backend", "opencl"],
+    ["show", "--spec", SPEC, "--backend", "metal"],
+    ["tune", "--spec", "N=1,C=3,H=9,W=9,K=4,R=3,S=3,dilaton=2"],
+    ["tune", "--budget", "fast", "--spec", SPEC],
+    ["tune", "--limit", "many"],
+    ["tune"],
+    ["bench", "--limit", "x"],
+    ["bench", "--suite", "nosuchsuite", "--backend", "opencl", "--baseline", "none"],
+    ["db", "frobnicate"],
+    ["db", "list", "--spec", "N=1"],
+    ["db", "show", "--spec", "N=1,C=3,H=9,W=9,K=4,R=3,S=3,bogus=1"],
+    ["devices", "--bogus"],
+    ["db", "import"],
+    ["db", "export"],
+    ["nosuchcommand"],
+    [],
+]
+
+
+@pytest.mark.parametrize("argv", MALFORMED, ids=lambda a: " ".join(a)[:40] or "none")
+def test_malformed_arguments(argv: list[str], capsys, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(config, "db_path", tmp_path / "t.sqlite")
+    rc, out = run_main(argv, capsys)
+    assert rc == 2, out
+    assert "Traceback" not in out and ("error:" in out or "usage:" in out), out
+
+
+def test_db_commands_on_missing_and_bad_files(capsys, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    db = str(tmp_path / "none.sqlite")
+    for argv in (["db", "--db", db, "list"], ["db", "--db", db, "show"], ["db", "--db", db, "export", "-"]):
+        rc, out = run_main(argv, capsys)
+        assert rc == 2 and "no tuning database at" in out and "run convforge tune" in out
+    assert list(tmp_path.iterdir()) == []
+    rc, out = run_main(["db", "--db", str(tmp_path / "nofolder" / "t.sqlite"), "clear"], capsys)
+    assert rc == 2 and "does not exist" in out
+    bad = tmp_path / "bad.json"
+    for text in ("{not json", json.dumps({"format": "convforge-tuning", "entries": [1, "x"]}),
+                 json.dumps({"format": "convforge-tuning", "entries": [{"time_ms": "1"}]})):
+        bad.write_text(text)
+        rc, out = run_main(["db", "--db", str(tmp_path / "t.sqlite"), "import", str(bad)], capsys)
+        assert rc in (1, 2) and "Traceback" not in out and ("error" in out or "rejected" in out), out
+    rc, out = run_main(["db", "--db", str(tmp_path / "t.sqlite"), "import", str(tmp_path / "nofile.json")], capsys)
+    assert rc == 2 and "Traceback" not in out
+
+
+def test_db_import_dry_run_stores_nothing(capsys, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from dataclasses import asdict
+
+    from test_db import _entry
+
+    db = tmp_path / "t.sqlite"
+    src = tmp_path / "in.json"
+    good = asdict(_entry())
+    src.write_text(json.dumps({"format": "convforge-tuning", "entries": [good, {**good, "time_ms": "x"}]}))
+    run_main(["db", "--db", str(db), "clear"], capsys)  # creates the database
+    rc, out = run_main(["db", "--db", str(db), "import", "--dry-run", str(src)], capsys)
+    assert rc == 1 and "would store 1 entries" in out and "rejected" in out and "time_ms ('x')" in out
+    rc, out = run_main(["db", "--db", str(db), "list"], capsys)
+    assert rc == 0 and "0 entries" in out
+    rc, out = run_main(["db", "--db", str(db), "import", str(src)], capsys)
+    assert rc == 1 and "imported 1 entries" in out
+    rc, out = run_main(["db", "--db", str(db), "show"], capsys)
+    assert rc == 0 and '"error": 1e-07' in out and '"precision": "fp32"' in out
+
+
+def _foreign(folder: Path) -> list[Path]:
+    from test_db import foreign_files
+
+    return list(foreign_files(folder).values())
+
+
+COMMANDS = [["db", "list"], ["db", "show"], ["db", "export", "-"], ["db", "clear"], ["tune", "--spec", SPEC]]
+
+
+def test_db_flag_on_foreign_files_leaves_them_unchanged(capsys, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from test_db import snapshot
+
+    paths = _foreign(tmp_path)
+    before = snapshot(tmp_path)
+    for path in paths:
+        for cmd in COMMANDS:
+            argv = [cmd[0], "--db", str(path), *cmd[1:]] if cmd[0] == "db" else [*cmd, "--db", str(path)]
+            rc, out = run_main(argv, capsys)
+            assert rc == 2 and str(path) in out and "Traceback" not in out, out
+    assert snapshot(tmp_path) == before
+
+
+def _cli(args: list[str], **env: str) -> subprocess.CompletedProcess[str]:
+    full = {**os.environ, "PYTHONPATH": SRC, **env}
+    return subprocess.run([sys.executable, "-m", "convforge.cli", *args], capture_output=True, text=True,
+                          env=full, timeout=120)
+
+
+def test_convforge_db_env_on_foreign_files_leaves_them_unchanged(tmp_path: Path) -> None:
+    from test_db import snapshot
+
+    (tmp_path / "files").mkdir()
+    paths = _foreign(tmp_path / "files")
+    before = snapshot(tmp_path / "files")
+    for path in paths:
+        res = _cli(["db", "list"], CONVFORGE_DB=str(path), CONVFORGE_CACHE_DIR=str(tmp_path / "cache"))
+        assert res.returncode == 2 and "Traceback" not in res.stderr + res.stdout
+        assert res.stderr.startswith("error:") and str(path) in res.stderr
+    assert snapshot(tmp_path / "files") == before
+
+
+@pytest.mark.parametrize("var,value", [("CONVFORGE_MAX_ERROR", "abc"), ("CONVFORGE_AUTOTUNE", "maybe"),
+                                       ("CONVFORGE_PRECISION", "fp16"), ("CONVFORGE_DISK_CACHE", "sometimes"),
+                                       ("CONVFORGE_OPENCL_DEVICE", "gpu0")])
+def test_bad_environment_is_one_error_line(var: str, value: str, tmp_path: Path) -> None:
+    res = _cli(["algos", "--spec", SPEC, "--backend", "cuda"], **{var: value},
+               CONVFORGE_CACHE_DIR=str(tmp_path))
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert res.stderr.count("\n") == 1 and res.stderr.startswith("error:") and var in res.stderr
+
+
+def test_bad_environment_at_the_api() -> None:
+    cfg = Config({"CONVFORGE_MAX_ERROR": "abc", "CONVFORGE_AUTOTUNE": "maybe"})
+    with pytest.raises(ConfigError, match="CONVFORGE_MAX_ERROR.*'abc'.*must be a number"):
+        _ = cfg.max_error
+    with pytest.raises(ConfigError, match="CONVFORGE_AUTOTUNE"):
+        cfg.validate()
+    assert cfg.precision == "fp32"
+    cfg.max_error, cfg.autotune = None, True  # assigning clears the problem
+    cfg.validate()
+    assert Config({"CONVFORGE_AUTOTUNE": "Yes"}).autotune is True
+    assert Config({"CONVFORGE_AUTOTUNE": "off"}).autotune is False
