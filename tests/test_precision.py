@@ -72,3 +72,51 @@ def test_verification_covers_the_whole_batch(ocl, monkeypatch) -> None:
     tuner = Tuner(ocl, None, Budget(None, 1), variants=[kernels.get_variant("direct")])
     (cand,) = tuner.search(spec)
     assert cand.status.startswith("wrong: rel L2 error")
+
+
+def _store(db, tuner, spec, variant: str, params, err: float, precision: str) -> None:
+    from convforge.plan import Epilogue
+    from convforge.tune.db import KEY_FIELDS, Entry, now
+
+    key = dict(zip(KEY_FIELDS, tuner.key(spec, Epilogue(), precision), strict=True))
+    db.put(Entry(**key, version="test", variant=variant, params=params.to_json(), time_ms=1.0, workspace=0,
+                 error=err, date=now()))
+
+
+def test_dispatch_uses_the_class_entry_and_measured_errors(ocl, tmp_path, monkeypatch) -> None:
+    """The database's entry of the asked class serves; max_error compares measured errors; a
+    bound nothing states it meets is a clear error naming the most accurate variant."""
+    from convforge import dispatch, tune
+    from convforge.config import config
+    from convforge.tune.db import TuningDB
+
+    spec = ConvSpec.make(2, 8, 14, 14, 8, 3, 3, padding=1)
+    monkeypatch.setattr(config, "db_path", tmp_path / "t.sqlite")
+    db = TuningDB(tmp_path / "t.sqlite")
+    tuner = Tuner(ocl, db)
+    f4, f7 = kernels.get_variant("winograd_nonfused_f4"), kernels.get_variant("winograd_nonfused_f7")
+    _store(db, tuner, spec, f4.name, f4.default(spec, ocl.device), 2e-6, "fp32")
+    _store(db, tuner, spec, f7.name, f7.default(spec, ocl.device), 4e-5, "relaxed")
+    db.close()
+    tune.clear_choices()
+    try:
+        assert dispatch.choose(spec, ocl).variant.name == f4.name
+        assert dispatch.choose(spec, ocl).source == "db"
+        assert dispatch.choose(spec, ocl, precision="relaxed").variant.name == f7.name
+        ch = dispatch.choose(spec, ocl, max_error=5e-5)  # no max_error entry: the classes' within it
+        assert ch.source == "db" and ch.error == 2e-6
+        assert dispatch.choose(spec, ocl, max_error=1e-6).source == "heuristic"  # 2e-6 measured: too much
+        with pytest.raises(ValueError, match=r"max_error \(1e-09\) cannot be met.*most accurate variant"):
+            dispatch.choose(spec, ocl, max_error=1e-9)
+    finally:
+        tune.clear_choices()
+
+
+def test_fp32_default_never_picks_a_relaxed_variant(ocl) -> None:
+    from convforge import dispatch
+
+    spec = ConvSpec.make(32, 64, 56, 56, 64, 3, 3, padding=1)
+    from conftest import NOMINAL_CUDA
+
+    assert kernels.most_specialised("auto", spec, NOMINAL_CUDA)[0].precision == "fp32"
+    assert dispatch.choose(spec, ocl).variant.precision == "fp32"

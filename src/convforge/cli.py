@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable
 
 from convforge import __version__
-from convforge.config import MAX_ERROR_HELP, config, max_error_arg
+from convforge.config import MAX_ERROR_HELP, PRECISION_HELP, PRECISIONS, config, max_error_arg
 from convforge.params import Params
 from convforge.spec import ConvSpec
 
@@ -141,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("algos", help="list the variants that apply to a layer")
     p.add_argument("--spec", required=True, help=SPEC_HELP)
     p.add_argument("--backend", choices=("cuda", "opencl"), default="cuda")
+    p.add_argument("--precision", choices=tuple(PRECISIONS), help=PRECISION_HELP)
     p.add_argument("--max-error", type=max_error_arg, metavar="E", help=MAX_ERROR_HELP)
     p.set_defaults(func=cmd_algos)
     p = sub.add_parser("show", help="print generated kernel source")
@@ -168,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         if getattr(args, "max_error", None) is not None:
             config.max_error = args.max_error
+        if getattr(args, "precision", None) in PRECISIONS:  # tune/algos; bench keeps its own classes
+            config.precision = args.precision
         config.validate()
         func: Callable[[argparse.Namespace], int] = args.func
         return int(func(args) or 0)

@@ -33,7 +33,12 @@ def _pick(spec: str) -> cl.Device:
     platforms = cl.get_platforms()
     if spec:
         pi, _, di = spec.partition(":")
-        return platforms[int(pi)].get_devices()[int(di or 0)]
+        try:
+            return platforms[int(pi)].get_devices()[int(di or 0)]
+        except (ValueError, IndexError):
+            have = ", ".join(f"{i}:{j} {d.name.strip()}" for i, p in enumerate(platforms)
+                             for j, d in enumerate(p.get_devices())) or "none"
+            raise ValueError(f"OpenCL device ({spec!r}) does not exist; devices: {have}") from None
     devices = [d for p in platforms for d in p.get_devices()]
     if not devices:
         raise RuntimeError("no OpenCL device found (pip install 'pyopencl[pocl]' for a CPU one)")

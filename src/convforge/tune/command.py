@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from convforge.config import MAX_ERROR_HELP, config, max_error_arg
+from convforge.config import MAX_ERROR_HELP, PRECISION_HELP, PRECISIONS, config, max_error_arg, precision_key
 from convforge.plan import Epilogue
 from convforge.spec import ConvSpec
 from convforge.tune.db import Entry, TuningDB
@@ -48,6 +48,7 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--relu", action="store_true", help="tune with a ReLU epilogue")
     p.add_argument("--force", action="store_true", help="re-tune layers the database already knows")
     p.add_argument("--seed", type=int, default=0, help="seed of the space sample and of the check inputs")
+    p.add_argument("--precision", choices=tuple(PRECISIONS), help=PRECISION_HELP)
     p.add_argument("--max-error", type=max_error_arg, metavar="E", help=MAX_ERROR_HELP)
     p.add_argument("--workers", type=int, help="compile threads (default: CPU count, at most 16)")
     p.add_argument("--report", type=Path, metavar="DIR",
@@ -105,7 +106,7 @@ def tune_main(args: argparse.Namespace) -> int:
     backend = _backend(args)
     epi = Epilogue(bias=args.bias, relu=args.relu)
     console.print(f"device: {backend.device.name} ({backend.name}, {backend.device.driver}); "
-                  f"database: {db.path}; budget: {budget}")
+                  f"database: {db.path}; budget: {budget}; precision: {precision_key()}")
     results, failed = _run(console, layers, backend, db, budget, epi, args)
     console.print(_table(layers, results, failed, backend.name))
     fresh = sum(not r.from_db for r in results.values())
@@ -174,18 +175,18 @@ def _table(layers: list[tuple[str, ConvSpec]], results: dict[str, TuneResult], f
     from rich.table import Table
 
     table = Table(title=f"tuned on {backend}")
-    numeric = ("ms", "GFLOPS", "heur. ms", "speed-up")
-    for col in ("layer", "variant", "parameters", *numeric[:2], "heuristic", *numeric[2:], "from"):
+    numeric = ("ms", "GFLOPS", "rel err", "heur. ms", "speed-up")
+    for col in ("layer", "variant", "parameters", *numeric[:3], "heuristic", *numeric[3:], "from"):
         table.add_column(col, justify="right" if col in numeric else "left")
     for name, spec in layers:
         if name in failed:
-            table.add_row(name, "[red]failed[/red]", "", "", "", "", "", "", "")
+            table.add_row(name, "[red]failed[/red]", "", "", "", "", "", "", "", "")
             continue
         e = results[name].entry
         prm = " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in json.loads(e.params).items())
         sp = e.speedup
         table.add_row(name, e.variant, prm, f"{e.time_ms:.4f}", f"{spec.flops / e.time_ms / 1e6:.1f}",
-                      e.heuristic_variant, "" if e.heuristic_ms is None else f"{e.heuristic_ms:.4f}",
+                      f"{e.error:.1e}", e.heuristic_variant, "" if e.heuristic_ms is None else f"{e.heuristic_ms:.4f}",
                       "" if sp is None else f"{sp:.2f}×", "db" if results[name].from_db else "tuned")
     return table
 
