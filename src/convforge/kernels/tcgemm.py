@@ -206,12 +206,13 @@ class _TcLoader(_Loader):
 
 def tc_kernel(name: str, shape: GemmShape, p: Params, a: Operand, b: Operand, c: Store,
               args: tuple[Arg, ...], prelude: tuple[str, ...] = (), comment: str = "",
-              x3: bool = False) -> Kernel:
+              x3: bool = False, n_last_first: bool = False) -> Kernel:
     """Generate the kernel ``name``: C = A.B on tensor cores (TF32, or 3xTF32 with ``x3``).
 
     The body defines, as :func:`convforge.kernels.sgemm.gemm_kernel` does, ``tid``, ``bz``,
     ``kz``, ``m0``/``n0`` and ``kbeg``/``kend`` before ``prelude``. Launch with :func:`tc_grid`
-    and :func:`tc_block`."""
+    and :func:`tc_block`. ``n_last_first``: blocks in the order (N tile descending, then M tile,
+    then batch and split), as in the sgemm generator (the Winograd GEMM's L2 order)."""
     if not tc_ok(p, a.vload is not None, b.vload is not None, a.fast, b.fast):
         raise ValueError(f"tensor-core GEMM parameters {p.short()} are invalid (warps must tile "
                          "the block in 16 x 8 fragments, bk 16 or 32, loads spread evenly, "
@@ -220,9 +221,15 @@ def tc_kernel(name: str, shape: GemmShape, p: Params, a: Operand, b: Operand, c:
     code = Code()
     code("const int tid = LOCAL_ID(0), lane = tid & 31, warp = tid >> 5;",
          "const int g = lane >> 2, t = lane & 3;  // PTX groupID, threadID_in_group",
-         f"const int wm0 = (warp / {p.wn}) * {lay.wtm}, wn0 = (warp % {p.wn}) * {lay.wtn};",
-         f"const int bz = GROUP_ID(2) / {shape.ksplit}, kz = GROUP_ID(2) % {shape.ksplit};",
-         f"const int m0 = GROUP_ID(1) * {p.bm}, n0 = GROUP_ID(0) * {p.bn};",
+         f"const int wm0 = (warp / {p.wn}) * {lay.wtm}, wn0 = (warp % {p.wn}) * {lay.wtn};")
+    ids = ("GROUP_ID(0)", "GROUP_ID(1)", "GROUP_ID(2)")
+    if n_last_first:
+        gx, gy, gz = tc_grid(shape, p)
+        code(f"const int lin = GROUP_ID(0) + {gx} * (GROUP_ID(1) + {gy} * GROUP_ID(2));",
+             f"const int gz_ = lin % {gz}, gy_ = lin / {gz} % {gy}, gx_ = {gx - 1} - lin / {gy * gz};")
+        ids = ("gx_", "gy_", "gz_")
+    code(f"const int bz = {ids[2]} / {shape.ksplit}, kz = {ids[2]} % {shape.ksplit};",
+         f"const int m0 = {ids[1]} * {p.bm}, n0 = {ids[0]} * {p.bn};",
          f"const int kbeg = kz * {shape.klen}, kend = min(kbeg + {shape.klen}, {shape.k});")
     code(*prelude)
     ga = _TcLoader("a", a, shape.m, p.bm, p.bk, p.va, lay.threads, "m0", "As", not x3)

@@ -12,12 +12,27 @@
   1e-6 like the CUDA-core GEMMs, checked against 1e-5: class "fp32" (the tuner measures the real
   error per layer).
 
+* ``winograd_nonfused_f*_tf32`` / ``_3xtf32``: the non-fused Winograd variants (their transforms,
+  splits and stores) with the alpha^2-batched GEMM on tensor cores. Rounding U and V to TF32 is
+  amplified by the output transform: a float64 model with only U and V rounded (3x3 filters,
+  C 64 and 256, uniform data) gives relative L2 4.7-5.0e-4 for F(2x2), 2.8-3.0e-3 for F(4x4),
+  5.8-6.2e-3 for F(6x6) and 5.5-6.0e-2 for F(7x7), against 2.6e-4 for a plain TF32 GEMM. Only F(2x2)
+  stays within the relaxed bound (1e-3) with one TF32 product; F(4x4) and F(6x6) need 3xTF32
+  (model: 8.6e-7 and 1.7e-6 added to the float32 transforms' own error), so those are the ones
+  registered: F(4x4) 3xTF32 in class "fp32" (stated 3.5e-6 + 9e-7 = 4.4e-6, under the class's
+  5e-6: the tuner's measurement decides per layer), F(6x6) 3xTF32 "relaxed" like its CUDA-core form
+  (8e-6 + 1.8e-6).
+
 CUDA only, compute capability 8.0 and above (mma.sync with .tf32).
 """
 
 from __future__ import annotations
 
-from convforge.codegen.dialect import Arg, Buf
+import dataclasses
+import functools
+import itertools
+
+from convforge.codegen.dialect import Arg, Buf, Dim3, Kernel
 from convforge.kernels import register
 from convforge.kernels.common import out_args, out_refs
 from convforge.kernels.gemm import (
@@ -28,7 +43,9 @@ from convforge.kernels.gemm import (
     too_big,
 )
 from convforge.kernels.sgemm import GemmShape, Operand
-from convforge.kernels.tcgemm import tc_block, tc_default, tc_grid, tc_kernel, tc_space
+from convforge.kernels.tcgemm import TC_KEYS, tc_block, tc_default, tc_grid, tc_kernel, tc_space
+from convforge.kernels.winograd.nonfused import WinogradNonFused, expected_error
+from convforge.kernels.winograd.tiles import Geometry
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
 from convforge.spec import ConvSpec
@@ -141,7 +158,93 @@ class Gemm1x13xTF32(Gemm1x1TF32):
     specialised = 9
 
 
+# Non-GEMM choices of the CUDA-core default that the tensor-core points keep.
+_WINO_KEYS = ("so", "xi", "xo", "xt", "lo", "hf", "ks", "tb")
+# Relative L2 error the TF32 (x3: 3xTF32) batched GEMM adds, per alpha (float64 model above).
+_WINO_TF32_ADDED = {4: 5e-4, 6: 3e-3, 8: 6e-3, 9: 6e-2}
+_WINO_X3_ADDED = {4: 1.3e-7, 6: 9e-7, 8: 1.8e-6, 9: 1.8e-5}
+
+
+class WinogradNonFusedTC(WinogradNonFused):
+    """Non-fused Winograd F(m x m) with the batched GEMM on tensor cores (``gemm="tf32"`` or
+    ``"3xtf32"``): the transform kernels, splits (ks), hf and stores of the CUDA-core variant,
+    the GEMM from :func:`convforge.kernels.tcgemm.tc_kernel`."""
+
+    backends = frozenset({"cuda"})
+    space_lead = 8
+
+    def __init__(self, m: int, x3: bool, precision: str, tolerance: float) -> None:
+        super().__init__(m)
+        self.x3 = x3
+        self.name = f"winograd_nonfused_f{m}_{'3x' if x3 else ''}tf32"
+        self.gemm_kinds = ("3xtf32",) if x3 else ("tf32",)
+        self.precision, self.tolerance = precision, tolerance
+        self.specialised = 5 if x3 else 6
+
+    def expected_error(self, spec: ConvSpec) -> float:
+        alpha = self.m + max(spec.r, spec.s) - 1
+        added = (_WINO_X3_ADDED if self.x3 else _WINO_TF32_ADDED).get(alpha, 1e-1)
+        return expected_error(self.m, spec.r, spec.s) + added
+
+    def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
+        return self.specialised  # no measured standing yet: the tuner decides
+
+    def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
+        return tensor_core_reason(device) or super().applies(spec, device)
+
+    def _tiles(self, spec: ConvSpec, device: DeviceInfo, default: bool = False) -> list[Params]:
+        """Tensor-core tiles for M = K, N = T, K = C (both operands contiguous along i)."""
+        t = Geometry(spec, self.m).tiles
+        fn = tc_default if default else tc_space
+        out = fn(spec.k, t, spec.c, device, spec.k % 4 == 0, t % 4 == 0, "i", "i")
+        return [out] if isinstance(out, Params) else out
+
+    def _with_tile(self, base: Params, tile: Params) -> Params:
+        keep = {k: v for k, v in base.items() if k in _WINO_KEYS}
+        return tile.replace(gemm=self.gemm_kinds[0], **keep)
+
+    def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
+        """The CUDA-core default's transform choices and splits with the tensor-core tile."""
+        return self._with_tile(super().default(spec, device), self._tiles(spec, device, True)[0])
+
+    def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
+        """The default, its channel splits and hf flipped, then every tensor-core tile under the
+        default's transform choices at each split."""
+        first = self.default(spec, device)
+        splits = [k for k in (1, 2, 3, 4) if k == 1 or spec.c // k >= 32]
+        flags = [first, first.replace(hf=1 - int(first.get("hf", 0)))]
+        out = [first]
+        for base, k in itertools.product(flags, splits):
+            out.append(_split(base, k))
+        for tile, base, k in itertools.product(self._tiles(spec, device), flags[:1], splits):
+            out.append(_split(self._with_tile(base, tile), k))
+        return list(dict.fromkeys(p if p.get("hf") else Params({k: v for k, v in p.items() if k != "hf"})
+                                  for p in out))
+
+    def _gemm_stage(self, g: Geometry, gp: Params, ks: int, hf: bool,
+                    lo: bool) -> tuple[Kernel, Dim3, Dim3]:
+        gen = functools.partial(tc_kernel, x3=self.x3)
+        kern = self._sgemm_kernel(g, gp, ks, hf, lo, gen=gen, label=self.gemm_kinds[0])
+        return kern, tc_grid(self._shape(g, ks), gp), tc_block(gp)
+
+    def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
+             epilogue: Epilogue = Epilogue()) -> Plan:
+        unknown = set(params) - set(TC_KEYS) - set(_WINO_KEYS) - {"gemm"}
+        if unknown:
+            raise ValueError(f"{self.name}: unknown parameters {sorted(unknown)}")
+        plan = super().plan(spec, params, device, epilogue)
+        return dataclasses.replace(plan, tolerance=self.tolerance)
+
+
+def _split(p: Params, ks: int) -> Params:
+    """``p`` with its GEMM cut into ``ks`` channel slices (no ``ks`` key for one)."""
+    return p.replace(ks=ks) if ks > 1 else Params({k: v for k, v in p.items() if k != "ks"})
+
+
 register(ImplicitGemmTF32())
 register(ImplicitGemm3xTF32())
 register(Gemm1x1TF32())
 register(Gemm1x13xTF32())
+register(WinogradNonFusedTC(2, False, "relaxed", TF32_TOLERANCE))
+register(WinogradNonFusedTC(4, True, "fp32", X3_TOLERANCE))
+register(WinogradNonFusedTC(6, True, "relaxed", 5e-5))
