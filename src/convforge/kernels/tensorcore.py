@@ -194,10 +194,9 @@ class WinogradNonFusedTC(WinogradNonFused):
 
     def _tiles(self, spec: ConvSpec, device: DeviceInfo, default: bool = False) -> list[Params]:
         """Tensor-core tiles for M = K, N = T, K = C (both operands contiguous along i)."""
-        t = Geometry(spec, self.m).tiles
-        fn = tc_default if default else tc_space
-        out = fn(spec.k, t, spec.c, device, spec.k % 4 == 0, t % 4 == 0, "i", "i")
-        return [out] if isinstance(out, Params) else out
+        g = Geometry(spec, self.m)
+        args = (spec.k, g.tiles, spec.c, device, spec.k % 4 == 0, g.tiles % 4 == 0, "i", "i")
+        return [tc_default(*args, batch=g.a2)] if default else tc_space(*args)
 
     def _with_tile(self, base: Params, tile: Params) -> Params:
         keep = {k: v for k, v in base.items() if k in _WINO_KEYS}
