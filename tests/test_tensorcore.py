@@ -338,3 +338,21 @@ def test_tensor_core_variant_on_gpu(cuda, name, spec):
         res = check_plan(v.plan(spec, p, cuda.device, epi), cuda, seed=i, batch_slice=2)
         print(f"{name} {spec.short()} [{p.short()}]: {res}")
         assert res.ok, f"{name} [{p.short()}] {spec.short()}: {res}"
+
+
+def test_launch_sized_shared_tiles(nvcc_ok):
+    """Tiles past 48 KB of shared memory (128 x 256) take one launch-sized buffer; the 3xTF32
+    space leaves out what the register model says would spill (128 x 128 x 32)."""
+    spec = RESNET[0]
+    v = get_variant("implicit_gemm_tf32")
+    p = v.default(spec, NOMINAL_CUDA).replace(bm=128, bn=256, bk=16, wm=2, wn=4)
+    assert p in v.space(spec, NOMINAL_CUDA)
+    plan = v.plan(spec, p, NOMINAL_CUDA)
+    (kern,) = plan.kernels
+    assert kern.local_buf() is not None and kern.local_buf().nbytes > 48 * 1024
+    src = plan.source("cuda")
+    assert "extern __shared__ __align__(16) float tc_smem[];" in src
+    (info,) = ptxas_report(src)
+    assert info.spill_stores == 0 and info.spill_loads == 0, info
+    x3 = get_variant("implicit_gemm_3xtf32")
+    assert not [q for q in x3.space(spec, NOMINAL_CUDA) if (q.bm, q.bn, q.bk, q.wm, q.wn) == (128, 128, 32, 2, 2)]

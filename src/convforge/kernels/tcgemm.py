@@ -32,7 +32,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from convforge.codegen.dialect import Arg, Dim3, Kernel
+from convforge.codegen.dialect import Arg, Dim3, Kernel, LocalBuf
 from convforge.codegen.meta import Code, cdiv
 from convforge.kernels.sgemm import GemmShape, Operand, Store, _Loader
 from convforge.params import Params
@@ -44,6 +44,8 @@ A_FRAG = (("g", "t"), ("g + 8", "t"), ("g", "t + 4"), ("g + 8", "t + 4"))  # A: 
 B_FRAG = (("t", "g"), ("t + 4", "g"))  # B: 8 x 8 (k, n)
 C_FRAG = (("g", "2 * t"), ("g", "2 * t + 1"), ("g + 8", "2 * t"), ("g + 8", "2 * t + 1"))  # C: 16 x 8
 STATIC_SHARED = 48 * 1024
+MAX_SHARED = 227 * 1024  # opt-in limit of sm_90 (sm_80: 163 KB): above 48 KB the tiles are launch-sized
+DYN_SHARED = 100 * 1024  # the spaces stop here: two blocks per SM
 MAX_ACC = 128  # accumulators per thread: more leaves ptxas no room for fragments and addresses
 TC_KEYS = ("bm", "bn", "bk", "wm", "wn", "va", "vb")
 
@@ -116,14 +118,27 @@ def shared_bytes(p: Params, a_fast: str, b_fast: str) -> int:
                        for f, bi in ((a_fast, p.bm), (b_fast, p.bn)))
 
 
+def registers(p: Params, x3: bool = False) -> int:
+    """Register model: accumulators, prefetched loads, one k step's fragments (hi and lo with
+    ``x3``) and ~24 for addresses (ptxas, sm_90: 128 x 128 x 16 on 64 x 64 warp tiles 240 (model
+    216), 3xTF32 246 (248); 128 x 128 x 32 3xTF32 spills (model 280))."""
+    lay = TcLayout(p.bm, p.bn, p.bk, p.wm, p.wn)
+    loads = (p.bm + p.bn) * p.bk // lay.threads
+    return 4 * lay.fm * lay.fn + loads + (4 * lay.fm + 2 * lay.fn) * (2 if x3 else 1) + 24
+
+
 def tc_ok(p: Params, va_ok: bool = True, vb_ok: bool = True, a_fast: str = "k",
-          b_fast: str = "i", max_threads: int = 1024) -> bool:
+          b_fast: str = "i", max_threads: int = 1024, shared_limit: int = STATIC_SHARED,
+          x3: bool = False) -> bool:
     """Whether a parameter set is valid for the generator (warps tile the block in whole
-    fragments, loads spread evenly over the threads, shared memory within 48 KB)."""
+    fragments, loads spread evenly over the threads, shared memory within ``shared_limit``,
+    :func:`registers` within 255)."""
     lay = TcLayout(p.bm, p.bn, p.bk, p.wm, p.wn)
     if p.bm % (16 * p.wm) or p.bn % (8 * p.wn) or p.bk not in (16, 32):
         return False
     if not 64 <= lay.threads <= min(max_threads, 512) or lay.fm * lay.fn * 4 > MAX_ACC:
+        return False
+    if registers(p, x3) > 255:
         return False
     if (p.va == 4 and not va_ok) or (p.vb == 4 and not vb_ok):
         return False
@@ -132,11 +147,18 @@ def tc_ok(p: Params, va_ok: bool = True, vb_ok: bool = True, a_fast: str = "k",
         chunks = bi * p.bk // v
         if along % v or chunks % lay.threads or chunks < lay.threads:
             return False
-    return shared_bytes(p, a_fast, b_fast) <= STATIC_SHARED
+    return shared_bytes(p, a_fast, b_fast) <= shared_limit
+
+
+def shared_limit(device: DeviceInfo) -> int:
+    """Shared memory the spaces may use on ``device``: launch-sized beyond 48 KB where the device
+    opts in to more (up to :data:`DYN_SHARED`)."""
+    return max(STATIC_SHARED, min(device.shared_optin_bytes, DYN_SHARED))
 
 
 # (bm, bn, bk, wm, wn): wide warp tiles first (64 x 64: one shared word read per mma, 32 fragment
-# words for 32 mma per k step), then 64 x 32 and 32 x 32.
+# words for 32 mma per k step), then 64 x 32 and 32 x 32. The space adds 128 x 256 / 256 x 128 and
+# bk = 32 at 128 x 128 (launch-sized shared memory): fewer global loads per mma, fewer blocks.
 _TILES = ((128, 128, 16, 2, 2), (128, 128, 16, 2, 4), (128, 64, 16, 2, 2), (64, 128, 16, 2, 2),
           (128, 64, 16, 4, 2), (64, 128, 16, 2, 4), (64, 64, 32, 2, 2), (64, 64, 16, 2, 2),
           (64, 64, 32, 1, 2), (64, 32, 32, 2, 1), (32, 64, 32, 1, 2), (32, 32, 32, 1, 2),
@@ -144,22 +166,25 @@ _TILES = ((128, 128, 16, 2, 2), (128, 128, 16, 2, 4), (128, 64, 16, 2, 2), (64, 
 
 
 def tc_space(m: int, n: int, k: int, device: DeviceInfo, va_ok: bool = True, vb_ok: bool = True,
-             a_fast: str = "k", b_fast: str = "i") -> list[Params]:
+             a_fast: str = "k", b_fast: str = "i", x3: bool = False) -> list[Params]:
     """Every sensible parameter set for an M x N x K GEMM (default first)."""
-    out = [tc_default(m, n, k, device, va_ok, vb_ok, a_fast, b_fast)]
+    out = [tc_default(m, n, k, device, va_ok, vb_ok, a_fast, b_fast, x3=x3)]
     for bm, bn, bk, wm, wn in itertools.product((32, 64, 128, 256), (32, 64, 128, 256), (16, 32),
                                                 (1, 2, 4), (1, 2, 4)):
         if bm > 2 * max(m, 16) or bn > 2 * max(n, 16):
             continue
-        for va, vb in itertools.product((4, 1), (4, 1)):
+        # Scalar loads only where float4 ones are impossible: they cost registers (an address per
+        # load; 128 x 128 with scalar A spills) and buy nothing.
+        for va, vb in itertools.product((4,) if va_ok else (1,), (4,) if vb_ok else (1,)):
             p = Params(bm=bm, bn=bn, bk=bk, wm=wm, wn=wn, va=va, vb=vb)
-            if p not in out and tc_ok(p, va_ok, vb_ok, a_fast, b_fast, device.max_threads):
+            if p not in out and tc_ok(p, va_ok, vb_ok, a_fast, b_fast, device.max_threads,
+                                      shared_limit(device), x3):
                 out.append(p)
     return out
 
 
 def tc_default(m: int, n: int, k: int, device: DeviceInfo, va_ok: bool = True, vb_ok: bool = True,
-               a_fast: str = "k", b_fast: str = "i", batch: int = 1) -> Params:
+               a_fast: str = "k", b_fast: str = "i", batch: int = 1, x3: bool = False) -> Params:
     """A good untuned tile: the first of :data:`_TILES` (widest loads the operands allow) that
     wastes at most 1/8 of its rows and columns on padding and gives every compute unit a block
     (``batch`` GEMMs side by side); failing that, the valid low-waste tile with the most blocks
@@ -170,7 +195,8 @@ def tc_default(m: int, n: int, k: int, device: DeviceInfo, va_ok: bool = True, v
     valid: list[Params] = []
     for (bm, bn, bk, wm, wn), va, vb in itertools.product(_TILES, (4, 1), (4, 1)):
         p = Params(bm=bm, bn=bn, bk=bk, wm=wm, wn=wn, va=va if va_ok else 1, vb=vb if vb_ok else 1)
-        if p not in valid and tc_ok(p, va_ok, vb_ok, a_fast, b_fast, device.max_threads):
+        if p not in valid and tc_ok(p, va_ok, vb_ok, a_fast, b_fast, device.max_threads,
+                                    STATIC_SHARED, x3):
             valid.append(p)
     if not valid:
         raise ValueError(f"no tensor-core GEMM tile fits M={m} N={n} K={k}")
@@ -222,10 +248,11 @@ def tc_kernel(name: str, shape: GemmShape, p: Params, a: Operand, b: Operand, c:
     ``kz``, ``m0``/``n0`` and ``kbeg``/``kend`` before ``prelude``. Launch with :func:`tc_grid`
     and :func:`tc_block`. ``n_last_first``: blocks in the order (N tile descending, then M tile,
     then batch and split), as in the sgemm generator (the Winograd GEMM's L2 order)."""
-    if not tc_ok(p, a.vload is not None, b.vload is not None, a.fast, b.fast):
+    if not tc_ok(p, a.vload is not None, b.vload is not None, a.fast, b.fast, 1024, MAX_SHARED, x3):
         raise ValueError(f"tensor-core GEMM parameters {p.short()} are invalid (warps must tile "
                          "the block in 16 x 8 fragments, bk 16 or 32, loads spread evenly, "
-                         f"at most {MAX_ACC} accumulators, {STATIC_SHARED} B shared memory)")
+                         f"at most {MAX_ACC} accumulators, 255 registers by the model, {MAX_SHARED} B "
+                         "shared memory)")
     lay = TcLayout(p.bm, p.bn, p.bk, p.wm, p.wn)
     code = Code()
     code("const int tid = LOCAL_ID(0), lane = tid & 31, warp = tid >> 5;",
@@ -243,7 +270,12 @@ def tc_kernel(name: str, shape: GemmShape, p: Params, a: Operand, b: Operand, c:
     code(*prelude)
     ga = _TcLoader("a", a, shape.m, p.bm, p.bk, p.va, lay.threads, "m0", "As", not x3)
     gb = _TcLoader("b", b, shape.n, p.bn, p.bk, p.vb, lay.threads, "n0", "Bs", not x3)
-    for ld_ in (ga, gb):
+    nbytes = shared_bytes(p, a.fast, b.fast)
+    if nbytes > STATIC_SHARED:  # launch-sized: As then Bs in one buffer
+        args = args + (LocalBuf("tc_smem", nbytes),)
+        code(f"LOCAL_PTR float* As = tc_smem;  // 2 x {ga.tile // ga.ld} x {ga.ld}",
+             f"LOCAL_PTR float* Bs = tc_smem + {2 * ga.tile};  // 2 x {gb.tile // gb.ld} x {gb.ld}")
+    for ld_ in (ga, gb) if nbytes <= STATIC_SHARED else ():
         code(f"SHARED float4 {ld_.smem}4[{2 * ld_.tile // 4}];  // 2 x {ld_.tile // ld_.ld} x {ld_.ld}",
              f"LOCAL_PTR float* {ld_.smem} = (LOCAL_PTR float*){ld_.smem}4;")
     ga.setup(code)

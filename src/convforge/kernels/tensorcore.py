@@ -94,10 +94,10 @@ class _TensorCoreGemm(Variant):
         raise NotImplementedError
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
-        return tc_space(*self._mnk(spec), device, *self._vec(spec))
+        return tc_space(*self._mnk(spec), device, *self._vec(spec), x3=self.x3)
 
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
-        return tc_default(*self._mnk(spec), device, *self._vec(spec))
+        return tc_default(*self._mnk(spec), device, *self._vec(spec), x3=self.x3)
 
     def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
              epilogue: Epilogue = Epilogue()) -> Plan:
@@ -196,7 +196,7 @@ class WinogradNonFusedTC(WinogradNonFused):
         """Tensor-core tiles for M = K, N = T, K = C (both operands contiguous along i)."""
         g = Geometry(spec, self.m)
         args = (spec.k, g.tiles, spec.c, device, spec.k % 4 == 0, g.tiles % 4 == 0, "i", "i")
-        return [tc_default(*args, batch=g.a2)] if default else tc_space(*args)
+        return [tc_default(*args, batch=g.a2, x3=self.x3)] if default else tc_space(*args, x3=self.x3)
 
     def _with_tile(self, base: Params, tile: Params) -> Params:
         keep = {k: v for k, v in base.items() if k in _WINO_KEYS}
