@@ -318,8 +318,9 @@ def test_compiles_without_spills(nvcc_ok, name):
 
 # -- GPU tier ---------------------------------------------------------------------------------
 GPU_SPECS = ODD_SPECS + [ConvSpec.make(2, 64, 56, 56, 64, 3, 3, 1, 1), ConvSpec.make(3, 512, 7, 7, 512, 3, 3, 1, 1),
-                         ConvSpec.make(5, 832, 7, 7, 128, 1, 1), ConvSpec.make(3, 256, 14, 14, 1024, 1, 1),
-                         ConvSpec.make(2, 128, 28, 28, 128, 3, 3, 1, 1), ConvSpec.make(1, 3, 17, 13, 5, 1, 1, 2, 1)]
+                         ConvSpec.make(5, 832, 7, 7, 128, 1, 1), ConvSpec.make(3, 256, 14, 14, 1024, 1, 1, 2),
+                         ConvSpec.make(1, 37, 13, 7, 70, 3, 3, 1, (0, 1, 2, 1)),
+                         ConvSpec.make(1, 3, 17, 13, 5, 1, 1, 2, 1)]
 
 
 @pytest.mark.gpu
@@ -333,7 +334,7 @@ def test_tensor_core_variant_on_gpu(cuda, name, spec):
     why = v.applies(spec, cuda.device)
     if why:
         pytest.skip(f"{name}: {why}")
-    for i, p in enumerate(sample(v, spec, cuda.device, k=3, seed=11)):
+    for i, p in enumerate(sample(v, spec, cuda.device, k=2, seed=11)):
         epi = Epilogue(bias=True, relu=True) if i == 0 else Epilogue()
         res = check_plan(v.plan(spec, p, cuda.device, epi), cuda, seed=i, batch_slice=2)
         print(f"{name} {spec.short()} [{p.short()}]: {res}")
