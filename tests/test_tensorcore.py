@@ -357,3 +357,35 @@ def test_launch_sized_shared_tiles(nvcc_ok):
     assert info.spill_stores == 0 and info.spill_loads == 0, info
     x3 = get_variant("implicit_gemm_3xtf32")
     assert not [q for q in x3.space(spec, NOMINAL_CUDA) if (q.bm, q.bn, q.bk, q.wm, q.wn) == (128, 128, 32, 2, 2)]
+
+
+SASS_CASES = [("implicit_gemm_tf32", RESNET[0]), ("implicit_gemm_3xtf32", RESNET[0]),
+              ("gemm1x1_tf32", RESNET[2]), ("winograd_nonfused_f2_tf32", RESNET[0]),
+              ("winograd_nonfused_f4_3xtf32", RESNET[1])]
+
+
+@pytest.mark.parametrize("name, spec", SASS_CASES, ids=lambda c: c if isinstance(c, str) else c.key())
+def test_sass_main_loop(nvcc_ok, name, spec):
+    """The main loop holds fm x fn x bk/8 HMMA.1688.F32.TF32 (x3 for 3xTF32), nothing touches local
+    memory, and the register prefetch (LDG) issues before the last tenth of the HMMAs."""
+    from convforge.codegen.nvcc import cuobjdump_path, sass_report
+    from convforge.codegen.sass import instructions
+
+    if cuobjdump_path() is None:
+        pytest.skip("cuobjdump/nvdisasm not found: SASS checks skipped")
+    v = get_variant(name)
+    p = v.default(spec, NOMINAL_CUDA)
+    _, sass = sass_report(v.plan(spec, p, NOMINAL_CUDA).source("cuda"))
+    ins = next(i for k, i in instructions(sass).items() if "gemm" in k)
+    assert not [op for _, op, _ in ins if op.startswith(("LDL", "STL"))], "local memory in the GEMM"
+    spans = [(int(m.group(1), 16), a) for a, op, arg in ins if op.startswith("BRA")
+             for m in [__import__("re").search(r"0x([0-9a-f]+)", arg)] if m and int(m.group(1), 16) < a]
+    lo, hi = max(spans, key=lambda s: s[1] - s[0])
+    body = [op for a, op, _ in ins if lo <= a <= hi]
+    hmma = [i for i, op in enumerate(body) if op.startswith("HMMA")]
+    assert all(body[i] == "HMMA.1688.F32.TF32" for i in hmma)
+    lay = TcLayout(p.bm, p.bn, p.bk, p.wm, p.wn)
+    assert len(hmma) == lay.fm * lay.fn * p.bk // 8 * (3 if "3x" in name else 1)
+    ldg = [i for i, op in enumerate(body) if op.startswith("LDG")]
+    assert ldg and max(sum(h < i for h in hmma) for i in ldg) <= 0.9 * len(hmma), "prefetch sunk late"
+    print(f"{name} [{p.short()}]: loop of {len(body)} instructions, {len(hmma)} HMMA, {len(ldg)} LDG")

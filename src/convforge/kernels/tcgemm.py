@@ -302,7 +302,12 @@ def tc_kernel(name: str, shape: GemmShape, p: Params, a: Operand, b: Operand, c:
         code("BARRIER();")
     _store(code, shape, lay, c)
     kind = "3xTF32" if x3 else "TF32"
+    # A minimum-blocks launch bound (2 up to 128 threads, 1 above: a cap of 255 registers either
+    # way): without it ptxas cut the Winograd TF32 GEMM (128 x 128 x 16) to 170 registers for a third
+    # block per SM by sinking the register prefetch below every HMMA of the slice (SASS check in
+    # tests/test_tensorcore.py); with it 226 registers and the loads issue first.
     return Kernel(name, args, code.text(), tc_block(p), requires=frozenset({"mma_tf32"}),
+                  min_blocks=2 if lay.threads <= 128 else 1,
                   comment=comment or f"{kind} tensor-core GEMM {shape.m}x{shape.n}x{shape.k} batch "
                   f"{shape.batch} split {shape.ksplit}: {p.short()}")
 
