@@ -43,7 +43,7 @@ from convforge.kernels.gemm import (
     too_big,
 )
 from convforge.kernels.sgemm import GemmShape, Operand
-from convforge.kernels.tcgemm import TC_KEYS, tc_block, tc_default, tc_grid, tc_kernel, tc_space
+from convforge.kernels.tcgemm import LEAD_TILES, TC_KEYS, tc_block, tc_default, tc_grid, tc_kernel, tc_space
 from convforge.kernels.winograd.nonfused import WinogradNonFused, expected_error
 from convforge.kernels.winograd.tiles import Geometry
 from convforge.params import Params
@@ -72,6 +72,7 @@ class _TensorCoreGemm(Variant):
 
     backends = frozenset({"cuda"})
     x3 = False
+    space_lead = 7  # the default and tcgemm.LEAD_TILES, timed in order before sampling
 
     def __init__(self) -> None:
         self.precision = "fp32" if self.x3 else "relaxed"
@@ -207,15 +208,18 @@ class WinogradNonFusedTC(WinogradNonFused):
         return self._with_tile(super().default(spec, device), self._tiles(spec, device, True)[0])
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
-        """The default, its channel splits and hf flipped, then every tensor-core tile under the
-        default's transform choices at each split."""
+        """The default, the lead tiles of :data:`convforge.kernels.tcgemm.LEAD_TILES` under its
+        choices, its channel splits and hf flipped, then every tensor-core tile under the default's
+        transform choices at each split."""
         first = self.default(spec, device)
         splits = [k for k in (1, 2, 3, 4) if k == 1 or spec.c // k >= 32]
         flags = [first, first.replace(hf=1 - int(first.get("hf", 0)))]
-        out = [first]
+        tiles = self._tiles(spec, device)
+        out = [first] + [self._with_tile(first, t) for t in tiles[1:len(LEAD_TILES) + 1]
+                         if (t.bm, t.bn, t.bk, t.wm, t.wn) in LEAD_TILES]
         for base, k in itertools.product(flags, splits):
             out.append(_split(base, k))
-        for tile, base, k in itertools.product(self._tiles(spec, device), flags[:1], splits):
+        for tile, base, k in itertools.product(tiles, flags[:1], splits):
             out.append(_split(self._with_tile(base, tile), k))
         return list(dict.fromkeys(p if p.get("hf") else Params({k: v for k, v in p.items() if k != "hf"})
                                   for p in out))
