@@ -34,7 +34,7 @@ from convforge.plan import DeviceInfo, Epilogue
 from convforge.spec import ConvSpec
 from helpers import ODD_SPECS, sample
 
-NEW = ["implicit_gemm_tf32", "implicit_gemm_3xtf32", "gemm1x1_tf32", "gemm1x1_3xtf32",
+NEW = ["implicit_gemm_tf32", "implicit_gemm_3xtf32", "implicit_gemm_precomp_tf32", "gemm1x1_tf32", "gemm1x1_3xtf32",
        "winograd_nonfused_f2_tf32", "winograd_nonfused_f4_3xtf32", "winograd_nonfused_f6_3xtf32"]
 RESNET = [ConvSpec.make(32, 128, 28, 28, 128, 3, 3, 1, 1), ConvSpec.make(32, 512, 7, 7, 512, 3, 3, 1, 1),
           ConvSpec.make(32, 256, 14, 14, 1024, 1, 1), ConvSpec.make(32, 1024, 14, 14, 512, 1, 1, 2)]
@@ -360,6 +360,7 @@ def test_launch_sized_shared_tiles(nvcc_ok):
 
 
 SASS_CASES = [("implicit_gemm_tf32", RESNET[0]), ("implicit_gemm_3xtf32", RESNET[0]),
+              ("implicit_gemm_precomp_tf32", RESNET[0]),
               ("gemm1x1_tf32", RESNET[2]), ("winograd_nonfused_f2_tf32", RESNET[0]),
               ("winograd_nonfused_f4_3xtf32", RESNET[1])]
 

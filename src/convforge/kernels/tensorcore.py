@@ -39,6 +39,7 @@ from convforge.kernels.gemm import (
     filter_operand,
     implicit_operand,
     nchw_store,
+    offset_table_kernel,
     pointwise_operand,
     too_big,
 )
@@ -104,12 +105,25 @@ class _TensorCoreGemm(Variant):
              epilogue: Epilogue = Epilogue()) -> Plan:
         shape = GemmShape(*self._mnk(spec))
         name = f"{self.name}_gemm"
-        args: tuple[Arg, ...] = (Buf("w"), Buf("x")) + out_args(epilogue)
+        extra = self._extra()
+        args: tuple[Arg, ...] = (Buf("w"), Buf("x")) + tuple(Buf(e, "int") for e in extra) + out_args(epilogue)
         kern = tc_kernel(name, shape, params, filter_operand(spec), self._b(spec),
                          nchw_store(spec, epilogue), args, x3=self.x3,
                          comment=f"{self.name}: {params.short()}")
-        launch = Launch(name, tc_grid(shape, params), tc_block(params), ("w", "x") + out_refs(epilogue))
-        return Plan(self.name, self.family, spec, params, (kern,), (launch,), (), self.tolerance, epilogue)
+        launch = Launch(name, tc_grid(shape, params), tc_block(params),
+                        ("w", "x") + extra + out_refs(epilogue))
+        pre, steps, ws = self._pre(spec, params)
+        return Plan(self.name, self.family, spec, params, pre + (kern,), steps + (launch,), ws,
+                    self.tolerance, epilogue)
+
+    def _extra(self) -> tuple[str, ...]:
+        """Names of int workspace buffers the GEMM reads (the offset table)."""
+        return ()
+
+    def _pre(self, spec: ConvSpec, params: Params) -> tuple[tuple[Kernel, ...], tuple[Launch, ...],
+                                                           tuple[tuple[str, int], ...]]:
+        """Kernels launched before the GEMM, their launches and the workspace."""
+        return (), (), ()
 
 
 class ImplicitGemmTF32(_TensorCoreGemm):
@@ -129,6 +143,36 @@ class ImplicitGemm3xTF32(ImplicitGemmTF32):
     name = "implicit_gemm_3xtf32"
     x3 = True
     specialised = 4  # below the CUDA-core GEMMs until the tuner has timed it
+
+
+class ImplicitGemmPrecompTF32(ImplicitGemmTF32):
+    """Implicit GEMM on tensor cores reading (c, r, s) offsets from a table built on the device
+    (cuDNN's PRECOMP): one table load per k row instead of two constant divisions, the gather's
+    index arithmetic being most of the main loop's instructions besides the HMMAs."""
+
+    name = "implicit_gemm_precomp_tf32"
+    specialised = 5
+
+    def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
+        why = super().applies(spec, device)
+        if why is None and (spec.eff_r >= 1 << 15 or spec.eff_s >= 1 << 16):
+            why = "filter extent too large for the packed offset table"
+        return why
+
+    def _b(self, spec: ConvSpec) -> Operand:
+        return implicit_operand(spec, table=True)
+
+    def workspace_bytes(self, spec: ConvSpec, params: Params) -> int:
+        return 8 * spec.c * spec.r * spec.s
+
+    def _extra(self) -> tuple[str, ...]:
+        return ("tab",)
+
+    def _pre(self, spec: ConvSpec, params: Params) -> tuple[tuple[Kernel, ...], tuple[Launch, ...],
+                                                           tuple[tuple[str, int], ...]]:
+        tk, grid = offset_table_kernel(spec)
+        return ((tk,), (Launch(tk.name, grid, tk.block, ("tab",)),),
+                (("tab", self.workspace_bytes(spec, params)),))
 
 
 class Gemm1x1TF32(_TensorCoreGemm):
@@ -246,6 +290,7 @@ def _split(p: Params, ks: int) -> Params:
 
 register(ImplicitGemmTF32())
 register(ImplicitGemm3xTF32())
+register(ImplicitGemmPrecompTF32())
 register(Gemm1x1TF32())
 register(Gemm1x13xTF32())
 register(WinogradNonFusedTC(2, False, "relaxed", TF32_TOLERANCE))
