@@ -23,6 +23,15 @@ A kernel body is plain C using these tokens, which each renderer spells its own 
                                                           COPY4_ASYNC
     COPY_WAIT()                                           wait for this thread's COPY4_ASYNCs (then
                                                           BARRIER() before others read them)
+    CVT_TF32(x)                                           x rounded to TF32 (cvt.rna: nearest, ties
+                                                          away), as a float (feature "mma_tf32")
+    MMA_TF32_16x8x8(d0, d1, d2, d3, a0, a1, a2, a3, b0, b1)
+                                                          warp-wide D += A.B on tensor cores (PTX
+                                                          mma.sync m16n8k8 .tf32, FP32 accumulate;
+                                                          d* float lvalues, a*/b* TF32-valued floats
+                                                          in the PTX fragment layouts, see
+                                                          kernels/tcgemm.py); feature "mma_tf32",
+                                                          CUDA sm_80+ only
 
 Parameters are typed objects that write their own declarations, never pasted strings.
 """

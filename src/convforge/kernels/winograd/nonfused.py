@@ -22,8 +22,9 @@ tile-major transforms, the GEMM's blocks last tiles first).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
-from convforge.codegen.dialect import Buf, Kernel
+from convforge.codegen.dialect import Buf, Dim3, Kernel
 from convforge.codegen.meta import Code, cdiv
 from convforge.kernels import register
 from convforge.kernels.common import out_args, out_refs
@@ -66,6 +67,7 @@ from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
 from convforge.spec import ConvSpec
 
 MAX_ALPHA = 9
+GemmGen = Callable[..., Kernel]  # gemm_kernel's signature: (name, shape, p, a, b, c, args, prelude, ...)
 # H200, F(7x7) with split transforms, every fast sgemm tile timed (docs/NOTES-winograd.md, round 7):
 # 64 x 64 x 16 with 8 x 8 per thread (64 threads) was fastest or within 3 % at 64@56² and 128@28²,
 # N32-N128; 64 x 96 with 8 x 12 wins where the GEMM has 96 columns (512@7² N96: 0.159 against 0.208 ms).
@@ -117,6 +119,7 @@ class WinogradNonFused(Variant):
 
     family = "winograd"
     space_lead = 16  # the default's neighbours (splits, hf, transform choices) lead the space
+    gemm_kinds: tuple[str, ...] = ("own", "sgemm")  # values of the ``gemm`` parameter
 
     def __init__(self, m: int) -> None:
         self.m = m
@@ -348,11 +351,10 @@ class WinogradNonFused(Variant):
         g = Geometry(spec, self.m)
         p = params
         tb, ks, kind, hf, xi, xo, xt, lo = self._checked(spec, p)
-        if kind == "sgemm":
+        if kind != "own":
             gp = Params({k: v for k, v in p.items()
                          if k not in ("gemm", "tb", "ks", "so", "hf", "xi", "xo", "xt", "lo")})
-            gemm = self._sgemm_kernel(g, gp, ks, hf, lo)
-            grid, block = gemm_grid(self._shape(g, ks), gp), gemm_block(gp)
+            gemm, grid, block = self._gemm_stage(g, gp, ks, hf, lo)
         else:
             gemm = self._gemm_kernel(g, p)
             grid, block = (cdiv(g.tiles, p.bn), cdiv(spec.k, p.bm), g.a2), gemm.block
@@ -380,15 +382,15 @@ class WinogradNonFused(Variant):
         ks, kind, hf = int(p.get("ks", 1)), p.get("gemm", "own"), bool(p.get("hf", 0))
         xi, xo, xt, lo = (bool(p.get("xi", 0)), bool(p.get("xo", 0)), int(p.get("xt", XT)),
                           bool(p.get("lo", 0)))
-        if kind not in ("own", "sgemm"):
-            raise ValueError(f"{self.name}: gemm={kind!r} (expected 'own' or 'sgemm')")
-        if ks > 1 and (kind != "sgemm" or not 1 < ks <= spec.c):
+        if kind not in self.gemm_kinds:
+            raise ValueError(f"{self.name}: gemm={kind!r} (expected {' or '.join(map(repr, self.gemm_kinds))})")
+        if ks > 1 and (kind == "own" or not 1 < ks <= spec.c):
             raise ValueError(f"{self.name}: ks={ks} needs gemm='sgemm' and at most C slices")
-        if hf and kind != "sgemm":
+        if hf and kind == "own":
             raise ValueError(f"{self.name}: hf=1 (half-transformed filters) needs gemm='sgemm'")
         if xt not in XT_CHOICES:
             raise ValueError(f"{self.name}: xt ({xt}) must be one of {XT_CHOICES}")
-        if lo and not (xi and xo and kind == "sgemm"):
+        if lo and not (xi and xo and kind != "own"):
             raise ValueError(f"{self.name}: lo=1 (L2 order) needs xi=1, xo=1 and gemm='sgemm'")
         return p.tb, ks, kind, hf, xi, xo, xt, lo
 
@@ -498,12 +500,20 @@ class WinogradNonFused(Variant):
                       (Buf("u"), Buf("v"), Buf("mw", readonly=False)), code.text(),
                       (nx, ny, 1), comment=f"{self.name}: {g.a2} batched GEMMs {p.short()}")
 
+    def _gemm_stage(self, g: Geometry, gp: Params, ks: int, hf: bool,
+                    lo: bool) -> tuple[Kernel, Dim3, Dim3]:
+        """The batched GEMM from a shared generator (``gemm`` other than "own"): kernel, grid and
+        block. The hook of the tensor-core variants (kernels/tensorcore.py), which swap the
+        generator and keep everything else."""
+        return (self._sgemm_kernel(g, gp, ks, hf, lo), gemm_grid(self._shape(g, ks), gp),
+                gemm_block(gp))
+
     @staticmethod
     def _shape(g: Geometry, ks: int = 1) -> GemmShape:
         return GemmShape(g.spec.k, g.tiles, g.spec.c, batch=g.a2, ksplit=ks)
 
     def _sgemm_kernel(self, g: Geometry, p: Params, ks: int = 1, half: bool = False,
-                      l2_order: bool = False) -> Kernel:
+                      l2_order: bool = False, gen: GemmGen = gemm_kernel, label: str = "sgemm") -> Kernel:
         """M[e] = U[e]^T V[e] by the shared generator: A (i = k, c) = U[e][c][k] and
         B (c, i = t) = V[e][c][t] are both contiguous along i, so consecutive threads walk i
         (float4 loads when K resp. T is a multiple of 4); ``bz`` is the batch e. ``half``: A is
@@ -534,13 +544,13 @@ class WinogradNonFused(Variant):
         prelude += (f"const GLOBAL_PTR float* ve = v + bz * {cc * tt};  // V[e]: C x T",
                     f"GLOBAL_PTR float* me = mw + (kz * {g.a2} + bz) * {kk * tt};"
                     "  // M[e] (of channel slice kz): K x T")
-        return gemm_kernel("wino_batched_sgemm", self._shape(g, ks), p, a,
-                           operand("ve", tt), Store(put=put, vput=vput if tt % 4 == 0 else None),
-                           (Buf("u"), Buf("v"), Buf("mw", readonly=False)), prelude,
-                           comment=f"{self.name}: {g.a2} batched GEMMs (sgemm"
-                           + (", A = G_w H" if half else "") + f") {p.short()}"
-                           + (f", channels in {ks} slices" if ks > 1 else ""),
-                           n_last_first=l2_order)
+        return gen("wino_batched_sgemm", self._shape(g, ks), p, a,
+                   operand("ve", tt), Store(put=put, vput=vput if tt % 4 == 0 else None),
+                   (Buf("u"), Buf("v"), Buf("mw", readonly=False)), prelude,
+                   comment=f"{self.name}: {g.a2} batched GEMMs ({label}"
+                   + (", A = G_w H" if half else "") + f") {p.short()}"
+                   + (f", channels in {ks} slices" if ks > 1 else ""),
+                   n_last_first=l2_order)
 
     @staticmethod
     def _half_operand(g: Geometry) -> tuple[Operand, tuple[str, ...]]:
