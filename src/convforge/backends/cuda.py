@@ -110,7 +110,11 @@ class CudaBackend(Backend):
             return cp.asarray(np.ascontiguousarray(array, dtype=np.float32))
 
     def download(self, buf: Any, shape: tuple[int, ...]) -> np.ndarray:
-        return cp.asnumpy(buf).reshape(shape)
+        return cp.asnumpy(buf.ravel()[: int(np.prod(shape))]).reshape(shape)
+
+    def write(self, buf: Any, array: np.ndarray) -> None:
+        arr = np.ascontiguousarray(array, dtype=np.float32).ravel()
+        buf.ravel()[: arr.size].set(arr, stream=self._stream())
 
     def nbytes(self, buf: Any) -> int:
         return int(buf.nbytes)
@@ -180,6 +184,26 @@ class CudaBackend(Backend):
         return [float(cp.cuda.get_elapsed_time(start, end)) for start, end in events]
 
     # -- interop ----------------------------------------------------------------------------
+    def capture(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """``fn``'s launches captured once into a CUDA graph; the result replays it on a private
+        stream (the network runtime's fixed launch list). Run ``fn`` once before, so nothing
+        allocates or compiles during the capture."""
+        stream = cp.cuda.Stream(non_blocking=True)
+        saved, self.stream = self.stream, stream
+        try:
+            stream.begin_capture()
+            try:
+                fn()
+            finally:
+                graph = stream.end_capture()
+        finally:
+            self.stream = saved
+
+        def replay() -> None:
+            graph.launch(self._stream())
+
+        return replay
+
     def wrap(self, array: Any) -> Any:
         """A CuPy view of a CuPy array or torch CUDA tensor: no copy, unless its data is not
         16-byte aligned (a view at an odd offset), which float4 loads cannot read: then an
