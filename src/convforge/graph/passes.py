@@ -29,6 +29,12 @@ def _sole_consumer(graph: Graph, tensor: str) -> Node | None:
     return users[0]
 
 
+def _drop(graph: Graph, node: Node, replacement: str) -> None:
+    """Remove ``node``, its readers reading ``replacement`` instead."""
+    graph.nodes.remove(node)
+    _replace_uses(graph, node.output, replacement)
+
+
 def remove_identities(graph: Graph) -> Graph:
     """Drop dropout (identity at inference) and single-input concats."""
     g = graph.copy()
@@ -48,12 +54,10 @@ def fold_batchnorm(graph: Graph) -> Graph:
     from convforge.graph.runtime import channel_affine
 
     g = graph.copy()
-    keep: list[Node] = []
-    for node in g.nodes:
+    for node in list(g.nodes):
         prod = g.producer(node.inputs[0]) if node.op in ("batchnorm", "scale") else None
         if (prod is None or prod.op not in ("conv", "fc") or prod.attrs.get("relu")
                 or len(prod.inputs) > 1 or _sole_consumer(g, prod.output) is not node):
-            keep.append(node)
             continue
         a, shift = channel_affine(g, node)
         w = np.asarray(g.weights[prod.weights["w"]], np.float64)
@@ -63,8 +67,7 @@ def fold_batchnorm(graph: Graph) -> Graph:
         g.weights[wkey] = (w * a.reshape((-1,) + (1,) * (w.ndim - 1))).astype(np.float32)
         g.weights[bkey] = (b64 * a + shift).astype(np.float32)
         prod.weights = {"w": wkey, "bias": bkey}
-        _replace_uses(g, node.output, prod.output)
-    g.nodes = keep
+        _drop(g, node, prod.output)
     return g
 
 
@@ -72,17 +75,14 @@ def fuse_relu(graph: Graph) -> Graph:
     """Fold a plain ReLU into the epilogue of the conv / fc / add / affine that produces its input
     (when the ReLU is that producer's only reader)."""
     g = graph.copy()
-    keep: list[Node] = []
-    for node in g.nodes:
+    for node in list(g.nodes):
         prod = g.producer(node.inputs[0]) if node.op == "relu" else None
         plain = node.attrs.get("slope", 0.0) == 0.0 and node.attrs.get("clip") is None
         if (prod is None or not plain or prod.op not in ("conv", "fc", "add", "batchnorm", "scale")
                 or prod.attrs.get("relu") or _sole_consumer(g, prod.output) is not node):
-            keep.append(node)
             continue
         prod.attrs["relu"] = True
-        _replace_uses(g, node.output, prod.output)
-    g.nodes = keep
+        _drop(g, node, prod.output)
     return g
 
 

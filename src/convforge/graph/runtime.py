@@ -276,7 +276,7 @@ def load_model(model: Any, input_size: int | None = None, seed: int = 0,
         if text in models.NAMES:
             return models.load(text, seed=seed, input_size=input_size, weights=weights)
         if text.endswith(".onnx"):
-            from convforge.graph.onnx import load_onnx
+            from convforge.graph.from_onnx import load_onnx
 
             return load_onnx(text, input_size=input_size)
         if text.endswith(".prototxt"):
