@@ -104,9 +104,12 @@ def test_caffe_small_net_runs_on_opencl(ocl) -> None:
 @pytest.mark.parametrize("edit, match", [
     (lambda t: t.replace('"LRN"', '"Magic"'), r"layer 'n1': unknown layer type 'Magic'"),
     (lambda t: t.replace('bottom: "p2" top: "gp"', 'bottom: "nowhere" top: "gp"'), r"'gp'.*'nowhere' is dangling"),
-    (lambda t: t.replace('bottom: "p1" bottom: "p1"', 'bottom: "p1" bottom: "p2"'), r"node 'cat' \(concat\).*does not match"),
-    (lambda t: t.replace("num_output: 5 kernel_size: 1", "num_output: 5 kernel_size: 1 group: 2"), r"'c2'.*group \(2\)"),
-    (lambda t: t.replace("kernel_size: 3 stride: 2 }", "kernel_size: 30 stride: 2 }"), r"node 'p1' \(pool\): kernel \(30x30\)"),
+    (lambda t: t.replace('bottom: "p1" bottom: "p1"', 'bottom: "p1" bottom: "p2"'),
+     r"node 'cat' \(concat\).*does not match"),
+    (lambda t: t.replace("num_output: 5 kernel_size: 1", "num_output: 5 kernel_size: 1 group: 2"),
+     r"'c2'.*group \(2\)"),
+    (lambda t: t.replace("kernel_size: 3 stride: 2 }", "kernel_size: 30 stride: 2 }"),
+     r"node 'p1' \(pool\): kernel \(30x30\)"),
 ])
 def test_malformed_prototxt_is_refused(edit, match) -> None:
     with pytest.raises(GraphError, match=match):

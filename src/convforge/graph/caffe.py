@@ -163,7 +163,8 @@ def fill_weights(graph: Graph, seed: int = 0, blobs: dict[str, list[np.ndarray]]
             if have is not None:
                 arr = _from_blob(node, role, have, i, shape)
             elif role == "w":
-                arr = rng.standard_normal(shape, dtype=np.float32) * np.float32(np.sqrt(2.0 / max(1, int(np.prod(shape[1:])))))
+                fan_in = max(1, int(np.prod(shape[1:])))
+                arr = rng.standard_normal(shape, dtype=np.float32) * np.float32(np.sqrt(2.0 / fan_in))
             elif role == "var":
                 arr = rng.uniform(0.5, 1.5, shape)
             elif role == "gamma":
@@ -195,10 +196,10 @@ def infer_weight_shapes(graph: Graph) -> dict[str, tuple[int, ...]]:
         x = shapes[node.inputs[0]] if node.inputs and node.inputs[0] in shapes else None
         if x is None:
             raise GraphError(f"node {node.name!r} ({node.op}): input {node.inputs[0]!r} is dangling")
-        k = node.attrs.get("k")
+        k = int(node.attrs.get("k") or 0)
         for role, key in node.weights.items():
             if node.op == "conv":
-                kr, ks = node.attrs.get("kernel", (1, 1))
+                kr, ks = (int(v) for v in node.attrs.get("kernel", (1, 1)))
                 out[key] = (k, x.shape[1], kr, ks) if role == "w" else (k,)
             elif node.op == "fc":
                 out[key] = (k, x.size // x.shape[0]) if role == "w" else (k,)

@@ -27,10 +27,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from convforge.graph.runtime import Network, load_model
-    from convforge.graph.passes import optimize
-    from convforge.backends import get_backend
     from convforge.api import default_backend
+    from convforge.backends import get_backend
+    from convforge.graph.passes import optimize
+    from convforge.graph.runtime import Network, load_model
 
     console = Console()
     if args.batch < 1:

@@ -11,7 +11,10 @@ from typing import Any
 
 Message = dict[str, list[Any]]
 
-_TOKEN = re.compile(r"""\s*(?:(#[^\n]*)|("(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*')|([{}:<>;,\[\]])|([^\s{}:<>;,\[\]"'#]+))""")
+_TOKEN = re.compile(r"""\s*(?:(\#[^\n]*)                           # comment
+                           |("(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*')  # quoted string
+                           |([{}:<>;,\[\]])                         # punctuation
+                           |([^\s{}:<>;,\[\]"'\#]+))                  # word or number""", re.X)
 
 
 class PrototxtError(ValueError):

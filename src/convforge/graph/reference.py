@@ -38,7 +38,8 @@ def _conv(graph: Graph, node: Node, ins: list[Arr]) -> Arr:
     x = ins[0]
     w = _w(graph, node, "w")
     assert w is not None
-    spec = ConvSpec(*x.shape, w.shape[0], r, s, st, pad, dil)  # type: ignore[misc]
+    n, c, h, wd = (int(v) for v in x.shape)
+    spec = ConvSpec(n, c, h, wd, int(w.shape[0]), r, s, st, pad, dil)
     y = conv2d_ref(x, w, spec, _w(graph, node, "bias"))
     if len(ins) == 2:
         y = y + ins[1]

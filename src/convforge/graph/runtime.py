@@ -194,13 +194,11 @@ class Network:
             fn = be.function(program, ol.kernel)
             step = Launch(ol.kernel.name, ol.grid, ol.kernel.block, ol.args)
             args = [self.weights[a] if a in self.weights else self.buf(a) for a in ol.args]
-            by_node.setdefault(name, []).append(
-                lambda fn=fn, k=ol.kernel, st=step, a=args: be.launch(program, fn, k, st, a))
+            by_node.setdefault(name, []).append(_launcher(be, program, fn, ol.kernel, step, args))
         steps = {s.node: s for s in self.steps}
         for name, op, _ in self._kernels:
             if name not in steps:
-                calls = by_node[name]
-                steps[name] = Step(name, op, "graph_op", lambda c=calls: [f() for f in c] and None)
+                steps[name] = Step(name, op, "graph_op", _sequence(by_node[name]))
         self.steps = sorted(steps.values(), key=lambda s: order[s.node])
 
     # -- running --------------------------------------------------------------------------------
@@ -238,6 +236,21 @@ class Network:
         """Median device time of one replay of the whole network."""
         self.replay()
         return float(np.median(self.backend.time_ms(self.replay, repeats)))
+
+
+def _launcher(be: Any, program: Any, fn: Any, kernel: Any, step: Launch, args: list[Any]) -> Callable[[], None]:
+    def run() -> None:
+        be.launch(program, fn, kernel, step, args)
+
+    return run
+
+
+def _sequence(calls: list[Callable[[], None]]) -> Callable[[], None]:
+    def run() -> None:
+        for call in calls:
+            call()
+
+    return run
 
 
 def conv_spec(node: Node, x: Tensor) -> ConvSpec:
