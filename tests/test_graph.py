@@ -230,6 +230,57 @@ def test_passes_keep_the_output() -> None:
     assert c1.attrs.get("relu") and c1.weights["bias"] != "c1.bias"
 
 
+def test_residual_epilogue_on_families(ocl) -> None:
+    """conv + bias + residual + ReLU in one store, on every family that states a residual path."""
+    from convforge.kernels import all_variants
+    from convforge.plan import Epilogue
+    from convforge.reference import conv2d_ref
+    from convforge.spec import ConvSpec
+
+    epi = Epilogue(bias=True, relu=True, residual=True)
+    rng = np.random.default_rng(9)
+    tried = set()
+    for spec in (ConvSpec.make(2, 5, 9, 7, 6, 3, 3, 1, (1, 0, 1, 1)), ConvSpec.make(1, 16, 5, 5, 8, 1, 1)):
+        x, w = rng.standard_normal(spec.x_shape), rng.standard_normal(spec.w_shape)
+        b, res = rng.standard_normal(spec.k), rng.standard_normal(spec.y_shape)
+        want = np.maximum(conv2d_ref(x, w, spec, b) + res, 0.0)
+        for v in all_variants():
+            if v.applies(spec, ocl.device) is not None:
+                continue
+            if not v.residual_ok:
+                with pytest.raises(ValueError, match="unsupported epilogue"):
+                    v.plan(spec, v.default(spec, ocl.device), ocl.device, epi).source("opencl")
+                continue
+            if (v.family, spec) in tried:  # one variant per family and shape keeps the compiles few
+                continue
+            tried.add((v.family, spec))
+            exe = ocl.executable(v.plan(spec, v.default(spec, ocl.device), ocl.device, epi))
+            y = np.full(spec.y_shape, np.nan, np.float32)
+            bufs = {"x": ocl.upload(x), "w": ocl.upload(w), "bias": ocl.upload(b), "res": ocl.upload(res),
+                    "y": ocl.upload(y)}
+            exe(bufs)
+            assert rel_l2(ocl.download(bufs["y"], spec.y_shape), want) < 1e-5, v.name
+    assert {"direct", "implicit_gemm", "im2col", "gemm1x1"} <= {f for f, _ in tried}
+
+
+def test_residual_fusion_and_its_fallback(ocl, monkeypatch) -> None:
+    from convforge.kernels import all_variants
+
+    g = load_prototxt(SMALL, seed=6)
+    g.outputs = ["prob", "gp"]
+    fused = passes.optimize(g)
+    c2 = next(n for n in fused.nodes if n.name == "c2")
+    assert c2.inputs == ["c1", "c1"] and "add" not in [n.op for n in fused.nodes]
+    _same(g, fused)
+    net = compile(g, batch=2, backend="opencl")
+    _check(net, g, _x(g))
+    for v in all_variants():
+        monkeypatch.setattr(type(v), "residual_ok", False)
+    fallback = compile(g, batch=2, backend="opencl")
+    assert any(s.node == "c2+add" for s in fallback.steps)
+    _check(fallback, g, _x(g))
+
+
 def test_fold_batchnorm_needs_a_sole_reader() -> None:
     g = load_prototxt(SMALL, seed=4)
     g.nodes.insert(1, Node("tap", "relu", ["c1"], "tap", {}))

@@ -1,6 +1,7 @@
 """Graph passes, each a function Graph -> Graph that leaves its argument unchanged.
 
-``optimize`` runs them in order: identity removal, batch norm folding, activation fusion.
+``optimize`` runs them in order: identity removal, batch norm folding, activation fusion,
+residual fusion.
 Each is tested by running the graph through the float64 reference before and after.
 """
 
@@ -86,7 +87,27 @@ def fuse_relu(graph: Graph) -> Graph:
     return g
 
 
-PASSES: tuple[Pass, ...] = (remove_identities, fold_batchnorm, fuse_relu)
+def fuse_residual(graph: Graph) -> Graph:
+    """Fold a two-input add into the epilogue of the conv producing one input (its only reader),
+    the other input becoming the conv's residual (``res``) and the add's ReLU the conv's. The
+    runtime falls back to a separate add when the chosen variant lacks a residual store path."""
+    g = graph.copy()
+    order = {n.output: i for i, n in enumerate(g.nodes)}
+    for node in list(g.nodes):
+        if node.op != "add" or len(node.inputs) != 2:
+            continue
+        for mine, other in (node.inputs, node.inputs[::-1]):
+            prod = g.producer(mine)
+            if (prod is not None and prod.op == "conv" and len(prod.inputs) == 1 and not prod.attrs.get("relu")
+                    and _sole_consumer(g, mine) is node and order.get(other, -1) < order[mine]):
+                prod.inputs.append(other)
+                prod.attrs["relu"] = bool(node.attrs.get("relu"))
+                _drop(g, node, prod.output)
+                break
+    return g
+
+
+PASSES: tuple[Pass, ...] = (remove_identities, fold_batchnorm, fuse_relu, fuse_residual)
 
 
 def optimize(graph: Graph, passes: tuple[Pass, ...] = PASSES) -> Graph:

@@ -101,6 +101,7 @@ class Network:
         self.steps: list[Step] = []
         self._kernels: list[tuple[str, str, ops.OpLaunch]] = []
         self._execs: list[Any] = []
+        self._order: list[str] = []  # step names in launch order
         for node in graph.nodes:
             self._build(node)
         self._link_kernels()
@@ -166,20 +167,35 @@ class Network:
             raise ValueError(f"node {node.name!r}: the runtime has no kernel for op {node.op!r}")
 
     def _kernel(self, node: Node, launch: ops.OpLaunch) -> None:
+        if node.name not in self._order:
+            self._order.append(node.name)
         self._kernels.append((node.name, node.op, launch))
 
     def _conv(self, node: Node, x: Tensor) -> None:
+        """A conv or fc through dispatch; a fused residual needs a variant with a residual store
+        path (``Variant.residual_ok``), else the conv runs plain and a separate add follows."""
         spec = conv_spec(node, x)
-        if len(node.inputs) > 1:
-            raise ValueError(f"node {node.name!r}: a fused residual input needs a residual epilogue")
         has_bias = "bias" in node.weights
-        epi = Epilogue(bias=has_bias, relu=bool(node.attrs.get("relu")))
-        exe = dispatch.executable(spec, self.backend, epi)
-        self._execs.append(exe)
+        relu = bool(node.attrs.get("relu"))
         bufs = {"x": self.buf(node.inputs[0]), "w": self._weight(node.weights["w"]), "y": self.buf(node.output)}
         if has_bias:
             bufs["bias"] = self._weight(node.weights["bias"])
-        self.steps.append(Step(node.name, node.op, exe.plan.describe(), lambda: exe(bufs), spec.flops))
+        residual = node.inputs[1] if len(node.inputs) > 1 else None
+        choice = dispatch.choose(spec, self.backend, Epilogue(bias=has_bias, relu=relu))
+        if residual is not None and choice.variant.residual_ok:
+            epi = Epilogue(bias=has_bias, relu=relu, residual=True)
+            exe = dispatch.executable(spec, self.backend, epi, algo=choice.variant.name, params=choice.params)
+            bufs["res"] = self.buf(residual)
+        else:
+            epi = Epilogue(bias=has_bias, relu=relu and residual is None)
+            exe = dispatch.executable(spec, self.backend, epi)
+        self._execs.append(exe)
+        self._order.append(node.name)
+        self.steps.append(Step(node.name, node.op, exe.plan.describe() + epi.tag(), lambda: exe(bufs), spec.flops))
+        if residual is not None and not epi.residual:
+            y = self.shapes[node.output]
+            add = Node(node.name + "+add", "add", [node.output, residual], node.output, {"relu": relu})
+            self._kernel(add, ops.add(add, y, [node.output, residual], node.output, relu))
 
     def _link_kernels(self) -> None:
         """Compile every non-conv kernel in one program and put its launches in graph order."""
@@ -188,7 +204,6 @@ class Network:
         kernels = list({k.kernel.name: k.kernel for _, _, k in self._kernels}.values())
         be = self.backend
         program = be.program(render(kernels, be.name, f"{self.graph.name} operations"))
-        order = {n.name: i for i, n in enumerate(self.graph.nodes)}
         by_node: dict[str, list[Callable[[], None]]] = {}
         for name, _, ol in self._kernels:
             fn = be.function(program, ol.kernel)
@@ -199,7 +214,7 @@ class Network:
         for name, op, _ in self._kernels:
             if name not in steps:
                 steps[name] = Step(name, op, "graph_op", _sequence(by_node[name]))
-        self.steps = sorted(steps.values(), key=lambda s: order[s.node])
+        self.steps = [steps[name] for name in self._order]
 
     # -- running --------------------------------------------------------------------------------
     def run_eager(self) -> None:

@@ -26,6 +26,7 @@ class DirectBase(Variant):
     """Shared metacode of the three direct variants; subclasses choose how inputs are read."""
 
     family = "direct"
+    residual_ok = True
     tolerance = 1e-5
     exact = True
 
@@ -100,7 +101,7 @@ class DirectBase(Variant):
             k, pp, qq = f"k0 + {kk}", f"p0 + ly + {i * p.bp}", f"q0 + lx + {j * p.bq}"
             cond = f"{k} < {spec.k} && {pp} < {spec.p} && {qq} < {spec.q}"
             idx = yd.index(n="n", k=k, p=pp, q=qq)
-            code(f"if ({cond}) y[{idx}] = {epi.apply(f'acc{kk}_{i}_{j}', k)};")
+            code(f"if ({cond}) y[{idx}] = {epi.apply(f'acc{kk}_{i}_{j}', k, idx)};")
 
     def _rs_loops(self, code: Code, spec: ConvSpec, p: Params, body: object) -> None:
         """Emit body(r_expr, s) for every tap, r unrolled when small enough."""

@@ -56,11 +56,12 @@ def nchw_store(spec: ConvSpec, epi: Epilogue, out: str = "y", raw: bool = False)
                 f"const int {t}_o = {t}_n * {kpq} + ({i} - {t}_n * {pq});"]
 
     def put(m: str, t: str, v: str) -> list[str]:
-        val = v if raw else epi.apply(v, f"({m})")
+        val = v if raw else epi.apply(v, f"({m})", f"{t}_o + ({m}) * {pq}")
         return [f"{out}[{t}_o + ({m}) * {pq}] = {val};"]
 
     def vput(m: str, t: str, vs: list[str]) -> list[str]:
-        vals = ", ".join(v if raw else epi.apply(v, f"({m})") for v in vs)
+        vals = ", ".join(v if raw else epi.apply(v, f"({m})", f"{t}_o + ({m}) * {pq} + {j}")
+                         for j, v in enumerate(vs))
         return [f"VSTORE4(MAKE_FLOAT4({vals}), 0, {out} + {t}_o + ({m}) * {pq});"]
 
     # 4 consecutive columns (from a multiple of 4) stay in one image and 16-byte aligned
@@ -106,6 +107,8 @@ def gemm_plan(variant: Variant, spec: ConvSpec, params: Params, epi: Epilogue, b
 
 class _ConvGemmBase(Variant):
     """Space and default from the SGEMM generator, for M = K, N = NPQ, K = CRS."""
+
+    residual_ok = True  # its store paths honour Epilogue.residual
 
     tolerance = 1e-5
     exact = True
@@ -213,6 +216,8 @@ class Im2colCublas(Variant):
     """im2col on the device (N x CRS x PQ), then one strided-batched cuBLAS SGEMM per call:
     the library path the im2win paper compares against. CUDA only."""
 
+    residual_ok = True  # its store paths honour Epilogue.residual
+
     name = "im2col_cublas"
     specialised = 2
     family = "im2col"
@@ -239,10 +244,10 @@ class Im2colCublas(Variant):
                                   batch=spec.n, stride_a=0, stride_b=crs * pq,
                                   stride_c=spec.k * pq)]
         kernels = [kern]
-        if epilogue.bias or epilogue.relu:
+        if epilogue.bias or epilogue.relu or epilogue.residual:
             total = spec.n * spec.k * pq
-            body = [f"y[e] = {epilogue.apply('y[e]', f'(e / {pq}) % {spec.k}')};"]
-            args = (Buf("y", readonly=False),) + ((Buf("bias"),) if epilogue.bias else ())
+            body = [f"y[e] = {epilogue.apply('y[e]', f'(e / {pq}) % {spec.k}', 'e')};"]
+            args = out_args(epilogue)
             epk, egrid = elementwise("im2col_cublas_epilogue", total, args, body,
                                      "bias/ReLU after the library GEMM")
             kernels.append(epk)
@@ -500,7 +505,7 @@ class Gemm1x1SplitK(Gemm1x1):
         sums = " + ".join(f"part[{j * total} + e]" for j in range(params.ks))
         pq = spec.p * spec.q
         red, rgrid = elementwise(f"{self.name}_reduce", total, (Buf("part"),) + out_args(epilogue),
-                                 [f"y[e] = {epilogue.apply(f'({sums})', f'(e / {pq}) % {spec.k}')};"],
+                                 [f"y[e] = {epilogue.apply(f'({sums})', f'(e / {pq}) % {spec.k}', 'e')};"],
                                  f"sum of {params.ks} split-K partial outputs")
         steps = (Launch(name, gemm_grid(shape, gparams), gemm_block(gparams), ("w", "x", "part")),
                  Launch(red.name, rgrid, red.block, ("part",) + out_refs(epilogue)))
@@ -512,6 +517,8 @@ class GemmFullWindow(Variant):
     """A filter that covers the whole unpadded input (a fully-connected layer such as AlexNet's fc6)
     is a 1x1 convolution over C*R*S channels of a 1x1 image, with the very same memory layout of
     x, w and y: run it by the 1x1 path (split-K when that applies) on the rewritten spec."""
+
+    residual_ok = True  # its store paths honour Epilogue.residual
 
     name = "gemm_fc"
     family = "gemm1x1"

@@ -72,6 +72,8 @@ def window_operand(spec: ConvSpec) -> Operand:
 class Im2win(Variant):
     """Window transform of input (and filter reorder) on the device, then the tiled GEMM."""
 
+    residual_ok = True  # its store paths honour Epilogue.residual
+
     name = "im2win"
     specialised = 4
     family = "im2win"
