@@ -281,6 +281,40 @@ def test_residual_fusion_and_its_fallback(ocl, monkeypatch) -> None:
     _check(fallback, g, _x(g))
 
 
+INCEPTION = """
+input: "data" input_shape { dim: 2 dim: 6 dim: 9 dim: 7 }
+layer { name: "a" type: "Convolution" bottom: "data" top: "a" convolution_param { num_output: 5 kernel_size: 1 } }
+layer { name: "ra" type: "ReLU" bottom: "a" top: "a" }
+layer { name: "b" type: "Convolution" bottom: "data" top: "b"
+        convolution_param { num_output: 3 kernel_size: 3 pad: 1 } }
+layer { name: "p" type: "Pooling" bottom: "data" top: "p" pooling_param { pool: MAX kernel_size: 3 stride: 1 pad: 1 } }
+layer { name: "c" type: "Convolution" bottom: "p" top: "c"
+        convolution_param { num_output: 4 kernel_size: 5 pad: 2 bias_term: false } }
+layer { name: "cat" type: "Concat" bottom: "a" bottom: "b" bottom: "c" top: "cat" }
+layer { name: "gp" type: "Pooling" bottom: "cat" top: "gp" pooling_param { pool: AVE global_pooling: true } }
+"""
+
+
+@pytest.mark.parametrize("algo", ["direct", "implicit_gemm", "im2col"])
+def test_concat_in_place(ocl, monkeypatch, algo: str) -> None:
+    """Each producer writes at its channel offset (no copy); checked with variants that do."""
+    from convforge import dispatch
+    from convforge.graph import runtime
+
+    g = load_prototxt(INCEPTION, seed=2)
+    g.outputs = ["cat", "gp"]
+    marked = passes.optimize(g)
+    assert next(n for n in marked.nodes if n.op == "concat").attrs["in_place"]
+    _same(g, marked)
+    real = dispatch.choose
+    monkeypatch.setattr(runtime.dispatch, "choose", lambda spec, be, epi, **kw: real(spec, be, epi, algo=algo))
+    net = compile(g, batch=2, backend="opencl")
+    assert set(net.into) == {"a", "b", "c"} and not [s for s in net.steps if s.op == "concat"]
+    convs = [s for s in net.steps if s.op == "conv"]
+    assert len(convs) == 3 and all(s.variant.endswith(f"_at{off}of12") for s, off in zip(convs, (0, 5, 8)))
+    _check(net, g, _x(g))
+
+
 def test_fold_batchnorm_needs_a_sole_reader() -> None:
     g = load_prototxt(SMALL, seed=4)
     g.nodes.insert(1, Node("tap", "relu", ["c1"], "tap", {}))

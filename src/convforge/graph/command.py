@@ -36,6 +36,9 @@ def main(args: argparse.Namespace) -> int:
     if args.batch < 1:
         raise ValueError(f"batch ({args.batch}) must be >= 1")
     graph = load_model(args.net, args.input_size, args.seed, args.weights).with_batch(args.batch)
+    last = graph.producer(graph.outputs[0])
+    if last is not None and last.op == "softmax":  # softmax flattens errors: also check the logits
+        graph.outputs = graph.outputs + [last.inputs[0]]
     backend = get_backend(args.backend or default_backend())
     if args.tune:
         _tune(args, console, backend)
@@ -44,7 +47,7 @@ def main(args: argparse.Namespace) -> int:
     console.print(f"{graph.name}: {len(graph.nodes)} nodes -> {len(net.steps)} steps after the passes, "
                   f"built in {time.perf_counter() - t0:.1f} s on {backend.device.name} ({backend.name})")
     x = np.random.default_rng(args.seed).standard_normal(net.shapes[graph.input].shape).astype(np.float32)
-    out = net(x)[graph.outputs[0]]
+    out = net(x)
     prof = net.profile(max(3, args.repeats // 2))
     total = net.time_ms(args.repeats)
     console.print(_table(prof, graph.name, args.batch))
@@ -88,13 +91,14 @@ def _table(prof: list[tuple[Any, float]], name: str, batch: int) -> Any:
     return table
 
 
-def _check(console: Any, graph: Any, x: np.ndarray, out: np.ndarray) -> None:
+def _check(console: Any, graph: Any, x: np.ndarray, out: dict[str, np.ndarray]) -> None:
     """Relative L2 error of image 0 against the float64 reference (run at batch 1)."""
     from convforge.graph.reference import run_reference
     from convforge.reference import rel_l2
 
-    ref = run_reference(graph.with_batch(1), x[:1])[graph.outputs[0]]
-    console.print(f"relative error vs the float64 reference (image 0): {rel_l2(out[:1], ref):.2e}")
+    ref = run_reference(graph.with_batch(1), x[:1])
+    errs = ", ".join(f"{t} {rel_l2(out[t][:1], ref[t]):.2e}" for t in graph.outputs)
+    console.print(f"relative error vs the float64 reference (image 0): {errs}")
 
 
 def _torch(console: Any, graph: Any, x: np.ndarray, total: float, peak: int, repeats: int) -> None:
@@ -112,4 +116,5 @@ def _torch(console: Any, graph: Any, x: np.ndarray, total: float, peak: int, rep
     from convforge.reference import rel_l2
 
     ref = run_reference(graph.with_batch(1), x[:1])[graph.outputs[0]]
-    console.print(f"PyTorch relative error vs the float64 reference (image 0): {rel_l2(t.output[:1], ref):.2e}")
+    console.print(f"PyTorch relative error vs the float64 reference (image 0, {graph.outputs[0]}): "
+                  f"{rel_l2(t.output[:1], ref):.2e}")

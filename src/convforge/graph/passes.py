@@ -1,7 +1,7 @@
 """Graph passes, each a function Graph -> Graph that leaves its argument unchanged.
 
 ``optimize`` runs them in order: identity removal, batch norm folding, activation fusion,
-residual fusion.
+residual fusion, concat in place.
 Each is tested by running the graph through the float64 reference before and after.
 """
 
@@ -107,7 +107,22 @@ def fuse_residual(graph: Graph) -> Graph:
     return g
 
 
-PASSES: tuple[Pass, ...] = (remove_identities, fold_batchnorm, fuse_relu, fuse_residual)
+def concat_in_place(graph: Graph) -> Graph:
+    """Mark channel concats whose inputs all come from convs read by nothing else: each conv can
+    write at its channel offset of the concat's tensor (no copy). The runtime keeps the copy when
+    a chosen variant has no channel-offset store path (``Variant.offset_ok``)."""
+    g = graph.copy()
+    for node in g.nodes:
+        if node.op != "concat" or len(set(node.inputs)) != len(node.inputs):
+            continue
+        prods = [g.producer(t) for t in node.inputs]
+        if all(p is not None and p.op == "conv" and len(p.inputs) == 1 and _sole_consumer(g, t) is node
+               for p, t in zip(prods, node.inputs, strict=True)):
+            node.attrs["in_place"] = True
+    return g
+
+
+PASSES: tuple[Pass, ...] = (remove_identities, fold_batchnorm, fuse_relu, fuse_residual, concat_in_place)
 
 
 def optimize(graph: Graph, passes: tuple[Pass, ...] = PASSES) -> Graph:

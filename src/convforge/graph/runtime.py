@@ -49,12 +49,15 @@ class MemoryPlan:
         return sum(self.sizes)
 
 
-def plan_memory(graph: Graph, shapes: dict[str, Tensor]) -> MemoryPlan:
+def plan_memory(graph: Graph, shapes: dict[str, Tensor], into: dict[str, str] | None = None) -> MemoryPlan:
     """Assign activation tensors to reusable slots by liveness (best fit; an output never shares
-    a slot with its node's inputs, so kernels need not be safe in place)."""
+    a slot with its node's inputs, so kernels need not be safe in place). ``into`` maps a conv's
+    output to the concat tensor it is written into (placed when its first part is written)."""
+    into = into or {}
+    inplace = set(into.values())
     root = {graph.input: graph.input}
     for node in graph.nodes:
-        root[node.output] = root[node.inputs[0]] if node.op in ALIASES else node.output
+        root[node.output] = (root[node.inputs[0]] if node.op in ALIASES else into.get(node.output, node.output))
     last: dict[str, int] = {}
     for i, node in enumerate(graph.nodes):
         for t in node.inputs:
@@ -79,8 +82,9 @@ def plan_memory(graph: Graph, shapes: dict[str, Tensor]) -> MemoryPlan:
 
     place(graph.input)
     for i, node in enumerate(graph.nodes):
-        if node.op not in ALIASES:
-            place(node.output)
+        r = root[node.output]
+        if node.op not in ALIASES and r not in mp.slot_of and not (node.op == "concat" and r in inplace):
+            place(r)
         for t in {root[t] for t in node.inputs}:
             if last.get(t) == i:
                 free.append(mp.slot_of[t])
@@ -95,7 +99,8 @@ class Network:
     def __init__(self, graph: Graph, backend: Any, capture: bool = True) -> None:
         self.graph, self.backend = graph, backend
         self.shapes = infer(graph)
-        self.memory = plan_memory(graph, self.shapes)
+        self.into = self._concats_in_place()
+        self.memory = plan_memory(graph, self.shapes, {t: c for t, (c, _) in self.into.items()})
         self.slots = [backend.empty(max(n, 4)) for n in self.memory.sizes]
         self.weights: dict[str, Any] = {}
         self.steps: list[Step] = []
@@ -108,6 +113,27 @@ class Network:
         self.run_eager()  # compile, allocate workspaces: nothing of that happens in a capture
         backend.synchronize()
         self._replay = backend.capture(self.run_eager) if capture else self.run_eager
+
+    def _choice(self, node: Node) -> Any:
+        """dispatch's choice for a conv/fc node with its plain epilogue (bias, ReLU)."""
+        spec = conv_spec(node, self.shapes[node.inputs[0]])
+        return dispatch.choose(spec, self.backend, Epilogue(bias="bias" in node.weights,
+                                                            relu=bool(node.attrs.get("relu"))))
+
+    def _concats_in_place(self) -> dict[str, tuple[str, int]]:
+        """conv output -> (concat tensor, channel offset) for the concats the passes marked, where
+        every producer's chosen variant writes at a channel offset; the others keep their copies."""
+        out: dict[str, tuple[str, int]] = {}
+        for node in self.graph.nodes:
+            if node.op != "concat" or not node.attrs.get("in_place"):
+                continue
+            prods = [self.graph.producer(t) for t in node.inputs]
+            if all(p is not None and self._choice(p).variant.offset_ok for p in prods):
+                off = 0
+                for t in node.inputs:
+                    out[t] = (node.output, off)
+                    off += self.shapes[t].shape[1]
+        return out
 
     # -- buffers --------------------------------------------------------------------------------
     def buf(self, tensor: str) -> Any:
@@ -158,6 +184,8 @@ class Network:
             self._weight(f"{node.name}.b", b)
             self._kernel(node, ops.affine(node, x, src, dst, f"{node.name}.a", f"{node.name}.b",
                                           bool(node.attrs.get("relu"))))
+        elif node.op == "concat" and node.inputs[0] in self.into:
+            return  # its producers wrote their channels in place
         elif node.op == "concat":
             off = 0
             for part, t in enumerate(node.inputs):
@@ -181,8 +209,12 @@ class Network:
         if has_bias:
             bufs["bias"] = self._weight(node.weights["bias"])
         residual = node.inputs[1] if len(node.inputs) > 1 else None
-        choice = dispatch.choose(spec, self.backend, Epilogue(bias=has_bias, relu=relu))
-        if residual is not None and choice.variant.residual_ok:
+        choice = self._choice(node)
+        if node.output in self.into:
+            concat, off = self.into[node.output]
+            epi = Epilogue(bias=has_bias, relu=relu, k_total=self.shapes[concat].shape[1], k_offset=off)
+            exe = dispatch.executable(spec, self.backend, epi, algo=choice.variant.name, params=choice.params)
+        elif residual is not None and choice.variant.residual_ok:
             epi = Epilogue(bias=has_bias, relu=relu, residual=True)
             exe = dispatch.executable(spec, self.backend, epi, algo=choice.variant.name, params=choice.params)
             bufs["res"] = self.buf(residual)

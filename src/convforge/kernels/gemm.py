@@ -49,18 +49,20 @@ def filter_operand(spec: ConvSpec, name: str = "w", ld: int | None = None) -> Op
 
 def nchw_store(spec: ConvSpec, epi: Epilogue, out: str = "y", raw: bool = False) -> Store:
     """C (K x NPQ) into an N x K x P x Q tensor; ``raw`` skips the epilogue (partial sums)."""
-    pq, kpq = spec.p * spec.q, spec.k * spec.p * spec.q
+    pq = spec.p * spec.q
+    kpq = (epi.k_total if epi.k_total and not raw else spec.k) * pq  # a channel-offset write: the whole tensor
+    base = f" + {epi.k_offset * pq}" if epi.k_offset and not raw else ""
 
     def setup(i: str, t: str) -> list[str]:
         return [f"const int {t}_n = {i} / {pq};",
-                f"const int {t}_o = {t}_n * {kpq} + ({i} - {t}_n * {pq});"]
+                f"const int {t}_o = {t}_n * {kpq} + ({i} - {t}_n * {pq}){base};"]
 
     def put(m: str, t: str, v: str) -> list[str]:
-        val = v if raw else epi.apply(v, f"({m})", f"{t}_o + ({m}) * {pq}")
+        val = v if raw else epi.apply(v, f"({m})", f"{t}_o + ({m}) * {pq}", offset_done=True)
         return [f"{out}[{t}_o + ({m}) * {pq}] = {val};"]
 
     def vput(m: str, t: str, vs: list[str]) -> list[str]:
-        vals = ", ".join(v if raw else epi.apply(v, f"({m})", f"{t}_o + ({m}) * {pq} + {j}")
+        vals = ", ".join(v if raw else epi.apply(v, f"({m})", f"{t}_o + ({m}) * {pq} + {j}", offset_done=True)
                          for j, v in enumerate(vs))
         return [f"VSTORE4(MAKE_FLOAT4({vals}), 0, {out} + {t}_o + ({m}) * {pq});"]
 
@@ -108,6 +110,7 @@ def gemm_plan(variant: Variant, spec: ConvSpec, params: Params, epi: Epilogue, b
 class _ConvGemmBase(Variant):
     """Space and default from the SGEMM generator, for M = K, N = NPQ, K = CRS."""
 
+    offset_ok = True  # and Epilogue.k_total / k_offset
     residual_ok = True  # its store paths honour Epilogue.residual
 
     tolerance = 1e-5
@@ -237,6 +240,8 @@ class Im2colCublas(Variant):
 
     def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
              epilogue: Epilogue = Epilogue()) -> Plan:
+        if epilogue.k_total:
+            raise ValueError("unsupported epilogue: the library GEMM cannot write at a channel offset")
         pq, crs = spec.p * spec.q, spec.c * spec.r * spec.s
         kern, grid = im2col_kernel(spec, per_image=True)
         steps: list[Step] = [Launch("im2col", grid, kern.block, ("x", "col")),
@@ -504,8 +509,13 @@ class Gemm1x1SplitK(Gemm1x1):
                            comment=f"{self.name}: {params.short()}")
         sums = " + ".join(f"part[{j * total} + e]" for j in range(params.ks))
         pq = spec.p * spec.q
+        kpq = spec.k * pq
+        at = "e"
+        if epilogue.k_total:  # write at a channel offset of a bigger tensor
+            at = f"(e / {kpq}) * {epilogue.k_total * pq} + {epilogue.k_offset * pq} + e % {kpq}"
+        val = epilogue.apply(f"({sums})", f"(e / {pq}) % {spec.k}", "e", offset_done=True)
         red, rgrid = elementwise(f"{self.name}_reduce", total, (Buf("part"),) + out_args(epilogue),
-                                 [f"y[e] = {epilogue.apply(f'({sums})', f'(e / {pq}) % {spec.k}', 'e')};"],
+                                 [f"y[{at}] = {val};"],
                                  f"sum of {params.ks} split-K partial outputs")
         steps = (Launch(name, gemm_grid(shape, gparams), gemm_block(gparams), ("w", "x", "part")),
                  Launch(red.name, rgrid, red.block, ("part",) + out_refs(epilogue)))
@@ -518,6 +528,7 @@ class GemmFullWindow(Variant):
     is a 1x1 convolution over C*R*S channels of a 1x1 image, with the very same memory layout of
     x, w and y: run it by the 1x1 path (split-K when that applies) on the rewritten spec."""
 
+    offset_ok = True  # and Epilogue.k_total / k_offset
     residual_ok = True  # its store paths honour Epilogue.residual
 
     name = "gemm_fc"
