@@ -315,6 +315,35 @@ def test_concat_in_place(ocl, monkeypatch, algo: str) -> None:
     _check(net, g, _x(g))
 
 
+TWIN = """
+input: "data" input_shape { dim: 1 dim: 8 dim: 12 dim: 12 }
+layer { name: "a" type: "Convolution" bottom: "data" top: "a"
+        convolution_param { num_output: 8 kernel_size: 3 pad: 1 } }
+layer { name: "b" type: "Convolution" bottom: "a" top: "b"
+        convolution_param { num_output: 8 kernel_size: 3 pad: 1 } }
+"""
+
+
+@pytest.mark.parametrize("algo", ["winograd_fused_f2", "winograd_nonfused_f2", "im2win"])
+def test_filter_transforms_run_once_per_layer(ocl, monkeypatch, algo: str) -> None:
+    """Two layers of one shape share an executable but keep their own transformed filters."""
+    from convforge import dispatch, kernels
+    from convforge.graph import runtime
+
+    g = load_prototxt(TWIN, seed=8)
+    v = kernels.get_variant(algo)
+    spec = runtime.conv_spec(g.nodes[0], infer(g)["data"])
+    plan = v.plan(spec, v.default(spec, ocl.device), ocl.device)
+    once = plan.build_steps()
+    assert len(once) == 1 and "w" in plan.steps[once[0]].args  # the filter transform, nothing else
+    real = dispatch.executable
+    monkeypatch.setattr(runtime.dispatch, "executable", lambda spec, be, epi, **kw: real(spec, be, epi, algo=algo))
+    net = compile(g, backend="opencl", passes=False)
+    assert net.transformed_bytes == 2 * sum(b for n, b in plan.workspace if n in plan.steps[once[0]].args)
+    _check(net, g, _x(g))
+    _check(net, g, _x(g, seed=4))  # a second call: the hoisted transforms are still in place
+
+
 def test_fold_batchnorm_needs_a_sole_reader() -> None:
     g = load_prototxt(SMALL, seed=4)
     g.nodes.insert(1, Node("tap", "relu", ["c1"], "tap", {}))
@@ -355,7 +384,8 @@ def test_network_end_to_end(ocl, name: str, size: int) -> None:
     net = compile(g, batch=1, backend="opencl")
     assert len(net.steps) < len(g.nodes)  # the passes fused something
     _check(net, g, _x(g), tol=1e-4)
-    assert net.peak_bytes == net.memory.bytes + net.weight_bytes + net.workspace_bytes > 0
+    assert net.peak_bytes == (net.memory.bytes + net.weight_bytes + net.transformed_bytes
+                              + net.workspace_bytes) > 0
 
 
 def test_compile_refuses_bad_arguments() -> None:

@@ -159,10 +159,12 @@ class Executable:
                 raise ValueError(f"{name} ({layout}) needs {self._sizes[name]} bytes for "
                                  f"{self.plan.spec.short()}, the buffer bound holds {self.backend.nbytes(buf)}")
 
-    def __call__(self, buffers: dict[str, Any]) -> None:
+    def __call__(self, buffers: dict[str, Any], only: tuple[int, ...] | None = None) -> None:
+        """Run the plan's steps (or the steps numbered ``only``) on ``buffers``; a buffer named like a
+        workspace replaces it (a network keeps its transformed filters per layer that way)."""
         self.check_buffers(buffers)
         bufs = {**self.workspace(), **buffers}
-        for item in self._steps:
+        for item in self._steps if only is None else [self._steps[i] for i in only]:
             if item[0] == "fill":
                 self.backend.fill(bufs[item[1]], item[2], item[3])
             elif item[0] == "gemm":

@@ -53,7 +53,8 @@ def main(args: argparse.Namespace) -> int:
     console.print(_table(prof, graph.name, args.batch))
     console.print(f"total (replay): {total:.3f} ms; {args.batch / total * 1e3:.1f} images/s; "
                   f"peak memory {net.peak_bytes / 2**20:.1f} MiB (activations {net.memory.bytes / 2**20:.1f}, "
-                  f"weights {net.weight_bytes / 2**20:.1f}, workspaces {net.workspace_bytes / 2**20:.1f})")
+                  f"weights {net.weight_bytes / 2**20:.1f}, transformed filters {net.transformed_bytes / 2**20:.1f}, "
+                  f"workspaces {net.workspace_bytes / 2**20:.1f})")
     if not args.no_check:
         _check(console, graph, x, out)
     if not args.no_torch and backend.name == "cuda":

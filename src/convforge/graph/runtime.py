@@ -107,6 +107,7 @@ class Network:
         self._kernels: list[tuple[str, str, ops.OpLaunch]] = []
         self._execs: list[Any] = []
         self._order: list[str] = []  # step names in launch order
+        self.transformed_bytes = 0  # filters transformed once at build (Winograd U, packed weights)
         for node in graph.nodes:
             self._build(node)
         self._link_kernels()
@@ -151,12 +152,13 @@ class Network:
 
     @property
     def workspace_bytes(self) -> int:
-        return sum(e.plan.workspace_bytes for e in self._execs)
+        """Conv workspaces, once per distinct executable (layers of one shape share them)."""
+        return sum(e.plan.workspace_bytes for e in {id(e): e for e in self._execs}.values())
 
     @property
     def peak_bytes(self) -> int:
-        """Device memory the network holds: activations, weights and conv workspaces."""
-        return self.memory.bytes + self.weight_bytes + self.workspace_bytes
+        """Device memory the network holds: activations, weights, transformed filters, workspaces."""
+        return self.memory.bytes + self.weight_bytes + self.transformed_bytes + self.workspace_bytes
 
     # -- building -------------------------------------------------------------------------------
     def _build(self, node: Node) -> None:
@@ -223,11 +225,28 @@ class Network:
             exe = dispatch.executable(spec, self.backend, epi)
         self._execs.append(exe)
         self._order.append(node.name)
-        self.steps.append(Step(node.name, node.op, exe.plan.describe() + epi.tag(), lambda: exe(bufs), spec.flops))
+        self.steps.append(Step(node.name, node.op, exe.plan.describe() + epi.tag(), self._hoist(exe, bufs),
+                               spec.flops))
         if residual is not None and not epi.residual:
             y = self.shapes[node.output]
             add = Node(node.name + "+add", "add", [node.output, residual], node.output, {"relu": relu})
             self._kernel(add, ops.add(add, y, [node.output, residual], node.output, relu))
+
+    def _hoist(self, exe: Any, bufs: dict[str, Any]) -> Callable[[], None]:
+        """Run the plan's weight-only steps (filter transforms) now, into buffers of this layer's
+        own, and return the call that runs the rest."""
+        once = exe.plan.build_steps()
+        if not once:
+            return lambda: exe(bufs)
+        sizes = dict(exe.plan.workspace)
+        for i in once:
+            for ref in exe.plan.steps[i].args:
+                if isinstance(ref, str) and ref in sizes and ref not in bufs:
+                    bufs[ref] = self.backend.empty(sizes[ref])
+                    self.transformed_bytes += sizes[ref]
+        exe(bufs, only=once)
+        rest = tuple(i for i in range(len(exe.plan.steps)) if i not in once)
+        return lambda: exe(bufs, only=rest)
 
     def _link_kernels(self) -> None:
         """Compile every non-conv kernel in one program and put its launches in graph order."""
