@@ -484,3 +484,33 @@ def test_fx_front_end(ocl) -> None:
         want = m(torch.from_numpy(x)).numpy()
     assert rel_l2(run_reference(g, x)[g.outputs[0]], want) < 1e-5
     _check(compile(g, backend="opencl"), g, x)
+
+
+@pytest.mark.parametrize("name", ["alexnet", "googlenet", "resnet50"])
+def test_torch_baseline_runs_the_same_graph(name: str) -> None:
+    """The PyTorch comparison of ``convforge run`` computes the graph the reference computes."""
+    pytest.importorskip("torch", reason="torch is not installed (pip install 'convforge[torch]')")
+    from convforge import models
+    from convforge.graph.torch_baseline import forward_fn
+
+    g = models.load(name, input_size=48 if name != "alexnet" else 67, seed=1)
+    g.outputs = [g.producer(g.outputs[0]).inputs[0]]
+    x = _x(g)
+    got = forward_fn(g, x, "cpu")().numpy()
+    assert rel_l2(got, run_reference(g, x)[g.outputs[0]]) < 1e-4
+
+
+def test_cli_run_and_tune_net(ocl, tmp_path, capsys) -> None:
+    from convforge.cli import main
+
+    path = tmp_path / "small.prototxt"
+    path.write_text(INCEPTION)
+    assert main(["run", "--net", str(path), "--batch", "2", "--backend", "opencl", "--repeats", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "images/s" in out and "peak memory" in out and "relative error" in out and "gp " in out
+    db = tmp_path / "tune.db"
+    assert main(["tune", "--net", str(path), "--batch", "2", "--backend", "opencl", "--budget", "2",
+                 "--db", str(db)]) == 0
+    out = capsys.readouterr().out
+    assert "3 distinct conv/fc layer(s)" in out and "3 layer(s) tuned or known, 0 failed" in out
+    assert main(["run", "--net", "nosuch", "--backend", "opencl"]) == 2

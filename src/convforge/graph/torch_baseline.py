@@ -70,17 +70,13 @@ def _op(F: Any, torch: Any, node: Node, ins: list[Any], w: dict[str, Any]) -> An
     return F.relu(y) if node.attrs.get("relu") else y
 
 
-def run_torch(graph: Graph, x: np.ndarray, repeats: int = 20) -> TorchTimes:
-    """Time ``graph`` (at x's batch) in PyTorch FP32, eager and CUDA-graph replayed, on the GPU."""
+def forward_fn(graph: Graph, x: np.ndarray, device: str = "cuda") -> Any:
+    """A no-argument function running ``graph`` on ``x`` through torch.nn.functional (weights and
+    input moved to ``device`` once); it returns the first output tensor."""
     import torch
     import torch.nn.functional as F
 
-    torch.backends.cudnn.benchmark = True
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    dev = torch.device("cuda")
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    dev = torch.device(device)
     weights = {k: torch.from_numpy(np.ascontiguousarray(v)).to(dev) for k, v in graph.weights.items()}
     xin = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to(dev)
 
@@ -91,6 +87,20 @@ def run_torch(graph: Graph, x: np.ndarray, repeats: int = 20) -> TorchTimes:
                 w = {role: weights[key] for role, key in node.weights.items()}
                 vals[node.output] = _op(F, torch, node, [vals[t] for t in node.inputs], w)
         return vals[graph.outputs[0]]
+
+    return forward
+
+
+def run_torch(graph: Graph, x: np.ndarray, repeats: int = 20) -> TorchTimes:
+    """Time ``graph`` (at x's batch) in PyTorch FP32, eager and CUDA-graph replayed, on the GPU."""
+    import torch
+
+    torch.backends.cudnn.benchmark = True
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    forward = forward_fn(graph, x, "cuda")
 
     def timed(fn: Any) -> float:
         for _ in range(3):
