@@ -21,6 +21,7 @@ def test_network_full_size_on_cuda(cuda, name: str, batch: int) -> None:
     logits = g.producer(g.outputs[0]).inputs[0]
     g.outputs = [logits, g.outputs[0]]
     net = compile(g, batch=batch, backend="cuda")
+    assert net.captured, "the launch list was not captured into a CUDA graph (see the warning logged)"
     x = np.random.default_rng(3).standard_normal(net.shapes[g.input].shape).astype(np.float32)
     out = net(x)
     ref = run_reference(g.with_batch(1), x[:1])

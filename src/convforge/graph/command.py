@@ -51,7 +51,8 @@ def main(args: argparse.Namespace) -> int:
     prof = net.profile(max(3, args.repeats // 2))
     total = net.time_ms(args.repeats)
     console.print(_table(prof, graph.name, args.batch))
-    console.print(f"total (replay): {total:.3f} ms; {args.batch / total * 1e3:.1f} images/s; "
+    mode = "CUDA graph replay" if net.captured else "launches enqueued in order"
+    console.print(f"total ({mode}): {total:.3f} ms; {args.batch / total * 1e3:.1f} images/s; "
                   f"peak memory {net.peak_bytes / 2**20:.1f} MiB (activations {net.memory.bytes / 2**20:.1f}, "
                   f"weights {net.weight_bytes / 2**20:.1f}, transformed filters {net.transformed_bytes / 2**20:.1f}, "
                   f"workspaces {net.workspace_bytes / 2**20:.1f})")

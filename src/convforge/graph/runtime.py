@@ -9,6 +9,7 @@ graph and replayed; on OpenCL it is enqueued in order.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ from convforge.graph.ir import Graph, Node, Tensor, conv_geometry, infer
 from convforge.plan import Epilogue, Launch
 from convforge.spec import ConvSpec
 
+log = logging.getLogger("convforge.graph")
 ALIASES = ("flatten", "dropout")  # views: the output is the input's buffer
 
 
@@ -113,7 +115,13 @@ class Network:
         self._link_kernels()
         self.run_eager()  # compile, allocate workspaces: nothing of that happens in a capture
         backend.synchronize()
-        self._replay = backend.capture(self.run_eager) if capture else self.run_eager
+        self._replay, self.captured = self.run_eager, False
+        if capture and backend.name == "cuda":
+            try:
+                self._replay, self.captured = backend.capture(self.run_eager), True
+            except Exception as err:  # noqa: BLE001 - a launch that cannot be captured: enqueue in order
+                log.warning("CUDA graph capture failed (%s); the network enqueues its launches instead", err)
+            backend.synchronize()
 
     def _choice(self, node: Node) -> Any:
         """dispatch's choice for a conv/fc node with its plain epilogue (bias, ReLU)."""
