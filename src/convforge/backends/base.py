@@ -140,11 +140,12 @@ class Executable:
                 template.append((str(ref), None))
         return ("launch", kernel, step, self.functions[step.kernel], template)
 
-    def workspace(self) -> dict[str, Any]:
-        """Workspace buffers, allocated once per executable."""
+    def workspace(self, supplied: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Workspace buffers, allocated once per executable (at its first call, leaving out those
+        that call supplies: a network's per-layer transformed filters)."""
         if self._workspace is None:
             self._workspace = {name: self.backend.empty(max(nbytes, 4))
-                               for name, nbytes in self.plan.workspace}
+                               for name, nbytes in self.plan.workspace if name not in (supplied or {})}
         return self._workspace
 
     def sizes(self) -> dict[str, int]:
@@ -163,7 +164,7 @@ class Executable:
         """Run the plan's steps (or the steps numbered ``only``) on ``buffers``; a buffer named like a
         workspace replaces it (a network keeps its transformed filters per layer that way)."""
         self.check_buffers(buffers)
-        bufs = {**self.workspace(), **buffers}
+        bufs = {**self.workspace(buffers), **buffers}
         for item in self._steps if only is None else [self._steps[i] for i in only]:
             if item[0] == "fill":
                 self.backend.fill(bufs[item[1]], item[2], item[3])

@@ -161,7 +161,8 @@ class Network:
     @property
     def workspace_bytes(self) -> int:
         """Conv workspaces, once per distinct executable (layers of one shape share them)."""
-        return sum(e.plan.workspace_bytes for e in {id(e): e for e in self._execs}.values())
+        unique = {id(e): e for e in self._execs}.values()
+        return sum(self.backend.nbytes(b) for e in unique for b in e.workspace().values())
 
     @property
     def peak_bytes(self) -> int:
