@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from convforge.codegen.dialect import Buf, Dim3, Kernel, LocalBuf, Scalar
+from convforge.codegen.dialect import Dim3, Kernel
 from convforge.codegen.render import render
 from convforge.params import Params
 from convforge.spec import ConvSpec
@@ -141,35 +141,6 @@ class Plan:
         for k in self.kernels:
             out |= k.requires
         return frozenset(out)
-
-    def build_steps(self) -> tuple[int, ...]:
-        """Indices of the launches that depend on the weights alone (filter transforms, index
-        tables): they read no ``x``/``y``/``bias``/``res`` and nothing another step writes, and what
-        they write no other step writes. A network runs them once when it is built."""
-        kernels = {k.name: k for k in self.kernels}
-        per_call = {"x", "y", "bias", "res"}
-        writes: dict[int, set[str]] = {}
-        reads: dict[int, set[str]] = {}
-        for i, step in enumerate(self.steps):
-            if isinstance(step, Launch):
-                bufs = [(a, str(ref)) for a, ref in zip((a for a in kernels[step.kernel].args
-                                                         if not isinstance(a, LocalBuf)), step.args, strict=True)
-                        if not isinstance(a, Scalar)]
-                writes[i] = {ref for a, ref in bufs if isinstance(a, Buf) and not a.readonly}
-                reads[i] = {ref for a, ref in bufs if not (isinstance(a, Buf) and not a.readonly)}
-            elif isinstance(step, Fill):
-                writes[i], reads[i] = {step.buffer}, set()
-            else:
-                writes[i], reads[i] = {step.c}, {step.a, step.b}
-        once = []
-        for i, step in enumerate(self.steps):
-            if not isinstance(step, Launch) or (writes[i] | reads[i]) & per_call:
-                continue
-            others = [j for j in writes if j != i]
-            if any(writes[i] & writes[j] for j in others) or any(reads[i] & writes[j] for j in others):
-                continue
-            once.append(i)
-        return tuple(once)
 
     def source(self, backend: str) -> str:
         title = f"{self.variant} [{self.params.short()}] {self.spec.short()}{self.epilogue.tag()}"

@@ -10,13 +10,67 @@ import numpy as np
 
 from convforge import __version__
 from convforge.backends.cache import DiskCache, cache_key
-from convforge.codegen.dialect import Kernel, LocalBuf, Scalar
+from convforge.codegen.dialect import Buf, Kernel, LocalBuf, Scalar
 from convforge.config import config
 from convforge.plan import DeviceInfo, Fill, Gemm, Launch, Plan, Step
 
 
 class CompileError(RuntimeError):
     """A generated source did not compile; the message holds the compiler log."""
+
+
+class DeviceMemoryError(MemoryError):
+    """Device memory for a variant's workspace or output could not be had: names what was asked
+    for and what the device had free, so the user can pick a smaller algorithm or batch."""
+
+    def __init__(self, what: str, asked: int, free: int) -> None:
+        super().__init__(f"{what}: asked for {asked} bytes of device memory, {free} bytes free")
+        self.asked, self.free = asked, free
+
+
+# The buffers a conv Plan is called with; everything else a step names is workspace.
+CONV_BUFFERS = ("x", "w", "y", "bias")
+
+
+def step_buffers(step: Step, kernel: Kernel | None) -> tuple[set[str], set[str]]:
+    """(buffers read, buffers written) by one step, by name."""
+    if isinstance(step, Fill):
+        return set(), {step.buffer}
+    if isinstance(step, Gemm):
+        return {step.a, step.b}, {step.c}
+    assert kernel is not None
+    reads: set[str] = set()
+    writes: set[str] = set()
+    args = [a for a in kernel.args if not isinstance(a, LocalBuf)]
+    for arg, ref in zip(args, step.args, strict=True):
+        if isinstance(arg, Scalar):
+            continue
+        (writes if isinstance(arg, Buf) and not arg.readonly else reads).add(str(ref))
+    return reads, writes
+
+
+def weight_steps(plan: Plan) -> tuple[frozenset[int], tuple[str, ...]]:
+    """Which steps depend on the filters alone (filter transforms, packed weights, constant
+    tables), and the workspace buffers only they write ("derived" buffers).
+
+    A step qualifies when it reads only ``w`` or derived buffers, never touches x, y or bias,
+    and writes only workspace that no other step writes. Their results depend on the weights
+    alone, so a caller that keeps them per weight tensor (convforge.torch.Conv2d) runs them only
+    when the weights change. Fixed point: a buffer also written elsewhere disqualifies its
+    writers, and then every step reading it.
+    """
+    kernels = {k.name: k for k in plan.kernels}
+    io = [step_buffers(s, kernels.get(s.kernel) if isinstance(s, Launch) else None) for s in plan.steps]
+    work = {name for name, _ in plan.workspace}
+    cand = {i for i, (r, w) in enumerate(io)
+            if isinstance(plan.steps[i], Launch) and w and w <= work and not (r & {"x", "y", "bias"})}
+    while True:
+        derived = set().union(*(io[i][1] for i in cand)) if cand else set()
+        derived -= set().union(*(io[i][1] for i in range(len(io)) if i not in cand)) if io else set()
+        keep = {i for i in cand if io[i][1] <= derived and io[i][0] <= derived | {"w"}}
+        if keep == cand:
+            return frozenset(cand), tuple(sorted(derived))
+        cand = keep
 
 
 class Backend(ABC):
@@ -124,6 +178,8 @@ class Executable:
         self._sizes = {"x": 4 * s.n * s.c * s.h * s.w, "w": 4 * s.k * s.c * s.r * s.s,
                        "y": 4 * s.n * s.k * s.p * s.q, "bias": 4 * s.k, **dict(plan.workspace)}
         self._steps = [self._prepare(step) for step in plan.steps]
+        self.weight_steps, self.derived = weight_steps(plan)
+        self.derived_offsets, self.derived_bytes = _packed(self.derived, dict(plan.workspace))
 
     def _prepare(self, step: Step) -> tuple[Any, ...]:
         if isinstance(step, Fill):
@@ -140,12 +196,11 @@ class Executable:
                 template.append((str(ref), None))
         return ("launch", kernel, step, self.functions[step.kernel], template)
 
-    def workspace(self, supplied: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Workspace buffers, allocated once per executable (at its first call, leaving out those
-        that call supplies: a network's per-layer transformed filters)."""
+    def workspace(self) -> dict[str, Any]:
+        """Workspace buffers, allocated once per executable."""
         if self._workspace is None:
             self._workspace = {name: self.backend.empty(max(nbytes, 4))
-                               for name, nbytes in self.plan.workspace if name not in (supplied or {})}
+                               for name, nbytes in self.plan.workspace}
         return self._workspace
 
     def sizes(self) -> dict[str, int]:
@@ -160,12 +215,15 @@ class Executable:
                 raise ValueError(f"{name} ({layout}) needs {self._sizes[name]} bytes for "
                                  f"{self.plan.spec.short()}, the buffer bound holds {self.backend.nbytes(buf)}")
 
-    def __call__(self, buffers: dict[str, Any], only: tuple[int, ...] | None = None) -> None:
-        """Run the plan's steps (or the steps numbered ``only``) on ``buffers``; a buffer named like a
-        workspace replaces it (a network keeps its transformed filters per layer that way)."""
+    def __call__(self, buffers: dict[str, Any], steps: str = "all") -> None:
+        """Run the plan on named buffers. ``steps``: "all"; "weights" (only the filter-dependent
+        steps, :func:`weight_steps`); "rest" (the others: the caller passes the derived buffers
+        its "weights" run filled)."""
         self.check_buffers(buffers)
-        bufs = {**self.workspace(buffers), **buffers}
-        for item in self._steps if only is None else [self._steps[i] for i in only]:
+        bufs = {**self.workspace(), **buffers}
+        for i, item in enumerate(self._steps):
+            if steps != "all" and (i in self.weight_steps) != (steps == "weights"):
+                continue
             if item[0] == "fill":
                 self.backend.fill(bufs[item[1]], item[2], item[3])
             elif item[0] == "gemm":
@@ -180,3 +238,12 @@ class Executable:
     def _value_args(kernel: Kernel) -> list[Any]:
         """Kernel arguments that a Launch supplies (shared buffers are supplied by the back-end)."""
         return [a for a in kernel.args if not isinstance(a, LocalBuf)]
+
+
+def _packed(names: tuple[str, ...], sizes: dict[str, int]) -> tuple[dict[str, int], int]:
+    """Byte offsets of ``names`` packed into one buffer, each 256-byte aligned, and its size."""
+    offsets, total = {}, 0
+    for name in names:
+        offsets[name] = total
+        total += (max(sizes[name], 4) + 255) // 256 * 256
+    return offsets, total

@@ -162,6 +162,8 @@ class Network:
     def workspace_bytes(self) -> int:
         """Conv workspaces, once per distinct executable (layers of one shape share them)."""
         unique = {id(e): e for e in self._execs}.values()
+        # all of them: the executable's own copy of the derived buffers is allocated too, though
+        # each layer reads its own (transformed_bytes)
         return sum(self.backend.nbytes(b) for e in unique for b in e.workspace().values())
 
     @property
@@ -244,18 +246,14 @@ class Network:
     def _hoist(self, exe: Any, bufs: dict[str, Any]) -> Callable[[], None]:
         """Run the plan's weight-only steps (filter transforms) now, into buffers of this layer's
         own, and return the call that runs the rest."""
-        once = exe.plan.build_steps()
-        if not once:
+        if not exe.weight_steps:
             return lambda: exe(bufs)
         sizes = dict(exe.plan.workspace)
-        for i in once:
-            for ref in exe.plan.steps[i].args:
-                if isinstance(ref, str) and ref in sizes and ref not in bufs:
-                    bufs[ref] = self.backend.empty(sizes[ref])
-                    self.transformed_bytes += sizes[ref]
-        exe(bufs, only=once)
-        rest = tuple(i for i in range(len(exe.plan.steps)) if i not in once)
-        return lambda: exe(bufs, only=rest)
+        for name in exe.derived:  # the workspace only the weight steps write: this layer's own
+            bufs[name] = self.backend.empty(sizes[name])
+            self.transformed_bytes += self.backend.nbytes(bufs[name])
+        exe(bufs, "weights")
+        return lambda: exe(bufs, "rest")
 
     def _link_kernels(self) -> None:
         """Compile every non-conv kernel in one program and put its launches in graph order."""
