@@ -112,10 +112,6 @@ class CudaBackend(Backend):
     def download(self, buf: Any, shape: tuple[int, ...]) -> np.ndarray:
         return cp.asnumpy(buf.ravel()[: int(np.prod(shape))]).reshape(shape)
 
-    def write(self, buf: Any, array: np.ndarray) -> None:
-        arr = np.ascontiguousarray(array, dtype=np.float32).ravel()
-        buf.ravel()[: arr.size].set(arr, stream=self._stream())
-
     def nbytes(self, buf: Any) -> int:
         return int(buf.nbytes)
 
@@ -171,23 +167,10 @@ class CudaBackend(Backend):
     def synchronize(self) -> None:
         self._stream().synchronize()
 
-    def time_ms(self, fn: Callable[[], None], repeats: int) -> list[float]:
-        # Calls are queued back to back and synchronised once, so host-side launch work overlaps
-        # the previous call's device work, as in a real pipeline; each pair of events times one call.
-        stream = self._stream()
-        events = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(repeats)]
-        for start, end in events:
-            start.record(stream)
-            fn()
-            end.record(stream)
-        events[-1][1].synchronize()
-        return [float(cp.cuda.get_elapsed_time(start, end)) for start, end in events]
-
-    # -- interop ----------------------------------------------------------------------------
     def capture(self, fn: Callable[[], None]) -> Callable[[], None]:
-        """``fn``'s launches captured once into a CUDA graph; the result replays it on a private
-        stream (the network runtime's fixed launch list). Run ``fn`` once before, so nothing
-        allocates or compiles during the capture."""
+        """``fn``'s launches captured once (on a private stream) into a CUDA graph; the result
+        replays it on the current stream (the network runtime's fixed launch list). Run ``fn``
+        once before, so nothing allocates or compiles during the capture."""
         stream = cp.cuda.Stream(non_blocking=True)
         saved, self.stream = self.stream, stream
         try:
@@ -204,6 +187,23 @@ class CudaBackend(Backend):
 
         return replay
 
+    def write(self, buf: Any, array: np.ndarray) -> None:
+        arr = np.ascontiguousarray(array, dtype=np.float32).ravel()
+        buf.ravel()[: arr.size].set(arr, stream=self._stream())
+
+    def time_ms(self, fn: Callable[[], None], repeats: int) -> list[float]:
+        # Calls are queued back to back and synchronised once, so host-side launch work overlaps
+        # the previous call's device work, as in a real pipeline; each pair of events times one call.
+        stream = self._stream()
+        events = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(repeats)]
+        for start, end in events:
+            start.record(stream)
+            fn()
+            end.record(stream)
+        events[-1][1].synchronize()
+        return [float(cp.cuda.get_elapsed_time(start, end)) for start, end in events]
+
+    # -- interop ----------------------------------------------------------------------------
     def wrap(self, array: Any) -> Any:
         """A CuPy view of a CuPy array or torch CUDA tensor: no copy, unless its data is not
         16-byte aligned (a view at an odd offset), which float4 loads cannot read: then an
