@@ -7,7 +7,7 @@ __version__ = "0.1.0"
 from convforge.config import config  # noqa: E402
 from convforge.spec import ConvSpec  # noqa: E402
 
-__all__ = ["__version__", "config", "ConvSpec", "conv2d", "algorithms"]
+__all__ = ["__version__", "config", "ConvSpec", "conv2d", "algorithms", "compile"]
 
 
 def __getattr__(name: str):  # type: ignore[no-untyped-def]
@@ -16,4 +16,8 @@ def __getattr__(name: str):  # type: ignore[no-untyped-def]
         from convforge import api
 
         return getattr(api, name)
+    if name == "compile":
+        from convforge.graph import runtime
+
+        return runtime.compile
     raise AttributeError(name)

@@ -159,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
                   "autotune a suite into the tuning database")
     _add_optional(sub, "db", "convforge.tune.command", "add_db_arguments", "db_main",
                   "inspect, export, import or clear the tuning database")
+    _add_optional(sub, "run", "convforge.graph.command", "add_arguments", "main",
+                  "run a whole network (alexnet, nin, googlenet, vgg16, resnet50, .prototxt, .onnx)")
     return parser
 
 

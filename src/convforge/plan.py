@@ -62,18 +62,36 @@ Step = Launch | Fill | Gemm
 
 @dataclass(frozen=True)
 class Epilogue:
-    """Work folded into the output write: per-channel bias and ReLU."""
+    """Work folded into the output write: per-channel bias, a residual tensor shaped like the
+    output (``res``, added before the ReLU: a network's skip connection) and ReLU."""
 
     bias: bool = False
     relu: bool = False
+    residual: bool = False
+    k_total: int = 0  # channels of the tensor written (0: the conv's own K): a concat written in place
+    k_offset: int = 0  # the first of those channels this conv writes
 
-    def apply(self, acc: str, k: str) -> str:
-        """Expression of the stored value given accumulator ``acc`` for channel ``k``."""
+    def __post_init__(self) -> None:
+        if self.k_total and (self.residual or self.k_offset < 0):
+            raise ValueError(f"unsupported epilogue: channel offset {self.k_offset} of {self.k_total} "
+                             f"{'with a residual' if self.residual else ''}")
+
+    def apply(self, acc: str, k: str, index: str | None = None, offset_done: bool = False) -> str:
+        """Expression of the stored value given accumulator ``acc`` for channel ``k``; ``index``
+        is the output element's index (read from ``res`` when the epilogue has a residual);
+        ``offset_done`` says the caller's store path writes at the channel offset."""
+        if self.k_total and not offset_done:
+            raise ValueError("unsupported epilogue: this store path cannot write at a channel offset")
         expr = f"{acc} + bias[{k}]" if self.bias else acc
+        if self.residual:
+            if index is None:
+                raise ValueError("unsupported epilogue: this store path does not give the residual's index")
+            expr = f"{expr} + res[{index}]"
         return f"MAX({expr}, 0.0f)" if self.relu else expr
 
     def tag(self) -> str:
-        return ("_bias" if self.bias else "") + ("_relu" if self.relu else "")
+        at = f"_at{self.k_offset}of{self.k_total}" if self.k_total else ""
+        return ("_bias" if self.bias else "") + ("_res" if self.residual else "") + ("_relu" if self.relu else "") + at
 
 
 @dataclass(frozen=True)
@@ -143,6 +161,8 @@ class Variant:
     exact: bool = False  # plain float32 sums of products (direct, GEMM family): the verifier's family
     specialised: int = 0  # higher = more specialised; the heuristic prefers it when it applies
     space_lead: int = 0  # the tuner tries this many first points of space() in order, then samples
+    residual_ok: bool = False  # its store paths honour Epilogue.residual (others raise, never ignore it)
+    offset_ok: bool = False  # its store paths honour Epilogue.k_total/k_offset (others raise)
 
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
         """The heuristic's preference for this variant on ``spec`` (Boda's rule: how specialised it

@@ -126,6 +126,10 @@ class Backend(ABC):
     @abstractmethod
     def download(self, buf: Any, shape: tuple[int, ...]) -> np.ndarray: ...
 
+    def write(self, buf: Any, array: np.ndarray) -> None:
+        """Copy a host float32 array into the start of an existing buffer."""
+        raise NotImplementedError(f"the {self.name} back-end cannot write into a buffer")
+
     @abstractmethod
     def fill(self, buf: Any, value: float, nbytes: int) -> None: ...
 
@@ -147,6 +151,11 @@ class Backend(ABC):
     @abstractmethod
     def time_ms(self, fn: Callable[[], None], repeats: int) -> list[float]:
         """Device-event time of each of ``repeats`` calls of ``fn`` (warm-up is the caller's)."""
+
+    def capture(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """A replayable recording of ``fn``'s launches (CUDA: a CUDA graph); by default ``fn`` itself,
+        enqueued in order each time (OpenCL)."""
+        return fn
 
     def executable(self, plan: Plan) -> Executable:
         return Executable(self, plan)

@@ -115,7 +115,7 @@ class CudaBackend(Backend):
             return cp.asarray(np.ascontiguousarray(array, dtype=np.float32))
 
     def download(self, buf: Any, shape: tuple[int, ...]) -> np.ndarray:
-        return cp.asnumpy(buf).reshape(shape)
+        return cp.asnumpy(buf.ravel()[: int(np.prod(shape))]).reshape(shape)
 
     def nbytes(self, buf: Any) -> int:
         return int(buf.nbytes)
@@ -181,6 +181,30 @@ class CudaBackend(Backend):
 
     def synchronize(self) -> None:
         self._stream().synchronize()
+
+    def capture(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """``fn``'s launches captured once (on a private stream) into a CUDA graph; the result
+        replays it on the current stream (the network runtime's fixed launch list). Run ``fn``
+        once before, so nothing allocates or compiles during the capture."""
+        stream = cp.cuda.Stream(non_blocking=True)
+        saved, self.stream = self.stream, stream
+        try:
+            stream.begin_capture()
+            try:
+                fn()
+            finally:
+                graph = stream.end_capture()
+        finally:
+            self.stream = saved
+
+        def replay() -> None:
+            graph.launch(self._stream())
+
+        return replay
+
+    def write(self, buf: Any, array: np.ndarray) -> None:
+        arr = np.ascontiguousarray(array, dtype=np.float32).ravel()
+        buf.ravel()[: arr.size].set(arr, stream=self._stream())
 
     def time_ms(self, fn: Callable[[], None], repeats: int) -> list[float]:
         # Calls are queued back to back and synchronised once, so host-side launch work overlaps

@@ -111,6 +111,9 @@ class OpenCLBackend(Backend):
         cl.enqueue_copy(self.queue, out, buf)
         return out
 
+    def write(self, buf: Any, array: np.ndarray) -> None:
+        cl.enqueue_copy(self.queue, buf, np.ascontiguousarray(array, dtype=np.float32))
+
     def nbytes(self, buf: Any) -> int:
         return int(buf.size)
 

@@ -8,8 +8,9 @@ from convforge.plan import Epilogue
 
 def out_args(epi: Epilogue) -> tuple[Arg, ...]:
     """The output argument, followed by bias when the epilogue adds one."""
-    return (Buf("y", readonly=False),) + ((Buf("bias"),) if epi.bias else ())
+    return ((Buf("y", readonly=False),) + ((Buf("bias"),) if epi.bias else ())
+            + ((Buf("res"),) if epi.residual else ()))
 
 
 def out_refs(epi: Epilogue) -> tuple[str, ...]:
-    return ("y",) + (("bias",) if epi.bias else ())
+    return ("y",) + (("bias",) if epi.bias else ()) + (("res",) if epi.residual else ())

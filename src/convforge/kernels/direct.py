@@ -26,6 +26,8 @@ class DirectBase(Variant):
     """Shared metacode of the three direct variants; subclasses choose how inputs are read."""
 
     family = "direct"
+    residual_ok = True
+    offset_ok = True
     tolerance = 1e-5
     exact = True
 
@@ -46,21 +48,23 @@ class DirectBase(Variant):
         return nbytes <= min(device.const_bytes, 64 * 1024)
 
     # -- metacode ---------------------------------------------------------------------------
-    def _arrays(self, spec: ConvSpec, p: Params) -> tuple[ArrayDesc, ArrayDesc]:
-        """Input and output descriptors; with ``rt`` their strides are run-time arguments."""
+    def _arrays(self, spec: ConvSpec, p: Params, epi: Epilogue = Epilogue()) -> tuple[ArrayDesc, ArrayDesc]:
+        """Input and output descriptors; with ``rt`` their strides are run-time arguments. The
+        output has ``epi.k_total`` channels when the epilogue writes at a channel offset."""
         rt = bool(p.get("rt", False))
+        y_shape = (spec.n, epi.k_total, spec.p, spec.q) if epi.k_total else spec.y_shape
         return (ArrayDesc.of("x", "n:c:y:x", spec.x_shape, runtime=rt),
-                ArrayDesc.of("y", "n:k:p:q", spec.y_shape, runtime=rt))
+                ArrayDesc.of("y", "n:k:p:q", y_shape, runtime=rt))
 
-    def _stride_args(self, spec: ConvSpec, p: Params) -> list[tuple[str, int]]:
-        xd, yd = self._arrays(spec, p)
+    def _stride_args(self, spec: ConvSpec, p: Params, epi: Epilogue = Epilogue()) -> list[tuple[str, int]]:
+        xd, yd = self._arrays(spec, p, epi)
         return xd.stride_args() + yd.stride_args()
 
     def _args(self, spec: ConvSpec, params: Params, epi: Epilogue) -> tuple[Arg, ...]:
         wcount = spec.k * spec.c * spec.r * spec.s
         warg: Arg = ConstBuf("wc", wcount) if params.wconst else Buf("w")
         xarg: Arg = TexBuf("x") if params.get("tex", False) else Buf("x")
-        strides = tuple(Scalar(name) for name, _ in self._stride_args(spec, params))
+        strides = tuple(Scalar(name) for name, _ in self._stride_args(spec, params, epi))
         return (xarg, warg) + out_args(epi) + strides
 
     def _requires(self, params: Params) -> frozenset[str]:
@@ -95,12 +99,13 @@ class DirectBase(Variant):
                 code(f"acc{kk}_{i}_{j} = FMA(w{kk}, {xval[(i, j)]}, acc{kk}_{i}_{j});")
 
     def _store(self, code: Code, spec: ConvSpec, p: Params, epi: Epilogue) -> None:
-        _, yd = self._arrays(spec, p)
+        _, yd = self._arrays(spec, p, epi)
         for kk, i, j in self._outs(p):
             k, pp, qq = f"k0 + {kk}", f"p0 + ly + {i * p.bp}", f"q0 + lx + {j * p.bq}"
             cond = f"{k} < {spec.k} && {pp} < {spec.p} && {qq} < {spec.q}"
-            idx = yd.index(n="n", k=k, p=pp, q=qq)
-            code(f"if ({cond}) y[{idx}] = {epi.apply(f'acc{kk}_{i}_{j}', k)};")
+            kout = f"{k} + {epi.k_offset}" if epi.k_offset else k
+            idx = yd.index(n="n", k=kout, p=pp, q=qq)
+            code(f"if ({cond}) y[{idx}] = {epi.apply(f'acc{kk}_{i}_{j}', k, idx, offset_done=True)};")
 
     def _rs_loops(self, code: Code, spec: ConvSpec, p: Params, body: object) -> None:
         """Emit body(r_expr, s) for every tap, r unrolled when small enough."""
@@ -132,7 +137,7 @@ class DirectBase(Variant):
                         comment=f"{self.name}: {params.short()}")
         grid = (cdiv(spec.q, params.bq * params.tq), cdiv(spec.p, params.bp * params.tp),
                 spec.n * cdiv(spec.k, params.tk))
-        strides = tuple(v for _, v in self._stride_args(spec, params))
+        strides = tuple(v for _, v in self._stride_args(spec, params, epilogue))
         launch = Launch(name, grid, block, ("x", "w") + out_refs(epilogue) + strides)
         return Plan(self.name, self.family, spec, params, (kernel,), (launch,),
                     tolerance=self.tolerance, epilogue=epilogue)

@@ -49,18 +49,21 @@ def filter_operand(spec: ConvSpec, name: str = "w", ld: int | None = None) -> Op
 
 def nchw_store(spec: ConvSpec, epi: Epilogue, out: str = "y", raw: bool = False) -> Store:
     """C (K x NPQ) into an N x K x P x Q tensor; ``raw`` skips the epilogue (partial sums)."""
-    pq, kpq = spec.p * spec.q, spec.k * spec.p * spec.q
+    pq = spec.p * spec.q
+    kpq = (epi.k_total if epi.k_total and not raw else spec.k) * pq  # a channel-offset write: the whole tensor
+    base = f" + {epi.k_offset * pq}" if epi.k_offset and not raw else ""
 
     def setup(i: str, t: str) -> list[str]:
         return [f"const int {t}_n = {i} / {pq};",
-                f"const int {t}_o = {t}_n * {kpq} + ({i} - {t}_n * {pq});"]
+                f"const int {t}_o = {t}_n * {kpq} + ({i} - {t}_n * {pq}){base};"]
 
     def put(m: str, t: str, v: str) -> list[str]:
-        val = v if raw else epi.apply(v, f"({m})")
+        val = v if raw else epi.apply(v, f"({m})", f"{t}_o + ({m}) * {pq}", offset_done=True)
         return [f"{out}[{t}_o + ({m}) * {pq}] = {val};"]
 
     def vput(m: str, t: str, vs: list[str]) -> list[str]:
-        vals = ", ".join(v if raw else epi.apply(v, f"({m})") for v in vs)
+        vals = ", ".join(v if raw else epi.apply(v, f"({m})", f"{t}_o + ({m}) * {pq} + {j}", offset_done=True)
+                         for j, v in enumerate(vs))
         return [f"VSTORE4(MAKE_FLOAT4({vals}), 0, {out} + {t}_o + ({m}) * {pq});"]
 
     # 4 consecutive columns (from a multiple of 4) stay in one image and 16-byte aligned
@@ -106,6 +109,9 @@ def gemm_plan(variant: Variant, spec: ConvSpec, params: Params, epi: Epilogue, b
 
 class _ConvGemmBase(Variant):
     """Space and default from the SGEMM generator, for M = K, N = NPQ, K = CRS."""
+
+    offset_ok = True  # and Epilogue.k_total / k_offset
+    residual_ok = True  # its store paths honour Epilogue.residual
 
     tolerance = 1e-5
     exact = True
@@ -213,6 +219,8 @@ class Im2colCublas(Variant):
     """im2col on the device (N x CRS x PQ), then one strided-batched cuBLAS SGEMM per call:
     the library path the im2win paper compares against. CUDA only."""
 
+    residual_ok = True  # its store paths honour Epilogue.residual
+
     name = "im2col_cublas"
     specialised = 2
     family = "im2col"
@@ -232,6 +240,8 @@ class Im2colCublas(Variant):
 
     def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
              epilogue: Epilogue = Epilogue()) -> Plan:
+        if epilogue.k_total:
+            raise ValueError("unsupported epilogue: the library GEMM cannot write at a channel offset")
         pq, crs = spec.p * spec.q, spec.c * spec.r * spec.s
         kern, grid = im2col_kernel(spec, per_image=True)
         steps: list[Step] = [Launch("im2col", grid, kern.block, ("x", "col")),
@@ -239,10 +249,10 @@ class Im2colCublas(Variant):
                                   batch=spec.n, stride_a=0, stride_b=crs * pq,
                                   stride_c=spec.k * pq)]
         kernels = [kern]
-        if epilogue.bias or epilogue.relu:
+        if epilogue.bias or epilogue.relu or epilogue.residual:
             total = spec.n * spec.k * pq
-            body = [f"y[e] = {epilogue.apply('y[e]', f'(e / {pq}) % {spec.k}')};"]
-            args = (Buf("y", readonly=False),) + ((Buf("bias"),) if epilogue.bias else ())
+            body = [f"y[e] = {epilogue.apply('y[e]', f'(e / {pq}) % {spec.k}', 'e')};"]
+            args = out_args(epilogue)
             epk, egrid = elementwise("im2col_cublas_epilogue", total, args, body,
                                      "bias/ReLU after the library GEMM")
             kernels.append(epk)
@@ -499,8 +509,13 @@ class Gemm1x1SplitK(Gemm1x1):
                            comment=f"{self.name}: {params.short()}")
         sums = " + ".join(f"part[{j * total} + e]" for j in range(params.ks))
         pq = spec.p * spec.q
+        kpq = spec.k * pq
+        at = "e"
+        if epilogue.k_total:  # write at a channel offset of a bigger tensor
+            at = f"(e / {kpq}) * {epilogue.k_total * pq} + {epilogue.k_offset * pq} + e % {kpq}"
+        val = epilogue.apply(f"({sums})", f"(e / {pq}) % {spec.k}", "e", offset_done=True)
         red, rgrid = elementwise(f"{self.name}_reduce", total, (Buf("part"),) + out_args(epilogue),
-                                 [f"y[e] = {epilogue.apply(f'({sums})', f'(e / {pq}) % {spec.k}')};"],
+                                 [f"y[{at}] = {val};"],
                                  f"sum of {params.ks} split-K partial outputs")
         steps = (Launch(name, gemm_grid(shape, gparams), gemm_block(gparams), ("w", "x", "part")),
                  Launch(red.name, rgrid, red.block, ("part",) + out_refs(epilogue)))
@@ -512,6 +527,9 @@ class GemmFullWindow(Variant):
     """A filter that covers the whole unpadded input (a fully-connected layer such as AlexNet's fc6)
     is a 1x1 convolution over C*R*S channels of a 1x1 image, with the very same memory layout of
     x, w and y: run it by the 1x1 path (split-K when that applies) on the rewritten spec."""
+
+    offset_ok = True  # and Epilogue.k_total / k_offset
+    residual_ok = True  # its store paths honour Epilogue.residual
 
     name = "gemm_fc"
     family = "gemm1x1"

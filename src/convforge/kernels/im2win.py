@@ -72,6 +72,9 @@ def window_operand(spec: ConvSpec) -> Operand:
 class Im2win(Variant):
     """Window transform of input (and filter reorder) on the device, then the tiled GEMM."""
 
+    offset_ok = True  # and Epilogue.k_total / k_offset
+    residual_ok = True  # its store paths honour Epilogue.residual
+
     name = "im2win"
     specialised = 4
     family = "im2win"

@@ -59,6 +59,8 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dispatch-overhead", action="store_true",
                    help="measure choose() per call on the first layer afterwards (µs)")
     p.add_argument("-v", "--verbose", action="store_true", help="log every candidate's fate")
+    p.add_argument("--net", help="tune every distinct conv of a network (a shipped name, .prototxt or .onnx)")
+    p.add_argument("--batch", type=int, help="batch size of --net (default 1)")
 
 
 def _layers(args: argparse.Namespace) -> list[tuple[str, ConvSpec]]:
@@ -92,6 +94,11 @@ def tune_main(args: argparse.Namespace) -> int:
     """Tune a suite or layers into the database, with a progress bar and a closing table."""
     console = _console()
     _setup_logging(args.verbose)
+    if getattr(args, "net", None):
+        from convforge.graph.tune import tune_net
+
+        return tune_net(args, console, _backend(args), TuningDB(args.db or config.tuning_db),
+                        Budget.parse(args.budget))
     try:
         layers = _layers(args)
         budget = Budget.parse(args.budget)

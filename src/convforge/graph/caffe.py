@@ -1,0 +1,279 @@
+"""Caffe front-end: a ``.prototxt`` net into the IR, weights from a ``.caffemodel`` or random.
+
+Layer types: Input, Convolution, InnerProduct, Pooling, LRN, ReLU, Dropout, Softmax, Concat,
+Eltwise (SUM), BatchNorm, Scale, Flatten. In-place layers (top == bottom) get fresh tensor names,
+since IR tensors are written once.
+"""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from convforge.graph.ir import Graph, GraphError, Node, infer
+from convforge.graph.prototxt import Message, one, parse
+
+
+def load_prototxt(source: str | Path, weights: str | Path | None = None, seed: int = 0,
+                  input_size: int | None = None, batch: int | None = None) -> Graph:
+    """The IR of a Caffe net (a path or the text itself); ``weights`` a .caffemodel, else random."""
+    text = Path(source).read_text() if _is_path(source) else str(source)
+    net = parse(text)
+    graph = _translate(net, input_size, batch)
+    blobs = read_caffemodel(Path(weights)) if weights is not None else None
+    fill_weights(graph, seed, blobs)
+    return graph
+
+
+def _is_path(source: str | Path) -> bool:
+    return isinstance(source, Path) or ("\n" not in source and source.endswith((".prototxt", ".pt")))
+
+
+def _input(net: Message) -> tuple[str, list[int]]:
+    if "input" in net:
+        dims = net.get("input_dim") or (one(net, "input_shape") or {}).get("dim", [])
+        return str(net["input"][0]), [int(d) for d in dims]
+    for layer in net.get("layer", []):
+        if one(layer, "type") in ("Input", "Data", "ImageData"):
+            shape = one(one(layer, "input_param", {}), "shape", {})
+            return str(one(layer, "top")), [int(d) for d in shape.get("dim", [])]
+    raise GraphError("prototxt: no input (an 'input:' field or an Input layer)")
+
+
+def _translate(net: Message, input_size: int | None, batch: int | None) -> Graph:
+    name, dims = _input(net)
+    if len(dims) != 4:
+        raise GraphError(f"prototxt: input {name!r} dims ({dims}) must be 4 (N, C, H, W)")
+    if input_size is not None:
+        dims[2] = dims[3] = input_size
+    if batch is not None:
+        dims[0] = batch
+    graph = Graph(str(one(net, "name", "net")), name, (dims[0], dims[1], dims[2], dims[3]), [], [])
+    current = {name: name}  # caffe blob -> IR tensor now holding it
+    if "layers" in net and "layer" not in net:
+        raise GraphError("prototxt: V1 'layers' are not supported (upgrade the net to 'layer')")
+    for layer in net.get("layer", []):
+        ltype = str(one(layer, "type"))
+        if ltype in ("Input", "Data", "ImageData"):
+            continue
+        lname = str(one(layer, "name"))
+        bottoms = [str(b) for b in layer.get("bottom", [])]
+        tops = [str(t) for t in layer.get("top", [])]
+        if len(tops) != 1:
+            raise GraphError(f"layer {lname!r} ({ltype}): top ({tops}) must name one blob")
+        for b in bottoms:
+            if b not in current:
+                raise GraphError(f"layer {lname!r} ({ltype}): bottom {b!r} is dangling")
+        node = _node(lname, ltype, layer, [current[b] for b in bottoms])
+        node.output = lname if tops[0] in current or tops[0] in bottoms else tops[0]
+        if any(n.output == node.output for n in graph.nodes):
+            node.output = f"{lname}#{len(graph.nodes)}"
+        graph.nodes.append(node)
+        current[tops[0]] = node.output
+    consumed = {t for n in graph.nodes for t in n.inputs}
+    graph.outputs = [n.output for n in graph.nodes if n.output not in consumed][-1:]
+    return graph
+
+
+def _pair(p: Message, key: str, default: int) -> tuple[int, int]:
+    """Caffe's kernel_size/stride/pad: repeated, or *_h/*_w, or one value."""
+    h, w = one(p, f"{key}_h"), one(p, f"{key}_w")
+    if h is not None or w is not None:
+        return int(h if h is not None else default), int(w if w is not None else default)
+    vals = p.get(key) or p.get(f"{key}_size") or [default]
+    return (int(vals[0]), int(vals[-1]))
+
+
+def _node(lname: str, ltype: str, layer: Message, ins: list[str]) -> Node:
+    node = Node(lname, "", ins, lname)
+    if ltype == "Convolution":
+        p = one(layer, "convolution_param", {})
+        ph, pw = _pair(p, "pad", 0)
+        node.op = "conv"
+        node.attrs = {"k": int(one(p, "num_output")), "kernel": _pair(p, "kernel", 1),
+                      "stride": _pair(p, "stride", 1), "pad": (ph, ph, pw, pw),
+                      "dilation": _pair(p, "dilation", 1), "group": int(one(p, "group", 1))}
+        node.weights = {"w": f"{lname}.w"}
+        if one(p, "bias_term", True):
+            node.weights["bias"] = f"{lname}.bias"
+    elif ltype == "InnerProduct":
+        p = one(layer, "inner_product_param", {})
+        node.op, node.attrs, node.weights = "fc", {"k": int(one(p, "num_output"))}, {"w": f"{lname}.w"}
+        if one(p, "bias_term", True):
+            node.weights["bias"] = f"{lname}.bias"
+    elif ltype == "Pooling":
+        p = one(layer, "pooling_param", {})
+        kind = str(one(p, "pool", "MAX"))
+        if kind not in ("MAX", "AVE"):
+            raise GraphError(f"layer {lname!r} (Pooling): pool ({kind!r}) must be MAX or AVE")
+        ph, pw = _pair(p, "pad", 0)
+        node.op = "pool"
+        node.attrs = {"kind": "max" if kind == "MAX" else "avg", "kernel": _pair(p, "kernel", 1),
+                      "stride": _pair(p, "stride", 1), "pad": (ph, ph, pw, pw), "ceil": True,
+                      "global": bool(one(p, "global_pooling", False)), "count_pad": True}
+    elif ltype == "LRN":
+        p = one(layer, "lrn_param", {})
+        if str(one(p, "norm_region", "ACROSS_CHANNELS")) != "ACROSS_CHANNELS":
+            raise GraphError(f"layer {lname!r} (LRN): norm_region ({one(p, 'norm_region')!r}) must be ACROSS_CHANNELS")
+        node.op = "lrn"
+        node.attrs = {"size": int(one(p, "local_size", 5)), "alpha": float(one(p, "alpha", 1.0)),
+                      "beta": float(one(p, "beta", 0.75)), "k": float(one(p, "k", 1.0))}
+    elif ltype in ("ReLU", "ReLU6"):
+        p = one(layer, "relu_param", {})
+        node.op, node.attrs = "relu", {"slope": float(one(p, "negative_slope", 0.0))}
+        if ltype == "ReLU6":
+            node.attrs["clip"] = 6.0
+    elif ltype == "Eltwise":
+        p = one(layer, "eltwise_param", {})
+        if str(one(p, "operation", "SUM")) != "SUM" or p.get("coeff"):
+            raise GraphError(f"layer {lname!r} (Eltwise): only operation SUM without coeff is supported")
+        node.op = "add"
+    elif ltype == "Concat":
+        p = one(layer, "concat_param", {})
+        node.op, node.attrs = "concat", {"axis": int(one(p, "axis", 1))}
+    elif ltype == "BatchNorm":
+        p = one(layer, "batch_norm_param", {})
+        node.op, node.attrs = "batchnorm", {"eps": float(one(p, "eps", 1e-5))}
+        node.weights = {"mean": f"{lname}.mean", "var": f"{lname}.var"}
+    elif ltype == "Scale":
+        p = one(layer, "scale_param", {})
+        node.op, node.weights = "scale", {"gamma": f"{lname}.gamma"}
+        if one(p, "bias_term", False):
+            node.weights["beta"] = f"{lname}.beta"
+    elif ltype in ("Softmax", "Dropout", "Flatten"):
+        node.op = ltype.lower()
+    else:
+        raise GraphError(f"layer {lname!r}: unknown layer type {ltype!r}")
+    return node
+
+
+def fill_weights(graph: Graph, seed: int = 0, blobs: dict[str, list[np.ndarray]] | None = None) -> None:
+    """Weights for every node: from Caffe blobs by layer name when given, else random (He scaled)."""
+    rng = np.random.default_rng(seed)
+    shapes = infer_weight_shapes(graph)
+    for node in graph.nodes:
+        have = blobs.get(node.name) if blobs is not None else None
+        if blobs is not None and node.weights and have is None:
+            raise GraphError(f"layer {node.name!r}: no blobs in the caffemodel")
+        for i, (role, key) in enumerate(node.weights.items()):
+            shape = shapes[key]
+            if have is not None:
+                arr = _from_blob(node, role, have, i, shape)
+            elif role == "w":
+                fan_in = max(1, int(np.prod(shape[1:])))
+                arr = rng.standard_normal(shape, dtype=np.float32) * np.float32(np.sqrt(2.0 / fan_in))
+            elif role == "var":
+                arr = rng.uniform(0.5, 1.5, shape)
+            elif role == "gamma":
+                arr = rng.uniform(0.5, 1.5, shape)
+            else:
+                arr = rng.standard_normal(shape) * 0.1
+            graph.weights[key] = np.ascontiguousarray(arr, dtype=np.float32)
+
+
+def _from_blob(node: Node, role: str, blobs: list[np.ndarray], i: int, shape: tuple[int, ...]) -> np.ndarray:
+    if node.op == "batchnorm":  # Caffe: mean, var, scale factor (divide both by it)
+        factor = float(blobs[2][0]) if len(blobs) > 2 and blobs[2].size else 1.0
+        factor = 1.0 / factor if factor != 0 else 0.0
+        return blobs[i].reshape(shape) * factor
+    if i >= len(blobs) or blobs[i].size != int(np.prod(shape)):
+        raise GraphError(f"layer {node.name!r}: caffemodel blob {i} ({role}) has "
+                         f"{blobs[i].size if i < len(blobs) else 0} values, expected shape {shape}")
+    return blobs[i].reshape(shape)
+
+
+def infer_weight_shapes(graph: Graph) -> dict[str, tuple[int, ...]]:
+    """The shape each weight key must have, from the node settings and the inferred input shapes."""
+    out: dict[str, tuple[int, ...]] = {}
+    probe = graph.copy()
+    probe.nodes = []
+    probe.outputs = [graph.input]
+    shapes = infer(probe)
+    for node in graph.nodes:
+        x = shapes[node.inputs[0]] if node.inputs and node.inputs[0] in shapes else None
+        if x is None:
+            raise GraphError(f"node {node.name!r} ({node.op}): input {node.inputs[0]!r} is dangling")
+        k = int(node.attrs.get("k") or 0)
+        for role, key in node.weights.items():
+            if node.op == "conv":
+                kr, ks = (int(v) for v in node.attrs.get("kernel", (1, 1)))
+                out[key] = (k, x.shape[1], kr, ks) if role == "w" else (k,)
+            elif node.op == "fc":
+                out[key] = (k, x.size // x.shape[0]) if role == "w" else (k,)
+            else:
+                out[key] = (x.shape[1],)
+        for key, shape in out.items():
+            if key in node.weights.values() and key not in probe.weights:
+                probe.weights[key] = np.zeros(shape, dtype=np.float32)
+        probe.nodes.append(node)
+        probe.outputs = [node.output]
+        shapes = infer(probe)
+    return out
+
+
+# -- .caffemodel: a minimal protobuf binary reader (NetParameter.layer -> blobs) --------------
+
+def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+    shift = result = 0
+    while True:
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if b < 0x80:
+            return result, pos
+        shift += 7
+
+
+def _fields(buf: bytes) -> list[tuple[int, int, Any]]:
+    """(field number, wire type, value) of a protobuf message; length-delimited values as bytes."""
+    out, pos = [], 0
+    while pos < len(buf):
+        tag, pos = _varint(buf, pos)
+        num, wire = tag >> 3, tag & 7
+        val: Any
+        if wire == 0:
+            val, pos = _varint(buf, pos)
+        elif wire == 1:
+            val, pos = buf[pos:pos + 8], pos + 8
+        elif wire == 2:
+            n, pos = _varint(buf, pos)
+            val, pos = buf[pos:pos + n], pos + n
+        elif wire == 5:
+            val, pos = buf[pos:pos + 4], pos + 4
+        else:
+            raise GraphError(f"caffemodel: unsupported protobuf wire type {wire}")
+        out.append((num, wire, val))
+    return out
+
+
+def _blob(buf: bytes) -> np.ndarray:
+    """BlobProto: data (5, packed or not), double_data (8)."""
+    data: list[np.ndarray] = []
+    for num, wire, val in _fields(buf):
+        if num == 5:
+            data.append(np.frombuffer(val, "<f4") if wire == 2 else np.array(struct.unpack("<f", val), "<f4"))
+        elif num == 8:
+            data.append(np.frombuffer(val, "<f8").astype(np.float32) if wire == 2
+                        else np.array(struct.unpack("<d", val), np.float32))
+    return np.concatenate(data) if data else np.zeros(0, np.float32)
+
+
+def read_caffemodel(path: Path) -> dict[str, list[np.ndarray]]:
+    """Blobs of each layer by name, from a binary NetParameter (layer = 100; V1 layers = 2)."""
+    out: dict[str, list[np.ndarray]] = {}
+    for num, wire, val in _fields(path.read_bytes()):
+        if wire != 2 or num not in (100, 2):
+            continue
+        name_field, blob_field = (1, 7) if num == 100 else (4, 6)
+        name, blobs = "", []
+        for n2, w2, v2 in _fields(val):
+            if n2 == name_field and w2 == 2:
+                name = v2.decode()
+            elif n2 == blob_field and w2 == 2:
+                blobs.append(_blob(v2))
+        if blobs:
+            out[name] = blobs
+    return out

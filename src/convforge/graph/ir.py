@@ -1,0 +1,268 @@
+"""The graph IR: typed nodes over tensors with named dimensions and inferred shapes.
+
+A :class:`Graph` holds one input, nodes in topological order, named outputs and the weights
+(float32 NumPy arrays by name). Every activation is a float32 NCHW (``n:c:y:x``) or
+NC (``n:c``) tensor. :func:`infer` checks the graph and gives every tensor its shape; a malformed
+graph is refused with an error naming the node, the field and the value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+OPS = ("conv", "fc", "pool", "lrn", "relu", "batchnorm", "scale", "add", "concat", "softmax",
+       "flatten", "dropout")
+
+# Weights each op needs (by role), and which of them are optional.
+WEIGHTS: dict[str, tuple[str, ...]] = {
+    "conv": ("w", "bias"), "fc": ("w", "bias"), "batchnorm": ("mean", "var", "gamma", "beta"),
+    "scale": ("gamma", "beta"),
+}
+OPTIONAL = {"bias", "gamma", "beta"}
+
+
+class GraphError(ValueError):
+    """A malformed graph: the message names the node, the field and the value."""
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """A named float32 tensor: dimension names (``n:c:y:x`` or ``n:c``) and sizes."""
+
+    name: str
+    dims: tuple[str, ...]
+    shape: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape))
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * self.size
+
+    def layout(self) -> str:
+        return ":".join(self.dims)
+
+    def __str__(self) -> str:
+        return f"{self.name}[{' '.join(f'{d}={s}' for d, s in zip(self.dims, self.shape))}]"
+
+
+@dataclass
+class Node:
+    """One operation: ``op`` over input tensor names into one output tensor.
+
+    ``weights`` maps a role ("w", "bias", "mean", ...) to a key of :attr:`Graph.weights`; ``attrs``
+    hold the op's settings (kernel, stride, pad, ...). ``fused`` records what passes folded in
+    (``relu``, ``residual``) so the runtime can pick the matching epilogue.
+    """
+
+    name: str
+    op: str
+    inputs: list[str]
+    output: str
+    attrs: dict[str, Any] = field(default_factory=dict)
+    weights: dict[str, str] = field(default_factory=dict)
+
+    def attr(self, key: str, default: Any = None) -> Any:
+        return self.attrs.get(key, default)
+
+
+@dataclass
+class Graph:
+    """Nodes in execution order, one NCHW input, named outputs and the weights."""
+
+    name: str
+    input: str
+    input_shape: tuple[int, int, int, int]  # n, c, y, x
+    nodes: list[Node]
+    outputs: list[str]
+    weights: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def copy(self) -> Graph:
+        """A copy whose node list and nodes can be rewritten (weights shared until replaced)."""
+        nodes = [Node(n.name, n.op, list(n.inputs), n.output, dict(n.attrs), dict(n.weights))
+                 for n in self.nodes]
+        return Graph(self.name, self.input, self.input_shape, nodes, list(self.outputs), dict(self.weights))
+
+    def with_batch(self, batch: int) -> Graph:
+        g = self.copy()
+        g.input_shape = (batch,) + tuple(self.input_shape[1:])  # type: ignore[assignment]
+        return g
+
+    def producer(self, tensor: str) -> Node | None:
+        for n in self.nodes:
+            if n.output == tensor:
+                return n
+        return None
+
+    def consumers(self, tensor: str) -> list[Node]:
+        return [n for n in self.nodes if tensor in n.inputs]
+
+    def weight(self, node: Node, role: str) -> np.ndarray | None:
+        key = node.weights.get(role)
+        return None if key is None else self.weights[key]
+
+    def summary(self) -> str:
+        shapes = infer(self)
+        lines = [f"graph {self.name}: input {shapes[self.input]}"]
+        for n in self.nodes:
+            lines.append(f"  {n.name:24s} {n.op:10s} -> {shapes[n.output]}")
+        return "\n".join(lines)
+
+
+def _ints(node: Node, key: str, default: Any, count: int) -> tuple[int, ...]:
+    """An int or tuple attribute as ``count`` non-negative ints, or a GraphError naming it."""
+    v = node.attrs.get(key, default)
+    vals = (v,) * count if isinstance(v, int) else tuple(v)
+    if len(vals) != count or not all(isinstance(x, int) and not isinstance(x, bool) for x in vals):
+        raise GraphError(f"node {node.name!r} ({node.op}): {key} ({v!r}) must be an int or {count} ints")
+    if any(x < 0 for x in vals):
+        raise GraphError(f"node {node.name!r} ({node.op}): {key} ({v!r}) must be >= 0")
+    return vals
+
+
+def conv_geometry(node: Node) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int, int, int],
+                                        tuple[int, int]]:
+    """(kernel, stride, pad (top, bottom, left, right), dilation) of a conv or pool node."""
+    kernel = _ints(node, "kernel", 1, 2)
+    stride = _ints(node, "stride", 1, 2)
+    pad = _ints(node, "pad", 0, 4)
+    dil = _ints(node, "dilation", 1, 2)
+    for key, vals in (("kernel", kernel), ("stride", stride), ("dilation", dil)):
+        if min(vals) < 1:
+            raise GraphError(f"node {node.name!r} ({node.op}): {key} ({vals}) must be >= 1")
+    return (kernel[0], kernel[1]), (stride[0], stride[1]), (pad[0], pad[1], pad[2], pad[3]), (dil[0], dil[1])
+
+
+def pool_out(size: int, k: int, st: int, p0: int, p1: int, ceil: bool) -> int:
+    """Pooled extent; Caffe's ceil mode, with the last window starting inside the image."""
+    span = size + p0 + p1 - k
+    out = (-(-span // st) if ceil else span // st) + 1
+    if ceil and p0 > 0 and (out - 1) * st >= size + p0:
+        out -= 1
+    return out
+
+
+def _weight_shape(graph: Graph, node: Node, role: str, want: tuple[int, ...]) -> None:
+    key = node.weights.get(role)
+    if key is None:
+        if role in OPTIONAL:
+            return
+        raise GraphError(f"node {node.name!r} ({node.op}): weights.{role} is missing")
+    if key not in graph.weights:
+        raise GraphError(f"node {node.name!r} ({node.op}): weights.{role} ({key!r}) is not in the weights")
+    got = tuple(graph.weights[key].shape)
+    if got != want:
+        raise GraphError(f"node {node.name!r} ({node.op}): weights.{role} has shape {got}, expected {want}")
+
+
+def _infer_node(graph: Graph, node: Node, ins: list[Tensor]) -> Tensor:
+    """The output tensor of ``node`` given its input tensors."""
+    x = ins[0]
+    where = f"node {node.name!r} ({node.op})"
+    if node.op in ("conv", "pool", "lrn") and len(x.dims) != 4:
+        raise GraphError(f"{where}: input {x.name!r} is {x.layout()}, expected n:c:y:x")
+    if node.op == "conv":
+        (r, s), st, pad, dil = conv_geometry(node)
+        k = node.attrs.get("k")
+        if not isinstance(k, int) or k < 1:
+            raise GraphError(f"{where}: k ({k!r}) must be a positive int")
+        if node.attrs.get("group", 1) != 1:
+            raise GraphError(f"{where}: group ({node.attrs['group']!r}) must be 1 (grouped convs are not supported)")
+        n, c, h, w = x.shape
+        er, es = (r - 1) * dil[0] + 1, (s - 1) * dil[1] + 1
+        p = (h + pad[0] + pad[1] - er) // st[0] + 1
+        q = (w + pad[2] + pad[3] - es) // st[1] + 1
+        if p < 1 or q < 1:
+            raise GraphError(f"{where}: kernel ({r}x{s}) is larger than the padded input {x}")
+        _weight_shape(graph, node, "w", (k, c, r, s))
+        _weight_shape(graph, node, "bias", (k,))
+        out = Tensor(node.output, ("n", "c", "y", "x"), (n, k, p, q))
+        if len(ins) == 2 and ins[1].shape != out.shape:
+            raise GraphError(f"{where}: residual input {ins[1]} does not match the output {out}")
+        return out
+    if node.op == "fc":
+        k = node.attrs.get("k")
+        if not isinstance(k, int) or k < 1:
+            raise GraphError(f"{where}: k ({k!r}) must be a positive int")
+        fan = x.size // x.shape[0]
+        _weight_shape(graph, node, "w", (k, fan))
+        _weight_shape(graph, node, "bias", (k,))
+        return Tensor(node.output, ("n", "c"), (x.shape[0], k))
+    if node.op == "pool":
+        kind = node.attrs.get("kind", "max")
+        if kind not in ("max", "avg"):
+            raise GraphError(f"{where}: kind ({kind!r}) must be 'max' or 'avg'")
+        n, c, h, w = x.shape
+        if node.attrs.get("global"):
+            return Tensor(node.output, x.dims, (n, c, 1, 1))
+        (r, s), st, pad, _ = conv_geometry(node)
+        ceil = bool(node.attrs.get("ceil", False))
+        p, q = pool_out(h, r, st[0], pad[0], pad[1], ceil), pool_out(w, s, st[1], pad[2], pad[3], ceil)
+        if p < 1 or q < 1 or r > h + pad[0] + pad[1] or s > w + pad[2] + pad[3]:
+            raise GraphError(f"{where}: kernel ({r}x{s}) is larger than the padded input {x}")
+        return Tensor(node.output, x.dims, (n, c, p, q))
+    if node.op in ("batchnorm", "scale"):
+        c = x.shape[1]
+        for role in WEIGHTS[node.op]:
+            _weight_shape(graph, node, role, (c,))
+        return Tensor(node.output, x.dims, x.shape)
+    if node.op == "add":
+        for other in ins[1:]:
+            if other.shape != x.shape:
+                raise GraphError(f"{where}: input {other} does not match {x}")
+        return Tensor(node.output, x.dims, x.shape)
+    if node.op == "concat":
+        axis = node.attrs.get("axis", 1)
+        if axis != 1:
+            raise GraphError(f"{where}: axis ({axis!r}) must be 1 (channels)")
+        for other in ins[1:]:
+            if len(other.shape) != len(x.shape) or other.shape[:1] + other.shape[2:] != x.shape[:1] + x.shape[2:]:
+                raise GraphError(f"{where}: input {other} does not match {x} outside the channels")
+        return Tensor(node.output, x.dims, (x.shape[0], sum(t.shape[1] for t in ins)) + x.shape[2:])
+    if node.op == "flatten":
+        return Tensor(node.output, ("n", "c"), (x.shape[0], x.size // x.shape[0]))
+    if node.op in ("relu", "lrn", "softmax", "dropout"):
+        if node.op == "lrn" and int(node.attrs.get("size", 5)) % 2 != 1:
+            raise GraphError(f"{where}: size ({node.attrs.get('size')!r}) must be odd")
+        return Tensor(node.output, x.dims, x.shape)
+    raise GraphError(f"{where}: unknown op {node.op!r}; known: {', '.join(OPS)}")
+
+
+_ARITY = {"add": (2, 99), "concat": (1, 99), "conv": (1, 2)}  # conv: + fused residual
+
+
+def infer(graph: Graph) -> dict[str, Tensor]:
+    """Every tensor of ``graph`` with its dimensions and shape; a malformed graph raises GraphError."""
+    if len(graph.input_shape) != 4 or any(not isinstance(v, int) or v < 1 for v in graph.input_shape):
+        raise GraphError(f"graph {graph.name!r}: input_shape ({graph.input_shape!r}) must be 4 positive ints")
+    shapes = {graph.input: Tensor(graph.input, ("n", "c", "y", "x"), tuple(graph.input_shape))}
+    seen: set[str] = set()
+    for node in graph.nodes:
+        if node.name in seen:
+            raise GraphError(f"node {node.name!r}: name is used twice")
+        seen.add(node.name)
+        if node.op not in OPS:
+            raise GraphError(f"node {node.name!r}: unknown op {node.op!r}; known: {', '.join(OPS)}")
+        lo, hi = _ARITY.get(node.op, (1, 1))
+        if not lo <= len(node.inputs) <= hi:
+            raise GraphError(f"node {node.name!r} ({node.op}): inputs ({node.inputs}) must number "
+                             f"{lo}" + (f" to {hi}" if hi != lo and hi < 99 else " or more" if hi != lo else ""))
+        for t in node.inputs:
+            if t not in shapes:
+                raise GraphError(f"node {node.name!r} ({node.op}): input {t!r} is dangling "
+                                 "(no earlier node or graph input produces it)")
+        if node.output in shapes:
+            raise GraphError(f"node {node.name!r} ({node.op}): output {node.output!r} is already produced "
+                             "(tensors are written once)")
+        shapes[node.output] = _infer_node(graph, node, [shapes[t] for t in node.inputs])
+    if not graph.outputs:
+        raise GraphError(f"graph {graph.name!r}: outputs is empty")
+    for t in graph.outputs:
+        if t not in shapes:
+            raise GraphError(f"graph {graph.name!r}: output {t!r} is not produced by any node")
+    return shapes

@@ -1,0 +1,150 @@
+"""Non-conv operations in the kernel dialect: pooling, LRN, activations, per-channel affine
+(unfolded batch norm / scale), add, softmax and concat copies.
+
+Each builder returns an :class:`OpLaunch`: a kernel specialised to its shapes (sizes are constants,
+like the conv families) and its launch, with arguments named by tensor or weight. One thread per
+output element (softmax: per pixel), 1-D blocks of 256.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from convforge.codegen.dialect import Buf, Kernel
+from convforge.graph.ir import Node, Tensor, conv_geometry
+
+BLOCK = 256
+
+
+@dataclass(frozen=True)
+class OpLaunch:
+    """A kernel and its launch; ``args`` are buffer names (tensors, weights) in kernel order."""
+
+    kernel: Kernel
+    grid: tuple[int, int, int]
+    args: tuple[str, ...]
+
+
+def kernel_name(node: Node, suffix: str = "") -> str:
+    return "g_" + re.sub(r"\W", "_", node.name) + suffix
+
+
+def _elementwise(name: str, total: int, bufs: tuple[Buf, ...], refs: tuple[str, ...], body: str,
+                 comment: str) -> OpLaunch:
+    text = (f"const int e = GROUP_ID(0) * {BLOCK} + LOCAL_ID(0);\n"
+            f"if (e >= {total}) return;\n{body}")
+    kern = Kernel(name, bufs, text, (BLOCK, 1, 1), comment=comment)
+    return OpLaunch(kern, (-(-total // BLOCK), 1, 1), refs)
+
+
+def _out() -> Buf:
+    return Buf("y", readonly=False)
+
+
+def pool(node: Node, x: Tensor, y: Tensor, src: str, dst: str) -> OpLaunch:
+    """Max or average pooling (global too; Caffe's ceil mode; average counts padding when
+    ``count_pad``, clipped at the padded edge as Caffe does)."""
+    n, c, h, w = x.shape
+    _, _, p, q = y.shape
+    is_max = node.attrs.get("kind", "max") == "max"
+    if node.attrs.get("global"):
+        kr, ks, sh, sw, pt, pb, pl, pr = h, w, 1, 1, 0, 0, 0, 0
+    else:
+        (kr, ks), (sh, sw), (pt, pb, pl, pr), _ = conv_geometry(node)
+    count_pad = bool(node.attrs.get("count_pad", True))
+    init = "-3.402823466e38f" if is_max else "0.0f"
+    acc = "acc = MAX(acc, v);" if is_max else "acc += v;"
+    if is_max:
+        fin = "acc"
+    elif count_pad:
+        fin = f"acc / (float)((min(y0 + {kr}, {h + pb}) - y0) * (min(x0 + {ks}, {w + pr}) - x0))"
+    else:
+        fin = "acc / (float)((ye - ys) * (xe - xs))"
+    body = f"""const int j = e % {q}, i = (e / {q}) % {p}, nc = e / {p * q};
+const int y0 = i * {sh} - {pt}, x0 = j * {sw} - {pl};
+const int ys = max(y0, 0), ye = min(y0 + {kr}, {h}), xs = max(x0, 0), xe = min(x0 + {ks}, {w});
+const GLOBAL_PTR float* in = x + nc * {h * w};
+float acc = {init};
+for (int yy = ys; yy < ye; ++yy)
+    for (int xx = xs; xx < xe; ++xx) {{
+        const float v = in[yy * {w} + xx];
+        {acc}
+    }}
+y[e] = {fin};"""
+    return _elementwise(kernel_name(node), n * c * p * q, (Buf("x"), _out()), (src, dst), body,
+                        f"{node.name}: pool {'max' if is_max else 'avg'} {kr}x{ks}/{sh}")
+
+
+def lrn(node: Node, x: Tensor, src: str, dst: str) -> OpLaunch:
+    """Across-channel LRN: y = x / (k + alpha/size * sum of squares over the window)^beta."""
+    n, c, h, w = x.shape
+    size = int(node.attrs.get("size", 5))
+    alpha, beta, k = (float(node.attrs.get(a, d)) for a, d in (("alpha", 1e-4), ("beta", 0.75), ("k", 1.0)))
+    hw = h * w
+    body = f"""const int pix = e % {hw}, ch = (e / {hw}) % {c}, nb = e / {hw * c};
+const GLOBAL_PTR float* in = x + nb * {c * hw} + pix;
+float sq = 0.0f;
+for (int cc = max(ch - {size // 2}, 0); cc <= min(ch + {size // 2}, {c - 1}); ++cc) {{
+    const float v = in[cc * {hw}];
+    sq = FMA(v, v, sq);
+}}
+y[e] = x[e] * pow({k!r}f + {alpha / size!r}f * sq, -{beta!r}f);"""
+    return _elementwise(kernel_name(node), n * c * hw, (Buf("x"), _out()), (src, dst), body,
+                        f"{node.name}: LRN size {size}")
+
+
+def activation(node: Node, x: Tensor, src: str, dst: str) -> OpLaunch:
+    """ReLU, leaky ReLU (``slope``) and clipped ReLU (``clip``)."""
+    slope = float(node.attrs.get("slope", 0.0))
+    clip = node.attrs.get("clip")
+    expr = f"(v > 0.0f ? v : v * {slope!r}f)" if slope else "MAX(v, 0.0f)"
+    if clip is not None:
+        expr = f"fmin({expr}, {float(clip)!r}f)"
+    body = f"const float v = x[e];\ny[e] = {expr};"
+    return _elementwise(kernel_name(node), x.size, (Buf("x"), _out()), (src, dst), body,
+                        f"{node.name}: relu")
+
+
+def affine(node: Node, x: Tensor, src: str, dst: str, scale: str, shift: str, relu: bool) -> OpLaunch:
+    """y = x * scale[c] + shift[c] (unfolded batch norm, Caffe Scale), optional ReLU."""
+    c = x.shape[1]
+    hw = x.size // (x.shape[0] * c)
+    expr = "FMA(x[e], a[ch], b[ch])"
+    body = f"const int ch = (e / {hw}) % {c};\ny[e] = {f'MAX({expr}, 0.0f)' if relu else expr};"
+    return _elementwise(kernel_name(node), x.size, (Buf("x"), Buf("a"), Buf("b"), _out()),
+                        (src, scale, shift, dst), body, f"{node.name}: per-channel affine")
+
+
+def add(node: Node, x: Tensor, srcs: list[str], dst: str, relu: bool) -> OpLaunch:
+    """y = sum of the inputs, optional ReLU."""
+    names = [f"x{i}" for i in range(len(srcs))]
+    total = " + ".join(f"{a}[e]" for a in names)
+    body = f"y[e] = {f'MAX({total}, 0.0f)' if relu else total};"
+    bufs = tuple(Buf(a) for a in names) + (_out(),)
+    return _elementwise(kernel_name(node), x.size, bufs, tuple(srcs) + (dst,), body, f"{node.name}: add")
+
+
+def softmax(node: Node, x: Tensor, src: str, dst: str) -> OpLaunch:
+    """Softmax over channels, one thread per (image, pixel)."""
+    n, c = x.shape[0], x.shape[1]
+    hw = x.size // (n * c)
+    body = f"""const GLOBAL_PTR float* in = x + (e / {hw}) * {c * hw} + e % {hw};
+GLOBAL_PTR float* out = y + (e / {hw}) * {c * hw} + e % {hw};
+float m = -3.402823466e38f;
+for (int ch = 0; ch < {c}; ++ch) m = MAX(m, in[ch * {hw}]);
+float s = 0.0f;
+for (int ch = 0; ch < {c}; ++ch) s += exp(in[ch * {hw}] - m);
+const float inv = 1.0f / s;
+for (int ch = 0; ch < {c}; ++ch) out[ch * {hw}] = exp(in[ch * {hw}] - m) * inv;"""
+    return _elementwise(kernel_name(node), n * hw, (Buf("x"), _out()), (src, dst), body,
+                        f"{node.name}: softmax over {c} channels")
+
+
+def copy_into(node: Node, x: Tensor, total_c: int, offset: int, src: str, dst: str, part: int) -> OpLaunch:
+    """Concat: copy ``x`` into channels [offset, offset + C) of a ``total_c``-channel tensor."""
+    n, c = x.shape[0], x.shape[1]
+    chw = x.size // n
+    body = f"y[(e / {chw}) * {total_c * chw // c} + {offset * chw // c} + e % {chw}] = x[e];"
+    return _elementwise(kernel_name(node, f"_{part}"), x.size, (Buf("x"), _out()), (src, dst), body,
+                        f"{node.name}: concat input {part} at channel {offset}")

@@ -1,0 +1,396 @@
+"""The compiled network: a fixed launch list over preallocated buffers.
+
+``compile(model, batch=..., backend=...)`` runs the passes, plans activation memory by liveness,
+gets every conv (and fully connected layer, a 1x1 conv on a 1x1 image) from
+``convforge.dispatch.executable`` -- the one dispatch path -- and builds the other operations from
+:mod:`convforge.graph.ops` into one program. On CUDA the launch list is captured once into a CUDA
+graph and replayed; on OpenCL it is enqueued in order.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from convforge import dispatch
+from convforge.codegen.render import render
+from convforge.graph import ops
+from convforge.graph.ir import Graph, Node, Tensor, conv_geometry, infer
+from convforge.plan import Epilogue, Launch
+from convforge.spec import ConvSpec
+
+log = logging.getLogger("convforge.graph")
+ALIASES = ("flatten", "dropout")  # views: the output is the input's buffer
+
+
+@dataclass
+class Step:
+    """One entry of the launch list: a node's work, callable with no arguments."""
+
+    node: str
+    op: str
+    variant: str
+    run: Callable[[], None]
+    flops: int = 0
+
+
+@dataclass
+class MemoryPlan:
+    """Activation slots: tensor -> slot index, and each slot's size in bytes."""
+
+    slot_of: dict[str, int] = field(default_factory=dict)
+    sizes: list[int] = field(default_factory=list)
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.sizes)
+
+
+def plan_memory(graph: Graph, shapes: dict[str, Tensor], into: dict[str, str] | None = None) -> MemoryPlan:
+    """Assign activation tensors to reusable slots by liveness (best fit; an output never shares
+    a slot with its node's inputs, so kernels need not be safe in place). ``into`` maps a conv's
+    output to the concat tensor it is written into (placed when its first part is written)."""
+    into = into or {}
+    inplace = set(into.values())
+    root = {graph.input: graph.input}
+    for node in graph.nodes:
+        root[node.output] = (root[node.inputs[0]] if node.op in ALIASES else into.get(node.output, node.output))
+    last: dict[str, int] = {}
+    for i, node in enumerate(graph.nodes):
+        for t in node.inputs:
+            last[root[t]] = i
+    for t in graph.outputs:
+        last[root[t]] = len(graph.nodes)
+    mp = MemoryPlan()
+    free: list[int] = []
+
+    def place(t: str) -> None:
+        need = shapes[t].nbytes
+        fits = [s for s in free if mp.sizes[s] >= need]
+        slot = min(fits, key=lambda s: mp.sizes[s]) if fits else (max(free, key=lambda s: mp.sizes[s])
+                                                                   if free else None)
+        if slot is None:
+            slot = len(mp.sizes)
+            mp.sizes.append(need)
+        else:
+            free.remove(slot)
+            mp.sizes[slot] = max(mp.sizes[slot], need)
+        mp.slot_of[t] = slot
+
+    place(graph.input)
+    for i, node in enumerate(graph.nodes):
+        r = root[node.output]
+        if node.op not in ALIASES and r not in mp.slot_of and not (node.op == "concat" and r in inplace):
+            place(r)
+        for t in {root[t] for t in node.inputs}:
+            if last.get(t) == i:
+                free.append(mp.slot_of[t])
+    for t, r in root.items():
+        mp.slot_of[t] = mp.slot_of[r]
+    return mp
+
+
+class Network:
+    """A graph compiled for one back-end and batch: call it with an NCHW float32 batch."""
+
+    def __init__(self, graph: Graph, backend: Any, capture: bool = True) -> None:
+        self.graph, self.backend = graph, backend
+        self.shapes = infer(graph)
+        self.into = self._concats_in_place()
+        self.memory = plan_memory(graph, self.shapes, {t: c for t, (c, _) in self.into.items()})
+        self.slots = [backend.empty(max(n, 4)) for n in self.memory.sizes]
+        self.weights: dict[str, Any] = {}
+        self.steps: list[Step] = []
+        self._kernels: list[tuple[str, str, ops.OpLaunch]] = []
+        self._execs: list[Any] = []
+        self._order: list[str] = []  # step names in launch order
+        self.transformed_bytes = 0  # filters transformed once at build (Winograd U, packed weights)
+        for node in graph.nodes:
+            self._build(node)
+        self._link_kernels()
+        self.run_eager()  # compile, allocate workspaces: nothing of that happens in a capture
+        backend.synchronize()
+        self._replay, self.captured = self.run_eager, False
+        if capture and backend.name == "cuda":
+            try:
+                self._replay, self.captured = backend.capture(self.run_eager), True
+            except Exception as err:  # noqa: BLE001 - a launch that cannot be captured: enqueue in order
+                log.warning("CUDA graph capture failed (%s); the network enqueues its launches instead", err)
+            backend.synchronize()
+
+    def _choice(self, node: Node) -> Any:
+        """dispatch's choice for a conv/fc node with its plain epilogue (bias, ReLU)."""
+        spec = conv_spec(node, self.shapes[node.inputs[0]])
+        return dispatch.choose(spec, self.backend, Epilogue(bias="bias" in node.weights,
+                                                            relu=bool(node.attrs.get("relu"))))
+
+    def _concats_in_place(self) -> dict[str, tuple[str, int]]:
+        """conv output -> (concat tensor, channel offset) for the concats the passes marked, where
+        every producer's chosen variant writes at a channel offset; the others keep their copies."""
+        out: dict[str, tuple[str, int]] = {}
+        for node in self.graph.nodes:
+            if node.op != "concat" or not node.attrs.get("in_place"):
+                continue
+            prods = [self.graph.producer(t) for t in node.inputs]
+            if all(p is not None and self._choice(p).variant.offset_ok for p in prods):
+                off = 0
+                for t in node.inputs:
+                    out[t] = (node.output, off)
+                    off += self.shapes[t].shape[1]
+        return out
+
+    # -- buffers --------------------------------------------------------------------------------
+    def buf(self, tensor: str) -> Any:
+        return self.slots[self.memory.slot_of[tensor]]
+
+    def _weight(self, key: str, array: np.ndarray | None = None) -> Any:
+        if key not in self.weights:
+            arr = self.graph.weights[key] if array is None else array
+            self.weights[key] = self.backend.upload(np.ascontiguousarray(arr, dtype=np.float32))
+        return self.weights[key]
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(self.backend.nbytes(b) for b in self.weights.values())
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Conv workspaces, once per distinct executable (layers of one shape share them)."""
+        unique = {id(e): e for e in self._execs}.values()
+        # all of them: the executable's own copy of the derived buffers is allocated too, though
+        # each layer reads its own (transformed_bytes)
+        return sum(self.backend.nbytes(b) for e in unique for b in e.workspace().values())
+
+    @property
+    def peak_bytes(self) -> int:
+        """Device memory the network holds: activations, weights, transformed filters, workspaces."""
+        return self.memory.bytes + self.weight_bytes + self.transformed_bytes + self.workspace_bytes
+
+    # -- building -------------------------------------------------------------------------------
+    def _build(self, node: Node) -> None:
+        x = self.shapes[node.inputs[0]]
+        if node.op in ALIASES:
+            return
+        if node.op in ("conv", "fc"):
+            self._conv(node, x)
+            return
+        src, dst = node.inputs[0], node.output
+        y = self.shapes[dst]
+        if node.op == "pool":
+            self._kernel(node, ops.pool(node, x, y, src, dst))
+        elif node.op == "lrn":
+            self._kernel(node, ops.lrn(node, x, src, dst))
+        elif node.op == "relu":
+            self._kernel(node, ops.activation(node, x, src, dst))
+        elif node.op == "softmax":
+            self._kernel(node, ops.softmax(node, x, src, dst))
+        elif node.op == "add":
+            self._kernel(node, ops.add(node, x, list(node.inputs), dst, bool(node.attrs.get("relu"))))
+        elif node.op in ("batchnorm", "scale"):
+            a, b = channel_affine(self.graph, node)
+            self._weight(f"{node.name}.a", a)
+            self._weight(f"{node.name}.b", b)
+            self._kernel(node, ops.affine(node, x, src, dst, f"{node.name}.a", f"{node.name}.b",
+                                          bool(node.attrs.get("relu"))))
+        elif node.op == "concat" and node.inputs[0] in self.into:
+            return  # its producers wrote their channels in place
+        elif node.op == "concat":
+            off = 0
+            for part, t in enumerate(node.inputs):
+                self._kernel(node, ops.copy_into(node, self.shapes[t], y.shape[1], off, t, dst, part))
+                off += self.shapes[t].shape[1]
+        else:
+            raise ValueError(f"node {node.name!r}: the runtime has no kernel for op {node.op!r}")
+
+    def _kernel(self, node: Node, launch: ops.OpLaunch) -> None:
+        if node.name not in self._order:
+            self._order.append(node.name)
+        self._kernels.append((node.name, node.op, launch))
+
+    def _conv(self, node: Node, x: Tensor) -> None:
+        """A conv or fc through dispatch; a fused residual needs a variant with a residual store
+        path (``Variant.residual_ok``), else the conv runs plain and a separate add follows."""
+        spec = conv_spec(node, x)
+        has_bias = "bias" in node.weights
+        relu = bool(node.attrs.get("relu"))
+        bufs = {"x": self.buf(node.inputs[0]), "w": self._weight(node.weights["w"]), "y": self.buf(node.output)}
+        if has_bias:
+            bufs["bias"] = self._weight(node.weights["bias"])
+        residual = node.inputs[1] if len(node.inputs) > 1 else None
+        choice = self._choice(node)
+        if node.output in self.into:
+            concat, off = self.into[node.output]
+            epi = Epilogue(bias=has_bias, relu=relu, k_total=self.shapes[concat].shape[1], k_offset=off)
+            exe = dispatch.executable(spec, self.backend, epi, algo=choice.variant.name, params=choice.params)
+        elif residual is not None and choice.variant.residual_ok:
+            epi = Epilogue(bias=has_bias, relu=relu, residual=True)
+            exe = dispatch.executable(spec, self.backend, epi, algo=choice.variant.name, params=choice.params)
+            bufs["res"] = self.buf(residual)
+        else:
+            epi = Epilogue(bias=has_bias, relu=relu and residual is None)
+            exe = dispatch.executable(spec, self.backend, epi)
+        self._execs.append(exe)
+        self._order.append(node.name)
+        self.steps.append(Step(node.name, node.op, exe.plan.describe() + epi.tag(), self._hoist(exe, bufs),
+                               spec.flops))
+        if residual is not None and not epi.residual:
+            y = self.shapes[node.output]
+            add = Node(node.name + "+add", "add", [node.output, residual], node.output, {"relu": relu})
+            self._kernel(add, ops.add(add, y, [node.output, residual], node.output, relu))
+
+    def _hoist(self, exe: Any, bufs: dict[str, Any]) -> Callable[[], None]:
+        """Run the plan's weight-only steps (filter transforms) now, into buffers of this layer's
+        own, and return the call that runs the rest."""
+        if not exe.weight_steps:
+            return lambda: exe(bufs)
+        sizes = dict(exe.plan.workspace)
+        for name in exe.derived:  # the workspace only the weight steps write: this layer's own
+            bufs[name] = self.backend.empty(sizes[name])
+            self.transformed_bytes += self.backend.nbytes(bufs[name])
+        exe(bufs, "weights")
+        return lambda: exe(bufs, "rest")
+
+    def _link_kernels(self) -> None:
+        """Compile every non-conv kernel in one program and put its launches in graph order."""
+        if not self._kernels:
+            return
+        kernels = list({k.kernel.name: k.kernel for _, _, k in self._kernels}.values())
+        be = self.backend
+        program = be.program(render(kernels, be.name, f"{self.graph.name} operations"))
+        by_node: dict[str, list[Callable[[], None]]] = {}
+        for name, _, ol in self._kernels:
+            fn = be.function(program, ol.kernel)
+            step = Launch(ol.kernel.name, ol.grid, ol.kernel.block, ol.args)
+            args = [self.weights[a] if a in self.weights else self.buf(a) for a in ol.args]
+            by_node.setdefault(name, []).append(_launcher(be, program, fn, ol.kernel, step, args))
+        steps = {s.node: s for s in self.steps}
+        for name, op, _ in self._kernels:
+            if name not in steps:
+                steps[name] = Step(name, op, "graph_op", _sequence(by_node[name]))
+        self.steps = [steps[name] for name in self._order]
+
+    # -- running --------------------------------------------------------------------------------
+    def run_eager(self) -> None:
+        """Enqueue every launch in order (the replay's content)."""
+        for step in self.steps:
+            step.run()
+
+    def replay(self) -> None:
+        """The captured launch list (CUDA graph) or the in-order enqueue (OpenCL)."""
+        self._replay()
+
+    def __call__(self, x: np.ndarray) -> dict[str, np.ndarray]:
+        """Run on a host batch; returns every graph output as float32 NumPy."""
+        want = self.shapes[self.graph.input].shape
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if tuple(x.shape) != want:
+            raise ValueError(f"input shape {tuple(x.shape)} does not match the network's {want}")
+        self.backend.synchronize()
+        self.backend.write(self.buf(self.graph.input), x)
+        self.replay()
+        self.backend.synchronize()
+        return {t: self.backend.download(self.buf(t), self.shapes[t].shape) for t in self.graph.outputs}
+
+    def profile(self, repeats: int = 5) -> list[tuple[Step, float]]:
+        """Each step timed alone with device events (a separate pass, not the replay): median ms."""
+        out = []
+        for step in self.steps:
+            step.run()
+            times = self.backend.time_ms(step.run, repeats)
+            out.append((step, float(np.median(times))))
+        return out
+
+    def time_ms(self, repeats: int = 10) -> float:
+        """Median device time of one replay of the whole network."""
+        self.replay()
+        return float(np.median(self.backend.time_ms(self.replay, repeats)))
+
+
+def _launcher(be: Any, program: Any, fn: Any, kernel: Any, step: Launch, args: list[Any]) -> Callable[[], None]:
+    def run() -> None:
+        be.launch(program, fn, kernel, step, args)
+
+    return run
+
+
+def _sequence(calls: list[Callable[[], None]]) -> Callable[[], None]:
+    def run() -> None:
+        for call in calls:
+            call()
+
+    return run
+
+
+def conv_spec(node: Node, x: Tensor) -> ConvSpec:
+    """The ConvSpec of a conv node, or of a fully connected node as a 1x1 conv on a 1x1 image."""
+    n = x.shape[0]
+    k = int(node.attrs["k"])
+    if node.op == "fc":
+        return ConvSpec(n, x.size // n, 1, 1, k, 1, 1)
+    (r, s), st, pad, dil = conv_geometry(node)
+    return ConvSpec(n, x.shape[1], x.shape[2], x.shape[3], k, r, s, st, pad, dil)
+
+
+def channel_affine(graph: Graph, node: Node) -> tuple[np.ndarray, np.ndarray]:
+    """Per-channel (scale, shift) of a batchnorm or scale node, computed in float64."""
+    def get(role: str, default: float, c: int) -> np.ndarray:
+        w = graph.weight(node, role)
+        return np.full(c, default) if w is None else np.asarray(w, np.float64)
+
+    c = graph.weights[next(iter(node.weights.values()))].shape[0]
+    gamma, beta = get("gamma", 1.0, c), get("beta", 0.0, c)
+    if node.op == "scale":
+        return gamma, beta
+    a = gamma / np.sqrt(get("var", 1.0, c) + float(node.attrs.get("eps", 1e-5)))
+    return a, beta - get("mean", 0.0, c) * a
+
+
+def load_model(model: Any, input_size: int | None = None, seed: int = 0,
+               weights: str | Path | None = None) -> Graph:
+    """A Graph from a Graph, a shipped model name, a .prototxt or .onnx path, or a torch module."""
+    if isinstance(model, Graph):
+        return model
+    if isinstance(model, (str, Path)):
+        from convforge import models
+
+        text = str(model)
+        if text in models.NAMES:
+            return models.load(text, seed=seed, input_size=input_size, weights=weights)
+        if text.endswith(".onnx"):
+            from convforge.graph.from_onnx import load_onnx
+
+            return load_onnx(text, input_size=input_size)
+        if text.endswith(".prototxt"):
+            from convforge.graph.caffe import load_prototxt
+
+            return load_prototxt(Path(text), weights=weights, seed=seed, input_size=input_size)
+        raise ValueError(f"model ({text!r}) must be one of {', '.join(models.NAMES)}, a .prototxt or an .onnx file")
+    if type(model).__module__.split(".")[0] == "torch" or hasattr(model, "forward"):
+        from convforge.graph.fx import from_module
+
+        if input_size is None:
+            raise ValueError("a torch module needs input_size (and its input channels come from the first conv)")
+        return from_module(model, input_size=input_size)
+    raise ValueError(f"model of type {type(model).__name__} is not a Graph, a name, a path or a torch module")
+
+
+def compile(model: Any, batch: int = 1, backend: str | None = None, *, input_size: int | None = None,
+            passes: bool = True, seed: int = 0, weights: str | Path | None = None,
+            capture: bool = True) -> Network:
+    """A :class:`Network` for ``model`` at ``batch`` on ``backend`` ('cuda' or 'opencl'; default CUDA
+    when present). ``passes`` runs the graph passes (BN folding, fusion, identity removal)."""
+    from convforge.api import default_backend
+    from convforge.backends import get_backend
+    from convforge.graph.passes import optimize
+
+    if not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch ({batch!r}) must be a positive int")
+    graph = load_model(model, input_size, seed, weights).with_batch(batch)
+    if passes:
+        graph = optimize(graph)
+    return Network(graph, get_backend(backend or default_backend()), capture=capture)

@@ -1,0 +1,139 @@
+"""PyTorch's time on the same graph and weights (a bench baseline: imports torch).
+
+The IR runs op by op through ``torch.nn.functional`` in FP32 with cudnn.benchmark on and TF32
+off, eager and replayed from a CUDA graph; peak memory is ``torch.cuda.max_memory_allocated``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from convforge.graph.ir import Graph, Node, conv_geometry
+
+
+@dataclass
+class TorchTimes:
+    eager_ms: float
+    graph_ms: float
+    peak_bytes: int
+    output: np.ndarray
+
+
+def _op(F: Any, torch: Any, node: Node, ins: list[Any], w: dict[str, Any]) -> Any:
+    x = ins[0]
+    op = node.op
+    if op == "conv":
+        _, st, (pt, pb, pl, pr), dil = conv_geometry(node)
+        if (pt, pl) != (pb, pr):
+            x, pt, pl = F.pad(x, (pl, pr, pt, pb)), 0, 0
+        y = F.conv2d(x, w["w"], w.get("bias"), st, (pt, pl), dil)
+    elif op == "fc":
+        y = F.linear(x.flatten(1), w["w"], w.get("bias"))
+    elif op == "pool":
+        if node.attrs.get("global"):
+            y = (F.adaptive_max_pool2d if node.attrs.get("kind") == "max" else F.adaptive_avg_pool2d)(x, 1)
+        else:
+            k, st, (pt, _, pl, _), _ = conv_geometry(node)
+            ceil = bool(node.attrs.get("ceil"))
+            if node.attrs.get("kind", "max") == "max":
+                y = F.max_pool2d(x, k, st, (pt, pl), ceil_mode=ceil)
+            else:
+                y = F.avg_pool2d(x, k, st, (pt, pl), ceil_mode=ceil,
+                                 count_include_pad=bool(node.attrs.get("count_pad", True)))
+    elif op == "lrn":
+        y = F.local_response_norm(x, int(node.attrs.get("size", 5)), float(node.attrs.get("alpha", 1e-4)),
+                                  float(node.attrs.get("beta", 0.75)), float(node.attrs.get("k", 1.0)))
+    elif op == "relu":
+        y = F.leaky_relu(x, float(node.attrs.get("slope", 0.0)))
+        if node.attrs.get("clip") is not None:
+            y = y.clamp(max=float(node.attrs["clip"]))
+    elif op == "batchnorm":
+        y = F.batch_norm(x, w["mean"], w["var"], w.get("gamma"), w.get("beta"), False, 0.0,
+                         float(node.attrs.get("eps", 1e-5)))
+    elif op == "scale":
+        y = x * w["gamma"][:, None, None] + (w["beta"][:, None, None] if "beta" in w else 0)
+    elif op == "add":
+        y = sum(ins[1:], ins[0])
+    elif op == "concat":
+        y = torch.cat(ins, 1)
+    elif op == "softmax":
+        y = F.softmax(x, 1)
+    elif op == "flatten":
+        y = x.flatten(1)
+    else:  # dropout
+        y = x
+    if len(ins) > 1 and op == "conv":
+        y = y + ins[1]
+    return F.relu(y) if node.attrs.get("relu") else y
+
+
+def forward_fn(graph: Graph, x: np.ndarray, device: str = "cuda") -> Any:
+    """A no-argument function running ``graph`` on ``x`` through torch.nn.functional (weights and
+    input moved to ``device`` once); it returns the first output tensor."""
+    import torch
+    import torch.nn.functional as F
+
+    dev = torch.device(device)
+    weights = {k: torch.from_numpy(np.ascontiguousarray(v)).to(dev) for k, v in graph.weights.items()}
+    xin = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to(dev)
+
+    def forward() -> Any:
+        vals = {graph.input: xin}
+        with torch.no_grad():
+            for node in graph.nodes:
+                w = {role: weights[key] for role, key in node.weights.items()}
+                vals[node.output] = _op(F, torch, node, [vals[t] for t in node.inputs], w)
+        return vals[graph.outputs[0]]
+
+    return forward
+
+
+def run_torch(graph: Graph, x: np.ndarray, repeats: int = 20) -> TorchTimes:
+    """Time ``graph`` (at x's batch) in PyTorch FP32, eager and CUDA-graph replayed, on the GPU."""
+    import torch
+
+    torch.backends.cudnn.benchmark = True
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    forward = forward_fn(graph, x, "cuda")
+
+    def timed(fn: Any) -> float:
+        for _ in range(3):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return float(start.elapsed_time(end)) / repeats
+
+    eager = timed(forward)
+    peak = int(torch.cuda.max_memory_allocated())
+    out = forward().float().cpu().numpy()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        forward()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        forward()
+    replay = timed(g.replay)
+    return TorchTimes(eager, replay, peak, out)
+
+
+def available() -> str | None:
+    """None when torch with CUDA is importable, else why not."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA device"
+    return None
