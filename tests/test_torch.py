@@ -287,3 +287,33 @@ def test_workspace_is_refused_under_capture_and_out_of_memory_is_named(monkeypat
         mod.CudaExecutable(_FakeBackend(NOMINAL_CUDA), plan).reserve(666)
     with pytest.raises(DeviceMemoryError, match=rf"asked for {plan.workspace_bytes} bytes.*12345 bytes free"):
         mod.CudaExecutable(_FakeBackend(NOMINAL_CUDA, oom), plan).reserve(0)
+
+
+def test_bench_model_weights_are_signal_preserving_and_reproducible():
+    """bench --model re-draws weights (Kaiming normal, identity batch norm) from a fixed seed: a deep
+    stack keeps an input-dependent output, and two draws are identical; a constant output is
+    flagged by a spread of 0."""
+    torch = _torch()
+    from convforge.bench import models as M
+
+    nn = torch.nn
+
+    def make():
+        m = nn.Sequential(*[m for _ in range(12) for m in (nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8),
+                                                         nn.ReLU())], nn.Flatten(), nn.Linear(8 * 6 * 6, 10))
+        for layer in m.modules():  # torchvision GoogLeNet's init, which made its outputs degenerate
+            if isinstance(layer, nn.Conv2d | nn.Linear):
+                nn.init.trunc_normal_(layer.weight, std=0.01)
+        return m.double().eval()
+
+    x = torch.randn(3, 8, 6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    degenerate = make()
+    with torch.no_grad():
+        assert M.spread(degenerate, x, degenerate(x)) < M.MIN_SPREAD
+        a, b = make(), make()
+        M.reinit(a, M.SEED)
+        M.reinit(b, M.SEED)
+        for pa, pb in zip(a.state_dict().values(), b.state_dict().values()):
+            assert torch.equal(pa, pb)
+        assert M.spread(a, x, a(x)) > 0.1
+        assert M.spread(a, x[:1], a(x[:1])) > 0.1  # N=1: against a second random input
