@@ -3,15 +3,17 @@
 Paths of one forward call, cheapest first:
 - eager inference (no grad needed, not compiling): the prepared runner is called directly, with
   the filter-derived workspace (Winograd U, packed GEMM weights, constant tables) built once per
-  weight version (``weight._version`` and address) and input signature, so no filter transform
-  runs per call;
+  weight version (``weight._version``, address and tensor: backends/base.py ``FilterCache``), so
+  no filter transform runs per call;
 - training or torch.compile: the ``convforge::conv2d`` op (autograd formula, fake impl);
 - what convforge does not run (CPU tensors, dtypes other than float32, groups != 1, padding modes
   other than zeros): PyTorch's own forward.
 
 A CUDA graph captured from eager inference replays the filters transformed before capture (the
-transform is not in the graph): after changing weights in place, capture again. Graphs captured
-with grad enabled (training) contain the whole plan and see every weight update.
+transform is not in the graph; it is re-run into the same buffer by the next eager call after an
+in-place weight update, which the graph then sees): after changing weights in place, run one eager
+forward (or capture again) before replaying. Graphs captured with grad enabled (training), and
+layers first used under capture, contain the whole plan and see every weight update.
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ class Conv2d(torch.nn.Conv2d):
         if max_error is not None and not max_error > 0:
             raise ValueError(f"max_error ({max_error!r}) must be > 0")
         self.algo, self.precision, self.max_error = algo, precision, max_error
-        self._cf_cache: dict[tuple[Any, ...], tuple[Any, Any, Any]] = {}
+        self._cf_cache: dict[tuple[Any, ...], Any] = {}
 
     @classmethod
     def from_module(cls, m: torch.nn.Conv2d, algo: str = "auto", precision: str | None = None,
@@ -107,35 +109,26 @@ class Conv2d(torch.nn.Conv2d):
             return torch.ops.convforge.conv2d(x, w, b, list(self.stride), list(pad), list(self.dilation),
                                               self.algo, self.precision, self.max_error)
         x = x.contiguous()
-        prepared = self._prepared(x, pad)
-        if prepared is None:
+        if not w.is_contiguous():
+            w = w.contiguous()
+        run = self._prepared(x, pad)
+        if run is None:
             return torch.ops.convforge.conv2d(x, w, b, list(self.stride), list(pad), list(self.dilation),
                                               self.algo, self.precision, self.max_error)
-        run, packed = prepared
-        return run(x, w, b, packed) if packed is not None else run(x, w, b)
+        filters = run.filters
+        packed = None if filters is None else filters.get(w, w.data_ptr())
+        return run(x, w, b) if packed is None else run(x, w, b, packed)
 
-    def _prepared(self, x: torch.Tensor, pad: tuple[int, int, int, int]) -> tuple[Any, Any] | None:
-        """(runner, packed filter-derived workspace or None) for this input signature, rebuilt
-        when the weights changed; None when no convforge variant runs the layer (the op then
-        falls back to PyTorch and logs it)."""
-        w = self.weight
+    def _prepared(self, x: torch.Tensor, pad: tuple[int, int, int, int]) -> Any:
+        """The runner for this input signature (its ``filters`` cache the filter-derived
+        workspace per weight version), or None when no convforge variant runs the layer (the op
+        then falls back to PyTorch and logs it)."""
         key = (x.shape, x.device, config.precision, config.max_error, config.autotune, config.db_path)
         try:
-            tag: Any = (w._version, w.data_ptr())
-        except RuntimeError:  # an inference tensor has no version counter: transform every call
-            tag = None
-        hit = self._cf_cache.get(key)
-        if hit is not None and (hit[1] is None or (tag is not None and hit[0] == tag)):
-            return None if hit[1] is None else (hit[1], hit[2])
-        run = hit[1] if hit is not None else self._runner(x, pad)
-        if run is None:  # remembered: the op path falls back to PyTorch and says so once
-            self._cf_cache[key] = (tag, None, None)
-            return None
-        from convforge.backends.cuda import torch_transform
-
-        packed = torch_transform(run.exe, w.detach().contiguous()) if run.exe.derived else None
-        self._cf_cache[key] = (tag, run, packed)
-        return run, packed
+            return self._cf_cache[key]
+        except KeyError:
+            run = self._cf_cache[key] = self._runner(x, pad)
+            return run
 
     def _runner(self, x: torch.Tensor, pad: tuple[int, int, int, int]) -> Any:
         try:
