@@ -153,7 +153,7 @@ def test_filter_transform_runs_once_per_weight_version(gpu, monkeypatch):
 
     calls = []
     real = cuda_mod.torch_transform
-    monkeypatch.setattr(cuda_mod, "torch_transform", lambda exe, w: calls.append(1) or real(exe, w))
+    monkeypatch.setattr(cuda_mod, "torch_transform", lambda exe, w, out=None: calls.append(1) or real(exe, w, out))
     m = modules.Conv2d(16, 24, 3, padding=1, algo="winograd_nonfused_f4").cuda()
     x = torch.randn(2, 16, 14, 14, device="cuda")
     spec = ConvSpec.make(2, 16, 14, 14, 24, 3, 3, 1, 1)
@@ -271,3 +271,43 @@ def test_capture_before_first_use_is_refused_clearly(gpu):
     with pytest.raises(RuntimeError, match="during CUDA-graph capture"):
         with torch.cuda.graph(graph):
             convforge.conv2d(x, w, padding=1, algo="winograd_nonfused_f4")
+
+
+def test_conv2d_caches_filters_per_weight_version(gpu, monkeypatch):
+    """convforge.conv2d with torch tensors: the filter transform runs once per weight version (warm
+    calls launch only the rest), an in-place update re-runs it, a new weight tensor gets its own;
+    a CUDA graph captured through conv2d holds the whole plan and sees later weight updates."""
+    import convforge
+    from convforge.backends import cuda as cuda_mod
+
+    calls = []
+    real = cuda_mod.torch_transform
+    monkeypatch.setattr(cuda_mod, "torch_transform", lambda exe, w, out=None: calls.append(1) or real(exe, w, out))
+    spec = ConvSpec.make(2, 16, 14, 14, 24, 3, 3, 1, 1)
+    x, w, b = _tensors(spec, requires_grad=True)
+    algo = "winograd_nonfused_f4"
+
+    def check(y, weights):
+        assert rel_l2(y.detach().cpu().numpy(), _ref(x, weights, spec, b)) < 1e-5
+
+    with torch.no_grad():
+        for _ in range(3):
+            _poison(spec.y_shape)
+            check(convforge.conv2d(x, w, b, padding=1, algo=algo), w)
+        assert len(calls) == 1
+        w.mul_(-0.5)  # in place: _version moves
+        check(convforge.conv2d(x, w, b, padding=1, algo=algo), w)
+        assert len(calls) == 2
+        w2 = torch.randn_like(w)
+        check(convforge.conv2d(x, w2, b, padding=1, algo=algo), w2)
+        check(convforge.conv2d(x, w, b, padding=1, algo=algo), w)
+        assert len(calls) == 3
+        with torch.inference_mode():  # w is a normal tensor: its version is still tracked
+            check(convforge.conv2d(x, w, b, padding=1, algo=algo), w)
+        assert len(calls) == 3
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_y = convforge.conv2d(x, w, b, padding=1, algo=algo)
+        w.mul_(3.0)
+        graph.replay()
+        check(static_y, w)  # the transform is in the graph

@@ -256,6 +256,8 @@ class FilterCache:
     counter), objects without ``_version`` (CuPy arrays: the transform stays per call), and while
     the stream captures a CUDA graph (a transform recorded, not run, must not be remembered).
     Not caught: writes through ``w.data`` (a separate version counter), as for autograd itself.
+    The transform runs on the stream of the call that misses; calls on other streams must be
+    ordered after it, as for any tensor made on another stream.
 
     ``transform(w, out) -> packed`` runs the "weights" steps into ``out`` (None: a new buffer);
     ``capturing() -> bool`` says whether the current stream captures a graph.

@@ -29,6 +29,7 @@ from convforge.backends import get_backend
 from convforge.config import config, parse_precision
 from convforge.plan import Epilogue
 from convforge.spec import ConvSpec
+from convforge.torch.ops import OP as _OP  # the overload itself: no packet resolution per call
 
 log = logging.getLogger("convforge")
 OPTIONS = ("algo", "precision", "max_error")
@@ -106,14 +107,14 @@ class Conv2d(torch.nn.Conv2d):
         pad = padding_quad(self)
         if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
                 x.requires_grad or w.requires_grad or (b is not None and b.requires_grad))):
-            return torch.ops.convforge.conv2d(x, w, b, list(self.stride), list(pad), list(self.dilation),
+            return _OP(x, w, b, list(self.stride), list(pad), list(self.dilation),
                                               self.algo, self.precision, self.max_error)
         x = x.contiguous()
         if not w.is_contiguous():
             w = w.contiguous()
         run = self._prepared(x, pad)
         if run is None:
-            return torch.ops.convforge.conv2d(x, w, b, list(self.stride), list(pad), list(self.dilation),
+            return _OP(x, w, b, list(self.stride), list(pad), list(self.dilation),
                                               self.algo, self.precision, self.max_error)
         filters = run.filters
         packed = None if filters is None else filters.get(w, w.data_ptr())

@@ -84,7 +84,8 @@ _LIB.impl("conv2d", _cpu, "CPU")
 torch.library.register_fake("convforge::conv2d", _fake, lib=_LIB)
 
 
-_OP = torch.ops.convforge.conv2d.default
+OP = torch.ops.convforge.conv2d.default  # the overload: callers skip the packet's resolution
+_OP = OP
 _AFTER_AUTOGRAD = torch._C._after_autograd_keyset
 _BELOW_AUTOGRAD = torch._C._AutoDispatchBelowAutograd
 _GRAD_ENABLED = torch.is_grad_enabled
@@ -142,5 +143,4 @@ def conv2d(x: Any, w: Any, bias: Any = None, stride: int | Sequence[int] = 1, pa
     differentiable, traceable by torch.compile, capturable in CUDA graphs."""
     st = (stride, stride) if isinstance(stride, int) else tuple(stride)
     dl = (dilation, dilation) if isinstance(dilation, int) else tuple(dilation)
-    return torch.ops.convforge.conv2d(x, w, bias, list(st), list(normalize_padding(padding)), list(dl), algo,
-                                      precision, max_error)
+    return _OP(x, w, bias, list(st), list(normalize_padding(padding)), list(dl), algo, precision, max_error)
