@@ -126,7 +126,8 @@ def conv2d(x: Any, w: Any, bias: Any = None, stride: int | Sequence[int] = 1,
     ``convforge.torch``). Filter transforms (Winograd U, packed GEMM weights): with torch tensors
     they run once per weight tensor and version (``w._version``; in-place updates re-run them) and
     a warm call launches only the remaining steps; CuPy arrays have no version counter, so with
-    them the transform runs on every call (backends/base.py ``FilterCache``)."""
+    them the transform runs on every call (backends/base.py ``FilterCache``). Each live weight
+    tensor then has one transformed copy on the device, freed with the tensor."""
     keyer = _KEYERS.get(type(x))
     if keyer is not None:
         try:
