@@ -311,3 +311,44 @@ def test_conv2d_caches_filters_per_weight_version(gpu, monkeypatch):
         w.mul_(3.0)
         graph.replay()
         check(static_y, w)  # the transform is in the graph
+
+
+@pytest.mark.parametrize("static_weights", [True, False])
+def test_graph_replay_after_in_place_weight_update(gpu, static_weights):
+    """convert(static_weights=...): False records the filter transforms in the graph (a replay sees
+    in-place updates at once); True replays the filters made before capture, and one eager forward
+    after the update re-transforms into the same buffers, which the replay then reads."""
+    import copy
+
+    import convforge.torch as ct
+
+    torch.manual_seed(2)
+    base = torch.nn.Sequential(torch.nn.Conv2d(16, 24, 3, padding=1), torch.nn.ReLU(),
+                               torch.nn.Conv2d(24, 8, 3, padding=1)).cuda().eval()
+    model = copy.deepcopy(base)
+    ct.convert(model, algo="winograd_nonfused_f4", static_weights=static_weights)
+    x = torch.randn(2, 16, 14, 14, device="cuda")
+
+    def err(y):
+        want = copy.deepcopy(model).double()(x.double())
+        return float((y.double() - want).norm() / want.norm())
+
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                model(x)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_y = model(x)
+        graph.replay()
+        assert err(static_y) < 1e-5
+        for m in model.modules():
+            if isinstance(m, torch.nn.Conv2d):
+                m.weight.mul_(-1.5)
+        if static_weights:
+            model(x)  # the eager forward that refreshes the hoisted filters
+        graph.replay()
+        assert err(static_y) < 1e-5

@@ -166,7 +166,10 @@ def test_convert_shares_parameters_when_it_swaps():
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1))
     old = model[0].weight
     new = ct.Conv2d.from_module(model[0], precision="relaxed")
-    assert new.weight is old and new.precision == "relaxed"
+    assert new.weight is old and new.precision == "relaxed" and new.static_weights
+    assert not ct.Conv2d.from_module(model[0], static_weights=False).static_weights
+    with pytest.raises(ValueError, match="static_weights"):
+        ct.Conv2d.from_module(model[0], static_weights="yes")
     assert new.state_dict().keys() == model[0].state_dict().keys()
 
 

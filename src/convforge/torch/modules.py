@@ -32,7 +32,9 @@ from convforge.spec import ConvSpec
 from convforge.torch.ops import OP as _OP  # the overload itself: no packet resolution per call
 
 log = logging.getLogger("convforge")
-OPTIONS = ("algo", "precision", "max_error")
+OPTIONS = ("algo", "precision", "max_error", "static_weights")
+_F32 = torch.float32
+_CAPTURING = torch.cuda.is_current_stream_capturing
 
 
 def static_reason(m: torch.nn.Conv2d) -> str | None:
@@ -65,30 +67,41 @@ def padding_quad(m: torch.nn.Conv2d) -> tuple[int, int, int, int]:
 
 class Conv2d(torch.nn.Conv2d):
     """``torch.nn.Conv2d`` with the same constructor, parameters and state_dict, plus the keyword
-    options ``algo`` ('auto', a family or a variant), ``precision`` ('fp32' | 'relaxed') and
-    ``max_error``; forward runs convforge where it can (see the module docstring)."""
+    options ``algo`` ('auto', a family or a variant), ``precision`` ('fp32' | 'relaxed'),
+    ``max_error`` and ``static_weights``; forward runs convforge where it can (module docstring).
+
+    ``static_weights`` (CUDA graphs captured in eager inference, e.g. ``torch.cuda.graph`` around
+    ``model(x)`` under no_grad): True (default) keeps the filter transforms out of the graph: a
+    replay launches only the remaining steps of each layer, with the filters transformed before
+    capture (after an in-place weight update run one eager forward, which re-transforms into the
+    same buffers, before replaying). False records each layer's whole plan, transform included,
+    so replays see in-place weight updates at the cost of the extra launches per layer. Training
+    and torch.compile captures always record the whole plan."""
 
     def __init__(self, *args: Any, algo: str = "auto", precision: str | None = None,
-                 max_error: float | None = None, **kwargs: Any) -> None:
+                 max_error: float | None = None, static_weights: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._cf_setup(algo, precision, max_error)
+        self._cf_setup(algo, precision, max_error, static_weights)
 
-    def _cf_setup(self, algo: str, precision: str | None, max_error: float | None) -> None:
+    def _cf_setup(self, algo: str, precision: str | None, max_error: float | None, static_weights: bool) -> None:
         if precision is not None:
             parse_precision(precision)
         if max_error is not None and not max_error > 0:
             raise ValueError(f"max_error ({max_error!r}) must be > 0")
+        if not isinstance(static_weights, bool):
+            raise ValueError(f"static_weights ({static_weights!r}) must be True or False")
         self.algo, self.precision, self.max_error = algo, precision, max_error
+        self.static_weights = static_weights
         self._cf_cache: dict[tuple[Any, ...], Any] = {}
 
     @classmethod
     def from_module(cls, m: torch.nn.Conv2d, algo: str = "auto", precision: str | None = None,
-                    max_error: float | None = None) -> Conv2d:
+                    max_error: float | None = None, static_weights: bool = True) -> Conv2d:
         """A convforge Conv2d sharing ``m``'s parameters, buffers and hooks (no copy: optimizers
         that hold the parameters keep working)."""
         new = cls.__new__(cls)
         new.__dict__.update(m.__dict__)
-        new._cf_setup(algo, precision, max_error)
+        new._cf_setup(algo, precision, max_error, static_weights)
         return new
 
     def __getstate__(self) -> dict[str, Any]:
@@ -102,22 +115,25 @@ class Conv2d(torch.nn.Conv2d):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self.weight, self.bias
-        if (not x.is_cuda or x.dtype != torch.float32 or x.dim() != 4 or static_reason(self) is not None):
+        if (not x.is_cuda or x.dtype != _F32 or x.dim() != 4 or not w.is_cuda or w.dtype != _F32
+                or self.groups != 1 or self.padding_mode != "zeros"):  # static_reason's tests, inline
             return super().forward(x)
         pad = padding_quad(self)
         if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
                 x.requires_grad or w.requires_grad or (b is not None and b.requires_grad))):
-            return _OP(x, w, b, list(self.stride), list(pad), list(self.dilation),
-                                              self.algo, self.precision, self.max_error)
+            return _OP(x, w, b, list(self.stride), list(pad), list(self.dilation), self.algo, self.precision,
+                       self.max_error)
         x = x.contiguous()
         if not w.is_contiguous():
             w = w.contiguous()
         run = self._prepared(x, pad)
         if run is None:
-            return _OP(x, w, b, list(self.stride), list(pad), list(self.dilation),
-                                              self.algo, self.precision, self.max_error)
+            return _OP(x, w, b, list(self.stride), list(pad), list(self.dilation), self.algo, self.precision,
+                       self.max_error)
         filters = run.filters
-        packed = None if filters is None else filters.get(w, w.data_ptr())
+        if filters is None or (not self.static_weights and _CAPTURING()):
+            return run(x, w, b)  # no filter steps, or a capture that records the whole plan
+        packed = filters.get(w, w.data_ptr())
         return run(x, w, b) if packed is None else run(x, w, b, packed)
 
     def _prepared(self, x: torch.Tensor, pad: tuple[int, int, int, int]) -> Any:
@@ -157,7 +173,9 @@ class ConvertReport:
 
 def convert(model: torch.nn.Module, **options: Any) -> ConvertReport:
     """Swap every eligible ``nn.Conv2d`` in ``model`` (in place) for a convforge ``Conv2d`` that shares
-    its parameters. ``options``: ``algo``, ``precision`` (default ``config.precision``), ``max_error``;
+    its parameters. ``options``: ``algo``, ``precision`` (default ``config.precision``), ``max_error``,
+    ``static_weights`` (default True: CUDA graphs captured in eager inference leave the filter
+    transforms out; False: they record them and see in-place weight updates; see ``Conv2d``);
     each layer's variant is chosen through dispatch (the tuning database first) on its first call."""
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
