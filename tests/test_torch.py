@@ -325,8 +325,11 @@ def test_bench_model_weights_are_signal_preserving_and_reproducible():
 class _FakeWeight:
     """What FilterCache reads of a torch tensor: ``_version`` (a shared counter) and weak references."""
 
-    def __init__(self, counter=None):
-        self.counter = counter if counter is not None else [0]
+    def __init__(self, address, counter=None):
+        self.address, self.counter = address, counter if counter is not None else [0]
+
+    def data_ptr(self):
+        return self.address
 
     @property
     def _version(self):
@@ -358,31 +361,34 @@ def test_filter_cache_invalidates_on_in_place_updates_and_freed_tensors():
         return out if out is not None else object()
 
     cache = FilterCache(transform, lambda: capture[0])
-    w = _FakeWeight()
+    w = _FakeWeight(0x1000)
     first = cache.get(w, 0x1000)
     assert first is not None and len(made) == 1 and made[-1][1] is None
     assert cache.get(w, 0x1000) is first and len(made) == 1  # warm: no transform
-    view = _FakeWeight(w.counter)  # w.detach(): same storage, same counter, another object
+    view = _FakeWeight(0x1000, w.counter)  # w.detach(): same storage, same counter, another object
     assert cache.get(view, 0x1000) is first and len(made) == 1
     w.bump()
     assert cache.get(w, 0x1000) is first and len(made) == 2 and made[-1][1] is first  # same buffer, new filters
     assert cache.get(w, 0x1000) is first and len(made) == 2
-    other = _FakeWeight()
+    other = _FakeWeight(0x2000)
     assert cache.get(other, 0x2000) is not first and len(made) == 3 and len(cache) == 2
     del view
     del w
     gc.collect()
     assert len(cache) == 1  # the freed weight's entry went with it
-    reused = _FakeWeight()  # a new tensor at the freed address, version 0 like the old one was
+    reused = _FakeWeight(0x1000)  # a new tensor at the freed address, version 0 like the old one was
     assert cache.get(reused, 0x1000) is not None and len(made) == 4 and made[-1][1] is None
     assert cache.get(_InferenceWeight(), 0x3000) is None and len(made) == 4
     assert cache.get(object(), 0x3000) is None and len(made) == 4  # no version counter (CuPy)
     capture[0] = True
-    fresh = _FakeWeight()
+    fresh = _FakeWeight(0x4000)
     assert cache.get(fresh, 0x4000) is None and len(made) == 4  # under capture: the whole plan runs
     assert cache.get(reused, 0x1000) is not None  # a hit needs no transform, so capture may use it
     capture[0] = False
     assert cache.get(fresh, 0x4000) is not None and len(made) == 5
+    other.address = 0x5000  # other.data = ...: moved, no version bump, still alive
+    squatter = _FakeWeight(0x2000)  # a new tensor at other's old address, version 0 as other's entry
+    assert cache.get(squatter, 0x2000) is not None and len(made) == 6  # not other's filters
 
 
 def test_torch_runner_launches_only_the_rest_while_weights_are_unchanged(monkeypatch):

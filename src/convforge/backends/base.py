@@ -248,7 +248,8 @@ class FilterCache:
     An entry is filed under the weight's device address and remembers the tensor (weakly), its
     version counter (``_version``, bumped by every in-place update: optimizer steps,
     ``load_state_dict``, ``copy_``/``mul_`` under no_grad) and the packed buffer. :meth:`get`
-    answers the buffer when the address, the live tensor and the version all match; otherwise
+    answers the buffer when the address and the version match and the remembered tensor is alive
+    and still at that address (``w.data = ...`` moves a tensor without a version bump); otherwise
     it re-runs the transform, into the SAME buffer when the address had one (a CUDA graph that
     captured it keeps a valid pointer and sees the new filters), and files it again. An entry goes
     when its tensor is freed, so a new tensor at a reused address never meets stale filters.
@@ -276,8 +277,10 @@ class FilterCache:
         except (RuntimeError, AttributeError):  # inference tensors, arrays without a version counter
             return None
         entry = self._entries.get(address)
-        if entry is not None and entry[1] == version and entry[0]() is not None:
-            return entry[2]
+        if entry is not None and entry[1] == version:
+            owner = entry[0]()
+            if owner is w or (owner is not None and owner.data_ptr() == address):  # still that memory
+                return entry[2]
         return self._miss(w, address, version, entry)
 
     def _miss(self, w: Any, address: int, version: int, entry: tuple[Any, int, Any] | None) -> Any:
