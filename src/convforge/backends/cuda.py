@@ -289,6 +289,7 @@ class CudaExecutable(Executable):
         self._ptr_slots: list[tuple[Any, int]] = []
         self._ws_slots: list[tuple[Any, str]] = []
         self._ws_derived: tuple[int, ...] = ()
+        self._offsets = tuple(self.derived_offsets[n] for n in self.derived)  # packed derived buffer layout
         self._runs: dict[str, list[tuple[tuple[int, ...], int]]] = {"all": [], "rest": [], "weights": []}
         self._keep: list[Any] = []  # ctypes storage the parameter arrays point into
         if self.fast:
@@ -355,7 +356,7 @@ class CudaExecutable(Executable):
             self._launch_views(x, w, y, bias, stream, derived, steps)
             return
         if derived:
-            vals = (x, w, y, bias, *[derived + self.derived_offsets[n] for n in self.derived])
+            vals = (x, w, y, bias, *[derived + off for off in self._offsets])
         else:
             vals = (x, w, y, bias, *self._ws_derived)
         for cell, i in self._ptr_slots:
