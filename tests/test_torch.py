@@ -432,3 +432,26 @@ def test_torch_runner_launches_only_the_rest_while_weights_are_unchanged(monkeyp
     calls.clear()
     run(x, w)
     assert len(calls) == len(plan.steps) and len(made) == 2  # the graph holds the transform too
+
+
+def test_op_autograd_kernel_calls_the_backend_kernel_directly(monkeypatch):
+    """no_grad and grad calls of the op reach its backend kernel without a second trip through the
+    dispatcher; fake tensors still take the dispatcher's way (the fake impl answers)."""
+    torch = _torch()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import convforge.torch as ct
+    from convforge.torch import ops
+
+    calls = []
+    real = ops._DIRECT[torch._C.DispatchKey.CPU]
+    monkeypatch.setitem(ops._DIRECT, torch._C.DispatchKey.CPU, lambda *a: calls.append(1) or real(*a))
+    x, w = torch.randn(1, 2, 5, 5), torch.randn(3, 2, 3, 3, requires_grad=True)
+    with torch.no_grad():
+        y = ct.conv2d(x, w, None, 1, 1)
+    y2 = ct.conv2d(x, w, None, 1, 1)
+    y2.sum().backward()
+    assert calls == [1, 1] and torch.equal(y, y2.detach()) and w.grad is not None
+    with FakeTensorMode():
+        fy = ct.conv2d(torch.empty(1, 2, 5, 5), torch.empty(3, 2, 3, 3), None, 1, 1)
+    assert tuple(fy.shape) == (1, 3, 5, 5) and calls == [1, 1]

@@ -89,6 +89,22 @@ _OP = OP
 _AFTER_AUTOGRAD = torch._C._after_autograd_keyset
 _BELOW_AUTOGRAD = torch._C._AutoDispatchBelowAutograd
 _GRAD_ENABLED = torch.is_grad_enabled
+_ADIOV = torch._C.DispatchKey.ADInplaceOrView
+_DIRECT = {torch._C.DispatchKey.CUDA: _cuda, torch._C.DispatchKey.CPU: _cpu}
+
+
+def _below(keyset: Any, x: Any, w: Any, bias: Any, stride: list[int], padding: list[int], dilation: list[int],
+           algo: str, precision: str | None, max_error: float | None) -> Any:
+    """The op below autograd. When the next kernel is simply our CUDA (or CPU) one (no fake or
+    functional tensors, no Python mode: only ADInplaceOrView, a fallthrough here, lies between),
+    it is called directly, saving the dispatcher's second round trip through Python; otherwise
+    the dispatcher redispatches."""
+    after = keyset & _AFTER_AUTOGRAD
+    kernel = _DIRECT.get(after.remove(_ADIOV).highestPriorityTypeId())
+    if kernel is not None:
+        return kernel(x, w, bias, stride, padding, dilation, algo, precision, max_error)
+    with _BELOW_AUTOGRAD():
+        return _OP.redispatch(after, x, w, bias, stride, padding, dilation, algo, precision, max_error)
 
 
 class _Conv2dFn(torch.autograd.Function):
@@ -99,8 +115,7 @@ class _Conv2dFn(torch.autograd.Function):
     def forward(ctx: Any, keyset: Any, x: Any, w: Any, bias: Any, stride: list[int], padding: list[int],
                 dilation: list[int], algo: str, precision: str | None, max_error: float | None) -> Any:
         with _BELOW_AUTOGRAD():
-            y = _OP.redispatch(keyset & _AFTER_AUTOGRAD, x, w, bias, stride, padding, dilation, algo, precision,
-                               max_error)
+            y = _below(keyset, x, w, bias, stride, padding, dilation, algo, precision, max_error)
         ctx.save_for_backward(x, w)
         ctx.conv = (list(stride), list(padding), list(dilation), bias is not None)
         return y
@@ -124,13 +139,12 @@ class _Conv2dFn(torch.autograd.Function):
 def _autograd(keyset: Any, x: Any, w: Any, bias: Any, stride: list[int], padding: list[int],
               dilation: list[int], algo: str, precision: str | None, max_error: float | None) -> Any:
     """The op's Autograd kernel, registered directly (cheaper than ``register_autograd``'s generic
-    wrapper): without grad mode or without an input that requires grad it is one redispatch, so
-    no_grad calls pay almost nothing for autograd (inference_mode skips this kernel entirely)."""
+    wrapper): without grad mode or without an input that requires grad it goes straight below
+    autograd (:func:`_below`), so no_grad calls pay almost nothing for autograd (inference_mode
+    skips this kernel entirely)."""
     if _GRAD_ENABLED() and (x.requires_grad or w.requires_grad or (bias is not None and bias.requires_grad)):
         return _Conv2dFn.apply(keyset, x, w, bias, stride, padding, dilation, algo, precision, max_error)
-    with _BELOW_AUTOGRAD():
-        return _OP.redispatch(keyset & _AFTER_AUTOGRAD, x, w, bias, stride, padding, dilation, algo, precision,
-                              max_error)
+    return _below(keyset, x, w, bias, stride, padding, dilation, algo, precision, max_error)
 
 
 _LIB.impl("conv2d", _autograd, "Autograd", with_keyset=True)
