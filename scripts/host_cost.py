@@ -1,17 +1,28 @@
-"""Per-call host cost of one conv on a tiny warm layer, side by side (GPU machine).
+"""Per-call host cost of one conv on a tiny warm layer, side by side, with the machine's floor (GPU).
 
 Rows: ``F.conv2d`` (PyTorch, cuDNN), ``nn.Conv2d`` forward, ``convforge.conv2d`` with torch tensors
-and with CuPy arrays, the ``torch.ops.convforge.conv2d`` op (through the dispatcher, autograd kernel
-included) and a converted ``convforge.torch.Conv2d`` forward (eager inference: the prepared path).
+and with CuPy arrays, the ``torch.ops.convforge.conv2d`` op (through the dispatcher, its Autograd
+kernel included under no_grad) and a converted ``convforge.torch.Conv2d`` forward (eager inference).
 
-How: the GPU is first held busy by ``torch.cuda._sleep`` so every call only enqueues work; the
-wall time of ``--calls`` calls divided by their number is the host cost per call (median of
-``--bursts`` bursts, the queue drained between bursts). The device time of one call (CUDA events,
-back to back) is printed for context.
+Floor rows: ``x.add_(0)`` on a tiny tensor (ONE bare kernel launch from PyTorch's C++) and
+``x.new_empty(shape)`` (one output allocation from the caching allocator). Each convforge row
+states the kernel launches one warm call makes (from its executable's steps: "rest" only when the
+filters are cached per weight version, every step for CuPy arrays, whose transform runs per call;
+a cuBLAS Gemm or Fill step counts as one launch) and its **overhead above the floor**: its cost
+minus (launches x bare launch + one allocation). That is the part convforge controls.
+
+How: before each burst the GPU is held asleep by ``torch.cuda._sleep`` for longer than the burst
+(an event recorded after the sleep must still be pending when the burst ends, else the row is
+flagged), so every call only enqueues work; bursts are short (``--calls``, default 150) so the
+launch queue never fills and blocks the host. Host cost per call = the burst's wall time over its
+calls, median of ``--bursts`` bursts, the queue drained between them. The device time of one call
+(CUDA events, back to back) is printed for context.
 
 Targets (issue 15): convforge.conv2d <= 5 us with torch tensors or CuPy arrays, the torch op <= 10 us,
-against F.conv2d's 19 us (H200, torch 2.11, measured 2026-11-22); the lead records the figures of
-this script in docs/BENCHMARKS.md.
+against F.conv2d's 19 us. The 5 us assumed a ~3 us kernel launch (a 16-argument cuLaunchKernel
+through cuda.bindings). On a host where one bare launch costs more (the H200 VM of 2026-11-23: ~7
+us even from PyTorch's C++ ``add_``), no call that launches can reach 5 us; the comparable figure
+is the overhead above the floor, which the issue's budget puts at about 2 us (5 us - 3 us).
 
     PYTHONPATH=src python scripts/host_cost.py [--spec N=1,C=8,H=8,W=8,K=8,R=3,S=3,pad=1] [--algo auto]
 """
@@ -22,6 +33,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import cupy as cp
 import torch
@@ -29,21 +41,29 @@ import torch.nn.functional as F
 
 import convforge
 import convforge.torch as ct
+from convforge import api
+from convforge.dispatch import RUNNERS
 from convforge.spec import ConvSpec
 
+SLEEP_CYCLES = int(1e8)  # ~50 ms of GPU spin at ~2 GHz: far longer than a burst of 150 calls
 
-def host_us(fn: Callable[[], object], calls: int, bursts: int) -> float:
-    """Median over bursts of the wall time per call while the GPU is busy (enqueue cost only)."""
-    times = []
+
+def host_us(fn: Callable[[], object], calls: int, bursts: int) -> tuple[float, bool]:
+    """(median over bursts of the wall time per call while the GPU sleeps, whether the GPU woke
+    during some burst: then the queue drained and the figure may include waiting)."""
+    times, woke = [], False
     for _ in range(bursts):
         torch.cuda.synchronize()
-        torch.cuda._sleep(int(5e7))  # ~25 ms of GPU spin: the calls below only queue work
+        torch.cuda._sleep(SLEEP_CYCLES)
+        asleep = torch.cuda.Event()
+        asleep.record()
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
         times.append((time.perf_counter() - t0) / calls * 1e6)
+        woke |= asleep.query()
     torch.cuda.synchronize()
-    return statistics.median(times)
+    return statistics.median(times), woke
 
 
 def device_us(fn: Callable[[], object], calls: int = 200) -> float:
@@ -56,17 +76,38 @@ def device_us(fn: Callable[[], object], calls: int = 200) -> float:
     return start.elapsed_time(end) / calls * 1e3
 
 
+def launches(run: Any, cached_filters: bool) -> int | None:
+    """Kernel launches of one warm call of a runner: "rest" steps when filters are cached."""
+    exe = getattr(run, "exe", None)
+    if exe is None:
+        return None
+    steps = exe.plan.steps
+    if cached_filters and exe.derived:
+        steps = [s for i, s in enumerate(steps) if i not in exe.weight_steps]
+    return len(steps)  # a Launch is one kernel launch; a cuBLAS Gemm or a Fill counts as one too
+
+
+def runner_of(x: Any, w: Any, b: Any, spec: ConvSpec, algo: str) -> Any:
+    """The prepared runner that a warm ``convforge.conv2d(x, w, b, ..., algo=algo)`` call hits."""
+    keyer = api._KEYERS.get(type(x))
+    if keyer is None:
+        return None
+    return RUNNERS.get(keyer(x, w, b, spec.stride, spec.pad, spec.dilation, algo, None, None, False, None, None,
+                             None))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--spec", default="N=1,C=8,H=8,W=8,K=8,R=3,S=3,pad=1")
     ap.add_argument("--algo", default="auto")
-    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--calls", type=int, default=150)
     ap.add_argument("--bursts", type=int, default=15)
     args = ap.parse_args()
     spec = ConvSpec.parse(args.spec)
     torch.backends.cudnn.benchmark = True
     torch.backends.cudnn.allow_tf32 = False
     x = torch.randn(spec.x_shape, device="cuda")
+    tiny = torch.zeros(8, device="cuda")
     layer = torch.nn.Conv2d(spec.c, spec.k, (spec.r, spec.s), spec.stride, (spec.pad[0], spec.pad[2]),
                             spec.dilation).cuda()
     w, b = layer.weight, layer.bias  # parameters that require grad: the case that used to fail
@@ -74,30 +115,50 @@ def main() -> None:
     ours = ct.Conv2d.from_module(torch.nn.Conv2d(spec.c, spec.k, (spec.r, spec.s), spec.stride,
                                                  (spec.pad[0], spec.pad[2]), spec.dilation).cuda(), algo=args.algo)
     st, pd, dl = list(spec.stride), list(spec.pad), list(spec.dilation)
-    rows: list[tuple[str, Callable[[], object]]] = [
-        ("F.conv2d (cuDNN)", lambda: F.conv2d(x, w, b, spec.stride, (spec.pad[0], spec.pad[2]), spec.dilation)),
-        ("nn.Conv2d forward", lambda: layer(x)),
+    kw: dict[str, Any] = dict(algo=args.algo)
+    # (name, call, kind): kind "floor_launch" / "floor_alloc" / "torch" / "cupy" / "module" / "" (PyTorch)
+    rows: list[tuple[str, Callable[[], object], str]] = [
+        ("floor: x.add_(0), one bare launch", lambda: tiny.add_(0), "floor_launch"),
+        ("floor: x.new_empty(y shape)", lambda: x.new_empty(spec.y_shape), "floor_alloc"),
+        ("F.conv2d (cuDNN)", lambda: F.conv2d(x, w, b, spec.stride, (spec.pad[0], spec.pad[2]), spec.dilation), ""),
+        ("nn.Conv2d forward", lambda: layer(x), ""),
         ("convforge.conv2d, torch tensors", lambda: convforge.conv2d(x, w, b, spec.stride, spec.pad, spec.dilation,
-                                                                     algo=args.algo)),
+                                                                     **kw), "torch"),
         ("convforge.conv2d, CuPy arrays", lambda: convforge.conv2d(xc, wc, bc, spec.stride, spec.pad, spec.dilation,
-                                                                   algo=args.algo)),
-        ("torch.ops.convforge.conv2d", lambda: torch.ops.convforge.conv2d(x, w, b, st, pd, dl, args.algo, None, None)),
-        ("convforge.torch.Conv2d forward", lambda: ours(x)),
+                                                                   **kw), "cupy"),
+        ("torch.ops.convforge.conv2d", lambda: torch.ops.convforge.conv2d(x, w, b, st, pd, dl, args.algo, None, None),
+         "torch"),
+        ("convforge.torch.Conv2d forward", lambda: ours(x), "module"),
     ]
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | cupy {cp.__version__} | "
-          f"layer {spec.short()} | algo {args.algo}")
-    print(f"{'call':36s} {'no_grad host us':>16s} {'inference host us':>18s} {'device us':>10s}")
-    for name, fn in rows:
+          f"layer {spec.short()} | algo {args.algo} | {args.calls} calls x {args.bursts} bursts")
+    print(f"{'call':36s} {'launches':>8s} {'no_grad us':>11s} {'above floor':>11s} {'inference us':>13s} "
+          f"{'above floor':>11s} {'device us':>10s}")
+    floor = {"launch": [0.0, 0.0], "alloc": [0.0, 0.0]}
+    for name, fn, kind in rows:
         with torch.no_grad():
             for _ in range(20):
                 fn()  # warm: compile, choose, runners, transformed filters
-            ng = host_us(fn, args.calls, args.bursts)
+            ng, woke1 = host_us(fn, args.calls, args.bursts)
             dev = device_us(fn)
         with torch.inference_mode():
             for _ in range(5):
                 fn()
-            inf = host_us(fn, args.calls, args.bursts)
-        print(f"{name:36s} {ng:16.2f} {inf:18.2f} {dev:10.2f}")
+            inf, woke2 = host_us(fn, args.calls, args.bursts)
+        if kind.startswith("floor_"):
+            floor[kind[6:]] = [ng, inf]
+        run = (next(iter(ours._cf_cache.values()), None) if kind == "module"
+               else runner_of(x, w, b, spec, args.algo) if kind == "torch"
+               else runner_of(xc, wc, bc, spec, args.algo) if kind == "cupy" else None)
+        n = launches(run, kind != "cupy") if run is not None else (1 if kind == "floor_launch" else None)
+        above = ["", ""]
+        if kind in ("torch", "cupy", "module") and n is not None:
+            above = [f"{cost - n * floor['launch'][i] - floor['alloc'][i]:11.2f}" for i, cost in enumerate((ng, inf))]
+        flag = "  (GPU woke during a burst: use fewer --calls)" if woke1 or woke2 else ""
+        print(f"{name:36s} {'-' if n is None else n:>8} {ng:11.2f} {above[0]:>11s} {inf:13.2f} {above[1]:>11s} "
+              f"{dev:10.2f}{flag}")
+    print("above floor = cost - launches x (one bare launch) - (one allocation); the issue's 5 us assumed a "
+          "~3 us launch, i.e. ~2 us above floor")
 
 
 if __name__ == "__main__":

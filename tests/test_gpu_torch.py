@@ -153,7 +153,7 @@ def test_filter_transform_runs_once_per_weight_version(gpu, monkeypatch):
 
     calls = []
     real = cuda_mod.torch_transform
-    monkeypatch.setattr(cuda_mod, "torch_transform", lambda exe, w: calls.append(1) or real(exe, w))
+    monkeypatch.setattr(cuda_mod, "torch_transform", lambda exe, w, out=None: calls.append(1) or real(exe, w, out))
     m = modules.Conv2d(16, 24, 3, padding=1, algo="winograd_nonfused_f4").cuda()
     x = torch.randn(2, 16, 14, 14, device="cuda")
     spec = ConvSpec.make(2, 16, 14, 14, 24, 3, 3, 1, 1)
@@ -271,3 +271,84 @@ def test_capture_before_first_use_is_refused_clearly(gpu):
     with pytest.raises(RuntimeError, match="during CUDA-graph capture"):
         with torch.cuda.graph(graph):
             convforge.conv2d(x, w, padding=1, algo="winograd_nonfused_f4")
+
+
+def test_conv2d_caches_filters_per_weight_version(gpu, monkeypatch):
+    """convforge.conv2d with torch tensors: the filter transform runs once per weight version (warm
+    calls launch only the rest), an in-place update re-runs it, a new weight tensor gets its own;
+    a CUDA graph captured through conv2d holds the whole plan and sees later weight updates."""
+    import convforge
+    from convforge.backends import cuda as cuda_mod
+
+    calls = []
+    real = cuda_mod.torch_transform
+    monkeypatch.setattr(cuda_mod, "torch_transform", lambda exe, w, out=None: calls.append(1) or real(exe, w, out))
+    spec = ConvSpec.make(2, 16, 14, 14, 24, 3, 3, 1, 1)
+    x, w, b = _tensors(spec, requires_grad=True)
+    algo = "winograd_nonfused_f4"
+
+    def check(y, weights):
+        assert rel_l2(y.detach().cpu().numpy(), _ref(x, weights, spec, b)) < 1e-5
+
+    with torch.no_grad():
+        for _ in range(3):
+            _poison(spec.y_shape)
+            check(convforge.conv2d(x, w, b, padding=1, algo=algo), w)
+        assert len(calls) == 1
+        w.mul_(-0.5)  # in place: _version moves
+        check(convforge.conv2d(x, w, b, padding=1, algo=algo), w)
+        assert len(calls) == 2
+        w2 = torch.randn_like(w)
+        check(convforge.conv2d(x, w2, b, padding=1, algo=algo), w2)
+        check(convforge.conv2d(x, w, b, padding=1, algo=algo), w)
+        assert len(calls) == 3
+        with torch.inference_mode():  # w is a normal tensor: its version is still tracked
+            check(convforge.conv2d(x, w, b, padding=1, algo=algo), w)
+        assert len(calls) == 3
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_y = convforge.conv2d(x, w, b, padding=1, algo=algo)
+        w.mul_(3.0)
+        graph.replay()
+        check(static_y, w)  # the transform is in the graph
+
+
+@pytest.mark.parametrize("static_weights", [True, False])
+def test_graph_replay_after_in_place_weight_update(gpu, static_weights):
+    """convert(static_weights=...): False records the filter transforms in the graph (a replay sees
+    in-place updates at once); True replays the filters made before capture, and one eager forward
+    after the update re-transforms into the same buffers, which the replay then reads."""
+    import copy
+
+    import convforge.torch as ct
+
+    torch.manual_seed(2)
+    base = torch.nn.Sequential(torch.nn.Conv2d(16, 24, 3, padding=1), torch.nn.ReLU(),
+                               torch.nn.Conv2d(24, 8, 3, padding=1)).cuda().eval()
+    model = copy.deepcopy(base)
+    ct.convert(model, algo="winograd_nonfused_f4", static_weights=static_weights)
+    x = torch.randn(2, 16, 14, 14, device="cuda")
+
+    def err(y):
+        want = copy.deepcopy(model).double()(x.double())
+        return float((y.double() - want).norm() / want.norm())
+
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                model(x)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_y = model(x)
+        graph.replay()
+        assert err(static_y) < 1e-5
+        for m in model.modules():
+            if isinstance(m, torch.nn.Conv2d):
+                m.weight.mul_(-1.5)
+        if static_weights:
+            model(x)  # the eager forward that refreshes the hoisted filters
+        graph.replay()
+        assert err(static_y) < 1e-5

@@ -166,7 +166,10 @@ def test_convert_shares_parameters_when_it_swaps():
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1))
     old = model[0].weight
     new = ct.Conv2d.from_module(model[0], precision="relaxed")
-    assert new.weight is old and new.precision == "relaxed"
+    assert new.weight is old and new.precision == "relaxed" and new.static_weights
+    assert not ct.Conv2d.from_module(model[0], static_weights=False).static_weights
+    with pytest.raises(ValueError, match="static_weights"):
+        ct.Conv2d.from_module(model[0], static_weights="yes")
     assert new.state_dict().keys() == model[0].state_dict().keys()
 
 
@@ -287,3 +290,168 @@ def test_workspace_is_refused_under_capture_and_out_of_memory_is_named(monkeypat
         mod.CudaExecutable(_FakeBackend(NOMINAL_CUDA), plan).reserve(666)
     with pytest.raises(DeviceMemoryError, match=rf"asked for {plan.workspace_bytes} bytes.*12345 bytes free"):
         mod.CudaExecutable(_FakeBackend(NOMINAL_CUDA, oom), plan).reserve(0)
+
+
+def test_bench_model_weights_are_signal_preserving_and_reproducible():
+    """bench --model re-draws weights (Kaiming normal, identity batch norm) from a fixed seed: a deep
+    stack keeps an input-dependent output, and two draws are identical; a constant output is
+    flagged by a spread of 0."""
+    torch = _torch()
+    from convforge.bench import models as M
+
+    nn = torch.nn
+
+    def make():
+        m = nn.Sequential(*[m for _ in range(12) for m in (nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8),
+                                                         nn.ReLU())], nn.Flatten(), nn.Linear(8 * 6 * 6, 10))
+        for layer in m.modules():  # torchvision GoogLeNet's init, which made its outputs degenerate
+            if isinstance(layer, nn.Conv2d | nn.Linear):
+                nn.init.trunc_normal_(layer.weight, std=0.01)
+        return m.double().eval()
+
+    x = torch.randn(3, 8, 6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    degenerate = make()
+    with torch.no_grad():
+        assert M.spread(degenerate, x, degenerate(x)) < M.MIN_SPREAD
+        a, b = make(), make()
+        M.reinit(a, M.SEED)
+        M.reinit(b, M.SEED)
+        for pa, pb in zip(a.state_dict().values(), b.state_dict().values()):
+            assert torch.equal(pa, pb)
+        assert M.spread(a, x, a(x)) > 0.1
+        assert M.spread(a, x[:1], a(x[:1])) > 0.1  # N=1: against a second random input
+
+
+class _FakeWeight:
+    """What FilterCache reads of a torch tensor: ``_version`` (a shared counter) and weak references."""
+
+    def __init__(self, address, counter=None):
+        self.address, self.counter = address, counter if counter is not None else [0]
+
+    def data_ptr(self):
+        return self.address
+
+    @property
+    def _version(self):
+        return self.counter[0]
+
+    def bump(self):  # an in-place update (optimizer step, copy_, mul_ under no_grad)
+        self.counter[0] += 1
+
+
+class _InferenceWeight:
+    @property
+    def _version(self):
+        raise RuntimeError("Inference tensors do not track version counter.")
+
+
+def test_filter_cache_invalidates_on_in_place_updates_and_freed_tensors():
+    """conv2d's per-weight filter cache (torch CUDA tensors cannot run here: the key logic on fakes):
+    a hit needs the same address, a live tensor and the same version; an in-place update re-runs
+    the transform into the same buffer; a freed tensor's entry goes (a new tensor at that address
+    is transformed afresh); inference tensors, CuPy-like arrays and capture never cache."""
+    import gc
+
+    from convforge.backends.base import FilterCache
+
+    made, capture = [], [False]
+
+    def transform(w, out):
+        made.append((None, out))  # never the weight itself: the cache must see it freed
+        return out if out is not None else object()
+
+    cache = FilterCache(transform, lambda: capture[0])
+    w = _FakeWeight(0x1000)
+    first = cache.get(w, 0x1000)
+    assert first is not None and len(made) == 1 and made[-1][1] is None
+    assert cache.get(w, 0x1000) is first and len(made) == 1  # warm: no transform
+    view = _FakeWeight(0x1000, w.counter)  # w.detach(): same storage, same counter, another object
+    assert cache.get(view, 0x1000) is first and len(made) == 1
+    w.bump()
+    assert cache.get(w, 0x1000) is first and len(made) == 2 and made[-1][1] is first  # same buffer, new filters
+    assert cache.get(w, 0x1000) is first and len(made) == 2
+    other = _FakeWeight(0x2000)
+    assert cache.get(other, 0x2000) is not first and len(made) == 3 and len(cache) == 2
+    del view
+    del w
+    gc.collect()
+    assert len(cache) == 1  # the freed weight's entry went with it
+    reused = _FakeWeight(0x1000)  # a new tensor at the freed address, version 0 like the old one was
+    assert cache.get(reused, 0x1000) is not None and len(made) == 4 and made[-1][1] is None
+    assert cache.get(_InferenceWeight(), 0x3000) is None and len(made) == 4
+    assert cache.get(object(), 0x3000) is None and len(made) == 4  # no version counter (CuPy)
+    capture[0] = True
+    fresh = _FakeWeight(0x4000)
+    assert cache.get(fresh, 0x4000) is None and len(made) == 4  # under capture: the whole plan runs
+    assert cache.get(reused, 0x1000) is not None  # a hit needs no transform, so capture may use it
+    capture[0] = False
+    assert cache.get(fresh, 0x4000) is not None and len(made) == 5
+    other.address = 0x5000  # other.data = ...: moved, no version bump, still alive
+    squatter = _FakeWeight(0x2000)  # a new tensor at other's old address, version 0 as other's entry
+    assert cache.get(squatter, 0x2000) is not None and len(made) == 6  # not other's filters
+
+
+def test_torch_runner_launches_only_the_rest_while_weights_are_unchanged(monkeypatch):
+    """torch_runner's wiring, with the CUDA driver recorded and CPU torch tensors standing in for
+    CUDA ones (only data_ptr, _version and new_empty are used): the first call transforms, warm
+    calls launch only the "rest" steps on the cached buffer, an in-place update transforms again
+    into the same buffer, and under capture the whole plan launches."""
+    torch = _torch()
+    from conftest import NOMINAL_CUDA
+
+    mod, calls, _ = _stubbed_cuda_module(monkeypatch)
+    capture = [False]
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda i: 77, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: capture[0], raising=False)
+    made = []
+
+    def fake_transform(exe, w, out=None):
+        made.append(out)
+        return out if out is not None else torch.empty(exe.derived_bytes // 4)
+
+    monkeypatch.setattr(mod, "torch_transform", fake_transform)
+    spec = ConvSpec.make(2, 16, 14, 14, 24, 3, 3, 1, 1)
+    v = next(v for v in all_variants() if v.name == "winograd_nonfused_f4")
+    plan = v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA)
+    exe = mod.CudaExecutable(_FakeBackend(NOMINAL_CUDA), plan)
+    rest = len(plan.steps) - len(exe.weight_steps)
+    assert exe.weight_steps and rest
+    run = mod.torch_runner(exe, 0)
+    x, w = torch.randn(spec.x_shape), torch.randn(spec.w_shape, requires_grad=True)
+    for i in range(3):
+        calls.clear()
+        y = run(x, w)
+        assert tuple(y.shape) == spec.y_shape and len(calls) == rest and len(made) == 1, i
+    packed = run.filters._entries[w.data_ptr()][2]
+    with torch.no_grad():
+        w.mul_(2.0)
+    calls.clear()
+    run(x, w)
+    assert len(made) == 2 and made[-1] is packed and len(calls) == rest
+    capture[0] = True
+    calls.clear()
+    run(x, w)
+    assert len(calls) == len(plan.steps) and len(made) == 2  # the graph holds the transform too
+
+
+def test_op_autograd_kernel_calls_the_backend_kernel_directly(monkeypatch):
+    """no_grad and grad calls of the op reach its backend kernel without a second trip through the
+    dispatcher; fake tensors still take the dispatcher's way (the fake impl answers)."""
+    torch = _torch()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import convforge.torch as ct
+    from convforge.torch import ops
+
+    calls = []
+    real = ops._DIRECT[torch._C.DispatchKey.CPU]
+    monkeypatch.setitem(ops._DIRECT, torch._C.DispatchKey.CPU, lambda *a: calls.append(1) or real(*a))
+    x, w = torch.randn(1, 2, 5, 5), torch.randn(3, 2, 3, 3, requires_grad=True)
+    with torch.no_grad():
+        y = ct.conv2d(x, w, None, 1, 1)
+    y2 = ct.conv2d(x, w, None, 1, 1)
+    y2.sum().backward()
+    assert calls == [1, 1] and torch.equal(y, y2.detach()) and w.grad is not None
+    with FakeTensorMode():
+        fy = ct.conv2d(torch.empty(1, 2, 5, 5), torch.empty(3, 2, 3, 3), None, 1, 1)
+    assert tuple(fy.shape) == (1, 3, 5, 5) and calls == [1, 1]

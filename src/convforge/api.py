@@ -85,22 +85,30 @@ def executable_for(spec: ConvSpec, be: Backend, algo: str = "auto", epilogue: Ep
                                precision=precision, max_error=max_error)
 
 
-# The per-call fast path. A key of cheap attributes of a device call (see dispatch/executables.py)
-# finds a prepared runner; the key function is chosen by the input's type, registered the first
-# time the slow path validates a call with that type. NumPy (OpenCL) calls have no fast path.
-_KEYERS: dict[type, Callable[[Any, Any, Any, tuple[Any, ...]], tuple[Any, ...]]] = {}
+# The per-call fast path. A flat key of cheap attributes of a device call (see
+# dispatch/executables.py) finds a prepared runner; the key function is chosen by the input's
+# type, registered the first time the slow path validates a call with that type. NumPy (OpenCL)
+# calls have no fast path. The configuration's precision settings are part of the key (four
+# attribute reads), so changing ``config`` takes effect on the next call.
+_KEYERS: dict[type, Callable[..., tuple[Any, ...]]] = {}
 
 
-def _torch_key(x: Any, w: Any, b: Any, rest: tuple[Any, ...]) -> tuple[Any, ...]:
-    bkey = None if b is None else (type(b), b.shape, b.dtype, b.device, b.is_contiguous())
+def _torch_key(x: Any, w: Any, b: Any, stride: Any, padding: Any, dilation: Any, algo: Any, backend: Any,
+               workspace_limit: Any, relu: Any, params: Any, precision: Any, max_error: Any) -> tuple[Any, ...]:
     return (type(x), type(w), x.shape, w.shape, x.dtype, w.dtype, x.device, w.device, x.is_contiguous(),
-            w.is_contiguous(), bkey, rest)
+            w.is_contiguous(),
+            b is None or (type(b), b.shape, b.dtype, b.device, b.is_contiguous()),
+            stride, padding, dilation, algo, backend, workspace_limit, relu, params, precision, max_error,
+            config.precision, config.max_error, config.autotune, config.db_path)
 
 
-def _cupy_key(x: Any, w: Any, b: Any, rest: tuple[Any, ...]) -> tuple[Any, ...]:
-    bkey = None if b is None else (type(b), b.shape, b.dtype, b.data.device_id, b.flags.c_contiguous)
+def _cupy_key(x: Any, w: Any, b: Any, stride: Any, padding: Any, dilation: Any, algo: Any, backend: Any,
+              workspace_limit: Any, relu: Any, params: Any, precision: Any, max_error: Any) -> tuple[Any, ...]:
     return (type(x), type(w), x.shape, w.shape, x.dtype, w.dtype, x.data.device_id, w.data.device_id,
-            x.flags.c_contiguous, w.flags.c_contiguous, bkey, rest)
+            x.flags.c_contiguous, w.flags.c_contiguous,
+            b is None or (type(b), b.shape, b.dtype, b.data.device_id, b.flags.c_contiguous),
+            stride, padding, dilation, algo, backend, workspace_limit, relu, params, precision, max_error,
+            config.precision, config.max_error, config.autotune, config.db_path)
 
 
 def conv2d(x: Any, w: Any, bias: Any = None, stride: int | Sequence[int] = 1,
@@ -113,18 +121,20 @@ def conv2d(x: Any, w: Any, bias: Any = None, stride: int | Sequence[int] = 1,
     same type on the same device. ``algo`` is 'auto', a family or a variant name; ``precision``
     ('fp32' | 'relaxed') and ``max_error`` bound what 'auto' may pick (default: ``config``).
 
-    A warm device call is a dictionary hit and a launch: no conversion objects, no synchronisation
-    (torch tensors that require grad work; gradients flow only through ``convforge.torch``)."""
+    A warm device call is a dictionary hit and the launches: no conversion objects, no
+    synchronisation (torch tensors that require grad work; gradients flow only through
+    ``convforge.torch``). Filter transforms (Winograd U, packed GEMM weights): with torch tensors
+    they run once per weight tensor and version (``w._version``; in-place updates re-run them) and
+    a warm call launches only the remaining steps; CuPy arrays have no version counter, so with
+    them the transform runs on every call (backends/base.py ``FilterCache``). Each live weight
+    tensor then has one transformed copy on the device, freed with the tensor."""
     keyer = _KEYERS.get(type(x))
-    key = None
     if keyer is not None:
         try:
-            key = keyer(x, w, bias, (stride, padding, dilation, algo, backend, workspace_limit, relu, params,
-                                     precision, max_error, config.precision, config.max_error,
-                                     config.autotune, config.db_path))
-            run = RUNNERS.get(key)
+            run = RUNNERS.get(keyer(x, w, bias, stride, padding, dilation, algo, backend, workspace_limit, relu,
+                                    params, precision, max_error))
         except TypeError:  # an unhashable argument (a list, a params dict): the slow path
-            key = run = None
+            run = None
         if run is not None:
             return run(x, w, bias)
     return _conv2d(x, w, bias, stride, padding, dilation, algo, backend, workspace_limit, relu, params,
@@ -171,9 +181,8 @@ def _conv2d(x: Any, w: Any, bias: Any, stride: Any, padding: Any, dilation: Any,
         return _run_host(be, exe, x, w, bias)
     _KEYERS.setdefault(type(x), _torch_key if kind == "torch" else _cupy_key)
     try:
-        key = _KEYERS[type(x)](x, w, bias, (stride, padding, dilation, algo, backend, workspace_limit, relu,
-                                            params, precision, max_error, config.precision, config.max_error,
-                                            config.autotune, config.db_path))
+        key: tuple[Any, ...] | None = _KEYERS[type(x)](x, w, bias, stride, padding, dilation, algo, backend,
+                                                      workspace_limit, relu, params, precision, max_error)
         hash(key)
     except TypeError:
         key = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
@@ -247,3 +248,70 @@ def _packed(names: tuple[str, ...], sizes: dict[str, int]) -> tuple[dict[str, in
         offsets[name] = total
         total += (max(sizes[name], 4) + 255) // 256 * 256
     return offsets, total
+
+
+class FilterCache:
+    """The filter-derived workspace (Winograd U, packed GEMM weights, constant tables: what an
+    executable's "weights" steps write) per weight tensor, for device calls with torch tensors.
+
+    An entry is filed under the weight's device address and remembers the tensor (weakly), its
+    version counter (``_version``, bumped by every in-place update: optimizer steps,
+    ``load_state_dict``, ``copy_``/``mul_`` under no_grad) and the packed buffer. :meth:`get`
+    answers the buffer when the address and the version match and the remembered tensor is alive
+    and still at that address (``w.data = ...`` moves a tensor without a version bump); otherwise
+    it re-runs the transform, into the SAME buffer when the address had one (a CUDA graph that
+    captured it keeps a valid pointer and sees the new filters), and files it again. An entry goes
+    when its tensor is freed, so a new tensor at a reused address never meets stale filters.
+    Misses answer None (the caller runs the whole plan) for inference tensors (no version
+    counter), objects without ``_version`` (CuPy arrays: the transform stays per call), and while
+    the stream captures a CUDA graph (a transform recorded, not run, must not be remembered).
+    Not caught: writes through ``w.data`` (a separate version counter), as for autograd itself.
+    The transform runs on the stream of the call that misses; calls on other streams must be
+    ordered after it, as for any tensor made on another stream.
+
+    ``transform(w, out) -> packed`` runs the "weights" steps into ``out`` (None: a new buffer);
+    ``capturing() -> bool`` says whether the current stream captures a graph.
+    """
+
+    __slots__ = ("_entries", "_transform", "_capturing")
+
+    def __init__(self, transform: Callable[[Any, Any], Any], capturing: Callable[[], bool]) -> None:
+        self._entries: dict[int, tuple[Any, int, Any]] = {}
+        self._transform, self._capturing = transform, capturing
+
+    def get(self, w: Any, address: int) -> Any:
+        """The packed filter-derived buffer for weights ``w`` at ``address``, or None."""
+        try:
+            version = w._version
+        except (RuntimeError, AttributeError):  # inference tensors, arrays without a version counter
+            return None
+        entry = self._entries.get(address)
+        if entry is not None and entry[1] == version:
+            owner = entry[0]()
+            if owner is w or (owner is not None and owner.data_ptr() == address):  # still that memory
+                return entry[2]
+        return self._miss(w, address, version, entry)
+
+    def _miss(self, w: Any, address: int, version: int, entry: tuple[Any, int, Any] | None) -> Any:
+        if self._capturing():
+            return None
+        try:
+            ref = weakref.ref(w, self._dropper(address))
+        except TypeError:  # not weakly referable: nothing tells when the address is reused
+            return None
+        packed = self._transform(w, None if entry is None else entry[2])
+        self._entries[address] = (ref, version, packed)
+        return packed
+
+    def _dropper(self, address: int) -> Callable[[Any], None]:
+        entries = self._entries
+
+        def drop(ref: Any) -> None:
+            entry = entries.get(address)
+            if entry is not None and entry[0] is ref:
+                del entries[address]
+
+        return drop
+
+    def __len__(self) -> int:
+        return len(self._entries)

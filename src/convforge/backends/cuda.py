@@ -12,7 +12,14 @@ from typing import Any
 import cupy as cp
 import numpy as np
 
-from convforge.backends.base import CONV_BUFFERS, Backend, CompileError, DeviceMemoryError, Executable
+from convforge.backends.base import (
+    CONV_BUFFERS,
+    Backend,
+    CompileError,
+    DeviceMemoryError,
+    Executable,
+    FilterCache,
+)
 from convforge.codegen.dialect import Buf, ConstBuf, Kernel, LocalBuf, Scalar, TexBuf
 from convforge.plan import DeviceInfo, Gemm, Launch, Plan
 
@@ -306,6 +313,7 @@ class CudaExecutable(Executable):
         self._ptr_slots: list[tuple[Any, int]] = []
         self._ws_slots: list[tuple[Any, str]] = []
         self._ws_derived: tuple[int, ...] = ()
+        self._offsets = tuple(self.derived_offsets[n] for n in self.derived)  # packed derived buffer layout
         self._runs: dict[str, list[tuple[tuple[int, ...], int]]] = {"all": [], "rest": [], "weights": []}
         self._keep: list[Any] = []  # ctypes storage the parameter arrays point into
         if self.fast:
@@ -372,7 +380,7 @@ class CudaExecutable(Executable):
             self._launch_views(x, w, y, bias, stream, derived, steps)
             return
         if derived:
-            vals = (x, w, y, bias, *[derived + self.derived_offsets[n] for n in self.derived])
+            vals = (x, w, y, bias, *[derived + off for off in self._offsets])
         else:
             vals = (x, w, y, bias, *self._ws_derived)
         for cell, i in self._ptr_slots:
@@ -399,12 +407,24 @@ class CudaExecutable(Executable):
             sizes = dict(self.plan.workspace)
             bufs.update({n: _view(derived + self.derived_offsets[n], sizes[n], dev) for n in self.derived})
         be = self.backend
-        saved, be.stream = be.stream, cp.cuda.ExternalStream(stream, dev)
+        saved, be.stream = be.stream, _external_stream(stream, dev)
         try:
             with cp.cuda.Device(dev):
                 self(bufs, steps)
         finally:
             be.stream = saved
+
+
+def _external_stream(handle: int, device: int) -> Any:
+    """A CuPy stream object over a raw handle: ``Stream.from_external`` where CuPy has it (14
+    deprecates ``ExternalStream``), else, or when it refuses a plain handle, ``ExternalStream``."""
+    from_external = getattr(cp.cuda.Stream, "from_external", None)
+    if from_external is not None:
+        try:
+            return from_external(handle, device_id=device)
+        except (TypeError, ValueError, AttributeError):  # another signature: the older class
+            pass
+    return cp.cuda.ExternalStream(handle, device)
 
 
 def _view(ptr: int, nbytes: int, device: int) -> Any:
@@ -418,16 +438,28 @@ def torch_runner(exe: CudaExecutable, device: int) -> Callable[..., Any]:
 
     ``data_ptr()`` works on tensors that require grad and under inference_mode; the stream is
     torch's current one (raw handle through torch's cheap accessor); the output comes from
-    torch's caching allocator (``new_empty``), so capture by torch.cuda.graph works. Views whose
-    data is not 16-byte aligned (float4 loads) are copied first.
+    torch's caching allocator (``new_empty``, cheaper than ``torch.empty`` with a device), so
+    capture by torch.cuda.graph works. Views whose data is not 16-byte aligned (float4 loads) are
+    copied first.
+
+    Filter transforms: with ``derived`` given (``Conv2d``'s eager inference) only the "rest" steps
+    run on it. Without it, plans with filter-only steps keep their transformed filters per weight
+    tensor and version (:class:`FilterCache`): a warm call with unchanged weights launches only
+    the "rest" steps; an in-place weight update re-runs the transform on the next call. While the
+    stream captures a CUDA graph the whole plan runs (the graph then sees every weight update).
     """
     import torch
 
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     stream_of: Callable[[int], int] = raw if raw is not None else (
         lambda i: int(torch.cuda.current_stream(i).cuda_stream))
+    is_capturing: Callable[[], bool] = getattr(torch._C, "_cuda_isCurrentStreamCapturing",
+                                               torch.cuda.is_current_stream_capturing)
     exe.reserve(stream_of(device))
     shape, launch = exe.plan.spec.y_shape, exe.launch_raw
+    filters = (FilterCache(lambda w, out: _torch_transform(exe, w, out), is_capturing)
+               if exe.derived else None)
+    lookup = filters.get if filters is not None else None
 
     def run(x: Any, w: Any, bias: Any = None, derived: Any = None) -> Any:
         xp, wp = x.data_ptr(), w.data_ptr()
@@ -437,6 +469,8 @@ def torch_runner(exe: CudaExecutable, device: int) -> Callable[..., Any]:
         if wp & 15:
             w = torch.empty_like(w).copy_(w)
             wp = w.data_ptr()
+        elif derived is None and lookup is not None and not is_capturing():
+            derived = lookup(w, wp)
         y = x.new_empty(shape)
         if derived is None:
             launch(xp, wp, y.data_ptr(), 0 if bias is None else bias.data_ptr(), stream_of(device))
@@ -445,12 +479,13 @@ def torch_runner(exe: CudaExecutable, device: int) -> Callable[..., Any]:
                    derived.data_ptr(), "rest")
         return y
 
+    run.filters = filters  # type: ignore[attr-defined]  # tests look at it
     return run
 
 
-def torch_transform(exe: CudaExecutable, w: Any) -> Any:
+def torch_transform(exe: CudaExecutable, w: Any, out: Any = None) -> Any:
     """The filter-derived workspace of ``exe`` for weights ``w``, in a packed torch tensor
-    (None when the plan has no weight-only steps)."""
+    (``out`` when given, else a new one; None when the plan has no weight-only steps)."""
     import torch
 
     if not exe.derived:
@@ -458,11 +493,17 @@ def torch_transform(exe: CudaExecutable, w: Any) -> Any:
     if w.data_ptr() & 15:
         w = w.contiguous().clone()
     device = w.device.index or 0
-    packed = torch.empty(exe.derived_bytes // 4, dtype=torch.float32, device=w.device)
+    packed = out if out is not None else torch.empty(exe.derived_bytes // 4, dtype=torch.float32,
+                                                     device=w.device)
     stream = int(torch.cuda.current_stream(device).cuda_stream)
     exe.reserve(stream)
     exe.launch_raw(0, w.data_ptr(), 0, 0, stream, packed.data_ptr(), "weights")
     return packed
+
+
+def _torch_transform(exe: CudaExecutable, w: Any, out: Any) -> Any:
+    """``torch_transform`` looked up at call time (tests count its calls)."""
+    return torch_transform(exe, w, out)
 
 
 def cupy_runner(exe: CudaExecutable, device: int) -> Callable[..., Any]:

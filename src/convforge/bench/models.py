@@ -1,5 +1,18 @@
 """``convforge bench --model NAME[:BATCH]``: whole torchvision models, random weights, FP32.
 
+Weights: torchvision's own random init is not signal-preserving (GoogLeNet's truncated normal with
+std 0.01 makes activations vanish, so its output is the classifier bias and every error is the same
+~1e-10), so after building a model every conv and linear weight is re-drawn from a fan-in scaled
+normal (Kaiming, ReLU gain: std = sqrt(2 / fan_in)), biases from N(0, 0.01^2), and every batch-norm
+layer gets weight 1, bias 0, running mean 0, running variance 1 (the identity in eval mode), from
+a CPU generator with a fixed seed (``SEED``). One model is built and copied, so the PyTorch runs,
+the float64 reference and the converted model all use the SAME weights. Per model the reference
+output's spread over inputs is printed (``spread``: how much the float64 output changes between
+samples of the batch, or for N=1 against a second random input, relative to its norm), and rows are
+flagged when it is tiny (< ``MIN_SPREAD``): an output that does not depend on the input (e.g. only
+the classifier bias) makes every relative error small and meaningless. ``err / PyTorch`` is each
+row's error over PyTorch FP32's (the issue's target: within 2x).
+
 Per model: the forward time of PyTorch FP32 eager (cudnn.benchmark on, TF32 off), PyTorch FP32
 replayed from a CUDA graph, PyTorch TF32, ``torch.compile`` FP32, and the model converted by
 ``convforge.torch.convert`` run eagerly and from a CUDA graph; each output's relative L2 error
@@ -22,10 +35,14 @@ from rich.console import Console
 from rich.table import Table
 
 MODELS = {"resnet18": 224, "resnet50": 224, "vgg16": 224, "googlenet": 224, "alexnet": 224, "inception_v3": 299}
-FIELDS = ("model", "batch", "impl", "time_ms", "speedup", "rel_err", "err_vs_pytorch", "status", "converted",
-          "left_to_pytorch")
+FIELDS = ("model", "batch", "impl", "time_ms", "speedup", "rel_err", "err_vs_pytorch", "ref_spread", "status",
+          "converted", "left_to_pytorch")
+SEED = 0
+MIN_SPREAD = 1e-3
 NOTE = ("convforge figures exclude filter transforms (made once per weight version, outside the timed "
-        "region); PyTorch runs cudnn.benchmark with TF32 off unless the row says TF32")
+        "region); PyTorch runs cudnn.benchmark with TF32 off unless the row says TF32; weights: Kaiming-normal "
+        f"(ReLU gain) conv/linear weights, N(0, 0.01^2) biases, identity batch norm, seed {SEED}, the same "
+        "weights on every side; rel err is against a float64 run of the same model")
 
 
 def parse_model(text: str) -> tuple[str, int]:
@@ -54,7 +71,45 @@ def build(name: str) -> Any:
     kw: dict[str, Any] = {"weights": None}
     if name in ("googlenet", "inception_v3"):
         kw.update(aux_logits=False, init_weights=True)
-    return ctor(**kw).cuda().eval()
+    model = ctor(**kw)
+    reinit(model, SEED)
+    return model.cuda().eval()
+
+
+def reinit(model: Any, seed: int) -> None:
+    """Signal-preserving random weights (see the module docstring), drawn on the CPU from ``seed``."""
+    import math
+
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.Conv2d | torch.nn.Linear):
+                fan_in = m.weight[0].numel()
+                m.weight.normal_(0.0, math.sqrt(2.0 / fan_in), generator=g)
+                if m.bias is not None:
+                    m.bias.normal_(0.0, 0.01, generator=g)
+            elif isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+                if m.weight is not None:
+                    m.weight.fill_(1.0)
+                    m.bias.fill_(0.0)
+                if m.running_mean is not None and m.running_var is not None:
+                    m.running_mean.zero_()
+                    m.running_var.fill_(1.0)
+
+
+def spread(model64: Any, x64: Any, y64: Any) -> float:
+    """||y - y'|| / ||y|| for outputs of different inputs: near 0 when the output ignores its input.
+    Batches compare each sample with the batch mean; N=1 runs a second random input."""
+    import torch
+
+    if y64.shape[0] > 1:
+        other = y64.mean(0, keepdim=True).expand_as(y64)
+    else:
+        g = torch.Generator(device=x64.device).manual_seed(SEED + 1)
+        other = model64(torch.randn(x64.shape, device=x64.device, generator=g, dtype=torch.float64))
+    return float((y64 - other).norm() / (y64.norm() + 1e-300))
 
 
 def time_ms(fn: Callable[[], Any], warmup: int, repeats: int) -> float:
@@ -110,7 +165,11 @@ def bench_model(name: str, batch: int, warmup: int, repeats: int, options: dict[
     size = MODELS[name]
     x = torch.randn(batch, 3, size, size, device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
     with torch.no_grad():
-        want = copy.deepcopy(model).double()(x.double())
+        model64 = copy.deepcopy(model).double()
+        want = model64(x.double())
+        spread_ = spread(model64, x.double(), want)
+        del model64
+    flag = f"degenerate: reference spread {spread_:.1e} < {MIN_SPREAD:g}" if spread_ < MIN_SPREAD else ""
     conv = copy.deepcopy(model)
     report = ct.convert(conv, **options)
     runs: list[tuple[str, Callable[[], Callable[[], Any]], bool]] = [
@@ -124,7 +183,7 @@ def bench_model(name: str, batch: int, warmup: int, repeats: int, options: dict[
     rows = []
     for impl, make, tf32 in runs:
         _tf32(tf32)
-        row: dict[str, Any] = dict(model=name, batch=batch, impl=impl, status="ok")
+        row: dict[str, Any] = dict(model=name, batch=batch, impl=impl, status="ok", ref_spread=spread_)
         try:
             with torch.no_grad():
                 fn = make()
@@ -133,6 +192,8 @@ def bench_model(name: str, batch: int, warmup: int, repeats: int, options: dict[
                 y = fn()
                 torch.cuda.synchronize()
             row["rel_err"] = float((y.double() - want).norm() / want.norm())
+            if flag:
+                row["status"] = f"ok ({flag})"
         except Exception as err:  # noqa: BLE001 - one failing implementation must not hide the others
             row["status"] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
         if impl.startswith("convforge"):
@@ -191,6 +252,17 @@ def table(rows: list[dict[str, Any]], title: str) -> Table:
     return t
 
 
+def summary(rows: list[dict[str, Any]]) -> str:
+    """One line per model: the reference's spread and each convforge row's error over PyTorch FP32's."""
+    if not rows or rows[0].get("ref_spread") is None:
+        return ""
+    sp = rows[0]["ref_spread"]
+    parts = [f"reference spread {sp:.2e}" + (" [red](tiny: errors are not meaningful)[/]" if sp < MIN_SPREAD else "")]
+    parts += [f"{r['impl']} err / PyTorch FP32 err = {_f(r.get('err_vs_pytorch'), '.2f')}"
+              for r in rows if r["impl"].startswith("convforge")]
+    return "; ".join(parts)
+
+
 def _f(v: float | None, fmt: str) -> str:
     return "-" if v is None else format(v, fmt)
 
@@ -216,7 +288,9 @@ def run(specs: list[str], out: str | None, warmup: int | None, repeats: int | No
     rows: list[dict[str, Any]] = []
     for name, batch in models:
         rows += bench_model(name, batch, warmup if warmup is not None else 5, repeats or 20, options)
-        console.print(table([r for r in rows if r["model"] == name and r["batch"] == batch], f"{name} N={batch}"))
+        mine = [r for r in rows if r["model"] == name and r["batch"] == batch]
+        console.print(table(mine, f"{name} N={batch}"))
+        console.print(summary(mine))
     console.print(NOTE)
     if out:
         folder = Path(out)
@@ -227,4 +301,4 @@ def run(specs: list[str], out: str | None, warmup: int | None, repeats: int | No
             writer.writeheader()
             writer.writerows(rows)
         console.print(f"wrote {folder}/models.json, models.csv")
-    return 1 if any(r.get("status") != "ok" and r["impl"] != "-" for r in rows) else 0
+    return 1 if any(not str(r.get("status", "")).startswith("ok") and r["impl"] != "-" for r in rows) else 0

@@ -3,15 +3,17 @@
 Paths of one forward call, cheapest first:
 - eager inference (no grad needed, not compiling): the prepared runner is called directly, with
   the filter-derived workspace (Winograd U, packed GEMM weights, constant tables) built once per
-  weight version (``weight._version`` and address) and input signature, so no filter transform
-  runs per call;
+  weight version (``weight._version``, address and tensor: backends/base.py ``FilterCache``), so
+  no filter transform runs per call;
 - training or torch.compile: the ``convforge::conv2d`` op (autograd formula, fake impl);
 - what convforge does not run (CPU tensors, dtypes other than float32, groups != 1, padding modes
   other than zeros): PyTorch's own forward.
 
 A CUDA graph captured from eager inference replays the filters transformed before capture (the
-transform is not in the graph): after changing weights in place, capture again. Graphs captured
-with grad enabled (training) contain the whole plan and see every weight update.
+transform is not in the graph; it is re-run into the same buffer by the next eager call after an
+in-place weight update, which the graph then sees): after changing weights in place, run one eager
+forward (or capture again) before replaying. Graphs captured with grad enabled (training), and
+layers first used under capture, contain the whole plan and see every weight update.
 """
 
 from __future__ import annotations
@@ -27,9 +29,12 @@ from convforge.backends import get_backend
 from convforge.config import config, parse_precision
 from convforge.plan import Epilogue
 from convforge.spec import ConvSpec
+from convforge.torch.ops import OP as _OP  # the overload itself: no packet resolution per call
 
 log = logging.getLogger("convforge")
-OPTIONS = ("algo", "precision", "max_error")
+OPTIONS = ("algo", "precision", "max_error", "static_weights")
+_F32 = torch.float32
+_CAPTURING = torch.cuda.is_current_stream_capturing
 
 
 def static_reason(m: torch.nn.Conv2d) -> str | None:
@@ -62,30 +67,41 @@ def padding_quad(m: torch.nn.Conv2d) -> tuple[int, int, int, int]:
 
 class Conv2d(torch.nn.Conv2d):
     """``torch.nn.Conv2d`` with the same constructor, parameters and state_dict, plus the keyword
-    options ``algo`` ('auto', a family or a variant), ``precision`` ('fp32' | 'relaxed') and
-    ``max_error``; forward runs convforge where it can (see the module docstring)."""
+    options ``algo`` ('auto', a family or a variant), ``precision`` ('fp32' | 'relaxed'),
+    ``max_error`` and ``static_weights``; forward runs convforge where it can (module docstring).
+
+    ``static_weights`` (CUDA graphs captured in eager inference, e.g. ``torch.cuda.graph`` around
+    ``model(x)`` under no_grad): True (default) keeps the filter transforms out of the graph: a
+    replay launches only the remaining steps of each layer, with the filters transformed before
+    capture (after an in-place weight update run one eager forward, which re-transforms into the
+    same buffers, before replaying). False records each layer's whole plan, transform included,
+    so replays see in-place weight updates at the cost of the extra launches per layer. Training
+    and torch.compile captures always record the whole plan."""
 
     def __init__(self, *args: Any, algo: str = "auto", precision: str | None = None,
-                 max_error: float | None = None, **kwargs: Any) -> None:
+                 max_error: float | None = None, static_weights: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._cf_setup(algo, precision, max_error)
+        self._cf_setup(algo, precision, max_error, static_weights)
 
-    def _cf_setup(self, algo: str, precision: str | None, max_error: float | None) -> None:
+    def _cf_setup(self, algo: str, precision: str | None, max_error: float | None, static_weights: bool) -> None:
         if precision is not None:
             parse_precision(precision)
         if max_error is not None and not max_error > 0:
             raise ValueError(f"max_error ({max_error!r}) must be > 0")
+        if not isinstance(static_weights, bool):
+            raise ValueError(f"static_weights ({static_weights!r}) must be True or False")
         self.algo, self.precision, self.max_error = algo, precision, max_error
-        self._cf_cache: dict[tuple[Any, ...], tuple[Any, Any, Any]] = {}
+        self.static_weights = static_weights
+        self._cf_cache: dict[tuple[Any, ...], Any] = {}
 
     @classmethod
     def from_module(cls, m: torch.nn.Conv2d, algo: str = "auto", precision: str | None = None,
-                    max_error: float | None = None) -> Conv2d:
+                    max_error: float | None = None, static_weights: bool = True) -> Conv2d:
         """A convforge Conv2d sharing ``m``'s parameters, buffers and hooks (no copy: optimizers
         that hold the parameters keep working)."""
         new = cls.__new__(cls)
         new.__dict__.update(m.__dict__)
-        new._cf_setup(algo, precision, max_error)
+        new._cf_setup(algo, precision, max_error, static_weights)
         return new
 
     def __getstate__(self) -> dict[str, Any]:
@@ -99,43 +115,37 @@ class Conv2d(torch.nn.Conv2d):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self.weight, self.bias
-        if (not x.is_cuda or x.dtype != torch.float32 or x.dim() != 4 or static_reason(self) is not None):
+        if (not x.is_cuda or x.dtype != _F32 or x.dim() != 4 or not w.is_cuda or w.dtype != _F32
+                or self.groups != 1 or self.padding_mode != "zeros"):  # static_reason's tests, inline
             return super().forward(x)
         pad = padding_quad(self)
         if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
                 x.requires_grad or w.requires_grad or (b is not None and b.requires_grad))):
-            return torch.ops.convforge.conv2d(x, w, b, list(self.stride), list(pad), list(self.dilation),
-                                              self.algo, self.precision, self.max_error)
+            return _OP(x, w, b, list(self.stride), list(pad), list(self.dilation), self.algo, self.precision,
+                       self.max_error)
         x = x.contiguous()
-        prepared = self._prepared(x, pad)
-        if prepared is None:
-            return torch.ops.convforge.conv2d(x, w, b, list(self.stride), list(pad), list(self.dilation),
-                                              self.algo, self.precision, self.max_error)
-        run, packed = prepared
-        return run(x, w, b, packed) if packed is not None else run(x, w, b)
+        if not w.is_contiguous():
+            w = w.contiguous()
+        run = self._prepared(x, pad)
+        if run is None:
+            return _OP(x, w, b, list(self.stride), list(pad), list(self.dilation), self.algo, self.precision,
+                       self.max_error)
+        filters = run.filters
+        if filters is None or (not self.static_weights and _CAPTURING()):
+            return run(x, w, b)  # no filter steps, or a capture that records the whole plan
+        packed = filters.get(w, w.data_ptr())
+        return run(x, w, b) if packed is None else run(x, w, b, packed)
 
-    def _prepared(self, x: torch.Tensor, pad: tuple[int, int, int, int]) -> tuple[Any, Any] | None:
-        """(runner, packed filter-derived workspace or None) for this input signature, rebuilt
-        when the weights changed; None when no convforge variant runs the layer (the op then
-        falls back to PyTorch and logs it)."""
-        w = self.weight
+    def _prepared(self, x: torch.Tensor, pad: tuple[int, int, int, int]) -> Any:
+        """The runner for this input signature (its ``filters`` cache the filter-derived
+        workspace per weight version), or None when no convforge variant runs the layer (the op
+        then falls back to PyTorch and logs it)."""
         key = (x.shape, x.device, config.precision, config.max_error, config.autotune, config.db_path)
         try:
-            tag: Any = (w._version, w.data_ptr())
-        except RuntimeError:  # an inference tensor has no version counter: transform every call
-            tag = None
-        hit = self._cf_cache.get(key)
-        if hit is not None and (hit[1] is None or (tag is not None and hit[0] == tag)):
-            return None if hit[1] is None else (hit[1], hit[2])
-        run = hit[1] if hit is not None else self._runner(x, pad)
-        if run is None:  # remembered: the op path falls back to PyTorch and says so once
-            self._cf_cache[key] = (tag, None, None)
-            return None
-        from convforge.backends.cuda import torch_transform
-
-        packed = torch_transform(run.exe, w.detach().contiguous()) if run.exe.derived else None
-        self._cf_cache[key] = (tag, run, packed)
-        return run, packed
+            return self._cf_cache[key]
+        except KeyError:
+            run = self._cf_cache[key] = self._runner(x, pad)
+            return run
 
     def _runner(self, x: torch.Tensor, pad: tuple[int, int, int, int]) -> Any:
         try:
@@ -163,7 +173,9 @@ class ConvertReport:
 
 def convert(model: torch.nn.Module, **options: Any) -> ConvertReport:
     """Swap every eligible ``nn.Conv2d`` in ``model`` (in place) for a convforge ``Conv2d`` that shares
-    its parameters. ``options``: ``algo``, ``precision`` (default ``config.precision``), ``max_error``;
+    its parameters. ``options``: ``algo``, ``precision`` (default ``config.precision``), ``max_error``,
+    ``static_weights`` (default True: CUDA graphs captured in eager inference leave the filter
+    transforms out; False: they record them and see in-place weight updates; see ``Conv2d``);
     each layer's variant is chosen through dispatch (the tuning database first) on its first call."""
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:

@@ -1,6 +1,7 @@
 """The ``convforge::conv2d`` operator, defined with ``torch.library.Library`` (``define``/``impl``:
 cheaper per call than ``custom_op``'s wrapper), with a fake implementation for torch.compile and
-a registered autograd formula whose backward is PyTorch's own ``aten.convolution_backward``.
+an Autograd kernel of its own (a plain redispatch when no gradient is needed, else an
+autograd.Function whose backward is PyTorch's own ``aten.convolution_backward``).
 
 Schema: ``conv2d(Tensor x, Tensor w, Tensor? bias, int[] stride, int[] padding, int[] dilation,
 str algo, str? precision, float? max_error) -> Tensor``; padding is (top, bottom, left, right).
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from convforge.api import conv2d as cf_conv2d
 from convforge.spec import ConvSpec, normalize_padding
 
 log = logging.getLogger("convforge")
@@ -52,11 +54,10 @@ def _torch_conv(x: Any, w: Any, bias: Any, stride: Sequence[int], padding: Seque
 
 def _cuda(x: Any, w: Any, bias: Any, stride: list[int], padding: list[int], dilation: list[int], algo: str,
           precision: str | None, max_error: float | None) -> Any:
-    from convforge.api import conv2d as cf_conv2d
-
+    """convforge's fast path (a dictionary hit and the launches; filters cached per weight version)."""
     try:
-        return cf_conv2d(x.contiguous(), w.contiguous(), bias, tuple(stride), tuple(padding), tuple(dilation),
-                         algo, precision=precision, max_error=max_error)
+        return cf_conv2d(x.contiguous(), w.contiguous(), bias, (*stride,), (*padding,), (*dilation,), algo, None,
+                         None, False, None, precision, max_error)
     except ValueError as err:  # a layer no convforge variant runs: PyTorch's, logged once
         if algo != "auto":
             raise
@@ -83,30 +84,70 @@ _LIB.impl("conv2d", _cpu, "CPU")
 torch.library.register_fake("convforge::conv2d", _fake, lib=_LIB)
 
 
-def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    x, w, bias, stride, padding, dilation = inputs[:6]
-    ctx.save_for_backward(x, w)
-    ctx.conv = (list(stride), list(padding), list(dilation), bias is not None)
+OP = torch.ops.convforge.conv2d.default  # the overload: callers skip the packet's resolution
+_OP = OP
+_AFTER_AUTOGRAD = torch._C._after_autograd_keyset
+_BELOW_AUTOGRAD = torch._C._AutoDispatchBelowAutograd
+_GRAD_ENABLED = torch.is_grad_enabled
+_ADIOV = torch._C.DispatchKey.ADInplaceOrView
+_DIRECT = {torch._C.DispatchKey.CUDA: _cuda, torch._C.DispatchKey.CPU: _cpu}
 
 
-def _backward(ctx: Any, gy: Any) -> tuple[Any, ...]:
-    """Gradients by PyTorch's convolution backward; asymmetric padding is applied to x first and
-    cut from its gradient."""
-    x, w = ctx.saved_tensors
-    stride, padding, dilation, has_bias = ctx.conv
-    need = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], has_bias and ctx.needs_input_grad[2]]
-    t, b, left, right = padding
-    sym = t == b and left == right
-    xin = x if sym else F.pad(x, (left, right, t, b))
-    gx, gw, gb = torch.ops.aten.convolution_backward(
-        gy.contiguous(), xin, w, [w.shape[0]] if has_bias else None, stride, [t, left] if sym else [0, 0],
-        dilation, False, [0, 0], 1, need)
-    if gx is not None and not sym:
-        gx = gx[:, :, t:t + x.shape[2], left:left + x.shape[3]]
-    return gx, gw, gb if has_bias else None, None, None, None, None, None, None
+def _below(keyset: Any, x: Any, w: Any, bias: Any, stride: list[int], padding: list[int], dilation: list[int],
+           algo: str, precision: str | None, max_error: float | None) -> Any:
+    """The op below autograd. When the next kernel is simply our CUDA (or CPU) one (no fake or
+    functional tensors, no Python mode: only ADInplaceOrView, a fallthrough here, lies between),
+    it is called directly, saving the dispatcher's second round trip through Python; otherwise
+    the dispatcher redispatches."""
+    after = keyset & _AFTER_AUTOGRAD
+    kernel = _DIRECT.get(after.remove(_ADIOV).highestPriorityTypeId())
+    if kernel is not None:
+        return kernel(x, w, bias, stride, padding, dilation, algo, precision, max_error)
+    with _BELOW_AUTOGRAD():
+        return _OP.redispatch(after, x, w, bias, stride, padding, dilation, algo, precision, max_error)
 
 
-torch.library.register_autograd("convforge::conv2d", _backward, setup_context=_setup_context, lib=_LIB)
+class _Conv2dFn(torch.autograd.Function):
+    """The op's autograd node: forward redispatches below autograd, backward is PyTorch's
+    convolution backward (asymmetric padding applied to x first and cut from its gradient)."""
+
+    @staticmethod
+    def forward(ctx: Any, keyset: Any, x: Any, w: Any, bias: Any, stride: list[int], padding: list[int],
+                dilation: list[int], algo: str, precision: str | None, max_error: float | None) -> Any:
+        with _BELOW_AUTOGRAD():
+            y = _below(keyset, x, w, bias, stride, padding, dilation, algo, precision, max_error)
+        ctx.save_for_backward(x, w)
+        ctx.conv = (list(stride), list(padding), list(dilation), bias is not None)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, gy: Any) -> tuple[Any, ...]:
+        x, w = ctx.saved_tensors
+        stride, padding, dilation, has_bias = ctx.conv
+        need = [ctx.needs_input_grad[1], ctx.needs_input_grad[2], has_bias and ctx.needs_input_grad[3]]
+        t, b, left, right = padding
+        sym = t == b and left == right
+        xin = x if sym else F.pad(x, (left, right, t, b))
+        gx, gw, gb = torch.ops.aten.convolution_backward(
+            gy.contiguous(), xin, w, [w.shape[0]] if has_bias else None, stride, [t, left] if sym else [0, 0],
+            dilation, False, [0, 0], 1, need)
+        if gx is not None and not sym:
+            gx = gx[:, :, t:t + x.shape[2], left:left + x.shape[3]]
+        return None, gx, gw, gb if has_bias else None, None, None, None, None, None, None
+
+
+def _autograd(keyset: Any, x: Any, w: Any, bias: Any, stride: list[int], padding: list[int],
+              dilation: list[int], algo: str, precision: str | None, max_error: float | None) -> Any:
+    """The op's Autograd kernel, registered directly (cheaper than ``register_autograd``'s generic
+    wrapper): without grad mode or without an input that requires grad it goes straight below
+    autograd (:func:`_below`), so no_grad calls pay almost nothing for autograd (inference_mode
+    skips this kernel entirely)."""
+    if _GRAD_ENABLED() and (x.requires_grad or w.requires_grad or (bias is not None and bias.requires_grad)):
+        return _Conv2dFn.apply(keyset, x, w, bias, stride, padding, dilation, algo, precision, max_error)
+    return _below(keyset, x, w, bias, stride, padding, dilation, algo, precision, max_error)
+
+
+_LIB.impl("conv2d", _autograd, "Autograd", with_keyset=True)
 
 
 def conv2d(x: Any, w: Any, bias: Any = None, stride: int | Sequence[int] = 1, padding: int | Sequence[int] = 0,
@@ -116,5 +157,4 @@ def conv2d(x: Any, w: Any, bias: Any = None, stride: int | Sequence[int] = 1, pa
     differentiable, traceable by torch.compile, capturable in CUDA graphs."""
     st = (stride, stride) if isinstance(stride, int) else tuple(stride)
     dl = (dilation, dilation) if isinstance(dilation, int) else tuple(dilation)
-    return torch.ops.convforge.conv2d(x, w, bias, list(st), list(normalize_padding(padding)), list(dl), algo,
-                                      precision, max_error)
+    return _OP(x, w, bias, list(st), list(normalize_padding(padding)), list(dl), algo, precision, max_error)
