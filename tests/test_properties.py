@@ -143,3 +143,13 @@ def test_check_params_never_escapes(name: str, params: dict) -> None:  # type: i
         assert variant.name in msg or "params" in msg
         return
     assert set(prm) == set(variant.default(spec, NOMINAL_CUDA))
+
+
+def test_params_must_be_a_mapping() -> None:
+    import numpy as np
+
+    import convforge
+
+    x, w = np.ones((1, 2, 5, 5), np.float32), np.ones((3, 2, 3, 3), np.float32)
+    with pytest.raises(TypeError, match=r"params \(\[1, 2\]\) must be a dict"):
+        convforge.conv2d(x, w, params=[1, 2])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -174,7 +174,9 @@ def _conv2d(x: Any, w: Any, bias: Any, stride: Any, padding: Any, dilation: Any,
         if other is not None and kind != "numpy" and _device_index(other, kind) != dev:
             raise ValueError(f"input is on CUDA device {dev} but {what} are on device {_device_index(other, kind)}")
     be = get_backend(bname, dev)
-    prm = Params(params) if isinstance(params, dict) else params
+    if params is not None and not isinstance(params, Mapping):
+        raise TypeError(f"params ({params!r}) must be a dict or Params of parameter names and values")
+    prm = params if params is None or isinstance(params, Params) else Params(params)
     epi = Epilogue(bias is not None, relu)
     if kind == "numpy":
         exe = executable_for(spec, be, algo, epi, workspace_limit, prm, precision, max_error)
