@@ -145,6 +145,8 @@ def _conv2d(x: Any, w: Any, bias: Any, stride: Any, padding: Any, dilation: Any,
             backend: str | None, workspace_limit: int | None, relu: bool, params: Any,
             precision: str | None, max_error: float | None) -> Any:
     """The first call of a signature: validate everything, choose, compile, build the runner."""
+    if params is not None and not isinstance(params, Mapping):
+        raise TypeError(f"params ({params!r}) must be a dict or Params of parameter names and values")
     kind = _kind(x, "input")
     if _kind(w, "weights") != kind:
         raise ValueError("input and weights must be the same kind of array")
@@ -174,8 +176,6 @@ def _conv2d(x: Any, w: Any, bias: Any, stride: Any, padding: Any, dilation: Any,
         if other is not None and kind != "numpy" and _device_index(other, kind) != dev:
             raise ValueError(f"input is on CUDA device {dev} but {what} are on device {_device_index(other, kind)}")
     be = get_backend(bname, dev)
-    if params is not None and not isinstance(params, Mapping):
-        raise TypeError(f"params ({params!r}) must be a dict or Params of parameter names and values")
     prm = params if params is None or isinstance(params, Params) else Params(params)
     epi = Epilogue(bias is not None, relu)
     if kind == "numpy":

@@ -52,9 +52,11 @@ def _device_for(backend: str):  # type: ignore[no-untyped-def]
         if cuda_available():
             return get_backend("cuda").device
         return DeviceInfo("cuda", "nominal sm_90", cc=(9, 0), shared_optin_bytes=227 * 1024, units=132)
-    from convforge.backends import get_backend
+    from convforge.backends import get_backend, opencl_available
 
-    return get_backend("opencl").device
+    if opencl_available():
+        return get_backend("opencl").device
+    return DeviceInfo("opencl", "nominal OpenCL GPU (no OpenCL device here)", units=132)
 
 
 def cmd_algos(args: argparse.Namespace) -> int:

@@ -138,8 +138,10 @@ def check_params(variant: Variant, spec: ConvSpec, device: DeviceInfo, params: A
         raise TypeError(f"params keys ({bad_keys!r}) must be strings")
     prm = params if isinstance(params, Params) else Params(params)
     default = variant.default(spec, device)
-    names = set(default)
-    missing, unknown = sorted(names - set(prm)), sorted(set(prm) - names)
+    space = variant.space(spec, device)
+    names = set(default).union(*(set(pt) for pt in space))  # optional keys appear in some points only
+    required = set(default).intersection(*(set(pt) for pt in space))
+    missing, unknown = sorted(required - set(prm)), sorted(set(prm) - names)
     if missing or unknown:
         what = "; ".join(part for part in (
             f"missing {', '.join(missing)}" if missing else "",
@@ -148,7 +150,7 @@ def check_params(variant: Variant, spec: ConvSpec, device: DeviceInfo, params: A
                          f"{', '.join(sorted(names)) or 'no parameters'}; its default here is "
                          f"{default.short() or '{}'})")
     taken: dict[str, set[Any]] = {k: {v} for k, v in default.items()}
-    for point in variant.space(spec, device):
+    for point in space:
         for k, v in point.items():
             taken.setdefault(k, set()).add(v)
     for k, v in prm.items():
