@@ -344,6 +344,46 @@ def test_filter_transforms_run_once_per_layer(ocl, monkeypatch, algo: str) -> No
     _check(net, g, _x(g, seed=4))  # a second call: the hoisted transforms are still in place
 
 
+ARENA = """
+input: "data" input_shape { dim: 2 dim: 5 dim: 13 dim: 11 }
+layer { name: "a" type: "Convolution" bottom: "data" top: "a"
+        convolution_param { num_output: 7 kernel_size: 3 pad: 1 } }
+layer { name: "b" type: "Convolution" bottom: "a" top: "b"
+        convolution_param { num_output: 6 kernel_size: 5 pad: 2 stride: 2 } }
+layer { name: "c" type: "Convolution" bottom: "b" top: "c"
+        convolution_param { num_output: 9 kernel_size: 3 pad: 1 } }
+layer { name: "d" type: "Convolution" bottom: "c" top: "d"
+        convolution_param { num_output: 3 kernel_size: 1 } }
+"""
+
+
+def test_conv_workspaces_share_one_arena(ocl, monkeypatch) -> None:
+    """Scratch workspaces do not add up across layers: one arena of the largest need (rank by
+    rank) serves them all, no executable allocates its own, filter transforms stay per layer."""
+    from convforge import dispatch
+    from convforge.graph import runtime
+
+    algos = {3: "winograd_nonfused_f2", 5: "im2col", 1: "im2col"}
+    dispatch.clear_executables()  # executables of earlier tests may hold workspaces of their own
+    real = dispatch.executable
+    monkeypatch.setattr(runtime.dispatch, "executable",
+                        lambda spec, be, epi, **kw: real(spec, be, epi, algo=algos[spec.r]))
+    g = load_prototxt(ARENA, seed=5)
+    net = compile(g, batch=2, backend="opencl", passes=False)
+    plans = [e.plan for e in net._execs]
+    scratch = [sorted((b for n, b in p.workspace if n not in e.derived), reverse=True)
+               for p, e in zip(plans, net._execs, strict=True)]
+    assert all(scratch) and sum(map(sum, scratch)) > net.arena_bytes  # it would have added up
+    width = max(map(len, scratch))
+    want = sum(max((s[i] for s in scratch if len(s) > i), default=0) for i in range(width))
+    assert net.arena_bytes == want >= max(map(sum, scratch))
+    assert all(e.own_bytes == 0 for e in net._execs) and net.workspace_bytes == net.arena_bytes
+    derived = sum(b for p, e in zip(plans, net._execs, strict=True) for n, b in p.workspace if n in e.derived)
+    assert net.transformed_bytes == derived > 0
+    for seed in (1, 2):  # layers overwrite each other's scratch: the second call must still be right
+        _check(net, g, _x(g, seed))
+
+
 def test_fold_batchnorm_needs_a_sole_reader() -> None:
     g = load_prototxt(SMALL, seed=4)
     g.nodes.insert(1, Node("tap", "relu", ["c1"], "tap", {}))

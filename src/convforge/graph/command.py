@@ -20,6 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", type=Path, help="a .caffemodel for a prototxt net (default: random, --seed)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and input")
     p.add_argument("--repeats", type=int, default=10, help="timed runs (medians are reported)")
+    p.add_argument("--workspace-limit", type=float, metavar="MIB",
+                   help="the most scratch workspace one conv may use (MiB; the layers share one arena)")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison")
     p.add_argument("--no-check", action="store_true", help="skip the float64 reference check")
 
@@ -43,7 +45,10 @@ def main(args: argparse.Namespace) -> int:
     if args.tune:
         _tune(args, console, backend)
     t0 = time.perf_counter()
-    net = Network(optimize(graph), backend)
+    limit = None if args.workspace_limit is None else int(args.workspace_limit * 2**20)
+    if limit is not None and limit < 0:
+        raise ValueError(f"--workspace-limit ({args.workspace_limit}) must be >= 0 MiB")
+    net = Network(optimize(graph), backend, workspace_limit=limit)
     console.print(f"{graph.name}: {len(graph.nodes)} nodes -> {len(net.steps)} steps after the passes, "
                   f"built in {time.perf_counter() - t0:.1f} s on {backend.device.name} ({backend.name})")
     x = np.random.default_rng(args.seed).standard_normal(net.shapes[graph.input].shape).astype(np.float32)
@@ -55,7 +60,8 @@ def main(args: argparse.Namespace) -> int:
     console.print(f"total ({mode}): {total:.3f} ms; {args.batch / total * 1e3:.1f} images/s; "
                   f"peak memory {net.peak_bytes / 2**20:.1f} MiB (activations {net.memory.bytes / 2**20:.1f}, "
                   f"weights {net.weight_bytes / 2**20:.1f}, transformed filters {net.transformed_bytes / 2**20:.1f}, "
-                  f"workspaces {net.workspace_bytes / 2**20:.1f})")
+                  f"workspaces {net.workspace_bytes / 2**20:.1f}, of which the shared arena "
+                  f"{net.arena_bytes / 2**20:.1f})")
     if not args.no_check:
         _check(console, graph, x, out)
     if not args.no_torch and backend.name == "cuda":
