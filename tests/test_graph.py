@@ -202,6 +202,27 @@ def test_op_kernels(ocl, op: str, attrs: dict) -> None:
     _check(compile(g, backend="opencl", batch=2, passes=False), g, _x(g))
 
 
+@pytest.mark.parametrize("shape", [(3, 1000, 1, 1), (2, 1001, 1, 1), (1, 7, 13, 11), (5, 300, 2, 3),
+                                   (2, 4, 1, 1), (1, 1, 1, 1), (4, 1028, 1, 1)])
+def test_softmax_one_work_group_per_row(ocl, shape) -> None:
+    """Parallel max and sum per row in shared memory (float4 when rows are contiguous and a
+    multiple of 4), on odd row lengths and strided rows; large logits check the max shift."""
+    from convforge.graph import ops
+
+    g = _one_op("softmax", {}, shape=shape)
+    g.nodes[0].attrs = {"slope": 1.0}  # identity: keep the large negative logits too
+    launch = ops.softmax(g.nodes[1], infer(g)["t0"], "t0", "y")
+    rows = shape[0] * shape[2] * shape[3]
+    assert launch.grid == (rows, 1, 1) and launch.kernel.block[0] == ops._row_threads(
+        shape[1] // 4 if rows == shape[0] and shape[1] % 4 == 0 else shape[1])
+    assert ("VLOAD4" in launch.kernel.body) == (shape[1] % 4 == 0 and shape[2] * shape[3] == 1)
+    x = 30 * _x(g)
+    net = compile(g, backend="opencl", batch=shape[0], passes=False)
+    ref = run_reference(g, x)
+    assert rel_l2(net(x)["y"], ref["y"]) < 1e-5
+    assert np.allclose(net(x)["y"].sum(axis=1), 1.0, atol=1e-5)
+
+
 def test_batchnorm_add_concat_kernels(ocl) -> None:
     c = 7
     bn = _one_op("batchnorm", {"eps": 1e-3}, weights={"mean": (c,), "var": (c,), "gamma": (c,), "beta": (c,)})

@@ -40,7 +40,7 @@ def test_op_kernels_compile_for_cuda(nvcc_ok) -> None:
     from convforge.codegen.nvcc import ptxas_report
     from convforge.codegen.render import render
     from convforge.graph import ops
-    from convforge.graph.ir import infer
+    from convforge.graph.ir import Node, Tensor, infer
     from convforge.graph.passes import optimize
 
     kernels = []
@@ -64,5 +64,9 @@ def test_op_kernels_compile_for_cuda(nvcc_ok) -> None:
             elif node.op == "scale":
                 kernels.append(ops.affine(node, x, "x", "y", "a", "b", True).kernel)
         kernels.append(ops.activation(g.nodes[0], shapes[g.input], "x", "y").kernel)
+    for shape in ((3, 1001, 1, 1), (2, 21, 5, 7), (128, 1000, 1, 1)):  # strided, per pixel, float4
+        probe = Tensor("x", ("n", "c", "y", "x"), shape)
+        node = Node(f"sm{shape[1]}_{shape[2]}", "softmax", ["x"], "y", {}, {})
+        kernels.append(ops.softmax(node, probe, "x", "y").kernel)
     unique = list({k.name: k for k in kernels}.values())
     assert ptxas_report(render(unique, "cuda", "graph ops"))

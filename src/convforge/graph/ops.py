@@ -3,7 +3,7 @@
 
 Each builder returns an :class:`OpLaunch`: a kernel specialised to its shapes (sizes are constants,
 like the conv families) and its launch, with arguments named by tensor or weight. One thread per
-output element (softmax: per pixel), 1-D blocks of 256.
+output element, 1-D blocks of 256; a per-row reduction (softmax) is one work-group per row.
 """
 
 from __future__ import annotations
@@ -125,20 +125,65 @@ def add(node: Node, x: Tensor, srcs: list[str], dst: str, relu: bool) -> OpLaunc
     return _elementwise(kernel_name(node), x.size, bufs, tuple(srcs) + (dst,), body, f"{node.name}: add")
 
 
+def _row_threads(length: int) -> int:
+    """Work-group size for one row of ``length``: a power of two from 32 up to BLOCK."""
+    t = 32
+    while t < min(length, BLOCK):
+        t *= 2
+    return t
+
+
+def _block_reduce(var: str, op: str, threads: int) -> str:
+    """Reduce ``var`` over the work-group through the shared array ``red`` (tree, unrolled);
+    every thread ends with the result in ``var``. ``op`` is MAX or ADD."""
+    comb = "MAX(red[t], red[t + {s}])" if op == "MAX" else "red[t] + red[t + {s}]"
+    lines = [f"red[t] = {var};", "BARRIER();"]
+    half = threads // 2
+    while half:
+        lines += [f"if (t < {half}) red[t] = {comb.format(s=half)};", "BARRIER();"]
+        half //= 2
+    lines += [f"{var} = red[0];", "BARRIER();"]  # all read red[0] before it is written again
+    return "\n".join(lines)
+
+
 def softmax(node: Node, x: Tensor, src: str, dst: str) -> OpLaunch:
-    """Softmax over channels, one thread per (image, pixel)."""
+    """Softmax over channels: one work-group per row (image, pixel), the max and the sum
+    reduced in parallel in shared memory; float4 loads when the rows are contiguous (one
+    pixel) and a multiple of 4 long."""
     n, c = x.shape[0], x.shape[1]
     hw = x.size // (n * c)
-    body = f"""const GLOBAL_PTR float* in = x + (e / {hw}) * {c * hw} + e % {hw};
-GLOBAL_PTR float* out = y + (e / {hw}) * {c * hw} + e % {hw};
+    threads = _row_threads(c // 4 if hw == 1 and c % 4 == 0 else c)
+    if hw == 1 and c % 4 == 0:
+        base = f"const int t = LOCAL_ID(0), row = GROUP_ID(0);\nconst GLOBAL_PTR float* in = x + row * {c};\n" \
+               f"GLOBAL_PTR float* out = y + row * {c};"
+        loop = f"for (int i = t; i < {c // 4}; i += {threads})"
+        m_body = "{ const float4 v = VLOAD4(i, in); m = MAX(m, MAX(MAX(v.x, v.y), MAX(v.z, v.w))); }"
+        s_body = ("{ const float4 v = VLOAD4(i, in);\n"
+                  "  s += (exp(v.x - m) + exp(v.y - m)) + (exp(v.z - m) + exp(v.w - m)); }")
+        w_body = ("{ const float4 v = VLOAD4(i, in);\n"
+                  "  VSTORE4(MAKE_FLOAT4(exp(v.x - m) * inv, exp(v.y - m) * inv, exp(v.z - m) * inv, "
+                  "exp(v.w - m) * inv), i, out); }")
+    else:
+        base = (f"const int t = LOCAL_ID(0), row = GROUP_ID(0);\n"
+                f"const GLOBAL_PTR float* in = x + (row / {hw}) * {c * hw} + row % {hw};\n"
+                f"GLOBAL_PTR float* out = y + (row / {hw}) * {c * hw} + row % {hw};")
+        loop = f"for (int ch = t; ch < {c}; ch += {threads})"
+        m_body = f"m = MAX(m, in[ch * {hw}]);"
+        s_body = f"s += exp(in[ch * {hw}] - m);"
+        w_body = f"out[ch * {hw}] = exp(in[ch * {hw}] - m) * inv;"
+    body = f"""{base}
+SHARED float red[{threads}];
 float m = -3.402823466e38f;
-for (int ch = 0; ch < {c}; ++ch) m = MAX(m, in[ch * {hw}]);
+{loop} {m_body}
+{_block_reduce("m", "MAX", threads)}
 float s = 0.0f;
-for (int ch = 0; ch < {c}; ++ch) s += exp(in[ch * {hw}] - m);
+{loop} {s_body}
+{_block_reduce("s", "ADD", threads)}
 const float inv = 1.0f / s;
-for (int ch = 0; ch < {c}; ++ch) out[ch * {hw}] = exp(in[ch * {hw}] - m) * inv;"""
-    return _elementwise(kernel_name(node), n * hw, (Buf("x"), _out()), (src, dst), body,
-                        f"{node.name}: softmax over {c} channels")
+{loop} {w_body}"""
+    kern = Kernel(kernel_name(node), (Buf("x"), _out()), body, (threads, 1, 1),
+                  comment=f"{node.name}: softmax over {c} channels, a work-group of {threads} per row")
+    return OpLaunch(kern, (n * hw, 1, 1), (src, dst))
 
 
 def copy_into(node: Node, x: Tensor, total_c: int, offset: int, src: str, dst: str, part: int) -> OpLaunch:
