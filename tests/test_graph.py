@@ -223,6 +223,22 @@ def test_softmax_one_work_group_per_row(ocl, shape) -> None:
     assert np.allclose(net(x)["y"].sum(axis=1), 1.0, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["max", "avg"])
+@pytest.mark.parametrize("shape", [(2, 3, 17, 19), (3, 5, 16, 12), (1, 2, 5, 7), (2, 1, 31, 31)])
+def test_global_pool_rows(ocl, kind: str, shape) -> None:
+    """Global pooling: a work-group per long row (float4 when its length is a multiple of 4),
+    one thread per short row; checked against the reference either way."""
+    from convforge.graph import ops
+
+    g = _one_op("pool", {"kind": kind, "global": True}, shape=shape)
+    shapes = infer(g)
+    launch = ops.pool(g.nodes[1], shapes["t0"], shapes["y"], "t0", "y")
+    long_rows = shape[2] * shape[3] >= ops.ROW_MIN
+    assert (launch.grid == (shape[0] * shape[1], 1, 1)) == long_rows
+    assert ("VLOAD4" in launch.kernel.body) == (long_rows and shape[2] * shape[3] % 4 == 0)
+    _check(compile(g, backend="opencl", batch=shape[0], passes=False), g, _x(g))
+
+
 def test_batchnorm_add_concat_kernels(ocl) -> None:
     c = 7
     bn = _one_op("batchnorm", {"eps": 1e-3}, weights={"mean": (c,), "var": (c,), "gamma": (c,), "beta": (c,)})

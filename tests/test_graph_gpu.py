@@ -68,5 +68,10 @@ def test_op_kernels_compile_for_cuda(nvcc_ok) -> None:
         probe = Tensor("x", ("n", "c", "y", "x"), shape)
         node = Node(f"sm{shape[1]}_{shape[2]}", "softmax", ["x"], "y", {}, {})
         kernels.append(ops.softmax(node, probe, "x", "y").kernel)
+    for kind, shape in (("max", (3, 5, 16, 12)), ("avg", (2, 3, 17, 19))):  # global pool, a group per row
+        probe = Tensor("x", ("n", "c", "y", "x"), shape)
+        node = Node(f"gp_{kind}", "pool", ["x"], "y", {"kind": kind, "global": True}, {})
+        out = Tensor("y", ("n", "c", "y", "x"), (*shape[:2], 1, 1))
+        kernels.append(ops.pool(node, probe, out, "x", "y").kernel)
     unique = list({k.name: k for k in kernels}.values())
     assert ptxas_report(render(unique, "cuda", "graph ops"))

@@ -15,6 +15,7 @@ from convforge.codegen.dialect import Buf, Kernel
 from convforge.graph.ir import Node, Tensor, conv_geometry
 
 BLOCK = 256
+ROW_MIN = 64  # a per-row reduction at least this long gets a work-group per row
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,8 @@ def pool(node: Node, x: Tensor, y: Tensor, src: str, dst: str) -> OpLaunch:
     n, c, h, w = x.shape
     _, _, p, q = y.shape
     is_max = node.attrs.get("kind", "max") == "max"
+    if node.attrs.get("global") and h * w >= ROW_MIN:
+        return _global_pool(node, x, src, dst, is_max)
     if node.attrs.get("global"):
         kr, ks, sh, sw, pt, pb, pl, pr = h, w, 1, 1, 0, 0, 0, 0
     else:
@@ -74,6 +77,33 @@ for (int yy = ys; yy < ye; ++yy)
 y[e] = {fin};"""
     return _elementwise(kernel_name(node), n * c * p * q, (Buf("x"), _out()), (src, dst), body,
                         f"{node.name}: pool {'max' if is_max else 'avg'} {kr}x{ks}/{sh}")
+
+
+def _global_pool(node: Node, x: Tensor, src: str, dst: str, is_max: bool) -> OpLaunch:
+    """Global max / average pooling of long rows: one work-group per (image, channel), the
+    reduction in parallel in shared memory (float4 when the row is a multiple of 4 long)."""
+    n, c, h, w = x.shape
+    hw = h * w
+    vec = hw % 4 == 0
+    threads = _row_threads(hw // 4 if vec else hw)
+    op = "MAX" if is_max else "ADD"
+    init = "-3.402823466e38f" if is_max else "0.0f"
+    if vec:
+        fold = ("MAX(MAX(v.x, v.y), MAX(v.z, v.w))" if is_max else "(v.x + v.y) + (v.z + v.w)")
+        step = f"{{ const float4 v = VLOAD4(i, in); acc = {'MAX(acc, ' + fold + ')' if is_max else 'acc + ' + fold}; }}"
+        loop = f"for (int i = t; i < {hw // 4}; i += {threads}) {step}"
+    else:
+        loop = f"for (int i = t; i < {hw}; i += {threads}) acc = {'MAX(acc, in[i])' if is_max else 'acc + in[i]'};"
+    body = f"""const int t = LOCAL_ID(0), row = GROUP_ID(0);
+const GLOBAL_PTR float* in = x + row * {hw};
+SHARED float red[{threads}];
+float acc = {init};
+{loop}
+{_block_reduce("acc", op, threads)}
+if (t == 0) y[row] = {"acc" if is_max else f"acc * {1.0 / hw!r}f"};"""
+    kern = Kernel(kernel_name(node), (Buf("x"), _out()), body, (threads, 1, 1),
+                  comment=f"{node.name}: global {'max' if is_max else 'avg'} pool of {h}x{w}, a work-group per row")
+    return OpLaunch(kern, (n * c, 1, 1), (src, dst))
 
 
 def lrn(node: Node, x: Tensor, src: str, dst: str) -> OpLaunch:
