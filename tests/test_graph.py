@@ -5,6 +5,7 @@ Every comparison is against the float64 reference executor of the IR (convforge.
 
 from __future__ import annotations
 
+import json
 import struct
 
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 
 from convforge.graph import passes
 from convforge.graph.caffe import load_prototxt, read_caffemodel
+from convforge.graph.command import SUMMARY_HEADER
 from convforge.graph.ir import Graph, GraphError, Node, infer
 from convforge.graph.prototxt import PrototxtError, parse
 from convforge.graph.reference import run_reference
@@ -582,12 +584,36 @@ def test_cli_run_and_tune_net(ocl, tmp_path, capsys) -> None:
 
     path = tmp_path / "small.prototxt"
     path.write_text(INCEPTION)
-    assert main(["run", "--net", str(path), "--batch", "2", "--backend", "opencl", "--repeats", "2"]) == 0
+    assert main(["run", "--net", str(path), "--batch", "2", "--backend", "opencl", "--repeats", "2",
+                 "--out", str(tmp_path / "runs")]) == 0
     out = capsys.readouterr().out
     assert "images/s" in out and "peak memory" in out and "relative error" in out and "gp " in out
+    assert "PyTorch: not run: this run is opencl" in out and "shared arena" in out
+    res = json.loads((tmp_path / "runs" / "run-small-n2-opencl.json").read_text())
+    assert res["summary"] in out and res["summary"].startswith("| small | 2 | opencl | ")
+    assert res["summary"].count("|") == SUMMARY_HEADER.count("|") and "n/a" in res["summary"]
+    assert res["ours_ms"] > 0 and res["logits_error"] == res["errors"]["gp"] < 1e-4
+    assert {"a", "b", "c", "gp"} <= {r["layer"] for r in res["layers"]} and all(r["ms"] > 0 for r in res["layers"])
     db = tmp_path / "tune.db"
     assert main(["tune", "--net", str(path), "--batch", "2", "--backend", "opencl", "--budget", "2",
                  "--db", str(db)]) == 0
     out = capsys.readouterr().out
     assert "3 distinct conv/fc layer(s)" in out and "3 layer(s) tuned or known, 0 failed" in out
     assert main(["run", "--net", "nosuch", "--backend", "opencl"]) == 2
+
+
+def test_run_on_opencl_needs_no_cuda(ocl, tmp_path) -> None:
+    """`convforge run --backend opencl` (Boda's experiment on a GPU machine) with CuPy and torch
+    made unimportable: it still runs, and says the PyTorch baseline was not run and why."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "small.prototxt"
+    path.write_text(SMALL)
+    code = ("import sys; sys.modules['cupy'] = None; sys.modules['torch'] = None; "
+            "from convforge.cli import main; "
+            f"sys.exit(main(['run', '--net', {str(path)!r}, '--backend', 'opencl', '--repeats', '2']))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "PyTorch: not run: this run is opencl" in done.stdout and "| small | 1 | opencl |" in done.stdout
+    assert "cupy" not in done.stderr.lower()
