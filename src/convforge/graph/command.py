@@ -21,7 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and input")
     p.add_argument("--repeats", type=int, default=10, help="timed runs (medians are reported)")
     p.add_argument("--workspace-limit", type=float, metavar="MIB",
-                   help="the most scratch workspace one conv may use (MiB; the layers share one arena)")
+                   help="the most workspace one conv may use, filter transforms included (MiB; the layers "
+                        "share one scratch arena of the largest need)")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison")
     p.add_argument("--no-check", action="store_true", help="skip the float64 reference check")
     p.add_argument("--out", type=Path, metavar="DIR", help="also write the run (summary, layers) as JSON here")

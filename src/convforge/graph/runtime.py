@@ -262,10 +262,14 @@ class Network:
         so it costs about the largest single layer's workspace, not the sum over layers (buffers
         rather than offsets into one allocation: back-ends need no sub-buffer views). The filter-
         derived buffers (Winograd U, packed weights) live for the whole run: each layer gets its
-        own, filled here by the plan's weight steps (``transformed_bytes``). To bound the arena
-        itself, pass ``workspace_limit`` (bytes) to :func:`compile`: dispatch then picks, per
-        layer, only variants whose workspace fits, so the whole network stays under
-        ``limit`` + weights + activations + transformed filters.
+        own, filled here by the plan's weight steps (``transformed_bytes``).
+
+        The runtime sets no workspace budget of its own (the fastest variant is kept): the
+        arena already costs only the largest layer's need. Where that one layer is huge (im2col,
+        non-fused Winograd F2 on a big layer), pass ``workspace_limit`` (bytes) to
+        :func:`compile` (``convforge run --workspace-limit MIB``): dispatch then picks, per layer,
+        only variants whose whole workspace (scratch and filter transforms) fits, so the network
+        holds at most weights + activations + transformed filters + ``limit``.
         """
         ranks: list[int] = []
         scratch_of: list[list[str]] = []
@@ -428,8 +432,8 @@ def compile(model: Any, batch: int = 1, backend: str | None = None, *, input_siz
             capture: bool = True, workspace_limit: int | None = None) -> Network:
     """A :class:`Network` for ``model`` at ``batch`` on ``backend`` ('cuda' or 'opencl'; default CUDA
     when present). ``passes`` runs the graph passes (BN folding, fusion, identity removal).
-    ``workspace_limit`` (bytes): the most scratch workspace any conv may use; the layers share
-    one arena of about the largest need (see ``Network._bind_workspaces``)."""
+    ``workspace_limit`` (bytes): the most workspace (scratch and filter transforms) any conv may
+    use; the layers share one scratch arena of the largest need (``Network._bind_workspaces``)."""
     from convforge.api import default_backend
     from convforge.backends import get_backend
     from convforge.graph.passes import optimize
