@@ -75,3 +75,32 @@ def test_op_kernels_compile_for_cuda(nvcc_ok) -> None:
         kernels.append(ops.pool(node, probe, out, "x", "y").kernel)
     unique = list({k.name: k for k in kernels}.values())
     assert ptxas_report(render(unique, "cuda", "graph ops"))
+
+
+def test_alexnet_n128_peak_memory(cuda) -> None:
+    """The peak the network reports is what it holds on the device (CuPy's pool, measured), conv
+    workspaces are one shared arena, and the whole is no more than PyTorch's max_memory_allocated
+    for the same model and batch (measured where torch with CUDA is installed, else probe 3's
+    1635 MiB)."""
+    import cupy as cp
+
+    from convforge import dispatch
+    from convforge.graph import torch_baseline
+
+    dispatch.clear_executables()  # executables of earlier tests may hold workspaces of their own
+    pool = cp.get_default_memory_pool()
+    cp.cuda.Device().synchronize()
+    before = pool.used_bytes()
+    g = models.load("alexnet", seed=11)
+    net = compile(g, batch=128, backend="cuda")
+    held = pool.used_bytes() - before
+    assert net.workspace_bytes == net.arena_bytes > 0
+    assert abs(held - net.peak_bytes) < 0.02 * net.peak_bytes + (16 << 20), (held, net.peak_bytes)
+    why = torch_baseline.available()
+    if why is None:
+        x = np.random.default_rng(3).standard_normal(net.shapes[g.input].shape).astype(np.float32)
+        torch_peak = torch_baseline.run_torch(g.with_batch(128), x, repeats=2).peak_bytes
+    else:
+        torch_peak = 1635 * 2**20  # PyTorch 2.x, H200, AlexNet N128 (gpu-probe-3)
+    assert net.peak_bytes <= torch_peak, (f"peak {net.peak_bytes / 2**20:.1f} MiB (arena "
+                                          f"{net.arena_bytes / 2**20:.1f}) > PyTorch {torch_peak / 2**20:.1f}")
