@@ -5,6 +5,7 @@ Every comparison is against the float64 reference executor of the IR (convforge.
 
 from __future__ import annotations
 
+import json
 import struct
 
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 
 from convforge.graph import passes
 from convforge.graph.caffe import load_prototxt, read_caffemodel
+from convforge.graph.command import SUMMARY_HEADER
 from convforge.graph.ir import Graph, GraphError, Node, infer
 from convforge.graph.prototxt import PrototxtError, parse
 from convforge.graph.reference import run_reference
@@ -202,6 +204,43 @@ def test_op_kernels(ocl, op: str, attrs: dict) -> None:
     _check(compile(g, backend="opencl", batch=2, passes=False), g, _x(g))
 
 
+@pytest.mark.parametrize("shape", [(3, 1000, 1, 1), (2, 1001, 1, 1), (1, 7, 13, 11), (5, 300, 2, 3),
+                                   (2, 4, 1, 1), (1, 1, 1, 1), (4, 1028, 1, 1)])
+def test_softmax_one_work_group_per_row(ocl, shape) -> None:
+    """Parallel max and sum per row in shared memory (float4 when rows are contiguous and a
+    multiple of 4), on odd row lengths and strided rows; large logits check the max shift."""
+    from convforge.graph import ops
+
+    g = _one_op("softmax", {}, shape=shape)
+    g.nodes[0].attrs = {"slope": 1.0}  # identity: keep the large negative logits too
+    launch = ops.softmax(g.nodes[1], infer(g)["t0"], "t0", "y")
+    rows = shape[0] * shape[2] * shape[3]
+    assert launch.grid == (rows, 1, 1) and launch.kernel.block[0] == ops._row_threads(
+        shape[1] // 4 if rows == shape[0] and shape[1] % 4 == 0 else shape[1])
+    assert ("VLOAD4" in launch.kernel.body) == (shape[1] % 4 == 0 and shape[2] * shape[3] == 1)
+    x = 30 * _x(g)
+    net = compile(g, backend="opencl", batch=shape[0], passes=False)
+    ref = run_reference(g, x)
+    assert rel_l2(net(x)["y"], ref["y"]) < 1e-5
+    assert np.allclose(net(x)["y"].sum(axis=1), 1.0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["max", "avg"])
+@pytest.mark.parametrize("shape", [(2, 3, 17, 19), (3, 5, 16, 12), (1, 2, 5, 7), (2, 1, 31, 31)])
+def test_global_pool_rows(ocl, kind: str, shape) -> None:
+    """Global pooling: a work-group per long row (float4 when its length is a multiple of 4),
+    one thread per short row; checked against the reference either way."""
+    from convforge.graph import ops
+
+    g = _one_op("pool", {"kind": kind, "global": True}, shape=shape)
+    shapes = infer(g)
+    launch = ops.pool(g.nodes[1], shapes["t0"], shapes["y"], "t0", "y")
+    long_rows = shape[2] * shape[3] >= ops.ROW_MIN
+    assert (launch.grid == (shape[0] * shape[1], 1, 1)) == long_rows
+    assert ("VLOAD4" in launch.kernel.body) == (long_rows and shape[2] * shape[3] % 4 == 0)
+    _check(compile(g, backend="opencl", batch=shape[0], passes=False), g, _x(g))
+
+
 def test_batchnorm_add_concat_kernels(ocl) -> None:
     c = 7
     bn = _one_op("batchnorm", {"eps": 1e-3}, weights={"mean": (c,), "var": (c,), "gamma": (c,), "beta": (c,)})
@@ -342,6 +381,46 @@ def test_filter_transforms_run_once_per_layer(ocl, monkeypatch, algo: str) -> No
     assert net.transformed_bytes == 2 * sum(b for n, b in plan.workspace if n in plan.steps[once[0]].args)
     _check(net, g, _x(g))
     _check(net, g, _x(g, seed=4))  # a second call: the hoisted transforms are still in place
+
+
+ARENA = """
+input: "data" input_shape { dim: 2 dim: 5 dim: 13 dim: 11 }
+layer { name: "a" type: "Convolution" bottom: "data" top: "a"
+        convolution_param { num_output: 7 kernel_size: 3 pad: 1 } }
+layer { name: "b" type: "Convolution" bottom: "a" top: "b"
+        convolution_param { num_output: 6 kernel_size: 5 pad: 2 stride: 2 } }
+layer { name: "c" type: "Convolution" bottom: "b" top: "c"
+        convolution_param { num_output: 9 kernel_size: 3 pad: 1 } }
+layer { name: "d" type: "Convolution" bottom: "c" top: "d"
+        convolution_param { num_output: 3 kernel_size: 1 } }
+"""
+
+
+def test_conv_workspaces_share_one_arena(ocl, monkeypatch) -> None:
+    """Scratch workspaces do not add up across layers: one arena of the largest need (rank by
+    rank) serves them all, no executable allocates its own, filter transforms stay per layer."""
+    from convforge import dispatch
+    from convforge.graph import runtime
+
+    algos = {3: "winograd_nonfused_f2", 5: "im2col", 1: "im2col"}
+    dispatch.clear_executables()  # executables of earlier tests may hold workspaces of their own
+    real = dispatch.executable
+    monkeypatch.setattr(runtime.dispatch, "executable",
+                        lambda spec, be, epi, **kw: real(spec, be, epi, algo=algos[spec.r]))
+    g = load_prototxt(ARENA, seed=5)
+    net = compile(g, batch=2, backend="opencl", passes=False)
+    plans = [e.plan for e in net._execs]
+    scratch = [sorted((b for n, b in p.workspace if n not in e.derived), reverse=True)
+               for p, e in zip(plans, net._execs, strict=True)]
+    assert all(scratch) and sum(map(sum, scratch)) > net.arena_bytes  # it would have added up
+    width = max(map(len, scratch))
+    want = sum(max((s[i] for s in scratch if len(s) > i), default=0) for i in range(width))
+    assert net.arena_bytes == want >= max(map(sum, scratch))
+    assert all(e.own_bytes == 0 for e in net._execs) and net.workspace_bytes == net.arena_bytes
+    derived = sum(b for p, e in zip(plans, net._execs, strict=True) for n, b in p.workspace if n in e.derived)
+    assert net.transformed_bytes == derived > 0
+    for seed in (1, 2):  # layers overwrite each other's scratch: the second call must still be right
+        _check(net, g, _x(g, seed))
 
 
 def test_fold_batchnorm_needs_a_sole_reader() -> None:
@@ -505,12 +584,36 @@ def test_cli_run_and_tune_net(ocl, tmp_path, capsys) -> None:
 
     path = tmp_path / "small.prototxt"
     path.write_text(INCEPTION)
-    assert main(["run", "--net", str(path), "--batch", "2", "--backend", "opencl", "--repeats", "2"]) == 0
+    assert main(["run", "--net", str(path), "--batch", "2", "--backend", "opencl", "--repeats", "2",
+                 "--out", str(tmp_path / "runs")]) == 0
     out = capsys.readouterr().out
     assert "images/s" in out and "peak memory" in out and "relative error" in out and "gp " in out
+    assert "PyTorch: not run: this run is opencl" in out and "shared arena" in out
+    res = json.loads((tmp_path / "runs" / "run-small-n2-opencl.json").read_text())
+    assert res["summary"] in out and res["summary"].startswith("| small | 2 | opencl | ")
+    assert res["summary"].count("|") == SUMMARY_HEADER.count("|") and "n/a" in res["summary"]
+    assert res["ours_ms"] > 0 and res["logits_error"] == res["errors"]["gp"] < 1e-4
+    assert {"a", "b", "c", "gp"} <= {r["layer"] for r in res["layers"]} and all(r["ms"] > 0 for r in res["layers"])
     db = tmp_path / "tune.db"
     assert main(["tune", "--net", str(path), "--batch", "2", "--backend", "opencl", "--budget", "2",
                  "--db", str(db)]) == 0
     out = capsys.readouterr().out
     assert "3 distinct conv/fc layer(s)" in out and "3 layer(s) tuned or known, 0 failed" in out
     assert main(["run", "--net", "nosuch", "--backend", "opencl"]) == 2
+
+
+def test_run_on_opencl_needs_no_cuda(ocl, tmp_path) -> None:
+    """`convforge run --backend opencl` (Boda's experiment on a GPU machine) with CuPy and torch
+    made unimportable: it still runs, and says the PyTorch baseline was not run and why."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "small.prototxt"
+    path.write_text(SMALL)
+    code = ("import sys; sys.modules['cupy'] = None; sys.modules['torch'] = None; "
+            "from convforge.cli import main; "
+            f"sys.exit(main(['run', '--net', {str(path)!r}, '--backend', 'opencl', '--repeats', '2']))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "PyTorch: not run: this run is opencl" in done.stdout and "| small | 1 | opencl |" in done.stdout
+    assert "cupy" not in done.stderr.lower()

@@ -40,7 +40,7 @@ def test_op_kernels_compile_for_cuda(nvcc_ok) -> None:
     from convforge.codegen.nvcc import ptxas_report
     from convforge.codegen.render import render
     from convforge.graph import ops
-    from convforge.graph.ir import infer
+    from convforge.graph.ir import Node, Tensor, infer
     from convforge.graph.passes import optimize
 
     kernels = []
@@ -64,5 +64,43 @@ def test_op_kernels_compile_for_cuda(nvcc_ok) -> None:
             elif node.op == "scale":
                 kernels.append(ops.affine(node, x, "x", "y", "a", "b", True).kernel)
         kernels.append(ops.activation(g.nodes[0], shapes[g.input], "x", "y").kernel)
+    for shape in ((3, 1001, 1, 1), (2, 21, 5, 7), (128, 1000, 1, 1)):  # strided, per pixel, float4
+        probe = Tensor("x", ("n", "c", "y", "x"), shape)
+        node = Node(f"sm{shape[1]}_{shape[2]}", "softmax", ["x"], "y", {}, {})
+        kernels.append(ops.softmax(node, probe, "x", "y").kernel)
+    for kind, shape in (("max", (3, 5, 16, 12)), ("avg", (2, 3, 17, 19))):  # global pool, a group per row
+        probe = Tensor("x", ("n", "c", "y", "x"), shape)
+        node = Node(f"gp_{kind}", "pool", ["x"], "y", {"kind": kind, "global": True}, {})
+        out = Tensor("y", ("n", "c", "y", "x"), (*shape[:2], 1, 1))
+        kernels.append(ops.pool(node, probe, out, "x", "y").kernel)
     unique = list({k.name: k for k in kernels}.values())
     assert ptxas_report(render(unique, "cuda", "graph ops"))
+
+
+def test_alexnet_n128_peak_memory(cuda) -> None:
+    """The peak the network reports is what it holds on the device (CuPy's pool, measured), conv
+    workspaces are one shared arena, and the whole is no more than PyTorch's max_memory_allocated
+    for the same model and batch (measured where torch with CUDA is installed, else probe 3's
+    1635 MiB)."""
+    import cupy as cp
+
+    from convforge import dispatch
+    from convforge.graph import torch_baseline
+
+    dispatch.clear_executables()  # executables of earlier tests may hold workspaces of their own
+    pool = cp.get_default_memory_pool()
+    cp.cuda.Device().synchronize()
+    before = pool.used_bytes()
+    g = models.load("alexnet", seed=11)
+    net = compile(g, batch=128, backend="cuda")
+    held = pool.used_bytes() - before
+    assert net.workspace_bytes == net.arena_bytes > 0
+    assert abs(held - net.peak_bytes) < 0.02 * net.peak_bytes + (16 << 20), (held, net.peak_bytes)
+    why = torch_baseline.available()
+    if why is None:
+        x = np.random.default_rng(3).standard_normal(net.shapes[g.input].shape).astype(np.float32)
+        torch_peak = torch_baseline.run_torch(g.with_batch(128), x, repeats=2).peak_bytes
+    else:
+        torch_peak = 1635 * 2**20  # PyTorch 2.x, H200, AlexNet N128 (gpu-probe-3)
+    assert net.peak_bytes <= torch_peak, (f"peak {net.peak_bytes / 2**20:.1f} MiB (arena "
+                                          f"{net.arena_bytes / 2**20:.1f}) > PyTorch {torch_peak / 2**20:.1f}")

@@ -174,7 +174,8 @@ class Executable:
         self.program = backend.program(plan.source(backend.name))
         self.kernels = {k.name: k for k in plan.kernels}
         self.functions = {k.name: backend.function(self.program, k) for k in plan.kernels}
-        self._workspace: dict[str, Any] | None = None
+        self._workspace: dict[str, Any] | None = None  # every workspace buffer (workspace())
+        self._own: dict[str, Any] = {}  # those allocated for calls that supplied the others
         s = plan.spec
         self._sizes = {"x": 4 * s.n * s.c * s.h * s.w, "w": 4 * s.k * s.c * s.r * s.s,
                        "y": 4 * s.n * s.k * s.p * s.q, "bias": 4 * s.k, **dict(plan.workspace)}
@@ -198,11 +199,27 @@ class Executable:
         return ("launch", kernel, step, self.functions[step.kernel], template)
 
     def workspace(self) -> dict[str, Any]:
-        """Workspace buffers, allocated once per executable."""
+        """Every workspace buffer, in plan order, allocated once per executable."""
         if self._workspace is None:
-            self._workspace = {name: self.backend.empty(max(nbytes, 4))
+            self._workspace = {name: self._own[name] if name in self._own else self.backend.empty(max(nbytes, 4))
                                for name, nbytes in self.plan.workspace}
         return self._workspace
+
+    def _unsupplied(self, buffers: dict[str, Any]) -> dict[str, Any]:
+        """The workspace a call does not supply, allocated on first need: a caller that brings
+        its own (a network's shared arena, per-layer filter transforms) costs no dead copies."""
+        if self._workspace is not None:
+            return self._workspace
+        for name, nbytes in self.plan.workspace:
+            if name not in buffers and name not in self._own:
+                self._own[name] = self.backend.empty(max(nbytes, 4))
+        return self._own
+
+    @property
+    def own_bytes(self) -> int:
+        """Bytes of workspace this executable holds itself."""
+        held = self._workspace if self._workspace is not None else self._own
+        return sum(self.backend.nbytes(b) for b in held.values())
 
     def sizes(self) -> dict[str, int]:
         return dict(self._sizes)
@@ -221,7 +238,7 @@ class Executable:
         steps, :func:`weight_steps`); "rest" (the others: the caller passes the derived buffers
         its "weights" run filled)."""
         self.check_buffers(buffers)
-        bufs = {**self.workspace(), **buffers}
+        bufs = {**self._unsupplied(buffers), **buffers}
         for i, item in enumerate(self._steps):
             if steps != "all" and (i in self.weight_steps) != (steps == "weights"):
                 continue

@@ -20,11 +20,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", type=Path, help="a .caffemodel for a prototxt net (default: random, --seed)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and input")
     p.add_argument("--repeats", type=int, default=10, help="timed runs (medians are reported)")
+    p.add_argument("--workspace-limit", type=float, metavar="MIB",
+                   help="the most workspace one conv may use, filter transforms included (MiB; the layers "
+                        "share one scratch arena of the largest need)")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison")
     p.add_argument("--no-check", action="store_true", help="skip the float64 reference check")
+    p.add_argument("--out", type=Path, metavar="DIR", help="also write the run (summary, layers) as JSON here")
 
 
 def main(args: argparse.Namespace) -> int:
+    """Build, check and time the network; with --backend opencl nothing here touches CUDA (the
+    PyTorch baseline, CUDA only, is then reported as not run: run it with --backend cuda)."""
     from rich.console import Console
 
     from convforge.api import default_backend
@@ -42,8 +48,11 @@ def main(args: argparse.Namespace) -> int:
     backend = get_backend(args.backend or default_backend())
     if args.tune:
         _tune(args, console, backend)
+    limit = None if args.workspace_limit is None else int(args.workspace_limit * 2**20)
+    if limit is not None and limit < 0:
+        raise ValueError(f"--workspace-limit ({args.workspace_limit}) must be >= 0 MiB")
     t0 = time.perf_counter()
-    net = Network(optimize(graph), backend)
+    net = Network(optimize(graph), backend, workspace_limit=limit)
     console.print(f"{graph.name}: {len(graph.nodes)} nodes -> {len(net.steps)} steps after the passes, "
                   f"built in {time.perf_counter() - t0:.1f} s on {backend.device.name} ({backend.name})")
     x = np.random.default_rng(args.seed).standard_normal(net.shapes[graph.input].shape).astype(np.float32)
@@ -55,12 +64,60 @@ def main(args: argparse.Namespace) -> int:
     console.print(f"total ({mode}): {total:.3f} ms; {args.batch / total * 1e3:.1f} images/s; "
                   f"peak memory {net.peak_bytes / 2**20:.1f} MiB (activations {net.memory.bytes / 2**20:.1f}, "
                   f"weights {net.weight_bytes / 2**20:.1f}, transformed filters {net.transformed_bytes / 2**20:.1f}, "
-                  f"workspaces {net.workspace_bytes / 2**20:.1f})")
-    if not args.no_check:
-        _check(console, graph, x, out)
-    if not args.no_torch and backend.name == "cuda":
-        _torch(console, graph, x, total, net.peak_bytes, args.repeats)
+                  f"workspaces {net.workspace_bytes / 2**20:.1f}, of which the shared arena "
+                  f"{net.arena_bytes / 2**20:.1f})")
+    res: dict[str, Any] = {
+        "net": Path(str(args.net)).stem, "batch": args.batch, "backend": backend.name, "device": backend.device.name,
+        "mode": mode, "ours_ms": total, "images_per_s": args.batch / total * 1e3,
+        "peak_mib": net.peak_bytes / 2**20, "tuned": bool(args.tune),
+        "peak_parts_mib": {"activations": net.memory.bytes / 2**20, "weights": net.weight_bytes / 2**20,
+                           "transformed_filters": net.transformed_bytes / 2**20,
+                           "workspaces": net.workspace_bytes / 2**20, "arena": net.arena_bytes / 2**20},
+        "layers": [{"layer": st.node, "op": st.op, "variant": st.variant, "ms": ms} for st, ms in prof]}
+    ref = None if args.no_check else _check(console, graph, x, out, res)
+    if args.no_torch:
+        res["torch"] = "skipped (--no-torch)"
+    elif backend.name != "cuda":
+        res["torch"] = (f"not run: this run is {backend.name}; the PyTorch baseline runs on CUDA "
+                        f"(convforge run --net {args.net} --batch {args.batch} --backend cuda)")
+        console.print(f"PyTorch: {res['torch']}", soft_wrap=True)
+    else:
+        _torch(console, graph, x, total, net.peak_bytes, args.repeats, ref, res)
+    for line in (SUMMARY_HEADER, summary_line(res)):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+    if args.out is not None:
+        _write(args.out, res)
     return 0
+
+
+SUMMARY_HEADER = ("| net | batch | backend | ours ms | PyTorch eager ms | PyTorch graph ms | vs eager | "
+                  "vs graph | peak MiB | PyTorch peak MiB | logits error | PyTorch logits error |")
+
+
+def summary_line(res: dict[str, Any]) -> str:
+    """One line for docs/BENCHMARKS.md: net, batch, backend, our time, PyTorch's times and our
+    speed-ups, peak memory of both, the logits' error of both (n/a where not measured)."""
+    def num(key: str, fmt: str) -> str:
+        val = res.get(key)
+        return "n/a" if val is None else format(val, fmt)
+
+    ours = res["ours_ms"]
+    eager, graph = res.get("torch_eager_ms"), res.get("torch_graph_ms")
+    sp_e = "n/a" if eager is None else f"{eager / ours:.2f}x"
+    sp_g = "n/a" if graph is None else f"{graph / ours:.2f}x"
+    return (f"| {res['net']} | {res['batch']} | {res['backend']} | {ours:.3f} | {num('torch_eager_ms', '.3f')} | "
+            f"{num('torch_graph_ms', '.3f')} | {sp_e} | {sp_g} | {res['peak_mib']:.1f} | "
+            f"{num('torch_peak_mib', '.1f')} | {num('logits_error', '.1e')} | {num('torch_logits_error', '.1e')} |")
+
+
+def _write(out: Path, res: dict[str, Any]) -> None:
+    """The run as JSON in ``out`` (created): run-NET-nBATCH-BACKEND.json."""
+    import json
+    import re
+
+    out.mkdir(parents=True, exist_ok=True)
+    name = re.sub(r"[^\w.-]", "_", f"run-{res['net']}-n{res['batch']}-{res['backend']}.json")
+    (out / name).write_text(json.dumps({**res, "summary": summary_line(res)}, indent=1) + "\n")
 
 
 def _tune(args: argparse.Namespace, console: Any, backend: Any) -> None:
@@ -93,30 +150,44 @@ def _table(prof: list[tuple[Any, float]], name: str, batch: int) -> Any:
     return table
 
 
-def _check(console: Any, graph: Any, x: np.ndarray, out: dict[str, np.ndarray]) -> None:
-    """Relative L2 error of image 0 against the float64 reference (run at batch 1)."""
+def _check(console: Any, graph: Any, x: np.ndarray, out: dict[str, np.ndarray],
+           res: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Relative L2 error of image 0 against the float64 reference (run at batch 1); returns the
+    reference's outputs. The logits are the last output (main adds them after a softmax)."""
     from convforge.graph.reference import run_reference
     from convforge.reference import rel_l2
 
     ref = run_reference(graph.with_batch(1), x[:1])
-    errs = ", ".join(f"{t} {rel_l2(out[t][:1], ref[t]):.2e}" for t in graph.outputs)
-    console.print(f"relative error vs the float64 reference (image 0): {errs}")
+    errs = {t: rel_l2(out[t][:1], ref[t]) for t in graph.outputs}
+    res["errors"] = errs
+    res["logits_error"] = errs[graph.outputs[-1]]
+    console.print("relative error vs the float64 reference (image 0): "
+                  + ", ".join(f"{t} {e:.2e}" for t, e in errs.items()))
+    return ref
 
 
-def _torch(console: Any, graph: Any, x: np.ndarray, total: float, peak: int, repeats: int) -> None:
+def _torch(console: Any, graph: Any, x: np.ndarray, total: float, peak: int, repeats: int,
+           ref: dict[str, np.ndarray] | None, res: dict[str, Any]) -> None:
+    """PyTorch FP32 on the same graph and weights (CUDA); its output is the logits."""
     from convforge.graph import torch_baseline
 
     why = torch_baseline.available()
     if why:
-        console.print(f"PyTorch: skipped ({why})")
+        res["torch"] = f"skipped ({why})"
+        console.print(f"PyTorch: {res['torch']}")
         return
-    t = torch_baseline.run_torch(graph, x, repeats)
+    logits = graph.outputs[-1]
+    tg = graph.copy()
+    tg.outputs = [logits]
+    t = torch_baseline.run_torch(tg, x, repeats)
+    res.update(torch="PyTorch FP32 (cudnn.benchmark, TF32 off)", torch_eager_ms=t.eager_ms,
+               torch_graph_ms=t.graph_ms, torch_peak_mib=t.peak_bytes / 2**20)
     console.print(f"PyTorch FP32: eager {t.eager_ms:.3f} ms ({t.eager_ms / total:.2f}x ours), "
                   f"CUDA graph {t.graph_ms:.3f} ms ({t.graph_ms / total:.2f}x ours), "
                   f"max_memory_allocated {t.peak_bytes / 2**20:.1f} MiB (ours {peak / 2**20:.1f} MiB)")
-    from convforge.graph.reference import run_reference
-    from convforge.reference import rel_l2
+    if ref is not None:
+        from convforge.reference import rel_l2
 
-    ref = run_reference(graph.with_batch(1), x[:1])[graph.outputs[0]]
-    console.print(f"PyTorch relative error vs the float64 reference (image 0, {graph.outputs[0]}): "
-                  f"{rel_l2(t.output[:1], ref):.2e}")
+        res["torch_logits_error"] = rel_l2(t.output[:1], ref[logits])
+        console.print(f"PyTorch relative error vs the float64 reference (image 0, {logits}): "
+                      f"{res['torch_logits_error']:.2e}")

@@ -3,7 +3,7 @@
 
 Each builder returns an :class:`OpLaunch`: a kernel specialised to its shapes (sizes are constants,
 like the conv families) and its launch, with arguments named by tensor or weight. One thread per
-output element (softmax: per pixel), 1-D blocks of 256.
+output element, 1-D blocks of 256; a per-row reduction (softmax) is one work-group per row.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from convforge.codegen.dialect import Buf, Kernel
 from convforge.graph.ir import Node, Tensor, conv_geometry
 
 BLOCK = 256
+ROW_MIN = 64  # a per-row reduction at least this long gets a work-group per row
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,8 @@ def pool(node: Node, x: Tensor, y: Tensor, src: str, dst: str) -> OpLaunch:
     n, c, h, w = x.shape
     _, _, p, q = y.shape
     is_max = node.attrs.get("kind", "max") == "max"
+    if node.attrs.get("global") and h * w >= ROW_MIN:
+        return _global_pool(node, x, src, dst, is_max)
     if node.attrs.get("global"):
         kr, ks, sh, sw, pt, pb, pl, pr = h, w, 1, 1, 0, 0, 0, 0
     else:
@@ -74,6 +77,33 @@ for (int yy = ys; yy < ye; ++yy)
 y[e] = {fin};"""
     return _elementwise(kernel_name(node), n * c * p * q, (Buf("x"), _out()), (src, dst), body,
                         f"{node.name}: pool {'max' if is_max else 'avg'} {kr}x{ks}/{sh}")
+
+
+def _global_pool(node: Node, x: Tensor, src: str, dst: str, is_max: bool) -> OpLaunch:
+    """Global max / average pooling of long rows: one work-group per (image, channel), the
+    reduction in parallel in shared memory (float4 when the row is a multiple of 4 long)."""
+    n, c, h, w = x.shape
+    hw = h * w
+    vec = hw % 4 == 0
+    threads = _row_threads(hw // 4 if vec else hw)
+    op = "MAX" if is_max else "ADD"
+    init = "-3.402823466e38f" if is_max else "0.0f"
+    if vec:
+        fold = ("MAX(MAX(v.x, v.y), MAX(v.z, v.w))" if is_max else "(v.x + v.y) + (v.z + v.w)")
+        step = f"{{ const float4 v = VLOAD4(i, in); acc = {'MAX(acc, ' + fold + ')' if is_max else 'acc + ' + fold}; }}"
+        loop = f"for (int i = t; i < {hw // 4}; i += {threads}) {step}"
+    else:
+        loop = f"for (int i = t; i < {hw}; i += {threads}) acc = {'MAX(acc, in[i])' if is_max else 'acc + in[i]'};"
+    body = f"""const int t = LOCAL_ID(0), row = GROUP_ID(0);
+const GLOBAL_PTR float* in = x + row * {hw};
+SHARED float red[{threads}];
+float acc = {init};
+{loop}
+{_block_reduce("acc", op, threads)}
+if (t == 0) y[row] = {"acc" if is_max else f"acc * {1.0 / hw!r}f"};"""
+    kern = Kernel(kernel_name(node), (Buf("x"), _out()), body, (threads, 1, 1),
+                  comment=f"{node.name}: global {'max' if is_max else 'avg'} pool of {h}x{w}, a work-group per row")
+    return OpLaunch(kern, (n * c, 1, 1), (src, dst))
 
 
 def lrn(node: Node, x: Tensor, src: str, dst: str) -> OpLaunch:
@@ -125,20 +155,65 @@ def add(node: Node, x: Tensor, srcs: list[str], dst: str, relu: bool) -> OpLaunc
     return _elementwise(kernel_name(node), x.size, bufs, tuple(srcs) + (dst,), body, f"{node.name}: add")
 
 
+def _row_threads(length: int) -> int:
+    """Work-group size for one row of ``length``: a power of two from 32 up to BLOCK."""
+    t = 32
+    while t < min(length, BLOCK):
+        t *= 2
+    return t
+
+
+def _block_reduce(var: str, op: str, threads: int) -> str:
+    """Reduce ``var`` over the work-group through the shared array ``red`` (tree, unrolled);
+    every thread ends with the result in ``var``. ``op`` is MAX or ADD."""
+    comb = "MAX(red[t], red[t + {s}])" if op == "MAX" else "red[t] + red[t + {s}]"
+    lines = [f"red[t] = {var};", "BARRIER();"]
+    half = threads // 2
+    while half:
+        lines += [f"if (t < {half}) red[t] = {comb.format(s=half)};", "BARRIER();"]
+        half //= 2
+    lines += [f"{var} = red[0];", "BARRIER();"]  # all read red[0] before it is written again
+    return "\n".join(lines)
+
+
 def softmax(node: Node, x: Tensor, src: str, dst: str) -> OpLaunch:
-    """Softmax over channels, one thread per (image, pixel)."""
+    """Softmax over channels: one work-group per row (image, pixel), the max and the sum
+    reduced in parallel in shared memory; float4 loads when the rows are contiguous (one
+    pixel) and a multiple of 4 long."""
     n, c = x.shape[0], x.shape[1]
     hw = x.size // (n * c)
-    body = f"""const GLOBAL_PTR float* in = x + (e / {hw}) * {c * hw} + e % {hw};
-GLOBAL_PTR float* out = y + (e / {hw}) * {c * hw} + e % {hw};
+    threads = _row_threads(c // 4 if hw == 1 and c % 4 == 0 else c)
+    if hw == 1 and c % 4 == 0:
+        base = f"const int t = LOCAL_ID(0), row = GROUP_ID(0);\nconst GLOBAL_PTR float* in = x + row * {c};\n" \
+               f"GLOBAL_PTR float* out = y + row * {c};"
+        loop = f"for (int i = t; i < {c // 4}; i += {threads})"
+        m_body = "{ const float4 v = VLOAD4(i, in); m = MAX(m, MAX(MAX(v.x, v.y), MAX(v.z, v.w))); }"
+        s_body = ("{ const float4 v = VLOAD4(i, in);\n"
+                  "  s += (exp(v.x - m) + exp(v.y - m)) + (exp(v.z - m) + exp(v.w - m)); }")
+        w_body = ("{ const float4 v = VLOAD4(i, in);\n"
+                  "  VSTORE4(MAKE_FLOAT4(exp(v.x - m) * inv, exp(v.y - m) * inv, exp(v.z - m) * inv, "
+                  "exp(v.w - m) * inv), i, out); }")
+    else:
+        base = (f"const int t = LOCAL_ID(0), row = GROUP_ID(0);\n"
+                f"const GLOBAL_PTR float* in = x + (row / {hw}) * {c * hw} + row % {hw};\n"
+                f"GLOBAL_PTR float* out = y + (row / {hw}) * {c * hw} + row % {hw};")
+        loop = f"for (int ch = t; ch < {c}; ch += {threads})"
+        m_body = f"m = MAX(m, in[ch * {hw}]);"
+        s_body = f"s += exp(in[ch * {hw}] - m);"
+        w_body = f"out[ch * {hw}] = exp(in[ch * {hw}] - m) * inv;"
+    body = f"""{base}
+SHARED float red[{threads}];
 float m = -3.402823466e38f;
-for (int ch = 0; ch < {c}; ++ch) m = MAX(m, in[ch * {hw}]);
+{loop} {m_body}
+{_block_reduce("m", "MAX", threads)}
 float s = 0.0f;
-for (int ch = 0; ch < {c}; ++ch) s += exp(in[ch * {hw}] - m);
+{loop} {s_body}
+{_block_reduce("s", "ADD", threads)}
 const float inv = 1.0f / s;
-for (int ch = 0; ch < {c}; ++ch) out[ch * {hw}] = exp(in[ch * {hw}] - m) * inv;"""
-    return _elementwise(kernel_name(node), n * hw, (Buf("x"), _out()), (src, dst), body,
-                        f"{node.name}: softmax over {c} channels")
+{loop} {w_body}"""
+    kern = Kernel(kernel_name(node), (Buf("x"), _out()), body, (threads, 1, 1),
+                  comment=f"{node.name}: softmax over {c} channels, a work-group of {threads} per row")
+    return OpLaunch(kern, (n * hw, 1, 1), (src, dst))
 
 
 def copy_into(node: Node, x: Tensor, total_c: int, offset: int, src: str, dst: str, part: int) -> OpLaunch:

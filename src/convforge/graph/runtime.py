@@ -98,8 +98,9 @@ def plan_memory(graph: Graph, shapes: dict[str, Tensor], into: dict[str, str] | 
 class Network:
     """A graph compiled for one back-end and batch: call it with an NCHW float32 batch."""
 
-    def __init__(self, graph: Graph, backend: Any, capture: bool = True) -> None:
-        self.graph, self.backend = graph, backend
+    def __init__(self, graph: Graph, backend: Any, capture: bool = True,
+                 workspace_limit: int | None = None) -> None:
+        self.graph, self.backend, self.workspace_limit = graph, backend, workspace_limit
         self.shapes = infer(graph)
         self.into = self._concats_in_place()
         self.memory = plan_memory(graph, self.shapes, {t: c for t, (c, _) in self.into.items()})
@@ -110,8 +111,11 @@ class Network:
         self._execs: list[Any] = []
         self._order: list[str] = []  # step names in launch order
         self.transformed_bytes = 0  # filters transformed once at build (Winograd U, packed weights)
+        self._convs: list[tuple[Any, dict[str, Any]]] = []  # (executable, the buffers its layer binds)
+        self.arena: list[Any] = []  # the scratch workspace every conv shares, one buffer per rank
         for node in graph.nodes:
             self._build(node)
+        self._bind_workspaces()
         self._link_kernels()
         self.run_eager()  # compile, allocate workspaces: nothing of that happens in a capture
         backend.synchronize()
@@ -127,7 +131,8 @@ class Network:
         """dispatch's choice for a conv/fc node with its plain epilogue (bias, ReLU)."""
         spec = conv_spec(node, self.shapes[node.inputs[0]])
         return dispatch.choose(spec, self.backend, Epilogue(bias="bias" in node.weights,
-                                                            relu=bool(node.attrs.get("relu"))))
+                                                            relu=bool(node.attrs.get("relu"))),
+                               workspace_limit=self.workspace_limit)
 
     def _concats_in_place(self) -> dict[str, tuple[str, int]]:
         """conv output -> (concat tensor, channel offset) for the concats the passes marked, where
@@ -159,12 +164,16 @@ class Network:
         return sum(self.backend.nbytes(b) for b in self.weights.values())
 
     @property
+    def arena_bytes(self) -> int:
+        """The shared scratch workspace (the largest need of any conv, rank by rank)."""
+        return sum(self.backend.nbytes(b) for b in self.arena)
+
+    @property
     def workspace_bytes(self) -> int:
-        """Conv workspaces, once per distinct executable (layers of one shape share them)."""
+        """Conv workspaces: the shared arena plus any an executable holds itself (none when the
+        network supplies them all; counted once per executable shared by layers of one shape)."""
         unique = {id(e): e for e in self._execs}.values()
-        # all of them: the executable's own copy of the derived buffers is allocated too, though
-        # each layer reads its own (transformed_bytes)
-        return sum(self.backend.nbytes(b) for e in unique for b in e.workspace().values())
+        return self.arena_bytes + sum(e.own_bytes for e in unique)
 
     @property
     def peak_bytes(self) -> int:
@@ -233,27 +242,55 @@ class Network:
             bufs["res"] = self.buf(residual)
         else:
             epi = Epilogue(bias=has_bias, relu=relu and residual is None)
-            exe = dispatch.executable(spec, self.backend, epi)
+            exe = dispatch.executable(spec, self.backend, epi, workspace_limit=self.workspace_limit)
         self._execs.append(exe)
+        self._convs.append((exe, bufs))
         self._order.append(node.name)
-        self.steps.append(Step(node.name, node.op, exe.plan.describe() + epi.tag(), self._hoist(exe, bufs),
+        self.steps.append(Step(node.name, node.op, exe.plan.describe() + epi.tag(), _conv_call(exe, bufs),
                                spec.flops))
         if residual is not None and not epi.residual:
             y = self.shapes[node.output]
             add = Node(node.name + "+add", "add", [node.output, residual], node.output, {"relu": relu})
             self._kernel(add, ops.add(add, y, [node.output, residual], node.output, relu))
 
-    def _hoist(self, exe: Any, bufs: dict[str, Any]) -> Callable[[], None]:
-        """Run the plan's weight-only steps (filter transforms) now, into buffers of this layer's
-        own, and return the call that runs the rest."""
-        if not exe.weight_steps:
-            return lambda: exe(bufs)
-        sizes = dict(exe.plan.workspace)
-        for name in exe.derived:  # the workspace only the weight steps write: this layer's own
-            bufs[name] = self.backend.empty(sizes[name])
-            self.transformed_bytes += self.backend.nbytes(bufs[name])
-        exe(bufs, "weights")
-        return lambda: exe(bufs, "rest")
+    def _bind_workspaces(self) -> None:
+        """Give every conv its workspace, then run the weight-only steps once.
+
+        The launch list runs in order on one stream, so a conv's scratch workspace is dead once
+        its launches are done: one arena serves every layer. A plan's scratch buffers are ranked
+        by size and the arena holds one buffer per rank, sized to the largest need at that rank,
+        so it costs about the largest single layer's workspace, not the sum over layers (buffers
+        rather than offsets into one allocation: back-ends need no sub-buffer views). The filter-
+        derived buffers (Winograd U, packed weights) live for the whole run: each layer gets its
+        own, filled here by the plan's weight steps (``transformed_bytes``).
+
+        The runtime sets no workspace budget of its own (the fastest variant is kept): the
+        arena already costs only the largest layer's need. Where that one layer is huge (im2col,
+        non-fused Winograd F2 on a big layer), pass ``workspace_limit`` (bytes) to
+        :func:`compile` (``convforge run --workspace-limit MIB``): dispatch then picks, per layer,
+        only variants whose whole workspace (scratch and filter transforms) fits, so the network
+        holds at most weights + activations + transformed filters + ``limit``.
+        """
+        ranks: list[int] = []
+        scratch_of: list[list[str]] = []
+        for exe, _ in self._convs:
+            sizes = dict(exe.plan.workspace)
+            names = sorted((n for n in sizes if n not in exe.derived), key=lambda n: -sizes[n])
+            for i, name in enumerate(names):
+                if i == len(ranks):
+                    ranks.append(0)
+                ranks[i] = max(ranks[i], sizes[name])
+            scratch_of.append(names)
+        self.arena = [self.backend.empty(max(n, 4)) for n in ranks]
+        for (exe, bufs), names in zip(self._convs, scratch_of, strict=True):
+            bufs.update({name: self.arena[i] for i, name in enumerate(names)})
+            if not exe.weight_steps:
+                continue
+            sizes = dict(exe.plan.workspace)
+            for name in exe.derived:  # the workspace only the weight steps write: this layer's own
+                bufs[name] = self.backend.empty(sizes[name])
+                self.transformed_bytes += self.backend.nbytes(bufs[name])
+            exe(bufs, "weights")
 
     def _link_kernels(self) -> None:
         """Compile every non-conv kernel in one program and put its launches in graph order."""
@@ -309,6 +346,17 @@ class Network:
         """Median device time of one replay of the whole network."""
         self.replay()
         return float(np.median(self.backend.time_ms(self.replay, repeats)))
+
+
+def _conv_call(exe: Any, bufs: dict[str, Any]) -> Callable[[], None]:
+    """The launches of one conv on its layer's buffers (bound later by ``_bind_workspaces``);
+    its weight-only steps ran at build time."""
+    steps = "rest" if exe.weight_steps else "all"
+
+    def run() -> None:
+        exe(bufs, steps)
+
+    return run
 
 
 def _launcher(be: Any, program: Any, fn: Any, kernel: Any, step: Launch, args: list[Any]) -> Callable[[], None]:
@@ -381,9 +429,11 @@ def load_model(model: Any, input_size: int | None = None, seed: int = 0,
 
 def compile(model: Any, batch: int = 1, backend: str | None = None, *, input_size: int | None = None,
             passes: bool = True, seed: int = 0, weights: str | Path | None = None,
-            capture: bool = True) -> Network:
+            capture: bool = True, workspace_limit: int | None = None) -> Network:
     """A :class:`Network` for ``model`` at ``batch`` on ``backend`` ('cuda' or 'opencl'; default CUDA
-    when present). ``passes`` runs the graph passes (BN folding, fusion, identity removal)."""
+    when present). ``passes`` runs the graph passes (BN folding, fusion, identity removal).
+    ``workspace_limit`` (bytes): the most workspace (scratch and filter transforms) any conv may
+    use; the layers share one scratch arena of the largest need (``Network._bind_workspaces``)."""
     from convforge.api import default_backend
     from convforge.backends import get_backend
     from convforge.graph.passes import optimize
@@ -393,4 +443,7 @@ def compile(model: Any, batch: int = 1, backend: str | None = None, *, input_siz
     graph = load_model(model, input_size, seed, weights).with_batch(batch)
     if passes:
         graph = optimize(graph)
-    return Network(graph, get_backend(backend or default_backend()), capture=capture)
+    if workspace_limit is not None and workspace_limit < 0:
+        raise ValueError(f"workspace_limit ({workspace_limit}) must be >= 0 bytes")
+    return Network(graph, get_backend(backend or default_backend()), capture=capture,
+                   workspace_limit=workspace_limit)
