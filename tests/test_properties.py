@@ -153,3 +153,18 @@ def test_params_must_be_a_mapping() -> None:
     x, w = np.ones((1, 2, 5, 5), np.float32), np.ones((3, 2, 3, 3), np.float32)
     with pytest.raises(TypeError, match=r"params \(\[1, 2\]\) must be a dict"):
         convforge.conv2d(x, w, params=[1, 2])
+
+
+def test_params_may_name_a_space_points_optional_keys() -> None:
+    """Some space points carry keys the default lacks (direct's tex on CUDA): they are accepted."""
+    from conftest import NOMINAL_CUDA
+
+    from convforge import kernels
+    from convforge.spec import ConvSpec
+
+    spec = ConvSpec.make(2, 16, 14, 14, 24, 3, 3, 1, 1)
+    v = kernels.get_variant("direct")
+    prm = v.default(spec, NOMINAL_CUDA).replace(tex=True, ldg=False)
+    assert kernels.check_params(v, spec, NOMINAL_CUDA, prm)["tex"] is True
+    with pytest.raises(ValueError, match="unknown bogus"):
+        kernels.check_params(v, spec, NOMINAL_CUDA, prm.replace(bogus=1))

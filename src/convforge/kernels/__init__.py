@@ -154,7 +154,7 @@ def check_params(variant: Variant, spec: ConvSpec, device: DeviceInfo, params: A
         for k, v in point.items():
             taken.setdefault(k, set()).add(v)
     for k, v in prm.items():
-        _check_value(variant.name, k, v, taken.get(k, {default[k]}))
+        _check_value(variant.name, k, v, taken[k])
     return prm
 
 
