@@ -158,7 +158,6 @@ def test_params_must_be_a_mapping() -> None:
 def test_params_may_name_a_space_points_optional_keys() -> None:
     """Some space points carry keys the default lacks (direct's tex on CUDA): they are accepted."""
     from conftest import NOMINAL_CUDA
-
     from convforge import kernels
     from convforge.spec import ConvSpec
 
