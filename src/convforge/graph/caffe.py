@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from convforge.graph.ir import Graph, GraphError, Node, infer
+from convforge.graph.ir import Graph, GraphError, Node, infer, input_shape
 from convforge.graph.prototxt import Message, one, parse
 
 
@@ -47,11 +47,7 @@ def _translate(net: Message, input_size: int | None, batch: int | None) -> Graph
     name, dims = _input(net)
     if len(dims) != 4:
         raise GraphError(f"prototxt: input {name!r} dims ({dims}) must be 4 (N, C, H, W)")
-    if input_size is not None:
-        dims[2] = dims[3] = input_size
-    if batch is not None:
-        dims[0] = batch
-    graph = Graph(str(one(net, "name", "net")), name, (dims[0], dims[1], dims[2], dims[3]), [], [])
+    graph = Graph(str(one(net, "name", "net")), name, input_shape(dims, input_size, batch), [], [])
     current = {name: name}  # caffe blob -> IR tensor now holding it
     if "layers" in net and "layer" not in net:
         raise GraphError("prototxt: V1 'layers' are not supported (upgrade the net to 'layer')")

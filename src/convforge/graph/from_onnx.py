@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from convforge.graph.ir import Graph, GraphError, Node, infer
+from convforge.graph.ir import Graph, GraphError, Node, infer, input_shape
 
 
 def load_onnx(model: Any, input_size: int | None = None, batch: int | None = None) -> Graph:
@@ -33,11 +33,7 @@ def load_onnx(model: Any, input_size: int | None = None, batch: int | None = Non
     dims = [d.dim_value if d.HasField("dim_value") else 1 for d in real[0].type.tensor_type.shape.dim]
     if len(dims) != 4:
         raise GraphError(f"onnx: input {real[0].name!r} has rank {len(dims)}, expected 4 (N, C, H, W)")
-    if input_size is not None:
-        dims[2] = dims[3] = input_size
-    if batch is not None:
-        dims[0] = batch
-    graph = Graph(g.name or "onnx", real[0].name, (dims[0], dims[1], dims[2], dims[3]), [], [])
+    graph = Graph(g.name or "onnx", real[0].name, input_shape(dims, input_size, batch), [], [])
     alias: dict[str, str] = {}
     for i, op in enumerate(g.node):
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in op.attribute}

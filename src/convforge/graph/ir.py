@@ -114,6 +114,15 @@ class Graph:
         return "\n".join(lines)
 
 
+def input_shape(dims: list[int], input_size: int | None, batch: int | None) -> tuple[int, int, int, int]:
+    """An NCHW input shape from a front-end's dims, with a square ``input_size`` and ``batch``
+    overriding the description's (the front-ends' common option)."""
+    n, c, h, w = dims
+    if input_size is not None:
+        h = w = input_size
+    return (batch if batch is not None else n, c, h, w)
+
+
 def _ints(node: Node, key: str, default: Any, count: int) -> tuple[int, ...]:
     """An int or tuple attribute as ``count`` non-negative ints, or a GraphError naming it."""
     v = node.attrs.get(key, default)

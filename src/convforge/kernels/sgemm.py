@@ -156,12 +156,18 @@ def layout_ok(p: Params, va_ok: bool = True, vb_ok: bool = True,
     lay = _Layout(p.bm, p.bn, p.bk, p.tm, p.tn)
     if not 32 <= lay.threads <= max_threads:
         return False
+    return loads_divide(p, lay.threads, a_fast, b_fast) and shared_bytes_of(p) <= shared_bytes
+
+
+def loads_divide(p: Params, threads: int, a_fast: str, b_fast: str) -> bool:
+    """Whether every thread loads whole vectors of both tiles: each tile's vectors along its fast
+    dimension, and as many of them as a whole number (>= 1) per thread."""
     for bi, v, fast in ((p.bm, p.va, a_fast), (p.bn, p.vb, b_fast)):
         along = p.bk if fast == "k" else bi
         chunks = bi * p.bk // v
-        if along % v or chunks % lay.threads or chunks < lay.threads:
+        if along % v or chunks % threads or chunks < threads:
             return False
-    return shared_bytes_of(p) <= shared_bytes
+    return True
 
 
 def shared_bytes_of(p: Params) -> int:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from convforge.codegen.dialect import Arg, Dim3, Kernel, LocalBuf
 from convforge.codegen.meta import Code, cdiv
-from convforge.kernels.sgemm import GemmShape, Operand, Store, _Loader
+from convforge.kernels.sgemm import GemmShape, Operand, Store, _Loader, loads_divide
 from convforge.params import Params
 from convforge.plan import DeviceInfo
 
@@ -142,12 +142,7 @@ def tc_ok(p: Params, va_ok: bool = True, vb_ok: bool = True, a_fast: str = "k",
         return False
     if (p.va == 4 and not va_ok) or (p.vb == 4 and not vb_ok):
         return False
-    for bi, v, fast in ((p.bm, p.va, a_fast), (p.bn, p.vb, b_fast)):
-        along = p.bk if fast == "k" else bi
-        chunks = bi * p.bk // v
-        if along % v or chunks % lay.threads or chunks < lay.threads:
-            return False
-    return shared_bytes(p, a_fast, b_fast) <= shared_limit
+    return loads_divide(p, lay.threads, a_fast, b_fast) and shared_bytes(p, a_fast, b_fast) <= shared_limit
 
 
 def shared_limit(device: DeviceInfo) -> int:
