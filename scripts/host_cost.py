@@ -4,12 +4,14 @@ Rows: ``F.conv2d`` (PyTorch, cuDNN), ``nn.Conv2d`` forward, ``convforge.conv2d``
 and with CuPy arrays, the ``torch.ops.convforge.conv2d`` op (through the dispatcher, its Autograd
 kernel included under no_grad) and a converted ``convforge.torch.Conv2d`` forward (eager inference).
 
-Floor rows: ``x.add_(0)`` on a tiny tensor (ONE bare kernel launch from PyTorch's C++) and
-``x.new_empty(shape)`` (one output allocation from the caching allocator). Each convforge row
+Floor rows: ``x.add_(0)`` on a tiny tensor (ONE bare kernel launch from PyTorch's C++),
+``x.new_empty(shape)`` (one output allocation from the caching allocator) and this layer's own kernel
+launched through ``cuLaunchKernel`` by ctypes with its argument buffer prepared (``launch_raw`` on fixed
+pointers and stream: the cheapest launch Python can make, no allocation, no dispatch). Each convforge row
 states the kernel launches one warm call makes (from its executable's steps: "rest" only when the
 filters are cached per weight version, every step for CuPy arrays, whose transform runs per call;
 a cuBLAS Gemm or Fill step counts as one launch) and its **overhead above the floor**: its cost
-minus (launches x bare launch + one allocation). That is the part convforge controls.
+minus (launches x raw launch + one allocation). That is the part convforge controls.
 
 How: before each burst the GPU is held asleep by ``torch.cuda._sleep`` for longer than the burst
 (an event recorded after the sleep must still be pending when the burst ends, else the row is
@@ -96,6 +98,20 @@ def runner_of(x: Any, w: Any, b: Any, spec: ConvSpec, algo: str) -> Any:
                              None))
 
 
+def raw_launch(x: Any, w: Any, b: Any, spec: ConvSpec, algo: str) -> Callable[[], object]:
+    """One call of this layer's prepared launch on fixed pointers and stream: ctypes + the driver alone."""
+    convforge.conv2d(x, w, b, spec.stride, spec.pad, spec.dilation, algo=algo)  # build the runner
+    exe = runner_of(x, w, b, spec, algo).exe
+    y = x.new_empty(spec.y_shape)
+    ptrs = (x.data_ptr(), w.data_ptr(), y.data_ptr(), b.data_ptr(), torch.cuda.current_stream().cuda_stream)
+    steps = "rest" if exe.derived else "all"
+    derived = torch.empty(max(exe.derived_bytes // 4, 1), device="cuda")
+    if exe.derived:
+        exe.launch_raw(0, ptrs[1], 0, 0, ptrs[4], derived.data_ptr(), "weights")
+    dp = derived.data_ptr() if exe.derived else 0
+    return lambda: exe.launch_raw(*ptrs, dp, steps)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--spec", default="N=1,C=8,H=8,W=8,K=8,R=3,S=3,pad=1")
@@ -117,8 +133,10 @@ def main() -> None:
     st, pd, dl = list(spec.stride), list(spec.pad), list(spec.dilation)
     kw: dict[str, Any] = dict(algo=args.algo)
     # (name, call, kind): kind "floor_launch" / "floor_alloc" / "torch" / "cupy" / "module" / "" (PyTorch)
+    raw = raw_launch(x, w, b, spec, args.algo)
     rows: list[tuple[str, Callable[[], object], str]] = [
-        ("floor: x.add_(0), one bare launch", lambda: tiny.add_(0), "floor_launch"),
+        ("floor: x.add_(0), one torch launch", lambda: tiny.add_(0), "floor_torch"),
+        ("floor: cuLaunchKernel (ctypes, prepared)", raw, "floor_launch"),
         ("floor: x.new_empty(y shape)", lambda: x.new_empty(spec.y_shape), "floor_alloc"),
         ("F.conv2d (cuDNN)", lambda: F.conv2d(x, w, b, spec.stride, (spec.pad[0], spec.pad[2]), spec.dilation), ""),
         ("nn.Conv2d forward", lambda: layer(x), ""),
@@ -134,7 +152,7 @@ def main() -> None:
           f"layer {spec.short()} | algo {args.algo} | {args.calls} calls x {args.bursts} bursts")
     print(f"{'call':36s} {'launches':>8s} {'no_grad us':>11s} {'above floor':>11s} {'inference us':>13s} "
           f"{'above floor':>11s} {'device us':>10s}")
-    floor = {"launch": [0.0, 0.0], "alloc": [0.0, 0.0]}
+    floor = {"launch": [0.0, 0.0], "alloc": [0.0, 0.0], "torch": [0.0, 0.0]}
     for name, fn, kind in rows:
         with torch.no_grad():
             for _ in range(20):
@@ -150,15 +168,16 @@ def main() -> None:
         run = (next(iter(ours._cf_cache.values()), None) if kind == "module"
                else runner_of(x, w, b, spec, args.algo) if kind == "torch"
                else runner_of(xc, wc, bc, spec, args.algo) if kind == "cupy" else None)
-        n = launches(run, kind != "cupy") if run is not None else (1 if kind == "floor_launch" else None)
+        n = launches(run, kind != "cupy") if run is not None else (1 if kind in ("floor_launch", "floor_torch")
+                                                                    else None)
         above = ["", ""]
         if kind in ("torch", "cupy", "module") and n is not None:
             above = [f"{cost - n * floor['launch'][i] - floor['alloc'][i]:11.2f}" for i, cost in enumerate((ng, inf))]
         flag = "  (GPU woke during a burst: use fewer --calls)" if woke1 or woke2 else ""
         print(f"{name:36s} {'-' if n is None else n:>8} {ng:11.2f} {above[0]:>11s} {inf:13.2f} {above[1]:>11s} "
               f"{dev:10.2f}{flag}")
-    print("above floor = cost - launches x (one bare launch) - (one allocation); the issue's 5 us assumed a "
-          "~3 us launch, i.e. ~2 us above floor")
+    print("above floor = cost - launches x (one raw cuLaunchKernel) - (one allocation); the issue's 5 us "
+          "assumed a ~3 us launch, i.e. ~2 us above floor")
 
 
 if __name__ == "__main__":
