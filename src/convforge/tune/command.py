@@ -34,7 +34,7 @@ def _error(msg: str) -> None:
 
 # -- convforge tune -----------------------------------------------------------------------
 def add_tune_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--suite", help="built-in suite name (resnet, boda, mec) or a JSON suite file")
+    p.add_argument("--suite", help="built-in suite name (resnet, boda, mec, unseen) or a JSON suite file")
     p.add_argument("--spec", action="append", default=[], metavar="SPEC",
                    help="a layer such as 'N=1,C=3,H=13,W=13,K=8,R=3,S=3,pad=1' (repeatable)")
     p.add_argument("--limit", type=int, help="tune only the first LIMIT layers of the suite")
