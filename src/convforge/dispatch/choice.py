@@ -189,6 +189,12 @@ def _plans(variant: Variant, params: Params, spec: ConvSpec, backend: Backend, e
     return True
 
 
+def cached() -> list[tuple[ConvSpec, Epilogue, str, Choice]]:
+    """(spec, epilogue, precision class, choice) of every cached ``algo="auto"`` choice, oldest first:
+    after :func:`clear_choices`, what the calls since chose (``convforge tune --model`` prints it)."""
+    return [(k[1], k[2], k[4], ch) for k, ch in list(_CHOICES.items()) if k[3] == "auto"]
+
+
 def clear_choices() -> None:
     """Forget cached choices (after the database or the configuration changed)."""
     _CHOICES.clear()
