@@ -48,7 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", dest="precision_classes", choices=PRECISION_CHOICES,
                         help="accuracy class(es) to run, each against its own baseline: 'fp32' (error "
                         "<= 5e-6, vs cuDNN-best FP32), 'relaxed' (<= 1e-3, vs cuDNN-best TF32) or 'both' "
-                        "(default: fp32, or CONVFORGE_PRECISION)")
+                        "(default: fp32, or CONVFORGE_PRECISION); with --model: the convforge rows' class(es), "
+                        "against PyTorch FP32 or PyTorch TF32")
     parser.add_argument("--model", action="append", metavar="NAME[:BATCH]",
                         help="whole torchvision model, random weights (repeatable): resnet18, resnet50, vgg16, "
                         "googlenet, alexnet, inception_v3; PyTorch FP32/TF32/compile vs the converted model")
