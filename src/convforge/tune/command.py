@@ -149,6 +149,10 @@ def _tune_models(args: argparse.Namespace, console: Any) -> int:
     if clash:
         _error(f"--model cannot be combined with {', '.join(clash)} (tune them separately)")
         return 2
+    if args.force:
+        _error("--model tunes only layers the database does not know (no --force): clear their entries "
+               "first (convforge db clear)")
+        return 2
     try:
         budget = Budget.parse(args.budget)
     except ValueError as err:
