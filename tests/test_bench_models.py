@@ -19,8 +19,9 @@ from convforge.config import config
 
 @pytest.fixture(autouse=True)
 def _restore_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """cli.main sets config.precision / db_path from the arguments: put them back afterwards."""
+    """cli.main sets config.precision / max_error / db_path from the arguments: put them back afterwards."""
     monkeypatch.setattr(config, "precision", config.precision)
+    monkeypatch.setattr(config, "max_error", config.max_error)
     monkeypatch.setattr(config, "autotune", config.autotune)
     monkeypatch.setattr(config, "db_path", tmp_path / "t.sqlite")
 
