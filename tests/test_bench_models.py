@@ -343,3 +343,33 @@ def test_torch_baseline_math_switches() -> None:
     finally:
         (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
          torch.backends.cudnn.benchmark) = saved
+
+
+def test_tuning_tunes_each_layer_with_its_epilogue_on_pocl(ocl: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What ``--tune`` and ``tune --model`` rely on, through conv2d on PoCL: inside ``tuning(True)`` a
+    first call tunes its layer with its real epilogue into the database in the asked class, and
+    ``cached()`` lists it; afterwards (autotune restored) the stored entry serves."""
+    import numpy as np
+
+    import convforge
+    from convforge.dispatch.choice import cached
+    from convforge.tune import Budget
+    from convforge.tune.db import TuningDB
+
+    monkeypatch.setattr("convforge.tune.AUTOTUNE_BUDGET", Budget(None, 2))
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 3, 11, 13)).astype(np.float32)
+    w = rng.standard_normal((5, 3, 3, 3)).astype(np.float32)
+    b = rng.standard_normal(5).astype(np.float32)
+    with M.tuning(True):
+        y = convforge.conv2d(x, w, b, padding=1, relu=True, precision="relaxed")
+        seen = cached()
+    assert config.autotune is False and np.isfinite(y).all()
+    ((spec, epi, prec, ch),) = seen
+    assert (spec.c, spec.k, epi.tag(), prec, ch.source) == (3, 5, "_bias_relu", "relaxed", "tuned")
+    (entry,) = TuningDB(config.tuning_db).entries()
+    assert (entry.epilogue, entry.precision, entry.variant) == ("bias_relu", "relaxed", ch.variant.name)
+    from convforge import dispatch
+
+    again = dispatch.choose(spec, ocl, epi, precision="relaxed")
+    assert (again.variant, again.params, again.source) == (ch.variant, ch.params, "db")
