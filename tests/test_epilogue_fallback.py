@@ -36,10 +36,10 @@ def db(ocl: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def _store(db: TuningDB, backend: Any, epi: Epilogue, variant: str, precision: str = "fp32",
-           params: Params | None = None) -> None:
+           params: Params | None = None, spec: ConvSpec = SPEC) -> None:
     v = kernels.get_variant(variant)
-    prm = params or v.default(SPEC, backend.device)
-    key = dict(zip(KEY_FIELDS, Tuner(backend, db).key(SPEC, epi, precision), strict=True))
+    prm = params or v.default(spec, backend.device)
+    key = dict(zip(KEY_FIELDS, Tuner(backend, db).key(spec, epi, precision), strict=True))
     db.put(Entry(**key, version="test", variant=variant, params=prm.to_json(), time_ms=1.0, workspace=0,
                  error=1e-7, date=now()))
 
@@ -118,3 +118,16 @@ def test_autotuned_winner_without_a_residual_path_gives_way(ocl: Any, db: Tuning
     assert (ch.variant.name, ch.source) == ("direct", "tuned")
     stored = {e.epilogue: e.variant for e in db.entries()}
     assert stored == {"bias_relu": "winograd_nonfused_f4", "bias_res_relu": "direct"}
+
+
+def test_autotune_tunes_the_real_epilogue_instead_of_falling_back(ocl: Any, db: TuningDB,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """With config.autotune on (bench --model --tune), a plain entry does not stand in for a bias +
+    ReLU layer: the layer is tuned with its own epilogue and stored under it."""
+    _store(db, ocl, PLAIN, "direct_smem", spec=STRIDED)
+    assert dispatch.choose(STRIDED, ocl, BIAS_RELU).source == "db"  # autotune off: the fallback serves
+    monkeypatch.setattr(config, "autotune", True)
+    monkeypatch.setattr("convforge.tune.AUTOTUNE_BUDGET", Budget(None, 1))
+    assert dispatch.choose(STRIDED, ocl, BIAS_RELU).source == "tuned"
+    assert sorted(e.epilogue for e in db.entries(spec=STRIDED.key())) == ["bias_relu", "none"]
+    assert dispatch.choose(STRIDED, ocl, BIAS_RELU, precision="relaxed").source == "tuned"  # its class too

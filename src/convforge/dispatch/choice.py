@@ -4,7 +4,8 @@ For ``algo="auto"``: the tuning database's entry for the precision class (or, un
 any entry whose *measured* error is within it), else the entry of the same spec and class with a
 plainer epilogue (bias + ReLU, bias, none) when that variant plans with the requested epilogue (a
 fused residual or ReLU costs the same variant little, and a network's fused layers then use what
-``tune --suite`` stored), else autotuning when ``config.autotune`` is on,
+``tune --suite`` stored; with ``config.autotune`` on, a layer is tuned with its own epilogue
+instead), else autotuning when ``config.autotune`` is on,
 else Boda's heuristic over the variants whose *stated* accuracy the class admits. A family name
 takes the heuristic within that family; a variant name or explicit parameters always run as named.
 Answers are cached per argument set, so a warm call is one dictionary lookup.
@@ -89,14 +90,15 @@ def _unmeetable(spec: ConvSpec, backend: Backend, bound: float) -> str:
             "(tune the layer to measure it, or raise max_error)")
 
 
-def fallback_epilogues(epi: Epilogue) -> list[Epilogue]:
+def fallback_epilogues(epi: Epilogue, autotune: bool = False) -> list[Epilogue]:
     """The epilogues whose database entries may serve ``epi``, in order: itself, then bias + ReLU,
-    bias alone and none (duplicates dropped)."""
-    out: list[Epilogue] = []
-    for e in (epi, Epilogue(bias=epi.bias, relu=epi.relu), Epilogue(bias=epi.bias), Epilogue()):
-        if e not in out:
-            out.append(e)
-    return out
+    bias alone and none (duplicates dropped). Under ``autotune`` only itself and its bias + ReLU
+    part (what tuning a residual / offset epilogue stores): a layer is then tuned with its own
+    epilogue rather than served by a plainer one's entry."""
+    plainer = [Epilogue(bias=epi.bias, relu=epi.relu)]
+    if not autotune:
+        plainer += [Epilogue(bias=epi.bias), Epilogue()]
+    return list(dict.fromkeys([epi, *plainer]))
 
 
 def _entries(spec: ConvSpec, backend: Backend, epi: Epilogue, prec: str,
@@ -112,7 +114,7 @@ def _entries(spec: ConvSpec, backend: Backend, epi: Epilogue, prec: str,
     tuner = Tuner(backend, db, precision=prec, max_error=bound)
     keys = [precision_key(prec, bound)] + (list(PRECISIONS) if bound is not None else [])
     out: list[Entry] = []
-    for e in fallback_epilogues(epi):
+    for e in fallback_epilogues(epi, config.autotune):
         for k in keys:
             try:
                 entry = tuner.lookup(spec, e, precision=k)
