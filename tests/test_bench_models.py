@@ -188,6 +188,7 @@ BAD = [
     (["tune", "--model", "resnet18", "--net", "alexnet"], "--model cannot be combined with --net"),
     (["tune", "--model", "resnet18", "--budget", "fast"], "budget ('fast') must be"),
     (["tune", "--model", "resnet18", "--force"], "(no --force)"),
+    (["tune", "--model", "resnet18", "--backend", "opencl"], "--backend opencl does not apply"),
     (["tune", "--model", "resnet18", "--precision", "both"], "invalid choice: 'both'"),
     (["run", "--net", "alexnet", "--precision", "tf32"], "invalid choice: 'tf32'"),
 ]

@@ -149,6 +149,9 @@ def _tune_models(args: argparse.Namespace, console: Any) -> int:
     if clash:
         _error(f"--model cannot be combined with {', '.join(clash)} (tune them separately)")
         return 2
+    if args.backend == "opencl":
+        _error("--model runs the torchvision model on CUDA (convforge.torch); --backend opencl does not apply")
+        return 2
     if args.force:
         _error("--model tunes only layers the database does not know (no --force): clear their entries "
                "first (convforge db clear)")
