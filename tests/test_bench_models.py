@@ -306,8 +306,8 @@ def test_run_net_relaxed_on_pocl(ocl: Any, tmp_path: Path, capsys: pytest.Captur
         for prec in ("relaxed", "fp32"):
             assert main(["run", "--net", str(path), "--backend", "opencl", "--repeats", "2", "--precision", prec,
                          "--out", str(tmp_path / prec)]) == 0
-            results[prec] = (capsys.readouterr().out,
-                             json.loads((tmp_path / prec / "run-small-n1-opencl.json").read_text()))
+            name = "run-small-n1-opencl" + ("-relaxed" if prec == "relaxed" else "") + ".json"
+            results[prec] = (capsys.readouterr().out, json.loads((tmp_path / prec / name).read_text()))
     finally:
         tune.clear_choices()
     out, res = results["relaxed"]

@@ -136,12 +136,14 @@ def errors_line(res: dict[str, Any]) -> str:
 
 
 def _write(out: Path, res: dict[str, Any]) -> None:
-    """The run as JSON in ``out`` (created): run-NET-nBATCH-BACKEND.json."""
+    """The run as JSON in ``out`` (created): run-NET-nBATCH-BACKEND.json (…-relaxed.json in the
+    relaxed class, so both classes' runs can share a folder)."""
     import json
     import re
 
     out.mkdir(parents=True, exist_ok=True)
-    name = re.sub(r"[^\w.-]", "_", f"run-{res['net']}-n{res['batch']}-{res['backend']}.json")
+    cls = "-relaxed" if res.get("precision") == "relaxed" else ""
+    name = re.sub(r"[^\w.-]", "_", f"run-{res['net']}-n{res['batch']}-{res['backend']}{cls}.json")
     (out / name).write_text(json.dumps({**res, "summary": summary_line(res)}, indent=1) + "\n")
 
 
