@@ -48,10 +48,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", dest="precision_classes", choices=PRECISION_CHOICES,
                         help="accuracy class(es) to run, each against its own baseline: 'fp32' (error "
                         "<= 5e-6, vs cuDNN-best FP32), 'relaxed' (<= 1e-3, vs cuDNN-best TF32) or 'both' "
-                        "(default: fp32, or CONVFORGE_PRECISION)")
+                        "(default: fp32, or CONVFORGE_PRECISION); with --model: the convforge rows' class(es), "
+                        "against PyTorch FP32 or PyTorch TF32")
     parser.add_argument("--model", action="append", metavar="NAME[:BATCH]",
                         help="whole torchvision model, random weights (repeatable): resnet18, resnet50, vgg16, "
                         "googlenet, alexnet, inception_v3; PyTorch FP32/TF32/compile vs the converted model")
+    parser.add_argument("--tune", action="store_true",
+                        help="with --model: tune every convforge layer in its row's precision class into the "
+                        "database before timing (config.autotune on the warm-up call)")
     parser.add_argument("--ablation", choices=sorted(runner.ABLATIONS),
                         help="time one variant in its ablation configurations instead "
                         "(im2win: all on / no prefetch+double buffer / no vector loads / "
@@ -82,14 +86,26 @@ def precisions(choice: str | None) -> tuple[str, ...]:
     return ("fp32", "relaxed") if choice == "both" else (choice,)
 
 
+def _run_models(args: argparse.Namespace, console: Console) -> int:
+    """``--model``: whole torchvision models in the ``--precision`` class(es), tuned with ``--tune``."""
+    from convforge.bench import models
+
+    clash = [flag for flag, val in (("--suite", args.suite), ("--ablation", args.ablation),
+                                    ("--compare-backends", args.compare_backends)) if val]
+    if clash:
+        raise SuiteError(f"--model cannot be combined with {', '.join(clash)} (run them separately)")
+    opts: dict[str, object] = {}
+    if getattr(args, "max_error", None) is not None:
+        opts["max_error"] = args.max_error
+    return models.run(args.model, args.out, args.warmup, args.repeats, console, opts,
+                      classes=precisions(args.precision_classes), tune=args.tune)
+
+
 def _run(args: argparse.Namespace, console: Console) -> int:
     if args.model:
-        from convforge.bench import models
-
-        opts: dict[str, object] = {"precision": precisions(args.precision_classes)[-1]}
-        if getattr(args, "max_error", None) is not None:
-            opts["max_error"] = args.max_error
-        return models.run(args.model, args.out, args.warmup, args.repeats, console, opts)
+        return _run_models(args, console)
+    if args.tune:
+        raise SuiteError("--tune goes with --model (to tune a suite: convforge tune --suite NAME)")
     if args.suite is None:
         if not args.ablation:
             raise SuiteError("--suite is required (a built-in name or a JSON file)")

@@ -19,6 +19,14 @@ replayed from a CUDA graph, PyTorch TF32, ``torch.compile`` FP32, and the model 
 against a float64 run of the same model on the GPU. CUDA events, warm-up first, median of repeats.
 The converted figures exclude filter transforms (made once per weight version on the warm-up
 call, as an inference runtime does); per-layer suites still time them (BENCHMARKING.md).
+
+Precision classes (``--precision fp32|relaxed|both``): the convforge rows of a class convert with
+``precision=`` that class and are compared with the class's baseline, ``pytorch_fp32`` (TF32 off)
+for fp32 and ``pytorch_tf32`` for relaxed (BENCHMARKING.md); every row carries ``precision`` and
+``baseline``, and ``speedup`` / ``err_vs_pytorch`` are against that baseline row (the PyTorch rows
+are run once and shared by both classes). ``--tune`` turns ``config.autotune`` on around each
+convforge model's first (warm-up) call, so dispatch tunes every layer with its real epilogue in the
+row's class into the database before anything is timed.
 """
 
 from __future__ import annotations
@@ -27,7 +35,8 @@ import copy
 import csv
 import json
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,14 +44,23 @@ from rich.console import Console
 from rich.table import Table
 
 MODELS = {"resnet18": 224, "resnet50": 224, "vgg16": 224, "googlenet": 224, "alexnet": 224, "inception_v3": 299}
-FIELDS = ("model", "batch", "impl", "time_ms", "speedup", "rel_err", "err_vs_pytorch", "ref_spread", "status",
-          "converted", "left_to_pytorch")
+FIELDS = ("model", "batch", "impl", "precision", "baseline", "time_ms", "speedup", "rel_err", "err_vs_pytorch",
+          "ref_spread", "status", "converted", "left_to_pytorch", "tuned")
+BASELINES = {"fp32": "pytorch_fp32", "relaxed": "pytorch_tf32"}  # each class's PyTorch baseline row
+PYTORCH_CLASS = {"pytorch_fp32": "fp32", "pytorch_fp32_graph": "fp32", "torch_compile_fp32": "fp32",
+                 "pytorch_tf32": "relaxed"}
 SEED = 0
 MIN_SPREAD = 1e-3
 NOTE = ("convforge figures exclude filter transforms (made once per weight version, outside the timed "
         "region); PyTorch runs cudnn.benchmark with TF32 off unless the row says TF32; weights: Kaiming-normal "
         f"(ReLU gain) conv/linear weights, N(0, 0.01^2) biases, identity batch norm, seed {SEED}, the same "
         "weights on every side; rel err is against a float64 run of the same model")
+CLASS_NOTE = ("speed-up and err / baseline are against the row's class baseline: pytorch_fp32 (TF32 off) for "
+              "the fp32 class, pytorch_tf32 for the relaxed class (convforge converted with precision=relaxed)")
+TUNED_NOTE = ("convforge figures are TUNED: every layer tuned in its row's precision class into the database "
+              "(config.autotune on the warm-up call, each layer with its real epilogue) before timing")
+UNTUNED_NOTE = ("convforge figures are not tuned in this run: each layer uses the tuning database's entry where "
+                "it has one (--tune to tune first), else the heuristic")
 
 
 def parse_model(text: str) -> tuple[str, int]:
@@ -153,8 +171,10 @@ def _tf32(on: bool) -> None:
     torch.backends.cuda.matmul.allow_tf32 = on
 
 
-def bench_model(name: str, batch: int, warmup: int, repeats: int, options: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per implementation of one model."""
+def bench_model(name: str, batch: int, warmup: int, repeats: int, options: dict[str, Any], *,
+                pytorch: bool = True, tune: bool = False) -> list[dict[str, Any]]:
+    """One row per implementation of one model; ``pytorch=False`` runs only the convforge rows (a
+    second precision class sharing the first's PyTorch rows); ``tune``: see :func:`tuning`."""
     import torch
 
     import convforge.torch as ct
@@ -180,14 +200,16 @@ def bench_model(name: str, batch: int, warmup: int, repeats: int, options: dict[
         ("convforge", lambda: lambda: conv(x), False),
         ("convforge_graph", lambda: _replay(conv, x, warmup), False),
     ]
+    runs = [run for run in runs if pytorch or run[0].startswith("convforge")]
     rows = []
     for impl, make, tf32 in runs:
         _tf32(tf32)
         row: dict[str, Any] = dict(model=name, batch=batch, impl=impl, status="ok", ref_spread=spread_)
         try:
             with torch.no_grad():
-                fn = make()
-                y = fn()
+                with tuning(tune and impl.startswith("convforge")):
+                    fn = make()
+                    y = fn()
                 row["time_ms"] = time_ms(fn, warmup, repeats)
                 y = fn()
                 torch.cuda.synchronize()
@@ -201,13 +223,69 @@ def bench_model(name: str, batch: int, warmup: int, repeats: int, options: dict[
                 f"{k}: {v}" for k, v in report.left.items())
         rows.append(row)
     _tf32(False)
-    base = rows[0]
+    label(rows, options, tune)
+    return compare(rows)
+
+
+def bench_classes(name: str, batch: int, warmup: int, repeats: int, options: dict[str, Any],
+                  classes: tuple[str, ...], tune: bool = False) -> list[dict[str, Any]]:
+    """The PyTorch rows once, then the convforge rows of each precision class, compared."""
+    rows: list[dict[str, Any]] = []
+    for i, prec in enumerate(classes):
+        rows += bench_model(name, batch, warmup, repeats, {**options, "precision": prec}, pytorch=i == 0,
+                            tune=tune)
+    return compare(rows)
+
+
+def label(rows: list[dict[str, Any]], options: dict[str, Any], tuned: bool = False) -> None:
+    """Give each row its precision class and baseline: PyTorch rows by their math, convforge rows
+    (and any other impl) by the class they converted with."""
+    from convforge.config import config
+
+    prec = options.get("precision") or config.precision
     for row in rows:
+        cls = PYTORCH_CLASS.get(row["impl"], prec)
+        row.setdefault("precision", cls)
+        row.setdefault("baseline", BASELINES[cls])
+        if row["impl"] not in PYTORCH_CLASS and row["impl"] != "-":
+            row.setdefault("tuned", tuned)
+
+
+def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Fill ``speedup`` (baseline time / row time) and ``err_vs_pytorch`` (row error / baseline
+    error) from each row's baseline row of the same model and batch; rows whose baseline did not
+    run (or failed) get neither. Returns ``rows``."""
+    runs = {(r["model"], r["batch"], r["impl"]): r for r in rows if r["impl"] in PYTORCH_CLASS}
+    for row in rows:
+        base = runs.get((row["model"], row["batch"], row.get("baseline")))
+        if base is None:
+            continue
         if row.get("time_ms") and base.get("time_ms"):
             row["speedup"] = base["time_ms"] / row["time_ms"]
         if row.get("rel_err") is not None and base.get("rel_err"):
             row["err_vs_pytorch"] = row["rel_err"] / base["rel_err"]
     return rows
+
+
+@contextmanager
+def tuning(on: bool) -> Iterator[None]:
+    """``config.autotune`` on inside (when ``on``), restored afterwards: dispatch tunes every layer
+    it has no database entry for on first sight, in the caller's precision class, with its real
+    epilogue. Cached choices are dropped on the way in and out, so entries are looked up afresh."""
+    from convforge.config import config
+    from convforge.tune import clear_choices
+
+    if not on:
+        yield
+        return
+    before = config.autotune
+    config.autotune = True
+    clear_choices()
+    try:
+        yield
+    finally:
+        config.autotune = before
+        clear_choices()
 
 
 def _replay(model: Any, x: Any, warmup: int) -> Callable[[], Any]:
@@ -244,21 +322,24 @@ def environment() -> dict[str, Any]:
 
 def table(rows: list[dict[str, Any]], title: str) -> Table:
     t = Table(title=title)
-    for col in ("model", "batch", "impl", "time ms", "speed-up", "rel err", "err / PyTorch", "status"):
+    for col in ("model", "batch", "impl", "class", "time ms", "speed-up", "vs", "rel err", "err / baseline", "status"):
         t.add_column(col)
     for r in rows:
-        t.add_row(r["model"], str(r["batch"]), r["impl"], _f(r.get("time_ms"), ".3f"), _f(r.get("speedup"), ".2f"),
-                  _f(r.get("rel_err"), ".2e"), _f(r.get("err_vs_pytorch"), ".2f"), r.get("status", ""))
+        t.add_row(r["model"], str(r["batch"]), r["impl"], r.get("precision", ""), _f(r.get("time_ms"), ".3f"),
+                  _f(r.get("speedup"), ".2f"), r.get("baseline", ""), _f(r.get("rel_err"), ".2e"),
+                  _f(r.get("err_vs_pytorch"), ".2f"), r.get("status", ""))
     return t
 
 
 def summary(rows: list[dict[str, Any]]) -> str:
-    """One line per model: the reference's spread and each convforge row's error over PyTorch FP32's."""
+    """One line per model: the reference's spread and each convforge row's speed-up and error over
+    its class baseline's."""
     if not rows or rows[0].get("ref_spread") is None:
         return ""
     sp = rows[0]["ref_spread"]
     parts = [f"reference spread {sp:.2e}" + (" [red](tiny: errors are not meaningful)[/]" if sp < MIN_SPREAD else "")]
-    parts += [f"{r['impl']} err / PyTorch FP32 err = {_f(r.get('err_vs_pytorch'), '.2f')}"
+    parts += [f"{r['impl']} ({r.get('precision', '?')}) vs {r.get('baseline', '?')}: "
+              f"{_f(r.get('speedup'), '.2f')}x, err ratio {_f(r.get('err_vs_pytorch'), '.2f')}"
               for r in rows if r["impl"].startswith("convforge")]
     return "; ".join(parts)
 
@@ -268,37 +349,131 @@ def _f(v: float | None, fmt: str) -> str:
 
 
 def run(specs: list[str], out: str | None, warmup: int | None, repeats: int | None, console: Console,
-        options: dict[str, Any]) -> int:
+        options: dict[str, Any], classes: tuple[str, ...] = ("fp32",), tune: bool = False) -> int:
     """``convforge bench --model ...``: exit status 2 on bad input or no GPU, 1 when a run failed."""
-    try:
-        models = [parse_model(s) for s in specs]
-    except ValueError as err:
-        console.print(f"[red]error:[/] {err}")
-        return 2
-    try:
-        import torch
-    except ImportError:
-        console.print("[red]error:[/] --model needs PyTorch and torchvision (pip install torch torchvision)")
-        return 2
-    if not torch.cuda.is_available():
-        console.print("[red]error:[/] --model runs on a CUDA device; torch sees none")
+    models = _check_models(specs, console)
+    if models is None:
         return 2
     env = environment()
     console.print(" | ".join(f"{k} {v}" for k, v in env.items()))
+    notes = [NOTE, CLASS_NOTE, TUNED_NOTE if tune else UNTUNED_NOTE]
     rows: list[dict[str, Any]] = []
     for name, batch in models:
-        rows += bench_model(name, batch, warmup if warmup is not None else 5, repeats or 20, options)
+        rows += bench_classes(name, batch, warmup if warmup is not None else 5, repeats or 20, options, classes,
+                              tune)
         mine = [r for r in rows if r["model"] == name and r["batch"] == batch]
-        console.print(table(mine, f"{name} N={batch}"))
+        console.print(table(mine, f"{name} N={batch}: {' and '.join(classes)} class"
+                                  f"{'es' if len(classes) > 1 else ''}{', tuned' if tune else ''}"))
         console.print(summary(mine))
-    console.print(NOTE)
+    for note in notes:
+        console.print(note)
     if out:
         folder = Path(out)
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / "models.json").write_text(json.dumps({"env": env, "notes": [NOTE], "rows": rows}, indent=1))
+        doc = {"env": env, "notes": notes, "classes": list(classes), "tuned": tune, "rows": rows}
+        (folder / "models.json").write_text(json.dumps(doc, indent=1))
         with open(folder / "models.csv", "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
             writer.writeheader()
             writer.writerows(rows)
         console.print(f"wrote {folder}/models.json, models.csv")
     return 1 if any(not str(r.get("status", "")).startswith("ok") and r["impl"] != "-" for r in rows) else 0
+
+
+def _check_models(specs: list[str], console: Console) -> list[tuple[str, int]] | None:
+    """The parsed ``NAME[:BATCH]`` list, or None after printing why the models cannot run here
+    (a bad name or batch, no PyTorch, no CUDA device)."""
+    try:
+        models = [parse_model(s) for s in specs]
+    except ValueError as err:
+        console.print(f"[red]error:[/] {err}")
+        return None
+    try:
+        import torch
+    except ImportError:
+        console.print("[red]error:[/] --model needs PyTorch and torchvision (pip install torch torchvision)")
+        return None
+    if not torch.cuda.is_available():
+        console.print("[red]error:[/] --model runs on a CUDA device; torch sees none")
+        return None
+    return models
+
+
+def tune_models(specs: list[str], console: Console, budget: Any = None) -> int:
+    """``convforge tune --model NAME[:BATCH]``: run each model once, converted (and fused, when
+    ``convforge.torch.fuse`` exists), with ``config.autotune`` on in ``config.precision``'s class, so
+    dispatch tunes every conv with its real epilogue into the database; print what each chose.
+    ``budget`` (a tuner Budget) replaces the autotune budget meanwhile. 2: bad input or no GPU;
+    1: a model could not be built or a layer fell back to the heuristic (its tuning failed)."""
+    import torch
+
+    import convforge.tune as tune_pkg
+    from convforge.config import config, precision_key
+
+    models = _check_models(specs, console)
+    if models is None:
+        return 2
+    console.print(f"device {torch.cuda.get_device_name()}; database {config.tuning_db}; class "
+                  f"{precision_key()}; budget per layer {budget or tune_pkg.AUTOTUNE_BUDGET}")
+    saved, status = tune_pkg.AUTOTUNE_BUDGET, 0
+    tune_pkg.AUTOTUNE_BUDGET = budget or saved
+    try:
+        for name, batch in models:
+            status = max(status, _tune_model(name, batch, console))
+    finally:
+        tune_pkg.AUTOTUNE_BUDGET = saved
+    return status
+
+
+def forms() -> list[tuple[str, Callable[..., Any]]]:
+    """(name, make(model, **options) -> module) of each convforge form of a model that can be tuned:
+    ``converted`` (convforge.torch.convert, in place) and, when that exists, ``fused``
+    (convforge.torch.fuse, which returns (module, report))."""
+    import convforge.torch as ct
+
+    def converted(model: Any, **options: Any) -> Any:
+        ct.convert(model, **options)
+        return model
+
+    out: list[tuple[str, Callable[..., Any]]] = [("converted", converted)]
+    fuse = getattr(ct, "fuse", None)
+    if fuse is not None:
+        out.append(("fused", lambda model, **options: fuse(model, **options)[0]))
+    return out
+
+
+def _tune_model(name: str, batch: int, console: Console) -> int:
+    import torch
+
+    from convforge.config import config
+    from convforge.dispatch.choice import cached
+
+    model = build(name)
+    if isinstance(model, str):
+        console.print(f"[red]{name}: {model}[/]")
+        return 1
+    size = MODELS[name]
+    x = torch.randn(batch, 3, size, size, device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
+    status = 0
+    for form, make in forms():
+        m = make(copy.deepcopy(model), precision=config.precision)
+        with torch.no_grad(), tuning(True):
+            m(x)
+            torch.cuda.synchronize()
+            seen = cached()
+        console.print(tuned_table(seen, f"{name} N={batch}, {form}: {len(seen)} distinct conv(s)"))
+        status = max(status, int(any(ch.source == "heuristic" for *_, ch in seen)))
+        del m
+    return status
+
+
+def tuned_table(seen: list[tuple[Any, Any, str, Any]], title: str) -> Table:
+    """What tuning chose per distinct (spec, epilogue): variant, parameters, measured error and
+    whether it was tuned now, found in the database, or left to the heuristic (tuning failed)."""
+    t = Table(title=title)
+    for col in ("layer", "epilogue", "class", "variant", "parameters", "rel err", "from"):
+        t.add_column(col)
+    for spec, epi, prec, ch in seen:
+        t.add_row(spec.short(), epi.tag().lstrip("_") or "none", prec, ch.variant.name, ch.params.short(),
+                  _f(ch.error, ".1e"), {"db": "database", "tuned": "tuned now"}.get(ch.source, ch.source))
+    return t

@@ -1,7 +1,11 @@
 """Which variant and parameters run a spec: the one place that decides.
 
 For ``algo="auto"``: the tuning database's entry for the precision class (or, under ``max_error``,
-any entry whose *measured* error is within it), else autotuning when ``config.autotune`` is on,
+any entry whose *measured* error is within it), else the entry of the same spec and class with a
+plainer epilogue (bias + ReLU, bias, none) when that variant plans with the requested epilogue (a
+fused residual or ReLU costs the same variant little, and a network's fused layers then use what
+``tune --suite`` stored; with ``config.autotune`` on, a layer is tuned with its own epilogue
+instead), else autotuning when ``config.autotune`` is on,
 else Boda's heuristic over the variants whose *stated* accuracy the class admits. A family name
 takes the heuristic within that family; a variant name or explicit parameters always run as named.
 Answers are cached per argument set, so a warm call is one dictionary lookup.
@@ -9,6 +13,7 @@ Answers are cached per argument set, so a warm call is one dictionary lookup.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -18,6 +23,7 @@ from convforge.config import PRECISIONS, config, parse_precision, precision_key
 from convforge.params import Params
 from convforge.plan import Epilogue, Variant
 from convforge.spec import ConvSpec
+from convforge.tune.heuristic import epilogue_key
 
 if TYPE_CHECKING:
     from convforge.backends.base import Backend
@@ -84,9 +90,22 @@ def _unmeetable(spec: ConvSpec, backend: Backend, bound: float) -> str:
             "(tune the layer to measure it, or raise max_error)")
 
 
-def _entries(spec: ConvSpec, backend: Backend, epi: Epilogue, prec: str, bound: float | None) -> list[Entry]:
-    """Database entries that may serve: the class's own (or the max_error key's), then, under
-    max_error, the classes' entries (their measured error is checked by the caller)."""
+def fallback_epilogues(epi: Epilogue, autotune: bool = False) -> list[Epilogue]:
+    """The epilogues whose database entries may serve ``epi``, in order: itself, then bias + ReLU,
+    bias alone and none (duplicates dropped). Under ``autotune`` only itself and its bias + ReLU
+    part (what tuning a residual / offset epilogue stores): a layer is then tuned with its own
+    epilogue rather than served by a plainer one's entry."""
+    plainer = [Epilogue(bias=epi.bias, relu=epi.relu)]
+    if not autotune:
+        plainer += [Epilogue(bias=epi.bias), Epilogue()]
+    return list(dict.fromkeys([epi, *plainer]))
+
+
+def _entries(spec: ConvSpec, backend: Backend, epi: Epilogue, prec: str,
+             bound: float | None) -> list[Entry]:
+    """Database entries that may serve: for each of :func:`fallback_epilogues` in turn, the class's
+    own (or the max_error key's), then, under max_error, the classes' entries (their measured error
+    is checked by the caller). Whether a fallback's variant takes ``epi`` is checked by planning."""
     from convforge.tune import Tuner, open_db
 
     db = open_db(write=config.autotune)
@@ -95,14 +114,15 @@ def _entries(spec: ConvSpec, backend: Backend, epi: Epilogue, prec: str, bound: 
     tuner = Tuner(backend, db, precision=prec, max_error=bound)
     keys = [precision_key(prec, bound)] + (list(PRECISIONS) if bound is not None else [])
     out: list[Entry] = []
-    for k in keys:
-        try:
-            entry = tuner.lookup(spec, epi, precision=k)
-        except Exception as err:  # noqa: BLE001 - a database problem is a slower choice, never a crash
-            log.warning("tuning database lookup failed (%s); using the heuristic", err)
-            return out
-        if entry is not None:
-            out.append(entry)
+    for e in fallback_epilogues(epi, config.autotune):
+        for k in keys:
+            try:
+                entry = tuner.lookup(spec, e, precision=k)
+            except Exception as err:  # noqa: BLE001 - a database problem is a slower choice, never a crash
+                log.warning("tuning database lookup failed (%s); using the heuristic", err)
+                return out
+            if entry is not None:
+                out.append(entry)
     return out
 
 
@@ -121,10 +141,13 @@ def _from_db(spec: ConvSpec, backend: Backend, epi: Epilogue, prec: str, bound: 
         if variant.applies(spec, backend.device) is not None:
             continue
         params = Params.from_json(entry.params)
-        try:  # an entry from an older generator may name parameters it no longer takes
+        try:  # an older generator's entry, or a plainer epilogue's variant that cannot take ``epi``
             variant.plan(spec, params, backend.device, epi)
         except Exception as err:  # noqa: BLE001 - a stale entry is a slower choice, never a crash
-            log.warning("stored choice %s [%s] no longer plans (%s); skipped", variant.name, params.short(), err)
+            own = entry.epilogue == epilogue_key(epi)
+            (log.warning if own else log.info)(
+                "stored choice %s [%s]%s does not plan%s (%s); skipped", variant.name, params.short(),
+                "" if own else f" of epilogue {entry.epilogue!r}", "" if own else f" with {epilogue_key(epi)!r}", err)
             continue
         return Choice(variant, params, entry.error, "db")
     return None
@@ -132,16 +155,46 @@ def _from_db(spec: ConvSpec, backend: Backend, epi: Epilogue, prec: str, bound: 
 
 def _tune_now(spec: ConvSpec, backend: Backend, epi: Epilogue, prec: str, bound: float | None,
               workspace_limit: int | None) -> Choice | None:
-    """Autotune on first sight (``config.autotune``) into the database."""
+    """Autotune on first sight (``config.autotune``) into the database. The tuner checks bias and
+    ReLU only, so a residual or channel-offset epilogue is tuned as its bias + ReLU part (stored
+    under that key, which the lookup falls back to); when that winner has no store path for ``epi``,
+    the fastest admitted candidate that has one is chosen and stored under ``epi``'s own key."""
     from convforge.tune import AUTOTUNE_BUDGET, TuneError, Tuner, open_db
 
-    tuner = Tuner(backend, open_db(write=True), AUTOTUNE_BUDGET, precision=prec, max_error=bound)
+    db = open_db(write=True)
+    tuner = Tuner(backend, db, AUTOTUNE_BUDGET, precision=prec, max_error=bound)
+    checkable = Epilogue(bias=epi.bias, relu=epi.relu)
     try:
-        res = tuner.tune(spec, epi, workspace_limit, force=True)
+        res = tuner.tune(spec, checkable, workspace_limit, force=True)
+        if checkable == epi or _plans(res.variant, res.params, spec, backend, epi):
+            return Choice(res.variant, res.params, res.entry.error, "tuned")
+        takes = [c for c in res.candidates if c.status == "ok" and _plans(c.variant, c.params, spec, backend, epi)]
+        if not takes:
+            raise TuneError(f"no tuned candidate has a store path for epilogue {epilogue_key(epi)!r}")
+        best = tuner.select(spec, takes)
     except TuneError as err:
         log.warning("autotuning failed, using the heuristic: %s", err)
         return None
-    return Choice(res.variant, res.params, res.entry.error, "tuned")
+    assert best.plan is not None
+    if db is not None:
+        db.put(dataclasses.replace(res.entry, epilogue=epilogue_key(epi), variant=best.variant.name,
+                                   params=best.params.to_json(), time_ms=best.time_ms,
+                                   workspace=best.plan.workspace_bytes, error=best.error or 0.0))
+    return Choice(best.variant, best.params, best.error, "tuned")
+
+
+def _plans(variant: Variant, params: Params, spec: ConvSpec, backend: Backend, epi: Epilogue) -> bool:
+    try:
+        variant.plan(spec, params, backend.device, epi)
+    except ValueError:  # "unsupported epilogue": no store path for a residual / channel offset
+        return False
+    return True
+
+
+def cached() -> list[tuple[ConvSpec, Epilogue, str, Choice]]:
+    """(spec, epilogue, precision class, choice) of every cached ``algo="auto"`` choice, oldest first:
+    after :func:`clear_choices`, what the calls since chose (``convforge tune --model`` prints it)."""
+    return [(k[1], k[2], k[4], ch) for k, ch in list(_CHOICES.items()) if k[3] == "auto"]
 
 
 def clear_choices() -> None:

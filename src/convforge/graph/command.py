@@ -9,6 +9,11 @@ from typing import Any
 
 import numpy as np
 
+from convforge.config import PRECISIONS, config
+
+TORCH_MATH = {"fp32": "PyTorch FP32 (cudnn.benchmark, TF32 off)",
+              "relaxed": "PyTorch TF32 (cudnn.benchmark, TF32 on for cuDNN and matmul)"}
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--net", required=True,
@@ -23,6 +28,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workspace-limit", type=float, metavar="MIB",
                    help="the most workspace one conv may use, filter transforms included (MiB; the layers "
                         "share one scratch arena of the largest need)")
+    p.add_argument("--precision", choices=tuple(PRECISIONS),
+                   help="precision class of the network's convs: 'fp32' (error <= 5e-6, compared with PyTorch "
+                        "FP32, TF32 off) or 'relaxed' (<= 1e-3, compared with PyTorch TF32); default fp32, or "
+                        "CONVFORGE_PRECISION")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison")
     p.add_argument("--no-check", action="store_true", help="skip the float64 reference check")
     p.add_argument("--out", type=Path, metavar="DIR", help="also write the run (summary, layers) as JSON here")
@@ -39,6 +48,7 @@ def main(args: argparse.Namespace) -> int:
     from convforge.graph.runtime import Network, load_model
 
     console = Console()
+    prec = config.precision  # cli.main set it from --precision
     if args.batch < 1:
         raise ValueError(f"batch ({args.batch}) must be >= 1")
     graph = load_model(args.net, args.input_size, args.seed, args.weights).with_batch(args.batch)
@@ -59,7 +69,7 @@ def main(args: argparse.Namespace) -> int:
     out = net(x)
     prof = net.profile(max(3, args.repeats // 2))
     total = net.time_ms(args.repeats)
-    console.print(_table(prof, graph.name, args.batch))
+    console.print(_table(prof, graph.name, args.batch, prec))
     mode = "CUDA graph replay" if net.captured else "launches enqueued in order"
     console.print(f"total ({mode}): {total:.3f} ms; {args.batch / total * 1e3:.1f} images/s; "
                   f"peak memory {net.peak_bytes / 2**20:.1f} MiB (activations {net.memory.bytes / 2**20:.1f}, "
@@ -69,7 +79,7 @@ def main(args: argparse.Namespace) -> int:
     res: dict[str, Any] = {
         "net": Path(str(args.net)).stem, "batch": args.batch, "backend": backend.name, "device": backend.device.name,
         "mode": mode, "ours_ms": total, "images_per_s": args.batch / total * 1e3,
-        "peak_mib": net.peak_bytes / 2**20, "tuned": bool(args.tune),
+        "peak_mib": net.peak_bytes / 2**20, "tuned": bool(args.tune), "precision": prec,
         "peak_parts_mib": {"activations": net.memory.bytes / 2**20, "weights": net.weight_bytes / 2**20,
                            "transformed_filters": net.transformed_bytes / 2**20,
                            "workspaces": net.workspace_bytes / 2**20, "arena": net.arena_bytes / 2**20},
@@ -83,6 +93,8 @@ def main(args: argparse.Namespace) -> int:
         console.print(f"PyTorch: {res['torch']}", soft_wrap=True)
     else:
         _torch(console, graph, x, total, net.peak_bytes, args.repeats, ref, res)
+    if res.get("logits_error") is not None:
+        console.print(errors_line(res), markup=False, highlight=False, soft_wrap=True)
     for line in (SUMMARY_HEADER, summary_line(res)):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
     if args.out is not None:
@@ -90,7 +102,7 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-SUMMARY_HEADER = ("| net | batch | backend | ours ms | PyTorch eager ms | PyTorch graph ms | vs eager | "
+SUMMARY_HEADER = ("| net | batch | backend | class | ours ms | PyTorch eager ms | PyTorch graph ms | vs eager | "
                   "vs graph | peak MiB | PyTorch peak MiB | logits error | PyTorch logits error |")
 
 
@@ -105,23 +117,37 @@ def summary_line(res: dict[str, Any]) -> str:
     eager, graph = res.get("torch_eager_ms"), res.get("torch_graph_ms")
     sp_e = "n/a" if eager is None else f"{eager / ours:.2f}x"
     sp_g = "n/a" if graph is None else f"{graph / ours:.2f}x"
-    return (f"| {res['net']} | {res['batch']} | {res['backend']} | {ours:.3f} | {num('torch_eager_ms', '.3f')} | "
+    return (f"| {res['net']} | {res['batch']} | {res['backend']} | {res.get('precision', 'fp32')} | {ours:.3f} | "
+            f"{num('torch_eager_ms', '.3f')} | "
             f"{num('torch_graph_ms', '.3f')} | {sp_e} | {sp_g} | {res['peak_mib']:.1f} | "
             f"{num('torch_peak_mib', '.1f')} | {num('logits_error', '.1e')} | {num('torch_logits_error', '.1e')} |")
 
 
+def errors_line(res: dict[str, Any]) -> str:
+    """convforge's logits error beside PyTorch's of the same precision class, and their ratio."""
+    prec = res.get("precision", "fp32")
+    ours, theirs = res.get("logits_error"), res.get("torch_logits_error")
+    what = "PyTorch TF32" if prec == "relaxed" else "PyTorch FP32"
+    line = f"logits error vs float64 ({prec} class): convforge {ours:.2e} | {what} "
+    if theirs is None:
+        return line + "n/a (not run)"
+    ratio = f"{ours / theirs:.2f}" if theirs else "n/a"
+    return line + f"{theirs:.2e} | ratio {ratio}"
+
+
 def _write(out: Path, res: dict[str, Any]) -> None:
-    """The run as JSON in ``out`` (created): run-NET-nBATCH-BACKEND.json."""
+    """The run as JSON in ``out`` (created): run-NET-nBATCH-BACKEND.json (…-relaxed.json in the
+    relaxed class, so both classes' runs can share a folder)."""
     import json
     import re
 
     out.mkdir(parents=True, exist_ok=True)
-    name = re.sub(r"[^\w.-]", "_", f"run-{res['net']}-n{res['batch']}-{res['backend']}.json")
+    cls = "-relaxed" if res.get("precision") == "relaxed" else ""
+    name = re.sub(r"[^\w.-]", "_", f"run-{res['net']}-n{res['batch']}-{res['backend']}{cls}.json")
     (out / name).write_text(json.dumps({**res, "summary": summary_line(res)}, indent=1) + "\n")
 
 
 def _tune(args: argparse.Namespace, console: Any, backend: Any) -> None:
-    from convforge.config import config
     from convforge.dispatch import clear_choices, clear_executables
     from convforge.graph.tune import tune_net
     from convforge.tune import clear_choices as clear_tune_choices
@@ -136,11 +162,11 @@ def _tune(args: argparse.Namespace, console: Any, backend: Any) -> None:
     clear_tune_choices()
 
 
-def _table(prof: list[tuple[Any, float]], name: str, batch: int) -> Any:
+def _table(prof: list[tuple[Any, float]], name: str, batch: int, prec: str = "fp32") -> Any:
     from rich.table import Table
 
     total = sum(ms for _, ms in prof) or 1.0
-    table = Table(title=f"{name}, batch {batch}: per step (each timed alone)")
+    table = Table(title=f"{name}, batch {batch}, {prec} class: per step (each timed alone)")
     for col in ("layer", "op", "variant", "ms", "share", "GFLOP/s"):
         table.add_column(col, justify="right" if col in ("ms", "share", "GFLOP/s") else "left")
     for step, ms in prof:
@@ -179,15 +205,16 @@ def _torch(console: Any, graph: Any, x: np.ndarray, total: float, peak: int, rep
     logits = graph.outputs[-1]
     tg = graph.copy()
     tg.outputs = [logits]
-    t = torch_baseline.run_torch(tg, x, repeats)
-    res.update(torch="PyTorch FP32 (cudnn.benchmark, TF32 off)", torch_eager_ms=t.eager_ms,
+    prec = res.get("precision", "fp32")
+    t = torch_baseline.run_torch(tg, x, repeats, tf32=prec == "relaxed")
+    res.update(torch=TORCH_MATH[prec], torch_eager_ms=t.eager_ms,
                torch_graph_ms=t.graph_ms, torch_peak_mib=t.peak_bytes / 2**20)
-    console.print(f"PyTorch FP32: eager {t.eager_ms:.3f} ms ({t.eager_ms / total:.2f}x ours), "
+    console.print(f"{TORCH_MATH[prec]}: eager {t.eager_ms:.3f} ms ({t.eager_ms / total:.2f}x ours), "
                   f"CUDA graph {t.graph_ms:.3f} ms ({t.graph_ms / total:.2f}x ours), "
                   f"max_memory_allocated {t.peak_bytes / 2**20:.1f} MiB (ours {peak / 2**20:.1f} MiB)")
     if ref is not None:
         from convforge.reference import rel_l2
 
         res["torch_logits_error"] = rel_l2(t.output[:1], ref[logits])
-        console.print(f"PyTorch relative error vs the float64 reference (image 0, {logits}): "
-                      f"{res['torch_logits_error']:.2e}")
+        console.print(f"PyTorch ({'TF32' if prec == 'relaxed' else 'FP32'}) relative error vs the float64 "
+                      f"reference (image 0, {logits}): {res['torch_logits_error']:.2e}")

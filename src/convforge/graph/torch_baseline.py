@@ -1,7 +1,8 @@
 """PyTorch's time on the same graph and weights (a bench baseline: imports torch).
 
 The IR runs op by op through ``torch.nn.functional`` in FP32 with cudnn.benchmark on and TF32
-off, eager and replayed from a CUDA graph; peak memory is ``torch.cuda.max_memory_allocated``.
+off (``tf32=True``: on, for cuDNN and matmul, the relaxed class's baseline), eager and replayed from
+a CUDA graph; peak memory is ``torch.cuda.max_memory_allocated``.
 """
 
 from __future__ import annotations
@@ -91,13 +92,27 @@ def forward_fn(graph: Graph, x: np.ndarray, device: str = "cuda") -> Any:
     return forward
 
 
-def run_torch(graph: Graph, x: np.ndarray, repeats: int = 20) -> TorchTimes:
-    """Time ``graph`` (at x's batch) in PyTorch FP32, eager and CUDA-graph replayed, on the GPU."""
+def run_torch(graph: Graph, x: np.ndarray, repeats: int = 20, tf32: bool = False) -> TorchTimes:
+    """Time ``graph`` (at x's batch) in PyTorch FP32 (``tf32``: TF32 allowed), eager and CUDA-graph
+    replayed, on the GPU. The TF32 switches are restored afterwards."""
     import torch
 
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    set_math(torch, tf32)
+    try:
+        return _run_torch(torch, graph, x, repeats)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def set_math(torch: Any, tf32: bool) -> None:
+    """cudnn.benchmark on; TF32 on or off for both cuDNN convolutions and matmul (fc layers)."""
     torch.backends.cudnn.benchmark = True
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+
+
+def _run_torch(torch: Any, graph: Graph, x: np.ndarray, repeats: int) -> TorchTimes:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     forward = forward_fn(graph, x, "cuda")

@@ -34,7 +34,7 @@ def _error(msg: str) -> None:
 
 # -- convforge tune -----------------------------------------------------------------------
 def add_tune_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--suite", help="built-in suite name (resnet, boda, mec) or a JSON suite file")
+    p.add_argument("--suite", help="built-in suite name (resnet, boda, mec, unseen) or a JSON suite file")
     p.add_argument("--spec", action="append", default=[], metavar="SPEC",
                    help="a layer such as 'N=1,C=3,H=13,W=13,K=8,R=3,S=3,pad=1' (repeatable)")
     p.add_argument("--limit", type=int, help="tune only the first LIMIT layers of the suite")
@@ -61,6 +61,10 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="log every candidate's fate")
     p.add_argument("--net", help="tune every distinct conv of a network (a shipped name, .prototxt or .onnx)")
     p.add_argument("--batch", type=int, help="batch size of --net (default 1)")
+    p.add_argument("--model", action="append", metavar="NAME[:BATCH]",
+                   help="tune a torchvision model's convs as `bench --model` runs them (repeatable): converted "
+                        "(and fused, where convforge.torch.fuse exists), each layer with its real epilogue, in "
+                        "the --precision class (CUDA; --budget per layer)")
 
 
 def _layers(args: argparse.Namespace) -> list[tuple[str, ConvSpec]]:
@@ -94,6 +98,8 @@ def tune_main(args: argparse.Namespace) -> int:
     """Tune a suite or layers into the database, with a progress bar and a closing table."""
     console = _console()
     _setup_logging(args.verbose)
+    if getattr(args, "model", None):
+        return _tune_models(args, console)
     if getattr(args, "net", None):
         from convforge.graph.tune import tune_net
 
@@ -135,6 +141,33 @@ def tune_main(args: argparse.Namespace) -> int:
             us = measure_dispatch(layers[0][1], backend, epilogue=epi)
         console.print(f"dispatch overhead of choose() with a warm database: {us:.2f} µs per call")
     return 1 if failed else 0
+
+
+def _tune_models(args: argparse.Namespace, console: Any) -> int:
+    """``tune --model``: alone (no --suite, --spec or --net), into ``--db`` when given."""
+    clash = [flag for flag, val in (("--suite", args.suite), ("--spec", args.spec), ("--net", args.net)) if val]
+    if clash:
+        _error(f"--model cannot be combined with {', '.join(clash)} (tune them separately)")
+        return 2
+    if args.backend == "opencl":
+        _error("--model runs the torchvision model on CUDA (convforge.torch); --backend opencl does not apply")
+        return 2
+    if args.force:
+        _error("--model tunes only layers the database does not know (no --force): clear their entries "
+               "first (convforge db clear)")
+        return 2
+    try:
+        budget = Budget.parse(args.budget)
+    except ValueError as err:
+        _error(f"{err}")
+        return 2
+    from convforge.bench.models import tune_models
+    from convforge.tune import clear_choices
+
+    if args.db is not None:
+        config.db_path = args.db
+        clear_choices()
+    return tune_models(args.model, console, budget)
 
 
 def _setup_logging(verbose: bool) -> None:
