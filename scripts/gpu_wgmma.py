@@ -71,17 +71,18 @@ def time_layers() -> None:
         rows = []
         tplan = tc.plan(spec, tc.default(spec, be.device), be.device)
         texe = be.executable(tplan)
-        rows.append((f"gemm1x1_tf32 [{tplan.params.short()}]", _ms(be, lambda e=texe: e(bufs)), None))
+        rows.append((f"gemm1x1_tf32 [{tplan.params.short()}]", _ms(be, lambda e=texe, b=bufs: e(b)), None))
         space = wg.space(spec, be.device)
-        extra = [Params(bn=b, wg=g, st=s, sw=128) for b, g, s in ((128, 1, 4), (256, 1, 4), (256, 2, 3), (192, 2, 4))]
+        extra = [Params(bn=b, wg=g, st=s, sw=sw) for b, g, s, sw in
+                 ((128, 1, 4, 128), (256, 1, 4, 128), (256, 2, 3, 128), (192, 2, 4, 128), (128, 2, 4, 0))]
         for p in list(dict.fromkeys(space[:5] + [q for q in extra if q in space])):
             plan = wg.plan(spec, p, be.device)
             exe = be.executable(plan)
             exe(bufs)  # fills wt
-            whole = _ms(be, lambda e=exe: e(bufs, "rest"))
+            whole = _ms(be, lambda e=exe, b=bufs: e(b, "rest"))
             xonly = dataclasses.replace(plan, steps=(plan.steps[1],))
             xexe = be.executable(xonly)
-            rows.append((f"{NAME} [{p.short()}]", whole, _ms(be, lambda e=xexe: e(bufs))))
+            rows.append((f"{NAME} [{p.short()}]", whole, _ms(be, lambda e=xexe, b=bufs: e(b))))
         res = baselines.run("cudnn", spec, Timing(3, 25, 1), True, classes=("relaxed",))
         best = baselines.best_tf32(res)
         if best is not None and best.time_ms is not None:
@@ -90,7 +91,7 @@ def time_layers() -> None:
             if r.impl == "torch-tf32" and r.time_ms:
                 rows.append(("torch TF32 pick", r.time_ms, None))
         for name, ms, xt in rows:
-            extra_txt = f"  (transpose {xt * 1e3:6.1f} us)" if xt else ""
+            extra_txt = f"  (transpose {xt * 1e3:6.1f} us, GEMM {(ms - xt) * 1e3:6.1f} us)" if xt else ""
             print(f"time {label:14s} {name:52s} {ms * 1e3:8.1f} us {spec.flops / ms / 1e9:6.1f} TFLOPS{extra_txt}",
                   flush=True)
 
