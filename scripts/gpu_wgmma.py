@@ -2,8 +2,8 @@
 
 ``--check SW``: odd shapes and a few ResNet 1x1 layers, several points with swizzle mode SW (0 or
 128), NaN-poisoned outputs and workspaces (one process per mode: a faulting kernel kills its CUDA
-context). ``--time``: ResNet-50 1x1 layers, N=32: wgmma points (whole call with the weights
-cached, and the transpose alone) against gemm1x1_tf32's default and cuDNN-best TF32.
+context). ``--time LAYER``: a ResNet-50 1x1 layer, N=32: wgmma points (the call with the weights cached,
+and the transpose alone) and gemm1x1_tf32's default; ``--baselines``: cuDNN-best TF32 on all.
 """
 
 from __future__ import annotations
@@ -59,52 +59,62 @@ def _ms(be, fn, reps: int = 30) -> float:  # type: ignore[no-untyped-def]
     return statistics.median(be.time_ms(fn, reps))
 
 
-def time_layers() -> None:
+def time_layer(label: str) -> None:
+    """One layer: gemm1x1_tf32's default, then wgmma points, each row printed when measured."""
+    be = get_backend("cuda")
+    spec = LAYERS[label]
+    wg, tc = get_variant(NAME), get_variant("gemm1x1_tf32")
+    x, w, _ = random_inputs(spec, np.random.default_rng(0))
+    bufs = {"x": be.upload(x), "w": be.upload(w), "y": be.empty(4 * spec.n * spec.k * spec.p * spec.q)}
+    tplan = tc.plan(spec, tc.default(spec, be.device), be.device)
+    _row(label, spec, f"gemm1x1_tf32 [{tplan.params.short()}]", _ms(be, lambda e=be.executable(tplan): e(bufs)))
+    space = wg.space(spec, be.device)
+    extra = [Params(bn=b, wg=g, st=s, sw=sw) for b, g, s, sw in
+             ((128, 1, 4, 128), (256, 1, 4, 128), (256, 2, 3, 128), (192, 2, 4, 128), (128, 2, 4, 0))]
+    for p in list(dict.fromkeys(space[:5] + [q for q in extra if q in space])):
+        plan = wg.plan(spec, p, be.device)
+        exe = be.executable(plan)
+        exe(bufs)  # fills wt
+        be.synchronize()
+        whole = _ms(be, lambda e=exe: e(bufs, "rest"))
+        xexe = be.executable(dataclasses.replace(plan, steps=(plan.steps[1],)))
+        xt = _ms(be, lambda e=xexe: e(bufs))
+        be.synchronize()
+        split = f"  (transpose {xt * 1e3:5.1f} us, GEMM {(whole - xt) * 1e3:5.1f} us)"
+        _row(label, spec, f"{NAME} [{p.short()}]", whole, split)
+
+
+def _row(label: str, spec: ConvSpec, name: str, ms: float, extra: str = "") -> None:
+    print(f"time {label:14s} {name:50s} {ms * 1e3:8.1f} us {spec.flops / ms / 1e9:6.1f} TFLOPS{extra}", flush=True)
+
+
+def baselines_all() -> None:
+    """cuDNN-best TF32 (every legacy algorithm with default math, and PyTorch's TF32 pick)."""
     from convforge.bench import baselines
     from convforge.bench.timing import Timing
 
-    be = get_backend("cuda")
-    wg, tc = get_variant(NAME), get_variant("gemm1x1_tf32")
     for label, spec in LAYERS.items():
-        x, w, _ = random_inputs(spec, np.random.default_rng(0))
-        bufs = {"x": be.upload(x), "w": be.upload(w), "y": be.empty(4 * spec.n * spec.k * spec.p * spec.q)}
-        rows = []
-        tplan = tc.plan(spec, tc.default(spec, be.device), be.device)
-        texe = be.executable(tplan)
-        rows.append((f"gemm1x1_tf32 [{tplan.params.short()}]", _ms(be, lambda e=texe, b=bufs: e(b)), None))
-        space = wg.space(spec, be.device)
-        extra = [Params(bn=b, wg=g, st=s, sw=sw) for b, g, s, sw in
-                 ((128, 1, 4, 128), (256, 1, 4, 128), (256, 2, 3, 128), (192, 2, 4, 128), (128, 2, 4, 0))]
-        for p in list(dict.fromkeys(space[:5] + [q for q in extra if q in space])):
-            plan = wg.plan(spec, p, be.device)
-            exe = be.executable(plan)
-            exe(bufs)  # fills wt
-            whole = _ms(be, lambda e=exe, b=bufs: e(b, "rest"))
-            xonly = dataclasses.replace(plan, steps=(plan.steps[1],))
-            xexe = be.executable(xonly)
-            rows.append((f"{NAME} [{p.short()}]", whole, _ms(be, lambda e=xexe, b=bufs: e(b))))
         res = baselines.run("cudnn", spec, Timing(3, 25, 1), True, classes=("relaxed",))
         best = baselines.best_tf32(res)
         if best is not None and best.time_ms is not None:
-            rows.append((f"cuDNN-best TF32 ({best.algo})", best.time_ms, None))
+            _row(label, spec, f"cuDNN-best TF32 ({best.algo})", best.time_ms)
         for r in res:
             if r.impl == "torch-tf32" and r.time_ms:
-                rows.append(("torch TF32 pick", r.time_ms, None))
-        for name, ms, xt in rows:
-            extra_txt = f"  (transpose {xt * 1e3:6.1f} us, GEMM {(ms - xt) * 1e3:6.1f} us)" if xt else ""
-            print(f"time {label:14s} {name:52s} {ms * 1e3:8.1f} us {spec.flops / ms / 1e9:6.1f} TFLOPS{extra_txt}",
-                  flush=True)
+                _row(label, spec, "torch TF32 pick", r.time_ms)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", type=int, choices=(0, 128))
-    ap.add_argument("--time", action="store_true")
+    ap.add_argument("--time", type=int, choices=range(len(LAYERS)), help="index into LAYERS")
+    ap.add_argument("--baselines", action="store_true")
     args = ap.parse_args()
     if args.check is not None:
         return check(args.check)
-    if args.time:
-        time_layers()
+    if args.time is not None:
+        time_layer(list(LAYERS)[args.time])
+    if args.baselines:
+        baselines_all()
     return 0
 
 

@@ -178,7 +178,22 @@ def test_plan_steps_and_weight_step():
     assert steps == frozenset({0}) and derived == ("wt",)
     assert ARCH_SPECIFIC_MARK in plan.source("cuda")
     assert (spec.k, spec.n * spec.p * spec.q) == (130, 160)
-    assert dict(plan.workspace) == {"wt": 4 * 256 * 64, "xt": 4 * 256 * 64}  # rows padded, C to 64
+    assert dict(plan.workspace) == {"wt": 4 * 192 * 64, "xt": 4 * 192 * 64}  # whole tiles, C to 64
+
+
+@pytest.mark.parametrize("n", [1, 169, 429, 6272, 100352])
+def test_workspace_holds_every_row_the_copies_read(n):
+    """The last block's copies read rows up to its tile's end (unclamped): the workspaces hold
+    them for every point (bn 192 on 100352 columns reads 64 rows past 392 x 256)."""
+    spec = ConvSpec.make(n, 40, 1, 1, 67, 1, 1)
+    v = get_variant(NAME)
+    for p in v.space(spec, NOMINAL_CUDA):
+        plan = v.plan(spec, p, NOMINAL_CUDA)
+        gx, gy, _ = plan.steps[-1].grid
+        cp = 64
+        ws = dict(plan.workspace)
+        assert ws["xt"] >= 4 * gx * p.bn * cp and ws["wt"] >= 4 * gy * 64 * p.wg * cp, p.short()
+        assert v.workspace_bytes(spec, p) == sum(ws.values())
 
 
 def test_compile_options_arch_specific():

@@ -145,7 +145,8 @@ def padded_c(spec: ConvSpec) -> int:
 
 
 def padded_rows(rows: int, tile: int) -> int:
-    """Rows of an operand workspace: whole tiles of the largest block, so no copy is clamped."""
+    """Rows of an operand workspace: whole tiles of the block (the copies read every row of a
+    tile, unclamped; rows past the matrix hold garbage that only unused results see)."""
     return cdiv(rows, tile) * tile
 
 
@@ -298,7 +299,7 @@ class Gemm1x1WgmmaTF32(Variant):
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
         if spec.r != 1 or spec.s != 1:
             return "only 1x1 filters"
-        ws = padded_rows(spec.n * spec.p * spec.q, 256) * padded_c(spec)
+        ws = padded_rows(spec.n * spec.p * spec.q, 256) * padded_c(spec)  # the largest over the space
         return super().applies(spec, device) or wgmma_reason(device) or too_big(spec, ws)
 
     def _mn(self, spec: ConvSpec) -> tuple[int, int]:
@@ -312,7 +313,7 @@ class Gemm1x1WgmmaTF32(Variant):
 
     def workspace_bytes(self, spec: ConvSpec, params: Params) -> int:
         m, n = self._mn(spec)
-        return 4 * padded_c(spec) * (padded_rows(m, 128) + padded_rows(n, 256))
+        return 4 * padded_c(spec) * (padded_rows(m, 64 * params.wg) + padded_rows(n, params.bn))
 
     def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
              epilogue: Epilogue = Epilogue()) -> Plan:
@@ -329,7 +330,7 @@ class Gemm1x1WgmmaTF32(Variant):
         steps = (Launch(wk.name, wgrid, wk.block, ("w", "wt")),
                  Launch(xk.name, xgrid, xk.block, ("x", "xt")),
                  Launch(gk.name, grid, gk.block, ("wt", "xt") + out_refs(epilogue)))
-        ws = (("wt", 4 * padded_rows(m, 128) * cp), ("xt", 4 * padded_rows(n, 256) * cp))
+        ws = (("wt", 4 * padded_rows(m, 64 * params.wg) * cp), ("xt", 4 * padded_rows(n, params.bn) * cp))
         return Plan(self.name, self.family, spec, params, (wk, xk, gk), steps, ws, self.tolerance, epilogue)
 
 
