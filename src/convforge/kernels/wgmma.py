@@ -123,9 +123,11 @@ def wg_ok(p: Params, shared_limit: int = MAX_SHARED) -> bool:
 
 
 def wg_space(m: int, n: int, shared_limit: int) -> list[Params]:
-    """Default first, then every valid point that does not overshoot M or N by 2x."""
+    """Default first, then every valid point that does not overshoot M or N by 2x. Only the
+    swizzled layout: the core-matrix one (sw=0, correct too) took 1.6-3x the GEMM time on the
+    H200 (2026-11-23: 1024->256 @14², N32, 80 us against 25 us), its wgmma operand reads conflict."""
     out = [wg_default(m, n, shared_limit)]
-    for bn, wg, st, sw in itertools.product((128, 256, 64, 192, 96, 160), (1, 2), (4, 3, 5, 6), (128, 0)):
+    for bn, wg, st, sw in itertools.product((128, 256, 64, 192, 96, 160), (1, 2), (4, 3, 5, 6), (128,)):
         p = Params(bn=bn, wg=wg, st=st, sw=sw)
         if wg_ok(p, shared_limit) and 64 * wg <= 2 * max(m, 64) and bn <= 2 * max(n, 64) and p not in out:
             out.append(p)
@@ -290,8 +292,16 @@ class Gemm1x1WgmmaTF32(Variant):
     tolerance = TF32_TOLERANCE
     exact = False
     offset_ok = True  # nchw_store honours Epilogue.k_total / k_offset
-    specialised = 12  # above gemm1x1_tf32 (mma.sync): 2.9x fewer cycles per product on sm_90
+    specialised = 12  # above gemm1x1_tf32 (11) where rank() says it wins
     space_lead = 6
+
+    def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
+        """Above gemm1x1_tf32 where both C and K are >= 256, below it elsewhere. H200, N32, weights
+        cached (2026-11-23): 1024->256 @14² 45 us against 56 (GEMM 25 us + transpose 20 us),
+        512->2048 @7² 38 against 56; but 256->64 @56² 106 against 58 (the transpose of x,
+        N*P*Q*C each way, is amortised over only K = 64) and 64->256 @56² 117 against 103 (the
+        GEMM's strided scalar stores dominate at C = 64)."""
+        return self.specialised if spec.c >= 256 and spec.k >= 256 else 10
 
     def expected_error(self, spec: ConvSpec) -> float:
         return TF32_EXPECTED
