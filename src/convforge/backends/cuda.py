@@ -21,6 +21,7 @@ from convforge.backends.base import (
     FilterCache,
 )
 from convforge.codegen.dialect import Buf, ConstBuf, Kernel, LocalBuf, Scalar, TexBuf
+from convforge.codegen.render import ARCH_SPECIFIC_MARK
 from convforge.plan import DeviceInfo, Gemm, Launch, Plan
 
 log = logging.getLogger("convforge")
@@ -68,8 +69,10 @@ class CudaBackend(Backend):
         self._layouts: dict[Kernel, Any] = {}
 
     # -- compiler ---------------------------------------------------------------------------
-    def compile_options(self) -> list[str]:
-        return [f"--gpu-architecture={self.arch}", "--std=c++17"]
+    def compile_options(self, arch_specific: bool = False) -> list[str]:
+        """NVRTC options; ``arch_specific``: the ``sm_XYa`` target that wgmma needs (asked for by
+        the source itself, see codegen.render.ARCH_SPECIFIC_MARK)."""
+        return [f"--gpu-architecture={self.arch}{'a' if arch_specific else ''}", "--std=c++17"]
 
     def compiler_version(self) -> str:
         from cupy_backends.cuda.libs import nvrtc
@@ -83,7 +86,7 @@ class CudaBackend(Backend):
         prog = nvrtc.createProgram(source, "convforge.cu", (), ())
         try:
             try:
-                nvrtc.compileProgram(prog, self.compile_options())
+                nvrtc.compileProgram(prog, self.compile_options(ARCH_SPECIFIC_MARK in source))
             except nvrtc.NVRTCError:
                 log = nvrtc.getProgramLog(prog)
                 raise CompileError(f"NVRTC failed for {self.arch}:\n{log}") from None

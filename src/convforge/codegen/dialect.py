@@ -32,6 +32,20 @@ A kernel body is plain C using these tokens, which each renderer spells its own 
                                                           in the PTX fragment layouts, see
                                                           kernels/tcgemm.py); feature "mma_tf32",
                                                           CUDA sm_80+ only
+    Hopper, feature "wgmma" (CUDA sm_90a only: the source then asks for the arch-specific target):
+    SMEM_U32(p)                                           32-bit shared-window address of shared p
+    CP_ASYNC16(saddr, src)                                16 bytes global src -> shared saddr (cp.async.cg)
+    CP_ASYNC_COMMIT() / CP_ASYNC_WAIT(n)                  close this thread's cp.async group / wait
+                                                          until at most n groups are pending
+    FENCE_PROXY_ASYNC()                                   fence.proxy.async.shared::cta: this thread's
+                                                          completed shared writes become visible to
+                                                          the async proxy (wgmma operand reads)
+    WGMMA_FENCE() / WGMMA_COMMIT()                        wgmma.fence / wgmma.commit_group
+    WGMMA_WAIT(n, d...)                                   wgmma.wait_group n; the accumulators d are
+                                                          tied to it (read only after it)
+    WGMMA_TF32(N, desc_a, desc_b, d0 .. d{N/2-1})         warpgroup D += A.B, m64nNk8 TF32, FP32
+                                                          accumulate, A and B K-major in shared memory
+                                                          by 64-bit matrix descriptors (kernels/wgmma.py)
 
 Parameters are typed objects that write their own declarations, never pasted strings.
 """

@@ -58,6 +58,10 @@ def sass_report(source: str, arch: str = "sm_90") -> tuple[list[PtxasInfo], str]
 
 def _compile(source: str, arch: str, sass: bool) -> tuple[str, str]:
     """(ptxas log, SASS text or "") of ``source``; RuntimeError naming what failed."""
+    from convforge.codegen.render import ARCH_SPECIFIC_MARK
+
+    if ARCH_SPECIFIC_MARK in source and not arch.endswith("a"):
+        arch += "a"  # wgmma & co. exist only on the arch-specific target (sm_90a)
     nvcc, dump = nvcc_path(), cuobjdump_path() if sass else None
     if nvcc is None:
         raise RuntimeError("nvcc not found on PATH")

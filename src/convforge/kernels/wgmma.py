@@ -1,0 +1,347 @@
+"""A Hopper ``wgmma`` TF32 GEMM for 1x1 convolutions (CUDA, compute capability 9.0, sm_90a).
+
+The plan has three steps:
+
+1. (weights only, kept per weight version) ``wt[k][c] = tf32(w[k][c])``, C padded with zeros to
+   ``cp`` (a multiple of 32): A = W is already K-major (C contiguous).
+2. ``xt[n*P*Q + pix][c] = tf32(x[n][c][input pixel of pix])`` (0 for padding and c >= C): B must
+   be K-major for .tf32 wgmma (no transposed form), x is not, so a tiled transpose through shared
+   memory writes it; stride and padding of the 1x1 filter are resolved here.
+3. The GEMM: warpgroup ``i`` of a block of ``wg`` warpgroups (128 threads each) computes rows
+   ``m0 + 64 i ..`` x ``bn`` columns of C = wt . xt^T with one ``wgmma.mma_async m64n{bn}k8``
+   per k step of 8 (4 per slice of 32), both operands from shared memory through 64-bit matrix
+   descriptors. Slices go global -> shared by cp.async (16 bytes) into ``st`` stages; per slice
+   one barrier, one wgmma group in flight. C is written NCHW through the Store callback
+   (bias, ReLU, channel offset).
+
+Shared layouts (``sw``): each operand tile is ``rows x 32`` floats (128 bytes per row), rows
+clamped to the matrix (extra rows compute unused results). ``sw=128``: the 128-byte swizzle,
+row r at r*128 bytes, its 16-byte chunk c at position c ^ (r % 8) (stage tiles 1024-byte
+aligned); ``sw=0``: no swizzle, "core matrices" of 8 rows x 16 bytes stored contiguously, the
+chunks of a row 128 bytes apart (LBO) and groups of 8 rows 1024 bytes apart (SBO).
+
+Facts from the PTX ISA (wgmma, sm_90a), encoded once below and checked in a pure-Python model
+(tests/test_wgmma.py): the descriptor holds the start address >> 4 (bits 0-13), the leading
+dimension byte offset >> 4 (16-29: K-adjacent core matrices), the stride dimension byte offset
+>> 4 (32-45: M/N-adjacent core matrices), base offset (49-51, 0 here) and the swizzle mode
+(62-63: 0 none, 1 128B, 2 64B, 3 32B); a swizzle permutes 16-byte chunks by address bits
+[4:6] ^= [7:9]; the m64nNk8 accumulators of warp w of the warpgroup are rows 16w..16w+15 and,
+per n8 chunk j, registers 4j..4j+3 in the mma.m16n8 C layout.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from convforge.codegen.dialect import Buf, Dim3, Kernel, LocalBuf
+from convforge.codegen.meta import Code, cdiv
+from convforge.kernels import register
+from convforge.kernels.common import out_args, out_refs
+from convforge.kernels.gemm import elementwise, nchw_store, too_big
+from convforge.kernels.sgemm import Store
+from convforge.params import Params
+from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
+from convforge.spec import ConvSpec
+
+BK = 32  # floats of K per slice: one 128-byte row per operand row
+KSTEP = 8  # k of one wgmma (tf32)
+ROW_BYTES = 4 * BK
+SBO = 8 * ROW_BYTES  # bytes between groups of 8 rows (both layouts)
+LBO = {0: 128, 128: 16}  # bytes between K-adjacent core matrices (unused by the swizzled mode)
+MODE = {0: 0, 128: 1}  # descriptor bits 62-63
+MAX_SHARED = 227 * 1024
+TF32_EXPECTED = 3e-4  # as the mma.sync TF32 variants (kernels/tensorcore.py)
+TF32_TOLERANCE = 1e-3
+WG_KEYS = ("bn", "wg", "st", "sw")
+
+# Accumulator m64nNk8 .f32: (row, column) of register 4j + r of a lane, per n8 chunk j, as C
+# expressions of g = lane >> 2 and t = lane & 3 (row offset 16 w for warp w of the warpgroup).
+ACC = (("g", "2 * t"), ("g", "2 * t + 1"), ("g + 8", "2 * t"), ("g + 8", "2 * t + 1"))
+
+
+def chunk_offset(sw: int, r: str, c: str) -> str:
+    """Byte offset in an operand tile of 16-byte chunk ``c`` (0..7) of row ``r`` (C expressions)."""
+    if sw == 128:
+        return f"(({r}) * {ROW_BYTES} + ((({c}) ^ (({r}) & 7)) << 4))"
+    return f"((({r}) >> 3) * {SBO} + ({c}) * {LBO[0]} + ((({r}) & 7) << 4))"
+
+
+def copy_coords(sw: int, q: str) -> tuple[str, str]:
+    """(row, chunk) of the ``q``-th 16-byte copy of a tile: eight consecutive copies fill 128
+    contiguous shared bytes (one conflict-free quarter-warp store) in either layout."""
+    if sw == 128:
+        return f"(({q}) >> 3)", f"(({q}) & 7)"
+    return f"((({q}) & 7) + ((({q}) >> 6) << 3))", f"((({q}) >> 3) & 7)"
+
+
+def desc_high(sw: int) -> int:
+    """Descriptor bits above the start address: LBO, SBO, base offset 0, swizzle mode."""
+    return ((LBO[sw] >> 4) << 16) | ((SBO >> 4) << 32) | (MODE[sw] << 62)
+
+
+def k_step_bytes(sw: int, kk: int) -> int:
+    """Start-address advance of k step ``kk`` (0..3) inside a slice: chunk 2 kk of row 0, at its
+    unswizzled position (the hardware applies the swizzle to the whole address)."""
+    return 2 * kk * (16 if sw == 128 else LBO[0])
+
+
+def model_address(desc: int, r: int, k: int) -> int:
+    """Shared byte address the hardware reads for element (row r, k) (k < 8) of a K-major
+    operand described by ``desc``: the documented canonical layouts, independent of the above."""
+    start = (desc & 0x3FFF) << 4
+    lbo, sbo = ((desc >> 16) & 0x3FFF) << 4, ((desc >> 32) & 0x3FFF) << 4
+    mode = desc >> 62
+    if mode == 0:  # core matrices: 8 rows x 16 bytes, contiguous
+        return start + (r // 8) * sbo + (k // 4) * lbo + (r % 8) * 16 + (k % 4) * 4
+    assert mode == 1, "only the 128-byte swizzle is modelled"
+    lin = start + (r // 8) * sbo + (r % 8) * 128 + (k // 4) * 16 + (k % 4) * 4
+    return lin ^ (((lin >> 7) & 7) << 4)
+
+
+def acc_coords(w: int, lane: int, i: int) -> tuple[int, int]:
+    """(row, column) in the warpgroup's 64 x N tile of accumulator ``i`` of warp ``w``, lane."""
+    env = {"g": lane >> 2, "t": lane & 3}
+    row, col = ACC[i % 4]
+    return 16 * w + eval(row, {}, env), 8 * (i // 4) + eval(col, {}, env)  # noqa: S307
+
+
+# -- parameters ---------------------------------------------------------------------------------
+def stage_bytes(p: Params) -> int:
+    return (64 * p.wg + p.bn) * ROW_BYTES
+
+
+def shared_bytes(p: Params) -> int:
+    """Launch-sized shared memory: the stages plus 1 KB to align them to 1024 bytes."""
+    return p.st * stage_bytes(p) + 1024
+
+
+def wg_ok(p: Params, shared_limit: int = MAX_SHARED) -> bool:
+    """Valid: bn 64..256 in steps of 32 (copies spread evenly), 1 or 2 warpgroups, 3..6 stages,
+    swizzle 0 or 128, within ``shared_limit`` and 128 accumulators per thread."""
+    return (p.bn % 32 == 0 and 64 <= p.bn <= 256 and p.wg in (1, 2) and 3 <= p.st <= 6
+            and p.sw in (0, 128) and shared_bytes(p) <= shared_limit and 8 * p.bn % (128 * p.wg) == 0)
+
+
+def wg_space(m: int, n: int, shared_limit: int) -> list[Params]:
+    """Default first, then every valid point that does not overshoot M or N by 2x. Only the
+    swizzled layout: the core-matrix one (sw=0, correct too) took 1.6-3x the GEMM time on the
+    H200 (2026-11-23: 1024->256 @14², N32, 80 us against 25 us), its wgmma operand reads conflict."""
+    out = [wg_default(m, n, shared_limit)]
+    for bn, wg, st, sw in itertools.product((128, 256, 64, 192, 96, 160), (1, 2), (4, 3, 5, 6), (128,)):
+        p = Params(bn=bn, wg=wg, st=st, sw=sw)
+        if wg_ok(p, shared_limit) and 64 * wg <= 2 * max(m, 64) and bn <= 2 * max(n, 64) and p not in out:
+            out.append(p)
+    return out
+
+
+def wg_default(m: int, n: int, shared_limit: int = MAX_SHARED) -> Params:
+    """64 x 128 per warpgroup (cuBLAS's choice for ResNet 1x1 layers), two warpgroups when M
+    fills them, 4 stages, the swizzled layout."""
+    p = Params(bn=128 if n > 64 else 64, wg=2 if m >= 128 else 1, st=4, sw=128)
+    return p if wg_ok(p, shared_limit) else p.replace(st=3)
+
+
+# -- kernels ------------------------------------------------------------------------------------
+def padded_c(spec: ConvSpec) -> int:
+    return cdiv(spec.c, BK) * BK
+
+
+def padded_rows(rows: int, tile: int) -> int:
+    """Rows of an operand workspace: whole tiles of the block (the copies read every row of a
+    tile, unclamped; rows past the matrix hold garbage that only unused results see)."""
+    return cdiv(rows, tile) * tile
+
+
+def round_weights_kernel(spec: ConvSpec, name: str) -> tuple[Kernel, Dim3]:
+    """wt (K x cp) = tf32(w), zero past C: depends on the filters only (a weight step)."""
+    cp = padded_c(spec)
+    body = [f"const int k = e / {cp}, c = e - k * {cp};",
+            f"wt[e] = c < {spec.c} ? CVT_TF32(w[k * {spec.c} + c]) : 0.0f;"]
+    kern, grid = elementwise(name, spec.k * cp, (Buf("w"), Buf("wt", readonly=False)), body,
+                             f"TF32-rounded K-major weights {spec.k} x {cp}")
+    return Kernel(kern.name, kern.args, kern.body, kern.block, frozenset({"mma_tf32"}),
+                  comment=kern.comment), grid
+
+
+def transpose_kernel(spec: ConvSpec, name: str) -> tuple[Kernel, Dim3]:
+    """xt (N*P*Q x cp) = tf32(x) at each output pixel's input pixel: 32 x 32 tiles through
+    shared memory, reads along pixels and writes along channels both coalesced."""
+    cp, pq, hw = padded_c(spec), spec.p * spec.q, spec.h * spec.w
+    (sh, sw_), pt, pl = spec.stride, spec.pad[0], spec.pad[2]
+    code = Code()
+    code("SHARED float tile[32][33];",
+         "const int tx = LOCAL_ID(0), ty = LOCAL_ID(1), nb = GROUP_ID(2);",
+         "const int p0 = GROUP_ID(0) * 32, c0 = GROUP_ID(1) * 32;")
+    with code.block("for (int j = 0; j < 32; j += 8)"):
+        code("const int c = c0 + ty + j, pix = p0 + tx;", "float v = 0.0f;")
+        if spec.stride == (1, 1) and spec.pad == (0, 0, 0, 0):
+            code(f"if (c < {spec.c} && pix < {pq}) v = CVT_TF32(x[(nb * {spec.c} + c) * {hw} + pix]);")
+        else:
+            code(f"const int iy = (pix / {spec.q}) * {sh} - {pt}, ix = (pix % {spec.q}) * {sw_} - {pl};")
+            with code.block(f"if (c < {spec.c} && pix < {pq} && (unsigned)iy < {spec.h}u && "
+                            f"(unsigned)ix < {spec.w}u)"):
+                code(f"v = CVT_TF32(x[(nb * {spec.c} + c) * {hw} + iy * {spec.w} + ix]);")
+        code("tile[ty + j][tx] = v;")
+    code("BARRIER();")
+    with code.block("for (int j = 0; j < 32; j += 8)"):
+        code("const int pix = p0 + ty + j;")
+        with code.block(f"if (pix < {pq})"):
+            code(f"xt[(nb * {pq} + pix) * {cp} + c0 + tx] = tile[tx][ty + j];")
+    kern = Kernel(name, (Buf("x"), Buf("xt", readonly=False)), code.text(), (32, 8, 1),
+                  frozenset({"mma_tf32"}), comment=f"TF32-rounded K-major activations {spec.n * pq} x {cp}")
+    return kern, (cdiv(pq, 32), cp // 32, spec.n)
+
+
+def gemm_kernel(name: str, m: int, n: int, cp: int, p: Params, c: Store,
+                args: tuple[Buf, ...]) -> Kernel:
+    """C (m x n) = wt (m x cp) . xt (n x cp)^T with wgmma (see the module docstring)."""
+    if not wg_ok(p):
+        raise ValueError(f"wgmma GEMM parameters {p.short()} are invalid (bn 64..256 step 32, wg 1 or 2, "
+                         f"st 3..6, sw 0 or 128, {MAX_SHARED} B shared memory)")
+    bm, threads, nacc, sb = 64 * p.wg, 128 * p.wg, p.bn // 2, stage_bytes(p)
+    code = Code()
+    code("const int tid = LOCAL_ID(0), lane = tid & 31, warp = tid >> 5;",
+         "const int wgi = warp >> 2, wq = warp & 3, g = lane >> 2, t = lane & 3;",
+         f"const int m0 = GROUP_ID(1) * {bm}, n0 = GROUP_ID(0) * {p.bn};",
+         "const unsigned sbase = (SMEM_U32(wg_smem) + 1023u) & ~1023u;  // stages 1024-byte aligned")
+    copies = _copy_plan(code, "a", "wt", bm, threads, p.sw, cp, "m0", 0)
+    copies += _copy_plan(code, "b", "xt", p.bn, threads, p.sw, cp, "n0", bm * ROW_BYTES)
+    hi = desc_high(p.sw)
+    code(f"const U64 da0 = {hi}ull | (U64)((sbase + wgi * {64 * ROW_BYTES}u) >> 4);",
+         f"const U64 db0 = {hi}ull | (U64)((sbase + {bm * ROW_BYTES}u) >> 4);")
+    acc = [f"d{i}" for i in range(nacc)]
+    code(f"float {', '.join(a + ' = 0.0f' for a in acc)};")
+    nk = cp // BK
+    for s in range(p.st - 2):  # prologue: st - 2 slices in flight
+        if s < nk:
+            _issue(code, copies, f"{s * sb}u", s * BK)
+        code("CP_ASYNC_COMMIT();")
+    code("#pragma unroll 1  // a rolled loop: 4 wgmma per slice are plenty, and NVRTC stays quick")
+    with code.block(f"for (int kt = 0; kt < {nk}; ++kt)"):
+        code(f"CP_ASYNC_WAIT({p.st - 3});  // slice kt landed (this thread's copies)",
+             "FENCE_PROXY_ASYNC();  // ... and is visible to wgmma's operand reads",
+             "BARRIER();  // every thread's copies; every warpgroup past wgmma group kt - 2")
+        with code.block(f"if (kt + {p.st - 2} < {nk})"):
+            _issue(code, copies, f"((kt + {p.st - 2}) % {p.st}) * {sb}u", f"(kt + {p.st - 2}) * {BK}")
+        code("CP_ASYNC_COMMIT();",
+             f"const U64 so = (U64)((kt % {p.st}) * {sb // 16});",
+             "WGMMA_FENCE();")
+        for kk in range(BK // KSTEP):
+            off = k_step_bytes(p.sw, kk) >> 4
+            code(f"WGMMA_TF32({p.bn}, da0 + so + {off}, db0 + so + {off}, {', '.join(acc)});")
+        code("WGMMA_COMMIT();", f"WGMMA_WAIT(1, {', '.join(acc)});")
+    code(f"WGMMA_WAIT(0, {', '.join(acc)});")
+    _store(code, m, n, p.bn, c)
+    return Kernel(name, args + (LocalBuf("wg_smem", shared_bytes(p)),), code.text(), (threads, 1, 1),
+                  requires=frozenset({"wgmma"}), min_blocks=1,
+                  comment=f"wgmma TF32 GEMM {m}x{n}x{cp}: {p.short()}")
+
+
+def _copy_plan(code: Code, nm: str, src: str, rows: int, threads: int, sw: int, cp: int,
+               origin: str, base: int) -> list[tuple[str, str]]:
+    """Per-thread copies of one operand tile, as (global pointer, shared byte offset) at slice 0:
+    copy ``it`` of a thread is row ``row0 + it * threads / 8`` of the same chunk in either layout
+    (tests check it), so one pointer and one offset serve all, with constant steps. Rows past
+    the matrix read the workspace's padding rows (their results are never stored)."""
+    r, ch = copy_coords(sw, "tid")
+    code(f"const float* {nm}g = {src} + ({origin} + {r}) * {cp} + {ch} * 4;",
+         f"const unsigned {nm}s = sbase + {base}u + {chunk_offset(sw, r, ch)};")
+    step = threads // 8
+    return [(f"{nm}g + {it * step * cp}", f"{nm}s + {it * step * ROW_BYTES}u")
+            for it in range(rows * 8 // threads)]
+
+
+def _issue(code: Code, copies: list[tuple[str, str]], stage: str, k0: str | int) -> None:
+    for g, s in copies:
+        code(f"CP_ASYNC16({s} + {stage}, {g} + {k0});")
+
+
+def _store(code: Code, m: int, n: int, bn: int, c: Store) -> None:
+    """Accumulators to C through the Store callback (rows and columns from :data:`ACC`), one n8
+    chunk at a time so each chunk's column setups are short-lived."""
+    rows = {row: f"rw{i}" for i, row in enumerate(dict.fromkeys(r for r, _ in ACC))}
+    code(*(f"const int {v} = m0 + wgi * 64 + wq * 16 + {row};" for row, v in rows.items()))
+    cols = {col: f"cc{i}" for i, col in enumerate(dict.fromkeys(cl for _, cl in ACC))}
+    for j in range(bn // 8):
+        with code.block(f"/* columns {8 * j}.. */"):
+            for col, v in cols.items():
+                code(f"const int {v}_i = n0 + {8 * j} + {col};", *c.setup(f"{v}_i", v))
+            for r, (row, col) in enumerate(ACC):
+                with code.block(f"if ({rows[row]} < {m} && {cols[col]}_i < {n})"):
+                    code(*c.put(rows[row], cols[col], f"d{4 * j + r}"))
+
+
+# -- the variant --------------------------------------------------------------------------------
+def wgmma_reason(device: DeviceInfo) -> str | None:
+    """Why ``device`` cannot run the sm_90a wgmma kernels (None when it can)."""
+    if device.backend != "cuda":
+        return "wgmma needs the CUDA back-end"
+    if device.cc != (9, 0):
+        have = f"{device.cc[0]}.{device.cc[1]}" if device.cc else "unknown"
+        return f"wgmma is compiled for sm_90a, which runs only on compute capability 9.0 (device: {have})"
+    return None
+
+
+class Gemm1x1WgmmaTF32(Variant):
+    """1x1 convolution as a wgmma TF32 GEMM on K-major, TF32-rounded copies of w and x."""
+
+    name = "gemm1x1_wgmma_tf32"
+    family = "gemm1x1"
+    backends = frozenset({"cuda"})
+    precision = "relaxed"
+    tolerance = TF32_TOLERANCE
+    exact = False
+    offset_ok = True  # nchw_store honours Epilogue.k_total / k_offset
+    specialised = 12  # above gemm1x1_tf32 (11) where rank() says it wins
+    space_lead = 6
+
+    def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
+        """Above gemm1x1_tf32 where both C and K are >= 256, below it elsewhere. H200, N32, weights
+        cached (2026-11-23): 1024->256 @14² 45 us against 56 (GEMM 25 us + transpose 20 us),
+        512->2048 @7² 38 against 56; but 256->64 @56² 106 against 58 (the transpose of x,
+        N*P*Q*C each way, is amortised over only K = 64) and 64->256 @56² 117 against 103 (the
+        GEMM's strided scalar stores dominate at C = 64)."""
+        return self.specialised if spec.c >= 256 and spec.k >= 256 else 10
+
+    def expected_error(self, spec: ConvSpec) -> float:
+        return TF32_EXPECTED
+
+    def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
+        if spec.r != 1 or spec.s != 1:
+            return "only 1x1 filters"
+        ws = padded_rows(spec.n * spec.p * spec.q, 256) * padded_c(spec)  # the largest over the space
+        return super().applies(spec, device) or wgmma_reason(device) or too_big(spec, ws)
+
+    def _mn(self, spec: ConvSpec) -> tuple[int, int]:
+        return spec.k, spec.n * spec.p * spec.q
+
+    def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
+        return wg_space(*self._mn(spec), min(device.shared_optin_bytes, MAX_SHARED))
+
+    def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
+        return wg_default(*self._mn(spec), min(device.shared_optin_bytes, MAX_SHARED))
+
+    def workspace_bytes(self, spec: ConvSpec, params: Params) -> int:
+        m, n = self._mn(spec)
+        return 4 * padded_c(spec) * (padded_rows(m, 64 * params.wg) + padded_rows(n, params.bn))
+
+    def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
+             epilogue: Epilogue = Epilogue()) -> Plan:
+        unknown = set(params) - set(WG_KEYS)
+        if unknown:
+            raise ValueError(f"{self.name}: unknown parameters {sorted(unknown)}")
+        m, n = self._mn(spec)
+        cp = padded_c(spec)
+        wk, wgrid = round_weights_kernel(spec, f"{self.name}_wt")
+        xk, xgrid = transpose_kernel(spec, f"{self.name}_xt")
+        gk = gemm_kernel(f"{self.name}_gemm", m, n, cp, params, nchw_store(spec, epilogue),
+                         (Buf("wt"), Buf("xt")) + tuple(a for a in out_args(epilogue) if isinstance(a, Buf)))
+        grid = (cdiv(n, params.bn), cdiv(m, 64 * params.wg), 1)
+        steps = (Launch(wk.name, wgrid, wk.block, ("w", "wt")),
+                 Launch(xk.name, xgrid, xk.block, ("x", "xt")),
+                 Launch(gk.name, grid, gk.block, ("wt", "xt") + out_refs(epilogue)))
+        ws = (("wt", 4 * padded_rows(m, 64 * params.wg) * cp), ("xt", 4 * padded_rows(n, params.bn) * cp))
+        return Plan(self.name, self.family, spec, params, (wk, xk, gk), steps, ws, self.tolerance, epilogue)
+
+
+register(Gemm1x1WgmmaTF32())

@@ -1,0 +1,265 @@
+"""The Hopper wgmma 1x1 GEMM without a GPU: the shared-memory layouts the copies write against a
+model of how the hardware reads a matrix descriptor (PTX ISA canonical K-major layouts), the
+accumulator layout, a NumPy emulation of one block's slices through those layouts, nvcc sm_90a
+compiles (no spills, one HGMMA per k step), the OpenCL refusal, where the variant applies; and the
+GPU tier against float64.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from conftest import NOMINAL_CUDA
+from convforge.backends.base import weight_steps
+from convforge.codegen.nvcc import ptxas_report
+from convforge.codegen.render import ARCH_SPECIFIC_MARK, render
+from convforge.kernels import get_variant
+from convforge.kernels.wgmma import (
+    ACC,
+    BK,
+    LBO,
+    ROW_BYTES,
+    SBO,
+    acc_coords,
+    chunk_offset,
+    copy_coords,
+    desc_high,
+    k_step_bytes,
+    model_address,
+    stage_bytes,
+    wg_ok,
+)
+from convforge.params import Params
+from convforge.plan import DeviceInfo, Epilogue
+from convforge.spec import ConvSpec
+
+NAME = "gemm1x1_wgmma_tf32"
+LAYER = ConvSpec.make(32, 1024, 14, 14, 256, 1, 1)  # GEMM 256 x 6272 x 1024 (ResNet-50 stage 3)
+ODD = [ConvSpec.make(1, 7, 13, 13, 5, 1, 1), ConvSpec.make(3, 70, 11, 13, 67, 1, 1),
+       ConvSpec.make(2, 33, 15, 17, 130, 1, 1, 2, (1, 0, 0, 2)), ConvSpec.make(1, 64, 7, 7, 300, 1, 1)]
+POINTS = [Params(bn=128, wg=2, st=4, sw=128), Params(bn=256, wg=1, st=3, sw=128),
+          Params(bn=64, wg=1, st=6, sw=0), Params(bn=192, wg=2, st=3, sw=0), Params(bn=96, wg=1, st=5, sw=128)]
+
+
+def ev(expr: str, **env: int) -> int:
+    return int(eval(expr.replace("/", "//"), {}, env))  # noqa: S307
+
+
+def desc_for(start: int, sw: int) -> int:
+    """The descriptor the generated code builds for a tile at shared byte address ``start``."""
+    return desc_high(sw) | (start >> 4)
+
+
+@pytest.mark.parametrize("sw", [0, 128])
+def test_descriptor_fields(sw):
+    d = desc_for(0x2400, sw)
+    assert d & 0x3FFF == 0x240 and (d >> 14) & 3 == 0
+    assert ((d >> 16) & 0x3FFF) << 4 == LBO[sw] and ((d >> 32) & 0x3FFF) << 4 == SBO == 1024
+    assert (d >> 49) & 7 == 0 and d >> 62 == (1 if sw == 128 else 0)
+
+
+@pytest.mark.parametrize("sw, rows", itertools.product([0, 128], [64, 128, 256]))
+def test_hardware_reads_what_the_copies_wrote(sw, rows):
+    """For every k step: element (r, k) as the hardware reads it through the descriptor (start
+    advanced by k_step_bytes) is where the copies put (r, 8 kk + k)."""
+    for base, kk in itertools.product((0, 1024 * 37), range(BK // 8)):
+        d = desc_for(base, sw) + (k_step_bytes(sw, kk) >> 4)
+        for r, k in itertools.product(range(rows), range(8)):
+            c = (8 * kk + k) // 4
+            wrote = base + ev(chunk_offset(sw, "r", "c"), r=r, c=c) + 4 * (k % 4)
+            assert model_address(d, r, k) == wrote, (sw, r, kk, k)
+
+
+@pytest.mark.parametrize("sw, threads, rows", itertools.product([0, 128], [128, 256], [64, 128, 192, 256]))
+def test_copies_cover_the_tile_once_conflict_free(sw, threads, rows):
+    """Every (row, chunk) once; copy it of a thread is row0 + it * threads / 8 of the same chunk
+    (what the generator's constant steps assume); each quarter-warp stores 128 distinct bytes."""
+    if rows * 8 % threads:
+        pytest.skip("not a valid tile for this block")
+    seen = set()
+    for tid in range(threads):
+        r0, c0 = (ev(e, q=tid) for e in copy_coords(sw, "q"))
+        for it in range(rows * 8 // threads):
+            r, c = (ev(e, q=tid + it * threads) for e in copy_coords(sw, "q"))
+            assert (r, c) == (r0 + it * threads // 8, c0)
+            seen.add((r, c))
+    assert seen == set(itertools.product(range(rows), range(8)))
+    for q0 in range(0, rows * 8, 8):
+        offs = [ev(chunk_offset(sw, "r", "c"), r=r, c=c) for r, c in
+                ((ev(e, q=q) for e in copy_coords(sw, "q")) for q in range(q0, q0 + 8))]
+        assert len({o % 128 for o in offs}) == 8, f"bank conflict in copies {q0}.."
+
+
+def doc_acc(w: int, lane: int, i: int) -> tuple[int, int]:
+    """PTX ISA, wgmma .m64nNk8 .f32 D fragment: warp w owns rows 16w..16w+15; for register i, row
+    groupID (+8 when i % 4 >= 2), column 8 (i // 4) + 2 threadID_in_group + (i % 2)."""
+    return 16 * w + (lane >> 2) + 8 * ((i % 4) // 2), 8 * (i // 4) + 2 * (lane % 4) + i % 2
+
+
+@pytest.mark.parametrize("n", [8, 64, 256])
+def test_accumulator_layout(n):
+    seen = np.zeros((64, n), int)
+    for w, lane, i in itertools.product(range(4), range(32), range(n // 2)):
+        got = acc_coords(w, lane, i)
+        assert got == doc_acc(w, lane, i)
+        seen[got] += 1
+    assert (seen == 1).all()
+    assert len(ACC) == 4
+
+
+@pytest.mark.parametrize("p", POINTS, ids=lambda p: p.short())
+def test_emulated_block_matches_numpy(p):
+    """One block, two slices, through the generator's layouts: copies into a byte-addressed shared
+    array (stage by stage), operands read back through the descriptors of each warpgroup and k
+    step, accumulators placed by the documented layout: equals A . B^T."""
+    rng = np.random.default_rng(0)
+    bm, threads = 64 * p.wg, 128 * p.wg
+    a, b = rng.standard_normal((bm, 2 * BK)), rng.standard_normal((p.bn, 2 * BK))
+    smem = np.full(p.st * stage_bytes(p) // 4, np.nan)
+    acc = np.zeros((bm, p.bn))
+    for kt in range(2):
+        stage = kt % p.st * stage_bytes(p)
+        for src, rows, base in ((a, bm, 0), (b, p.bn, bm * ROW_BYTES)):
+            for q in range(rows * 8):
+                r, c = (ev(e, q=q) for e in copy_coords(p.sw, "q"))
+                at = (stage + base + ev(chunk_offset(p.sw, "r", "c"), r=r, c=c)) // 4
+                smem[at:at + 4] = src[r, kt * BK + 4 * c: kt * BK + 4 * c + 4]
+        for wgi, kk in itertools.product(range(p.wg), range(BK // 8)):
+            off = k_step_bytes(p.sw, kk) >> 4
+            da = desc_for(stage + wgi * 64 * ROW_BYTES, p.sw) + off
+            db = desc_for(stage + bm * ROW_BYTES, p.sw) + off
+            ta = np.array([[smem[model_address(da, r, k) // 4] for k in range(8)] for r in range(64)])
+            tb = np.array([[smem[model_address(db, r, k) // 4] for k in range(8)] for r in range(p.bn)])
+            acc[64 * wgi:64 * wgi + 64] += ta @ tb.T
+    np.testing.assert_allclose(acc, a @ b.T, rtol=1e-12, atol=1e-12)
+    assert threads == 128 * p.wg
+
+
+def test_space_is_valid_and_default_first():
+    v = get_variant(NAME)
+    space = v.space(LAYER, NOMINAL_CUDA)
+    assert space[0] == v.default(LAYER, NOMINAL_CUDA) == Params(bn=128, wg=2, st=4, sw=128)
+    assert all(wg_ok(p) for p in space) and len(space) == len(set(space))
+    assert not wg_ok(Params(bn=256, wg=2, st=6, sw=128)), "over 227 KB of shared memory"
+    with pytest.raises(ValueError, match="unknown parameters"):
+        v.plan(LAYER, Params(bn=128, wg=2, st=4, sw=128, bm=64), NOMINAL_CUDA)
+
+
+def test_applies_only_on_sm90():
+    v = get_variant(NAME)
+    assert v.applies(LAYER, NOMINAL_CUDA) is None
+    assert v.precision == "relaxed" and not v.exact
+    assert "9.0" in v.applies(LAYER, DeviceInfo("cuda", "A100", cc=(8, 0)))
+    assert "9.0" in v.applies(LAYER, DeviceInfo("cuda", "B200", cc=(10, 0)))
+    assert v.applies(LAYER, DeviceInfo("opencl", "pocl")) is not None
+    assert v.applies(ConvSpec.make(1, 8, 9, 9, 8, 3, 3), NOMINAL_CUDA) == "only 1x1 filters"
+
+
+def test_offered_in_the_relaxed_class_only_and_ranked_by_measurement():
+    """auto in the relaxed class puts wgmma before the mma.sync 1x1 GEMM on 1024->256 @14² (H200:
+    45 against 56 us) and after it on 256->64 @56² (106 against 58 us); fp32 never offers it."""
+    from convforge.kernels import select
+
+    def names(spec, precision):
+        return [v.name for v in select("auto", spec, NOMINAL_CUDA, precision=precision)]
+
+    big, thin = names(LAYER, "relaxed"), names(ConvSpec.make(32, 256, 56, 56, 64, 1, 1), "relaxed")
+    assert big.index(NAME) < big.index("gemm1x1_tf32")
+    assert thin.index(NAME) > thin.index("gemm1x1_tf32")
+    assert NAME not in names(LAYER, "fp32")
+    assert all(p.sw == 128 for p in get_variant(NAME).space(LAYER, NOMINAL_CUDA))
+
+
+def test_opencl_refuses_with_reason():
+    plan = get_variant(NAME).plan(LAYER, Params(bn=128, wg=2, st=4, sw=128), NOMINAL_CUDA)
+    with pytest.raises(ValueError, match="wgmma"):
+        render(list(plan.kernels), "opencl")
+    from convforge.codegen.render import OpenCLRenderer
+
+    with pytest.raises(ValueError, match="sm_90a"):
+        OpenCLRenderer().expand("WGMMA_FENCE();")
+
+
+def test_plan_steps_and_weight_step():
+    """Weights rounded once per weight version (the only filter step), x transposed per call,
+    the marker that asks for sm_90a on the GEMM's source."""
+    spec = ODD[2]
+    plan = get_variant(NAME).plan(spec, Params(bn=64, wg=1, st=3, sw=0), NOMINAL_CUDA,
+                                  Epilogue(bias=True, relu=True))
+    steps, derived = weight_steps(plan)
+    assert steps == frozenset({0}) and derived == ("wt",)
+    assert ARCH_SPECIFIC_MARK in plan.source("cuda")
+    assert (spec.k, spec.n * spec.p * spec.q) == (130, 160)
+    assert dict(plan.workspace) == {"wt": 4 * 192 * 64, "xt": 4 * 192 * 64}  # whole tiles, C to 64
+
+
+@pytest.mark.parametrize("n", [1, 169, 429, 6272, 100352])
+def test_workspace_holds_every_row_the_copies_read(n):
+    """The last block's copies read rows up to its tile's end (unclamped): the workspaces hold
+    them for every point (bn 192 on 100352 columns reads 64 rows past 392 x 256)."""
+    spec = ConvSpec.make(n, 40, 1, 1, 67, 1, 1)
+    v = get_variant(NAME)
+    for p in v.space(spec, NOMINAL_CUDA):
+        plan = v.plan(spec, p, NOMINAL_CUDA)
+        gx, gy, _ = plan.steps[-1].grid
+        cp = 64
+        ws = dict(plan.workspace)
+        assert ws["xt"] >= 4 * gx * p.bn * cp and ws["wt"] >= 4 * gy * 64 * p.wg * cp, p.short()
+        assert v.workspace_bytes(spec, p) == sum(ws.values())
+
+
+def test_compile_options_arch_specific():
+    pytest.importorskip("cupy", reason="the CUDA back-end module needs CuPy")
+    from convforge.backends.cuda import CudaBackend
+
+    be = object.__new__(CudaBackend)
+    be.arch = "sm_90"
+    assert "--gpu-architecture=sm_90a" in be.compile_options(True)
+    assert "--gpu-architecture=sm_90" in be.compile_options()
+
+
+CASES = [(LAYER, p) for p in POINTS] + [(s, Params(bn=128, wg=2, st=4, sw=128)) for s in ODD[2:]]
+
+
+@pytest.mark.parametrize("spec, p", CASES, ids=lambda c: c.short() if isinstance(c, Params) else c.key())
+def test_nvcc_sm90a_no_spills(nvcc_ok, spec, p):
+    """nvcc -arch=sm_90a (asked for by the source): no spill, the rolled main loop holds
+    bk / 8 = 4 HGMMA of m64n{bn}k8 TF32 (no serialisation fallback, no local memory)."""
+    from convforge.codegen.nvcc import cuobjdump_path, sass_report
+
+    epi = Epilogue(bias=True, relu=True)
+    src = get_variant(NAME).plan(spec, p, NOMINAL_CUDA, epi).source("cuda")
+    if cuobjdump_path() is None:
+        infos = ptxas_report(src)
+    else:
+        infos, sass = sass_report(src)
+        ops = [ln.split()[1] for ln in sass.splitlines() if "HGMMA" in ln]
+        assert len(ops) == 4 and set(ops) == {f"HGMMA.64x{p.bn}x8.F32.TF32"}, ops
+        assert "LDL" not in sass and "STL" not in sass
+    for info in infos:
+        assert info.spill_stores == 0 and info.spill_loads == 0, info
+    print(p.short(), [(i.kernel, i.registers) for i in infos])
+
+
+# -- GPU tier -----------------------------------------------------------------------------------
+GPU_SPECS = ODD + [ConvSpec.make(2, 1024, 14, 14, 256, 1, 1), ConvSpec.make(1, 256, 56, 56, 64, 1, 1),
+                   ConvSpec.make(2, 512, 7, 7, 2048, 1, 1)]
+
+
+@pytest.mark.parametrize("spec", GPU_SPECS, ids=lambda s: s.key())
+def test_gpu_wgmma_against_float64(cuda, spec):
+    """Every space point of the first few, with bias + ReLU on the default, NaN-poisoned output
+    and workspace, against float64 at the TF32 tolerance."""
+    from convforge.check import check_plan
+
+    v = get_variant(NAME)
+    why = v.applies(spec, cuda.device)
+    if why:
+        pytest.skip(f"{NAME}: {why}")
+    for i, p in enumerate(v.space(spec, cuda.device)[:6] + POINTS):
+        epi = Epilogue(bias=True, relu=True) if i == 0 else Epilogue()
+        res = check_plan(v.plan(spec, p, cuda.device, epi), cuda, seed=i, batch_slice=2)
+        assert res.ok, f"{NAME} [{p.short()}] {spec.short()}: {res}"
