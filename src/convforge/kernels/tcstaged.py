@@ -1,0 +1,196 @@
+"""TF32 variants on the staged tensor-core GEMM (:mod:`convforge.kernels.tcpipe`), class "relaxed".
+
+* ``gemm1x1_pipe_tf32``: 1x1 convolution; the filters (A, K x C) are written TF32-rounded once per
+  weight version by a plan step, the activations (B, contiguous along pixels) copied raw and
+  rounded at fragment load.
+* ``implicit_gemm_nhwc_tf32``: cuDNN's scheme. A plan step transposes x to NHWC (TF32-rounded), a
+  weight step repacks the filters to K x (R S C) (rounded); the GEMM then gathers 16-byte chunks
+  of 4 channels, one bounds test per (r, s) and pixel, and stores NCHW through the Store callback
+  (bias, ReLU, residual, channel offsets).
+
+Accuracy as the other TF32 variants (:mod:`convforge.kernels.tensorcore`): both operands rounded
+to nearest, FP32 accumulation: stated 3e-4, checked against 1e-3. CUDA only, sm_80+.
+"""
+
+from __future__ import annotations
+
+from convforge.codegen.dialect import Buf, Kernel
+from convforge.kernels import register
+from convforge.kernels.common import out_args, out_refs
+from convforge.kernels.gemm import elementwise, nchw_store, too_big
+from convforge.kernels.sgemm import GemmShape
+from convforge.kernels.tcpipe import AsyncOperand, pipe_block, pipe_default, pipe_grid, pipe_kernel, pipe_space
+from convforge.kernels.tensorcore import TF32_EXPECTED, TF32_TOLERANCE, tensor_core_reason
+from convforge.params import Params
+from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
+from convforge.spec import ConvSpec
+
+
+def _copy_kernel(name: str, total: int, src: str, dst: str, body: list[str],
+                 comment: str) -> tuple[Kernel, Launch]:
+    """An element-wise step ``dst[e] = tf32(src[...])`` (``body`` defines ``si``, the source index)."""
+    kern, grid = elementwise(name, total, (Buf(src), Buf(dst, readonly=False)),
+                             body + [f"{dst}[e] = CVT_TF32({src}[si]);"], comment)
+    kern = Kernel(kern.name, kern.args, kern.body, kern.block, requires=frozenset({"mma_tf32"}),
+                  comment=kern.comment)
+    return kern, Launch(name, grid, kern.block, (src, dst))
+
+
+class _StagedTF32(Variant):
+    """Shared parts: M = K, N = N*P*Q, K = C*R*S; NCHW output with every epilogue."""
+
+    backends = frozenset({"cuda"})
+    precision = "relaxed"
+    tolerance = TF32_TOLERANCE
+    exact = False
+    residual_ok = True
+    offset_ok = True
+    space_lead = 4
+
+    def expected_error(self, spec: ConvSpec) -> float:
+        return TF32_EXPECTED
+
+    def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
+        return super().applies(spec, device) or tensor_core_reason(device) or too_big(spec)
+
+    def _mnk(self, spec: ConvSpec) -> tuple[int, int, int]:
+        return spec.k, spec.n * spec.p * spec.q, spec.c * spec.r * spec.s
+
+    def _kinds(self, spec: ConvSpec) -> tuple[tuple[str, int], tuple[str, int]]:
+        a, b = self._operands(spec)
+        return (a.fast, a.vec), (b.fast, b.vec)
+
+    def _operands(self, spec: ConvSpec) -> tuple[AsyncOperand, AsyncOperand]:
+        raise NotImplementedError
+
+    def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
+        m, n, _ = self._mnk(spec)
+        return pipe_space(m, n, device, *self._kinds(spec))
+
+    def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
+        m, n, _ = self._mnk(spec)
+        return pipe_default(m, n, device, *self._kinds(spec))
+
+    def _pre(self, spec: ConvSpec) -> tuple[list[tuple[Kernel, Launch]], tuple[tuple[str, int], ...]]:
+        raise NotImplementedError
+
+    def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
+             epilogue: Epilogue = Epilogue()) -> Plan:
+        unknown = set(params) - {"bm", "bn", "bk", "wm", "wn", "st"}
+        if unknown:
+            raise ValueError(f"{self.name}: unknown parameters {sorted(unknown)}")
+        shape = GemmShape(*self._mnk(spec))
+        a, b = self._operands(spec)
+        pre, ws = self._pre(spec)
+        name = f"{self.name}_gemm"
+        kern = pipe_kernel(name, shape, params, a, b, nchw_store(spec, epilogue),
+                           (Buf("wt"), Buf(self._b_buf)) + out_args(epilogue),
+                           comment=f"{self.name}: {params.short()}")
+        launch = Launch(name, pipe_grid(shape, params), pipe_block(params),
+                        ("wt", self._b_buf) + out_refs(epilogue))
+        return Plan(self.name, self.family, spec, params, tuple(k for k, _ in pre) + (kern,),
+                    tuple(s for _, s in pre) + (launch,), ws, self.tolerance, epilogue)
+
+    _b_buf = "x"
+
+    def workspace_bytes(self, spec: ConvSpec, params: Params) -> int:
+        return sum(b for _, b in self._pre(spec)[1])
+
+
+def _filter_operand(spec: ConvSpec) -> AsyncOperand:
+    """A = the packed, rounded filters ``wt`` (K x CRS row-major)."""
+    crs = spec.c * spec.r * spec.s
+    return AsyncOperand(src=lambda t, k: ([], f"wt + {t}_i * {crs} + {k}", ""), fast="k",
+                        vec=4 if crs % 4 == 0 else 1, rounded=True)
+
+
+class Gemm1x1PipeTF32(_StagedTF32):
+    """1x1 convolution (any stride and padding) on the staged tensor-core GEMM."""
+
+    name = "gemm1x1_pipe_tf32"
+    family = "gemm1x1"
+    specialised = 12
+
+    def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
+        if spec.r != 1 or spec.s != 1:
+            return "only 1x1 filters"
+        return super().applies(spec, device)
+
+    def _operands(self, spec: ConvSpec) -> tuple[AsyncOperand, AsyncOperand]:
+        (sh, sw), hw, pq = spec.stride, spec.h * spec.w, spec.p * spec.q
+        pt, pl = spec.pad[0], spec.pad[2]
+        plain = spec.stride == (1, 1) and spec.pad == (0, 0, 0, 0)
+
+        def setup(i: str, t: str) -> list[str]:
+            lines = [f"const int {t}_n = {i} / {pq}, {t}_pix = {i} - {t}_n * {pq};"]
+            if plain:
+                return lines + [f"const int {t}_b = {t}_n * {spec.c * hw} + {t}_pix;"]
+            return lines + [f"const int {t}_y = ({t}_pix / {spec.q}) * {sh} - {pt};",
+                            f"const int {t}_x = ({t}_pix % {spec.q}) * {sw} - {pl};",
+                            f"const bool {t}_ok = (unsigned){t}_y < {spec.h}u && (unsigned){t}_x < {spec.w}u;",
+                            f"const int {t}_b = {t}_n * {spec.c * hw} + ({t}_ok ? {t}_y * {spec.w} + {t}_x : 0);"]
+
+        def src(t: str, k: str) -> tuple[list[str], str, str]:
+            return [], f"x + {t}_b + ({k}) * {hw}", "" if plain or not any(spec.pad) else f"{t}_ok"
+
+        b = AsyncOperand(src=src, fast="i", setup=setup, vec=4 if plain and hw % 4 == 0 else 1)
+        return _filter_operand(spec), b
+
+    def _pre(self, spec: ConvSpec) -> tuple[list[tuple[Kernel, Launch]], tuple[tuple[str, int], ...]]:
+        n = spec.k * spec.c
+        step = _copy_kernel("w_tf32", n, "w", "wt", ["const int si = e;"],
+                            "filters rounded to TF32 (once per weight version)")
+        return [step], (("wt", 4 * n),)
+
+
+class ImplicitGemmNhwcTF32(_StagedTF32):
+    """Implicit GEMM over an NHWC, TF32-rounded copy of x with K x (R S C) rounded filters."""
+
+    name = "implicit_gemm_nhwc_tf32"
+    family = "implicit_gemm"
+    specialised = 8
+    _b_buf = "xh"
+
+    def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
+        return super().applies(spec, device) or too_big(spec, spec.k * spec.c * spec.r * spec.s)
+
+    def _operands(self, spec: ConvSpec) -> tuple[AsyncOperand, AsyncOperand]:
+        (sh, sw), (dh, dw) = spec.stride, spec.dilation
+        pt, pl, c = spec.pad[0], spec.pad[2], spec.c
+        pq, padded = spec.p * spec.q, any(spec.pad)
+
+        def setup(i: str, t: str) -> list[str]:
+            return [f"const int {t}_n = {i} / {pq}, {t}_pix = {i} - {t}_n * {pq};",
+                    f"const int {t}_y = ({t}_pix / {spec.q}) * {sh} - {pt};",
+                    f"const int {t}_x = ({t}_pix % {spec.q}) * {sw} - {pl};",
+                    f"const int {t}_b = {t}_n * {spec.h * spec.w * c};"]
+
+        def src(t: str, k: str) -> tuple[list[str], str, str]:
+            kt = f"{t}k"
+            lines = [f"const int {kt}_rs = ({k}) / {c}, {kt}_c = ({k}) - {kt}_rs * {c};",
+                     f"const int {kt}_r = {kt}_rs / {spec.s}, {kt}_s = {kt}_rs - {kt}_r * {spec.s};",
+                     f"const int {kt}_y = {t}_y + {kt}_r * {dh}, {kt}_x = {t}_x + {kt}_s * {dw};"]
+            ok = f"(unsigned){kt}_y < {spec.h}u && (unsigned){kt}_x < {spec.w}u" if padded else ""
+            return lines, f"xh + {t}_b + ({kt}_y * {spec.w} + {kt}_x) * {c} + {kt}_c", ok
+
+        b = AsyncOperand(src=src, fast="k", setup=setup, vec=4 if c % 4 == 0 else 1, rounded=True)
+        return _filter_operand(spec), b
+
+    def _pre(self, spec: ConvSpec) -> tuple[list[tuple[Kernel, Launch]], tuple[tuple[str, int], ...]]:
+        c, rs, hw = spec.c, spec.r * spec.s, spec.h * spec.w
+        nw, nx = spec.k * c * rs, spec.n * c * hw
+        wstep = _copy_kernel("w_krsc_tf32", nw, "w", "wt",
+                             [f"const int kk = e / {c * rs}, rem = e - kk * {c * rs};",
+                              f"const int rsi = rem / {c}, ci = rem - rsi * {c};",
+                              f"const int si = (kk * {c} + ci) * {rs} + rsi;"],
+                             "filters repacked K x (R S C), TF32-rounded (once per weight version)")
+        xstep = _copy_kernel("x_nhwc_tf32", nx, "x", "xh",
+                             [f"const int pix = e / {c}, ci = e - pix * {c};",
+                              f"const int ni = pix / {hw}, p = pix - ni * {hw};",
+                              f"const int si = (ni * {c} + ci) * {hw} + p;"],
+                             "x transposed NCHW -> NHWC, TF32-rounded")
+        return [wstep, xstep], (("wt", 4 * nw), ("xh", 4 * nx))
+
+
+register(Gemm1x1PipeTF32())
+register(ImplicitGemmNhwcTF32())
