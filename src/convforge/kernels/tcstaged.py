@@ -27,10 +27,12 @@ from convforge.spec import ConvSpec
 
 
 def _copy_kernel(name: str, total: int, src: str, dst: str, body: list[str],
-                 comment: str) -> tuple[Kernel, Launch]:
-    """An element-wise step ``dst[e] = tf32(src[...])`` (``body`` defines ``si``, the source index)."""
+                 comment: str, valid: str = "") -> tuple[Kernel, Launch]:
+    """An element-wise step ``dst[e] = tf32(src[si])`` (``body`` defines ``si``, the source index),
+    0 where ``valid`` is false (padding channels)."""
+    val = f"({valid}) ? CVT_TF32({src}[si]) : 0.0f" if valid else f"CVT_TF32({src}[si])"
     kern, grid = elementwise(name, total, (Buf(src), Buf(dst, readonly=False)),
-                             body + [f"{dst}[e] = CVT_TF32({src}[si]);"], comment)
+                             body + [f"{dst}[e] = {val};"], comment)
     kern = Kernel(kern.name, kern.args, kern.body, kern.block, requires=frozenset({"mma_tf32"}),
                   comment=kern.comment)
     return kern, Launch(name, grid, kern.block, (src, dst))
@@ -54,7 +56,11 @@ class _StagedTF32(Variant):
         return super().applies(spec, device) or tensor_core_reason(device) or too_big(spec)
 
     def _mnk(self, spec: ConvSpec) -> tuple[int, int, int]:
-        return spec.k, spec.n * spec.p * spec.q, spec.c * spec.r * spec.s
+        return spec.k, spec.n * spec.p * spec.q, self._cp(spec) * spec.r * spec.s
+
+    def _cp(self, spec: ConvSpec) -> int:
+        """Channels as the GEMM sees them."""
+        return spec.c
 
     def _kinds(self, spec: ConvSpec) -> tuple[tuple[str, int], tuple[str, int]]:
         a, b = self._operands(spec)
@@ -97,9 +103,9 @@ class _StagedTF32(Variant):
         return sum(b for _, b in self._pre(spec)[1])
 
 
-def _filter_operand(spec: ConvSpec) -> AsyncOperand:
-    """A = the packed, rounded filters ``wt`` (K x CRS row-major)."""
-    crs = spec.c * spec.r * spec.s
+def _filter_operand(spec: ConvSpec, c: int) -> AsyncOperand:
+    """A = the packed, rounded filters ``wt`` (K x (c R S) row-major, c channels)."""
+    crs = c * spec.r * spec.s
     return AsyncOperand(src=lambda t, k: ([], f"wt + {t}_i * {crs} + {k}", ""), fast="k",
                         vec=4 if crs % 4 == 0 else 1, rounded=True)
 
@@ -134,7 +140,7 @@ class Gemm1x1PipeTF32(_StagedTF32):
             return [], f"x + {t}_b + ({k}) * {hw}", "" if plain or not any(spec.pad) else f"{t}_ok"
 
         b = AsyncOperand(src=src, fast="i", setup=setup, vec=4 if plain and hw % 4 == 0 else 1)
-        return _filter_operand(spec), b
+        return _filter_operand(spec, spec.c), b
 
     def _pre(self, spec: ConvSpec) -> tuple[list[tuple[Kernel, Launch]], tuple[tuple[str, int], ...]]:
         n = spec.k * spec.c
@@ -144,7 +150,8 @@ class Gemm1x1PipeTF32(_StagedTF32):
 
 
 class ImplicitGemmNhwcTF32(_StagedTF32):
-    """Implicit GEMM over an NHWC, TF32-rounded copy of x with K x (R S C) rounded filters."""
+    """Implicit GEMM over an NHWC, TF32-rounded copy of x with K x (R S C) rounded filters; C is
+    padded with zero channels to a multiple of 4 so every copy is a 16-byte chunk (C = 3: 4)."""
 
     name = "implicit_gemm_nhwc_tf32"
     family = "implicit_gemm"
@@ -156,7 +163,7 @@ class ImplicitGemmNhwcTF32(_StagedTF32):
 
     def _operands(self, spec: ConvSpec) -> tuple[AsyncOperand, AsyncOperand]:
         (sh, sw), (dh, dw) = spec.stride, spec.dilation
-        pt, pl, c = spec.pad[0], spec.pad[2], spec.c
+        pt, pl, c = spec.pad[0], spec.pad[2], self._cp(spec)
         pq, padded = spec.p * spec.q, any(spec.pad)
 
         def setup(i: str, t: str) -> list[str]:
@@ -173,22 +180,26 @@ class ImplicitGemmNhwcTF32(_StagedTF32):
             ok = f"(unsigned){kt}_y < {spec.h}u && (unsigned){kt}_x < {spec.w}u" if padded else ""
             return lines, f"xh + {t}_b + ({kt}_y * {spec.w} + {kt}_x) * {c} + {kt}_c", ok
 
-        b = AsyncOperand(src=src, fast="k", setup=setup, vec=4 if c % 4 == 0 else 1, rounded=True)
-        return _filter_operand(spec), b
+        b = AsyncOperand(src=src, fast="k", setup=setup, vec=4, rounded=True)
+        return _filter_operand(spec, c), b
+
+    def _cp(self, spec: ConvSpec) -> int:
+        return -(-spec.c // 4) * 4
 
     def _pre(self, spec: ConvSpec) -> tuple[list[tuple[Kernel, Launch]], tuple[tuple[str, int], ...]]:
-        c, rs, hw = spec.c, spec.r * spec.s, spec.h * spec.w
-        nw, nx = spec.k * c * rs, spec.n * c * hw
+        c, cp, rs, hw = spec.c, self._cp(spec), spec.r * spec.s, spec.h * spec.w
+        nw, nx = spec.k * cp * rs, spec.n * cp * hw
+        pad = f"ci < {c}" if cp != c else ""
         wstep = _copy_kernel("w_krsc_tf32", nw, "w", "wt",
-                             [f"const int kk = e / {c * rs}, rem = e - kk * {c * rs};",
-                              f"const int rsi = rem / {c}, ci = rem - rsi * {c};",
+                             [f"const int kk = e / {cp * rs}, rem = e - kk * {cp * rs};",
+                              f"const int rsi = rem / {cp}, ci = rem - rsi * {cp};",
                               f"const int si = (kk * {c} + ci) * {rs} + rsi;"],
-                             "filters repacked K x (R S C), TF32-rounded (once per weight version)")
+                             "filters repacked K x (R S C), TF32-rounded (once per weight version)", pad)
         xstep = _copy_kernel("x_nhwc_tf32", nx, "x", "xh",
-                             [f"const int pix = e / {c}, ci = e - pix * {c};",
+                             [f"const int pix = e / {cp}, ci = e - pix * {cp};",
                               f"const int ni = pix / {hw}, p = pix - ni * {hw};",
                               f"const int si = (ni * {c} + ci) * {hw} + p;"],
-                             "x transposed NCHW -> NHWC, TF32-rounded")
+                             "x transposed NCHW -> NHWC, TF32-rounded", pad)
         return [wstep, xstep], (("wt", 4 * nw), ("xh", 4 * nx))
 
 
