@@ -9,7 +9,7 @@ from convforge.codegen.dialect import Arg, Buf, ConstBuf, Kernel, LocalBuf, Scal
 
 _TOKEN = re.compile(r"\b(GROUP_ID|LOCAL_ID|GROUP_SIZE|NUM_GROUPS|BARRIER|VLOAD4|VSTORE4|"
                     r"MAKE_FLOAT4|FMA|MAX|LDG|SHFL|TEX|COPY4_ASYNC|COPY1_ASYNC|COPY_WAIT|CVT_TF32|"
-                    r"MMA_TF32_16x8x8|SMEM_U32|CP_ASYNC16|CP_ASYNC4|CP_ASYNC_COMMIT|CP_ASYNC_WAIT|LDMATRIX_X4|LDS_F4|"
+                    r"MMA_TF32_16x8x8|SMEM_U32|CP_ASYNC16|CP_ASYNC4|CP_ASYNC_COMMIT|CP_ASYNC_WAIT|LDMATRIX_X4|LDS_F4|LDS_F1|"
                     r"TF32_RHA)\(")
 _WORDS = re.compile(r"\b(SHARED|LOCAL_PTR|GLOBAL_PTR|RESTRICT|DEVICE|U64)\b( ?)")
 
@@ -115,6 +115,7 @@ class CudaRenderer(Renderer):
             "CP_ASYNC_WAIT": lambda: f'asm volatile("cp.async.wait_group %0;" :: "n"({args[0]}) : "memory")',
             "LDMATRIX_X4": lambda: f"cf_ldsm4({', '.join(args)})",
             "LDS_F4": lambda: f"cf_lds4({args[0]})",
+            "LDS_F1": lambda: f"cf_lds1({args[0]})",
             "TF32_RHA": lambda: f"__uint_as_float(__float_as_uint({args[0]}) + 0x1000u)",
         }
         return table[token]()
@@ -140,7 +141,7 @@ class CudaRenderer(Renderer):
             head += _CUDA_COPY_ASYNC.splitlines() + [""]
         if any(re.search(r"\b(MMA_TF32_16x8x8|CVT_TF32)\(", k.body + k.helpers) for k in kernels):
             head += _CUDA_MMA_TF32.splitlines() + [""]
-        if any(re.search(r"\b(CP_ASYNC16|CP_ASYNC4|LDMATRIX_X4|LDS_F4)\(", k.body) for k in kernels):
+        if any(re.search(r"\b(CP_ASYNC16|CP_ASYNC4|LDMATRIX_X4|LDS_F4|LDS_F1)\(", k.body) for k in kernels):
             head += _CUDA_PIPE.splitlines() + [""]
         return head
 
@@ -229,6 +230,12 @@ __device__ __forceinline__ float4 cf_lds4(unsigned addr)
     float4 v;
     asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr));
     return v;
+}
+__device__ __forceinline__ float cf_lds1(unsigned addr)
+{
+    float v;
+    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr));
+    return v;
 }"""
 
 # Dialect tokens with no OpenCL spelling, and why.
@@ -243,6 +250,7 @@ _OPENCL_REFUSED = {
     "CP_ASYNC_COMMIT": "cp.async groups are CUDA PTX (sm_80+)",
     "CP_ASYNC_WAIT": "cp.async groups are CUDA PTX (sm_80+)",
     "LDMATRIX_X4": "ldmatrix is a CUDA PTX warp instruction (sm_75+)",
+    "LDS_F1": "32-bit shared-window addresses exist only for the CUDA cp.async / ldmatrix path",
     "LDS_F4": "32-bit shared-window addresses exist only for the CUDA cp.async / ldmatrix path",
     "TF32_RHA": "TF32 rounding belongs to the CUDA tensor-core path only",
 }

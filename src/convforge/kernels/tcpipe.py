@@ -66,6 +66,14 @@ class AsyncOperand:
     vec: int = 4
     rounded: bool = False
 
+    @property
+    def kind(self) -> tuple[str, int, bool]:
+        return self.fast, self.vec, self.rounded
+
+    @property
+    def mode(self) -> str:
+        return read_mode(self.fast, self.rounded)
+
     def __post_init__(self) -> None:
         if self.fast not in ("k", "i") or self.vec not in (1, 4):
             raise ValueError(f"AsyncOperand: fast ({self.fast!r}) must be 'k' or 'i', vec ({self.vec}) 1 or 4")
@@ -144,14 +152,38 @@ def ldsm_b_row() -> tuple[str, str]:
     return "(lane & 7) + 8 * (lane >> 4)", "4 * ((lane >> 3) & 1)"
 
 
-def c_row(fast: str, fi: int, h: int) -> str:
+def read_mode(fast: str, rounded: bool) -> str:
+    """How fragments are read from shared memory: "ldsm" (ldmatrix, k-contiguous tiles); for a
+    k-major tile "lds4" (float4 reads in the permuted order of :func:`lane_i`, where the rounding
+    add writes each fragment register anyway) or, for an operand already rounded, "lds1" (one
+    32-bit read straight into each fragment register, rows/columns in plain order: float4 reads
+    would cost a register move per fragment word, since an HMMA takes its A quad and B pair in
+    consecutive registers and those words come from k rows t and t + 4)."""
+    return "ldsm" if fast == "k" else "lds1" if rounded else "lds4"
+
+
+def lds1_off(op: str, ld: int, f: int, r: int, kk: int) -> str:
+    """Float offset (k-major tile, warp origin 0) of register ``r`` of fragment ``f`` ("lds1")."""
+    if op == "a":
+        return f"({kk + 4 * (r >> 1)} + t) * {ld} + {16 * f + 8 * (r & 1)} + g"
+    return f"({kk + 4 * r} + t) * {ld} + {8 * f} + g"
+
+
+def lds1_const(op: str, ld: int, f: int, r: int, kk: int) -> int:
+    """:func:`lds1_off` less its lane part t * ld + g (the per-lane base address)."""
+    if op == "a":
+        return (kk + 4 * (r >> 1)) * ld + 16 * f + 8 * (r & 1)
+    return (kk + 4 * r) * ld + 8 * f
+
+
+def c_row(mode: str, fi: int, h: int) -> str:
     """Warp-tile row of the accumulators of A fragment ``fi``, half ``h`` (row g, or g + 8)."""
-    return f"{16 * fi + 8 * h} + g" if fast == "k" else lane_i(2 * fi + h)
+    return lane_i(2 * fi + h) if mode == "lds4" else f"{16 * fi + 8 * h} + g"
 
 
-def c_col(fast: str, fj: int, e: int) -> str:
+def c_col(mode: str, fj: int, e: int) -> str:
     """Warp-tile column of accumulator column 2 t + e of B fragment ``fj``."""
-    if fast == "k":
+    if mode != "lds4":
         return f"{8 * fj + e} + 2 * t"
     return lane_i(fj).replace("4 * g", f"4 * (2 * t + {e})")
 
@@ -163,8 +195,11 @@ def chunks_divide(bi: int, bk: int, v: int, fast: str, threads: int) -> bool:
     return along % v == 0 and chunks % threads == 0 and chunks >= threads
 
 
-def pipe_ok(p: Params, a: tuple[str, int], b: tuple[str, int], limit: int = PIPE_SHARED) -> bool:
-    """Whether ``p`` is valid for operands (fast, vec) ``a`` and ``b``."""
+Kind = tuple[str, int, bool]  # an operand's (fast, vec, rounded)
+
+
+def pipe_ok(p: Params, a: Kind, b: Kind, limit: int = PIPE_SHARED) -> bool:
+    """Whether ``p`` is valid for operands of kinds ``a`` and ``b``."""
     if any(k not in p for k in PIPE_KEYS) or p.bk not in (16, 32) or not 2 <= p.st <= 5:
         return False
     if p.bm % (16 * p.wm) or p.bn % (8 * p.wn):
@@ -172,11 +207,12 @@ def pipe_ok(p: Params, a: tuple[str, int], b: tuple[str, int], limit: int = PIPE
     lay = layout_of(p)
     if not 64 <= lay.threads <= 256 or lay.fm * lay.fn * 4 > MAX_ACC:
         return False
-    if (a[0] == "i" and 2 * lay.fm not in (4, 8)) or (b[0] == "i" and lay.fn not in (4, 8)):
+    perm = [read_mode(f, r) == "lds4" for f, _, r in (a, b)]
+    if (perm[0] and 2 * lay.fm not in (4, 8)) or (perm[1] and lay.fn not in (4, 8)):
         return False
     if b[0] == "k" and lay.fn % 2:
         return False
-    if not all(chunks_divide(bi, p.bk, v, f, lay.threads) for (f, v), bi in ((a, p.bm), (b, p.bn))):
+    if not all(chunks_divide(bi, p.bk, v, f, lay.threads) for (f, v, _), bi in ((a, p.bm), (b, p.bn))):
         return False
     return shared_bytes(p, a[0], b[0]) <= limit
 
@@ -189,8 +225,7 @@ PIPE_TILES = ((128, 128, 32, 2, 2, 3), (128, 128, 16, 2, 2, 4), (128, 64, 32, 2,
               (64, 64, 32, 1, 1, 3), (128, 256, 16, 2, 4, 3), (256, 128, 16, 4, 2, 3))
 
 
-def pipe_space(m: int, n: int, device: DeviceInfo, a: tuple[str, int], b: tuple[str, int],
-               batch: int = 1) -> list[Params]:
+def pipe_space(m: int, n: int, device: DeviceInfo, a: Kind, b: Kind, batch: int = 1) -> list[Params]:
     """The default first, then every :data:`PIPE_TILES` entry that is valid and not far larger
     than the problem."""
     limit = min(PIPE_SHARED, max(device.shared_optin_bytes, 48 * 1024))
@@ -202,8 +237,7 @@ def pipe_space(m: int, n: int, device: DeviceInfo, a: tuple[str, int], b: tuple[
     return out
 
 
-def pipe_default(m: int, n: int, device: DeviceInfo, a: tuple[str, int], b: tuple[str, int],
-                 batch: int = 1) -> Params:
+def pipe_default(m: int, n: int, device: DeviceInfo, a: Kind, b: Kind, batch: int = 1) -> Params:
     """The first tile wasting at most 1/8 of its rows and columns that gives every compute unit
     a block; else the valid low-waste tile with the most blocks."""
     limit = min(PIPE_SHARED, max(device.shared_optin_bytes, 48 * 1024))
@@ -283,7 +317,7 @@ def pipe_kernel(name: str, shape: GemmShape, p: Params, a: AsyncOperand, b: Asyn
 
     The body defines ``tid``, ``bz``, ``kz``, ``m0``/``n0``, ``kbeg``/``kend`` before ``prelude``
     (operand callbacks may use them). Launch with :func:`pipe_grid` and :func:`pipe_block`."""
-    if not pipe_ok(p, (a.fast, a.vec), (b.fast, b.vec), 227 * 1024):
+    if not pipe_ok(p, a.kind, b.kind, 227 * 1024):
         raise ValueError(f"staged tensor-core GEMM parameters {p.short()} are invalid for operands "
                          f"A (fast {a.fast}, vec {a.vec}) and B (fast {b.fast}, vec {b.vec}): warps must tile "
                          "the block in 16 x 8 fragments, bk 16 or 32, 2-5 stages, copies spread evenly")
@@ -322,7 +356,7 @@ def pipe_kernel(name: str, shape: GemmShape, p: Params, a: AsyncOperand, b: Asyn
         code(f"rd = rd == {(p.st - 1) * stage} ? 0 : rd + {stage};",
              f"wr = wr == {(p.st - 1) * stage} ? 0 : wr + {stage};")
     code("CP_ASYNC_WAIT(0);")
-    _store(code, shape, lay, a.fast, b.fast, c)
+    _store(code, shape, lay, a.mode, b.mode, c)
     nbytes = p.st * stage
     return Kernel(name, args + (LocalBuf("tc_smem", nbytes),), code.text(), pipe_block(p),
                   requires=frozenset({"mma_tf32"}), min_blocks=1,
@@ -333,10 +367,10 @@ def pipe_kernel(name: str, shape: GemmShape, p: Params, a: AsyncOperand, b: Asyn
 def _fragment_bases(code: Code, a: AsyncOperand, b: AsyncOperand, ca: _Copier, cb: _Copier) -> None:
     """Per-lane shared addresses of the first fragment of each operand (stage 0, k step 0)."""
     for nm, op, cp, w0, row in (("a", a, ca, "wm0", ldsm_a_row()), ("b", b, cb, "wn0", ldsm_b_row())):
-        if op.fast == "k":
+        if op.mode == "ldsm":
             off = smem_off("k", cp.ld, f"{w0} + {row[0]}", row[1])
         else:
-            off = smem_off("i", cp.ld, f"{w0} + 4 * g", "t")
+            off = smem_off("i", cp.ld, f"{w0} + {'4 * g' if op.mode == 'lds4' else 'g'}", "t")
         code(f"const unsigned {nm}f = smem0 + 4 * ({cp.base} + {off});")
 
 
@@ -347,10 +381,13 @@ def _mma_step(code: Code, lay: PipeLayout, a: AsyncOperand, b: AsyncOperand, ca:
         for nm, op, cp, count in (("a", a, ca, lay.fm), ("b", b, cb, lay.fn)):
             regs = 4 if nm == "a" else 2
             code(f"float {', '.join(f'{nm}{f}_{r}' for f in range(count) for r in range(regs))};")
-            if op.fast == "k":
+            if op.mode == "ldsm":
                 _ldsm(code, nm, cp, count, kk)
-            else:
+            elif op.mode == "lds4":
                 _lds128(code, nm, cp, count, kk)
+            else:
+                for f, r in itertools.product(range(count), range(regs)):
+                    code(f"{nm}{f}_{r} = LDS_F1({nm}f + rd + {4 * lds1_const(nm, cp.ld, f, r, kk)});")
             if not op.rounded:
                 for f, r in itertools.product(range(count), range(regs)):
                     code(f"{nm}{f}_{r} = TF32_RHA({nm}{f}_{r});")
@@ -382,13 +419,13 @@ def _lds128(code: Code, nm: str, cp: _Copier, count: int, kk: int) -> None:
             code(f"{reg} = {v}.{comp};")
 
 
-def _store(code: Code, shape: GemmShape, lay: PipeLayout, a_fast: str, b_fast: str, c: Store) -> None:
+def _store(code: Code, shape: GemmShape, lay: PipeLayout, a_mode: str, b_mode: str, c: Store) -> None:
     """Guarded stores of the accumulators through the Store callbacks (undoing the permutations)."""
     for j, e in itertools.product(range(lay.fn), (0, 1)):
         tag = f"cs{j}_{e}"
-        code(f"const int {tag}_i = n0 + wn0 + {c_col(b_fast, j, e)};", *c.setup(f"{tag}_i", tag))
+        code(f"const int {tag}_i = n0 + wn0 + {c_col(b_mode, j, e)};", *c.setup(f"{tag}_i", tag))
     for i, h in itertools.product(range(lay.fm), (0, 1)):
-        code(f"const int cm{i}_{h} = m0 + wm0 + {c_row(a_fast, i, h)};")
+        code(f"const int cm{i}_{h} = m0 + wm0 + {c_row(a_mode, i, h)};")
         with code.block(f"if (cm{i}_{h} < {shape.m})"):
             for j, e in itertools.product(range(lay.fn), (0, 1)):
                 with code.block(f"if (cs{j}_{e}_i < {shape.n})"):

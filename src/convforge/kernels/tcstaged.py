@@ -14,13 +14,28 @@ to nearest, FP32 accumulation: stated 3e-4, checked against 1e-3. CUDA only, sm_
 
 from __future__ import annotations
 
-from convforge.codegen.dialect import Buf, Kernel
+import dataclasses
+import itertools
+import re
+
+from convforge.codegen.dialect import Buf, Dim3, Kernel
 from convforge.kernels import register
 from convforge.kernels.common import out_args, out_refs
 from convforge.kernels.gemm import elementwise, nchw_store, too_big
-from convforge.kernels.sgemm import GemmShape
-from convforge.kernels.tcpipe import AsyncOperand, pipe_block, pipe_default, pipe_grid, pipe_kernel, pipe_space
-from convforge.kernels.tensorcore import TF32_EXPECTED, TF32_TOLERANCE, tensor_core_reason
+from convforge.kernels.sgemm import GemmShape, Store
+from convforge.kernels.tcpipe import (
+    PIPE_KEYS,
+    AsyncOperand,
+    Kind,
+    pipe_block,
+    pipe_default,
+    pipe_grid,
+    pipe_kernel,
+    pipe_space,
+)
+from convforge.kernels.tensorcore import TF32_EXPECTED, TF32_TOLERANCE, WinogradNonFusedTC, tensor_core_reason
+from convforge.kernels.winograd.nonfused import WinogradNonFused
+from convforge.kernels.winograd.tiles import Geometry
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
 from convforge.spec import ConvSpec
@@ -62,9 +77,9 @@ class _StagedTF32(Variant):
         """Channels as the GEMM sees them."""
         return spec.c
 
-    def _kinds(self, spec: ConvSpec) -> tuple[tuple[str, int], tuple[str, int]]:
+    def _kinds(self, spec: ConvSpec) -> tuple[Kind, Kind]:
         a, b = self._operands(spec)
-        return (a.fast, a.vec), (b.fast, b.vec)
+        return a.kind, b.kind
 
     def _operands(self, spec: ConvSpec) -> tuple[AsyncOperand, AsyncOperand]:
         raise NotImplementedError
@@ -203,5 +218,93 @@ class ImplicitGemmNhwcTF32(_StagedTF32):
         return [wstep, xstep], (("wt", 4 * nw), ("xh", 4 * nx))
 
 
+# Transform choices of the CUDA-core default the staged variant keeps (no split transforms, no
+# half-transformed filters: their kernels do not round U and V).
+_WINO_KEEP = ("so", "tb", "ks")
+
+
+class WinogradF2PipeTF32(WinogradNonFusedTC):
+    """Non-fused Winograd F(2x2) whose filter and input transforms write U and V TF32-rounded
+    (cvt.rna, as cuDNN rounds operands) and whose alpha^2-batched GEMM is the staged tensor-core
+    GEMM with both operands contiguous along i (float4 fragment reads, nothing rounded in the loop)."""
+
+    def __init__(self) -> None:
+        super().__init__(2, False, "relaxed", TF32_TOLERANCE)
+        self.name = "winograd_nonfused_f2_pipe_tf32"
+        self.specialised = 7
+
+    def _kinds(self, spec: ConvSpec) -> tuple[Kind, Kind]:
+        return ("i", 4 if spec.k % 4 == 0 else 1, True), ("i", 4 if Geometry(spec, 2).tiles % 4 == 0 else 1, True)
+
+    def _pipe_tiles(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
+        g = Geometry(spec, 2)
+        return pipe_space(spec.k, g.tiles, device, *self._kinds(spec), batch=g.a2)
+
+    def _keep(self, base: Params, tile: Params, ks: int | None = None) -> Params:
+        keep = {k: v for k, v in base.items() if k in _WINO_KEEP}
+        if ks is not None:
+            keep["ks"] = ks
+        if keep.get("ks", 1) == 1:
+            keep.pop("ks", None)
+        return tile.replace(gemm="tf32", **keep)
+
+    def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
+        g = Geometry(spec, 2)
+        tile = pipe_default(spec.k, g.tiles, device, *self._kinds(spec), batch=g.a2)
+        return self._keep(WinogradNonFusedTC.default(self, spec, device), tile)
+
+    def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
+        """The default, its channel splits and the other store choice, then every staged tile
+        under the default's transform choices at each split."""
+        first = self.default(spec, device)
+        splits = [k for k in (1, 2, 3, 4) if k == 1 or spec.c // k >= 32]
+        out = [first] + [self._keep(first, first, k) for k in splits]
+        out.append(first.replace(so=1 - int(first.get("so", 0))))
+        for tile, k in itertools.product(self._pipe_tiles(spec, device), splits):
+            out.append(self._keep(first, tile, k))
+        return list(dict.fromkeys(out))
+
+    def _filter_kernel(self, g: Geometry, tb: int, half: bool = False) -> Kernel:
+        return _rounded(super()._filter_kernel(g, tb, half), "u", g.a2)
+
+    def _input_kernel(self, g: Geometry, tb: int) -> Kernel:
+        return _rounded(super()._input_kernel(g, tb), "v", g.a2)
+
+    def _gemm_stage(self, g: Geometry, gp: Params, ks: int, hf: bool,
+                    lo: bool) -> tuple[Kernel, Dim3, Dim3]:
+        s, shape = g.spec, self._shape(g, ks)
+        kk, tt, cc = s.k, g.tiles, s.c
+        (_, va, _), (_, vb, _) = self._kinds(s)
+        a = AsyncOperand(src=lambda t, k: ([], f"ue + ({k}) * {kk} + {t}_i", ""), fast="i", vec=va, rounded=True)
+        b = AsyncOperand(src=lambda t, k: ([], f"ve + ({k}) * {tt} + {t}_i", ""), fast="i", vec=vb, rounded=True)
+        store = Store(put=lambda m, t, v: [f"me[({m}) * {tt} + {t}_i] = {v};"])
+        prelude = (f"const GLOBAL_PTR float* ue = u + bz * {cc * kk};  // U[e]: C x K",
+                   f"const GLOBAL_PTR float* ve = v + bz * {cc * tt};  // V[e]: C x T",
+                   f"GLOBAL_PTR float* me = mw + (kz * {g.a2} + bz) * {kk * tt};  // M[e] of slice kz: K x T")
+        kern = pipe_kernel("wino_batched_tcgemm", shape, gp, a, b, store,
+                           (Buf("u"), Buf("v"), Buf("mw", readonly=False)), prelude,
+                           comment=f"{self.name}: {g.a2} batched staged TF32 GEMMs {gp.short()}"
+                           + (f", channels in {ks} slices" if ks > 1 else ""))
+        return kern, pipe_grid(shape, gp), pipe_block(gp)
+
+    def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
+             epilogue: Epilogue = Epilogue()) -> Plan:
+        unknown = set(params) - set(PIPE_KEYS) - set(_WINO_KEEP) - {"gemm"}
+        if unknown:
+            raise ValueError(f"{self.name}: unknown parameters {sorted(unknown)}")
+        plan = WinogradNonFused.plan(self, spec, params, device, epilogue)
+        return dataclasses.replace(plan, tolerance=self.tolerance)
+
+
+def _rounded(kern: Kernel, arr: str, count: int) -> Kernel:
+    """``kern`` with its ``count`` transform stores ``arr[...] = value;`` rounded to TF32."""
+    pat = re.compile(rf"^(\s*{arr}\[[^\]]+\] = )({arr}\d+_\d+);$", re.M)
+    body, n = pat.subn(r"\1CVT_TF32(\2);", kern.body)
+    if n != count:
+        raise AssertionError(f"{kern.name}: expected {count} transform stores to round, found {n}")
+    return dataclasses.replace(kern, body=body, requires=kern.requires | {"mma_tf32"})
+
+
 register(Gemm1x1PipeTF32())
 register(ImplicitGemmNhwcTF32())
+register(WinogradF2PipeTF32())
