@@ -26,8 +26,8 @@ from convforge.kernels import get_variant
 from convforge.plan import Epilogue
 from convforge.spec import ConvSpec
 
-STAGED = ["implicit_gemm_nhwc_tf32", "gemm1x1_pipe_tf32"]
-OLD = ["implicit_gemm_tf32", "implicit_gemm_precomp_tf32", "gemm1x1_tf32", "winograd_nonfused_f2_tf32"]
+STAGED = ["implicit_gemm_nhwc_tf32", "gemm1x1_pipe_tf32", "winograd_nonfused_f2_pipe_tf32"]
+OLD = ["implicit_gemm_tf32", "gemm1x1_tf32", "winograd_nonfused_f2_tf32", "winograd_nonfused_f7"]
 LAYERS = {
     "res64@56": ConvSpec.make(32, 64, 56, 56, 64, 3, 3, 1, 1),
     "res128@28": ConvSpec.make(32, 128, 28, 28, 128, 3, 3, 1, 1),

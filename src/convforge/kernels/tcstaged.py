@@ -19,6 +19,7 @@ import itertools
 import re
 
 from convforge.codegen.dialect import Buf, Dim3, Kernel
+from convforge.codegen.meta import Code, cdiv
 from convforge.kernels import register
 from convforge.kernels.common import out_args, out_refs
 from convforge.kernels.gemm import elementwise, nchw_store, too_big
@@ -51,6 +52,27 @@ def _copy_kernel(name: str, total: int, src: str, dst: str, body: list[str],
     kern = Kernel(kern.name, kern.args, kern.body, kern.block, requires=frozenset({"mma_tf32"}),
                   comment=kern.comment)
     return kern, Launch(name, grid, kern.block, (src, dst))
+
+
+def _nhwc_kernel(spec: ConvSpec, cp: int) -> tuple[Kernel, Launch]:
+    """xh (N x HW x cp) = tf32(x (N x C x HW)), channels past C zero: 32 x 32 tiles through shared
+    memory (a 33-float row: conflict-free both ways), reads and writes coalesced."""
+    c, hw = spec.c, spec.h * spec.w
+    code = Code()
+    code("SHARED float tile[32 * 33];",
+         "const int tx = LOCAL_ID(0), ty = LOCAL_ID(1), n = GROUP_ID(2);",
+         "const int p0 = GROUP_ID(0) * 32, c0 = GROUP_ID(1) * 32;")
+    for j in range(4):
+        code(f"{{ const int ci = c0 + ty + {8 * j}, p = p0 + tx;",
+             f"  tile[(ty + {8 * j}) * 33 + tx] = (ci < {c} && p < {hw}) ? x[(n * {c} + ci) * {hw} + p] : 0.0f; }}")
+    code("BARRIER();")
+    for j in range(4):
+        code(f"{{ const int p = p0 + ty + {8 * j}, ci = c0 + tx;",
+             f"  if (p < {hw} && ci < {cp}) xh[(n * {hw} + p) * {cp} + ci] = "
+             f"CVT_TF32(tile[tx * 33 + ty + {8 * j}]); }}")
+    kern = Kernel("x_nhwc_tf32", (Buf("x"), Buf("xh", readonly=False)), code.text(), (32, 8, 1),
+                  requires=frozenset({"mma_tf32"}), comment="x transposed NCHW -> NHWC (32 x 32 tiles), TF32-rounded")
+    return kern, Launch(kern.name, (cdiv(hw, 32), cdiv(cp, 32), spec.n), kern.block, ("x", "xh"))
 
 
 class _StagedTF32(Variant):
@@ -210,11 +232,7 @@ class ImplicitGemmNhwcTF32(_StagedTF32):
                               f"const int rsi = rem / {cp}, ci = rem - rsi * {cp};",
                               f"const int si = (kk * {c} + ci) * {rs} + rsi;"],
                              "filters repacked K x (R S C), TF32-rounded (once per weight version)", pad)
-        xstep = _copy_kernel("x_nhwc_tf32", nx, "x", "xh",
-                             [f"const int pix = e / {cp}, ci = e - pix * {cp};",
-                              f"const int ni = pix / {hw}, p = pix - ni * {hw};",
-                              f"const int si = (ni * {c} + ci) * {hw} + p;"],
-                             "x transposed NCHW -> NHWC, TF32-rounded", pad)
+        xstep = _nhwc_kernel(spec, cp)
         return [wstep, xstep], (("wt", 4 * nw), ("xh", 4 * nx))
 
 
