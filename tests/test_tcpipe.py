@@ -223,6 +223,22 @@ def test_cuda_only_and_relaxed(name):
         v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA).source("opencl")
 
 
+@pytest.mark.parametrize("text", ["CP_ASYNC16(a, p, 16u)", "CP_ASYNC_WAIT(1)", "LDMATRIX_X4(a, b, c, d, s)",
+                                  "LDS_F4(s)", "LDS_F1(s)", "TF32_RHA(x)", "SMEM_U32(p)"])
+def test_opencl_refuses_each_staged_primitive(text):
+    from convforge.codegen.render import OpenCLRenderer
+
+    with pytest.raises(ValueError, match="OpenCL renderer refuses"):
+        OpenCLRenderer().expand(text)
+
+
+def test_rank_puts_the_staged_winograd_first_only_where_measured():
+    v = get_variant("winograd_nonfused_f2_pipe_tf32")
+    f7 = get_variant("winograd_nonfused_f7")
+    assert v.rank(RESNET[2], NOMINAL_CUDA) > f7.rank(RESNET[2], NOMINAL_CUDA)
+    assert v.rank(RESNET[0], NOMINAL_CUDA) < f7.rank(RESNET[0], NOMINAL_CUDA)
+
+
 # -- nvcc and SASS ------------------------------------------------------------------------------
 def _specs(name: str) -> list[ConvSpec]:
     odd = ODD_SPECS + [ConvSpec.make(1, 37, 13, 7, 70, 3, 3, 1, (0, 1, 2, 1)),

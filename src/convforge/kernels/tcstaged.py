@@ -8,6 +8,13 @@
   of 4 channels, one bounds test per (r, s) and pixel, and stores NCHW through the Store callback
   (bias, ReLU, residual, channel offsets).
 
+* ``winograd_nonfused_f2_pipe_tf32``: non-fused F(2x2) with rounded U and V and the staged GEMM.
+
+H200, 2026-11-23 (scripts/tc_check.py, N32, whole call in us; old = the register-staged TF32 variant
+of the same family; cuDNN TF32 = torch with allow_tf32 and benchmark): ResNet 3x3 64@56 NHWC 104.6
+(old 118.6, cuDNN 105.8), 128@28 80.2 (116.9, 66.1), 256@14 NHWC 81.4 / F(2x2) 71.1 (155.0 / 79.8,
+64.2), 512@7 F(2x2) 68.9 (76.6, 73.3); 1x1 C1024 -> K256 @14 54.0 (56.6; cuBLAS-backed cuDNN 39.5).
+
 Accuracy as the other TF32 variants (:mod:`convforge.kernels.tensorcore`): both operands rounded
 to nearest, FP32 accumulation: stated 3e-4, checked against 1e-3. CUDA only, sm_80+.
 """
@@ -250,6 +257,15 @@ class WinogradF2PipeTF32(WinogradNonFusedTC):
         super().__init__(2, False, "relaxed", TF32_TOLERANCE)
         self.name = "winograd_nonfused_f2_pipe_tf32"
         self.specialised = 7
+
+    def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
+        """Above F(7x7) (rank 11) for 3x3 layers of at most 10x10 outputs with N >= 16, where it was
+        faster (H200, 2026-11-23, scripts/tc_check.py, whole call: ResNet 512@7 N32 68.9 us against
+        F(7x7) 88.0 and cuDNN TF32 73.3); F(7x7) kept the bigger images (256@14: 66.0 against 71.1;
+        128@28: 65.7 against 95.6)."""
+        if device.is_gpu and (spec.r, spec.s) == (3, 3) and spec.p * spec.q <= 100 and spec.n >= 16:
+            return 12
+        return self.specialised
 
     def _kinds(self, spec: ConvSpec) -> tuple[Kind, Kind]:
         return ("i", 4 if spec.k % 4 == 0 else 1, True), ("i", 4 if Geometry(spec, 2).tiles % 4 == 0 else 1, True)
