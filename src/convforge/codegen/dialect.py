@@ -32,11 +32,25 @@ A kernel body is plain C using these tokens, which each renderer spells its own 
                                                           in the PTX fragment layouts, see
                                                           kernels/tcgemm.py); feature "mma_tf32",
                                                           CUDA sm_80+ only
-    Hopper, feature "wgmma" (CUDA sm_90a only: the source then asks for the arch-specific target):
-    SMEM_U32(p)                                           32-bit shared-window address of shared p
-    CP_ASYNC16(saddr, src)                                16 bytes global src -> shared saddr (cp.async.cg)
-    CP_ASYNC_COMMIT() / CP_ASYNC_WAIT(n)                  close this thread's cp.async group / wait
-                                                          until at most n groups are pending
+    SMEM_U32(p)                                           32-bit shared-window address of pointer p
+    CP_ASYNC16(sa, src, n) / CP_ASYNC4(sa, src, n)        cp.async of 16 (.cg) / 4 (.ca) bytes from src
+                                                          to shared address sa, reading n bytes (0 or
+                                                          all) and zero-filling the rest (CP_ASYNC16
+                                                          without n: all 16 bytes)
+    CP_ASYNC_COMMIT() / CP_ASYNC_WAIT(n)                  close a cp.async group / wait until at most n
+                                                          groups are pending (then BARRIER())
+    LDMATRIX_X4(d0, d1, d2, d3, sa)                       ldmatrix.x4 .b16: float lvalues d0..d3 get the
+                                                          32-bit words lane l holds (row l / 4, word
+                                                          l % 4 of matrices 0..3; lanes 8q..8q+7 give
+                                                          matrix q's row addresses)
+    LDS_F4(sa) / LDS_F1(sa)                               float4 / float read at shared address sa
+    TF32_RHA(x)                                           x with 0x1000 added to its bits: rounds to
+                                                          nearest, ties away, once the tensor core drops
+                                                          the low 13 bits (one integer add)
+                                                          (all: feature "mma_tf32", CUDA sm_80+ only;
+                                                          the OpenCL renderer refuses them with a reason)
+    Hopper, feature "wgmma" (CUDA sm_90a only: the source then asks for the arch-specific target;
+    its kernels also use SMEM_U32 / CP_ASYNC16 / CP_ASYNC_COMMIT / CP_ASYNC_WAIT above):
     FENCE_PROXY_ASYNC()                                   fence.proxy.async.shared::cta: this thread's
                                                           completed shared writes become visible to
                                                           the async proxy (wgmma operand reads)

@@ -9,14 +9,15 @@ from convforge.codegen.dialect import Arg, Buf, ConstBuf, Kernel, LocalBuf, Scal
 
 _TOKEN = re.compile(r"\b(GROUP_ID|LOCAL_ID|GROUP_SIZE|NUM_GROUPS|BARRIER|VLOAD4|VSTORE4|"
                     r"MAKE_FLOAT4|FMA|MAX|LDG|SHFL|TEX|COPY4_ASYNC|COPY1_ASYNC|COPY_WAIT|CVT_TF32|"
-                    r"MMA_TF32_16x8x8|SMEM_U32|CP_ASYNC16|CP_ASYNC_COMMIT|CP_ASYNC_WAIT|FENCE_PROXY_ASYNC|"
-                    r"WGMMA_FENCE|WGMMA_COMMIT|WGMMA_WAIT|WGMMA_TF32)\(")
+                    r"MMA_TF32_16x8x8|SMEM_U32|CP_ASYNC16|CP_ASYNC4|CP_ASYNC_COMMIT|CP_ASYNC_WAIT|LDMATRIX_X4|LDS_F4|"
+                    r"LDS_F1|TF32_RHA|FENCE_PROXY_ASYNC|WGMMA_FENCE|WGMMA_COMMIT|WGMMA_WAIT|WGMMA_TF32)\(")
 _WORDS = re.compile(r"\b(SHARED|LOCAL_PTR|GLOBAL_PTR|RESTRICT|DEVICE|U64)\b( ?)")
 
 
 # Why a back-end may lack a feature (appended to the refusal).
-_FEATURE_WHY = {"mma_tf32": "tensor-core MMA_TF32_16x8x8 / CVT_TF32 are CUDA PTX (mma.sync, sm_80+)",
-                "wgmma": "warpgroup MMA (WGMMA_*), cp.async groups and proxy fences are CUDA PTX for sm_90a"}
+_FEATURE_WHY = {"mma_tf32": "tensor-core MMA_TF32_16x8x8 / CVT_TF32 / CP_ASYNC* / LDMATRIX_X4 are CUDA PTX "
+                             "(mma.sync, cp.async, ldmatrix: sm_80+)",
+                "wgmma": "warpgroup MMA (WGMMA_*) and proxy fences are CUDA PTX for sm_90a"}
 
 # Features that exist only on an architecture-specific target (sm_90a): a source using them carries
 # this line, and the CUDA back-end and the nvcc checker compile it for ``sm_XYa`` instead of ``sm_XY``
@@ -116,6 +117,15 @@ class CudaRenderer(Renderer):
             "COPY_WAIT": lambda: "cf_copy_wait()",
             "CVT_TF32": lambda: f"cf_tf32({args[0]})",
             "MMA_TF32_16x8x8": lambda: f"cf_mma_tf32({', '.join(args)})",
+            "SMEM_U32": lambda: f"((unsigned)__cvta_generic_to_shared({args[0]}))",
+            "CP_ASYNC16": lambda: f"cf_cp_async16({', '.join(args + ['16u'] * (len(args) == 2))})",
+            "CP_ASYNC4": lambda: f"cf_cp_async4({', '.join(args)})",
+            "CP_ASYNC_COMMIT": lambda: 'asm volatile("cp.async.commit_group;" ::: "memory")',
+            "CP_ASYNC_WAIT": lambda: f'asm volatile("cp.async.wait_group %0;" :: "n"({args[0]}) : "memory")',
+            "LDMATRIX_X4": lambda: f"cf_ldsm4({', '.join(args)})",
+            "LDS_F4": lambda: f"cf_lds4({args[0]})",
+            "LDS_F1": lambda: f"cf_lds1({args[0]})",
+            "TF32_RHA": lambda: f"__uint_as_float(__float_as_uint({args[0]}) + 0x1000u)",
         }
         if token in _WGMMA_TOKENS:
             return _wgmma_call(token, args)
@@ -142,6 +152,8 @@ class CudaRenderer(Renderer):
             head += _CUDA_COPY_ASYNC.splitlines() + [""]
         if any(re.search(r"\b(MMA_TF32_16x8x8|CVT_TF32)\(", k.body + k.helpers) for k in kernels):
             head += _CUDA_MMA_TF32.splitlines() + [""]
+        if any(re.search(r"\b(CP_ASYNC16|CP_ASYNC4|LDMATRIX_X4|LDS_F4|LDS_F1)\(", k.body) for k in kernels):
+            head += _CUDA_PIPE.splitlines() + [""]
         return head
 
     def body_head(self, k: Kernel) -> list[str]:
@@ -209,8 +221,7 @@ __device__ __forceinline__ void cf_mma_tf32(float& d0, float& d1, float& d2, flo
 # Hopper (sm_90a) asynchronous copies and warpgroup MMA, spelled inline (volatile: their order is
 # their meaning). The accumulators are "+f" operands of every WGMMA_TF32 and WGMMA_WAIT, so the
 # compiler neither reads them before the wait that completes them nor moves them in between.
-_WGMMA_TOKENS = frozenset({"SMEM_U32", "CP_ASYNC16", "CP_ASYNC_COMMIT", "CP_ASYNC_WAIT",
-                           "FENCE_PROXY_ASYNC", "WGMMA_FENCE", "WGMMA_COMMIT", "WGMMA_WAIT", "WGMMA_TF32"})
+_WGMMA_TOKENS = frozenset({"FENCE_PROXY_ASYNC", "WGMMA_FENCE", "WGMMA_COMMIT", "WGMMA_WAIT", "WGMMA_TF32"})
 
 
 def _asm(text: str, outs: Sequence[str] = (), ins: Sequence[str] = ()) -> str:
@@ -219,14 +230,6 @@ def _asm(text: str, outs: Sequence[str] = (), ins: Sequence[str] = ()) -> str:
 
 def _wgmma_call(token: str, args: list[str]) -> str:
     """CUDA spelling of one sm_90a token (see codegen/dialect.py)."""
-    if token == "SMEM_U32":
-        return f"((unsigned)__cvta_generic_to_shared({args[0]}))"
-    if token == "CP_ASYNC16":
-        return _asm("cp.async.cg.shared.global [%0], [%1], 16;", [], [f'"r"({args[0]})', f'"l"({args[1]})'])
-    if token == "CP_ASYNC_COMMIT":
-        return _asm("cp.async.commit_group;")
-    if token == "CP_ASYNC_WAIT":
-        return _asm(f"cp.async.wait_group {int(args[0])};")
     if token == "FENCE_PROXY_ASYNC":
         return _asm("fence.proxy.async.shared::cta;")
     if token == "WGMMA_FENCE":
@@ -245,14 +248,54 @@ def _wgmma_call(token: str, args: list[str]) -> str:
     return _asm(text, [f'"+f"({d})' for d in acc], [f'"l"({da})', f'"l"({db})', '"r"(1)'])
 
 
+# The staged tensor-core GEMM's primitives (sm_80+), on 32-bit shared addresses (SMEM_U32):
+# cp.async of 16 bytes (.cg, L1 bypassed) or 4 bytes (.ca), each reading ``n`` bytes (0 or the full
+# size) and zero-filling the rest, so a chunk outside the matrix costs no branch; ldmatrix x4 gives
+# lane l row l / 4, 32-bit word l % 4 of each of four 8 x 8 b16 matrices whose row addresses lanes
+# 8q..8q+7 supply: for a k-contiguous shared tile exactly the TF32 fragments (kernels/tcpipe.py).
+_CUDA_PIPE = r"""__device__ __forceinline__ void cf_cp_async16(unsigned dst, const float* src, unsigned n)
+{
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(n) : "memory");
+}
+__device__ __forceinline__ void cf_cp_async4(unsigned dst, const float* src, unsigned n)
+{
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(dst), "l"(src), "r"(n) : "memory");
+}
+#define cf_ldsm4(d0, d1, d2, d3, addr) do { unsigned r0_, r1_, r2_, r3_; \
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];" \
+                 : "=r"(r0_), "=r"(r1_), "=r"(r2_), "=r"(r3_) : "r"(addr)); \
+    d0 = __uint_as_float(r0_); d1 = __uint_as_float(r1_); d2 = __uint_as_float(r2_); \
+    d3 = __uint_as_float(r3_); } while (0)
+__device__ __forceinline__ float4 cf_lds4(unsigned addr)
+{
+    float4 v;
+    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr));
+    return v;
+}
+__device__ __forceinline__ float cf_lds1(unsigned addr)
+{
+    float v;
+    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr));
+    return v;
+}"""
+
 # Dialect tokens with no OpenCL spelling, and why.
 _OPENCL_REFUSED = {
     "MMA_TF32_16x8x8": "tensor-core mma.sync (TF32) is a CUDA PTX instruction with no OpenCL C form",
     "CVT_TF32": "cvt.rna.tf32 rounding is part of the CUDA tensor-core path only",
     "SHFL": "warp shuffles are CUDA only",
-    **{t: "Hopper warpgroup MMA, cp.async groups and proxy fences are CUDA PTX (sm_90a) with no OpenCL C form"
+    **{t: "Hopper warpgroup MMA and proxy fences are CUDA PTX (sm_90a) with no OpenCL C form"
        for t in _WGMMA_TOKENS},
     "TEX": "texture objects are CUDA only",
+    "SMEM_U32": "32-bit shared-window addresses exist only for the CUDA cp.async / ldmatrix path",
+    "CP_ASYNC16": "cp.async (asynchronous global->shared copy) is a CUDA PTX instruction (sm_80+)",
+    "CP_ASYNC4": "cp.async (asynchronous global->shared copy) is a CUDA PTX instruction (sm_80+)",
+    "CP_ASYNC_COMMIT": "cp.async groups are CUDA PTX (sm_80+)",
+    "CP_ASYNC_WAIT": "cp.async groups are CUDA PTX (sm_80+)",
+    "LDMATRIX_X4": "ldmatrix is a CUDA PTX warp instruction (sm_75+)",
+    "LDS_F1": "32-bit shared-window addresses exist only for the CUDA cp.async / ldmatrix path",
+    "LDS_F4": "32-bit shared-window addresses exist only for the CUDA cp.async / ldmatrix path",
+    "TF32_RHA": "TF32 rounding belongs to the CUDA tensor-core path only",
 }
 
 

@@ -15,8 +15,10 @@ i-major (``S[i][k]``, row ``bk + 4``): its 16-byte global chunks become one 16-b
 fragment read ``S[g + ..][t + ..]`` hits bank ``4 g + t``, 32 distinct banks. An operand read along
 i (``fast == "i"``: im2col columns, Winograd U and V) is stored k-major (``S[k][i]``, row
 ``bi + 8``): a fragment read ``S[t + ..][g + ..]`` hits bank ``8 t + g``, again 32 distinct banks.
-Fragment reads are single words (no ``ldmatrix``: it moves 16-bit pairs, and a TF32 fragment's
-element pairs are not adjacent in either layout without a permutation of k).
+Fragment reads are single words here. (``ldmatrix`` does serve TF32 for a k-contiguous tile: an
+8 x 8 b16 matrix row is 4 consecutive 32-bit words and lane l receives row l / 4, word l % 4, i.e.
+the A fragment (g, t) and, rows being n, the B fragment (k = t, n = g); the staged generator
+:mod:`convforge.kernels.tcpipe` uses it, with cp.async stages.)
 
 ``x3`` (3xTF32): the shared tiles keep FP32; each fragment value is split a = hi + lo with
 hi = tf32(a), lo = tf32(a - hi), and acc += a_lo b_hi + a_hi b_lo + a_hi b_hi (small terms
