@@ -32,6 +32,7 @@ per n8 chunk j, registers 4j..4j+3 in the mma.m16n8 C layout.
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 from convforge.codegen.dialect import Buf, Dim3, Kernel, LocalBuf
 from convforge.codegen.meta import Code, cdiv
@@ -52,7 +53,8 @@ MODE = {0: 0, 128: 1}  # descriptor bits 62-63
 MAX_SHARED = 227 * 1024
 TF32_EXPECTED = 3e-4  # as the mma.sync TF32 variants (kernels/tensorcore.py)
 TF32_TOLERANCE = 1e-3
-WG_KEYS = ("bn", "wg", "st", "sw")
+WG_KEYS = ("bn", "wg", "st", "sw", "xl")
+XL = ("direct", "transposed")  # how x reaches the B tiles (see the module docstring)
 
 # Accumulator m64nNk8 .f32: (row, column) of register 4j + r of a lane, per n8 chunk j, as C
 # expressions of g = lane >> 2 and t = lane & 3 (row offset 16 w for warp w of the warpgroup).
@@ -115,29 +117,43 @@ def shared_bytes(p: Params) -> int:
     return p.st * stage_bytes(p) + 1024
 
 
+def x_layout(p: Params) -> str:
+    """``xl`` of a point; points stored before it existed read the transposed copy."""
+    return str(p.get("xl", "transposed"))
+
+
 def wg_ok(p: Params, shared_limit: int = MAX_SHARED) -> bool:
     """Valid: bn 64..256 in steps of 32 (copies spread evenly), 1 or 2 warpgroups, 3..6 stages,
-    swizzle 0 or 128, within ``shared_limit`` and 128 accumulators per thread."""
+    swizzle 0 or 128, within ``shared_limit`` and 128 accumulators per thread; the direct x
+    path needs the 128-byte swizzle and whole warp units per thread (bn a multiple of 64 wg)."""
+    xl = x_layout(p)
+    direct_ok = xl == "transposed" or (p.sw == 128 and p.bn % (64 * p.wg) == 0)
     return (p.bn % 32 == 0 and 64 <= p.bn <= 256 and p.wg in (1, 2) and 3 <= p.st <= 6
-            and p.sw in (0, 128) and shared_bytes(p) <= shared_limit and 8 * p.bn % (128 * p.wg) == 0)
+            and p.sw in (0, 128) and shared_bytes(p) <= shared_limit and 8 * p.bn % (128 * p.wg) == 0
+            and xl in XL and direct_ok)
 
 
-def wg_space(m: int, n: int, shared_limit: int) -> list[Params]:
-    """Default first, then every valid point that does not overshoot M or N by 2x. Only the
-    swizzled layout: the core-matrix one (sw=0, correct too) took 1.6-3x the GEMM time on the
-    H200 (2026-11-23: 1024->256 @14², N32, 80 us against 25 us), its wgmma operand reads conflict."""
-    out = [wg_default(m, n, shared_limit)]
-    for bn, wg, st, sw in itertools.product((128, 256, 64, 192, 96, 160), (1, 2), (4, 3, 5, 6), (128,)):
-        p = Params(bn=bn, wg=wg, st=st, sw=sw)
+def wg_space(m: int, n: int, shared_limit: int, direct: bool = False) -> list[Params]:
+    """Default first, then every valid point that does not overshoot M or N by 2x, the direct x
+    path first where it applies (``direct``: stride 1, no padding). Only the swizzled layout:
+    the core-matrix one (sw=0, correct too) took 1.6-3x the GEMM time on the H200 (2026-11-23:
+    1024->256 @14², N32, 80 us against 25 us), its wgmma operand reads conflict."""
+    out = [wg_default(m, n, shared_limit, direct)]
+    for xl, bn, wg, st in itertools.product(XL if direct else XL[1:], (128, 256, 64, 192, 96, 160), (1, 2),
+                                            (4, 3, 5, 6)):
+        p = Params(bn=bn, wg=wg, st=st, sw=128, xl=xl)
         if wg_ok(p, shared_limit) and 64 * wg <= 2 * max(m, 64) and bn <= 2 * max(n, 64) and p not in out:
             out.append(p)
     return out
 
 
-def wg_default(m: int, n: int, shared_limit: int = MAX_SHARED) -> Params:
+def wg_default(m: int, n: int, shared_limit: int = MAX_SHARED, direct: bool = False) -> Params:
     """64 x 128 per warpgroup (cuBLAS's choice for ResNet 1x1 layers), two warpgroups when M
-    fills them, 4 stages, the swizzled layout."""
-    p = Params(bn=128 if n > 64 else 64, wg=2 if m >= 128 else 1, st=4, sw=128)
+    fills them, 4 stages, the swizzled layout; x read directly where ``direct`` allows it."""
+    p = Params(bn=128 if n > 64 else 64, wg=2 if m >= 128 else 1, st=4, sw=128,
+               xl="direct" if direct else "transposed")
+    if not wg_ok(p, shared_limit):
+        p = p.replace(wg=1) if wg_ok(p.replace(wg=1), shared_limit) else p
     return p if wg_ok(p, shared_limit) else p.replace(st=3)
 
 
@@ -192,12 +208,24 @@ def transpose_kernel(spec: ConvSpec, name: str) -> tuple[Kernel, Dim3]:
     return kern, (cdiv(pq, 32), cp // 32, spec.n)
 
 
+@dataclass(frozen=True)
+class XDirect:
+    """x read straight from NCHW by the GEMM (stride 1, no padding): ``c`` channels, ``hw``
+    pixels per image, ``npix`` = N * H * W columns."""
+
+    c: int
+    hw: int
+    npix: int
+
+
 def gemm_kernel(name: str, m: int, n: int, cp: int, p: Params, c: Store,
-                args: tuple[Buf, ...]) -> Kernel:
-    """C (m x n) = wt (m x cp) . xt (n x cp)^T with wgmma (see the module docstring)."""
-    if not wg_ok(p):
+                args: tuple[Buf, ...], xd: XDirect | None = None) -> Kernel:
+    """C (m x n) = wt (m x cp) . xt (n x cp)^T with wgmma (see the module docstring); with ``xd``
+    the B tiles come from x itself through registers (:func:`_direct_plan`)."""
+    if not wg_ok(p) or (xd is None) != (x_layout(p) == "transposed"):
         raise ValueError(f"wgmma GEMM parameters {p.short()} are invalid (bn 64..256 step 32, wg 1 or 2, "
-                         f"st 3..6, sw 0 or 128, {MAX_SHARED} B shared memory)")
+                         f"st 3..6, sw 0 or 128, {MAX_SHARED} B shared memory; xl=direct needs sw=128, "
+                         f"bn a multiple of 64 wg, stride 1 and no padding)")
     bm, threads, nacc, sb = 64 * p.wg, 128 * p.wg, p.bn // 2, stage_bytes(p)
     code = Code()
     code("const int tid = LOCAL_ID(0), lane = tid & 31, warp = tid >> 5;",
@@ -205,7 +233,9 @@ def gemm_kernel(name: str, m: int, n: int, cp: int, p: Params, c: Store,
          f"const int m0 = GROUP_ID(1) * {bm}, n0 = GROUP_ID(0) * {p.bn};",
          "const unsigned sbase = (SMEM_U32(wg_smem) + 1023u) & ~1023u;  // stages 1024-byte aligned")
     copies = _copy_plan(code, "a", "wt", bm, threads, p.sw, cp, "m0", 0)
-    copies += _copy_plan(code, "b", "xt", p.bn, threads, p.sw, cp, "n0", bm * ROW_BYTES)
+    direct = _direct_plan(code, xd, p, bm) if xd else None
+    if direct is None:
+        copies += _copy_plan(code, "b", "xt", p.bn, threads, p.sw, cp, "n0", bm * ROW_BYTES)
     hi = desc_high(p.sw)
     code(f"const U64 da0 = {hi}ull | (U64)((sbase + wgi * {64 * ROW_BYTES}u) >> 4);",
          f"const U64 db0 = {hi}ull | (U64)((sbase + {bm * ROW_BYTES}u) >> 4);")
@@ -216,6 +246,11 @@ def gemm_kernel(name: str, m: int, n: int, cp: int, p: Params, c: Store,
         if s < nk:
             _issue(code, copies, f"{s * sb}u", s * BK)
         code("CP_ASYNC_COMMIT();")
+    if direct:  # slice 0 stored, slice 1 in registers
+        direct.load(code, "0")
+        direct.store(code, "0")
+        if nk > 1:
+            direct.load(code, "1")
     code("#pragma unroll 1  // a rolled loop: 4 wgmma per slice are plenty, and NVRTC stays quick")
     with code.block(f"for (int kt = 0; kt < {nk}; ++kt)"):
         code(f"CP_ASYNC_WAIT({p.st - 3});  // slice kt landed (this thread's copies)",
@@ -229,12 +264,95 @@ def gemm_kernel(name: str, m: int, n: int, cp: int, p: Params, c: Store,
         for kk in range(BK // KSTEP):
             off = k_step_bytes(p.sw, kk) >> 4
             code(f"WGMMA_TF32({p.bn}, da0 + so + {off}, db0 + so + {off}, {', '.join(acc)});")
-        code("WGMMA_COMMIT();", f"WGMMA_WAIT(1, {', '.join(acc)});")
+        code("WGMMA_COMMIT();")
+        if direct:  # while wgmma runs on slice kt: store slice kt + 1, load kt + 2
+            with code.block(f"if (kt + 1 < {nk})"):
+                direct.store(code, f"((kt + 1) % {p.st})")
+                with code.block(f"if (kt + 2 < {nk})"):
+                    direct.load(code, "(kt + 2)")
+        code(f"WGMMA_WAIT(1, {', '.join(acc)});")
     code(f"WGMMA_WAIT(0, {', '.join(acc)});")
     _store(code, m, n, p.bn, c)
+    how = "x direct" if direct else "x transposed"
     return Kernel(name, args + (LocalBuf("wg_smem", shared_bytes(p)),), code.text(), (threads, 1, 1),
-                  requires=frozenset({"wgmma"}), min_blocks=1,
-                  comment=f"wgmma TF32 GEMM {m}x{n}x{cp}: {p.short()}")
+                  requires=frozenset({"wgmma", "mma_tf32"} if direct else {"wgmma"}), min_blocks=1,
+                  comment=f"wgmma TF32 GEMM {m}x{n}x{cp}, {how}: {p.short()}")
+
+
+# -- the direct x path --------------------------------------------------------------------------
+# Bank model: shared memory has 32 banks of 4 bytes; a warp's 16-byte stores (st.shared.v4) are
+# served 8 lanes at a time, conflict-free when those 8 lanes cover the 128 bytes of a bank row
+# once, i.e. their 16-byte chunk positions (address bits 4-6) differ. A thread's "unit" is 4
+# pixels x 4 channels (one float4 along HW per channel: 16-byte loads); lane = 8 qw + 2 cl + pb
+# takes pixel quad 8 pbk + 2 qw + pb and channel quad 4 hi + cl (pbk, hi from the warp and the
+# unit). So per load instruction a warp reads 4 channels x 32 consecutive pixels (4 whole
+# 128-byte lines), and per store (pixel i of the quads) the 8 lanes of a quarter write rows with
+# r % 8 = 4 pb + i and chunks 4 hi + cl: swizzled positions (4 (hi ^ pb)) + (cl ^ i), all 8
+# different. tests/test_wgmma.py checks both on the generated expressions.
+def direct_coords(nwarps: int, it: int, w: str = "warp", lane: str = "lane") -> tuple[str, str]:
+    """(B-tile row of the unit's first pixel, chunk = channel quad) of unit ``it`` of a thread,
+    as C expressions; the unit's pixel i is row + i."""
+    row = f"((((({w}) >> 1) + {it * nwarps // 2}) << 5) + ((({lane}) >> 3) << 3) + ((({lane}) & 1) << 2))"
+    return row, f"(((({w}) & 1) << 2) + ((({lane}) >> 1) & 3))"
+
+
+def direct_units(p: Params) -> int:
+    """Units (4 pixels x 4 channels) per thread and slice: bn * 32 / 16 over 128 wg threads."""
+    return p.bn // (64 * p.wg)
+
+
+@dataclass(frozen=True)
+class _Direct:
+    """Emits the register-staged B path: ``load`` slice s of x into registers, ``store`` them
+    TF32-rounded into the swizzled B tile of a stage."""
+
+    xd: XDirect
+    units: int
+    vec: bool  # H * W a multiple of 4: one float4 per channel; else 4 scalar loads
+    stage_floats: int
+
+    def load(self, code: Code, s: str) -> None:
+        c, hw = self.xd.c, self.xd.hw
+        for u, j in itertools.product(range(self.units), range(4)):
+            ch = f"{s} * {BK} + xc + {j}"
+            if self.vec:
+                val = f"VLOAD4(0, xp{u} + ({s} * {BK} + {j}) * {hw})"
+            else:
+                val = "MAKE_FLOAT4({})".format(", ".join(f"x[xo{u}_{i} + ({s} * {BK} + {j}) * {hw}]"
+                                                         for i in range(4)))
+            if c % BK:
+                val = f"({ch} < {c}) ? {val} : MAKE_FLOAT4(0.0f, 0.0f, 0.0f, 0.0f)"
+            code(f"xr{u}_{j} = {val};")
+
+    def store(self, code: Code, stage: str) -> None:
+        code(f"float* const bst = bsm + {stage} * {self.stage_floats};")
+        for u, i in itertools.product(range(self.units), range(4)):
+            vals = ", ".join(f"CVT_TF32(xr{u}_{j}.{'xyzw'[i]})" for j in range(4))
+            code(f"VSTORE4(MAKE_FLOAT4({vals}), 0, bst + bo{u}_{i});")
+
+
+def _direct_plan(code: Code, xd: XDirect, p: Params, bm: int) -> _Direct:
+    """Per-thread setup of the direct path: each unit's pixel offsets into x (columns past
+    the matrix clamped to the last valid ones: finite values, results never stored), its
+    channel quad, its shared float offsets per pixel; the staging registers."""
+    nwarps, units = 4 * p.wg, direct_units(p)
+    vec = xd.hw % 4 == 0
+    _, cq = direct_coords(nwarps, 0)
+    code("float* const bsm = wg_smem + ((sbase - SMEM_U32(wg_smem)) >> 2) + " f"{bm * ROW_BYTES // 4};",
+         f"const int xc = {cq} * 4;")
+    for u in range(units):
+        row, _ = direct_coords(nwarps, u)
+        for i in range(1 if vec else 4):
+            last = xd.npix - (4 if vec else 1)
+            nm = f"xp{u}" if vec else f"xo{u}_{i}"
+            code(f"const int xj{u}_{i} = min(n0 + {row} + {i}, {last});",
+                 f"const int xn{u}_{i} = xj{u}_{i} / {xd.hw};")
+            off = f"xn{u}_{i} * {xd.c * xd.hw} + xj{u}_{i} - xn{u}_{i} * {xd.hw} + xc * {xd.hw}"
+            code(f"const float* const {nm} = x + {off};" if vec else f"const int {nm} = {off};")
+        for i in range(4):
+            code(f"const int bo{u}_{i} = {chunk_offset(128, f'{row} + {i}', cq)} >> 2;")
+    code(f"float4 {', '.join(f'xr{u}_{j}' for u in range(units) for j in range(4))};")
+    return _Direct(xd, units, vec, stage_bytes(p) // 4)
 
 
 def _copy_plan(code: Code, nm: str, src: str, rows: int, threads: int, sw: int, cp: int,
@@ -316,32 +434,52 @@ class Gemm1x1WgmmaTF32(Variant):
         return spec.k, spec.n * spec.p * spec.q
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
-        return wg_space(*self._mn(spec), min(device.shared_optin_bytes, MAX_SHARED))
+        return wg_space(*self._mn(spec), min(device.shared_optin_bytes, MAX_SHARED), direct_applies(spec))
 
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
-        return wg_default(*self._mn(spec), min(device.shared_optin_bytes, MAX_SHARED))
+        return wg_default(*self._mn(spec), min(device.shared_optin_bytes, MAX_SHARED), direct_applies(spec))
 
     def workspace_bytes(self, spec: ConvSpec, params: Params) -> int:
         m, n = self._mn(spec)
-        return 4 * padded_c(spec) * (padded_rows(m, 64 * params.wg) + padded_rows(n, params.bn))
+        xt = 0 if x_layout(params) == "direct" else padded_rows(n, params.bn)
+        return 4 * padded_c(spec) * (padded_rows(m, 64 * params.wg) + xt)
 
     def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
              epilogue: Epilogue = Epilogue()) -> Plan:
         unknown = set(params) - set(WG_KEYS)
         if unknown:
             raise ValueError(f"{self.name}: unknown parameters {sorted(unknown)}")
+        direct = x_layout(params) == "direct"
+        if direct and not direct_applies(spec):
+            raise ValueError(f"{self.name}: xl=direct needs stride 1 and no padding ({spec.short()})")
         m, n = self._mn(spec)
         cp = padded_c(spec)
+        outs = tuple(a for a in out_args(epilogue) if isinstance(a, Buf))
         wk, wgrid = round_weights_kernel(spec, f"{self.name}_wt")
-        xk, xgrid = transpose_kernel(spec, f"{self.name}_xt")
-        gk = gemm_kernel(f"{self.name}_gemm", m, n, cp, params, nchw_store(spec, epilogue),
-                         (Buf("wt"), Buf("xt")) + tuple(a for a in out_args(epilogue) if isinstance(a, Buf)))
         grid = (cdiv(n, params.bn), cdiv(m, 64 * params.wg), 1)
-        steps = (Launch(wk.name, wgrid, wk.block, ("w", "wt")),
-                 Launch(xk.name, xgrid, xk.block, ("x", "xt")),
-                 Launch(gk.name, grid, gk.block, ("wt", "xt") + out_refs(epilogue)))
-        ws = (("wt", 4 * padded_rows(m, 64 * params.wg) * cp), ("xt", 4 * padded_rows(n, params.bn) * cp))
-        return Plan(self.name, self.family, spec, params, (wk, xk, gk), steps, ws, self.tolerance, epilogue)
+        ws: tuple[tuple[str, int], ...] = (("wt", 4 * padded_rows(m, 64 * params.wg) * cp),)
+        if direct:
+            xd = XDirect(spec.c, spec.h * spec.w, n)
+            gk = gemm_kernel(f"{self.name}_gemm", m, n, cp, params, nchw_store(spec, epilogue),
+                             (Buf("wt"), Buf("x")) + outs, xd)
+            steps: tuple[Launch, ...] = (Launch(gk.name, grid, gk.block, ("wt", "x") + out_refs(epilogue)),)
+            kernels: tuple[Kernel, ...] = (wk, gk)
+        else:
+            xk, xgrid = transpose_kernel(spec, f"{self.name}_xt")
+            gk = gemm_kernel(f"{self.name}_gemm", m, n, cp, params, nchw_store(spec, epilogue),
+                             (Buf("wt"), Buf("xt")) + outs)
+            steps = (Launch(xk.name, xgrid, xk.block, ("x", "xt")),
+                     Launch(gk.name, grid, gk.block, ("wt", "xt") + out_refs(epilogue)))
+            ws += (("xt", 4 * padded_rows(n, params.bn) * cp),)
+            kernels = (wk, xk, gk)
+        steps = (Launch(wk.name, wgrid, wk.block, ("w", "wt")),) + steps
+        return Plan(self.name, self.family, spec, params, kernels, steps, ws, self.tolerance, epilogue)
+
+
+def direct_applies(spec: ConvSpec) -> bool:
+    """The GEMM can read x in place: stride 1 and no padding (a 1x1 filter's pixel is its
+    output pixel), so column j of B is pixel j % (H W) of image j // (H W)."""
+    return spec.stride == (1, 1) and spec.pad == (0, 0, 0, 0)
 
 
 register(Gemm1x1WgmmaTF32())
