@@ -296,6 +296,14 @@ def direct_coords(nwarps: int, it: int, w: str = "warp", lane: str = "lane") -> 
     return row, f"(((({w}) & 1) << 2) + ((({lane}) >> 1) & 3))"
 
 
+def x_column(xd: XDirect, col: str, vec: bool) -> str:
+    """Offset in x of channel 0 at B column ``col`` (C expression): pixel col % (H W) of image
+    col / (H W). Columns past the matrix are clamped to the last valid pixel (or float4, when
+    ``vec``): the loads stay inside x, and those columns' results are never stored."""
+    j = f"min({col}, {xd.npix - (4 if vec else 1)})"
+    return f"(({j}) / {xd.hw} * {xd.c * xd.hw} + ({j}) % {xd.hw})"
+
+
 def direct_units(p: Params) -> int:
     """Units (4 pixels x 4 channels) per thread and slice: bn * 32 / 16 over 128 wg threads."""
     return p.bn // (64 * p.wg)
@@ -343,12 +351,8 @@ def _direct_plan(code: Code, xd: XDirect, p: Params, bm: int) -> _Direct:
     for u in range(units):
         row, _ = direct_coords(nwarps, u)
         for i in range(1 if vec else 4):
-            last = xd.npix - (4 if vec else 1)
-            nm = f"xp{u}" if vec else f"xo{u}_{i}"
-            code(f"const int xj{u}_{i} = min(n0 + {row} + {i}, {last});",
-                 f"const int xn{u}_{i} = xj{u}_{i} / {xd.hw};")
-            off = f"xn{u}_{i} * {xd.c * xd.hw} + xj{u}_{i} - xn{u}_{i} * {xd.hw} + xc * {xd.hw}"
-            code(f"const float* const {nm} = x + {off};" if vec else f"const int {nm} = {off};")
+            off = f"{x_column(xd, f'n0 + {row} + {i}', vec)} + xc * {xd.hw}"
+            code(f"const float* const xp{u} = x + {off};" if vec else f"const int xo{u}_{i} = {off};")
         for i in range(4):
             code(f"const int bo{u}_{i} = {chunk_offset(128, f'{row} + {i}', cq)} >> 2;")
     code(f"float4 {', '.join(f'xr{u}_{j}' for u in range(units) for j in range(4))};")
