@@ -376,16 +376,18 @@ GPU_SPECS = ODD + [ConvSpec.make(2, 1024, 14, 14, 256, 1, 1), ConvSpec.make(1, 2
 
 @pytest.mark.parametrize("spec", GPU_SPECS, ids=lambda s: s.key())
 def test_gpu_wgmma_against_float64(cuda, spec):
-    """Every space point of the first few, with bias + ReLU on the default, NaN-poisoned output
-    and workspace, against float64 at the TF32 tolerance."""
+    """The first few space points, POINTS and (stride 1, no padding) the xl=direct points, with
+    bias + ReLU on the default, NaN-poisoned output and workspace, against float64 at the TF32
+    tolerance."""
     from convforge.check import check_plan
 
     v = get_variant(NAME)
     why = v.applies(spec, cuda.device)
     if why:
         pytest.skip(f"{NAME}: {why}")
-    pts = v.space(spec, cuda.device)[:6] + POINTS + [p for p in DIRECT if spec.stride == (1, 1) and spec.pad == (0,) * 4]
-    assert any(p.get("xl") == "direct" for p in pts) == (spec.stride == (1, 1) and spec.pad == (0,) * 4)
+    direct = spec.stride == (1, 1) and spec.pad == (0,) * 4
+    pts = v.space(spec, cuda.device)[:6] + POINTS + (DIRECT if direct else [])
+    assert any(p.get("xl") == "direct" for p in pts) == direct
     for i, p in enumerate(dict.fromkeys(pts)):
         epi = Epilogue(bias=True, relu=True) if i == 0 else Epilogue()
         res = check_plan(v.plan(spec, p, cuda.device, epi), cuda, seed=i, batch_slice=2)
