@@ -21,6 +21,7 @@ from convforge.kernels import get_variant
 from convforge.kernels.wgmma import (
     ACC,
     BK,
+    C_PAD,
     LBO,
     ROW_BYTES,
     SBO,
@@ -34,6 +35,8 @@ from convforge.kernels.wgmma import (
     k_step_bytes,
     model_address,
     stage_bytes,
+    staged_c_bytes,
+    staged_offset,
     wg_ok,
     x_column,
 )
@@ -47,9 +50,10 @@ ODD = [ConvSpec.make(1, 7, 13, 13, 5, 1, 1), ConvSpec.make(3, 70, 11, 13, 67, 1,
        ConvSpec.make(2, 33, 15, 17, 130, 1, 1, 2, (1, 0, 0, 2)), ConvSpec.make(1, 64, 7, 7, 300, 1, 1)]
 POINTS = [Params(bn=128, wg=2, st=4, sw=128), Params(bn=256, wg=1, st=3, sw=128),
           Params(bn=64, wg=1, st=6, sw=0), Params(bn=192, wg=2, st=3, sw=0), Params(bn=96, wg=1, st=5, sw=128)]
-DIRECT = [Params(bn=128, wg=2, st=4, sw=128, xl="direct"), Params(bn=256, wg=1, st=4, sw=128, xl="direct"),
-          Params(bn=64, wg=1, st=3, sw=128, xl="direct"), Params(bn=192, wg=1, st=5, sw=128, xl="direct"),
-          Params(bn=256, wg=2, st=3, sw=128, xl="direct")]
+DIRECT = [Params(bn=128, wg=2, st=4, sw=128, xl="direct", ep="smem"), Params(bn=256, wg=1, st=4, sw=128, xl="direct"),
+          Params(bn=64, wg=1, st=3, sw=128, xl="direct", ep="smem"), Params(bn=192, wg=1, st=5, sw=128, xl="direct"),
+          Params(bn=256, wg=2, st=3, sw=128, xl="direct", ep="smem")]
+STAGED = [Params(bn=128, wg=2, st=4, sw=128, ep="smem"), Params(bn=96, wg=1, st=3, sw=128, ep="smem")]
 
 
 def ev(expr: str, **env: int) -> int:
@@ -228,12 +232,40 @@ def test_emulated_direct_block_matches_numpy(p, shape):
         assert np.isfinite(acc).all()
 
 
+@pytest.mark.parametrize("p", DIRECT + POINTS[:2], ids=lambda p: p.short())
+def test_staged_epilogue_tile_and_banks(p):
+    """ep=smem: the accumulators' float2 writes (generator's offsets) put every C element of the
+    block once where the read-out (row e / (bn/4), float4 q) expects it, each half-warp's 16
+    float2 writes hit 32 different banks, and the tile fits in the stages it reuses."""
+    ld, bm = p.bn + C_PAD, 64 * p.wg
+    assert staged_c_bytes(p) == 4 * bm * ld <= p.st * stage_bytes(p)
+    tile = {}
+    for w, lane in itertools.product(range(4 * p.wg), range(32)):
+        env = {"wgi": w // 4, "wq": w % 4, "g": lane >> 2, "t": lane & 3}
+        for j, h in itertools.product(range(p.bn // 8), range(2)):
+            off = ev(staged_offset(ld, j, h), **env)
+            for k in range(2):
+                row, col = acc_coords(w % 4, lane, 4 * j + 2 * h + k)
+                assert (off + k) not in tile
+                tile[off + k] = (64 * (w // 4) + row, col)
+    quads = p.bn // 4  # read-out: float4 e is row e // quads, columns 4 (e % quads) ..
+    readout = {(e // quads) * ld + 4 * (e % quads) + k: (e // quads, 4 * (e % quads) + k)
+               for e in range(bm * quads) for k in range(4)}
+    assert readout == tile
+    for w, j, h, half in itertools.product(range(4 * p.wg), range(p.bn // 8), range(2), range(2)):
+        banks = []
+        for lane in range(16 * half, 16 * half + 16):
+            off = ev(staged_offset(ld, j, h), wgi=w // 4, wq=w % 4, g=lane >> 2, t=lane & 3)
+            banks += [off % 32, (off + 1) % 32]
+        assert sorted(banks) == list(range(32)), (w, j, h, half)
+
+
 def test_space_is_valid_and_default_first():
     v = get_variant(NAME)
     space = v.space(LAYER, NOMINAL_CUDA)
-    assert space[0] == v.default(LAYER, NOMINAL_CUDA) == Params(bn=128, wg=2, st=4, sw=128, xl="direct")
+    assert space[0] == v.default(LAYER, NOMINAL_CUDA) == Params(bn=128, wg=2, st=4, sw=128, xl="direct", ep="smem")
     assert all(wg_ok(p) for p in space) and len(space) == len(set(space))
-    assert {p.xl for p in space} == {"direct", "transposed"}
+    assert {p.xl for p in space} == {"direct", "transposed"} and {p.ep for p in space} == {"smem", "regs"}
     strided = ODD[2]
     assert {p.xl for p in v.space(strided, NOMINAL_CUDA)} == {"transposed"}
     assert v.default(strided, NOMINAL_CUDA).xl == "transposed"
@@ -331,7 +363,7 @@ def test_compile_options_arch_specific():
     assert "--gpu-architecture=sm_90" in be.compile_options()
 
 
-CASES = ([(LAYER, p) for p in POINTS + DIRECT] + [(s, Params(bn=128, wg=2, st=4, sw=128)) for s in ODD[2:]]
+CASES = ([(LAYER, p) for p in POINTS + DIRECT + STAGED] + [(s, Params(bn=128, wg=2, st=4, sw=128)) for s in ODD[2:]]
          + [(ConvSpec.make(32, 64, 56, 56, 256, 1, 1), DIRECT[1]), (ODD[1], DIRECT[4]), (ODD[3], DIRECT[0])])
 
 
@@ -386,7 +418,7 @@ def test_gpu_wgmma_against_float64(cuda, spec):
     if why:
         pytest.skip(f"{NAME}: {why}")
     direct = spec.stride == (1, 1) and spec.pad == (0,) * 4
-    pts = v.space(spec, cuda.device)[:6] + POINTS + (DIRECT if direct else [])
+    pts = v.space(spec, cuda.device)[:6] + POINTS + STAGED + (DIRECT if direct else [])
     assert any(p.get("xl") == "direct" for p in pts) == direct
     for i, p in enumerate(dict.fromkeys(pts)):
         epi = Epilogue(bias=True, relu=True) if i == 0 else Epilogue()

@@ -53,8 +53,10 @@ MODE = {0: 0, 128: 1}  # descriptor bits 62-63
 MAX_SHARED = 227 * 1024
 TF32_EXPECTED = 3e-4  # as the mma.sync TF32 variants (kernels/tensorcore.py)
 TF32_TOLERANCE = 1e-3
-WG_KEYS = ("bn", "wg", "st", "sw", "xl")
+WG_KEYS = ("bn", "wg", "st", "sw", "xl", "ep")
 XL = ("direct", "transposed")  # how x reaches the B tiles (see the module docstring)
+EP = ("smem", "regs")  # how C leaves: staged through shared memory, or from the accumulators
+C_PAD = 8  # floats past each row of the staged C tile (see _store_staged)
 
 # Accumulator m64nNk8 .f32: (row, column) of register 4j + r of a lane, per n8 chunk j, as C
 # expressions of g = lane >> 2 and t = lane & 3 (row offset 16 w for warp w of the warpgroup).
@@ -122,6 +124,16 @@ def x_layout(p: Params) -> str:
     return str(p.get("xl", "transposed"))
 
 
+def epilogue_path(p: Params) -> str:
+    """``ep`` of a point; points stored before it existed store from the accumulators."""
+    return str(p.get("ep", "regs"))
+
+
+def staged_c_bytes(p: Params) -> int:
+    """The C tile staged in shared memory (over the stages, free by then): bm x (bn + 8)."""
+    return 4 * 64 * p.wg * (p.bn + C_PAD)
+
+
 def wg_ok(p: Params, shared_limit: int = MAX_SHARED) -> bool:
     """Valid: bn 64..256 in steps of 32 (copies spread evenly), 1 or 2 warpgroups, 3..6 stages,
     swizzle 0 or 128, within ``shared_limit`` and 128 accumulators per thread; the direct x
@@ -130,7 +142,7 @@ def wg_ok(p: Params, shared_limit: int = MAX_SHARED) -> bool:
     direct_ok = xl == "transposed" or (p.sw == 128 and p.bn % (64 * p.wg) == 0)
     return (p.bn % 32 == 0 and 64 <= p.bn <= 256 and p.wg in (1, 2) and 3 <= p.st <= 6
             and p.sw in (0, 128) and shared_bytes(p) <= shared_limit and 8 * p.bn % (128 * p.wg) == 0
-            and xl in XL and direct_ok)
+            and xl in XL and direct_ok and epilogue_path(p) in EP and staged_c_bytes(p) <= p.st * stage_bytes(p))
 
 
 def wg_space(m: int, n: int, shared_limit: int, direct: bool = False) -> list[Params]:
@@ -139,9 +151,11 @@ def wg_space(m: int, n: int, shared_limit: int, direct: bool = False) -> list[Pa
     the core-matrix one (sw=0, correct too) took 1.6-3x the GEMM time on the H200 (2026-11-23:
     1024->256 @14², N32, 80 us against 25 us), its wgmma operand reads conflict."""
     out = [wg_default(m, n, shared_limit, direct)]
-    for xl, bn, wg, st in itertools.product(XL if direct else XL[1:], (128, 256, 64, 192, 96, 160), (1, 2),
-                                            (4, 3, 5, 6)):
-        p = Params(bn=bn, wg=wg, st=st, sw=128, xl=xl)
+    for ep, xl, bn, wg, st in itertools.product(EP, XL if direct else XL[1:], (128, 256, 64, 192, 96, 160),
+                                                (1, 2), (4, 3, 5, 6)):
+        if ep == "regs" and st != 4:
+            continue  # the accumulator stores at 4 stages only: the staged epilogue should win
+        p = Params(bn=bn, wg=wg, st=st, sw=128, xl=xl, ep=ep)
         if wg_ok(p, shared_limit) and 64 * wg <= 2 * max(m, 64) and bn <= 2 * max(n, 64) and p not in out:
             out.append(p)
     return out
@@ -151,7 +165,7 @@ def wg_default(m: int, n: int, shared_limit: int = MAX_SHARED, direct: bool = Fa
     """64 x 128 per warpgroup (cuBLAS's choice for ResNet 1x1 layers), two warpgroups when M
     fills them, 4 stages, the swizzled layout; x read directly where ``direct`` allows it."""
     p = Params(bn=128 if n > 64 else 64, wg=2 if m >= 128 else 1, st=4, sw=128,
-               xl="direct" if direct else "transposed")
+               xl="direct" if direct else "transposed", ep="smem")
     if not wg_ok(p, shared_limit):
         p = p.replace(wg=1) if wg_ok(p.replace(wg=1), shared_limit) else p
     return p if wg_ok(p, shared_limit) else p.replace(st=3)
@@ -272,7 +286,10 @@ def gemm_kernel(name: str, m: int, n: int, cp: int, p: Params, c: Store,
                     direct.load(code, "(kt + 2)")
         code(f"WGMMA_WAIT(1, {', '.join(acc)});")
     code(f"WGMMA_WAIT(0, {', '.join(acc)});")
-    _store(code, m, n, p.bn, c)
+    if epilogue_path(p) == "smem":
+        _store_staged(code, m, n, p, c)
+    else:
+        _store(code, m, n, p.bn, c)
     how = "x direct" if direct else "x transposed"
     return Kernel(name, args + (LocalBuf("wg_smem", shared_bytes(p)),), code.text(), (threads, 1, 1),
                   requires=frozenset({"wgmma", "mma_tf32"} if direct else {"wgmma"}), min_blocks=1,
@@ -391,6 +408,38 @@ def _store(code: Code, m: int, n: int, bn: int, c: Store) -> None:
             for r, (row, col) in enumerate(ACC):
                 with code.block(f"if ({rows[row]} < {m} && {cols[col]}_i < {n})"):
                     code(*c.put(rows[row], cols[col], f"d{4 * j + r}"))
+
+
+def staged_offset(ld: int, j: int, h: int) -> str:
+    """Float offset in the staged C tile (row stride ``ld``) of accumulators 4 j + 2 h and
+    4 j + 2 h + 1 of a thread (row g + 8 h of its warp's 16, columns 8 j + 2 t, + 1: :data:`ACC`)."""
+    return f"((wgi * 64 + wq * 16 + g + {8 * h}) * {ld} + {8 * j} + 2 * t)"
+
+
+def _store_staged(code: Code, m: int, n: int, p: Params, c: Store) -> None:
+    """C through shared memory (the stages are free once every warpgroup's wgmma is done):
+    accumulators as float2 into a bm x (bn + 8) tile (half-warp rows g..g+3 start 8 banks
+    apart: conflict-free), then each thread writes float4 runs of a row, a warp 32 consecutive
+    columns of one output channel (coalesced NCHW), through the Store callback (vput where
+    H*W % 4 == 0, else four guarded scalar puts)."""
+    bm, ld, threads = 64 * p.wg, p.bn + C_PAD, 128 * p.wg
+    code("BARRIER();  // all warpgroups' wgmma operand reads are done: the stages become the C tile",
+         "float* const ct = wg_smem + ((sbase - SMEM_U32(wg_smem)) >> 2);")
+    for j, h in itertools.product(range(p.bn // 8), range(2)):
+        code(f"*(float2*)(ct + {staged_offset(ld, j, h)}) = make_float2(d{4 * j + 2 * h}, d{4 * j + 2 * h + 1});")
+    code("BARRIER();", "#pragma unroll 4")
+    with code.block(f"for (int e = tid; e < {bm * p.bn // 4}; e += {threads})"):
+        code(f"const int r = e / {p.bn // 4}, q = e - r * {p.bn // 4};",
+             "const int row = m0 + r, ce_i = n0 + 4 * q;",
+             f"const float4 v = *(const float4*)(ct + r * {ld} + 4 * q);")
+        if c.vput is not None:
+            with code.block(f"if (row < {m} && ce_i < {n})"):
+                code(*c.setup("ce_i", "ce"), *c.vput("row", "ce", ["v.x", "v.y", "v.z", "v.w"]))
+        else:
+            for u in range(4):
+                with code.block(f"if (row < {m} && ce_i + {u} < {n})"):
+                    code(f"const int cu{u}_i = ce_i + {u};", *c.setup(f"cu{u}_i", f"cu{u}"),
+                         *c.put("row", f"cu{u}", f"v.{'xyzw'[u]}"))
 
 
 # -- the variant --------------------------------------------------------------------------------
