@@ -289,17 +289,20 @@ def test_applies_only_on_sm90():
     assert v.applies(ConvSpec.make(1, 8, 9, 9, 8, 3, 3), NOMINAL_CUDA) == "only 1x1 filters"
 
 
-def test_offered_in_the_relaxed_class_only_and_ranked_by_measurement():
-    """auto in the relaxed class puts wgmma before the mma.sync 1x1 GEMM on 1024->256 @14² (H200:
-    45 against 56 us) and after it on 256->64 @56² (106 against 58 us); fp32 never offers it."""
+def test_offered_in_the_relaxed_class_only_and_ranked():
+    """auto in the relaxed class puts wgmma before the mma.sync 1x1 GEMM where x is read in
+    place (xl=direct: 256->64 @56², 64->256 @56², no transpose) or C, K >= 256, and after it on
+    a strided 1x1 with C < 256 (the transpose pass stays there); fp32 never offers it."""
     from convforge.kernels import select
 
     def names(spec, precision):
         return [v.name for v in select("auto", spec, NOMINAL_CUDA, precision=precision)]
 
-    big, thin = names(LAYER, "relaxed"), names(ConvSpec.make(32, 256, 56, 56, 64, 1, 1), "relaxed")
-    assert big.index(NAME) < big.index("gemm1x1_tf32")
-    assert thin.index(NAME) > thin.index("gemm1x1_tf32")
+    for spec in (LAYER, ConvSpec.make(32, 256, 56, 56, 64, 1, 1), ConvSpec.make(32, 64, 56, 56, 256, 1, 1)):
+        got = names(spec, "relaxed")
+        assert got.index(NAME) < got.index("gemm1x1_tf32"), spec.short()
+    strided = names(ConvSpec.make(32, 128, 28, 28, 512, 1, 1, 2), "relaxed")
+    assert strided.index(NAME) > strided.index("gemm1x1_tf32")
     assert NAME not in names(LAYER, "fp32")
     assert all(p.sw == 128 for p in get_variant(NAME).space(LAYER, NOMINAL_CUDA))
 

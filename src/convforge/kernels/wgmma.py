@@ -467,12 +467,16 @@ class Gemm1x1WgmmaTF32(Variant):
     space_lead = 6
 
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
-        """Above gemm1x1_tf32 where both C and K are >= 256, below it elsewhere. H200, N32, weights
-        cached (2026-11-23): 1024->256 @14² 45 us against 56 (GEMM 25 us + transpose 20 us),
-        512->2048 @7² 38 against 56; but 256->64 @56² 106 against 58 (the transpose of x,
-        N*P*Q*C each way, is amortised over only K = 64) and 64->256 @56² 117 against 103 (the
-        GEMM's strided scalar stores dominate at C = 64)."""
-        return self.specialised if spec.c >= 256 and spec.k >= 256 else 10
+        """Above gemm1x1_tf32 where x is read in place (stride 1, no padding) or C and K are both
+        >= 256; below it elsewhere. Measured (H200, N32, weights cached, 2026-11-23) with the
+        transpose pass and accumulator stores: 1024->256 @14² 45 us against 56 (GEMM 25 +
+        transpose 20), 512->2048 @7² 38 against 56, but 256->64 @56² 106 against 58 (transpose
+        63) and 64->256 @56² 115 against 103 (GEMM 97: store-bound). xl=direct removes the
+        transpose (GEMM alone: 25, 29, 43 us) and ep=smem makes the stores coalesced float4 rows,
+        so all four should win; predicted, not yet measured (scripts/gpu_wgmma.py --time)."""
+        if direct_applies(spec) or (spec.c >= 256 and spec.k >= 256):
+            return self.specialised
+        return 10
 
     def expected_error(self, spec: ConvSpec) -> float:
         return TF32_EXPECTED
