@@ -14,6 +14,15 @@ The plan has three steps:
    one barrier, one wgmma group in flight. C is written NCHW through the Store callback
    (bias, ReLU, channel offset).
 
+``xl=direct`` (stride 1, no padding: B column j is pixel j % HW of image j // HW) drops step 2:
+the GEMM loads x itself, 16-byte loads along H*W (4 scalar ones when H*W % 4 != 0), 4 pixels x
+4 channels per thread "unit", one slice ahead in registers (loaded while wgmma runs on the slice
+before), TF32-rounded (cvt.rna) and stored transposed into the same swizzled B tile; A stays on
+cp.async; the loop's barrier and ``fence.proxy.async`` cover both. ``ep=smem`` stages C through
+shared memory and writes coalesced float4 runs of NCHW rows (``ep=regs``: from the accumulators,
+scalar stores 8 bytes apart). Bank models: see the comment above :func:`direct_coords` and
+:func:`_store_staged`.
+
 Shared layouts (``sw``): each operand tile is ``rows x 32`` floats (128 bytes per row), rows
 clamped to the matrix (extra rows compute unused results). ``sw=128``: the 128-byte swizzle,
 row r at r*128 bytes, its 16-byte chunk c at position c ^ (r % 8) (stage tiles 1024-byte
