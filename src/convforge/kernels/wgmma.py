@@ -432,7 +432,8 @@ def _store_staged(code: Code, m: int, n: int, p: Params, c: Store) -> None:
     columns of one output channel (coalesced NCHW), through the Store callback (vput where
     H*W % 4 == 0, else four guarded scalar puts)."""
     bm, ld, threads = 64 * p.wg, p.bn + C_PAD, 128 * p.wg
-    code("BARRIER();  // all warpgroups' wgmma operand reads are done: the stages become the C tile",
+    code("CP_ASYNC_WAIT(0);  // (the last groups are empty; cheap insurance before reusing the stages)",
+         "BARRIER();  // all warpgroups' wgmma operand reads are done: the stages become the C tile",
          "float* const ct = wg_smem + ((sbase - SMEM_U32(wg_smem)) >> 2);")
     for j, h in itertools.product(range(p.bn // 8), range(2)):
         code(f"*(float2*)(ct + {staged_offset(ld, j, h)}) = make_float2(d{4 * j + 2 * h}, d{4 * j + 2 * h + 1});")
