@@ -184,24 +184,29 @@ def test_direct_units_cover_the_tile_loads_coalesced_stores_conflict_free(p):
         assert sorted(offs) == list(range(0, 128, 16)), f"bank conflict in store {key}: {offs}"
 
 
-def emulate_direct_b(p, x, n0: int, kt: int, c: int) -> np.ndarray:
-    """The B tile (bn x 32) as the direct path's threads build it in shared memory (through the
-    generator's expressions: clamped column offsets, channel guard, swizzled store offsets),
-    read back row by row; NaN where nothing was written."""
-    n_img, cc, hw = x.shape
-    xd = XDirect(cc, hw, n_img * hw)
-    flat = x.ravel()
-    vec = hw % 4 == 0
-    smem = np.full(p.bn * BK, np.nan)
+def direct_map(p, xd: XDirect, n0: int) -> list[tuple[int, int, int]]:
+    """(x offset of channel 0, channel quad, shared float offset of channel 0) of every pixel
+    of every unit of the block at column n0, from the generator's expressions."""
+    vec = xd.hw % 4 == 0
+    out = []
     for _, _, _, row, cq in direct_threads(p):
-        for j, i in itertools.product(range(4), range(4)):
+        col0 = ev(x_column(xd, "col", vec), col=n0 + row) if vec else None
+        for i in range(4):
+            src = col0 + i if vec else ev(x_column(xd, "col", vec), col=n0 + row + i)
+            out.append((src, cq, ev(chunk_offset(128, "r", "c"), r=row + i, c=cq) // 4))
+    return out
+
+
+def emulate_direct_b(p, x, mapping, kt: int, c: int) -> np.ndarray:
+    """The B tile (bn x 32) as the direct path's threads build it in shared memory (clamped
+    column offsets, channel guard, swizzled store offsets); NaN where nothing was written."""
+    flat, hw = x.ravel(), x.shape[2]
+    smem = np.full(p.bn * BK, np.nan)
+    for src, cq, at in mapping:
+        for j in range(4):
             ch = kt * BK + 4 * cq + j
-            base = (ev(x_column(xd, "col", vec), col=n0 + row) + i if vec
-                    else ev(x_column(xd, "col", vec), col=n0 + row + i))
-            v = flat[base + ch * hw] if ch < c else 0.0
-            at = ev(chunk_offset(128, "r", "c"), r=row + i, c=cq) // 4 + j
-            assert np.isnan(smem[at])
-            smem[at] = v
+            assert np.isnan(smem[at + j])
+            smem[at + j] = flat[src + ch * hw] if ch < c else 0.0
     return smem
 
 
@@ -222,8 +227,9 @@ def test_emulated_direct_block_matches_numpy(p, shape):
     blocks = range(0, npix, p.bn)
     for n0 in dict.fromkeys([blocks[0], blocks[len(blocks) // 2], blocks[-1]]):  # first, middle, the tail
         acc = np.zeros((64, p.bn))
+        mapping = direct_map(p, XDirect(c, hw, npix), n0)
         for kt in range(cp // BK):
-            smem = emulate_direct_b(p, x, n0, kt, c)
+            smem = emulate_direct_b(p, x, mapping, kt, c)
             for kk in range(BK // 8):
                 db = desc_for(0, 128) + (k_step_bytes(128, kk) >> 4)
                 tb = np.array([[smem[model_address(db, r, k) // 4] for k in range(8)] for r in range(p.bn)])
