@@ -1,15 +1,18 @@
 """GPU check of the wgmma 1x1 GEMM (H100/H200): correctness against float64, then timings.
 
 ``--check SW``: odd shapes and a few ResNet 1x1 layers, several points with swizzle mode SW (0 or
-128), NaN-poisoned outputs and workspaces (one process per mode: a faulting kernel kills its CUDA
-context). ``--time LAYER``: a ResNet-50 1x1 layer, N=32: wgmma points (the call with the weights cached,
-and the transpose alone) and gemm1x1_tf32's default; ``--baselines``: cuDNN-best TF32 on all.
+128; with 128 also the staged epilogue ep=smem and, stride 1 without padding, the direct x path
+xl=direct), NaN-poisoned outputs and workspaces (one process per mode: a faulting kernel kills its
+CUDA context); exits 1 on any failure. ``--time LAYER``: a ResNet-50 1x1 layer, N=32: wgmma points
+of both x paths and both epilogues (the call with the weights cached; transposed points also the
+transpose alone) and gemm1x1_tf32's default; ``--baselines``: cuDNN-best TF32 on all.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import statistics
 import sys
 
@@ -31,17 +34,31 @@ LAYERS = {"1024->256 @14": ConvSpec.make(32, 1024, 14, 14, 256, 1, 1),
           "64->256 @56": ConvSpec.make(32, 64, 56, 56, 256, 1, 1)}
 
 
+def check_points(sw: int, spec: ConvSpec) -> list[Params]:
+    """Transposed points of swizzle mode SW, and for sw=128 the staged epilogue and (stride 1,
+    no padding) the direct x path: the new code paths must fail here if they are wrong."""
+    pts = [Params(bn=128, wg=2, st=4, sw=sw), Params(bn=64, wg=1, st=3, sw=sw),
+           Params(bn=256, wg=1, st=5, sw=sw), Params(bn=192, wg=2, st=3, sw=sw)]
+    if sw == 128:
+        pts += [Params(bn=128, wg=2, st=4, sw=128, ep="smem"), Params(bn=96, wg=1, st=3, sw=128, ep="smem")]
+        if spec.stride == (1, 1) and spec.pad == (0, 0, 0, 0):
+            pts += [Params(bn=128, wg=2, st=4, sw=128, xl="direct", ep="smem"),
+                    Params(bn=256, wg=1, st=4, sw=128, xl="direct", ep="smem"),
+                    Params(bn=64, wg=1, st=3, sw=128, xl="direct", ep="regs"),
+                    Params(bn=192, wg=1, st=5, sw=128, xl="direct", ep="regs")]
+    return pts
+
+
 def check(sw: int) -> int:
     from convforge.plan import Epilogue
 
     be = get_backend("cuda")
     v = get_variant(NAME)
-    pts = [Params(bn=128, wg=2, st=4, sw=sw), Params(bn=64, wg=1, st=3, sw=sw),
-           Params(bn=256, wg=1, st=5, sw=sw), Params(bn=192, wg=2, st=3, sw=sw)]
     bad = 0
     for spec in ODD + BIG:
-        for i, p in enumerate(pts if spec in ODD else pts[:1]):
-            epi = Epilogue(bias=True, relu=True) if i == 0 else Epilogue()
+        pts = check_points(sw, spec)
+        for i, p in enumerate(pts if spec in ODD else pts[:1] + pts[4:]):
+            epi = Epilogue(bias=True, relu=True) if i % 2 == 0 else Epilogue()
             try:
                 res = check_plan(v.plan(spec, p, be.device, epi), be, seed=i, batch_slice=2)
                 line = f"{res}"
@@ -50,6 +67,7 @@ def check(sw: int) -> int:
                 print(f"check sw={sw} {spec.short():40s} [{p.short()}] ERROR {type(err).__name__}: {str(err)[:300]}")
                 return 1
             print(f"check sw={sw} {spec.short():40s} [{p.short()}] {line}", flush=True)
+    print(f"check sw={sw}: {'FAILED' if bad else 'all ok'} ({bad} bad)")
     return int(bad > 0)
 
 
@@ -60,7 +78,8 @@ def _ms(be, fn, reps: int = 30) -> float:  # type: ignore[no-untyped-def]
 
 
 def time_layer(label: str) -> None:
-    """One layer: gemm1x1_tf32's default, then wgmma points, each row printed when measured."""
+    """One layer: gemm1x1_tf32's default, then wgmma points of both x paths (xl) and both
+    epilogues (ep), each row printed when measured; transposed rows split off the transpose."""
     be = get_backend("cuda")
     spec = LAYERS[label]
     wg, tc = get_variant(NAME), get_variant("gemm1x1_tf32")
@@ -69,18 +88,20 @@ def time_layer(label: str) -> None:
     tplan = tc.plan(spec, tc.default(spec, be.device), be.device)
     _row(label, spec, f"gemm1x1_tf32 [{tplan.params.short()}]", _ms(be, lambda e=be.executable(tplan): e(bufs)))
     space = wg.space(spec, be.device)
-    extra = [Params(bn=b, wg=g, st=s, sw=sw) for b, g, s, sw in
-             ((128, 1, 4, 128), (256, 1, 4, 128), (256, 2, 3, 128), (192, 2, 4, 128), (128, 2, 4, 0))]
-    for p in list(dict.fromkeys(space[:5] + [q for q in extra if q in space])):
+    extra = [Params(bn=b, wg=g, st=s, sw=128, xl=xl, ep=ep) for (b, g, s), xl, ep in itertools.product(
+        ((128, 2, 4), (128, 1, 4), (256, 1, 4), (256, 2, 3), (192, 1, 4)), ("direct", "transposed"), ("smem", "regs"))]
+    for p in list(dict.fromkeys(space[:4] + [q for q in extra if q in space])):
         plan = wg.plan(spec, p, be.device)
         exe = be.executable(plan)
         exe(bufs)  # fills wt
         be.synchronize()
         whole = _ms(be, lambda e=exe: e(bufs, "rest"))
-        xexe = be.executable(dataclasses.replace(plan, steps=(plan.steps[1],)))
-        xt = _ms(be, lambda e=xexe: e(bufs))
+        split = "  (GEMM only: x read in place)"
+        if p.xl == "transposed":
+            xexe = be.executable(dataclasses.replace(plan, steps=(plan.steps[1],)))
+            xt = _ms(be, lambda e=xexe: e(bufs))
+            split = f"  (transpose {xt * 1e3:5.1f} us, GEMM {(whole - xt) * 1e3:5.1f} us)"
         be.synchronize()
-        split = f"  (transpose {xt * 1e3:5.1f} us, GEMM {(whole - xt) * 1e3:5.1f} us)"
         _row(label, spec, f"{NAME} [{p.short()}]", whole, split)
 
 

@@ -14,6 +14,15 @@ The plan has three steps:
    one barrier, one wgmma group in flight. C is written NCHW through the Store callback
    (bias, ReLU, channel offset).
 
+``xl=direct`` (stride 1, no padding: B column j is pixel j % HW of image j // HW) drops step 2:
+the GEMM loads x itself, 16-byte loads along H*W (4 scalar ones when H*W % 4 != 0), 4 pixels x
+4 channels per thread "unit", one slice ahead in registers (loaded while wgmma runs on the slice
+before), TF32-rounded (cvt.rna) and stored transposed into the same swizzled B tile; A stays on
+cp.async; the loop's barrier and ``fence.proxy.async`` cover both. ``ep=smem`` stages C through
+shared memory and writes coalesced float4 runs of NCHW rows (``ep=regs``: from the accumulators,
+scalar stores 8 bytes apart). Bank models: see the comment above :func:`direct_coords` and
+:func:`_store_staged`.
+
 Shared layouts (``sw``): each operand tile is ``rows x 32`` floats (128 bytes per row), rows
 clamped to the matrix (extra rows compute unused results). ``sw=128``: the 128-byte swizzle,
 row r at r*128 bytes, its 16-byte chunk c at position c ^ (r % 8) (stage tiles 1024-byte
@@ -32,6 +41,7 @@ per n8 chunk j, registers 4j..4j+3 in the mma.m16n8 C layout.
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 from convforge.codegen.dialect import Buf, Dim3, Kernel, LocalBuf
 from convforge.codegen.meta import Code, cdiv
@@ -52,7 +62,10 @@ MODE = {0: 0, 128: 1}  # descriptor bits 62-63
 MAX_SHARED = 227 * 1024
 TF32_EXPECTED = 3e-4  # as the mma.sync TF32 variants (kernels/tensorcore.py)
 TF32_TOLERANCE = 1e-3
-WG_KEYS = ("bn", "wg", "st", "sw")
+WG_KEYS = ("bn", "wg", "st", "sw", "xl", "ep")
+XL = ("direct", "transposed")  # how x reaches the B tiles (see the module docstring)
+EP = ("smem", "regs")  # how C leaves: staged through shared memory, or from the accumulators
+C_PAD = 8  # floats past each row of the staged C tile (see _store_staged)
 
 # Accumulator m64nNk8 .f32: (row, column) of register 4j + r of a lane, per n8 chunk j, as C
 # expressions of g = lane >> 2 and t = lane & 3 (row offset 16 w for warp w of the warpgroup).
@@ -115,29 +128,55 @@ def shared_bytes(p: Params) -> int:
     return p.st * stage_bytes(p) + 1024
 
 
+def x_layout(p: Params) -> str:
+    """``xl`` of a point; points stored before it existed read the transposed copy."""
+    return str(p.get("xl", "transposed"))
+
+
+def epilogue_path(p: Params) -> str:
+    """``ep`` of a point; points stored before it existed store from the accumulators."""
+    return str(p.get("ep", "regs"))
+
+
+def staged_c_bytes(p: Params) -> int:
+    """The C tile staged in shared memory (over the stages, free by then): bm x (bn + 8)."""
+    return 4 * 64 * p.wg * (p.bn + C_PAD)
+
+
 def wg_ok(p: Params, shared_limit: int = MAX_SHARED) -> bool:
     """Valid: bn 64..256 in steps of 32 (copies spread evenly), 1 or 2 warpgroups, 3..6 stages,
-    swizzle 0 or 128, within ``shared_limit`` and 128 accumulators per thread."""
+    swizzle 0 or 128, within ``shared_limit`` and 128 accumulators per thread; the direct x
+    path needs the 128-byte swizzle and whole warp units per thread (bn a multiple of 64 wg)."""
+    xl = x_layout(p)
+    direct_ok = xl == "transposed" or (p.sw == 128 and p.bn % (64 * p.wg) == 0)
     return (p.bn % 32 == 0 and 64 <= p.bn <= 256 and p.wg in (1, 2) and 3 <= p.st <= 6
-            and p.sw in (0, 128) and shared_bytes(p) <= shared_limit and 8 * p.bn % (128 * p.wg) == 0)
+            and p.sw in (0, 128) and shared_bytes(p) <= shared_limit and 8 * p.bn % (128 * p.wg) == 0
+            and xl in XL and direct_ok and epilogue_path(p) in EP and staged_c_bytes(p) <= p.st * stage_bytes(p))
 
 
-def wg_space(m: int, n: int, shared_limit: int) -> list[Params]:
-    """Default first, then every valid point that does not overshoot M or N by 2x. Only the
-    swizzled layout: the core-matrix one (sw=0, correct too) took 1.6-3x the GEMM time on the
-    H200 (2026-11-23: 1024->256 @14², N32, 80 us against 25 us), its wgmma operand reads conflict."""
-    out = [wg_default(m, n, shared_limit)]
-    for bn, wg, st, sw in itertools.product((128, 256, 64, 192, 96, 160), (1, 2), (4, 3, 5, 6), (128,)):
-        p = Params(bn=bn, wg=wg, st=st, sw=sw)
+def wg_space(m: int, n: int, shared_limit: int, direct: bool = False) -> list[Params]:
+    """Default first, then every valid point that does not overshoot M or N by 2x, the direct x
+    path first where it applies (``direct``: stride 1, no padding). Only the swizzled layout:
+    the core-matrix one (sw=0, correct too) took 1.6-3x the GEMM time on the H200 (2026-11-23:
+    1024->256 @14², N32, 80 us against 25 us), its wgmma operand reads conflict."""
+    out = [wg_default(m, n, shared_limit, direct)]
+    for ep, xl, bn, wg, st in itertools.product(EP, XL if direct else XL[1:], (128, 256, 64, 192, 96, 160),
+                                                (1, 2), (4, 3, 5, 6)):
+        if ep == "regs" and st != 4:
+            continue  # the accumulator stores at 4 stages only: the staged epilogue should win
+        p = Params(bn=bn, wg=wg, st=st, sw=128, xl=xl, ep=ep)
         if wg_ok(p, shared_limit) and 64 * wg <= 2 * max(m, 64) and bn <= 2 * max(n, 64) and p not in out:
             out.append(p)
     return out
 
 
-def wg_default(m: int, n: int, shared_limit: int = MAX_SHARED) -> Params:
+def wg_default(m: int, n: int, shared_limit: int = MAX_SHARED, direct: bool = False) -> Params:
     """64 x 128 per warpgroup (cuBLAS's choice for ResNet 1x1 layers), two warpgroups when M
-    fills them, 4 stages, the swizzled layout."""
-    p = Params(bn=128 if n > 64 else 64, wg=2 if m >= 128 else 1, st=4, sw=128)
+    fills them, 4 stages, the swizzled layout; x read directly where ``direct`` allows it."""
+    p = Params(bn=128 if n > 64 else 64, wg=2 if m >= 128 else 1, st=4, sw=128,
+               xl="direct" if direct else "transposed", ep="smem")
+    if not wg_ok(p, shared_limit):
+        p = p.replace(wg=1) if wg_ok(p.replace(wg=1), shared_limit) else p
     return p if wg_ok(p, shared_limit) else p.replace(st=3)
 
 
@@ -192,12 +231,24 @@ def transpose_kernel(spec: ConvSpec, name: str) -> tuple[Kernel, Dim3]:
     return kern, (cdiv(pq, 32), cp // 32, spec.n)
 
 
+@dataclass(frozen=True)
+class XDirect:
+    """x read straight from NCHW by the GEMM (stride 1, no padding): ``c`` channels, ``hw``
+    pixels per image, ``npix`` = N * H * W columns."""
+
+    c: int
+    hw: int
+    npix: int
+
+
 def gemm_kernel(name: str, m: int, n: int, cp: int, p: Params, c: Store,
-                args: tuple[Buf, ...]) -> Kernel:
-    """C (m x n) = wt (m x cp) . xt (n x cp)^T with wgmma (see the module docstring)."""
-    if not wg_ok(p):
+                args: tuple[Buf, ...], xd: XDirect | None = None) -> Kernel:
+    """C (m x n) = wt (m x cp) . xt (n x cp)^T with wgmma (see the module docstring); with ``xd``
+    the B tiles come from x itself through registers (:func:`_direct_plan`)."""
+    if not wg_ok(p) or (xd is None) != (x_layout(p) == "transposed"):
         raise ValueError(f"wgmma GEMM parameters {p.short()} are invalid (bn 64..256 step 32, wg 1 or 2, "
-                         f"st 3..6, sw 0 or 128, {MAX_SHARED} B shared memory)")
+                         f"st 3..6, sw 0 or 128, {MAX_SHARED} B shared memory; xl=direct needs sw=128, "
+                         f"bn a multiple of 64 wg, stride 1 and no padding)")
     bm, threads, nacc, sb = 64 * p.wg, 128 * p.wg, p.bn // 2, stage_bytes(p)
     code = Code()
     code("const int tid = LOCAL_ID(0), lane = tid & 31, warp = tid >> 5;",
@@ -205,7 +256,9 @@ def gemm_kernel(name: str, m: int, n: int, cp: int, p: Params, c: Store,
          f"const int m0 = GROUP_ID(1) * {bm}, n0 = GROUP_ID(0) * {p.bn};",
          "const unsigned sbase = (SMEM_U32(wg_smem) + 1023u) & ~1023u;  // stages 1024-byte aligned")
     copies = _copy_plan(code, "a", "wt", bm, threads, p.sw, cp, "m0", 0)
-    copies += _copy_plan(code, "b", "xt", p.bn, threads, p.sw, cp, "n0", bm * ROW_BYTES)
+    direct = _direct_plan(code, xd, p, bm) if xd else None
+    if direct is None:
+        copies += _copy_plan(code, "b", "xt", p.bn, threads, p.sw, cp, "n0", bm * ROW_BYTES)
     hi = desc_high(p.sw)
     code(f"const U64 da0 = {hi}ull | (U64)((sbase + wgi * {64 * ROW_BYTES}u) >> 4);",
          f"const U64 db0 = {hi}ull | (U64)((sbase + {bm * ROW_BYTES}u) >> 4);")
@@ -216,6 +269,11 @@ def gemm_kernel(name: str, m: int, n: int, cp: int, p: Params, c: Store,
         if s < nk:
             _issue(code, copies, f"{s * sb}u", s * BK)
         code("CP_ASYNC_COMMIT();")
+    if direct:  # slice 0 stored, slice 1 in registers
+        direct.load(code, "0")
+        direct.store(code, "0")
+        if nk > 1:
+            direct.load(code, "1")
     code("#pragma unroll 1  // a rolled loop: 4 wgmma per slice are plenty, and NVRTC stays quick")
     with code.block(f"for (int kt = 0; kt < {nk}; ++kt)"):
         code(f"CP_ASYNC_WAIT({p.st - 3});  // slice kt landed (this thread's copies)",
@@ -229,12 +287,102 @@ def gemm_kernel(name: str, m: int, n: int, cp: int, p: Params, c: Store,
         for kk in range(BK // KSTEP):
             off = k_step_bytes(p.sw, kk) >> 4
             code(f"WGMMA_TF32({p.bn}, da0 + so + {off}, db0 + so + {off}, {', '.join(acc)});")
-        code("WGMMA_COMMIT();", f"WGMMA_WAIT(1, {', '.join(acc)});")
+        code("WGMMA_COMMIT();")
+        if direct:  # while wgmma runs on slice kt: store slice kt + 1, load kt + 2
+            with code.block(f"if (kt + 1 < {nk})"):
+                direct.store(code, f"((kt + 1) % {p.st})")
+                with code.block(f"if (kt + 2 < {nk})"):
+                    direct.load(code, "(kt + 2)")
+        code(f"WGMMA_WAIT(1, {', '.join(acc)});")
     code(f"WGMMA_WAIT(0, {', '.join(acc)});")
-    _store(code, m, n, p.bn, c)
+    if epilogue_path(p) == "smem":
+        _store_staged(code, m, n, p, c)
+    else:
+        _store(code, m, n, p.bn, c)
+    how = "x direct" if direct else "x transposed"
     return Kernel(name, args + (LocalBuf("wg_smem", shared_bytes(p)),), code.text(), (threads, 1, 1),
-                  requires=frozenset({"wgmma"}), min_blocks=1,
-                  comment=f"wgmma TF32 GEMM {m}x{n}x{cp}: {p.short()}")
+                  requires=frozenset({"wgmma", "mma_tf32"} if direct else {"wgmma"}), min_blocks=1,
+                  comment=f"wgmma TF32 GEMM {m}x{n}x{cp}, {how}: {p.short()}")
+
+
+# -- the direct x path --------------------------------------------------------------------------
+# Bank model: shared memory has 32 banks of 4 bytes; a warp's 16-byte stores (st.shared.v4) are
+# served 8 lanes at a time, conflict-free when those 8 lanes cover the 128 bytes of a bank row
+# once, i.e. their 16-byte chunk positions (address bits 4-6) differ. A thread's "unit" is 4
+# pixels x 4 channels (one float4 along HW per channel: 16-byte loads); lane = 8 qw + 2 cl + pb
+# takes pixel quad 8 pbk + 2 qw + pb and channel quad 4 hi + cl (pbk, hi from the warp and the
+# unit). So per load instruction a warp reads 4 channels x 32 consecutive pixels (4 whole
+# 128-byte lines), and per store (pixel i of the quads) the 8 lanes of a quarter write rows with
+# r % 8 = 4 pb + i and chunks 4 hi + cl: swizzled positions (4 (hi ^ pb)) + (cl ^ i), all 8
+# different. tests/test_wgmma.py checks both on the generated expressions.
+def direct_coords(nwarps: int, it: int, w: str = "warp", lane: str = "lane") -> tuple[str, str]:
+    """(B-tile row of the unit's first pixel, chunk = channel quad) of unit ``it`` of a thread,
+    as C expressions; the unit's pixel i is row + i."""
+    row = f"((((({w}) >> 1) + {it * nwarps // 2}) << 5) + ((({lane}) >> 3) << 3) + ((({lane}) & 1) << 2))"
+    return row, f"(((({w}) & 1) << 2) + ((({lane}) >> 1) & 3))"
+
+
+def x_column(xd: XDirect, col: str, vec: bool) -> str:
+    """Offset in x of channel 0 at B column ``col`` (C expression): pixel col % (H W) of image
+    col / (H W). Columns past the matrix are clamped to the last valid pixel (or float4, when
+    ``vec``): the loads stay inside x, and those columns' results are never stored."""
+    j = f"min({col}, {xd.npix - (4 if vec else 1)})"
+    return f"(({j}) / {xd.hw} * {xd.c * xd.hw} + ({j}) % {xd.hw})"
+
+
+def direct_units(p: Params) -> int:
+    """Units (4 pixels x 4 channels) per thread and slice: bn * 32 / 16 over 128 wg threads."""
+    return p.bn // (64 * p.wg)
+
+
+@dataclass(frozen=True)
+class _Direct:
+    """Emits the register-staged B path: ``load`` slice s of x into registers, ``store`` them
+    TF32-rounded into the swizzled B tile of a stage."""
+
+    xd: XDirect
+    units: int
+    vec: bool  # H * W a multiple of 4: one float4 per channel; else 4 scalar loads
+    stage_floats: int
+
+    def load(self, code: Code, s: str) -> None:
+        c, hw = self.xd.c, self.xd.hw
+        for u, j in itertools.product(range(self.units), range(4)):
+            ch = f"{s} * {BK} + xc + {j}"
+            if self.vec:
+                val = f"VLOAD4(0, xp{u} + ({s} * {BK} + {j}) * {hw})"
+            else:
+                val = "MAKE_FLOAT4({})".format(", ".join(f"x[xo{u}_{i} + ({s} * {BK} + {j}) * {hw}]"
+                                                         for i in range(4)))
+            if c % BK:
+                val = f"({ch} < {c}) ? {val} : MAKE_FLOAT4(0.0f, 0.0f, 0.0f, 0.0f)"
+            code(f"xr{u}_{j} = {val};")
+
+    def store(self, code: Code, stage: str) -> None:
+        code(f"float* const bst = bsm + {stage} * {self.stage_floats};")
+        for u, i in itertools.product(range(self.units), range(4)):
+            vals = ", ".join(f"CVT_TF32(xr{u}_{j}.{'xyzw'[i]})" for j in range(4))
+            code(f"VSTORE4(MAKE_FLOAT4({vals}), 0, bst + bo{u}_{i});")
+
+
+def _direct_plan(code: Code, xd: XDirect, p: Params, bm: int) -> _Direct:
+    """Per-thread setup of the direct path: each unit's pixel offsets into x (columns past
+    the matrix clamped to the last valid ones: finite values, results never stored), its
+    channel quad, its shared float offsets per pixel; the staging registers."""
+    nwarps, units = 4 * p.wg, direct_units(p)
+    vec = xd.hw % 4 == 0
+    _, cq = direct_coords(nwarps, 0)
+    code("float* const bsm = wg_smem + ((sbase - SMEM_U32(wg_smem)) >> 2) + " f"{bm * ROW_BYTES // 4};",
+         f"const int xc = {cq} * 4;")
+    for u in range(units):
+        row, _ = direct_coords(nwarps, u)
+        for i in range(1 if vec else 4):
+            off = f"{x_column(xd, f'n0 + {row} + {i}', vec)} + xc * {xd.hw}"
+            code(f"const float* const xp{u} = x + {off};" if vec else f"const int xo{u}_{i} = {off};")
+        for i in range(4):
+            code(f"const int bo{u}_{i} = {chunk_offset(128, f'{row} + {i}', cq)} >> 2;")
+    code(f"float4 {', '.join(f'xr{u}_{j}' for u in range(units) for j in range(4))};")
+    return _Direct(xd, units, vec, stage_bytes(p) // 4)
 
 
 def _copy_plan(code: Code, nm: str, src: str, rows: int, threads: int, sw: int, cp: int,
@@ -271,6 +419,39 @@ def _store(code: Code, m: int, n: int, bn: int, c: Store) -> None:
                     code(*c.put(rows[row], cols[col], f"d{4 * j + r}"))
 
 
+def staged_offset(ld: int, j: int, h: int) -> str:
+    """Float offset in the staged C tile (row stride ``ld``) of accumulators 4 j + 2 h and
+    4 j + 2 h + 1 of a thread (row g + 8 h of its warp's 16, columns 8 j + 2 t, + 1: :data:`ACC`)."""
+    return f"((wgi * 64 + wq * 16 + g + {8 * h}) * {ld} + {8 * j} + 2 * t)"
+
+
+def _store_staged(code: Code, m: int, n: int, p: Params, c: Store) -> None:
+    """C through shared memory (the stages are free once every warpgroup's wgmma is done):
+    accumulators as float2 into a bm x (bn + 8) tile (half-warp rows g..g+3 start 8 banks
+    apart: conflict-free), then each thread writes float4 runs of a row, a warp 32 consecutive
+    columns of one output channel (coalesced NCHW), through the Store callback (vput where
+    H*W % 4 == 0, else four guarded scalar puts)."""
+    bm, ld, threads = 64 * p.wg, p.bn + C_PAD, 128 * p.wg
+    code("CP_ASYNC_WAIT(0);  // (the last groups are empty; cheap insurance before reusing the stages)",
+         "BARRIER();  // all warpgroups' wgmma operand reads are done: the stages become the C tile",
+         "float* const ct = wg_smem + ((sbase - SMEM_U32(wg_smem)) >> 2);")
+    for j, h in itertools.product(range(p.bn // 8), range(2)):
+        code(f"*(float2*)(ct + {staged_offset(ld, j, h)}) = make_float2(d{4 * j + 2 * h}, d{4 * j + 2 * h + 1});")
+    code("BARRIER();", "#pragma unroll 4")
+    with code.block(f"for (int e = tid; e < {bm * p.bn // 4}; e += {threads})"):
+        code(f"const int r = e / {p.bn // 4}, q = e - r * {p.bn // 4};",
+             "const int row = m0 + r, ce_i = n0 + 4 * q;",
+             f"const float4 v = *(const float4*)(ct + r * {ld} + 4 * q);")
+        if c.vput is not None:
+            with code.block(f"if (row < {m} && ce_i < {n})"):
+                code(*c.setup("ce_i", "ce"), *c.vput("row", "ce", ["v.x", "v.y", "v.z", "v.w"]))
+        else:
+            for u in range(4):
+                with code.block(f"if (row < {m} && ce_i + {u} < {n})"):
+                    code(f"const int cu{u}_i = ce_i + {u};", *c.setup(f"cu{u}_i", f"cu{u}"),
+                         *c.put("row", f"cu{u}", f"v.{'xyzw'[u]}"))
+
+
 # -- the variant --------------------------------------------------------------------------------
 def wgmma_reason(device: DeviceInfo) -> str | None:
     """Why ``device`` cannot run the sm_90a wgmma kernels (None when it can)."""
@@ -296,12 +477,16 @@ class Gemm1x1WgmmaTF32(Variant):
     space_lead = 6
 
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
-        """Above gemm1x1_tf32 where both C and K are >= 256, below it elsewhere. H200, N32, weights
-        cached (2026-11-23): 1024->256 @14² 45 us against 56 (GEMM 25 us + transpose 20 us),
-        512->2048 @7² 38 against 56; but 256->64 @56² 106 against 58 (the transpose of x,
-        N*P*Q*C each way, is amortised over only K = 64) and 64->256 @56² 117 against 103 (the
-        GEMM's strided scalar stores dominate at C = 64)."""
-        return self.specialised if spec.c >= 256 and spec.k >= 256 else 10
+        """Above gemm1x1_tf32 where x is read in place (stride 1, no padding) or C and K are both
+        >= 256; below it elsewhere. Measured (H200, N32, weights cached, 2026-11-23) with the
+        transpose pass and accumulator stores: 1024->256 @14² 45 us against 56 (GEMM 25 +
+        transpose 20), 512->2048 @7² 38 against 56, but 256->64 @56² 106 against 58 (transpose
+        63) and 64->256 @56² 115 against 103 (GEMM 97: store-bound). xl=direct removes the
+        transpose (GEMM alone: 25, 29, 43 us) and ep=smem makes the stores coalesced float4 rows,
+        so all four should win; predicted, not yet measured (scripts/gpu_wgmma.py --time)."""
+        if direct_applies(spec) or (spec.c >= 256 and spec.k >= 256):
+            return self.specialised
+        return 10
 
     def expected_error(self, spec: ConvSpec) -> float:
         return TF32_EXPECTED
@@ -316,32 +501,52 @@ class Gemm1x1WgmmaTF32(Variant):
         return spec.k, spec.n * spec.p * spec.q
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
-        return wg_space(*self._mn(spec), min(device.shared_optin_bytes, MAX_SHARED))
+        return wg_space(*self._mn(spec), min(device.shared_optin_bytes, MAX_SHARED), direct_applies(spec))
 
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
-        return wg_default(*self._mn(spec), min(device.shared_optin_bytes, MAX_SHARED))
+        return wg_default(*self._mn(spec), min(device.shared_optin_bytes, MAX_SHARED), direct_applies(spec))
 
     def workspace_bytes(self, spec: ConvSpec, params: Params) -> int:
         m, n = self._mn(spec)
-        return 4 * padded_c(spec) * (padded_rows(m, 64 * params.wg) + padded_rows(n, params.bn))
+        xt = 0 if x_layout(params) == "direct" else padded_rows(n, params.bn)
+        return 4 * padded_c(spec) * (padded_rows(m, 64 * params.wg) + xt)
 
     def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
              epilogue: Epilogue = Epilogue()) -> Plan:
         unknown = set(params) - set(WG_KEYS)
         if unknown:
             raise ValueError(f"{self.name}: unknown parameters {sorted(unknown)}")
+        direct = x_layout(params) == "direct"
+        if direct and not direct_applies(spec):
+            raise ValueError(f"{self.name}: xl=direct needs stride 1 and no padding ({spec.short()})")
         m, n = self._mn(spec)
         cp = padded_c(spec)
+        outs = tuple(a for a in out_args(epilogue) if isinstance(a, Buf))
         wk, wgrid = round_weights_kernel(spec, f"{self.name}_wt")
-        xk, xgrid = transpose_kernel(spec, f"{self.name}_xt")
-        gk = gemm_kernel(f"{self.name}_gemm", m, n, cp, params, nchw_store(spec, epilogue),
-                         (Buf("wt"), Buf("xt")) + tuple(a for a in out_args(epilogue) if isinstance(a, Buf)))
         grid = (cdiv(n, params.bn), cdiv(m, 64 * params.wg), 1)
-        steps = (Launch(wk.name, wgrid, wk.block, ("w", "wt")),
-                 Launch(xk.name, xgrid, xk.block, ("x", "xt")),
-                 Launch(gk.name, grid, gk.block, ("wt", "xt") + out_refs(epilogue)))
-        ws = (("wt", 4 * padded_rows(m, 64 * params.wg) * cp), ("xt", 4 * padded_rows(n, params.bn) * cp))
-        return Plan(self.name, self.family, spec, params, (wk, xk, gk), steps, ws, self.tolerance, epilogue)
+        ws: tuple[tuple[str, int], ...] = (("wt", 4 * padded_rows(m, 64 * params.wg) * cp),)
+        if direct:
+            xd = XDirect(spec.c, spec.h * spec.w, n)
+            gk = gemm_kernel(f"{self.name}_gemm", m, n, cp, params, nchw_store(spec, epilogue),
+                             (Buf("wt"), Buf("x")) + outs, xd)
+            steps: tuple[Launch, ...] = (Launch(gk.name, grid, gk.block, ("wt", "x") + out_refs(epilogue)),)
+            kernels: tuple[Kernel, ...] = (wk, gk)
+        else:
+            xk, xgrid = transpose_kernel(spec, f"{self.name}_xt")
+            gk = gemm_kernel(f"{self.name}_gemm", m, n, cp, params, nchw_store(spec, epilogue),
+                             (Buf("wt"), Buf("xt")) + outs)
+            steps = (Launch(xk.name, xgrid, xk.block, ("x", "xt")),
+                     Launch(gk.name, grid, gk.block, ("wt", "xt") + out_refs(epilogue)))
+            ws += (("xt", 4 * padded_rows(n, params.bn) * cp),)
+            kernels = (wk, xk, gk)
+        steps = (Launch(wk.name, wgrid, wk.block, ("w", "wt")),) + steps
+        return Plan(self.name, self.family, spec, params, kernels, steps, ws, self.tolerance, epilogue)
+
+
+def direct_applies(spec: ConvSpec) -> bool:
+    """The GEMM can read x in place: stride 1 and no padding (a 1x1 filter's pixel is its
+    output pixel), so column j of B is pixel j % (H W) of image j // (H W)."""
+    return spec.stride == (1, 1) and spec.pad == (0, 0, 0, 0)
 
 
 register(Gemm1x1WgmmaTF32())
