@@ -505,7 +505,7 @@ def _torch_residual(res: Any, x: Any, shape: tuple[int, ...], needed: bool) -> A
     if tuple(res.shape) != shape:
         raise ValueError(f"res shape {tuple(res.shape)} must equal the output's shape {shape}")
     if res.dtype != torch.float32 or res.device != x.device or not res.is_contiguous():
-        res = res.to(device=x.device, dtype=torch.float32, memory_format=torch.contiguous_format)
+        res = res.to(device=x.device, dtype=torch.float32).contiguous()  # .to alone keeps a strided self
     if res.data_ptr() & 15:
         res = torch.empty_like(res).copy_(res)
     return res
