@@ -455,3 +455,51 @@ def test_op_autograd_kernel_calls_the_backend_kernel_directly(monkeypatch):
     with FakeTensorMode():
         fy = ct.conv2d(torch.empty(1, 2, 5, 5), torch.empty(3, 2, 3, 3), None, 1, 1)
     assert tuple(fy.shape) == (1, 3, 5, 5) and calls == [1, 1]
+
+
+def test_residual_pointer_reaches_the_epilogue_slot(monkeypatch):
+    """launch_raw/torch_runner with a residual (CPU tensors standing in, driver recorded): the
+    plan's ``res`` argument gets the residual's address; a residual that is not contiguous is made
+    so; a missing residual, a wrong shape, or a residual given to a plan without one is refused."""
+    import ctypes
+
+    torch = _torch()
+    from conftest import NOMINAL_CUDA
+    from convforge.codegen.dialect import LocalBuf
+    from convforge.plan import Epilogue
+
+    mod, calls, _ = _stubbed_cuda_module(monkeypatch)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda i: 77, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False, raising=False)
+    spec = ConvSpec.make(2, 16, 14, 14, 24, 1, 1)
+    v = next(v for v in all_variants() if v.name == "implicit_gemm")
+    plan = v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA, Epilogue(True, True, residual=True))
+    exe = mod.CudaExecutable(_FakeBackend(NOMINAL_CUDA), plan)
+    assert exe.fast and not exe.weight_steps
+    run = mod.torch_runner(exe, 0)
+    x, w, b = torch.randn(spec.x_shape), torch.randn(spec.w_shape), torch.randn(spec.k)
+
+    def res_cells():
+        out = []
+        for (_, *_rest, params, _extra), step in zip(calls, plan.steps):
+            args = [a for a in exe.kernels[step.kernel].args if not isinstance(a, LocalBuf)]
+            cells = (ctypes.c_void_p * len(args)).from_address(params)
+            out += [ctypes.c_uint64.from_address(cells[i]).value for i, ref in enumerate(step.args) if ref == "res"]
+        return out
+
+    res = torch.randn(spec.y_shape)
+    run(x, w, b, None, res)
+    assert res_cells() == [res.data_ptr()] * len(res_cells()) and res_cells()
+    calls.clear()
+    strided = torch.randn(spec.y_shape[::-1]).permute(3, 2, 1, 0)
+    run(x, w, b, None, strided)
+    got = res_cells()
+    assert got and strided.data_ptr() not in got  # a contiguous copy was passed
+    with pytest.raises(ValueError, match="pass res"):
+        run(x, w, b)
+    with pytest.raises(ValueError, match="must equal the output's shape"):
+        run(x, w, b, None, torch.randn(1, *spec.y_shape[1:]))
+    plain = mod.CudaExecutable(_FakeBackend(NOMINAL_CUDA), v.plan(spec, v.default(spec, NOMINAL_CUDA),
+                                                                  NOMINAL_CUDA, Epilogue(True)))
+    with pytest.raises(ValueError, match="adds no residual"):
+        mod.torch_runner(plain, 0)(x, w, b, None, res)

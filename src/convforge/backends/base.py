@@ -29,8 +29,9 @@ class DeviceMemoryError(MemoryError):
         self.asked, self.free = asked, free
 
 
-# The buffers a conv Plan is called with; everything else a step names is workspace.
-CONV_BUFFERS = ("x", "w", "y", "bias")
+# The buffers a conv Plan is called with (``res``: the residual added in the epilogue, shaped like
+# ``y``, named only by plans whose Epilogue has one); everything else a step names is workspace.
+CONV_BUFFERS = ("x", "w", "y", "bias", "res")
 
 
 def step_buffers(step: Step, kernel: Kernel | None) -> tuple[set[str], set[str]]:
@@ -54,7 +55,7 @@ def weight_steps(plan: Plan) -> tuple[frozenset[int], tuple[str, ...]]:
     """Which steps depend on the filters alone (filter transforms, packed weights, constant
     tables), and the workspace buffers only they write ("derived" buffers).
 
-    A step qualifies when it reads only ``w`` or derived buffers, never touches x, y or bias,
+    A step qualifies when it reads only ``w`` or derived buffers, never touches x, y, bias or res,
     and writes only workspace that no other step writes. Their results depend on the weights
     alone, so a caller that keeps them per weight tensor (convforge.torch.Conv2d) runs them only
     when the weights change. Fixed point: a buffer also written elsewhere disqualifies its
@@ -64,7 +65,7 @@ def weight_steps(plan: Plan) -> tuple[frozenset[int], tuple[str, ...]]:
     io = [step_buffers(s, kernels.get(s.kernel) if isinstance(s, Launch) else None) for s in plan.steps]
     work = {name for name, _ in plan.workspace}
     cand = {i for i, (r, w) in enumerate(io)
-            if isinstance(plan.steps[i], Launch) and w and w <= work and not (r & {"x", "y", "bias"})}
+            if isinstance(plan.steps[i], Launch) and w and w <= work and not (r & {"x", "y", "bias", "res"})}
     while True:
         derived = set().union(*(io[i][1] for i in cand)) if cand else set()
         derived -= set().union(*(io[i][1] for i in range(len(io)) if i not in cand)) if io else set()
@@ -178,7 +179,8 @@ class Executable:
         self._own: dict[str, Any] = {}  # those allocated for calls that supplied the others
         s = plan.spec
         self._sizes = {"x": 4 * s.n * s.c * s.h * s.w, "w": 4 * s.k * s.c * s.r * s.s,
-                       "y": 4 * s.n * s.k * s.p * s.q, "bias": 4 * s.k, **dict(plan.workspace)}
+                       "y": 4 * s.n * s.k * s.p * s.q, "bias": 4 * s.k, "res": 4 * s.n * s.k * s.p * s.q,
+                       **dict(plan.workspace)}
         self._steps = [self._prepare(step) for step in plan.steps]
         self.weight_steps, self.derived = weight_steps(plan)
         self.derived_offsets, self.derived_bytes = _packed(self.derived, dict(plan.workspace))
@@ -226,7 +228,7 @@ class Executable:
 
     def check_buffers(self, buffers: dict[str, Any]) -> None:
         """Refuse a bound buffer smaller than its named array (n:c:y:x, k:c:r:s, n:k:p:q, k)."""
-        dims = {"x": "n:c:y:x", "w": "k:c:r:s", "y": "n:k:p:q", "bias": "k"}
+        dims = {"x": "n:c:y:x", "w": "k:c:r:s", "y": "n:k:p:q", "bias": "k", "res": "n:k:p:q"}
         for name, layout in dims.items():
             buf = buffers.get(name)
             if buf is not None and self.backend.nbytes(buf) < self._sizes[name]:

@@ -330,7 +330,7 @@ class CudaExecutable(Executable):
         """(launch header, address of the void** parameter array) for one launch, built once."""
         kernel = self.kernels[step.kernel]
         slot_of = {name: i for i, name in enumerate(CONV_BUFFERS)}
-        slot_of.update({name: 4 + j for j, name in enumerate(self.derived)})
+        slot_of.update({name: len(CONV_BUFFERS) + j for j, name in enumerate(self.derived)})
         storage: list[Any] = []
         for arg, ref in zip(self._value_args(kernel), step.args, strict=True):
             if isinstance(arg, Scalar):
@@ -375,17 +375,18 @@ class CudaExecutable(Executable):
         self._ws_derived = tuple(int(ws[name].data.ptr) for name in self.derived)
 
     def launch_raw(self, x: int, w: int, y: int, bias: int, stream: int, derived: int = 0,
-                   steps: str = "all") -> None:
+                   steps: str = "all", res: int = 0) -> None:
         """Run on raw device pointers on raw stream ``stream``. ``derived``: base of a packed
         buffer of the filter-derived workspace (``derived_offsets``), with ``steps`` "rest" (use
-        it) or "weights" (fill it); 0 uses the executable's own workspace."""
+        it) or "weights" (fill it); 0 uses the executable's own workspace. ``res``: the residual
+        (float32, the output's shape) that a plan whose epilogue has one adds before its ReLU."""
         if not self.fast:
-            self._launch_views(x, w, y, bias, stream, derived, steps)
+            self._launch_views(x, w, y, bias, stream, derived, steps, res)
             return
         if derived:
-            vals = (x, w, y, bias, *[derived + off for off in self._offsets])
+            vals = (x, w, y, bias, res, *[derived + off for off in self._offsets])
         else:
-            vals = (x, w, y, bias, *self._ws_derived)
+            vals = (x, w, y, bias, res, *self._ws_derived)
         for cell, i in self._ptr_slots:
             cell.value = vals[i]
         drv = _DRIVER or _driver()
@@ -401,11 +402,12 @@ class CudaExecutable(Executable):
             if pushed:
                 drv.ctx_pop(ctypes.byref(ctypes.c_void_p()))
 
-    def _launch_views(self, x: int, w: int, y: int, bias: int, stream: int, derived: int, steps: str) -> None:
+    def _launch_views(self, x: int, w: int, y: int, bias: int, stream: int, derived: int, steps: str,
+                      res: int = 0) -> None:
         """The dict path on CuPy views of the raw pointers, on the caller's stream."""
         dev = self.backend.device_id
         bufs = {name: _view(ptr, self._sizes[name], dev)
-                for name, ptr in zip(CONV_BUFFERS, (x, w, y, bias), strict=True) if ptr}
+                for name, ptr in zip(CONV_BUFFERS, (x, w, y, bias, res), strict=True) if ptr}
         if derived:
             sizes = dict(self.plan.workspace)
             bufs.update({n: _view(derived + self.derived_offsets[n], sizes[n], dev) for n in self.derived})
@@ -437,7 +439,9 @@ def _view(ptr: int, nbytes: int, device: int) -> Any:
 
 
 def torch_runner(exe: CudaExecutable, device: int) -> Callable[..., Any]:
-    """``run(x, w, bias, derived=None) -> y`` for torch CUDA tensors (validated by the caller).
+    """``run(x, w, bias, derived=None, res=None) -> y`` for torch CUDA tensors (x, w, bias
+    validated by the caller; ``res``, the residual of a plan whose epilogue adds one, is checked
+    here: the output's shape, else ValueError; made contiguous float32 on x's device if it is not).
 
     ``data_ptr()`` works on tensors that require grad and under inference_mode; the stream is
     torch's current one (raw handle through torch's cheap accessor); the output comes from
@@ -463,8 +467,9 @@ def torch_runner(exe: CudaExecutable, device: int) -> Callable[..., Any]:
     filters = (FilterCache(lambda w, out: _torch_transform(exe, w, out), is_capturing)
                if exe.derived else None)
     lookup = filters.get if filters is not None else None
+    needs_res = exe.plan.epilogue.residual
 
-    def run(x: Any, w: Any, bias: Any = None, derived: Any = None) -> Any:
+    def run(x: Any, w: Any, bias: Any = None, derived: Any = None, res: Any = None) -> Any:
         xp, wp = x.data_ptr(), w.data_ptr()
         if xp & 15:
             x = torch.empty_like(x).copy_(x)
@@ -475,7 +480,12 @@ def torch_runner(exe: CudaExecutable, device: int) -> Callable[..., Any]:
         elif derived is None and lookup is not None and not is_capturing():
             derived = lookup(w, wp)
         y = x.new_empty(shape)
-        if derived is None:
+        if res is not None or needs_res:
+            res = _torch_residual(res, x, shape, needs_res)
+            launch(xp, wp, y.data_ptr(), 0 if bias is None else bias.data_ptr(), stream_of(device),
+                   0 if derived is None else derived.data_ptr(), "all" if derived is None else "rest",
+                   res.data_ptr())
+        elif derived is None:
             launch(xp, wp, y.data_ptr(), 0 if bias is None else bias.data_ptr(), stream_of(device))
         else:
             launch(xp, wp, y.data_ptr(), 0 if bias is None else bias.data_ptr(), stream_of(device),
@@ -484,6 +494,24 @@ def torch_runner(exe: CudaExecutable, device: int) -> Callable[..., Any]:
 
     run.filters = filters  # type: ignore[attr-defined]  # tests look at it
     return run
+
+
+def _torch_residual(res: Any, x: Any, shape: tuple[int, ...], needed: bool) -> Any:
+    """``res`` as the epilogue reads it: contiguous, float32, 16-byte aligned, on x's device."""
+    import torch
+
+    if not needed:
+        raise ValueError("res given to a plan whose epilogue adds no residual (Epilogue(residual=True) "
+                         "plans take it)")
+    if res is None:
+        raise ValueError(f"this plan adds a residual in its epilogue: pass res (a tensor of shape {shape})")
+    if tuple(res.shape) != shape:
+        raise ValueError(f"res shape {tuple(res.shape)} must equal the output's shape {shape}")
+    if res.dtype != torch.float32 or res.device != x.device or not res.is_contiguous():
+        res = res.to(device=x.device, dtype=torch.float32).contiguous()  # .to alone keeps a strided self
+    if res.data_ptr() & 15:
+        res = torch.empty_like(res).copy_(res)
+    return res
 
 
 def torch_transform(exe: CudaExecutable, w: Any, out: Any = None) -> Any:

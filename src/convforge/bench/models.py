@@ -14,8 +14,10 @@ the classifier bias) makes every relative error small and meaningless. ``err / P
 row's error over PyTorch FP32's (the issue's target: within 2x).
 
 Per model: the forward time of PyTorch FP32 eager (cudnn.benchmark on, TF32 off), PyTorch FP32
-replayed from a CUDA graph, PyTorch TF32, ``torch.compile`` FP32, and the model converted by
-``convforge.torch.convert`` run eagerly and from a CUDA graph; each output's relative L2 error
+replayed from a CUDA graph, PyTorch TF32, ``torch.compile`` FP32, the model converted by
+``convforge.torch.convert`` run eagerly and from a CUDA graph, and the model rewritten by
+``convforge.torch.fuse`` (batch norm folded into the filters, bias + residual + ReLU in the conv's
+epilogue: ``convforge_fused``) eagerly and from a CUDA graph; each output's relative L2 error
 against a float64 run of the same model on the GPU. CUDA events, warm-up first, median of repeats.
 The converted figures exclude filter transforms (made once per weight version on the warm-up
 call, as an inference runtime does); per-layer suites still time them (BENCHMARKING.md).
@@ -192,6 +194,7 @@ def bench_model(name: str, batch: int, warmup: int, repeats: int, options: dict[
     flag = f"degenerate: reference spread {spread_:.1e} < {MIN_SPREAD:g}" if spread_ < MIN_SPREAD else ""
     conv = copy.deepcopy(model)
     report = ct.convert(conv, **options)
+    reports: dict[str, Any] = {}
     runs: list[tuple[str, Callable[[], Callable[[], Any]], bool]] = [
         ("pytorch_fp32", lambda: lambda: model(x), False),
         ("pytorch_fp32_graph", lambda: _replay(model, x, warmup), False),
@@ -199,6 +202,7 @@ def bench_model(name: str, batch: int, warmup: int, repeats: int, options: dict[
         ("torch_compile_fp32", lambda: _compiled(model, x), False),
         ("convforge", lambda: lambda: conv(x), False),
         ("convforge_graph", lambda: _replay(conv, x, warmup), False),
+        *_fused_runs(model, x, warmup, options, reports),
     ]
     runs = [run for run in runs if pytorch or run[0].startswith("convforge")]
     rows = []
@@ -219,8 +223,9 @@ def bench_model(name: str, batch: int, warmup: int, repeats: int, options: dict[
         except Exception as err:  # noqa: BLE001 - one failing implementation must not hide the others
             row["status"] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
         if impl.startswith("convforge"):
-            row["converted"], row["left_to_pytorch"] = len(report.converted), "; ".join(
-                f"{k}: {v}" for k, v in report.left.items())
+            rep = reports.get(impl, report)
+            row["converted"], row["left_to_pytorch"] = len(rep.converted), "; ".join(
+                f"{k}: {v}" for k, v in {**rep.left, **getattr(rep, "unfused", {})}.items())
         rows.append(row)
     _tf32(False)
     label(rows, options, tune)
@@ -286,6 +291,24 @@ def tuning(on: bool) -> Iterator[None]:
     finally:
         config.autotune = before
         clear_choices()
+
+
+def _fused_runs(model: Any, x: Any, warmup: int, options: dict[str, Any],
+                reports: dict[str, Any]) -> list[tuple[str, Callable[[], Callable[[], Any]], bool]]:
+    """The ``convforge_fused`` rows: ``model`` rewritten by ``convforge.torch.fuse`` (parameters
+    shared, ``model`` unchanged), eager and replayed from a CUDA graph; their report in ``reports``."""
+    import convforge.torch as ct
+
+    try:
+        fused, report = ct.fuse(model, **options)
+    except Exception as err:  # noqa: BLE001 - the rows say it failed; the other rows still run
+        def fail(err: Exception = err) -> Callable[[], Any]:
+            raise err
+
+        return [("convforge_fused", fail, False), ("convforge_fused_graph", fail, False)]
+    reports["convforge_fused"] = reports["convforge_fused_graph"] = report
+    return [("convforge_fused", lambda: lambda: fused(x), False),
+            ("convforge_fused_graph", lambda: _replay(fused, x, warmup), False)]
 
 
 def _replay(model: Any, x: Any, warmup: int) -> Callable[[], Any]:

@@ -1,5 +1,7 @@
-"""PyTorch drop-in: ``Conv2d`` (an ``nn.Conv2d`` that runs convforge's kernels), ``convert(model)``
-and the ``convforge::conv2d`` operator (torch.compile and CUDA-graph safe, with autograd).
+"""PyTorch drop-in: ``Conv2d`` (an ``nn.Conv2d`` that runs convforge's kernels), ``convert(model)``,
+``fuse(model)`` (convs with the batch norm, residual add and ReLU after them folded into one
+kernel plan: ``FusedConv2d``) and the ``convforge::conv2d`` operator (torch.compile and CUDA-graph
+safe, with autograd).
 
 Imported only when torch is installed (torch stays an optional extra): ``import convforge`` never
 imports this package.
@@ -12,7 +14,9 @@ try:
 except ImportError as err:  # pragma: no cover - exercised only without torch
     raise ImportError("convforge.torch needs PyTorch: pip install torch") from err
 
+from convforge.torch.fuse import fuse
+from convforge.torch.fused import FusedConv2d
 from convforge.torch.modules import Conv2d, ConvertReport, convert
 from convforge.torch.ops import conv2d, output_shape
 
-__all__ = ["Conv2d", "ConvertReport", "convert", "conv2d", "output_shape"]
+__all__ = ["Conv2d", "ConvertReport", "FusedConv2d", "convert", "conv2d", "fuse", "output_shape"]

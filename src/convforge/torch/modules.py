@@ -160,14 +160,22 @@ class Conv2d(torch.nn.Conv2d):
 
 @dataclass
 class ConvertReport:
-    """What ``convert`` swapped and what it left to PyTorch, with the reason."""
+    """What ``convert`` (or ``fuse``) swapped and what it left to PyTorch, with the reason.
+
+    ``converted``: convs convforge runs; ``left``: convs PyTorch runs, and why; ``fused`` (``fuse``
+    only): conv -> what its module also applies ("bn+add+relu"); ``unfused`` (``fuse`` only): why
+    the operations after a conv, or the whole model ("" key), stay separate PyTorch operations."""
 
     converted: list[str] = field(default_factory=list)
     left: dict[str, str] = field(default_factory=dict)
+    fused: dict[str, str] = field(default_factory=dict)
+    unfused: dict[str, str] = field(default_factory=dict)
 
     def __str__(self) -> str:
-        lines = [f"convforge: {len(self.converted)} conv layer(s) converted, {len(self.left)} left to PyTorch"]
+        lines = [f"convforge: {len(self.converted)} conv layer(s) converted, {len(self.left)} left to PyTorch"
+                 + (f", {len(self.fused)} fused with what follows them" if self.fused else "")]
         lines += [f"  {name or '<model>'}: {why}" for name, why in self.left.items()]
+        lines += [f"  {name or '<model>'}: not fused: {why}" for name, why in self.unfused.items()]
         return "\n".join(lines)
 
 

@@ -1,0 +1,235 @@
+"""``fuse(model)``: convforge convs with the batch norm, residual add and ReLU after them folded in.
+
+``torch.fx.symbolic_trace``-style tracing (nn.Conv2d subclasses are leaves) of a structural copy
+of the model, then chains conv -> [BatchNorm2d] -> [add(other)] -> [ReLU] (at least one after the
+conv; every intermediate used exactly once) become one call of a :class:`FusedConv2d` at the
+conv's path. ReLU as ``nn.ReLU`` (shared modules too: nodes are matched, not modules), ``F.relu``,
+``torch.relu(_)``, ``Tensor.relu(_)``; add as ``+``, ``+=``, ``torch.add``, ``Tensor.add(_)`` with
+either operand order (alpha 1). Other eligible convs become plain convforge ``Conv2d``s.
+
+The result is a ``GraphModule`` whose module hierarchy mirrors the original's (every module a
+shallow copy sharing its parameters and buffers, batch norms included), so ``state_dict()`` has
+the same keys, in the same order, holding the same tensors; the original model is not changed.
+Python control flow (``if self.training``) is fixed when the model is traced, as for any fx
+trace. A model fx cannot trace falls back to ``convert`` on a structural copy, said in the report.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.fx import Graph, GraphModule, Node, Tracer
+
+from convforge.torch.fused import FusedConv2d
+from convforge.torch.modules import OPTIONS, Conv2d, ConvertReport, convert
+
+_ADDS_F = {operator.add: False, operator.iadd: True, torch.add: False}
+_ADDS_M = {"add": False, "add_": True}
+_RELUS_F = (F.relu, F.relu_, torch.relu, torch.relu_)
+
+
+class _Tracer(Tracer):
+    """fx's tracer with every nn.Conv2d (convforge's included) kept as a leaf."""
+
+    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        return isinstance(m, torch.nn.Conv2d) or super().is_leaf_module(m, module_qualified_name)
+
+
+def fuse(model: torch.nn.Module, **options: Any) -> tuple[torch.nn.Module, ConvertReport]:
+    """The fused model (a GraphModule; ``model`` itself is unchanged) and the report of what was
+    converted, fused, and left to PyTorch with the reason. ``options`` as ``convert``'s."""
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise TypeError(f"fuse() got unknown option(s) {unknown}; allowed: {', '.join(OPTIONS)}")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"fuse() takes a torch.nn.Module, not {type(model).__name__}")
+    root = mirror(model)
+    try:
+        graph = _Tracer().trace(root)
+    except Exception as err:  # noqa: BLE001 - any tracing failure means: no fusion, convert instead
+        report = convert(root, **options)
+        first = (str(err).splitlines() or [""])[0][:200]
+        report.unfused[""] = (f"torch.fx cannot trace the model ({type(err).__name__}: {first}); "
+                              "convert() swapped its convs without fusion")
+        return root, report
+    report = ConvertReport()
+    _rewrite(graph, root, report, options)
+    return _graph_module(root, graph, type(model).__name__), report
+
+
+def mirror(model: torch.nn.Module) -> torch.nn.Module:
+    """A structural copy: every module object copied (attribute dicts and sets copied, so changes
+    to one hierarchy do not reach the other), parameters, buffers and hooks shared. A module
+    registered at several paths stays one module."""
+    memo: dict[int, torch.nn.Module] = {}
+
+    def copy_of(m: torch.nn.Module) -> torch.nn.Module:
+        if id(m) in memo:
+            return memo[id(m)]
+        new = m.__class__.__new__(m.__class__)
+        memo[id(m)] = new
+        new.__dict__.update({k: copy.copy(v) if isinstance(v, dict | set) else v for k, v in m.__dict__.items()})
+        new.__dict__["_modules"] = {k: None if c is None else copy_of(c) for k, c in m._modules.items()}
+        return new
+
+    return copy_of(model)
+
+
+def _rewrite(graph: Graph, root: torch.nn.Module, report: ConvertReport, options: dict[str, Any]) -> None:
+    """Swap every eligible conv (in ``root``) and fold the chains after them (in ``graph``)."""
+    modules = dict(root.named_modules(remove_duplicate=False))
+    calls = Counter(n.target for n in graph.nodes if n.op == "call_module")
+    for node in list(graph.nodes):
+        if node.op != "call_module" or not isinstance(modules.get(str(node.target)), torch.nn.Conv2d):
+            continue
+        name = str(node.target)
+        conv = modules[name]
+        why = _left_reason(conv)
+        if why is not None:
+            report.left[name] = why
+            continue
+        chain, why = _chain(node, modules, calls[node.target])
+        if chain is None:
+            new: torch.nn.Module = Conv2d.from_module(conv, **options)
+            if why:
+                report.unfused[name] = why
+        else:
+            nodes, bn, res, relu = chain
+            new = FusedConv2d.from_conv(conv, bn, res is not None, relu, **options)
+            _replace(graph, nodes, res)
+            report.fused[name] = new.fused_ops()  # type: ignore[operator]
+        parent, _, attr = name.rpartition(".")
+        setattr(root.get_submodule(parent) if parent else root, attr, new)
+        report.converted.append(name)
+    graph.lint()
+
+
+def _left_reason(m: torch.nn.Conv2d) -> str | None:
+    """Why convforge never runs this conv (the device does not matter: CPU models fuse, and run
+    PyTorch's ops until moved to CUDA)."""
+    if type(m) not in (torch.nn.Conv2d, Conv2d):
+        return f"a subclass of nn.Conv2d ({type(m).__name__}) whose forward may differ"
+    if m.groups != 1:
+        return f"groups={m.groups} (convforge runs groups=1)"
+    if m.padding_mode != "zeros":
+        return f"padding_mode={m.padding_mode!r} (convforge pads with zeros)"
+    if m.weight.dtype != torch.float32:
+        return f"dtype {str(m.weight.dtype).replace('torch.', '')} (convforge runs float32)"
+    return None
+
+
+Chain = tuple[list[Node], Any, Node | None, bool]
+
+
+def _chain(conv: Node, modules: dict[str, Any], calls: int) -> tuple[Chain | None, str | None]:
+    """(nodes conv [bn] [add] [relu], bn module, residual node, relu) after ``conv``, or
+    (None, why not: None when nothing fusable follows)."""
+    users = list(conv.users)
+    if len(users) > 1:
+        return None, f"output used {len(users)} times"
+    if calls > 1:
+        return None, f"module called {calls} times"
+    if len(conv.args) != 1 or conv.kwargs or not users:
+        return None, None
+    nodes, bn, res, relu = [conv], None, None, False
+    nxt: Node | None = users[0]
+    if nxt is not None and _is_bn(nxt, conv, modules):
+        bn = modules[str(nxt.target)]
+        nodes.append(nxt)
+        nxt = _only_user(nxt)
+    if nxt is not None:
+        res = _residual(nxt, nodes[-1])
+        if res is not None:
+            nodes.append(nxt)
+            nxt = _only_user(nxt)
+    if nxt is not None and _is_relu(nxt, nodes[-1], modules):
+        relu = True
+        nodes.append(nxt)
+    if len(nodes) == 1:
+        return None, None
+    return (nodes, bn, res, relu), None
+
+
+def _only_user(node: Node) -> Node | None:
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def _is_bn(node: Node, src: Node, modules: dict[str, Any]) -> bool:
+    m = modules.get(str(node.target)) if node.op == "call_module" else None
+    conv = modules[str(src.target)]
+    return (type(m) is torch.nn.BatchNorm2d and node.args == (src,) and not node.kwargs
+            and m.num_features == conv.out_channels)
+
+
+def _residual(node: Node, src: Node) -> Node | None:
+    """The other operand when ``node`` adds a tensor to ``src`` (alpha 1, no out=); an in-place
+    add into the other operand only when nothing else reads it (the fused module does not write it)."""
+    if node.op == "call_function" and node.target in _ADDS_F:
+        inplace = _ADDS_F[node.target]  # type: ignore[index]
+    elif node.op == "call_method" and node.target in _ADDS_M:
+        inplace = _ADDS_M[str(node.target)]
+    else:
+        return None
+    if len(node.args) != 2 or set(node.kwargs) - {"alpha"} or node.kwargs.get("alpha", 1) != 1:
+        return None
+    a, b = node.args
+    if a is src and isinstance(b, Node) and b is not src:
+        return b
+    if b is src and isinstance(a, Node) and a is not src and (not inplace or len(a.users) == 1):
+        return a
+    return None
+
+
+def _is_relu(node: Node, src: Node, modules: dict[str, Any]) -> bool:
+    if not node.args or node.args[0] is not src:
+        return False
+    extra = list(node.args[1:]) + [v for k, v in node.kwargs.items() if k == "inplace"]
+    if len(extra) != len(node.args) - 1 + len(node.kwargs) or any(not isinstance(v, bool) for v in extra):
+        return False  # only the inplace flag may come along
+    if node.op == "call_module":
+        return type(modules.get(str(node.target))) is torch.nn.ReLU and len(node.args) == 1 and not node.kwargs
+    if node.op == "call_function":
+        return node.target in _RELUS_F
+    return node.op == "call_method" and node.target in ("relu", "relu_") and len(extra) == 0
+
+
+def _replace(graph: Graph, nodes: list[Node], res: Node | None) -> None:
+    """One call of the conv's module (now fused) in place of the chain."""
+    conv, last = nodes[0], nodes[-1]
+    with graph.inserting_before(last):
+        new = graph.call_module(str(conv.target), (conv.args[0],) + ((res,) if res is not None else ()))
+    new.meta = dict(last.meta)
+    last.replace_all_uses_with(new)
+    for n in reversed(nodes):
+        graph.erase_node(n)
+
+
+def _graph_module(root: torch.nn.Module, graph: Graph, class_name: str) -> GraphModule:
+    """A GraphModule over ``graph`` whose hierarchy is ``root``'s, every module kept (GraphModule
+    alone keeps only those the graph calls, so a folded batch norm would leave state_dict)."""
+    gm = GraphModule(root, graph, class_name)
+    attrs = {str(n.target): _fetch(gm, str(n.target)) for n in graph.nodes if n.op == "get_attr"}
+    gm._modules.clear()
+    gm._modules.update(root._modules)
+    gm.__dict__["_parameters"] = copy.copy(root._parameters)
+    gm.__dict__["_buffers"] = copy.copy(root._buffers)
+    gm.__dict__["_non_persistent_buffers_set"] = set(root._non_persistent_buffers_set)
+    for target, value in attrs.items():  # constants fx made (``_tensor_constant0``) and the like
+        if _fetch(gm, target) is None:
+            owner, _, attr = target.rpartition(".")
+            setattr(gm.get_submodule(owner) if owner else gm, attr, value)
+    return gm
+
+
+def _fetch(m: Any, target: str) -> Any:
+    for part in target.split("."):
+        m = getattr(m, part, None)
+        if m is None:
+            return None
+    return m

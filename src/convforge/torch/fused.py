@@ -1,0 +1,211 @@
+"""``FusedConv2d``: a convforge ``Conv2d`` that also applies the batch norm, residual add and ReLU
+that followed it in a model (``convforge.torch.fuse`` puts it there).
+
+Two paths, chosen per call:
+- folded (eval inference on CUDA: no gradient needed, the batch norm, if any, in eval mode with
+  running statistics, not compiling): the batch norm is folded into the filters and bias
+  (w' = w * g / sqrt(var + eps), b' = (b - mean) * g / sqrt(var + eps) + beta, computed in float64
+  on the device, then cast to float32), cached per (data_ptr, _version) of the conv's weight and
+  bias and the batch norm's weight, bias, running mean and running variance, and ONE convforge
+  plan runs with the epilogue bias + residual + ReLU (filter transforms cached per version of the
+  folded weights: a warm call does no fold and no filter transform). When the chosen variant has
+  no residual store path (``Variant.residual_ok``: Winograd), the plan adds bias only and the add
+  and ReLU follow in place on its output.
+- unfused (training, gradients, CPU tensors, torch.compile, anything the folded path does not
+  take): exactly conv -> the batch-norm module itself (running statistics updated as PyTorch does)
+  -> + residual -> ReLU, the conv through ``Conv2d.forward`` (the differentiable op on CUDA).
+
+The batch norm is a reference to the module in the model's hierarchy (not a registered
+submodule: ``state_dict`` keeps its keys where they were). CUDA graphs captured in eager inference
+replay the fold and filter transforms made before capture (``static_weights=True``, as for
+``Conv2d``): after an in-place weight or statistics update run one eager forward (it re-folds
+into the same buffers) before replaying; with ``static_weights=False`` the capture records the
+fold and the whole plan, so replays see every update.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from convforge import dispatch
+from convforge.backends import get_backend
+from convforge.config import config
+from convforge.plan import Epilogue
+from convforge.spec import ConvSpec
+from convforge.torch.modules import Conv2d, padding_quad
+
+_F32 = torch.float32
+_CAPTURING = torch.cuda.is_current_stream_capturing
+_FOLD = ("fold",)  # the folded weights' key in the module's _cf_cache
+
+
+class FusedConv2d(Conv2d):
+    """A ``Conv2d`` whose forward is conv [-> batch norm] [-> + residual] [-> ReLU]; ``forward(x,
+    res=None)`` takes the residual when the module was fused with an add (module docstring)."""
+
+    _cf_bn: torch.nn.BatchNorm2d | None
+    _cf_residual: bool
+    _cf_relu: bool
+
+    @classmethod
+    def from_conv(cls, m: torch.nn.Conv2d, bn: torch.nn.BatchNorm2d | None = None, residual: bool = False,
+                  relu: bool = False, **options: Any) -> FusedConv2d:
+        """A FusedConv2d sharing ``m``'s parameters, buffers, hooks and attribute dicts; ``bn`` is
+        referenced, not registered."""
+        new = cls.__new__(cls)
+        new.__dict__.update(m.__dict__)
+        new._cf_setup(**{"algo": "auto", "precision": None, "max_error": None, "static_weights": True, **options})
+        new.__dict__["_cf_bn"] = bn  # a plain attribute: not a submodule, not in state_dict
+        new._cf_residual, new._cf_relu = residual, relu
+        return new
+
+    def fused_ops(self) -> str:
+        """What this module applies after the conv, e.g. "bn+add+relu"."""
+        return "+".join(t for t, on in (("bn", self._cf_bn is not None), ("add", self._cf_residual),
+                                        ("relu", self._cf_relu)) if on)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", fused={self.fused_ops()!r}"
+
+    def forward(self, x: torch.Tensor, res: Any = None) -> torch.Tensor:  # type: ignore[override]
+        if self._folds(x, res):
+            y = self._folded_forward(x, res)
+            if y is not None:
+                return y
+        return self.unfused(x, res)
+
+    def unfused(self, x: torch.Tensor, res: Any = None) -> torch.Tensor:
+        """conv -> batch norm (the module itself) -> + res -> ReLU, as the original model ran."""
+        y = Conv2d.forward(self, x)
+        if self._cf_bn is not None:
+            y = self._cf_bn(y)
+        if res is not None:
+            y = y + res
+        return torch.relu(y) if self._cf_relu else y
+
+    def _folds(self, x: torch.Tensor, res: Any) -> bool:
+        """Whether this call may take the folded path (eval inference on CUDA float32)."""
+        w, b, bn = self.weight, self.bias, self._cf_bn
+        if not (x.is_cuda and x.dtype == _F32 and x.dim() == 4 and w.is_cuda and w.dtype == _F32):
+            return False
+        if bn is not None and (bn.training or bn.running_mean is None or bn.running_var is None):
+            return False
+        if res is not None and not (isinstance(res, torch.Tensor) and res.is_cuda and res.dtype == _F32):
+            return False
+        if torch.compiler.is_compiling():
+            return False
+        if not torch.is_grad_enabled():
+            return True
+        tensors = (x, w, b, res) + ((bn.weight, bn.bias) if bn is not None else ())
+        return not any(t is not None and t.requires_grad for t in tensors)
+
+    def _folded_forward(self, x: torch.Tensor, res: Any) -> torch.Tensor | None:
+        """One plan (and, without a residual store path, an in-place add and ReLU); None when
+        convforge cannot run the layer or the residual does not match the output."""
+        x = x.contiguous()
+        entry = self._fused_runner(x)
+        if entry is None:
+            return None
+        run, res_in_plan, y_shape = entry
+        if res is not None and res.shape != y_shape:
+            return None  # a broadcasting add: the unfused path does what PyTorch did
+        b: torch.Tensor | None
+        if self._cf_bn is not None:
+            w, b = self._fold()
+        else:
+            w = self.weight if self.weight.is_contiguous() else self.weight.contiguous()
+            b = self.bias
+        filters = run.filters
+        packed = None
+        if filters is not None and (self.static_weights or not _CAPTURING()):
+            packed = filters.get(w, w.data_ptr())
+        if res_in_plan:
+            return run(x, w, b, packed, res)  # type: ignore[no-any-return]
+        y = run(x, w, b, packed)
+        if res is not None:
+            y.add_(res)
+            if self._cf_relu:
+                y.relu_()
+        return y  # type: ignore[no-any-return]
+
+    def _fused_runner(self, x: torch.Tensor) -> tuple[Any, bool, tuple[int, ...]] | None:
+        """(runner, whether its plan adds the residual, output shape) per input signature."""
+        key = ("fused", x.shape, x.device, config.precision, config.max_error, config.autotune, config.db_path)
+        try:
+            return self._cf_cache[key]  # type: ignore[no-any-return]
+        except KeyError:
+            entry = self._cf_cache[key] = self._make_fused_runner(x)
+            return entry
+
+    def _make_fused_runner(self, x: torch.Tensor) -> tuple[Any, bool, tuple[int, ...]] | None:
+        try:
+            spec = ConvSpec.from_shapes(tuple(x.shape), tuple(self.weight.shape), tuple(self.stride),
+                                        padding_quad(self), tuple(self.dilation))
+        except ValueError:
+            return None
+        dev = x.device.index or 0
+        backend = get_backend("cuda", dev)
+        bias = self._cf_bn is not None or self.bias is not None
+        kw: dict[str, Any] = dict(algo=self.algo, precision=self.precision, max_error=self.max_error)
+        try:
+            if self._cf_residual:
+                ch = dispatch.choose(spec, backend, Epilogue(bias, self._cf_relu), **kw)
+                if ch.variant.residual_ok:
+                    run = dispatch.runner(None, spec, backend, Epilogue(bias, self._cf_relu, residual=True),
+                                          "torch", dev, algo=ch.variant.name, params=ch.params)
+                    return run, True, spec.y_shape
+            epi = Epilogue(bias, self._cf_relu and not self._cf_residual)
+            return dispatch.runner(None, spec, backend, epi, "torch", dev, **kw), False, spec.y_shape
+        except ValueError:
+            return None
+
+    def _fold(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Folded (weight, bias), cached per address and version of the six source tensors; a
+        re-fold writes into the cached tensors (same addresses: filter caches and captured graphs
+        keep valid pointers). Under CUDA-graph capture a stale or missing fold is recorded into
+        the graph, never cached."""
+        key = _fold_key(self)
+        hit = self._cf_cache.get(_FOLD)
+        if hit is not None and key is not None and hit[0] == key and (self.static_weights or not _CAPTURING()):
+            return hit[1], hit[2]
+        w, b = fold_bn(self.weight, self.bias, self._cf_bn)  # type: ignore[arg-type]
+        if key is None or _CAPTURING():
+            return w, b
+        if hit is not None and hit[1].shape == w.shape and hit[1].device == w.device:
+            with torch.inference_mode(False), torch.no_grad():
+                hit[1].copy_(w)
+                hit[2].copy_(b)
+            w, b = hit[1], hit[2]
+        self._cf_cache[_FOLD] = (key, w, b)
+        return w, b
+
+
+def _fold_key(m: FusedConv2d) -> tuple[Any, ...] | None:
+    """(data_ptr, _version) of every tensor the fold reads, and eps; None for inference tensors."""
+    bn = m._cf_bn
+    assert bn is not None
+    try:
+        return tuple(None if t is None else (t.data_ptr(), t._version)
+                     for t in (m.weight, m.bias, bn.weight, bn.bias, bn.running_mean, bn.running_var)) + (bn.eps,)
+    except RuntimeError:  # inference tensors have no version counter: fold per call
+        return None
+
+
+def fold_bn(w: torch.Tensor, b: torch.Tensor | None, bn: torch.nn.BatchNorm2d) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eval-mode batch norm folded into a conv's filters and bias, computed in float64 on the
+    weights' device and cast to float32 (contiguous, ordinary tensors even under inference_mode)."""
+    assert bn.running_mean is not None and bn.running_var is not None
+    with torch.inference_mode(False), torch.no_grad():
+        scale = torch.rsqrt(bn.running_var.double() + bn.eps)
+        if bn.weight is not None:
+            scale = scale * bn.weight.double()
+        shift = -bn.running_mean.double()
+        if b is not None:
+            shift = shift + b.double()
+        shift = shift * scale
+        if bn.bias is not None:
+            shift = shift + bn.bias.double()
+        wf = (w.double() * scale.view(-1, 1, 1, 1)).to(_F32).contiguous()
+        return wf, shift.to(_F32).contiguous()

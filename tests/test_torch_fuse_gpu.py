@@ -1,0 +1,228 @@
+"""GPU tier of ``convforge.torch.fuse`` (skips without a CUDA device or torch).
+
+Run on the lent GPU: ``python -m pytest -q tests/test_torch_fuse_gpu.py``. Outputs are checked
+against a float64 run of the original model (outputs land in caching-allocator blocks poisoned
+with NaN first); eval inference must take the folded path (batch norms not called, one plan per
+conv, no fold and no filter transform on warm calls); training matches PyTorch's outputs,
+gradients and running statistics; CUDA graphs capture and replay, and see in-place updates.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch", reason="GPU tier of convforge.torch.fuse: torch not installed")
+nn, F = torch.nn, torch.nn.functional
+
+
+@pytest.fixture
+def gpu(cuda):
+    if not torch.cuda.is_available():
+        pytest.skip("GPU tier: torch sees no CUDA device")
+    return cuda
+
+
+class Block(nn.Module):
+    """A ResNet basic block plus a strided 5x5 conv -> ReLU and an 11x11 conv -> BN: every chain."""
+
+    def __init__(self, c: int = 16, full: bool = True) -> None:
+        super().__init__()
+        self.full = full  # False: the basic block alone (3x3 stride-1 convs: every family runs them)
+        self.c1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.c2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.relu = nn.ReLU(inplace=True)
+        self.c3 = nn.Conv2d(c, c, 5, stride=2, padding=(2, 1))
+        self.c4, self.bn4 = nn.Conv2d(c, 8, 11, padding=5), nn.BatchNorm2d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.c1(x)))
+        out = self.bn2(self.c2(out))
+        out += x
+        out = self.relu(out)
+        if not self.full:
+            return out
+        out = F.relu(self.c3(out))
+        return self.bn4(self.c4(out))
+
+
+def _model(seed: int = 0, full: bool = True) -> nn.Module:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), Block(16, full))
+    if full:
+        model.extend([nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5)])
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.normal_()
+                m.running_mean.normal_()
+                m.running_var.uniform_(0.5, 1.5)
+    return model.cuda()
+
+
+def _err(y: torch.Tensor, model: nn.Module, x: torch.Tensor) -> float:
+    with torch.no_grad():
+        want = copy.deepcopy(model).double()(x.double())
+    assert not torch.isnan(y).any()
+    return float((y.double() - want).norm() / want.norm())
+
+
+def _poison(shape):
+    t = torch.full(shape, float("nan"), device="cuda")
+    del t
+
+
+def _fused_modules(fused: nn.Module) -> list:
+    import convforge.torch as ct
+
+    return [m for m in fused.modules() if isinstance(m, ct.FusedConv2d)]
+
+
+def _tolerance(model: nn.Module) -> float:
+    """The largest stated tolerance of the plans convforge's convs in ``model`` ran, times 4 (a
+    few layers in a row)."""
+    import convforge.torch as ct
+
+    tol = 0.0
+    for m in model.modules():
+        if isinstance(m, ct.Conv2d):
+            for key, v in m._cf_cache.items():
+                if v is None:
+                    continue
+                run = v[0] if key[0] == "fused" else None if key[0] == "fold" else v
+                if run is not None:
+                    tol = max(tol, run.exe.plan.tolerance)
+    assert tol > 0, "no convforge plan ran"
+    return 4 * tol
+
+
+@pytest.mark.parametrize("algo", ["auto", "implicit_gemm", "winograd"])
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_eval_takes_the_folded_path_and_matches_float64(gpu, algo, mode, monkeypatch):
+    """implicit_gemm adds the residual in its epilogue; Winograd (no residual store path) adds it
+    after its plan; the tolerance is the largest stated tolerance of the chosen plans."""
+    import convforge.torch as ct
+    from convforge import kernels
+    from convforge.backends import cuda as cuda_mod
+    from convforge.torch import fused as fused_mod
+
+    model = _model(0, full=algo != "winograd").eval()  # Winograd runs only the 3x3 stride-1 convs
+    fused, report = ct.fuse(model, algo=algo)
+    assert report.fused["1.c2"] == "bn+add+relu" and not report.left
+    bn_calls = []
+    for m in fused.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.register_forward_hook(lambda *a: bn_calls.append(1))
+    x = torch.randn(3, 3, 13, 17, device="cuda")
+    ctx = torch.inference_mode() if mode == "inference_mode" else torch.no_grad()
+    with ctx:
+        _poison((3, 16, 13, 17))
+        y = fused(x)
+    assert not bn_calls  # folded: no batch-norm kernel ran
+    for m in _fused_modules(fused):
+        entries = [v for k, v in m._cf_cache.items() if k[0] == "fused"]
+        assert len(entries) == 1 and entries[0] is not None, m
+        run, res_in_plan, _ = entries[0]
+        if m._cf_residual:  # in the plan exactly when the chosen variant has a residual store path
+            residual_ok = kernels.get_variant(run.exe.plan.variant).residual_ok
+            assert res_in_plan == run.exe.plan.epilogue.residual == residual_ok
+            assert residual_ok == (algo == "implicit_gemm") or algo == "auto"
+    tol = _tolerance(fused)
+    assert _err(y, model, x) < tol, (algo, tol)
+    folds, transforms = [], []
+    real_fold, real_transform = fused_mod.fold_bn, cuda_mod.torch_transform
+    monkeypatch.setattr(fused_mod, "fold_bn", lambda *a: folds.append(1) or real_fold(*a))
+    monkeypatch.setattr(cuda_mod, "torch_transform", lambda *a: transforms.append(1) or real_transform(*a))
+    with ctx:
+        y2 = fused(x)
+    assert not folds and not transforms and torch.equal(y, y2)  # warm: no fold, no filter transform
+
+
+def test_training_matches_pytorch(gpu, monkeypatch):
+    import convforge.torch as ct
+
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    model = _model(1).train()
+    ref = copy.deepcopy(model)
+    fused, _ = ct.fuse(model)
+    x = torch.randn(4, 3, 15, 15, device="cuda")
+    target = torch.randint(0, 5, (4,), device="cuda")
+    y, want = fused(x), ref(x)
+    torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-5)
+    F.cross_entropy(y, target).backward()
+    F.cross_entropy(want, target).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-5, msg=name)
+    for (name, b), c in zip(model.named_buffers(), ref.buffers()):
+        torch.testing.assert_close(b, c, rtol=1e-4, atol=1e-5, msg=name)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(60):
+        opt.zero_grad()
+        loss = F.cross_entropy(fused(x), target)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0], losses
+    fused.eval()  # the trained weights and statistics, folded
+    model.eval()
+    with torch.no_grad():
+        assert _err(fused(x), model, x) < _tolerance(fused)
+
+
+@pytest.mark.parametrize("static_weights", [True, False])
+def test_cuda_graph_capture_replay_and_in_place_updates(gpu, static_weights):
+    """Replays match float64; after an in-place update of a conv weight and a batch norm's
+    statistics, static_weights=False replays see it at once, True after one eager forward (which
+    re-folds into the same buffers)."""
+    import convforge.torch as ct
+
+    model = _model(2).eval()
+    fused, _ = ct.fuse(model, static_weights=static_weights)
+    x = torch.randn(2, 3, 16, 16, device="cuda")
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fused(x)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_y = fused(x)
+        tol = _tolerance(fused)
+        for seed in range(2):
+            x.copy_(torch.randn(x.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)))
+            graph.replay()
+            assert _err(static_y, model, x) < tol, seed
+        model[1].c2.weight.mul_(-1.5)
+        model[1].bn1.running_var.mul_(3.0)
+        if static_weights:
+            eager = fused(x)
+            assert _err(eager, model, x) < tol  # re-folded
+        graph.replay()
+        assert _err(static_y, model, x) < tol
+
+
+@pytest.mark.parametrize("name,batch,size", [("resnet18", 2, 64), ("resnet50", 2, 64)])
+def test_torchvision_resnets(gpu, name, batch, size, monkeypatch):
+    tv = pytest.importorskip("torchvision", reason="torchvision not installed")
+    import convforge.torch as ct
+
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    torch.manual_seed(0)
+    model = getattr(tv.models, name)(weights=None).cuda().eval()
+    fused, report = ct.fuse(model)
+    assert not report.left and not report.unfused
+    x = torch.randn(batch, 3, size, size, device="cuda")
+    with torch.no_grad():
+        y = fused(x)
+        pt = model(x)
+    with torch.no_grad():
+        want = copy.deepcopy(model).double()(x.double())
+    err, err_pt = (float((t.double() - want).norm() / want.norm()) for t in (y, pt))
+    assert err < _tolerance(fused), (err, err_pt)
+    print(f"{name}: fused rel err {err:.2e}, PyTorch FP32 {err_pt:.2e}")
