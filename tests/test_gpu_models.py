@@ -90,9 +90,9 @@ def test_torch_baseline_tf32_and_restores_the_switches(gpu: Any) -> None:
     from convforge.graph.torch_baseline import run_torch
     from convforge.reference import rel_l2
 
-    g = models.load("nin", input_size=48, seed=1)
+    g = models.load("nin", input_size=128, seed=1)
     g.outputs = [g.producer(g.outputs[0]).inputs[0]]
-    x = np.random.default_rng(0).standard_normal((1, 3, 48, 48)).astype(np.float32)
+    x = np.random.default_rng(0).standard_normal((1, 3, 128, 128)).astype(np.float32)
     want = run_reference(g, x)[g.outputs[0]]
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     fp32 = rel_l2(run_torch(g, x, repeats=2).output, want)

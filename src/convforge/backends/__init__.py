@@ -19,7 +19,11 @@ def get_backend(name: str, device: str | int | None = None) -> Backend:
 
             _INSTANCES[key] = CudaBackend(None if device is None else int(device))
         elif name == "opencl":
-            from convforge.backends.opencl import OpenCLBackend
+            try:
+                from convforge.backends.opencl import OpenCLBackend
+            except ImportError as err:
+                raise ValueError(f"backend 'opencl' needs pyopencl ({err}); pip install 'pyopencl[pocl]' "
+                                 "for a CPU device") from None
 
             _INSTANCES[key] = OpenCLBackend(None if device is None else str(device))
         else:

@@ -205,7 +205,7 @@ def pipe_ok(p: Params, a: Kind, b: Kind, limit: int = PIPE_SHARED) -> bool:
     if p.bm % (16 * p.wm) or p.bn % (8 * p.wn):
         return False
     lay = layout_of(p)
-    if not 64 <= lay.threads <= 256 or lay.fm * lay.fn * 4 > MAX_ACC:
+    if not 128 <= lay.threads <= 256 or lay.fm * lay.fn * 4 > MAX_ACC:  # 4+ warps: see PIPE_TILES
         return False
     perm = [read_mode(f, r) == "lds4" for f, _, r in (a, b)]
     if (perm[0] and 2 * lay.fm not in (4, 8)) or (perm[1] and lay.fn not in (4, 8)):
@@ -218,11 +218,14 @@ def pipe_ok(p: Params, a: Kind, b: Kind, limit: int = PIPE_SHARED) -> bool:
 
 
 # (bm, bn, bk, wm, wn, st): 64 x 64 warp tiles first (cuDNN's 128 x 128 x 16, 2 x 2 warps, 4 stages).
+# Blocks of fewer than 4 warps are left out: on the H200 (2026-11-23) the staged Winograd F(2x2) GEMM
+# at (128, 64, 32, 2, 1, 3) with ks=2 gave a wrong result (rel L2 0.98 on N2 C132 9x11 K131); not yet
+# understood, so no 1- or 2-warp block is offered until it is.
 PIPE_TILES = ((128, 128, 32, 2, 2, 3), (128, 128, 16, 2, 2, 4), (128, 64, 32, 2, 2, 3),
               (64, 128, 32, 2, 2, 3), (128, 64, 16, 2, 2, 4), (64, 128, 16, 2, 2, 4),
-              (128, 128, 32, 2, 2, 2), (128, 128, 16, 2, 2, 3), (128, 64, 32, 2, 1, 3),
-              (64, 128, 32, 1, 2, 3), (64, 64, 32, 2, 2, 3), (64, 64, 16, 2, 2, 4),
-              (64, 64, 32, 1, 1, 3), (128, 256, 16, 2, 4, 3), (256, 128, 16, 4, 2, 3))
+              (128, 128, 32, 2, 2, 2), (128, 128, 16, 2, 2, 3),
+              (64, 64, 32, 2, 2, 3), (64, 64, 16, 2, 2, 4),
+              (128, 256, 16, 2, 4, 3), (256, 128, 16, 4, 2, 3))
 
 
 def pipe_space(m: int, n: int, device: DeviceInfo, a: Kind, b: Kind, batch: int = 1) -> list[Params]:
