@@ -186,12 +186,8 @@ class CudaBackend(Backend):
         av = _matrices(a, step.batch, step.m, step.k, step.lda, step.stride_a)
         bv = _matrices(b, step.batch, step.k, step.n, step.ldb, step.stride_b)
         cv = _matrices(c, step.batch, step.m, step.n, step.ldc, step.stride_c)
-        stream = self._stream()
-        with cp.cuda.Device(self.device_id), stream:
-            if capturing(int(stream.ptr)):  # CuPy's matmul refuses capture; cuBLAS itself records fine
-                _sgemm_batched(step, a, b, c, int(stream.ptr))
-            else:
-                cp.matmul(av, bv, out=cv)
+        with cp.cuda.Device(self.device_id), self._stream():
+            cp.matmul(av, bv, out=cv)
 
     def synchronize(self) -> None:
         self._stream().synchronize()
@@ -231,22 +227,6 @@ class CudaBackend(Backend):
             end.record(stream)
         events[-1][1].synchronize()
         return [float(cp.cuda.get_elapsed_time(start, end)) for start, end in events]
-
-
-_ONE_ZERO = np.array([1.0, 0.0], np.float32)  # alpha, beta for cuBLAS (host pointer mode)
-
-
-def _sgemm_batched(step: Gemm, a: Any, b: Any, c: Any, stream: int) -> None:
-    """Row-major C = A.B of a Gemm step by cublasSgemmStridedBatched on raw pointers (column-major
-    C^T = B^T.A^T), on ``stream``: the path taken under CUDA-graph capture."""
-    from cupy_backends.cuda.libs import cublas
-
-    handle = cp.cuda.device.get_cublas_handle()
-    cublas.setStream(handle, stream)
-    one, zero = _ONE_ZERO.ctypes.data, _ONE_ZERO.ctypes.data + 4
-    cublas.sgemmStridedBatched(handle, cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_N, step.n, step.m, step.k, one,
-                               b.data.ptr, step.ldb, step.stride_b, a.data.ptr, step.lda, step.stride_a, zero,
-                               c.data.ptr, step.ldc, step.stride_c, step.batch)
 
 
 def _matrices(buf: Any, batch: int, rows: int, cols: int, ld: int, stride: int) -> Any:
