@@ -159,6 +159,7 @@ class Variant:
     tolerance: float = 1e-5  # the correctness check's bound (relative L2 vs float64)
     precision: str = "fp32"  # the accuracy class it states: "fp32" or "relaxed" (convforge.precision)
     exact: bool = False  # plain float32 sums of products (direct, GEMM family): the verifier's family
+    capturable: bool = True  # its plans record into a CUDA graph (False: a cuBLAS step through CuPy)
     specialised: int = 0  # higher = more specialised; the heuristic prefers it when it applies
     space_lead: int = 0  # the tuner tries this many first points of space() in order, then samples
     residual_ok: bool = False  # its store paths honour Epilogue.residual (others raise, never ignore it)

@@ -138,6 +138,8 @@ def _from_db(spec: ConvSpec, backend: Backend, epi: Epilogue, prec: str, bound: 
             continue
         if workspace_limit is not None and entry.workspace > workspace_limit:
             continue
+        if not variant.capturable:  # an older entry: 'auto' answers must record into CUDA graphs
+            continue
         if variant.applies(spec, backend.device) is not None:
             continue
         params = Params.from_json(entry.params)

@@ -223,6 +223,7 @@ class Im2colCublas(Variant):
 
     name = "im2col_cublas"
     specialised = 2
+    capturable = False  # CuPy refuses cuBLAS calls under stream capture: never an 'auto' choice
     family = "im2col"
     backends = frozenset({"cuda"})
     tolerance = 1e-5

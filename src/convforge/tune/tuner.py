@@ -286,7 +286,8 @@ class Tuner:
         (under ``max_error``: stated error within 4 x of it), and always the exact ones."""
         from convforge.kernels import all_variants
 
-        pool = list(self.variants) if self.variants is not None else all_variants()
+        pool = list(self.variants) if self.variants is not None else [
+            v for v in all_variants() if v.capturable]  # 'auto' answers must record into CUDA graphs
         if self.max_error is not None:
             return [v for v in pool if v.exact or v.expected_error(spec) <= 4 * self.max_error]
         if self.precision == "fp32":
