@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from convforge.codegen.dialect import Arg, Dim3, Kernel, LocalBuf
 from convforge.codegen.meta import Code, cdiv
 from convforge.kernels.sgemm import GemmShape, SetupFn, Store, _default_setup
+from convforge.kernels.tcgemm import TcLayout
 from convforge.params import Params
 from convforge.plan import DeviceInfo
 
@@ -80,35 +81,10 @@ class AsyncOperand:
 
 
 @dataclass(frozen=True)
-class PipeLayout:
-    """Derived sizes of one parameter set."""
+class PipeLayout(TcLayout):
+    """Derived sizes of one parameter set: the mma.sync GEMM's warps and warp tiles, plus stages."""
 
-    bm: int
-    bn: int
-    bk: int
-    wm: int
-    wn: int
     st: int
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.wm * self.wn
-
-    @property
-    def wtm(self) -> int:
-        return self.bm // self.wm
-
-    @property
-    def wtn(self) -> int:
-        return self.bn // self.wn
-
-    @property
-    def fm(self) -> int:
-        return self.wtm // 16
-
-    @property
-    def fn(self) -> int:
-        return self.wtn // 8
 
 
 def layout_of(p: Params) -> PipeLayout:

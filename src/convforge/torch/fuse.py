@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.fx import Graph, GraphModule, Node, Tracer
 
 from convforge.torch.fused import FusedConv2d
-from convforge.torch.modules import OPTIONS, Conv2d, ConvertReport, convert
+from convforge.torch.modules import OPTIONS, Conv2d, ConvertReport, convert, static_reason
 
 _ADDS_F = {operator.add: False, operator.iadd: True, torch.add: False}
 _ADDS_M = {"add": False, "add_": True}
@@ -114,13 +114,7 @@ def _left_reason(m: torch.nn.Conv2d) -> str | None:
     PyTorch's ops until moved to CUDA)."""
     if type(m) not in (torch.nn.Conv2d, Conv2d):
         return f"a subclass of nn.Conv2d ({type(m).__name__}) whose forward may differ"
-    if m.groups != 1:
-        return f"groups={m.groups} (convforge runs groups=1)"
-    if m.padding_mode != "zeros":
-        return f"padding_mode={m.padding_mode!r} (convforge pads with zeros)"
-    if m.weight.dtype != torch.float32:
-        return f"dtype {str(m.weight.dtype).replace('torch.', '')} (convforge runs float32)"
-    return None
+    return static_reason(m, on_cuda=False)
 
 
 Chain = tuple[list[Node], Any, Node | None, bool]

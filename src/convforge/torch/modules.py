@@ -37,15 +37,16 @@ _F32 = torch.float32
 _CAPTURING = torch.cuda.is_current_stream_capturing
 
 
-def static_reason(m: torch.nn.Conv2d) -> str | None:
-    """Why convforge cannot run this layer whatever its input, or None."""
+def static_reason(m: torch.nn.Conv2d, on_cuda: bool = True) -> str | None:
+    """Why convforge cannot run this layer whatever its input, or None (``on_cuda``: parameters
+    off the GPU count as a reason)."""
     if m.groups != 1:
         return f"groups={m.groups} (convforge runs groups=1)"
     if m.padding_mode != "zeros":
         return f"padding_mode={m.padding_mode!r} (convforge pads with zeros)"
     if m.weight.dtype != torch.float32:
         return f"dtype {str(m.weight.dtype).replace('torch.', '')} (convforge runs float32)"
-    if m.weight.device.type != "cuda":
+    if on_cuda and m.weight.device.type != "cuda":
         return f"parameters on {m.weight.device} (convforge runs CUDA tensors: convert after model.cuda())"
     return None
 
