@@ -194,9 +194,6 @@ def tc_default(m: int, n: int, k: int, device: DeviceInfo, va_ok: bool = True, v
     wastes at most 1/8 of its rows and columns on padding and gives every compute unit a block
     (``batch`` GEMMs side by side); failing that, the valid low-waste tile with the most blocks
     (ResNet 512@7² N32: 64 x 64, 200 blocks, rather than 128 x 128's 52 on 132 SMs)."""
-    def waste(size: int, tile: int) -> float:
-        return (cdiv(size, tile) * tile - size) / (cdiv(size, tile) * tile)
-
     valid: list[Params] = []
     for (bm, bn, bk, wm, wn), va, vb in itertools.product(_TILES, (4, 1), (4, 1)):
         p = Params(bm=bm, bn=bn, bk=bk, wm=wm, wn=wn, va=va if va_ok else 1, vb=vb if vb_ok else 1)
@@ -205,10 +202,19 @@ def tc_default(m: int, n: int, k: int, device: DeviceInfo, va_ok: bool = True, v
             valid.append(p)
     if not valid:
         raise ValueError(f"no tensor-core GEMM tile fits M={m} N={n} K={k}")
+    return pick_tile(valid, m, n, batch, device.units)
+
+
+def pick_tile(valid: list[Params], m: int, n: int, batch: int, units: int) -> Params:
+    """The first of ``valid`` (tiles bm x bn, in preference order) wasting at most 1/8 of its rows
+    and columns that gives every compute unit a block; else the low-waste tile with the most blocks."""
+    def waste(size: int, tile: int) -> float:
+        return (cdiv(size, tile) * tile - size) / (cdiv(size, tile) * tile)
+
     lean = [p for p in valid if waste(m, p.bm) <= 0.125 and waste(n, p.bn) <= 0.125] or \
         [min(valid, key=lambda p: waste(m, p.bm) + waste(n, p.bn))]
     blocks = {p: cdiv(m, p.bm) * cdiv(n, p.bn) * batch for p in lean}
-    return next((p for p in lean if blocks[p] >= max(device.units, 1)), max(lean, key=lambda p: blocks[p]))
+    return next((p for p in lean if blocks[p] >= max(units, 1)), max(lean, key=lambda p: blocks[p]))
 
 
 def tc_grid(shape: GemmShape, p: Params) -> Dim3:

@@ -37,9 +37,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from convforge.codegen.dialect import Arg, Dim3, Kernel, LocalBuf
-from convforge.codegen.meta import Code, cdiv
+from convforge.codegen.meta import Code
 from convforge.kernels.sgemm import GemmShape, SetupFn, Store, _default_setup
-from convforge.kernels.tcgemm import TcLayout
+from convforge.kernels.tcgemm import TcLayout, pick_tile, tc_grid
 from convforge.params import Params
 from convforge.plan import DeviceInfo
 
@@ -220,22 +220,14 @@ def pipe_default(m: int, n: int, device: DeviceInfo, a: Kind, b: Kind, batch: in
     """The first tile wasting at most 1/8 of its rows and columns that gives every compute unit
     a block; else the valid low-waste tile with the most blocks."""
     limit = min(PIPE_SHARED, max(device.shared_optin_bytes, 48 * 1024))
-
-    def waste(size: int, tile: int) -> float:
-        return (cdiv(size, tile) * tile - size) / (cdiv(size, tile) * tile)
-
     valid = [Params(bm=bm, bn=bn, bk=bk, wm=wm, wn=wn, st=st) for bm, bn, bk, wm, wn, st in PIPE_TILES]
     valid = [p for p in valid if pipe_ok(p, a, b, limit)]
     if not valid:
         raise ValueError(f"no staged tensor-core tile fits operands {a} / {b}")
-    lean = [p for p in valid if waste(m, p.bm) <= 0.125 and waste(n, p.bn) <= 0.125] or \
-        [min(valid, key=lambda p: waste(m, p.bm) + waste(n, p.bn))]
-    blocks = {p: cdiv(m, p.bm) * cdiv(n, p.bn) * batch for p in lean}
-    return next((p for p in lean if blocks[p] >= max(device.units, 1)), max(lean, key=lambda p: blocks[p]))
+    return pick_tile(valid, m, n, batch, device.units)
 
 
-def pipe_grid(shape: GemmShape, p: Params) -> Dim3:
-    return (cdiv(shape.n, p.bn), cdiv(shape.m, p.bm), shape.batch * shape.ksplit)
+pipe_grid = tc_grid  # x over N tiles, y over M tiles, z over batch x K splits
 
 
 def pipe_block(p: Params) -> Dim3:
