@@ -4,11 +4,13 @@ Rows: ``F.conv2d`` (PyTorch, cuDNN), ``nn.Conv2d`` forward, ``convforge.conv2d``
 and with CuPy arrays, the ``torch.ops.convforge.conv2d`` op (through the dispatcher, its Autograd
 kernel included under no_grad) and a converted ``convforge.torch.Conv2d`` forward (eager inference).
 
-Floor rows: ``x.add_(0)`` on a tiny tensor (ONE bare kernel launch from PyTorch's C++),
-``x.new_empty(shape)`` (one output allocation from the caching allocator) and this layer's own kernel
-launched through ``cuLaunchKernel`` by ctypes with its argument buffer prepared (``launch_raw`` on fixed
-pointers and stream: the cheapest launch Python can make, no allocation, no dispatch). Each convforge row
-states the kernel launches one warm call makes (from its executable's steps: "rest" only when the
+Floor rows: ``cuLaunchKernel`` from C (a 16-argument empty kernel, built here by nvcc when it is on
+PATH: the driver's own cost on this host), ``x.add_(0)`` on a tiny tensor (ONE bare kernel launch
+from PyTorch's C++), ``x.new_empty(shape)`` (one output allocation from the caching allocator) and
+this layer's own kernel launched with its argument buffer prepared (``launch_raw`` on fixed pointers
+and stream, through CuPy's compiled ``launchKernel`` binding, as every convforge call launches: the
+cheapest launch Python makes, no allocation, no dispatch), and the same through ctypes for comparison.
+Each convforge row states the kernel launches one warm call makes (from its executable's steps: "rest" only when the
 filters are cached per weight version, every step for CuPy arrays, whose transform runs per call;
 a cuBLAS Gemm or Fill step counts as one launch) and its **overhead above the floor**: its cost
 minus (launches x raw launch + one allocation). That is the part convforge controls.
@@ -21,10 +23,9 @@ calls, median of ``--bursts`` bursts, the queue drained between them. The device
 (CUDA events, back to back) is printed for context.
 
 Targets (issue 15): convforge.conv2d <= 5 us with torch tensors or CuPy arrays, the torch op <= 10 us,
-against F.conv2d's 19 us. The 5 us assumed a ~3 us kernel launch (a 16-argument cuLaunchKernel
-through cuda.bindings). On a host where one bare launch costs more (the H200 VM of 2026-11-23: ~7
-us even from PyTorch's C++ ``add_``), no call that launches can reach 5 us; the comparable figure
-is the overhead above the floor, which the issue's budget puts at about 2 us (5 us - 3 us).
+against F.conv2d's 19 us. The 5 us assumed a ~3 us kernel launch and left ~2 us for the rest; an
+output allocation from Python (``new_empty``) alone costs ~3 us on the H200 host of 2026-11-23, so
+the comparable figure is the overhead above launch + allocation.
 
     PYTHONPATH=src python scripts/host_cost.py [--spec N=1,C=8,H=8,W=8,K=8,R=3,S=3,pad=1] [--algo auto]
 """
@@ -32,7 +33,12 @@ is the overhead above the floor, which the issue's budget puts at about 2 us (5 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import os
+import shutil
 import statistics
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -109,7 +115,80 @@ def raw_launch(x: Any, w: Any, b: Any, spec: ConvSpec, algo: str) -> Callable[[]
     if exe.derived:
         exe.launch_raw(0, ptrs[1], 0, 0, ptrs[4], derived.data_ptr(), "weights")
     dp = derived.data_ptr() if exe.derived else 0
-    return lambda: exe.launch_raw(*ptrs, dp, steps)
+
+    def call() -> None:
+        exe.launch_raw(*ptrs, dp, steps)
+
+    call.exe, call.ptrs, call.dp, call.steps, call.keep = exe, ptrs, dp, steps, (y, derived)  # type: ignore
+    return call
+
+
+C_FLOOR = r"""
+#include <cuda.h>
+#include <chrono>
+#include <cstdio>
+#include <algorithm>
+#include <vector>
+extern "C" __global__ void spin(long long n) { long long t = clock64(); while (clock64() - t < n) {} }
+extern "C" __global__ void k16(float* a, float* b, float* c, float* d, float* e, int n0, int n1, int n2, int n3,
+                               int n4, int n5, int n6, int n7, int n8, int n9, float f) { if (n0 < 0) a[0] = f; }
+int main(int argc, char** argv) {  // host us per cuLaunchKernel, GPU held by spin: median of 15 bursts
+  int calls = atoi(argv[1]);
+  cudaFree(0);
+  CUfunction fs, fk;
+  cudaGetFuncBySymbol(&fs, (void*)spin); cudaGetFuncBySymbol(&fk, (void*)k16);
+  CUstream s; cuStreamCreate(&s, CU_STREAM_NON_BLOCKING);
+  float* p; cudaMalloc(&p, 1024);
+  long long cyc = 100000000; void* sa[] = {&cyc};
+  int n[10] = {0}; float f = 1;
+  void* ka[] = {&p, &p, &p, &p, &p, &n[0], &n[1], &n[2], &n[3], &n[4], &n[5], &n[6], &n[7], &n[8], &n[9], &f};
+  for (int i = 0; i < 100; i++) cuLaunchKernel(fk, 4, 1, 1, 128, 1, 1, 0, s, ka, 0);
+  cuStreamSynchronize(s);
+  std::vector<double> t;
+  for (int b = 0; b < 15; b++) {
+    cuLaunchKernel(fs, 1, 1, 1, 1, 1, 1, 0, s, sa, 0);
+    auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < calls; i++) cuLaunchKernel(fk, 4, 1, 1, 128, 1, 1, 0, s, ka, 0);
+    t.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / calls);
+    cuStreamSynchronize(s);
+  }
+  std::sort(t.begin(), t.end());
+  printf("%.3f\n", t[7]);
+  return 0;
+}
+"""
+
+
+def c_floor(calls: int) -> float | None:
+    """Host us of one cuLaunchKernel from C (nvcc-built probe), or None without nvcc."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        src, exe = os.path.join(tmp, "floor.cu"), os.path.join(tmp, "floor")
+        with open(src, "w") as f:
+            f.write(C_FLOOR)
+        subprocess.run([nvcc, "-o", exe, src, "-lcuda"], check=True, capture_output=True)
+        out = subprocess.run([exe, str(calls)], check=True, capture_output=True, text=True).stdout
+    return float(out.strip())
+
+
+def ctypes_launch(raw: Callable[[], object]) -> Callable[[], object] | None:
+    """The same prepared launch as ``raw`` through ctypes (argtypes set): what round 9 called."""
+    exe, ptrs, dp, steps = raw.exe, raw.ptrs, raw.dp, raw.steps  # type: ignore[attr-defined]
+    exe.launch_raw(*ptrs, dp, steps)  # fills the pointer slots of the prepared buffers
+    runs = exe._runs[steps]
+    lib = ctypes.CDLL("libcuda.so.1")
+    fn = lib.cuLaunchKernel
+    u, p = ctypes.c_uint, ctypes.c_void_p
+    fn.argtypes = [p, u, u, u, u, u, u, u, p, p, p]
+    stream = ptrs[4]
+
+    def call() -> None:
+        for head, params in runs:
+            fn(*head, stream, params, None)
+
+    return call
 
 
 def main() -> None:
@@ -132,11 +211,12 @@ def main() -> None:
                                                  (spec.pad[0], spec.pad[2]), spec.dilation).cuda(), algo=args.algo)
     st, pd, dl = list(spec.stride), list(spec.pad), list(spec.dilation)
     kw: dict[str, Any] = dict(algo=args.algo)
-    # (name, call, kind): kind "floor_launch" / "floor_alloc" / "torch" / "cupy" / "module" / "" (PyTorch)
+    # (name, call, kind): kind "floor_<what>" / "torch" / "cupy" / "module" / "" (PyTorch)
     raw = raw_launch(x, w, b, spec, args.algo)
     rows: list[tuple[str, Callable[[], object], str]] = [
         ("floor: x.add_(0), one torch launch", lambda: tiny.add_(0), "floor_torch"),
-        ("floor: cuLaunchKernel (ctypes, prepared)", raw, "floor_launch"),
+        ("floor: launch_raw (CuPy binding, prepared)", raw, "floor_launch"),
+        ("  the same launch through ctypes", ctypes_launch(raw), "floor_ctypes"),
         ("floor: x.new_empty(y shape)", lambda: x.new_empty(spec.y_shape), "floor_alloc"),
         ("F.conv2d (cuDNN)", lambda: F.conv2d(x, w, b, spec.stride, (spec.pad[0], spec.pad[2]), spec.dilation), ""),
         ("nn.Conv2d forward", lambda: layer(x), ""),
@@ -150,9 +230,11 @@ def main() -> None:
     ]
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | cupy {cp.__version__} | "
           f"layer {spec.short()} | algo {args.algo} | {args.calls} calls x {args.bursts} bursts")
+    cf = c_floor(args.calls)
+    print(f"floor: cuLaunchKernel from C, host us per launch: {'n/a (no nvcc)' if cf is None else f'{cf:.2f}'}")
     print(f"{'call':36s} {'launches':>8s} {'no_grad us':>11s} {'above floor':>11s} {'inference us':>13s} "
           f"{'above floor':>11s} {'device us':>10s}")
-    floor = {"launch": [0.0, 0.0], "alloc": [0.0, 0.0], "torch": [0.0, 0.0]}
+    floor = {"launch": [0.0, 0.0], "alloc": [0.0, 0.0], "torch": [0.0, 0.0], "ctypes": [0.0, 0.0]}
     for name, fn, kind in rows:
         with torch.no_grad():
             for _ in range(20):
@@ -163,21 +245,22 @@ def main() -> None:
             for _ in range(5):
                 fn()
             inf, woke2 = host_us(fn, args.calls, args.bursts)
-        if kind.startswith("floor_"):
-            floor[kind[6:]] = [ng, inf]
         run = (next(iter(ours._cf_cache.values()), None) if kind == "module"
                else runner_of(x, w, b, spec, args.algo) if kind == "torch"
                else runner_of(xc, wc, bc, spec, args.algo) if kind == "cupy" else None)
-        n = launches(run, kind != "cupy") if run is not None else (1 if kind in ("floor_launch", "floor_torch")
-                                                                    else None)
+        n = launches(run, kind != "cupy") if run is not None else (
+            launches(runner_of(x, w, b, spec, args.algo), True) if kind in ("floor_launch", "floor_ctypes")
+            else 1 if kind == "floor_torch" else None)
+        if kind.startswith("floor_"):
+            floor[kind[6:]] = [ng / (n or 1), inf / (n or 1)]  # per launch for the launch rows
         above = ["", ""]
         if kind in ("torch", "cupy", "module") and n is not None:
             above = [f"{cost - n * floor['launch'][i] - floor['alloc'][i]:11.2f}" for i, cost in enumerate((ng, inf))]
         flag = "  (GPU woke during a burst: use fewer --calls)" if woke1 or woke2 else ""
         print(f"{name:36s} {'-' if n is None else n:>8} {ng:11.2f} {above[0]:>11s} {inf:13.2f} {above[1]:>11s} "
               f"{dev:10.2f}{flag}")
-    print("above floor = cost - launches x (one raw cuLaunchKernel) - (one allocation); the issue's 5 us "
-          "assumed a ~3 us launch, i.e. ~2 us above floor")
+    print("above floor = cost - launches x (one launch_raw launch) - (one allocation); the issue's 5 us "
+          "assumed a ~3 us launch, i.e. ~2 us for the rest")
 
 
 if __name__ == "__main__":
