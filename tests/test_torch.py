@@ -266,7 +266,7 @@ def test_raw_launch_rewrites_only_the_pointer_slots(monkeypatch):
                 assert fn == hash(kernel.name) & 0xFFFF  # the CUfunction of this step's kernel
                 assert (gx, gy, gz) == step.grid and (bx, by, bz) == step.block and stream == 77
                 lb = kernel.local_buf()
-                assert shared == (lb.nbytes if lb else 0) and extra is None
+                assert shared == (lb.nbytes if lb else 0) and extra == 0
                 args = [a for a in kernel.args if not isinstance(a, LocalBuf)]
                 cells = (ctypes.c_void_p * len(args)).from_address(params)
                 for i, (arg, ref) in enumerate(zip(args, step.args)):
