@@ -106,7 +106,8 @@ def _cf(net: Net) -> Net:
     return net
 
 
-FAST = {"a": 4e-6, "b": 4e-6, "c": 5e-7, "d": 2e-6}  # c: the same variant either way
+FAST = {"a": 4e-6, "b": 4e-6, "c": 5e-7, "d": 2e-6}  # stated; c: the same variant either way
+MEASURED: dict[str, float] = {}  # the fast choices' errors measured by the tuning database
 
 
 def _fake_choice(self, x_shape, device, max_error):
@@ -115,7 +116,8 @@ def _fake_choice(self, x_shape, device, max_error):
     name = self.tag
     err = FAST[name] if max_error is None or max_error >= FAST[name] else 1e-7
     variant = SimpleNamespace(name=f"{name}-{'fast' if err == FAST[name] else 'acc'}", expected_error=lambda s: err)
-    return spec, SimpleNamespace(variant=variant, params=None)
+    measured = MEASURED.get(name) if err == FAST[name] else None
+    return spec, SimpleNamespace(variant=variant, params=None, error=measured)
 
 
 def test_candidates_order_and_apply_follow_the_module_choices(monkeypatch):
@@ -128,7 +130,8 @@ def test_candidates_order_and_apply_follow_the_module_choices(monkeypatch):
     cands, skipped = cal._candidates(mods, shapes, 0, 1e-6)
     cands = cal.order(cands)
     assert [c.path for c in cands] == ["a", "b"]  # a has fewer FLOPs (C=3) than b at the same stated error
-    assert (cands[0].fast, cands[0].accurate, cands[0].fast_error) == ("a-fast", "a-acc", 4e-6)
+    assert (cands[0].fast, cands[0].accurate, cands[0].fast_error, cands[0].fast_measured) == (
+        "a-fast", "a-acc", 4e-6, False)
     assert skipped == {}
     mods["b"]._cf_cache[("stale",)] = object()
     fast = {p: m.max_error for p, m in mods.items()}
@@ -139,6 +142,22 @@ def test_candidates_order_and_apply_follow_the_module_choices(monkeypatch):
     assert mods["b"].max_error == 1e-6 and mods["b"]._cf_cache == {}
     cal._apply(mods, cands, fast, 1e-6, 0)
     assert [mods[p].max_error for p in "abcd"] == [None] * 4
+
+
+def test_measured_errors_order_before_stated_ones(monkeypatch):
+    """A database-measured error (here d's 9e-6 against its stated 2e-6) is the better evidence."""
+    monkeypatch.setattr(ct.Conv2d, "cf_choice", _fake_choice)
+    monkeypatch.setitem(MEASURED, "d", 9e-6)
+    net = _cf(Net())
+    mods = {p: m for p, m in net.named_modules() if isinstance(m, ct.Conv2d)}
+    for p, m in mods.items():
+        m.tag = p
+    cands, _ = cal._candidates(mods, {p: {(1, 3 if p == "a" else 8, 5, 5)} for p in mods}, 0, 1e-6)
+    got = cal.order(cands)
+    assert [(c.path, c.fast_error, c.fast_measured) for c in got] == [
+        ("d", 9e-6, True), ("a", 4e-6, False), ("b", 4e-6, False)]
+    rep = cal.CalibrationReport(2.0, 1e-6, 1e-7, 2e-7, 9e-7, 1e-7, 3, 3, got[:1])
+    assert "d: d-fast (9.0e-06 measured) -> d-acc (1.0e-07)" in str(rep)
 
 
 def test_a_layer_without_a_tight_variant_is_skipped_with_the_reason(monkeypatch):

@@ -11,7 +11,9 @@ gives away speed that a network needs. ``calibrate`` chooses per network:
    module's input shape and gives the starting error; each module whose choice at
    ``max_error=tight`` ("accurate") differs from its fast one is a candidate;
 3. if the error is over the bound, candidates are ordered by the error they are likely to add per
-   unit of speed lost (the fast choice's stated error, descending; ties: fewer FLOPs first) and a
+   unit of speed lost (the fast choice's error, descending: the error the tuning database measured
+   for it where it has one, since stated errors do not grow with the reduction length while
+   measured ones do, else the variant's stated error; ties: fewer FLOPs first) and a
    binary search finds the smallest prefix whose tightening brings the output error within the
    bound, one no_grad forward per probe (:func:`search_prefix`, assuming the error falls as the
    prefix grows).
@@ -41,8 +43,10 @@ from convforge.torch.modules import Conv2d
 @dataclass(frozen=True)
 class Candidate:
     """A layer whose variant changes under the tight bound: its path, the fast and accurate
-    choices (variant names, '/'-joined when the module runs several shapes) with their stated
-    relative errors (the largest over its shapes), and its FLOPs per forward."""
+    choices (variant names, '/'-joined when the module runs several shapes) with their relative
+    errors (the largest over its shapes; each the error the tuning database measured for the
+    choice where it has one, else the variant's stated error), its FLOPs per forward, and whether
+    the fast error is a measured one."""
 
     path: str
     fast: str
@@ -50,6 +54,7 @@ class Candidate:
     accurate: str
     accurate_error: float
     flops: int
+    fast_measured: bool = False
 
 
 @dataclass
@@ -64,7 +69,7 @@ class PrefixSearch:
 
 
 def order(candidates: Sequence[Candidate]) -> list[Candidate]:
-    """Most error per unit of speed lost first: stated fast error descending, then cheaper layers."""
+    """Most error per unit of speed lost first: fast error descending, then cheaper layers."""
     return sorted(candidates, key=lambda c: (-c.fast_error, c.flops, c.path))
 
 
@@ -126,8 +131,8 @@ class CalibrationReport:
         if not self.met:
             lines.append(f"  bound NOT met: even with every candidate at max_error={self.tight:g} the error is "
                          f"{self.error_after:.2e} > {self.bound:.2e}; the model stays all-tight")
-        lines += [f"  {c.path}: {c.fast} ({c.fast_error:.1e}) -> {c.accurate} ({c.accurate_error:.1e})"
-                  for c in self.tightened]
+        lines += [f"  {c.path}: {c.fast} ({c.fast_error:.1e}{' measured' if c.fast_measured else ''}) -> "
+                  f"{c.accurate} ({c.accurate_error:.1e})" for c in self.tightened]
         lines += [f"  {path}: not a candidate: {why}" for path, why in self.skipped.items()]
         return "\n".join(lines)
 
@@ -258,8 +263,8 @@ def _candidates(mods: dict[str, Conv2d], shapes: dict[str, set[tuple[int, ...]]]
             continue
         if all((f.variant.name, f.params) == (a.variant.name, a.params) for (_, f), (_, a) in zip(fast, acc)):
             continue
-        out.append(Candidate(path, _names(fast), _stated(fast), _names(acc), _stated(acc),
-                             sum(spec.flops for spec, _ in fast)))
+        out.append(Candidate(path, _names(fast), _error(fast), _names(acc), _error(acc),
+                             sum(spec.flops for spec, _ in fast), all(ch.error is not None for _, ch in fast)))
     return out, skipped
 
 
@@ -267,8 +272,9 @@ def _names(choices: list[tuple[ConvSpec, Choice]]) -> str:
     return "/".join(dict.fromkeys(ch.variant.name for _, ch in choices))
 
 
-def _stated(choices: list[tuple[ConvSpec, Choice]]) -> float:
-    return max(ch.variant.expected_error(spec) for spec, ch in choices)
+def _error(choices: list[tuple[ConvSpec, Choice]]) -> float:
+    """The largest error of the choices: measured (tuning database) where known, else stated."""
+    return max(ch.error if ch.error is not None else ch.variant.expected_error(spec) for spec, ch in choices)
 
 
 def _apply(mods: dict[str, Conv2d], cands: Sequence[Candidate], fast: dict[str, float | None], tight: float,
