@@ -56,10 +56,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tune", action="store_true",
                         help="with --model: tune every convforge layer in its row's precision class into the "
                         "database before timing (config.autotune on the warm-up call)")
+    parser.add_argument("--error-budget", type=_budget_arg, metavar="R",
+                        help="with --model: calibrate the fused model first (convforge.torch.calibrate): the "
+                        "fewest layers set to max_error=1e-6 that bring its output error within R x PyTorch's, "
+                        "on a separate random input")
     parser.add_argument("--ablation", choices=sorted(runner.ABLATIONS),
                         help="time one variant in its ablation configurations instead "
                         "(im2win: all on / no prefetch+double buffer / no vector loads / "
                         "no micro-kernel); no baseline unless --baseline is given")
+
+
+def _budget_arg(text: str) -> float:
+    """argparse ``type`` of ``--error-budget``: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--error-budget ({text!r}) must be a number such as 2") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"--error-budget ({text}) must be a finite number > 0")
+    return value
 
 
 def _backends(args: argparse.Namespace) -> list[Backend]:
@@ -97,8 +112,10 @@ def _run_models(args: argparse.Namespace, console: Console) -> int:
     opts: dict[str, object] = {}
     if getattr(args, "max_error", None) is not None:
         opts["max_error"] = args.max_error
+    budget = getattr(args, "error_budget", None)
+    extra = {} if budget is None else {"error_budget": budget}
     return models.run(args.model, args.out, args.warmup, args.repeats, console, opts,
-                      classes=precisions(args.precision_classes), tune=args.tune)
+                      classes=precisions(args.precision_classes), tune=args.tune, **extra)
 
 
 def _run(args: argparse.Namespace, console: Console) -> int:
@@ -106,6 +123,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         return _run_models(args, console)
     if args.tune:
         raise SuiteError("--tune goes with --model (to tune a suite: convforge tune --suite NAME)")
+    if getattr(args, "error_budget", None) is not None:
+        raise SuiteError("--error-budget goes with --model")
     if args.suite is None:
         if not args.ablation:
             raise SuiteError("--suite is required (a built-in name or a JSON file)")

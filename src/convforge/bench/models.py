@@ -29,6 +29,12 @@ for fp32 and ``pytorch_tf32`` for relaxed (BENCHMARKING.md); every row carries `
 are run once and shared by both classes). ``--tune`` turns ``config.autotune`` on around each
 convforge model's first (warm-up) call, so dispatch tunes every layer with its real epilogue in the
 row's class into the database before anything is timed.
+
+``--error-budget R``: before the fused rows are timed, ``convforge.torch.calibrate`` sets the fewest
+of the fused model's layers to ``max_error=1e-6`` that bring its output error within R x the class
+baseline's, measured on a SEPARATE random input (seed ``CAL_SEED``, never the input the rows
+report on); the fused rows then carry ``error_budget``, ``tightened`` (how many layers moved),
+``budget_met`` and, in the JSON, the whole calibration report. Without it nothing changes.
 """
 
 from __future__ import annotations
@@ -52,6 +58,8 @@ BASELINES = {"fp32": "pytorch_fp32", "relaxed": "pytorch_tf32"}  # each class's 
 PYTORCH_CLASS = {"pytorch_fp32": "fp32", "pytorch_fp32_graph": "fp32", "torch_compile_fp32": "fp32",
                  "pytorch_tf32": "relaxed"}
 SEED = 0
+CAL_SEED = SEED + 2  # the calibration input's seed (SEED + 1 is the spread's second input)
+BUDGET_FIELDS = ("error_budget", "tightened", "budget_met")
 MIN_SPREAD = 1e-3
 NOTE = ("convforge figures exclude filter transforms (made once per weight version, outside the timed "
         "region); PyTorch runs cudnn.benchmark with TF32 off unless the row says TF32; weights: Kaiming-normal "
@@ -61,6 +69,9 @@ CLASS_NOTE = ("speed-up and err / baseline are against the row's class baseline:
               "the fp32 class, pytorch_tf32 for the relaxed class (convforge converted with precision=relaxed)")
 TUNED_NOTE = ("convforge figures are TUNED: every layer tuned in its row's precision class into the database "
               "(config.autotune on the warm-up call, each layer with its real epilogue) before timing")
+BUDGET_NOTE = ("convforge_fused rows are CALIBRATED (--error-budget {r:g}): the fewest layers set to "
+               "max_error=1e-6 that bring the output error within {r:g}x the class baseline's on a separate "
+               f"random input (seed {CAL_SEED}); rel err is measured on the reported input (seed {SEED})")
 UNTUNED_NOTE = ("convforge figures are not tuned in this run: each layer uses the tuning database's entry where "
                 "it has one (--tune to tune first), else the heuristic")
 
@@ -174,9 +185,10 @@ def _tf32(on: bool) -> None:
 
 
 def bench_model(name: str, batch: int, warmup: int, repeats: int, options: dict[str, Any], *,
-                pytorch: bool = True, tune: bool = False) -> list[dict[str, Any]]:
+                pytorch: bool = True, tune: bool = False, error_budget: float | None = None) -> list[dict[str, Any]]:
     """One row per implementation of one model; ``pytorch=False`` runs only the convforge rows (a
-    second precision class sharing the first's PyTorch rows); ``tune``: see :func:`tuning`."""
+    second precision class sharing the first's PyTorch rows); ``tune``: see :func:`tuning`;
+    ``error_budget``: the fused rows are calibrated first (module docstring)."""
     import torch
 
     import convforge.torch as ct
@@ -202,7 +214,7 @@ def bench_model(name: str, batch: int, warmup: int, repeats: int, options: dict[
         ("torch_compile_fp32", lambda: _compiled(model, x), False),
         ("convforge", lambda: lambda: conv(x), False),
         ("convforge_graph", lambda: _replay(conv, x, warmup), False),
-        *_fused_runs(model, x, warmup, options, reports),
+        *_fused_runs(model, x, warmup, options, reports, error_budget),
     ]
     runs = [run for run in runs if pytorch or run[0].startswith("convforge")]
     rows = []
@@ -226,6 +238,8 @@ def bench_model(name: str, batch: int, warmup: int, repeats: int, options: dict[
             rep = reports.get(impl, report)
             row["converted"], row["left_to_pytorch"] = len(rep.converted), "; ".join(
                 f"{k}: {v}" for k, v in {**rep.left, **getattr(rep, "unfused", {})}.items())
+        if error_budget is not None and impl.startswith("convforge_fused"):
+            budget_fields(row, error_budget, reports.get("calibration"))
         rows.append(row)
     _tf32(False)
     label(rows, options, tune)
@@ -233,13 +247,24 @@ def bench_model(name: str, batch: int, warmup: int, repeats: int, options: dict[
 
 
 def bench_classes(name: str, batch: int, warmup: int, repeats: int, options: dict[str, Any],
-                  classes: tuple[str, ...], tune: bool = False) -> list[dict[str, Any]]:
+                  classes: tuple[str, ...], tune: bool = False, error_budget: float | None = None,
+                  ) -> list[dict[str, Any]]:
     """The PyTorch rows once, then the convforge rows of each precision class, compared."""
     rows: list[dict[str, Any]] = []
+    extra = {} if error_budget is None else {"error_budget": error_budget}
     for i, prec in enumerate(classes):
         rows += bench_model(name, batch, warmup, repeats, {**options, "precision": prec}, pytorch=i == 0,
-                            tune=tune)
+                            tune=tune, **extra)
     return compare(rows)
+
+
+def budget_fields(row: dict[str, Any], error_budget: float, cal: Any) -> None:
+    """A fused row's ``error_budget`` and what its calibration did (``tightened``, ``budget_met``,
+    the whole report in ``calibration``); a failed calibration fails the row itself."""
+    row["error_budget"] = error_budget
+    if cal is None or isinstance(cal, Exception):
+        return
+    row["tightened"], row["budget_met"], row["calibration"] = len(cal.tightened), cal.met, cal.as_dict()
 
 
 def label(rows: list[dict[str, Any]], options: dict[str, Any], tuned: bool = False) -> None:
@@ -293,10 +318,12 @@ def tuning(on: bool) -> Iterator[None]:
         clear_choices()
 
 
-def _fused_runs(model: Any, x: Any, warmup: int, options: dict[str, Any],
-                reports: dict[str, Any]) -> list[tuple[str, Callable[[], Callable[[], Any]], bool]]:
+def _fused_runs(model: Any, x: Any, warmup: int, options: dict[str, Any], reports: dict[str, Any],
+                error_budget: float | None = None) -> list[tuple[str, Callable[[], Callable[[], Any]], bool]]:
     """The ``convforge_fused`` rows: ``model`` rewritten by ``convforge.torch.fuse`` (parameters
-    shared, ``model`` unchanged), eager and replayed from a CUDA graph; their report in ``reports``."""
+    shared, ``model`` unchanged), eager and replayed from a CUDA graph; their report in ``reports``.
+    With ``error_budget`` the first row's set-up calibrates the fused model (inside the row's
+    tuning context, so the fast choices are the ones the row runs), its report in ``reports``."""
     import convforge.torch as ct
 
     try:
@@ -307,8 +334,37 @@ def _fused_runs(model: Any, x: Any, warmup: int, options: dict[str, Any],
 
         return [("convforge_fused", fail, False), ("convforge_fused_graph", fail, False)]
     reports["convforge_fused"] = reports["convforge_fused_graph"] = report
-    return [("convforge_fused", lambda: lambda: fused(x), False),
-            ("convforge_fused_graph", lambda: _replay(fused, x, warmup), False)]
+    if error_budget is None:
+        return [("convforge_fused", lambda: lambda: fused(x), False),
+                ("convforge_fused_graph", lambda: _replay(fused, x, warmup), False)]
+    ready = _calibrator(fused, model, x, error_budget, options.get("precision"), reports)
+    return [("convforge_fused", lambda: (ready(), lambda: fused(x))[1], False),
+            ("convforge_fused_graph", lambda: (ready(), _replay(fused, x, warmup))[1], False)]
+
+
+def _calibrator(fused: Any, model: Any, x: Any, budget: float, precision: str | None,
+                reports: dict[str, Any]) -> Callable[[], None]:
+    """``ready()``: calibrate ``fused`` on its first call, on a random input of ``x``'s shape drawn
+    from ``CAL_SEED`` (never ``x`` itself), against the class baseline's error (TF32 for the
+    relaxed class); later calls reuse the outcome (a failure is raised again)."""
+    import torch
+
+    import convforge.torch as ct
+    from convforge.config import config
+
+    def ready() -> None:
+        if "calibration" not in reports:
+            gen = torch.Generator(device="cuda").manual_seed(CAL_SEED)
+            xc = torch.randn(x.shape, device="cuda", generator=gen)
+            tf32 = (precision or config.precision) == "relaxed"
+            try:
+                reports["calibration"] = ct.calibrate(fused, model, xc, budget=budget, tf32=tf32)
+            except Exception as err:  # noqa: BLE001 - raised by every row that needs it
+                reports["calibration"] = err
+        if isinstance(reports["calibration"], Exception):
+            raise reports["calibration"]
+
+    return ready
 
 
 def _replay(model: Any, x: Any, warmup: int) -> Callable[[], Any]:
@@ -362,9 +418,18 @@ def summary(rows: list[dict[str, Any]]) -> str:
     sp = rows[0]["ref_spread"]
     parts = [f"reference spread {sp:.2e}" + (" [red](tiny: errors are not meaningful)[/]" if sp < MIN_SPREAD else "")]
     parts += [f"{r['impl']} ({r.get('precision', '?')}) vs {r.get('baseline', '?')}: "
-              f"{_f(r.get('speedup'), '.2f')}x, err ratio {_f(r.get('err_vs_pytorch'), '.2f')}"
+              f"{_f(r.get('speedup'), '.2f')}x, err ratio {_f(r.get('err_vs_pytorch'), '.2f')}" + _budget_text(r)
               for r in rows if r["impl"].startswith("convforge")]
     return "; ".join(parts)
+
+
+def _budget_text(row: dict[str, Any]) -> str:
+    if row.get("error_budget") is None:
+        return ""
+    if row.get("tightened") is None:
+        return f" (error budget {row['error_budget']:g}x: calibration failed)"
+    met = "" if row.get("budget_met") else ", NOT met on the calibration input"
+    return f" (error budget {row['error_budget']:g}x: {row['tightened']} layer(s) tightened{met})"
 
 
 def _f(v: float | None, fmt: str) -> str:
@@ -372,18 +437,22 @@ def _f(v: float | None, fmt: str) -> str:
 
 
 def run(specs: list[str], out: str | None, warmup: int | None, repeats: int | None, console: Console,
-        options: dict[str, Any], classes: tuple[str, ...] = ("fp32",), tune: bool = False) -> int:
-    """``convforge bench --model ...``: exit status 2 on bad input or no GPU, 1 when a run failed."""
+        options: dict[str, Any], classes: tuple[str, ...] = ("fp32",), tune: bool = False,
+        error_budget: float | None = None) -> int:
+    """``convforge bench --model ...``: exit status 2 on bad input or no GPU, 1 when a run failed;
+    ``error_budget``: calibrate the fused rows first (module docstring)."""
     models = _check_models(specs, console)
     if models is None:
         return 2
     env = environment()
     console.print(" | ".join(f"{k} {v}" for k, v in env.items()))
     notes = [NOTE, CLASS_NOTE, TUNED_NOTE if tune else UNTUNED_NOTE]
+    notes += [] if error_budget is None else [BUDGET_NOTE.format(r=error_budget)]
+    extra = {} if error_budget is None else {"error_budget": error_budget}
     rows: list[dict[str, Any]] = []
     for name, batch in models:
         rows += bench_classes(name, batch, warmup if warmup is not None else 5, repeats or 20, options, classes,
-                              tune)
+                              tune, **extra)
         mine = [r for r in rows if r["model"] == name and r["batch"] == batch]
         console.print(table(mine, f"{name} N={batch}: {' and '.join(classes)} class"
                                   f"{'es' if len(classes) > 1 else ''}{', tuned' if tune else ''}"))
@@ -393,10 +462,10 @@ def run(specs: list[str], out: str | None, warmup: int | None, repeats: int | No
     if out:
         folder = Path(out)
         folder.mkdir(parents=True, exist_ok=True)
-        doc = {"env": env, "notes": notes, "classes": list(classes), "tuned": tune, "rows": rows}
+        doc = {"env": env, "notes": notes, "classes": list(classes), "tuned": tune, "rows": rows, **extra}
         (folder / "models.json").write_text(json.dumps(doc, indent=1))
         with open(folder / "models.csv", "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
+            writer = csv.DictWriter(f, fieldnames=FIELDS + (BUDGET_FIELDS if extra else ()), extrasaction="ignore")
             writer.writeheader()
             writer.writerows(rows)
         console.print(f"wrote {folder}/models.json, models.csv")

@@ -1,7 +1,8 @@
 """PyTorch drop-in: ``Conv2d`` (an ``nn.Conv2d`` that runs convforge's kernels), ``convert(model)``,
 ``fuse(model)`` (convs with the batch norm, residual add and ReLU after them folded into one
 kernel plan: ``FusedConv2d``) and the ``convforge::conv2d`` operator (torch.compile and CUDA-graph
-safe, with autograd).
+safe, with autograd), and ``calibrate(model, reference, example)`` (a per-network error budget:
+the fewest layers set to a tight max_error that bring the output error within budget x PyTorch's).
 
 Imported only when torch is installed (torch stays an optional extra): ``import convforge`` never
 imports this package.
@@ -14,9 +15,11 @@ try:
 except ImportError as err:  # pragma: no cover - exercised only without torch
     raise ImportError("convforge.torch needs PyTorch: pip install torch") from err
 
+from convforge.torch.calibrate import CalibrationReport, calibrate
 from convforge.torch.fuse import fuse
 from convforge.torch.fused import FusedConv2d
 from convforge.torch.modules import Conv2d, ConvertReport, convert
 from convforge.torch.ops import conv2d, output_shape
 
-__all__ = ["Conv2d", "ConvertReport", "FusedConv2d", "convert", "conv2d", "fuse", "output_shape"]
+__all__ = ["CalibrationReport", "Conv2d", "ConvertReport", "FusedConv2d", "calibrate", "convert", "conv2d", "fuse",
+           "output_shape"]

@@ -147,17 +147,38 @@ class FusedConv2d(Conv2d):
             return None
         dev = x.device.index or 0
         backend = get_backend("cuda", dev)
-        bias = self._cf_bn is not None or self.bias is not None
         kw: dict[str, Any] = dict(algo=self.algo, precision=self.precision, max_error=self.max_error)
         try:
-            if self._cf_residual:
-                ch = dispatch.choose(spec, backend, Epilogue(bias, self._cf_relu), **kw)
-                if ch.variant.residual_ok:
-                    run = dispatch.runner(None, spec, backend, Epilogue(bias, self._cf_relu, residual=True),
-                                          "torch", dev, algo=ch.variant.name, params=ch.params)
-                    return run, True, spec.y_shape
-            epi = Epilogue(bias, self._cf_relu and not self._cf_residual)
+            ch, epi, res_in_plan = self._fused_choice(spec, backend, self.max_error)
+            if res_in_plan:
+                run = dispatch.runner(None, spec, backend, epi, "torch", dev, algo=ch.variant.name, params=ch.params)
+                return run, True, spec.y_shape
             return dispatch.runner(None, spec, backend, epi, "torch", dev, **kw), False, spec.y_shape
+        except ValueError:
+            return None
+
+    def _fused_choice(self, spec: ConvSpec, backend: Any,
+                      max_error: float | None) -> tuple[dispatch.Choice, Epilogue, bool]:
+        """(choice, the epilogue the plan runs, whether it adds the residual): with a residual, the
+        choice for bias + ReLU when that variant has a residual store path, else the choice for the
+        epilogue without the add (the add and ReLU then follow in place)."""
+        bias = self._cf_bn is not None or self.bias is not None
+        kw: dict[str, Any] = dict(algo=self.algo, precision=self.precision, max_error=max_error)
+        if self._cf_residual:
+            ch = dispatch.choose(spec, backend, Epilogue(bias, self._cf_relu), **kw)
+            if ch.variant.residual_ok:
+                return ch, Epilogue(bias, self._cf_relu, residual=True), True
+        epi = Epilogue(bias, self._cf_relu and not self._cf_residual)
+        return dispatch.choose(spec, backend, epi, **kw), epi, False
+
+    def cf_choice(self, x_shape: tuple[int, ...], device: int,
+                  max_error: float | None) -> tuple[ConvSpec, dispatch.Choice] | None:
+        """(spec, what the folded path chooses) for an input of ``x_shape`` under ``max_error``
+        (see ``Conv2d.cf_choice``), or None when convforge cannot run the layer."""
+        try:
+            spec = ConvSpec.from_shapes(tuple(x_shape), tuple(self.weight.shape), tuple(self.stride),
+                                        padding_quad(self), tuple(self.dilation))
+            return spec, self._fused_choice(spec, get_backend("cuda", device), max_error)[0]
         except ValueError:
             return None
 

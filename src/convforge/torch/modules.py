@@ -137,6 +137,29 @@ class Conv2d(torch.nn.Conv2d):
         packed = filters.get(w, w.data_ptr())
         return run(x, w, b) if packed is None else run(x, w, b, packed)
 
+    def set_max_error(self, value: float | None) -> None:
+        """Change the error bound the layer's variant is chosen under (None: the precision class's)
+        and drop the cached runners and folded weights, so the next call chooses again (they are
+        keyed by the configuration, not by the bound, which is otherwise fixed at construction).
+        A CUDA graph captured before keeps replaying the old plans: capture again afterwards."""
+        if value is not None and not value > 0:
+            raise ValueError(f"max_error ({value!r}) must be > 0")
+        self.max_error = value
+        self._cf_cache.clear()
+
+    def cf_choice(self, x_shape: tuple[int, ...], device: int,
+                  max_error: float | None) -> tuple[ConvSpec, dispatch.Choice] | None:
+        """(spec, what ``dispatch.choose`` answers) for this layer on an input of ``x_shape`` under
+        ``max_error`` (the module's own algo and precision), or None when no convforge variant
+        runs it (PyTorch then does). ``calibrate`` compares two bounds with it."""
+        try:
+            spec = ConvSpec.from_shapes(tuple(x_shape), tuple(self.weight.shape), tuple(self.stride),
+                                        padding_quad(self), tuple(self.dilation))
+            return spec, dispatch.choose(spec, get_backend("cuda", device), Epilogue(self.bias is not None),
+                                         algo=self.algo, precision=self.precision, max_error=max_error)
+        except ValueError:
+            return None
+
     def _prepared(self, x: torch.Tensor, pad: tuple[int, int, int, int]) -> Any:
         """The runner for this input signature (its ``filters`` cache the filter-derived
         workspace per weight version), or None when no convforge variant runs the layer (the op
