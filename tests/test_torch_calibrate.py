@@ -234,3 +234,24 @@ def test_bad_models_and_examples():
         ct.calibrate(model, ref, x.double())
     with pytest.raises(ValueError, match="not list"):
         ct.calibrate(model, ref, [x])
+
+
+def test_loosen_returns_the_layers_the_bound_does_not_need_biggest_first():
+    """Layers whose error share is small go back to fast; the order tried is FLOPs descending, and
+    the answer's error is the one measured with exactly the kept set."""
+    cands = [_cand("a", 4e-6, 10), _cand("b", 3e-6, 1000), _cand("c", 2e-6, 100)]
+    share = {0: 5.0, 1: 0.2, 2: 0.3}  # error each layer adds when fast
+    tried: list[frozenset[int]] = []
+
+    def error_of(kept: frozenset[int]) -> float:
+        tried.append(kept)
+        return 1.0 + sum(share[i] for i in range(3) if i not in kept)
+
+    kept, err, probes = cal.loosen(cands, error_of, bound=1.45)
+    assert [sorted(set(range(3)) - t) for t in tried] == [[1], [1, 2], [0, 1]]  # b (1000), then c, then a
+    assert kept == frozenset({0, 2}) and err == pytest.approx(1.2) and probes == 3
+
+
+def test_loosen_refusing_everything_keeps_all_and_reports_no_error():
+    kept, err, probes = cal.loosen([_cand("a", 1e-6, 1), _cand("b", 1e-6, 2)], lambda kept: 9.0, bound=1.0)
+    assert kept == frozenset({0, 1}) and err is None and probes == 2

@@ -16,7 +16,11 @@ gives away speed that a network needs. ``calibrate`` chooses per network:
    measured ones do, else the variant's stated error; ties: fewer FLOPs first) and a
    binary search finds the smallest prefix whose tightening brings the output error within the
    bound, one no_grad forward per probe (:func:`search_prefix`, assuming the error falls as the
-   prefix grows).
+   prefix grows);
+4. the prefix is then thinned (:func:`loosen`): each tightened layer, the most FLOPs first (the
+   most time to win back), returns to its fast choice when the output error stays within the
+   bound without it, one forward per layer. The prefix order is a guess at each layer's share of
+   the error; this pass corrects it where the guess was wrong.
 
 The model is left in the final setting (``Conv2d.set_max_error``). Calibrate on an input you do not
 report figures on. "Fast" choices come from the tuning database where it has entries (``convforge
@@ -100,12 +104,31 @@ def search_prefix(candidates: Sequence[Any], error_of: Callable[[int], float], b
     return PrefixSearch(hi, probes[hi], True, probes)
 
 
+def loosen(tightened: Sequence[Candidate], error_of: Callable[[frozenset[int]], float],
+           bound: float) -> tuple[frozenset[int], float | None, int]:
+    """Indices of ``tightened`` that stay tight after trying each, most FLOPs first, back at its
+    fast choice: ``error_of(kept)`` is the output error with exactly the indices ``kept`` tight (one
+    forward); a trial within ``bound`` is accepted. Returns (kept, the error measured with
+    ``kept``, or None when every trial was refused, the probes run)."""
+    kept = frozenset(range(len(tightened)))
+    error: float | None = None
+    probes = 0
+    for i in sorted(kept, key=lambda j: (-tightened[j].flops, tightened[j].path)):
+        trial = kept - {i}
+        probes += 1
+        err = float(error_of(trial))
+        if err <= bound:
+            kept, error = trial, err
+    return kept, error, probes
+
+
 @dataclass
 class CalibrationReport:
     """What ``calibrate`` measured and changed. Errors are relative L2 against float64;
     ``forwards``: forwards of the converted model (the reference's two are not counted);
     ``skipped``: convforge modules that are not candidates although their choice might move,
-    and why."""
+    and why; ``loosened``: tightened by the prefix search, returned to their fast choice by
+    :func:`loosen`."""
 
     budget: float
     tight: float
@@ -118,6 +141,7 @@ class CalibrationReport:
     tightened: list[Candidate] = field(default_factory=list)
     met: bool = True
     skipped: dict[str, str] = field(default_factory=dict)
+    loosened: list[Candidate] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -126,8 +150,8 @@ class CalibrationReport:
         ratio = self.error_after / self.err_pytorch if self.err_pytorch > 0 else math.inf
         lines = [f"calibrate: PyTorch FP32 error {self.err_pytorch:.2e}, bound {self.budget:g}x = {self.bound:.2e}; "
                  f"convforge error {self.error_before:.2e} -> {self.error_after:.2e} ({ratio:.2f}x PyTorch's), "
-                 f"{len(self.tightened)} of {self.candidates} candidate layer(s) set to max_error={self.tight:g}, "
-                 f"{self.forwards} forward(s)"]
+                 f"{len(self.tightened)} of {self.candidates} candidate layer(s) set to max_error={self.tight:g} "
+                 f"({len(self.loosened)} more tried and returned), {self.forwards} forward(s)"]
         if not self.met:
             lines.append(f"  bound NOT met: even with every candidate at max_error={self.tight:g} the error is "
                          f"{self.error_after:.2e} > {self.bound:.2e}; the model stays all-tight")
@@ -154,17 +178,22 @@ def calibrate(model: torch.nn.Module, reference: torch.nn.Module, example: torch
         cands = order(cands)
         forwards = [1]
 
-        def error_of(k: int) -> float:
-            _apply(mods, cands, fast, tight, k)
+        def measure(chosen: int | frozenset[int]) -> float:
+            _apply(mods, cands, fast, tight, chosen)
             forwards[0] += 1
             return rel_err(model(example), want)
 
-        found = search_prefix(cands, lambda k: err0 if k == 0 else error_of(k), budget * err_pt)
+        found = search_prefix(cands, lambda k: err0 if k == 0 else measure(k), budget * err_pt)
         after = found.error
-        if list(found.probes)[-1] != found.k:
-            after = error_of(found.k)  # the last probe was another k: set k again and measure it
+        keep: frozenset[int] = frozenset(range(found.k))
+        if found.met and found.k:
+            keep, err, _ = loosen(cands[:found.k], measure, budget * err_pt)
+            after = found.error if err is None else err
+        _apply(mods, cands, fast, tight, keep)  # the final setting (the last probe may have been refused)
+    tightened = [c for i, c in enumerate(cands) if i in keep]
+    loosened = [c for i, c in enumerate(cands[:found.k]) if i not in keep]
     return CalibrationReport(budget, tight, err_pt, budget * err_pt, err0, after, forwards[0], len(cands),
-                             cands[:found.k], found.met, skipped)
+                             tightened, found.met, skipped, loosened)
 
 
 def _check(model: Any, reference: Any, example: Any, budget: Any, tight: Any) -> dict[str, Conv2d]:
@@ -278,10 +307,11 @@ def _error(choices: list[tuple[ConvSpec, Choice]]) -> float:
 
 
 def _apply(mods: dict[str, Conv2d], cands: Sequence[Candidate], fast: dict[str, float | None], tight: float,
-           k: int) -> None:
-    """The first ``k`` candidates at ``tight``, the rest at their own setting (only changed modules
-    drop their runners)."""
+           chosen: int | frozenset[int]) -> None:
+    """The candidates ``chosen`` (indices, or an int k: the first k) at ``tight``, the rest at their
+    own setting (only changed modules drop their runners)."""
+    tight_set = frozenset(range(chosen)) if isinstance(chosen, int) else chosen
     for i, c in enumerate(cands):
-        want = tight if i < k else fast[c.path]
+        want = tight if i in tight_set else fast[c.path]
         if mods[c.path].max_error != want:
             mods[c.path].set_max_error(want)
