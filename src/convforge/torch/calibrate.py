@@ -177,9 +177,11 @@ def calibrate(model: torch.nn.Module, reference: torch.nn.Module, example: torch
         cands, skipped = _candidates(mods, shapes, example.device.index or 0, tight)
         cands = order(cands)
         forwards = [1]
+        last: list[frozenset[int]] = [frozenset()]  # the tight set of the last forward
 
         def measure(chosen: int | frozenset[int]) -> float:
-            _apply(mods, cands, fast, tight, chosen)
+            last[0] = frozenset(range(chosen)) if isinstance(chosen, int) else chosen
+            _apply(mods, cands, fast, tight, last[0])
             forwards[0] += 1
             return rel_err(model(example), want)
 
@@ -189,7 +191,8 @@ def calibrate(model: torch.nn.Module, reference: torch.nn.Module, example: torch
         if found.met and found.k:
             keep, err, _ = loosen(cands[:found.k], measure, budget * err_pt)
             after = found.error if err is None else err
-        _apply(mods, cands, fast, tight, keep)  # the final setting (the last probe may have been refused)
+        if last[0] != keep:  # the last forward probed another setting: set the final one and run it
+            after = measure(keep)
     tightened = [c for i, c in enumerate(cands) if i in keep]
     loosened = [c for i, c in enumerate(cands[:found.k]) if i not in keep]
     return CalibrationReport(budget, tight, err_pt, budget * err_pt, err0, after, forwards[0], len(cands),
