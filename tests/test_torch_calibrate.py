@@ -255,3 +255,10 @@ def test_loosen_returns_the_layers_the_bound_does_not_need_biggest_first():
 def test_loosen_refusing_everything_keeps_all_and_reports_no_error():
     kept, err, probes = cal.loosen([_cand("a", 1e-6, 1), _cand("b", 1e-6, 2)], lambda kept: 9.0, bound=1.0)
     assert kept == frozenset({0, 1}) and err is None and probes == 2
+
+
+@pytest.mark.parametrize("headroom", [0, 1.5, -0.1, True, "0.9"])
+def test_headroom_outside_0_1_is_refused(headroom):
+    model, ref = _pair()
+    with pytest.raises(ValueError, match=r"headroom .* must be a number in \(0, 1\]"):
+        ct.calibrate(model, ref, torch.zeros(1, 3, 8, 8), headroom=headroom)
