@@ -503,3 +503,19 @@ def test_residual_pointer_reaches_the_epilogue_slot(monkeypatch):
                                                                   NOMINAL_CUDA, Epilogue(True)))
     with pytest.raises(ValueError, match="adds no residual"):
         mod.torch_runner(plain, 0)(x, w, b, None, res)
+
+
+def test_fast_path_with_weights_of_another_kind_gives_the_clear_error(monkeypatch):
+    """Once torch calls have a fast-path keyer, a call whose weights (or bias) are not torch
+    tensors must reach the validating slow path (ValueError naming the problem), not fail
+    inside the key with an AttributeError."""
+    torch = _torch()
+    import convforge
+    from convforge import api
+
+    monkeypatch.setitem(api._KEYERS, torch.Tensor, api._torch_key)
+    x = torch.randn(1, 3, 8, 8)
+    with pytest.raises(ValueError):
+        convforge.conv2d(x, np.ones((4, 3, 3, 3), np.float32))
+    with pytest.raises(ValueError):
+        convforge.conv2d(x, torch.ones(4, 3, 3, 3), np.ones(4, np.float32))

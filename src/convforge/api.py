@@ -133,8 +133,8 @@ def conv2d(x: Any, w: Any, bias: Any = None, stride: int | Sequence[int] = 1,
         try:
             run = RUNNERS.get(keyer(x, w, bias, stride, padding, dilation, algo, backend, workspace_limit, relu,
                                     params, precision, max_error))
-        except TypeError:  # an unhashable argument (a list, a params dict): the slow path
-            run = None
+        except (TypeError, AttributeError):  # unhashable arguments (a list, a params dict), or weights or bias
+            run = None  # of another kind than x (no such attribute): the slow path validates and says so
         if run is not None:
             return run(x, w, bias)
     return _conv2d(x, w, bias, stride, padding, dilation, algo, backend, workspace_limit, relu, params,
@@ -186,7 +186,7 @@ def _conv2d(x: Any, w: Any, bias: Any, stride: Any, padding: Any, dilation: Any,
         key: tuple[Any, ...] | None = _KEYERS[type(x)](x, w, bias, stride, padding, dilation, algo, backend,
                                                       workspace_limit, relu, params, precision, max_error)
         hash(key)
-    except TypeError:
+    except (TypeError, AttributeError):
         key = None
     run = dispatch.runner(key, spec, be, epi, kind, dev or 0, algo=algo, precision=precision,
                           max_error=max_error, workspace_limit=workspace_limit, params=prm)
