@@ -27,7 +27,10 @@ against F.conv2d's 19 us. The 5 us assumed a ~3 us kernel launch and left ~2 us 
 output allocation from Python (``new_empty``) alone costs ~3 us on the H200 host of 2026-11-23, so
 the comparable figure is the overhead above launch + allocation.
 
-    PYTHONPATH=src python scripts/host_cost.py [--spec N=1,C=8,H=8,W=8,K=8,R=3,S=3,pad=1] [--algo auto]
+``--parts`` prints instead where one warm ``convforge.conv2d`` call with torch tensors spends its
+time: the fast-path key and lookup, the prepared runner, and the runner's pieces.
+
+    PYTHONPATH=src python scripts/host_cost.py [--parts] [--spec N=1,C=8,H=8,W=8,K=8,R=3,S=3,pad=1] [--algo auto]
 """
 
 from __future__ import annotations
@@ -191,12 +194,40 @@ def ctypes_launch(raw: Callable[[], object]) -> Callable[[], object] | None:
     return call
 
 
+def parts(x: Any, w: Any, b: Any, spec: ConvSpec, args: argparse.Namespace) -> None:
+    """The pieces of one warm ``convforge.conv2d(x, w, b)`` call, each timed alone."""
+    conv = (lambda: convforge.conv2d(x, w, b, spec.stride, spec.pad, spec.dilation, algo=args.algo))
+    key = (lambda: api._torch_key(x, w, b, spec.stride, spec.pad, spec.dilation, args.algo, None, None, False, None,
+                                  None, None))
+    with torch.no_grad():
+        conv()  # builds the runner
+    run = runner_of(x, w, b, spec, args.algo)
+    wp = w.data_ptr()
+    rows: list[tuple[str, Callable[[], object]]] = [
+        ("whole conv2d call", conv),
+        ("fast-path key + lookup", lambda: RUNNERS.get(key())),
+        ("prepared runner run(x, w, b)", lambda: run(x, w, b)),
+        ("  three data_ptr()", lambda: (x.data_ptr(), w.data_ptr(), b.data_ptr())),
+        ("  capture check", torch._C._cuda_isCurrentStreamCapturing),
+        ("  stream handle", lambda: torch._C._cuda_getCurrentRawStream(0)),
+        ("  filter cache version check", (lambda: run.filters.get(w, wp)) if run.filters is not None else (lambda: 0)),
+        ("  output new_empty", lambda: x.new_empty(spec.y_shape)),
+    ]
+    print(f"{torch.cuda.get_device_name()} | layer {spec.short()} | algo {args.algo} | no_grad, host us per call")
+    with torch.no_grad():
+        for name, fn in rows:
+            for _ in range(20):
+                fn()
+            print(f"{name:32s} {host_us(fn, args.calls, args.bursts)[0]:7.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--spec", default="N=1,C=8,H=8,W=8,K=8,R=3,S=3,pad=1")
     ap.add_argument("--algo", default="auto")
     ap.add_argument("--calls", type=int, default=150)
     ap.add_argument("--bursts", type=int, default=15)
+    ap.add_argument("--parts", action="store_true", help="time the pieces of one conv2d call instead")
     args = ap.parse_args()
     spec = ConvSpec.parse(args.spec)
     torch.backends.cudnn.benchmark = True
@@ -206,6 +237,9 @@ def main() -> None:
     layer = torch.nn.Conv2d(spec.c, spec.k, (spec.r, spec.s), spec.stride, (spec.pad[0], spec.pad[2]),
                             spec.dilation).cuda()
     w, b = layer.weight, layer.bias  # parameters that require grad: the case that used to fail
+    if args.parts:
+        parts(x, w, b, spec, args)
+        return
     xc, wc, bc = cp.asarray(x), cp.asarray(w.detach()), cp.asarray(b.detach())
     ours = ct.Conv2d.from_module(torch.nn.Conv2d(spec.c, spec.k, (spec.r, spec.s), spec.stride,
                                                  (spec.pad[0], spec.pad[2]), spec.dilation).cuda(), algo=args.algo)
