@@ -1,9 +1,10 @@
-"""Helpers for variant tests: sampled tuning points and the nvcc compile check."""
+"""Helpers for tests: sampled tuning points, the nvcc compile check, the CLI run in process."""
 
 from __future__ import annotations
 
 import random
 
+from convforge.cli import main
 from convforge.codegen.nvcc import ptxas_report
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Variant
@@ -41,3 +42,14 @@ def assert_compiles_clean(variant: Variant, spec: ConvSpec, params: Params, devi
     for info in infos:
         assert info.spill_stores == 0 and info.spill_loads == 0, (
             f"{variant.name} [{params.short()}] {info.kernel} spills: {info}")
+
+
+def run_main(argv: list[str], capsys) -> tuple[int, str]:  # type: ignore[no-untyped-def]
+    """``convforge`` main() in process: (exit status, stdout + stderr); argparse's own errors exit
+    with status 2 through SystemExit."""
+    try:
+        rc = main(argv)
+    except SystemExit as ex:
+        rc = int(ex.code or 0)
+    out = capsys.readouterr()
+    return rc, out.out + out.err

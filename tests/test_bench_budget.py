@@ -14,8 +14,8 @@ import pytest
 from rich.console import Console
 
 from convforge.bench import models as M
-from convforge.cli import main
 from convforge.config import config
+from helpers import run_main
 
 
 @pytest.fixture(autouse=True)
@@ -25,15 +25,6 @@ def _restore_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(config, "db_path", tmp_path / "t.sqlite")
 
 
-def _main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    try:
-        rc = main(argv)
-    except SystemExit as ex:
-        rc = int(ex.code or 0)
-    out = capsys.readouterr()
-    return rc, out.out + out.err
-
-
 @pytest.mark.parametrize(("value", "message"), [
     ("0", "--error-budget (0) must be a finite number > 0"),
     ("-2", "--error-budget (-2) must be a finite number > 0"),
@@ -41,12 +32,12 @@ def _main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str
     ("two", "--error-budget ('two') must be a number such as 2"),
 ])
 def test_bad_budgets_are_one_clear_error(value: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
-    rc, out = _main(["bench", "--model", "resnet50:32", f"--error-budget={value}"], capsys)
+    rc, out = run_main(["bench", "--model", "resnet50:32", f"--error-budget={value}"], capsys)
     assert rc == 2 and message in out and "Traceback" not in out, out
 
 
 def test_budget_without_model_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    rc, out = _main(["bench", "--suite", "resnet", "--error-budget", "2"], capsys)
+    rc, out = run_main(["bench", "--suite", "resnet", "--error-budget", "2"], capsys)
     assert rc == 2 and "--error-budget goes with --model" in out, out
 
 
@@ -54,9 +45,9 @@ def test_budget_reaches_the_runner_and_its_absence_changes_nothing(monkeypatch: 
                                                                     capsys: pytest.CaptureFixture[str]) -> None:
     got: list[dict[str, Any]] = []
     monkeypatch.setattr(M, "run", lambda *a, **kw: got.append(kw) or 0)
-    assert _main(["bench", "--model", "resnet50:32", "--error-budget", "2"], capsys)[0] == 0
+    assert run_main(["bench", "--model", "resnet50:32", "--error-budget", "2"], capsys)[0] == 0
     assert got[-1]["error_budget"] == 2.0
-    assert _main(["bench", "--model", "resnet50:32"], capsys)[0] == 0
+    assert run_main(["bench", "--model", "resnet50:32"], capsys)[0] == 0
     assert "error_budget" not in got[-1]
 
 

@@ -13,8 +13,9 @@ import pytest
 from rich.console import Console
 
 from convforge.bench import models as M
-from convforge.cli import main
+from convforge.cli import main as cli_main
 from convforge.config import config
+from helpers import run_main
 
 
 @pytest.fixture(autouse=True)
@@ -165,15 +166,6 @@ def test_tuned_table_names_where_each_choice_came_from() -> None:
 
 
 # -- the command line ---------------------------------------------------------------------------
-def _main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    try:
-        rc = main(argv)
-    except SystemExit as ex:
-        rc = int(ex.code or 0)
-    out = capsys.readouterr()
-    return rc, out.out + out.err
-
-
 BAD = [
     (["bench", "--model", "resnet18", "--precision", "fp16"], "invalid choice: 'fp16'"),
     (["bench", "--tune", "--suite", "resnet"], "--tune goes with --model"),
@@ -197,7 +189,7 @@ BAD = [
 @pytest.mark.parametrize(("argv", "message"), BAD, ids=lambda a: " ".join(a)[:50] if isinstance(a, list) else "")
 def test_bad_new_options_are_one_clear_error(argv: list[str], message: str,
                                              capsys: pytest.CaptureFixture[str]) -> None:
-    rc, out = _main(argv, capsys)
+    rc, out = run_main(argv, capsys)
     assert rc == 2 and message in out and "Traceback" not in out, out
 
 
@@ -210,7 +202,7 @@ def test_model_commands_without_a_cuda_device_say_so(capsys: pytest.CaptureFixtu
         pytest.skip("a CUDA device is present: the GPU tier runs these")
     want = "needs PyTorch" if torch is None else "torch sees none"
     for argv in (["tune", "--model", "resnet18"], ["bench", "--model", "resnet18:2", "--precision", "both", "--tune"]):
-        rc, out = _main(argv, capsys)
+        rc, out = run_main(argv, capsys)
         assert rc == 2 and want in out, out
 
 
@@ -224,14 +216,14 @@ def test_bench_model_options_reach_the_runner(monkeypatch: pytest.MonkeyPatch,
         return 0
 
     monkeypatch.setattr(M, "run", fake_run)
-    assert _main(["bench", "--model", "resnet50:32", "--model", "vgg16:16", "--precision", "both", "--tune",
+    assert run_main(["bench", "--model", "resnet50:32", "--model", "vgg16:16", "--precision", "both", "--tune",
                   "--max-error", "1e-4"], capsys)[0] == 0
     assert got == dict(specs=["resnet50:32", "vgg16:16"], options={"max_error": 1e-4},
                        classes=("fp32", "relaxed"), tune=True)
-    assert _main(["bench", "--model", "alexnet:64", "--precision", "relaxed"], capsys)[0] == 0
+    assert run_main(["bench", "--model", "alexnet:64", "--precision", "relaxed"], capsys)[0] == 0
     assert (got["classes"], got["tune"], got["options"]) == (("relaxed",), False, {})
     monkeypatch.setattr(config, "precision", "relaxed")  # no --precision: the configured class
-    assert _main(["bench", "--model", "alexnet"], capsys)[0] == 0 and got["classes"] == ("relaxed",)
+    assert run_main(["bench", "--model", "alexnet"], capsys)[0] == 0 and got["classes"] == ("relaxed",)
 
 
 def test_tune_model_options_reach_the_tuner(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
@@ -246,7 +238,7 @@ def test_tune_model_options_reach_the_tuner(monkeypatch: pytest.MonkeyPatch, tmp
 
     monkeypatch.setattr(M, "tune_models", fake)
     db = tmp_path / "models.sqlite"
-    assert _main(["tune", "--model", "resnet50:32", "--precision", "relaxed", "--budget", "3s,4",
+    assert run_main(["tune", "--model", "resnet50:32", "--precision", "relaxed", "--budget", "3s,4",
                   "--db", str(db)], capsys)[0] == 0
     assert got == dict(specs=["resnet50:32"], budget=Budget(3.0, 4), precision="relaxed", db=db)
 
@@ -304,7 +296,7 @@ def test_run_net_relaxed_on_pocl(ocl: Any, tmp_path: Path, capsys: pytest.Captur
     tune.clear_choices()
     try:
         for prec in ("relaxed", "fp32"):
-            assert main(["run", "--net", str(path), "--backend", "opencl", "--repeats", "2", "--precision", prec,
+            assert cli_main(["run", "--net", str(path), "--backend", "opencl", "--repeats", "2", "--precision", prec,
                          "--out", str(tmp_path / prec)]) == 0
             name = "run-small-n1-opencl" + ("-relaxed" if prec == "relaxed" else "") + ".json"
             results[prec] = (capsys.readouterr().out, json.loads((tmp_path / prec / name).read_text()))

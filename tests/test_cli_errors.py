@@ -12,21 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from convforge.cli import main
 from convforge.config import Config, ConfigError, config
+from helpers import run_main
 
 SPEC = "N=1,C=3,H=9,W=9,K=4,R=3,S=3,pad=1"
 SRC = str(Path(__file__).parents[1] / "src")
-
-
-def run_main(argv: list[str], capsys) -> tuple[int, str]:  # type: ignore[no-untyped-def]
-    """main() in process; argparse's own errors exit with status 2 through SystemExit."""
-    try:
-        rc = main(argv)
-    except SystemExit as ex:
-        rc = int(ex.code or 0)
-    out = capsys.readouterr()
-    return rc, out.out + out.err
 
 
 MALFORMED = [
