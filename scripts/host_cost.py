@@ -1,8 +1,10 @@
 """Per-call host cost of one conv on a tiny warm layer, side by side, with the machine's floor (GPU).
 
 Rows: ``F.conv2d`` (PyTorch, cuDNN), ``nn.Conv2d`` forward, ``convforge.conv2d`` with torch tensors
-and with CuPy arrays, the ``torch.ops.convforge.conv2d`` op (through the dispatcher, its Autograd
-kernel included under no_grad) and a converted ``convforge.torch.Conv2d`` forward (eager inference).
+(through the native fast path when it is built: ``CONVFORGE_NATIVE=0`` measures Python's) and the
+native module's ``run`` alone, ``convforge.conv2d`` with CuPy arrays, the ``torch.ops.convforge.conv2d``
+op (through the dispatcher, its Autograd kernel included under no_grad) and a converted
+``convforge.torch.Conv2d`` forward (eager inference).
 
 Floor rows: ``cuLaunchKernel`` from C (a 16-argument empty kernel, built here by nvcc when it is on
 PATH: the driver's own cost on this host), ``x.add_(0)`` on a tiny tensor (ONE bare kernel launch
@@ -55,6 +57,7 @@ import convforge.torch as ct
 from convforge import api
 from convforge.dispatch import RUNNERS
 from convforge.spec import ConvSpec
+from convforge.torch import native
 
 SLEEP_CYCLES = int(1e8)  # ~50 ms of GPU spin at ~2 GHz: far longer than a burst of 150 calls
 
@@ -247,7 +250,8 @@ def main() -> None:
     kw: dict[str, Any] = dict(algo=args.algo)
     # (name, call, kind): kind "floor_<what>" / "torch" / "cupy" / "module" / "" (PyTorch)
     raw = raw_launch(x, w, b, spec, args.algo)
-    rows: list[tuple[str, Callable[[], object], str]] = [
+    nat = native.load()
+    rows: list[tuple[str, Callable[[], object] | None, str]] = [
         ("floor: x.add_(0), one torch launch", lambda: tiny.add_(0), "floor_torch"),
         ("floor: launch_raw (CuPy binding, prepared)", raw, "floor_launch"),
         ("  the same launch through ctypes", ctypes_launch(raw), "floor_ctypes"),
@@ -256,6 +260,9 @@ def main() -> None:
         ("nn.Conv2d forward", lambda: layer(x), ""),
         ("convforge.conv2d, torch tensors", lambda: convforge.conv2d(x, w, b, spec.stride, spec.pad, spec.dilation,
                                                                      **kw), "torch"),
+        ("  native.run alone (no Python wrapper)", (lambda: nat.run(x, w, b, spec.stride, spec.pad, spec.dilation,
+                                                                    args.algo, None, None, False, None, None, None))
+         if nat is not None else None, "torch"),
         ("convforge.conv2d, CuPy arrays", lambda: convforge.conv2d(xc, wc, bc, spec.stride, spec.pad, spec.dilation,
                                                                    **kw), "cupy"),
         ("torch.ops.convforge.conv2d", lambda: torch.ops.convforge.conv2d(x, w, b, st, pd, dl, args.algo, None, None),
@@ -263,13 +270,16 @@ def main() -> None:
         ("convforge.torch.Conv2d forward", lambda: ours(x), "module"),
     ]
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | cupy {cp.__version__} | "
-          f"layer {spec.short()} | algo {args.algo} | {args.calls} calls x {args.bursts} bursts")
+          f"layer {spec.short()} | algo {args.algo} | {args.calls} calls x {args.bursts} bursts | native fast path "
+          f"{'on' if nat is not None else 'off'}")
     cf = c_floor(args.calls)
     print(f"floor: cuLaunchKernel from C, host us per launch: {'n/a (no nvcc)' if cf is None else f'{cf:.2f}'}")
     print(f"{'call':36s} {'launches':>8s} {'no_grad us':>11s} {'above floor':>11s} {'inference us':>13s} "
           f"{'above floor':>11s} {'device us':>10s}")
     floor = {"launch": [0.0, 0.0], "alloc": [0.0, 0.0], "torch": [0.0, 0.0], "ctypes": [0.0, 0.0]}
     for name, fn, kind in rows:
+        if fn is None:
+            continue
         with torch.no_grad():
             for _ in range(20):
                 fn()  # warm: compile, choose, runners, transformed filters

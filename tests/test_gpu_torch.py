@@ -273,16 +273,31 @@ def test_capture_before_first_use_is_refused_clearly(gpu):
             convforge.conv2d(x, w, padding=1, algo="winograd_nonfused_f4")
 
 
-def test_conv2d_caches_filters_per_weight_version(gpu, monkeypatch):
+@pytest.mark.parametrize("path", ["native", "python"])
+def test_conv2d_caches_filters_per_weight_version(gpu, monkeypatch, path):
     """convforge.conv2d with torch tensors: the filter transform runs once per weight version (warm
     calls launch only the rest), an in-place update re-runs it, a new weight tensor gets its own;
-    a CUDA graph captured through conv2d holds the whole plan and sees later weight updates."""
+    a CUDA graph captured through conv2d holds the whole plan and sees later weight updates. Both
+    fast paths: the native one (its own filter cache, started from the slow path's, counted by
+    ``stats``) and Python's."""
     import convforge
+    from convforge import api
     from convforge.backends import cuda as cuda_mod
+    from convforge.torch import native
 
     calls = []
     real = cuda_mod.torch_transform
     monkeypatch.setattr(cuda_mod, "torch_transform", lambda exe, w, out=None: calls.append(1) or real(exe, w, out))
+    mod = native.load()
+    if path == "native" and mod is None:
+        pytest.skip("native fast path off (CONVFORGE_NATIVE=0)")
+    if path == "python":
+        monkeypatch.setattr(api, "_NATIVE_RUN", None)
+
+    def transforms():  # Python's transforms (the slow path's first), plus the native path's own
+        return len(calls) + (mod.stats()["transforms"] - base if mod is not None else 0)
+
+    base = mod.stats()["transforms"] if mod is not None else 0
     spec = ConvSpec.make(2, 16, 14, 14, 24, 3, 3, 1, 1)
     x, w, b = _tensors(spec, requires_grad=True)
     algo = "winograd_nonfused_f4"
@@ -291,26 +306,149 @@ def test_conv2d_caches_filters_per_weight_version(gpu, monkeypatch):
         assert rel_l2(y.detach().cpu().numpy(), _ref(x, weights, spec, b)) < 1e-5
 
     with torch.no_grad():
-        for _ in range(3):
+        for _ in range(3):  # the slow path transforms, files its filters with the native path too
             _poison(spec.y_shape)
             check(convforge.conv2d(x, w, b, padding=1, algo=algo), w)
-        assert len(calls) == 1
+        assert transforms() == 1
         w.mul_(-0.5)  # in place: _version moves
         check(convforge.conv2d(x, w, b, padding=1, algo=algo), w)
-        assert len(calls) == 2
+        assert transforms() == 2
         w2 = torch.randn_like(w)
         check(convforge.conv2d(x, w2, b, padding=1, algo=algo), w2)
         check(convforge.conv2d(x, w, b, padding=1, algo=algo), w)
-        assert len(calls) == 3
+        assert transforms() == 3
         with torch.inference_mode():  # w is a normal tensor: its version is still tracked
             check(convforge.conv2d(x, w, b, padding=1, algo=algo), w)
-        assert len(calls) == 3
+        assert transforms() == 3
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             static_y = convforge.conv2d(x, w, b, padding=1, algo=algo)
         w.mul_(3.0)
         graph.replay()
         check(static_y, w)  # the transform is in the graph
+        with torch.inference_mode():  # an inference tensor has no version: the whole plan, no caching
+            wi = w.clone()
+            for _ in range(2):
+                check(convforge.conv2d(x, wi, b, padding=1, algo=algo), wi)
+        assert transforms() == 3
+
+
+@pytest.fixture
+def native_mod(gpu):
+    from convforge.config import config
+    from convforge.torch import native
+
+    if not config.native:
+        pytest.skip("native fast path off (CONVFORGE_NATIVE=0)")
+    mod = native.load()
+    assert mod is not None, "the native fast path did not build or load on this CUDA machine: see the log"
+    return mod
+
+
+NATIVE_CALLS = [  # (spec, conv2d keyword arguments, algo): spellings the key must keep apart
+    (ConvSpec.make(2, 16, 14, 14, 24, 3, 3, 1, 1), dict(padding=1), "auto"),
+    (ConvSpec.make(2, 16, 14, 14, 24, 3, 3, 1, (1, 1, 2, 2)), dict(padding=(1, 2)), "auto"),
+    (ConvSpec.make(2, 16, 14, 14, 24, 3, 3, 1, (1, 2, 1, 2)), dict(padding=(1, 2, 1, 2)), "auto"),
+    (ConvSpec.make(2, 16, 14, 14, 24, 3, 3, 1, (1, 2, 1, 2)), dict(padding=[1, 2, 1, 2]), "auto"),
+    (ConvSpec.make(1, 3, 27, 29, 4, 11, 11, 4, (2, 1, 0, 3)), dict(stride=4, padding=(2, 1, 0, 3)), "auto"),
+    (ConvSpec.make(1, 3, 27, 29, 4, 11, 11, 4, (2, 1, 0, 3)), dict(stride=(4, 4), padding=(2, 1, 0, 3)), "auto"),
+    (ConvSpec.make(3, 7, 9, 9, 5, 1, 1, 2), dict(stride=2), "auto"),
+    (ConvSpec.make(2, 16, 14, 14, 24, 3, 3, 1, 1), dict(padding=1), "winograd_nonfused_f4"),
+    (ConvSpec.make(2, 16, 14, 14, 24, 3, 3, 1, 1), dict(padding=1, relu=True), "implicit_gemm"),
+    (ConvSpec.make(2, 16, 14, 14, 24, 3, 3, 1, 1), dict(padding=1, precision="relaxed"), "auto"),
+    (ConvSpec.make(2, 16, 14, 14, 24, 3, 3, 1, 1), dict(padding=1, max_error=1e-6), "auto"),
+]
+
+
+def test_native_warm_calls_never_enter_python(native_mod, monkeypatch):
+    """After the slow path files a call, the same call (every spelling of its arguments in
+    NATIVE_CALLS) runs in C++: with Python's whole path made to fail, results still match the
+    float64 reference; the op's CUDA kernel never falls back to Python either."""
+    import convforge
+    from convforge import api
+    from convforge.torch import conv2d as op_conv2d
+
+    cases = []
+    for i, (spec, kw, algo) in enumerate(NATIVE_CALLS):
+        x, w, b = _tensors(spec, seed=i)
+        with torch.no_grad():
+            convforge.conv2d(x, w, b, algo=algo, **kw)  # the slow path files it
+            if "relu" not in kw:  # the op has no ReLU
+                op_conv2d(x, w, b, spec.stride, spec.pad, spec.dilation, algo=algo, precision=kw.get("precision"),
+                          max_error=kw.get("max_error"))
+        cases.append((spec, kw, algo, x, w, b))
+    entries = native_mod.stats()["entries"]
+
+    def fail(*args, **kwargs):
+        raise AssertionError("a warm call reached Python's path")
+
+    monkeypatch.setattr(api, "_KEYERS", {})
+    monkeypatch.setattr(api, "_conv2d", fail)
+    fallbacks = native_mod.stats()["op_fallbacks"]
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            for spec, kw, algo, x, w, b in cases:
+                want = _ref(x, w, spec, b)
+                if kw.get("relu"):
+                    want = want.clip(min=0)
+                _poison(spec.y_shape)
+                y = convforge.conv2d(x, w, b, algo=algo, **kw)
+                tol = 1e-3 if kw.get("precision") == "relaxed" else 1e-5
+                assert rel_l2(y.cpu().numpy(), want) < tol, (spec.short(), kw, algo)
+                if "relu" not in kw:
+                    _poison(spec.y_shape)
+                    y = op_conv2d(x, w, b, spec.stride, spec.pad, spec.dilation, algo=algo,
+                                  precision=kw.get("precision"), max_error=kw.get("max_error"))
+                    assert rel_l2(y.cpu().numpy(), want) < tol, ("op", spec.short(), kw, algo)
+    assert native_mod.stats()["op_fallbacks"] == fallbacks
+    assert native_mod.stats()["entries"] == entries
+
+
+def test_native_entries_go_with_a_configuration_change(native_mod):
+    """Changing a setting or clearing the executables empties the native table (its keys assume
+    the settings in force when the slow path filed them)."""
+    import convforge
+    from convforge.config import config
+
+    spec = ConvSpec.make(2, 16, 14, 14, 24, 3, 3, 1, 1)
+    x, w, b = _tensors(spec)
+    convforge.conv2d(x, w, b, padding=1)
+    assert native_mod.stats()["entries"] >= 1
+    saved = config.max_error
+    config.max_error = 1e-6
+    try:
+        assert native_mod.stats()["entries"] == 0
+        y = convforge.conv2d(x, w, b, padding=1)
+        assert rel_l2(y.cpu().numpy(), _ref(x, w, spec, b)) < 1e-5
+        assert native_mod.stats()["entries"] == 1
+    finally:
+        config.max_error = saved
+    convforge.conv2d(x, w, b, padding=1)
+    dispatch.clear_executables()
+    assert native_mod.stats()["entries"] == 0
+
+
+def test_native_off_by_environment():
+    """CONVFORGE_NATIVE=0: no native module, the op's kernels are Python's, calls still right."""
+    import subprocess
+    import sys
+
+    if not torch.cuda.is_available():
+        pytest.skip("GPU tier: torch sees no CUDA device")
+    code = ("import torch, convforge, convforge.torch as ct\n"
+            "from convforge import api\n"
+            "x = torch.randn(1, 8, 8, 8, device='cuda'); w = torch.randn(8, 8, 3, 3, device='cuda')\n"
+            "y = [convforge.conv2d(x, w, padding=1) for _ in range(2)][-1]\n"
+            "z = ct.conv2d(x, w, None, 1, 1)\n"
+            "want = torch.nn.functional.conv2d(x.double(), w.double(), padding=1)\n"
+            "assert api._NATIVE is None\n"
+            "print(float((y.double() - want).norm() / want.norm()), float((z.double() - want).norm() / want.norm()))\n")
+    import os
+
+    env = dict(os.environ, CONVFORGE_NATIVE="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert all(float(v) < 1e-5 for v in out.stdout.split()), out.stdout
 
 
 @pytest.mark.parametrize("static_weights", [True, False])
@@ -352,3 +490,31 @@ def test_graph_replay_after_in_place_weight_update(gpu, static_weights):
             model(x)  # the eager forward that refreshes the hoisted filters
         graph.replay()
         assert err(static_y) < 1e-5
+
+
+def test_native_entry_keeps_conv2d_signature_and_errors(native_mod):
+    """Once the native path loads, convforge.conv2d is its C entry: same signature and docstring,
+    keyword and positional spellings run (checked against the reference), and what it does not
+    run (bad input, unknown keywords) reaches the Python function and its errors."""
+    import inspect
+
+    import convforge
+    from convforge import api
+
+    entry = convforge.conv2d
+    assert entry is api.conv2d and entry.__wrapped__ is not entry
+    assert inspect.signature(entry) == inspect.signature(entry.__wrapped__)
+    assert entry.__doc__ == entry.__wrapped__.__doc__
+    spec = ConvSpec.make(1, 8, 9, 11, 8, 3, 3, 2, 1)
+    x, w, b = _tensors(spec)
+    want = _ref(x, w, spec, b)
+    for _ in range(2):  # the first call files it, the second runs in C
+        for y in (entry(x, w, b, 2, 1), entry(x=x, w=w, bias=b, stride=2, padding=1),
+                  entry(x, w, b, stride=2, padding=1, dilation=1, algo="auto", backend="cuda", relu=False)):
+            assert rel_l2(y.cpu().numpy(), want) < 1e-5
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        entry(x, w, b, strides=2)
+    with pytest.raises(ValueError, match="padding"):
+        entry(x, w, b, 2, -1)
+    with pytest.raises(ValueError, match="same kind"):
+        entry(x, w.cpu().numpy(), b, 2, 1)

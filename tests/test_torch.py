@@ -238,6 +238,45 @@ def types_ns(**kw):
     return types.SimpleNamespace(**kw)
 
 
+@pytest.mark.parametrize("name", ["winograd_nonfused_f4", "implicit_gemm", "direct"])
+def test_native_program_matches_the_prepared_buffers(monkeypatch, name):
+    """CudaExecutable.native_program, which native.cpp launches from, describes exactly the
+    cuLaunchKernel calls that launch_raw makes from its prepared ctypes buffers: per step list the
+    same functions, grids, blocks and shared bytes, and per argument the same bytes once native.cpp's
+    rule fills the slots (0: x, w, y, bias, res, then the derived buffers; 1: a fixed pointer; 2: a
+    fixed 32-bit value)."""
+    import ctypes
+
+    from conftest import NOMINAL_CUDA
+
+    mod, calls, _ = _stubbed_cuda_module(monkeypatch)
+    spec = ConvSpec.make(2, 16, 14, 14, 24, 3, 3, 1, 1)
+    v = next(v for v in all_variants() if v.name == name)
+    exe = mod.CudaExecutable(_FakeBackend(NOMINAL_CUDA), v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA))
+    assert exe.fast
+    exe.reserve(0)
+    runs = dict(zip(("all", "rest", "weights"), exe.native_program()[:3]))
+    y_shape, ws_derived, offsets, floats, _, name_, keep = exe.native_program()[3:]
+    assert y_shape == spec.y_shape and keep is exe and len(ws_derived) == len(offsets) == len(exe.derived)
+    assert floats == exe.derived_bytes // 4 and name_ == exe.plan.describe()
+    x, w, y, bias, base = 0x1000, 0x2000, 0x3000, 0x4000, 0x90000000
+    for mode in ("all", "rest", "weights") if exe.derived else ("all",):
+        derived = [base + off for off in offsets] if mode != "all" else list(ws_derived)
+        slots = [x, w, y, bias, 0, *derived]
+        calls.clear()
+        exe.launch_raw(x, w, y, bias, 77, base if mode != "all" else 0, mode)
+        assert len(calls) == len(runs[mode]) > 0
+        for (fn, gx, gy, gz, bx, by, bz, shared, _stream, params, _extra), launch in zip(calls, runs[mode]):
+            assert launch[:8] == (fn, gx, gy, gz, bx, by, bz, shared)
+            cells = (ctypes.c_void_p * len(launch[8])).from_address(params)
+            for i, (kind, value) in enumerate(launch[8]):
+                if kind == 2:
+                    assert ctypes.c_uint32.from_address(cells[i]).value == value & 0xFFFFFFFF
+                else:
+                    want = slots[value] if kind == 0 else value
+                    assert ctypes.c_uint64.from_address(cells[i]).value == want, (mode, i, kind)
+
+
 def test_raw_launch_rewrites_only_the_pointer_slots(monkeypatch):
     import ctypes
 
@@ -443,6 +482,8 @@ def test_op_autograd_kernel_calls_the_backend_kernel_directly(monkeypatch):
     import convforge.torch as ct
     from convforge.torch import ops
 
+    if ops.NATIVE is not None:
+        pytest.skip("the op's Autograd kernel is native.cpp's on this machine (tests/test_gpu_torch.py covers it)")
     calls = []
     real = ops._DIRECT[torch._C.DispatchKey.CPU]
     monkeypatch.setitem(ops._DIRECT, torch._C.DispatchKey.CPU, lambda *a: calls.append(1) or real(*a))

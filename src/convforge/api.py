@@ -91,6 +91,17 @@ def executable_for(spec: ConvSpec, be: Backend, algo: str = "auto", epilogue: Ep
 # calls have no fast path. The configuration's precision settings are part of the key (four
 # attribute reads), so changing ``config`` takes effect on the next call.
 _KEYERS: dict[type, Callable[..., tuple[Any, ...]]] = {}
+# The native fast path for torch tensors (convforge/torch/native.py): its ``run`` answers the output
+# of a call the slow path filed with its ``register``, else None. Loaded with the first torch call.
+_NATIVE: Any = None
+_NATIVE_RUN: Callable[..., Any] | None = None
+_NATIVE_TRIED = False
+
+
+def set_native(module: Any) -> None:
+    """Route warm torch calls through ``module`` (native.cpp), from now on."""
+    global _NATIVE, _NATIVE_RUN
+    _NATIVE, _NATIVE_RUN = module, module.run
 
 
 def _torch_key(x: Any, w: Any, b: Any, stride: Any, padding: Any, dilation: Any, algo: Any, backend: Any,
@@ -127,7 +138,17 @@ def conv2d(x: Any, w: Any, bias: Any = None, stride: int | Sequence[int] = 1,
     they run once per weight tensor and version (``w._version``; in-place updates re-run them) and
     a warm call launches only the remaining steps; CuPy arrays have no version counter, so with
     them the transform runs on every call (backends/base.py ``FilterCache``). Each live weight
-    tensor then has one transformed copy on the device, freed with the tensor."""
+    tensor then has one transformed copy on the device, freed with the tensor (the native path
+    frees it at its next transform after the tensor is gone).
+
+    With torch tensors a warm call runs in C++ where the native fast path is built
+    (convforge/torch/native.cpp; ``CONVFORGE_NATIVE=0`` turns it off): the same lookup, allocation
+    and launches, without Python's per-call cost."""
+    if _NATIVE_RUN is not None:
+        y = _NATIVE_RUN(x, w, bias, stride, padding, dilation, algo, backend, workspace_limit, relu, params,
+                        precision, max_error)
+        if y is not None:
+            return y
     keyer = _KEYERS.get(type(x))
     if keyer is not None:
         try:
@@ -190,7 +211,29 @@ def _conv2d(x: Any, w: Any, bias: Any, stride: Any, padding: Any, dilation: Any,
         key = None
     run = dispatch.runner(key, spec, be, epi, kind, dev or 0, algo=algo, precision=precision,
                           max_error=max_error, workspace_limit=workspace_limit, params=prm)
-    return run(x, w, bias)
+    y = run(x, w, bias)
+    if kind == "torch":
+        _file_native(run, (x, w, bias, stride, padding, dilation, algo, backend, workspace_limit, relu, params,
+                           precision, max_error))
+    return y
+
+
+def _file_native(run: Any, call: tuple[Any, ...]) -> None:
+    """File a validated torch call with the native fast path (built on the first torch call),
+    with the filters this call's runner just transformed for its weights, if any (so the native
+    path does not transform them again: a transform during CUDA-graph warm-up would allocate in
+    the graph's pool)."""
+    global _NATIVE_TRIED
+    if not _NATIVE_TRIED:
+        _NATIVE_TRIED = True
+        from convforge.torch import native
+
+        native.load()
+    if _NATIVE is None or not run.exe.fast:
+        return
+    w = call[1]
+    held = run.filters.entry(w, w.data_ptr()) if run.filters is not None else None
+    _NATIVE.register(*call, run.exe.native_program(), None if held is None else (w, *held))
 
 
 def _device_index(x: Any, kind: str) -> int | None:

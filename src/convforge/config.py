@@ -110,6 +110,8 @@ def _env_settings(env: Mapping[str, str]) -> dict[str, tuple[str, Callable[[], A
                       lambda: parse_max_error(get("CONVFORGE_MAX_ERROR")) if get("CONVFORGE_MAX_ERROR") else None),
         "disk_cache": ("CONVFORGE_DISK_CACHE",
                        lambda: parse_bool("CONVFORGE_DISK_CACHE", get("CONVFORGE_DISK_CACHE") or "1")),
+        # torch calls through the C++ fast path (convforge/torch/native.cpp), built on first use
+        "native": ("CONVFORGE_NATIVE", lambda: parse_bool("CONVFORGE_NATIVE", get("CONVFORGE_NATIVE") or "1")),
     }
 
 
@@ -127,8 +129,10 @@ class Config:
     precision: str
     max_error: float | None
     disk_cache: bool
+    native: bool
 
     def __init__(self, env: Mapping[str, str] | None = None) -> None:
+        self._listeners: list[Callable[[], Any]] = []
         self._problems: dict[str, str] = {}
         for attr, (var, parse) in _env_settings(os.environ if env is None else env).items():
             try:
@@ -143,6 +147,16 @@ class Config:
         if name in problems:
             raise ConfigError(problems[name])
         raise AttributeError(name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        for listener in self.__dict__.get("_listeners", ()):
+            listener()
+
+    def on_change(self, listener: Callable[[], Any]) -> None:
+        """Call ``listener()`` after every assignment of a setting (caches keyed on settings drop
+        their entries: the native fast path's table)."""
+        self._listeners.append(listener)
 
     def problems(self) -> list[str]:
         """What is wrong with the environment, for settings not since assigned."""

@@ -334,3 +334,11 @@ class FilterCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def entry(self, w: Any, address: int) -> tuple[int, Any] | None:
+        """(version, packed buffer) filed for ``w`` itself at ``address``, or None: what another
+        cache of the same executable (the native fast path's) may start from."""
+        entry = self._entries.get(address)
+        if entry is None or entry[0]() is not w:
+            return None
+        return entry[1], entry[2]

@@ -315,6 +315,7 @@ class CudaExecutable(Executable):
         self._offsets = tuple(self.derived_offsets[n] for n in self.derived)  # packed derived buffer layout
         self._runs: dict[str, list[tuple[tuple[int, ...], int]]] = {"all": [], "rest": [], "weights": []}
         self._keep: list[Any] = []  # ctypes storage the parameter arrays point into
+        self._layouts: dict[int, list[tuple[int, Any]]] = {}  # parameter array -> argument layout
         if self.fast:
             for i, step in enumerate(plan.steps):
                 assert isinstance(step, Launch)
@@ -328,23 +329,50 @@ class CudaExecutable(Executable):
         slot_of = {name: i for i, name in enumerate(CONV_BUFFERS)}
         slot_of.update({name: len(CONV_BUFFERS) + j for j, name in enumerate(self.derived)})
         storage: list[Any] = []
+        layout: list[tuple[int, int | str]] = []  # the native fast path's copy (native_program)
         for arg, ref in zip(self._value_args(kernel), step.args, strict=True):
             if isinstance(arg, Scalar):
-                storage.append(ctypes.c_float(float(ref)) if arg.ctype == "float" else ctypes.c_int32(int(ref)))
+                value = ctypes.c_float(float(ref)) if arg.ctype == "float" else ctypes.c_int32(int(ref))
+                storage.append(value)
+                layout.append((2, ctypes.c_uint32.from_buffer_copy(value).value))
                 continue
             assert isinstance(arg, Buf)
             cell = ctypes.c_uint64(0)
             storage.append(cell)
             if str(ref) in slot_of:
                 self._ptr_slots.append((cell, slot_of[str(ref)]))
+                layout.append((0, slot_of[str(ref)]))
             else:
                 self._ws_slots.append((cell, str(ref)))
+                layout.append((1, str(ref)))
         array = (ctypes.c_void_p * max(len(storage), 1))(*[ctypes.addressof(c) for c in storage])
         self._keep += storage + [array]
         lb = kernel.local_buf()
         fn = int(self.functions[step.kernel].ptr)
         head = (fn, *step.grid, *step.block, lb.nbytes if lb else 0)
+        self._layouts[ctypes.addressof(array)] = layout
         return head, ctypes.addressof(array)
+
+    def native_program(self) -> tuple[Any, ...]:
+        """This executable for the native fast path (torch/native.cpp ``register``): per step list
+        ("all", "rest", "weights") the launches as (function, grid, block, shared bytes, arguments),
+        each argument (0, pointer slot) | (1, fixed 64-bit value: a workspace pointer) | (2, fixed
+        32-bit value: a scalar's bits); then the output shape, the own filter-derived buffers,
+        their offsets in a packed buffer, its size in floats, the CUDA context, the plan's name and
+        this executable (kept alive by the entry). Call after :meth:`reserve`."""
+        assert self.fast and self._workspace is not None, "native_program needs a reserved fast executable"
+        ws = self._workspace
+
+        def launches(steps: str) -> list[tuple[Any, ...]]:
+            out = []
+            for head, params in self._runs[steps]:
+                args = tuple((kind, int(ws[v].data.ptr) if kind == 1 else v) for kind, v in self._layouts[params])
+                out.append((*head, args))
+            return out
+
+        return (launches("all"), launches("rest"), launches("weights"), tuple(self.plan.spec.y_shape),
+                self._ws_derived, self._offsets, self.derived_bytes // 4, int(self.context), self.plan.describe(),
+                self)
 
     def reserve(self, stream: int = 0) -> None:
         """Allocate the workspace now (first, uncaptured use); refuse under CUDA-graph capture,

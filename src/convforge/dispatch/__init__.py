@@ -9,6 +9,6 @@ call is a dictionary hit and a launch.
 from __future__ import annotations
 
 from convforge.dispatch.choice import Choice, choose, clear_choices
-from convforge.dispatch.executables import RUNNERS, clear_executables, executable, runner
+from convforge.dispatch.executables import ON_CLEAR, RUNNERS, clear_executables, executable, runner
 
-__all__ = ["Choice", "choose", "clear_choices", "executable", "clear_executables", "runner", "RUNNERS"]
+__all__ = ["Choice", "choose", "clear_choices", "executable", "clear_executables", "runner", "RUNNERS", "ON_CLEAR"]

@@ -33,6 +33,7 @@ log = logging.getLogger("convforge")
 
 _EXECUTABLES: dict[tuple[Any, ...], Executable] = {}
 RUNNERS: dict[tuple[Any, ...], Callable[..., Any]] = {}
+ON_CLEAR: list[Callable[[], Any]] = []  # other tables of runners (the native fast path's)
 _LOGGED: set[tuple[Any, ...]] = set()
 
 
@@ -97,3 +98,5 @@ def clear_executables() -> None:
     """Forget compiled executables and the per-call runners built on them."""
     _EXECUTABLES.clear()
     RUNNERS.clear()
+    for clear in ON_CLEAR:
+        clear()

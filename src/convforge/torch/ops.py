@@ -3,6 +3,9 @@ cheaper per call than ``custom_op``'s wrapper), with a fake implementation for t
 an Autograd kernel of its own (a plain redispatch when no gradient is needed, else an
 autograd.Function whose backward is PyTorch's own ``aten.convolution_backward``).
 
+Where the native fast path is built (native.py), the CUDA and Autograd kernels are C++ (native.cpp)
+and a warm call never enters Python; otherwise they are the Python functions here.
+
 Schema: ``conv2d(Tensor x, Tensor w, Tensor? bias, int[] stride, int[] padding, int[] dilation,
 str algo, str? precision, float? max_error) -> Tensor``; padding is (top, bottom, left, right).
 Eager inference in ``Conv2d`` skips the op and calls the prepared runner directly with filters
@@ -20,6 +23,7 @@ import torch.nn.functional as F
 
 from convforge.api import conv2d as cf_conv2d
 from convforge.spec import ConvSpec, normalize_padding
+from convforge.torch import native
 
 log = logging.getLogger("convforge")
 
@@ -79,7 +83,6 @@ def _cpu(x: Any, w: Any, bias: Any, stride: list[int], padding: list[int], dilat
     return _torch_conv(x, w, bias, stride, padding, dilation)
 
 
-_LIB.impl("conv2d", _cuda, "CUDA")
 _LIB.impl("conv2d", _cpu, "CPU")
 torch.library.register_fake("convforge::conv2d", _fake, lib=_LIB)
 
@@ -108,14 +111,14 @@ def _below(keyset: Any, x: Any, w: Any, bias: Any, stride: list[int], padding: l
 
 
 class _Conv2dFn(torch.autograd.Function):
-    """The op's autograd node: forward redispatches below autograd, backward is PyTorch's
-    convolution backward (asymmetric padding applied to x first and cut from its gradient)."""
+    """The op's autograd node: forward is the op itself (grad mode is off inside, so it goes below
+    autograd), backward is PyTorch's convolution backward (asymmetric padding applied to x first
+    and cut from its gradient)."""
 
     @staticmethod
-    def forward(ctx: Any, keyset: Any, x: Any, w: Any, bias: Any, stride: list[int], padding: list[int],
-                dilation: list[int], algo: str, precision: str | None, max_error: float | None) -> Any:
-        with _BELOW_AUTOGRAD():
-            y = _below(keyset, x, w, bias, stride, padding, dilation, algo, precision, max_error)
+    def forward(ctx: Any, x: Any, w: Any, bias: Any, stride: list[int], padding: list[int], dilation: list[int],
+                algo: str, precision: str | None, max_error: float | None) -> Any:
+        y = _OP(x, w, bias, stride, padding, dilation, algo, precision, max_error)
         ctx.save_for_backward(x, w)
         ctx.conv = (list(stride), list(padding), list(dilation), bias is not None)
         return y
@@ -124,7 +127,7 @@ class _Conv2dFn(torch.autograd.Function):
     def backward(ctx: Any, gy: Any) -> tuple[Any, ...]:
         x, w = ctx.saved_tensors
         stride, padding, dilation, has_bias = ctx.conv
-        need = [ctx.needs_input_grad[1], ctx.needs_input_grad[2], has_bias and ctx.needs_input_grad[3]]
+        need = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], has_bias and ctx.needs_input_grad[2]]
         t, b, left, right = padding
         sym = t == b and left == right
         xin = x if sym else F.pad(x, (left, right, t, b))
@@ -133,7 +136,13 @@ class _Conv2dFn(torch.autograd.Function):
             dilation, False, [0, 0], 1, need)
         if gx is not None and not sym:
             gx = gx[:, :, t:t + x.shape[2], left:left + x.shape[3]]
-        return None, gx, gw, gb if has_bias else None, None, None, None, None, None, None
+        return gx, gw, gb if has_bias else None, None, None, None, None, None, None
+
+
+def _grad_apply(x: Any, w: Any, bias: Any, stride: list[int], padding: list[int], dilation: list[int], algo: str,
+                precision: str | None, max_error: float | None) -> Any:
+    """The op when a gradient is needed: through its autograd node."""
+    return _Conv2dFn.apply(x, w, bias, stride, padding, dilation, algo, precision, max_error)
 
 
 def _autograd(keyset: Any, x: Any, w: Any, bias: Any, stride: list[int], padding: list[int],
@@ -143,11 +152,18 @@ def _autograd(keyset: Any, x: Any, w: Any, bias: Any, stride: list[int], padding
     autograd (:func:`_below`), so no_grad calls pay almost nothing for autograd (inference_mode
     skips this kernel entirely)."""
     if _GRAD_ENABLED() and (x.requires_grad or w.requires_grad or (bias is not None and bias.requires_grad)):
-        return _Conv2dFn.apply(keyset, x, w, bias, stride, padding, dilation, algo, precision, max_error)
+        return _grad_apply(x, w, bias, stride, padding, dilation, algo, precision, max_error)
     return _below(keyset, x, w, bias, stride, padding, dilation, algo, precision, max_error)
 
 
-_LIB.impl("conv2d", _autograd, "Autograd", with_keyset=True)
+# The CUDA and Autograd kernels: C++ where the native fast path is built (native.cpp: a warm call
+# never enters Python; a miss calls _cuda, a call needing a gradient _grad_apply), else Python's.
+NATIVE = native.load()
+if NATIVE is not None:
+    NATIVE.register_op(_cuda, _grad_apply)
+else:
+    _LIB.impl("conv2d", _cuda, "CUDA")
+    _LIB.impl("conv2d", _autograd, "Autograd", with_keyset=True)
 
 
 def conv2d(x: Any, w: Any, bias: Any = None, stride: int | Sequence[int] = 1, padding: int | Sequence[int] = 0,
