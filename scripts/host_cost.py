@@ -247,7 +247,6 @@ def main() -> None:
     ours = ct.Conv2d.from_module(torch.nn.Conv2d(spec.c, spec.k, (spec.r, spec.s), spec.stride,
                                                  (spec.pad[0], spec.pad[2]), spec.dilation).cuda(), algo=args.algo)
     st, pd, dl = list(spec.stride), list(spec.pad), list(spec.dilation)
-    kw: dict[str, Any] = dict(algo=args.algo)
     # (name, call, kind): kind "floor_<what>" / "torch" / "cupy" / "module" / "" (PyTorch)
     raw = raw_launch(x, w, b, spec, args.algo)
     nat = native.load()
@@ -259,12 +258,12 @@ def main() -> None:
         ("F.conv2d (cuDNN)", lambda: F.conv2d(x, w, b, spec.stride, (spec.pad[0], spec.pad[2]), spec.dilation), ""),
         ("nn.Conv2d forward", lambda: layer(x), ""),
         ("convforge.conv2d, torch tensors", lambda: convforge.conv2d(x, w, b, spec.stride, spec.pad, spec.dilation,
-                                                                     **kw), "torch"),
+                                                                     algo=args.algo), "torch"),
         ("  native.run alone (no Python wrapper)", (lambda: nat.run(x, w, b, spec.stride, spec.pad, spec.dilation,
                                                                     args.algo, None, None, False, None, None, None))
          if nat is not None else None, "torch"),
         ("convforge.conv2d, CuPy arrays", lambda: convforge.conv2d(xc, wc, bc, spec.stride, spec.pad, spec.dilation,
-                                                                   **kw), "cupy"),
+                                                                   algo=args.algo), "cupy"),
         ("torch.ops.convforge.conv2d", lambda: torch.ops.convforge.conv2d(x, w, b, st, pd, dl, args.algo, None, None),
          "torch"),
         ("convforge.torch.Conv2d forward", lambda: ours(x), "module"),

@@ -213,16 +213,16 @@ def _conv2d(x: Any, w: Any, bias: Any, stride: Any, padding: Any, dilation: Any,
                           max_error=max_error, workspace_limit=workspace_limit, params=prm)
     y = run(x, w, bias)
     if kind == "torch":
-        _file_native(run, (x, w, bias, stride, padding, dilation, algo, backend, workspace_limit, relu, params,
+        file_native(run, (x, w, bias, stride, padding, dilation, algo, backend, workspace_limit, relu, params,
                            precision, max_error))
     return y
 
 
-def _file_native(run: Any, call: tuple[Any, ...]) -> None:
-    """File a validated torch call with the native fast path (built on the first torch call),
-    with the filters this call's runner just transformed for its weights, if any (so the native
-    path does not transform them again: a transform during CUDA-graph warm-up would allocate in
-    the graph's pool)."""
+def file_native(run: Any, call: tuple[Any, ...]) -> None:
+    """File a validated torch call (conv2d's 13 arguments; ``run``, the runner that just ran it)
+    with the native fast path (built on the first torch call), with the filters the runner
+    transformed for its weights, if any (so the native path does not transform them again: a
+    transform during CUDA-graph warm-up would allocate in the graph's pool)."""
     global _NATIVE_TRIED
     if not _NATIVE_TRIED:
         _NATIVE_TRIED = True

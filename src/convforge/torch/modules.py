@@ -1,6 +1,9 @@
 """``Conv2d``: a drop-in ``torch.nn.Conv2d`` that runs convforge's kernels, and ``convert``.
 
 Paths of one forward call, cheapest first:
+- eager inference of a warm layer where the native fast path is built: C++ (native.cpp: key,
+  lookup, output, launches; filters cached per weight version as below), except while a CUDA
+  graph is captured with ``static_weights`` (that capture must replay filters made before it);
 - eager inference (no grad needed, not compiling): the prepared runner is called directly, with
   the filter-derived workspace (Winograd U, packed GEMM weights, constant tables) built once per
   weight version (``weight._version``, address and tensor: backends/base.py ``FilterCache``), so
@@ -24,7 +27,7 @@ from typing import Any
 
 import torch
 
-from convforge import dispatch
+from convforge import api, dispatch
 from convforge.backends import get_backend
 from convforge.config import config, parse_precision
 from convforge.plan import Epilogue
@@ -124,6 +127,13 @@ class Conv2d(torch.nn.Conv2d):
                 x.requires_grad or w.requires_grad or (b is not None and b.requires_grad))):
             return _OP(x, w, b, list(self.stride), list(pad), list(self.dilation), self.algo, self.precision,
                        self.max_error)
+        native = api._NATIVE_RUN  # a warm layer: C++ (native.cpp), as the op's CUDA kernel runs it
+        call = (x, w, b, self.stride, pad, self.dilation, self.algo, None, None, False, None, self.precision,
+                self.max_error)  # the op's spelling of this layer's conv2d call: one entry for both
+        if native is not None and not (self.static_weights and _CAPTURING()):  # captures: the whole plan
+            y = native(*call)
+            if y is not None:
+                return y
         x = x.contiguous()
         if not w.is_contiguous():
             w = w.contiguous()
@@ -135,7 +145,10 @@ class Conv2d(torch.nn.Conv2d):
         if filters is None or (not self.static_weights and _CAPTURING()):
             return run(x, w, b)  # no filter steps, or a capture that records the whole plan
         packed = filters.get(w, w.data_ptr())
-        return run(x, w, b) if packed is None else run(x, w, b, packed)
+        y = run(x, w, b) if packed is None else run(x, w, b, packed)
+        if native is not None and not _CAPTURING():
+            api.file_native(run, (x, *call[1:]))
+        return y
 
     def set_max_error(self, value: float | None) -> None:
         """Change the error bound the layer's variant is chosen under (None: the precision class's)
