@@ -399,12 +399,9 @@ std::shared_ptr<Program> find(const Key& k) {
   return it == table.end() ? nullptr : it->second;
 }
 
-// ---- Python: run, register, clear, size ----
-PyObject* py_run(PyObject*, PyObject* const* a, Py_ssize_t n) {
-  if (n != 13) {
-    PyErr_SetString(PyExc_TypeError, "run takes conv2d's 13 arguments");
-    return nullptr;
-  }
+// The output of a filed call of conv2d's 13 arguments (a new reference); None when the call has
+// no entry or cannot run here; nullptr with the Python error set when a launch fails.
+PyObject* run_filed(PyObject* const* a) {
   Key k;
   const at::Tensor *x = nullptr, *w = nullptr, *b = nullptr;
   if (!parse_call(a, k, x, w, b)) Py_RETURN_NONE;
@@ -415,6 +412,15 @@ PyObject* py_run(PyObject*, PyObject* const* a, Py_ssize_t n) {
   if (!run_program(*p, *x, *w, b, y)) Py_RETURN_NONE;
   return THPVariable_Wrap(std::move(y));
   END_HANDLE_TH_ERRORS
+}
+
+// ---- Python: run, register, clear, stats ----
+PyObject* py_run(PyObject*, PyObject* const* a, Py_ssize_t n) {
+  if (n != 13) {
+    PyErr_SetString(PyExc_TypeError, "run takes conv2d's 13 arguments");
+    return nullptr;
+  }
+  return run_filed(a);
 }
 
 // ---- conv2d itself as a C callable: wrap(python_conv2d) ----
@@ -454,16 +460,9 @@ PyObject* fast_call(PyObject* self, PyObject* const* args, size_t nargsf, PyObje
   auto* f = reinterpret_cast<FastConv*>(self);
   PyObject* a[kArgs];
   if (gather(args, nargsf, kwnames, a)) {
-    Key k;
-    const at::Tensor *x = nullptr, *w = nullptr, *b = nullptr;
-    if (parse_call(a, k, x, w, b)) {
-      if (std::shared_ptr<Program> p = find(k)) {
-        HANDLE_TH_ERRORS
-        at::Tensor y;
-        if (run_program(*p, *x, *w, b, y)) return THPVariable_Wrap(std::move(y));
-        END_HANDLE_TH_ERRORS
-      }
-    }
+    PyObject* y = run_filed(a);
+    if (y != Py_None) return y;  // the output, or nullptr: a launch failed
+    Py_DECREF(y);
   }
   return PyObject_Vectorcall(f->impl, args, nargsf, kwnames);
 }
