@@ -34,6 +34,15 @@ def cuda():
     return get_backend("cuda")
 
 
+@pytest.fixture
+def gpu(cuda):
+    """The CUDA back-end, for tests of convforge.torch: skips unless torch sees a CUDA device too."""
+    torch = pytest.importorskip("torch", reason="GPU tier of convforge.torch: torch not installed")
+    if not torch.cuda.is_available():
+        pytest.skip("GPU tier: torch sees no CUDA device")
+    return cuda
+
+
 @pytest.fixture(scope="session")
 def nvcc_ok():
     from convforge.codegen.nvcc import nvcc_path

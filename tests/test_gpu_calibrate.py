@@ -21,13 +21,6 @@ torch = pytest.importorskip("torch", reason="GPU tier of convforge.torch.calibra
 nn = torch.nn
 
 
-@pytest.fixture
-def gpu(cuda):
-    if not torch.cuda.is_available():
-        pytest.skip("GPU tier: torch sees no CUDA device")
-    return cuda
-
-
 class Basic(nn.Module):
     def __init__(self, c: int) -> None:
         super().__init__()

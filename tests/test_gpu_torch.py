@@ -25,13 +25,6 @@ SPECS = [ConvSpec.make(2, 3, 13, 17, 5, 3, 3, (1, 2), (1, 0, 2, 1)), ConvSpec.ma
          ConvSpec.make(3, 7, 9, 9, 5, 1, 1), ConvSpec.make(1, 3, 27, 29, 4, 11, 11, 4, (2, 1, 0, 3))]
 
 
-@pytest.fixture
-def gpu(cuda):
-    if not torch.cuda.is_available():
-        pytest.skip("GPU tier: torch sees no CUDA device")
-    return cuda
-
-
 def _poison(shape):
     """Leave a NaN-filled block of this size in torch's cache, where the next output lands."""
     t = torch.full(shape, float("nan"), device="cuda")

@@ -18,13 +18,6 @@ torch = pytest.importorskip("torch", reason="GPU tier of convforge.torch.fuse: t
 nn, F = torch.nn, torch.nn.functional
 
 
-@pytest.fixture
-def gpu(cuda):
-    if not torch.cuda.is_available():
-        pytest.skip("GPU tier: torch sees no CUDA device")
-    return cuda
-
-
 class Block(nn.Module):
     """A ResNet basic block plus a strided 5x5 conv -> ReLU and an 11x11 conv -> BN: every chain."""
 
