@@ -699,10 +699,14 @@ at::Tensor op_autograd(c10::DispatchKeySet ks, const at::Tensor& x, const at::Te
   bool need = at::GradMode::is_enabled() &&
               (x.requires_grad() || w.requires_grad() || (bias.has_value() && bias->defined() && bias->requires_grad()));
   if (need) return call_python(grad_apply, x, w, bias, stride, padding, dilation, algo, precision, max_error);
-  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("convforge::conv2d", "").typed<OpSig>();
+  c10::DispatchKeySet after = ks & c10::after_autograd_keyset;
   at::AutoDispatchBelowADInplaceOrView guard;
-  return op.redispatch(ks & c10::after_autograd_keyset, x, w, bias, stride, padding, dilation, algo, precision,
-                       max_error);
+  // The next kernel is simply our CUDA one (no fake, functional or Python-mode tensors: only
+  // ADInplaceOrView, a fallthrough here, lies between): call it, saving the redispatch.
+  if (after.remove(c10::DispatchKey::ADInplaceOrView).highestPriorityTypeId() == c10::DispatchKey::CUDA)
+    return op_cuda(x, w, bias, stride, padding, dilation, algo, precision, max_error);
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("convforge::conv2d", "").typed<OpSig>();
+  return op.redispatch(after, x, w, bias, stride, padding, dilation, algo, precision, max_error);
 }
 
 std::unique_ptr<torch::Library> op_library;
