@@ -197,16 +197,53 @@ def ctypes_launch(raw: Callable[[], object]) -> Callable[[], object] | None:
     return call
 
 
+PIECES = ("call", "parse", "find", "stream", "context", "capture", "filters", "alloc", "wrap", "launch")
+
+
 def parts(x: Any, w: Any, b: Any, spec: ConvSpec, args: argparse.Namespace) -> None:
-    """The pieces of one warm ``convforge.conv2d(x, w, b)`` call, each timed alone."""
+    """The pieces of one warm ``convforge.conv2d(x, w, b)`` call with torch tensors, each timed
+    alone: in C by the native module's ``parts`` when it is built, else the Python fast path's."""
     conv = (lambda: convforge.conv2d(x, w, b, spec.stride, spec.pad, spec.dilation, algo=args.algo))
+    with torch.no_grad():
+        conv()  # builds the runner and files the call
+    nat = native.load()
+    print(f"{torch.cuda.get_device_name()} | layer {spec.short()} | algo {args.algo} | no_grad, host us per call"
+          f" | pieces timed {'in C (native.parts)' if nat is not None else 'from Python (native path off)'}")
+    if nat is not None:
+        call = (x, w, b, spec.stride, spec.pad, spec.dilation, args.algo, None, None, False, None, None, None)
+        rows = [("whole conv2d call (from Python)", conv)]
+        with torch.no_grad():
+            for piece in PIECES:
+                nat.parts(*call, piece, 20)
+                print(f"{piece:32s} {c_burst_us(lambda n, piece=piece: nat.parts(*call, piece, n), args):7.3f}")
+    else:
+        rows = python_pieces(x, w, b, spec, args, conv)
+    with torch.no_grad():
+        for name, fn in rows:
+            for _ in range(20):
+                fn()
+            print(f"{name:32s} {host_us(fn, args.calls, args.bursts)[0]:7.3f}")
+
+
+def c_burst_us(timed: Callable[[int], float], args: argparse.Namespace) -> float:
+    """Median over bursts of the host us per repetition that ``timed(n)`` reports, the GPU asleep."""
+    times = []
+    for _ in range(args.bursts):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(SLEEP_CYCLES)
+        times.append(timed(args.calls) / args.calls * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def python_pieces(x: Any, w: Any, b: Any, spec: ConvSpec, args: argparse.Namespace,
+                  conv: Callable[[], object]) -> list[tuple[str, Callable[[], object]]]:
+    """The Python fast path's pieces (``CONVFORGE_NATIVE=0``)."""
     key = (lambda: api._torch_key(x, w, b, spec.stride, spec.pad, spec.dilation, args.algo, None, None, False, None,
                                   None, None))
-    with torch.no_grad():
-        conv()  # builds the runner
     run = runner_of(x, w, b, spec, args.algo)
     wp = w.data_ptr()
-    rows: list[tuple[str, Callable[[], object]]] = [
+    return [
         ("whole conv2d call", conv),
         ("fast-path key + lookup", lambda: RUNNERS.get(key())),
         ("prepared runner run(x, w, b)", lambda: run(x, w, b)),
@@ -216,12 +253,6 @@ def parts(x: Any, w: Any, b: Any, spec: ConvSpec, args: argparse.Namespace) -> N
         ("  filter cache version check", (lambda: run.filters.get(w, wp)) if run.filters is not None else (lambda: 0)),
         ("  output new_empty", lambda: x.new_empty(spec.y_shape)),
     ]
-    print(f"{torch.cuda.get_device_name()} | layer {spec.short()} | algo {args.algo} | no_grad, host us per call")
-    with torch.no_grad():
-        for name, fn in rows:
-            for _ in range(20):
-                fn()
-            print(f"{name:32s} {host_us(fn, args.calls, args.bursts)[0]:7.2f}")
 
 
 def main() -> None:

@@ -29,6 +29,7 @@
 #include <dlfcn.h>
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -414,6 +415,97 @@ PyObject* run_filed(PyObject* const* a) {
   END_HANDLE_TH_ERRORS
 }
 
+// ---- parts: where a warm call's host time goes (scripts/host_cost.py --parts) ----
+// parts(conv2d's 13 arguments, piece, n) -> seconds that n repetitions of one piece of the filed
+// call take, timed in C: "call" (the whole run and the output's release), "parse", "find" (parse
+// and lookup), "stream", "context", "capture", "filters" (the per-weight cache hit), "alloc"
+// (the output from the caching allocator, released), "wrap" (the same as a Python object),
+// "launch" (the plan's warm launches on prepared pointers).
+PyObject* py_parts(PyObject*, PyObject* const* a, Py_ssize_t n) {
+  if (n != 15 || !PyUnicode_Check(a[13]) || !PyLong_Check(a[14])) {
+    PyErr_SetString(PyExc_TypeError, "parts takes conv2d's 13 arguments, a piece's name and a count");
+    return nullptr;
+  }
+  Key k;
+  const at::Tensor *x = nullptr, *w = nullptr, *b = nullptr;
+  std::shared_ptr<Program> p = parse_call(a, k, x, w, b) ? find(k) : nullptr;
+  if (!p) {
+    PyErr_SetString(PyExc_ValueError, "parts: this call is not filed (make it once first)");
+    return nullptr;
+  }
+  std::string piece = PyUnicode_AsUTF8(a[13]);
+  long reps = PyLong_AsLong(a[14]);
+  HANDLE_TH_ERRORS
+  CUstream stream = c10::cuda::getCurrentCUDAStream(x->get_device()).stream();
+  at::Tensor y = at::detail::empty_cuda(p->y_shape, at::kFloat, x->device(), std::nullopt);
+  auto wp = reinterpret_cast<uintptr_t>(w->const_data_ptr());
+  uint64_t slot[kMaxArgs] = {reinterpret_cast<uintptr_t>(x->const_data_ptr()), wp,
+                             reinterpret_cast<uintptr_t>(y.data_ptr()),
+                             b ? reinterpret_cast<uintptr_t>(b->const_data_ptr()) : 0, 0};
+  at::Tensor packed = p->offsets.empty() ? at::Tensor() : filters_for(*p, *w, wp, slot, stream);
+  const std::vector<LaunchRec>& runs = packed.defined() ? p->rest : p->all;
+  for (size_t j = 0; j < p->offsets.size(); ++j)
+    slot[kFixedSlots + j] = packed.defined() ? reinterpret_cast<uintptr_t>(packed.const_data_ptr()) + p->offsets[j]
+                                             : p->ws_derived[j];
+  static const char* const pieces[] = {"call",    "parse", "find", "stream", "context", "capture",
+                                       "filters", "alloc", "wrap", "launch"};
+  int which = -1;
+  for (int i = 0; i < 10; ++i)
+    if (piece == pieces[i]) which = i;
+  if (which < 0) {
+    PyErr_Format(PyExc_ValueError, "parts: no piece %s", piece.c_str());
+    return nullptr;
+  }
+  volatile uintptr_t sink = 0;
+  auto t0 = std::chrono::steady_clock::now();
+  for (long i = 0; i < reps; ++i) {
+    switch (which) {
+      case 0: {
+        PyObject* r = run_filed(a);
+        if (!r) return nullptr;
+        Py_DECREF(r);
+        break;
+      }
+      case 1:
+      case 2: {
+        Key kk;
+        const at::Tensor *xx = nullptr, *ww = nullptr, *bb = nullptr;
+        sink = parse_call(a, kk, xx, ww, bb);
+        if (which == 2) sink = reinterpret_cast<uintptr_t>(find(kk).get());
+        break;
+      }
+      case 3:
+        sink = reinterpret_cast<uintptr_t>(c10::cuda::getCurrentCUDAStream(x->get_device()).stream());
+        break;
+      case 4: {
+        CUcontext cur = nullptr;
+        drv.ctx_get(&cur);
+        sink = reinterpret_cast<uintptr_t>(cur);
+        break;
+      }
+      case 5:
+        sink = capturing(stream);
+        break;
+      case 6:
+        if (packed.defined()) sink = reinterpret_cast<uintptr_t>(filters_for(*p, *w, wp, slot, stream).data_ptr());
+        break;
+      case 7:
+        sink = reinterpret_cast<uintptr_t>(
+            at::detail::empty_cuda(p->y_shape, at::kFloat, x->device(), std::nullopt).data_ptr());
+        break;
+      case 8:
+        Py_DECREF(THPVariable_Wrap(at::detail::empty_cuda(p->y_shape, at::kFloat, x->device(), std::nullopt)));
+        break;
+      default:
+        launch_all(*p, runs, slot, stream);
+    }
+  }
+  std::chrono::duration<double> took = std::chrono::steady_clock::now() - t0;
+  (void)sink;
+  return PyFloat_FromDouble(took.count());
+  END_HANDLE_TH_ERRORS
+}
+
 // ---- Python: run, register, clear, stats ----
 PyObject* py_run(PyObject*, PyObject* const* a, Py_ssize_t n) {
   if (n != 13) {
@@ -742,6 +834,8 @@ PyMethodDef methods[] = {
      "register_op(cuda_fallback, grad_apply): the op's CUDA and Autograd kernels in C++"},
     {"clear", py_clear, METH_NOARGS, "forget every entry"},
     {"wrap", py_wrap, METH_O, "wrap(python_conv2d) -> conv2d whose warm torch calls stay in C"},
+    {"parts", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_parts)), METH_FASTCALL,
+     "parts(conv2d's 13 arguments, piece, n) -> seconds of n repetitions of one piece of a warm call"},
     {"stats", py_stats, METH_NOARGS, "{entries, transforms, op_fallbacks}: table size and counters"},
     {nullptr, nullptr, 0, nullptr}};
 
