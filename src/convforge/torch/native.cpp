@@ -433,8 +433,10 @@ PyObject* py_parts(PyObject*, PyObject* const* a, Py_ssize_t n) {
     PyErr_SetString(PyExc_ValueError, "parts: this call is not filed (make it once first)");
     return nullptr;
   }
-  std::string piece = PyUnicode_AsUTF8(a[13]);
+  const char* name = PyUnicode_AsUTF8(a[13]);
   long reps = PyLong_AsLong(a[14]);
+  if (!name || PyErr_Occurred()) return nullptr;
+  std::string piece = name;
   HANDLE_TH_ERRORS
   CUstream stream = c10::cuda::getCurrentCUDAStream(x->get_device()).stream();
   at::Tensor y = at::detail::empty_cuda(p->y_shape, at::kFloat, x->device(), std::nullopt);
