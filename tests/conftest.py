@@ -52,3 +52,25 @@ def nvcc_ok():
             pytest.fail("nvcc missing on CI: the CUDA compile tier cannot run")
         pytest.skip("nvcc not on PATH: CUDA compile checks skipped")
     return True
+
+
+@pytest.fixture
+def capture_graph():
+    """``capture_graph(fn)`` -> (graph, output): ``fn()`` run three times on a side stream first
+    (runners, workspace and transformed filters made outside the capture), then one call captured
+    in a CUDA graph on the current stream. Call under ``torch.no_grad()``, on the device to capture on."""
+    import torch
+
+    def capture(fn):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()
+        return graph, out
+
+    return capture

@@ -150,7 +150,7 @@ def test_models_on_the_second_device(two, how):
             assert float((y.double().cpu() - want).norm() / want.norm()) < 1e-5
 
 
-def test_cuda_graph_capture_on_the_second_device(two):
+def test_cuda_graph_capture_on_the_second_device(two, capture_graph):
     import convforge.torch as ct
 
     model = _net()
@@ -159,15 +159,7 @@ def test_cuda_graph_capture_on_the_second_device(two):
     assert len(ct.convert(model.to(two)).converted) == 3
     static_x = torch.randn(2, 3, 16, 16, device=two)
     with torch.no_grad(), torch.cuda.device(1):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                model(static_x)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_y = model(static_x)
+        graph, static_y = capture_graph(lambda: model(static_x))
         for seed in range(2):
             static_x.copy_(torch.randn(2, 3, 16, 16, device=two, generator=torch.Generator(two).manual_seed(seed)))
             graph.replay()

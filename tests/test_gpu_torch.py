@@ -180,19 +180,11 @@ def _model():
     return model, ref
 
 
-def test_cuda_graph_capture_and_replay(gpu):
+def test_cuda_graph_capture_and_replay(gpu, capture_graph):
     model, ref = _model()
     static_x = torch.randn(4, 3, 20, 20, device="cuda")
     with torch.no_grad():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                model(static_x)  # warm-up: runners, workspace, transformed filters
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_y = model(static_x)
+        graph, static_y = capture_graph(lambda: model(static_x))
         for seed in range(3):
             gen = torch.Generator(device="cuda").manual_seed(seed)
             static_x.copy_(torch.randn(4, 3, 20, 20, device="cuda", generator=gen))
@@ -451,7 +443,7 @@ def test_native_off_by_environment():
 
 
 @pytest.mark.parametrize("static_weights", [True, False])
-def test_graph_replay_after_in_place_weight_update(gpu, static_weights):
+def test_graph_replay_after_in_place_weight_update(gpu, static_weights, capture_graph):
     """convert(static_weights=...): False records the filter transforms in the graph (a replay sees
     in-place updates at once); True replays the filters made before capture, and one eager forward
     after the update re-transforms into the same buffers, which the replay then reads."""
@@ -471,15 +463,7 @@ def test_graph_replay_after_in_place_weight_update(gpu, static_weights):
         return float((y.double() - want).norm() / want.norm())
 
     with torch.no_grad():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                model(x)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_y = model(x)
+        graph, static_y = capture_graph(lambda: model(x))
         graph.replay()
         assert err(static_y) < 1e-5
         for m in model.modules():

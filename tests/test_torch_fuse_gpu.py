@@ -167,7 +167,7 @@ def test_training_matches_pytorch(gpu, monkeypatch):
 
 
 @pytest.mark.parametrize("static_weights", [True, False])
-def test_cuda_graph_capture_replay_and_in_place_updates(gpu, static_weights):
+def test_cuda_graph_capture_replay_and_in_place_updates(gpu, static_weights, capture_graph):
     """Replays match float64; after an in-place update of a conv weight and a batch norm's
     statistics, static_weights=False replays see it at once, True after one eager forward (which
     re-folds into the same buffers)."""
@@ -177,15 +177,7 @@ def test_cuda_graph_capture_replay_and_in_place_updates(gpu, static_weights):
     fused, _ = ct.fuse(model, static_weights=static_weights)
     x = torch.randn(2, 3, 16, 16, device="cuda")
     with torch.no_grad():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                fused(x)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_y = fused(x)
+        graph, static_y = capture_graph(lambda: fused(x))
         tol = _tolerance(fused)
         for seed in range(2):
             x.copy_(torch.randn(x.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)))
