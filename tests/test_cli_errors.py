@@ -45,6 +45,8 @@ MALFORMED = [
     ["run", "--net", "alexnet", "--batch", "0", "--backend", "opencl", "--no-torch"],
     ["run", "--net", "alexnet", "--batch", "x"],
     ["run", "--net", "alexnet", "--input-size", "-3", "--backend", "opencl", "--no-torch"],
+    ["run", "--net", "alexnet", "--repeats", "0", "--backend", "opencl", "--no-torch"],
+    ["run", "--net", "alexnet", "--workspace-limit", "-1", "--backend", "opencl", "--no-torch"],
     ["run"],
     ["tune", "--net", "nosuchnet", "--batch", "1", "--backend", "opencl"],
     ["bench", "--model", "nosuchmodel"],
@@ -63,6 +65,19 @@ def test_malformed_arguments(argv: list[str], capsys, tmp_path, monkeypatch) -> 
     rc, out = run_main(argv, capsys)
     assert rc == 2, out
     assert "Traceback" not in out and ("error:" in out or "usage:" in out), out
+
+
+def test_cuda_backend_without_cupy(capsys, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """--backend cuda where CuPy does not import: one error line that says what to install."""
+    from convforge import backends
+
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy now raises ImportError
+    monkeypatch.delitem(sys.modules, "convforge.backends.cuda", raising=False)
+    monkeypatch.setattr(backends, "_INSTANCES", {})
+    monkeypatch.setattr(config, "db_path", tmp_path / "t.sqlite")
+    rc, out = run_main(["run", "--net", "nin", "--input-size", "64", "--backend", "cuda", "--no-torch"], capsys)
+    assert rc == 2 and "Traceback" not in out, out
+    assert "backend 'cuda' needs CuPy" in out and "convforge[cuda]" in out, out
 
 
 def test_db_commands_on_missing_and_bad_files(capsys, tmp_path) -> None:  # type: ignore[no-untyped-def]

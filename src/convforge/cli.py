@@ -1,4 +1,4 @@
-"""The command line: convforge devices | algos | show | bench | tune | db."""
+"""The command line: convforge devices | algos | show | bench | tune | db | run."""
 
 from __future__ import annotations
 

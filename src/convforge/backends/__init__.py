@@ -15,7 +15,11 @@ def get_backend(name: str, device: str | int | None = None) -> Backend:
     key = f"{name}:{device}"
     if key not in _INSTANCES:
         if name == "cuda":
-            from convforge.backends.cuda import CudaBackend
+            try:
+                from convforge.backends.cuda import CudaBackend
+            except ImportError as err:
+                raise ValueError(f"backend 'cuda' needs CuPy ({err}); pip install 'convforge[cuda]' on a machine "
+                                 "with an NVIDIA GPU, or use backend 'opencl'") from None
 
             _INSTANCES[key] = CudaBackend(None if device is None else int(device))
         elif name == "opencl":

@@ -51,6 +51,10 @@ def main(args: argparse.Namespace) -> int:
     prec = config.precision  # cli.main set it from --precision
     if args.batch < 1:
         raise ValueError(f"batch ({args.batch}) must be >= 1")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats ({args.repeats}) must be >= 1")
+    if args.workspace_limit is not None and args.workspace_limit < 0:
+        raise ValueError(f"--workspace-limit ({args.workspace_limit}) must be >= 0 MiB")
     graph = load_model(args.net, args.input_size, args.seed, args.weights).with_batch(args.batch)
     last = graph.producer(graph.outputs[0])
     if last is not None and last.op == "softmax":  # softmax flattens errors: also check the logits
@@ -59,8 +63,6 @@ def main(args: argparse.Namespace) -> int:
     if args.tune:
         _tune(args, console, backend)
     limit = None if args.workspace_limit is None else int(args.workspace_limit * 2**20)
-    if limit is not None and limit < 0:
-        raise ValueError(f"--workspace-limit ({args.workspace_limit}) must be >= 0 MiB")
     t0 = time.perf_counter()
     net = Network(optimize(graph), backend, workspace_limit=limit)
     console.print(f"{graph.name}: {len(graph.nodes)} nodes -> {len(net.steps)} steps after the passes, "

@@ -335,6 +335,7 @@ class Network:
 
     def profile(self, repeats: int = 5) -> list[tuple[Step, float]]:
         """Each step timed alone with device events (a separate pass, not the replay): median ms."""
+        _check_repeats(repeats)
         out = []
         for step in self.steps:
             step.run()
@@ -344,8 +345,14 @@ class Network:
 
     def time_ms(self, repeats: int = 10) -> float:
         """Median device time of one replay of the whole network."""
+        _check_repeats(repeats)
         self.replay()
         return float(np.median(self.backend.time_ms(self.replay, repeats)))
+
+
+def _check_repeats(repeats: int) -> None:
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats ({repeats!r}) must be an int >= 1")
 
 
 def _conv_call(exe: Any, bufs: dict[str, Any]) -> Callable[[], None]:
