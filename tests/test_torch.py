@@ -560,3 +560,32 @@ def test_fast_path_with_weights_of_another_kind_gives_the_clear_error(monkeypatc
         convforge.conv2d(x, np.ones((4, 3, 3, 3), np.float32))
     with pytest.raises(ValueError):
         convforge.conv2d(x, torch.ones(4, 3, 3, 3), np.ones(4, np.float32))
+
+
+def test_a_native_miss_is_looked_up_once(monkeypatch):
+    """conv2d asks the native fast path once; ``python_conv2d`` (what native.cpp's C entry and the
+    op's CUDA kernel call after their own lookup missed) has conv2d's signature and never asks
+    again, so a miss (CuPy arrays, cold calls) pays one lookup. The op's CUDA kernel, called here
+    on CPU tensors, reaches its PyTorch fallback without asking."""
+    import inspect
+
+    torch = _torch()
+    import torch.nn.functional as F
+
+    from convforge import api
+    from convforge.torch import ops
+
+    assert inspect.signature(api.python_conv2d) == inspect.signature(api.conv2d)
+    asked: list[int] = []
+    monkeypatch.setattr(api, "_NATIVE_RUN", lambda *a: asked.append(len(a)))
+    g = np.random.default_rng(3)
+    x = g.standard_normal((1, 3, 7, 9)).astype(np.float32)
+    w = g.standard_normal((4, 3, 3, 3)).astype(np.float32)
+    spec = ConvSpec.from_shapes(x.shape, w.shape, (1, 1), (1, 1, 1, 1), (1, 1))
+    want = conv2d_ref(x.astype(np.float64), w.astype(np.float64), spec)
+    assert rel_l2(api.conv2d(x, w, padding=1), want) < 1e-5 and asked == [13]
+    assert rel_l2(api.python_conv2d(x, w, padding=1), want) < 1e-5 and asked == [13]
+    xt, wt = torch.from_numpy(x), torch.from_numpy(w)
+    y = ops._cuda(xt, wt, None, [1, 1], [1, 1, 1, 1], [1, 1], "auto", None, None)
+    torch.testing.assert_close(y, F.conv2d(xt, wt, None, 1, 1))
+    assert asked == [13]

@@ -149,6 +149,17 @@ def conv2d(x: Any, w: Any, bias: Any = None, stride: int | Sequence[int] = 1,
                         precision, max_error)
         if y is not None:
             return y
+    return python_conv2d(x, w, bias, stride, padding, dilation, algo, backend, workspace_limit, relu, params,
+                         precision, max_error)
+
+
+def python_conv2d(x: Any, w: Any, bias: Any = None, stride: int | Sequence[int] = 1,
+                  padding: int | Sequence[int] = 0, dilation: int | Sequence[int] = 1, algo: str = "auto",
+                  backend: str | None = None, workspace_limit: int | None = None, relu: bool = False,
+                  params: Params | dict[str, Any] | None = None, precision: str | None = None,
+                  max_error: float | None = None) -> Any:
+    """:func:`conv2d` without asking the native fast path: for callers that just asked it and
+    missed (native.cpp's C entry and the op's CUDA kernel), so a miss is looked up once."""
     keyer = _KEYERS.get(type(x))
     if keyer is not None:
         try:

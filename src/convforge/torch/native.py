@@ -72,18 +72,19 @@ DEFAULTS = (None, 1, 0, 1, "auto", None, None, False, None, None, None)
 def _install(module: ModuleType) -> None:
     """Route warm torch calls through ``module``: the Python conv2d asks it first, and where
     conv2d's defaults are the ones the C entry assumes, ``convforge.conv2d`` (and
-    ``convforge.api.conv2d``) become that C entry, which hands every call it does not run to the
-    Python function unchanged (``__wrapped__``; same signature and docstring)."""
+    ``convforge.api.conv2d``) become that C entry, which hands every call it does not run, unchanged,
+    to ``api.python_conv2d`` (conv2d past the native lookup); ``__wrapped__`` is conv2d (same
+    signature and docstring)."""
     import convforge
     from convforge import api, dispatch
 
     python = api.conv2d
-    params = list(inspect.signature(python).parameters.values())[2:]
+    params = list(inspect.signature(api.python_conv2d).parameters.values())[2:]
     fast = None
     if tuple(p.default for p in params) != DEFAULTS:
         log.warning("convforge: conv2d's defaults differ from native.cpp's: its C entry is not installed")
-    else:
-        fast = functools.update_wrapper(module.wrap(python), python)
+    else:  # a miss goes to the Python path past the native lookup it just made
+        fast = functools.update_wrapper(module.wrap(api.python_conv2d), python)
     config.on_change(module.clear)
     dispatch.ON_CLEAR.append(module.clear)
     api.set_native(module)

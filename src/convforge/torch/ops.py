@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from convforge.api import conv2d as cf_conv2d
+from convforge.api import python_conv2d as cf_conv2d  # the op's C kernel asked native.cpp already
 from convforge.spec import ConvSpec, normalize_padding
 from convforge.torch import native
 
