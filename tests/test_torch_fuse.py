@@ -10,6 +10,7 @@ path's wiring with a stand-in runner. The CUDA paths are in tests/test_torch_fus
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 
@@ -160,6 +161,35 @@ def test_fold_is_cached_per_version_and_refolds_in_place(monkeypatch):
     assert len(folds) == 3 and not w4.is_inference()
 
 
+def test_sources_are_what_getattr_answers():
+    """The fold's six source tensors, read from the modules' own tables, are the objects getattr
+    answers: with and without conv bias, affine or not, with and without running statistics, and
+    for a weight that is a plain attribute (the hook-based weight norm: not in ``_parameters``,
+    getattr finds it). An in-place update of any of them changes the fold key."""
+    cases = [(True, True, True), (False, True, True), (True, False, True), (True, True, False)]
+    for bias, affine, stats in cases:
+        conv, bn = nn.Conv2d(3, 4, 3, bias=bias), nn.BatchNorm2d(4, affine=affine, track_running_stats=stats)
+        m = ct.FusedConv2d.from_conv(conv, bn)
+        want = (conv.weight, conv.bias, bn.weight, bn.bias, bn.running_mean, bn.running_var)
+        got = fused_mod._sources(m)
+        assert all(g is t for g, t in zip(got, want, strict=True)), (bias, affine, stats)
+        key = fused_mod._fold_key(got, bn)
+        for t in got:
+            if t is not None:
+                with torch.no_grad():
+                    t.add_(1.0)
+                assert fused_mod._fold_key(fused_mod._sources(m), bn) != key
+                key = fused_mod._fold_key(fused_mod._sources(m), bn)
+    conv, bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the hook-based weight norm is deprecated
+        torch.nn.utils.weight_norm(conv)  # weight: a plain attribute its forward pre-hook sets
+    m = ct.FusedConv2d.from_conv(conv, bn)
+    m(torch.randn(1, 3, 5, 5))  # the hook computes the weight
+    assert "weight" not in m._parameters and fused_mod._sources(m)[0] is m.__dict__["weight"]
+    assert fused_mod._sources(ct.FusedConv2d.from_conv(nn.Conv2d(3, 4, 3)))[2:] == (None,) * 4
+
+
 class _FakeRun:
     """Stands in for a device runner: PyTorch's conv with the plan's epilogue, on CPU tensors."""
 
@@ -185,7 +215,7 @@ def test_folded_path_wiring(monkeypatch, res_in_plan):
     m = fused.c2
     run = _FakeRun(m, relu=res_in_plan, residual=res_in_plan)
     monkeypatch.setattr(fused_mod, "_CAPTURING", lambda: False)  # CPU torch cannot ask
-    monkeypatch.setattr(ct.FusedConv2d, "_folds", lambda self, x, res: True)
+    monkeypatch.setattr(ct.FusedConv2d, "_folds", lambda self, x, res, src: True)
     monkeypatch.setattr(ct.FusedConv2d, "_fused_runner", lambda self, x: (run, res_in_plan, (2, 8, 13, 17)))
     x, res = torch.randn(2, 8, 13, 17), torch.randn(2, 8, 13, 17)
     with torch.no_grad():

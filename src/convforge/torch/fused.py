@@ -34,7 +34,7 @@ from convforge.backends import get_backend
 from convforge.config import config
 from convforge.plan import Epilogue
 from convforge.spec import ConvSpec
-from convforge.torch.modules import Conv2d, padding_quad
+from convforge.torch.modules import Conv2d, padding_quad, read_tensor
 
 _F32 = torch.float32
 _CAPTURING = torch.cuda.is_current_stream_capturing
@@ -70,8 +70,9 @@ class FusedConv2d(Conv2d):
         return super().extra_repr() + f", fused={self.fused_ops()!r}"
 
     def forward(self, x: torch.Tensor, res: Any = None) -> torch.Tensor:  # type: ignore[override]
-        if self._folds(x, res):
-            y = self._folded_forward(x, res)
+        src = _sources(self)
+        if self._folds(x, res, src):
+            y = self._folded_forward(x, res, src)
             if y is not None:
                 return y
         return self.unfused(x, res)
@@ -85,12 +86,13 @@ class FusedConv2d(Conv2d):
             y = y + res
         return torch.relu(y) if self._cf_relu else y
 
-    def _folds(self, x: torch.Tensor, res: Any) -> bool:
-        """Whether this call may take the folded path (eval inference on CUDA float32)."""
-        w, b, bn = self.weight, self.bias, self._cf_bn
+    def _folds(self, x: torch.Tensor, res: Any, src: tuple[Any, ...]) -> bool:
+        """Whether this call may take the folded path (eval inference on CUDA float32); ``src``:
+        :func:`_sources`."""
+        w, bn = src[0], self._cf_bn
         if not (x.is_cuda and x.dtype == _F32 and x.dim() == 4 and w.is_cuda and w.dtype == _F32):
             return False
-        if bn is not None and (bn.training or bn.running_mean is None or bn.running_var is None):
+        if bn is not None and (bn.training or src[4] is None or src[5] is None):
             return False
         if res is not None and not (isinstance(res, torch.Tensor) and res.is_cuda and res.dtype == _F32):
             return False
@@ -98,10 +100,9 @@ class FusedConv2d(Conv2d):
             return False
         if not torch.is_grad_enabled():
             return True
-        tensors = (x, w, b, res) + ((bn.weight, bn.bias) if bn is not None else ())
-        return not any(t is not None and t.requires_grad for t in tensors)
+        return not any(t is not None and t.requires_grad for t in (x, res, *src[:4]))
 
-    def _folded_forward(self, x: torch.Tensor, res: Any) -> torch.Tensor | None:
+    def _folded_forward(self, x: torch.Tensor, res: Any, src: tuple[Any, ...]) -> torch.Tensor | None:
         """One plan (and, without a residual store path, an in-place add and ReLU); None when
         convforge cannot run the layer or the residual does not match the output."""
         x = x.contiguous()
@@ -113,10 +114,10 @@ class FusedConv2d(Conv2d):
             return None  # a broadcasting add: the unfused path does what PyTorch did
         b: torch.Tensor | None
         if self._cf_bn is not None:
-            w, b = self._fold()
+            w, b = self._fold(src)
         else:
-            w = self.weight if self.weight.is_contiguous() else self.weight.contiguous()
-            b = self.bias
+            w = src[0] if src[0].is_contiguous() else src[0].contiguous()
+            b = src[1]
         filters = run.filters
         packed = None
         if filters is not None and (self.static_weights or not _CAPTURING()):
@@ -182,16 +183,17 @@ class FusedConv2d(Conv2d):
         except ValueError:
             return None
 
-    def _fold(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Folded (weight, bias), cached per address and version of the six source tensors; a
-        re-fold writes into the cached tensors (same addresses: filter caches and captured graphs
-        keep valid pointers). Under CUDA-graph capture a stale or missing fold is recorded into
-        the graph, never cached."""
-        key = _fold_key(self)
+    def _fold(self, src: tuple[Any, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Folded (weight, bias), cached per address and version of the six source tensors
+        (``src``, :func:`_sources`; read here when not given); a re-fold writes into the cached
+        tensors (same addresses: filter caches and captured graphs keep valid pointers). Under
+        CUDA-graph capture a stale or missing fold is recorded into the graph, never cached."""
+        src = _sources(self) if src is None else src
+        key = _fold_key(src, self._cf_bn)
         hit = self._cf_cache.get(_FOLD)
         if hit is not None and key is not None and hit[0] == key and (self.static_weights or not _CAPTURING()):
             return hit[1], hit[2]
-        w, b = fold_bn(self.weight, self.bias, self._cf_bn)  # type: ignore[arg-type]
+        w, b = fold_bn(src[0], src[1], self._cf_bn)  # type: ignore[arg-type]
         if key is None or _CAPTURING():
             return w, b
         if hit is not None and hit[1].shape == w.shape and hit[1].device == w.device:
@@ -203,13 +205,24 @@ class FusedConv2d(Conv2d):
         return w, b
 
 
-def _fold_key(m: FusedConv2d) -> tuple[Any, ...] | None:
-    """(data_ptr, _version) of every tensor the fold reads, and eps; None for inference tensors."""
+def _sources(m: FusedConv2d) -> tuple[Any, ...]:
+    """(conv weight, conv bias, bn weight, bn bias, running mean, running var), each as getattr
+    answers it (the last four None without a batch norm): what a forward checks and folds, read
+    once per call."""
+    w, b = read_tensor(m, "_parameters", "weight"), read_tensor(m, "_parameters", "bias")
     bn = m._cf_bn
+    if bn is None:
+        return (w, b, None, None, None, None)
+    return (w, b, read_tensor(bn, "_parameters", "weight"), read_tensor(bn, "_parameters", "bias"),
+            read_tensor(bn, "_buffers", "running_mean"), read_tensor(bn, "_buffers", "running_var"))
+
+
+def _fold_key(src: tuple[Any, ...], bn: torch.nn.BatchNorm2d | None) -> tuple[Any, ...] | None:
+    """(data_ptr, _version) of every tensor the fold reads (``src``), and eps; None for inference
+    tensors."""
     assert bn is not None
     try:
-        return tuple(None if t is None else (t.data_ptr(), t._version)
-                     for t in (m.weight, m.bias, bn.weight, bn.bias, bn.running_mean, bn.running_var)) + (bn.eps,)
+        return tuple(None if t is None else (t.data_ptr(), t._version) for t in src) + (bn.eps,)
     except RuntimeError:  # inference tensors have no version counter: fold per call
         return None
 

@@ -54,6 +54,17 @@ def static_reason(m: torch.nn.Conv2d, on_cuda: bool = True) -> str | None:
     return None
 
 
+_MISSING = object()
+
+
+def read_tensor(m: torch.nn.Module, table: str, name: str) -> Any:
+    """``getattr(m, name)`` for a parameter (``table`` "_parameters") or buffer ("_buffers"), read
+    from the module's own table: nn.Module.__getattr__, which getattr takes for them, costs ~1 us a
+    read in Python. A name not in the table (parametrized, or set as a plain attribute) takes getattr."""
+    t = m.__dict__[table].get(name, _MISSING)
+    return getattr(m, name) if t is _MISSING else t
+
+
 def padding_quad(m: torch.nn.Conv2d) -> tuple[int, int, int, int]:
     """(top, bottom, left, right) of an nn.Conv2d: ints, 'valid', or 'same' (the extra row or
     column at the bottom/right, as PyTorch pads)."""
@@ -118,7 +129,7 @@ class Conv2d(torch.nn.Conv2d):
         return super().extra_repr() + extra + (f", max_error={self.max_error:g}" if self.max_error else "")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, b = self.weight, self.bias
+        w, b = read_tensor(self, "_parameters", "weight"), read_tensor(self, "_parameters", "bias")
         if (not x.is_cuda or x.dtype != _F32 or x.dim() != 4 or not w.is_cuda or w.dtype != _F32
                 or self.groups != 1 or self.padding_mode != "zeros"):  # static_reason's tests, inline
             return super().forward(x)
