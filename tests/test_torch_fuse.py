@@ -206,6 +206,58 @@ class _FakeRun:
         return torch.relu(y) if self.relu else y
 
 
+@pytest.mark.parametrize("name,res_in_plan", [("c1", False), ("c2", False), ("c2", True), ("c3", False)])
+def test_folded_path_takes_the_native_route_when_the_plan_is_conv2ds(monkeypatch, name, res_in_plan):
+    """A plan without the residual is conv2d's plan for the folded weights: the module asks the
+    native fast path with conv2d's 13 arguments (ReLU in them only when no add follows), runs
+    its Python runner on a miss and files the call, and on a hit runs nothing in Python; a plan
+    that adds the residual, or a capture with static weights, never asks. Stand-ins: no CUDA."""
+    from convforge import api
+
+    model = _randomize(Every()).eval()
+    fused, _ = ct.fuse(model)
+    m = getattr(fused, name)
+    residual = m._cf_residual
+    run = _FakeRun(m, relu=m._cf_relu and (res_in_plan or not residual), residual=res_in_plan)
+    asked, filed, hits = [], [], []
+
+    def native(*call):
+        asked.append(call)
+        if not filed:
+            return None
+        x, w, b, stride, pad, dil = call[:6]
+        y = F.conv2d(F.pad(x, (pad[2], pad[3], pad[0], pad[1])), w, b, stride, 0, dil)
+        hits.append(1)
+        return torch.relu(y) if call[9] else y
+
+    capturing = [False]
+    monkeypatch.setattr(fused_mod, "_CAPTURING", lambda: capturing[0])
+    monkeypatch.setattr(api, "_NATIVE_RUN", native)
+    monkeypatch.setattr(api, "file_native", lambda r, call: filed.append((r, call)))
+    monkeypatch.setattr(ct.FusedConv2d, "_folds", lambda self, x, res, src: True)
+    x = torch.randn(2, m.in_channels, 13, 17)
+    with torch.no_grad():
+        y_shape = m.unfused(x).shape
+        res = torch.randn(y_shape) if residual else None
+        monkeypatch.setattr(ct.FusedConv2d, "_fused_runner", lambda self, x: (run, res_in_plan, tuple(y_shape)))
+        want = m.unfused(x, res)
+        outs = [m(x, res) for _ in range(2)]
+        capturing[0] = True
+        outs.append(m(x, res))
+    for got in outs:
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    if res_in_plan:
+        assert not asked and not filed and len(run.calls) == 3
+        return
+    w, b = m._fold() if m._cf_bn is not None else (m.weight, m.bias)
+    call = asked[0]
+    assert call[1] is w and call[2] is b and call[3:9] == (m.stride, fused_mod.padding_quad(m), m.dilation,
+                                                            m.algo, None, None)
+    assert call[9] == (m._cf_relu and not residual) and call[10:] == (None, m.precision, m.max_error)
+    assert len(asked) == 2 and len(filed) == 1 and filed[0][0] is run and filed[0][1][1:] == call[1:]
+    assert hits == [1] and len(run.calls) == 2  # the miss, then the capture (static weights: Python)
+
+
 @pytest.mark.parametrize("res_in_plan", [True, False])
 def test_folded_path_wiring(monkeypatch, res_in_plan):
     """The folded path (a stand-in runner: no CUDA here) runs the folded weights and bias, puts

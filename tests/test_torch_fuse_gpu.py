@@ -101,6 +101,7 @@ def test_eval_takes_the_folded_path_and_matches_float64(gpu, algo, mode, monkeyp
     from convforge import kernels
     from convforge.backends import cuda as cuda_mod
     from convforge.torch import fused as fused_mod
+    from convforge.torch import native
 
     model = _model(0, full=algo != "winograd").eval()  # Winograd runs only the 3x3 stride-1 convs
     fused, report = ct.fuse(model, algo=algo)
@@ -125,13 +126,36 @@ def test_eval_takes_the_folded_path_and_matches_float64(gpu, algo, mode, monkeyp
             assert residual_ok == (algo == "implicit_gemm") or algo == "auto"
     tol = _tolerance(fused)
     assert _err(y, model, x) < tol, (algo, tol)
-    folds, transforms = [], []
+    folds, transforms, python_runs = [], [], []
     real_fold, real_transform = fused_mod.fold_bn, cuda_mod.torch_transform
+    real_python = ct.FusedConv2d._run_python
     monkeypatch.setattr(fused_mod, "fold_bn", lambda *a: folds.append(1) or real_fold(*a))
     monkeypatch.setattr(cuda_mod, "torch_transform", lambda *a: transforms.append(1) or real_transform(*a))
+    monkeypatch.setattr(ct.FusedConv2d, "_run_python",
+                        lambda self, *a: python_runs.append(self) or real_python(self, *a))
+    mod = native.load()
+    before = mod.stats()["transforms"] if mod is not None else 0
     with ctx:
         y2 = fused(x)
     assert not folds and not transforms and torch.equal(y, y2)  # warm: no fold, no filter transform
+    if mod is not None:  # warm plans without the residual ran in C, without a transform there either
+        assert mod.stats()["transforms"] == before
+        in_plan = [m for m in _fused_modules(fused) if [v for k, v in m._cf_cache.items() if k[0] == "fused"][0][1]]
+        assert sorted(map(id, python_runs)) == sorted(map(id, in_plan))
+
+
+def test_a_residual_module_called_without_its_residual_runs_as_unfused(gpu):
+    """conv -> bn -> ReLU, as the unfused path (and the original module alone) computes it: the
+    folded path is not taken, whether or not the plan would add the residual."""
+    import convforge.torch as ct
+
+    for algo in ("implicit_gemm", "winograd"):
+        model = _model(0, full=algo != "winograd").eval()
+        fused, _ = ct.fuse(model, algo=algo)
+        m = next(mm for mm in _fused_modules(fused) if mm._cf_residual)
+        x = torch.randn(2, m.in_channels, 13, 17, device="cuda")
+        with torch.no_grad():
+            torch.testing.assert_close(m(x), m.unfused(x), rtol=1e-4, atol=1e-5)
 
 
 def test_training_matches_pytorch(gpu, monkeypatch):

@@ -10,7 +10,9 @@ Two paths, chosen per call:
   plan runs with the epilogue bias + residual + ReLU (filter transforms cached per version of the
   folded weights: a warm call does no fold and no filter transform). When the chosen variant has
   no residual store path (``Variant.residual_ok``: Winograd), the plan adds bias only and the add
-  and ReLU follow in place on its output.
+  and ReLU follow in place on its output. A plan without the residual is ``conv2d``'s plan for the
+  folded weights and bias, so its warm calls run through the native fast path (native.cpp), as
+  ``Conv2d``'s do; plans that add the residual run through their Python runner.
 - unfused (training, gradients, CPU tensors, torch.compile, anything the folded path does not
   take): exactly conv -> the batch-norm module itself (running statistics updated as PyTorch does)
   -> + residual -> ReLU, the conv through ``Conv2d.forward`` (the differentiable op on CUDA).
@@ -29,7 +31,7 @@ from typing import Any
 
 import torch
 
-from convforge import dispatch
+from convforge import api, dispatch
 from convforge.backends import get_backend
 from convforge.config import config
 from convforge.plan import Epilogue
@@ -94,6 +96,8 @@ class FusedConv2d(Conv2d):
             return False
         if bn is not None and (bn.training or src[4] is None or src[5] is None):
             return False
+        if (res is not None) != self._cf_residual:  # a residual given to a module fused without one, or
+            return False  # missing: the unfused path adds what it is given, as the original did
         if res is not None and not (isinstance(res, torch.Tensor) and res.is_cuda and res.dtype == _F32):
             return False
         if torch.compiler.is_compiling():
@@ -104,7 +108,9 @@ class FusedConv2d(Conv2d):
 
     def _folded_forward(self, x: torch.Tensor, res: Any, src: tuple[Any, ...]) -> torch.Tensor | None:
         """One plan (and, without a residual store path, an in-place add and ReLU); None when
-        convforge cannot run the layer or the residual does not match the output."""
+        convforge cannot run the layer or the residual does not match the output. A plan without
+        the residual is conv2d's plan for the folded weights and bias (with the ReLU when no add
+        follows), so a warm call runs it through the native fast path, as ``Conv2d`` does."""
         x = x.contiguous()
         entry = self._fused_runner(x)
         if entry is None:
@@ -118,6 +124,24 @@ class FusedConv2d(Conv2d):
         else:
             w = src[0] if src[0].is_contiguous() else src[0].contiguous()
             b = src[1]
+        native = None if res_in_plan or (self.static_weights and _CAPTURING()) else api._NATIVE_RUN
+        call = (x, w, b, self.stride, padding_quad(self), self.dilation, self.algo, None, None,
+                self._cf_relu and res is None, None, self.precision, self.max_error)  # conv2d's spelling
+        y = None if native is None else native(*call)
+        if y is None:
+            y = self._run_python(run, res_in_plan, call, res)
+            if res_in_plan:
+                return y
+        if res is not None:
+            y.add_(res)
+            if self._cf_relu:
+                y.relu_()
+        return y  # type: ignore[no-any-return]
+
+    def _run_python(self, run: Any, res_in_plan: bool, call: tuple[Any, ...], res: Any) -> torch.Tensor:
+        """The plan through its Python runner, with filters cached per version of the (folded)
+        weights; a plan without the residual is then filed with the native fast path."""
+        x, w, b = call[:3]
         filters = run.filters
         packed = None
         if filters is not None and (self.static_weights or not _CAPTURING()):
@@ -125,10 +149,8 @@ class FusedConv2d(Conv2d):
         if res_in_plan:
             return run(x, w, b, packed, res)  # type: ignore[no-any-return]
         y = run(x, w, b, packed)
-        if res is not None:
-            y.add_(res)
-            if self._cf_relu:
-                y.relu_()
+        if api._NATIVE_RUN is not None and not _CAPTURING():
+            api.file_native(run, call)
         return y  # type: ignore[no-any-return]
 
     def _fused_runner(self, x: torch.Tensor) -> tuple[Any, bool, tuple[int, ...]] | None:
