@@ -3,8 +3,10 @@
 Rows: ``F.conv2d`` (PyTorch, cuDNN), ``nn.Conv2d`` forward, ``convforge.conv2d`` with torch tensors
 (through the native fast path when it is built: ``CONVFORGE_NATIVE=0`` measures Python's) and the
 native module's ``run`` alone, ``convforge.conv2d`` with CuPy arrays, the ``torch.ops.convforge.conv2d``
-op (through the dispatcher, its Autograd kernel included under no_grad) and a converted
-``convforge.torch.Conv2d`` forward (eager inference).
+op (through the dispatcher, its Autograd kernel included under no_grad), a converted
+``convforge.torch.Conv2d`` forward (eager inference), and a conv -> batch norm -> ReLU (with and
+without a residual add) in PyTorch against ``convforge.torch.FusedConv2d`` folded (what
+``convforge.torch.fuse`` makes of it).
 
 Floor rows: ``cuLaunchKernel`` from C (a 16-argument empty kernel, built here by nvcc when it is on
 PATH: the driver's own cost on this host), ``x.add_(0)`` on a tiny tensor (ONE bare kernel launch
@@ -88,6 +90,28 @@ def device_us(fn: Callable[[], object], calls: int = 200) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / calls * 1e3
+
+
+def fused_layers(x: Any, spec: ConvSpec, algo: str) -> tuple[Any, Any, Any, Any]:
+    """((conv, batch norm) in eval mode with non-trivial statistics, FusedConv2d bn+relu, FusedConv2d
+    bn+add+relu, a residual) for this layer, as ``convforge.torch.fuse`` would make them."""
+    conv = torch.nn.Conv2d(spec.c, spec.k, (spec.r, spec.s), spec.stride, (spec.pad[0], spec.pad[2]), spec.dilation,
+                           bias=False).cuda()
+    bn = torch.nn.BatchNorm2d(spec.k).cuda().eval()
+    with torch.no_grad():
+        bn.running_mean.normal_()
+        bn.running_var.uniform_(0.5, 1.5)
+        bn.weight.uniform_(0.5, 1.5)
+        bn.bias.normal_()
+    fused = ct.FusedConv2d.from_conv(conv, bn, relu=True, algo=algo)
+    fused_res = ct.FusedConv2d.from_conv(conv, bn, residual=True, relu=True, algo=algo)
+    return (conv, bn), fused, fused_res, torch.randn(spec.y_shape, device="cuda")
+
+
+def fused_runner(m: Any) -> tuple[Any, bool]:
+    """(the runner, whether its plan adds the residual) of a FusedConv2d's one input signature."""
+    run, res_in_plan, _ = next(v for k, v in m._cf_cache.items() if k[0] == "fused")
+    return run, res_in_plan
 
 
 def launches(run: Any, cached_filters: bool) -> int | None:
@@ -278,6 +302,7 @@ def main() -> None:
     ours = ct.Conv2d.from_module(torch.nn.Conv2d(spec.c, spec.k, (spec.r, spec.s), spec.stride,
                                                  (spec.pad[0], spec.pad[2]), spec.dilation).cuda(), algo=args.algo)
     st, pd, dl = list(spec.stride), list(spec.pad), list(spec.dilation)
+    cbr, fused, fused_res, res = fused_layers(x, spec, args.algo)
     # (name, call, kind): kind "floor_<what>" / "torch" / "cupy" / "module" / "" (PyTorch)
     raw = raw_launch(x, w, b, spec, args.algo)
     nat = native.load()
@@ -298,6 +323,10 @@ def main() -> None:
         ("torch.ops.convforge.conv2d", lambda: torch.ops.convforge.conv2d(x, w, b, st, pd, dl, args.algo, None, None),
          "torch"),
         ("convforge.torch.Conv2d forward", lambda: ours(x), "module"),
+        ("PyTorch conv -> bn -> relu", lambda: torch.relu(cbr[1](cbr[0](x))), ""),
+        ("FusedConv2d (bn+relu), folded", lambda: fused(x), "fused"),
+        ("PyTorch conv -> bn -> + res -> relu", lambda: torch.relu(cbr[1](cbr[0](x)) + res), ""),
+        ("FusedConv2d (bn+add+relu), folded", lambda: fused_res(x, res), "fused_res"),
     ]
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | cupy {cp.__version__} | "
           f"layer {spec.short()} | algo {args.algo} | {args.calls} calls x {args.bursts} bursts | native fast path "
@@ -321,15 +350,19 @@ def main() -> None:
             inf, woke2 = host_us(fn, args.calls, args.bursts)
         run = (next(iter(ours._cf_cache.values()), None) if kind == "module"
                else runner_of(x, w, b, spec, args.algo) if kind == "torch"
-               else runner_of(xc, wc, bc, spec, args.algo) if kind == "cupy" else None)
+               else runner_of(xc, wc, bc, spec, args.algo) if kind == "cupy"
+               else fused_runner(fused if kind == "fused" else fused_res)[0] if kind.startswith("fused") else None)
         n = launches(run, kind != "cupy") if run is not None else (
             launches(runner_of(x, w, b, spec, args.algo), True) if kind in ("floor_launch", "floor_ctypes")
             else 1 if kind == "floor_torch" else None)
+        torch_ops = 2 if kind == "fused_res" and not fused_runner(fused_res)[1] else 0  # add_ and relu_ after
         if kind.startswith("floor_"):
             floor[kind[6:]] = [ng / (n or 1), inf / (n or 1)]  # per launch for the launch rows
         above = ["", ""]
-        if kind in ("torch", "cupy", "module") and n is not None:
-            above = [f"{cost - n * floor['launch'][i] - floor['alloc'][i]:11.2f}" for i, cost in enumerate((ng, inf))]
+        if kind in ("torch", "cupy", "module", "fused", "fused_res") and n is not None:
+            above = [f"{cost - n * floor['launch'][i] - floor['alloc'][i] - torch_ops * floor['torch'][i]:11.2f}"
+                     for i, cost in enumerate((ng, inf))]
+            n += torch_ops
         flag = "  (GPU woke during a burst: use fewer --calls)" if woke1 or woke2 else ""
         print(f"{name:36s} {'-' if n is None else n:>8} {ng:11.2f} {above[0]:>11s} {inf:13.2f} {above[1]:>11s} "
               f"{dev:10.2f}{flag}")
