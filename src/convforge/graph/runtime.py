@@ -10,6 +10,8 @@ graph and replayed; on OpenCL it is enqueued in order.
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -407,19 +409,26 @@ def channel_affine(graph: Graph, node: Node) -> tuple[np.ndarray, np.ndarray]:
 
 def load_model(model: Any, input_size: int | None = None, seed: int = 0,
                weights: str | Path | None = None) -> Graph:
-    """A Graph from a Graph, a shipped model name, a .prototxt or .onnx path, or a torch module."""
+    """A Graph from a Graph, a shipped model name, a .prototxt or .onnx path (or an ONNX
+    ModelProto), or a torch module. ``weights`` (a .caffemodel) only go with prototxt nets and
+    shipped models: an ONNX file carries its own, a Graph or module holds them already."""
+    from convforge import models
+
+    text = str(model) if isinstance(model, (str, Path)) else ""
+    is_onnx = text.endswith(".onnx") or type(model).__name__ == "ModelProto"
+    if weights is not None and (is_onnx or not isinstance(model, (str, Path))):
+        what = ("an ONNX model carries its own initializers" if is_onnx
+                else f"a {type(model).__name__} has its own weights")
+        raise ValueError(f"weights ({str(weights)!r}) are for prototxt nets and shipped models only: {what}")
+    if is_onnx:
+        from convforge.graph.from_onnx import load_onnx
+
+        return load_onnx(model, input_size=input_size)
     if isinstance(model, Graph):
         return model
     if isinstance(model, (str, Path)):
-        from convforge import models
-
-        text = str(model)
         if text in models.NAMES:
             return models.load(text, seed=seed, input_size=input_size, weights=weights)
-        if text.endswith(".onnx"):
-            from convforge.graph.from_onnx import load_onnx
-
-            return load_onnx(text, input_size=input_size)
         if text.endswith(".prototxt"):
             from convforge.graph.caffe import load_prototxt
 
@@ -431,7 +440,8 @@ def load_model(model: Any, input_size: int | None = None, seed: int = 0,
         if input_size is None:
             raise ValueError("a torch module needs input_size (and its input channels come from the first conv)")
         return from_module(model, input_size=input_size)
-    raise ValueError(f"model of type {type(model).__name__} is not a Graph, a name, a path or a torch module")
+    raise ValueError(f"model of type {type(model).__name__} is not a Graph, a name, a path, "
+                     "an ONNX ModelProto or a torch module")
 
 
 def compile(model: Any, batch: int = 1, backend: str | None = None, *, input_size: int | None = None,
@@ -445,12 +455,13 @@ def compile(model: Any, batch: int = 1, backend: str | None = None, *, input_siz
     from convforge.backends import get_backend
     from convforge.graph.passes import optimize
 
-    if not isinstance(batch, int) or batch < 1:
+    if not isinstance(batch, numbers.Integral) or isinstance(batch, bool) or batch < 1:
         raise ValueError(f"batch ({batch!r}) must be a positive int")
-    graph = load_model(model, input_size, seed, weights).with_batch(batch)
+    if workspace_limit is not None and (not isinstance(workspace_limit, numbers.Real) or isinstance(
+            workspace_limit, bool) or not math.isfinite(workspace_limit) or workspace_limit < 0):
+        raise ValueError(f"workspace_limit ({workspace_limit!r}) must be a finite number >= 0 (bytes)")
+    graph = load_model(model, input_size, seed, weights).with_batch(int(batch))
     if passes:
         graph = optimize(graph)
-    if workspace_limit is not None and workspace_limit < 0:
-        raise ValueError(f"workspace_limit ({workspace_limit}) must be >= 0 bytes")
     return Network(graph, get_backend(backend or default_backend()), capture=capture,
-                   workspace_limit=workspace_limit)
+                   workspace_limit=None if workspace_limit is None else int(workspace_limit))
