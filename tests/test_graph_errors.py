@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from convforge.graph import runtime
+from convforge.graph.ir import GraphError, infer
 from convforge.graph.runtime import compile, load_model
 
 onnx = pytest.importorskip("onnx", reason="onnx is not installed (pip install 'convforge[onnx]')")
@@ -29,6 +30,73 @@ def _model(*nodes, inits: dict[str, np.ndarray] | None = None, dims: tuple = (1,
 
 def _conv(out: str = "c", **attrs):
     return helper.make_node("Conv", ["x", "W"], [out], name="conv", pads=[1, 1, 1, 1], **attrs)
+
+
+# -- ONNX files and nodes -------------------------------------------------------------------------
+
+def test_onnx_file_that_is_not_a_model(tmp_path) -> None:
+    junk, empty = tmp_path / "junk.onnx", tmp_path / "empty.onnx"
+    junk.write_bytes(np.random.default_rng(1).bytes(2000))
+    empty.write_bytes(b"")
+    with pytest.raises(GraphError, match=r"junk\.onnx is not an ONNX model"):
+        load_model(str(junk))
+    with pytest.raises(GraphError, match=r"empty\.onnx holds no ONNX model"):
+        load_model(str(empty))
+
+
+@pytest.mark.parametrize("node, inits, match", [
+    (helper.make_node("Conv", ["x"], ["y"], name="c"), {}, r"node 'c' \(Conv\): inputs \(\['x'\]\) must number 2 to 3"),
+    (helper.make_node("Conv", ["x", ""], ["y"], name="c"), {}, r"node 'c' \(Conv\): input 1 is empty"),
+    (helper.make_node("MaxPool", ["x"], ["y"], name="mp"), {},
+     r"node 'mp' \(MaxPool\): attribute 'kernel_shape' is missing"),
+    (helper.make_node("LRN", ["x"], ["y"], name="n"), {}, r"node 'n' \(LRN\): attribute 'size' is missing"),
+    (helper.make_node("Conv", ["x", "W"], ["y"], name="c", pads=[1] * 6), {"W": W},
+     r"node 'c' \(Conv\): pads \(\[1, 1, 1, 1, 1, 1\]\) must be 4 ints"),
+    (helper.make_node("Conv", ["x", "W"], ["y"], name="c", strides=[2]), {"W": W}, r"node 'c' \(Conv\): strides"),
+    (helper.make_node("Conv", ["x", "W"], ["y"], name="c"), {"W": W[0]}, r"node 'c' \(Conv\): W .* expected 4-D"),
+    (helper.make_node("BatchNormalization", ["x", "g", "b"], ["y"], name="bn"),
+     {"g": np.ones(3, np.float32), "b": np.zeros(3, np.float32)},
+     r"node 'bn' \(BatchNormalization\): inputs .* must number 5"),
+    (helper.make_node("Gemm", ["x", "B"], ["y"], name="fc"), {"B": np.ones(3, np.float32)},
+     r"node 'fc' \(Gemm\): B .* expected 2-D"),
+    (helper.make_node("Concat", ["x", "x"], ["y"], name="cat"), {}, r"node 'cat' \(Concat\): attribute 'axis'"),
+])
+def test_onnx_node_missing_inputs_or_attributes(node, inits, match) -> None:
+    with pytest.raises(GraphError, match=match):
+        load_model(_model(node, inits=inits))
+
+
+def test_onnx_softmax_only_over_channels() -> None:
+    for axis in (None, -1, 3):
+        kw = {} if axis is None else {"axis": axis}
+        model = _model(_conv(), helper.make_node("Softmax", ["c"], ["y"], name="sm", **kw), inits={"W": W})
+        with pytest.raises(GraphError, match=rf"node 'sm' \(Softmax\): axis \({-1 if axis is None else axis}\)"):
+            load_model(model)
+    g = load_model(_model(_conv(), helper.make_node("Softmax", ["c"], ["y"], name="sm", axis=1), inits={"W": W}))
+    assert infer(g)["y"].shape == (1, 4, 8, 8)
+    flat = helper.make_node("Flatten", ["c"], ["f"], name="f")
+    g = load_model(_model(_conv(), flat, helper.make_node("Softmax", ["f"], ["y"], name="sm"), inits={"W": W}))
+    assert infer(g)["y"].shape == (1, 256)  # -1 of a 2-D tensor is the channels
+
+
+@pytest.mark.parametrize("shape, ok", [([2, -1], False), ([1, 128], False), ([-1, -1], False), ([1, 4, -1], False),
+                                       ([1, -1], True), ([0, -1], True), ([-1, 256], True), ([1, 256], True)])
+def test_onnx_reshape_only_flattens(shape, ok) -> None:
+    model = _model(_conv(), helper.make_node("Reshape", ["c", "s"], ["y"], name="rs"),
+                   inits={"W": W, "s": np.array(shape, np.int64)})
+    if ok:
+        assert infer(g := load_model(model))["y"].shape == (1, 256) and g.outputs == ["y"]
+    else:
+        with pytest.raises(GraphError, match=r"node 'rs' \(Reshape\): shape .* must flatten .* to \(1, 256\)"):
+            load_model(model)
+
+
+def test_onnx_symbolic_height_needs_input_size() -> None:
+    model = _model(_conv(), dims=("N", 3, "H", "W"), out="c", inits={"W": W})
+    with pytest.raises(GraphError, match=r"input 'x' \(N, 3, H, W\) has a symbolic height or width.*--input-size"):
+        load_model(model)
+    g = load_model(model, input_size=9)
+    assert infer(g)["c"].shape == (1, 4, 9, 9)
 
 
 # -- load_model / compile arguments -------------------------------------------------------------------
