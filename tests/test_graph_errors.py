@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from convforge.graph import runtime
-from convforge.graph.ir import GraphError, infer
+from convforge.graph.caffe import load_prototxt
+from convforge.graph.ir import GraphError, infer, pool_out
+from convforge.graph.reference import run_reference
 from convforge.graph.runtime import compile, load_model
 
 onnx = pytest.importorskip("onnx", reason="onnx is not installed (pip install 'convforge[onnx]')")
@@ -97,6 +99,30 @@ def test_onnx_symbolic_height_needs_input_size() -> None:
         load_model(model)
     g = load_model(model, input_size=9)
     assert infer(g)["c"].shape == (1, 4, 9, 9)
+
+
+# -- pooling windows -------------------------------------------------------------------------------
+
+def test_pool_pad_must_be_smaller_than_the_kernel() -> None:
+    pool = helper.make_node("MaxPool", ["x"], ["y"], name="mp", kernel_shape=[3, 3], pads=[5, 5, 5, 5])
+    with pytest.raises(GraphError, match=r"node 'mp' \(pool\): pad \(5, 5, 5, 5\) must be smaller than the kernel"):
+        load_model(_model(pool))
+    text = ('input: "data" input_shape { dim: 1 dim: 2 dim: 8 dim: 8 }\n'
+            'layer { name: "p" type: "Pooling" bottom: "data" top: "p" '
+            'pooling_param { pool: MAX kernel_size: 2 pad: 2 } }')
+    with pytest.raises(GraphError, match=r"node 'p' \(pool\): pad \(2, 2, 2, 2\) must be smaller"):
+        load_prototxt(text)
+    assert infer(load_prototxt(text.replace("pad: 2", "pad: 1")))["p"].shape == (1, 2, 9, 9)
+
+
+def test_ceil_mode_drops_a_last_window_past_the_image() -> None:
+    assert pool_out(6, 2, 3, 0, 0, ceil=True) == 2  # Caffe says 3, its last window starting at 6
+    text = ('input: "data" input_shape { dim: 1 dim: 2 dim: 6 dim: 6 }\n'
+            'layer { name: "p" type: "Pooling" bottom: "data" top: "p" '
+            'pooling_param { pool: MAX kernel_size: 2 stride: 3 } }')
+    g = load_prototxt(text)
+    x = np.random.default_rng(0).standard_normal(g.input_shape)
+    assert run_reference(g, x)["p"].shape == (1, 2, 2, 2)
 
 
 # -- load_model / compile arguments -------------------------------------------------------------------

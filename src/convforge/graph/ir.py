@@ -148,10 +148,11 @@ def conv_geometry(node: Node) -> tuple[tuple[int, int], tuple[int, int], tuple[i
 
 
 def pool_out(size: int, k: int, st: int, p0: int, p1: int, ceil: bool) -> int:
-    """Pooled extent; Caffe's ceil mode, with the last window starting inside the image."""
+    """Pooled extent; Caffe's ceil mode, with the last window starting inside the image (Caffe
+    trims only when padded, leaving an empty last window when the stride exceeds the kernel)."""
     span = size + p0 + p1 - k
     out = (-(-span // st) if ceil else span // st) + 1
-    if ceil and p0 > 0 and (out - 1) * st >= size + p0:
+    if ceil and (out - 1) * st >= size + p0:
         out -= 1
     return out
 
@@ -210,6 +211,9 @@ def _infer_node(graph: Graph, node: Node, ins: list[Tensor]) -> Tensor:
         if node.attrs.get("global"):
             return Tensor(node.output, x.dims, (n, c, 1, 1))
         (r, s), st, pad, _ = conv_geometry(node)
+        if max(pad[:2]) >= r or max(pad[2:]) >= s:
+            raise GraphError(f"{where}: pad {pad} must be smaller than the kernel ({r}x{s}) on each side, "
+                             "else a window can lie wholly in the padding")
         ceil = bool(node.attrs.get("ceil", False))
         p, q = pool_out(h, r, st[0], pad[0], pad[1], ceil), pool_out(w, s, st[1], pad[2], pad[3], ceil)
         if p < 1 or q < 1 or r > h + pad[0] + pad[1] or s > w + pad[2] + pad[3]:
