@@ -13,6 +13,7 @@ import pytest
 from convforge.graph import runtime
 from convforge.graph.caffe import load_prototxt
 from convforge.graph.ir import GraphError, infer, pool_out
+from convforge.graph.prototxt import PrototxtError
 from convforge.graph.reference import run_reference
 from convforge.graph.runtime import compile, load_model
 
@@ -125,6 +126,49 @@ def test_ceil_mode_drops_a_last_window_past_the_image() -> None:
     assert run_reference(g, x)["p"].shape == (1, 2, 2, 2)
 
 
+# -- prototxt ---------------------------------------------------------------------------------------
+
+NET = ('input: "data" input_shape { dim: 1 dim: 3 dim: 8 dim: 8 }\n'
+       'layer { name: "c1" type: "Convolution" bottom: "data" top: "c1"\n'
+       '        convolution_param { num_output: 4 kernel_size: 3 pad: 1 } }\n')
+
+
+@pytest.mark.parametrize("old, new, match", [
+    ("kernel_size: 3", "kernel_size: abc", r"layer 'c1' \(Convolution\): kernel_size \('abc'\) must be an int"),
+    ("num_output: 4", "num_output: -4", r"layer 'c1' \(Convolution\): num_output \(-4\) must be >= 1"),
+    ("num_output: 4", "", r"layer 'c1' \(Convolution\): num_output is missing"),
+    ("pad: 1", "pad: 1.5", r"layer 'c1' \(Convolution\): pad \(1.5\) must be an int"),
+    ("kernel_size: 3", "kernel_size: 3 kernel_size: 3 kernel_size: 3",
+     r"kernel_size \(\[3, 3, 3\]\) must be one or two"),
+    ("dim: 3", "dim: three", r"input 'data': dims .* must be positive ints"),
+    ("convolution_param {", "convolution_param: 3 foo {", r"layer 'c1' \(Convolution\): convolution_param \(3\)"),
+])
+def test_prototxt_bad_values_name_the_layer(old, new, match) -> None:
+    with pytest.raises(GraphError, match=match):
+        load_prototxt(NET.replace(old, new))
+
+
+def test_prototxt_softmax_axis_is_not_ignored() -> None:
+    text = NET + 'layer { name: "sm" type: "Softmax" bottom: "c1" top: "sm" softmax_param { axis: 2 } }'
+    with pytest.raises(GraphError, match=r"layer 'sm' \(Softmax\): axis \(2\) must be 1"):
+        load_prototxt(text)
+
+
+def test_prototxt_file_errors_name_the_file_and_line(tmp_path) -> None:
+    unclosed = tmp_path / "unclosed.prototxt"
+    unclosed.write_text(NET.replace("pad: 1 } }", "pad: 1 }"))
+    with pytest.raises(PrototxtError, match=r"unclosed\.prototxt line 2: unclosed message"):
+        load_prototxt(unclosed)
+    binary = tmp_path / "binary.prototxt"
+    binary.write_bytes(b"\xec\xff\x00" * 10)
+    with pytest.raises(GraphError, match=r"binary\.prototxt: not UTF-8 text"):
+        load_model(str(binary))
+    junk = tmp_path / "junk.caffemodel"
+    junk.write_bytes(b"\x0c\x0d")
+    with pytest.raises(GraphError, match=r"caffemodel .*junk\.caffemodel: not a Caffe NetParameter"):
+        load_prototxt(NET, weights=junk)
+
+
 # -- load_model / compile arguments -------------------------------------------------------------------
 
 @pytest.fixture
@@ -158,3 +202,22 @@ def test_compile_arguments(no_network) -> None:
     for bad in (True, 2.0, 0):
         with pytest.raises(ValueError, match=r"batch .* must be a positive int"):
             compile(model, batch=bad, backend="opencl")
+
+
+def test_cli_run_bad_net_files(tmp_path, capsys, monkeypatch) -> None:
+    """convforge run on such files: one ``error:`` line naming the problem, exit status 2."""
+    from convforge.config import config
+    from helpers import run_main
+
+    monkeypatch.setattr(config, "db_path", tmp_path / "t.sqlite")
+    (tmp_path / "junk.onnx").write_bytes(np.random.default_rng(2).bytes(2000))
+    (tmp_path / "m.onnx").write_bytes(_model(_conv(), out="c", inits={"W": W}).SerializeToString())
+    (tmp_path / "junk.prototxt").write_bytes(b"\xec\xff\x00" * 10)
+    (tmp_path / "junk.bin").write_bytes(b"\x00")
+    cases = [(["--net", "junk.onnx"], "onnx: junk.onnx is not an ONNX model"),
+             (["--net", "m.onnx", "--weights", "junk.bin"], "error: weights ('junk.bin') are for prototxt nets"),
+             (["--net", "junk.prototxt"], "prototxt junk.prototxt: not UTF-8 text")]
+    monkeypatch.chdir(tmp_path)
+    for args, message in cases:
+        rc, out = run_main(["run", *args, "--backend", "opencl", "--no-torch"], capsys)
+        assert rc == 2 and "Traceback" not in out and message in out, out

@@ -20,8 +20,15 @@ from convforge.graph.prototxt import Message, one, parse
 def load_prototxt(source: str | Path, weights: str | Path | None = None, seed: int = 0,
                   input_size: int | None = None, batch: int | None = None) -> Graph:
     """The IR of a Caffe net (a path or the text itself); ``weights`` a .caffemodel, else random."""
-    text = Path(source).read_text() if _is_path(source) else str(source)
-    net = parse(text)
+    if _is_path(source):
+        data = Path(source).read_bytes()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise GraphError(f"prototxt {source}: not UTF-8 text (byte {err.start}); is it a binary file?") from None
+        net = parse(text, f"prototxt {source}")
+    else:
+        net = parse(str(source))
     graph = _translate(net, input_size, batch)
     blobs = read_caffemodel(Path(weights)) if weights is not None else None
     fill_weights(graph, seed, blobs)
@@ -35,11 +42,12 @@ def _is_path(source: str | Path) -> bool:
 def _input(net: Message) -> tuple[str, list[int]]:
     if "input" in net:
         dims = net.get("input_dim") or (one(net, "input_shape") or {}).get("dim", [])
-        return str(net["input"][0]), [int(d) for d in dims]
+        return str(net["input"][0]), _dims(f"prototxt: input {net['input'][0]!r}", dims)
     for layer in net.get("layer", []):
         if one(layer, "type") in ("Input", "Data", "ImageData"):
-            shape = one(one(layer, "input_param", {}), "shape", {})
-            return str(one(layer, "top")), [int(d) for d in shape.get("dim", [])]
+            where = f"layer {one(layer, 'name')!r} ({one(layer, 'type')})"
+            shape = one(_param(where, layer, "input_param"), "shape", {})
+            return str(one(layer, "top")), _dims(where, shape.get("dim", []))
     raise GraphError("prototxt: no input (an 'input:' field or an Input layer)")
 
 
@@ -74,72 +82,116 @@ def _translate(net: Message, input_size: int | None, batch: int | None) -> Graph
     return graph
 
 
-def _pair(p: Message, key: str, default: int) -> tuple[int, int]:
-    """Caffe's kernel_size/stride/pad: repeated, or *_h/*_w, or one value."""
-    h, w = one(p, f"{key}_h"), one(p, f"{key}_w")
-    if h is not None or w is not None:
-        return int(h if h is not None else default), int(w if w is not None else default)
-    vals = p.get(key) or p.get(f"{key}_size") or [default]
-    return (int(vals[0]), int(vals[-1]))
+def _dims(where: str, dims: list[Any]) -> list[int]:
+    """Input dims, each a positive int."""
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in dims):
+        raise GraphError(f"{where}: dims ({dims}) must be positive ints")
+    return list(dims)
+
+
+def _int(where: str, p: Message, key: str, default: int | None, least: int) -> int:
+    """Field ``key`` of ``p`` as an int >= ``least`` (``default`` when absent; None: required)."""
+    v = one(p, key, default)
+    if v is None:
+        raise GraphError(f"{where}: {key} is missing, but it is required")
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise GraphError(f"{where}: {key} ({v!r}) must be an int")
+    if v < least:
+        raise GraphError(f"{where}: {key} ({v}) must be >= {least}")
+    return v
+
+
+def _float(where: str, p: Message, key: str, default: float) -> float:
+    """Field ``key`` of ``p`` as a finite float (``default`` when absent)."""
+    v = one(p, key, default)
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not np.isfinite(v):
+        raise GraphError(f"{where}: {key} ({v!r}) must be a finite number")
+    return float(v)
+
+
+def _param(where: str, layer: Message, key: str) -> Message:
+    """Sub-message ``key`` of a layer (empty when absent)."""
+    p = one(layer, key, {})
+    if not isinstance(p, dict):
+        raise GraphError(f"{where}: {key} ({p!r}) must be a message {{ ... }}")
+    return p
+
+
+def _pair(where: str, p: Message, key: str, default: int, least: int) -> tuple[int, int]:
+    """Caffe's kernel_size/stride/pad: repeated (one or two values), or *_h/*_w, or one value."""
+    if f"{key}_h" in p or f"{key}_w" in p:
+        return _int(where, p, f"{key}_h", default, least), _int(where, p, f"{key}_w", default, least)
+    field = key if key in p else f"{key}_size"
+    vals = p.get(field) or [default]
+    if len(vals) > 2:
+        raise GraphError(f"{where}: {field} ({vals}) must be one or two values (2-D only)")
+    h, w = (_int(where, {field: [v]}, field, default, least) for v in (vals[0], vals[-1]))
+    return h, w
 
 
 def _node(lname: str, ltype: str, layer: Message, ins: list[str]) -> Node:
     node = Node(lname, "", ins, lname)
+    where = f"layer {lname!r} ({ltype})"
     if ltype == "Convolution":
-        p = one(layer, "convolution_param", {})
-        ph, pw = _pair(p, "pad", 0)
+        p = _param(where, layer, "convolution_param")
+        ph, pw = _pair(where, p, "pad", 0, 0)
         node.op = "conv"
-        node.attrs = {"k": int(one(p, "num_output")), "kernel": _pair(p, "kernel", 1),
-                      "stride": _pair(p, "stride", 1), "pad": (ph, ph, pw, pw),
-                      "dilation": _pair(p, "dilation", 1), "group": int(one(p, "group", 1))}
+        node.attrs = {"k": _int(where, p, "num_output", None, 1), "kernel": _pair(where, p, "kernel", 1, 1),
+                      "stride": _pair(where, p, "stride", 1, 1), "pad": (ph, ph, pw, pw),
+                      "dilation": _pair(where, p, "dilation", 1, 1), "group": _int(where, p, "group", 1, 1)}
         node.weights = {"w": f"{lname}.w"}
         if one(p, "bias_term", True):
             node.weights["bias"] = f"{lname}.bias"
     elif ltype == "InnerProduct":
-        p = one(layer, "inner_product_param", {})
-        node.op, node.attrs, node.weights = "fc", {"k": int(one(p, "num_output"))}, {"w": f"{lname}.w"}
+        p = _param(where, layer, "inner_product_param")
+        node.op, node.attrs, node.weights = "fc", {"k": _int(where, p, "num_output", None, 1)}, {"w": f"{lname}.w"}
         if one(p, "bias_term", True):
             node.weights["bias"] = f"{lname}.bias"
     elif ltype == "Pooling":
-        p = one(layer, "pooling_param", {})
+        p = _param(where, layer, "pooling_param")
         kind = str(one(p, "pool", "MAX"))
         if kind not in ("MAX", "AVE"):
             raise GraphError(f"layer {lname!r} (Pooling): pool ({kind!r}) must be MAX or AVE")
-        ph, pw = _pair(p, "pad", 0)
+        ph, pw = _pair(where, p, "pad", 0, 0)
         node.op = "pool"
-        node.attrs = {"kind": "max" if kind == "MAX" else "avg", "kernel": _pair(p, "kernel", 1),
-                      "stride": _pair(p, "stride", 1), "pad": (ph, ph, pw, pw), "ceil": True,
+        node.attrs = {"kind": "max" if kind == "MAX" else "avg", "kernel": _pair(where, p, "kernel", 1, 1),
+                      "stride": _pair(where, p, "stride", 1, 1), "pad": (ph, ph, pw, pw), "ceil": True,
                       "global": bool(one(p, "global_pooling", False)), "count_pad": True}
     elif ltype == "LRN":
-        p = one(layer, "lrn_param", {})
+        p = _param(where, layer, "lrn_param")
         if str(one(p, "norm_region", "ACROSS_CHANNELS")) != "ACROSS_CHANNELS":
             raise GraphError(f"layer {lname!r} (LRN): norm_region ({one(p, 'norm_region')!r}) must be ACROSS_CHANNELS")
         node.op = "lrn"
-        node.attrs = {"size": int(one(p, "local_size", 5)), "alpha": float(one(p, "alpha", 1.0)),
-                      "beta": float(one(p, "beta", 0.75)), "k": float(one(p, "k", 1.0))}
+        node.attrs = {"size": _int(where, p, "local_size", 5, 1), "alpha": _float(where, p, "alpha", 1.0),
+                      "beta": _float(where, p, "beta", 0.75), "k": _float(where, p, "k", 1.0)}
     elif ltype in ("ReLU", "ReLU6"):
-        p = one(layer, "relu_param", {})
-        node.op, node.attrs = "relu", {"slope": float(one(p, "negative_slope", 0.0))}
+        p = _param(where, layer, "relu_param")
+        node.op, node.attrs = "relu", {"slope": _float(where, p, "negative_slope", 0.0)}
         if ltype == "ReLU6":
             node.attrs["clip"] = 6.0
     elif ltype == "Eltwise":
-        p = one(layer, "eltwise_param", {})
+        p = _param(where, layer, "eltwise_param")
         if str(one(p, "operation", "SUM")) != "SUM" or p.get("coeff"):
             raise GraphError(f"layer {lname!r} (Eltwise): only operation SUM without coeff is supported")
         node.op = "add"
     elif ltype == "Concat":
-        p = one(layer, "concat_param", {})
-        node.op, node.attrs = "concat", {"axis": int(one(p, "axis", 1))}
+        p = _param(where, layer, "concat_param")
+        node.op, node.attrs = "concat", {"axis": _int(where, p, "axis", 1, -4)}
     elif ltype == "BatchNorm":
-        p = one(layer, "batch_norm_param", {})
-        node.op, node.attrs = "batchnorm", {"eps": float(one(p, "eps", 1e-5))}
+        p = _param(where, layer, "batch_norm_param")
+        node.op, node.attrs = "batchnorm", {"eps": _float(where, p, "eps", 1e-5)}
         node.weights = {"mean": f"{lname}.mean", "var": f"{lname}.var"}
     elif ltype == "Scale":
-        p = one(layer, "scale_param", {})
+        p = _param(where, layer, "scale_param")
         node.op, node.weights = "scale", {"gamma": f"{lname}.gamma"}
         if one(p, "bias_term", False):
             node.weights["beta"] = f"{lname}.beta"
     elif ltype in ("Softmax", "Dropout", "Flatten"):
+        p = _param(where, layer, f"{ltype.lower()}_param")
+        if _int(where, p, "axis", 1, -4) != 1:
+            raise GraphError(f"{where}: axis ({one(p, 'axis')}) must be 1 (the channels)")
+        if _int(where, p, "end_axis", -1, -4) != -1:
+            raise GraphError(f"{where}: end_axis ({one(p, 'end_axis')}) must be -1 (flatten to N x -1)")
         node.op = ltype.lower()
     else:
         raise GraphError(f"layer {lname!r}: unknown layer type {ltype!r}")
@@ -241,6 +293,8 @@ def _fields(buf: bytes) -> list[tuple[int, int, Any]]:
             val, pos = buf[pos:pos + 4], pos + 4
         else:
             raise GraphError(f"caffemodel: unsupported protobuf wire type {wire}")
+        if pos > len(buf):
+            raise GraphError(f"caffemodel: field {num} runs past the end (truncated)")
         out.append((num, wire, val))
     return out
 
@@ -258,9 +312,17 @@ def _blob(buf: bytes) -> np.ndarray:
 
 
 def read_caffemodel(path: Path) -> dict[str, list[np.ndarray]]:
-    """Blobs of each layer by name, from a binary NetParameter (layer = 100; V1 layers = 2)."""
+    """Blobs of each layer by name, from a binary NetParameter (layer = 100; V1 layers = 2); a file
+    that is not one is a GraphError naming it."""
+    try:
+        return _layers(path.read_bytes())
+    except (GraphError, IndexError, UnicodeDecodeError, ValueError, struct.error) as err:
+        raise GraphError(f"caffemodel {path}: not a Caffe NetParameter ({err})") from None
+
+
+def _layers(buf: bytes) -> dict[str, list[np.ndarray]]:
     out: dict[str, list[np.ndarray]] = {}
-    for num, wire, val in _fields(path.read_bytes()):
+    for num, wire, val in _fields(buf):
         if wire != 2 or num not in (100, 2):
             continue
         name_field, blob_field = (1, 7) if num == 100 else (4, 6)

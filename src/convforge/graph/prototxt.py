@@ -21,14 +21,14 @@ class PrototxtError(ValueError):
     """Text that is not protobuf text format; the message gives the line."""
 
 
-def _tokens(text: str) -> list[tuple[str, int]]:
+def _tokens(text: str, where: str) -> list[tuple[str, int]]:
     out, pos, line = [], 0, 1
     while pos < len(text):
         m = _TOKEN.match(text, pos)
         if m is None or m.end() == pos:
             if text[pos:].strip() == "":
                 break
-            raise PrototxtError(f"prototxt line {line}: unexpected text {text[pos:pos + 20]!r}")
+            raise PrototxtError(f"{where} line {line}: unexpected text {text[pos:pos + 20]!r}")
         line += text.count("\n", pos, m.end())
         tok = m.group(2) or m.group(3) or m.group(4)
         if tok:
@@ -37,9 +37,12 @@ def _tokens(text: str) -> list[tuple[str, int]]:
     return out
 
 
-def _scalar(tok: str) -> Any:
+def _scalar(tok: str, where: str, line: int) -> Any:
     if tok[0] in "\"'":
-        return bytes(tok[1:-1], "utf-8").decode("unicode_escape")
+        try:
+            return bytes(tok[1:-1], "utf-8").decode("unicode_escape")
+        except UnicodeDecodeError as err:
+            raise PrototxtError(f"{where} line {line}: string {tok} has a bad escape ({err.reason})") from None
     for conv in (int, float):
         try:
             return conv(tok)
@@ -52,14 +55,15 @@ def _scalar(tok: str) -> Any:
     return tok  # an enum identifier
 
 
-def parse(text: str) -> Message:
-    """Parse protobuf text format into a Message."""
-    toks = _tokens(text)
-    msg, pos = _message(toks, 0, None)
+def parse(text: str, where: str = "prototxt") -> Message:
+    """Parse protobuf text format into a Message; errors start with ``where`` (the file name)."""
+    msg, pos = _message(_tokens(text, where), 0, None, where, 0)
     return msg
 
 
-def _message(toks: list[tuple[str, int]], pos: int, close: str | None) -> tuple[Message, int]:
+def _message(toks: list[tuple[str, int]], pos: int, close: str | None, where: str,
+             opened: int) -> tuple[Message, int]:
+    """The fields up to ``close`` (None: the end); ``opened`` is the line of the opening brace."""
     msg: Message = {}
     while pos < len(toks):
         tok, line = toks[pos]
@@ -69,31 +73,33 @@ def _message(toks: list[tuple[str, int]], pos: int, close: str | None) -> tuple[
             pos += 1
             continue
         if not re.match(r"^[A-Za-z_][\w.]*$", tok):
-            raise PrototxtError(f"prototxt line {line}: expected a field name, got {tok!r}")
+            raise PrototxtError(f"{where} line {line}: expected a field name, got {tok!r}")
         pos += 1
         if pos >= len(toks):
-            raise PrototxtError(f"prototxt line {line}: field {tok!r} has no value")
+            raise PrototxtError(f"{where} line {line}: field {tok!r} has no value")
         nxt = toks[pos][0]
         if nxt == ":":
             pos += 1
             nxt = toks[pos][0] if pos < len(toks) else ""
         if nxt in ("{", "<"):
-            sub, pos = _message(toks, pos + 1, "}" if nxt == "{" else ">")
+            sub, pos = _message(toks, pos + 1, "}" if nxt == "{" else ">", where, toks[pos][1])
             msg.setdefault(tok, []).append(sub)
         elif nxt == "[":
             pos += 1
             while pos < len(toks) and toks[pos][0] != "]":
                 if toks[pos][0] != ",":
-                    msg.setdefault(tok, []).append(_scalar(toks[pos][0]))
+                    msg.setdefault(tok, []).append(_scalar(toks[pos][0], where, toks[pos][1]))
                 pos += 1
+            if pos >= len(toks):
+                raise PrototxtError(f"{where} line {line}: unclosed list (no ']' before the end)")
             pos += 1
         elif nxt in ("", "}", ">", ":"):
-            raise PrototxtError(f"prototxt line {line}: field {tok!r} has no value")
+            raise PrototxtError(f"{where} line {line}: field {tok!r} has no value")
         else:
-            msg.setdefault(tok, []).append(_scalar(nxt))
+            msg.setdefault(tok, []).append(_scalar(nxt, where, toks[pos][1]))
             pos += 1
     if close is not None:
-        raise PrototxtError(f"prototxt: unclosed message (expected {close!r} before the end)")
+        raise PrototxtError(f"{where} line {opened}: unclosed message (no {close!r} before the end)")
     return msg, pos
 
 
