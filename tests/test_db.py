@@ -256,3 +256,46 @@ def test_malformed_document_is_one_error(tmp_path: Path, text: str) -> None:
     src.write_text(text)
     with pytest.raises(ValueError):
         TuningDB(tmp_path / "t.sqlite").import_json(src)
+
+
+def test_export_to_a_folder_or_missing_folder_names_the_target(tmp_path: Path) -> None:
+    """The error names the file asked for (never a temporary), and no temporary file is left."""
+    db = TuningDB(tmp_path / "t.sqlite")
+    db.put(_entry())
+    (tmp_path / "adir").mkdir()
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(IsADirectoryError, match=f"{tmp_path / 'adir'}: it is a folder") as info:
+        db.export_json(tmp_path / "adir")
+    assert ".tmp" not in str(info.value)
+    with pytest.raises(FileNotFoundError, match="folder .*nofolder does not exist") as info:
+        db.export_json(tmp_path / "nofolder" / "x.json")
+    assert ".tmp" not in str(info.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    db.export_json(tmp_path / "out.json")
+    assert json.loads((tmp_path / "out.json").read_text())["entries"][0]["variant"] == _entry().variant
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(before + ["out.json"])
+
+
+def test_export_failing_midway_leaves_no_temporary(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import os
+
+    db = TuningDB(tmp_path / "t.sqlite")
+    before = sorted(p.name for p in tmp_path.iterdir())
+
+    def fail(src: object, dst: object) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(os, "replace", fail)
+    with pytest.raises(PermissionError, match=f"cannot write {tmp_path / 'x.json'}: Permission denied"):
+        db.export_json(tmp_path / "x.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_default_cache_folder_that_is_a_file(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """CONVFORGE_CACHE_DIR naming a file: a DatabaseError naming the folder and the variable."""
+    cache = tmp_path / "cache.bin"
+    cache.write_bytes(b"x")
+    monkeypatch.setattr(config, "cache_dir", cache)
+    with pytest.raises(DatabaseError, match=f"database .*: {cache} is a file, not a folder .*CONVFORGE_CACHE_DIR"):
+        TuningDB(cache / "tuning.sqlite")
+    assert cache.read_bytes() == b"x"

@@ -20,12 +20,30 @@ def cache_key(*parts: str) -> str:
     return h.hexdigest()
 
 
+def _nearest(path: Path) -> Path:
+    """``path`` or its nearest ancestor that exists."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 class DiskCache:
     """A folder of ``<key>.bin`` files: 4-byte magic, 32-byte sha256 of the payload, payload."""
 
     def __init__(self, folder: Path, enabled: bool = True) -> None:
         self.folder = folder
         self.enabled = enabled
+        near = _nearest(folder)
+        if enabled and not near.is_dir():  # said now: at a compile, the tuner would score it as a failure
+            raise NotADirectoryError(self._unusable(f"{near} is a file, not a folder"))
+
+    def _unusable(self, why: str) -> str:
+        """Why the folder cannot hold entries, naming the setting that chose it."""
+        from convforge.config import config
+
+        return (f"cannot write the compiled-program cache in {self.folder}: {why} (CONVFORGE_CACHE_DIR, now "
+                f"{config.cache_dir}, must name a writable folder or where one can be made; "
+                "CONVFORGE_DISK_CACHE=0 turns the disk cache off)")
 
     def _path(self, key: str) -> Path:
         return self.folder / f"{key}.bin"
@@ -47,8 +65,13 @@ class DiskCache:
     def put(self, key: str, payload: bytes) -> None:
         if not self.enabled:
             return
-        self.folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".tmp-", suffix=".bin")
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".tmp-", suffix=".bin")
+        except OSError as err:
+            near = _nearest(self.folder)
+            why = f"{near} is a file, not a folder" if not near.is_dir() else err.strerror or str(err)
+            raise type(err)(self._unusable(why)) from None
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(_MAGIC + hashlib.sha256(payload).digest() + payload)

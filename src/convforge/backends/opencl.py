@@ -46,6 +46,10 @@ def _pick(spec: str) -> cl.Device:
     return (gpus or devices)[0]
 
 
+class BufferTooLarge(ValueError):
+    """One buffer larger than the device allocates at once (CL_DEVICE_MAX_MEM_ALLOC_SIZE)."""
+
+
 class OpenCLBackend(Backend):
     name = "opencl"
 
@@ -98,6 +102,11 @@ class OpenCLBackend(Backend):
 
     # -- memory -----------------------------------------------------------------------------
     def empty(self, nbytes: int) -> Any:
+        limit = int(self.cl_device.max_mem_alloc_size)
+        if nbytes > limit:
+            raise BufferTooLarge(f"a buffer of {nbytes} bytes ({nbytes / 2**20:.0f} MiB) is larger than "
+                                 f"{self.device.name} allows in one buffer, {limit} bytes ({limit / 2**20:.0f} "
+                                 "MiB, CL_DEVICE_MAX_MEM_ALLOC_SIZE): use a smaller batch or input size")
         return cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE, size=max(nbytes, 4))
 
     def upload(self, array: np.ndarray) -> Any:
@@ -143,4 +152,4 @@ class OpenCLBackend(Backend):
         return [(end.profile.end - start.profile.start) * 1e-6 for start, end in marks]
 
 
-__all__ = ["OpenCLBackend", "list_devices"]
+__all__ = ["BufferTooLarge", "OpenCLBackend", "list_devices"]

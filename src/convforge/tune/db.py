@@ -162,7 +162,13 @@ class TuningDB:
         if not parent.is_dir():
             if parent.resolve() != config.cache_dir.resolve():
                 raise DatabaseError(f"folder {parent} of the tuning database {self.path} does not exist")
-            parent.mkdir(parents=True, exist_ok=True)
+            try:
+                parent.mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                near = next(p for p in (parent, *parent.parents) if p.exists())
+                why = f"{near} is a file, not a folder" if not near.is_dir() else err.strerror
+                raise DatabaseError(f"cannot create the folder of the tuning database {self.path}: {why} "
+                                    "(CONVFORGE_CACHE_DIR must name a folder, or set CONVFORGE_DB)") from None
         kind = identify(self.path)
         if kind.kind == "foreign":
             raise self._refuse(kind.what)
@@ -326,9 +332,7 @@ class TuningDB:
         doc = {"format": EXPORT_FORMAT, "schema": SCHEMA_VERSION, "exported": now(),
                "entries": [asdict(e) for e in self.entries(**match)]}
         if path is not None:
-            tmp = Path(str(path) + ".tmp")
-            tmp.write_text(json.dumps(doc, indent=1, sort_keys=True))
-            os.replace(tmp, path)
+            _write_atomic(Path(path), json.dumps(doc, indent=1, sort_keys=True))
         return doc
 
     def import_json(self, source: str | os.PathLike[str] | dict[str, Any], only_if_faster: bool = True,
@@ -355,6 +359,29 @@ class TuningDB:
             else:
                 report.kept.append(entry)
         return report
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """``text`` into ``path`` through a temporary file beside it, renamed into place; on failure an
+    OSError naming ``path`` (never the temporary) and no temporary file left behind."""
+    import secrets
+
+    if path.is_dir():
+        raise IsADirectoryError(f"cannot write {path}: it is a folder")
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"cannot write {path}: folder {path.parent} does not exist")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask's mode, as open() gives
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException as err:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        if isinstance(err, OSError):
+            raise type(err)(f"cannot write {path}: {err.strerror or err}") from None
+        raise
 
 
 def _label(i: int, item: object) -> str:
