@@ -607,3 +607,27 @@ def test_gpu_cudnn_baselines_per_class(cuda) -> None:  # type: ignore[no-untyped
     assert baselines.for_class(res, "relaxed") == tf32 and baselines.for_class(res, "fp32") == fp32
     assert tf32.time_ms <= (by["torch-tf32"].time_ms or float("inf"))  # the best of, PyTorch's pick included
     assert fp32.time_ms <= (by["torch-pick"].time_ms or float("inf"))
+
+
+def test_error_text_in_square_brackets_is_printed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Error messages are not rich markup: '[h, w]' survives (it used to print as 'an  pair')."""
+    from convforge.cli import main
+
+    f = tmp_path / "dil.json"
+    f.write_text(json.dumps([{**TINY[0], "dilation": [1, 1, 1]}]))
+    assert main(["bench", "--suite", str(f), "--backend", "opencl", "--baseline", "none"]) == 2
+    out = capsys.readouterr().out
+    assert "must be an int or an [h, w] pair of ints" in out, out
+
+
+@pytest.mark.parametrize("command", ["bench", "tune"])
+def test_non_utf8_suite_file_is_named(tmp_path: Path, command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from convforge.cli import main
+
+    f = tmp_path / "junk.bin"
+    f.write_bytes(b"\xec\x00\xff\xfe junk")
+    with pytest.raises(suites.SuiteError, match="junk.bin: not a UTF-8 text file"):
+        suites.load_suite(str(f))
+    assert main([command, "--suite", str(f), "--backend", "opencl"]) == 2
+    out = capsys.readouterr()
+    assert "junk.bin: not a UTF-8 text file" in out.out + out.err and "Traceback" not in out.out + out.err

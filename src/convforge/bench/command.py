@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from convforge.backends.base import Backend
@@ -118,7 +119,23 @@ def _run_models(args: argparse.Namespace, console: Console) -> int:
                       classes=precisions(args.precision_classes), tune=args.tune, **extra)
 
 
+def check_numbers(args: argparse.Namespace) -> None:
+    """--repeats, --batch-slice (>= 1), --warmup (>= 0), --limit (>= 1) and the --out folder, before
+    anything loads or runs: SuiteError naming the option."""
+    from convforge.cli import check_out_dir
+
+    for flag, value, least in (("--repeats", args.repeats, 1), ("--batch-slice", args.batch_slice, 1),
+                               ("--warmup", args.warmup, 0), ("--limit", args.limit, 1)):
+        if value is not None and value < least:
+            raise SuiteError(f"{flag} ({value}) must be >= {least}")
+    try:
+        check_out_dir("--out", args.out)
+    except ValueError as err:
+        raise SuiteError(str(err)) from None
+
+
 def _run(args: argparse.Namespace, console: Console) -> int:
+    check_numbers(args)
     if args.model:
         return _run_models(args, console)
     if args.tune:
@@ -140,12 +157,12 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     why = baselines.unavailable(kind, bes[0].name)
     if why:
         notes.append(why)
-        console.print(f"[yellow]baseline: {why}[/]")
+        console.print(f"[yellow]baseline: {escape(why)}[/]")
     classes = precisions(args.precision_classes)
     tf32 = baselines.tf32_note(kind, classes)
     if tf32:
         notes.append(tf32)
-        console.print(f"[yellow]baseline: {tf32}[/]")
+        console.print(f"[yellow]baseline: {escape(tf32)}[/]")
     ceil = {}
     for be in bes:
         ceil[be.name] = ceilings.measure(be, quick=args.quick_ceilings)
@@ -170,7 +187,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     if args.compare_backends:
         console.print(report.compare_table(rows))
     for line in report.summary_lines(rows):
-        console.print(line)
+        console.print(line, markup=False)
     failed = [r for r in rows if r.impl.startswith("convforge") and r.ok is False]
     if args.out:
         _write(Path(args.out), env, ceil, args.suite, rows, notes, console)
@@ -222,7 +239,7 @@ def _write(out: Path, env: dict[str, object], ceil: dict[str, ceilings.Ceilings]
     report.write_csv(out / "results.csv", env, rows)
     pngs = plots.write_plots(out, rows, ceil)
     what = ", ".join(p.name for p in pngs) if pngs else "no plots (pip install 'convforge[plot]')"
-    console.print(f"wrote {out}/results.json, results.csv, {what}")
+    console.print(f"wrote {out}/results.json, results.csv, {what}", markup=False)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -233,7 +250,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         return _run(args, console)
     except SuiteError as err:
-        console.print(f"[red]error:[/] {err}")
+        console.print(f"[red]error:[/] {escape(str(err))}")
         return 2
 
 

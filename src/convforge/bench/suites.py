@@ -87,9 +87,12 @@ def load_file(path: str | Path) -> list[Layer]:
     """Layers of a user JSON file."""
     p = Path(path)
     try:
-        data = json.loads(p.read_text())
+        data = json.loads(p.read_text(encoding="utf-8"))
     except OSError as err:
         raise SuiteError(f"{p}: cannot read ({err.strerror})") from None
+    except UnicodeDecodeError as err:
+        raise SuiteError(f"{p}: not a UTF-8 text file (byte {err.start}: {err.reason}); a suite is a "
+                         "JSON file of layers") from None
     except json.JSONDecodeError as err:
         raise SuiteError(f"{p}: not valid JSON (line {err.lineno}: {err.msg})") from None
     return parse_suite(data, str(p))
