@@ -13,10 +13,14 @@ from pathlib import Path
 import pytest
 
 from convforge.config import Config, ConfigError, config
+from convforge.tune.db import TuningDB
 from helpers import run_main
 
 SPEC = "N=1,C=3,H=9,W=9,K=4,R=3,S=3,pad=1"
 SRC = str(Path(__file__).parents[1] / "src")
+A_FILE = __file__  # a file where an output folder is expected
+OCL = ["--backend", "opencl", "--no-torch"]
+BENCH = ["bench", "--suite", "mec", "--limit", "1", "--backend", "opencl", "--baseline", "none"]
 
 
 MALFORMED = [
@@ -59,6 +63,48 @@ MALFORMED = [
 ]
 
 
+# Numbers out of range, contradictory options, unusable output folders, buffers over the device's
+# limit: refused before any work (no compile, no model run), with a message naming the option.
+REFUSED = [
+    (["run", "--net", "alexnet", "--workspace-limit", "inf", *OCL], "--workspace-limit (inf) must be a finite"),
+    (["run", "--net", "alexnet", "--workspace-limit", "nan", *OCL], "--workspace-limit (nan) must be a finite"),
+    (["run", "--net", "alexnet", "--out", A_FILE, *OCL], f"--out ({A_FILE}) is a file"),
+    (["run", "--net", "alexnet", "--out", f"{A_FILE}/sub", *OCL], f"{A_FILE} is a file, not a folder"),
+    (["run", "--net", "nin", "--repeats", "1", "--batch", "100000000", *OCL], "CL_DEVICE_MAX_MEM_ALLOC_SIZE"),
+    (["run", "--net", "nin", "--repeats", "1", "--input-size", "100000", *OCL], "CL_DEVICE_MAX_MEM_ALLOC_SIZE"),
+    (["tune", "--spec", SPEC, "--spec", SPEC, "--limit", "-1"], "--limit (-1) must be >= 1"),
+    (["tune", "--spec", SPEC, "--limit", "0"], "--limit (0) must be >= 1"),
+    (["tune", "--spec", SPEC, "--workers", "0"], "--workers (0) must be >= 1"),
+    (["tune", "--spec", SPEC, "--workers", "-2"], "--workers (-2) must be >= 1"),
+    (["tune", "--spec", SPEC, "--budget", "0"], "--budget ('0') must be > 0"),
+    (["tune", "--spec", SPEC, "--budget", "0s"], "--budget ('0s') must be > 0"),
+    (["tune", "--spec", SPEC, "--budget", "1s,2,3"], "--budget ('1s,2,3') gives a candidate count twice"),
+    (["tune", "--spec", SPEC, "--budget", "1s,2s"], "--budget ('1s,2s') gives a time twice"),
+    (["tune", "--net", "nin", "--batch", "0", "--backend", "opencl"], "--batch (0) must be >= 1"),
+    (["tune", "--net", "nin", "--spec", SPEC, "--backend", "opencl"], "--net cannot be combined with --spec"),
+    (["tune", "--net", "nin", "--suite", "mec", "--backend", "opencl"], "--net cannot be combined with --suite"),
+    (["tune", "--net", "nin", "--limit", "2", "--backend", "opencl"], "--limit applies only with --suite / --spec"),
+    (["tune", "--spec", SPEC, "--batch", "4"], "--batch applies only with --net"),
+    (["tune", "--spec", SPEC, "--bias", "--net", "nin"], "--net cannot be combined with --spec"),
+    (["tune", "--net", "nin", "--relu"], "--relu applies only with --suite / --spec"),
+    (["tune", "--model", "resnet18", "--workers", "2"], "--workers applies only with --suite / --spec or --net"),
+    (["tune", "--spec", SPEC, "--report", A_FILE], f"--report ({A_FILE}) is a file"),
+    ([*BENCH, "--repeats", "0"], "--repeats (0) must be >= 1"),
+    ([*BENCH, "--repeats", "-3"], "--repeats (-3) must be >= 1"),
+    ([*BENCH, "--warmup", "-1"], "--warmup (-1) must be >= 0"),
+    ([*BENCH, "--batch-slice", "0"], "--batch-slice (0) must be >= 1"),
+    ([*BENCH, "--out", A_FILE], f"--out ({A_FILE}) is a file"),
+    (["bench", "--model", "resnet18", "--repeats", "0"], "--repeats (0) must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("argv,says", REFUSED, ids=lambda a: " ".join(a)[:50] if isinstance(a, list) else "")
+def test_refused_before_any_work(argv: list[str], says: str, capsys, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(config, "db_path", tmp_path / "t.sqlite")
+    rc, out = run_main(argv, capsys)
+    assert rc == 2 and "Traceback" not in out and out.count("error:") == 1 and says in out, out
+
+
 @pytest.mark.parametrize("argv", MALFORMED, ids=lambda a: " ".join(a)[:40] or "none")
 def test_malformed_arguments(argv: list[str], capsys, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setattr(config, "db_path", tmp_path / "t.sqlite")
@@ -98,6 +144,46 @@ def test_db_commands_on_missing_and_bad_files(capsys, tmp_path) -> None:  # type
     assert rc == 2 and "Traceback" not in out
 
 
+def test_db_clear_without_a_database_creates_nothing(capsys, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Like ``db list``: there is no database, so nothing to clear; no empty database or lock file made."""
+    db = str(tmp_path / "none.sqlite")
+    rc, out = run_main(["db", "--db", db, "clear"], capsys)
+    assert rc == 2 and f"no tuning database at {db}" in out and "nothing to clear" in out, out
+    rc, out = run_main(["db", "--db", db, "clear", "--backend", "opencl"], capsys)
+    assert rc == 2 and "nothing to clear" in out, out
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_db_export_to_a_folder_leaves_no_temporary(capsys, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    db = str(tmp_path / "t.sqlite")
+    TuningDB(db)
+    (tmp_path / "adir").mkdir()
+    before = sorted(tmp_path.iterdir())
+    for target, why in ((tmp_path / "adir", "it is a folder"), (tmp_path / "no" / "x.json", "does not exist")):
+        rc, out = run_main(["db", "--db", db, "export", str(target)], capsys)
+        assert rc == 2 and f"error: cannot write {target}: " in out and why in out and ".tmp" not in out, out
+    assert sorted(tmp_path.iterdir()) == before
+
+
+def test_cache_dir_that_is_a_file(tmp_path: Path) -> None:
+    """CONVFORGE_CACHE_DIR naming a file: one error line naming the variable and the path."""
+    cache = tmp_path / "x.bin"
+    cache.write_bytes(b"x")
+    for db in (str(tmp_path / "t.sqlite"), ""):  # the database elsewhere, or in the cache folder
+        res = _cli(["tune", "--spec", SPEC, "--backend", "opencl"], CONVFORGE_CACHE_DIR=str(cache), CONVFORGE_DB=db)
+        assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+        assert res.stderr.startswith("error:") and res.stderr.count("\n") == 1, res.stderr
+        assert "CONVFORGE_CACHE_DIR" in res.stderr and f"{cache} is a file" in res.stderr, res.stderr
+    code = "import numpy as np, convforge; a = np.ones((1, 1, 3, 3), np.float32); convforge.conv2d(a, a)"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": SRC, "CONVFORGE_CACHE_DIR": str(cache),
+                              "CONVFORGE_DB": str(tmp_path / "t.sqlite")})
+    last = res.stderr.strip().splitlines()[-1]
+    assert res.returncode == 1 and last.startswith("NotADirectoryError: cannot write the compiled-program cache")
+    assert "CONVFORGE_CACHE_DIR" in last and f"{cache} is a file" in last, res.stderr
+    assert cache.read_bytes() == b"x"
+
+
 def test_db_import_dry_run_stores_nothing(capsys, tmp_path) -> None:  # type: ignore[no-untyped-def]
     from dataclasses import asdict
 
@@ -107,7 +193,7 @@ def test_db_import_dry_run_stores_nothing(capsys, tmp_path) -> None:  # type: ig
     src = tmp_path / "in.json"
     good = asdict(_entry())
     src.write_text(json.dumps({"format": "convforge-tuning", "entries": [good, {**good, "time_ms": "x"}]}))
-    run_main(["db", "--db", str(db), "clear"], capsys)  # creates the database
+    TuningDB(db)  # creates the database
     rc, out = run_main(["db", "--db", str(db), "import", "--dry-run", str(src)], capsys)
     assert rc == 1 and "would store 1 entries" in out and "rejected" in out and "time_ms ('x')" in out
     rc, out = run_main(["db", "--db", str(db), "list"], capsys)

@@ -80,6 +80,17 @@ def test_budget_parse() -> None:
         Budget.parse("fast")
 
 
+@pytest.mark.parametrize("text,match", [("0", r"'0'\) must be > 0"), ("0s", r"'0s'\) must be > 0"),
+                                        ("0.0m,4", r"'0.0m'\) must be > 0"),
+                                        ("1s,2,3", "gives a candidate count twice"),
+                                        ("1s,2m", "gives a time twice"), (" , ", "is empty")])
+def test_budget_parse_refuses_zero_and_repeats(text: str, match: str) -> None:
+    """A zero budget used to fail every layer (or still time 10 candidates); a repeated part won silently."""
+    with pytest.raises(ValueError, match=match) as info:
+        Budget.parse(text, "--budget")
+    assert str(info.value).startswith("--budget (")
+
+
 def test_heuristic_prefers_most_specialised() -> None:
     dev = DeviceInfo("opencl", "nominal", is_gpu=False)
     direct, smem = get_variant("direct"), get_variant("direct_smem")

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from convforge import __version__
 from convforge.config import MAX_ERROR_HELP, PRECISION_HELP, PRECISIONS, config, max_error_arg
@@ -111,6 +113,23 @@ def cmd_show(args: argparse.Namespace) -> int:
                 print(f"// ptxas {info.kernel}: {info.registers} registers, {info.spill_stores}+"
                       f"{info.spill_loads} spill bytes, {info.stack} stack, {info.shared} smem")
     return 0
+
+
+def check_out_dir(flag: str, folder: str | Path | None) -> None:
+    """Refuse an output folder that cannot be made, before any work is done: a file at its path,
+    an ancestor that is a file, or a nearest existing ancestor that is not writable."""
+    if folder is None:
+        return
+    path = Path(folder)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{flag} ({path}) is a file; it must be a folder (created when missing)")
+    near = path
+    while not near.exists() and near != near.parent:
+        near = near.parent
+    if not near.is_dir():
+        raise ValueError(f"{flag} ({path}) cannot be created: {near} is a file, not a folder")
+    if not os.access(near, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} ({path}) cannot be written: {near} is not writable")
 
 
 def _add_optional(sub: argparse._SubParsersAction, name: str, module: str, add: str, run: str,

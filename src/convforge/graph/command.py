@@ -44,6 +44,7 @@ def main(args: argparse.Namespace) -> int:
 
     from convforge.api import default_backend
     from convforge.backends import get_backend
+    from convforge.cli import check_out_dir
     from convforge.graph.passes import optimize
     from convforge.graph.runtime import Network, load_model
 
@@ -53,8 +54,9 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"batch ({args.batch}) must be >= 1")
     if args.repeats < 1:
         raise ValueError(f"--repeats ({args.repeats}) must be >= 1")
-    if args.workspace_limit is not None and args.workspace_limit < 0:
-        raise ValueError(f"--workspace-limit ({args.workspace_limit}) must be >= 0 MiB")
+    if args.workspace_limit is not None and not 0 <= args.workspace_limit < float("inf"):  # NaN fails too
+        raise ValueError(f"--workspace-limit ({args.workspace_limit}) must be a finite number >= 0 (MiB)")
+    check_out_dir("--out", args.out)
     graph = load_model(args.net, args.input_size, args.seed, args.weights).with_batch(args.batch)
     last = graph.producer(graph.outputs[0])
     if last is not None and last.op == "softmax":  # softmax flattens errors: also check the logits
@@ -66,7 +68,8 @@ def main(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     net = Network(optimize(graph), backend, workspace_limit=limit)
     console.print(f"{graph.name}: {len(graph.nodes)} nodes -> {len(net.steps)} steps after the passes, "
-                  f"built in {time.perf_counter() - t0:.1f} s on {backend.device.name} ({backend.name})")
+                  f"built in {time.perf_counter() - t0:.1f} s on {backend.device.name} ({backend.name})",
+                  markup=False)
     x = np.random.default_rng(args.seed).standard_normal(net.shapes[graph.input].shape).astype(np.float32)
     out = net(x)
     prof = net.profile(max(3, args.repeats // 2))
@@ -92,7 +95,7 @@ def main(args: argparse.Namespace) -> int:
     elif backend.name != "cuda":
         res["torch"] = (f"not run: this run is {backend.name}; the PyTorch baseline runs on CUDA "
                         f"(convforge run --net {args.net} --batch {args.batch} --backend cuda)")
-        console.print(f"PyTorch: {res['torch']}", soft_wrap=True)
+        console.print(f"PyTorch: {res['torch']}", soft_wrap=True, markup=False)
     else:
         _torch(console, graph, x, total, net.peak_bytes, args.repeats, ref, res)
     if res.get("logits_error") is not None:
@@ -165,15 +168,16 @@ def _tune(args: argparse.Namespace, console: Any, backend: Any) -> None:
 
 
 def _table(prof: list[tuple[Any, float]], name: str, batch: int, prec: str = "fp32") -> Any:
+    from rich.markup import escape
     from rich.table import Table
 
     total = sum(ms for _, ms in prof) or 1.0
-    table = Table(title=f"{name}, batch {batch}, {prec} class: per step (each timed alone)")
+    table = Table(title=escape(f"{name}, batch {batch}, {prec} class: per step (each timed alone)"))
     for col in ("layer", "op", "variant", "ms", "share", "GFLOP/s"):
         table.add_column(col, justify="right" if col in ("ms", "share", "GFLOP/s") else "left")
     for step, ms in prof:
         gf = f"{step.flops / ms / 1e6:.0f}" if step.flops else ""
-        table.add_row(step.node, step.op, step.variant, f"{ms:.3f}", f"{100 * ms / total:.1f}%", gf)
+        table.add_row(escape(step.node), step.op, escape(step.variant), f"{ms:.3f}", f"{100 * ms / total:.1f}%", gf)
     table.add_row("sum", "", "", f"{total:.3f}", "100%", "")
     return table
 
@@ -190,7 +194,7 @@ def _check(console: Any, graph: Any, x: np.ndarray, out: dict[str, np.ndarray],
     res["errors"] = errs
     res["logits_error"] = errs[graph.outputs[-1]]
     console.print("relative error vs the float64 reference (image 0): "
-                  + ", ".join(f"{t} {e:.2e}" for t, e in errs.items()))
+                  + ", ".join(f"{t} {e:.2e}" for t, e in errs.items()), markup=False)
     return ref
 
 
@@ -202,7 +206,7 @@ def _torch(console: Any, graph: Any, x: np.ndarray, total: float, peak: int, rep
     why = torch_baseline.available()
     if why:
         res["torch"] = f"skipped ({why})"
-        console.print(f"PyTorch: {res['torch']}")
+        console.print(f"PyTorch: {res['torch']}", markup=False)
         return
     logits = graph.outputs[-1]
     tg = graph.copy()
@@ -219,4 +223,4 @@ def _torch(console: Any, graph: Any, x: np.ndarray, total: float, peak: int, rep
 
         res["torch_logits_error"] = rel_l2(t.output[:1], ref[logits])
         console.print(f"PyTorch ({'TF32' if prec == 'relaxed' else 'FP32'}) relative error vs the float64 "
-                      f"reference (image 0, {logits}): {res['torch_logits_error']:.2e}")
+                      f"reference (image 0, {logits}): {res['torch_logits_error']:.2e}", markup=False)

@@ -34,9 +34,12 @@ def tune_net(args: argparse.Namespace, console: Any, backend: Any, db: Any, budg
     from convforge.graph.runtime import load_model
     from convforge.tune.tuner import TuneError, Tuner
 
-    graph = load_model(args.net).with_batch(args.batch or 1)
+    batch = 1 if args.batch is None else args.batch
+    if batch < 1:
+        raise ValueError(f"--batch ({batch}) must be >= 1")
+    graph = load_model(args.net).with_batch(batch)
     layers = net_layers(graph)
-    console.print(f"{graph.name} at batch {args.batch or 1}: {len(layers)} distinct conv/fc layer(s)")
+    console.print(f"{graph.name} at batch {batch}: {len(layers)} distinct conv/fc layer(s)", markup=False)
     failed = 0
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as bar:
@@ -46,10 +49,11 @@ def tune_net(args: argparse.Namespace, console: Any, backend: Any, db: Any, budg
             bar.update(task, description=f"{name} {spec.short()}{epi.tag()}")
             try:
                 res = tuner.tune(spec, epi, force=args.force)
-                bar.console.print(f"{name}: {res.choice[0].name} {'(database)' if res.from_db else ''}")
+                bar.console.print(f"{name}: {res.choice[0].name} {'(database)' if res.from_db else ''}",
+                                  markup=False)
             except TuneError as err:
                 failed += 1
-                bar.console.print(f"[red]{name}: {err}[/red]")
+                bar.console.print(f"{name}: {err}", style="red", markup=False)
             bar.advance(task)
     console.print(f"{len(layers) - failed} layer(s) tuned or known, {failed} failed")
     return 1 if failed else 0

@@ -8,10 +8,12 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from rich.markup import escape
+
 from convforge.config import MAX_ERROR_HELP, PRECISION_HELP, PRECISIONS, config, max_error_arg, precision_key
 from convforge.plan import Epilogue
 from convforge.spec import ConvSpec
-from convforge.tune.db import Entry, TuningDB
+from convforge.tune.db import Entry, NoDatabase, TuningDB
 from convforge.tune.tuner import Budget, Candidate, TuneError, Tuner, TuneResult, measure_dispatch
 
 DEFAULT_BUDGET = "5s,16"  # per layer: Boda's 43 layers in well under 10 minutes on a GPU
@@ -37,7 +39,7 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suite", help="built-in suite name (resnet, boda, mec, unseen) or a JSON suite file")
     p.add_argument("--spec", action="append", default=[], metavar="SPEC",
                    help="a layer such as 'N=1,C=3,H=13,W=13,K=8,R=3,S=3,pad=1' (repeatable)")
-    p.add_argument("--limit", type=int, help="tune only the first LIMIT layers of the suite")
+    p.add_argument("--limit", type=int, help="tune only the first LIMIT layers of --suite / --spec (>= 1)")
     p.add_argument("--budget", default=DEFAULT_BUDGET,
                    help="per layer: seconds ('30s'), candidates ('20') or both ('12s,24'); "
                         f"default {DEFAULT_BUDGET}")
@@ -50,7 +52,7 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the space sample and of the check inputs")
     p.add_argument("--precision", choices=tuple(PRECISIONS), help=PRECISION_HELP)
     p.add_argument("--max-error", type=max_error_arg, metavar="E", help=MAX_ERROR_HELP)
-    p.add_argument("--workers", type=int, help="compile threads (default: CPU count, at most 16)")
+    p.add_argument("--workers", type=int, help="compile threads, >= 1 (default: CPU count, at most 16)")
     p.add_argument("--report", type=Path, metavar="DIR",
                    help="also write Boda's autotuned / heuristic / fixed-parameters comparison to DIR "
                         "(report.json, report.png)")
@@ -59,8 +61,10 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dispatch-overhead", action="store_true",
                    help="measure choose() per call on the first layer afterwards (µs)")
     p.add_argument("-v", "--verbose", action="store_true", help="log every candidate's fate")
-    p.add_argument("--net", help="tune every distinct conv of a network (a shipped name, .prototxt or .onnx)")
-    p.add_argument("--batch", type=int, help="batch size of --net (default 1)")
+    p.add_argument("--net", help="tune every distinct conv of a network (a shipped name, .prototxt or .onnx); "
+                   "not with --suite or --spec")
+    p.add_argument("--batch", type=int, help="batch size of --net (default 1); only with --net: a --spec or "
+                   "--suite layer carries its own N")
     p.add_argument("--model", action="append", metavar="NAME[:BATCH]",
                    help="tune a torchvision model's convs as `bench --model` runs them (repeatable): converted "
                         "(and fused, where convforge.torch.fuse exists), each layer with its real epilogue, in "
@@ -94,8 +98,40 @@ def _backend(args: argparse.Namespace) -> Any:
     return get_backend(name, args.device)
 
 
+# Options that apply to some modes only ("layers": --suite / --spec, "net": --net, "model": --model).
+_MODES = {"--batch": ("net",), "--limit": ("layers",), "--bias": ("layers",), "--relu": ("layers",),
+          "--report": ("layers",), "--dispatch-overhead": ("layers",), "--workers": ("layers", "net")}
+_MODE_FLAGS = {"layers": "--suite / --spec", "net": "--net", "model": "--model"}
+
+
+def check_tune_args(args: argparse.Namespace) -> None:
+    """Every number, the budget, the report folder and the mix of options, before anything runs:
+    ValueError naming the option; an option the chosen mode would ignore is refused."""
+    from convforge.cli import check_out_dir
+
+    for flag, value in (("--limit", args.limit), ("--workers", args.workers), ("--batch", args.batch)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} ({value}) must be >= 1")
+    Budget.parse(args.budget, "--budget")
+    check_out_dir("--report", args.report)
+    mode = "model" if getattr(args, "model", None) else "net" if getattr(args, "net", None) else "layers"
+    if mode == "net" and (args.suite or args.spec):
+        given = ", ".join(f for f, v in (("--suite", args.suite), ("--spec", args.spec)) if v)
+        raise ValueError(f"--net cannot be combined with {given} (tune them separately)")
+    for flag, modes in _MODES.items():
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value not in (None, False) and mode not in modes:
+            where = " or ".join(_MODE_FLAGS[m] for m in modes)
+            raise ValueError(f"{flag} applies only with {where}, not with {_MODE_FLAGS[mode]}")
+
+
 def tune_main(args: argparse.Namespace) -> int:
     """Tune a suite or layers into the database, with a progress bar and a closing table."""
+    try:
+        check_tune_args(args)
+    except ValueError as err:
+        _error(f"{err}")
+        return 2
     console = _console()
     _setup_logging(args.verbose)
     if getattr(args, "model", None):
@@ -104,10 +140,10 @@ def tune_main(args: argparse.Namespace) -> int:
         from convforge.graph.tune import tune_net
 
         return tune_net(args, console, _backend(args), TuningDB(args.db or config.tuning_db),
-                        Budget.parse(args.budget))
+                        Budget.parse(args.budget, "--budget"))
     try:
         layers = _layers(args)
-        budget = Budget.parse(args.budget)
+        budget = Budget.parse(args.budget, "--budget")
     except ValueError as err:
         _error(f"{err}")
         return 2
@@ -119,7 +155,7 @@ def tune_main(args: argparse.Namespace) -> int:
     backend = _backend(args)
     epi = Epilogue(bias=args.bias, relu=args.relu)
     console.print(f"device: {backend.device.name} ({backend.name}, {backend.device.driver}); "
-                  f"database: {db.path}; budget: {budget}; precision: {precision_key()}")
+                  f"database: {db.path}; budget: {budget}; precision: {precision_key()}", markup=False)
     results, failed = _run(console, layers, backend, db, budget, epi, args)
     console.print(_table(layers, results, failed, backend.name))
     fresh = sum(not r.from_db for r in results.values())
@@ -132,7 +168,7 @@ def tune_main(args: argparse.Namespace) -> int:
         tuner = Tuner(backend, db, budget, args.seed, workers=args.workers)
         doc = build_report(tuner, layers, results, all_variants(), args.report_sets)
         files = write_report(args.report, doc)
-        console.print("report: " + ", ".join(str(f) for f in files))
+        console.print("report: " + ", ".join(str(f) for f in files), markup=False)
     if args.dispatch_overhead and results:
         from convforge.tune import clear_choices
 
@@ -157,7 +193,7 @@ def _tune_models(args: argparse.Namespace, console: Any) -> int:
                "first (convforge db clear)")
         return 2
     try:
-        budget = Budget.parse(args.budget)
+        budget = Budget.parse(args.budget, "--budget")
     except ValueError as err:
         _error(f"{err}")
         return 2
@@ -205,7 +241,7 @@ def _run(console: Any, layers: list[tuple[str, ConvSpec]], backend: Any, db: Tun
                 results[name] = tuner.tune(spec, epi, force=args.force)
             except TuneError as err:
                 failed[name] = str(err)
-                console.print(f"[red]{name}: {err}[/red]")
+                console.print(f"{name}: {err}", style="red", markup=False)
             bar.advance(total)
     return results, failed
 
@@ -220,13 +256,14 @@ def _table(layers: list[tuple[str, ConvSpec]], results: dict[str, TuneResult], f
         table.add_column(col, justify="right" if col in numeric else "left")
     for name, spec in layers:
         if name in failed:
-            table.add_row(name, "[red]failed[/red]", "", "", "", "", "", "", "", "")
+            table.add_row(escape(name), "[red]failed[/red]", "", "", "", "", "", "", "", "")
             continue
         e = results[name].entry
         prm = " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in json.loads(e.params).items())
         sp = e.speedup
-        table.add_row(name, e.variant, prm, f"{e.time_ms:.4f}", f"{spec.flops / e.time_ms / 1e6:.1f}",
-                      f"{e.error:.1e}", e.heuristic_variant, "" if e.heuristic_ms is None else f"{e.heuristic_ms:.4f}",
+        heur_ms = "" if e.heuristic_ms is None else f"{e.heuristic_ms:.4f}"
+        table.add_row(escape(name), escape(e.variant), escape(prm), f"{e.time_ms:.4f}",
+                      f"{spec.flops / e.time_ms / 1e6:.1f}", f"{e.error:.1e}", escape(e.heuristic_variant), heur_ms,
                       "" if sp is None else f"{sp:.2f}×", "db" if results[name].from_db else "tuned")
     return table
 
@@ -283,8 +320,11 @@ def db_main(args: argparse.Namespace) -> int:
     console = _console()
     try:
         match = _match(args)
+        path = Path(args.db or config.tuning_db)
+        if args.db_command == "clear":
+            _check_clear(path)
         writes = args.db_command in ("import", "clear") and not getattr(args, "dry_run", False)
-        db = TuningDB(args.db or config.tuning_db, readonly=not writes)
+        db = TuningDB(path, readonly=not writes)
     except ValueError as err:
         _error(f"{err}")
         return 2
@@ -300,12 +340,21 @@ def db_main(args: argparse.Namespace) -> int:
             print(json.dumps(db.export_json(None, **match), indent=1))
         else:
             doc = db.export_json(args.file, **match)
-            console.print(f"exported {len(doc['entries'])} entries to {args.file}")
+            console.print(f"exported {len(doc['entries'])} entries to {args.file}", markup=False)
     elif cmd == "import":
         return _import(console, db, args)
     elif cmd == "clear":
-        console.print(f"deleted {db.clear(**match)} entries from {db.path}")
+        console.print(f"deleted {db.clear(**match)} entries from {db.path}", markup=False)
     return 0
+
+
+def _check_clear(path: Path) -> None:
+    """``db clear`` where there is no database: said as ``db list`` says it, and nothing created."""
+    if path.exists() or path.is_symlink():
+        return
+    if not path.parent.is_dir():
+        raise NoDatabase(f"no tuning database at {path}: folder {path.parent} does not exist (nothing to clear)")
+    raise NoDatabase(f"no tuning database at {path} (nothing to clear)")
 
 
 def _import(console: Any, db: TuningDB, args: argparse.Namespace) -> int:
@@ -317,11 +366,12 @@ def _import(console: Any, db: TuningDB, args: argparse.Namespace) -> int:
         return 2
     verb = "would store" if args.dry_run else "imported"
     for e in rep.stored:
-        console.print(f"  {verb}: {e.backend} {e.spec} {e.epilogue} {e.precision} {e.variant}", soft_wrap=True)
+        console.print(f"  {verb}: {e.backend} {e.spec} {e.epilogue} {e.precision} {e.variant}", soft_wrap=True,
+                      markup=False)
     for label, why in rep.rejected:
-        console.print(f"  [red]rejected[/red] {label}: {why}", soft_wrap=True)
+        console.print(f"  [red]rejected[/red] {escape(label)}: {escape(why)}", soft_wrap=True)
     console.print(f"{verb} {len(rep.stored)} entries into {db.path}; {len(rep.kept)} kept (an existing entry "
-                  f"is faster), {len(rep.rejected)} rejected", soft_wrap=True)
+                  f"is faster), {len(rep.rejected)} rejected", soft_wrap=True, markup=False)
     return 1 if rep.rejected else 0
 
 
@@ -348,16 +398,17 @@ def _entry_doc(e: Entry) -> dict[str, Any]:
 def _list_table(entries: list[Entry], path: Path) -> Any:
     from rich.table import Table
 
-    table = Table(title=f"{path}: {len(entries)} entries")
+    table = Table(title=escape(f"{path}: {len(entries)} entries"))
     for col in ("device", "back-end", "layer", "epilogue", "precision", "variant", "parameters", "ms", "error",
                 "speed-up", "date"):
         table.add_column(col)
     for e in entries:
         prm = " ".join(f"{k}={v}" for k, v in json.loads(e.params).items())
         sp = e.speedup
-        table.add_row(e.device.split("|")[1] if "|" in e.device else e.device, e.backend, e.spec, e.epilogue,
-                      e.precision, e.variant, prm, f"{e.time_ms:.4f}", f"{e.error:.1e}",
-                      "" if sp is None else f"{sp:.2f}×", e.date[:19])
+        cells = (e.device.split("|")[1] if "|" in e.device else e.device, e.backend, e.spec, e.epilogue,
+                 e.precision, e.variant, prm, f"{e.time_ms:.4f}", f"{e.error:.1e}",
+                 "" if sp is None else f"{sp:.2f}×", e.date[:19])
+        table.add_row(*(escape(c) for c in cells))
     return table
 
 

@@ -66,20 +66,30 @@ class Budget:
     candidates: int | None = 24
 
     @classmethod
-    def parse(cls, text: str) -> Budget:
-        """``"30s"``, ``"2m"`` (seconds), ``"20"`` (candidates), or both: ``"30s,20"``."""
+    def parse(cls, text: str, name: str = "budget") -> Budget:
+        """``"30s"``, ``"2m"`` (seconds), ``"20"`` (candidates), or both: ``"30s,20"``; each at most
+        once and > 0. ``name`` (e.g. ``--budget``) starts every error message."""
         seconds: float | None = None
         candidates: int | None = None
         for part in filter(None, text.replace(" ", "").lower().split(",")):
             if part[-1] in "sm" and part[:-1].replace(".", "", 1).isdigit():
-                seconds = float(part[:-1]) * (60 if part[-1] == "m" else 1)
+                kind, value = "seconds", float(part[:-1]) * (60 if part[-1] == "m" else 1)
             elif part.isdigit():
-                candidates = int(part)
+                kind, value = "candidates", int(part)
             else:
-                raise ValueError(f"budget ({part!r}) must be seconds ('30s', '2m') "
+                raise ValueError(f"{name} ({part!r}) must be seconds ('30s', '2m') "
                                  "or a candidate count ('20')")
+            if value <= 0:
+                raise ValueError(f"{name} ({part!r}) must be > 0")
+            if (seconds if kind == "seconds" else candidates) is not None:
+                what = "a time" if kind == "seconds" else "a candidate count"
+                raise ValueError(f"{name} ({text!r}) gives {what} twice (at most one of each: '12s,24')")
+            if kind == "seconds":
+                seconds = value
+            else:
+                candidates = int(value)
         if seconds is None and candidates is None:
-            raise ValueError("budget is empty")
+            raise ValueError(f"{name} ({text!r}) is empty: give seconds ('30s'), a count ('20') or both ('12s,24')")
         return cls(seconds, candidates)
 
     def __str__(self) -> str:
