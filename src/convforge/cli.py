@@ -187,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command. Bad input of any kind (arguments, environment variables, files at the
-    database path) is one ``error: ...`` line and exit status 2, never a traceback."""
+    database path) is one ``error: ...`` line and exit status 2, never a traceback; running out of
+    device or host memory is one such line and exit status 1."""
     try:
         args = build_parser().parse_args(argv)
         if getattr(args, "max_error", None) is not None:
@@ -200,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, OSError) as err:  # TypeError: bad JSON / params shapes from users
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except MemoryError as err:  # DeviceMemoryError, CuPy's OutOfMemoryError: a batch or layer too big
+        print(f"error: out of memory: {err or 'the host could not allocate'}; try a smaller batch, input size "
+              "or --workspace-limit", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
