@@ -63,12 +63,15 @@ class Params(Mapping[str, Any]):
 
     @classmethod
     def parse(cls, text: str) -> Params:
-        """``"tp=2,tq=4,smem=true"`` -> Params; ints and booleans are recognised."""
+        """``"tp=2,tq=4,smem=true"`` -> Params; ints and booleans are recognised. An item without
+        a name or without ``=`` is a ValueError quoting it."""
         out: dict[str, Any] = {}
         for item in text.replace(" ", ",").split(","):
             if not item:
                 continue
-            key, _, val = item.partition("=")
+            key, eq, val = item.partition("=")
+            if not eq or not key:
+                raise ValueError(f"params item {item!r} must be NAME=VALUE (e.g. tp=2)")
             low = val.lower()
             if low in ("true", "false"):
                 out[key] = low == "true"

@@ -127,8 +127,9 @@ def most_specialised(algo: str, spec: ConvSpec, device: DeviceInfo, workspace_li
 
 def check_params(variant: Variant, spec: ConvSpec, device: DeviceInfo, params: Any) -> Params:
     """``params`` as Params when it names exactly ``variant``'s parameters for ``spec`` (those of its
-    default) with plausible values: ints within reach of the space's (up to 4x its largest, so a
-    typo such as tk=100000 never reaches the generator), strings and booleans among the space's.
+    default) with plausible values: ints within reach of the space's (from 1, or 0 for a switch or
+    where 0 means none, up to 4x its largest, so a typo such as tk=100000 never reaches the
+    generator), strings and booleans among the space's.
     Otherwise ValueError naming the missing and unknown keys (and the variant's names) or the value
     and what is allowed. Whether the values plan is ``variant.plan``'s to say."""
     if not isinstance(params, Mapping):
@@ -158,11 +159,22 @@ def check_params(variant: Variant, spec: ConvSpec, device: DeviceInfo, params: A
     return prm
 
 
+# Integer parameters that switch something off (0) or on (1), and those where 0 means "none" (mb:
+# no launch bound; sw: no swizzle). Every other integer parameter is a size or a count, >= 1: a tile
+# of 0 threads or outputs divides by zero in the generators.
+SWITCHES = frozenset({"db", "pf", "so", "xi", "xo", "hf", "lo", "fl", "ca", "ci"})
+ZERO_OK = frozenset({"mb", "sw"})
+
+
 def _check_value(variant: str, key: str, value: Any, taken: set[Any]) -> None:
-    """ValueError unless ``value`` is of the kind of the values ``taken`` and, for ints, in reach."""
+    """ValueError unless ``value`` is of the kind of the values ``taken`` and, for ints, in reach:
+    0 or 1 for a switch, else from 1 (0 where it means "none") to 4x the largest taken."""
     ints = [v for v in taken if isinstance(v, int) and not isinstance(v, bool)]
     if ints and len(ints) == len(taken):
-        low, high = min(0, min(ints)), max(64, 4 * max(ints))
+        if key in SWITCHES:
+            low, high = 0, 1
+        else:
+            low, high = min(0 if key in ZERO_OK else 1, min(ints)), max(64, 4 * max(ints))
         if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
             raise ValueError(f"params for {variant}: {key} ({value!r}) must be an int in {low}..{high}")
     elif all(isinstance(v, bool) for v in taken):

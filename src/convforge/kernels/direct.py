@@ -127,6 +127,7 @@ class DirectBase(Variant):
         if params.get("wconst", False) and not self._wconst_ok(spec, device):
             raise ValueError(f"{self.name}: filters ({4 * spec.k * spec.c * spec.r * spec.s} bytes) do not fit "
                              "in constant memory")
+        self._check(params, device)
         code = Code()
         self._head(code, spec, params)
         self._main_loop(code, spec, params)
@@ -144,6 +145,13 @@ class DirectBase(Variant):
 
     def _main_loop(self, code: Code, spec: ConvSpec, p: Params) -> None:
         raise NotImplementedError
+
+    def _check(self, p: Params, device: DeviceInfo) -> None:
+        """ValueError naming a parameter the generator cannot take (check_params has kept each
+        size >= 1): a block of more threads than the device runs."""
+        if p.bq * p.bp > device.max_threads:
+            raise ValueError(f"{self.name}: bq * bp ({p.bq} x {p.bp}) threads exceed the device's "
+                             f"{device.max_threads}")
 
 
 class Direct(DirectBase):
@@ -291,6 +299,14 @@ class DirectShfl(DirectBase):
 
     def _requires(self, params: Params) -> frozenset[str]:
         return frozenset({"shuffle"})
+
+    def _check(self, p: Params, device: DeviceInfo) -> None:
+        """A block row is one warp of 32 output columns, one column per lane."""
+        super()._check(p, device)
+        for key, want in (("bq", 32), ("tq", 1)):
+            if p[key] != want:
+                raise ValueError(f"{self.name}: {key} ({p[key]}) must be {want} (a block row is one warp, "
+                                 "one output column per lane)")
 
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
         why = super().applies(spec, device)

@@ -149,14 +149,31 @@ def layout_ok(p: Params, va_ok: bool = True, vb_ok: bool = True,
               a_fast: str = "k", b_fast: str = "i", max_threads: int = 1024,
               shared_bytes: int = 48 * 1024) -> bool:
     """Whether a parameter set is valid for the generator (tiles divide, loads spread evenly)."""
-    if p.bm % p.tm or p.bn % p.tn or (p.db and not p.pf):
-        return False
-    if (p.va == 4 and not va_ok) or (p.vb == 4 and not vb_ok):
-        return False
+    return layout_problem(p, va_ok, vb_ok, a_fast, b_fast, max_threads, shared_bytes) is None
+
+
+def layout_problem(p: Params, va_ok: bool = True, vb_ok: bool = True,
+                   a_fast: str = "k", b_fast: str = "i", max_threads: int = 1024,
+                   shared_bytes: int = 48 * 1024) -> str | None:
+    """None when :func:`layout_ok`, else what is wrong, naming the parameters."""
+    for tile, micro in (("bm", "tm"), ("bn", "tn")):
+        if p[tile] % p[micro]:
+            return f"{micro} ({p[micro]}) must divide {tile} ({p[tile]})"
+    if p.db and not p.pf:
+        return "db=1 (double buffering) needs pf=1"
+    for key, ok in (("va", va_ok), ("vb", vb_ok)):
+        if p[key] not in ((1, 4) if ok else (1,)):
+            return f"{key} ({p[key]}) must be {'1 or 4' if ok else '1 for this operand'}"
     lay = _Layout(p.bm, p.bn, p.bk, p.tm, p.tn)
     if not 32 <= lay.threads <= max_threads:
-        return False
-    return loads_divide(p, lay.threads, a_fast, b_fast) and shared_bytes_of(p) <= shared_bytes
+        return f"(bm/tm) * (bn/tn) ({lay.threads}) threads must be 32..{max_threads}"
+    if not loads_divide(p, lay.threads, a_fast, b_fast):
+        return (f"bm, bn, bk, va, vb ({p.bm}, {p.bn}, {p.bk}, {p.va}, {p.vb}): the tiles' loads must "
+                f"spread evenly over the {lay.threads} threads")
+    if shared_bytes_of(p) > shared_bytes:
+        return (f"bm, bn, bk ({p.bm}, {p.bn}, {p.bk}) need {shared_bytes_of(p)} B of shared memory "
+                f"(limit {shared_bytes})")
+    return None
 
 
 def loads_divide(p: Params, threads: int, a_fast: str, b_fast: str) -> bool:
@@ -236,9 +253,9 @@ def gemm_kernel(name: str, shape: GemmShape, p: Params, a: Operand, b: Operand, 
     in the order (N tile descending, then M tile, then batch and split fastest) instead of the
     grid's, so a GEMM whose B was just written N-column by N-column starts on what is still in L2.
     """
-    if not layout_ok(p, a.vload is not None, b.vload is not None, a.fast, b.fast):
-        raise ValueError(f"GEMM parameters {p.short()} are invalid for this generator "
-                         "(tiles must divide, loads must spread evenly over the threads)")
+    why = layout_problem(p, a.vload is not None, b.vload is not None, a.fast, b.fast)
+    if why:
+        raise ValueError(f"GEMM parameters {p.short()} are invalid for this generator: {why}")
     lay = _Layout(p.bm, p.bn, p.bk, p.tm, p.tn)
     code = Code()
     code(f"const int tid = LOCAL_ID(0), tx = tid % {lay.tx}, ty = tid / {lay.tx};")

@@ -142,7 +142,7 @@ def tc_ok(p: Params, va_ok: bool = True, vb_ok: bool = True, a_fast: str = "k",
         return False
     if registers(p, x3) > 255:
         return False
-    if (p.va == 4 and not va_ok) or (p.vb == 4 and not vb_ok):
+    if p.va not in (1, 4) or p.vb not in (1, 4) or (p.va == 4 and not va_ok) or (p.vb == 4 and not vb_ok):
         return False
     return loads_divide(p, lay.threads, a_fast, b_fast) and shared_bytes(p, a_fast, b_fast) <= shared_limit
 
@@ -261,7 +261,8 @@ def tc_kernel(name: str, shape: GemmShape, p: Params, a: Operand, b: Operand, c:
     then batch and split), as in the sgemm generator (the Winograd GEMM's L2 order)."""
     if not tc_ok(p, a.vload is not None, b.vload is not None, a.fast, b.fast, 1024, MAX_SHARED, x3):
         raise ValueError(f"tensor-core GEMM parameters {p.short()} are invalid (warps must tile "
-                         "the block in 16 x 8 fragments, bk 16 or 32, loads spread evenly, "
+                         "the block in 16 x 8 fragments: bm a multiple of 16 wm, bn of 8 wn; bk 16 or 32; "
+                         "va and vb 1 or 4, loads spread evenly, "
                          f"at most {MAX_ACC} accumulators, 255 registers by the model, {MAX_SHARED} B "
                          "shared memory)")
     lay = TcLayout(p.bm, p.bn, p.bk, p.wm, p.wn)

@@ -351,11 +351,15 @@ class WinogradNonFused(Variant):
         g = Geometry(spec, self.m)
         p = params
         tb, ks, kind, hf, xi, xo, xt, lo = self._checked(spec, p)
+        if tb > device.max_threads:
+            raise ValueError(f"{self.name}: tb ({tb}) threads per transform block exceed the device's "
+                             f"{device.max_threads}")
         if kind != "own":
             gp = Params({k: v for k, v in p.items()
                          if k not in ("gemm", "tb", "ks", "so", "hf", "xi", "xo", "xt", "lo")})
             gemm, grid, block = self._gemm_stage(g, gp, ks, hf, lo)
         else:
+            self._check_own(p, device)
             gemm = self._gemm_kernel(g, p)
             grid, block = (cdiv(g.tiles, p.bn), cdiv(spec.k, p.bm), g.a2), gemm.block
         inp = split_input_kernel(g, f"{self.name}: B^T d B (thread per row/column)", xt, lo) if xi \
@@ -393,6 +397,18 @@ class WinogradNonFused(Variant):
         if lo and not (xi and xo and kind != "own"):
             raise ValueError(f"{self.name}: lo=1 (L2 order) needs xi=1, xo=1 and gemm='sgemm'")
         return p.tb, ks, kind, hf, xi, xo, xt, lo
+
+    def _check_own(self, p: Params, device: DeviceInfo) -> None:
+        """ValueError naming the parameter of the own GEMM kernel that does not fit: its tm x tn
+        micro-tiles must tile bm x bn exactly (a remainder would leave outputs unwritten), in at
+        most the device's threads."""
+        for tile, micro in (("bm", "tm"), ("bn", "tn")):
+            if p[tile] % p[micro]:
+                raise ValueError(f"{self.name}: {micro} ({p[micro]}) must divide {tile} ({p[tile]})")
+        threads = (p.bm // p.tm) * (p.bn // p.tn)
+        if threads > device.max_threads:
+            raise ValueError(f"{self.name}: (bm/tm) * (bn/tn) ({threads}) threads exceed the device's "
+                             f"{device.max_threads}")
 
     def _staged(self, g: Geometry, p: Params) -> bool:
         so = bool(p.get("so", 0))
