@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -10,28 +12,50 @@ Pair = tuple[int, int]
 Quad = tuple[int, int, int, int]
 
 
+def _int(name: str, value: Any, whole: Any) -> int:
+    """``value`` as an int when it is an integer (numbers.Integral, NumPy's included) but not a
+    bool; otherwise a ValueError naming ``name`` and the whole argument ``whole``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        what = ", not a bool" if isinstance(value, bool) else ""
+        raise ValueError(f"{name} ({whole!r}) must be {_FORMS[name]}{what}")
+    return operator.index(value)
+
+
+_FORMS = {"stride": "an int or a pair of ints", "dilation": "an int or a pair of ints",
+          "padding": "an int, (h, w) or (top, bottom, left, right) of ints"}
+
+
+def _ints(name: str, value: Any) -> tuple[int, ...] | int:
+    """An int as a Python int, or a sequence (any iterable but a string) of ints as a tuple of them."""
+    if isinstance(value, numbers.Integral) or isinstance(value, str | bytes):
+        return _int(name, value, value)
+    try:
+        items = tuple(value)
+    except TypeError:  # None, a float: neither an int nor a sequence
+        raise ValueError(f"{name} ({value!r}) must be {_FORMS[name]}") from None
+    return tuple(_int(name, v, value) for v in items)
+
+
 def _pair(name: str, value: int | Sequence[int]) -> Pair:
     """Normalise an int or an (h, w) pair."""
-    if isinstance(value, int):
-        return (value, value)
-    vals = tuple(value)
-    if len(vals) != 2 or not all(isinstance(v, int) for v in vals):
-        raise ValueError(f"{name} ({value!r}) must be an int or a pair of ints")
+    vals = _ints(name, value)
+    if isinstance(vals, int):
+        return (vals, vals)
+    if len(vals) != 2:
+        raise ValueError(f"{name} ({value!r}) must be {_FORMS[name]}")
     return (vals[0], vals[1])
 
 
 def normalize_padding(padding: int | Sequence[int]) -> Quad:
     """Padding as (top, bottom, left, right) from an int, (ph, pw) or a 4-tuple."""
-    if isinstance(padding, int):
-        return (padding, padding, padding, padding)
-    vals = tuple(padding)
-    if not all(isinstance(v, int) for v in vals):
-        raise ValueError(f"padding ({padding!r}) must hold ints")
+    vals = _ints("padding", padding)
+    if isinstance(vals, int):
+        return (vals, vals, vals, vals)
     if len(vals) == 2:
         return (vals[0], vals[0], vals[1], vals[1])
     if len(vals) == 4:
         return (vals[0], vals[1], vals[2], vals[3])
-    raise ValueError(f"padding ({padding!r}) must be an int, (h, w) or (top, bottom, left, right)")
+    raise ValueError(f"padding ({padding!r}) must be {_FORMS['padding']}")
 
 
 _SPEC_TUPLES = ("stride", "pad", "dilation")
@@ -73,12 +97,16 @@ class ConvSpec:
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"{field.upper()} ({v!r}) must be a positive int")
         for field, vals in (("stride", self.stride), ("dilation", self.dilation)):
-            if len(vals) != 2 or any(not isinstance(v, int) or v <= 0 for v in vals):
+            if len(vals) != 2 or any(not isinstance(v, int) or isinstance(v, bool) for v in vals):
+                raise ValueError(f"{field} ({vals!r}) must be a pair of ints")
+            if any(v <= 0 for v in vals):
                 raise ValueError(f"{field} ({vals!r}) must be positive")
         if len(self.pad) != 4:
             raise ValueError(f"padding ({self.pad!r}) must have 4 entries")
         for v in self.pad:
-            if not isinstance(v, int) or v < 0:
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ValueError(f"padding ({self.pad!r}) must hold ints")
+            if v < 0:
                 raise ValueError(f"padding ({v!r}) must be >= 0")
         if self.dtype != "float32":
             raise ValueError(f"dtype ({self.dtype!r}) must be float32")
