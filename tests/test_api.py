@@ -128,3 +128,72 @@ def test_tuning_key_keeps_accuracy_limits_apart(ocl):
     finally:
         config.max_error = saved
     assert default_key != strict_key and "max_error=1e-05" in strict_key[-1]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(relu="no"), r"relu \('no'\) must be True or False"),
+    (dict(relu=1), r"relu \(1\) must be True or False"),
+    (dict(max_error=True), r"max_error \(True\) must be a number > 0"),
+    (dict(max_error="1e-3"), r"max_error \('1e-3'\) must be a number > 0"),
+    (dict(workspace_limit="1"), r"workspace_limit \('1'\) must be an int"),
+    (dict(workspace_limit=True), r"workspace_limit \(True\) must be an int"),
+    (dict(workspace_limit=1.5), r"workspace_limit \(1.5\) must be an int"),
+    (dict(workspace_limit=-1), r"workspace_limit \(-1\) must be >= 0"),
+    (dict(precision=["fp32"]), r"precision \(\['fp32'\]\) must be one of fp32, relaxed"),
+    (dict(stride=1.5), r"stride \(1.5\) must be an int or a pair of ints"),
+    (dict(stride=None), r"stride \(None\) must be an int or a pair of ints"),
+    (dict(stride=(True, 2)), r"stride \(\(True, 2\)\) must be .* not a bool"),
+    (dict(padding=True), r"padding \(True\) must be .* not a bool"),
+    (dict(padding=(True, 0)), r"padding \(\(True, 0\)\) must be .* not a bool"),
+    (dict(padding=1.5), r"padding \(1.5\) must be an int"),
+])
+def test_bad_options_name_argument_and_value(kwargs, message):
+    """Checked before any device work: relu="no" must not switch ReLU on, max_error=True must not
+    read as 1.0, nor True as padding 1 (it would be pasted into the kernel source)."""
+    x = np.zeros((1, 3, 8, 8), np.float32)
+    w = np.zeros((4, 3, 3, 3), np.float32)
+    with pytest.raises(ValueError, match=message):
+        convforge.conv2d(x, w, **kwargs)
+
+
+def test_spec_memo_does_not_take_bools_for_ints():
+    """api._spec remembers specs by argument; True == 1 as a key, so a bool must not find the
+    spec filed for 1."""
+    from convforge import api
+
+    assert api._spec((1, 3, 8, 8), (4, 3, 3, 3), 1, 1, 1).pad == (1, 1, 1, 1)
+    with pytest.raises(ValueError, match=r"padding \(True\) must be"):
+        api._spec((1, 3, 8, 8), (4, 3, 3, 3), 1, True, 1)
+    with pytest.raises(ValueError, match=r"stride \(1.0\) must be"):
+        api._spec((1, 3, 8, 8), (4, 3, 3, 3), 1.0, 1, 1)
+    assert api._spec((1, 3, 8, 8), (4, 3, 3, 3), np.int64(2), 1, 1).stride == (2, 2)
+
+
+def test_fast_path_key_keeps_relu_kinds_apart():
+    """A warm relu=True runner must not answer relu=1 (or "yes"), which the slow path refuses."""
+    from convforge import api
+
+    class Fake:  # the attributes the torch key reads
+        shape, dtype, device = (1, 3, 8, 8), "float32", "cuda:0"
+
+        def is_contiguous(self) -> bool:
+            return True
+
+    x = Fake()
+
+    def key(relu):
+        return api._torch_key(x, x, None, 1, 0, 1, "auto", None, None, relu, None, None, None)
+
+    assert key(True) == key(True) and key(False) != key(True)
+    assert key(1) != key(True) and key(0) != key(False) and key(np.True_) != key(True)
+    assert key("yes") != key(True)
+
+
+def test_numpy_integer_geometry_runs(ocl):
+    rng = np.random.default_rng(3)
+    x = rng.uniform(-1, 1, (1, 2, 9, 9)).astype(np.float32)
+    w = rng.uniform(-1, 1, (3, 2, 3, 3)).astype(np.float32)
+    y = convforge.conv2d(x, w, stride=np.int64(2), padding=np.int64(1), algo="direct",
+                         relu=np.True_, workspace_limit=np.int64(0))
+    spec = ConvSpec.make(1, 2, 9, 9, 3, 3, 3, 2, 1)
+    assert rel_l2(y, conv2d_ref(x, w, spec, relu=True)) < 1e-5

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -37,15 +39,41 @@ _SPECS: dict[tuple[Any, ...], ConvSpec] = {}
 
 def _spec(x_shape: tuple[int, ...], w_shape: tuple[int, ...], stride: Any, padding: Any,
           dilation: Any) -> ConvSpec:
-    """ConvSpec.from_shapes, remembered for hashable arguments (it runs on every call)."""
-    try:
-        key = (x_shape, w_shape, stride, padding, dilation)
-        spec = _SPECS.get(key)
-    except TypeError:  # lists: build it every time
+    """ConvSpec.from_shapes, remembered for arguments that are plain ints or tuples of them (it
+    runs on every call). Only those: True, 1.0 or (True, 0) equal 1 and (1, 0) as keys, so they
+    would find a spec without being checked."""
+    if not (_plain(stride) and _plain(padding) and _plain(dilation)):  # lists, NumPy ints, bad values
         return ConvSpec.from_shapes(x_shape, w_shape, stride, padding, dilation)
+    key = (x_shape, w_shape, stride, padding, dilation)
+    spec = _SPECS.get(key)
     if spec is None:
         spec = _SPECS[key] = ConvSpec.from_shapes(x_shape, w_shape, stride, padding, dilation)
     return spec
+
+
+def _plain(v: Any) -> bool:
+    """An int or a tuple of ints, exactly (no bool, no subclass)."""
+    return type(v) is int or (type(v) is tuple and all(type(e) is int for e in v))
+
+
+def _options(relu: Any, workspace_limit: Any, precision: Any, max_error: Any) -> tuple[bool, int | None]:
+    """Check conv2d's scalar options; ``relu`` and ``workspace_limit`` as bool and int. A
+    ValueError names the option and the value: ``relu="no"`` must not switch ReLU on, nor
+    ``max_error=True`` read as 1.0."""
+    if not isinstance(relu, bool | np.bool_):
+        raise ValueError(f"relu ({relu!r}) must be True or False")
+    if workspace_limit is not None:
+        if isinstance(workspace_limit, bool | np.bool_) or not isinstance(workspace_limit, numbers.Integral):
+            raise ValueError(f"workspace_limit ({workspace_limit!r}) must be an int (bytes) or None")
+        if workspace_limit < 0:
+            raise ValueError(f"workspace_limit ({workspace_limit}) must be >= 0")
+        workspace_limit = operator.index(workspace_limit)
+    if precision is not None:
+        parse_precision(precision)
+    if max_error is not None and (isinstance(max_error, bool | np.bool_) or not isinstance(max_error, numbers.Real)
+                                  or not float(max_error) > 0):
+        raise ValueError(f"max_error ({max_error!r}) must be a number > 0")
+    return bool(relu), workspace_limit
 
 
 def _check_array(a: Any, what: str, rank: int) -> None:
@@ -89,7 +117,9 @@ def executable_for(spec: ConvSpec, be: Backend, algo: str = "auto", epilogue: Ep
 # dispatch/executables.py) finds a prepared runner; the key function is chosen by the input's
 # type, registered the first time the slow path validates a call with that type. NumPy (OpenCL)
 # calls have no fast path. The configuration's precision settings are part of the key (four
-# attribute reads), so changing ``config`` takes effect on the next call.
+# attribute reads), so changing ``config`` takes effect on the next call. ``relu`` enters with its
+# class unless it is a bool: 1 equals True as a key, and would find a relu=True runner that the
+# slow path (which wants a bool) never checked it for.
 _KEYERS: dict[type, Callable[..., tuple[Any, ...]]] = {}
 # The native fast path for torch tensors (convforge/torch/native.py): its ``run`` answers the output
 # of a call the slow path filed with its ``register``, else None. Loaded with the first torch call.
@@ -109,7 +139,8 @@ def _torch_key(x: Any, w: Any, b: Any, stride: Any, padding: Any, dilation: Any,
     return (type(x), type(w), x.shape, w.shape, x.dtype, w.dtype, x.device, w.device, x.is_contiguous(),
             w.is_contiguous(),
             b is None or (type(b), b.shape, b.dtype, b.device, b.is_contiguous()),
-            stride, padding, dilation, algo, backend, workspace_limit, relu, params, precision, max_error,
+            stride, padding, dilation, algo, backend, workspace_limit,
+            relu if relu.__class__ is bool else (relu.__class__, relu), params, precision, max_error,
             config.precision, config.max_error, config.autotune, config.db_path)
 
 
@@ -118,7 +149,8 @@ def _cupy_key(x: Any, w: Any, b: Any, stride: Any, padding: Any, dilation: Any, 
     return (type(x), type(w), x.shape, w.shape, x.dtype, w.dtype, x.data.device_id, w.data.device_id,
             x.flags.c_contiguous, w.flags.c_contiguous,
             b is None or (type(b), b.shape, b.dtype, b.data.device_id, b.flags.c_contiguous),
-            stride, padding, dilation, algo, backend, workspace_limit, relu, params, precision, max_error,
+            stride, padding, dilation, algo, backend, workspace_limit,
+            relu if relu.__class__ is bool else (relu.__class__, relu), params, precision, max_error,
             config.precision, config.max_error, config.autotune, config.db_path)
 
 
@@ -194,12 +226,7 @@ def _conv2d(x: Any, w: Any, bias: Any, stride: Any, padding: Any, dilation: Any,
         _check_layout(bias, "bias", 1)
         if bias.shape[0] != spec.k:
             raise ValueError(f"bias has {bias.shape[0]} entries, weights have K={spec.k}")
-    if workspace_limit is not None and workspace_limit < 0:
-        raise ValueError(f"workspace_limit ({workspace_limit}) must be >= 0")
-    if precision is not None:
-        parse_precision(precision)
-    if max_error is not None and not (isinstance(max_error, int | float) and max_error > 0):
-        raise ValueError(f"max_error ({max_error!r}) must be a number > 0")
+    flag, limit = _options(relu, workspace_limit, precision, max_error)
     bname = backend or ("opencl" if kind == "numpy" else "cuda")
     if kind != "numpy" and bname != "cuda":
         raise ValueError(f"backend ({bname!r}) cannot run {kind} device arrays; use backend='cuda'")
@@ -209,9 +236,9 @@ def _conv2d(x: Any, w: Any, bias: Any, stride: Any, padding: Any, dilation: Any,
             raise ValueError(f"input is on CUDA device {dev} but {what} are on device {_device_index(other, kind)}")
     be = get_backend(bname, dev)
     prm = params if params is None or isinstance(params, Params) else Params(params)
-    epi = Epilogue(bias is not None, relu)
+    epi = Epilogue(bias is not None, flag)
     if kind == "numpy":
-        exe = executable_for(spec, be, algo, epi, workspace_limit, prm, precision, max_error)
+        exe = executable_for(spec, be, algo, epi, limit, prm, precision, max_error)
         return _run_host(be, exe, x, w, bias)
     _KEYERS.setdefault(type(x), _torch_key if kind == "torch" else _cupy_key)
     try:
@@ -221,7 +248,7 @@ def _conv2d(x: Any, w: Any, bias: Any, stride: Any, padding: Any, dilation: Any,
     except (TypeError, AttributeError):
         key = None
     run = dispatch.runner(key, spec, be, epi, kind, dev or 0, algo=algo, precision=precision,
-                          max_error=max_error, workspace_limit=workspace_limit, params=prm)
+                          max_error=max_error, workspace_limit=limit, params=prm)
     y = run(x, w, bias)
     if kind == "torch":
         file_native(run, (x, w, bias, stride, padding, dilation, algo, backend, workspace_limit, relu, params,

@@ -32,8 +32,9 @@ def precision_key(precision: str | None = None, max_error: float | None = None) 
 
 
 def parse_precision(text: str) -> str:
-    """A precision class name; ValueError naming the allowed ones otherwise."""
-    if text not in PRECISIONS:
+    """A precision class name; ValueError naming the allowed ones otherwise (a list or another
+    unhashable value included: ``in`` would raise TypeError on it)."""
+    if not isinstance(text, str) or text not in PRECISIONS:
         raise ValueError(f"precision ({text!r}) must be one of {', '.join(PRECISIONS)}")
     return text
 
