@@ -95,6 +95,7 @@ REFUSED = [
     ([*BENCH, "--batch-slice", "0"], "--batch-slice (0) must be >= 1"),
     ([*BENCH, "--out", A_FILE], f"--out ({A_FILE}) is a file"),
     (["bench", "--model", "resnet18", "--repeats", "0"], "--repeats (0) must be >= 1"),
+    (["bench", "--model", "resnet18", "--limit", "2"], "--model cannot be combined with --limit"),
 ]
 
 

@@ -107,7 +107,8 @@ def _run_models(args: argparse.Namespace, console: Console) -> int:
     from convforge.bench import models
 
     clash = [flag for flag, val in (("--suite", args.suite), ("--ablation", args.ablation),
-                                    ("--compare-backends", args.compare_backends)) if val]
+                                    ("--compare-backends", args.compare_backends),
+                                    ("--limit", args.limit is not None)) if val]
     if clash:
         raise SuiteError(f"--model cannot be combined with {', '.join(clash)} (run them separately)")
     opts: dict[str, object] = {}
