@@ -104,15 +104,16 @@ _MODES = {"--batch": ("net",), "--limit": ("layers",), "--bias": ("layers",), "-
 _MODE_FLAGS = {"layers": "--suite / --spec", "net": "--net", "model": "--model"}
 
 
-def check_tune_args(args: argparse.Namespace) -> None:
-    """Every number, the budget, the report folder and the mix of options, before anything runs:
-    ValueError naming the option; an option the chosen mode would ignore is refused."""
+def check_tune_args(args: argparse.Namespace) -> Budget:
+    """Every number, the budget (answered, parsed), the report folder and the mix of options,
+    before anything runs: ValueError naming the option; an option the chosen mode would ignore is
+    refused."""
     from convforge.cli import check_out_dir
 
     for flag, value in (("--limit", args.limit), ("--workers", args.workers), ("--batch", args.batch)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} ({value}) must be >= 1")
-    Budget.parse(args.budget, "--budget")
+    budget = Budget.parse(args.budget, "--budget")
     check_out_dir("--report", args.report)
     mode = "model" if getattr(args, "model", None) else "net" if getattr(args, "net", None) else "layers"
     if mode == "net" and (args.suite or args.spec):
@@ -123,27 +124,26 @@ def check_tune_args(args: argparse.Namespace) -> None:
         if value not in (None, False) and mode not in modes:
             where = " or ".join(_MODE_FLAGS[m] for m in modes)
             raise ValueError(f"{flag} applies only with {where}, not with {_MODE_FLAGS[mode]}")
+    return budget
 
 
 def tune_main(args: argparse.Namespace) -> int:
     """Tune a suite or layers into the database, with a progress bar and a closing table."""
     try:
-        check_tune_args(args)
+        budget = check_tune_args(args)
     except ValueError as err:
         _error(f"{err}")
         return 2
     console = _console()
     _setup_logging(args.verbose)
     if getattr(args, "model", None):
-        return _tune_models(args, console)
+        return _tune_models(args, console, budget)
     if getattr(args, "net", None):
         from convforge.graph.tune import tune_net
 
-        return tune_net(args, console, _backend(args), TuningDB(args.db or config.tuning_db),
-                        Budget.parse(args.budget, "--budget"))
+        return tune_net(args, console, _backend(args), TuningDB(args.db or config.tuning_db), budget)
     try:
         layers = _layers(args)
-        budget = Budget.parse(args.budget, "--budget")
     except ValueError as err:
         _error(f"{err}")
         return 2
@@ -179,7 +179,7 @@ def tune_main(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _tune_models(args: argparse.Namespace, console: Any) -> int:
+def _tune_models(args: argparse.Namespace, console: Any, budget: Budget) -> int:
     """``tune --model``: alone (no --suite, --spec or --net), into ``--db`` when given."""
     clash = [flag for flag, val in (("--suite", args.suite), ("--spec", args.spec), ("--net", args.net)) if val]
     if clash:
@@ -191,11 +191,6 @@ def _tune_models(args: argparse.Namespace, console: Any) -> int:
     if args.force:
         _error("--model tunes only layers the database does not know (no --force): clear their entries "
                "first (convforge db clear)")
-        return 2
-    try:
-        budget = Budget.parse(args.budget, "--budget")
-    except ValueError as err:
-        _error(f"{err}")
         return 2
     from convforge.bench.models import tune_models
     from convforge.tune import clear_choices
