@@ -190,7 +190,7 @@ def test_weights_are_refused_for_onnx(tmp_path, no_network) -> None:
         load_model(load_model(str(path)), weights="junk.bin")
 
 
-def test_compile_arguments(no_network) -> None:
+def test_compile_arguments(no_network, ocl) -> None:
     model = _model(_conv(), out="c", inits={"W": W})
     compile(model, batch=np.int64(2), backend="opencl", workspace_limit=np.float64(1e6))
     graph, kw = no_network[-1]
