@@ -106,7 +106,9 @@ def test_heuristic_ranks_winograd_by_layer_on_gpus() -> None:
     """Measured on the H200 (docs/NOTES-winograd.md): non-fused F(7x7) for 3x3 layers up to 64x64
     outputs at N >= 16 where it saves >= 20 % of F(4x4)'s multiplications; non-fused F(4x4) up to
     32x32 outputs otherwise (and in the default fp32 class, which excludes F(7x7)), fused F(4x4)
-    above, fused F(2x2) at N=1 and on CPUs."""
+    above; at N=1 up to 32x32 outputs non-fused F(2x2) from C=128 (its split GEMM fills the GPU;
+    the H200 database's ResNet-18 N=1 layers), fused F(2x2) below C=128, for one image above
+    32x32 outputs and on CPUs."""
     from conftest import NOMINAL_CUDA
     from convforge.config import config
 
@@ -116,7 +118,9 @@ def test_heuristic_ranks_winograd_by_layer_on_gpus() -> None:
     assert pick(32, 256, 14) == pick(128, 512, 7) == "winograd_nonfused_f4"
     assert pick(32, 64, 56) == "winograd_fused_f4"
     assert pick(5, 160, 14) == "winograd_nonfused_f4"
-    assert pick(1, 256, 14) == "winograd_fused_f2"
+    assert pick(1, 256, 14) == pick(1, 128, 28) == pick(1, 512, 7) == "winograd_nonfused_f2"
+    assert pick(1, 64, 28) == pick(1, 8, 8) == pick(1, 64, 56) == "winograd_fused_f2"
+    assert pick(1, 256, 14, DeviceInfo("opencl", "cpu", is_gpu=False)) == "winograd_fused_f2"
     assert pick(32, 256, 14, DeviceInfo("opencl", "cpu", is_gpu=False)) == "winograd_fused_f2"
     saved = config.precision
     try:

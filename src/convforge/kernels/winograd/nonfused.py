@@ -137,14 +137,19 @@ class WinogradNonFused(Variant):
         F(4x4)'s (H200, defaults with staged stores: 6-31 % less time than F(4x4) on all 8 ResNet
         layers timed, N32 and N128); else F(4x4) for outputs of at most 32x32 with >= 64 tiles:
         there its defaults (split GEMM included) beat every fused default (ResNet 128@28² to 512@7²,
-        N32-128; Boda 3x3 at N5); bigger images stay with fused F(4x4), N=1 with fused F(2x2)."""
+        N32-128; Boda 3x3 at N5); with fewer tiles and C >= 128 (ResNet 128@28² to 512@7² at N=1)
+        F(2x2), whose split GEMM fills the GPU where the fused kernel's few blocks each run a long
+        channel loop (H200 database, N=1: 26-40 us against fused F(2x2)'s 40-137 us); bigger images
+        stay with fused F(4x4), small ones with few channels with fused F(2x2)."""
         if not (device.is_gpu and (spec.r, spec.s) == (3, 3)):
             return self.specialised
         if (self.m == 7 and spec.p * spec.q <= 64 * 64 and spec.n >= 16
                 and _work(spec, 7) < 0.8 * _work(spec, 4)):
             return 11
-        if self.m == 4 and spec.p * spec.q <= 32 * 32 and Geometry(spec, 4).tiles >= 64:
-            return 10
+        if spec.p * spec.q <= 32 * 32:
+            many = Geometry(spec, 4).tiles >= 64
+            if (self.m == 4 and many) or (self.m == 2 and not many and spec.c >= 128):
+                return 10
         return self.specialised
 
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
