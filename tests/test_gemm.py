@@ -114,6 +114,37 @@ def test_pointwise(ocl, name, spec):
     _check(ocl, name, spec, params, Epilogue(bias=True, relu=spec.stride == (2, 2)))
 
 
+# 5x5 dilation 2 (N3); 11x11/4 asymmetric pad; N=1 prime C and H, stride 2, asymmetric pad;
+# 3x3 on a prime image whose C*R*S (333) no split divides (a float4 chunk per split end)
+SPLITK_SPECS = [ODD_SPECS[3], ODD_SPECS[4], ConvSpec.make(1, 13, 17, 19, 11, 3, 3, 2, (1, 0, 1, 0)),
+                ConvSpec.make(1, 37, 7, 7, 5, 3, 3, 1, 1)]
+
+
+@pytest.mark.parametrize("spec", SPLITK_SPECS, ids=lambda s: s.key())
+def test_implicit_splitk(ocl, spec):
+    """implicit_gemm_splitk: the default, a sampled point and the most slices, bias + ReLU in the
+    reduce pass; each slice's partial sums land in the workspace (NaN-poisoned output)."""
+    v = get_variant("implicit_gemm_splitk")
+    assert v.applies(spec, ocl.device) is None
+    points = sample(v, spec, ocl.device, k=1, seed=5)
+    most = max(v.space(spec, ocl.device), key=lambda p: p.ks)
+    for params in [*points, most]:
+        _check(ocl, "implicit_gemm_splitk", spec, params, Epilogue(bias=True, relu=True))
+
+
+def test_implicit_splitk_applies_where_tiles_are_few():
+    """On a 132-SM GPU: ResNet-18's stride-2 3x3 layers at N=1 (4-26 tiles), not at N=32, not
+    for short reductions; the default gives every SM about a block."""
+    v = get_variant("implicit_gemm_splitk")
+    s2 = ConvSpec.make(1, 128, 28, 28, 256, 3, 3, 2, 1)
+    assert v.applies(s2, NOMINAL_CUDA) is None
+    p = v.default(s2, NOMINAL_CUDA)
+    assert p.ks > 1 and 4 * v._tiles(s2, NOMINAL_CUDA) * p.ks >= 3 * NOMINAL_CUDA.units
+    assert "tiles" in (v.applies(ConvSpec.make(32, 128, 28, 28, 256, 3, 3, 2, 1), NOMINAL_CUDA) or "")
+    assert ">= 256" in (v.applies(ConvSpec.make(1, 16, 28, 28, 64, 3, 3, 2, 1), NOMINAL_CUDA) or "")
+    assert ">= 32" in (v.applies(ODD_SPECS[0], NOMINAL_CUDA) or "")
+
+
 def test_pointwise_refuses_3x3(ocl):
     assert "1x1" in (get_variant("gemm1x1").applies(ODD_SPECS[1], ocl.device) or "")
 
@@ -215,6 +246,13 @@ def test_cuda_compiles_pointwise(nvcc_ok, name):
     spec = ConvSpec.make(5, 832, 7, 7, 128, 1, 1)
     v = get_variant(name)
     assert_compiles_clean(v, spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA)
+
+
+@pytest.mark.parametrize("spec", [ConvSpec.make(1, 128, 28, 28, 256, 3, 3, 2, 1),
+                                  ConvSpec.make(1, 256, 14, 14, 512, 3, 3, 2, 1)], ids=["128@28s2", "256@14s2"])
+def test_cuda_compiles_implicit_splitk(nvcc_ok, spec):
+    v = get_variant("implicit_gemm_splitk")
+    assert_compiles_clean(v, spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA, Epilogue(True, True))
 
 
 # -- the GPU defaults' tiles, on PoCL --------------------------------------------------------

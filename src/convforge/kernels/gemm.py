@@ -447,18 +447,31 @@ class Gemm1x1(_ConvGemmBase):
                          (Buf("x"),), ("x",))
 
 
-class Gemm1x1SplitK(Gemm1x1):
-    """1x1 with the channel reduction split over ``ks`` blocks writing partial outputs to a
-    workspace, then summed (with the epilogue) by a second kernel: fills the GPU when N*P*Q is
-    small and C large (GoogLeNet's 7x7x832 layers at batch 5)."""
+class _SplitK(_ConvGemmBase):
+    """The reduction split over ``ks`` blocks writing partial outputs to a workspace, then summed
+    (with the epilogue) by a second kernel: fills the GPU when K and N*P*Q give few output tiles
+    and the reduction is long (batch 1-5). Subclasses name their B operand (``_operand``) and the
+    un-split tile they cut (``_unsplit``)."""
 
-    name = "gemm1x1_splitk"
-    specialised = 11
+    red_name = "C*R*S"  # the reduction, as messages name it
+
+    def _reduction(self, spec: ConvSpec) -> int:
+        return spec.c * spec.r * spec.s
+
+    def _operand(self, spec: ConvSpec) -> Operand:
+        raise NotImplementedError
+
+    def _unsplit(self, spec: ConvSpec, device: DeviceInfo) -> Params:
+        """The tile before splitting: 64x64 unless 128x128 alone fills the GPU (``pointwise_prefer``)."""
+        m, n, k = self._mnk(spec)
+        return gemm_default(m, n, k, device, self._a_vec(spec), self._b_vec(spec),
+                            prefer=pointwise_prefer(m, n, device.units))
 
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
         why = super().applies(spec, device)
-        if why is None and spec.c < 32:
-            why = "split-K needs C >= 32"
+        red = self._reduction(spec)
+        if why is None and red < 32:
+            why = f"split-K needs {self.red_name} >= 32"
         if why is None and device.is_gpu:
             # H200, Boda's batch-5 layers: the extra reduce pass loses once the plain GEMM has
             # half a block per SM (3b: 0.0186 against 0.0172 ms) or the reduction is short
@@ -466,16 +479,16 @@ class Gemm1x1SplitK(Gemm1x1):
             tiles = self._tiles(spec, device)
             if 2 * tiles >= max(device.units, 1):
                 why = f"N*P*Q already gives {tiles} tiles for {device.units} compute units"
-            elif spec.c < 256:
-                why = "split-K pays only for C >= 256 on GPUs"
+            elif red < 256:
+                why = f"split-K pays only for {self.red_name} >= 256 on GPUs"
         return why
 
     def _tiles(self, spec: ConvSpec, device: DeviceInfo) -> int:
-        base = Gemm1x1.default(self, spec, device)
+        base = self._unsplit(spec, device)
         return cdiv(spec.k, base.bm) * cdiv(spec.n * spec.p * spec.q, base.bn)
 
     def _splits(self, spec: ConvSpec) -> list[int]:
-        return [ks for ks in (2, 4, 8, 16) if cdiv(spec.c, ks) >= 8]
+        return [ks for ks in (2, 4, 8, 16) if cdiv(self._reduction(spec), ks) >= 8]
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
         out = []
@@ -485,10 +498,10 @@ class Gemm1x1SplitK(Gemm1x1):
         return [default] + [p for p in out if p != default]
 
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
-        """The 1x1 tile, split into the fewest slices that give every compute unit a block
+        """The un-split tile, split into the fewest slices that give every compute unit a block
         (two for fully-connected shapes, which stream weights): on the H200, 5a (832@7) 64x64
         ks=16 0.016 ms, 4c (512@14) ks=4 0.015 ms; more slices than that only add traffic."""
-        base = super().default(spec, device)
+        base = self._unsplit(spec, device)
         tiles = self._tiles(spec, device)
         units = max(device.units, 1) * (2 if spec.n * spec.p * spec.q <= 16 else 1)
         splits = self._splits(spec)
@@ -501,11 +514,11 @@ class Gemm1x1SplitK(Gemm1x1):
     def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
              epilogue: Epilogue = Epilogue()) -> Plan:
         total = spec.n * spec.k * spec.p * spec.q
-        shape = GemmShape(spec.k, spec.n * spec.p * spec.q, spec.c, ksplit=params.ks)
+        shape = GemmShape(spec.k, spec.n * spec.p * spec.q, self._reduction(spec), ksplit=params.ks)
         gparams = Params({k: v for k, v in params.items() if k != "ks"})
         name = f"{self.name}_sgemm"
         store = nchw_store(spec, epilogue, out=f"(part + kz * {total})", raw=True)
-        kern = gemm_kernel(name, shape, gparams, filter_operand(spec), pointwise_operand(spec),
+        kern = gemm_kernel(name, shape, gparams, filter_operand(spec), self._operand(spec),
                            store, (Buf("w"), Buf("x"), Buf("part", readonly=False)),
                            comment=f"{self.name}: {params.short()}")
         sums = " + ".join(f"part[{j * total} + e]" for j in range(params.ks))
@@ -522,6 +535,34 @@ class Gemm1x1SplitK(Gemm1x1):
                  Launch(red.name, rgrid, red.block, ("part",) + out_refs(epilogue)))
         return Plan(self.name, self.family, spec, params, (kern, red), steps,
                     (("part", self.workspace_bytes(spec, params)),), self.tolerance, epilogue)
+
+
+class Gemm1x1SplitK(_SplitK, Gemm1x1):
+    """1x1 with the channel reduction split (GoogLeNet's 7x7x832 layers at batch 5)."""
+
+    name = "gemm1x1_splitk"
+    specialised = 11
+    red_name = "C"
+
+    def _operand(self, spec: ConvSpec) -> Operand:
+        return pointwise_operand(spec)
+
+
+class ImplicitGemmSplitK(_SplitK, ImplicitGemm):
+    """Implicit GEMM with the C*R*S reduction split: layers Winograd does not run at batch 1-5
+    (stride 2, 5x5, 7x1), whose few output tiles leave most SMs idle (H200 database, ResNet-18
+    N=1 stride-2 3x3: the plain implicit GEMM 123-179 us; four 128x128 tiles for 132 SMs)."""
+
+    name = "implicit_gemm_splitk"
+    specialised = 6
+
+    def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
+        if spec.r == spec.s == 1:
+            return "1x1 filters: gemm1x1_splitk runs them"
+        return super().applies(spec, device)
+
+    def _operand(self, spec: ConvSpec) -> Operand:
+        return implicit_operand(spec, table=False)
 
 
 class GemmFullWindow(Variant):
@@ -583,4 +624,5 @@ register(ImplicitGemm())
 register(ImplicitGemmPrecomp())
 register(Gemm1x1())
 register(Gemm1x1SplitK())
+register(ImplicitGemmSplitK())
 register(GemmFullWindow())
