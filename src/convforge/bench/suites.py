@@ -20,7 +20,7 @@ from typing import Any
 
 from convforge.spec import ConvSpec
 
-BUILTIN = ("resnet", "boda", "mec", "unseen")
+BUILTIN = ("resnet", "boda", "mec", "unseen", "batch1")
 REQUIRED = ("N", "C", "H", "W", "K", "R", "S", "stride", "pad")
 OPTIONAL = ("name", "dilation")
 
