@@ -197,3 +197,39 @@ def test_numpy_integer_geometry_runs(ocl):
                          relu=np.True_, workspace_limit=np.int64(0))
     spec = ConvSpec.make(1, 2, 9, 9, 3, 3, 3, 2, 1)
     assert rel_l2(y, conv2d_ref(x, w, spec, relu=True)) < 1e-5
+
+
+@pytest.mark.parametrize("shape", [dict(n=1, c=8, h=8, w=8, k=8, r=3, s=3, padding=1),
+                                   dict(n=2, c=3, h=32, w=32, k=16, r=5, s=5, padding=(2, 1, 0, 2)),
+                                   dict(n=1, c=5, h=13, w=11, k=7, r=3, s=3, stride=2, padding=1)])
+def test_filters_per_call_make_a_tiny_layer_one_launch(shape, tmp_path, monkeypatch):
+    """Where the caller transforms filters on every call (CuPy arrays), 'auto' gives a tiny layer
+    a plan of one launch and no filter-only step; a layer above TINY_MACS, or a caller that keeps
+    its filters (torch), keeps the heuristic's first choice."""
+    from conftest import NOMINAL_CUDA
+    from convforge import dispatch
+    from convforge.backends.base import weight_steps
+    from convforge.config import config
+    from convforge.dispatch.choice import TINY_MACS
+    from convforge.plan import Epilogue
+
+    class FakeBackend:
+        name = "cuda"
+        device = NOMINAL_CUDA
+
+    monkeypatch.setattr(config, "db_path", tmp_path / "none.sqlite")
+    monkeypatch.setattr(config, "autotune", False)
+    be, epi = FakeBackend(), Epilogue(bias=True, relu=True)
+    spec = ConvSpec.make(**shape)
+    assert spec.flops // 2 <= TINY_MACS
+    kept = dispatch.choose(spec, be, epi)  # type: ignore[arg-type]
+    once = dispatch.choose(spec, be, epi, filters_per_call=True)  # type: ignore[arg-type]
+    plan = once.variant.plan(spec, once.params, NOMINAL_CUDA, epi)
+    assert len(plan.steps) == 1 and not weight_steps(plan)[0], once.variant.name
+    if spec.r == 3 and spec.stride == (1, 1):  # the heuristic's own choice there transforms filters
+        assert weight_steps(kept.variant.plan(spec, kept.params, NOMINAL_CUDA, epi))[0], kept.variant.name
+    big = ConvSpec.make(1, 64, 56, 56, 64, 3, 3, 1, 1)
+    assert big.flops // 2 > TINY_MACS
+    assert (dispatch.choose(big, be, epi, filters_per_call=True).variant  # type: ignore[arg-type]
+            == dispatch.choose(big, be, epi).variant)  # type: ignore[arg-type]
+    dispatch.clear_choices()

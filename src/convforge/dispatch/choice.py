@@ -9,6 +9,12 @@ instead), else autotuning when ``config.autotune`` is on,
 else Boda's heuristic over the variants whose *stated* accuracy the class admits. A family name
 takes the heuristic within that family; a variant name or explicit parameters always run as named.
 Answers are cached per argument set, so a warm call is one dictionary lookup.
+
+Where the caller transforms filters on every call (``filters_per_call``: CuPy arrays, which have no
+version counter) and a layer is tiny (at most ``TINY_MACS`` multiply-adds: its kernel costs about
+what a launch does), the heuristic prefers the first ranked variant whose plan is one launch, else
+one with no filter-only step: the transform's launch would cost as much as the convolution. Database entries are timed
+with their transforms (BENCHMARKING.md), so they are kept as they are.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ if TYPE_CHECKING:
     from convforge.tune.db import Entry
 
 log = logging.getLogger("convforge.dispatch")
+TINY_MACS = 1 << 22
 _CHOICES: dict[tuple[Any, ...], Choice] = {}
 
 
@@ -45,21 +52,24 @@ class Choice:
 
 def choose(spec: ConvSpec, backend: Backend, epilogue: Epilogue = Epilogue(), *, algo: str = "auto",
            precision: str | None = None, max_error: float | None = None,
-           workspace_limit: int | None = None, params: Params | None = None) -> Choice:
-    """The (variant, params) that runs ``spec`` on ``backend`` (cached per argument set)."""
+           workspace_limit: int | None = None, params: Params | None = None,
+           filters_per_call: bool = False) -> Choice:
+    """The (variant, params) that runs ``spec`` on ``backend`` (cached per argument set);
+    ``filters_per_call``: the caller cannot keep transformed filters between calls."""
     prec = parse_precision(precision) if precision is not None else config.precision
     bound = max_error if max_error is not None else config.max_error
     key = (backend, spec, epilogue, algo, prec, bound, workspace_limit, params,
-           config.autotune, config.db_path, config.cache_dir)
+           config.autotune, config.db_path, config.cache_dir, filters_per_call)
     hit = _CHOICES.get(key)
     if hit is None:
         hit = _CHOICES[key] = _choose_slow(spec, backend, epilogue, algo, prec, bound, workspace_limit,
-                                           params)
+                                           params, filters_per_call)
     return hit
 
 
 def _choose_slow(spec: ConvSpec, backend: Backend, epi: Epilogue, algo: str, prec: str,
-                 bound: float | None, workspace_limit: int | None, params: Params | None) -> Choice:
+                 bound: float | None, workspace_limit: int | None, params: Params | None,
+                 filters_per_call: bool = False) -> Choice:
     dev = backend.device
     if params is not None or (algo != "auto" and algo not in kernels.FAMILIES):
         variant, prm = kernels.most_specialised(algo, spec, dev, workspace_limit, params)
@@ -79,7 +89,31 @@ def _choose_slow(spec: ConvSpec, backend: Backend, epi: Epilogue, algo: str, pre
         if bound is None or algo != "auto":
             raise
         raise ValueError(_unmeetable(spec, backend, bound)) from None
+    if filters_per_call and algo == "auto" and spec.flops // 2 <= TINY_MACS:
+        one = _without_filter_steps(spec, backend, epi, workspace_limit, prec, bound)
+        if one is not None:
+            return Choice(*one, None, "heuristic")
     return Choice(variant, prm, None, "heuristic")
+
+
+def _without_filter_steps(spec: ConvSpec, backend: Backend, epi: Epilogue, workspace_limit: int | None,
+                          prec: str, bound: float | None) -> tuple[Variant, Params] | None:
+    """The first ranked variant (with its default parameters) whose plan is one step, else the first
+    whose plan has no filter-only step."""
+    from convforge.backends.base import weight_steps
+
+    dev = backend.device
+    found: list[tuple[Variant, Params, int]] = []
+    for v in kernels.ranked("auto", spec, dev, workspace_limit, precision=prec, max_error=bound):
+        prm = v.default(spec, dev)
+        try:
+            plan = v.plan(spec, prm, dev, epi)
+        except ValueError:  # no store path for this epilogue
+            continue
+        if not weight_steps(plan)[0]:
+            found.append((v, prm, len(plan.steps)))
+    found.sort(key=lambda f: f[2] > 1)  # stable: one-step plans first, each in rank order
+    return (found[0][0], found[0][1]) if found else None
 
 
 def _unmeetable(spec: ConvSpec, backend: Backend, bound: float) -> str:

@@ -39,10 +39,11 @@ _LOGGED: set[tuple[Any, ...]] = set()
 
 def executable(spec: ConvSpec, backend: Backend, epilogue: Epilogue = Epilogue(), *, algo: str = "auto",
                precision: str | None = None, max_error: float | None = None,
-               workspace_limit: int | None = None, params: Params | None = None) -> Executable:
+               workspace_limit: int | None = None, params: Params | None = None,
+               filters_per_call: bool = False) -> Executable:
     """The executable of :func:`choose`'s answer, compiled once per back-end (device)."""
     ch = choose(spec, backend, epilogue, algo=algo, precision=precision, max_error=max_error,
-                workspace_limit=workspace_limit, params=params)
+                workspace_limit=workspace_limit, params=params, filters_per_call=filters_per_call)
     key = (backend, backend.device.key(), ch.variant.name, spec, ch.params, epilogue)
     exe = _EXECUTABLES.get(key)
     if exe is None:
@@ -58,7 +59,9 @@ def runner(key: tuple[Any, ...] | None, spec: ConvSpec, backend: Backend, epilog
     from convforge.backends import cuda
 
     make = cuda.torch_runner if kind == "torch" else cuda.cupy_runner
-    kw: dict[str, Any] = dict(algo=algo, precision=precision, max_error=max_error, params=params)
+    # CuPy arrays have no version counter: their filters are transformed on every call
+    kw: dict[str, Any] = dict(algo=algo, precision=precision, max_error=max_error, params=params,
+                              filters_per_call=kind == "cupy")
     exe = executable(spec, backend, epilogue, workspace_limit=workspace_limit, **kw)
     try:
         run = make(exe, device)  # type: ignore[arg-type]
