@@ -2,8 +2,9 @@
 
 Rows: ``F.conv2d`` (PyTorch, cuDNN), ``nn.Conv2d`` forward, ``convforge.conv2d`` with torch tensors
 (through the native fast path when it is built: ``CONVFORGE_NATIVE=0`` measures Python's) and the
-native module's ``run`` alone, ``convforge.conv2d`` with CuPy arrays, the ``torch.ops.convforge.conv2d``
-op (through the dispatcher, its Autograd kernel included under no_grad), a converted
+native module's ``run`` alone, ``convforge.conv2d`` with CuPy arrays (through the CuPy native fast
+path when it is built) and that module's ``run`` alone, the ``torch.ops.convforge.conv2d`` op
+(through the dispatcher, its Autograd kernel included under no_grad), a converted
 ``convforge.torch.Conv2d`` forward (eager inference), and a conv -> batch norm -> ReLU (with and
 without a residual add) in PyTorch against ``convforge.torch.FusedConv2d`` folded (what
 ``convforge.torch.fuse`` makes of it).
@@ -31,8 +32,9 @@ against F.conv2d's 19 us. The 5 us assumed a ~3 us kernel launch and left ~2 us 
 output allocation from Python (``new_empty``) alone costs ~3 us on the H200 host of 2026-11-23, so
 the comparable figure is the overhead above launch + allocation.
 
-``--parts`` prints instead where one warm ``convforge.conv2d`` call with torch tensors spends its
-time: the fast-path key and lookup, the prepared runner, and the runner's pieces.
+``--parts`` prints instead where one warm ``convforge.conv2d`` call spends its time, with torch
+tensors (the fast-path key and lookup, the prepared runner, and the runner's pieces) and with CuPy
+arrays (the CuPy native module's pieces).
 
     PYTHONPATH=src python scripts/host_cost.py [--parts] [--spec N=1,C=8,H=8,W=8,K=8,R=3,S=3,pad=1] [--algo auto]
 """
@@ -57,6 +59,7 @@ import torch.nn.functional as F
 import convforge
 import convforge.torch as ct
 from convforge import api
+from convforge.backends import native as backend_native
 from convforge.dispatch import RUNNERS
 from convforge.spec import ConvSpec
 from convforge.torch import native
@@ -247,6 +250,29 @@ def parts(x: Any, w: Any, b: Any, spec: ConvSpec, args: argparse.Namespace) -> N
             for _ in range(20):
                 fn()
             print(f"{name:32s} {host_us(fn, args.calls, args.bursts)[0]:7.3f}")
+    cupy_parts(x, w, b, spec, args)
+
+
+CUPY_PIECES = ("call", "parse", "find", "device", "stream", "alloc", "launch")
+
+
+def cupy_parts(x: Any, w: Any, b: Any, spec: ConvSpec, args: argparse.Namespace) -> None:
+    """The same for CuPy arrays of the same values, in C by the CuPy native module's ``parts``."""
+    xc, wc, bc = cp.asarray(x), cp.asarray(w.detach()), cp.asarray(b.detach())
+    call = (xc, wc, bc, spec.stride, spec.pad, spec.dilation, args.algo, None, None, False, None, None, None)
+    convforge.conv2d(*call)  # builds the runner, loads the CuPy path and files the call
+    cnat = backend_native.load_cupy()
+    if cnat is None:
+        print("CuPy arrays: native path off, no pieces")
+        return
+    print("CuPy arrays, pieces timed in C (cupy_native.parts)")
+    for piece in CUPY_PIECES:
+        cnat.parts(*call, piece, 20)
+        print(f"{piece:32s} {c_burst_us(lambda n, piece=piece: cnat.parts(*call, piece, n), args):7.3f}")
+    conv = (lambda: convforge.conv2d(*call))
+    for _ in range(20):
+        conv()
+    print(f"{'whole conv2d call (from Python)':32s} {host_us(conv, args.calls, args.bursts)[0]:7.3f}")
 
 
 def c_burst_us(timed: Callable[[int], float], args: argparse.Namespace) -> float:
@@ -306,6 +332,8 @@ def main() -> None:
     # (name, call, kind): kind "floor_<what>" / "torch" / "cupy" / "module" / "" (PyTorch)
     raw = raw_launch(x, w, b, spec, args.algo)
     nat = native.load()
+    convforge.conv2d(xc, wc, bc, spec.stride, spec.pad, spec.dilation, algo=args.algo)  # loads the CuPy path
+    cnat = backend_native.load_cupy()
     rows: list[tuple[str, Callable[[], object] | None, str]] = [
         ("floor: x.add_(0), one torch launch", lambda: tiny.add_(0), "floor_torch"),
         ("floor: launch_raw (CuPy binding, prepared)", raw, "floor_launch"),
@@ -320,6 +348,9 @@ def main() -> None:
          if nat is not None else None, "torch"),
         ("convforge.conv2d, CuPy arrays", lambda: convforge.conv2d(xc, wc, bc, spec.stride, spec.pad, spec.dilation,
                                                                    algo=args.algo), "cupy"),
+        ("  CuPy native.run alone", (lambda: cnat.run(xc, wc, bc, spec.stride, spec.pad, spec.dilation, args.algo,
+                                                      None, None, False, None, None, None))
+         if cnat is not None else None, "cupy"),
         ("torch.ops.convforge.conv2d", lambda: torch.ops.convforge.conv2d(x, w, b, st, pd, dl, args.algo, None, None),
          "torch"),
         ("convforge.torch.Conv2d forward", lambda: ours(x), "module"),
@@ -330,7 +361,7 @@ def main() -> None:
     ]
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | cupy {cp.__version__} | "
           f"layer {spec.short()} | algo {args.algo} | {args.calls} calls x {args.bursts} bursts | native fast path "
-          f"{'on' if nat is not None else 'off'}")
+          f"{'on' if nat is not None else 'off'} (torch), {'on' if cnat is not None else 'off'} (CuPy)")
     cf = c_floor(args.calls)
     print(f"floor: cuLaunchKernel from C, host us per launch: {'n/a (no nvcc)' if cf is None else f'{cf:.2f}'}")
     print(f"{'call':36s} {'launches':>8s} {'no_grad us':>11s} {'above floor':>11s} {'inference us':>13s} "

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
+import logging
 import numbers
 import operator
 from collections.abc import Callable, Mapping, Sequence
@@ -17,6 +20,8 @@ from convforge.dispatch import RUNNERS
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Plan
 from convforge.spec import ConvSpec
+
+log = logging.getLogger("convforge")
 
 
 def _kind(a: Any, what: str) -> str:
@@ -121,17 +126,51 @@ def executable_for(spec: ConvSpec, be: Backend, algo: str = "auto", epilogue: Ep
 # class unless it is a bool: 1 equals True as a key, and would find a relu=True runner that the
 # slow path (which wants a bool) never checked it for.
 _KEYERS: dict[type, Callable[..., tuple[Any, ...]]] = {}
-# The native fast path for torch tensors (convforge/torch/native.py): its ``run`` answers the output
-# of a call the slow path filed with its ``register``, else None. Loaded with the first torch call.
-_NATIVE: Any = None
+# The native fast paths (C++: convforge/torch/native.cpp for torch tensors, backends/cupy_native.cpp
+# for CuPy arrays), loaded with the first call of their kind. Each has ``run`` (the output of a call
+# the slow path filed with its ``register``, else None) and ``wrap`` (conv2d as a C callable);
+# ``convforge.conv2d`` becomes the chain of their wrappers around ``python_conv2d`` (the torch one
+# outermost), so a warm call never enters Python and a miss is looked up once in each.
+_NATIVE: Any = None  # the torch module, asked by Python's conv2d where its C entry is not installed
 _NATIVE_RUN: Callable[..., Any] | None = None
 _NATIVE_TRIED = False
+_CUPY_NATIVE: Any = None
+_CUPY_TRIED = False
+_FRONTS: list[Any] = []  # installed native modules, innermost first
 
 
 def set_native(module: Any) -> None:
     """Route warm torch calls through ``module`` (native.cpp), from now on."""
     global _NATIVE, _NATIVE_RUN
     _NATIVE, _NATIVE_RUN = module, module.run
+
+
+# conv2d's defaults as native_core.h's C entry assumes them (``wrap``), checked before it takes over
+NATIVE_DEFAULTS = (None, 1, 0, 1, "auto", None, None, False, None, None, None)
+
+
+def install_native(module: Any) -> None:
+    """Make ``module``'s C entry part of ``convforge.conv2d`` (the torch module outermost, since a
+    CuPy call costs it one failed type check) and clear its table whenever the configuration or the
+    executables change. Where conv2d's defaults are not the ones the C entry assumes, only Python's
+    conv2d asks the torch module (``set_native``) and a warning says so."""
+    import convforge
+    from convforge import dispatch
+
+    config.on_change(module.clear)
+    dispatch.ON_CLEAR.append(module.clear)
+    if module in _FRONTS:
+        return
+    params = list(inspect.signature(python_conv2d).parameters.values())[2:]
+    if tuple(p.default for p in params) != NATIVE_DEFAULTS:
+        log.warning("convforge: conv2d's defaults differ from native_core.h's: its C entry is not installed")
+        return
+    _FRONTS.append(module)
+    _FRONTS.sort(key=lambda m: m is _NATIVE)  # torch's last: outermost
+    front: Any = python_conv2d
+    for m in _FRONTS:
+        front = m.wrap(front)
+    globals()["conv2d"] = convforge.conv2d = functools.update_wrapper(front, _PYTHON_CONV2D)  # type: ignore[attr-defined]
 
 
 def _torch_key(x: Any, w: Any, b: Any, stride: Any, padding: Any, dilation: Any, algo: Any, backend: Any,
@@ -183,6 +222,9 @@ def conv2d(x: Any, w: Any, bias: Any = None, stride: int | Sequence[int] = 1,
             return y
     return python_conv2d(x, w, bias, stride, padding, dilation, algo, backend, workspace_limit, relu, params,
                          precision, max_error)
+
+
+_PYTHON_CONV2D = conv2d  # the Python function (its signature and docstring), before any C entry
 
 
 def python_conv2d(x: Any, w: Any, bias: Any = None, stride: int | Sequence[int] = 1,
@@ -250,9 +292,11 @@ def _conv2d(x: Any, w: Any, bias: Any, stride: Any, padding: Any, dilation: Any,
     run = dispatch.runner(key, spec, be, epi, kind, dev or 0, algo=algo, precision=precision,
                           max_error=max_error, workspace_limit=limit, params=prm)
     y = run(x, w, bias)
+    call = (x, w, bias, stride, padding, dilation, algo, backend, workspace_limit, relu, params, precision, max_error)
     if kind == "torch":
-        file_native(run, (x, w, bias, stride, padding, dilation, algo, backend, workspace_limit, relu, params,
-                           precision, max_error))
+        file_native(run, call)
+    else:
+        file_cupy_native(run, call)
     return y
 
 
@@ -272,6 +316,18 @@ def file_native(run: Any, call: tuple[Any, ...]) -> None:
     w = call[1]
     held = run.filters.entry(w, w.data_ptr()) if run.filters is not None else None
     _NATIVE.register(*call, run.exe.native_program(), None if held is None else (w, *held))
+
+
+def file_cupy_native(run: Any, call: tuple[Any, ...]) -> None:
+    """File a validated CuPy call with the CuPy native fast path (built on the first CuPy call)."""
+    global _CUPY_TRIED, _CUPY_NATIVE
+    if not _CUPY_TRIED:
+        _CUPY_TRIED = True
+        from convforge.backends import native
+
+        _CUPY_NATIVE = native.load_cupy()
+    if _CUPY_NATIVE is not None and run.exe.fast:
+        _CUPY_NATIVE.register(*call, run.exe.native_program())
 
 
 def _device_index(x: Any, kind: str) -> int | None:

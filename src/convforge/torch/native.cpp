@@ -12,6 +12,9 @@
 // type, a list, an unaligned pointer, a tensor subclass) answers "no entry" and Python's path runs.
 // The filter-derived workspace (Winograd U, packed GEMM weights) is kept per weight address and
 // version as backends/base.py FilterCache keeps it; under CUDA-graph capture the whole plan runs.
+//
+// What knows no array library (the driver, the key's options, programs and their launches, the
+// table, conv2d as a C callable) is convforge/backends/native_core.h, shared with the CuPy path.
 #include <Python.h>
 
 #include <ATen/core/Tensor.h>
@@ -26,7 +29,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/library.h>
 
-#include <dlfcn.h>
+#include "native_core.h"  // after torch's headers: its driver types shadow cuda.h's here
 
 #include <atomic>
 #include <chrono>
@@ -42,98 +45,6 @@
 
 namespace {
 
-// ---- the driver entry points, resolved from libcuda at load (no toolkit link) ----
-using CUresult = int;
-using CUfunction = void*;
-using CUstream = void*;
-using CUcontext = void*;
-using LaunchFn = CUresult (*)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
-                              CUstream, void**, void**);
-using CtxGetFn = CUresult (*)(CUcontext*);
-using CtxPushFn = CUresult (*)(CUcontext);
-using CtxPopFn = CUresult (*)(CUcontext*);
-using CapturingFn = CUresult (*)(CUstream, int*);
-using ErrNameFn = CUresult (*)(CUresult, const char**);
-
-struct Driver {
-  LaunchFn launch = nullptr;
-  CtxGetFn ctx_get = nullptr;
-  CtxPushFn ctx_push = nullptr;
-  CtxPopFn ctx_pop = nullptr;
-  CapturingFn is_capturing = nullptr;
-  ErrNameFn err_name = nullptr;
-};
-Driver drv;
-
-bool load_driver(std::string& why) {
-  void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
-  if (!lib) {
-    why = "libcuda.so.1 not found";
-    return false;
-  }
-  drv.launch = reinterpret_cast<LaunchFn>(dlsym(lib, "cuLaunchKernel"));
-  drv.ctx_get = reinterpret_cast<CtxGetFn>(dlsym(lib, "cuCtxGetCurrent"));
-  drv.ctx_push = reinterpret_cast<CtxPushFn>(dlsym(lib, "cuCtxPushCurrent_v2"));
-  drv.ctx_pop = reinterpret_cast<CtxPopFn>(dlsym(lib, "cuCtxPopCurrent_v2"));
-  drv.is_capturing = reinterpret_cast<CapturingFn>(dlsym(lib, "cuStreamIsCapturing"));
-  drv.err_name = reinterpret_cast<ErrNameFn>(dlsym(lib, "cuGetErrorName"));
-  if (!drv.launch || !drv.ctx_get || !drv.ctx_push || !drv.ctx_pop || !drv.is_capturing || !drv.err_name) {
-    why = "libcuda lacks an entry point the fast path needs";
-    return false;
-  }
-  return true;
-}
-
-// ---- the key: what the slow path validated, in the form the caller gave it ----
-// A sequence argument keeps its form (tag: 1 int, 2 tuple, 3 list; n values) so two spellings
-// map to one entry only when Python reads them the same way.
-struct Seq {
-  int8_t tag = 0, n = 0;
-  int64_t v[4] = {0, 0, 0, 0};
-  bool operator==(const Seq& o) const {
-    return tag == o.tag && n == o.n && std::memcmp(v, o.v, sizeof v) == 0;
-  }
-};
-
-struct Key {
-  int64_t xs[4], ws[4];
-  int64_t bias_k = -1;  // -1: no bias
-  int64_t workspace_limit = -1;  // -1: None
-  int32_t device = 0;
-  Seq stride, padding, dilation;
-  bool relu = false, has_precision = false, has_max_error = false;
-  double max_error = 0.0;
-  std::string algo, precision;
-  bool operator==(const Key& o) const {
-    return std::memcmp(xs, o.xs, sizeof xs) == 0 && std::memcmp(ws, o.ws, sizeof ws) == 0 && bias_k == o.bias_k &&
-           workspace_limit == o.workspace_limit && device == o.device && stride == o.stride &&
-           padding == o.padding && dilation == o.dilation && relu == o.relu && has_precision == o.has_precision &&
-           has_max_error == o.has_max_error && max_error == o.max_error && algo == o.algo && precision == o.precision;
-  }
-};
-
-inline void mix(size_t& h, uint64_t v) {
-  h ^= v + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
-}
-
-struct KeyHash {
-  size_t operator()(const Key& k) const {
-    size_t h = 0;
-    for (int i = 0; i < 4; ++i) {
-      mix(h, static_cast<uint64_t>(k.xs[i]));
-      mix(h, static_cast<uint64_t>(k.ws[i]));
-    }
-    mix(h, static_cast<uint64_t>(k.bias_k));
-    mix(h, static_cast<uint64_t>(k.device));
-    for (const Seq* s : {&k.stride, &k.padding, &k.dilation}) {
-      mix(h, static_cast<uint64_t>(s->tag * 8 + s->n));
-      for (int i = 0; i < s->n; ++i) mix(h, static_cast<uint64_t>(s->v[i]));
-    }
-    mix(h, std::hash<std::string>()(k.algo));
-    return h;
-  }
-};
-
 // A tensor the fast path can run: plain torch.Tensor (or Parameter), CUDA, float32, contiguous,
 // with storage, no wrapper or Python dispatch keys, no negative bit.
 bool plain(const at::Tensor& t, int64_t dim) {
@@ -146,51 +57,12 @@ bool plain(const at::Tensor& t, int64_t dim) {
   return !t.key_set().has_any(wrappers);
 }
 
-bool seq_from_py(PyObject* o, Seq& s) {
-  if (PyLong_CheckExact(o)) {
-    int overflow = 0;
-    s.tag = 1;
-    s.n = 1;
-    s.v[0] = PyLong_AsLongLongAndOverflow(o, &overflow);
-    return !overflow && !(s.v[0] == -1 && PyErr_Occurred());
-  }
-  bool tuple = PyTuple_CheckExact(o);
-  if (!tuple && !PyList_CheckExact(o)) return false;
-  Py_ssize_t n = tuple ? PyTuple_GET_SIZE(o) : PyList_GET_SIZE(o);
-  if (n < 1 || n > 4) return false;
-  s.tag = tuple ? 2 : 3;
-  s.n = static_cast<int8_t>(n);
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* item = tuple ? PyTuple_GET_ITEM(o, i) : PyList_GET_ITEM(o, i);
-    if (!PyLong_CheckExact(item)) return false;
-    int overflow = 0;
-    s.v[i] = PyLong_AsLongLongAndOverflow(item, &overflow);
-    if (overflow || (s.v[i] == -1 && PyErr_Occurred())) {
-      PyErr_Clear();
-      return false;
-    }
-  }
-  return true;
-}
-
 Seq seq_from_ints(c10::IntArrayRef a) {  // the op's int[] as Python's tuple(...) of it
   Seq s;
   s.tag = 2;
   s.n = static_cast<int8_t>(a.size());
   for (size_t i = 0; i < a.size(); ++i) s.v[i] = a[i];
   return s;
-}
-
-bool str_from_py(PyObject* o, std::string& out) {
-  if (!PyUnicode_CheckExact(o)) return false;
-  Py_ssize_t n = 0;
-  const char* p = PyUnicode_AsUTF8AndSize(o, &n);
-  if (!p) {
-    PyErr_Clear();
-    return false;
-  }
-  out.assign(p, static_cast<size_t>(n));
-  return true;
 }
 
 void tensor_key(Key& k, const at::Tensor& x, const at::Tensor& w, const at::Tensor* bias) {
@@ -218,58 +90,12 @@ bool parse_call(PyObject* const* a, Key& k, const at::Tensor*& x, const at::Tens
     if (!THPVariable_CheckExact(a[2])) return false;
     b = &THPVariable_Unpack(a[2]);
   }
-  if (!tensors_ok(*x, *w, b)) return false;
-  if (!seq_from_py(a[3], k.stride) || !seq_from_py(a[4], k.padding) || !seq_from_py(a[5], k.dilation)) return false;
-  if (!str_from_py(a[6], k.algo)) return false;
-  if (a[7] != Py_None) {  // backend: None or "cuda"
-    std::string be;
-    if (!str_from_py(a[7], be) || be != "cuda") return false;
-  }
-  if (a[8] != Py_None) {
-    if (!PyLong_CheckExact(a[8])) return false;
-    int overflow = 0;
-    k.workspace_limit = PyLong_AsLongLongAndOverflow(a[8], &overflow);
-    if (overflow || k.workspace_limit < 0) {
-      PyErr_Clear();
-      return false;
-    }
-  }
-  if (a[9] != Py_True && a[9] != Py_False) return false;
-  k.relu = a[9] == Py_True;
-  if (a[10] != Py_None) return false;  // explicit params: Python's path
-  if (a[11] != Py_None) {
-    if (!str_from_py(a[11], k.precision)) return false;
-    k.has_precision = true;
-  }
-  if (a[12] != Py_None) {
-    if (PyFloat_CheckExact(a[12])) {
-      k.max_error = PyFloat_AS_DOUBLE(a[12]);
-    } else if (PyLong_CheckExact(a[12])) {
-      k.max_error = PyLong_AsDouble(a[12]);
-      if (k.max_error == -1.0 && PyErr_Occurred()) {
-        PyErr_Clear();
-        return false;
-      }
-    } else {
-      return false;
-    }
-    k.has_max_error = true;
-  }
+  if (!tensors_ok(*x, *w, b) || !parse_options(a, k)) return false;
   tensor_key(k, *x, *w, b);
   return true;
 }
 
-// ---- a program: an executable's launches with their argument layouts ----
-constexpr int kMaxArgs = 64;
-constexpr int kFixedSlots = 5;  // x, w, y, bias, res; then one per filter-derived buffer
-
-struct LaunchRec {
-  CUfunction fn = nullptr;
-  unsigned grid[3] = {1, 1, 1}, block[3] = {1, 1, 1}, smem = 0;
-  std::vector<uint64_t> cells;  // fixed values: scalars (low 4 bytes), workspace pointers
-  std::vector<std::pair<int, int>> slots;  // (cell, slot): pointers set per call
-};
-
+// ---- a program, with its transformed filters per weight tensor ----
 using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
 
 struct Filters {  // one weight address's transformed filters
@@ -278,65 +104,19 @@ struct Filters {  // one weight address's transformed filters
   at::Tensor packed;
 };
 
-struct Program {
-  std::vector<LaunchRec> all, rest, weights;
-  std::vector<int64_t> y_shape;
-  std::vector<uint64_t> ws_derived;  // the executable's own filter-derived buffers ("all" steps)
-  std::vector<int64_t> offsets;  // byte offsets of the derived buffers in a packed tensor
-  int64_t derived_floats = 0;
-  CUcontext ctx = nullptr;
-  std::string name;
-  PyObject* keep = nullptr;  // the Python executable: owns the workspace and the loaded module
+struct Program : ProgramBase {
   std::mutex mu;
   std::unordered_map<uintptr_t, Filters> filters;
-
-  ~Program() {
-    if (keep && Py_IsInitialized()) {
-      PyGILState_STATE st = PyGILState_Ensure();
-      Py_DECREF(keep);
-      PyGILState_Release(st);
-    }
-  }
 };
 
-[[noreturn]] void launch_failed(const Program& p, CUresult r) {
-  const char* name = nullptr;
-  drv.err_name(r, &name);
-  TORCH_CHECK(false, "cuLaunchKernel failed for ", p.name, ": ", name ? name : "unknown error", " (", r, ")");
-}
-
-void launch_all(const Program& p, const std::vector<LaunchRec>& runs, const uint64_t* slot, CUstream stream) {
-  CUcontext cur = nullptr;
-  drv.ctx_get(&cur);
-  bool pushed = p.ctx && cur != p.ctx;
-  if (pushed) drv.ctx_push(p.ctx);
-  CUresult bad = 0;
-  for (const LaunchRec& L : runs) {
-    uint64_t cells[kMaxArgs];
-    void* params[kMaxArgs];
-    size_t n = L.cells.size();
-    std::memcpy(cells, L.cells.data(), n * sizeof(uint64_t));
-    for (const auto& [cell, s] : L.slots) cells[cell] = slot[s];
-    for (size_t i = 0; i < n; ++i) params[i] = &cells[i];
-    bad = drv.launch(L.fn, L.grid[0], L.grid[1], L.grid[2], L.block[0], L.block[1], L.block[2], L.smem, stream,
-                     params, nullptr);
-    if (bad) break;
-  }
-  if (pushed) {
-    CUcontext popped = nullptr;
-    drv.ctx_pop(&popped);
-  }
-  if (bad) launch_failed(p, bad);
+void launch_checked(const Program& p, const std::vector<LaunchRec>& runs, const uint64_t* slot, CUstream stream) {
+  CUresult bad = launch_all(p, runs, slot, stream);
+  TORCH_CHECK(bad == 0, launch_error(p, bad));
 }
 
 // Counted off the hot path, for tests and the host-cost script: filter transforms run, op calls
 // that went to Python (misses, layers convforge leaves to PyTorch).
 std::atomic<uint64_t> transforms{0}, op_fallbacks{0};
-
-bool capturing(CUstream stream) {
-  int status = 0;
-  return drv.is_capturing(stream, &status) != 0 || status != 0;  // an error asking counts as capturing
-}
 
 // The packed filter-derived buffer for w (transformed now if missing or stale), or undefined:
 // inference tensors (no version counter) run the whole plan, as in Python.
@@ -359,7 +139,7 @@ at::Tensor filters_for(Program& p, const at::Tensor& w, uintptr_t wp, uint64_t* 
                                             : at::empty({p.derived_floats}, w.options().requires_grad(false));
   auto base = reinterpret_cast<uintptr_t>(packed.data_ptr());
   for (size_t j = 0; j < p.offsets.size(); ++j) slot[kFixedSlots + j] = base + p.offsets[j];
-  launch_all(p, p.weights, slot, stream);
+  launch_checked(p, p.weights, slot, stream);
   transforms.fetch_add(1, std::memory_order_relaxed);
   p.filters.insert_or_assign(wp, Filters{WeakImpl(w.getIntrusivePtr()), version, packed});
   return packed;
@@ -386,18 +166,15 @@ bool run_program(Program& p, const at::Tensor& x, const at::Tensor& w, const at:
       for (size_t j = 0; j < p.ws_derived.size(); ++j) slot[kFixedSlots + j] = p.ws_derived[j];
     }
   }
-  launch_all(p, *runs, slot, stream);
+  launch_checked(p, *runs, slot, stream);
   return true;
 }
 
 // ---- the table ----
-std::mutex table_mu;
-std::unordered_map<Key, std::shared_ptr<Program>, KeyHash> table;
+Table<Program> table;
 
 std::shared_ptr<Program> find(const Key& k) {
-  std::lock_guard<std::mutex> lock(table_mu);
-  auto it = table.find(k);
-  return it == table.end() ? nullptr : it->second;
+  return table.find(k);
 }
 
 // The output of a filed call of conv2d's 13 arguments (a new reference); None when the call has
@@ -499,7 +276,7 @@ PyObject* py_parts(PyObject*, PyObject* const* a, Py_ssize_t n) {
         Py_DECREF(THPVariable_Wrap(at::detail::empty_cuda(p->y_shape, at::kFloat, x->device(), std::nullopt)));
         break;
       default:
-        launch_all(*p, runs, slot, stream);
+        launch_checked(*p, runs, slot, stream);
     }
   }
   std::chrono::duration<double> took = std::chrono::steady_clock::now() - t0;
@@ -517,120 +294,6 @@ PyObject* py_run(PyObject*, PyObject* const* a, Py_ssize_t n) {
   return run_filed(a);
 }
 
-// ---- conv2d itself as a C callable: wrap(python_conv2d) ----
-// Takes conv2d's arguments as Python passes them (positions and keywords), runs a filed call, and
-// hands any other call, unchanged, to the Python function it wraps (which validates and files).
-constexpr int kArgs = 13;
-const char* const kNames[kArgs] = {"x",    "w",       "bias",   "stride",          "padding",
-                                   "dilation", "algo", "backend", "workspace_limit", "relu",
-                                   "params",   "precision", "max_error"};
-PyObject* name_objs[kArgs];
-PyObject* defaults[kArgs];
-
-struct FastConv {
-  PyObject_HEAD vectorcallfunc vectorcall;
-  PyObject* impl;
-  PyObject* dict;
-};
-
-bool gather(PyObject* const* args, size_t nargsf, PyObject* kwnames, PyObject** a) {
-  Py_ssize_t np = PyVectorcall_NARGS(nargsf);
-  if (np < 2 || np > kArgs) return false;
-  for (int i = 0; i < kArgs; ++i) a[i] = i < np ? args[i] : defaults[i];
-  Py_ssize_t nk = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
-  for (Py_ssize_t j = 0; j < nk; ++j) {
-    PyObject* name = PyTuple_GET_ITEM(kwnames, j);
-    int at = -1;
-    for (int i = static_cast<int>(np); i < kArgs && at < 0; ++i) {
-      if (name == name_objs[i] || PyUnicode_Compare(name, name_objs[i]) == 0) at = i;
-    }
-    if (at < 0) return false;  // unknown or repeated: Python's function says so
-    a[at] = args[np + j];
-  }
-  return true;
-}
-
-PyObject* fast_call(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
-  auto* f = reinterpret_cast<FastConv*>(self);
-  PyObject* a[kArgs];
-  if (gather(args, nargsf, kwnames, a)) {
-    PyObject* y = run_filed(a);
-    if (y != Py_None) return y;  // the output, or nullptr: a launch failed
-    Py_DECREF(y);
-  }
-  return PyObject_Vectorcall(f->impl, args, nargsf, kwnames);
-}
-
-void fast_dealloc(PyObject* self) {
-  auto* f = reinterpret_cast<FastConv*>(self);
-  Py_XDECREF(f->impl);
-  Py_XDECREF(f->dict);
-  Py_TYPE(self)->tp_free(self);
-}
-
-PyGetSetDef fast_getset[] = {{"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, nullptr, nullptr},
-                             {nullptr, nullptr, nullptr, nullptr, nullptr}};
-
-PyTypeObject FastConvType = {PyVarObject_HEAD_INIT(nullptr, 0) "convforge_native.conv2d"};
-
-// wrap(python_conv2d) -> a callable with conv2d's signature whose warm torch calls stay in C.
-PyObject* py_wrap(PyObject*, PyObject* impl) {
-  if (!PyCallable_Check(impl)) {
-    PyErr_SetString(PyExc_TypeError, "wrap takes the Python conv2d");
-    return nullptr;
-  }
-  auto* f = PyObject_New(FastConv, &FastConvType);
-  if (!f) return nullptr;
-  f->vectorcall = fast_call;
-  Py_INCREF(impl);
-  f->impl = impl;
-  f->dict = PyDict_New();
-  return reinterpret_cast<PyObject*>(f);
-}
-
-bool read_launches(PyObject* list, std::vector<LaunchRec>& out) {
-  // each: (fn, gx, gy, gz, bx, by, bz, smem, args); args: ((kind, value), ...), kind 0 slot,
-  // 1 fixed 64-bit value, 2 fixed 32-bit value
-  if (!PyList_Check(list)) return false;
-  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); ++i) {
-    PyObject* t = PyList_GET_ITEM(list, i);
-    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 9) return false;
-    LaunchRec L;
-    L.fn = reinterpret_cast<CUfunction>(PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(t, 0)));
-    for (int d = 0; d < 3; ++d) {
-      L.grid[d] = static_cast<unsigned>(PyLong_AsUnsignedLong(PyTuple_GET_ITEM(t, 1 + d)));
-      L.block[d] = static_cast<unsigned>(PyLong_AsUnsignedLong(PyTuple_GET_ITEM(t, 4 + d)));
-    }
-    L.smem = static_cast<unsigned>(PyLong_AsUnsignedLong(PyTuple_GET_ITEM(t, 7)));
-    PyObject* args = PyTuple_GET_ITEM(t, 8);
-    if (!PyTuple_Check(args) || PyTuple_GET_SIZE(args) > kMaxArgs) return false;
-    for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(args); ++j) {
-      PyObject* pair = PyTuple_GET_ITEM(args, j);
-      if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) return false;
-      long kind = PyLong_AsLong(PyTuple_GET_ITEM(pair, 0));
-      unsigned long long v = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(pair, 1));
-      if (kind == 0) {
-        if (v >= kMaxArgs) return false;
-        L.slots.emplace_back(static_cast<int>(j), static_cast<int>(v));
-        L.cells.push_back(0);
-      } else if (kind == 1 || kind == 2) {
-        L.cells.push_back(kind == 2 ? (v & 0xffffffffULL) : v);
-      } else {
-        return false;
-      }
-    }
-    if (PyErr_Occurred()) return false;
-    out.push_back(std::move(L));
-  }
-  return true;
-}
-
-bool read_ints(PyObject* seq, std::vector<int64_t>& out) {
-  if (!PyTuple_Check(seq)) return false;
-  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(seq); ++i) out.push_back(PyLong_AsLongLong(PyTuple_GET_ITEM(seq, i)));
-  return !PyErr_Occurred();
-}
-
 // register(13 conv2d arguments..., program, seed): program = (all, rest, weights, y_shape,
 // ws_derived, offsets, derived_floats, context, name, executable); seed = None or (w, version,
 // packed): filters Python's path already made for w. Answers whether the call was filed.
@@ -642,26 +305,8 @@ PyObject* py_register(PyObject*, PyObject* const* a, Py_ssize_t n) {
   Key k;
   const at::Tensor *x = nullptr, *w = nullptr, *b = nullptr;
   if (!parse_call(a, k, x, w, b)) Py_RETURN_FALSE;
-  PyObject* prog = a[13];
-  if (!PyTuple_Check(prog) || PyTuple_GET_SIZE(prog) != 10) {
-    PyErr_SetString(PyExc_TypeError, "program must be a 10-tuple (CudaExecutable.native_program)");
-    return nullptr;
-  }
   auto p = std::make_shared<Program>();
-  std::vector<int64_t> ws;
-  bool ok = read_launches(PyTuple_GET_ITEM(prog, 0), p->all) && read_launches(PyTuple_GET_ITEM(prog, 1), p->rest) &&
-            read_launches(PyTuple_GET_ITEM(prog, 2), p->weights) && read_ints(PyTuple_GET_ITEM(prog, 3), p->y_shape) &&
-            read_ints(PyTuple_GET_ITEM(prog, 4), ws) && read_ints(PyTuple_GET_ITEM(prog, 5), p->offsets);
-  p->derived_floats = PyLong_AsLongLong(PyTuple_GET_ITEM(prog, 6));
-  p->ctx = reinterpret_cast<CUcontext>(PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(prog, 7)));
-  if (!ok || PyErr_Occurred() || !str_from_py(PyTuple_GET_ITEM(prog, 8), p->name) ||
-      ws.size() != p->offsets.size() || kFixedSlots + p->offsets.size() > kMaxArgs) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "malformed native program");
-    return nullptr;
-  }
-  for (int64_t v : ws) p->ws_derived.push_back(static_cast<uint64_t>(v));
-  p->keep = PyTuple_GET_ITEM(prog, 9);
-  Py_INCREF(p->keep);
+  if (!read_program(a[13], *p)) return nullptr;
   PyObject* seed = a[14];
   if (seed != Py_None && PyTuple_Check(seed) && PyTuple_GET_SIZE(seed) == 3 &&
       THPVariable_CheckExact(PyTuple_GET_ITEM(seed, 0)) && THPVariable_CheckExact(PyTuple_GET_ITEM(seed, 2))) {
@@ -672,31 +317,21 @@ PyObject* py_register(PyObject*, PyObject* const* a, Py_ssize_t n) {
                                 Filters{WeakImpl(sw.getIntrusivePtr()), version,
                                         THPVariable_Unpack(PyTuple_GET_ITEM(seed, 2))});
   }
-  std::lock_guard<std::mutex> lock(table_mu);
-  table[k] = std::move(p);
+  table.put(k, std::move(p));
   Py_RETURN_TRUE;
 }
 
 PyObject* py_clear(PyObject*, PyObject*) {
-  std::unordered_map<Key, std::shared_ptr<Program>, KeyHash> gone;
-  {
-    std::lock_guard<std::mutex> lock(table_mu);
-    gone.swap(table);
-  }
-  gone.clear();  // programs release their executables here, with the GIL held
+  table.clear();
   Py_RETURN_NONE;
 }
 
 PyObject* py_stats(PyObject*, PyObject*) {
-  size_t n = 0;
-  {
-    std::lock_guard<std::mutex> lock(table_mu);
-    n = table.size();
-  }
-  return Py_BuildValue("{s:n,s:K,s:K}", "entries", static_cast<Py_ssize_t>(n), "transforms",
+  return Py_BuildValue("{s:n,s:K,s:K}", "entries", static_cast<Py_ssize_t>(table.size()), "transforms",
                        static_cast<unsigned long long>(transforms.load()), "op_fallbacks",
                        static_cast<unsigned long long>(op_fallbacks.load()));
 }
+
 
 // ---- the convforge::conv2d op's CUDA and Autograd kernels ----
 PyObject* fallback_cuda = nullptr;  // ops._cuda: Python's path for a miss
@@ -847,30 +482,6 @@ PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "convforge_native", "convforge'
 }  // namespace
 
 PyMODINIT_FUNC PyInit_convforge_native() {
-  std::string why;
-  if (!load_driver(why)) {
-    PyErr_SetString(PyExc_ImportError, why.c_str());
-    return nullptr;
-  }
-  FastConvType.tp_basicsize = sizeof(FastConv);
-  FastConvType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL;
-  FastConvType.tp_vectorcall_offset = offsetof(FastConv, vectorcall);
-  FastConvType.tp_call = PyVectorcall_Call;
-  FastConvType.tp_dictoffset = offsetof(FastConv, dict);
-  FastConvType.tp_dealloc = fast_dealloc;
-  FastConvType.tp_getattro = PyObject_GenericGetAttr;
-  FastConvType.tp_setattro = PyObject_GenericSetAttr;
-  FastConvType.tp_getset = fast_getset;
-  if (PyType_Ready(&FastConvType) < 0) return nullptr;
-  for (int i = 0; i < kArgs; ++i) name_objs[i] = PyUnicode_InternFromString(kNames[i]);
-  PyObject* one = PyLong_FromLong(1);
-  defaults[0] = defaults[1] = defaults[2] = Py_None;
-  defaults[3] = one;
-  defaults[4] = PyLong_FromLong(0);
-  defaults[5] = one;
-  defaults[6] = PyUnicode_InternFromString("auto");
-  defaults[7] = defaults[8] = Py_None;
-  defaults[9] = Py_False;
-  defaults[10] = defaults[11] = defaults[12] = Py_None;
+  if (!init_core()) return nullptr;
   return PyModule_Create(&module_def);
 }

@@ -20,24 +20,18 @@ the ``convforge::conv2d`` op's CUDA and Autograd kernels C++.
 
 from __future__ import annotations
 
-import functools
 import glob
-import hashlib
-import importlib.machinery
-import importlib.util
-import inspect
 import logging
 import os
 import shutil
 import subprocess
 import sys
-import sysconfig
-import tempfile
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from convforge.backends import native
 from convforge.config import config
 
 log = logging.getLogger("convforge")
@@ -65,32 +59,15 @@ def load() -> ModuleType | None:
     return module
 
 
-# conv2d's defaults as native.cpp's C entry assumes them (wrap): checked before it takes over
-DEFAULTS = (None, 1, 0, 1, "auto", None, None, False, None, None, None)
-
-
 def _install(module: ModuleType) -> None:
-    """Route warm torch calls through ``module``: the Python conv2d asks it first, and where
-    conv2d's defaults are the ones the C entry assumes, ``convforge.conv2d`` (and
-    ``convforge.api.conv2d``) become that C entry, which hands every call it does not run, unchanged,
-    to ``api.python_conv2d`` (conv2d past the native lookup); ``__wrapped__`` is conv2d (same
-    signature and docstring)."""
-    import convforge
-    from convforge import api, dispatch
+    """Route warm torch calls through ``module``: the Python conv2d asks it first, and
+    ``convforge.conv2d`` becomes its C entry where conv2d's defaults are the ones it assumes
+    (``api.install_native``); it clears its table whenever the configuration or the executables
+    change."""
+    from convforge import api
 
-    python = api.conv2d
-    params = list(inspect.signature(api.python_conv2d).parameters.values())[2:]
-    fast = None
-    if tuple(p.default for p in params) != DEFAULTS:
-        log.warning("convforge: conv2d's defaults differ from native.cpp's: its C entry is not installed")
-    else:  # a miss goes to the Python path past the native lookup it just made
-        fast = functools.update_wrapper(module.wrap(api.python_conv2d), python)
-    config.on_change(module.clear)
-    dispatch.ON_CLEAR.append(module.clear)
     api.set_native(module)
-    if fast is not None:
-        api.conv2d = fast
-        convforge.conv2d = fast  # type: ignore[attr-defined]
+    api.install_native(module)
 
 
 def _cuda_include() -> str:
@@ -112,46 +89,19 @@ def _cuda_include() -> str:
 
 def command(output: Path) -> list[str]:
     """The compiler command that builds native.cpp into ``output`` against the installed torch."""
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if not cxx:
-        raise RuntimeError("no C++ compiler (c++ or g++ on PATH, or CXX)")
     root = Path(torch.__file__).resolve().parent
     lib = root / "lib"
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
-    return [cxx, "-O2", "-std=c++20", "-shared", "-fPIC", "-fvisibility=hidden", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-            f"-I{root / 'include'}", f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
-            f"-I{sysconfig.get_paths()['include']}", f"-I{_cuda_include()}", str(SOURCE), "-o", str(output),
-            f"-L{lib}", "-lc10", "-lc10_cuda", "-ltorch_cpu", "-ltorch_python", f"-Wl,-rpath,{lib}", "-ldl"]
+    return [native.compiler(), *native.base_flags(), f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{root / 'include'}",
+            f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}", f"-I{_cuda_include()}", str(SOURCE),
+            "-o", str(output), f"-L{lib}", "-lc10", "-lc10_cuda", "-ltorch_cpu", "-ltorch_python",
+            f"-Wl,-rpath,{lib}", "-ldl"]
 
 
 def _built() -> Path:
-    """The library for this source, torch, Python and compiler command, built if missing."""
-    folder = config.cache_dir / "native"
-    probe = command(folder / "OUT")
-    tag = hashlib.sha256("\0".join([SOURCE.read_text(), torch.__version__, sys.version, *probe]).encode())
-    path = folder / f"convforge_native-{tag.hexdigest()[:16]}.so"
-    if path.exists():
-        return path
-    folder.mkdir(parents=True, exist_ok=True)
-    log.warning("convforge: building the native fast path for torch tensors (once per machine, ~30 s)")
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so.tmp")
-    os.close(fd)
-    try:
-        done = subprocess.run(command(Path(tmp)), capture_output=True, text=True, timeout=600)
-        if done.returncode != 0:
-            raise RuntimeError(f"the C++ build of {SOURCE.name} failed: {done.stderr.strip()[-2000:]}")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    """The library for this source, torch, Python and compiler command, built if missing (~30 s)."""
+    return native.build("convforge_native", [SOURCE, native.CORE], command, f"torch {torch.__version__}")
 
 
 def _import(path: Path) -> ModuleType:
-    loader = importlib.machinery.ExtensionFileLoader("convforge_native", str(path))
-    spec = importlib.util.spec_from_file_location("convforge_native", str(path), loader=loader)
-    if spec is None:
-        raise ImportError(f"cannot load {path}")
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
+    return native.import_extension("convforge_native", path)
