@@ -212,9 +212,10 @@ def conv2d(x: Any, w: Any, bias: Any = None, stride: int | Sequence[int] = 1,
     tensor then has one transformed copy on the device, freed with the tensor (the native path
     frees it at its next transform after the tensor is gone).
 
-    With torch tensors a warm call runs in C++ where the native fast path is built
-    (convforge/torch/native.cpp; ``CONVFORGE_NATIVE=0`` turns it off): the same lookup, allocation
-    and launches, without Python's per-call cost."""
+    A warm call runs in C++ where the native fast paths are built (convforge/torch/native.cpp for
+    torch tensors, backends/cupy_native.cpp for CuPy arrays; ``CONVFORGE_NATIVE=0`` turns them off):
+    the same lookup, allocation and launches, without Python's per-call cost. With CuPy arrays a tiny
+    layer gets a one-launch plan, since its filters are transformed on every call."""
     if _NATIVE_RUN is not None:
         y = _NATIVE_RUN(x, w, bias, stride, padding, dilation, algo, backend, workspace_limit, relu, params,
                         precision, max_error)
