@@ -111,7 +111,7 @@ def _env_settings(env: Mapping[str, str]) -> dict[str, tuple[str, Callable[[], A
                       lambda: parse_max_error(get("CONVFORGE_MAX_ERROR")) if get("CONVFORGE_MAX_ERROR") else None),
         "disk_cache": ("CONVFORGE_DISK_CACHE",
                        lambda: parse_bool("CONVFORGE_DISK_CACHE", get("CONVFORGE_DISK_CACHE") or "1")),
-        # torch and CuPy calls through the C++ fast paths (torch/native.cpp, backends/cupy_native.cpp), built on first use
+        # torch and CuPy calls through the C++ fast paths (torch/native.cpp, backends/cupy_native.cpp)
         "native": ("CONVFORGE_NATIVE", lambda: parse_bool("CONVFORGE_NATIVE", get("CONVFORGE_NATIVE") or "1")),
     }
 
