@@ -157,10 +157,10 @@ def install_native(module: Any) -> None:
     import convforge
     from convforge import dispatch
 
+    if module in _FRONTS or module.clear in dispatch.ON_CLEAR:  # installed once: hooks registered once
+        return
     config.on_change(module.clear)
     dispatch.ON_CLEAR.append(module.clear)
-    if module in _FRONTS:
-        return
     params = list(inspect.signature(python_conv2d).parameters.values())[2:]
     if tuple(p.default for p in params) != NATIVE_DEFAULTS:
         log.warning("convforge: conv2d's defaults differ from native_core.h's: its C entry is not installed")
