@@ -32,11 +32,18 @@ against F.conv2d's 19 us. The 5 us assumed a ~3 us kernel launch and left ~2 us 
 output allocation from Python (``new_empty``) alone costs ~3 us on the H200 host of 2026-11-23, so
 the comparable figure is the overhead above launch + allocation.
 
+``--floors`` prints instead the floors under those rows: one launch from C through the driver's
+entry points (cuLaunchKernel with an argument array or one packed buffer, cuLaunchKernelEx, the
+runtime's cudaLaunchKernel) on a non-blocking and on the legacy default stream, and PyTorch's own
+cost of calling an op of ``convforge::conv2d``'s schema whose kernels return at once (built here by
+``torch.utils.cpp_extension``), beside a three-tensor schema.
+
 ``--parts`` prints instead where one warm ``convforge.conv2d`` call spends its time, with torch
 tensors (the fast-path key and lookup, the prepared runner, and the runner's pieces) and with CuPy
 arrays (the CuPy native module's pieces).
 
-    PYTHONPATH=src python scripts/host_cost.py [--parts] [--spec N=1,C=8,H=8,W=8,K=8,R=3,S=3,pad=1] [--algo auto]
+    PYTHONPATH=src python scripts/host_cost.py [--parts | --floors]
+        [--spec N=1,C=8,H=8,W=8,K=8,R=3,S=3,pad=1] [--algo auto]
 """
 
 from __future__ import annotations
@@ -158,42 +165,73 @@ def raw_launch(x: Any, w: Any, b: Any, spec: ConvSpec, algo: str) -> Callable[[]
 
 C_FLOOR = r"""
 #include <cuda.h>
+#include <cuda_runtime.h>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <algorithm>
+#include <functional>
 #include <vector>
 extern "C" __global__ void spin(long long n) { long long t = clock64(); while (clock64() - t < n) {} }
 extern "C" __global__ void k16(float* a, float* b, float* c, float* d, float* e, int n0, int n1, int n2, int n3,
                                int n4, int n5, int n6, int n7, int n8, int n9, float f) { if (n0 < 0) a[0] = f; }
-int main(int argc, char** argv) {  // host us per cuLaunchKernel, GPU held by spin: median of 15 bursts
-  int calls = atoi(argv[1]);
-  cudaFree(0);
-  CUfunction fs, fk;
-  cudaGetFuncBySymbol(&fs, (void*)spin); cudaGetFuncBySymbol(&fk, (void*)k16);
-  CUstream s; cuStreamCreate(&s, CU_STREAM_NON_BLOCKING);
-  float* p; cudaMalloc(&p, 1024);
+extern "C" __global__ void k4(float* a, float* b, float* c, float* d) { if (a == b) c[0] = d[0]; }
+CUfunction fs;
+double burst(int calls, CUstream s, const std::function<void()>& launch) {  // host us per call, median of 15
   long long cyc = 100000000; void* sa[] = {&cyc};
-  int n[10] = {0}; float f = 1;
-  void* ka[] = {&p, &p, &p, &p, &p, &n[0], &n[1], &n[2], &n[3], &n[4], &n[5], &n[6], &n[7], &n[8], &n[9], &f};
-  for (int i = 0; i < 100; i++) cuLaunchKernel(fk, 4, 1, 1, 128, 1, 1, 0, s, ka, 0);
-  cuStreamSynchronize(s);
+  for (int i = 0; i < 20; i++) launch();
+  cuCtxSynchronize();
   std::vector<double> t;
   for (int b = 0; b < 15; b++) {
-    cuLaunchKernel(fs, 1, 1, 1, 1, 1, 1, 0, s, sa, 0);
+    cuLaunchKernel(fs, 1, 1, 1, 1, 1, 1, 0, s, sa, 0);  // holds the GPU: every launch below only enqueues
     auto t0 = std::chrono::steady_clock::now();
-    for (int i = 0; i < calls; i++) cuLaunchKernel(fk, 4, 1, 1, 128, 1, 1, 0, s, ka, 0);
+    for (int i = 0; i < calls; i++) launch();
     t.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / calls);
-    cuStreamSynchronize(s);
+    cuCtxSynchronize();
   }
   std::sort(t.begin(), t.end());
-  printf("%.3f\n", t[7]);
+  return t[7];
+}
+int main(int argc, char** argv) {  // argv: calls [variants]
+  int calls = atoi(argv[1]);
+  cudaFree(0);
+  CUfunction fk, f4;
+  cudaGetFuncBySymbol(&fs, (void*)spin); cudaGetFuncBySymbol(&fk, (void*)k16); cudaGetFuncBySymbol(&f4, (void*)k4);
+  CUstream s; cuStreamCreate(&s, CU_STREAM_NON_BLOCKING);
+  float* p; cudaMalloc(&p, 1024);
+  int n[10] = {0}; float f = 1;
+  void* ka[] = {&p, &p, &p, &p, &p, &n[0], &n[1], &n[2], &n[3], &n[4], &n[5], &n[6], &n[7], &n[8], &n[9], &f};
+  void* a4[] = {&p, &p, &p, &p};
+  if (argc < 3) {
+    printf("%.3f\n", burst(calls, s, [&] { cuLaunchKernel(fk, 4, 1, 1, 128, 1, 1, 0, s, ka, 0); }));
+    return 0;
+  }
+  alignas(8) char buf[88] = {0};  // k16's parameters packed: 5 pointers, 10 ints, 1 float
+  for (int i = 0; i < 5; i++) memcpy(buf + 8 * i, &p, 8);
+  memcpy(buf + 80, &f, 4);
+  size_t size = 84;
+  void* extra[] = {CU_LAUNCH_PARAM_BUFFER_POINTER, buf, CU_LAUNCH_PARAM_BUFFER_SIZE, &size, CU_LAUNCH_PARAM_END};
+  CUlaunchConfig cfg; memset(&cfg, 0, sizeof cfg);
+  cfg.gridDimX = 4; cfg.gridDimY = cfg.gridDimZ = 1; cfg.blockDimX = 128; cfg.blockDimY = cfg.blockDimZ = 1;
+  auto row = [&](const char* name, CUstream st, const std::function<void()>& go) {
+    printf("%-44s %7.3f\n", name, burst(calls, st, go));
+  };
+  CUstream z = 0;
+  row("16 args, non-blocking stream (the floor)", s, [&] { cuLaunchKernel(fk, 4, 1, 1, 128, 1, 1, 0, s, ka, 0); });
+  row("16 args, legacy default stream", z, [&] { cuLaunchKernel(fk, 4, 1, 1, 128, 1, 1, 0, z, ka, 0); });
+  row("16 args packed in one buffer (extra)", z, [&] { cuLaunchKernel(fk, 4, 1, 1, 128, 1, 1, 0, z, 0, extra); });
+  row("16 args, cuLaunchKernelEx", z, [&] { cuLaunchKernelEx(&cfg, fk, ka, 0); });
+  row("16 args, cudaLaunchKernel (runtime API)", z, [&] { cudaLaunchKernel((void*)k16, 4, 128, ka, 0, 0); });
+  row("4 args, legacy default stream", z, [&] { cuLaunchKernel(f4, 4, 1, 1, 128, 1, 1, 0, z, a4, 0); });
   return 0;
 }
 """
 
 
-def c_floor(calls: int) -> float | None:
-    """Host us of one cuLaunchKernel from C (nvcc-built probe), or None without nvcc."""
+def c_floor(calls: int, variants: bool = False) -> str | None:
+    """Host us of one cuLaunchKernel from C (nvcc-built probe), or None without nvcc; with
+    ``variants``, a table of the same launch through the driver's other entry points and streams."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         return None
@@ -201,9 +239,49 @@ def c_floor(calls: int) -> float | None:
         src, exe = os.path.join(tmp, "floor.cu"), os.path.join(tmp, "floor")
         with open(src, "w") as f:
             f.write(C_FLOOR)
-        subprocess.run([nvcc, "-o", exe, src, "-lcuda"], check=True, capture_output=True)
-        out = subprocess.run([exe, str(calls)], check=True, capture_output=True, text=True).stdout
-    return float(out.strip())
+        subprocess.run([nvcc, "-O2", "-o", exe, src, "-lcuda"], check=True, capture_output=True)
+        cmd = [exe, str(calls)] + (["variants"] if variants else [])
+        return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip()
+
+
+OP_FLOOR = r"""
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+at::Tensor conv2d(const at::Tensor& x, const at::Tensor&, const std::optional<at::Tensor>&, c10::IntArrayRef,
+                  c10::IntArrayRef, c10::IntArrayRef, c10::string_view, std::optional<c10::string_view>,
+                  std::optional<double>) { return x; }
+at::Tensor three(const at::Tensor& x, const at::Tensor&, const std::optional<at::Tensor>&) { return x; }
+TORCH_LIBRARY(convforge_floor, m) {
+  m.def("SCHEMA");
+  m.def("three(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(convforge_floor, CUDA, m) { m.impl("conv2d", conv2d); m.impl("three", three); }
+TORCH_LIBRARY_IMPL(convforge_floor, Autograd, m) { m.impl("conv2d", conv2d); m.impl("three", three); }
+"""
+
+
+def op_floor(x: Any, w: Any, b: Any, spec: ConvSpec, args: argparse.Namespace) -> None:
+    """Print PyTorch's own cost of calling an op of convforge::conv2d's schema whose CUDA and
+    Autograd kernels return x at once (no allocation, no launch), and of a three-tensor schema:
+    the part of the op row that is PyTorch's argument parsing and dispatch."""
+    from torch.utils.cpp_extension import load_inline
+
+    schema = str(torch.ops.convforge.conv2d.default._schema).split("::", 1)[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        load_inline("convforge_floor", cpp_sources=OP_FLOOR.replace("SCHEMA", schema), is_python_module=False,
+                    extra_cflags=["-O2"], build_directory=tmp)
+    st, pd, dl = list(spec.stride), list(spec.pad), list(spec.dilation)
+    rows = [("the op (convforge::conv2d)", lambda: torch.ops.convforge.conv2d(x, w, b, st, pd, dl, args.algo, None,
+                                                                             None)),
+            ("its schema, a kernel that returns x", lambda: torch.ops.convforge_floor.conv2d(x, w, b, st, pd, dl,
+                                                                                         args.algo, None, None)),
+            ("(Tensor x, Tensor w, Tensor? bias), the same", lambda: torch.ops.convforge_floor.three(x, w, b))]
+    print(f"PyTorch's dispatch floor for the op, host us per call (no_grad); schema {schema}")
+    with torch.no_grad():
+        for name, fn in rows:
+            for _ in range(20):
+                fn()
+            print(f"{name:48s} {host_us(fn, args.calls, args.bursts)[0]:7.2f}")
 
 
 def ctypes_launch(raw: Callable[[], object]) -> Callable[[], object] | None:
@@ -312,6 +390,9 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=150)
     ap.add_argument("--bursts", type=int, default=15)
     ap.add_argument("--parts", action="store_true", help="time the pieces of one conv2d call instead")
+    ap.add_argument("--floors", action="store_true",
+                    help="time the floors instead: one launch from C by entry point and stream, and PyTorch's own "
+                         "dispatch of the op's schema with a kernel that does nothing")
     args = ap.parse_args()
     spec = ConvSpec.parse(args.spec)
     torch.backends.cudnn.benchmark = True
@@ -323,6 +404,12 @@ def main() -> None:
     w, b = layer.weight, layer.bias  # parameters that require grad: the case that used to fail
     if args.parts:
         parts(x, w, b, spec, args)
+        return
+    if args.floors:
+        print(f"{torch.cuda.get_device_name()} | one launch from C, host us per launch, by entry point and stream")
+        print(c_floor(args.calls, variants=True) or "n/a (no nvcc)")
+        convforge.conv2d(x, w, b, spec.stride, spec.pad, spec.dilation, algo=args.algo)  # builds and files the call
+        op_floor(x, w, b, spec, args)
         return
     xc, wc, bc = cp.asarray(x), cp.asarray(w.detach()), cp.asarray(b.detach())
     ours = ct.Conv2d.from_module(torch.nn.Conv2d(spec.c, spec.k, (spec.r, spec.s), spec.stride,
@@ -363,7 +450,7 @@ def main() -> None:
           f"layer {spec.short()} | algo {args.algo} | {args.calls} calls x {args.bursts} bursts | native fast path "
           f"{'on' if nat is not None else 'off'} (torch), {'on' if cnat is not None else 'off'} (CuPy)")
     cf = c_floor(args.calls)
-    print(f"floor: cuLaunchKernel from C, host us per launch: {'n/a (no nvcc)' if cf is None else f'{cf:.2f}'}")
+    print(f"floor: cuLaunchKernel from C, host us per launch: {'n/a (no nvcc)' if cf is None else cf}")
     print(f"{'call':36s} {'launches':>8s} {'no_grad us':>11s} {'above floor':>11s} {'inference us':>13s} "
           f"{'above floor':>11s} {'device us':>10s}")
     floor = {"launch": [0.0, 0.0], "alloc": [0.0, 0.0], "torch": [0.0, 0.0], "ctypes": [0.0, 0.0]}
