@@ -34,6 +34,30 @@ def test_variant_on_gpu(cuda, name, spec):
         assert res.ok, f"{name} [{params.short()}] {spec.short()}: {res}"
 
 
+RESIDUAL_NAMES = [v.name for v in all_variants() if "cuda" in v.backends and v.residual_ok]
+
+
+@pytest.mark.parametrize("name", RESIDUAL_NAMES)
+def test_residual_epilogue_on_gpu(cuda, name):
+    """conv + bias + residual + ReLU (a ResNet block's second conv) on every variant that states a
+    residual store path, on odd shapes and two sampled points each; the residual drawn afresh."""
+    from convforge.plan import Epilogue
+
+    v = next(v for v in all_variants() if v.name == name)
+    epi = Epilogue(bias=True, relu=True, residual=True)
+    ran = 0
+    extra = [ConvSpec.make(1, 64, 14, 14, 64, 3, 3, 1, 1), ConvSpec.make(1, 257, 3, 3, 13, 1, 1),  # deep 1x1: split-K
+             ConvSpec.make(2, 37, 5, 5, 11, 5, 5)]  # the filter covers the input: gemm_fc
+    for spec in ODD_SPECS + extra:
+        if v.applies(spec, cuda.device):
+            continue
+        for i, params in enumerate(sample(v, spec, cuda.device, k=2, seed=5)):
+            res = check_plan(v.plan(spec, params, cuda.device, epi), cuda, seed=20 + i)
+            assert res.ok, f"{name} [{params.short()}] {spec.short()}: {res}"
+            ran += 1
+    assert ran, f"{name} applies to none of the shapes"
+
+
 def test_torch_tensors_in_and_out(cuda):
     import torch
 

@@ -651,3 +651,47 @@ def test_fused_points_for_opencl_gpus(backend, m) -> None:  # type: ignore[no-un
     params = v.default(spec, NOMINAL_OPENCL_GPU)
     res = check_plan(v.plan(spec, params, backend.device), backend)
     assert res.ok, f"{params.short()}: {res}"
+
+
+RESIDUAL_ODD = [
+    ConvSpec.make(3, 5, 7, 11, 9, 3, 3, padding=(0, 1, 1, 0)),  # partial tiles right and bottom
+    ConvSpec.make(1, 6, 7, 8, 5, 3, 3, padding=1),  # N=1, Q=8: the float2 / float4 row stores
+]
+
+
+@pytest.mark.parametrize("m", [2, 4, 7])
+def test_nonfused_residual_on_every_store_path(backend, m: int) -> None:  # type: ignore[no-untyped-def]
+    """conv + bias + residual + ReLU (a ResNet block's second conv) through each store path of
+    the non-fused output transform: per thread (so=0, vector rows where Q allows), block-staged
+    (so=1), split transforms (xi/xo) and a split GEMM summed first (ks=2), on odd shapes; the
+    residual drawn afresh and the output NaN-poisoned by check_plan."""
+    from convforge.plan import Epilogue
+
+    v = get_variant(f"winograd_nonfused_f{m}")
+    epi = Epilogue(bias=True, relu=True, residual=True)
+    a, b = RESIDUAL_ODD
+    cases = [(a, v.default(a, backend.device).replace(so=0)), (b, v.default(b, backend.device).replace(so=0)),
+             (a, v.default(a, backend.device).replace(so=1)), (b, v.default(b, backend.device).replace(xi=1, xo=1)),
+             (SGEMM_ODD[0], v.sgemm_default(SGEMM_ODD[0], backend.device).replace(ks=2, so=1))]
+    for spec, prm in cases:
+        plan = v.plan(spec, prm, backend.device, epi)
+        assert plan.epilogue.residual and "res" in plan.steps[-1].args
+        res = check_plan(plan, backend, seed=11)
+        assert res.ok, f"{prm.short()} {spec.short()}: {res}"
+
+
+@pytest.mark.parametrize("m", [2, 4])
+def test_fused_residual_with_and_without_split(backend, m: int) -> None:  # type: ignore[no-untyped-def]
+    """The fused kernel's own stores (residual + ReLU) and, with ks slices, the reduce kernel's."""
+    from convforge.plan import Epilogue
+
+    v = get_variant(f"winograd_fused_f{m}")
+    epi = Epilogue(bias=True, relu=True, residual=True)
+    for spec in RESIDUAL_ODD:
+        res = check_plan(v.plan(spec, v.default(spec, backend.device), backend.device, epi), backend, seed=12)
+        assert res.ok, f"{spec.short()}: {res}"
+    prm = v.space(SPLIT_SPEC, backend.device)[0].replace(ks=2)
+    plan = v.plan(SPLIT_SPEC, prm, backend.device, epi)
+    assert [k.name for k in plan.kernels][-1] == "wino_fused_reduce" and "res" in plan.steps[-1].args
+    res = check_plan(plan, backend, seed=13)
+    assert res.ok, f"{prm.short()}: {res}"

@@ -1,5 +1,6 @@
-"""Checking a Plan: fresh random inputs, NaN-poisoned output and workspace, relative L2 error
-against the float64 reference, and a count of outputs the kernels never wrote."""
+"""Checking a Plan: fresh random inputs (a residual too when its epilogue adds one), NaN-poisoned
+output and workspace, relative L2 error against the float64 reference, and a count of outputs the
+kernels never wrote."""
 
 from __future__ import annotations
 
@@ -55,12 +56,19 @@ def check_plan(plan: Plan, backend: Backend, seed: int | None = None,
             "y": backend.upload(np.full(spec.y_shape, np.nan, dtype=np.float32))}
     if b is not None:
         bufs["bias"] = backend.upload(b)
+    res = rng.uniform(-1, 1, spec.y_shape).astype(np.float32) if plan.epilogue.residual else None
+    if res is not None:
+        bufs["res"] = backend.upload(res)
     exe(bufs)
     backend.synchronize()
     out = backend.download(bufs["y"], spec.y_shape)
     n = spec.n if batch_slice is None else min(batch_slice, spec.n)
     sub = ConvSpec(n, spec.c, spec.h, spec.w, spec.k, spec.r, spec.s, spec.stride, spec.pad,
                    spec.dilation)
-    ref = conv2d_ref(x[:n], w, sub, b, plan.epilogue.relu)
+    if res is None:
+        ref = conv2d_ref(x[:n], w, sub, b, plan.epilogue.relu)
+    else:  # the skip connection is added before the ReLU
+        ref = conv2d_ref(x[:n], w, sub, b) + res[:n]
+        ref = np.maximum(ref, 0.0) if plan.epilogue.relu else ref
     got = out[:n]
     return CheckResult(rel_l2(got, ref), int(np.isnan(got).sum()), got.size, plan.tolerance)

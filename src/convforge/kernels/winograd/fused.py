@@ -224,6 +224,7 @@ class WinogradFused(Variant):
     """Fused F(m x m, 3 x 3): one filter-transform launch, then one fused kernel."""
 
     family = "winograd"
+    residual_ok = True  # its store path and the split reduce honour Epilogue.residual
     specialised = 9  # set per tile size in __init__
 
     def __init__(self, m: int) -> None:
@@ -392,7 +393,7 @@ def _reduce_kernel(s: ConvSpec, ks: int, epi: Epilogue) -> tuple[Kernel, tuple[i
     """y = epilogue(sum of the ks partial outputs), one thread per output element."""
     total = _out_elements(s)
     sums = " + ".join(f"part[{j * total} + e]" for j in range(ks))
-    body = [f"y[e] = {epi.apply(f'({sums})', f'(e / {s.p * s.q}) % {s.k}')};"]
+    body = [f"y[e] = {epi.apply(f'({sums})', f'(e / {s.p * s.q}) % {s.k}', 'e')};"]
     return elementwise("wino_fused_reduce", total, (Buf("part"),) + out_args(epi), body,
                        f"sum of {ks} split-C partial outputs")
 

@@ -118,6 +118,7 @@ class WinogradNonFused(Variant):
     """Separate transform kernels around an alpha^2-batched GEMM; workspace U, V and M."""
 
     family = "winograd"
+    residual_ok = True  # its store paths (direct, staged, split) honour Epilogue.residual
     space_lead = 16  # the default's neighbours (splits, hf, transform choices) lead the space
     gemm_kinds: tuple[str, ...] = ("own", "sgemm")  # values of the ``gemm`` parameter
 

@@ -77,12 +77,12 @@ def emit_staged_stores(code: Code, g: Geometry, tiles: int, threads: int, epi: E
                  "GLOBAL_PTR float* yo = y + obase[lt] + j;")
             with code.block("if (j < (lim & 15))"):
                 for i in range(m):
-                    v = epi.apply(f"otile[lt * {st} + {i * m} + j]", "ok_[lt]")
+                    v = epi.apply(f"otile[lt * {st} + {i * m} + j]", "ok_[lt]", f"obase[lt] + j + {i * s.q}")
                     code(f"if ({i} < rows) yo[{i * s.q}] = {v};")
         return
     code(f"// element l = lid + e * {threads}: row i, tile lt, column j (j fastest) -> coalesced rows")
     for e in range(-(-count // threads)):
-        val = epi.apply(f"otile[lt * {st} + i * {m} + j]", "ok_[lt]")
+        val = epi.apply(f"otile[lt * {st} + i * {m} + j]", "ok_[lt]", f"obase[lt] + i * {s.q} + j")
         guard = f"l < {count} && " if (e + 1) * threads > count else ""
         code(f"{{ const int l = lid + {e * threads}, i = l / {tiles * m}, lt = (l % {tiles * m}) / {m}, "
              f"j = l % {m}, lim = {'l < ' + str(count) + ' ? ' if guard else ''}olim[lt]"

@@ -143,7 +143,7 @@ def emit_output_store(code: Code, g: Geometry, epi: Epilogue, src: str, k: str, 
     with code.block(f"if ({ok})"):
         for i in range(m):
             row_ok = f"oy{sfx} + {i} < {s.p}" if s.p % m else ""
-            vals = [epi.apply(f"{src}{i}_{j}", k) for j in range(m)]
+            vals = [epi.apply(f"{src}{i}_{j}", k, f"ybase{sfx} + {i * s.q + j}") for j in range(m)]
             if m in (2, 4) and s.q % m == 0:
                 vec = "float2" if m == 2 else "float4"
                 stmt = _vector_store(vec, f"y + ybase{sfx} + {i * s.q}", vals)
