@@ -207,11 +207,12 @@ class _FakeRun:
 
 
 @pytest.mark.parametrize("name,res_in_plan", [("c1", False), ("c2", False), ("c2", True), ("c3", False)])
-def test_folded_path_takes_the_native_route_when_the_plan_is_conv2ds(monkeypatch, name, res_in_plan):
+def test_folded_path_takes_the_native_route(monkeypatch, name, res_in_plan):
     """A plan without the residual is conv2d's plan for the folded weights: the module asks the
-    native fast path with conv2d's 13 arguments (ReLU in them only when no add follows), runs
-    its Python runner on a miss and files the call, and on a hit runs nothing in Python; a plan
-    that adds the residual, or a capture with static weights, never asks. Stand-ins: no CUDA."""
+    native fast path's ``run`` with conv2d's 13 arguments (ReLU in them only when no add follows);
+    a plan that adds the residual asks ``run_res`` with them (ReLU: after the add) and the
+    residual. On a miss the Python runner runs and the call is filed (the residual plan as such);
+    on a hit nothing runs in Python; a capture with static weights never asks. Stand-ins: no CUDA."""
     from convforge import api
 
     model = _randomize(Every()).eval()
@@ -219,21 +220,24 @@ def test_folded_path_takes_the_native_route_when_the_plan_is_conv2ds(monkeypatch
     m = getattr(fused, name)
     residual = m._cf_residual
     run = _FakeRun(m, relu=m._cf_relu and (res_in_plan or not residual), residual=res_in_plan)
-    asked, filed, hits = [], [], []
+    asked, filed, hits, given = [], [], [], []
 
     def native(*call):
-        asked.append(call)
+        asked.append(call[:13])
+        given.append(call[13:])
         if not filed:
             return None
         x, w, b, stride, pad, dil = call[:6]
         y = F.conv2d(F.pad(x, (pad[2], pad[3], pad[0], pad[1])), w, b, stride, 0, dil)
+        y = y + call[13] if len(call) == 14 else y
         hits.append(1)
         return torch.relu(y) if call[9] else y
 
     capturing = [False]
     monkeypatch.setattr(fused_mod, "_CAPTURING", lambda: capturing[0])
-    monkeypatch.setattr(api, "_NATIVE_RUN", native)
-    monkeypatch.setattr(api, "file_native", lambda r, call: filed.append((r, call)))
+    monkeypatch.setattr(api, "_NATIVE_RUN_RES" if res_in_plan else "_NATIVE_RUN", native)
+    monkeypatch.setattr(api, "_NATIVE_RUN" if res_in_plan else "_NATIVE_RUN_RES", None)  # never asked
+    monkeypatch.setattr(api, "file_native", lambda r, call, residual=False: filed.append((r, call, residual)))
     monkeypatch.setattr(ct.FusedConv2d, "_folds", lambda self, x, res, src: True)
     x = torch.randn(2, m.in_channels, 13, 17)
     with torch.no_grad():
@@ -246,15 +250,15 @@ def test_folded_path_takes_the_native_route_when_the_plan_is_conv2ds(monkeypatch
         outs.append(m(x, res))
     for got in outs:
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
-    if res_in_plan:
-        assert not asked and not filed and len(run.calls) == 3
-        return
     w, b = m._fold() if m._cf_bn is not None else (m.weight, m.bias)
     call = asked[0]
     assert call[1] is w and call[2] is b and call[3:9] == (m.stride, fused_mod.padding_quad(m), m.dilation,
                                                             m.algo, None, None)
-    assert call[9] == (m._cf_relu and not residual) and call[10:] == (None, m.precision, m.max_error)
+    assert call[9] == (m._cf_relu and (res_in_plan or not residual)) and call[10:] == (None, m.precision,
+                                                                                        m.max_error)
+    assert all(g == ((res,) if res_in_plan else ()) for g in given)
     assert len(asked) == 2 and len(filed) == 1 and filed[0][0] is run and filed[0][1][1:] == call[1:]
+    assert filed[0][2] == res_in_plan  # a residual plan is filed under its own key
     assert hits == [1] and len(run.calls) == 2  # the miss, then the capture (static weights: Python)
 
 
@@ -272,7 +276,8 @@ def test_folded_path_wiring(monkeypatch, res_in_plan):
     from convforge import api  # the native route misses and files nothing: the stand-in has no executable
 
     monkeypatch.setattr(api, "_NATIVE_RUN", lambda *a: None)
-    monkeypatch.setattr(api, "file_native", lambda run, call: None)
+    monkeypatch.setattr(api, "_NATIVE_RUN_RES", lambda *a: None)
+    monkeypatch.setattr(api, "file_native", lambda *a, **k: None)
     x, res = torch.randn(2, 8, 13, 17), torch.randn(2, 8, 13, 17)
     with torch.no_grad():
         got = m(x, res)

@@ -133,6 +133,7 @@ _KEYERS: dict[type, Callable[..., tuple[Any, ...]]] = {}
 # outermost), so a warm call never enters Python and a miss is looked up once in each.
 _NATIVE: Any = None  # the torch module, asked by Python's conv2d where its C entry is not installed
 _NATIVE_RUN: Callable[..., Any] | None = None
+_NATIVE_RUN_RES: Callable[..., Any] | None = None  # a FusedConv2d plan that adds the residual
 _NATIVE_TRIED = False
 _CUPY_NATIVE: Any = None
 _CUPY_TRIED = False
@@ -141,8 +142,8 @@ _FRONTS: list[Any] = []  # installed native modules, innermost first
 
 def set_native(module: Any) -> None:
     """Route warm torch calls through ``module`` (native.cpp), from now on."""
-    global _NATIVE, _NATIVE_RUN
-    _NATIVE, _NATIVE_RUN = module, module.run
+    global _NATIVE, _NATIVE_RUN, _NATIVE_RUN_RES
+    _NATIVE, _NATIVE_RUN, _NATIVE_RUN_RES = module, module.run, module.run_res
 
 
 # conv2d's defaults as native_core.h's C entry assumes them (``wrap``), checked before it takes over
@@ -301,11 +302,12 @@ def _conv2d(x: Any, w: Any, bias: Any, stride: Any, padding: Any, dilation: Any,
     return y
 
 
-def file_native(run: Any, call: tuple[Any, ...]) -> None:
+def file_native(run: Any, call: tuple[Any, ...], residual: bool = False) -> None:
     """File a validated torch call (conv2d's 13 arguments; ``run``, the runner that just ran it)
     with the native fast path (built on the first torch call), with the filters the runner
     transformed for its weights, if any (so the native path does not transform them again: a
-    transform during CUDA-graph warm-up would allocate in the graph's pool)."""
+    transform during CUDA-graph warm-up would allocate in the graph's pool). ``residual``: the
+    plan adds a residual (FusedConv2d), found by ``run_res`` under its own key."""
     global _NATIVE_TRIED
     if not _NATIVE_TRIED:
         _NATIVE_TRIED = True
@@ -316,7 +318,7 @@ def file_native(run: Any, call: tuple[Any, ...]) -> None:
         return
     w = call[1]
     held = run.filters.entry(w, w.data_ptr()) if run.filters is not None else None
-    _NATIVE.register(*call, run.exe.native_program(), None if held is None else (w, *held))
+    _NATIVE.register(*call, run.exe.native_program(), None if held is None else (w, *held), residual)
 
 
 def file_cupy_native(run: Any, call: tuple[Any, ...]) -> None:

@@ -93,12 +93,14 @@ struct Key {
   int32_t device = 0;
   Seq stride, padding, dilation;
   bool relu = false, has_precision = false, has_max_error = false;
+  bool residual = false;  // a plan that adds a residual tensor (FusedConv2d's run_res); relu then follows the add
   double max_error = 0.0;
   std::string algo, precision;
   bool operator==(const Key& o) const {
     return std::memcmp(xs, o.xs, sizeof xs) == 0 && std::memcmp(ws, o.ws, sizeof ws) == 0 && bias_k == o.bias_k &&
            workspace_limit == o.workspace_limit && device == o.device && stride == o.stride &&
-           padding == o.padding && dilation == o.dilation && relu == o.relu && has_precision == o.has_precision &&
+           padding == o.padding && dilation == o.dilation && relu == o.relu && residual == o.residual &&
+           has_precision == o.has_precision &&
            has_max_error == o.has_max_error && max_error == o.max_error && algo == o.algo && precision == o.precision;
   }
 };
@@ -115,7 +117,7 @@ struct KeyHash {
       mix(h, static_cast<uint64_t>(k.ws[i]));
     }
     mix(h, static_cast<uint64_t>(k.bias_k));
-    mix(h, static_cast<uint64_t>(k.device));
+    mix(h, static_cast<uint64_t>(k.device) << 1 | static_cast<uint64_t>(k.residual));
     for (const Seq* s : {&k.stride, &k.padding, &k.dilation}) {
       mix(h, static_cast<uint64_t>(s->tag * 8 + s->n));
       for (int i = 0; i < s->n; ++i) mix(h, static_cast<uint64_t>(s->v[i]));

@@ -9,10 +9,11 @@ Two paths, chosen per call:
   bias and the batch norm's weight, bias, running mean and running variance, and ONE convforge
   plan runs with the epilogue bias + residual + ReLU (filter transforms cached per version of the
   folded weights: a warm call does no fold and no filter transform). When the chosen variant has
-  no residual store path (``Variant.residual_ok``: Winograd), the plan adds bias only and the add
-  and ReLU follow in place on its output. A plan without the residual is ``conv2d``'s plan for the
-  folded weights and bias, so its warm calls run through the native fast path (native.cpp), as
-  ``Conv2d``'s do; plans that add the residual run through their Python runner.
+  no residual store path (``Variant.residual_ok``: the tensor-core GEMMs), the plan adds bias only
+  and the add and ReLU follow in place on its output. Warm calls run through the native fast path
+  (native.cpp): a plan without the residual is ``conv2d``'s plan for the folded weights and bias,
+  found by ``run`` as ``Conv2d``'s calls are; a plan that adds it is filed under its own key and
+  found by ``run_res``.
 - unfused (training, gradients, CPU tensors, torch.compile, anything the folded path does not
   take): exactly conv -> the batch-norm module itself (running statistics updated as PyTorch does)
   -> + residual -> ReLU, the conv through ``Conv2d.forward`` (the differentiable op on CUDA).
@@ -124,14 +125,16 @@ class FusedConv2d(Conv2d):
         else:
             w = src[0] if src[0].is_contiguous() else src[0].contiguous()
             b = src[1]
-        native = None if res_in_plan or (self.static_weights and _CAPTURING()) else api._NATIVE_RUN
+        skip = self.static_weights and _CAPTURING()
+        # conv2d's spelling; relu: the plan's (after the add when the plan adds the residual)
         call = (x, w, b, self.stride, padding_quad(self), self.dilation, self.algo, None, None,
-                self._cf_relu and res is None, None, self.precision, self.max_error)  # conv2d's spelling
-        y = None if native is None else native(*call)
+                self._cf_relu and (res is None or res_in_plan), None, self.precision, self.max_error)
+        if res_in_plan:
+            y = None if skip or api._NATIVE_RUN_RES is None else api._NATIVE_RUN_RES(*call, res)
+            return self._run_python(run, True, call, res) if y is None else y  # type: ignore[no-any-return]
+        y = None if skip or api._NATIVE_RUN is None else api._NATIVE_RUN(*call)
         if y is None:
-            y = self._run_python(run, res_in_plan, call, res)
-            if res_in_plan:
-                return y
+            y = self._run_python(run, False, call, res)
         if res is not None:
             y.add_(res)
             if self._cf_relu:
@@ -140,17 +143,16 @@ class FusedConv2d(Conv2d):
 
     def _run_python(self, run: Any, res_in_plan: bool, call: tuple[Any, ...], res: Any) -> torch.Tensor:
         """The plan through its Python runner, with filters cached per version of the (folded)
-        weights; a plan without the residual is then filed with the native fast path."""
+        weights; then filed with the native fast path (a plan that adds the residual under its
+        own key, for ``run_res``)."""
         x, w, b = call[:3]
         filters = run.filters
         packed = None
         if filters is not None and (self.static_weights or not _CAPTURING()):
             packed = filters.get(w, w.data_ptr())
-        if res_in_plan:
-            return run(x, w, b, packed, res)  # type: ignore[no-any-return]
-        y = run(x, w, b, packed)
-        if api._NATIVE_RUN is not None and not _CAPTURING():
-            api.file_native(run, call)
+        y = run(x, w, b, packed, res) if res_in_plan else run(x, w, b, packed)
+        if (api._NATIVE_RUN_RES if res_in_plan else api._NATIVE_RUN) is not None and not _CAPTURING():
+            api.file_native(run, call, residual=res_in_plan)
         return y  # type: ignore[no-any-return]
 
     def _fused_runner(self, x: torch.Tensor) -> tuple[Any, bool, tuple[int, ...]] | None:

@@ -1,8 +1,8 @@
 // convforge's native fast path for torch tensors (built at run time by convforge/torch/native.py).
 //
-// What it does: a warm convforge.conv2d call with torch CUDA tensors, and the convforge::conv2d
-// op's CUDA and Autograd kernels, in C++: the call's key from the tensors' sizes and the keyword
-// arguments, a table lookup, the output from PyTorch's caching allocator (at::empty), the plan's
+// What it does: a warm convforge.conv2d call with torch CUDA tensors, the convforge::conv2d op's
+// CUDA and Autograd kernels, and a FusedConv2d call whose plan adds the residual (run_res), in
+// C++: the call's key from the tensors' sizes and the keyword arguments, a table lookup, the output from PyTorch's caching allocator (at::empty), the plan's
 // launches through cuLaunchKernel with argument buffers prepared once per executable. Python's
 // fast path costs ~14 us per call on the H200 host; this one aims at a launch plus a few hundred ns.
 //
@@ -145,15 +145,17 @@ at::Tensor filters_for(Program& p, const at::Tensor& w, uintptr_t wp, uint64_t* 
   return packed;
 }
 
-// Run p on validated tensors; false (nothing launched) when a pointer is not 16-byte aligned.
-bool run_program(Program& p, const at::Tensor& x, const at::Tensor& w, const at::Tensor* bias, at::Tensor& y) {
+// Run p on validated tensors (``res``: the residual's address, for a plan that adds one); false
+// (nothing launched) when a pointer is not 16-byte aligned.
+bool run_program(Program& p, const at::Tensor& x, const at::Tensor& w, const at::Tensor* bias, at::Tensor& y,
+                 uintptr_t res = 0) {
   auto xp = reinterpret_cast<uintptr_t>(x.const_data_ptr());
   auto wp = reinterpret_cast<uintptr_t>(w.const_data_ptr());
   uintptr_t bp = bias ? reinterpret_cast<uintptr_t>(bias->const_data_ptr()) : 0;
-  if ((xp | wp | bp) & 15) return false;
+  if ((xp | wp | bp | res) & 15) return false;
   CUstream stream = c10::cuda::getCurrentCUDAStream(x.get_device()).stream();
   y = at::detail::empty_cuda(p.y_shape, at::kFloat, x.device(), std::nullopt);  // the caching allocator, no dispatch
-  uint64_t slot[kMaxArgs] = {xp, wp, reinterpret_cast<uintptr_t>(y.data_ptr()), bp, 0};
+  uint64_t slot[kMaxArgs] = {xp, wp, reinterpret_cast<uintptr_t>(y.data_ptr()), bp, res};
   const std::vector<LaunchRec>* runs = &p.all;
   if (!p.offsets.empty()) {
     at::Tensor packed;
@@ -188,6 +190,25 @@ PyObject* run_filed(PyObject* const* a) {
   HANDLE_TH_ERRORS
   at::Tensor y;
   if (!run_program(*p, *x, *w, b, y)) Py_RETURN_NONE;
+  return THPVariable_Wrap(std::move(y));
+  END_HANDLE_TH_ERRORS
+}
+
+// The output of a filed FusedConv2d call whose plan adds the residual: conv2d's 13 arguments (relu:
+// the ReLU after the add) and the residual ``a[13]``, a tensor of the output's shape on the same
+// device; None when the call has no entry or the residual does not fit; nullptr when a launch fails.
+PyObject* run_filed_res(PyObject* const* a) {
+  Key k;
+  k.residual = true;
+  const at::Tensor *x = nullptr, *w = nullptr, *b = nullptr;
+  if (!parse_call(a, k, x, w, b) || !THPVariable_CheckExact(a[kArgs])) Py_RETURN_NONE;
+  std::shared_ptr<Program> p = find(k);
+  const at::Tensor& res = THPVariable_Unpack(a[kArgs]);
+  if (!p || !plain(res, 4) || res.get_device() != x->get_device() || res.sizes() != c10::IntArrayRef(p->y_shape))
+    Py_RETURN_NONE;
+  HANDLE_TH_ERRORS
+  at::Tensor y;
+  if (!run_program(*p, *x, *w, b, y, reinterpret_cast<uintptr_t>(res.const_data_ptr()))) Py_RETURN_NONE;
   return THPVariable_Wrap(std::move(y));
   END_HANDLE_TH_ERRORS
 }
@@ -294,15 +315,25 @@ PyObject* py_run(PyObject*, PyObject* const* a, Py_ssize_t n) {
   return run_filed(a);
 }
 
-// register(13 conv2d arguments..., program, seed): program = (all, rest, weights, y_shape,
-// ws_derived, offsets, derived_floats, context, name, executable); seed = None or (w, version,
-// packed): filters Python's path already made for w. Answers whether the call was filed.
+PyObject* py_run_res(PyObject*, PyObject* const* a, Py_ssize_t n) {
+  if (n != kArgs + 1) {
+    PyErr_SetString(PyExc_TypeError, "run_res takes conv2d's 13 arguments and the residual");
+    return nullptr;
+  }
+  return run_filed_res(a);
+}
+
+// register(13 conv2d arguments..., program, seed[, residual]): program = (all, rest, weights,
+// y_shape, ws_derived, offsets, derived_floats, context, name, executable); seed = None or (w,
+// version, packed): filters Python's path already made for w; residual True: the plan adds a
+// residual (found by run_res, never by run). Answers whether the call was filed.
 PyObject* py_register(PyObject*, PyObject* const* a, Py_ssize_t n) {
-  if (n != 15) {
-    PyErr_SetString(PyExc_TypeError, "register takes conv2d's 13 arguments, a program and a seed");
+  if (n != 15 && n != 16) {
+    PyErr_SetString(PyExc_TypeError, "register takes conv2d's 13 arguments, a program, a seed and a residual flag");
     return nullptr;
   }
   Key k;
+  k.residual = n == 16 && a[15] == Py_True;
   const at::Tensor *x = nullptr, *w = nullptr, *b = nullptr;
   if (!parse_call(a, k, x, w, b)) Py_RETURN_FALSE;
   auto p = std::make_shared<Program>();
@@ -465,8 +496,10 @@ PyObject* py_register_op(PyObject*, PyObject* const* a, Py_ssize_t n) {
 PyMethodDef methods[] = {
     {"run", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_run)), METH_FASTCALL,
      "run(conv2d's 13 arguments) -> the output tensor, or None when the call has no entry"},
+    {"run_res", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_run_res)), METH_FASTCALL,
+     "run_res(conv2d's 13 arguments, res) -> the output of a filed plan that adds res, or None"},
     {"register", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_register)), METH_FASTCALL,
-     "register(conv2d's 13 arguments, program, seed) -> whether the call was filed"},
+     "register(conv2d's 13 arguments, program, seed[, residual]) -> whether the call was filed"},
     {"register_op", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_register_op)), METH_FASTCALL,
      "register_op(cuda_fallback, grad_apply): the op's CUDA and Autograd kernels in C++"},
     {"clear", py_clear, METH_NOARGS, "forget every entry"},
