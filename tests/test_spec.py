@@ -45,8 +45,33 @@ def test_shape_errors():
         ConvSpec.from_shapes((1, 3, 8), (4, 3, 3, 3))
     with pytest.raises(ValueError, match=r"channel mismatch: input has C=3, weights have C=2"):
         ConvSpec.from_shapes((1, 3, 8, 8), (4, 2, 3, 3))
-    with pytest.raises(ValueError, match=r"dtype \('float16'\) must be float32"):
-        ConvSpec(1, 1, 4, 4, 1, 1, 1, dtype="float16")
+    with pytest.raises(ValueError, match=r"dtype \('float64'\) must be one of float32, float16, bfloat16"):
+        ConvSpec(1, 1, 4, 4, 1, 1, 1, dtype="float64")
+    with pytest.raises(ValueError, match=r"channel mismatch: input has C=8, weights have C=2, expected 4"):
+        ConvSpec.from_shapes((1, 8, 8, 8), (4, 2, 3, 3), groups=2)
+    with pytest.raises(ValueError, match=r"groups \(3\) must divide C \(8\)"):
+        ConvSpec.from_shapes((1, 8, 8, 8), (3, 2, 3, 3), groups=3)
+    with pytest.raises(ValueError, match=r"groups \(2\) must divide both C \(4\) and K \(3\)"):
+        ConvSpec.make(1, 4, 8, 8, 3, 3, 3, groups=2)
+    with pytest.raises(ValueError, match=r"groups \(0\) must be a positive int"):
+        ConvSpec.make(1, 4, 8, 8, 4, 3, 3, groups=0)
+    with pytest.raises(ValueError, match=r"pass \('backward'\) must be one of fprop, dgrad, wgrad"):
+        ConvSpec.make(1, 4, 8, 8, 4, 3, 3, conv_pass="backward")
+
+
+def test_groups_dtype_and_pass_in_shapes_keys_and_text():
+    """Grouped filters hold C/groups channels; FLOPs count them; keys, dicts and the parsed text
+    carry groups, dtype and pass, and a plain forward float32 key is what it always was."""
+    plain = ConvSpec.make(2, 8, 13, 13, 8, 3, 3, padding=1)
+    assert plain.key() == "n2c8h13w13k8r3s3_st1x1_pd1.1.1.1_dl1x1_float32"
+    g = ConvSpec.make(2, 8, 13, 13, 16, 3, 3, padding=1, groups=4, dtype="fp16", conv_pass="bprop")
+    assert (g.w_shape, g.cg, g.kg, g.conv_pass, g.output, g.itemsize) == ((16, 2, 3, 3), 2, 4, "dgrad", "x", 2)
+    assert g.flops == 2 * 2 * 16 * 13 * 13 * 2 * 9
+    assert g.key().endswith("_float16_g4_dgrad") and g.key() != g.with_pass("wgrad").key()
+    assert ConvSpec.from_dict(g.to_dict()) == g
+    assert ConvSpec.parse("N=2,C=8,H=13,W=13,K=16,R=3,S=3,pad=1,groups=4,dtype=fp16,pass=dgrad") == g
+    assert ConvSpec.make(1, 6, 9, 9, 6, 3, 3, groups=6).depthwise
+    assert "g4" in g.short() and "float16" in g.short() and "dgrad" in g.short()
 
 
 @pytest.mark.parametrize("h, r, stride, pad, dil", [

@@ -1,6 +1,6 @@
-"""Checking a Plan: fresh random inputs (a residual too when its epilogue adds one), NaN-poisoned
-output and workspace, relative L2 error against the float64 reference, and a count of outputs the
-kernels never wrote."""
+"""Checking a Plan of any pass and dtype: fresh random inputs (a residual too when its epilogue adds
+one), NaN-poisoned output and workspace, relative L2 error against the float64 reference, and a
+count of outputs the kernels never wrote."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from convforge.backends.base import Backend, Executable
-from convforge.plan import Plan
-from convforge.reference import conv2d_ref, rel_l2
+from convforge.dtypes import rounded, to_storage
+from convforge.plan import Epilogue, Plan
+from convforge.reference import pass_ref, rel_l2
 from convforge.spec import ConvSpec
 
 
@@ -33,42 +34,60 @@ class CheckResult:
 
 def random_inputs(spec: ConvSpec, rng: np.random.Generator,
                   bias: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Uniform(-1, 1) input and weights (never zeros), and bias when asked."""
-    x = rng.uniform(-1, 1, spec.x_shape).astype(np.float32)
-    w = rng.uniform(-1, 1, spec.w_shape).astype(np.float32)
-    b = rng.uniform(-1, 1, (spec.k,)).astype(np.float32) if bias else None
+    """Uniform(-1, 1) input and weights (never zeros), and bias when asked, as float32 arrays
+    holding values of ``spec.dtype``."""
+    x = rounded(rng.uniform(-1, 1, spec.x_shape).astype(np.float32), spec.dtype)
+    w = rounded(rng.uniform(-1, 1, spec.w_shape).astype(np.float32), spec.dtype)
+    b = rounded(rng.uniform(-1, 1, (spec.k,)).astype(np.float32), spec.dtype) if bias else None
     return x, w, b
+
+
+def pass_inputs(spec: ConvSpec, rng: np.random.Generator, epilogue: Epilogue = Epilogue()) -> dict[str, np.ndarray]:
+    """Fresh Uniform(-1, 1) inputs of ``spec``'s pass by buffer name (float32 arrays holding values
+    of ``spec.dtype``): fprop x, w (bias, res as its epilogue asks); dgrad y (dy) and w; wgrad x, y."""
+    names = {"fprop": ["x", "w"], "dgrad": ["y", "w"], "wgrad": ["x", "y"]}[spec.conv_pass]
+    if spec.conv_pass == "fprop":
+        names += (["bias"] if epilogue.bias else []) + (["res"] if epilogue.residual else [])
+    return {name: rounded(rng.uniform(-1, 1, spec.shape_of(name)).astype(np.float32), spec.dtype)
+            for name in names}
+
+
+def expected(spec: ConvSpec, inputs: dict[str, np.ndarray], epilogue: Epilogue = Epilogue(),
+             n: int | None = None) -> np.ndarray:
+    """The float64 answer of ``spec``'s pass on ``inputs`` with ``epilogue`` (the residual is added
+    before the ReLU); ``n`` limits an fprop or dgrad answer to the first images (big layers)."""
+    if n is not None and n < spec.n and spec.conv_pass != "wgrad":
+        sub = spec.with_batch(n)
+        inputs = {k: (v[:n] if k in ("x", "y", "res") else v) for k, v in inputs.items()}
+        spec = sub
+    out = pass_ref(spec, inputs)
+    if spec.conv_pass == "fprop":
+        if "res" in inputs:
+            out = out + inputs["res"]
+        if epilogue.relu:
+            out = np.maximum(out, 0.0)
+    return out
 
 
 def check_plan(plan: Plan, backend: Backend, seed: int | None = None,
                exe: Executable | None = None, batch_slice: int | None = None) -> CheckResult:
     """Run ``plan`` once on fresh random data and compare with the float64 reference.
 
-    ``batch_slice`` compares only the first images of the batch (for big layers).
+    Every pass: the output buffer (``spec.output``) and the workspace are poisoned with NaN first.
+    ``batch_slice`` compares only the first images of the batch (big fprop and dgrad layers).
     """
     spec = plan.spec
-    rng = np.random.default_rng(seed)
-    x, w, b = random_inputs(spec, rng, plan.epilogue.bias)
+    inputs = pass_inputs(spec, np.random.default_rng(seed), plan.epilogue)
     exe = exe or backend.executable(plan)
     for buf, (_, nbytes) in zip(exe.workspace().values(), plan.workspace):
         backend.fill(buf, float("nan"), nbytes)
-    bufs = {"x": backend.upload(x), "w": backend.upload(w),
-            "y": backend.upload(np.full(spec.y_shape, np.nan, dtype=np.float32))}
-    if b is not None:
-        bufs["bias"] = backend.upload(b)
-    res = rng.uniform(-1, 1, spec.y_shape).astype(np.float32) if plan.epilogue.residual else None
-    if res is not None:
-        bufs["res"] = backend.upload(res)
+    bufs = {name: backend.upload(to_storage(a, spec.dtype)) for name, a in inputs.items()}
+    shape = spec.shape_of(spec.output)
+    bufs[spec.output] = backend.upload(to_storage(np.full(shape, np.nan, np.float32), spec.dtype))
     exe(bufs)
     backend.synchronize()
-    out = backend.download(bufs["y"], spec.y_shape)
-    n = spec.n if batch_slice is None else min(batch_slice, spec.n)
-    sub = ConvSpec(n, spec.c, spec.h, spec.w, spec.k, spec.r, spec.s, spec.stride, spec.pad,
-                   spec.dilation)
-    if res is None:
-        ref = conv2d_ref(x[:n], w, sub, b, plan.epilogue.relu)
-    else:  # the skip connection is added before the ReLU
-        ref = conv2d_ref(x[:n], w, sub, b) + res[:n]
-        ref = np.maximum(ref, 0.0) if plan.epilogue.relu else ref
-    got = out[:n]
+    out = backend.download(bufs[spec.output], shape, spec.dtype)
+    n = spec.n if batch_slice is None or spec.conv_pass == "wgrad" else min(batch_slice, spec.n)
+    got = out if spec.conv_pass == "wgrad" else out[:n]
+    ref = expected(spec, inputs, plan.epilogue, n)
     return CheckResult(rel_l2(got, ref), int(np.isnan(got).sum()), got.size, plan.tolerance)

@@ -151,7 +151,11 @@ class Plan:
 
 
 class Variant:
-    """One algorithm family member. Subclasses set the class attributes and three methods."""
+    """One algorithm family member. Subclasses set the class attributes and three methods.
+
+    A variant serves the passes in ``passes``, the storage dtypes in ``dtypes`` and grouped layers
+    when ``grouped``; :meth:`applies` refuses any other spec before a subclass's own test runs (every
+    subclass's ``applies`` is wrapped so, whether or not it calls ``super()``)."""
 
     name: str = ""
     family: str = ""
@@ -164,6 +168,30 @@ class Variant:
     space_lead: int = 0  # the tuner tries this many first points of space() in order, then samples
     residual_ok: bool = False  # its store paths honour Epilogue.residual (others raise, never ignore it)
     offset_ok: bool = False  # its store paths honour Epilogue.k_total/k_offset (others raise)
+    passes: frozenset[str] = frozenset({"fprop"})  # which of fprop, dgrad, wgrad its plans compute
+    dtypes: frozenset[str] = frozenset({"float32"})  # storage dtypes its plans read and write
+    grouped: bool = False  # it plans layers of groups > 1 (the depthwise family among them)
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__.get("applies")
+        if own is not None and not getattr(own, "_serves_checked", False):
+            def applies(self: Variant, spec: ConvSpec, device: DeviceInfo, _own=own) -> str | None:
+                return self.serves(spec) or _own(self, spec, device)
+
+            applies._serves_checked = True  # type: ignore[attr-defined]
+            applies.__doc__, applies.__qualname__ = own.__doc__, own.__qualname__
+            cls.applies = applies  # type: ignore[method-assign]
+
+    def serves(self, spec: ConvSpec) -> str | None:
+        """None when the variant computes ``spec``'s pass, dtype and groups; otherwise why not."""
+        if spec.conv_pass not in self.passes:
+            return f"{self.name} does not compute {spec.conv_pass} (only {', '.join(sorted(self.passes))})"
+        if spec.dtype not in self.dtypes:
+            return f"{self.name} does not take {spec.dtype} (only {', '.join(sorted(self.dtypes))})"
+        if spec.groups > 1 and not self.grouped:
+            return f"{self.name} does not take grouped layers (groups={spec.groups})"
+        return None
 
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
         """The heuristic's preference for this variant on ``spec`` (Boda's rule: how specialised it
@@ -177,6 +205,9 @@ class Variant:
 
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
         """None when the variant can run ``spec`` on ``device``, otherwise the reason it cannot."""
+        why = self.serves(spec)
+        if why:
+            return why
         if device.backend not in self.backends:
             return f"{self.name} runs only on {sorted(self.backends)}"
         return None

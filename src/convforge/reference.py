@@ -1,34 +1,103 @@
-"""The float64 NumPy convolution: the oracle for tests, the checker and the tuner."""
+"""The float64 NumPy convolution, all three passes and grouped layers: the oracle for tests, the
+checker and the tuner. Inputs of any dtype are taken at their exact values (a float16 input is
+the float16 number), so a half-precision kernel is judged on the inputs it was given."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import numpy as np
 
 from convforge.spec import ConvSpec
 
 
-def conv2d_ref(x: np.ndarray, w: np.ndarray, spec: ConvSpec,
-               bias: np.ndarray | None = None, relu: bool = False) -> np.ndarray:
-    """NCHW x KCRS -> NKPQ in float64, one tensordot per filter tap."""
-    x64 = np.asarray(x, dtype=np.float64)
-    w64 = np.asarray(w, dtype=np.float64)
-    if x64.shape != spec.x_shape or w64.shape != spec.w_shape:
-        raise ValueError(f"reference: shapes {x64.shape}, {w64.shape} do not match {spec.short()}")
-    pt, pb, pl, pr = spec.pad
-    xp = np.pad(x64, ((0, 0), (0, 0), (pt, pb), (pl, pr)))
+def _checked(spec: ConvSpec, **arrays: np.ndarray) -> dict[str, np.ndarray]:
+    out = {}
+    for name, a in arrays.items():
+        a64 = np.asarray(a, dtype=np.float64)
+        if a64.shape != spec.shape_of(name):
+            raise ValueError(f"reference: {name} has shape {a64.shape}, {spec.short()} needs "
+                             f"{spec.shape_of(name)}")
+        out[name] = a64
+    return out
+
+
+def _taps(spec: ConvSpec) -> Iterator[tuple[int, int, slice, slice]]:
+    """(r, s, rows, cols): for each filter tap, the slices of the padded input it meets."""
     (sh, sw), (dh, dw) = spec.stride, spec.dilation
-    p, q = spec.p, spec.q
-    out = np.zeros((spec.n, spec.k, p, q), dtype=np.float64)
     for r in range(spec.r):
         for s in range(spec.s):
             y0, x0 = r * dh, s * dw
-            win = xp[:, :, y0:y0 + sh * (p - 1) + 1:sh, x0:x0 + sw * (q - 1) + 1:sw]
+            yield r, s, slice(y0, y0 + sh * (spec.p - 1) + 1, sh), slice(x0, x0 + sw * (spec.q - 1) + 1, sw)
+
+
+def _pad(spec: ConvSpec, x64: np.ndarray) -> np.ndarray:
+    pt, pb, pl, pr = spec.pad
+    return np.pad(x64, ((0, 0), (0, 0), (pt, pb), (pl, pr)))
+
+
+def conv2d_ref(x: np.ndarray, w: np.ndarray, spec: ConvSpec,
+               bias: np.ndarray | None = None, relu: bool = False) -> np.ndarray:
+    """fprop: NCHW x KCRS -> NKPQ in float64, one tensordot per filter tap and group."""
+    a = _checked(spec, x=x, w=w)
+    xp, w64, g, cg, kg = _pad(spec, a["x"]), a["w"], spec.groups, spec.cg, spec.kg
+    out = np.zeros(spec.y_shape, dtype=np.float64)
+    for r, s, rows, cols in _taps(spec):
+        win = xp[:, :, rows, cols]
+        if g == 1:
             out += np.einsum("ncpq,kc->nkpq", win, w64[:, :, r, s], optimize=True)
+            continue
+        wg = w64[:, :, r, s].reshape(g, kg, cg)
+        out += np.einsum("ngcpq,gkc->ngkpq", win.reshape(spec.n, g, cg, spec.p, spec.q), wg,
+                         optimize=True).reshape(out.shape)
     if bias is not None:
         out += np.asarray(bias, dtype=np.float64)[None, :, None, None]
     if relu:
         out = np.maximum(out, 0.0)
     return out
+
+
+def dgrad_ref(dy: np.ndarray, w: np.ndarray, spec: ConvSpec) -> np.ndarray:
+    """dgrad (bprop): the gradient of the input, NKPQ x KCRS -> NCHW in float64 (the adjoint of
+    :func:`conv2d_ref`: each tap scatters dy . w back onto the padded input, then the pad is cut)."""
+    a = _checked(spec, y=dy, w=w)
+    dy64, w64, g, cg, kg = a["y"], a["w"], spec.groups, spec.cg, spec.kg
+    pt, pb, pl, pr = spec.pad
+    dxp = np.zeros((spec.n, spec.c, spec.h + pt + pb, spec.w + pl + pr), dtype=np.float64)
+    dyg = dy64.reshape(spec.n, g, kg, spec.p, spec.q)
+    for r, s, rows, cols in _taps(spec):
+        wg = w64[:, :, r, s].reshape(g, kg, cg)
+        dxp[:, :, rows, cols] += np.einsum("ngkpq,gkc->ngcpq", dyg, wg, optimize=True).reshape(
+            spec.n, spec.c, spec.p, spec.q)
+    return dxp[:, :, pt:pt + spec.h, pl:pl + spec.w]
+
+
+def wgrad_ref(x: np.ndarray, dy: np.ndarray, spec: ConvSpec) -> np.ndarray:
+    """wgrad (update): the gradient of the filters, NCHW x NKPQ -> KCRS in float64 (a reduction
+    over N, P and Q per tap)."""
+    a = _checked(spec, x=x, y=dy)
+    xp, g, cg, kg = _pad(spec, a["x"]), spec.groups, spec.cg, spec.kg
+    dyg = a["y"].reshape(spec.n, g, kg, spec.p, spec.q)
+    out = np.zeros(spec.w_shape, dtype=np.float64)
+    for r, s, rows, cols in _taps(spec):
+        win = xp[:, :, rows, cols].reshape(spec.n, g, cg, spec.p, spec.q)
+        out[:, :, r, s] = np.einsum("ngcpq,ngkpq->gkc", win, dyg, optimize=True).reshape(spec.k, cg)
+    return out
+
+
+def bias_grad_ref(dy: np.ndarray) -> np.ndarray:
+    """The gradient of a per-channel bias: dy summed over N, P and Q, in float64."""
+    return np.asarray(dy, dtype=np.float64).sum(axis=(0, 2, 3))
+
+
+def pass_ref(spec: ConvSpec, inputs: dict[str, np.ndarray]) -> np.ndarray:
+    """The float64 output of ``spec``'s pass from its named inputs (x, w, y, bias; no epilogue
+    beyond bias for fprop)."""
+    if spec.conv_pass == "dgrad":
+        return dgrad_ref(inputs["y"], inputs["w"], spec)
+    if spec.conv_pass == "wgrad":
+        return wgrad_ref(inputs["x"], inputs["y"], spec)
+    return conv2d_ref(inputs["x"], inputs["w"], spec, inputs.get("bias"))
 
 
 def rel_l2(out: np.ndarray, ref: np.ndarray) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import operator
 from collections.abc import Sequence
@@ -46,6 +47,12 @@ def _pair(name: str, value: int | Sequence[int]) -> Pair:
     return (vals[0], vals[1])
 
 
+def _int_groups(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        raise ValueError(f"groups ({value!r}) must be a positive int")
+    return operator.index(value)
+
+
 def normalize_padding(padding: int | Sequence[int]) -> Quad:
     """Padding as (top, bottom, left, right) from an int, (ph, pw) or a 4-tuple."""
     vals = _ints("padding", padding)
@@ -59,7 +66,41 @@ def normalize_padding(padding: int | Sequence[int]) -> Quad:
 
 
 _SPEC_TUPLES = ("stride", "pad", "dilation")
-_SPEC_KEYS = tuple("NCHWKRS") + _SPEC_TUPLES
+_SPEC_WORDS = ("groups", "dtype", "pass")  # optional keys whose value is one word or int
+_SPEC_KEYS = tuple("NCHWKRS") + _SPEC_TUPLES + _SPEC_WORDS
+
+# The three passes of a convolution layer, as CUTLASS names them: fprop computes y from x and w;
+# dgrad (bprop) the gradient of x from dy and w; wgrad (update) the gradient of w from x and dy.
+# Buffers keep their forward names in every pass ("y" holds dy), and each pass writes one of them.
+PASSES = ("fprop", "dgrad", "wgrad")
+PASS_OUTPUT = {"fprop": "y", "dgrad": "x", "wgrad": "w"}
+# Storage dtypes; arithmetic accumulates in float32 whatever the storage.
+DTYPES = ("float32", "float16", "bfloat16")
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+_DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16",
+                "half": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
+
+
+def parse_dtype(value: Any) -> str:
+    """The canonical dtype name for ``value`` ('fp16', 'float16', numpy.float16, torch.float16, ...)."""
+    name = str(getattr(value, "name", None) or value).replace("torch.", "").lower()
+    if name == "<class 'numpy.float16'>":
+        name = "float16"
+    elif name.startswith("<class 'numpy."):
+        name = name[len("<class 'numpy."):-2]
+    try:
+        return _DTYPE_NAMES[name]
+    except KeyError:
+        raise ValueError(f"dtype ({value!r}) must be one of float32, float16, bfloat16 "
+                         "(or fp32, fp16, bf16)") from None
+
+
+def parse_pass(value: Any) -> str:
+    """``value`` when it names a pass (fprop, dgrad, wgrad; bprop and update as their aliases)."""
+    name = {"bprop": "dgrad", "update": "wgrad", "forward": "fprop"}.get(str(value), str(value))
+    if name not in PASSES:
+        raise ValueError(f"pass ({value!r}) must be one of {', '.join(PASSES)}")
+    return name
 
 
 def _spec_key(key: str) -> str:
@@ -77,7 +118,8 @@ def _spec_key(key: str) -> str:
 
 @dataclass(frozen=True)
 class ConvSpec:
-    """A forward 2-D convolution, NCHW input, KCRS filters, NKPQ output, float32."""
+    """One pass of a 2-D convolution layer: NCHW input, KCRS filters (C/groups channels each), NKPQ
+    output, stored as ``dtype``; ``conv_pass`` says which of x, w, y is computed from the other two."""
 
     n: int
     c: int
@@ -90,6 +132,8 @@ class ConvSpec:
     pad: Quad = (0, 0, 0, 0)
     dilation: Pair = (1, 1)
     dtype: str = "float32"
+    groups: int = 1
+    conv_pass: str = "fprop"
 
     def __post_init__(self) -> None:
         for field in ("n", "c", "h", "w", "k", "r", "s"):
@@ -108,8 +152,15 @@ class ConvSpec:
                 raise ValueError(f"padding ({self.pad!r}) must hold ints")
             if v < 0:
                 raise ValueError(f"padding ({v!r}) must be >= 0")
-        if self.dtype != "float32":
-            raise ValueError(f"dtype ({self.dtype!r}) must be float32")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype ({self.dtype!r}) must be one of {', '.join(DTYPES)}")
+        if self.conv_pass not in PASSES:
+            raise ValueError(f"pass ({self.conv_pass!r}) must be one of {', '.join(PASSES)}")
+        g = self.groups
+        if not isinstance(g, int) or isinstance(g, bool) or g <= 0:
+            raise ValueError(f"groups ({g!r}) must be a positive int")
+        if self.c % g or self.k % g:
+            raise ValueError(f"groups ({g}) must divide both C ({self.c}) and K ({self.k})")
         eff_r, eff_s = self.eff_r, self.eff_s
         hp, wp = self.h + self.pad[0] + self.pad[1], self.w + self.pad[2] + self.pad[3]
         if eff_r > hp or eff_s > wp:
@@ -124,10 +175,14 @@ class ConvSpec:
         stride: int | Sequence[int] = 1,
         padding: int | Sequence[int] = 0,
         dilation: int | Sequence[int] = 1,
+        groups: int = 1,
+        dtype: Any = "float32",
+        conv_pass: str = "fprop",
     ) -> ConvSpec:
-        """Build a spec from the loose forms users write (ints or pairs)."""
+        """Build a spec from the loose forms users write (ints or pairs, dtype and pass aliases)."""
         return cls(n, c, h, w, k, r, s, _pair("stride", stride), normalize_padding(padding),
-                   _pair("dilation", dilation))
+                   _pair("dilation", dilation), parse_dtype(dtype), _int_groups(groups),
+                   parse_pass(conv_pass))
 
     @classmethod
     def from_shapes(
@@ -137,17 +192,24 @@ class ConvSpec:
         stride: int | Sequence[int] = 1,
         padding: int | Sequence[int] = 0,
         dilation: int | Sequence[int] = 1,
+        groups: int = 1,
+        dtype: Any = "float32",
+        conv_pass: str = "fprop",
     ) -> ConvSpec:
-        """Spec of conv(x, w) from NCHW and KCRS shapes, checking rank and channels."""
+        """Spec of conv(x, w) from NCHW and KCRS shapes, checking rank and channels (the filters
+        hold C/groups channels each)."""
         if len(x_shape) != 4:
             raise ValueError(f"input must have rank 4 (N, C, H, W), got shape {tuple(x_shape)}")
         if len(w_shape) != 4:
             raise ValueError(f"weights must have rank 4 (K, C, R, S), got shape {tuple(w_shape)}")
         n, c, h, w = (int(v) for v in x_shape)
         k, wc, r, s = (int(v) for v in w_shape)
-        if wc != c:
-            raise ValueError(f"channel mismatch: input has C={c}, weights have C={wc}")
-        return cls.make(n, c, h, w, k, r, s, stride, padding, dilation)
+        g = _int_groups(groups)
+        if wc * g != c:
+            per = f" (C/groups with groups={g})" if g > 1 else ""
+            raise ValueError(f"channel mismatch: input has C={c}, weights have C={wc}, expected {c // g}{per}"
+                             if c % g == 0 else f"groups ({g}) must divide C ({c})")
+        return cls.make(n, c, h, w, k, r, s, stride, padding, dilation, g, dtype, conv_pass)
 
     @property
     def eff_r(self) -> int:
@@ -173,7 +235,45 @@ class ConvSpec:
 
     @property
     def w_shape(self) -> tuple[int, int, int, int]:
-        return (self.k, self.c, self.r, self.s)
+        return (self.k, self.c // self.groups, self.r, self.s)
+
+    @property
+    def cg(self) -> int:
+        """Input channels per group (C for an ungrouped layer)."""
+        return self.c // self.groups
+
+    @property
+    def kg(self) -> int:
+        """Output channels per group."""
+        return self.k // self.groups
+
+    @property
+    def depthwise(self) -> bool:
+        """One input channel per group (groups == C): MobileNet's and ConvNeXt's 3x3 to 7x7 layers."""
+        return self.groups == self.c and self.groups > 1
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per stored element."""
+        return ITEMSIZE[self.dtype]
+
+    @property
+    def output(self) -> str:
+        """The buffer this pass writes: "y" (fprop), "x" (dgrad) or "w" (wgrad)."""
+        return PASS_OUTPUT[self.conv_pass]
+
+    def shape_of(self, buffer: str) -> tuple[int, ...]:
+        """Shape of a conv buffer by name (x, w, y, bias, res)."""
+        return {"x": self.x_shape, "w": self.w_shape, "y": self.y_shape, "bias": (self.k,),
+                "res": self.y_shape}[buffer]
+
+    def with_pass(self, conv_pass: str) -> ConvSpec:
+        """The same layer, another pass."""
+        return dataclasses.replace(self, conv_pass=parse_pass(conv_pass))
+
+    def with_batch(self, n: int) -> ConvSpec:
+        """The same problem on ``n`` images."""
+        return dataclasses.replace(self, n=n)
 
     @property
     def y_shape(self) -> tuple[int, int, int, int]:
@@ -181,8 +281,8 @@ class ConvSpec:
 
     @property
     def flops(self) -> int:
-        """2·N·K·P·Q·C·R·S: the figure every algorithm is measured by."""
-        return 2 * self.n * self.k * self.p * self.q * self.c * self.r * self.s
+        """2·N·K·P·Q·(C/groups)·R·S: the figure every algorithm and every pass is measured by."""
+        return 2 * self.n * self.k * self.p * self.q * self.cg * self.r * self.s
 
     @property
     def symmetric_pad(self) -> bool:
@@ -191,27 +291,43 @@ class ConvSpec:
     def key(self) -> str:
         """A stable text key, used in caches and the tuning database."""
         st, pd, dl = self.stride, self.pad, self.dilation
+        # groups and pass appear only when they are not the defaults, so forward keys stay as they were
+        extra = (f"_g{self.groups}" if self.groups > 1 else "") + (
+            f"_{self.conv_pass}" if self.conv_pass != "fprop" else "")
         return (f"n{self.n}c{self.c}h{self.h}w{self.w}k{self.k}r{self.r}s{self.s}"
-                f"_st{st[0]}x{st[1]}_pd{pd[0]}.{pd[1]}.{pd[2]}.{pd[3]}_dl{dl[0]}x{dl[1]}_{self.dtype}")
+                f"_st{st[0]}x{st[1]}_pd{pd[0]}.{pd[1]}.{pd[2]}.{pd[3]}_dl{dl[0]}x{dl[1]}_{self.dtype}{extra}")
 
     def short(self) -> str:
         """Human-readable one-liner."""
+        extra = (f" g{self.groups}" if self.groups > 1 else "") + (
+            f" {self.dtype}" if self.dtype != "float32" else "") + (
+            f" {self.conv_pass}" if self.conv_pass != "fprop" else "")
         return (f"N{self.n} C{self.c} {self.h}x{self.w} -> K{self.k} {self.r}x{self.s}"
-                f" /{self.stride[0]}x{self.stride[1]} pad{list(self.pad)} dil{list(self.dilation)}")
+                f" /{self.stride[0]}x{self.stride[1]} pad{list(self.pad)} dil{list(self.dilation)}{extra}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"N": self.n, "C": self.c, "H": self.h, "W": self.w, "K": self.k, "R": self.r,
-                "S": self.s, "stride": list(self.stride), "pad": list(self.pad),
-                "dilation": list(self.dilation)}
+        """The layer as JSON-ready values; groups, dtype and pass only when not the defaults."""
+        d: dict[str, Any] = {"N": self.n, "C": self.c, "H": self.h, "W": self.w, "K": self.k, "R": self.r,
+                             "S": self.s, "stride": list(self.stride), "pad": list(self.pad),
+                             "dilation": list(self.dilation)}
+        if self.groups > 1:
+            d["groups"] = self.groups
+        if self.dtype != "float32":
+            d["dtype"] = self.dtype
+        if self.conv_pass != "fprop":
+            d["pass"] = self.conv_pass
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ConvSpec:
         return cls.make(d["N"], d["C"], d["H"], d["W"], d["K"], d["R"], d["S"],
-                        d.get("stride", 1), d.get("pad", 0), d.get("dilation", 1))
+                        d.get("stride", 1), d.get("pad", 0), d.get("dilation", 1), d.get("groups", 1),
+                        d.get("dtype", "float32"), d.get("pass", "fprop"))
 
     @classmethod
     def parse(cls, text: str) -> ConvSpec:
-        """Parse 'N=1,C=3,H=13,W=13,K=8,R=3,S=3,stride=1,pad=1,dilation=1' (pad may be 1x1 or 0x1x0x1);
+        """Parse 'N=1,C=3,H=13,W=13,K=8,R=3,S=3,stride=1,pad=1,dilation=1' (pad may be 1x1 or 0x1x0x1;
+        optional groups=G, dtype=fp16|bf16|fp32, pass=fprop|dgrad|wgrad);
         an unknown, repeated or malformed item is a ValueError naming it (and the nearest known key)."""
         if not isinstance(text, str):
             raise TypeError(f"spec ({text!r}) must be a string such as 'N=1,C=3,H=13,W=13,K=8,R=3,S=3'")
@@ -225,6 +341,9 @@ class ConvSpec:
             key = _spec_key(key.strip())
             if key in d:
                 raise ValueError(f"spec {text!r} gives {key} twice")
+            if key in ("dtype", "pass"):
+                d[key] = parse_dtype(val) if key == "dtype" else parse_pass(val)
+                continue
             try:
                 parts = [int(v) for v in val.split("x")]
             except ValueError:

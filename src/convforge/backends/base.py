@@ -123,17 +123,21 @@ class Backend(ABC):
     def empty(self, nbytes: int) -> Any: ...
 
     @abstractmethod
-    def upload(self, array: np.ndarray) -> Any: ...
+    def upload(self, array: np.ndarray) -> Any:
+        """A new device buffer holding ``array``: float16 and uint16 (bfloat16 bits) arrays as they
+        are, anything else as float32."""
 
     @abstractmethod
-    def download(self, buf: Any, shape: tuple[int, ...]) -> np.ndarray: ...
+    def download(self, buf: Any, shape: tuple[int, ...], dtype: str = "float32") -> np.ndarray:
+        """The first prod(shape) elements of ``buf``, stored as ``dtype``, as a float32 array."""
 
     def write(self, buf: Any, array: np.ndarray) -> None:
         """Copy a host float32 array into the start of an existing buffer."""
         raise NotImplementedError(f"the {self.name} back-end cannot write into a buffer")
 
     @abstractmethod
-    def fill(self, buf: Any, value: float, nbytes: int) -> None: ...
+    def fill(self, buf: Any, value: float, nbytes: int, dtype: str = "float32") -> None:
+        """Set the first ``nbytes`` of ``buf`` to ``value`` stored as ``dtype``."""
 
     @abstractmethod
     def nbytes(self, buf: Any) -> int:
@@ -178,8 +182,7 @@ class Executable:
         self._workspace: dict[str, Any] | None = None  # every workspace buffer (workspace())
         self._own: dict[str, Any] = {}  # those allocated for calls that supplied the others
         s = plan.spec
-        self._sizes = {"x": 4 * s.n * s.c * s.h * s.w, "w": 4 * s.k * s.c * s.r * s.s,
-                       "y": 4 * s.n * s.k * s.p * s.q, "bias": 4 * s.k, "res": 4 * s.n * s.k * s.p * s.q,
+        self._sizes = {**{name: s.itemsize * int(np.prod(s.shape_of(name))) for name in CONV_BUFFERS},
                        **dict(plan.workspace)}
         self._steps = [self._prepare(step) for step in plan.steps]
         self.weight_steps, self.derived = weight_steps(plan)

@@ -22,6 +22,7 @@ from convforge.backends.base import (
 )
 from convforge.codegen.dialect import Buf, ConstBuf, Kernel, LocalBuf, Scalar, TexBuf
 from convforge.codegen.render import ARCH_SPECIFIC_MARK
+from convforge.dtypes import from_storage, host_dtype, storage_dtype, to_storage
 from convforge.plan import DeviceInfo, Gemm, Launch, Plan
 
 log = logging.getLogger("convforge")
@@ -122,10 +123,11 @@ class CudaBackend(Backend):
 
     def upload(self, array: np.ndarray) -> Any:
         with cp.cuda.Device(self.device_id):
-            return cp.asarray(np.ascontiguousarray(array, dtype=np.float32))
+            return cp.asarray(np.ascontiguousarray(array, dtype=host_dtype(array)))
 
-    def download(self, buf: Any, shape: tuple[int, ...]) -> np.ndarray:
-        return cp.asnumpy(buf.ravel()[: int(np.prod(shape))]).reshape(shape)
+    def download(self, buf: Any, shape: tuple[int, ...], dtype: str = "float32") -> np.ndarray:
+        flat = buf.ravel().view(storage_dtype(dtype))
+        return from_storage(cp.asnumpy(flat[: int(np.prod(shape))]).reshape(shape), dtype)
 
     def nbytes(self, buf: Any) -> int:
         return int(buf.nbytes)
@@ -140,9 +142,11 @@ class CudaBackend(Backend):
     def executable(self, plan: Plan) -> CudaExecutable:
         return CudaExecutable(self, plan)
 
-    def fill(self, buf: Any, value: float, nbytes: int) -> None:
+    def fill(self, buf: Any, value: float, nbytes: int, dtype: str = "float32") -> None:
+        pattern = to_storage(np.array([value], np.float32), dtype)
+        flat = buf.ravel().view(pattern.dtype)
         with self._stream():
-            buf.ravel()[: nbytes // 4].fill(value)
+            flat[: nbytes // pattern.itemsize].fill(pattern[0])
 
     def _stream(self) -> Any:
         return self.stream if self.stream is not None else cp.cuda.get_current_stream()

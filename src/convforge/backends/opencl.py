@@ -11,6 +11,7 @@ import pyopencl as cl
 from convforge.backends.base import Backend, CompileError
 from convforge.codegen.dialect import Kernel, LocalBuf, Scalar
 from convforge.config import config
+from convforge.dtypes import from_storage, host_dtype, storage_dtype, to_storage
 from convforge.plan import DeviceInfo, Launch
 
 _OPTIONS = ["-cl-std=CL1.2"]
@@ -110,15 +111,15 @@ class OpenCLBackend(Backend):
         return cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE, size=max(nbytes, 4))
 
     def upload(self, array: np.ndarray) -> Any:
-        arr = np.ascontiguousarray(array, dtype=np.float32)
+        arr = np.ascontiguousarray(array, dtype=host_dtype(array))
         buf = self.empty(arr.nbytes)
         cl.enqueue_copy(self.queue, buf, arr)
         return buf
 
-    def download(self, buf: Any, shape: tuple[int, ...]) -> np.ndarray:
-        out = np.empty(shape, dtype=np.float32)
+    def download(self, buf: Any, shape: tuple[int, ...], dtype: str = "float32") -> np.ndarray:
+        out = np.empty(shape, dtype=storage_dtype(dtype))
         cl.enqueue_copy(self.queue, out, buf)
-        return out
+        return from_storage(out, dtype)
 
     def write(self, buf: Any, array: np.ndarray) -> None:
         cl.enqueue_copy(self.queue, buf, np.ascontiguousarray(array, dtype=np.float32))
@@ -126,8 +127,9 @@ class OpenCLBackend(Backend):
     def nbytes(self, buf: Any) -> int:
         return int(buf.size)
 
-    def fill(self, buf: Any, value: float, nbytes: int) -> None:
-        cl.enqueue_fill_buffer(self.queue, buf, np.array([value], np.float32), 0, nbytes)
+    def fill(self, buf: Any, value: float, nbytes: int, dtype: str = "float32") -> None:
+        pattern = to_storage(np.array([value], np.float32), dtype)
+        cl.enqueue_fill_buffer(self.queue, buf, pattern, 0, nbytes // pattern.itemsize * pattern.itemsize)
 
     # -- execution --------------------------------------------------------------------------
     def launch(self, program: Any, fn: Any, kernel: Kernel, step: Launch, args: list[Any]) -> None:

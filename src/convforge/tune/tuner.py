@@ -27,11 +27,12 @@ import numpy as np
 
 from convforge import __version__
 from convforge.backends.base import Backend, Executable
-from convforge.check import random_inputs
+from convforge.check import expected, pass_inputs
 from convforge.config import FP32_SLACK, PRECISIONS, config, precision_key
+from convforge.dtypes import to_storage
 from convforge.params import Params
 from convforge.plan import Epilogue, Plan, Variant
-from convforge.reference import conv2d_ref, rel_l2
+from convforge.reference import rel_l2
 from convforge.spec import ConvSpec
 from convforge.tune.db import KEY_FIELDS, Entry, Measurement, TuningDB, now
 from convforge.tune.heuristic import NO_EPILOGUE, applicable, epilogue_key, prune_reason
@@ -146,29 +147,31 @@ class _Bench:
 
     def __init__(self, backend: Backend, spec: ConvSpec, epi: Epilogue, seed: int) -> None:
         self.backend, self.spec, self.epi = backend, spec, epi
-        rng = np.random.default_rng(seed)
-        x, w, b = random_inputs(spec, rng, epi.bias)
-        self.bufs: dict[str, Any] = {"x": backend.upload(x), "w": backend.upload(w),
-                                     "y": backend.empty(4 * int(np.prod(spec.y_shape)))}
-        if b is not None:
-            self.bufs["bias"] = backend.upload(b)
+        inputs = pass_inputs(spec, np.random.default_rng(seed), epi)
+        self.out, self.shape = spec.output, spec.shape_of(spec.output)
+        self.bufs: dict[str, Any] = {name: backend.upload(to_storage(a, spec.dtype)) for name, a in inputs.items()}
+        self.bufs[self.out] = backend.empty(spec.itemsize * int(np.prod(self.shape)))
         per_image = max(1, spec.flops // max(spec.n, 1))
-        self.n_ref = max(1, min(spec.n, int(REF_FLOP_LIMIT // per_image)))
-        sub = ConvSpec(self.n_ref, spec.c, spec.h, spec.w, spec.k, spec.r, spec.s, spec.stride,
-                       spec.pad, spec.dilation)
-        self.ref = conv2d_ref(x[: self.n_ref], w, sub, b, epi.relu)
+        # wgrad reduces over the batch: only the whole batch has a reference answer
+        whole = spec.conv_pass == "wgrad"
+        self.n_ref = spec.n if whole else max(1, min(spec.n, int(REF_FLOP_LIMIT // per_image)))
+        self.ref = expected(spec, inputs, epi, self.n_ref)
         self._rest: np.ndarray | None = None  # the verifier's output for images n_ref..n-1
         self.verifier = ""  # which variant produced it
+
+    def _judged(self, out: np.ndarray) -> np.ndarray:
+        """The part of an output the reference answers: the first n_ref images (all of wgrad's)."""
+        return out if self.spec.conv_pass == "wgrad" else out[: self.n_ref]
 
     def _run(self, exe: Executable) -> np.ndarray:
         """Run once on NaN-poisoned output and workspace; the whole output on the host."""
         be, spec = self.backend, self.spec
-        be.fill(self.bufs["y"], float("nan"), 4 * int(np.prod(spec.y_shape)))
+        be.fill(self.bufs[self.out], float("nan"), spec.itemsize * int(np.prod(self.shape)), spec.dtype)
         for buf, (_, nbytes) in zip(exe.workspace().values(), exe.plan.workspace, strict=True):
             be.fill(buf, float("nan"), nbytes)
         exe(self.bufs)
         be.synchronize()
-        return be.download(self.bufs["y"], spec.y_shape)
+        return be.download(self.bufs[self.out], self.shape, spec.dtype)
 
     def rest(self) -> np.ndarray:
         """The verified output of the images past the reference's slice, made once by the first
@@ -185,7 +188,7 @@ class _Bench:
                 except Exception as err:  # noqa: BLE001 - try the next exact variant
                     log.info("verifier %s unusable on %s: %s", v.name, self.spec.short(), err)
                     continue
-                if rel_l2(out[: self.n_ref], self.ref) <= v.tolerance and not np.isnan(out).any():
+                if rel_l2(self._judged(out), self.ref) <= v.tolerance and not np.isnan(out).any():
                     self._rest, self.verifier = out[self.n_ref:].astype(np.float64), v.name
                     break
             else:
@@ -196,7 +199,7 @@ class _Bench:
         """Run once on NaN-poisoned output and workspace; (rel error, None or why it is wrong)."""
         out = self._run(exe)
         unwritten = int(np.isnan(out).sum())
-        err = rel_l2(out[: self.n_ref], self.ref)
+        err = rel_l2(self._judged(out), self.ref)
         if self.n_ref < self.spec.n and not unwritten:
             err = max(err, rel_l2(out[self.n_ref:], self.rest()))
         if unwritten:
