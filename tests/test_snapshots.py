@@ -17,17 +17,21 @@ from convforge.spec import ConvSpec
 SNAP = Path(__file__).parent / "snapshots"
 SPECS = {"3x3": ConvSpec.make(2, 5, 11, 11, 6, 3, 3, 1, 1), "1x1": ConvSpec.make(2, 8, 7, 7, 6, 1, 1),
          "1x1deep": ConvSpec.make(1, 256, 2, 2, 16, 1, 1), "fc": ConvSpec.make(2, 40, 3, 3, 13, 3, 3)}
-CASES = [(v.name, tag, be) for v in all_variants() for tag in SPECS for be in sorted(v.backends)]
+PASS_ORDER = ("fprop", "dgrad", "wgrad")
+# every pass a variant computes; a snapshot of another pass than fprop has the pass in its name
+CASES = [(v.name, tag, be, cp) for v in all_variants() for tag in SPECS for be in sorted(v.backends)
+         for cp in PASS_ORDER if cp in v.passes]
 
 
-@pytest.mark.parametrize("name, tag, backend", CASES)
-def test_generated_source_snapshot(name, tag, backend):
+@pytest.mark.parametrize("name, tag, backend, conv_pass", CASES)
+def test_generated_source_snapshot(name, tag, backend, conv_pass):
     variant = next(v for v in all_variants() if v.name == name)
     device = NOMINAL_CUDA if backend == "cuda" else NOMINAL_OPENCL_GPU
-    spec = SPECS[tag]
+    spec = SPECS[tag].with_pass(conv_pass)
     if variant.applies(spec, device):
         pytest.skip(f"{name} does not apply to the {tag} snapshot spec")
     src = variant.plan(spec, variant.default(spec, device), device).source(backend)
+    tag = tag if conv_pass == "fprop" else f"{tag}-{conv_pass}"
     path = SNAP / f"{name}.{tag}.{backend}.txt"
     if os.environ.get("CONVFORGE_UPDATE_SNAPSHOTS"):
         path.parent.mkdir(exist_ok=True)
