@@ -157,7 +157,7 @@ def _only_user(node: Node) -> Node | None:
 def _is_bn(node: Node, src: Node, modules: dict[str, Any]) -> bool:
     m = modules.get(str(node.target)) if node.op == "call_module" else None
     conv = modules[str(src.target)]
-    return (type(m) is torch.nn.BatchNorm2d and node.args == (src,) and not node.kwargs
+    return (m is not None and type(m) is torch.nn.BatchNorm2d and node.args == (src,) and not node.kwargs
             and m.num_features == conv.out_channels)
 
 
