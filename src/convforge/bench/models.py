@@ -497,14 +497,14 @@ def tune_models(specs: list[str], console: Console, budget: Any = None) -> int:
     dispatch tunes every conv with its real epilogue into the database; print what each chose.
     ``budget`` (a tuner Budget) replaces the autotune budget meanwhile. 2: bad input or no GPU;
     1: a model could not be built or a layer fell back to the heuristic (its tuning failed)."""
-    import torch
-
     import convforge.tune as tune_pkg
     from convforge.config import config, precision_key
 
-    models = _check_models(specs, console)
+    models = _check_models(specs, console)  # says so when PyTorch or a CUDA device is missing
     if models is None:
         return 2
+    import torch
+
     console.print(f"device {torch.cuda.get_device_name()}; database {config.tuning_db}; class "
                   f"{precision_key()}; budget per layer {budget or tune_pkg.AUTOTUNE_BUDGET}")
     saved, status = tune_pkg.AUTOTUNE_BUDGET, 0

@@ -164,7 +164,8 @@ def summary_lines(rows: list[Row]) -> list[str]:
         if len(s["by_impl"]) > 1:
             lines += [_line(f"  {impl}", st) for impl, st in s["by_impl"].items()]
         if s["failed"]:
-            lines.append(f"  {s['failed']} {key} convforge row(s) failed their check or did not run")
+            what = f"{prec}-class" + ("" if s["pass"] == "fprop" else f" {s['pass']}")
+            lines.append(f"  {s['failed']} {what} convforge row(s) failed their check or did not run")
     return lines
 
 
