@@ -8,6 +8,7 @@ import json
 import math
 
 import pytest
+
 from helpers import run_main
 
 SPEC = "N=2,C=3,H=11,W=9,K=4,R=3,S=3,stride=2,pad=1"
@@ -26,7 +27,8 @@ def test_algos_lists_the_variants_of_each_pass(ocl, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["algos", "--spec", SPEC, "--pass", "backward"], r"pass \('backward'\) must be one of fprop, dgrad, wgrad \(or all\)"),
+    (["algos", "--spec", SPEC, "--pass", "backward"],
+     r"pass \('backward'\) must be one of fprop, dgrad, wgrad \(or all\)"),
     (["show", "--spec", SPEC, "--pass", "all", "--backend", "opencl"], r"pass \('all'\) must be one of"),
     (["show", "--spec", SPEC, "--pass", "dgrad", "--bias", "--backend", "opencl"],
      r"error: unsupported epilogue: dgrad_direct writes a gradient"),

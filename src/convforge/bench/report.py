@@ -157,7 +157,7 @@ def summary_lines(rows: list[Row]) -> list[str]:
     geometric-mean error ratio 1.70 over 16 (...)' for the fastest convforge row of each layer, then
     one indented line per implementation when several ran, and the failures."""
     lines = []
-    for key, s in summary(rows).items():
+    for s in summary(rows).values():
         prec = s["precision"]
         head = class_title(prec, rows) + ("" if s["pass"] == "fprop" else f", {s['pass']}")
         lines.append(_line(head, s))

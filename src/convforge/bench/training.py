@@ -15,11 +15,13 @@ weights as ``bench --model``, ``models.build``):
 Time: CUDA events around each step after ``warmup`` steps, the median of ``repeats`` steps (each
 step updates the weights, so filter transforms are redone per step as in real training). Loss
 curve: ``STEPS`` steps from the initial weights on a fresh copy, the loss of each step. Beside
-them ``pytorch_fp32_nobench`` (PyTorch FP32 with cudnn.benchmark off: other, equally valid FP32
-algorithms) gives the run-to-run noise of FP32 training: ``loss_dev`` is a row's largest relative
-deviation from PyTorch FP32's curve, ``loss_noise`` that of the no-benchmark run, and
-``within_noise`` says whether a convforge row's deviation is at most ``NOISE_SLACK`` x the noise
-(or below ``NOISE_FLOOR`` where the two PyTorch runs agree exactly).
+them, curves only: ``pytorch_fp64`` (the same steps in float64) and ``pytorch_fp32_nobench``
+(PyTorch FP32 with cudnn.benchmark off: other, equally valid FP32 algorithms). ``loss_dev`` is a
+row's largest relative deviation from PyTorch FP32's curve; ``loss_noise`` the run-to-run noise of
+FP32 training, the larger deviation of PyTorch FP32 from float64 and of the no-benchmark run from
+PyTorch FP32 (for the relaxed class also PyTorch TF32's from PyTorch FP32); ``within_noise`` says
+whether a convforge row's deviation is at most ``NOISE_SLACK`` x its class's noise, or below
+``NOISE_FLOOR`` (a relative 1e-4 of the loss: where the PyTorch runs agree to the last bits).
 """
 
 from __future__ import annotations
@@ -42,15 +44,16 @@ LR = 1e-3
 MOMENTUM = 0.9
 STEPS = 50
 NOISE_SLACK = 4.0
-NOISE_FLOOR = 1e-5
+NOISE_FLOOR = 1e-4
 CLASSES = 1000
 FIELDS = ("model", "batch", "impl", "precision", "baseline", "time_ms", "speedup", "final_loss", "loss_dev",
           "loss_noise", "within_noise", "status", "converted", "left_to_pytorch", "tuned")
 NOTE = (f"one training step: forward + cross-entropy + backward + SGD (lr {LR:g}, momentum {MOMENTUM:g}) on one "
         f"fixed random batch, training mode (batch norm on batch statistics); CUDA events, median of the timed "
         f"steps; loss curves: {STEPS} steps from the same initial weights (seed {SEED}) on every side; "
-        "loss_dev: largest relative deviation from PyTorch FP32's curve; loss_noise: that of PyTorch FP32 with "
-        "cudnn.benchmark off (the run-to-run noise of FP32 training)")
+        "loss_dev: largest relative deviation from PyTorch FP32's curve; loss_noise: the run-to-run noise of FP32 "
+        "training (PyTorch FP32 against float64 and against itself with cudnn.benchmark off; TF32's too for "
+        "the relaxed class)")
 
 
 def _batch(name: str, batch: int) -> tuple[Any, Any]:
@@ -64,13 +67,13 @@ def _batch(name: str, batch: int) -> tuple[Any, Any]:
     return x, target
 
 
-def step_fn(model: Any, x: Any, target: Any) -> Callable[[], Any]:
+def step_fn(model: Any, x: Any, target: Any, lr: float = LR) -> Callable[[], Any]:
     """One training step of ``model`` (in training mode) on (x, target); returns the loss tensor."""
     import torch
     import torch.nn.functional as F
 
     model.train()
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=MOMENTUM)
 
     def step() -> Any:
         opt.zero_grad(set_to_none=True)
@@ -171,19 +174,22 @@ def bench_train(name: str, batch: int, warmup: int, repeats: int, options: dict[
                 f"{k}: {v}" for k, v in {**rep.left, **getattr(rep, "unfused", {})}.items())
         rows.append(row)
     if pytorch:
-        rows.append(_noise_row(name, batch, model, x, target))
+        rows.append(_curve_row(name, batch, "pytorch_fp32_nobench", lambda: copy.deepcopy(model), x, target, False))
+        rows.append(_curve_row(name, batch, "pytorch_fp64", lambda: copy.deepcopy(model).double(), x.double(), target,
+                               True))
     _flags(False)
     models.label(rows, options, tune)
     return rows
 
 
-def _noise_row(name: str, batch: int, model: Any, x: Any, target: Any) -> dict[str, Any]:
-    """PyTorch FP32 with cudnn.benchmark off: the loss curve of other FP32 algorithms (no time)."""
-    row: dict[str, Any] = dict(model=name, batch=batch, impl="pytorch_fp32_nobench", status="ok", precision="fp32",
+def _curve_row(name: str, batch: int, impl: str, make: Callable[[], Any], x: Any, target: Any,
+               benchmark: bool) -> dict[str, Any]:
+    """A PyTorch loss curve, no time: FP32 with cudnn.benchmark off (other FP32 algorithms) or float64."""
+    row: dict[str, Any] = dict(model=name, batch=batch, impl=impl, status="ok", precision="fp32",
                                baseline="pytorch_fp32", tuned=None)
     try:
-        _flags(False, benchmark=False)
-        row["loss_curve"] = loss_curve(step_fn(copy.deepcopy(model), x, target))
+        _flags(False, benchmark=benchmark)
+        row["loss_curve"] = loss_curve(step_fn(make(), x, target))
         row["final_loss"] = row["loss_curve"][-1]
     except Exception as err:  # noqa: BLE001
         row["status"] = f"failed: {type(err).__name__}: {str(err)[:200]}"
@@ -192,8 +198,8 @@ def _noise_row(name: str, batch: int, model: Any, x: Any, target: Any) -> dict[s
 
 def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Speed-up against each row's class baseline (``models.compare``), then the loss curves against
-    PyTorch FP32's: ``loss_dev``, ``loss_noise`` (the no-benchmark run's deviation) and, on convforge
-    rows, ``within_noise``."""
+    PyTorch FP32's: ``loss_dev``, ``loss_noise`` (the largest deviation of the float64 and
+    no-benchmark runs, and for the relaxed class PyTorch TF32's) and, on convforge rows, ``within_noise``."""
     models.compare(rows)
     by = {(r["model"], r["batch"], r["impl"]): r for r in rows}
     for row in rows:
@@ -202,10 +208,11 @@ def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if ref is None or "loss_curve" not in row or row["impl"] == "pytorch_fp32":
             continue
         row["loss_dev"] = deviation(row["loss_curve"], ref)
-        noise_row = by.get((*key, "pytorch_fp32_nobench"), {})
-        if "loss_curve" in noise_row:
-            noise = deviation(noise_row["loss_curve"], ref)
-            row["loss_noise"] = noise
+        others = ["pytorch_fp32_nobench", "pytorch_fp64"] + (["pytorch_tf32"] if row.get("precision") == "relaxed"
+                                                               else [])
+        devs = [deviation(by[(*key, o)]["loss_curve"], ref) for o in others if "loss_curve" in by.get((*key, o), {})]
+        if devs:
+            row["loss_noise"] = noise = max(devs)
             if row["impl"].startswith("convforge"):
                 row["within_noise"] = row["loss_dev"] <= max(NOISE_SLACK * noise, NOISE_FLOOR)
     return rows
