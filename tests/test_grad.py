@@ -180,15 +180,18 @@ def test_a_dgrad_entry_with_an_epilogue_is_rejected_on_import(tmp_path):
     from convforge.tune import TuningDB
     from convforge.tune.db import EXPORT_FORMAT, Entry, now
 
-    spec = ConvSpec.make(1, 3, 9, 9, 4, 3, 3, 1, 1, conv_pass="dgrad")
+    spec = ConvSpec.make(1, 4, 9, 9, 6, 3, 3, 1, 1, groups=2, conv_pass="dgrad")  # spec_json: groups and pass
     entry = Entry("opencl|dev|x|1", "opencl", "0", spec.key(), "float32", "bias", "dgrad_direct",
                   json.dumps({"bw": 8, "bh": 4}), 0.01, 0, 1e-7, now(),
                   spec_json=json.dumps(spec.to_dict(), sort_keys=True))
     good = dataclasses.replace(entry, epilogue="none")
     doc = {"format": EXPORT_FORMAT, "entries": [dataclasses.asdict(entry), dataclasses.asdict(good)]}
     rep = TuningDB(tmp_path / "x.sqlite").import_json(doc)
-    assert len(rep.stored) == 1 and rep.stored[0].epilogue == "none"
+    assert len(rep.stored) == 1 and rep.stored[0].epilogue == "none" and rep.stored[0].spec.endswith("_g2_dgrad")
     assert "unsupported epilogue" in rep.rejected[0][1]
+    wrong = dataclasses.replace(good, spec_json=json.dumps(spec.with_pass("wgrad").to_dict()))
+    rep = TuningDB(tmp_path / "y.sqlite").import_json({"format": EXPORT_FORMAT, "entries": [dataclasses.asdict(wrong)]})
+    assert not rep.stored and "does not match its spec_json" in rep.rejected[0][1]
 
 
 # -- the torch op's backward on these kernels (torch installed; CPU tensors through PoCL) ----------
@@ -321,3 +324,44 @@ def test_backward_ops_fake_impls_and_compile_of_a_training_step():
     for p, want in zip(comp_conv.parameters(), eager_conv.parameters()):
         torch.testing.assert_close(p.grad, want.grad)
         torch.testing.assert_close(p.detach(), want.detach())
+
+
+@pytest.mark.parametrize("what", ["dgrad", "wgrad", "bias"])
+def test_pass_runner_fills_the_pointer_slots_of_its_pass(monkeypatch, what):
+    """torch_runner of a dgrad, wgrad or bias-gradient plan (CUDA driver recorded, CPU torch tensors
+    standing in for CUDA ones): the output has the shape of the buffer the plan writes, its address
+    and the inputs' go to the kernel's x / w / y / bias arguments, and nothing is cached for the
+    filters of a plan that has no filter step."""
+    import ctypes
+
+    torch = pytest.importorskip("torch", reason="torch not installed: the torch runner is not tested")
+    from conftest import NOMINAL_CUDA
+    from test_torch import _FakeBackend, _stubbed_cuda_module
+
+    from convforge.codegen.dialect import LocalBuf
+    from convforge.kernels import get_variant
+    from convforge.kernels.wgrad import bias_grad_plan
+
+    mod, calls, _ = _stubbed_cuda_module(monkeypatch)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda i: 77, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False, raising=False)
+    spec = ConvSpec.make(2, 6, 11, 9, 4, 3, 3, 2, 1, groups=2, conv_pass="wgrad" if what == "bias" else what)
+    if what == "bias":
+        plan = bias_grad_plan(spec, NOMINAL_CUDA)
+    else:
+        v = get_variant(f"{what}_direct")
+        plan = v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA)
+    exe = mod.CudaExecutable(_FakeBackend(NOMINAL_CUDA), plan)
+    run = mod.torch_runner(exe, 0)
+    assert run.filters is None
+    x, w, dy = (torch.randn(s) for s in (spec.x_shape, spec.w_shape, spec.y_shape))
+    args = {"dgrad": (None, w, dy), "wgrad": (x, None, dy), "bias": (None, None, dy)}[what]
+    out = run(*args)
+    name = {"dgrad": "x", "wgrad": "w", "bias": "bias"}[what]
+    assert tuple(out.shape) == spec.shape_of(name) and out.dtype == dy.dtype
+    bound = {"x": x.data_ptr(), "w": w.data_ptr(), "y": dy.data_ptr(), name: out.data_ptr()}
+    assert len(calls) == len(plan.steps) == 1
+    step, kernel = plan.steps[0], plan.kernels[0]
+    cells = (ctypes.c_void_p * len(step.args)).from_address(calls[0][9])
+    for i, (arg, ref) in enumerate(zip([a for a in kernel.args if not isinstance(a, LocalBuf)], step.args)):
+        assert ctypes.c_uint64.from_address(cells[i]).value == bound[ref], (what, ref)
