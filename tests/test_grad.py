@@ -336,11 +336,10 @@ def test_pass_runner_fills_the_pointer_slots_of_its_pass(monkeypatch, what):
 
     torch = pytest.importorskip("torch", reason="torch not installed: the torch runner is not tested")
     from conftest import NOMINAL_CUDA
-    from test_torch import _FakeBackend, _stubbed_cuda_module
-
     from convforge.codegen.dialect import LocalBuf
     from convforge.kernels import get_variant
     from convforge.kernels.wgrad import bias_grad_plan
+    from test_torch import _FakeBackend, _stubbed_cuda_module
 
     mod, calls, _ = _stubbed_cuda_module(monkeypatch)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda i: 77, raising=False)
@@ -362,6 +361,7 @@ def test_pass_runner_fills_the_pointer_slots_of_its_pass(monkeypatch, what):
     bound = {"x": x.data_ptr(), "w": w.data_ptr(), "y": dy.data_ptr(), name: out.data_ptr()}
     assert len(calls) == len(plan.steps) == 1
     step, kernel = plan.steps[0], plan.kernels[0]
+    assert len([a for a in kernel.args if not isinstance(a, LocalBuf)]) == len(step.args)  # buffers only
     cells = (ctypes.c_void_p * len(step.args)).from_address(calls[0][9])
-    for i, (arg, ref) in enumerate(zip([a for a in kernel.args if not isinstance(a, LocalBuf)], step.args)):
+    for i, ref in enumerate(step.args):
         assert ctypes.c_uint64.from_address(cells[i]).value == bound[ref], (what, ref)
