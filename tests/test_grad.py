@@ -365,3 +365,16 @@ def test_pass_runner_fills_the_pointer_slots_of_its_pass(monkeypatch, what):
     cells = (ctypes.c_void_p * len(step.args)).from_address(calls[0][9])
     for i, ref in enumerate(step.args):
         assert ctypes.c_uint64.from_address(cells[i]).value == bound[ref], (what, ref)
+
+
+def test_bias_gradient_kernel_compiles_clean_for_sm90(nvcc_ok):
+    from conftest import NOMINAL_CUDA
+
+    from convforge.codegen.nvcc import ptxas_report
+    from convforge.kernels.wgrad import bias_grad_plan
+
+    for shape in ((2, 7, 13, 11), (32, 512, 7, 7)):
+        n, k, p, q = shape
+        plan = bias_grad_plan(ConvSpec.make(n, 1, p, q, k, 1, 1, conv_pass="wgrad"), NOMINAL_CUDA)
+        infos = ptxas_report(plan.source("cuda"))
+        assert infos and all(i.spill_stores == 0 and i.spill_loads == 0 for i in infos), infos
