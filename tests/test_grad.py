@@ -369,7 +369,6 @@ def test_pass_runner_fills_the_pointer_slots_of_its_pass(monkeypatch, what):
 
 def test_bias_gradient_kernel_compiles_clean_for_sm90(nvcc_ok):
     from conftest import NOMINAL_CUDA
-
     from convforge.codegen.nvcc import ptxas_report
     from convforge.kernels.wgrad import bias_grad_plan
 
