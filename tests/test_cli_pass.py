@@ -139,3 +139,40 @@ def test_training_comparison_and_files(tmp_path):
     with (tmp_path / "train_losses.csv").open() as fh:
         table = list(csv.reader(fh))
     assert table[0][0] == "step" and len(table) == 4 and len(table[0]) == 7 and table[1][0] == "1"
+
+
+def test_training_bench_flow_on_cpu(monkeypatch, tmp_path):
+    """bench_train's rows end to end with a tiny model on CPU tensors (torch installed; CUDA events
+    and the batch replaced): every implementation and both curve rows run, the relaxed class's rows
+    join the fp32 class's PyTorch rows, and the comparison fills speed-ups and loss deviations."""
+    torch = pytest.importorskip("torch", reason="torch not installed: the training bench is not tested")
+    from convforge.bench import models, training
+
+    def build(name):
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1, bias=False), torch.nn.BatchNorm2d(8),
+                                   torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+                                   torch.nn.Linear(8, 10)).eval()
+
+    def batch(name, n):
+        g = torch.Generator().manual_seed(0)
+        return torch.randn(n, 3, 12, 12, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+    monkeypatch.setattr(models, "build", build)
+    monkeypatch.setitem(models.MODELS, "tiny", 12)
+    monkeypatch.setattr(training, "_batch", batch)
+    monkeypatch.setattr(training, "_time", lambda step, warmup, repeats: (step(), 2.0)[1])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(training, "STEPS", 8)
+    rows = training.bench_train("tiny", 4, 1, 2, {})
+    rows += training.bench_train("tiny", 4, 1, 2, {"precision": "relaxed"}, pytorch=False)
+    training.compare(rows)
+    by = {(r["impl"], r["precision"]): r for r in rows}
+    assert set(by) == {("pytorch_fp32", "fp32"), ("pytorch_tf32", "relaxed"), ("convforge", "fp32"),
+                       ("convforge_fused", "fp32"), ("convforge", "relaxed"), ("convforge_fused", "relaxed"),
+                       ("pytorch_fp32_nobench", "fp32"), ("pytorch_fp64", "fp32")}
+    assert all(r["status"] == "ok" and len(r["loss_curve"]) == training.STEPS for r in rows), rows
+    assert by[("convforge", "relaxed")]["baseline"] == "pytorch_tf32" and by[("convforge", "fp32")]["speedup"] == 1.0
+    assert by[("convforge", "fp32")]["within_noise"] is True and by[("pytorch_fp64", "fp32")]["loss_dev"] < 1e-5
+    training.write(tmp_path, {}, [], ("fp32", "relaxed"), False, rows)
+    assert json.loads((tmp_path / "train.json").read_text())["rows"][0]["impl"] == "pytorch_fp32"

@@ -85,9 +85,9 @@ def step_fn(model: Any, x: Any, target: Any, lr: float = LR) -> Callable[[], Any
     return step
 
 
-def loss_curve(step: Callable[[], Any], steps: int = STEPS) -> list[float]:
-    """The loss of each of ``steps`` steps."""
-    return [float(step().item()) for _ in range(steps)]
+def loss_curve(step: Callable[[], Any], steps: int | None = None) -> list[float]:
+    """The loss of each of ``steps`` steps (default ``STEPS``)."""
+    return [float(step().item()) for _ in range(steps or STEPS)]
 
 
 def deviation(curve: list[float], ref: list[float]) -> float:
