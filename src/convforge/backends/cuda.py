@@ -115,11 +115,12 @@ class CudaBackend(Backend):
             return None
 
     def function(self, program: Any, kernel: Kernel) -> Any:
-        fn = program.get_function(kernel.name)
-        lb = kernel.local_buf()
-        if lb is not None and lb.nbytes > 48 * 1024:
-            cp.cuda.driver.funcSetAttribute(
-                fn.ptr, cp.cuda.driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, lb.nbytes)
+        with self._device():  # the module's context, whichever device the caller has current
+            fn = program.get_function(kernel.name)
+            lb = kernel.local_buf()
+            if lb is not None and lb.nbytes > 48 * 1024:
+                cp.cuda.driver.funcSetAttribute(
+                    fn.ptr, cp.cuda.driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, lb.nbytes)
         return fn
 
     # -- memory -----------------------------------------------------------------------------

@@ -68,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --model: time one training step (forward + cross-entropy + backward + SGD) of "
                         "the converted and the fused model against PyTorch FP32 (TF32 for the relaxed class), "
                         "and a 50-step loss curve of each beside PyTorch's")
+    parser.add_argument("--devices", metavar="N|all",
+                        help="with --model --train: the step also in DistributedDataParallel on N GPUs (one process "
+                        "per GPU through torchrun) against one GPU: images/s, scaling, efficiency (bench/ddp.py)")
     parser.add_argument("--ablation", choices=sorted(runner.ABLATIONS),
                         help="time one variant in its ablation configurations instead "
                         "(im2win: all on / no prefetch+double buffer / no vector loads / "
@@ -125,9 +128,15 @@ def _run_models(args: argparse.Namespace, console: Console) -> int:
     if getattr(args, "max_error", None) is not None:
         opts["max_error"] = args.max_error
     budget = getattr(args, "error_budget", None)
+    if getattr(args, "devices", None) is not None and not getattr(args, "train", False):
+        raise SuiteError("--devices goes with --train: it times data-parallel training (inference runs on one GPU)")
     if getattr(args, "train", False):
         if budget is not None:
             raise SuiteError("--error-budget calibrates inference; it does not go with --train")
+        if getattr(args, "devices", None) is not None:
+            from convforge.bench import ddp
+
+            return ddp.launch(args.model, args.devices, console, args.warmup, args.repeats, args.out, tune=args.tune)
         from convforge.bench import training
 
         return training.run(args.model, args.out, args.warmup, args.repeats, console, opts,
@@ -162,6 +171,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         raise SuiteError("--train goes with --model (for one pass of a suite's layers: --pass dgrad|wgrad|all)")
     if getattr(args, "error_budget", None) is not None:
         raise SuiteError("--error-budget goes with --model")
+    if getattr(args, "devices", None) is not None:
+        raise SuiteError("--devices goes with --model --train (to tune on several devices: convforge tune --devices)")
     if args.suite is None:
         if not args.ablation:
             raise SuiteError("--suite is required (a built-in name or a JSON file)")
