@@ -132,7 +132,7 @@ class Worker:
             tune_pkg.AUTOTUNE_BUDGET, config.autotune = saved
         if ch is None:
             return {"ok": False, "error": f"tuning {spec.short()}{epi.tag()} failed (see the worker's log)"}
-        return {"ok": True, "variant": ch.variant.name, "params": ch.params.to_json(), "error": ch.error,
+        return {"ok": True, "variant": ch.variant.name, "params": ch.params.to_json(), "rel_err": ch.error,
                 "from_db": known, "timed": 0}
 
     def healthy(self) -> str | None:
