@@ -68,7 +68,7 @@ def unavailable(kind: str, backend: str) -> str | None:
     if kind == "none":
         return "no baseline requested"
     if not torch_available():
-        return "PyTorch is not installed: no baseline available"
+        return "PyTorch is not installed (pip install 'convforge[torch]'): no baseline available"
     if kind == "cudnn":
         import torch
 
