@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from convforge.backends.base import Backend
-from convforge.bench import baselines, ceilings, plots, report, runner
+from convforge.bench import baselines, ceilings, plots, report, runner, sweep
 from convforge.bench.suites import BUILTIN, SuiteError, load_suite
 from convforge.bench.timing import Timing
 from convforge.config import MAX_ERROR_HELP, config, max_error_arg
@@ -61,6 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --model: calibrate the fused model first (convforge.torch.calibrate): the "
                         "fewest layers set to max_error=1e-6 that bring its output error within R x PyTorch's, "
                         "on a separate random input")
+    parser.add_argument("--sweep", action="store_true",
+                        help="time every point of each --algo variant's tuning space on every layer (checked, "
+                        "the tuner's measurement) instead of the baselines; writes sweep.json with --out")
+    parser.add_argument("--sweep-limit", type=int, metavar="K", help="with --sweep: the first K points of each space")
+    parser.add_argument("--sweep-mods", metavar="'k=v,k=v;k=v'",
+                        help="with --sweep: each variant's default and the default changed by each "
+                        "';'-separated mod, instead of the space")
     parser.add_argument("--ablation", choices=sorted(runner.ABLATIONS),
                         help="time one variant in its ablation configurations instead "
                         "(im2win: all on / no prefetch+double buffer / no vector loads / "
@@ -137,6 +144,9 @@ def check_numbers(args: argparse.Namespace) -> None:
 
 def _run(args: argparse.Namespace, console: Console) -> int:
     check_numbers(args)
+    sweep.check_sweep_args(args)
+    if args.sweep:
+        return _run_sweep(args, console)
     if args.model:
         return _run_models(args, console)
     if args.tune:
@@ -195,6 +205,17 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     if failed:
         console.print(f"[red]{len(failed)} convforge result(s) FAILED the check or did not run[/]")
     return 1 if failed else 0
+
+
+def _run_sweep(args: argparse.Namespace, console: Console) -> int:
+    """``--sweep``: the points of each ``--algo`` variant's space on every layer, in one precision class
+    (relaxed when ``--precision`` names it, so families admit their relaxed variants)."""
+    layers = load_suite(args.suite, args.limit)
+    be = _backends(args)[0]
+    env = runner.environment([be], "none")
+    report.print_header(console, env, args.suite, len(layers))
+    prec = "relaxed" if "relaxed" in precisions(args.precision_classes) else "fp32"
+    return sweep.run_sweep(args, layers, be, prec, console)
 
 
 def _run_ablation(args: argparse.Namespace, console: Console) -> int:
