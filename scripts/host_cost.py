@@ -1,5 +1,7 @@
 """Per-call host cost of one conv on a tiny warm layer, side by side, with the machine's floor (GPU).
 
+Run by ``scripts/gpu-final check``: the figures behind the README's host-cost paragraph.
+
 Rows: ``F.conv2d`` (PyTorch, cuDNN), ``nn.Conv2d`` forward, ``convforge.conv2d`` with torch tensors
 (through the native fast path when it is built: ``CONVFORGE_NATIVE=0`` measures Python's) and the
 native module's ``run`` alone, ``convforge.conv2d`` with CuPy arrays (through the CuPy native fast

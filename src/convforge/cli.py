@@ -72,7 +72,7 @@ def cmd_devices(args: argparse.Namespace) -> int:
         for pi, di, plat, name in list_devices():
             table.add_row("opencl", f"{pi}:{di}", plat, name)
     except ImportError:
-        table.add_row("opencl", "-", "PyOpenCL not installed", "")
+        table.add_row("opencl", "-", r"PyOpenCL not installed (pip install 'pyopencl\[pocl]')", "")
     Console().print(table)
     return 0
 
@@ -175,6 +175,32 @@ def _show_default(spec: ConvSpec) -> str:
     return max(direct, key=lambda v: v.specialised).name
 
 
+# Optional packages a command may need: what to call each, and what to install for it.
+OPTIONAL = {"torch": ("PyTorch", "convforge[torch]"), "torchvision": ("torchvision", "convforge[torch]"),
+            "cupy": ("CuPy", "convforge[cuda]"), "pyopencl": ("PyOpenCL", "pyopencl[pocl]"),
+            "onnx": ("onnx", "convforge[onnx]"), "matplotlib": ("matplotlib", "convforge[plot]")}
+
+
+def missing(what: str, module: str, err: ImportError | None = None) -> str:
+    """The one-line message for ``what`` (an option or command) lacking optional ``module``."""
+    name, install = OPTIONAL[module]
+    if err is not None and not (isinstance(err, ModuleNotFoundError) and err.name == module):
+        return f"{what} needs {name}, which failed to import ({err}); reinstall it: pip install '{install}'"
+    return f"{what} needs {name}: pip install '{install}'"
+
+
+def need(what: str, *modules: str) -> None:
+    """ValueError naming ``what`` and the install for the first of ``modules`` that does not
+    import (keys of OPTIONAL): the CLI prints it as one ``error:`` line and exits 2."""
+    import importlib
+
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            raise ValueError(missing(what, module, err)) from None
+
+
 def check_out_dir(flag: str, folder: str | Path | None) -> None:
     """Refuse an output folder that cannot be made, before any work is done: a file at its path,
     an ancestor that is a file, or a nearest existing ancestor that is not writable."""
@@ -260,6 +286,12 @@ def main(argv: list[str] | None = None) -> int:
         config.validate()
         func: Callable[[argparse.Namespace], int] = args.func
         return int(func(args) or 0)
+    except ModuleNotFoundError as err:  # an optional package a path forgot to check with need()
+        root = (err.name or "").split(".")[0]
+        if root not in OPTIONAL:
+            raise
+        print(f"error: {missing('this command', root)}", file=sys.stderr)
+        return 2
     except (ValueError, TypeError, OSError) as err:  # TypeError: bad JSON / params shapes from users
         print(f"error: {err}", file=sys.stderr)
         return 2

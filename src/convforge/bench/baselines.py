@@ -72,7 +72,7 @@ def unavailable(kind: str, backend: str) -> str | None:
     if kind == "none":
         return "no baseline requested"
     if not torch_available():
-        return "PyTorch is not installed: no baseline available"
+        return "PyTorch is not installed (pip install 'convforge[torch]'): no baseline available"
     if kind == "cudnn":
         import torch
 
@@ -215,7 +215,7 @@ BASELINE_PASSES = 2  # timed passes per baseline; the fastest pass's median coun
 def _time_cuda(fn: Callable[[], Any], timing: Timing) -> float:
     """Median of ``timing.repeats`` calls after the warm-up, the best of BASELINE_PASSES passes:
     cuDNN's times were seen 20-60 % slow for a whole layer in single runs on the H200 (2026-11-21,
-    docs/BENCHMARKS.md round 7) while ours held; a second pass gives the baseline its best case."""
+    docs/history/BENCHMARKS-rounds-1-16.md, round 7) while ours held; a second pass gives the baseline its best case."""
     import torch
 
     best = float("inf")

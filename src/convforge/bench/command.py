@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from convforge.backends.base import Backend
-from convforge.bench import baselines, ceilings, plots, report, runner
+from convforge.bench import baselines, ceilings, plots, report, runner, sweep
 from convforge.bench.suites import BUILTIN, Layer, SuiteError, load_suite
 from convforge.bench.timing import Timing
 from convforge.config import MAX_ERROR_HELP, config, max_error_arg
@@ -71,6 +71,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--devices", metavar="N|all",
                         help="with --model --train: the step also in DistributedDataParallel on N GPUs (one process "
                         "per GPU through torchrun) against one GPU: images/s, scaling, efficiency (bench/ddp.py)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="time every point of each --algo variant's tuning space on every layer (checked, "
+                        "the tuner's measurement) instead of the baselines; writes sweep.json with --out")
+    parser.add_argument("--sweep-limit", type=int, metavar="K", help="with --sweep: the first K points of each space")
+    parser.add_argument("--sweep-mods", metavar="'k=v,k=v;k=v'",
+                        help="with --sweep: each variant's default and the default changed by each "
+                        "';'-separated mod, instead of the space")
     parser.add_argument("--ablation", choices=sorted(runner.ABLATIONS),
                         help="time one variant in its ablation configurations instead "
                         "(im2win: all on / no prefetch+double buffer / no vector loads / "
@@ -163,6 +170,9 @@ def check_numbers(args: argparse.Namespace) -> None:
 
 def _run(args: argparse.Namespace, console: Console) -> int:
     check_numbers(args)
+    sweep.check_sweep_args(args)
+    if args.sweep:
+        return _run_sweep(args, console)
     if args.model:
         return _run_models(args, console)
     if args.tune:
@@ -235,6 +245,17 @@ def layer_passes(layers: list[Layer], choice: str | None) -> list[Layer]:
 
     return [Layer(layer.name if s.conv_pass == "fprop" else f"{layer.name}:{s.conv_pass}", s)
             for layer in layers for s in spec_passes(layer.spec, choice)]
+
+
+def _run_sweep(args: argparse.Namespace, console: Console) -> int:
+    """``--sweep``: the points of each ``--algo`` variant's space on every layer, in one precision class
+    (relaxed when ``--precision`` names it, so families admit their relaxed variants)."""
+    layers = load_suite(args.suite, args.limit)
+    be = _backends(args)[0]
+    env = runner.environment([be], "none")
+    report.print_header(console, env, args.suite, len(layers))
+    prec = "relaxed" if "relaxed" in precisions(args.precision_classes) else "fp32"
+    return sweep.run_sweep(args, layers, be, prec, console)
 
 
 def _run_ablation(args: argparse.Namespace, console: Console) -> int:

@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 MODELS = {"resnet18": 224, "resnet50": 224, "vgg16": 224, "googlenet": 224, "alexnet": 224, "inception_v3": 299}
@@ -481,11 +482,15 @@ def _check_models(specs: list[str], console: Console) -> list[tuple[str, int]] |
     except ValueError as err:
         console.print(f"[red]error:[/] {err}")
         return None
+    from convforge.cli import need
+
     try:
-        import torch
-    except ImportError:
-        console.print("[red]error:[/] --model needs PyTorch and torchvision (pip install torch torchvision)")
+        need("--model", "torch", "torchvision")
+    except ValueError as err:
+        console.print(f"[red]error:[/] {escape(str(err))}")
         return None
+    import torch
+
     if not torch.cuda.is_available():
         console.print("[red]error:[/] --model runs on a CUDA device; torch sees none")
         return None
@@ -501,15 +506,15 @@ def tune_models(specs: list[str], console: Console, budget: Any = None, how: Any
     ``how`` (tune/parallel.py; ``args``: the command's): the layers are first found
     (:func:`discover`), tuned on several devices or torchrun ranks, then the models run as above,
     which finds them in the database (and tunes whatever the discovery missed)."""
-    import convforge.tune as tune_pkg
-    from convforge.config import config, precision_key
-
-    models = _check_models(specs, console)  # says so when PyTorch or a CUDA device is missing
+    models = _check_models(specs, console)  # before importing torch: without it, one error line
     if models is None:
         return 2
     if how is not None:
         return _tune_models_parallel(specs, models, console, budget, how, args)
     import torch
+
+    import convforge.tune as tune_pkg
+    from convforge.config import config, precision_key
 
     console.print(f"device {torch.cuda.get_device_name()}; database {config.tuning_db}; class "
                   f"{precision_key()}; budget per layer {budget or tune_pkg.AUTOTUNE_BUDGET}")

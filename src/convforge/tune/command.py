@@ -166,6 +166,11 @@ def tune_main(args: argparse.Namespace) -> int:
     if getattr(args, "net", None):
         from convforge.graph.tune import tune_net
 
+        if str(args.net).endswith(".onnx"):
+            from convforge.cli import need
+
+            need("--net FILE.onnx", "onnx")
+
         return tune_net(args, console, None if how else _backend(args), TuningDB(args.db or config.tuning_db),
                         budget, how)
     try:
@@ -198,7 +203,8 @@ def tune_main(args: argparse.Namespace) -> int:
         tuner = Tuner(backend, db, budget, args.seed, workers=args.workers)
         doc = build_report(tuner, layers, results, all_variants(), args.report_sets)
         files = write_report(args.report, doc)
-        console.print("report: " + ", ".join(str(f) for f in files), markup=False)
+        plot = "" if any(f.suffix == ".png" for f in files) else " (no report.png: pip install 'convforge[plot]')"
+        console.print("report: " + ", ".join(str(f) for f in files) + plot, markup=False)
     if args.dispatch_overhead and results:
         from convforge.tune import clear_choices
 
