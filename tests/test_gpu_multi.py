@@ -202,6 +202,7 @@ def _rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+@pytest.mark.serial  # every GPU, and timings compared: never beside other tests
 @pytest.mark.parametrize("how", ["convert", "fuse", "fuse+noset", "convert+autotune"])
 def test_ddp_gradients_equal_a_one_gpu_run(two, tmp_path, how):
     """A converted / fused model (training mode: FusedConv2d's unfused path, our conv forward and
@@ -298,6 +299,7 @@ def _per_worker(out):
     return {k: int(v) for k, v in re.findall(r"(cuda:\d+) (\d+)", line)}
 
 
+@pytest.mark.serial  # every GPU, and timings compared: never beside other tests
 def test_tune_devices_all_chooses_as_one_gpu(two, tmp_path):
     """``tune --devices all`` on two GPUs: both workers tune, every layer lands once in the shared
     database, and the choices are the one-GPU run's (given the same measurements)."""
@@ -312,6 +314,7 @@ def test_tune_devices_all_chooses_as_one_gpu(two, tmp_path):
     _chosen_like(tmp_path / "one.sqlite", tmp_path / "many.sqlite")
 
 
+@pytest.mark.serial  # every GPU, and timings compared: never beside other tests
 def test_tune_under_torchrun_shares_the_layers(two, tmp_path):
     """``torchrun --nproc-per-node 2 -m convforge.cli tune ...``: each rank tunes its share on its
     GPU into the shared database (one host), rank 0 prints every layer; the choices are the
@@ -326,6 +329,7 @@ def test_tune_under_torchrun_shares_the_layers(two, tmp_path):
     _chosen_like(tmp_path / "one.sqlite", tmp_path / "many.sqlite")
 
 
+@pytest.mark.serial  # every GPU, and timings compared: never beside other tests
 def test_tune_model_on_every_gpu_leaves_nothing_to_the_last_pass(two, tmp_path):
     """``tune --model resnet18:2 --devices all``: the discovered layers are tuned on both GPUs; the
     closing one-process run finds every one in the database (none tuned there, none left to the
