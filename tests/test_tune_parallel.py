@@ -209,6 +209,31 @@ def test_killed_worker_is_reported_and_its_layer_requeued(pocl: str, cache: Path
     assert len(TuningDB(db).entries()) == len(SPECS)
 
 
+def test_device_error_stops_the_worker_and_requeues_its_layer(pocl: str, cache: Path, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker whose device check fails after a task (a sticky CUDA error) says why and exits;
+    the parent names it with that reason and hands the task to the other worker."""
+    monkeypatch.setenv(TEST_HOOK, "broken=1:1,slow=1")  # slot 1's device "breaks" during its first task
+    console, buf = _console()
+    slots = parse_devices(f"{pocl},{pocl}", "opencl")
+    run = run_tasks(_tasks(), slots, _settings(tmp_path / "t.sqlite", pocl), console)
+    out = buf.getvalue()
+    assert run.outcomes is not None and all(o.ok for o in run.outcomes.values()), out
+    assert f"worker {slots[1].label} (pid" in out, out
+    assert "died (stopped: device error after " in out and "test hook: the device is broken) while tuning" in out, out
+    assert "re-queued" in out and run.per_worker == {slots[0].label: len(SPECS), slots[1].label: 0}, out
+
+
+def test_workers_that_cannot_start_fail_every_layer_with_the_reason(pocl: str, cache: Path, tmp_path: Path) -> None:
+    console, buf = _console()
+    slots = [parallel.Slot("opencl:0:9", "opencl", "0:9")]  # past parse_devices: a device that is not there
+    run = run_tasks(_tasks(["c1x1"]), slots, _settings(tmp_path / "t.sqlite", pocl), console)
+    out = buf.getvalue()
+    assert run.outcomes is not None and not run.outcomes[0].ok, out
+    assert "worker opencl:0:9 (pid" in out and "could not start" in out and "does not exist" in out, out
+    assert run.outcomes[0].error == "no worker left: every worker died" and "1/1" in out
+
+
 def test_layer_that_kills_two_workers_is_failed(pocl: str, cache: Path, tmp_path: Path, capsys,  # type: ignore[no-untyped-def]
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Through the command: the layer that killed both workers is failed with that reason (and
@@ -290,3 +315,27 @@ def test_ranks_on_one_host_share_the_database(pocl: str, cache: Path, tmp_path: 
     assert not parallel.rank_db_path(db, 1).exists() and payloads[0]["export"] is None
     assert run.outcomes is not None and all(o.ok for o in run.outcomes.values())
     assert len(TuningDB(db).entries()) == len(SPECS)
+
+
+# -- bench --model --train --devices (bench/ddp.py): what runs without torch ----------------------------
+@pytest.mark.parametrize("argv,match", [
+    (["bench", "--suite", "mec", "--devices", "2"], "--devices goes with --model --train"),
+    (["bench", "--model", "resnet50:32", "--devices", "2"], "--devices goes with --train"),
+])
+def test_bench_devices_errors_exit_2(argv: list[str], match: str, capsys) -> None:  # type: ignore[no-untyped-def]
+    rc, out = run_main(argv, capsys)
+    assert rc == 2 and match in out and "Traceback" not in out, out
+
+
+def test_ddp_rows_scale_against_one_gpu() -> None:
+    from convforge.bench import ddp
+
+    rows = [dict(model="resnet50", batch=32, impl="convforge", gpus=1, images_per_s=400.0, status="ok"),
+            dict(model="resnet50", batch=32, impl="convforge", gpus=2, images_per_s=740.0, status="ok"),
+            dict(model="resnet50", batch=32, impl="pytorch_fp32", gpus=2, images_per_s=700.0, status="ok")]
+    ddp.scale(rows)
+    assert rows[0]["scaling"] == 1.0 and rows[1]["scaling"] == pytest.approx(1.85)
+    assert rows[1]["efficiency"] == pytest.approx(0.925) and "scaling" not in rows[2]  # no one-GPU row of its own
+    assert ddp.parse_impls(None) == ddp.IMPLS and ddp.parse_impls("convforge") == ("convforge",)
+    with pytest.raises(ValueError, match="--impl"):
+        ddp.parse_impls("convforge,cudnn")

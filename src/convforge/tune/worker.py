@@ -19,7 +19,8 @@ class, bound and workspace limit. Every worker writes the one tuning database (W
 
 Test hook (the parent's tests only), ``CONVFORGE_TEST_WORKER`` with comma-separated items:
 ``kill=SLOT:N`` makes the worker in slot SLOT kill itself (SIGKILL) on receiving its N-th task,
-``kill=@NAME`` makes any worker do so on the task named NAME, ``slow=S`` makes every task take at
+``kill=@NAME`` makes any worker do so on the task named NAME, ``broken=SLOT:N`` or ``broken=@NAME``
+makes the device check after that task fail (as a sticky CUDA error would), ``slow=S`` makes every task take at
 least S seconds (so that every worker of a short test gets work).
 """
 
@@ -152,25 +153,32 @@ def _claim_stdout() -> IO[str]:
     return channel
 
 
-def _test_hook(slot: int) -> Callable[[int, str], None]:
-    """The test hook (module docstring), called before each task with its count and name: a no-op
-    unless ``CONVFORGE_TEST_WORKER`` is set."""
-    parts = (item.partition("=") for item in os.environ.get(TEST_HOOK, "").split(","))
-    items = {key.strip(): value.strip() for key, _, value in parts if key.strip()}
-    kill, slow = items.get("kill", ""), float(items.get("slow") or 0)
+class _TestHook:
+    """The test hook (module docstring): nothing happens unless ``CONVFORGE_TEST_WORKER`` is set."""
 
-    def hook(n: int, name: str) -> None:
-        if kill.startswith("@"):
-            hit = name == kill[1:]
-        else:
-            want_slot, _, want_n = kill.partition(":")
-            hit = bool(kill) and want_slot == str(slot) and want_n == str(n)
-        if hit:
+    def __init__(self, slot: int) -> None:
+        parts = (item.partition("=") for item in os.environ.get(TEST_HOOK, "").split(","))
+        items = {key.strip(): value.strip() for key, _, value in parts if key.strip()}
+        self.slot, self.kill, self.broken = slot, items.get("kill", ""), items.get("broken", "")
+        self.slow = float(items.get("slow") or 0)
+
+    def _hit(self, what: str, n: int, name: str) -> bool:
+        """Whether ``what`` (``SLOT:N`` or ``@NAME``) names this worker's ``n``-th task, ``name``."""
+        if what.startswith("@"):
+            return name == what[1:]
+        want_slot, _, want_n = what.partition(":")
+        return bool(what) and want_slot == str(self.slot) and want_n == str(n)
+
+    def before(self, n: int, name: str) -> None:
+        """Called on receiving the ``n``-th task, named ``name``."""
+        if self._hit(self.kill, n, name):
             os.kill(os.getpid(), signal.SIGKILL)
-        if slow:
-            time.sleep(slow)
+        if self.slow:
+            time.sleep(self.slow)
 
-    return hook
+    def device_error(self, n: int, name: str) -> str | None:
+        """A made-up device error after the task ``broken`` names."""
+        return "test hook: the device is broken" if self._hit(self.broken, n, name) else None
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -199,16 +207,17 @@ def main() -> int:
         send({"fatal": f"could not start: {type(err).__name__}: {err}"})
         return FATAL_EXIT
     send({"ready": worker.device_doc()})
-    hook = _test_hook(settings.slot)
+    hook = _TestHook(settings.slot)
     count = 0
     for line in sys.stdin:
         msg = json.loads(line)
         if msg.get("stop"):
             break
         count += 1
-        hook(count, str(msg.get("name", "")))
+        name = str(msg.get("name", ""))
+        hook.before(count, name)
         reply = worker.run(msg)
-        why = worker.healthy()
+        why = worker.healthy() or hook.device_error(count, name)
         if why is not None:
             send({"fatal": f"device error after {msg.get('name')}: {why}"})
             return FATAL_EXIT
