@@ -3,6 +3,7 @@ current stream, CUDA events. The only file that imports cupy (and, for interop, 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import sys
@@ -165,7 +166,10 @@ class CudaBackend(Backend):
 
     def _device(self) -> Any:
         """This back-end's device made current for a block (the dict path's launches, fills, events
-        and captures run there even when the caller has another device current)."""
+        and captures run there even when the caller has another device current); nothing to do,
+        and nothing paid but one query, when it already is."""
+        if cp.cuda.runtime.getDevice() == self.device_id:
+            return contextlib.nullcontext()
         return cp.cuda.Device(self.device_id)
 
     # -- execution --------------------------------------------------------------------------
