@@ -1,6 +1,6 @@
 """Maintainer script (GPU machine): check and time the staged TF32 tensor-core variants (issue 16).
 
-1. Correctness: every staged variant (kernels/tcstaged.py) at its default and a few space points,
+1. Correctness: every staged variant (kernels/tensorcore/mma_staged.py) at its default and a few space points,
    on odd shapes and the timed layers, against float64 with NaN-poisoned outputs and workspace.
 2. Timing: the staged variants (the first points of their space, best reported), the register-staged
    TF32 variants they replace (defaults) and cuDNN TF32 (torch F.conv2d, allow_tf32, benchmark on):

@@ -372,7 +372,7 @@ def test_relaxed_heuristic_picks_big_winograd_on_gpu_resnet(tmp_path: Path,
     for layer in suites.load_suite("resnet"):
         relaxed = dispatch.choose(layer.spec, be, precision="relaxed")  # type: ignore[arg-type]
         assert relaxed.source == "heuristic", layer.name
-        small = layer.spec.p * layer.spec.q <= 100  # the staged TF32 F(2x2) leads there (kernels/tcstaged.py)
+        small = layer.spec.p * layer.spec.q <= 100  # the staged TF32 F(2x2) leads there (kernels/tensorcore/mma_staged.py)
         want = ("_f2_pipe_tf32",) if small else ("_f6", "_f7")
         assert relaxed.variant.name.endswith(want), (layer.name, relaxed.variant.name)
         assert relaxed.variant.precision == "relaxed"

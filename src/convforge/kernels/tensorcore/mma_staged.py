@@ -1,4 +1,4 @@
-"""TF32 variants on the staged tensor-core GEMM (:mod:`convforge.kernels.tcpipe`), class "relaxed".
+"""TF32 variants on the staged tensor-core GEMM (:mod:`convforge.kernels.tensorcore.mma_pipe`), class "relaxed".
 
 * ``gemm1x1_pipe_tf32``: 1x1 convolution; the filters (A, K x C) are written TF32-rounded once per
   weight version by a plan step, the activations (B, contiguous along pixels) copied raw and
@@ -31,7 +31,7 @@ from convforge.kernels import register
 from convforge.kernels.common import out_args, out_refs
 from convforge.kernels.gemm import elementwise, nchw_store, too_big
 from convforge.kernels.sgemm import GemmShape, Store
-from convforge.kernels.tcpipe import (
+from convforge.kernels.tensorcore.mma_pipe import (
     PIPE_KEYS,
     AsyncOperand,
     Kind,
@@ -41,7 +41,7 @@ from convforge.kernels.tcpipe import (
     pipe_kernel,
     pipe_space,
 )
-from convforge.kernels.tensorcore import TF32_EXPECTED, TF32_TOLERANCE, WinogradNonFusedTC, tensor_core_reason
+from convforge.kernels.tensorcore.mma_variants import TF32_EXPECTED, TF32_TOLERANCE, WinogradNonFusedTC, tensor_core_reason
 from convforge.kernels.winograd.nonfused import WinogradNonFused
 from convforge.kernels.winograd.tiles import Geometry
 from convforge.params import Params
