@@ -169,9 +169,9 @@ def _krsc(w, cp, ld):
 
 
 def emulate(spec: ConvSpec, math, cfg: TileConfig, seed: int = 0, tile_ids=None):
-    """Run tiles of the plan's GEMM through the generator's expressions; returns (got, ref, written):
-    the planar output (NCHW, raw sums; split-K slabs summed), the float64 reference and a mask of the
-    outputs written."""
+    """Run tiles of a conv plan's GEMM through the generator's expressions; returns (got, ref, written):
+    the planar output (NCHW, raw sums; split-K slabs summed), the float64 reference and how often
+    each output was written."""
     rng = np.random.default_rng(seed)
     xs, ws, ref, cp = _operands(spec, math, rng)
     prob = Problem(spec.n * spec.p * spec.q, spec.k, spec.r * spec.s * cp)
@@ -181,10 +181,18 @@ def emulate(spec: ConvSpec, math, cfg: TileConfig, seed: int = 0, tile_ids=None)
     a = Im2colNhwc("a", Tile(cfg.bm, cfg.kb), math, "xh", geo=geo)
     b = DenseRows("b", Tile(cfg.bn, cfg.kb), math, "wt", rows=spec.k, ld=ld, kred=prob.kred, padded=True)
     data = {"a": {p: _nhwc(xs[p], cp) for p in math.parts}, "b": {p: _krsc(ws[p], cp, ld) for p in math.parts}}
-    pq = spec.p * spec.q
-    out = Output("y", prob.m, prob.n, pq, slab=prob.m * prob.n, epi=None)
-    y = np.zeros(cfg.ks * prob.m * prob.n)
-    written = np.zeros(cfg.ks * prob.m * prob.n, int)
+    out = Output("y", prob.m, prob.n, spec.p * spec.q, slab=prob.m * prob.n, epi=None)
+    y, written = emulate_gemm(cfg, math, prob, a, b, data, out, tile_ids)
+    got = y.reshape(cfg.ks, -1).sum(0).reshape(spec.y_shape)
+    return got, ref, written.reshape(cfg.ks, -1).sum(0).reshape(spec.y_shape)
+
+
+def emulate_gemm(cfg, math, prob, a, b, data, out, tile_ids=None):
+    """The tiles of one GEMM launch: producer copies into a byte-addressed stage, every consumer's
+    wgmma through its descriptors, the epilogue into ``out``'s planar offsets. Returns (y, written)
+    over ks * batch slabs."""
+    y = np.zeros(cfg.ks * prob.batch * out.slab if out.slab else prob.m * out.kt)
+    written = np.zeros(y.size, int)
     stage = cfg.stage(math)
     sbase = 1024 * 3
     total = cfg.tiles(prob)
@@ -213,8 +221,7 @@ def emulate(spec: ConvSpec, math, cfg: TileConfig, seed: int = 0, tile_ids=None)
                 r0 = c * 64 * cfg.wm + 64 * mi
                 acc[r0:r0 + 64] += ta @ tb.T
         _epilogue(acc, cfg, out, tl, y, written)
-    got = y.reshape(cfg.ks, -1).sum(0).reshape(spec.y_shape)
-    return got, ref, written.reshape(cfg.ks, -1).sum(0).reshape(spec.y_shape)
+    return y, written
 
 
 def _read(smem, desc, rows, esize):
@@ -269,6 +276,33 @@ def test_emulated_tiles_equal_the_gemm(spec, math, cfg):
     assert not cfg.problems(math), cfg.problems(math)
     got, ref, written = emulate(spec, math, cfg)
     assert (written == cfg.ks).all(), f"outputs written {np.unique(written)} times, want {cfg.ks}"
+    np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("math, cfg", [(TF32, TileConfig(128, 64, 1, 2, 2, ks=2)), (F16, TileConfig(64, 32, 2, 2, 1)),
+                                       (X3TF32, TileConfig(128, 96, 1, 2, 2, pi=1))], ids=lambda v: getattr(v, "name", v))
+def test_emulated_batched_gemm_of_winograd(math, cfg):
+    """The Winograd GEMM's operands (DenseRows over a batch: V[e] tiles x Cp, U[e] K x Cp, channel tail
+    zero-filled) and its M output slabs [z][e][k][t]: equal to the batched products, each written once."""
+    from convforge.kernels.tensorcore.winograd import TcWinograd
+
+    rng = np.random.default_rng(3)
+    spec = ConvSpec.make(2, 37, 11, 9, 67, 3, 3, 1, 1)
+    v = TcWinograd(2, math.name == "3xtf32", frozenset({"float32"}), "relaxed", 0)
+    prob = v.problem(spec)
+    cp, t, e = prob.kred, prob.m, prob.batch
+    parts = {p: rng.uniform(-1, 1, (2, e, t + spec.k, cp)) for p in math.parts}
+    for arr in parts.values():
+        arr[..., spec.c:] = 0.0  # padding channels, as the transforms write them
+    a = DenseRows("a", Tile(cfg.bm, cfg.kb), math, "wv", rows=t, ld=cp, kred=cp, batch_stride=t * cp)
+    b = DenseRows("b", Tile(cfg.bn, cfg.kb), math, "wu", rows=spec.k, ld=cp, kred=cp, batch_stride=spec.k * cp)
+    data = {"a": {p: parts[p][0, :, :t].ravel() for p in math.parts},
+            "b": {p: parts[p][1, :, :spec.k].ravel() for p in math.parts}}
+    out = Output("wm", t, spec.k, t, slab=spec.k * t, epi=None)
+    y, written = emulate_gemm(cfg, math, prob, a, b, data, out)
+    got = y.reshape(cfg.ks, e, spec.k, t).sum(0)
+    ref = sum(np.einsum("etc,ekc->ekt", parts[pa][0, :, :t], parts[pb][1, :, :spec.k]) for pa, pb in math.products)
+    assert (written.reshape(cfg.ks, -1).sum(0) == cfg.ks).all()
     np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-10)
 
 

@@ -32,5 +32,5 @@ from convforge.kernels.tensorcore import (  # noqa: F401 - importing registers t
     mma_variants,
     variants,
     wgmma_1x1,
-
+    winograd,
 )

@@ -152,17 +152,18 @@ def split_for(cfg: TileConfig, math: Math, prob: Problem, units: int) -> int:
 
 def pick(math: Math, prob: Problem, units: int, shared_limit: int = MAX_SHARED) -> TileConfig:
     """The default: 2 consumer warpgroups, bn from the channels, bm 256 for <= 64 channels (so a
-    wgmma is m64n64 on twice the rows) else 128, one atom of K per stage, as many stages as fit
-    (at most 6), 3xTF32 promoted every 4 stages, split-K for small grids, a persistent grid."""
-    bn = _bn_for(prob.n)
-    bm = 256 if bn == 64 else 128
-    base = TileConfig(bm, bn, 1, 2, 2, 1, 1, 4 if math.name == "3xtf32" else 0)
-    if base.problems(math, shared_limit=shared_limit):
-        base = TileConfig(128, bn, 1, 2, 2, 1, 1, base.pi)
-    st = max((s for s in range(2, 7) if not TileConfig(base.bm, bn, 1, s, 2, 1, 1, base.pi)
-              .problems(math, shared_limit=shared_limit)), default=2)
-    cfg = TileConfig(base.bm, bn, 1, st, 2, 1, 1, base.pi)
-    return TileConfig(cfg.bm, bn, 1, st, 2, split_for(cfg, math, prob, units), 1, cfg.pi)
+    wgmma is m64n64 on twice the rows) where 3 stages fit, else 128, one atom of K per stage, as many
+    stages as fit (at most 6), 3xTF32 promoted every 4 stages, split-K for small grids, a persistent
+    grid."""
+    bn, pi = _bn_for(prob.n), 4 if math.name == "3xtf32" else 0
+
+    def stages(bm: int) -> int:
+        return max((s for s in range(2, 7) if not TileConfig(bm, bn, 1, s, 2, 1, 1, pi)
+                    .problems(math, shared_limit=shared_limit)), default=0)
+
+    bm = 256 if bn == 64 and stages(256) >= 3 else 128
+    cfg = TileConfig(bm, bn, 1, max(stages(bm), 2), 2, 1, 1, pi)
+    return TileConfig(cfg.bm, bn, 1, cfg.st, 2, split_for(cfg, math, prob, units), 1, pi)
 
 
 def space(math: Math, prob: Problem, units: int, shared_limit: int = MAX_SHARED) -> list[TileConfig]:
