@@ -13,10 +13,10 @@ import pytest
 
 from convforge.check import check_plan, expected, pass_inputs
 from convforge.dtypes import to_storage
-from convforge.reference import rel_l2
 from convforge.kernels import get_variant
 from convforge.params import Params
 from convforge.plan import Epilogue
+from convforge.reference import rel_l2
 from convforge.spec import ConvSpec
 from helpers import ODD_SPECS
 

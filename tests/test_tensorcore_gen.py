@@ -28,9 +28,9 @@ from convforge.codegen.nvcc import ptxas_report, sass_report
 from convforge.codegen.render import ARCH_SPECIFIC_MARK, render
 from convforge.dtypes import rounded
 from convforge.kernels import get_variant
-from convforge.kernels.tensorcore import epilogue, schedule, tiles
+from convforge.kernels.tensorcore import epilogue, schedule
 from convforge.kernels.tensorcore.cexpr import bind, evaluate
-from convforge.kernels.tensorcore.epilogue import Output, chunks, readout_lets, staging_ld, stage_write
+from convforge.kernels.tensorcore.epilogue import Output, chunks, readout_lets, stage_write, staging_ld
 from convforge.kernels.tensorcore.isa import ACC, BF16, F16, MATHS, TF32, X3TF32, math_for
 from convforge.kernels.tensorcore.mainloop import consumer_rows, wgmma_issue
 from convforge.kernels.tensorcore.operands import DenseRows, Geometry, Im2colNhwc
@@ -280,7 +280,8 @@ def test_emulated_tiles_equal_the_gemm(spec, math, cfg):
 
 
 @pytest.mark.parametrize("math, cfg", [(TF32, TileConfig(128, 64, 1, 2, 2, ks=2)), (F16, TileConfig(64, 32, 2, 2, 1)),
-                                       (X3TF32, TileConfig(128, 96, 1, 2, 2, pi=1))], ids=lambda v: getattr(v, "name", v))
+                                       (X3TF32, TileConfig(128, 96, 1, 2, 2, pi=1))],
+                         ids=lambda v: getattr(v, "name", v))
 def test_emulated_batched_gemm_of_winograd(math, cfg):
     """The Winograd GEMM's operands (DenseRows over a batch: V[e] tiles x Cp, U[e] K x Cp, channel tail
     zero-filled) and its M output slabs [z][e][k][t]: equal to the batched products, each written once."""

@@ -2,10 +2,11 @@
 
 The generator writes its index arithmetic (which thread copies which chunk from where to where, where
 an accumulator is staged and stored) as strings in a small C subset: integers, ``+ - * / % << >> & |
-^``, comparisons, ``&& || !`` and parentheses. The CUDA source prints them; the NumPy emulation of a
-block (tests/test_tensorcore_gen.py) evaluates the very same strings, so the model checks the code that
-runs and not a second description of it. Divisions and remainders only ever see non-negative operands
-(C truncates, Python floors: they agree there); :func:`evaluate` checks that.
+^``, comparisons, ``&& || !``, ``min``, ``max``, ``(unsigned)(...)`` and parentheses. The CUDA source
+prints them; the NumPy emulation of a block (tests/test_tensorcore_gen.py) evaluates the very same
+strings, so the model checks the code that runs and not a second description of it. Divisions and
+remainders only ever see non-negative operands (C truncates, Python floors: they agree there);
+:func:`evaluate` checks that.
 """
 
 from __future__ import annotations
@@ -63,9 +64,16 @@ class _Int(int):
 _NUM = re.compile(r"\b(\d+)u?\b")
 
 
+def _u32(v: int) -> int:
+    """C's (unsigned) cast: a negative int wraps to a large value."""
+    return int(v) % 2**32
+
+
 @lru_cache(maxsize=4096)
 def _compiled(expr: str) -> Any:
-    text = expr.replace("(unsigned)", "").replace("(int)", "")
+    if re.search(r"\(unsigned\)(?!\()", expr):
+        raise ValueError(f"write (unsigned)(...) with parentheses in generator expressions: {expr}")
+    text = expr.replace("(unsigned)(", "_u32(").replace("(int)", "")
     for pat, rep in _LOGIC:
         text = pat.sub(rep, text)
     text = _DIV.sub("//", text)
@@ -75,8 +83,8 @@ def _compiled(expr: str) -> Any:
 
 def evaluate(expr: str, env: Mapping[str, int]) -> int:
     """The value of C expression ``expr`` with the variables of ``env`` (ints)."""
-    scope = {k: _Int(v) for k, v in env.items()}
-    scope.update(_Int=_Int, min=min, max=max)  # type: ignore[arg-type]
+    scope: dict[str, Any] = {k: _Int(v) for k, v in env.items()}
+    scope.update(_Int=_Int, _u32=_u32, min=min, max=max)
     return int(eval(_compiled(expr), {"__builtins__": {}}, scope))  # noqa: S307 - our own strings
 
 

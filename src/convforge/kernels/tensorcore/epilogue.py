@@ -83,7 +83,7 @@ class Output:
         return f"({slab}(({m}) / {self.pq} * {self.kt}{off} + ({k})) * {self.pq} + ({m}) % {self.pq})"
 
     def args(self) -> tuple[Buf, ...]:
-        out = (Buf(self.buf, CTYPE[self.dtype], readonly=False),)
+        out: tuple[Buf, ...] = (Buf(self.buf, CTYPE[self.dtype], readonly=False),)
         if self.epi is not None and self.epi.bias:
             out += (Buf("bias", CTYPE[self.dtype]),)
         if self.epi is not None and self.epi.residual:

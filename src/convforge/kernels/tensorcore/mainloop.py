@@ -33,7 +33,8 @@ from convforge.kernels.tensorcore.operands import THREADS, Copy, Operand
 from convforge.kernels.tensorcore.smem import StageLayout, desc_high
 from convforge.kernels.tensorcore.tiles import Problem, TileConfig
 
-REGISTER_ROWS = 8  # per-row producer state kept in registers up to this many rows per thread
+REGISTER_ROWS = 8  # per-row producer state kept in registers up to this many rows per thread (twice as
+# many without setmaxnreg, when the producer has the launch bound's 168 registers)
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,8 @@ def emit_producer(code: Code, ring: Ring, prob: Problem, ops: list[Operand]) -> 
     code("int stage = 0;", "unsigned phase = 0u;")
     with code.block(schedule.loop_head(cfg, prob)):
         emit_all(code, schedule.tile_lets(cfg, math, prob))
-        keep = [op for op in ops if op.per_thread <= REGISTER_ROWS]
+        rows = REGISTER_ROWS if cfg.regs() else 2 * REGISTER_ROWS  # (setmaxnreg leaves the producer 80)
+        keep = [op for op in ops if op.per_thread <= rows]
         for op in keep:
             emit_all(code, op.tile_lets())
         with code.block("for (int kt = kbeg; kt < kend; ++kt)"):

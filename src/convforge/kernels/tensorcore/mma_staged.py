@@ -41,7 +41,12 @@ from convforge.kernels.tensorcore.mma_pipe import (
     pipe_kernel,
     pipe_space,
 )
-from convforge.kernels.tensorcore.mma_variants import TF32_EXPECTED, TF32_TOLERANCE, WinogradNonFusedTC, tensor_core_reason
+from convforge.kernels.tensorcore.mma_variants import (
+    TF32_EXPECTED,
+    TF32_TOLERANCE,
+    WinogradNonFusedTC,
+    tensor_core_reason,
+)
 from convforge.kernels.winograd.nonfused import WinogradNonFused
 from convforge.kernels.winograd.tiles import Geometry
 from convforge.params import Params

@@ -44,7 +44,15 @@ from convforge.kernels.gemm import (
     too_big,
 )
 from convforge.kernels.sgemm import GemmShape, Operand
-from convforge.kernels.tensorcore.mma_sync import LEAD_TILES, TC_KEYS, tc_block, tc_default, tc_grid, tc_kernel, tc_space
+from convforge.kernels.tensorcore.mma_sync import (
+    LEAD_TILES,
+    TC_KEYS,
+    tc_block,
+    tc_default,
+    tc_grid,
+    tc_kernel,
+    tc_space,
+)
 from convforge.kernels.winograd.nonfused import WinogradNonFused, expected_error
 from convforge.kernels.winograd.tiles import Geometry
 from convforge.params import Params

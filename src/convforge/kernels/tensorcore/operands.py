@@ -51,9 +51,14 @@ class Copy:
 class Operand(Protocol):
     """An operand iterator (see the module docstring)."""
 
-    name: str
-    tile: Tile
-    math: Math
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def tile(self) -> Tile: ...
+
+    @property
+    def math(self) -> Math: ...
 
     def buffer(self, part: str) -> str: ...
 
@@ -219,9 +224,8 @@ class Im2colNhwc(_Rows):
         out = []
         for a in range(self.tile.atoms):
             conds = []
-            if g.padded:
-                conds += [f"{n}_h{i} + {n}_dy{a} >= 0", f"{n}_h{i} + {n}_dy{a} < {g.h}",
-                          f"{n}_w{i} + {n}_dx{a} >= 0", f"{n}_w{i} + {n}_dx{a} < {g.w}"]
+            if g.padded:  # one unsigned compare per axis: negative coordinates wrap past the bound
+                conds += [f"(unsigned)({n}_h{i} + {n}_dy{a}) < {g.h}u", f"(unsigned)({n}_w{i} + {n}_dx{a}) < {g.w}u"]
             if tail:
                 conds.append(f"{n}_rs{a} < {g.r * g.s}")
             out.append(Copy(self.smem(i, a), f"({n}_b{i} + {n}_o{a})", " && ".join(conds)))

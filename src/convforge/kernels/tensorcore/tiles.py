@@ -117,8 +117,8 @@ class TileConfig:
         return min(self.tiles(prob), max(units, 1)) if self.ps else self.tiles(prob)
 
     def params(self) -> Params:
-        extra = {"pi": self.pi} if self.pi else {}
-        return Params(bm=self.bm, bn=self.bn, kb=self.kb, st=self.st, cw=self.cw, ks=self.ks, ps=self.ps, **extra)
+        keys = dict(bm=self.bm, bn=self.bn, kb=self.kb, st=self.st, cw=self.cw, ks=self.ks, ps=self.ps)
+        return Params({**keys, **({"pi": self.pi} if self.pi else {})})
 
     @classmethod
     def of(cls, p: Params) -> TileConfig:
@@ -129,13 +129,16 @@ class TileConfig:
                    int(p.get("ks", 1)), int(p.get("ps", 1)), int(p.get("pi", 0)))
 
 
-def _bn_for(n: int) -> int:
-    """The narrowest standard width covering ``n`` output channels (128 beyond: two passes of 128
-    beat one of 256 on register pressure; the space has 256)."""
-    for bn in (64, 96, 128):
-        if n <= bn:
-            return bn
-    return 128
+# Relative throughput of a block tile's wgmma stream (m64nN with both operands in shared memory:
+# narrow N reads more operand bytes per FLOP; H100, 2026-11-24, ResNet N=32 sweeps in docs/NOTES-tensorcore.md).
+TILE_EFFICIENCY = {(128, 64): 0.8, (256, 64): 0.9, (128, 128): 1.0}
+
+
+def _wave_cost(bm: int, bn: int, prob: Problem, units: int) -> float:
+    """Time model of a tile shape: whole waves of tiles over the SMs, each tile's work over its
+    efficiency (narrow tiles waste less of the last wave; wide ones stream better)."""
+    tiles = cdiv(prob.m, bm) * cdiv(prob.n, bn) * prob.batch
+    return cdiv(tiles, max(units, 1)) * bm * bn / TILE_EFFICIENCY[bm, bn]
 
 
 def split_for(cfg: TileConfig, math: Math, prob: Problem, units: int) -> int:
@@ -151,18 +154,19 @@ def split_for(cfg: TileConfig, math: Math, prob: Problem, units: int) -> int:
 
 
 def pick(math: Math, prob: Problem, units: int, shared_limit: int = MAX_SHARED) -> TileConfig:
-    """The default: 2 consumer warpgroups, bn from the channels, bm 256 for <= 64 channels (so a
-    wgmma is m64n64 on twice the rows) where 3 stages fit, else 128, one atom of K per stage, as many
-    stages as fit (at most 6), 3xTF32 promoted every 4 stages, split-K for small grids, a persistent
-    grid."""
-    bn, pi = _bn_for(prob.n), 4 if math.name == "3xtf32" else 0
+    """The default: 2 consumer warpgroups, the block tile of :data:`TILE_EFFICIENCY` with the least
+    modelled time (:func:`_wave_cost`; 128 wide only for more than 64 channels) where 3 stages fit,
+    one atom of K per stage, as many stages as fit (at most 6), 3xTF32 promoted every 4 stages,
+    split-K where the tiles still fill less than half the SMs, a persistent grid."""
+    pi = 4 if math.name == "3xtf32" else 0
 
-    def stages(bm: int) -> int:
+    def stages(bm: int, bn: int) -> int:
         return max((s for s in range(2, 7) if not TileConfig(bm, bn, 1, s, 2, 1, 1, pi)
                     .problems(math, shared_limit=shared_limit)), default=0)
 
-    bm = 256 if bn == 64 and stages(256) >= 3 else 128
-    cfg = TileConfig(bm, bn, 1, max(stages(bm), 2), 2, 1, 1, pi)
+    shapes = [(bm, bn) for bm, bn in TILE_EFFICIENCY if stages(bm, bn) >= 3 and (bn == 64 or prob.n > 64)]
+    bm, bn = min(shapes, key=lambda t: _wave_cost(t[0], t[1], prob, units))
+    cfg = TileConfig(bm, bn, 1, stages(bm, bn), 2, 1, 1, pi)
     return TileConfig(cfg.bm, bn, 1, cfg.st, 2, split_for(cfg, math, prob, units), 1, pi)
 
 
