@@ -34,6 +34,8 @@ LAYERS = {
     "mec cv8 N128": ConvSpec.make(128, 64, 112, 112, 128, 3, 3),
     "mec cv10 N128": ConvSpec.make(128, 128, 28, 28, 128, 3, 3),
     "mec cv1 N128": ConvSpec.make(128, 3, 227, 227, 96, 11, 11, 4, 0),
+    "r50 1x1 1024>256@14": ConvSpec.make(32, 1024, 14, 14, 256, 1, 1),
+    "r50 1x1 64>256@56": ConvSpec.make(32, 64, 56, 56, 256, 1, 1),
     "boda 1x1 832@7 N5": ConvSpec.make(5, 832, 7, 7, 256, 1, 1),
     "boda 1x1 256@27 N5": ConvSpec.make(5, 256, 27, 27, 256, 1, 1),
     "boda 3x3 160@14 N5": ConvSpec.make(5, 160, 14, 14, 320, 3, 3, 1, 1),

@@ -171,6 +171,11 @@ class Gemm1x1PipeTF32(_StagedTF32):
             return "only 1x1 filters"
         return super().applies(spec, device)
 
+    def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
+        """Below both wgmma paths on sm_90 (H100, N32: 1024->256 @14² 60 us against 33 / 43,
+        64->256 @56² 224 against 73 / 73; untuned, it was the unseen suite's worst layer, 0.27x)."""
+        return self.specialised - 1 if device.cc == (9, 0) else self.specialised
+
     def _operands(self, spec: ConvSpec) -> tuple[AsyncOperand, AsyncOperand]:
         (sh, sw), hw, pq = spec.stride, spec.h * spec.w, spec.p * spec.q
         pt, pl = spec.pad[0], spec.pad[2]

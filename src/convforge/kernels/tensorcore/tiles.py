@@ -129,16 +129,18 @@ class TileConfig:
                    int(p.get("ks", 1)), int(p.get("ps", 1)), int(p.get("pi", 0)))
 
 
-# Relative throughput of a block tile's wgmma stream (m64nN with both operands in shared memory:
-# narrow N reads more operand bytes per FLOP; H100, 2026-11-24, ResNet N=32 sweeps in docs/NOTES-tensorcore.md).
-TILE_EFFICIENCY = {(128, 64): 0.8, (256, 64): 0.9, (128, 128): 1.0}
+# Relative throughput of a block tile's wgmma stream per operand element size (m64nN with both operands in
+# shared memory: a narrow N reads more operand bytes per FLOP, and FP16 at twice TF32's rate feels it more;
+# H100, 2026-11-24, ResNet N=32 sweeps in docs/NOTES-tensorcore.md).
+TILE_EFFICIENCY = {4: {(128, 64): 0.8, (256, 64): 0.9, (128, 128): 1.0},
+                   2: {(128, 64): 0.7, (256, 64): 0.85, (128, 128): 1.0}}
 
 
-def _wave_cost(bm: int, bn: int, prob: Problem, units: int) -> float:
+def _wave_cost(bm: int, bn: int, math: Math, prob: Problem, units: int) -> float:
     """Time model of a tile shape: whole waves of tiles over the SMs, each tile's work over its
     efficiency (narrow tiles waste less of the last wave; wide ones stream better)."""
     tiles = cdiv(prob.m, bm) * cdiv(prob.n, bn) * prob.batch
-    return cdiv(tiles, max(units, 1)) * bm * bn / TILE_EFFICIENCY[bm, bn]
+    return cdiv(tiles, max(units, 1)) * bm * bn / TILE_EFFICIENCY[math.esize][bm, bn]
 
 
 def split_for(cfg: TileConfig, math: Math, prob: Problem, units: int) -> int:
@@ -164,8 +166,8 @@ def pick(math: Math, prob: Problem, units: int, shared_limit: int = MAX_SHARED) 
         return max((s for s in range(2, 7) if not TileConfig(bm, bn, 1, s, 2, 1, 1, pi)
                     .problems(math, shared_limit=shared_limit)), default=0)
 
-    shapes = [(bm, bn) for bm, bn in TILE_EFFICIENCY if stages(bm, bn) >= 3 and (bn == 64 or prob.n > 64)]
-    bm, bn = min(shapes, key=lambda t: _wave_cost(t[0], t[1], prob, units))
+    shapes = [(bm, bn) for bm, bn in TILE_EFFICIENCY[math.esize] if stages(bm, bn) >= 3 and (bn == 64 or prob.n > 64)]
+    bm, bn = min(shapes, key=lambda t: _wave_cost(t[0], t[1], math, prob, units))
     cfg = TileConfig(bm, bn, 1, stages(bm, bn), 2, 1, 1, pi)
     return TileConfig(cfg.bm, bn, 1, cfg.st, 2, split_for(cfg, math, prob, units), 1, pi)
 

@@ -74,11 +74,16 @@ class TcImplicitGemm(Variant):
         return expected(self.math(spec), spec.dtype)
 
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
-        """First on sm_90 devices for TF32 and half layers (the relaxed class and half dtypes);
-        3xTF32 stays below the exact CUDA-core families until the tuner has timed it."""
-        if device_reason(device) is None and not self.x3:
-            return RANK_SM90
-        return self.specialised
+        """First on sm_90 devices for TF32 and half layers (the relaxed class and half dtypes), except
+        float32 1x1 layers of stride 1 without padding, where gemm1x1_wgmma_tf32 reads x in place and
+        was faster or equal (H100, TF32: 1024->256 @14² N32 33 against 43 us, 64->256 @56² 73 and 73,
+        Boda 832@7 and 256@27 N5 34 / 26 against 46 / 36); 3xTF32 stays below the exact CUDA-core
+        families until the tuner has timed it."""
+        if device_reason(device) is not None or self.x3:
+            return self.specialised
+        if spec.dtype == "float32" and spec.r == spec.s == 1 and spec.stride == (1, 1) and not any(spec.pad):
+            return RANK_SM90 - 2
+        return RANK_SM90
 
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
         why = super().applies(spec, device) or device_reason(device)
