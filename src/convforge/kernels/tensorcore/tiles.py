@@ -174,15 +174,23 @@ def pick(math: Math, prob: Problem, units: int, shared_limit: int = MAX_SHARED) 
 
 def space(math: Math, prob: Problem, units: int, shared_limit: int = MAX_SHARED) -> list[TileConfig]:
     """The default first, then every valid configuration that does not overshoot the channels by
-    2x: bn, bm (cw 1 or 2), kb, 3-6 stages, the default's split and no split, persistent or not."""
+    2x (bn, bm for 1 or 2 consumers, kb, 3-6 stages, the default's split and no split, persistent or
+    not, 3xTF32 promotion intervals), the measured-promising ones first (H100 sweeps: persistent
+    grids, deeper pipelines, one atom per stage, 2 consumers; shapes by the wave model)."""
     first = pick(math, prob, units, shared_limit)
-    out = [first]
     splits = sorted({1, first.ks})
     pis = (4, 2, 8) if math.name == "3xtf32" else (0,)
+    out = []
     for bn, bm, cw, kb, st, ks, ps, pi in itertools.product(BN_CHOICES, (128, 256, 64), (2, 1), (1, 2),
-                                                            (4, 3, 5, 6), splits, (1, 0), pis):
+                                                            (6, 5, 4, 3), splits, (1, 0), pis):
         cfg = TileConfig(bm, bn, kb, st, cw, ks, ps, pi)
-        if bn > 2 * max(prob.n, 32) or cfg in out or cfg.problems(math, prob, shared_limit):
+        if bn > 2 * max(prob.n, 32) or cfg == first or cfg.problems(math, prob, shared_limit):
             continue
         out.append(cfg)
-    return out
+
+    def order(c: TileConfig) -> tuple[float, ...]:
+        eff = TILE_EFFICIENCY[math.esize]
+        shape = _wave_cost(c.bm, c.bn, math, prob, units) if (c.bm, c.bn) in eff else float("inf")
+        return (c.ps == 0, c.cw == 1, shape, c.pi != first.pi, -c.st, c.kb, c.ks != first.ks)
+
+    return [first] + sorted(out, key=order)
