@@ -74,17 +74,25 @@ def x_nhwc(spec: ConvSpec, math: Math, cp: int, dst: str = "xh") -> tuple[Kernel
 
 
 def w_krsc(spec: ConvSpec, math: Math, cp: int, ld: int, dst: str = "wt") -> tuple[Kernel, Dim3]:
-    """The filter packing step (see the module docstring)."""
-    rs, c, total = spec.r * spec.s, spec.c, spec.k * ld
+    """The filter packing step (see the module docstring): one thread per (k, c), channels fastest,
+    reading its R S contiguous taps (a warp reads one contiguous run) and writing them R S channel
+    rows apart (each store coalesced across the warp); channels past C and the row's tail past
+    R S Cp get zeros."""
+    rs, c, total, tail = spec.r * spec.s, spec.c, spec.k * cp, ld - spec.r * spec.s * cp
+    zero = "(unsigned short)0" if math.esize == 2 else "0.0f"
     code = Code()
     code(f"const int e = GROUP_ID(0) * {_ELT} + LOCAL_ID(0);")
     with code.block(f"if (e < {total})"):
-        code(f"const int k = e / {ld}, j = e - k * {ld}, rs = j / {cp}, ci = j - rs * {cp};",
-             f"const bool ok = rs < {rs} && ci < {c};")
-        if math.esize == 2:
-            code(f"{dst}[e] = ok ? w[(k * {c} + ci) * {rs} + rs] : (unsigned short)0;")
-        else:
-            code(f"const float v = ok ? w[(k * {c} + ci) * {rs} + rs] : 0.0f;", *rounded_parts(math, dst, "e", "v"))
+        code(f"const int k = e / {cp}, ci = e - k * {cp};",
+             f"const bool ok = ci < {c};",
+             f"const {CTYPE[spec.dtype]}* src = w + (k * {c} + (ok ? ci : 0)) * {rs};",
+             f"const int o = k * {ld} + ci;")
+        for i in range(rs):
+            value = f"(ok ? src[{i}] : {zero})"
+            code(*_store_parts(math, spec.dtype, dst, f"o + {i * cp}", value))
+        if tail:
+            with code.block(f"for (int j = {rs * cp} + ci; j < {ld}; j += {cp})"):
+                code(*(f"{b.name}[k * {ld} + j] = {zero};" for b in part_buffers(dst, math)))
     kern = Kernel("tc_w_krsc", (Buf("w", CTYPE[spec.dtype]),) + part_buffers(dst, math), code.text(),
                   (_ELT, 1, 1), frozenset({"mma_tf32", "wgmma"}),
                   comment=f"filters K C R S -> K x (R S {cp}) padded to {ld}, as {math.name} operands")
