@@ -424,6 +424,51 @@ def test_half_output_rounding_matches_stated_error(dtype):
     assert err < HALF_TOLERANCE[dtype] / 4
 
 
+def _round(kind, a):
+    return {"tf32": _tf32, "f16": lambda v: v.astype(np.float16).astype(np.float64),
+            "bf16": lambda v: rounded(v.astype(np.float32), "bfloat16").astype(np.float64),
+            "exact": lambda v: v}[kind](a)
+
+
+def winograd_error(spec: ConvSpec, m: int, operands: str, seed: int = 0) -> float:
+    """Relative L2 error of non-fused F(m x m, 3 x 3) with U and V rounded to ``operands`` (everything
+    else exact) and the output rounded to the spec's dtype: the roundings the tensor-core variants add."""
+    from convforge.kernels.winograd.matrices import winograd
+
+    rng = np.random.default_rng(seed)
+    x = rounded(rng.uniform(-1, 1, spec.x_shape).astype(np.float32), spec.dtype).astype(np.float64)
+    w = rounded(rng.uniform(-1, 1, spec.w_shape).astype(np.float32), spec.dtype).astype(np.float64)
+    t = winograd(m, 3)
+    at, g, bt, a = t.as_float("AT"), t.as_float("G"), t.as_float("BT"), m + 2
+    th, tw = -(-spec.p // m), -(-spec.q // m)
+    xp = np.zeros((spec.n, spec.c, th * m + 2, tw * m + 2))
+    xp[:, :, 1:1 + spec.h, 1:1 + spec.w] = x
+    u = _round(operands, np.einsum("ij,kcjl,ml->kcim", g, w, g))
+    d = np.stack([np.stack([xp[:, :, i * m:i * m + a, j * m:j * m + a] for j in range(tw)], 2) for i in range(th)], 2)
+    v = _round(operands, np.einsum("ij,nctsjl,ml->nctsim", bt, d, bt))
+    y = np.einsum("ij,nktsjl,ml->nktsim", at, np.einsum("kcim,nctsim->nktsim", u, v), at)
+    y = y.transpose(0, 1, 2, 4, 3, 5).reshape(spec.n, spec.k, th * m, tw * m)[:, :, :spec.p, :spec.q]
+    out = rounded(y.astype(np.float32), spec.dtype).astype(np.float64) if spec.dtype != "float32" else y
+    return rel_l2(out, conv2d_ref(x, w, spec))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_winograd_stated_errors_match_the_rounding_emulation(dtype):
+    """tc_winograd_f2 states per dtype what the emulation of its roundings gives (within 30 %): TF32
+    operands for float32 and bfloat16 layers, FP16 for float16; BF16 operands would be 2.5x worse (so
+    they are not used), F(4x4) with one product exceeds the relaxed bound in every mode (so only its
+    3xTF32 form is registered)."""
+    from convforge.kernels.tensorcore.winograd import TcWinograd
+
+    spec = ConvSpec.make(2, 64, 20, 20, 32, 3, 3, 1, 1, dtype=dtype)
+    v = TcWinograd(2, False, frozenset({dtype}), "relaxed", 0)
+    err = winograd_error(spec, 2, {"tf32": "tf32", "f16": "f16"}[v.math(spec).name])
+    assert 0.7 * v.expected_error(spec) < err < 1.3 * v.expected_error(spec), err
+    if dtype == "bfloat16":
+        assert winograd_error(spec, 2, "bf16") > 2 * err
+    assert winograd_error(spec, 4, "tf32" if dtype != "float16" else "f16") > 1e-3
+
+
 # -- tiles, variants, compiles ----------------------------------------------------------------------
 def test_tile_problems_name_the_parameter():
     assert any("bn" in p for p in TileConfig(128, 40).problems(TF32))
