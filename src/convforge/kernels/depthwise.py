@@ -237,7 +237,8 @@ def _load(code: Code, t: Tile, j: str) -> None:
                     for e, comp in enumerate("xyzw"):
                         code(f"if ((unsigned)(col{it} + {e}) < {t.iw}u) xs[{base} + {e}] = v{it}.{comp};")
             else:
-                code(f"{'if (t%d < %d) ' % (it, total) if guard else ''}xs[t{it}] = v{it};")
+                when = f"if (t{it} < {total}) " if guard else ""
+                code(f"{when}xs[t{it}] = v{it};")
 
 
 def _filter(code: Code, st: Stencil, k: str) -> None:

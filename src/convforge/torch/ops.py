@@ -7,7 +7,8 @@ Where the native fast path is built (native.py), the CUDA and Autograd kernels a
 and a warm call never enters Python; otherwise they are the Python functions here.
 
 Schema: ``conv2d(Tensor x, Tensor w, Tensor? bias, int[] stride, int[] padding, int[] dilation,
-str algo, str? precision, float? max_error) -> Tensor``; padding is (top, bottom, left, right).
+str algo, str? precision, float? max_error, int groups=1) -> Tensor``; padding is (top, bottom,
+left, right); w is K x C/groups x R x S.
 Eager inference in ``Conv2d`` skips the op and calls the prepared runner directly with filters
 transformed once per weight version (modules.py).
 """
@@ -29,16 +30,16 @@ log = logging.getLogger("convforge")
 
 _LIB = torch.library.Library("convforge", "DEF")  # noqa: TOR901 - kept alive for the process
 _LIB.define("conv2d(Tensor x, Tensor w, Tensor? bias, int[] stride, int[] padding, int[] dilation, "
-            "str algo, str? precision, float? max_error) -> Tensor")
+            "str algo, str? precision, float? max_error, int groups=1) -> Tensor")
 _FELL_BACK: set[tuple[Any, ...]] = set()
 
 
 def output_shape(x_shape: Sequence[Any], w_shape: Sequence[Any], stride: Sequence[int], padding: Sequence[int],
-                 dilation: Sequence[int]) -> tuple[Any, ...]:
+                 dilation: Sequence[int], groups: int = 1) -> tuple[Any, ...]:
     """(N, K, P, Q) of the op: ConvSpec's answer for concrete sizes, its formula for symbolic ones."""
     if all(isinstance(v, int) for v in (*x_shape, *w_shape)):
         return ConvSpec.from_shapes(tuple(x_shape), tuple(w_shape), tuple(stride), tuple(padding),
-                                    tuple(dilation)).y_shape
+                                    tuple(dilation), groups).y_shape
     n, _, h, w = x_shape
     k, _, r, s = w_shape
     t, b, left, right = padding
@@ -48,39 +49,39 @@ def output_shape(x_shape: Sequence[Any], w_shape: Sequence[Any], stride: Sequenc
 
 
 def _torch_conv(x: Any, w: Any, bias: Any, stride: Sequence[int], padding: Sequence[int],
-                dilation: Sequence[int]) -> Any:
+                dilation: Sequence[int], groups: int = 1) -> Any:
     """PyTorch's convolution with convforge's (top, bottom, left, right) padding."""
     t, b, left, right = padding
     if t != b or left != right:
-        return F.conv2d(F.pad(x, (left, right, t, b)), w, bias, tuple(stride), 0, tuple(dilation))
-    return F.conv2d(x, w, bias, tuple(stride), (t, left), tuple(dilation))
+        return F.conv2d(F.pad(x, (left, right, t, b)), w, bias, tuple(stride), 0, tuple(dilation), groups)
+    return F.conv2d(x, w, bias, tuple(stride), (t, left), tuple(dilation), groups)
 
 
 def _cuda(x: Any, w: Any, bias: Any, stride: list[int], padding: list[int], dilation: list[int], algo: str,
-          precision: str | None, max_error: float | None) -> Any:
+          precision: str | None, max_error: float | None, groups: int = 1) -> Any:
     """convforge's fast path (a dictionary hit and the launches; filters cached per weight version)."""
     try:
         return cf_conv2d(x.contiguous(), w.contiguous(), bias, (*stride,), (*padding,), (*dilation,), algo, None,
-                         None, False, None, precision, max_error)
+                         None, False, None, precision, max_error, groups)
     except ValueError as err:  # a layer no convforge variant runs: PyTorch's, logged once
         if algo != "auto":
             raise
-        tag = (tuple(x.shape), tuple(w.shape), tuple(stride), tuple(padding), tuple(dilation))
+        tag = (tuple(x.shape), tuple(w.shape), tuple(stride), tuple(padding), tuple(dilation), groups)
         if tag not in _FELL_BACK:
             _FELL_BACK.add(tag)
             log.warning("convforge: %s; PyTorch runs this layer", err)
-        return _torch_conv(x, w, bias, stride, padding, dilation)
+        return _torch_conv(x, w, bias, stride, padding, dilation, groups)
 
 
 def _fake(x: Any, w: Any, bias: Any, stride: list[int], padding: list[int], dilation: list[int], algo: str,
-          precision: str | None, max_error: float | None) -> Any:
-    return x.new_empty(output_shape(x.shape, w.shape, stride, padding, dilation))
+          precision: str | None, max_error: float | None, groups: int = 1) -> Any:
+    return x.new_empty(output_shape(x.shape, w.shape, stride, padding, dilation, groups))
 
 
 def _cpu(x: Any, w: Any, bias: Any, stride: list[int], padding: list[int], dilation: list[int], algo: str,
-         precision: str | None, max_error: float | None) -> Any:
+         precision: str | None, max_error: float | None, groups: int = 1) -> Any:
     """CPU tensors: PyTorch's convolution (convforge runs torch tensors on CUDA only)."""
-    return _torch_conv(x, w, bias, stride, padding, dilation)
+    return _torch_conv(x, w, bias, stride, padding, dilation, groups)
 
 
 _LIB.impl("conv2d", _cpu, "CPU")
@@ -97,7 +98,7 @@ _DIRECT = {torch._C.DispatchKey.CUDA: _cuda, torch._C.DispatchKey.CPU: _cpu}
 
 
 def _below(keyset: Any, x: Any, w: Any, bias: Any, stride: list[int], padding: list[int], dilation: list[int],
-           algo: str, precision: str | None, max_error: float | None) -> Any:
+           algo: str, precision: str | None, max_error: float | None, groups: int = 1) -> Any:
     """The op below autograd. When the next kernel is simply our CUDA (or CPU) one (no fake or
     functional tensors, no Python mode: only ADInplaceOrView, a fallthrough here, lies between),
     it is called directly, saving the dispatcher's second round trip through Python; otherwise
@@ -105,9 +106,9 @@ def _below(keyset: Any, x: Any, w: Any, bias: Any, stride: list[int], padding: l
     after = keyset & _AFTER_AUTOGRAD
     kernel = _DIRECT.get(after.remove(_ADIOV).highestPriorityTypeId())
     if kernel is not None:
-        return kernel(x, w, bias, stride, padding, dilation, algo, precision, max_error)
+        return kernel(x, w, bias, stride, padding, dilation, algo, precision, max_error, groups)
     with _BELOW_AUTOGRAD():
-        return _OP.redispatch(after, x, w, bias, stride, padding, dilation, algo, precision, max_error)
+        return _OP.redispatch(after, x, w, bias, stride, padding, dilation, algo, precision, max_error, groups)
 
 
 class _Conv2dFn(torch.autograd.Function):
@@ -117,43 +118,44 @@ class _Conv2dFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Any, w: Any, bias: Any, stride: list[int], padding: list[int], dilation: list[int],
-                algo: str, precision: str | None, max_error: float | None) -> Any:
-        y = _OP(x, w, bias, stride, padding, dilation, algo, precision, max_error)
+                algo: str, precision: str | None, max_error: float | None, groups: int = 1) -> Any:
+        y = _OP(x, w, bias, stride, padding, dilation, algo, precision, max_error, groups)
         ctx.save_for_backward(x, w)
-        ctx.conv = (list(stride), list(padding), list(dilation), bias is not None)
+        ctx.conv = (list(stride), list(padding), list(dilation), bias is not None, groups)
         return y
 
     @staticmethod
     def backward(ctx: Any, gy: Any) -> tuple[Any, ...]:
         x, w = ctx.saved_tensors
-        stride, padding, dilation, has_bias = ctx.conv
+        stride, padding, dilation, has_bias, groups = ctx.conv
         need = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], has_bias and ctx.needs_input_grad[2]]
         t, b, left, right = padding
         sym = t == b and left == right
         xin = x if sym else F.pad(x, (left, right, t, b))
         gx, gw, gb = torch.ops.aten.convolution_backward(
             gy.contiguous(), xin, w, [w.shape[0]] if has_bias else None, stride, [t, left] if sym else [0, 0],
-            dilation, False, [0, 0], 1, need)
+            dilation, False, [0, 0], groups, need)
         if gx is not None and not sym:
             gx = gx[:, :, t:t + x.shape[2], left:left + x.shape[3]]
-        return gx, gw, gb if has_bias else None, None, None, None, None, None, None
+        return gx, gw, gb if has_bias else None, None, None, None, None, None, None, None
 
 
 def _grad_apply(x: Any, w: Any, bias: Any, stride: list[int], padding: list[int], dilation: list[int], algo: str,
-                precision: str | None, max_error: float | None) -> Any:
+                precision: str | None, max_error: float | None, groups: int = 1) -> Any:
     """The op when a gradient is needed: through its autograd node."""
-    return _Conv2dFn.apply(x, w, bias, stride, padding, dilation, algo, precision, max_error)
+    return _Conv2dFn.apply(x, w, bias, stride, padding, dilation, algo, precision, max_error, groups)
 
 
 def _autograd(keyset: Any, x: Any, w: Any, bias: Any, stride: list[int], padding: list[int],
-              dilation: list[int], algo: str, precision: str | None, max_error: float | None) -> Any:
+              dilation: list[int], algo: str, precision: str | None, max_error: float | None,
+              groups: int = 1) -> Any:
     """The op's Autograd kernel, registered directly (cheaper than ``register_autograd``'s generic
     wrapper): without grad mode or without an input that requires grad it goes straight below
     autograd (:func:`_below`), so no_grad calls pay almost nothing for autograd (inference_mode
     skips this kernel entirely)."""
     if _GRAD_ENABLED() and (x.requires_grad or w.requires_grad or (bias is not None and bias.requires_grad)):
-        return _grad_apply(x, w, bias, stride, padding, dilation, algo, precision, max_error)
-    return _below(keyset, x, w, bias, stride, padding, dilation, algo, precision, max_error)
+        return _grad_apply(x, w, bias, stride, padding, dilation, algo, precision, max_error, groups)
+    return _below(keyset, x, w, bias, stride, padding, dilation, algo, precision, max_error, groups)
 
 
 # The CUDA and Autograd kernels: C++ where the native fast path is built (native.cpp: a warm call
@@ -168,9 +170,9 @@ else:
 
 def conv2d(x: Any, w: Any, bias: Any = None, stride: int | Sequence[int] = 1, padding: int | Sequence[int] = 0,
            dilation: int | Sequence[int] = 1, algo: str = "auto", precision: str | None = None,
-           max_error: float | None = None) -> Any:
+           max_error: float | None = None, groups: int = 1) -> Any:
     """``torch.ops.convforge.conv2d`` with the loose argument forms of ``convforge.conv2d``:
     differentiable, traceable by torch.compile, capturable in CUDA graphs."""
     st = (stride, stride) if isinstance(stride, int) else tuple(stride)
     dl = (dilation, dilation) if isinstance(dilation, int) else tuple(dilation)
-    return _OP(x, w, bias, list(st), list(normalize_padding(padding)), list(dl), algo, precision, max_error)
+    return _OP(x, w, bias, list(st), list(normalize_padding(padding)), list(dl), algo, precision, max_error, groups)
