@@ -157,7 +157,8 @@ def primary(results: list[BaselineResult]) -> BaselineResult | None:
 def _conv_args(spec: ConvSpec) -> dict[str, Any]:
     if not spec.symmetric_pad:
         raise ValueError("PyTorch baselines need symmetric padding")
-    return {"stride": spec.stride, "padding": (spec.pad[0], spec.pad[2]), "dilation": spec.dilation}
+    return {"stride": spec.stride, "padding": (spec.pad[0], spec.pad[2]), "dilation": spec.dilation,
+            "groups": spec.groups}
 
 
 def _rel_err(out: Any, ref: Any) -> float:
