@@ -470,5 +470,128 @@ class DepthwiseDgrad(Variant):
                     epilogue=epilogue)
 
 
+def wgrad_splits(spec: ConvSpec, device: DeviceInfo) -> int:
+    """Slices of the N*P output rows: enough blocks (K x slices) for ~4 per compute unit."""
+    want = cdiv(4 * max(device.units, 1), spec.k) if device.is_gpu else 1
+    return max(1, min(spec.n * spec.p, want))
+
+
+class DepthwiseWgrad(Variant):
+    """wgrad of a depthwise layer: a per-channel reduction over N*P*Q. Block (k, slice) of ``bt``
+    threads walks its slice of output rows (consecutive threads: consecutive columns, so dy loads
+    coalesce), keeps one partial sum per tap in registers, then adds them across the block in a fixed
+    shared-memory tree; with ``ns`` > 1 slices a second kernel adds the slices' partial filters in
+    order into dw (deterministic: no atomics). Any stride, dilation and padding."""
+
+    name = "depthwise_wgrad"
+    family = "depthwise"
+    passes = frozenset({"wgrad"})
+    grouped = True
+    exact = True
+    tolerance = 1e-5
+    specialised = 20
+    space_lead = 1
+
+    def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
+        if not spec.depthwise:
+            return "only depthwise layers (groups == C > 1)"
+        why = super().applies(spec, device) or too_big(spec)
+        if why is None and 4 * spec.r * spec.s * 32 > min(device.shared_bytes, _SMEM):
+            return "the filter's partial sums do not fit in shared memory"
+        return why
+
+    def _fits(self, spec: ConvSpec, bt: int, device: DeviceInfo) -> bool:
+        return bt <= device.max_threads and 4 * spec.r * spec.s * bt <= min(device.shared_bytes, _SMEM)
+
+    def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
+        bt = next((b for b in ((256, 128, 64, 32) if device.is_gpu else (32,)) if self._fits(spec, b, device)), 32)
+        return Params(bt=bt, ns=wgrad_splits(spec, device))
+
+    def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
+        out = [self.default(spec, device)]
+        for bt, ns in itertools.product((64, 128, 256), (1, 2, 4, 8, 16, 32, 64)):
+            prm = Params(bt=bt, ns=ns)
+            if self._fits(spec, bt, device) and ns <= spec.n * spec.p and prm not in out:
+                out.append(prm)
+        return out
+
+    def workspace_bytes(self, spec: ConvSpec, params: Params) -> int:
+        return 4 * params.ns * spec.k * spec.r * spec.s if params.ns > 1 else 0
+
+    def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
+             epilogue: Epilogue = Epilogue()) -> Plan:
+        no_epilogue(self.name, epilogue)
+        bt, ns = params.bt, params.ns
+        if bt & (bt - 1) or not self._fits(spec, bt, device):
+            raise ValueError(f"{self.name}: bt ({bt}) must be a power of two whose {spec.r * spec.s} partial "
+                             "sums fit in shared memory")
+        if not 1 <= ns <= spec.n * spec.p:
+            raise ValueError(f"{self.name}: ns ({ns}) must be 1..{spec.n * spec.p} (N*P output rows)")
+        rs = spec.r * spec.s
+        out = "w" if ns == 1 else "part"
+        body = self._reduce_body(spec, bt, ns, out)
+        name = "wgrad_depthwise"
+        args = (Buf("x"), Buf("y"), Buf(out, readonly=False))
+        kernels = [Kernel(name, args, body, (bt, 1, 1), comment=f"{self.name}: {params.short()}")]
+        steps = [Launch(name, (spec.k, ns, 1), (bt, 1, 1), ("x", "y", out))]
+        workspace: tuple[tuple[str, int], ...] = ()
+        if ns > 1:
+            total = spec.k * rs
+            sums = " + ".join(f"part[{j * total} + e]" for j in range(ns))
+            code = Code()
+            code("const int e = GROUP_ID(0) * 256 + LOCAL_ID(0);")
+            with code.block(f"if (e < {total})"):
+                code(f"w[e] = {sums};  // the slices in order: the same sum on every run")
+            kernels.append(Kernel("wgrad_depthwise_sum", (Buf("part"), Buf("w", readonly=False)), code.text(),
+                                  (256, 1, 1), comment=f"sum of {ns} slices' partial filters"))
+            steps.append(Launch("wgrad_depthwise_sum", (cdiv(total, 256), 1, 1), (256, 1, 1), ("part", "w")))
+            workspace = (("part", self.workspace_bytes(spec, params)),)
+        return Plan(self.name, self.family, spec, params, tuple(kernels), tuple(steps), workspace,
+                    tolerance=self.tolerance, epilogue=epilogue)
+
+    @staticmethod
+    def _reduce_body(spec: ConvSpec, bt: int, ns: int, out: str) -> str:
+        """Block (k, slice): R*S partial sums over the slice's outputs, then a fixed tree."""
+        (sh, sw), (dh, dw) = spec.stride, spec.dilation
+        pt, pl = spec.pad[0], spec.pad[2]
+        rs, rows, pq = spec.r * spec.s, spec.n * spec.p, spec.p * spec.q
+        per = cdiv(rows, ns)
+        code = Code()
+        code(f"SHARED float part_[{rs * bt}];  // {rs} taps x {bt} threads",
+             "const int t = LOCAL_ID(0), k = GROUP_ID(0);",
+             f"const int c = k / {spec.kg};  // the input channel of k",
+             f"const int row0 = GROUP_ID(1) * {per}, row1 = min(row0 + {per}, {rows});",
+             f"const int count = (row1 - row0) * {spec.q};")
+        for r, s_ in itertools.product(range(spec.r), range(spec.s)):
+            code(f"float a{r}_{s_} = 0.0f;")
+        with code.block(f"for (int e = t; e < count; e += {bt})"):
+            code(f"const int row = row0 + e / {spec.q}, q = e % {spec.q};",
+                 f"const int n = row / {spec.p}, p = row % {spec.p};",
+                 f"const float g = LDG(y + (n * {spec.k} + k) * {pq} + p * {spec.q} + q);",
+                 f"const GLOBAL_PTR float* xc = x + (n * {spec.c} + c) * {spec.h * spec.w};",
+                 f"const int y0 = p * {sh} - {pt}, x0 = q * {sw} - {pl};")
+            for r in range(spec.r):
+                with code.block(f"if ((unsigned)(y0 + {r * dh}) < {spec.h}u)"):
+                    code(f"const GLOBAL_PTR float* xr = xc + (y0 + {r * dh}) * {spec.w};")
+                    for s_ in range(spec.s):
+                        code(f"if ((unsigned)(x0 + {s_ * dw}) < {spec.w}u) "
+                             f"a{r}_{s_} = FMA(LDG(xr + x0 + {s_ * dw}), g, a{r}_{s_});")
+        for r, s_ in itertools.product(range(spec.r), range(spec.s)):
+            code(f"part_[{(r * spec.s + s_) * bt} + t] = a{r}_{s_};")
+        code("BARRIER();")
+        half = bt // 2
+        while half >= 1:
+            with code.block(f"if (t < {half})"):
+                with code.block(f"for (int j = 0; j < {rs}; ++j)"):
+                    code(f"part_[j * {bt} + t] += part_[j * {bt} + t + {half}];")
+            code("BARRIER();")
+            half //= 2
+        dst = f"GROUP_ID(1) * {spec.k * rs} + k * {rs} + j" if ns > 1 else f"k * {rs} + j"
+        with code.block(f"for (int j = t; j < {rs}; j += {bt})"):
+            code(f"{out}[{dst}] = part_[j * {bt}];")
+        return code.text()
+
+
 register(Depthwise())
 register(DepthwiseDgrad())
+register(DepthwiseWgrad())
