@@ -176,7 +176,7 @@ def install_native(module: Any) -> None:
 
 def _torch_key(x: Any, w: Any, b: Any, stride: Any, padding: Any, dilation: Any, algo: Any, backend: Any,
                workspace_limit: Any, relu: Any, params: Any, precision: Any, max_error: Any,
-               groups: Any) -> tuple[Any, ...]:
+               groups: Any = 1) -> tuple[Any, ...]:
     return (type(x), type(w), x.shape, w.shape, x.dtype, w.dtype, x.device, w.device, x.is_contiguous(),
             w.is_contiguous(),
             b is None or (type(b), b.shape, b.dtype, b.device, b.is_contiguous()),
@@ -188,7 +188,7 @@ def _torch_key(x: Any, w: Any, b: Any, stride: Any, padding: Any, dilation: Any,
 
 def _cupy_key(x: Any, w: Any, b: Any, stride: Any, padding: Any, dilation: Any, algo: Any, backend: Any,
               workspace_limit: Any, relu: Any, params: Any, precision: Any, max_error: Any,
-              groups: Any) -> tuple[Any, ...]:
+              groups: Any = 1) -> tuple[Any, ...]:
     return (type(x), type(w), x.shape, w.shape, x.dtype, w.dtype, x.data.device_id, w.data.device_id,
             x.flags.c_contiguous, w.flags.c_contiguous,
             b is None or (type(b), b.shape, b.dtype, b.data.device_id, b.flags.c_contiguous),
