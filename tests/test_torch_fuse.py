@@ -213,7 +213,7 @@ class _FakeRun:
 @pytest.mark.parametrize("name,res_in_plan", [("c1", False), ("c2", False), ("c2", True), ("c3", False)])
 def test_folded_path_takes_the_native_route(monkeypatch, name, res_in_plan):
     """A plan without the residual is conv2d's plan for the folded weights: the module asks the
-    native fast path's ``run`` with conv2d's 13 arguments (ReLU in them only when no add follows);
+    native fast path's ``run`` with conv2d's 14 arguments (ReLU in them only when no add follows);
     a plan that adds the residual asks ``run_res`` with them (ReLU: after the add) and the
     residual. On a miss the Python runner runs and the call is filed (the residual plan as such);
     on a hit nothing runs in Python; a capture with static weights never asks. Stand-ins: no CUDA."""
@@ -259,7 +259,7 @@ def test_folded_path_takes_the_native_route(monkeypatch, name, res_in_plan):
     assert call[1] is w and call[2] is b and call[3:9] == (m.stride, fused_mod.padding_quad(m), m.dilation,
                                                             m.algo, None, None)
     assert call[9] == (m._cf_relu and (res_in_plan or not residual)) and call[10:] == (None, m.precision,
-                                                                                        m.max_error)
+                                                                                        m.max_error, m.groups)
     assert all(g == ((res,) if res_in_plan else ()) for g in given)
     assert len(asked) == 2 and len(filed) == 1 and filed[0][0] is run and filed[0][1][1:] == call[1:]
     assert filed[0][2] == res_in_plan  # a residual plan is filed under its own key
