@@ -355,3 +355,23 @@ def test_bench_models_know_the_modern_cnns() -> None:
     for name in ("resnext50_32x4d", "regnet_y_1_6gf", "mobilenet_v2", "mobilenet_v3_large", "convnext_tiny",
                  "densenet121", "efficientnet_b0", "shufflenet_v2_x1_0"):
         assert models.parse_model(f"{name}:32") == (name, 32)
+
+
+def test_tuning_db_keys_and_imports_grouped_entries(tmp_path: Path) -> None:
+    """The database key carries groups (spec.key()), and an export of a depthwise entry imports back."""
+    from dataclasses import asdict
+
+    from convforge.tune.db import Entry, TuningDB, now
+
+    spec = DEPTHWISE[1]
+    assert spec.key().endswith("_g5")
+    prm = get_variant("depthwise").default(spec, NOMINAL_CUDA)
+    entry = Entry(device="cuda|nominal", backend="cuda", version="0.1.0", spec=spec.key(), dtype=spec.dtype,
+                  epilogue="none", variant="depthwise", params=prm.to_json(), time_ms=0.05, workspace=0, error=1e-7,
+                  date=now(), spec_json=json.dumps(spec.to_dict(), sort_keys=True))
+    db = TuningDB(tmp_path / "t.sqlite")
+    rep = db.import_json({"format": "convforge-tuning", "schema": 2, "entries": [asdict(entry)]})
+    assert len(rep.stored) == 1, rep.rejected
+    wrong = {**asdict(entry), "spec_json": json.dumps({**spec.to_dict(), "groups": 1}, sort_keys=True)}
+    rep = db.import_json({"format": "convforge-tuning", "schema": 2, "entries": [wrong]})
+    assert not rep.stored and "does not match its spec_json" in rep.rejected[0][1]
