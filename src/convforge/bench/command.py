@@ -303,7 +303,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         return _run(args, console)
     except SuiteError as err:
-        console.print(f"[red]error:[/] {escape(str(err))}")
+        console.print(f"[red]error:[/] {escape(str(err))}", soft_wrap=True)  # one line, however long
         return 2
 
 

@@ -487,7 +487,7 @@ def _check_models(specs: list[str], console: Console) -> list[tuple[str, int]] |
     try:
         models = [parse_model(s) for s in specs]
     except ValueError as err:
-        console.print(f"[red]error:[/] {err}")
+        console.print(f"[red]error:[/] {escape(str(err))}", soft_wrap=True)  # one line, however long
         return None
     from convforge.cli import need
 
