@@ -53,7 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "against PyTorch FP32 or PyTorch TF32")
     parser.add_argument("--model", action="append", metavar="NAME[:BATCH]",
                         help="whole torchvision model, random weights (repeatable): resnet18, resnet50, vgg16, "
-                        "googlenet, alexnet, inception_v3; PyTorch FP32/TF32/compile vs the converted model")
+                        "googlenet, alexnet, inception_v3, resnext50_32x4d, regnet_y_1_6gf, mobilenet_v2, "
+                        "mobilenet_v3_large, convnext_tiny, densenet121, efficientnet_b0, shufflenet_v2_x1_0; "
+                        "PyTorch FP32/TF32/compile vs the converted model")
     parser.add_argument("--tune", action="store_true",
                         help="with --model: tune every convforge layer in its row's precision class into the "
                         "database before timing (config.autotune on the warm-up call)")
@@ -312,7 +314,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         return _run(args, console)
     except SuiteError as err:
-        console.print(f"[red]error:[/] {escape(str(err))}")
+        console.print(f"[red]error:[/] {escape(str(err))}", soft_wrap=True)  # one line, however long
         return 2
 
 

@@ -135,7 +135,7 @@ class _Descriptors:
         a.check("cudnnSetConvolution2dDescriptor", self.conv, v(spec.pad[0]), v(spec.pad[2]),
                 v(spec.stride[0]), v(spec.stride[1]), v(spec.dilation[0]), v(spec.dilation[1]),
                 v(_CROSS_CORRELATION), v(_FLOAT))
-        if spec.groups > 1:
+        if spec.groups > 1:  # filters of C/groups channels, as PyTorch's grouped convolutions call it
             a.check("cudnnSetConvolutionGroupCount", self.conv, v(spec.groups))
         if self.math == "default":
             a.check("cudnnSetConvolutionMathType", self.conv, v(_DEFAULT_MATH))

@@ -1,17 +1,18 @@
 """``convforge bench --model NAME[:BATCH]``: whole torchvision models, random weights, FP32.
 
-Weights: torchvision's own random init is not signal-preserving (GoogLeNet's truncated normal with
-std 0.01 makes activations vanish, so its output is the classifier bias and every error is the same
-~1e-10), so after building a model every conv and linear weight is re-drawn from a fan-in scaled
-normal (Kaiming, ReLU gain: std = sqrt(2 / fan_in)), biases from N(0, 0.01^2), and every batch-norm
-layer gets weight 1, bias 0, running mean 0, running variance 1 (the identity in eval mode), from
-a CPU generator with a fixed seed (``SEED``). One model is built and copied, so the PyTorch runs,
-the float64 reference and the converted model all use the SAME weights. Per model the reference
-output's spread over inputs is printed (``spread``: how much the float64 output changes between
-samples of the batch, or for N=1 against a second random input, relative to its norm), and rows are
-flagged when it is tiny (< ``MIN_SPREAD``): an output that does not depend on the input (e.g. only
-the classifier bias) makes every relative error small and meaningless. ``err / PyTorch`` is each
-row's error over PyTorch FP32's (the issue's target: within 2x).
+Weights: torchvision's own random init is not signal-preserving (GoogLeNet's truncated normal with std
+0.01 makes activations vanish, so its output is the classifier bias and every error is the same ~1e-10),
+so after building a model every conv and linear weight is re-drawn from a fan-in scaled normal (Kaiming,
+ReLU gain: std = sqrt(2 / fan_in)), biases from N(0, 0.01^2), and every batch-norm layer gets weight 1,
+bias 0, running mean 0, running variance 1 (the identity in eval mode), from a CPU generator with a
+fixed seed (``SEED``); ConvNeXt's per-block layer scale (1e-6 at init, which would make every block an
+identity and its depthwise conv's error invisible) is set to 1. One model is built and copied, so the
+PyTorch runs, the float64 reference and the converted model all use the SAME weights. Per model the
+reference output's spread over inputs is printed (``spread``: how much the float64 output changes
+between samples of the batch, or for N=1 against a second random input, relative to its norm), and rows
+are flagged when it is tiny (< ``MIN_SPREAD``): an output that does not depend on the input (e.g. only
+the classifier bias) makes every relative error small and meaningless. ``err / PyTorch`` is each row's
+error over PyTorch FP32's (the issue's target: within 2x).
 
 Per model: the forward time of PyTorch FP32 eager (cudnn.benchmark on, TF32 off), PyTorch FP32
 replayed from a CUDA graph, PyTorch TF32, ``torch.compile`` FP32, the model converted by
@@ -53,7 +54,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-MODELS = {"resnet18": 224, "resnet50": 224, "vgg16": 224, "googlenet": 224, "alexnet": 224, "inception_v3": 299}
+MODELS = {"resnet18": 224, "resnet50": 224, "vgg16": 224, "googlenet": 224, "alexnet": 224, "inception_v3": 299,
+          # modern CNNs: grouped (ResNeXt, RegNet) and depthwise (MobileNet, EfficientNet, ShuffleNet, ConvNeXt)
+          # layers, and DenseNet's BN -> ReLU -> conv
+          "resnext50_32x4d": 224, "regnet_y_1_6gf": 224, "mobilenet_v2": 224, "mobilenet_v3_large": 224,
+          "convnext_tiny": 224, "densenet121": 224, "efficientnet_b0": 224, "shufflenet_v2_x1_0": 224}
 FIELDS = ("model", "batch", "impl", "precision", "baseline", "time_ms", "speedup", "rel_err", "err_vs_pytorch",
           "ref_spread", "status", "converted", "left_to_pytorch", "tuned")
 BASELINES = {"fp32": "pytorch_fp32", "relaxed": "pytorch_tf32"}  # each class's PyTorch baseline row
@@ -130,6 +135,9 @@ def reinit(model: Any, seed: int) -> None:
                 if m.running_mean is not None and m.running_var is not None:
                     m.running_mean.zero_()
                     m.running_var.fill_(1.0)
+            scale = getattr(m, "layer_scale", None)  # ConvNeXt's blocks: 1e-6 at init would hide the branch
+            if isinstance(scale, torch.nn.Parameter):
+                scale.fill_(1.0)
 
 
 def spread(model64: Any, x64: Any, y64: Any) -> float:
@@ -480,7 +488,7 @@ def _check_models(specs: list[str], console: Console) -> list[tuple[str, int]] |
     try:
         models = [parse_model(s) for s in specs]
     except ValueError as err:
-        console.print(f"[red]error:[/] {err}")
+        console.print(f"[red]error:[/] {escape(str(err))}", soft_wrap=True)  # one line, however long
         return None
     from convforge.cli import need
 

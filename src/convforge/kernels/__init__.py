@@ -9,7 +9,7 @@ from convforge.params import Params
 from convforge.plan import DeviceInfo, Variant
 from convforge.spec import ConvSpec
 
-FAMILIES = ("direct", "im2col", "implicit_gemm", "im2win", "winograd", "gemm1x1")
+FAMILIES = ("direct", "im2col", "implicit_gemm", "im2win", "winograd", "gemm1x1", "depthwise")
 _REGISTRY: dict[str, Variant] = {}
 
 
