@@ -1,6 +1,7 @@
 """Checking a Plan of any pass and dtype: fresh random inputs (a residual too when its epilogue adds
-one), NaN-poisoned output and workspace, relative L2 error against the float64 reference, and a
-count of outputs the kernels never wrote."""
+one, the per-channel scale and shift when its prologue has them), NaN-poisoned output and workspace,
+relative L2 error against the float64 reference (on the activated input when the plan has a
+prologue), and a count of outputs the kernels never wrote."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import numpy as np
 
 from convforge.backends.base import Backend, Executable
 from convforge.dtypes import rounded, to_storage
-from convforge.plan import Epilogue, Plan
-from convforge.reference import pass_ref, rel_l2
+from convforge.plan import Epilogue, Plan, Prologue
+from convforge.reference import activate_ref, pass_ref, rel_l2
 from convforge.spec import ConvSpec
 
 
@@ -42,24 +43,36 @@ def random_inputs(spec: ConvSpec, rng: np.random.Generator,
     return x, w, b
 
 
-def pass_inputs(spec: ConvSpec, rng: np.random.Generator, epilogue: Epilogue = Epilogue()) -> dict[str, np.ndarray]:
+def pass_inputs(spec: ConvSpec, rng: np.random.Generator, epilogue: Epilogue = Epilogue(),
+                prologue: Prologue = Prologue()) -> dict[str, np.ndarray]:
     """Fresh Uniform(-1, 1) inputs of ``spec``'s pass by buffer name (float32 arrays holding values
-    of ``spec.dtype``): fprop x, w (bias, res as its epilogue asks); dgrad y (dy) and w; wgrad x, y."""
+    of ``spec.dtype``): fprop x, w (bias, res as its epilogue asks; the prologue's pscale, drawn
+    from +-[0.5, 1.5] (a batch norm's scale may be negative), and pshift, Uniform(-0.5, 0.5), as
+    an affine prologue asks); dgrad y (dy) and w; wgrad x, y."""
     names = {"fprop": ["x", "w"], "dgrad": ["y", "w"], "wgrad": ["x", "y"]}[spec.conv_pass]
     if spec.conv_pass == "fprop":
         names += (["bias"] if epilogue.bias else []) + (["res"] if epilogue.residual else [])
-    return {name: rounded(rng.uniform(-1, 1, spec.shape_of(name)).astype(np.float32), spec.dtype)
-            for name in names}
+    out = {name: rounded(rng.uniform(-1, 1, spec.shape_of(name)).astype(np.float32), spec.dtype)
+           for name in names}
+    if spec.conv_pass == "fprop" and prologue.affine:
+        scale = rng.uniform(0.5, 1.5, spec.c) * rng.choice([-1.0, 1.0], spec.c)
+        out["pscale"] = scale.astype(np.float32)
+        out["pshift"] = rng.uniform(-0.5, 0.5, spec.c).astype(np.float32)
+    return out
 
 
 def expected(spec: ConvSpec, inputs: dict[str, np.ndarray], epilogue: Epilogue = Epilogue(),
-             n: int | None = None) -> np.ndarray:
+             n: int | None = None, prologue: Prologue = Prologue()) -> np.ndarray:
     """The float64 answer of ``spec``'s pass on ``inputs`` with ``epilogue`` (the residual is added
-    before the ReLU); ``n`` limits an fprop or dgrad answer to the first images (big layers)."""
+    before the ReLU) and ``prologue`` (fprop on the activated input, padding zero); ``n`` limits an
+    fprop or dgrad answer to the first images (big layers)."""
     if n is not None and n < spec.n and spec.conv_pass != "wgrad":
         sub = spec.with_batch(n)
         inputs = {k: (v[:n] if k in ("x", "y", "res") else v) for k, v in inputs.items()}
         spec = sub
+    if spec.conv_pass == "fprop" and prologue.active:
+        inputs = {**inputs, "x": activate_ref(inputs["x"], inputs.get("pscale"), inputs.get("pshift"),
+                                              prologue.relu)}
     out = pass_ref(spec, inputs)
     if spec.conv_pass == "fprop":
         if "res" in inputs:
@@ -77,11 +90,12 @@ def check_plan(plan: Plan, backend: Backend, seed: int | None = None,
     ``batch_slice`` compares only the first images of the batch (big fprop and dgrad layers).
     """
     spec = plan.spec
-    inputs = pass_inputs(spec, np.random.default_rng(seed), plan.epilogue)
+    inputs = pass_inputs(spec, np.random.default_rng(seed), plan.epilogue, plan.prologue)
     exe = exe or backend.executable(plan)
     for buf, (_, nbytes) in zip(exe.workspace().values(), plan.workspace):
         backend.fill(buf, float("nan"), nbytes)
-    bufs = {name: backend.upload(to_storage(a, spec.dtype)) for name, a in inputs.items()}
+    bufs = {name: backend.upload(a if name in ("pscale", "pshift") else to_storage(a, spec.dtype))
+            for name, a in inputs.items()}
     shape = spec.shape_of(spec.output)
     bufs[spec.output] = backend.upload(to_storage(np.full(shape, np.nan, np.float32), spec.dtype))
     exe(bufs)
@@ -89,5 +103,5 @@ def check_plan(plan: Plan, backend: Backend, seed: int | None = None,
     out = backend.download(bufs[spec.output], shape, spec.dtype)
     n = spec.n if batch_slice is None or spec.conv_pass == "wgrad" else min(batch_slice, spec.n)
     got = out if spec.conv_pass == "wgrad" else out[:n]
-    ref = expected(spec, inputs, plan.epilogue, n)
+    ref = expected(spec, inputs, plan.epilogue, n, plan.prologue)
     return CheckResult(rel_l2(got, ref), int(np.isnan(got).sum()), got.size, plan.tolerance)

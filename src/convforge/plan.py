@@ -95,6 +95,38 @@ class Epilogue:
 
 
 @dataclass(frozen=True)
+class Prologue:
+    """Work folded into the conv's input load: a pre-activation (batch norm -> ReLU -> conv, as in
+    DenseNet and pre-activation ResNets). Every in-bounds input value v of channel c becomes
+    ``max(pscale[c] * v + pshift[c], 0)`` (``affine``: the scale and shift, buffers "pscale" and
+    "pshift" of C floats; ``relu``: the max) before the kernel's arithmetic; padding stays zero, so
+    the plan computes the padded convolution of the activated tensor. Forward (fprop) only."""
+
+    affine: bool = False
+    relu: bool = False
+
+    @property
+    def active(self) -> bool:
+        return self.affine or self.relu
+
+    def apply(self, value: str, c: str) -> str:
+        """Expression of the activated ``value`` (an in-bounds input of channel ``c``)."""
+        expr = f"FMA({value}, pscale[{c}], pshift[{c}])" if self.affine else value
+        return f"MAX({expr}, 0.0f)" if self.relu else expr
+
+    def apply4(self, dst: str, c: str) -> list[str]:
+        """Statements activating the float4 ``dst`` in place (four inputs of channel ``c``)."""
+        return [f"{dst}.{e} = {self.apply(f'{dst}.{e}', c)};" for e in "xyzw"] if self.active else []
+
+    def buffers(self) -> tuple[str, ...]:
+        """The buffers its kernels read: pscale and pshift when affine."""
+        return ("pscale", "pshift") if self.affine else ()
+
+    def tag(self) -> str:
+        return ("_pre" + ("aff" if self.affine else "") + ("relu" if self.relu else "")) if self.active else ""
+
+
+@dataclass(frozen=True)
 class DeviceInfo:
     """What the variants and the tuner need to know about a device."""
 
@@ -130,6 +162,7 @@ class Plan:
     workspace: tuple[tuple[str, int], ...] = ()
     tolerance: float = 1e-5
     epilogue: Epilogue = field(default_factory=Epilogue)
+    prologue: Prologue = field(default_factory=Prologue)
 
     @property
     def workspace_bytes(self) -> int:
@@ -143,7 +176,7 @@ class Plan:
         return frozenset(out)
 
     def source(self, backend: str) -> str:
-        title = f"{self.variant} [{self.params.short()}] {self.spec.short()}{self.epilogue.tag()}"
+        title = f"{self.variant} [{self.params.short()}] {self.spec.short()}{self.prologue.tag()}{self.epilogue.tag()}"
         return render(list(self.kernels), backend, title)
 
     def describe(self) -> str:
@@ -171,6 +204,9 @@ class Variant:
     passes: frozenset[str] = frozenset({"fprop"})  # which of fprop, dgrad, wgrad its plans compute
     dtypes: frozenset[str] = frozenset({"float32"})  # storage dtypes its plans read and write
     grouped: bool = False  # it plans layers of groups > 1 (the depthwise family among them)
+    # its plan() takes ``prologue=`` (Prologue, applied to the input load); a subclass that defines
+    # its own plan() without saying so again takes none (__init_subclass__)
+    prologue_ok: bool = False
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
@@ -182,6 +218,8 @@ class Variant:
             applies._serves_checked = True  # type: ignore[attr-defined]
             applies.__doc__, applies.__qualname__ = own.__doc__, own.__qualname__
             cls.applies = applies  # type: ignore[method-assign]
+        if "plan" in cls.__dict__ and "prologue_ok" not in cls.__dict__:
+            cls.prologue_ok = False  # a new plan() says for itself whether it takes a prologue
 
     def serves(self, spec: ConvSpec) -> str | None:
         """None when the variant computes ``spec``'s pass, dtype and groups; otherwise why not."""
@@ -226,3 +264,24 @@ class Variant:
 
     def workspace_bytes(self, spec: ConvSpec, params: Params) -> int:
         return 0
+
+    def takes_prologue(self, spec: ConvSpec, prologue: Prologue) -> str | None:
+        """None when the variant's plans apply ``prologue`` to ``spec``'s input, otherwise why not."""
+        if not prologue.active:
+            return None
+        if not self.prologue_ok:
+            return f"{self.name} has no input-load prologue (pre-activation)"
+        if spec.conv_pass != "fprop":
+            return f"a prologue applies to the forward pass only, not {spec.conv_pass}"
+        return None
+
+    def plan_for(self, spec: ConvSpec, params: Params, device: DeviceInfo, epilogue: Epilogue = Epilogue(),
+                 prologue: Prologue = Prologue()) -> Plan:
+        """:meth:`plan` with ``prologue`` folded into the input load; ValueError ("unsupported
+        prologue: ...") when the variant cannot take it."""
+        if not prologue.active:
+            return self.plan(spec, params, device, epilogue)
+        why = self.takes_prologue(spec, prologue)
+        if why:
+            raise ValueError(f"unsupported prologue: {why}")
+        return self.plan(spec, params, device, epilogue, prologue=prologue)  # type: ignore[call-arg]

@@ -85,6 +85,18 @@ def wgrad_ref(x: np.ndarray, dy: np.ndarray, spec: ConvSpec) -> np.ndarray:
     return out
 
 
+def activate_ref(x: np.ndarray, scale: np.ndarray | None = None, shift: np.ndarray | None = None,
+                 relu: bool = False) -> np.ndarray:
+    """A prologue's activation of an NCHW input in float64: ``max(scale[c] * x + shift[c], 0)``
+    (the affine part when ``scale`` and ``shift`` are given, the max when ``relu``). Convolving
+    the result with padding is what a plan with that Prologue computes (padding stays zero)."""
+    out = np.asarray(x, dtype=np.float64)
+    if scale is not None and shift is not None:
+        shape = (1, -1) + (1,) * (out.ndim - 2)
+        out = out * np.asarray(scale, np.float64).reshape(shape) + np.asarray(shift, np.float64).reshape(shape)
+    return np.maximum(out, 0.0) if relu else out
+
+
 def bias_grad_ref(dy: np.ndarray) -> np.ndarray:
     """The gradient of a per-channel bias: dy summed over N, P and Q, in float64."""
     return np.asarray(dy, dtype=np.float64).sum(axis=(0, 2, 3))

@@ -32,6 +32,8 @@ class DeviceMemoryError(MemoryError):
 # The buffers a conv Plan is called with (``res``: the residual added in the epilogue, shaped like
 # ``y``, named only by plans whose Epilogue has one); everything else a step names is workspace.
 CONV_BUFFERS = ("x", "w", "y", "bias", "res")
+# The per-input-channel scale and shift a plan with an affine Prologue reads (float32, C each).
+PROLOGUE_BUFFERS = ("pscale", "pshift")
 
 
 def step_buffers(step: Step, kernel: Kernel | None) -> tuple[set[str], set[str]]:
@@ -194,7 +196,7 @@ class Executable:
         self._own: dict[str, Any] = {}  # those allocated for calls that supplied the others
         s = plan.spec
         self._sizes = {**{name: s.itemsize * int(np.prod(s.shape_of(name))) for name in CONV_BUFFERS},
-                       **dict(plan.workspace)}
+                       **{name: 4 * s.c for name in plan.prologue.buffers()}, **dict(plan.workspace)}
         self._steps = [self._prepare(step) for step in plan.steps]
         self.weight_steps, self.derived = weight_steps(plan)
         self.derived_offsets, self.derived_bytes = _packed(self.derived, dict(plan.workspace))

@@ -15,6 +15,7 @@ import numpy as np
 
 from convforge.backends.base import (
     CONV_BUFFERS,
+    PROLOGUE_BUFFERS,
     Backend,
     CompileError,
     DeviceMemoryError,
@@ -339,7 +340,7 @@ class CudaExecutable(Executable):
 
     def __init__(self, backend: CudaBackend, plan: Plan) -> None:
         super().__init__(backend, plan)
-        known = set(CONV_BUFFERS) | {name for name, _ in plan.workspace}
+        known = set(CONV_BUFFERS) | set(plan.prologue.buffers()) | {name for name, _ in plan.workspace}
         self.fast = all(isinstance(st, Launch) and all(isinstance(r, int | float) or r in known for r in st.args)
                         for st in plan.steps) and not any(
             isinstance(a, ConstBuf | TexBuf) for k in plan.kernels for a in k.args)
@@ -363,6 +364,8 @@ class CudaExecutable(Executable):
         kernel = self.kernels[step.kernel]
         slot_of = {name: i for i, name in enumerate(CONV_BUFFERS)}
         slot_of.update({name: len(CONV_BUFFERS) + j for j, name in enumerate(self.derived)})
+        # a prologue's scale and shift after them (never filed with the native fast path)
+        slot_of.update({name: len(CONV_BUFFERS) + len(self.derived) + j for j, name in enumerate(PROLOGUE_BUFFERS)})
         storage: list[Any] = []
         layout: list[tuple[int, int | str]] = []  # the native fast path's copy (native_program)
         for arg, ref in zip(self._value_args(kernel), step.args, strict=True):
@@ -396,6 +399,7 @@ class CudaExecutable(Executable):
         their offsets in a packed buffer, its size in floats, the CUDA context, the plan's name and
         this executable (kept alive by the entry). Call after :meth:`reserve`."""
         assert self.fast and self._workspace is not None, "native_program needs a reserved fast executable"
+        assert not self.plan.prologue.active, "the native fast path has no slots for a prologue's buffers"
         ws = self._workspace
 
         def launches(steps: str) -> list[tuple[Any, ...]]:
@@ -434,18 +438,19 @@ class CudaExecutable(Executable):
         self._ws_derived = tuple(int(ws[name].data.ptr) for name in self.derived)
 
     def launch_raw(self, x: int, w: int, y: int, bias: int, stream: int, derived: int = 0,
-                   steps: str = "all", res: int = 0) -> None:
+                   steps: str = "all", res: int = 0, pro: tuple[int, int] = (0, 0)) -> None:
         """Run on raw device pointers on raw stream ``stream``. ``derived``: base of a packed
         buffer of the filter-derived workspace (``derived_offsets``), with ``steps`` "rest" (use
         it) or "weights" (fill it); 0 uses the executable's own workspace. ``res``: the residual
-        (float32, the output's shape) that a plan whose epilogue has one adds before its ReLU."""
+        (float32, the output's shape) that a plan whose epilogue has one adds before its ReLU.
+        ``pro``: the (pscale, pshift) of a plan whose prologue is affine (float32, C each)."""
         if not self.fast:
-            self._launch_views(x, w, y, bias, stream, derived, steps, res)
+            self._launch_views(x, w, y, bias, stream, derived, steps, res, pro)
             return
         if derived:
-            vals = (x, w, y, bias, res, *[derived + off for off in self._offsets])
+            vals = (x, w, y, bias, res, *[derived + off for off in self._offsets], *pro)
         else:
-            vals = (x, w, y, bias, res, *self._ws_derived)
+            vals = (x, w, y, bias, res, *self._ws_derived, *pro)
         for cell, i in self._ptr_slots:
             cell.value = vals[i]
         drv = _DRIVER or _driver()
@@ -462,11 +467,12 @@ class CudaExecutable(Executable):
                 drv.ctx_pop(ctypes.byref(ctypes.c_void_p()))
 
     def _launch_views(self, x: int, w: int, y: int, bias: int, stream: int, derived: int, steps: str,
-                      res: int = 0) -> None:
+                      res: int = 0, pro: tuple[int, int] = (0, 0)) -> None:
         """The dict path on CuPy views of the raw pointers, on the caller's stream."""
         dev = self.backend.device_id
         bufs = {name: _view(ptr, self._sizes[name], dev)
-                for name, ptr in zip(CONV_BUFFERS, (x, w, y, bias, res), strict=True) if ptr}
+                for name, ptr in zip(CONV_BUFFERS + PROLOGUE_BUFFERS, (x, w, y, bias, res, *pro), strict=True)
+                if ptr}
         if derived:
             sizes = dict(self.plan.workspace)
             bufs.update({n: _view(derived + self.derived_offsets[n], sizes[n], dev) for n in self.derived})
@@ -498,9 +504,11 @@ def _view(ptr: int, nbytes: int, device: int) -> Any:
 
 
 def torch_runner(exe: CudaExecutable, device: int) -> Callable[..., Any]:
-    """``run(x, w, bias, derived=None, res=None) -> y`` for torch CUDA tensors (x, w, bias
+    """``run(x, w, bias, derived=None, res=None, pro=None) -> y`` for torch CUDA tensors (x, w, bias
     validated by the caller; ``res``, the residual of a plan whose epilogue adds one, is checked
-    here: the output's shape, else ValueError; made contiguous float32 on x's device if it is not).
+    here: the output's shape, else ValueError; made contiguous float32 on x's device if it is not;
+    ``pro``, the (pscale, pshift) of a plan whose prologue is affine: contiguous float32 tensors of
+    C values on x's device, the caller's to ensure).
 
     ``data_ptr()`` works on tensors that require grad and under inference_mode; the stream is
     torch's current one (raw handle through torch's cheap accessor); the output comes from
@@ -525,8 +533,9 @@ def torch_runner(exe: CudaExecutable, device: int) -> Callable[..., Any]:
                if exe.derived else None)
     lookup = filters.get if filters is not None else None
     needs_res = exe.plan.epilogue.residual
+    needs_pro = exe.plan.prologue.affine
 
-    def run(x: Any, w: Any, bias: Any = None, derived: Any = None, res: Any = None) -> Any:
+    def run(x: Any, w: Any, bias: Any = None, derived: Any = None, res: Any = None, pro: Any = None) -> Any:
         xp, wp = x.data_ptr(), w.data_ptr()
         if xp & 15:
             x = torch.empty_like(x).copy_(x)
@@ -537,7 +546,15 @@ def torch_runner(exe: CudaExecutable, device: int) -> Callable[..., Any]:
         elif derived is None and lookup is not None and not is_capturing():
             derived = lookup(w, wp)
         y = x.new_empty(shape)
-        if res is not None or needs_res:
+        if needs_pro:  # (pscale, pshift): float32 CUDA tensors of C contiguous values, the caller's
+            if pro is None:
+                raise ValueError(f"{exe.plan.describe()} applies an affine prologue: pass pro=(scale, shift)")
+            ptrs = (pro[0].data_ptr(), pro[1].data_ptr())
+            res = None if res is None and not needs_res else _torch_residual(res, x, shape, needs_res)
+            launch(xp, wp, y.data_ptr(), 0 if bias is None else bias.data_ptr(), stream_of(device),
+                   0 if derived is None else derived.data_ptr(), "all" if derived is None else "rest",
+                   0 if res is None else res.data_ptr(), ptrs)
+        elif res is not None or needs_res:
             res = _torch_residual(res, x, shape, needs_res)
             launch(xp, wp, y.data_ptr(), 0 if bias is None else bias.data_ptr(), stream_of(device),
                    0 if derived is None else derived.data_ptr(), "all" if derived is None else "rest",

@@ -10,6 +10,12 @@ else Boda's heuristic over the variants whose *stated* accuracy the class admits
 takes the heuristic within that family; a variant name or explicit parameters always run as named.
 Answers are cached per argument set, so a warm call is one dictionary lookup.
 
+With a prologue (``Prologue``: a pre-activation folded into the input load), the choice without
+it stands when its variant takes the prologue (``Variant.takes_prologue``) and plans with it;
+otherwise that variant's default parameters, else the first ranked variant (same family or
+``auto``, class and workspace limit) that takes and plans it. A named variant that takes none is
+an error naming why.
+
 Where the caller transforms filters on every call (``filters_per_call``: CuPy arrays, which have no
 version counter) and a layer is tiny (at most ``TINY_MACS`` multiply-adds: its kernel costs about
 what a launch does), the heuristic prefers the first ranked variant whose plan is one launch, else
@@ -27,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from convforge import kernels
 from convforge.config import PRECISIONS, config, parse_precision, precision_key
 from convforge.params import Params
-from convforge.plan import Epilogue, Variant
+from convforge.plan import Epilogue, Prologue, Variant
 from convforge.spec import ConvSpec
 from convforge.tune.heuristic import epilogue_key
 
@@ -53,18 +59,52 @@ class Choice:
 def choose(spec: ConvSpec, backend: Backend, epilogue: Epilogue = Epilogue(), *, algo: str = "auto",
            precision: str | None = None, max_error: float | None = None,
            workspace_limit: int | None = None, params: Params | None = None,
-           filters_per_call: bool = False) -> Choice:
+           filters_per_call: bool = False, prologue: Prologue = Prologue()) -> Choice:
     """The (variant, params) that runs ``spec`` on ``backend`` (cached per argument set);
-    ``filters_per_call``: the caller cannot keep transformed filters between calls."""
+    ``filters_per_call``: the caller cannot keep transformed filters between calls; ``prologue``:
+    what the plan applies to its input (module docstring)."""
     prec = parse_precision(precision) if precision is not None else config.precision
     bound = max_error if max_error is not None else config.max_error
     key = (backend, spec, epilogue, algo, prec, bound, workspace_limit, params,
-           config.autotune, config.db_path, config.cache_dir, filters_per_call)
+           config.autotune, config.db_path, config.cache_dir, filters_per_call, prologue)
     hit = _CHOICES.get(key)
     if hit is None:
-        hit = _CHOICES[key] = _choose_slow(spec, backend, epilogue, algo, prec, bound, workspace_limit,
-                                           params, filters_per_call)
+        if prologue.active:
+            base = choose(spec, backend, epilogue, algo=algo, precision=prec, max_error=bound,
+                          workspace_limit=workspace_limit, params=params, filters_per_call=filters_per_call)
+            hit = _with_prologue(base, spec, backend, epilogue, prologue, algo, prec, bound, workspace_limit)
+        else:
+            hit = _choose_slow(spec, backend, epilogue, algo, prec, bound, workspace_limit, params,
+                               filters_per_call)
+        _CHOICES[key] = hit
     return hit
+
+
+def _with_prologue(base: Choice, spec: ConvSpec, backend: Backend, epi: Epilogue, pro: Prologue, algo: str,
+                   prec: str, bound: float | None, workspace_limit: int | None) -> Choice:
+    """``base`` (the choice without the prologue) when it takes ``pro``; else its variant's default
+    parameters; else the first ranked variant that takes and plans it (module docstring)."""
+    dev = backend.device
+    why = base.variant.takes_prologue(spec, pro)
+    if base.source == "named":
+        if why:
+            raise ValueError(f"{base.variant.name} cannot run {spec.short()} with a prologue: {why}")
+        base.variant.plan_for(spec, base.params, dev, epi, pro)  # a parameter set it refuses: the error
+        return base
+    if why is None:
+        for prm in dict.fromkeys((base.params, base.variant.default(spec, dev))):
+            if _plans(base.variant, prm, spec, backend, epi, pro):
+                return base if prm == base.params else Choice(base.variant, prm, None, "heuristic")
+    pool = [v for v in kernels.ranked(algo, spec, dev, workspace_limit, precision=prec, max_error=bound)
+            if v.takes_prologue(spec, pro) is None]
+    for v in pool:
+        prm = v.default(spec, dev)
+        if _plans(v, prm, spec, backend, epi, pro):
+            log.info("%s takes no prologue on %s (%s); %s runs it", base.variant.name, spec.short(),
+                     why or "its parameters", v.name)
+            return Choice(v, prm, None, "heuristic")
+    raise ValueError(f"no {algo!r} variant runs {spec.short()} with a prologue (pre-activation) in class "
+                     f"{prec!r}: {base.variant.name}: {why or 'its parameters refuse it'}")
 
 
 def _choose_slow(spec: ConvSpec, backend: Backend, epi: Epilogue, algo: str, prec: str,
@@ -219,9 +259,10 @@ def _tune_now(spec: ConvSpec, backend: Backend, epi: Epilogue, prec: str, bound:
     return Choice(best.variant, best.params, best.error, "tuned")
 
 
-def _plans(variant: Variant, params: Params, spec: ConvSpec, backend: Backend, epi: Epilogue) -> bool:
+def _plans(variant: Variant, params: Params, spec: ConvSpec, backend: Backend, epi: Epilogue,
+           pro: Prologue = Prologue()) -> bool:
     try:
-        variant.plan(spec, params, backend.device, epi)
+        variant.plan_for(spec, params, backend.device, epi, pro)
     except ValueError:  # "unsupported epilogue": no store path for a residual / channel offset
         return False
     return True

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from convforge.backends.base import DeviceMemoryError
 from convforge.dispatch.choice import choose
 from convforge.params import Params
-from convforge.plan import Epilogue
+from convforge.plan import Epilogue, Prologue
 from convforge.spec import ConvSpec
 
 if TYPE_CHECKING:
@@ -40,20 +40,24 @@ _LOGGED: set[tuple[Any, ...]] = set()
 def executable(spec: ConvSpec, backend: Backend, epilogue: Epilogue = Epilogue(), *, algo: str = "auto",
                precision: str | None = None, max_error: float | None = None,
                workspace_limit: int | None = None, params: Params | None = None,
-               filters_per_call: bool = False) -> Executable:
-    """The executable of :func:`choose`'s answer, compiled once per back-end (device)."""
+               filters_per_call: bool = False, prologue: Prologue = Prologue()) -> Executable:
+    """The executable of :func:`choose`'s answer, compiled once per back-end (device); with a
+    ``prologue`` its plan also reads the buffers "pscale" and "pshift" (when affine)."""
     ch = choose(spec, backend, epilogue, algo=algo, precision=precision, max_error=max_error,
-                workspace_limit=workspace_limit, params=params, filters_per_call=filters_per_call)
-    key = (backend, backend.device.key(), ch.variant.name, spec, ch.params, epilogue)
+                workspace_limit=workspace_limit, params=params, filters_per_call=filters_per_call,
+                prologue=prologue)
+    key = (backend, backend.device.key(), ch.variant.name, spec, ch.params, epilogue, prologue)
     exe = _EXECUTABLES.get(key)
     if exe is None:
-        exe = _EXECUTABLES[key] = backend.executable(ch.variant.plan(spec, ch.params, backend.device, epilogue))
+        plan = ch.variant.plan_for(spec, ch.params, backend.device, epilogue, prologue)
+        exe = _EXECUTABLES[key] = backend.executable(plan)
     return exe
 
 
 def runner(key: tuple[Any, ...] | None, spec: ConvSpec, backend: Backend, epilogue: Epilogue, kind: str,
            device: int, *, algo: str = "auto", precision: str | None = None, max_error: float | None = None,
-           workspace_limit: int | None = None, params: Params | None = None) -> Callable[..., Any]:
+           workspace_limit: int | None = None, params: Params | None = None,
+           prologue: Prologue = Prologue()) -> Callable[..., Any]:
     """``run(x, w, bias, derived=None) -> y`` for validated ``kind`` ("torch" | "cupy") arrays on
     CUDA device ``device``, remembered under ``key`` (None: not remembered); for a dgrad or wgrad
     ``spec``, ``run(x, w, y) -> out`` with the slot of the buffer it writes None
@@ -63,7 +67,7 @@ def runner(key: tuple[Any, ...] | None, spec: ConvSpec, backend: Backend, epilog
     make = cuda.torch_runner if kind == "torch" else cuda.cupy_runner
     # CuPy arrays have no version counter: their filters are transformed on every call
     kw: dict[str, Any] = dict(algo=algo, precision=precision, max_error=max_error, params=params,
-                              filters_per_call=kind == "cupy")
+                              filters_per_call=kind == "cupy", prologue=prologue)
     exe = executable(spec, backend, epilogue, workspace_limit=workspace_limit, **kw)
     try:
         run = make(exe, device)  # type: ignore[arg-type]

@@ -13,9 +13,9 @@ from convforge.arrays import ArrayDesc
 from convforge.codegen.dialect import Arg, Buf, ConstBuf, Kernel, Scalar, TexBuf
 from convforge.codegen.meta import Code, cdiv
 from convforge.kernels import register
-from convforge.kernels.common import out_args, out_refs
+from convforge.kernels.common import out_args, out_refs, pro_args, pro_channel
 from convforge.params import Params
-from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
+from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Prologue, Variant
 from convforge.spec import ConvSpec
 
 _UNROLL_LIMIT = 1024  # fully unroll r and s while R*S*outputs-per-thread stays under this
@@ -31,6 +31,7 @@ class DirectBase(Variant):
     tolerance = 1e-5
     exact = True
     grouped = True  # a block's tk channels lie in one group; its channel loop runs over that group's
+    prologue_ok = True  # every input load is activated (``_act``) where it is in bounds
 
     # -- parameters -------------------------------------------------------------------------
     def _grid_points(self, spec: ConvSpec, device: DeviceInfo) -> list[dict[str, int]]:
@@ -61,12 +62,17 @@ class DirectBase(Variant):
         xd, yd = self._arrays(spec, p, epi)
         return xd.stride_args() + yd.stride_args()
 
-    def _args(self, spec: ConvSpec, params: Params, epi: Epilogue) -> tuple[Arg, ...]:
+    def _args(self, spec: ConvSpec, params: Params, epi: Epilogue, pro: Prologue = Prologue()) -> tuple[Arg, ...]:
         wcount = spec.k * spec.cg * spec.r * spec.s
         warg: Arg = ConstBuf("wc", wcount) if params.wconst else Buf("w")
         xarg: Arg = TexBuf("x") if params.get("tex", False) else Buf("x")
         strides = tuple(Scalar(name) for name, _ in self._stride_args(spec, params, epi))
-        return (xarg, warg) + out_args(epi) + strides
+        return (xarg, warg) + out_args(epi) + pro_args(pro) + strides
+
+    @staticmethod
+    def _act(spec: ConvSpec, pro: Prologue, value: str, c: str) -> str:
+        """``value`` (an in-bounds input of the group's channel ``c``) with the prologue applied."""
+        return pro.apply(value, pro_channel(spec, c, "g"))
 
     def _requires(self, params: Params) -> frozenset[str]:
         return frozenset({"texture"}) if params.get("tex", False) else frozenset()
@@ -130,27 +136,27 @@ class DirectBase(Variant):
                         body("r", s)
 
     def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
-             epilogue: Epilogue = Epilogue()) -> Plan:
+             epilogue: Epilogue = Epilogue(), prologue: Prologue = Prologue()) -> Plan:
         if params.get("wconst", False) and not self._wconst_ok(spec, device):
             raise ValueError(f"{self.name}: filters ({4 * spec.k * spec.cg * spec.r * spec.s} bytes) do not fit "
                              "in constant memory")
         self._check(params, device)
         code = Code()
         self._head(code, spec, params)
-        self._main_loop(code, spec, params)
+        self._main_loop(code, spec, params, prologue)
         self._store(code, spec, params, epilogue)
         name = f"conv_{self.name}"
         block = (params.bq, params.bp, 1)
-        kernel = Kernel(name, self._args(spec, params, epilogue), code.text(), block, self._requires(params),
+        kernel = Kernel(name, self._args(spec, params, epilogue, prologue), code.text(), block, self._requires(params),
                         comment=f"{self.name}: {params.short()}")
         grid = (cdiv(spec.q, params.bq * params.tq), cdiv(spec.p, params.bp * params.tp),
                 spec.n * spec.groups * cdiv(spec.kg, params.tk))
         strides = tuple(v for _, v in self._stride_args(spec, params, epilogue))
-        launch = Launch(name, grid, block, ("x", "w") + out_refs(epilogue) + strides)
+        launch = Launch(name, grid, block, ("x", "w") + out_refs(epilogue) + prologue.buffers() + strides)
         return Plan(self.name, self.family, spec, params, (kernel,), (launch,),
-                    tolerance=self.tolerance, epilogue=epilogue)
+                    tolerance=self.tolerance, epilogue=epilogue, prologue=prologue)
 
-    def _main_loop(self, code: Code, spec: ConvSpec, p: Params) -> None:
+    def _main_loop(self, code: Code, spec: ConvSpec, p: Params, pro: Prologue = Prologue()) -> None:
         raise NotImplementedError
 
     def _check(self, p: Params, device: DeviceInfo) -> None:
@@ -190,7 +196,7 @@ class Direct(DirectBase):
         tk = min(8, spec.kg)
         return Params(bq=32, bp=4, tq=1, tp=2, tk=tk, wconst=False, ldg=device.backend == "cuda")
 
-    def _main_loop(self, code: Code, spec: ConvSpec, p: Params) -> None:
+    def _main_loop(self, code: Code, spec: ConvSpec, p: Params, pro: Prologue = Prologue()) -> None:
         (sh, sw), (dh, dw) = spec.stride, spec.dilation
         pt, pl = spec.pad[0], spec.pad[2]
         xd, _ = self._arrays(spec, p)
@@ -215,7 +221,7 @@ class Direct(DirectBase):
                         code(f"float {nm};",
                              f"{{ const int iy = {iy}, ix = {ix};",
                              f"  {nm} = ((unsigned)iy < {spec.h}u && (unsigned)ix < {spec.w}u)"
-                             f" ? {load} : 0.0f; }}")
+                             f" ? {self._act(spec, pro, load, 'c')} : 0.0f; }}")
                         xval[(i, j)] = nm
                 self._fmas(code, spec, p, r, s, xval)
 
@@ -264,7 +270,7 @@ class DirectSmem(DirectBase):
             return "input tile plus halo does not fit in shared memory"
         return None
 
-    def _main_loop(self, code: Code, spec: ConvSpec, p: Params) -> None:
+    def _main_loop(self, code: Code, spec: ConvSpec, p: Params, pro: Prologue = Prologue()) -> None:
         (sh, sw), (dh, dw) = spec.stride, spec.dilation
         pt, pl = spec.pad[0], spec.pad[2]
         ih, iw = self._tile(spec, p)
@@ -280,7 +286,8 @@ class DirectSmem(DirectBase):
                 code(f"const int ci = t / {ih * iw}, rem = t % {ih * iw};",
                      f"const int iy = y0 + rem / {iw}, ix = x0 + rem % {iw};",
                      f"xs[t] = (cb + ci < {spec.cg} && (unsigned)iy < {spec.h}u && "
-                     f"(unsigned)ix < {spec.w}u) ? xn[(cb + ci) * {hw} + iy * {spec.w} + ix] : 0.0f;")
+                     f"(unsigned)ix < {spec.w}u) ? "
+                     f"{self._act(spec, pro, f'xn[(cb + ci) * {hw} + iy * {spec.w} + ix]', '(cb + ci)')} : 0.0f;")
             code("BARRIER();")
             with code.block(f"for (int ci = 0; ci < {p.cc}; ++ci)"):
                 code("const int c = cb + ci;")
@@ -339,7 +346,7 @@ class DirectShfl(DirectBase):
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
         return Params(bq=32, bp=4, tq=1, tp=2, tk=min(8, spec.kg), wconst=False)
 
-    def _main_loop(self, code: Code, spec: ConvSpec, p: Params) -> None:
+    def _main_loop(self, code: Code, spec: ConvSpec, p: Params, pro: Prologue = Prologue()) -> None:
         (sh, _), (dh, dw) = spec.stride, spec.dilation
         pt, pl = spec.pad[0], spec.pad[2]
         hw = spec.h * spec.w
@@ -354,9 +361,9 @@ class DirectShfl(DirectBase):
                     code(f"const int iy{i} = (p0 + ly + {i * p.bp}) * {sh} + ({r}) * {dh} - {pt};",
                          f"const bool ok{i} = (unsigned)iy{i} < {spec.h}u;",
                          f"const float a{i} = (ok{i} && (unsigned)xa < {spec.w}u) ? "
-                         f"LDG(xc + iy{i} * {spec.w} + xa) : 0.0f;",
+                         f"{self._act(spec, pro, f'LDG(xc + iy{i} * {spec.w} + xa)', 'c')} : 0.0f;",
                          f"const float b{i} = (ok{i} && (unsigned)xb < {spec.w}u) ? "
-                         f"LDG(xc + iy{i} * {spec.w} + xb) : 0.0f;")
+                         f"{self._act(spec, pro, f'LDG(xc + iy{i} * {spec.w} + xb)', 'c')} : 0.0f;")
                 for s in range(spec.s):
                     off = s * dw
                     xval = {}

@@ -15,7 +15,7 @@ import dataclasses
 from convforge.codegen.dialect import Arg, Buf, Kernel
 from convforge.codegen.meta import Code, cdiv
 from convforge.kernels import register
-from convforge.kernels.common import out_args, out_refs
+from convforge.kernels.common import out_args, out_refs, pro_args, pro_channel
 from convforge.kernels.sgemm import (
     GemmShape,
     Operand,
@@ -27,7 +27,7 @@ from convforge.kernels.sgemm import (
     gemm_space,
 )
 from convforge.params import Params
-from convforge.plan import DeviceInfo, Epilogue, Gemm, Launch, Plan, Step, Variant
+from convforge.plan import DeviceInfo, Epilogue, Gemm, Launch, Plan, Prologue, Step, Variant
 from convforge.spec import ConvSpec
 
 _INT_LIMIT = 2**31 - 1
@@ -108,19 +108,21 @@ def group_prelude(spec: ConvSpec) -> tuple[str, ...]:
 def gemm_plan(variant: Variant, spec: ConvSpec, params: Params, epi: Epilogue, b: Operand,
               extra_args: tuple[Arg, ...], extra_refs: tuple[str, ...],
               pre: tuple[tuple[Kernel, Step], ...] = (), workspace: tuple[tuple[str, int], ...] = (),
-              a: Operand | None = None, a_ref: str = "w") -> Plan:
+              a: Operand | None = None, a_ref: str = "w", pro: Prologue = Prologue()) -> Plan:
     """Plan of [pre-kernels] + one SGEMM writing the NCHW output; a grouped layer's G GEMMs
-    (K/G x NPQ x C/G*R*S each) run batched in the same launch."""
+    (K/G x NPQ x C/G*R*S each) run batched in the same launch. ``pro``: the prologue the B
+    operand (or a pre-kernel) applies; the SGEMM takes its buffers when ``b`` reads x."""
     shape = GemmShape(spec.kg, spec.n * spec.p * spec.q, spec.cg * spec.r * spec.s, batch=spec.groups)
     name = f"{variant.name}_sgemm"
-    args = (Buf(a_ref),) + extra_args + out_args(epi)
+    in_gemm = "x" in extra_refs
+    args = (Buf(a_ref),) + extra_args + out_args(epi) + (pro_args(pro) if in_gemm else ())
     kern = gemm_kernel(name, shape, params, a or filter_operand(spec), b, nchw_store(spec, epi),
                        args, group_prelude(spec), comment=f"{variant.name}: {params.short()}")
     launch = Launch(name, gemm_grid(shape, params), gemm_block(params),
-                    (a_ref,) + extra_refs + out_refs(epi))
+                    (a_ref,) + extra_refs + out_refs(epi) + (pro.buffers() if in_gemm else ()))
     return Plan(variant.name, variant.family, spec, params,
                 tuple(k for k, _ in pre) + (kern,), tuple(s for _, s in pre) + (launch,),
-                workspace, variant.tolerance, epi)
+                workspace, variant.tolerance, epi, pro)
 
 
 class _ConvGemmBase(Variant):
@@ -173,8 +175,9 @@ def implicit_prefer(spec: ConvSpec) -> tuple[tuple[int, int, int, int, int], ...
 
 
 # -- im2col ---------------------------------------------------------------------------------
-def im2col_kernel(spec: ConvSpec, per_image: bool) -> tuple[Kernel, tuple[int, int, int]]:
-    """Write the CRS x NPQ matrix (``per_image``: N blocks of CRS x PQ) into ``col``.
+def im2col_kernel(spec: ConvSpec, per_image: bool, pro: Prologue = Prologue()) -> tuple[Kernel, tuple[int, int, int]]:
+    """Write the CRS x NPQ matrix (``per_image``: N blocks of CRS x PQ) into ``col``, each in-bounds
+    input activated by ``pro``.
 
     Thread (crs = GROUP_ID(1), npq) writes one element; writes are coalesced along npq.
     """
@@ -191,10 +194,10 @@ def im2col_kernel(spec: ConvSpec, per_image: bool) -> tuple[Kernel, tuple[int, i
              f"const int iy = (pix / {spec.q}) * {sh} + r * {dh} - {pt};",
              f"const int ix = (pix % {spec.q}) * {sw} + s * {dw} - {pl};",
              f"const float v = ((unsigned)iy < {spec.h}u && (unsigned)ix < {spec.w}u)"
-             f" ? x[n * {spec.c * hw} + c * {hw} + iy * {spec.w} + ix] : 0.0f;")
+             f" ? {pro.apply(f'x[n * {spec.c * hw} + c * {hw} + iy * {spec.w} + ix]', 'c')} : 0.0f;")
         dst = f"n * {crs * pq} + crs * {pq} + pix" if per_image else f"crs * {npq} + i"
         code(f"col[{dst}] = v;")
-    kern = Kernel("im2col", (Buf("x"), Buf("col", readonly=False)), code.text(),
+    kern = Kernel("im2col", (Buf("x"), Buf("col", readonly=False)) + pro_args(pro), code.text(),
                   (_ELT_BLOCK, 1, 1), comment="im2col: " + ("N x CRS x PQ" if per_image else
                                                             "CRS x NPQ"))
     return kern, (cdiv(npq, _ELT_BLOCK), crs, 1)
@@ -218,22 +221,24 @@ class Im2colGemm(_ConvGemmBase):
         return (super().applies(spec, device) or too_big(spec, col_elements(spec))
                 or (None if spec.c * spec.r * spec.s <= 65535 else "C*R*S above 65535"))
 
+    prologue_ok = True  # the im2col kernel activates what it copies
+
     def workspace_bytes(self, spec: ConvSpec, params: Params) -> int:
         return 4 * col_elements(spec)
 
     def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
-             epilogue: Epilogue = Epilogue()) -> Plan:
+             epilogue: Epilogue = Epilogue(), prologue: Prologue = Prologue()) -> Plan:
         npq = spec.n * spec.p * spec.q
-        pre, grid = im2col_kernel(spec, per_image=False)
+        pre, grid = im2col_kernel(spec, per_image=False, pro=prologue)
 
         def vload(t: str, k: str, d: str) -> list[str]:
             return [f"{d} = VLOAD4(0, col + ({k}) * {npq} + {t}_i);"]
 
         b = Operand(load=lambda t, k, d: [f"{d} = col[({k}) * {npq} + {t}_i];"], fast="i",
                     vload=vload if npq % 4 == 0 else None)
-        step = Launch("im2col", grid, pre.block, ("x", "col"))
+        step = Launch("im2col", grid, pre.block, ("x", "col") + prologue.buffers())
         return gemm_plan(self, spec, params, epilogue, b, (Buf("col"),), ("col",), ((pre, step),),
-                         (("col", self.workspace_bytes(spec, params)),))
+                         (("col", self.workspace_bytes(spec, params)),), pro=prologue)
 
 
 class Im2colCublas(Variant):
@@ -257,16 +262,18 @@ class Im2colCublas(Variant):
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
         return [Params(library="cublas")]
 
+    prologue_ok = True  # the im2col kernel activates what it copies
+
     def workspace_bytes(self, spec: ConvSpec, params: Params) -> int:
         return 4 * col_elements(spec)
 
     def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
-             epilogue: Epilogue = Epilogue()) -> Plan:
+             epilogue: Epilogue = Epilogue(), prologue: Prologue = Prologue()) -> Plan:
         if epilogue.k_total:
             raise ValueError("unsupported epilogue: the library GEMM cannot write at a channel offset")
         pq, crs = spec.p * spec.q, spec.c * spec.r * spec.s
-        kern, grid = im2col_kernel(spec, per_image=True)
-        steps: list[Step] = [Launch("im2col", grid, kern.block, ("x", "col")),
+        kern, grid = im2col_kernel(spec, per_image=True, pro=prologue)
+        steps: list[Step] = [Launch("im2col", grid, kern.block, ("x", "col") + prologue.buffers()),
                              Gemm("w", "col", "y", spec.k, pq, crs, lda=crs, ldb=pq, ldc=pq,
                                   batch=spec.n, stride_a=0, stride_b=crs * pq,
                                   stride_c=spec.k * pq)]
@@ -280,23 +287,27 @@ class Im2colCublas(Variant):
             kernels.append(epk)
             steps.append(Launch(epk.name, egrid, epk.block, out_refs(epilogue)))
         return Plan(self.name, self.family, spec, params, tuple(kernels), tuple(steps),
-                    (("col", self.workspace_bytes(spec, params)),), self.tolerance, epilogue)
+                    (("col", self.workspace_bytes(spec, params)),), self.tolerance, epilogue, prologue)
 
 
 # -- implicit GEMM --------------------------------------------------------------------------
-def implicit_operand(spec: ConvSpec, table: bool) -> Operand:
+def implicit_operand(spec: ConvSpec, table: bool, pro: Prologue = Prologue()) -> Operand:
     """B = the virtual im2col matrix, each element computed from x on the fly.
 
     Per column (hoisted): image, output row/col -> the input corner. Per k row (shared by the
     columns a thread loads): (c, r, s) by constant division into an offset (``table`` False) or
     from the precomputed table ``tab`` (offset, packed dy/dx). Without padding every (r, s) of a
-    valid output lands inside the image, so the bounds test disappears.
+    valid output lands inside the image, so the bounds test disappears. ``pro``: the prologue
+    applied to every in-bounds value (at its channel).
     """
     (sh, sw), (dh, dw) = spec.stride, spec.dilation
     pt, pl = spec.pad[0], spec.pad[2]
     pq, hw, rs = spec.p * spec.q, spec.h * spec.w, spec.r * spec.s
     padded = any(spec.pad)
     x = "xg" if spec.groups > 1 else "x"  # a grouped GEMM reads its group's channels (group_prelude)
+
+    def act(value: str, c: str) -> str:
+        return pro.apply(value, pro_channel(spec, c))
 
     def setup(i: str, t: str) -> list[str]:
         return [f"const int {t}_n = {i} / {pq}, {t}_pix = {i} - {t}_n * {pq};",
@@ -309,13 +320,14 @@ def implicit_operand(spec: ConvSpec, table: bool) -> Operand:
                 f"const int r = rr / {spec.s}, s = rr - r * {spec.s};",
                 f"const int iy = {t}_y + r * {dh}, ix = {t}_x + s * {dw};",
                 f"if ((unsigned)iy < {spec.h}u && (unsigned)ix < {spec.w}u) "
-                f"{d} = {x}[{t}_b + c * {hw} + r * {dh * spec.w} + s * {dw}];"]
+                f"{d} = {act(f'{x}[{t}_b + c * {hw} + r * {dh * spec.w} + s * {dw}]', 'c')};"]
 
     def load_tab(t: str, k: str, d: str) -> list[str]:
-        return [f"const int off = tab[2 * ({k})], dyx = tab[2 * ({k}) + 1];",
-                f"const int iy = {t}_y + (dyx >> 16), ix = {t}_x + (dyx & 0xffff);",
-                f"if ((unsigned)iy < {spec.h}u && (unsigned)ix < {spec.w}u) "
-                f"{d} = {x}[{t}_b + off];"]
+        chan = [f"const int c = ({k}) / {rs};"] if pro.affine else []
+        return chan + [f"const int off = tab[2 * ({k})], dyx = tab[2 * ({k}) + 1];",
+                       f"const int iy = {t}_y + (dyx >> 16), ix = {t}_x + (dyx & 0xffff);",
+                       f"if ((unsigned)iy < {spec.h}u && (unsigned)ix < {spec.w}u) "
+                       f"{d} = {act(f'{x}[{t}_b + off]', 'c')};"]
 
     def kprep_div(kt: str, k: str) -> list[str]:
         lines = [f"const int {kt}_c = ({k}) / {rs}, {kt}_rs = ({k}) - {kt}_c * {rs};",
@@ -327,16 +339,19 @@ def implicit_operand(spec: ConvSpec, table: bool) -> Operand:
 
     def kprep_tab(kt: str, k: str) -> list[str]:
         lines = [f"const int {kt}_off = tab[2 * ({k})];"]
+        if pro.affine:
+            lines.append(f"const int {kt}_c = ({k}) / {rs};")
         if padded:
             lines += [f"const int {kt}_dyx = tab[2 * ({k}) + 1];",
                       f"const int {kt}_dy = {kt}_dyx >> 16, {kt}_dx = {kt}_dyx & 0xffff;"]
         return lines
 
     def kload(t: str, kt: str, d: str) -> list[str]:
+        val = act(f"{x}[{t}_b + {kt}_off]", f"{kt}_c")
         if not padded:
-            return [f"{d} = {x}[{t}_b + {kt}_off];"]
+            return [f"{d} = {val};"]
         return [f"if ((unsigned)({t}_y + {kt}_dy) < {spec.h}u && "
-                f"(unsigned)({t}_x + {kt}_dx) < {spec.w}u) {d} = {x}[{t}_b + {kt}_off];"]
+                f"(unsigned)({t}_x + {kt}_dx) < {spec.w}u) {d} = {val};"]
 
     return Operand(load=load_tab if table else load_div, fast="i", setup=setup,
                    kprep=kprep_tab if table else kprep_div, kload=kload)
@@ -361,13 +376,15 @@ class ImplicitGemm(_ConvGemmBase):
     family = "implicit_gemm"
     grouped = True  # one GEMM per group, batched in one launch (gemm_plan)
 
+    prologue_ok = True  # its B loads activate what they read
+
     def _prefer(self, spec: ConvSpec) -> tuple[tuple[int, int, int, int, int], ...]:
         return implicit_prefer(spec)
 
     def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
-             epilogue: Epilogue = Epilogue()) -> Plan:
-        return gemm_plan(self, spec, params, epilogue, implicit_operand(spec, table=False),
-                         (Buf("x"),), ("x",))
+             epilogue: Epilogue = Epilogue(), prologue: Prologue = Prologue()) -> Plan:
+        return gemm_plan(self, spec, params, epilogue, implicit_operand(spec, False, prologue),
+                         (Buf("x"),), ("x",), pro=prologue)
 
 
 class ImplicitGemmPrecomp(_ConvGemmBase):
@@ -384,24 +401,27 @@ class ImplicitGemmPrecomp(_ConvGemmBase):
             why = "filter extent too large for the packed offset table"
         return why
 
+    prologue_ok = True
+
     def workspace_bytes(self, spec: ConvSpec, params: Params) -> int:
         return 8 * spec.cg * spec.r * spec.s
 
     def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
-             epilogue: Epilogue = Epilogue()) -> Plan:
+             epilogue: Epilogue = Epilogue(), prologue: Prologue = Prologue()) -> Plan:
         tk, grid = offset_table_kernel(spec)
         step = Launch(tk.name, grid, tk.block, ("tab",))
-        return gemm_plan(self, spec, params, epilogue, implicit_operand(spec, table=True),
+        return gemm_plan(self, spec, params, epilogue, implicit_operand(spec, True, prologue),
                          (Buf("x"), Buf("tab", "int")), ("x", "tab"), ((tk, step),),
-                         (("tab", self.workspace_bytes(spec, params)),))
+                         (("tab", self.workspace_bytes(spec, params)),), pro=prologue)
 
 
 # -- 1x1 ------------------------------------------------------------------------------------
-def pointwise_operand(spec: ConvSpec) -> Operand:
+def pointwise_operand(spec: ConvSpec, pro: Prologue = Prologue()) -> Operand:
     """B = x read directly as C x (N*P*Q): column -> (image, input pixel), row = channel.
 
     Padding and stride are resolved once per column (they do not depend on the channel); with
-    stride 1 and no padding, float4 loads along the pixels when H*W is a multiple of 4.
+    stride 1 and no padding, float4 loads along the pixels when H*W is a multiple of 4. ``pro``:
+    the prologue applied to every in-bounds value (at its channel, the row).
     """
     (sh, sw), pt, pl = spec.stride, spec.pad[0], spec.pad[2]
     pq, hw = spec.p * spec.q, spec.h * spec.w
@@ -420,10 +440,10 @@ def pointwise_operand(spec: ConvSpec) -> Operand:
                         f"const int {t}_b = {t}_n * {spec.c * hw} + {t}_y * {spec.w} + {t}_x;"]
 
     def load(t: str, k: str, d: str) -> list[str]:
-        return [f"if ({t}_in) {d} = {x}[{t}_b + ({k}) * {hw}];"]
+        return [f"if ({t}_in) {d} = {pro.apply(f'{x}[{t}_b + ({k}) * {hw}]', pro_channel(spec, f'({k})'))};"]
 
-    def vload(t: str, k: str, d: str) -> list[str]:
-        return [f"{d} = VLOAD4(0, {x} + {t}_b + ({k}) * {hw});"]
+    def vload(t: str, k: str, d: str) -> list[str]:  # stride 1, no padding: four in-bounds values
+        return [f"{d} = VLOAD4(0, {x} + {t}_b + ({k}) * {hw});", *pro.apply4(d, pro_channel(spec, f"({k})"))]
 
     return Operand(load=load, fast="i", setup=setup,
                    vload=vload if plain and hw % 4 == 0 else None)
@@ -468,10 +488,12 @@ class Gemm1x1(_ConvGemmBase):
         return gemm_default(m, n, k, device, self._a_vec(spec), self._b_vec(spec),
                             prefer=pointwise_prefer(m, n, device.units))
 
+    prologue_ok = True  # its B loads activate what they read
+
     def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
-             epilogue: Epilogue = Epilogue()) -> Plan:
-        return gemm_plan(self, spec, params, epilogue, pointwise_operand(spec),
-                         (Buf("x"),), ("x",))
+             epilogue: Epilogue = Epilogue(), prologue: Prologue = Prologue()) -> Plan:
+        return gemm_plan(self, spec, params, epilogue, pointwise_operand(spec, prologue),
+                         (Buf("x"),), ("x",), pro=prologue)
 
 
 class _SplitK(_ConvGemmBase):
@@ -482,11 +504,12 @@ class _SplitK(_ConvGemmBase):
 
     red_name = "C*R*S"  # the reduction, as messages name it
     grouped = False  # its reduce pass and tile count assume one GEMM
+    prologue_ok = True  # its B operand (``_operand``) activates what it reads
 
     def _reduction(self, spec: ConvSpec) -> int:
         return spec.c * spec.r * spec.s
 
-    def _operand(self, spec: ConvSpec) -> Operand:
+    def _operand(self, spec: ConvSpec, pro: Prologue = Prologue()) -> Operand:
         raise NotImplementedError
 
     def _unsplit(self, spec: ConvSpec, device: DeviceInfo) -> Params:
@@ -540,14 +563,14 @@ class _SplitK(_ConvGemmBase):
         return 4 * params.ks * spec.n * spec.k * spec.p * spec.q
 
     def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
-             epilogue: Epilogue = Epilogue()) -> Plan:
+             epilogue: Epilogue = Epilogue(), prologue: Prologue = Prologue()) -> Plan:
         total = spec.n * spec.k * spec.p * spec.q
         shape = GemmShape(spec.k, spec.n * spec.p * spec.q, self._reduction(spec), ksplit=params.ks)
         gparams = Params({k: v for k, v in params.items() if k != "ks"})
         name = f"{self.name}_sgemm"
         store = nchw_store(spec, epilogue, out=f"(part + kz * {total})", raw=True)
-        kern = gemm_kernel(name, shape, gparams, filter_operand(spec), self._operand(spec),
-                           store, (Buf("w"), Buf("x"), Buf("part", readonly=False)),
+        kern = gemm_kernel(name, shape, gparams, filter_operand(spec), self._operand(spec, prologue),
+                           store, (Buf("w"), Buf("x"), Buf("part", readonly=False)) + pro_args(prologue),
                            comment=f"{self.name}: {params.short()}")
         sums = " + ".join(f"part[{j * total} + e]" for j in range(params.ks))
         pq = spec.p * spec.q
@@ -559,10 +582,11 @@ class _SplitK(_ConvGemmBase):
         red, rgrid = elementwise(f"{self.name}_reduce", total, (Buf("part"),) + out_args(epilogue),
                                  [f"y[{at}] = {val};"],
                                  f"sum of {params.ks} split-K partial outputs")
-        steps = (Launch(name, gemm_grid(shape, gparams), gemm_block(gparams), ("w", "x", "part")),
+        steps = (Launch(name, gemm_grid(shape, gparams), gemm_block(gparams),
+                        ("w", "x", "part") + prologue.buffers()),
                  Launch(red.name, rgrid, red.block, ("part",) + out_refs(epilogue)))
         return Plan(self.name, self.family, spec, params, (kern, red), steps,
-                    (("part", self.workspace_bytes(spec, params)),), self.tolerance, epilogue)
+                    (("part", self.workspace_bytes(spec, params)),), self.tolerance, epilogue, prologue)
 
 
 class Gemm1x1SplitK(_SplitK, Gemm1x1):
@@ -572,8 +596,8 @@ class Gemm1x1SplitK(_SplitK, Gemm1x1):
     specialised = 11
     red_name = "C"
 
-    def _operand(self, spec: ConvSpec) -> Operand:
-        return pointwise_operand(spec)
+    def _operand(self, spec: ConvSpec, pro: Prologue = Prologue()) -> Operand:
+        return pointwise_operand(spec, pro)
 
 
 class ImplicitGemmSplitK(_SplitK, ImplicitGemm):
@@ -589,8 +613,8 @@ class ImplicitGemmSplitK(_SplitK, ImplicitGemm):
             return "1x1 filters: gemm1x1_splitk runs them"
         return super().applies(spec, device)
 
-    def _operand(self, spec: ConvSpec) -> Operand:
-        return implicit_operand(spec, table=False)
+    def _operand(self, spec: ConvSpec, pro: Prologue = Prologue()) -> Operand:
+        return implicit_operand(spec, False, pro)
 
 
 class GemmFullWindow(Variant):

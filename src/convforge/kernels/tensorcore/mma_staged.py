@@ -50,7 +50,7 @@ from convforge.kernels.tensorcore.mma_variants import (
 from convforge.kernels.winograd.nonfused import WinogradNonFused
 from convforge.kernels.winograd.tiles import Geometry
 from convforge.params import Params
-from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
+from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Prologue, Variant
 from convforge.spec import ConvSpec
 
 
@@ -332,7 +332,9 @@ class WinogradF2PipeTF32(WinogradNonFusedTC):
         return kern, pipe_grid(shape, gp), pipe_block(gp)
 
     def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
-             epilogue: Epilogue = Epilogue()) -> Plan:
+             epilogue: Epilogue = Epilogue(), prologue: Prologue = Prologue()) -> Plan:
+        if prologue.active:  # its input transform rounds V (_input_kernel): no prologue path there
+            raise ValueError(f"unsupported prologue: {self.name} has no input-load prologue")
         unknown = set(params) - set(PIPE_KEYS) - set(_WINO_KEEP) - {"gemm"}
         if unknown:
             raise ValueError(f"{self.name}: unknown parameters {sorted(unknown)}")

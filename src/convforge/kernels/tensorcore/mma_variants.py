@@ -56,7 +56,7 @@ from convforge.kernels.tensorcore.mma_sync import (
 from convforge.kernels.winograd.nonfused import WinogradNonFused, expected_error
 from convforge.kernels.winograd.tiles import Geometry
 from convforge.params import Params
-from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
+from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Prologue, Variant
 from convforge.spec import ConvSpec
 
 TF32_EXPECTED = 3e-4
@@ -296,12 +296,14 @@ class WinogradNonFusedTC(WinogradNonFused):
         kern = self._sgemm_kernel(g, gp, ks, hf, lo, gen=gen, label=self.gemm_kinds[0])
         return kern, tc_grid(self._shape(g, ks), gp), tc_block(gp)
 
+    prologue_ok = True  # the family's own input transforms (WinogradNonFused.plan) apply it
+
     def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
-             epilogue: Epilogue = Epilogue()) -> Plan:
+             epilogue: Epilogue = Epilogue(), prologue: Prologue = Prologue()) -> Plan:
         unknown = set(params) - set(TC_KEYS) - set(_WINO_KEYS) - {"gemm"}
         if unknown:
             raise ValueError(f"{self.name}: unknown parameters {sorted(unknown)}")
-        plan = super().plan(spec, params, device, epilogue)
+        plan = super().plan(spec, params, device, epilogue, prologue)
         return dataclasses.replace(plan, tolerance=self.tolerance)
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from convforge.codegen.dialect import Arg, Buf, Kernel, LocalBuf
 from convforge.codegen.meta import Code, cdiv
 from convforge.kernels import register
-from convforge.kernels.common import out_args, out_refs
+from convforge.kernels.common import out_args, out_refs, pro_args
 from convforge.kernels.gemm import elementwise
 from convforge.kernels.winograd.nonfused import expected_error, precision_class, tolerance, winograd_applies
 from convforge.kernels.winograd.tiles import (
@@ -47,7 +47,7 @@ from convforge.kernels.winograd.tiles import (
     emit_window_mask,
 )
 from convforge.params import Params
-from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
+from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Prologue, Variant
 from convforge.spec import ConvSpec
 
 _BANKS = 32
@@ -225,6 +225,7 @@ class WinogradFused(Variant):
 
     family = "winograd"
     residual_ok = True  # its store path and the split reduce honour Epilogue.residual
+    prologue_ok = True  # each input window is activated, under its mask, before its transform
     specialised = 9  # set per tile size in __init__
 
     def __init__(self, m: int) -> None:
@@ -361,7 +362,7 @@ class WinogradFused(Variant):
 
     # -- plan -------------------------------------------------------------------------------
     def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
-             epilogue: Epilogue = Epilogue()) -> Plan:
+             epilogue: Epilogue = Epilogue(), prologue: Prologue = Prologue()) -> Plan:
         lay = self._layout(spec, params)
         why = lay.why_invalid(device.max_threads)
         if why:
@@ -370,19 +371,19 @@ class WinogradFused(Variant):
         kpad, cpad = cdiv(spec.k, lay.bk) * lay.bk, cdiv(spec.c, lay.bc) * lay.bc
         ftb = 128 if device.is_gpu else 32
         fk = _filter_kernel(lay, ftb, self.name)
-        mk = _main_kernel(lay, epilogue, self.name)
+        mk = _main_kernel(lay, epilogue, self.name, prologue)
         grid = (cdiv(g.tiles, lay.bn), cdiv(spec.k, lay.bk), lay.ks)
         out = ("wino_part",) if lay.ks > 1 else out_refs(epilogue)
         kernels: tuple[Kernel, ...] = (fk, mk)
         steps: tuple[Launch, ...] = (
             Launch(fk.name, (cdiv(kpad * cpad, ftb), 1, 1), (ftb, 1, 1), ("w", "wino_u")),
-            Launch(mk.name, grid, (lay.threads, 1, 1), ("x", "wino_u") + out))
+            Launch(mk.name, grid, (lay.threads, 1, 1), ("x", "wino_u") + out + prologue.buffers()))
         if lay.ks > 1:
             rk, rgrid = _reduce_kernel(spec, lay.ks, epilogue)
             kernels += (rk,)
             steps += (Launch(rk.name, rgrid, rk.block, ("wino_part",) + out_refs(epilogue)),)
         return Plan(self.name, self.family, spec, params, kernels, steps,
-                    workspace=self._workspace(lay), tolerance=self.tolerance, epilogue=epilogue)
+                    workspace=self._workspace(lay), tolerance=self.tolerance, epilogue=epilogue, prologue=prologue)
 
 
 def _out_elements(s: ConvSpec) -> int:
@@ -431,10 +432,10 @@ def _filter_kernel(lay: Layout, tb: int, vname: str) -> Kernel:
                   comment=f"{vname}: {what}, blocked {lay.bk}x{lay.bc}")
 
 
-def _main_kernel(lay: Layout, epi: Epilogue, vname: str) -> Kernel:
+def _main_kernel(lay: Layout, epi: Epilogue, vname: str, pro: Prologue = Prologue()) -> Kernel:
     code = Code()
-    _emit_setup(code, lay)
-    _emit_main_loop(code, lay)
+    _emit_setup(code, lay, pro)
+    _emit_main_loop(code, lay, pro)
     if lay.ks > 1:  # a slice stores its raw partial output; the reduce kernel adds the epilogue
         code(f"GLOBAL_PTR float* y = part + kz * {_out_elements(lay.g.spec)};"
              "  // this slice's partial output")
@@ -443,7 +444,7 @@ def _main_kernel(lay: Layout, epi: Epilogue, vname: str) -> Kernel:
     else:
         outs = out_args(epi)
     _emit_output(code, lay, epi)
-    args = (Buf("x"), Buf("uw")) + outs + (LocalBuf("smem", lay.smem_bytes),)
+    args = (Buf("x"), Buf("uw")) + outs + pro_args(pro) + (LocalBuf("smem", lay.smem_bytes),)
     p = lay
     note = (f"{vname}: bk={p.bk} bn={p.bn} bc={p.bc} lanes {p.lk}x{p.ln} x {p.groups} groups, "
             f"{p.tk}x{p.tn} per lane x {p.e_per_group} elements, smem {p.smem_bytes} B")
@@ -458,7 +459,7 @@ def _main_kernel(lay: Layout, epi: Epilogue, vname: str) -> Kernel:
                   comment=note, min_blocks=lay.mb)
 
 
-def _emit_setup(code: Code, lay: Layout) -> None:
+def _emit_setup(code: Code, lay: Layout, pro: Prologue = Prologue()) -> None:
     g, s = lay.g, lay.g.spec
     code("const int tid = LOCAL_ID(0), tb = GROUP_ID(0), kb = GROUP_ID(1);",
          f"const int grp = tid / {lay.lanes}, lane = tid % {lay.lanes};",
@@ -488,6 +489,8 @@ def _emit_setup(code: Code, lay: Layout) -> None:
              f"iy{sfx} * {s.w} + ix{sfx}{slice_off};")
         for a, b in itertools.product(range(g.ah) if not lay.ci else (), range(g.aw)):
             code(f"float d{sfx}{a}_{b};")
+        if pro.affine:
+            code(f"float ps{sfx} = 0.0f, pb{sfx} = 0.0f;  // this window's channel's prologue scale and shift")
     for i in range(0 if lay.ca else lay.f4_per_thread):
         code(f"float4 f{i} = MAKE_FLOAT4(0.0f, 0.0f, 0.0f, 0.0f);")
     for i, j in itertools.product(range(lay.fl_per_thread), range(9)):
@@ -496,9 +499,10 @@ def _emit_setup(code: Code, lay: Layout) -> None:
         code(f"float acc{el}_{ki}_{ni} = 0.0f;")
 
 
-def _emit_load_stage(code: Code, lay: Layout, cb: str, buf: str) -> None:
+def _emit_load_stage(code: Code, lay: Layout, cb: str, buf: str, pro: Prologue = Prologue()) -> None:
     """Global loads of stage ``cb``: filter float4s into registers (or, with ``ca``, copied
-    asynchronously straight into shared buffer ``buf``), then input windows into registers."""
+    asynchronously straight into shared buffer ``buf``), then input windows into registers (and,
+    for an affine ``pro``, their channel's scale and shift: 0 past the last channel)."""
     g, s = lay.g, lay.g.spec
     nf4 = lay.u_chunk // 4
     code(f"const GLOBAL_PTR float* us = ub + ({cb}) * {lay.w_chunk};")
@@ -529,10 +533,15 @@ def _emit_load_stage(code: Code, lay: Layout, cb: str, buf: str) -> None:
                            f"({mask})")
         else:
             emit_tile_load(code, g, "x", base, f"d{sfx}", sfx, decl=False, cond=cond)
+        if pro.affine:
+            ch = f"({first}{cb}) * {lay.bc} + cc{sfx}"
+            for nm, arr in ((f"ps{sfx}", "pscale"), (f"pb{sfx}", "pshift")):
+                code(f"{nm} = ({cond}) ? {arr}[{ch}] : 0.0f;" if cond else f"{nm} = {arr}[{ch}];")
 
 
-def _emit_store_stage(code: Code, lay: Layout, buf: str) -> None:
-    """Registers of a stage into shared buffer ``buf``: filters as is, inputs transformed."""
+def _emit_store_stage(code: Code, lay: Layout, buf: str, pro: Prologue = Prologue()) -> None:
+    """Registers of a stage into shared buffer ``buf``: filters as is, inputs activated by ``pro``
+    (where the window's mask says the element is in the image: padding stays 0) and transformed."""
     g = lay.g
     nf4 = lay.u_chunk // 4
     code(f"LOCAL_PTR float* sb = smem + {buf};")
@@ -554,7 +563,16 @@ def _emit_store_stage(code: Code, lay: Layout, buf: str) -> None:
             for a, b in itertools.product(range(g.ah) if lay.ci else (), range(g.aw)):
                 code(f"const float d{sfx}{a}_{b} = smem[{_raw_at(lay, i)} + "
                      f"{(a * g.aw + b) * lay.threads}];")
-            emit_input_transform(code, g, f"d{sfx}", "v", "dt")
+            src = f"d{sfx}"
+            if pro.active:  # the activated window (a masked-off element stays 0)
+                src = f"a{sfx}"
+                for a, b in itertools.product(range(g.ah), range(g.aw)):
+                    val = f"FMA(d{sfx}{a}_{b}, ps{sfx}, pb{sfx})" if pro.affine else f"d{sfx}{a}_{b}"
+                    val = f"MAX({val}, 0.0f)" if pro.relu else val
+                    if pro.affine:  # an affine map takes 0 elsewhere: masked-off elements stay 0
+                        val = f"((rmask{sfx} >> {a}) & (cmask{sfx} >> {b}) & 1u) ? {val} : 0.0f"
+                    code(f"const float {src}{a}_{b} = {val};")
+            emit_input_transform(code, g, src, "v", "dt")
             guard = f"if (pr{sfx} < {lay.in_pairs}) " if lay.in_pairs % lay.threads else ""
             for a, b in itertools.product(range(g.ah), range(g.aw)):
                 e = a * g.aw + b
@@ -605,27 +623,27 @@ def _emit_slice(code: Code, lay: Layout) -> None:
         code(f"const int cb0 = kz * {cbn // ks};  // {cbn // ks} stages a slice")
 
 
-def _emit_main_loop(code: Code, lay: Layout) -> None:
+def _emit_main_loop(code: Code, lay: Layout, pro: Prologue = Prologue()) -> None:
     """Double-buffered loop over this block's channel stages (all of them unless split)."""
     end = "nst" if lay.ks > 1 and lay.cbn % lay.ks else f"{lay.cbn // lay.ks}"
     wait = ("COPY_WAIT();  // this thread's asynchronous copies have landed",) \
         if lay.ca or lay.ci else ()
     with code.block("/* prologue: stage 0 */"):
-        _emit_load_stage(code, lay, "0", "0")
+        _emit_load_stage(code, lay, "0", "0", pro)
         code(*wait)
-        _emit_store_stage(code, lay, "0")
+        _emit_store_stage(code, lay, "0", pro)
     code("BARRIER();")
     with code.block(f"for (int cb = 0; cb < {end}; ++cb)"):
         code(f"const int cur = (cb & 1) * {lay.stage};",
              f"const bool more = cb + 1 < {end};")
         with code.block("if (more)"):
-            _emit_load_stage(code, lay, "cb + 1", f"{lay.stage} - cur")
+            _emit_load_stage(code, lay, "cb + 1", f"{lay.stage} - cur", pro)
         with code.block(""):
             code("const LOCAL_PTR float* sb = smem + cur;")
             _emit_products(code, lay)
         code(*wait)
         with code.block("if (more)"):
-            _emit_store_stage(code, lay, f"{lay.stage} - cur")
+            _emit_store_stage(code, lay, f"{lay.stage} - cur", pro)
         code("BARRIER();")
 
 

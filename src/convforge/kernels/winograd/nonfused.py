@@ -27,7 +27,7 @@ from collections.abc import Callable
 from convforge.codegen.dialect import Buf, Dim3, Kernel
 from convforge.codegen.meta import Code, cdiv
 from convforge.kernels import register
-from convforge.kernels.common import out_args, out_refs
+from convforge.kernels.common import out_args, out_refs, pro_args
 from convforge.kernels.sgemm import (
     GemmShape,
     Operand,
@@ -63,7 +63,7 @@ from convforge.kernels.winograd.tiles import (
     emit_tile_origin,
 )
 from convforge.params import Params
-from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
+from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Prologue, Variant
 from convforge.spec import ConvSpec
 
 MAX_ALPHA = 9
@@ -119,6 +119,7 @@ class WinogradNonFused(Variant):
 
     family = "winograd"
     residual_ok = True  # its store paths (direct, staged, split) honour Epilogue.residual
+    prologue_ok = True  # both input transforms (plain, split) activate the window's in-bounds values
     space_lead = 16  # the default's neighbours (splits, hf, transform choices) lead the space
     gemm_kinds: tuple[str, ...] = ("own", "sgemm")  # values of the ``gemm`` parameter
 
@@ -353,7 +354,7 @@ class WinogradNonFused(Variant):
 
     # -- plan -------------------------------------------------------------------------------
     def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
-             epilogue: Epilogue = Epilogue()) -> Plan:
+             epilogue: Epilogue = Epilogue(), prologue: Prologue = Prologue()) -> Plan:
         g = Geometry(spec, self.m)
         p = params
         tb, ks, kind, hf, xi, xo, xt, lo = self._checked(spec, p)
@@ -368,8 +369,10 @@ class WinogradNonFused(Variant):
             self._check_own(p, device)
             gemm = self._gemm_kernel(g, p)
             grid, block = (cdiv(g.tiles, p.bn), cdiv(spec.k, p.bm), g.a2), gemm.block
-        inp = split_input_kernel(g, f"{self.name}: B^T d B (thread per row/column)", xt, lo) if xi \
-            else self._input_kernel(g, tb)
+        if xi:
+            inp = split_input_kernel(g, f"{self.name}: B^T d B (thread per row/column)", xt, lo, prologue)
+        else:
+            inp = input_kernel(g, tb, self.name, prologue) if prologue.active else self._input_kernel(g, tb)
         out = split_output_kernel(g, epilogue, ks, f"{self.name}: A^T M A (thread per column/row, "
                                   "staged tiles)", xt, lo) if xo \
             else self._output_kernel(g, tb, epilogue, ks, self._staged(g, p))
@@ -378,14 +381,14 @@ class WinogradNonFused(Variant):
         steps = (
             Launch(kernels[0].name, (cdiv(spec.k * spec.c, tb), 1, 1), (tb, 1, 1), ("w", "wino_u")),
             Launch(inp.name, split_grid(tiles_in, xt, spec.c * lo) if xi else (cdiv(tiles_in, tb), 1, 1), inp.block,
-                   ("x", "wino_v")),
+                   ("x", "wino_v") + prologue.buffers()),
             Launch(kernels[2].name, grid, block, ("wino_u", "wino_v", "wino_m")),
             Launch(out.name, split_grid(tiles_out, xt, spec.k * lo) if xo else (cdiv(tiles_out, tb), 1, 1), out.block,
                    ("wino_m",) + out_refs(epilogue)),
         )
         return Plan(self.name, self.family, spec, params, kernels, steps,
                     workspace=self._workspace(spec, ks, hf),
-                    tolerance=tolerance(self.m, spec.r, spec.s), epilogue=epilogue)
+                    tolerance=tolerance(self.m, spec.r, spec.s), epilogue=epilogue, prologue=prologue)
 
     def _checked(self, spec: ConvSpec, p: Params) -> tuple[int, int, str, bool, bool, bool, int, bool]:
         """(tb, ks, gemm, hf, xi, xo, xt, lo) of ``p``, or a ValueError naming the bad choice."""
@@ -445,18 +448,7 @@ class WinogradNonFused(Variant):
                       code.text(), (tb, 1, 1), comment=f"{self.name}: G g G^T")
 
     def _input_kernel(self, g: Geometry, tb: int) -> Kernel:
-        s = g.spec
-        total = s.c * g.tiles
-        code = _per_thread(tb, total, ("t", g.tiles), "c", "V[e][c][t]")
-        emit_tile_origin(code, g, "t")
-        emit_tile_masks(code, g, "1")
-        code(f"const int base = (n * {s.c} + c) * {s.h * s.w} + iy * {s.w} + ix;")
-        emit_tile_load(code, g, "x", "base", "d")
-        emit_input_transform(code, g, "d", "v", "dt")
-        for i, j in itertools.product(range(g.ah), range(g.aw)):
-            code(f"v[{(i * g.aw + j) * total} + idx] = v{i}_{j};")
-        return Kernel("wino_input_transform", (Buf("x"), Buf("v", readonly=False)),
-                      code.text(), (tb, 1, 1), comment=f"{self.name}: B^T d B")
+        return input_kernel(g, tb, self.name)
 
     def _output_kernel(self, g: Geometry, tb: int, epi: Epilogue, ks: int = 1,
                        staged: bool = False) -> Kernel:
@@ -609,6 +601,23 @@ class WinogradNonFused(Variant):
                 cond = f"c0 + rr < {rows} && {col0} + cw < {ld}"
                 stmt = f"{dst}[l] = ({cond}) ? {src}[(c0 + rr) * {ld} + {col0} + cw] : 0.0f;"
                 code(f"if (l < {total}) {stmt}" if total % nt else stmt)
+
+
+def input_kernel(g: Geometry, tb: int, vname: str, pro: Prologue = Prologue()) -> Kernel:
+    """V[e][c][t] = (B^T d B)[e], a thread per (channel, tile); the window's in-bounds values
+    activated by ``pro``."""
+    s = g.spec
+    total = s.c * g.tiles
+    code = _per_thread(tb, total, ("t", g.tiles), "c", "V[e][c][t]")
+    emit_tile_origin(code, g, "t")
+    emit_tile_masks(code, g, "1")
+    code(f"const int base = (n * {s.c} + c) * {s.h * s.w} + iy * {s.w} + ix;")
+    emit_tile_load(code, g, "x", "base", "d", pro=pro, chan="c")
+    emit_input_transform(code, g, "d", "v", "dt")
+    for i, j in itertools.product(range(g.ah), range(g.aw)):
+        code(f"v[{(i * g.aw + j) * total} + idx] = v{i}_{j};")
+    return Kernel("wino_input_transform", (Buf("x"), Buf("v", readonly=False)) + pro_args(pro),
+                  code.text(), (tb, 1, 1), comment=f"{vname}: B^T d B")
 
 
 def _unset(p: Params, *keys: str) -> Params:

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 from convforge.codegen.dialect import Buf, Dim3, Kernel
 from convforge.codegen.meta import Code, cdiv
-from convforge.kernels.common import out_args
+from convforge.kernels.common import out_args, pro_args
 from convforge.kernels.winograd.matrices import lincomb, paired_lincombs
 from convforge.kernels.winograd.staged import emit_staged_stores, emit_staged_tiles, emit_tile_info, odd_stride
 from convforge.kernels.winograd.tiles import Geometry, emit_tile_origin
-from convforge.plan import Epilogue
+from convforge.plan import Epilogue, Prologue
 
 XT = 32  # tiles per block by default
 XT_CHOICES = (16, 32, 64)
@@ -57,9 +57,11 @@ def _indices(code: Code, g: Geometry, xt: int, rows: int, row: str, tile_major: 
     return f"idx < {rows * tt}"
 
 
-def split_input_kernel(g: Geometry, comment: str, xt: int = XT, tile_major: bool = False) -> Kernel:
-    """V[e][c][t] = (B_h^T d B_w)[e]: thread (lt, a) loads window row a and applies B_w; thread
-    (lt, j) then applies B_h^T down column j and stores the alpha_h values of that column."""
+def split_input_kernel(g: Geometry, comment: str, xt: int = XT, tile_major: bool = False,
+                       pro: Prologue = Prologue()) -> Kernel:
+    """V[e][c][t] = (B_h^T d B_w)[e]: thread (lt, a) loads window row a (in-bounds values activated
+    by ``pro``) and applies B_w; thread (lt, j) then applies B_h^T down column j and stores the
+    alpha_h values of that column."""
     s = g.spec
     total, ah, aw = s.c * g.tiles, g.ah, g.aw
     code = Code()
@@ -71,7 +73,7 @@ def split_input_kernel(g: Geometry, comment: str, xt: int = XT, tile_major: bool
         code(f"const bool row = {live} && (unsigned)(iy + a) < {s.h}u;",
              f"const GLOBAL_PTR float* xr = x + ((n * {s.c} + c) * {s.h} + iy + a) * {s.w} + ix;")
         for b in range(aw):
-            code(f"const float d{b} = row && (unsigned)(ix + {b}) < {s.w}u ? xr[{b}] : 0.0f;")
+            code(f"const float d{b} = row && (unsigned)(ix + {b}) < {s.w}u ? {pro.apply(f'xr[{b}]', 'c')} : 0.0f;")
         for j in range(aw):
             code(f"xin[({j} * {ah} + a) * {xt} + lt] = "
                  f"{lincomb(g.tw.BT[j], [f'd{b}' for b in range(aw)])};")
@@ -82,7 +84,7 @@ def split_input_kernel(g: Geometry, comment: str, xt: int = XT, tile_major: bool
             code(f"const float r{r} = xin[(j * {ah} + {r}) * {xt} + lt];")
         for i in range(ah):
             code(f"v[({i * aw} + j) * {total} + idx] = {lincomb(g.th.BT[i], [f'r{r}' for r in range(ah)])};")
-    return Kernel("wino_input_transform", (Buf("x"), Buf("v", readonly=False)), code.text(),
+    return Kernel("wino_input_transform", (Buf("x"), Buf("v", readonly=False)) + pro_args(pro), code.text(),
                   input_block(g, xt), comment=comment)
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from convforge.codegen.meta import Code, cdiv
 from convforge.kernels.winograd.matrices import Transform, emit_2d, winograd
-from convforge.plan import Epilogue
+from convforge.plan import Epilogue, Prologue
 from convforge.spec import ConvSpec
 
 
@@ -78,10 +78,11 @@ def emit_tile_masks(code: Code, g: Geometry, ok: str, sfx: str = "") -> None:
 
 
 def emit_tile_load(code: Code, g: Geometry, src: str, base: str, dst: str, sfx: str = "",
-                   decl: bool = True, cond: str = "") -> None:
+                   decl: bool = True, cond: str = "", pro: Prologue = Prologue(), chan: str = "") -> None:
     """Load the tile window into ``dst{i}_{j}``; ``base`` is the offset of (n, c, iy, ix) in ``src``.
 
-    Masked-off elements read 0 (padding, image edges, tiles or channels past the end).
+    Masked-off elements read 0 (padding, image edges, tiles or channels past the end); the others
+    are activated by ``pro`` (at channel ``chan``).
     """
     w = g.spec.w
     for i in range(g.ah):
@@ -91,7 +92,7 @@ def emit_tile_load(code: Code, g: Geometry, src: str, base: str, dst: str, sfx: 
                 pred = f"({cond}) && {pred}"
             off = f"{base} + {i * w + j}"
             lhs = f"float {dst}{i}_{j}" if decl else f"{dst}{i}_{j}"
-            code(f"{lhs} = {pred} ? {src}[{off}] : 0.0f;")
+            code(f"{lhs} = {pred} ? {pro.apply(f'{src}[{off}]', chan)} : 0.0f;")
 
 
 def emit_tile_copy(code: Code, g: Geometry, src: str, dst: str, stride: int, mask: str) -> None:
