@@ -18,10 +18,10 @@ OPS = ("conv", "fc", "pool", "lrn", "relu", "batchnorm", "scale", "add", "concat
 
 # Weights each op needs (by role), and which of them are optional.
 WEIGHTS: dict[str, tuple[str, ...]] = {
-    "conv": ("w", "bias"), "fc": ("w", "bias"), "batchnorm": ("mean", "var", "gamma", "beta"),
+    "conv": ("w", "bias", "pscale", "pshift"), "fc": ("w", "bias"), "batchnorm": ("mean", "var", "gamma", "beta"),
     "scale": ("gamma", "beta"),
 }
-OPTIONAL = {"bias", "gamma", "beta"}
+OPTIONAL = {"bias", "gamma", "beta", "pscale", "pshift"}  # pscale, pshift: a conv's prologue (both or none)
 
 
 class GraphError(ValueError):
@@ -57,7 +57,10 @@ class Node:
 
     ``weights`` maps a role ("w", "bias", "mean", ...) to a key of :attr:`Graph.weights`; ``attrs``
     hold the op's settings (kernel, stride, pad, ...). ``fused`` records what passes folded in
-    (``relu``, ``residual``) so the runtime can pick the matching epilogue.
+    (``relu``, ``residual``) so the runtime can pick the matching epilogue. A conv's prologue (a
+    pre-activation folded into its input load, ``passes.fold_preactivation``): the weights
+    ``pscale`` and ``pshift`` (C each) and the attribute ``pre_relu``; the conv then computes the
+    padded convolution of ``max(pscale[c] * x + pshift[c], 0)`` (padding stays zero).
     """
 
     name: str
@@ -200,6 +203,10 @@ def _infer_node(graph: Graph, node: Node, ins: list[Tensor]) -> Tensor:
             raise GraphError(f"{where}: kernel ({r}x{s}) is larger than the padded input {x}")
         _weight_shape(graph, node, "w", (k, c // g, r, s))
         _weight_shape(graph, node, "bias", (k,))
+        if ("pscale" in node.weights) != ("pshift" in node.weights):
+            raise GraphError(f"{where}: a prologue needs both weights.pscale and weights.pshift")
+        _weight_shape(graph, node, "pscale", (c,))
+        _weight_shape(graph, node, "pshift", (c,))
         out = Tensor(node.output, ("n", "c", "y", "x"), (n, k, p, q))
         if len(ins) == 2 and ins[1].shape != out.shape:
             raise GraphError(f"{where}: residual input {ins[1]} does not match the output {out}")

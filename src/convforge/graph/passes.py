@@ -1,7 +1,7 @@
 """Graph passes, each a function Graph -> Graph that leaves its argument unchanged.
 
 ``optimize`` runs them in order: identity removal, batch norm folding, activation fusion,
-residual fusion, concat in place.
+pre-activation folding, residual fusion, concat in place.
 Each is tested by running the graph through the float64 reference before and after.
 """
 
@@ -87,6 +87,68 @@ def fuse_relu(graph: Graph) -> Graph:
     return g
 
 
+def _prologue_readers(graph: Graph, node: Node) -> list[Node] | None:
+    """The convs that may fold ``node`` (a batchnorm / scale / plain ReLU) into their input load:
+    every reader of its output, each a conv reading it as its input (not as a residual) with no
+    prologue yet; None when something else reads it (or it is a graph output)."""
+    if node.output in graph.outputs:
+        return None
+    users = graph.consumers(node.output)
+    ok = users and all(u.op == "conv" and u.inputs[0] == node.output and node.output not in u.inputs[1:]
+                       and "pscale" not in u.weights and not u.attrs.get("pre_relu") for u in users)
+    return users if ok else None
+
+
+def _pre_affine(graph: Graph, node: Node) -> tuple[np.ndarray | None, np.ndarray | None, bool, list[Node]]:
+    """(scale, shift, relu, nodes folded) of the pre-activation ending at ``node``: a plain ReLU
+    alone, or a batchnorm / scale (its fused ReLU too), composed with a batchnorm / scale before it
+    that has no ReLU and no other reader (Caffe's BatchNorm + Scale), in float64."""
+    from convforge.graph.runtime import channel_affine
+
+    if node.op == "relu":
+        return None, None, True, [node]
+    a, b = channel_affine(graph, node)
+    nodes = [node]
+    prev = graph.producer(node.inputs[0])
+    while (prev is not None and prev.op in ("batchnorm", "scale") and not prev.attrs.get("relu")
+           and _sole_consumer(graph, prev.output) is nodes[-1]):
+        pa, pb = channel_affine(graph, prev)
+        a, b = a * pa, a * pb + b
+        nodes.append(prev)
+        prev = graph.producer(prev.inputs[0])
+    return a, b, bool(node.attrs.get("relu")), nodes
+
+
+def fold_preactivation(graph: Graph) -> Graph:
+    """Fold a pre-activation (batch norm / scale, with its fused ReLU, or a plain ReLU the passes
+    before could not fold into its producer) into the input load of every conv that reads it: the
+    convs then read the tensor before it and apply ``max(pscale[c] * x + pshift[c], 0)`` to the
+    in-bounds values (a prologue: DenseNet's BN -> ReLU -> conv, pre-activation ResNets). Only when
+    every reader is such a conv (each folds it; the activated tensor is then never written)."""
+    g = graph.copy()
+    shapes = infer(graph)
+    for node in list(g.nodes):
+        plain_relu = node.op == "relu" and node.attrs.get("slope", 0.0) == 0.0 and node.attrs.get("clip") is None
+        if node not in g.nodes or not (plain_relu or node.op in ("batchnorm", "scale")):
+            continue
+        users = _prologue_readers(g, node)
+        if users is None or len(shapes[node.inputs[0]].shape) != 4:
+            continue
+        a, b, relu, nodes = _pre_affine(g, node)
+        src = nodes[-1].inputs[0]
+        if a is not None and b is not None:
+            g.weights[f"{node.name}.pscale"] = a.astype(np.float32)
+            g.weights[f"{node.name}.pshift"] = b.astype(np.float32)
+        for u in users:
+            u.inputs[0] = src
+            u.attrs["pre_relu"] = relu
+            if a is not None:
+                u.weights.update(pscale=f"{node.name}.pscale", pshift=f"{node.name}.pshift")
+        for n in nodes:
+            g.nodes.remove(n)
+    return g
+
+
 def fuse_residual(graph: Graph) -> Graph:
     """Fold a two-input add into the epilogue of the conv producing one input (its only reader),
     the other input becoming the conv's residual (``res``) and the add's ReLU the conv's. The
@@ -122,7 +184,8 @@ def concat_in_place(graph: Graph) -> Graph:
     return g
 
 
-PASSES: tuple[Pass, ...] = (remove_identities, fold_batchnorm, fuse_relu, fuse_residual, concat_in_place)
+PASSES: tuple[Pass, ...] = (remove_identities, fold_batchnorm, fuse_relu, fold_preactivation, fuse_residual,
+                            concat_in_place)
 
 
 def optimize(graph: Graph, passes: tuple[Pass, ...] = PASSES) -> Graph:

@@ -1,4 +1,12 @@
-"""The float64 NumPy executor of the IR, op by op: the oracle of every network test."""
+"""The float64 NumPy executor of the IR, op by op: the oracle of every network test.
+
+``run_reference(graph, x, dtype=np.float32)`` is the same executor in plain float32: every op's
+output rounded to float32, convolutions and fully connected layers as float32 sums of products (one
+BLAS SGEMM per filter tap and group, taps summed in float32). It stands in for what an FP32
+framework (PyTorch FP32) gives on a network without torch: calibration's reference error. With
+``tf32=True`` the operands of those products are first rounded to TF32 (10 explicit mantissa
+bits, to nearest, as tensor cores take FP32 operands): PyTorch TF32's stand-in (the relaxed class).
+"""
 
 from __future__ import annotations
 
@@ -7,20 +15,27 @@ from collections.abc import Callable
 import numpy as np
 
 from convforge.graph.ir import Graph, Node, conv_geometry, conv_group, infer, pool_out
-from convforge.reference import conv2d_ref
+from convforge.reference import activate_ref, conv2d_ref
 from convforge.spec import ConvSpec
 
 Arr = np.ndarray
 
 
-def run_reference(graph: Graph, x: Arr) -> dict[str, Arr]:
-    """Run ``graph`` on ``x`` in float64; returns every output tensor by name."""
+def run_reference(graph: Graph, x: Arr, dtype: type = np.float64, tf32: bool = False) -> dict[str, Arr]:
+    """Run ``graph`` on ``x`` in float64 (or plain float32, optionally with TF32 products: module
+    docstring); returns every output tensor by name."""
     shapes = infer(graph)
     if tuple(x.shape) != shapes[graph.input].shape:
         raise ValueError(f"input shape {tuple(x.shape)} does not match the graph's {shapes[graph.input]}")
-    vals: dict[str, Arr] = {graph.input: np.asarray(x, dtype=np.float64)}
+    if dtype not in (np.float64, np.float32):
+        raise ValueError(f"dtype ({dtype!r}) must be numpy.float64 or numpy.float32")
+    vals: dict[str, Arr] = {graph.input: np.asarray(x, dtype=dtype)}
     for node in graph.nodes:
-        vals[node.output] = _OPS[node.op](graph, node, [vals[t] for t in node.inputs])
+        ins = [vals[t] for t in node.inputs]
+        if dtype == np.float32 and node.op in _OPS32:
+            vals[node.output] = _OPS32[node.op](graph, node, ins, tf32)
+        else:
+            vals[node.output] = np.asarray(_OPS[node.op](graph, node, ins), dtype=dtype)
     return {t: vals[t] for t in graph.outputs}
 
 
@@ -33,17 +48,71 @@ def _act(node: Node, y: Arr) -> Arr:
     return np.maximum(y, 0.0) if node.attrs.get("relu") else y
 
 
-def _conv(graph: Graph, node: Node, ins: list[Arr]) -> Arr:
+def _activated(graph: Graph, node: Node, x: Arr) -> Arr:
+    """A conv's input with its prologue (pre-activation) applied, in float64."""
+    if "pscale" not in node.weights and not node.attrs.get("pre_relu"):
+        return x
+    return activate_ref(x, _w(graph, node, "pscale"), _w(graph, node, "pshift"), bool(node.attrs.get("pre_relu")))
+
+
+def _conv_spec(graph: Graph, node: Node, x: Arr) -> ConvSpec:
     (r, s), st, pad, dil = conv_geometry(node)
-    x = ins[0]
+    n, c, h, wd = (int(v) for v in x.shape)
+    return ConvSpec(n, c, h, wd, int(node.attrs["k"]), r, s, st, pad, dil, groups=conv_group(node))
+
+
+def _conv(graph: Graph, node: Node, ins: list[Arr]) -> Arr:
+    x = _activated(graph, node, ins[0])
     w = _w(graph, node, "w")
     assert w is not None
-    n, c, h, wd = (int(v) for v in x.shape)
-    spec = ConvSpec(n, c, h, wd, int(w.shape[0]), r, s, st, pad, dil, groups=conv_group(node))
-    y = conv2d_ref(x, w, spec, _w(graph, node, "bias"))
+    y = conv2d_ref(x, w, _conv_spec(graph, node, x), _w(graph, node, "bias"))
     if len(ins) == 2:
         y = y + ins[1]
     return _act(node, y)
+
+
+def tf32_round(a: Arr) -> Arr:
+    """float32 values rounded to TF32 (10 explicit mantissa bits; to nearest, ties away from zero),
+    still stored as float32."""
+    bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
+
+
+def _conv32(graph: Graph, node: Node, ins: list[Arr], tf32: bool = False) -> Arr:
+    """The conv in plain float32: per filter tap and group a float32 GEMM, summed in float32
+    (``tf32``: its operands rounded to TF32 first)."""
+    x = _activated(graph, node, ins[0]).astype(np.float32)
+    spec = _conv_spec(graph, node, x)
+    w = graph.weights[node.weights["w"]].astype(np.float32)
+    if tf32:
+        x, w = tf32_round(x), tf32_round(w)
+    pt, pb, pl, pr = spec.pad
+    xp = np.pad(x, ((0, 0), (0, 0), (pt, pb), (pl, pr)))
+    (sh, sw), (dh, dw), g = spec.stride, spec.dilation, spec.groups
+    out = np.zeros((spec.n, g, spec.kg, spec.p, spec.q), np.float32)
+    for r in range(spec.r):
+        for s in range(spec.s):
+            win = xp[:, :, r * dh:r * dh + sh * (spec.p - 1) + 1:sh, s * dw:s * dw + sw * (spec.q - 1) + 1:sw]
+            out += np.einsum("ngcpq,gkc->ngkpq", win.reshape(spec.n, g, spec.cg, spec.p, spec.q),
+                             w[:, :, r, s].reshape(g, spec.kg, spec.cg), optimize=True)
+    y = out.reshape(spec.y_shape)
+    b = graph.weight(node, "bias")
+    if b is not None:
+        y = y + b.astype(np.float32)[None, :, None, None]
+    if len(ins) == 2:
+        y = y + ins[1]
+    return np.maximum(y, np.float32(0)) if node.attrs.get("relu") else y
+
+
+def _fc32(graph: Graph, node: Node, ins: list[Arr], tf32: bool = False) -> Arr:
+    x = ins[0].reshape(ins[0].shape[0], -1).astype(np.float32)
+    w = graph.weights[node.weights["w"]].astype(np.float32)
+    if tf32:
+        x, w = tf32_round(x), tf32_round(w)
+    y = x @ w.T
+    b = graph.weight(node, "bias")
+    y = y + b.astype(np.float32) if b is not None else y
+    return np.maximum(y, np.float32(0)) if node.attrs.get("relu") else y
 
 
 def _fc(graph: Graph, node: Node, ins: list[Arr]) -> Arr:
@@ -131,3 +200,4 @@ _OPS: dict[str, Callable[[Graph, Node, list[Arr]], Arr]] = {
     "flatten": lambda g, n, ins: ins[0].reshape(ins[0].shape[0], -1),
     "dropout": lambda g, n, ins: ins[0],
 }
+_OPS32: dict[str, Callable[[Graph, Node, list[Arr], bool], Arr]] = {"conv": _conv32, "fc": _fc32}

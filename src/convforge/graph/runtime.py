@@ -23,7 +23,7 @@ from convforge import dispatch
 from convforge.codegen.render import render
 from convforge.graph import ops
 from convforge.graph.ir import Graph, Node, Tensor, conv_geometry, conv_group, infer
-from convforge.plan import Epilogue, Launch
+from convforge.plan import Epilogue, Launch, Prologue
 from convforge.spec import ConvSpec
 
 log = logging.getLogger("convforge.graph")
@@ -98,11 +98,17 @@ def plan_memory(graph: Graph, shapes: dict[str, Tensor], into: dict[str, str] | 
 
 
 class Network:
-    """A graph compiled for one back-end and batch: call it with an NCHW float32 batch."""
+    """A graph compiled for one back-end and batch: call it with an NCHW float32 batch.
+
+    ``max_errors``: a bound on the error of the variant chosen for each named conv / fc node
+    (``dispatch.choose``'s ``max_error``; the others keep the precision class's choice):
+    calibration's per-layer tightening (``convforge.graph.calibrate``)."""
 
     def __init__(self, graph: Graph, backend: Any, capture: bool = True,
-                 workspace_limit: int | None = None) -> None:
+                 workspace_limit: int | None = None, max_errors: dict[str, float] | None = None) -> None:
         self.graph, self.backend, self.workspace_limit = graph, backend, workspace_limit
+        self.max_errors = dict(max_errors or {})
+        self.calibration: Any = None  # the CalibrationReport of a calibrated build (convforge.compile)
         self.shapes = infer(graph)
         self.into = self._concats_in_place()
         self.memory = plan_memory(graph, self.shapes, {t: c for t, (c, _) in self.into.items()})
@@ -122,19 +128,29 @@ class Network:
         self.run_eager()  # compile, allocate workspaces: nothing of that happens in a capture
         backend.synchronize()
         self._replay, self.captured = self.run_eager, False
-        if capture and backend.name == "cuda":
-            try:
-                self._replay, self.captured = backend.capture(self.run_eager), True
-            except Exception as err:  # noqa: BLE001 - a launch that cannot be captured: enqueue in order
-                log.warning("CUDA graph capture failed (%s); the network enqueues its launches instead", err)
-            backend.synchronize()
+        if capture:
+            self.capture()
 
-    def _choice(self, node: Node) -> Any:
-        """dispatch's choice for a conv/fc node with its plain epilogue (bias, ReLU)."""
+    def capture(self) -> bool:
+        """Capture the launch list into a CUDA graph (CUDA only; once): replays then launch it.
+        Whether the network replays a captured graph now."""
+        if self.captured or self.backend.name != "cuda":
+            return self.captured
+        try:
+            self._replay, self.captured = self.backend.capture(self.run_eager), True
+        except Exception as err:  # noqa: BLE001 - a launch that cannot be captured: enqueue in order
+            log.warning("CUDA graph capture failed (%s); the network enqueues its launches instead", err)
+        self.backend.synchronize()
+        return self.captured
+
+    def choice(self, node: Node, max_error: float | None = None) -> Any:
+        """dispatch's choice for a conv/fc node with its plain epilogue (bias, ReLU) and prologue,
+        under ``max_error`` (default: the node's bound in ``max_errors``, if any)."""
         spec = conv_spec(node, self.shapes[node.inputs[0]])
+        bound = self.max_errors.get(node.name) if max_error is None else max_error
         return dispatch.choose(spec, self.backend, Epilogue(bias="bias" in node.weights,
                                                             relu=bool(node.attrs.get("relu"))),
-                               workspace_limit=self.workspace_limit)
+                               workspace_limit=self.workspace_limit, max_error=bound, prologue=prologue_of(node))
 
     def _concats_in_place(self) -> dict[str, tuple[str, int]]:
         """conv output -> (concat tensor, channel offset) for the concats the passes marked, where
@@ -144,7 +160,7 @@ class Network:
             if node.op != "concat" or not node.attrs.get("in_place"):
                 continue
             prods = [self.graph.producer(t) for t in node.inputs]
-            if all(p is not None and self._choice(p).variant.offset_ok for p in prods):
+            if all(p is not None and self.choice(p).variant.offset_ok for p in prods):
                 off = 0
                 for t in node.inputs:
                     out[t] = (node.output, off)
@@ -232,24 +248,28 @@ class Network:
         bufs = {"x": self.buf(node.inputs[0]), "w": self._weight(node.weights["w"]), "y": self.buf(node.output)}
         if has_bias:
             bufs["bias"] = self._weight(node.weights["bias"])
+        pro = prologue_of(node)
+        bufs.update({name: self._weight(node.weights[name]) for name in pro.buffers()})
         residual = node.inputs[1] if len(node.inputs) > 1 else None
-        choice = self._choice(node)
+        choice = self.choice(node)
+        named = dict(algo=choice.variant.name, params=choice.params, prologue=pro)
         if node.output in self.into:
             concat, off = self.into[node.output]
             epi = Epilogue(bias=has_bias, relu=relu, k_total=self.shapes[concat].shape[1], k_offset=off)
-            exe = dispatch.executable(spec, self.backend, epi, algo=choice.variant.name, params=choice.params)
+            exe = dispatch.executable(spec, self.backend, epi, **named)
         elif residual is not None and choice.variant.residual_ok:
             epi = Epilogue(bias=has_bias, relu=relu, residual=True)
-            exe = dispatch.executable(spec, self.backend, epi, algo=choice.variant.name, params=choice.params)
+            exe = dispatch.executable(spec, self.backend, epi, **named)
             bufs["res"] = self.buf(residual)
         else:
             epi = Epilogue(bias=has_bias, relu=relu and residual is None)
-            exe = dispatch.executable(spec, self.backend, epi, workspace_limit=self.workspace_limit)
+            exe = dispatch.executable(spec, self.backend, epi, workspace_limit=self.workspace_limit,
+                                      max_error=self.max_errors.get(node.name), prologue=pro)
         self._execs.append(exe)
         self._convs.append((exe, bufs))
         self._order.append(node.name)
-        self.steps.append(Step(node.name, node.op, exe.plan.describe() + epi.tag(), _conv_call(exe, bufs),
-                               spec.flops))
+        self.steps.append(Step(node.name, node.op, exe.plan.describe() + pro.tag() + epi.tag(),
+                               _conv_call(exe, bufs), spec.flops))
         if residual is not None and not epi.residual:
             y = self.shapes[node.output]
             add = Node(node.name + "+add", "add", [node.output, residual], node.output, {"relu": relu})
@@ -383,6 +403,11 @@ def _sequence(calls: list[Callable[[], None]]) -> Callable[[], None]:
     return run
 
 
+def prologue_of(node: Node) -> Prologue:
+    """The prologue a conv node's plan applies (``passes.fold_preactivation``), or none."""
+    return Prologue(affine="pscale" in node.weights, relu=bool(node.attrs.get("pre_relu")))
+
+
 def conv_spec(node: Node, x: Tensor) -> ConvSpec:
     """The ConvSpec of a conv node, or of a fully connected node as a 1x1 conv on a 1x1 image."""
     n = x.shape[0]
@@ -446,11 +471,16 @@ def load_model(model: Any, input_size: int | None = None, seed: int = 0,
 
 def compile(model: Any, batch: int = 1, backend: str | None = None, *, input_size: int | None = None,
             passes: bool = True, seed: int = 0, weights: str | Path | None = None,
-            capture: bool = True, workspace_limit: int | None = None) -> Network:
+            capture: bool = True, workspace_limit: int | None = None,
+            error_budget: float | None = 2.0) -> Network:
     """A :class:`Network` for ``model`` at ``batch`` on ``backend`` ('cuda' or 'opencl'; default CUDA
     when present). ``passes`` runs the graph passes (BN folding, fusion, identity removal).
     ``workspace_limit`` (bytes): the most workspace (scratch and filter transforms) any conv may
-    use; the layers share one scratch arena of the largest need (``Network._bind_workspaces``)."""
+    use; the layers share one scratch arena of the largest need (``Network._bind_workspaces``).
+    ``error_budget`` (default 2): calibrate at build so the output error stays within that many
+    times PyTorch FP32's (a plain float32 evaluation's, without torch), tightening the layers that
+    need it (``convforge.graph.calibrate``; the report is ``network.calibration``); 0 or None: no
+    calibration, every layer keeps the precision class's choice."""
     from convforge.api import default_backend
     from convforge.backends import get_backend
     from convforge.graph.passes import optimize
@@ -460,8 +490,29 @@ def compile(model: Any, batch: int = 1, backend: str | None = None, *, input_siz
     if workspace_limit is not None and (not isinstance(workspace_limit, numbers.Real) or isinstance(
             workspace_limit, bool) or not math.isfinite(workspace_limit) or workspace_limit < 0):
         raise ValueError(f"workspace_limit ({workspace_limit!r}) must be a finite number >= 0 (bytes)")
+    budget = check_budget(error_budget)
     graph = load_model(model, input_size, seed, weights).with_batch(int(batch))
     if passes:
         graph = optimize(graph)
-    return Network(graph, get_backend(backend or default_backend()), capture=capture,
-                   workspace_limit=None if workspace_limit is None else int(workspace_limit))
+    be = get_backend(backend or default_backend())
+    limit = None if workspace_limit is None else int(workspace_limit)
+    if budget is None:
+        return Network(graph, be, capture=capture, workspace_limit=limit)
+    from convforge.graph.calibrate import calibrate_network
+
+    cal = calibrate_network(graph, be, budget=budget, seed=seed, workspace_limit=limit)
+    net = cal.network if cal.network.graph.outputs == graph.outputs else \
+        Network(graph, be, capture=False, workspace_limit=limit, max_errors=cal.max_errors)
+    if capture:
+        net.capture()
+    net.calibration = cal.report
+    return net
+
+
+def check_budget(value: Any) -> float | None:
+    """An error budget as a float, None for 0 / None (no calibration); ValueError otherwise."""
+    if value is None or (not isinstance(value, bool) and isinstance(value, numbers.Real) and value == 0):
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < float(value) < math.inf:
+        raise ValueError(f"error_budget ({value!r}) must be a finite number > 0, or 0 / None for no calibration")
+    return float(value)

@@ -27,6 +27,10 @@ def _op(F: Any, torch: Any, node: Node, ins: list[Any], w: dict[str, Any]) -> An
     x = ins[0]
     op = node.op
     if op == "conv":
+        if "pscale" in w:  # a folded pre-activation (prologue): batch norm's affine, then ReLU
+            x = x * w["pscale"][:, None, None] + w["pshift"][:, None, None]
+        if node.attrs.get("pre_relu"):
+            x = F.relu(x)
         _, st, (pt, pb, pl, pr), dil = conv_geometry(node)
         if (pt, pl) != (pb, pr):
             x, pt, pl = F.pad(x, (pl, pr, pt, pb)), 0, 0
