@@ -192,7 +192,7 @@ def test_weights_are_refused_for_onnx(tmp_path, no_network) -> None:
 
 def test_compile_arguments(no_network, ocl) -> None:
     model = _model(_conv(), out="c", inits={"W": W})
-    compile(model, batch=np.int64(2), backend="opencl", workspace_limit=np.float64(1e6))
+    compile(model, batch=np.int64(2), backend="opencl", workspace_limit=np.float64(1e6), error_budget=None)
     graph, kw = no_network[-1]
     assert graph.input_shape == (2, 3, 8, 8) and type(graph.input_shape[0]) is int
     assert kw["workspace_limit"] == 1_000_000

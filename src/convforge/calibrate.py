@@ -143,7 +143,7 @@ class CalibrationReport:
 
     def __str__(self) -> str:
         ratio = self.error_after / self.err_pytorch if self.err_pytorch > 0 else math.inf
-        lines = [f"calibrate: {self.reference} error {self.err_pytorch:.2e}, bound {self.budget:g}x = "
+        lines = [f"calibrate: reference error {self.err_pytorch:.2e} ({self.reference}), bound {self.budget:g}x = "
                  f"{self.bound:.2e} (aimed at {self.aim:.2e}); convforge error {self.error_before:.2e} -> "
                  f"{self.error_after:.2e} ({ratio:.2f}x the reference's), {len(self.tightened)} of "
                  f"{self.candidates} candidate layer(s) set to max_error={self.tight:g} "

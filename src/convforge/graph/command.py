@@ -32,6 +32,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="precision class of the network's convs: 'fp32' (error <= 5e-6, compared with PyTorch "
                         "FP32, TF32 off) or 'relaxed' (<= 1e-3, compared with PyTorch TF32); default fp32, or "
                         "CONVFORGE_PRECISION")
+    p.add_argument("--error-budget", type=float, default=2.0, metavar="R",
+                   help="calibrate at build: keep the logits' error within R x PyTorch FP32's (without torch: a "
+                        "plain float32 evaluation's, TF32 in the relaxed class), tightening the layers that need "
+                        "it, measured on a separate random input (seed + 2); default 2, 0 = no calibration")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison")
     p.add_argument("--no-check", action="store_true", help="skip the float64 reference check")
     p.add_argument("--out", type=Path, metavar="DIR", help="also write the run (summary, layers) as JSON here")
@@ -46,7 +50,7 @@ def main(args: argparse.Namespace) -> int:
     from convforge.backends import get_backend
     from convforge.cli import check_out_dir
     from convforge.graph.passes import optimize
-    from convforge.graph.runtime import Network, load_model
+    from convforge.graph.runtime import Network, check_budget, load_model
 
     console = Console()
     prec = config.precision  # cli.main set it from --precision
@@ -56,6 +60,7 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--repeats ({args.repeats}) must be >= 1")
     if args.workspace_limit is not None and not 0 <= args.workspace_limit < float("inf"):  # NaN fails too
         raise ValueError(f"--workspace-limit ({args.workspace_limit}) must be a finite number >= 0 (MiB)")
+    budget = check_budget(args.error_budget, "--error-budget")
     check_out_dir("--out", args.out)
     if str(args.net).endswith(".onnx"):
         from convforge.cli import need
@@ -70,10 +75,14 @@ def main(args: argparse.Namespace) -> int:
         _tune(args, console, backend)
     limit = None if args.workspace_limit is None else int(args.workspace_limit * 2**20)
     t0 = time.perf_counter()
-    net = Network(optimize(graph), backend, workspace_limit=limit)
+    net = Network(optimize(graph), backend, capture=False, workspace_limit=limit)
     console.print(f"{graph.name}: {len(graph.nodes)} nodes -> {len(net.steps)} steps after the passes, "
                   f"built in {time.perf_counter() - t0:.1f} s on {backend.device.name} ({backend.name})",
                   markup=False)
+    cal = None if budget is None else _calibrate(console, net, budget, args.seed, limit)
+    if cal is not None:
+        net = cal.network
+    net.capture()
     x = np.random.default_rng(args.seed).standard_normal(net.shapes[graph.input].shape).astype(np.float32)
     out = net(x)
     prof = net.profile(max(3, args.repeats // 2))
@@ -92,7 +101,11 @@ def main(args: argparse.Namespace) -> int:
         "peak_parts_mib": {"activations": net.memory.bytes / 2**20, "weights": net.weight_bytes / 2**20,
                            "transformed_filters": net.transformed_bytes / 2**20,
                            "workspaces": net.workspace_bytes / 2**20, "arena": net.arena_bytes / 2**20},
-        "layers": [{"layer": st.node, "op": st.op, "variant": st.variant, "ms": ms} for st, ms in prof]}
+        "layers": [{"layer": st.node, "op": st.op, "variant": st.variant, "ms": ms} for st, ms in prof],
+        "error_budget": budget}
+    if cal is not None:
+        res.update(tightened=[c.path for c in cal.report.tightened], budget_met=cal.report.met,
+                   calibration_s=cal.seconds, calibration=cal.report.as_dict())
     ref = None if args.no_check else _check(console, graph, x, out, res)
     if args.no_torch:
         res["torch"] = "skipped (--no-torch)"
@@ -154,6 +167,21 @@ def _write(out: Path, res: dict[str, Any]) -> None:
     cls = "-relaxed" if res.get("precision") == "relaxed" else ""
     name = re.sub(r"[^\w.-]", "_", f"run-{res['net']}-n{res['batch']}-{res['backend']}{cls}.json")
     (out / name).write_text(json.dumps({**res, "summary": summary_line(res)}, indent=1) + "\n")
+
+
+def _calibrate(console: Any, net: Any, budget: float, seed: int, limit: int | None) -> Any:
+    """Calibrate ``net`` (built without bounds) to ``budget`` and print what moved and its cost."""
+    from convforge.graph.calibrate import calibrate_network
+
+    cal = calibrate_network(net.graph, net.backend, budget=budget, seed=seed, workspace_limit=limit, fast=net)
+    rep = cal.report
+    console.print(str(rep), markup=False, highlight=False, soft_wrap=True)
+    moved = ", ".join(c.path for c in rep.tightened) or "none"
+    console.print(f"calibration (budget {budget:g}x): tightened {len(rep.tightened)} layer(s): {moved}; "
+                  f"{rep.forwards} forward(s) of the network, {cal.seconds:.1f} s (of which the float64 and "
+                  f"float32 references {cal.reference_seconds:.1f} s)", markup=False, highlight=False,
+                  soft_wrap=True)
+    return cal
 
 
 def _tune(args: argparse.Namespace, console: Any, backend: Any) -> None:

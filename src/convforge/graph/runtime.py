@@ -509,10 +509,11 @@ def compile(model: Any, batch: int = 1, backend: str | None = None, *, input_siz
     return net
 
 
-def check_budget(value: Any) -> float | None:
-    """An error budget as a float, None for 0 / None (no calibration); ValueError otherwise."""
+def check_budget(value: Any, name: str = "error_budget") -> float | None:
+    """An error budget as a float, None for 0 / None (no calibration); ValueError naming ``name``
+    otherwise."""
     if value is None or (not isinstance(value, bool) and isinstance(value, numbers.Real) and value == 0):
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < float(value) < math.inf:
-        raise ValueError(f"error_budget ({value!r}) must be a finite number > 0, or 0 / None for no calibration")
+        raise ValueError(f"{name} ({value!r}) must be a finite number > 0, or 0 / None for no calibration")
     return float(value)

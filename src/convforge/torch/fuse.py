@@ -7,6 +7,13 @@ conv's path. ReLU as ``nn.ReLU`` (shared modules too: nodes are matched, not mod
 ``torch.relu(_)``, ``Tensor.relu(_)``; add as ``+``, ``+=``, ``torch.add``, ``Tensor.add(_)`` with
 either operand order (alpha 1). Other eligible convs become plain convforge ``Conv2d``s.
 
+Then pre-activations: a ``BatchNorm2d`` [-> ReLU] whose output only convforge convs read (each as
+its input, its module called once there; DenseNet's BN -> ReLU -> conv, a pre-activation ResNet's
+BN -> ReLU read by a conv and its shortcut conv) becomes one :class:`PreActivation` node (a
+module added at the root as ``_cf_preact_<batch norm path>``, holding no parameters or buffers)
+and every reading conv a :class:`FusedConv2d` that folds it into its input load in eval inference
+(``fused.py``); in training mode the node runs the batch norm once and the convs run plain.
+
 The result is a ``GraphModule`` whose module hierarchy mirrors the original's (every module a
 shallow copy sharing its parameters and buffers, batch norms included), so ``state_dict()`` has
 the same keys, in the same order, holding the same tensors; the original model is not changed.
@@ -25,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Graph, GraphModule, Node, Tracer
 
-from convforge.torch.fused import FusedConv2d
+from convforge.torch.fused import FusedConv2d, PreActivation
 from convforge.torch.modules import OPTIONS, Conv2d, ConvertReport, convert, static_reason
 
 _ADDS_F = {operator.add: False, operator.iadd: True, torch.add: False}
@@ -59,6 +66,7 @@ def fuse(model: torch.nn.Module, **options: Any) -> tuple[torch.nn.Module, Conve
         return root, report
     report = ConvertReport()
     _rewrite(graph, root, report, options)
+    _fold_preactivations(graph, root, report)
     return _graph_module(root, graph, type(model).__name__), report
 
 
@@ -107,6 +115,56 @@ def _rewrite(graph: Graph, root: torch.nn.Module, report: ConvertReport, options
         setattr(root.get_submodule(parent) if parent else root, attr, new)
         report.converted.append(name)
     graph.lint()
+
+
+def _fold_preactivations(graph: Graph, root: torch.nn.Module, report: ConvertReport) -> None:
+    """Fold every BatchNorm2d [-> ReLU] that only convforge convs read into those convs (module
+    docstring), after ``_rewrite`` swapped the convs."""
+    modules = dict(root.named_modules(remove_duplicate=False))
+    calls = Counter(n.target for n in graph.nodes if n.op == "call_module")
+    for node in list(graph.nodes):
+        bn = modules.get(str(node.target)) if node.op == "call_module" else None
+        if type(bn) is not torch.nn.BatchNorm2d or len(node.args) != 1 or node.kwargs:
+            continue
+        users = list(node.users)
+        relu = users[0] if len(users) == 1 and _is_relu(users[0], node, modules) else None
+        last = relu if relu is not None else node
+        readers = list(last.users)
+        if not readers or not all(_reads_raw(r, last, modules, calls, bn) for r in readers):
+            continue
+        path = "_cf_preact_" + str(node.target).replace(".", "_")
+        while hasattr(root, path):
+            path += "_"
+        root.add_module(path, PreActivation(bn, relu is not None))
+        with graph.inserting_before(node):
+            new = graph.call_module(path, (node.args[0],))
+        new.meta = dict(last.meta)
+        last.replace_all_uses_with(new)
+        for n in (relu, node):
+            if n is not None:
+                graph.erase_node(n)
+        for r in readers:
+            name = str(r.target)
+            conv = modules[name]
+            if not isinstance(conv, FusedConv2d):
+                conv = FusedConv2d.from_conv(conv, algo=conv.algo, precision=conv.precision, max_error=conv.max_error,
+                                             static_weights=conv.static_weights)
+                parent, _, attr = name.rpartition(".")
+                setattr(root.get_submodule(parent) if parent else root, attr, conv)
+                modules[name] = conv
+            conv.set_prologue(getattr(root, path))
+            report.fused[name] = conv.fused_ops()
+    graph.lint()
+
+
+def _reads_raw(node: Node, src: Node, modules: dict[str, Any], calls: Counter[Any], bn: Any) -> bool:
+    """Whether ``node`` is a convforge conv, its module called once, reading ``src`` as its input
+    only (not as the residual of a fused add) with no prologue yet, over bn's channels."""
+    m = modules.get(str(node.target)) if node.op == "call_module" else None
+    if not isinstance(m, Conv2d) or calls[node.target] != 1 or not node.args or node.args[0] is not src:
+        return False
+    others = list(node.args[1:]) + list(node.kwargs.values())
+    return (src not in others and getattr(m, "_cf_pre", None) is None and m.in_channels == bn.num_features)
 
 
 def _left_reason(m: torch.nn.Conv2d) -> str | None:

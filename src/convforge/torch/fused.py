@@ -18,8 +18,19 @@ Two paths, chosen per call:
   take): exactly conv -> the batch-norm module itself (running statistics updated as PyTorch does)
   -> + residual -> ReLU, the conv through ``Conv2d.forward`` (the differentiable op on CUDA).
 
-The batch norm is a reference to the module in the model's hierarchy (not a registered
-submodule: ``state_dict`` keeps its keys where they were). CUDA graphs captured in eager inference
+A pre-activation before the conv (batch norm -> ReLU -> conv: DenseNet, pre-activation ResNets;
+``fuse`` puts a :class:`PreActivation` node where the two were): in eval mode with running
+statistics that node passes its input through and each conv that reads it folds the batch norm and
+ReLU into its input load, a prologue (pscale = g / sqrt(var + eps), pshift = beta - mean * pscale,
+float64 then float32, cached per version like the fold above; the plan runs on the raw input, the
+padding of the activated tensor stays zero; Python fast path only: the native one has no slots for
+them), or, off the folded path, applies them itself (``F.batch_norm`` in eval mode: no statistics
+change, however many convs read it) before the unfused path; in training mode (or without running
+statistics) the node runs the batch norm module itself, once (running statistics updated as the
+model did), and the ReLU, and the convs take the activated tensor as plain convs.
+
+The batch norms are references to the modules in the model's hierarchy (not registered
+submodules: ``state_dict`` keeps its keys where they were). CUDA graphs captured in eager inference
 replay the fold and filter transforms made before capture (``static_weights=True``, as for
 ``Conv2d``): after an in-place weight or statistics update run one eager forward (it re-folds
 into the same buffers) before replaying; with ``static_weights=False`` the capture records the
@@ -35,13 +46,55 @@ import torch
 from convforge import api, dispatch
 from convforge.backends import get_backend
 from convforge.config import config
-from convforge.plan import Epilogue
+from convforge.plan import Epilogue, Prologue
 from convforge.spec import ConvSpec
 from convforge.torch.modules import Conv2d, padding_quad, read_tensor
 
 _F32 = torch.float32
 _CAPTURING = torch.cuda.is_current_stream_capturing
 _FOLD = ("fold",)  # the folded weights' key in the module's _cf_cache
+_PRE_FOLD = ("prefold",)  # the prologue's folded scale and shift
+
+
+class PreActivation(torch.nn.Module):
+    """batch norm [-> ReLU] before convs that fold it (``fuse``): in eval mode with running
+    statistics it returns its input (each reading ``FusedConv2d`` applies them, module docstring),
+    otherwise it runs the batch norm module (once) and the ReLU. The batch norm is referenced, not
+    registered: no parameters or buffers of its own, ``state_dict`` unchanged."""
+
+    bn: torch.nn.BatchNorm2d
+    relu: bool
+
+    def __init__(self, bn: torch.nn.BatchNorm2d, relu: bool) -> None:
+        super().__init__()
+        self.__dict__["bn"] = bn
+        self.relu = relu
+
+    def passes_through(self) -> bool:
+        """Whether the readers get the raw input (eval mode, running statistics present)."""
+        bn = self.bn
+        return not bn.training and bn.running_mean is not None and bn.running_var is not None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.passes_through():
+            return x
+        y = self.bn(x)
+        return torch.relu(y) if self.relu else y
+
+    def activate(self, x: torch.Tensor) -> torch.Tensor:
+        """What the batch norm module and ReLU compute in eval mode (no statistics change)."""
+        bn = self.bn
+        y = torch.nn.functional.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0.0, bn.eps)
+        return torch.relu(y) if self.relu else y
+
+    def prologue(self) -> Prologue:
+        return Prologue(affine=True, relu=self.relu)
+
+    def ops(self) -> str:
+        return "bn+relu" if self.relu else "bn"
+
+    def extra_repr(self) -> str:
+        return f"folds={self.ops()!r} into the convs that read it"
 
 
 class FusedConv2d(Conv2d):
@@ -51,6 +104,7 @@ class FusedConv2d(Conv2d):
     _cf_bn: torch.nn.BatchNorm2d | None
     _cf_residual: bool
     _cf_relu: bool
+    _cf_pre: PreActivation | None = None  # the pre-activation it folds (set by ``fuse``)
 
     @classmethod
     def from_conv(cls, m: torch.nn.Conv2d, bn: torch.nn.BatchNorm2d | None = None, residual: bool = False,
@@ -65,20 +119,32 @@ class FusedConv2d(Conv2d):
         return new
 
     def fused_ops(self) -> str:
-        """What this module applies after the conv, e.g. "bn+add+relu"."""
-        return "+".join(t for t, on in (("bn", self._cf_bn is not None), ("add", self._cf_residual),
-                                        ("relu", self._cf_relu)) if on)
+        """What this module applies after the conv, e.g. "bn+add+relu", and before it, e.g.
+        "pre(bn+relu)+bn+relu"."""
+        after = "+".join(t for t, on in (("bn", self._cf_bn is not None), ("add", self._cf_residual),
+                                         ("relu", self._cf_relu)) if on)
+        if self._cf_pre is None:
+            return after
+        return f"pre({self._cf_pre.ops()})" + (f"+{after}" if after else "")
+
+    def set_prologue(self, pre: PreActivation | None) -> None:
+        """Fold ``pre`` (the PreActivation node whose output this conv reads) into the input load."""
+        self.__dict__["_cf_pre"] = pre  # a reference, never a submodule
+        self._cf_cache.clear()
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", fused={self.fused_ops()!r}"
 
     def forward(self, x: torch.Tensor, res: Any = None) -> torch.Tensor:  # type: ignore[override]
+        pre = self._cf_pre
+        if pre is not None and not pre.passes_through():
+            return self.unfused(x, res)  # the node ran the batch norm and ReLU: x is activated
         src = _sources(self)
-        if self._folds(x, res, src):
+        if self._folds(x, res, src) and (pre is None or _pre_folds(pre)):
             y = self._folded_forward(x, res, src)
             if y is not None:
                 return y
-        return self.unfused(x, res)
+        return self.unfused(x if pre is None else pre.activate(x), res)
 
     def unfused(self, x: torch.Tensor, res: Any = None) -> torch.Tensor:
         """conv -> batch norm (the module itself) -> + res -> ReLU, as the original model ran."""
@@ -129,6 +195,13 @@ class FusedConv2d(Conv2d):
         # conv2d's spelling; relu: the plan's (after the add when the plan adds the residual)
         call = (x, w, b, self.stride, padding_quad(self), self.dilation, self.algo, None, None,
                 self._cf_relu and (res is None or res_in_plan), None, self.precision, self.max_error, self.groups)
+        if self._cf_pre is not None:  # a prologue: the Python runner (no native slots for its buffers)
+            y = self._run_python(run, res_in_plan, call, res, self._pre_fold())
+            if res is not None and not res_in_plan:
+                y.add_(res)
+                if self._cf_relu:
+                    y.relu_()
+            return y
         if res_in_plan:
             y = None if skip or api._NATIVE_RUN_RES is None else api._NATIVE_RUN_RES(*call, res)
             return self._run_python(run, True, call, res) if y is None else y  # type: ignore[no-any-return]
@@ -141,15 +214,18 @@ class FusedConv2d(Conv2d):
                 y.relu_()
         return y  # type: ignore[no-any-return]
 
-    def _run_python(self, run: Any, res_in_plan: bool, call: tuple[Any, ...], res: Any) -> torch.Tensor:
+    def _run_python(self, run: Any, res_in_plan: bool, call: tuple[Any, ...], res: Any,
+                    pro: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The plan through its Python runner, with filters cached per version of the (folded)
         weights; then filed with the native fast path (a plan that adds the residual under its
-        own key, for ``run_res``)."""
+        own key, for ``run_res``), unless it has a prologue (``pro``: its scale and shift)."""
         x, w, b = call[:3]
         filters = run.filters
         packed = None
         if filters is not None and (self.static_weights or not _CAPTURING()):
             packed = filters.get(w, w.data_ptr())
+        if pro is not None:
+            return run(x, w, b, packed, res if res_in_plan else None, pro)  # type: ignore[no-any-return]
         y = run(x, w, b, packed, res) if res_in_plan else run(x, w, b, packed)
         if (api._NATIVE_RUN_RES if res_in_plan else api._NATIVE_RUN) is not None and not _CAPTURING():
             api.file_native(run, call, residual=res_in_plan)
@@ -172,11 +248,13 @@ class FusedConv2d(Conv2d):
             return None
         dev = x.device.index or 0
         backend = get_backend("cuda", dev)
-        kw: dict[str, Any] = dict(algo=self.algo, precision=self.precision, max_error=self.max_error)
+        pro = self._prologue()
+        kw: dict[str, Any] = dict(algo=self.algo, precision=self.precision, max_error=self.max_error, prologue=pro)
         try:
             ch, epi, res_in_plan = self._fused_choice(spec, backend, self.max_error)
             if res_in_plan:
-                run = dispatch.runner(None, spec, backend, epi, "torch", dev, algo=ch.variant.name, params=ch.params)
+                run = dispatch.runner(None, spec, backend, epi, "torch", dev, algo=ch.variant.name, params=ch.params,
+                                      prologue=pro)
                 return run, True, spec.y_shape
             return dispatch.runner(None, spec, backend, epi, "torch", dev, **kw), False, spec.y_shape
         except ValueError:
@@ -188,7 +266,8 @@ class FusedConv2d(Conv2d):
         choice for bias + ReLU when that variant has a residual store path, else the choice for the
         epilogue without the add (the add and ReLU then follow in place)."""
         bias = self._cf_bn is not None or self.bias is not None
-        kw: dict[str, Any] = dict(algo=self.algo, precision=self.precision, max_error=max_error)
+        kw: dict[str, Any] = dict(algo=self.algo, precision=self.precision, max_error=max_error,
+                                  prologue=self._prologue())
         if self._cf_residual:
             ch = dispatch.choose(spec, backend, Epilogue(bias, self._cf_relu), **kw)
             if ch.variant.residual_ok:
@@ -206,6 +285,36 @@ class FusedConv2d(Conv2d):
             return spec, self._fused_choice(spec, get_backend("cuda", device), max_error)[0]
         except ValueError:
             return None
+
+    def _prologue(self) -> Prologue:
+        return Prologue() if self._cf_pre is None else self._cf_pre.prologue()
+
+    def _pre_fold(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prologue's (pscale, pshift) from the pre-activation's batch norm, computed in float64
+        and cast to float32, cached per address and version of its four tensors (re-folded into the
+        same tensors; under CUDA-graph capture a stale fold is recorded, never cached)."""
+        assert self._cf_pre is not None
+        bn = self._cf_pre.bn
+        src = tuple(read_tensor(bn, t, n) for t, n in (("_parameters", "weight"), ("_parameters", "bias"),
+                                                         ("_buffers", "running_mean"), ("_buffers", "running_var")))
+        key: tuple[Any, ...] | None
+        try:
+            key = tuple(None if t is None else (t.data_ptr(), t._version) for t in src) + (bn.eps,)
+        except RuntimeError:  # inference tensors: fold per call
+            key = None
+        hit = self._cf_cache.get(_PRE_FOLD)
+        if hit is not None and key is not None and hit[0] == key and (self.static_weights or not _CAPTURING()):
+            return hit[1], hit[2]
+        scale, shift = fold_affine(bn)
+        if key is None or _CAPTURING():
+            return scale, shift
+        if hit is not None and hit[1].shape == scale.shape and hit[1].device == scale.device:
+            with torch.inference_mode(False), torch.no_grad():
+                hit[1].copy_(scale)
+                hit[2].copy_(shift)
+            scale, shift = hit[1], hit[2]
+        self._cf_cache[_PRE_FOLD] = (key, scale, shift)
+        return scale, shift
 
     def _fold(self, src: tuple[Any, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Folded (weight, bias), cached per address and version of the six source tensors
@@ -227,6 +336,31 @@ class FusedConv2d(Conv2d):
             w, b = hit[1], hit[2]
         self._cf_cache[_FOLD] = (key, w, b)
         return w, b
+
+
+def _pre_folds(pre: PreActivation) -> bool:
+    """Whether the pre-activation's batch norm may be folded on this call: its parameters need no
+    gradient (or grad mode is off) and sit on the GPU in float32 (the caller checked the rest)."""
+    bn = pre.bn
+    for t in (bn.weight, bn.bias, bn.running_mean, bn.running_var):
+        if t is not None and (not t.is_cuda or t.dtype != _F32 or (t.requires_grad and torch.is_grad_enabled())):
+            return False
+    return True
+
+
+def fold_affine(bn: torch.nn.BatchNorm2d) -> tuple[torch.Tensor, torch.Tensor]:
+    """An eval-mode batch norm as a per-channel (scale, shift): g / sqrt(var + eps) and
+    beta - mean * scale, computed in float64 on its device and cast to float32 (contiguous,
+    ordinary tensors even under inference_mode)."""
+    assert bn.running_mean is not None and bn.running_var is not None
+    with torch.inference_mode(False), torch.no_grad():
+        scale = torch.rsqrt(bn.running_var.double() + bn.eps)
+        if bn.weight is not None:
+            scale = scale * bn.weight.double()
+        shift = -bn.running_mean.double() * scale
+        if bn.bias is not None:
+            shift = shift + bn.bias.double()
+        return scale.to(_F32).contiguous(), shift.to(_F32).contiguous()
 
 
 def _sources(m: FusedConv2d) -> tuple[Any, ...]:
