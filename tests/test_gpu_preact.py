@@ -24,7 +24,8 @@ nn, F = torch.nn, torch.nn.functional
 class DenseLayer(nn.Module):
     def __init__(self, cin: int, growth: int = 8) -> None:
         super().__init__()
-        self.norm1, self.relu1, self.conv1 = nn.BatchNorm2d(cin), nn.ReLU(inplace=True), nn.Conv2d(cin, 16, 1, bias=False)
+        self.norm1, self.relu1 = nn.BatchNorm2d(cin), nn.ReLU(inplace=True)
+        self.conv1 = nn.Conv2d(cin, 16, 1, bias=False)
         self.norm2, self.relu2 = nn.BatchNorm2d(16), nn.ReLU(inplace=True)
         self.conv2 = nn.Conv2d(16, growth, 3, padding=1, bias=False)
 

@@ -204,7 +204,8 @@ SMALL = """
 name: "tiny"
 input: "data"
 input_dim: 1 input_dim: 3 input_dim: 12 input_dim: 12
-layer { name: "a" type: "Convolution" bottom: "data" top: "a" convolution_param { num_output: 8 kernel_size: 3 pad: 1 } }
+layer { name: "a" type: "Convolution" bottom: "data" top: "a"
+        convolution_param { num_output: 8 kernel_size: 3 pad: 1 } }
 layer { name: "ra" type: "ReLU" bottom: "a" top: "a" }
 layer { name: "b" type: "Convolution" bottom: "a" top: "b" convolution_param { num_output: 4 kernel_size: 3 pad: 1 } }
 """
