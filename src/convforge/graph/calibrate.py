@@ -2,13 +2,16 @@
 ``convforge.torch.calibrate``) on a :class:`~convforge.graph.runtime.Network`.
 
 ``convforge.compile(..., error_budget=2)`` and ``convforge run --error-budget 2`` (both the
-default) keep a network's output error within ``budget`` x the error PyTorch FP32 would give.
-Without torch, that reference error is the error of a plain float32 evaluation of the same graph
-(``run_reference(..., dtype=np.float32)``: every conv and fully connected layer a float32 sum of
-products through BLAS, every op's output rounded to float32; in the relaxed class with TF32
-operands, PyTorch TF32's stand-in) against the float64 executor. Both are measured on the first
-image of a random batch drawn with ``seed`` + 2 (``CAL_SEED_OFFSET``), never the input a run reports
-on; a softmax output is compared through its logits (softmax flattens errors).
+default) keep a network's output error within ``budget`` x the error PyTorch FP32 gives (TF32 in
+the relaxed class), as ``convforge.torch.calibrate`` does for PyTorch models. On a CUDA run where
+torch sees the GPU that reference is PyTorch itself (the same graph through torch.nn.functional,
+cudnn.benchmark on; ``reference="auto"``). Otherwise (OpenCL, no torch, ``convforge run --no-torch``)
+it is the error of a plain float32 evaluation of the same graph (``run_reference(...,
+dtype=np.float32)``: every conv and fully connected layer a float32 sum of products through BLAS,
+every op's output rounded to float32; in the relaxed class with TF32 operands), the stand-in for
+what PyTorch FP32 gives. Errors are relative L2 against the float64 executor on the first image of a
+random batch drawn with ``seed`` + 2 (``CAL_SEED_OFFSET``), never the input a run reports on; a
+softmax output is compared through its logits (softmax flattens errors).
 
 A probe builds the network with the candidates tightened (``Network(max_errors=...)``: dispatch
 then chooses those layers under ``max_error=tight``) and runs it once; the network of the final
@@ -64,11 +67,14 @@ def calibration_input(graph: Graph, seed: int) -> np.ndarray:
 
 def calibrate_network(graph: Graph, backend: Any, *, budget: float = DEFAULT_BUDGET, tight: float = 1e-6,
                       headroom: float = 0.95, seed: int = 0, workspace_limit: int | None = None,
-                      fast: Network | None = None) -> Calibrated:
+                      fast: Network | None = None, reference: str = "auto") -> Calibrated:
     """Calibrate the network of ``graph`` (after the passes) on ``backend`` (module docstring).
     ``fast``: that network already built with no bounds (its outputs must include the targets), to
-    save a build. The returned network's outputs are ``graph``'s and the targets."""
+    save a build. ``reference``: "auto" (PyTorch where it can run, else the float32 stand-in) or
+    "float32" (the stand-in). The returned network's outputs are ``graph``'s and the targets."""
     check_settings(budget, tight, headroom)
+    if reference not in ("auto", "float32"):
+        raise ValueError(f"calibrate: reference ({reference!r}) must be 'auto' or 'float32'")
     t0 = time.perf_counter()
     want_t = targets(graph)
     cal = graph.copy()
@@ -77,7 +83,8 @@ def calibrate_network(graph: Graph, backend: Any, *, budget: float = DEFAULT_BUD
     one = cal.with_batch(1)
     want = _flat(run_reference(one, x[:1]), want_t)
     relaxed = config.precision == "relaxed"
-    err_ref = rel_l2(_flat(run_reference(one, x[:1], dtype=np.float32, tf32=relaxed), want_t), want)
+    got, what = reference_outputs(cal, x, backend, relaxed, reference)
+    err_ref = rel_l2(_flat({t: v[:1] for t, v in got.items()}, want_t), want)
     t_ref = time.perf_counter() - t0
     if fast is None or not set(want_t) <= set(fast.graph.outputs):
         fast = Network(cal, backend, capture=False, workspace_limit=workspace_limit)
@@ -95,8 +102,6 @@ def calibrate_network(graph: Graph, backend: Any, *, budget: float = DEFAULT_BUD
                               max_errors={p: tight for p in paths})
         return error_of(nets[paths])
 
-    what = "PyTorch TF32's stand-in: a float32 evaluation with TF32 products" if relaxed else \
-        "PyTorch FP32's stand-in: a plain float32 evaluation"
     report = calibrate_layers(cands, error_with, error_before=err0, err_reference=err_ref, budget=budget,
                               tight=tight, headroom=headroom, skipped=skipped, reference=what)
     chosen = frozenset(c.path for c in report.tightened)
@@ -105,6 +110,22 @@ def calibrate_network(graph: Graph, backend: Any, *, budget: float = DEFAULT_BUD
         net = Network(cal, backend, capture=False, workspace_limit=workspace_limit,
                       max_errors={p: tight for p in chosen})
     return Calibrated(net, {p: tight for p in chosen}, report, time.perf_counter() - t0, t_ref)
+
+
+def reference_outputs(graph: Graph, x: np.ndarray, backend: Any, relaxed: bool,
+                      reference: str = "auto") -> tuple[dict[str, np.ndarray], str]:
+    """(the first image's outputs of the reference computation, what it is): PyTorch FP32 (TF32
+    when ``relaxed``) on the whole batch ``x`` where ``reference`` is "auto", the back-end CUDA and
+    torch sees the GPU; else the plain float32 evaluation of the first image (module docstring)."""
+    if reference == "auto" and backend.name == "cuda":
+        from convforge.graph import torch_baseline
+
+        if torch_baseline.available() is None:
+            out = torch_baseline.outputs(graph, x, tf32=relaxed)
+            return {t: v[:1] for t, v in out.items()}, "PyTorch TF32" if relaxed else "PyTorch FP32"
+    what = "PyTorch TF32's stand-in: a float32 evaluation with TF32 products" if relaxed else \
+        "PyTorch FP32's stand-in: a plain float32 evaluation"
+    return run_reference(graph.with_batch(1), x[:1], dtype=np.float32, tf32=relaxed), what
 
 
 def candidates(net: Network, tight: float) -> tuple[list[Candidate], dict[str, str]]:

@@ -75,9 +75,9 @@ def _op(F: Any, torch: Any, node: Node, ins: list[Any], w: dict[str, Any]) -> An
     return F.relu(y) if node.attrs.get("relu") else y
 
 
-def forward_fn(graph: Graph, x: np.ndarray, device: str = "cuda") -> Any:
+def forward_fn(graph: Graph, x: np.ndarray, device: str = "cuda", every: bool = False) -> Any:
     """A no-argument function running ``graph`` on ``x`` through torch.nn.functional (weights and
-    input moved to ``device`` once); it returns the first output tensor."""
+    input moved to ``device`` once); it returns the first output tensor (``every``: a dict of all)."""
     import torch
     import torch.nn.functional as F
 
@@ -91,7 +91,7 @@ def forward_fn(graph: Graph, x: np.ndarray, device: str = "cuda") -> Any:
             for node in graph.nodes:
                 w = {role: weights[key] for role, key in node.weights.items()}
                 vals[node.output] = _op(F, torch, node, [vals[t] for t in node.inputs], w)
-        return vals[graph.outputs[0]]
+        return {t: vals[t] for t in graph.outputs} if every else vals[graph.outputs[0]]
 
     return forward
 
@@ -107,6 +107,22 @@ def run_torch(graph: Graph, x: np.ndarray, repeats: int = 20, tf32: bool = False
         return _run_torch(torch, graph, x, repeats)
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def outputs(graph: Graph, x: np.ndarray, tf32: bool = False) -> dict[str, np.ndarray]:
+    """Every output of ``graph`` on ``x`` computed by PyTorch on the GPU in FP32 (``tf32``: TF32
+    allowed; cudnn.benchmark on, as the timed baseline), as float32 NumPy arrays. The TF32 switches
+    are restored afterwards."""
+    import torch
+
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark
+    set_math(torch, tf32)
+    try:
+        out = forward_fn(graph, x, "cuda", every=True)()
+        return {t: v.float().cpu().numpy() for t, v in out.items()}
+    finally:
+        (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+         torch.backends.cudnn.benchmark) = saved
 
 
 def set_math(torch: Any, tf32: bool) -> None:
