@@ -47,7 +47,7 @@ class WgradDirect(Variant):
         code = Code()
         code(f"SHARED float part[{bt}];",
              "const int t = LOCAL_ID(0);",
-             f"const int rs = GROUP_ID(0), cl = GROUP_ID(1), k = GROUP_ID(2);",
+             "const int rs = GROUP_ID(0), cl = GROUP_ID(1), k = GROUP_ID(2);",
              f"const int r = rs / {spec.s}, s = rs % {spec.s};",
              f"const int c = (k / {kg}) * {cg} + cl;  // the input channel of k's group",
              "float acc = 0.0f;")
