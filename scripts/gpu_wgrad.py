@@ -75,6 +75,56 @@ def torch_wgrad(spec: ConvSpec, inputs: dict[str, np.ndarray], ref: np.ndarray) 
     return statistics.median(times), rel_l2(out.cpu().numpy(), ref)
 
 
+def bias_row(be, spec: ConvSpec, label: str) -> str:  # type: ignore[no-untyped-def]
+    """The bias gradient's time and error beside PyTorch's dy.sum((0, 2, 3))."""
+    import torch
+
+    from convforge.kernels.wgrad import bias_grad_plan
+    from convforge.reference import bias_grad_ref
+
+    dy = np.random.default_rng(1).uniform(-1, 1, spec.y_shape).astype(np.float32)
+    plan = bias_grad_plan(spec, be.device)
+    exe = be.executable(plan)
+    bufs = {"y": be.upload(dy), "bias": be.empty(4 * spec.k)}
+    exe(bufs)
+    be.synchronize()
+    err = rel_l2(be.download(bufs["bias"], (spec.k,)), bias_grad_ref(dy))
+    ms = statistics.median(be.time_ms(lambda: exe(bufs), 50))
+    t = torch.from_numpy(dy).cuda()
+    for _ in range(3):
+        t.sum((0, 2, 3))
+    times = []
+    for _ in range(50):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        t.sum((0, 2, 3))
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return (f"{label:18s} bias_grad [{plan.params.short()}] {ms:.4f} ms err {err:.1e} | torch sum "
+            f"{statistics.median(times):.4f} ms")
+
+
+def breakdown(be, spec: ConvSpec, label: str, v, prm: Params) -> str:  # type: ignore[no-untyped-def]
+    """Time of each step of a plan: the plan cut after step i, timed, minus the cut after i - 1."""
+    import dataclasses
+
+    plan = v.plan(spec, prm, be.device)
+    inputs = pass_inputs(spec, np.random.default_rng(0))
+    bufs = {k: be.upload(a) for k, a in inputs.items()}
+    bufs["w"] = be.empty(4 * int(np.prod(spec.w_shape)))
+    prev, parts = 0.0, []
+    for i in range(1, len(plan.steps) + 1):
+        exe = be.executable(dataclasses.replace(plan, steps=plan.steps[:i]))
+        exe(bufs)
+        be.synchronize()
+        ms = statistics.median(be.time_ms(lambda exe=exe: exe(bufs), 30))
+        step = plan.steps[i - 1]
+        parts.append(f"{getattr(step, 'kernel', type(step).__name__)} {1000 * (ms - prev):.1f}")
+        prev = ms
+    return f"{label:18s} {v.name}: {prev:.4f} ms = " + " + ".join(parts) + " us"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--n", type=int, default=32)
@@ -84,6 +134,8 @@ def main() -> int:
     ap.add_argument("--mods", default="", help="';'-separated changes of each default, e.g. 'ks=8;bk=16'")
     ap.add_argument("--json", default="")
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--bias", action="store_true", help="also time bias_grad_plan against dy.sum((0, 2, 3))")
+    ap.add_argument("--breakdown", action="store_true", help="also time each step of every default plan")
     args = ap.parse_args()
     be = get_backend("cuda")
     tuner = Tuner(be)
@@ -124,6 +176,10 @@ def main() -> int:
             summary.append(f"{label:18s} N{spec.n}: best {best.variant.name} {best.time_ms:.4f} ms "
                            f"({gflop / best.time_ms:.1f} TF, err {best.error:.1e}) | torch {tms:.4f} ms "
                            f"({gflop / tms:.1f} TF, err {terr:.1e}) | x{tms / best.time_ms:.2f}")
+        if args.bias:
+            summary.append(bias_row(be, spec, label))
+        if args.breakdown:
+            summary += [breakdown(be, spec, label, v, prm) for v, prm in points if prm == v.default(spec, be.device)]
     print("\n".join(["", "== summary (fp32 class)"] + summary))
     if args.json:
         with open(args.json, "w") as fh:

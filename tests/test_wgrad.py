@@ -155,6 +155,20 @@ def test_two_runs_are_bit_identical(ocl, name):
 
 
 # -- split-K: the deterministic default, atomics only when allowed -------------------------------
+@pytest.mark.parametrize("name, ks", [("wgrad_implicit_gemm", 5), ("wgrad_implicit_gemm", 32),
+                                      ("wgrad_gemm1x1", 12), ("wgrad_winograd_f2", 2), ("wgrad_winograd_f2", 8),
+                                      ("wgrad_winograd_f4", 16)])
+def test_long_splits_on_pocl(ocl, name, ks):
+    """Split counts that take each reduce path: summed by one thread, by runs of slices in a block
+    (ks >= 8), and for Winograd inside the output transform (ks <= 2) or by the reduce kernel first."""
+    v = get_variant(name)
+    spec = next(s for s in (ConvSpec.make(3, 6, 20, 20, 10, 3, 3, 1, 1, conv_pass="wgrad"), SAMPLED[2])
+                if v.applies(s, ocl.device) is None)
+    plan = v.plan(spec, v.default(spec, ocl.device).replace(ks=ks), ocl.device)
+    res = check_plan(plan, ocl, seed=ks)
+    assert res.ok, f"{name} ks={ks}: {res}"
+
+
 def test_atomics_only_when_the_user_allows_them(ocl, monkeypatch):
     v = get_variant("wgrad_implicit_gemm")
     spec = SAMPLED[1]
@@ -211,6 +225,26 @@ def test_bad_parameters_are_refused_by_name(ocl):
     assert "grouped" in w.applies(WGRAD_SPECS[-1], ocl.device)
 
 
+# -- the precision rule on wgrad layers ----------------------------------------------------------
+def test_tuner_admits_wgrad_candidates_by_the_fp32_rule(ocl, tmp_path):
+    """A wgrad layer tuned on PoCL: every candidate judged on the whole batch, the winner's measured
+    error within max(5e-6, 2 x the most accurate candidate's), the most accurate stored."""
+    from convforge.tune.db import TuningDB
+    from convforge.tune.tuner import Budget, Candidate, Tuner
+
+    spec = ConvSpec.make(2, 6, 10, 10, 8, 3, 3, 1, 1, conv_pass="wgrad")
+    tuner = Tuner(ocl, TuningDB(tmp_path / "t.sqlite"), budget=Budget(seconds=None, candidates=6), workers=2)
+    res = tuner.tune(spec)
+    ok = [c for c in res.candidates if c.status == "ok"]
+    assert {c.variant.name for c in ok} >= {"wgrad_direct", "wgrad_implicit_gemm", "wgrad_winograd_f4"}
+    least = min(c.error for c in ok)
+    assert res.entry.min_error == least and res.entry.error <= max(5e-6, 2 * least)
+    assert res.variant.name.startswith("wgrad_") and "wgrad" in res.entry.spec_json
+    # 100k-term reductions: the most accurate candidate above 5e-6 widens the bound to twice its error
+    fake = [Candidate(get_variant("wgrad_direct"), Params(), error=e, status="ok") for e in (8e-6, 1.5e-5, 2e-5)]
+    assert tuner.bound(fake) == pytest.approx(1.6e-5)
+
+
 # -- the heuristic's order -----------------------------------------------------------------
 @pytest.mark.parametrize("spec, first", [
     (ConvSpec.make(32, 64, 56, 56, 64, 3, 3, 1, 1, conv_pass="wgrad"), "wgrad_winograd_f4"),
@@ -254,7 +288,8 @@ def test_atomic_source_compiles_for_sm90(nvcc_ok, monkeypatch):
 
 # -- the bias gradient ------------------------------------------------------------------------
 BIAS_SPECS = [ConvSpec.make(3, 4, 9, 7, 5, 3, 3, 1, 0), ConvSpec.make(2, 3, 12, 12, 6, 3, 3, 1, 1),
-              ConvSpec.make(1, 2, 40, 37, 3, 1, 1)]
+              ConvSpec.make(1, 2, 40, 37, 3, 1, 1), ConvSpec.make(4, 3, 50, 50, 5, 1, 1),
+              ConvSpec.make(5, 2, 41, 43, 3, 1, 1)]
 
 
 def _bias_grad(ocl, spec: ConvSpec, params: Params | None, dy: np.ndarray) -> np.ndarray:

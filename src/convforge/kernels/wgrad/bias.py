@@ -23,12 +23,12 @@ _SLICE = 8192  # values per block at least when splitting a channel
 
 
 def bias_grad_default(spec: ConvSpec, device: DeviceInfo) -> Params:
-    """256 threads (64 on CPUs); on GPUs enough slices per channel for two blocks per compute
+    """256 threads (64 on CPUs); on GPUs enough slices per channel for four blocks per compute
     unit, each over at least 8192 values."""
     if not device.is_gpu:
         return Params(bt=64, sp=1)
     npq = spec.n * spec.p * spec.q
-    sp = max(1, min(cdiv(2 * max(device.units, 1), spec.k), npq // _SLICE))
+    sp = max(1, min(cdiv(4 * max(device.units, 1), spec.k), npq // _SLICE))
     return Params(bt=256, sp=sp)
 
 
@@ -82,14 +82,23 @@ def _sum_kernel(spec: ConvSpec, bt: int, sp: int, out: str) -> Kernel:
     code(f"SHARED float part[{bt}];",
          "const int t = LOCAL_ID(0), j = GROUP_ID(0), k = GROUP_ID(1);",
          f"const int e0 = j * {per}, e1 = min(e0 + {per}, {chunks});",
-         "float acc = 0.0f;")
-    with code.block(f"for (int e = e0 + t; e < e1; e += {bt})"):
-        code(f"const int n = e / {pq // v}, i = (e - n * {pq // v}) * {v};",
-             f"const GLOBAL_PTR float* src = y + n * {kpq} + k * {pq} + i;")
+         f"const GLOBAL_PTR float* yk = y + k * {pq};",
+         "float acc = 0.0f, acc1 = 0.0f, acc2 = 0.0f, acc3 = 0.0f;")
+
+    def value(e: str) -> str:
+        at = f"(({e}) / {pq // v}) * {kpq} + (({e}) % {pq // v}) * {v}"
         if v == 4:
-            code("const float4 d = VLOAD4(0, src);", "acc += (d.x + d.y) + (d.z + d.w);")
-        else:
-            code("acc += src[0];")
+            return f"sum4(VLOAD4(0, yk + {at}))"
+        return f"yk[{at}]"
+
+    # four loads in flight per thread (four running sums, added in a fixed order at the end)
+    code("int e = e0 + t;")
+    with code.block(f"for (; e + {3 * bt} < e1; e += {4 * bt})"):
+        code(f"acc += {value('e')};", f"acc1 += {value(f'e + {bt}')};",
+             f"acc2 += {value(f'e + {2 * bt}')};", f"acc3 += {value(f'e + {3 * bt}')};")
+    with code.block(f"for (; e < e1; e += {bt})"):
+        code(f"acc += {value('e')};")
+    code("acc = (acc + acc1) + (acc2 + acc3);")
     code("part[t] = acc;", "BARRIER();")
     half = bt // 2
     while half >= 1:
@@ -97,4 +106,7 @@ def _sum_kernel(spec: ConvSpec, bt: int, sp: int, out: str) -> Kernel:
         half //= 2
     code(f"if (t == 0) {out}[j * {spec.k} + k] = part[0];")
     return Kernel(f"{NAME}_sum", (Buf("y"), Buf(out, readonly=False)), code.text(), (bt, 1, 1),
-                  comment=f"{NAME}: dy summed over N*P*Q, bt={bt} sp={sp}")
+                  helpers=_SUM4 if v == 4 else "", comment=f"{NAME}: dy summed over N*P*Q, bt={bt} sp={sp}")
+
+
+_SUM4 = "DEVICE float sum4(const float4 d) { return (d.x + d.y) + (d.z + d.w); }"

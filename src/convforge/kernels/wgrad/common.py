@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import math
 
-from convforge.codegen.dialect import Buf, Kernel
-from convforge.codegen.meta import cdiv
+from convforge.codegen.dialect import Buf, Dim3, Kernel
+from convforge.codegen.meta import Code, cdiv
 from convforge.config import check_deterministic, nondeterministic_allowed
 from convforge.kernels.gemm import elementwise
 from convforge.params import Params
@@ -26,6 +26,7 @@ SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # ks values the sp
 MIN_SLICE = 64  # terms per split at least (a shorter slice is all overhead)
 ACCURATE_SLICE = 8192  # the defaults keep a running sum at most this long where they can (~2e-6)
 WORKSPACE_CAP = 256 << 20  # bytes of partial results a default split may use
+_BLOCK = 256  # threads per block of the element-wise kernels
 
 # atomicAdd of a float in both dialects: CUDA's native one; OpenCL 1.2 has no float atomics, so a
 # compare-and-swap loop on the bits. The order of the additions, and so the rounding, varies run to run.
@@ -65,12 +66,15 @@ def splits(red: int, most: int = SPLITS[-1]) -> list[int]:
 
 
 def pick_split(tiles: int, threads: int, red: int, device: DeviceInfo, part_bytes: int = 0,
-               accurate: int = ACCURATE_SLICE) -> int:
+               accurate: int = ACCURATE_SLICE, waves: float = 2.0) -> int:
     """ks for ``tiles`` output blocks of ``threads`` threads over a reduction of ``red`` terms: on
-    GPUs the fewest splits that give about two waves (two blocks per compute unit at ~128 registers
-    per thread) and keep each running sum within ``accurate`` terms, no split shorter than
-    MIN_SLICE terms and no more than WORKSPACE_CAP of partial results (``part_bytes`` per split);
-    on CPUs only the accuracy bound."""
+    GPUs the fewest splits that give ``waves`` waves of blocks (a wave: as many blocks per compute
+    unit as fit at ~128 registers per thread) and keep each running sum within ``accurate`` terms,
+    no split shorter than MIN_SLICE terms and no more than WORKSPACE_CAP of partial results
+    (``part_bytes`` per split); on CPUs only the accuracy bound. H100, ResNet layers at N32 (split
+    sweeps of scripts/gpu_wgrad.py): the long GEMM reductions were fastest at 1-2 waves, the
+    Winograd update's short tile reductions at about half a wave (more slices add M traffic and
+    per-block overhead)."""
     offered = splits(red)
     if part_bytes:
         offered = [ks for ks in offered if ks == 1 or ks * part_bytes <= WORKSPACE_CAP] or [1]
@@ -78,7 +82,7 @@ def pick_split(tiles: int, threads: int, red: int, device: DeviceInfo, part_byte
     if not device.is_gpu:
         return next((ks for ks in offered if ks >= want_acc), offered[-1])
     per_unit = max(1, min(65536 // (threads * 128), 2048 // threads))
-    want_occ = cdiv(2 * max(device.units, 1) * per_unit, max(tiles, 1))
+    want_occ = math.ceil(waves * max(device.units, 1) * per_unit / max(tiles, 1))
     return next((ks for ks in offered if ks >= max(want_acc, want_occ)), offered[-1])
 
 
@@ -100,16 +104,37 @@ def atomic_mode(params: Params, name: str) -> bool:
     return bool(at)
 
 
-def reduce_kernel(name: str, total: int, ks: int, out: str) -> tuple[Kernel, tuple[int, int, int]]:
-    """``out[e] = part[e] + part[total + e] + ...``: the ks partial results summed in split order,
-    the same on every run."""
-    if ks <= 16:
-        body = [f"{out}[e] = " + " + ".join(f"part[{j * total} + e]" for j in range(ks)) + ";"]
-    else:
-        body = ["float s = part[e];", f"for (int j = 1; j < {ks}; ++j) s += part[j * {total} + e];",
-                f"{out}[e] = s;"]
-    return elementwise(name, total, (Buf("part"), Buf(out, readonly=False)), body,
-                       f"sum of {ks} split partial results, in split order")
+def reduce_kernel(name: str, total: int, ks: int, out: str, part: str = "part") -> tuple[Kernel, Dim3, Dim3]:
+    """``out[e] = part[e] + part[total + e] + ...``: the ks partial results of each element summed
+    in a fixed order, the same on every run; (kernel, grid, block). ``out`` may be ``part`` itself
+    (the sum lands in slice 0). Up to 8 slices a thread sums them alone; beyond that, 32 elements x
+    ``g`` groups of threads per block: group j sums its run of slices in order, then the group-0
+    thread adds the g runs in order from shared memory (long sums of few elements, such as 128
+    slices of a 64 x 576 dW, keep the GPU busy)."""
+    g = next((g for g in (8, 4, 2) if ks >= 4 * g), 1)
+    args = (Buf(part, readonly=out != part),) + ((Buf(out, readonly=False),) if out != part else ())
+    code = Code()
+    if g == 1:
+        code(f"const int e = GROUP_ID(0) * {_BLOCK} + LOCAL_ID(0);")
+        with code.block(f"if (e < {total})"):
+            code(f"float s = {part}[e];", f"for (int j = 1; j < {ks}; ++j) s += {part}[j * {total} + e];",
+                 f"{out}[e] = s;")
+        return (Kernel(name, args, code.text(), (_BLOCK, 1, 1), comment=f"sum of {ks} split results, in split order"),
+                (cdiv(total, _BLOCK), 1, 1), (_BLOCK, 1, 1))
+    run = cdiv(ks, g)
+    code(f"SHARED float runs[{g}][32];",
+         "const int i = LOCAL_ID(0), j = LOCAL_ID(1);",
+         "const int e = GROUP_ID(0) * 32 + i;",
+         f"const int z0 = j * {run}, z1 = min(z0 + {run}, {ks});",
+         "float s = 0.0f;")
+    with code.block(f"if (e < {total})"):
+        code(f"for (int z = z0; z < z1; ++z) s += {part}[z * {total} + e];")
+    code("runs[j][i] = s;", "BARRIER();")
+    with code.block(f"if (j == 0 && e < {total})"):
+        code("float t = runs[0][i];", f"for (int r = 1; r < {g}; ++r) t += runs[r][i];", f"{out}[e] = t;")
+    return (Kernel(name, args, code.text(), (32, g, 1),
+                   comment=f"sum of {ks} split results: {g} runs of {run} in order, then the runs in order"),
+            (cdiv(total, 32), 1, 1), (32, g, 1))
 
 
 def zero_kernel(name: str, total: int, out: str) -> tuple[Kernel, tuple[int, int, int]]:

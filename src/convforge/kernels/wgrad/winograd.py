@@ -41,7 +41,14 @@ from convforge.kernels.sgemm import (
     gemm_kernel,
     gemm_space,
 )
-from convforge.kernels.wgrad.common import INT_LIMIT, pick_split, slice_len, splits, sum_tolerance
+from convforge.kernels.wgrad.common import (
+    INT_LIMIT,
+    pick_split,
+    reduce_kernel,
+    slice_len,
+    splits,
+    sum_tolerance,
+)
 from convforge.kernels.winograd.matrices import Matrix, emit_2d, winograd
 from convforge.kernels.winograd.tiles import Geometry, emit_tile_load, emit_tile_masks, emit_tile_origin
 from convforge.params import Params
@@ -49,13 +56,18 @@ from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
 from convforge.spec import ConvSpec
 
 # Relative L2 error measured on PoCL at the GPU defaults' splits, ResNet layers at N = 2-16
-# (tests/test_wgrad.py::test_winograd_update_error): what the precision rule states before a layer
-# is tuned. F(3x3, 2x2) measured 3e-7, F(3x3, 4x4) 1.8e-6: both fp32-grade. Unsplit sums over
-# many tiles grow F(4x4)'s error fastest (3.9e-6 over 392 tiles at 64@56² N2), so the defaults
-# keep a running sum within _SLICE tiles.
+# and on the H100 at N32 and N128 (scripts/gpu_wgrad.py): what the precision rule states before a
+# layer is tuned. F(3x3, 2x2) measured 3-9e-7, F(3x3, 4x4) 1.6-4.0e-6: both fp32-grade. F(4x4)'s
+# error grows with the tiles one running sum adds: H100, 64@56² N32 2.6e-6 at 98 tiles, 3.0e-6 at
+# 196, 4.0e-6 at 392 (also 128@28² N32 and 64@56² N128), 5.5e-6 at 784, 7.8e-6 at 1568; so the
+# defaults keep a running sum within _SLICE tiles.
 _EXPECTED = {2: 5e-7, 4: 2.5e-6}
 _TOLERANCE = {2: 1e-5, 4: 2e-5}
-_SLICE = {2: 2048, 4: 256}
+_SLICE = {2: 2048, 4: 400}
+# Up to this many slices of M the output transform adds itself; more go through reduce_kernel first
+# (one thread per element of M instead of one per (k, c): 128 slices of a 64 x 64 M summed by 4096
+# threads kept 16 SMs busy for most of the plan's time).
+_INLINE_SLICES = 2
 
 
 @cache
@@ -118,12 +130,16 @@ class WgradWinograd(Variant):
 
     # -- parameters ------------------------------------------------------------------------
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
-        """The SGEMM default tile for K x C, the tile reduction split by :func:`pick_split` (running
-        sums within _SLICE tiles); transforms in blocks of 256 threads (64 on CPUs)."""
+        """The SGEMM default tile for K x C (128 x 64 where K > 64: H100, F(4x4) at 256@14² and
+        512@7² N32, 6-7 % faster than 128 x 128), the tile reduction split by :func:`pick_split`
+        into half a wave (H100, N32: the best split of every ResNet layer was within 2x of it)
+        with running sums within _SLICE tiles; transforms in blocks of 256 threads (64 on CPUs)."""
         t4 = self._t4(spec)
-        p = gemm_default(spec.k, spec.c, t4, device, True, True, "k", "k")
+        prefer = ((128, 64, 8, 8, 8),) if device.is_gpu and spec.k > 64 and spec.c >= 64 else ()
+        p = gemm_default(spec.k, spec.c, t4, device, True, True, "k", "k", prefer=prefer)
         tiles = cdiv(spec.k, p.bm) * cdiv(spec.c, p.bn) * self._a2()
-        ks = pick_split(tiles, gemm_block(p)[0], t4, device, 4 * self._a2() * spec.k * spec.c, _SLICE[self.m])
+        ks = pick_split(tiles, gemm_block(p)[0], t4, device, 4 * self._a2() * spec.k * spec.c, _SLICE[self.m],
+                        waves=0.5)
         return p.replace(ks=ks, tb=256 if device.is_gpu else 64)
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
@@ -158,14 +174,21 @@ class WgradWinograd(Variant):
         kin = self._input_kernel(g, t4, tb)
         kgr = self._grad_kernel(g, t4, tb)
         kmm = self._gemm_kernel(g, t4, gp, shape)
-        kout = self._output_kernel(spec, ks, tb)
-        steps = (Launch(kin.name, (cdiv(spec.c * t4, tb), 1, 1), kin.block, ("x", "wu_v")),
+        inline = ks if ks <= _INLINE_SLICES else 1  # slices the output transform adds itself
+        kout = self._output_kernel(spec, inline, tb)
+        steps = [Launch(kin.name, (cdiv(spec.c * t4, tb), 1, 1), kin.block, ("x", "wu_v")),
                  Launch(kgr.name, (cdiv(spec.k * t4, tb), 1, 1), kgr.block, ("y", "wu_u")),
-                 Launch(kmm.name, gemm_grid(shape, gp), gemm_block(gp), ("wu_u", "wu_v", "wu_m")),
-                 Launch(kout.name, (cdiv(spec.k * spec.c, tb), 1, 1), kout.block, ("wu_m", "w")))
+                 Launch(kmm.name, gemm_grid(shape, gp), gemm_block(gp), ("wu_u", "wu_v", "wu_m"))]
+        kernels = [kin, kgr, kmm]
+        if inline < ks:
+            kred, grid, block = reduce_kernel("wgrad_wino_reduce", a2 * spec.k * spec.c, ks, "wu_m", "wu_m")
+            kernels.append(kred)
+            steps.append(Launch(kred.name, grid, block, ("wu_m",)))
+        kernels.append(kout)
+        steps.append(Launch(kout.name, (cdiv(spec.k * spec.c, tb), 1, 1), kout.block, ("wu_m", "w")))
         work = (("wu_v", 4 * a2 * spec.c * t4), ("wu_u", 4 * a2 * spec.k * t4), ("wu_m", 4 * ks * a2 * spec.k * spec.c))
         tol = max(self.tolerance, sum_tolerance(slice_len(t4, ks)))
-        return Plan(self.name, self.family, spec, params, (kin, kgr, kmm, kout), steps, work,
+        return Plan(self.name, self.family, spec, params, tuple(kernels), tuple(steps), work,
                     tolerance=tol, epilogue=epilogue)
 
     def _input_kernel(self, g: Geometry, t4: int, tb: int) -> Kernel:
@@ -230,22 +253,30 @@ class WgradWinograd(Variant):
                            comment=f"{self.name}: {a2} batched GEMMs over tiles {p.short()}, {shape.ksplit} slices")
 
     def _output_kernel(self, spec: ConvSpec, ks: int, tb: int) -> Kernel:
-        """dW[k][c] = A^T (sum of the ks slices of M) A, the slices added in order."""
+        """dW[k][c] = A^T (sum of the ks slices of M) A, the slices added in order. Thread idx owns
+        (k, c) = idx; the block's 9 x tb results are contiguous in dW, so they go through shared
+        memory and out as 9 coalesced rows (stored straight, each thread's 9 floats 36 bytes
+        apart took 27 of the plan's 110 us at 512@7² N32 on the H100)."""
         at = update_transform(self.m)[0]
         a, a2, kc = self.m + 2, self._a2(), spec.k * spec.c
         code = Code()
-        code(f"const int idx = GROUP_ID(0) * {tb} + LOCAL_ID(0);", f"if (idx >= {kc}) return;")
+        code(f"SHARED float st[{9 * tb}];",
+             f"const int lid = LOCAL_ID(0), idx = GROUP_ID(0) * {tb} + lid;",
+             f"const int at = idx < {kc} ? idx : {kc - 1};  // threads past the end redo the last pair")
         for i, j in itertools.product(range(a), range(a)):
             e = i * a + j
             if ks <= 4:
-                terms = " + ".join(f"wu_m[{(z * a2 + e) * kc} + idx]" for z in range(ks))
+                terms = " + ".join(f"wu_m[{(z * a2 + e) * kc} + at]" for z in range(ks))
                 code(f"const float m{i}_{j} = {terms};")
             else:
-                code(f"float m{i}_{j} = wu_m[{e * kc} + idx];",
-                     f"for (int z = 1; z < {ks}; ++z) m{i}_{j} += wu_m[(z * {a2} + {e}) * {kc} + idx];")
+                code(f"float m{i}_{j} = wu_m[{e * kc} + at];",
+                     f"for (int z = 1; z < {ks}; ++z) m{i}_{j} += wu_m[(z * {a2} + {e}) * {kc} + at];")
         code(*emit_2d(at, at, "m", "o", "ot"))
         for r, s in itertools.product(range(3), range(3)):
-            code(f"w[idx * 9 + {r * 3 + s}] = o{r}_{s};")
+            code(f"st[lid * 9 + {r * 3 + s}] = o{r}_{s};")
+        code("BARRIER();", f"const int base = GROUP_ID(0) * {9 * tb};")
+        for r in range(9):
+            code(f"if (base + {r * tb} + lid < {9 * kc}) w[base + {r * tb} + lid] = st[{r * tb} + lid];")
         return Kernel("wgrad_wino_output", (Buf("wu_m"), Buf("w", readonly=False)), code.text(), (tb, 1, 1),
                       comment=f"{self.name}: dW = A^T M A, {ks} slices summed in order")
 
