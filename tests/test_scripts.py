@@ -25,6 +25,7 @@ SCRIPTS = {
     "benchmarks_md.py": "tests/test_bench.py::test_benchmarks_md_one_table_per_class",
     "gpu-ab": "bash", "gpu-check": "bash", "gpu-final": "bash", "gpu-ncu": "bash", "gpu-opencl-setup": "bash",
     "gpu_variants.py": "help (scripts/gpu-check runs it under compute-sanitizer and for its timings)",
+    "gpu_wgrad.py": "help (the GPU machine runs it: docs/NOTES-wgrad.md)",
     "host_cost.py": "help (scripts/gpu-final check runs it)",
     "lint": "bash (and .ci/run runs it)",
     "ncu_layer.py": "help (scripts/gpu-ncu runs it)",
