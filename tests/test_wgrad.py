@@ -251,12 +251,18 @@ def test_tuner_admits_wgrad_candidates_by_the_fp32_rule(ocl, tmp_path):
     (ConvSpec.make(32, 256, 56, 56, 64, 1, 1, conv_pass="wgrad"), "wgrad_gemm1x1"),
     (ConvSpec.make(32, 256, 56, 56, 512, 1, 1, 2, conv_pass="wgrad"), "wgrad_implicit_gemm"),
     (ConvSpec.make(32, 3, 224, 224, 64, 7, 7, 2, 3, conv_pass="wgrad"), "wgrad_implicit_gemm"),
-    (ConvSpec.make(8, 32, 28, 28, 32, 3, 3, 1, 1, groups=32, conv_pass="wgrad"), "wgrad_direct"),
 ])
 def test_untuned_choice_for_wgrad_specs(spec, first):
     order = [v.name for v in ranked("auto", spec, NOMINAL_CUDA)]
-    assert order[0] == first, order
-    assert order[-1] == "wgrad_direct" or first == "wgrad_direct"
+    assert order[0] == first and order[-1] == "wgrad_direct", order
+
+
+def test_depthwise_wgrad_leaves_the_gemm_last():
+    """One channel per group: a GEMM tile of one row is idle; wgrad_direct (or a depthwise kernel)
+    ranks above wgrad_implicit_gemm."""
+    spec = ConvSpec.make(8, 32, 28, 28, 32, 3, 3, 1, 1, groups=32, conv_pass="wgrad")
+    order = [v.name for v in ranked("auto", spec, NOMINAL_CUDA)]
+    assert order[-1] == "wgrad_implicit_gemm" and "wgrad_direct" in order, order
 
 
 # -- nvcc sm_90 -----------------------------------------------------------------------------
