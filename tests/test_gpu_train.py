@@ -412,7 +412,7 @@ def test_bench_train_rows(gpu, tmp_path):
     assert (tmp_path / "train_losses.csv").read_text().count("\n") == training.STEPS + 1
 
 
-def test_numpy_inputs_are_unchanged_by_gpu_runs(gpu):
+def test_numpy_inputs_are_unchanged_by_gpu_runs(gpu, ocl):
     """The NumPy path still runs on OpenCL when CUDA is present (nothing of the device path leaks in)."""
     from convforge import grad
 
