@@ -444,10 +444,11 @@ def load_model(model: Any, input_size: int | None = None, seed: int = 0,
                      "an ONNX ModelProto or a torch module")
 
 
-def compile(model: Any, batch: int = 1, backend: str | None = None, *, input_size: int | None = None,
+def compile(model: Any, batch: int | None = None, backend: str | None = None, *, input_size: int | None = None,
             passes: bool = True, seed: int = 0, weights: str | Path | None = None,
             capture: bool = True, workspace_limit: int | None = None) -> Network:
-    """A :class:`Network` for ``model`` at ``batch`` on ``backend`` ('cuda' or 'opencl'; default CUDA
+    """A :class:`Network` for ``model`` at ``batch`` (default: the batch its description declares,
+    1 for the shipped nets and a symbolic ONNX batch) on ``backend`` ('cuda' or 'opencl'; default CUDA
     when present). ``passes`` runs the graph passes (BN folding, fusion, identity removal).
     ``workspace_limit`` (bytes): the most workspace (scratch and filter transforms) any conv may
     use; the layers share one scratch arena of the largest need (``Network._bind_workspaces``)."""
@@ -455,12 +456,13 @@ def compile(model: Any, batch: int = 1, backend: str | None = None, *, input_siz
     from convforge.backends import get_backend
     from convforge.graph.passes import optimize
 
-    if not isinstance(batch, numbers.Integral) or isinstance(batch, bool) or batch < 1:
+    if batch is not None and (not isinstance(batch, numbers.Integral) or isinstance(batch, bool) or batch < 1):
         raise ValueError(f"batch ({batch!r}) must be a positive int")
     if workspace_limit is not None and (not isinstance(workspace_limit, numbers.Real) or isinstance(
             workspace_limit, bool) or not math.isfinite(workspace_limit) or workspace_limit < 0):
         raise ValueError(f"workspace_limit ({workspace_limit!r}) must be a finite number >= 0 (bytes)")
-    graph = load_model(model, input_size, seed, weights).with_batch(int(batch))
+    graph = load_model(model, input_size, seed, weights)
+    graph = graph.with_batch(graph.input_shape[0] if batch is None else int(batch))
     if passes:
         graph = optimize(graph)
     return Network(graph, get_backend(backend or default_backend()), capture=capture,

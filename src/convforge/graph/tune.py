@@ -34,10 +34,11 @@ def tune_net(args: argparse.Namespace, console: Any, backend: Any, db: Any, budg
     from convforge.graph.runtime import load_model
     from convforge.tune.tuner import TuneError, Tuner
 
-    batch = 1 if args.batch is None else args.batch
-    if batch < 1:
-        raise ValueError(f"--batch ({batch}) must be >= 1")
-    graph = load_model(args.net).with_batch(batch)
+    if args.batch is not None and args.batch < 1:
+        raise ValueError(f"--batch ({args.batch}) must be >= 1")
+    graph = load_model(args.net)
+    batch = graph.input_shape[0] if args.batch is None else args.batch  # default: the description's
+    graph = graph.with_batch(batch)
     layers = net_layers(graph)
     console.print(f"{graph.name} at batch {batch}: {len(layers)} distinct conv/fc layer(s)", markup=False)
     failed = 0

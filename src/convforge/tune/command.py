@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -141,18 +142,19 @@ def tune_main(args: argparse.Namespace) -> int:
     if getattr(args, "net", None):
         from convforge.graph.tune import tune_net
 
-        return tune_net(args, console, _backend(args), TuningDB(args.db or config.tuning_db), budget)
+        backend = _backend(args)  # before the database: a missing back-end leaves nothing on disk
+        return tune_net(args, console, backend, TuningDB(args.db or config.tuning_db), budget)
     try:
         layers = _layers(args)
     except ValueError as err:
         _error(f"{err}")
         return 2
+    backend = _backend(args)  # before the database: a missing back-end leaves nothing on disk
     try:
         db = TuningDB(args.db or config.tuning_db)
     except ValueError as err:
         _error(f"{err}")
         return 2
-    backend = _backend(args)
     epi = Epilogue(bias=args.bias, relu=args.relu)
     console.print(f"device: {backend.device.name} ({backend.name}, {backend.device.driver}); "
                   f"database: {db.path}; budget: {budget}; precision: {precision_key()}", markup=False)
@@ -283,19 +285,21 @@ def add_db_arguments(p: argparse.ArgumentParser) -> None:
     sub.required = True
     ls = sub.add_parser("list", help="one line per tuned layer")
     show = sub.add_parser("show", help="every field of the entries matching a layer or key fields")
+    backends = ("cuda", "opencl")
     for q in (ls, show):
         q.add_argument("--spec", help="only this layer (ConvSpec text)")
-        q.add_argument("--backend", help="only this back-end")
+        q.add_argument("--backend", choices=backends, help="only this back-end")
         q.add_argument("--variant", help="only this variant")
     exp = sub.add_parser("export", help="write the entries as JSON (to share between machines)")
-    exp.add_argument("file", type=Path, help="output JSON file ('-' for stdout)")
-    exp.add_argument("--backend", help="only this back-end")
+    exp.add_argument("file", type=Path, help="output JSON file ('-' for stdout); an existing file only with --force")
+    exp.add_argument("--backend", choices=backends, help="only this back-end")
+    exp.add_argument("--force", action="store_true", help="replace FILE when it exists (never the database itself)")
     imp = sub.add_parser("import", help="merge entries from an exported JSON file")
     imp.add_argument("file", type=Path)
     imp.add_argument("--replace", action="store_true", help="overwrite entries even when they are faster")
     imp.add_argument("--dry-run", action="store_true", help="check the entries and say what would be stored")
     clr = sub.add_parser("clear", help="delete entries (all without filters)")
-    clr.add_argument("--backend", help="only this back-end")
+    clr.add_argument("--backend", choices=backends, help="only this back-end")
     clr.add_argument("--spec", help="only this layer (ConvSpec text)")
 
 
@@ -304,7 +308,9 @@ def _match(args: argparse.Namespace) -> dict[str, str]:
     if getattr(args, "backend", None):
         out["backend"] = args.backend
     if getattr(args, "variant", None):
-        out["variant"] = args.variant
+        from convforge.kernels import get_variant
+
+        out["variant"] = get_variant(args.variant).name  # an unknown name is an error, not "0 entries"
     if getattr(args, "spec", None):
         out["spec"] = ConvSpec.parse(args.spec).key()
     return out
@@ -318,11 +324,27 @@ def db_main(args: argparse.Namespace) -> int:
         path = Path(args.db or config.tuning_db)
         if args.db_command == "clear":
             _check_clear(path)
+        if args.db_command == "import":  # read (and refuse) the input before the database is touched
+            from convforge.tune.validate import load_document
+
+            try:
+                doc = load_document(args.file)
+            except (OSError, ValueError) as err:
+                raise ValueError(f"cannot import {args.file}: {err}") from None
+            args.document = {"format": "convforge-tuning", "entries": doc}
         writes = args.db_command in ("import", "clear") and not getattr(args, "dry_run", False)
         db = TuningDB(path, readonly=not writes)
     except ValueError as err:
         _error(f"{err}")
         return 2
+    try:
+        return _db_command(console, db, args, match)
+    except sqlite3.Error as err:  # a file damaged or locked under us, a full disk: one line, no traceback
+        _error(f"tuning database {db.path}: {err}")
+        return 2
+
+
+def _db_command(console: Any, db: TuningDB, args: argparse.Namespace, match: dict[str, str]) -> int:
     cmd = args.db_command
     if cmd == "list":
         console.print(_list_table(db.entries(**match), db.path))
@@ -331,10 +353,11 @@ def db_main(args: argparse.Namespace) -> int:
         for e in db.entries(**match):
             console.print_json(json.dumps(_entry_doc(e)))
     elif cmd == "export":
+        filters: dict[str, Any] = match
         if str(args.file) == "-":
-            print(json.dumps(db.export_json(None, **match), indent=1))
+            print(json.dumps(db.export_json(None, **filters), indent=1))
         else:
-            doc = db.export_json(args.file, **match)
+            doc = db.export_json(args.file, force=args.force, **filters)
             console.print(f"exported {len(doc['entries'])} entries to {args.file}", markup=False)
     elif cmd == "import":
         return _import(console, db, args)
@@ -355,7 +378,8 @@ def _check_clear(path: Path) -> None:
 def _import(console: Any, db: TuningDB, args: argparse.Namespace) -> int:
     """Validate every entry, store the good ones (unless --dry-run), list the rejects with reasons."""
     try:
-        rep = db.import_json(args.file, only_if_faster=not args.replace, dry_run=args.dry_run)
+        rep = db.import_json(getattr(args, "document", None) or args.file, only_if_faster=not args.replace,
+                             dry_run=args.dry_run)
     except (OSError, ValueError) as err:
         _error(f"cannot import {args.file}: {err}")
         return 2
