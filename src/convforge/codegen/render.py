@@ -11,7 +11,7 @@ _TOKEN = re.compile(r"\b(GROUP_ID|LOCAL_ID|GROUP_SIZE|NUM_GROUPS|BARRIER|VLOAD4|
                     r"MAKE_FLOAT4|FMA|MAX|LDG|SHFL|TEX|COPY4_ASYNC|COPY1_ASYNC|COPY_WAIT|CVT_TF32|"
                     r"MMA_TF32_16x8x8|SMEM_U32|CP_ASYNC16|CP_ASYNC4|CP_ASYNC_COMMIT|CP_ASYNC_WAIT|LDMATRIX_X4|LDS_F4|"
                     r"LDS_F1|TF32_RHA|FENCE_PROXY_ASYNC|WGMMA_FENCE|WGMMA_COMMIT|WGMMA_WAIT|WGMMA_TF32)\(")
-_WORDS = re.compile(r"\b(SHARED|LOCAL_PTR|GLOBAL_PTR|RESTRICT|DEVICE|U64)\b( ?)")
+_WORDS = re.compile(r"\b(SHARED|LOCAL_PTR|GLOBAL_PTR|RESTRICT|DEVICE|U64|I64)\b( ?)")
 
 
 # Why a back-end may lack a feature (appended to the refusal).
@@ -92,7 +92,7 @@ class CudaRenderer(Renderer):
     name = "cuda"
     features = frozenset({"shuffle", "constant", "ldg", "texture", "mma_tf32", "wgmma"})
     words = {"SHARED": "__shared__", "LOCAL_PTR": "", "GLOBAL_PTR": "", "RESTRICT": "__restrict__",
-             "DEVICE": "__device__ __forceinline__", "U64": "unsigned long long"}
+             "DEVICE": "__device__ __forceinline__", "U64": "unsigned long long", "I64": "long long"}
     _dims = "xyz"
 
     def call(self, token: str, args: list[str]) -> str:
@@ -303,7 +303,7 @@ class OpenCLRenderer(Renderer):
     name = "opencl"
     features = frozenset({"constant"})
     words = {"SHARED": "__local", "LOCAL_PTR": "__local", "GLOBAL_PTR": "__global",
-             "RESTRICT": "restrict", "DEVICE": "inline", "U64": "ulong"}
+             "RESTRICT": "restrict", "DEVICE": "inline", "U64": "ulong", "I64": "long"}
 
     def call(self, token: str, args: list[str]) -> str:
         table: dict[str, Callable[[], str]] = {

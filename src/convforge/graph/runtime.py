@@ -23,7 +23,7 @@ from convforge import dispatch
 from convforge.codegen.render import render
 from convforge.graph import ops
 from convforge.graph.ir import Graph, Node, Tensor, conv_geometry, infer
-from convforge.plan import Epilogue, Launch
+from convforge.plan import INT32_MAX, Epilogue, Launch
 from convforge.spec import ConvSpec
 
 log = logging.getLogger("convforge.graph")
@@ -97,6 +97,18 @@ def plan_memory(graph: Graph, shapes: dict[str, Tensor], into: dict[str, str] | 
     return mp
 
 
+def _check_op_widths(graph: Graph, shapes: dict[str, Tensor]) -> None:
+    """The op kernels (ops.py) index with 32-bit ints: a tensor of a non-conv node past 2^31 - 1
+    elements is refused before anything is allocated (a conv's width is its variant's business)."""
+    for node in graph.nodes:
+        if node.op in ("conv", "fc") or node.op in ALIASES:
+            continue
+        for t in (*node.inputs, node.output):
+            if shapes[t].size > INT32_MAX:
+                raise ValueError(f"node {node.name!r} ({node.op}): needs 64-bit indexing: tensor {shapes[t]} has "
+                                 f"{shapes[t].size} elements, more than the 2^31 - 1 its kernel addresses")
+
+
 class Network:
     """A graph compiled for one back-end and batch: call it with an NCHW float32 batch."""
 
@@ -104,6 +116,7 @@ class Network:
                  workspace_limit: int | None = None) -> None:
         self.graph, self.backend, self.workspace_limit = graph, backend, workspace_limit
         self.shapes = infer(graph)
+        _check_op_widths(graph, self.shapes)
         self.into = self._concats_in_place()
         self.memory = plan_memory(graph, self.shapes, {t: c for t, (c, _) in self.into.items()})
         self.slots = [backend.empty(max(n, 4)) for n in self.memory.sizes]
