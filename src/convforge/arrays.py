@@ -108,7 +108,7 @@ class ArrayDesc:
             raise KeyError(f"{self.name} ({self.layout}) has no dimension(s) {sorted(unknown)}")
         named = [(d, st, sz) for d, st, sz in zip(self.dims, self.strides, self.sizes) if d in coords]
         whole = sum((sz - 1) * st for _, st, sz in named) > INT32_MAX
-        terms = []
+        terms: list[str] = []
         for d, st, sz in named:
             expr = coords[d]
             if isinstance(expr, int) and not self.runtime:
