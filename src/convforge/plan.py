@@ -107,7 +107,7 @@ class Epilogue:
             if index is None:
                 raise ValueError("unsupported epilogue: this store path does not give the residual's index")
             expr = f"{expr} + res[{index}]"
-        return f"MAX({expr}, 0.0f)" if self.relu else expr
+        return f"RELU({expr})" if self.relu else expr
 
     def tag(self) -> str:
         at = f"_at{self.k_offset}of{self.k_total}" if self.k_total else ""
