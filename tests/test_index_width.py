@@ -12,10 +12,11 @@ import pytest
 
 from conftest import NOMINAL_CUDA, NOMINAL_OPENCL_GPU
 from convforge.kernels import all_variants, get_variant
-from convforge.plan import INT32_MAX, DeviceInfo, Plan, Variant
+from convforge.plan import DeviceInfo, Plan, Variant
 from convforge.spec import ConvSpec
 from helpers import run_main
 
+INT32_MAX = 2**31 - 1  # the largest offset of 32-bit index arithmetic
 NOMINAL_CPU = DeviceInfo("opencl", "nominal OpenCL CPU", units=16, is_gpu=False)
 DEVICES = (NOMINAL_CUDA, NOMINAL_OPENCL_GPU, NOMINAL_CPU)
 
