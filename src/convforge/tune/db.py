@@ -151,11 +151,10 @@ class TuningDB:
             raise self._refuse(kind.what)
         if kind.kind == "ours" and kind.schema > SCHEMA_VERSION:
             raise self._refuse(_newer(kind.schema))
-        mem = sqlite3.connect(":memory:", check_same_thread=False, isolation_level=None)
         if kind.kind == "empty":  # nothing to read: no connection to the file at all
+            mem = sqlite3.connect(":memory:", check_same_thread=False, isolation_level=None)
             _init(mem)
             return mem
-        mem.close()
         log = side(self.path, "-wal").exists()
         if not log:  # the main file is all there is: checked before SQLite may create -wal / -shm
             self._check_readable(self._ro_connect(immutable=True))
