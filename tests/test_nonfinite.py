@@ -190,10 +190,11 @@ def test_fused_relu_keeps_nan(ocl) -> None:
 def test_cuda_variants_on_nonfinite_inputs(cuda, case: str) -> None:
     """GPU tier: every CUDA variant (direct_shfl, cuBLAS, TF32 and 3xTF32 included) under the same
     rules: accurate families exactly as the reference, the others never beyond their tiles."""
+    cp = pytest.importorskip("cupy", reason="GPU tier needs CuPy")
     from convforge import conv2d
 
     for spec in SPECS.values():
         x, w = _inputs(spec, case)
         for v in _variants(cuda.device, spec):
-            got = conv2d(x, w, padding=spec.pad, algo=v.name)
+            got = cp.asnumpy(conv2d(cp.asarray(x), cp.asarray(w), padding=spec.pad, algo=v.name))
             check_family(v, spec, case, x, w, got)
