@@ -243,7 +243,8 @@ def gemm_block(p: Params) -> Dim3:
 
 def gemm_kernel(name: str, shape: GemmShape, p: Params, a: Operand, b: Operand, c: Store,
                 args: tuple[Arg, ...], prelude: tuple[str, ...] = (),
-                comment: str = "", n_last_first: bool = False) -> Kernel:
+                comment: str = "", n_last_first: bool = False, head: tuple[str, ...] = (),
+                k_of_batch: str | None = None) -> Kernel:
     """Generate the kernel ``name``: C = A.B for ``shape`` with parameters ``p``.
 
     The body defines, before ``prelude`` runs: ``tid`` (thread in block), ``bz`` (batch index),
@@ -252,6 +253,9 @@ def gemm_kernel(name: str, shape: GemmShape, p: Params, a: Operand, b: Operand, 
     Launch with :func:`gemm_grid` and :func:`gemm_block`. ``n_last_first``: blocks are taken
     in the order (N tile descending, then M tile, then batch and split fastest) instead of the
     grid's, so a GEMM whose B was just written N-column by N-column starts on what is still in L2.
+    ``head`` runs right after ``bz`` is known and ``k_of_batch`` (an expression it may define)
+    is then batch entry ``bz``'s reduction length, at most ``shape.k``: batched GEMMs of unequal
+    depth in one launch (the stride phases of a strided dgrad).
     """
     why = layout_problem(p, a.vload is not None, b.vload is not None, a.fast, b.fast)
     if why:
@@ -266,9 +270,9 @@ def gemm_kernel(name: str, shape: GemmShape, p: Params, a: Operand, b: Operand, 
         ids = ("gx_", "gy_", "gz_")
     else:
         ids = ("GROUP_ID(0)", "GROUP_ID(1)", "GROUP_ID(2)")
-    code(f"const int bz = {ids[2]} / {shape.ksplit}, kz = {ids[2]} % {shape.ksplit};",
-         f"const int m0 = {ids[1]} * {p.bm}, n0 = {ids[0]} * {p.bn};",
-         f"const int kbeg = kz * {shape.klen}, kend = min(kbeg + {shape.klen}, {shape.k});")
+    code(f"const int bz = {ids[2]} / {shape.ksplit}, kz = {ids[2]} % {shape.ksplit};", *head)
+    code(f"const int m0 = {ids[1]} * {p.bm}, n0 = {ids[0]} * {p.bn};",
+         f"const int kbeg = kz * {shape.klen}, kend = min(kbeg + {shape.klen}, {k_of_batch or shape.k});")
     code(*prelude)
     _shared(code, p)
     ga = _Loader("a", a, shape.m, p.bm, p.bk, p.va, lay.threads, "m0", "As", p.bm + 4)

@@ -1,0 +1,303 @@
+"""Strided dgrad as an implicit GEMM that never multiplies the zeros of a zero-stuffed dy.
+
+dx[n, c, h, w] sums dy[n, k, p, q] . w[k, c, r, s] over the taps with h + pt - r*dh = p*sh (and the
+same along w). Whether tap r reaches row h depends only on h mod sh: the dx rows of one *phase*
+ph = h mod sh are reached by the taps r with (ph + pt - r*dh) % sh == 0 (r*dh = ph + pt mod sh), and
+for h = ph + i*sh such a tap reads dy row p = i + (ph + pt - r*dh) / sh. Grouping the dx pixels by
+phase (ph_h, ph_w) turns the layer into sh*sw dense GEMMs (CUTLASS's strided dgrad), each
+
+    dx_phase (cg x N*Hm*Wm) = w_phase (cg x kg*taps) . dy gathered (kg*taps x N*Hm*Wm),
+
+with Hm = ceil(H / sh) rows per phase (phases with fewer rows mask the extra ones) and taps the
+phase's (r, s) pairs; a phase no tap reaches (a 1x1 filter at stride 2, or gcd(dh, sh) > 1) is zeros.
+All phases and groups run in one launch (grid z), each with its own reduction length, on the
+shared SGEMM generator (kernels/sgemm.py). Two weight steps prepare it: the filters packed phase by
+phase as row-major cg x (taps x kg) matrices (float4 loads along the reduction), and a table of
+each tap's dy offset. Stride 1 is the one-phase case: the implicit GEMM of the transposed problem.
+Dilation is handled the same way: the taps of one phase are sh / gcd(sh, dh) apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import gcd
+
+from convforge.codegen.dialect import Buf, Kernel
+from convforge.codegen.meta import cdiv
+from convforge.kernels import register
+from convforge.kernels.dgrad.baseline import no_epilogue
+from convforge.kernels.gemm import elementwise, too_big
+from convforge.kernels.sgemm import (
+    GemmShape,
+    Operand,
+    Store,
+    gemm_block,
+    gemm_default,
+    gemm_grid,
+    gemm_kernel,
+    gemm_space,
+)
+from convforge.params import Params
+from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
+from convforge.spec import ConvSpec
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One spatial dimension of a dgrad: ``size`` dx rows, ``out`` dy rows, ``taps`` filter taps,
+    stride, dilation and leading padding."""
+
+    size: int
+    out: int
+    taps: int
+    stride: int
+    dil: int
+    pad: int
+
+    @property
+    def step(self) -> int:
+        """Distance between two taps of one phase."""
+        return self.stride // gcd(self.stride, self.dil)
+
+    def phase_of(self, r: int) -> int:
+        """The phase (dx row mod stride) that tap ``r`` reaches."""
+        return (r * self.dil - self.pad) % self.stride
+
+    def taps_of(self, ph: int) -> list[int]:
+        """The taps reaching phase ``ph``, ascending; tap r is the (r // step)-th of them."""
+        return [r for r in range(self.taps) if self.phase_of(r) == ph]
+
+    @property
+    def counts(self) -> list[int]:
+        return [len(self.taps_of(ph)) for ph in range(self.stride)]
+
+    @property
+    def firsts(self) -> list[int]:
+        """Taps of the phases before each phase (prefix sums of :attr:`counts`)."""
+        out, acc = [], 0
+        for n in self.counts:
+            out.append(acc)
+            acc += n
+        return out
+
+    def offset(self, ph: int, r: int) -> int:
+        """dy row i + offset is read by tap ``r`` for dx row ph + i*stride."""
+        return (ph + self.pad - r * self.dil) // self.stride
+
+    @property
+    def rows(self) -> int:
+        """Rows of every phase's grid (phase 0 has the most; others mask the extra row)."""
+        return cdiv(self.size, self.stride)
+
+
+def axes(spec: ConvSpec) -> tuple[Axis, Axis]:
+    return (Axis(spec.h, spec.p, spec.r, spec.stride[0], spec.dilation[0], spec.pad[0]),
+            Axis(spec.w, spec.q, spec.s, spec.stride[1], spec.dilation[1], spec.pad[2]))
+
+
+def chain(var: str, values: list[int]) -> str:
+    """C expression of values[var] for var in 0..len-1 (a constant when they are all equal)."""
+    if len(set(values)) == 1:
+        return str(values[0])
+    expr = str(values[-1])
+    for i in range(len(values) - 2, -1, -1):
+        expr = f"{var} == {i} ? {values[i]} : {expr}"
+    return f"({expr})"
+
+
+def phase_lines(ah: Axis, aw: Axis, s: int, h: str, w: str, pre: str = "") -> list[str]:
+    """Given phase row ``h`` and column ``w``: {pre}nr, {pre}ns (taps of the phase along each
+    axis) and {pre}t0 (taps of all phases before it, in phase order)."""
+    return [f"const int {pre}nr = {chain(h, ah.counts)}, {pre}ns = {chain(w, aw.counts)};",
+            f"const int {pre}t0 = {chain(h, ah.firsts)} * {s} + {pre}nr * {chain(w, aw.firsts)};"]
+
+
+def tap_phase(a: Axis, r: str) -> str:
+    """C expression of the phase tap ``r`` reaches."""
+    if a.stride == 1:
+        return "0"
+    return f"(({r} * {a.dil} - {a.pad}) % {a.stride} + {a.stride}) % {a.stride}"
+
+
+def pack_kernel(spec: ConvSpec) -> tuple[Kernel, tuple[int, int, int]]:
+    """wph: per group, per phase, the cg x (taps x kg) row-major matrix of w[k, c, r, s] (tap
+    index t = (r // step_h) * ns + s // step_w, outer; k inner). One thread per element of w."""
+    ah, aw = axes(spec)
+    cg, kg, rs = spec.cg, spec.kg, spec.r * spec.s
+    body = [f"const int s = e % {spec.s}, r = (e / {spec.s}) % {spec.r}, c = (e / {rs}) % {cg}, kt = e / {rs * cg};",
+            f"const int g = kt / {kg}, kk = kt - g * {kg};",
+            f"const int phh = {tap_phase(ah, 'r')}, phw = {tap_phase(aw, 's')};",
+            *phase_lines(ah, aw, spec.s, "phh", "phw"),
+            f"const int t = (r / {ah.step}) * ns + s / {aw.step};",
+            f"wph[g * {cg * kg * rs} + {cg * kg} * t0 + c * ({kg} * nr * ns) + t * {kg} + kk] = w[e];"]
+    return elementwise("dgrad_sg_pack", spec.k * cg * rs, (Buf("w"), Buf("wph", readonly=False)), body,
+                       "strided dgrad: filters packed per group and stride phase, cg x (taps x kg)")
+
+
+def taps_kernel(spec: ConvSpec) -> tuple[Kernel, tuple[int, int, int]]:
+    """tab[2j] = dr*Q + ds and tab[2j+1] = dr for tap slot j (phase order): the dy offset of the
+    tap relative to the phase grid position (i, j) (dy (i + dr, j + ds))."""
+    ah, aw = axes(spec)
+    body = [f"const int r = e / {spec.s}, s = e % {spec.s};",
+            f"const int phh = {tap_phase(ah, 'r')}, phw = {tap_phase(aw, 's')};",
+            *phase_lines(ah, aw, spec.s, "phh", "phw"),
+            f"const int j = t0 + (r / {ah.step}) * ns + s / {aw.step};",
+            f"const int dr = (phh + {ah.pad} - r * {ah.dil}) / {ah.stride}, "
+            f"ds = (phw + {aw.pad} - s * {aw.dil}) / {aw.stride};",
+            f"tab[2 * j] = dr * {spec.q} + ds;",
+            "tab[2 * j + 1] = dr;"]
+    return elementwise("dgrad_sg_taps", spec.r * spec.s, (Buf("tab", "int", readonly=False),), body,
+                       "strided dgrad: dy offset of every tap, in phase order")
+
+
+class _Geo:
+    """Sizes of the GEMM view of one spec."""
+
+    def __init__(self, spec: ConvSpec) -> None:
+        self.ah, self.aw = axes(spec)
+        self.phases = spec.stride[0] * spec.stride[1]
+        self.hm, self.wm = self.ah.rows, self.aw.rows
+        self.cols = spec.n * self.hm * self.wm
+        self.kmax = spec.kg * max(self.ah.counts) * max(self.aw.counts)
+        self.plain = spec.stride == (1, 1)
+
+    def mnk(self, spec: ConvSpec) -> tuple[int, int, int]:
+        return spec.cg, self.cols, max(self.kmax, 1)
+
+
+def _head(spec: ConvSpec, geo: _Geo) -> list[str]:
+    """Per block (batch entry bz = group x phase): the phase, its taps and reduction length, and
+    the offsets of its packed filters, its dy channels and its dx channels."""
+    sw, nph, g = spec.stride[1], geo.phases, spec.groups > 1
+    lines = [f"const int ph_g = bz / {nph}, ph = bz - ph_g * {nph};" if g else "const int ph = bz;",
+             f"const int ph_h = ph / {sw}, ph_w = ph - ph_h * {sw};" if nph > 1 else
+             "const int ph_h = 0, ph_w = 0;",
+             *phase_lines(geo.ah, geo.aw, spec.s, "ph_h", "ph_w", "ph_"),
+             f"const int ph_red = {spec.kg} * ph_nr * ph_ns;"]
+    def per_group(n: int) -> str:
+        return f"ph_g * {n}" if g else "0"
+
+    return lines + [f"const int wa0 = {per_group(spec.cg * spec.kg * spec.r * spec.s)} + {spec.cg * spec.kg} * ph_t0;",
+                    f"const int yb0 = {per_group(spec.kg * spec.p * spec.q)}, "
+                    f"xb0 = {per_group(spec.cg * spec.h * spec.w)};"]
+
+
+def filter_rows(spec: ConvSpec) -> Operand:
+    """A = this phase's packed filters, cg x ph_red row-major (float4 along the reduction when
+    kg % 4 == 0: rows and phase bases are then 16-byte aligned)."""
+    def setup(i: str, t: str) -> list[str]:
+        return [f"const int {t}_a = wa0 + {i} * ph_red;"]
+
+    def vload(t: str, k: str, d: str) -> list[str]:
+        return [f"{d} = VLOAD4(0, wph + {t}_a + {k});"]
+
+    return Operand(load=lambda t, k, d: [f"{d} = wph[{t}_a + {k}];"], fast="k", setup=setup,
+                   vload=vload if spec.kg % 4 == 0 else None)
+
+
+def gathered_dy(spec: ConvSpec, geo: _Geo) -> Operand:
+    """B = dy gathered for this phase: row (tap t, channel k), column (n, i, j) of the phase grid
+    reads dy[n, k, i + dr_t, j + ds_t], zero outside. The tap's offsets come from the table once
+    per k row (shared by the columns a thread loads)."""
+    pq, kpq, rs, kg = spec.p * spec.q, spec.k * spec.p * spec.q, spec.r * spec.s, spec.kg
+    hwm = geo.hm * geo.wm
+
+    def setup(i: str, t: str) -> list[str]:
+        return [f"const int {t}_n = {i} / {hwm}, {t}_p = {i} - {t}_n * {hwm};",
+                f"const int {t}_y = {t}_p / {geo.wm}, {t}_x = {t}_p - {t}_y * {geo.wm};",
+                f"const int {t}_b = yb0 + {t}_n * {kpq} + {t}_y * {spec.q} + {t}_x;"]
+
+    def kprep(kt: str, k: str) -> list[str]:
+        return [f"const int {kt}_j = ({k}) / {kg}, {kt}_t = min(ph_t0 + {kt}_j, {rs - 1});",
+                f"const int {kt}_o = tab[2 * {kt}_t], {kt}_dr = tab[2 * {kt}_t + 1];",
+                f"const int {kt}_ds = {kt}_o - {kt}_dr * {spec.q}, {kt}_off = (({k}) - {kt}_j * {kg}) * {pq} + {kt}_o;"]
+
+    def kload(t: str, kt: str, d: str) -> list[str]:
+        return [f"if ((unsigned)({t}_y + {kt}_dr) < {spec.p}u && (unsigned)({t}_x + {kt}_ds) < {spec.q}u) "
+                f"{d} = y[{t}_b + {kt}_off];"]
+
+    def load(t: str, k: str, d: str) -> list[str]:
+        return kprep(f"{t}q", k) + kload(t, f"{t}q", d)
+
+    return Operand(load=load, fast="i", setup=setup, kprep=kprep, kload=kload)
+
+
+def phase_store(spec: ConvSpec, geo: _Geo) -> Store:
+    """C (cg x phase grid) into dx: column (n, i, j) is pixel (ph_h + i*sh, ph_w + j*sw), skipped
+    past the edge; stride 1 stores 4 consecutive pixels as a float4 when H*W % 4 == 0."""
+    hw, chw, hwm = spec.h * spec.w, spec.c * spec.h * spec.w, geo.hm * geo.wm
+    (sh, sw) = spec.stride
+
+    def setup(i: str, t: str) -> list[str]:
+        lines = [f"const int {t}_n = {i} / {hwm}, {t}_p = {i} - {t}_n * {hwm};"]
+        if geo.plain:
+            return lines + [f"const int {t}_o = xb0 + {t}_n * {chw} + {t}_p;"]
+        return lines + [f"const int {t}_h = ph_h + ({t}_p / {geo.wm}) * {sh}, "
+                        f"{t}_w = ph_w + ({t}_p % {geo.wm}) * {sw};",
+                        f"const bool {t}_ok = {t}_h < {spec.h} && {t}_w < {spec.w};",
+                        f"const int {t}_o = xb0 + {t}_n * {chw} + {t}_h * {spec.w} + {t}_w;"]
+
+    def put(m: str, t: str, v: str) -> list[str]:
+        guard = "" if geo.plain else f"if ({t}_ok) "
+        return [f"{guard}x[{t}_o + ({m}) * {hw}] = {v};"]
+
+    def vput(m: str, t: str, vs: list[str]) -> list[str]:
+        return [f"VSTORE4(MAKE_FLOAT4({', '.join(vs)}), 0, x + {t}_o + ({m}) * {hw});"]
+
+    return Store(put=put, setup=setup, vput=vput if geo.plain and hw % 4 == 0 else None)
+
+
+class DgradStridedGemm(Variant):
+    """Strided dgrad (any stride, dilation, padding, groups): one dense GEMM per stride phase and
+    group, all in one launch; filters packed per phase and the tap table as weight steps."""
+
+    name = "dgrad_strided_gemm"
+    family = "implicit_gemm"
+    passes = frozenset({"dgrad"})
+    grouped = True
+    exact = True
+    tolerance = 1e-5
+    specialised = 4
+
+    def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
+        return super().applies(spec, device) or too_big(spec, spec.k * spec.cg * spec.r * spec.s)
+
+    def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
+        """First for strided layers (the stride-1 adapters refuse them), unless the channels per
+        group are too few for a GEMM tile (depthwise: dgrad_direct); below the transposed forward
+        variants at stride 1, where the Winograd, 1x1 and implicit GEMM adapters carry the layer."""
+        if spec.cg < 8 or spec.kg < 8:
+            return -1
+        return 8 if spec.stride != (1, 1) else self.specialised
+
+    def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
+        m, n, k = _Geo(spec).mnk(spec)
+        return gemm_space(m, n, k, device, spec.kg % 4 == 0, False, "k", "i")
+
+    def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
+        m, n, k = _Geo(spec).mnk(spec)
+        return gemm_default(m, n, k, device, spec.kg % 4 == 0, False, "k", "i")
+
+    def workspace_bytes(self, spec: ConvSpec, params: Params) -> int:
+        return 4 * (spec.k * spec.cg * spec.r * spec.s + 2 * spec.r * spec.s)
+
+    def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
+             epilogue: Epilogue = Epilogue()) -> Plan:
+        no_epilogue(self.name, epilogue)
+        geo = _Geo(spec)
+        m, n, k = geo.mnk(spec)
+        shape = GemmShape(m, n, k, batch=spec.groups * geo.phases)
+        name = f"{self.name}_sgemm"
+        args = (Buf("wph"), Buf("y"), Buf("tab", "int"), Buf("x", readonly=False))
+        kern = gemm_kernel(name, shape, params, filter_rows(spec), gathered_dy(spec, geo), phase_store(spec, geo),
+                           args, head=tuple(_head(spec, geo)), k_of_batch="ph_red",
+                           comment=f"{self.name}: {geo.phases} phases x {spec.groups} groups, {params.short()}")
+        pk, pgrid = pack_kernel(spec)
+        tk, tgrid = taps_kernel(spec)
+        steps = (Launch(pk.name, pgrid, pk.block, ("w", "wph")), Launch(tk.name, tgrid, tk.block, ("tab",)),
+                 Launch(name, gemm_grid(shape, params), gemm_block(params), ("wph", "y", "tab", "x")))
+        workspace = (("wph", 4 * spec.k * spec.cg * spec.r * spec.s), ("tab", 8 * spec.r * spec.s))
+        return Plan(self.name, self.family, spec, params, (pk, tk, kern), steps, workspace, self.tolerance, epilogue)
+
+
+register(DgradStridedGemm())
