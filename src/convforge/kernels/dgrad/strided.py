@@ -11,9 +11,9 @@ phase (ph_h, ph_w) turns the layer into sh*sw dense GEMMs (CUTLASS's strided dgr
 with Hm = ceil(H / sh) rows per phase (phases with fewer rows mask the extra ones) and taps the
 phase's (r, s) pairs; a phase no tap reaches (a 1x1 filter at stride 2, or gcd(dh, sh) > 1) is zeros.
 All phases and groups run in one launch (grid z), each with its own reduction length, on the
-shared SGEMM generator (kernels/sgemm.py). Two weight steps prepare it: the filters packed phase by
-phase as row-major cg x (taps x kg) matrices (float4 loads along the reduction), and a table of
-each tap's dy offset. Stride 1 is the one-phase case: the implicit GEMM of the transposed problem.
+shared SGEMM generator (kernels/sgemm.py). One weight step prepares it: the filters packed phase
+by phase as row-major cg x (taps x kg) matrices (float4 loads along the reduction); the dy offset
+of each tap is arithmetic (the taps of a phase are evenly spaced). Stride 1 is the one-phase case: the implicit GEMM of the transposed problem.
 Dilation is handled the same way: the taps of one phase are sh / gcd(sh, dh) apart.
 """
 
@@ -85,6 +85,16 @@ class Axis:
         return (ph + self.pad - r * self.dil) // self.stride
 
     @property
+    def first_offsets(self) -> list[int]:
+        """Per phase, the dy row offset of its first tap (0 for a phase no tap reaches)."""
+        return [self.offset(ph, taps[0]) if (taps := self.taps_of(ph)) else 0 for ph in range(self.stride)]
+
+    @property
+    def delta(self) -> int:
+        """How much the dy row offset drops from one tap of a phase to the next (dil / gcd)."""
+        return self.dil // gcd(self.stride, self.dil)
+
+    @property
     def rows(self) -> int:
         """Rows of every phase's grid (phase 0 has the most; others mask the extra row)."""
         return cdiv(self.size, self.stride)
@@ -134,22 +144,6 @@ def pack_kernel(spec: ConvSpec) -> tuple[Kernel, tuple[int, int, int]]:
                        "strided dgrad: filters packed per group and stride phase, cg x (taps x kg)")
 
 
-def taps_kernel(spec: ConvSpec) -> tuple[Kernel, tuple[int, int, int]]:
-    """tab[2j] = dr*Q + ds and tab[2j+1] = dr for tap slot j (phase order): the dy offset of the
-    tap relative to the phase grid position (i, j) (dy (i + dr, j + ds))."""
-    ah, aw = axes(spec)
-    body = [f"const int r = e / {spec.s}, s = e % {spec.s};",
-            f"const int phh = {tap_phase(ah, 'r')}, phw = {tap_phase(aw, 's')};",
-            *phase_lines(ah, aw, spec.s, "phh", "phw"),
-            f"const int j = t0 + (r / {ah.step}) * ns + s / {aw.step};",
-            f"const int dr = (phh + {ah.pad} - r * {ah.dil}) / {ah.stride}, "
-            f"ds = (phw + {aw.pad} - s * {aw.dil}) / {aw.stride};",
-            f"tab[2 * j] = dr * {spec.q} + ds;",
-            "tab[2 * j + 1] = dr;"]
-    return elementwise("dgrad_sg_taps", spec.r * spec.s, (Buf("tab", "int", readonly=False),), body,
-                       "strided dgrad: dy offset of every tap, in phase order")
-
-
 class _Geo:
     """Sizes of the GEMM view of one spec."""
 
@@ -161,6 +155,13 @@ class _Geo:
         self.kmax = spec.kg * max(self.ah.counts) * max(self.aw.counts)
         self.plain = spec.stride == (1, 1)
 
+    def order(self) -> list[int]:
+        """Phases (ph_h * sw + ph_w) by descending taps: blocks start in grid order, so the longest
+        reductions start first."""
+        sw = self.aw.stride
+        taps = [self.ah.counts[ph // sw] * self.aw.counts[ph % sw] for ph in range(self.phases)]
+        return sorted(range(self.phases), key=lambda ph: -taps[ph])
+
     def mnk(self, spec: ConvSpec) -> tuple[int, int, int]:
         return spec.cg, self.cols, max(self.kmax, 1)
 
@@ -169,11 +170,17 @@ def _head(spec: ConvSpec, geo: _Geo) -> list[str]:
     """Per block (batch entry bz = group x phase): the phase, its taps and reduction length, and
     the offsets of its packed filters, its dy channels and its dx channels."""
     sw, nph, g = spec.stride[1], geo.phases, spec.groups > 1
-    lines = [f"const int ph_g = bz / {nph}, ph = bz - ph_g * {nph};" if g else "const int ph = bz;",
-             f"const int ph_h = ph / {sw}, ph_w = ph - ph_h * {sw};" if nph > 1 else
-             "const int ph_h = 0, ph_w = 0;",
-             *phase_lines(geo.ah, geo.aw, spec.s, "ph_h", "ph_w", "ph_"),
-             f"const int ph_red = {spec.kg} * ph_nr * ph_ns;"]
+    order = geo.order()
+    if nph == 1:
+        lines = (["const int ph_g = bz;"] if g else []) + ["const int ph_h = 0, ph_w = 0;"]
+    else:
+        lines = [f"const int ph_g = bz / {nph}, ph_z = bz - ph_g * {nph};" if g else "const int ph_z = bz;",
+                 f"const int ph = {chain('ph_z', order)};  // the phases of most taps first: a short tail",
+                 f"const int ph_h = ph / {sw}, ph_w = ph - ph_h * {sw};"]
+    lines += [*phase_lines(geo.ah, geo.aw, spec.s, "ph_h", "ph_w", "ph_"),
+              f"const int ph_red = {spec.kg} * ph_nr * ph_ns;",
+              f"const int ph_dr = {chain('ph_h', geo.ah.first_offsets)}, ph_ds = {chain('ph_w', geo.aw.first_offsets)};"]
+
     def per_group(n: int) -> str:
         return f"ph_g * {n}" if g else "0"
 
@@ -195,11 +202,22 @@ def filter_rows(spec: ConvSpec) -> Operand:
                    vload=vload if spec.kg % 4 == 0 else None)
 
 
+def divide(expr: str, var: str, values: list[int]) -> str:
+    """C expression of expr / var where var is one of ``values`` (constant divisions, one per
+    distinct nonzero value: a phase of no taps never divides)."""
+    vals = sorted({v for v in values if v}, reverse=True) or [1]
+    out = f"({expr}) / {vals[-1]}" if vals[-1] > 1 else f"({expr})"
+    for v in vals[:-1]:
+        out = f"{var} == {v} ? ({expr}) / {v} : {out}"
+    return f"({out})" if len(vals) > 1 else out
+
+
 def gathered_dy(spec: ConvSpec, geo: _Geo) -> Operand:
     """B = dy gathered for this phase: row (tap t, channel k), column (n, i, j) of the phase grid
-    reads dy[n, k, i + dr_t, j + ds_t], zero outside. The tap's offsets come from the table once
-    per k row (shared by the columns a thread loads)."""
-    pq, kpq, rs, kg = spec.p * spec.q, spec.k * spec.p * spec.q, spec.r * spec.s, spec.kg
+    reads dy[n, k, i + dr, j + ds], zero outside, where tap t = tr * ns + ts of the phase has
+    dr = ph_dr - tr * (dh / gcd(sh, dh)) (and the same along w). The tap's offsets are worked out
+    once per k row (shared by the columns a thread loads), by constant divisions only."""
+    pq, kpq, kg = spec.p * spec.q, spec.k * spec.p * spec.q, spec.kg
     hwm = geo.hm * geo.wm
 
     def setup(i: str, t: str) -> list[str]:
@@ -208,9 +226,10 @@ def gathered_dy(spec: ConvSpec, geo: _Geo) -> Operand:
                 f"const int {t}_b = yb0 + {t}_n * {kpq} + {t}_y * {spec.q} + {t}_x;"]
 
     def kprep(kt: str, k: str) -> list[str]:
-        return [f"const int {kt}_j = ({k}) / {kg}, {kt}_t = min(ph_t0 + {kt}_j, {rs - 1});",
-                f"const int {kt}_o = tab[2 * {kt}_t], {kt}_dr = tab[2 * {kt}_t + 1];",
-                f"const int {kt}_ds = {kt}_o - {kt}_dr * {spec.q}, {kt}_off = (({k}) - {kt}_j * {kg}) * {pq} + {kt}_o;"]
+        return [f"const int {kt}_j = ({k}) / {kg};",
+                f"const int {kt}_r = {divide(f'{kt}_j', 'ph_ns', geo.aw.counts)}, {kt}_s = {kt}_j - {kt}_r * ph_ns;",
+                f"const int {kt}_dr = ph_dr - {kt}_r * {geo.ah.delta}, {kt}_ds = ph_ds - {kt}_s * {geo.aw.delta};",
+                f"const int {kt}_off = (({k}) - {kt}_j * {kg}) * {pq} + {kt}_dr * {spec.q} + {kt}_ds;"]
 
     def kload(t: str, kt: str, d: str) -> list[str]:
         return [f"if ((unsigned)({t}_y + {kt}_dr) < {spec.p}u && (unsigned)({t}_x + {kt}_ds) < {spec.q}u) "
@@ -249,7 +268,7 @@ def phase_store(spec: ConvSpec, geo: _Geo) -> Store:
 
 class DgradStridedGemm(Variant):
     """Strided dgrad (any stride, dilation, padding, groups): one dense GEMM per stride phase and
-    group, all in one launch; filters packed per phase and the tap table as weight steps."""
+    group, all in one launch; the filters packed per phase by a weight step."""
 
     name = "dgrad_strided_gemm"
     family = "implicit_gemm"
@@ -279,7 +298,7 @@ class DgradStridedGemm(Variant):
         return gemm_default(m, n, k, device, spec.kg % 4 == 0, False, "k", "i")
 
     def workspace_bytes(self, spec: ConvSpec, params: Params) -> int:
-        return 4 * (spec.k * spec.cg * spec.r * spec.s + 2 * spec.r * spec.s)
+        return 4 * spec.k * spec.cg * spec.r * spec.s
 
     def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
              epilogue: Epilogue = Epilogue()) -> Plan:
@@ -288,16 +307,15 @@ class DgradStridedGemm(Variant):
         m, n, k = geo.mnk(spec)
         shape = GemmShape(m, n, k, batch=spec.groups * geo.phases)
         name = f"{self.name}_sgemm"
-        args = (Buf("wph"), Buf("y"), Buf("tab", "int"), Buf("x", readonly=False))
+        args = (Buf("wph"), Buf("y"), Buf("x", readonly=False))
         kern = gemm_kernel(name, shape, params, filter_rows(spec), gathered_dy(spec, geo), phase_store(spec, geo),
                            args, head=tuple(_head(spec, geo)), k_of_batch="ph_red",
                            comment=f"{self.name}: {geo.phases} phases x {spec.groups} groups, {params.short()}")
         pk, pgrid = pack_kernel(spec)
-        tk, tgrid = taps_kernel(spec)
-        steps = (Launch(pk.name, pgrid, pk.block, ("w", "wph")), Launch(tk.name, tgrid, tk.block, ("tab",)),
-                 Launch(name, gemm_grid(shape, params), gemm_block(params), ("wph", "y", "tab", "x")))
-        workspace = (("wph", 4 * spec.k * spec.cg * spec.r * spec.s), ("tab", 8 * spec.r * spec.s))
-        return Plan(self.name, self.family, spec, params, (pk, tk, kern), steps, workspace, self.tolerance, epilogue)
+        steps = (Launch(pk.name, pgrid, pk.block, ("w", "wph")),
+                 Launch(name, gemm_grid(shape, params), gemm_block(params), ("wph", "y", "x")))
+        workspace = (("wph", self.workspace_bytes(spec, params)),)
+        return Plan(self.name, self.family, spec, params, (pk, kern), steps, workspace, self.tolerance, epilogue)
 
 
 register(DgradStridedGemm())

@@ -12,6 +12,20 @@ weight step that the torch FilterCache keeps per weight version) followed by the
 spec' with its buffers renamed on the steps (its "x" reads "y" = dy, its "y" writes "x" = dx, its
 "w" reads "w_rot", its workspace is prefixed ``fwd_``); kernel sources are the forward's. Padding
 larger than the filter's extent would need negative padding and is refused.
+
+Accuracy is the forward variant's: the same arithmetic on dy and the rotated filters. Measured on
+PoCL (relative L2 vs float64, N=1, uniform(-1, 1) dy and w, seed 0, defaults), beside the forward
+table of docs/NOTES-winograd.md (N=2), within a few percent of it on every layer:
+
+| dgrad, N=1 | direct | strided_gemm | implicit_gemm | F(2x2) nf / fused | F(4x4) nf / fused | F(6x6) nf | F(7x7) nf |
+|---|---|---|---|---|---|---|---|
+| C=K=64, 56x56 | 4.28e-07 | 4.28e-07 | 4.28e-07 | 2.71e-07 | 1.78e-06 | 3.41e-06 | 3.26e-05 |
+| C=K=128, 28x28 | 5.99e-07 | 5.99e-07 | 5.99e-07 | 3.63e-07 | 2.41e-06 | 4.42e-06 | 4.28e-05 |
+| C=K=256, 14x14 | 8.37e-07 | 8.37e-07 | 8.38e-07 | 5.05e-07 | 2.99e-06 | 5.94e-06 | 6.25e-05 |
+| C=K=512, 7x7 | 1.14e-06 | 1.14e-06 | 1.14e-06 | 6.84e-07 | 3.43e-06 | 7.96e-06 | 9.38e-05 |
+
+so each adapter states the forward variant's class, tolerance and expected error (F(4x4) fp32, its
+3.5e-6 stated; F(6x6) / F(7x7) relaxed).
 """
 
 from __future__ import annotations
@@ -33,8 +47,9 @@ PREFIX = "fwd_"  # the forward plan's own workspace names get this prefix
 # The forward variants served as dgrad, by name: the direct family, the GEMM family, im2win, every
 # Winograd (F(6x6)/F(7x7) in their relaxed class), the tensor-core TF32 / 3xTF32 GEMMs (CUDA).
 # Left out: direct (dgrad_direct is the direct family's own dgrad, one thread per dx element as the
-# forward's one per y element, and holds the name), im2col_gemm and im2col_cublas (implicit GEMM does the same without the matrix; cuBLAS
-# steps are not capturable) and gemm_fc (a transposed fully-connected layer is no full window).
+# forward's one per y element, and holds the name), im2col_gemm and im2col_cublas (implicit GEMM does
+# the same without the matrix; cuBLAS steps are not capturable) and gemm_fc (a transposed
+# fully-connected layer is no full window).
 FORWARD = (
     "direct_smem", "direct_shfl",
     "implicit_gemm", "implicit_gemm_precomp", "implicit_gemm_splitk", "im2win",
@@ -75,7 +90,8 @@ def rotate_kernel(spec: ConvSpec) -> tuple[Kernel, tuple[int, int, int]]:
             f"const int g = co / {cg}, c = co - g * {cg};",
             f"{ROTATED}[e] = w[((g * {kg} + kk) * {cg} + c) * {rs} + {(r - 1) * s + s - 1} - rr * {s} - ss];"]
     return elementwise("dgrad_rotate", spec.c * kg * rs, (Buf("w"), Buf(ROTATED, readonly=False)), body,
-                       f"dgrad: filters rotated by 180 degrees, C and K swapped ({spec.groups} groups)")
+                       "dgrad: filters rotated by 180 degrees, C and K swapped"
+                       + (f" per group ({spec.groups} groups)" if spec.groups > 1 else ""))
 
 
 def rename_step(step: Step, names: dict[str, str]) -> Step:
