@@ -1,4 +1,4 @@
-"""Check and time every registered CUDA variant's default on a few layers (GPU machine).
+"""Check and time every registered CUDA variant's default on a few layers (GPU machine; run by scripts/gpu-check).
 
 --sanitize: tiny shapes, one run each (for compute-sanitizer). Otherwise: a table of median
 times and effective TFLOPS, every transform of each plan inside the timed call.
@@ -39,8 +39,9 @@ LAYERS = {
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--sanitize", action="store_true")
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--sanitize", action="store_true",
+                    help="tiny shapes, one checked run each, no timing (under compute-sanitizer)")
     ap.add_argument("--only", default="", help="comma-separated variant names")
     args = ap.parse_args()
     be = get_backend("cuda")

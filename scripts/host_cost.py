@@ -1,11 +1,14 @@
 """Per-call host cost of one conv on a tiny warm layer, side by side, with the machine's floor (GPU).
 
+Run by ``scripts/gpu-final check``: the figures behind the README's host-cost paragraph.
+
 Rows: ``F.conv2d`` (PyTorch, cuDNN), ``nn.Conv2d`` forward, ``convforge.conv2d`` with torch tensors
 (through the native fast path when it is built: ``CONVFORGE_NATIVE=0`` measures Python's) and the
 native module's ``run`` alone, ``convforge.conv2d`` with CuPy arrays (through the CuPy native fast
 path when it is built) and that module's ``run`` alone, the ``torch.ops.convforge.conv2d`` op
 (through the dispatcher, its Autograd kernel included under no_grad), a converted
-``convforge.torch.Conv2d`` forward (eager inference), and a conv -> batch norm -> ReLU (with and
+``convforge.torch.Conv2d`` forward (eager inference), the backward passes (``convforge.grad``'s
+dgrad, wgrad and bias gradient beside ``aten.convolution_backward``), and a conv -> batch norm -> ReLU (with and
 without a residual add) in PyTorch against ``convforge.torch.FusedConv2d`` folded (what
 ``convforge.torch.fuse`` makes of it).
 
@@ -383,6 +386,28 @@ def python_pieces(x: Any, w: Any, b: Any, spec: ConvSpec, args: argparse.Namespa
     ]
 
 
+def grad_rows(x: Any, w: Any, spec: ConvSpec) -> list[tuple[str, Callable[[], object], str]]:
+    """The backward passes' warm calls (convforge.grad's Python fast path: a key, a dictionary hit,
+    the launches) beside PyTorch's ``aten.convolution_backward`` asked for the same gradient."""
+    from convforge import grad
+
+    dy = torch.randn(spec.y_shape, device="cuda")
+    st, dl, pd = list(spec.stride), list(spec.dilation), [spec.pad[0], spec.pad[2]]
+    back = torch.ops.aten.convolution_backward.default
+    rows: list[tuple[str, Callable[[], object], str]] = [
+        ("grad.conv2d_input (dgrad), torch", lambda: grad.conv2d_input(spec.x_shape, w, dy, spec.stride, spec.pad,
+                                                                       spec.dilation), ""),
+        ("grad.conv2d_weight (wgrad), torch", lambda: grad.conv2d_weight(x, spec.w_shape, dy, spec.stride, spec.pad,
+                                                                         spec.dilation), ""),
+        ("grad.conv2d_bias, torch", lambda: grad.conv2d_bias(dy), "")]
+    if spec.symmetric_pad:
+        rows += [("aten.convolution_backward, dgrad", lambda: back(dy, x, w, None, st, pd, dl, False, [0, 0], 1,
+                                                                    [True, False, False]), ""),
+                 ("aten.convolution_backward, wgrad", lambda: back(dy, x, w, None, st, pd, dl, False, [0, 0], 1,
+                                                                    [False, True, False]), "")]
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--spec", default="N=1,C=8,H=8,W=8,K=8,R=3,S=3,pad=1")
@@ -441,6 +466,7 @@ def main() -> None:
         ("torch.ops.convforge.conv2d", lambda: torch.ops.convforge.conv2d(x, w, b, st, pd, dl, args.algo, None, None),
          "torch"),
         ("convforge.torch.Conv2d forward", lambda: ours(x), "module"),
+        *grad_rows(x, w, spec),
         ("PyTorch conv -> bn -> relu", lambda: torch.relu(cbr[1](cbr[0](x))), ""),
         ("FusedConv2d (bn+relu), folded", lambda: fused(x), "fused"),
         ("PyTorch conv -> bn -> + res -> relu", lambda: torch.relu(cbr[1](cbr[0](x)) + res), ""),

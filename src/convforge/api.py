@@ -14,7 +14,7 @@ import numpy as np
 
 from convforge import dispatch, kernels
 from convforge.backends import cuda_available, get_backend
-from convforge.backends.base import Backend, Executable
+from convforge.backends.base import Backend, Executable, output_buffer
 from convforge.config import config, parse_precision
 from convforge.dispatch import RUNNERS
 from convforge.params import Params
@@ -283,7 +283,7 @@ def _conv2d(x: Any, w: Any, bias: Any, stride: Any, padding: Any, dilation: Any,
     epi = Epilogue(bias is not None, flag)
     if kind == "numpy":
         exe = executable_for(spec, be, algo, epi, limit, prm, precision, max_error)
-        return _run_host(be, exe, x, w, bias)
+        return run_host(be, exe, {"x": x, "w": w, "bias": bias})
     _KEYERS.setdefault(type(x), _torch_key if kind == "torch" else _cupy_key)
     try:
         key: tuple[Any, ...] | None = _KEYERS[type(x)](x, w, bias, stride, padding, dilation, algo, backend,
@@ -341,13 +341,16 @@ def _device_index(x: Any, kind: str) -> int | None:
     return None
 
 
-def _run_host(be: Backend, exe: Executable, x: Any, w: Any, bias: Any) -> np.ndarray:
+def run_host(be: Backend, exe: Executable, inputs: dict[str, Any]) -> np.ndarray:
+    """Run ``exe`` on host arrays by buffer name (None: absent): upload them, allocate the buffer
+    its plan writes (y, x, w or bias), run, download that buffer."""
     spec = exe.plan.spec
-    bufs = {"x": be.upload(x), "w": be.upload(w), "y": be.empty(4 * int(np.prod(spec.y_shape)))}
-    if bias is not None:
-        bufs["bias"] = be.upload(bias)
+    out = output_buffer(exe.plan)
+    shape = spec.shape_of(out)
+    bufs = {name: be.upload(a) for name, a in inputs.items() if a is not None}
+    bufs[out] = be.empty(spec.itemsize * int(np.prod(shape)))
     exe(bufs)
-    return be.download(bufs["y"], spec.y_shape)
+    return be.download(bufs[out], shape, spec.dtype)
 
 
 def default_backend() -> str:

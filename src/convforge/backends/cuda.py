@@ -19,6 +19,7 @@ from convforge.backends.base import (
     DeviceMemoryError,
     Executable,
     FilterCache,
+    output_buffer,
 )
 from convforge.codegen.dialect import Buf, ConstBuf, Kernel, LocalBuf, Scalar, TexBuf
 from convforge.codegen.render import ARCH_SPECIFIC_MARK
@@ -485,11 +486,9 @@ def torch_runner(exe: CudaExecutable, device: int) -> Callable[..., Any]:
     """
     import torch
 
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    stream_of: Callable[[int], int] = raw if raw is not None else (
-        lambda i: int(torch.cuda.current_stream(i).cuda_stream))
-    is_capturing: Callable[[], bool] = getattr(torch._C, "_cuda_isCurrentStreamCapturing",
-                                               torch.cuda.is_current_stream_capturing)
+    if output_buffer(exe.plan) != "y":  # a backward pass (dgrad, wgrad) or the bias gradient
+        return torch_pass_runner(exe, device)
+    stream_of, is_capturing = _torch_stream_queries()
     exe.reserve(stream_of(device))
     shape, launch = exe.plan.spec.y_shape, exe.launch_raw
     filters = (FilterCache(lambda w, out: _torch_transform(exe, w, out), is_capturing)
@@ -521,6 +520,73 @@ def torch_runner(exe: CudaExecutable, device: int) -> Callable[..., Any]:
         return y
 
     run.filters = filters  # type: ignore[attr-defined]  # tests look at it
+    return run
+
+
+def _torch_stream_queries() -> tuple[Callable[[int], int], Callable[[], bool]]:
+    """(raw handle of torch's current stream on a device, whether the current stream captures a
+    CUDA graph), through torch's cheapest accessors."""
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    stream_of: Callable[[int], int] = raw if raw is not None else (
+        lambda i: int(torch.cuda.current_stream(i).cuda_stream))
+    is_capturing: Callable[[], bool] = getattr(torch._C, "_cuda_isCurrentStreamCapturing",
+                                               torch.cuda.is_current_stream_capturing)
+    return stream_of, is_capturing
+
+
+def torch_pass_runner(exe: CudaExecutable, device: int) -> Callable[..., Any]:
+    """``run(x, w, y) -> out`` for a plan that writes x (dgrad), w (wgrad) or bias (the bias
+    gradient) from the others, torch CUDA tensors validated by the caller: the slot of the buffer
+    the plan writes is None, the others hold its inputs (dgrad: w and dy in y; wgrad: x and dy;
+    bias: dy). The output comes from torch's caching allocator (like the input's dtype and
+    device), the stream is torch's current one, misaligned views are copied first, nothing
+    synchronises: CUDA-graph capture works as for :func:`torch_runner`.
+
+    A dgrad plan's filter-only steps (the rotated, transposed filter of a forward family serving
+    dgrad) are kept per weight tensor and version (:class:`FilterCache`), as fprop's are; under
+    capture the whole plan runs. A wgrad plan writes the filters, so nothing is cached for it."""
+    import torch
+
+    stream_of, is_capturing = _torch_stream_queries()
+    exe.reserve(stream_of(device))
+    out_name = output_buffer(exe.plan)
+    slot, shape, launch = CONV_BUFFERS.index(out_name), exe.plan.spec.shape_of(out_name), exe.launch_raw
+    filters = (FilterCache(lambda w, out: _torch_transform(exe, w, out), is_capturing)
+               if exe.derived and out_name != "w" else None)
+    lookup = filters.get if filters is not None else None
+
+    def aligned(t: Any) -> tuple[Any, int]:
+        p = t.data_ptr()
+        if p & 15:
+            t = torch.empty_like(t).copy_(t)
+            p = t.data_ptr()
+        return t, p
+
+    def run(x: Any, w: Any, y: Any) -> Any:
+        ptrs = [0, 0, 0, 0]
+        like = y
+        if x is not None:
+            x, ptrs[0] = aligned(x)
+            like = x
+        if y is not None:
+            y, ptrs[2] = aligned(y)
+        derived = None
+        if w is not None:
+            moved = w.data_ptr() & 15
+            w, ptrs[1] = aligned(w)
+            if lookup is not None and not moved and not is_capturing():
+                derived = lookup(w, ptrs[1])
+        out = like.new_empty(shape)
+        ptrs[slot] = out.data_ptr()
+        if derived is None:
+            launch(ptrs[0], ptrs[1], ptrs[2], ptrs[3], stream_of(device))
+        else:
+            launch(ptrs[0], ptrs[1], ptrs[2], ptrs[3], stream_of(device), derived.data_ptr(), "rest")
+        return out
+
+    run.filters = filters  # type: ignore[attr-defined]
     return run
 
 
@@ -568,6 +634,8 @@ def _torch_transform(exe: CudaExecutable, w: Any, out: Any) -> Any:
 def cupy_runner(exe: CudaExecutable, device: int) -> Callable[..., Any]:
     """``run(x, w, bias) -> y`` for CuPy arrays: ``.data.ptr``, CuPy's current stream, output
     from CuPy's pool on the arrays' device."""
+    if output_buffer(exe.plan) != "y":  # a backward pass (dgrad, wgrad) or the bias gradient
+        return cupy_pass_runner(exe, device)
     current = cp.cuda.get_current_stream
     exe.reserve(int(current().ptr))
     shape, launch, dev = exe.plan.spec.y_shape, exe.launch_raw, cp.cuda.Device(device)
@@ -588,5 +656,37 @@ def cupy_runner(exe: CudaExecutable, device: int) -> Callable[..., Any]:
             y = cp.empty(shape, cp.float32)
         launch(xp, wp, y.data.ptr, 0 if bias is None else bias.data.ptr, current().ptr)
         return y
+
+    return run
+
+
+def cupy_pass_runner(exe: CudaExecutable, device: int) -> Callable[..., Any]:
+    """``run(x, w, y) -> out`` for CuPy arrays, as :func:`torch_pass_runner` (the slot of the
+    buffer the plan writes is None): output from CuPy's pool on the arrays' device, CuPy's current
+    stream. CuPy arrays have no version counter: a dgrad plan's filter steps run on every call."""
+    current = cp.cuda.get_current_stream
+    exe.reserve(int(current().ptr))
+    out_name = output_buffer(exe.plan)
+    slot, shape, launch = CONV_BUFFERS.index(out_name), exe.plan.spec.shape_of(out_name), exe.launch_raw
+    dev, multi = cp.cuda.Device(device), _driver().multi_gpu
+
+    def aligned(a: Any) -> tuple[Any, int]:
+        if a.data.ptr & 15:
+            a = a.copy()
+        return a, int(a.data.ptr)
+
+    def run(x: Any, w: Any, y: Any) -> Any:
+        ptrs = [0, 0, 0, 0]
+        held = [aligned(a) if a is not None else (None, 0) for a in (x, w, y)]  # copies live until the launch
+        for i, (_a, p) in enumerate(held):
+            ptrs[i] = p
+        if multi:
+            with dev:
+                out = cp.empty(shape, cp.float32)
+        else:
+            out = cp.empty(shape, cp.float32)
+        ptrs[slot] = int(out.data.ptr)
+        launch(ptrs[0], ptrs[1], ptrs[2], ptrs[3], current().ptr)
+        return out
 
     return run

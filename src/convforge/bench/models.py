@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 MODELS = {"resnet18": 224, "resnet50": 224, "vgg16": 224, "googlenet": 224, "alexnet": 224, "inception_v3": 299}
@@ -480,11 +481,15 @@ def _check_models(specs: list[str], console: Console) -> list[tuple[str, int]] |
     except ValueError as err:
         console.print(f"[red]error:[/] {err}")
         return None
+    from convforge.cli import need
+
     try:
-        import torch
-    except ImportError:
-        console.print("[red]error:[/] --model needs PyTorch and torchvision (pip install torch torchvision)")
+        need("--model", "torch", "torchvision")
+    except ValueError as err:
+        console.print(f"[red]error:[/] {escape(str(err))}")
         return None
+    import torch
+
     if not torch.cuda.is_available():
         console.print("[red]error:[/] --model runs on a CUDA device; torch sees none")
         return None
@@ -497,14 +502,14 @@ def tune_models(specs: list[str], console: Console, budget: Any = None) -> int:
     dispatch tunes every conv with its real epilogue into the database; print what each chose.
     ``budget`` (a tuner Budget) replaces the autotune budget meanwhile. 2: bad input or no GPU;
     1: a model could not be built or a layer fell back to the heuristic (its tuning failed)."""
+    models = _check_models(specs, console)  # before importing torch: without it, one error line
+    if models is None:
+        return 2
     import torch
 
     import convforge.tune as tune_pkg
     from convforge.config import config, precision_key
 
-    models = _check_models(specs, console)
-    if models is None:
-        return 2
     console.print(f"device {torch.cuda.get_device_name()}; database {config.tuning_db}; class "
                   f"{precision_key()}; budget per layer {budget or tune_pkg.AUTOTUNE_BUDGET}")
     saved, status = tune_pkg.AUTOTUNE_BUDGET, 0

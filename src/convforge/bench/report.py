@@ -18,7 +18,7 @@ from convforge.bench.baselines import BASELINE_NAMES
 from convforge.bench.ceilings import Ceilings
 from convforge.bench.runner import Row
 
-CSV_FIELDS = ("layer", "index", "impl", "backend", "algo", "precision", "time_ms", "tflops", "pct_peak",
+CSV_FIELDS = ("layer", "index", "pass", "impl", "backend", "algo", "precision", "time_ms", "tflops", "pct_peak",
               "workspace_bytes", "rel_err", "ok", "status", "baseline_impl", "baseline_algo",
               "baseline_ms", "speedup", "baseline_error", "error_ratio", "flops", "min_bytes", "chosen_by",
               "N", "C", "H", "W", "K", "R", "S", "stride", "pad", "dilation")
@@ -114,16 +114,30 @@ def _best_per_layer(rows: list[Row]) -> list[Row]:
     return list(best.values())
 
 
+def row_pass(r: Row) -> str:
+    """The pass a row measured (fprop unless its spec names another)."""
+    return str(r.spec.get("pass", "fprop"))
+
+
+def _class_passes(rows: list[Row]) -> list[tuple[str, str, str]]:
+    """(summary key, class, pass) in run order: the key is the class alone for fprop, "class/pass"
+    for dgrad and wgrad (a suite run with ``--pass all`` is summarised per pass)."""
+    seen = dict.fromkeys((r.precision, row_pass(r)) for r in _convforge(rows))
+    return [(p if cp == "fprop" else f"{p}/{cp}", p, cp) for p, cp in seen]
+
+
 def summary(rows: list[Row]) -> dict[str, dict[str, Any]]:
-    """Per class, over the fastest passing convforge row of each layer: geometric-mean speed-up and
-    error ratio against the class's baseline, how many layers each covers, the largest error, failures;
-    ``by_impl`` the same per implementation and back-end (results.json's ``summary``)."""
+    """Per class and pass, over the fastest passing convforge row of each layer: geometric-mean
+    speed-up and error ratio against the class's baseline (of that pass), how many layers each
+    covers, the largest error, failures; ``by_impl`` the same per implementation and back-end
+    (results.json's ``summary``, keyed by class, or "class/pass" for dgrad and wgrad)."""
     out: dict[str, dict[str, Any]] = {}
-    for prec in classes(rows):
-        ours = _convforge(rows, prec)
+    for key, prec, conv_pass in _class_passes(rows):
+        ours = [r for r in _convforge(rows, prec) if row_pass(r) == conv_pass]
         best = _best_per_layer(ours)
         impls = list(dict.fromkeys(f"{r.impl} [{r.backend}]" for r in ours))
-        out[prec] = {"baseline": ", ".join(sorted({r.baseline_impl for r in best if r.baseline_impl})),
+        out[key] = {"pass": conv_pass, "precision": prec,
+                    "baseline": ", ".join(sorted({r.baseline_impl for r in best if r.baseline_impl})),
                      **_stats(best), "layers": len({r.index for r in ours}),
                      "failed": sum(1 for r in ours if not r.ok),
                      "by_impl": {i: _stats([r for r in ours if r.ok and f"{r.impl} [{r.backend}]" == i])
@@ -143,12 +157,15 @@ def summary_lines(rows: list[Row]) -> list[str]:
     geometric-mean error ratio 1.70 over 16 (...)' for the fastest convforge row of each layer, then
     one indented line per implementation when several ran, and the failures."""
     lines = []
-    for prec, s in summary(rows).items():
-        lines.append(_line(class_title(prec, rows), s))
+    for s in summary(rows).values():
+        prec = s["precision"]
+        head = class_title(prec, rows) + ("" if s["pass"] == "fprop" else f", {s['pass']}")
+        lines.append(_line(head, s))
         if len(s["by_impl"]) > 1:
             lines += [_line(f"  {impl}", st) for impl, st in s["by_impl"].items()]
         if s["failed"]:
-            lines.append(f"  {s['failed']} {prec}-class convforge row(s) failed their check or did not run")
+            what = f"{prec}-class" + ("" if s["pass"] == "fprop" else f" {s['pass']}")
+            lines.append(f"  {s['failed']} {what} convforge row(s) failed their check or did not run")
     return lines
 
 
@@ -201,5 +218,6 @@ def write_csv(path: Path, env: dict[str, Any], rows: list[Row]) -> None:
             spec = d.pop("spec")
             d.update({k: spec.get(k, "") for k in ("N", "C", "H", "W", "K", "R", "S")})
             d.update({k: "x".join(map(str, spec.get(k, []))) for k in ("stride", "pad", "dilation")})
+            d["pass"] = spec.get("pass", "fprop")
             d.update({k: env.get(k, "") for k in ENV_FIELDS})
             w.writerow({k: d.get(k, "") for k in w.fieldnames})

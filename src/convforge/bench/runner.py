@@ -20,7 +20,8 @@ from convforge.bench import baselines
 from convforge.bench.ceilings import Ceilings
 from convforge.bench.suites import Layer
 from convforge.bench.timing import Timing, check_slice, cycle, run_timed
-from convforge.check import check_plan, random_inputs
+from convforge.check import check_plan, pass_inputs
+from convforge.dtypes import to_storage
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Variant
 from convforge.spec import ConvSpec
@@ -89,13 +90,14 @@ def _flops_row(row: Row, spec: ConvSpec, peak: float | None) -> Row:
 
 
 def _input_sets(be: Backend, spec: ConvSpec, timing: Timing, seed: int) -> list[dict[str, Any]]:
-    """``timing.sets`` fresh (x, w) pairs on the device sharing one output buffer."""
+    """``timing.sets`` fresh input pairs of the layer's pass (fprop x, w; dgrad dy, w; wgrad x, dy)
+    on the device, sharing one output buffer (``spec.output``)."""
     rng = np.random.default_rng(seed + 1)
-    y = be.empty(4 * spec.n * spec.k * spec.p * spec.q)
+    out_buf = be.empty(spec.itemsize * int(np.prod(spec.shape_of(spec.output))))
     out = []
     for _ in range(timing.sets):
-        x, w, _b = random_inputs(spec, rng)
-        out.append({"x": be.upload(x), "w": be.upload(w), "y": y})
+        bufs = {name: be.upload(to_storage(a, spec.dtype)) for name, a in pass_inputs(spec, rng).items()}
+        out.append({**bufs, spec.output: out_buf})
     return out
 
 

@@ -56,8 +56,8 @@ def select(algo: str, spec: ConvSpec, device: DeviceInfo, *, precision: str | No
     variants = all_variants()
     if algo == "auto":
         chosen = variants
-    elif algo in _REGISTRY:
-        chosen = [_REGISTRY[algo]]
+    elif algo in _REGISTRY and not (algo in FAMILIES and spec.conv_pass not in _REGISTRY[algo].passes):
+        chosen = [_REGISTRY[algo]]  # "direct" names the forward variant in fprop, the family in the other passes
     else:
         chosen = [v for v in variants if v.family == algo]
         if not chosen:

@@ -46,8 +46,11 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=("cuda", "opencl"), help="default: cuda when present, else opencl")
     p.add_argument("--device", help="CUDA device index or OpenCL 'platform:device'")
     p.add_argument("--db", type=Path, help=f"tuning database (default {config.tuning_db})")
-    p.add_argument("--bias", action="store_true", help="tune with a bias epilogue")
-    p.add_argument("--relu", action="store_true", help="tune with a ReLU epilogue")
+    p.add_argument("--bias", action="store_true", help="tune with a bias epilogue (fprop only)")
+    p.add_argument("--relu", action="store_true", help="tune with a ReLU epilogue (fprop only)")
+    from convforge.cli import add_pass_option
+
+    add_pass_option(p, allow_all=True, extra=" (--suite / --spec)")
     p.add_argument("--force", action="store_true", help="re-tune layers the database already knows")
     p.add_argument("--seed", type=int, default=0, help="seed of the space sample and of the check inputs")
     p.add_argument("--precision", choices=tuple(PRECISIONS), help=PRECISION_HELP)
@@ -88,7 +91,16 @@ def _layers(args: argparse.Namespace) -> list[tuple[str, ConvSpec]]:
         out = out[: args.limit]
     if not out:
         raise ValueError("nothing to tune: give --suite NAME|FILE or --spec")
-    return out
+    return with_passes(out, getattr(args, "conv_pass", None))
+
+
+def with_passes(layers: list[tuple[str, ConvSpec]], choice: str | None) -> list[tuple[str, ConvSpec]]:
+    """Each layer in the pass(es) ``--pass`` names (``cli.spec_passes``), named "layer" for fprop
+    and "layer:dgrad" / "layer:wgrad" for the others."""
+    from convforge.cli import spec_passes
+
+    return [(name if s.conv_pass == "fprop" else f"{name}:{s.conv_pass}", s)
+            for name, spec in layers for s in spec_passes(spec, choice)]
 
 
 def _backend(args: argparse.Namespace) -> Any:
@@ -100,6 +112,7 @@ def _backend(args: argparse.Namespace) -> Any:
 
 # Options that apply to some modes only ("layers": --suite / --spec, "net": --net, "model": --model).
 _MODES = {"--batch": ("net",), "--limit": ("layers",), "--bias": ("layers",), "--relu": ("layers",),
+          "--pass": ("layers",),
           "--report": ("layers",), "--dispatch-overhead": ("layers",), "--workers": ("layers", "net")}
 _MODE_FLAGS = {"layers": "--suite / --spec", "net": "--net", "model": "--model"}
 
@@ -120,11 +133,16 @@ def check_tune_args(args: argparse.Namespace) -> Budget:
         given = ", ".join(f for f, v in (("--suite", args.suite), ("--spec", args.spec)) if v)
         raise ValueError(f"--net cannot be combined with {given} (tune them separately)")
     for flag, modes in _MODES.items():
-        value = getattr(args, flag[2:].replace("-", "_"), None)
+        value = getattr(args, "conv_pass" if flag == "--pass" else flag[2:].replace("-", "_"), None)
         if value not in (None, False) and mode not in modes:
             where = " or ".join(_MODE_FLAGS[m] for m in modes)
             raise ValueError(f"{flag} applies only with {where}, not with {_MODE_FLAGS[mode]}")
     return budget
+
+
+def layer_epilogue(spec: ConvSpec, epi: Epilogue) -> Epilogue:
+    """The epilogue a layer is tuned with: ``epi`` for fprop, none for the backward passes."""
+    return epi if spec.conv_pass == "fprop" else Epilogue()
 
 
 def tune_main(args: argparse.Namespace) -> int:
@@ -141,9 +159,16 @@ def tune_main(args: argparse.Namespace) -> int:
     if getattr(args, "net", None):
         from convforge.graph.tune import tune_net
 
+        if str(args.net).endswith(".onnx"):
+            from convforge.cli import need
+
+            need("--net FILE.onnx", "onnx")
+
         return tune_net(args, console, _backend(args), TuningDB(args.db or config.tuning_db), budget)
     try:
         layers = _layers(args)
+        if (args.bias or args.relu) and not any(s.conv_pass == "fprop" for _, s in layers):
+            raise ValueError("--bias and --relu are fprop epilogues; dgrad and wgrad write a plain gradient")
     except ValueError as err:
         _error(f"{err}")
         return 2
@@ -168,13 +193,14 @@ def tune_main(args: argparse.Namespace) -> int:
         tuner = Tuner(backend, db, budget, args.seed, workers=args.workers)
         doc = build_report(tuner, layers, results, all_variants(), args.report_sets)
         files = write_report(args.report, doc)
-        console.print("report: " + ", ".join(str(f) for f in files), markup=False)
+        plot = "" if any(f.suffix == ".png" for f in files) else " (no report.png: pip install 'convforge[plot]')"
+        console.print("report: " + ", ".join(str(f) for f in files) + plot, markup=False)
     if args.dispatch_overhead and results:
         from convforge.tune import clear_choices
 
         clear_choices()
         with _db_config(db.path):
-            us = measure_dispatch(layers[0][1], backend, epilogue=epi)
+            us = measure_dispatch(layers[0][1], backend, epilogue=layer_epilogue(layers[0][1], epi))
         console.print(f"dispatch overhead of choose() with a warm database: {us:.2f} µs per call")
     return 1 if failed else 0
 
@@ -233,7 +259,7 @@ def _run(console: Any, layers: list[tuple[str, ConvSpec]], backend: Any, db: Tun
         for name, spec in layers:
             bar.reset(cands, total=budget.candidates, description=f"  {name}")
             try:
-                results[name] = tuner.tune(spec, epi, force=args.force)
+                results[name] = tuner.tune(spec, layer_epilogue(spec, epi), force=args.force)
             except TuneError as err:
                 failed[name] = str(err)
                 console.print(f"{name}: {err}", style="red", markup=False)
@@ -283,10 +309,13 @@ def add_db_arguments(p: argparse.ArgumentParser) -> None:
     sub.required = True
     ls = sub.add_parser("list", help="one line per tuned layer")
     show = sub.add_parser("show", help="every field of the entries matching a layer or key fields")
+    from convforge.cli import add_pass_option
+
     for q in (ls, show):
         q.add_argument("--spec", help="only this layer (ConvSpec text)")
         q.add_argument("--backend", help="only this back-end")
         q.add_argument("--variant", help="only this variant")
+        add_pass_option(q, allow_all=False, extra=" (default: every pass)")
     exp = sub.add_parser("export", help="write the entries as JSON (to share between machines)")
     exp.add_argument("file", type=Path, help="output JSON file ('-' for stdout)")
     exp.add_argument("--backend", help="only this back-end")
@@ -325,10 +354,10 @@ def db_main(args: argparse.Namespace) -> int:
         return 2
     cmd = args.db_command
     if cmd == "list":
-        console.print(_list_table(db.entries(**match), db.path))
+        console.print(_list_table(_of_pass(db.entries(**match), args), db.path))
         _print_not_carried(console, db)
     elif cmd == "show":
-        for e in db.entries(**match):
+        for e in _of_pass(db.entries(**match), args):
             console.print_json(json.dumps(_entry_doc(e)))
     elif cmd == "export":
         if str(args.file) == "-":
@@ -380,10 +409,26 @@ def _print_not_carried(console: Any, db: TuningDB) -> None:
             console.print(f"  {line}", soft_wrap=True, markup=False)
 
 
+def entry_pass(e: Entry) -> str:
+    """The pass an entry was tuned for (its spec_json's; fprop for entries that name none)."""
+    try:
+        doc = json.loads(e.spec_json)
+    except json.JSONDecodeError:
+        doc = {}
+    return str(doc.get("pass", "fprop")) if isinstance(doc, dict) else "fprop"
+
+
+def _of_pass(entries: list[Entry], args: argparse.Namespace) -> list[Entry]:
+    """The entries of ``--pass`` (all of them without it)."""
+    want = getattr(args, "conv_pass", None)
+    return entries if want is None else [e for e in entries if entry_pass(e) == want]
+
+
 def _entry_doc(e: Entry) -> dict[str, Any]:
     from dataclasses import asdict
 
     doc = asdict(e)
+    doc["pass"] = entry_pass(e)
     doc["params"] = json.loads(e.params)
     doc["heuristic_params"] = json.loads(e.heuristic_params)
     doc["spec_json"] = json.loads(e.spec_json)
@@ -394,13 +439,13 @@ def _list_table(entries: list[Entry], path: Path) -> Any:
     from rich.table import Table
 
     table = Table(title=escape(f"{path}: {len(entries)} entries"))
-    for col in ("device", "back-end", "layer", "epilogue", "precision", "variant", "parameters", "ms", "error",
-                "speed-up", "date"):
+    for col in ("device", "back-end", "layer", "pass", "epilogue", "precision", "variant", "parameters", "ms",
+                "error", "speed-up", "date"):
         table.add_column(col)
     for e in entries:
         prm = " ".join(f"{k}={v}" for k, v in json.loads(e.params).items())
         sp = e.speedup
-        cells = (e.device.split("|")[1] if "|" in e.device else e.device, e.backend, e.spec, e.epilogue,
+        cells = (e.device.split("|")[1] if "|" in e.device else e.device, e.backend, e.spec, entry_pass(e), e.epilogue,
                  e.precision, e.variant, prm, f"{e.time_ms:.4f}", f"{e.error:.1e}",
                  "" if sp is None else f"{sp:.2f}×", e.date[:19])
         table.add_row(*(escape(c) for c in cells))
