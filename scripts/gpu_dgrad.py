@@ -3,9 +3,10 @@
 For each layer: every dgrad variant that applies (``--precision fp32``: the fp32 class; ``relaxed``:
 all) with its default parameters, checked against float64 (first image) and timed (CUDA events,
 median of 20, every step of the plan inside the call: the filter rotation / packing too); the
-untuned heuristic's pick is marked ``*``; ``--tune BUDGET`` also runs the tuner on the layer (fp32
-class). Baseline: PyTorch's own pick through ``aten.convolution_backward`` (grad_input only,
-cudnn.benchmark on, TF32 off) -- one half of cuDNN-best FP32; the legacy BWD_DATA sweep is
+untuned heuristic's pick is marked ``*`` (``--defaults pick``: only it is timed); ``--tune BUDGET``
+also runs the tuner on the layer (in the class asked for). Baseline: PyTorch's own pick through
+``aten.convolution_backward`` (grad_input only, cudnn.benchmark on, TF32 off) -- one half of
+cuDNN-best FP32; the legacy BWD_DATA sweep is
 ``convforge bench --pass dgrad``'s. Effective TFLOPS use the forward formula. Prints the geometric
 means of PyTorch / ours (heuristic pick, best default, tuned) and writes $OUT/gpu-dgrad.json.
 """
@@ -92,6 +93,8 @@ def main() -> int:
     ap.add_argument("--precision", default="fp32", choices=["fp32", "relaxed"])
     ap.add_argument("--tune", default="", help="tuner budget per layer, e.g. '20s,24' (empty: no tuning)")
     ap.add_argument("--only", default="", help="comma-separated substrings of layer labels")
+    ap.add_argument("--defaults", default="all", choices=["all", "pick"],
+                    help="time every applicable variant's default (all) or only the heuristic's pick")
     args = ap.parse_args()
     be = get_backend("cuda")
     print(f"device {be.device.name} ({be.device.driver})")
@@ -118,6 +121,8 @@ def run_layer(be: Any, label: str, spec: ConvSpec, args: argparse.Namespace) -> 
     print(f"\n== {label}: {spec.short()}  ({spec.flops / 1e9:.1f} GFLOP)")
     for v in all_variants():
         if v.applies(spec, be.device) or accurate_enough(v, spec, args.precision) or not v.capturable:
+            continue
+        if args.defaults == "pick" and v is not pick:
             continue
         prm = v.default(spec, be.device)
         try:

@@ -13,8 +13,9 @@ phase's (r, s) pairs; a phase no tap reaches (a 1x1 filter at stride 2, or gcd(d
 All phases and groups run in one launch (grid z), each with its own reduction length, on the
 shared SGEMM generator (kernels/sgemm.py). One weight step prepares it: the filters packed phase
 by phase as row-major cg x (taps x kg) matrices (float4 loads along the reduction); the dy offset
-of each tap is arithmetic (the taps of a phase are evenly spaced). Stride 1 is the one-phase case: the implicit GEMM of the transposed problem.
-Dilation is handled the same way: the taps of one phase are sh / gcd(sh, dh) apart.
+of each tap is arithmetic (the taps of a phase are evenly spaced). Stride 1 is the one-phase case:
+the implicit GEMM of the transposed problem. Dilation is handled the same way: the taps of one phase
+are sh / gcd(sh, dh) apart.
 """
 
 from __future__ import annotations
@@ -179,7 +180,8 @@ def _head(spec: ConvSpec, geo: _Geo) -> list[str]:
                  f"const int ph_h = ph / {sw}, ph_w = ph - ph_h * {sw};"]
     lines += [*phase_lines(geo.ah, geo.aw, spec.s, "ph_h", "ph_w", "ph_"),
               f"const int ph_red = {spec.kg} * ph_nr * ph_ns;",
-              f"const int ph_dr = {chain('ph_h', geo.ah.first_offsets)}, ph_ds = {chain('ph_w', geo.aw.first_offsets)};"]
+              f"const int ph_dr = {chain('ph_h', geo.ah.first_offsets)}, "
+              f"ph_ds = {chain('ph_w', geo.aw.first_offsets)};"]
 
     def per_group(n: int) -> str:
         return f"ph_g * {n}" if g else "0"
