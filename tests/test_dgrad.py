@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import NOMINAL_CUDA, NOMINAL_OPENCL_GPU
-from convforge.backends.base import weight_steps
+from convforge.backends.base import output_buffer, weight_steps
 from convforge.check import check_plan, pass_inputs
 from convforge.kernels import all_variants, get_variant, most_specialised
 from convforge.kernels.dgrad import transposed_spec
@@ -245,3 +245,20 @@ def test_strided_defaults_are_big_tiles_on_big_layers():
         p = v.default(layer.with_pass("dgrad"), NOMINAL_CUDA)
         assert p.bm * p.bn >= 64 * 128 and p.va == 4 and p.db == 1, p.short()
     assert v.space(STRIDED_COMPILE[0].with_pass("dgrad"), NOMINAL_OPENCL_GPU)
+
+
+@pytest.mark.parametrize("name", ADAPTERS)
+def test_every_adapter_keeps_its_rotation_as_a_weight_step(name):
+    """For every adapter (tensor-core ones included) the rotation is step 0 and a weight step, every
+    step of the forward plan keeps its kernel and launch geometry, and only x (dx) is written of the
+    conv buffers."""
+    v = get_variant(name)
+    spec = next(s for s in COMPILE_SPECS if v.applies(s, NOMINAL_CUDA) is None)
+    plan = v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA)
+    inner = v.fwd.plan(transposed_spec(spec), v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA)
+    steps, derived = weight_steps(plan)
+    assert 0 in steps and "w_rot" in derived and plan.spec == spec
+    assert plan.kernels[1:] == inner.kernels and len(plan.steps) == len(inner.steps) + 1
+    for mine, theirs in zip(plan.steps[1:], inner.steps, strict=True):
+        assert getattr(mine, "grid", None) == getattr(theirs, "grid", None)
+    assert output_buffer(plan) == "x"
