@@ -318,7 +318,7 @@ def parts(x: Any, w: Any, b: Any, spec: ConvSpec, args: argparse.Namespace) -> N
     print(f"{torch.cuda.get_device_name()} | layer {spec.short()} | algo {args.algo} | no_grad, host us per call"
           f" | pieces timed {'in C (native.parts)' if nat is not None else 'from Python (native path off)'}")
     if nat is not None:
-        call = (x, w, b, spec.stride, spec.pad, spec.dilation, args.algo, None, None, False, None, None, None)
+        call = (x, w, b, spec.stride, spec.pad, spec.dilation, args.algo, None, None, False, None, None, None, 1)
         rows = [("whole conv2d call (from Python)", conv)]
         with torch.no_grad():
             for piece in PIECES:
@@ -340,7 +340,7 @@ CUPY_PIECES = ("call", "parse", "find", "device", "stream", "alloc", "launch")
 def cupy_parts(x: Any, w: Any, b: Any, spec: ConvSpec, args: argparse.Namespace) -> None:
     """The same for CuPy arrays of the same values, in C by the CuPy native module's ``parts``."""
     xc, wc, bc = cp.asarray(x), cp.asarray(w.detach()), cp.asarray(b.detach())
-    call = (xc, wc, bc, spec.stride, spec.pad, spec.dilation, args.algo, None, None, False, None, None, None)
+    call = (xc, wc, bc, spec.stride, spec.pad, spec.dilation, args.algo, None, None, False, None, None, None, 1)
     convforge.conv2d(*call)  # builds the runner, loads the CuPy path and files the call
     cnat = backend_native.load_cupy()
     if cnat is None:
@@ -456,12 +456,12 @@ def main() -> None:
         ("convforge.conv2d, torch tensors", lambda: convforge.conv2d(x, w, b, spec.stride, spec.pad, spec.dilation,
                                                                      algo=args.algo), "torch"),
         ("  native.run alone (no Python wrapper)", (lambda: nat.run(x, w, b, spec.stride, spec.pad, spec.dilation,
-                                                                    args.algo, None, None, False, None, None, None))
+                                                                    args.algo, None, None, False, None, None, None, 1))
          if nat is not None else None, "torch"),
         ("convforge.conv2d, CuPy arrays", lambda: convforge.conv2d(xc, wc, bc, spec.stride, spec.pad, spec.dilation,
                                                                    algo=args.algo), "cupy"),
         ("  CuPy native.run alone", (lambda: cnat.run(xc, wc, bc, spec.stride, spec.pad, spec.dilation, args.algo,
-                                                      None, None, False, None, None, None))
+                                                      None, None, False, None, None, None, 1))
          if cnat is not None else None, "cupy"),
         ("torch.ops.convforge.conv2d", lambda: torch.ops.convforge.conv2d(x, w, b, st, pd, dl, args.algo, None, None),
          "torch"),

@@ -3,6 +3,7 @@ current stream, CUDA events. The only file that imports cupy (and, for interop, 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import sys
@@ -40,6 +41,11 @@ def _driver_version() -> str:
     except Exception:  # noqa: BLE001 - NVML absent: fall back to what CUDA itself says
         v = int(cp.cuda.runtime.driverGetVersion())
         return f"CUDA {v // 1000}.{v % 1000 // 10}"
+
+
+def current_device() -> int:
+    """The calling thread's current CUDA device (no context is created)."""
+    return int(cp.cuda.runtime.getDevice())
 
 
 def device_count() -> int:
@@ -110,11 +116,12 @@ class CudaBackend(Backend):
             return None
 
     def function(self, program: Any, kernel: Kernel) -> Any:
-        fn = program.get_function(kernel.name)
-        lb = kernel.local_buf()
-        if lb is not None and lb.nbytes > 48 * 1024:
-            cp.cuda.driver.funcSetAttribute(
-                fn.ptr, cp.cuda.driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, lb.nbytes)
+        with self._device():  # the module's context, whichever device the caller has current
+            fn = program.get_function(kernel.name)
+            lb = kernel.local_buf()
+            if lb is not None and lb.nbytes > 48 * 1024:
+                cp.cuda.driver.funcSetAttribute(
+                    fn.ptr, cp.cuda.driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, lb.nbytes)
         return fn
 
     # -- memory -----------------------------------------------------------------------------
@@ -128,7 +135,10 @@ class CudaBackend(Backend):
 
     def download(self, buf: Any, shape: tuple[int, ...], dtype: str = "float32") -> np.ndarray:
         flat = buf.ravel().view(storage_dtype(dtype))
-        return from_storage(cp.asnumpy(flat[: int(np.prod(shape))]).reshape(shape), dtype)
+        with self._device():
+            host = cp.asnumpy(flat[: int(np.prod(shape))], stream=self._stream())
+            self._stream().synchronize()
+        return from_storage(host.reshape(shape), dtype)
 
     def nbytes(self, buf: Any) -> int:
         return int(buf.nbytes)
@@ -146,14 +156,28 @@ class CudaBackend(Backend):
     def fill(self, buf: Any, value: float, nbytes: int, dtype: str = "float32") -> None:
         pattern = to_storage(np.array([value], np.float32), dtype)
         flat = buf.ravel().view(pattern.dtype)
-        with self._stream():
+        with self._device(), self._stream():
             flat[: nbytes // pattern.itemsize].fill(pattern[0])
 
     def _stream(self) -> Any:
-        return self.stream if self.stream is not None else cp.cuda.get_current_stream()
+        """The stream work of this back-end goes to: ``self.stream`` when set, else the current
+        stream of THIS back-end's device (not of whichever device is current)."""
+        return self.stream if self.stream is not None else cp.cuda.get_current_stream(self.device_id)
+
+    def _device(self) -> Any:
+        """This back-end's device made current for a block (the dict path's launches, fills, events
+        and captures run there even when the caller has another device current); nothing to do,
+        and nothing paid but one query, when it already is."""
+        if cp.cuda.runtime.getDevice() == self.device_id:
+            return contextlib.nullcontext()
+        return cp.cuda.Device(self.device_id)
 
     # -- execution --------------------------------------------------------------------------
     def launch(self, program: Any, fn: Any, kernel: Kernel, step: Launch, args: list[Any]) -> None:
+        with self._device():
+            self._launch(program, fn, kernel, step, args)
+
+    def _launch(self, program: Any, fn: Any, kernel: Kernel, step: Launch, args: list[Any]) -> None:
         stream = self._stream()
         layout = self._layouts.get(kernel)
         if layout is None:  # per kernel, once: which arguments are constants, textures, values
@@ -195,43 +219,49 @@ class CudaBackend(Backend):
             cp.matmul(av, bv, out=cv)
 
     def synchronize(self) -> None:
-        self._stream().synchronize()
+        with self._device():
+            self._stream().synchronize()
 
     def capture(self, fn: Callable[[], None]) -> Callable[[], None]:
         """``fn``'s launches captured once (on a private stream) into a CUDA graph; the result
         replays it on the current stream (the network runtime's fixed launch list). Run ``fn``
         once before, so nothing allocates or compiles during the capture."""
-        stream = cp.cuda.Stream(non_blocking=True)
+        with self._device():
+            stream = cp.cuda.Stream(non_blocking=True)
         saved, self.stream = self.stream, stream
         try:
-            stream.begin_capture()
-            try:
-                fn()
-            finally:
-                graph = stream.end_capture()
+            with self._device():
+                stream.begin_capture()
+                try:
+                    fn()
+                finally:
+                    graph = stream.end_capture()
         finally:
             self.stream = saved
 
         def replay() -> None:
-            graph.launch(self._stream())
+            with self._device():
+                graph.launch(self._stream())
 
         return replay
 
     def write(self, buf: Any, array: np.ndarray) -> None:
         arr = np.ascontiguousarray(array, dtype=np.float32).ravel()
-        buf.ravel()[: arr.size].set(arr, stream=self._stream())
+        with self._device():
+            buf.ravel()[: arr.size].set(arr, stream=self._stream())
 
     def time_ms(self, fn: Callable[[], None], repeats: int) -> list[float]:
         # Calls are queued back to back and synchronised once, so host-side launch work overlaps
         # the previous call's device work, as in a real pipeline; each pair of events times one call.
-        stream = self._stream()
-        events = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(repeats)]
-        for start, end in events:
-            start.record(stream)
-            fn()
-            end.record(stream)
-        events[-1][1].synchronize()
-        return [float(cp.cuda.get_elapsed_time(start, end)) for start, end in events]
+        with self._device():
+            stream = self._stream()
+            events = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(repeats)]
+            for start, end in events:
+                start.record(stream)
+                fn()
+                end.record(stream)
+            events[-1][1].synchronize()
+            return [float(cp.cuda.get_elapsed_time(start, end)) for start, end in events]
 
 
 def _matrices(buf: Any, batch: int, rows: int, cols: int, ld: int, stride: int) -> Any:

@@ -53,7 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "against PyTorch FP32 or PyTorch TF32")
     parser.add_argument("--model", action="append", metavar="NAME[:BATCH]",
                         help="whole torchvision model, random weights (repeatable): resnet18, resnet50, vgg16, "
-                        "googlenet, alexnet, inception_v3; PyTorch FP32/TF32/compile vs the converted model")
+                        "googlenet, alexnet, inception_v3, resnext50_32x4d, regnet_y_1_6gf, mobilenet_v2, "
+                        "mobilenet_v3_large, convnext_tiny, densenet121, efficientnet_b0, shufflenet_v2_x1_0; "
+                        "PyTorch FP32/TF32/compile vs the converted model")
     parser.add_argument("--tune", action="store_true",
                         help="with --model: tune every convforge layer in its row's precision class into the "
                         "database before timing (config.autotune on the warm-up call)")
@@ -68,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --model: time one training step (forward + cross-entropy + backward + SGD) of "
                         "the converted and the fused model against PyTorch FP32 (TF32 for the relaxed class), "
                         "and a 50-step loss curve of each beside PyTorch's")
+    parser.add_argument("--devices", metavar="N|all",
+                        help="with --model --train: the step also in DistributedDataParallel on N GPUs (one process "
+                        "per GPU through torchrun) against one GPU: images/s, scaling, efficiency (bench/ddp.py)")
     parser.add_argument("--sweep", action="store_true",
                         help="time every point of each --algo variant's tuning space on every layer (checked, "
                         "the tuner's measurement) instead of the baselines; writes sweep.json with --out")
@@ -132,9 +137,15 @@ def _run_models(args: argparse.Namespace, console: Console) -> int:
     if getattr(args, "max_error", None) is not None:
         opts["max_error"] = args.max_error
     budget = getattr(args, "error_budget", None)
+    if getattr(args, "devices", None) is not None and not getattr(args, "train", False):
+        raise SuiteError("--devices goes with --train: it times data-parallel training (inference runs on one GPU)")
     if getattr(args, "train", False):
         if budget is not None:
             raise SuiteError("--error-budget calibrates inference; it does not go with --train")
+        if getattr(args, "devices", None) is not None:
+            from convforge.bench import ddp
+
+            return ddp.launch(args.model, args.devices, console, args.warmup, args.repeats, args.out, tune=args.tune)
         from convforge.bench import training
 
         return training.run(args.model, args.out, args.warmup, args.repeats, console, opts,
@@ -172,6 +183,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         raise SuiteError("--train goes with --model (for one pass of a suite's layers: --pass dgrad|wgrad|all)")
     if getattr(args, "error_budget", None) is not None:
         raise SuiteError("--error-budget goes with --model")
+    if getattr(args, "devices", None) is not None:
+        raise SuiteError("--devices goes with --model --train (to tune on several devices: convforge tune --devices)")
     if args.suite is None:
         if not args.ablation:
             raise SuiteError("--suite is required (a built-in name or a JSON file)")
@@ -301,7 +314,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         return _run(args, console)
     except SuiteError as err:
-        console.print(f"[red]error:[/] {escape(str(err))}")
+        console.print(f"[red]error:[/] {escape(str(err))}", soft_wrap=True)  # one line, however long
         return 2
 
 

@@ -135,7 +135,7 @@ class _Descriptors:
         a.check("cudnnSetConvolution2dDescriptor", self.conv, v(spec.pad[0]), v(spec.pad[2]),
                 v(spec.stride[0]), v(spec.stride[1]), v(spec.dilation[0]), v(spec.dilation[1]),
                 v(_CROSS_CORRELATION), v(_FLOAT))
-        if spec.groups > 1:
+        if spec.groups > 1:  # filters of C/groups channels, as PyTorch's grouped convolutions call it
             a.check("cudnnSetConvolutionGroupCount", self.conv, v(spec.groups))
         if self.math == "default":
             a.check("cudnnSetConvolutionMathType", self.conv, v(_DEFAULT_MATH))
@@ -179,7 +179,11 @@ def _one(api: _Api, d: _Descriptors, row: str, algo: int, spec: ConvSpec, sets: 
     out = torch.empty(spec.shape_of(spec.output), dtype=torch.float32, device="cuda")
     alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
 
+    swap = spec.conv_pass == "dgrad"  # sets hold (dy, w); cudnnConvolutionBackwardData takes (w, dy)
+
     def call(a: Any, b: Any) -> int:
+        if swap:
+            a, b = b, a
         return api(run_fn, _HANDLE, ctypes.byref(alpha), da, ctypes.c_void_p(a.data_ptr()), db,
                    ctypes.c_void_p(b.data_ptr()), d.conv, v(algo), ctypes.c_void_p(work.data_ptr()),
                    ctypes.c_size_t(ws.value), ctypes.byref(beta), dout, ctypes.c_void_p(out.data_ptr()))

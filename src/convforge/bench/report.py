@@ -20,8 +20,8 @@ from convforge.bench.runner import Row
 
 CSV_FIELDS = ("layer", "index", "pass", "impl", "backend", "algo", "precision", "time_ms", "tflops", "pct_peak",
               "workspace_bytes", "rel_err", "ok", "status", "baseline_impl", "baseline_algo",
-              "baseline_ms", "speedup", "baseline_error", "error_ratio", "flops", "min_bytes", "chosen_by",
-              "N", "C", "H", "W", "K", "R", "S", "stride", "pad", "dilation")
+              "baseline_ms", "speedup", "baseline_error", "error_ratio", "flops", "min_bytes", "gbs", "pct_copy",
+              "chosen_by", "N", "C", "H", "W", "K", "R", "S", "stride", "pad", "dilation", "groups")
 ENV_FIELDS = ("device", "driver", "platform", "convforge", "torch", "cudnn", "cupy", "pyopencl", "numpy")
 
 
@@ -68,15 +68,24 @@ def class_title(precision: str, rows: list[Row], what: str = "") -> str:
     return f"{precision} class vs {base}" + (f" — {what}" if what else "")
 
 
+def grouped_rows(rows: list[Row]) -> bool:
+    """Whether any row is a grouped (or depthwise) layer: memory-bound, so its tables show bandwidth."""
+    return any(r.spec.get("groups", 1) > 1 for r in rows)
+
+
 def layer_table(rows: list[Row], title: str = "", precision: str | None = None) -> Table:
     """One line per layer x convforge implementation of ``precision``'s class (all classes when None),
-    with the class's baseline beside it: time, speed-up, both measured errors and their ratio."""
+    with the class's baseline beside it: time, speed-up, both measured errors and their ratio; for
+    grouped and depthwise layers also the achieved GB/s (input + filters + output once) and its share
+    of the measured device-copy bandwidth, and the baseline's GB/s."""
     t = Table(title=title or None, show_lines=False)
-    for col, just in (("layer", "left"), ("class", "left"), ("convforge variant", "left"),
-                      ("time ms", "right"), ("TFLOPS", "right"), ("% peak", "right"),
-                      ("baseline ms", "right"), ("baseline algo", "left"), ("speed-up", "right"),
-                      ("workspace", "right"), ("rel err", "right"), ("baseline err", "right"),
-                      ("err ratio", "right"), ("check", "left")):
+    memory = grouped_rows(rows)
+    cols = [("layer", "left"), ("class", "left"), ("convforge variant", "left"), ("time ms", "right"),
+            ("TFLOPS", "right"), ("% peak", "right")]
+    cols += [("GB/s", "right"), ("% copy", "right"), ("baseline GB/s", "right")] if memory else []
+    cols += [("baseline ms", "right"), ("baseline algo", "left"), ("speed-up", "right"), ("workspace", "right"),
+             ("rel err", "right"), ("baseline err", "right"), ("err ratio", "right"), ("check", "left")]
+    for col, just in cols:
         t.add_column(col, justify=just)  # type: ignore[arg-type]
     for r in _convforge(rows, precision):
         check = "ok" if r.ok else ("[red]FAIL[/]" if r.ok is False else "-")
@@ -84,10 +93,14 @@ def layer_table(rows: list[Row], title: str = "", precision: str | None = None) 
             check = f"[red]{escape(r.status[:60])}[/]"
         variant = r.algo if len(r.algo) < 72 else r.algo[:69] + "..."
         base = escape(f"{r.baseline_impl}: {r.baseline_algo}") if r.baseline_impl else "none available"
-        t.add_row(escape(r.layer), r.precision, escape(f"{variant} [{r.backend}]"), _num(r.time_ms, ".3f"),
-                  _num(r.tflops, ".4g"), _num(r.pct_peak, ".1f"), _num(r.baseline_ms, ".3f"), base,
-                  _num(r.speedup, ".2f"), _bytes(r.workspace_bytes), _num(r.rel_err, ".1e"),
-                  _num(r.baseline_error, ".1e"), _num(r.error_ratio, ".2f"), check)
+        cells = [escape(r.layer), r.precision, escape(f"{variant} [{r.backend}]"), _num(r.time_ms, ".3f"),
+                 _num(r.tflops, ".4g"), _num(r.pct_peak, ".1f")]
+        if memory:
+            base_gbs = r.min_bytes / (r.baseline_ms * 1e-3) / 1e9 if r.baseline_ms and r.min_bytes else None
+            cells += [_num(r.gbs, ".0f"), _num(r.pct_copy, ".1f"), _num(base_gbs, ".0f")]
+        cells += [_num(r.baseline_ms, ".3f"), base, _num(r.speedup, ".2f"), _bytes(r.workspace_bytes),
+                  _num(r.rel_err, ".1e"), _num(r.baseline_error, ".1e"), _num(r.error_ratio, ".2f"), check]
+        t.add_row(*cells)
     return t
 
 
@@ -102,6 +115,7 @@ def _stats(rows: list[Row]) -> dict[str, Any]:
     ratio = [r.error_ratio for r in rows if r.error_ratio]
     return {"speedup_geomean": geomean(speed), "error_ratio_geomean": geomean(ratio),
             "n_speedup": len(speed), "n_error_ratio": len(ratio),
+            "gbs_geomean": geomean(r.gbs for r in rows), "pct_copy_geomean": geomean(r.pct_copy for r in rows),
             "max_rel_err": max((r.rel_err for r in rows if r.rel_err is not None), default=None)}
 
 
@@ -145,11 +159,13 @@ def summary(rows: list[Row]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _line(head: str, s: dict[str, Any]) -> str:
+def _line(head: str, s: dict[str, Any], memory: bool = False) -> str:
     sp, er = s["speedup_geomean"], s["error_ratio_geomean"]
+    bw = (f", geometric-mean bandwidth {s['gbs_geomean']:.0f} GB/s ({_num(s['pct_copy_geomean'], '.1f')} % of the "
+          "device copy)") if memory and s.get("gbs_geomean") else ""
     return (f"{head}: geometric-mean speed-up {_num(sp, '.2f')}{'x' if sp else ''} over {s['n_speedup']} "
             f"layer(s), geometric-mean error ratio {_num(er, '.2f')} over {s['n_error_ratio']} "
-            f"(convforge error / baseline error), largest convforge error {_num(s['max_rel_err'], '.1e')}")
+            f"(convforge error / baseline error), largest convforge error {_num(s['max_rel_err'], '.1e')}{bw}")
 
 
 def summary_lines(rows: list[Row]) -> list[str]:
@@ -157,12 +173,13 @@ def summary_lines(rows: list[Row]) -> list[str]:
     geometric-mean error ratio 1.70 over 16 (...)' for the fastest convforge row of each layer, then
     one indented line per implementation when several ran, and the failures."""
     lines = []
+    memory = grouped_rows(rows)
     for s in summary(rows).values():
         prec = s["precision"]
         head = class_title(prec, rows) + ("" if s["pass"] == "fprop" else f", {s['pass']}")
-        lines.append(_line(head, s))
+        lines.append(_line(head, s, memory))
         if len(s["by_impl"]) > 1:
-            lines += [_line(f"  {impl}", st) for impl, st in s["by_impl"].items()]
+            lines += [_line(f"  {impl}", st, memory) for impl, st in s["by_impl"].items()]
         if s["failed"]:
             what = f"{prec}-class" + ("" if s["pass"] == "fprop" else f" {s['pass']}")
             lines.append(f"  {s['failed']} {what} convforge row(s) failed their check or did not run")
@@ -172,13 +189,16 @@ def summary_lines(rows: list[Row]) -> list[str]:
 def baseline_table(rows: list[Row]) -> Table:
     """Every baseline implementation (cuDNN algorithms with their status, other precisions labelled)."""
     t = Table(title="baselines")
-    for col in ("layer", "impl", "algo", "precision", "time ms", "TFLOPS", "workspace", "rel err", "status"):
+    memory = grouped_rows(rows)
+    for col in ("layer", "impl", "algo", "precision", "time ms", "TFLOPS") + (("GB/s", "% copy") if memory else ()) + (
+            "workspace", "rel err", "status"):
         t.add_column(col)
     for r in rows:
         if r.impl.startswith("convforge"):
             continue
+        bw = [_num(r.gbs, ".0f"), _num(r.pct_copy, ".1f")] if memory else []
         t.add_row(escape(r.layer), escape(r.impl), escape(r.algo), r.precision, _num(r.time_ms, ".3f"),
-                  _num(r.tflops, ".4g"),
+                  _num(r.tflops, ".4g"), *bw,
                   _bytes(r.workspace_bytes), _num(r.rel_err, ".1e"), escape(r.status[:50]))
     return t
 
@@ -217,6 +237,7 @@ def write_csv(path: Path, env: dict[str, Any], rows: list[Row]) -> None:
             d = r.to_dict()
             spec = d.pop("spec")
             d.update({k: spec.get(k, "") for k in ("N", "C", "H", "W", "K", "R", "S")})
+            d["groups"] = spec.get("groups", 1)
             d.update({k: "x".join(map(str, spec.get(k, []))) for k in ("stride", "pad", "dilation")})
             d["pass"] = spec.get("pass", "fprop")
             d.update({k: env.get(k, "") for k in ENV_FIELDS})

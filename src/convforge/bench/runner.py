@@ -54,6 +54,8 @@ class Row:
     error_ratio: float | None = None
     flops: int = 0
     min_bytes: int = 0
+    gbs: float | None = None  # min_bytes / time: achieved bandwidth (memory-bound depthwise and grouped layers)
+    pct_copy: float | None = None  # gbs as % of the measured device-copy ceiling
     chosen_by: str = ""
     spec: dict[str, Any] = field(default_factory=dict)
 
@@ -199,7 +201,18 @@ def bench_layer(layer: Layer, index: int, bes: list[Backend], cfg: BenchConfig,
     rows += baseline_rows(layer, index, results, peak0)
     for row in rows:
         row.min_bytes = layer_bytes(spec)
+        ceil = ceilings.get(row.backend) or ceilings.get(bes[0].name)
+        bandwidth(row, ceil.copy_gbs if ceil else None)
     return rows
+
+
+def bandwidth(row: Row, copy_gbs: float | None) -> Row:
+    """Achieved GB/s (input + filters + output, each once, over the time) and its share of the
+    measured device-copy bandwidth: the figure of merit of memory-bound layers."""
+    if row.time_ms and row.min_bytes:
+        row.gbs = row.min_bytes / (row.time_ms * 1e-3) / 1e9
+        row.pct_copy = 100.0 * row.gbs / copy_gbs if copy_gbs else None
+    return row
 
 
 def run_suite(layers: list[Layer], bes: list[Backend], cfg: BenchConfig,

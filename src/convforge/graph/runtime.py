@@ -22,7 +22,7 @@ import numpy as np
 from convforge import dispatch
 from convforge.codegen.render import render
 from convforge.graph import ops
-from convforge.graph.ir import Graph, Node, Tensor, conv_geometry, infer
+from convforge.graph.ir import Graph, Node, Tensor, conv_geometry, conv_group, infer
 from convforge.plan import Epilogue, Launch
 from convforge.spec import ConvSpec
 
@@ -390,7 +390,7 @@ def conv_spec(node: Node, x: Tensor) -> ConvSpec:
     if node.op == "fc":
         return ConvSpec(n, x.size // n, 1, 1, k, 1, 1)
     (r, s), st, pad, dil = conv_geometry(node)
-    return ConvSpec(n, x.shape[1], x.shape[2], x.shape[3], k, r, s, st, pad, dil)
+    return ConvSpec(n, x.shape[1], x.shape[2], x.shape[3], k, r, s, st, pad, dil, groups=conv_group(node))
 
 
 def channel_affine(graph: Graph, node: Node) -> tuple[np.ndarray, np.ndarray]:

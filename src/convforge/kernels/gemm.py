@@ -35,10 +35,12 @@ _ELT_BLOCK = 256  # threads per block of the element-wise kernels (transforms, r
 
 
 # -- shared metacode ------------------------------------------------------------------------
-def filter_operand(spec: ConvSpec, name: str = "w", ld: int | None = None) -> Operand:
+def filter_operand(spec: ConvSpec, name: str | None = None, ld: int | None = None) -> Operand:
     """A = filters as a K x CRS row-major matrix (row stride ``ld``), float4 loads along CRS
-    when rows are 16-byte aligned."""
-    ld = ld or spec.c * spec.r * spec.s
+    when rows are 16-byte aligned. A grouped layer's GEMM ``bz`` reads its group's K/G rows of
+    C/G*R*S (``wg``, set by :func:`group_prelude`)."""
+    name = name or ("wg" if spec.groups > 1 else "w")
+    ld = ld or spec.cg * spec.r * spec.s
     vload = None
     if ld % 4 == 0:
         def vload(t: str, k: str, d: str) -> list[str]:
@@ -48,21 +50,25 @@ def filter_operand(spec: ConvSpec, name: str = "w", ld: int | None = None) -> Op
 
 
 def nchw_store(spec: ConvSpec, epi: Epilogue, out: str = "y", raw: bool = False) -> Store:
-    """C (K x NPQ) into an N x K x P x Q tensor; ``raw`` skips the epilogue (partial sums)."""
+    """C (K x NPQ) into an N x K x P x Q tensor; ``raw`` skips the epilogue (partial sums). A grouped
+    layer's GEMM ``bz`` writes channels bz*K/G ... (its rows m are channels within the group)."""
     pq = spec.p * spec.q
     kpq = (epi.k_total if epi.k_total and not raw else spec.k) * pq  # a channel-offset write: the whole tensor
     base = f" + {epi.k_offset * pq}" if epi.k_offset and not raw else ""
+    if spec.groups > 1:
+        base += f" + bz * {spec.kg * pq}"
+    chan = (lambda m: f"(bz * {spec.kg} + {m})") if spec.groups > 1 else (lambda m: f"({m})")
 
     def setup(i: str, t: str) -> list[str]:
         return [f"const int {t}_n = {i} / {pq};",
                 f"const int {t}_o = {t}_n * {kpq} + ({i} - {t}_n * {pq}){base};"]
 
     def put(m: str, t: str, v: str) -> list[str]:
-        val = v if raw else epi.apply(v, f"({m})", f"{t}_o + ({m}) * {pq}", offset_done=True)
+        val = v if raw else epi.apply(v, chan(m), f"{t}_o + ({m}) * {pq}", offset_done=True)
         return [f"{out}[{t}_o + ({m}) * {pq}] = {val};"]
 
     def vput(m: str, t: str, vs: list[str]) -> list[str]:
-        vals = ", ".join(v if raw else epi.apply(v, f"({m})", f"{t}_o + ({m}) * {pq} + {j}", offset_done=True)
+        vals = ", ".join(v if raw else epi.apply(v, chan(m), f"{t}_o + ({m}) * {pq} + {j}", offset_done=True)
                          for j, v in enumerate(vs))
         return [f"VSTORE4(MAKE_FLOAT4({vals}), 0, {out} + {t}_o + ({m}) * {pq});"]
 
@@ -90,16 +96,26 @@ def elementwise(name: str, total: int, args: tuple[Arg, ...], body: list[str],
             (cdiv(total, _ELT_BLOCK), 1, 1))
 
 
+def group_prelude(spec: ConvSpec) -> tuple[str, ...]:
+    """Pointers of a grouped layer's GEMM ``bz`` (one per group, in one launch): its filters ``wg``
+    and the first of its input channels ``xg``."""
+    if spec.groups == 1:
+        return ()
+    return (f"const GLOBAL_PTR float* wg = w + bz * {spec.kg * spec.cg * spec.r * spec.s};  // group bz",
+            f"const GLOBAL_PTR float* xg = x + bz * {spec.cg * spec.h * spec.w};")
+
+
 def gemm_plan(variant: Variant, spec: ConvSpec, params: Params, epi: Epilogue, b: Operand,
               extra_args: tuple[Arg, ...], extra_refs: tuple[str, ...],
               pre: tuple[tuple[Kernel, Step], ...] = (), workspace: tuple[tuple[str, int], ...] = (),
               a: Operand | None = None, a_ref: str = "w") -> Plan:
-    """Plan of [pre-kernels] + one SGEMM writing the NCHW output."""
-    shape = GemmShape(spec.k, spec.n * spec.p * spec.q, spec.c * spec.r * spec.s)
+    """Plan of [pre-kernels] + one SGEMM writing the NCHW output; a grouped layer's G GEMMs
+    (K/G x NPQ x C/G*R*S each) run batched in the same launch."""
+    shape = GemmShape(spec.kg, spec.n * spec.p * spec.q, spec.cg * spec.r * spec.s, batch=spec.groups)
     name = f"{variant.name}_sgemm"
     args = (Buf(a_ref),) + extra_args + out_args(epi)
     kern = gemm_kernel(name, shape, params, a or filter_operand(spec), b, nchw_store(spec, epi),
-                       args, comment=f"{variant.name}: {params.short()}")
+                       args, group_prelude(spec), comment=f"{variant.name}: {params.short()}")
     launch = Launch(name, gemm_grid(shape, params), gemm_block(params),
                     (a_ref,) + extra_refs + out_refs(epi))
     return Plan(variant.name, variant.family, spec, params,
@@ -120,13 +136,18 @@ class _ConvGemmBase(Variant):
         return False
 
     def _a_vec(self, spec: ConvSpec) -> bool:
-        return (spec.c * spec.r * spec.s) % 4 == 0
+        return (spec.cg * spec.r * spec.s) % 4 == 0
 
     def _mnk(self, spec: ConvSpec) -> tuple[int, int, int]:
-        return spec.k, spec.n * spec.p * spec.q, spec.c * spec.r * spec.s
+        return spec.kg, spec.n * spec.p * spec.q, spec.cg * spec.r * spec.s
 
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
         return super().applies(spec, device) or too_big(spec)
+
+    def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
+        """Below the direct family for groups of fewer than 16 output channels (ResNeXt's 4-8):
+        a GEMM tile's rows (32 at least) would then be mostly idle."""
+        return 1 if spec.groups > 1 and spec.kg < 16 else self.specialised
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
         return gemm_space(*self._mnk(spec), device, self._a_vec(spec), self._b_vec(spec))
@@ -144,9 +165,9 @@ def implicit_prefer(spec: ConvSpec) -> tuple[tuple[int, int, int, int, int], ...
     128x64x16 (cv8 42.5 TFLOPS, cv10 38.9, against 38.5 / 32.8 for 128x128x8), and 96x128x24
     when K is a multiple of 96 (cv1: 36.1 against 28.7: no idle rows). Padded layers keep
     per-column bounds state, which pushes these tiles past 128 registers: no preference."""
-    if any(spec.pad) or spec.k < 64 or spec.n * spec.p * spec.q < 64:
+    if any(spec.pad) or spec.kg < 64 or spec.n * spec.p * spec.q < 64:
         return ()
-    if spec.k % 96 == 0 and spec.k % 128 and spec.k <= 192:
+    if spec.kg % 96 == 0 and spec.kg % 128 and spec.kg <= 192:
         return ((96, 128, 24, 8, 8),)
     return ((128, 64, 16, 8, 8),)
 
@@ -275,6 +296,7 @@ def implicit_operand(spec: ConvSpec, table: bool) -> Operand:
     pt, pl = spec.pad[0], spec.pad[2]
     pq, hw, rs = spec.p * spec.q, spec.h * spec.w, spec.r * spec.s
     padded = any(spec.pad)
+    x = "xg" if spec.groups > 1 else "x"  # a grouped GEMM reads its group's channels (group_prelude)
 
     def setup(i: str, t: str) -> list[str]:
         return [f"const int {t}_n = {i} / {pq}, {t}_pix = {i} - {t}_n * {pq};",
@@ -287,13 +309,13 @@ def implicit_operand(spec: ConvSpec, table: bool) -> Operand:
                 f"const int r = rr / {spec.s}, s = rr - r * {spec.s};",
                 f"const int iy = {t}_y + r * {dh}, ix = {t}_x + s * {dw};",
                 f"if ((unsigned)iy < {spec.h}u && (unsigned)ix < {spec.w}u) "
-                f"{d} = x[{t}_b + c * {hw} + r * {dh * spec.w} + s * {dw}];"]
+                f"{d} = {x}[{t}_b + c * {hw} + r * {dh * spec.w} + s * {dw}];"]
 
     def load_tab(t: str, k: str, d: str) -> list[str]:
         return [f"const int off = tab[2 * ({k})], dyx = tab[2 * ({k}) + 1];",
                 f"const int iy = {t}_y + (dyx >> 16), ix = {t}_x + (dyx & 0xffff);",
                 f"if ((unsigned)iy < {spec.h}u && (unsigned)ix < {spec.w}u) "
-                f"{d} = x[{t}_b + off];"]
+                f"{d} = {x}[{t}_b + off];"]
 
     def kprep_div(kt: str, k: str) -> list[str]:
         lines = [f"const int {kt}_c = ({k}) / {rs}, {kt}_rs = ({k}) - {kt}_c * {rs};",
@@ -312,21 +334,22 @@ def implicit_operand(spec: ConvSpec, table: bool) -> Operand:
 
     def kload(t: str, kt: str, d: str) -> list[str]:
         if not padded:
-            return [f"{d} = x[{t}_b + {kt}_off];"]
+            return [f"{d} = {x}[{t}_b + {kt}_off];"]
         return [f"if ((unsigned)({t}_y + {kt}_dy) < {spec.h}u && "
-                f"(unsigned)({t}_x + {kt}_dx) < {spec.w}u) {d} = x[{t}_b + {kt}_off];"]
+                f"(unsigned)({t}_x + {kt}_dx) < {spec.w}u) {d} = {x}[{t}_b + {kt}_off];"]
 
     return Operand(load=load_tab if table else load_div, fast="i", setup=setup,
                    kprep=kprep_tab if table else kprep_div, kload=kload)
 
 
 def offset_table_kernel(spec: ConvSpec) -> tuple[Kernel, tuple[int, int, int]]:
-    """tab[2k] = input offset of reduction index k = (c, r, s); tab[2k+1] = (r*dh << 16) | s*dw."""
+    """tab[2k] = input offset of reduction index k = (c, r, s); tab[2k+1] = (r*dh << 16) | s*dw
+    (c counts a group's channels: the same table serves every group)."""
     rs, hw, (dh, dw) = spec.r * spec.s, spec.h * spec.w, spec.dilation
     body = [f"const int c = e / {rs}, r = (e % {rs}) / {spec.s}, s = e % {spec.s};",
             f"tab[2 * e] = c * {hw} + r * {dh * spec.w} + s * {dw};",
             f"tab[2 * e + 1] = ((r * {dh}) << 16) | (s * {dw});"]
-    return elementwise("implicit_offsets", spec.c * rs, (Buf("tab", "int", readonly=False),),
+    return elementwise("implicit_offsets", spec.cg * rs, (Buf("tab", "int", readonly=False),),
                        body, "(c, r, s) offset table of the PRECOMP implicit GEMM")
 
 
@@ -336,6 +359,7 @@ class ImplicitGemm(_ConvGemmBase):
     name = "implicit_gemm"
     specialised = 5
     family = "implicit_gemm"
+    grouped = True  # one GEMM per group, batched in one launch (gemm_plan)
 
     def _prefer(self, spec: ConvSpec) -> tuple[tuple[int, int, int, int, int], ...]:
         return implicit_prefer(spec)
@@ -352,6 +376,7 @@ class ImplicitGemmPrecomp(_ConvGemmBase):
     name = "implicit_gemm_precomp"
     specialised = 4
     family = "implicit_gemm"
+    grouped = True
 
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
         why = super().applies(spec, device)
@@ -360,7 +385,7 @@ class ImplicitGemmPrecomp(_ConvGemmBase):
         return why
 
     def workspace_bytes(self, spec: ConvSpec, params: Params) -> int:
-        return 8 * spec.c * spec.r * spec.s
+        return 8 * spec.cg * spec.r * spec.s
 
     def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
              epilogue: Epilogue = Epilogue()) -> Plan:
@@ -381,6 +406,7 @@ def pointwise_operand(spec: ConvSpec) -> Operand:
     (sh, sw), pt, pl = spec.stride, spec.pad[0], spec.pad[2]
     pq, hw = spec.p * spec.q, spec.h * spec.w
     plain = spec.stride == (1, 1) and spec.pad == (0, 0, 0, 0)
+    x = "xg" if spec.groups > 1 else "x"  # a grouped GEMM reads its group's channels (group_prelude)
 
     def setup(i: str, t: str) -> list[str]:
         lines = [f"const int {t}_n = {i} / {pq}, {t}_pix = {i} - {t}_n * {pq};"]
@@ -394,10 +420,10 @@ def pointwise_operand(spec: ConvSpec) -> Operand:
                         f"const int {t}_b = {t}_n * {spec.c * hw} + {t}_y * {spec.w} + {t}_x;"]
 
     def load(t: str, k: str, d: str) -> list[str]:
-        return [f"if ({t}_in) {d} = x[{t}_b + ({k}) * {hw}];"]
+        return [f"if ({t}_in) {d} = {x}[{t}_b + ({k}) * {hw}];"]
 
     def vload(t: str, k: str, d: str) -> list[str]:
-        return [f"{d} = VLOAD4(0, x + {t}_b + ({k}) * {hw});"]
+        return [f"{d} = VLOAD4(0, {x} + {t}_b + ({k}) * {hw});"]
 
     return Operand(load=load, fast="i", setup=setup,
                    vload=vload if plain and hw % 4 == 0 else None)
@@ -423,13 +449,14 @@ class Gemm1x1(_ConvGemmBase):
     name = "gemm1x1"
     family = "gemm1x1"
     specialised = 10
+    grouped = True
 
     def _b_vec(self, spec: ConvSpec) -> bool:
         return (spec.stride == (1, 1) and spec.pad == (0, 0, 0, 0)
                 and (spec.h * spec.w) % 4 == 0)
 
     def _a_vec(self, spec: ConvSpec) -> bool:
-        return spec.c % 4 == 0
+        return spec.cg % 4 == 0
 
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
         if spec.r != 1 or spec.s != 1:
@@ -454,6 +481,7 @@ class _SplitK(_ConvGemmBase):
     un-split tile they cut (``_unsplit``)."""
 
     red_name = "C*R*S"  # the reduction, as messages name it
+    grouped = False  # its reduce pass and tile count assume one GEMM
 
     def _reduction(self, spec: ConvSpec) -> int:
         return spec.c * spec.r * spec.s

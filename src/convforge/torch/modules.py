@@ -9,8 +9,10 @@ Paths of one forward call, cheapest first:
   weight version (``weight._version``, address and tensor: backends/base.py ``FilterCache``), so
   no filter transform runs per call;
 - training or torch.compile: the ``convforge::conv2d`` op (autograd formula, fake impl);
-- what convforge does not run (CPU tensors, dtypes other than float32, groups != 1, padding modes
-  other than zeros): PyTorch's own forward.
+- what convforge does not run (CPU tensors, dtypes other than float32, padding modes other than
+  zeros): PyTorch's own forward. Grouped and depthwise layers run convforge's (the depthwise
+  family, grouped direct and GEMM kernels); an input in channels_last memory format is made NCHW
+  contiguous first (a copy: the kernels read NCHW).
 
 A CUDA graph captured from eager inference replays the filters transformed before capture (the
 transform is not in the graph; it is re-run into the same buffer by the next eager call after an
@@ -43,8 +45,6 @@ _CAPTURING = torch.cuda.is_current_stream_capturing
 def static_reason(m: torch.nn.Conv2d, on_cuda: bool = True) -> str | None:
     """Why convforge cannot run this layer whatever its input, or None (``on_cuda``: parameters
     off the GPU count as a reason)."""
-    if m.groups != 1:
-        return f"groups={m.groups} (convforge runs groups=1)"
     if m.padding_mode != "zeros":
         return f"padding_mode={m.padding_mode!r} (convforge pads with zeros)"
     if m.weight.dtype != torch.float32:
@@ -131,16 +131,16 @@ class Conv2d(torch.nn.Conv2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, b = read_tensor(self, "_parameters", "weight"), read_tensor(self, "_parameters", "bias")
         if (not x.is_cuda or x.dtype != _F32 or x.dim() != 4 or not w.is_cuda or w.dtype != _F32
-                or self.groups != 1 or self.padding_mode != "zeros"):  # static_reason's tests, inline
+                or self.padding_mode != "zeros"):  # static_reason's tests, inline
             return super().forward(x)
         pad = padding_quad(self)
         if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
                 x.requires_grad or w.requires_grad or (b is not None and b.requires_grad))):
             return _OP(x, w, b, list(self.stride), list(pad), list(self.dilation), self.algo, self.precision,
-                       self.max_error)
+                       self.max_error, self.groups)
         native = api._NATIVE_RUN  # a warm layer: C++ (native.cpp), as the op's CUDA kernel runs it
         call = (x, w, b, self.stride, pad, self.dilation, self.algo, None, None, False, None, self.precision,
-                self.max_error)  # the op's spelling of this layer's conv2d call: one entry for both
+                self.max_error, self.groups)  # the op's spelling of this layer's conv2d call: one entry for both
         if native is not None and not (self.static_weights and _CAPTURING()):  # captures: the whole plan
             y = native(*call)
             if y is not None:
@@ -151,7 +151,7 @@ class Conv2d(torch.nn.Conv2d):
         run = self._prepared(x, pad)
         if run is None:
             return _OP(x, w, b, list(self.stride), list(pad), list(self.dilation), self.algo, self.precision,
-                       self.max_error)
+                       self.max_error, self.groups)
         filters = run.filters
         if filters is None or (not self.static_weights and _CAPTURING()):
             return run(x, w, b)  # no filter steps, or a capture that records the whole plan
@@ -178,7 +178,7 @@ class Conv2d(torch.nn.Conv2d):
         runs it (PyTorch then does). ``calibrate`` compares two bounds with it."""
         try:
             spec = ConvSpec.from_shapes(tuple(x_shape), tuple(self.weight.shape), tuple(self.stride),
-                                        padding_quad(self), tuple(self.dilation))
+                                        padding_quad(self), tuple(self.dilation), self.groups)
             return spec, dispatch.choose(spec, get_backend("cuda", device), Epilogue(self.bias is not None),
                                          algo=self.algo, precision=self.precision, max_error=max_error)
         except ValueError:
@@ -198,7 +198,7 @@ class Conv2d(torch.nn.Conv2d):
     def _runner(self, x: torch.Tensor, pad: tuple[int, int, int, int]) -> Any:
         try:
             spec = ConvSpec.from_shapes(tuple(x.shape), tuple(self.weight.shape), tuple(self.stride), pad,
-                                        tuple(self.dilation))
+                                        tuple(self.dilation), self.groups)
             dev = x.device.index or 0
             return dispatch.runner(None, spec, get_backend("cuda", dev), Epilogue(self.bias is not None), "torch",
                                    dev, algo=self.algo, precision=self.precision, max_error=self.max_error)

@@ -11,9 +11,9 @@ Where the native fast path is built (native.py), the CUDA and Autograd kernels o
 backward ops' CUDA kernels are ``convforge.grad``'s Python fast path (a dictionary hit and the
 launches; the rotated filter of a forward family serving dgrad cached per weight version).
 
-Schemas (padding is (top, bottom, left, right)):
+Schemas (padding is (top, bottom, left, right); w is K x C/groups x R x S):
 ``conv2d(Tensor x, Tensor w, Tensor? bias, int[] stride, int[] padding, int[] dilation, str algo,
-str? precision, float? max_error) -> Tensor``;
+str? precision, float? max_error, int groups=1) -> Tensor``;
 ``conv2d_input(SymInt[] input_size, Tensor w, Tensor grad_output, int[] stride, int[] padding,
 int[] dilation, int groups, str algo, str? precision, float? max_error) -> Tensor``;
 ``conv2d_weight(Tensor x, SymInt[] weight_size, Tensor grad_output, ...same...) -> Tensor``;
@@ -41,7 +41,7 @@ log = logging.getLogger("convforge")
 
 _LIB = torch.library.Library("convforge", "DEF")  # noqa: TOR901 - kept alive for the process
 _LIB.define("conv2d(Tensor x, Tensor w, Tensor? bias, int[] stride, int[] padding, int[] dilation, "
-            "str algo, str? precision, float? max_error) -> Tensor")
+            "str algo, str? precision, float? max_error, int groups=1) -> Tensor")
 _LIB.define("conv2d_input(SymInt[] input_size, Tensor w, Tensor grad_output, int[] stride, int[] padding, "
             "int[] dilation, int groups, str algo, str? precision, float? max_error) -> Tensor")
 _LIB.define("conv2d_weight(Tensor x, SymInt[] weight_size, Tensor grad_output, int[] stride, int[] padding, "
@@ -51,11 +51,11 @@ _FELL_BACK: set[tuple[Any, ...]] = set()
 
 
 def output_shape(x_shape: Sequence[Any], w_shape: Sequence[Any], stride: Sequence[int], padding: Sequence[int],
-                 dilation: Sequence[int]) -> tuple[Any, ...]:
+                 dilation: Sequence[int], groups: int = 1) -> tuple[Any, ...]:
     """(N, K, P, Q) of the op: ConvSpec's answer for concrete sizes, its formula for symbolic ones."""
     if all(isinstance(v, int) for v in (*x_shape, *w_shape)):
         return ConvSpec.from_shapes(tuple(x_shape), tuple(w_shape), tuple(stride), tuple(padding),
-                                    tuple(dilation)).y_shape
+                                    tuple(dilation), groups).y_shape
     n, _, h, w = x_shape
     k, _, r, s = w_shape
     t, b, left, right = padding
@@ -65,39 +65,39 @@ def output_shape(x_shape: Sequence[Any], w_shape: Sequence[Any], stride: Sequenc
 
 
 def _torch_conv(x: Any, w: Any, bias: Any, stride: Sequence[int], padding: Sequence[int],
-                dilation: Sequence[int]) -> Any:
+                dilation: Sequence[int], groups: int = 1) -> Any:
     """PyTorch's convolution with convforge's (top, bottom, left, right) padding."""
     t, b, left, right = padding
     if t != b or left != right:
-        return F.conv2d(F.pad(x, (left, right, t, b)), w, bias, tuple(stride), 0, tuple(dilation))
-    return F.conv2d(x, w, bias, tuple(stride), (t, left), tuple(dilation))
+        return F.conv2d(F.pad(x, (left, right, t, b)), w, bias, tuple(stride), 0, tuple(dilation), groups)
+    return F.conv2d(x, w, bias, tuple(stride), (t, left), tuple(dilation), groups)
 
 
 def _cuda(x: Any, w: Any, bias: Any, stride: list[int], padding: list[int], dilation: list[int], algo: str,
-          precision: str | None, max_error: float | None) -> Any:
+          precision: str | None, max_error: float | None, groups: int = 1) -> Any:
     """convforge's fast path (a dictionary hit and the launches; filters cached per weight version)."""
     try:
         return cf_conv2d(x.contiguous(), w.contiguous(), bias, (*stride,), (*padding,), (*dilation,), algo, None,
-                         None, False, None, precision, max_error)
+                         None, False, None, precision, max_error, groups)
     except ValueError as err:  # a layer no convforge variant runs: PyTorch's, logged once
         if algo != "auto":
             raise
-        tag = (tuple(x.shape), tuple(w.shape), tuple(stride), tuple(padding), tuple(dilation))
+        tag = (tuple(x.shape), tuple(w.shape), tuple(stride), tuple(padding), tuple(dilation), groups)
         if tag not in _FELL_BACK:
             _FELL_BACK.add(tag)
             log.warning("convforge: %s; PyTorch runs this layer", err)
-        return _torch_conv(x, w, bias, stride, padding, dilation)
+        return _torch_conv(x, w, bias, stride, padding, dilation, groups)
 
 
 def _fake(x: Any, w: Any, bias: Any, stride: list[int], padding: list[int], dilation: list[int], algo: str,
-          precision: str | None, max_error: float | None) -> Any:
-    return x.new_empty(output_shape(x.shape, w.shape, stride, padding, dilation))
+          precision: str | None, max_error: float | None, groups: int = 1) -> Any:
+    return x.new_empty(output_shape(x.shape, w.shape, stride, padding, dilation, groups))
 
 
 def _cpu(x: Any, w: Any, bias: Any, stride: list[int], padding: list[int], dilation: list[int], algo: str,
-         precision: str | None, max_error: float | None) -> Any:
+         precision: str | None, max_error: float | None, groups: int = 1) -> Any:
     """CPU tensors: PyTorch's convolution (convforge runs torch tensors on CUDA only)."""
-    return _torch_conv(x, w, bias, stride, padding, dilation)
+    return _torch_conv(x, w, bias, stride, padding, dilation, groups)
 
 
 _LIB.impl("conv2d", _cpu, "CPU")
@@ -114,7 +114,7 @@ _DIRECT = {torch._C.DispatchKey.CUDA: _cuda, torch._C.DispatchKey.CPU: _cpu}
 
 
 def _below(keyset: Any, x: Any, w: Any, bias: Any, stride: list[int], padding: list[int], dilation: list[int],
-           algo: str, precision: str | None, max_error: float | None) -> Any:
+           algo: str, precision: str | None, max_error: float | None, groups: int = 1) -> Any:
     """The op below autograd. When the next kernel is simply our CUDA (or CPU) one (no fake or
     functional tensors, no Python mode: only ADInplaceOrView, a fallthrough here, lies between),
     it is called directly, saving the dispatcher's second round trip through Python; otherwise
@@ -122,9 +122,9 @@ def _below(keyset: Any, x: Any, w: Any, bias: Any, stride: list[int], padding: l
     after = keyset & _AFTER_AUTOGRAD
     kernel = _DIRECT.get(after.remove(_ADIOV).highestPriorityTypeId())
     if kernel is not None:
-        return kernel(x, w, bias, stride, padding, dilation, algo, precision, max_error)
+        return kernel(x, w, bias, stride, padding, dilation, algo, precision, max_error, groups)
     with _BELOW_AUTOGRAD():
-        return _OP.redispatch(after, x, w, bias, stride, padding, dilation, algo, precision, max_error)
+        return _OP.redispatch(after, x, w, bias, stride, padding, dilation, algo, precision, max_error, groups)
 
 
 class _Conv2dFn(torch.autograd.Function):
@@ -133,21 +133,21 @@ class _Conv2dFn(torch.autograd.Function):
     through ``convforge::conv2d_weight``, of the bias through ``convforge::conv2d_bias``, each
     chosen per (layer, pass, precision class) by dispatch, in the forward's precision class and
     max_error (the forward's ``algo`` where it names something that computes the pass, else auto).
-    The groups follow from the shapes (x's channels over w's), so a grouped forward differentiates too."""
+    The groups travel with the op (its last argument), so a grouped forward differentiates too."""
 
     @staticmethod
     def forward(ctx: Any, x: Any, w: Any, bias: Any, stride: list[int], padding: list[int], dilation: list[int],
-                algo: str, precision: str | None, max_error: float | None) -> Any:
-        y = _OP(x, w, bias, stride, padding, dilation, algo, precision, max_error)
+                algo: str, precision: str | None, max_error: float | None, groups: int = 1) -> Any:
+        y = _OP(x, w, bias, stride, padding, dilation, algo, precision, max_error, groups)
         ctx.save_for_backward(x, w)
-        ctx.conv = (list(stride), list(padding), list(dilation), bias is not None, algo, precision, max_error)
+        ctx.conv = (list(stride), list(padding), list(dilation), bias is not None, algo, precision, max_error,
+                    groups)
         return y
 
     @staticmethod
     def backward(ctx: Any, gy: Any) -> tuple[Any, ...]:
         x, w = ctx.saved_tensors
-        stride, padding, dilation, has_bias, algo, precision, max_error = ctx.conv
-        groups = x.shape[1] // w.shape[1]
+        stride, padding, dilation, has_bias, algo, precision, max_error, groups = ctx.conv
         gy = gy.contiguous()  # sum().backward() hands an expanded tensor (zero strides)
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
@@ -156,24 +156,25 @@ class _Conv2dFn(torch.autograd.Function):
             gw = WEIGHT_OP(x, list(w.shape), gy, stride, padding, dilation, groups, algo, precision, max_error)
         if has_bias and ctx.needs_input_grad[2]:
             gb = BIAS_OP(gy)
-        return gx, gw, gb, None, None, None, None, None, None
+        return gx, gw, gb, None, None, None, None, None, None, None
 
 
 def _grad_apply(x: Any, w: Any, bias: Any, stride: list[int], padding: list[int], dilation: list[int], algo: str,
-                precision: str | None, max_error: float | None) -> Any:
+                precision: str | None, max_error: float | None, groups: int = 1) -> Any:
     """The op when a gradient is needed: through its autograd node."""
-    return _Conv2dFn.apply(x, w, bias, stride, padding, dilation, algo, precision, max_error)
+    return _Conv2dFn.apply(x, w, bias, stride, padding, dilation, algo, precision, max_error, groups)
 
 
 def _autograd(keyset: Any, x: Any, w: Any, bias: Any, stride: list[int], padding: list[int],
-              dilation: list[int], algo: str, precision: str | None, max_error: float | None) -> Any:
+              dilation: list[int], algo: str, precision: str | None, max_error: float | None,
+              groups: int = 1) -> Any:
     """The op's Autograd kernel, registered directly (cheaper than ``register_autograd``'s generic
     wrapper): without grad mode or without an input that requires grad it goes straight below
     autograd (:func:`_below`), so no_grad calls pay almost nothing for autograd (inference_mode
     skips this kernel entirely)."""
     if _GRAD_ENABLED() and (x.requires_grad or w.requires_grad or (bias is not None and bias.requires_grad)):
-        return _grad_apply(x, w, bias, stride, padding, dilation, algo, precision, max_error)
-    return _below(keyset, x, w, bias, stride, padding, dilation, algo, precision, max_error)
+        return _grad_apply(x, w, bias, stride, padding, dilation, algo, precision, max_error, groups)
+    return _below(keyset, x, w, bias, stride, padding, dilation, algo, precision, max_error, groups)
 
 
 # -- the backward ops ---------------------------------------------------------------------------
@@ -299,9 +300,9 @@ else:
 
 def conv2d(x: Any, w: Any, bias: Any = None, stride: int | Sequence[int] = 1, padding: int | Sequence[int] = 0,
            dilation: int | Sequence[int] = 1, algo: str = "auto", precision: str | None = None,
-           max_error: float | None = None) -> Any:
+           max_error: float | None = None, groups: int = 1) -> Any:
     """``torch.ops.convforge.conv2d`` with the loose argument forms of ``convforge.conv2d``:
     differentiable, traceable by torch.compile, capturable in CUDA graphs."""
     st = (stride, stride) if isinstance(stride, int) else tuple(stride)
     dl = (dilation, dilation) if isinstance(dilation, int) else tuple(dilation)
-    return _OP(x, w, bias, list(st), list(normalize_padding(padding)), list(dl), algo, precision, max_error)
+    return _OP(x, w, bias, list(st), list(normalize_padding(padding)), list(dl), algo, precision, max_error, groups)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -45,6 +46,9 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
                         f"default {DEFAULT_BUDGET}")
     p.add_argument("--backend", choices=("cuda", "opencl"), help="default: cuda when present, else opencl")
     p.add_argument("--device", help="CUDA device index or OpenCL 'platform:device'")
+    from convforge.tune.parallel import DEVICES_HELP
+
+    p.add_argument("--devices", metavar="all|0,1,...", help=DEVICES_HELP)
     p.add_argument("--db", type=Path, help=f"tuning database (default {config.tuning_db})")
     p.add_argument("--bias", action="store_true", help="tune with a bias epilogue (fprop only)")
     p.add_argument("--relu", action="store_true", help="tune with a ReLU epilogue (fprop only)")
@@ -147,15 +151,18 @@ def layer_epilogue(spec: ConvSpec, epi: Epilogue) -> Epilogue:
 
 def tune_main(args: argparse.Namespace) -> int:
     """Tune a suite or layers into the database, with a progress bar and a closing table."""
+    from convforge.tune.parallel import how_from_args
+
     try:
         budget = check_tune_args(args)
+        how = how_from_args(args)  # several devices, or this torchrun rank's share; None: one process
     except ValueError as err:
         _error(f"{err}")
         return 2
     console = _console()
     _setup_logging(args.verbose)
     if getattr(args, "model", None):
-        return _tune_models(args, console, budget)
+        return _tune_models(args, console, budget, how)
     if getattr(args, "net", None):
         from convforge.graph.tune import tune_net
 
@@ -164,7 +171,8 @@ def tune_main(args: argparse.Namespace) -> int:
 
             need("--net FILE.onnx", "onnx")
 
-        return tune_net(args, console, _backend(args), TuningDB(args.db or config.tuning_db), budget)
+        return tune_net(args, console, None if how else _backend(args), TuningDB(args.db or config.tuning_db),
+                        budget, how)
     try:
         layers = _layers(args)
         if (args.bias or args.relu) and not any(s.conv_pass == "fprop" for _, s in layers):
@@ -177,8 +185,10 @@ def tune_main(args: argparse.Namespace) -> int:
     except ValueError as err:
         _error(f"{err}")
         return 2
-    backend = _backend(args)
     epi = Epilogue(bias=args.bias, relu=args.relu)
+    if how is not None:
+        return _tune_parallel(args, console, budget, layers, epi, db, how)
+    backend = _backend(args)
     console.print(f"device: {backend.device.name} ({backend.name}, {backend.device.driver}); "
                   f"database: {db.path}; budget: {budget}; precision: {precision_key()}", markup=False)
     results, failed = _run(console, layers, backend, db, budget, epi, args)
@@ -205,7 +215,48 @@ def tune_main(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _tune_models(args: argparse.Namespace, console: Any, budget: Budget) -> int:
+def _tune_parallel(args: argparse.Namespace, console: Any, budget: Budget, layers: list[tuple[str, ConvSpec]],
+                   epi: Epilogue, db: TuningDB, how: Any) -> int:
+    """``--suite`` / ``--spec`` on several devices or torchrun ranks (tune/parallel.py): identical
+    layers tuned once (the others then come from the database, as in one process), the same
+    closing table."""
+    from convforge.kernels import get_variant
+    from convforge.params import Params
+    from convforge.tune import parallel
+
+    groups: dict[tuple[ConvSpec, Epilogue], list[str]] = {}
+    for name, spec in layers:
+        groups.setdefault((spec, layer_epilogue(spec, epi)), []).append(name)
+    tasks = [parallel.Task(i, names[0], float(spec.flops), {"kind": "layer", "spec": spec.to_dict(),
+                                                            "epi": dataclasses.asdict(e)})
+             for i, ((spec, e), names) in enumerate(groups.items())]
+    backend = parallel.backend_name(args, how)
+    console.print(f"{len(tasks)} distinct layer(s) on {how.describe()}; database: {db.path}; budget: {budget}; "
+                  f"precision: {precision_key()}", markup=False)
+    run = parallel.execute(tasks, parallel.base_settings(args, budget, backend, db.path, how), how, console)
+    if run.outcomes is None:  # a torchrun rank other than 0: rank 0 prints the table
+        return 1 if run.own_failed else 0
+    results: dict[str, TuneResult] = {}
+    failed: dict[str, str] = {}
+    timed = 0
+    for task, ((spec, e), names) in zip(tasks, groups.items(), strict=True):
+        out = run.outcomes[task.id]
+        if not out.ok:
+            failed.update(dict.fromkeys(names, out.error))
+            continue
+        entry = Entry(**out.reply["entry"])
+        timed += int(out.reply.get("timed", 0))
+        for j, name in enumerate(names):
+            results[name] = TuneResult(spec, e, entry, get_variant(entry.variant), Params.from_json(entry.params),
+                                       bool(out.reply.get("from_db")) or j > 0)
+    console.print(_table(layers, results, failed, backend))
+    fresh = sum(not r.from_db for r in results.values())
+    console.print(f"{fresh} layer(s) tuned, {len(results) - fresh} from the database, {len(failed)} failed; "
+                  f"{timed} candidate(s) timed", markup=False)
+    return 1 if failed else 0
+
+
+def _tune_models(args: argparse.Namespace, console: Any, budget: Budget, how: Any = None) -> int:
     """``tune --model``: alone (no --suite, --spec or --net), into ``--db`` when given."""
     clash = [flag for flag, val in (("--suite", args.suite), ("--spec", args.spec), ("--net", args.net)) if val]
     if clash:
@@ -224,6 +275,8 @@ def _tune_models(args: argparse.Namespace, console: Any, budget: Budget) -> int:
     if args.db is not None:
         config.db_path = args.db
         clear_choices()
+    if how is not None:
+        return tune_models(args.model, console, budget, how=how, args=args)
     return tune_models(args.model, console, budget)
 
 
