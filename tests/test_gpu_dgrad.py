@@ -5,24 +5,28 @@ scripts/gpu-dgrad runs it, then times every variant (scripts/gpu_dgrad.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from convforge.check import check_plan
-from convforge.kernels import all_variants, get_variant
+from convforge.kernels import get_variant
 from convforge.reference import dgrad_ref, rel_l2
 from convforge.spec import ConvSpec
 from helpers import ODD_SPECS, sample
-from test_dgrad import OWN
+from test_dgrad import MINE, OWN
 
 pytestmark = pytest.mark.gpu
 
 REAL = [ConvSpec.make(2, 64, 56, 56, 64, 3, 3, 1, 1), ConvSpec.make(3, 512, 7, 7, 512, 3, 3, 1, 1),
         ConvSpec.make(2, 128, 56, 56, 128, 3, 3, 2, 1), ConvSpec.make(2, 256, 56, 56, 512, 1, 1, 2),
         ConvSpec.make(5, 1024, 14, 14, 256, 1, 1), ConvSpec.make(1, 256, 14, 14, 256, 3, 3, 1, 1),
-        ConvSpec.make(2, 3, 227, 227, 96, 11, 11, 4, 0)]
-GPU_SPECS = [s.with_pass("dgrad") for s in ODD_SPECS + OWN + REAL]
-NAMES = [v.name for v in all_variants() if "dgrad" in v.passes and "cuda" in v.backends]
+        ConvSpec.make(2, 3, 227, 227, 96, 11, 11, 4, 0), ConvSpec.make(1, 832, 7, 7, 256, 1, 1)]  # the last: split-K
+HALF = [dataclasses.replace(s, dtype=d) for s in (ODD_SPECS[1], OWN[0], REAL[0], REAL[4])
+        for d in ("float16", "bfloat16")]
+GPU_SPECS = [s.with_pass("dgrad") for s in ODD_SPECS + OWN + REAL + HALF]
+NAMES = [n for n in MINE if "cuda" in get_variant(n).backends]
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -285,9 +285,10 @@ class DgradStridedGemm(Variant):
 
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
         """First for strided layers (the stride-1 adapters refuse them), unless the channels per
-        group are too few for a GEMM tile (depthwise: dgrad_direct); below the transposed forward
-        variants at stride 1, where the Winograd, 1x1 and implicit GEMM adapters carry the layer."""
-        if spec.cg < 8 or spec.kg < 8:
+        group are too few for a GEMM tile (its rows are the cg channels, 32 at least; depthwise and
+        narrow groups go to dgrad_direct / depthwise_dgrad / the direct adapters); below the transposed
+        forward variants at stride 1, where the Winograd, 1x1 and implicit GEMM adapters carry the layer."""
+        if spec.cg < 16 or spec.kg < 8:
             return -1
         return 8 if spec.stride != (1, 1) else self.specialised
 

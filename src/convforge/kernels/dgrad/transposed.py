@@ -45,7 +45,8 @@ ROTATED = "w_rot"  # the workspace holding w' (C x K/G x R x S)
 PREFIX = "fwd_"  # the forward plan's own workspace names get this prefix
 
 # The forward variants served as dgrad, by name: the direct family, the GEMM family, im2win, every
-# Winograd (F(6x6)/F(7x7) in their relaxed class), the tensor-core TF32 / 3xTF32 GEMMs (CUDA).
+# Winograd (F(6x6)/F(7x7) in their relaxed class), the tensor-core TF32 / 3xTF32 / half GEMMs and
+# Winograd (CUDA).
 # Left out: direct (dgrad_direct is the direct family's own dgrad, one thread per dx element as the
 # forward's one per y element, and holds the name), im2col_gemm and im2col_cublas (implicit GEMM does
 # the same without the matrix; cuBLAS steps are not capturable) and gemm_fc (a transposed
@@ -60,10 +61,12 @@ FORWARD = (
     "gemm1x1_tf32", "gemm1x1_3xtf32", "gemm1x1_pipe_tf32", "gemm1x1_wgmma_tf32",
     "winograd_nonfused_f2_tf32", "winograd_nonfused_f4_3xtf32", "winograd_nonfused_f6_3xtf32",
     "winograd_nonfused_f2_pipe_tf32",
+    "tc_implicit_gemm_tf32", "tc_implicit_gemm_3xtf32", "tc_implicit_gemm_half",
+    "tc_winograd_f2", "tc_winograd_f2_3xtf32", "tc_winograd_f4_3xtf32",
 )
 # The modules that register them (imported here so the adapters can be made at import time; one
 # that another change renamed is skipped, and tests/test_dgrad.py names the variants gone missing).
-_MODULES = ("direct", "gemm", "im2win", "winograd", "tensorcore", "tcstaged", "wgmma")
+_MODULES = ("direct", "gemm", "im2win", "winograd", "tensorcore")
 
 
 def transposed_spec(spec: ConvSpec) -> ConvSpec | str:
@@ -83,13 +86,14 @@ def transposed_spec(spec: ConvSpec) -> ConvSpec | str:
 
 def rotate_kernel(spec: ConvSpec) -> tuple[Kernel, tuple[int, int, int]]:
     """w_rot[g*cg + c, kk, R-1-r, S-1-s] = w[g*kg + kk, c, r, s]: one thread per element of w',
-    writes coalesced."""
+    writes coalesced; a copy of the stored bits, so float16 and bfloat16 filters move as they are."""
     cg, kg, r, s = spec.cg, spec.kg, spec.r, spec.s
+    ctype = "float" if spec.dtype == "float32" else "unsigned short"
     rs = r * s
     body = [f"const int ss = e % {s}, rr = (e / {s}) % {r}, kk = (e / {rs}) % {kg}, co = e / {rs * kg};",
             f"const int g = co / {cg}, c = co - g * {cg};",
             f"{ROTATED}[e] = w[((g * {kg} + kk) * {cg} + c) * {rs} + {(r - 1) * s + s - 1} - rr * {s} - ss];"]
-    return elementwise("dgrad_rotate", spec.c * kg * rs, (Buf("w"), Buf(ROTATED, readonly=False)), body,
+    return elementwise("dgrad_rotate", spec.c * kg * rs, (Buf("w", ctype), Buf(ROTATED, ctype, readonly=False)), body,
                        "dgrad: filters rotated by 180 degrees, C and K swapped"
                        + (f" per group ({spec.groups} groups)" if spec.groups > 1 else ""))
 
@@ -120,7 +124,7 @@ class DgradTransposed(Variant):
         self.family, self.backends, self.precision = fwd.family, fwd.backends, fwd.precision
         self.tolerance, self.exact, self.capturable = fwd.tolerance, fwd.exact, fwd.capturable
         self.specialised, self.space_lead, self.grouped = fwd.specialised, fwd.space_lead, fwd.grouped
-        self.dtypes = fwd.dtypes & {"float32"}  # the rotation kernel moves float32
+        self.dtypes = fwd.dtypes
 
     def _t(self, spec: ConvSpec) -> ConvSpec:
         t = transposed_spec(spec)
