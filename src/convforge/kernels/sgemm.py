@@ -209,6 +209,19 @@ def gemm_space(m: int, n: int, k: int, device: DeviceInfo, va_ok: bool = True,
     return out
 
 
+def lean_point(p: Params) -> bool:
+    """Whether an SGEMM point over a gathered operand stays clear of spills on sm_90: register
+    prefetch on, at least 8 x 8 outputs per thread and 64 threads, at most 8 load slots per operand
+    and thread. Every B slot of a gathered operand keeps its column's offsets in registers; past 8
+    slots, without prefetch, or with smaller micro-tiles (where ptxas trades a few registers for
+    occupancy) nvcc 13 spilled 4-192 bytes on sampled ResNet and odd layers (wgrad's GEMMs; the
+    strided dgrad GEMM: 7 of 667 points, every one outside this rule; forward implicit_gemm spills
+    at the same points)."""
+    threads = (p.bm // p.tm) * (p.bn // p.tn)
+    slots = max(p.bm * p.bk // p.va, p.bn * p.bk // p.vb) // threads
+    return bool(p.pf) and p.tm * p.tn >= 64 and threads >= 64 and slots <= 8
+
+
 def gemm_default(m: int, n: int, k: int, device: DeviceInfo, va_ok: bool = True,
                  vb_ok: bool = True, a_fast: str = "k", b_fast: str = "i",
                  prefer: tuple[tuple[int, int, int, int, int], ...] = ()) -> Params:

@@ -37,6 +37,7 @@ from convforge.kernels.sgemm import (
     gemm_grid,
     gemm_kernel,
     gemm_space,
+    lean_point,
 )
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
@@ -293,8 +294,14 @@ class DgradStridedGemm(Variant):
         return 8 if spec.stride != (1, 1) else self.specialised
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
+        """The shared SGEMM space; on GPUs only its spill-free points (:func:`lean_point`) after the
+        default."""
         m, n, k = _Geo(spec).mnk(spec)
-        return gemm_space(m, n, k, device, spec.kg % 4 == 0, False, "k", "i")
+        pts = gemm_space(m, n, k, device, spec.kg % 4 == 0, False, "k", "i")
+        default = self.default(spec, device)
+        if device.is_gpu:
+            pts = [default] + [p for p in pts if p != default and lean_point(p)]
+        return pts
 
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
         m, n, k = _Geo(spec).mnk(spec)
