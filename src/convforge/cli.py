@@ -162,8 +162,9 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def _show_default(spec: ConvSpec) -> str:
-    """``show``'s variant when none is named: direct for fprop, else the most specialised variant
-    of the direct family that computes the pass (the first that computes it at all, if none)."""
+    """``show``'s variant when none is named: direct for fprop, the pass's exact baseline
+    (dgrad_direct, wgrad_direct: every layer) else, or the most specialised variant of the direct
+    family that computes the pass (the first that computes it at all, if none)."""
     from convforge import kernels
 
     if spec.conv_pass == "fprop":
@@ -171,6 +172,8 @@ def _show_default(spec: ConvSpec) -> str:
     mine = [v for v in kernels.all_variants() if spec.conv_pass in v.passes]
     if not mine:
         raise ValueError(f"no variant computes {spec.conv_pass}")
+    if any(v.name == f"{spec.conv_pass}_direct" for v in mine):
+        return f"{spec.conv_pass}_direct"
     direct = [v for v in mine if v.family == "direct"] or mine
     return max(direct, key=lambda v: v.specialised).name
 
@@ -292,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {missing('this command', root)}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader left early (`convforge algos | head`): stop quietly, as Unix tools do
+        _silence_stdout()
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool the closed pipe stopped
     except (ValueError, TypeError, OSError) as err:  # TypeError: bad JSON / params shapes from users
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -302,6 +308,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def _silence_stdout() -> None:
+    """Point stdout at the null device, so the interpreter's last flush meets no closed pipe."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout replaced by something without a descriptor (tests)
+        pass
 
 
 if __name__ == "__main__":

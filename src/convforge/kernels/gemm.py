@@ -27,10 +27,21 @@ from convforge.kernels.sgemm import (
     gemm_space,
 )
 from convforge.params import Params
-from convforge.plan import DeviceInfo, Epilogue, Gemm, Launch, Plan, Prologue, Step, Variant
+from convforge.plan import (
+    INT32_MAX,
+    DeviceInfo,
+    Epilogue,
+    Gemm,
+    Launch,
+    Plan,
+    Prologue,
+    Step,
+    Variant,
+    index_refusal,
+)
 from convforge.spec import ConvSpec
 
-_INT_LIMIT = 2**31 - 1
+_INT_LIMIT = INT32_MAX
 _ELT_BLOCK = 256  # threads per block of the element-wise kernels (transforms, reductions)
 
 
@@ -77,12 +88,14 @@ def nchw_store(spec: ConvSpec, epi: Epilogue, out: str = "y", raw: bool = False)
     return Store(put=put, setup=setup, vput=vput if pq % 4 == 0 else None)
 
 
-def too_big(spec: ConvSpec, extra: int = 0) -> str | None:
-    """Reason when some array would need 64-bit indices (the kernels index with int)."""
-    biggest = max(spec.n * spec.c * spec.h * spec.w, spec.n * spec.k * spec.p * spec.q, extra)
-    if biggest > _INT_LIMIT:
-        return f"an array of {biggest} elements needs 64-bit indexing"
-    return None
+def too_big(spec: ConvSpec, extra: int = 0, what: str = "workspace") -> str | None:
+    """"needs 64-bit indexing: ..." when the input, the output or ``extra`` elements of a
+    workspace (``what``) pass what these kernels' 32-bit offsets address (``Variant.applies``
+    checks the filter too)."""
+    arrays = {"input": spec.n * spec.c * spec.h * spec.w, "output": spec.n * spec.k * spec.p * spec.q}
+    if extra:
+        arrays[what] = extra
+    return index_refusal(arrays, _INT_LIMIT)
 
 
 def elementwise(name: str, total: int, args: tuple[Arg, ...], body: list[str],
@@ -122,7 +135,7 @@ def gemm_plan(variant: Variant, spec: ConvSpec, params: Params, epi: Epilogue, b
                     (a_ref,) + extra_refs + out_refs(epi) + (pro.buffers() if in_gemm else ()))
     return Plan(variant.name, variant.family, spec, params,
                 tuple(k for k, _ in pre) + (kern,), tuple(s for _, s in pre) + (launch,),
-                workspace, variant.tolerance, epi, pro)
+                workspace, variant.tolerance, epi, prologue=pro)
 
 
 class _ConvGemmBase(Variant):
@@ -218,7 +231,7 @@ class Im2colGemm(_ConvGemmBase):
         return (spec.n * spec.p * spec.q) % 4 == 0
 
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
-        return (super().applies(spec, device) or too_big(spec, col_elements(spec))
+        return (super().applies(spec, device) or too_big(spec, col_elements(spec), "im2col workspace")
                 or (None if spec.c * spec.r * spec.s <= 65535 else "C*R*S above 65535"))
 
     prologue_ok = True  # the im2col kernel activates what it copies
@@ -256,7 +269,7 @@ class Im2colCublas(Variant):
     exact = True
 
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
-        return (super().applies(spec, device) or too_big(spec, col_elements(spec))
+        return (super().applies(spec, device) or too_big(spec, col_elements(spec), "im2col workspace")
                 or (None if spec.c * spec.r * spec.s <= 65535 else "C*R*S above 65535"))
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
@@ -287,7 +300,7 @@ class Im2colCublas(Variant):
             kernels.append(epk)
             steps.append(Launch(epk.name, egrid, epk.block, out_refs(epilogue)))
         return Plan(self.name, self.family, spec, params, tuple(kernels), tuple(steps),
-                    (("col", self.workspace_bytes(spec, params)),), self.tolerance, epilogue, prologue)
+                    (("col", self.workspace_bytes(spec, params)),), self.tolerance, epilogue, prologue=prologue)
 
 
 # -- implicit GEMM --------------------------------------------------------------------------
@@ -523,6 +536,8 @@ class _SplitK(_ConvGemmBase):
         red = self._reduction(spec)
         if why is None and red < 32:
             why = f"split-K needs {self.red_name} >= 32"
+        if why is None and not self._splits(spec):
+            why = too_big(spec, 2 * spec.n * spec.k * spec.p * spec.q, "split-K partial outputs (2 slices)")
         if why is None and device.is_gpu:
             # H200, Boda's batch-5 layers: the extra reduce pass loses once the plain GEMM has
             # half a block per SM (3b: 0.0186 against 0.0172 ms) or the reduction is short
@@ -539,7 +554,9 @@ class _SplitK(_ConvGemmBase):
         return cdiv(spec.k, base.bm) * cdiv(spec.n * spec.p * spec.q, base.bn)
 
     def _splits(self, spec: ConvSpec) -> list[int]:
-        return [ks for ks in (2, 4, 8, 16) if cdiv(self._reduction(spec), ks) >= 8]
+        """Slice counts with 8 or more reduction steps each whose partial outputs 32-bit offsets address."""
+        total = spec.n * spec.k * spec.p * spec.q
+        return [ks for ks in (2, 4, 8, 16) if cdiv(self._reduction(spec), ks) >= 8 and ks * total <= _INT_LIMIT]
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
         out = []
@@ -565,6 +582,9 @@ class _SplitK(_ConvGemmBase):
     def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
              epilogue: Epilogue = Epilogue(), prologue: Prologue = Prologue()) -> Plan:
         total = spec.n * spec.k * spec.p * spec.q
+        why = too_big(spec, params.ks * total, f"split-K partial outputs ({params.ks} slices)")
+        if why:
+            raise ValueError(f"{self.name}: {why}")
         shape = GemmShape(spec.k, spec.n * spec.p * spec.q, self._reduction(spec), ksplit=params.ks)
         gparams = Params({k: v for k, v in params.items() if k != "ks"})
         name = f"{self.name}_sgemm"
@@ -586,7 +606,7 @@ class _SplitK(_ConvGemmBase):
                         ("w", "x", "part") + prologue.buffers()),
                  Launch(red.name, rgrid, red.block, ("part",) + out_refs(epilogue)))
         return Plan(self.name, self.family, spec, params, (kern, red), steps,
-                    (("part", self.workspace_bytes(spec, params)),), self.tolerance, epilogue, prologue)
+                    (("part", self.workspace_bytes(spec, params)),), self.tolerance, epilogue, prologue=prologue)
 
 
 class Gemm1x1SplitK(_SplitK, Gemm1x1):
