@@ -197,3 +197,23 @@ def test_prologue_source_snapshot(backend: str) -> None:
         path.write_text(src)
     assert path.exists(), f"no snapshot {path.name}: run with CONVFORGE_UPDATE_SNAPSHOTS=1 and review it"
     assert src == path.read_text(), "generated prologue source changed; review and update the snapshot"
+
+
+def test_a_nan_input_stays_nan_through_the_prologue_relu(ocl: Any) -> None:
+    """RELU keeps NaN (as PyTorch's batch norm -> ReLU -> conv does): an activated NaN reaches the
+    outputs whose window holds it, never a silent 0."""
+    from convforge.dtypes import to_storage
+
+    spec = ConvSpec.make(1, 2, 7, 7, 3, 3, 3, padding=1)
+    for name in ("direct", "implicit_gemm", "winograd_fused_f2"):
+        v = kernels.get_variant(name)
+        exe = ocl.executable(v.plan_for(spec, v.default(spec, ocl.device), ocl.device, Epilogue(), FULL))
+        x = np.ones(spec.x_shape, np.float32)
+        x[0, 1, 3, 3] = np.nan
+        bufs = {"x": ocl.upload(to_storage(x, spec.dtype)), "w": ocl.upload(np.ones(spec.w_shape, np.float32)),
+                "y": ocl.upload(np.zeros(spec.y_shape, np.float32)),
+                "pscale": ocl.upload(np.ones(2, np.float32)), "pshift": ocl.upload(np.zeros(2, np.float32))}
+        exe(bufs)
+        ocl.synchronize()
+        y = ocl.download(bufs["y"], spec.y_shape)
+        assert np.isnan(y[0, :, 2:5, 2:5]).all() and not np.isnan(y[0, :, 0, 0]).any(), name

@@ -132,7 +132,7 @@ class Prologue:
     def apply(self, value: str, c: str) -> str:
         """Expression of the activated ``value`` (an in-bounds input of channel ``c``)."""
         expr = f"FMA({value}, pscale[{c}], pshift[{c}])" if self.affine else value
-        return f"MAX({expr}, 0.0f)" if self.relu else expr
+        return f"RELU({expr})" if self.relu else expr  # NaN stays NaN, as in the epilogue
 
     def apply4(self, dst: str, c: str) -> list[str]:
         """Statements activating the float4 ``dst`` in place (four inputs of channel ``c``)."""

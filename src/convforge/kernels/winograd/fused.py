@@ -569,7 +569,7 @@ def _emit_store_stage(code: Code, lay: Layout, buf: str, pro: Prologue = Prologu
                 src = f"a{sfx}"
                 for a, b in itertools.product(range(g.ah), range(g.aw)):
                     val = f"FMA(d{sfx}{a}_{b}, ps{sfx}, pb{sfx})" if pro.affine else f"d{sfx}{a}_{b}"
-                    val = f"MAX({val}, 0.0f)" if pro.relu else val
+                    val = f"RELU({val})" if pro.relu else val
                     if pro.affine:  # an affine map takes 0 elsewhere: masked-off elements stay 0
                         val = f"((rmask{sfx} >> {a}) & (cmask{sfx} >> {b}) & 1u) ? {val} : 0.0f"
                     code(f"const float {src}{a}_{b} = {val};")
