@@ -4,8 +4,9 @@ conv's input load; skips without a CUDA device or torch).
 Run on the lent GPU: ``python -m pytest -q tests/test_gpu_preact.py``. A DenseNet-like block (dense
 layers: concat -> BN -> ReLU -> 1x1 -> BN -> ReLU -> 3x3; a transition: BN -> ReLU -> 1x1 -> pool)
 and a pre-activation ResNet unit (one BN -> ReLU read by a 3x3 stride-2 conv and its 1x1 shortcut):
-eval inference folds every pre-activation (no batch norm module runs) and matches a float64 run
-of the original; training runs them unfused and matches PyTorch's outputs, gradients and running
+on CPU tensors everything runs as the original did; eval inference folds every pre-activation
+(no batch norm module runs) and matches a float64 run of the original; training runs them unfused
+and matches PyTorch's outputs, gradients and running
 statistics (the shared batch norm updated once); eval with gradients runs them unfused too; CUDA
 graphs replay them; torchvision's DenseNet-121 folds all 61 of its BN -> ReLU -> conv chains.
 """
@@ -56,7 +57,7 @@ class PreactNet(nn.Module):
 PRE_CONVS = {"l1.conv1", "l2.conv1", "tconv", "uconv", "ushort"}
 
 
-def _model(seed: int = 0) -> nn.Module:
+def _model(seed: int = 0, device: str = "cuda") -> nn.Module:
     torch.manual_seed(seed)
     model = PreactNet()
     with torch.no_grad():
@@ -66,7 +67,7 @@ def _model(seed: int = 0) -> nn.Module:
                 m.bias.normal_()
                 m.running_mean.normal_()
                 m.running_var.uniform_(0.5, 1.5)
-    return model.cuda()
+    return model.to(device)
 
 
 def _err(y: torch.Tensor, model: nn.Module, x: torch.Tensor) -> float:
@@ -87,6 +88,22 @@ def _tolerance(fused: nn.Module) -> float:
                     tol = max(tol, v[0].exe.plan.tolerance)
     assert tol > 0, "no convforge plan ran"
     return 4 * tol
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_cpu_tensors_run_the_original_computation(train):
+    """No GPU needed: on CPU tensors every fused conv runs unfused, the pre-activation nodes pass
+    through (eval: each conv applies the batch norm and ReLU) or run them once (training)."""
+    import convforge.torch as ct
+
+    model = _model(5, "cpu").train(train)
+    ref = copy.deepcopy(model)
+    fused, report = ct.fuse(model)
+    assert {n for n, ops in report.fused.items() if ops.startswith("pre(")} == PRE_CONVS
+    x = torch.randn(2, 3, 9, 10)
+    torch.testing.assert_close(fused(x), ref(x), rtol=1e-5, atol=1e-5)
+    for (name, b), c in zip(model.named_buffers(), ref.buffers()):
+        torch.testing.assert_close(b, c, rtol=1e-6, atol=1e-6, msg=name)  # statistics updated once
 
 
 def test_fuse_reports_every_prologue(gpu):
