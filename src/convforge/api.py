@@ -43,16 +43,16 @@ _SPECS: dict[tuple[Any, ...], ConvSpec] = {}
 
 
 def _spec(x_shape: tuple[int, ...], w_shape: tuple[int, ...], stride: Any, padding: Any,
-          dilation: Any) -> ConvSpec:
+          dilation: Any, dtype: str = "float32") -> ConvSpec:
     """ConvSpec.from_shapes, remembered for arguments that are plain ints or tuples of them (it
     runs on every call). Only those: True, 1.0 or (True, 0) equal 1 and (1, 0) as keys, so they
     would find a spec without being checked."""
     if not (_plain(stride) and _plain(padding) and _plain(dilation)):  # lists, NumPy ints, bad values
-        return ConvSpec.from_shapes(x_shape, w_shape, stride, padding, dilation)
-    key = (x_shape, w_shape, stride, padding, dilation)
+        return ConvSpec.from_shapes(x_shape, w_shape, stride, padding, dilation, dtype=dtype)
+    key = (x_shape, w_shape, stride, padding, dilation, dtype)
     spec = _SPECS.get(key)
     if spec is None:
-        spec = _SPECS[key] = ConvSpec.from_shapes(x_shape, w_shape, stride, padding, dilation)
+        spec = _SPECS[key] = ConvSpec.from_shapes(x_shape, w_shape, stride, padding, dilation, dtype=dtype)
     return spec
 
 
@@ -81,14 +81,28 @@ def _options(relu: Any, workspace_limit: Any, precision: Any, max_error: Any) ->
     return bool(relu), workspace_limit
 
 
-def _check_array(a: Any, what: str, rank: int) -> None:
+# The storage dtypes each kind of array brings (NumPy and CuPy have no bfloat16).
+ARRAY_DTYPES = {"numpy": ("float32", "float16"), "cupy": ("float32", "float16"),
+                "torch": ("float32", "float16", "bfloat16")}
+
+
+def _check_array(a: Any, what: str, rank: int, kind: str = "numpy") -> str:
+    """The array's dtype name, after checking its rank and that ``kind`` arrays of it run."""
     if isinstance(a, np.ndarray) and a.ndim == rank and a.dtype == np.float32:
-        return  # the common case, quickly
+        return "float32"  # the common case, quickly
     if len(a.shape) != rank:
         raise ValueError(f"{what} must have rank {rank}, got shape {tuple(a.shape)}")
     dtype = str(a.dtype).replace("torch.", "")
-    if dtype != "float32":
-        raise ValueError(f"{what} dtype ({dtype}) must be float32")
+    if dtype not in ARRAY_DTYPES[kind]:
+        raise ValueError(f"{what} dtype ({dtype}) must be one of {', '.join(ARRAY_DTYPES[kind])} "
+                         f"for {kind} arrays")
+    return dtype
+
+
+def _same_dtype(dtype: str, other: str, what: str) -> None:
+    if other != dtype:
+        raise ValueError(f"{what} dtype ({other}) must equal the input's ({dtype}): input, weights and "
+                         "bias share one dtype")
 
 
 def _check_layout(a: Any, what: str, rank: int) -> None:
@@ -199,9 +213,10 @@ def conv2d(x: Any, w: Any, bias: Any = None, stride: int | Sequence[int] = 1,
            backend: str | None = None, workspace_limit: int | None = None, relu: bool = False,
            params: Params | dict[str, Any] | None = None, precision: str | None = None,
            max_error: float | None = None) -> Any:
-    """Convolve NCHW ``x`` with KCRS ``w`` (float32). NumPy input runs on OpenCL and returns NumPy;
-    CuPy arrays and torch CUDA tensors run on CUDA on the caller's current stream and return the
-    same type on the same device. ``algo`` is 'auto', a family or a variant name; ``precision``
+    """Convolve NCHW ``x`` with KCRS ``w`` (float32, float16, or bfloat16 torch tensors; x, w and bias
+    of one dtype, the output of it too, accumulation in float32). NumPy input runs on OpenCL and
+    returns NumPy; CuPy arrays and torch CUDA tensors run on CUDA on the caller's current stream and
+    return the same type on the same device. ``algo`` is 'auto', a family or a variant name; ``precision``
     ('fp32' | 'relaxed') and ``max_error`` bound what 'auto' may pick (default: ``config``).
 
     A warm device call is a dictionary hit and the launches: no conversion objects, no
@@ -258,15 +273,15 @@ def _conv2d(x: Any, w: Any, bias: Any, stride: Any, padding: Any, dilation: Any,
     kind = _kind(x, "input")
     if _kind(w, "weights") != kind:
         raise ValueError("input and weights must be the same kind of array")
-    _check_array(x, "input", 4)
-    _check_array(w, "weights", 4)
-    spec = _spec(tuple(x.shape), tuple(w.shape), stride, padding, dilation)
+    dtype = _check_array(x, "input", 4, kind)
+    _same_dtype(dtype, _check_array(w, "weights", 4, kind), "weights")
+    spec = _spec(tuple(x.shape), tuple(w.shape), stride, padding, dilation, dtype)
     _check_layout(x, "input", 4)
     _check_layout(w, "weights", 4)
     if bias is not None:
         if _kind(bias, "bias") != kind:
             raise ValueError("bias must be the same kind of array as the input")
-        _check_array(bias, "bias", 1)
+        _same_dtype(dtype, _check_array(bias, "bias", 1, kind), "bias")
         _check_layout(bias, "bias", 1)
         if bias.shape[0] != spec.k:
             raise ValueError(f"bias has {bias.shape[0]} entries, weights have K={spec.k}")
@@ -343,11 +358,12 @@ def _device_index(x: Any, kind: str) -> int | None:
 
 def _run_host(be: Backend, exe: Executable, x: Any, w: Any, bias: Any) -> np.ndarray:
     spec = exe.plan.spec
-    bufs = {"x": be.upload(x), "w": be.upload(w), "y": be.empty(4 * int(np.prod(spec.y_shape)))}
+    bufs = {"x": be.upload(x), "w": be.upload(w), "y": be.empty(spec.itemsize * int(np.prod(spec.y_shape)))}
     if bias is not None:
         bufs["bias"] = be.upload(bias)
     exe(bufs)
-    return be.download(bufs["y"], spec.y_shape)
+    y = be.download(bufs["y"], spec.y_shape, spec.dtype)
+    return y if spec.dtype == "float32" else y.astype(x.dtype)  # exact: the kernel stored x's dtype
 
 
 def default_backend() -> str:

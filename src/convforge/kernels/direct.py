@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 
 from convforge.arrays import ArrayDesc
-from convforge.codegen.dialect import Arg, Buf, ConstBuf, Kernel, Scalar, TexBuf
+from convforge.codegen.dialect import Arg, ConstBuf, Kernel, Scalar, Storage, TexBuf
 from convforge.codegen.meta import Code, cdiv
 from convforge.kernels import register
 from convforge.kernels.common import out_args, out_refs
@@ -30,6 +30,9 @@ class DirectBase(Variant):
     offset_ok = True
     tolerance = 1e-5
     exact = True
+    # half storage: x, w, y (bias, res) float16 or bfloat16, converted on load, FP32 arithmetic;
+    # filters stay in global memory (no constant-memory or texture copy of half data)
+    dtypes = frozenset({"float32", "float16", "bfloat16"})
 
     # -- parameters -------------------------------------------------------------------------
     def _grid_points(self, spec: ConvSpec, device: DeviceInfo) -> list[dict[str, int]]:
@@ -44,6 +47,8 @@ class DirectBase(Variant):
         return pts
 
     def _wconst_ok(self, spec: ConvSpec, device: DeviceInfo) -> bool:
+        if spec.dtype != "float32":
+            return False
         nbytes = 4 * spec.k * spec.c * spec.r * spec.s
         return nbytes <= min(device.const_bytes, 64 * 1024)
 
@@ -62,10 +67,11 @@ class DirectBase(Variant):
 
     def _args(self, spec: ConvSpec, params: Params, epi: Epilogue) -> tuple[Arg, ...]:
         wcount = spec.k * spec.c * spec.r * spec.s
-        warg: Arg = ConstBuf("wc", wcount) if params.wconst else Buf("w")
-        xarg: Arg = TexBuf("x") if params.get("tex", False) else Buf("x")
+        st = Storage(spec.dtype)
+        warg: Arg = ConstBuf("wc", wcount) if params.wconst else st.buf("w")
+        xarg: Arg = TexBuf("x") if params.get("tex", False) else st.buf("x")
         strides = tuple(Scalar(name) for name, _ in self._stride_args(spec, params, epi))
-        return (xarg, warg) + out_args(epi) + strides
+        return (xarg, warg) + out_args(epi, st) + strides
 
     def _requires(self, params: Params) -> frozenset[str]:
         return frozenset({"texture"}) if params.get("tex", False) else frozenset()
@@ -91,21 +97,24 @@ class DirectBase(Variant):
         """Load tk weights for (c, r, s) and accumulate them against the tp x tq inputs."""
         wname = "wc" if p.wconst else "w"
         crs = spec.c * spec.r * spec.s
+        st = Storage(spec.dtype)
         with code.block(""):
             for kk in range(p.tk):
-                code(f"const float w{kk} = {wname}[kw{kk} * {crs} + c * {spec.r * spec.s}"
-                     f" + ({r}) * {spec.s} + {s}];")
+                idx = f"kw{kk} * {crs} + c * {spec.r * spec.s} + ({r}) * {spec.s} + {s}"
+                code(f"const float w{kk} = {st.load(wname, idx)};")
             for kk, i, j in self._outs(p):
                 code(f"acc{kk}_{i}_{j} = FMA(w{kk}, {xval[(i, j)]}, acc{kk}_{i}_{j});")
 
     def _store(self, code: Code, spec: ConvSpec, p: Params, epi: Epilogue) -> None:
         _, yd = self._arrays(spec, p, epi)
+        st = Storage(spec.dtype)
         for kk, i, j in self._outs(p):
             k, pp, qq = f"k0 + {kk}", f"p0 + ly + {i * p.bp}", f"q0 + lx + {j * p.bq}"
             cond = f"{k} < {spec.k} && {pp} < {spec.p} && {qq} < {spec.q}"
             kout = f"{k} + {epi.k_offset}" if epi.k_offset else k
             idx = yd.index(n="n", k=kout, p=pp, q=qq)
-            code(f"if ({cond}) y[{idx}] = {epi.apply(f'acc{kk}_{i}_{j}', k, idx, offset_done=True)};")
+            val = epi.apply(f"acc{kk}_{i}_{j}", k, idx, offset_done=True, storage=st)
+            code(f"if ({cond}) {st.store('y', idx, val)};")
 
     def _rs_loops(self, code: Code, spec: ConvSpec, p: Params, body: object) -> None:
         """Emit body(r_expr, s) for every tap, r unrolled when small enough."""
@@ -124,6 +133,9 @@ class DirectBase(Variant):
 
     def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
              epilogue: Epilogue = Epilogue()) -> Plan:
+        if spec.dtype != "float32" and (params.get("wconst", False) or params.get("tex", False)):
+            raise ValueError(f"{self.name}: wconst and tex (constant-memory filters, texture reads) take "
+                             f"float32 only, not {spec.dtype}")
         if params.get("wconst", False) and not self._wconst_ok(spec, device):
             raise ValueError(f"{self.name}: filters ({4 * spec.k * spec.c * spec.r * spec.s} bytes) do not fit "
                              "in constant memory")
@@ -173,7 +185,7 @@ class Direct(DirectBase):
         base = out[:6]
         # (fewer channels per thread: run-time index arithmetic costs registers)
         out += [prm.replace(rt=True, tk=min(prm.tk, 4)) for prm in base[:4]]
-        if device.backend == "cuda" and spec.n * spec.c * spec.h * spec.w <= _TEX_LIMIT:
+        if device.backend == "cuda" and spec.n * spec.c * spec.h * spec.w <= _TEX_LIMIT and spec.dtype == "float32":
             out += [prm.replace(tex=True, ldg=False) for prm in base]  # reads through texture objects
         return out
 
@@ -188,12 +200,13 @@ class Direct(DirectBase):
         pt, pl = spec.pad[0], spec.pad[2]
         xd, _ = self._arrays(spec, p)
         tex = bool(p.get("tex", False))
+        st = Storage(spec.dtype)
         if tex:  # integer offsets into the texture instead of pointers
             code(f"const int xn = {xd.index(n='n')};")
         else:
-            code(f"const GLOBAL_PTR float* xn = x + {xd.index(n='n')};")
+            code(f"const GLOBAL_PTR {st.elem}* xn = x + {xd.index(n='n')};")
         with code.block(f"for (int c = 0; c < {spec.c}; ++c)"):
-            code(f"const {'int' if tex else 'GLOBAL_PTR float*'} xc = xn + {xd.index(c='c')};")
+            code(f"const {'int' if tex else f'GLOBAL_PTR {st.elem}*'} xc = xn + {xd.index(c='c')};")
 
             def tap(r: str, s: int) -> None:
                 xval = {}
@@ -202,7 +215,7 @@ class Direct(DirectBase):
                         iy = f"(p0 + ly + {i * p.bp}) * {sh} + ({r}) * {dh} - {pt}"
                         ix = f"(q0 + lx + {j * p.bq}) * {sw} + {s * dw - pl}"
                         ptr = f"xc + {xd.index(y='iy', x='ix')}"
-                        load = f"TEX(x, {ptr})" if tex else f"LDG({ptr})" if p.ldg else f"*({ptr})"
+                        load = f"TEX(x, {ptr})" if tex else st.ldg(ptr) if p.ldg else st.deref(ptr)
                         nm = f"x{i}_{j}"
                         code(f"float {nm};",
                              f"{{ const int iy = {iy}, ix = {ix};",
@@ -262,8 +275,9 @@ class DirectSmem(DirectBase):
         ih, iw = self._tile(spec, p)
         hw, nt = spec.h * spec.w, p.bq * p.bp
         tile = p.cc * ih * iw
+        st = Storage(spec.dtype)
         code(f"SHARED float xs[{tile}];  // {p.cc} channel(s) x {ih} x {iw} input tile with halo",
-             f"const GLOBAL_PTR float* xn = x + n * {spec.c * hw};",
+             f"const GLOBAL_PTR {st.elem}* xn = x + n * {spec.c * hw};",
              f"const int y0 = p0 * {sh} - {pt}, x0 = q0 * {sw} - {pl};",
              f"const int tid = ly * {p.bq} + lx;")
         with code.block(f"for (int cb = 0; cb < {spec.c}; cb += {p.cc})"):
@@ -271,7 +285,7 @@ class DirectSmem(DirectBase):
                 code(f"const int ci = t / {ih * iw}, rem = t % {ih * iw};",
                      f"const int iy = y0 + rem / {iw}, ix = x0 + rem % {iw};",
                      f"xs[t] = (cb + ci < {spec.c} && (unsigned)iy < {spec.h}u && "
-                     f"(unsigned)ix < {spec.w}u) ? xn[(cb + ci) * {hw} + iy * {spec.w} + ix] : 0.0f;")
+                     f"(unsigned)ix < {spec.w}u) ? {st.load('xn', f'(cb + ci) * {hw} + iy * {spec.w} + ix')} : 0.0f;")
             code("BARRIER();")
             with code.block(f"for (int ci = 0; ci < {p.cc}; ++ci)"):
                 code("const int c = cb + ci;")
@@ -334,19 +348,20 @@ class DirectShfl(DirectBase):
         (sh, _), (dh, dw) = spec.stride, spec.dilation
         pt, pl = spec.pad[0], spec.pad[2]
         hw = spec.h * spec.w
-        code(f"const GLOBAL_PTR float* xn = x + n * {spec.c * hw};",
+        st = Storage(spec.dtype)
+        code(f"const GLOBAL_PTR {st.elem}* xn = x + n * {spec.c * hw};",
              f"const int xa = q0 + lx - {pl}, xb = xa + 32;")
         with code.block(f"for (int c = 0; c < {spec.c}; ++c)"):
-            code(f"const GLOBAL_PTR float* xc = xn + c * {hw};")
+            code(f"const GLOBAL_PTR {st.elem}* xc = xn + c * {hw};")
 
             def tap_row(r: str) -> None:
                 for i in range(p.tp):
                     code(f"const int iy{i} = (p0 + ly + {i * p.bp}) * {sh} + ({r}) * {dh} - {pt};",
                          f"const bool ok{i} = (unsigned)iy{i} < {spec.h}u;",
                          f"const float a{i} = (ok{i} && (unsigned)xa < {spec.w}u) ? "
-                         f"LDG(xc + iy{i} * {spec.w} + xa) : 0.0f;",
+                         f"{st.ldg(f'xc + iy{i} * {spec.w} + xa')} : 0.0f;",
                          f"const float b{i} = (ok{i} && (unsigned)xb < {spec.w}u) ? "
-                         f"LDG(xc + iy{i} * {spec.w} + xb) : 0.0f;")
+                         f"{st.ldg(f'xc + iy{i} * {spec.w} + xb')} : 0.0f;")
                 for s in range(spec.s):
                     off = s * dw
                     xval = {}

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from convforge.codegen.dialect import Arg, Buf, Kernel
+from convforge.codegen.dialect import FLOAT32, Arg, Buf, Kernel, Storage
 from convforge.codegen.meta import Code, cdiv
 from convforge.kernels import register
 from convforge.kernels.common import out_args, out_refs
@@ -35,20 +35,25 @@ _ELT_BLOCK = 256  # threads per block of the element-wise kernels (transforms, r
 
 
 # -- shared metacode ------------------------------------------------------------------------
-def filter_operand(spec: ConvSpec, name: str = "w", ld: int | None = None) -> Operand:
+def filter_operand(spec: ConvSpec, name: str = "w", ld: int | None = None,
+                   storage: Storage | None = None) -> Operand:
     """A = filters as a K x CRS row-major matrix (row stride ``ld``), float4 loads along CRS
-    when rows are 16-byte aligned."""
+    when rows are 16-byte aligned (8-byte half4 loads for half storage); ``storage``: how
+    ``name`` is stored (default: the spec's dtype, as the filters are)."""
     ld = ld or spec.c * spec.r * spec.s
+    st = storage or Storage(spec.dtype)
     vload = None
     if ld % 4 == 0:
         def vload(t: str, k: str, d: str) -> list[str]:
-            return [f"{d} = VLOAD4(0, {name} + {t}_i * {ld} + {k});"]
-    return Operand(load=lambda t, k, d: [f"{d} = {name}[{t}_i * {ld} + {k}];"],
+            return [f"{d} = {st.vload4('0', f'{name} + {t}_i * {ld} + {k}')};"]
+    return Operand(load=lambda t, k, d: [f"{d} = {st.load(name, f'{t}_i * {ld} + {k}')};"],
                    fast="k", vload=vload)
 
 
 def nchw_store(spec: ConvSpec, epi: Epilogue, out: str = "y", raw: bool = False) -> Store:
-    """C (K x NPQ) into an N x K x P x Q tensor; ``raw`` skips the epilogue (partial sums)."""
+    """C (K x NPQ) into an N x K x P x Q tensor stored as the spec's dtype; ``raw`` skips the
+    epilogue (float32 partial sums into a workspace)."""
+    st = FLOAT32 if raw else Storage(spec.dtype)
     pq = spec.p * spec.q
     kpq = (epi.k_total if epi.k_total and not raw else spec.k) * pq  # a channel-offset write: the whole tensor
     base = f" + {epi.k_offset * pq}" if epi.k_offset and not raw else ""
@@ -58,13 +63,14 @@ def nchw_store(spec: ConvSpec, epi: Epilogue, out: str = "y", raw: bool = False)
                 f"const int {t}_o = {t}_n * {kpq} + ({i} - {t}_n * {pq}){base};"]
 
     def put(m: str, t: str, v: str) -> list[str]:
-        val = v if raw else epi.apply(v, f"({m})", f"{t}_o + ({m}) * {pq}", offset_done=True)
-        return [f"{out}[{t}_o + ({m}) * {pq}] = {val};"]
+        val = v if raw else epi.apply(v, f"({m})", f"{t}_o + ({m}) * {pq}", offset_done=True, storage=st)
+        return [f"{st.store(out, f'{t}_o + ({m}) * {pq}', val)};"]
 
     def vput(m: str, t: str, vs: list[str]) -> list[str]:
-        vals = ", ".join(v if raw else epi.apply(v, f"({m})", f"{t}_o + ({m}) * {pq} + {j}", offset_done=True)
+        vals = ", ".join(v if raw else epi.apply(v, f"({m})", f"{t}_o + ({m}) * {pq} + {j}", offset_done=True,
+                                                 storage=st)
                          for j, v in enumerate(vs))
-        return [f"VSTORE4(MAKE_FLOAT4({vals}), 0, {out} + {t}_o + ({m}) * {pq});"]
+        return [f"{st.vstore4(f'MAKE_FLOAT4({vals})', '0', f'{out} + {t}_o + ({m}) * {pq}')};"]
 
     # 4 consecutive columns (from a multiple of 4) stay in one image and 16-byte aligned
     # when P*Q is a multiple of 4.
@@ -94,10 +100,12 @@ def gemm_plan(variant: Variant, spec: ConvSpec, params: Params, epi: Epilogue, b
               extra_args: tuple[Arg, ...], extra_refs: tuple[str, ...],
               pre: tuple[tuple[Kernel, Step], ...] = (), workspace: tuple[tuple[str, int], ...] = (),
               a: Operand | None = None, a_ref: str = "w") -> Plan:
-    """Plan of [pre-kernels] + one SGEMM writing the NCHW output."""
+    """Plan of [pre-kernels] + one SGEMM writing the NCHW output (in the spec's dtype; the default
+    A, the filters ``a_ref``, in it too)."""
     shape = GemmShape(spec.k, spec.n * spec.p * spec.q, spec.c * spec.r * spec.s)
     name = f"{variant.name}_sgemm"
-    args = (Buf(a_ref),) + extra_args + out_args(epi)
+    st = Storage(spec.dtype)
+    args = (st.buf(a_ref) if a is None else Buf(a_ref),) + extra_args + out_args(epi, st)
     kern = gemm_kernel(name, shape, params, a or filter_operand(spec), b, nchw_store(spec, epi),
                        args, comment=f"{variant.name}: {params.short()}")
     launch = Launch(name, gemm_grid(shape, params), gemm_block(params),
@@ -115,6 +123,8 @@ class _ConvGemmBase(Variant):
 
     tolerance = 1e-5
     exact = True
+    # half storage: x, w, y (bias, res) float16 or bfloat16, FP32 accumulation; workspaces float32
+    dtypes = frozenset({"float32", "float16", "bfloat16"})
 
     def _b_vec(self, spec: ConvSpec) -> bool:
         return False
@@ -161,6 +171,7 @@ def im2col_kernel(spec: ConvSpec, per_image: bool) -> tuple[Kernel, tuple[int, i
     pt, pl = spec.pad[0], spec.pad[2]
     pq, npq, rs, hw = spec.p * spec.q, spec.n * spec.p * spec.q, spec.r * spec.s, spec.h * spec.w
     crs = spec.c * rs
+    st = Storage(spec.dtype)
     code = Code()
     code("const int crs = GROUP_ID(1);",
          f"const int c = crs / {rs}, r = (crs % {rs}) / {spec.s}, s = crs % {spec.s};",
@@ -170,10 +181,10 @@ def im2col_kernel(spec: ConvSpec, per_image: bool) -> tuple[Kernel, tuple[int, i
              f"const int iy = (pix / {spec.q}) * {sh} + r * {dh} - {pt};",
              f"const int ix = (pix % {spec.q}) * {sw} + s * {dw} - {pl};",
              f"const float v = ((unsigned)iy < {spec.h}u && (unsigned)ix < {spec.w}u)"
-             f" ? x[n * {spec.c * hw} + c * {hw} + iy * {spec.w} + ix] : 0.0f;")
+             f" ? {st.load('x', f'n * {spec.c * hw} + c * {hw} + iy * {spec.w} + ix')} : 0.0f;")
         dst = f"n * {crs * pq} + crs * {pq} + pix" if per_image else f"crs * {npq} + i"
         code(f"col[{dst}] = v;")
-    kern = Kernel("im2col", (Buf("x"), Buf("col", readonly=False)), code.text(),
+    kern = Kernel("im2col", (st.buf("x"), Buf("col", readonly=False)), code.text(),
                   (_ELT_BLOCK, 1, 1), comment="im2col: " + ("N x CRS x PQ" if per_image else
                                                             "CRS x NPQ"))
     return kern, (cdiv(npq, _ELT_BLOCK), crs, 1)
@@ -275,6 +286,7 @@ def implicit_operand(spec: ConvSpec, table: bool) -> Operand:
     pt, pl = spec.pad[0], spec.pad[2]
     pq, hw, rs = spec.p * spec.q, spec.h * spec.w, spec.r * spec.s
     padded = any(spec.pad)
+    st = Storage(spec.dtype)
 
     def setup(i: str, t: str) -> list[str]:
         return [f"const int {t}_n = {i} / {pq}, {t}_pix = {i} - {t}_n * {pq};",
@@ -287,13 +299,13 @@ def implicit_operand(spec: ConvSpec, table: bool) -> Operand:
                 f"const int r = rr / {spec.s}, s = rr - r * {spec.s};",
                 f"const int iy = {t}_y + r * {dh}, ix = {t}_x + s * {dw};",
                 f"if ((unsigned)iy < {spec.h}u && (unsigned)ix < {spec.w}u) "
-                f"{d} = x[{t}_b + c * {hw} + r * {dh * spec.w} + s * {dw}];"]
+                f"{d} = {st.load('x', f'{t}_b + c * {hw} + r * {dh * spec.w} + s * {dw}')};"]
 
     def load_tab(t: str, k: str, d: str) -> list[str]:
         return [f"const int off = tab[2 * ({k})], dyx = tab[2 * ({k}) + 1];",
                 f"const int iy = {t}_y + (dyx >> 16), ix = {t}_x + (dyx & 0xffff);",
                 f"if ((unsigned)iy < {spec.h}u && (unsigned)ix < {spec.w}u) "
-                f"{d} = x[{t}_b + off];"]
+                f"{d} = {st.load('x', f'{t}_b + off')};"]
 
     def kprep_div(kt: str, k: str) -> list[str]:
         lines = [f"const int {kt}_c = ({k}) / {rs}, {kt}_rs = ({k}) - {kt}_c * {rs};",
@@ -311,10 +323,11 @@ def implicit_operand(spec: ConvSpec, table: bool) -> Operand:
         return lines
 
     def kload(t: str, kt: str, d: str) -> list[str]:
+        xv = st.load("x", f"{t}_b + {kt}_off")
         if not padded:
-            return [f"{d} = x[{t}_b + {kt}_off];"]
+            return [f"{d} = {xv};"]
         return [f"if ((unsigned)({t}_y + {kt}_dy) < {spec.h}u && "
-                f"(unsigned)({t}_x + {kt}_dx) < {spec.w}u) {d} = x[{t}_b + {kt}_off];"]
+                f"(unsigned)({t}_x + {kt}_dx) < {spec.w}u) {d} = {xv};"]
 
     return Operand(load=load_tab if table else load_div, fast="i", setup=setup,
                    kprep=kprep_tab if table else kprep_div, kload=kload)
@@ -343,7 +356,7 @@ class ImplicitGemm(_ConvGemmBase):
     def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
              epilogue: Epilogue = Epilogue()) -> Plan:
         return gemm_plan(self, spec, params, epilogue, implicit_operand(spec, table=False),
-                         (Buf("x"),), ("x",))
+                         (Storage(spec.dtype).buf("x"),), ("x",))
 
 
 class ImplicitGemmPrecomp(_ConvGemmBase):
@@ -367,7 +380,7 @@ class ImplicitGemmPrecomp(_ConvGemmBase):
         tk, grid = offset_table_kernel(spec)
         step = Launch(tk.name, grid, tk.block, ("tab",))
         return gemm_plan(self, spec, params, epilogue, implicit_operand(spec, table=True),
-                         (Buf("x"), Buf("tab", "int")), ("x", "tab"), ((tk, step),),
+                         (Storage(spec.dtype).buf("x"), Buf("tab", "int")), ("x", "tab"), ((tk, step),),
                          (("tab", self.workspace_bytes(spec, params)),))
 
 
@@ -381,6 +394,7 @@ def pointwise_operand(spec: ConvSpec) -> Operand:
     (sh, sw), pt, pl = spec.stride, spec.pad[0], spec.pad[2]
     pq, hw = spec.p * spec.q, spec.h * spec.w
     plain = spec.stride == (1, 1) and spec.pad == (0, 0, 0, 0)
+    st = Storage(spec.dtype)
 
     def setup(i: str, t: str) -> list[str]:
         lines = [f"const int {t}_n = {i} / {pq}, {t}_pix = {i} - {t}_n * {pq};"]
@@ -394,10 +408,10 @@ def pointwise_operand(spec: ConvSpec) -> Operand:
                         f"const int {t}_b = {t}_n * {spec.c * hw} + {t}_y * {spec.w} + {t}_x;"]
 
     def load(t: str, k: str, d: str) -> list[str]:
-        return [f"if ({t}_in) {d} = x[{t}_b + ({k}) * {hw}];"]
+        return [f"if ({t}_in) {d} = {st.load('x', f'{t}_b + ({k}) * {hw}')};"]
 
     def vload(t: str, k: str, d: str) -> list[str]:
-        return [f"{d} = VLOAD4(0, x + {t}_b + ({k}) * {hw});"]
+        return [f"{d} = {st.vload4('0', f'x + {t}_b + ({k}) * {hw}')};"]
 
     return Operand(load=load, fast="i", setup=setup,
                    vload=vload if plain and hw % 4 == 0 else None)
@@ -444,7 +458,7 @@ class Gemm1x1(_ConvGemmBase):
     def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
              epilogue: Epilogue = Epilogue()) -> Plan:
         return gemm_plan(self, spec, params, epilogue, pointwise_operand(spec),
-                         (Buf("x"),), ("x",))
+                         (Storage(spec.dtype).buf("x"),), ("x",))
 
 
 class _SplitK(_ConvGemmBase):
@@ -518,8 +532,9 @@ class _SplitK(_ConvGemmBase):
         gparams = Params({k: v for k, v in params.items() if k != "ks"})
         name = f"{self.name}_sgemm"
         store = nchw_store(spec, epilogue, out=f"(part + kz * {total})", raw=True)
+        st = Storage(spec.dtype)
         kern = gemm_kernel(name, shape, gparams, filter_operand(spec), self._operand(spec),
-                           store, (Buf("w"), Buf("x"), Buf("part", readonly=False)),
+                           store, (st.buf("w"), st.buf("x"), Buf("part", readonly=False)),
                            comment=f"{self.name}: {params.short()}")
         sums = " + ".join(f"part[{j * total} + e]" for j in range(params.ks))
         pq = spec.p * spec.q
@@ -527,9 +542,9 @@ class _SplitK(_ConvGemmBase):
         at = "e"
         if epilogue.k_total:  # write at a channel offset of a bigger tensor
             at = f"(e / {kpq}) * {epilogue.k_total * pq} + {epilogue.k_offset * pq} + e % {kpq}"
-        val = epilogue.apply(f"({sums})", f"(e / {pq}) % {spec.k}", "e", offset_done=True)
-        red, rgrid = elementwise(f"{self.name}_reduce", total, (Buf("part"),) + out_args(epilogue),
-                                 [f"y[{at}] = {val};"],
+        val = epilogue.apply(f"({sums})", f"(e / {pq}) % {spec.k}", "e", offset_done=True, storage=st)
+        red, rgrid = elementwise(f"{self.name}_reduce", total, (Buf("part"),) + out_args(epilogue, st),
+                                 [f"{st.store('y', at, val)};"],
                                  f"sum of {params.ks} split-K partial outputs")
         steps = (Launch(name, gemm_grid(shape, gparams), gemm_block(gparams), ("w", "x", "part")),
                  Launch(red.name, rgrid, red.block, ("part",) + out_refs(epilogue)))
@@ -577,13 +592,14 @@ class GemmFullWindow(Variant):
     family = "gemm1x1"
     specialised = 12
     exact = True
+    dtypes = frozenset({"float32", "float16", "bfloat16"})  # those of the 1x1 path
 
     def __init__(self) -> None:
         self.plain, self.split = Gemm1x1(), Gemm1x1SplitK()
 
     @staticmethod
     def pointwise(spec: ConvSpec) -> ConvSpec:
-        return ConvSpec(spec.n, spec.c * spec.r * spec.s, 1, 1, spec.k, 1, 1)
+        return ConvSpec(spec.n, spec.c * spec.r * spec.s, 1, 1, spec.k, 1, 1, dtype=spec.dtype)
 
     def _inner(self, spec: ConvSpec, device: DeviceInfo, params: Params | None = None) -> Variant:
         if params is not None:
