@@ -217,8 +217,8 @@ class CudaBackend(Backend):
         return replay
 
     def write(self, buf: Any, array: np.ndarray) -> None:
-        arr = np.ascontiguousarray(array, dtype=np.float32).ravel()
-        buf.ravel()[: arr.size].set(arr, stream=self._stream())
+        arr = np.ascontiguousarray(array, dtype=host_dtype(array)).ravel()
+        buf.ravel().view(arr.dtype)[: arr.size].set(arr, stream=self._stream())
 
     def time_ms(self, fn: Callable[[], None], repeats: int) -> list[float]:
         # Calls are queued back to back and synchronised once, so host-side launch work overlaps
