@@ -65,6 +65,9 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
                    "not with --suite or --spec")
     p.add_argument("--batch", type=int, help="batch size of --net (default 1); only with --net: a --spec or "
                    "--suite layer carries its own N")
+    from convforge.cli import add_dtype_argument
+
+    add_dtype_argument(p)
     p.add_argument("--model", action="append", metavar="NAME[:BATCH]",
                    help="tune a torchvision model's convs as `bench --model` runs them (repeatable): converted "
                         "(and fused, where convforge.torch.fuse exists), each layer with its real epilogue, in "
@@ -84,6 +87,10 @@ def _layers(args: argparse.Namespace) -> list[tuple[str, ConvSpec]]:
             out.append((str(name), spec))
     for i, text in enumerate(args.spec):
         out.append((f"spec{i + 1}", ConvSpec.parse(text)))
+    if getattr(args, "dtype", None):
+        from convforge.cli import with_dtype
+
+        out = [(name, with_dtype(spec, args.dtype)) for name, spec in out]
     if args.limit is not None:
         out = out[: args.limit]
     if not out:
