@@ -16,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from convforge.backends.base import Backend
 from convforge.bench import baselines, ceilings, plots, report, runner
-from convforge.bench.suites import BUILTIN, SuiteError, load_suite
+from convforge.bench.suites import BUILTIN, Layer, SuiteError, load_suite
 from convforge.bench.timing import Timing
 from convforge.config import MAX_ERROR_HELP, config, max_error_arg
 
@@ -61,10 +61,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --model: calibrate the fused model first (convforge.torch.calibrate): the "
                         "fewest layers set to max_error=1e-6 that bring its output error within R x PyTorch's, "
                         "on a separate random input")
+    parser.add_argument("--dtype", type=_dtype_arg, metavar="{fp32,fp16,bf16}",
+                        help="storage dtype of the layers (half: FP32 accumulation; baseline cuDNN-best of that "
+                        "dtype, errors against float64 on the same half inputs); with --model: the model in "
+                        "that dtype against PyTorch autocast with channels_last")
     parser.add_argument("--ablation", choices=sorted(runner.ABLATIONS),
                         help="time one variant in its ablation configurations instead "
                         "(im2win: all on / no prefetch+double buffer / no vector loads / "
                         "no micro-kernel); no baseline unless --baseline is given")
+
+
+def _dtype_arg(text: str) -> str:
+    from convforge.cli import dtype_arg
+
+    return dtype_arg(text)
+
+
+def _with_dtype(layers: list[Layer], dtype: str | None) -> list[Layer]:
+    """The suite's layers stored as ``--dtype`` (a layer naming another dtype is an error)."""
+    import dataclasses
+
+    from convforge.cli import with_dtype
+
+    try:
+        return [dataclasses.replace(la, spec=with_dtype(la.spec, dtype)) for la in layers]
+    except ValueError as err:
+        raise SuiteError(str(err)) from None
 
 
 def _budget_arg(text: str) -> float:
@@ -116,6 +138,11 @@ def _run_models(args: argparse.Namespace, console: Console) -> int:
         opts["max_error"] = args.max_error
     budget = getattr(args, "error_budget", None)
     extra = {} if budget is None else {"error_budget": budget}
+    dtype = getattr(args, "dtype", None) or "float32"
+    if dtype != "float32":
+        if budget is not None:
+            raise SuiteError("--error-budget calibrates float32 models; it does not go with --dtype")
+        extra = {"dtype": dtype}
     return models.run(args.model, args.out, args.warmup, args.repeats, console, opts,
                       classes=precisions(args.precision_classes), tune=args.tune, **extra)
 
@@ -149,7 +176,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         args.suite = "mec"
     if args.ablation:
         return _run_ablation(args, console)
-    layers = load_suite(args.suite, args.limit)
+    layers = _with_dtype(load_suite(args.suite, args.limit), getattr(args, "dtype", None))
     bes = _backends(args)
     kind = _baseline_kind(args, bes)
     env = runner.environment(bes, kind)

@@ -2,9 +2,10 @@
 
 Every forward algorithm is tried with FP32 data, in FMA math (no tensor cores: the fp32 class's
 cuDNN-best) or in default math (tensor cores and TF32 permitted, as PyTorch runs cuDNN with
-``allow_tf32``: the relaxed class's cuDNN-best TF32); NOT_SUPPORTED ones are reported with their
-status. Buffers and workspace are torch allocations; times are torch.cuda events on torch's current
-stream. Imported only by ``baselines`` when torch and a CUDA device exist.
+``allow_tf32``: the relaxed class's cuDNN-best TF32), or with FP16 / BF16 data in tensor-op math
+(FP32 accumulation: the compute type stays FLOAT, cuDNN's pseudo-half configuration; NCHW or NHWC
+tensors: a half layer's cuDNN-best); NOT_SUPPORTED ones are reported with their status. Buffers and
+workspace are torch allocations; times are torch.cuda events on torch's current stream. Imported only by ``baselines`` when torch and a CUDA device exist.
 """
 
 from __future__ import annotations
@@ -21,10 +22,22 @@ from convforge.spec import ConvSpec
 ALGOS = ("IMPLICIT_GEMM", "IMPLICIT_PRECOMP_GEMM", "GEMM", "DIRECT", "FFT", "FFT_TILING", "WINOGRAD",
          "WINOGRAD_NONFUSED")
 _FLOAT, _NCHW, _CROSS_CORRELATION = 0, 0, 1
+_NHWC = 1
+_DATA_TYPES = {"float32": 0, "float16": 2, "bfloat16": 9}  # cudnnDataType_t FLOAT, HALF, BFLOAT16
 # cudnnMathType_t (cuDNN 9 legacy API): DEFAULT 0 (tensor cores, TF32 for FP32 data, permitted),
 # TENSOR_OP 1, TENSOR_OP_ALLOW_CONVERSION 2 (FP32 data converted to FP16: not a TF32 figure), FMA 3.
-_DEFAULT_MATH, _FMA_MATH = 0, 3
+_DEFAULT_MATH, _TENSOR_OP_MATH, _FMA_MATH = 0, 1, 3
 MATHS = {"fma": ("cudnn:", "fp32"), "default": ("cudnn-tf32:", "tf32")}  # math -> (impl prefix, precision)
+_HALF_TAGS = {"float16": "fp16", "bfloat16": "bf16"}
+
+
+def _names(math: str, dtype: str, layout: str) -> tuple[str, str]:
+    """(impl prefix, precision) of rows in ``math`` on ``dtype`` data in ``layout``: e.g.
+    ("cudnn-fp16-nhwc:", "fp16") for tensor-op math on float16."""
+    if math == "tensor_op":
+        tag = _HALF_TAGS[dtype]
+        return f"cudnn-{tag}{'-nhwc' if layout == 'nhwc' else ''}:", tag
+    return MATHS[math]
 _LIBS = ("libcudnn.so.9", "libcudnn_cnn.so.9", "libcudnn_ops.so.9", "libcudnn_graph.so.9")
 
 
@@ -100,11 +113,11 @@ def version() -> str:
 class _Descriptors:
     """x, w, y and convolution descriptors of one layer; destroyed on exit."""
 
-    def __init__(self, api: _Api, math: str = "fma") -> None:
+    def __init__(self, api: _Api, math: str = "fma", dtype: str = "float32", layout: str = "nchw") -> None:
         self.api = api
         self.x, self.y = ctypes.c_void_p(), ctypes.c_void_p()
         self.w, self.conv = ctypes.c_void_p(), ctypes.c_void_p()
-        self.math = math
+        self.math, self.dtype, self.layout = math, dtype, layout
 
     def __enter__(self) -> _Descriptors:
         return self
@@ -115,13 +128,16 @@ class _Descriptors:
         a.check("cudnnCreateTensorDescriptor", ctypes.byref(self.y))
         a.check("cudnnCreateFilterDescriptor", ctypes.byref(self.w))
         a.check("cudnnCreateConvolutionDescriptor", ctypes.byref(self.conv))
-        a.check("cudnnSetTensor4dDescriptor", self.x, v(_NCHW), v(_FLOAT), *map(v, spec.x_shape))
-        a.check("cudnnSetTensor4dDescriptor", self.y, v(_NCHW), v(_FLOAT), *map(v, spec.y_shape))
-        a.check("cudnnSetFilter4dDescriptor", self.w, v(_FLOAT), v(_NCHW), *map(v, spec.w_shape))
+        data, fmt = v(_DATA_TYPES[self.dtype]), v(_NHWC if self.layout == "nhwc" else _NCHW)
+        a.check("cudnnSetTensor4dDescriptor", self.x, fmt, data, *map(v, spec.x_shape))
+        a.check("cudnnSetTensor4dDescriptor", self.y, fmt, data, *map(v, spec.y_shape))
+        a.check("cudnnSetFilter4dDescriptor", self.w, data, fmt, *map(v, spec.w_shape))
         a.check("cudnnSetConvolution2dDescriptor", self.conv, v(spec.pad[0]), v(spec.pad[2]),
                 v(spec.stride[0]), v(spec.stride[1]), v(spec.dilation[0]), v(spec.dilation[1]),
-                v(_CROSS_CORRELATION), v(_FLOAT))
-        if self.math == "default":
+                v(_CROSS_CORRELATION), v(_FLOAT))  # FP32 accumulation for every data type
+        if self.math == "tensor_op":
+            a.check("cudnnSetConvolutionMathType", self.conv, v(_TENSOR_OP_MATH))
+        elif self.math == "default":
             a.check("cudnnSetConvolutionMathType", self.conv, v(_DEFAULT_MATH))
         elif a("cudnnSetConvolutionMathType", self.conv, v(_FMA_MATH)) != 0:
             a.check("cudnnSetConvolutionMathType", self.conv, v(_DEFAULT_MATH))
@@ -139,7 +155,7 @@ def _one(api: _Api, d: _Descriptors, algo: int, spec: ConvSpec, sets: list[tuple
          ref: Any, timing: Timing) -> BaselineResult:
     import torch
 
-    prefix, prec = MATHS["default" if d.math == "default" else "fma"]
+    prefix, prec = _names(d.math if d.math in ("default", "tensor_op") else "fma", d.dtype, d.layout)
     name, v = f"{prefix}{ALGOS[algo]}", ctypes.c_int
     ws = ctypes.c_size_t()
     status = api("cudnnGetConvolutionForwardWorkspaceSize", _HANDLE, d.x, d.w, d.conv, d.y, v(algo),
@@ -147,7 +163,8 @@ def _one(api: _Api, d: _Descriptors, algo: int, spec: ConvSpec, sets: list[tuple
     if status != 0:
         return BaselineResult(name, ALGOS[algo], prec, None, status=api.error(status))
     work = torch.empty(max(ws.value, 1), dtype=torch.uint8, device="cuda")
-    y = torch.empty(spec.y_shape, dtype=torch.float32, device="cuda")
+    fmt = torch.channels_last if d.layout == "nhwc" else torch.contiguous_format
+    y = torch.empty(spec.y_shape, dtype=getattr(torch, d.dtype), device="cuda", memory_format=fmt)
     alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
 
     def call(x: Any, w: Any) -> int:
@@ -159,7 +176,7 @@ def _one(api: _Api, d: _Descriptors, algo: int, spec: ConvSpec, sets: list[tuple
     status = call(*sets[0])
     if status != 0:
         return BaselineResult(name, ALGOS[algo], prec, None, ws.value, status=api.error(status))
-    err = _rel_err(y, ref)
+    err = _rel_err(y.float(), ref)
     it = cycle(sets)
     ms = _time_cuda(lambda: call(*next(it)), timing)
     if d.math == "fma refused":
@@ -169,18 +186,20 @@ def _one(api: _Api, d: _Descriptors, algo: int, spec: ConvSpec, sets: list[tuple
 
 
 def all_algorithms(spec: ConvSpec, sets: list[tuple[Any, Any]], ref: Any, timing: Timing,
-                   math: str = "fma") -> list[BaselineResult]:
+                   math: str = "fma", dtype: str = "float32", layout: str = "nchw") -> list[BaselineResult]:
     """Each of the 8 legacy forward algorithms in ``math`` ("fma": FP32 rows ``cudnn:ALGO``;
-    "default": TF32-permitted rows ``cudnn-tf32:ALGO``), timed, or with the status that stopped it."""
+    "default": TF32-permitted rows ``cudnn-tf32:ALGO``; "tensor_op": ``dtype`` (float16, bfloat16)
+    rows ``cudnn-fp16:ALGO`` / ``cudnn-fp16-nhwc:ALGO`` on ``layout`` tensors, ``sets`` of that dtype
+    and memory format), timed, or with the status that stopped it."""
     import torch
 
-    prefix, prec = MATHS[math]
+    prefix, prec = _names(math, dtype, layout)
     try:
         api = _api()
     except (OSError, AttributeError, RuntimeError) as err:
         return [BaselineResult(f"{prefix}legacy", "-", prec, None, status=f"unavailable: {err}")]
     api.check("cudnnSetStream", _HANDLE, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
-    with _Descriptors(api, math) as d:
+    with _Descriptors(api, math, dtype, layout) as d:
         d.build(spec)
         out = []
         for algo in range(len(ALGOS)):

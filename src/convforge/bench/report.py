@@ -14,14 +14,14 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from convforge.bench.baselines import BASELINE_NAMES
+from convforge.bench.baselines import BASELINE_NAMES, HALF_BASELINE_NAMES
 from convforge.bench.ceilings import Ceilings
 from convforge.bench.runner import Row
 
 CSV_FIELDS = ("layer", "index", "impl", "backend", "algo", "precision", "time_ms", "tflops", "pct_peak",
               "workspace_bytes", "rel_err", "ok", "status", "baseline_impl", "baseline_algo",
               "baseline_ms", "speedup", "baseline_error", "error_ratio", "flops", "min_bytes", "chosen_by",
-              "N", "C", "H", "W", "K", "R", "S", "stride", "pad", "dilation")
+              "N", "C", "H", "W", "K", "R", "S", "stride", "pad", "dilation", "dtype", "pct_tc")
 ENV_FIELDS = ("device", "driver", "platform", "convforge", "torch", "cudnn", "cupy", "pyopencl", "numpy")
 
 
@@ -62,10 +62,17 @@ def classes(rows: list[Row]) -> list[str]:
 
 def class_title(precision: str, rows: list[Row], what: str = "") -> str:
     """'fp32 class vs cuDNN-best FP32 (cudnn-best) — what': every table names its class and baseline."""
-    impls = sorted({r.baseline_impl for r in _convforge(rows, precision) if r.baseline_impl})
-    base = BASELINE_NAMES.get(precision, "?") if any(i.startswith("cudnn-best") for i in impls) else (
-        ", ".join(impls) or "no baseline available")
-    return f"{precision} class vs {base}" + (f" — {what}" if what else "")
+    ours = _convforge(rows, precision)
+    impls = sorted({r.baseline_impl for r in ours if r.baseline_impl})
+    half = [HALF_BASELINE_NAMES[i] for i in impls if i in HALF_BASELINE_NAMES]
+    base = ", ".join(half) if half else BASELINE_NAMES.get(precision, "?") if any(
+        i.startswith("cudnn-best") for i in impls) else (", ".join(impls) or "no baseline available")
+    dtypes = sorted({_dtype(r) for r in ours} - {"float32"})
+    return f"{precision} class{''.join(f', {d}' for d in dtypes)} vs {base}" + (f" — {what}" if what else "")
+
+
+def _dtype(r: Row) -> str:
+    return str(r.spec.get("dtype", "float32"))
 
 
 def layer_table(rows: list[Row], title: str = "", precision: str | None = None) -> Table:
@@ -73,7 +80,7 @@ def layer_table(rows: list[Row], title: str = "", precision: str | None = None) 
     with the class's baseline beside it: time, speed-up, both measured errors and their ratio."""
     t = Table(title=title or None, show_lines=False)
     for col, just in (("layer", "left"), ("class", "left"), ("convforge variant", "left"),
-                      ("time ms", "right"), ("TFLOPS", "right"), ("% peak", "right"),
+                      ("time ms", "right"), ("TFLOPS", "right"), ("% peak", "right"), ("% TC peak", "right"),
                       ("baseline ms", "right"), ("baseline algo", "left"), ("speed-up", "right"),
                       ("workspace", "right"), ("rel err", "right"), ("baseline err", "right"),
                       ("err ratio", "right"), ("check", "left")):
@@ -84,8 +91,10 @@ def layer_table(rows: list[Row], title: str = "", precision: str | None = None) 
             check = f"[red]{escape(r.status[:60])}[/]"
         variant = r.algo if len(r.algo) < 72 else r.algo[:69] + "..."
         base = escape(f"{r.baseline_impl}: {r.baseline_algo}") if r.baseline_impl else "none available"
-        t.add_row(escape(r.layer), r.precision, escape(f"{variant} [{r.backend}]"), _num(r.time_ms, ".3f"),
-                  _num(r.tflops, ".4g"), _num(r.pct_peak, ".1f"), _num(r.baseline_ms, ".3f"), base,
+        cls = r.precision + ("" if _dtype(r) == "float32" else f" {_dtype(r)}")
+        t.add_row(escape(r.layer), cls, escape(f"{variant} [{r.backend}]"), _num(r.time_ms, ".3f"),
+                  _num(r.tflops, ".4g"), _num(r.pct_peak, ".1f"), _num(r.pct_tc, ".1f"),
+                  _num(r.baseline_ms, ".3f"), base,
                   _num(r.speedup, ".2f"), _bytes(r.workspace_bytes), _num(r.rel_err, ".1e"),
                   _num(r.baseline_error, ".1e"), _num(r.error_ratio, ".2f"), check)
     return t
@@ -155,13 +164,14 @@ def summary_lines(rows: list[Row]) -> list[str]:
 def baseline_table(rows: list[Row]) -> Table:
     """Every baseline implementation (cuDNN algorithms with their status, other precisions labelled)."""
     t = Table(title="baselines")
-    for col in ("layer", "impl", "algo", "precision", "time ms", "TFLOPS", "workspace", "rel err", "status"):
+    for col in ("layer", "impl", "algo", "precision", "time ms", "TFLOPS", "% TC peak", "workspace", "rel err",
+                "status"):
         t.add_column(col)
     for r in rows:
         if r.impl.startswith("convforge"):
             continue
         t.add_row(escape(r.layer), escape(r.impl), escape(r.algo), r.precision, _num(r.time_ms, ".3f"),
-                  _num(r.tflops, ".4g"),
+                  _num(r.tflops, ".4g"), _num(r.pct_tc, ".1f"),
                   _bytes(r.workspace_bytes), _num(r.rel_err, ".1e"), escape(r.status[:50]))
     return t
 
@@ -201,5 +211,6 @@ def write_csv(path: Path, env: dict[str, Any], rows: list[Row]) -> None:
             spec = d.pop("spec")
             d.update({k: spec.get(k, "") for k in ("N", "C", "H", "W", "K", "R", "S")})
             d.update({k: "x".join(map(str, spec.get(k, []))) for k in ("stride", "pad", "dilation")})
+            d["dtype"] = spec.get("dtype", "float32")
             d.update({k: env.get(k, "") for k in ENV_FIELDS})
             w.writerow({k: d.get(k, "") for k in w.fieldnames})

@@ -38,9 +38,9 @@ class Timing:
 
 
 def layer_bytes(spec: ConvSpec) -> int:
-    """Bytes of input, filters and output: the least a layer must move."""
+    """Bytes of input, filters and output (in the layer's dtype): the least a layer must move."""
     n, c, h, w = spec.x_shape
-    return 4 * (n * c * h * w + spec.k * spec.c * spec.r * spec.s + spec.n * spec.k * spec.p * spec.q)
+    return spec.itemsize * (n * c * h * w + spec.k * spec.c * spec.r * spec.s + spec.n * spec.k * spec.p * spec.q)
 
 
 def rotation_sets(spec: ConvSpec, device: DeviceInfo) -> int:

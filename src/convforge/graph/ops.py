@@ -230,6 +230,7 @@ def copy_into(node: Node, x: Tensor, total_c: int, offset: int, src: str, dst: s
     storage through float: exact)."""
     n, c = x.shape[0], x.shape[1]
     chw = x.size // n
-    body = f"{st.store('y', f'(e / {chw}) * {total_c * chw // c} + {offset * chw // c} + e % {chw}', st.load('x', 'e'))};"
+    at = f"(e / {chw}) * {total_c * chw // c} + {offset * chw // c} + e % {chw}"
+    body = f"{st.store('y', at, st.load('x', 'e'))};"
     return _elementwise(kernel_name(node, f"_{part}"), x.size, (st.buf("x"), _out(st)), (src, dst), body,
                         f"{node.name}: concat input {part} at channel {offset}")

@@ -205,7 +205,7 @@ def _tune_models(args: argparse.Namespace, console: Any, budget: Budget) -> int:
     if args.db is not None:
         config.db_path = args.db
         clear_choices()
-    return tune_models(args.model, console, budget)
+    return tune_models(args.model, console, budget, getattr(args, "dtype", None) or "float32")
 
 
 def _setup_logging(verbose: bool) -> None:
