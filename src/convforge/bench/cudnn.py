@@ -5,7 +5,8 @@ cuDNN-best) or in default math (tensor cores and TF32 permitted, as PyTorch runs
 ``allow_tf32``: the relaxed class's cuDNN-best TF32), or with FP16 / BF16 data in tensor-op math
 (FP32 accumulation: the compute type stays FLOAT, cuDNN's pseudo-half configuration; NCHW or NHWC
 tensors: a half layer's cuDNN-best); NOT_SUPPORTED ones are reported with their status. Buffers and
-workspace are torch allocations; times are torch.cuda events on torch's current stream. Imported only by ``baselines`` when torch and a CUDA device exist.
+workspace are torch allocations; times are torch.cuda events on torch's current stream. Imported only
+by ``baselines`` when torch and a CUDA device exist.
 """
 
 from __future__ import annotations
