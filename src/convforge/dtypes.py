@@ -52,6 +52,11 @@ def nan_bits(dtype: str) -> np.ndarray:
 HALF_TOLERANCE = {"float16": 1e-3, "bfloat16": 8e-3}
 
 
+# The typical relative L2 error of rounding outputs to the dtype, u / sqrt(3): what a half plan's
+# stated error cannot be below (a max_error under it admits no half variant).
+HALF_ROUNDING = {"float16": 2.0**-11 / 3**0.5, "bfloat16": 2.0**-8 / 3**0.5}
+
+
 def dtype_tolerance(dtype: str) -> float:
     """The least check tolerance of a plan that stores ``dtype`` (0 for float32: its variant's own)."""
     return HALF_TOLERANCE.get(dtype, 0.0)

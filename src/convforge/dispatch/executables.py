@@ -79,7 +79,7 @@ def runner(key: tuple[Any, ...] | None, spec: ConvSpec, backend: Backend, epilog
 def _fallback(err: DeviceMemoryError, exe: Executable, spec: ConvSpec, backend: Backend, epilogue: Epilogue,
               workspace_limit: int | None, kw: dict[str, Any]) -> Executable:
     """The best variant whose workspace fits in the free memory less the output, logged once."""
-    out_bytes = 4 * spec.n * spec.k * spec.p * spec.q
+    out_bytes = spec.itemsize * spec.n * spec.k * spec.p * spec.q
     limit = max(0, err.free - out_bytes - (8 << 20))  # a margin for the allocator's rounding
     if workspace_limit is not None:
         limit = min(limit, workspace_limit)
