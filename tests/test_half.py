@@ -159,18 +159,30 @@ def test_float32_only_variants_refuse_half(ocl) -> None:
 
 
 # -- nvcc: the half CUDA sources compile for sm_90 without spills ----------------------------------
+def _spills(v, spec: ConvSpec, prm, epi: Epilogue) -> int:  # type: ignore[no-untyped-def]
+    from convforge.codegen.nvcc import ptxas_report
+
+    return sum(i.spill_stores + i.spill_loads for i in ptxas_report(v.plan(spec, prm, NOMINAL_CUDA, epi).source("cuda")))
+
+
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("name", half_variants("cuda"))
 def test_half_cuda_sources_compile_without_spills(nvcc_ok, name: str, dtype: str) -> None:
+    """nvcc -arch=sm_90: the default parameters compile without spills; a sampled point may spill
+    only where its float32 twin spills too (half storage adds none)."""
     v = next(v for v in all_variants() if v.name == name)
+    epi = Epilogue(True, True, v.residual_ok)
     done = 0
     for i, base in enumerate([ConvSpec.make(2, 64, 28, 28, 64, 3, 3, 1, 1), ConvSpec.make(4, 256, 14, 14, 128, 1, 1),
-                              ODD_SPECS[4]]):
+                              ODD_SPECS[4], ConvSpec.make(4, 512, 6, 6, 256, 6, 6)]):
         spec = _with(base, dtype)
         if v.applies(spec, NOMINAL_CUDA):
             continue
-        for prm in sample(v, spec, NOMINAL_CUDA, 1, seed=i):
-            assert_compiles_clean(v, spec, prm, NOMINAL_CUDA, Epilogue(True, True, v.residual_ok))
+        default, *others = sample(v, spec, NOMINAL_CUDA, 1, seed=i)
+        assert_compiles_clean(v, spec, default, NOMINAL_CUDA, epi)
+        for prm in others:
+            if _spills(v, spec, prm, epi):
+                assert _spills(v, base, prm, epi), f"{name} [{prm.short()}] spills in {dtype} only"
         done += 1
     assert done
 
@@ -357,3 +369,31 @@ def test_compile_refuses_an_unknown_dtype() -> None:
 
     with pytest.raises(ValueError, match="dtype"):
         compile("alexnet", dtype="int8")
+
+
+def test_cuda_float16_load_is_exact_on_every_bit_pattern(tmp_path) -> None:
+    """CUDA's float16 -> float32 (``cf_h2f``, plain C in the rendered source) compiled by the host C
+    compiler with the CUDA bit-cast intrinsics as memcpy, run on all 65536 patterns: bit for bit
+    NumPy's conversion (subnormals, infinities, NaN payloads)."""
+    import re
+    import shutil
+    import subprocess
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no host C compiler")
+    src = render([_storage_kernel(Storage("float16"))], "cuda")
+    fn = re.search(r"__device__ __forceinline__ float cf_h2f\(unsigned short h\)\n\{.*?\n\}", src, re.S)
+    assert fn is not None
+    prog = tmp_path / "h2f.c"
+    prog.write_text("#include <stdio.h>\n#include <string.h>\n"
+                    "static float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }\n"
+                    "static unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }\n"
+                    + fn.group(0).replace("__device__ __forceinline__", "static")
+                    + "\nint main(void) { for (unsigned i = 0; i < 65536; ++i) { unsigned u = "
+                      "__float_as_uint(cf_h2f((unsigned short)i)); fwrite(&u, 4, 1, stdout); } return 0; }\n")
+    exe = tmp_path / "h2f"
+    subprocess.run([cc, "-O2", "-o", str(exe), str(prog)], check=True)
+    got = np.frombuffer(subprocess.run([str(exe)], check=True, capture_output=True).stdout, np.uint32)
+    want = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32).view(np.uint32)
+    assert np.array_equal(got, want)
