@@ -207,6 +207,7 @@ def test_half_baselines_and_tensor_core_ceilings(gpu, dtype: str) -> None:
     assert best.impl == baselines.HALF_BEST[dtype] and best.time_ms and best.rel_err is not None
     assert best.rel_err < HALF_TOLERANCE[dtype]
     assert any(r.impl.startswith(f"cudnn-{baselines.HALF_TAGS[dtype]}-nhwc:") and r.time_ms for r in res)
-    assert baselines.for_class(res, "fp32") is not None and baselines.for_class(res, "fp32").impl == best.impl
+    chosen = baselines.for_class(res, "fp32", dtype)
+    assert chosen is not None and chosen.impl == best.impl and baselines.for_class(res, "relaxed", dtype) == chosen
     peaks = baselines.tensor_core_peaks(quick=True)
     assert set(peaks) == {"float16", "bfloat16", "tf32"} and all(v > 1 for v in peaks.values())

@@ -397,3 +397,46 @@ def test_cuda_float16_load_is_exact_on_every_bit_pattern(tmp_path) -> None:
     got = np.frombuffer(subprocess.run([str(exe)], check=True, capture_output=True).stdout, np.uint32)
     want = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32).view(np.uint32)
     assert np.array_equal(got, want)
+
+
+def test_bench_half_baseline_is_chosen_by_the_layers_dtype() -> None:
+    """A half layer compares with cuDNN-best of its dtype in every class; a float32 layer's FP16
+    context row (PyTorch channels_last) is never its baseline."""
+    from convforge.bench.baselines import HALF_BEST, BaselineResult, best_half, for_class
+
+    rows = [BaselineResult("torch-fp16", "pick", "fp16", 0.5, 0, 3e-4),
+            BaselineResult("torch-fp16-cl", "pick", "fp16", 0.3, 0, 3e-4),
+            BaselineResult("cudnn-fp16:IMPLICIT_GEMM", "IMPLICIT_GEMM", "fp16", 0.6, 0, 2e-4),
+            BaselineResult("cudnn-fp16-nhwc:IMPLICIT_PRECOMP_GEMM", "IMPLICIT_PRECOMP_GEMM", "fp16", 0.2, 0, 2e-4),
+            BaselineResult("cudnn-fp16:FFT", "FFT", "fp16", None, status="NOT_SUPPORTED")]
+    best = best_half(rows, "float16")
+    assert best is not None and best.impl == HALF_BEST["float16"] and best.time_ms == 0.2
+    assert best.algo == "IMPLICIT_PRECOMP_GEMM (NHWC)"
+    assert for_class([best, *rows], "fp32", "float16") == for_class([best, *rows], "relaxed", "float16") == best
+    assert best_half(rows[:2], "float16") is None  # no cuDNN row: no cuDNN-best
+    fp32 = [BaselineResult("cudnn-best", "WINOGRAD", "fp32", 1.0, 0, 1e-6), rows[1]]
+    assert for_class(fp32, "fp32") == fp32[0]
+
+
+def test_bench_dtype_on_pocl(ocl, tmp_path, capsys) -> None:
+    """``bench --dtype bf16``: every layer stored as bfloat16, checked at its tolerance, the table
+    naming the dtype; results.csv carries it."""
+    import csv
+    import json
+
+    from convforge.cli import main
+
+    f = tmp_path / "tiny.json"
+    f.write_text(json.dumps([{"name": "t3", "N": 2, "C": 3, "H": 13, "W": 11, "K": 5, "R": 3, "S": 3, "stride": 1, "pad": 1},
+                             {"name": "t1", "N": 1, "C": 8, "H": 6, "W": 6, "K": 12, "R": 1, "S": 1, "stride": 1, "pad": 0}]))
+    out = tmp_path / "out"
+    rc = main(["bench", "--suite", str(f), "--backend", "opencl", "--baseline", "none", "--dtype", "bf16",
+               "--out", str(out), "--quick-ceilings", "--repeats", "2", "--warmup", "1"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "fp32 class, bfloat16" in text
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert len(rows) == 2 and all(r["spec"]["dtype"] == "bfloat16" and r["ok"] for r in rows)
+    assert all(0 < r["rel_err"] < HALF_TOLERANCE["bfloat16"] for r in rows)
+    with (out / "results.csv").open() as fh:
+        assert {x["dtype"] for x in csv.DictReader(fh)} == {"bfloat16"}

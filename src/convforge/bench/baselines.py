@@ -144,17 +144,19 @@ def _timed(results: list[BaselineResult], pred: Callable[[BaselineResult], bool]
     return next((r for r in results if r.time_ms is not None and pred(r)), None)
 
 
-def for_class(results: list[BaselineResult], precision: str) -> BaselineResult | None:
+def for_class(results: list[BaselineResult], precision: str, dtype: str = "float32") -> BaselineResult | None:
     """The baseline the ``precision`` class's speed-ups are against.
 
     fp32: cuDNN-best FP32, else the first FP32 result with a time (PyTorch's pick, PyTorch on the CPU).
     relaxed: cuDNN-best TF32, else PyTorch's TF32 pick; where no TF32 result exists at all (PyTorch on
-    a CPU, which has no TF32 mode) the FP32 baseline, whose precision the row then names."""
+    a CPU, which has no TF32 mode) the FP32 baseline, whose precision the row then names.
+    A layer stored in ``dtype`` float16 / bfloat16: cuDNN-best of that dtype in every class, else the
+    first timed result of that dtype."""
     if precision not in CLASSES:
         raise ValueError(f"precision ({precision!r}) must be one of {', '.join(CLASSES)}")
-    if any(r.precision in HALF_TAGS.values() for r in results):  # a half layer: its dtype's baseline
-        return (_timed(results, lambda r: r.impl in HALF_BASELINE_NAMES)
-                or _timed(results, lambda r: r.precision in HALF_TAGS.values()))
+    if dtype in HALF_TAGS:
+        return (_timed(results, lambda r: r.impl == HALF_BEST[dtype])
+                or _timed(results, lambda r: r.precision == HALF_TAGS[dtype]))
     best = _timed(results, lambda r: r.impl == BEST[precision])
     if best is not None or precision == "fp32":
         return best or _timed(results, lambda r: r.precision == "fp32")

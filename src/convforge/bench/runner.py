@@ -206,7 +206,7 @@ def bench_layer(layer: Layer, index: int, bes: list[Backend], cfg: BenchConfig,
     results = baselines.run(cfg.baseline, spec, timing, baseline_on_gpu, cfg.precisions)
     for precision in cfg.precisions:
         attach_baseline([r for r in rows if r.precision == precision],
-                        baselines.for_class(results, precision))
+                        baselines.for_class(results, precision, spec.dtype))
     rows += baseline_rows(layer, index, results, peak0, ceilings.get(bes[0].name))
     for row in rows:
         row.min_bytes = layer_bytes(spec)

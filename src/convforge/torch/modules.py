@@ -187,7 +187,7 @@ class Conv2d(torch.nn.Conv2d):
         CUDA-graph captures, which record the cast: cast per call)."""
         if t.dtype == dt:
             return t
-        if torch.is_grad_enabled() and t.requires_grad:
+        if (torch.is_grad_enabled() and t.requires_grad) or torch.compiler.is_compiling():
             return t.to(dt)
         key = ("cast", t.data_ptr(), dt)
         try:
