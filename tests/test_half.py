@@ -162,7 +162,8 @@ def test_float32_only_variants_refuse_half(ocl) -> None:
 def _spills(v, spec: ConvSpec, prm, epi: Epilogue) -> int:  # type: ignore[no-untyped-def]
     from convforge.codegen.nvcc import ptxas_report
 
-    return sum(i.spill_stores + i.spill_loads for i in ptxas_report(v.plan(spec, prm, NOMINAL_CUDA, epi).source("cuda")))
+    src = v.plan(spec, prm, NOMINAL_CUDA, epi).source("cuda")
+    return sum(i.spill_stores + i.spill_loads for i in ptxas_report(src))
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -427,8 +428,9 @@ def test_bench_dtype_on_pocl(ocl, tmp_path, capsys) -> None:
     from convforge.cli import main
 
     f = tmp_path / "tiny.json"
-    f.write_text(json.dumps([{"name": "t3", "N": 2, "C": 3, "H": 13, "W": 11, "K": 5, "R": 3, "S": 3, "stride": 1, "pad": 1},
-                             {"name": "t1", "N": 1, "C": 8, "H": 6, "W": 6, "K": 12, "R": 1, "S": 1, "stride": 1, "pad": 0}]))
+    f.write_text(json.dumps([
+        {"name": "t3", "N": 2, "C": 3, "H": 13, "W": 11, "K": 5, "R": 3, "S": 3, "stride": 1, "pad": 1},
+        {"name": "t1", "N": 1, "C": 8, "H": 6, "W": 6, "K": 12, "R": 1, "S": 1, "stride": 1, "pad": 0}]))
     out = tmp_path / "out"
     rc = main(["bench", "--suite", str(f), "--backend", "opencl", "--baseline", "none", "--dtype", "bf16",
                "--out", str(out), "--quick-ceilings", "--repeats", "2", "--warmup", "1"])
