@@ -1,7 +1,9 @@
-"""Check and time every registered CUDA variant's default on a few layers (GPU machine).
+"""Check and time every registered CUDA variant's default on a few layers (GPU machine; run by scripts/gpu-check).
 
 --sanitize: tiny shapes, one run each (for compute-sanitizer). Otherwise: a table of median
-times and effective TFLOPS, every transform of each plan inside the timed call.
+times and effective TFLOPS, every transform of each plan inside the timed call. --points N times
+the first N points of each variant's space (tile configurations), --dtype runs the layers in
+float16 or bfloat16, --layers keeps the layers whose label contains one of its words.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import sys
 import numpy as np
 
 from convforge.backends import get_backend
-from convforge.check import check_plan, random_inputs
+from convforge.check import check_plan, pass_inputs
+from convforge.dtypes import to_storage
 from convforge.kernels import all_variants
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Variant
@@ -31,6 +34,8 @@ LAYERS = {
     "mec cv8 N128": ConvSpec.make(128, 64, 112, 112, 128, 3, 3),
     "mec cv10 N128": ConvSpec.make(128, 128, 28, 28, 128, 3, 3),
     "mec cv1 N128": ConvSpec.make(128, 3, 227, 227, 96, 11, 11, 4, 0),
+    "r50 1x1 1024>256@14": ConvSpec.make(32, 1024, 14, 14, 256, 1, 1),
+    "r50 1x1 64>256@56": ConvSpec.make(32, 64, 56, 56, 256, 1, 1),
     "boda 1x1 832@7 N5": ConvSpec.make(5, 832, 7, 7, 256, 1, 1),
     "boda 1x1 256@27 N5": ConvSpec.make(5, 256, 27, 27, 256, 1, 1),
     "boda 3x3 160@14 N5": ConvSpec.make(5, 160, 14, 14, 320, 3, 3, 1, 1),
@@ -39,30 +44,46 @@ LAYERS = {
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--sanitize", action="store_true")
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--sanitize", action="store_true",
+                    help="tiny shapes, one checked run each, no timing (under compute-sanitizer)")
     ap.add_argument("--only", default="", help="comma-separated variant names")
+    ap.add_argument("--points", type=int, default=1, help="time the first N points of each space")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    ap.add_argument("--layers", default="", help="comma-separated words; keep layers whose label has one")
     args = ap.parse_args()
     be = get_backend("cuda")
     only = set(filter(None, args.only.split(",")))
     variants = [v for v in all_variants() if "cuda" in v.backends and (not only or v.name in only)]
     specs = {s.key(): s for s in TINY} if args.sanitize else LAYERS
+    words = list(filter(None, args.layers.split(",")))
+    specs = {k: ConvSpec.from_dict({**s.to_dict(), "dtype": args.dtype}) for k, s in specs.items()
+             if not words or any(w in k for w in words)}
     bad = 0
     print(f"{'layer':20s} {'variant':26s} {'ms':>9s} {'TFLOPS':>7s} {'rel err':>9s}  params")
     for label, spec in specs.items():
         for v in variants:
             if v.applies(spec, be.device):
                 continue
-            for prm in _points(v, spec, be.device, args.sanitize):
+            for prm in _points(v, spec, be.device, args.sanitize, args.points):
                 bad += _run(be, label, spec, v, prm, args.sanitize)
     return 1 if bad else 0
 
 
-def _points(v: Variant, spec: ConvSpec, dev: DeviceInfo, sanitize: bool) -> list[Params]:
-    """The default; under --sanitize also the first point of each staging kind of the Winograd
-    spaces (fused: cp.async filters / inputs, split-C, two-block register cap; non-fused: the split
-    GEMM), not defaults."""
+def _points(v: Variant, spec: ConvSpec, dev: DeviceInfo, sanitize: bool, n: int = 1) -> list[Params]:
+    """The default (and the next n - 1 points of the space); under --sanitize also the first point of
+    each staging kind of the Winograd spaces (fused: cp.async filters / inputs, split-C, two-block
+    register cap; non-fused: the split GEMM) and of the tensor-core generator (split-K, one tile per
+    block, two atoms of K per stage), not defaults."""
     pts = [v.default(spec, dev)]
+    if n > 1:
+        pts += [p for p in v.space(spec, dev)[:n] if p not in pts]
+    if sanitize and v.name.startswith("tc_"):
+        space = v.space(spec, dev)
+        for pred in (lambda p: p.get("ks", 1) > 1, lambda p: p.get("ps") == 0, lambda p: p.get("kb") == 2):
+            hit = next((p for p in space if pred(p)), None)
+            if hit is not None and hit not in pts:
+                pts.append(hit)
     if sanitize and v.name.startswith("winograd_"):
         space = v.space(spec, dev)
         for keys in (("ca",), ("ci",), ("ca", "ci"), ("ks",), ("mb",)):
@@ -84,8 +105,9 @@ def _run(be, label: str, spec: ConvSpec, v: Variant, prm: Params, sanitize: bool
     if sanitize:
         print(f"{label[:20]:20s} {v.name:26s} {res}  {prm.short()}")
         return int(not res.ok)
-    x, w, _ = random_inputs(spec, np.random.default_rng(0))
-    bufs = {"x": be.upload(x), "w": be.upload(w), "y": be.empty(4 * spec.n * spec.k * spec.p * spec.q)}
+    inputs = pass_inputs(spec, np.random.default_rng(0))
+    bufs = {k: be.upload(to_storage(a, spec.dtype)) for k, a in inputs.items()}
+    bufs["y"] = be.empty(spec.itemsize * spec.n * spec.k * spec.p * spec.q)
     for _ in range(3):
         exe(bufs)
     ms = statistics.median(be.time_ms(lambda: exe(bufs), 15))

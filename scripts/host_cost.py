@@ -1,11 +1,14 @@
 """Per-call host cost of one conv on a tiny warm layer, side by side, with the machine's floor (GPU).
 
+Run by ``scripts/gpu-final check``: the figures behind the README's host-cost paragraph.
+
 Rows: ``F.conv2d`` (PyTorch, cuDNN), ``nn.Conv2d`` forward, ``convforge.conv2d`` with torch tensors
 (through the native fast path when it is built: ``CONVFORGE_NATIVE=0`` measures Python's) and the
 native module's ``run`` alone, ``convforge.conv2d`` with CuPy arrays (through the CuPy native fast
 path when it is built) and that module's ``run`` alone, the ``torch.ops.convforge.conv2d`` op
 (through the dispatcher, its Autograd kernel included under no_grad), a converted
-``convforge.torch.Conv2d`` forward (eager inference), and a conv -> batch norm -> ReLU (with and
+``convforge.torch.Conv2d`` forward (eager inference), the backward passes (``convforge.grad``'s
+dgrad, wgrad and bias gradient beside ``aten.convolution_backward``), and a conv -> batch norm -> ReLU (with and
 without a residual add) in PyTorch against ``convforge.torch.FusedConv2d`` folded (what
 ``convforge.torch.fuse`` makes of it).
 
@@ -315,7 +318,7 @@ def parts(x: Any, w: Any, b: Any, spec: ConvSpec, args: argparse.Namespace) -> N
     print(f"{torch.cuda.get_device_name()} | layer {spec.short()} | algo {args.algo} | no_grad, host us per call"
           f" | pieces timed {'in C (native.parts)' if nat is not None else 'from Python (native path off)'}")
     if nat is not None:
-        call = (x, w, b, spec.stride, spec.pad, spec.dilation, args.algo, None, None, False, None, None, None)
+        call = (x, w, b, spec.stride, spec.pad, spec.dilation, args.algo, None, None, False, None, None, None, 1)
         rows = [("whole conv2d call (from Python)", conv)]
         with torch.no_grad():
             for piece in PIECES:
@@ -337,7 +340,7 @@ CUPY_PIECES = ("call", "parse", "find", "device", "stream", "alloc", "launch")
 def cupy_parts(x: Any, w: Any, b: Any, spec: ConvSpec, args: argparse.Namespace) -> None:
     """The same for CuPy arrays of the same values, in C by the CuPy native module's ``parts``."""
     xc, wc, bc = cp.asarray(x), cp.asarray(w.detach()), cp.asarray(b.detach())
-    call = (xc, wc, bc, spec.stride, spec.pad, spec.dilation, args.algo, None, None, False, None, None, None)
+    call = (xc, wc, bc, spec.stride, spec.pad, spec.dilation, args.algo, None, None, False, None, None, None, 1)
     convforge.conv2d(*call)  # builds the runner, loads the CuPy path and files the call
     cnat = backend_native.load_cupy()
     if cnat is None:
@@ -381,6 +384,28 @@ def python_pieces(x: Any, w: Any, b: Any, spec: ConvSpec, args: argparse.Namespa
         ("  filter cache version check", (lambda: run.filters.get(w, wp)) if run.filters is not None else (lambda: 0)),
         ("  output new_empty", lambda: x.new_empty(spec.y_shape)),
     ]
+
+
+def grad_rows(x: Any, w: Any, spec: ConvSpec) -> list[tuple[str, Callable[[], object], str]]:
+    """The backward passes' warm calls (convforge.grad's Python fast path: a key, a dictionary hit,
+    the launches) beside PyTorch's ``aten.convolution_backward`` asked for the same gradient."""
+    from convforge import grad
+
+    dy = torch.randn(spec.y_shape, device="cuda")
+    st, dl, pd = list(spec.stride), list(spec.dilation), [spec.pad[0], spec.pad[2]]
+    back = torch.ops.aten.convolution_backward.default
+    rows: list[tuple[str, Callable[[], object], str]] = [
+        ("grad.conv2d_input (dgrad), torch", lambda: grad.conv2d_input(spec.x_shape, w, dy, spec.stride, spec.pad,
+                                                                       spec.dilation), ""),
+        ("grad.conv2d_weight (wgrad), torch", lambda: grad.conv2d_weight(x, spec.w_shape, dy, spec.stride, spec.pad,
+                                                                         spec.dilation), ""),
+        ("grad.conv2d_bias, torch", lambda: grad.conv2d_bias(dy), "")]
+    if spec.symmetric_pad:
+        rows += [("aten.convolution_backward, dgrad", lambda: back(dy, x, w, None, st, pd, dl, False, [0, 0], 1,
+                                                                    [True, False, False]), ""),
+                 ("aten.convolution_backward, wgrad", lambda: back(dy, x, w, None, st, pd, dl, False, [0, 0], 1,
+                                                                    [False, True, False]), "")]
+    return rows
 
 
 def main() -> None:
@@ -431,16 +456,17 @@ def main() -> None:
         ("convforge.conv2d, torch tensors", lambda: convforge.conv2d(x, w, b, spec.stride, spec.pad, spec.dilation,
                                                                      algo=args.algo), "torch"),
         ("  native.run alone (no Python wrapper)", (lambda: nat.run(x, w, b, spec.stride, spec.pad, spec.dilation,
-                                                                    args.algo, None, None, False, None, None, None))
+                                                                    args.algo, None, None, False, None, None, None, 1))
          if nat is not None else None, "torch"),
         ("convforge.conv2d, CuPy arrays", lambda: convforge.conv2d(xc, wc, bc, spec.stride, spec.pad, spec.dilation,
                                                                    algo=args.algo), "cupy"),
         ("  CuPy native.run alone", (lambda: cnat.run(xc, wc, bc, spec.stride, spec.pad, spec.dilation, args.algo,
-                                                      None, None, False, None, None, None))
+                                                      None, None, False, None, None, None, 1))
          if cnat is not None else None, "cupy"),
         ("torch.ops.convforge.conv2d", lambda: torch.ops.convforge.conv2d(x, w, b, st, pd, dl, args.algo, None, None),
          "torch"),
         ("convforge.torch.Conv2d forward", lambda: ours(x), "module"),
+        *grad_rows(x, w, spec),
         ("PyTorch conv -> bn -> relu", lambda: torch.relu(cbr[1](cbr[0](x))), ""),
         ("FusedConv2d (bn+relu), folded", lambda: fused(x), "fused"),
         ("PyTorch conv -> bn -> + res -> relu", lambda: torch.relu(cbr[1](cbr[0](x)) + res), ""),

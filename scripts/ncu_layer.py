@@ -13,10 +13,6 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-import torch.nn.functional as F
-
-import convforge
 from convforge.spec import ConvSpec
 
 
@@ -26,6 +22,11 @@ def main() -> None:
     ap.add_argument("impl", help="convforge algorithm (variant, family, auto) or cudnn-fp32 / cudnn-tf32")
     ap.add_argument("--precision", default=None, help="convforge precision class for 'auto' (default: config)")
     args = ap.parse_args()
+    import torch  # after the arguments: --help runs without torch (tests/test_scripts.py)
+    import torch.nn.functional as F
+
+    import convforge
+
     spec = ConvSpec.parse(args.spec)
     x = torch.randn(spec.x_shape, device="cuda")
     w = torch.randn(spec.w_shape, device="cuda") / (spec.c * spec.r * spec.s) ** 0.5

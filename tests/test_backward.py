@@ -60,6 +60,7 @@ def test_every_variant_refuses_what_it_does_not_serve():
         half = dataclasses.replace(base, dtype="float16", conv_pass=sorted(v.passes)[0])
         if "float16" not in v.dtypes:
             assert "does not take float16" in (v.applies(half, NOMINAL_CUDA) or ""), v.name
-        grouped = ConvSpec.make(1, 4, 9, 9, 4, 3, 3, padding=1, groups=2, conv_pass=sorted(v.passes)[0])
+        dtype = "float32" if "float32" in v.dtypes else sorted(v.dtypes)[0]  # one it takes (half-only variants)
+        grouped = ConvSpec.make(1, 4, 9, 9, 4, 3, 3, padding=1, groups=2, conv_pass=sorted(v.passes)[0], dtype=dtype)
         if not v.grouped:
             assert "does not take grouped layers" in (v.applies(grouped, NOMINAL_CUDA) or ""), v.name

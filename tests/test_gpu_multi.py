@@ -166,3 +166,177 @@ def test_cuda_graph_capture_on_the_second_device(two, capture_graph):
             torch.cuda.synchronize(two)
             want = ref(static_x.double().cpu())
             assert float((static_y.double().cpu() - want).norm() / want.norm()) < 1e-5, seed
+
+
+# -- one process per GPU: DistributedDataParallel, tuning on every GPU (issue 33) -------------------------
+# These run subprocesses (torchrun, the convforge CLI) with NCCL_NVLS_ENABLE=0 (the lent machines' rule:
+# no NVLink multicast) and the working tree's convforge first on PYTHONPATH.
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+SRC = str(HERE.parent / "src")
+DDP_SCRIPT = HERE / "ddp_check.py"
+
+
+def _env(tmp_path, **extra):
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "CONVFORGE_DB": str(tmp_path / "tuning.sqlite"), **extra}
+    env["PYTHONPATH"] = SRC + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def _run(argv, env, timeout=900):
+    res = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 0, f"{' '.join(map(str, argv))}: exit {res.returncode}\n{res.stdout[-4000:]}\n" \
+                                f"{res.stderr[-4000:]}"
+    return res.stdout + res.stderr
+
+
+def _torchrun(args, env, n=2):
+    return _run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", *args], env)
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+@pytest.mark.serial  # every GPU, and timings compared: never beside other tests
+@pytest.mark.parametrize("how", ["convert", "fuse", "fuse+noset", "convert+autotune"])
+def test_ddp_gradients_equal_a_one_gpu_run(two, tmp_path, how):
+    """A converted / fused model (training mode: FusedConv2d's unfused path, our conv forward and
+    backward kernels) in DistributedDataParallel on two GPUs, 3 SGD steps: every step's averaged
+    gradients on both ranks equal a one-GPU run's over the same two shards (each shard a forward of
+    its own, as each rank's batch norm sees it) within FP32 tolerance, and the parameters after
+    the steps too; the one-GPU run itself matches PyTorch's float64 model; every executable,
+    runner and cached filter transform of a rank is on its own GPU. ``+noset``: the ranks never
+    call set_device (tensors on cuda:1 while device 0 is current); ``+autotune``: both ranks tune
+    on first sight into one database at once (the reference then reads it)."""
+    env = _env(tmp_path)
+    _torchrun([str(DDP_SCRIPT), "--how", how, "--out", str(tmp_path)], env)
+    _run([sys.executable, str(DDP_SCRIPT), "--how", how, "--out", str(tmp_path), "--reference"], env)
+    want = torch.load(tmp_path / "reference.pt")
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    assert want["checks"]["converted"] >= 5 and want["checks"]["n_runners"] > 0, want["checks"]
+    for step, (ours, anchor) in enumerate(zip(want["grads"], want["torch64"], strict=True)):
+        for name in anchor:
+            assert _rel(ours[name], anchor[name]) < 1e-3, ("one GPU vs PyTorch float64", step, name)
+    for rank, doc in enumerate(got):
+        checks = doc["checks"]
+        assert checks["executables"] == [rank] and checks["runners"] == [rank], checks
+        assert checks["filters"] in ([], [rank]), checks
+        assert checks["converted"] == want["checks"]["converted"], checks
+        for step, (g, w) in enumerate(zip(doc["grads"], want["grads"], strict=True)):
+            assert g.keys() == w.keys(), (rank, step)
+            flat_g, flat_w = torch.cat([g[k].flatten() for k in w]), torch.cat([w[k].flatten() for k in w])
+            assert _rel(flat_g, flat_w) < 1e-5, (rank, step, _rel(flat_g, flat_w))
+            for name in w:
+                assert _rel(g[name], w[name]) < 1e-4, (rank, step, name, _rel(g[name], w[name]))
+        for name, p in want["params"].items():
+            assert _rel(doc["params"][name], p) < 1e-5, (rank, name)
+    for g0, g1 in zip(got[0]["grads"], got[1]["grads"], strict=True):  # DDP hands both ranks the same average
+        assert all(_rel(g0[k], g1[k]) < 1e-6 for k in g0)
+    if "+autotune" in how:
+        from convforge.tune.db import TuningDB
+
+        entries = TuningDB(tmp_path / "tuning.sqlite").entries()
+        assert entries and {e.device for e in entries} == {_backend_key(0)} == {_backend_key(1)}, entries
+
+
+def _backend_key(device):
+    from convforge.backends import get_backend
+
+    return get_backend("cuda", device).device.key()
+
+
+def test_tuner_on_the_second_device_while_the_first_is_current(two):
+    """The tuner's own launches, fills, events and downloads (the back-end's dict path) on cuda:1
+    while device 0 is current: every candidate runs and is checked there."""
+    from convforge.backends import get_backend
+    from convforge.tune import Budget, Tuner
+
+    be = get_backend("cuda", 1)
+    res = Tuner(be, None, Budget(None, 4), seed=0).tune(SPECS[1])
+    ok = [c for c in res.candidates if c.status == "ok"]
+    assert ok and len(ok) == len(res.candidates), [(c.describe(), c.status) for c in res.candidates]
+    assert torch.cuda.current_device() == 0
+    assert get_backend("cuda") is get_backend("cuda", 0) and get_backend("cuda", "1") is be
+    with torch.cuda.device(1):  # None follows the current device
+        from convforge.backends.cuda import current_device
+
+        if current_device() == 1:  # CuPy and torch share the runtime's current device here
+            assert get_backend("cuda") is be
+
+
+TUNE_SPECS = ["N=8,C=64,H=28,W=28,K=64,R=3,S=3,pad=1", "N=8,C=128,H=14,W=14,K=256,R=1,S=1,stride=2",
+              "N=8,C=32,H=56,W=56,K=32,R=3,S=3,pad=1", "N=4,C=3,H=113,W=113,K=16,R=7,S=7,stride=2,pad=3",
+              "N=8,C=256,H=7,W=7,K=256,R=3,S=3,pad=1", "N=2,C=17,H=31,W=29,K=13,R=5,S=5,pad=2"]
+
+
+def _chosen_like(one_db, many_db, slack=1.10):
+    """Each layer's choice in ``many_db`` is one ``one_db``'s search measured too, within ``slack``
+    of that search's winner (and the other way round): the same choice given the same
+    measurements, up to timing noise between two runs."""
+    from convforge.tune.db import TuningDB
+
+    one, many = TuningDB(one_db), TuningDB(many_db)
+    a, b = {e.key: e for e in one.entries()}, {e.key: e for e in many.entries()}
+    assert a.keys() == b.keys() and a, (sorted(a), sorted(b))
+    for key in a:
+        for x, y, db_x in ((a[key], b[key], one), (b[key], a[key], many)):
+            times = {(m.variant, m.params): m.time_ms for m in db_x.measurements(key) if m.time_ms}
+            t = times.get((y.variant, y.params))
+            assert t is not None, (key, y.variant, y.params, "not measured by the other run")
+            assert t <= slack * x.time_ms, (key, x.variant, x.time_ms, y.variant, t)
+
+
+def _per_worker(out):
+    """{worker: layers it tuned} from the parent's "layers per worker:" line."""
+    import re
+
+    line = next(ln for ln in out.splitlines() if ln.startswith("layers per worker:"))
+    return {k: int(v) for k, v in re.findall(r"(cuda:\d+) (\d+)", line)}
+
+
+@pytest.mark.serial  # every GPU, and timings compared: never beside other tests
+def test_tune_devices_all_chooses_as_one_gpu(two, tmp_path):
+    """``tune --devices all`` on two GPUs: both workers tune, every layer lands once in the shared
+    database, and the choices are the one-GPU run's (given the same measurements)."""
+    specs = [a for s in TUNE_SPECS for a in ("--spec", s)]
+    cli = [sys.executable, "-m", "convforge.cli", "tune", *specs, "--budget", "10", "--backend", "cuda"]
+    env = _env(tmp_path)
+    _run([*cli, "--db", str(tmp_path / "one.sqlite"), "--device", "0"], env)
+    out = _run([*cli, "--db", str(tmp_path / "many.sqlite"), "--devices", "all"], env)
+    per = _per_worker(out)
+    assert set(per) == {"cuda:0", "cuda:1"} and min(per.values()) > 0, out
+    assert f"{len(TUNE_SPECS)} layer(s) tuned, 0 from the database, 0 failed" in out, out
+    _chosen_like(tmp_path / "one.sqlite", tmp_path / "many.sqlite")
+
+
+@pytest.mark.serial  # every GPU, and timings compared: never beside other tests
+def test_tune_under_torchrun_shares_the_layers(two, tmp_path):
+    """``torchrun --nproc-per-node 2 -m convforge.cli tune ...``: each rank tunes its share on its
+    GPU into the shared database (one host), rank 0 prints every layer; the choices are the
+    one-GPU run's."""
+    specs = [a for s in TUNE_SPECS for a in ("--spec", s)]
+    args = ["-m", "convforge.cli", "tune", *specs, "--budget", "10", "--backend", "cuda"]
+    env = _env(tmp_path)
+    _run([sys.executable, *args, "--db", str(tmp_path / "one.sqlite"), "--device", "0"], env)
+    out = _torchrun([*args, "--db", str(tmp_path / "many.sqlite")], env)
+    assert "rank 0 of 2" in out and "rank 1 of 2" in out, out
+    assert f"{len(TUNE_SPECS)} layer(s) tuned, 0 from the database, 0 failed" in out, out
+    _chosen_like(tmp_path / "one.sqlite", tmp_path / "many.sqlite")
+
+
+@pytest.mark.serial  # every GPU, and timings compared: never beside other tests
+def test_tune_model_on_every_gpu_leaves_nothing_to_the_last_pass(two, tmp_path):
+    """``tune --model resnet18:2 --devices all``: the discovered layers are tuned on both GPUs; the
+    closing one-process run finds every one in the database (none tuned there, none left to the
+    heuristic), so the discovery saw what dispatch asks for."""
+    pytest.importorskip("torchvision", reason="tune --model needs torchvision")
+    out = _run([sys.executable, "-m", "convforge.cli", "tune", "--model", "resnet18:2", "--budget", "3",
+                "--devices", "all", "--db", str(tmp_path / "m.sqlite")], _env(tmp_path))
+    per = _per_worker(out)
+    assert set(per) == {"cuda:0", "cuda:1"} and min(per.values()) > 0, out
+    assert "tuned now" not in out and "heuristic" not in out.split("layers per worker:")[1], out

@@ -209,6 +209,7 @@ def test_torch_compile_runs_without_graph_breaks(gpu):
     assert float((y.double() - want).norm() / want.norm()) < 1e-5
 
 
+@pytest.mark.serial
 def test_device_memory_exhausted(gpu, monkeypatch, caplog):
     """Memory filled on purpose: a named algorithm whose workspace does not fit raises an error
     naming bytes asked and free; 'auto' (forced to that variant first) falls back and logs."""

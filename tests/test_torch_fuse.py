@@ -35,7 +35,9 @@ class Every(nn.Module):
         self.c5 = nn.Conv2d(8, 8, 1)  # conv -> torch.add(other, conv) -> F.relu(inplace)
         self.c6, self.bn6 = nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)  # bn -> Tensor.add
         self.c7 = nn.Conv2d(8, 8, 3, padding=1)  # conv -> Tensor.relu_
-        self.g = nn.Conv2d(8, 8, 3, padding=1, groups=2)  # left to PyTorch
+        self.g = nn.Conv2d(8, 8, 3, padding=1, padding_mode="circular")  # left to PyTorch
+        self.dw, self.bndw = nn.Conv2d(8, 16, 3, padding=1, groups=8), nn.BatchNorm2d(16)  # depthwise, m=2
+        self.gc = nn.Conv2d(16, 8, 3, padding=1, groups=4)  # grouped -> relu
         self.c8, self.bn8 = nn.Conv2d(8, 8, 11, padding=5), nn.BatchNorm2d(8)  # conv -> bn -> relu (shared)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -52,6 +54,8 @@ class Every(nn.Module):
         out = self.bn6(self.c6(out)).add(out)
         out = self.c7(out).relu_()
         out = self.g(out)
+        out = F.relu(self.bndw(self.dw(out)))
+        out = torch.relu(self.gc(out))
         return self.relu(self.bn8(self.c8(out)))
 
 
@@ -79,12 +83,12 @@ def test_every_pattern_is_fused_or_reported():
     model = _randomize(Every()).eval()
     fused, report = ct.fuse(model)
     assert report.fused == {"c1": "bn+relu", "c2": "bn+add+relu", "c3": "relu", "c4": "bn", "c5": "add+relu",
-                            "c6": "bn+add", "c7": "relu", "c8": "bn+relu"}, report.fused
+                            "c6": "bn+add", "c7": "relu", "dw": "bn+relu", "gc": "relu", "c8": "bn+relu"}, report.fused
     assert report.unfused == {"twice": "output used 2 times"}
-    assert list(report.left) == ["g"] and "groups=2" in report.left["g"]
+    assert list(report.left) == ["g"] and "circular" in report.left["g"]
     assert sorted(report.converted) == sorted([*report.fused, "twice"])
     text = str(report)
-    assert "8 fused" in text and "twice: not fused: output used 2 times" in text and "g: groups=2" in text
+    assert "10 fused" in text and "twice: not fused: output used 2 times" in text and "g: padding_mode" in text
     assert isinstance(fused.c2, ct.FusedConv2d) and fused.c2._cf_bn is fused.bn2
     assert type(fused.twice) is ct.Conv2d and type(fused.g) is nn.Conv2d
     calls = [n.target for n in fused.graph.nodes if n.op == "call_module"]
@@ -209,7 +213,7 @@ class _FakeRun:
 @pytest.mark.parametrize("name,res_in_plan", [("c1", False), ("c2", False), ("c2", True), ("c3", False)])
 def test_folded_path_takes_the_native_route(monkeypatch, name, res_in_plan):
     """A plan without the residual is conv2d's plan for the folded weights: the module asks the
-    native fast path's ``run`` with conv2d's 13 arguments (ReLU in them only when no add follows);
+    native fast path's ``run`` with conv2d's 14 arguments (ReLU in them only when no add follows);
     a plan that adds the residual asks ``run_res`` with them (ReLU: after the add) and the
     residual. On a miss the Python runner runs and the call is filed (the residual plan as such);
     on a hit nothing runs in Python; a capture with static weights never asks. Stand-ins: no CUDA."""
@@ -255,7 +259,7 @@ def test_folded_path_takes_the_native_route(monkeypatch, name, res_in_plan):
     assert call[1] is w and call[2] is b and call[3:9] == (m.stride, fused_mod.padding_quad(m), m.dilation,
                                                             m.algo, None, None)
     assert call[9] == (m._cf_relu and (res_in_plan or not residual)) and call[10:] == (None, m.precision,
-                                                                                        m.max_error)
+                                                                                        m.max_error, m.groups)
     assert all(g == ((res,) if res_in_plan else ()) for g in given)
     assert len(asked) == 2 and len(filed) == 1 and filed[0][0] is run and filed[0][1][1:] == call[1:]
     assert filed[0][2] == res_in_plan  # a residual plan is filed under its own key

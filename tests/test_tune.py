@@ -125,9 +125,13 @@ def test_heuristic_ranks_winograd_by_layer_on_gpus() -> None:
     saved = config.precision
     try:
         config.precision = "relaxed"
-        assert pick(32, 256, 14) == pick(32, 64, 56) == "winograd_nonfused_f7"
+        # sm_90: the wgmma implicit GEMM (docs/NOTES-tensorcore.md, H100: 1.41-1.48x cuDNN-best TF32 on
+        # ResNet N=32 64@56..256@14); before Hopper the Winograd rules below
+        assert pick(32, 256, 14) == pick(32, 64, 56) == pick(128, 512, 7) == "tc_implicit_gemm_tf32"
+        sm80 = dataclasses.replace(NOMINAL_CUDA, cc=(8, 0), name="nominal sm_80")
+        assert pick(32, 256, 14, sm80) == pick(32, 64, 56, sm80) == "winograd_nonfused_f7"
         # <= 10x10 outputs at N >= 16: the staged TF32 F(2x2) (H200: 512@7 N32 68.9 us, F(7x7) 88.0)
-        assert pick(128, 512, 7) == "winograd_nonfused_f2_pipe_tf32"
+        assert pick(128, 512, 7, sm80) == "winograd_nonfused_f2_pipe_tf32"
     finally:
         config.precision = saved
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from convforge import dispatch, kernels
 from convforge.backends import cuda_available, get_backend
-from convforge.backends.base import Backend, Executable
+from convforge.backends.base import Backend, Executable, output_buffer
 from convforge.config import config, parse_precision
 from convforge.dispatch import RUNNERS
 from convforge.params import Params
@@ -43,16 +43,17 @@ _SPECS: dict[tuple[Any, ...], ConvSpec] = {}
 
 
 def _spec(x_shape: tuple[int, ...], w_shape: tuple[int, ...], stride: Any, padding: Any,
-          dilation: Any, dtype: str = "float32") -> ConvSpec:
+          dilation: Any, groups: Any = 1, dtype: str = "float32") -> ConvSpec:
     """ConvSpec.from_shapes, remembered for arguments that are plain ints or tuples of them (it
     runs on every call). Only those: True, 1.0 or (True, 0) equal 1 and (1, 0) as keys, so they
     would find a spec without being checked."""
-    if not (_plain(stride) and _plain(padding) and _plain(dilation)):  # lists, NumPy ints, bad values
-        return ConvSpec.from_shapes(x_shape, w_shape, stride, padding, dilation, dtype=dtype)
-    key = (x_shape, w_shape, stride, padding, dilation, dtype)
+    if not (_plain(stride) and _plain(padding) and _plain(dilation) and type(groups) is int):
+        return ConvSpec.from_shapes(x_shape, w_shape, stride, padding, dilation, groups,  # lists, NumPy ints, ...
+                                    dtype=dtype)
+    key = (x_shape, w_shape, stride, padding, dilation, groups, dtype)
     spec = _SPECS.get(key)
     if spec is None:
-        spec = _SPECS[key] = ConvSpec.from_shapes(x_shape, w_shape, stride, padding, dilation, dtype=dtype)
+        spec = _SPECS[key] = ConvSpec.from_shapes(x_shape, w_shape, stride, padding, dilation, groups, dtype=dtype)
     return spec
 
 
@@ -86,16 +87,18 @@ ARRAY_DTYPES = {"numpy": ("float32", "float16"), "cupy": ("float32", "float16"),
                 "torch": ("float32", "float16", "bfloat16")}
 
 
-def _check_array(a: Any, what: str, rank: int, kind: str = "numpy") -> str:
-    """The array's dtype name, after checking its rank and that ``kind`` arrays of it run."""
+def _check_array(a: Any, what: str, rank: int, kind: str | None = None) -> str:
+    """The array's dtype name, after checking its rank and that ``kind`` arrays of it run (None:
+    float32 only, for callers whose plans are float32: the backward passes of grad.py)."""
     if isinstance(a, np.ndarray) and a.ndim == rank and a.dtype == np.float32:
         return "float32"  # the common case, quickly
     if len(a.shape) != rank:
         raise ValueError(f"{what} must have rank {rank}, got shape {tuple(a.shape)}")
     dtype = str(a.dtype).replace("torch.", "")
-    if dtype not in ARRAY_DTYPES[kind]:
-        raise ValueError(f"{what} dtype ({dtype}) must be one of {', '.join(ARRAY_DTYPES[kind])} "
-                         f"for {kind} arrays")
+    allowed = ARRAY_DTYPES[kind] if kind is not None else ("float32",)
+    if dtype not in allowed:
+        raise ValueError(f"{what} dtype ({dtype}) must be {'one of ' if len(allowed) > 1 else ''}"
+                         f"{', '.join(allowed)}" + (f" for {kind} arrays" if kind else ""))
     return dtype
 
 
@@ -161,7 +164,7 @@ def set_native(module: Any) -> None:
 
 
 # conv2d's defaults as native_core.h's C entry assumes them (``wrap``), checked before it takes over
-NATIVE_DEFAULTS = (None, 1, 0, 1, "auto", None, None, False, None, None, None)
+NATIVE_DEFAULTS = (None, 1, 0, 1, "auto", None, None, False, None, None, None, 1)
 
 
 def install_native(module: Any) -> None:
@@ -189,22 +192,26 @@ def install_native(module: Any) -> None:
 
 
 def _torch_key(x: Any, w: Any, b: Any, stride: Any, padding: Any, dilation: Any, algo: Any, backend: Any,
-               workspace_limit: Any, relu: Any, params: Any, precision: Any, max_error: Any) -> tuple[Any, ...]:
+               workspace_limit: Any, relu: Any, params: Any, precision: Any, max_error: Any,
+               groups: Any = 1) -> tuple[Any, ...]:
     return (type(x), type(w), x.shape, w.shape, x.dtype, w.dtype, x.device, w.device, x.is_contiguous(),
             w.is_contiguous(),
             b is None or (type(b), b.shape, b.dtype, b.device, b.is_contiguous()),
             stride, padding, dilation, algo, backend, workspace_limit,
             relu if relu.__class__ is bool else (relu.__class__, relu), params, precision, max_error,
+            groups if groups.__class__ is int else (groups.__class__, groups),
             config.precision, config.max_error, config.autotune, config.db_path)
 
 
 def _cupy_key(x: Any, w: Any, b: Any, stride: Any, padding: Any, dilation: Any, algo: Any, backend: Any,
-              workspace_limit: Any, relu: Any, params: Any, precision: Any, max_error: Any) -> tuple[Any, ...]:
+              workspace_limit: Any, relu: Any, params: Any, precision: Any, max_error: Any,
+              groups: Any = 1) -> tuple[Any, ...]:
     return (type(x), type(w), x.shape, w.shape, x.dtype, w.dtype, x.data.device_id, w.data.device_id,
             x.flags.c_contiguous, w.flags.c_contiguous,
             b is None or (type(b), b.shape, b.dtype, b.data.device_id, b.flags.c_contiguous),
             stride, padding, dilation, algo, backend, workspace_limit,
             relu if relu.__class__ is bool else (relu.__class__, relu), params, precision, max_error,
+            groups if groups.__class__ is int else (groups.__class__, groups),
             config.precision, config.max_error, config.autotune, config.db_path)
 
 
@@ -212,11 +219,12 @@ def conv2d(x: Any, w: Any, bias: Any = None, stride: int | Sequence[int] = 1,
            padding: int | Sequence[int] = 0, dilation: int | Sequence[int] = 1, algo: str = "auto",
            backend: str | None = None, workspace_limit: int | None = None, relu: bool = False,
            params: Params | dict[str, Any] | None = None, precision: str | None = None,
-           max_error: float | None = None) -> Any:
-    """Convolve NCHW ``x`` with KCRS ``w`` (float32, float16, or bfloat16 torch tensors; x, w and bias
-    of one dtype, the output of it too, accumulation in float32). NumPy input runs on OpenCL and
-    returns NumPy; CuPy arrays and torch CUDA tensors run on CUDA on the caller's current stream and
-    return the same type on the same device. ``algo`` is 'auto', a family or a variant name; ``precision``
+           max_error: float | None = None, groups: int = 1) -> Any:
+    """Convolve NCHW ``x`` with KCRS ``w`` (float32, float16, or bfloat16 torch tensors: x, w and bias
+    of one dtype, the output of it too, accumulation in float32; ``groups`` > 1: w is K x C/groups x R
+    x S, as PyTorch's, groups == C a depthwise layer). NumPy input runs on OpenCL and returns NumPy;
+    CuPy arrays and torch CUDA tensors run on CUDA on the caller's current stream and return the
+    same type on the same device. ``algo`` is 'auto', a family or a variant name; ``precision``
     ('fp32' | 'relaxed') and ``max_error`` bound what 'auto' may pick (default: ``config``).
 
     A warm device call is a dictionary hit and the launches: no conversion objects, no
@@ -234,11 +242,11 @@ def conv2d(x: Any, w: Any, bias: Any = None, stride: int | Sequence[int] = 1,
     layer gets a one-launch plan, since its filters are transformed on every call."""
     if _NATIVE_RUN is not None:
         y = _NATIVE_RUN(x, w, bias, stride, padding, dilation, algo, backend, workspace_limit, relu, params,
-                        precision, max_error)
+                        precision, max_error, groups)
         if y is not None:
             return y
     return python_conv2d(x, w, bias, stride, padding, dilation, algo, backend, workspace_limit, relu, params,
-                         precision, max_error)
+                         precision, max_error, groups)
 
 
 _PYTHON_CONV2D = conv2d  # the Python function (its signature and docstring), before any C entry
@@ -248,25 +256,25 @@ def python_conv2d(x: Any, w: Any, bias: Any = None, stride: int | Sequence[int] 
                   padding: int | Sequence[int] = 0, dilation: int | Sequence[int] = 1, algo: str = "auto",
                   backend: str | None = None, workspace_limit: int | None = None, relu: bool = False,
                   params: Params | dict[str, Any] | None = None, precision: str | None = None,
-                  max_error: float | None = None) -> Any:
+                  max_error: float | None = None, groups: int = 1) -> Any:
     """:func:`conv2d` without asking the native fast path: for callers that just asked it and
     missed (native.cpp's C entry and the op's CUDA kernel), so a miss is looked up once."""
     keyer = _KEYERS.get(type(x))
     if keyer is not None:
         try:
             run = RUNNERS.get(keyer(x, w, bias, stride, padding, dilation, algo, backend, workspace_limit, relu,
-                                    params, precision, max_error))
+                                    params, precision, max_error, groups))
         except (TypeError, AttributeError):  # unhashable arguments (a list, a params dict), or weights or bias
             run = None  # of another kind than x (no such attribute): the slow path validates and says so
         if run is not None:
             return run(x, w, bias)
     return _conv2d(x, w, bias, stride, padding, dilation, algo, backend, workspace_limit, relu, params,
-                   precision, max_error)
+                   precision, max_error, groups)
 
 
 def _conv2d(x: Any, w: Any, bias: Any, stride: Any, padding: Any, dilation: Any, algo: str,
             backend: str | None, workspace_limit: int | None, relu: bool, params: Any,
-            precision: str | None, max_error: float | None) -> Any:
+            precision: str | None, max_error: float | None, groups: Any = 1) -> Any:
     """The first call of a signature: validate everything, choose, compile, build the runner."""
     if params is not None and not isinstance(params, Mapping):
         raise TypeError(f"params ({params!r}) must be a dict or Params of parameter names and values")
@@ -275,7 +283,7 @@ def _conv2d(x: Any, w: Any, bias: Any, stride: Any, padding: Any, dilation: Any,
         raise ValueError("input and weights must be the same kind of array")
     dtype = _check_array(x, "input", 4, kind)
     _same_dtype(dtype, _check_array(w, "weights", 4, kind), "weights")
-    spec = _spec(tuple(x.shape), tuple(w.shape), stride, padding, dilation, dtype)
+    spec = _spec(tuple(x.shape), tuple(w.shape), stride, padding, dilation, groups, dtype)
     _check_layout(x, "input", 4)
     _check_layout(w, "weights", 4)
     if bias is not None:
@@ -298,18 +306,19 @@ def _conv2d(x: Any, w: Any, bias: Any, stride: Any, padding: Any, dilation: Any,
     epi = Epilogue(bias is not None, flag)
     if kind == "numpy":
         exe = executable_for(spec, be, algo, epi, limit, prm, precision, max_error)
-        return _run_host(be, exe, x, w, bias)
+        return run_host(be, exe, {"x": x, "w": w, "bias": bias})
     _KEYERS.setdefault(type(x), _torch_key if kind == "torch" else _cupy_key)
     try:
         key: tuple[Any, ...] | None = _KEYERS[type(x)](x, w, bias, stride, padding, dilation, algo, backend,
-                                                      workspace_limit, relu, params, precision, max_error)
+                                                      workspace_limit, relu, params, precision, max_error, groups)
         hash(key)
     except (TypeError, AttributeError):
         key = None
     run = dispatch.runner(key, spec, be, epi, kind, dev or 0, algo=algo, precision=precision,
                           max_error=max_error, workspace_limit=limit, params=prm)
     y = run(x, w, bias)
-    call = (x, w, bias, stride, padding, dilation, algo, backend, workspace_limit, relu, params, precision, max_error)
+    call = (x, w, bias, stride, padding, dilation, algo, backend, workspace_limit, relu, params, precision, max_error,
+            groups)
     if kind == "torch":
         file_native(run, call)
     else:
@@ -318,7 +327,7 @@ def _conv2d(x: Any, w: Any, bias: Any, stride: Any, padding: Any, dilation: Any,
 
 
 def file_native(run: Any, call: tuple[Any, ...], residual: bool = False) -> None:
-    """File a validated torch call (conv2d's 13 arguments; ``run``, the runner that just ran it)
+    """File a validated torch call (conv2d's 14 arguments; ``run``, the runner that just ran it)
     with the native fast path (built on the first torch call), with the filters the runner
     transformed for its weights, if any (so the native path does not transform them again: a
     transform during CUDA-graph warm-up would allocate in the graph's pool). ``residual``: the
@@ -356,14 +365,17 @@ def _device_index(x: Any, kind: str) -> int | None:
     return None
 
 
-def _run_host(be: Backend, exe: Executable, x: Any, w: Any, bias: Any) -> np.ndarray:
+def run_host(be: Backend, exe: Executable, inputs: dict[str, Any]) -> np.ndarray:
+    """Run ``exe`` on host arrays by buffer name (None: absent): upload them, allocate the buffer
+    its plan writes (y, x, w or bias), run, download that buffer."""
     spec = exe.plan.spec
-    bufs = {"x": be.upload(x), "w": be.upload(w), "y": be.empty(spec.itemsize * int(np.prod(spec.y_shape)))}
-    if bias is not None:
-        bufs["bias"] = be.upload(bias)
+    out = output_buffer(exe.plan)
+    shape = spec.shape_of(out)
+    bufs = {name: be.upload(a) for name, a in inputs.items() if a is not None}
+    bufs[out] = be.empty(spec.itemsize * int(np.prod(shape)))
     exe(bufs)
-    y = be.download(bufs["y"], spec.y_shape, spec.dtype)
-    return y if spec.dtype == "float32" else y.astype(x.dtype)  # exact: the kernel stored x's dtype
+    got = be.download(bufs[out], shape, spec.dtype)
+    return got.astype(np.float16) if spec.dtype == "float16" else got  # exact: the kernel stored float16
 
 
 def default_backend() -> str:

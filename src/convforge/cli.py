@@ -11,7 +11,7 @@ from pathlib import Path
 from convforge import __version__
 from convforge.config import MAX_ERROR_HELP, PRECISION_HELP, PRECISIONS, config, max_error_arg
 from convforge.params import Params
-from convforge.spec import ConvSpec
+from convforge.spec import PASSES, ConvSpec, parse_pass
 
 SPEC_HELP = "layer, e.g. 'N=1,C=3,H=13,W=13,K=8,R=3,S=3,stride=1,pad=1' (pad: 1, 1x2 or 0x1x1x0)"
 DTYPE_HELP = ("storage dtype of activations and weights: fp32 (default), fp16 or bf16 (half storage, FP32 "
@@ -42,6 +42,39 @@ def with_dtype(spec: ConvSpec, dtype: str | None) -> ConvSpec:
 
 def add_dtype_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", type=dtype_arg, metavar="{fp32,fp16,bf16}", help=DTYPE_HELP)
+PASS_HELP = ("the layer's pass: fprop (forward), dgrad (bprop: the gradient of the input) or wgrad (update: the "
+             "gradient of the filters); default: the --spec's own (pass=...), else fprop")
+
+
+def pass_arg(allow_all: bool) -> Callable[[str], str]:
+    """argparse ``type`` of ``--pass``: a pass (bprop and update as aliases), or 'all' where allowed."""
+    import argparse
+
+    def parse(text: str) -> str:
+        if allow_all and text == "all":
+            return "all"
+        try:
+            return parse_pass(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(f"{err}{' (or all)' if allow_all else ''}") from None
+
+    return parse
+
+
+def add_pass_option(p: argparse.ArgumentParser, allow_all: bool, extra: str = "") -> None:
+    """``--pass fprop|dgrad|wgrad`` (and ``all`` where ``allow_all``) on a sub-command."""
+    metavar = "|".join(PASSES) + ("|all" if allow_all else "")
+    p.add_argument("--pass", dest="conv_pass", type=pass_arg(allow_all), metavar=metavar,
+                   help=PASS_HELP + ("; all: each of the three in turn" if allow_all else "") + extra)
+
+
+def spec_passes(spec: ConvSpec, choice: str | None) -> list[ConvSpec]:
+    """``spec`` in the pass(es) ``--pass`` names: None keeps the spec's own, 'all' gives fprop, dgrad, wgrad."""
+    if choice is None:
+        return [spec]
+    if choice == "all":
+        return [spec.with_pass(p) for p in PASSES]
+    return [spec.with_pass(choice)]
 
 
 def cmd_devices(args: argparse.Namespace) -> int:
@@ -67,7 +100,7 @@ def cmd_devices(args: argparse.Namespace) -> int:
         for pi, di, plat, name in list_devices():
             table.add_row("opencl", f"{pi}:{di}", plat, name)
     except ImportError:
-        table.add_row("opencl", "-", "PyOpenCL not installed", "")
+        table.add_row("opencl", "-", r"PyOpenCL not installed (pip install 'pyopencl\[pocl]')", "")
     Console().print(table)
     return 0
 
@@ -90,13 +123,25 @@ def _device_for(backend: str):  # type: ignore[no-untyped-def]
 
 
 def cmd_algos(args: argparse.Namespace) -> int:
-    """Variants that apply to a layer, with their default parameters and space size."""
+    """Variants that apply to a layer in each pass asked for, with their default parameters and space size."""
+    dev = _device_for(args.backend)
+    for spec in spec_passes(with_dtype(ConvSpec.parse(args.spec), args.dtype), args.conv_pass):
+        _print_algos(spec, dev)
+    return 0
+
+
+def _print_algos(spec: ConvSpec, dev) -> None:  # type: ignore[no-untyped-def]
+    """One pass of a layer: every variant that computes it, applicable or not (and why), then one
+    line per set of variants that compute only other passes."""
     from convforge import kernels
 
-    spec = with_dtype(ConvSpec.parse(args.spec), args.dtype)
-    dev = _device_for(args.backend)
-    print(f"{spec.short()}  (P={spec.p}, Q={spec.q}, {spec.flops / 1e9:.3f} GFLOP) on {dev.name}")
+    name = spec.short() + (" fprop" if spec.conv_pass == "fprop" else "")  # short() names the other passes
+    print(f"{name}  (P={spec.p}, Q={spec.q}, {spec.flops / 1e9:.3f} GFLOP) on {dev.name}")
+    elsewhere: dict[str, list[str]] = {}
     for v in kernels.all_variants():
+        if spec.conv_pass not in v.passes:
+            elsewhere.setdefault(", ".join(sorted(v.passes)), []).append(v.name)
+            continue
         why = v.applies(spec, dev)
         if why:
             print(f"  - {v.name:26s} not applicable: {why}")
@@ -107,7 +152,8 @@ def cmd_algos(args: argparse.Namespace) -> int:
         else:
             print(f"  + {v.name:26s} default [{v.default(spec, dev).short()}], "
                   f"{len(v.space(spec, dev))} points")
-    return 0
+    for passes, names in elsewhere.items():
+        print(f"  . {len(names)} variant(s) compute only {passes}: {', '.join(names)}")
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -115,8 +161,8 @@ def cmd_show(args: argparse.Namespace) -> int:
     from convforge import kernels
     from convforge.plan import Epilogue
 
-    spec = with_dtype(ConvSpec.parse(args.spec), args.dtype)
-    variant = kernels.get_variant(args.variant)
+    spec = spec_passes(with_dtype(ConvSpec.parse(args.spec), args.dtype), args.conv_pass)[0]
+    variant = kernels.get_variant(args.variant or _show_default(spec))
     backends = ["cuda", "opencl"] if args.backend == "both" else [args.backend]
     for be in backends:
         if be not in variant.backends:
@@ -141,6 +187,46 @@ def cmd_show(args: argparse.Namespace) -> int:
                 print(f"// ptxas {info.kernel}: {info.registers} registers, {info.spill_stores}+"
                       f"{info.spill_loads} spill bytes, {info.stack} stack, {info.shared} smem")
     return 0
+
+
+def _show_default(spec: ConvSpec) -> str:
+    """``show``'s variant when none is named: direct for fprop, else the most specialised variant
+    of the direct family that computes the pass (the first that computes it at all, if none)."""
+    from convforge import kernels
+
+    if spec.conv_pass == "fprop":
+        return "direct"
+    mine = [v for v in kernels.all_variants() if spec.conv_pass in v.passes]
+    if not mine:
+        raise ValueError(f"no variant computes {spec.conv_pass}")
+    direct = [v for v in mine if v.family == "direct"] or mine
+    return max(direct, key=lambda v: v.specialised).name
+
+
+# Optional packages a command may need: what to call each, and what to install for it.
+OPTIONAL = {"torch": ("PyTorch", "convforge[torch]"), "torchvision": ("torchvision", "convforge[torch]"),
+            "cupy": ("CuPy", "convforge[cuda]"), "pyopencl": ("PyOpenCL", "pyopencl[pocl]"),
+            "onnx": ("onnx", "convforge[onnx]"), "matplotlib": ("matplotlib", "convforge[plot]")}
+
+
+def missing(what: str, module: str, err: ImportError | None = None) -> str:
+    """The one-line message for ``what`` (an option or command) lacking optional ``module``."""
+    name, install = OPTIONAL[module]
+    if err is not None and not (isinstance(err, ModuleNotFoundError) and err.name == module):
+        return f"{what} needs {name}, which failed to import ({err}); reinstall it: pip install '{install}'"
+    return f"{what} needs {name}: pip install '{install}'"
+
+
+def need(what: str, *modules: str) -> None:
+    """ValueError naming ``what`` and the install for the first of ``modules`` that does not
+    import (keys of OPTIONAL): the CLI prints it as one ``error:`` line and exits 2."""
+    import importlib
+
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            raise ValueError(missing(what, module, err)) from None
 
 
 def check_out_dir(flag: str, folder: str | Path | None) -> None:
@@ -192,11 +278,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=("cuda", "opencl"), default="cuda")
     p.add_argument("--precision", choices=tuple(PRECISIONS), help=PRECISION_HELP)
     p.add_argument("--max-error", type=max_error_arg, metavar="E", help=MAX_ERROR_HELP)
+    add_pass_option(p, allow_all=True)
     add_dtype_argument(p)
     p.set_defaults(func=cmd_algos)
     p = sub.add_parser("show", help="print generated kernel source")
     p.add_argument("--spec", required=True, help=SPEC_HELP)
-    p.add_argument("--variant", default="direct")
+    p.add_argument("--variant", help="default: direct (fprop), the pass's direct variant (dgrad, wgrad)")
+    add_pass_option(p, allow_all=False)
     p.add_argument("--params", default="", help="override default parameters, e.g. 'tp=2,tk=4'")
     p.add_argument("--backend", choices=("cuda", "opencl", "both"), default="both")
     p.add_argument("--bias", action="store_true")
@@ -228,6 +316,12 @@ def main(argv: list[str] | None = None) -> int:
         config.validate()
         func: Callable[[argparse.Namespace], int] = args.func
         return int(func(args) or 0)
+    except ModuleNotFoundError as err:  # an optional package a path forgot to check with need()
+        root = (err.name or "").split(".")[0]
+        if root not in OPTIONAL:
+            raise
+        print(f"error: {missing('this command', root)}", file=sys.stderr)
+        return 2
     except (ValueError, TypeError, OSError) as err:  # TypeError: bad JSON / params shapes from users
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -207,7 +207,8 @@ class ConvSpec:
         g = _int_groups(groups)
         if wc * g != c:
             per = f" (C/groups with groups={g})" if g > 1 else ""
-            raise ValueError(f"channel mismatch: input has C={c}, weights have C={wc}, expected {c // g}{per}"
+            hint = f"; a grouped layer needs groups={c // wc}" if g == 1 and wc and c % wc == 0 else ""
+            raise ValueError(f"channel mismatch: input has C={c}, weights have C={wc}, expected {c // g}{per}{hint}"
                              if c % g == 0 else f"groups ({g}) must divide C ({c})")
         return cls.make(n, c, h, w, k, r, s, stride, padding, dilation, g, dtype, conv_pass)
 

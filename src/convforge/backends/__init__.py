@@ -11,7 +11,12 @@ _INSTANCES: dict[str, Backend] = {}
 
 
 def get_backend(name: str, device: str | int | None = None) -> Backend:
-    """The shared back-end instance for ``name`` and device (compiled programs are cached in it)."""
+    """The shared back-end instance for ``name`` and device (compiled programs are cached in it).
+    A CUDA device is an index; None means the current device at this call (so ``get_backend("cuda")``
+    is ``get_backend("cuda", 0)`` while device 0 is current, and follows ``torch.cuda.set_device``
+    in a process that owns another GPU), never a device fixed by whichever call came first."""
+    if name == "cuda":
+        device = _cuda_index(device)
     key = f"{name}:{device}"
     if key not in _INSTANCES:
         if name == "cuda":
@@ -33,6 +38,21 @@ def get_backend(name: str, device: str | int | None = None) -> Backend:
         else:
             raise ValueError(f"backend ({name!r}) must be 'cuda' or 'opencl'")
     return _INSTANCES[key]
+
+
+def _cuda_index(device: str | int | None) -> int | None:
+    """A CUDA device as an int index (None: the current device; None when CuPy is missing, so that
+    get_backend says what is missing)."""
+    if device is not None:
+        try:
+            return int(device)
+        except (TypeError, ValueError):
+            raise ValueError(f"CUDA device ({device!r}) must be an index such as 0") from None
+    try:
+        from convforge.backends.cuda import current_device
+    except ImportError:
+        return None
+    return current_device()
 
 
 def cuda_available() -> bool:

@@ -51,6 +51,17 @@ def step_buffers(step: Step, kernel: Kernel | None) -> tuple[set[str], set[str]]
     return reads, writes
 
 
+def output_buffer(plan: Plan) -> str:
+    """The conv buffer a plan writes: ``spec.output`` for a pass's plan (y, x or w), "bias" for a
+    bias-gradient plan (the one conv buffer among x, w, y, bias that some step writes)."""
+    kernels = {k.name: k for k in plan.kernels}
+    written: set[str] = set()
+    for step in plan.steps:
+        written |= step_buffers(step, kernels.get(step.kernel) if isinstance(step, Launch) else None)[1]
+    mine = [name for name in CONV_BUFFERS[:4] if name in written]
+    return mine[0] if len(mine) == 1 else plan.spec.output
+
+
 def weight_steps(plan: Plan) -> tuple[frozenset[int], tuple[str, ...]]:
     """Which steps depend on the filters alone (filter transforms, packed weights, constant
     tables), and the workspace buffers only they write ("derived" buffers).

@@ -3,6 +3,7 @@ current stream, CUDA events. The only file that imports cupy (and, for interop, 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import sys
@@ -19,6 +20,7 @@ from convforge.backends.base import (
     DeviceMemoryError,
     Executable,
     FilterCache,
+    output_buffer,
 )
 from convforge.codegen.dialect import Buf, ConstBuf, Kernel, LocalBuf, Scalar, TexBuf
 from convforge.codegen.render import ARCH_SPECIFIC_MARK
@@ -39,6 +41,11 @@ def _driver_version() -> str:
     except Exception:  # noqa: BLE001 - NVML absent: fall back to what CUDA itself says
         v = int(cp.cuda.runtime.driverGetVersion())
         return f"CUDA {v // 1000}.{v % 1000 // 10}"
+
+
+def current_device() -> int:
+    """The calling thread's current CUDA device (no context is created)."""
+    return int(cp.cuda.runtime.getDevice())
 
 
 def device_count() -> int:
@@ -109,11 +116,12 @@ class CudaBackend(Backend):
             return None
 
     def function(self, program: Any, kernel: Kernel) -> Any:
-        fn = program.get_function(kernel.name)
-        lb = kernel.local_buf()
-        if lb is not None and lb.nbytes > 48 * 1024:
-            cp.cuda.driver.funcSetAttribute(
-                fn.ptr, cp.cuda.driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, lb.nbytes)
+        with self._device():  # the module's context, whichever device the caller has current
+            fn = program.get_function(kernel.name)
+            lb = kernel.local_buf()
+            if lb is not None and lb.nbytes > 48 * 1024:
+                cp.cuda.driver.funcSetAttribute(
+                    fn.ptr, cp.cuda.driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, lb.nbytes)
         return fn
 
     # -- memory -----------------------------------------------------------------------------
@@ -127,7 +135,10 @@ class CudaBackend(Backend):
 
     def download(self, buf: Any, shape: tuple[int, ...], dtype: str = "float32") -> np.ndarray:
         flat = buf.ravel().view(storage_dtype(dtype))
-        return from_storage(cp.asnumpy(flat[: int(np.prod(shape))]).reshape(shape), dtype)
+        with self._device():
+            host = cp.asnumpy(flat[: int(np.prod(shape))], stream=self._stream())
+            self._stream().synchronize()
+        return from_storage(host.reshape(shape), dtype)
 
     def nbytes(self, buf: Any) -> int:
         return int(buf.nbytes)
@@ -145,14 +156,28 @@ class CudaBackend(Backend):
     def fill(self, buf: Any, value: float, nbytes: int, dtype: str = "float32") -> None:
         pattern = to_storage(np.array([value], np.float32), dtype)
         flat = buf.ravel().view(pattern.dtype)
-        with self._stream():
+        with self._device(), self._stream():
             flat[: nbytes // pattern.itemsize].fill(pattern[0])
 
     def _stream(self) -> Any:
-        return self.stream if self.stream is not None else cp.cuda.get_current_stream()
+        """The stream work of this back-end goes to: ``self.stream`` when set, else the current
+        stream of THIS back-end's device (not of whichever device is current)."""
+        return self.stream if self.stream is not None else cp.cuda.get_current_stream(self.device_id)
+
+    def _device(self) -> Any:
+        """This back-end's device made current for a block (the dict path's launches, fills, events
+        and captures run there even when the caller has another device current); nothing to do,
+        and nothing paid but one query, when it already is."""
+        if cp.cuda.runtime.getDevice() == self.device_id:
+            return contextlib.nullcontext()
+        return cp.cuda.Device(self.device_id)
 
     # -- execution --------------------------------------------------------------------------
     def launch(self, program: Any, fn: Any, kernel: Kernel, step: Launch, args: list[Any]) -> None:
+        with self._device():
+            self._launch(program, fn, kernel, step, args)
+
+    def _launch(self, program: Any, fn: Any, kernel: Kernel, step: Launch, args: list[Any]) -> None:
         stream = self._stream()
         layout = self._layouts.get(kernel)
         if layout is None:  # per kernel, once: which arguments are constants, textures, values
@@ -194,43 +219,49 @@ class CudaBackend(Backend):
             cp.matmul(av, bv, out=cv)
 
     def synchronize(self) -> None:
-        self._stream().synchronize()
+        with self._device():
+            self._stream().synchronize()
 
     def capture(self, fn: Callable[[], None]) -> Callable[[], None]:
         """``fn``'s launches captured once (on a private stream) into a CUDA graph; the result
         replays it on the current stream (the network runtime's fixed launch list). Run ``fn``
         once before, so nothing allocates or compiles during the capture."""
-        stream = cp.cuda.Stream(non_blocking=True)
+        with self._device():
+            stream = cp.cuda.Stream(non_blocking=True)
         saved, self.stream = self.stream, stream
         try:
-            stream.begin_capture()
-            try:
-                fn()
-            finally:
-                graph = stream.end_capture()
+            with self._device():
+                stream.begin_capture()
+                try:
+                    fn()
+                finally:
+                    graph = stream.end_capture()
         finally:
             self.stream = saved
 
         def replay() -> None:
-            graph.launch(self._stream())
+            with self._device():
+                graph.launch(self._stream())
 
         return replay
 
     def write(self, buf: Any, array: np.ndarray) -> None:
         arr = np.ascontiguousarray(array, dtype=host_dtype(array)).ravel()
-        buf.ravel().view(arr.dtype)[: arr.size].set(arr, stream=self._stream())
+        with self._device():
+            buf.ravel().view(arr.dtype)[: arr.size].set(arr, stream=self._stream())
 
     def time_ms(self, fn: Callable[[], None], repeats: int) -> list[float]:
         # Calls are queued back to back and synchronised once, so host-side launch work overlaps
         # the previous call's device work, as in a real pipeline; each pair of events times one call.
-        stream = self._stream()
-        events = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(repeats)]
-        for start, end in events:
-            start.record(stream)
-            fn()
-            end.record(stream)
-        events[-1][1].synchronize()
-        return [float(cp.cuda.get_elapsed_time(start, end)) for start, end in events]
+        with self._device():
+            stream = self._stream()
+            events = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(repeats)]
+            for start, end in events:
+                start.record(stream)
+                fn()
+                end.record(stream)
+            events[-1][1].synchronize()
+            return [float(cp.cuda.get_elapsed_time(start, end)) for start, end in events]
 
 
 def _matrices(buf: Any, batch: int, rows: int, cols: int, ld: int, stride: int) -> Any:
@@ -485,11 +516,9 @@ def torch_runner(exe: CudaExecutable, device: int) -> Callable[..., Any]:
     """
     import torch
 
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    stream_of: Callable[[int], int] = raw if raw is not None else (
-        lambda i: int(torch.cuda.current_stream(i).cuda_stream))
-    is_capturing: Callable[[], bool] = getattr(torch._C, "_cuda_isCurrentStreamCapturing",
-                                               torch.cuda.is_current_stream_capturing)
+    if output_buffer(exe.plan) != "y":  # a backward pass (dgrad, wgrad) or the bias gradient
+        return torch_pass_runner(exe, device)
+    stream_of, is_capturing = _torch_stream_queries()
     exe.reserve(stream_of(device))
     shape, launch = exe.plan.spec.y_shape, exe.launch_raw
     filters = (FilterCache(lambda w, out: _torch_transform(exe, w, out), is_capturing)
@@ -521,6 +550,73 @@ def torch_runner(exe: CudaExecutable, device: int) -> Callable[..., Any]:
         return y
 
     run.filters = filters  # type: ignore[attr-defined]  # tests look at it
+    return run
+
+
+def _torch_stream_queries() -> tuple[Callable[[int], int], Callable[[], bool]]:
+    """(raw handle of torch's current stream on a device, whether the current stream captures a
+    CUDA graph), through torch's cheapest accessors."""
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    stream_of: Callable[[int], int] = raw if raw is not None else (
+        lambda i: int(torch.cuda.current_stream(i).cuda_stream))
+    is_capturing: Callable[[], bool] = getattr(torch._C, "_cuda_isCurrentStreamCapturing",
+                                               torch.cuda.is_current_stream_capturing)
+    return stream_of, is_capturing
+
+
+def torch_pass_runner(exe: CudaExecutable, device: int) -> Callable[..., Any]:
+    """``run(x, w, y) -> out`` for a plan that writes x (dgrad), w (wgrad) or bias (the bias
+    gradient) from the others, torch CUDA tensors validated by the caller: the slot of the buffer
+    the plan writes is None, the others hold its inputs (dgrad: w and dy in y; wgrad: x and dy;
+    bias: dy). The output comes from torch's caching allocator (like the input's dtype and
+    device), the stream is torch's current one, misaligned views are copied first, nothing
+    synchronises: CUDA-graph capture works as for :func:`torch_runner`.
+
+    A dgrad plan's filter-only steps (the rotated, transposed filter of a forward family serving
+    dgrad) are kept per weight tensor and version (:class:`FilterCache`), as fprop's are; under
+    capture the whole plan runs. A wgrad plan writes the filters, so nothing is cached for it."""
+    import torch
+
+    stream_of, is_capturing = _torch_stream_queries()
+    exe.reserve(stream_of(device))
+    out_name = output_buffer(exe.plan)
+    slot, shape, launch = CONV_BUFFERS.index(out_name), exe.plan.spec.shape_of(out_name), exe.launch_raw
+    filters = (FilterCache(lambda w, out: _torch_transform(exe, w, out), is_capturing)
+               if exe.derived and out_name != "w" else None)
+    lookup = filters.get if filters is not None else None
+
+    def aligned(t: Any) -> tuple[Any, int]:
+        p = t.data_ptr()
+        if p & 15:
+            t = torch.empty_like(t).copy_(t)
+            p = t.data_ptr()
+        return t, p
+
+    def run(x: Any, w: Any, y: Any) -> Any:
+        ptrs = [0, 0, 0, 0]
+        like = y
+        if x is not None:
+            x, ptrs[0] = aligned(x)
+            like = x
+        if y is not None:
+            y, ptrs[2] = aligned(y)
+        derived = None
+        if w is not None:
+            moved = w.data_ptr() & 15
+            w, ptrs[1] = aligned(w)
+            if lookup is not None and not moved and not is_capturing():
+                derived = lookup(w, ptrs[1])
+        out = like.new_empty(shape)
+        ptrs[slot] = out.data_ptr()
+        if derived is None:
+            launch(ptrs[0], ptrs[1], ptrs[2], ptrs[3], stream_of(device))
+        else:
+            launch(ptrs[0], ptrs[1], ptrs[2], ptrs[3], stream_of(device), derived.data_ptr(), "rest")
+        return out
+
+    run.filters = filters  # type: ignore[attr-defined]
     return run
 
 
@@ -568,6 +664,8 @@ def _torch_transform(exe: CudaExecutable, w: Any, out: Any) -> Any:
 def cupy_runner(exe: CudaExecutable, device: int) -> Callable[..., Any]:
     """``run(x, w, bias) -> y`` for CuPy arrays: ``.data.ptr``, CuPy's current stream, output
     from CuPy's pool on the arrays' device."""
+    if output_buffer(exe.plan) != "y":  # a backward pass (dgrad, wgrad) or the bias gradient
+        return cupy_pass_runner(exe, device)
     current = cp.cuda.get_current_stream
     exe.reserve(int(current().ptr))
     shape, launch, dev = exe.plan.spec.y_shape, exe.launch_raw, cp.cuda.Device(device)
@@ -589,5 +687,37 @@ def cupy_runner(exe: CudaExecutable, device: int) -> Callable[..., Any]:
             y = cp.empty(shape, ydt)
         launch(xp, wp, y.data.ptr, 0 if bias is None else bias.data.ptr, current().ptr)
         return y
+
+    return run
+
+
+def cupy_pass_runner(exe: CudaExecutable, device: int) -> Callable[..., Any]:
+    """``run(x, w, y) -> out`` for CuPy arrays, as :func:`torch_pass_runner` (the slot of the
+    buffer the plan writes is None): output from CuPy's pool on the arrays' device, CuPy's current
+    stream. CuPy arrays have no version counter: a dgrad plan's filter steps run on every call."""
+    current = cp.cuda.get_current_stream
+    exe.reserve(int(current().ptr))
+    out_name = output_buffer(exe.plan)
+    slot, shape, launch = CONV_BUFFERS.index(out_name), exe.plan.spec.shape_of(out_name), exe.launch_raw
+    dev, multi = cp.cuda.Device(device), _driver().multi_gpu
+
+    def aligned(a: Any) -> tuple[Any, int]:
+        if a.data.ptr & 15:
+            a = a.copy()
+        return a, int(a.data.ptr)
+
+    def run(x: Any, w: Any, y: Any) -> Any:
+        ptrs = [0, 0, 0, 0]
+        held = [aligned(a) if a is not None else (None, 0) for a in (x, w, y)]  # copies live until the launch
+        for i, (_a, p) in enumerate(held):
+            ptrs[i] = p
+        if multi:
+            with dev:
+                out = cp.empty(shape, cp.float32)
+        else:
+            out = cp.empty(shape, cp.float32)
+        ptrs[slot] = int(out.data.ptr)
+        launch(ptrs[0], ptrs[1], ptrs[2], ptrs[3], current().ptr)
+        return out
 
     return run

@@ -147,7 +147,7 @@ PyObject* run_filed(PyObject* const* a) {
   return y;
 }
 
-// parts(conv2d's 13 arguments, piece, n) -> seconds that n repetitions of one piece of a filed
+// parts(conv2d's 14 arguments, piece, n) -> seconds that n repetitions of one piece of a filed
 // call take, timed in C (scripts/host_cost.py --parts): "call" (the whole run and the output's
 // release), "parse" (the arrays' attributes and the options into the key), "find" (parse and
 // lookup), "device" (CuPy's current device), "stream" (its current stream), "alloc" (the output
@@ -157,7 +157,7 @@ PyObject* py_parts(PyObject*, PyObject* const* a, Py_ssize_t n) {
   Call c;
   if (n != kArgs + 2 || !PyUnicode_Check(a[kArgs]) || !PyLong_Check(a[kArgs + 1]) || !cupy.ndarray ||
       !parse_call(a, k, c)) {
-    PyErr_SetString(PyExc_TypeError, "parts takes a filed call's 13 arguments, a piece's name and a count");
+    PyErr_SetString(PyExc_TypeError, "parts takes a filed call's 14 arguments, a piece's name and a count");
     return nullptr;
   }
   std::shared_ptr<Program> p = table.find(k);
@@ -228,16 +228,16 @@ PyObject* py_parts(PyObject*, PyObject* const* a, Py_ssize_t n) {
 
 PyObject* py_run(PyObject*, PyObject* const* a, Py_ssize_t n) {
   if (n != kArgs) {
-    PyErr_SetString(PyExc_TypeError, "run takes conv2d's 13 arguments");
+    PyErr_SetString(PyExc_TypeError, "run takes conv2d's 14 arguments");
     return nullptr;
   }
   return run_filed(a);
 }
 
-// register(13 conv2d arguments..., program): files a call Python's path validated and ran.
+// register(14 conv2d arguments..., program): files a call Python's path validated and ran.
 PyObject* py_register(PyObject*, PyObject* const* a, Py_ssize_t n) {
   if (n != kArgs + 1) {
-    PyErr_SetString(PyExc_TypeError, "register takes conv2d's 13 arguments and a program");
+    PyErr_SetString(PyExc_TypeError, "register takes conv2d's 14 arguments and a program");
     return nullptr;
   }
   Key k;
@@ -298,14 +298,14 @@ PyMethodDef methods[] = {
      "setup(cupy.ndarray, float32, stream capsule, device capsule, ndarray-init capsule)"},
     {"signatures", py_signatures, METH_NOARGS, "the C API signatures setup() accepts (stream, device, init)"},
     {"run", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_run)), METH_FASTCALL,
-     "run(conv2d's 13 arguments) -> the output array, or None when the call has no entry"},
+     "run(conv2d's 14 arguments) -> the output array, or None when the call has no entry"},
     {"register", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_register)), METH_FASTCALL,
-     "register(conv2d's 13 arguments, program) -> whether the call was filed"},
+     "register(conv2d's 14 arguments, program) -> whether the call was filed"},
     {"clear", py_clear, METH_NOARGS, "forget every entry"},
     {"wrap", py_wrap, METH_O, "wrap(impl) -> conv2d whose warm CuPy calls stay in C; others go to impl"},
     {"stats", py_stats, METH_NOARGS, "{entries, runs}: table size and calls run here"},
     {"parts", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_parts)), METH_FASTCALL,
-     "parts(conv2d's 13 arguments, piece, n) -> seconds of n repetitions of one piece of a warm call"},
+     "parts(conv2d's 14 arguments, piece, n) -> seconds of n repetitions of one piece of a warm call"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "convforge_cupy_native", "convforge's native fast path (CuPy)", -1,

@@ -3,12 +3,12 @@
 //
 // What is here: the CUDA driver entry points (resolved from libcuda at load, no toolkit link); the
 // call key (shapes, device and conv2d's keyword arguments, in the form the caller gave them) and
-// the parse of conv2d's arguments 3..12 into it; a program (an executable's launches with their
+// the parse of conv2d's arguments 3..13 into it; a program (an executable's launches with their
 // argument layouts, as CudaExecutable.native_program describes them) and its launch; the table of
 // filed programs; and ``wrap``, conv2d as a C callable whose warm calls never enter Python.
 //
 // A translation unit that includes this file defines ``PyObject* run_filed(PyObject* const* a)``:
-// the output of a filed call of conv2d's 13 arguments (a new reference), None when the call has no
+// the output of a filed call of conv2d's 14 arguments (a new reference), None when the call has no
 // entry, nullptr with the Python error set when a launch failed.
 #pragma once
 
@@ -90,6 +90,7 @@ struct Key {
   int64_t xs[4], ws[4];
   int64_t bias_k = -1;  // -1: no bias
   int64_t workspace_limit = -1;  // -1: None
+  int64_t groups = 1;  // part of the key: a default-groups call of grouped shapes is Python's to refuse
   int32_t device = 0;
   Seq stride, padding, dilation;
   bool relu = false, has_precision = false, has_max_error = false;
@@ -98,7 +99,7 @@ struct Key {
   std::string algo, precision;
   bool operator==(const Key& o) const {
     return std::memcmp(xs, o.xs, sizeof xs) == 0 && std::memcmp(ws, o.ws, sizeof ws) == 0 && bias_k == o.bias_k &&
-           workspace_limit == o.workspace_limit && device == o.device && stride == o.stride &&
+           workspace_limit == o.workspace_limit && groups == o.groups && device == o.device && stride == o.stride &&
            padding == o.padding && dilation == o.dilation && relu == o.relu && residual == o.residual &&
            has_precision == o.has_precision &&
            has_max_error == o.has_max_error && max_error == o.max_error && algo == o.algo && precision == o.precision;
@@ -169,8 +170,8 @@ bool str_from_py(PyObject* o, std::string& out) {
   return true;
 }
 
-// conv2d's arguments 3..12 (stride, padding, dilation, algo, backend, workspace_limit, relu,
-// params, precision, max_error) into k. False: not a call a fast path runs (Python's path does).
+// conv2d's arguments 3..13 (stride, padding, dilation, algo, backend, workspace_limit, relu,
+// params, precision, max_error, groups) into k. False: not a call a fast path runs (Python's path does).
 bool parse_options(PyObject* const* a, Key& k) {
   if (!seq_from_py(a[3], k.stride) || !seq_from_py(a[4], k.padding) || !seq_from_py(a[5], k.dilation)) return false;
   if (!str_from_py(a[6], k.algo)) return false;
@@ -200,7 +201,7 @@ bool parse_options(PyObject* const* a, Key& k) {
     }
     k.has_max_error = true;
   }
-  return true;
+  return int_from_py(a[13], k.groups);  // an exact int (its value was validated when the call was filed)
 }
 
 // ---- a program: an executable's launches with their argument layouts ----
@@ -370,10 +371,10 @@ struct Table {
 // files, or another fast path's wrapper).
 PyObject* run_filed(PyObject* const* a);
 
-constexpr int kArgs = 13;
+constexpr int kArgs = 14;
 const char* const kNames[kArgs] = {"x",    "w",       "bias",   "stride",          "padding",
                                    "dilation", "algo", "backend", "workspace_limit", "relu",
-                                   "params",   "precision", "max_error"};
+                                   "params",   "precision", "max_error", "groups"};
 PyObject* name_objs[kArgs];
 PyObject* defaults[kArgs];
 
@@ -466,6 +467,7 @@ bool init_core() {
   defaults[7] = defaults[8] = Py_None;
   defaults[9] = Py_False;
   defaults[10] = defaults[11] = defaults[12] = Py_None;
+  defaults[13] = one;
   return true;
 }
 

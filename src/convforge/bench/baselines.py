@@ -7,6 +7,10 @@ cuDNN-best of that dtype, the fastest of PyTorch's pick with NCHW and with chann
 legacy algorithm with tensor-op math and the half data type (NCHW and NHWC), its error against
 float64 on the same half inputs. ``tensor_core_peaks`` measures the tensor-core GEMM ceilings.
 
+Each in the layer's pass: fprop through ``F.conv2d`` and the legacy forward algorithms, dgrad and wgrad
+through ``aten.convolution_backward`` (PyTorch's pick, one gradient asked for) and the legacy backward
+data / backward filter algorithms; errors against a float64 run of the same pass.
+
 This module and ``cudnn.py`` are the only bench files that import torch, and only inside functions:
 convforge imports and benchmarks without torch, it just reports that no baseline was available.
 """
@@ -76,7 +80,7 @@ def unavailable(kind: str, backend: str) -> str | None:
     if kind == "none":
         return "no baseline requested"
     if not torch_available():
-        return "PyTorch is not installed: no baseline available"
+        return "PyTorch is not installed (pip install 'convforge[torch]'): no baseline available"
     if kind == "cudnn":
         import torch
 
@@ -175,7 +179,46 @@ def primary(results: list[BaselineResult]) -> BaselineResult | None:
 def _conv_args(spec: ConvSpec) -> dict[str, Any]:
     if not spec.symmetric_pad:
         raise ValueError("PyTorch baselines need symmetric padding")
-    return {"stride": spec.stride, "padding": (spec.pad[0], spec.pad[2]), "dilation": spec.dilation}
+    return {"stride": spec.stride, "padding": (spec.pad[0], spec.pad[2]), "dilation": spec.dilation,
+            "groups": spec.groups}
+
+
+def pass_fn(spec: ConvSpec) -> Callable[[Any, Any], Any]:
+    """PyTorch's computation of ``spec``'s pass from its two inputs (fprop: x, w; dgrad: dy, w;
+    wgrad: x, dy): ``F.conv2d``, or ``aten.convolution_backward`` asked for the one gradient (the
+    other operand is only a shape to it: an uninitialised tensor of that shape, per dtype and device)."""
+    import torch
+    import torch.nn.functional as F
+
+    args = _conv_args(spec)
+    if spec.conv_pass == "fprop":
+        return lambda x, w: F.conv2d(x, w, **args)
+    stride, padding, dilation = list(spec.stride), [spec.pad[0], spec.pad[2]], list(spec.dilation)
+    shapes: dict[tuple[Any, Any], Any] = {}
+
+    def like(t: Any, shape: tuple[int, ...]) -> Any:
+        key = (t.dtype, t.device)
+        if key not in shapes:
+            shapes[key] = torch.empty(shape, dtype=t.dtype, device=t.device)
+        return shapes[key]
+
+    back = torch.ops.aten.convolution_backward.default
+    if spec.conv_pass == "dgrad":
+        return lambda dy, w: back(dy, like(dy, spec.x_shape), w, None, stride, padding, dilation, False, [0, 0],
+                                  spec.groups, [True, False, False])[0]
+    return lambda x, dy: back(dy, x, like(x, spec.w_shape), None, stride, padding, dilation, False, [0, 0],
+                              spec.groups, [False, True, False])[1]
+
+
+def pass_sets(spec: ConvSpec, count: int, device: str = "cuda", seed: int = 0) -> list[tuple[Any, Any]]:
+    """``count`` pairs of Uniform(-1, 1) inputs of ``spec``'s pass, in :func:`pass_fn`'s order."""
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shapes = {"fprop": (spec.x_shape, spec.w_shape), "dgrad": (spec.y_shape, spec.w_shape),
+              "wgrad": (spec.x_shape, spec.y_shape)}[spec.conv_pass]
+    return [tuple(torch.rand(s, device=device, generator=gen) * 2 - 1 for s in shapes)  # type: ignore[misc]
+            for _ in range(count)]
 
 
 def _rel_err(out: Any, ref: Any) -> float:
@@ -190,7 +233,7 @@ BASELINE_PASSES = 2  # timed passes per baseline; the fastest pass's median coun
 def _time_cuda(fn: Callable[[], Any], timing: Timing) -> float:
     """Median of ``timing.repeats`` calls after the warm-up, the best of BASELINE_PASSES passes:
     cuDNN's times were seen 20-60 % slow for a whole layer in single runs on the H200 (2026-11-21,
-    docs/BENCHMARKS.md round 7) while ours held; a second pass gives the baseline its best case."""
+    docs/history/BENCHMARKS-rounds-1-16.md, round 7) while ours held; a second pass gives the baseline its best case."""
     import torch
 
     best = float("inf")
@@ -225,14 +268,13 @@ def _peak_extra(fn: Callable[[], Any], out_bytes: int) -> int:
 
 def _torch_variant(name: str, algo: str, precision: str, spec: ConvSpec, sets: list[tuple[Any, Any]],
                    ref: Any, timing: Timing) -> BaselineResult:
-    """Time F.conv2d over the rotating input sets under the current torch flags."""
-    import torch.nn.functional as F
-
-    args = _conv_args(spec)
+    """Time PyTorch's computation of the pass (:func:`pass_fn`) over the rotating input sets under
+    the current torch flags."""
+    fn = pass_fn(spec)
     it = cycle(sets)
-    call = lambda: F.conv2d(*next(it), **args)
+    call = lambda: fn(*next(it))
     try:
-        out = F.conv2d(*sets[0], **args)
+        out = fn(*sets[0])
         err = _rel_err(out.float(), ref)
         ws = _peak_extra(call, out.numel() * out.element_size())
         ms = _time_cuda(call, timing)
@@ -283,14 +325,11 @@ def _gpu_baselines(spec: ConvSpec, timing: Timing, with_cudnn: bool,
 
     from convforge.bench import cudnn
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    sets = [(torch.rand(spec.x_shape, device="cuda", generator=gen) * 2 - 1,
-             torch.rand(spec.w_shape, device="cuda", generator=gen) * 2 - 1) for _ in range(timing.sets)]
-    args = _conv_args(spec)
+    sets = pass_sets(spec, timing.sets)
     out: list[BaselineResult] = []
     with torch_flags() as set_flags:
         set_flags(tf32=False, benchmark=False)
-        ref = torch.nn.functional.conv2d(sets[0][0].double(), sets[0][1].double(), **args)
+        ref = pass_fn(spec)(sets[0][0].double(), sets[0][1].double())
         set_flags(tf32=False)
         out.append(_torch_variant("torch-pick", "cudnn.benchmark pick", "fp32", spec, sets, ref, timing))
         if with_cudnn and "fp32" in classes:
@@ -303,10 +342,11 @@ def _gpu_baselines(spec: ConvSpec, timing: Timing, with_cudnn: bool,
         if with_cudnn and "relaxed" in classes:
             out += cudnn.all_algorithms(spec, sets, ref, timing, math="default")
         set_flags(tf32=False)
-        cl = torch.channels_last
-        half = [(x.half().to(memory_format=cl), w.half().to(memory_format=cl)) for x, w in sets]
-        out.append(_torch_variant("torch-fp16-cl", "cudnn.benchmark pick, NHWC (context)", "fp16", spec,
-                                  half, ref, timing))
+        if spec.conv_pass == "fprop":  # half-precision context: the forward pass only
+            cl = torch.channels_last
+            half = [(x.half().to(memory_format=cl), w.half().to(memory_format=cl)) for x, w in sets]
+            out.append(_torch_variant("torch-fp16-cl", "cudnn.benchmark pick, NHWC (context)", "fp16", spec,
+                                      half, ref, timing))
     bests = [b for b in (best_fp32(out) if "fp32" in classes else None,
                          best_tf32(out) if "relaxed" in classes else None) if b is not None]
     return bests + out
@@ -382,20 +422,16 @@ def tensor_core_peaks(quick: bool = False) -> dict[str, float]:
 def _cpu_baselines(spec: ConvSpec, timing: Timing) -> list[BaselineResult]:
     """PyTorch on the CPU, timed with a wall clock (there are no events)."""
     import torch
-    import torch.nn.functional as F
 
-    gen = torch.Generator().manual_seed(0)
-    x = torch.rand(spec.x_shape, generator=gen) * 2 - 1
-    w = torch.rand(spec.w_shape, generator=gen) * 2 - 1
-    args = _conv_args(spec)
-    ref = F.conv2d(x.double(), w.double(), **args)
-    err = _rel_err(F.conv2d(x, w, **args), ref)
+    (a, b), fn = pass_sets(spec, 1, "cpu")[0], pass_fn(spec)
+    ref = fn(a.double(), b.double())
+    err = _rel_err(fn(a, b), ref)
     for _ in range(timing.warmup):
-        F.conv2d(x, w, **args)
+        fn(a, b)
     times = []
     for _ in range(timing.repeats):
         t0 = time.perf_counter()
-        F.conv2d(x, w, **args)
+        fn(a, b)
         times.append((time.perf_counter() - t0) * 1e3)
     res = BaselineResult("torch-cpu", f"torch {torch.__version__} CPU", "fp32", median(times), 0, err)
     return [res]

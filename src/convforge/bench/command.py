@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from convforge.backends.base import Backend
-from convforge.bench import baselines, ceilings, plots, report, runner
+from convforge.bench import baselines, ceilings, plots, report, runner, sweep
 from convforge.bench.suites import BUILTIN, Layer, SuiteError, load_suite
 from convforge.bench.timing import Timing
 from convforge.config import MAX_ERROR_HELP, config, max_error_arg
@@ -53,7 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "against PyTorch FP32 or PyTorch TF32")
     parser.add_argument("--model", action="append", metavar="NAME[:BATCH]",
                         help="whole torchvision model, random weights (repeatable): resnet18, resnet50, vgg16, "
-                        "googlenet, alexnet, inception_v3; PyTorch FP32/TF32/compile vs the converted model")
+                        "googlenet, alexnet, inception_v3, resnext50_32x4d, regnet_y_1_6gf, mobilenet_v2, "
+                        "mobilenet_v3_large, convnext_tiny, densenet121, efficientnet_b0, shufflenet_v2_x1_0; "
+                        "PyTorch FP32/TF32/compile vs the converted model")
     parser.add_argument("--tune", action="store_true",
                         help="with --model: tune every convforge layer in its row's precision class into the "
                         "database before timing (config.autotune on the warm-up call)")
@@ -65,6 +67,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="storage dtype of the layers (half: FP32 accumulation; baseline cuDNN-best of that "
                         "dtype, errors against float64 on the same half inputs); with --model: the model in "
                         "that dtype against PyTorch autocast with channels_last")
+    from convforge.cli import add_pass_option
+
+    add_pass_option(parser, allow_all=True, extra=" (--suite): each pass against cuDNN-best of that pass")
+    parser.add_argument("--train", action="store_true",
+                        help="with --model: time one training step (forward + cross-entropy + backward + SGD) of "
+                        "the converted and the fused model against PyTorch FP32 (TF32 for the relaxed class), "
+                        "and a 50-step loss curve of each beside PyTorch's")
+    parser.add_argument("--devices", metavar="N|all",
+                        help="with --model --train: the step also in DistributedDataParallel on N GPUs (one process "
+                        "per GPU through torchrun) against one GPU: images/s, scaling, efficiency (bench/ddp.py)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="time every point of each --algo variant's tuning space on every layer (checked, "
+                        "the tuner's measurement) instead of the baselines; writes sweep.json with --out")
+    parser.add_argument("--sweep-limit", type=int, metavar="K", help="with --sweep: the first K points of each space")
+    parser.add_argument("--sweep-mods", metavar="'k=v,k=v;k=v'",
+                        help="with --sweep: each variant's default and the default changed by each "
+                        "';'-separated mod, instead of the space")
     parser.add_argument("--ablation", choices=sorted(runner.ABLATIONS),
                         help="time one variant in its ablation configurations instead "
                         "(im2win: all on / no prefetch+double buffer / no vector loads / "
@@ -130,13 +149,31 @@ def _run_models(args: argparse.Namespace, console: Console) -> int:
 
     clash = [flag for flag, val in (("--suite", args.suite), ("--ablation", args.ablation),
                                     ("--compare-backends", args.compare_backends),
-                                    ("--limit", args.limit is not None)) if val]
+                                    ("--limit", args.limit is not None),
+                                    ("--pass", getattr(args, "conv_pass", None))) if val]
     if clash:
-        raise SuiteError(f"--model cannot be combined with {', '.join(clash)} (run them separately)")
+        raise SuiteError(f"--model cannot be combined with {', '.join(clash)} (run them separately; "
+                         "--train times the whole training step)" if "--pass" in clash else
+                         f"--model cannot be combined with {', '.join(clash)} (run them separately)")
     opts: dict[str, object] = {}
     if getattr(args, "max_error", None) is not None:
         opts["max_error"] = args.max_error
     budget = getattr(args, "error_budget", None)
+    if getattr(args, "devices", None) is not None and not getattr(args, "train", False):
+        raise SuiteError("--devices goes with --train: it times data-parallel training (inference runs on one GPU)")
+    if getattr(args, "train", False):
+        if budget is not None:
+            raise SuiteError("--error-budget calibrates inference; it does not go with --train")
+        if (getattr(args, "dtype", None) or "float32") != "float32":
+            raise SuiteError("--train times float32 training (PyTorch FP32/TF32); it does not go with --dtype")
+        if getattr(args, "devices", None) is not None:
+            from convforge.bench import ddp
+
+            return ddp.launch(args.model, args.devices, console, args.warmup, args.repeats, args.out, tune=args.tune)
+        from convforge.bench import training
+
+        return training.run(args.model, args.out, args.warmup, args.repeats, console, opts,
+                            classes=precisions(args.precision_classes), tune=args.tune)
     extra = {} if budget is None else {"error_budget": budget}
     dtype = getattr(args, "dtype", None) or "float32"
     if dtype != "float32":
@@ -164,19 +201,29 @@ def check_numbers(args: argparse.Namespace) -> None:
 
 def _run(args: argparse.Namespace, console: Console) -> int:
     check_numbers(args)
+    sweep.check_sweep_args(args)
+    if args.sweep:
+        return _run_sweep(args, console)
     if args.model:
         return _run_models(args, console)
     if args.tune:
         raise SuiteError("--tune goes with --model (to tune a suite: convforge tune --suite NAME)")
+    if getattr(args, "train", False):
+        raise SuiteError("--train goes with --model (for one pass of a suite's layers: --pass dgrad|wgrad|all)")
     if getattr(args, "error_budget", None) is not None:
         raise SuiteError("--error-budget goes with --model")
+    if getattr(args, "devices", None) is not None:
+        raise SuiteError("--devices goes with --model --train (to tune on several devices: convforge tune --devices)")
     if args.suite is None:
         if not args.ablation:
             raise SuiteError("--suite is required (a built-in name or a JSON file)")
         args.suite = "mec"
     if args.ablation:
+        if getattr(args, "conv_pass", None) not in (None, "fprop"):
+            raise SuiteError("--ablation times forward variants; it does not go with --pass")
         return _run_ablation(args, console)
-    layers = _with_dtype(load_suite(args.suite, args.limit), getattr(args, "dtype", None))
+    layers = layer_passes(_with_dtype(load_suite(args.suite, args.limit), getattr(args, "dtype", None)),
+                          getattr(args, "conv_pass", None))
     bes = _backends(args)
     kind = _baseline_kind(args, bes)
     env = runner.environment(bes, kind)
@@ -222,6 +269,25 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     if failed:
         console.print(f"[red]{len(failed)} convforge result(s) FAILED the check or did not run[/]")
     return 1 if failed else 0
+
+
+def layer_passes(layers: list[Layer], choice: str | None) -> list[Layer]:
+    """Each layer in the pass(es) ``--pass`` names, named "layer" (fprop) or "layer:dgrad" / "layer:wgrad"."""
+    from convforge.cli import spec_passes
+
+    return [Layer(layer.name if s.conv_pass == "fprop" else f"{layer.name}:{s.conv_pass}", s)
+            for layer in layers for s in spec_passes(layer.spec, choice)]
+
+
+def _run_sweep(args: argparse.Namespace, console: Console) -> int:
+    """``--sweep``: the points of each ``--algo`` variant's space on every layer, in one precision class
+    (relaxed when ``--precision`` names it, so families admit their relaxed variants)."""
+    layers = load_suite(args.suite, args.limit)
+    be = _backends(args)[0]
+    env = runner.environment([be], "none")
+    report.print_header(console, env, args.suite, len(layers))
+    prec = "relaxed" if "relaxed" in precisions(args.precision_classes) else "fp32"
+    return sweep.run_sweep(args, layers, be, prec, console)
 
 
 def _run_ablation(args: argparse.Namespace, console: Console) -> int:
@@ -278,7 +344,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         return _run(args, console)
     except SuiteError as err:
-        console.print(f"[red]error:[/] {escape(str(err))}")
+        console.print(f"[red]error:[/] {escape(str(err))}", soft_wrap=True)  # one line, however long
         return 2
 
 

@@ -1,8 +1,9 @@
-"""cuDNN's legacy forward API through ctypes, on the libcudnn that PyTorch ships.
+"""cuDNN's legacy API through ctypes, on the libcudnn that PyTorch ships: forward, backward data
+(dgrad) and backward filter (wgrad).
 
-Every forward algorithm is tried with FP32 data, in FMA math (no tensor cores: the fp32 class's
-cuDNN-best) or in default math (tensor cores and TF32 permitted, as PyTorch runs cuDNN with
-``allow_tf32``: the relaxed class's cuDNN-best TF32), or with FP16 / BF16 data in tensor-op math
+Every algorithm of the layer's pass is tried with FP32 data, in FMA math (no tensor cores: the
+fp32 class's cuDNN-best) or in default math (tensor cores and TF32 permitted, as PyTorch runs cuDNN
+with ``allow_tf32``: the relaxed class's cuDNN-best TF32), or with FP16 / BF16 data in tensor-op math
 (FP32 accumulation: the compute type stays FLOAT, cuDNN's pseudo-half configuration; NCHW or NHWC
 tensors: a half layer's cuDNN-best); NOT_SUPPORTED ones are reported with their status. Buffers and
 workspace are torch allocations; times are torch.cuda events on torch's current stream. Imported only
@@ -22,6 +23,19 @@ from convforge.spec import ConvSpec
 
 ALGOS = ("IMPLICIT_GEMM", "IMPLICIT_PRECOMP_GEMM", "GEMM", "DIRECT", "FFT", "FFT_TILING", "WINOGRAD",
          "WINOGRAD_NONFUSED")
+# cudnnConvolutionBwdDataAlgo_t and cudnnConvolutionBwdFilterAlgo_t (BWD_FILTER_ALGO_WINOGRAD = 4 is
+# not implemented by cuDNN), each pass's algorithms by (row name, enum value)
+PASS_ALGOS: dict[str, tuple[tuple[str, int], ...]] = {
+    "fprop": tuple((name, i) for i, name in enumerate(ALGOS)),
+    "dgrad": (("BWD_DATA_ALGO_0", 0), ("BWD_DATA_ALGO_1", 1), ("BWD_DATA_FFT", 2), ("BWD_DATA_FFT_TILING", 3),
+              ("BWD_DATA_WINOGRAD", 4), ("BWD_DATA_WINOGRAD_NONFUSED", 5)),
+    "wgrad": (("BWD_FILTER_ALGO_0", 0), ("BWD_FILTER_ALGO_1", 1), ("BWD_FILTER_FFT", 2), ("BWD_FILTER_ALGO_3", 3),
+              ("BWD_FILTER_WINOGRAD_NONFUSED", 5), ("BWD_FILTER_FFT_TILING", 6)),
+}
+# per pass: (workspace-size entry point, run entry point)
+_ENTRY = {"fprop": ("cudnnGetConvolutionForwardWorkspaceSize", "cudnnConvolutionForward"),
+          "dgrad": ("cudnnGetConvolutionBackwardDataWorkspaceSize", "cudnnConvolutionBackwardData"),
+          "wgrad": ("cudnnGetConvolutionBackwardFilterWorkspaceSize", "cudnnConvolutionBackwardFilter")}
 _FLOAT, _NCHW, _CROSS_CORRELATION = 0, 0, 1
 _NHWC = 1
 _DATA_TYPES = {"float32": 0, "float16": 2, "bfloat16": 9}  # cudnnDataType_t FLOAT, HALF, BFLOAT16
@@ -136,6 +150,8 @@ class _Descriptors:
         a.check("cudnnSetConvolution2dDescriptor", self.conv, v(spec.pad[0]), v(spec.pad[2]),
                 v(spec.stride[0]), v(spec.stride[1]), v(spec.dilation[0]), v(spec.dilation[1]),
                 v(_CROSS_CORRELATION), v(_FLOAT))  # FP32 accumulation for every data type
+        if spec.groups > 1:  # filters of C/groups channels, as PyTorch's grouped convolutions call it
+            a.check("cudnnSetConvolutionGroupCount", self.conv, v(spec.groups))
         if self.math == "tensor_op":
             a.check("cudnnSetConvolutionMathType", self.conv, v(_TENSOR_OP_MATH))
         elif self.math == "default":
@@ -152,46 +168,63 @@ class _Descriptors:
                 self.api(name, d)
 
 
-def _one(api: _Api, d: _Descriptors, algo: int, spec: ConvSpec, sets: list[tuple[Any, Any]],
+def _descriptors_of(d: _Descriptors, conv_pass: str) -> tuple[tuple[Any, Any, Any], Any]:
+    """((first input, second input, output) descriptors, workspace query's order) of a pass: cuDNN
+    names dgrad's operands (w, dy -> dx) and wgrad's (x, dy -> dw)."""
+    if conv_pass == "dgrad":
+        return (d.w, d.y, d.x), (d.w, d.y, d.conv, d.x)
+    if conv_pass == "wgrad":
+        return (d.x, d.y, d.w), (d.x, d.y, d.conv, d.w)
+    return (d.x, d.w, d.y), (d.x, d.w, d.conv, d.y)
+
+
+def _one(api: _Api, d: _Descriptors, row: str, algo: int, spec: ConvSpec, sets: list[tuple[Any, Any]],
          ref: Any, timing: Timing) -> BaselineResult:
+    """One algorithm of ``spec``'s pass: its workspace, one checked call, then the timed calls
+    rotating over ``sets`` (the pass's two inputs: x, w for fprop; dy, w for dgrad; x, dy for wgrad)."""
     import torch
 
     prefix, prec = _names(d.math if d.math in ("default", "tensor_op") else "fma", d.dtype, d.layout)
-    name, v = f"{prefix}{ALGOS[algo]}", ctypes.c_int
+    name, v = f"{prefix}{row}", ctypes.c_int
+    (da, db, dout), query = _descriptors_of(d, spec.conv_pass)
+    size_fn, run_fn = _ENTRY[spec.conv_pass]
     ws = ctypes.c_size_t()
-    status = api("cudnnGetConvolutionForwardWorkspaceSize", _HANDLE, d.x, d.w, d.conv, d.y, v(algo),
-                 ctypes.byref(ws))
+    status = api(size_fn, _HANDLE, *query, v(algo), ctypes.byref(ws))
     if status != 0:
-        return BaselineResult(name, ALGOS[algo], prec, None, status=api.error(status))
+        return BaselineResult(name, row, prec, None, status=api.error(status))
     work = torch.empty(max(ws.value, 1), dtype=torch.uint8, device="cuda")
     fmt = torch.channels_last if d.layout == "nhwc" else torch.contiguous_format
-    y = torch.empty(spec.y_shape, dtype=getattr(torch, d.dtype), device="cuda", memory_format=fmt)
+    out = torch.empty(spec.shape_of(spec.output), dtype=getattr(torch, d.dtype), device="cuda", memory_format=fmt)
     alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
 
-    def call(x: Any, w: Any) -> int:
-        return api("cudnnConvolutionForward", _HANDLE, ctypes.byref(alpha), d.x,
-                   ctypes.c_void_p(x.data_ptr()), d.w, ctypes.c_void_p(w.data_ptr()), d.conv, v(algo),
-                   ctypes.c_void_p(work.data_ptr()), ctypes.c_size_t(ws.value), ctypes.byref(beta), d.y,
-                   ctypes.c_void_p(y.data_ptr()))
+    swap = spec.conv_pass == "dgrad"  # sets hold (dy, w); cudnnConvolutionBackwardData takes (w, dy)
+
+    def call(a: Any, b: Any) -> int:
+        if swap:
+            a, b = b, a
+        return api(run_fn, _HANDLE, ctypes.byref(alpha), da, ctypes.c_void_p(a.data_ptr()), db,
+                   ctypes.c_void_p(b.data_ptr()), d.conv, v(algo), ctypes.c_void_p(work.data_ptr()),
+                   ctypes.c_size_t(ws.value), ctypes.byref(beta), dout, ctypes.c_void_p(out.data_ptr()))
 
     status = call(*sets[0])
     if status != 0:
-        return BaselineResult(name, ALGOS[algo], prec, None, ws.value, status=api.error(status))
-    err = _rel_err(y.float(), ref)
+        return BaselineResult(name, row, prec, None, ws.value, status=api.error(status))
+    err = _rel_err(out.float(), ref)
     it = cycle(sets)
     ms = _time_cuda(lambda: call(*next(it)), timing)
     if d.math == "fma refused":
-        return BaselineResult(name, ALGOS[algo], "tf32?", ms, ws.value, err,
+        return BaselineResult(name, row, "tf32?", ms, ws.value, err,
                               "ok (FMA math refused: default math, TF32 possible; not an FP32 candidate)")
-    return BaselineResult(name, ALGOS[algo], prec, ms, ws.value, err)
+    return BaselineResult(name, row, prec, ms, ws.value, err)
 
 
 def all_algorithms(spec: ConvSpec, sets: list[tuple[Any, Any]], ref: Any, timing: Timing,
                    math: str = "fma", dtype: str = "float32", layout: str = "nchw") -> list[BaselineResult]:
-    """Each of the 8 legacy forward algorithms in ``math`` ("fma": FP32 rows ``cudnn:ALGO``;
-    "default": TF32-permitted rows ``cudnn-tf32:ALGO``; "tensor_op": ``dtype`` (float16, bfloat16)
-    rows ``cudnn-fp16:ALGO`` / ``cudnn-fp16-nhwc:ALGO`` on ``layout`` tensors, ``sets`` of that dtype
-    and memory format), timed, or with the status that stopped it."""
+    """Each legacy algorithm of ``spec``'s pass (8 forward, 6 backward data, 6 backward filter) in
+    ``math`` ("fma": FP32 rows ``cudnn:ALGO``; "default": TF32-permitted rows ``cudnn-tf32:ALGO``;
+    "tensor_op": ``dtype`` (float16, bfloat16) rows ``cudnn-fp16:ALGO`` / ``cudnn-fp16-nhwc:ALGO`` on
+    ``layout`` tensors, ``sets`` of that dtype and memory format), timed, or with the status that
+    stopped it. ``sets``: the pass's two inputs, as ``_one`` takes them."""
     import torch
 
     prefix, prec = _names(math, dtype, layout)
@@ -203,10 +236,9 @@ def all_algorithms(spec: ConvSpec, sets: list[tuple[Any, Any]], ref: Any, timing
     with _Descriptors(api, math, dtype, layout) as d:
         d.build(spec)
         out = []
-        for algo in range(len(ALGOS)):
+        for row, algo in PASS_ALGOS[spec.conv_pass]:
             try:
-                out.append(_one(api, d, algo, spec, sets, ref, timing))
+                out.append(_one(api, d, row, algo, spec, sets, ref, timing))
             except RuntimeError as err:  # e.g. out of memory for an FFT workspace
-                out.append(BaselineResult(f"{prefix}{ALGOS[algo]}", ALGOS[algo], prec, None,
-                                          status=f"failed: {str(err)[:80]}"))
+                out.append(BaselineResult(f"{prefix}{row}", row, prec, None, status=f"failed: {str(err)[:80]}"))
         return out

@@ -1,17 +1,18 @@
 """``convforge bench --model NAME[:BATCH]``: whole torchvision models, random weights, FP32.
 
-Weights: torchvision's own random init is not signal-preserving (GoogLeNet's truncated normal with
-std 0.01 makes activations vanish, so its output is the classifier bias and every error is the same
-~1e-10), so after building a model every conv and linear weight is re-drawn from a fan-in scaled
-normal (Kaiming, ReLU gain: std = sqrt(2 / fan_in)), biases from N(0, 0.01^2), and every batch-norm
-layer gets weight 1, bias 0, running mean 0, running variance 1 (the identity in eval mode), from
-a CPU generator with a fixed seed (``SEED``). One model is built and copied, so the PyTorch runs,
-the float64 reference and the converted model all use the SAME weights. Per model the reference
-output's spread over inputs is printed (``spread``: how much the float64 output changes between
-samples of the batch, or for N=1 against a second random input, relative to its norm), and rows are
-flagged when it is tiny (< ``MIN_SPREAD``): an output that does not depend on the input (e.g. only
-the classifier bias) makes every relative error small and meaningless. ``err / PyTorch`` is each
-row's error over PyTorch FP32's (the issue's target: within 2x).
+Weights: torchvision's own random init is not signal-preserving (GoogLeNet's truncated normal with std
+0.01 makes activations vanish, so its output is the classifier bias and every error is the same ~1e-10),
+so after building a model every conv and linear weight is re-drawn from a fan-in scaled normal (Kaiming,
+ReLU gain: std = sqrt(2 / fan_in)), biases from N(0, 0.01^2), and every batch-norm layer gets weight 1,
+bias 0, running mean 0, running variance 1 (the identity in eval mode), from a CPU generator with a
+fixed seed (``SEED``); ConvNeXt's per-block layer scale (1e-6 at init, which would make every block an
+identity and its depthwise conv's error invisible) is set to 1. One model is built and copied, so the
+PyTorch runs, the float64 reference and the converted model all use the SAME weights. Per model the
+reference output's spread over inputs is printed (``spread``: how much the float64 output changes
+between samples of the batch, or for N=1 against a second random input, relative to its norm), and rows
+are flagged when it is tiny (< ``MIN_SPREAD``): an output that does not depend on the input (e.g. only
+the classifier bias) makes every relative error small and meaningless. ``err / PyTorch`` is each row's
+error over PyTorch FP32's (the issue's target: within 2x).
 
 Per model: the forward time of PyTorch FP32 eager (cudnn.benchmark on, TF32 off), PyTorch FP32
 replayed from a CUDA graph, PyTorch TF32, ``torch.compile`` FP32, the model converted by
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import dataclasses
 import json
 import statistics
 from collections.abc import Callable, Iterator
@@ -49,9 +51,14 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-MODELS = {"resnet18": 224, "resnet50": 224, "vgg16": 224, "googlenet": 224, "alexnet": 224, "inception_v3": 299}
+MODELS = {"resnet18": 224, "resnet50": 224, "vgg16": 224, "googlenet": 224, "alexnet": 224, "inception_v3": 299,
+          # modern CNNs: grouped (ResNeXt, RegNet) and depthwise (MobileNet, EfficientNet, ShuffleNet, ConvNeXt)
+          # layers, and DenseNet's BN -> ReLU -> conv
+          "resnext50_32x4d": 224, "regnet_y_1_6gf": 224, "mobilenet_v2": 224, "mobilenet_v3_large": 224,
+          "convnext_tiny": 224, "densenet121": 224, "efficientnet_b0": 224, "shufflenet_v2_x1_0": 224}
 FIELDS = ("model", "batch", "impl", "precision", "baseline", "time_ms", "speedup", "rel_err", "err_vs_pytorch",
           "ref_spread", "status", "converted", "left_to_pytorch", "tuned")
 BASELINES = {"fp32": "pytorch_fp32", "relaxed": "pytorch_tf32"}  # each class's PyTorch baseline row
@@ -128,6 +135,9 @@ def reinit(model: Any, seed: int) -> None:
                 if m.running_mean is not None and m.running_var is not None:
                     m.running_mean.zero_()
                     m.running_var.fill_(1.0)
+            scale = getattr(m, "layer_scale", None)  # ConvNeXt's blocks: 1e-6 at init would hide the branch
+            if isinstance(scale, torch.nn.Parameter):
+                scale.fill_(1.0)
 
 
 def spread(model64: Any, x64: Any, y64: Any) -> float:
@@ -483,44 +493,175 @@ def _check_models(specs: list[str], console: Console) -> list[tuple[str, int]] |
     try:
         models = [parse_model(s) for s in specs]
     except ValueError as err:
-        console.print(f"[red]error:[/] {err}")
+        console.print(f"[red]error:[/] {escape(str(err))}", soft_wrap=True)  # one line, however long
         return None
+    from convforge.cli import need
+
     try:
-        import torch
-    except ImportError:
-        console.print("[red]error:[/] --model needs PyTorch and torchvision (pip install torch torchvision)")
+        need("--model", "torch", "torchvision")
+    except ValueError as err:
+        console.print(f"[red]error:[/] {escape(str(err))}")
         return None
+    import torch
+
     if not torch.cuda.is_available():
         console.print("[red]error:[/] --model runs on a CUDA device; torch sees none")
         return None
     return models
 
 
-def tune_models(specs: list[str], console: Console, budget: Any = None, dtype: str = "float32") -> int:
+def tune_models(specs: list[str], console: Console, budget: Any = None, how: Any = None, args: Any = None,
+                dtype: str = "float32") -> int:
     """``convforge tune --model NAME[:BATCH]``: run each model once, converted (and fused, when
     ``convforge.torch.fuse`` exists), with ``config.autotune`` on in ``config.precision``'s class, so
     dispatch tunes every conv with its real epilogue into the database; print what each chose.
-    ``budget`` (a tuner Budget) replaces the autotune budget meanwhile; ``dtype``: the model cast to
-    float16 / bfloat16 first (its layers tuned in that dtype). 2: bad input or no GPU;
-    1: a model could not be built or a layer fell back to the heuristic (its tuning failed)."""
+    ``budget`` (a tuner Budget) replaces the autotune budget meanwhile. 2: bad input or no GPU;
+    1: a model could not be built or a layer fell back to the heuristic (its tuning failed).
+    ``how`` (tune/parallel.py; ``args``: the command's): the layers are first found
+    (:func:`discover`), tuned on several devices or torchrun ranks, then the models run as above,
+    which finds them in the database (and tunes whatever the discovery missed). ``dtype``: the
+    model cast to float16 / bfloat16 first (its layers tuned in that dtype; one process only)."""
+    models = _check_models(specs, console)  # before importing torch: without it, one error line
+    if models is None:
+        return 2
+    if how is not None:
+        if dtype != "float32":
+            console.print("[red]error:[/] tune --model --dtype runs in one process (no --devices / torchrun)")
+            return 2
+        return _tune_models_parallel(specs, models, console, budget, how, args)
     import torch
 
     import convforge.tune as tune_pkg
     from convforge.config import config, precision_key
 
-    models = _check_models(specs, console)
-    if models is None:
-        return 2
     console.print(f"device {torch.cuda.get_device_name()}; database {config.tuning_db}; class "
                   f"{precision_key()}; budget per layer {budget or tune_pkg.AUTOTUNE_BUDGET}")
     saved, status = tune_pkg.AUTOTUNE_BUDGET, 0
     tune_pkg.AUTOTUNE_BUDGET = budget or saved
     try:
         for name, batch in models:
-            status = max(status, _tune_model(name, batch, console, dtype))
+            status = max(status, _tune_model(name, batch, console, dtype=dtype))
     finally:
         tune_pkg.AUTOTUNE_BUDGET = saved
     return status
+
+
+def _tune_models_parallel(specs: list[str], models: list[tuple[str, int]], console: Console, budget: Any, how: Any,
+                          args: Any) -> int:
+    """``tune --model ... --devices`` (or under torchrun): discover, tune the layers across the
+    devices (tune/parallel.py, tasks of kind ``auto``: what dispatch does on first sight), then the
+    one-process run of :func:`tune_models` (here; on rank 0 under torchrun) prints the tables and
+    tunes what the discovery missed, unless a layer killed two workers (it is not retried here)."""
+    import torch
+
+    import convforge.tune as tune_pkg
+    from convforge.config import config
+    from convforge.tune import parallel
+
+    if how.ranks is not None:
+        torch.cuda.set_device(how.ranks.local_rank)
+    elif how.slots:
+        torch.cuda.set_device(int(how.slots[0].label.partition(":")[2]))
+    found = discover(models)
+    tasks = [parallel.Task(i, f"{spec.short()}{epi.tag()} ({prec if bound is None else f'max_error={bound:g}'})",
+                           float(spec.flops), {"kind": "auto", "spec": spec.to_dict(), "epi": dataclasses.asdict(epi),
+                                               "precision": prec, "bound": bound, "workspace_limit": limit})
+             for i, (spec, epi, prec, bound, limit) in enumerate(found)]
+    console.print(f"{', '.join(specs)}: {len(tasks)} distinct layer(s) to tune on {how.describe()}; database "
+                  f"{config.tuning_db}; budget per layer {budget or tune_pkg.AUTOTUNE_BUDGET}", markup=False)
+    settings = parallel.base_settings(args, budget or tune_pkg.AUTOTUNE_BUDGET, "cuda", config.tuning_db, how)
+    run = parallel.execute(tasks, settings, how, console)
+    if run.outcomes is None:  # a torchrun rank other than 0: rank 0 runs the models
+        return 1 if run.own_failed else 0
+    failed = [t for t in tasks if not run.outcomes[t.id].ok]
+    known = sum(1 for o in run.outcomes.values() if o.ok and o.reply.get("from_db"))
+    console.print(f"{len(tasks) - len(failed) - known} layer(s) tuned, {known} from the database, {len(failed)} "
+                  "failed; the models now run once here to show (and complete) the choices", markup=False)
+    killers = [t.name for t in failed if len(t.deaths) >= 2]
+    if killers:
+        console.print(f"not tuned again here (they killed two workers): {', '.join(killers)}; they run the "
+                      "heuristic's choice", style="red", markup=False)
+    saved = tune_pkg.AUTOTUNE_BUDGET
+    tune_pkg.AUTOTUNE_BUDGET = budget or saved
+    status = 0
+    try:
+        for name, batch in models:
+            status = max(status, _tune_model(name, batch, console, autotune=not killers))
+    finally:
+        tune_pkg.AUTOTUNE_BUDGET = saved
+    return max(status, int(bool(failed)))
+
+
+def discover(models: list[tuple[str, int]]) -> list[tuple[Any, Any, str, float | None, int | None]]:
+    """(spec, epilogue, precision class, max_error, workspace limit) of every layer dispatch would
+    tune when the models' forms (:func:`forms`) run once with autotuning on, in first-seen order,
+    without tuning or compiling anything: the models run with PyTorch's convolutions in place of
+    convforge's kernels (:func:`discovering`). Database entries are ignored (the workers check
+    them), so every process that discovers the same models finds the same list."""
+    import torch
+
+    from convforge.config import config
+
+    found: list[tuple[Any, Any, str, float | None, int | None]] = []
+    for name, batch in models:
+        model = build(name)
+        if isinstance(model, str):
+            continue  # said by the run that follows
+        size = MODELS[name]
+        x = torch.randn(batch, 3, size, size, device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
+        for _, make in forms():
+            m = make(copy.deepcopy(model), precision=config.precision)
+            with torch.no_grad(), discovering(found):
+                m(x)
+            del m
+        del model, x
+    torch.cuda.empty_cache()
+    return list(dict.fromkeys(found))
+
+
+@contextmanager
+def discovering(found: list[tuple[Any, Any, str, float | None, int | None]]) -> Iterator[None]:
+    """Inside: autotuning on, but dispatch records each layer it would tune in ``found`` (and
+    answers the heuristic's choice) instead of tuning it, no database entry serves, and every
+    runner dispatch makes computes with PyTorch (no compile, no launch of ours). Everything is
+    restored, and the choices made inside forgotten, on the way out."""
+    from convforge import dispatch
+    from convforge.dispatch import choice
+
+    def tune_now(spec: Any, backend: Any, epi: Any, prec: str, bound: float | None, limit: int | None) -> None:
+        found.append((spec, epi, prec, bound, limit))
+
+    def runner(key: Any, spec: Any, backend: Any, epilogue: Any, kind: str, device: int, **kw: Any) -> Any:
+        dispatch.choose(spec, backend, epilogue, filters_per_call=kind == "cupy", **kw)  # records the layer
+        return _torch_runner(spec, epilogue)
+
+    saved = choice._tune_now, choice._from_db, dispatch.runner
+    choice._tune_now, choice._from_db = tune_now, lambda *a, **k: None  # type: ignore[assignment]
+    dispatch.runner = runner  # type: ignore[assignment]
+    try:
+        with tuning(True):
+            yield
+    finally:
+        choice._tune_now, choice._from_db, dispatch.runner = saved  # type: ignore[assignment]
+
+
+def _torch_runner(spec: Any, epi: Any) -> Callable[..., Any]:
+    """A runner (backends/cuda.py ``torch_runner``'s signature) computing the layer with PyTorch."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    top, bottom, left, right = spec.pad
+
+    def run(x: Any, w: Any, bias: Any = None, derived: Any = None, res: Any = None) -> Any:
+        y = F.conv2d(F.pad(x, (left, right, top, bottom)), w, bias, spec.stride, 0, spec.dilation, spec.groups)
+        if res is not None:
+            y = y + res
+        return y.relu() if epi.relu else y
+
+    run.filters = None  # type: ignore[attr-defined]
+    run.exe = SimpleNamespace(fast=False)  # type: ignore[attr-defined]  # nothing for the native fast path
+    return run
 
 
 def forms() -> list[tuple[str, Callable[..., Any]]]:
@@ -540,11 +681,12 @@ def forms() -> list[tuple[str, Callable[..., Any]]]:
     return out
 
 
-def _tune_model(name: str, batch: int, console: Console, dtype: str = "float32") -> int:
+def _tune_model(name: str, batch: int, console: Console, autotune: bool = True, dtype: str = "float32") -> int:
     import torch
 
     from convforge.config import config
     from convforge.dispatch.choice import cached
+    from convforge.tune import clear_choices
 
     model = build(name)
     if isinstance(model, str):
@@ -556,7 +698,9 @@ def _tune_model(name: str, batch: int, console: Console, dtype: str = "float32")
     status = 0
     for form, make in forms():
         m = make(copy.deepcopy(model), precision=config.precision)
-        with torch.no_grad(), tuning(True):
+        with torch.no_grad(), tuning(autotune):
+            if not autotune:
+                clear_choices()  # so cached() lists this form's choices only
             m(x)
             torch.cuda.synchronize()
             seen = cached()

@@ -18,10 +18,10 @@ from convforge.bench.baselines import BASELINE_NAMES, HALF_BASELINE_NAMES
 from convforge.bench.ceilings import Ceilings
 from convforge.bench.runner import Row
 
-CSV_FIELDS = ("layer", "index", "impl", "backend", "algo", "precision", "time_ms", "tflops", "pct_peak",
+CSV_FIELDS = ("layer", "index", "pass", "impl", "backend", "algo", "precision", "time_ms", "tflops", "pct_peak",
               "workspace_bytes", "rel_err", "ok", "status", "baseline_impl", "baseline_algo",
-              "baseline_ms", "speedup", "baseline_error", "error_ratio", "flops", "min_bytes", "chosen_by",
-              "N", "C", "H", "W", "K", "R", "S", "stride", "pad", "dilation", "dtype", "pct_tc")
+              "baseline_ms", "speedup", "baseline_error", "error_ratio", "flops", "min_bytes", "gbs", "pct_copy",
+              "chosen_by", "N", "C", "H", "W", "K", "R", "S", "stride", "pad", "dilation", "groups", "dtype", "pct_tc")
 ENV_FIELDS = ("device", "driver", "platform", "convforge", "torch", "cudnn", "cupy", "pyopencl", "numpy")
 
 
@@ -75,15 +75,24 @@ def _dtype(r: Row) -> str:
     return str(r.spec.get("dtype", "float32"))
 
 
+def grouped_rows(rows: list[Row]) -> bool:
+    """Whether any row is a grouped (or depthwise) layer: memory-bound, so its tables show bandwidth."""
+    return any(r.spec.get("groups", 1) > 1 for r in rows)
+
+
 def layer_table(rows: list[Row], title: str = "", precision: str | None = None) -> Table:
     """One line per layer x convforge implementation of ``precision``'s class (all classes when None),
-    with the class's baseline beside it: time, speed-up, both measured errors and their ratio."""
+    with the class's baseline beside it: time, speed-up, both measured errors and their ratio; for
+    grouped and depthwise layers also the achieved GB/s (input + filters + output once) and its share
+    of the measured device-copy bandwidth, and the baseline's GB/s."""
     t = Table(title=title or None, show_lines=False)
-    for col, just in (("layer", "left"), ("class", "left"), ("convforge variant", "left"),
-                      ("time ms", "right"), ("TFLOPS", "right"), ("% peak", "right"), ("% TC peak", "right"),
-                      ("baseline ms", "right"), ("baseline algo", "left"), ("speed-up", "right"),
-                      ("workspace", "right"), ("rel err", "right"), ("baseline err", "right"),
-                      ("err ratio", "right"), ("check", "left")):
+    memory = grouped_rows(rows)
+    cols = [("layer", "left"), ("class", "left"), ("convforge variant", "left"), ("time ms", "right"),
+            ("TFLOPS", "right"), ("% peak", "right"), ("% TC peak", "right")]
+    cols += [("GB/s", "right"), ("% copy", "right"), ("baseline GB/s", "right")] if memory else []
+    cols += [("baseline ms", "right"), ("baseline algo", "left"), ("speed-up", "right"), ("workspace", "right"),
+             ("rel err", "right"), ("baseline err", "right"), ("err ratio", "right"), ("check", "left")]
+    for col, just in cols:
         t.add_column(col, justify=just)  # type: ignore[arg-type]
     for r in _convforge(rows, precision):
         check = "ok" if r.ok else ("[red]FAIL[/]" if r.ok is False else "-")
@@ -92,11 +101,14 @@ def layer_table(rows: list[Row], title: str = "", precision: str | None = None) 
         variant = r.algo if len(r.algo) < 72 else r.algo[:69] + "..."
         base = escape(f"{r.baseline_impl}: {r.baseline_algo}") if r.baseline_impl else "none available"
         cls = r.precision + ("" if _dtype(r) == "float32" else f" {_dtype(r)}")
-        t.add_row(escape(r.layer), cls, escape(f"{variant} [{r.backend}]"), _num(r.time_ms, ".3f"),
-                  _num(r.tflops, ".4g"), _num(r.pct_peak, ".1f"), _num(r.pct_tc, ".1f"),
-                  _num(r.baseline_ms, ".3f"), base,
-                  _num(r.speedup, ".2f"), _bytes(r.workspace_bytes), _num(r.rel_err, ".1e"),
-                  _num(r.baseline_error, ".1e"), _num(r.error_ratio, ".2f"), check)
+        cells = [escape(r.layer), cls, escape(f"{variant} [{r.backend}]"), _num(r.time_ms, ".3f"),
+                 _num(r.tflops, ".4g"), _num(r.pct_peak, ".1f"), _num(r.pct_tc, ".1f")]
+        if memory:
+            base_gbs = r.min_bytes / (r.baseline_ms * 1e-3) / 1e9 if r.baseline_ms and r.min_bytes else None
+            cells += [_num(r.gbs, ".0f"), _num(r.pct_copy, ".1f"), _num(base_gbs, ".0f")]
+        cells += [_num(r.baseline_ms, ".3f"), base, _num(r.speedup, ".2f"), _bytes(r.workspace_bytes),
+                  _num(r.rel_err, ".1e"), _num(r.baseline_error, ".1e"), _num(r.error_ratio, ".2f"), check]
+        t.add_row(*cells)
     return t
 
 
@@ -111,6 +123,7 @@ def _stats(rows: list[Row]) -> dict[str, Any]:
     ratio = [r.error_ratio for r in rows if r.error_ratio]
     return {"speedup_geomean": geomean(speed), "error_ratio_geomean": geomean(ratio),
             "n_speedup": len(speed), "n_error_ratio": len(ratio),
+            "gbs_geomean": geomean(r.gbs for r in rows), "pct_copy_geomean": geomean(r.pct_copy for r in rows),
             "max_rel_err": max((r.rel_err for r in rows if r.rel_err is not None), default=None)}
 
 
@@ -123,16 +136,30 @@ def _best_per_layer(rows: list[Row]) -> list[Row]:
     return list(best.values())
 
 
+def row_pass(r: Row) -> str:
+    """The pass a row measured (fprop unless its spec names another)."""
+    return str(r.spec.get("pass", "fprop"))
+
+
+def _class_passes(rows: list[Row]) -> list[tuple[str, str, str]]:
+    """(summary key, class, pass) in run order: the key is the class alone for fprop, "class/pass"
+    for dgrad and wgrad (a suite run with ``--pass all`` is summarised per pass)."""
+    seen = dict.fromkeys((r.precision, row_pass(r)) for r in _convforge(rows))
+    return [(p if cp == "fprop" else f"{p}/{cp}", p, cp) for p, cp in seen]
+
+
 def summary(rows: list[Row]) -> dict[str, dict[str, Any]]:
-    """Per class, over the fastest passing convforge row of each layer: geometric-mean speed-up and
-    error ratio against the class's baseline, how many layers each covers, the largest error, failures;
-    ``by_impl`` the same per implementation and back-end (results.json's ``summary``)."""
+    """Per class and pass, over the fastest passing convforge row of each layer: geometric-mean
+    speed-up and error ratio against the class's baseline (of that pass), how many layers each
+    covers, the largest error, failures; ``by_impl`` the same per implementation and back-end
+    (results.json's ``summary``, keyed by class, or "class/pass" for dgrad and wgrad)."""
     out: dict[str, dict[str, Any]] = {}
-    for prec in classes(rows):
-        ours = _convforge(rows, prec)
+    for key, prec, conv_pass in _class_passes(rows):
+        ours = [r for r in _convforge(rows, prec) if row_pass(r) == conv_pass]
         best = _best_per_layer(ours)
         impls = list(dict.fromkeys(f"{r.impl} [{r.backend}]" for r in ours))
-        out[prec] = {"baseline": ", ".join(sorted({r.baseline_impl for r in best if r.baseline_impl})),
+        out[key] = {"pass": conv_pass, "precision": prec,
+                    "baseline": ", ".join(sorted({r.baseline_impl for r in best if r.baseline_impl})),
                      **_stats(best), "layers": len({r.index for r in ours}),
                      "failed": sum(1 for r in ours if not r.ok),
                      "by_impl": {i: _stats([r for r in ours if r.ok and f"{r.impl} [{r.backend}]" == i])
@@ -140,11 +167,13 @@ def summary(rows: list[Row]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _line(head: str, s: dict[str, Any]) -> str:
+def _line(head: str, s: dict[str, Any], memory: bool = False) -> str:
     sp, er = s["speedup_geomean"], s["error_ratio_geomean"]
+    bw = (f", geometric-mean bandwidth {s['gbs_geomean']:.0f} GB/s ({_num(s['pct_copy_geomean'], '.1f')} % of the "
+          "device copy)") if memory and s.get("gbs_geomean") else ""
     return (f"{head}: geometric-mean speed-up {_num(sp, '.2f')}{'x' if sp else ''} over {s['n_speedup']} "
             f"layer(s), geometric-mean error ratio {_num(er, '.2f')} over {s['n_error_ratio']} "
-            f"(convforge error / baseline error), largest convforge error {_num(s['max_rel_err'], '.1e')}")
+            f"(convforge error / baseline error), largest convforge error {_num(s['max_rel_err'], '.1e')}{bw}")
 
 
 def summary_lines(rows: list[Row]) -> list[str]:
@@ -152,26 +181,32 @@ def summary_lines(rows: list[Row]) -> list[str]:
     geometric-mean error ratio 1.70 over 16 (...)' for the fastest convforge row of each layer, then
     one indented line per implementation when several ran, and the failures."""
     lines = []
-    for prec, s in summary(rows).items():
-        lines.append(_line(class_title(prec, rows), s))
+    memory = grouped_rows(rows)
+    for s in summary(rows).values():
+        prec = s["precision"]
+        head = class_title(prec, rows) + ("" if s["pass"] == "fprop" else f", {s['pass']}")
+        lines.append(_line(head, s, memory))
         if len(s["by_impl"]) > 1:
-            lines += [_line(f"  {impl}", st) for impl, st in s["by_impl"].items()]
+            lines += [_line(f"  {impl}", st, memory) for impl, st in s["by_impl"].items()]
         if s["failed"]:
-            lines.append(f"  {s['failed']} {prec}-class convforge row(s) failed their check or did not run")
+            what = f"{prec}-class" + ("" if s["pass"] == "fprop" else f" {s['pass']}")
+            lines.append(f"  {s['failed']} {what} convforge row(s) failed their check or did not run")
     return lines
 
 
 def baseline_table(rows: list[Row]) -> Table:
     """Every baseline implementation (cuDNN algorithms with their status, other precisions labelled)."""
     t = Table(title="baselines")
-    for col in ("layer", "impl", "algo", "precision", "time ms", "TFLOPS", "% TC peak", "workspace", "rel err",
-                "status"):
+    memory = grouped_rows(rows)
+    for col in ("layer", "impl", "algo", "precision", "time ms", "TFLOPS", "% TC peak") + (
+            ("GB/s", "% copy") if memory else ()) + ("workspace", "rel err", "status"):
         t.add_column(col)
     for r in rows:
         if r.impl.startswith("convforge"):
             continue
+        bw = [_num(r.gbs, ".0f"), _num(r.pct_copy, ".1f")] if memory else []
         t.add_row(escape(r.layer), escape(r.impl), escape(r.algo), r.precision, _num(r.time_ms, ".3f"),
-                  _num(r.tflops, ".4g"), _num(r.pct_tc, ".1f"),
+                  _num(r.tflops, ".4g"), _num(r.pct_tc, ".1f"), *bw,
                   _bytes(r.workspace_bytes), _num(r.rel_err, ".1e"), escape(r.status[:50]))
     return t
 
@@ -210,7 +245,9 @@ def write_csv(path: Path, env: dict[str, Any], rows: list[Row]) -> None:
             d = r.to_dict()
             spec = d.pop("spec")
             d.update({k: spec.get(k, "") for k in ("N", "C", "H", "W", "K", "R", "S")})
+            d["groups"] = spec.get("groups", 1)
             d.update({k: "x".join(map(str, spec.get(k, []))) for k in ("stride", "pad", "dilation")})
             d["dtype"] = spec.get("dtype", "float32")
+            d["pass"] = spec.get("pass", "fprop")
             d.update({k: env.get(k, "") for k in ENV_FIELDS})
             w.writerow({k: d.get(k, "") for k in w.fieldnames})

@@ -20,7 +20,7 @@ from convforge.bench import baselines
 from convforge.bench.ceilings import Ceilings
 from convforge.bench.suites import Layer
 from convforge.bench.timing import Timing, check_slice, cycle, run_timed
-from convforge.check import check_plan, random_inputs
+from convforge.check import check_plan, pass_inputs
 from convforge.dtypes import to_storage
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Variant
@@ -54,6 +54,8 @@ class Row:
     error_ratio: float | None = None
     flops: int = 0
     min_bytes: int = 0
+    gbs: float | None = None  # min_bytes / time: achieved bandwidth (memory-bound depthwise and grouped layers)
+    pct_copy: float | None = None  # gbs as % of the measured device-copy ceiling
     chosen_by: str = ""
     spec: dict[str, Any] = field(default_factory=dict)
     pct_tc: float | None = None  # % of the tensor-core ceiling of the row's math (half, TF32)
@@ -100,13 +102,14 @@ def _tc_peak(ceil: Ceilings | None, spec: ConvSpec, precision: str) -> float | N
 
 
 def _input_sets(be: Backend, spec: ConvSpec, timing: Timing, seed: int) -> list[dict[str, Any]]:
-    """``timing.sets`` fresh (x, w) pairs on the device sharing one output buffer."""
+    """``timing.sets`` fresh input pairs of the layer's pass (fprop x, w; dgrad dy, w; wgrad x, dy)
+    on the device, sharing one output buffer (``spec.output``)."""
     rng = np.random.default_rng(seed + 1)
-    y = be.empty(spec.itemsize * spec.n * spec.k * spec.p * spec.q)
+    out_buf = be.empty(spec.itemsize * int(np.prod(spec.shape_of(spec.output))))
     out = []
     for _ in range(timing.sets):
-        x, w, _b = random_inputs(spec, rng)
-        out.append({"x": be.upload(to_storage(x, spec.dtype)), "w": be.upload(to_storage(w, spec.dtype)), "y": y})
+        bufs = {name: be.upload(to_storage(a, spec.dtype)) for name, a in pass_inputs(spec, rng).items()}
+        out.append({**bufs, spec.output: out_buf})
     return out
 
 
@@ -210,7 +213,18 @@ def bench_layer(layer: Layer, index: int, bes: list[Backend], cfg: BenchConfig,
     rows += baseline_rows(layer, index, results, peak0, ceilings.get(bes[0].name))
     for row in rows:
         row.min_bytes = layer_bytes(spec)
+        ceil = ceilings.get(row.backend) or ceilings.get(bes[0].name)
+        bandwidth(row, ceil.copy_gbs if ceil else None)
     return rows
+
+
+def bandwidth(row: Row, copy_gbs: float | None) -> Row:
+    """Achieved GB/s (input + filters + output, each once, over the time) and its share of the
+    measured device-copy bandwidth: the figure of merit of memory-bound layers."""
+    if row.time_ms and row.min_bytes:
+        row.gbs = row.min_bytes / (row.time_ms * 1e-3) / 1e9
+        row.pct_copy = 100.0 * row.gbs / copy_gbs if copy_gbs else None
+    return row
 
 
 def run_suite(layers: list[Layer], bes: list[Backend], cfg: BenchConfig,

@@ -6,8 +6,9 @@ A user file is a JSON list of objects, one per layer::
      {"N": 1, "C": 3, "H": 224, "W": 224, "K": 64, "R": 7, "S": 7, "stride": [2, 2], "pad": [3, 3],
       "dilation": 1}]
 
-Keys ``N C H W K R S stride pad`` are required; ``name`` and ``dilation`` are optional; ``stride``, ``pad`` and
-``dilation`` are an int or an ``[h, w]`` pair. The built-in files are objects with a ``comment`` and ``layers``.
+Keys ``N C H W K R S stride pad`` are required; ``name``, ``dilation`` and ``groups`` are optional; ``stride``,
+``pad`` and ``dilation`` are an int or an ``[h, w]`` pair; ``groups`` an int dividing C and K (C: depthwise).
+The built-in files are objects with a ``comment`` and ``layers``.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from typing import Any
 
 from convforge.spec import ConvSpec
 
-BUILTIN = ("resnet", "boda", "mec", "unseen", "batch1")
+BUILTIN = ("resnet", "boda", "mec", "unseen", "batch1", "grouped")
 REQUIRED = ("N", "C", "H", "W", "K", "R", "S", "stride", "pad")
-OPTIONAL = ("name", "dilation")
+OPTIONAL = ("name", "dilation", "groups")
 
 
 class SuiteError(ValueError):
@@ -64,9 +65,12 @@ def parse_row(row: Any, where: str) -> Layer:
     stride = _int_or_pair(where, "stride", row["stride"])
     pad = _int_or_pair(where, "pad", row["pad"])
     dilation = _int_or_pair(where, "dilation", row.get("dilation", 1))
+    groups = row.get("groups", 1)
+    if not isinstance(groups, int) or isinstance(groups, bool):
+        raise SuiteError(f"{where}: 'groups' ({groups!r}) must be an int")
     try:
         spec = ConvSpec.make(row["N"], row["C"], row["H"], row["W"], row["K"], row["R"], row["S"],
-                             stride, pad, dilation)
+                             stride, pad, dilation, groups)
     except ValueError as err:
         raise SuiteError(f"{where}: {err}") from None
     name = row.get("name", "")

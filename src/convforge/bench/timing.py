@@ -38,9 +38,11 @@ class Timing:
 
 
 def layer_bytes(spec: ConvSpec) -> int:
-    """Bytes of input, filters and output (in the layer's dtype): the least a layer must move."""
+    """Bytes of input, filters (K x C/groups x R x S) and output, each moved once: the least a layer
+    must move (what a memory-bound depthwise layer's bandwidth is counted from)."""
     n, c, h, w = spec.x_shape
-    return spec.itemsize * (n * c * h * w + spec.k * spec.c * spec.r * spec.s + spec.n * spec.k * spec.p * spec.q)
+    k, cg, r, s = spec.w_shape
+    return spec.itemsize * (n * c * h * w + k * cg * r * s + spec.n * spec.k * spec.p * spec.q)
 
 
 def rotation_sets(spec: ConvSpec, device: DeviceInfo) -> int:

@@ -30,7 +30,7 @@ A kernel body is plain C using these tokens, which each renderer spells its own 
                                                           mma.sync m16n8k8 .tf32, FP32 accumulate;
                                                           d* float lvalues, a*/b* TF32-valued floats
                                                           in the PTX fragment layouts, see
-                                                          kernels/tcgemm.py); feature "mma_tf32",
+                                                          kernels/tensorcore/mma_sync.py); feature "mma_tf32",
                                                           CUDA sm_80+ only
     SMEM_U32(p)                                           32-bit shared-window address of pointer p
     CP_ASYNC16(sa, src, n) / CP_ASYNC4(sa, src, n)        cp.async of 16 (.cg) / 4 (.ca) bytes from src
@@ -59,7 +59,23 @@ A kernel body is plain C using these tokens, which each renderer spells its own 
                                                           tied to it (read only after it)
     WGMMA_TF32(N, desc_a, desc_b, d0 .. d{N/2-1})         warpgroup D += A.B, m64nNk8 TF32, FP32
                                                           accumulate, A and B K-major in shared memory
-                                                          by 64-bit matrix descriptors (kernels/wgmma.py)
+                                                          by 64-bit matrix descriptors (kernels/tensorcore/wgmma_1x1.py)
+    The tensor-core generator (kernels/tensorcore/), feature "wgmma" too:
+    WGMMA(type, k, N, desc_a, desc_b, d0 .. d{N/2-1})     m64nNk{k}, type tf32 (k 8), f16 or bf16 (k 16), FP32
+                                                          accumulate, both operands K-major in shared memory
+    MBAR_INIT(bar, count) / MBAR_WAIT(bar, parity)        mbarrier at 32-bit shared address bar: init with an
+                                                          arrival count / spin until the phase of that
+                                                          parity has completed (a fresh barrier: parity 1
+                                                          passes at once)
+    MBAR_ARRIVE(bar) / CP_ASYNC_MBAR_ARRIVE(bar)          arrive now / arrive once this thread's earlier
+                                                          cp.async copies have landed (.noinc: counts as
+                                                          one of the expected arrivals)
+    SETMAXNREG_INC(n) / SETMAXNREG_DEC(n)                 a warpgroup's register budget (kernel launched with
+                                                          a register cap: Kernel.min_blocks = 1)
+    BAR_SYNC(id, threads)                                 named barrier id (1..15) over ``threads`` threads
+    TC_F16_TO_F32(h) / TC_BF16_TO_F32(h)                  a stored half (unsigned short bits) as a float
+    TC_F32_TO_F16(x) / TC_F32_TO_BF16(x)                  x rounded to nearest even, as unsigned short bits
+    TC_PACK_F16X2(lo, hi) / TC_PACK_BF16X2(lo, hi)        two rounded halves in one 32-bit word (lo first)
 
 Half storage (float16 / bfloat16 buffers; arithmetic stays float32 on every back-end; OpenCL needs no
 cl_khr_fp16: float16 is read and written by vload_half / vstore_half_rte, bfloat16 travels as ushort

@@ -72,7 +72,10 @@ def _compile(source: str, arch: str, sass: bool) -> tuple[str, str]:
         src, cubin = os.path.join(tmp, "k.cu"), os.path.join(tmp, "k.cubin")
         with open(src, "w") as f:
             f.write(source)
-        proc = subprocess.run([nvcc, f"-arch={arch}", "-cubin", "-std=c++17", "-Xptxas", "-v",
+        # An arch-specific target (sm_90a) through -gencode: the -arch=sm_90a shorthand also runs a
+        # plain sm_90 pass on newer nvcc, which rejects wgmma / setmaxnreg (HOPPER.md).
+        target = f"-gencode=arch=compute_{arch[3:]},code={arch}" if arch.endswith("a") else f"-arch={arch}"
+        proc = subprocess.run([nvcc, target, "-cubin", "-std=c++17", "-Xptxas", "-v",
                                "-o", cubin, src], capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"nvcc failed:\n{proc.stderr}")

@@ -21,7 +21,10 @@ _TOKEN = re.compile(r"\b(GROUP_ID|LOCAL_ID|GROUP_SIZE|NUM_GROUPS|BARRIER|VLOAD4|
                     r"LD_F16|LDG_F16|ST_F16|VLOAD4_F16|VSTORE4_F16|LD_BF16|LDG_BF16|ST_BF16|VLOAD4_BF16|VSTORE4_BF16|"
                     r"MAKE_FLOAT4|FMA|MAX|LDG|SHFL|TEX|COPY4_ASYNC|COPY1_ASYNC|COPY_WAIT|CVT_TF32|"
                     r"MMA_TF32_16x8x8|SMEM_U32|CP_ASYNC16|CP_ASYNC4|CP_ASYNC_COMMIT|CP_ASYNC_WAIT|LDMATRIX_X4|LDS_F4|"
-                    r"LDS_F1|TF32_RHA|FENCE_PROXY_ASYNC|WGMMA_FENCE|WGMMA_COMMIT|WGMMA_WAIT|WGMMA_TF32)\(")
+                    r"LDS_F1|TF32_RHA|FENCE_PROXY_ASYNC|WGMMA_FENCE|WGMMA_COMMIT|WGMMA_WAIT|WGMMA_TF32|"
+                    r"MBAR_INIT|MBAR_WAIT|MBAR_ARRIVE|CP_ASYNC_MBAR_ARRIVE|SETMAXNREG_INC|SETMAXNREG_DEC|"
+                    r"BAR_SYNC|WGMMA|TC_F16_TO_F32|TC_BF16_TO_F32|TC_F32_TO_F16|TC_F32_TO_BF16|TC_PACK_F16X2|"
+                    r"TC_PACK_BF16X2)\(")
 _WORDS = re.compile(r"\b(SHARED|LOCAL_PTR|GLOBAL_PTR|RESTRICT|DEVICE|U64|HALF_T|BF16_T)\b( ?)")
 
 # -- half storage (float16 / bfloat16 buffers, float32 arithmetic; codegen/dialect.py Storage) -------
@@ -277,6 +280,8 @@ class CudaRenderer(Renderer):
             head += _CUDA_MMA_TF32.splitlines() + [""]
         if any(re.search(r"\b(CP_ASYNC16|CP_ASYNC4|LDMATRIX_X4|LDS_F4|LDS_F1)\(", k.body) for k in kernels):
             head += _CUDA_PIPE.splitlines() + [""]
+        if any(_TC_HEAD.search(k.body) for k in kernels):
+            head += _CUDA_TC.splitlines() + [""]
         return head
 
     def body_head(self, k: Kernel) -> list[str]:
@@ -344,7 +349,10 @@ __device__ __forceinline__ void cf_mma_tf32(float& d0, float& d1, float& d2, flo
 # Hopper (sm_90a) asynchronous copies and warpgroup MMA, spelled inline (volatile: their order is
 # their meaning). The accumulators are "+f" operands of every WGMMA_TF32 and WGMMA_WAIT, so the
 # compiler neither reads them before the wait that completes them nor moves them in between.
-_WGMMA_TOKENS = frozenset({"FENCE_PROXY_ASYNC", "WGMMA_FENCE", "WGMMA_COMMIT", "WGMMA_WAIT", "WGMMA_TF32"})
+_WGMMA_TOKENS = frozenset({"FENCE_PROXY_ASYNC", "WGMMA_FENCE", "WGMMA_COMMIT", "WGMMA_WAIT", "WGMMA_TF32"}
+                          | {"MBAR_INIT", "MBAR_WAIT", "MBAR_ARRIVE", "CP_ASYNC_MBAR_ARRIVE", "SETMAXNREG_INC",
+                             "SETMAXNREG_DEC", "BAR_SYNC", "WGMMA", "TC_F16_TO_F32", "TC_BF16_TO_F32",
+                             "TC_F32_TO_F16", "TC_F32_TO_BF16", "TC_PACK_F16X2", "TC_PACK_BF16X2"})
 
 
 def _asm(text: str, outs: Sequence[str] = (), ins: Sequence[str] = ()) -> str:
@@ -353,6 +361,8 @@ def _asm(text: str, outs: Sequence[str] = (), ins: Sequence[str] = ()) -> str:
 
 def _wgmma_call(token: str, args: list[str]) -> str:
     """CUDA spelling of one sm_90a token (see codegen/dialect.py)."""
+    if token in _TC_TOKENS:
+        return _TC_TOKENS[token](args)
     if token == "FENCE_PROXY_ASYNC":
         return _asm("fence.proxy.async.shared::cta;")
     if token == "WGMMA_FENCE":
@@ -371,11 +381,92 @@ def _wgmma_call(token: str, args: list[str]) -> str:
     return _asm(text, [f'"+f"({d})' for d in acc], [f'"l"({da})', f'"l"({db})', '"r"(1)'])
 
 
+# -- the tensor-core generator (kernels/tensorcore/): mbarrier stage rings, warpgroup roles, wgmma of
+# every math mode, storage-dtype conversions of its epilogue. Shared addresses are 32-bit (SMEM_U32).
+# mbarrier waits spin on try_wait.parity (labels are local to the braces of each inlined copy);
+# cp.async arrivals use .noinc, so a full barrier expects one arrival per producer thread.
+_WGMMA_TYPES = {"tf32": 8, "f16": 16, "bf16": 16}
+
+
+def _wgmma_any(args: list[str]) -> str:
+    """WGMMA(type, k, N, desc_a, desc_b, d...): D += A.B, m64nNk{k}, f32 accumulators, both operands
+    K-major in shared memory (.f16/.bf16 take the transpose immediates 0, .tf32 has none)."""
+    typ, k, n, da, db, acc = args[0], int(args[1]), int(args[2]), args[3], args[4], args[5:]
+    if _WGMMA_TYPES.get(typ) != k:
+        raise ValueError(f"WGMMA type {typ!r} with k {k}: expected one of {_WGMMA_TYPES}")
+    if len(acc) != n // 2 or n % 8 or not 8 <= n <= 256:
+        raise ValueError(f"WGMMA m64n{n}k{k} takes {n // 2} accumulators, got {len(acc)}")
+    na = len(acc)
+    regs = ", ".join(f"%{i}" for i in range(na))
+    trans = "" if typ == "tf32" else ", 0, 0"
+    text = (f"{{ .reg .pred p; setp.ne.b32 p, %{na + 2}, 0; wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{typ}.{typ} "
+            f"{{{regs}}}, %{na}, %{na + 1}, p, 1, 1{trans}; }}")
+    return _asm(text, [f'"+f"({d})' for d in acc], [f'"l"({da})', f'"l"({db})', '"r"(1)'])
+
+
+_TC_TOKENS: dict[str, Callable[[list[str]], str]] = {
+    "MBAR_INIT": lambda a: _asm("mbarrier.init.shared::cta.b64 [%0], %1;", (), [f'"r"({a[0]})', f'"r"({a[1]})']),
+    "MBAR_WAIT": lambda a: f"cf_mbar_wait({a[0]}, {a[1]})",
+    "MBAR_ARRIVE": lambda a: _asm("{ .reg .b64 st; mbarrier.arrive.shared::cta.b64 st, [%0]; }", (),
+                                  [f'"r"({a[0]})']),
+    "CP_ASYNC_MBAR_ARRIVE": lambda a: _asm("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];", (),
+                                           [f'"r"({a[0]})']),
+    "SETMAXNREG_INC": lambda a: _asm(f"setmaxnreg.inc.sync.aligned.u32 {int(a[0])};"),
+    "SETMAXNREG_DEC": lambda a: _asm(f"setmaxnreg.dec.sync.aligned.u32 {int(a[0])};"),
+    "BAR_SYNC": lambda a: _asm("bar.sync %0, %1;", (), [f'"r"({a[0]})', f'"r"({a[1]})']),
+    "WGMMA": _wgmma_any,
+    "TC_F16_TO_F32": lambda a: f"cf_f16_f32({a[0]})",
+    "TC_BF16_TO_F32": lambda a: f"__uint_as_float(((unsigned)({a[0]})) << 16)",
+    "TC_F32_TO_F16": lambda a: f"cf_f32_f16({a[0]})",
+    "TC_F32_TO_BF16": lambda a: f"cf_f32_bf16({a[0]})",
+    "TC_PACK_F16X2": lambda a: f"cf_pack_f16x2({a[0]}, {a[1]})",
+    "TC_PACK_BF16X2": lambda a: f"cf_pack_bf16x2({a[0]}, {a[1]})",
+}
+
+# Device functions the tokens above call (emitted once per source that uses any of them).
+_CUDA_TC = r"""__device__ __forceinline__ void cf_mbar_wait(unsigned bar, unsigned parity)
+{
+    asm volatile("{ .reg .pred p; WAIT: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1; @!p bra WAIT; }"
+                 :: "r"(bar), "r"(parity) : "memory");
+}
+__device__ __forceinline__ float cf_f16_f32(unsigned short h)
+{
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ __forceinline__ unsigned short cf_f32_f16(float f)
+{
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+__device__ __forceinline__ unsigned short cf_f32_bf16(float f)
+{
+    unsigned short h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+__device__ __forceinline__ unsigned cf_pack_f16x2(float lo, float hi)
+{
+    unsigned r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+__device__ __forceinline__ unsigned cf_pack_bf16x2(float lo, float hi)
+{
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}"""
+_TC_HEAD = re.compile(r"\b(MBAR_WAIT|TC_F16_TO_F32|TC_F32_TO_F16|TC_F32_TO_BF16|TC_PACK_F16X2|TC_PACK_BF16X2)\(")
+
+
 # The staged tensor-core GEMM's primitives (sm_80+), on 32-bit shared addresses (SMEM_U32):
 # cp.async of 16 bytes (.cg, L1 bypassed) or 4 bytes (.ca), each reading ``n`` bytes (0 or the full
 # size) and zero-filling the rest, so a chunk outside the matrix costs no branch; ldmatrix x4 gives
 # lane l row l / 4, 32-bit word l % 4 of each of four 8 x 8 b16 matrices whose row addresses lanes
-# 8q..8q+7 supply: for a k-contiguous shared tile exactly the TF32 fragments (kernels/tcpipe.py).
+# 8q..8q+7 supply: for a k-contiguous shared tile exactly the TF32 fragments (kernels/tensorcore/mma_pipe.py).
 _CUDA_PIPE = r"""__device__ __forceinline__ void cf_cp_async16(unsigned dst, const float* src, unsigned n)
 {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(n) : "memory");

@@ -55,7 +55,9 @@ def runner(key: tuple[Any, ...] | None, spec: ConvSpec, backend: Backend, epilog
            device: int, *, algo: str = "auto", precision: str | None = None, max_error: float | None = None,
            workspace_limit: int | None = None, params: Params | None = None) -> Callable[..., Any]:
     """``run(x, w, bias, derived=None) -> y`` for validated ``kind`` ("torch" | "cupy") arrays on
-    CUDA device ``device``, remembered under ``key`` (None: not remembered)."""
+    CUDA device ``device``, remembered under ``key`` (None: not remembered); for a dgrad or wgrad
+    ``spec``, ``run(x, w, y) -> out`` with the slot of the buffer it writes None
+    (backends/cuda.py ``torch_pass_runner``)."""
     from convforge.backends import cuda
 
     make = cuda.torch_runner if kind == "torch" else cuda.cupy_runner
@@ -79,7 +81,8 @@ def runner(key: tuple[Any, ...] | None, spec: ConvSpec, backend: Backend, epilog
 def _fallback(err: DeviceMemoryError, exe: Executable, spec: ConvSpec, backend: Backend, epilogue: Epilogue,
               workspace_limit: int | None, kw: dict[str, Any]) -> Executable:
     """The best variant whose workspace fits in the free memory less the output, logged once."""
-    out_bytes = spec.itemsize * spec.n * spec.k * spec.p * spec.q
+    shape = spec.shape_of(spec.output)  # the output the runner allocates: y, x (dgrad) or w (wgrad)
+    out_bytes = spec.itemsize * shape[0] * shape[1] * shape[2] * shape[3]
     limit = max(0, err.free - out_bytes - (8 << 20))  # a margin for the allocator's rounding
     if workspace_limit is not None:
         limit = min(limit, workspace_limit)

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from convforge.graph.ir import Graph, GraphError, Node, infer, input_shape
+from convforge.graph.ir import Graph, GraphError, Node, conv_group, infer, input_shape
 from convforge.graph.prototxt import Message, one, parse
 
 
@@ -248,7 +248,8 @@ def infer_weight_shapes(graph: Graph) -> dict[str, tuple[int, ...]]:
         for role, key in node.weights.items():
             if node.op == "conv":
                 kr, ks = (int(v) for v in node.attrs.get("kernel", (1, 1)))
-                out[key] = (k, x.shape[1], kr, ks) if role == "w" else (k,)
+                g = conv_group(node)
+                out[key] = (k, x.shape[1] // g if x.shape[1] % g == 0 else x.shape[1], kr, ks) if role == "w" else (k,)
             elif node.op == "fc":
                 out[key] = (k, x.size // x.shape[0]) if role == "w" else (k,)
             else:

@@ -64,6 +64,10 @@ def main(args: argparse.Namespace) -> int:
     if args.workspace_limit is not None and not 0 <= args.workspace_limit < float("inf"):  # NaN fails too
         raise ValueError(f"--workspace-limit ({args.workspace_limit}) must be a finite number >= 0 (MiB)")
     check_out_dir("--out", args.out)
+    if str(args.net).endswith(".onnx"):
+        from convforge.cli import need
+
+        need("--net FILE.onnx", "onnx")
     graph = load_model(args.net, args.input_size, args.seed, args.weights).with_batch(args.batch)
     last = graph.producer(graph.outputs[0])
     if last is not None and last.op == "softmax":  # softmax flattens errors: also check the logits
@@ -221,7 +225,8 @@ def _torch(console: Any, graph: Any, x: np.ndarray, total: float, peak: int, rep
 
     why = torch_baseline.available()
     if why:
-        res["torch"] = f"skipped ({why})"
+        hint = "; pip install 'convforge[torch]', or --no-torch" if "not installed" in why else ""
+        res["torch"] = f"skipped ({why}{hint})"
         console.print(f"PyTorch: {res['torch']}", markup=False)
         return
     logits = graph.outputs[-1]

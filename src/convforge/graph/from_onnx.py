@@ -176,15 +176,13 @@ def _node(name: str, kind: str, attrs: dict[str, Any], ins: list[str], inits: di
     x = shapes[acts[0]]
     node = Node(name, "", acts[:1], name)
     if kind == "Conv":
-        if attrs.get("group", 1) != 1:
-            raise GraphError(f"{where}: group ({attrs['group']}) must be 1")
         w = _init(inits, ins[1], "W", 4, where)
         if "kernel_shape" in attrs and _ints(attrs, "kernel_shape", 2, (), where) != w.shape[2:]:
             raise GraphError(f"{where}: kernel_shape ({attrs['kernel_shape']}) does not match W {w.shape}")
         node.op = "conv"
         node.attrs = {"k": int(w.shape[0]), "kernel": tuple(int(v) for v in w.shape[2:]),
                       "stride": _ints(attrs, "strides", 2, (1, 1), where), "pad": _pads(attrs, where),
-                      "dilation": _ints(attrs, "dilations", 2, (1, 1), where)}
+                      "dilation": _ints(attrs, "dilations", 2, (1, 1), where), "group": int(attrs.get("group", 1))}
         _weight(graph, inits, node, "w", ins[1])
         if len(ins) > 2 and ins[2]:
             _weight(graph, inits, node, "bias", ins[2])

@@ -77,13 +77,13 @@ def _module(node: Node, m: Any, graph: Graph, torch: Any) -> None:
     nn = torch.nn
     where = f"node {node.name!r} ({type(m).__name__})"
     if isinstance(m, nn.Conv2d):
-        if m.groups != 1 or m.padding_mode != "zeros" or isinstance(m.padding, str):
-            raise GraphError(f"{where}: groups ({m.groups}), padding_mode ({m.padding_mode!r}) and "
-                             f"padding ({m.padding!r}) must be 1, 'zeros' and numbers")
+        if m.padding_mode != "zeros" or isinstance(m.padding, str):
+            raise GraphError(f"{where}: padding_mode ({m.padding_mode!r}) and padding ({m.padding!r}) must be "
+                             "'zeros' and numbers")
         ph, pw = _pair(m.padding)
         node.op = "conv"
         node.attrs = {"k": m.out_channels, "kernel": _pair(m.kernel_size), "stride": _pair(m.stride),
-                      "pad": (ph, ph, pw, pw), "dilation": _pair(m.dilation)}
+                      "pad": (ph, ph, pw, pw), "dilation": _pair(m.dilation), "group": m.groups}
         _weights(graph, node, w=m.weight, bias=m.bias)
     elif isinstance(m, nn.Linear):
         node.op, node.attrs = "fc", {"k": m.out_features}

@@ -147,6 +147,14 @@ def conv_geometry(node: Node) -> tuple[tuple[int, int], tuple[int, int], tuple[i
     return (kernel[0], kernel[1]), (stride[0], stride[1]), (pad[0], pad[1], pad[2], pad[3]), (dil[0], dil[1])
 
 
+def conv_group(node: Node) -> int:
+    """A conv node's ``group`` attribute (Caffe's and ONNX's name; 1 when absent), checked."""
+    g = node.attrs.get("group", 1)
+    if not isinstance(g, int) or isinstance(g, bool) or g < 1:
+        raise GraphError(f"node {node.name!r} ({node.op}): group ({g!r}) must be a positive int")
+    return g
+
+
 def pool_out(size: int, k: int, st: int, p0: int, p1: int, ceil: bool) -> int:
     """Pooled extent; Caffe's ceil mode, with the last window starting inside the image (Caffe
     trims only when padded, leaving an empty last window when the stride exceeds the kernel)."""
@@ -181,15 +189,16 @@ def _infer_node(graph: Graph, node: Node, ins: list[Tensor]) -> Tensor:
         k = node.attrs.get("k")
         if not isinstance(k, int) or k < 1:
             raise GraphError(f"{where}: k ({k!r}) must be a positive int")
-        if node.attrs.get("group", 1) != 1:
-            raise GraphError(f"{where}: group ({node.attrs['group']!r}) must be 1 (grouped convs are not supported)")
         n, c, h, w = x.shape
+        g = conv_group(node)
+        if c % g or k % g:
+            raise GraphError(f"{where}: group ({g}) must divide the input channels ({c}) and k ({k})")
         er, es = (r - 1) * dil[0] + 1, (s - 1) * dil[1] + 1
         p = (h + pad[0] + pad[1] - er) // st[0] + 1
         q = (w + pad[2] + pad[3] - es) // st[1] + 1
         if p < 1 or q < 1:
             raise GraphError(f"{where}: kernel ({r}x{s}) is larger than the padded input {x}")
-        _weight_shape(graph, node, "w", (k, c, r, s))
+        _weight_shape(graph, node, "w", (k, c // g, r, s))
         _weight_shape(graph, node, "bias", (k,))
         out = Tensor(node.output, ("n", "c", "y", "x"), (n, k, p, q))
         if len(ins) == 2 and ins[1].shape != out.shape:

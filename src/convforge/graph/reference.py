@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from convforge.graph.ir import Graph, Node, conv_geometry, infer, pool_out
+from convforge.graph.ir import Graph, Node, conv_geometry, conv_group, infer, pool_out
 from convforge.reference import conv2d_ref
 from convforge.spec import ConvSpec
 
@@ -39,7 +39,7 @@ def _conv(graph: Graph, node: Node, ins: list[Arr]) -> Arr:
     w = _w(graph, node, "w")
     assert w is not None
     n, c, h, wd = (int(v) for v in x.shape)
-    spec = ConvSpec(n, c, h, wd, int(w.shape[0]), r, s, st, pad, dil)
+    spec = ConvSpec(n, c, h, wd, int(w.shape[0]), r, s, st, pad, dil, groups=conv_group(node))
     y = conv2d_ref(x, w, spec, _w(graph, node, "bias"))
     if len(ins) == 2:
         y = y + ins[1]

@@ -24,7 +24,7 @@ from convforge.codegen.dialect import Storage
 from convforge.codegen.render import render
 from convforge.dtypes import to_storage
 from convforge.graph import ops
-from convforge.graph.ir import Graph, Node, Tensor, conv_geometry, infer
+from convforge.graph.ir import Graph, Node, Tensor, conv_geometry, conv_group, infer
 from convforge.plan import Epilogue, Launch
 from convforge.spec import ConvSpec, parse_dtype
 
@@ -404,7 +404,7 @@ def conv_spec(node: Node, x: Tensor, dtype: str = "float32") -> ConvSpec:
     if node.op == "fc":
         return ConvSpec(n, x.size // n, 1, 1, k, 1, 1, dtype=dtype)
     (r, s), st, pad, dil = conv_geometry(node)
-    return ConvSpec(n, x.shape[1], x.shape[2], x.shape[3], k, r, s, st, pad, dil, dtype=dtype)
+    return ConvSpec(n, x.shape[1], x.shape[2], x.shape[3], k, r, s, st, pad, dil, dtype=dtype, groups=conv_group(node))
 
 
 def channel_affine(graph: Graph, node: Node) -> tuple[np.ndarray, np.ndarray]:

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from convforge.graph.ir import Graph, Node, conv_geometry
+from convforge.graph.ir import Graph, Node, conv_geometry, conv_group
 
 
 @dataclass
@@ -31,7 +31,7 @@ def _op(F: Any, torch: Any, node: Node, ins: list[Any], w: dict[str, Any]) -> An
         _, st, (pt, pb, pl, pr), dil = conv_geometry(node)
         if (pt, pl) != (pb, pr):
             x, pt, pl = F.pad(x, (pl, pr, pt, pb)), 0, 0
-        y = F.conv2d(x, w["w"], w.get("bias"), st, (pt, pl), dil)
+        y = F.conv2d(x, w["w"], w.get("bias"), st, (pt, pl), dil, conv_group(node))
     elif op == "fc":
         y = F.linear(x.flatten(1), w["w"], w.get("bias"))
     elif op == "pool":

@@ -9,7 +9,7 @@ from convforge.params import Params
 from convforge.plan import DeviceInfo, Variant
 from convforge.spec import ConvSpec
 
-FAMILIES = ("direct", "im2col", "implicit_gemm", "im2win", "winograd", "gemm1x1")
+FAMILIES = ("direct", "im2col", "implicit_gemm", "im2win", "winograd", "gemm1x1", "depthwise")
 _REGISTRY: dict[str, Variant] = {}
 
 
@@ -56,8 +56,8 @@ def select(algo: str, spec: ConvSpec, device: DeviceInfo, *, precision: str | No
     variants = all_variants()
     if algo == "auto":
         chosen = variants
-    elif algo in _REGISTRY:
-        chosen = [_REGISTRY[algo]]
+    elif algo in _REGISTRY and not (algo in FAMILIES and spec.conv_pass not in _REGISTRY[algo].passes):
+        chosen = [_REGISTRY[algo]]  # "direct" names the forward variant in fprop, the family in the other passes
     else:
         chosen = [v for v in variants if v.family == algo]
         if not chosen:
@@ -164,10 +164,11 @@ def check_params(variant: Variant, spec: ConvSpec, device: DeviceInfo, params: A
 
 
 # Integer parameters that switch something off (0) or on (1), and those where 0 means "none" (mb:
-# no launch bound; sw: no swizzle). Every other integer parameter is a size or a count, >= 1: a tile
-# of 0 threads or outputs divides by zero in the generators.
-SWITCHES = frozenset({"db", "pf", "so", "xi", "xo", "hf", "lo", "fl", "ca", "ci"})
-ZERO_OK = frozenset({"mb", "sw"})
+# no launch bound; sw: no swizzle; pi: no 3xTF32 promotion). Every other integer parameter is a size or
+# a count, >= 1: a tile of 0 threads or outputs divides by zero in the generators. (ps: the tensor-core
+# generator's persistent grid.)
+SWITCHES = frozenset({"db", "pf", "so", "xi", "xo", "hf", "lo", "fl", "ca", "ci", "ps"})
+ZERO_OK = frozenset({"mb", "sw", "pi"})
 
 
 def _check_value(variant: str, key: str, value: Any, taken: set[Any]) -> None:

@@ -39,6 +39,7 @@ class DirectBase(Variant):
     # half storage: x, w, y (bias, res) float16 or bfloat16, converted on load, FP32 arithmetic;
     # filters stay in global memory (no constant-memory or texture copy of half data)
     dtypes = frozenset({"float32", "float16", "bfloat16"})
+    grouped = True  # a block's tk channels lie in one group; its channel loop runs over that group's
 
     # -- parameters -------------------------------------------------------------------------
     def _grid_points(self, spec: ConvSpec, device: DeviceInfo) -> list[dict[str, int]]:
@@ -47,7 +48,7 @@ class DirectBase(Variant):
                                                    (1, 2, 4), (1, 2, 4, 8, 16)):
             if bq * bp > device.max_threads or bq * bp < 32 or tq * tp * tk > 64:
                 continue
-            if bq * tq > 2 * spec.q + 32 or bp * tp > 2 * spec.p + 8 or tk > 2 * spec.k:
+            if bq * tq > 2 * spec.q + 32 or bp * tp > 2 * spec.p + 8 or tk > 2 * spec.kg:
                 continue
             pts.append(dict(bq=bq, bp=bp, tq=tq, tp=tp, tk=tk))
         return pts
@@ -55,7 +56,7 @@ class DirectBase(Variant):
     def _wconst_ok(self, spec: ConvSpec, device: DeviceInfo) -> bool:
         if spec.dtype != "float32":
             return False
-        nbytes = 4 * spec.k * spec.c * spec.r * spec.s
+        nbytes = 4 * spec.k * spec.cg * spec.r * spec.s
         return nbytes <= min(device.const_bytes, 64 * 1024)
 
     # -- metacode ---------------------------------------------------------------------------
@@ -72,7 +73,7 @@ class DirectBase(Variant):
         return xd.stride_args() + yd.stride_args()
 
     def _args(self, spec: ConvSpec, params: Params, epi: Epilogue) -> tuple[Arg, ...]:
-        wcount = spec.k * spec.c * spec.r * spec.s
+        wcount = spec.k * spec.cg * spec.r * spec.s
         st = Storage(spec.dtype)
         warg: Arg = ConstBuf("wc", wcount) if params.wconst else st.buf("w")
         xarg: Arg = TexBuf("x") if params.get("tex", False) else st.buf("x")
@@ -83,14 +84,20 @@ class DirectBase(Variant):
         return frozenset({"texture"}) if params.get("tex", False) else frozenset()
 
     def _head(self, code: Code, spec: ConvSpec, p: Params) -> None:
-        kb = cdiv(spec.k, p.tk)
-        code(f"const int n = GROUP_ID(2) / {kb};",
-             f"const int k0 = (GROUP_ID(2) % {kb}) * {p.tk};",
-             f"const int p0 = GROUP_ID(1) * {p.bp * p.tp};",
+        kb = cdiv(spec.kg, p.tk)
+        if spec.groups == 1:
+            code(f"const int n = GROUP_ID(2) / {kb};",
+                 f"const int k0 = (GROUP_ID(2) % {kb}) * {p.tk};")
+        else:  # blocks of tk channels within one group g; its channels are g*cg ...
+            code(f"const int n = GROUP_ID(2) / {spec.groups * kb}, gk = GROUP_ID(2) % {spec.groups * kb};",
+                 f"const int g = gk / {kb}, k0 = g * {spec.kg} + (gk % {kb}) * {p.tk};",
+                 f"const int kend = k0 - (gk % {kb}) * {p.tk} + {spec.kg};  // the group's last channel + 1")
+        code(f"const int p0 = GROUP_ID(1) * {p.bp * p.tp};",
              f"const int q0 = GROUP_ID(0) * {p.bq * p.tq};",
              "const int ly = LOCAL_ID(1), lx = LOCAL_ID(0);")
+        last = f"{spec.k - 1}" if spec.groups == 1 else "kend - 1"
         for kk in range(p.tk):
-            code(f"const int kw{kk} = min(k0 + {kk}, {spec.k - 1});  // clamped: loads stay in bounds")
+            code(f"const int kw{kk} = min(k0 + {kk}, {last});  // clamped: loads stay in bounds")
         for kk, i, j in self._outs(p):
             code(f"float acc{kk}_{i}_{j} = 0.0f;")
 
@@ -102,7 +109,7 @@ class DirectBase(Variant):
               xval: dict[tuple[int, int], str]) -> None:
         """Load tk weights for (c, r, s) and accumulate them against the tp x tq inputs."""
         wname = "wc" if p.wconst else "w"
-        crs = spec.c * spec.r * spec.s
+        crs = spec.cg * spec.r * spec.s
         st = Storage(spec.dtype)
         with code.block(""):
             for kk in range(p.tk):
@@ -116,7 +123,7 @@ class DirectBase(Variant):
         st = Storage(spec.dtype)
         for kk, i, j in self._outs(p):
             k, pp, qq = f"k0 + {kk}", f"p0 + ly + {i * p.bp}", f"q0 + lx + {j * p.bq}"
-            cond = f"{k} < {spec.k} && {pp} < {spec.p} && {qq} < {spec.q}"
+            cond = f"{k} < {spec.k if spec.groups == 1 else 'kend'} && {pp} < {spec.p} && {qq} < {spec.q}"
             kout = f"{k} + {epi.k_offset}" if epi.k_offset else k
             idx = yd.index(n="n", k=kout, p=pp, q=qq)
             val = epi.apply(f"acc{kk}_{i}_{j}", k, idx, offset_done=True, storage=st)
@@ -143,7 +150,7 @@ class DirectBase(Variant):
             raise ValueError(f"{self.name}: wconst and tex (constant-memory filters, texture reads) take "
                              f"float32 only, not {spec.dtype}")
         if params.get("wconst", False) and not self._wconst_ok(spec, device):
-            raise ValueError(f"{self.name}: filters ({4 * spec.k * spec.c * spec.r * spec.s} bytes) do not fit "
+            raise ValueError(f"{self.name}: filters ({4 * spec.k * spec.cg * spec.r * spec.s} bytes) do not fit "
                              "in constant memory")
         self._check(params, device)
         code = Code()
@@ -155,7 +162,7 @@ class DirectBase(Variant):
         kernel = Kernel(name, self._args(spec, params, epilogue), code.text(), block, self._requires(params),
                         comment=f"{self.name}: {params.short()}")
         grid = (cdiv(spec.q, params.bq * params.tq), cdiv(spec.p, params.bp * params.tp),
-                spec.n * cdiv(spec.k, params.tk))
+                spec.n * spec.groups * cdiv(spec.kg, params.tk))
         strides = tuple(v for _, v in self._stride_args(spec, params, epilogue))
         launch = Launch(name, grid, block, ("x", "w") + out_refs(epilogue) + strides)
         return Plan(self.name, self.family, spec, params, (kernel,), (launch,),
@@ -198,7 +205,7 @@ class Direct(DirectBase):
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
         if not device.is_gpu:
             return Params(bq=8, bp=4, tq=1, tp=1, tk=1, wconst=False, ldg=False)
-        tk = min(8, spec.k)
+        tk = min(8, spec.kg)
         return Params(bq=32, bp=4, tq=1, tp=2, tk=tk, wconst=False, ldg=device.backend == "cuda")
 
     def _main_loop(self, code: Code, spec: ConvSpec, p: Params) -> None:
@@ -207,11 +214,12 @@ class Direct(DirectBase):
         xd, _ = self._arrays(spec, p)
         tex = bool(p.get("tex", False))
         st = Storage(spec.dtype)
+        at = xd.index(n="n") if spec.groups == 1 else xd.index(n="n", c=f"g * {spec.cg}")  # the group's channels
         if tex:  # integer offsets into the texture instead of pointers
-            code(f"const int xn = {xd.index(n='n')};")
+            code(f"const int xn = {at};")
         else:
-            code(f"const GLOBAL_PTR {st.elem}* xn = x + {xd.index(n='n')};")
-        with code.block(f"for (int c = 0; c < {spec.c}; ++c)"):
+            code(f"const GLOBAL_PTR {st.elem}* xn = x + {at};")
+        with code.block(f"for (int c = 0; c < {spec.cg}; ++c)"):
             code(f"const {'int' if tex else f'GLOBAL_PTR {st.elem}*'} xc = xn + {xd.index(c='c')};")
 
             def tap(r: str, s: int) -> None:
@@ -254,12 +262,12 @@ class DirectSmem(DirectBase):
         for pt in self._grid_points(spec, device):
             for wconst, cc in itertools.product(wc, (1, 2, 4)):
                 prm = Params(pt, wconst=wconst, cc=cc)
-                if cc <= spec.c and self._fits(spec, prm, device) and prm not in out:
+                if cc <= spec.cg and self._fits(spec, prm, device) and prm not in out:
                     out.append(prm)
         return out
 
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
-        prm = Params(bq=32, bp=4, tq=1, tp=2, tk=min(8, spec.k), wconst=False, cc=1)
+        prm = Params(bq=32, bp=4, tq=1, tp=2, tk=min(8, spec.kg), wconst=False, cc=1)
         if not device.is_gpu:
             prm = Params(bq=8, bp=4, tq=1, tp=1, tk=1, wconst=False, cc=1)
         if not self._fits(spec, prm, device):
@@ -282,20 +290,21 @@ class DirectSmem(DirectBase):
         hw, nt = spec.h * spec.w, p.bq * p.bp
         tile = p.cc * ih * iw
         st = Storage(spec.dtype)
+        at = f"n * {spec.c * hw}" + (f" + g * {spec.cg * hw}" if spec.groups > 1 else "")
         code(f"SHARED float xs[{tile}];  // {p.cc} channel(s) x {ih} x {iw} input tile with halo",
-             f"const GLOBAL_PTR {st.elem}* xn = x + n * {spec.c * hw};",
+             f"const GLOBAL_PTR {st.elem}* xn = x + {at};",
              f"const int y0 = p0 * {sh} - {pt}, x0 = q0 * {sw} - {pl};",
              f"const int tid = ly * {p.bq} + lx;")
-        with code.block(f"for (int cb = 0; cb < {spec.c}; cb += {p.cc})"):
+        with code.block(f"for (int cb = 0; cb < {spec.cg}; cb += {p.cc})"):
             with code.block(f"for (int t = tid; t < {tile}; t += {nt})"):
                 code(f"const int ci = t / {ih * iw}, rem = t % {ih * iw};",
                      f"const int iy = y0 + rem / {iw}, ix = x0 + rem % {iw};",
-                     f"xs[t] = (cb + ci < {spec.c} && (unsigned)iy < {spec.h}u && "
+                     f"xs[t] = (cb + ci < {spec.cg} && (unsigned)iy < {spec.h}u && "
                      f"(unsigned)ix < {spec.w}u) ? {st.load('xn', f'(cb + ci) * {hw} + iy * {spec.w} + ix')} : 0.0f;")
             code("BARRIER();")
             with code.block(f"for (int ci = 0; ci < {p.cc}; ++ci)"):
                 code("const int c = cb + ci;")
-                with code.block(f"if (c < {spec.c})"):
+                with code.block(f"if (c < {spec.cg})"):
                     def tap(r: str, s: int) -> None:
                         xval = {}
                         for i in range(p.tp):
@@ -343,21 +352,22 @@ class DirectShfl(DirectBase):
         wc = [False, True] if self._wconst_ok(spec, device) else [False]
         for bp, tp, tk, wconst in itertools.product((8, 4, 2, 1), (1, 2, 4), (1, 2, 4, 8, 16), wc):
             prm = Params(bq=32, bp=bp, tq=1, tp=tp, tk=tk, wconst=wconst)
-            if tp * tk <= 64 and bp * tp <= 2 * spec.p + 8 and tk <= 2 * spec.k and prm not in out:
+            if tp * tk <= 64 and bp * tp <= 2 * spec.p + 8 and tk <= 2 * spec.kg and prm not in out:
                 out.append(prm)
         return out
 
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
-        return Params(bq=32, bp=4, tq=1, tp=2, tk=min(8, spec.k), wconst=False)
+        return Params(bq=32, bp=4, tq=1, tp=2, tk=min(8, spec.kg), wconst=False)
 
     def _main_loop(self, code: Code, spec: ConvSpec, p: Params) -> None:
         (sh, _), (dh, dw) = spec.stride, spec.dilation
         pt, pl = spec.pad[0], spec.pad[2]
         hw = spec.h * spec.w
         st = Storage(spec.dtype)
-        code(f"const GLOBAL_PTR {st.elem}* xn = x + n * {spec.c * hw};",
+        at = f"n * {spec.c * hw}" + (f" + g * {spec.cg * hw}" if spec.groups > 1 else "")
+        code(f"const GLOBAL_PTR {st.elem}* xn = x + {at};",
              f"const int xa = q0 + lx - {pl}, xb = xa + 32;")
-        with code.block(f"for (int c = 0; c < {spec.c}; ++c)"):
+        with code.block(f"for (int c = 0; c < {spec.cg}; ++c)"):
             code(f"const GLOBAL_PTR {st.elem}* xc = xn + c * {hw};")
 
             def tap_row(r: str) -> None:

@@ -35,12 +35,14 @@ _ELT_BLOCK = 256  # threads per block of the element-wise kernels (transforms, r
 
 
 # -- shared metacode ------------------------------------------------------------------------
-def filter_operand(spec: ConvSpec, name: str = "w", ld: int | None = None,
+def filter_operand(spec: ConvSpec, name: str | None = None, ld: int | None = None,
                    storage: Storage | None = None) -> Operand:
     """A = filters as a K x CRS row-major matrix (row stride ``ld``), float4 loads along CRS
-    when rows are 16-byte aligned (8-byte half4 loads for half storage); ``storage``: how
-    ``name`` is stored (default: the spec's dtype, as the filters are)."""
-    ld = ld or spec.c * spec.r * spec.s
+    when rows are 16-byte aligned (8-byte half4 loads for half storage). A grouped layer's GEMM
+    ``bz`` reads its group's K/G rows of C/G*R*S (``wg``, set by :func:`group_prelude`).
+    ``storage``: how ``name`` is stored (default: the spec's dtype, as the filters are)."""
+    name = name or ("wg" if spec.groups > 1 else "w")
+    ld = ld or spec.cg * spec.r * spec.s
     st = storage or Storage(spec.dtype)
     vload = None
     if ld % 4 == 0:
@@ -52,22 +54,26 @@ def filter_operand(spec: ConvSpec, name: str = "w", ld: int | None = None,
 
 def nchw_store(spec: ConvSpec, epi: Epilogue, out: str = "y", raw: bool = False) -> Store:
     """C (K x NPQ) into an N x K x P x Q tensor stored as the spec's dtype; ``raw`` skips the
-    epilogue (float32 partial sums into a workspace)."""
+    epilogue (float32 partial sums into a workspace). A grouped layer's GEMM ``bz`` writes channels
+    bz*K/G ... (its rows m are channels within the group)."""
     st = FLOAT32 if raw else Storage(spec.dtype)
     pq = spec.p * spec.q
     kpq = (epi.k_total if epi.k_total and not raw else spec.k) * pq  # a channel-offset write: the whole tensor
     base = f" + {epi.k_offset * pq}" if epi.k_offset and not raw else ""
+    if spec.groups > 1:
+        base += f" + bz * {spec.kg * pq}"
+    chan = (lambda m: f"(bz * {spec.kg} + {m})") if spec.groups > 1 else (lambda m: f"({m})")
 
     def setup(i: str, t: str) -> list[str]:
         return [f"const int {t}_n = {i} / {pq};",
                 f"const int {t}_o = {t}_n * {kpq} + ({i} - {t}_n * {pq}){base};"]
 
     def put(m: str, t: str, v: str) -> list[str]:
-        val = v if raw else epi.apply(v, f"({m})", f"{t}_o + ({m}) * {pq}", offset_done=True, storage=st)
+        val = v if raw else epi.apply(v, chan(m), f"{t}_o + ({m}) * {pq}", offset_done=True, storage=st)
         return [f"{st.store(out, f'{t}_o + ({m}) * {pq}', val)};"]
 
     def vput(m: str, t: str, vs: list[str]) -> list[str]:
-        vals = ", ".join(v if raw else epi.apply(v, f"({m})", f"{t}_o + ({m}) * {pq} + {j}", offset_done=True,
+        vals = ", ".join(v if raw else epi.apply(v, chan(m), f"{t}_o + ({m}) * {pq} + {j}", offset_done=True,
                                                  storage=st)
                          for j, v in enumerate(vs))
         return [f"{st.vstore4(f'MAKE_FLOAT4({vals})', '0', f'{out} + {t}_o + ({m}) * {pq}')};"]
@@ -96,18 +102,29 @@ def elementwise(name: str, total: int, args: tuple[Arg, ...], body: list[str],
             (cdiv(total, _ELT_BLOCK), 1, 1))
 
 
+def group_prelude(spec: ConvSpec) -> tuple[str, ...]:
+    """Pointers of a grouped layer's GEMM ``bz`` (one per group, in one launch): its filters ``wg``
+    and the first of its input channels ``xg``."""
+    if spec.groups == 1:
+        return ()
+    el = Storage(spec.dtype).elem
+    return (f"const GLOBAL_PTR {el}* wg = w + bz * {spec.kg * spec.cg * spec.r * spec.s};  // group bz",
+            f"const GLOBAL_PTR {el}* xg = x + bz * {spec.cg * spec.h * spec.w};")
+
+
 def gemm_plan(variant: Variant, spec: ConvSpec, params: Params, epi: Epilogue, b: Operand,
               extra_args: tuple[Arg, ...], extra_refs: tuple[str, ...],
               pre: tuple[tuple[Kernel, Step], ...] = (), workspace: tuple[tuple[str, int], ...] = (),
               a: Operand | None = None, a_ref: str = "w") -> Plan:
     """Plan of [pre-kernels] + one SGEMM writing the NCHW output (in the spec's dtype; the default
-    A, the filters ``a_ref``, in it too)."""
-    shape = GemmShape(spec.k, spec.n * spec.p * spec.q, spec.c * spec.r * spec.s)
+    A, the filters ``a_ref``, in it too); a grouped layer's G GEMMs (K/G x NPQ x C/G*R*S each) run
+    batched in the same launch."""
+    shape = GemmShape(spec.kg, spec.n * spec.p * spec.q, spec.cg * spec.r * spec.s, batch=spec.groups)
     name = f"{variant.name}_sgemm"
     st = Storage(spec.dtype)
     args = (st.buf(a_ref) if a is None else Buf(a_ref),) + extra_args + out_args(epi, st)
     kern = gemm_kernel(name, shape, params, a or filter_operand(spec), b, nchw_store(spec, epi),
-                       args, comment=f"{variant.name}: {params.short()}")
+                       args, group_prelude(spec), comment=f"{variant.name}: {params.short()}")
     launch = Launch(name, gemm_grid(shape, params), gemm_block(params),
                     (a_ref,) + extra_refs + out_refs(epi))
     return Plan(variant.name, variant.family, spec, params,
@@ -130,13 +147,18 @@ class _ConvGemmBase(Variant):
         return False
 
     def _a_vec(self, spec: ConvSpec) -> bool:
-        return (spec.c * spec.r * spec.s) % 4 == 0
+        return (spec.cg * spec.r * spec.s) % 4 == 0
 
     def _mnk(self, spec: ConvSpec) -> tuple[int, int, int]:
-        return spec.k, spec.n * spec.p * spec.q, spec.c * spec.r * spec.s
+        return spec.kg, spec.n * spec.p * spec.q, spec.cg * spec.r * spec.s
 
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
         return super().applies(spec, device) or too_big(spec)
+
+    def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
+        """Below the direct family for groups of fewer than 16 output channels (ResNeXt's 4-8):
+        a GEMM tile's rows (32 at least) would then be mostly idle."""
+        return 1 if spec.groups > 1 and spec.kg < 16 else self.specialised
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
         return gemm_space(*self._mnk(spec), device, self._a_vec(spec), self._b_vec(spec))
@@ -154,9 +176,9 @@ def implicit_prefer(spec: ConvSpec) -> tuple[tuple[int, int, int, int, int], ...
     128x64x16 (cv8 42.5 TFLOPS, cv10 38.9, against 38.5 / 32.8 for 128x128x8), and 96x128x24
     when K is a multiple of 96 (cv1: 36.1 against 28.7: no idle rows). Padded layers keep
     per-column bounds state, which pushes these tiles past 128 registers: no preference."""
-    if any(spec.pad) or spec.k < 64 or spec.n * spec.p * spec.q < 64:
+    if any(spec.pad) or spec.kg < 64 or spec.n * spec.p * spec.q < 64:
         return ()
-    if spec.k % 96 == 0 and spec.k % 128 and spec.k <= 192:
+    if spec.kg % 96 == 0 and spec.kg % 128 and spec.kg <= 192:
         return ((96, 128, 24, 8, 8),)
     return ((128, 64, 16, 8, 8),)
 
@@ -287,6 +309,7 @@ def implicit_operand(spec: ConvSpec, table: bool) -> Operand:
     pq, hw, rs = spec.p * spec.q, spec.h * spec.w, spec.r * spec.s
     padded = any(spec.pad)
     st = Storage(spec.dtype)
+    x = "xg" if spec.groups > 1 else "x"  # a grouped GEMM reads its group's channels (group_prelude)
 
     def setup(i: str, t: str) -> list[str]:
         return [f"const int {t}_n = {i} / {pq}, {t}_pix = {i} - {t}_n * {pq};",
@@ -299,13 +322,13 @@ def implicit_operand(spec: ConvSpec, table: bool) -> Operand:
                 f"const int r = rr / {spec.s}, s = rr - r * {spec.s};",
                 f"const int iy = {t}_y + r * {dh}, ix = {t}_x + s * {dw};",
                 f"if ((unsigned)iy < {spec.h}u && (unsigned)ix < {spec.w}u) "
-                f"{d} = {st.load('x', f'{t}_b + c * {hw} + r * {dh * spec.w} + s * {dw}')};"]
+                f"{d} = {st.load(x, f'{t}_b + c * {hw} + r * {dh * spec.w} + s * {dw}')};"]
 
     def load_tab(t: str, k: str, d: str) -> list[str]:
         return [f"const int off = tab[2 * ({k})], dyx = tab[2 * ({k}) + 1];",
                 f"const int iy = {t}_y + (dyx >> 16), ix = {t}_x + (dyx & 0xffff);",
                 f"if ((unsigned)iy < {spec.h}u && (unsigned)ix < {spec.w}u) "
-                f"{d} = {st.load('x', f'{t}_b + off')};"]
+                f"{d} = {st.load(x, f'{t}_b + off')};"]
 
     def kprep_div(kt: str, k: str) -> list[str]:
         lines = [f"const int {kt}_c = ({k}) / {rs}, {kt}_rs = ({k}) - {kt}_c * {rs};",
@@ -323,7 +346,7 @@ def implicit_operand(spec: ConvSpec, table: bool) -> Operand:
         return lines
 
     def kload(t: str, kt: str, d: str) -> list[str]:
-        xv = st.load("x", f"{t}_b + {kt}_off")
+        xv = st.load(x, f"{t}_b + {kt}_off")
         if not padded:
             return [f"{d} = {xv};"]
         return [f"if ((unsigned)({t}_y + {kt}_dy) < {spec.h}u && "
@@ -334,12 +357,13 @@ def implicit_operand(spec: ConvSpec, table: bool) -> Operand:
 
 
 def offset_table_kernel(spec: ConvSpec) -> tuple[Kernel, tuple[int, int, int]]:
-    """tab[2k] = input offset of reduction index k = (c, r, s); tab[2k+1] = (r*dh << 16) | s*dw."""
+    """tab[2k] = input offset of reduction index k = (c, r, s); tab[2k+1] = (r*dh << 16) | s*dw
+    (c counts a group's channels: the same table serves every group)."""
     rs, hw, (dh, dw) = spec.r * spec.s, spec.h * spec.w, spec.dilation
     body = [f"const int c = e / {rs}, r = (e % {rs}) / {spec.s}, s = e % {spec.s};",
             f"tab[2 * e] = c * {hw} + r * {dh * spec.w} + s * {dw};",
             f"tab[2 * e + 1] = ((r * {dh}) << 16) | (s * {dw});"]
-    return elementwise("implicit_offsets", spec.c * rs, (Buf("tab", "int", readonly=False),),
+    return elementwise("implicit_offsets", spec.cg * rs, (Buf("tab", "int", readonly=False),),
                        body, "(c, r, s) offset table of the PRECOMP implicit GEMM")
 
 
@@ -349,6 +373,7 @@ class ImplicitGemm(_ConvGemmBase):
     name = "implicit_gemm"
     specialised = 5
     family = "implicit_gemm"
+    grouped = True  # one GEMM per group, batched in one launch (gemm_plan)
 
     def _prefer(self, spec: ConvSpec) -> tuple[tuple[int, int, int, int, int], ...]:
         return implicit_prefer(spec)
@@ -365,6 +390,7 @@ class ImplicitGemmPrecomp(_ConvGemmBase):
     name = "implicit_gemm_precomp"
     specialised = 4
     family = "implicit_gemm"
+    grouped = True
 
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
         why = super().applies(spec, device)
@@ -373,7 +399,7 @@ class ImplicitGemmPrecomp(_ConvGemmBase):
         return why
 
     def workspace_bytes(self, spec: ConvSpec, params: Params) -> int:
-        return 8 * spec.c * spec.r * spec.s
+        return 8 * spec.cg * spec.r * spec.s
 
     def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
              epilogue: Epilogue = Epilogue()) -> Plan:
@@ -395,6 +421,7 @@ def pointwise_operand(spec: ConvSpec) -> Operand:
     pq, hw = spec.p * spec.q, spec.h * spec.w
     plain = spec.stride == (1, 1) and spec.pad == (0, 0, 0, 0)
     st = Storage(spec.dtype)
+    x = "xg" if spec.groups > 1 else "x"  # a grouped GEMM reads its group's channels (group_prelude)
 
     def setup(i: str, t: str) -> list[str]:
         lines = [f"const int {t}_n = {i} / {pq}, {t}_pix = {i} - {t}_n * {pq};"]
@@ -408,10 +435,10 @@ def pointwise_operand(spec: ConvSpec) -> Operand:
                         f"const int {t}_b = {t}_n * {spec.c * hw} + {t}_y * {spec.w} + {t}_x;"]
 
     def load(t: str, k: str, d: str) -> list[str]:
-        return [f"if ({t}_in) {d} = {st.load('x', f'{t}_b + ({k}) * {hw}')};"]
+        return [f"if ({t}_in) {d} = {st.load(x, f'{t}_b + ({k}) * {hw}')};"]
 
     def vload(t: str, k: str, d: str) -> list[str]:
-        return [f"{d} = {st.vload4('0', f'x + {t}_b + ({k}) * {hw}')};"]
+        return [f"{d} = {st.vload4('0', f'{x} + {t}_b + ({k}) * {hw}')};"]
 
     return Operand(load=load, fast="i", setup=setup,
                    vload=vload if plain and hw % 4 == 0 else None)
@@ -437,13 +464,14 @@ class Gemm1x1(_ConvGemmBase):
     name = "gemm1x1"
     family = "gemm1x1"
     specialised = 10
+    grouped = True
 
     def _b_vec(self, spec: ConvSpec) -> bool:
         return (spec.stride == (1, 1) and spec.pad == (0, 0, 0, 0)
                 and (spec.h * spec.w) % 4 == 0)
 
     def _a_vec(self, spec: ConvSpec) -> bool:
-        return spec.c % 4 == 0
+        return spec.cg % 4 == 0
 
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
         if spec.r != 1 or spec.s != 1:
@@ -468,6 +496,7 @@ class _SplitK(_ConvGemmBase):
     un-split tile they cut (``_unsplit``)."""
 
     red_name = "C*R*S"  # the reduction, as messages name it
+    grouped = False  # its reduce pass and tile count assume one GEMM
 
     def _reduction(self, spec: ConvSpec) -> int:
         return spec.c * spec.r * spec.s

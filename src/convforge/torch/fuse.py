@@ -156,9 +156,10 @@ def _only_user(node: Node) -> Node | None:
 
 def _is_bn(node: Node, src: Node, modules: dict[str, Any]) -> bool:
     m = modules.get(str(node.target)) if node.op == "call_module" else None
+    if m is None or type(m) is not torch.nn.BatchNorm2d:  # a subclass may change what it computes
+        return False
     conv = modules[str(src.target)]
-    return (type(m) is torch.nn.BatchNorm2d and node.args == (src,) and not node.kwargs
-            and m.num_features == conv.out_channels)
+    return node.args == (src,) and not node.kwargs and m.num_features == conv.out_channels
 
 
 def _residual(node: Node, src: Node) -> Node | None:

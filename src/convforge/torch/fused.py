@@ -136,7 +136,7 @@ class FusedConv2d(Conv2d):
         skip = self.static_weights and _CAPTURING()
         # conv2d's spelling; relu: the plan's (after the add when the plan adds the residual)
         call = (x, w, b, self.stride, padding_quad(self), self.dilation, self.algo, None, None,
-                self._cf_relu and (res is None or res_in_plan), None, self.precision, self.max_error)
+                self._cf_relu and (res is None or res_in_plan), None, self.precision, self.max_error, self.groups)
         if res_in_plan:
             y = None if skip or api._NATIVE_RUN_RES is None else api._NATIVE_RUN_RES(*call, res)
             return self._run_python(run, True, call, res) if y is None else y  # type: ignore[no-any-return]
@@ -177,7 +177,7 @@ class FusedConv2d(Conv2d):
     def _make_fused_runner(self, x: torch.Tensor) -> tuple[Any, bool, tuple[int, ...]] | None:
         try:
             spec = ConvSpec.from_shapes(tuple(x.shape), tuple(self.weight.shape), tuple(self.stride),
-                                        padding_quad(self), tuple(self.dilation), dtype=x.dtype)
+                                        padding_quad(self), tuple(self.dilation), self.groups, dtype=x.dtype)
         except ValueError:
             return None
         dev = x.device.index or 0
@@ -212,7 +212,7 @@ class FusedConv2d(Conv2d):
         (see ``Conv2d.cf_choice``), or None when convforge cannot run the layer."""
         try:
             spec = ConvSpec.from_shapes(tuple(x_shape), tuple(self.weight.shape), tuple(self.stride),
-                                        padding_quad(self), tuple(self.dilation), dtype=self.weight.dtype)
+                                        padding_quad(self), tuple(self.dilation), self.groups, dtype=self.weight.dtype)
             return spec, self._fused_choice(spec, get_backend("cuda", device), max_error)[0]
         except ValueError:
             return None

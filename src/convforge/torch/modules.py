@@ -13,9 +13,12 @@ Paths of one forward call, cheapest first:
   CUDA ``torch.autocast`` region (float16 or bfloat16) a float32 layer runs in the autocast dtype
   as PyTorch's would (input, filters and bias cast to it; the cast filters cached per weight
   version in inference), through the same paths (half calls miss the C++ fast path, which takes
-  float32 only, and take the Python one);
+  float32 only, and take the Python one); a half layer no convforge variant serves (grouped ones
+  whose families take float32 only) falls back to PyTorch through the op, logged once;
 - what convforge does not run (CPU tensors, dtypes other than float32, float16 and bfloat16,
-  mixed dtypes, groups != 1, padding modes other than zeros): PyTorch's own forward.
+  mixed dtypes, padding modes other than zeros): PyTorch's own forward. Grouped and depthwise
+  layers run convforge's (the depthwise family, grouped direct and GEMM kernels); an input in
+  channels_last memory format is made NCHW contiguous first (a copy: the kernels read NCHW).
 
 A CUDA graph captured from eager inference replays the filters transformed before capture (the
 transform is not in the graph; it is re-run into the same buffer by the next eager call after an
@@ -78,8 +81,6 @@ def compute_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype | None:
 def static_reason(m: torch.nn.Conv2d, on_cuda: bool = True) -> str | None:
     """Why convforge cannot run this layer whatever its input, or None (``on_cuda``: parameters
     off the GPU count as a reason)."""
-    if m.groups != 1:
-        return f"groups={m.groups} (convforge runs groups=1)"
     if m.padding_mode != "zeros":
         return f"padding_mode={m.padding_mode!r} (convforge pads with zeros)"
     if m.weight.dtype != torch.float32 and m.weight.dtype not in _HALF:
@@ -166,7 +167,7 @@ class Conv2d(torch.nn.Conv2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, b = read_tensor(self, "_parameters", "weight"), read_tensor(self, "_parameters", "bias")
         if (not x.is_cuda or x.dtype != _F32 or x.dim() != 4 or not w.is_cuda or w.dtype != _F32
-                or self.groups != 1 or self.padding_mode != "zeros" or _AUTOCAST()):  # static_reason's, inline
+                or self.padding_mode != "zeros" or _AUTOCAST()):  # static_reason's tests, inline
             return self._other_forward(x, w, b)
         return self._forward(x, w, b)
 
@@ -174,8 +175,8 @@ class Conv2d(torch.nn.Conv2d):
         """Half precision (a half layer, or an autocast region: input, filters and bias cast to its
         dtype) through :meth:`_forward`; anything else through PyTorch's forward."""
         dt = compute_dtype(x, w)
-        if (dt is None or not x.is_cuda or x.dim() != 4 or not w.is_cuda or self.groups != 1
-                or self.padding_mode != "zeros" or (b is not None and b.dtype != w.dtype)):
+        if (dt is None or not x.is_cuda or x.dim() != 4 or not w.is_cuda or self.padding_mode != "zeros"
+                or (b is not None and b.dtype != w.dtype)):
             return super().forward(x)
         if x.dtype != dt:
             x = x.to(dt)
@@ -209,10 +210,10 @@ class Conv2d(torch.nn.Conv2d):
         if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
                 x.requires_grad or w.requires_grad or (b is not None and b.requires_grad))):
             return _OP(x, w, b, list(self.stride), list(pad), list(self.dilation), self.algo, self.precision,
-                       self.max_error)
+                       self.max_error, self.groups)
         native = api._NATIVE_RUN  # a warm layer: C++ (native.cpp), as the op's CUDA kernel runs it
         call = (x, w, b, self.stride, pad, self.dilation, self.algo, None, None, False, None, self.precision,
-                self.max_error)  # the op's spelling of this layer's conv2d call: one entry for both
+                self.max_error, self.groups)  # the op's spelling of this layer's conv2d call: one entry for both
         if native is not None and not (self.static_weights and _CAPTURING()):  # captures: the whole plan
             y = native(*call)
             if y is not None:
@@ -223,7 +224,7 @@ class Conv2d(torch.nn.Conv2d):
         run = self._prepared(x, pad)
         if run is None:
             return _OP(x, w, b, list(self.stride), list(pad), list(self.dilation), self.algo, self.precision,
-                       self.max_error)
+                       self.max_error, self.groups)
         filters = run.filters
         if filters is None or (not self.static_weights and _CAPTURING()):
             return run(x, w, b)  # no filter steps, or a capture that records the whole plan
@@ -250,7 +251,7 @@ class Conv2d(torch.nn.Conv2d):
         runs it (PyTorch then does). ``calibrate`` compares two bounds with it."""
         try:
             spec = ConvSpec.from_shapes(tuple(x_shape), tuple(self.weight.shape), tuple(self.stride),
-                                        padding_quad(self), tuple(self.dilation), dtype=self.weight.dtype)
+                                        padding_quad(self), tuple(self.dilation), self.groups, dtype=self.weight.dtype)
             return spec, dispatch.choose(spec, get_backend("cuda", device), Epilogue(self.bias is not None),
                                          algo=self.algo, precision=self.precision, max_error=max_error)
         except ValueError:
@@ -270,7 +271,7 @@ class Conv2d(torch.nn.Conv2d):
     def _runner(self, x: torch.Tensor, pad: tuple[int, int, int, int]) -> Any:
         try:
             spec = ConvSpec.from_shapes(tuple(x.shape), tuple(self.weight.shape), tuple(self.stride), pad,
-                                        tuple(self.dilation), dtype=x.dtype)
+                                        tuple(self.dilation), self.groups, dtype=x.dtype)
             dev = x.device.index or 0
             return dispatch.runner(None, spec, get_backend("cuda", dev), Epilogue(self.bias is not None), "torch",
                                    dev, algo=self.algo, precision=self.precision, max_error=self.max_error)

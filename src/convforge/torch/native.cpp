@@ -80,7 +80,7 @@ bool tensors_ok(const at::Tensor& x, const at::Tensor& w, const at::Tensor* bias
 }
 
 // The arguments of convforge.conv2d, positionally: x, w, bias, stride, padding, dilation, algo,
-// backend, workspace_limit, relu, params, precision, max_error. False: not a call this path runs.
+// backend, workspace_limit, relu, params, precision, max_error, groups. False: not a call this path runs.
 bool parse_call(PyObject* const* a, Key& k, const at::Tensor*& x, const at::Tensor*& w, const at::Tensor*& b) {
   if (!THPVariable_CheckExact(a[0]) || !THPVariable_CheckExact(a[1])) return false;
   x = &THPVariable_Unpack(a[0]);
@@ -179,7 +179,7 @@ std::shared_ptr<Program> find(const Key& k) {
   return table.find(k);
 }
 
-// The output of a filed call of conv2d's 13 arguments (a new reference); None when the call has
+// The output of a filed call of conv2d's 14 arguments (a new reference); None when the call has
 // no entry or cannot run here; nullptr with the Python error set when a launch fails.
 PyObject* run_filed(PyObject* const* a) {
   Key k;
@@ -194,8 +194,8 @@ PyObject* run_filed(PyObject* const* a) {
   END_HANDLE_TH_ERRORS
 }
 
-// The output of a filed FusedConv2d call whose plan adds the residual: conv2d's 13 arguments (relu:
-// the ReLU after the add) and the residual ``a[13]``, a tensor of the output's shape on the same
+// The output of a filed FusedConv2d call whose plan adds the residual: conv2d's 14 arguments (relu:
+// the ReLU after the add) and the residual ``a[kArgs]``, a tensor of the output's shape on the same
 // device; None when the call has no entry or the residual does not fit; nullptr when a launch fails.
 PyObject* run_filed_res(PyObject* const* a) {
   Key k;
@@ -214,14 +214,14 @@ PyObject* run_filed_res(PyObject* const* a) {
 }
 
 // ---- parts: where a warm call's host time goes (scripts/host_cost.py --parts) ----
-// parts(conv2d's 13 arguments, piece, n) -> seconds that n repetitions of one piece of the filed
+// parts(conv2d's 14 arguments, piece, n) -> seconds that n repetitions of one piece of the filed
 // call take, timed in C: "call" (the whole run and the output's release), "parse", "find" (parse
 // and lookup), "stream", "context", "capture", "filters" (the per-weight cache hit), "alloc"
 // (the output from the caching allocator, released), "wrap" (the same as a Python object),
 // "launch" (the plan's warm launches on prepared pointers).
 PyObject* py_parts(PyObject*, PyObject* const* a, Py_ssize_t n) {
-  if (n != 15 || !PyUnicode_Check(a[13]) || !PyLong_Check(a[14])) {
-    PyErr_SetString(PyExc_TypeError, "parts takes conv2d's 13 arguments, a piece's name and a count");
+  if (n != kArgs + 2 || !PyUnicode_Check(a[kArgs]) || !PyLong_Check(a[kArgs + 1])) {
+    PyErr_SetString(PyExc_TypeError, "parts takes conv2d's 14 arguments, a piece's name and a count");
     return nullptr;
   }
   Key k;
@@ -231,8 +231,8 @@ PyObject* py_parts(PyObject*, PyObject* const* a, Py_ssize_t n) {
     PyErr_SetString(PyExc_ValueError, "parts: this call is not filed (make it once first)");
     return nullptr;
   }
-  const char* name = PyUnicode_AsUTF8(a[13]);
-  long reps = PyLong_AsLong(a[14]);
+  const char* name = PyUnicode_AsUTF8(a[kArgs]);
+  long reps = PyLong_AsLong(a[kArgs + 1]);
   if (!name || PyErr_Occurred()) return nullptr;
   std::string piece = name;
   HANDLE_TH_ERRORS
@@ -308,8 +308,8 @@ PyObject* py_parts(PyObject*, PyObject* const* a, Py_ssize_t n) {
 
 // ---- Python: run, register, clear, stats ----
 PyObject* py_run(PyObject*, PyObject* const* a, Py_ssize_t n) {
-  if (n != 13) {
-    PyErr_SetString(PyExc_TypeError, "run takes conv2d's 13 arguments");
+  if (n != kArgs) {
+    PyErr_SetString(PyExc_TypeError, "run takes conv2d's 14 arguments");
     return nullptr;
   }
   return run_filed(a);
@@ -317,28 +317,28 @@ PyObject* py_run(PyObject*, PyObject* const* a, Py_ssize_t n) {
 
 PyObject* py_run_res(PyObject*, PyObject* const* a, Py_ssize_t n) {
   if (n != kArgs + 1) {
-    PyErr_SetString(PyExc_TypeError, "run_res takes conv2d's 13 arguments and the residual");
+    PyErr_SetString(PyExc_TypeError, "run_res takes conv2d's 14 arguments and the residual");
     return nullptr;
   }
   return run_filed_res(a);
 }
 
-// register(13 conv2d arguments..., program, seed[, residual]): program = (all, rest, weights,
+// register(14 conv2d arguments..., program, seed[, residual]): program = (all, rest, weights,
 // y_shape, ws_derived, offsets, derived_floats, context, name, executable); seed = None or (w,
 // version, packed): filters Python's path already made for w; residual True: the plan adds a
 // residual (found by run_res, never by run). Answers whether the call was filed.
 PyObject* py_register(PyObject*, PyObject* const* a, Py_ssize_t n) {
-  if (n != 15 && n != 16) {
-    PyErr_SetString(PyExc_TypeError, "register takes conv2d's 13 arguments, a program, a seed and a residual flag");
+  if (n != kArgs + 2 && n != kArgs + 3) {
+    PyErr_SetString(PyExc_TypeError, "register takes conv2d's 14 arguments, a program, a seed and a residual flag");
     return nullptr;
   }
   Key k;
-  k.residual = n == 16 && a[15] == Py_True;
+  k.residual = n == kArgs + 3 && a[kArgs + 2] == Py_True;
   const at::Tensor *x = nullptr, *w = nullptr, *b = nullptr;
   if (!parse_call(a, k, x, w, b)) Py_RETURN_FALSE;
   auto p = std::make_shared<Program>();
-  if (!read_program(a[13], *p)) return nullptr;
-  PyObject* seed = a[14];
+  if (!read_program(a[kArgs], *p)) return nullptr;
+  PyObject* seed = a[kArgs + 1];
   if (seed != Py_None && PyTuple_Check(seed) && PyTuple_GET_SIZE(seed) == 3 &&
       THPVariable_CheckExact(PyTuple_GET_ITEM(seed, 0)) && THPVariable_CheckExact(PyTuple_GET_ITEM(seed, 2))) {
     const at::Tensor& sw = THPVariable_Unpack(PyTuple_GET_ITEM(seed, 0));
@@ -370,7 +370,7 @@ PyObject* grad_apply = nullptr;  // ops._grad_apply: the autograd.Function, when
 
 using OpSig = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::IntArrayRef,
                          c10::IntArrayRef, c10::IntArrayRef, c10::string_view, std::optional<c10::string_view>,
-                         std::optional<double>);
+                         std::optional<double>, int64_t);
 
 PyObject* ints_to_list(c10::IntArrayRef a) {
   PyObject* l = PyList_New(static_cast<Py_ssize_t>(a.size()));
@@ -381,9 +381,9 @@ PyObject* ints_to_list(c10::IntArrayRef a) {
 at::Tensor call_python(PyObject* fn, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                        c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation,
                        c10::string_view algo, std::optional<c10::string_view> precision,
-                       std::optional<double> max_error) {
+                       std::optional<double> max_error, int64_t groups) {
   pybind11::gil_scoped_acquire gil;
-  PyObject* args = PyTuple_New(9);
+  PyObject* args = PyTuple_New(10);
   PyTuple_SET_ITEM(args, 0, THPVariable_Wrap(x));
   PyTuple_SET_ITEM(args, 1, THPVariable_Wrap(w));
   if (bias.has_value() && bias->defined()) {
@@ -409,6 +409,7 @@ at::Tensor call_python(PyObject* fn, const at::Tensor& x, const at::Tensor& w, c
     Py_INCREF(Py_None);
     PyTuple_SET_ITEM(args, 8, Py_None);
   }
+  PyTuple_SET_ITEM(args, 9, PyLong_FromLongLong(groups));
   PyObject* out = PyObject_Call(fn, args, nullptr);
   Py_DECREF(args);
   if (!out) throw python_error();
@@ -423,12 +424,13 @@ at::Tensor call_python(PyObject* fn, const at::Tensor& x, const at::Tensor& w, c
 
 at::Tensor op_cuda(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                    c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation, c10::string_view algo,
-                   std::optional<c10::string_view> precision, std::optional<double> max_error) {
+                   std::optional<c10::string_view> precision, std::optional<double> max_error, int64_t groups) {
   if (stride.size() == 2 && padding.size() == 4 && dilation.size() == 2) {
     at::Tensor xc = x.contiguous(), wc = w.contiguous();
     const at::Tensor* b = bias.has_value() && bias->defined() ? &*bias : nullptr;
     if (tensors_ok(xc, wc, b)) {  // as ops._cuda calls convforge.conv2d: tuples, no backend, params, relu
       Key k;
+      k.groups = groups;
       k.stride = seq_from_ints(stride);
       k.padding = seq_from_ints(padding);
       k.dilation = seq_from_ints(dilation);
@@ -449,24 +451,24 @@ at::Tensor op_cuda(const at::Tensor& x, const at::Tensor& w, const std::optional
     }
   }
   op_fallbacks.fetch_add(1, std::memory_order_relaxed);
-  return call_python(fallback_cuda, x, w, bias, stride, padding, dilation, algo, precision, max_error);
+  return call_python(fallback_cuda, x, w, bias, stride, padding, dilation, algo, precision, max_error, groups);
 }
 
 at::Tensor op_autograd(c10::DispatchKeySet ks, const at::Tensor& x, const at::Tensor& w,
                        const std::optional<at::Tensor>& bias, c10::IntArrayRef stride, c10::IntArrayRef padding,
                        c10::IntArrayRef dilation, c10::string_view algo, std::optional<c10::string_view> precision,
-                       std::optional<double> max_error) {
+                       std::optional<double> max_error, int64_t groups) {
   bool need = at::GradMode::is_enabled() &&
               (x.requires_grad() || w.requires_grad() || (bias.has_value() && bias->defined() && bias->requires_grad()));
-  if (need) return call_python(grad_apply, x, w, bias, stride, padding, dilation, algo, precision, max_error);
+  if (need) return call_python(grad_apply, x, w, bias, stride, padding, dilation, algo, precision, max_error, groups);
   c10::DispatchKeySet after = ks & c10::after_autograd_keyset;
   at::AutoDispatchBelowADInplaceOrView guard;
   // The next kernel is simply our CUDA one (no fake, functional or Python-mode tensors: only
   // ADInplaceOrView, a fallthrough here, lies between): call it, saving the redispatch.
   if (after.remove(c10::DispatchKey::ADInplaceOrView).highestPriorityTypeId() == c10::DispatchKey::CUDA)
-    return op_cuda(x, w, bias, stride, padding, dilation, algo, precision, max_error);
+    return op_cuda(x, w, bias, stride, padding, dilation, algo, precision, max_error, groups);
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("convforge::conv2d", "").typed<OpSig>();
-  return op.redispatch(after, x, w, bias, stride, padding, dilation, algo, precision, max_error);
+  return op.redispatch(after, x, w, bias, stride, padding, dilation, algo, precision, max_error, groups);
 }
 
 std::unique_ptr<torch::Library> op_library;
@@ -495,17 +497,17 @@ PyObject* py_register_op(PyObject*, PyObject* const* a, Py_ssize_t n) {
 
 PyMethodDef methods[] = {
     {"run", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_run)), METH_FASTCALL,
-     "run(conv2d's 13 arguments) -> the output tensor, or None when the call has no entry"},
+     "run(conv2d's 14 arguments) -> the output tensor, or None when the call has no entry"},
     {"run_res", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_run_res)), METH_FASTCALL,
-     "run_res(conv2d's 13 arguments, res) -> the output of a filed plan that adds res, or None"},
+     "run_res(conv2d's 14 arguments, res) -> the output of a filed plan that adds res, or None"},
     {"register", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_register)), METH_FASTCALL,
-     "register(conv2d's 13 arguments, program, seed[, residual]) -> whether the call was filed"},
+     "register(conv2d's 14 arguments, program, seed[, residual]) -> whether the call was filed"},
     {"register_op", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_register_op)), METH_FASTCALL,
      "register_op(cuda_fallback, grad_apply): the op's CUDA and Autograd kernels in C++"},
     {"clear", py_clear, METH_NOARGS, "forget every entry"},
     {"wrap", py_wrap, METH_O, "wrap(python_conv2d) -> conv2d whose warm torch calls stay in C"},
     {"parts", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_parts)), METH_FASTCALL,
-     "parts(conv2d's 13 arguments, piece, n) -> seconds of n repetitions of one piece of a warm call"},
+     "parts(conv2d's 14 arguments, piece, n) -> seconds of n repetitions of one piece of a warm call"},
     {"stats", py_stats, METH_NOARGS, "{entries, transforms, op_fallbacks}: table size and counters"},
     {nullptr, nullptr, 0, nullptr}};
 

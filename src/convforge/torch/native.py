@@ -8,8 +8,8 @@ goes to ``<cache_dir>/native/`` under a name that hashes the source, torch, Pyth
 compiler command, written to a temporary name first and renamed into place, so a crash or two
 processes building at once never leave a broken library behind.
 
-What the module does (native.cpp): ``run(13 conv2d arguments)`` answers the output or None;
-``register(13 arguments, program, seed)`` files a call validated by the slow path
+What the module does (native.cpp): ``run(14 conv2d arguments)`` answers the output or None;
+``register(14 arguments, program, seed)`` files a call validated by the slow path
 (``CudaExecutable.native_program``; ``seed``: filters the slow path made for the call's weights);
 ``wrap(conv2d)`` is conv2d as a C callable (warm calls never enter Python, others go to the
 function it wraps); ``clear()`` forgets every entry (on a configuration change or

@@ -1,13 +1,24 @@
 """The ``convforge::conv2d`` operator, defined with ``torch.library.Library`` (``define``/``impl``:
 cheaper per call than ``custom_op``'s wrapper), with a fake implementation for torch.compile and
 an Autograd kernel of its own (a plain redispatch when no gradient is needed, else an
-autograd.Function whose backward is PyTorch's own ``aten.convolution_backward``).
+autograd.Function whose backward runs convforge's own backward kernels through three more ops:
+``convforge::conv2d_input`` (dgrad), ``convforge::conv2d_weight`` (wgrad) and
+``convforge::conv2d_bias`` (the bias reduction), each with a fake implementation, so torch.compile
+traces a whole training step, and capturable in a CUDA graph like the forward op).
 
-Where the native fast path is built (native.py), the CUDA and Autograd kernels are C++ (native.cpp)
-and a warm call never enters Python; otherwise they are the Python functions here.
+Where the native fast path is built (native.py), the CUDA and Autograd kernels of ``conv2d`` are C++
+(native.cpp) and a warm call never enters Python; otherwise they are the Python functions here. The
+backward ops' CUDA kernels are ``convforge.grad``'s Python fast path (a dictionary hit and the
+launches; the rotated filter of a forward family serving dgrad cached per weight version).
 
-Schema: ``conv2d(Tensor x, Tensor w, Tensor? bias, int[] stride, int[] padding, int[] dilation,
-str algo, str? precision, float? max_error) -> Tensor``; padding is (top, bottom, left, right).
+Schemas (padding is (top, bottom, left, right); w is K x C/groups x R x S):
+``conv2d(Tensor x, Tensor w, Tensor? bias, int[] stride, int[] padding, int[] dilation, str algo,
+str? precision, float? max_error, int groups=1) -> Tensor``;
+``conv2d_input(SymInt[] input_size, Tensor w, Tensor grad_output, int[] stride, int[] padding,
+int[] dilation, int groups, str algo, str? precision, float? max_error) -> Tensor``;
+``conv2d_weight(Tensor x, SymInt[] weight_size, Tensor grad_output, ...same...) -> Tensor``;
+``conv2d_bias(Tensor grad_output) -> Tensor``. On CPU tensors, dtypes other than float32 and
+layers no convforge variant runs (with ``algo="auto"``), every op is PyTorch's computation.
 Eager inference in ``Conv2d`` skips the op and calls the prepared runner directly with filters
 transformed once per weight version (modules.py).
 """
@@ -21,6 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from convforge import grad as cf_grad
 from convforge.api import python_conv2d as cf_conv2d  # the op's C kernel asked native.cpp already
 from convforge.spec import ConvSpec, normalize_padding
 from convforge.torch import native
@@ -29,16 +41,21 @@ log = logging.getLogger("convforge")
 
 _LIB = torch.library.Library("convforge", "DEF")  # noqa: TOR901 - kept alive for the process
 _LIB.define("conv2d(Tensor x, Tensor w, Tensor? bias, int[] stride, int[] padding, int[] dilation, "
-            "str algo, str? precision, float? max_error) -> Tensor")
+            "str algo, str? precision, float? max_error, int groups=1) -> Tensor")
+_LIB.define("conv2d_input(SymInt[] input_size, Tensor w, Tensor grad_output, int[] stride, int[] padding, "
+            "int[] dilation, int groups, str algo, str? precision, float? max_error) -> Tensor")
+_LIB.define("conv2d_weight(Tensor x, SymInt[] weight_size, Tensor grad_output, int[] stride, int[] padding, "
+            "int[] dilation, int groups, str algo, str? precision, float? max_error) -> Tensor")
+_LIB.define("conv2d_bias(Tensor grad_output) -> Tensor")
 _FELL_BACK: set[tuple[Any, ...]] = set()
 
 
 def output_shape(x_shape: Sequence[Any], w_shape: Sequence[Any], stride: Sequence[int], padding: Sequence[int],
-                 dilation: Sequence[int]) -> tuple[Any, ...]:
+                 dilation: Sequence[int], groups: int = 1) -> tuple[Any, ...]:
     """(N, K, P, Q) of the op: ConvSpec's answer for concrete sizes, its formula for symbolic ones."""
     if all(isinstance(v, int) for v in (*x_shape, *w_shape)):
         return ConvSpec.from_shapes(tuple(x_shape), tuple(w_shape), tuple(stride), tuple(padding),
-                                    tuple(dilation)).y_shape
+                                    tuple(dilation), groups).y_shape
     n, _, h, w = x_shape
     k, _, r, s = w_shape
     t, b, left, right = padding
@@ -48,39 +65,39 @@ def output_shape(x_shape: Sequence[Any], w_shape: Sequence[Any], stride: Sequenc
 
 
 def _torch_conv(x: Any, w: Any, bias: Any, stride: Sequence[int], padding: Sequence[int],
-                dilation: Sequence[int]) -> Any:
+                dilation: Sequence[int], groups: int = 1) -> Any:
     """PyTorch's convolution with convforge's (top, bottom, left, right) padding."""
     t, b, left, right = padding
     if t != b or left != right:
-        return F.conv2d(F.pad(x, (left, right, t, b)), w, bias, tuple(stride), 0, tuple(dilation))
-    return F.conv2d(x, w, bias, tuple(stride), (t, left), tuple(dilation))
+        return F.conv2d(F.pad(x, (left, right, t, b)), w, bias, tuple(stride), 0, tuple(dilation), groups)
+    return F.conv2d(x, w, bias, tuple(stride), (t, left), tuple(dilation), groups)
 
 
 def _cuda(x: Any, w: Any, bias: Any, stride: list[int], padding: list[int], dilation: list[int], algo: str,
-          precision: str | None, max_error: float | None) -> Any:
+          precision: str | None, max_error: float | None, groups: int = 1) -> Any:
     """convforge's fast path (a dictionary hit and the launches; filters cached per weight version)."""
     try:
         return cf_conv2d(x.contiguous(), w.contiguous(), bias, (*stride,), (*padding,), (*dilation,), algo, None,
-                         None, False, None, precision, max_error)
+                         None, False, None, precision, max_error, groups)
     except ValueError as err:  # a layer no convforge variant runs: PyTorch's, logged once
         if algo != "auto":
             raise
-        tag = (tuple(x.shape), tuple(w.shape), tuple(stride), tuple(padding), tuple(dilation))
+        tag = (tuple(x.shape), tuple(w.shape), tuple(stride), tuple(padding), tuple(dilation), groups)
         if tag not in _FELL_BACK:
             _FELL_BACK.add(tag)
             log.warning("convforge: %s; PyTorch runs this layer", err)
-        return _torch_conv(x, w, bias, stride, padding, dilation)
+        return _torch_conv(x, w, bias, stride, padding, dilation, groups)
 
 
 def _fake(x: Any, w: Any, bias: Any, stride: list[int], padding: list[int], dilation: list[int], algo: str,
-          precision: str | None, max_error: float | None) -> Any:
-    return x.new_empty(output_shape(x.shape, w.shape, stride, padding, dilation))
+          precision: str | None, max_error: float | None, groups: int = 1) -> Any:
+    return x.new_empty(output_shape(x.shape, w.shape, stride, padding, dilation, groups))
 
 
 def _cpu(x: Any, w: Any, bias: Any, stride: list[int], padding: list[int], dilation: list[int], algo: str,
-         precision: str | None, max_error: float | None) -> Any:
+         precision: str | None, max_error: float | None, groups: int = 1) -> Any:
     """CPU tensors: PyTorch's convolution (convforge runs torch tensors on CUDA only)."""
-    return _torch_conv(x, w, bias, stride, padding, dilation)
+    return _torch_conv(x, w, bias, stride, padding, dilation, groups)
 
 
 _LIB.impl("conv2d", _cpu, "CPU")
@@ -97,7 +114,7 @@ _DIRECT = {torch._C.DispatchKey.CUDA: _cuda, torch._C.DispatchKey.CPU: _cpu}
 
 
 def _below(keyset: Any, x: Any, w: Any, bias: Any, stride: list[int], padding: list[int], dilation: list[int],
-           algo: str, precision: str | None, max_error: float | None) -> Any:
+           algo: str, precision: str | None, max_error: float | None, groups: int = 1) -> Any:
     """The op below autograd. When the next kernel is simply our CUDA (or CPU) one (no fake or
     functional tensors, no Python mode: only ADInplaceOrView, a fallthrough here, lies between),
     it is called directly, saving the dispatcher's second round trip through Python; otherwise
@@ -105,55 +122,170 @@ def _below(keyset: Any, x: Any, w: Any, bias: Any, stride: list[int], padding: l
     after = keyset & _AFTER_AUTOGRAD
     kernel = _DIRECT.get(after.remove(_ADIOV).highestPriorityTypeId())
     if kernel is not None:
-        return kernel(x, w, bias, stride, padding, dilation, algo, precision, max_error)
+        return kernel(x, w, bias, stride, padding, dilation, algo, precision, max_error, groups)
     with _BELOW_AUTOGRAD():
-        return _OP.redispatch(after, x, w, bias, stride, padding, dilation, algo, precision, max_error)
+        return _OP.redispatch(after, x, w, bias, stride, padding, dilation, algo, precision, max_error, groups)
 
 
 class _Conv2dFn(torch.autograd.Function):
     """The op's autograd node: forward is the op itself (grad mode is off inside, so it goes below
-    autograd), backward is PyTorch's convolution backward (asymmetric padding applied to x first
-    and cut from its gradient)."""
+    autograd), backward is convforge's: the gradient of x through ``convforge::conv2d_input``, of w
+    through ``convforge::conv2d_weight``, of the bias through ``convforge::conv2d_bias``, each
+    chosen per (layer, pass, precision class) by dispatch, in the forward's precision class and
+    max_error (the forward's ``algo`` where it names something that computes the pass, else auto).
+    The groups travel with the op (its last argument), so a grouped forward differentiates too."""
 
     @staticmethod
     def forward(ctx: Any, x: Any, w: Any, bias: Any, stride: list[int], padding: list[int], dilation: list[int],
-                algo: str, precision: str | None, max_error: float | None) -> Any:
-        y = _OP(x, w, bias, stride, padding, dilation, algo, precision, max_error)
+                algo: str, precision: str | None, max_error: float | None, groups: int = 1) -> Any:
+        y = _OP(x, w, bias, stride, padding, dilation, algo, precision, max_error, groups)
         ctx.save_for_backward(x, w)
-        ctx.conv = (list(stride), list(padding), list(dilation), bias is not None)
+        ctx.conv = (list(stride), list(padding), list(dilation), bias is not None, algo, precision, max_error,
+                    groups)
         return y
 
     @staticmethod
     def backward(ctx: Any, gy: Any) -> tuple[Any, ...]:
         x, w = ctx.saved_tensors
-        stride, padding, dilation, has_bias = ctx.conv
-        need = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], has_bias and ctx.needs_input_grad[2]]
-        t, b, left, right = padding
-        sym = t == b and left == right
-        xin = x if sym else F.pad(x, (left, right, t, b))
-        gx, gw, gb = torch.ops.aten.convolution_backward(
-            gy.contiguous(), xin, w, [w.shape[0]] if has_bias else None, stride, [t, left] if sym else [0, 0],
-            dilation, False, [0, 0], 1, need)
-        if gx is not None and not sym:
-            gx = gx[:, :, t:t + x.shape[2], left:left + x.shape[3]]
-        return gx, gw, gb if has_bias else None, None, None, None, None, None, None
+        stride, padding, dilation, has_bias, algo, precision, max_error, groups = ctx.conv
+        gy = gy.contiguous()  # sum().backward() hands an expanded tensor (zero strides)
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = INPUT_OP(list(x.shape), w, gy, stride, padding, dilation, groups, algo, precision, max_error)
+        if ctx.needs_input_grad[1]:
+            gw = WEIGHT_OP(x, list(w.shape), gy, stride, padding, dilation, groups, algo, precision, max_error)
+        if has_bias and ctx.needs_input_grad[2]:
+            gb = BIAS_OP(gy)
+        return gx, gw, gb, None, None, None, None, None, None, None
 
 
 def _grad_apply(x: Any, w: Any, bias: Any, stride: list[int], padding: list[int], dilation: list[int], algo: str,
-                precision: str | None, max_error: float | None) -> Any:
+                precision: str | None, max_error: float | None, groups: int = 1) -> Any:
     """The op when a gradient is needed: through its autograd node."""
-    return _Conv2dFn.apply(x, w, bias, stride, padding, dilation, algo, precision, max_error)
+    return _Conv2dFn.apply(x, w, bias, stride, padding, dilation, algo, precision, max_error, groups)
 
 
 def _autograd(keyset: Any, x: Any, w: Any, bias: Any, stride: list[int], padding: list[int],
-              dilation: list[int], algo: str, precision: str | None, max_error: float | None) -> Any:
+              dilation: list[int], algo: str, precision: str | None, max_error: float | None,
+              groups: int = 1) -> Any:
     """The op's Autograd kernel, registered directly (cheaper than ``register_autograd``'s generic
     wrapper): without grad mode or without an input that requires grad it goes straight below
     autograd (:func:`_below`), so no_grad calls pay almost nothing for autograd (inference_mode
     skips this kernel entirely)."""
     if _GRAD_ENABLED() and (x.requires_grad or w.requires_grad or (bias is not None and bias.requires_grad)):
-        return _grad_apply(x, w, bias, stride, padding, dilation, algo, precision, max_error)
-    return _below(keyset, x, w, bias, stride, padding, dilation, algo, precision, max_error)
+        return _grad_apply(x, w, bias, stride, padding, dilation, algo, precision, max_error, groups)
+    return _below(keyset, x, w, bias, stride, padding, dilation, algo, precision, max_error, groups)
+
+
+# -- the backward ops ---------------------------------------------------------------------------
+
+def _torch_input(input_size: Sequence[Any], w: Any, gy: Any, stride: Sequence[int], padding: Sequence[int],
+                 dilation: Sequence[int], groups: int) -> Any:
+    """PyTorch's gradient of the input (``aten.convolution_backward``), with convforge's (top,
+    bottom, left, right) padding: the gradient of the padded input, the pad cut off."""
+    t, b, left, right = padding
+    sym = t == b and left == right
+    n, c, h, wd = input_size
+    x = gy.new_zeros((n, c, h, wd) if sym else (n, c, h + t + b, wd + left + right))  # its shape is all that is read
+    gx = torch.ops.aten.convolution_backward(gy, x, w, None, list(stride), [t, left] if sym else [0, 0],
+                                             list(dilation), False, [0, 0], groups, [True, False, False])[0]
+    return gx if sym else gx[:, :, t:t + h, left:left + wd].contiguous()
+
+
+def _torch_weight(x: Any, weight_size: Sequence[Any], gy: Any, stride: Sequence[int], padding: Sequence[int],
+                  dilation: Sequence[int], groups: int) -> Any:
+    """PyTorch's gradient of the filters, with convforge's padding (applied to x first)."""
+    t, b, left, right = padding
+    sym = t == b and left == right
+    xin = x if sym else F.pad(x, (left, right, t, b))
+    w = gy.new_zeros(tuple(weight_size))  # its shape is all that is read
+    return torch.ops.aten.convolution_backward(gy, xin, w, None, list(stride), [t, left] if sym else [0, 0],
+                                               list(dilation), False, [0, 0], groups, [False, True, False])[1]
+
+
+def _ours(conv_pass: str, call: Any, fallback: Any, tag: tuple[Any, ...], algo: str) -> Any:
+    """``call(algo)`` (convforge.grad); a named ``algo`` that does not compute the pass (the forward's
+    variant or family) is retried as 'auto'; a layer no variant of the pass runs goes to PyTorch's
+    ``fallback()``, logged once."""
+    why: ValueError | None = None
+    for name in dict.fromkeys((algo, "auto")):
+        try:
+            return call(name)
+        except ValueError as err:
+            why = err
+    if tag not in _FELL_BACK:
+        _FELL_BACK.add(tag)
+        log.warning("convforge: %s; PyTorch computes the %s of this layer", why, conv_pass)
+    return fallback()
+
+
+def _input_cuda(input_size: list[int], w: Any, gy: Any, stride: list[int], padding: list[int], dilation: list[int],
+                groups: int, algo: str, precision: str | None, max_error: float | None) -> Any:
+    """convforge's dgrad (``convforge.grad.conv2d_input``'s fast path)."""
+    if w.dtype != torch.float32 or gy.dtype != torch.float32:
+        return _torch_input(input_size, w, gy, stride, padding, dilation, groups)
+    size, st, pad, dl = (*input_size,), (*stride,), (*padding,), (*dilation,)
+    wc, gc = w.contiguous(), gy.contiguous()
+    return _ours("dgrad", lambda a: cf_grad.conv2d_input(size, wc, gc, st, pad, dl, groups, a, precision, max_error),
+                 lambda: _torch_input(input_size, w, gy, stride, padding, dilation, groups),
+                 ("dgrad", size, tuple(w.shape), st, pad, dl, groups), algo)
+
+
+def _weight_cuda(x: Any, weight_size: list[int], gy: Any, stride: list[int], padding: list[int],
+                 dilation: list[int], groups: int, algo: str, precision: str | None, max_error: float | None) -> Any:
+    """convforge's wgrad (``convforge.grad.conv2d_weight``'s fast path)."""
+    if x.dtype != torch.float32 or gy.dtype != torch.float32:
+        return _torch_weight(x, weight_size, gy, stride, padding, dilation, groups)
+    size, st, pad, dl = (*weight_size,), (*stride,), (*padding,), (*dilation,)
+    xc, gc = x.contiguous(), gy.contiguous()
+    return _ours("wgrad", lambda a: cf_grad.conv2d_weight(xc, size, gc, st, pad, dl, groups, a, precision, max_error),
+                 lambda: _torch_weight(x, weight_size, gy, stride, padding, dilation, groups),
+                 ("wgrad", tuple(x.shape), size, st, pad, dl, groups), algo)
+
+
+def _bias_cuda(gy: Any) -> Any:
+    """convforge's bias reduction (``convforge.grad.conv2d_bias``)."""
+    if gy.dtype != torch.float32 or gy.dim() != 4:
+        return gy.sum(dim=[d for d in range(gy.dim()) if d != 1])
+    return cf_grad.conv2d_bias(gy.contiguous())
+
+
+def _input_cpu(input_size: list[int], w: Any, gy: Any, stride: list[int], padding: list[int], dilation: list[int],
+               groups: int, algo: str, precision: str | None, max_error: float | None) -> Any:
+    return _torch_input(input_size, w, gy, stride, padding, dilation, groups)
+
+
+def _weight_cpu(x: Any, weight_size: list[int], gy: Any, stride: list[int], padding: list[int],
+                dilation: list[int], groups: int, algo: str, precision: str | None, max_error: float | None) -> Any:
+    return _torch_weight(x, weight_size, gy, stride, padding, dilation, groups)
+
+
+def _bias_cpu(gy: Any) -> Any:
+    return gy.sum(dim=[d for d in range(gy.dim()) if d != 1])
+
+
+def _input_fake(input_size: list[Any], w: Any, gy: Any, *rest: Any) -> Any:
+    return gy.new_empty(list(input_size))
+
+
+def _weight_fake(x: Any, weight_size: list[Any], gy: Any, *rest: Any) -> Any:
+    return x.new_empty(list(weight_size))
+
+
+def _bias_fake(gy: Any) -> Any:
+    return gy.new_empty((gy.shape[1],))
+
+
+for _name, _cuda_fn, _cpu_fn, _fake_fn in (("conv2d_input", _input_cuda, _input_cpu, _input_fake),
+                                          ("conv2d_weight", _weight_cuda, _weight_cpu, _weight_fake),
+                                          ("conv2d_bias", _bias_cuda, _bias_cpu, _bias_fake)):
+    _LIB.impl(_name, _cuda_fn, "CUDA")
+    _LIB.impl(_name, _cpu_fn, "CPU")
+    torch.library.register_fake(f"convforge::{_name}", _fake_fn, lib=_LIB)
+
+INPUT_OP = torch.ops.convforge.conv2d_input.default
+WEIGHT_OP = torch.ops.convforge.conv2d_weight.default
+BIAS_OP = torch.ops.convforge.conv2d_bias.default
 
 
 # The CUDA and Autograd kernels: C++ where the native fast path is built (native.cpp: a warm call
@@ -168,9 +300,9 @@ else:
 
 def conv2d(x: Any, w: Any, bias: Any = None, stride: int | Sequence[int] = 1, padding: int | Sequence[int] = 0,
            dilation: int | Sequence[int] = 1, algo: str = "auto", precision: str | None = None,
-           max_error: float | None = None) -> Any:
+           max_error: float | None = None, groups: int = 1) -> Any:
     """``torch.ops.convforge.conv2d`` with the loose argument forms of ``convforge.conv2d``:
     differentiable, traceable by torch.compile, capturable in CUDA graphs."""
     st = (stride, stride) if isinstance(stride, int) else tuple(stride)
     dl = (dilation, dilation) if isinstance(dilation, int) else tuple(dilation)
-    return _OP(x, w, bias, list(st), list(normalize_padding(padding)), list(dl), algo, precision, max_error)
+    return _OP(x, w, bias, list(st), list(normalize_padding(padding)), list(dl), algo, precision, max_error, groups)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -45,9 +46,15 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
                         f"default {DEFAULT_BUDGET}")
     p.add_argument("--backend", choices=("cuda", "opencl"), help="default: cuda when present, else opencl")
     p.add_argument("--device", help="CUDA device index or OpenCL 'platform:device'")
+    from convforge.tune.parallel import DEVICES_HELP
+
+    p.add_argument("--devices", metavar="all|0,1,...", help=DEVICES_HELP)
     p.add_argument("--db", type=Path, help=f"tuning database (default {config.tuning_db})")
-    p.add_argument("--bias", action="store_true", help="tune with a bias epilogue")
-    p.add_argument("--relu", action="store_true", help="tune with a ReLU epilogue")
+    p.add_argument("--bias", action="store_true", help="tune with a bias epilogue (fprop only)")
+    p.add_argument("--relu", action="store_true", help="tune with a ReLU epilogue (fprop only)")
+    from convforge.cli import add_pass_option
+
+    add_pass_option(p, allow_all=True, extra=" (--suite / --spec)")
     p.add_argument("--force", action="store_true", help="re-tune layers the database already knows")
     p.add_argument("--seed", type=int, default=0, help="seed of the space sample and of the check inputs")
     p.add_argument("--precision", choices=tuple(PRECISIONS), help=PRECISION_HELP)
@@ -95,7 +102,16 @@ def _layers(args: argparse.Namespace) -> list[tuple[str, ConvSpec]]:
         out = out[: args.limit]
     if not out:
         raise ValueError("nothing to tune: give --suite NAME|FILE or --spec")
-    return out
+    return with_passes(out, getattr(args, "conv_pass", None))
+
+
+def with_passes(layers: list[tuple[str, ConvSpec]], choice: str | None) -> list[tuple[str, ConvSpec]]:
+    """Each layer in the pass(es) ``--pass`` names (``cli.spec_passes``), named "layer" for fprop
+    and "layer:dgrad" / "layer:wgrad" for the others."""
+    from convforge.cli import spec_passes
+
+    return [(name if s.conv_pass == "fprop" else f"{name}:{s.conv_pass}", s)
+            for name, spec in layers for s in spec_passes(spec, choice)]
 
 
 def _backend(args: argparse.Namespace) -> Any:
@@ -107,6 +123,7 @@ def _backend(args: argparse.Namespace) -> Any:
 
 # Options that apply to some modes only ("layers": --suite / --spec, "net": --net, "model": --model).
 _MODES = {"--batch": ("net",), "--limit": ("layers",), "--bias": ("layers",), "--relu": ("layers",),
+          "--pass": ("layers",),
           "--report": ("layers",), "--dispatch-overhead": ("layers",), "--workers": ("layers", "net")}
 _MODE_FLAGS = {"layers": "--suite / --spec", "net": "--net", "model": "--model"}
 
@@ -127,30 +144,46 @@ def check_tune_args(args: argparse.Namespace) -> Budget:
         given = ", ".join(f for f, v in (("--suite", args.suite), ("--spec", args.spec)) if v)
         raise ValueError(f"--net cannot be combined with {given} (tune them separately)")
     for flag, modes in _MODES.items():
-        value = getattr(args, flag[2:].replace("-", "_"), None)
+        value = getattr(args, "conv_pass" if flag == "--pass" else flag[2:].replace("-", "_"), None)
         if value not in (None, False) and mode not in modes:
             where = " or ".join(_MODE_FLAGS[m] for m in modes)
             raise ValueError(f"{flag} applies only with {where}, not with {_MODE_FLAGS[mode]}")
     return budget
 
 
+def layer_epilogue(spec: ConvSpec, epi: Epilogue) -> Epilogue:
+    """The epilogue a layer is tuned with: ``epi`` for fprop, none for the backward passes."""
+    return epi if spec.conv_pass == "fprop" else Epilogue()
+
+
 def tune_main(args: argparse.Namespace) -> int:
     """Tune a suite or layers into the database, with a progress bar and a closing table."""
+    from convforge.tune.parallel import how_from_args
+
     try:
         budget = check_tune_args(args)
+        how = how_from_args(args)  # several devices, or this torchrun rank's share; None: one process
     except ValueError as err:
         _error(f"{err}")
         return 2
     console = _console()
     _setup_logging(args.verbose)
     if getattr(args, "model", None):
-        return _tune_models(args, console, budget)
+        return _tune_models(args, console, budget, how)
     if getattr(args, "net", None):
         from convforge.graph.tune import tune_net
 
-        return tune_net(args, console, _backend(args), TuningDB(args.db or config.tuning_db), budget)
+        if str(args.net).endswith(".onnx"):
+            from convforge.cli import need
+
+            need("--net FILE.onnx", "onnx")
+
+        return tune_net(args, console, None if how else _backend(args), TuningDB(args.db or config.tuning_db),
+                        budget, how)
     try:
         layers = _layers(args)
+        if (args.bias or args.relu) and not any(s.conv_pass == "fprop" for _, s in layers):
+            raise ValueError("--bias and --relu are fprop epilogues; dgrad and wgrad write a plain gradient")
     except ValueError as err:
         _error(f"{err}")
         return 2
@@ -159,8 +192,10 @@ def tune_main(args: argparse.Namespace) -> int:
     except ValueError as err:
         _error(f"{err}")
         return 2
-    backend = _backend(args)
     epi = Epilogue(bias=args.bias, relu=args.relu)
+    if how is not None:
+        return _tune_parallel(args, console, budget, layers, epi, db, how)
+    backend = _backend(args)
     console.print(f"device: {backend.device.name} ({backend.name}, {backend.device.driver}); "
                   f"database: {db.path}; budget: {budget}; precision: {precision_key()}", markup=False)
     results, failed = _run(console, layers, backend, db, budget, epi, args)
@@ -175,18 +210,60 @@ def tune_main(args: argparse.Namespace) -> int:
         tuner = Tuner(backend, db, budget, args.seed, workers=args.workers)
         doc = build_report(tuner, layers, results, all_variants(), args.report_sets)
         files = write_report(args.report, doc)
-        console.print("report: " + ", ".join(str(f) for f in files), markup=False)
+        plot = "" if any(f.suffix == ".png" for f in files) else " (no report.png: pip install 'convforge[plot]')"
+        console.print("report: " + ", ".join(str(f) for f in files) + plot, markup=False)
     if args.dispatch_overhead and results:
         from convforge.tune import clear_choices
 
         clear_choices()
         with _db_config(db.path):
-            us = measure_dispatch(layers[0][1], backend, epilogue=epi)
+            us = measure_dispatch(layers[0][1], backend, epilogue=layer_epilogue(layers[0][1], epi))
         console.print(f"dispatch overhead of choose() with a warm database: {us:.2f} µs per call")
     return 1 if failed else 0
 
 
-def _tune_models(args: argparse.Namespace, console: Any, budget: Budget) -> int:
+def _tune_parallel(args: argparse.Namespace, console: Any, budget: Budget, layers: list[tuple[str, ConvSpec]],
+                   epi: Epilogue, db: TuningDB, how: Any) -> int:
+    """``--suite`` / ``--spec`` on several devices or torchrun ranks (tune/parallel.py): identical
+    layers tuned once (the others then come from the database, as in one process), the same
+    closing table."""
+    from convforge.kernels import get_variant
+    from convforge.params import Params
+    from convforge.tune import parallel
+
+    groups: dict[tuple[ConvSpec, Epilogue], list[str]] = {}
+    for name, spec in layers:
+        groups.setdefault((spec, layer_epilogue(spec, epi)), []).append(name)
+    tasks = [parallel.Task(i, names[0], float(spec.flops), {"kind": "layer", "spec": spec.to_dict(),
+                                                            "epi": dataclasses.asdict(e)})
+             for i, ((spec, e), names) in enumerate(groups.items())]
+    backend = parallel.backend_name(args, how)
+    console.print(f"{len(tasks)} distinct layer(s) on {how.describe()}; database: {db.path}; budget: {budget}; "
+                  f"precision: {precision_key()}", markup=False)
+    run = parallel.execute(tasks, parallel.base_settings(args, budget, backend, db.path, how), how, console)
+    if run.outcomes is None:  # a torchrun rank other than 0: rank 0 prints the table
+        return 1 if run.own_failed else 0
+    results: dict[str, TuneResult] = {}
+    failed: dict[str, str] = {}
+    timed = 0
+    for task, ((spec, e), names) in zip(tasks, groups.items(), strict=True):
+        out = run.outcomes[task.id]
+        if not out.ok:
+            failed.update(dict.fromkeys(names, out.error))
+            continue
+        entry = Entry(**out.reply["entry"])
+        timed += int(out.reply.get("timed", 0))
+        for j, name in enumerate(names):
+            results[name] = TuneResult(spec, e, entry, get_variant(entry.variant), Params.from_json(entry.params),
+                                       bool(out.reply.get("from_db")) or j > 0)
+    console.print(_table(layers, results, failed, backend))
+    fresh = sum(not r.from_db for r in results.values())
+    console.print(f"{fresh} layer(s) tuned, {len(results) - fresh} from the database, {len(failed)} failed; "
+                  f"{timed} candidate(s) timed", markup=False)
+    return 1 if failed else 0
+
+
+def _tune_models(args: argparse.Namespace, console: Any, budget: Budget, how: Any = None) -> int:
     """``tune --model``: alone (no --suite, --spec or --net), into ``--db`` when given."""
     clash = [flag for flag, val in (("--suite", args.suite), ("--spec", args.spec), ("--net", args.net)) if val]
     if clash:
@@ -205,7 +282,10 @@ def _tune_models(args: argparse.Namespace, console: Any, budget: Budget) -> int:
     if args.db is not None:
         config.db_path = args.db
         clear_choices()
-    return tune_models(args.model, console, budget, getattr(args, "dtype", None) or "float32")
+    dtype = getattr(args, "dtype", None) or "float32"
+    if how is not None:
+        return tune_models(args.model, console, budget, how=how, args=args, dtype=dtype)
+    return tune_models(args.model, console, budget, dtype=dtype)
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -240,7 +320,7 @@ def _run(console: Any, layers: list[tuple[str, ConvSpec]], backend: Any, db: Tun
         for name, spec in layers:
             bar.reset(cands, total=budget.candidates, description=f"  {name}")
             try:
-                results[name] = tuner.tune(spec, epi, force=args.force)
+                results[name] = tuner.tune(spec, layer_epilogue(spec, epi), force=args.force)
             except TuneError as err:
                 failed[name] = str(err)
                 console.print(f"{name}: {err}", style="red", markup=False)
@@ -290,10 +370,13 @@ def add_db_arguments(p: argparse.ArgumentParser) -> None:
     sub.required = True
     ls = sub.add_parser("list", help="one line per tuned layer")
     show = sub.add_parser("show", help="every field of the entries matching a layer or key fields")
+    from convforge.cli import add_pass_option
+
     for q in (ls, show):
         q.add_argument("--spec", help="only this layer (ConvSpec text)")
         q.add_argument("--backend", help="only this back-end")
         q.add_argument("--variant", help="only this variant")
+        add_pass_option(q, allow_all=False, extra=" (default: every pass)")
     exp = sub.add_parser("export", help="write the entries as JSON (to share between machines)")
     exp.add_argument("file", type=Path, help="output JSON file ('-' for stdout)")
     exp.add_argument("--backend", help="only this back-end")
@@ -332,10 +415,10 @@ def db_main(args: argparse.Namespace) -> int:
         return 2
     cmd = args.db_command
     if cmd == "list":
-        console.print(_list_table(db.entries(**match), db.path))
+        console.print(_list_table(_of_pass(db.entries(**match), args), db.path))
         _print_not_carried(console, db)
     elif cmd == "show":
-        for e in db.entries(**match):
+        for e in _of_pass(db.entries(**match), args):
             console.print_json(json.dumps(_entry_doc(e)))
     elif cmd == "export":
         if str(args.file) == "-":
@@ -387,10 +470,26 @@ def _print_not_carried(console: Any, db: TuningDB) -> None:
             console.print(f"  {line}", soft_wrap=True, markup=False)
 
 
+def entry_pass(e: Entry) -> str:
+    """The pass an entry was tuned for (its spec_json's; fprop for entries that name none)."""
+    try:
+        doc = json.loads(e.spec_json)
+    except json.JSONDecodeError:
+        doc = {}
+    return str(doc.get("pass", "fprop")) if isinstance(doc, dict) else "fprop"
+
+
+def _of_pass(entries: list[Entry], args: argparse.Namespace) -> list[Entry]:
+    """The entries of ``--pass`` (all of them without it)."""
+    want = getattr(args, "conv_pass", None)
+    return entries if want is None else [e for e in entries if entry_pass(e) == want]
+
+
 def _entry_doc(e: Entry) -> dict[str, Any]:
     from dataclasses import asdict
 
     doc = asdict(e)
+    doc["pass"] = entry_pass(e)
     doc["params"] = json.loads(e.params)
     doc["heuristic_params"] = json.loads(e.heuristic_params)
     doc["spec_json"] = json.loads(e.spec_json)
@@ -401,13 +500,13 @@ def _list_table(entries: list[Entry], path: Path) -> Any:
     from rich.table import Table
 
     table = Table(title=escape(f"{path}: {len(entries)} entries"))
-    for col in ("device", "back-end", "layer", "epilogue", "precision", "variant", "parameters", "ms", "error",
-                "speed-up", "date"):
+    for col in ("device", "back-end", "layer", "pass", "epilogue", "precision", "variant", "parameters", "ms",
+                "error", "speed-up", "date"):
         table.add_column(col)
     for e in entries:
         prm = " ".join(f"{k}={v}" for k, v in json.loads(e.params).items())
         sp = e.speedup
-        cells = (e.device.split("|")[1] if "|" in e.device else e.device, e.backend, e.spec, e.epilogue,
+        cells = (e.device.split("|")[1] if "|" in e.device else e.device, e.backend, e.spec, entry_pass(e), e.epilogue,
                  e.precision, e.variant, prm, f"{e.time_ms:.4f}", f"{e.error:.1e}",
                  "" if sp is None else f"{sp:.2f}×", e.date[:19])
         table.add_row(*(escape(c) for c in cells))

@@ -1,4 +1,4 @@
-"""TF32 variants on the staged tensor-core GEMM (:mod:`convforge.kernels.tcpipe`), class "relaxed".
+"""TF32 variants on the staged tensor-core GEMM (:mod:`convforge.kernels.tensorcore.mma_pipe`), class "relaxed".
 
 * ``gemm1x1_pipe_tf32``: 1x1 convolution; the filters (A, K x C) are written TF32-rounded once per
   weight version by a plan step, the activations (B, contiguous along pixels) copied raw and
@@ -31,7 +31,7 @@ from convforge.kernels import register
 from convforge.kernels.common import out_args, out_refs
 from convforge.kernels.gemm import elementwise, nchw_store, too_big
 from convforge.kernels.sgemm import GemmShape, Store
-from convforge.kernels.tcpipe import (
+from convforge.kernels.tensorcore.mma_pipe import (
     PIPE_KEYS,
     AsyncOperand,
     Kind,
@@ -41,7 +41,12 @@ from convforge.kernels.tcpipe import (
     pipe_kernel,
     pipe_space,
 )
-from convforge.kernels.tensorcore import TF32_EXPECTED, TF32_TOLERANCE, WinogradNonFusedTC, tensor_core_reason
+from convforge.kernels.tensorcore.mma_variants import (
+    TF32_EXPECTED,
+    TF32_TOLERANCE,
+    WinogradNonFusedTC,
+    tensor_core_reason,
+)
 from convforge.kernels.winograd.nonfused import WinogradNonFused
 from convforge.kernels.winograd.tiles import Geometry
 from convforge.params import Params
@@ -165,6 +170,11 @@ class Gemm1x1PipeTF32(_StagedTF32):
         if spec.r != 1 or spec.s != 1:
             return "only 1x1 filters"
         return super().applies(spec, device)
+
+    def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
+        """Below both wgmma paths on sm_90 (H100, N32: 1024->256 @14² 60 us against 33 / 43,
+        64->256 @56² 224 against 73 / 73; untuned, it was the unseen suite's worst layer, 0.27x)."""
+        return self.specialised - 1 if device.cc == (9, 0) else self.specialised
 
     def _operands(self, spec: ConvSpec) -> tuple[AsyncOperand, AsyncOperand]:
         (sh, sw), hw, pq = spec.stride, spec.h * spec.w, spec.p * spec.q

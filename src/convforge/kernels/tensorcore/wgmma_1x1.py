@@ -49,6 +49,7 @@ from convforge.kernels import register
 from convforge.kernels.common import out_args, out_refs
 from convforge.kernels.gemm import elementwise, nchw_store, too_big
 from convforge.kernels.sgemm import Store
+from convforge.kernels.tensorcore.isa import device_reason
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
 from convforge.spec import ConvSpec
@@ -60,7 +61,7 @@ SBO = 8 * ROW_BYTES  # bytes between groups of 8 rows (both layouts)
 LBO = {0: 128, 128: 16}  # bytes between K-adjacent core matrices (unused by the swizzled mode)
 MODE = {0: 0, 128: 1}  # descriptor bits 62-63
 MAX_SHARED = 227 * 1024
-TF32_EXPECTED = 3e-4  # as the mma.sync TF32 variants (kernels/tensorcore.py)
+TF32_EXPECTED = 3e-4  # as the mma.sync TF32 variants (kernels/tensorcore/mma_variants.py)
 TF32_TOLERANCE = 1e-3
 WG_KEYS = ("bn", "wg", "st", "sw", "xl", "ep")
 XL = ("direct", "transposed")  # how x reaches the B tiles (see the module docstring)
@@ -455,12 +456,7 @@ def _store_staged(code: Code, m: int, n: int, p: Params, c: Store) -> None:
 # -- the variant --------------------------------------------------------------------------------
 def wgmma_reason(device: DeviceInfo) -> str | None:
     """Why ``device`` cannot run the sm_90a wgmma kernels (None when it can)."""
-    if device.backend != "cuda":
-        return "wgmma needs the CUDA back-end"
-    if device.cc != (9, 0):
-        have = f"{device.cc[0]}.{device.cc[1]}" if device.cc else "unknown"
-        return f"wgmma is compiled for sm_90a, which runs only on compute capability 9.0 (device: {have})"
-    return None
+    return device_reason(device)
 
 
 class Gemm1x1WgmmaTF32(Variant):

@@ -1,0 +1,166 @@
+"""``convforge bench --sweep``: every point of a variant's tuning space on every layer of a suite.
+
+For each layer and each variant the ``--algo`` options name (a variant, or the applicable variants of a
+family), the first ``--sweep-limit`` points of its space (or, with ``--sweep-mods``, its default and the
+default changed by each mod; ``default`` alone: the default) are compiled in parallel, checked against the
+float64 reference and timed by the tuner's own measurement (``Tuner.measure_many``: the whole plan, every
+launch, inside the timed call). One row per point: time, effective TFLOPS, relative error, parameters, status;
+the fastest point of each layer is marked, and ``--out`` writes ``sweep.json`` (every point, and the fastest
+point of each layer and variant). Nothing is stored in the tuning database. This is how a generator change is
+explored and A/B-tested on a GPU (``scripts/gpu-ab``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from convforge.backends.base import Backend
+from convforge.bench.suites import Layer, SuiteError
+from convforge.params import Params
+from convforge.plan import Epilogue, Variant
+from convforge.spec import ConvSpec
+
+
+def check_sweep_args(args: argparse.Namespace) -> None:
+    """The options a sweep needs and the ones it cannot take: SuiteError naming the option."""
+    if not args.sweep:
+        for flag, value in (("--sweep-limit", args.sweep_limit), ("--sweep-mods", args.sweep_mods)):
+            if value is not None:
+                raise SuiteError(f"{flag} goes with --sweep")
+        return
+    clash = [flag for flag, val in (("--model", args.model), ("--ablation", args.ablation),
+                                    ("--compare-backends", args.compare_backends),
+                                    ("--baseline", args.baseline not in (None, "none"))) if val]
+    if clash:
+        raise SuiteError(f"--sweep cannot be combined with {', '.join(clash)} (it times convforge's points only)")
+    if not args.algo or "auto" in args.algo:
+        raise SuiteError("--sweep needs --algo: the variant(s) or family whose space to time ('auto' would "
+                         "time every variant's whole space)")
+    from convforge import kernels
+
+    known = {v.name for v in kernels.all_variants()} | set(kernels.FAMILIES)
+    unknown = [a for a in args.algo if a not in known]
+    if unknown:
+        raise SuiteError(f"--algo ({', '.join(map(repr, unknown))}) must be a variant or family: "
+                         f"{', '.join(sorted(known))}")
+    if args.suite is None:
+        raise SuiteError("--suite is required (a built-in name or a JSON file)")
+    if args.sweep_limit is not None and args.sweep_limit < 1:
+        raise SuiteError(f"--sweep-limit ({args.sweep_limit}) must be >= 1")
+    if args.sweep_limit is not None and args.sweep_mods is not None:
+        raise SuiteError("--sweep-limit and --sweep-mods exclude each other (mods time the default and its changes)")
+    mods(args.sweep_mods)  # parsed now: a bad mod is refused before anything compiles
+
+
+def mods(text: str | None) -> list[Params]:
+    """``'k=v,k=v;k=v'`` -> one Params per ``;``-separated change of the default (``default``: no
+    change, so ``--sweep-mods default`` times each variant's default alone)."""
+    if text is None:
+        return []
+    out = []
+    for part in (p.strip() for p in text.split(";")):
+        if not part:
+            continue
+        try:
+            out.append(Params() if part == "default" else Params.parse(part))
+        except ValueError as err:
+            raise SuiteError(f"--sweep-mods ({part!r}): {err}") from None
+    if not out:
+        raise SuiteError(f"--sweep-mods ({text!r}) names no change: give 'k=v,k=v;k=v' or 'default'")
+    return out
+
+
+def points(variant: Variant, spec: ConvSpec, backend: Backend, limit: int | None,
+           changes: list[Params]) -> list[Params]:
+    """The first ``limit`` points of the space, or the default and the default changed by each mod."""
+    dev = backend.device
+    if not changes:
+        space = variant.space(spec, dev)
+        return list(space if limit is None else space[:limit])
+    default = variant.default(spec, dev)
+    out = [default]
+    for change in changes:
+        prm = Params(dict(default), **dict(change))
+        if prm not in out:
+            out.append(prm)
+    return out
+
+
+def variants(algos: list[str], spec: ConvSpec, backend: Backend, precision: str) -> list[Variant]:
+    """The variants the ``--algo`` options name that apply to ``spec`` on ``backend``, each once."""
+    from convforge import kernels
+
+    seen: dict[str, Variant] = {}
+    for algo in algos:
+        for v in kernels.select(algo, spec, backend.device, precision=precision):
+            if backend.name in v.backends:
+                seen.setdefault(v.name, v)
+    return list(seen.values())
+
+
+def run_sweep(args: argparse.Namespace, layers: list[Layer], backend: Backend, precision: str,
+              console: Console) -> int:
+    """Time the points, print one table per layer, write ``sweep.json`` with ``--out``; 1 when a
+    point failed (it scores infinity and the others still run), 2 when no point applied anywhere."""
+    from convforge.tune.tuner import Tuner
+
+    tuner = Tuner(backend, seed=args.seed, repeats=args.repeats)
+    changes = mods(args.sweep_mods)
+    rows: list[dict[str, Any]] = []
+    best: dict[str, dict[str, Any]] = {}
+    for layer in layers:
+        chosen = variants(args.algo, layer.spec, backend, precision)
+        pts = [(v, p) for v in chosen for p in points(v, layer.spec, backend, args.sweep_limit, changes)]
+        if not pts:
+            console.print(f"{escape(layer.name)}: no --algo variant applies on {backend.name}", markup=False)
+            continue
+        cands = tuner.measure_many(layer.spec, Epilogue(), pts)
+        mine = [_row(layer, c) for c in cands]
+        fastest = min((r["time_ms"] for r in mine if r["status"] == "ok"), default=None)
+        for r in mine:
+            r["fastest"] = r["status"] == "ok" and r["time_ms"] == fastest
+            key = f"{layer.name}|{r['variant']}"
+            if r["status"] == "ok" and (key not in best or r["time_ms"] < best[key]["time_ms"]):
+                best[key] = r
+        console.print(table(mine, f"{layer.name} ({layer.spec.short()}) on {backend.device.name}"))
+        rows += mine
+    if not rows:
+        console.print("[red]error:[/] no --algo variant applies to any layer of the suite")
+        return 2
+    failed = [r for r in rows if r["status"] != "ok"]
+    console.print(f"{len(rows)} point(s) timed, {len(failed)} failed", markup=False)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        doc = {"device": backend.device.name, "backend": backend.name, "suite": args.suite, "rows": rows,
+               "fastest": {k: r["params"] for k, r in best.items()}}
+        (out / "sweep.json").write_text(json.dumps(doc, indent=1) + "\n")
+        console.print(f"wrote {out}/sweep.json", markup=False)
+    return 1 if failed else 0
+
+
+def _row(layer: Layer, cand: Any) -> dict[str, Any]:
+    ok = cand.status == "ok"
+    return {"layer": layer.name, "spec": layer.spec.short(), "variant": cand.variant.name,
+            "params": json.loads(cand.params.to_json()), "point": cand.params.short(),
+            "time_ms": cand.time_ms if ok else None, "tflops": layer.spec.flops / cand.time_ms / 1e9 if ok else None,
+            "rel_err": cand.error, "status": cand.status}
+
+
+def table(rows: list[dict[str, Any]], title: str) -> Table:
+    t = Table(title=escape(title))
+    for col in ("variant", "point", "ms", "TFLOPS", "rel err", "status"):
+        t.add_column(col, justify="right" if col in ("ms", "TFLOPS", "rel err") else "left")
+    for r in rows:
+        ms = "-" if r["time_ms"] is None else f"{r['time_ms']:.4f}" + (" *" if r["fastest"] else "")
+        tf = "-" if r["tflops"] is None else f"{r['tflops']:.3g}"
+        err = "-" if r["rel_err"] is None else f"{r['rel_err']:.1e}"
+        t.add_row(r["variant"], escape(r["point"]), ms, tf, err, escape(str(r["status"])[:120]))
+    return t

@@ -1,0 +1,201 @@
+"""The generator's epilogue: accumulators -> staged through shared memory -> NCHW-planar stores with
+bias, residual, ReLU, channel offset and the storage dtype's rounding; split-K partials (raw FP32) and
+their deterministic reduce.
+
+Staging (per consumer warpgroup, 32 columns at a time, its own shared region so the producer keeps
+loading the next tile meanwhile): accumulator (row, col) goes to ``st[col * LD + row]`` with
+LD = 64 wm + 4. Writes: a warp's lanes (g, t) hit banks (8 t + g + const) % 32, all different
+(LD % 32 == 4); reads: each thread takes 4 consecutive rows of one column as a float4 (LD * 4 bytes
+is a multiple of 16), a quarter-warp 128 contiguous bytes. Stores: those 4 rows are 4 consecutive
+pixels of one output channel, contiguous in an NCHW plane (one 16-byte store for FP32, 8 bytes for
+halves) when P*Q is a multiple of 4; else 4 guarded scalar stores. A warp writes 2 (wm = 1) or 1
+channel rows of 64 or 128 pixels: coalesced.
+
+Planar layout: element (row m, column k) of slab z (split-K slice x batch) sits at
+z * slab + (m / pq * k_total + k_offset + k) * pq + m % pq: NCHW outputs (pq = P*Q, m = n P Q + pix),
+Winograd's M[z][e][k][t] (pq = T), split-K partials [z][n][k][pix].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from convforge.codegen.dialect import Buf, Kernel
+from convforge.codegen.meta import Code, cdiv
+from convforge.kernels.tensorcore.cexpr import Let
+from convforge.kernels.tensorcore.isa import ACC
+from convforge.plan import Epilogue
+
+COLS = 32  # columns staged at once
+_ELT = 256  # threads of the reduce kernel's blocks
+
+
+def staging_ld(wm: int) -> int:
+    """Floats per staged column: the warpgroup's rows + 4 (conflict-free transposed writes)."""
+    return 64 * wm + 4
+
+
+def staging_bytes(wm: int) -> int:
+    return 4 * COLS * staging_ld(wm)
+
+
+# -- storage dtypes on the device ---------------------------------------------------------------
+CTYPE = {"float32": "float", "float16": "unsigned short", "bfloat16": "unsigned short"}
+
+
+def to_float(dtype: str, expr: str) -> str:
+    """A stored value of ``dtype`` as a float expression."""
+    return {"float32": expr, "float16": f"TC_F16_TO_F32({expr})", "bfloat16": f"TC_BF16_TO_F32({expr})"}[dtype]
+
+
+def from_float(dtype: str, expr: str) -> str:
+    """A float rounded to ``dtype`` (nearest even), as its storage expression."""
+    return {"float32": expr, "float16": f"TC_F32_TO_F16({expr})", "bfloat16": f"TC_F32_TO_BF16({expr})"}[dtype]
+
+
+def _pack2(dtype: str, a: str, b: str) -> str:
+    return f"TC_PACK_{'F16' if dtype == 'float16' else 'BF16'}X2({a}, {b})"
+
+
+@dataclass(frozen=True)
+class Output:
+    """A planar destination of the GEMM's D (see the module docstring). ``epi`` None: raw FP32 partial
+    sums (no bias, residual, ReLU, offset)."""
+
+    buf: str
+    m: int
+    n: int
+    pq: int
+    dtype: str = "float32"
+    k_total: int = 0
+    k_offset: int = 0
+    slab: int = 0  # elements between slabs (0: one slab)
+    epi: Epilogue | None = field(default_factory=Epilogue)
+
+    @property
+    def kt(self) -> int:
+        return self.k_total or self.n
+
+    def offset(self, m: str, k: str, z: str) -> str:
+        """Element offset of (row m, column k) of slab z (a C expression, Python-evaluable)."""
+        slab = f"({z}) * {self.slab} + " if self.slab else ""
+        off = f" + {self.k_offset}" if self.k_offset else ""
+        return f"({slab}(({m}) / {self.pq} * {self.kt}{off} + ({k})) * {self.pq} + ({m}) % {self.pq})"
+
+    def args(self) -> tuple[Buf, ...]:
+        out: tuple[Buf, ...] = (Buf(self.buf, CTYPE[self.dtype], readonly=False),)
+        if self.epi is not None and self.epi.bias:
+            out += (Buf("bias", CTYPE[self.dtype]),)
+        if self.epi is not None and self.epi.residual:
+            out += (Buf("res", CTYPE[self.dtype]),)
+        return out
+
+    def refs(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.args())
+
+    @property
+    def vector(self) -> bool:
+        """4 consecutive rows from a multiple of 4 are one aligned run (same plane, contiguous)."""
+        return self.pq % 4 == 0
+
+    def value(self, acc: str, k: str, off: str) -> str:
+        """The stored float of accumulator ``acc`` for column ``k`` at element ``off``."""
+        if self.epi is None:
+            return acc
+        v = acc
+        if self.epi.bias:
+            v = f"{v} + {to_float(self.dtype, f'bias[{k}]')}"
+        if self.epi.residual:
+            v = f"{v} + {to_float(self.dtype, f'res[{off}]')}"
+        return f"fmaxf({v}, 0.0f)" if self.epi.relu else v
+
+    def store4(self, code: Code, m: str, k: str, z: str, vals: list[str]) -> None:
+        """Store ``vals`` at rows m .. m + 3 (m a multiple of 4) of column k (< n) of slab z."""
+        if self.vector:
+            code(f"const int oo = {self.offset(m, k, z)};")
+            with code.block(f"if ({m} < {self.m})"):
+                outs = [self.value(v, k, f"oo + {i}") for i, v in enumerate(vals)]
+                code(*self._vstore("oo", outs))
+            return
+        for i, v in enumerate(vals):
+            with code.block(f"if ({m} + {i} < {self.m})"):
+                code(f"const int o{i} = {self.offset(f'{m} + {i}', k, z)};",
+                     f"{self.buf}[o{i}] = {from_float(self.dtype, self.value(v, k, f'o{i}'))};")
+
+    def _vstore(self, off: str, vals: list[str]) -> list[str]:
+        if self.dtype == "float32":
+            return [f"*(float4*)({self.buf} + {off}) = make_float4({', '.join(vals)});"]
+        lo, hi = _pack2(self.dtype, vals[0], vals[1]), _pack2(self.dtype, vals[2], vals[3])
+        return [f"*(uint2*)({self.buf} + {off}) = make_uint2({lo}, {hi});"]
+
+
+# -- the consumer's epilogue ---------------------------------------------------------------------
+def acc_name(mi: int, i: int, prefix: str = "d") -> str:
+    """Accumulator register ``i`` of m64 block ``mi`` of a consumer thread (``prefix`` f: the promoted
+    FP32 sums of 3xTF32)."""
+    return f"{prefix}{mi}_{i}"
+
+
+def stage_write(ld: int, mi: int, i: int, ch: int, prefix: str = "d") -> tuple[str, str] | None:
+    """(staging float offset, accumulator) of register ``i`` of block ``mi`` if its n8 chunk lies in
+    column chunk ``ch``, else None (C expressions of wq, g, t: warp in warpgroup, lane / 4, lane % 4)."""
+    if 8 * (i // ACC.per_chunk) // COLS != ch:
+        return None
+    row = f"({64 * mi} + {ACC.row_expr(i)})"
+    return f"(({ACC.col_expr(i)} - {COLS * ch}) * {ld} + {row})", acc_name(mi, i, prefix)
+
+
+def readout_lets(wm: int, item: int) -> list[Let]:
+    """Item ``item`` of a consumer thread ``ct`` in one chunk: its column in the chunk ``ec`` and
+    the first of its 4 rows in the warpgroup's tile ``er``."""
+    quads = 16 * wm
+    e = f"(ct + {128 * item})"
+    return [Let(f"ec{item}", f"({e} / {quads})"), Let(f"er{item}", f"(({e} % {quads}) * 4)")]
+
+
+def chunks(wm: int, bn: int) -> list[tuple[int, list[int]]]:
+    """The epilogue's loop: per 32-column chunk, the items (4 rows x 1 column each) of a thread."""
+    return [(ch, list(range(min(COLS, bn - COLS * ch) * 16 * wm // 128))) for ch in range(cdiv(bn, COLS))]
+
+
+def emit_consumer_epilogue(code: Code, out: Output, wm: int, bn: int, stage: str, bar: str,
+                           row0: str, col0: str, z: str, prefix: str = "d") -> None:
+    """The tile's accumulators (``prefix``) to ``out`` through the staging buffer at float pointer
+    ``stage``; ``bar``: this warpgroup's named barrier; ``row0``: the warpgroup's first row in the
+    problem, ``col0`` the tile's first column, ``z`` the slab."""
+    ld = staging_ld(wm)
+    for ch, items in chunks(wm, bn):
+        code(f"BAR_SYNC({bar}, 128);  // the last chunk's reads are done")
+        for mi in range(wm):
+            for i in range(bn // 2):
+                w = stage_write(ld, mi, i, ch, prefix)
+                if w is not None:
+                    code(f"{stage}[{w[0]}] = {w[1]};")
+        code(f"BAR_SYNC({bar}, 128);")
+        for item in items:
+            with code.block(f"/* chunk {ch}, item {item} */"):
+                for let in readout_lets(wm, item):
+                    let.emit(code)
+                code(f"const float4 v = *(const float4*)({stage} + ec{item} * {ld} + er{item});",
+                     f"const int k = {col0} + {COLS * ch} + ec{item}, m = {row0} + er{item};")
+                with code.block(f"if (k < {out.n})"):
+                    out.store4(code, "m", "k", z, ["v.x", "v.y", "v.z", "v.w"])
+
+
+def reduce_kernel(name: str, out: Output, ks: int, total: int) -> tuple[Kernel, tuple[int, int, int]]:
+    """Sum ``ks`` raw FP32 partial slabs (``part``, planar with the conv's own channels) in slice order
+    (deterministic), then bias, residual, ReLU, channel offset and dtype into ``out``."""
+    src = Output("part", out.m, out.n, out.pq, slab=total, epi=None)
+    code = Code()
+    code(f"const int e = GROUP_ID(0) * {_ELT} + LOCAL_ID(0);")
+    with code.block(f"if (e < {total})"):
+        code(f"const int m = e / {out.pq * out.n} * {out.pq} + e % {out.pq}, k = e / {out.pq} % {out.n};",
+             "float s = part[e];")
+        for z in range(1, ks):
+            code(f"s += part[{src.offset('m', 'k', str(z))}];")
+        code(f"const int o = {out.offset('m', 'k', '0')};",
+             f"{out.buf}[o] = {from_float(out.dtype, out.value('s', 'k', 'o'))};")
+    kern = Kernel(name, (Buf("part"),) + out.args(), code.text(), (_ELT, 1, 1), frozenset({"wgmma"}),
+                  comment=f"sum of {ks} split-K partials, then the epilogue")
+    return kern, (cdiv(total, _ELT), 1, 1)
+

@@ -1,0 +1,187 @@
+"""One stage ring: the producer warpgroup fills stages, the consumer warpgroups multiply them.
+
+Barriers (mbarriers in shared memory, two per stage): ``full[s]`` completes when the producer's copies
+of stage s have landed (one cp.async arrival per producer thread, ``.noinc``), ``empty[s]`` when every
+consumer thread is done reading it (one arrival each, after the wgmma group that read it has
+finished: wgmma.wait_group). Stage s is used for iterations i = s, s + st, ... with phase (i / st) & 1;
+the producer waits on ``empty`` with the opposite parity (a fresh barrier's "previous phase" counts as
+complete, so the first round passes), the consumers on ``full`` with the phase itself. Counters run on
+across tiles, so a persistent block's producer fills the next tile's stages while the consumers store.
+
+Consumers: per stage one wgmma group (every k step x product x m64 block), committed, then
+wait_group 1: the group before is done, its stage released. cp.async writes are generic-proxy
+writes and wgmma reads through the async proxy, so each consumer thread fences the proxies
+(fence.proxy.async) after acquiring a full stage. 3xTF32 with ``pi`` promotes the wgmma sums into
+FP32 registers every ``pi`` stages (the tensor core's FP32 accumulation truncates; its error grows with
+the reduction length, the promoted sum's with ``pi`` stages only).
+
+A TMA producer slots in here: one elected thread per stage issues ``cp.async.bulk.tensor`` with the
+full barrier and an expected byte count (``mbarrier.arrive.expect_tx``), full barriers initialised to
+1 arrival; the consumer side is unchanged but for the proxy fence, which TMA does not need.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from convforge.codegen.meta import Code
+from convforge.kernels.tensorcore import epilogue, schedule
+from convforge.kernels.tensorcore.cexpr import emit_all
+from convforge.kernels.tensorcore.epilogue import Output, acc_name
+from convforge.kernels.tensorcore.isa import Math
+from convforge.kernels.tensorcore.operands import THREADS, Copy, Operand
+from convforge.kernels.tensorcore.smem import StageLayout, desc_high
+from convforge.kernels.tensorcore.tiles import Problem, TileConfig
+
+REGISTER_ROWS = 8  # per-row producer state kept in registers up to this many rows per thread (twice as
+# many without setmaxnreg, when the producer has the launch bound's 168 registers)
+
+
+@dataclass(frozen=True)
+class Ring:
+    """The stage ring's shared-memory layout: ``st`` stages from ``sbase``, the consumers' staging
+    after them, then the barriers (variable ``bars``)."""
+
+    cfg: TileConfig
+    math: Math
+
+    @property
+    def stage_bytes(self) -> int:
+        return self.cfg.stage(self.math).nbytes
+
+    @property
+    def staging_offset(self) -> int:
+        return self.cfg.st * self.stage_bytes
+
+    @property
+    def barrier_offset(self) -> int:
+        return self.staging_offset + self.cfg.cw * epilogue.staging_bytes(self.cfg.wm)
+
+    def full(self, s: str) -> str:
+        return f"(bars + 8u * ({s}))"
+
+    def empty(self, s: str) -> str:
+        return f"(bars + {8 * self.cfg.st}u + 8u * ({s}))"
+
+    def emit_init(self, code: Code) -> None:
+        with code.block("if (tid == 0)"):
+            for s in range(self.cfg.st):
+                code(f"MBAR_INIT({self.full(str(s))}, {THREADS});",
+                     f"MBAR_INIT({self.empty(str(s))}, {THREADS * self.cfg.cw});")
+        code("BARRIER();  // barriers initialised before any role uses them")
+
+    def advance(self, code: Code) -> None:
+        code(f"if (++stage == {self.cfg.st}) {{ stage = 0; phase ^= 1u; }}")
+
+
+def emit_producer(code: Code, ring: Ring, prob: Problem, ops: list[Operand]) -> None:
+    """The producer warpgroup (tid 0..127): per tile and stage, wait for the stage to be empty, issue
+    every copy of every operand part, arrive on its full barrier once they land."""
+    cfg, math = ring.cfg, ring.math
+    for op in ops:
+        emit_all(code, op.thread_lets())
+    code("int stage = 0;", "unsigned phase = 0u;")
+    with code.block(schedule.loop_head(cfg, prob)):
+        emit_all(code, schedule.tile_lets(cfg, math, prob))
+        rows = REGISTER_ROWS if cfg.regs() else 2 * REGISTER_ROWS  # (setmaxnreg leaves the producer 80)
+        keep = [op for op in ops if op.per_thread <= rows]
+        for op in keep:
+            emit_all(code, op.tile_lets())
+        with code.block("for (int kt = kbeg; kt < kend; ++kt)"):
+            code(f"MBAR_WAIT({ring.empty('stage')}, phase ^ 1u);")
+            for op in ops:
+                emit_all(code, op.stage_lets())
+            code(f"const unsigned sst = sbase + stage * {ring.stage_bytes}u;")
+            for op in ops:
+                for i in range(op.per_thread):
+                    if op not in keep:  # many rows: their state recomputed per stage, each row's short-lived
+                        emit_all(code, op.row_lets(i))
+                    _issue(code, cfg.stage(math), op, math, op.row_copies(i))
+            code(f"CP_ASYNC_MBAR_ARRIVE({ring.full('stage')});")
+            ring.advance(code)
+    code("CP_ASYNC_COMMIT();", "CP_ASYNC_WAIT(0);  // no copy outlives its thread")
+
+
+def _issue(code: Code, stage: StageLayout, op: Operand, math: Math, copies: list[Copy]) -> None:
+    """The cp.async of ``copies`` into the stage at ``sst``, for every part of the operand."""
+    for part in math.parts:
+        off = stage.offset(op.name, part)
+        for cp in copies:
+            src = f"(const float*)({op.buffer(part)} + {_guarded(cp.src, cp.pred)})"
+            size = f", ({cp.pred}) ? 16u : 0u" if cp.pred else ""
+            code(f"CP_ASYNC16(sst + {off}u + {cp.smem}, {src}{size});")
+
+
+def _guarded(src: str, pred: str) -> str:
+    """The source offset, 0 (a valid address) where the copy reads nothing."""
+    return f"(({pred}) ? {src} : 0)" if pred else src
+
+
+def wgmma_issue(cfg: TileConfig, math: Math) -> list[tuple[int, int, int]]:
+    """The wgmma of one stage in issue order, as (m64 block, byte offset of its A operand from the
+    stage base plus the consumer's first row, byte offset of its B operand from the stage base):
+    per k step, per product of parts, per m64 block of the consumer."""
+    stage, out = cfg.stage(math), []
+    for kk in range(stage.a.steps):
+        for pa, pb in math.products:
+            for mi in range(cfg.wm):
+                out.append((mi, stage.offset("a", pa) + 64 * 128 * mi + stage.a.step_offset(kk),
+                            stage.offset("b", pb) + stage.b.step_offset(kk)))
+    return out
+
+
+def consumer_rows(cfg: TileConfig) -> int:
+    """Byte offset of consumer c's first A row, per c (its rows are 64 wm c ..)."""
+    return cfg.wm * 64 * 128
+
+
+def acc_names(cfg: TileConfig, prefix: str = "d") -> list[str]:
+    return [acc_name(mi, i, prefix) for mi in range(cfg.wm) for i in range(cfg.bn // 2)]
+
+
+def emit_consumer(code: Code, ring: Ring, prob: Problem, out: Output) -> None:
+    """A consumer warpgroup (c = wg - 1): per tile, zero the accumulators, multiply every stage of its
+    K range, release the stages, then store through the epilogue."""
+    cfg, math = ring.cfg, ring.math
+    acc = acc_names(cfg)
+    tied = ", ".join(acc)
+    code("const int ct = tid & 127, c = wg - 1, wq = ct >> 5, g = (tid & 31) >> 2, t = tid & 3;",
+         f"const U64 dsc = {desc_high()}ull | (U64)(sbase >> 4);",
+         f"const U64 da0 = dsc + (U64)(c * {consumer_rows(cfg) // 16});  // this warpgroup's rows of A",
+         f"float* const est = tc_smem + ((sbase - SMEM_U32(tc_smem)) >> 2) + "
+         f"({ring.staging_offset} + c * {epilogue.staging_bytes(cfg.wm)}) / 4;  // its staging",
+         f"float {', '.join(acc)};")
+    if cfg.pi:
+        code(f"float {', '.join(acc_names(cfg, 'f'))};")
+    code("int stage = 0, pstage = 0;", "unsigned phase = 0u;")
+    with code.block(schedule.loop_head(cfg, prob)):
+        emit_all(code, schedule.tile_lets(cfg, math, prob))
+        code(*(f"{d} = 0.0f;" for d in acc + (acc_names(cfg, "f") if cfg.pi else [])))
+        with code.block("for (int kt = kbeg; kt < kend; ++kt)"):
+            code(f"MBAR_WAIT({ring.full('stage')}, phase);",
+                 "FENCE_PROXY_ASYNC();  // the producer's cp.async (generic proxy) writes, seen by wgmma",
+                 "WGMMA_FENCE();",
+                 f"const U64 so = (U64)(stage * {ring.stage_bytes // 16});")
+            for mi, a_off, b_off in wgmma_issue(cfg, math):
+                regs = ", ".join(acc[mi * cfg.bn // 2:(mi + 1) * cfg.bn // 2])
+                code(f"WGMMA({math.ptx}, {math.k}, {cfg.bn}, da0 + so + {a_off // 16}, dsc + so + {b_off // 16}, "
+                     f"{regs});")
+            code("WGMMA_COMMIT();", f"WGMMA_WAIT(1, {tied});  // the group before is done: release its stage",
+                 f"if (kt > kbeg) MBAR_ARRIVE({ring.empty('pstage')});", "pstage = stage;")
+            ring.advance(code)
+            if cfg.pi:
+                with code.block(f"if ((kt - kbeg) % {cfg.pi} == {cfg.pi - 1})"):
+                    _promote(code, cfg, tied)
+        code(f"WGMMA_WAIT(0, {tied});", f"MBAR_ARRIVE({ring.empty('pstage')});")
+        if cfg.pi:
+            _promote(code, cfg, tied, wait=False)
+        epilogue.emit_consumer_epilogue(code, out, cfg.wm, cfg.bn, "est", "(1 + c)",
+                                        f"(ra0 + c * {64 * cfg.wm})", "rb0", "zs", "f" if cfg.pi else "d")
+
+
+def _promote(code: Code, cfg: TileConfig, tied: str, wait: bool = True) -> None:
+    """Add the wgmma sums into the FP32 registers and restart them."""
+    if wait:
+        code(f"WGMMA_WAIT(0, {tied});")
+    for d, f in zip(acc_names(cfg), acc_names(cfg, "f"), strict=True):
+        code(f"{f} += {d}; {d} = 0.0f;")

@@ -1,0 +1,232 @@
+"""Operand iterators: what the producer warpgroup copies into each stage.
+
+The protocol (:class:`Operand`): an implicit GEMM D (M x N) = A (M x Kred) . B (N x Kred)^T with both
+operands K-major. An iterator owns one of them; for every stage it names, per producer thread, a list
+of 16-byte copies (:class:`Copy`: shared byte offset in its tile, source element offset, predicate),
+from bindings (:class:`~convforge.kernels.tensorcore.cexpr.Let`) at three levels:
+
+* ``thread_lets``: per producer thread (``tid`` 0..127), once;
+* ``tile_lets``: per output tile (``ra0`` / ``rb0``: the tile's first row of A / B; ``bz``: the batch);
+* ``stage_lets``: per stage (``kt``: the index of the K block, 0 .. Kred / stage elements).
+
+The mainloop prints them as C; the emulation evaluates the same strings. Every iterator here maps
+thread ``tid`` to chunk ``tid % 8`` of rows ``tid / 8 + 16 i`` (and chunk 8 a + tid % 8 of each
+further 128-byte atom a): 8 consecutive threads fill one 128-byte row of the swizzled tile, one
+conflict-free quarter-warp store, and read 128 contiguous bytes where the source row is contiguous.
+Rows past the operand's end are clamped to its last row (finite data; their results are never stored).
+
+fprop: A = :class:`Im2colNhwc` (output pixels x (r, s, c) of NHWC activations, any stride, dilation,
+padding), B = :class:`DenseRows` (filters packed K x (r, s, c)). Winograd's batched GEMM: both
+:class:`DenseRows` (V[e]: tiles x C, U[e]: K x C). The training passes are new iterators of the same
+protocol: dgrad's A gathers dy (NHWC) rows at (h + p - r d) / stride for the dx pixels, with a rotated,
+K-major-in-K filter as B; wgrad's A is dy^T (K rows, reduction over N P Q: dy pixel-major) and B the
+im2col rows of x with the reduction along pixels. A TMA producer replaces ``copies`` by one tensor
+copy per stage (a tiled map for DenseRows, an im2col map for Im2colNhwc) and completes the same
+full barrier with a byte count instead of per-thread arrivals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from convforge.codegen.dialect import Buf
+from convforge.kernels.tensorcore.cexpr import Let
+from convforge.kernels.tensorcore.isa import Math
+from convforge.kernels.tensorcore.smem import Tile
+
+THREADS = 128  # the producer warpgroup
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One 16-byte cp.async: shared byte offset in the operand's tile, source element offset in the
+    part's buffer, and the predicate (empty: always) under which it reads (else it zero-fills)."""
+
+    smem: str
+    src: str
+    pred: str = ""
+
+
+class Operand(Protocol):
+    """An operand iterator (see the module docstring)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def tile(self) -> Tile: ...
+
+    @property
+    def math(self) -> Math: ...
+
+    def buffer(self, part: str) -> str: ...
+
+    def args(self) -> tuple[Buf, ...]: ...
+
+    def thread_lets(self) -> list[Let]: ...
+
+    def tile_lets(self) -> list[Let]: ...
+
+    def stage_lets(self) -> list[Let]: ...
+
+    def copies(self) -> list[Copy]: ...
+
+    @property
+    def per_thread(self) -> int: ...
+
+    def row_lets(self, i: int) -> list[Let]: ...
+
+    def row_copies(self, i: int) -> list[Copy]: ...
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """The shared thread mapping: chunk ``j`` = tid % 8 of rows ``rb`` + 16 i, per atom a."""
+
+    name: str  # prefix of this operand's variables ("a", "b")
+    tile: Tile
+    math: Math
+    buf: str  # global buffer (parts: ``{buf}`` for hi, ``{buf}_lo`` for lo)
+
+    @property
+    def per_thread(self) -> int:
+        """Rows a producer thread copies (each of ``tile.atoms`` chunks)."""
+        return self.tile.rows // (THREADS // 8)
+
+    def buffer(self, part: str) -> str:
+        return self.buf if part == "hi" else f"{self.buf}_{part}"
+
+    def args(self) -> tuple[Buf, ...]:
+        return tuple(Buf(self.buffer(p), self.math.ctype) for p in self.math.parts)
+
+    def thread_lets(self) -> list[Let]:
+        n = self.name
+        return [Let(f"{n}_j", "(tid & 7)"), Let(f"{n}_rb", "(tid >> 3)"),
+                Let(f"{n}_so", self.tile.chunk_offset(f"{n}_rb", f"{n}_j"))]
+
+    def row(self, i: int) -> str:
+        """Row of copy ``i`` in the operand (``r{name}0``: the tile's first row, from the schedule)."""
+        return f"(r{self.name}0 + {self.name}_rb + {16 * i})"
+
+    def kpos(self, a: int) -> str:
+        """First K element of this thread's chunk in atom ``a`` of stage ``kt``."""
+        return f"(kt * {self.math.elems(self.tile.atoms)} + ({8 * a} + {self.name}_j) * {self.math.chunk_elems})"
+
+    def row_lets(self, i: int) -> list[Let]:
+        """The per-tile bindings of the thread's row ``i``."""
+        raise NotImplementedError
+
+    def row_copies(self, i: int) -> list[Copy]:
+        """The copies of the thread's row ``i`` (every atom), given the stage bindings."""
+        raise NotImplementedError
+
+    def tile_lets(self) -> list[Let]:
+        return [let for i in range(self.per_thread) for let in self.row_lets(i)]
+
+    def copies(self) -> list[Copy]:
+        return [cp for i in range(self.per_thread) for cp in self.row_copies(i)]
+
+    def smem(self, i: int, a: int) -> str:
+        """The copy's shared offset: the thread's chunk of row rb, 16 i rows and a atoms on (the
+        swizzle depends on the row modulo 8 only, so these are constant steps)."""
+        step = a * self.tile.rows * 128 + 16 * i * 128
+        return f"({self.name}_so + {step})"
+
+
+@dataclass(frozen=True)
+class DenseRows(_Rows):
+    """Rows of a K-major matrix: element (row, k) of batch bz at bz * batch_stride + row * ld + k;
+    ``rows`` rows, K elements valid below ``kred`` (copies past it zero-fill unless the rows are
+    padded with zeros up to a whole stage: ``padded``)."""
+
+    rows: int = 0
+    ld: int = 0
+    kred: int = 0
+    batch_stride: int = 0
+    padded: bool = False
+
+    def row_lets(self, i: int) -> list[Let]:
+        base = f"bz * {self.batch_stride} + " if self.batch_stride else ""
+        return [Let(f"{self.name}_r{i}", f"({base}min({self.row(i)}, {self.rows - 1}) * {self.ld})")]
+
+    def stage_lets(self) -> list[Let]:
+        return [Let(f"{self.name}_k{a}", self.kpos(a)) for a in range(self.tile.atoms)]
+
+    def row_copies(self, i: int) -> list[Copy]:
+        n, tail = self.name, self.kred % self.math.elems(self.tile.atoms) and not self.padded
+        return [Copy(self.smem(i, a), f"({n}_r{i} + {n}_k{a})", f"{n}_k{a} < {self.kred}" if tail else "")
+                for a in range(self.tile.atoms)]
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The convolution an :class:`Im2colNhwc` gathers for: NHWC activations of ``cp`` channels (a
+    multiple of the chunk), output pixels P x Q per image, N images."""
+
+    n: int
+    h: int
+    w: int
+    cp: int
+    p: int
+    q: int
+    r: int
+    s: int
+    stride: tuple[int, int]
+    dilation: tuple[int, int]
+    pad_top: int
+    pad_left: int
+    padded: bool  # some tap of some output pixel falls outside the image
+
+    @property
+    def m(self) -> int:
+        return self.n * self.p * self.q
+
+    @property
+    def kred(self) -> int:
+        return self.r * self.s * self.cp
+
+
+@dataclass(frozen=True)
+class Im2colNhwc(_Rows):
+    """A of fprop: row m = output pixel (n, oh, ow), column k = (r, s, c) with c fastest; the chunk at
+    k reads channels c .. c + chunk of input pixel (oh sh - pt + r dh, ow sw - pl + s dw), zero outside
+    the image (padding) and past R S C (the last stage's tail). Without padding every tap of a valid
+    pixel is inside the image and the copies carry no predicate but the tail's."""
+
+    geo: Geometry | None = None
+
+    def row_lets(self, i: int) -> list[Let]:
+        g, n = self.geo, self.name
+        assert g is not None
+        return [Let(f"{n}_m{i}", f"min({self.row(i)}, {g.m - 1})"),
+                Let(f"{n}_x{i}", f"({n}_m{i} % {g.p * g.q})"),
+                Let(f"{n}_h{i}", f"({n}_x{i} / {g.q} * {g.stride[0]} - {g.pad_top})"),
+                Let(f"{n}_w{i}", f"({n}_x{i} % {g.q} * {g.stride[1]} - {g.pad_left})"),
+                Let(f"{n}_b{i}", f"(({n}_m{i} / {g.p * g.q} * {g.h} + {n}_h{i}) * {g.w} + {n}_w{i}) * {g.cp}")]
+
+    def stage_lets(self) -> list[Let]:
+        g, n = self.geo, self.name
+        assert g is not None
+        out: list[Let] = []
+        for a in range(self.tile.atoms):
+            out += [Let(f"{n}_k{a}", self.kpos(a)),
+                    Let(f"{n}_rs{a}", f"({n}_k{a} / {g.cp})"),
+                    Let(f"{n}_dy{a}", f"({n}_rs{a} / {g.s} * {g.dilation[0]})"),
+                    Let(f"{n}_dx{a}", f"({n}_rs{a} % {g.s} * {g.dilation[1]})"),
+                    Let(f"{n}_o{a}", f"(({n}_dy{a} * {g.w} + {n}_dx{a}) * {g.cp} + {n}_k{a} % {g.cp})")]
+        return out
+
+    def row_copies(self, i: int) -> list[Copy]:
+        g, n = self.geo, self.name
+        assert g is not None
+        tail = g.kred % self.math.elems(self.tile.atoms) != 0
+        out = []
+        for a in range(self.tile.atoms):
+            conds = []
+            if g.padded:  # one unsigned compare per axis: negative coordinates wrap past the bound
+                conds += [f"(unsigned)({n}_h{i} + {n}_dy{a}) < {g.h}u", f"(unsigned)({n}_w{i} + {n}_dx{a}) < {g.w}u"]
+            if tail:
+                conds.append(f"{n}_rs{a} < {g.r * g.s}")
+            out.append(Copy(self.smem(i, a), f"({n}_b{i} + {n}_o{a})", " && ".join(conds)))
+        return out

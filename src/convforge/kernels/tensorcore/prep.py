@@ -1,0 +1,99 @@
+"""Steps that put operands into the generator's layouts and number formats.
+
+* :func:`x_nhwc`: activations N C H W (storage dtype) -> N H W Cp (Cp: C padded with zero channels to
+  a whole 16-byte chunk), 32 x 32 tiles through shared memory (reads along pixels and writes along
+  channels both coalesced). TF32: rounded (cvt.rna); 3xTF32: hi and lo parts; halves: the bits as
+  they are.
+* :func:`w_krsc`: filters K C R S -> K x ld, element (r s Cp + c) with ld the reduction padded with
+  zeros to a whole stage: a weight-only step (kept per weight version by the callers that cache
+  filter transforms).
+* :func:`rounded_parts`: the statements that store one float as the math mode's parts (shared by
+  the Winograd transforms).
+"""
+
+from __future__ import annotations
+
+from convforge.codegen.dialect import Buf, Dim3, Kernel
+from convforge.codegen.meta import Code, cdiv
+from convforge.kernels.tensorcore.epilogue import CTYPE
+from convforge.kernels.tensorcore.isa import Math
+from convforge.spec import ConvSpec
+
+_ELT = 256
+
+
+def padded_channels(c: int, math: Math) -> int:
+    """Channels as the generator reads them: a whole number of 16-byte chunks."""
+    return cdiv(c, math.chunk_elems) * math.chunk_elems
+
+
+def part_buffers(name: str, math: Math) -> tuple[Buf, ...]:
+    return tuple(Buf(name if p == "hi" else f"{name}_{p}", math.ctype, readonly=False) for p in math.parts)
+
+
+def rounded_parts(math: Math, dst: str, index: str, value: str) -> list[str]:
+    """Store float ``value`` at ``dst[index]`` (and ``dst_lo``) as ``math`` wants it: TF32-rounded, split
+    into hi and lo, or rounded to the half type."""
+    if math.name == "tf32":
+        return [f"{dst}[{index}] = CVT_TF32({value});"]
+    if math.name == "3xtf32":
+        return ["{", f"const float hi_ = CVT_TF32({value});", f"{dst}[{index}] = hi_;",
+                f"{dst}_lo[{index}] = CVT_TF32(({value}) - hi_);", "}"]
+    conv = "TC_F32_TO_F16" if math.name == "f16" else "TC_F32_TO_BF16"
+    return [f"{dst}[{index}] = {conv}({value});"]
+
+
+def _store_parts(math: Math, dtype: str, dst: str, index: str, value: str) -> list[str]:
+    """As :func:`rounded_parts` for a value already in storage dtype ``dtype``: halves copy their bits."""
+    if math.esize == 2:
+        return [f"{dst}[{index}] = {value};"]
+    return rounded_parts(math, dst, index, value)
+
+
+def x_nhwc(spec: ConvSpec, math: Math, cp: int, dst: str = "xh") -> tuple[Kernel, Dim3]:
+    """The activation conversion step (see the module docstring)."""
+    c, hw, st = spec.c, spec.h * spec.w, CTYPE[spec.dtype]
+    code = Code()
+    code(f"SHARED {st} tile[32 * 33];",
+         "const int tx = LOCAL_ID(0), ty = LOCAL_ID(1), n = GROUP_ID(2);",
+         "const int p0 = GROUP_ID(0) * 32, c0 = GROUP_ID(1) * 32;")
+    for j in range(4):
+        code(f"{{ const int ci = c0 + ty + {8 * j}, p = p0 + tx;",
+             f"  tile[(ty + {8 * j}) * 33 + tx] = (ci < {c} && p < {hw}) ? x[(n * {c} + ci) * {hw} + p] : 0; }}")
+    code("BARRIER();")
+    for j in range(4):
+        with code.block(f"/* row {j} */"):
+            code(f"const int p = p0 + ty + {8 * j}, ci = c0 + tx;")
+            with code.block(f"if (p < {hw} && ci < {cp})"):
+                code(*_store_parts(math, spec.dtype, dst, f"(n * {hw} + p) * {cp} + ci",
+                                   f"tile[tx * 33 + ty + {8 * j}]"))
+    kern = Kernel("tc_x_nhwc", (Buf("x", st),) + part_buffers(dst, math), code.text(), (32, 8, 1),
+                  frozenset({"mma_tf32", "wgmma"}),
+                  comment=f"x NCHW -> NHWC ({cp} channels) as {math.name} operands")
+    return kern, (cdiv(hw, 32), cdiv(cp, 32), spec.n)
+
+
+def w_krsc(spec: ConvSpec, math: Math, cp: int, ld: int, dst: str = "wt") -> tuple[Kernel, Dim3]:
+    """The filter packing step (see the module docstring): one thread per (k, c), channels fastest,
+    reading its R S contiguous taps (a warp reads one contiguous run) and writing them R S channel
+    rows apart (each store coalesced across the warp); channels past C and the row's tail past
+    R S Cp get zeros."""
+    rs, c, total, tail = spec.r * spec.s, spec.c, spec.k * cp, ld - spec.r * spec.s * cp
+    zero = "(unsigned short)0" if math.esize == 2 else "0.0f"
+    code = Code()
+    code(f"const int e = GROUP_ID(0) * {_ELT} + LOCAL_ID(0);")
+    with code.block(f"if (e < {total})"):
+        code(f"const int k = e / {cp}, ci = e - k * {cp};",
+             f"const bool ok = ci < {c};",
+             f"const {CTYPE[spec.dtype]}* src = w + (k * {c} + (ok ? ci : 0)) * {rs};",
+             f"const int o = k * {ld} + ci;")
+        for i in range(rs):
+            value = f"(ok ? src[{i}] : {zero})"
+            code(*_store_parts(math, spec.dtype, dst, f"o + {i * cp}", value))
+        if tail:
+            with code.block(f"for (int j = {rs * cp} + ci; j < {ld}; j += {cp})"):
+                code(*(f"{b.name}[k * {ld} + j] = {zero};" for b in part_buffers(dst, math)))
+    kern = Kernel("tc_w_krsc", (Buf("w", CTYPE[spec.dtype]),) + part_buffers(dst, math), code.text(),
+                  (_ELT, 1, 1), frozenset({"mma_tf32", "wgmma"}),
+                  comment=f"filters K C R S -> K x (R S {cp}) padded to {ld}, as {math.name} operands")
+    return kern, (cdiv(total, _ELT), 1, 1)

@@ -1,0 +1,36 @@
+"""Which tile a block works on: persistent loop, raster order, split-K ranges.
+
+Tiles are numbered with the N tile (output channels) fastest, then the M tile (pixels), then the
+split-K slice, then the batch: blocks resident at the same time share rows of A, the expensive
+gathered operand, which then comes from L2 for all but the first of them. With ``ps`` = 1 the grid
+has at most one block per SM and each block walks tiles ``blockIdx.x + i * gridDim.x`` (its
+producer runs ahead into the next tile while the consumers store the last); with ``ps`` = 0 each
+block takes one tile. Both warpgroup roles decode the same sequence, so their stage rings agree.
+"""
+
+from __future__ import annotations
+
+from convforge.codegen.meta import cdiv
+from convforge.kernels.tensorcore.cexpr import Let
+from convforge.kernels.tensorcore.isa import Math
+from convforge.kernels.tensorcore.tiles import Problem, TileConfig
+
+
+def tile_lets(cfg: TileConfig, math: Math, prob: Problem) -> list[Let]:
+    """Per tile (variable ``tile``): its N and M tile (nb, mb), split (kz), batch (bz), the first rows of
+    A and B (ra0, rb0), its K blocks [kbeg, kend) and output slab z = kz * batch + bz."""
+    tn, tm = cdiv(prob.n, cfg.bn), cdiv(prob.m, cfg.bm)
+    nk = cfg.k_blocks(math, prob)
+    per = cdiv(nk, cfg.ks)
+    out = [Let("nb", f"(tile % {tn})"), Let("mb", f"(tile / {tn} % {tm})")]
+    out.append(Let("kz", f"(tile / {tn * tm} % {cfg.ks})" if cfg.ks > 1 else "0"))
+    out.append(Let("bz", f"(tile / {tn * tm * cfg.ks})" if prob.batch > 1 else "0"))
+    out += [Let("ra0", f"(mb * {cfg.bm})"), Let("rb0", f"(nb * {cfg.bn})"),
+            Let("kbeg", f"(kz * {per})"), Let("kend", f"min(kbeg + {per}, {nk})"),
+            Let("zs", f"(kz * {prob.batch} + bz)")]
+    return out
+
+
+def loop_head(cfg: TileConfig, prob: Problem) -> str:
+    """The persistent loop over this block's tiles."""
+    return f"for (int tile = GROUP_ID(0); tile < {cfg.tiles(prob)}; tile += NUM_GROUPS(0))"

@@ -1,0 +1,196 @@
+"""One tile configuration type for the generator, its resources, and the one pick / space.
+
+A block is 1 producer warpgroup + ``cw`` consumer warpgroups. Consumer c owns rows
+[64 wm c, 64 wm (c + 1)) of the ``bm`` x ``bn`` block tile (wm = bm / (64 cw) m64 blocks, each one
+wgmma m64n{bn} per k step and product), so it holds wm * bn / 2 f32 accumulators per thread.
+A stage holds ``kb`` 128-byte atoms of K (32 TF32 or 64 FP16/BF16 elements per atom), ``st`` stages
+ring between producer and consumers. ``ks`` splits the reduction (partials + a deterministic
+reduce), ``ps`` = 1 runs a persistent grid of at most one block per SM. ``cl`` is the cluster size,
+1 only: clusters pay through TMA multicast, which the cp.async producer does not have.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from convforge.codegen.meta import cdiv
+from convforge.kernels.tensorcore import epilogue
+from convforge.kernels.tensorcore.isa import Math, n_ok
+from convforge.kernels.tensorcore.smem import MAX_SHARED, StageLayout, Tile
+from convforge.params import Params
+
+KEYS = ("bm", "bn", "kb", "st", "cw", "ks", "ps", "pi")
+WG = 128  # threads of a warpgroup
+ACC_LIMIT = 128  # f32 accumulators per consumer thread that leave room for addresses (<= 232 registers)
+PRODUCER_REGS, CONSUMER_REGS = 80, 200  # setmaxnreg split of 3 warpgroups (128 * 80 + 256 * 200 <= 64K;
+# ptxas: the cp.async producer of 16 rows spilled at 72, a 128-accumulator consumer fits in 200)
+BN_CHOICES = (64, 128, 256, 96, 192, 32, 160, 224)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """The GEMM a plan runs: ``m`` rows (pixels or tiles), ``n`` columns (output channels), a reduction of
+    ``kred`` elements, ``batch`` independent GEMMs (Winograd's alpha^2)."""
+
+    m: int
+    n: int
+    kred: int
+    batch: int = 1
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    bm: int
+    bn: int
+    kb: int = 1
+    st: int = 4
+    cw: int = 2
+    ks: int = 1
+    ps: int = 1
+    pi: int = 0  # 3xTF32: promote the wgmma sums into FP32 registers every pi stages (0: never)
+    cl: int = 1
+
+    @property
+    def wm(self) -> int:
+        return self.bm // (64 * self.cw)
+
+    @property
+    def threads(self) -> int:
+        return WG * (1 + self.cw)
+
+    @property
+    def acc(self) -> int:
+        """f32 accumulators per consumer thread (twice as many registers with promotion)."""
+        return self.wm * self.bn // 2
+
+    def stage(self, math: Math) -> StageLayout:
+        return StageLayout(Tile(self.bm, self.kb), Tile(self.bn, self.kb), math.parts)
+
+    def shared_bytes(self, math: Math) -> int:
+        """Launch-sized shared memory: 1024 bytes of alignment slack, the stages, the consumers'
+        epilogue staging, two mbarriers per stage."""
+        return (1024 + self.st * self.stage(math).nbytes + self.cw * epilogue.staging_bytes(self.wm)
+                + 16 * self.st)
+
+    def regs(self) -> tuple[int, int] | None:
+        """(producer, consumer) registers for setmaxnreg, None when the launch bound leaves enough."""
+        need = self.acc * (2 if self.pi else 1)
+        if self.cw == 2 and need > 64:
+            return PRODUCER_REGS, CONSUMER_REGS
+        return None
+
+    def problems(self, math: Math, prob: Problem | None = None, shared_limit: int = MAX_SHARED) -> list[str]:
+        """Why this configuration cannot run (empty when it can)."""
+        out = []
+        if self.cw not in (1, 2) or self.bm % (64 * self.cw) or self.wm not in (1, 2):
+            out.append(f"bm ({self.bm}) must be 64 x cw ({self.cw}) x 1 or 2")
+        if not n_ok(self.bn) or self.bn % 32:
+            out.append(f"bn ({self.bn}) must be a multiple of 32 in 32..256")
+        if self.kb not in (1, 2):
+            out.append(f"kb ({self.kb}) must be 1 or 2 atoms of 128 bytes")
+        if not 2 <= self.st <= 8:
+            out.append(f"st ({self.st}) must be 2..8 stages")
+        if self.acc * (2 if self.pi else 1) > ACC_LIMIT + (32 if self.pi else 0):
+            out.append(f"{self.acc} accumulators per thread (bm {self.bm}, bn {self.bn}) exceed {ACC_LIMIT}")
+        if self.pi and math.name != "3xtf32":
+            out.append("pi (promotion) is a 3xTF32 setting")
+        if self.pi < 0 or self.ks < 1 or self.ps not in (0, 1) or self.cl != 1:
+            out.append("pi >= 0, ks >= 1, ps 0 or 1, cl 1 (no clusters without TMA multicast)")
+        if self.shared_bytes(math) > shared_limit:
+            out.append(f"{self.shared_bytes(math)} bytes of shared memory exceed {shared_limit}")
+        if prob is not None and self.ks > 1 and (self.ks - 1) * cdiv(self.k_blocks(math, prob), self.ks) \
+                >= self.k_blocks(math, prob):
+            out.append(f"ks ({self.ks}) leaves a split of {self.k_blocks(math, prob)} k blocks empty")
+        return out
+
+    def k_blocks(self, math: Math, prob: Problem) -> int:
+        """Stages of K in the whole reduction."""
+        return cdiv(prob.kred, math.elems(self.kb))
+
+    def tiles(self, prob: Problem) -> int:
+        """Output tiles of the problem, split-K slices and batch included."""
+        return cdiv(prob.m, self.bm) * cdiv(prob.n, self.bn) * self.ks * prob.batch
+
+    def grid(self, prob: Problem, units: int) -> int:
+        """Blocks launched: every tile (ps=0) or at most one block per SM (ps=1)."""
+        return min(self.tiles(prob), max(units, 1)) if self.ps else self.tiles(prob)
+
+    def params(self) -> Params:
+        keys = dict(bm=self.bm, bn=self.bn, kb=self.kb, st=self.st, cw=self.cw, ks=self.ks, ps=self.ps)
+        return Params({**keys, **({"pi": self.pi} if self.pi else {})})
+
+    @classmethod
+    def of(cls, p: Params) -> TileConfig:
+        unknown = set(p) - set(KEYS)
+        if unknown:
+            raise ValueError(f"unknown tensor-core tile parameters {sorted(unknown)} (known: {', '.join(KEYS)})")
+        return cls(int(p.bm), int(p.bn), int(p.get("kb", 1)), int(p.get("st", 4)), int(p.get("cw", 2)),
+                   int(p.get("ks", 1)), int(p.get("ps", 1)), int(p.get("pi", 0)))
+
+
+# Relative throughput of a block tile's wgmma stream per operand element size (m64nN with both operands in
+# shared memory: a narrow N reads more operand bytes per FLOP, and FP16 at twice TF32's rate feels it more;
+# H100, 2026-11-24, ResNet N=32 sweeps in docs/NOTES-tensorcore.md).
+TILE_EFFICIENCY = {4: {(128, 64): 0.8, (256, 64): 0.9, (128, 128): 1.0},
+                   2: {(128, 64): 0.7, (256, 64): 0.85, (128, 128): 1.0}}
+
+
+def _wave_cost(bm: int, bn: int, math: Math, prob: Problem, units: int) -> float:
+    """Time model of a tile shape: whole waves of tiles over the SMs, each tile's work over its
+    efficiency (narrow tiles waste less of the last wave; wide ones stream better)."""
+    tiles = cdiv(prob.m, bm) * cdiv(prob.n, bn) * prob.batch
+    return cdiv(tiles, max(units, 1)) * bm * bn / TILE_EFFICIENCY[math.esize][bm, bn]
+
+
+def split_for(cfg: TileConfig, math: Math, prob: Problem, units: int) -> int:
+    """ks: slices of the reduction when the tiles fill less than half the SMs and each slice keeps
+    at least 4 stages of K (so the partials' extra traffic buys parallelism, not overhead)."""
+    tiles, nk = cfg.tiles(prob), cfg.k_blocks(math, prob)
+    if tiles * 2 > units:
+        return 1
+    ks = min(units // max(tiles, 1), nk // 4, 16)
+    while ks > 1 and (ks - 1) * cdiv(nk, ks) >= nk:
+        ks -= 1
+    return max(ks, 1)
+
+
+def pick(math: Math, prob: Problem, units: int, shared_limit: int = MAX_SHARED) -> TileConfig:
+    """The default: 2 consumer warpgroups, the block tile of :data:`TILE_EFFICIENCY` with the least
+    modelled time (:func:`_wave_cost`; 128 wide only for more than 64 channels) where 3 stages fit,
+    one atom of K per stage, as many stages as fit (at most 6), 3xTF32 promoted every 4 stages,
+    split-K where the tiles still fill less than half the SMs, a persistent grid."""
+    pi = 4 if math.name == "3xtf32" else 0
+
+    def stages(bm: int, bn: int) -> int:
+        return max((s for s in range(2, 7) if not TileConfig(bm, bn, 1, s, 2, 1, 1, pi)
+                    .problems(math, shared_limit=shared_limit)), default=0)
+
+    shapes = [(bm, bn) for bm, bn in TILE_EFFICIENCY[math.esize] if stages(bm, bn) >= 3 and (bn == 64 or prob.n > 64)]
+    bm, bn = min(shapes, key=lambda t: _wave_cost(t[0], t[1], math, prob, units))
+    cfg = TileConfig(bm, bn, 1, stages(bm, bn), 2, 1, 1, pi)
+    return TileConfig(cfg.bm, bn, 1, cfg.st, 2, split_for(cfg, math, prob, units), 1, pi)
+
+
+def space(math: Math, prob: Problem, units: int, shared_limit: int = MAX_SHARED) -> list[TileConfig]:
+    """The default first, then every valid configuration that does not overshoot the channels by
+    2x (bn, bm for 1 or 2 consumers, kb, 3-6 stages, the default's split and no split, persistent or
+    not, 3xTF32 promotion intervals), the measured-promising ones first (H100 sweeps: persistent
+    grids, deeper pipelines, one atom per stage, 2 consumers; shapes by the wave model)."""
+    first = pick(math, prob, units, shared_limit)
+    splits = sorted({1, first.ks})
+    pis = (4, 2, 8) if math.name == "3xtf32" else (0,)
+    out = []
+    for bn, bm, cw, kb, st, ks, ps, pi in itertools.product(BN_CHOICES, (128, 256, 64), (2, 1), (1, 2),
+                                                            (6, 5, 4, 3), splits, (1, 0), pis):
+        cfg = TileConfig(bm, bn, kb, st, cw, ks, ps, pi)
+        if bn > 2 * max(prob.n, 32) or cfg == first or cfg.problems(math, prob, shared_limit):
+            continue
+        out.append(cfg)
+
+    def order(c: TileConfig) -> tuple[float, ...]:
+        eff = TILE_EFFICIENCY[math.esize]
+        shape = _wave_cost(c.bm, c.bn, math, prob, units) if (c.bm, c.bn) in eff else float("inf")
+        return (c.ps == 0, c.cw == 1, shape, c.pi != first.pi, -c.st, c.kb, c.ks != first.ks)
+
+    return [first] + sorted(out, key=order)

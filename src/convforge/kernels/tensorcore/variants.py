@@ -1,0 +1,163 @@
+"""Registered variants of the generator: the implicit GEMM convolution per math mode.
+
+Plan: (1) filters packed K x (R S Cp) in the math mode's format (a weight-only step), (2) x to NHWC
+(C padded to a 16-byte chunk), (3) the wgmma GEMM, M = N P Q pixels x N = K channels x R S Cp,
+stored NCHW with the epilogue (or FP32 partials when split), (4) with split-K the reduce.
+
+* ``tc_implicit_gemm_tf32`` (float32, class "relaxed"): TF32 operands rounded to nearest (cvt.rna),
+  FP32 accumulation: relative L2 2-4e-4 (stated 3e-4, as the mma.sync TF32 variants; checked 1e-3).
+* ``tc_implicit_gemm_3xtf32`` (float32, class "fp32"): operands split hi + lo, three products per
+  k step, the tensor core's sums promoted into FP32 registers every ``pi`` stages; stated 1e-6,
+  checked 1e-5 (the tuner measures each layer).
+* ``tc_implicit_gemm_half`` (float16, bfloat16): half operands as given, exact products, FP32
+  accumulation, output rounded once at the store: the error of a half convolution is its output
+  rounding (NumPy emulation in tests/test_tensorcore_gen.py: relative L2 ~2.1e-4 for float16, ~1.7e-3
+  for bfloat16). Its class is "fp32": nothing computes a half layer more accurately.
+"""
+
+from __future__ import annotations
+
+from convforge.codegen.meta import cdiv
+from convforge.kernels import register
+from convforge.kernels.tensorcore import prep, tiles
+from convforge.kernels.tensorcore.epilogue import Output, reduce_kernel
+from convforge.kernels.tensorcore.isa import Math, device_reason, math_for
+from convforge.kernels.tensorcore.kernel import gemm_kernel
+from convforge.kernels.tensorcore.operands import DenseRows, Geometry, Im2colNhwc
+from convforge.kernels.tensorcore.smem import MAX_SHARED, Tile
+from convforge.kernels.tensorcore.tiles import Problem, TileConfig
+from convforge.params import Params
+from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
+from convforge.spec import ConvSpec
+
+TF32_EXPECTED, TF32_TOLERANCE = 3e-4, 1e-3
+X3_EXPECTED, X3_TOLERANCE = 1e-6, 1e-5
+# Output rounding of a half result (relative L2 of rounding float64 conv outputs, tests): stated, and the
+# check's bound with room for the FP32 sums.
+HALF_EXPECTED = {"float16": 2.1e-4, "bfloat16": 1.7e-3}
+HALF_TOLERANCE = {"float16": 2e-3, "bfloat16": 1.6e-2}
+_INT_LIMIT = 2**31 - 1
+RANK_SM90 = 13  # above every mma.sync / CUDA-core variant where it applies on an sm_90 device
+
+
+def expected(math: Math, dtype: str) -> float:
+    if dtype in HALF_EXPECTED:
+        return HALF_EXPECTED[dtype]
+    return X3_EXPECTED if math.name == "3xtf32" else TF32_EXPECTED
+
+
+def tolerance(math: Math, dtype: str) -> float:
+    if dtype in HALF_TOLERANCE:
+        return HALF_TOLERANCE[dtype]
+    return X3_TOLERANCE if math.name == "3xtf32" else TF32_TOLERANCE
+
+
+class TcImplicitGemm(Variant):
+    """Implicit GEMM convolution on the wgmma generator (see the module docstring)."""
+
+    family = "implicit_gemm"
+    backends = frozenset({"cuda"})
+    exact = False
+    residual_ok = True
+    offset_ok = True
+    space_lead = 6
+
+    def __init__(self, name: str, dtypes: frozenset[str], x3: bool, precision: str, specialised: int) -> None:
+        self.name, self.dtypes, self.x3 = name, dtypes, x3
+        self.precision, self.specialised = precision, specialised
+        self.tolerance = X3_TOLERANCE if x3 else TF32_TOLERANCE
+
+    def math(self, spec: ConvSpec) -> Math:
+        return math_for(spec.dtype, self.x3)
+
+    def expected_error(self, spec: ConvSpec) -> float:
+        return expected(self.math(spec), spec.dtype)
+
+    def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
+        """First on sm_90 devices for TF32 and half layers (the relaxed class and half dtypes), except
+        float32 1x1 layers of stride 1 without padding, where gemm1x1_wgmma_tf32 reads x in place and
+        was faster or equal (H100, TF32: 1024->256 @14² N32 33 against 43 us, 64->256 @56² 73 and 73,
+        Boda 832@7 and 256@27 N5 34 / 26 against 46 / 36); 3xTF32 stays below the exact CUDA-core
+        families until the tuner has timed it."""
+        if device_reason(device) is not None or self.x3:
+            return self.specialised
+        if spec.dtype == "float32" and spec.r == spec.s == 1 and spec.stride == (1, 1) and not any(spec.pad):
+            return RANK_SM90 - 2
+        return RANK_SM90
+
+    def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
+        why = super().applies(spec, device) or device_reason(device)
+        if why:
+            return why
+        math, cp = self.math(spec), prep.padded_channels(spec.c, self.math(spec))
+        big = max(spec.n * spec.h * spec.w * cp, spec.n * spec.k * spec.p * spec.q,
+                  spec.k * cdiv(spec.r * spec.s * cp, 64) * 64)
+        if big > _INT_LIMIT // 2 or math.esize * big > _INT_LIMIT:
+            return f"an array of {big} elements needs 64-bit indexing"
+        return None
+
+    # -- parameters ---------------------------------------------------------------------------
+    def problem(self, spec: ConvSpec) -> Problem:
+        cp = prep.padded_channels(spec.c, self.math(spec))
+        return Problem(spec.n * spec.p * spec.q, spec.k, spec.r * spec.s * cp)
+
+    def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
+        limit = min(device.shared_optin_bytes, MAX_SHARED)
+        return [c.params() for c in tiles.space(self.math(spec), self.problem(spec), device.units, limit)]
+
+    def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
+        limit = min(device.shared_optin_bytes, MAX_SHARED)
+        return tiles.pick(self.math(spec), self.problem(spec), device.units, limit).params()
+
+    def _ld(self, spec: ConvSpec, cfg: TileConfig) -> int:
+        """Row length of the packed filters: the reduction padded to a whole stage."""
+        math = self.math(spec)
+        return cdiv(self.problem(spec).kred, math.elems(cfg.kb)) * math.elems(cfg.kb)
+
+    def workspace_bytes(self, spec: ConvSpec, params: Params) -> int:
+        return sum(b for _, b in self._workspace(spec, TileConfig.of(params)))
+
+    def _workspace(self, spec: ConvSpec, cfg: TileConfig) -> tuple[tuple[str, int], ...]:
+        math, prob = self.math(spec), self.problem(spec)
+        cp, parts = prep.padded_channels(spec.c, math), math.parts
+        out = tuple((("wt" if p == "hi" else f"wt_{p}"), math.esize * spec.k * self._ld(spec, cfg)) for p in parts)
+        out += tuple((("xh" if p == "hi" else f"xh_{p}"), math.esize * spec.n * spec.h * spec.w * cp) for p in parts)
+        if cfg.ks > 1:
+            out += (("part", 4 * cfg.ks * prob.m * prob.n),)
+        return out
+
+    # -- plan ---------------------------------------------------------------------------------
+    def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
+             epilogue: Epilogue = Epilogue()) -> Plan:
+        math, prob, cfg = self.math(spec), self.problem(spec), TileConfig.of(params)
+        why = cfg.problems(math, prob, min(device.shared_optin_bytes, MAX_SHARED))
+        if why:
+            raise ValueError(f"{self.name}: {'; '.join(why)}")
+        cp, ld = prep.padded_channels(spec.c, math), self._ld(spec, cfg)
+        geo = Geometry(spec.n, spec.h, spec.w, cp, spec.p, spec.q, spec.r, spec.s, spec.stride, spec.dilation,
+                       spec.pad[0], spec.pad[2], any(spec.pad))
+        a = Im2colNhwc("a", Tile(cfg.bm, cfg.kb), math, "xh", geo=geo)
+        b = DenseRows("b", Tile(cfg.bn, cfg.kb), math, "wt", rows=spec.k, ld=ld, kred=prob.kred, padded=True)
+        pq = spec.p * spec.q
+        final = Output("y", prob.m, prob.n, pq, spec.dtype, epilogue.k_total, epilogue.k_offset, epi=epilogue)
+        out = final if cfg.ks == 1 else Output("part", prob.m, prob.n, pq, slab=prob.m * prob.n, epi=None)
+        gk = gemm_kernel(f"{self.name}_gemm", math, cfg, prob, a, b, out)
+        wk, wgrid = prep.w_krsc(spec, math, cp, ld)
+        xk, xgrid = prep.x_nhwc(spec, math, cp)
+        refs = lambda bufs: tuple(x.name for x in bufs)  # noqa: E731
+        steps = [Launch(wk.name, wgrid, wk.block, ("w",) + refs(prep.part_buffers("wt", math))),
+                 Launch(xk.name, xgrid, xk.block, ("x",) + refs(prep.part_buffers("xh", math))),
+                 Launch(gk.name, (cfg.grid(prob, device.units), 1, 1), gk.block,
+                        refs(a.args()) + refs(b.args()) + out.refs())]
+        kernels = [wk, xk, gk]
+        if cfg.ks > 1:
+            rk, rgrid = reduce_kernel(f"{self.name}_reduce", final, cfg.ks, prob.m * prob.n)
+            kernels.append(rk)
+            steps.append(Launch(rk.name, rgrid, rk.block, ("part",) + final.refs()))
+        return Plan(self.name, self.family, spec, params, tuple(kernels), tuple(steps),
+                    self._workspace(spec, cfg), tolerance(math, spec.dtype), epilogue)
+
+
+register(TcImplicitGemm("tc_implicit_gemm_tf32", frozenset({"float32"}), False, "relaxed", 12))
+register(TcImplicitGemm("tc_implicit_gemm_3xtf32", frozenset({"float32"}), True, "fp32", 8))
+register(TcImplicitGemm("tc_implicit_gemm_half", frozenset({"float16", "bfloat16"}), False, "fp32", 12))

@@ -1,0 +1,141 @@
+"""GPU tier of the wgmma generator (kernels/tensorcore/): every variant x dtype against float64.
+
+Skips without a CUDA device of compute capability 9.0. One device call runs it all:
+``python3 -m pytest -q tests/test_gpu_tensorcore.py`` (a few minutes on an H100/H200).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from convforge.check import check_plan, expected, pass_inputs
+from convforge.dtypes import to_storage
+from convforge.kernels import get_variant
+from convforge.params import Params
+from convforge.plan import Epilogue
+from convforge.reference import rel_l2
+from convforge.spec import ConvSpec
+from helpers import ODD_SPECS
+
+GEMMS = ("tc_implicit_gemm_tf32", "tc_implicit_gemm_3xtf32", "tc_implicit_gemm_half")
+WINOGRAD = ("tc_winograd_f2", "tc_winograd_f2_3xtf32", "tc_winograd_f4_3xtf32")
+EXTRA = [ConvSpec.make(2, 70, 9, 9, 36, 3, 3, 1, 1), ConvSpec.make(1, 4, 15, 15, 130, 3, 1, (1, 2), (1, 1, 0, 0)),
+         ConvSpec.make(3, 37, 13, 7, 257, 3, 3, 1, (0, 1, 2, 1)), ConvSpec.make(2, 64, 7, 7, 96, 1, 1),
+         ConvSpec.make(1, 3, 31, 29, 64, 7, 7, 2, 3)]
+RESNET = [ConvSpec.make(32, 64, 56, 56, 64, 3, 3, 1, 1), ConvSpec.make(32, 128, 28, 28, 128, 3, 3, 1, 1),
+          ConvSpec.make(32, 256, 14, 14, 256, 3, 3, 1, 1), ConvSpec.make(32, 512, 7, 7, 512, 3, 3, 1, 1),
+          ConvSpec.make(32, 1024, 14, 14, 256, 1, 1), ConvSpec.make(32, 3, 224, 224, 64, 7, 7, 2, 3)]
+DTYPES = {"tc_implicit_gemm_half": ("float16", "bfloat16"), "tc_winograd_f2": ("float32", "float16", "bfloat16")}
+
+
+@pytest.fixture(scope="module")
+def hopper(cuda):
+    if cuda.device.cc != (9, 0):
+        pytest.skip(f"GPU tier of the wgmma generator needs compute capability 9.0 ({cuda.device.name})")
+    return cuda
+
+
+def _as(spec: ConvSpec, dtype: str) -> ConvSpec:
+    return ConvSpec.from_dict({**spec.to_dict(), "dtype": dtype})
+
+
+def _cases(names, specs):
+    for name, spec in itertools.product(names, specs):
+        for dtype in DTYPES.get(name, ("float32",)):
+            yield name, _as(spec, dtype)
+
+
+def _points(v, spec, dev, k=3):
+    """The default and ``k`` other space points spread over the space (other widths, splits, stage
+    counts, non-persistent grids)."""
+    space = v.space(spec, dev)
+    step = max(1, len(space) // (k + 1))
+    return list(dict.fromkeys([space[0]] + space[step::step][:k]))
+
+
+@pytest.mark.parametrize("name, spec", list(_cases(GEMMS + WINOGRAD, ODD_SPECS + EXTRA)), ids=str)
+def test_odd_shapes_against_float64(hopper, name, spec):
+    v = get_variant(name)
+    if v.applies(spec, hopper.device):
+        pytest.skip(v.applies(spec, hopper.device))
+    for prm in _points(v, spec, hopper.device):
+        res = check_plan(v.plan(spec, prm, hopper.device), hopper, seed=1)
+        assert res.ok, f"{name} [{prm.short()}] {spec.short()}: {res}"
+
+
+EPILOGUES = [Epilogue(bias=True, relu=True), Epilogue(residual=True, relu=True), Epilogue(bias=True, k_total=80,
+                                                                                          k_offset=9)]
+
+
+@pytest.mark.parametrize("name, spec", list(_cases(GEMMS + WINOGRAD[:1], EXTRA[:3])), ids=str)
+@pytest.mark.parametrize("epi", EPILOGUES, ids=lambda e: e.tag())
+def test_epilogues(hopper, name, spec, epi):
+    v = get_variant(name)
+    if v.applies(spec, hopper.device) or (epi.residual and not v.residual_ok) or (epi.k_total and not v.offset_ok):
+        pytest.skip("not applicable")
+    if epi.k_total and epi.k_total < spec.k + epi.k_offset:
+        epi = Epilogue(bias=True, k_total=spec.k + 20, k_offset=9)
+    space = v.space(spec, hopper.device)
+    split = next((p for p in space if p.get("ks", 1) > 1), None)
+    for prm in [space[0]] + ([split] if split else []):
+        plan = v.plan(spec, prm, hopper.device, epi)
+        res = _check_offset(plan, hopper) if epi.k_total else check_plan(plan, hopper, seed=2)
+        assert res[0] if epi.k_total else res.ok, f"{name} [{prm.short()}] {spec.short()}{epi.tag()}: {res}"
+
+
+def _check_offset(plan, be):
+    """(ok, error, untouched): the plan writes channels k_offset .. + K of an N x k_total x P x Q tensor
+    poisoned with NaN; those equal float64, every other channel is still NaN."""
+    spec, epi = plan.spec, plan.epilogue
+    inputs = pass_inputs(spec, np.random.default_rng(7), epi)
+    shape = (spec.n, epi.k_total, spec.p, spec.q)
+    bufs = {k: be.upload(to_storage(a, spec.dtype)) for k, a in inputs.items()}
+    bufs["y"] = be.upload(to_storage(np.full(shape, np.nan, np.float32), spec.dtype))
+    be.executable(plan)(bufs)
+    be.synchronize()
+    out = be.download(bufs["y"], shape, spec.dtype)
+    mine = out[:, epi.k_offset:epi.k_offset + spec.k]
+    err = rel_l2(mine, expected(spec, inputs, epi))
+    rest = np.delete(out, np.s_[epi.k_offset:epi.k_offset + spec.k], axis=1)
+    return bool(err <= plan.tolerance and np.isnan(rest).all() and not np.isnan(mine).any()), err, int(
+        np.isnan(rest).sum()), rest.size
+
+
+@pytest.mark.parametrize("name, spec", list(_cases(GEMMS, RESNET)) + list(_cases(WINOGRAD, RESNET[:4])), ids=str)
+def test_resnet_layers(hopper, name, spec):
+    """Defaults on ResNet layers (the first 2 images checked), and 3xTF32 FP32-grade on each."""
+    v = get_variant(name)
+    if v.applies(spec, hopper.device):
+        pytest.skip(v.applies(spec, hopper.device))
+    res = check_plan(v.plan(spec, v.default(spec, hopper.device), hopper.device), hopper, seed=3, batch_slice=2)
+    assert res.ok, f"{name} {spec.short()}: {res}"
+    if "3xtf32" in name:
+        assert res.rel_err <= 5e-6, f"{name} not FP32-grade on {spec.short()}: {res.rel_err:.2e}"
+
+
+@pytest.mark.parametrize("prm", [Params(bm=128, bn=256, kb=1, st=3, cw=2, ks=1, ps=1),
+                                 Params(bm=256, bn=128, kb=1, st=3, cw=2, ks=1, ps=0),
+                                 Params(bm=64, bn=64, kb=2, st=4, cw=1, ks=3, ps=1),
+                                 Params(bm=128, bn=96, kb=2, st=3, cw=1, ks=1, ps=1)], ids=lambda p: p.short())
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_tile_shapes(hopper, prm, dtype):
+    spec = _as(ConvSpec.make(3, 96, 19, 17, 200, 3, 3, 1, 1), dtype)
+    v = get_variant("tc_implicit_gemm_tf32" if dtype == "float32" else "tc_implicit_gemm_half")
+    res = check_plan(v.plan(spec, prm, hopper.device, Epilogue(bias=True)), hopper, seed=4)
+    assert res.ok, f"{prm.short()}: {res}"
+
+
+def test_promotion_keeps_3xtf32_fp32_grade(hopper):
+    """A 4608-term reduction: the unpromoted tensor-core sums drift (the mma.sync 3xTF32 measured 3.2e-5),
+    promoted every 4 stages they stay FP32-grade."""
+    spec = ConvSpec.make(4, 512, 14, 14, 128, 3, 3, 1, 1)
+    v = get_variant("tc_implicit_gemm_3xtf32")
+    prm = v.default(spec, hopper.device)
+    err = check_plan(v.plan(spec, prm, hopper.device), hopper, seed=5).rel_err
+    raw = check_plan(v.plan(spec, Params({k: x for k, x in prm.items() if k != "pi"}), hopper.device), hopper,
+                     seed=5).rel_err
+    print(f"3xTF32 C*R*S = 4608: promoted {err:.2e}, not promoted {raw:.2e}")
+    assert err <= 5e-6

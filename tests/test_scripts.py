@@ -1,0 +1,158 @@
+"""scripts/ holds what a user or maintainer runs by hand: each script says in its first lines what it
+is for and is exercised here (its --help, a dry run, or a real run on the CPU) or by scripts/gpu-check.
+A new script must get its row in SCRIPTS."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import run_main
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS_DIR = ROOT / "scripts"
+ENV = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT / 'tests'}"}
+
+# name -> how it is exercised: "help" (python --help here, skipped with the reason where a module it
+# needs at import is missing), "bash" (bash -n here; it runs on the GPU machine), or the test that runs it.
+SCRIPTS = {
+    "benchmarks_md.py": "tests/test_bench.py::test_benchmarks_md_one_table_per_class",
+    "gpu-ab": "bash", "gpu-check": "bash", "gpu-final": "bash", "gpu-ncu": "bash", "gpu-opencl-setup": "bash",
+    "gpu_variants.py": "help (scripts/gpu-check runs it under compute-sanitizer and for its timings)",
+    "host_cost.py": "help (scripts/gpu-final check runs it)",
+    "lint": "bash (and .ci/run runs it)",
+    "ncu_layer.py": "help (scripts/gpu-ncu runs it)",
+    "sass_loads.py": "help, and test_sass_loads_runs_on_the_cpu",
+}
+NEEDS = {"host_cost.py": ("torch", "cupy")}  # modules a script imports at its top
+
+
+def test_every_script_has_its_row() -> None:
+    assert sorted(p.name for p in SCRIPTS_DIR.iterdir() if p.is_file()) == sorted(SCRIPTS)
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_each_script_says_what_it_is_for(name: str) -> None:
+    lines = (SCRIPTS_DIR / name).read_text().splitlines()
+    body = lines[1:] if lines[0].startswith("#!") else lines
+    first = body[0]
+    assert first.startswith(('"""', "# ")) and len(first.strip('"# ')) > 20, f"{name}: {first!r}"
+
+
+@pytest.mark.parametrize("name", sorted(n for n, how in SCRIPTS.items() if how.startswith("bash")))
+def test_shell_scripts_parse(name: str) -> None:
+    proc = subprocess.run(["bash", "-n", str(SCRIPTS_DIR / name)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("name", sorted(n for n, how in SCRIPTS.items() if how.startswith("help")))
+def test_python_scripts_answer_help(name: str) -> None:
+    for module in NEEDS.get(name, ()):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"{name} imports {module} at its top; not installed here (the GPU machine runs it)")
+    proc = subprocess.run([sys.executable, str(SCRIPTS_DIR / name), "--help"], capture_output=True, text=True,
+                          env=ENV, timeout=120)
+    assert proc.returncode == 0 and "usage:" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_sass_loads_runs_on_the_cpu(nvcc_ok: bool) -> None:
+    from convforge.codegen.nvcc import cuobjdump_path
+
+    if cuobjdump_path() is None:
+        if os.environ.get("CI"):
+            pytest.fail("cuobjdump/nvdisasm missing on CI: the test extras install their wheels")
+        pytest.skip("cuobjdump/nvdisasm not found: scripts/sass_loads.py cannot disassemble")
+    proc = subprocess.run([sys.executable, str(SCRIPTS_DIR / "sass_loads.py"), "--spec",
+                           "N=1,C=8,H=9,W=9,K=8,R=3,S=3,pad=1", "--variant", "direct"],
+                          capture_output=True, text=True, env=ENV, timeout=300)
+    assert proc.returncode == 0 and "regs" in proc.stdout, proc.stdout + proc.stderr
+
+
+# -- convforge bench --sweep (what scripts/gpu_wino_sweep.py did, and scripts/gpu-ab runs) -------------
+TINY = [{"name": "t1", "N": 1, "C": 5, "H": 9, "W": 7, "K": 6, "R": 3, "S": 3, "stride": 1, "pad": 1},
+        {"name": "t2", "N": 2, "C": 3, "H": 11, "W": 13, "K": 4, "R": 3, "S": 3, "stride": 1, "pad": [0, 1]}]
+
+
+def _suite(tmp_path: Path) -> str:
+    f = tmp_path / "tiny.json"
+    f.write_text(json.dumps(TINY))
+    return str(f)
+
+
+def test_sweep_times_the_first_points_of_each_space(ocl, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    from convforge import kernels
+
+    out = tmp_path / "out"
+    rc, text = run_main(["bench", "--suite", _suite(tmp_path), "--backend", "opencl", "--sweep", "--algo", "direct",
+                         "--algo", "winograd_nonfused_f2", "--sweep-limit", "2", "--out", str(out)], capsys)
+    assert rc == 0, text
+    doc = json.loads((out / "sweep.json").read_text())
+    rows = doc["rows"]
+    for layer in TINY:
+        spec = next(r["spec"] for r in rows if r["layer"] == layer["name"])
+        mine = [r for r in rows if r["layer"] == layer["name"]]
+        for name in ("direct", "winograd_nonfused_f2"):
+            v = kernels.get_variant(name)
+            pts = [r["params"] for r in mine if r["variant"] == name]
+            assert len(pts) == 2, (spec, name, pts)
+            want = [json.loads(p.to_json()) for p in v.space(_spec(layer), ocl.device)[:2]]
+            assert pts == want
+        assert all(r["status"] == "ok" and r["rel_err"] < 1e-5 and r["time_ms"] > 0 for r in mine), mine
+        assert sum(r["fastest"] for r in mine) == 1
+    assert set(doc["fastest"]) == {f"{t['name']}|{v}" for t in TINY for v in ("direct", "winograd_nonfused_f2")}
+    assert "8 point(s) timed, 0 failed" in text
+
+
+def _spec(layer: dict[str, object]):  # type: ignore[no-untyped-def]
+    from convforge.bench.suites import parse_row
+
+    return parse_row(layer, "test").spec
+
+
+def test_sweep_mods_time_the_default_and_its_changes(ocl, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from convforge import kernels
+
+    out = tmp_path / "out"
+    rc, text = run_main(["bench", "--suite", _suite(tmp_path), "--limit", "1", "--backend", "opencl", "--sweep",
+                         "--algo", "direct", "--sweep-mods", "default;tk=2;tp=2,tq=1", "--out", str(out)], capsys)
+    assert rc == 0, text
+    rows = json.loads((out / "sweep.json").read_text())["rows"]
+    default = kernels.get_variant("direct").default(_spec(TINY[0]), ocl.device)
+    got = [r["params"] for r in rows]
+    assert got[0] == json.loads(default.to_json()) and len(got) == 3
+    assert got[1] == {**got[0], "tk": 2} and got[2] == {**got[0], "tp": 2, "tq": 1}
+
+
+BAD_SWEEPS = [
+    (["--sweep"], "--sweep needs --algo"),
+    (["--sweep", "--algo", "auto"], "--sweep needs --algo"),
+    (["--sweep", "--algo", "direct", "--baseline", "torch"], "--sweep cannot be combined with --baseline"),
+    (["--sweep", "--algo", "direct", "--compare-backends"], "--sweep cannot be combined with --compare-backends"),
+    (["--sweep", "--algo", "direct", "--sweep-limit", "0"], "--sweep-limit (0) must be >= 1"),
+    (["--sweep", "--algo", "direct", "--sweep-limit", "2", "--sweep-mods", "tk=2"], "exclude each other"),
+    (["--sweep", "--algo", "direct", "--sweep-mods", ";"], "names no change"),
+    (["--sweep", "--algo", "direct", "--sweep-mods", "tk"], "--sweep-mods ('tk')"),
+    (["--sweep-limit", "3"], "--sweep-limit goes with --sweep"),
+    (["--sweep-mods", "tk=2"], "--sweep-mods goes with --sweep"),
+    (["--sweep", "--algo", "nosuchvariant"], "--algo ('nosuchvariant') must be a variant or family"),
+]
+
+
+@pytest.mark.parametrize(("extra", "message"), BAD_SWEEPS, ids=lambda a: " ".join(a) if isinstance(a, list) else "")
+def test_bad_sweeps_are_one_clear_error(extra: list[str], message: str, tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out = run_main(["bench", "--suite", _suite(tmp_path), *extra], capsys)
+    assert rc == 2 and message in out and "Traceback" not in out, out
+
+
+def test_sweep_model_clash(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out = run_main(["bench", "--model", "resnet18", "--sweep", "--algo", "direct"], capsys)
+    assert rc == 2 and "--sweep cannot be combined with --model" in out, out

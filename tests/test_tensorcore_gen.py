@@ -1,0 +1,560 @@
+"""The wgmma generator (kernels/tensorcore/) without a GPU.
+
+* The ISA tables against the PTX ISA's (math modes, accumulator fragment), descriptor fields, the
+  swizzle the copies write against the hardware's documented read (smem.model_address).
+* The operand iterators: every (row, chunk) of a tile written once per stage, quarter-warps
+  conflict-free.
+* A NumPy emulation of whole tiles: the producer's copies (the iterators' own C expressions,
+  evaluated), the swizzled shared stage, the descriptors each wgmma of each consumer reads, the
+  accumulator fragment, the epilogue's staging and its stores (the same expressions) -- equal to the
+  GEMM of the same operands on odd shapes, for every math mode, split-K, both stage widths.
+* The stage ring's barrier protocol under random interleavings of producer and consumers.
+* The epilogue staging: conflict-free, every accumulator once; half rounding emulated (the stated
+  errors of the half variant).
+* nvcc sm_90a: every variant compiles without spills, HGMMA in SASS, setmaxnreg where asked.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import re
+
+import numpy as np
+import pytest
+
+from conftest import NOMINAL_CUDA
+from convforge.codegen.nvcc import ptxas_report, sass_report
+from convforge.codegen.render import ARCH_SPECIFIC_MARK, render
+from convforge.dtypes import rounded
+from convforge.kernels import get_variant
+from convforge.kernels.tensorcore import epilogue, schedule
+from convforge.kernels.tensorcore.cexpr import bind, evaluate
+from convforge.kernels.tensorcore.epilogue import Output, chunks, readout_lets, stage_write, staging_ld
+from convforge.kernels.tensorcore.isa import ACC, BF16, F16, MATHS, TF32, X3TF32, math_for
+from convforge.kernels.tensorcore.mainloop import consumer_rows, wgmma_issue
+from convforge.kernels.tensorcore.operands import DenseRows, Geometry, Im2colNhwc
+from convforge.kernels.tensorcore.prep import padded_channels
+from convforge.kernels.tensorcore.smem import SBO, Tile, desc_high, model_address
+from convforge.kernels.tensorcore.tiles import Problem, TileConfig
+from convforge.params import Params
+from convforge.plan import DeviceInfo, Epilogue
+from convforge.reference import conv2d_ref, rel_l2
+from convforge.spec import ConvSpec
+
+VARIANTS = ("tc_implicit_gemm_tf32", "tc_implicit_gemm_3xtf32", "tc_implicit_gemm_half")
+ODD = [ConvSpec.make(1, 3, 13, 11, 5, 3, 3, 1, (0, 1, 1, 0)),
+       ConvSpec.make(2, 7, 9, 9, 67, 1, 1),
+       ConvSpec.make(1, 5, 17, 19, 7, 5, 5, 2, 2, 2),
+       ConvSpec.make(1, 3, 27, 29, 4, 11, 11, 4, (2, 1, 0, 3)),
+       ConvSpec.make(2, 70, 9, 9, 36, 3, 3, 1, 1),
+       ConvSpec.make(1, 4, 15, 15, 130, 3, 1, (1, 2), (1, 1, 0, 0))]
+
+
+# -- ISA tables ----------------------------------------------------------------------------------
+def doc_acc(w: int, lane: int, i: int) -> tuple[int, int]:
+    """PTX ISA, wgmma .m64nNk* .f32 D fragment: warp w owns rows 16w..16w+15; register i: row
+    groupID (+8 when i % 4 >= 2), column 8 (i // 4) + 2 threadID_in_group + (i % 2)."""
+    return 16 * w + (lane >> 2) + 8 * ((i % 4) // 2), 8 * (i // 4) + 2 * (lane % 4) + i % 2
+
+
+@pytest.mark.parametrize("n", [8, 64, 136, 256])
+def test_accumulator_layout(n):
+    seen = np.zeros((64, n), int)
+    for w, lane, i in itertools.product(range(4), range(32), range(n // 2)):
+        got = ACC.coords(w, lane, i)
+        assert got == doc_acc(w, lane, i)
+        assert (evaluate(ACC.row_expr(i), {"wq": w, "g": lane >> 2}),
+                evaluate(ACC.col_expr(i), {"t": lane & 3})) == got
+        seen[got] += 1
+    assert (seen == 1).all()
+
+
+def test_math_modes():
+    """k x element size = 32 bytes (a quarter of a swizzle row) in every mode; TF32 k8 on 4-byte floats,
+    FP16/BF16 k16 on 2-byte halves; 3xTF32 stores hi and lo and multiplies lo.hi, hi.lo, hi.hi."""
+    assert (TF32.k, TF32.esize, F16.k, F16.esize, BF16.k, BF16.esize) == (8, 4, 16, 2, 16, 2)
+    assert X3TF32.parts == ("hi", "lo") and set(X3TF32.products) == {("lo", "hi"), ("hi", "lo"), ("hi", "hi")}
+    assert all(m.k * m.esize == 32 for m in MATHS.values())
+    assert math_for("float32") is TF32 and math_for("float32", True) is X3TF32
+    assert math_for("float16") is F16 and math_for("bfloat16") is BF16
+    with pytest.raises(ValueError, match="3xTF32 is a float32"):
+        math_for("float16", True)
+
+
+def test_descriptor_fields():
+    d = desc_high() | (0x2400 >> 4)
+    assert d & 0x3FFF == 0x240 and ((d >> 16) & 0x3FFF) == 1
+    assert ((d >> 32) & 0x3FFF) << 4 == SBO == 1024 and (d >> 49) & 7 == 0 and d >> 62 == 1
+
+
+@pytest.mark.parametrize("rows, atoms", list(itertools.product([64, 128, 256], [1, 2])))
+def test_hardware_reads_what_the_copies_wrote(rows, atoms):
+    """Every k step of a tile: byte b (< 32) of row r as wgmma reads it through the descriptor
+    (start advanced by Tile.step_offset) is where a copy put K byte 32 kk + b of that row."""
+    tile = Tile(rows, atoms)
+    for base, kk in itertools.product((0, 1024 * 37), range(tile.steps)):
+        d = (desc_high() | (base >> 4)) + (tile.step_offset(kk) >> 4)
+        for r, b in itertools.product(range(rows), range(0, 32, 4)):
+            kbyte = 32 * kk + b
+            wrote = base + evaluate(tile.chunk_offset("r", "c"), {"r": r, "c": kbyte // 16}) + kbyte % 16
+            assert model_address(d, r, b) == wrote, (r, kk, b)
+
+
+def _iterators(math, rows, atoms):
+    geo = Geometry(2, 9, 9, 8, 9, 9, 3, 3, (1, 1), (1, 1), 1, 1, True)
+    return [Im2colNhwc("a", Tile(rows, atoms), math, "xh", geo=geo),
+            DenseRows("b", Tile(rows, atoms), math, "wt", rows=rows, ld=64 * atoms, kred=64 * atoms)]
+
+
+@pytest.mark.parametrize("rows, atoms, math", list(itertools.product([64, 128, 256], [1, 2], [TF32, F16])))
+def test_copies_cover_the_tile_once_conflict_free(rows, atoms, math):
+    """Per stage: every (row, chunk) of the tile written exactly once by the 128 producer threads;
+    each copy instruction's 8 consecutive threads write 8 different 16-byte bank groups."""
+    for op in _iterators(math, rows, atoms):
+        seen = {}
+        for tid in range(128):
+            env = bind(op.thread_lets(), {"tid": tid})
+            for cp in op.copies():
+                off = evaluate(cp.smem, env)
+                assert off % 16 == 0 and off not in seen
+                seen[off] = tid
+        expect = {evaluate(Tile(rows, atoms).chunk_offset("r", "c"), {"r": r, "c": c})
+                  for r in range(rows) for c in range(8 * atoms)}
+        assert set(seen) == expect
+        for i, cp in enumerate(op.copies()):
+            for q0 in range(0, 128, 8):
+                offs = [evaluate(cp.smem, bind(op.thread_lets(), {"tid": q})) for q in range(q0, q0 + 8)]
+                assert len({o % 128 // 16 for o in offs}) == 8, f"bank conflict in copy {i}, threads {q0}.."
+
+
+# -- the whole-tile emulation ---------------------------------------------------------------------
+def _operands(spec: ConvSpec, math, rng):
+    """x (NHWC, padded channels) and w (K x ld) as the prep steps make them, per part, as float64; and
+    the reference: the sum over the math's products of conv(x part, w part)."""
+    cp = padded_channels(spec.c, math)
+    dt = {"tf32": "float32", "3xtf32": "float32", "f16": "float16", "bf16": "bfloat16"}[math.name]
+    x = rounded(rng.uniform(-1, 1, spec.x_shape).astype(np.float32), dt).astype(np.float64)
+    w = rounded(rng.uniform(-1, 1, spec.w_shape).astype(np.float32), dt).astype(np.float64)
+    if math.name in ("tf32", "3xtf32"):  # tf32-valued parts (cvt.rna stand-in: 10 mantissa bits)
+        xs = {"hi": _tf32(x)}
+        ws = {"hi": _tf32(w)}
+        if math.name == "3xtf32":
+            xs["lo"], ws["lo"] = _tf32(x - xs["hi"]), _tf32(w - ws["hi"])
+    else:
+        xs, ws = {"hi": x}, {"hi": w}
+    ref = sum(conv2d_ref(xs[pa], ws[pb], spec) for pa, pb in math.products)
+    return xs, ws, ref, cp
+
+
+def _tf32(a):
+    m, e = np.frexp(a)
+    return np.ldexp(np.round(m * 2**11) / 2**11, e)
+
+
+def _nhwc(x, cp):
+    n, c, h, w = x.shape
+    out = np.zeros((n, h, w, cp))
+    out[..., :c] = x.transpose(0, 2, 3, 1)
+    return out.ravel()
+
+
+def _krsc(w, cp, ld):
+    k, c, r, s = w.shape
+    out = np.zeros((k, r, s, cp))
+    out[..., :c] = w.transpose(0, 2, 3, 1)
+    flat = np.zeros((k, ld))
+    flat[:, :r * s * cp] = out.reshape(k, -1)
+    return flat.ravel()
+
+
+def emulate(spec: ConvSpec, math, cfg: TileConfig, seed: int = 0, tile_ids=None):
+    """Run tiles of a conv plan's GEMM through the generator's expressions; returns (got, ref, written):
+    the planar output (NCHW, raw sums; split-K slabs summed), the float64 reference and how often
+    each output was written."""
+    rng = np.random.default_rng(seed)
+    xs, ws, ref, cp = _operands(spec, math, rng)
+    prob = Problem(spec.n * spec.p * spec.q, spec.k, spec.r * spec.s * cp)
+    ld = -(-prob.kred // math.elems(cfg.kb)) * math.elems(cfg.kb)
+    geo = Geometry(spec.n, spec.h, spec.w, cp, spec.p, spec.q, spec.r, spec.s, spec.stride, spec.dilation,
+                   spec.pad[0], spec.pad[2], any(spec.pad))
+    a = Im2colNhwc("a", Tile(cfg.bm, cfg.kb), math, "xh", geo=geo)
+    b = DenseRows("b", Tile(cfg.bn, cfg.kb), math, "wt", rows=spec.k, ld=ld, kred=prob.kred, padded=True)
+    data = {"a": {p: _nhwc(xs[p], cp) for p in math.parts}, "b": {p: _krsc(ws[p], cp, ld) for p in math.parts}}
+    out = Output("y", prob.m, prob.n, spec.p * spec.q, slab=prob.m * prob.n, epi=None)
+    y, written = emulate_gemm(cfg, math, prob, a, b, data, out, tile_ids)
+    got = y.reshape(cfg.ks, -1).sum(0).reshape(spec.y_shape)
+    return got, ref, written.reshape(cfg.ks, -1).sum(0).reshape(spec.y_shape)
+
+
+def emulate_gemm(cfg, math, prob, a, b, data, out, tile_ids=None):
+    """The tiles of one GEMM launch: producer copies into a byte-addressed stage, every consumer's
+    wgmma through its descriptors, the epilogue into ``out``'s planar offsets. Returns (y, written)
+    over ks * batch slabs."""
+    y = np.zeros(cfg.ks * prob.batch * out.slab if out.slab else prob.m * out.kt)
+    written = np.zeros(y.size, int)
+    stage = cfg.stage(math)
+    sbase = 1024 * 3
+    total = cfg.tiles(prob)
+    for tile in (range(total) if tile_ids is None else [t % total for t in tile_ids]):
+        tl = bind(schedule.tile_lets(cfg, math, prob), {"tile": tile})
+        acc = np.zeros((cfg.bm, cfg.bn))
+        for kt in range(tl["kbeg"], tl["kend"]):
+            smem = np.full((sbase + stage.nbytes) // math.esize, np.nan)
+            for op in (a, b):
+                for tid in range(128):
+                    env = bind(op.stage_lets(), {**bind(op.tile_lets(), {**bind(op.thread_lets(), {"tid": tid}),
+                                                                          **tl}), "kt": kt})
+                    for part, cp_ in itertools.product(math.parts, op.copies()):
+                        at = (sbase + stage.offset(op.name, part) + evaluate(cp_.smem, env)) // math.esize
+                        n = math.chunk_elems
+                        if not cp_.pred or evaluate(cp_.pred, env):
+                            src = evaluate(cp_.src, env)
+                            smem[at:at + n] = data[op.name][part][src:src + n]
+                        else:
+                            smem[at:at + n] = 0.0
+            for c, (mi, a_off, b_off) in itertools.product(range(cfg.cw), wgmma_issue(cfg, math)):
+                da = desc_high() | ((sbase + c * consumer_rows(cfg) + a_off) >> 4)
+                db = desc_high() | ((sbase + b_off) >> 4)
+                ta = _read(smem, da, 64, math.esize)
+                tb = _read(smem, db, cfg.bn, math.esize)
+                r0 = c * 64 * cfg.wm + 64 * mi
+                acc[r0:r0 + 64] += ta @ tb.T
+        _epilogue(acc, cfg, out, tl, y, written)
+    return y, written
+
+
+def _read(smem, desc, rows, esize):
+    """The rows x k operand one wgmma reads through ``desc`` (k = 32 bytes / esize)."""
+    k = 32 // esize
+    return np.array([[smem[model_address(desc, r, e * esize) // esize] for e in range(k)] for r in range(rows)])
+
+
+def _epilogue(acc, cfg, out, tl, y, written):
+    """Accumulators by the fragment layout -> staging (stage_write) -> read-out (readout_lets) -> the
+    planar offsets of ``out`` (raw values): what emit_consumer_epilogue does, per warpgroup."""
+    ld = staging_ld(cfg.wm)
+    for c in range(cfg.cw):
+        for ch, items in chunks(cfg.wm, cfg.bn):
+            st = np.full(epilogue.COLS * ld, np.nan)
+            for wq, lane, mi, i in itertools.product(range(4), range(32), range(cfg.wm), range(cfg.bn // 2)):
+                w = stage_write(ld, mi, i, ch)
+                if w is None:
+                    continue
+                row, col = ACC.coords(wq, lane, i)
+                at = evaluate(w[0], {"wq": wq, "g": lane >> 2, "t": lane & 3})
+                assert np.isnan(st[at]), "two accumulators staged at one place"
+                st[at] = acc[c * 64 * cfg.wm + 64 * mi + row, col]
+            for ct, item in itertools.product(range(128), items):
+                env = bind(readout_lets(cfg.wm, item), {"ct": ct})
+                ec, er = env[f"ec{item}"], env[f"er{item}"]
+                k = tl["rb0"] + epilogue.COLS * ch + ec
+                m = tl["ra0"] + c * 64 * cfg.wm + er
+                if k >= out.n:
+                    continue
+                for q in range(4):
+                    if m + q < out.m:
+                        v = st[ec * ld + er + q]
+                        assert not np.isnan(v), "read-out of an unstaged value"
+                        o = evaluate(out.offset("m", "k", "z"), {"m": m + q, "k": k, "z": tl["zs"]})
+                        y[o] += v
+                        written[o] += 1
+
+
+CASES = [(ODD[0], TF32, TileConfig(128, 64, 1, 3, 2)),
+         (ODD[1], F16, TileConfig(64, 96, 1, 2, 1)),
+         (ODD[2], BF16, TileConfig(128, 32, 2, 2, 1, ks=2)),
+         (ODD[3], TF32, TileConfig(256, 32, 1, 2, 2, ks=3)),
+         (ODD[4], X3TF32, TileConfig(128, 64, 1, 2, 2, pi=2)),
+         (ODD[5], F16, TileConfig(128, 160, 2, 2, 2))]
+
+
+@pytest.mark.parametrize("spec, math, cfg", CASES, ids=lambda v: getattr(v, "name", None) or str(v))
+def test_emulated_tiles_equal_the_gemm(spec, math, cfg):
+    """Every tile of the GEMM through the generator's expressions equals the convolution of the same
+    operand parts (float64), every output written once per split slice."""
+    assert not cfg.problems(math), cfg.problems(math)
+    got, ref, written = emulate(spec, math, cfg)
+    assert (written == cfg.ks).all(), f"outputs written {np.unique(written)} times, want {cfg.ks}"
+    np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("math, cfg", [(TF32, TileConfig(128, 64, 1, 2, 2, ks=2)), (F16, TileConfig(64, 32, 2, 2, 1)),
+                                       (X3TF32, TileConfig(128, 96, 1, 2, 2, pi=1))],
+                         ids=lambda v: getattr(v, "name", v))
+def test_emulated_batched_gemm_of_winograd(math, cfg):
+    """The Winograd GEMM's operands (DenseRows over a batch: V[e] tiles x Cp, U[e] K x Cp, channel tail
+    zero-filled) and its M output slabs [z][e][k][t]: equal to the batched products, each written once."""
+    from convforge.kernels.tensorcore.winograd import TcWinograd
+
+    rng = np.random.default_rng(3)
+    spec = ConvSpec.make(2, 37, 11, 9, 67, 3, 3, 1, 1)
+    v = TcWinograd(2, math.name == "3xtf32", frozenset({"float32"}), "relaxed", 0)
+    prob = v.problem(spec)
+    cp, t, e = prob.kred, prob.m, prob.batch
+    parts = {p: rng.uniform(-1, 1, (2, e, t + spec.k, cp)) for p in math.parts}
+    for arr in parts.values():
+        arr[..., spec.c:] = 0.0  # padding channels, as the transforms write them
+    a = DenseRows("a", Tile(cfg.bm, cfg.kb), math, "wv", rows=t, ld=cp, kred=cp, batch_stride=t * cp)
+    b = DenseRows("b", Tile(cfg.bn, cfg.kb), math, "wu", rows=spec.k, ld=cp, kred=cp, batch_stride=spec.k * cp)
+    data = {"a": {p: parts[p][0, :, :t].ravel() for p in math.parts},
+            "b": {p: parts[p][1, :, :spec.k].ravel() for p in math.parts}}
+    out = Output("wm", t, spec.k, t, slab=spec.k * t, epi=None)
+    y, written = emulate_gemm(cfg, math, prob, a, b, data, out)
+    got = y.reshape(cfg.ks, e, spec.k, t).sum(0)
+    ref = sum(np.einsum("etc,ekc->ekt", parts[pa][0, :, :t], parts[pb][1, :, :spec.k]) for pa, pb in math.products)
+    assert (written.reshape(cfg.ks, -1).sum(0) == cfg.ks).all()
+    np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-10)
+
+
+# -- the barrier protocol ----------------------------------------------------------------------------
+class _Mbarrier:
+    """mbarrier: a phase completes when its expected arrivals have arrived; try_wait.parity(p) passes
+    when the phase of parity p has completed (the current phase's parity differs from p)."""
+
+    def __init__(self, count):
+        self.count, self.pending, self.phase = count, count, 0
+
+    def arrive(self):
+        self.pending -= 1
+        if self.pending == 0:
+            self.phase, self.pending = self.phase + 1, self.count
+
+    def passes(self, parity):
+        return (self.phase & 1) != parity
+
+
+@pytest.mark.parametrize("st, cw, seed", [(2, 1, 0), (3, 2, 1), (4, 2, 2), (6, 1, 3)])
+def test_stage_ring_protocol(st, cw, seed):
+    """Producer and consumer threads stepping in random order through the emitted protocol (producer:
+    wait empty[s] with parity ^ 1, fill, arrive full[s]; consumer: wait full[s] with the parity, read,
+    release the previous stage after the next group, the last at the end of the tile): no stage is
+    overwritten before every consumer read it, none read before it was filled, nobody deadlocks."""
+    rng = random.Random(seed)
+    iters = [5, 1, 7, 2]  # k blocks of 4 tiles
+    total = sum(iters)
+    full = [_Mbarrier(1) for _ in range(st)]  # one arrival stands for the producer warpgroup's 128
+    empty = [_Mbarrier(cw) for _ in range(st)]
+    filled = [None] * st  # which iteration a stage holds
+    reads = [set() for _ in range(st)]
+
+    def producer():
+        stage, phase, i = 0, 0, 0
+        while i < total:
+            while not empty[stage].passes(phase ^ 1):
+                yield
+            assert filled[stage] is None or reads[stage] == set(range(cw)), "stage overwritten before it was read"
+            filled[stage], reads[stage] = i, set()
+            full[stage].arrive()
+            i += 1
+            stage, phase = (0, phase ^ 1) if stage + 1 == st else (stage + 1, phase)
+            yield
+
+    def consumer(c):
+        stage, phase, pstage, i = 0, 0, 0, 0
+        for n in iters:
+            for kt in range(n):
+                while not full[stage].passes(phase):
+                    yield
+                assert filled[stage] == i, "stage read before it was filled"
+                reads[stage].add(c)
+                if kt > 0:
+                    empty[pstage].arrive()
+                pstage, i = stage, i + 1
+                stage, phase = (0, phase ^ 1) if stage + 1 == st else (stage + 1, phase)
+                yield
+            empty[pstage].arrive()
+            yield
+
+    roles = [producer()] + [consumer(c) for c in range(cw)]
+    live = list(roles)
+    for _ in range(100000):
+        if not live:
+            break
+        role = rng.choice(live)
+        try:
+            next(role)
+        except StopIteration:
+            live.remove(role)
+    assert not live, "deadlock"
+
+
+# -- the epilogue -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("wm, bn", [(1, 64), (2, 128), (1, 256), (2, 96)])
+def test_staging_conflict_free_and_complete(wm, bn):
+    """Per chunk: every staged slot written once by the warpgroup, each warp's 32 scalar stores on 32
+    banks; every thread's float4 read-out 16-byte aligned, each quarter-warp 128 contiguous bytes."""
+    ld = staging_ld(wm)
+    for ch, items in chunks(wm, bn):
+        seen = set()
+        for mi, i in itertools.product(range(wm), range(bn // 2)):
+            w = stage_write(ld, mi, i, ch)
+            if w is None:
+                continue
+            for wq in range(4):
+                offs = [evaluate(w[0], {"wq": wq, "g": lane >> 2, "t": lane & 3}) for lane in range(32)]
+                assert len({o % 32 for o in offs}) == 32, f"bank conflict staging register {i}"
+                assert not seen & set(offs)
+                seen |= set(offs)
+        cols = min(epilogue.COLS, bn - epilogue.COLS * ch)
+        assert seen == {col * ld + r for col in range(cols) for r in range(64 * wm)}
+        for item in items:
+            at = [bind(readout_lets(wm, item), {"ct": ct}) for ct in range(128)]
+            offs = [e[f"ec{item}"] * ld + e[f"er{item}"] for e in at]
+            assert all(o % 4 == 0 for o in offs)
+            for q0 in range(0, 128, 8):
+                quarter = sorted(offs[q0:q0 + 8])
+                assert quarter == list(range(quarter[0], quarter[0] + 32, 4))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_output_rounding_matches_stated_error(dtype):
+    """NumPy emulation of the half variant's only rounding (products exact, sums FP32, one rounding
+    at the store) on a ResNet-like layer: its relative L2 error is what the variant states (within
+    30 %) and far below its check's tolerance."""
+    from convforge.kernels.tensorcore.variants import HALF_EXPECTED, HALF_TOLERANCE
+
+    spec = ConvSpec.make(2, 64, 12, 12, 32, 3, 3, 1, 1, dtype=dtype)
+    rng = np.random.default_rng(0)
+    x = rounded(rng.uniform(-1, 1, spec.x_shape).astype(np.float32), dtype)
+    w = rounded(rng.uniform(-1, 1, spec.w_shape).astype(np.float32), dtype)
+    exact = conv2d_ref(x.astype(np.float64), w.astype(np.float64), spec)
+    err = rel_l2(rounded(exact.astype(np.float32), dtype), exact)
+    assert 0.7 * HALF_EXPECTED[dtype] < err < 1.3 * HALF_EXPECTED[dtype], err
+    assert err < HALF_TOLERANCE[dtype] / 4
+
+
+def _round(kind, a):
+    return {"tf32": _tf32, "f16": lambda v: v.astype(np.float16).astype(np.float64),
+            "bf16": lambda v: rounded(v.astype(np.float32), "bfloat16").astype(np.float64),
+            "exact": lambda v: v}[kind](a)
+
+
+def winograd_error(spec: ConvSpec, m: int, operands: str, seed: int = 0) -> float:
+    """Relative L2 error of non-fused F(m x m, 3 x 3) with U and V rounded to ``operands`` (everything
+    else exact) and the output rounded to the spec's dtype: the roundings the tensor-core variants add."""
+    from convforge.kernels.winograd.matrices import winograd
+
+    rng = np.random.default_rng(seed)
+    x = rounded(rng.uniform(-1, 1, spec.x_shape).astype(np.float32), spec.dtype).astype(np.float64)
+    w = rounded(rng.uniform(-1, 1, spec.w_shape).astype(np.float32), spec.dtype).astype(np.float64)
+    t = winograd(m, 3)
+    at, g, bt, a = t.as_float("AT"), t.as_float("G"), t.as_float("BT"), m + 2
+    th, tw = -(-spec.p // m), -(-spec.q // m)
+    xp = np.zeros((spec.n, spec.c, th * m + 2, tw * m + 2))
+    xp[:, :, 1:1 + spec.h, 1:1 + spec.w] = x
+    u = _round(operands, np.einsum("ij,kcjl,ml->kcim", g, w, g))
+    d = np.stack([np.stack([xp[:, :, i * m:i * m + a, j * m:j * m + a] for j in range(tw)], 2) for i in range(th)], 2)
+    v = _round(operands, np.einsum("ij,nctsjl,ml->nctsim", bt, d, bt))
+    y = np.einsum("ij,nktsjl,ml->nktsim", at, np.einsum("kcim,nctsim->nktsim", u, v), at)
+    y = y.transpose(0, 1, 2, 4, 3, 5).reshape(spec.n, spec.k, th * m, tw * m)[:, :, :spec.p, :spec.q]
+    out = rounded(y.astype(np.float32), spec.dtype).astype(np.float64) if spec.dtype != "float32" else y
+    return rel_l2(out, conv2d_ref(x, w, spec))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_winograd_stated_errors_match_the_rounding_emulation(dtype):
+    """tc_winograd_f2 states per dtype what the emulation of its roundings gives (within 30 %): TF32
+    operands for float32 and bfloat16 layers, FP16 for float16; BF16 operands would be 2.5x worse (so
+    they are not used), F(4x4) with one product exceeds the relaxed bound in every mode (so only its
+    3xTF32 form is registered)."""
+    from convforge.kernels.tensorcore.winograd import TcWinograd
+
+    spec = ConvSpec.make(2, 64, 20, 20, 32, 3, 3, 1, 1, dtype=dtype)
+    v = TcWinograd(2, False, frozenset({dtype}), "relaxed", 0)
+    err = winograd_error(spec, 2, {"tf32": "tf32", "f16": "f16"}[v.math(spec).name])
+    assert 0.7 * v.expected_error(spec) < err < 1.3 * v.expected_error(spec), err
+    if dtype == "bfloat16":
+        assert winograd_error(spec, 2, "bf16") > 2 * err
+    assert winograd_error(spec, 4, "tf32" if dtype != "float16" else "f16") > 1e-3
+
+
+# -- tiles, variants, compiles ----------------------------------------------------------------------
+def test_tile_problems_name_the_parameter():
+    assert any("bn" in p for p in TileConfig(128, 40).problems(TF32))
+    assert any("shared memory" in p for p in TileConfig(256, 256, 2, 8, 2).problems(X3TF32))
+    assert any("pi" in p for p in TileConfig(128, 64, pi=2).problems(F16))
+    assert any("empty" in p for p in TileConfig(128, 64, ks=4).problems(TF32, Problem(100, 64, 96)))
+    with pytest.raises(ValueError, match="unknown tensor-core tile parameters"):
+        TileConfig.of(Params(bm=128, bn=64, zz=1))
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("spec", ODD[:3] + [ConvSpec.make(32, 64, 56, 56, 64, 3, 3, 1, 1)], ids=str)
+def test_space_points_are_valid(name, spec):
+    v = get_variant(name)
+    spec = spec if name != "tc_implicit_gemm_half" else ConvSpec.from_dict({**spec.to_dict(), "dtype": "float16"})
+    space = v.space(spec, NOMINAL_CUDA)
+    assert space[0] == v.default(spec, NOMINAL_CUDA) and len(space) == len(set(space))
+    prob = v.problem(spec)
+    for p in space:
+        assert not TileConfig.of(p).problems(v.math(spec), prob), p
+
+
+def test_variants_refuse_other_devices_passes_and_dtypes():
+    spec = ConvSpec.make(1, 8, 9, 9, 8, 3, 3, 1, 1)
+    ampere = DeviceInfo("cuda", "A100", cc=(8, 0), shared_optin_bytes=163 * 1024, units=108)
+    for name in VARIANTS:
+        v = get_variant(name)
+        s = spec if name != "tc_implicit_gemm_half" else ConvSpec.from_dict({**spec.to_dict(), "dtype": "bfloat16"})
+        assert v.applies(s, NOMINAL_CUDA) is None
+        assert "compute capability 9.0" in v.applies(s, ampere)
+        assert "cuda" in v.applies(s, DeviceInfo("opencl", "cpu"))
+        assert "dgrad" in v.applies(s.with_pass("dgrad"), NOMINAL_CUDA)
+    assert "float16" in get_variant("tc_implicit_gemm_tf32").applies(
+        ConvSpec.from_dict({**spec.to_dict(), "dtype": "float16"}), NOMINAL_CUDA)
+    assert "float32" in get_variant("tc_implicit_gemm_half").applies(spec, NOMINAL_CUDA)
+
+
+def test_opencl_refuses_the_generator():
+    v = get_variant("tc_implicit_gemm_tf32")
+    spec = ConvSpec.make(1, 8, 9, 9, 8, 3, 3, 1, 1)
+    plan = v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA)
+    with pytest.raises(ValueError, match="wgmma"):
+        render(list(plan.kernels), "opencl")
+    assert ARCH_SPECIFIC_MARK in plan.source("cuda")
+
+
+def _spec_of(name, spec, dtype="float16"):
+    return spec if name != "tc_implicit_gemm_half" else ConvSpec.from_dict({**spec.to_dict(), "dtype": dtype})
+
+
+COMPILE = [("tc_implicit_gemm_tf32", ODD[0], None), ("tc_implicit_gemm_tf32", ODD[3], None),
+           ("tc_implicit_gemm_3xtf32", ODD[4], None), ("tc_implicit_gemm_half", ODD[5], None),
+           ("tc_implicit_gemm_tf32", ConvSpec.make(32, 64, 56, 56, 64, 3, 3, 1, 1),
+            Params(bm=128, bn=256, kb=1, st=3, cw=2, ks=1, ps=1)),
+           ("tc_implicit_gemm_half", ConvSpec.make(32, 128, 28, 28, 128, 3, 3, 1, 1),
+            Params(bm=256, bn=128, kb=1, st=4, cw=2, ks=1, ps=1)),
+           ("tc_implicit_gemm_3xtf32", ConvSpec.make(32, 256, 14, 14, 256, 3, 3, 1, 1), None),
+           ("tc_implicit_gemm_tf32", ConvSpec.make(8, 256, 14, 14, 512, 1, 1), Params(bm=128, bn=128, kb=2, st=3,
+                                                                                      cw=1, ks=1, ps=0))]
+
+
+@pytest.mark.parametrize("name, spec, params", COMPILE, ids=lambda v: str(v))
+def test_compiles_for_sm90a_without_spills_hgmma_in_sass(nvcc_ok, name, spec, params):
+    """nvcc -arch=sm_90a: no spill in any kernel; the GEMM's SASS has HGMMA (a whole number of stages'
+    worth: ptxas peels or unrolls short K loops) and no HMMA; setmaxnreg where the tile trades registers."""
+    v = get_variant(name)
+    spec = _spec_of(name, spec)
+    prm = params or v.default(spec, NOMINAL_CUDA)
+    plan = v.plan(spec, prm, NOMINAL_CUDA, Epilogue(bias=True, relu=True))
+    infos, sass = sass_report(plan.source("cuda"))
+    for info in infos:
+        assert info.spill_stores == 0 and info.spill_loads == 0, info
+    gemm = [k for k in re.split(r"\n\s+Function : ", sass) if k.startswith(f"{name}_gemm")]
+    assert gemm, "no GEMM kernel in the SASS"
+    ops = re.findall(r"\b(HGMMA|HMMA|FFMA|SETMAXNREG|USETMAXREG)\b", gemm[0])
+    cfg, math = TileConfig.of(prm), v.math(spec)
+    per_stage = len(wgmma_issue(cfg, math))
+    assert ops.count("HGMMA") >= per_stage and ops.count("HGMMA") % per_stage == 0, ops.count("HGMMA")
+    assert "HMMA" not in ops
+    assert ("USETMAXREG" in ops) == (cfg.regs() is not None)
+
+
+def test_3xtf32_points_compile_with_promotion(nvcc_ok):
+    v = get_variant("tc_implicit_gemm_3xtf32")
+    spec = ConvSpec.make(4, 64, 28, 28, 128, 3, 3, 1, 1)
+    for p in (Params(bm=128, bn=128, kb=1, st=3, cw=2, ks=1, ps=1, pi=4), Params(bm=128, bn=64, kb=2, st=2, cw=1,
+                                                                                 ks=1, ps=1, pi=2)):
+        for info in ptxas_report(v.plan(spec, p, NOMINAL_CUDA).source("cuda")):
+            assert info.spill_stores == 0 and info.spill_loads == 0, (p, info)

@@ -1,0 +1,341 @@
+"""``convforge tune --devices`` and torchrun ranks (tune/parallel.py, tune/worker.py) on CI: worker
+processes sharing the PoCL device and one tuning database, a worker killed mid-run, the static
+split of torchrun ranks and rank 0's merge of per-rank databases, and the errors of ``--devices``.
+No torch, no GPU: the two-GPU runs are in test_gpu_multi.py."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from convforge.plan import Epilogue
+from convforge.spec import ConvSpec
+from convforge.tune import parallel
+from convforge.tune.db import TuningDB
+from convforge.tune.parallel import Ranks, Task, parse_devices, run_ranked, run_tasks, split_static, torchrun_ranks
+from convforge.tune.tuner import Budget, Tuner
+from convforge.tune.worker import TEST_HOOK, Settings
+from helpers import run_main
+
+# tiny layers: a 3x3 with padding, a strided one with asymmetric padding, a 1x1 (each a distinct cost)
+SPECS = {"a3x3": ConvSpec.make(1, 3, 11, 11, 5, 3, 3, 1, 1),
+         "b_s2": ConvSpec.make(2, 2, 11, 9, 3, 3, 3, 2, (1, 0, 2, 1)),
+         "c1x1": ConvSpec.make(1, 4, 7, 7, 4, 1, 1)}
+BUDGET = (None, 2)  # two candidates per layer, no time limit: the same candidates on every run
+
+
+@pytest.fixture(scope="module")
+def pocl():  # type: ignore[no-untyped-def]
+    from convforge.backends import opencl_available
+
+    if not opencl_available():
+        if os.environ.get("CI"):
+            pytest.fail("no OpenCL device on CI: is pyopencl[pocl] installed?")
+        pytest.skip("no OpenCL device")
+    from convforge.backends.opencl import list_devices
+
+    pi, di, _, _ = list_devices()[0]
+    return f"{pi}:{di}"
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """A compile cache of the test's own, which the workers inherit through the environment; the
+    settings an in-process worker (a simulated rank) or the command changes are restored after."""
+    from convforge.config import config
+    from convforge.tune import clear_choices
+
+    folder = tmp_path / "cache"
+    monkeypatch.setenv("CONVFORGE_CACHE_DIR", str(folder))
+    monkeypatch.delenv(TEST_HOOK, raising=False)
+    saved = {k: getattr(config, k) for k in ("db_path", "precision", "max_error", "cache_dir")}
+    config.cache_dir = folder
+    yield folder
+    for k, v in saved.items():
+        setattr(config, k, v)
+    clear_choices()
+
+
+def _tasks(names: list[str] | None = None) -> list[Task]:
+    return [Task(i, n, float(SPECS[n].flops), {"kind": "layer", "spec": SPECS[n].to_dict(), "epi": asdict(Epilogue())})
+            for i, n in enumerate(names or list(SPECS))]
+
+
+def _settings(db: Path, device: str) -> Settings:
+    return Settings(backend="opencl", device=device, db=str(db), budget=BUDGET, threads=1)
+
+
+def _console() -> tuple[Console, io.StringIO]:
+    buf = io.StringIO()
+    return Console(file=buf, width=200), buf
+
+
+def _measured(db: TuningDB) -> dict[str, set[tuple[str, str]]]:
+    """Per layer: the (variant, params) points measured (what the search tried)."""
+    return {e.spec: {(m.variant, m.params) for m in db.measurements(e.key)} for e in db.entries()}
+
+
+# -- no device: parsing, the split, the ranks ----------------------------------------------------------
+@pytest.mark.parametrize("text", ["", " ", "a", "0,,1", "all,0", "-1", "0:x", "1.5"])
+def test_bad_devices_values_are_one_clear_error(text: str, pocl: str) -> None:
+    with pytest.raises(ValueError, match=r"--devices .* must be 'all' or a comma-separated list"):
+        parse_devices(text, "opencl")
+
+
+def test_devices_that_do_not_exist_are_named(pocl: str) -> None:
+    with pytest.raises(ValueError, match="OpenCL device 7:0 does not exist"):
+        parse_devices(f"{pocl},7:0", "opencl")
+    slots = parse_devices(f"{pocl},{pocl}", "opencl")
+    assert [s.label for s in slots] == [f"opencl:{pocl}#1", f"opencl:{pocl}#2"]
+    assert {s.device for s in slots} == {pocl}
+
+
+def test_devices_without_cuda_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    from convforge.backends import cuda_available
+
+    if cuda_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match="one worker per CUDA device, but this machine has none"):
+        parse_devices("all", "cuda")
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--devices", "0,,1"], "must be 'all' or a comma-separated list"),
+    (["--devices", "zero", "--backend", "opencl"], "must be 'all' or a comma-separated list"),
+    (["--devices", "0:0", "--backend", "opencl", "--device", "0:0"], "--device and --devices cannot be combined"),
+    (["--devices", "0:0", "--backend", "opencl", "--report", "REPORT"], "--report measures on one device"),
+    (["--devices", "0:0", "--backend", "opencl", "--dispatch-overhead"], "--dispatch-overhead measures on one"),
+])
+def test_tune_devices_errors_exit_2(argv: list[str], match: str, tmp_path: Path, capsys, pocl: str) -> None:  # type: ignore[no-untyped-def]
+    argv = [a.replace("REPORT", str(tmp_path / "rep")) for a in argv]
+    rc, out = run_main(["tune", "--spec", "N=1,C=3,H=9,W=9,K=4,R=3,S=3", "--db", str(tmp_path / "t.sqlite"),
+                        *argv], capsys)
+    assert rc == 2 and match in out and "Traceback" not in out, out
+    assert out.count("error:") == 1
+
+
+def test_cli_devices_without_cuda_exit_2(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from convforge.backends import cuda_available
+
+    if cuda_available():
+        pytest.skip("this machine has CUDA")
+    rc, out = run_main(["tune", "--spec", "N=1,C=3,H=9,W=9,K=4,R=3,S=3", "--devices", "all",
+                        "--db", str(tmp_path / "t.sqlite")], capsys)
+    assert rc == 2 and "this machine has none" in out and "--backend opencl --devices 0:0,0:0" in out, out
+
+
+def test_devices_under_torchrun_is_refused(tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    for k, v in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(k, v)
+    rc, out = run_main(["tune", "--spec", "N=1,C=3,H=9,W=9,K=4,R=3,S=3", "--devices", "0,1", "--db",
+                        str(tmp_path / "t.sqlite")], capsys)
+    assert rc == 2 and "--devices does not apply under torchrun" in out, out
+
+
+def test_torchrun_environment() -> None:
+    assert torchrun_ranks({}) is None
+    assert torchrun_ranks({"RANK": "1", "WORLD_SIZE": "2"}) is None
+    r = torchrun_ranks({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"})
+    assert r == Ranks(3, 4, 1, 2) and not r.one_host
+    assert torchrun_ranks({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}).one_host
+    with pytest.raises(ValueError, match="must be ints"):
+        torchrun_ranks({"RANK": "x", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+    with pytest.raises(ValueError, match="RANK \\(2\\) must be in 0..WORLD_SIZE-1"):
+        torchrun_ranks({"RANK": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+
+
+def test_static_split_is_deterministic_balanced_and_complete() -> None:
+    costs = [50, 7, 7, 30, 1, 22, 22, 9, 3, 40]
+    tasks = [Task(i, f"t{i}", float(c), {}) for i, c in enumerate(costs)]
+    for n in (1, 2, 3, 4, 11):
+        shares = split_static(tasks, n)
+        assert len(shares) == n
+        assert sorted(t.id for s in shares for t in s) == list(range(len(costs)))
+        again = split_static(list(reversed(tasks)), n)
+        assert [[t.id for t in s] for s in shares] == [[t.id for t in s] for s in again]
+        loads = [sum(t.cost for t in s) for s in shares]
+        assert max(loads) - min(loads) <= max(costs)  # LPT: no share ahead by more than one task
+    # largest first, each to the least loaded share (ties: the lower share): 95 + 1 against 95
+    assert [[t.id for t in s] for s in split_static(tasks, 2)] == [[0, 5, 7, 1, 2, 4], [9, 3, 6, 8]]
+
+
+# -- worker processes on the PoCL device -----------------------------------------------------------------
+def test_two_workers_share_the_device_and_one_database(pocl: str, cache: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both workers tune (each task takes >= 1 s, so neither can take them all), every entry lands
+    in the one database, the progress bar counts every layer once, and the search tried the same
+    candidates as a one-process run with the same seed and budget."""
+    monkeypatch.setenv(TEST_HOOK, "slow=2")
+    db = tmp_path / "shared.sqlite"
+    console, buf = _console()
+    run = run_tasks(_tasks(), parse_devices(f"{pocl},{pocl}", "opencl"), _settings(db, pocl), console)
+    out = buf.getvalue()
+    assert run.outcomes is not None and all(o.ok for o in run.outcomes.values()), out
+    assert sorted(run.per_worker.values()) == [1, 2] and sum(run.per_worker.values()) == len(SPECS), out
+    assert {o.worker for o in run.outcomes.values()} == set(run.per_worker), out
+    assert "layers ━" in out and f"{len(SPECS)}/{len(SPECS)}" in out and "died" not in out, out
+    shared = TuningDB(db)
+    assert {e.spec for e in shared.entries()} == {s.key() for s in SPECS.values()}
+    for o in run.outcomes.values():  # each reply is the entry the worker stored
+        assert shared.get(*[o.reply["entry"][k] for k in ("device", "backend", "spec", "dtype", "epilogue",
+                                                          "precision")]) is not None
+    from convforge.backends import get_backend
+
+    alone = TuningDB(tmp_path / "alone.sqlite")
+    tuner = Tuner(get_backend("opencl", pocl), alone, Budget(*BUDGET), seed=0, workers=1)
+    for spec in SPECS.values():
+        tuner.tune(spec)
+    assert _measured(alone) == _measured(shared)
+
+
+def test_killed_worker_is_reported_and_its_layer_requeued(pocl: str, cache: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(TEST_HOOK, "kill=1:1,slow=1")  # the worker in slot 1 dies on its first task
+    db = tmp_path / "shared.sqlite"
+    console, buf = _console()
+    slots = parse_devices(f"{pocl},{pocl}", "opencl")
+    run = run_tasks(_tasks(), slots, _settings(db, pocl), console)
+    out = buf.getvalue()
+    assert run.outcomes is not None and all(o.ok for o in run.outcomes.values()), out
+    assert f"worker {slots[1].label} (pid " in out and "died (killed by SIGKILL) while tuning" in out, out
+    assert "re-queued for the other workers" in out and f"{len(SPECS)}/{len(SPECS)}" in out, out
+    assert run.per_worker == {slots[0].label: len(SPECS), slots[1].label: 0}
+    assert len(TuningDB(db).entries()) == len(SPECS)
+
+
+def test_device_error_stops_the_worker_and_requeues_its_layer(pocl: str, cache: Path, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker whose device check fails after a task (a sticky CUDA error) says why and exits;
+    the parent names it with that reason and hands the task to the other worker."""
+    monkeypatch.setenv(TEST_HOOK, "broken=1:1,slow=1")  # slot 1's device "breaks" during its first task
+    console, buf = _console()
+    slots = parse_devices(f"{pocl},{pocl}", "opencl")
+    run = run_tasks(_tasks(), slots, _settings(tmp_path / "t.sqlite", pocl), console)
+    out = buf.getvalue()
+    assert run.outcomes is not None and all(o.ok for o in run.outcomes.values()), out
+    assert f"worker {slots[1].label} (pid" in out, out
+    assert "died (stopped: device error after " in out and "test hook: the device is broken) while tuning" in out, out
+    assert "re-queued" in out and run.per_worker == {slots[0].label: len(SPECS), slots[1].label: 0}, out
+
+
+def test_workers_that_cannot_start_fail_every_layer_with_the_reason(pocl: str, cache: Path, tmp_path: Path) -> None:
+    console, buf = _console()
+    slots = [parallel.Slot("opencl:0:9", "opencl", "0:9")]  # past parse_devices: a device that is not there
+    run = run_tasks(_tasks(["c1x1"]), slots, _settings(tmp_path / "t.sqlite", pocl), console)
+    out = buf.getvalue()
+    assert run.outcomes is not None and not run.outcomes[0].ok, out
+    assert "worker opencl:0:9 (pid" in out and "could not start" in out and "does not exist" in out, out
+    assert run.outcomes[0].error == "no worker left: every worker died" and "1/1" in out
+
+
+def test_layer_that_kills_two_workers_is_failed(pocl: str, cache: Path, tmp_path: Path, capsys,  # type: ignore[no-untyped-def]
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the command: the layer that killed both workers is failed with that reason (and
+    whatever was left then has no worker: failed too); exit status 1; the bar still ends at 2/2."""
+    monkeypatch.setenv(TEST_HOOK, "kill=@spec1")
+    rc, out = run_main(["tune", "--backend", "opencl", "--devices", f"{pocl},{pocl}", "--budget", "2",
+                        "--spec", "N=2,C=2,H=11,W=9,K=3,R=3,S=3,stride=2,pad=1x0x2x1",
+                        "--spec", "N=1,C=4,H=7,W=7,K=4,R=1,S=1", "--db", str(tmp_path / "t.sqlite")], capsys)
+    assert rc == 1, out
+    assert "spec1: failed: killed two workers" in out and "which had killed" in out, out
+    assert "2/2" in out and "failed" in out.split("tuned on opencl")[1], out
+
+
+def test_duplicate_layers_are_tuned_once_through_the_command(pocl: str, cache: Path, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    spec = "N=1,C=3,H=11,W=11,K=5,R=3,S=3,pad=1"
+    rc, out = run_main(["tune", "--backend", "opencl", "--devices", pocl, "--budget", "2", "--spec", spec,
+                        "--spec", spec, "--db", str(tmp_path / "t.sqlite")], capsys)
+    assert rc == 0, out
+    assert "1 distinct layer(s) on 1 worker(s)" in out and "1 layer(s) tuned, 1 from the database, 0 failed" in out
+    assert "1/1" in out
+
+
+def test_net_on_two_workers(pocl: str, cache: Path, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """``--net`` through the workers: every distinct conv/fc of a small prototxt lands once."""
+    net = tmp_path / "tiny.prototxt"
+    net.write_text("""name: "tiny"
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 1 dim: 3 dim: 13 dim: 13 } } }
+layer { name: "c1" type: "Convolution" bottom: "data" top: "c1"
+  convolution_param { num_output: 4 kernel_size: 3 pad: 1 } }
+layer { name: "r1" type: "ReLU" bottom: "c1" top: "c1" }
+layer { name: "c2" type: "Convolution" bottom: "c1" top: "c2"
+  convolution_param { num_output: 5 kernel_size: 3 stride: 2 } }
+""")
+    db = tmp_path / "t.sqlite"
+    rc, out = run_main(["tune", "--backend", "opencl", "--devices", f"{pocl},{pocl}", "--budget", "2",
+                        "--net", str(net), "--db", str(db)], capsys)
+    assert rc == 0, out
+    assert "2 distinct conv/fc layer(s)" in out and "2 layer(s) tuned or known, 0 failed" in out, out
+    assert len(TuningDB(db).entries()) == 2
+
+
+# -- torchrun ranks, simulated in one process ------------------------------------------------------------
+def test_ranks_across_hosts_write_their_own_files_and_rank0_merges(pocl: str, cache: Path, tmp_path: Path) -> None:
+    """Two ranks on different hosts (LOCAL_WORLD_SIZE 1): rank 1 writes NAME.rank1.sqlite, rank 0
+    the shared database; rank 0 imports rank 1's entries (only where faster) and answers every
+    layer's outcome; the shares are the static split of the same list."""
+    tasks = _tasks()
+    db = tmp_path / "tuning.sqlite"
+    sent: dict[int, dict] = {}
+    console, buf = _console()
+
+    def gather_from(rank: int):  # type: ignore[no-untyped-def]
+        def gather(payload):  # type: ignore[no-untyped-def]
+            sent[rank] = json.loads(json.dumps(payload))  # what torch.distributed would pickle across
+            return [sent[r] for r in sorted(sent)] if rank == 0 else None
+        return gather
+
+    one = run_ranked(tasks, _settings(db, pocl), Ranks(1, 2, 0, 1), console, gather_from(1))
+    assert one.outcomes is None and one.own_failed == 0
+    own1 = parallel.rank_db_path(db, 1)
+    assert own1.name == "tuning.rank1.sqlite"
+    share1 = {t.name for t in split_static(tasks, 2)[1]}
+    assert {e.spec for e in TuningDB(own1).entries()} == {SPECS[n].key() for n in share1}
+    zero = run_ranked(tasks, _settings(db, pocl), Ranks(0, 2, 0, 1), console, gather_from(0))
+    assert zero.outcomes is not None and sorted(zero.outcomes) == [t.id for t in tasks]
+    assert all(o.ok for o in zero.outcomes.values()), buf.getvalue()
+    assert {o.worker for o in zero.outcomes.values()} == {"rank 0", "rank 1"}
+    assert {e.spec for e in TuningDB(db).entries()} == {s.key() for s in SPECS.values()}
+    assert f"merged rank 1's database into {db}: {len(share1)} stored" in buf.getvalue()
+
+
+def test_ranks_on_one_host_share_the_database(pocl: str, cache: Path, tmp_path: Path) -> None:
+    tasks = _tasks()
+    db = tmp_path / "tuning.sqlite"
+    console, _ = _console()
+    payloads: list[dict] = []
+    run_ranked(tasks, _settings(db, pocl), Ranks(1, 2, 1, 2), console, lambda p: payloads.append(p))  # type: ignore[func-returns-value]
+    run = run_ranked(tasks, _settings(db, pocl), Ranks(0, 2, 0, 2), console, lambda p: [p, *payloads])
+    assert not parallel.rank_db_path(db, 1).exists() and payloads[0]["export"] is None
+    assert run.outcomes is not None and all(o.ok for o in run.outcomes.values())
+    assert len(TuningDB(db).entries()) == len(SPECS)
+
+
+# -- bench --model --train --devices (bench/ddp.py): what runs without torch ----------------------------
+@pytest.mark.parametrize("argv,match", [
+    (["bench", "--suite", "mec", "--devices", "2"], "--devices goes with --model --train"),
+    (["bench", "--model", "resnet50:32", "--devices", "2"], "--devices goes with --train"),
+])
+def test_bench_devices_errors_exit_2(argv: list[str], match: str, capsys) -> None:  # type: ignore[no-untyped-def]
+    rc, out = run_main(argv, capsys)
+    assert rc == 2 and match in out and "Traceback" not in out, out
+
+
+def test_ddp_rows_scale_against_one_gpu() -> None:
+    from convforge.bench import ddp
+
+    rows = [dict(model="resnet50", batch=32, impl="convforge", gpus=1, images_per_s=400.0, status="ok"),
+            dict(model="resnet50", batch=32, impl="convforge", gpus=2, images_per_s=740.0, status="ok"),
+            dict(model="resnet50", batch=32, impl="pytorch_fp32", gpus=2, images_per_s=700.0, status="ok")]
+    ddp.scale(rows)
+    assert rows[0]["scaling"] == 1.0 and rows[1]["scaling"] == pytest.approx(1.85)
+    assert rows[1]["efficiency"] == pytest.approx(0.925) and "scaling" not in rows[2]  # no one-GPU row of its own
+    assert ddp.parse_impls(None) == ddp.IMPLS and ddp.parse_impls("convforge") == ("convforge",)
+    with pytest.raises(ValueError, match="--impl"):
+        ddp.parse_impls("convforge,cudnn")
