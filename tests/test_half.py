@@ -34,8 +34,14 @@ VECTOR_SPECS = [ConvSpec.make(2, 8, 8, 8, 12, 1, 1), ConvSpec.make(1, 4, 9, 12, 
 FC_SPECS = [ConvSpec.make(1, 7, 5, 3, 11, 5, 3), ConvSpec.make(2, 40, 3, 3, 13, 3, 3)]
 
 
+CORE_FAMILIES = ("direct", "im2col", "implicit_gemm", "gemm1x1")  # FP32 arithmetic on CUDA cores / OpenCL
+
+
 def half_variants(backend: str = "opencl") -> list[str]:
-    return [v.name for v in all_variants() if set(HALF) <= v.dtypes and backend in v.backends]
+    """The CUDA-core / OpenCL families' variants that serve half storage (and float32: the tensor-core
+    ones, half only or Winograd, are tests/test_tensorcore_gen.py's)."""
+    return [v.name for v in all_variants() if set(HALF) <= v.dtypes and "float32" in v.dtypes
+            and v.family in CORE_FAMILIES and backend in v.backends]
 
 
 def _with(spec: ConvSpec, dtype: str) -> ConvSpec:
