@@ -32,6 +32,9 @@ VECTOR_SPECS = [ConvSpec.make(2, 8, 8, 8, 12, 1, 1), ConvSpec.make(1, 4, 9, 12, 
                 ConvSpec.make(1, 64, 2, 2, 16, 1, 1)]
 # Filters covering the whole unpadded input (fully-connected layers: gemm_fc), odd and 4-aligned.
 FC_SPECS = [ConvSpec.make(1, 7, 5, 3, 11, 5, 3), ConvSpec.make(2, 40, 3, 3, 13, 3, 3)]
+# Grouped layers (the group's channel pointers in the dtype).
+GROUPED_SPECS = [ConvSpec.make(2, 6, 9, 11, 9, 3, 3, 2, (1, 0, 1, 1), groups=3),
+                 ConvSpec.make(1, 8, 6, 6, 12, 1, 1, groups=4)]
 
 
 CORE_FAMILIES = ("direct", "im2col", "implicit_gemm", "gemm1x1")  # FP32 arithmetic on CUDA cores / OpenCL
@@ -131,7 +134,7 @@ def test_half_variant_on_odd_shapes(ocl, name: str, dtype: str) -> None:
     under the dtype's tolerance, every output written."""
     v = next(v for v in all_variants() if v.name == name)
     tried = 0
-    for i, base in enumerate(ODD_SPECS + VECTOR_SPECS + FC_SPECS):
+    for i, base in enumerate(ODD_SPECS + VECTOR_SPECS + FC_SPECS + GROUPED_SPECS):
         spec = _with(base, dtype)
         if v.applies(spec, ocl.device):
             continue

@@ -283,9 +283,10 @@ def _tune_models(args: argparse.Namespace, console: Any, budget: Budget, how: An
         config.db_path = args.db
         clear_choices()
     dtype = getattr(args, "dtype", None) or "float32"
+    extra = {} if dtype == "float32" else {"dtype": dtype}
     if how is not None:
-        return tune_models(args.model, console, budget, how=how, args=args, dtype=dtype)
-    return tune_models(args.model, console, budget, dtype=dtype)
+        return tune_models(args.model, console, budget, how=how, args=args, **extra)
+    return tune_models(args.model, console, budget, **extra)
 
 
 def _setup_logging(verbose: bool) -> None:
