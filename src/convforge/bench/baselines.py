@@ -110,6 +110,9 @@ def run(kind: str, spec: ConvSpec, timing: Timing, on_gpu: bool,
     if kind == "cudnn" or (kind == "torch" and on_gpu):
         if not torch.cuda.is_available():
             return [BaselineResult(kind, "-", "fp32", None, status="PyTorch sees no CUDA device")]
+        if spec.dtype != "float32" and spec.conv_pass != "fprop":
+            return [BaselineResult(kind, "-", HALF_TAGS[spec.dtype], None,
+                                   status=f"no {spec.dtype} baseline of {spec.conv_pass} (forward only)")]
         if spec.dtype != "float32":
             return _half_baselines(spec, timing, kind == "cudnn")
         return _gpu_baselines(spec, timing, kind == "cudnn", classes)
