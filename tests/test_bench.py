@@ -635,3 +635,20 @@ def test_non_utf8_suite_file_is_named(tmp_path: Path, command: str, capsys: pyte
     assert main([command, "--suite", str(f), "--backend", "opencl"]) == 2
     out = capsys.readouterr()
     assert "junk.bin: not a UTF-8 text file" in out.out + out.err and "Traceback" not in out.out + out.err
+
+
+def test_a_wrong_baseline_row_is_never_cudnn_best():
+    """A cuDNN row whose error says it computed something else (seen: a legacy BWD_DATA algorithm at
+    1.17 on the H200) or NaN is left out of cuDNN-best, however fast."""
+    from convforge.bench.baselines import BaselineResult, best_fp32, best_tf32
+
+    rows = [BaselineResult("torch-pick", "pick", "fp32", 2.0, 0, 4e-7),
+            BaselineResult("cudnn:FAST_WRONG", "FAST_WRONG", "fp32", 0.5, 0, 1.17),
+            BaselineResult("cudnn:NAN", "NAN", "fp32", 0.4, 0, float("nan")),
+            BaselineResult("cudnn:OK", "OK", "fp32", 1.0, 0, 1.5e-5),
+            BaselineResult("cudnn-tf32:WRONG", "WRONG", "tf32", 0.1, 0, 0.5),
+            BaselineResult("cudnn-tf32:OK", "OK", "tf32", 0.3, 0, 2.6e-4)]
+    best = best_fp32(rows)
+    assert best is not None and best.algo == "OK" and best.time_ms == 1.0
+    tf32 = best_tf32(rows)
+    assert tf32 is not None and tf32.algo == "OK" and tf32.time_ms == 0.3

@@ -70,8 +70,8 @@ REFUSED = [
     (["run", "--net", "alexnet", "--workspace-limit", "nan", *OCL], "--workspace-limit (nan) must be a finite"),
     (["run", "--net", "alexnet", "--out", A_FILE, *OCL], f"--out ({A_FILE}) is a file"),
     (["run", "--net", "alexnet", "--out", f"{A_FILE}/sub", *OCL], f"{A_FILE} is a file, not a folder"),
-    (["run", "--net", "nin", "--repeats", "1", "--batch", "100000000", *OCL], "CL_DEVICE_MAX_MEM_ALLOC_SIZE"),
-    (["run", "--net", "nin", "--repeats", "1", "--input-size", "100000", *OCL], "CL_DEVICE_MAX_MEM_ALLOC_SIZE"),
+    (["run", "--net", "nin", "--repeats", "1", "--batch", "100000000", *OCL], "needs 64-bit indexing: tensor"),
+    (["run", "--net", "nin", "--repeats", "1", "--input-size", "100000", *OCL], "needs 64-bit indexing: tensor"),
     (["tune", "--spec", SPEC, "--spec", SPEC, "--limit", "-1"], "--limit (-1) must be >= 1"),
     (["tune", "--spec", SPEC, "--limit", "0"], "--limit (0) must be >= 1"),
     (["tune", "--spec", SPEC, "--workers", "0"], "--workers (0) must be >= 1"),
@@ -100,12 +100,23 @@ REFUSED = [
 
 
 @pytest.mark.parametrize("argv,says", REFUSED, ids=lambda a: " ".join(a)[:50] if isinstance(a, list) else "")
-def test_refused_before_any_work(argv: list[str], says: str, capsys, tmp_path, monkeypatch, request) -> None:  # type: ignore[no-untyped-def]
-    if "CL_DEVICE" in says:  # refused by the OpenCL device's own limit: needs one (skips on the GPU tier)
-        request.getfixturevalue("ocl")
+def test_refused_before_any_work(argv: list[str], says: str, capsys, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setattr(config, "db_path", tmp_path / "t.sqlite")
     rc, out = run_main(argv, capsys)
     assert rc == 2 and "Traceback" not in out and out.count("error:") == 1 and says in out, out
+
+
+def test_buffer_over_the_device_limit_is_one_line(ocl, capsys, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A batch whose activations pass what the OpenCL device allocates at once (but not 2^31
+    elements): refused before any compile, naming CL_DEVICE_MAX_MEM_ALLOC_SIZE."""
+    per_image = 96 * 54 * 54  # NiN's largest activation (conv1) per image at 224 x 224
+    batch = int(ocl.cl_device.max_mem_alloc_size) // (4 * per_image) + 1
+    if batch * per_image > 2**31 - 1:
+        pytest.skip(f"{ocl.device.name} allocates 8 GiB or more at once: a batch past it needs 64-bit indexing")
+    monkeypatch.setattr(config, "db_path", tmp_path / "t.sqlite")
+    rc, out = run_main(["run", "--net", "nin", "--repeats", "1", "--batch", str(batch), *OCL], capsys)
+    assert rc == 2 and "Traceback" not in out and out.count("error:") == 1, out
+    assert "CL_DEVICE_MAX_MEM_ALLOC_SIZE" in out, out
 
 
 @pytest.mark.parametrize("argv", MALFORMED, ids=lambda a: " ".join(a)[:40] or "none")

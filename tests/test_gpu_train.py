@@ -364,7 +364,9 @@ def test_cudnn_baselines_of_each_backward_pass(gpu, conv_pass):
     legacy = [r for r in res if r.impl.startswith(prefix)]
     assert len(legacy) == 6, [r.impl for r in res]
     ran = [r for r in legacy if r.time_ms is not None]
-    assert ran and all(r.rel_err is not None and r.rel_err < 1e-4 for r in ran), ran
+    # every row's error is measured; a row cuDNN itself gets wrong is never cuDNN-best (baselines.plausible)
+    assert ran and all(r.rel_err is not None for r in ran) and any(r.rel_err < 1e-5 for r in ran), ran
+    assert by["cudnn-best"].rel_err < 1e-4, by["cudnn-best"]
     assert by["torch-pick"].time_ms and by["torch-pick"].rel_err < 1e-5
     best = by["cudnn-best"]
     assert best.time_ms == min(r.time_ms for r in res if r.time_ms and r.precision == "fp32"
@@ -410,7 +412,7 @@ def test_bench_train_rows(gpu, tmp_path):
     assert (tmp_path / "train_losses.csv").read_text().count("\n") == training.STEPS + 1
 
 
-def test_numpy_inputs_are_unchanged_by_gpu_runs(gpu):
+def test_numpy_inputs_are_unchanged_by_gpu_runs(gpu, ocl):
     """The NumPy path still runs on OpenCL when CUDA is present (nothing of the device path leaks in)."""
     from convforge import grad
 

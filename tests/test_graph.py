@@ -615,5 +615,6 @@ def test_run_on_opencl_needs_no_cuda(ocl, tmp_path) -> None:
             f"sys.exit(main(['run', '--net', {str(path)!r}, '--backend', 'opencl', '--repeats', '2']))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "PyTorch: not run: this run is opencl" in done.stdout and "| small | 1 | opencl |" in done.stdout
+    assert "PyTorch: not run: this run is opencl" in done.stdout
+    assert "| small | 2 | opencl |" in done.stdout and "batch 2 (declared by the description" in done.stdout
     assert "cupy" not in done.stderr.lower()

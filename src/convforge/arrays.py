@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+INT32_MAX = 2**31 - 1  # the largest element offset 32-bit index arithmetic holds
+
 
 def _contiguous(sizes: Sequence[int]) -> tuple[int, ...]:
     strides, acc = [], 1
@@ -96,22 +98,27 @@ class ArrayDesc:
     def index(self, **coords: str | int) -> str:
         """C expression of the flat offset of ``coords`` (dimension name -> expression).
 
-        Dimensions not named are taken at 0. Compile-time strides are folded as literals.
+        Dimensions not named are taken at 0. Compile-time strides are folded as literals. Where
+        the offset can pass 2^31 - 1 (an array of more elements) it is computed in 64 bits: a term
+        that can pass it alone has its coordinate cast to ``I64``, and so has the first term, so
+        every addition after it is 64-bit too (see :meth:`wide`).
         """
         unknown = set(coords) - set(self.dims)
         if unknown:
             raise KeyError(f"{self.name} ({self.layout}) has no dimension(s) {sorted(unknown)}")
-        terms = []
-        for d, st in zip(self.dims, self.strides):
-            if d not in coords:
-                continue
+        named = [(d, st, sz) for d, st, sz in zip(self.dims, self.strides, self.sizes) if d in coords]
+        whole = sum((sz - 1) * st for _, st, sz in named) > INT32_MAX
+        terms: list[str] = []
+        for d, st, sz in named:
             expr = coords[d]
-            if isinstance(expr, int):
-                if not self.runtime:
-                    if expr * st:
-                        terms.append(str(expr * st))
-                    continue
-                expr = str(expr)
+            if isinstance(expr, int) and not self.runtime:
+                off = expr * st
+                if off:
+                    terms.append(f"(I64){off}" if off > INT32_MAX or (whole and not terms) else str(off))
+                continue
+            expr = str(expr)
+            if (whole and not terms) or (sz - 1) * st > INT32_MAX:
+                expr = f"(I64)({expr})"
             if self.runtime:
                 terms.append(f"({expr})*{self.stride_name(d)}")
             elif st == 1:
@@ -119,3 +126,8 @@ class ArrayDesc:
             else:
                 terms.append(f"({expr})*{st}")
         return " + ".join(terms) if terms else "0"
+
+    @property
+    def wide(self) -> bool:
+        """Some offset into this array passes 2^31 - 1: :meth:`index` writes 64-bit arithmetic."""
+        return self.numel - 1 > INT32_MAX

@@ -322,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {missing('this command', root)}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader left early (`convforge algos | head`): stop quietly, as Unix tools do
+        _silence_stdout()
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool the closed pipe stopped
     except (ValueError, TypeError, OSError) as err:  # TypeError: bad JSON / params shapes from users
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -332,6 +335,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def _silence_stdout() -> None:
+    """Point stdout at the null device, so the interpreter's last flush meets no closed pipe."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout replaced by something without a descriptor (tests)
+        pass
 
 
 if __name__ == "__main__":

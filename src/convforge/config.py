@@ -113,6 +113,10 @@ def _env_settings(env: Mapping[str, str]) -> dict[str, tuple[str, Callable[[], A
                        lambda: parse_bool("CONVFORGE_DISK_CACHE", get("CONVFORGE_DISK_CACHE") or "1")),
         # torch and CuPy calls through the C++ fast paths (torch/native.cpp, backends/cupy_native.cpp)
         "native": ("CONVFORGE_NATIVE", lambda: parse_bool("CONVFORGE_NATIVE", get("CONVFORGE_NATIVE") or "1")),
+        # Run-to-run bit-identical results (the default): reductions split over blocks (wgrad's split-K)
+        # are summed in a fixed order; False also admits atomicAdd reductions (check_deterministic).
+        "deterministic": ("CONVFORGE_DETERMINISTIC",
+                          lambda: parse_bool("CONVFORGE_DETERMINISTIC", get("CONVFORGE_DETERMINISTIC") or "1")),
     }
 
 
@@ -131,6 +135,7 @@ class Config:
     max_error: float | None
     disk_cache: bool
     native: bool
+    deterministic: bool
 
     def __init__(self, env: Mapping[str, str] | None = None) -> None:
         self._listeners: list[Callable[[], Any]] = []
@@ -175,3 +180,17 @@ class Config:
 
 
 config = Config()
+
+
+def nondeterministic_allowed() -> bool:
+    """Whether plans whose result may differ from run to run (atomicAdd reductions) may be planned,
+    tuned or chosen: only when the user turned ``config.deterministic`` off (``CONVFORGE_DETERMINISTIC=0``).
+    The one place that reads the setting."""
+    return not config.deterministic
+
+
+def check_deterministic(what: str) -> None:
+    """ValueError naming ``what`` unless :func:`nondeterministic_allowed`."""
+    if not nondeterministic_allowed():
+        raise ValueError(f"{what} is not run-to-run deterministic: set convforge.config.deterministic = False "
+                         "(or CONVFORGE_DETERMINISTIC=0) to allow it")

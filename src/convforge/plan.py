@@ -17,6 +17,26 @@ from convforge.spec import ConvSpec
 ArgRef = str | int | float  # a buffer name ("x", "w", "y", "bias", a workspace) or a scalar
 
 
+INT32_MAX = 2**31 - 1  # the largest element offset of 32-bit index arithmetic
+INT64_MAX = 2**63 - 1
+
+
+def _count(shape: tuple[int, ...]) -> int:
+    total = 1
+    for s in shape:
+        total *= s
+    return total
+
+
+def index_refusal(arrays: dict[str, int], limit: int = INT32_MAX) -> str | None:
+    """The reason 32-bit offsets cannot address the largest of ``arrays`` (name -> elements), or None."""
+    name, count = max(arrays.items(), key=lambda kv: kv[1])
+    if count <= limit:
+        return None
+    return (f"needs 64-bit indexing: the {name} has {count} elements, more than the 2^31 - 1 = {INT32_MAX} "
+            "its 32-bit offsets address")
+
+
 @dataclass(frozen=True)
 class Launch:
     """One kernel launch: grid in blocks, block in threads, arguments by kernel order."""
@@ -90,7 +110,7 @@ class Epilogue:
             if index is None:
                 raise ValueError("unsupported epilogue: this store path does not give the residual's index")
             expr = f"{expr} + {storage.load('res', index)}"
-        return f"MAX({expr}, 0.0f)" if self.relu else expr
+        return f"RELU({expr})" if self.relu else expr
 
     def tag(self) -> str:
         at = f"_at{self.k_offset}of{self.k_total}" if self.k_total else ""
@@ -133,6 +153,7 @@ class Plan:
     workspace: tuple[tuple[str, int], ...] = ()
     tolerance: float = 1e-5
     epilogue: Epilogue = field(default_factory=Epilogue)
+    index_bits: int = 32  # width of the element offsets its kernels compute (64: a layer past 2^31 - 1)
 
     def __post_init__(self) -> None:
         # a plan storing half precision is judged at least at its dtype's rounding (dtypes.py)
@@ -202,6 +223,11 @@ class Variant:
             return f"{self.name} does not take grouped layers (groups={spec.groups})"
         return None
 
+    # The widest element offsets its generators write: 32 (``applies`` then refuses a layer with an
+    # array past max_offset(), "needs 64-bit indexing: ...") or 64 (its plans switch to 64-bit
+    # offsets, Plan.index_bits, where a layer needs them).
+    index_bits: int = 32
+
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
         """The heuristic's preference for this variant on ``spec`` (Boda's rule: how specialised it
         is); a variant whose measured standing depends on the layer overrides it."""
@@ -219,7 +245,21 @@ class Variant:
             return why
         if device.backend not in self.backends:
             return f"{self.name} runs only on {sorted(self.backends)}"
-        return None
+        return self.index_refusal(spec)
+
+    def max_offset(self) -> int:
+        """The largest element offset its generated code can address."""
+        return INT32_MAX if self.index_bits == 32 else INT64_MAX
+
+    def arrays(self, spec: ConvSpec) -> dict[str, int]:
+        """Elements of each array its kernels index on ``spec``: input, filter and output (a
+        family's workspaces are checked by its own ``applies``)."""
+        return {"input": _count(spec.x_shape), "filter": _count(spec.w_shape), "output": _count(spec.y_shape)}
+
+    def index_refusal(self, spec: ConvSpec, extra: dict[str, int] | None = None) -> str | None:
+        """"needs 64-bit indexing: ..." when an array of ``spec`` (or of ``extra``, workspaces by
+        name) has more elements than :meth:`max_offset` addresses, else None."""
+        return index_refusal({**self.arrays(spec), **(extra or {})}, self.max_offset())
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
         """Every parameter set worth trying, each valid for ``spec`` and ``device``."""

@@ -116,6 +116,28 @@ def _spec_key(key: str) -> str:
     raise ValueError(f"unknown spec key {key!r}{hint} (known: {', '.join(_SPEC_KEYS)})")
 
 
+INT32_MAX = 2**31 - 1  # the largest size or coordinate kernels hold (they take them as 32-bit ints)
+MAX_ELEMENTS = 2**62  # the most elements of one tensor (64-bit offsets; far beyond any device's memory)
+
+
+def _check_extents(spec: ConvSpec) -> None:
+    """Sizes a kernel can hold: every field and padded extent within a 32-bit int, every tensor
+    within 2^62 elements. Beyond that a layer is refused here, before any variant sees it."""
+    fields = {"N": spec.n, "C": spec.c, "H": spec.h, "W": spec.w, "K": spec.k, "R": spec.r, "S": spec.s,
+              "stride": max(spec.stride), "padding": max(spec.pad), "dilation": max(spec.dilation),
+              "padded H": spec.h + spec.pad[0] + spec.pad[1], "padded W": spec.w + spec.pad[2] + spec.pad[3],
+              "dilated R": spec.eff_r, "dilated S": spec.eff_s}
+    for name, value in fields.items():
+        if value > INT32_MAX:
+            raise ValueError(f"{name} ({value}) must be at most 2^31 - 1 = {INT32_MAX}: kernels hold every size "
+                             "and coordinate in a 32-bit int")
+    for name, shape in (("input", spec.x_shape), ("filter", spec.w_shape), ("output", spec.y_shape)):
+        count = shape[0] * shape[1] * shape[2] * shape[3]
+        if count > MAX_ELEMENTS:
+            raise ValueError(f"the {name} ({' x '.join(map(str, shape))} = {count} elements) must have at most "
+                             f"2^62 elements")
+
+
 @dataclass(frozen=True)
 class ConvSpec:
     """One pass of a 2-D convolution layer: NCHW input, KCRS filters (C/groups channels each), NKPQ
@@ -167,6 +189,7 @@ class ConvSpec:
             raise ValueError(
                 f"dilated kernel ({eff_r}x{eff_s}) is larger than the padded input ({hp}x{wp})"
             )
+        _check_extents(self)
 
     @classmethod
     def make(

@@ -7,10 +7,13 @@ A kernel body is plain C using these tokens, which each renderer spells its own 
     SHARED                                                qualifier of a shared-memory declaration
     LOCAL_PTR / GLOBAL_PTR                                address-space qualifier of a pointer
     U64                                                   64-bit unsigned integer type
+    I64                                                   64-bit signed integer type (element offsets
+                                                          past 2^31 - 1: ArrayDesc.index casts to it)
     VLOAD4(off, p) / VSTORE4(v, off, p)                   float4 at p + 4*off
     MAKE_FLOAT4(a, b, c, d)                               float4 constructor
     FMA(a, b, c)                                          fused a*b + c
     MAX(a, b)                                             float maximum
+    RELU(a)                                               max(a, 0) that keeps NaN (fmax would not)
     LDG(p)                                                read-only load of *p
     SHFL(v, lane)                                         warp shuffle (feature "shuffle", CUDA only)
     TEX(t, i)                                             element i of a TexBuf (feature "texture")

@@ -19,13 +19,13 @@ from convforge.codegen.dialect import (
 
 _TOKEN = re.compile(r"\b(GROUP_ID|LOCAL_ID|GROUP_SIZE|NUM_GROUPS|BARRIER|VLOAD4|VSTORE4|"
                     r"LD_F16|LDG_F16|ST_F16|VLOAD4_F16|VSTORE4_F16|LD_BF16|LDG_BF16|ST_BF16|VLOAD4_BF16|VSTORE4_BF16|"
-                    r"MAKE_FLOAT4|FMA|MAX|LDG|SHFL|TEX|COPY4_ASYNC|COPY1_ASYNC|COPY_WAIT|CVT_TF32|"
+                    r"MAKE_FLOAT4|FMA|MAX|RELU|LDG|SHFL|TEX|COPY4_ASYNC|COPY1_ASYNC|COPY_WAIT|CVT_TF32|"
                     r"MMA_TF32_16x8x8|SMEM_U32|CP_ASYNC16|CP_ASYNC4|CP_ASYNC_COMMIT|CP_ASYNC_WAIT|LDMATRIX_X4|LDS_F4|"
                     r"LDS_F1|TF32_RHA|FENCE_PROXY_ASYNC|WGMMA_FENCE|WGMMA_COMMIT|WGMMA_WAIT|WGMMA_TF32|"
                     r"MBAR_INIT|MBAR_WAIT|MBAR_ARRIVE|CP_ASYNC_MBAR_ARRIVE|SETMAXNREG_INC|SETMAXNREG_DEC|"
                     r"BAR_SYNC|WGMMA|TC_F16_TO_F32|TC_BF16_TO_F32|TC_F32_TO_F16|TC_F32_TO_BF16|TC_PACK_F16X2|"
                     r"TC_PACK_BF16X2)\(")
-_WORDS = re.compile(r"\b(SHARED|LOCAL_PTR|GLOBAL_PTR|RESTRICT|DEVICE|U64|HALF_T|BF16_T)\b( ?)")
+_WORDS = re.compile(r"\b(SHARED|LOCAL_PTR|GLOBAL_PTR|RESTRICT|DEVICE|U64|I64|HALF_T|BF16_T)\b( ?)")
 
 # -- half storage (float16 / bfloat16 buffers, float32 arithmetic; codegen/dialect.py Storage) -------
 # CUDA keeps both as unsigned short bits (no cuda_fp16.h: NVRTC and nvcc alike) converted by PTX cvt
@@ -192,6 +192,8 @@ class Renderer:
         if any(k.requires & ARCH_SPECIFIC for k in kernels):
             out.append(ARCH_SPECIFIC_MARK)
         out += self.file_head(kernels)
+        if any(re.search(r"\bRELU\(", k.body + k.helpers) for k in kernels):
+            out += [self.expand(_RELU_HELPER), ""]
         seen_helpers: set[str] = set()
         for k in kernels:
             if k.helpers and k.helpers not in seen_helpers:
@@ -210,11 +212,16 @@ class Renderer:
         return "\n".join(out)
 
 
+# ReLU that keeps NaN (as the float64 reference and PyTorch do; fmax would turn it into 0).
+_RELU_HELPER = "DEVICE float cf_relu(const float v) { return v < 0.0f ? 0.0f : v; }"
+
+
 class CudaRenderer(Renderer):
     name = "cuda"
     features = frozenset({"shuffle", "constant", "ldg", "texture", "mma_tf32", "wgmma"})
     words = {"SHARED": "__shared__", "LOCAL_PTR": "", "GLOBAL_PTR": "", "RESTRICT": "__restrict__",
-             "DEVICE": "__device__ __forceinline__", "U64": "unsigned long long", **_HALF_WORDS["cuda"]}
+             "DEVICE": "__device__ __forceinline__", "U64": "unsigned long long", "I64": "long long",
+             **_HALF_WORDS["cuda"]}
     _dims = "xyz"
 
     def call(self, token: str, args: list[str]) -> str:
@@ -231,6 +238,7 @@ class CudaRenderer(Renderer):
             "MAKE_FLOAT4": lambda: f"make_float4({', '.join(args)})",
             "FMA": lambda: f"fmaf({', '.join(args)})",
             "MAX": lambda: f"fmaxf({', '.join(args)})",
+            "RELU": lambda: f"cf_relu({args[0]})",
             "LDG": lambda: f"__ldg({args[0]})",
             "SHFL": lambda: f"__shfl_sync(0xffffffffu, {args[0]}, {args[1]})",
             "TEX": lambda: f"tex1Dfetch<float>({args[0]}, {args[1]})",
@@ -517,7 +525,7 @@ class OpenCLRenderer(Renderer):
     name = "opencl"
     features = frozenset({"constant"})
     words = {"SHARED": "__local", "LOCAL_PTR": "__local", "GLOBAL_PTR": "__global",
-             "RESTRICT": "restrict", "DEVICE": "inline", "U64": "ulong", **_HALF_WORDS["opencl"]}
+             "RESTRICT": "restrict", "DEVICE": "inline", "U64": "ulong", "I64": "long", **_HALF_WORDS["opencl"]}
 
     def call(self, token: str, args: list[str]) -> str:
         table: dict[str, Callable[[], str]] = {
@@ -531,6 +539,7 @@ class OpenCLRenderer(Renderer):
             "MAKE_FLOAT4": lambda: f"((float4)({', '.join(args)}))",
             "FMA": lambda: f"mad({', '.join(args)})",
             "MAX": lambda: f"fmax({', '.join(args)})",
+            "RELU": lambda: f"cf_relu({args[0]})",
             "LDG": lambda: f"(*({args[0]}))",
             "COPY4_ASYNC": lambda: f"vstore4(vload4(0, {args[1]}), 0, {args[0]})",
             "COPY1_ASYNC": lambda: (f"(({args[0]})[{args[1]}] = ((({args[4]}) >> ({args[5]})) & 1ul) ? "

@@ -79,7 +79,20 @@ def _translate(net: Message, input_size: int | None, batch: int | None) -> Graph
         current[tops[0]] = node.output
     consumed = {t for n in graph.nodes for t in n.inputs}
     graph.outputs = [n.output for n in graph.nodes if n.output not in consumed][-1:]
+    _name_outputs_by_blob(graph, current)
     return graph
+
+
+def _name_outputs_by_blob(graph: Graph, current: dict[str, str]) -> None:
+    """An output written by an in-place layer (top == bottom) carries its blob's name, as Caffe
+    declares it: the blob's earlier tensor (the first writer's) is renamed out of the way."""
+    for blob, tensor in current.items():
+        if tensor == blob or tensor not in graph.outputs or blob == graph.input:
+            continue
+        taken = {graph.input} | {n.output for n in graph.nodes}
+        fresh = next(f"{blob}#{i}" for i in range(len(graph.nodes) + 1) if f"{blob}#{i}" not in taken)
+        graph.rename(blob, fresh)
+        graph.rename(tensor, blob)
 
 
 def _dims(where: str, dims: list[Any]) -> list[int]:

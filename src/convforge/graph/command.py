@@ -20,7 +20,8 @@ TORCH_MATH = {"fp32": "PyTorch FP32 (cudnn.benchmark, TF32 off)",
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--net", required=True,
                    help="alexnet, nin, googlenet, vgg16, resnet50, or a .prototxt / .onnx file")
-    p.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+    p.add_argument("--batch", type=int, help="batch size (default: the description's, 1 for the shipped nets "
+                   "and an ONNX model's symbolic batch)")
     p.add_argument("--backend", choices=("cuda", "opencl"), help="default: cuda when present, else opencl")
     p.add_argument("--tune", action="store_true", help="tune the network's convs into the database first")
     p.add_argument("--input-size", type=int, metavar="H", help="square input size (default: the model's)")
@@ -57,7 +58,7 @@ def main(args: argparse.Namespace) -> int:
     console = Console()
     prec = config.precision  # cli.main set it from --precision
     dtype = getattr(args, "dtype", None) or "float32"
-    if args.batch < 1:
+    if args.batch is not None and args.batch < 1:
         raise ValueError(f"batch ({args.batch}) must be >= 1")
     if args.repeats < 1:
         raise ValueError(f"--repeats ({args.repeats}) must be >= 1")
@@ -68,7 +69,13 @@ def main(args: argparse.Namespace) -> int:
         from convforge.cli import need
 
         need("--net FILE.onnx", "onnx")
-    graph = load_model(args.net, args.input_size, args.seed, args.weights).with_batch(args.batch)
+    graph = load_model(args.net, args.input_size, args.seed, args.weights)
+    if args.batch is None:  # the description's batch, said when it is not 1
+        args.batch = graph.input_shape[0]
+        if args.batch != 1:
+            console.print(f"{graph.name}: batch {args.batch} (declared by the description; --batch N to change it)",
+                          markup=False)
+    graph = graph.with_batch(args.batch)
     last = graph.producer(graph.outputs[0])
     if last is not None and last.op == "softmax":  # softmax flattens errors: also check the logits
         graph.outputs = graph.outputs + [last.inputs[0]]

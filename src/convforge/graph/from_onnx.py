@@ -57,9 +57,26 @@ def load_onnx(model: Any, input_size: int | None = None, batch: int | None = Non
         node.output = op.output[0]
         graph.nodes.append(node)
         shapes = _infer_so_far(graph)
-    graph.outputs = [alias.get(o.name, o.name) for o in g.output]
+    graph.outputs = _declared_outputs(graph, [o.name for o in g.output], alias)
     infer(graph)
     return graph
+
+
+def _declared_outputs(graph: Graph, names: list[str], alias: dict[str, str]) -> list[str]:
+    """The graph outputs under their declared names. An output that an Identity or Dropout made
+    an alias of another tensor gives that tensor its name where it can (a node's output that no
+    other declared output names); otherwise an identity node (a view at run time) writes it."""
+    for name in names:
+        src = alias.get(name, name)
+        if src == name:
+            continue
+        shared = [o for o in names if o != name and alias.get(o, o) == src]
+        if graph.producer(src) is not None and not shared and src not in names:
+            graph.rename(src, name)
+            alias = {k: (name if v == src else v) for k, v in alias.items()}
+        else:
+            graph.nodes.append(Node(f"{name}/identity", "dropout", [src], name))
+    return names
 
 
 def _read(model: Any) -> tuple[Any, str]:

@@ -93,6 +93,14 @@ class Graph:
         g.input_shape = (batch,) + tuple(self.input_shape[1:])  # type: ignore[assignment]
         return g
 
+    def rename(self, old: str, new: str) -> None:
+        """Tensor ``old`` is called ``new`` from now on: by its producer, its readers and the outputs."""
+        for n in self.nodes:
+            if n.output == old:
+                n.output = new
+            n.inputs = [new if t == old else t for t in n.inputs]
+        self.outputs = [new if t == old else t for t in self.outputs]
+
     def producer(self, tensor: str) -> Node | None:
         for n in self.nodes:
             if n.output == tensor:

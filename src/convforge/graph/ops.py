@@ -132,9 +132,9 @@ def activation(node: Node, x: Tensor, src: str, dst: str, st: Storage = FLOAT32)
     """ReLU, leaky ReLU (``slope``) and clipped ReLU (``clip``)."""
     slope = float(node.attrs.get("slope", 0.0))
     clip = node.attrs.get("clip")
-    expr = f"(v > 0.0f ? v : v * {slope!r}f)" if slope else "MAX(v, 0.0f)"
+    expr = f"(v > 0.0f ? v : v * {slope!r}f)" if slope else "RELU(v)"
     if clip is not None:
-        expr = f"fmin({expr}, {float(clip)!r}f)"
+        expr = f"({expr} > {float(clip)!r}f ? {float(clip)!r}f : {expr})"  # fmin would turn NaN into the clip
     body = f"const float v = {st.load('x', 'e')};\n{st.store('y', 'e', expr)};"
     return _elementwise(kernel_name(node), x.size, (st.buf("x"), _out(st)), (src, dst), body,
                         f"{node.name}: relu")
@@ -147,7 +147,7 @@ def affine(node: Node, x: Tensor, src: str, dst: str, scale: str, shift: str, re
     c = x.shape[1]
     hw = x.size // (x.shape[0] * c)
     expr = f"FMA({st.load('x', 'e')}, a[ch], b[ch])"
-    body = f"const int ch = (e / {hw}) % {c};\n{st.store('y', 'e', f'MAX({expr}, 0.0f)' if relu else expr)};"
+    body = f"const int ch = (e / {hw}) % {c};\n{st.store('y', 'e', f'RELU({expr})' if relu else expr)};"
     return _elementwise(kernel_name(node), x.size, (st.buf("x"), Buf("a"), Buf("b"), _out(st)),
                         (src, scale, shift, dst), body, f"{node.name}: per-channel affine")
 
@@ -156,7 +156,7 @@ def add(node: Node, x: Tensor, srcs: list[str], dst: str, relu: bool, st: Storag
     """y = sum of the inputs, optional ReLU."""
     names = [f"x{i}" for i in range(len(srcs))]
     total = " + ".join(st.load(a, "e") for a in names)
-    body = f"{st.store('y', 'e', f'MAX({total}, 0.0f)' if relu else total)};"
+    body = f"{st.store('y', 'e', f'RELU({total})' if relu else total)};"
     bufs = tuple(st.buf(a) for a in names) + (_out(st),)
     return _elementwise(kernel_name(node), x.size, bufs, tuple(srcs) + (dst,), body, f"{node.name}: add")
 

@@ -30,22 +30,30 @@ def _sole_consumer(graph: Graph, tensor: str) -> Node | None:
     return users[0]
 
 
+def _can_take_name(graph: Graph, tensor: str) -> bool:
+    """``tensor`` may be renamed: a node's output that is not itself a declared graph output."""
+    return graph.producer(tensor) is not None and tensor not in graph.outputs
+
+
 def _drop(graph: Graph, node: Node, replacement: str) -> None:
-    """Remove ``node``, its readers reading ``replacement`` instead."""
+    """Remove ``node``, its readers reading ``replacement`` instead. When ``node`` writes a declared
+    graph output, ``replacement`` takes that name instead, so the outputs keep their names (the
+    callers make sure it can: ``_can_take_name``)."""
     graph.nodes.remove(node)
-    _replace_uses(graph, node.output, replacement)
+    if node.output in graph.outputs:
+        graph.rename(replacement, node.output)
+    else:
+        _replace_uses(graph, node.output, replacement)
 
 
 def remove_identities(graph: Graph) -> Graph:
-    """Drop dropout (identity at inference) and single-input concats."""
+    """Drop dropout (identity at inference) and single-input concats; one that writes a graph
+    output stays (a view at run time) when its input cannot take the output's name."""
     g = graph.copy()
-    keep = []
-    for node in g.nodes:
+    for node in list(g.nodes):
         if node.op == "dropout" or (node.op == "concat" and len(node.inputs) == 1):
-            _replace_uses(g, node.output, node.inputs[0])
-        else:
-            keep.append(node)
-    g.nodes = keep
+            if node.output not in g.outputs or _can_take_name(g, node.inputs[0]):
+                _drop(g, node, node.inputs[0])
     return g
 
 

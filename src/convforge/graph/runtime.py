@@ -25,7 +25,7 @@ from convforge.codegen.render import render
 from convforge.dtypes import to_storage
 from convforge.graph import ops
 from convforge.graph.ir import Graph, Node, Tensor, conv_geometry, conv_group, infer
-from convforge.plan import Epilogue, Launch
+from convforge.plan import INT32_MAX, Epilogue, Launch
 from convforge.spec import ConvSpec, parse_dtype
 
 log = logging.getLogger("convforge.graph")
@@ -101,6 +101,18 @@ def plan_memory(graph: Graph, shapes: dict[str, Tensor], into: dict[str, str] | 
     return mp
 
 
+def _check_op_widths(graph: Graph, shapes: dict[str, Tensor]) -> None:
+    """The op kernels (ops.py) index with 32-bit ints: a tensor of a non-conv node past 2^31 - 1
+    elements is refused before anything is allocated (a conv's width is its variant's business)."""
+    for node in graph.nodes:
+        if node.op in ("conv", "fc") or node.op in ALIASES:
+            continue
+        for t in (*node.inputs, node.output):
+            if shapes[t].size > INT32_MAX:
+                raise ValueError(f"node {node.name!r} ({node.op}): needs 64-bit indexing: tensor {shapes[t]} has "
+                                 f"{shapes[t].size} elements, more than the 2^31 - 1 its kernel addresses")
+
+
 class Network:
     """A graph compiled for one back-end and batch: call it with an NCHW float32 batch.
 
@@ -113,6 +125,7 @@ class Network:
         self.dtype = parse_dtype(dtype)
         self.st = Storage(self.dtype)
         self.shapes = infer(graph)
+        _check_op_widths(graph, self.shapes)
         self.into = self._concats_in_place()
         self.memory = plan_memory(graph, self.shapes, {t: c for t, (c, _) in self.into.items()},
                                   self.st.itemsize)
@@ -458,10 +471,11 @@ def load_model(model: Any, input_size: int | None = None, seed: int = 0,
                      "an ONNX ModelProto or a torch module")
 
 
-def compile(model: Any, batch: int = 1, backend: str | None = None, *, input_size: int | None = None,
+def compile(model: Any, batch: int | None = None, backend: str | None = None, *, input_size: int | None = None,
             passes: bool = True, seed: int = 0, weights: str | Path | None = None,
             capture: bool = True, workspace_limit: int | None = None, dtype: Any = "float32") -> Network:
-    """A :class:`Network` for ``model`` at ``batch`` on ``backend`` ('cuda' or 'opencl'; default CUDA
+    """A :class:`Network` for ``model`` at ``batch`` (default: the batch its description declares,
+    1 for the shipped nets and a symbolic ONNX batch) on ``backend`` ('cuda' or 'opencl'; default CUDA
     when present). ``passes`` runs the graph passes (BN folding, fusion, identity removal).
     ``dtype`` ('float32', 'float16' / 'fp16', 'bfloat16' / 'bf16'): how activations and conv
     weights are stored (FP32 arithmetic).
@@ -471,12 +485,13 @@ def compile(model: Any, batch: int = 1, backend: str | None = None, *, input_siz
     from convforge.backends import get_backend
     from convforge.graph.passes import optimize
 
-    if not isinstance(batch, numbers.Integral) or isinstance(batch, bool) or batch < 1:
+    if batch is not None and (not isinstance(batch, numbers.Integral) or isinstance(batch, bool) or batch < 1):
         raise ValueError(f"batch ({batch!r}) must be a positive int")
     if workspace_limit is not None and (not isinstance(workspace_limit, numbers.Real) or isinstance(
             workspace_limit, bool) or not math.isfinite(workspace_limit) or workspace_limit < 0):
         raise ValueError(f"workspace_limit ({workspace_limit!r}) must be a finite number >= 0 (bytes)")
-    graph = load_model(model, input_size, seed, weights).with_batch(int(batch))
+    graph = load_model(model, input_size, seed, weights)
+    graph = graph.with_batch(graph.input_shape[0] if batch is None else int(batch))
     if passes:
         graph = optimize(graph)
     return Network(graph, get_backend(backend or default_backend()), capture=capture,

@@ -32,10 +32,11 @@ def tune_net(args: argparse.Namespace, console: Any, backend: Any, db: Any, budg
     (tune/parallel.py): on several devices, or this torchrun rank's share (``backend`` is then None)."""
     from convforge.graph.runtime import load_model
 
-    batch = 1 if args.batch is None else args.batch
-    if batch < 1:
-        raise ValueError(f"--batch ({batch}) must be >= 1")
-    graph = load_model(args.net).with_batch(batch)
+    if args.batch is not None and args.batch < 1:
+        raise ValueError(f"--batch ({args.batch}) must be >= 1")
+    graph = load_model(args.net)
+    batch = graph.input_shape[0] if args.batch is None else args.batch  # default: the description's
+    graph = graph.with_batch(batch)
     dtype = getattr(args, "dtype", None) or "float32"
     layers = net_layers(graph, dtype)
     console.print(f"{graph.name} at batch {batch}, {dtype}: {len(layers)} distinct conv/fc layer(s)", markup=False)

@@ -158,6 +158,9 @@ def check_params(variant: Variant, spec: ConvSpec, device: DeviceInfo, params: A
     for point in space:
         for k, v in point.items():
             taken.setdefault(k, set()).add(v)
+    switches = {k for k, vals in taken.items() if all(isinstance(v, bool) for v in vals)}
+    if any(k in switches and v in (0, 1) and not isinstance(v, bool) for k, v in prm.items()):
+        prm = Params({k: bool(v) if k in switches and v in (0, 1) else v for k, v in prm.items()})  # 1 / 0 as shown
     for k, v in prm.items():
         _check_value(variant.name, k, v, taken[k])
     return prm
@@ -184,7 +187,7 @@ def _check_value(variant: str, key: str, value: Any, taken: set[Any]) -> None:
             raise ValueError(f"params for {variant}: {key} ({value!r}) must be an int in {low}..{high}")
     elif all(isinstance(v, bool) for v in taken):
         if not isinstance(value, bool):
-            raise ValueError(f"params for {variant}: {key} ({value!r}) must be true or false")
+            raise ValueError(f"params for {variant}: {key} ({value!r}) must be true or false (or 1 / 0)")
     elif not (value in taken and type(value) in {type(v) for v in taken}):
         allowed = ", ".join(sorted(repr(v) for v in taken))
         raise ValueError(f"params for {variant}: {key} ({value!r}) must be one of {allowed}")

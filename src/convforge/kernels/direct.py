@@ -15,7 +15,7 @@ from convforge.codegen.meta import Code, cdiv
 from convforge.kernels import register
 from convforge.kernels.common import out_args, out_refs
 from convforge.params import Params
-from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
+from convforge.plan import INT32_MAX, DeviceInfo, Epilogue, Launch, Plan, Variant
 from convforge.spec import ConvSpec
 
 _UNROLL_LIMIT = 1024  # fully unroll r and s while R*S*outputs-per-thread stays under this
@@ -26,6 +26,7 @@ def _unroll_limit(spec: ConvSpec) -> int:
     (11x11/4, tk=4 tp=2 on sm_90: 168 registers and 64 bytes of spills; an r loop: 40, none)."""
     return _UNROLL_LIMIT if spec.dtype == "float32" else _UNROLL_LIMIT // 2
 _TEX_LIMIT = 1 << 27  # elements a linear texture object may span
+_GRID_YZ = 65535  # CUDA's largest grid in y and z
 
 
 class DirectBase(Variant):
@@ -40,6 +41,38 @@ class DirectBase(Variant):
     # filters stay in global memory (no constant-memory or texture copy of half data)
     dtypes = frozenset({"float32", "float16", "bfloat16"})
     grouped = True  # a block's tk channels lie in one group; its channel loop runs over that group's
+    index_bits = 64  # offsets switch to 64 bits where an array passes 2^31 - 1 elements (ArrayDesc.index)
+
+    def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
+        why = super().applies(spec, device)
+        if why:
+            return why
+        (sh, sw), pads = spec.stride, spec.pad
+        if max(spec.h + pads[0] + pads[1] + 1024 * sh, spec.w + pads[2] + pads[3] + 1024 * sw) > INT32_MAX:
+            return "needs 64-bit coordinates: the padded input plus a block's reach passes 2^31 - 1"
+        if device.backend == "cuda" and (spec.n * spec.groups * cdiv(spec.kg, 16) > _GRID_YZ
+                                         or cdiv(spec.p, 32) > _GRID_YZ):
+            return f"the grid exceeds CUDA's {_GRID_YZ} blocks in y (P / 32) or z (N * K / 16)"
+        return None
+
+    def _fit_grid(self, spec: ConvSpec, device: DeviceInfo, prm: Params) -> Params:
+        """``prm`` with tk (then bp * tp) raised until the grid fits CUDA's y and z limits."""
+        for tk in (prm.tk, 8, 16):
+            for bp, tp in ((prm.bp, prm.tp), (8, 4)):
+                out = prm.replace(tk=max(prm.tk, min(tk, 2 * spec.kg)), bp=bp, tp=tp)
+                if self._grid_ok(spec, device, out):
+                    return out
+        return prm
+
+    def wide(self, spec: ConvSpec, epi: Epilogue = Epilogue()) -> bool:
+        """Some offset of the plan passes 2^31 - 1: its index arithmetic is 64-bit."""
+        xd, yd = self._arrays(spec, Params(), epi)
+        return xd.wide or yd.wide or spec.k * spec.cg * spec.r * spec.s > INT32_MAX
+
+    def _grid_ok(self, spec: ConvSpec, device: DeviceInfo, p: Params | dict[str, int]) -> bool:
+        """Grid y and z within CUDA's 65535 (OpenCL has no such limit)."""
+        return device.backend != "cuda" or (spec.n * spec.groups * cdiv(spec.kg, p["tk"]) <= _GRID_YZ
+                                            and cdiv(spec.p, p["bp"] * p["tp"]) <= _GRID_YZ)
 
     # -- parameters -------------------------------------------------------------------------
     def _grid_points(self, spec: ConvSpec, device: DeviceInfo) -> list[dict[str, int]]:
@@ -49,6 +82,8 @@ class DirectBase(Variant):
             if bq * bp > device.max_threads or bq * bp < 32 or tq * tp * tk > 64:
                 continue
             if bq * tq > 2 * spec.q + 32 or bp * tp > 2 * spec.p + 8 or tk > 2 * spec.kg:
+                continue
+            if not self._grid_ok(spec, device, dict(bp=bp, tp=tp, tk=tk)):
                 continue
             pts.append(dict(bq=bq, bp=bp, tq=tq, tp=tp, tk=tk))
         return pts
@@ -112,8 +147,9 @@ class DirectBase(Variant):
         crs = spec.cg * spec.r * spec.s
         st = Storage(spec.dtype)
         with code.block(""):
+            wide = "(I64)" if spec.k * crs > INT32_MAX else ""  # filters past 2^31 - 1 elements
             for kk in range(p.tk):
-                idx = f"kw{kk} * {crs} + c * {spec.r * spec.s} + ({r}) * {spec.s} + {s}"
+                idx = f"{wide}kw{kk} * {crs} + c * {spec.r * spec.s} + ({r}) * {spec.s} + {s}"
                 code(f"const float w{kk} = {st.load(wname, idx)};")
             for kk, i, j in self._outs(p):
                 code(f"acc{kk}_{i}_{j} = FMA(w{kk}, {xval[(i, j)]}, acc{kk}_{i}_{j});")
@@ -153,6 +189,12 @@ class DirectBase(Variant):
             raise ValueError(f"{self.name}: filters ({4 * spec.k * spec.cg * spec.r * spec.s} bytes) do not fit "
                              "in constant memory")
         self._check(params, device)
+        wide = self.wide(spec, epilogue)
+        if wide and params.get("rt", False) and max(self._arrays(spec, params, epilogue)[0].strides) > INT32_MAX:
+            raise ValueError(f"{self.name}: rt passes strides as 32-bit ints; an image of this layer needs more")
+        if not self._grid_ok(spec, device, params):
+            raise ValueError(f"{self.name}: the grid of tk = {params.tk}, bp * tp = {params.bp * params.tp} "
+                             f"exceeds CUDA's {_GRID_YZ} blocks in y or z")
         code = Code()
         self._head(code, spec, params)
         self._main_loop(code, spec, params)
@@ -166,7 +208,7 @@ class DirectBase(Variant):
         strides = tuple(v for _, v in self._stride_args(spec, params, epilogue))
         launch = Launch(name, grid, block, ("x", "w") + out_refs(epilogue) + strides)
         return Plan(self.name, self.family, spec, params, (kernel,), (launch,),
-                    tolerance=self.tolerance, epilogue=epilogue)
+                    tolerance=self.tolerance, epilogue=epilogue, index_bits=64 if wide else 32)
 
     def _main_loop(self, code: Code, spec: ConvSpec, p: Params) -> None:
         raise NotImplementedError
@@ -197,7 +239,8 @@ class Direct(DirectBase):
         # Strides as run-time arguments: one binary serves any strides (a few points suffice).
         base = out[:6]
         # (fewer channels per thread: run-time index arithmetic costs registers)
-        out += [prm.replace(rt=True, tk=min(prm.tk, 4)) for prm in base[:4]]
+        if spec.c * spec.h * spec.w <= INT32_MAX and spec.k * spec.p * spec.q <= INT32_MAX:  # 32-bit stride args
+            out += [prm.replace(rt=True, tk=min(prm.tk, 4)) for prm in base[:4]]
         if device.backend == "cuda" and spec.n * spec.c * spec.h * spec.w <= _TEX_LIMIT and spec.dtype == "float32":
             out += [prm.replace(tex=True, ldg=False) for prm in base]  # reads through texture objects
         return out
@@ -206,7 +249,8 @@ class Direct(DirectBase):
         if not device.is_gpu:
             return Params(bq=8, bp=4, tq=1, tp=1, tk=1, wconst=False, ldg=False)
         tk = min(8, spec.kg)
-        return Params(bq=32, bp=4, tq=1, tp=2, tk=tk, wconst=False, ldg=device.backend == "cuda")
+        return self._fit_grid(spec, device, Params(bq=32, bp=4, tq=1, tp=2, tk=tk, wconst=False,
+                                                   ldg=device.backend == "cuda"))
 
     def _main_loop(self, code: Code, spec: ConvSpec, p: Params) -> None:
         (sh, sw), (dh, dw) = spec.stride, spec.dilation
@@ -272,7 +316,7 @@ class DirectSmem(DirectBase):
             prm = Params(bq=8, bp=4, tq=1, tp=1, tk=1, wconst=False, cc=1)
         if not self._fits(spec, prm, device):
             prm = prm.replace(bq=8, bp=4, tq=1, tp=1)
-        return prm
+        return self._fit_grid(spec, device, prm)
 
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
         why = super().applies(spec, device)
@@ -287,10 +331,11 @@ class DirectSmem(DirectBase):
         (sh, sw), (dh, dw) = spec.stride, spec.dilation
         pt, pl = spec.pad[0], spec.pad[2]
         ih, iw = self._tile(spec, p)
-        hw, nt = spec.h * spec.w, p.bq * p.bp
+        nt = p.bq * p.bp
         tile = p.cc * ih * iw
         st = Storage(spec.dtype)
-        at = f"n * {spec.c * hw}" + (f" + g * {spec.cg * hw}" if spec.groups > 1 else "")
+        xd, _ = self._arrays(spec, p)
+        at = xd.index(n="n") if spec.groups == 1 else xd.index(n="n", c=f"g * {spec.cg}")  # the group's channels
         code(f"SHARED float xs[{tile}];  // {p.cc} channel(s) x {ih} x {iw} input tile with halo",
              f"const GLOBAL_PTR {st.elem}* xn = x + {at};",
              f"const int y0 = p0 * {sh} - {pt}, x0 = q0 * {sw} - {pl};",
@@ -300,7 +345,7 @@ class DirectSmem(DirectBase):
                 code(f"const int ci = t / {ih * iw}, rem = t % {ih * iw};",
                      f"const int iy = y0 + rem / {iw}, ix = x0 + rem % {iw};",
                      f"xs[t] = (cb + ci < {spec.cg} && (unsigned)iy < {spec.h}u && "
-                     f"(unsigned)ix < {spec.w}u) ? {st.load('xn', f'(cb + ci) * {hw} + iy * {spec.w} + ix')} : 0.0f;")
+                     f"(unsigned)ix < {spec.w}u) ? {st.load('xn', xd.index(c='cb + ci', y='iy', x='ix'))} : 0.0f;")
             code("BARRIER();")
             with code.block(f"for (int ci = 0; ci < {p.cc}; ++ci)"):
                 code("const int c = cb + ci;")
@@ -352,32 +397,34 @@ class DirectShfl(DirectBase):
         wc = [False, True] if self._wconst_ok(spec, device) else [False]
         for bp, tp, tk, wconst in itertools.product((8, 4, 2, 1), (1, 2, 4), (1, 2, 4, 8, 16), wc):
             prm = Params(bq=32, bp=bp, tq=1, tp=tp, tk=tk, wconst=wconst)
-            if tp * tk <= 64 and bp * tp <= 2 * spec.p + 8 and tk <= 2 * spec.kg and prm not in out:
+            if (tp * tk <= 64 and bp * tp <= 2 * spec.p + 8 and tk <= 2 * spec.kg and prm not in out
+                    and self._grid_ok(spec, device, prm)):
                 out.append(prm)
         return out
 
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
-        return Params(bq=32, bp=4, tq=1, tp=2, tk=min(8, spec.kg), wconst=False)
+        return self._fit_grid(spec, device, Params(bq=32, bp=4, tq=1, tp=2, tk=min(8, spec.kg), wconst=False))
 
     def _main_loop(self, code: Code, spec: ConvSpec, p: Params) -> None:
         (sh, _), (dh, dw) = spec.stride, spec.dilation
         pt, pl = spec.pad[0], spec.pad[2]
-        hw = spec.h * spec.w
         st = Storage(spec.dtype)
-        at = f"n * {spec.c * hw}" + (f" + g * {spec.cg * hw}" if spec.groups > 1 else "")
+        xd, _ = self._arrays(spec, p)
+        at = xd.index(n="n") if spec.groups == 1 else xd.index(n="n", c=f"g * {spec.cg}")  # the group's channels
         code(f"const GLOBAL_PTR {st.elem}* xn = x + {at};",
              f"const int xa = q0 + lx - {pl}, xb = xa + 32;")
         with code.block(f"for (int c = 0; c < {spec.cg}; ++c)"):
-            code(f"const GLOBAL_PTR {st.elem}* xc = xn + c * {hw};")
+            code(f"const GLOBAL_PTR {st.elem}* xc = xn + {xd.index(c='c')};")
 
             def tap_row(r: str) -> None:
                 for i in range(p.tp):
+                    at_a, at_b = (xd.index(y=f"iy{i}", x=xx) for xx in ("xa", "xb"))
                     code(f"const int iy{i} = (p0 + ly + {i * p.bp}) * {sh} + ({r}) * {dh} - {pt};",
                          f"const bool ok{i} = (unsigned)iy{i} < {spec.h}u;",
                          f"const float a{i} = (ok{i} && (unsigned)xa < {spec.w}u) ? "
-                         f"{st.ldg(f'xc + iy{i} * {spec.w} + xa')} : 0.0f;",
+                         f"{st.ldg(f'xc + {at_a}')} : 0.0f;",
                          f"const float b{i} = (ok{i} && (unsigned)xb < {spec.w}u) ? "
-                         f"{st.ldg(f'xc + iy{i} * {spec.w} + xb')} : 0.0f;")
+                         f"{st.ldg(f'xc + {at_b}')} : 0.0f;")
                 for s in range(spec.s):
                     off = s * dw
                     xval = {}

@@ -27,10 +27,10 @@ from convforge.kernels.sgemm import (
     gemm_space,
 )
 from convforge.params import Params
-from convforge.plan import DeviceInfo, Epilogue, Gemm, Launch, Plan, Step, Variant
+from convforge.plan import INT32_MAX, DeviceInfo, Epilogue, Gemm, Launch, Plan, Step, Variant, index_refusal
 from convforge.spec import ConvSpec
 
-_INT_LIMIT = 2**31 - 1
+_INT_LIMIT = INT32_MAX
 _ELT_BLOCK = 256  # threads per block of the element-wise kernels (transforms, reductions)
 
 
@@ -83,12 +83,14 @@ def nchw_store(spec: ConvSpec, epi: Epilogue, out: str = "y", raw: bool = False)
     return Store(put=put, setup=setup, vput=vput if pq % 4 == 0 else None)
 
 
-def too_big(spec: ConvSpec, extra: int = 0) -> str | None:
-    """Reason when some array would need 64-bit indices (the kernels index with int)."""
-    biggest = max(spec.n * spec.c * spec.h * spec.w, spec.n * spec.k * spec.p * spec.q, extra)
-    if biggest > _INT_LIMIT:
-        return f"an array of {biggest} elements needs 64-bit indexing"
-    return None
+def too_big(spec: ConvSpec, extra: int = 0, what: str = "workspace") -> str | None:
+    """"needs 64-bit indexing: ..." when the input, the output or ``extra`` elements of a
+    workspace (``what``) pass what these kernels' 32-bit offsets address (``Variant.applies``
+    checks the filter too)."""
+    arrays = {"input": spec.n * spec.c * spec.h * spec.w, "output": spec.n * spec.k * spec.p * spec.q}
+    if extra:
+        arrays[what] = extra
+    return index_refusal(arrays, _INT_LIMIT)
 
 
 def elementwise(name: str, total: int, args: tuple[Arg, ...], body: list[str],
@@ -227,7 +229,7 @@ class Im2colGemm(_ConvGemmBase):
         return (spec.n * spec.p * spec.q) % 4 == 0
 
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
-        return (super().applies(spec, device) or too_big(spec, col_elements(spec))
+        return (super().applies(spec, device) or too_big(spec, col_elements(spec), "im2col workspace")
                 or (None if spec.c * spec.r * spec.s <= 65535 else "C*R*S above 65535"))
 
     def workspace_bytes(self, spec: ConvSpec, params: Params) -> int:
@@ -263,7 +265,7 @@ class Im2colCublas(Variant):
     exact = True
 
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
-        return (super().applies(spec, device) or too_big(spec, col_elements(spec))
+        return (super().applies(spec, device) or too_big(spec, col_elements(spec), "im2col workspace")
                 or (None if spec.c * spec.r * spec.s <= 65535 else "C*R*S above 65535"))
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
@@ -515,6 +517,8 @@ class _SplitK(_ConvGemmBase):
         red = self._reduction(spec)
         if why is None and red < 32:
             why = f"split-K needs {self.red_name} >= 32"
+        if why is None and not self._splits(spec):
+            why = too_big(spec, 2 * spec.n * spec.k * spec.p * spec.q, "split-K partial outputs (2 slices)")
         if why is None and device.is_gpu:
             # H200, Boda's batch-5 layers: the extra reduce pass loses once the plain GEMM has
             # half a block per SM (3b: 0.0186 against 0.0172 ms) or the reduction is short
@@ -531,7 +535,9 @@ class _SplitK(_ConvGemmBase):
         return cdiv(spec.k, base.bm) * cdiv(spec.n * spec.p * spec.q, base.bn)
 
     def _splits(self, spec: ConvSpec) -> list[int]:
-        return [ks for ks in (2, 4, 8, 16) if cdiv(self._reduction(spec), ks) >= 8]
+        """Slice counts with 8 or more reduction steps each whose partial outputs 32-bit offsets address."""
+        total = spec.n * spec.k * spec.p * spec.q
+        return [ks for ks in (2, 4, 8, 16) if cdiv(self._reduction(spec), ks) >= 8 and ks * total <= _INT_LIMIT]
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
         out = []
@@ -557,6 +563,9 @@ class _SplitK(_ConvGemmBase):
     def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
              epilogue: Epilogue = Epilogue()) -> Plan:
         total = spec.n * spec.k * spec.p * spec.q
+        why = too_big(spec, params.ks * total, f"split-K partial outputs ({params.ks} slices)")
+        if why:
+            raise ValueError(f"{self.name}: {why}")
         shape = GemmShape(spec.k, spec.n * spec.p * spec.q, self._reduction(spec), ksplit=params.ks)
         gparams = Params({k: v for k, v in params.items() if k != "ks"})
         name = f"{self.name}_sgemm"

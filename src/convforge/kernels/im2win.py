@@ -85,7 +85,7 @@ class Im2win(Variant):
         return spec.k, spec.n * spec.p * spec.q, spec.c * spec.r * spec.s
 
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
-        return super().applies(spec, device) or too_big(spec, win_elements(spec))
+        return super().applies(spec, device) or too_big(spec, win_elements(spec), "im2win workspace")
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
         out = gemm_space(*self._mnk(spec), device, True, False)

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -177,9 +178,9 @@ def tune_main(args: argparse.Namespace) -> int:
             from convforge.cli import need
 
             need("--net FILE.onnx", "onnx")
-
-        return tune_net(args, console, None if how else _backend(args), TuningDB(args.db or config.tuning_db),
-                        budget, how)
+        # the back-end before the database: a missing back-end leaves nothing on disk
+        backend = None if how else _backend(args)
+        return tune_net(args, console, backend, TuningDB(args.db or config.tuning_db), budget, how)
     try:
         layers = _layers(args)
         if (args.bias or args.relu) and not any(s.conv_pass == "fprop" for _, s in layers):
@@ -187,6 +188,8 @@ def tune_main(args: argparse.Namespace) -> int:
     except ValueError as err:
         _error(f"{err}")
         return 2
+    # the back-end before the database: a missing back-end leaves nothing on disk (workers make their own)
+    backend = None if how is not None else _backend(args)
     try:
         db = TuningDB(args.db or config.tuning_db)
     except ValueError as err:
@@ -195,7 +198,7 @@ def tune_main(args: argparse.Namespace) -> int:
     epi = Epilogue(bias=args.bias, relu=args.relu)
     if how is not None:
         return _tune_parallel(args, console, budget, layers, epi, db, how)
-    backend = _backend(args)
+    assert backend is not None
     console.print(f"device: {backend.device.name} ({backend.name}, {backend.device.driver}); "
                   f"database: {db.path}; budget: {budget}; precision: {precision_key()}", markup=False)
     results, failed = _run(console, layers, backend, db, budget, epi, args)
@@ -373,20 +376,22 @@ def add_db_arguments(p: argparse.ArgumentParser) -> None:
     show = sub.add_parser("show", help="every field of the entries matching a layer or key fields")
     from convforge.cli import add_pass_option
 
+    backends = ("cuda", "opencl")
     for q in (ls, show):
         q.add_argument("--spec", help="only this layer (ConvSpec text)")
-        q.add_argument("--backend", help="only this back-end")
+        q.add_argument("--backend", choices=backends, help="only this back-end")
         q.add_argument("--variant", help="only this variant")
         add_pass_option(q, allow_all=False, extra=" (default: every pass)")
     exp = sub.add_parser("export", help="write the entries as JSON (to share between machines)")
-    exp.add_argument("file", type=Path, help="output JSON file ('-' for stdout)")
-    exp.add_argument("--backend", help="only this back-end")
+    exp.add_argument("file", type=Path, help="output JSON file ('-' for stdout); an existing file only with --force")
+    exp.add_argument("--backend", choices=backends, help="only this back-end")
+    exp.add_argument("--force", action="store_true", help="replace FILE when it exists (never the database itself)")
     imp = sub.add_parser("import", help="merge entries from an exported JSON file")
     imp.add_argument("file", type=Path)
     imp.add_argument("--replace", action="store_true", help="overwrite entries even when they are faster")
     imp.add_argument("--dry-run", action="store_true", help="check the entries and say what would be stored")
     clr = sub.add_parser("clear", help="delete entries (all without filters)")
-    clr.add_argument("--backend", help="only this back-end")
+    clr.add_argument("--backend", choices=backends, help="only this back-end")
     clr.add_argument("--spec", help="only this layer (ConvSpec text)")
 
 
@@ -395,7 +400,9 @@ def _match(args: argparse.Namespace) -> dict[str, str]:
     if getattr(args, "backend", None):
         out["backend"] = args.backend
     if getattr(args, "variant", None):
-        out["variant"] = args.variant
+        from convforge.kernels import get_variant
+
+        out["variant"] = get_variant(args.variant).name  # an unknown name is an error, not "0 entries"
     if getattr(args, "spec", None):
         out["spec"] = ConvSpec.parse(args.spec).key()
     return out
@@ -409,11 +416,27 @@ def db_main(args: argparse.Namespace) -> int:
         path = Path(args.db or config.tuning_db)
         if args.db_command == "clear":
             _check_clear(path)
+        if args.db_command == "import":  # read (and refuse) the input before the database is touched
+            from convforge.tune.validate import load_document
+
+            try:
+                doc = load_document(args.file)
+            except (OSError, ValueError) as err:
+                raise ValueError(f"cannot import {args.file}: {err}") from None
+            args.document = {"format": "convforge-tuning", "entries": doc}
         writes = args.db_command in ("import", "clear") and not getattr(args, "dry_run", False)
         db = TuningDB(path, readonly=not writes)
     except ValueError as err:
         _error(f"{err}")
         return 2
+    try:
+        return _db_command(console, db, args, match)
+    except sqlite3.Error as err:  # a file damaged or locked under us, a full disk: one line, no traceback
+        _error(f"tuning database {db.path}: {err}")
+        return 2
+
+
+def _db_command(console: Any, db: TuningDB, args: argparse.Namespace, match: dict[str, str]) -> int:
     cmd = args.db_command
     if cmd == "list":
         console.print(_list_table(_of_pass(db.entries(**match), args), db.path))
@@ -422,10 +445,11 @@ def db_main(args: argparse.Namespace) -> int:
         for e in _of_pass(db.entries(**match), args):
             console.print_json(json.dumps(_entry_doc(e)))
     elif cmd == "export":
+        filters: dict[str, Any] = match
         if str(args.file) == "-":
-            print(json.dumps(db.export_json(None, **match), indent=1))
+            print(json.dumps(db.export_json(None, **filters), indent=1))
         else:
-            doc = db.export_json(args.file, **match)
+            doc = db.export_json(args.file, force=args.force, **filters)
             console.print(f"exported {len(doc['entries'])} entries to {args.file}", markup=False)
     elif cmd == "import":
         return _import(console, db, args)
@@ -446,7 +470,8 @@ def _check_clear(path: Path) -> None:
 def _import(console: Any, db: TuningDB, args: argparse.Namespace) -> int:
     """Validate every entry, store the good ones (unless --dry-run), list the rejects with reasons."""
     try:
-        rep = db.import_json(args.file, only_if_faster=not args.replace, dry_run=args.dry_run)
+        rep = db.import_json(getattr(args, "document", None) or args.file, only_if_faster=not args.replace,
+                             dry_run=args.dry_run)
     except (OSError, ValueError) as err:
         _error(f"cannot import {args.file}: {err}")
         return 2

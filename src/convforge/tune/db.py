@@ -25,7 +25,16 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from convforge.tune.dbfile import KEY_FIELDS, SCHEMA_VERSION, create_schema, identify, migrate_v1, ro_uri
+from convforge.tune.dbfile import (
+    KEY_FIELDS,
+    SCHEMA_VERSION,
+    create_schema,
+    identify,
+    migrate_v1,
+    not_regular,
+    ro_uri,
+    side,
+)
 
 EXPORT_FORMAT = "convforge-tuning"
 BUSY_TIMEOUT_S = 60.0
@@ -142,18 +151,53 @@ class TuningDB:
             raise self._refuse(kind.what)
         if kind.kind == "ours" and kind.schema > SCHEMA_VERSION:
             raise self._refuse(_newer(kind.schema))
-        conn = sqlite3.connect(ro_uri(self.path), uri=True, check_same_thread=False, isolation_level=None)
-        if kind.kind == "ours" and kind.schema == SCHEMA_VERSION:
-            return conn
-        mem = sqlite3.connect(":memory:", check_same_thread=False, isolation_level=None)
-        if kind.kind == "empty":
-            conn.close()
+        if kind.kind == "empty":  # nothing to read: no connection to the file at all
+            mem = sqlite3.connect(":memory:", check_same_thread=False, isolation_level=None)
             _init(mem)
             return mem
+        log = side(self.path, "-wal").exists()
+        if not log:  # the main file is all there is: checked before SQLite may create -wal / -shm
+            self._check_readable(self._ro_connect(immutable=True))
+        conn = self._ro_connect()
+        if log:
+            self._check_readable(conn, keep=True)
+        if kind.schema == SCHEMA_VERSION:
+            return conn
+        mem = sqlite3.connect(":memory:", check_same_thread=False, isolation_level=None)
         conn.backup(mem)  # schema 1: upgraded in memory only, the file stays as it is
         conn.close()
         self.not_carried = migrate_v1(mem, now())
         return mem
+
+    def _ro_connect(self, immutable: bool = False) -> sqlite3.Connection:
+        """Read-only. A file or folder this process may not write (no writer to race with) and no
+        write-ahead log: immutable, so SQLite creates no ``-wal`` / ``-shm`` beside it."""
+        quiet = immutable or not side(self.path, "-wal").exists() and not (
+            os.access(self.path, os.W_OK) and os.access(self.path.parent, os.W_OK | os.X_OK))
+        try:
+            return sqlite3.connect(ro_uri(self.path, immutable=quiet), uri=True, check_same_thread=False,
+                                   isolation_level=None)
+        except sqlite3.Error as err:
+            raise DatabaseError(f"cannot read the tuning database {self.path}: {err}") from None
+
+    def _check_readable(self, conn: sqlite3.Connection, keep: bool = False) -> None:
+        """A read-only opening of a corrupt or truncated file: one DatabaseError saying so (a
+        read-write opening moves such a file aside and rebuilds it). ``conn`` is closed unless
+        ``keep`` and the file is sound."""
+        try:
+            check = conn.execute("PRAGMA quick_check(1)").fetchone()
+            problem = None if check and check[0] == "ok" else " ".join(
+                f"integrity check: {check[0] if check else 'no answer'}".split())
+        except sqlite3.OperationalError as err:  # locked, a -shm it may not create: not damage
+            conn.close()
+            raise DatabaseError(f"cannot read the tuning database {self.path}: {err}") from None
+        except sqlite3.DatabaseError as err:
+            problem = str(err)
+        if problem or not keep:
+            conn.close()
+        if problem:
+            raise DatabaseError(f"tuning database {self.path} is corrupt or truncated ({problem}); convforge tune "
+                                "(or db import / db clear) moves it aside and starts a new one")
 
     def _open_writable(self) -> sqlite3.Connection:
         from convforge.config import config
@@ -174,8 +218,20 @@ class TuningDB:
             raise self._refuse(kind.what)
         if kind.kind == "ours" and kind.schema > SCHEMA_VERSION:
             raise self._refuse(_newer(kind.schema))
+        self._check_writable(kind.kind != "missing")
         with _file_lock(self.path):
             return self._open_checked()
+
+    def _check_writable(self, exists: bool) -> None:
+        """A database file or folder this process may not write: one DatabaseError before SQLite
+        or the lock file touches anything (SQLite keeps ``-wal`` and ``-shm`` beside the file)."""
+        if exists and not os.access(self.path, os.R_OK | os.W_OK):
+            raise DatabaseError(f"tuning database {self.path} is read-only (no write permission); this command "
+                                "writes it: make it writable or choose another --db / CONVFORGE_DB path")
+        if not os.access(self.path.parent, os.W_OK | os.X_OK):
+            raise DatabaseError(f"folder {self.path.parent} of the tuning database {self.path} is read-only; "
+                                "SQLite and convforge keep files beside the database (-wal, -shm, .lock): make "
+                                "it writable or choose another --db / CONVFORGE_DB path")
 
     def _connect(self) -> sqlite3.Connection:
         conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None,
@@ -190,7 +246,7 @@ class TuningDB:
             raise self._refuse(kind.what)
         conn = self._connect()
         try:
-            check = conn.execute("PRAGMA quick_check").fetchone()
+            check = conn.execute("PRAGMA quick_check(1)").fetchone()
             problem = None if check and check[0] == "ok" else (
                 f"corrupt (integrity check: {check[0] if check else 'no answer'})")
         except sqlite3.DatabaseError as err:
@@ -285,15 +341,23 @@ class TuningDB:
         if bad:
             raise ValueError(f"cannot filter on {sorted(bad)}; use {KEY_FIELDS}")
         where = " AND ".join(f"{k} = ?" for k in match) or "1"
-        with self._lock:
+        with self._lock, self._reading():
             rows = self.conn.execute(
                 f"SELECT {', '.join(_ENTRY_COLS)} FROM results WHERE {where} "
                 "ORDER BY device, backend, spec, epilogue, precision", tuple(match.values())).fetchall()
         return [Entry(*r) for r in rows]
 
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[None]:
+        """A damaged page met by a query: a DatabaseError naming the file, not SQLite's traceback."""
+        try:
+            yield
+        except sqlite3.DatabaseError as err:
+            raise DatabaseError(f"cannot read the tuning database {self.path}: {err}") from None
+
     def not_carried_log(self) -> list[tuple[str, str, str]]:
         """(date, entry, reason) of every entry an upgrade of this database could not carry over."""
-        with self._lock:
+        with self._lock, self._reading():
             return [tuple(r) for r in self.conn.execute(
                 "SELECT date, entry, reason FROM not_carried ORDER BY date, entry")]
 
@@ -327,13 +391,38 @@ class TuningDB:
         return [Measurement(*r) for r in rows]
 
     # -- sharing between machines ---------------------------------------------------------
-    def export_json(self, path: str | os.PathLike[str] | None = None, **match: str) -> dict[str, Any]:
-        """The matching entries as a JSON document; written to ``path`` when given."""
+    def export_json(self, path: str | os.PathLike[str] | None = None, *, force: bool = False,
+                    **match: Any) -> dict[str, Any]:
+        """The matching entries as a JSON document; written to ``path`` when given. An existing
+        file there is refused unless ``force`` (then replaced whole); the database itself, its
+        side files and anything that is not a regular file are refused always."""
+        if path is not None:
+            self._check_export_target(Path(path), force)
         doc = {"format": EXPORT_FORMAT, "schema": SCHEMA_VERSION, "exported": now(),
                "entries": [asdict(e) for e in self.entries(**match)]}
         if path is not None:
             _write_atomic(Path(path), json.dumps(doc, indent=1, sort_keys=True))
         return doc
+
+    def _check_export_target(self, path: Path, force: bool) -> None:
+        """FileExistsError / ValueError naming ``path`` when an export must not write there."""
+        if path.is_dir():
+            raise IsADirectoryError(f"cannot write {path}: it is a folder")
+        ours = [self.path] + [side(self.path, x) for x in ("-wal", "-shm", "-journal", ".lock")]
+        if any(_same_file(path, p) for p in ours):
+            raise DatabaseError(f"cannot export to {path}: it is the tuning database being read "
+                                f"({self.path}) or one of its files; choose another file")
+        if not (path.exists() or path.is_symlink()):
+            return
+        try:
+            what = not_regular(os.stat(path).st_mode)
+        except OSError:
+            what = None  # a dangling link: replaced like a file, with --force
+        if what:
+            raise DatabaseError(f"cannot export to {path}: it is {what}")
+        if not force:
+            raise FileExistsError(f"{path} exists; convforge leaves it untouched (give --force to replace it, "
+                                  "or choose a new file)")
 
     def import_json(self, source: str | os.PathLike[str] | dict[str, Any], only_if_faster: bool = True,
                     dry_run: bool = False) -> ImportReport:
@@ -382,6 +471,14 @@ def _write_atomic(path: Path, text: str) -> None:
         if isinstance(err, OSError):
             raise type(err)(f"cannot write {path}: {err.strerror or err}") from None
         raise
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """``a`` and ``b`` name one file (through links, case-insensitive file systems, ...)."""
+    try:
+        return a.resolve() == b.resolve() or (a.exists() and b.exists() and os.path.samefile(a, b))
+    except OSError:
+        return False
 
 
 def _label(i: int, item: object) -> str:

@@ -7,9 +7,14 @@ identity existed) recognised by its exact tables and columns. Everything else is
 
 from __future__ import annotations
 
+import os
+import shutil
 import sqlite3
+import stat
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 APPLICATION_ID = 0x43466F72  # "CFor"
@@ -35,20 +40,59 @@ class FileKind:
     what: str = ""
 
 
-def ro_uri(path: Path) -> str:
-    """SQLite URI opening ``path`` read-only (never creating it)."""
-    return f"file:{quote(str(path.resolve()))}?mode=ro"
+def ro_uri(path: Path, immutable: bool = False) -> str:
+    """SQLite URI opening ``path`` read-only (never creating it); ``immutable`` also takes no locks
+    and creates no ``-shm`` beside it (only for a file nobody writes meanwhile)."""
+    return f"file:{quote(str(path.resolve()))}?mode=ro" + ("&immutable=1" if immutable else "")
+
+
+_NOT_REGULAR = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe), not a regular file"),
+                (stat.S_ISSOCK, "a socket, not a regular file"),
+                (stat.S_ISCHR, "a character device, not a regular file"),
+                (stat.S_ISBLK, "a block device, not a regular file"))
+
+
+def not_regular(mode: int) -> str | None:
+    """A phrase naming what a ``st_mode`` is when it is not a regular file, else None."""
+    for test, what in _NOT_REGULAR:
+        if test(mode):
+            return what
+    return None if stat.S_ISREG(mode) else "not a regular file"
+
+
+def read_head(path: Path, size: int | None = 100) -> bytes:
+    """The first ``size`` bytes (all with None) of the regular file ``path``. Anything else (a
+    FIFO, a device, a folder) is an OSError saying what it is, raised before a read could block:
+    the file is opened non-blocking and checked by its descriptor."""
+    what = not_regular(os.stat(path).st_mode)
+    if what:
+        raise IsADirectoryError(f"{path} is {what}") if what == "a directory" else OSError(f"{path} is {what}")
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        what = not_regular(os.fstat(fd).st_mode)  # swapped for a FIFO since the stat above
+        if what:
+            raise OSError(f"{path} is {what}")
+        if size is not None:
+            return os.read(fd, size)
+        with os.fdopen(os.dup(fd), "rb") as fh:
+            return fh.read()
+    finally:
+        os.close(fd)
 
 
 def identify(path: Path) -> FileKind:
-    """Classify ``path`` without writing anything to it."""
-    if not path.exists():
-        return FileKind("missing")
-    if path.is_dir():
-        return FileKind("foreign", what="a directory")
+    """Classify ``path`` without writing anything to it or beside it."""
     try:
-        with open(path, "rb") as fh:
-            head = fh.read(100)
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return FileKind("missing")
+    except OSError as err:
+        return FileKind("foreign", what=f"unreadable ({err.strerror or err})")
+    what = not_regular(mode)
+    if what:
+        return FileKind("foreign", what=what)
+    try:
+        head = read_head(path)
     except OSError as err:
         return FileKind("foreign", what=f"unreadable ({err.strerror or err})")
     if not head:
@@ -57,14 +101,40 @@ def identify(path: Path) -> FileKind:
         return FileKind("foreign", what=describe(head))
     if len(head) == 100 and int.from_bytes(head[68:72], "big") == APPLICATION_ID:
         return FileKind("ours", schema=int.from_bytes(head[60:64], "big"))
-    return _identify_sqlite(path)
+    return _identify_sqlite(path, wal=len(head) > 18 and head[18] == 2)
 
 
-def _identify_sqlite(path: Path) -> FileKind:
+def side(path: Path, suffix: str) -> Path:
+    """SQLite's ``-wal`` / ``-shm`` file (or our ``.lock``) beside ``path``."""
+    return path.with_name(path.name + suffix)
+
+
+def ro_connect(path: Path, wal: bool, **kw: Any) -> sqlite3.Connection:
+    """A read-only connection to ``path`` that creates nothing beside it where it can: a WAL
+    database with no write-ahead log (nothing beyond the main file to read) is opened immutable,
+    so SQLite makes no ``-shm``; with a log and its ``-shm`` present, plainly read-only."""
+    log = side(path, "-wal")
+    quiet = wal and (not log.exists() or log.stat().st_size == 0)
+    return sqlite3.connect(ro_uri(path, immutable=quiet), uri=True, **kw)
+
+
+def _identify_sqlite(path: Path, wal: bool) -> FileKind:
     """A SQLite file whose header lacks our application_id: ours with the change still in the WAL,
-    schema 1 of ours, a blank database, or foreign."""
+    schema 1 of ours, a blank database, or foreign. Read without creating anything beside it: a
+    WAL database whose log lacks its ``-shm`` is inspected in a temporary copy."""
+    if wal and side(path, "-wal").exists() and side(path, "-wal").stat().st_size and \
+            not side(path, "-shm").exists():
+        with tempfile.TemporaryDirectory(prefix="convforge-inspect-") as tmp:
+            copy = Path(tmp) / "db"
+            shutil.copyfile(path, copy)
+            shutil.copyfile(side(path, "-wal"), side(copy, "-wal"))
+            return _inspect_sqlite(copy, wal)
+    return _inspect_sqlite(path, wal)
+
+
+def _inspect_sqlite(path: Path, wal: bool) -> FileKind:
     try:
-        conn = sqlite3.connect(ro_uri(path), uri=True)
+        conn = ro_connect(path, wal)
         try:
             app_id = conn.execute("PRAGMA application_id").fetchone()[0]
             version = conn.execute("PRAGMA user_version").fetchone()[0]

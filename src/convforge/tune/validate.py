@@ -4,6 +4,7 @@ entry's layer on a nominal device of that back-end kind."""
 
 from __future__ import annotations
 
+import datetime as _dt
 import json
 import math
 import os
@@ -24,26 +25,53 @@ _TEXT = ("device", "backend", "version", "spec", "dtype", "epilogue", "variant",
          "heuristic_variant", "heuristic_params", "precision")
 _NUMBERS = ("time_ms", "error", "heuristic_ms", "seconds", "min_error")
 _INTS = ("workspace", "candidates")
-_REQUIRED = ("device", "backend", "spec", "dtype", "epilogue", "variant", "params", "time_ms")
+_REQUIRED = ("device", "backend", "spec", "dtype", "epilogue", "variant", "params", "time_ms", "error")
+
+
+def read_document(source: str | os.PathLike[str]) -> Any:
+    """The JSON document in the regular file ``source`` (a FIFO or a device is refused before it is
+    read: OSError); ValueError when it is not JSON."""
+    from convforge.tune.dbfile import read_head
+
+    try:
+        return json.loads(read_head(Path(source), None).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{source} is not a JSON document ({err})") from None
 
 
 def load_document(source: str | os.PathLike[str] | dict[str, Any]) -> list[Any]:
-    """The entries of an export (a file or the document itself); one ValueError when malformed."""
+    """The entries of an export (a file or the document itself); one ValueError when malformed,
+    or of a schema newer than this convforge reads."""
     from convforge.tune.db import EXPORT_FORMAT
+    from convforge.tune.dbfile import SCHEMA_VERSION
 
-    if isinstance(source, dict):
-        doc: Any = source
-    else:
-        try:
-            doc = json.loads(Path(source).read_text())
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise ValueError(f"{source} is not a JSON document ({err})") from None
+    doc = source if isinstance(source, dict) else read_document(source)
     if not isinstance(doc, dict) or doc.get("format") != EXPORT_FORMAT:
         raise ValueError(f"not a convforge tuning export (a JSON object whose format is {EXPORT_FORMAT!r})")
+    schema = doc.get("schema", 1)
+    if isinstance(schema, bool) or not isinstance(schema, int) or schema < 1:
+        raise ValueError(f"the export's schema ({schema!r}) must be an int from 1 to {SCHEMA_VERSION}")
+    if schema > SCHEMA_VERSION:
+        raise ValueError(f"the export's schema ({schema}) is newer than this convforge reads ({SCHEMA_VERSION}): "
+                         "upgrade convforge")
     entries = doc.get("entries")
     if not isinstance(entries, list):
         raise ValueError(f"the export's 'entries' must be a list, got {type(entries).__name__}")
     return entries
+
+
+def class_bound(precision: str, min_error: float | None) -> float:
+    """The largest measured error a precision class admits (the tuner's rule, ``Tuner.bound``):
+    ``max_error=E``: E; 'relaxed': 1e-3; 'fp32': 5e-6, or FP32_SLACK x the layer's most accurate
+    candidate where even that exceeds 5e-6."""
+    from convforge.config import FP32_SLACK, PRECISIONS
+
+    if precision.startswith("max_error="):
+        return float(precision.split("=", 1)[1])
+    bound = PRECISIONS[precision]
+    if precision == "fp32" and min_error is not None:
+        bound = max(bound, FP32_SLACK * min_error)
+    return bound
 
 
 def entry_fields(d: Any) -> dict[str, Any]:
@@ -105,15 +133,15 @@ def validate_entry(d: Any) -> Entry:
         raise ValueError(f"backend ({entry.backend!r}) must be one of {', '.join(NOMINAL)}")
     if not entry.time_ms >= MIN_TIME_MS:
         raise ValueError(f"time_ms ({entry.time_ms!r}) is implausible (below {MIN_TIME_MS} ms)")
-    if entry.error < 0:
-        raise ValueError(f"error ({entry.error!r}) must be >= 0")
-    _check_precision(entry.precision)
+    _check_record(entry)
     try:
         spec = ConvSpec.from_dict(json.loads(entry.spec_json))
     except (ValueError, TypeError, KeyError, AttributeError) as err:
         raise ValueError(f"spec_json ({entry.spec_json!r}) does not describe a layer ({err})") from None
-    if spec.key() != entry.spec or spec.dtype != entry.dtype:
+    if spec.key() != entry.spec:
         raise ValueError(f"spec ({entry.spec!r}) does not match its spec_json ({spec.key()!r})")
+    if spec.dtype != entry.dtype:
+        raise ValueError(f"dtype ({entry.dtype!r}) does not match the layer's ({spec.dtype!r})")
     variant = get_variant(entry.variant)
     device = NOMINAL[entry.backend]
     why = variant.applies(spec, device)
@@ -128,6 +156,33 @@ def validate_entry(d: Any) -> Entry:
     except Exception as err:  # noqa: BLE001 - whatever the generator says, the entry is unusable
         raise ValueError(f"parameters {params.short()} do not plan for the layer: {err}") from None
     return entry
+
+
+def _check_record(entry: Entry) -> None:
+    """The fields stored as they are: device, date, errors and the precision class's rule."""
+    if not entry.device.strip() or not entry.device.isprintable():
+        raise ValueError(f"device ({entry.device!r}) must name a device (printable, not blank)")
+    head = entry.device.split("|", 1)[0]
+    if "|" in entry.device and head != entry.backend:
+        raise ValueError(f"device ({entry.device!r}) is a {head} device, but backend is {entry.backend!r}")
+    try:
+        when = _dt.datetime.fromisoformat(entry.date)
+    except ValueError:
+        raise ValueError(f"date ({entry.date!r}) must be an ISO 8601 date and time "
+                         "(e.g. 2026-11-24T10:00:00+00:00)") from None
+    if when.tzinfo is not None and when > _dt.datetime.now(_dt.UTC) + _dt.timedelta(days=1):
+        raise ValueError(f"date ({entry.date!r}) lies in the future")
+    if entry.error < 0:
+        raise ValueError(f"error ({entry.error!r}) must be >= 0")
+    if entry.min_error is not None and not 0 <= entry.min_error <= entry.error:
+        raise ValueError(f"min_error ({entry.min_error!r}), the layer's most accurate candidate, must be "
+                         f"between 0 and the entry's error ({entry.error!r})")
+    _check_precision(entry.precision)
+    bound = class_bound(entry.precision, entry.min_error)
+    if entry.error > bound:
+        raise ValueError(f"error ({entry.error:.1e}) exceeds what precision {entry.precision!r} admits "
+                         f"({bound:.1e}" + (", 2x the layer's most accurate" if bound > 5e-6 and
+                                            entry.precision == "fp32" else "") + ")")
 
 
 def _check_precision(text: str) -> None:

@@ -213,7 +213,9 @@ class ImplicitGemmNhwcTF32(_StagedTF32):
     _b_buf = "xh"
 
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
-        return super().applies(spec, device) or too_big(spec, spec.k * spec.c * spec.r * spec.s)
+        cp = self._cp(spec)
+        return super().applies(spec, device) or self.index_refusal(spec, {
+            "NHWC input copy": spec.n * spec.h * spec.w * cp, "packed filter": spec.k * cp * spec.r * spec.s})
 
     def _operands(self, spec: ConvSpec) -> tuple[AsyncOperand, AsyncOperand]:
         (sh, sw), (dh, dw) = spec.stride, spec.dilation

@@ -491,7 +491,7 @@ class Gemm1x1WgmmaTF32(Variant):
         if spec.r != 1 or spec.s != 1:
             return "only 1x1 filters"
         ws = padded_rows(spec.n * spec.p * spec.q, 256) * padded_c(spec)  # the largest over the space
-        return super().applies(spec, device) or wgmma_reason(device) or too_big(spec, ws)
+        return super().applies(spec, device) or wgmma_reason(device) or too_big(spec, ws, "NHWC workspace")
 
     def _mn(self, spec: ConvSpec) -> tuple[int, int]:
         return spec.k, spec.n * spec.p * spec.q

@@ -47,7 +47,7 @@ from convforge.kernels.winograd.tiles import (
     emit_window_mask,
 )
 from convforge.params import Params
-from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
+from convforge.plan import INT32_MAX, DeviceInfo, Epilogue, Launch, Plan, Variant
 from convforge.spec import ConvSpec
 
 _BANKS = 32
@@ -192,8 +192,8 @@ class Layout:
             return "ca copies transformed filters (fl = 0); raw taps need G g G^T in registers"
         if not 1 <= self.ks <= self.cbn:
             return f"ks = {self.ks} channel slices for {self.cbn} stages"
-        if self.ks > 1 and self.ks * _out_elements(self.g.spec) > 2 ** 31 - 1:
-            return "split-C partial outputs need 64-bit indexing"
+        if self.ks > 1 and self.ks * _out_elements(self.g.spec) > INT32_MAX:
+            return f"needs 64-bit indexing: {self.ks} split-C partial outputs of {_out_elements(self.g.spec)} elements"
         return None
 
 
@@ -254,8 +254,9 @@ class WinogradFused(Variant):
         why = winograd_applies(spec, self.m, self.m + 2)
         if why:
             return why
-        if spec.n * max(spec.c * spec.h * spec.w, spec.k * spec.p * spec.q) > 2 ** 31 - 1:
-            return "tensor larger than 2^31 elements (32-bit indexing)"
+        why = self.index_refusal(spec, {"transformed filter": (self.m + 2) ** 2 * spec.k * spec.c})
+        if why:
+            return why
         if not self.space(spec, device):
             return "no parameter set fits this device's shared memory and threads"
         return None

@@ -63,7 +63,7 @@ from convforge.kernels.winograd.tiles import (
     emit_tile_origin,
 )
 from convforge.params import Params
-from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
+from convforge.plan import INT32_MAX, DeviceInfo, Epilogue, Launch, Plan, Variant, index_refusal
 from convforge.spec import ConvSpec
 
 MAX_ALPHA = 9
@@ -74,7 +74,7 @@ GemmGen = Callable[..., Kernel]  # gemm_kernel's signature: (name, shape, p, a, 
 _SMALL_TILE = (64, 64, 16, 8, 8)
 _N96_TILE = (64, 96, 8, 8, 12)
 _TRANSFORM_KEYS = ("so", "xi", "xo", "xt", "lo")  # non-GEMM choices a GPU space point inherits from the default
-_INT_LIMIT = 2 ** 31 - 1
+_INT_LIMIT = INT32_MAX
 
 
 def tolerance(m: int, r: int, s: int) -> float:
@@ -160,9 +160,9 @@ class WinogradNonFused(Variant):
         if spec.r == spec.s == 1:
             return "1x1 filters: Winograd saves no multiplications"
         g = Geometry(spec, self.m)
-        if max(g.a2 * spec.c * g.tiles, g.a2 * spec.k * g.tiles) > _INT_LIMIT:
-            return "workspace larger than 2^31 elements (32-bit indexing)"
-        return None
+        return index_refusal({"transformed input": g.a2 * spec.c * g.tiles,
+                              "transformed output": g.a2 * spec.k * g.tiles,
+                              "transformed filter": g.a2 * spec.k * spec.c}, _INT_LIMIT)
 
     # -- parameters -------------------------------------------------------------------------
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:

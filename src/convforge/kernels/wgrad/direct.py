@@ -75,29 +75,3 @@ class WgradDirect(Variant):
 
 register(WgradDirect())
 
-
-def bias_grad_plan(spec: ConvSpec, device: DeviceInfo) -> Plan:
-    """The gradient of a per-channel bias, db[k] = sum over n, p, q of dy[n, k, p, q]: a Plan that
-    reads "y" (dy, ``spec.y_shape``) and writes "bias" (K floats). One block per channel; its
-    threads stride over P*Q of each image in turn (coalesced), then a fixed tree in shared memory
-    adds their partial sums, so the result is the same on every run (no atomics)."""
-    bt = 256 if device.is_gpu else 64
-    while bt > device.max_threads:
-        bt //= 2
-    pq, k = spec.p * spec.q, spec.k
-    code = Code()
-    code(f"SHARED float part[{bt}];", "const int t = LOCAL_ID(0), k = GROUP_ID(0);", "float acc = 0.0f;")
-    with code.block(f"for (int n = 0; n < {spec.n}; ++n)"):
-        with code.block(f"for (int e = t; e < {pq}; e += {bt})"):
-            code(f"acc += y[(n * {k} + k) * {pq} + e];")
-    code("part[t] = acc;", "BARRIER();")
-    half = bt // 2
-    while half >= 1:
-        code(f"if (t < {half}) part[t] += part[t + {half}];", "BARRIER();")
-        half //= 2
-    code("if (t == 0) bias[k] = part[0];")
-    name = "bias_grad"
-    kernel = Kernel(name, (Buf("y"), Buf("bias", readonly=False)), code.text(), (bt, 1, 1),
-                    comment=f"bias_grad: bt={bt}")
-    return Plan(name, "reduce", spec, Params(bt=bt), (kernel,), (Launch(name, (k, 1, 1), (bt, 1, 1), ("y", "bias")),),
-                tolerance=1e-5)
