@@ -58,6 +58,7 @@ def _check(cp, y, refs: dict[int, np.ndarray], what: str) -> None:  # type: igno
         assert not np.isnan(got).any() and err < TOL, f"{what}, image {n}: relative error {err:.2e}"
 
 
+@pytest.mark.serial  # 17-22 GB of device memory: never beside the parallel workers
 @pytest.mark.parametrize("case", list(LAYERS))
 def test_layer_past_2_31_elements_through_auto(cuda, case: str) -> None:
     cp = pytest.importorskip("cupy", reason="GPU tier needs CuPy")

@@ -5,6 +5,7 @@ The GPU proof (a layer past 2^31 elements run and checked) is tests/test_gpu_ind
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -38,14 +39,25 @@ BIG = {
 def _elements(plan: Plan) -> dict[str, int]:
     """Every array a plan indexes: x, w, y and its workspaces."""
     s = plan.spec
-    out = {"x": s.n * s.c * s.h * s.w, "w": s.k * s.c * s.r * s.s, "y": s.n * s.k * s.p * s.q}
-    out.update({name: nbytes // 4 for name, nbytes in plan.workspace})
+    out = {"x": s.n * s.c * s.h * s.w, "w": s.k * s.cg * s.r * s.s, "y": s.n * s.k * s.p * s.q}
+    out.update({name: nbytes // s.itemsize for name, nbytes in plan.workspace})
     return out
+
+
+def _served(v: Variant, spec: ConvSpec) -> ConvSpec:
+    """``spec`` in a pass and dtype ``v`` computes (float32 where it can), depthwise for the depthwise
+    family: each variant meets the big layers in a form it would otherwise take."""
+    dtype = "float32" if "float32" in v.dtypes else sorted(v.dtypes)[0]
+    spec = dataclasses.replace(spec, conv_pass=sorted(v.passes)[0], dtype=dtype)
+    if v.family == "depthwise":
+        spec = dataclasses.replace(spec, k=spec.c, groups=spec.c)
+    return spec
 
 
 def _outcome(v: Variant, spec: ConvSpec, dev: DeviceInfo) -> str:
     """'refused: why' or 'planned 32|64'; a planned layer's arrays must fit its index width, and a
     64-bit plan's source must compute its offsets in 64 bits."""
+    spec = _served(v, spec)
     why = v.applies(spec, dev)
     if why:
         return f"refused: {why}"

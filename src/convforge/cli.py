@@ -190,8 +190,9 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def _show_default(spec: ConvSpec) -> str:
-    """``show``'s variant when none is named: direct for fprop, else the most specialised variant
-    of the direct family that computes the pass (the first that computes it at all, if none)."""
+    """``show``'s variant when none is named: direct for fprop, the pass's exact baseline
+    (dgrad_direct, wgrad_direct: every layer) else, or the most specialised variant of the direct
+    family that computes the pass (the first that computes it at all, if none)."""
     from convforge import kernels
 
     if spec.conv_pass == "fprop":
@@ -199,6 +200,8 @@ def _show_default(spec: ConvSpec) -> str:
     mine = [v for v in kernels.all_variants() if spec.conv_pass in v.passes]
     if not mine:
         raise ValueError(f"no variant computes {spec.conv_pass}")
+    if any(v.name == f"{spec.conv_pass}_direct" for v in mine):
+        return f"{spec.conv_pass}_direct"
     direct = [v for v in mine if v.family == "direct"] or mine
     return max(direct, key=lambda v: v.specialised).name
 

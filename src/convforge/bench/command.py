@@ -282,7 +282,7 @@ def layer_passes(layers: list[Layer], choice: str | None) -> list[Layer]:
 def _run_sweep(args: argparse.Namespace, console: Console) -> int:
     """``--sweep``: the points of each ``--algo`` variant's space on every layer, in one precision class
     (relaxed when ``--precision`` names it, so families admit their relaxed variants)."""
-    layers = load_suite(args.suite, args.limit)
+    layers = layer_passes(load_suite(args.suite, args.limit), getattr(args, "conv_pass", None))
     be = _backends(args)[0]
     env = runner.environment([be], "none")
     report.print_header(console, env, args.suite, len(layers))
@@ -292,7 +292,7 @@ def _run_sweep(args: argparse.Namespace, console: Console) -> int:
 
 def _run_ablation(args: argparse.Namespace, console: Console) -> int:
     """``--ablation NAME``: every layer of the suite in each configuration, one row each."""
-    layers = load_suite(args.suite, args.limit)
+    layers = layer_passes(load_suite(args.suite, args.limit), getattr(args, "conv_pass", None))
     be = _backends(args)[0]
     kind = args.baseline or "none"
     env = runner.environment([be], kind)

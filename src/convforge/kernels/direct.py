@@ -50,8 +50,8 @@ class DirectBase(Variant):
         (sh, sw), pads = spec.stride, spec.pad
         if max(spec.h + pads[0] + pads[1] + 1024 * sh, spec.w + pads[2] + pads[3] + 1024 * sw) > INT32_MAX:
             return "needs 64-bit coordinates: the padded input plus a block's reach passes 2^31 - 1"
-        if device.backend == "cuda" and (spec.n * spec.groups * cdiv(spec.kg, 16) > _GRID_YZ
-                                         or cdiv(spec.p, 32) > _GRID_YZ):
+        z = spec.n * spec.groups * cdiv(spec.kg, 16)
+        if device.backend == "cuda" and (z > _GRID_YZ or cdiv(spec.p, 32) > _GRID_YZ):
             return f"the grid exceeds CUDA's {_GRID_YZ} blocks in y (P / 32) or z (N * K / 16)"
         return None
 

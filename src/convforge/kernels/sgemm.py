@@ -209,6 +209,19 @@ def gemm_space(m: int, n: int, k: int, device: DeviceInfo, va_ok: bool = True,
     return out
 
 
+def lean_point(p: Params) -> bool:
+    """Whether an SGEMM point over a gathered operand stays clear of spills on sm_90: register
+    prefetch on, at least 8 x 8 outputs per thread and 64 threads, at most 8 load slots per operand
+    and thread. Every B slot of a gathered operand keeps its column's offsets in registers; past 8
+    slots, without prefetch, or with smaller micro-tiles (where ptxas trades a few registers for
+    occupancy) nvcc 13 spilled 4-192 bytes on sampled ResNet and odd layers (wgrad's GEMMs; the
+    strided dgrad GEMM: 7 of 667 points, every one outside this rule, where forward implicit_gemm
+    spills too; its 517 lean points on six layers compile clean)."""
+    threads = (p.bm // p.tm) * (p.bn // p.tn)
+    slots = max(p.bm * p.bk // p.va, p.bn * p.bk // p.vb) // threads
+    return bool(p.pf) and p.tm * p.tn >= 64 and threads >= 64 and slots <= 8
+
+
 def gemm_default(m: int, n: int, k: int, device: DeviceInfo, va_ok: bool = True,
                  vb_ok: bool = True, a_fast: str = "k", b_fast: str = "i",
                  prefer: tuple[tuple[int, int, int, int, int], ...] = ()) -> Params:
@@ -243,7 +256,8 @@ def gemm_block(p: Params) -> Dim3:
 
 def gemm_kernel(name: str, shape: GemmShape, p: Params, a: Operand, b: Operand, c: Store,
                 args: tuple[Arg, ...], prelude: tuple[str, ...] = (),
-                comment: str = "", n_last_first: bool = False) -> Kernel:
+                comment: str = "", n_last_first: bool = False, head: tuple[str, ...] = (),
+                k_of_batch: str | None = None) -> Kernel:
     """Generate the kernel ``name``: C = A.B for ``shape`` with parameters ``p``.
 
     The body defines, before ``prelude`` runs: ``tid`` (thread in block), ``bz`` (batch index),
@@ -252,6 +266,9 @@ def gemm_kernel(name: str, shape: GemmShape, p: Params, a: Operand, b: Operand, 
     Launch with :func:`gemm_grid` and :func:`gemm_block`. ``n_last_first``: blocks are taken
     in the order (N tile descending, then M tile, then batch and split fastest) instead of the
     grid's, so a GEMM whose B was just written N-column by N-column starts on what is still in L2.
+    ``head`` runs right after ``bz`` is known and ``k_of_batch`` (an expression it may define)
+    is then batch entry ``bz``'s reduction length, at most ``shape.k``: batched GEMMs of unequal
+    depth in one launch (the stride phases of a strided dgrad).
     """
     why = layout_problem(p, a.vload is not None, b.vload is not None, a.fast, b.fast)
     if why:
@@ -266,9 +283,9 @@ def gemm_kernel(name: str, shape: GemmShape, p: Params, a: Operand, b: Operand, 
         ids = ("gx_", "gy_", "gz_")
     else:
         ids = ("GROUP_ID(0)", "GROUP_ID(1)", "GROUP_ID(2)")
-    code(f"const int bz = {ids[2]} / {shape.ksplit}, kz = {ids[2]} % {shape.ksplit};",
-         f"const int m0 = {ids[1]} * {p.bm}, n0 = {ids[0]} * {p.bn};",
-         f"const int kbeg = kz * {shape.klen}, kend = min(kbeg + {shape.klen}, {shape.k});")
+    code(f"const int bz = {ids[2]} / {shape.ksplit}, kz = {ids[2]} % {shape.ksplit};", *head)
+    code(f"const int m0 = {ids[1]} * {p.bm}, n0 = {ids[0]} * {p.bn};",
+         f"const int kbeg = kz * {shape.klen}, kend = min(kbeg + {shape.klen}, {k_of_batch or shape.k});")
     code(*prelude)
     _shared(code, p)
     ga = _Loader("a", a, shape.m, p.bm, p.bk, p.va, lay.threads, "m0", "As", p.bm + 4)

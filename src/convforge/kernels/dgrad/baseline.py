@@ -1,4 +1,4 @@
-"""dgrad (bprop): the gradient of a convolution's input, dx = conv^T(dy, w).
+"""dgrad's exact baseline.
 
 ``dgrad_direct`` is the exact baseline of the pass: one thread per input element (n, c, h, w) sums
 dy[n, k, p, q] . w[k, c, r, s] over the taps that reach it, for any stride, dilation, padding and
