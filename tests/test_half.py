@@ -40,11 +40,11 @@ GROUPED_SPECS = [ConvSpec.make(2, 6, 9, 11, 9, 3, 3, 2, (1, 0, 1, 1), groups=3),
 CORE_FAMILIES = ("direct", "im2col", "implicit_gemm", "gemm1x1")  # FP32 arithmetic on CUDA cores / OpenCL
 
 
-def half_variants(backend: str = "opencl") -> list[str]:
-    """The CUDA-core / OpenCL families' variants that serve half storage (and float32: the tensor-core
-    ones, half only or Winograd, are tests/test_tensorcore_gen.py's)."""
+def half_variants(backend: str = "opencl", conv_pass: str = "fprop") -> list[str]:
+    """The CUDA-core / OpenCL families' variants of ``conv_pass`` that serve half storage (and float32:
+    the tensor-core ones, half only or Winograd, are tests/test_tensorcore_gen.py's)."""
     return [v.name for v in all_variants() if set(HALF) <= v.dtypes and "float32" in v.dtypes
-            and v.family in CORE_FAMILIES and backend in v.backends]
+            and v.family in CORE_FAMILIES and backend in v.backends and conv_pass in v.passes]
 
 
 def _with(spec: ConvSpec, dtype: str) -> ConvSpec:
@@ -144,6 +144,23 @@ def test_half_variant_on_odd_shapes(ocl, name: str, dtype: str) -> None:
             res = check_plan(v.plan(spec, prm, ocl.device, epi), ocl, seed=i)
             assert res.ok, f"{name} {spec.short()} [{prm.short()}]{epi.tag()}: {res}"
             assert res.tolerance == HALF_TOLERANCE[dtype]
+        tried += 1
+    assert tried, f"{name} applies to none of the test shapes"
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("name", half_variants("opencl", "dgrad"))
+def test_half_dgrad_through_forward_families(ocl, name: str, dtype: str) -> None:
+    """Stride-1 dgrad by a forward family (its filters rotated as raw half bits) in half storage."""
+    v = next(v for v in all_variants() if v.name == name)
+    tried = 0
+    for i, base in enumerate([ODD_SPECS[0], ODD_SPECS[1], ODD_SPECS[5], VECTOR_SPECS[1], GROUPED_SPECS[1],
+                              ConvSpec.make(1, 8, 4, 5, 64, 1, 1)]):  # the last: a 64-long dgrad reduction
+        spec = dataclasses.replace(base, dtype=dtype, conv_pass="dgrad")
+        if v.applies(spec, ocl.device):
+            continue
+        res = check_plan(v.plan(spec, v.default(spec, ocl.device), ocl.device), ocl, seed=i)
+        assert res.ok, f"{name} {spec.short()}: {res}"
         tried += 1
     assert tried, f"{name} applies to none of the test shapes"
 
