@@ -3,7 +3,8 @@
 --sanitize: tiny shapes, one run each (for compute-sanitizer). Otherwise: a table of median
 times and effective TFLOPS, every transform of each plan inside the timed call. --points N times
 the first N points of each variant's space (tile configurations), --dtype runs the layers in
-float16 or bfloat16, --layers keeps the layers whose label contains one of its words.
+float16 or bfloat16, --layers keeps the layers whose label contains one of its words, --passes
+names the passes (--sanitize: all three, so every dgrad and wgrad variant runs under memcheck too).
 """
 
 from __future__ import annotations
@@ -51,7 +52,10 @@ def main() -> int:
     ap.add_argument("--points", type=int, default=1, help="time the first N points of each space")
     ap.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     ap.add_argument("--layers", default="", help="comma-separated words; keep layers whose label has one")
+    ap.add_argument("--passes", default=None,
+                    help="comma-separated passes (fprop, dgrad, wgrad); default fprop, all three with --sanitize")
     args = ap.parse_args()
+    passes = (args.passes or ("fprop,dgrad,wgrad" if args.sanitize else "fprop")).split(",")
     be = get_backend("cuda")
     only = set(filter(None, args.only.split(",")))
     variants = [v for v in all_variants() if "cuda" in v.backends and (not only or v.name in only)]
@@ -61,7 +65,8 @@ def main() -> int:
              if not words or any(w in k for w in words)}
     bad = 0
     print(f"{'layer':20s} {'variant':26s} {'ms':>9s} {'TFLOPS':>7s} {'rel err':>9s}  params")
-    for label, spec in specs.items():
+    for label, spec in ((f"{k}{'' if p == 'fprop' else ' ' + p}", s.with_pass(p))
+                        for k, s in specs.items() for p in passes):
         for v in variants:
             if v.applies(spec, be.device):
                 continue
@@ -107,7 +112,7 @@ def _run(be, label: str, spec: ConvSpec, v: Variant, prm: Params, sanitize: bool
         return int(not res.ok)
     inputs = pass_inputs(spec, np.random.default_rng(0))
     bufs = {k: be.upload(to_storage(a, spec.dtype)) for k, a in inputs.items()}
-    bufs["y"] = be.empty(spec.itemsize * spec.n * spec.k * spec.p * spec.q)
+    bufs[spec.output] = be.empty(spec.itemsize * int(np.prod(spec.shape_of(spec.output))))
     for _ in range(3):
         exe(bufs)
     ms = statistics.median(be.time_ms(lambda: exe(bufs), 15))

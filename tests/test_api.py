@@ -25,7 +25,7 @@ def test_conv2d_numpy_matches_reference(ocl):
 
 
 @pytest.mark.parametrize("mutate, message", [
-    (lambda x, w: (x.astype(np.float64), w), r"input dtype \(float64\) must be float32"),
+    (lambda x, w: (x.astype(np.float64), w), r"input dtype \(float64\) must be one of float32, float16"),
     (lambda x, w: (x[0], w), r"input must have rank 4"),
     (lambda x, w: (x, w[:, :2]), r"channel mismatch: input has C=3, weights have C=2"),
     (lambda x, w: (x.transpose(0, 1, 3, 2), w), r"unsupported layout"),

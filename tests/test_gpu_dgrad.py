@@ -1,7 +1,7 @@
 """GPU tier of dgrad: every dgrad variant with a CUDA form (the tensor-core adapters included) on the
 device against the float64 reference, on odd shapes and real ResNet layers, sampled tuning points;
 and dx against PyTorch's own gradient. Skipped (with the reason shown) without a CUDA device:
-scripts/gpu-dgrad runs it, then times every variant (scripts/gpu_dgrad.py)."""
+scripts/gpu-check runs it; `convforge bench --pass dgrad` times the variants against cuDNN-best."""
 
 from __future__ import annotations
 

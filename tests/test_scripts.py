@@ -23,11 +23,9 @@ ENV = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT / 'tests'}"
 # needs at import is missing), "bash" (bash -n here; it runs on the GPU machine), or the test that runs it.
 SCRIPTS = {
     "benchmarks_md.py": "tests/test_bench.py::test_benchmarks_md_one_table_per_class",
-    "gpu-ab": "bash", "gpu-check": "bash", "gpu-dgrad": "bash", "gpu-final": "bash", "gpu-multi": "bash",
+    "gpu-ab": "bash", "gpu-check": "bash", "gpu-final": "bash", "gpu-multi": "bash",
     "gpu-ncu": "bash", "gpu-opencl-setup": "bash",
-    "gpu_dgrad.py": "help (scripts/gpu-dgrad runs it for its timings)",
     "gpu_variants.py": "help (scripts/gpu-check runs it under compute-sanitizer and for its timings)",
-    "gpu_wgrad.py": "help (the GPU machine runs it: docs/NOTES-wgrad.md)",
     "host_cost.py": "help (scripts/gpu-final check runs it)",
     "lint": "bash (and .ci/run runs it)",
     "multi_compare.py": "help (scripts/gpu-multi runs it)",

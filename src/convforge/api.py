@@ -43,16 +43,17 @@ _SPECS: dict[tuple[Any, ...], ConvSpec] = {}
 
 
 def _spec(x_shape: tuple[int, ...], w_shape: tuple[int, ...], stride: Any, padding: Any,
-          dilation: Any, groups: Any = 1) -> ConvSpec:
+          dilation: Any, groups: Any = 1, dtype: str = "float32") -> ConvSpec:
     """ConvSpec.from_shapes, remembered for arguments that are plain ints or tuples of them (it
     runs on every call). Only those: True, 1.0 or (True, 0) equal 1 and (1, 0) as keys, so they
     would find a spec without being checked."""
     if not (_plain(stride) and _plain(padding) and _plain(dilation) and type(groups) is int):
-        return ConvSpec.from_shapes(x_shape, w_shape, stride, padding, dilation, groups)  # lists, NumPy ints, ...
-    key = (x_shape, w_shape, stride, padding, dilation, groups)
+        return ConvSpec.from_shapes(x_shape, w_shape, stride, padding, dilation, groups,  # lists, NumPy ints, ...
+                                    dtype=dtype)
+    key = (x_shape, w_shape, stride, padding, dilation, groups, dtype)
     spec = _SPECS.get(key)
     if spec is None:
-        spec = _SPECS[key] = ConvSpec.from_shapes(x_shape, w_shape, stride, padding, dilation, groups)
+        spec = _SPECS[key] = ConvSpec.from_shapes(x_shape, w_shape, stride, padding, dilation, groups, dtype=dtype)
     return spec
 
 
@@ -81,14 +82,30 @@ def _options(relu: Any, workspace_limit: Any, precision: Any, max_error: Any) ->
     return bool(relu), workspace_limit
 
 
-def _check_array(a: Any, what: str, rank: int) -> None:
+# The storage dtypes each kind of array brings (NumPy and CuPy have no bfloat16).
+ARRAY_DTYPES = {"numpy": ("float32", "float16"), "cupy": ("float32", "float16"),
+                "torch": ("float32", "float16", "bfloat16")}
+
+
+def _check_array(a: Any, what: str, rank: int, kind: str | None = None) -> str:
+    """The array's dtype name, after checking its rank and that ``kind`` arrays of it run (None:
+    float32 only, for callers whose plans are float32: the backward passes of grad.py)."""
     if isinstance(a, np.ndarray) and a.ndim == rank and a.dtype == np.float32:
-        return  # the common case, quickly
+        return "float32"  # the common case, quickly
     if len(a.shape) != rank:
         raise ValueError(f"{what} must have rank {rank}, got shape {tuple(a.shape)}")
     dtype = str(a.dtype).replace("torch.", "")
-    if dtype != "float32":
-        raise ValueError(f"{what} dtype ({dtype}) must be float32")
+    allowed = ARRAY_DTYPES[kind] if kind is not None else ("float32",)
+    if dtype not in allowed:
+        raise ValueError(f"{what} dtype ({dtype}) must be {'one of ' if len(allowed) > 1 else ''}"
+                         f"{', '.join(allowed)}" + (f" for {kind} arrays" if kind else ""))
+    return dtype
+
+
+def _same_dtype(dtype: str, other: str, what: str) -> None:
+    if other != dtype:
+        raise ValueError(f"{what} dtype ({other}) must equal the input's ({dtype}): input, weights and "
+                         "bias share one dtype")
 
 
 def _check_layout(a: Any, what: str, rank: int) -> None:
@@ -203,8 +220,9 @@ def conv2d(x: Any, w: Any, bias: Any = None, stride: int | Sequence[int] = 1,
            backend: str | None = None, workspace_limit: int | None = None, relu: bool = False,
            params: Params | dict[str, Any] | None = None, precision: str | None = None,
            max_error: float | None = None, groups: int = 1) -> Any:
-    """Convolve NCHW ``x`` with KCRS ``w`` (float32; ``groups`` > 1: w is K x C/groups x R x S, as
-    PyTorch's, groups == C a depthwise layer). NumPy input runs on OpenCL and returns NumPy;
+    """Convolve NCHW ``x`` with KCRS ``w`` (float32, float16, or bfloat16 torch tensors: x, w and bias
+    of one dtype, the output of it too, accumulation in float32; ``groups`` > 1: w is K x C/groups x R
+    x S, as PyTorch's, groups == C a depthwise layer). NumPy input runs on OpenCL and returns NumPy;
     CuPy arrays and torch CUDA tensors run on CUDA on the caller's current stream and return the
     same type on the same device. ``algo`` is 'auto', a family or a variant name; ``precision``
     ('fp32' | 'relaxed') and ``max_error`` bound what 'auto' may pick (default: ``config``).
@@ -263,15 +281,15 @@ def _conv2d(x: Any, w: Any, bias: Any, stride: Any, padding: Any, dilation: Any,
     kind = _kind(x, "input")
     if _kind(w, "weights") != kind:
         raise ValueError("input and weights must be the same kind of array")
-    _check_array(x, "input", 4)
-    _check_array(w, "weights", 4)
-    spec = _spec(tuple(x.shape), tuple(w.shape), stride, padding, dilation, groups)
+    dtype = _check_array(x, "input", 4, kind)
+    _same_dtype(dtype, _check_array(w, "weights", 4, kind), "weights")
+    spec = _spec(tuple(x.shape), tuple(w.shape), stride, padding, dilation, groups, dtype)
     _check_layout(x, "input", 4)
     _check_layout(w, "weights", 4)
     if bias is not None:
         if _kind(bias, "bias") != kind:
             raise ValueError("bias must be the same kind of array as the input")
-        _check_array(bias, "bias", 1)
+        _same_dtype(dtype, _check_array(bias, "bias", 1, kind), "bias")
         _check_layout(bias, "bias", 1)
         if bias.shape[0] != spec.k:
             raise ValueError(f"bias has {bias.shape[0]} entries, weights have K={spec.k}")
@@ -356,7 +374,8 @@ def run_host(be: Backend, exe: Executable, inputs: dict[str, Any]) -> np.ndarray
     bufs = {name: be.upload(a) for name, a in inputs.items() if a is not None}
     bufs[out] = be.empty(spec.itemsize * int(np.prod(shape)))
     exe(bufs)
-    return be.download(bufs[out], shape, spec.dtype)
+    got = be.download(bufs[out], shape, spec.dtype)
+    return got.astype(np.float16) if spec.dtype == "float16" else got  # exact: the kernel stored float16
 
 
 def default_backend() -> str:

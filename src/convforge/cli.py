@@ -14,6 +14,34 @@ from convforge.params import Params
 from convforge.spec import PASSES, ConvSpec, parse_pass
 
 SPEC_HELP = "layer, e.g. 'N=1,C=3,H=13,W=13,K=8,R=3,S=3,stride=1,pad=1' (pad: 1, 1x2 or 0x1x1x0)"
+DTYPE_HELP = ("storage dtype of activations and weights: fp32 (default), fp16 or bf16 (half storage, FP32 "
+              "accumulation; errors against float64 on the same half inputs)")
+SHORT_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+
+def dtype_arg(text: str) -> str:
+    """argparse ``type`` of ``--dtype``: the canonical dtype name (fp32, fp16, bf16 and their long names)."""
+    from convforge.spec import parse_dtype
+
+    try:
+        return parse_dtype(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def with_dtype(spec: ConvSpec, dtype: str | None) -> ConvSpec:
+    """``spec`` stored as ``dtype`` (--dtype); a spec text naming another dtype is an error."""
+    import dataclasses
+
+    if dtype is None or dtype == spec.dtype:
+        return spec
+    if spec.dtype != "float32":
+        raise ValueError(f"--dtype ({dtype}) contradicts the spec's dtype ({spec.dtype})")
+    return dataclasses.replace(spec, dtype=dtype)
+
+
+def add_dtype_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", type=dtype_arg, metavar="{fp32,fp16,bf16}", help=DTYPE_HELP)
 PASS_HELP = ("the layer's pass: fprop (forward), dgrad (bprop: the gradient of the input) or wgrad (update: the "
              "gradient of the filters); default: the --spec's own (pass=...), else fprop")
 
@@ -97,7 +125,7 @@ def _device_for(backend: str):  # type: ignore[no-untyped-def]
 def cmd_algos(args: argparse.Namespace) -> int:
     """Variants that apply to a layer in each pass asked for, with their default parameters and space size."""
     dev = _device_for(args.backend)
-    for spec in spec_passes(ConvSpec.parse(args.spec), args.conv_pass):
+    for spec in spec_passes(with_dtype(ConvSpec.parse(args.spec), args.dtype), args.conv_pass):
         _print_algos(spec, dev)
     return 0
 
@@ -133,7 +161,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     from convforge import kernels
     from convforge.plan import Epilogue
 
-    spec = spec_passes(ConvSpec.parse(args.spec), args.conv_pass)[0]
+    spec = spec_passes(with_dtype(ConvSpec.parse(args.spec), args.dtype), args.conv_pass)[0]
     variant = kernels.get_variant(args.variant or _show_default(spec))
     backends = ["cuda", "opencl"] if args.backend == "both" else [args.backend]
     for be in backends:
@@ -254,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=tuple(PRECISIONS), help=PRECISION_HELP)
     p.add_argument("--max-error", type=max_error_arg, metavar="E", help=MAX_ERROR_HELP)
     add_pass_option(p, allow_all=True)
+    add_dtype_argument(p)
     p.set_defaults(func=cmd_algos)
     p = sub.add_parser("show", help="print generated kernel source")
     p.add_argument("--spec", required=True, help=SPEC_HELP)
@@ -264,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bias", action="store_true")
     p.add_argument("--relu", action="store_true")
     p.add_argument("--ptxas", action="store_true", help="also compile with nvcc and print registers/spills")
+    add_dtype_argument(p)
     p.set_defaults(func=cmd_show)
     _add_optional(sub, "bench", "convforge.bench.command", "add_arguments", "main",
                   "benchmark suites against cuDNN-best")

@@ -46,6 +46,22 @@ def nan_bits(dtype: str) -> np.ndarray:
     return to_storage(np.array([np.nan], np.float32), dtype)
 
 
+# The relative L2 error that rounding the output to a half dtype alone costs is about u / sqrt(3)
+# (unit roundoff u = 2^-11 for float16, 2^-8 for bfloat16) plus the rounded inputs' share: a plan
+# storing half is checked at about 2u (FP32 accumulation keeps the arithmetic's share far below).
+HALF_TOLERANCE = {"float16": 1e-3, "bfloat16": 8e-3}
+
+
+# The typical relative L2 error of rounding outputs to the dtype, u / sqrt(3): what a half plan's
+# stated error cannot be below (a max_error under it admits no half variant).
+HALF_ROUNDING = {"float16": 2.0**-11 / 3**0.5, "bfloat16": 2.0**-8 / 3**0.5}
+
+
+def dtype_tolerance(dtype: str) -> float:
+    """The least check tolerance of a plan that stores ``dtype`` (0 for float32: its variant's own)."""
+    return HALF_TOLERANCE.get(dtype, 0.0)
+
+
 def host_dtype(array: np.ndarray) -> np.dtype:
     """The dtype an uploaded array keeps: float16 and uint16 (bfloat16 bits) as they are, else float32."""
     dt = np.asarray(array).dtype

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from convforge.codegen.dialect import Dim3, Kernel
+from convforge.codegen.dialect import FLOAT32, Dim3, Kernel, Storage
 from convforge.codegen.render import render
+from convforge.dtypes import dtype_tolerance
 from convforge.params import Params
 from convforge.spec import ConvSpec
 
@@ -96,17 +97,19 @@ class Epilogue:
             raise ValueError(f"unsupported epilogue: channel offset {self.k_offset} of {self.k_total} "
                              f"{'with a residual' if self.residual else ''}")
 
-    def apply(self, acc: str, k: str, index: str | None = None, offset_done: bool = False) -> str:
+    def apply(self, acc: str, k: str, index: str | None = None, offset_done: bool = False,
+              storage: Storage = FLOAT32) -> str:
         """Expression of the stored value given accumulator ``acc`` for channel ``k``; ``index``
         is the output element's index (read from ``res`` when the epilogue has a residual);
-        ``offset_done`` says the caller's store path writes at the channel offset."""
+        ``offset_done`` says the caller's store path writes at the channel offset; ``storage``:
+        how bias and res are stored (the conv's dtype)."""
         if self.k_total and not offset_done:
             raise ValueError("unsupported epilogue: this store path cannot write at a channel offset")
-        expr = f"{acc} + bias[{k}]" if self.bias else acc
+        expr = f"{acc} + {storage.load('bias', k)}" if self.bias else acc
         if self.residual:
             if index is None:
                 raise ValueError("unsupported epilogue: this store path does not give the residual's index")
-            expr = f"{expr} + res[{index}]"
+            expr = f"{expr} + {storage.load('res', index)}"
         return f"RELU({expr})" if self.relu else expr
 
     def tag(self) -> str:
@@ -184,6 +187,12 @@ class Plan:
     epilogue: Epilogue = field(default_factory=Epilogue)
     index_bits: int = 32  # width of the element offsets its kernels compute (64: a layer past 2^31 - 1)
     prologue: Prologue = field(default_factory=Prologue)
+
+    def __post_init__(self) -> None:
+        # a plan storing half precision is judged at least at its dtype's rounding (dtypes.py)
+        floor = dtype_tolerance(self.spec.dtype)
+        if self.tolerance < floor:
+            object.__setattr__(self, "tolerance", floor)
 
     @property
     def workspace_bytes(self) -> int:

@@ -145,7 +145,8 @@ class Backend(ABC):
         """The first prod(shape) elements of ``buf``, stored as ``dtype``, as a float32 array."""
 
     def write(self, buf: Any, array: np.ndarray) -> None:
-        """Copy a host float32 array into the start of an existing buffer."""
+        """Copy a host array into the start of an existing buffer: float16 and uint16 (bfloat16
+        bits) as they are, anything else as float32."""
         raise NotImplementedError(f"the {self.name} back-end cannot write into a buffer")
 
     @abstractmethod

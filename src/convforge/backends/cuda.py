@@ -247,9 +247,9 @@ class CudaBackend(Backend):
         return replay
 
     def write(self, buf: Any, array: np.ndarray) -> None:
-        arr = np.ascontiguousarray(array, dtype=np.float32).ravel()
+        arr = np.ascontiguousarray(array, dtype=host_dtype(array)).ravel()
         with self._device():
-            buf.ravel()[: arr.size].set(arr, stream=self._stream())
+            buf.ravel().view(arr.dtype)[: arr.size].set(arr, stream=self._stream())
 
     def time_ms(self, fn: Callable[[], None], repeats: int) -> list[float]:
         # Calls are queued back to back and synchronised once, so host-side launch work overlaps
@@ -506,7 +506,7 @@ def _view(ptr: int, nbytes: int, device: int) -> Any:
 def torch_runner(exe: CudaExecutable, device: int) -> Callable[..., Any]:
     """``run(x, w, bias, derived=None, res=None, pro=None) -> y`` for torch CUDA tensors (x, w, bias
     validated by the caller; ``res``, the residual of a plan whose epilogue adds one, is checked
-    here: the output's shape, else ValueError; made contiguous float32 on x's device if it is not;
+    here: the output's shape, else ValueError; made contiguous, of x's dtype, on x's device if it is not;
     ``pro``, the (pscale, pshift) of a plan whose prologue is affine: contiguous float32 tensors of
     C values on x's device, the caller's to ensure).
 
@@ -638,7 +638,7 @@ def torch_pass_runner(exe: CudaExecutable, device: int) -> Callable[..., Any]:
 
 
 def _torch_residual(res: Any, x: Any, shape: tuple[int, ...], needed: bool) -> Any:
-    """``res`` as the epilogue reads it: contiguous, float32, 16-byte aligned, on x's device."""
+    """``res`` as the epilogue reads it: contiguous, of x's dtype, 16-byte aligned, on x's device."""
     import torch
 
     if not needed:
@@ -648,8 +648,8 @@ def _torch_residual(res: Any, x: Any, shape: tuple[int, ...], needed: bool) -> A
         raise ValueError(f"this plan adds a residual in its epilogue: pass res (a tensor of shape {shape})")
     if tuple(res.shape) != shape:
         raise ValueError(f"res shape {tuple(res.shape)} must equal the output's shape {shape}")
-    if res.dtype != torch.float32 or res.device != x.device or not res.is_contiguous():
-        res = res.to(device=x.device, dtype=torch.float32).contiguous()  # .to alone keeps a strided self
+    if res.dtype != x.dtype or res.device != x.device or not res.is_contiguous():
+        res = res.to(device=x.device, dtype=x.dtype).contiguous()  # .to alone keeps a strided self
     if res.data_ptr() & 15:
         res = torch.empty_like(res).copy_(res)
     return res
@@ -687,6 +687,7 @@ def cupy_runner(exe: CudaExecutable, device: int) -> Callable[..., Any]:
     exe.reserve(int(current().ptr))
     shape, launch, dev = exe.plan.spec.y_shape, exe.launch_raw, cp.cuda.Device(device)
     multi = _driver().multi_gpu
+    ydt = storage_dtype(exe.plan.spec.dtype)  # float32 or float16 (CuPy has no bfloat16)
 
     def run(x: Any, w: Any, bias: Any = None, derived: Any = None) -> Any:
         xp, wp = x.data.ptr, w.data.ptr
@@ -698,9 +699,9 @@ def cupy_runner(exe: CudaExecutable, device: int) -> Callable[..., Any]:
             wp = w.data.ptr
         if multi:
             with dev:
-                y = cp.empty(shape, cp.float32)
+                y = cp.empty(shape, ydt)
         else:
-            y = cp.empty(shape, cp.float32)
+            y = cp.empty(shape, ydt)
         launch(xp, wp, y.data.ptr, 0 if bias is None else bias.data.ptr, current().ptr)
         return y
 

@@ -122,7 +122,7 @@ class OpenCLBackend(Backend):
         return from_storage(out, dtype)
 
     def write(self, buf: Any, array: np.ndarray) -> None:
-        cl.enqueue_copy(self.queue, buf, np.ascontiguousarray(array, dtype=np.float32))
+        cl.enqueue_copy(self.queue, buf, np.ascontiguousarray(array, dtype=host_dtype(array)))
 
     def nbytes(self, buf: Any) -> int:
         return int(buf.size)

@@ -1,7 +1,11 @@
 """Baselines, one per precision class: cuDNN-best FP32 (PyTorch's pick with TF32 off and every legacy
 cuDNN forward algorithm with FMA math) for the fp32 class, cuDNN-best TF32 (PyTorch's pick with TF32
 allowed and every legacy algorithm with default math) for the relaxed class; im2col+cuBLAS and PyTorch
-FP16 channels-last as labelled context; PyTorch on the CPU (FP32, there is no TF32 there).
+FP16 channels-last as labelled context; PyTorch on the CPU (FP32, there is no TF32 there). A layer
+stored in half precision (``spec.dtype`` float16 / bfloat16) has one baseline whatever the class:
+cuDNN-best of that dtype, the fastest of PyTorch's pick with NCHW and with channels_last and every
+legacy algorithm with tensor-op math and the half data type (NCHW and NHWC), its error against
+float64 on the same half inputs. ``tensor_core_peaks`` measures the tensor-core GEMM ceilings.
 
 Each in the layer's pass: fprop through ``F.conv2d`` and the legacy forward algorithms, dgrad and wgrad
 through ``aten.convolution_backward`` (PyTorch's pick, one gradient asked for) and the legacy backward
@@ -13,6 +17,7 @@ convforge imports and benchmarks without torch, it just reports that no baseline
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import time
@@ -30,6 +35,9 @@ FP32_IMPLS = ("torch-pick",)  # plus every "cudnn:<ALGO>": the candidates of cuD
 TF32_IMPLS = ("torch-tf32",)  # plus every "cudnn-tf32:<ALGO>": the candidates of cuDNN-best TF32
 BEST = {"fp32": "cudnn-best", "relaxed": "cudnn-best-tf32"}  # each class's baseline row
 BASELINE_NAMES = {"fp32": "cuDNN-best FP32", "relaxed": "cuDNN-best TF32"}
+HALF_TAGS = {"float16": "fp16", "bfloat16": "bf16"}  # a half dtype's rows: precision and impl names
+HALF_BEST = {d: f"cudnn-best-{t}" for d, t in HALF_TAGS.items()}  # a half layer's baseline row, any class
+HALF_BASELINE_NAMES = {HALF_BEST[d]: f"cuDNN-best {t.upper()}" for d, t in HALF_TAGS.items()}
 
 
 @dataclass(frozen=True)
@@ -102,7 +110,15 @@ def run(kind: str, spec: ConvSpec, timing: Timing, on_gpu: bool,
     if kind == "cudnn" or (kind == "torch" and on_gpu):
         if not torch.cuda.is_available():
             return [BaselineResult(kind, "-", "fp32", None, status="PyTorch sees no CUDA device")]
+        if spec.dtype != "float32" and spec.conv_pass != "fprop":
+            return [BaselineResult(kind, "-", HALF_TAGS[spec.dtype], None,
+                                   status=f"no {spec.dtype} baseline of {spec.conv_pass} (forward only)")]
+        if spec.dtype != "float32":
+            return _half_baselines(spec, timing, kind == "cudnn")
         return _gpu_baselines(spec, timing, kind == "cudnn", classes)
+    if spec.dtype != "float32":
+        return [BaselineResult("torch-cpu", "-", HALF_TAGS[spec.dtype], None,
+                               status=f"no {spec.dtype} baseline on the CPU")]
     return _cpu_baselines(spec, timing)
 
 
@@ -148,14 +164,19 @@ def _timed(results: list[BaselineResult], pred: Callable[[BaselineResult], bool]
     return next((r for r in results if r.time_ms is not None and pred(r)), None)
 
 
-def for_class(results: list[BaselineResult], precision: str) -> BaselineResult | None:
+def for_class(results: list[BaselineResult], precision: str, dtype: str = "float32") -> BaselineResult | None:
     """The baseline the ``precision`` class's speed-ups are against.
 
     fp32: cuDNN-best FP32, else the first FP32 result with a time (PyTorch's pick, PyTorch on the CPU).
     relaxed: cuDNN-best TF32, else PyTorch's TF32 pick; where no TF32 result exists at all (PyTorch on
-    a CPU, which has no TF32 mode) the FP32 baseline, whose precision the row then names."""
+    a CPU, which has no TF32 mode) the FP32 baseline, whose precision the row then names.
+    A layer stored in ``dtype`` float16 / bfloat16: cuDNN-best of that dtype in every class, else the
+    first timed result of that dtype."""
     if precision not in CLASSES:
         raise ValueError(f"precision ({precision!r}) must be one of {', '.join(CLASSES)}")
+    if dtype in HALF_TAGS:
+        return (_timed(results, lambda r: r.impl == HALF_BEST[dtype])
+                or _timed(results, lambda r: r.precision == HALF_TAGS[dtype]))
     best = _timed(results, lambda r: r.impl == BEST[precision])
     if best is not None or precision == "fp32":
         return best or _timed(results, lambda r: r.precision == "fp32")
@@ -345,6 +366,73 @@ def _gpu_baselines(spec: ConvSpec, timing: Timing, with_cudnn: bool,
     bests = [b for b in (best_fp32(out) if "fp32" in classes else None,
                          best_tf32(out) if "relaxed" in classes else None) if b is not None]
     return bests + out
+
+
+def _half_baselines(spec: ConvSpec, timing: Timing, with_cudnn: bool) -> list[BaselineResult]:
+    """cuDNN-best of a half dtype: PyTorch's pick (cudnn.benchmark) with NCHW and with channels_last
+    tensors and, ``with_cudnn``, every legacy algorithm with tensor-op math on the half data type
+    (NCHW and NHWC); errors against float64 on the same half inputs."""
+    import torch
+
+    from convforge.bench import cudnn
+
+    tag, tdt = HALF_TAGS[spec.dtype], getattr(torch, spec.dtype)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    sets = [((torch.rand(spec.x_shape, device="cuda", generator=gen) * 2 - 1).to(tdt),
+             (torch.rand(spec.w_shape, device="cuda", generator=gen) * 2 - 1).to(tdt)) for _ in range(timing.sets)]
+    cl = [(x.to(memory_format=torch.channels_last), w.to(memory_format=torch.channels_last)) for x, w in sets]
+    args = _conv_args(spec)
+    out: list[BaselineResult] = []
+    with torch_flags() as set_flags:
+        set_flags(tf32=False, benchmark=False)
+        ref = torch.nn.functional.conv2d(sets[0][0].double(), sets[0][1].double(), **args)
+        set_flags(tf32=False)
+        out.append(_torch_variant(f"torch-{tag}", "cudnn.benchmark pick, NCHW", tag, spec, sets, ref, timing))
+        out.append(_torch_variant(f"torch-{tag}-cl", "cudnn.benchmark pick, channels_last", tag, spec, cl, ref,
+                                  timing))
+        if with_cudnn:
+            out += cudnn.all_algorithms(spec, sets, ref, timing, math="tensor_op", dtype=spec.dtype)
+            out += cudnn.all_algorithms(spec, cl, ref, timing, math="tensor_op", dtype=spec.dtype, layout="nhwc")
+    best = best_half(out, spec.dtype)
+    return ([best] if best is not None else []) + out
+
+
+def best_half(results: list[BaselineResult], dtype: str) -> BaselineResult | None:
+    """cuDNN-best of ``dtype``: the fastest timed row of that dtype (PyTorch's picks and the legacy
+    algorithms), named ``cudnn-best-fp16`` / ``cudnn-best-bf16``; None without a cuDNN row."""
+    tag = HALF_TAGS[dtype]
+    if not any(r.impl.startswith(f"cudnn-{tag}") for r in results):
+        return None
+    cands = [r for r in results if r.time_ms is not None and r.precision == tag]
+    if not cands:
+        return None
+    win = min(cands, key=lambda r: r.time_ms or 0.0)
+    algo = win.impl.split(":", 1)[1] + (" (NHWC)" if "-nhwc:" in win.impl else "") if ":" in win.impl else win.algo
+    return BaselineResult(HALF_BEST[dtype], algo, tag, win.time_ms, win.workspace_bytes, win.rel_err)
+
+
+def tensor_core_peaks(quick: bool = False) -> dict[str, float]:
+    """Tensor-core GEMM ceilings in TFLOPS: torch.matmul (cuBLAS) of two n x n matrices (n = 8192;
+    1024 when ``quick``) in float16, bfloat16 and float32 with TF32, FP32 accumulation, the median of
+    10 calls after warm-up; empty where torch sees no GPU. TF32 flags are restored afterwards."""
+    if not torch_available():
+        return {}
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    n = 1024 if quick else 8192
+    out: dict[str, float] = {}
+    timing = Timing(warmup=2, repeats=3 if quick else 10, sets=1)
+    with torch_flags() as set_flags:
+        for key, dt, tf32 in (("float16", torch.float16, False), ("bfloat16", torch.bfloat16, False),
+                              ("tf32", torch.float32, True)):
+            set_flags(tf32=tf32)
+            a, b = (torch.randn(n, n, device="cuda", dtype=dt) for _ in range(2))
+            ms = _time_cuda(functools.partial(torch.matmul, a, b), timing)
+            out[key] = 2.0 * n ** 3 / (ms * 1e-3) / 1e12
+            del a, b
+    return out
 
 
 def _cpu_baselines(spec: ConvSpec, timing: Timing) -> list[BaselineResult]:

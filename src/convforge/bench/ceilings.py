@@ -1,13 +1,15 @@
-"""Measured ceilings: FP32 FFMA throughput and device copy bandwidth.
+"""Measured ceilings: FP32 FFMA throughput and device copy bandwidth, and on CUDA the tensor cores'.
 
-Both are generated kernels in the dialect, wrapped in Plans and run through the back-end like any
-convolution, so "% of peak" is against what this device does today, not a datasheet.
+The first two are generated kernels in the dialect, wrapped in Plans and run through the back-end like
+any convolution, so "% of peak" is against what this device does today, not a datasheet. The
+tensor-core ceilings (FP16, BF16, TF32: a large cuBLAS GEMM through torch.matmul, FP32 accumulation)
+are measured once per run where torch sees the GPU (``baselines.tensor_core_peaks``).
 """
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -32,13 +34,24 @@ class Ceilings:
     copy_gbs: float
     ffma_threads: int = 0
     copy_bytes: int = 0
+    # tensor-core GEMM TFLOPS by math: "float16", "bfloat16", "tf32" (empty: not measured here)
+    tc_tflops: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def tc_peak(self, dtype: str, precision: str = "fp32") -> float | None:
+        """The tensor-core ceiling a row is measured against: its half dtype's, TF32's for a float32
+        row of the relaxed class; None for FP32 math (the FFMA ceiling) or when not measured."""
+        key = dtype if dtype != "float32" else ("tf32" if precision == "relaxed" else "")
+        return self.tc_tflops.get(key)
+
     def __str__(self) -> str:
+        tc = ", ".join(f"{k.replace('float16', 'FP16').replace('bfloat16', 'BF16').upper()} {v:.4g}"
+                       for k, v in self.tc_tflops.items())
         return (f"measured FP32 FFMA {self.ffma_tflops:.4g} TFLOPS, "
-                f"copy bandwidth {self.copy_gbs:.4g} GB/s (read + write)")
+                f"copy bandwidth {self.copy_gbs:.4g} GB/s (read + write)"
+                + (f", tensor-core GEMM (cuBLAS, FP32 accumulation) {tc} TFLOPS" if tc else ""))
 
 
 def ffma_kernel(iters: int, block: int) -> Kernel:
@@ -110,11 +123,17 @@ def measure_copy(be: Backend, warmup: int = 2, repeats: int = 5,
 
 
 def measure(be: Backend, quick: bool = False) -> Ceilings:
-    """Both ceilings; ``quick`` uses tiny sizes (tests, CPU smoke runs)."""
+    """Every ceiling; ``quick`` uses tiny sizes (tests, CPU smoke runs). The tensor-core ones only on
+    the CUDA back-end where torch sees a GPU."""
     if quick:
         tf, threads = measure_ffma(be, 1, 3, blocks=2, iters=16)
         gbs, size = measure_copy(be, 1, 3, nbytes=1 << 20)
     else:
         tf, threads = measure_ffma(be)
         gbs, size = measure_copy(be)
-    return Ceilings(tf, gbs, threads, size)
+    tc: dict[str, float] = {}
+    if be.name == "cuda":
+        from convforge.bench.baselines import tensor_core_peaks
+
+        tc = tensor_core_peaks(quick)
+    return Ceilings(tf, gbs, threads, size, tc)

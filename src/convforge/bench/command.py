@@ -63,6 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --model: calibrate the fused model first (convforge.torch.calibrate): the "
                         "fewest layers set to max_error=1e-6 that bring its output error within R x PyTorch's, "
                         "on a separate random input")
+    parser.add_argument("--dtype", type=_dtype_arg, metavar="{fp32,fp16,bf16}",
+                        help="storage dtype of the layers (half: FP32 accumulation; baseline cuDNN-best of that "
+                        "dtype, errors against float64 on the same half inputs); with --model: the model in "
+                        "that dtype against PyTorch autocast with channels_last")
     from convforge.cli import add_pass_option
 
     add_pass_option(parser, allow_all=True, extra=" (--suite): each pass against cuDNN-best of that pass")
@@ -84,6 +88,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="time one variant in its ablation configurations instead "
                         "(im2win: all on / no prefetch+double buffer / no vector loads / "
                         "no micro-kernel); no baseline unless --baseline is given")
+
+
+def _dtype_arg(text: str) -> str:
+    from convforge.cli import dtype_arg
+
+    return dtype_arg(text)
+
+
+def _with_dtype(layers: list[Layer], dtype: str | None) -> list[Layer]:
+    """The suite's layers stored as ``--dtype`` (a layer naming another dtype is an error)."""
+    import dataclasses
+
+    from convforge.cli import with_dtype
+
+    try:
+        return [dataclasses.replace(la, spec=with_dtype(la.spec, dtype)) for la in layers]
+    except ValueError as err:
+        raise SuiteError(str(err)) from None
 
 
 def _budget_arg(text: str) -> float:
@@ -142,6 +164,8 @@ def _run_models(args: argparse.Namespace, console: Console) -> int:
     if getattr(args, "train", False):
         if budget is not None:
             raise SuiteError("--error-budget calibrates inference; it does not go with --train")
+        if (getattr(args, "dtype", None) or "float32") != "float32":
+            raise SuiteError("--train times float32 training (PyTorch FP32/TF32); it does not go with --dtype")
         if getattr(args, "devices", None) is not None:
             from convforge.bench import ddp
 
@@ -151,6 +175,11 @@ def _run_models(args: argparse.Namespace, console: Console) -> int:
         return training.run(args.model, args.out, args.warmup, args.repeats, console, opts,
                             classes=precisions(args.precision_classes), tune=args.tune)
     extra = {} if budget is None else {"error_budget": budget}
+    dtype = getattr(args, "dtype", None) or "float32"
+    if dtype != "float32":
+        if budget is not None:
+            raise SuiteError("--error-budget calibrates float32 models; it does not go with --dtype")
+        extra = {"dtype": dtype}
     return models.run(args.model, args.out, args.warmup, args.repeats, console, opts,
                       classes=precisions(args.precision_classes), tune=args.tune, **extra)
 
@@ -193,7 +222,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         if getattr(args, "conv_pass", None) not in (None, "fprop"):
             raise SuiteError("--ablation times forward variants; it does not go with --pass")
         return _run_ablation(args, console)
-    layers = layer_passes(load_suite(args.suite, args.limit), getattr(args, "conv_pass", None))
+    layers = layer_passes(_with_dtype(load_suite(args.suite, args.limit), getattr(args, "dtype", None)),
+                          getattr(args, "conv_pass", None))
     bes = _backends(args)
     kind = _baseline_kind(args, bes)
     env = runner.environment(bes, kind)
@@ -252,7 +282,7 @@ def layer_passes(layers: list[Layer], choice: str | None) -> list[Layer]:
 def _run_sweep(args: argparse.Namespace, console: Console) -> int:
     """``--sweep``: the points of each ``--algo`` variant's space on every layer, in one precision class
     (relaxed when ``--precision`` names it, so families admit their relaxed variants)."""
-    layers = load_suite(args.suite, args.limit)
+    layers = layer_passes(load_suite(args.suite, args.limit), getattr(args, "conv_pass", None))
     be = _backends(args)[0]
     env = runner.environment([be], "none")
     report.print_header(console, env, args.suite, len(layers))
@@ -262,7 +292,7 @@ def _run_sweep(args: argparse.Namespace, console: Console) -> int:
 
 def _run_ablation(args: argparse.Namespace, console: Console) -> int:
     """``--ablation NAME``: every layer of the suite in each configuration, one row each."""
-    layers = load_suite(args.suite, args.limit)
+    layers = layer_passes(load_suite(args.suite, args.limit), getattr(args, "conv_pass", None))
     be = _backends(args)[0]
     kind = args.baseline or "none"
     env = runner.environment([be], kind)

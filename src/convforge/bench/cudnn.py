@@ -3,9 +3,11 @@
 
 Every algorithm of the layer's pass is tried with FP32 data, in FMA math (no tensor cores: the
 fp32 class's cuDNN-best) or in default math (tensor cores and TF32 permitted, as PyTorch runs cuDNN
-with ``allow_tf32``: the relaxed class's cuDNN-best TF32); NOT_SUPPORTED ones are reported with
-their status. Buffers and workspace are torch allocations; times are torch.cuda events on torch's
-current stream. Imported only by ``baselines`` when torch and a CUDA device exist.
+with ``allow_tf32``: the relaxed class's cuDNN-best TF32), or with FP16 / BF16 data in tensor-op math
+(FP32 accumulation: the compute type stays FLOAT, cuDNN's pseudo-half configuration; NCHW or NHWC
+tensors: a half layer's cuDNN-best); NOT_SUPPORTED ones are reported with their status. Buffers and
+workspace are torch allocations; times are torch.cuda events on torch's current stream. Imported only
+by ``baselines`` when torch and a CUDA device exist.
 """
 
 from __future__ import annotations
@@ -35,10 +37,22 @@ _ENTRY = {"fprop": ("cudnnGetConvolutionForwardWorkspaceSize", "cudnnConvolution
           "dgrad": ("cudnnGetConvolutionBackwardDataWorkspaceSize", "cudnnConvolutionBackwardData"),
           "wgrad": ("cudnnGetConvolutionBackwardFilterWorkspaceSize", "cudnnConvolutionBackwardFilter")}
 _FLOAT, _NCHW, _CROSS_CORRELATION = 0, 0, 1
+_NHWC = 1
+_DATA_TYPES = {"float32": 0, "float16": 2, "bfloat16": 9}  # cudnnDataType_t FLOAT, HALF, BFLOAT16
 # cudnnMathType_t (cuDNN 9 legacy API): DEFAULT 0 (tensor cores, TF32 for FP32 data, permitted),
 # TENSOR_OP 1, TENSOR_OP_ALLOW_CONVERSION 2 (FP32 data converted to FP16: not a TF32 figure), FMA 3.
-_DEFAULT_MATH, _FMA_MATH = 0, 3
+_DEFAULT_MATH, _TENSOR_OP_MATH, _FMA_MATH = 0, 1, 3
 MATHS = {"fma": ("cudnn:", "fp32"), "default": ("cudnn-tf32:", "tf32")}  # math -> (impl prefix, precision)
+_HALF_TAGS = {"float16": "fp16", "bfloat16": "bf16"}
+
+
+def _names(math: str, dtype: str, layout: str) -> tuple[str, str]:
+    """(impl prefix, precision) of rows in ``math`` on ``dtype`` data in ``layout``: e.g.
+    ("cudnn-fp16-nhwc:", "fp16") for tensor-op math on float16."""
+    if math == "tensor_op":
+        tag = _HALF_TAGS[dtype]
+        return f"cudnn-{tag}{'-nhwc' if layout == 'nhwc' else ''}:", tag
+    return MATHS[math]
 _LIBS = ("libcudnn.so.9", "libcudnn_cnn.so.9", "libcudnn_ops.so.9", "libcudnn_graph.so.9")
 
 
@@ -114,11 +128,11 @@ def version() -> str:
 class _Descriptors:
     """x, w, y and convolution descriptors of one layer; destroyed on exit."""
 
-    def __init__(self, api: _Api, math: str = "fma") -> None:
+    def __init__(self, api: _Api, math: str = "fma", dtype: str = "float32", layout: str = "nchw") -> None:
         self.api = api
         self.x, self.y = ctypes.c_void_p(), ctypes.c_void_p()
         self.w, self.conv = ctypes.c_void_p(), ctypes.c_void_p()
-        self.math = math
+        self.math, self.dtype, self.layout = math, dtype, layout
 
     def __enter__(self) -> _Descriptors:
         return self
@@ -129,15 +143,18 @@ class _Descriptors:
         a.check("cudnnCreateTensorDescriptor", ctypes.byref(self.y))
         a.check("cudnnCreateFilterDescriptor", ctypes.byref(self.w))
         a.check("cudnnCreateConvolutionDescriptor", ctypes.byref(self.conv))
-        a.check("cudnnSetTensor4dDescriptor", self.x, v(_NCHW), v(_FLOAT), *map(v, spec.x_shape))
-        a.check("cudnnSetTensor4dDescriptor", self.y, v(_NCHW), v(_FLOAT), *map(v, spec.y_shape))
-        a.check("cudnnSetFilter4dDescriptor", self.w, v(_FLOAT), v(_NCHW), *map(v, spec.w_shape))
+        data, fmt = v(_DATA_TYPES[self.dtype]), v(_NHWC if self.layout == "nhwc" else _NCHW)
+        a.check("cudnnSetTensor4dDescriptor", self.x, fmt, data, *map(v, spec.x_shape))
+        a.check("cudnnSetTensor4dDescriptor", self.y, fmt, data, *map(v, spec.y_shape))
+        a.check("cudnnSetFilter4dDescriptor", self.w, data, fmt, *map(v, spec.w_shape))
         a.check("cudnnSetConvolution2dDescriptor", self.conv, v(spec.pad[0]), v(spec.pad[2]),
                 v(spec.stride[0]), v(spec.stride[1]), v(spec.dilation[0]), v(spec.dilation[1]),
-                v(_CROSS_CORRELATION), v(_FLOAT))
+                v(_CROSS_CORRELATION), v(_FLOAT))  # FP32 accumulation for every data type
         if spec.groups > 1:  # filters of C/groups channels, as PyTorch's grouped convolutions call it
             a.check("cudnnSetConvolutionGroupCount", self.conv, v(spec.groups))
-        if self.math == "default":
+        if self.math == "tensor_op":
+            a.check("cudnnSetConvolutionMathType", self.conv, v(_TENSOR_OP_MATH))
+        elif self.math == "default":
             a.check("cudnnSetConvolutionMathType", self.conv, v(_DEFAULT_MATH))
         elif a("cudnnSetConvolutionMathType", self.conv, v(_FMA_MATH)) != 0:
             a.check("cudnnSetConvolutionMathType", self.conv, v(_DEFAULT_MATH))
@@ -167,7 +184,7 @@ def _one(api: _Api, d: _Descriptors, row: str, algo: int, spec: ConvSpec, sets: 
     rotating over ``sets`` (the pass's two inputs: x, w for fprop; dy, w for dgrad; x, dy for wgrad)."""
     import torch
 
-    prefix, prec = MATHS["default" if d.math == "default" else "fma"]
+    prefix, prec = _names(d.math if d.math in ("default", "tensor_op") else "fma", d.dtype, d.layout)
     name, v = f"{prefix}{row}", ctypes.c_int
     (da, db, dout), query = _descriptors_of(d, spec.conv_pass)
     size_fn, run_fn = _ENTRY[spec.conv_pass]
@@ -176,7 +193,8 @@ def _one(api: _Api, d: _Descriptors, row: str, algo: int, spec: ConvSpec, sets: 
     if status != 0:
         return BaselineResult(name, row, prec, None, status=api.error(status))
     work = torch.empty(max(ws.value, 1), dtype=torch.uint8, device="cuda")
-    out = torch.empty(spec.shape_of(spec.output), dtype=torch.float32, device="cuda")
+    fmt = torch.channels_last if d.layout == "nhwc" else torch.contiguous_format
+    out = torch.empty(spec.shape_of(spec.output), dtype=getattr(torch, d.dtype), device="cuda", memory_format=fmt)
     alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
 
     swap = spec.conv_pass == "dgrad"  # sets hold (dy, w); cudnnConvolutionBackwardData takes (w, dy)
@@ -191,7 +209,7 @@ def _one(api: _Api, d: _Descriptors, row: str, algo: int, spec: ConvSpec, sets: 
     status = call(*sets[0])
     if status != 0:
         return BaselineResult(name, row, prec, None, ws.value, status=api.error(status))
-    err = _rel_err(out, ref)
+    err = _rel_err(out.float(), ref)
     it = cycle(sets)
     ms = _time_cuda(lambda: call(*next(it)), timing)
     if d.math == "fma refused":
@@ -201,19 +219,21 @@ def _one(api: _Api, d: _Descriptors, row: str, algo: int, spec: ConvSpec, sets: 
 
 
 def all_algorithms(spec: ConvSpec, sets: list[tuple[Any, Any]], ref: Any, timing: Timing,
-                   math: str = "fma") -> list[BaselineResult]:
+                   math: str = "fma", dtype: str = "float32", layout: str = "nchw") -> list[BaselineResult]:
     """Each legacy algorithm of ``spec``'s pass (8 forward, 6 backward data, 6 backward filter) in
-    ``math`` ("fma": FP32 rows ``cudnn:ALGO``; "default": TF32-permitted rows ``cudnn-tf32:ALGO``),
-    timed, or with the status that stopped it. ``sets``: the pass's two inputs, as ``_one`` takes them."""
+    ``math`` ("fma": FP32 rows ``cudnn:ALGO``; "default": TF32-permitted rows ``cudnn-tf32:ALGO``;
+    "tensor_op": ``dtype`` (float16, bfloat16) rows ``cudnn-fp16:ALGO`` / ``cudnn-fp16-nhwc:ALGO`` on
+    ``layout`` tensors, ``sets`` of that dtype and memory format), timed, or with the status that
+    stopped it. ``sets``: the pass's two inputs, as ``_one`` takes them."""
     import torch
 
-    prefix, prec = MATHS[math]
+    prefix, prec = _names(math, dtype, layout)
     try:
         api = _api()
     except (OSError, AttributeError, RuntimeError) as err:
         return [BaselineResult(f"{prefix}legacy", "-", prec, None, status=f"unavailable: {err}")]
     api.check("cudnnSetStream", _HANDLE, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
-    with _Descriptors(api, math) as d:
+    with _Descriptors(api, math, dtype, layout) as d:
         d.build(spec)
         out = []
         for row, algo in PASS_ALGOS[spec.conv_pass]:

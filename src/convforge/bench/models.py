@@ -448,14 +448,19 @@ def _f(v: float | None, fmt: str) -> str:
 
 def run(specs: list[str], out: str | None, warmup: int | None, repeats: int | None, console: Console,
         options: dict[str, Any], classes: tuple[str, ...] = ("fp32",), tune: bool = False,
-        error_budget: float | None = None) -> int:
+        error_budget: float | None = None, dtype: str = "float32") -> int:
     """``convforge bench --model ...``: exit status 2 on bad input or no GPU, 1 when a run failed;
-    ``error_budget``: calibrate the fused rows first (module docstring)."""
+    ``error_budget``: calibrate the fused rows first (module docstring); ``dtype`` float16 /
+    bfloat16: the half-precision rows of ``bench.half_models`` instead."""
     models = _check_models(specs, console)
     if models is None:
         return 2
     env = environment()
     console.print(" | ".join(f"{k} {v}" for k, v in env.items()))
+    if dtype != "float32":
+        from convforge.bench import half_models
+
+        return half_models.run(models, out, warmup, repeats, console, options, classes[0], dtype, tune, env)
     notes = [NOTE, CLASS_NOTE, TUNED_NOTE if tune else UNTUNED_NOTE]
     notes += [] if error_budget is None else [BUDGET_NOTE.format(r=error_budget)]
     extra = {} if error_budget is None else {"error_budget": error_budget}
@@ -505,7 +510,8 @@ def _check_models(specs: list[str], console: Console) -> list[tuple[str, int]] |
     return models
 
 
-def tune_models(specs: list[str], console: Console, budget: Any = None, how: Any = None, args: Any = None) -> int:
+def tune_models(specs: list[str], console: Console, budget: Any = None, how: Any = None, args: Any = None,
+                dtype: str = "float32") -> int:
     """``convforge tune --model NAME[:BATCH]``: run each model once, converted (and fused, when
     ``convforge.torch.fuse`` exists), with ``config.autotune`` on in ``config.precision``'s class, so
     dispatch tunes every conv with its real epilogue into the database; print what each chose.
@@ -513,11 +519,15 @@ def tune_models(specs: list[str], console: Console, budget: Any = None, how: Any
     1: a model could not be built or a layer fell back to the heuristic (its tuning failed).
     ``how`` (tune/parallel.py; ``args``: the command's): the layers are first found
     (:func:`discover`), tuned on several devices or torchrun ranks, then the models run as above,
-    which finds them in the database (and tunes whatever the discovery missed)."""
+    which finds them in the database (and tunes whatever the discovery missed). ``dtype``: the
+    model cast to float16 / bfloat16 first (its layers tuned in that dtype; one process only)."""
     models = _check_models(specs, console)  # before importing torch: without it, one error line
     if models is None:
         return 2
     if how is not None:
+        if dtype != "float32":
+            console.print("[red]error:[/] tune --model --dtype runs in one process (no --devices / torchrun)")
+            return 2
         return _tune_models_parallel(specs, models, console, budget, how, args)
     import torch
 
@@ -530,7 +540,7 @@ def tune_models(specs: list[str], console: Console, budget: Any = None, how: Any
     tune_pkg.AUTOTUNE_BUDGET = budget or saved
     try:
         for name, batch in models:
-            status = max(status, _tune_model(name, batch, console))
+            status = max(status, _tune_model(name, batch, console, dtype=dtype))
     finally:
         tune_pkg.AUTOTUNE_BUDGET = saved
     return status
@@ -671,7 +681,7 @@ def forms() -> list[tuple[str, Callable[..., Any]]]:
     return out
 
 
-def _tune_model(name: str, batch: int, console: Console, autotune: bool = True) -> int:
+def _tune_model(name: str, batch: int, console: Console, autotune: bool = True, dtype: str = "float32") -> int:
     import torch
 
     from convforge.config import config
@@ -684,6 +694,7 @@ def _tune_model(name: str, batch: int, console: Console, autotune: bool = True) 
         return 1
     size = MODELS[name]
     x = torch.randn(batch, 3, size, size, device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
+    model, x = model.to(getattr(torch, dtype)), x.to(getattr(torch, dtype))
     status = 0
     for form, make in forms():
         m = make(copy.deepcopy(model), precision=config.precision)

@@ -14,14 +14,14 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from convforge.bench.baselines import BASELINE_NAMES
+from convforge.bench.baselines import BASELINE_NAMES, HALF_BASELINE_NAMES
 from convforge.bench.ceilings import Ceilings
 from convforge.bench.runner import Row
 
 CSV_FIELDS = ("layer", "index", "pass", "impl", "backend", "algo", "precision", "time_ms", "tflops", "pct_peak",
               "workspace_bytes", "rel_err", "ok", "status", "baseline_impl", "baseline_algo",
               "baseline_ms", "speedup", "baseline_error", "error_ratio", "flops", "min_bytes", "gbs", "pct_copy",
-              "chosen_by", "N", "C", "H", "W", "K", "R", "S", "stride", "pad", "dilation", "groups")
+              "chosen_by", "N", "C", "H", "W", "K", "R", "S", "stride", "pad", "dilation", "groups", "dtype", "pct_tc")
 ENV_FIELDS = ("device", "driver", "platform", "convforge", "torch", "cudnn", "cupy", "pyopencl", "numpy")
 
 
@@ -62,10 +62,17 @@ def classes(rows: list[Row]) -> list[str]:
 
 def class_title(precision: str, rows: list[Row], what: str = "") -> str:
     """'fp32 class vs cuDNN-best FP32 (cudnn-best) — what': every table names its class and baseline."""
-    impls = sorted({r.baseline_impl for r in _convforge(rows, precision) if r.baseline_impl})
-    base = BASELINE_NAMES.get(precision, "?") if any(i.startswith("cudnn-best") for i in impls) else (
-        ", ".join(impls) or "no baseline available")
-    return f"{precision} class vs {base}" + (f" — {what}" if what else "")
+    ours = _convforge(rows, precision)
+    impls = sorted({r.baseline_impl for r in ours if r.baseline_impl})
+    half = [HALF_BASELINE_NAMES[i] for i in impls if i in HALF_BASELINE_NAMES]
+    base = ", ".join(half) if half else BASELINE_NAMES.get(precision, "?") if any(
+        i.startswith("cudnn-best") for i in impls) else (", ".join(impls) or "no baseline available")
+    dtypes = sorted({_dtype(r) for r in ours} - {"float32"})
+    return f"{precision} class{''.join(f', {d}' for d in dtypes)} vs {base}" + (f" — {what}" if what else "")
+
+
+def _dtype(r: Row) -> str:
+    return str(r.spec.get("dtype", "float32"))
 
 
 def grouped_rows(rows: list[Row]) -> bool:
@@ -81,7 +88,7 @@ def layer_table(rows: list[Row], title: str = "", precision: str | None = None) 
     t = Table(title=title or None, show_lines=False)
     memory = grouped_rows(rows)
     cols = [("layer", "left"), ("class", "left"), ("convforge variant", "left"), ("time ms", "right"),
-            ("TFLOPS", "right"), ("% peak", "right")]
+            ("TFLOPS", "right"), ("% peak", "right"), ("% TC peak", "right")]
     cols += [("GB/s", "right"), ("% copy", "right"), ("baseline GB/s", "right")] if memory else []
     cols += [("baseline ms", "right"), ("baseline algo", "left"), ("speed-up", "right"), ("workspace", "right"),
              ("rel err", "right"), ("baseline err", "right"), ("err ratio", "right"), ("check", "left")]
@@ -93,8 +100,9 @@ def layer_table(rows: list[Row], title: str = "", precision: str | None = None) 
             check = f"[red]{escape(r.status[:60])}[/]"
         variant = r.algo if len(r.algo) < 72 else r.algo[:69] + "..."
         base = escape(f"{r.baseline_impl}: {r.baseline_algo}") if r.baseline_impl else "none available"
-        cells = [escape(r.layer), r.precision, escape(f"{variant} [{r.backend}]"), _num(r.time_ms, ".3f"),
-                 _num(r.tflops, ".4g"), _num(r.pct_peak, ".1f")]
+        cls = r.precision + ("" if _dtype(r) == "float32" else f" {_dtype(r)}")
+        cells = [escape(r.layer), cls, escape(f"{variant} [{r.backend}]"), _num(r.time_ms, ".3f"),
+                 _num(r.tflops, ".4g"), _num(r.pct_peak, ".1f"), _num(r.pct_tc, ".1f")]
         if memory:
             base_gbs = r.min_bytes / (r.baseline_ms * 1e-3) / 1e9 if r.baseline_ms and r.min_bytes else None
             cells += [_num(r.gbs, ".0f"), _num(r.pct_copy, ".1f"), _num(base_gbs, ".0f")]
@@ -190,15 +198,15 @@ def baseline_table(rows: list[Row]) -> Table:
     """Every baseline implementation (cuDNN algorithms with their status, other precisions labelled)."""
     t = Table(title="baselines")
     memory = grouped_rows(rows)
-    for col in ("layer", "impl", "algo", "precision", "time ms", "TFLOPS") + (("GB/s", "% copy") if memory else ()) + (
-            "workspace", "rel err", "status"):
+    for col in ("layer", "impl", "algo", "precision", "time ms", "TFLOPS", "% TC peak") + (
+            ("GB/s", "% copy") if memory else ()) + ("workspace", "rel err", "status"):
         t.add_column(col)
     for r in rows:
         if r.impl.startswith("convforge"):
             continue
         bw = [_num(r.gbs, ".0f"), _num(r.pct_copy, ".1f")] if memory else []
         t.add_row(escape(r.layer), escape(r.impl), escape(r.algo), r.precision, _num(r.time_ms, ".3f"),
-                  _num(r.tflops, ".4g"), *bw,
+                  _num(r.tflops, ".4g"), _num(r.pct_tc, ".1f"), *bw,
                   _bytes(r.workspace_bytes), _num(r.rel_err, ".1e"), escape(r.status[:50]))
     return t
 
@@ -239,6 +247,7 @@ def write_csv(path: Path, env: dict[str, Any], rows: list[Row]) -> None:
             d.update({k: spec.get(k, "") for k in ("N", "C", "H", "W", "K", "R", "S")})
             d["groups"] = spec.get("groups", 1)
             d.update({k: "x".join(map(str, spec.get(k, []))) for k in ("stride", "pad", "dilation")})
+            d["dtype"] = spec.get("dtype", "float32")
             d["pass"] = spec.get("pass", "fprop")
             d.update({k: env.get(k, "") for k in ENV_FIELDS})
             w.writerow({k: d.get(k, "") for k in w.fieldnames})

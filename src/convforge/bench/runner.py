@@ -58,6 +58,7 @@ class Row:
     pct_copy: float | None = None  # gbs as % of the measured device-copy ceiling
     chosen_by: str = ""
     spec: dict[str, Any] = field(default_factory=dict)
+    pct_tc: float | None = None  # % of the tensor-core ceiling of the row's math (half, TF32)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -84,11 +85,20 @@ def choose(algo: str, spec: ConvSpec, be: Backend, precision: str = "fp32") -> t
     return ch.variant, ch.params, ch.source
 
 
-def _flops_row(row: Row, spec: ConvSpec, peak: float | None) -> Row:
+def _flops_row(row: Row, spec: ConvSpec, peak: float | None, tc_peak: float | None = None) -> Row:
     if row.time_ms:
         row.tflops = spec.flops / (row.time_ms * 1e-3) / 1e12
         row.pct_peak = 100.0 * row.tflops / peak if peak else None
+        row.pct_tc = 100.0 * row.tflops / tc_peak if tc_peak else None
     return row
+
+
+def _tc_peak(ceil: Ceilings | None, spec: ConvSpec, precision: str) -> float | None:
+    """The tensor-core ceiling of a row: its half dtype's, TF32's for a relaxed float32 row."""
+    if ceil is None:
+        return None
+    tag = {"fp16": "float16", "bf16": "bfloat16", "tf32": "tf32"}.get(precision)
+    return ceil.tc_tflops.get(tag) if tag else ceil.tc_peak(spec.dtype, precision)
 
 
 def _input_sets(be: Backend, spec: ConvSpec, timing: Timing, seed: int) -> list[dict[str, Any]]:
@@ -105,7 +115,8 @@ def _input_sets(be: Backend, spec: ConvSpec, timing: Timing, seed: int) -> list[
 
 def run_convforge(layer: Layer, index: int, be: Backend, algo: str, cfg: BenchConfig,
                   timing: Timing, peak: float | None,
-                  pick: tuple[Variant, Params] | None = None, precision: str = "fp32") -> Row:
+                  pick: tuple[Variant, Params] | None = None, precision: str = "fp32",
+                  tc_peak: float | None = None) -> Row:
     """Check then time one convforge implementation in ``precision``'s class; failures become rows,
     never exceptions. The executable is ``convforge.dispatch``'s, as conv2d runs it.
 
@@ -138,18 +149,18 @@ def run_convforge(layer: Layer, index: int, be: Backend, algo: str, cfg: BenchCo
         row.time_ms = run_timed(lambda: exe(next(it)), be.synchronize, be.time_ms, timing)
     except Exception as err:  # noqa: BLE001 - a launch failure is a result too
         row.ok, row.status = False, f"error: {str(err)[:200]}"
-    return _flops_row(row, spec, peak)
+    return _flops_row(row, spec, peak, tc_peak)
 
 
 def baseline_rows(layer: Layer, index: int, results: list[baselines.BaselineResult],
-                  peak: float | None) -> list[Row]:
+                  peak: float | None, ceil: Ceilings | None = None) -> list[Row]:
     spec = layer.spec
     out = []
     for r in results:
         row = Row(layer.name, index, r.impl, "torch", r.algo, r.precision, r.time_ms,
                   workspace_bytes=r.workspace_bytes, rel_err=r.rel_err, status=r.status,
                   flops=spec.flops, spec=spec.to_dict())
-        out.append(_flops_row(row, spec, peak))
+        out.append(_flops_row(row, spec, peak, _tc_peak(ceil, spec, r.precision)))
     return out
 
 
@@ -185,9 +196,10 @@ def bench_layer(layer: Layer, index: int, bes: list[Backend], cfg: BenchConfig,
         for be in bes:
             timing = Timing.for_layer(spec, be.device, cfg.warmup, cfg.repeats)
             peak = ceilings[be.name].ffma_tflops if be.name in ceilings else None
+            tc = _tc_peak(ceilings.get(be.name), spec, precision)
             seen: set[str] = set()
             for algo in cfg.algos:
-                row = run_convforge(layer, index, be, algo, cfg, timing, peak, precision=precision)
+                row = run_convforge(layer, index, be, algo, cfg, timing, peak, precision=precision, tc_peak=tc)
                 if row.algo != "-" and row.algo in seen:
                     continue  # 'auto' and an explicit family picked the same variant
                 seen.add(row.algo)
@@ -197,8 +209,8 @@ def bench_layer(layer: Layer, index: int, bes: list[Backend], cfg: BenchConfig,
     results = baselines.run(cfg.baseline, spec, timing, baseline_on_gpu, cfg.precisions)
     for precision in cfg.precisions:
         attach_baseline([r for r in rows if r.precision == precision],
-                        baselines.for_class(results, precision))
-    rows += baseline_rows(layer, index, results, peak0)
+                        baselines.for_class(results, precision, spec.dtype))
+    rows += baseline_rows(layer, index, results, peak0, ceilings.get(bes[0].name))
     for row in rows:
         row.min_bytes = layer_bytes(spec)
         ceil = ceilings.get(row.backend) or ceilings.get(bes[0].name)

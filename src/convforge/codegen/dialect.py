@@ -80,6 +80,18 @@ A kernel body is plain C using these tokens, which each renderer spells its own 
     TC_F32_TO_F16(x) / TC_F32_TO_BF16(x)                  x rounded to nearest even, as unsigned short bits
     TC_PACK_F16X2(lo, hi) / TC_PACK_BF16X2(lo, hi)        two rounded halves in one 32-bit word (lo first)
 
+Half storage (float16 / bfloat16 buffers; arithmetic stays float32 on every back-end; OpenCL needs no
+cl_khr_fp16: float16 is read and written by vload_half / vstore_half_rte, bfloat16 travels as ushort
+bits). Generators spell these through :class:`Storage`, never by hand:
+    HALF_T / BF16_T                                       element type of a float16 / bfloat16 buffer
+    LD_F16(p, i) / LD_BF16(p, i)                          element i of p, as a float
+    LDG_F16(p) / LDG_BF16(p)                              *p as a float, read-only path (CUDA __ldg)
+    ST_F16(p, i, v) / ST_BF16(p, i, v)                    p[i] = float v rounded to nearest even (NaN
+                                                          stays NaN)
+    VLOAD4_F16(off, p) / VLOAD4_BF16(off, p)              float4 of the 4 elements at p + 4*off (an
+                                                          8-byte load; 8-byte aligned)
+    VSTORE4_F16(v, off, p) / VSTORE4_BF16(v, off, p)      float4 v stored as 4 elements at p + 4*off
+
 Parameters are typed objects that write their own declarations, never pasted strings.
 """
 
@@ -186,3 +198,74 @@ def split_call(text: str, start: int) -> tuple[list[str], int]:
             cur = i + 1
         i += 1
     raise ValueError(f"unbalanced parentheses after {text[max(0, start - 20):start + 20]!r}")
+
+
+# -- half storage ----------------------------------------------------------------------------------
+# A buffer's element type in the dialect (Buf.ctype, ConstBuf.ctype): "float", "int", or these two,
+# which each renderer spells its own way (CUDA: unsigned short bits; OpenCL: half / ushort).
+HALF_CTYPES = {"float16": "half", "bfloat16": "bfloat16"}
+_HALF_TAGS = {"float16": "F16", "bfloat16": "BF16"}
+HALF_TOKENS = tuple(f"{op}_{tag}" for tag in ("F16", "BF16")
+                    for op in ("LD", "LDG", "ST", "VLOAD4", "VSTORE4"))
+
+
+@dataclass(frozen=True)
+class Storage:
+    """How a kernel body reads and writes the elements of one storage dtype: loads give a float,
+    stores take a float (rounded to nearest even). float32 spells plain C (``p[i]``, ``VLOAD4``), so
+    a float32 source is what it was before half storage existed."""
+
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.dtype != "float32" and self.dtype not in HALF_CTYPES:
+            raise ValueError(f"storage dtype ({self.dtype!r}) must be float32, float16 or bfloat16")
+
+    @property
+    def half(self) -> bool:
+        return self.dtype != "float32"
+
+    @property
+    def ctype(self) -> str:
+        """The dialect element type of a buffer of this dtype (``Buf.ctype``)."""
+        return HALF_CTYPES.get(self.dtype, "float")
+
+    @property
+    def elem(self) -> str:
+        """The element type as a kernel body declares pointers to it."""
+        return {"float32": "float", "float16": "HALF_T", "bfloat16": "BF16_T"}[self.dtype]
+
+    @property
+    def itemsize(self) -> int:
+        return 2 if self.half else 4
+
+    def buf(self, name: str, readonly: bool = True) -> Buf:
+        return Buf(name, self.ctype, readonly)
+
+    def load(self, ptr: str, idx: str) -> str:
+        """Element ``idx`` of ``ptr`` as a float."""
+        return f"LD_{_HALF_TAGS[self.dtype]}({ptr}, {idx})" if self.half else f"{ptr}[{idx}]"
+
+    def deref(self, ptr: str) -> str:
+        """``*ptr`` as a float."""
+        return f"LD_{_HALF_TAGS[self.dtype]}({ptr}, 0)" if self.half else f"*({ptr})"
+
+    def ldg(self, ptr: str) -> str:
+        """``*ptr`` as a float through the read-only path."""
+        return f"LDG_{_HALF_TAGS[self.dtype]}({ptr})" if self.half else f"LDG({ptr})"
+
+    def store(self, ptr: str, idx: str, value: str) -> str:
+        """The statement (without ';') storing float ``value`` as element ``idx`` of ``ptr``."""
+        return f"ST_{_HALF_TAGS[self.dtype]}({ptr}, {idx}, {value})" if self.half else f"{ptr}[{idx}] = {value}"
+
+    def vload4(self, off: str, ptr: str) -> str:
+        """A float4 of the 4 elements at ``ptr + 4*off``."""
+        return f"VLOAD4_{_HALF_TAGS[self.dtype]}({off}, {ptr})" if self.half else f"VLOAD4({off}, {ptr})"
+
+    def vstore4(self, value: str, off: str, ptr: str) -> str:
+        """Store float4 ``value`` as the 4 elements at ``ptr + 4*off``."""
+        tok = f"VSTORE4_{_HALF_TAGS[self.dtype]}" if self.half else "VSTORE4"
+        return f"{tok}({value}, {off}, {ptr})"
+
+
+FLOAT32 = Storage()

@@ -5,16 +5,131 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 
-from convforge.codegen.dialect import Arg, Buf, ConstBuf, Kernel, LocalBuf, Scalar, TexBuf, split_call
+from convforge.codegen.dialect import (
+    HALF_TOKENS,
+    Arg,
+    Buf,
+    ConstBuf,
+    Kernel,
+    LocalBuf,
+    Scalar,
+    TexBuf,
+    split_call,
+)
 
 _TOKEN = re.compile(r"\b(GROUP_ID|LOCAL_ID|GROUP_SIZE|NUM_GROUPS|BARRIER|VLOAD4|VSTORE4|"
+                    r"LD_F16|LDG_F16|ST_F16|VLOAD4_F16|VSTORE4_F16|LD_BF16|LDG_BF16|ST_BF16|VLOAD4_BF16|VSTORE4_BF16|"
                     r"MAKE_FLOAT4|FMA|MAX|RELU|LDG|SHFL|TEX|COPY4_ASYNC|COPY1_ASYNC|COPY_WAIT|CVT_TF32|"
                     r"MMA_TF32_16x8x8|SMEM_U32|CP_ASYNC16|CP_ASYNC4|CP_ASYNC_COMMIT|CP_ASYNC_WAIT|LDMATRIX_X4|LDS_F4|"
                     r"LDS_F1|TF32_RHA|FENCE_PROXY_ASYNC|WGMMA_FENCE|WGMMA_COMMIT|WGMMA_WAIT|WGMMA_TF32|"
                     r"MBAR_INIT|MBAR_WAIT|MBAR_ARRIVE|CP_ASYNC_MBAR_ARRIVE|SETMAXNREG_INC|SETMAXNREG_DEC|"
                     r"BAR_SYNC|WGMMA|TC_F16_TO_F32|TC_BF16_TO_F32|TC_F32_TO_F16|TC_F32_TO_BF16|TC_PACK_F16X2|"
                     r"TC_PACK_BF16X2)\(")
-_WORDS = re.compile(r"\b(SHARED|LOCAL_PTR|GLOBAL_PTR|RESTRICT|DEVICE|U64|I64)\b( ?)")
+_WORDS = re.compile(r"\b(SHARED|LOCAL_PTR|GLOBAL_PTR|RESTRICT|DEVICE|U64|I64|HALF_T|BF16_T)\b( ?)")
+
+# -- half storage (float16 / bfloat16 buffers, float32 arithmetic; codegen/dialect.py Storage) -------
+# CUDA keeps both as unsigned short bits (no cuda_fp16.h: NVRTC and nvcc alike) converted by PTX cvt
+# (cvt.rn.bf16.f32 is sm_80+; older targets round the bits by hand, NaN kept NaN). OpenCL reads and
+# writes float16 with vload_half / vstore_half_rte (core OpenCL: no cl_khr_fp16) and bfloat16 as ushort.
+_HALF_CTYPES = {"cuda": {"half": "unsigned short", "bfloat16": "unsigned short"},
+                "opencl": {"half": "half", "bfloat16": "ushort"}}
+_HALF_WORDS = {"cuda": {"HALF_T": "unsigned short", "BF16_T": "unsigned short"},
+               "opencl": {"HALF_T": "half", "BF16_T": "ushort"}}
+_HALF_USE = re.compile(r"\b(" + "|".join(HALF_TOKENS) + r")\(")
+
+
+def _cuda_half(token: str, args: list[str]) -> str:
+    """CUDA spelling of one half-storage token (helpers: ``_CUDA_HALF``)."""
+    op, tag = token.rsplit("_", 1)
+    cvt, pack = ("h", "h4") if tag == "F16" else ("bf", "bf4")
+    if op == "LD":
+        return f"cf_{cvt}2f(({args[0]})[{args[1]}])"
+    if op == "LDG":
+        return f"cf_{cvt}2f(__ldg({args[0]}))"
+    if op == "ST":
+        return f"(({args[0]})[{args[1]}] = cf_f2{cvt}({args[2]}))"
+    if op == "VLOAD4":
+        return f"cf_{pack}f(*(const uint2*)(({args[1]}) + 4 * ({args[0]})))"
+    return f"(*(uint2*)(({args[2]}) + 4 * ({args[1]})) = cf_f{pack}({args[0]}))"
+
+
+def _opencl_half(token: str, args: list[str]) -> str:
+    """OpenCL spelling of one half-storage token (bfloat16 helpers: ``_OPENCL_BF16``)."""
+    op, tag = token.rsplit("_", 1)
+    if tag == "F16":
+        return {"LD": lambda: f"vload_half({args[1]}, {args[0]})",
+                "LDG": lambda: f"vload_half(0, {args[0]})",
+                "ST": lambda: f"vstore_half_rte({args[2]}, {args[1]}, {args[0]})",
+                "VLOAD4": lambda: f"vload_half4({args[0]}, {args[1]})",
+                "VSTORE4": lambda: f"vstore_half4_rte({args[0]}, {args[1]}, {args[2]})"}[op]()
+    return {"LD": lambda: f"cf_bf2f(({args[0]})[{args[1]}])",
+            "LDG": lambda: f"cf_bf2f(*({args[0]}))",
+            "ST": lambda: f"(({args[0]})[{args[1]}] = cf_f2bf({args[2]}))",
+            "VLOAD4": lambda: f"cf_bf4f(vload4({args[0]}, {args[1]}))",
+            "VSTORE4": lambda: f"vstore4(cf_f4bf({args[0]}), {args[1]}, {args[2]})"}[op]()
+
+
+def _uses_half(kernels: list[Kernel], tag: str = "") -> bool:
+    return any(m.group(1).endswith(tag) for k in kernels for m in _HALF_USE.finditer(k.body + k.helpers))
+
+
+# float16 -> float32 in C rather than PTX cvt: the bits moved to float32's place and scaled by 2^112
+# (exact, subnormal halves included: convforge never compiles with -ftz), infinities and NaNs given
+# float32's exponent. ptxas spilled around the 16-bit registers of cvt.f32.f16 (direct_shfl 6x6:
+# 40 registers and 4 bytes of spills; this form: 48, none). Checked on all 65536 patterns.
+_CUDA_HALF = r"""__device__ __forceinline__ float cf_h2f(unsigned short h)
+{
+    const unsigned mag = (unsigned)(h & 0x7fffu) << 13, sign = (unsigned)(h & 0x8000u) << 16;
+    const unsigned bits = (h & 0x7c00u) == 0x7c00u ? (0x7f800000u | mag)
+                                                   : __float_as_uint(__uint_as_float(mag) * 5.192296858534828e+33f);
+    return __uint_as_float(bits | sign);
+}
+__device__ __forceinline__ unsigned short cf_f2h(float f)
+{
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+__device__ __forceinline__ float cf_bf2f(unsigned short b) { return __uint_as_float((unsigned)b << 16); }
+__device__ __forceinline__ unsigned short cf_f2bf(float f)
+{
+#if __CUDA_ARCH__ >= 800
+    unsigned short b;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(f));
+    return b;
+#else
+    const unsigned u = __float_as_uint(f);
+    return (unsigned short)((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u
+                                                            : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+#endif
+}
+__device__ __forceinline__ float4 cf_h4f(uint2 u)
+{
+    return make_float4(cf_h2f((unsigned short)(u.x & 0xffffu)), cf_h2f((unsigned short)(u.x >> 16)),
+                       cf_h2f((unsigned short)(u.y & 0xffffu)), cf_h2f((unsigned short)(u.y >> 16)));
+}
+__device__ __forceinline__ uint2 cf_fh4(float4 v)
+{
+    return make_uint2(cf_f2h(v.x) | ((unsigned)cf_f2h(v.y) << 16), cf_f2h(v.z) | ((unsigned)cf_f2h(v.w) << 16));
+}
+__device__ __forceinline__ float4 cf_bf4f(uint2 u)
+{
+    return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u),
+                       __uint_as_float(u.y << 16), __uint_as_float(u.y & 0xffff0000u));
+}
+__device__ __forceinline__ uint2 cf_fbf4(float4 v)
+{
+    return make_uint2(cf_f2bf(v.x) | ((unsigned)cf_f2bf(v.y) << 16), cf_f2bf(v.z) | ((unsigned)cf_f2bf(v.w) << 16));
+}"""
+
+_OPENCL_BF16 = r"""inline float cf_bf2f(ushort b) { return as_float((uint)b << 16); }
+inline ushort cf_f2bf(float f)
+{
+    const uint u = as_uint(f);
+    return (ushort)((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+inline float4 cf_bf4f(ushort4 b) { return as_float4(convert_uint4(b) << 16); }
+inline ushort4 cf_f4bf(float4 v) { return (ushort4)(cf_f2bf(v.x), cf_f2bf(v.y), cf_f2bf(v.z), cf_f2bf(v.w)); }"""
 
 
 # Why a back-end may lack a feature (appended to the refusal).
@@ -41,6 +156,10 @@ class Renderer:
 
     def param(self, arg: Arg) -> str | None:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def ctype(self, name: str) -> str:
+        """A buffer's element type as this back-end spells it ("half" / "bfloat16": half storage)."""
+        return _HALF_CTYPES[self.name].get(name, name)
 
     def kernel_head(self, k: Kernel, params: str) -> str:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -101,7 +220,8 @@ class CudaRenderer(Renderer):
     name = "cuda"
     features = frozenset({"shuffle", "constant", "ldg", "texture", "mma_tf32", "wgmma"})
     words = {"SHARED": "__shared__", "LOCAL_PTR": "", "GLOBAL_PTR": "", "RESTRICT": "__restrict__",
-             "DEVICE": "__device__ __forceinline__", "U64": "unsigned long long", "I64": "long long"}
+             "DEVICE": "__device__ __forceinline__", "U64": "unsigned long long", "I64": "long long",
+             **_HALF_WORDS["cuda"]}
     _dims = "xyz"
 
     def call(self, token: str, args: list[str]) -> str:
@@ -139,12 +259,14 @@ class CudaRenderer(Renderer):
         }
         if token in _WGMMA_TOKENS:
             return _wgmma_call(token, args)
+        if token in HALF_TOKENS:
+            return _cuda_half(token, args)
         return table[token]()
 
     def param(self, arg: Arg) -> str | None:
         if isinstance(arg, Buf):
             const = "const " if arg.readonly else ""
-            return f"{const}{arg.ctype}* __restrict__ {arg.name}"
+            return f"{const}{self.ctype(arg.ctype)}* __restrict__ {arg.name}"
         if isinstance(arg, TexBuf):
             return f"const cudaTextureObject_t {arg.name}"
         if isinstance(arg, (ConstBuf, LocalBuf)):
@@ -157,7 +279,9 @@ class CudaRenderer(Renderer):
         for k in kernels:
             for cb in k.const_bufs():
                 seen[cb.name] = cb
-        head = [f"__constant__ {cb.ctype} {cb.name}[{cb.count}];" for cb in seen.values()] + [""]
+        head = [f"__constant__ {self.ctype(cb.ctype)} {cb.name}[{cb.count}];" for cb in seen.values()] + [""]
+        if _uses_half(kernels):
+            head += _CUDA_HALF.splitlines() + [""]
         if any(re.search(r"\bCOPY[14]_ASYNC\(", k.body) for k in kernels):
             head += _CUDA_COPY_ASYNC.splitlines() + [""]
         if any(re.search(r"\b(MMA_TF32_16x8x8|CVT_TF32)\(", k.body + k.helpers) for k in kernels):
@@ -401,7 +525,7 @@ class OpenCLRenderer(Renderer):
     name = "opencl"
     features = frozenset({"constant"})
     words = {"SHARED": "__local", "LOCAL_PTR": "__local", "GLOBAL_PTR": "__global",
-             "RESTRICT": "restrict", "DEVICE": "inline", "U64": "ulong", "I64": "long"}
+             "RESTRICT": "restrict", "DEVICE": "inline", "U64": "ulong", "I64": "long", **_HALF_WORDS["opencl"]}
 
     def call(self, token: str, args: list[str]) -> str:
         table: dict[str, Callable[[], str]] = {
@@ -422,6 +546,8 @@ class OpenCLRenderer(Renderer):
                                     f"({args[2]})[{args[3]}] : 0.0f)"),
             "COPY_WAIT": lambda: "((void)0)",
         }
+        if token in HALF_TOKENS:
+            return _opencl_half(token, args)
         if token in _OPENCL_REFUSED and token not in table:
             raise ValueError(f"OpenCL renderer refuses {token}: {_OPENCL_REFUSED[token]}")
         if token not in table:
@@ -431,13 +557,16 @@ class OpenCLRenderer(Renderer):
     def param(self, arg: Arg) -> str | None:
         if isinstance(arg, Buf):
             const = "const " if arg.readonly else ""
-            return f"__global {const}{arg.ctype}* restrict {arg.name}"
+            return f"__global {const}{self.ctype(arg.ctype)}* restrict {arg.name}"
         if isinstance(arg, ConstBuf):
-            return f"__constant {arg.ctype}* restrict {arg.name}"
+            return f"__constant {self.ctype(arg.ctype)}* restrict {arg.name}"
         if isinstance(arg, LocalBuf):
             return f"__local float* restrict {arg.name}"
         assert isinstance(arg, Scalar)
         return f"const {arg.ctype} {arg.name}"
+
+    def file_head(self, kernels: list[Kernel]) -> list[str]:
+        return _OPENCL_BF16.splitlines() + [""] if _uses_half(kernels, "BF16") else []
 
     def kernel_head(self, k: Kernel, params: str) -> str:
         b = k.block

@@ -12,7 +12,9 @@ import numpy as np
 from convforge.config import PRECISIONS, config
 
 TORCH_MATH = {"fp32": "PyTorch FP32 (cudnn.benchmark, TF32 off)",
-              "relaxed": "PyTorch TF32 (cudnn.benchmark, TF32 on for cuDNN and matmul)"}
+              "relaxed": "PyTorch TF32 (cudnn.benchmark, TF32 on for cuDNN and matmul)",
+              "float16": "PyTorch FP16 (.half() weights and input, cudnn.benchmark)",
+              "bfloat16": "PyTorch BF16 (.bfloat16() weights and input, cudnn.benchmark)"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "class; on OpenCL, without torch or with --no-torch: a plain float32 evaluation's), "
                         "tightening the layers that need it, measured on a separate random input (seed + 2); "
                         "default 2, 0 = no calibration")
+    from convforge.cli import add_dtype_argument
+
+    add_dtype_argument(p)
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison")
     p.add_argument("--no-check", action="store_true", help="skip the float64 reference check")
     p.add_argument("--out", type=Path, metavar="DIR", help="also write the run (summary, layers) as JSON here")
@@ -51,11 +56,13 @@ def main(args: argparse.Namespace) -> int:
     from convforge.api import default_backend
     from convforge.backends import get_backend
     from convforge.cli import check_out_dir
+    from convforge.dtypes import rounded
     from convforge.graph.passes import optimize
     from convforge.graph.runtime import Network, check_budget, load_model
 
     console = Console()
     prec = config.precision  # cli.main set it from --precision
+    dtype = getattr(args, "dtype", None) or "float32"
     if args.batch is not None and args.batch < 1:
         raise ValueError(f"batch ({args.batch}) must be >= 1")
     if args.repeats < 1:
@@ -83,16 +90,22 @@ def main(args: argparse.Namespace) -> int:
         _tune(args, console, backend)
     limit = None if args.workspace_limit is None else int(args.workspace_limit * 2**20)
     t0 = time.perf_counter()
-    net = Network(optimize(graph), backend, capture=False, workspace_limit=limit)
+    net = Network(optimize(graph), backend, capture=False, workspace_limit=limit, dtype=dtype)
     console.print(f"{graph.name}: {len(graph.nodes)} nodes -> {len(net.steps)} steps after the passes, "
                   f"built in {time.perf_counter() - t0:.1f} s on {backend.device.name} ({backend.name})",
                   markup=False)
+    if budget is not None and dtype != "float32":
+        console.print(f"calibration: not run for {dtype} storage (the budget is relative to FP32's error; "
+                      "half storage rounds far above it)", markup=False)
+        budget = None
     cal = None if budget is None else _calibrate(console, net, budget, args.seed, limit,
                                                  "float32" if args.no_torch else "auto")
     if cal is not None:
         net = cal.network
     net.capture()
-    x = np.random.default_rng(args.seed).standard_normal(net.shapes[graph.input].shape).astype(np.float32)
+    # the input in the network's dtype: the reference and PyTorch see the same values
+    x = rounded(np.random.default_rng(args.seed).standard_normal(net.shapes[graph.input].shape).astype(np.float32),
+                dtype)
     out = net(x)
     prof = net.profile(max(3, args.repeats // 2))
     total = net.time_ms(args.repeats)
@@ -106,7 +119,7 @@ def main(args: argparse.Namespace) -> int:
     res: dict[str, Any] = {
         "net": Path(str(args.net)).stem, "batch": args.batch, "backend": backend.name, "device": backend.device.name,
         "mode": mode, "ours_ms": total, "images_per_s": args.batch / total * 1e3,
-        "peak_mib": net.peak_bytes / 2**20, "tuned": bool(args.tune), "precision": prec,
+        "peak_mib": net.peak_bytes / 2**20, "tuned": bool(args.tune), "precision": prec, "dtype": dtype,
         "peak_parts_mib": {"activations": net.memory.bytes / 2**20, "weights": net.weight_bytes / 2**20,
                            "transformed_filters": net.transformed_bytes / 2**20,
                            "workspaces": net.workspace_bytes / 2**20, "arena": net.arena_bytes / 2**20},
@@ -148,7 +161,8 @@ def summary_line(res: dict[str, Any]) -> str:
     eager, graph = res.get("torch_eager_ms"), res.get("torch_graph_ms")
     sp_e = "n/a" if eager is None else f"{eager / ours:.2f}x"
     sp_g = "n/a" if graph is None else f"{graph / ours:.2f}x"
-    return (f"| {res['net']} | {res['batch']} | {res['backend']} | {res.get('precision', 'fp32')} | {ours:.3f} | "
+    cls = res.get("precision", "fp32") + ("" if res.get("dtype", "float32") == "float32" else f" {res['dtype']}")
+    return (f"| {res['net']} | {res['batch']} | {res['backend']} | {cls} | {ours:.3f} | "
             f"{num('torch_eager_ms', '.3f')} | "
             f"{num('torch_graph_ms', '.3f')} | {sp_e} | {sp_g} | {res['peak_mib']:.1f} | "
             f"{num('torch_peak_mib', '.1f')} | {num('logits_error', '.1e')} | {num('torch_logits_error', '.1e')} |")
@@ -158,8 +172,12 @@ def errors_line(res: dict[str, Any]) -> str:
     """convforge's logits error beside PyTorch's of the same precision class, and their ratio."""
     prec = res.get("precision", "fp32")
     ours, theirs = res.get("logits_error"), res.get("torch_logits_error")
+    dtype = res.get("dtype", "float32")
     what = "PyTorch TF32" if prec == "relaxed" else "PyTorch FP32"
-    line = f"logits error vs float64 ({prec} class): convforge {ours:.2e} | {what} "
+    cls = f"{prec} class"
+    if dtype != "float32":
+        cls, what = f"{prec} class, {dtype}", f"PyTorch {'FP16' if dtype == 'float16' else 'BF16'}"
+    line = f"logits error vs float64 ({cls}): convforge {ours:.2e} | {what} "
     if theirs is None:
         return line + "n/a (not run)"
     ratio = f"{ours / theirs:.2f}" if theirs else "n/a"
@@ -173,7 +191,8 @@ def _write(out: Path, res: dict[str, Any]) -> None:
     import re
 
     out.mkdir(parents=True, exist_ok=True)
-    cls = "-relaxed" if res.get("precision") == "relaxed" else ""
+    cls = ("-relaxed" if res.get("precision") == "relaxed" else "") + (
+        "" if res.get("dtype", "float32") == "float32" else f"-{res['dtype']}")
     name = re.sub(r"[^\w.-]", "_", f"run-{res['net']}-n{res['batch']}-{res['backend']}{cls}.json")
     (out / name).write_text(json.dumps({**res, "summary": summary_line(res)}, indent=1) + "\n")
 
@@ -202,7 +221,8 @@ def _tune(args: argparse.Namespace, console: Any, backend: Any) -> None:
     from convforge.tune.db import TuningDB
     from convforge.tune.tuner import Budget
 
-    ns = argparse.Namespace(net=args.net, batch=args.batch, seed=args.seed, workers=None, force=False)
+    ns = argparse.Namespace(net=args.net, batch=args.batch, seed=args.seed, workers=None, force=False,
+                            dtype=getattr(args, "dtype", None))
     tune_net(ns, console, backend, TuningDB(config.tuning_db), Budget.parse(DEFAULT_BUDGET))
     clear_choices()
     clear_executables()
@@ -255,15 +275,18 @@ def _torch(console: Any, graph: Any, x: np.ndarray, total: float, peak: int, rep
     tg = graph.copy()
     tg.outputs = [logits]
     prec = res.get("precision", "fp32")
-    t = torch_baseline.run_torch(tg, x, repeats, tf32=prec == "relaxed")
-    res.update(torch=TORCH_MATH[prec], torch_eager_ms=t.eager_ms,
+    dtype = res.get("dtype", "float32")
+    label = TORCH_MATH[prec if dtype == "float32" else dtype]
+    t = torch_baseline.run_torch(tg, x, repeats, tf32=prec == "relaxed", dtype=dtype)
+    res.update(torch=label, torch_eager_ms=t.eager_ms,
                torch_graph_ms=t.graph_ms, torch_peak_mib=t.peak_bytes / 2**20)
-    console.print(f"{TORCH_MATH[prec]}: eager {t.eager_ms:.3f} ms ({t.eager_ms / total:.2f}x ours), "
+    console.print(f"{label}: eager {t.eager_ms:.3f} ms ({t.eager_ms / total:.2f}x ours), "
                   f"CUDA graph {t.graph_ms:.3f} ms ({t.graph_ms / total:.2f}x ours), "
                   f"max_memory_allocated {t.peak_bytes / 2**20:.1f} MiB (ours {peak / 2**20:.1f} MiB)")
     if ref is not None:
         from convforge.reference import rel_l2
 
         res["torch_logits_error"] = rel_l2(t.output[:1], ref[logits])
-        console.print(f"PyTorch ({'TF32' if prec == 'relaxed' else 'FP32'}) relative error vs the float64 "
+        kind = {"float16": "FP16", "bfloat16": "BF16"}.get(dtype, "TF32" if prec == "relaxed" else "FP32")
+        console.print(f"PyTorch ({kind}) relative error vs the float64 "
                       f"reference (image 0, {logits}): {res['torch_logits_error']:.2e}", markup=False)

@@ -4,6 +4,8 @@
 Each builder returns an :class:`OpLaunch`: a kernel specialised to its shapes (sizes are constants,
 like the conv families) and its launch, with arguments named by tensor or weight. One thread per
 output element, 1-D blocks of 256; a per-row reduction (softmax) is one work-group per row.
+Activations are stored as the network's dtype (``st``: float32, float16 or bfloat16; arithmetic in
+float32); per-channel parameters (the affine's scale and shift) stay float32.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from convforge.codegen.dialect import Buf, Kernel
+from convforge.codegen.dialect import FLOAT32, Buf, Kernel, Storage
 from convforge.graph.ir import Node, Tensor, conv_geometry
 
 BLOCK = 256
@@ -39,18 +41,18 @@ def _elementwise(name: str, total: int, bufs: tuple[Buf, ...], refs: tuple[str, 
     return OpLaunch(kern, (-(-total // BLOCK), 1, 1), refs)
 
 
-def _out() -> Buf:
-    return Buf("y", readonly=False)
+def _out(st: Storage = FLOAT32) -> Buf:
+    return st.buf("y", readonly=False)
 
 
-def pool(node: Node, x: Tensor, y: Tensor, src: str, dst: str) -> OpLaunch:
+def pool(node: Node, x: Tensor, y: Tensor, src: str, dst: str, st: Storage = FLOAT32) -> OpLaunch:
     """Max or average pooling (global too; Caffe's ceil mode; average counts padding when
     ``count_pad``, clipped at the padded edge as Caffe does)."""
     n, c, h, w = x.shape
     _, _, p, q = y.shape
     is_max = node.attrs.get("kind", "max") == "max"
     if node.attrs.get("global") and h * w >= ROW_MIN:
-        return _global_pool(node, x, src, dst, is_max)
+        return _global_pool(node, x, src, dst, is_max, st)
     if node.attrs.get("global"):
         kr, ks, sh, sw, pt, pb, pl, pr = h, w, 1, 1, 0, 0, 0, 0
     else:
@@ -67,19 +69,19 @@ def pool(node: Node, x: Tensor, y: Tensor, src: str, dst: str) -> OpLaunch:
     body = f"""const int j = e % {q}, i = (e / {q}) % {p}, nc = e / {p * q};
 const int y0 = i * {sh} - {pt}, x0 = j * {sw} - {pl};
 const int ys = max(y0, 0), ye = min(y0 + {kr}, {h}), xs = max(x0, 0), xe = min(x0 + {ks}, {w});
-const GLOBAL_PTR float* in = x + nc * {h * w};
+const GLOBAL_PTR {st.elem}* in = x + nc * {h * w};
 float acc = {init};
 for (int yy = ys; yy < ye; ++yy)
     for (int xx = xs; xx < xe; ++xx) {{
-        const float v = in[yy * {w} + xx];
+        const float v = {st.load("in", f"yy * {w} + xx")};
         {acc}
     }}
-y[e] = {fin};"""
-    return _elementwise(kernel_name(node), n * c * p * q, (Buf("x"), _out()), (src, dst), body,
+{st.store("y", "e", fin)};"""
+    return _elementwise(kernel_name(node), n * c * p * q, (st.buf("x"), _out(st)), (src, dst), body,
                         f"{node.name}: pool {'max' if is_max else 'avg'} {kr}x{ks}/{sh}")
 
 
-def _global_pool(node: Node, x: Tensor, src: str, dst: str, is_max: bool) -> OpLaunch:
+def _global_pool(node: Node, x: Tensor, src: str, dst: str, is_max: bool, st: Storage = FLOAT32) -> OpLaunch:
     """Global max / average pooling of long rows: one work-group per (image, channel), the
     reduction in parallel in shared memory (float4 when the row is a multiple of 4 long)."""
     n, c, h, w = x.shape
@@ -90,68 +92,72 @@ def _global_pool(node: Node, x: Tensor, src: str, dst: str, is_max: bool) -> OpL
     init = "-3.402823466e38f" if is_max else "0.0f"
     if vec:
         fold = ("MAX(MAX(v.x, v.y), MAX(v.z, v.w))" if is_max else "(v.x + v.y) + (v.z + v.w)")
-        step = f"{{ const float4 v = VLOAD4(i, in); acc = {'MAX(acc, ' + fold + ')' if is_max else 'acc + ' + fold}; }}"
+        step = (f"{{ const float4 v = {st.vload4('i', 'in')}; "
+                f"acc = {'MAX(acc, ' + fold + ')' if is_max else 'acc + ' + fold}; }}")
         loop = f"for (int i = t; i < {hw // 4}; i += {threads}) {step}"
     else:
-        loop = f"for (int i = t; i < {hw}; i += {threads}) acc = {'MAX(acc, in[i])' if is_max else 'acc + in[i]'};"
+        v = st.load("in", "i")
+        loop = f"for (int i = t; i < {hw}; i += {threads}) acc = {f'MAX(acc, {v})' if is_max else f'acc + {v}'};"
     body = f"""const int t = LOCAL_ID(0), row = GROUP_ID(0);
-const GLOBAL_PTR float* in = x + row * {hw};
+const GLOBAL_PTR {st.elem}* in = x + row * {hw};
 SHARED float red[{threads}];
 float acc = {init};
 {loop}
 {_block_reduce("acc", op, threads)}
-if (t == 0) y[row] = {"acc" if is_max else f"acc * {1.0 / hw!r}f"};"""
-    kern = Kernel(kernel_name(node), (Buf("x"), _out()), body, (threads, 1, 1),
+if (t == 0) {st.store("y", "row", "acc" if is_max else f"acc * {1.0 / hw!r}f")};"""
+    kern = Kernel(kernel_name(node), (st.buf("x"), _out(st)), body, (threads, 1, 1),
                   comment=f"{node.name}: global {'max' if is_max else 'avg'} pool of {h}x{w}, a work-group per row")
     return OpLaunch(kern, (n * c, 1, 1), (src, dst))
 
 
-def lrn(node: Node, x: Tensor, src: str, dst: str) -> OpLaunch:
+def lrn(node: Node, x: Tensor, src: str, dst: str, st: Storage = FLOAT32) -> OpLaunch:
     """Across-channel LRN: y = x / (k + alpha/size * sum of squares over the window)^beta."""
     n, c, h, w = x.shape
     size = int(node.attrs.get("size", 5))
     alpha, beta, k = (float(node.attrs.get(a, d)) for a, d in (("alpha", 1e-4), ("beta", 0.75), ("k", 1.0)))
     hw = h * w
     body = f"""const int pix = e % {hw}, ch = (e / {hw}) % {c}, nb = e / {hw * c};
-const GLOBAL_PTR float* in = x + nb * {c * hw} + pix;
+const GLOBAL_PTR {st.elem}* in = x + nb * {c * hw} + pix;
 float sq = 0.0f;
 for (int cc = max(ch - {size // 2}, 0); cc <= min(ch + {size // 2}, {c - 1}); ++cc) {{
-    const float v = in[cc * {hw}];
+    const float v = {st.load("in", f"cc * {hw}")};
     sq = FMA(v, v, sq);
 }}
-y[e] = x[e] * pow({k!r}f + {alpha / size!r}f * sq, -{beta!r}f);"""
-    return _elementwise(kernel_name(node), n * c * hw, (Buf("x"), _out()), (src, dst), body,
+{st.store("y", "e", f"{st.load('x', 'e')} * pow({k!r}f + {alpha / size!r}f * sq, -{beta!r}f)")};"""
+    return _elementwise(kernel_name(node), n * c * hw, (st.buf("x"), _out(st)), (src, dst), body,
                         f"{node.name}: LRN size {size}")
 
 
-def activation(node: Node, x: Tensor, src: str, dst: str) -> OpLaunch:
+def activation(node: Node, x: Tensor, src: str, dst: str, st: Storage = FLOAT32) -> OpLaunch:
     """ReLU, leaky ReLU (``slope``) and clipped ReLU (``clip``)."""
     slope = float(node.attrs.get("slope", 0.0))
     clip = node.attrs.get("clip")
     expr = f"(v > 0.0f ? v : v * {slope!r}f)" if slope else "RELU(v)"
     if clip is not None:
         expr = f"({expr} > {float(clip)!r}f ? {float(clip)!r}f : {expr})"  # fmin would turn NaN into the clip
-    body = f"const float v = x[e];\ny[e] = {expr};"
-    return _elementwise(kernel_name(node), x.size, (Buf("x"), _out()), (src, dst), body,
+    body = f"const float v = {st.load('x', 'e')};\n{st.store('y', 'e', expr)};"
+    return _elementwise(kernel_name(node), x.size, (st.buf("x"), _out(st)), (src, dst), body,
                         f"{node.name}: relu")
 
 
-def affine(node: Node, x: Tensor, src: str, dst: str, scale: str, shift: str, relu: bool) -> OpLaunch:
-    """y = x * scale[c] + shift[c] (unfolded batch norm, Caffe Scale), optional ReLU."""
+def affine(node: Node, x: Tensor, src: str, dst: str, scale: str, shift: str, relu: bool,
+           st: Storage = FLOAT32) -> OpLaunch:
+    """y = x * scale[c] + shift[c] (unfolded batch norm, Caffe Scale), optional ReLU; scale and
+    shift are float32 whatever the activations' storage."""
     c = x.shape[1]
     hw = x.size // (x.shape[0] * c)
-    expr = "FMA(x[e], a[ch], b[ch])"
-    body = f"const int ch = (e / {hw}) % {c};\ny[e] = {f'RELU({expr})' if relu else expr};"
-    return _elementwise(kernel_name(node), x.size, (Buf("x"), Buf("a"), Buf("b"), _out()),
+    expr = f"FMA({st.load('x', 'e')}, a[ch], b[ch])"
+    body = f"const int ch = (e / {hw}) % {c};\n{st.store('y', 'e', f'RELU({expr})' if relu else expr)};"
+    return _elementwise(kernel_name(node), x.size, (st.buf("x"), Buf("a"), Buf("b"), _out(st)),
                         (src, scale, shift, dst), body, f"{node.name}: per-channel affine")
 
 
-def add(node: Node, x: Tensor, srcs: list[str], dst: str, relu: bool) -> OpLaunch:
+def add(node: Node, x: Tensor, srcs: list[str], dst: str, relu: bool, st: Storage = FLOAT32) -> OpLaunch:
     """y = sum of the inputs, optional ReLU."""
     names = [f"x{i}" for i in range(len(srcs))]
-    total = " + ".join(f"{a}[e]" for a in names)
-    body = f"y[e] = {f'RELU({total})' if relu else total};"
-    bufs = tuple(Buf(a) for a in names) + (_out(),)
+    total = " + ".join(st.load(a, "e") for a in names)
+    body = f"{st.store('y', 'e', f'RELU({total})' if relu else total)};"
+    bufs = tuple(st.buf(a) for a in names) + (_out(st),)
     return _elementwise(kernel_name(node), x.size, bufs, tuple(srcs) + (dst,), body, f"{node.name}: add")
 
 
@@ -176,7 +182,7 @@ def _block_reduce(var: str, op: str, threads: int) -> str:
     return "\n".join(lines)
 
 
-def softmax(node: Node, x: Tensor, src: str, dst: str) -> OpLaunch:
+def softmax(node: Node, x: Tensor, src: str, dst: str, st: Storage = FLOAT32) -> OpLaunch:
     """Softmax over channels: one work-group per row (image, pixel), the max and the sum
     reduced in parallel in shared memory; float4 loads when the rows are contiguous (one
     pixel) and a multiple of 4 long."""
@@ -184,23 +190,25 @@ def softmax(node: Node, x: Tensor, src: str, dst: str) -> OpLaunch:
     hw = x.size // (n * c)
     threads = _row_threads(c // 4 if hw == 1 and c % 4 == 0 else c)
     if hw == 1 and c % 4 == 0:
-        base = f"const int t = LOCAL_ID(0), row = GROUP_ID(0);\nconst GLOBAL_PTR float* in = x + row * {c};\n" \
-               f"GLOBAL_PTR float* out = y + row * {c};"
+        base = f"const int t = LOCAL_ID(0), row = GROUP_ID(0);\nconst GLOBAL_PTR {st.elem}* in = x + row * {c};\n" \
+               f"GLOBAL_PTR {st.elem}* out = y + row * {c};"
         loop = f"for (int i = t; i < {c // 4}; i += {threads})"
-        m_body = "{ const float4 v = VLOAD4(i, in); m = MAX(m, MAX(MAX(v.x, v.y), MAX(v.z, v.w))); }"
-        s_body = ("{ const float4 v = VLOAD4(i, in);\n"
+        vin = st.vload4("i", "in")
+        m_body = f"{{ const float4 v = {vin}; m = MAX(m, MAX(MAX(v.x, v.y), MAX(v.z, v.w))); }}"
+        s_body = (f"{{ const float4 v = {vin};\n"
                   "  s += (exp(v.x - m) + exp(v.y - m)) + (exp(v.z - m) + exp(v.w - m)); }")
-        w_body = ("{ const float4 v = VLOAD4(i, in);\n"
-                  "  VSTORE4(MAKE_FLOAT4(exp(v.x - m) * inv, exp(v.y - m) * inv, exp(v.z - m) * inv, "
-                  "exp(v.w - m) * inv), i, out); }")
+        vout = st.vstore4("MAKE_FLOAT4(exp(v.x - m) * inv, exp(v.y - m) * inv, exp(v.z - m) * inv, "
+                          "exp(v.w - m) * inv)", "i", "out")
+        w_body = f"{{ const float4 v = {vin};\n  {vout}; }}"
     else:
         base = (f"const int t = LOCAL_ID(0), row = GROUP_ID(0);\n"
-                f"const GLOBAL_PTR float* in = x + (row / {hw}) * {c * hw} + row % {hw};\n"
-                f"GLOBAL_PTR float* out = y + (row / {hw}) * {c * hw} + row % {hw};")
+                f"const GLOBAL_PTR {st.elem}* in = x + (row / {hw}) * {c * hw} + row % {hw};\n"
+                f"GLOBAL_PTR {st.elem}* out = y + (row / {hw}) * {c * hw} + row % {hw};")
         loop = f"for (int ch = t; ch < {c}; ch += {threads})"
-        m_body = f"m = MAX(m, in[ch * {hw}]);"
-        s_body = f"s += exp(in[ch * {hw}] - m);"
-        w_body = f"out[ch * {hw}] = exp(in[ch * {hw}] - m) * inv;"
+        vin = st.load("in", f"ch * {hw}")
+        m_body = f"m = MAX(m, {vin});"
+        s_body = f"s += exp({vin} - m);"
+        w_body = f"{st.store('out', f'ch * {hw}', f'exp({vin} - m) * inv')};"
     body = f"""{base}
 SHARED float red[{threads}];
 float m = -3.402823466e38f;
@@ -211,15 +219,18 @@ float s = 0.0f;
 {_block_reduce("s", "ADD", threads)}
 const float inv = 1.0f / s;
 {loop} {w_body}"""
-    kern = Kernel(kernel_name(node), (Buf("x"), _out()), body, (threads, 1, 1),
+    kern = Kernel(kernel_name(node), (st.buf("x"), _out(st)), body, (threads, 1, 1),
                   comment=f"{node.name}: softmax over {c} channels, a work-group of {threads} per row")
     return OpLaunch(kern, (n * hw, 1, 1), (src, dst))
 
 
-def copy_into(node: Node, x: Tensor, total_c: int, offset: int, src: str, dst: str, part: int) -> OpLaunch:
-    """Concat: copy ``x`` into channels [offset, offset + C) of a ``total_c``-channel tensor."""
+def copy_into(node: Node, x: Tensor, total_c: int, offset: int, src: str, dst: str, part: int,
+              st: Storage = FLOAT32) -> OpLaunch:
+    """Concat: copy ``x`` into channels [offset, offset + C) of a ``total_c``-channel tensor (half
+    storage through float: exact)."""
     n, c = x.shape[0], x.shape[1]
     chw = x.size // n
-    body = f"y[(e / {chw}) * {total_c * chw // c} + {offset * chw // c} + e % {chw}] = x[e];"
-    return _elementwise(kernel_name(node, f"_{part}"), x.size, (Buf("x"), _out()), (src, dst), body,
+    at = f"(e / {chw}) * {total_c * chw // c} + {offset * chw // c} + e % {chw}"
+    body = f"{st.store('y', at, st.load('x', 'e'))};"
+    return _elementwise(kernel_name(node, f"_{part}"), x.size, (st.buf("x"), _out(st)), (src, dst), body,
                         f"{node.name}: concat input {part} at channel {offset}")

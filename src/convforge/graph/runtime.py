@@ -20,11 +20,13 @@ from typing import Any
 import numpy as np
 
 from convforge import dispatch
+from convforge.codegen.dialect import Storage
 from convforge.codegen.render import render
+from convforge.dtypes import to_storage
 from convforge.graph import ops
 from convforge.graph.ir import Graph, Node, Tensor, conv_geometry, conv_group, infer
 from convforge.plan import INT32_MAX, Epilogue, Launch, Prologue
-from convforge.spec import ConvSpec
+from convforge.spec import ConvSpec, parse_dtype
 
 log = logging.getLogger("convforge.graph")
 ALIASES = ("flatten", "dropout")  # views: the output is the input's buffer
@@ -53,10 +55,12 @@ class MemoryPlan:
         return sum(self.sizes)
 
 
-def plan_memory(graph: Graph, shapes: dict[str, Tensor], into: dict[str, str] | None = None) -> MemoryPlan:
+def plan_memory(graph: Graph, shapes: dict[str, Tensor], into: dict[str, str] | None = None,
+                itemsize: int = 4) -> MemoryPlan:
     """Assign activation tensors to reusable slots by liveness (best fit; an output never shares
     a slot with its node's inputs, so kernels need not be safe in place). ``into`` maps a conv's
-    output to the concat tensor it is written into (placed when its first part is written)."""
+    output to the concat tensor it is written into (placed when its first part is written);
+    ``itemsize``: bytes per element of the activations' dtype."""
     into = into or {}
     inplace = set(into.values())
     root = {graph.input: graph.input}
@@ -72,7 +76,7 @@ def plan_memory(graph: Graph, shapes: dict[str, Tensor], into: dict[str, str] | 
     free: list[int] = []
 
     def place(t: str) -> None:
-        need = shapes[t].nbytes
+        need = shapes[t].size * itemsize
         fits = [s for s in free if mp.sizes[s] >= need]
         slot = min(fits, key=lambda s: mp.sizes[s]) if fits else (max(free, key=lambda s: mp.sizes[s])
                                                                    if free else None)
@@ -112,19 +116,25 @@ def _check_op_widths(graph: Graph, shapes: dict[str, Tensor]) -> None:
 class Network:
     """A graph compiled for one back-end and batch: call it with an NCHW float32 batch.
 
+    ``dtype`` (float32, float16, bfloat16) is how activations and conv weights (and biases) are
+    stored through every op; arithmetic is float32, per-channel affine parameters stay float32.
     ``max_errors``: a bound on the error of the variant chosen for each named conv / fc node
     (``dispatch.choose``'s ``max_error``; the others keep the precision class's choice):
     calibration's per-layer tightening (``convforge.graph.calibrate``)."""
 
     def __init__(self, graph: Graph, backend: Any, capture: bool = True,
-                 workspace_limit: int | None = None, max_errors: dict[str, float] | None = None) -> None:
+                 workspace_limit: int | None = None, dtype: str = "float32",
+                 max_errors: dict[str, float] | None = None) -> None:
         self.graph, self.backend, self.workspace_limit = graph, backend, workspace_limit
+        self.dtype = parse_dtype(dtype)
+        self.st = Storage(self.dtype)
         self.max_errors = dict(max_errors or {})
         self.calibration: Any = None  # the CalibrationReport of a calibrated build (convforge.compile)
         self.shapes = infer(graph)
         _check_op_widths(graph, self.shapes)
         self.into = self._concats_in_place()
-        self.memory = plan_memory(graph, self.shapes, {t: c for t, (c, _) in self.into.items()})
+        self.memory = plan_memory(graph, self.shapes, {t: c for t, (c, _) in self.into.items()},
+                                  self.st.itemsize)
         self.slots = [backend.empty(max(n, 4)) for n in self.memory.sizes]
         self.weights: dict[str, Any] = {}
         self.steps: list[Step] = []
@@ -159,7 +169,7 @@ class Network:
     def choice(self, node: Node, max_error: float | None = None) -> Any:
         """dispatch's choice for a conv/fc node with its plain epilogue (bias, ReLU) and prologue,
         under ``max_error`` (default: the node's bound in ``max_errors``, if any)."""
-        spec = conv_spec(node, self.shapes[node.inputs[0]])
+        spec = conv_spec(node, self.shapes[node.inputs[0]], self.dtype)
         bound = self.max_errors.get(node.name) if max_error is None else max_error
         return dispatch.choose(spec, self.backend, Epilogue(bias="bias" in node.weights,
                                                             relu=bool(node.attrs.get("relu"))),
@@ -184,10 +194,11 @@ class Network:
     def buf(self, tensor: str) -> Any:
         return self.slots[self.memory.slot_of[tensor]]
 
-    def _weight(self, key: str, array: np.ndarray | None = None) -> Any:
+    def _weight(self, key: str, array: np.ndarray | None = None, dtype: str = "float32") -> Any:
+        """A weight on the device, stored as ``dtype`` (conv filters and biases: the network's)."""
         if key not in self.weights:
             arr = self.graph.weights[key] if array is None else array
-            self.weights[key] = self.backend.upload(np.ascontiguousarray(arr, dtype=np.float32))
+            self.weights[key] = self.backend.upload(to_storage(np.asarray(arr, dtype=np.float32), dtype))
         return self.weights[key]
 
     @property
@@ -219,30 +230,30 @@ class Network:
         if node.op in ("conv", "fc"):
             self._conv(node, x)
             return
-        src, dst = node.inputs[0], node.output
+        src, dst, st = node.inputs[0], node.output, self.st
         y = self.shapes[dst]
         if node.op == "pool":
-            self._kernel(node, ops.pool(node, x, y, src, dst))
+            self._kernel(node, ops.pool(node, x, y, src, dst, st))
         elif node.op == "lrn":
-            self._kernel(node, ops.lrn(node, x, src, dst))
+            self._kernel(node, ops.lrn(node, x, src, dst, st))
         elif node.op == "relu":
-            self._kernel(node, ops.activation(node, x, src, dst))
+            self._kernel(node, ops.activation(node, x, src, dst, st))
         elif node.op == "softmax":
-            self._kernel(node, ops.softmax(node, x, src, dst))
+            self._kernel(node, ops.softmax(node, x, src, dst, st))
         elif node.op == "add":
-            self._kernel(node, ops.add(node, x, list(node.inputs), dst, bool(node.attrs.get("relu"))))
+            self._kernel(node, ops.add(node, x, list(node.inputs), dst, bool(node.attrs.get("relu")), st))
         elif node.op in ("batchnorm", "scale"):
             a, b = channel_affine(self.graph, node)
             self._weight(f"{node.name}.a", a)
             self._weight(f"{node.name}.b", b)
             self._kernel(node, ops.affine(node, x, src, dst, f"{node.name}.a", f"{node.name}.b",
-                                          bool(node.attrs.get("relu"))))
+                                          bool(node.attrs.get("relu")), st))
         elif node.op == "concat" and node.inputs[0] in self.into:
             return  # its producers wrote their channels in place
         elif node.op == "concat":
             off = 0
             for part, t in enumerate(node.inputs):
-                self._kernel(node, ops.copy_into(node, self.shapes[t], y.shape[1], off, t, dst, part))
+                self._kernel(node, ops.copy_into(node, self.shapes[t], y.shape[1], off, t, dst, part, st))
                 off += self.shapes[t].shape[1]
         else:
             raise ValueError(f"node {node.name!r}: the runtime has no kernel for op {node.op!r}")
@@ -255,13 +266,14 @@ class Network:
     def _conv(self, node: Node, x: Tensor) -> None:
         """A conv or fc through dispatch; a fused residual needs a variant with a residual store
         path (``Variant.residual_ok``), else the conv runs plain and a separate add follows."""
-        spec = conv_spec(node, x)
+        spec = conv_spec(node, x, self.dtype)
         has_bias = "bias" in node.weights
         relu = bool(node.attrs.get("relu"))
-        bufs = {"x": self.buf(node.inputs[0]), "w": self._weight(node.weights["w"]), "y": self.buf(node.output)}
+        bufs = {"x": self.buf(node.inputs[0]), "w": self._weight(node.weights["w"], dtype=self.dtype),
+                "y": self.buf(node.output)}
         if has_bias:
-            bufs["bias"] = self._weight(node.weights["bias"])
-        pro = prologue_of(node)
+            bufs["bias"] = self._weight(node.weights["bias"], dtype=self.dtype)
+        pro = prologue_of(node)  # its scale and shift stay float32, as a batch norm's parameters do
         bufs.update({name: self._weight(node.weights[name]) for name in pro.buffers()})
         residual = node.inputs[1] if len(node.inputs) > 1 else None
         choice = self.choice(node)
@@ -286,7 +298,7 @@ class Network:
         if residual is not None and not epi.residual:
             y = self.shapes[node.output]
             add = Node(node.name + "+add", "add", [node.output, residual], node.output, {"relu": relu})
-            self._kernel(add, ops.add(add, y, [node.output, residual], node.output, relu))
+            self._kernel(add, ops.add(add, y, [node.output, residual], node.output, relu, self.st))
 
     def _bind_workspaces(self) -> None:
         """Give every conv its workspace, then run the weight-only steps once.
@@ -357,16 +369,17 @@ class Network:
         self._replay()
 
     def __call__(self, x: np.ndarray) -> dict[str, np.ndarray]:
-        """Run on a host batch; returns every graph output as float32 NumPy."""
+        """Run on a host batch (rounded to the network's dtype); returns every graph output as
+        float32 NumPy (holding values of the dtype)."""
         want = self.shapes[self.graph.input].shape
         x = np.ascontiguousarray(x, dtype=np.float32)
         if tuple(x.shape) != want:
             raise ValueError(f"input shape {tuple(x.shape)} does not match the network's {want}")
         self.backend.synchronize()
-        self.backend.write(self.buf(self.graph.input), x)
+        self.backend.write(self.buf(self.graph.input), to_storage(x, self.dtype))
         self.replay()
         self.backend.synchronize()
-        return {t: self.backend.download(self.buf(t), self.shapes[t].shape) for t in self.graph.outputs}
+        return {t: self.backend.download(self.buf(t), self.shapes[t].shape, self.dtype) for t in self.graph.outputs}
 
     def profile(self, repeats: int = 5) -> list[tuple[Step, float]]:
         """Each step timed alone with device events (a separate pass, not the replay): median ms."""
@@ -421,14 +434,15 @@ def prologue_of(node: Node) -> Prologue:
     return Prologue(affine="pscale" in node.weights, relu=bool(node.attrs.get("pre_relu")))
 
 
-def conv_spec(node: Node, x: Tensor) -> ConvSpec:
-    """The ConvSpec of a conv node, or of a fully connected node as a 1x1 conv on a 1x1 image."""
+def conv_spec(node: Node, x: Tensor, dtype: str = "float32") -> ConvSpec:
+    """The ConvSpec of a conv node, or of a fully connected node as a 1x1 conv on a 1x1 image,
+    stored as ``dtype``."""
     n = x.shape[0]
     k = int(node.attrs["k"])
     if node.op == "fc":
-        return ConvSpec(n, x.size // n, 1, 1, k, 1, 1)
+        return ConvSpec(n, x.size // n, 1, 1, k, 1, 1, dtype=dtype)
     (r, s), st, pad, dil = conv_geometry(node)
-    return ConvSpec(n, x.shape[1], x.shape[2], x.shape[3], k, r, s, st, pad, dil, groups=conv_group(node))
+    return ConvSpec(n, x.shape[1], x.shape[2], x.shape[3], k, r, s, st, pad, dil, dtype=dtype, groups=conv_group(node))
 
 
 def channel_affine(graph: Graph, node: Node) -> tuple[np.ndarray, np.ndarray]:
@@ -484,17 +498,20 @@ def load_model(model: Any, input_size: int | None = None, seed: int = 0,
 
 def compile(model: Any, batch: int | None = None, backend: str | None = None, *, input_size: int | None = None,
             passes: bool = True, seed: int = 0, weights: str | Path | None = None,
-            capture: bool = True, workspace_limit: int | None = None,
+            capture: bool = True, workspace_limit: int | None = None, dtype: Any = "float32",
             error_budget: float | None = 2.0) -> Network:
     """A :class:`Network` for ``model`` at ``batch`` (default: the batch its description declares,
     1 for the shipped nets and a symbolic ONNX batch) on ``backend`` ('cuda' or 'opencl'; default CUDA
     when present). ``passes`` runs the graph passes (BN folding, fusion, identity removal).
+    ``dtype`` ('float32', 'float16' / 'fp16', 'bfloat16' / 'bf16'): how activations and conv
+    weights are stored (FP32 arithmetic).
     ``workspace_limit`` (bytes): the most workspace (scratch and filter transforms) any conv may
     use; the layers share one scratch arena of the largest need (``Network._bind_workspaces``).
     ``error_budget`` (default 2): calibrate at build so the output error stays within that many
     times PyTorch FP32's (a plain float32 evaluation's, without torch), tightening the layers that
     need it (``convforge.graph.calibrate``; the report is ``network.calibration``); 0 or None: no
-    calibration, every layer keeps the precision class's choice."""
+    calibration, every layer keeps the precision class's choice. Half-precision networks are not
+    calibrated (their storage rounding is far above FP32's error)."""
     from convforge.api import default_backend
     from convforge.backends import get_backend
     from convforge.graph.passes import optimize
@@ -511,8 +528,9 @@ def compile(model: Any, batch: int | None = None, backend: str | None = None, *,
         graph = optimize(graph)
     be = get_backend(backend or default_backend())
     limit = None if workspace_limit is None else int(workspace_limit)
-    if budget is None:
-        return Network(graph, be, capture=capture, workspace_limit=limit)
+    dt = parse_dtype(dtype)
+    if budget is None or dt != "float32":  # the budget is relative to FP32's error: float32 networks only
+        return Network(graph, be, capture=capture, workspace_limit=limit, dtype=dt)
     from convforge.graph.calibrate import calibrate_network
 
     cal = calibrate_network(graph, be, budget=budget, seed=seed, workspace_limit=limit)

@@ -1,8 +1,9 @@
 """PyTorch's time on the same graph and weights (a bench baseline: imports torch).
 
 The IR runs op by op through ``torch.nn.functional`` in FP32 with cudnn.benchmark on and TF32
-off (``tf32=True``: on, for cuDNN and matmul, the relaxed class's baseline), eager and replayed from
-a CUDA graph; peak memory is ``torch.cuda.max_memory_allocated``.
+off (``tf32=True``: on, for cuDNN and matmul, the relaxed class's baseline), or with every weight
+and the input in float16 / bfloat16 (``dtype``: PyTorch's ``.half()`` eager), eager and replayed
+from a CUDA graph; peak memory is ``torch.cuda.max_memory_allocated``.
 """
 
 from __future__ import annotations
@@ -75,15 +76,18 @@ def _op(F: Any, torch: Any, node: Node, ins: list[Any], w: dict[str, Any]) -> An
     return F.relu(y) if node.attrs.get("relu") else y
 
 
-def forward_fn(graph: Graph, x: np.ndarray, device: str = "cuda", every: bool = False) -> Any:
+def forward_fn(graph: Graph, x: np.ndarray, device: str = "cuda", dtype: str = "float32",
+               every: bool = False) -> Any:
     """A no-argument function running ``graph`` on ``x`` through torch.nn.functional (weights and
-    input moved to ``device`` once); it returns the first output tensor (``every``: a dict of all)."""
+    input moved to ``device`` once, as ``dtype``); it returns the first output tensor (``every``: a
+    dict of all)."""
     import torch
     import torch.nn.functional as F
 
-    dev = torch.device(device)
-    weights = {k: torch.from_numpy(np.ascontiguousarray(v)).to(dev) for k, v in graph.weights.items()}
-    xin = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to(dev)
+    dev, tdt = torch.device(device), getattr(torch, dtype)
+    weights = {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)).to(dev, tdt)
+               for k, v in graph.weights.items()}
+    xin = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to(dev, tdt)
 
     def forward() -> Any:
         vals = {graph.input: xin}
@@ -96,15 +100,17 @@ def forward_fn(graph: Graph, x: np.ndarray, device: str = "cuda", every: bool = 
     return forward
 
 
-def run_torch(graph: Graph, x: np.ndarray, repeats: int = 20, tf32: bool = False) -> TorchTimes:
-    """Time ``graph`` (at x's batch) in PyTorch FP32 (``tf32``: TF32 allowed), eager and CUDA-graph
-    replayed, on the GPU. The TF32 switches are restored afterwards."""
+def run_torch(graph: Graph, x: np.ndarray, repeats: int = 20, tf32: bool = False,
+              dtype: str = "float32") -> TorchTimes:
+    """Time ``graph`` (at x's batch) in PyTorch FP32 (``tf32``: TF32 allowed) or with weights and
+    input in ``dtype`` (float16, bfloat16), eager and CUDA-graph replayed, on the GPU. The TF32
+    switches are restored afterwards."""
     import torch
 
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     set_math(torch, tf32)
     try:
-        return _run_torch(torch, graph, x, repeats)
+        return _run_torch(torch, graph, x, repeats, dtype)
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
@@ -132,10 +138,10 @@ def set_math(torch: Any, tf32: bool) -> None:
     torch.backends.cudnn.allow_tf32 = tf32
 
 
-def _run_torch(torch: Any, graph: Graph, x: np.ndarray, repeats: int) -> TorchTimes:
+def _run_torch(torch: Any, graph: Graph, x: np.ndarray, repeats: int, dtype: str = "float32") -> TorchTimes:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    forward = forward_fn(graph, x, "cuda")
+    forward = forward_fn(graph, x, "cuda", dtype)
 
     def timed(fn: Any) -> float:
         for _ in range(3):

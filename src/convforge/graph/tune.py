@@ -10,9 +10,9 @@ from convforge.plan import Epilogue
 from convforge.spec import ConvSpec
 
 
-def net_layers(graph: Graph) -> list[tuple[str, ConvSpec, Epilogue]]:
+def net_layers(graph: Graph, dtype: str = "float32") -> list[tuple[str, ConvSpec, Epilogue]]:
     """The (name, spec, epilogue) of every conv and fc the runtime dispatches, after the passes,
-    deduplicated (the first node of each distinct shape and epilogue names it)."""
+    deduplicated (the first node of each distinct shape and epilogue names it), stored as ``dtype``."""
     from convforge.graph.passes import optimize
     from convforge.graph.runtime import conv_spec
 
@@ -21,7 +21,7 @@ def net_layers(graph: Graph) -> list[tuple[str, ConvSpec, Epilogue]]:
     seen: dict[tuple[ConvSpec, Epilogue], str] = {}
     for node in g.nodes:
         if node.op in ("conv", "fc"):
-            spec = conv_spec(node, shapes[node.inputs[0]])
+            spec = conv_spec(node, shapes[node.inputs[0]], dtype)
             epi = Epilogue(bias="bias" in node.weights, relu=bool(node.attrs.get("relu")))
             seen.setdefault((spec, epi), node.name)
     return [(name, spec, epi) for (spec, epi), name in seen.items()]
@@ -37,8 +37,9 @@ def tune_net(args: argparse.Namespace, console: Any, backend: Any, db: Any, budg
     graph = load_model(args.net)
     batch = graph.input_shape[0] if args.batch is None else args.batch  # default: the description's
     graph = graph.with_batch(batch)
-    layers = net_layers(graph)
-    console.print(f"{graph.name} at batch {batch}: {len(layers)} distinct conv/fc layer(s)", markup=False)
+    dtype = getattr(args, "dtype", None) or "float32"
+    layers = net_layers(graph, dtype)
+    console.print(f"{graph.name} at batch {batch}, {dtype}: {len(layers)} distinct conv/fc layer(s)", markup=False)
     if how is not None:
         return _tune_parallel(args, console, db, budget, how, layers)
     failed = _tune_here(args, console, backend, db, budget, layers)

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from convforge.codegen.dialect import Arg, Buf
+from convforge.codegen.dialect import FLOAT32, Arg, Buf, Storage
 from convforge.plan import Epilogue, Prologue
 from convforge.spec import ConvSpec
 
 
-def out_args(epi: Epilogue) -> tuple[Arg, ...]:
-    """The output argument, followed by bias when the epilogue adds one."""
-    return ((Buf("y", readonly=False),) + ((Buf("bias"),) if epi.bias else ())
-            + ((Buf("res"),) if epi.residual else ()))
+def out_args(epi: Epilogue, storage: Storage = FLOAT32) -> tuple[Arg, ...]:
+    """The output argument, followed by bias when the epilogue adds one (all stored as ``storage``)."""
+    return ((storage.buf("y", readonly=False),) + ((storage.buf("bias"),) if epi.bias else ())
+            + ((storage.buf("res"),) if epi.residual else ()))
 
 
 def out_refs(epi: Epilogue) -> tuple[str, ...]:

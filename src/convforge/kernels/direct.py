@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 
 from convforge.arrays import ArrayDesc
-from convforge.codegen.dialect import Arg, Buf, ConstBuf, Kernel, Scalar, TexBuf
+from convforge.codegen.dialect import Arg, ConstBuf, Kernel, Scalar, Storage, TexBuf
 from convforge.codegen.meta import Code, cdiv
 from convforge.kernels import register
 from convforge.kernels.common import out_args, out_refs, pro_args, pro_channel
@@ -19,6 +19,12 @@ from convforge.plan import INT32_MAX, DeviceInfo, Epilogue, Launch, Plan, Prolog
 from convforge.spec import ConvSpec
 
 _UNROLL_LIMIT = 1024  # fully unroll r and s while R*S*outputs-per-thread stays under this
+
+
+def _unroll_limit(spec: ConvSpec) -> int:
+    """Half storage: half the limit. ptxas hoists the fully unrolled 16-bit loads further and spills
+    (11x11/4, tk=4 tp=2 on sm_90: 168 registers and 64 bytes of spills; an r loop: 40, none)."""
+    return _UNROLL_LIMIT if spec.dtype == "float32" else _UNROLL_LIMIT // 2
 _TEX_LIMIT = 1 << 27  # elements a linear texture object may span
 _GRID_YZ = 65535  # CUDA's largest grid in y and z
 
@@ -31,6 +37,9 @@ class DirectBase(Variant):
     offset_ok = True
     tolerance = 1e-5
     exact = True
+    # half storage: x, w, y (bias, res) float16 or bfloat16, converted on load, FP32 arithmetic;
+    # filters stay in global memory (no constant-memory or texture copy of half data)
+    dtypes = frozenset({"float32", "float16", "bfloat16"})
     grouped = True  # a block's tk channels lie in one group; its channel loop runs over that group's
     prologue_ok = True  # every input load is activated (``_act``) where it is in bounds
     index_bits = 64  # offsets switch to 64 bits where an array passes 2^31 - 1 elements (ArrayDesc.index)
@@ -81,6 +90,8 @@ class DirectBase(Variant):
         return pts
 
     def _wconst_ok(self, spec: ConvSpec, device: DeviceInfo) -> bool:
+        if spec.dtype != "float32":
+            return False
         nbytes = 4 * spec.k * spec.cg * spec.r * spec.s
         return nbytes <= min(device.const_bytes, 64 * 1024)
 
@@ -99,10 +110,11 @@ class DirectBase(Variant):
 
     def _args(self, spec: ConvSpec, params: Params, epi: Epilogue, pro: Prologue = Prologue()) -> tuple[Arg, ...]:
         wcount = spec.k * spec.cg * spec.r * spec.s
-        warg: Arg = ConstBuf("wc", wcount) if params.wconst else Buf("w")
-        xarg: Arg = TexBuf("x") if params.get("tex", False) else Buf("x")
+        st = Storage(spec.dtype)
+        warg: Arg = ConstBuf("wc", wcount) if params.wconst else st.buf("w")
+        xarg: Arg = TexBuf("x") if params.get("tex", False) else st.buf("x")
         strides = tuple(Scalar(name) for name, _ in self._stride_args(spec, params, epi))
-        return (xarg, warg) + out_args(epi) + pro_args(pro) + strides
+        return (xarg, warg) + out_args(epi, st) + pro_args(pro) + strides
 
     @staticmethod
     def _act(spec: ConvSpec, pro: Prologue, value: str, c: str) -> str:
@@ -139,28 +151,31 @@ class DirectBase(Variant):
         """Load tk weights for (c, r, s) and accumulate them against the tp x tq inputs."""
         wname = "wc" if p.wconst else "w"
         crs = spec.cg * spec.r * spec.s
+        st = Storage(spec.dtype)
         with code.block(""):
             wide = "(I64)" if spec.k * crs > INT32_MAX else ""  # filters past 2^31 - 1 elements
             for kk in range(p.tk):
-                code(f"const float w{kk} = {wname}[{wide}kw{kk} * {crs} + c * {spec.r * spec.s}"
-                     f" + ({r}) * {spec.s} + {s}];")
+                idx = f"{wide}kw{kk} * {crs} + c * {spec.r * spec.s} + ({r}) * {spec.s} + {s}"
+                code(f"const float w{kk} = {st.load(wname, idx)};")
             for kk, i, j in self._outs(p):
                 code(f"acc{kk}_{i}_{j} = FMA(w{kk}, {xval[(i, j)]}, acc{kk}_{i}_{j});")
 
     def _store(self, code: Code, spec: ConvSpec, p: Params, epi: Epilogue) -> None:
         _, yd = self._arrays(spec, p, epi)
+        st = Storage(spec.dtype)
         for kk, i, j in self._outs(p):
             k, pp, qq = f"k0 + {kk}", f"p0 + ly + {i * p.bp}", f"q0 + lx + {j * p.bq}"
             cond = f"{k} < {spec.k if spec.groups == 1 else 'kend'} && {pp} < {spec.p} && {qq} < {spec.q}"
             kout = f"{k} + {epi.k_offset}" if epi.k_offset else k
             idx = yd.index(n="n", k=kout, p=pp, q=qq)
-            code(f"if ({cond}) y[{idx}] = {epi.apply(f'acc{kk}_{i}_{j}', k, idx, offset_done=True)};")
+            val = epi.apply(f"acc{kk}_{i}_{j}", k, idx, offset_done=True, storage=st)
+            code(f"if ({cond}) {st.store('y', idx, val)};")
 
     def _rs_loops(self, code: Code, spec: ConvSpec, p: Params, body: object) -> None:
         """Emit body(r_expr, s) for every tap, r unrolled when small enough."""
         assert callable(body)
         outs = p.tk * p.tp * p.tq
-        if spec.r * spec.s * outs <= _UNROLL_LIMIT:
+        if spec.r * spec.s * outs <= _unroll_limit(spec):
             for r in range(spec.r):
                 for s in range(spec.s):
                     with code.block(f"/* r={r} s={s} */"):
@@ -173,6 +188,9 @@ class DirectBase(Variant):
 
     def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
              epilogue: Epilogue = Epilogue(), prologue: Prologue = Prologue()) -> Plan:
+        if spec.dtype != "float32" and (params.get("wconst", False) or params.get("tex", False)):
+            raise ValueError(f"{self.name}: wconst and tex (constant-memory filters, texture reads) take "
+                             f"float32 only, not {spec.dtype}")
         if params.get("wconst", False) and not self._wconst_ok(spec, device):
             raise ValueError(f"{self.name}: filters ({4 * spec.k * spec.cg * spec.r * spec.s} bytes) do not fit "
                              "in constant memory")
@@ -230,7 +248,7 @@ class Direct(DirectBase):
         # (fewer channels per thread: run-time index arithmetic costs registers)
         if spec.c * spec.h * spec.w <= INT32_MAX and spec.k * spec.p * spec.q <= INT32_MAX:  # 32-bit stride args
             out += [prm.replace(rt=True, tk=min(prm.tk, 4)) for prm in base[:4]]
-        if device.backend == "cuda" and spec.n * spec.c * spec.h * spec.w <= _TEX_LIMIT:
+        if device.backend == "cuda" and spec.n * spec.c * spec.h * spec.w <= _TEX_LIMIT and spec.dtype == "float32":
             out += [prm.replace(tex=True, ldg=False) for prm in base]  # reads through texture objects
         return out
 
@@ -246,13 +264,14 @@ class Direct(DirectBase):
         pt, pl = spec.pad[0], spec.pad[2]
         xd, _ = self._arrays(spec, p)
         tex = bool(p.get("tex", False))
+        st = Storage(spec.dtype)
         at = xd.index(n="n") if spec.groups == 1 else xd.index(n="n", c=f"g * {spec.cg}")  # the group's channels
         if tex:  # integer offsets into the texture instead of pointers
             code(f"const int xn = {at};")
         else:
-            code(f"const GLOBAL_PTR float* xn = x + {at};")
+            code(f"const GLOBAL_PTR {st.elem}* xn = x + {at};")
         with code.block(f"for (int c = 0; c < {spec.cg}; ++c)"):
-            code(f"const {'int' if tex else 'GLOBAL_PTR float*'} xc = xn + {xd.index(c='c')};")
+            code(f"const {'int' if tex else f'GLOBAL_PTR {st.elem}*'} xc = xn + {xd.index(c='c')};")
 
             def tap(r: str, s: int) -> None:
                 xval = {}
@@ -261,7 +280,7 @@ class Direct(DirectBase):
                         iy = f"(p0 + ly + {i * p.bp}) * {sh} + ({r}) * {dh} - {pt}"
                         ix = f"(q0 + lx + {j * p.bq}) * {sw} + {s * dw - pl}"
                         ptr = f"xc + {xd.index(y='iy', x='ix')}"
-                        load = f"TEX(x, {ptr})" if tex else f"LDG({ptr})" if p.ldg else f"*({ptr})"
+                        load = f"TEX(x, {ptr})" if tex else st.ldg(ptr) if p.ldg else st.deref(ptr)
                         nm = f"x{i}_{j}"
                         code(f"float {nm};",
                              f"{{ const int iy = {iy}, ix = {ix};",
@@ -321,15 +340,16 @@ class DirectSmem(DirectBase):
         ih, iw = self._tile(spec, p)
         nt = p.bq * p.bp
         tile = p.cc * ih * iw
+        st = Storage(spec.dtype)
         xd, _ = self._arrays(spec, p)
         at = xd.index(n="n") if spec.groups == 1 else xd.index(n="n", c=f"g * {spec.cg}")  # the group's channels
         code(f"SHARED float xs[{tile}];  // {p.cc} channel(s) x {ih} x {iw} input tile with halo",
-             f"const GLOBAL_PTR float* xn = x + {at};",
+             f"const GLOBAL_PTR {st.elem}* xn = x + {at};",
              f"const int y0 = p0 * {sh} - {pt}, x0 = q0 * {sw} - {pl};",
              f"const int tid = ly * {p.bq} + lx;")
         with code.block(f"for (int cb = 0; cb < {spec.cg}; cb += {p.cc})"):
             with code.block(f"for (int t = tid; t < {tile}; t += {nt})"):
-                load = f"xn[{xd.index(c='cb + ci', y='iy', x='ix')}]"
+                load = st.load("xn", xd.index(c="cb + ci", y="iy", x="ix"))
                 code(f"const int ci = t / {ih * iw}, rem = t % {ih * iw};",
                      f"const int iy = y0 + rem / {iw}, ix = x0 + rem % {iw};",
                      f"xs[t] = (cb + ci < {spec.cg} && (unsigned)iy < {spec.h}u && "
@@ -396,22 +416,23 @@ class DirectShfl(DirectBase):
     def _main_loop(self, code: Code, spec: ConvSpec, p: Params, pro: Prologue = Prologue()) -> None:
         (sh, _), (dh, dw) = spec.stride, spec.dilation
         pt, pl = spec.pad[0], spec.pad[2]
+        st = Storage(spec.dtype)
         xd, _ = self._arrays(spec, p)
         at = xd.index(n="n") if spec.groups == 1 else xd.index(n="n", c=f"g * {spec.cg}")  # the group's channels
-        code(f"const GLOBAL_PTR float* xn = x + {at};",
+        code(f"const GLOBAL_PTR {st.elem}* xn = x + {at};",
              f"const int xa = q0 + lx - {pl}, xb = xa + 32;")
         with code.block(f"for (int c = 0; c < {spec.cg}; ++c)"):
-            code(f"const GLOBAL_PTR float* xc = xn + {xd.index(c='c')};")
+            code(f"const GLOBAL_PTR {st.elem}* xc = xn + {xd.index(c='c')};")
 
             def tap_row(r: str) -> None:
                 for i in range(p.tp):
-                    loads = [f"LDG(xc + {xd.index(y=f'iy{i}', x=col)})" for col in ("xa", "xb")]
+                    at_a, at_b = (xd.index(y=f"iy{i}", x=xx) for xx in ("xa", "xb"))
                     code(f"const int iy{i} = (p0 + ly + {i * p.bp}) * {sh} + ({r}) * {dh} - {pt};",
                          f"const bool ok{i} = (unsigned)iy{i} < {spec.h}u;",
                          f"const float a{i} = (ok{i} && (unsigned)xa < {spec.w}u) ? "
-                         f"{self._act(spec, pro, loads[0], 'c')} : 0.0f;",
+                         f"{self._act(spec, pro, st.ldg(f'xc + {at_a}'), 'c')} : 0.0f;",
                          f"const float b{i} = (ok{i} && (unsigned)xb < {spec.w}u) ? "
-                         f"{self._act(spec, pro, loads[1], 'c')} : 0.0f;")
+                         f"{self._act(spec, pro, st.ldg(f'xc + {at_b}'), 'c')} : 0.0f;")
                 for s in range(spec.s):
                     off = s * dw
                     xval = {}
@@ -426,7 +447,7 @@ class DirectShfl(DirectBase):
                         xval[(i, 0)] = f"s{i}_{s}"
                     self._fmas(code, spec, p, r, s, xval)
 
-            if spec.r * spec.s * p.tk * p.tp <= _UNROLL_LIMIT:
+            if spec.r * spec.s * p.tk * p.tp <= _unroll_limit(spec):
                 for r in range(spec.r):
                     with code.block(f"/* r={r} */"):
                         tap_row(str(r))

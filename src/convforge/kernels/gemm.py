@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from convforge.codegen.dialect import Arg, Buf, Kernel
+from convforge.codegen.dialect import FLOAT32, Arg, Buf, Kernel, Storage
 from convforge.codegen.meta import Code, cdiv
 from convforge.kernels import register
 from convforge.kernels.common import out_args, out_refs, pro_args, pro_channel
@@ -46,23 +46,28 @@ _ELT_BLOCK = 256  # threads per block of the element-wise kernels (transforms, r
 
 
 # -- shared metacode ------------------------------------------------------------------------
-def filter_operand(spec: ConvSpec, name: str | None = None, ld: int | None = None) -> Operand:
+def filter_operand(spec: ConvSpec, name: str | None = None, ld: int | None = None,
+                   storage: Storage | None = None) -> Operand:
     """A = filters as a K x CRS row-major matrix (row stride ``ld``), float4 loads along CRS
-    when rows are 16-byte aligned. A grouped layer's GEMM ``bz`` reads its group's K/G rows of
-    C/G*R*S (``wg``, set by :func:`group_prelude`)."""
+    when rows are 16-byte aligned (8-byte half4 loads for half storage). A grouped layer's GEMM
+    ``bz`` reads its group's K/G rows of C/G*R*S (``wg``, set by :func:`group_prelude`).
+    ``storage``: how ``name`` is stored (default: the spec's dtype, as the filters are)."""
     name = name or ("wg" if spec.groups > 1 else "w")
     ld = ld or spec.cg * spec.r * spec.s
+    st = storage or Storage(spec.dtype)
     vload = None
     if ld % 4 == 0:
         def vload(t: str, k: str, d: str) -> list[str]:
-            return [f"{d} = VLOAD4(0, {name} + {t}_i * {ld} + {k});"]
-    return Operand(load=lambda t, k, d: [f"{d} = {name}[{t}_i * {ld} + {k}];"],
+            return [f"{d} = {st.vload4('0', f'{name} + {t}_i * {ld} + {k}')};"]
+    return Operand(load=lambda t, k, d: [f"{d} = {st.load(name, f'{t}_i * {ld} + {k}')};"],
                    fast="k", vload=vload)
 
 
 def nchw_store(spec: ConvSpec, epi: Epilogue, out: str = "y", raw: bool = False) -> Store:
-    """C (K x NPQ) into an N x K x P x Q tensor; ``raw`` skips the epilogue (partial sums). A grouped
-    layer's GEMM ``bz`` writes channels bz*K/G ... (its rows m are channels within the group)."""
+    """C (K x NPQ) into an N x K x P x Q tensor stored as the spec's dtype; ``raw`` skips the
+    epilogue (float32 partial sums into a workspace). A grouped layer's GEMM ``bz`` writes channels
+    bz*K/G ... (its rows m are channels within the group)."""
+    st = FLOAT32 if raw else Storage(spec.dtype)
     pq = spec.p * spec.q
     kpq = (epi.k_total if epi.k_total and not raw else spec.k) * pq  # a channel-offset write: the whole tensor
     base = f" + {epi.k_offset * pq}" if epi.k_offset and not raw else ""
@@ -75,13 +80,14 @@ def nchw_store(spec: ConvSpec, epi: Epilogue, out: str = "y", raw: bool = False)
                 f"const int {t}_o = {t}_n * {kpq} + ({i} - {t}_n * {pq}){base};"]
 
     def put(m: str, t: str, v: str) -> list[str]:
-        val = v if raw else epi.apply(v, chan(m), f"{t}_o + ({m}) * {pq}", offset_done=True)
-        return [f"{out}[{t}_o + ({m}) * {pq}] = {val};"]
+        val = v if raw else epi.apply(v, chan(m), f"{t}_o + ({m}) * {pq}", offset_done=True, storage=st)
+        return [f"{st.store(out, f'{t}_o + ({m}) * {pq}', val)};"]
 
     def vput(m: str, t: str, vs: list[str]) -> list[str]:
-        vals = ", ".join(v if raw else epi.apply(v, chan(m), f"{t}_o + ({m}) * {pq} + {j}", offset_done=True)
+        vals = ", ".join(v if raw else epi.apply(v, chan(m), f"{t}_o + ({m}) * {pq} + {j}", offset_done=True,
+                                                 storage=st)
                          for j, v in enumerate(vs))
-        return [f"VSTORE4(MAKE_FLOAT4({vals}), 0, {out} + {t}_o + ({m}) * {pq});"]
+        return [f"{st.vstore4(f'MAKE_FLOAT4({vals})', '0', f'{out} + {t}_o + ({m}) * {pq}')};"]
 
     # 4 consecutive columns (from a multiple of 4) stay in one image and 16-byte aligned
     # when P*Q is a multiple of 4.
@@ -114,21 +120,25 @@ def group_prelude(spec: ConvSpec) -> tuple[str, ...]:
     and the first of its input channels ``xg``."""
     if spec.groups == 1:
         return ()
-    return (f"const GLOBAL_PTR float* wg = w + bz * {spec.kg * spec.cg * spec.r * spec.s};  // group bz",
-            f"const GLOBAL_PTR float* xg = x + bz * {spec.cg * spec.h * spec.w};")
+    el = Storage(spec.dtype).elem
+    return (f"const GLOBAL_PTR {el}* wg = w + bz * {spec.kg * spec.cg * spec.r * spec.s};  // group bz",
+            f"const GLOBAL_PTR {el}* xg = x + bz * {spec.cg * spec.h * spec.w};")
 
 
 def gemm_plan(variant: Variant, spec: ConvSpec, params: Params, epi: Epilogue, b: Operand,
               extra_args: tuple[Arg, ...], extra_refs: tuple[str, ...],
               pre: tuple[tuple[Kernel, Step], ...] = (), workspace: tuple[tuple[str, int], ...] = (),
               a: Operand | None = None, a_ref: str = "w", pro: Prologue = Prologue()) -> Plan:
-    """Plan of [pre-kernels] + one SGEMM writing the NCHW output; a grouped layer's G GEMMs
-    (K/G x NPQ x C/G*R*S each) run batched in the same launch. ``pro``: the prologue the B
-    operand (or a pre-kernel) applies; the SGEMM takes its buffers when ``b`` reads x."""
+    """Plan of [pre-kernels] + one SGEMM writing the NCHW output (in the spec's dtype; the default
+    A, the filters ``a_ref``, in it too); a grouped layer's G GEMMs (K/G x NPQ x C/G*R*S each) run
+    batched in the same launch. ``pro``: the prologue the B operand (or a pre-kernel) applies; the
+    SGEMM takes its buffers when ``b`` reads x."""
     shape = GemmShape(spec.kg, spec.n * spec.p * spec.q, spec.cg * spec.r * spec.s, batch=spec.groups)
     name = f"{variant.name}_sgemm"
+    st = Storage(spec.dtype)
     in_gemm = "x" in extra_refs
-    args = (Buf(a_ref),) + extra_args + out_args(epi) + (pro_args(pro) if in_gemm else ())
+    args = ((st.buf(a_ref) if a is None else Buf(a_ref),) + extra_args + out_args(epi, st)
+            + (pro_args(pro) if in_gemm else ()))
     kern = gemm_kernel(name, shape, params, a or filter_operand(spec), b, nchw_store(spec, epi),
                        args, group_prelude(spec), comment=f"{variant.name}: {params.short()}")
     launch = Launch(name, gemm_grid(shape, params), gemm_block(params),
@@ -146,6 +156,8 @@ class _ConvGemmBase(Variant):
 
     tolerance = 1e-5
     exact = True
+    # half storage: x, w, y (bias, res) float16 or bfloat16, FP32 accumulation; workspaces float32
+    dtypes = frozenset({"float32", "float16", "bfloat16"})
 
     def _b_vec(self, spec: ConvSpec) -> bool:
         return False
@@ -198,6 +210,7 @@ def im2col_kernel(spec: ConvSpec, per_image: bool, pro: Prologue = Prologue()) -
     pt, pl = spec.pad[0], spec.pad[2]
     pq, npq, rs, hw = spec.p * spec.q, spec.n * spec.p * spec.q, spec.r * spec.s, spec.h * spec.w
     crs = spec.c * rs
+    st = Storage(spec.dtype)
     code = Code()
     code("const int crs = GROUP_ID(1);",
          f"const int c = crs / {rs}, r = (crs % {rs}) / {spec.s}, s = crs % {spec.s};",
@@ -207,10 +220,10 @@ def im2col_kernel(spec: ConvSpec, per_image: bool, pro: Prologue = Prologue()) -
              f"const int iy = (pix / {spec.q}) * {sh} + r * {dh} - {pt};",
              f"const int ix = (pix % {spec.q}) * {sw} + s * {dw} - {pl};",
              f"const float v = ((unsigned)iy < {spec.h}u && (unsigned)ix < {spec.w}u)"
-             f" ? {pro.apply(f'x[n * {spec.c * hw} + c * {hw} + iy * {spec.w} + ix]', 'c')} : 0.0f;")
+             f" ? {pro.apply(st.load('x', f'n * {spec.c * hw} + c * {hw} + iy * {spec.w} + ix'), 'c')} : 0.0f;")
         dst = f"n * {crs * pq} + crs * {pq} + pix" if per_image else f"crs * {npq} + i"
         code(f"col[{dst}] = v;")
-    kern = Kernel("im2col", (Buf("x"), Buf("col", readonly=False)) + pro_args(pro), code.text(),
+    kern = Kernel("im2col", (st.buf("x"), Buf("col", readonly=False)) + pro_args(pro), code.text(),
                   (_ELT_BLOCK, 1, 1), comment="im2col: " + ("N x CRS x PQ" if per_image else
                                                             "CRS x NPQ"))
     return kern, (cdiv(npq, _ELT_BLOCK), crs, 1)
@@ -317,6 +330,7 @@ def implicit_operand(spec: ConvSpec, table: bool, pro: Prologue = Prologue()) ->
     pt, pl = spec.pad[0], spec.pad[2]
     pq, hw, rs = spec.p * spec.q, spec.h * spec.w, spec.r * spec.s
     padded = any(spec.pad)
+    st = Storage(spec.dtype)
     x = "xg" if spec.groups > 1 else "x"  # a grouped GEMM reads its group's channels (group_prelude)
 
     def act(value: str, c: str) -> str:
@@ -333,14 +347,14 @@ def implicit_operand(spec: ConvSpec, table: bool, pro: Prologue = Prologue()) ->
                 f"const int r = rr / {spec.s}, s = rr - r * {spec.s};",
                 f"const int iy = {t}_y + r * {dh}, ix = {t}_x + s * {dw};",
                 f"if ((unsigned)iy < {spec.h}u && (unsigned)ix < {spec.w}u) "
-                f"{d} = {act(f'{x}[{t}_b + c * {hw} + r * {dh * spec.w} + s * {dw}]', 'c')};"]
+                f"{d} = {act(st.load(x, f'{t}_b + c * {hw} + r * {dh * spec.w} + s * {dw}'), 'c')};"]
 
     def load_tab(t: str, k: str, d: str) -> list[str]:
         chan = [f"const int c = ({k}) / {rs};"] if pro.affine else []
         return chan + [f"const int off = tab[2 * ({k})], dyx = tab[2 * ({k}) + 1];",
                        f"const int iy = {t}_y + (dyx >> 16), ix = {t}_x + (dyx & 0xffff);",
                        f"if ((unsigned)iy < {spec.h}u && (unsigned)ix < {spec.w}u) "
-                       f"{d} = {act(f'{x}[{t}_b + off]', 'c')};"]
+                       f"{d} = {act(st.load(x, f'{t}_b + off'), 'c')};"]
 
     def kprep_div(kt: str, k: str) -> list[str]:
         lines = [f"const int {kt}_c = ({k}) / {rs}, {kt}_rs = ({k}) - {kt}_c * {rs};",
@@ -360,7 +374,7 @@ def implicit_operand(spec: ConvSpec, table: bool, pro: Prologue = Prologue()) ->
         return lines
 
     def kload(t: str, kt: str, d: str) -> list[str]:
-        val = act(f"{x}[{t}_b + {kt}_off]", f"{kt}_c")
+        val = act(st.load(x, f"{t}_b + {kt}_off"), f"{kt}_c")
         if not padded:
             return [f"{d} = {val};"]
         return [f"if ((unsigned)({t}_y + {kt}_dy) < {spec.h}u && "
@@ -397,7 +411,7 @@ class ImplicitGemm(_ConvGemmBase):
     def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
              epilogue: Epilogue = Epilogue(), prologue: Prologue = Prologue()) -> Plan:
         return gemm_plan(self, spec, params, epilogue, implicit_operand(spec, False, prologue),
-                         (Buf("x"),), ("x",), pro=prologue)
+                         (Storage(spec.dtype).buf("x"),), ("x",), pro=prologue)
 
 
 class ImplicitGemmPrecomp(_ConvGemmBase):
@@ -424,7 +438,7 @@ class ImplicitGemmPrecomp(_ConvGemmBase):
         tk, grid = offset_table_kernel(spec)
         step = Launch(tk.name, grid, tk.block, ("tab",))
         return gemm_plan(self, spec, params, epilogue, implicit_operand(spec, True, prologue),
-                         (Buf("x"), Buf("tab", "int")), ("x", "tab"), ((tk, step),),
+                         (Storage(spec.dtype).buf("x"), Buf("tab", "int")), ("x", "tab"), ((tk, step),),
                          (("tab", self.workspace_bytes(spec, params)),), pro=prologue)
 
 
@@ -439,6 +453,7 @@ def pointwise_operand(spec: ConvSpec, pro: Prologue = Prologue()) -> Operand:
     (sh, sw), pt, pl = spec.stride, spec.pad[0], spec.pad[2]
     pq, hw = spec.p * spec.q, spec.h * spec.w
     plain = spec.stride == (1, 1) and spec.pad == (0, 0, 0, 0)
+    st = Storage(spec.dtype)
     x = "xg" if spec.groups > 1 else "x"  # a grouped GEMM reads its group's channels (group_prelude)
 
     def setup(i: str, t: str) -> list[str]:
@@ -453,10 +468,11 @@ def pointwise_operand(spec: ConvSpec, pro: Prologue = Prologue()) -> Operand:
                         f"const int {t}_b = {t}_n * {spec.c * hw} + {t}_y * {spec.w} + {t}_x;"]
 
     def load(t: str, k: str, d: str) -> list[str]:
-        return [f"if ({t}_in) {d} = {pro.apply(f'{x}[{t}_b + ({k}) * {hw}]', pro_channel(spec, f'({k})'))};"]
+        chan = pro_channel(spec, f"({k})")
+        return [f"if ({t}_in) {d} = {pro.apply(st.load(x, f'{t}_b + ({k}) * {hw}'), chan)};"]
 
     def vload(t: str, k: str, d: str) -> list[str]:  # stride 1, no padding: four in-bounds values
-        return [f"{d} = VLOAD4(0, {x} + {t}_b + ({k}) * {hw});", *pro.apply4(d, pro_channel(spec, f"({k})"))]
+        return [f"{d} = {st.vload4('0', f'{x} + {t}_b + ({k}) * {hw}')};", *pro.apply4(d, pro_channel(spec, f"({k})"))]
 
     return Operand(load=load, fast="i", setup=setup,
                    vload=vload if plain and hw % 4 == 0 else None)
@@ -506,7 +522,7 @@ class Gemm1x1(_ConvGemmBase):
     def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
              epilogue: Epilogue = Epilogue(), prologue: Prologue = Prologue()) -> Plan:
         return gemm_plan(self, spec, params, epilogue, pointwise_operand(spec, prologue),
-                         (Buf("x"),), ("x",), pro=prologue)
+                         (Storage(spec.dtype).buf("x"),), ("x",), pro=prologue)
 
 
 class _SplitK(_ConvGemmBase):
@@ -589,8 +605,9 @@ class _SplitK(_ConvGemmBase):
         gparams = Params({k: v for k, v in params.items() if k != "ks"})
         name = f"{self.name}_sgemm"
         store = nchw_store(spec, epilogue, out=f"(part + kz * {total})", raw=True)
+        st = Storage(spec.dtype)
         kern = gemm_kernel(name, shape, gparams, filter_operand(spec), self._operand(spec, prologue),
-                           store, (Buf("w"), Buf("x"), Buf("part", readonly=False)) + pro_args(prologue),
+                           store, (st.buf("w"), st.buf("x"), Buf("part", readonly=False)) + pro_args(prologue),
                            comment=f"{self.name}: {params.short()}")
         sums = " + ".join(f"part[{j * total} + e]" for j in range(params.ks))
         pq = spec.p * spec.q
@@ -598,9 +615,9 @@ class _SplitK(_ConvGemmBase):
         at = "e"
         if epilogue.k_total:  # write at a channel offset of a bigger tensor
             at = f"(e / {kpq}) * {epilogue.k_total * pq} + {epilogue.k_offset * pq} + e % {kpq}"
-        val = epilogue.apply(f"({sums})", f"(e / {pq}) % {spec.k}", "e", offset_done=True)
-        red, rgrid = elementwise(f"{self.name}_reduce", total, (Buf("part"),) + out_args(epilogue),
-                                 [f"y[{at}] = {val};"],
+        val = epilogue.apply(f"({sums})", f"(e / {pq}) % {spec.k}", "e", offset_done=True, storage=st)
+        red, rgrid = elementwise(f"{self.name}_reduce", total, (Buf("part"),) + out_args(epilogue, st),
+                                 [f"{st.store('y', at, val)};"],
                                  f"sum of {params.ks} split-K partial outputs")
         steps = (Launch(name, gemm_grid(shape, gparams), gemm_block(gparams),
                         ("w", "x", "part") + prologue.buffers()),
@@ -649,13 +666,14 @@ class GemmFullWindow(Variant):
     family = "gemm1x1"
     specialised = 12
     exact = True
+    dtypes = frozenset({"float32", "float16", "bfloat16"})  # those of the 1x1 path
 
     def __init__(self) -> None:
         self.plain, self.split = Gemm1x1(), Gemm1x1SplitK()
 
     @staticmethod
     def pointwise(spec: ConvSpec) -> ConvSpec:
-        return ConvSpec(spec.n, spec.c * spec.r * spec.s, 1, 1, spec.k, 1, 1)
+        return ConvSpec(spec.n, spec.c * spec.r * spec.s, 1, 1, spec.k, 1, 1, dtype=spec.dtype)
 
     def _inner(self, spec: ConvSpec, device: DeviceInfo, params: Params | None = None) -> Variant:
         if params is not None:

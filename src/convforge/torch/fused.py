@@ -5,7 +5,9 @@ Two paths, chosen per call:
 - folded (eval inference on CUDA: no gradient needed, the batch norm, if any, in eval mode with
   running statistics, not compiling): the batch norm is folded into the filters and bias
   (w' = w * g / sqrt(var + eps), b' = (b - mean) * g / sqrt(var + eps) + beta, computed in float64
-  on the device, then cast to float32), cached per (data_ptr, _version) of the conv's weight and
+  on the device, then cast to the conv's dtype: float32, or float16 / bfloat16 for a half layer
+  and inside a CUDA autocast region, whose input is cast too; a residual of another dtype takes the
+  unfused path), cached per (data_ptr, _version) of the conv's weight and
   bias and the batch norm's weight, bias, running mean and running variance, and ONE convforge
   plan runs with the epilogue bias + residual + ReLU (filter transforms cached per version of the
   folded weights: a warm call does no fold and no filter transform). When the chosen variant has
@@ -48,7 +50,7 @@ from convforge.backends import get_backend
 from convforge.config import config
 from convforge.plan import Epilogue, Prologue
 from convforge.spec import ConvSpec
-from convforge.torch.modules import Conv2d, padding_quad, read_tensor
+from convforge.torch.modules import Conv2d, compute_dtype, padding_quad, read_tensor
 
 _F32 = torch.float32
 _CAPTURING = torch.cuda.is_current_stream_capturing
@@ -159,13 +161,16 @@ class FusedConv2d(Conv2d):
         """Whether this call may take the folded path (eval inference on CUDA float32); ``src``:
         :func:`_sources`."""
         w, bn = src[0], self._cf_bn
-        if not (x.is_cuda and x.dtype == _F32 and x.dim() == 4 and w.is_cuda and w.dtype == _F32):
+        if not (x.is_cuda and x.dim() == 4 and w.is_cuda):
+            return False
+        dt = compute_dtype(x, w)  # float32, or half (a half layer, an autocast region)
+        if dt is None or (src[1] is not None and src[1].dtype != w.dtype):
             return False
         if bn is not None and (bn.training or src[4] is None or src[5] is None):
             return False
         if (res is not None) != self._cf_residual:  # a residual given to a module fused without one, or
             return False  # missing: the unfused path adds what it is given, as the original did
-        if res is not None and not (isinstance(res, torch.Tensor) and res.is_cuda and res.dtype == _F32):
+        if res is not None and not (isinstance(res, torch.Tensor) and res.is_cuda and res.dtype == dt):
             return False
         if torch.compiler.is_compiling():
             return False
@@ -178,7 +183,9 @@ class FusedConv2d(Conv2d):
         convforge cannot run the layer or the residual does not match the output. A plan without
         the residual is conv2d's plan for the folded weights and bias (with the ReLU when no add
         follows), so a warm call runs it through the native fast path, as ``Conv2d`` does."""
-        x = x.contiguous()
+        dt = compute_dtype(x, src[0])
+        assert dt is not None  # _folds said so
+        x = x.contiguous() if x.dtype == dt else x.to(dt).contiguous()
         entry = self._fused_runner(x)
         if entry is None:
             return None
@@ -187,10 +194,11 @@ class FusedConv2d(Conv2d):
             return None  # a broadcasting add: the unfused path does what PyTorch did
         b: torch.Tensor | None
         if self._cf_bn is not None:
-            w, b = self._fold(src)
+            w, b = self._fold(src, dt)
         else:
-            w = src[0] if src[0].is_contiguous() else src[0].contiguous()
-            b = src[1]
+            w = self._cast(src[0], dt)
+            w = w if w.is_contiguous() else w.contiguous()
+            b = None if src[1] is None else self._cast(src[1], dt)
         skip = self.static_weights and _CAPTURING()
         # conv2d's spelling; relu: the plan's (after the add when the plan adds the residual)
         call = (x, w, b, self.stride, padding_quad(self), self.dilation, self.algo, None, None,
@@ -227,13 +235,15 @@ class FusedConv2d(Conv2d):
         if pro is not None:
             return run(x, w, b, packed, res if res_in_plan else None, pro)  # type: ignore[no-any-return]
         y = run(x, w, b, packed, res) if res_in_plan else run(x, w, b, packed)
-        if (api._NATIVE_RUN_RES if res_in_plan else api._NATIVE_RUN) is not None and not _CAPTURING():
+        if ((api._NATIVE_RUN_RES if res_in_plan else api._NATIVE_RUN) is not None and x.dtype == _F32
+                and not _CAPTURING()):  # the C++ path takes float32 only
             api.file_native(run, call, residual=res_in_plan)
         return y  # type: ignore[no-any-return]
 
     def _fused_runner(self, x: torch.Tensor) -> tuple[Any, bool, tuple[int, ...]] | None:
         """(runner, whether its plan adds the residual, output shape) per input signature."""
-        key = ("fused", x.shape, x.device, config.precision, config.max_error, config.autotune, config.db_path)
+        key = ("fused", x.shape, x.dtype, x.device, config.precision, config.max_error, config.autotune,
+               config.db_path)
         try:
             return self._cf_cache[key]  # type: ignore[no-any-return]
         except KeyError:
@@ -243,7 +253,7 @@ class FusedConv2d(Conv2d):
     def _make_fused_runner(self, x: torch.Tensor) -> tuple[Any, bool, tuple[int, ...]] | None:
         try:
             spec = ConvSpec.from_shapes(tuple(x.shape), tuple(self.weight.shape), tuple(self.stride),
-                                        padding_quad(self), tuple(self.dilation), self.groups)
+                                        padding_quad(self), tuple(self.dilation), self.groups, dtype=x.dtype)
         except ValueError:
             return None
         dev = x.device.index or 0
@@ -281,7 +291,7 @@ class FusedConv2d(Conv2d):
         (see ``Conv2d.cf_choice``), or None when convforge cannot run the layer."""
         try:
             spec = ConvSpec.from_shapes(tuple(x_shape), tuple(self.weight.shape), tuple(self.stride),
-                                        padding_quad(self), tuple(self.dilation), self.groups)
+                                        padding_quad(self), tuple(self.dilation), self.groups, dtype=self.weight.dtype)
             return spec, self._fused_choice(spec, get_backend("cuda", device), max_error)[0]
         except ValueError:
             return None
@@ -316,20 +326,23 @@ class FusedConv2d(Conv2d):
         self._cf_cache[_PRE_FOLD] = (key, scale, shift)
         return scale, shift
 
-    def _fold(self, src: tuple[Any, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Folded (weight, bias), cached per address and version of the six source tensors
-        (``src``, :func:`_sources`; read here when not given); a re-fold writes into the cached
-        tensors (same addresses: filter caches and captured graphs keep valid pointers). Under
-        CUDA-graph capture a stale or missing fold is recorded into the graph, never cached."""
+    def _fold(self, src: tuple[Any, ...] | None = None,
+              dtype: torch.dtype = _F32) -> tuple[torch.Tensor, torch.Tensor]:
+        """Folded (weight, bias) as ``dtype``, cached per address and version of the six source
+        tensors (``src``, :func:`_sources`; read here when not given) and the dtype; a re-fold writes
+        into the cached tensors (same addresses: filter caches and captured graphs keep valid
+        pointers). Under CUDA-graph capture a stale or missing fold is recorded into the graph,
+        never cached."""
         src = _sources(self) if src is None else src
         key = _fold_key(src, self._cf_bn)
+        key = None if key is None else key + (dtype,)
         hit = self._cf_cache.get(_FOLD)
         if hit is not None and key is not None and hit[0] == key and (self.static_weights or not _CAPTURING()):
             return hit[1], hit[2]
-        w, b = fold_bn(src[0], src[1], self._cf_bn)  # type: ignore[arg-type]
+        w, b = fold_bn(src[0], src[1], self._cf_bn, dtype)  # type: ignore[arg-type]
         if key is None or _CAPTURING():
             return w, b
-        if hit is not None and hit[1].shape == w.shape and hit[1].device == w.device:
+        if hit is not None and hit[1].shape == w.shape and hit[1].device == w.device and hit[1].dtype == w.dtype:
             with torch.inference_mode(False), torch.no_grad():
                 hit[1].copy_(w)
                 hit[2].copy_(b)
@@ -385,9 +398,10 @@ def _fold_key(src: tuple[Any, ...], bn: torch.nn.BatchNorm2d | None) -> tuple[An
         return None
 
 
-def fold_bn(w: torch.Tensor, b: torch.Tensor | None, bn: torch.nn.BatchNorm2d) -> tuple[torch.Tensor, torch.Tensor]:
+def fold_bn(w: torch.Tensor, b: torch.Tensor | None, bn: torch.nn.BatchNorm2d,
+            dtype: torch.dtype = _F32) -> tuple[torch.Tensor, torch.Tensor]:
     """Eval-mode batch norm folded into a conv's filters and bias, computed in float64 on the
-    weights' device and cast to float32 (contiguous, ordinary tensors even under inference_mode)."""
+    weights' device and cast to ``dtype`` (contiguous, ordinary tensors even under inference_mode)."""
     assert bn.running_mean is not None and bn.running_var is not None
     with torch.inference_mode(False), torch.no_grad():
         scale = torch.rsqrt(bn.running_var.double() + bn.eps)
@@ -399,5 +413,5 @@ def fold_bn(w: torch.Tensor, b: torch.Tensor | None, bn: torch.nn.BatchNorm2d) -
         shift = shift * scale
         if bn.bias is not None:
             shift = shift + bn.bias.double()
-        wf = (w.double() * scale.view(-1, 1, 1, 1)).to(_F32).contiguous()
-        return wf, shift.to(_F32).contiguous()
+        wf = (w.double() * scale.view(-1, 1, 1, 1)).to(dtype).contiguous()
+        return wf, shift.to(dtype).contiguous()

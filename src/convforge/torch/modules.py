@@ -9,10 +9,16 @@ Paths of one forward call, cheapest first:
   weight version (``weight._version``, address and tensor: backends/base.py ``FilterCache``), so
   no filter transform runs per call;
 - training or torch.compile: the ``convforge::conv2d`` op (autograd formula, fake impl);
-- what convforge does not run (CPU tensors, dtypes other than float32, padding modes other than
-  zeros): PyTorch's own forward. Grouped and depthwise layers run convforge's (the depthwise
-  family, grouped direct and GEMM kernels); an input in channels_last memory format is made NCHW
-  contiguous first (a copy: the kernels read NCHW).
+- half precision: layers of a ``.half()`` / ``.bfloat16()`` model run in their dtype, and inside a
+  CUDA ``torch.autocast`` region (float16 or bfloat16) a float32 layer runs in the autocast dtype
+  as PyTorch's would (input, filters and bias cast to it; the cast filters cached per weight
+  version in inference), through the same paths (half calls miss the C++ fast path, which takes
+  float32 only, and take the Python one); a half layer no convforge variant serves (grouped ones
+  whose families take float32 only) falls back to PyTorch through the op, logged once;
+- what convforge does not run (CPU tensors, dtypes other than float32, float16 and bfloat16,
+  mixed dtypes, padding modes other than zeros): PyTorch's own forward. Grouped and depthwise
+  layers run convforge's (the depthwise family, grouped direct and GEMM kernels); an input in
+  channels_last memory format is made NCHW contiguous first (a copy: the kernels read NCHW).
 
 A CUDA graph captured from eager inference replays the filters transformed before capture (the
 transform is not in the graph; it is re-run into the same buffer by the next eager call after an
@@ -24,6 +30,7 @@ layers first used under capture, contain the whole plan and see every weight upd
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +46,36 @@ from convforge.torch.ops import OP as _OP  # the overload itself: no packet reso
 log = logging.getLogger("convforge")
 OPTIONS = ("algo", "precision", "max_error", "static_weights")
 _F32 = torch.float32
+_HALF = (torch.float16, torch.bfloat16)
 _CAPTURING = torch.cuda.is_current_stream_capturing
+
+
+def _autocast_probe() -> Any:
+    """``() -> bool``: whether a CUDA autocast region is active (torch >= 2.4 spells the device)."""
+    try:
+        torch.is_autocast_enabled("cuda")
+    except TypeError:  # older torch: the argument-less form answers for CUDA
+        return torch.is_autocast_enabled
+    return lambda: torch.is_autocast_enabled("cuda")
+
+
+_AUTOCAST = _autocast_probe()
+
+
+def autocast_dtype() -> torch.dtype:
+    """The dtype of the active CUDA autocast region."""
+    get = getattr(torch, "get_autocast_dtype", None)
+    return get("cuda") if get is not None else torch.get_autocast_gpu_dtype()
+
+
+def compute_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype | None:
+    """The dtype convforge runs a conv of ``x`` and ``w`` in, or None (PyTorch's forward runs it):
+    inside a CUDA autocast region of float16 or bfloat16 that dtype (as autocast casts
+    convolutions); otherwise x's dtype when w has it too (float32, float16, bfloat16)."""
+    if _AUTOCAST():
+        dt = autocast_dtype()
+        return dt if dt in _HALF else None
+    return x.dtype if x.dtype == w.dtype and (x.dtype == _F32 or x.dtype in _HALF) else None
 
 
 def static_reason(m: torch.nn.Conv2d, on_cuda: bool = True) -> str | None:
@@ -47,8 +83,8 @@ def static_reason(m: torch.nn.Conv2d, on_cuda: bool = True) -> str | None:
     off the GPU count as a reason)."""
     if m.padding_mode != "zeros":
         return f"padding_mode={m.padding_mode!r} (convforge pads with zeros)"
-    if m.weight.dtype != torch.float32:
-        return f"dtype {str(m.weight.dtype).replace('torch.', '')} (convforge runs float32)"
+    if m.weight.dtype != torch.float32 and m.weight.dtype not in _HALF:
+        return f"dtype {str(m.weight.dtype).replace('torch.', '')} (convforge runs float32, float16 and bfloat16)"
     if on_cuda and m.weight.device.type != "cuda":
         return f"parameters on {m.weight.device} (convforge runs CUDA tensors: convert after model.cuda())"
     return None
@@ -131,8 +167,45 @@ class Conv2d(torch.nn.Conv2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, b = read_tensor(self, "_parameters", "weight"), read_tensor(self, "_parameters", "bias")
         if (not x.is_cuda or x.dtype != _F32 or x.dim() != 4 or not w.is_cuda or w.dtype != _F32
-                or self.padding_mode != "zeros"):  # static_reason's tests, inline
+                or self.padding_mode != "zeros" or _AUTOCAST()):  # static_reason's tests, inline
+            return self._other_forward(x, w, b)
+        return self._forward(x, w, b)
+
+    def _other_forward(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        """Half precision (a half layer, or an autocast region: input, filters and bias cast to its
+        dtype) through :meth:`_forward`; anything else through PyTorch's forward."""
+        dt = compute_dtype(x, w)
+        if (dt is None or not x.is_cuda or x.dim() != 4 or not w.is_cuda or self.padding_mode != "zeros"
+                or (b is not None and b.dtype != w.dtype)):
             return super().forward(x)
+        if x.dtype != dt:
+            x = x.to(dt)
+        return self._forward(x, self._cast(w, dt), None if b is None else self._cast(b, dt))
+
+    def _cast(self, t: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+        """``t`` (a parameter) as ``dt``: itself when it is; differentiable when a gradient is
+        needed; else cached per tensor, address, version and dtype (inference tensors, and
+        CUDA-graph captures, which record the cast: cast per call)."""
+        if t.dtype == dt:
+            return t
+        if (torch.is_grad_enabled() and t.requires_grad) or torch.compiler.is_compiling():
+            return t.to(dt)
+        key = ("cast", t.data_ptr(), dt)
+        try:
+            version = t._version
+        except RuntimeError:  # an inference tensor has no version counter
+            return t.to(dt)
+        hit = self._cf_cache.get(key)
+        if hit is not None and hit[0] == version and hit[1]() is t and not _CAPTURING():
+            return hit[2]  # type: ignore[no-any-return]
+        with torch.no_grad():
+            cast = t.to(dt)
+        if not _CAPTURING():
+            self._cf_cache[key] = (version, weakref.ref(t), cast)
+        return cast
+
+    def _forward(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        """The conv on CUDA tensors of one dtype (float32, float16 or bfloat16) through convforge."""
         pad = padding_quad(self)
         if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
                 x.requires_grad or w.requires_grad or (b is not None and b.requires_grad))):
@@ -157,7 +230,7 @@ class Conv2d(torch.nn.Conv2d):
             return run(x, w, b)  # no filter steps, or a capture that records the whole plan
         packed = filters.get(w, w.data_ptr())
         y = run(x, w, b) if packed is None else run(x, w, b, packed)
-        if native is not None and not _CAPTURING():
+        if native is not None and x.dtype == _F32 and not _CAPTURING():  # the C++ path takes float32 only
             api.file_native(run, (x, *call[1:]))
         return y
 
@@ -178,7 +251,7 @@ class Conv2d(torch.nn.Conv2d):
         runs it (PyTorch then does). ``calibrate`` compares two bounds with it."""
         try:
             spec = ConvSpec.from_shapes(tuple(x_shape), tuple(self.weight.shape), tuple(self.stride),
-                                        padding_quad(self), tuple(self.dilation), self.groups)
+                                        padding_quad(self), tuple(self.dilation), self.groups, dtype=self.weight.dtype)
             return spec, dispatch.choose(spec, get_backend("cuda", device), Epilogue(self.bias is not None),
                                          algo=self.algo, precision=self.precision, max_error=max_error)
         except ValueError:
@@ -188,7 +261,7 @@ class Conv2d(torch.nn.Conv2d):
         """The runner for this input signature (its ``filters`` cache the filter-derived
         workspace per weight version), or None when no convforge variant runs the layer (the op
         then falls back to PyTorch and logs it)."""
-        key = (x.shape, x.device, config.precision, config.max_error, config.autotune, config.db_path)
+        key = (x.shape, x.dtype, x.device, config.precision, config.max_error, config.autotune, config.db_path)
         try:
             return self._cf_cache[key]
         except KeyError:
@@ -198,7 +271,7 @@ class Conv2d(torch.nn.Conv2d):
     def _runner(self, x: torch.Tensor, pad: tuple[int, int, int, int]) -> Any:
         try:
             spec = ConvSpec.from_shapes(tuple(x.shape), tuple(self.weight.shape), tuple(self.stride), pad,
-                                        tuple(self.dilation), self.groups)
+                                        tuple(self.dilation), self.groups, dtype=x.dtype)
             dev = x.device.index or 0
             return dispatch.runner(None, spec, get_backend("cuda", dev), Epilogue(self.bias is not None), "torch",
                                    dev, algo=self.algo, precision=self.precision, max_error=self.max_error)

@@ -73,6 +73,9 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
                    "not with --suite or --spec")
     p.add_argument("--batch", type=int, help="batch size of --net (default 1); only with --net: a --spec or "
                    "--suite layer carries its own N")
+    from convforge.cli import add_dtype_argument
+
+    add_dtype_argument(p)
     p.add_argument("--model", action="append", metavar="NAME[:BATCH]",
                    help="tune a torchvision model's convs as `bench --model` runs them (repeatable): converted "
                         "(and fused, where convforge.torch.fuse exists), each layer with its real epilogue, in "
@@ -92,6 +95,10 @@ def _layers(args: argparse.Namespace) -> list[tuple[str, ConvSpec]]:
             out.append((str(name), spec))
     for i, text in enumerate(args.spec):
         out.append((f"spec{i + 1}", ConvSpec.parse(text)))
+    if getattr(args, "dtype", None):
+        from convforge.cli import with_dtype
+
+        out = [(name, with_dtype(spec, args.dtype)) for name, spec in out]
     if args.limit is not None:
         out = out[: args.limit]
     if not out:
@@ -278,9 +285,11 @@ def _tune_models(args: argparse.Namespace, console: Any, budget: Budget, how: An
     if args.db is not None:
         config.db_path = args.db
         clear_choices()
+    dtype = getattr(args, "dtype", None) or "float32"
+    extra = {} if dtype == "float32" else {"dtype": dtype}
     if how is not None:
-        return tune_models(args.model, console, budget, how=how, args=args)
-    return tune_models(args.model, console, budget)
+        return tune_models(args.model, console, budget, how=how, args=args, **extra)
+    return tune_models(args.model, console, budget, **extra)
 
 
 def _setup_logging(verbose: bool) -> None:

@@ -188,7 +188,7 @@ class _Bench:
                 except Exception as err:  # noqa: BLE001 - try the next exact variant
                     log.info("verifier %s unusable on %s: %s", v.name, self.spec.short(), err)
                     continue
-                if rel_l2(self._judged(out), self.ref) <= v.tolerance and not np.isnan(out).any():
+                if rel_l2(self._judged(out), self.ref) <= exe.plan.tolerance and not np.isnan(out).any():
                     self._rest, self.verifier = out[self.n_ref:].astype(np.float64), v.name
                     break
             else:
@@ -272,21 +272,22 @@ class Tuner:
                 log.warning("could not store the tuning result in %s: %s", self.db.path, err)
         return TuneResult(spec, epilogue, entry, best.variant, best.params, False, cands)
 
-    def bound(self, ok: Sequence[Candidate]) -> float:
+    def bound(self, ok: Sequence[Candidate], dtype: str = "float32") -> float:
         """The largest measured error admitted on this layer: ``max_error`` when set; 1e-3 for
         'relaxed'; for 'fp32' 5e-6, or FP32_SLACK x the most accurate candidate's error where
-        even that exceeds 5e-6 (very long reductions)."""
+        even that exceeds 5e-6 (very long reductions). Half storage (``dtype``) rounds every
+        output: there each class also admits FP32_SLACK x the most accurate candidate's error."""
         if self.max_error is not None:
             return self.max_error
         limit = PRECISIONS[self.precision]
-        if self.precision == "fp32":
+        if self.precision == "fp32" or dtype != "float32":
             least = min((c.error for c in ok if c.error is not None), default=limit)
             limit = max(limit, FP32_SLACK * least)
         return limit
 
     def select(self, spec: ConvSpec, ok: Sequence[Candidate]) -> Candidate:
         """The fastest correct candidate whose measured error the precision rule admits."""
-        bound = self.bound(ok)
+        bound = self.bound(ok, spec.dtype)
         admitted = [c for c in ok if c.error is not None and c.error <= bound]
         if not admitted:
             least = min(ok, key=lambda c: c.error if c.error is not None else INF)

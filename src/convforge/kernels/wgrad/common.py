@@ -72,7 +72,8 @@ def pick_split(tiles: int, threads: int, red: int, device: DeviceInfo, part_byte
     unit as fit at ~128 registers per thread) and keep each running sum within ``accurate`` terms,
     no split shorter than MIN_SLICE terms and no more than WORKSPACE_CAP of partial results
     (``part_bytes`` per split); on CPUs only the accuracy bound. H100, ResNet layers at N32 (split
-    sweeps of scripts/gpu_wgrad.py): the long GEMM reductions were fastest at 1-2 waves, the
+    sweeps, now `convforge bench --pass wgrad --sweep`): the long GEMM reductions were fastest at 1-2
+    waves, the
     Winograd update's short tile reductions at about half a wave (more slices add M traffic and
     per-block overhead)."""
     offered = splits(red)

@@ -56,7 +56,8 @@ from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
 from convforge.spec import ConvSpec
 
 # Relative L2 error measured on PoCL at the GPU defaults' splits, ResNet layers at N = 2-16
-# and on the H100 at N32 and N128 (scripts/gpu_wgrad.py): what the precision rule states before a
+# and on the H100 at N32 and N128 (`convforge bench --pass wgrad` times the same calls): what the
+# precision rule states before a
 # layer is tuned. F(3x3, 2x2) measured 3-9e-7, F(3x3, 4x4) 1.6-4.0e-6: both fp32-grade. F(4x4)'s
 # error grows with the tiles one running sum adds: H100, 64@56² N32 2.6e-6 at 98 tiles, 3.0e-6 at
 # 196, 4.0e-6 at 392 (also 128@28² N32 and 64@56² N128), 5.5e-6 at 784, 7.8e-6 at 1568; so the
