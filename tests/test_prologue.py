@@ -229,3 +229,14 @@ def test_a_nan_input_stays_nan_through_the_prologue_relu(ocl: Any) -> None:
         ocl.synchronize()
         y = ocl.download(bufs["y"], spec.y_shape)
         assert np.isnan(y[0, :, 2:5, 2:5]).all() and not np.isnan(y[0, :, 0, 0]).any(), name
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_prologue_on_half_storage(ocl: Any, dtype: str) -> None:
+    """Half inputs (FP32 arithmetic): the prologue's scale and shift stay float32 buffers."""
+    for name, spec in (("direct", SPECS[1]), ("implicit_gemm", SPECS[0]), ("gemm1x1", SPECS[3])):
+        v = kernels.get_variant(name)
+        hs = dataclasses.replace(spec, dtype=dtype)
+        assert v.applies(hs, ocl.device) is None, name
+        res = check_plan(v.plan_for(hs, v.default(hs, ocl.device), ocl.device, Epilogue(bias=True), FULL), ocl, seed=4)
+        assert res.ok, f"{name} {dtype}: {res}"
