@@ -5,6 +5,8 @@ Skipped (with the reason shown) where there is no CUDA device; scripts/gpu-check
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -47,8 +49,11 @@ def test_residual_epilogue_on_gpu(cuda, name):
     epi = Epilogue(bias=True, relu=True, residual=True)
     ran = 0
     extra = [ConvSpec.make(1, 64, 14, 14, 64, 3, 3, 1, 1), ConvSpec.make(1, 257, 3, 3, 13, 1, 1),  # deep 1x1: split-K
-             ConvSpec.make(2, 37, 5, 5, 11, 5, 5)]  # the filter covers the input: gemm_fc
-    for spec in ODD_SPECS + extra:
+             ConvSpec.make(2, 37, 5, 5, 11, 5, 5),  # the filter covers the input: gemm_fc
+             ConvSpec.make(2, 24, 13, 17, 24, 3, 3, 2, 1, groups=24),  # depthwise
+             ConvSpec.make(1, 16, 28, 28, 16, 5, 5, 1, 2, groups=16)]
+    dtype = next(d for d in ("float32", "float16", "bfloat16") if d in v.dtypes)  # half-only variants in half
+    for spec in (dataclasses.replace(s, dtype=dtype) for s in ODD_SPECS + extra):
         if v.applies(spec, cuda.device):
             continue
         for i, params in enumerate(sample(v, spec, cuda.device, k=2, seed=5)):

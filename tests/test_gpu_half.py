@@ -24,7 +24,9 @@ pytestmark = pytest.mark.gpu
 HALF = ("float16", "bfloat16")
 SPECS = [ConvSpec.make(2, 3, 13, 17, 5, 3, 3, (1, 2), (1, 0, 2, 1)), ConvSpec.make(2, 64, 28, 28, 64, 3, 3, 1, 1),
          ConvSpec.make(3, 64, 14, 14, 128, 1, 1), ConvSpec.make(1, 3, 27, 29, 4, 11, 11, 4, (2, 1, 0, 3)),
-         ConvSpec.make(1, 512, 7, 7, 512, 3, 3, 1, 1)]
+         ConvSpec.make(1, 512, 7, 7, 512, 3, 3, 1, 1),
+         # a split-K 1x1 (deep, small image) and a fully connected layer (the filter covers the input)
+         ConvSpec.make(2, 512, 7, 7, 128, 1, 1), ConvSpec.make(4, 64, 7, 7, 100, 7, 7)]
 # the CUDA-core families (the tensor-core variants have tests/test_tensorcore_gen.py's GPU tier)
 HALF_NAMES = [v.name for v in all_variants() if set(HALF) <= v.dtypes and "float32" in v.dtypes and "cuda" in v.backends
               and v.family in ("direct", "im2col", "implicit_gemm", "gemm1x1") and "fprop" in v.passes]

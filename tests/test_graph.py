@@ -423,6 +423,25 @@ def test_conv_workspaces_share_one_arena(ocl, monkeypatch) -> None:
         _check(net, g, _x(g, seed))
 
 
+def test_a_network_is_freed_without_the_garbage_collector(ocl) -> None:
+    """No reference cycle holds a network (its device memory) once the last reference goes:
+    calibration builds probe networks one after another and relies on it."""
+    import gc
+    import weakref
+
+    g = load_prototxt(ARENA, seed=5)
+    net = compile(g, batch=2, backend="opencl", error_budget=0)
+    gone = weakref.ref(net)
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        del net
+        assert gone() is None, "a reference cycle keeps the network alive until the collector runs"
+    finally:
+        if was:
+            gc.enable()
+
+
 def test_fold_batchnorm_needs_a_sole_reader() -> None:
     g = load_prototxt(SMALL, seed=4)
     g.nodes.insert(1, Node("tap", "relu", ["c1"], "tap", {}))

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from convforge import conv2d  # noqa: E402
+from convforge.dtypes import HALF_TOLERANCE  # noqa: E402
 from convforge.kernels import check_params, get_variant  # noqa: E402
 from convforge.reference import conv2d_ref, rel_l2  # noqa: E402
 from convforge.spec import ConvSpec  # noqa: E402
@@ -56,7 +57,8 @@ def conv_args(draw):  # type: ignore[no-untyped-def]
         x = np.ascontiguousarray(x.transpose(0, 1, 3, 2)).transpose(0, 1, 3, 2)
     bias = None
     if draw(st.booleans()):
-        bias = rng.standard_normal(draw(_mostly(st.just(k), st.just(k + 1)))).astype(np.float32)
+        bias = rng.standard_normal(draw(_mostly(st.just(k), st.just(k + 1)))).astype(
+            draw(_mostly(st.just(dtype), st.just(np.float32))))
     kw = dict(stride=draw(STRIDES), padding=draw(PADS), dilation=draw(_mostly(st.sampled_from([1, 1, 2]), STRIDES)),
               algo=draw(_mostly(st.sampled_from(ALGOS[:-1]), st.just("nosuch"))), relu=draw(st.booleans()))
     kind = draw(st.sampled_from(["none"] * 4 + ["default", "partial", "unknown", "bad value", "not a dict"]))
@@ -98,14 +100,16 @@ def test_conv2d_matches_reference_or_raises_clearly(ocl, args) -> None:  # type:
         hypothesis.event(f"error: {type(err).__name__}: {str(err)[:40]}")
         return
     hypothesis.event("ran and compared")
-    assert spec is not None and x.dtype == np.float32 and x.flags.c_contiguous, "accepted a bad call"
+    assert spec is not None and x.dtype in (np.float32, np.float16) and x.flags.c_contiguous, "accepted a bad call"
+    assert wt.dtype == x.dtype and (bias is None or bias.dtype == x.dtype) and y.dtype == x.dtype, "mixed dtypes"
     ref = conv2d_ref(x.astype(np.float64), wt.astype(np.float64), spec)
     if bias is not None:
         ref = ref + bias.astype(np.float64)[None, :, None, None]
     if kw["relu"]:
         ref = np.maximum(ref, 0.0)
     assert y.shape == ref.shape and np.all(np.isfinite(y))
-    assert rel_l2(y, ref) <= 1e-4, (kw, params, rel_l2(y, ref))
+    tol = 1e-4 if x.dtype == np.float32 else HALF_TOLERANCE["float16"]  # half: output rounding, FP32 sums
+    assert rel_l2(y.astype(np.float64), ref) <= tol, (kw, params, rel_l2(y.astype(np.float64), ref))
 
 
 SPEC_KEYS = ["N", "C", "H", "W", "K", "R", "S", "n", "stride", "pad", "dilation", "strde", "padding", "", "x"]

@@ -30,6 +30,7 @@ SCRIPTS = {
     "lint": "bash (and .ci/run runs it)",
     "multi_compare.py": "help (scripts/gpu-multi runs it)",
     "ncu_layer.py": "help (scripts/gpu-ncu runs it)",
+    "net_error_trace.py": "help (CUDA with torch: it compares with PyTorch FP32)",
     "sass_loads.py": "help, and test_sass_loads_runs_on_the_cpu",
 }
 NEEDS = {"host_cost.py": ("torch", "cupy")}  # modules a script imports at its top

@@ -151,12 +151,24 @@ def test_convert_swaps_in_place_and_reports_what_it_left():
                                 Odd(4, 4, 1), torch.nn.Conv2d(4, 4, 1).double())
     report = ct.convert(model)
     text = str(report)
-    assert "2" in report.converted and "reflect" in report.left["3"]  # grouped layers run convforge's
-    assert "Odd" in report.left["4"] and "float64" in report.left["5"]
-    assert "cpu" in report.left["0"]  # parameters on the CPU: left to PyTorch, and said why
+    assert "reflect" in report.left["3"] and "Odd" in report.left["4"] and "float64" in report.left["5"]
+    assert "cpu" in report.left["0"] and "cpu" in report.left["2"]  # CPU parameters: left, and said why
     assert "left to PyTorch" in text
     with pytest.raises(TypeError, match="allowed"):
         ct.convert(model, algoo="direct")
+
+
+def test_convert_runs_grouped_layers_on_cuda():
+    """Grouped and depthwise layers are convforge's once the model is on a CUDA device."""
+    torch = _torch()
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: convert() leaves CPU parameters to PyTorch")
+    import convforge.torch as ct
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Conv2d(8, 8, 3, groups=2),
+                                torch.nn.Conv2d(8, 8, 3, groups=8)).cuda()
+    report = ct.convert(model)
+    assert report.converted == ["0", "1", "2"] and not report.left, str(report)
 
 
 def test_convert_shares_parameters_when_it_swaps():

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from convforge.calibrate import CalibrationReport, Candidate, calibrate_layers, check_settings
+from convforge.calibrate import TIGHT, CalibrationReport, Candidate, calibrate_layers, check_settings
 from convforge.config import config
 from convforge.graph.ir import Graph
 from convforge.graph.reference import run_reference
@@ -65,7 +65,7 @@ def calibration_input(graph: Graph, seed: int) -> np.ndarray:
     return np.random.default_rng(seed + CAL_SEED_OFFSET).standard_normal(graph.input_shape).astype(np.float32)
 
 
-def calibrate_network(graph: Graph, backend: Any, *, budget: float = DEFAULT_BUDGET, tight: float = 1e-6,
+def calibrate_network(graph: Graph, backend: Any, *, budget: float = DEFAULT_BUDGET, tight: float = TIGHT,
                       headroom: float = 0.95, seed: int = 0, workspace_limit: int | None = None,
                       fast: Network | None = None, reference: str = "auto") -> Calibrated:
     """Calibrate the network of ``graph`` (after the passes) on ``backend`` (module docstring).

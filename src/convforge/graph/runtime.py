@@ -150,7 +150,10 @@ class Network:
         self._link_kernels()
         self.run_eager()  # compile, allocate workspaces: nothing of that happens in a capture
         backend.synchronize()
-        self._replay, self.captured = self.run_eager, False
+        # the captured graph's replay, or None: enqueue in order (no bound method on self: a network
+        # holds device memory, and a reference cycle would keep it until the garbage collector runs)
+        self._replay: Callable[[], None] | None = None
+        self.captured = False
         if capture:
             self.capture()
 
@@ -366,7 +369,10 @@ class Network:
 
     def replay(self) -> None:
         """The captured launch list (CUDA graph) or the in-order enqueue (OpenCL)."""
-        self._replay()
+        if self._replay is None:
+            self.run_eager()
+        else:
+            self._replay()
 
     def __call__(self, x: np.ndarray) -> dict[str, np.ndarray]:
         """Run on a host batch (rounded to the network's dtype); returns every graph output as

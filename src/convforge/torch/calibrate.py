@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from convforge.calibrate import (  # noqa: F401 - the shared module's names, as this module always had them
+    TIGHT,
     CalibrationReport,
     Candidate,
     PrefixSearch,
@@ -39,7 +40,7 @@ from convforge.torch.modules import Conv2d
 
 
 def calibrate(model: torch.nn.Module, reference: torch.nn.Module, example: torch.Tensor, *, budget: float = 2.0,
-              tight: float = 1e-6, tf32: bool = False, headroom: float = 0.95) -> CalibrationReport:
+              tight: float = TIGHT, tf32: bool = False, headroom: float = 0.95) -> CalibrationReport:
     """Tighten the fewest convforge layers of ``model`` (to ``max_error=tight``) that bring its output
     error on ``example`` within ``budget`` x PyTorch FP32's (module docstring). ``reference``: the
     original PyTorch model with the same parameters; ``tf32``: measure PyTorch's error with TF32 on
