@@ -18,6 +18,7 @@ from convforge.backends.base import Backend
 from convforge.bench import baselines, ceilings, plots, report, runner, sweep
 from convforge.bench.suites import BUILTIN, Layer, SuiteError, load_suite
 from convforge.bench.timing import Timing
+from convforge.calibrate import TIGHT
 from convforge.config import MAX_ERROR_HELP, config, max_error_arg
 
 PRECISION_CHOICES = ("fp32", "relaxed", "both")
@@ -61,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "database before timing (config.autotune on the warm-up call)")
     parser.add_argument("--error-budget", type=_budget_arg, metavar="R",
                         help="with --model: calibrate the fused model first (convforge.torch.calibrate): the "
-                        "fewest layers set to max_error=1e-6 that bring its output error within R x PyTorch's, "
+                        f"fewest layers set to max_error={TIGHT:g} that bring its output error within R x PyTorch's, "
                         "on a separate random input")
     parser.add_argument("--dtype", type=_dtype_arg, metavar="{fp32,fp16,bf16}",
                         help="storage dtype of the layers (half: FP32 accumulation; baseline cuDNN-best of that "

@@ -32,8 +32,8 @@ convforge model's first (warm-up) call, so dispatch tunes every layer with its r
 row's class into the database before anything is timed.
 
 ``--error-budget R``: before the fused rows are timed, ``convforge.torch.calibrate`` sets the fewest
-of the fused model's layers to ``max_error=1e-6`` that bring its output error within 0.95 x R x the class
-baseline's, measured on a SEPARATE random input (seed ``CAL_SEED``, never the input the rows
+of the fused model's layers to ``max_error=5e-7`` (``calibrate.TIGHT``) that bring its output error
+within 0.95 x R x the class baseline's, measured on a SEPARATE random input (seed ``CAL_SEED``, never the input the rows
 report on); the fused rows then carry ``error_budget``, ``tightened`` (how many layers moved),
 ``budget_met`` and, in the JSON, the whole calibration report. Without it nothing changes.
 """
@@ -53,6 +53,8 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+
+from convforge.calibrate import TIGHT
 
 MODELS = {"resnet18": 224, "resnet50": 224, "vgg16": 224, "googlenet": 224, "alexnet": 224, "inception_v3": 299,
           # modern CNNs: grouped (ResNeXt, RegNet) and depthwise (MobileNet, EfficientNet, ShuffleNet, ConvNeXt)
@@ -77,7 +79,8 @@ CLASS_NOTE = ("speed-up and err / baseline are against the row's class baseline:
 TUNED_NOTE = ("convforge figures are TUNED: every layer tuned in its row's precision class into the database "
               "(config.autotune on the warm-up call, each layer with its real epilogue) before timing")
 BUDGET_NOTE = ("convforge_fused rows are CALIBRATED (--error-budget {r:g}): the fewest layers set to "
-               "max_error=1e-6 that bring the output error within 0.95 x {r:g}x the class baseline's on a separate "
+               f"max_error={TIGHT:g} that bring the output error within 0.95 x {{r:g}}x the class baseline's on a "
+               "separate "
                f"random input (seed {CAL_SEED}); rel err is measured on the reported input (seed {SEED})")
 UNTUNED_NOTE = ("convforge figures are not tuned in this run: each layer uses the tuning database's entry where "
                 "it has one (--tune to tune first), else the heuristic")
