@@ -16,6 +16,8 @@ import math
 
 import pytest
 
+from convforge.calibrate import TIGHT
+
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch", reason="GPU tier of convforge.torch.calibrate: torch not installed")
 nn = torch.nn
@@ -94,7 +96,7 @@ def test_budget_2_is_met_on_a_fresh_input(gpu) -> None:
     assert report.bound == 2.0 * report.err_pytorch
     mine, theirs = _errors(fused, model, _x(2))  # a fresh input
     assert mine <= 1.5 * 2.0 * theirs, (mine, theirs, str(report))
-    _check_settings(fused, report, 1e-6)
+    _check_settings(fused, report, TIGHT)
 
 
 def test_a_budget_under_the_fast_error_moves_layers(gpu) -> None:
@@ -105,7 +107,7 @@ def test_a_budget_under_the_fast_error_moves_layers(gpu) -> None:
     x = _x(1)
     loose = ct.calibrate(fused, model, x, budget=1e6)
     assert (loose.forwards, loose.tightened, loose.met) == (1, [], True)
-    assert loose.candidates > 0, f"no layer's choice moves under max_error=1e-6: nothing to calibrate\n{loose}"
+    assert loose.candidates > 0, f"no layer's choice moves under max_error={TIGHT:g}: nothing to calibrate\n{loose}"
     budget = 0.7 * loose.error_before / loose.err_pytorch
     report = ct.calibrate(fused, model, x, budget=budget)
     print(report)
@@ -118,7 +120,7 @@ def test_a_budget_under_the_fast_error_moves_layers(gpu) -> None:
         assert len(report.tightened) == report.candidates and "NOT met" in str(report)
     assert report.forwards <= 4 + math.ceil(math.log2(report.candidates + 1)) + len(report.tightened) + len(
         report.loosened)  # the prefix search, one trial per layer it tightened, a final forward
-    _check_settings(fused, report, 1e-6)
+    _check_settings(fused, report, TIGHT)
     mine, _ = _errors(fused, model, x)  # the model stays in the final setting
     assert mine == pytest.approx(report.error_after, rel=1e-3)
 
