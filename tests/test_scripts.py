@@ -31,6 +31,7 @@ SCRIPTS = {
     "multi_compare.py": "help (scripts/gpu-multi runs it)",
     "ncu_layer.py": "help (scripts/gpu-ncu runs it)",
     "net_error_trace.py": "help (CUDA with torch: it compares with PyTorch FP32)",
+    "train_profile.py": "help (CUDA with torch and torchvision: it profiles a training step)",
     "sass_loads.py": "help, and test_sass_loads_runs_on_the_cpu",
 }
 NEEDS = {"host_cost.py": ("torch", "cupy")}  # modules a script imports at its top

@@ -1,0 +1,75 @@
+"""Where a training step's GPU time goes: PyTorch FP32 against the convforge-converted model, per
+operator (torch.profiler; CUDA with torch and torchvision; a maintainer's tool behind BENCHMARKS'
+training section).
+
+    python scripts/train_profile.py --model resnet50 --batch 32 [--steps 5] [--top 14]
+
+The step is `convforge bench --train`'s (forward, cross-entropy, backward, SGD with momentum, one
+fixed batch, training mode). Each side prints its GPU time per step and the operators that take
+most of it (device time of the kernels each launched, convforge's ops included), so a missed
+training target can say which passes and which PyTorch ops between them hold the time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+from typing import Any
+
+
+def profile(step: Any, steps: int) -> Any:
+    import torch
+
+    for _ in range(3):  # warm-up: compile, autotune, allocate
+        step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
+                                            torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    return prof.key_averages()
+
+
+def report(name: str, events: Any, steps: int, top: int) -> None:
+    """The step's GPU time (kernels only), then the operators that launched the most of it: aten and
+    convforge ops with the device time of the kernels they launched themselves (a kernel counts once)."""
+    per = [(e.key, e.self_device_time_total / steps / 1e3, e.count // steps, str(e.device_type).endswith("CUDA"))
+           for e in events if e.self_device_time_total > 0]
+    total = sum(ms for _, ms, _, kernel in per if kernel)
+    ops = [r for r in per if not r[3]]
+    print(f"\n{name}: {total:.3f} ms of GPU time per step (kernels); by the operator that launched them:")
+    print(f"{'operator':48} {'ms/step':>8} {'share':>6} {'calls':>6}")
+    for key, ms, calls, _ in sorted(ops, key=lambda r: -r[1])[:top]:
+        print(f"{key[:48]:48} {ms:8.3f} {100 * ms / total:5.1f}% {calls:6d}")
+    rest = total - sum(ms for _, ms, _, _ in ops)
+    print(f"{'(kernels without an operator: optimizer, autograd)':48} {rest:8.3f} {100 * rest / total:5.1f}%")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="resnet50")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--top", type=int, default=14)
+    a = ap.parse_args()
+    import torch
+
+    import convforge.torch as ct
+    from convforge.bench import models, training
+
+    torch.backends.cudnn.benchmark = True
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    model = models.build(a.model)
+    if isinstance(model, str):
+        raise SystemExit(f"train_profile: {model}")
+    x, target = training._batch(a.model, a.batch)
+    ref = copy.deepcopy(model).cuda()
+    ours = copy.deepcopy(model).cuda()
+    ct.convert(ours)
+    for name, m in (("PyTorch FP32", ref), ("convforge (converted)", ours)):
+        report(f"{a.model} N{a.batch} {name}", profile(training.step_fn(m, x, target), a.steps), a.steps, a.top)
+
+
+if __name__ == "__main__":
+    main()
