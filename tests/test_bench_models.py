@@ -320,6 +320,9 @@ def test_errors_line_puts_both_errors_side_by_side() -> None:
     line = errors_line({"precision": "relaxed", "logits_error": 2e-4, "torch_logits_error": 5e-4})
     assert line == "logits error vs float64 (relaxed class): convforge 2.00e-04 | PyTorch TF32 5.00e-04 | ratio 0.40"
     assert "PyTorch FP32 1.00e-06" in errors_line({"logits_error": 1e-6, "torch_logits_error": 1e-6})
+    nan = float("nan")  # float16 logits that overflowed on both sides: said so, never 'ratio nan'
+    line = errors_line({"logits_error": nan, "torch_logits_error": nan, "dtype": "float16"})
+    assert "ratio n/a: the logits are not finite" in line and "65504" in line and "ratio nan" not in line
 
 
 def test_torch_baseline_math_switches() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -171,7 +172,8 @@ def summary_line(res: dict[str, Any]) -> str:
 def errors_line(res: dict[str, Any]) -> str:
     """convforge's logits error beside PyTorch's of the same precision class, and their ratio."""
     prec = res.get("precision", "fp32")
-    ours, theirs = res.get("logits_error"), res.get("torch_logits_error")
+    ours: float = res["logits_error"]
+    theirs: float | None = res.get("torch_logits_error")
     dtype = res.get("dtype", "float32")
     what = "PyTorch TF32" if prec == "relaxed" else "PyTorch FP32"
     cls = f"{prec} class"
@@ -180,6 +182,10 @@ def errors_line(res: dict[str, Any]) -> str:
     line = f"logits error vs float64 ({cls}): convforge {ours:.2e} | {what} "
     if theirs is None:
         return line + "n/a (not run)"
+    if not (math.isfinite(ours) and math.isfinite(theirs)):  # say why, not "ratio nan"
+        why = (" (float16 holds magnitudes up to 65504: these weights' activations leave its range; bf16 keeps "
+               "float32's range)" if dtype == "float16" else "")
+        return line + f"{theirs:.2e} | ratio n/a: the logits are not finite{why}"
     ratio = f"{ours / theirs:.2f}" if theirs else "n/a"
     return line + f"{theirs:.2e} | ratio {ratio}"
 
