@@ -81,6 +81,22 @@ def test_calibrate_layers_leaves_the_final_setting_and_counts_forwards() -> None
     assert rep.as_dict()["tightened"][0]["path"] in ("a", "c")
 
 
+def test_a_missed_bound_keeps_only_the_layers_that_help() -> None:
+    """Every candidate tight still misses the aim (a floor of 2.0 no layer can lower): the model
+    keeps the all-tight error within 5 % with the one layer that matters, not all four."""
+    share = {"a": 3.0, "b": 0.01, "c": 0.02, "d": 0.01}
+    cands = [_cand(p, e, f) for p, e, f in (("a", 4e-6, 10), ("b", 3e-6, 40), ("c", 2e-6, 30), ("d", 1e-6, 20))]
+
+    def error_with(paths: frozenset[str]) -> float:
+        return 2.0 + sum(v for p, v in share.items() if p not in paths)
+
+    rep = calibrate_layers(cands, error_with, error_before=2.0 + sum(share.values()), err_reference=1.0,
+                           budget=1.2, headroom=1.0)
+    assert not rep.met and [c.path for c in rep.tightened] == ["a"]
+    assert sorted(c.path for c in rep.loosened) == ["b", "c", "d"] and rep.error_after <= 2.0 * 1.05
+    assert "bound NOT met" in str(rep) and "1 layer(s) kept tight, 3 returned" in str(rep)
+
+
 def test_report_text_names_a_missed_bound() -> None:
     rep = CalibrationReport(2.0, 1e-6, 1e-7, 2e-7, 9e-7, 3e-7, 3, 2, [_cand("conv1", 4e-6, 10)], met=False,
                             skipped={"fc": "why"})

@@ -21,7 +21,10 @@ gives away speed that a network needs. The rule, per network:
 4. the prefix is thinned (:func:`loosen`): each tightened layer, the most FLOPs first (the most
    time to win back), returns to its fast choice when the error stays within the aim without it,
    one forward per layer. The order is a guess at each layer's share of the error; this pass
-   corrects it where the guess was wrong.
+   corrects it where the guess was wrong. When even every candidate tight misses the aim, the
+   bound is not met (the report says so) and the same pass keeps the all-tight error (within
+   ``MISS_SLACK``, 5 %) with the fewest layers tight: a layer whose tightening does not help is not
+   made slower for nothing (VGG-16 on an H100: all 13 convs tight moved the error 3.07 -> 3.01e-6).
 
 Forwards: 1 (the fast setting) + at most 1 + ceil(log2(candidates)) for the search + one per
 layer the search tightened, + 1 to leave the model in the final setting when the last probe was
@@ -41,6 +44,7 @@ from typing import Any
 # pixel), so it does not average out in pooling as PyTorch's does (GoogLeNet on an H100: 4.1x
 # PyTorch FP32's logits error with those layers left fast at a 1e-6 tight bound).
 TIGHT = 5e-7
+MISS_SLACK = 0.05  # a missed bound: how far above the all-tight error the thinned setting may land
 
 
 @dataclass(frozen=True)
@@ -156,8 +160,11 @@ class CalibrationReport:
                  f"{self.candidates} candidate layer(s) set to max_error={self.tight:g} "
                  f"({len(self.loosened)} more tried and returned), {self.forwards} forward(s)"]
         if not self.met:
+            kept = ("the model stays all-tight" if not self.loosened else
+                    f"{len(self.tightened)} layer(s) kept tight, {len(self.loosened)} returned to their fast "
+                    f"choice (all-tight's error within {MISS_SLACK:.0%} without them)")
             lines.append(f"  bound NOT met: even with every candidate at max_error={self.tight:g} the error is "
-                         f"{self.error_after:.2e} > {self.aim:.2e}; the model stays all-tight")
+                         f"{self.error_after:.2e} > {self.aim:.2e}; {kept}")
         lines += [f"  {c.path}: {c.fast} ({c.fast_error:.1e}{' measured' if c.fast_measured else ''}) -> "
                   f"{c.accurate} ({c.accurate_error:.1e})" for c in self.tightened]
         lines += [f"  {path}: not a candidate: {why}" for path, why in self.skipped.items()]
@@ -197,8 +204,8 @@ def calibrate_layers(candidates: Sequence[Candidate], error_with: Callable[[froz
     found = search_prefix(cands, lambda k: error_before if k == 0 else measure(k), aim)
     after = found.error
     keep: frozenset[int] = frozenset(range(found.k))
-    if found.met and found.k:
-        keep, err, _ = loosen(cands[:found.k], measure, aim)
+    if found.k and math.isfinite(found.error):  # met: thin within the aim; missed: keep the all-tight error
+        keep, err, _ = loosen(cands[:found.k], measure, aim if found.met else found.error * (1 + MISS_SLACK))
         after = found.error if err is None else err
     if last[0] != keep:  # the last forward probed another setting: set the final one and run it
         after = measure(keep)
