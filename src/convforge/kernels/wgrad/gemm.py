@@ -51,25 +51,31 @@ from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
 from convforge.spec import ConvSpec
 
 
-def dy_operand(spec: ConvSpec) -> Operand:
-    """A = dY of group ``bz`` as a kg x N*P*Q matrix: row k, column n*PQ + pq at
-    yg[n * K*PQ + k * PQ + pq]; float4 along the pixels when P*Q is a multiple of 4 (a chunk then
-    stays in one image and is 16-byte aligned)."""
-    pq, kpq = spec.p * spec.q, spec.k * spec.p * spec.q
+def _pixel_operand(buf: str, rows: int, image: int) -> Operand:
+    """A per-group operand whose fast index k runs over N x ``rows`` pixels of NCHW data: row i of
+    the tile starts at ``i * rows``, element k sits at ``buf[(k / rows) * image + i*rows + k % rows]``
+    (``image``: one image's stride); float4 along the pixels when ``rows`` is a multiple of 4 (a
+    chunk then stays in one image and is 16-byte aligned)."""
 
     def setup(i: str, t: str) -> list[str]:
-        return [f"const int {t}_o = {i} * {pq};"]
+        return [f"const int {t}_o = {i} * {rows};"]
 
     def at(t: str, k: str) -> str:
-        return f"(({k}) / {pq}) * {kpq} + {t}_o + ({k}) % {pq}"
+        return f"(({k}) / {rows}) * {image} + {t}_o + ({k}) % {rows}"
 
     def load(t: str, k: str, d: str) -> list[str]:
-        return [f"{d} = yg[{at(t, k)}];"]
+        return [f"{d} = {buf}[{at(t, k)}];"]
 
     def vload(t: str, k: str, d: str) -> list[str]:
-        return [f"{d} = VLOAD4(0, yg + {at(t, k)});"]
+        return [f"{d} = VLOAD4(0, {buf} + {at(t, k)});"]
 
-    return Operand(load=load, fast="k", setup=setup, vload=vload if pq % 4 == 0 else None)
+    return Operand(load=load, fast="k", setup=setup, vload=vload if rows % 4 == 0 else None)
+
+
+def dy_operand(spec: ConvSpec) -> Operand:
+    """A = dY of group ``bz`` as a kg x N*P*Q matrix: row k, column n*PQ + pq at
+    yg[n * K*PQ + k * PQ + pq]; float4 along the pixels when P*Q is a multiple of 4."""
+    return _pixel_operand("yg", spec.p * spec.q, spec.k * spec.p * spec.q)
 
 
 def im2col_t_operand(spec: ConvSpec) -> Operand:
@@ -102,21 +108,7 @@ def im2col_t_operand(spec: ConvSpec) -> Operand:
 def x_operand(spec: ConvSpec) -> Operand:
     """B = X^T of group ``bz`` for a stride-1 unpadded 1x1 layer: row n*HW + pix, column c is
     xg[n * C*HW + c * HW + pix]; float4 along the pixels when H*W is a multiple of 4."""
-    hw, chw = spec.h * spec.w, spec.c * spec.h * spec.w
-
-    def setup(i: str, t: str) -> list[str]:
-        return [f"const int {t}_o = {i} * {hw};"]
-
-    def at(t: str, k: str) -> str:
-        return f"(({k}) / {hw}) * {chw} + {t}_o + ({k}) % {hw}"
-
-    def load(t: str, k: str, d: str) -> list[str]:
-        return [f"{d} = xg[{at(t, k)}];"]
-
-    def vload(t: str, k: str, d: str) -> list[str]:
-        return [f"{d} = VLOAD4(0, xg + {at(t, k)});"]
-
-    return Operand(load=load, fast="k", setup=setup, vload=vload if hw % 4 == 0 else None)
+    return _pixel_operand("xg", spec.h * spec.w, spec.c * spec.h * spec.w)
 
 
 def dw_store(spec: ConvSpec, mode: str) -> Store:
