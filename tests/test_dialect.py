@@ -148,6 +148,7 @@ def test_opencl_program_comes_back_from_disk(ocl, tmp_path, monkeypatch):
     src = render([k], "opencl")
     be = OpenCLBackend()
     be.disk = DiskCache(tmp_path)
+    be.keeps_binaries = True  # what a GPU driver's back-end does; PoCL's own cache is tested below
     be.program(src)
     assert len(list(tmp_path.glob("*.bin"))) == 1
     be2 = OpenCLBackend()
@@ -155,6 +156,19 @@ def test_opencl_program_comes_back_from_disk(ocl, tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(be2, "build", lambda s: calls.append(s))
     assert be2.program(src) is not None and not calls, "second back-end should load the cached binary"
+
+
+def test_pocl_programs_are_not_kept_as_binaries(ocl, tmp_path):
+    """PoCL compiles every kernel again for a binary and keeps its own cache by source: we keep none."""
+    from convforge.backends.opencl import OpenCLBackend
+
+    be = OpenCLBackend()
+    if "portable computing language" not in be.cl_device.platform.name.lower():
+        pytest.skip(f"not PoCL: {be.cl_device.platform.name}")
+    be.disk = DiskCache(tmp_path)
+    k = Kernel("one", (Buf("y", readonly=False),), "    y[0] = 2.0f;\n", (1, 1, 1))
+    assert be.program(render([k], "opencl")) is not None
+    assert not be.keeps_binaries and not list(tmp_path.glob("*.bin"))
 
 
 def test_too_small_buffer_is_refused(ocl):
