@@ -1,8 +1,8 @@
 """Where a training step's GPU time goes: PyTorch FP32 against the convforge-converted model, per
 operator (torch.profiler; CUDA with torch and torchvision; a maintainer's tool behind BENCHMARKS'
-training section).
+training section). With --forward: an inference forward, PyTorch FP32 eager against ``fuse()``.
 
-    python scripts/train_profile.py --model resnet50 --batch 32 [--steps 5] [--top 14]
+    python scripts/train_profile.py --model resnet50 --batch 32 [--steps 5] [--top 14] [--forward]
 
 The step is `convforge bench --train`'s (forward, cross-entropy, backward, SGD with momentum, one
 fixed batch, training mode). Each side prints its GPU time per step and the operators that take
@@ -52,6 +52,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--top", type=int, default=14)
+    ap.add_argument("--forward", action="store_true", help="eval-mode forward: PyTorch against fuse()")
     a = ap.parse_args()
     import torch
 
@@ -65,10 +66,26 @@ def main() -> None:
         raise SystemExit(f"train_profile: {model}")
     x, target = training._batch(a.model, a.batch)
     ref = copy.deepcopy(model).cuda()
+    if a.forward:
+        ref.eval()
+        ours, _ = ct.fuse(ref)
+        sides = (("PyTorch FP32 forward", ref), ("convforge fuse() forward", ours))
+        for name, m in sides:
+            report(f"{a.model} N{a.batch} {name}", profile(_forward_fn(m, x), a.steps), a.steps, a.top)
+        return
     ours = copy.deepcopy(model).cuda()
     ct.convert(ours)
     for name, m in (("PyTorch FP32", ref), ("convforge (converted)", ours)):
         report(f"{a.model} N{a.batch} {name}", profile(training.step_fn(m, x, target), a.steps), a.steps, a.top)
+
+
+def _forward_fn(model: Any, x: Any) -> Any:
+    import torch
+
+    def run() -> None:
+        with torch.no_grad():
+            model(x)
+    return run
 
 
 if __name__ == "__main__":

@@ -200,6 +200,53 @@ def test_grouped_op_gradients_match_pytorch(torch_gpu) -> None:
             assert rel_l2(a.cpu().numpy(), e.cpu().numpy()) < 1e-5, spec.short()
 
 
+def _nhwc(spec: ConvSpec) -> ConvSpec:
+    return ConvSpec.make(*spec.x_shape, spec.k, spec.r, spec.s, spec.stride, spec.pad, spec.dilation,
+                         spec.groups, layout="nhwc")
+
+
+@pytest.mark.parametrize("spec", REAL, ids=lambda s: s.key())
+def test_depthwise_nhwc_on_real_layers(cuda, spec) -> None:
+    """depthwise_nhwc's default and two sampled points on MobileNet-v2 and ConvNeXt-T layers in
+    NHWC memory (a slice of the batch checked), bias + residual + ReLU on one of them."""
+    from helpers import sample
+
+    v, s = get_variant("depthwise_nhwc"), _nhwc(spec.with_batch(4))
+    for i, prm in enumerate(sample(v, s, cuda.device, k=2, seed=spec.c)):
+        res = check_plan(v.plan(s, prm, cuda.device, FULL if i == 1 else Epilogue()), cuda, seed=i)
+        assert res.ok, f"{prm.short()} {s.short()}: {res}"
+
+
+def test_channels_last_depthwise_reads_in_place(torch_gpu) -> None:
+    """conv2d and a converted Conv2d on a channels_last input of a depthwise layer: depthwise_nhwc,
+    a channels_last output, float64-exact to fp32; a later NCHW call of the same shape and a
+    strided view of it are not confused with it (the fast-path keys tell them apart)."""
+    torch = torch_gpu
+    import convforge
+    import convforge.torch as ct
+
+    spec = REAL[2].with_batch(2)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x, w, b = (torch.randn(s, device="cuda", generator=g) for s in (spec.x_shape, spec.w_shape, (spec.k,)))
+    want = conv2d_ref(x.cpu().numpy(), w.cpu().numpy(), spec, b.cpu().numpy())
+    xc = x.to(memory_format=torch.channels_last)
+    conv = torch.nn.Conv2d(spec.c, spec.k, spec.r, padding=3, groups=spec.groups).cuda()
+    with torch.no_grad():
+        conv.weight.copy_(w)
+        conv.bias.copy_(b)
+    ct.convert(conv)
+    with torch.no_grad():
+        for _ in range(2):
+            for inp in (xc, x, xc[:, :, :, :]):
+                y = convforge.conv2d(inp, w, b, 1, 3, groups=spec.groups)
+                assert rel_l2(y.cpu().numpy(), want) < 1e-6
+                assert y.is_contiguous(memory_format=torch.channels_last) == (inp is not x)
+                ym = conv(inp)
+                assert rel_l2(ym.cpu().numpy(), want) < 1e-6
+                assert ym.is_contiguous(memory_format=torch.channels_last) == (inp is not x)
+        with pytest.raises(ValueError, match="unsupported layout"):
+            convforge.conv2d(x.transpose(2, 3), w, b, 1, 3, groups=spec.groups)
+
 # -- torchvision models -------------------------------------------------------------------------
 @pytest.fixture
 def vision(torch_gpu):  # type: ignore[no-untyped-def]

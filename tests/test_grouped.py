@@ -66,6 +66,57 @@ def test_depthwise_on_pocl(ocl, spec) -> None:
     _ok(v, spec, gpu, ocl.device, ocl, Epilogue(bias=True, relu=True))
 
 
+
+def _nhwc(spec: ConvSpec) -> ConvSpec:
+    return ConvSpec.make(*spec.x_shape, spec.k, spec.r, spec.s, spec.stride, spec.pad, spec.dilation,
+                         spec.groups, layout="nhwc")
+
+
+@pytest.mark.parametrize("spec", DEPTHWISE, ids=lambda s: s.key())
+def test_depthwise_nhwc_on_pocl(ocl, spec) -> None:
+    """Channels-last activations (x, y and the residual in NHWC memory; check_plan writes and reads
+    them so): sampled points, the GPU default, bias + residual + ReLU."""
+    v, s = get_variant("depthwise_nhwc"), _nhwc(spec)
+    assert v.applies(s, ocl.device) is None and get_variant("depthwise").applies(s, ocl.device)
+    for i, prm in enumerate(sample(v, s, ocl.device, k=2, seed=spec.c)):
+        _ok(v, s, prm, ocl.device, ocl, FULL if i % 2 else Epilogue(), seed=i)
+    _ok(v, s, v.default(s, NOMINAL_CUDA), ocl.device, ocl, FULL, seed=7)
+
+
+def test_depthwise_nhwc_writes_at_a_channel_offset(ocl) -> None:
+    """A concat written in place in NHWC: channel k of pixel (n, p, q) lands at k_offset + k of k_total."""
+    spec = _nhwc(DEPTHWISE[1])
+    v = get_variant("depthwise_nhwc")
+    plan = v.plan(spec, v.default(spec, ocl.device), ocl.device, Epilogue(bias=True, k_total=spec.k + 5, k_offset=3))
+    rng = np.random.default_rng(4)
+    x = rng.uniform(-1, 1, spec.x_shape).astype(np.float32)
+    w = rng.uniform(-1, 1, spec.w_shape).astype(np.float32)
+    b = rng.uniform(-1, 1, spec.k).astype(np.float32)
+    exe = ocl.executable(plan)
+    out = np.full((spec.n, spec.p, spec.q, spec.k + 5), np.nan, np.float32)
+    bufs = {"x": ocl.upload(np.ascontiguousarray(x.transpose(0, 2, 3, 1))), "w": ocl.upload(w),
+            "bias": ocl.upload(b), "y": ocl.upload(out)}
+    exe(bufs)
+    got = ocl.download(bufs["y"], out.shape)
+    ref = conv2d_ref(x, w, spec, b)
+    assert rel_l2(got[..., 3:3 + spec.k].transpose(0, 3, 1, 2), ref) < 1e-6
+    assert np.isnan(got[..., :3]).all() and np.isnan(got[..., 3 + spec.k:]).all()
+
+
+def test_layout_is_part_of_the_spec() -> None:
+    s = _nhwc(DEPTHWISE[0])
+    assert s.key().endswith("_nhwc") and "nhwc" in s.short() and DEPTHWISE[0].key() + "_nhwc" == s.key()
+    assert ConvSpec.parse("N=1,C=6,H=13,W=11,K=6,R=3,S=3,pad=1,groups=6,layout=channels_last") == s
+    assert ConvSpec.from_dict(s.to_dict()) == s
+    with pytest.raises(ValueError, match=r"layout \('nwhc'\) must be one of nchw, nhwc"):
+        ConvSpec.make(1, 2, 3, 3, 2, 1, 1, layout="nwhc")
+    assert get_variant("direct").applies(_nhwc(GROUPED[1]), NOMINAL_CUDA) == \
+        "direct does not read NHWC activations (only NCHW)"
+    assert get_variant("depthwise_nhwc").applies(_nhwc(GROUPED[1]), NOMINAL_CUDA).startswith("only depthwise")
+    assert get_variant("depthwise_nhwc").applies(DEPTHWISE[0], NOMINAL_CUDA) == \
+        "depthwise_nhwc does not read NCHW activations (only NHWC)"
+    assert [v.name for v in select("auto", _nhwc(REAL[2]), NOMINAL_CUDA)] == ["depthwise_nhwc"]
+
 def test_depthwise_writes_at_a_channel_offset(ocl) -> None:
     """A concat written in place: the depthwise store honours k_total / k_offset."""
     spec = DEPTHWISE[2]
@@ -121,10 +172,12 @@ def test_depthwise_dgrad_crops_when_padding_exceeds_the_filter(ocl) -> None:
 
 
 # -- nvcc -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", GROUPED_FPROP + ("direct_shfl", "depthwise"))
+@pytest.mark.parametrize("name", GROUPED_FPROP + ("direct_shfl", "depthwise", "depthwise_nhwc"))
 def test_grouped_compiles_for_sm90(nvcc_ok, name) -> None:
     v = get_variant(name)
-    specs = [s for s in GROUPED + DEPTHWISE[:3] + REAL[1:3] if v.applies(s, NOMINAL_CUDA) is None]
+    candidates = GROUPED + DEPTHWISE[:3] + REAL[1:3]
+    candidates += [_nhwc(c) for c in DEPTHWISE[:3] + REAL[1:3]]
+    specs = [s for s in candidates if v.applies(s, NOMINAL_CUDA) is None]
     assert specs, f"{name} applies to no grouped spec"
     for i, spec in enumerate(specs[:4]):
         for prm in sample(v, spec, NOMINAL_CUDA, k=1, seed=i):
@@ -134,8 +187,11 @@ def test_grouped_compiles_for_sm90(nvcc_ok, name) -> None:
 @pytest.mark.parametrize("spec", REAL, ids=lambda s: s.key())
 def test_depthwise_defaults_compile_clean_on_real_layers(nvcc_ok, spec) -> None:
     """MobileNet-v2 and ConvNeXt-T layers: the untuned default and every pass compile without spills."""
-    for name, p in (("depthwise", "fprop"), ("depthwise_dgrad", "dgrad"), ("depthwise_wgrad", "wgrad")):
-        v, s = get_variant(name), spec.with_pass(p)
+    for name, p in (("depthwise", "fprop"), ("depthwise_dgrad", "dgrad"), ("depthwise_wgrad", "wgrad"),
+                    ("depthwise_nhwc", "nhwc")):
+        v = get_variant(name)
+        s = _nhwc(spec) if p == "nhwc" else spec.with_pass(p)
+        p = "fprop" if p == "nhwc" else p
         if v.applies(s, NOMINAL_CUDA) is None:
             assert_compiles_clean(v, s, v.default(s, NOMINAL_CUDA), NOMINAL_CUDA,
                                   Epilogue(bias=True, relu=True) if p == "fprop" else Epilogue())

@@ -193,7 +193,10 @@ def test_fifo_at_the_database_path_is_refused_without_blocking(tmp_path: Path) -
                                   "CONVFORGE_AUTOTUNE": auto, **env})
         assert res.returncode == 0 and "(1, 1, 1, 1)" in res.stdout, res.stderr[-2000:]
         assert "is a FIFO" in res.stderr  # logged once; the heuristic ran
-    assert _names(tmp_path) == ["cache", "db.fifo"] and _names(tmp_path / "cache") in ([], ["programs"])
+    # nothing beside the FIFO but the program cache (none on PoCL, which keeps its own)
+    names = _names(tmp_path)
+    assert names in (["db.fifo"], ["cache", "db.fifo"]), names
+    assert "cache" not in names or _names(tmp_path / "cache") in ([], ["programs"])
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")

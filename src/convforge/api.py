@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
@@ -108,6 +109,14 @@ def _same_dtype(dtype: str, other: str, what: str) -> None:
                          "bias share one dtype")
 
 
+def _channels_last(x: Any) -> bool:
+    """A torch tensor in channels_last memory format (strides (H*W*C, 1, W*C, C), as
+    ``.to(memory_format=torch.channels_last)`` makes them) that is not also NCHW contiguous (C == 1
+    or 1x1 images are both, and stay NCHW). From the strides: api.py imports no vendor library."""
+    n, c, h, w = x.shape
+    return tuple(x.stride()) == (h * w * c, 1, w * c, c) and not x.is_contiguous()
+
+
 def _check_layout(a: Any, what: str, rank: int) -> None:
     if isinstance(a, np.ndarray) and a.flags.c_contiguous:
         return
@@ -194,8 +203,8 @@ def install_native(module: Any) -> None:
 def _torch_key(x: Any, w: Any, b: Any, stride: Any, padding: Any, dilation: Any, algo: Any, backend: Any,
                workspace_limit: Any, relu: Any, params: Any, precision: Any, max_error: Any,
                groups: Any = 1) -> tuple[Any, ...]:
-    return (type(x), type(w), x.shape, w.shape, x.dtype, w.dtype, x.device, w.device, x.is_contiguous(),
-            w.is_contiguous(),
+    return (type(x), type(w), x.shape, w.shape, x.dtype, w.dtype, x.device, w.device,
+            x.is_contiguous() or x.stride(), w.is_contiguous(),  # strides tell channels_last from other views
             b is None or (type(b), b.shape, b.dtype, b.device, b.is_contiguous()),
             stride, padding, dilation, algo, backend, workspace_limit,
             relu if relu.__class__ is bool else (relu.__class__, relu), params, precision, max_error,
@@ -284,7 +293,10 @@ def _conv2d(x: Any, w: Any, bias: Any, stride: Any, padding: Any, dilation: Any,
     dtype = _check_array(x, "input", 4, kind)
     _same_dtype(dtype, _check_array(w, "weights", 4, kind), "weights")
     spec = _spec(tuple(x.shape), tuple(w.shape), stride, padding, dilation, groups, dtype)
-    _check_layout(x, "input", 4)
+    if kind == "torch" and spec.depthwise and _channels_last(x):
+        spec = dataclasses.replace(spec, layout="nhwc")  # depthwise_nhwc reads it as it lies
+    else:
+        _check_layout(x, "input", 4)
     _check_layout(w, "weights", 4)
     if bias is not None:
         if _kind(bias, "bias") != kind:
@@ -338,8 +350,8 @@ def file_native(run: Any, call: tuple[Any, ...], residual: bool = False) -> None
         from convforge.torch import native
 
         native.load()
-    if _NATIVE is None or not run.exe.fast:
-        return
+    if _NATIVE is None or not run.exe.fast or run.exe.plan.spec.layout != "nchw":
+        return  # the C++ path takes NCHW-contiguous tensors only
     w = call[1]
     held = run.filters.entry(w, w.data_ptr()) if run.filters is not None else None
     _NATIVE.register(*call, run.exe.native_program(), None if held is None else (w, *held), residual)

@@ -82,6 +82,31 @@ def expected(spec: ConvSpec, inputs: dict[str, np.ndarray], epilogue: Epilogue =
     return out
 
 
+_ACTIVATIONS = ("x", "y", "res")  # the buffers a layout rearranges (filters stay KCRS)
+
+
+def stored_shape(spec: ConvSpec, name: str) -> tuple[int, ...]:
+    """The shape of buffer ``name`` in memory: NHWC order for activations of an nhwc spec."""
+    shape = spec.shape_of(name)
+    if spec.layout == "nhwc" and name in _ACTIVATIONS:
+        return (shape[0], shape[2], shape[3], shape[1])
+    return shape
+
+
+def in_layout(spec: ConvSpec, name: str, a: np.ndarray) -> np.ndarray:
+    """A logical (N, C, H, W) array as buffer ``name`` of ``spec`` holds it in memory."""
+    if spec.layout == "nhwc" and name in _ACTIVATIONS:
+        return np.ascontiguousarray(a.transpose(0, 2, 3, 1))
+    return a
+
+
+def from_layout(spec: ConvSpec, name: str, a: np.ndarray) -> np.ndarray:
+    """Buffer ``name`` as read from memory (``stored_shape``) back in logical (N, C, H, W) order."""
+    if spec.layout == "nhwc" and name in _ACTIVATIONS:
+        return np.ascontiguousarray(a.transpose(0, 3, 1, 2))
+    return a
+
+
 def check_plan(plan: Plan, backend: Backend, seed: int | None = None,
                exe: Executable | None = None, batch_slice: int | None = None) -> CheckResult:
     """Run ``plan`` once on fresh random data and compare with the float64 reference.
@@ -94,13 +119,15 @@ def check_plan(plan: Plan, backend: Backend, seed: int | None = None,
     exe = exe or backend.executable(plan)
     for buf, (_, nbytes) in zip(exe.workspace().values(), plan.workspace):
         backend.fill(buf, float("nan"), nbytes)
-    bufs = {name: backend.upload(a if name in ("pscale", "pshift") else to_storage(a, spec.dtype))
+    bufs = {name: backend.upload(a if name in ("pscale", "pshift")
+                                 else to_storage(in_layout(spec, name, a), spec.dtype))
             for name, a in inputs.items()}
     shape = spec.shape_of(spec.output)
     bufs[spec.output] = backend.upload(to_storage(np.full(shape, np.nan, np.float32), spec.dtype))
     exe(bufs)
     backend.synchronize()
-    out = backend.download(bufs[spec.output], shape, spec.dtype)
+    out = from_layout(spec, spec.output, backend.download(bufs[spec.output], stored_shape(spec, spec.output),
+                                                          spec.dtype))
     n = spec.n if batch_slice is None or spec.conv_pass == "wgrad" else min(batch_slice, spec.n)
     got = out if spec.conv_pass == "wgrad" else out[:n]
     ref = expected(spec, inputs, plan.epilogue, n, plan.prologue)

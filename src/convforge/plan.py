@@ -234,6 +234,7 @@ class Variant:
     passes: frozenset[str] = frozenset({"fprop"})  # which of fprop, dgrad, wgrad its plans compute
     dtypes: frozenset[str] = frozenset({"float32"})  # storage dtypes its plans read and write
     grouped: bool = False  # it plans layers of groups > 1 (the depthwise family among them)
+    layouts: frozenset[str] = frozenset({"nchw"})  # activation layouts its kernels index (spec.LAYOUTS)
     # its plan() takes ``prologue=`` (Prologue, applied to the input load); a subclass that defines
     # its own plan() without saying so again takes none (__init_subclass__)
     prologue_ok: bool = False
@@ -252,13 +253,16 @@ class Variant:
             cls.prologue_ok = False  # a new plan() says for itself whether it takes a prologue
 
     def serves(self, spec: ConvSpec) -> str | None:
-        """None when the variant computes ``spec``'s pass, dtype and groups; otherwise why not."""
+        """None when the variant computes ``spec``'s pass, dtype, groups and layout; otherwise why not."""
         if spec.conv_pass not in self.passes:
             return f"{self.name} does not compute {spec.conv_pass} (only {', '.join(sorted(self.passes))})"
         if spec.dtype not in self.dtypes:
             return f"{self.name} does not take {spec.dtype} (only {', '.join(sorted(self.dtypes))})"
         if spec.groups > 1 and not self.grouped:
             return f"{self.name} does not take grouped layers (groups={spec.groups})"
+        if spec.layout not in self.layouts:
+            return f"{self.name} does not read {spec.layout.upper()} activations (only " \
+                   f"{', '.join(sorted(v.upper() for v in self.layouts))})"
         return None
 
     # The widest element offsets its generators write: 32 (``applies`` then refuses a layer with an

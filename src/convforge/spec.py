@@ -66,7 +66,7 @@ def normalize_padding(padding: int | Sequence[int]) -> Quad:
 
 
 _SPEC_TUPLES = ("stride", "pad", "dilation")
-_SPEC_WORDS = ("groups", "dtype", "pass")  # optional keys whose value is one word or int
+_SPEC_WORDS = ("groups", "dtype", "pass", "layout")  # optional keys whose value is one word or int
 _SPEC_KEYS = tuple("NCHWKRS") + _SPEC_TUPLES + _SPEC_WORDS
 
 # The three passes of a convolution layer, as CUTLASS names them: fprop computes y from x and w;
@@ -77,6 +77,18 @@ PASS_OUTPUT = {"fprop": "y", "dgrad": "x", "wgrad": "w"}
 # Storage dtypes; arithmetic accumulates in float32 whatever the storage.
 DTYPES = ("float32", "float16", "bfloat16")
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+# Memory layouts of the activations (x, y and a residual; filters are always KCRS). Shapes stay
+# logical (N, C, H, W) whatever the layout: "nhwc" only says where element (n, c, h, w) lives, as a
+# torch tensor in channels_last memory format holds it.
+LAYOUTS = ("nchw", "nhwc")
+
+
+def parse_layout(value: Any) -> str:
+    """The layout name for ``value`` ('nchw', 'nhwc'; 'channels_last' as nhwc's alias)."""
+    name = {"channels_last": "nhwc", "channels_first": "nchw"}.get(str(value).lower(), str(value).lower())
+    if name not in LAYOUTS:
+        raise ValueError(f"layout ({value!r}) must be one of {', '.join(LAYOUTS)}")
+    return name
 _DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16",
                 "half": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
 
@@ -141,7 +153,8 @@ def _check_extents(spec: ConvSpec) -> None:
 @dataclass(frozen=True)
 class ConvSpec:
     """One pass of a 2-D convolution layer: NCHW input, KCRS filters (C/groups channels each), NKPQ
-    output, stored as ``dtype``; ``conv_pass`` says which of x, w, y is computed from the other two."""
+    output, stored as ``dtype``; ``conv_pass`` says which of x, w, y is computed from the other two;
+    ``layout`` where the activations' elements live (shapes stay NCHW: LAYOUTS)."""
 
     n: int
     c: int
@@ -156,6 +169,7 @@ class ConvSpec:
     dtype: str = "float32"
     groups: int = 1
     conv_pass: str = "fprop"
+    layout: str = "nchw"
 
     def __post_init__(self) -> None:
         for field in ("n", "c", "h", "w", "k", "r", "s"):
@@ -178,6 +192,8 @@ class ConvSpec:
             raise ValueError(f"dtype ({self.dtype!r}) must be one of {', '.join(DTYPES)}")
         if self.conv_pass not in PASSES:
             raise ValueError(f"pass ({self.conv_pass!r}) must be one of {', '.join(PASSES)}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout ({self.layout!r}) must be one of {', '.join(LAYOUTS)}")
         g = self.groups
         if not isinstance(g, int) or isinstance(g, bool) or g <= 0:
             raise ValueError(f"groups ({g!r}) must be a positive int")
@@ -201,11 +217,12 @@ class ConvSpec:
         groups: int = 1,
         dtype: Any = "float32",
         conv_pass: str = "fprop",
+        layout: str = "nchw",
     ) -> ConvSpec:
         """Build a spec from the loose forms users write (ints or pairs, dtype and pass aliases)."""
         return cls(n, c, h, w, k, r, s, _pair("stride", stride), normalize_padding(padding),
                    _pair("dilation", dilation), parse_dtype(dtype), _int_groups(groups),
-                   parse_pass(conv_pass))
+                   parse_pass(conv_pass), parse_layout(layout))
 
     @classmethod
     def from_shapes(
@@ -218,6 +235,7 @@ class ConvSpec:
         groups: int = 1,
         dtype: Any = "float32",
         conv_pass: str = "fprop",
+        layout: str = "nchw",
     ) -> ConvSpec:
         """Spec of conv(x, w) from NCHW and KCRS shapes, checking rank and channels (the filters
         hold C/groups channels each)."""
@@ -233,7 +251,7 @@ class ConvSpec:
             hint = f"; a grouped layer needs groups={c // wc}" if g == 1 and wc and c % wc == 0 else ""
             raise ValueError(f"channel mismatch: input has C={c}, weights have C={wc}, expected {c // g}{per}{hint}"
                              if c % g == 0 else f"groups ({g}) must divide C ({c})")
-        return cls.make(n, c, h, w, k, r, s, stride, padding, dilation, g, dtype, conv_pass)
+        return cls.make(n, c, h, w, k, r, s, stride, padding, dilation, g, dtype, conv_pass, layout)
 
     @property
     def eff_r(self) -> int:
@@ -317,7 +335,8 @@ class ConvSpec:
         st, pd, dl = self.stride, self.pad, self.dilation
         # groups and pass appear only when they are not the defaults, so forward keys stay as they were
         extra = (f"_g{self.groups}" if self.groups > 1 else "") + (
-            f"_{self.conv_pass}" if self.conv_pass != "fprop" else "")
+            f"_{self.conv_pass}" if self.conv_pass != "fprop" else "") + (
+            f"_{self.layout}" if self.layout != "nchw" else "")
         return (f"n{self.n}c{self.c}h{self.h}w{self.w}k{self.k}r{self.r}s{self.s}"
                 f"_st{st[0]}x{st[1]}_pd{pd[0]}.{pd[1]}.{pd[2]}.{pd[3]}_dl{dl[0]}x{dl[1]}_{self.dtype}{extra}")
 
@@ -325,7 +344,8 @@ class ConvSpec:
         """Human-readable one-liner."""
         extra = (f" g{self.groups}" if self.groups > 1 else "") + (
             f" {self.dtype}" if self.dtype != "float32" else "") + (
-            f" {self.conv_pass}" if self.conv_pass != "fprop" else "")
+            f" {self.conv_pass}" if self.conv_pass != "fprop" else "") + (
+            f" {self.layout}" if self.layout != "nchw" else "")
         return (f"N{self.n} C{self.c} {self.h}x{self.w} -> K{self.k} {self.r}x{self.s}"
                 f" /{self.stride[0]}x{self.stride[1]} pad{list(self.pad)} dil{list(self.dilation)}{extra}")
 
@@ -340,18 +360,20 @@ class ConvSpec:
             d["dtype"] = self.dtype
         if self.conv_pass != "fprop":
             d["pass"] = self.conv_pass
+        if self.layout != "nchw":
+            d["layout"] = self.layout
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ConvSpec:
         return cls.make(d["N"], d["C"], d["H"], d["W"], d["K"], d["R"], d["S"],
                         d.get("stride", 1), d.get("pad", 0), d.get("dilation", 1), d.get("groups", 1),
-                        d.get("dtype", "float32"), d.get("pass", "fprop"))
+                        d.get("dtype", "float32"), d.get("pass", "fprop"), d.get("layout", "nchw"))
 
     @classmethod
     def parse(cls, text: str) -> ConvSpec:
         """Parse 'N=1,C=3,H=13,W=13,K=8,R=3,S=3,stride=1,pad=1,dilation=1' (pad may be 1x1 or 0x1x0x1;
-        optional groups=G, dtype=fp16|bf16|fp32, pass=fprop|dgrad|wgrad);
+        optional groups=G, dtype=fp16|bf16|fp32, pass=fprop|dgrad|wgrad, layout=nchw|nhwc);
         an unknown, repeated or malformed item is a ValueError naming it (and the nearest known key)."""
         if not isinstance(text, str):
             raise TypeError(f"spec ({text!r}) must be a string such as 'N=1,C=3,H=13,W=13,K=8,R=3,S=3'")
@@ -365,8 +387,8 @@ class ConvSpec:
             key = _spec_key(key.strip())
             if key in d:
                 raise ValueError(f"spec {text!r} gives {key} twice")
-            if key in ("dtype", "pass"):
-                d[key] = parse_dtype(val) if key == "dtype" else parse_pass(val)
+            if key in ("dtype", "pass", "layout"):
+                d[key] = {"dtype": parse_dtype, "pass": parse_pass, "layout": parse_layout}[key](val)
                 continue
             try:
                 parts = [int(v) for v in val.split("x")]

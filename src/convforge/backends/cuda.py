@@ -534,6 +534,8 @@ def torch_runner(exe: CudaExecutable, device: int) -> Callable[..., Any]:
     lookup = filters.get if filters is not None else None
     needs_res = exe.plan.epilogue.residual
     needs_pro = exe.plan.prologue.affine
+    nhwc = exe.plan.spec.layout == "nhwc"  # y (and res) in channels_last memory format, as x is
+    stored = (shape[0], shape[2], shape[3], shape[1]) if nhwc else shape
 
     def run(x: Any, w: Any, bias: Any = None, derived: Any = None, res: Any = None, pro: Any = None) -> Any:
         xp, wp = x.data_ptr(), w.data_ptr()
@@ -545,17 +547,17 @@ def torch_runner(exe: CudaExecutable, device: int) -> Callable[..., Any]:
             wp = w.data_ptr()
         elif derived is None and lookup is not None and not is_capturing():
             derived = lookup(w, wp)
-        y = x.new_empty(shape)
+        y = x.new_empty(stored).permute(0, 3, 1, 2) if nhwc else x.new_empty(shape)
         if needs_pro:  # (pscale, pshift): float32 CUDA tensors of C contiguous values, the caller's
             if pro is None:
                 raise ValueError(f"{exe.plan.describe()} applies an affine prologue: pass pro=(scale, shift)")
             ptrs = (pro[0].data_ptr(), pro[1].data_ptr())
-            res = None if res is None and not needs_res else _torch_residual(res, x, shape, needs_res)
+            res = None if res is None and not needs_res else _torch_residual(res, x, shape, needs_res, nhwc)
             launch(xp, wp, y.data_ptr(), 0 if bias is None else bias.data_ptr(), stream_of(device),
                    0 if derived is None else derived.data_ptr(), "all" if derived is None else "rest",
                    0 if res is None else res.data_ptr(), ptrs)
         elif res is not None or needs_res:
-            res = _torch_residual(res, x, shape, needs_res)
+            res = _torch_residual(res, x, shape, needs_res, nhwc)
             launch(xp, wp, y.data_ptr(), 0 if bias is None else bias.data_ptr(), stream_of(device),
                    0 if derived is None else derived.data_ptr(), "all" if derived is None else "rest",
                    res.data_ptr())
@@ -637,8 +639,9 @@ def torch_pass_runner(exe: CudaExecutable, device: int) -> Callable[..., Any]:
     return run
 
 
-def _torch_residual(res: Any, x: Any, shape: tuple[int, ...], needed: bool) -> Any:
-    """``res`` as the epilogue reads it: contiguous, of x's dtype, 16-byte aligned, on x's device."""
+def _torch_residual(res: Any, x: Any, shape: tuple[int, ...], needed: bool, nhwc: bool = False) -> Any:
+    """``res`` as the epilogue reads it: contiguous (in channels_last memory format for an NHWC
+    plan), of x's dtype, 16-byte aligned, on x's device."""
     import torch
 
     if not needed:
@@ -648,8 +651,9 @@ def _torch_residual(res: Any, x: Any, shape: tuple[int, ...], needed: bool) -> A
         raise ValueError(f"this plan adds a residual in its epilogue: pass res (a tensor of shape {shape})")
     if tuple(res.shape) != shape:
         raise ValueError(f"res shape {tuple(res.shape)} must equal the output's shape {shape}")
-    if res.dtype != x.dtype or res.device != x.device or not res.is_contiguous():
-        res = res.to(device=x.device, dtype=x.dtype).contiguous()  # .to alone keeps a strided self
+    fmt = torch.channels_last if nhwc else torch.contiguous_format
+    if res.dtype != x.dtype or res.device != x.device or not res.is_contiguous(memory_format=fmt):
+        res = res.to(device=x.device, dtype=x.dtype).contiguous(memory_format=fmt)  # .to alone keeps a strided self
     if res.data_ptr() & 15:
         res = torch.empty_like(res).copy_(res)
     return res

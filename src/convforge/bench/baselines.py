@@ -342,6 +342,9 @@ def _gpu_baselines(spec: ConvSpec, timing: Timing, with_cudnn: bool,
     from convforge.bench import cudnn
 
     sets = pass_sets(spec, timing.sets)
+    layout = spec.layout  # an nhwc layer: every baseline gets channels_last tensors, as convforge's kernel does
+    if layout == "nhwc":
+        sets = [tuple(t.to(memory_format=torch.channels_last) for t in s) for s in sets]  # type: ignore[misc]
     out: list[BaselineResult] = []
     with torch_flags() as set_flags:
         set_flags(tf32=False, benchmark=False)
@@ -349,14 +352,14 @@ def _gpu_baselines(spec: ConvSpec, timing: Timing, with_cudnn: bool,
         set_flags(tf32=False)
         out.append(_torch_variant("torch-pick", "cudnn.benchmark pick", "fp32", spec, sets, ref, timing))
         if with_cudnn and "fp32" in classes:
-            out += cudnn.all_algorithms(spec, sets, ref, timing, math="fma")
+            out += cudnn.all_algorithms(spec, sets, ref, timing, math="fma", layout=layout)
         set_flags(tf32=False, enabled=False)
         out.append(_torch_variant("im2col+cublas", "torch, cuDNN off", "fp32", spec, sets, ref, timing))
         set_flags(tf32=True)
         out.append(_torch_variant("torch-tf32", "cudnn.benchmark pick, TF32", "tf32", spec, sets, ref,
                                   timing))
         if with_cudnn and "relaxed" in classes:
-            out += cudnn.all_algorithms(spec, sets, ref, timing, math="default")
+            out += cudnn.all_algorithms(spec, sets, ref, timing, math="default", layout=layout)
         set_flags(tf32=False)
         if spec.conv_pass == "fprop":  # half-precision context: the forward pass only
             cl = torch.channels_last

@@ -68,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="storage dtype of the layers (half: FP32 accumulation; baseline cuDNN-best of that "
                         "dtype, errors against float64 on the same half inputs); with --model: the model in "
                         "that dtype against PyTorch autocast with channels_last")
+    parser.add_argument("--layout", choices=("nchw", "nhwc"),
+                        help="with --suite: activations in NCHW (default) or NHWC memory on every side (cuDNN gets "
+                        "channels_last tensors); NHWC is read by depthwise_nhwc, so depthwise layers only")
     from convforge.cli import add_pass_option
 
     add_pass_option(parser, allow_all=True, extra=" (--suite): each pass against cuDNN-best of that pass")
@@ -107,6 +110,20 @@ def _with_dtype(layers: list[Layer], dtype: str | None) -> list[Layer]:
         return [dataclasses.replace(la, spec=with_dtype(la.spec, dtype)) for la in layers]
     except ValueError as err:
         raise SuiteError(str(err)) from None
+
+
+def _with_layout(layers: list[Layer], layout: str | None) -> list[Layer]:
+    """The layers with activations in ``layout`` memory; NHWC is for forward depthwise layers only
+    (depthwise_nhwc), others are an error naming the first."""
+    import dataclasses
+
+    if layout in (None, "nchw"):
+        return layers
+    for la in layers:
+        if not la.spec.depthwise or la.spec.conv_pass != "fprop":
+            raise SuiteError(f"--layout {layout}: layer {la.name} ({la.spec.short()}) is not a forward depthwise "
+                             "layer, the only kind convforge reads in NHWC (use --limit or a suite of them)")
+    return [dataclasses.replace(la, spec=dataclasses.replace(la.spec, layout=layout)) for la in layers]
 
 
 def _budget_arg(text: str) -> float:
@@ -225,6 +242,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         return _run_ablation(args, console)
     layers = layer_passes(_with_dtype(load_suite(args.suite, args.limit), getattr(args, "dtype", None)),
                           getattr(args, "conv_pass", None))
+    layers = _with_layout(layers, getattr(args, "layout", None))
     bes = _backends(args)
     kind = _baseline_kind(args, bes)
     env = runner.environment(bes, kind)

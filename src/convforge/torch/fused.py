@@ -50,7 +50,7 @@ from convforge.backends import get_backend
 from convforge.config import config
 from convforge.plan import Epilogue, Prologue
 from convforge.spec import ConvSpec
-from convforge.torch.modules import Conv2d, compute_dtype, padding_quad, read_tensor
+from convforge.torch.modules import Conv2d, compute_dtype, padding_quad, read_tensor, reads_nhwc
 
 _F32 = torch.float32
 _CAPTURING = torch.cuda.is_current_stream_capturing
@@ -185,8 +185,10 @@ class FusedConv2d(Conv2d):
         follows), so a warm call runs it through the native fast path, as ``Conv2d`` does."""
         dt = compute_dtype(x, src[0])
         assert dt is not None  # _folds said so
-        x = x.contiguous() if x.dtype == dt else x.to(dt).contiguous()
-        entry = self._fused_runner(x)
+        entry = self._fused_runner(x, "nhwc") if x.dtype == dt and reads_nhwc(self, x) else None
+        if entry is None:
+            x = x.contiguous() if x.dtype == dt else x.to(dt).contiguous()
+            entry = self._fused_runner(x)
         if entry is None:
             return None
         run, res_in_plan, y_shape = entry
@@ -240,20 +242,22 @@ class FusedConv2d(Conv2d):
             api.file_native(run, call, residual=res_in_plan)
         return y  # type: ignore[no-any-return]
 
-    def _fused_runner(self, x: torch.Tensor) -> tuple[Any, bool, tuple[int, ...]] | None:
-        """(runner, whether its plan adds the residual, output shape) per input signature."""
-        key = ("fused", x.shape, x.dtype, x.device, config.precision, config.max_error, config.autotune,
+    def _fused_runner(self, x: torch.Tensor, layout: str = "nchw") -> tuple[Any, bool, tuple[int, ...]] | None:
+        """(runner, whether its plan adds the residual, output shape) per input signature and layout
+        ("nhwc": a depthwise layer's channels_last input, read in place)."""
+        key = ("fused", x.shape, x.dtype, x.device, layout, config.precision, config.max_error, config.autotune,
                config.db_path)
         try:
             return self._cf_cache[key]  # type: ignore[no-any-return]
         except KeyError:
-            entry = self._cf_cache[key] = self._make_fused_runner(x)
+            entry = self._cf_cache[key] = self._make_fused_runner(x, layout)
             return entry
 
-    def _make_fused_runner(self, x: torch.Tensor) -> tuple[Any, bool, tuple[int, ...]] | None:
+    def _make_fused_runner(self, x: torch.Tensor, layout: str = "nchw") -> tuple[Any, bool, tuple[int, ...]] | None:
         try:
             spec = ConvSpec.from_shapes(tuple(x.shape), tuple(self.weight.shape), tuple(self.stride),
-                                        padding_quad(self), tuple(self.dilation), self.groups, dtype=x.dtype)
+                                        padding_quad(self), tuple(self.dilation), self.groups, dtype=x.dtype,
+                                        layout=layout)
         except ValueError:
             return None
         dev = x.device.index or 0

@@ -18,7 +18,9 @@ Paths of one forward call, cheapest first:
 - what convforge does not run (CPU tensors, dtypes other than float32, float16 and bfloat16,
   mixed dtypes, padding modes other than zeros): PyTorch's own forward. Grouped and depthwise
   layers run convforge's (the depthwise family, grouped direct and GEMM kernels); an input in
-  channels_last memory format is made NCHW contiguous first (a copy: the kernels read NCHW).
+  channels_last memory format is made NCHW contiguous first (a copy: the kernels read NCHW),
+  except for float32 depthwise layers in eager inference, which depthwise_nhwc reads in place and
+  answer in channels_last (ConvNeXt's blocks).
 
 A CUDA graph captured from eager inference replays the filters transformed before capture (the
 transform is not in the graph; it is re-run into the same buffer by the next eager call after an
@@ -218,10 +220,12 @@ class Conv2d(torch.nn.Conv2d):
             y = native(*call)
             if y is not None:
                 return y
-        x = x.contiguous()
+        run = self._prepared(x, pad, "nhwc") if reads_nhwc(self, x) else None
+        if run is None:
+            x = x.contiguous()
+            run = self._prepared(x, pad)
         if not w.is_contiguous():
             w = w.contiguous()
-        run = self._prepared(x, pad)
         if run is None:
             return _OP(x, w, b, list(self.stride), list(pad), list(self.dilation), self.algo, self.precision,
                        self.max_error, self.groups)
@@ -257,26 +261,35 @@ class Conv2d(torch.nn.Conv2d):
         except ValueError:
             return None
 
-    def _prepared(self, x: torch.Tensor, pad: tuple[int, int, int, int]) -> Any:
+    def _prepared(self, x: torch.Tensor, pad: tuple[int, int, int, int], layout: str = "nchw") -> Any:
         """The runner for this input signature (its ``filters`` cache the filter-derived
         workspace per weight version), or None when no convforge variant runs the layer (the op
-        then falls back to PyTorch and logs it)."""
-        key = (x.shape, x.dtype, x.device, config.precision, config.max_error, config.autotune, config.db_path)
+        then falls back to PyTorch and logs it). ``layout``: "nhwc" for a channels_last input
+        of a depthwise layer (``reads_nhwc``), read as it lies."""
+        key = (x.shape, x.dtype, x.device, layout, config.precision, config.max_error, config.autotune,
+               config.db_path)
         try:
             return self._cf_cache[key]
         except KeyError:
-            run = self._cf_cache[key] = self._runner(x, pad)
+            run = self._cf_cache[key] = self._runner(x, pad, layout)
             return run
 
-    def _runner(self, x: torch.Tensor, pad: tuple[int, int, int, int]) -> Any:
+    def _runner(self, x: torch.Tensor, pad: tuple[int, int, int, int], layout: str = "nchw") -> Any:
         try:
             spec = ConvSpec.from_shapes(tuple(x.shape), tuple(self.weight.shape), tuple(self.stride), pad,
-                                        tuple(self.dilation), self.groups, dtype=x.dtype)
+                                        tuple(self.dilation), self.groups, dtype=x.dtype, layout=layout)
             dev = x.device.index or 0
             return dispatch.runner(None, spec, get_backend("cuda", dev), Epilogue(self.bias is not None), "torch",
                                    dev, algo=self.algo, precision=self.precision, max_error=self.max_error)
         except ValueError:
             return None
+
+
+def reads_nhwc(conv: torch.nn.Conv2d, x: torch.Tensor) -> bool:
+    """Whether a float32 depthwise layer gets a channels_last input, which depthwise_nhwc reads in
+    place (ConvNeXt's blocks: no copy into NCHW, and a channels_last output for the permute after)."""
+    return (conv.groups > 1 and conv.groups == conv.in_channels and x.dtype == torch.float32
+            and api._channels_last(x))
 
 
 @dataclass
