@@ -234,7 +234,7 @@ def test_channels_last_depthwise_reads_in_place(torch_gpu) -> None:
     with torch.no_grad():
         conv.weight.copy_(w)
         conv.bias.copy_(b)
-    ct.convert(conv)
+    conv = ct.Conv2d.from_module(conv)
     with torch.no_grad():
         for _ in range(2):
             for inp in (xc, x, xc[:, :, :, :]):

@@ -301,7 +301,8 @@ def layer_passes(layers: list[Layer], choice: str | None) -> list[Layer]:
 def _run_sweep(args: argparse.Namespace, console: Console) -> int:
     """``--sweep``: the points of each ``--algo`` variant's space on every layer, in one precision class
     (relaxed when ``--precision`` names it, so families admit their relaxed variants)."""
-    layers = layer_passes(load_suite(args.suite, args.limit), getattr(args, "conv_pass", None))
+    layers = _with_layout(layer_passes(load_suite(args.suite, args.limit), getattr(args, "conv_pass", None)),
+                          getattr(args, "layout", None))
     be = _backends(args)[0]
     env = runner.environment([be], "none")
     report.print_header(console, env, args.suite, len(layers))
