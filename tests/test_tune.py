@@ -406,3 +406,13 @@ def test_stale_database_entry_falls_back_to_heuristic(backend, tmp_path, monkeyp
         assert choose(SPEC, backend) == heuristic_choice(SPEC, backend.device)
     finally:
         clear_choices()
+
+
+def test_tune_an_nhwc_layer(backend, db) -> None:  # type: ignore[no-untyped-def]
+    """The judge writes and reads NHWC activations as they lie: every point verifies (a judge that
+    ignored the layout would fail them all), and the database keeps the layer under its _nhwc key."""
+    spec = ConvSpec.make(2, 6, 9, 11, 6, 3, 3, stride=2, padding=(1, 0, 1, 1), groups=6, layout="nhwc")
+    res = Tuner(backend, db, Budget(None, 3), variants=[get_variant("depthwise_nhwc")]).tune(spec)
+    assert [c.status for c in res.candidates] == ["ok"] * len(res.candidates) and len(res.candidates) >= 2
+    assert spec.key() in res.entry.key and spec.key().endswith("_nhwc")
+    assert res.entry.error < 1e-6

@@ -124,7 +124,8 @@ def _check_layout(a: Any, what: str, rank: int) -> None:
                   else a.is_contiguous())
     if not contiguous:
         layout = "NCHW" if rank == 4 else "1-D"
-        raise ValueError(f"{what} has an unsupported layout (strides {tuple(a.strides)}): "
+        strides = a.stride() if callable(getattr(a, "stride", None)) else a.strides  # torch: stride(), in elements
+        raise ValueError(f"{what} has an unsupported layout (strides {tuple(strides)}): "
                          f"pass a contiguous {layout} array")
 
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from convforge import __version__
 from convforge.backends.base import Backend, Executable
-from convforge.check import expected, pass_inputs
+from convforge.check import expected, from_layout, in_layout, pass_inputs, stored_shape
 from convforge.config import FP32_SLACK, PRECISIONS, config, precision_key
 from convforge.dtypes import to_storage
 from convforge.params import Params
@@ -149,7 +149,8 @@ class _Bench:
         self.backend, self.spec, self.epi = backend, spec, epi
         inputs = pass_inputs(spec, np.random.default_rng(seed), epi)
         self.out, self.shape = spec.output, spec.shape_of(spec.output)
-        self.bufs: dict[str, Any] = {name: backend.upload(to_storage(a, spec.dtype)) for name, a in inputs.items()}
+        self.bufs: dict[str, Any] = {name: backend.upload(to_storage(in_layout(spec, name, a), spec.dtype))
+                                     for name, a in inputs.items()}
         self.bufs[self.out] = backend.empty(spec.itemsize * int(np.prod(self.shape)))
         per_image = max(1, spec.flops // max(spec.n, 1))
         # wgrad reduces over the batch: only the whole batch has a reference answer
@@ -171,7 +172,7 @@ class _Bench:
             be.fill(buf, float("nan"), nbytes)
         exe(self.bufs)
         be.synchronize()
-        return be.download(self.bufs[self.out], self.shape, spec.dtype)
+        return from_layout(spec, self.out, be.download(self.bufs[self.out], stored_shape(spec, self.out), spec.dtype))
 
     def rest(self) -> np.ndarray:
         """The verified output of the images past the reference's slice, made once by the first
