@@ -129,15 +129,22 @@ def nhwc_body(t: NhwcTile, epi: Epilogue) -> str:
 
 def nhwc_default(spec: ConvSpec, device: DeviceInfo) -> Params:
     """An untuned tile: a warp of consecutive channels (fewer when K is small) per pixel tile, 256
-    threads, 4 outputs along a row and 2 rows where the plane has them (a row segment read once
-    serves 8 outputs); small tiles on a CPU, where PoCL runs one work-item after another."""
+    threads; per thread 4 x 8 outputs for 5x5 and larger filters (a 7x7 row segment of 14 inputs then
+    serves 8 outputs of 4 rows: ConvNeXt-T 96@56 0.063 ms against 0.114 for 2 x 4 on an H100), one
+    row of 4 at stride 2 (the rows two output rows share are fewer), 2 x 4 otherwise (sweep of the
+    grouped suite's depthwise layers, docs/BENCHMARKS.md); small tiles on a CPU, where PoCL runs one
+    work-item after another."""
     if not device.is_gpu:
         return Params(bc=min(spec.k, 4), bt=4, tq=2 if spec.q >= 2 else 1, tp=1)
     bc = min(32, spec.k)
-    tq = 4 if spec.q >= 8 else 2 if spec.q >= 2 else 1
-    tp = 2 if spec.p >= 4 else 1
     bt = max(1, min(256 // bc, device.max_threads // bc))
-    for tq_, tp_ in ((tq, tp), (tq, 1), (2, 1), (1, 1)):
+    if spec.eff_r * spec.eff_s >= 25:
+        tq, tp = min(8, spec.q), min(4, spec.p)
+    elif spec.stride[0] > 1:
+        tq, tp = min(4, spec.q), 1
+    else:
+        tq, tp = min(4, spec.q), min(2, spec.p)
+    for tq_, tp_ in ((tq, tp), (tq, 1), (min(2, tq), 1), (1, 1)):
         t = NhwcTile(spec, bc, bt, tq_, tp_)
         if t.problem(device) is None:
             return Params(bc=bc, bt=bt, tq=tq_, tp=tp_)
