@@ -55,6 +55,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from convforge.calibrate import TIGHT
+from convforge.config import config
 
 MODELS = {"resnet18": 224, "resnet50": 224, "vgg16": 224, "googlenet": 224, "alexnet": 224, "inception_v3": 299,
           # modern CNNs: grouped (ResNeXt, RegNet) and depthwise (MobileNet, EfficientNet, ShuffleNet, ConvNeXt)
@@ -75,7 +76,8 @@ NOTE = ("convforge figures exclude filter transforms (made once per weight versi
         f"(ReLU gain) conv/linear weights, N(0, 0.01^2) biases, identity batch norm, seed {SEED}, the same "
         "weights on every side; rel err is against a float64 run of the same model")
 CLASS_NOTE = ("speed-up and err / baseline are against the row's class baseline: pytorch_fp32 (TF32 off) for "
-              "the fp32 class, pytorch_tf32 for the relaxed class (convforge converted with precision=relaxed)")
+              "the fp32 class, pytorch_tf32 for the relaxed class (convforge converted with precision=relaxed; the "
+              "PyTorch ops it leaves, linear layers among them, with TF32 on as in pytorch_tf32)")
 TUNED_NOTE = ("convforge figures are TUNED: every layer tuned in its row's precision class into the database "
               "(config.autotune on the warm-up call, each layer with its real epilogue) before timing")
 BUDGET_NOTE = ("convforge_fused rows are CALIBRATED (--error-budget {r:g}): the fewest layers set to "
@@ -230,9 +232,12 @@ def bench_model(name: str, batch: int, warmup: int, repeats: int, options: dict[
         *_fused_runs(model, x, warmup, options, reports, error_budget),
     ]
     runs = [run for run in runs if pytorch or run[0].startswith("convforge")]
+    # the PyTorch ops a convforge row leaves in the model (linear layers, norms) run in the row's class:
+    # TF32 matmuls in the relaxed class, as pytorch_tf32 runs them, FP32 otherwise
+    relaxed = (options.get("precision") or config.precision) == "relaxed"
     rows = []
     for impl, make, tf32 in runs:
-        _tf32(tf32)
+        _tf32(tf32 or (relaxed and impl.startswith("convforge")))
         row: dict[str, Any] = dict(model=name, batch=batch, impl=impl, status="ok", ref_spread=spread_)
         try:
             with torch.no_grad():
