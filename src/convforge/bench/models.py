@@ -76,8 +76,8 @@ NOTE = ("convforge figures exclude filter transforms (made once per weight versi
         f"(ReLU gain) conv/linear weights, N(0, 0.01^2) biases, identity batch norm, seed {SEED}, the same "
         "weights on every side; rel err is against a float64 run of the same model")
 CLASS_NOTE = ("speed-up and err / baseline are against the row's class baseline: pytorch_fp32 (TF32 off) for "
-              "the fp32 class, pytorch_tf32 for the relaxed class (convforge converted with precision=relaxed; the "
-              "PyTorch ops it leaves, linear layers among them, with TF32 on as in pytorch_tf32)")
+              "the fp32 class, pytorch_tf32 for the relaxed class (convforge converted with precision=relaxed, "
+              "its PyTorch ops with TF32)")
 TUNED_NOTE = ("convforge figures are TUNED: every layer tuned in its row's precision class into the database "
               "(config.autotune on the warm-up call, each layer with its real epilogue) before timing")
 BUDGET_NOTE = ("convforge_fused rows are CALIBRATED (--error-budget {r:g}): the fewest layers set to "
