@@ -26,7 +26,11 @@ from convforge.spec import ConvSpec
 TINY = [ConvSpec.make(1, 3, 13, 11, 5, 3, 3, 1, (0, 1, 1, 0)), ConvSpec.make(2, 8, 9, 9, 4, 1, 1),
         ConvSpec.make(1, 2, 27, 27, 3, 11, 11, 4, 1),
         ConvSpec.make(1, 37, 13, 7, 70, 3, 3, 1, (0, 1, 2, 1)),  # C=37: split-C with an edge stage
-        ConvSpec.make(2, 70, 9, 9, 36, 3, 3, 1, 1)]  # C=70: the non-fused split GEMM (ks 2)
+        ConvSpec.make(2, 70, 9, 9, 36, 3, 3, 1, 1),  # C=70: the non-fused split GEMM (ks 2)
+        ConvSpec.make(2, 6, 11, 9, 6, 3, 3, 2, (1, 0, 1, 1), groups=3),  # grouped, stride 2, asymmetric pad
+        ConvSpec.make(2, 8, 13, 11, 16, 3, 3, 1, 1, groups=8),  # depthwise, multiplier 2
+        ConvSpec.make(2, 8, 13, 11, 8, 7, 7, 1, 3, groups=8, layout="nhwc"),  # channels-last depthwise 7x7
+        ConvSpec.make(1, 5, 12, 12, 5, 3, 3, 2, 1, groups=5, layout="nhwc")]
 LAYERS = {
     "resnet64@56 N32": ConvSpec.make(32, 64, 56, 56, 64, 3, 3, 1, 1),
     "resnet128@28 N32": ConvSpec.make(32, 128, 28, 28, 128, 3, 3, 1, 1),
