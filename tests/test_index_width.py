@@ -45,10 +45,11 @@ def _elements(plan: Plan) -> dict[str, int]:
 
 
 def _served(v: Variant, spec: ConvSpec) -> ConvSpec:
-    """``spec`` in a pass and dtype ``v`` computes (float32 where it can), depthwise for the depthwise
-    family: each variant meets the big layers in a form it would otherwise take."""
+    """``spec`` in a pass, dtype and layout ``v`` computes (float32 and NCHW where it can), depthwise for
+    the depthwise family: each variant meets the big layers in a form it would otherwise take."""
     dtype = "float32" if "float32" in v.dtypes else sorted(v.dtypes)[0]
-    spec = dataclasses.replace(spec, conv_pass=sorted(v.passes)[0], dtype=dtype)
+    layout = "nchw" if "nchw" in v.layouts else sorted(v.layouts)[0]
+    spec = dataclasses.replace(spec, conv_pass=sorted(v.passes)[0], dtype=dtype, layout=layout)
     if v.family == "depthwise":
         spec = dataclasses.replace(spec, k=spec.c, groups=spec.c)
     return spec
