@@ -405,6 +405,14 @@ def test_bench_grouped_prints_bandwidth(ocl, tmp_path: Path, capsys) -> None:  #
     row = json.loads((out / "results.json").read_text())["rows"][0]
     assert row["ok"] and row["spec"]["groups"] == 8 and row["min_bytes"] == 4 * (2 * 8 * 256 * 2 + 8 * 25)
     assert row["gbs"] > 0 and row["pct_copy"] > 0
+    # the same layer in NHWC memory: depthwise_nhwc, checked in that layout; a non-depthwise layer is refused
+    rc, text = run_main(["bench", "--suite", str(f), "--layout", "nhwc", "--backend", "opencl", "--baseline", "none",
+                         "--out", str(out), "--quick-ceilings", "--repeats", "2", "--warmup", "1"], capsys)
+    assert rc == 0, text
+    row = json.loads((out / "results.json").read_text())["rows"][0]
+    assert row["ok"] and row["spec"]["layout"] == "nhwc" and row["algo"].startswith("depthwise_nhwc"), row
+    rc, text = run_main(["bench", "--suite", "resnet", "--layout", "nhwc", "--backend", "opencl"], capsys)
+    assert rc != 0 and "is not a forward depthwise layer" in text, text
 
 
 def test_bench_models_know_the_modern_cnns() -> None:
