@@ -139,3 +139,41 @@ def test_promotion_keeps_3xtf32_fp32_grade(hopper):
                      seed=5).rel_err
     print(f"3xTF32 C*R*S = 4608: promoted {err:.2e}, not promoted {raw:.2e}")
     assert err <= 5e-6
+
+
+def _cl(spec: ConvSpec, dtype: str = "float32") -> ConvSpec:
+    return ConvSpec.from_dict({**spec.to_dict(), "dtype": dtype, "layout": "nhwc"})
+
+
+CHANNELS_LAST = [ConvSpec.make(1, 5, 13, 7, 12, 1, 1), ConvSpec.make(2, 24, 9, 11, 37, 1, 1),
+                 ConvSpec.make(2, 96, 14, 14, 384, 1, 1), ConvSpec.make(2, 384, 7, 9, 96, 1, 1),
+                 ConvSpec.make(1, 16, 15, 13, 40, 3, 3, 2, (1, 0, 0, 1)), ConvSpec.make(2, 64, 9, 9, 64, 3, 3, 1, 1)]
+CL_EPILOGUES = [Epilogue(bias=True, gelu=True), Epilogue(bias=True, residual=True), Epilogue(residual=True, relu=True)]
+
+
+@pytest.mark.parametrize("name, spec", [(n, _cl(s, d)) for n, s in itertools.product(GEMMS, CHANNELS_LAST)
+                                        for d in DTYPES.get(n, ("float32",))], ids=str)
+@pytest.mark.parametrize("epi", CL_EPILOGUES, ids=lambda e: e.tag())
+def test_channels_last_against_float64(hopper, name, spec, epi):
+    """NHWC in and out (linear layers: 1x1; and 3x3 / strided ones) with GELU, residual and ReLU
+    epilogues; the default point and a split-K one; C and K not multiples of 4 included."""
+    v = get_variant(name)
+    if v.applies(spec, hopper.device):
+        pytest.skip(v.applies(spec, hopper.device))
+    space = v.space(spec, hopper.device)
+    split = next((p for p in space if p.get("ks", 1) > 1), None)
+    for prm in [v.default(spec, hopper.device)] + ([split] if split else []):
+        res = check_plan(v.plan(spec, prm, hopper.device, epi), hopper, seed=6)
+        assert res.ok, f"{name} [{prm.short()}] {spec.short()}{epi.tag()}: {res}"
+        if "3xtf32" in name:
+            assert res.rel_err <= 5e-6, f"not FP32-grade: {res.rel_err:.2e}"
+
+
+def test_linear_of_convnext_stays_fp32_grade(hopper):
+    """ConvNeXt-T stage 4's second linear (3072 terms) as 3xTF32 with promotion: FP32-grade."""
+    spec = _cl(ConvSpec.make(2, 3072, 7, 7, 768, 1, 1))
+    v = get_variant("tc_implicit_gemm_3xtf32")
+    res = check_plan(v.plan(spec, v.default(spec, hopper.device), hopper.device, Epilogue(bias=True, residual=True)),
+                     hopper, seed=8)
+    print(f"3xTF32 linear 3072 -> 768: {res.rel_err:.2e}")
+    assert res.ok and res.rel_err <= 5e-6, res

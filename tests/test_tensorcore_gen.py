@@ -30,7 +30,16 @@ from convforge.dtypes import rounded
 from convforge.kernels import get_variant
 from convforge.kernels.tensorcore import epilogue, schedule
 from convforge.kernels.tensorcore.cexpr import bind, evaluate
-from convforge.kernels.tensorcore.epilogue import Output, chunks, readout_lets, stage_write, staging_ld
+from convforge.kernels.tensorcore.epilogue import (
+    Output,
+    chunks,
+    readout_lets,
+    rowmajor_chunks,
+    rowmajor_lets,
+    stage_write,
+    staging_ld,
+    swizzled,
+)
 from convforge.kernels.tensorcore.isa import ACC, BF16, F16, MATHS, TF32, X3TF32, math_for
 from convforge.kernels.tensorcore.mainloop import consumer_rows, wgmma_issue
 from convforge.kernels.tensorcore.operands import DenseRows, Geometry, Im2colNhwc
@@ -181,10 +190,15 @@ def emulate(spec: ConvSpec, math, cfg: TileConfig, seed: int = 0, tile_ids=None)
     a = Im2colNhwc("a", Tile(cfg.bm, cfg.kb), math, "xh", geo=geo)
     b = DenseRows("b", Tile(cfg.bn, cfg.kb), math, "wt", rows=spec.k, ld=ld, kred=prob.kred, padded=True)
     data = {"a": {p: _nhwc(xs[p], cp) for p in math.parts}, "b": {p: _krsc(ws[p], cp, ld) for p in math.parts}}
-    out = Output("y", prob.m, prob.n, spec.p * spec.q, slab=prob.m * prob.n, epi=None)
+    nhwc = spec.layout == "nhwc"  # y row-major: (N P Q) x K
+    out = Output("y", prob.m, prob.n, 1 if nhwc else spec.p * spec.q, slab=prob.m * prob.n, epi=None)
     y, written = emulate_gemm(cfg, math, prob, a, b, data, out, tile_ids)
-    got = y.reshape(cfg.ks, -1).sum(0).reshape(spec.y_shape)
-    return got, ref, written.reshape(cfg.ks, -1).sum(0).reshape(spec.y_shape)
+    shape = (spec.n, spec.p, spec.q, spec.k) if nhwc else spec.y_shape
+    got = y.reshape(cfg.ks, -1).sum(0).reshape(shape)
+    written = written.reshape(cfg.ks, -1).sum(0).reshape(shape)
+    if nhwc:
+        got, written = got.transpose(0, 3, 1, 2), written.transpose(0, 3, 1, 2)
+    return got, ref, written
 
 
 def emulate_gemm(cfg, math, prob, a, b, data, out, tile_ids=None):
@@ -233,6 +247,9 @@ def _read(smem, desc, rows, esize):
 def _epilogue(acc, cfg, out, tl, y, written):
     """Accumulators by the fragment layout -> staging (stage_write) -> read-out (readout_lets) -> the
     planar offsets of ``out`` (raw values): what emit_consumer_epilogue does, per warpgroup."""
+    if out.rowmajor:
+        _rowmajor_epilogue(acc, cfg, out, tl, y, written)
+        return
     ld = staging_ld(cfg.wm)
     for c in range(cfg.cw):
         for ch, items in chunks(cfg.wm, cfg.bn):
@@ -261,12 +278,50 @@ def _epilogue(acc, cfg, out, tl, y, written):
                         written[o] += 1
 
 
+def _rowmajor_epilogue(acc, cfg, out, tl, y, written):
+    """The row-major (NHWC) epilogue: rows staged through ``swizzled`` slots, float4 runs of 4 columns
+    read out by rowmajor_lets and stored at ``out``'s offsets."""
+    for c in range(cfg.cw):
+        for ch, items, quads in rowmajor_chunks(cfg.wm, cfg.bn):
+            st = np.full(64 * cfg.wm * epilogue.COLS, np.nan)
+            for wq, lane, mi, i in itertools.product(range(4), range(32), range(cfg.wm), range(cfg.bn // 2)):
+                w = stage_write(0, mi, i, ch, rowmajor=True)
+                if w is None:
+                    continue
+                row, col = ACC.coords(wq, lane, i)
+                at = evaluate(w[0], {"wq": wq, "g": lane >> 2, "t": lane & 3})
+                assert np.isnan(st[at]), "two accumulators staged at one place"
+                st[at] = acc[c * 64 * cfg.wm + 64 * mi + row, col]
+            for ct, item in itertools.product(range(128), items):
+                if ct + 128 * item >= 64 * cfg.wm * quads:
+                    continue
+                env = bind(rowmajor_lets(cfg.wm, item, quads), {"ct": ct})
+                eq, er = env[f"eq{item}"], env[f"er{item}"]
+                at = evaluate(swizzled("r", "4 * q"), {"r": er, "q": eq})
+                k = tl["rb0"] + epilogue.COLS * ch + 4 * eq
+                m = tl["ra0"] + c * 64 * cfg.wm + er
+                for q in range(4):
+                    if m < out.m and k + q < out.n:
+                        v = st[at + q]
+                        assert not np.isnan(v), "read-out of an unstaged value"
+                        o = evaluate(out.offset("m", "k", "z"), {"m": m, "k": k + q, "z": tl["zs"]})
+                        y[o] += v
+                        written[o] += 1
+
+
+def _cl(spec):
+    return ConvSpec.from_dict({**spec.to_dict(), "layout": "nhwc"})
+
+
 CASES = [(ODD[0], TF32, TileConfig(128, 64, 1, 3, 2)),
          (ODD[1], F16, TileConfig(64, 96, 1, 2, 1)),
          (ODD[2], BF16, TileConfig(128, 32, 2, 2, 1, ks=2)),
          (ODD[3], TF32, TileConfig(256, 32, 1, 2, 2, ks=3)),
          (ODD[4], X3TF32, TileConfig(128, 64, 1, 2, 2, pi=2)),
-         (ODD[5], F16, TileConfig(128, 160, 2, 2, 2))]
+         (ODD[5], F16, TileConfig(128, 160, 2, 2, 2)),
+         (_cl(ODD[1]), X3TF32, TileConfig(128, 64, 1, 2, 2, pi=2)),  # channels-last: y row-major
+         (_cl(ODD[4]), F16, TileConfig(64, 96, 1, 2, 1, ks=2)),
+         (_cl(ConvSpec.make(3, 24, 5, 7, 40, 1, 1)), TF32, TileConfig(128, 64, 2, 2, 1))]  # a linear layer
 
 
 @pytest.mark.parametrize("spec, math, cfg", CASES, ids=lambda v: getattr(v, "name", None) or str(v))
@@ -405,6 +460,38 @@ def test_staging_conflict_free_and_complete(wm, bn):
             for q0 in range(0, 128, 8):
                 quarter = sorted(offs[q0:q0 + 8])
                 assert quarter == list(range(quarter[0], quarter[0] + 32, 4))
+
+
+@pytest.mark.parametrize("wm, bn", [(1, 64), (2, 128), (1, 256), (2, 96), (1, 32)])
+def test_rowmajor_staging_complete_and_coalesced(wm, bn):
+    """Row-major (NHWC) staging: every slot of a chunk written once, each warp's 32 scalar stores at
+    most 2 to a bank; every read-out a 16-byte aligned float4 holding its 4 columns in order, 8
+    consecutive threads one row's 128 contiguous bytes of staging and of output."""
+    for ch, items, quads in rowmajor_chunks(wm, bn):
+        seen = set()
+        for mi, i in itertools.product(range(wm), range(bn // 2)):
+            w = stage_write(0, mi, i, ch, rowmajor=True)
+            if w is None:
+                continue
+            for wq in range(4):
+                offs = [evaluate(w[0], {"wq": wq, "g": lane >> 2, "t": lane & 3}) for lane in range(32)]
+                assert max(np.bincount([o % 32 for o in offs])) <= 2, f"bank conflicts staging register {i}"
+                assert not seen & set(offs)
+                seen |= set(offs)
+        cols = 4 * quads
+        assert seen == {evaluate(swizzled("r", "c"), {"r": r, "c": col})
+                        for r in range(64 * wm) for col in range(cols)}
+        for item in items:
+            envs = [bind(rowmajor_lets(wm, item, quads), {"ct": ct}) for ct in range(128)]
+            for e in envs:
+                at = evaluate(swizzled("r", "4 * q"), {"r": e[f"er{item}"], "q": e[f"eq{item}"]})
+                assert at % 4 == 0
+                assert [evaluate(swizzled("r", "c"), {"r": e[f"er{item}"], "c": 4 * e[f"eq{item}"] + j})
+                        for j in range(4)] == [at + j for j in range(4)]
+            if quads == 8:
+                for q0 in range(0, 128, 8):
+                    rows = {e[f"er{item}"] for e in envs[q0:q0 + 8]}
+                    assert len(rows) == 1 and sorted(e[f"eq{item}"] for e in envs[q0:q0 + 8]) == list(range(8))
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -558,3 +645,25 @@ def test_3xtf32_points_compile_with_promotion(nvcc_ok):
                                                                                  ks=1, ps=1, pi=2)):
         for info in ptxas_report(v.plan(spec, p, NOMINAL_CUDA).source("cuda")):
             assert info.spill_stores == 0 and info.spill_loads == 0, (p, info)
+
+
+LINEAR = [("tc_implicit_gemm_3xtf32", _cl(ConvSpec.make(32, 96, 56, 56, 384, 1, 1)), Epilogue(bias=True, gelu=True)),
+          ("tc_implicit_gemm_tf32", _cl(ConvSpec.make(32, 384, 56, 56, 96, 1, 1)), Epilogue(bias=True, residual=True)),
+          ("tc_implicit_gemm_half", _cl(ConvSpec.make(8, 64, 14, 14, 256, 1, 1)), Epilogue(bias=True, gelu=True))]
+
+
+@pytest.mark.parametrize("name, spec, epi", LINEAR, ids=lambda v: str(v))
+def test_channels_last_plans_compile_and_read_in_place(nvcc_ok, name, spec, epi):
+    """Channels-last layers (ConvNeXt's linear layers as 1x1 convs): the per-element step (none for a
+    half input of whole chunks: the GEMM reads x), HGMMA without spills, the GELU helper where asked."""
+    v = get_variant(name)
+    spec = _spec_of(name, spec)
+    plan = v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA, epi)
+    names = [k.name for k in plan.kernels]
+    assert ("tc_x_from_nhwc" in names) == (spec.dtype == "float32") and "tc_x_nhwc" not in names
+    src = plan.source("cuda")
+    assert ("cf_gelu" in src) == epi.gelu
+    infos, sass = sass_report(src)
+    for info in infos:
+        assert info.spill_stores == 0 and info.spill_loads == 0, info
+    assert "HGMMA" in sass

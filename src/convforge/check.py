@@ -5,6 +5,7 @@ prologue), and a count of outputs the kernels never wrote."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,7 +80,15 @@ def expected(spec: ConvSpec, inputs: dict[str, np.ndarray], epilogue: Epilogue =
             out = out + inputs["res"]
         if epilogue.relu:
             out = np.maximum(out, 0.0)
+        if epilogue.gelu:
+            out = gelu_ref(out)
     return out
+
+
+def gelu_ref(a: np.ndarray) -> np.ndarray:
+    """The exact GELU, x * Phi(x) = x/2 * (1 + erf(x / sqrt 2)), in float64 (NaN stays NaN)."""
+    erf = np.vectorize(math.erf, otypes=[np.float64])
+    return 0.5 * a * (1.0 + erf(np.asarray(a, np.float64) / math.sqrt(2.0)))
 
 
 _ACTIVATIONS = ("x", "y", "res")  # the buffers a layout rearranges (filters stay KCRS)

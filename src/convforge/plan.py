@@ -84,15 +84,20 @@ Step = Launch | Fill | Gemm
 @dataclass(frozen=True)
 class Epilogue:
     """Work folded into the output write: per-channel bias, a residual tensor shaped like the
-    output (``res``, added before the ReLU: a network's skip connection) and ReLU."""
+    output (``res``, added before the activation: a network's skip connection) and one activation,
+    ReLU or GELU (the exact, erf form: ``nn.GELU()``'s default; a transformer-style MLP's first
+    linear layer, ConvNeXt's)."""
 
     bias: bool = False
     relu: bool = False
     residual: bool = False
     k_total: int = 0  # channels of the tensor written (0: the conv's own K): a concat written in place
     k_offset: int = 0  # the first of those channels this conv writes
+    gelu: bool = False
 
     def __post_init__(self) -> None:
+        if self.relu and self.gelu:
+            raise ValueError("unsupported epilogue: ReLU and GELU together (one activation at most)")
         if self.k_total and (self.residual or self.k_offset < 0):
             raise ValueError(f"unsupported epilogue: channel offset {self.k_offset} of {self.k_total} "
                              f"{'with a residual' if self.residual else ''}")
@@ -110,11 +115,20 @@ class Epilogue:
             if index is None:
                 raise ValueError("unsupported epilogue: this store path does not give the residual's index")
             expr = f"{expr} + {storage.load('res', index)}"
-        return f"RELU({expr})" if self.relu else expr
+        return self.activate(expr)
+
+    def activate(self, expr: str) -> str:
+        """``expr`` through the epilogue's activation (RELU / GELU: the dialect's NaN-keeping forms)."""
+        return f"RELU({expr})" if self.relu else f"GELU({expr})" if self.gelu else expr
+
+    def plain(self) -> Epilogue:
+        """Bias and activation only: the part a database entry is tuned with (no residual, no offset)."""
+        return Epilogue(bias=self.bias, relu=self.relu, gelu=self.gelu)
 
     def tag(self) -> str:
         at = f"_at{self.k_offset}of{self.k_total}" if self.k_total else ""
-        return ("_bias" if self.bias else "") + ("_res" if self.residual else "") + ("_relu" if self.relu else "") + at
+        act = "_relu" if self.relu else "_gelu" if self.gelu else ""
+        return ("_bias" if self.bias else "") + ("_res" if self.residual else "") + act + at
 
 
 @dataclass(frozen=True)

@@ -665,7 +665,7 @@ def _torch_runner(spec: Any, epi: Any) -> Callable[..., Any]:
         y = F.conv2d(F.pad(x, (left, right, top, bottom)), w, bias, spec.stride, 0, spec.dilation, spec.groups)
         if res is not None:
             y = y + res
-        return y.relu() if epi.relu else y
+        return y.relu() if epi.relu else F.gelu(y) if epi.gelu else y
 
     run.filters = None  # type: ignore[attr-defined]
     run.exe = SimpleNamespace(fast=False)  # type: ignore[attr-defined]  # nothing for the native fast path

@@ -14,6 +14,7 @@ A kernel body is plain C using these tokens, which each renderer spells its own 
     FMA(a, b, c)                                          fused a*b + c
     MAX(a, b)                                             float maximum
     RELU(a)                                               max(a, 0) that keeps NaN (fmax would not)
+    GELU(a)                                               a / 2 * (1 + erf(a / sqrt 2)): the exact GELU
     LDG(p)                                                read-only load of *p
     SHFL(v, lane)                                         warp shuffle (feature "shuffle", CUDA only)
     TEX(t, i)                                             element i of a TexBuf (feature "texture")

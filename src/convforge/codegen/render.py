@@ -19,7 +19,7 @@ from convforge.codegen.dialect import (
 
 _TOKEN = re.compile(r"\b(GROUP_ID|LOCAL_ID|GROUP_SIZE|NUM_GROUPS|BARRIER|VLOAD4|VSTORE4|"
                     r"LD_F16|LDG_F16|ST_F16|VLOAD4_F16|VSTORE4_F16|LD_BF16|LDG_BF16|ST_BF16|VLOAD4_BF16|VSTORE4_BF16|"
-                    r"MAKE_FLOAT4|FMA|MAX|RELU|LDG|SHFL|TEX|COPY4_ASYNC|COPY1_ASYNC|COPY_WAIT|CVT_TF32|"
+                    r"MAKE_FLOAT4|FMA|MAX|RELU|GELU|LDG|SHFL|TEX|COPY4_ASYNC|COPY1_ASYNC|COPY_WAIT|CVT_TF32|"
                     r"MMA_TF32_16x8x8|SMEM_U32|CP_ASYNC16|CP_ASYNC4|CP_ASYNC_COMMIT|CP_ASYNC_WAIT|LDMATRIX_X4|LDS_F4|"
                     r"LDS_F1|TF32_RHA|FENCE_PROXY_ASYNC|WGMMA_FENCE|WGMMA_COMMIT|WGMMA_WAIT|WGMMA_TF32|"
                     r"MBAR_INIT|MBAR_WAIT|MBAR_ARRIVE|CP_ASYNC_MBAR_ARRIVE|SETMAXNREG_INC|SETMAXNREG_DEC|"
@@ -148,6 +148,7 @@ class Renderer:
     """Base renderer; subclasses give the spellings."""
 
     name = ""
+    erf = "erf"  # the float erf function of the dialect (GELU)
     features: frozenset[str] = frozenset()
     words: dict[str, str] = {}
 
@@ -194,6 +195,8 @@ class Renderer:
         out += self.file_head(kernels)
         if any(re.search(r"\bRELU\(", k.body + k.helpers) for k in kernels):
             out += [self.expand(_RELU_HELPER), ""]
+        if any(re.search(r"\bGELU\(", k.body + k.helpers) for k in kernels):
+            out += [self.expand(_GELU_HELPER.replace("ERF", self.erf)), ""]
         seen_helpers: set[str] = set()
         for k in kernels:
             if k.helpers and k.helpers not in seen_helpers:
@@ -214,10 +217,13 @@ class Renderer:
 
 # ReLU that keeps NaN (as the float64 reference and PyTorch do; fmax would turn it into 0).
 _RELU_HELPER = "DEVICE float cf_relu(const float v) { return v < 0.0f ? 0.0f : v; }"
+# The exact GELU as PyTorch's CUDA kernel computes it in float: v / 2 * (1 + erf(v / sqrt 2)).
+_GELU_HELPER = "DEVICE float cf_gelu(const float v) { return 0.5f * v * (1.0f + ERF(v * 0.70710678118654752f)); }"
 
 
 class CudaRenderer(Renderer):
     name = "cuda"
+    erf = "erff"
     features = frozenset({"shuffle", "constant", "ldg", "texture", "mma_tf32", "wgmma"})
     words = {"SHARED": "__shared__", "LOCAL_PTR": "", "GLOBAL_PTR": "", "RESTRICT": "__restrict__",
              "DEVICE": "__device__ __forceinline__", "U64": "unsigned long long", "I64": "long long",
@@ -239,6 +245,7 @@ class CudaRenderer(Renderer):
             "FMA": lambda: f"fmaf({', '.join(args)})",
             "MAX": lambda: f"fmaxf({', '.join(args)})",
             "RELU": lambda: f"cf_relu({args[0]})",
+            "GELU": lambda: f"cf_gelu({args[0]})",
             "LDG": lambda: f"__ldg({args[0]})",
             "SHFL": lambda: f"__shfl_sync(0xffffffffu, {args[0]}, {args[1]})",
             "TEX": lambda: f"tex1Dfetch<float>({args[0]}, {args[1]})",
@@ -540,6 +547,7 @@ class OpenCLRenderer(Renderer):
             "FMA": lambda: f"mad({', '.join(args)})",
             "MAX": lambda: f"fmax({', '.join(args)})",
             "RELU": lambda: f"cf_relu({args[0]})",
+            "GELU": lambda: f"cf_gelu({args[0]})",
             "LDG": lambda: f"(*({args[0]}))",
             "COPY4_ASYNC": lambda: f"vstore4(vload4(0, {args[1]}), 0, {args[0]})",
             "COPY1_ASYNC": lambda: (f"(({args[0]})[{args[1]}] = ((({args[4]}) >> ({args[5]})) & 1ul) ? "

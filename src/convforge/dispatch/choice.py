@@ -169,7 +169,7 @@ def fallback_epilogues(epi: Epilogue, autotune: bool = False) -> list[Epilogue]:
     bias alone and none (duplicates dropped). Under ``autotune`` only itself and its bias + ReLU
     part (what tuning a residual / offset epilogue stores): a layer is then tuned with its own
     epilogue rather than served by a plainer one's entry."""
-    plainer = [Epilogue(bias=epi.bias, relu=epi.relu)]
+    plainer = [epi.plain()]
     if not autotune:
         plainer += [Epilogue(bias=epi.bias), Epilogue()]
     return list(dict.fromkeys([epi, *plainer]))
@@ -239,7 +239,7 @@ def _tune_now(spec: ConvSpec, backend: Backend, epi: Epilogue, prec: str, bound:
 
     db = open_db(write=True)
     tuner = Tuner(backend, db, AUTOTUNE_BUDGET, precision=prec, max_error=bound)
-    checkable = Epilogue(bias=epi.bias, relu=epi.relu)
+    checkable = epi.plain()
     try:
         res = tuner.tune(spec, checkable, workspace_limit, force=True)
         if checkable == epi or _plans(res.variant, res.params, spec, backend, epi):

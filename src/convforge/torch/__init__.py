@@ -1,6 +1,7 @@
 """PyTorch drop-in: ``Conv2d`` (an ``nn.Conv2d`` that runs convforge's kernels), ``convert(model)``,
 ``fuse(model)`` (convs with the batch norm, residual add and ReLU after them folded into one
-kernel plan: ``FusedConv2d``) and the ``convforge::conv2d`` operator (torch.compile and CUDA-graph
+kernel plan: ``FusedConv2d``; linear layers over channels-last activations with their GELU, or
+layer scale and residual add: ``FusedLinear``, ConvNeXt's MLPs) and the ``convforge::conv2d`` operator (torch.compile and CUDA-graph
 safe, with autograd), and ``calibrate(model, reference, example)`` (a per-network error budget:
 the fewest layers set to a tight max_error that bring the output error within budget x PyTorch's).
 
@@ -18,8 +19,9 @@ except ImportError as err:  # pragma: no cover - exercised only without torch
 from convforge.torch.calibrate import CalibrationReport, calibrate
 from convforge.torch.fuse import fuse
 from convforge.torch.fused import FusedConv2d
+from convforge.torch.linear import FusedLinear
 from convforge.torch.modules import Conv2d, ConvertReport, convert
 from convforge.torch.ops import conv2d, output_shape
 
-__all__ = ["CalibrationReport", "Conv2d", "ConvertReport", "FusedConv2d", "calibrate", "convert", "conv2d", "fuse",
-           "output_shape"]
+__all__ = ["CalibrationReport", "Conv2d", "ConvertReport", "FusedConv2d", "FusedLinear", "calibrate", "convert",
+           "conv2d", "fuse", "output_shape"]

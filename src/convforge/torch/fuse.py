@@ -14,6 +14,10 @@ module added at the root as ``_cf_preact_<batch norm path>``, holding no paramet
 and every reading conv a :class:`FusedConv2d` that folds it into its input load in eval inference
 (``fused.py``); in training mode the node runs the batch norm once and the convs run plain.
 
+Then linear layers over channels-last activations (torch/linear.py): ``nn.Linear`` -> GELU, and
+``nn.Linear`` -> permute(0, 3, 1, 2) -> layer scale * . -> [torchvision's stochastic depth, eval] ->
++ residual (ConvNeXt's blocks) become one :class:`FusedLinear` call each at the linear's path.
+
 The result is a ``GraphModule`` whose module hierarchy mirrors the original's (every module a
 shallow copy sharing its parameters and buffers, batch norms included), so ``state_dict()`` has
 the same keys, in the same order, holding the same tensors; the original model is not changed.
@@ -33,6 +37,7 @@ import torch.nn.functional as F
 from torch.fx import Graph, GraphModule, Node, Tracer
 
 from convforge.torch.fused import FusedConv2d, PreActivation
+from convforge.torch.linear import FusedLinear
 from convforge.torch.modules import OPTIONS, Conv2d, ConvertReport, convert, static_reason
 
 _ADDS_F = {operator.add: False, operator.iadd: True, torch.add: False}
@@ -67,6 +72,7 @@ def fuse(model: torch.nn.Module, **options: Any) -> tuple[torch.nn.Module, Conve
     report = ConvertReport()
     _rewrite(graph, root, report, options)
     _fold_preactivations(graph, root, report)
+    _fuse_linears(graph, root, report, options)
     return _graph_module(root, graph, type(model).__name__), report
 
 
@@ -261,6 +267,92 @@ def _replace(graph: Graph, nodes: list[Node], res: Node | None) -> None:
     last.replace_all_uses_with(new)
     for n in reversed(nodes):
         graph.erase_node(n)
+
+
+def _fuse_linears(graph: Graph, root: torch.nn.Module, report: ConvertReport, options: dict[str, Any]) -> None:
+    """Swap ``nn.Linear`` -> GELU, and ``nn.Linear`` -> permute(0, 3, 1, 2) -> layer scale * . ->
+    [stochastic depth in eval] -> + residual (ConvNeXt's blocks), for one :class:`FusedLinear` call
+    (every intermediate used once, the linear module called once)."""
+    modules = dict(root.named_modules(remove_duplicate=False))
+    calls = Counter(n.target for n in graph.nodes if n.op == "call_module")
+    for node in list(graph.nodes):
+        lin = modules.get(str(node.target)) if node.op == "call_module" else None
+        if type(lin) is not torch.nn.Linear or calls[node.target] != 1 or len(node.args) != 1 or node.kwargs:
+            continue
+        nxt = _only_user(node)
+        if nxt is None:
+            continue
+        if _is_gelu(nxt, node, modules):
+            new = FusedLinear.from_linear(lin, gelu=True, **options)
+            _replace(graph, [node, nxt], None)
+        else:
+            found = _scaled_residual(nxt, node, root)
+            if found is None:
+                continue
+            nodes, scale, res = found
+            new = FusedLinear.from_linear(lin, nchw=True, scale=scale, residual=True, **options)
+            getter = next(a for a in nodes[1].args if isinstance(a, Node) and a.op == "get_attr")
+            _replace(graph, [node, *nodes], res)
+            if not getter.users:
+                graph.erase_node(getter)
+        name = str(node.target)
+        parent, _, attr = name.rpartition(".")
+        setattr(root.get_submodule(parent) if parent else root, attr, new)
+        report.linears[name] = new.fused_ops()
+    graph.lint()
+
+
+def _is_gelu(node: Node, src: Node, modules: dict[str, Any]) -> bool:
+    """``nn.GELU()`` or ``F.gelu`` (the exact form) of ``src``."""
+    if node.args != (src,):
+        return False
+    if node.op == "call_module":
+        m = modules.get(str(node.target))
+        return isinstance(m, torch.nn.GELU) and type(m) is torch.nn.GELU and m.approximate == "none" and not node.kwargs
+    return (node.op == "call_function" and node.target is F.gelu
+            and set(node.kwargs) <= {"approximate"} and node.kwargs.get("approximate", "none") == "none")
+
+
+def _scaled_residual(node: Node, src: Node, root: torch.nn.Module) -> tuple[list[Node], Any, Node] | None:
+    """(nodes permute, mul [, stochastic depth], add; (owner, attribute) of the scale; the residual)
+    when ``node`` starts ConvNeXt's tail after ``src``, else None."""
+    dims = list(node.args[1:]) if node.op == "call_method" else (list(node.args[1:]) or [None])
+    if len(dims) == 1 and isinstance(dims[0], list | tuple):
+        dims = list(dims[0])
+    if not (node.target in ("permute", torch.permute) and node.args[0] is src and dims == [0, 3, 1, 2]
+            and not node.kwargs):
+        return None
+    mul = _only_user(node)
+    if mul is None or mul.op != "call_function" or mul.target not in (operator.mul, torch.mul) or mul.kwargs:
+        return None
+    other = [a for a in mul.args if a is not node]
+    if len(mul.args) != 2 or len(other) != 1 or not isinstance(other[0], Node) or other[0].op != "get_attr":
+        return None
+    owner_path, _, attr = str(other[0].target).rpartition(".")
+    owner = root.get_submodule(owner_path) if owner_path else root
+    scale = getattr(owner, attr, None)
+    if not isinstance(scale, torch.Tensor) or scale.dim() != 3 or tuple(scale.shape[1:]) != (1, 1):
+        return None
+    nodes, last = [node, mul], mul
+    nxt = _only_user(mul)
+    if nxt is not None and _is_eval_stochastic_depth(nxt, mul):
+        nodes.append(nxt)
+        last, nxt = nxt, _only_user(nxt)
+    res = _residual(nxt, last) if nxt is not None else None
+    if res is None:
+        return None
+    return [*nodes, nxt], (owner, attr), res  # type: ignore[list-item]
+
+
+def _is_eval_stochastic_depth(node: Node, src: Node) -> bool:
+    """torchvision's ``stochastic_depth(x, p, mode, training=False)``: the identity."""
+    fn = node.target
+    if node.op != "call_function" or getattr(fn, "__name__", "") != "stochastic_depth":
+        return False
+    if not getattr(fn, "__module__", "").startswith("torchvision."):
+        return False
+    args = list(node.args) + [node.kwargs.get(k) for k in ("p", "mode", "training") if k in node.kwargs]
+    return len(args) == 4 and args[0] is src and args[3] is False
 
 
 def _graph_module(root: torch.nn.Module, graph: Graph, class_name: str) -> GraphModule:

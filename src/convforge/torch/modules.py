@@ -298,16 +298,20 @@ class ConvertReport:
 
     ``converted``: convs convforge runs; ``left``: convs PyTorch runs, and why; ``fused`` (``fuse``
     only): conv -> what its module also applies ("bn+add+relu"); ``unfused`` (``fuse`` only): why
-    the operations after a conv, or the whole model ("" key), stay separate PyTorch operations."""
+    the operations after a conv, or the whole model ("" key), stay separate PyTorch operations;
+    ``linears`` (``fuse`` only): linear layers over channels-last activations that convforge runs
+    (torch/linear.py) -> what they fold ("gelu", "permute+scale+add")."""
 
     converted: list[str] = field(default_factory=list)
     left: dict[str, str] = field(default_factory=dict)
     fused: dict[str, str] = field(default_factory=dict)
     unfused: dict[str, str] = field(default_factory=dict)
+    linears: dict[str, str] = field(default_factory=dict)
 
     def __str__(self) -> str:
         lines = [f"convforge: {len(self.converted)} conv layer(s) converted, {len(self.left)} left to PyTorch"
-                 + (f", {len(self.fused)} fused with what follows them" if self.fused else "")]
+                 + (f", {len(self.fused)} fused with what follows them" if self.fused else "")
+                 + (f"; {len(self.linears)} linear layer(s) fused" if self.linears else "")]
         lines += [f"  {name or '<model>'}: {why}" for name, why in self.left.items()]
         lines += [f"  {name or '<model>'}: not fused: {why}" for name, why in self.unfused.items()]
         return "\n".join(lines)

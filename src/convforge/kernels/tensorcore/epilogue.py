@@ -98,16 +98,49 @@ class Output:
         """4 consecutive rows from a multiple of 4 are one aligned run (same plane, contiguous)."""
         return self.pq % 4 == 0
 
-    def value(self, acc: str, k: str, off: str) -> str:
-        """The stored float of accumulator ``acc`` for column ``k`` at element ``off``."""
+    def value(self, acc: str, k: str, off: str, bias: str | None = None, res: str | None = None) -> str:
+        """The stored float of accumulator ``acc`` for column ``k`` at element ``off`` (``bias``, ``res``:
+        float expressions already loaded, instead of reading ``bias[k]`` and ``res[off]``)."""
         if self.epi is None:
             return acc
         v = acc
         if self.epi.bias:
-            v = f"{v} + {to_float(self.dtype, f'bias[{k}]')}"
+            v = f"{v} + {bias or to_float(self.dtype, f'bias[{k}]')}"
         if self.epi.residual:
-            v = f"{v} + {to_float(self.dtype, f'res[{off}]')}"
-        return f"fmaxf({v}, 0.0f)" if self.epi.relu else v
+            v = f"{v} + {res or to_float(self.dtype, f'res[{off}]')}"
+        return f"fmaxf({v}, 0.0f)" if self.epi.relu else f"GELU({v})" if self.epi.gelu else v
+
+    @property
+    def rowmajor(self) -> bool:
+        """A row's columns lie contiguous (pq = 1: an NHWC output, row m = pixel, column k = channel);
+        the epilogue then stages rows and stores runs of 4 columns."""
+        return self.pq == 1
+
+    @property
+    def vector_cols(self) -> bool:
+        """4 consecutive columns from a multiple of 4 are one aligned run inside the columns written."""
+        return self.kt % 4 == 0 and self.k_offset % 4 == 0 and self.n % 4 == 0 and (self.slab % 4 == 0)
+
+    def store4_cols(self, code: Code, m: str, k: str, z: str, vals: list[str]) -> None:
+        """Store ``vals`` at columns k .. k + 3 (k a multiple of 4) of row m of slab z (row-major)."""
+        with code.block(f"if ({m} < {self.m})"):
+            if self.vector_cols:
+                code(f"const int oo = {self.offset(m, k, z)};")
+                with code.block(f"if ({k} < {self.n})"):
+                    f4 = self.dtype == "float32"  # bias and residual quads as float4 loads too
+                    epi = self.epi or Epilogue()
+                    if f4 and epi.bias:
+                        code(f"const float4 bq = *(const float4*)(bias + {k});")
+                    if f4 and epi.residual:
+                        code("const float4 rq = *(const float4*)(res + oo);")
+                    outs = [self.value(v, f"{k} + {i}", f"oo + {i}", f"bq.{'xyzw'[i]}" if f4 else None,
+                                       f"rq.{'xyzw'[i]}" if f4 else None) for i, v in enumerate(vals)]
+                    code(*self._vstore("oo", outs))
+                return
+            for i, v in enumerate(vals):
+                with code.block(f"if ({k} + {i} < {self.n})"):
+                    code(f"const int o{i} = {self.offset(m, f'{k} + {i}', z)};",
+                         f"{self.buf}[o{i}] = {from_float(self.dtype, self.value(v, f'{k} + {i}', f'o{i}'))};")
 
     def store4(self, code: Code, m: str, k: str, z: str, vals: list[str]) -> None:
         """Store ``vals`` at rows m .. m + 3 (m a multiple of 4) of column k (< n) of slab z."""
@@ -136,13 +169,41 @@ def acc_name(mi: int, i: int, prefix: str = "d") -> str:
     return f"{prefix}{mi}_{i}"
 
 
-def stage_write(ld: int, mi: int, i: int, ch: int, prefix: str = "d") -> tuple[str, str] | None:
+def stage_write(ld: int, mi: int, i: int, ch: int, prefix: str = "d",
+                rowmajor: bool = False) -> tuple[str, str] | None:
     """(staging float offset, accumulator) of register ``i`` of block ``mi`` if its n8 chunk lies in
-    column chunk ``ch``, else None (C expressions of wq, g, t: warp in warpgroup, lane / 4, lane % 4)."""
+    column chunk ``ch``, else None (C expressions of wq, g, t: warp in warpgroup, lane / 4, lane % 4).
+    ``rowmajor``: the staging holds rows of COLS floats, each row's 4-column quads permuted by
+    :func:`swizzled` (float4 read-outs along a row, few bank conflicts on the writes)."""
     if 8 * (i // ACC.per_chunk) // COLS != ch:
         return None
     row = f"({64 * mi} + {ACC.row_expr(i)})"
+    if rowmajor:
+        return swizzled(row, f"({ACC.col_expr(i)} - {COLS * ch})"), acc_name(mi, i, prefix)
     return f"(({ACC.col_expr(i)} - {COLS * ch}) * {ld} + {row})", acc_name(mi, i, prefix)
+
+
+def swizzled(row: str, col: str) -> str:
+    """Row-major staging slot of (row, column in chunk): COLS floats a row, the column's quad XORed
+    with the row's low 3 bits, so the 8 rows a warp's lanes stage at once spread over the banks."""
+    return f"(({row}) * {COLS} + (({col}) ^ ((({row}) & 7) << 2)))"
+
+
+def rowmajor_lets(wm: int, item: int, quads: int) -> list[Let]:
+    """Item ``item`` of consumer thread ``ct`` in a row-major chunk of ``quads`` column quads: its quad
+    ``eq`` and row ``er`` (8 consecutive threads read one row's 32 floats: 128 contiguous bytes)."""
+    e = f"(ct + {128 * item})"
+    return [Let(f"eq{item}", f"({e} % {quads})"), Let(f"er{item}", f"({e} / {quads})")]
+
+
+def rowmajor_chunks(wm: int, bn: int) -> list[tuple[int, list[int], int]]:
+    """The row-major epilogue's loop: per 32-column chunk, a thread's items (1 row x 4 columns) and
+    the chunk's column quads."""
+    out = []
+    for ch in range(cdiv(bn, COLS)):
+        quads = min(COLS, bn - COLS * ch) // 4
+        out.append((ch, list(range(cdiv(64 * wm * quads, 128))), quads))
+    return out
 
 
 def readout_lets(wm: int, item: int) -> list[Let]:
@@ -163,6 +224,9 @@ def emit_consumer_epilogue(code: Code, out: Output, wm: int, bn: int, stage: str
     """The tile's accumulators (``prefix``) to ``out`` through the staging buffer at float pointer
     ``stage``; ``bar``: this warpgroup's named barrier; ``row0``: the warpgroup's first row in the
     problem, ``col0`` the tile's first column, ``z`` the slab."""
+    if out.rowmajor:
+        _rowmajor_epilogue(code, out, wm, bn, stage, bar, row0, col0, z, prefix)
+        return
     ld = staging_ld(wm)
     for ch, items in chunks(wm, bn):
         code(f"BAR_SYNC({bar}, 128);  // the last chunk's reads are done")
@@ -180,6 +244,28 @@ def emit_consumer_epilogue(code: Code, out: Output, wm: int, bn: int, stage: str
                      f"const int k = {col0} + {COLS * ch} + ec{item}, m = {row0} + er{item};")
                 with code.block(f"if (k < {out.n})"):
                     out.store4(code, "m", "k", z, ["v.x", "v.y", "v.z", "v.w"])
+
+
+def _rowmajor_epilogue(code: Code, out: Output, wm: int, bn: int, stage: str, bar: str,
+                       row0: str, col0: str, z: str, prefix: str) -> None:
+    """emit_consumer_epilogue for a row-major ``out`` (NHWC): rows staged, float4 runs of columns stored."""
+    for ch, items, quads in rowmajor_chunks(wm, bn):
+        code(f"BAR_SYNC({bar}, 128);  // the last chunk's reads are done")
+        for mi in range(wm):
+            for i in range(bn // 2):
+                w = stage_write(0, mi, i, ch, prefix, rowmajor=True)
+                if w is not None:
+                    code(f"{stage}[{w[0]}] = {w[1]};")
+        code(f"BAR_SYNC({bar}, 128);")
+        for item in items:
+            with code.block(f"/* chunk {ch}, item {item} */"):
+                for let in rowmajor_lets(wm, item, quads):
+                    let.emit(code)
+                guard = 64 * wm * quads
+                with code.block(f"if (ct + {128 * item} < {guard})" if (item + 1) * 128 > guard else ""):
+                    code(f"const float4 v = *(const float4*)({stage} + {swizzled(f'er{item}', f'4 * eq{item}')});",
+                         f"const int k = {col0} + {COLS * ch} + 4 * eq{item}, m = {row0} + er{item};")
+                    out.store4_cols(code, "m", "k", z, ["v.x", "v.y", "v.z", "v.w"])
 
 
 def reduce_kernel(name: str, out: Output, ks: int, total: int) -> tuple[Kernel, tuple[int, int, int]]:

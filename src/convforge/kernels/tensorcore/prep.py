@@ -4,6 +4,8 @@
   a whole 16-byte chunk), 32 x 32 tiles through shared memory (reads along pixels and writes along
   channels both coalesced). TF32: rounded (cvt.rna); 3xTF32: hi and lo parts; halves: the bits as
   they are.
+* :func:`x_from_nhwc`: the same for channels-last activations (N H W C); a half input of whole chunks
+  is read in place (:func:`reads_in_place`).
 * :func:`w_krsc`: filters K C R S -> K x ld, element (r s Cp + c) with ld the reduction padded with
   zeros to a whole stage: a weight-only step (kept per weight version by the callers that cache
   filter transforms).
@@ -71,6 +73,28 @@ def x_nhwc(spec: ConvSpec, math: Math, cp: int, dst: str = "xh") -> tuple[Kernel
                   frozenset({"mma_tf32", "wgmma"}),
                   comment=f"x NCHW -> NHWC ({cp} channels) as {math.name} operands")
     return kern, (cdiv(hw, 32), cdiv(cp, 32), spec.n)
+
+
+def x_from_nhwc(spec: ConvSpec, math: Math, cp: int, dst: str = "xh") -> tuple[Kernel, Dim3]:
+    """The activation step of a channels-last input: N H W C -> N H W Cp in the math mode's parts, one
+    thread per element (reads and writes along channels, both coalesced); zero channels past C."""
+    c, total = spec.c, spec.n * spec.h * spec.w * cp
+    zero = "(unsigned short)0" if math.esize == 2 else "0.0f"
+    code = Code()
+    code(f"const int e = GROUP_ID(0) * {_ELT} + LOCAL_ID(0);")
+    with code.block(f"if (e < {total})"):
+        code(f"const int pix = e / {cp}, ci = e - pix * {cp};")
+        code(*_store_parts(math, spec.dtype, dst, "e", f"(ci < {c} ? x[pix * {c} + ci] : {zero})"))
+    kern = Kernel("tc_x_from_nhwc", (Buf("x", CTYPE[spec.dtype]),) + part_buffers(dst, math), code.text(),
+                  (_ELT, 1, 1), frozenset({"mma_tf32", "wgmma"}),
+                  comment=f"x NHWC ({c} channels) -> NHWC ({cp} channels) as {math.name} operands")
+    return kern, (cdiv(total, _ELT), 1, 1)
+
+
+def reads_in_place(spec: ConvSpec, math: Math) -> bool:
+    """Whether the GEMM reads the input as it lies: a channels-last half input of whole 16-byte chunks
+    (its bits are the operands; float32 inputs are rounded or split first)."""
+    return spec.layout == "nhwc" and math.esize == 2 and padded_channels(spec.c, math) == spec.c
 
 
 def w_krsc(spec: ConvSpec, math: Math, cp: int, ld: int, dst: str = "wt") -> tuple[Kernel, Dim3]:

@@ -2,7 +2,10 @@
 
 Plan: (1) filters packed K x (R S Cp) in the math mode's format (a weight-only step), (2) x to NHWC
 (C padded to a 16-byte chunk), (3) the wgmma GEMM, M = N P Q pixels x N = K channels x R S Cp,
-stored NCHW with the epilogue (or FP32 partials when split), (4) with split-K the reduce.
+stored NCHW with the epilogue (or FP32 partials when split), (4) with split-K the reduce. A
+channels-last layer (``layout="nhwc"``; a linear layer over channels is its 1x1 case) has step (2)
+per element (none for a half input of whole 16-byte chunks, read in place) and y stored NHWC: rows
+staged in shared memory, 16-byte runs of channels written.
 
 * ``tc_implicit_gemm_tf32`` (float32, class "relaxed"): TF32 operands rounded to nearest (cvt.rna),
   FP32 accumulation: relative L2 2-4e-4 (stated 3e-4, as the mma.sync TF32 variants; checked 1e-3).
@@ -61,6 +64,7 @@ class TcImplicitGemm(Variant):
     residual_ok = True
     offset_ok = True
     space_lead = 6
+    layouts = frozenset({"nchw", "nhwc"})  # NHWC: read after a per-element step (halves in place), y NHWC
 
     def __init__(self, name: str, dtypes: frozenset[str], x3: bool, precision: str, specialised: int) -> None:
         self.name, self.dtypes, self.x3 = name, dtypes, x3
@@ -121,7 +125,9 @@ class TcImplicitGemm(Variant):
         math, prob = self.math(spec), self.problem(spec)
         cp, parts = prep.padded_channels(spec.c, math), math.parts
         out = tuple((("wt" if p == "hi" else f"wt_{p}"), math.esize * spec.k * self._ld(spec, cfg)) for p in parts)
-        out += tuple((("xh" if p == "hi" else f"xh_{p}"), math.esize * spec.n * spec.h * spec.w * cp) for p in parts)
+        if not prep.reads_in_place(spec, math):
+            out += tuple((("xh" if p == "hi" else f"xh_{p}"), math.esize * spec.n * spec.h * spec.w * cp)
+                         for p in parts)
         if cfg.ks > 1:
             out += (("part", 4 * cfg.ks * prob.m * prob.n),)
         return out
@@ -136,20 +142,24 @@ class TcImplicitGemm(Variant):
         cp, ld = prep.padded_channels(spec.c, math), self._ld(spec, cfg)
         geo = Geometry(spec.n, spec.h, spec.w, cp, spec.p, spec.q, spec.r, spec.s, spec.stride, spec.dilation,
                        spec.pad[0], spec.pad[2], any(spec.pad))
-        a = Im2colNhwc("a", Tile(cfg.bm, cfg.kb), math, "xh", geo=geo)
+        in_place = prep.reads_in_place(spec, math)
+        a = Im2colNhwc("a", Tile(cfg.bm, cfg.kb), math, "x" if in_place else "xh", geo=geo)
         b = DenseRows("b", Tile(cfg.bn, cfg.kb), math, "wt", rows=spec.k, ld=ld, kred=prob.kred, padded=True)
-        pq = spec.p * spec.q
+        pq = 1 if spec.layout == "nhwc" else spec.p * spec.q  # NHWC: row m = pixel, its K channels contiguous
         final = Output("y", prob.m, prob.n, pq, spec.dtype, epilogue.k_total, epilogue.k_offset, epi=epilogue)
         out = final if cfg.ks == 1 else Output("part", prob.m, prob.n, pq, slab=prob.m * prob.n, epi=None)
         gk = gemm_kernel(f"{self.name}_gemm", math, cfg, prob, a, b, out)
         wk, wgrid = prep.w_krsc(spec, math, cp, ld)
-        xk, xgrid = prep.x_nhwc(spec, math, cp)
         refs = lambda bufs: tuple(x.name for x in bufs)  # noqa: E731
-        steps = [Launch(wk.name, wgrid, wk.block, ("w",) + refs(prep.part_buffers("wt", math))),
-                 Launch(xk.name, xgrid, xk.block, ("x",) + refs(prep.part_buffers("xh", math))),
-                 Launch(gk.name, (cfg.grid(prob, device.units), 1, 1), gk.block,
-                        refs(a.args()) + refs(b.args()) + out.refs())]
-        kernels = [wk, xk, gk]
+        steps = [Launch(wk.name, wgrid, wk.block, ("w",) + refs(prep.part_buffers("wt", math)))]
+        kernels = [wk]
+        if not in_place:
+            xk, xgrid = prep.x_from_nhwc(spec, math, cp) if spec.layout == "nhwc" else prep.x_nhwc(spec, math, cp)
+            steps.append(Launch(xk.name, xgrid, xk.block, ("x",) + refs(prep.part_buffers("xh", math))))
+            kernels.append(xk)
+        steps.append(Launch(gk.name, (cfg.grid(prob, device.units), 1, 1), gk.block,
+                            refs(a.args()) + refs(b.args()) + out.refs()))
+        kernels.append(gk)
         if cfg.ks > 1:
             rk, rgrid = reduce_kernel(f"{self.name}_reduce", final, cfg.ks, prob.m * prob.n)
             kernels.append(rk)

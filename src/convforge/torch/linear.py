@@ -1,0 +1,182 @@
+"""``FusedLinear``: a linear layer over the channels of a channels-last activation, run as convforge's
+1x1 convolution in NHWC (the tensor-core generator's ``layout="nhwc"`` plans), with what follows it
+folded in.
+
+ConvNeXt's blocks (and any MLP over an (N, H, W, C) activation) spend most of their time in two
+``nn.Linear`` layers and the element-wise operations around them: ``Linear -> GELU`` and
+``Linear -> permute(0, 3, 1, 2) -> layer_scale * . -> stochastic depth (identity in eval) -> + input``.
+``fuse()`` (fuse.py) turns each chain into one call of this module:
+
+* ``gelu``: the exact GELU in the GEMM's epilogue; the output is (N, H, W, K) contiguous, as
+  ``F.linear`` gives it.
+* ``nchw`` + ``scale`` + residual: the per-channel layer scale folded into the weights and bias
+  (``W' = s W``, ``b' = s b``, cached per version of the three), the block input added in the
+  epilogue (read in channels_last memory format; a copy when it is not), the output the (N, K, H, W)
+  view in channels_last memory that the permute gave.
+
+Eval inference on CUDA tensors of one dtype (float32, float16, bfloat16) takes this path where a
+variant serves the layer (sm_90: ``tc_implicit_gemm_*``; float32 in the fp32 class as 3xTF32, in
+the relaxed class as TF32); anything else (training, autograd, torch.compile, autocast, CPU, other
+devices) runs the original operations through PyTorch, as the traced model did.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from convforge import dispatch
+from convforge.backends import get_backend
+from convforge.config import config, parse_precision
+from convforge.plan import Epilogue
+from convforge.spec import ConvSpec
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_CAPTURING = torch.cuda.is_current_stream_capturing
+
+
+class FusedLinear(torch.nn.Linear):
+    """``nn.Linear`` sharing the original's parameters (same state_dict), whose ``forward(x, res=None)``
+    applies the chain it was fused with (module docstring)."""
+
+    _cf_gelu: bool = False
+    _cf_nchw: bool = False  # the output permuted to (N, K, H, W), as permute(0, 3, 1, 2) after it
+    _cf_scale: tuple[torch.nn.Module, str] | None = None  # (owner, attribute) of the layer scale
+    _cf_residual: bool = False
+
+    @classmethod
+    def from_linear(cls, m: torch.nn.Linear, gelu: bool = False, nchw: bool = False,
+                    scale: tuple[torch.nn.Module, str] | None = None, residual: bool = False,
+                    algo: str = "auto", precision: str | None = None, max_error: float | None = None,
+                    static_weights: bool = True) -> FusedLinear:
+        """A FusedLinear sharing ``m``'s parameters, buffers and hooks; ``scale`` is referenced (read at
+        each call), never registered."""
+        if precision is not None:
+            parse_precision(precision)
+        if max_error is not None and not max_error > 0:
+            raise ValueError(f"max_error ({max_error!r}) must be > 0")
+        if gelu and (nchw or scale is not None or residual):
+            raise ValueError("FusedLinear folds either GELU or the permute, layer scale and residual add")
+        new = cls.__new__(cls)
+        new.__dict__.update(m.__dict__)
+        new.__dict__.update(_cf_gelu=gelu, _cf_nchw=nchw, _cf_scale=scale, _cf_residual=residual, algo=algo,
+                            precision=precision, max_error=max_error, static_weights=static_weights,
+                            _cf_cache={}, _cf_folded=None)
+        return new
+
+    def fused_ops(self) -> str:
+        """What the module applies after the product: "gelu" or "permute+scale+add"."""
+        ops = [t for t, on in (("gelu", self._cf_gelu), ("permute", self._cf_nchw),
+                               ("scale", self._cf_scale is not None), ("add", self._cf_residual)) if on]
+        return "+".join(ops)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", fused={self.fused_ops()!r}"
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(super().__getstate__())
+        state["_cf_cache"], state["_cf_folded"] = {}, None
+        return state
+
+    def scale(self) -> torch.Tensor | None:
+        if self._cf_scale is None:
+            return None
+        owner, attr = self._cf_scale
+        return getattr(owner, attr)  # type: ignore[no-any-return]
+
+    def forward(self, x: torch.Tensor, res: Any = None) -> torch.Tensor:  # type: ignore[override]
+        if (res is not None) == self._cf_residual and self._eligible(x, res):
+            y = self._convforge(x, res)
+            if y is not None:
+                return y
+        return self.unfused(x, res)
+
+    def unfused(self, x: torch.Tensor, res: Any = None) -> torch.Tensor:
+        """The original operations, through PyTorch."""
+        y = F.linear(x, self.weight, self.bias)
+        if self._cf_gelu:
+            y = F.gelu(y)
+        if self._cf_nchw:
+            y = y.permute(0, 3, 1, 2)
+        s = self.scale()
+        if s is not None:
+            y = s * y
+        return y if res is None else y + res
+
+    def _eligible(self, x: torch.Tensor, res: Any) -> bool:
+        w, b, s = self.weight, self.bias, self.scale()
+        if not (x.is_cuda and x.dim() == 4 and x.dtype in _DTYPES and w.is_cuda and w.dtype == x.dtype):
+            return False
+        if b is not None and b.dtype != x.dtype:
+            return False
+        if s is not None and (not s.is_cuda or s.dtype != x.dtype or s.numel() != w.shape[0]):
+            return False
+        if res is not None and not (isinstance(res, torch.Tensor) and res.is_cuda and res.dtype == x.dtype):
+            return False
+        if torch.compiler.is_compiling() or torch.is_autocast_enabled():
+            return False
+        return not torch.is_grad_enabled() or not any(
+            t is not None and t.requires_grad for t in (x, w, b, s, res))
+
+    def _convforge(self, x: torch.Tensor, res: Any) -> torch.Tensor | None:
+        """The fused call, or None when no convforge variant runs the layer or the residual's shape is
+        not the output's."""
+        if not x.is_contiguous():
+            x = x.contiguous()
+        n, h, w_, _ = x.shape
+        if res is not None and tuple(res.shape) != (n, self.out_features, h, w_):
+            return None  # a broadcasting add: PyTorch's operations do what the model did
+        run = self._runner(x)
+        if run is None:
+            return None
+        w4, b = self._weights()
+        xv = x.permute(0, 3, 1, 2)  # (N, C, H, W) in channels_last memory: what the NHWC plan reads
+        filters = run.filters
+        packed = None
+        if filters is not None and (self.static_weights or not _CAPTURING()):
+            packed = filters.get(w4, w4.data_ptr())
+        y = run(xv, w4, b, packed, res) if res is not None else run(xv, w4, b, packed)
+        return y if self._cf_nchw else y.permute(0, 2, 3, 1)  # type: ignore[no-any-return]
+
+    def _runner(self, x: torch.Tensor) -> Any:
+        key = (x.shape, x.dtype, x.device, config.precision, config.max_error, config.autotune, config.db_path)
+        try:
+            return self._cf_cache[key]
+        except KeyError:
+            run = self._cf_cache[key] = self._make_runner(x)
+            return run
+
+    def _make_runner(self, x: torch.Tensor) -> Any:
+        n, h, w_, c = x.shape
+        dev = x.device.index or 0
+        epi = Epilogue(bias=self.bias is not None, gelu=self._cf_gelu, residual=self._cf_residual)
+        try:
+            spec = ConvSpec.from_shapes((n, c, h, w_), (self.out_features, c, 1, 1), dtype=x.dtype, layout="nhwc")
+            return dispatch.runner(None, spec, get_backend("cuda", dev), epi, "torch", dev, algo=self.algo,
+                                   precision=self.precision, max_error=self.max_error)
+        except ValueError:
+            return None
+
+    def _weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weights as K x C x 1 x 1, bias) with the layer scale folded in: views of the parameters
+        without one; else computed once per version of weight, bias and scale (per call under a CUDA
+        graph capture that has not seen them, or for inference tensors)."""
+        w, b, s = self.weight, self.bias, self.scale()
+        if s is None:
+            return w.detach().view(self.out_features, self.in_features, 1, 1), None if b is None else b.detach()
+        try:
+            key = tuple((t.data_ptr(), t._version) for t in (w, b, s) if t is not None)
+        except RuntimeError:  # inference tensors have no version counter
+            key = None
+        hit = self._cf_folded
+        if key is not None and hit is not None and hit[0] == key:
+            return hit[1], hit[2]
+        with torch.no_grad():
+            sv = s.reshape(-1, 1)
+            w4 = (w * sv).view(self.out_features, self.in_features, 1, 1)
+            b2 = None if b is None else b * sv.reshape(-1)
+        if key is not None and not _CAPTURING():
+            self.__dict__["_cf_folded"] = (key, w4, b2)
+        return w4, b2

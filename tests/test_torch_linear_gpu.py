@@ -1,0 +1,126 @@
+"""GPU tier of linear fusion (torch/linear.py; skips without a CUDA device or torch): ``FusedLinear``
+runs the tensor-core generator's channels-last 1x1 plans (sm_90) with GELU, the folded layer scale
+and the residual in the epilogue, against float64 runs of the original operations (outputs land in
+caching-allocator blocks poisoned with NaN first). Run on the lent GPU:
+``python -m pytest -q tests/test_torch_linear_gpu.py``."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch", reason="GPU tier of linear fusion: torch not installed")
+nn, F = torch.nn, torch.nn.functional
+
+from test_torch_linear import Block  # noqa: E402
+
+
+def _poison(shape, dtype=torch.float32):
+    t = torch.full(shape, float("nan"), device="cuda", dtype=dtype)
+    del t
+
+
+def _rel(got, want):
+    assert not torch.isnan(got).any(), "NaN in the output: an element was never written"
+    return float((got.double() - want).norm() / want.norm())
+
+
+def _ran(m) -> list:
+    """The plans a FusedLinear's runners hold (none: it ran PyTorch's operations)."""
+    return [r.exe.plan for r in m._cf_cache.values() if r is not None]
+
+
+@pytest.fixture
+def hopper(gpu):
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the channels-last tensor-core plans need sm_90")
+    return gpu
+
+
+CASES = [((1, 13, 7, 5), 12, torch.float32, "fp32"), ((2, 9, 11, 24), 37, torch.float32, "fp32"),
+         ((3, 8, 8, 96), 384, torch.float32, "relaxed"), ((2, 5, 7, 64), 40, torch.float16, "fp32"),
+         ((2, 6, 6, 32), 64, torch.bfloat16, "fp32")]
+
+
+@pytest.mark.parametrize("shape, k, dtype, precision", CASES, ids=str)
+def test_linear_gelu_against_float64(hopper, shape, k, dtype, precision):
+    """Linear -> GELU on odd shapes (N=1, primes, C not a multiple of 4, K not a multiple of 4: the
+    scalar stores) in each class and dtype, within the plan's stated tolerance."""
+    from convforge.torch.linear import FusedLinear
+
+    torch.manual_seed(1)
+    lin = nn.Linear(shape[-1], k).cuda().to(dtype)
+    m = FusedLinear.from_linear(lin, gelu=True, precision=precision)
+    x = (torch.rand(shape, device="cuda") - 0.5).to(dtype)
+    _poison((shape[0] * shape[1] * shape[2] * k + 4096,), dtype)
+    with torch.no_grad():
+        y = m(x)
+    plans = _ran(m)
+    assert plans and plans[0].spec.layout == "nhwc" and plans[0].epilogue.gelu, "convforge did not run the layer"
+    want = F.gelu(F.linear(x.double(), lin.weight.double(), lin.bias.double()))
+    assert y.shape == want.shape and y.dtype == dtype and y.is_contiguous()
+    assert _rel(y, want) < plans[0].tolerance, plans[0].describe()
+
+
+def test_convnext_blocks_fused_match_float64_and_capture(hopper, monkeypatch):
+    """Two ConvNeXt blocks: every linear runs convforge's plan (the unfused path is never taken), the
+    output is within the fp32 class of float64, and a CUDA graph capture replays it."""
+    from convforge.torch.linear import FusedLinear
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(32), Block(32)).cuda().eval()
+    fused, report = __import__("convforge.torch", fromlist=["fuse"]).fuse(model)
+    assert len(report.linears) == 4
+
+    def refuse(*_a, **_k):
+        raise AssertionError("a fused linear took PyTorch's path")
+
+    monkeypatch.setattr(FusedLinear, "unfused", refuse)
+    x = torch.randn(2, 32, 11, 13, device="cuda").contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        want = copy.deepcopy(model).double()(x.double())
+        y = fused(x)
+        assert _rel(y, want) < 1e-5
+        static = x.clone()
+        fused(static)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = fused(static)
+        static.copy_(x * 0.5)
+        g.replay()
+        torch.testing.assert_close(out, fused(x * 0.5), rtol=1e-6, atol=1e-6)
+
+
+def test_layer_scale_update_is_seen(hopper):
+    """The folded weights follow in-place updates of the layer scale, the weights and the bias."""
+    torch.manual_seed(2)
+    model = Block(16).cuda().eval()
+    fused, _ = __import__("convforge.torch", fromlist=["fuse"]).fuse(model)
+    x = torch.randn(1, 16, 9, 9, device="cuda")
+    with torch.no_grad():
+        fused(x)
+        model.layer_scale.mul_(-2.0)
+        model.fc2.bias.add_(1.0)
+        model.fc2.weight.mul_(0.5)
+        assert _rel(fused(x), copy.deepcopy(model).double()(x.double())) < 1e-5
+
+
+def test_torchvision_convnext_tiny(hopper):
+    torchvision = pytest.importorskip("torchvision", reason="torchvision not installed")
+    torch.manual_seed(0)
+    model = torchvision.models.convnext_tiny().cuda().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("layer_scale"):
+                p.uniform_(0.1, 1.0)
+    fused, report = __import__("convforge.torch", fromlist=["fuse"]).fuse(model)
+    assert len(report.linears) == 36
+    x = torch.randn(2, 3, 96, 96, device="cuda")
+    with torch.no_grad():
+        want = copy.deepcopy(model).double()(x.double())
+        err = _rel(fused(x), want)
+        base = _rel(model(x), want)
+    assert err < 4 * base + 1e-6, (err, base)
+    assert all(_ran(m) for m in fused.modules() if m.__class__.__name__ == "FusedLinear")
