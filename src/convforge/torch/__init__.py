@@ -1,9 +1,10 @@
 """PyTorch drop-in: ``Conv2d`` (an ``nn.Conv2d`` that runs convforge's kernels), ``convert(model)``,
 ``fuse(model)`` (convs with the batch norm, residual add and ReLU after them folded into one
 kernel plan: ``FusedConv2d``; linear layers over channels-last activations with their GELU, or
-layer scale and residual add: ``FusedLinear``, ConvNeXt's MLPs) and the ``convforge::conv2d`` operator (torch.compile and CUDA-graph
-safe, with autograd), and ``calibrate(model, reference, example)`` (a per-network error budget:
-the fewest layers set to a tight max_error that bring the output error within budget x PyTorch's).
+layer scale and residual add: ``FusedLinear``, ConvNeXt's MLPs) and the ``convforge::conv2d``
+operator (torch.compile and CUDA-graph safe, with autograd), and ``calibrate(model, reference,
+example)`` (a per-network error budget: the fewest layers set to a tight max_error that bring
+the output error within budget x PyTorch's).
 
 Imported only when torch is installed (torch stays an optional extra): ``import convforge`` never
 imports this package.

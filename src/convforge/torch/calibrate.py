@@ -5,8 +5,9 @@ The rule and its search are ``convforge.calibrate``'s (the one calibration modul
 float64 output of the original model on ``example`` and PyTorch FP32's own error on it (TF32 off,
 or on with ``tf32``: the relaxed class's baseline) give the bound; one forward of ``model`` records
 each convforge module's input shape and the starting error; a candidate is each module whose
-choice at ``max_error=tight`` differs from its own (``Conv2d.cf_choice``); a probe sets modules'
-``max_error`` (``Conv2d.set_max_error``) and runs one no_grad forward.
+choice at ``max_error=tight`` differs from its own (``Conv2d.cf_choice``), and each ``FusedLinear``
+(a linear layer no variant runs at the tight bound: tightened, it runs PyTorch's FP32 operations);
+a probe sets modules' ``max_error`` (``set_max_error``) and runs one no_grad forward.
 
 The model is left in the final setting (``Conv2d.set_max_error``). Calibrate on an input you do not
 report figures on. "Fast" choices come from the tuning database where it has entries (``convforge
@@ -36,6 +37,7 @@ from convforge.calibrate import (  # noqa: F401 - the shared module's names, as 
 )
 from convforge.dispatch import Choice
 from convforge.spec import ConvSpec
+from convforge.torch.linear import FusedLinear
 from convforge.torch.modules import Conv2d
 
 
@@ -64,7 +66,8 @@ def calibrate(model: torch.nn.Module, reference: torch.nn.Module, example: torch
                                 reference="PyTorch TF32" if tf32 else "PyTorch FP32")
 
 
-def _check(model: Any, reference: Any, example: Any, budget: Any, tight: Any, headroom: Any = 1.0) -> dict[str, Conv2d]:
+def _check(model: Any, reference: Any, example: Any, budget: Any, tight: Any,
+           headroom: Any = 1.0) -> dict[str, Conv2d | FusedLinear]:
     """The convforge modules of ``model`` by path; ValueError naming what is wrong with the input."""
     for name, m in (("model", model), ("reference", reference)):
         if not isinstance(m, torch.nn.Module):
@@ -75,8 +78,8 @@ def _check(model: Any, reference: Any, example: Any, budget: Any, tight: Any, he
     if any(isinstance(m, Conv2d) for m in reference.modules()):
         raise ValueError("calibrate: reference has convforge modules; pass the original PyTorch model "
                          "(convert() works in place: convert a copy)")
-    mods = {path: m for path, m in model.named_modules() if isinstance(m, Conv2d)}
-    if not mods:
+    mods = {path: m for path, m in model.named_modules() if isinstance(m, Conv2d | FusedLinear)}
+    if not any(isinstance(m, Conv2d) for m in mods.values()):
         raise ValueError("calibrate: model has no convforge modules (Conv2d / FusedConv2d); "
                          "run convforge.torch.convert or fuse on it first")
     if not isinstance(example, torch.Tensor) or not example.is_cuda or example.dtype != torch.float32:
@@ -121,7 +124,7 @@ def _reference64(reference: torch.nn.Module, example: torch.Tensor) -> torch.Ten
     return want
 
 
-def _record(model: torch.nn.Module, mods: dict[str, Conv2d], example: torch.Tensor,
+def _record(model: torch.nn.Module, mods: dict[str, Conv2d | FusedLinear], example: torch.Tensor,
             want: torch.Tensor) -> tuple[dict[str, set[tuple[int, ...]]], float]:
     """Each module's input shapes in one forward (pre-hooks), and that forward's error."""
     shapes: dict[str, set[tuple[int, ...]]] = {path: set() for path in mods}
@@ -141,7 +144,7 @@ def _record(model: torch.nn.Module, mods: dict[str, Conv2d], example: torch.Tens
     return shapes, err
 
 
-def _candidates(mods: dict[str, Conv2d], shapes: dict[str, set[tuple[int, ...]]], device: int,
+def _candidates(mods: dict[str, Conv2d | FusedLinear], shapes: dict[str, set[tuple[int, ...]]], device: int,
                 tight: float) -> tuple[list[Candidate], dict[str, str]]:
     """The modules whose choice under ``tight`` differs from their own, and why the others that
     convforge runs are not candidates when that is not simply 'the same choice'."""
@@ -153,6 +156,10 @@ def _candidates(mods: dict[str, Conv2d], shapes: dict[str, set[tuple[int, ...]]]
         acc = [a for _, a in pairs if a is not None]
         if not pairs or len(fast) < len(pairs):
             continue  # not called on the example, or PyTorch runs it
+        if len(acc) < len(pairs) and getattr(m, "cf_tight_is_pytorch", False):
+            out.append(Candidate(path, _names(fast), _error(fast), "pytorch", TIGHT,
+                                 sum(spec.flops for spec, _ in fast), all(ch.error is not None for _, ch in fast)))
+            continue  # a FusedLinear at the tight bound runs PyTorch's FP32 operations
         if len(acc) < len(pairs):
             skipped[path] = f"no variant states max_error={tight:g} on this layer"
             continue
@@ -172,8 +179,8 @@ def _error(choices: list[tuple[ConvSpec, Choice]]) -> float:
     return max(ch.error if ch.error is not None else ch.variant.expected_error(spec) for spec, ch in choices)
 
 
-def _apply(mods: dict[str, Conv2d], cands: Sequence[Candidate], fast: dict[str, float | None], tight: float,
-           chosen: int | frozenset[int]) -> None:
+def _apply(mods: dict[str, Conv2d | FusedLinear], cands: Sequence[Candidate], fast: dict[str, float | None],
+           tight: float, chosen: int | frozenset[int]) -> None:
     """The candidates ``chosen`` (indices, or an int k: the first k) at ``tight``, the rest at their
     own setting (only changed modules drop their runners)."""
     tight_set = frozenset(range(chosen)) if isinstance(chosen, int) else chosen

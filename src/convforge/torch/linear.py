@@ -149,13 +149,42 @@ class FusedLinear(torch.nn.Linear):
             return run
 
     def _make_runner(self, x: torch.Tensor) -> Any:
-        n, h, w_, c = x.shape
         dev = x.device.index or 0
-        epi = Epilogue(bias=self.bias is not None, gelu=self._cf_gelu, residual=self._cf_residual)
         try:
-            spec = ConvSpec.from_shapes((n, c, h, w_), (self.out_features, c, 1, 1), dtype=x.dtype, layout="nhwc")
-            return dispatch.runner(None, spec, get_backend("cuda", dev), epi, "torch", dev, algo=self.algo,
-                                   precision=self.precision, max_error=self.max_error)
+            spec = self._spec(tuple(x.shape), x.dtype)
+            return dispatch.runner(None, spec, get_backend("cuda", dev), self._epilogue(), "torch", dev,
+                                   algo=self.algo, precision=self.precision, max_error=self.max_error)
+        except ValueError:
+            return None
+
+    def _spec(self, x_shape: tuple[int, ...], dtype: torch.dtype) -> ConvSpec:
+        n, h, w_, c = x_shape
+        return ConvSpec.from_shapes((n, c, h, w_), (self.out_features, c, 1, 1), dtype=dtype, layout="nhwc")
+
+    def _epilogue(self) -> Epilogue:
+        return Epilogue(bias=self.bias is not None, gelu=self._cf_gelu, residual=self._cf_residual)
+
+    # -- calibration (torch/calibrate.py): a bound no variant meets runs PyTorch's operations -----
+    cf_tight_is_pytorch = True  # at a bound no convforge variant states, forward runs PyTorch's ops
+
+    def set_max_error(self, value: float | None) -> None:
+        """The error bound the layer's variant is chosen under (None: the class's); a bound no variant
+        states sends the layer to PyTorch's operations (exact FP32). Drops the cached runners."""
+        if value is not None and not value > 0:
+            raise ValueError(f"max_error ({value!r}) must be > 0")
+        self.max_error = value
+        self._cf_cache.clear()
+
+    def cf_choice(self, x_shape: tuple[int, ...], device: int,
+                  max_error: float | None) -> tuple[ConvSpec, dispatch.Choice] | None:
+        """(spec, choice) for an input of ``x_shape`` under ``max_error``, or None when convforge
+        does not run the layer (a 4-D input's last dimension is the channels)."""
+        if len(x_shape) != 4:
+            return None
+        try:
+            spec = self._spec(x_shape, self.weight.dtype)
+            return spec, dispatch.choose(spec, get_backend("cuda", device), self._epilogue(), algo=self.algo,
+                                         precision=self.precision, max_error=max_error)
         except ValueError:
             return None
 
