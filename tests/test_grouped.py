@@ -412,7 +412,7 @@ def test_bench_grouped_prints_bandwidth(ocl, tmp_path: Path, capsys) -> None:  #
     row = json.loads((out / "results.json").read_text())["rows"][0]
     assert row["ok"] and row["spec"]["layout"] == "nhwc" and row["algo"].startswith("depthwise_nhwc"), row
     rc, text = run_main(["bench", "--suite", "resnet", "--layout", "nhwc", "--backend", "opencl"], capsys)
-    assert rc != 0 and "is not a forward depthwise layer" in text, text
+    assert rc != 0 and "no opencl variant reads layer" in text and "in NHWC" in text, text
 
 
 def test_bench_models_know_the_modern_cnns() -> None:

@@ -112,18 +112,24 @@ def _with_dtype(layers: list[Layer], dtype: str | None) -> list[Layer]:
         raise SuiteError(str(err)) from None
 
 
-def _with_layout(layers: list[Layer], layout: str | None) -> list[Layer]:
-    """The layers with activations in ``layout`` memory; NHWC is for forward depthwise layers only
-    (depthwise_nhwc), others are an error naming the first."""
+def _with_layout(layers: list[Layer], layout: str | None, backends: list[Backend]) -> list[Layer]:
+    """The layers with activations in ``layout`` memory; an error naming the first layer no variant
+    runs in that layout on ``backends`` (NHWC: depthwise_nhwc for forward depthwise layers, the
+    tensor-core GEMMs of sm_90 for the others)."""
     import dataclasses
+
+    from convforge.kernels import all_variants
 
     if layout in (None, "nchw"):
         return layers
-    for la in layers:
-        if not la.spec.depthwise or la.spec.conv_pass != "fprop":
-            raise SuiteError(f"--layout {layout}: layer {la.name} ({la.spec.short()}) is not a forward depthwise "
-                             "layer, the only kind convforge reads in NHWC (use --limit or a suite of them)")
-    return [dataclasses.replace(la, spec=dataclasses.replace(la.spec, layout=layout)) for la in layers]
+    out = [dataclasses.replace(la, spec=dataclasses.replace(la.spec, layout=layout)) for la in layers]
+    for la in out:
+        if not any(v.applies(la.spec, be.device) is None for v in all_variants() for be in backends):
+            names = "/".join(be.name for be in backends)
+            raise SuiteError(f"--layout {layout}: no {names} variant reads layer {la.name} ({la.spec.short()}) in "
+                             f"{layout.upper()} (forward depthwise layers, and on sm_90 the tensor-core GEMMs, do; "
+                             "use --limit or a suite of them)")
+    return out
 
 
 def _budget_arg(text: str) -> float:
@@ -242,8 +248,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         return _run_ablation(args, console)
     layers = layer_passes(_with_dtype(load_suite(args.suite, args.limit), getattr(args, "dtype", None)),
                           getattr(args, "conv_pass", None))
-    layers = _with_layout(layers, getattr(args, "layout", None))
     bes = _backends(args)
+    layers = _with_layout(layers, getattr(args, "layout", None), bes)
     kind = _baseline_kind(args, bes)
     env = runner.environment(bes, kind)
     report.print_header(console, env, args.suite, len(layers))
@@ -301,9 +307,9 @@ def layer_passes(layers: list[Layer], choice: str | None) -> list[Layer]:
 def _run_sweep(args: argparse.Namespace, console: Console) -> int:
     """``--sweep``: the points of each ``--algo`` variant's space on every layer, in one precision class
     (relaxed when ``--precision`` names it, so families admit their relaxed variants)."""
-    layers = _with_layout(layer_passes(load_suite(args.suite, args.limit), getattr(args, "conv_pass", None)),
-                          getattr(args, "layout", None))
     be = _backends(args)[0]
+    layers = _with_layout(layer_passes(load_suite(args.suite, args.limit), getattr(args, "conv_pass", None)),
+                          getattr(args, "layout", None), [be])
     env = runner.environment([be], "none")
     report.print_header(console, env, args.suite, len(layers))
     prec = "relaxed" if "relaxed" in precisions(args.precision_classes) else "fp32"
