@@ -92,9 +92,12 @@ def x_from_nhwc(spec: ConvSpec, math: Math, cp: int, dst: str = "xh") -> tuple[K
 
 
 def reads_in_place(spec: ConvSpec, math: Math) -> bool:
-    """Whether the GEMM reads the input as it lies: a channels-last half input of whole 16-byte chunks
-    (its bits are the operands; float32 inputs are rounded or split first)."""
-    return spec.layout == "nhwc" and math.esize == 2 and padded_channels(spec.c, math) == spec.c
+    """Whether the GEMM reads the input as it lies: a channels-last input of whole 16-byte chunks, in
+    half precision (its bits are the operands) or TF32 (the tensor cores read a float's top 19 bits:
+    x truncated, not rounded; the filters are still rounded to nearest, so the error stays about
+    cuDNN's TF32 error, and the per-element pass that would cost more than the GEMM on linear layers
+    is skipped). 3xTF32 splits x into hi and lo first."""
+    return spec.layout == "nhwc" and math.name != "3xtf32" and padded_channels(spec.c, math) == spec.c
 
 
 def w_krsc(spec: ConvSpec, math: Math, cp: int, ld: int, dst: str = "wt") -> tuple[Kernel, Dim3]:

@@ -4,8 +4,9 @@ Plan: (1) filters packed K x (R S Cp) in the math mode's format (a weight-only s
 (C padded to a 16-byte chunk), (3) the wgmma GEMM, M = N P Q pixels x N = K channels x R S Cp,
 stored NCHW with the epilogue (or FP32 partials when split), (4) with split-K the reduce. A
 channels-last layer (``layout="nhwc"``; a linear layer over channels is its 1x1 case) has step (2)
-per element (none for a half input of whole 16-byte chunks, read in place) and y stored NHWC: rows
-staged in shared memory, 16-byte runs of channels written.
+per element for 3xTF32 or channels that are not whole 16-byte chunks, none otherwise (halves and TF32
+read x in place: TF32 then truncates x, the filters still rounded to nearest), and y stored NHWC:
+rows staged in shared memory, 16-byte runs of channels written.
 
 * ``tc_implicit_gemm_tf32`` (float32, class "relaxed"): TF32 operands rounded to nearest (cvt.rna),
   FP32 accumulation: relative L2 2-4e-4 (stated 3e-4, as the mma.sync TF32 variants; checked 1e-3).
@@ -64,7 +65,7 @@ class TcImplicitGemm(Variant):
     residual_ok = True
     offset_ok = True
     space_lead = 6
-    layouts = frozenset({"nchw", "nhwc"})  # NHWC: read after a per-element step (halves in place), y NHWC
+    layouts = frozenset({"nchw", "nhwc"})  # NHWC: x read in place or after a per-element step, y NHWC
 
     def __init__(self, name: str, dtypes: frozenset[str], x3: bool, precision: str, specialised: int) -> None:
         self.name, self.dtypes, self.x3 = name, dtypes, x3
