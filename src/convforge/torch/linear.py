@@ -32,6 +32,7 @@ from convforge.backends import get_backend
 from convforge.config import config, parse_precision
 from convforge.plan import Epilogue
 from convforge.spec import ConvSpec
+from convforge.torch.modules import _AUTOCAST
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _CAPTURING = torch.cuda.is_current_stream_capturing
@@ -115,7 +116,7 @@ class FusedLinear(torch.nn.Linear):
             return False
         if res is not None and not (isinstance(res, torch.Tensor) and res.is_cuda and res.dtype == x.dtype):
             return False
-        if torch.compiler.is_compiling() or torch.is_autocast_enabled():
+        if torch.compiler.is_compiling() or _AUTOCAST():
             return False
         return not torch.is_grad_enabled() or not any(
             t is not None and t.requires_grad for t in (x, w, b, s, res))
