@@ -32,7 +32,7 @@ from convforge.backends import get_backend
 from convforge.config import config, parse_precision
 from convforge.plan import Epilogue
 from convforge.spec import ConvSpec
-from convforge.torch.modules import _AUTOCAST
+from convforge.torch.modules import _AUTOCAST, Conv2d
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _CAPTURING = torch.cuda.is_current_stream_capturing
@@ -168,13 +168,9 @@ class FusedLinear(torch.nn.Linear):
     # -- calibration (torch/calibrate.py): a bound no variant meets runs PyTorch's operations -----
     cf_tight_is_pytorch = True  # at a bound no convforge variant states, forward runs PyTorch's ops
 
-    def set_max_error(self, value: float | None) -> None:
-        """The error bound the layer's variant is chosen under (None: the class's); a bound no variant
-        states sends the layer to PyTorch's operations (exact FP32). Drops the cached runners."""
-        if value is not None and not value > 0:
-            raise ValueError(f"max_error ({value!r}) must be > 0")
-        self.max_error = value
-        self._cf_cache.clear()
+    # Conv2d's: the bound the variant is chosen under, cached runners dropped; here a bound no variant
+    # states sends the layer to PyTorch's operations (exact FP32)
+    set_max_error = Conv2d.set_max_error
 
     def cf_choice(self, x_shape: tuple[int, ...], device: int,
                   max_error: float | None) -> tuple[ConvSpec, dispatch.Choice] | None:
