@@ -1,11 +1,12 @@
 """Where a network's output error comes from: every node's output, ours and PyTorch FP32's, against
 the float64 executor, in graph order (CUDA with torch; a maintainer's tool for calibration work).
 
-    python scripts/net_error_trace.py --net googlenet --batch 2 [--error-budget 0] [--precision fp32]
+    python scripts/net_error_trace.py --net googlenet --batch 2 [--error-budget 0] [--precision fp32] [--images 4]
 
 Each row: the node, its op, the variant a conv / fc runs (with its stated error), our relative L2
 error, PyTorch's, and their ratio. A ratio that jumps at one node names the layer (or op) to fix;
-a ratio that creeps up is per-layer error compounding. Errors are of the first image.
+a ratio that creeps up is per-layer error compounding. Errors are over the first ``--images``
+images (default 1; ``convforge run`` and calibration use 4).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def main() -> None:
     ap.add_argument("--error-budget", type=float, default=0.0)
     ap.add_argument("--precision", choices=("fp32", "relaxed"), default="fp32")
     ap.add_argument("--seed", type=int, default=3)
+    ap.add_argument("--images", type=int, default=1, help="errors over the first IMAGES images")
     a = ap.parse_args()
     why = torch_baseline.available()
     if why:
@@ -40,13 +42,14 @@ def main() -> None:
     net = compile(g, batch=a.batch, backend="cuda", passes=False, error_budget=a.error_budget, capture=False)
     x = np.random.default_rng(a.seed).standard_normal(g.input_shape).astype(np.float32)
     ours, pt = net(x), torch_baseline.outputs(g, x, tf32=a.precision == "relaxed")
-    want = run_reference(g.with_batch(1), x[:1])
-    print(f"{a.net} N{a.batch} {a.precision}, error budget {a.error_budget:g}; errors of image 0 against float64")
+    k = max(1, min(a.images, a.batch))
+    want = run_reference(g.with_batch(k), x[:k])
+    print(f"{a.net} N{a.batch} {a.precision}, error budget {a.error_budget:g}; errors of {k} image(s) against float64")
     print(f"{'node':32} {'op':8} {'variant (stated error)':40} {'ours':>9} {'PyTorch':>9} {'ratio':>6}")
     for node in g.nodes:
         t = node.output
-        e_us = rel_l2(np.asarray(ours[t][:1], np.float64), want[t])
-        e_pt = rel_l2(np.asarray(pt[t][:1], np.float64), want[t])
+        e_us = rel_l2(np.asarray(ours[t][:k], np.float64), want[t])
+        e_pt = rel_l2(np.asarray(pt[t][:k], np.float64), want[t])
         what = ""
         if node.op in ("conv", "fc"):
             ch = net.choice(node)

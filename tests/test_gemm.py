@@ -80,6 +80,58 @@ def test_sgemm_space_is_valid():
                                                   pf=1, db=1))
 
 
+@pytest.mark.parametrize("pipe", [(0, 0), (1, 0), (1, 1)], ids=["plain", "prefetch", "double-buffer"])
+@pytest.mark.parametrize("ksplit", [1, 3])
+def test_sgemm_two_level_sums(ocl, pipe, ksplit):
+    """kc: every kc reduction elements the running sums join the chunk totals; a K (1001) that
+    neither kc nor the splits divide, in every pipeline, NaN-poisoned output."""
+    p = Params(bm=32, bn=32, bk=8, tm=4, tn=4, va=1, vb=1, pf=pipe[0], db=pipe[1], kc=32)
+    shape = GemmShape(37, 45, 1001, ksplit=ksplit)
+    plan = _plain_gemm(shape, p)
+    assert "s0_0 += c0_0" in plan.kernels[0].body and "% 4 == 0" in plan.kernels[0].body
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal((1, shape.m, shape.k)).astype(np.float32)
+    b = rng.standard_normal((1, shape.k, shape.n)).astype(np.float32)
+    cbuf = ocl.upload(np.full((ksplit, shape.m, shape.n), np.nan, np.float32))
+    ocl.executable(plan)({"A": ocl.upload(a), "B": ocl.upload(b), "C": cbuf})
+    ocl.synchronize()
+    got = ocl.download(cbuf, (ksplit, shape.m, shape.n)).sum(axis=0)
+    ref = a[0].astype(np.float64) @ b[0].astype(np.float64)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-6
+
+
+def test_sgemm_chunks_cut_the_error_of_long_sums(ocl):
+    """A 16384-long reduction of post-ReLU activations by random weights (VGG's fc6 is 25088):
+    one running FP32 sum per output against chunks of 128, each against float64."""
+    shape = GemmShape(16, 32, 16384)
+    rng = np.random.default_rng(5)
+    a = (rng.standard_normal((1, shape.m, shape.k)) / 128).astype(np.float32)
+    b = np.maximum(rng.standard_normal((1, shape.k, shape.n)), 0).astype(np.float32)
+    ref = a[0].astype(np.float64) @ b[0].astype(np.float64)
+    errs = {}
+    for kc in (0, 128):
+        p = Params(bm=16, bn=32, bk=8, tm=4, tn=4, va=1, vb=1, pf=1, db=1, kc=kc)
+        cbuf = ocl.upload(np.full((1, shape.m, shape.n), np.nan, np.float32))
+        ocl.executable(_plain_gemm(shape, p))({"A": ocl.upload(a), "B": ocl.upload(b), "C": cbuf})
+        ocl.synchronize()
+        got = ocl.download(cbuf, (shape.m, shape.n))
+        errs[kc] = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    assert errs[128] < 0.5 * errs[0], errs
+
+
+def test_long_reductions_sum_in_chunks_by_default():
+    """Micro-tiles of up to 32 outputs (fully-connected layers) chunk by default from K = 512; 8 x 8 tiles
+    (whose chunk totals would halve occupancy) do not, and each default's twin is second."""
+    fc = gemm_space(4096, 32, 25088, NOMINAL_CUDA)
+    assert fc[0].get("kc") == 128 and fc[1] == fc[0].replace(kc=0)
+    assert all(p.get("kc") == 128 for p in fc[2:] if p.tm * p.tn <= 32)
+    conv = gemm_space(128, 4096, 1152, NOMINAL_CUDA)
+    assert "kc" not in conv[0] and conv[1] == conv[0].replace(kc=128)
+    assert "kc" not in gemm_space(64, 64, 256, NOMINAL_CUDA)[0]
+    with pytest.raises(ValueError, match=r"kc \(12\) must be 0 or a multiple of bk \(8\)"):
+        _plain_gemm(GemmShape(64, 64, 64), Params(bm=32, bn=32, bk=8, tm=4, tn=4, va=1, vb=1, pf=1, db=1, kc=12))
+
+
 # -- convolution variants on PoCL -------------------------------------------------------------
 def _check(ocl: Any, name: str, spec: ConvSpec, params: Params, epi: Epilogue = Epilogue()) -> None:
     v = get_variant(name)

@@ -402,9 +402,10 @@ def test_bench_grouped_prints_bandwidth(ocl, tmp_path: Path, capsys) -> None:  #
                          "--quick-ceilings", "--repeats", "2", "--warmup", "1"], capsys)
     assert rc == 0, text
     assert "GB/s" in text and "% copy" in text and "depthwise" in text and "of the device copy" in text
+    assert "own bytes" in text and "of a copy of each layer's own bytes" in text
     row = json.loads((out / "results.json").read_text())["rows"][0]
     assert row["ok"] and row["spec"]["groups"] == 8 and row["min_bytes"] == 4 * (2 * 8 * 256 * 2 + 8 * 25)
-    assert row["gbs"] > 0 and row["pct_copy"] > 0
+    assert row["gbs"] > 0 and row["pct_copy"] > 0 and row["pct_copy_same"] > 0
     # the same layer in NHWC memory: depthwise_nhwc, checked in that layout; a non-depthwise layer is refused
     rc, text = run_main(["bench", "--suite", str(f), "--layout", "nhwc", "--backend", "opencl", "--baseline", "none",
                          "--out", str(out), "--quick-ceilings", "--repeats", "2", "--warmup", "1"], capsys)

@@ -8,6 +8,7 @@ are measured once per run where torch sees the GPU (``baselines.tensor_core_peak
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -108,8 +109,10 @@ def measure_ffma(be: Backend, warmup: int = 2, repeats: int = 5,
 
 
 def measure_copy(be: Backend, warmup: int = 2, repeats: int = 5,
-                 nbytes: int | None = None) -> tuple[float, int]:
-    """(GB/s counting read + write, bytes copied) of the float4 copy kernel."""
+                 nbytes: int | None = None, sets: int = 1) -> tuple[float, int]:
+    """(GB/s counting read + write, bytes copied) of the float4 copy kernel. ``sets`` > 1 cycles
+    through that many buffer pairs, as a small layer's timing cycles its inputs (timing.rotation_sets),
+    so a copy of a layer's own bytes is timed from DRAM too: the ceiling a launch of that size reaches."""
     gpu = be.device.is_gpu
     block, per = (256, 4) if gpu else (64, 4)
     chunk = 16 * block * per
@@ -117,8 +120,10 @@ def measure_copy(be: Backend, warmup: int = 2, repeats: int = 5,
     blocks = max(1, want // chunk)
     size = blocks * chunk
     exe = be.executable(_plan("ceiling_copy", copy_kernel(block, per), blocks, ("x", "y")))
-    bufs = {"x": be.upload(np.ones(size // 4, dtype=np.float32)), "y": be.empty(size)}
-    ms = _median_ms(be, lambda: exe(bufs), warmup, repeats)
+    bufs = [{"x": be.upload(np.ones(size // 4, dtype=np.float32)), "y": be.empty(size)}
+            for _ in range(max(1, sets))]
+    turn = itertools.cycle(bufs)
+    ms = _median_ms(be, lambda: exe(next(turn)), warmup, repeats)
     return 2.0 * size / (ms * 1e-3) / 1e9, size
 
 

@@ -21,7 +21,7 @@ from convforge.bench.runner import Row
 CSV_FIELDS = ("layer", "index", "pass", "impl", "backend", "algo", "precision", "time_ms", "tflops", "pct_peak",
               "workspace_bytes", "rel_err", "ok", "status", "baseline_impl", "baseline_algo",
               "baseline_ms", "speedup", "baseline_error", "error_ratio", "flops", "min_bytes", "gbs", "pct_copy",
-              "chosen_by", "N", "C", "H", "W", "K", "R", "S", "stride", "pad", "dilation", "groups", "dtype", "pct_tc")
+              "pct_copy_same", "chosen_by", "N", "C", "H", "W", "K", "R", "S", "stride", "pad", "dilation", "groups", "dtype", "pct_tc")
 ENV_FIELDS = ("device", "driver", "platform", "convforge", "torch", "cudnn", "cupy", "pyopencl", "numpy")
 
 
@@ -84,17 +84,21 @@ def layer_table(rows: list[Row], title: str = "", precision: str | None = None) 
     """One line per layer x convforge implementation of ``precision``'s class (all classes when None),
     with the class's baseline beside it: time, speed-up, both measured errors and their ratio; for
     grouped and depthwise layers also the achieved GB/s (input + filters + output once) and its share
-    of the measured device-copy bandwidth, and the baseline's GB/s."""
+    of the measured device-copy bandwidth and of a copy of the layer's own bytes, and the baseline's
+    GB/s. "% TC peak" only where some row has a tensor-core ceiling."""
     t = Table(title=title or None, show_lines=False)
     memory = grouped_rows(rows)
+    mine = _convforge(rows, precision)
+    tc = any(r.pct_tc is not None for r in mine)
     cols = [("layer", "left"), ("class", "left"), ("convforge variant", "left"), ("time ms", "right"),
-            ("TFLOPS", "right"), ("% peak", "right"), ("% TC peak", "right")]
-    cols += [("GB/s", "right"), ("% copy", "right"), ("baseline GB/s", "right")] if memory else []
+            ("TFLOPS", "right"), ("% peak", "right")] + ([("% TC peak", "right")] if tc else [])
+    cols += [("GB/s", "right"), ("% copy", "right"), ("% copy of own bytes", "right"),
+             ("baseline GB/s", "right")] if memory else []
     cols += [("baseline ms", "right"), ("baseline algo", "left"), ("speed-up", "right"), ("workspace", "right"),
              ("rel err", "right"), ("baseline err", "right"), ("err ratio", "right"), ("check", "left")]
     for col, just in cols:
         t.add_column(col, justify=just)  # type: ignore[arg-type]
-    for r in _convforge(rows, precision):
+    for r in mine:
         check = "ok" if r.ok else ("[red]FAIL[/]" if r.ok is False else "-")
         if r.status.startswith("error"):
             check = f"[red]{escape(r.status[:60])}[/]"
@@ -102,10 +106,10 @@ def layer_table(rows: list[Row], title: str = "", precision: str | None = None) 
         base = escape(f"{r.baseline_impl}: {r.baseline_algo}") if r.baseline_impl else "none available"
         cls = r.precision + ("" if _dtype(r) == "float32" else f" {_dtype(r)}")
         cells = [escape(r.layer), cls, escape(f"{variant} [{r.backend}]"), _num(r.time_ms, ".3f"),
-                 _num(r.tflops, ".4g"), _num(r.pct_peak, ".1f"), _num(r.pct_tc, ".1f")]
+                 _num(r.tflops, ".4g"), _num(r.pct_peak, ".1f")] + ([_num(r.pct_tc, ".1f")] if tc else [])
         if memory:
             base_gbs = r.min_bytes / (r.baseline_ms * 1e-3) / 1e9 if r.baseline_ms and r.min_bytes else None
-            cells += [_num(r.gbs, ".0f"), _num(r.pct_copy, ".1f"), _num(base_gbs, ".0f")]
+            cells += [_num(r.gbs, ".0f"), _num(r.pct_copy, ".1f"), _num(r.pct_copy_same, ".1f"), _num(base_gbs, ".0f")]
         cells += [_num(r.baseline_ms, ".3f"), base, _num(r.speedup, ".2f"), _bytes(r.workspace_bytes),
                   _num(r.rel_err, ".1e"), _num(r.baseline_error, ".1e"), _num(r.error_ratio, ".2f"), check]
         t.add_row(*cells)
@@ -124,6 +128,7 @@ def _stats(rows: list[Row]) -> dict[str, Any]:
     return {"speedup_geomean": geomean(speed), "error_ratio_geomean": geomean(ratio),
             "n_speedup": len(speed), "n_error_ratio": len(ratio),
             "gbs_geomean": geomean(r.gbs for r in rows), "pct_copy_geomean": geomean(r.pct_copy for r in rows),
+            "pct_copy_same_geomean": geomean(r.pct_copy_same for r in rows),
             "max_rel_err": max((r.rel_err for r in rows if r.rel_err is not None), default=None)}
 
 
@@ -170,7 +175,8 @@ def summary(rows: list[Row]) -> dict[str, dict[str, Any]]:
 def _line(head: str, s: dict[str, Any], memory: bool = False) -> str:
     sp, er = s["speedup_geomean"], s["error_ratio_geomean"]
     bw = (f", geometric-mean bandwidth {s['gbs_geomean']:.0f} GB/s ({_num(s['pct_copy_geomean'], '.1f')} % of the "
-          "device copy)") if memory and s.get("gbs_geomean") else ""
+          f"device copy, {_num(s.get('pct_copy_same_geomean'), '.1f')} % of a copy of each layer's own bytes)"
+          ) if memory and s.get("gbs_geomean") else ""
     return (f"{head}: geometric-mean speed-up {_num(sp, '.2f')}{'x' if sp else ''} over {s['n_speedup']} "
             f"layer(s), geometric-mean error ratio {_num(er, '.2f')} over {s['n_error_ratio']} "
             f"(convforge error / baseline error), largest convforge error {_num(s['max_rel_err'], '.1e')}{bw}")
@@ -199,12 +205,12 @@ def baseline_table(rows: list[Row]) -> Table:
     t = Table(title="baselines")
     memory = grouped_rows(rows)
     for col in ("layer", "impl", "algo", "precision", "time ms", "TFLOPS", "% TC peak") + (
-            ("GB/s", "% copy") if memory else ()) + ("workspace", "rel err", "status"):
+            ("GB/s", "% copy", "% copy of own bytes") if memory else ()) + ("workspace", "rel err", "status"):
         t.add_column(col)
     for r in rows:
         if r.impl.startswith("convforge"):
             continue
-        bw = [_num(r.gbs, ".0f"), _num(r.pct_copy, ".1f")] if memory else []
+        bw = [_num(r.gbs, ".0f"), _num(r.pct_copy, ".1f"), _num(r.pct_copy_same, ".1f")] if memory else []
         t.add_row(escape(r.layer), escape(r.impl), escape(r.algo), r.precision, _num(r.time_ms, ".3f"),
                   _num(r.tflops, ".4g"), _num(r.pct_tc, ".1f"), *bw,
                   _bytes(r.workspace_bytes), _num(r.rel_err, ".1e"), escape(r.status[:50]))

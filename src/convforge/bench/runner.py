@@ -17,7 +17,7 @@ import numpy as np
 from convforge import __version__, dispatch
 from convforge.backends.base import Backend
 from convforge.bench import baselines
-from convforge.bench.ceilings import Ceilings
+from convforge.bench.ceilings import Ceilings, measure_copy
 from convforge.bench.suites import Layer
 from convforge.bench.timing import Timing, check_slice, cycle, run_timed
 from convforge.check import check_plan, pass_inputs
@@ -56,6 +56,9 @@ class Row:
     min_bytes: int = 0
     gbs: float | None = None  # min_bytes / time: achieved bandwidth (memory-bound depthwise and grouped layers)
     pct_copy: float | None = None  # gbs as % of the measured device-copy ceiling
+    # gbs as % of a copy of the layer's own bytes, timed as the layer is (one launch, inputs cold in
+    # L2): what a launch of this size reaches (grouped and depthwise layers)
+    pct_copy_same: float | None = None
     chosen_by: str = ""
     spec: dict[str, Any] = field(default_factory=dict)
     pct_tc: float | None = None  # % of the tensor-core ceiling of the row's math (half, TF32)
@@ -211,19 +214,34 @@ def bench_layer(layer: Layer, index: int, bes: list[Backend], cfg: BenchConfig,
         attach_baseline([r for r in rows if r.precision == precision],
                         baselines.for_class(results, precision, spec.dtype))
     rows += baseline_rows(layer, index, results, peak0, ceilings.get(bes[0].name))
+    same = same_size_copy(spec, bes, cfg) if spec.groups > 1 else {}
     for row in rows:
         row.min_bytes = layer_bytes(spec)
         ceil = ceilings.get(row.backend) or ceilings.get(bes[0].name)
-        bandwidth(row, ceil.copy_gbs if ceil else None)
+        bandwidth(row, ceil.copy_gbs if ceil else None, same.get(row.backend) or same.get(bes[0].name))
     return rows
 
 
-def bandwidth(row: Row, copy_gbs: float | None) -> Row:
-    """Achieved GB/s (input + filters + output, each once, over the time) and its share of the
-    measured device-copy bandwidth: the figure of merit of memory-bound layers."""
+def same_size_copy(spec: ConvSpec, bes: list[Backend], cfg: BenchConfig) -> dict[str, float]:
+    """GB/s of the copy kernel moving the layer's own bytes (half read, half written) per launch,
+    cycling as many buffer sets as the layer's timing does, per back-end: a small layer's ceiling."""
+    from convforge.bench.timing import layer_bytes
+
+    out = {}
+    for be in bes:
+        t = Timing.for_layer(spec, be.device, cfg.warmup, cfg.repeats)
+        out[be.name] = measure_copy(be, t.warmup, t.repeats, nbytes=max(1, layer_bytes(spec) // 2), sets=t.sets)[0]
+    return out
+
+
+def bandwidth(row: Row, copy_gbs: float | None, same_gbs: float | None = None) -> Row:
+    """Achieved GB/s (input + filters + output, each once, over the time), its share of the measured
+    device-copy bandwidth (the figure of merit of memory-bound layers) and of a copy of the same
+    bytes timed the same way (``same_gbs``: what a launch of that size reaches)."""
     if row.time_ms and row.min_bytes:
         row.gbs = row.min_bytes / (row.time_ms * 1e-3) / 1e9
         row.pct_copy = 100.0 * row.gbs / copy_gbs if copy_gbs else None
+        row.pct_copy_same = 100.0 * row.gbs / same_gbs if same_gbs else None
     return row
 
 

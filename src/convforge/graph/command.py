@@ -252,18 +252,27 @@ def _table(prof: list[tuple[Any, float]], name: str, batch: int, prec: str = "fp
 
 def _check(console: Any, graph: Any, x: np.ndarray, out: dict[str, np.ndarray],
            res: dict[str, Any]) -> dict[str, np.ndarray]:
-    """Relative L2 error of image 0 against the float64 reference (run at batch 1); returns the
-    reference's outputs. The logits are the last output (main adds them after a softmax)."""
+    """Relative L2 error of the first ``CAL_IMAGES`` (4) images against the float64 reference:
+    calibration's estimator, on the input calibration never saw (one image's ratio to PyTorch's
+    moves by 2x between inputs). Returns the reference's outputs. The logits are the last output
+    (main adds them after a softmax)."""
+    from convforge.graph.calibrate import CAL_IMAGES
     from convforge.graph.reference import run_reference
     from convforge.reference import rel_l2
 
-    ref = run_reference(graph.with_batch(1), x[:1])
-    errs = {t: rel_l2(out[t][:1], ref[t]) for t in graph.outputs}
+    k = min(CAL_IMAGES, len(x))
+    ref = run_reference(graph.with_batch(k), x[:k])
+    errs = {t: rel_l2(out[t][:k], ref[t]) for t in graph.outputs}
     res["errors"] = errs
     res["logits_error"] = errs[graph.outputs[-1]]
-    console.print("relative error vs the float64 reference (image 0): "
+    res["error_images"] = k
+    console.print(f"relative error vs the float64 reference ({_images(k)}): "
                   + ", ".join(f"{t} {e:.2e}" for t, e in errs.items()), markup=False)
     return ref
+
+
+def _images(k: int) -> str:
+    return "image 0" if k == 1 else f"images 0-{k - 1}"
 
 
 def _torch(console: Any, graph: Any, x: np.ndarray, total: float, peak: int, repeats: int,
@@ -292,7 +301,8 @@ def _torch(console: Any, graph: Any, x: np.ndarray, total: float, peak: int, rep
     if ref is not None:
         from convforge.reference import rel_l2
 
-        res["torch_logits_error"] = rel_l2(t.output[:1], ref[logits])
+        k = len(ref[logits])
+        res["torch_logits_error"] = rel_l2(t.output[:k], ref[logits])
         kind = {"float16": "FP16", "bfloat16": "BF16"}.get(dtype, "TF32" if prec == "relaxed" else "FP32")
         console.print(f"PyTorch ({kind}) relative error vs the float64 "
-                      f"reference (image 0, {logits}): {res['torch_logits_error']:.2e}", markup=False)
+                      f"reference ({_images(k)}, {logits}): {res['torch_logits_error']:.2e}", markup=False)
