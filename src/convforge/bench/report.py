@@ -20,8 +20,9 @@ from convforge.bench.runner import Row
 
 CSV_FIELDS = ("layer", "index", "pass", "impl", "backend", "algo", "precision", "time_ms", "tflops", "pct_peak",
               "workspace_bytes", "rel_err", "ok", "status", "baseline_impl", "baseline_algo",
-              "baseline_ms", "speedup", "baseline_error", "error_ratio", "flops", "min_bytes", "gbs", "pct_copy",
-              "pct_copy_same", "chosen_by", "N", "C", "H", "W", "K", "R", "S", "stride", "pad", "dilation", "groups", "dtype", "pct_tc")
+              "baseline_ms", "speedup", "baseline_error", "error_ratio", "flops", "min_bytes", "gbs",
+              "pct_copy", "pct_copy_same", "chosen_by", "N", "C", "H", "W", "K", "R", "S", "stride", "pad",
+              "dilation", "groups", "dtype", "pct_tc")
 ENV_FIELDS = ("device", "driver", "platform", "convforge", "torch", "cudnn", "cupy", "pyopencl", "numpy")
 
 

@@ -167,7 +167,8 @@ def check_params(variant: Variant, spec: ConvSpec, device: DeviceInfo, params: A
 
 
 # Integer parameters that switch something off (0) or on (1), and those where 0 means "none" (mb:
-# no launch bound; sw: no swizzle; pi: no 3xTF32 promotion; kc: one running sum). Every other integer parameter is a size or
+# no launch bound; sw: no swizzle; pi: no 3xTF32 promotion; kc: one running sum). Every other
+# integer parameter is a size or
 # a count, >= 1: a tile of 0 threads or outputs divides by zero in the generators. (ps: the tensor-core
 # generator's persistent grid.)
 SWITCHES = frozenset({"db", "pf", "so", "xi", "xo", "hf", "lo", "fl", "ca", "ci", "ps"})

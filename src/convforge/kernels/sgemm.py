@@ -23,7 +23,8 @@ compile-time constant and the micro-kernel is unrolled, so accumulators stay in 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from convforge.codegen.dialect import Arg, Dim3, Kernel
@@ -315,8 +316,8 @@ def gemm_kernel(name: str, shape: GemmShape, p: Params, a: Operand, b: Operand, 
         code(f"float c{i}_{j} = 0.0f;" + (f" float s{i}_{j} = 0.0f;" if p.get("kc", 0) else ""))
     _main_loop(code, p, lay, ga, gb)
     if p.get("kc", 0):
-        code("// the last chunk's sum joins the earlier chunks'",
-             *(f"c{i}_{j} += s{i}_{j};" for i, j in itertools.product(range(p.tm), range(p.tn))))
+        code("// the chunk totals are the sums",
+             *(f"c{i}_{j} = s{i}_{j};" for i, j in itertools.product(range(p.tm), range(p.tn))))
     _store(code, shape, p, lay, c)
     return Kernel(name, args, code.text(), gemm_block(p), comment=comment or
                   f"sgemm {shape.m}x{shape.n}x{shape.k} batch {shape.batch} split "
@@ -441,15 +442,16 @@ class _Loader:
 
 
 def _main_loop(code: Code, p: Params, lay: _Layout, ga: _Loader, gb: _Loader) -> None:
-    """The K loop in one of three pipelines: plain, register prefetch, prefetch + double buffer."""
+    """The K loop in one of three pipelines: plain, register prefetch, prefetch + double buffer;
+    with ``kc`` it runs chunk by chunk (:func:`_k_loop`)."""
     nk = f"(kend - kbeg + {p.bk - 1}) / {p.bk}"
     if not p.pf:
-        with code.block(f"for (int kt = 0; kt < {nk}; ++kt)"):
+        code(f"const int nk = {nk};")
+        with _k_loop(code, p):
             ga.load(code, f"kbeg + kt * {p.bk}", direct=True)
             gb.load(code, f"kbeg + kt * {p.bk}", direct=True)
             code("BARRIER();")
             _micro(code, p, lay, "0")
-            _flush(code, p)
             code("BARRIER();")
         return
     code(f"const int nk = {nk};")
@@ -459,7 +461,7 @@ def _main_loop(code: Code, p: Params, lay: _Layout, ga: _Loader, gb: _Loader) ->
         ga.stash(code, "0")
         gb.stash(code, "0")
         code("BARRIER();")
-        with code.block("for (int kt = 0; kt < nk; ++kt)"):
+        with _k_loop(code, p):
             # Unconditional prefetch (the last slice re-reads itself into the idle buffer): a
             # guarded one lets ptxas sink the loads below the micro-kernel, into the guarded
             # stash, where their latency is no longer hidden.
@@ -468,33 +470,41 @@ def _main_loop(code: Code, p: Params, lay: _Layout, ga: _Loader, gb: _Loader) ->
             ga.load(code, "knext")
             gb.load(code, "knext")
             _micro(code, p, lay, "cur")
-            _flush(code, p)
             ga.stash(code, "(cur ^ 1)")
             gb.stash(code, "(cur ^ 1)")
             code("BARRIER();")
         return
-    with code.block("for (int kt = 0; kt < nk; ++kt)"):
+    with _k_loop(code, p):
         ga.stash(code, "0")
         gb.stash(code, "0")
         code("BARRIER();", f"const int knext = kbeg + min(kt + 1, nk - 1) * {p.bk};")
         ga.load(code, "knext")  # unconditional, as above
         gb.load(code, "knext")
         _micro(code, p, lay, "0")
-        _flush(code, p)
         code("BARRIER();")
 
 
-def _flush(code: Code, p: Params) -> None:
-    """Two-level sums (``kc`` > 0): every kc reduction elements the running sums c join the chunk
-    totals s and restart, so no FP32 sum runs over more than kc terms. One sequential sum over
-    K = 25088 (VGG's fc6) measures 1.8e-6 relative error, chunks of 128 to 256 about 3e-7 (BLAS's
-    blocked sums); for K = 4608 (3x3x512) 8.2e-7 against 1.9e-7 (docs/NOTES-accuracy.md)."""
+@contextmanager
+def _k_loop(code: Code, p: Params) -> Iterator[None]:
+    """``for kt in 0..nk`` around the body; with two-level sums (``kc`` > 0) an outer loop over
+    chunks of kc / bk tiles whose end adds the running sums c into the chunk totals s and
+    restarts them, so no FP32 sum runs over more than kc terms. The inner body is the plain loop's:
+    a flush branch inside it cost AlexNet's fc6 17 % on the H100; nested, kc=128 times the same.
+    One running sum over K = 25088 (VGG's fc6) measures 1.8e-6 relative error, chunks of 128 to
+    256 about 3e-7, BLAS's blocked sums' (docs/NOTES-gemm.md, round 20)."""
     kc = p.get("kc", 0)
     if not kc:
+        with code.block("for (int kt = 0; kt < nk; ++kt)"):
+            yield
         return
-    pairs = list(itertools.product(range(p.tm), range(p.tn)))
-    with code.block(f"if ((kt + 1) % {kc // p.bk} == 0)"):
-        code(*(f"s{i}_{j} += c{i}_{j}; c{i}_{j} = 0.0f;" for i, j in pairs))
+    tiles = kc // p.bk
+    code(f"// two-level sums: chunks of {kc} reduction elements")
+    with code.block(f"for (int kc0 = 0; kc0 < nk; kc0 += {tiles})"):
+        code(f"const int kce = min(kc0 + {tiles}, nk);")
+        with code.block("for (int kt = kc0; kt < kce; ++kt)"):
+            yield
+        code(*(f"s{i}_{j} += c{i}_{j}; c{i}_{j} = 0.0f;"
+               for i, j in itertools.product(range(p.tm), range(p.tn))))
 
 
 def _micro(code: Code, p: Params, lay: _Layout, buf: str) -> None:
