@@ -351,3 +351,22 @@ def test_full_window_compiles(nvcc_ok):
     spec = ConvSpec.make(5, 256, 6, 6, 4096, 6, 6)  # AlexNet fc6 at batch 5
     v = get_variant("gemm_fc")
     assert_compiles_clean(v, spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA)
+
+
+def test_thin_fully_connected_layers_split_or_take_tensor_cores():
+    """On a 132-SM GPU a long reduction whose plain tiles leave few threads per SM splits K even
+    when the tiles alone fill the SMs (VGG-16 fc6 at N=32: 128 blocks of 64 threads), into 64x32
+    tiles and enough slices for ~1024 threads per SM; at batch 128 3xTF32 ranks first (AlexNet)."""
+    from convforge.kernels import ranked
+
+    fc6 = ConvSpec.make(32, 25088, 1, 1, 4096, 1, 1)
+    split = get_variant("gemm1x1_splitk")
+    assert split.applies(fc6, NOMINAL_CUDA) is None
+    p = split.default(fc6, NOMINAL_CUDA)
+    assert (p.bm, p.bn, p.ks, p.get("kc")) == (64, 32, 16, 128)
+    assert ranked("auto", fc6, NOMINAL_CUDA, None, precision="fp32")[0].name == "gemm1x1_splitk"
+    short = ConvSpec.make(32, 1024, 14, 14, 256, 1, 1)  # a 1x1 conv: tiles enough, reduction short
+    assert "tiles" in (split.applies(short, NOMINAL_CUDA) or "")
+    big_batch = ConvSpec.make(128, 9216, 1, 1, 4096, 1, 1)
+    assert ranked("auto", big_batch, NOMINAL_CUDA, None, precision="fp32")[0].name == "tc_implicit_gemm_3xtf32"
+    assert ranked("auto", big_batch, NOMINAL_CUDA, None, precision="fp32", max_error=5e-7)[0].exact

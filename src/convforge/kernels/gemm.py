@@ -525,6 +525,9 @@ class Gemm1x1(_ConvGemmBase):
                          (Storage(spec.dtype).buf("x"),), ("x",), pro=prologue)
 
 
+THIN_REDUCTION = 4096  # reductions at least this long split K when the plain tiles leave the GPU thin
+
+
 class _SplitK(_ConvGemmBase):
     """The reduction split over ``ks`` blocks writing partial outputs to a workspace, then summed
     (with the epilogue) by a second kernel: fills the GPU when K and N*P*Q give few output tiles
@@ -559,11 +562,19 @@ class _SplitK(_ConvGemmBase):
             # half a block per SM (3b: 0.0186 against 0.0172 ms) or the reduction is short
             # (3a, C=192: 0.0196 against 0.0136 ms).
             tiles = self._tiles(spec, device)
-            if 2 * tiles >= max(device.units, 1):
+            if 2 * tiles >= max(device.units, 1) and not self._thin(spec, device):
                 why = f"N*P*Q already gives {tiles} tiles for {device.units} compute units"
             elif red < 256:
                 why = f"split-K pays only for {self.red_name} >= 256 on GPUs"
         return why
+
+    def _thin(self, spec: ConvSpec, device: DeviceInfo) -> bool:
+        """A long reduction (>= 4096) whose un-split tiles give each compute unit fewer than 256
+        threads: fully-connected layers at small batches (VGG-16's fc6 at N=32: 128 blocks of 64
+        threads stream 411 MB of weights)."""
+        base = self._unsplit(spec, device)
+        threads = (base.bm // base.tm) * (base.bn // base.tn)
+        return self._reduction(spec) >= THIN_REDUCTION and self._tiles(spec, device) * threads < 256 * device.units
 
     def _tiles(self, spec: ConvSpec, device: DeviceInfo) -> int:
         base = self._unsplit(spec, device)
@@ -584,11 +595,20 @@ class _SplitK(_ConvGemmBase):
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
         """The un-split tile, split into the fewest slices that give every compute unit a block
         (two for fully-connected shapes, which stream weights): on the H200, 5a (832@7) 64x64
-        ks=16 0.016 ms, 4c (512@14) ks=4 0.015 ms; more slices than that only add traffic."""
+        ks=16 0.016 ms, 4c (512@14) ks=4 0.015 ms; more slices than that only add traffic. A thin
+        layer (:meth:`_thin`) of N*P*Q > 16 takes 64x32x16 tiles split until the GPU holds ~1024 threads per
+        unit (H100, round 20: VGG-16 fc6 N32 1.739 -> 0.491 ms at ks=16, fc7 0.278 -> 0.093,
+        ResNet-50 fc 0.103 -> 0.025)."""
         base = self._unsplit(spec, device)
+        splits = self._splits(spec)
+        m, n, k = self._mnk(spec)
+        if device.is_gpu and n > 16 and self._thin(spec, device):  # n <= 16: Boda's batch-5 rule below
+            thin = gemm_default(m, n, k, device, self._a_vec(spec), self._b_vec(spec), prefer=((64, 32, 16, 4, 4),))
+            tiles = cdiv(m, thin.bm) * cdiv(n, thin.bn) * (thin.bm // thin.tm) * (thin.bn // thin.tn)
+            ks = next((k for k in splits if tiles * k >= 1024 * device.units), splits[-1])
+            return thin.replace(ks=ks)
         tiles = self._tiles(spec, device)
         units = max(device.units, 1) * (2 if spec.n * spec.p * spec.q <= 16 else 1)
-        splits = self._splits(spec)
         ks = next((k for k in splits if 4 * tiles * k >= 3 * units), splits[-1])
         return base.replace(ks=ks)
 

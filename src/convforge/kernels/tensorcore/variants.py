@@ -56,6 +56,9 @@ def tolerance(math: Math, dtype: str) -> float:
     return X3_TOLERANCE if math.name == "3xtf32" else TF32_TOLERANCE
 
 
+FC_RANK = 13  # 3xTF32 on big-batch fully-connected layers: above gemm_fc (12) and gemm1x1_splitk (11)
+
+
 class TcImplicitGemm(Variant):
     """Implicit GEMM convolution on the wgmma generator (see the module docstring)."""
 
@@ -83,9 +86,15 @@ class TcImplicitGemm(Variant):
         float32 1x1 layers of stride 1 without padding, where gemm1x1_wgmma_tf32 reads x in place and
         was faster or equal (H100, TF32: 1024->256 @14² N32 33 against 43 us, 64->256 @56² 73 and 73,
         Boda 832@7 and 256@27 N5 34 / 26 against 46 / 36); 3xTF32 stays below the exact CUDA-core
-        families until the tuner has timed it."""
-        if device_reason(device) is not None or self.x3:
+        families until the tuner has timed it, except on fully-connected layers of batch >= 128 with
+        reductions of >= 4096 (H100, round 20: AlexNet fc6 N128 0.336 ms against split-K's 0.614,
+        fc7 0.160 against 0.280, errors 4.9e-7 and 4.7e-7; at batch 32 split-K won, VGG fc6 0.49
+        against 0.99)."""
+        if device_reason(device) is not None:
             return self.specialised
+        if self.x3:
+            fc = spec.r == spec.s == spec.h == spec.w == 1 and spec.groups == 1
+            return FC_RANK if fc and spec.n >= 128 and spec.c >= 4096 else self.specialised
         if spec.dtype == "float32" and spec.r == spec.s == 1 and spec.stride == (1, 1) and not any(spec.pad):
             return RANK_SM90 - 2
         return RANK_SM90
