@@ -596,17 +596,16 @@ class _SplitK(_ConvGemmBase):
         """The un-split tile, split into the fewest slices that give every compute unit a block
         (two for fully-connected shapes, which stream weights): on the H200, 5a (832@7) 64x64
         ks=16 0.016 ms, 4c (512@14) ks=4 0.015 ms; more slices than that only add traffic. A thin
-        layer (:meth:`_thin`) of N*P*Q > 16 takes 64x32x16 tiles split until the GPU holds ~1024 threads per
-        unit (H100, round 20: VGG-16 fc6 N32 1.739 -> 0.491 ms at ks=16, fc7 0.278 -> 0.093,
-        ResNet-50 fc 0.103 -> 0.025)."""
+        layer (:meth:`_thin`) of N*P*Q > 16 takes 64x32x16 tiles split until the GPU holds about
+        1024 threads per unit (H100, round 20: VGG-16 fc6 N32 1.739 -> 0.491 ms at ks=16, fc7
+        0.278 -> 0.093)."""
         base = self._unsplit(spec, device)
         splits = self._splits(spec)
         m, n, k = self._mnk(spec)
         if device.is_gpu and n > 16 and self._thin(spec, device):  # n <= 16: Boda's batch-5 rule below
             thin = gemm_default(m, n, k, device, self._a_vec(spec), self._b_vec(spec), prefer=((64, 32, 16, 4, 4),))
-            tiles = cdiv(m, thin.bm) * cdiv(n, thin.bn) * (thin.bm // thin.tm) * (thin.bn // thin.tn)
-            ks = next((k for k in splits if tiles * k >= 1024 * device.units), splits[-1])
-            return thin.replace(ks=ks)
+            threads = cdiv(m, thin.bm) * cdiv(n, thin.bn) * (thin.bm // thin.tm) * (thin.bn // thin.tn)
+            return thin.replace(ks=next((s for s in splits if threads * s >= 1024 * device.units), splits[-1]))
         tiles = self._tiles(spec, device)
         units = max(device.units, 1) * (2 if spec.n * spec.p * spec.q <= 16 else 1)
         ks = next((k for k in splits if 4 * tiles * k >= 3 * units), splits[-1])

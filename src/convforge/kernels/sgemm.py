@@ -197,14 +197,14 @@ def shared_bytes_of(p: Params) -> int:
     return 4 * (2 if p.db else 1) * p.bk * (lda + ldb)
 
 
-KC = 128  # reduction elements per chunk of the two-level sums (``_flush``)
+KC = 128  # reduction elements per chunk of the two-level sums (``_k_loop``)
 KC_MIN = 512  # reductions at least this long sum in chunks by default
 
 
 def chunked(p: Params, k: int, big: bool = False) -> Params:
     """``p`` with two-level sums (kc = KC) where the reduction ``k`` is long enough to gain and the
-    micro-tile small enough that its chunk totals cost few registers (4 x 4: 56 -> 72 on sm_90, 8 x 4: 71 -> 127;
-    8 x 8: 126 -> 221, half the occupancy), or any micro-tile when ``big``."""
+    micro-tile small enough that its chunk totals cost few registers (on sm_90 4 x 4: 56 -> 72,
+    8 x 4: 71 -> 127; 8 x 8: 126 -> 221, half the occupancy), or any micro-tile when ``big``."""
     small = p.tm * p.tn <= 32 or big
     return p.replace(kc=KC) if small and k >= KC_MIN and KC % p.bk == 0 and KC // p.bk >= 2 else p
 
@@ -444,9 +444,8 @@ class _Loader:
 def _main_loop(code: Code, p: Params, lay: _Layout, ga: _Loader, gb: _Loader) -> None:
     """The K loop in one of three pipelines: plain, register prefetch, prefetch + double buffer;
     with ``kc`` it runs chunk by chunk (:func:`_k_loop`)."""
-    nk = f"(kend - kbeg + {p.bk - 1}) / {p.bk}"
+    code(f"const int nk = (kend - kbeg + {p.bk - 1}) / {p.bk};")
     if not p.pf:
-        code(f"const int nk = {nk};")
         with _k_loop(code, p):
             ga.load(code, f"kbeg + kt * {p.bk}", direct=True)
             gb.load(code, f"kbeg + kt * {p.bk}", direct=True)
@@ -454,7 +453,6 @@ def _main_loop(code: Code, p: Params, lay: _Layout, ga: _Loader, gb: _Loader) ->
             _micro(code, p, lay, "0")
             code("BARRIER();")
         return
-    code(f"const int nk = {nk};")
     ga.load(code, "kbeg")
     gb.load(code, "kbeg")
     if p.db:
