@@ -203,3 +203,25 @@ def test_network_ops_refuse_tensors_past_32_bits(ocl) -> None:
     graph = Graph("big", "x", (1, 1, 50000, 50000), [Node("r", "relu", ["x"], "y")], ["y"])
     with pytest.raises(ValueError, match=r"node 'r' \(relu\): needs 64-bit indexing: tensor x\[n=1 c=1 "):
         Network(graph, ocl)
+
+
+def test_every_default_grid_fits_cuda():
+    """Every variant's default plan on a fully-connected layer of 4100 inputs at N=20 (N*C = 82000)
+    and on a big-plane layer, in each pass, launches grids within CUDA's limits (x < 2^31, y and
+    z <= 65535): dgrad_direct put N*C in z and failed with CUDA_ERROR_INVALID_VALUE."""
+    specs = [ConvSpec.make(20, 4100, 1, 1, 37, 1, 1), ConvSpec.make(300, 240, 5, 5, 7, 3, 3, 1, 1)]
+    seen = 0
+    for base in specs:
+        for conv_pass in ("fprop", "dgrad", "wgrad"):
+            spec = base.with_pass(conv_pass)
+            for v in all_variants():
+                if v.applies(spec, NOMINAL_CUDA) is not None:
+                    continue
+                plan = v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA)
+                for step in plan.steps:
+                    grid = getattr(step, "grid", None)
+                    if grid is None:
+                        continue
+                    seen += 1
+                    assert grid[0] < 2**31 and grid[1] <= 65535 and grid[2] <= 65535, (v.name, conv_pass, grid)
+    assert seen > 50

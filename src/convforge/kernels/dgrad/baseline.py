@@ -24,7 +24,8 @@ def no_epilogue(name: str, epilogue: Epilogue) -> None:
 
 
 class DgradDirect(Variant):
-    """One thread per element of dx; bw x bh threads per block over (w, h), one block row per (n, c)."""
+    """One thread per element of dx; bw x bh threads per block over (w, h), the (n, c) planes along
+    the grid's x (N*C passed CUDA's 65535 in z: a fully-connected layer of 4100 inputs at N=20)."""
 
     name = "dgrad_direct"
     family = "direct"
@@ -48,9 +49,15 @@ class DgradDirect(Variant):
         pt, pl = spec.pad[0], spec.pad[2]
         cg, kg, rs = spec.cg, spec.kg, spec.r * spec.s
         code = Code()
-        code(f"const int ix = GROUP_ID(0) * {params.bw} + LOCAL_ID(0);",
-             f"const int iy = GROUP_ID(1) * {params.bh} + LOCAL_ID(1);",
-             f"const int n = GROUP_ID(2) / {spec.c}, c = GROUP_ID(2) % {spec.c};",
+        tiles_x = cdiv(spec.w, params.bw)
+        if tiles_x == 1:
+            code("const int nc = GROUP_ID(0);  // (n, c) planes along x: N*C may pass 65535",
+                 "const int ix = LOCAL_ID(0);")
+        else:
+            code(f"const int nc = GROUP_ID(0) / {tiles_x};  // (n, c) planes along x: N*C may pass 65535",
+                 f"const int ix = (GROUP_ID(0) % {tiles_x}) * {params.bw} + LOCAL_ID(0);")
+        code(f"const int iy = GROUP_ID(1) * {params.bh} + LOCAL_ID(1);",
+             f"const int n = nc / {spec.c}, c = nc % {spec.c};",
              f"const int g = c / {cg}, cl = c % {cg};  // group, channel within it",
              "float acc = 0.0f;")
         with code.block(f"if (ix < {spec.w} && iy < {spec.h})"):
@@ -71,7 +78,7 @@ class DgradDirect(Variant):
         block = (params.bw, params.bh, 1)
         kernel = Kernel(name, (Buf("y"), Buf("w"), Buf("x", readonly=False)), code.text(), block,
                         comment=f"dgrad_direct: {params.short()}")
-        grid = (cdiv(spec.w, params.bw), cdiv(spec.h, params.bh), spec.n * spec.c)
+        grid = (tiles_x * spec.n * spec.c, cdiv(spec.h, params.bh), 1)
         return Plan(self.name, self.family, spec, params, (kernel,), (Launch(name, grid, block, ("y", "w", "x")),),
                     tolerance=self.tolerance, epilogue=epilogue)
 
