@@ -120,11 +120,12 @@ def test_sgemm_chunks_cut_the_error_of_long_sums(ocl):
 
 
 def test_long_reductions_sum_in_chunks_by_default():
-    """Micro-tiles of up to 32 outputs (fully-connected layers) chunk by default from K = 512; 8 x 8 tiles
-    (whose chunk totals would halve occupancy) do not, and each default's twin is second."""
-    fc = gemm_space(4096, 32, 25088, NOMINAL_CUDA)
+    """4 x 4 micro-tiles (fully-connected layers) chunk by default from K = 512; larger ones (whose
+    chunk totals cost 32-64 registers) do not, and each default's twin is second."""
+    fc = gemm_space(32, 32, 25088, NOMINAL_CUDA)
     assert fc[0].get("kc") == 128 and fc[1] == fc[0].replace(kc=0)
-    assert all(p.get("kc") == 128 for p in fc[2:] if p.tm * p.tn <= 32)
+    assert all(p.get("kc") == 128 for p in fc[2:] if p.tm * p.tn <= 16)
+    assert not any("kc" in p for p in fc[2:] if p.tm * p.tn > 16)
     conv = gemm_space(128, 4096, 1152, NOMINAL_CUDA)
     assert "kc" not in conv[0] and conv[1] == conv[0].replace(kc=128)
     assert "kc" not in gemm_space(64, 64, 256, NOMINAL_CUDA)[0]

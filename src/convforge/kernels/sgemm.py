@@ -203,9 +203,10 @@ KC_MIN = 512  # reductions at least this long sum in chunks by default
 
 def chunked(p: Params, k: int, big: bool = False) -> Params:
     """``p`` with two-level sums (kc = KC) where the reduction ``k`` is long enough to gain and the
-    micro-tile small enough that its chunk totals cost few registers (on sm_90 4 x 4: 56 -> 72,
-    8 x 4: 71 -> 127; 8 x 8: 126 -> 221, half the occupancy), or any micro-tile when ``big``."""
-    small = p.tm * p.tn <= 32 or big
+    micro-tile small enough that its chunk totals cost few registers (on sm_90 4 x 4: 56 -> 72;
+    8 x 4: 71 -> 127, and a bfloat16 point without prefetch spilled; 8 x 8: 126 -> 221, half the
+    occupancy), or any micro-tile when ``big`` (the default's twin)."""
+    small = p.tm * p.tn <= 16 or big
     return p.replace(kc=KC) if small and k >= KC_MIN and KC % p.bk == 0 and KC // p.bk >= 2 else p
 
 
