@@ -253,15 +253,7 @@ def _epilogue(acc, cfg, out, tl, y, written):
     ld = staging_ld(cfg.wm)
     for c in range(cfg.cw):
         for ch, items in chunks(cfg.wm, cfg.bn):
-            st = np.full(epilogue.COLS * ld, np.nan)
-            for wq, lane, mi, i in itertools.product(range(4), range(32), range(cfg.wm), range(cfg.bn // 2)):
-                w = stage_write(ld, mi, i, ch)
-                if w is None:
-                    continue
-                row, col = ACC.coords(wq, lane, i)
-                at = evaluate(w[0], {"wq": wq, "g": lane >> 2, "t": lane & 3})
-                assert np.isnan(st[at]), "two accumulators staged at one place"
-                st[at] = acc[c * 64 * cfg.wm + 64 * mi + row, col]
+            st = _staged(acc, cfg, c, epilogue.COLS * ld, lambda mi, i, ch=ch: stage_write(ld, mi, i, ch))
             for ct, item in itertools.product(range(128), items):
                 env = bind(readout_lets(cfg.wm, item), {"ct": ct})
                 ec, er = env[f"ec{item}"], env[f"er{item}"]
@@ -278,20 +270,28 @@ def _epilogue(acc, cfg, out, tl, y, written):
                         written[o] += 1
 
 
+def _staged(acc, cfg, c, size, write_of):
+    """Column group c's accumulators placed where ``write_of(mi, i)`` stages them (NaN elsewhere);
+    no two land on one slot."""
+    st = np.full(size, np.nan)
+    for wq, lane, mi, i in itertools.product(range(4), range(32), range(cfg.wm), range(cfg.bn // 2)):
+        w = write_of(mi, i)
+        if w is None:
+            continue
+        row, col = ACC.coords(wq, lane, i)
+        at = evaluate(w[0], {"wq": wq, "g": lane >> 2, "t": lane & 3})
+        assert np.isnan(st[at]), "two accumulators staged at one place"
+        st[at] = acc[c * 64 * cfg.wm + 64 * mi + row, col]
+    return st
+
+
 def _rowmajor_epilogue(acc, cfg, out, tl, y, written):
     """The row-major (NHWC) epilogue: rows staged through ``swizzled`` slots, float4 runs of 4 columns
     read out by rowmajor_lets and stored at ``out``'s offsets."""
     for c in range(cfg.cw):
         for ch, items, quads in rowmajor_chunks(cfg.wm, cfg.bn):
-            st = np.full(64 * cfg.wm * epilogue.COLS, np.nan)
-            for wq, lane, mi, i in itertools.product(range(4), range(32), range(cfg.wm), range(cfg.bn // 2)):
-                w = stage_write(0, mi, i, ch, rowmajor=True)
-                if w is None:
-                    continue
-                row, col = ACC.coords(wq, lane, i)
-                at = evaluate(w[0], {"wq": wq, "g": lane >> 2, "t": lane & 3})
-                assert np.isnan(st[at]), "two accumulators staged at one place"
-                st[at] = acc[c * 64 * cfg.wm + 64 * mi + row, col]
+            st = _staged(acc, cfg, c, 64 * cfg.wm * epilogue.COLS,
+                         lambda mi, i, ch=ch: stage_write(0, mi, i, ch, rowmajor=True))
             for ct, item in itertools.product(range(128), items):
                 if ct + 128 * item >= 64 * cfg.wm * quads:
                     continue

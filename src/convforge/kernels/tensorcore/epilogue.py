@@ -137,10 +137,7 @@ class Output:
                                        f"rq.{'xyzw'[i]}" if f4 else None) for i, v in enumerate(vals)]
                     code(*self._vstore("oo", outs))
                 return
-            for i, v in enumerate(vals):
-                with code.block(f"if ({k} + {i} < {self.n})"):
-                    code(f"const int o{i} = {self.offset(m, f'{k} + {i}', z)};",
-                         f"{self.buf}[o{i}] = {from_float(self.dtype, self.value(v, f'{k} + {i}', f'o{i}'))};")
+            self._scalar(code, [(f"{k} + {i} < {self.n}", m, f"{k} + {i}") for i in range(4)], z, vals)
 
     def store4(self, code: Code, m: str, k: str, z: str, vals: list[str]) -> None:
         """Store ``vals`` at rows m .. m + 3 (m a multiple of 4) of column k (< n) of slab z."""
@@ -150,9 +147,13 @@ class Output:
                 outs = [self.value(v, k, f"oo + {i}") for i, v in enumerate(vals)]
                 code(*self._vstore("oo", outs))
             return
-        for i, v in enumerate(vals):
-            with code.block(f"if ({m} + {i} < {self.m})"):
-                code(f"const int o{i} = {self.offset(f'{m} + {i}', k, z)};",
+        self._scalar(code, [(f"{m} + {i} < {self.m}", f"{m} + {i}", k) for i in range(4)], z, vals)
+
+    def _scalar(self, code: Code, at: list[tuple[str, str, str]], z: str, vals: list[str]) -> None:
+        """One guarded scalar store per value: ``at`` gives each its (guard, row, column)."""
+        for i, ((guard, m, k), v) in enumerate(zip(at, vals)):
+            with code.block(f"if ({guard})"):
+                code(f"const int o{i} = {self.offset(m, k, z)};",
                      f"{self.buf}[o{i}] = {from_float(self.dtype, self.value(v, k, f'o{i}'))};")
 
     def _vstore(self, off: str, vals: list[str]) -> list[str]:
