@@ -204,6 +204,59 @@ def test_op_kernels(ocl, op: str, attrs: dict) -> None:
     _check(compile(g, backend="opencl", batch=2, passes=False), g, _x(g))
 
 
+@pytest.mark.parametrize("c, attrs", [
+    (1, {"size": 5, "beta": 0.75}), (7, {"size": 3, "alpha": 0.5, "beta": 0.5, "k": 1.5}),
+    (8, {"size": 5, "alpha": 0.3, "beta": 0.75, "k": 2.0}), (13, {"size": 7, "alpha": 0.9, "beta": 1.0}),
+    (17, {"size": 5, "alpha": 0.4, "beta": 0.6, "k": 0.5})])
+def test_lrn_channel_blocks(ocl, c: int, attrs: dict) -> None:
+    """LRN by blocks of LRN_CHANNELS channels: channel counts below, at and past a block (the
+    window's halo zero outside the channels), each exponent's formula; float32 grade against
+    the float64 reference, the output poisoned first."""
+    from convforge.graph import ops
+
+    g = _one_op("lrn", attrs, shape=(2, c, 5, 7))
+    launch = ops.lrn(g.nodes[1], infer(g)["t0"], "t0", "y")
+    assert launch.grid[0] * ops.BLOCK >= 2 * -(-c // ops.LRN_CHANNELS) * 35 and "pow(" not in launch.kernel.body
+    net = compile(g, backend="opencl", batch=2, passes=False)
+    x = 3 * _x(g)
+    net.backend.fill(net.buf("y"), np.nan, net.backend.nbytes(net.buf("y")))
+    assert rel_l2(net(x)["y"], run_reference(g, x)["y"]) < 2e-6
+
+
+@pytest.mark.parametrize("pool", [
+    {"kind": "max", "kernel": 3, "stride": 2, "ceil": True},
+    {"kind": "avg", "kernel": 3, "stride": 2, "pad": (1, 0, 2, 1), "count_pad": True},
+    {"kind": "avg", "kernel": 2, "stride": 1, "count_pad": False}])
+def test_fuse_lrn_pool(ocl, pool: dict) -> None:
+    """An LRN read only by a pool is folded into it (the normalised tensor is never written);
+    the fused graph gives the reference's answer, on PoCL too, with channels past a block."""
+    g = _one_op("lrn", {"size": 5, "alpha": 0.4, "beta": 0.75, "k": 1.0}, shape=(2, 11, 13, 12))
+    g.nodes.append(Node("p", "pool", ["y"], "z", dict(pool), {}))
+    g.outputs = ["z"]
+    fused = passes.fuse_lrn_pool(g)
+    assert [n.op for n in fused.nodes] == ["relu", "pool"] and fused.nodes[1].inputs == ["t0"]
+    assert fused.nodes[1].attrs["lrn"]["alpha"] == 0.4 and "lrn" not in g.nodes[2].attrs
+    _same(g, fused, 1e-12)
+    x = 3 * _x(g)
+    net = compile(g, backend="opencl", batch=2)
+    assert [s.op for s in net.steps] == ["relu", "lrn+pool"]
+    net.backend.fill(net.buf("z"), np.nan, net.backend.nbytes(net.buf("z")))
+    assert rel_l2(net(x)["z"], run_reference(g, x)["z"]) < 2e-6
+
+
+def test_fuse_lrn_pool_keeps_what_others_read() -> None:
+    """An LRN that is a graph output, is read twice, or feeds a global pool stays its own op."""
+    base = _one_op("lrn", {"size": 3}, shape=(1, 4, 6, 6))
+    for extra, outputs in ((["p"], ["z", "y"]), (["p", "q"], ["z", "w"]), (["g"], ["z"])):
+        g = base.copy()
+        attrs = {"p": {"kind": "max", "kernel": 2, "stride": 2}, "q": {"kind": "avg", "kernel": 2, "stride": 2},
+                 "g": {"kind": "avg", "global": True}}
+        for name in extra:
+            g.nodes.append(Node(name, "pool", ["y"], "z" if name != "q" else "w", attrs[name], {}))
+        g.outputs = outputs
+        assert [n.op for n in passes.fuse_lrn_pool(g).nodes].count("lrn") == 1
+
+
 @pytest.mark.parametrize("shape", [(3, 1000, 1, 1), (2, 1001, 1, 1), (1, 7, 13, 11), (5, 300, 2, 3),
                                    (2, 4, 1, 1), (1, 1, 1, 1), (4, 1028, 1, 1)])
 def test_softmax_one_work_group_per_row(ocl, shape) -> None:
@@ -596,6 +649,25 @@ def test_torch_baseline_runs_the_same_graph(name: str) -> None:
     x = _x(g)
     got = forward_fn(g, x, "cpu")().numpy()
     assert rel_l2(got, run_reference(g, x)[g.outputs[0]]) < 1e-4
+
+
+@pytest.mark.parametrize("attrs", [
+    {"kind": "max", "kernel": 3, "stride": 2, "pad": (1, 0, 2, 1), "ceil": True},
+    {"kind": "avg", "kernel": 3, "stride": 2, "pad": (1, 0, 2, 1), "count_pad": True},
+    {"kind": "avg", "kernel": 3, "stride": 2, "pad": 1, "ceil": True, "count_pad": False},
+    {"kind": "max", "kernel": 3, "stride": 2, "ceil": True, "lrn": {"size": 5, "alpha": 0.4, "beta": 0.75}}])
+def test_torch_baseline_pools(attrs: dict) -> None:
+    """PyTorch's pools for the comparison: unequal padding (explicit), a fused LRN, as the
+    reference computes them; an average that skips unequal padding is refused by name."""
+    pytest.importorskip("torch", reason="torch is not installed (pip install 'convforge[torch]')")
+    from convforge.graph.torch_baseline import forward_fn
+
+    g = _one_op("pool", attrs, shape=(2, 11, 13, 12))
+    x = _x(g)
+    assert rel_l2(forward_fn(g, x, "cpu")().numpy(), run_reference(g, x)["y"]) < 1e-6
+    g.nodes[1].attrs.update(kind="avg", count_pad=False, pad=(1, 0, 2, 1))
+    with pytest.raises(ValueError, match="node 'op': PyTorch has no average pool that skips padding"):
+        forward_fn(g, x, "cpu")()
 
 
 def test_cli_run_and_tune_net(ocl, tmp_path, capsys) -> None:

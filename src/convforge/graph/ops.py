@@ -47,38 +47,45 @@ def _out(st: Storage = FLOAT32) -> Buf:
 
 def pool(node: Node, x: Tensor, y: Tensor, src: str, dst: str, st: Storage = FLOAT32) -> OpLaunch:
     """Max or average pooling (global too; Caffe's ceil mode; average counts padding when
-    ``count_pad``, clipped at the padded edge as Caffe does)."""
+    ``count_pad``, clipped at the padded edge as Caffe does). A pool with ``attrs["lrn"]`` (the
+    graph pass ``fuse_lrn_pool``) normalises its input across channels as it reads it."""
     n, c, h, w = x.shape
     _, _, p, q = y.shape
     is_max = node.attrs.get("kind", "max") == "max"
-    if node.attrs.get("global") and h * w >= ROW_MIN:
+    if node.attrs.get("global") and h * w >= ROW_MIN and not node.attrs.get("lrn"):
         return _global_pool(node, x, src, dst, is_max, st)
     if node.attrs.get("global"):
         kr, ks, sh, sw, pt, pb, pl, pr = h, w, 1, 1, 0, 0, 0, 0
     else:
         (kr, ks), (sh, sw), (pt, pb, pl, pr), _ = conv_geometry(node)
     count_pad = bool(node.attrs.get("count_pad", True))
-    init = "-3.402823466e38f" if is_max else "0.0f"
-    acc = "acc = MAX(acc, v);" if is_max else "acc += v;"
     if is_max:
-        fin = "acc"
+        fin = "{acc}"
     elif count_pad:
-        fin = f"acc / (float)((min(y0 + {kr}, {h + pb}) - y0) * (min(x0 + {ks}, {w + pr}) - x0))"
+        fin = f"{{acc}} / (float)((min(y0 + {kr}, {h + pb}) - y0) * (min(x0 + {ks}, {w + pr}) - x0))"
     else:
-        fin = "acc / (float)((ye - ys) * (xe - xs))"
+        fin = "{acc} / (float)((ye - ys) * (xe - xs))"
+    lrn_attrs = node.attrs.get("lrn")
+    if lrn_attrs:
+        return _lrn_pool(node, x, y, src, dst, st, lrn_attrs, (kr, ks, sh, sw, pt, pl), is_max, fin)
+    acc = "acc = MAX(acc, v);" if is_max else "acc += v;"
     body = f"""const int j = e % {q}, i = (e / {q}) % {p}, nc = e / {p * q};
 const int y0 = i * {sh} - {pt}, x0 = j * {sw} - {pl};
 const int ys = max(y0, 0), ye = min(y0 + {kr}, {h}), xs = max(x0, 0), xe = min(x0 + {ks}, {w});
 const GLOBAL_PTR {st.elem}* in = x + nc * {h * w};
-float acc = {init};
+float acc = {_init(is_max)};
 for (int yy = ys; yy < ye; ++yy)
     for (int xx = xs; xx < xe; ++xx) {{
         const float v = {st.load("in", f"yy * {w} + xx")};
         {acc}
     }}
-{st.store("y", "e", fin)};"""
+{st.store("y", "e", fin.format(acc="acc"))};"""
     return _elementwise(kernel_name(node), n * c * p * q, (st.buf("x"), _out(st)), (src, dst), body,
                         f"{node.name}: pool {'max' if is_max else 'avg'} {kr}x{ks}/{sh}")
+
+
+def _init(is_max: bool) -> str:
+    return "-3.402823466e38f" if is_max else "0.0f"
 
 
 def _global_pool(node: Node, x: Tensor, src: str, dst: str, is_max: bool, st: Storage = FLOAT32) -> OpLaunch:
@@ -110,22 +117,93 @@ if (t == 0) {st.store("y", "row", "acc" if is_max else f"acc * {1.0 / hw!r}f")};
     return OpLaunch(kern, (n * c, 1, 1), (src, dst))
 
 
+LRN_CHANNELS = 8  # channels a thread normalises: it loads them and the window's halo once
+
+
 def lrn(node: Node, x: Tensor, src: str, dst: str, st: Storage = FLOAT32) -> OpLaunch:
-    """Across-channel LRN: y = x / (k + alpha/size * sum of squares over the window)^beta."""
+    """Across-channel LRN: y = x / (k + alpha/size * sum of squares over the window)^beta; a
+    thread normalises LRN_CHANNELS channels of one pixel (the fused kernel with a 1x1 window)."""
+    return _lrn_pool(node, x, x, src, dst, st, node.attrs, None, True, "{acc}")
+
+
+def _lrn_params(attrs: dict) -> tuple[int, float, float, float]:
+    """(size, alpha, beta, k) of an LRN node's attributes, with Caffe's defaults."""
+    size = int(attrs.get("size", 5))
+    alpha, beta, k = (float(attrs.get(a, d)) for a, d in (("alpha", 1e-4), ("beta", 0.75), ("k", 1.0)))
+    return size, alpha, beta, k
+
+
+def _inv_pow(base: str, beta: float) -> str:
+    """``base`` to the power -beta without pow() (tens of instructions on CUDA): rsqrt and sqrt
+    for AlexNet's and GoogLeNet's 0.75 (within 3 ulp), else exp2(-beta log2(base))."""
+    if beta == 0.75:
+        return f"rsqrt({base} * sqrt({base}))"
+    if beta == 0.5:
+        return f"rsqrt({base})"
+    if beta == 1.0:
+        return f"(1.0f / {base})"
+    return f"exp2({-beta!r}f * log2({base}))"
+
+
+def _lrn_values(st: Storage, attrs: dict, c: int, hw: int, off: str, use: str) -> str:
+    """Load channels c0 - size/2 .. c0 + LRN_CHANNELS - 1 + size/2 at element ``off`` of the
+    image's planes (zero outside 0..c-1), and for each channel u of the LRN_CHANNELS set ``r`` to
+    its normalised value and run ``use`` (a format string of ``u``)."""
+    size, alpha, beta, k = _lrn_params(attrs)
+    half, ch = size // 2, LRN_CHANNELS
+    lines = []
+    for i in range(ch + size - 1):
+        cc = "c0" + (f" - {half - i}" if i < half else f" + {i - half}" if i > half else "")
+        inside = f"{cc} >= 0" if i < half else f"{cc} < {c}"
+        lines.append(f"const float v{i} = {inside} ? {st.load('in', f'({cc}) * {hw} + {off}')} : 0.0f;")
+        lines.append(f"const float s{i} = v{i} * v{i};")
+    for u in range(ch):
+        sq = " + ".join(f"s{u + t}" for t in range(size))
+        stmt = (f"{{ const float b = {k!r}f + {alpha / size!r}f * ({sq}); "
+                f"const float r = v{u + half} * {_inv_pow('b', beta)}; {use.format(u=u)} }}")
+        lines.append(stmt if c % ch == 0 else f"if (c0 + {u} < {c}) {stmt}")
+    return "\n".join(lines)
+
+
+def _lrn_pool(node: Node, x: Tensor, y: Tensor, src: str, dst: str, st: Storage, attrs: dict,
+              window: tuple[int, int, int, int, int, int] | None, is_max: bool, fin: str) -> OpLaunch:
+    """LRN across channels, then (``window``: kr, ks, sh, sw, pt, pl) pooling of the normalised
+    values, finished by ``fin`` (``{acc}`` the pooled sum or max): the normalised tensor is never
+    written (AlexNet's norm -> pool reads 4x what it writes). A thread: LRN_CHANNELS channels of
+    one output pixel."""
     n, c, h, w = x.shape
-    size = int(node.attrs.get("size", 5))
-    alpha, beta, k = (float(node.attrs.get(a, d)) for a, d in (("alpha", 1e-4), ("beta", 0.75), ("k", 1.0)))
-    hw = h * w
-    body = f"""const int pix = e % {hw}, ch = (e / {hw}) % {c}, nb = e / {hw * c};
-const GLOBAL_PTR {st.elem}* in = x + nb * {c * hw} + pix;
-float sq = 0.0f;
-for (int cc = max(ch - {size // 2}, 0); cc <= min(ch + {size // 2}, {c - 1}); ++cc) {{
-    const float v = {st.load("in", f"cc * {hw}")};
-    sq = FMA(v, v, sq);
-}}
-{st.store("y", "e", f"{st.load('x', 'e')} * pow({k!r}f + {alpha / size!r}f * sq, -{beta!r}f)")};"""
-    return _elementwise(kernel_name(node), n * c * hw, (st.buf("x"), _out(st)), (src, dst), body,
-                        f"{node.name}: LRN size {size}")
+    _, _, p, q = y.shape
+    size = _lrn_params(attrs)[0]
+    ch, hw = LRN_CHANNELS, h * w
+    blocks = -(-c // ch)
+    fold = "acc[{u}] = MAX(acc[{u}], r);" if is_max else "acc[{u}] += r;"
+    head = (f"const int j = e % {q}, i = (e / {q}) % {p}, c0 = (e / {p * q}) % {blocks} * {ch}, "
+            f"nb = e / {p * q * blocks};\n"
+            f"const GLOBAL_PTR {st.elem}* in = x + nb * {c * hw};\n")
+    out = f"nb * {c * p * q} + (c0 + u) * {p * q} + i * {q} + j"
+    store = f"for (int u = 0; u < {ch}; ++u) if (c0 + u < {c}) {st.store('y', out, fin.format(acc='acc[u]'))};"
+    if window is None:
+        body = (head + f"float acc[{ch}];\n" + _lrn_values(st, attrs, c, hw, f"i * {w} + j", "acc[{u}] = r;")
+                + "\n" + store)
+        what = f"LRN size {size}"
+    else:
+        kr, ks, sh, sw, pt, pl = window
+        body = head + f"""const int y0 = i * {sh} - {pt}, x0 = j * {sw} - {pl};
+const int ys = max(y0, 0), ye = min(y0 + {kr}, {h}), xs = max(x0, 0), xe = min(x0 + {ks}, {w});
+float acc[{ch}];
+for (int u = 0; u < {ch}; ++u) acc[u] = {_init(is_max)};
+for (int yy = ys; yy < ye; ++yy)
+    for (int xx = xs; xx < xe; ++xx) {{
+{_indent(_lrn_values(st, attrs, c, hw, f"yy * {w} + xx", fold), 8)}
+    }}
+{store}"""
+        what = f"LRN size {size} then pool {'max' if is_max else 'avg'} {kr}x{ks}/{sh}"
+    return _elementwise(kernel_name(node), n * blocks * p * q, (st.buf("x"), _out(st)), (src, dst), body,
+                        f"{node.name}: {what}, {ch} channels a thread")
+
+
+def _indent(text: str, spaces: int) -> str:
+    return "\n".join(" " * spaces + line for line in text.splitlines())
 
 
 def activation(node: Node, x: Tensor, src: str, dst: str, st: Storage = FLOAT32) -> OpLaunch:

@@ -1,7 +1,7 @@
 """Graph passes, each a function Graph -> Graph that leaves its argument unchanged.
 
 ``optimize`` runs them in order: identity removal, batch norm folding, activation fusion,
-pre-activation folding, residual fusion, concat in place.
+pre-activation folding, residual fusion, LRN into the pool after it, concat in place.
 Each is tested by running the graph through the float64 reference before and after.
 """
 
@@ -177,6 +177,23 @@ def fuse_residual(graph: Graph) -> Graph:
     return g
 
 
+def fuse_lrn_pool(graph: Graph) -> Graph:
+    """Fold an LRN whose only reader is a (non-global) pool into that pool: the pool normalises
+    what it reads (``attrs["lrn"]``) and the normalised tensor is never written (AlexNet's and
+    GoogLeNet's norm -> pool: the LRN's output is 4x the pool's)."""
+    g = graph.copy()
+    for node in list(g.nodes):
+        if node.op != "lrn":
+            continue
+        pool = _sole_consumer(g, node.output)
+        if pool is None or pool.op != "pool" or pool.attrs.get("global") or pool.attrs.get("lrn"):
+            continue
+        pool.attrs["lrn"] = {a: node.attrs[a] for a in ("size", "alpha", "beta", "k") if a in node.attrs}
+        pool.inputs[0] = node.inputs[0]
+        g.nodes.remove(node)
+    return g
+
+
 def concat_in_place(graph: Graph) -> Graph:
     """Mark channel concats whose inputs all come from convs read by nothing else: each conv can
     write at its channel offset of the concat's tensor (no copy). The runtime keeps the copy when
@@ -193,7 +210,7 @@ def concat_in_place(graph: Graph) -> Graph:
 
 
 PASSES: tuple[Pass, ...] = (remove_identities, fold_batchnorm, fuse_relu, fold_preactivation, fuse_residual,
-                            concat_in_place)
+                            fuse_lrn_pool, concat_in_place)
 
 
 def optimize(graph: Graph, passes: tuple[Pass, ...] = PASSES) -> Graph:

@@ -125,7 +125,7 @@ def _fc(graph: Graph, node: Node, ins: list[Arr]) -> Arr:
 
 
 def _pool(graph: Graph, node: Node, ins: list[Arr]) -> Arr:
-    x = ins[0]
+    x = _lrn_of(node.attrs["lrn"], ins[0]) if node.attrs.get("lrn") else ins[0]  # fuse_lrn_pool
     n, c, h, w = x.shape
     max_pool = node.attrs.get("kind", "max") == "max"
     if node.attrs.get("global"):
@@ -151,10 +151,13 @@ def _pool(graph: Graph, node: Node, ins: list[Arr]) -> Arr:
 
 
 def _lrn(graph: Graph, node: Node, ins: list[Arr]) -> Arr:
+    return _lrn_of(node.attrs, ins[0])
+
+
+def _lrn_of(attrs: dict, x: Arr) -> Arr:
     """Across channels: x / (k + alpha/size * sum of x^2 over ``size`` channels)^beta."""
-    x = ins[0]
-    size = int(node.attrs.get("size", 5))
-    alpha, beta, k = (float(node.attrs.get(a, d)) for a, d in (("alpha", 1e-4), ("beta", 0.75), ("k", 1.0)))
+    size = int(attrs.get("size", 5))
+    alpha, beta, k = (float(attrs.get(a, d)) for a, d in (("alpha", 1e-4), ("beta", 0.75), ("k", 1.0)))
     sq = np.pad(x * x, ((0, 0), (size // 2, size // 2), (0, 0), (0, 0)))
     acc = sum(sq[:, i:i + x.shape[1]] for i in range(size))
     return x / (k + alpha / size * acc) ** beta

@@ -264,7 +264,7 @@ class Network:
     def _kernel(self, node: Node, launch: ops.OpLaunch) -> None:
         if node.name not in self._order:
             self._order.append(node.name)
-        self._kernels.append((node.name, node.op, launch))
+        self._kernels.append((node.name, "lrn+pool" if node.attrs.get("lrn") else node.op, launch))
 
     def _conv(self, node: Node, x: Tensor) -> None:
         """A conv or fc through dispatch; a fused residual needs a variant with a residual store

@@ -24,6 +24,33 @@ class TorchTimes:
     output: np.ndarray
 
 
+def _lrn(F: Any, attrs: dict, x: Any) -> Any:
+    return F.local_response_norm(x, int(attrs.get("size", 5)), float(attrs.get("alpha", 1e-4)),
+                                 float(attrs.get("beta", 0.75)), float(attrs.get("k", 1.0)))
+
+
+def _pool(F: Any, node: Node, x: Any) -> Any:
+    """A pool node in PyTorch (its fused LRN first). Padding PyTorch's pools cannot take (unequal
+    sides, more than half the window) is applied explicitly: -inf for max, zeros for an average
+    that counts its padding; an average that does not count it has no such PyTorch form."""
+    if node.attrs.get("lrn"):  # fuse_lrn_pool: normalise, then pool
+        x = _lrn(F, node.attrs["lrn"], x)
+    is_max = node.attrs.get("kind", "max") == "max"
+    if node.attrs.get("global"):
+        return (F.adaptive_max_pool2d if is_max else F.adaptive_avg_pool2d)(x, 1)
+    k, st, (pt, pb, pl, pr), _ = conv_geometry(node)
+    ceil, count_pad = bool(node.attrs.get("ceil")), bool(node.attrs.get("count_pad", True))
+    if (pt, pl) != (pb, pr) or 2 * pt > k[0] or 2 * pl > k[1]:
+        if not is_max and not count_pad:
+            raise ValueError(f"node {node.name!r}: PyTorch has no average pool that skips padding "
+                             f"{(pt, pb, pl, pr)} (unequal sides or more than half the window)")
+        x = F.pad(x, (pl, pr, pt, pb), value=float("-inf") if is_max else 0.0)
+        pt = pl = 0
+    if is_max:
+        return F.max_pool2d(x, k, st, (pt, pl), ceil_mode=ceil)
+    return F.avg_pool2d(x, k, st, (pt, pl), ceil_mode=ceil, count_include_pad=count_pad)
+
+
 def _op(F: Any, torch: Any, node: Node, ins: list[Any], w: dict[str, Any]) -> Any:
     x = ins[0]
     op = node.op
@@ -39,19 +66,9 @@ def _op(F: Any, torch: Any, node: Node, ins: list[Any], w: dict[str, Any]) -> An
     elif op == "fc":
         y = F.linear(x.flatten(1), w["w"], w.get("bias"))
     elif op == "pool":
-        if node.attrs.get("global"):
-            y = (F.adaptive_max_pool2d if node.attrs.get("kind") == "max" else F.adaptive_avg_pool2d)(x, 1)
-        else:
-            k, st, (pt, _, pl, _), _ = conv_geometry(node)
-            ceil = bool(node.attrs.get("ceil"))
-            if node.attrs.get("kind", "max") == "max":
-                y = F.max_pool2d(x, k, st, (pt, pl), ceil_mode=ceil)
-            else:
-                y = F.avg_pool2d(x, k, st, (pt, pl), ceil_mode=ceil,
-                                 count_include_pad=bool(node.attrs.get("count_pad", True)))
+        y = _pool(F, node, x)
     elif op == "lrn":
-        y = F.local_response_norm(x, int(node.attrs.get("size", 5)), float(node.attrs.get("alpha", 1e-4)),
-                                  float(node.attrs.get("beta", 0.75)), float(node.attrs.get("k", 1.0)))
+        y = _lrn(F, node.attrs, x)
     elif op == "relu":
         y = F.leaky_relu(x, float(node.attrs.get("slope", 0.0)))
         if node.attrs.get("clip") is not None:
