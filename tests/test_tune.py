@@ -136,6 +136,29 @@ def test_heuristic_ranks_winograd_by_layer_on_gpus() -> None:
         config.precision = saved
 
 
+def test_heuristic_3xtf32_and_1x1_tiles_where_measured() -> None:
+    """H100, round 21 (tensorcore/variants.py ``x3_rank``, gemm.py ``pointwise_prefer``): 3xTF32
+    first on big 3x3 layers of 64-256 channels (VGG-16 conv3_2), below implicit GEMM on 3-channel
+    stems, at its stated rank elsewhere (NIN conv3 stays Winograd, 1x1 layers gemm1x1) and in the
+    backward passes; gemm1x1 takes 64x128x16 where 128x128 tiles fill the GPU and K <= 512,
+    32x64x16 where 64x64 tiles give at most 2.5 blocks per SM and K <= 384."""
+    from conftest import NOMINAL_CUDA
+
+    def pick(spec: ConvSpec) -> tuple[str, tuple[int, int, int]]:
+        v, p = heuristic_choice(spec, NOMINAL_CUDA)
+        return v.name, (p.bm, p.bn, p.bk) if v.name == "gemm1x1" else ()
+
+    assert pick(ConvSpec.make(32, 256, 56, 56, 256, 3, 3, 1, 1))[0] == "tc_implicit_gemm_3xtf32"
+    assert pick(ConvSpec.make(32, 256, 56, 56, 256, 3, 3, 1, 1, conv_pass="dgrad"))[0] != "tc_implicit_gemm_3xtf32"
+    assert pick(ConvSpec.make(128, 3, 227, 227, 96, 11, 11, 4, 0))[0] == "implicit_gemm"
+    assert pick(ConvSpec.make(32, 256, 13, 13, 384, 3, 3, 1, 1))[0] == "winograd_nonfused_f4"
+    assert pick(ConvSpec.make(32, 256, 56, 56, 64, 1, 1)) == ("gemm1x1", (64, 128, 16))  # res2b 2a
+    assert pick(ConvSpec.make(32, 256, 56, 56, 1024, 1, 1)) == ("gemm1x1", (128, 128, 8))
+    assert pick(ConvSpec.make(32, 528, 14, 14, 160, 1, 1)) == ("gemm1x1", (32, 64, 16))  # GoogLeNet 4e
+    assert pick(ConvSpec.make(32, 2048, 7, 7, 512, 1, 1)) == ("gemm1x1", (64, 64, 16))  # res5b 2a
+    assert pick(ConvSpec.make(32, 1024, 6, 6, 1024, 1, 1))[0] == "gemm1x1"  # NIN cccp4
+
+
 def test_prune_model() -> None:
     from convforge.tune.heuristic import prune_reason
 

@@ -479,15 +479,23 @@ def pointwise_operand(spec: ConvSpec, pro: Prologue = Prologue()) -> Operand:
 
 
 def pointwise_prefer(m: int, n: int, units: int) -> tuple[tuple[int, int, int, int, int], ...]:
-    """1x1 tiles by GEMM shape (Boda's batch-5 layers on the H200): 128x128 only when it
-    alone fills the GPU; 64x64x16 with 4x4 micro-tiles otherwise (cccp3 0.025 ms against
-    0.041 for 128x128); 64x16 for fully-connected shapes (N*P*Q <= 16), where a wide tile
-    would be mostly idle columns."""
+    """1x1 tiles by GEMM shape (M = K channels, N = N*P*Q pixels). Where 128x128 tiles alone
+    fill the GPU: 64x128x16 for K <= 512 (H100, round 21, all 13 such layers of NIN, ResNet-50 and
+    GoogLeNet at N=32 best or within 2 % of it: ResNet-50 res2b 2a 0.080 ms against 0.196 for
+    128x128x8, GoogLeNet 3b pool proj 0.030 against 0.058: no idle rows at K=64, twice the blocks),
+    128x128x8 above; 64x64x16 with 4x4 micro-tiles otherwise (Boda's batch-5 layers on the H200:
+    cccp3 0.025 ms against 0.041 for 128x128), or 32x64x16 where even 64x64 tiles give at most 2.5
+    blocks per compute unit and K <= 384 (H100, round 21, GoogLeNet's 14² and 7² 1x1 layers at N=32:
+    4e 3x3 reduce 0.042 against 0.058 ms, 5a 3x3 reduce 0.025 against 0.038; 13 of 15 faster, two
+    equal; ResNet-50's res5 layers, K=512, lost); 64x16 for fully-connected shapes (N*P*Q <= 16),
+    where a wide tile would be mostly idle columns."""
     if n <= 16:
         return ((64, 16, 16, 4, 4),)
     if m >= 64 and n >= 64:
         if cdiv(m, 128) * cdiv(n, 128) >= units:
-            return ((128, 128, 8, 8, 8),)
+            return ((64, 128, 16, 8, 8),) if m <= 512 else ((128, 128, 8, 8, 8),)
+        if 2 * cdiv(m, 64) * cdiv(n, 64) <= 5 * units and m <= 384:
+            return ((32, 64, 16, 4, 4),)
         return ((64, 64, 16, 4, 4),)
     return ((32, 32, 8, 4, 4),)
 
@@ -545,7 +553,7 @@ class _SplitK(_ConvGemmBase):
         raise NotImplementedError
 
     def _unsplit(self, spec: ConvSpec, device: DeviceInfo) -> Params:
-        """The tile before splitting: 64x64 unless 128x128 alone fills the GPU (``pointwise_prefer``)."""
+        """The tile before splitting: ``pointwise_prefer``'s."""
         m, n, k = self._mnk(spec)
         return gemm_default(m, n, k, device, self._a_vec(spec), self._b_vec(spec),
                             prefer=pointwise_prefer(m, n, device.units))

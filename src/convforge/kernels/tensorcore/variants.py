@@ -57,6 +57,43 @@ def tolerance(math: Math, dtype: str) -> float:
 
 
 FC_RANK = 13  # 3xTF32 on big-batch fully-connected layers: above gemm_fc (12) and gemm1x1_splitk (11)
+X3_LEAD_RANK = 11  # 3xTF32 where it measured faster: above Winograd (10 at most)
+X3_STEM_RANK = 4  # 3xTF32 below implicit_gemm (5) on layers of fewer than 8 input channels
+
+
+def x3_rank(spec: ConvSpec) -> int | None:
+    """3xTF32's heuristic rank on forward float32 NCHW layers where the H100 measured it against the
+    CUDA-core pick (round 21, N=32 and AlexNet's N=128, bench time, every transform included), or
+    None (its stated rank then). First:
+
+    * fully-connected, batch >= 128, reduction >= 4096 (round 20: AlexNet fc6 0.336 ms against
+      split-K's 0.614, fc7 0.160 against 0.280; at batch 32 split-K won);
+    * 3x3 stride 1 with H >= 56, 64 <= C <= 256 and K >= 128 (VGG-16 conv2_x and conv3_x: conv3_2 1.05
+      against Winograd's 1.51 ms; GoogLeNet conv2 0.245 against 0.306; all 6 such layers faster).
+
+    Not on smaller 3x3 layers, though 3xTF32 ran 9 of 10 with 8 <= H <= 16 and C >= 112 faster than
+    Winograd (AlexNet conv3 N128 0.386 against 0.453 ms): `convforge run`'s calibration tightened
+    them back (NIN conv3, GoogLeNet 4b-4d, ResNet-50 res4b), where the exact fallback is slower
+    than Winograd was; 3xTF32's 4.7e-7 costs a network's logits more than Winograd's 2-4e-6 (the
+    tensor core's sums round towards zero: their errors add up across layers instead of averaging).
+    Not on 1x1 layers, though 3xTF32 ran 20 of 23 of those with C >= 256, K >= 128 and N*P*Q <= 32768
+    faster than gemm1x1 (NIN cccp4 0.054 against 0.112 ms): its error there, 4.6e-7 against gemm1x1's
+    2-4e-7, made `convforge run`'s calibration tighten 7 of NIN's layers and 22 of GoogLeNet's, and
+    both networks ended slower (NIN 1.567 against 1.406 ms).
+
+    Below implicit GEMM on stems of fewer than 8 input channels, padded to 16-byte chunks and
+    converted whole before the GEMM (AlexNet conv1 0.978 against 0.749 ms, NIN conv1 0.267 against
+    0.193, ResNet-50 conv1 0.282 against 0.234)."""
+    if spec.conv_pass != "fprop" or spec.dtype != "float32" or spec.layout != "nchw" or spec.groups != 1:
+        return None
+    if spec.c < 8:
+        return X3_STEM_RANK
+    unit = spec.stride == (1, 1) and spec.dilation == (1, 1)
+    if spec.r == spec.s == spec.h == spec.w == 1:
+        return FC_RANK if spec.n >= 128 and spec.c >= 4096 else None
+    if spec.r == spec.s == 3 and unit and spec.h >= 56 and 64 <= spec.c <= 256 and spec.k >= 128:
+        return X3_LEAD_RANK
+    return None
 
 
 class TcImplicitGemm(Variant):
@@ -85,16 +122,12 @@ class TcImplicitGemm(Variant):
         """First on sm_90 devices for TF32 and half layers (the relaxed class and half dtypes), except
         float32 1x1 layers of stride 1 without padding, where gemm1x1_wgmma_tf32 reads x in place and
         was faster or equal (H100, TF32: 1024->256 @14² N32 33 against 43 us, 64->256 @56² 73 and 73,
-        Boda 832@7 and 256@27 N5 34 / 26 against 46 / 36); 3xTF32 stays below the exact CUDA-core
-        families until the tuner has timed it, except on fully-connected layers of batch >= 128 with
-        reductions of >= 4096 (H100, round 20: AlexNet fc6 N128 0.336 ms against split-K's 0.614,
-        fc7 0.160 against 0.280, errors 4.9e-7 and 4.7e-7; at batch 32 split-K won, VGG fc6 0.49
-        against 0.99)."""
+        Boda 832@7 and 256@27 N5 34 / 26 against 46 / 36); 3xTF32 by :func:`x3_rank` where measured,
+        else at its stated rank (below Winograd and gemm1x1, above implicit GEMM)."""
         if device_reason(device) is not None:
             return self.specialised
         if self.x3:
-            fc = spec.r == spec.s == spec.h == spec.w == 1 and spec.groups == 1
-            return FC_RANK if fc and spec.n >= 128 and spec.c >= 4096 else self.specialised
+            return x3_rank(spec) or self.specialised
         if spec.dtype == "float32" and spec.r == spec.s == 1 and spec.stride == (1, 1) and not any(spec.pad):
             return RANK_SM90 - 2
         return RANK_SM90
