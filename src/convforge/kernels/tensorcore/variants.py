@@ -74,8 +74,8 @@ def x3_rank(spec: ConvSpec) -> int | None:
     Not on smaller 3x3 layers, though 3xTF32 ran 9 of 10 with 8 <= H <= 16 and C >= 112 faster than
     Winograd (AlexNet conv3 N128 0.386 against 0.453 ms): `convforge run`'s calibration tightened
     them back (NIN conv3, GoogLeNet 4b-4d, ResNet-50 res4b), where the exact fallback is slower
-    than Winograd was; 3xTF32's 4.7e-7 costs a network's logits more than Winograd's 2-4e-6 (the
-    tensor core's sums round towards zero: their errors add up across layers instead of averaging).
+    than Winograd was; 3xTF32's 4.7e-7 costs a network's logits more than Winograd's 2-4e-6 (likely,
+    not measured: errors of one sign, from the tensor core's truncating sums, add up across layers).
     Not on 1x1 layers, though 3xTF32 ran 20 of 23 of those with C >= 256, K >= 128 and N*P*Q <= 32768
     faster than gemm1x1 (NIN cccp4 0.054 against 0.112 ms): its error there, 4.6e-7 against gemm1x1's
     2-4e-7, made `convforge run`'s calibration tighten 7 of NIN's layers and 22 of GoogLeNet's, and
