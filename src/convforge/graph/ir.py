@@ -145,6 +145,14 @@ def _ints(node: Node, key: str, default: Any, count: int) -> tuple[int, ...]:
     return vals
 
 
+def lrn_params(attrs: dict[str, Any]) -> tuple[int, float, float, float]:
+    """(size, alpha, beta, k) of an LRN node's attributes (or a pool's fused ``lrn``), with Caffe's
+    defaults: y = x / (k + alpha/size * sum of x^2 over ``size`` channels)^beta."""
+    size = int(attrs.get("size", 5))
+    alpha, beta, k = (float(attrs.get(a, d)) for a, d in (("alpha", 1e-4), ("beta", 0.75), ("k", 1.0)))
+    return size, alpha, beta, k
+
+
 def conv_geometry(node: Node) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int, int, int],
                                         tuple[int, int]]:
     """(kernel, stride, pad (top, bottom, left, right), dilation) of a conv or pool node."""

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 
 from convforge.codegen.dialect import FLOAT32, Buf, Kernel, Storage
-from convforge.graph.ir import Node, Tensor, conv_geometry
+from convforge.graph.ir import Node, Tensor, conv_geometry, lrn_params
 
 BLOCK = 256
 ROW_MIN = 64  # a per-row reduction at least this long gets a work-group per row
@@ -126,13 +126,6 @@ def lrn(node: Node, x: Tensor, src: str, dst: str, st: Storage = FLOAT32) -> OpL
     return _lrn_pool(node, x, x, src, dst, st, node.attrs, None, True, "{acc}")
 
 
-def _lrn_params(attrs: dict) -> tuple[int, float, float, float]:
-    """(size, alpha, beta, k) of an LRN node's attributes, with Caffe's defaults."""
-    size = int(attrs.get("size", 5))
-    alpha, beta, k = (float(attrs.get(a, d)) for a, d in (("alpha", 1e-4), ("beta", 0.75), ("k", 1.0)))
-    return size, alpha, beta, k
-
-
 def _inv_pow(base: str, beta: float) -> str:
     """``base`` to the power -beta without pow() (tens of instructions on CUDA): rsqrt and sqrt
     for AlexNet's and GoogLeNet's 0.75 (within 3 ulp), else exp2(-beta log2(base))."""
@@ -149,7 +142,7 @@ def _lrn_values(st: Storage, attrs: dict, c: int, hw: int, off: str, use: str) -
     """Load channels c0 - size/2 .. c0 + LRN_CHANNELS - 1 + size/2 at element ``off`` of the
     image's planes (zero outside 0..c-1), and for each channel u of the LRN_CHANNELS set ``r`` to
     its normalised value and run ``use`` (a format string of ``u``)."""
-    size, alpha, beta, k = _lrn_params(attrs)
+    size, alpha, beta, k = lrn_params(attrs)
     half, ch = size // 2, LRN_CHANNELS
     lines = []
     for i in range(ch + size - 1):
@@ -173,7 +166,7 @@ def _lrn_pool(node: Node, x: Tensor, y: Tensor, src: str, dst: str, st: Storage,
     one output pixel."""
     n, c, h, w = x.shape
     _, _, p, q = y.shape
-    size = _lrn_params(attrs)[0]
+    size = lrn_params(attrs)[0]
     ch, hw = LRN_CHANNELS, h * w
     blocks = -(-c // ch)
     fold = "acc[{u}] = MAX(acc[{u}], r);" if is_max else "acc[{u}] += r;"

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from convforge.graph.ir import Graph, Node, conv_geometry, conv_group, infer, pool_out
+from convforge.graph.ir import Graph, Node, conv_geometry, conv_group, infer, lrn_params, pool_out
 from convforge.reference import activate_ref, conv2d_ref
 from convforge.spec import ConvSpec
 
@@ -156,8 +156,7 @@ def _lrn(graph: Graph, node: Node, ins: list[Arr]) -> Arr:
 
 def _lrn_of(attrs: dict, x: Arr) -> Arr:
     """Across channels: x / (k + alpha/size * sum of x^2 over ``size`` channels)^beta."""
-    size = int(attrs.get("size", 5))
-    alpha, beta, k = (float(attrs.get(a, d)) for a, d in (("alpha", 1e-4), ("beta", 0.75), ("k", 1.0)))
+    size, alpha, beta, k = lrn_params(attrs)
     sq = np.pad(x * x, ((0, 0), (size // 2, size // 2), (0, 0), (0, 0)))
     acc = sum(sq[:, i:i + x.shape[1]] for i in range(size))
     return x / (k + alpha / size * acc) ** beta

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from convforge.graph.ir import Graph, Node, conv_geometry, conv_group
+from convforge.graph.ir import Graph, Node, conv_geometry, conv_group, lrn_params
 
 
 @dataclass
@@ -25,8 +25,7 @@ class TorchTimes:
 
 
 def _lrn(F: Any, attrs: dict, x: Any) -> Any:
-    return F.local_response_norm(x, int(attrs.get("size", 5)), float(attrs.get("alpha", 1e-4)),
-                                 float(attrs.get("beta", 0.75)), float(attrs.get("k", 1.0)))
+    return F.local_response_norm(x, *lrn_params(attrs))
 
 
 def _pool(F: Any, node: Node, x: Any) -> Any:
