@@ -442,3 +442,24 @@ def test_open_db_on_a_truncated_file_uses_the_heuristic(tmp_path: Path, monkeypa
     finally:
         clear_choices()
     assert _snapshot(tmp_path) == before
+
+
+def test_opencl_skips_a_device_that_cannot_build_and_names_each_when_none_can(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """PyPI's PoCL bundles an LLVM that refuses CPUs it does not know ("unknown target CPU 'generic'"
+    on AMD Zen 5): the back-end takes the first device that builds a trivial kernel, and when none
+    does, says which refused and what to do instead of failing every kernel later."""
+    cl_mod = pytest.importorskip("convforge.backends.opencl")
+    devices = [d for p in cl_mod.cl.get_platforms() for d in p.get_devices()]
+    if not devices:
+        pytest.skip("no OpenCL device")
+    working = [d for d in devices if cl_mod.build_refusal(d) is None]
+    if not working:
+        pytest.fail("no OpenCL device on this machine builds a kernel: " + cl_mod._HINT)
+    first = working[0]
+    refuse_first = lambda d: "error: unknown target CPU 'generic'" if d == first else None  # noqa: E731
+    monkeypatch.setattr(cl_mod, "build_refusal", refuse_first)
+    if len(working) > 1:
+        assert cl_mod._pick("") == working[1]
+    monkeypatch.setattr(cl_mod, "build_refusal", lambda d: "error: unknown target CPU 'generic'")
+    with pytest.raises(RuntimeError, match=r"no OpenCL device builds a kernel .*unknown target CPU.*pocl-opencl-icd"):
+        cl_mod._pick("")

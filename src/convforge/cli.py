@@ -95,10 +95,11 @@ def cmd_devices(args: argparse.Namespace) -> int:
     except ImportError:
         table.add_row("cuda", "-", r"CuPy not installed (pip install 'convforge\[cuda]')", "")
     try:
-        from convforge.backends.opencl import list_devices
+        from convforge.backends.opencl import list_devices, refusal_of
 
         for pi, di, plat, name in list_devices():
-            table.add_row("opencl", f"{pi}:{di}", plat, name)
+            why = refusal_of(pi, di)
+            table.add_row("opencl", f"{pi}:{di}", plat, name + (f" [red](cannot build: {why})[/red]" if why else ""))
     except ImportError:
         table.add_row("opencl", "-", r"PyOpenCL not installed (pip install 'pyopencl\[pocl]')", "")
     Console().print(table)

@@ -30,7 +30,32 @@ def list_devices() -> list[tuple[int, int, str, str]]:
     return out
 
 
+_PROBE = "__kernel void convforge_probe(__global float* a) { a[get_global_id(0)] += 1.0f; }"
+_HINT = ("PoCL from PyPI bundles an LLVM that may not know a new CPU (AMD Zen 5: 'unknown target CPU "
+         "generic'); install the system's PoCL (Debian / Ubuntu: apt-get install pocl-opencl-icd) or name a "
+         "working device with CONVFORGE_OPENCL_DEVICE=platform:device (convforge devices lists them)")
+
+
+def build_refusal(device: cl.Device) -> str | None:
+    """None when ``device``'s compiler builds a trivial kernel, else its complaint (the last line of
+    the build log that says something)."""
+    try:
+        cl.Program(cl.Context([device]), _PROBE).build(options=_OPTIONS)
+    except cl.Error as err:
+        lines = [ln.strip() for ln in str(err).splitlines() if ln.strip().startswith(("error", "fatal"))]
+        return lines[-1] if lines else str(err).splitlines()[0]
+    return None
+
+
+def refusal_of(platform: int, device: int) -> str | None:
+    """:func:`build_refusal` of the device :func:`list_devices` numbers (platform, device)."""
+    return build_refusal(cl.get_platforms()[platform].get_devices()[device])
+
+
 def _pick(spec: str) -> cl.Device:
+    """The device ``spec`` ("platform:device") names, else the first GPU, else the first device,
+    skipping devices whose compiler cannot build a trivial kernel (RuntimeError naming each when
+    none can)."""
     platforms = cl.get_platforms()
     if spec:
         pi, _, di = spec.partition(":")
@@ -44,7 +69,13 @@ def _pick(spec: str) -> cl.Device:
     if not devices:
         raise RuntimeError("no OpenCL device found (pip install 'pyopencl[pocl]' for a CPU one)")
     gpus = [d for d in devices if d.type & cl.device_type.GPU]
-    return (gpus or devices)[0]
+    refused = []
+    for dev in gpus + [d for d in devices if d not in gpus]:
+        why = build_refusal(dev)
+        if why is None:
+            return dev
+        refused.append(f"{dev.platform.name.strip()} / {dev.name.strip()}: {why}")
+    raise RuntimeError("no OpenCL device builds a kernel (" + "; ".join(refused) + "). " + _HINT)
 
 
 class BufferTooLarge(ValueError):
@@ -160,4 +191,4 @@ class OpenCLBackend(Backend):
         return [(end.profile.end - start.profile.start) * 1e-6 for start, end in marks]
 
 
-__all__ = ["BufferTooLarge", "OpenCLBackend", "list_devices"]
+__all__ = ["BufferTooLarge", "OpenCLBackend", "build_refusal", "list_devices", "refusal_of"]
