@@ -18,7 +18,8 @@ def test_algos_lists_the_variants_of_each_pass(ocl, capsys):
     rc, out = run_main(["algos", "--spec", SPEC, "--backend", "opencl", "--pass", "bprop"], capsys)
     assert rc == 0, out
     assert "dgrad" in out.splitlines()[0] and "+ dgrad_direct" in out and "+ direct " not in out
-    assert "compute only fprop" in out and "compute only wgrad: depthwise_wgrad, wgrad_direct" in out
+    only_wgrad = out.split("compute only wgrad: ")[1].split("\n")[0].split(", ")  # registration order
+    assert "compute only fprop" in out and {"depthwise_wgrad", "wgrad_direct"} <= set(only_wgrad)
     rc, out = run_main(["algos", "--spec", SPEC, "--backend", "opencl", "--pass", "all"], capsys)
     heads = [line for line in out.splitlines() if line.startswith("N2 ")]
     assert rc == 0 and [h.split("  (")[0].split()[-1] for h in heads] == ["fprop", "dgrad", "wgrad"], out

@@ -28,7 +28,9 @@ EXTRA = [ConvSpec.make(2, 70, 9, 9, 36, 3, 3, 1, 1), ConvSpec.make(1, 4, 15, 15,
 RESNET = [ConvSpec.make(32, 64, 56, 56, 64, 3, 3, 1, 1), ConvSpec.make(32, 128, 28, 28, 128, 3, 3, 1, 1),
           ConvSpec.make(32, 256, 14, 14, 256, 3, 3, 1, 1), ConvSpec.make(32, 512, 7, 7, 512, 3, 3, 1, 1),
           ConvSpec.make(32, 1024, 14, 14, 256, 1, 1), ConvSpec.make(32, 3, 224, 224, 64, 7, 7, 2, 3)]
-DTYPES = {"tc_implicit_gemm_half": ("float16", "bfloat16"), "tc_winograd_f2": ("float32", "float16", "bfloat16")}
+WGRAD = ("wgrad_tc_implicit_gemm_tf32", "wgrad_tc_implicit_gemm_3xtf32", "wgrad_tc_implicit_gemm_half")
+DTYPES = {"tc_implicit_gemm_half": ("float16", "bfloat16"), "tc_winograd_f2": ("float32", "float16", "bfloat16"),
+          "wgrad_tc_implicit_gemm_half": ("float16", "bfloat16")}
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +65,20 @@ def test_odd_shapes_against_float64(hopper, name, spec):
         pytest.skip(v.applies(spec, hopper.device))
     for prm in _points(v, spec, hopper.device):
         res = check_plan(v.plan(spec, prm, hopper.device), hopper, seed=1)
+        assert res.ok, f"{name} [{prm.short()}] {spec.short()}: {res}"
+
+
+@pytest.mark.parametrize("name, spec", list(_cases(WGRAD, ODD_SPECS + EXTRA + RESNET)), ids=str)
+def test_wgrad_against_float64(hopper, name, spec):
+    """wgrad as the transposed forward problem (tensorcore/wgrad.py): the default and three other
+    space points on odd shapes (the default only on the big layers), NaN-poisoned dW against the
+    float64 filter gradient of the same inputs."""
+    spec = spec.with_pass("wgrad")
+    v = get_variant(name)
+    if v.applies(spec, hopper.device):
+        pytest.skip(v.applies(spec, hopper.device))
+    for prm in _points(v, spec, hopper.device, k=3 if spec.flops < 4e9 else 0):
+        res = check_plan(v.plan(spec, prm, hopper.device), hopper, seed=2)
         assert res.ok, f"{name} [{prm.short()}] {spec.short()}: {res}"
 
 

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import re
@@ -48,7 +49,7 @@ from convforge.kernels.tensorcore.smem import SBO, Tile, desc_high, model_addres
 from convforge.kernels.tensorcore.tiles import Problem, TileConfig
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue
-from convforge.reference import conv2d_ref, rel_l2
+from convforge.reference import conv2d_ref, rel_l2, wgrad_ref
 from convforge.spec import ConvSpec
 
 VARIANTS = ("tc_implicit_gemm_tf32", "tc_implicit_gemm_3xtf32", "tc_implicit_gemm_half")
@@ -332,6 +333,83 @@ def test_emulated_tiles_equal_the_gemm(spec, math, cfg):
     got, ref, written = emulate(spec, math, cfg)
     assert (written == cfg.ks).all(), f"outputs written {np.unique(written)} times, want {cfg.ks}"
     np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-10)
+
+
+def _parts(a, math):
+    """``a`` as the math mode's operand parts (float64; TF32 rounded to nearest, 3xTF32 hi and lo)."""
+    if math.name not in ("tf32", "3xtf32"):
+        return {"hi": a}
+    out = {"hi": _tf32(a)}
+    if math.name == "3xtf32":
+        out["lo"] = _tf32(a - out["hi"])
+    return out
+
+
+def emulate_wgrad(spec: ConvSpec, math, cfg: TileConfig, seed: int = 0):
+    """The wgrad plan's GEMM (tensorcore/wgrad.py) through the generator's expressions, operands laid
+    out as its transposing steps write them (x' = [C][H][W][Np], dy' = [K][P Q Np]); every split
+    slice stored through dW's strided K C R S offsets into a slab of its own. Returns (dW, reference,
+    writes per element)."""
+    variant = get_variant({"tf32": "wgrad_tc_implicit_gemm_tf32", "3xtf32": "wgrad_tc_implicit_gemm_3xtf32"}
+                          .get(math.name, "wgrad_tc_implicit_gemm_half"))
+    dt = {"tf32": "float32", "3xtf32": "float32", "f16": "float16", "bf16": "bfloat16"}[math.name]
+    spec = spec.with_pass("wgrad") if dt == "float32" else ConvSpec.from_dict({**spec.to_dict(), "dtype": dt,
+                                                                               "conv_pass": "wgrad"})
+    rng = np.random.default_rng(seed)
+    x = rounded(rng.uniform(-1, 1, spec.x_shape).astype(np.float32), dt).astype(np.float64)
+    dy = rounded(rng.uniform(-1, 1, spec.y_shape).astype(np.float32), dt).astype(np.float64)
+    xs, ds = _parts(x, math), _parts(dy, math)
+    ref = sum(wgrad_ref(xs[pa], ds[pb], spec) for pa, pb in math.products)
+    prob = variant.problem(spec)
+    cp = prob.kred // (spec.p * spec.q)
+    a, b = variant.operands(spec, cfg)
+
+    def images_as_channels(t):  # [N][C][H][W] -> [C][H][W][cp]
+        out = np.zeros(t.shape[1:] + (cp,))
+        out[..., :t.shape[0]] = t.transpose(1, 2, 3, 0)
+        return out.ravel()
+
+    data = {"a": {p: images_as_channels(xs[p]) for p in math.parts},
+            "b": {p: images_as_channels(ds[p]) for p in math.parts}}
+    out = dataclasses.replace(variant.output(spec), slab=prob.m * prob.n, epi=None)
+    y, written = emulate_gemm(cfg, math, prob, a, b, data, out)
+    got = y.reshape(cfg.ks, -1).sum(0).reshape(spec.w_shape)
+    return got, ref, written.reshape(cfg.ks, -1).sum(0).reshape(spec.w_shape)
+
+
+WGRAD_CASES = [(ODD[0], TF32, TileConfig(128, 32, 1, 2, 2, ks=3)),      # asymmetric padding, N=1, K=5
+               (ODD[1], X3TF32, TileConfig(128, 96, 1, 2, 2, pi=2)),     # 1x1, 67 filters
+               (ODD[2], BF16, TileConfig(64, 32, 2, 2, 1, ks=2)),        # stride 2, dilation 2, 5x5
+               (ODD[3], F16, TileConfig(128, 32, 1, 2, 1, ks=4)),        # 11x11 / 4, (2, 1, 0, 3) padding
+               (ConvSpec.make(5, 3, 7, 9, 6, 3, 3, (2, 1), 1), TF32, TileConfig(64, 32, 2, 3, 1))]  # N=5
+
+
+@pytest.mark.parametrize("spec, math, cfg", WGRAD_CASES, ids=lambda v: getattr(v, "name", None) or str(v))
+def test_emulated_wgrad_equals_the_filter_gradient(spec, math, cfg):
+    """wgrad as the transposed forward problem: every tile of its GEMM, through the generator's own
+    expressions and the strided K C R S store, equals the float64 filter gradient of the same operand
+    parts; every dW element written once per split slice."""
+    assert not cfg.problems(math), cfg.problems(math)
+    got, ref, written = emulate_wgrad(spec, math, cfg)
+    assert (written == cfg.ks).all(), f"dW elements written {np.unique(written)} times, want {cfg.ks}"
+    np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-10)
+
+
+def test_wgrad_reduce_writes_every_filter_element_once():
+    """The split-K reduce of the wgrad plan: partial element e (planar, images C, columns K, planes
+    R S) lands on dW's K C R S offset of the same (row, column), each element exactly once."""
+    spec = ODD[2].with_pass("wgrad")
+    out = get_variant("wgrad_tc_implicit_gemm_tf32").output(spec)
+    part = Output("part", out.m, out.n, out.pq, slab=out.m * out.n, epi=None)
+    seen = np.zeros(out.m * out.n, int)
+    for e in range(out.m * out.n):
+        m, k = e // (out.pq * out.n) * out.pq + e % out.pq, e // out.pq % out.n
+        assert evaluate(part.offset("m", "k", "0"), {"m": m, "k": k}) == e
+        o = evaluate(out.offset("m", "k", "0"), {"m": m, "k": k})
+        c, rs = divmod(m, spec.r * spec.s)
+        assert o == (k * spec.c + c) * spec.r * spec.s + rs
+        seen[o] += 1
+    assert (seen == 1).all()
 
 
 @pytest.mark.parametrize("math, cfg", [(TF32, TileConfig(128, 64, 1, 2, 2, ks=2)), (F16, TileConfig(64, 32, 2, 2, 1)),
@@ -668,3 +746,31 @@ def test_channels_last_plans_compile_and_read_in_place(nvcc_ok, name, spec, epi)
     for info in infos:
         assert info.spill_stores == 0 and info.spill_loads == 0, info
     assert "HGMMA" in sass
+
+
+WGRAD_COMPILE = [("wgrad_tc_implicit_gemm_tf32", ConvSpec.make(32, 64, 56, 56, 64, 3, 3, 1, 1), "float32"),
+                 ("wgrad_tc_implicit_gemm_tf32", ConvSpec.make(32, 512, 7, 7, 512, 3, 3, 1, 1), "float32"),
+                 ("wgrad_tc_implicit_gemm_3xtf32", ConvSpec.make(32, 128, 28, 28, 128, 3, 3, 1, 1), "float32"),
+                 ("wgrad_tc_implicit_gemm_half", ConvSpec.make(32, 256, 56, 56, 128, 1, 1, 2), "float16"),
+                 ("wgrad_tc_implicit_gemm_half", ODD[3], "bfloat16")]
+
+
+@pytest.mark.parametrize("name, spec, dtype", WGRAD_COMPILE, ids=lambda v: str(v))
+def test_wgrad_plans_compile_without_spills_hgmma_in_sass(nvcc_ok, name, spec, dtype):
+    """The wgrad plans' defaults (the transposing steps, the GEMM, the split-K reduce): no spills,
+    HGMMA in the GEMM's SASS; a split where the GEMM alone would leave SMs idle and the reduction
+    gives slices of at least 4 stages."""
+    v = get_variant(name)
+    spec = ConvSpec.from_dict({**spec.to_dict(), "dtype": dtype, "conv_pass": "wgrad"})
+    prm = v.default(spec, NOMINAL_CUDA)
+    cfg = TileConfig.of(prm)
+    prob = v.problem(spec)
+    tiles_ = -(-prob.m // cfg.bm) * -(-prob.n // cfg.bn)
+    assert cfg.ks > 1 or 2 * tiles_ > NOMINAL_CUDA.units or cfg.k_blocks(v.math(spec), prob) < 8, prm
+    plan = v.plan(spec, prm, NOMINAL_CUDA)
+    assert [k.name.rsplit("_", 1)[-1] for k in plan.kernels] == ["x", "dy", "gemm"] + (["reduce"] if cfg.ks > 1 else [])
+    infos, sass = sass_report(plan.source("cuda"))
+    for info in infos:
+        assert info.spill_stores == 0 and info.spill_loads == 0, info
+    gemm = [k for k in re.split(r"\n\s+Function : ", sass) if k.startswith(f"{name}_gemm")]
+    assert gemm and "HGMMA" in gemm[0] and "HMMA" not in gemm[0]

@@ -18,6 +18,7 @@ The generator (CUTLASS 3's sm90 collectives as a model; each fact in one file):
     kernel     the composition: roles, barriers, the persistent loop
     variants   registered Variants (implicit GEMM per math mode)
     winograd   non-fused Winograd F(2x2) / F(4x4) whose batched GEMM runs on the generator
+    wgrad      wgrad as the forward convolution of a transposed problem (images as channels)
 
 Kept beside it (they serve devices the generator cannot, compute capability 8.x, and stay where
 measured results put them): ``mma_sync`` / ``mma_variants`` (mma.sync TF32 and 3xTF32 implicit GEMM,
@@ -32,5 +33,6 @@ from convforge.kernels.tensorcore import (  # noqa: F401 - importing registers t
     mma_variants,
     variants,
     wgmma_1x1,
+    wgrad,
     winograd,
 )

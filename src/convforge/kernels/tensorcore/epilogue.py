@@ -71,15 +71,32 @@ class Output:
     k_offset: int = 0
     slab: int = 0  # elements between slabs (0: one slab)
     epi: Epilogue | None = field(default_factory=Epilogue)
+    istride: int = 0  # elements between images (rows m / pq); 0: kt * pq, NCHW (wgrad's KCRS dW: R S)
+    kstride: int = 0  # elements between columns; 0: pq, one image's planes adjacent (KCRS dW: C R S)
 
     @property
     def kt(self) -> int:
         return self.k_total or self.n
 
+    @property
+    def strided(self) -> bool:
+        """Image and column strides of their own (not the NCHW planes of the default)."""
+        return bool(self.istride or self.kstride)
+
+    @property
+    def ist(self) -> int:
+        return self.istride or self.kt * self.pq
+
+    @property
+    def kst(self) -> int:
+        return self.kstride or self.pq
+
     def offset(self, m: str, k: str, z: str) -> str:
         """Element offset of (row m, column k) of slab z (a C expression, Python-evaluable)."""
         slab = f"({z}) * {self.slab} + " if self.slab else ""
         off = f" + {self.k_offset}" if self.k_offset else ""
+        if self.strided:
+            return f"({slab}({m}) / {self.pq} * {self.ist} + (({k}){off}) * {self.kst} + ({m}) % {self.pq})"
         return f"({slab}(({m}) / {self.pq} * {self.kt}{off} + ({k})) * {self.pq} + ({m}) % {self.pq})"
 
     def args(self) -> tuple[Buf, ...]:
@@ -95,8 +112,13 @@ class Output:
 
     @property
     def vector(self) -> bool:
-        """4 consecutive rows from a multiple of 4 are one aligned run (same plane, contiguous)."""
-        return self.pq % 4 == 0
+        """4 consecutive rows from a multiple of 4 are one aligned run (same plane, contiguous; with
+        strides also where images follow each other, ist = pq)."""
+        if not self.strided:
+            return self.pq % 4 == 0
+        runs = (self.pq % 4 == 0 and self.ist % 4 == 0) or self.ist == self.pq
+        return runs and self.m % 4 == 0 and self.kst % 4 == 0 and self.slab % 4 == 0 \
+            and self.k_offset * self.kst % 4 == 0
 
     def value(self, acc: str, k: str, off: str, bias: str | None = None, res: str | None = None) -> str:
         """The stored float of accumulator ``acc`` for column ``k`` at element ``off`` (``bias``, ``res``:
@@ -114,7 +136,7 @@ class Output:
     def rowmajor(self) -> bool:
         """A row's columns lie contiguous (pq = 1: an NHWC output, row m = pixel, column k = channel);
         the epilogue then stages rows and stores runs of 4 columns."""
-        return self.pq == 1
+        return self.pq == 1 and self.kst == 1
 
     @property
     def vector_cols(self) -> bool:

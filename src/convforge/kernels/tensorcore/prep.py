@@ -54,25 +54,35 @@ def _store_parts(math: Math, dtype: str, dst: str, index: str, value: str) -> li
 
 def x_nhwc(spec: ConvSpec, math: Math, cp: int, dst: str = "xh") -> tuple[Kernel, Dim3]:
     """The activation conversion step (see the module docstring)."""
-    c, hw, st = spec.c, spec.h * spec.w, CTYPE[spec.dtype]
+    c, hw = spec.c, spec.h * spec.w
+    return planes_to_rows("tc_x_nhwc", "x", f"(n * {c} + ci) * {hw} + p", spec.n, c, hw, cp, math, spec.dtype, dst,
+                          f"x NCHW -> NHWC ({cp} channels) as {math.name} operands")
+
+
+def planes_to_rows(name: str, src: str, at: str, count: int, chans: int, plane: int, cp: int, math: Math,
+                   dtype: str, dst: str, comment: str) -> tuple[Kernel, Dim3]:
+    """``dst[(n * plane + p) * cp + ci] = src[at]`` for n < ``count``, ci < ``cp`` (zero from ``chans``
+    on), p < ``plane``, ``at`` a C expression of n, ci and p: planes of ``chans`` channels to rows of
+    ``cp`` (NCHW -> NHWC, and wgrad's transposes), 32 x 32 tiles through shared memory (reads along
+    p and writes along ci both coalesced), stored in the math mode's parts."""
+    st = CTYPE[dtype]
     code = Code()
     code(f"SHARED {st} tile[32 * 33];",
          "const int tx = LOCAL_ID(0), ty = LOCAL_ID(1), n = GROUP_ID(2);",
          "const int p0 = GROUP_ID(0) * 32, c0 = GROUP_ID(1) * 32;")
     for j in range(4):
         code(f"{{ const int ci = c0 + ty + {8 * j}, p = p0 + tx;",
-             f"  tile[(ty + {8 * j}) * 33 + tx] = (ci < {c} && p < {hw}) ? x[(n * {c} + ci) * {hw} + p] : 0; }}")
+             f"  tile[(ty + {8 * j}) * 33 + tx] = (ci < {chans} && p < {plane}) ? {src}[{at}] : 0; }}")
     code("BARRIER();")
     for j in range(4):
         with code.block(f"/* row {j} */"):
             code(f"const int p = p0 + ty + {8 * j}, ci = c0 + tx;")
-            with code.block(f"if (p < {hw} && ci < {cp})"):
-                code(*_store_parts(math, spec.dtype, dst, f"(n * {hw} + p) * {cp} + ci",
+            with code.block(f"if (p < {plane} && ci < {cp})"):
+                code(*_store_parts(math, dtype, dst, f"(n * {plane} + p) * {cp} + ci",
                                    f"tile[tx * 33 + ty + {8 * j}]"))
-    kern = Kernel("tc_x_nhwc", (Buf("x", st),) + part_buffers(dst, math), code.text(), (32, 8, 1),
-                  frozenset({"mma_tf32", "wgmma"}),
-                  comment=f"x NCHW -> NHWC ({cp} channels) as {math.name} operands")
-    return kern, (cdiv(hw, 32), cdiv(cp, 32), spec.n)
+    kern = Kernel(name, (Buf(src, st),) + part_buffers(dst, math), code.text(), (32, 8, 1),
+                  frozenset({"mma_tf32", "wgmma"}), comment=comment)
+    return kern, (cdiv(plane, 32), cdiv(cp, 32), count)
 
 
 def x_from_nhwc(spec: ConvSpec, math: Math, cp: int, dst: str = "xh") -> tuple[Kernel, Dim3]:

@@ -1,0 +1,211 @@
+"""wgrad (update) on the wgmma generator: the filter gradient as the forward convolution of a
+transposed problem, so the generator's own operand iterators serve it unchanged.
+
+    dW[k, c, r, s] = sum over n, p, q of x[n, c, p sh + r dh - pt, q sw + s dw - pl] . dy[n, k, p, q]
+
+Read the images as channels and this is a forward convolution (:func:`geometry`): C "images" x' of
+N "channels" (the batch, padded to a 16-byte chunk: Np), H x W each, filtered by K "filters" dy'
+of P x Q taps, with the forward's dilation as its stride, the forward's stride as its dilation and
+the forward's top / left padding; its "output pixels" are the R x S filter taps. As the implicit
+GEMM D (C R S x K) = A . B^T over the reduction (p, q, n):
+
+* A = :class:`~convforge.kernels.tensorcore.operands.Im2colNhwc` over x' = [C][H][W][Np], rows
+  (c, r, s), the chunk at (p, q, n..n+3) reading x' pixel (r dh - pt + p sh, s dw - pl + q sw);
+* B = :class:`~convforge.kernels.tensorcore.operands.DenseRows` over dy' = [K][P Q Np];
+* D stored into dW's K C R S layout (the epilogue's strided :class:`Output`: images R S apart,
+  columns C R S apart), split-K over the long reduction (N P Q Np / chunk stages) with the
+  deterministic reduce; no bias, residual or activation (a gradient has none).
+
+Plan: (1) x NCHW -> x' and (2) dy NCHW -> dy' by one transposing step each
+(:func:`~convforge.kernels.tensorcore.prep.planes_to_rows`: TF32-rounded, 3xTF32 hi / lo, half bits
+as they are; each reads and writes its tensor once), (3) the wgmma GEMM, (4) with split-K the reduce.
+CUTLASS's sm90 wgrad takes NHWC activations with the reduction strided (MN-major operands), which
+wgmma allows for 16-bit types only; TF32 wants both operands K-major, which these transposes give
+every dtype alike.
+
+* ``wgrad_tc_implicit_gemm_tf32`` (float32, class "relaxed"): TF32 products, FP32 sums.
+* ``wgrad_tc_implicit_gemm_3xtf32`` (float32, class "fp32"): hi + lo parts, three products, the
+  tensor core's sums promoted into FP32 registers every ``pi`` stages.
+* ``wgrad_tc_implicit_gemm_half`` (float16, bfloat16): half operands, FP32 sums, dW rounded once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from convforge.codegen.meta import cdiv
+from convforge.kernels import register
+from convforge.kernels.dgrad.baseline import no_epilogue
+from convforge.kernels.tensorcore import prep, tiles
+from convforge.kernels.tensorcore.epilogue import Output, reduce_kernel
+from convforge.kernels.tensorcore.isa import Math, device_reason, math_for
+from convforge.kernels.tensorcore.kernel import gemm_kernel
+from convforge.kernels.tensorcore.operands import DenseRows, Geometry, Im2colNhwc
+from convforge.kernels.tensorcore.smem import MAX_SHARED, Tile
+from convforge.kernels.tensorcore.tiles import Problem, TileConfig
+from convforge.kernels.tensorcore.variants import (
+    RANK_SM90,
+    TF32_TOLERANCE,
+    X3_TOLERANCE,
+    expected,
+    tolerance,
+)
+from convforge.params import Params
+from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
+from convforge.spec import ConvSpec
+
+_INT_LIMIT = 2**31 - 1
+MAX_SPLIT = 64  # slices of the reduction at most (partials: ks x C R S x K floats)
+
+
+def geometry(spec: ConvSpec, cp: int) -> Geometry:
+    """The forward convolution whose output is dW (see the module docstring): images = channels C,
+    channels = the batch N (padded to ``cp``), "output pixels" = filter taps R x S, taps = P x Q."""
+    (sh, sw), (dh, dw) = spec.stride, spec.dilation
+    pt, pl = spec.pad[0], spec.pad[2]
+    rows = ((spec.r - 1) * dh + (spec.p - 1) * sh - pt, -pt)
+    cols = ((spec.s - 1) * dw + (spec.q - 1) * sw - pl, -pl)
+    padded = rows[1] < 0 or cols[1] < 0 or rows[0] >= spec.h or cols[0] >= spec.w
+    return Geometry(spec.c, spec.h, spec.w, cp, spec.r, spec.s, spec.p, spec.q, (dh, dw), (sh, sw), pt, pl, padded)
+
+
+def split(cfg: TileConfig, math: Math, prob: Problem, units: int) -> int:
+    """Slices of the reduction: enough for about one block per SM where the tiles alone leave more
+    than half the SMs idle (wgrad's GEMMs are few tiles over a reduction of 10^4-10^5 elements), each
+    slice at least 4 stages long, none empty."""
+    tiles_, nk = cdiv(prob.m, cfg.bm) * cdiv(prob.n, cfg.bn) * prob.batch, cfg.k_blocks(math, prob)
+    if tiles_ * 2 > units:
+        return 1
+    ks = max(1, min(units // tiles_, nk // 4, MAX_SPLIT))
+    while ks > 1 and (ks - 1) * cdiv(nk, ks) >= nk:
+        ks -= 1
+    return ks
+
+
+class TcWgrad(Variant):
+    """wgrad by the wgmma generator (see the module docstring)."""
+
+    family = "implicit_gemm"
+    backends = frozenset({"cuda"})
+    passes = frozenset({"wgrad"})
+    exact = False
+    space_lead = 6
+
+    def __init__(self, name: str, dtypes: frozenset[str], x3: bool, precision: str, specialised: int) -> None:
+        self.name, self.dtypes, self.x3 = name, dtypes, x3
+        self.precision, self.specialised = precision, specialised
+        self.tolerance = X3_TOLERANCE if x3 else TF32_TOLERANCE
+
+    def math(self, spec: ConvSpec) -> Math:
+        return math_for(spec.dtype, self.x3)
+
+    def expected_error(self, spec: ConvSpec) -> float:
+        return expected(self.math(spec), spec.dtype)
+
+    def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
+        """First on sm_90 for TF32 and half layers; 3xTF32 at its stated rank (below the CUDA-core
+        wgrad GEMM and Winograd update until measured)."""
+        if device_reason(device) is not None or self.x3:
+            return self.specialised
+        return RANK_SM90
+
+    def _cp(self, spec: ConvSpec) -> int:
+        return prep.padded_channels(spec.n, self.math(spec))
+
+    def problem(self, spec: ConvSpec) -> Problem:
+        return Problem(spec.c * spec.r * spec.s, spec.k, spec.p * spec.q * self._cp(spec))
+
+    def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
+        why = super().applies(spec, device) or device_reason(device)
+        if why:
+            return why
+        if max(spec.c, spec.k) > 65535:
+            return f"{max(spec.c, spec.k)} channels exceed the transposing steps' grid (65535)"
+        math, cp, prob = self.math(spec), self._cp(spec), self.problem(spec)
+        big = max(spec.c * spec.h * spec.w * cp, spec.k * prob.kred, MAX_SPLIT * prob.m * prob.n)
+        if big > _INT_LIMIT // 2 or math.esize * big > _INT_LIMIT:
+            return f"an array of {big} elements needs 64-bit indexing"
+        return None
+
+    # -- parameters ---------------------------------------------------------------------------
+    def _limit(self, device: DeviceInfo) -> int:
+        return min(device.shared_optin_bytes, MAX_SHARED)
+
+    def _split(self, cfg: TileConfig, spec: ConvSpec, device: DeviceInfo) -> TileConfig:
+        ks = split(dataclasses.replace(cfg, ks=1), self.math(spec), self.problem(spec), device.units)
+        return dataclasses.replace(cfg, ks=ks)
+
+    def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
+        cfg = tiles.pick(self.math(spec), self.problem(spec), device.units, self._limit(device))
+        return self._split(cfg, spec, device).params()
+
+    def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
+        """The default, then the generator's space with each shape's own split (and unsplit)."""
+        math, prob = self.math(spec), self.problem(spec)
+        out = [TileConfig.of(self.default(spec, device))]
+        for cfg in tiles.space(math, prob, device.units, self._limit(device)):
+            for c in (self._split(cfg, spec, device), dataclasses.replace(cfg, ks=1)):
+                if c not in out and not c.problems(math, prob, self._limit(device)):
+                    out.append(c)
+        return [c.params() for c in out]
+
+    def workspace_bytes(self, spec: ConvSpec, params: Params) -> int:
+        return sum(b for _, b in self._workspace(spec, TileConfig.of(params)))
+
+    def _workspace(self, spec: ConvSpec, cfg: TileConfig) -> tuple[tuple[str, int], ...]:
+        math, prob, cp = self.math(spec), self.problem(spec), self._cp(spec)
+        out: tuple[tuple[str, int], ...] = ()
+        for name, elems in (("xt", spec.c * spec.h * spec.w * cp), ("dyt", spec.k * prob.kred)):
+            out += tuple(((name if p == "hi" else f"{name}_{p}"), math.esize * elems) for p in math.parts)
+        if cfg.ks > 1:
+            out += (("part", 4 * cfg.ks * prob.m * prob.n),)
+        return out
+
+    # -- plan ---------------------------------------------------------------------------------
+    def output(self, spec: ConvSpec) -> Output:
+        """dW (K C R S) as the GEMM's D (C R S x K): row (c, r s) of image c, column k."""
+        rs = spec.r * spec.s
+        return Output("w", spec.c * rs, spec.k, rs, spec.dtype, istride=rs, kstride=spec.c * rs, epi=Epilogue())
+
+    def operands(self, spec: ConvSpec, cfg: TileConfig) -> tuple[Im2colNhwc, DenseRows]:
+        """A: the im2col rows (c, r, s) of x' = [C][H][W][Np]; B: dy' = [K][P Q Np] rows."""
+        math, prob = self.math(spec), self.problem(spec)
+        a = Im2colNhwc("a", Tile(cfg.bm, cfg.kb), math, "xt", geo=geometry(spec, self._cp(spec)))
+        b = DenseRows("b", Tile(cfg.bn, cfg.kb), math, "dyt", rows=spec.k, ld=prob.kred, kred=prob.kred)
+        return a, b
+
+    def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
+             epilogue: Epilogue = Epilogue()) -> Plan:
+        no_epilogue(self.name, epilogue)
+        math, prob, cfg, cp = self.math(spec), self.problem(spec), TileConfig.of(params), self._cp(spec)
+        why = cfg.problems(math, prob, self._limit(device))
+        if why:
+            raise ValueError(f"{self.name}: {'; '.join(why)}")
+        a, b = self.operands(spec, cfg)
+        final = self.output(spec)
+        out = final if cfg.ks == 1 else Output("part", prob.m, prob.n, final.pq, slab=prob.m * prob.n, epi=None)
+        gk = gemm_kernel(f"{self.name}_gemm", math, cfg, prob, a, b, out)
+        hw, pq, ch = spec.h * spec.w, spec.p * spec.q, spec.c * spec.h * spec.w
+        xk, xgrid = prep.planes_to_rows(f"{self.name}_x", "x", f"ci * {ch} + n * {hw} + p", spec.c, spec.n, hw,
+                                        cp, math, spec.dtype, "xt",
+                                        f"x N C H W -> [C][H][W][{cp}] (images as channels), {math.name} operands")
+        yk, ygrid = prep.planes_to_rows(f"{self.name}_dy", "y", f"ci * {spec.k * pq} + n * {pq} + p", spec.k,
+                                        spec.n, pq, cp, math, spec.dtype, "dyt",
+                                        f"dy N K P Q -> [K][P Q {cp}] (the filters of the transposed problem)")
+        refs = lambda bufs: tuple(x.name for x in bufs)  # noqa: E731
+        steps = [Launch(xk.name, xgrid, xk.block, ("x",) + refs(prep.part_buffers("xt", math))),
+                 Launch(yk.name, ygrid, yk.block, ("y",) + refs(prep.part_buffers("dyt", math))),
+                 Launch(gk.name, (cfg.grid(prob, device.units), 1, 1), gk.block,
+                        refs(a.args()) + refs(b.args()) + out.refs())]
+        kernels = [xk, yk, gk]
+        if cfg.ks > 1:
+            rk, rgrid = reduce_kernel(f"{self.name}_reduce", final, cfg.ks, prob.m * prob.n)
+            kernels.append(rk)
+            steps.append(Launch(rk.name, rgrid, rk.block, ("part",) + final.refs()))
+        return Plan(self.name, self.family, spec, params, tuple(kernels), tuple(steps),
+                    self._workspace(spec, cfg), tolerance(math, spec.dtype), epilogue)
+
+
+register(TcWgrad("wgrad_tc_implicit_gemm_tf32", frozenset({"float32"}), False, "relaxed", 12))
+register(TcWgrad("wgrad_tc_implicit_gemm_3xtf32", frozenset({"float32"}), True, "fp32", 4))
+register(TcWgrad("wgrad_tc_implicit_gemm_half", frozenset({"float16", "bfloat16"}), False, "fp32", 12))
