@@ -110,9 +110,6 @@ def run(kind: str, spec: ConvSpec, timing: Timing, on_gpu: bool,
     if kind == "cudnn" or (kind == "torch" and on_gpu):
         if not torch.cuda.is_available():
             return [BaselineResult(kind, "-", "fp32", None, status="PyTorch sees no CUDA device")]
-        if spec.dtype != "float32" and spec.conv_pass != "fprop":
-            return [BaselineResult(kind, "-", HALF_TAGS[spec.dtype], None,
-                                   status=f"no {spec.dtype} baseline of {spec.conv_pass} (forward only)")]
         if spec.dtype != "float32":
             return _half_baselines(spec, timing, kind == "cudnn")
         return _gpu_baselines(spec, timing, kind == "cudnn", classes)
@@ -226,14 +223,17 @@ def pass_fn(spec: ConvSpec) -> Callable[[Any, Any], Any]:
                               spec.groups, [False, True, False])[1]
 
 
-def pass_sets(spec: ConvSpec, count: int, device: str = "cuda", seed: int = 0) -> list[tuple[Any, Any]]:
-    """``count`` pairs of Uniform(-1, 1) inputs of ``spec``'s pass, in :func:`pass_fn`'s order."""
+def pass_sets(spec: ConvSpec, count: int, device: str = "cuda", seed: int = 0,
+              dtype: str = "float32") -> list[tuple[Any, Any]]:
+    """``count`` pairs of Uniform(-1, 1) inputs of ``spec``'s pass, in :func:`pass_fn`'s order,
+    drawn in float32 and stored as ``dtype``."""
     import torch
 
     gen = torch.Generator(device=device).manual_seed(seed)
     shapes = {"fprop": (spec.x_shape, spec.w_shape), "dgrad": (spec.y_shape, spec.w_shape),
               "wgrad": (spec.x_shape, spec.y_shape)}[spec.conv_pass]
-    return [tuple(torch.rand(s, device=device, generator=gen) * 2 - 1 for s in shapes)  # type: ignore[misc]
+    tdt = getattr(torch, dtype)
+    return [tuple((torch.rand(s, device=device, generator=gen) * 2 - 1).to(tdt) for s in shapes)  # type: ignore[misc]
             for _ in range(count)]
 
 
@@ -372,23 +372,21 @@ def _gpu_baselines(spec: ConvSpec, timing: Timing, with_cudnn: bool,
 
 
 def _half_baselines(spec: ConvSpec, timing: Timing, with_cudnn: bool) -> list[BaselineResult]:
-    """cuDNN-best of a half dtype: PyTorch's pick (cudnn.benchmark) with NCHW and with channels_last
-    tensors and, ``with_cudnn``, every legacy algorithm with tensor-op math on the half data type
-    (NCHW and NHWC); errors against float64 on the same half inputs."""
+    """cuDNN-best of a half dtype in ``spec``'s pass: PyTorch's pick (cudnn.benchmark; F.conv2d or
+    aten.convolution_backward) with NCHW and with channels_last tensors and, ``with_cudnn``, every
+    legacy algorithm of the pass with tensor-op math on the half data type (NCHW and NHWC); errors
+    against float64 on the same half inputs."""
     import torch
 
     from convforge.bench import cudnn
 
-    tag, tdt = HALF_TAGS[spec.dtype], getattr(torch, spec.dtype)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    sets = [((torch.rand(spec.x_shape, device="cuda", generator=gen) * 2 - 1).to(tdt),
-             (torch.rand(spec.w_shape, device="cuda", generator=gen) * 2 - 1).to(tdt)) for _ in range(timing.sets)]
-    cl = [(x.to(memory_format=torch.channels_last), w.to(memory_format=torch.channels_last)) for x, w in sets]
-    args = _conv_args(spec)
+    tag = HALF_TAGS[spec.dtype]
+    sets = pass_sets(spec, timing.sets, dtype=spec.dtype)
+    cl = [(a.to(memory_format=torch.channels_last), b.to(memory_format=torch.channels_last)) for a, b in sets]
     out: list[BaselineResult] = []
     with torch_flags() as set_flags:
         set_flags(tf32=False, benchmark=False)
-        ref = torch.nn.functional.conv2d(sets[0][0].double(), sets[0][1].double(), **args)
+        ref = pass_fn(spec)(sets[0][0].double(), sets[0][1].double())
         set_flags(tf32=False)
         out.append(_torch_variant(f"torch-{tag}", "cudnn.benchmark pick, NCHW", tag, spec, sets, ref, timing))
         out.append(_torch_variant(f"torch-{tag}-cl", "cudnn.benchmark pick, channels_last", tag, spec, cl, ref,

@@ -69,17 +69,36 @@ def geometry(spec: ConvSpec, cp: int) -> Geometry:
     return Geometry(spec.c, spec.h, spec.w, cp, spec.r, spec.s, spec.p, spec.q, (dh, dw), (sh, sw), pt, pl, padded)
 
 
+# The split's cost model (H100, round 22, ResNet N=32 wgrad, TF32 128 x 64 tiles: 256@14² ran its GEMM at
+# ~1.9 TFLOPS per SM, about half the dense peak; FP16 at twice the rate): block tiles in waves over the SMs,
+# plus the partials' round trip (written by the GEMM, read by the reduce) and the reduce's launch.
+SM_FLOPS = {4: 1.9e12, 2: 3.8e12}
+PART_BYTES_PER_S = 2.5e12
+REDUCE_S = 3e-6
+
+
+def split_cost(ks: int, cfg: TileConfig, math: Math, prob: Problem, units: int) -> float:
+    """Modelled seconds of the GEMM and its reduce with ``ks`` slices (see SM_FLOPS)."""
+    tiles_ = cdiv(prob.m, cfg.bm) * cdiv(prob.n, cfg.bn) * prob.batch
+    slice_s = 2.0 * cfg.bm * cfg.bn * prob.kred / ks / SM_FLOPS[math.esize]
+    waves = cdiv(tiles_ * ks, max(units, 1))
+    extra = 8.0 * ks * prob.m * prob.n / PART_BYTES_PER_S + REDUCE_S if ks > 1 else 0.0
+    return waves * slice_s + extra
+
+
 def split(cfg: TileConfig, math: Math, prob: Problem, units: int) -> int:
-    """Slices of the reduction: enough for about one block per SM where the tiles alone leave more
-    than half the SMs idle (wgrad's GEMMs are few tiles over a reduction of 10^4-10^5 elements), each
-    slice at least 4 stages long, none empty."""
-    tiles_, nk = cdiv(prob.m, cfg.bm) * cdiv(prob.n, cfg.bn) * prob.batch, cfg.k_blocks(math, prob)
-    if tiles_ * 2 > units:
-        return 1
-    ks = max(1, min(units // tiles_, nk // 4, MAX_SPLIT))
-    while ks > 1 and (ks - 1) * cdiv(nk, ks) >= nk:
-        ks -= 1
-    return ks
+    """Slices of the reduction with the least modelled time (:func:`split_cost`; wgrad's GEMMs are
+    few tiles over reductions of 10^4-10^5 elements), each slice at least 4 stages long, none
+    empty, at most MAX_SPLIT."""
+    nk = cfg.k_blocks(math, prob)
+    best, best_cost = 1, split_cost(1, cfg, math, prob, units)
+    for ks in range(2, min(MAX_SPLIT, nk // 4) + 1):
+        if (ks - 1) * cdiv(nk, ks) >= nk:
+            continue
+        cost = split_cost(ks, cfg, math, prob, units)
+        if cost < 0.97 * best_cost:  # a split must pay for itself by a margin
+            best, best_cost = ks, cost
+    return best
 
 
 class TcWgrad(Variant):
