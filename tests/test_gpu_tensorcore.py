@@ -25,12 +25,15 @@ WINOGRAD = ("tc_winograd_f2", "tc_winograd_f2_3xtf32", "tc_winograd_f4_3xtf32")
 EXTRA = [ConvSpec.make(2, 70, 9, 9, 36, 3, 3, 1, 1), ConvSpec.make(1, 4, 15, 15, 130, 3, 1, (1, 2), (1, 1, 0, 0)),
          ConvSpec.make(3, 37, 13, 7, 257, 3, 3, 1, (0, 1, 2, 1)), ConvSpec.make(2, 64, 7, 7, 96, 1, 1),
          ConvSpec.make(1, 3, 31, 29, 64, 7, 7, 2, 3)]
+PLANAR_1X1 = [ConvSpec.make(3, 7, 4, 5, 67, 1, 1), ConvSpec.make(2, 130, 4, 2, 9, 1, 1),
+              ConvSpec.make(32, 256, 56, 56, 64, 1, 1), ConvSpec.make(5, 33, 4, 6, 40, 1, 1)]
 RESNET = [ConvSpec.make(32, 64, 56, 56, 64, 3, 3, 1, 1), ConvSpec.make(32, 128, 28, 28, 128, 3, 3, 1, 1),
           ConvSpec.make(32, 256, 14, 14, 256, 3, 3, 1, 1), ConvSpec.make(32, 512, 7, 7, 512, 3, 3, 1, 1),
           ConvSpec.make(32, 1024, 14, 14, 256, 1, 1), ConvSpec.make(32, 3, 224, 224, 64, 7, 7, 2, 3)]
-WGRAD = ("wgrad_tc_implicit_gemm_tf32", "wgrad_tc_implicit_gemm_3xtf32", "wgrad_tc_implicit_gemm_half")
+WGRAD = ("wgrad_tc_implicit_gemm_tf32", "wgrad_tc_implicit_gemm_3xtf32", "wgrad_tc_implicit_gemm_half",
+         "wgrad_tc_gemm1x1_tf32", "wgrad_tc_gemm1x1_half")
 DTYPES = {"tc_implicit_gemm_half": ("float16", "bfloat16"), "tc_winograd_f2": ("float32", "float16", "bfloat16"),
-          "wgrad_tc_implicit_gemm_half": ("float16", "bfloat16")}
+          "wgrad_tc_implicit_gemm_half": ("float16", "bfloat16"), "wgrad_tc_gemm1x1_half": ("float16", "bfloat16")}
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +71,7 @@ def test_odd_shapes_against_float64(hopper, name, spec):
         assert res.ok, f"{name} [{prm.short()}] {spec.short()}: {res}"
 
 
-@pytest.mark.parametrize("name, spec", list(_cases(WGRAD, ODD_SPECS + EXTRA + RESNET)), ids=str)
+@pytest.mark.parametrize("name, spec", list(_cases(WGRAD, ODD_SPECS + EXTRA + RESNET + PLANAR_1X1)), ids=str)
 def test_wgrad_against_float64(hopper, name, spec):
     """wgrad as the transposed forward problem (tensorcore/wgrad.py): the default and three other
     space points on odd shapes (the default only on the big layers), NaN-poisoned dW against the

@@ -150,6 +150,10 @@ def _check_extents(spec: ConvSpec) -> None:
                              f"2^62 elements")
 
 
+_DICT_KEYS = frozenset({"N", "C", "H", "W", "K", "R", "S", "stride", "pad", "dilation", "groups", "dtype", "pass",
+                        "layout"})
+
+
 @dataclass(frozen=True)
 class ConvSpec:
     """One pass of a 2-D convolution layer: NCHW input, KCRS filters (C/groups channels each), NKPQ
@@ -366,6 +370,11 @@ class ConvSpec:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ConvSpec:
+        """The spec of :meth:`to_dict`'s form; a key it does not know is a ValueError (a misspelt
+        "pass" would otherwise give a forward spec)."""
+        unknown = sorted(set(d) - _DICT_KEYS)
+        if unknown:
+            raise ValueError(f"spec keys {unknown} unknown (known: {', '.join(sorted(_DICT_KEYS))})")
         return cls.make(d["N"], d["C"], d["H"], d["W"], d["K"], d["R"], d["S"],
                         d.get("stride", 1), d.get("pad", 0), d.get("dilation", 1), d.get("groups", 1),
                         d.get("dtype", "float32"), d.get("pass", "fprop"), d.get("layout", "nchw"))

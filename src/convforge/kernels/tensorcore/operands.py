@@ -17,12 +17,14 @@ Rows past the operand's end are clamped to its last row (finite data; their resu
 
 fprop: A = :class:`Im2colNhwc` (output pixels x (r, s, c) of NHWC activations, any stride, dilation,
 padding), B = :class:`DenseRows` (filters packed K x (r, s, c)). Winograd's batched GEMM: both
-:class:`DenseRows` (V[e]: tiles x C, U[e]: K x C). The training passes are new iterators of the same
-protocol: dgrad's A gathers dy (NHWC) rows at (h + p - r d) / stride for the dx pixels, with a rotated,
-K-major-in-K filter as B; wgrad's A is dy^T (K rows, reduction over N P Q: dy pixel-major) and B the
-im2col rows of x with the reduction along pixels. A TMA producer replaces ``copies`` by one tensor
-copy per stage (a tiled map for DenseRows, an im2col map for Im2colNhwc) and completes the same
-full barrier with a byte count instead of per-thread arrivals.
+:class:`DenseRows` (V[e]: tiles x C, U[e]: K x C). wgrad (tensorcore/wgrad.py) is the forward
+convolution of a transposed problem, so the same two serve it (A: im2col rows (c, r, s) of x with
+the images as channels, B: dy rows); a stride-1 unpadded 1x1 layer's wgrad reads x and dy as they
+lie, as :class:`PlanarRows` (rows = channels, reduction along the pixels of each image). dgrad of
+stride 1 is the forward convolution of dy with rotated filters (kernels/dgrad/transposed.py). A TMA
+producer replaces ``copies`` by one tensor copy per stage (a tiled map for DenseRows, an im2col map
+for Im2colNhwc) and completes the same full barrier with a byte count instead of per-thread
+arrivals.
 """
 
 from __future__ import annotations
@@ -156,6 +158,37 @@ class DenseRows(_Rows):
     def row_copies(self, i: int) -> list[Copy]:
         n, tail = self.name, self.kred % self.math.elems(self.tile.atoms) and not self.padded
         return [Copy(self.smem(i, a), f"({n}_r{i} + {n}_k{a})", f"{n}_k{a} < {self.kred}" if tail else "")
+                for a in range(self.tile.atoms)]
+
+
+@dataclass(frozen=True)
+class PlanarRows(_Rows):
+    """Rows of a planar tensor read along its planes, the reduction running over (image, position in
+    the plane): element (row, t), t = n ``plane`` + j, of batch bz at bz * batch_stride + n * ``image`` +
+    row * ``plane`` + j. NCHW activations as they lie are this with rows = channels (wgrad of a
+    stride-1 unpadded 1x1 layer: x and dy both, no transposing step). ``plane`` is a whole number of
+    chunks, so no chunk straddles two images; copies past ``kred`` (N plane) zero-fill."""
+
+    rows: int = 0
+    plane: int = 0
+    image: int = 0
+    kred: int = 0
+    batch_stride: int = 0
+
+    def row_lets(self, i: int) -> list[Let]:
+        base = f"bz * {self.batch_stride} + " if self.batch_stride else ""
+        return [Let(f"{self.name}_r{i}", f"({base}min({self.row(i)}, {self.rows - 1}) * {self.plane})")]
+
+    def stage_lets(self) -> list[Let]:
+        n, out = self.name, []
+        for a in range(self.tile.atoms):
+            out += [Let(f"{n}_k{a}", self.kpos(a)),
+                    Let(f"{n}_o{a}", f"({n}_k{a} / {self.plane} * {self.image} + {n}_k{a} % {self.plane})")]
+        return out
+
+    def row_copies(self, i: int) -> list[Copy]:
+        n, tail = self.name, self.kred % self.math.elems(self.tile.atoms)
+        return [Copy(self.smem(i, a), f"({n}_r{i} + {n}_o{a})", f"{n}_k{a} < {self.kred}" if tail else "")
                 for a in range(self.tile.atoms)]
 
 

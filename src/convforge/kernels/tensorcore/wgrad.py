@@ -40,7 +40,7 @@ from convforge.kernels.tensorcore import prep, tiles
 from convforge.kernels.tensorcore.epilogue import Output, reduce_kernel
 from convforge.kernels.tensorcore.isa import Math, device_reason, math_for
 from convforge.kernels.tensorcore.kernel import gemm_kernel
-from convforge.kernels.tensorcore.operands import DenseRows, Geometry, Im2colNhwc
+from convforge.kernels.tensorcore.operands import DenseRows, Geometry, Im2colNhwc, Operand, PlanarRows
 from convforge.kernels.tensorcore.smem import MAX_SHARED, Tile
 from convforge.kernels.tensorcore.tiles import Problem, TileConfig
 from convforge.kernels.tensorcore.variants import (
@@ -186,7 +186,7 @@ class TcWgrad(Variant):
         rs = spec.r * spec.s
         return Output("w", spec.c * rs, spec.k, rs, spec.dtype, istride=rs, kstride=spec.c * rs, epi=Epilogue())
 
-    def operands(self, spec: ConvSpec, cfg: TileConfig) -> tuple[Im2colNhwc, DenseRows]:
+    def operands(self, spec: ConvSpec, cfg: TileConfig) -> tuple[Operand, Operand]:
         """A: the im2col rows (c, r, s) of x' = [C][H][W][Np]; B: dy' = [K][P Q Np] rows."""
         math, prob = self.math(spec), self.problem(spec)
         a = Im2colNhwc("a", Tile(cfg.bm, cfg.kb), math, "xt", geo=geometry(spec, self._cp(spec)))
@@ -225,6 +225,78 @@ class TcWgrad(Variant):
                     self._workspace(spec, cfg), tolerance(math, spec.dtype), epilogue)
 
 
+# TF32 products of operands the tensor cores truncate to 10 mantissa bits (NumPy, uniform and ReLU-like
+# data, 20k-term sums: 6.9e-4 and 7.1e-4; cuDNN's TF32 wgrad measures 6.9e-4 on the ResNet layers)
+TRUNCATED_EXPECTED, TRUNCATED_TOLERANCE = 7e-4, 2e-3
+
+
+class TcWgrad1x1(TcWgrad):
+    """wgrad of a stride-1 unpadded 1x1 layer with no step before the GEMM: dW^T (C x K) = X . dY^T
+    over (n, pixel), both read as they lie (:class:`PlanarRows`: rows = channels of x and of dy, the
+    reduction along each image's plane), P Q a whole number of 16-byte chunks. TF32 reads the float
+    bits, truncating both operands (about cuDNN's TF32 error, 2.7x the rounded transposed path's);
+    halves are exact. The transposed path moves x and dy twice more (a 256 -> 64 @56² N32 layer:
+    257 MB of transposes for a 3.3 GFLOP GEMM)."""
+
+    family = "gemm1x1"
+
+    def __init__(self, name: str, dtypes: frozenset[str], precision: str, specialised: int) -> None:
+        super().__init__(name, dtypes, False, precision, specialised)
+        self.tolerance = TRUNCATED_TOLERANCE
+
+    def expected_error(self, spec: ConvSpec) -> float:
+        return TRUNCATED_EXPECTED if spec.dtype == "float32" else super().expected_error(spec)
+
+    def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
+        """Above the transposed path on sm_90 (no transposing steps)."""
+        return self.specialised if device_reason(device) is not None else RANK_SM90 + 1
+
+    def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
+        if (spec.r, spec.s) != (1, 1) or spec.stride != (1, 1) or any(spec.pad):
+            return "only stride-1 unpadded 1x1 layers (wgrad_tc_implicit_gemm_* runs the others)"
+        if spec.p * spec.q % self.math(spec).chunk_elems:
+            return (f"P*Q ({spec.p * spec.q}) is not a whole number of 16-byte chunks "
+                    f"({self.math(spec).chunk_elems} elements): the transposed path runs it")
+        return super().applies(spec, device)
+
+    def problem(self, spec: ConvSpec) -> Problem:
+        return Problem(spec.c, spec.k, spec.n * spec.p * spec.q)
+
+    def _workspace(self, spec: ConvSpec, cfg: TileConfig) -> tuple[tuple[str, int], ...]:
+        prob = self.problem(spec)
+        return (("part", 4 * cfg.ks * prob.m * prob.n),) if cfg.ks > 1 else ()
+
+    def operands(self, spec: ConvSpec, cfg: TileConfig) -> tuple[Operand, Operand]:
+        """A: x's channel planes; B: dy's."""
+        math, pq, kred = self.math(spec), spec.p * spec.q, self.problem(spec).kred
+        a = PlanarRows("a", Tile(cfg.bm, cfg.kb), math, "x", rows=spec.c, plane=pq, image=spec.c * pq, kred=kred)
+        b = PlanarRows("b", Tile(cfg.bn, cfg.kb), math, "y", rows=spec.k, plane=pq, image=spec.k * pq, kred=kred)
+        return a, b
+
+    def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
+             epilogue: Epilogue = Epilogue()) -> Plan:
+        no_epilogue(self.name, epilogue)
+        math, prob, cfg = self.math(spec), self.problem(spec), TileConfig.of(params)
+        why = cfg.problems(math, prob, self._limit(device))
+        if why:
+            raise ValueError(f"{self.name}: {'; '.join(why)}")
+        a, b = self.operands(spec, cfg)
+        final = self.output(spec)
+        out = final if cfg.ks == 1 else Output("part", prob.m, prob.n, final.pq, slab=prob.m * prob.n, epi=None)
+        gk = gemm_kernel(f"{self.name}_gemm", math, cfg, prob, a, b, out)
+        steps = [Launch(gk.name, (cfg.grid(prob, device.units), 1, 1), gk.block, ("x", "y") + out.refs())]
+        kernels = [gk]
+        if cfg.ks > 1:
+            rk, rgrid = reduce_kernel(f"{self.name}_reduce", final, cfg.ks, prob.m * prob.n)
+            kernels.append(rk)
+            steps.append(Launch(rk.name, rgrid, rk.block, ("part",) + final.refs()))
+        tol = TRUNCATED_TOLERANCE if spec.dtype == "float32" else tolerance(math, spec.dtype)
+        return Plan(self.name, self.family, spec, params, tuple(kernels), tuple(steps),
+                    self._workspace(spec, cfg), tol, epilogue)
+
+
 register(TcWgrad("wgrad_tc_implicit_gemm_tf32", frozenset({"float32"}), False, "relaxed", 12))
 register(TcWgrad("wgrad_tc_implicit_gemm_3xtf32", frozenset({"float32"}), True, "fp32", 4))
 register(TcWgrad("wgrad_tc_implicit_gemm_half", frozenset({"float16", "bfloat16"}), False, "fp32", 12))
+register(TcWgrad1x1("wgrad_tc_gemm1x1_tf32", frozenset({"float32"}), "relaxed", 12))
+register(TcWgrad1x1("wgrad_tc_gemm1x1_half", frozenset({"float16", "bfloat16"}), "fp32", 12))
