@@ -3,6 +3,7 @@ operator (torch.profiler; CUDA with torch and torchvision; a maintainer's tool b
 training section). With --forward: an inference forward, PyTorch FP32 eager against ``fuse()``.
 
     python scripts/train_profile.py --model resnet50 --batch 32 [--steps 5] [--top 14] [--forward]
+                                    [--precision relaxed]   # PyTorch TF32 against the relaxed class
 
 The step is `convforge bench --train`'s (forward, cross-entropy, backward, SGD with momentum, one
 fixed batch, training mode). Each side prints its GPU time per step and the operators that take
@@ -53,6 +54,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--forward", action="store_true", help="eval-mode forward: PyTorch against fuse()")
+    ap.add_argument("--precision", default="fp32", choices=("fp32", "relaxed"),
+                    help="relaxed: PyTorch with TF32 convolutions and matmuls against convert(precision='relaxed')")
     a = ap.parse_args()
     import torch
 
@@ -60,7 +63,9 @@ def main() -> None:
     from convforge.bench import models, training
 
     torch.backends.cudnn.benchmark = True
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    tf32 = a.precision == "relaxed"
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = tf32
+    base = "PyTorch TF32" if tf32 else "PyTorch FP32"
     model = models.build(a.model)
     if isinstance(model, str):
         raise SystemExit(f"train_profile: {model}")
@@ -68,14 +73,14 @@ def main() -> None:
     ref = copy.deepcopy(model).cuda()
     if a.forward:
         ref.eval()
-        ours, _ = ct.fuse(ref)
-        sides = (("PyTorch FP32 forward", ref), ("convforge fuse() forward", ours))
+        ours, _ = ct.fuse(ref, precision=a.precision)
+        sides = ((f"{base} forward", ref), ("convforge fuse() forward", ours))
         for name, m in sides:
             report(f"{a.model} N{a.batch} {name}", profile(_forward_fn(m, x), a.steps), a.steps, a.top)
         return
     ours = copy.deepcopy(model).cuda()
-    ct.convert(ours)
-    for name, m in (("PyTorch FP32", ref), ("convforge (converted)", ours)):
+    ct.convert(ours, precision=a.precision)
+    for name, m in ((base, ref), (f"convforge (converted, {a.precision})", ours)):
         report(f"{a.model} N{a.batch} {name}", profile(training.step_fn(m, x, target), a.steps), a.steps, a.top)
 
 
