@@ -381,7 +381,8 @@ def emulate_wgrad(spec: ConvSpec, math, cfg: TileConfig, seed: int = 0, planar: 
         return out.ravel()
 
     lay = np.ravel if planar else images_as_channels
-    data = {"a": {p: lay(xs[p]) for p in math.parts}, "b": {p: lay(ds[p]) for p in math.parts}}
+    source = {"x": xs, "xt": xs, "y": ds, "dyt": ds}  # the buffer each operand reads
+    data = {op.name: {p: lay(source[op.buf][p]) for p in math.parts} for op in (a, b)}
     out = dataclasses.replace(variant.output(spec), slab=prob.m * prob.n, epi=None)
     y, written = emulate_gemm(cfg, math, prob, a, b, data, out)
     got = y.reshape(cfg.ks, -1).sum(0).reshape(spec.w_shape)
@@ -408,7 +409,7 @@ def test_emulated_wgrad_equals_the_filter_gradient(spec, math, cfg):
 
 WGRAD_1X1 = [(ConvSpec.make(3, 7, 4, 5, 67, 1, 1), TF32, TileConfig(128, 96, 1, 2, 2, ks=3)),   # 3 images of 20
              (ConvSpec.make(2, 130, 4, 2, 9, 1, 1), F16, TileConfig(64, 32, 2, 2, 1)),          # 8-pixel planes
-             (ConvSpec.make(5, 33, 4, 6, 40, 1, 1), BF16, TileConfig(128, 64, 1, 3, 2, ks=2))]
+             (ConvSpec.make(5, 33, 4, 6, 40, 1, 1), BF16, TileConfig(128, 64, 1, 3, 2, ks=2))]  # K > C: dY . X^T
 
 
 @pytest.mark.parametrize("spec, math, cfg", WGRAD_1X1, ids=lambda v: getattr(v, "name", None) or str(v))

@@ -259,18 +259,32 @@ class TcWgrad1x1(TcWgrad):
                     f"({self.math(spec).chunk_elems} elements): the transposed path runs it")
         return super().applies(spec, device)
 
+    @staticmethod
+    def swapped(spec: ConvSpec) -> bool:
+        """dW = dY . X^T (K rows) where the filters outnumber the channels: the GEMM's rows are the
+        wider side (a 64 -> 256 layer on 128-row tiles of C would leave half of each tile idle)."""
+        return spec.k > spec.c
+
     def problem(self, spec: ConvSpec) -> Problem:
-        return Problem(spec.c, spec.k, spec.n * spec.p * spec.q)
+        m, n = (spec.k, spec.c) if self.swapped(spec) else (spec.c, spec.k)
+        return Problem(m, n, spec.n * spec.p * spec.q)
+
+    def output(self, spec: ConvSpec) -> Output:
+        """dW (K x C) as D: C x K stored strided, or K x C row-major when swapped."""
+        if self.swapped(spec):
+            return Output("w", spec.k, spec.c, 1, spec.dtype, epi=Epilogue())
+        return super().output(spec)
 
     def _workspace(self, spec: ConvSpec, cfg: TileConfig) -> tuple[tuple[str, int], ...]:
         prob = self.problem(spec)
         return (("part", 4 * cfg.ks * prob.m * prob.n),) if cfg.ks > 1 else ()
 
     def operands(self, spec: ConvSpec, cfg: TileConfig) -> tuple[Operand, Operand]:
-        """A: x's channel planes; B: dy's."""
+        """A: x's channel planes, B: dy's (swapped: A dy's, B x's)."""
         math, pq, kred = self.math(spec), spec.p * spec.q, self.problem(spec).kred
-        a = PlanarRows("a", Tile(cfg.bm, cfg.kb), math, "x", rows=spec.c, plane=pq, image=spec.c * pq, kred=kred)
-        b = PlanarRows("b", Tile(cfg.bn, cfg.kb), math, "y", rows=spec.k, plane=pq, image=spec.k * pq, kred=kred)
+        (ra, ca), (rb, cb) = ((spec.k, "y"), (spec.c, "x")) if self.swapped(spec) else ((spec.c, "x"), (spec.k, "y"))
+        a = PlanarRows("a", Tile(cfg.bm, cfg.kb), math, ca, rows=ra, plane=pq, image=ra * pq, kred=kred)
+        b = PlanarRows("b", Tile(cfg.bn, cfg.kb), math, cb, rows=rb, plane=pq, image=rb * pq, kred=kred)
         return a, b
 
     def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
@@ -284,7 +298,8 @@ class TcWgrad1x1(TcWgrad):
         final = self.output(spec)
         out = final if cfg.ks == 1 else Output("part", prob.m, prob.n, final.pq, slab=prob.m * prob.n, epi=None)
         gk = gemm_kernel(f"{self.name}_gemm", math, cfg, prob, a, b, out)
-        steps = [Launch(gk.name, (cfg.grid(prob, device.units), 1, 1), gk.block, ("x", "y") + out.refs())]
+        steps = [Launch(gk.name, (cfg.grid(prob, device.units), 1, 1), gk.block,
+                        tuple(x.name for x in a.args() + b.args()) + out.refs())]
         kernels = [gk]
         if cfg.ks > 1:
             rk, rgrid = reduce_kernel(f"{self.name}_reduce", final, cfg.ks, prob.m * prob.n)
