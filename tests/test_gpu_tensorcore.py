@@ -32,8 +32,13 @@ RESNET = [ConvSpec.make(32, 64, 56, 56, 64, 3, 3, 1, 1), ConvSpec.make(32, 128, 
           ConvSpec.make(32, 1024, 14, 14, 256, 1, 1), ConvSpec.make(32, 3, 224, 224, 64, 7, 7, 2, 3)]
 WGRAD = ("wgrad_tc_implicit_gemm_tf32", "wgrad_tc_implicit_gemm_3xtf32", "wgrad_tc_implicit_gemm_half",
          "wgrad_tc_gemm1x1_tf32", "wgrad_tc_gemm1x1_half")
+DGRAD = ("dgrad_tc_strided_tf32", "dgrad_tc_strided_3xtf32", "dgrad_tc_strided_half")
 DTYPES = {"tc_implicit_gemm_half": ("float16", "bfloat16"), "tc_winograd_f2": ("float32", "float16", "bfloat16"),
-          "wgrad_tc_implicit_gemm_half": ("float16", "bfloat16"), "wgrad_tc_gemm1x1_half": ("float16", "bfloat16")}
+          "wgrad_tc_implicit_gemm_half": ("float16", "bfloat16"), "wgrad_tc_gemm1x1_half": ("float16", "bfloat16"),
+          "dgrad_tc_strided_half": ("float16", "bfloat16")}
+STRIDED = [ConvSpec.make(2, 6, 9, 7, 10, 1, 1, 2), ConvSpec.make(1, 9, 13, 11, 5, 3, 3, (2, 3), (1, 0, 2, 1)),
+           ConvSpec.make(3, 5, 8, 8, 70, 3, 3, 2, 1), ConvSpec.make(32, 128, 56, 56, 128, 3, 3, 2, 1),
+           ConvSpec.make(32, 256, 56, 56, 512, 1, 1, 2), ConvSpec.make(32, 512, 14, 14, 512, 3, 3, 2, 1)]
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +87,19 @@ def test_wgrad_against_float64(hopper, name, spec):
         pytest.skip(v.applies(spec, hopper.device))
     for prm in _points(v, spec, hopper.device, k=3 if spec.flops < 4e9 else 0):
         res = check_plan(v.plan(spec, prm, hopper.device), hopper, seed=2)
+        assert res.ok, f"{name} [{prm.short()}] {spec.short()}: {res}"
+
+
+@pytest.mark.parametrize("name, spec", list(_cases(DGRAD, ODD_SPECS + EXTRA + STRIDED)), ids=str)
+def test_strided_dgrad_against_float64(hopper, name, spec):
+    """Strided dgrad, one GEMM per stride phase (tensorcore/dgrad.py): the default and three other
+    space points (the default only on the big layers), NaN-poisoned dx against float64."""
+    spec = spec.with_pass("dgrad")
+    v = get_variant(name)
+    if v.applies(spec, hopper.device):
+        pytest.skip(v.applies(spec, hopper.device))
+    for prm in _points(v, spec, hopper.device, k=3 if spec.flops < 4e9 else 0):
+        res = check_plan(v.plan(spec, prm, hopper.device), hopper, seed=3)
         assert res.ok, f"{name} [{prm.short()}] {spec.short()}: {res}"
 
 

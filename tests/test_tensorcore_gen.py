@@ -49,7 +49,7 @@ from convforge.kernels.tensorcore.smem import SBO, Tile, desc_high, model_addres
 from convforge.kernels.tensorcore.tiles import Problem, TileConfig
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue
-from convforge.reference import conv2d_ref, rel_l2, wgrad_ref
+from convforge.reference import conv2d_ref, dgrad_ref, rel_l2, wgrad_ref
 from convforge.spec import ConvSpec
 
 VARIANTS = ("tc_implicit_gemm_tf32", "tc_implicit_gemm_3xtf32", "tc_implicit_gemm_half")
@@ -434,6 +434,67 @@ def test_truncated_tf32_wgrad_error_matches_the_stated_one():
     assert 0.8 * TRUNCATED_EXPECTED < err < 1.2 * TRUNCATED_EXPECTED and err < TRUNCATED_TOLERANCE / 2, err
 
 
+def emulate_strided_dgrad(spec: ConvSpec, math, cfg: TileConfig, seed: int = 0):
+    """Every phase GEMM of the strided dgrad plan (tensorcore/dgrad.py) through the generator's
+    expressions: dy as its conversion step writes it (NHWC, Kp channels), each phase's filters as its
+    packing step writes them, D stored through the phase's pixel map into dx. Returns (dx, reference,
+    writes per element, mask of the phases no tap reaches)."""
+    from convforge.kernels.tensorcore.dgrad import phases
+
+    variant = get_variant({"tf32": "dgrad_tc_strided_tf32", "3xtf32": "dgrad_tc_strided_3xtf32"}
+                          .get(math.name, "dgrad_tc_strided_half"))
+    dt = {"tf32": "float32", "3xtf32": "float32", "f16": "float16", "bf16": "bfloat16"}[math.name]
+    spec = ConvSpec.from_dict({**spec.to_dict(), "dtype": dt, "pass": "dgrad"})
+    assert variant.applies(spec, NOMINAL_CUDA) is None, variant.applies(spec, NOMINAL_CUDA)
+    rng = np.random.default_rng(seed)
+    dy = rounded(rng.uniform(-1, 1, spec.y_shape).astype(np.float32), dt).astype(np.float64)
+    w = rounded(rng.uniform(-1, 1, spec.w_shape).astype(np.float32), dt).astype(np.float64)
+    ds, ws = _parts(dy, math), _parts(w, math)
+    ref = sum(dgrad_ref(ds[pa], ws[pb], spec) for pa, pb in math.products)
+    kp = padded_channels(spec.k, math)
+    dx, written = np.zeros(spec.x_shape).ravel(), np.zeros(int(np.prod(spec.x_shape)), int)
+    empty = np.zeros(spec.x_shape, bool)
+    for ph in phases(spec):
+        if ph.empty:
+            empty[:, :, ph.ah.ph::spec.stride[0], ph.aw.ph::spec.stride[1]] = True
+            continue
+        a, b = variant.operands(spec, ph, cfg)
+        prob = ph.problem(spec, kp)
+        taps = [(r, t) for r in ph.ah.taps for t in ph.aw.taps]
+        packed = {}
+        for p in math.parts:
+            m = np.zeros((spec.c, b.ld))
+            for i, (r, t) in enumerate(taps):
+                m[:, i * kp:i * kp + spec.k] = ws[p][:, :, r, t].T
+            packed[p] = m.ravel()
+        data = {"a": {p: _nhwc(ds[p], kp) for p in math.parts}, "b": packed}
+        out = dataclasses.replace(ph.output(spec), slab=dx.size, epi=None)
+        y, wr = emulate_gemm(cfg, math, prob, a, b, data, out)
+        dx += y
+        written += wr
+    return dx.reshape(spec.x_shape), ref, written.reshape(spec.x_shape), empty
+
+
+DGRAD_STRIDED = [(ODD[2], TF32, TileConfig(128, 32, 1, 2, 2)),                # 5x5 / 2, dilation 2
+                 (ODD[3], X3TF32, TileConfig(128, 32, 1, 2, 2, pi=2)),         # 11x11 / 4, (2, 1, 0, 3)
+                 (ConvSpec.make(2, 6, 9, 7, 10, 1, 1, 2), F16, TileConfig(64, 32, 2, 2, 1)),  # 1x1 / 2: 3 empty phases
+                 (ConvSpec.make(1, 9, 13, 11, 5, 3, 3, (2, 3), (1, 0, 2, 1)), BF16, TileConfig(64, 32, 1, 3, 1)),
+                 (ConvSpec.make(3, 5, 8, 8, 70, 3, 3, 2, 1), TF32, TileConfig(128, 64, 2, 2, 2))]  # K = 70: 2 atoms
+
+
+@pytest.mark.parametrize("spec, math, cfg", DGRAD_STRIDED, ids=lambda v: getattr(v, "name", None) or str(v))
+def test_emulated_strided_dgrad_equals_the_input_gradient(spec, math, cfg):
+    """Strided dgrad, one forward GEMM per stride phase on the generator: every phase's tiles through
+    its own expressions, stored by the pixel map onto the phase's sub-grid, equal the float64 input
+    gradient of the same operand parts; every dx element written once, but for the phases no tap
+    reaches (the zero step's)."""
+    assert not cfg.problems(math), cfg.problems(math)
+    got, ref, written, empty = emulate_strided_dgrad(spec, math, cfg)
+    assert (written[~empty] == 1).all() and (written[empty] == 0).all(), np.unique(written)
+    assert (ref[empty] == 0).all()
+    np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-10)
+
+
 def test_wgrad_reduce_writes_every_filter_element_once():
     """The split-K reduce of the wgrad plan: partial element e (planar, images C, columns K, planes
     R S) lands on dW's K C R S offset of the same (row, column), each element exactly once."""
@@ -816,3 +877,25 @@ def test_wgrad_plans_compile_without_spills_hgmma_in_sass(nvcc_ok, name, spec, d
         assert info.spill_stores == 0 and info.spill_loads == 0, info
     gemm = [k for k in re.split(r"\n\s+Function : ", sass) if k.startswith(f"{name}_gemm")]
     assert gemm and "HGMMA" in gemm[0] and "HMMA" not in gemm[0]
+
+
+DGRAD_COMPILE = [("dgrad_tc_strided_tf32", ConvSpec.make(32, 128, 56, 56, 128, 3, 3, 2, 1), "float32"),
+                 ("dgrad_tc_strided_tf32", ConvSpec.make(32, 256, 56, 56, 512, 1, 1, 2), "float32"),
+                 ("dgrad_tc_strided_3xtf32", ConvSpec.make(32, 512, 14, 14, 512, 3, 3, 2, 1), "float32"),
+                 ("dgrad_tc_strided_half", ConvSpec.make(32, 1024, 14, 14, 2048, 1, 1, 2), "float16"),
+                 ("dgrad_tc_strided_half", ODD[3], "bfloat16")]
+
+
+@pytest.mark.parametrize("name, spec, dtype", DGRAD_COMPILE, ids=lambda v: str(v))
+def test_strided_dgrad_plans_compile_without_spills_hgmma_in_sass(nvcc_ok, name, spec, dtype):
+    """The strided dgrad plans' defaults (dy's conversion, per phase the filter packing and the GEMM,
+    the zero step where a phase has no tap): no spills, HGMMA in every phase GEMM's SASS."""
+    v = get_variant(name)
+    spec = ConvSpec.from_dict({**spec.to_dict(), "dtype": dtype, "pass": "dgrad"})
+    plan = v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA)
+    infos, sass = sass_report(plan.source("cuda"))
+    for info in infos:
+        assert info.spill_stores == 0 and info.spill_loads == 0, info
+    gemms = [k for k in re.split(r"\n\s+Function : ", sass) if k.startswith(f"{name}_gemm")]
+    assert len(gemms) == sum(k.name.startswith(f"{name}_gemm") for k in plan.kernels) >= 1
+    assert all("HGMMA" in g and "HMMA" not in g for g in gemms)

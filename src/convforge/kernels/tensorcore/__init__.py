@@ -19,6 +19,7 @@ The generator (CUTLASS 3's sm90 collectives as a model; each fact in one file):
     variants   registered Variants (implicit GEMM per math mode)
     winograd   non-fused Winograd F(2x2) / F(4x4) whose batched GEMM runs on the generator
     wgrad      wgrad as the forward convolution of a transposed problem (images as channels)
+    dgrad      strided dgrad: one forward GEMM per stride phase, stored on the phase's sub-grid of dx
 
 Kept beside it (they serve devices the generator cannot, compute capability 8.x, and stay where
 measured results put them): ``mma_sync`` / ``mma_variants`` (mma.sync TF32 and 3xTF32 implicit GEMM,
@@ -28,11 +29,15 @@ measured results put them): ``mma_sync`` / ``mma_variants`` (mma.sync TF32 and 3
 
 from __future__ import annotations
 
+# isort: off
+# Order matters: the training passes last. They import kernels.dgrad, whose stride-1 adapters wrap the
+# forward variants registered by the modules before them (whichever package is imported first).
 from convforge.kernels.tensorcore import (  # noqa: F401 - importing registers the variants
     mma_staged,
     mma_variants,
     variants,
     wgmma_1x1,
-    wgrad,
     winograd,
 )
+from convforge.kernels.tensorcore import dgrad, wgrad  # noqa: F401
+# isort: on

@@ -73,6 +73,12 @@ class Output:
     epi: Epilogue | None = field(default_factory=Epilogue)
     istride: int = 0  # elements between images (rows m / pq); 0: kt * pq, NCHW (wgrad's KCRS dW: R S)
     kstride: int = 0  # elements between columns; 0: pq, one image's planes adjacent (KCRS dW: C R S)
+    # pixel j = m % pq of an image at pix_base + (j / pix_q) * pix_row + (j % pix_q) * pix_col (pix_q 0: at j);
+    # strided dgrad's phases: the sub-grid of dx rows ph + sh i, columns pw + sw j
+    pix_q: int = 0
+    pix_row: int = 0
+    pix_col: int = 1
+    pix_base: int = 0
 
     @property
     def kt(self) -> int:
@@ -81,7 +87,15 @@ class Output:
     @property
     def strided(self) -> bool:
         """Image and column strides of their own (not the NCHW planes of the default)."""
-        return bool(self.istride or self.kstride)
+        return bool(self.istride or self.kstride or self.pix_q)
+
+    def pixel(self, m: str) -> str:
+        """Offset of row ``m``'s pixel in its image plane."""
+        j = f"({m}) % {self.pq}"
+        if not self.pix_q:
+            return j
+        base = f"{self.pix_base} + " if self.pix_base else ""
+        return f"({base}{j} / {self.pix_q} * {self.pix_row} + {j} % {self.pix_q} * {self.pix_col})"
 
     @property
     def ist(self) -> int:
@@ -96,7 +110,7 @@ class Output:
         slab = f"({z}) * {self.slab} + " if self.slab else ""
         off = f" + {self.k_offset}" if self.k_offset else ""
         if self.strided:
-            return f"({slab}({m}) / {self.pq} * {self.ist} + (({k}){off}) * {self.kst} + ({m}) % {self.pq})"
+            return f"({slab}({m}) / {self.pq} * {self.ist} + (({k}){off}) * {self.kst} + {self.pixel(m)})"
         return f"({slab}(({m}) / {self.pq} * {self.kt}{off} + ({k})) * {self.pq} + ({m}) % {self.pq})"
 
     def args(self) -> tuple[Buf, ...]:
@@ -116,6 +130,8 @@ class Output:
         strides also where images follow each other, ist = pq)."""
         if not self.strided:
             return self.pq % 4 == 0
+        if self.pix_q:
+            return False
         runs = (self.pq % 4 == 0 and self.ist % 4 == 0) or self.ist == self.pq
         return runs and self.m % 4 == 0 and self.kst % 4 == 0 and self.slab % 4 == 0 \
             and self.k_offset * self.kst % 4 == 0

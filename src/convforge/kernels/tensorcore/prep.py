@@ -45,7 +45,7 @@ def rounded_parts(math: Math, dst: str, index: str, value: str) -> list[str]:
     return [f"{dst}[{index}] = {conv}({value});"]
 
 
-def _store_parts(math: Math, dtype: str, dst: str, index: str, value: str) -> list[str]:
+def store_parts(math: Math, dtype: str, dst: str, index: str, value: str) -> list[str]:
     """As :func:`rounded_parts` for a value already in storage dtype ``dtype``: halves copy their bits."""
     if math.esize == 2:
         return [f"{dst}[{index}] = {value};"]
@@ -78,7 +78,7 @@ def planes_to_rows(name: str, src: str, at: str, count: int, chans: int, plane: 
         with code.block(f"/* row {j} */"):
             code(f"const int p = p0 + ty + {8 * j}, ci = c0 + tx;")
             with code.block(f"if (p < {plane} && ci < {cp})"):
-                code(*_store_parts(math, dtype, dst, f"(n * {plane} + p) * {cp} + ci",
+                code(*store_parts(math, dtype, dst, f"(n * {plane} + p) * {cp} + ci",
                                    f"tile[tx * 33 + ty + {8 * j}]"))
     kern = Kernel(name, (Buf(src, st),) + part_buffers(dst, math), code.text(), (32, 8, 1),
                   frozenset({"mma_tf32", "wgmma"}), comment=comment)
@@ -94,7 +94,7 @@ def x_from_nhwc(spec: ConvSpec, math: Math, cp: int, dst: str = "xh") -> tuple[K
     code(f"const int e = GROUP_ID(0) * {_ELT} + LOCAL_ID(0);")
     with code.block(f"if (e < {total})"):
         code(f"const int pix = e / {cp}, ci = e - pix * {cp};")
-        code(*_store_parts(math, spec.dtype, dst, "e", f"(ci < {c} ? x[pix * {c} + ci] : {zero})"))
+        code(*store_parts(math, spec.dtype, dst, "e", f"(ci < {c} ? x[pix * {c} + ci] : {zero})"))
     kern = Kernel("tc_x_from_nhwc", (Buf("x", CTYPE[spec.dtype]),) + part_buffers(dst, math), code.text(),
                   (_ELT, 1, 1), frozenset({"mma_tf32", "wgmma"}),
                   comment=f"x NHWC ({c} channels) -> NHWC ({cp} channels) as {math.name} operands")
@@ -126,7 +126,7 @@ def w_krsc(spec: ConvSpec, math: Math, cp: int, ld: int, dst: str = "wt") -> tup
              f"const int o = k * {ld} + ci;")
         for i in range(rs):
             value = f"(ok ? src[{i}] : {zero})"
-            code(*_store_parts(math, spec.dtype, dst, f"o + {i * cp}", value))
+            code(*store_parts(math, spec.dtype, dst, f"o + {i * cp}", value))
         if tail:
             with code.block(f"for (int j = {rs * cp} + ci; j < {ld}; j += {cp})"):
                 code(*(f"{b.name}[k * {ld} + j] = {zero};" for b in part_buffers(dst, math)))
