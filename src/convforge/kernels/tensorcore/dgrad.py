@@ -34,17 +34,16 @@ from convforge.kernels.dgrad.strided import Axis, axes
 from convforge.kernels.gemm import elementwise
 from convforge.kernels.tensorcore import prep, tiles
 from convforge.kernels.tensorcore.epilogue import CTYPE, Output
-from convforge.kernels.tensorcore.isa import Math, device_reason, math_for
+from convforge.kernels.tensorcore.isa import Math, device_reason
 from convforge.kernels.tensorcore.kernel import gemm_kernel
 from convforge.kernels.tensorcore.operands import DenseRows, Geometry, Im2colNhwc
-from convforge.kernels.tensorcore.smem import MAX_SHARED, Tile
+from convforge.kernels.tensorcore.smem import Tile
 from convforge.kernels.tensorcore.tiles import Problem, TileConfig
-from convforge.kernels.tensorcore.variants import RANK_SM90, TF32_TOLERANCE, X3_TOLERANCE, expected, tolerance
+from convforge.kernels.tensorcore.variants import RANK_SM90, TcVariant, tolerance
 from convforge.params import Params
-from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Step, Variant
+from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Step
 from convforge.spec import ConvSpec
 
-_INT_LIMIT = 2**31 - 1
 _ELT = 256
 
 
@@ -150,25 +149,10 @@ def zero_phases(name: str, spec: ConvSpec) -> tuple[Kernel, Dim3] | None:
                        f"w%{spec.stride[1]} in {empty_w})")
 
 
-class TcDgradStrided(Variant):
+class TcDgradStrided(TcVariant):
     """Strided dgrad by the wgmma generator (see the module docstring)."""
 
-    family = "implicit_gemm"
-    backends = frozenset({"cuda"})
     passes = frozenset({"dgrad"})
-    exact = False
-    space_lead = 6
-
-    def __init__(self, name: str, dtypes: frozenset[str], x3: bool, precision: str, specialised: int) -> None:
-        self.name, self.dtypes, self.x3 = name, dtypes, x3
-        self.precision, self.specialised = precision, specialised
-        self.tolerance = X3_TOLERANCE if x3 else TF32_TOLERANCE
-
-    def math(self, spec: ConvSpec) -> Math:
-        return math_for(spec.dtype, self.x3)
-
-    def expected_error(self, spec: ConvSpec) -> float:
-        return expected(self.math(spec), spec.dtype)
 
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
         """First on sm_90 for TF32 and half layers (above dgrad_strided_gemm on CUDA cores: H200, the
@@ -190,11 +174,9 @@ class TcDgradStrided(Variant):
             return why
         if spec.stride == (1, 1):
             return "stride 1: dgrad_tc_implicit_gemm_* (the transposed forward problem) runs it"
-        kp, math = self._kp(spec), self.math(spec)
-        big = max(spec.n * spec.p * spec.q * kp, spec.n * spec.c * spec.h * spec.w, spec.c * spec.r * spec.s * kp + 64)
-        if big > _INT_LIMIT // 2 or math.esize * big > _INT_LIMIT:
-            return f"an array of {big} elements needs 64-bit indexing"
-        return None
+        kp = self._kp(spec)
+        return self.wide(spec, spec.n * spec.p * spec.q * kp, spec.n * spec.c * spec.h * spec.w,
+                         spec.c * spec.r * spec.s * kp + 64)
 
     # -- parameters ---------------------------------------------------------------------------
     def _largest(self, spec: ConvSpec) -> Problem:
@@ -203,18 +185,15 @@ class TcDgradStrided(Variant):
         probs = [ph.problem(spec, kp) for ph in phases(spec) if not ph.empty]
         return max(probs, key=lambda p: p.m * p.kred)
 
-    def _limit(self, device: DeviceInfo) -> int:
-        return min(device.shared_optin_bytes, MAX_SHARED)
-
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
-        cfg = tiles.pick(self.math(spec), self._largest(spec), device.units, self._limit(device))
+        cfg = tiles.pick(self.math(spec), self._largest(spec), device.units, self.limit(device))
         return TileConfig(cfg.bm, cfg.bn, cfg.kb, cfg.st, cfg.cw, 1, cfg.ps, cfg.pi).params()
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
         """The generator's space for the largest phase, unsplit (every phase's rows fill the GPU)."""
         math, prob = self.math(spec), self._largest(spec)
         out = [self.default(spec, device)]
-        for c in tiles.space(math, prob, device.units, self._limit(device)):
+        for c in tiles.space(math, prob, device.units, self.limit(device)):
             p = TileConfig(c.bm, c.bn, c.kb, c.st, c.cw, 1, c.ps, c.pi).params()
             if p not in out:
                 out.append(p)
@@ -268,7 +247,7 @@ class TcDgradStrided(Variant):
             if ph.empty:
                 continue
             prob = ph.problem(spec, kp)
-            why = cfg.problems(math, prob, self._limit(device))
+            why = cfg.problems(math, prob, self.limit(device))
             if why:
                 raise ValueError(f"{self.name}: phase {ph.tag}: {'; '.join(why)}")
             a, b = self.operands(spec, ph, cfg)

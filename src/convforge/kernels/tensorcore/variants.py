@@ -96,16 +96,15 @@ def x3_rank(spec: ConvSpec) -> int | None:
     return None
 
 
-class TcImplicitGemm(Variant):
-    """Implicit GEMM convolution on the wgmma generator (see the module docstring)."""
+class TcVariant(Variant):
+    """What the generator's GEMM variants share (forward, wgrad, strided dgrad): the math mode of the
+    storage dtype (TF32, or 3xTF32 when ``x3``; the half types their own), its stated error and
+    tolerance, CUDA on sm_90a only, the shared-memory limit of a device."""
 
     family = "implicit_gemm"
     backends = frozenset({"cuda"})
     exact = False
-    residual_ok = True
-    offset_ok = True
     space_lead = 6
-    layouts = frozenset({"nchw", "nhwc"})  # NHWC: x read in place or after a per-element step, y NHWC
 
     def __init__(self, name: str, dtypes: frozenset[str], x3: bool, precision: str, specialised: int) -> None:
         self.name, self.dtypes, self.x3 = name, dtypes, x3
@@ -117,6 +116,27 @@ class TcImplicitGemm(Variant):
 
     def expected_error(self, spec: ConvSpec) -> float:
         return expected(self.math(spec), spec.dtype)
+
+    @staticmethod
+    def limit(device: DeviceInfo) -> int:
+        """Shared memory a block may take on ``device``."""
+        return min(device.shared_optin_bytes, MAX_SHARED)
+
+    def wide(self, spec: ConvSpec, *elements: int) -> str | None:
+        """Why arrays of these element counts are past the generator's 32-bit offsets (byte offsets
+        of the copies included), or None."""
+        big = max(elements)
+        if big > _INT_LIMIT // 2 or self.math(spec).esize * big > _INT_LIMIT:
+            return f"an array of {big} elements needs 64-bit indexing"
+        return None
+
+
+class TcImplicitGemm(TcVariant):
+    """Implicit GEMM convolution on the wgmma generator (see the module docstring)."""
+
+    residual_ok = True
+    offset_ok = True
+    layouts = frozenset({"nchw", "nhwc"})  # NHWC: x read in place or after a per-element step, y NHWC
 
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
         """First on sm_90 devices for TF32 and half layers (the relaxed class and half dtypes), except
@@ -136,12 +156,9 @@ class TcImplicitGemm(Variant):
         why = super().applies(spec, device) or device_reason(device)
         if why:
             return why
-        math, cp = self.math(spec), prep.padded_channels(spec.c, self.math(spec))
-        big = max(spec.n * spec.h * spec.w * cp, spec.n * spec.k * spec.p * spec.q,
-                  spec.k * cdiv(spec.r * spec.s * cp, 64) * 64)
-        if big > _INT_LIMIT // 2 or math.esize * big > _INT_LIMIT:
-            return f"an array of {big} elements needs 64-bit indexing"
-        return None
+        cp = prep.padded_channels(spec.c, self.math(spec))
+        return self.wide(spec, spec.n * spec.h * spec.w * cp, spec.n * spec.k * spec.p * spec.q,
+                         spec.k * cdiv(spec.r * spec.s * cp, 64) * 64)
 
     # -- parameters ---------------------------------------------------------------------------
     def problem(self, spec: ConvSpec) -> Problem:
@@ -149,11 +166,11 @@ class TcImplicitGemm(Variant):
         return Problem(spec.n * spec.p * spec.q, spec.k, spec.r * spec.s * cp)
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
-        limit = min(device.shared_optin_bytes, MAX_SHARED)
+        limit = self.limit(device)
         return [c.params() for c in tiles.space(self.math(spec), self.problem(spec), device.units, limit)]
 
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
-        limit = min(device.shared_optin_bytes, MAX_SHARED)
+        limit = self.limit(device)
         return tiles.pick(self.math(spec), self.problem(spec), device.units, limit).params()
 
     def _ld(self, spec: ConvSpec, cfg: TileConfig) -> int:
@@ -179,7 +196,7 @@ class TcImplicitGemm(Variant):
     def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
              epilogue: Epilogue = Epilogue()) -> Plan:
         math, prob, cfg = self.math(spec), self.problem(spec), TileConfig.of(params)
-        why = cfg.problems(math, prob, min(device.shared_optin_bytes, MAX_SHARED))
+        why = cfg.problems(math, prob, self.limit(device))
         if why:
             raise ValueError(f"{self.name}: {'; '.join(why)}")
         cp, ld = prep.padded_channels(spec.c, math), self._ld(spec, cfg)

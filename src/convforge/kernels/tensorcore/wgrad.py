@@ -33,28 +33,22 @@ from __future__ import annotations
 
 import dataclasses
 
+from convforge.codegen.dialect import Kernel
 from convforge.codegen.meta import cdiv
 from convforge.kernels import register
 from convforge.kernels.dgrad.baseline import no_epilogue
 from convforge.kernels.tensorcore import prep, tiles
 from convforge.kernels.tensorcore.epilogue import Output, reduce_kernel
-from convforge.kernels.tensorcore.isa import Math, device_reason, math_for
+from convforge.kernels.tensorcore.isa import Math, device_reason
 from convforge.kernels.tensorcore.kernel import gemm_kernel
 from convforge.kernels.tensorcore.operands import DenseRows, Geometry, Im2colNhwc, Operand, PlanarRows
-from convforge.kernels.tensorcore.smem import MAX_SHARED, Tile
+from convforge.kernels.tensorcore.smem import Tile
 from convforge.kernels.tensorcore.tiles import Problem, TileConfig
-from convforge.kernels.tensorcore.variants import (
-    RANK_SM90,
-    TF32_TOLERANCE,
-    X3_TOLERANCE,
-    expected,
-    tolerance,
-)
+from convforge.kernels.tensorcore.variants import RANK_SM90, TcVariant, tolerance
 from convforge.params import Params
-from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
+from convforge.plan import DeviceInfo, Epilogue, Launch, Plan
 from convforge.spec import ConvSpec
 
-_INT_LIMIT = 2**31 - 1
 MAX_SPLIT = 64  # slices of the reduction at most (partials: ks x C R S x K floats)
 
 
@@ -101,25 +95,10 @@ def split(cfg: TileConfig, math: Math, prob: Problem, units: int) -> int:
     return best
 
 
-class TcWgrad(Variant):
+class TcWgrad(TcVariant):
     """wgrad by the wgmma generator (see the module docstring)."""
 
-    family = "implicit_gemm"
-    backends = frozenset({"cuda"})
     passes = frozenset({"wgrad"})
-    exact = False
-    space_lead = 6
-
-    def __init__(self, name: str, dtypes: frozenset[str], x3: bool, precision: str, specialised: int) -> None:
-        self.name, self.dtypes, self.x3 = name, dtypes, x3
-        self.precision, self.specialised = precision, specialised
-        self.tolerance = X3_TOLERANCE if x3 else TF32_TOLERANCE
-
-    def math(self, spec: ConvSpec) -> Math:
-        return math_for(spec.dtype, self.x3)
-
-    def expected_error(self, spec: ConvSpec) -> float:
-        return expected(self.math(spec), spec.dtype)
 
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
         """First on sm_90 for TF32 and half layers; 3xTF32 at its stated rank (below the CUDA-core
@@ -140,31 +119,25 @@ class TcWgrad(Variant):
             return why
         if max(spec.c, spec.k) > 65535:
             return f"{max(spec.c, spec.k)} channels exceed the transposing steps' grid (65535)"
-        math, cp, prob = self.math(spec), self._cp(spec), self.problem(spec)
-        big = max(spec.c * spec.h * spec.w * cp, spec.k * prob.kred, MAX_SPLIT * prob.m * prob.n)
-        if big > _INT_LIMIT // 2 or math.esize * big > _INT_LIMIT:
-            return f"an array of {big} elements needs 64-bit indexing"
-        return None
+        cp, prob = self._cp(spec), self.problem(spec)
+        return self.wide(spec, spec.c * spec.h * spec.w * cp, spec.k * prob.kred, MAX_SPLIT * prob.m * prob.n)
 
     # -- parameters ---------------------------------------------------------------------------
-    def _limit(self, device: DeviceInfo) -> int:
-        return min(device.shared_optin_bytes, MAX_SHARED)
-
     def _split(self, cfg: TileConfig, spec: ConvSpec, device: DeviceInfo) -> TileConfig:
         ks = split(dataclasses.replace(cfg, ks=1), self.math(spec), self.problem(spec), device.units)
         return dataclasses.replace(cfg, ks=ks)
 
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
-        cfg = tiles.pick(self.math(spec), self.problem(spec), device.units, self._limit(device))
+        cfg = tiles.pick(self.math(spec), self.problem(spec), device.units, self.limit(device))
         return self._split(cfg, spec, device).params()
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
         """The default, then the generator's space with each shape's own split (and unsplit)."""
         math, prob = self.math(spec), self.problem(spec)
         out = [TileConfig.of(self.default(spec, device))]
-        for cfg in tiles.space(math, prob, device.units, self._limit(device)):
+        for cfg in tiles.space(math, prob, device.units, self.limit(device)):
             for c in (self._split(cfg, spec, device), dataclasses.replace(cfg, ks=1)):
-                if c not in out and not c.problems(math, prob, self._limit(device)):
+                if c not in out and not c.problems(math, prob, self.limit(device)):
                     out.append(c)
         return [c.params() for c in out]
 
@@ -193,17 +166,9 @@ class TcWgrad(Variant):
         b = DenseRows("b", Tile(cfg.bn, cfg.kb), math, "dyt", rows=spec.k, ld=prob.kred, kred=prob.kred)
         return a, b
 
-    def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
-             epilogue: Epilogue = Epilogue()) -> Plan:
-        no_epilogue(self.name, epilogue)
-        math, prob, cfg, cp = self.math(spec), self.problem(spec), TileConfig.of(params), self._cp(spec)
-        why = cfg.problems(math, prob, self._limit(device))
-        if why:
-            raise ValueError(f"{self.name}: {'; '.join(why)}")
-        a, b = self.operands(spec, cfg)
-        final = self.output(spec)
-        out = final if cfg.ks == 1 else Output("part", prob.m, prob.n, final.pq, slab=prob.m * prob.n, epi=None)
-        gk = gemm_kernel(f"{self.name}_gemm", math, cfg, prob, a, b, out)
+    def steps_before(self, spec: ConvSpec) -> tuple[list[Kernel], list[Launch]]:
+        """The transposing steps: x -> x' = [C][H][W][Np], dy -> dy' = [K][P Q Np]."""
+        math, cp = self.math(spec), self._cp(spec)
         hw, pq, ch = spec.h * spec.w, spec.p * spec.q, spec.c * spec.h * spec.w
         xk, xgrid = prep.planes_to_rows(f"{self.name}_x", "x", f"ci * {ch} + n * {hw} + p", spec.c, spec.n, hw,
                                         cp, math, spec.dtype, "xt",
@@ -211,18 +176,34 @@ class TcWgrad(Variant):
         yk, ygrid = prep.planes_to_rows(f"{self.name}_dy", "y", f"ci * {spec.k * pq} + n * {pq} + p", spec.k,
                                         spec.n, pq, cp, math, spec.dtype, "dyt",
                                         f"dy N K P Q -> [K][P Q {cp}] (the filters of the transposed problem)")
-        refs = lambda bufs: tuple(x.name for x in bufs)  # noqa: E731
-        steps = [Launch(xk.name, xgrid, xk.block, ("x",) + refs(prep.part_buffers("xt", math))),
-                 Launch(yk.name, ygrid, yk.block, ("y",) + refs(prep.part_buffers("dyt", math))),
-                 Launch(gk.name, (cfg.grid(prob, device.units), 1, 1), gk.block,
-                        refs(a.args()) + refs(b.args()) + out.refs())]
-        kernels = [xk, yk, gk]
+        refs = lambda name: tuple(b.name for b in prep.part_buffers(name, math))  # noqa: E731
+        return [xk, yk], [Launch(xk.name, xgrid, xk.block, ("x",) + refs("xt")),
+                          Launch(yk.name, ygrid, yk.block, ("y",) + refs("dyt"))]
+
+    def plan_tolerance(self, spec: ConvSpec) -> float:
+        return tolerance(self.math(spec), spec.dtype)
+
+    def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
+             epilogue: Epilogue = Epilogue()) -> Plan:
+        no_epilogue(self.name, epilogue)
+        math, prob, cfg = self.math(spec), self.problem(spec), TileConfig.of(params)
+        why = cfg.problems(math, prob, self.limit(device))
+        if why:
+            raise ValueError(f"{self.name}: {'; '.join(why)}")
+        a, b = self.operands(spec, cfg)
+        final = self.output(spec)
+        out = final if cfg.ks == 1 else Output("part", prob.m, prob.n, final.pq, slab=prob.m * prob.n, epi=None)
+        gk = gemm_kernel(f"{self.name}_gemm", math, cfg, prob, a, b, out)
+        kernels, steps = self.steps_before(spec)
+        kernels.append(gk)
+        steps.append(Launch(gk.name, (cfg.grid(prob, device.units), 1, 1), gk.block,
+                            tuple(x.name for x in a.args() + b.args()) + out.refs()))
         if cfg.ks > 1:
             rk, rgrid = reduce_kernel(f"{self.name}_reduce", final, cfg.ks, prob.m * prob.n)
             kernels.append(rk)
             steps.append(Launch(rk.name, rgrid, rk.block, ("part",) + final.refs()))
         return Plan(self.name, self.family, spec, params, tuple(kernels), tuple(steps),
-                    self._workspace(spec, cfg), tolerance(math, spec.dtype), epilogue)
+                    self._workspace(spec, cfg), self.plan_tolerance(spec), epilogue)
 
 
 # TF32 products of operands the tensor cores truncate to 10 mantissa bits (NumPy, uniform and ReLU-like
@@ -287,27 +268,11 @@ class TcWgrad1x1(TcWgrad):
         b = PlanarRows("b", Tile(cfg.bn, cfg.kb), math, cb, rows=rb, plane=pq, image=rb * pq, kred=kred)
         return a, b
 
-    def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
-             epilogue: Epilogue = Epilogue()) -> Plan:
-        no_epilogue(self.name, epilogue)
-        math, prob, cfg = self.math(spec), self.problem(spec), TileConfig.of(params)
-        why = cfg.problems(math, prob, self._limit(device))
-        if why:
-            raise ValueError(f"{self.name}: {'; '.join(why)}")
-        a, b = self.operands(spec, cfg)
-        final = self.output(spec)
-        out = final if cfg.ks == 1 else Output("part", prob.m, prob.n, final.pq, slab=prob.m * prob.n, epi=None)
-        gk = gemm_kernel(f"{self.name}_gemm", math, cfg, prob, a, b, out)
-        steps = [Launch(gk.name, (cfg.grid(prob, device.units), 1, 1), gk.block,
-                        tuple(x.name for x in a.args() + b.args()) + out.refs())]
-        kernels = [gk]
-        if cfg.ks > 1:
-            rk, rgrid = reduce_kernel(f"{self.name}_reduce", final, cfg.ks, prob.m * prob.n)
-            kernels.append(rk)
-            steps.append(Launch(rk.name, rgrid, rk.block, ("part",) + final.refs()))
-        tol = TRUNCATED_TOLERANCE if spec.dtype == "float32" else tolerance(math, spec.dtype)
-        return Plan(self.name, self.family, spec, params, tuple(kernels), tuple(steps),
-                    self._workspace(spec, cfg), tol, epilogue)
+    def steps_before(self, spec: ConvSpec) -> tuple[list[Kernel], list[Launch]]:
+        return [], []
+
+    def plan_tolerance(self, spec: ConvSpec) -> float:
+        return TRUNCATED_TOLERANCE if spec.dtype == "float32" else super().plan_tolerance(spec)
 
 
 register(TcWgrad("wgrad_tc_implicit_gemm_tf32", frozenset({"float32"}), False, "relaxed", 12))
