@@ -34,7 +34,7 @@ from convforge.kernels.dgrad.strided import Axis, axes
 from convforge.kernels.gemm import elementwise
 from convforge.kernels.tensorcore import prep, tiles
 from convforge.kernels.tensorcore.epilogue import CTYPE, Output
-from convforge.kernels.tensorcore.isa import Math, device_reason
+from convforge.kernels.tensorcore.isa import Math, device_reason, math_for
 from convforge.kernels.tensorcore.kernel import gemm_kernel
 from convforge.kernels.tensorcore.operands import DenseRows, Geometry, Im2colNhwc
 from convforge.kernels.tensorcore.smem import Tile
@@ -114,7 +114,7 @@ def pack_phase(name: str, spec: ConvSpec, ph: Phase, math: Math, kp: int, ld: in
     coalesced across the warp), a weight-only step."""
     taps = [(r, s) for r in ph.ah.taps for s in ph.aw.taps]
     rs, tail = spec.r * spec.s, ld - len(taps) * kp
-    zero = "(unsigned short)0" if math.esize == 2 else "0.0f"
+    zero = prep.zero(math)
     code = Code()
     code(f"const int e = GROUP_ID(0) * {_ELT} + LOCAL_ID(0);")
     with code.block(f"if (e < {spec.c * kp})"):
@@ -125,8 +125,7 @@ def pack_phase(name: str, spec: ConvSpec, ph: Phase, math: Math, kp: int, ld: in
             code(*prep.store_parts(math, spec.dtype, dst, f"c * {ld} + {t * kp} + k",
                                    f"(ok ? src[{r * spec.s + s}] : {zero})"))
         if tail:
-            with code.block(f"for (int j = {len(taps) * kp} + k; j < {ld}; j += {kp})"):
-                code(*(f"{b.name}[c * {ld} + j] = {zero};" for b in prep.part_buffers(dst, math)))
+            prep.zero_tail(code, math, dst, "c", f"{len(taps) * kp} + k", ld, kp)
     kern = Kernel(name, (Buf("w", CTYPE[spec.dtype]),) + prep.part_buffers(dst, math), code.text(), (_ELT, 1, 1),
                   frozenset({"mma_tf32", "wgmma"}),
                   comment=f"dgrad phase ({ph.ah.ph}, {ph.aw.ph}): {len(taps)} taps of w as C x (taps x {kp})")
@@ -141,7 +140,7 @@ def zero_phases(name: str, spec: ConvSpec) -> tuple[Kernel, Dim3] | None:
     if not empty_h and not empty_w:
         return None
     conds = [f"hh % {spec.stride[0]} == {ph}" for ph in empty_h] + [f"ww % {spec.stride[1]} == {pw}" for pw in empty_w]
-    zero = "(unsigned short)0" if spec.dtype != "float32" else "0.0f"
+    zero = prep.zero(math_for(spec.dtype))
     body = [f"const int ww = e % {spec.w}, hh = e / {spec.w} % {spec.h};",
             f"if ({' || '.join(conds)}) x[e] = {zero};"]
     return elementwise(name, spec.n * spec.c * spec.h * spec.w, (Buf("x", CTYPE[spec.dtype], readonly=False),), body,

@@ -45,6 +45,18 @@ def rounded_parts(math: Math, dst: str, index: str, value: str) -> list[str]:
     return [f"{dst}[{index}] = {conv}({value});"]
 
 
+def zero(math: Math) -> str:
+    """A zero of the math mode's storage type, as a C expression."""
+    return "(unsigned short)0" if math.esize == 2 else "0.0f"
+
+
+def zero_tail(code: Code, math: Math, dst: str, row: str, first: str, ld: int, step: int) -> None:
+    """Zeros in row ``row`` (of ``ld`` elements) of every part of ``dst`` from ``first`` on, every
+    ``step``-th element: the packing steps' padding past the taps up to a whole stage."""
+    with code.block(f"for (int j = {first}; j < {ld}; j += {step})"):
+        code(*(f"{b.name}[{row} * {ld} + j] = {zero(math)};" for b in part_buffers(dst, math)))
+
+
 def store_parts(math: Math, dtype: str, dst: str, index: str, value: str) -> list[str]:
     """As :func:`rounded_parts` for a value already in storage dtype ``dtype``: halves copy their bits."""
     if math.esize == 2:
@@ -89,12 +101,12 @@ def x_from_nhwc(spec: ConvSpec, math: Math, cp: int, dst: str = "xh") -> tuple[K
     """The activation step of a channels-last input: N H W C -> N H W Cp in the math mode's parts, one
     thread per element (reads and writes along channels, both coalesced); zero channels past C."""
     c, total = spec.c, spec.n * spec.h * spec.w * cp
-    zero = "(unsigned short)0" if math.esize == 2 else "0.0f"
+    zero_ = zero(math)
     code = Code()
     code(f"const int e = GROUP_ID(0) * {_ELT} + LOCAL_ID(0);")
     with code.block(f"if (e < {total})"):
         code(f"const int pix = e / {cp}, ci = e - pix * {cp};")
-        code(*store_parts(math, spec.dtype, dst, "e", f"(ci < {c} ? x[pix * {c} + ci] : {zero})"))
+        code(*store_parts(math, spec.dtype, dst, "e", f"(ci < {c} ? x[pix * {c} + ci] : {zero_})"))
     kern = Kernel("tc_x_from_nhwc", (Buf("x", CTYPE[spec.dtype]),) + part_buffers(dst, math), code.text(),
                   (_ELT, 1, 1), frozenset({"mma_tf32", "wgmma"}),
                   comment=f"x NHWC ({c} channels) -> NHWC ({cp} channels) as {math.name} operands")
@@ -116,7 +128,7 @@ def w_krsc(spec: ConvSpec, math: Math, cp: int, ld: int, dst: str = "wt") -> tup
     rows apart (each store coalesced across the warp); channels past C and the row's tail past
     R S Cp get zeros."""
     rs, c, total, tail = spec.r * spec.s, spec.c, spec.k * cp, ld - spec.r * spec.s * cp
-    zero = "(unsigned short)0" if math.esize == 2 else "0.0f"
+    zero_ = zero(math)
     code = Code()
     code(f"const int e = GROUP_ID(0) * {_ELT} + LOCAL_ID(0);")
     with code.block(f"if (e < {total})"):
@@ -125,11 +137,10 @@ def w_krsc(spec: ConvSpec, math: Math, cp: int, ld: int, dst: str = "wt") -> tup
              f"const {CTYPE[spec.dtype]}* src = w + (k * {c} + (ok ? ci : 0)) * {rs};",
              f"const int o = k * {ld} + ci;")
         for i in range(rs):
-            value = f"(ok ? src[{i}] : {zero})"
+            value = f"(ok ? src[{i}] : {zero_})"
             code(*store_parts(math, spec.dtype, dst, f"o + {i * cp}", value))
         if tail:
-            with code.block(f"for (int j = {rs * cp} + ci; j < {ld}; j += {cp})"):
-                code(*(f"{b.name}[k * {ld} + j] = {zero};" for b in part_buffers(dst, math)))
+            zero_tail(code, math, dst, "k", f"{rs * cp} + ci", ld, cp)
     kern = Kernel("tc_w_krsc", (Buf("w", CTYPE[spec.dtype]),) + part_buffers(dst, math), code.text(),
                   (_ELT, 1, 1), frozenset({"mma_tf32", "wgmma"}),
                   comment=f"filters K C R S -> K x (R S {cp}) padded to {ld}, as {math.name} operands")
