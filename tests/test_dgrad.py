@@ -13,11 +13,14 @@ import pytest
 from conftest import NOMINAL_CUDA, NOMINAL_OPENCL_GPU
 from convforge.backends.base import output_buffer, weight_steps
 from convforge.check import check_plan, pass_inputs
+from convforge.dtypes import to_storage
 from convforge.kernels import all_variants, get_variant, most_specialised
 from convforge.kernels.dgrad import DgradTransposed, transposed_spec
+from convforge.kernels.dgrad.interleave import Part, interleave_kernel
 from convforge.kernels.dgrad.strided import Axis
-from convforge.kernels.dgrad.transposed import FORWARD
-from convforge.plan import Epilogue
+from convforge.kernels.dgrad.transposed import FORWARD, SUBSAMPLED, DgradSubsampled, subgrid_part, subsampled_spec
+from convforge.params import Params
+from convforge.plan import Epilogue, Launch, Plan
 from convforge.reference import dgrad_ref, rel_l2
 from convforge.spec import ConvSpec
 from helpers import ODD_SPECS, assert_compiles_clean, sample
@@ -36,11 +39,17 @@ OWN = [
     ConvSpec.make(1, 12, 10, 10, 20, 5, 3, 1, (2, 2, 1, 1), groups=4),
     ConvSpec.make(2, 6, 11, 9, 4, 3, 2, stride=(2, 3), padding=(1, 0, 2, 1), dilation=(1, 2), groups=2),
     ConvSpec.make(1, 6, 5, 5, 40, 1, 1),  # 1x1 with K >= 32: the transposed split-K 1x1
+    # strided 1x1 (dgrad_sub_*): stride 3 x 2 with asymmetric padding (the sub-grid starts at row 1 and
+    # column 1, its last rows past dx), stride 4 on a prime size, N=1
+    ConvSpec.make(2, 7, 11, 13, 5, 1, 1, (3, 2), (2, 0, 1, 1)),
+    ConvSpec.make(1, 5, 17, 17, 9, 1, 1, 4, (0, 3, 0, 0)),
+    ConvSpec.make(1, 6, 9, 11, 40, 1, 1, 2, (1, 0, 0, 1)),  # K >= 32: the split-K sub-grid GEMM
 ]
 SPECS = [s.with_pass("dgrad") for s in ODD_SPECS + OWN]
 DGRAD = [v.name for v in all_variants() if "dgrad" in v.passes]
-ADAPTERS = [v.name for v in all_variants() if isinstance(v, DgradTransposed)]
-MINE = ADAPTERS + ["dgrad_strided_gemm"]  # dgrad_direct: test_backward; depthwise_dgrad: test_depthwise
+ADAPTERS = [v.name for v in all_variants() if isinstance(v, DgradTransposed) and not isinstance(v, DgradSubsampled)]
+SUBS = [v.name for v in all_variants() if isinstance(v, DgradSubsampled)]
+MINE = ADAPTERS + SUBS + ["dgrad_strided_gemm"]  # dgrad_direct: test_backward; depthwise_dgrad: test_depthwise
 OPENCL = [n for n in MINE if "opencl" in get_variant(n).backends]
 
 
@@ -51,6 +60,7 @@ def _ids(spec: ConvSpec) -> str:
 def test_every_forward_variant_worth_it_has_its_adapter():
     """A forward variant renamed or moved by another change would silently lose its dgrad form."""
     missing = [f for f in FORWARD if f"dgrad_{f}" not in DGRAD]
+    missing += [f for f in SUBSAMPLED if f"dgrad_sub_{f}" not in DGRAD]
     assert not missing, f"forward variants without a dgrad adapter (renamed?): {missing}"
     for name in ADAPTERS:
         v, f = get_variant(name), get_variant(name.removeprefix("dgrad_"))
@@ -193,8 +203,8 @@ def test_precision_classes_follow_the_forward_variant():
     ((32, 512, 7, 7, 512, 3, 3, 1, 1), "winograd", "dgrad_winograd_nonfused_f4"),
     ((32, 256, 56, 56, 64, 1, 1, 1, 0), "gemm1x1", "dgrad_gemm1x1"),
     ((32, 1024, 14, 14, 256, 1, 1, 1, 0), "gemm1x1", "dgrad_gemm1x1"),
-    ((32, 128, 56, 56, 128, 3, 3, 2, 1), "implicit_gemm", "dgrad_strided_gemm"),
-    ((32, 512, 28, 28, 1024, 1, 1, 2, 0), "implicit_gemm", "dgrad_strided_gemm"),
+    ((32, 128, 56, 56, 128, 3, 3, 2, 1), "implicit_gemm", "dgrad_tc_strided_3xtf32"),  # sm_90: 3xTF32 phases
+    ((32, 512, 28, 28, 1024, 1, 1, 2, 0), "implicit_gemm", "dgrad_tc_strided_3xtf32"),
     ((1, 3, 224, 224, 64, 7, 7, 2, 3), "direct", "dgrad_direct"),  # C=3: no GEMM tile
     ((32, 256, 28, 28, 256, 3, 3, 2, 1, 1, 8), "implicit_gemm", "dgrad_strided_gemm"),  # 32 channels a group
     ((32, 256, 28, 28, 256, 3, 3, 2, 1, 1, 32), "direct", "dgrad_direct"),  # 8 channels a group
@@ -273,3 +283,98 @@ def test_every_adapter_keeps_its_rotation_as_a_weight_step(name):
     for mine, theirs in zip(plan.steps[1:], inner.steps, strict=True):
         assert getattr(mine, "grid", None) == getattr(theirs, "grid", None)
     assert output_buffer(plan) == "x"
+
+
+# -- strided 1x1 through the sub-grid, and the interleave pass --------------------------------------
+def test_subsampled_spec_and_part_place_the_sub_grid():
+    """The sub-grid problem is the stride-1 1x1 forward problem of dy's P x Q grid; its rows land on
+    dx rows (h + pt) % sh == 0, row p at h = p * sh - pt."""
+    spec = ConvSpec.make(2, 7, 11, 13, 5, 1, 1, (3, 2), (2, 0, 1, 1), conv_pass="dgrad")
+    t = subsampled_spec(spec)
+    assert isinstance(t, ConvSpec)
+    assert (t.n, t.c, t.h, t.w, t.k) == (2, 5, spec.p, spec.q, 7)
+    assert (t.stride, t.pad, t.conv_pass) == ((1, 1), (0,) * 4, "fprop")
+    part = subgrid_part(spec)
+    for h in range(spec.h):
+        a, ph = divmod(h, 3)
+        if ph == part.ph:
+            assert (h + 2) % 3 == 0 and a + part.oh == (h + 2) // 3
+    assert "1x1" in str(subsampled_spec(ConvSpec.make(1, 2, 9, 9, 2, 3, 3, 2, conv_pass="dgrad")))
+    assert "stride 1" in str(subsampled_spec(ConvSpec.make(1, 2, 9, 9, 2, 1, 1, 1, conv_pass="dgrad")))
+
+
+INTERLEAVE = [
+    (ConvSpec.make(2, 3, 9, 7, 4, 3, 3, 2, 1), "float32", None),  # every phase, odd sizes: short last rows
+    (ConvSpec.make(1, 2, 13, 10, 3, 1, 1, (3, 4), (2, 0, 1, 0)), "float32", "sub"),  # one phase, offsets
+    (ConvSpec.make(1, 5, 8, 11, 3, 3, 3, (2, 3)), "float16", ((0, 0), (1, 2))),  # two of six phases, halves
+]
+
+
+@pytest.mark.parametrize("spec, dtype, which", INTERLEAVE, ids=lambda v: str(v))
+def test_interleave_writes_every_dx_element_from_its_phase(ocl, spec, dtype, which):
+    """On PoCL, dx NaN-poisoned: each element is its phase buffer's value where the phase has one
+    (offsets and bounds of :class:`Part`), zero everywhere else."""
+    spec = ConvSpec.from_dict({**spec.to_dict(), "dtype": dtype, "pass": "dgrad"})
+    sh, sw = spec.stride
+    if which == "sub":
+        parts = [subgrid_part(spec)]
+    else:
+        keep = which or [(a, b) for a in range(sh) for b in range(sw)]
+        parts = [Part(f"p{a}{b}", a, b, -(-(spec.h - a) // sh), -(-(spec.w - b) // sw)) for a, b in keep]
+    kern, grid = interleave_kernel("il", spec, parts)
+    rng = np.random.default_rng(3)
+    data = {p.buf: rng.uniform(-1, 1, (spec.n, spec.c, p.bh, p.bw)).astype(np.float32) for p in parts}
+    if dtype != "float32":
+        data = {k: v.astype(np.float16).astype(np.float32) for k, v in data.items()}
+    want = np.zeros(spec.x_shape, np.float32)
+    for p in parts:
+        for h in range(p.ph, spec.h, sh):
+            for w in range(p.pw, spec.w, sw):
+                r, q = h // sh + p.oh, w // sw + p.ow
+                if r < p.bh and q < p.bw:
+                    want[:, :, h, w] = data[p.buf][:, :, r, q]
+    steps = (Launch(kern.name, grid, kern.block, tuple(p.buf for p in parts) + ("x",)),)
+    plan = Plan("il", "dgrad", spec, Params(), (kern,), steps, (), 0.0)
+    bufs = {k: ocl.upload(to_storage(v, dtype)) for k, v in data.items()}
+    bufs["x"] = ocl.upload(to_storage(np.full(spec.x_shape, np.nan, np.float32), dtype))
+    ocl.executable(plan)(bufs)
+    ocl.synchronize()
+    got = ocl.download(bufs["x"], spec.x_shape, dtype)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_interleave_refuses_a_phase_twice_or_outside_the_stride():
+    spec = ConvSpec.make(1, 2, 9, 9, 2, 3, 3, 2, 1, conv_pass="dgrad")
+    with pytest.raises(ValueError, match="two buffers"):
+        interleave_kernel("il", spec, [Part("a", 0, 0, 5, 5), Part("b", 0, 0, 5, 5)])
+    with pytest.raises(ValueError, match="outside stride"):
+        interleave_kernel("il", spec, [Part("a", 2, 0, 5, 5)])
+
+
+SUB_COMPILE = [ConvSpec.make(32, 256, 56, 56, 512, 1, 1, 2, conv_pass="dgrad"),
+               ConvSpec.make(32, 1024, 14, 14, 2048, 1, 1, 2, conv_pass="dgrad"),
+               ConvSpec.make(8, 256, 28, 28, 512, 1, 1, 2, dtype="float16", conv_pass="dgrad"),
+               ConvSpec.make(3, 7, 13, 11, 5, 1, 1, (3, 2), (2, 0, 1, 1), conv_pass="dgrad"),
+               ConvSpec.make(1, 512, 14, 14, 1024, 1, 1, 2, conv_pass="dgrad")]  # N=1: split-K
+# gemm1x1's own default spills 4 B in float16 on the sub-grid problem N8 C512 14x14 -> K256 (its forward
+# kernel's defect, as FORWARD_SPILLS): compiled here in float32 only.
+SUB_SPILLS = {("dgrad_sub_gemm1x1", "float16")}
+
+
+@pytest.mark.parametrize("name", SUBS)
+def test_subsampled_plan_compiles_and_keeps_its_shape(nvcc_ok, name):
+    """Each dgrad_sub_* default on the ResNet-50 1x1/2 layers it applies to: the rotation (a weight
+    step), the forward plan of the sub-grid problem with dy as its input, the interleave last (the
+    only step writing dx); nvcc sm_90 without spills."""
+    v = get_variant(name)
+    specs = [s for s in SUB_COMPILE if v.applies(s, NOMINAL_CUDA) is None]
+    assert specs, name
+    for spec in specs:
+        plan = v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA)
+        inner = v.fwd.plan(subsampled_spec(spec), v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA)
+        steps, derived = weight_steps(plan)
+        assert 0 in steps and "w_rot" in derived and output_buffer(plan) == "x"
+        assert plan.kernels[1:-1] == inner.kernels and plan.steps[-1].args == ("dx_sub", "x")
+        assert all("x" not in getattr(s, "args", ()) for s in plan.steps[:-1])
+        if (name, spec.dtype) not in SUB_SPILLS:
+            assert_compiles_clean(v, spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA)

@@ -22,8 +22,9 @@ pytestmark = pytest.mark.gpu
 REAL = [ConvSpec.make(2, 64, 56, 56, 64, 3, 3, 1, 1), ConvSpec.make(3, 512, 7, 7, 512, 3, 3, 1, 1),
         ConvSpec.make(2, 128, 56, 56, 128, 3, 3, 2, 1), ConvSpec.make(2, 256, 56, 56, 512, 1, 1, 2),
         ConvSpec.make(5, 1024, 14, 14, 256, 1, 1), ConvSpec.make(1, 256, 14, 14, 256, 3, 3, 1, 1),
-        ConvSpec.make(2, 3, 227, 227, 96, 11, 11, 4, 0), ConvSpec.make(1, 832, 7, 7, 256, 1, 1)]  # the last: split-K
-HALF = [dataclasses.replace(s, dtype=d) for s in (ODD_SPECS[1], OWN[0], REAL[0], REAL[4])
+        ConvSpec.make(2, 3, 227, 227, 96, 11, 11, 4, 0), ConvSpec.make(1, 832, 7, 7, 256, 1, 1),  # split-K
+        ConvSpec.make(1, 512, 14, 14, 1024, 1, 1, 2)]  # 1x1/2, N=1: the split-K sub-grid GEMM
+HALF = [dataclasses.replace(s, dtype=d) for s in (ODD_SPECS[1], OWN[0], REAL[0], REAL[4], REAL[3], OWN[8])
         for d in ("float16", "bfloat16")]
 GPU_SPECS = [s.with_pass("dgrad") for s in ODD_SPECS + OWN + REAL + HALF]
 NAMES = [n for n in MINE if "cuda" in get_variant(n).backends]
