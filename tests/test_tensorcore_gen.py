@@ -434,11 +434,13 @@ def test_truncated_tf32_wgrad_error_matches_the_stated_one():
     assert 0.8 * TRUNCATED_EXPECTED < err < 1.2 * TRUNCATED_EXPECTED and err < TRUNCATED_TOLERANCE / 2, err
 
 
-def emulate_strided_dgrad(spec: ConvSpec, math, cfg: TileConfig, seed: int = 0):
+def emulate_strided_dgrad(spec: ConvSpec, math, cfg: TileConfig, seed: int = 0, il: bool = False):
     """Every phase GEMM of the strided dgrad plan (tensorcore/dgrad.py) through the generator's
     expressions: dy as its conversion step writes it (NHWC, Kp channels), each phase's filters as its
-    packing step writes them, D stored through the phase's pixel map into dx. Returns (dx, reference,
-    writes per element, mask of the phases no tap reaches)."""
+    packing step writes them, D stored through the phase's pixel map into dx (``il``: stored compact
+    through the phase buffer's Output, then placed by its interleave Part: row a, column b of the
+    buffer at dx pixel (ph + sh a, pw + sw b)). Returns (dx, reference, writes per element, mask of
+    the phases no tap reaches)."""
     from convforge.kernels.tensorcore.dgrad import phases
 
     variant = get_variant({"tf32": "dgrad_tc_strided_tf32", "3xtf32": "dgrad_tc_strided_3xtf32"}
@@ -468,10 +470,20 @@ def emulate_strided_dgrad(spec: ConvSpec, math, cfg: TileConfig, seed: int = 0):
                 m[:, i * kp:i * kp + spec.k] = ws[p][:, :, r, t].T
             packed[p] = m.ravel()
         data = {"a": {p: _nhwc(ds[p], kp) for p in math.parts}, "b": packed}
-        out = dataclasses.replace(ph.output(spec), slab=dx.size, epi=None)
+        if not il:
+            out = dataclasses.replace(ph.output(spec), slab=dx.size, epi=None)
+            y, wr = emulate_gemm(cfg, math, prob, a, b, data, out)
+            dx += y
+            written += wr
+            continue
+        part = ph.part()
+        out = dataclasses.replace(ph.compact(spec), slab=part.elements(spec), epi=None)
         y, wr = emulate_gemm(cfg, math, prob, a, b, data, out)
-        dx += y
-        written += wr
+        assert (wr == 1).all(), "every element of a phase buffer written once"
+        sub = np.zeros(spec.x_shape)
+        sub[:, :, part.ph::spec.stride[0], part.pw::spec.stride[1]] = y.reshape(spec.n, spec.c, part.bh, part.bw)
+        dx += sub.ravel()
+        written += _phase_mask(spec, part).ravel()  # the interleave places each buffer element once
     return dx.reshape(spec.x_shape), ref, written.reshape(spec.x_shape), empty
 
 
@@ -482,14 +494,21 @@ DGRAD_STRIDED = [(ODD[2], TF32, TileConfig(128, 32, 1, 2, 2)),                # 
                  (ConvSpec.make(3, 5, 8, 8, 70, 3, 3, 2, 1), TF32, TileConfig(128, 64, 2, 2, 2))]  # K = 70: 2 atoms
 
 
+def _phase_mask(spec: ConvSpec, part) -> np.ndarray:
+    m = np.zeros(spec.x_shape, bool)
+    m[:, :, part.ph::spec.stride[0], part.pw::spec.stride[1]] = True
+    return m
+
+
+@pytest.mark.parametrize("il", [False, True], ids=["direct", "interleaved"])
 @pytest.mark.parametrize("spec, math, cfg", DGRAD_STRIDED, ids=lambda v: getattr(v, "name", None) or str(v))
-def test_emulated_strided_dgrad_equals_the_input_gradient(spec, math, cfg):
+def test_emulated_strided_dgrad_equals_the_input_gradient(spec, math, cfg, il):
     """Strided dgrad, one forward GEMM per stride phase on the generator: every phase's tiles through
     its own expressions, stored by the pixel map onto the phase's sub-grid, equal the float64 input
     gradient of the same operand parts; every dx element written once, but for the phases no tap
     reaches (the zero step's)."""
     assert not cfg.problems(math), cfg.problems(math)
-    got, ref, written, empty = emulate_strided_dgrad(spec, math, cfg)
+    got, ref, written, empty = emulate_strided_dgrad(spec, math, cfg, il=il)
     assert (written[~empty] == 1).all() and (written[empty] == 0).all(), np.unique(written)
     assert (ref[empty] == 0).all()
     np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-10)
@@ -899,3 +918,37 @@ def test_strided_dgrad_plans_compile_without_spills_hgmma_in_sass(nvcc_ok, name,
     gemms = [k for k in re.split(r"\n\s+Function : ", sass) if k.startswith(f"{name}_gemm")]
     assert len(gemms) == sum(k.name.startswith(f"{name}_gemm") for k in plan.kernels) >= 1
     assert all("HGMMA" in g and "HMMA" not in g for g in gemms)
+
+
+@pytest.mark.parametrize("ps", [1, 0])
+def test_job_heads_deal_every_tile_of_every_job_once_round_robin(ps):
+    """A kernel running several GEMMs in turn (strided dgrad's phases): over the blocks of its grid,
+    the loop heads visit each tile of each job exactly once, and (persistent) block b takes the
+    tiles b, b + G, ... of the whole sequence, so the blocks' loads differ by one tile at most."""
+    import re
+
+    from convforge.kernels.tensorcore.kernel import jobs_grid
+    from convforge.kernels.tensorcore.schedule import job_heads
+
+    cfg = TileConfig(128, 64, ps=ps)
+    probs = [Problem(128 * t, 64, 256) for t in (7, 3, 12, 1)]
+    grid = jobs_grid(cfg, probs, units=5)
+    assert grid == (5 if ps else 12)
+    heads = job_heads(cfg, probs)
+    seen = [[0] * cfg.tiles(p) for p in probs]
+    load = [0] * grid
+    for b in range(grid):
+        for j, head in enumerate(heads):
+            first, end, _ = re.fullmatch(r"for \(int tile = (.+); tile < (\d+); tile \+= (NUM_GROUPS\(0\))\)",
+                                         head).groups()
+            env = {"b": b, "G": grid}
+            t = evaluate(first.replace("GROUP_ID(0)", "b").replace("NUM_GROUPS(0)", "G"), env)
+            while t < int(end):
+                seen[j][t] += 1
+                load[b] += 1
+                if ps:
+                    assert (sum(cfg.tiles(p) for p in probs[:j]) + t) % grid == b
+                t += grid
+    assert all(n == 1 for job in seen for n in job), seen
+    if ps:
+        assert max(load) - min(load) <= 1, load

@@ -1,5 +1,7 @@
 """Strided dgrad (bprop) on the wgmma generator: one forward implicit GEMM per stride phase, so the
-generator's own operand iterators serve it and no zero of a zero-stuffed dy is multiplied.
+generator's own operand iterators serve it and no zero of a zero-stuffed dy is multiplied; the
+phases' GEMMs run in turn in one launch (kernel.jobs_kernel: their tiles dealt round-robin over
+persistent blocks, the stage ring running on from one phase to the next).
 
 dx[n, c, h, w] sums dy[n, k, p, q] . w[k, c, r, s] over the taps with h + pt - r dh = p sh (and along
 w). The dx rows of one phase ph = h mod sh are reached by the taps r with (ph + pt - r dh) = 0 mod
@@ -11,12 +13,19 @@ stride-1 forward convolution of dy with dilation delta and padding -o. Per phase
 * A = :class:`~convforge.kernels.tensorcore.operands.Im2colNhwc` over dy in NHWC (one conversion
   step for every phase: K padded to a 16-byte chunk, TF32-rounded / 3xTF32 hi + lo / half bits);
 * B = :class:`~convforge.kernels.tensorcore.operands.DenseRows` over the phase's filters, packed
-  C x (t_h, t_w, Kp) by a weight-only step (kept per weight version with torch tensors);
-* D (N Hm Wm x C) stored on the phase's sub-grid of dx (the epilogue's pixel map: rows ph + sh i,
-  columns pw + sw j of each NCHW plane).
+  C x (t_h, t_w, Kp) by one weight-only step for all phases (kept per weight version with torch
+  tensors);
+* D (N Hm Wm x C) stored compact in the phase's own workspace (N x C x Hm x Wm, the epilogue's
+  float4 rows), then one pass writes every dx element from its phase's buffer, zeros for the phases
+  no tap reaches (``il=1``, the default, :mod:`convforge.kernels.dgrad.interleave`); or (``il=0``)
+  stored straight on the phase's sub-grid of dx by the epilogue's pixel map (rows ph + sh i, columns
+  pw + sw j of each NCHW plane), the phases no tap reaches filled with zeros first. The direct stores
+  leave every other 4-byte word of a sector to another phase: the L2 fills each partial sector from
+  DRAM (H100, 3x3/2 128->128 @56² N32: each phase's GEMM moved 58 MB of DRAM for 12.8 MB of dx,
+  62 us of 263 in all; ncu).
 
-A phase no tap reaches (a 1x1 filter at stride 2: three of four) is zeros: the plan fills dx first.
-Stride 1 is DgradTransposed's (kernels/dgrad/transposed.py); groups run dgrad_strided_gemm.
+1x1 filters at stride > 1 have one phase: dgrad_sub_<1x1 forward> (kernels/dgrad/transposed.py)
+reads dy in place for it. Stride 1 is DgradTransposed's (kernels/dgrad/transposed.py); groups run dgrad_strided_gemm.
 
 * ``dgrad_tc_strided_tf32`` (relaxed), ``dgrad_tc_strided_3xtf32`` (fp32), ``dgrad_tc_strided_half``
   (float16 / bfloat16): the forward variants' math modes and stated errors.
@@ -30,12 +39,14 @@ from convforge.codegen.dialect import Buf, Dim3, Kernel
 from convforge.codegen.meta import Code, cdiv
 from convforge.kernels import register
 from convforge.kernels.dgrad.baseline import no_epilogue
+from convforge.kernels.dgrad.interleave import Part, interleave_kernel
 from convforge.kernels.dgrad.strided import Axis, axes
 from convforge.kernels.gemm import elementwise
 from convforge.kernels.tensorcore import prep, tiles
 from convforge.kernels.tensorcore.epilogue import CTYPE, Output
 from convforge.kernels.tensorcore.isa import Math, device_reason, math_for
-from convforge.kernels.tensorcore.kernel import gemm_kernel
+from convforge.kernels.tensorcore.kernel import jobs_grid, jobs_kernel
+from convforge.kernels.tensorcore.mainloop import Job
 from convforge.kernels.tensorcore.operands import DenseRows, Geometry, Im2colNhwc
 from convforge.kernels.tensorcore.smem import Tile
 from convforge.kernels.tensorcore.tiles import Problem, TileConfig
@@ -95,6 +106,19 @@ class Phase:
         return Geometry(spec.n, spec.p, spec.q, kp, ah.rows, aw.rows, len(ah.taps), len(aw.taps), (1, 1),
                         (ah.delta, aw.delta), -ah.first, -aw.first, padded)
 
+    @property
+    def buf(self) -> str:
+        """The phase's compact workspace (N x C x Hm x Wm) when the plan interleaves."""
+        return f"dph{self.tag}"
+
+    def part(self) -> Part:
+        return Part(self.buf, self.ah.ph, self.aw.ph, self.ah.rows, self.aw.rows)
+
+    def compact(self, spec: ConvSpec) -> Output:
+        """D (N Hm Wm x C) as NCHW planes of the phase's own buffer."""
+        pq = self.ah.rows * self.aw.rows
+        return Output(self.buf, spec.n * pq, spec.c, pq, spec.dtype, epi=Epilogue())
+
     def output(self, spec: ConvSpec) -> Output:
         """D (N Hm Wm x C) on this phase's sub-grid of dx (NCHW)."""
         hw = spec.h * spec.w
@@ -108,12 +132,12 @@ def phases(spec: ConvSpec) -> list[Phase]:
     return [Phase(h, w) for h in phase_axes(ah) for w in phase_axes(aw)]
 
 
-def pack_phase(name: str, spec: ConvSpec, ph: Phase, math: Math, kp: int, ld: int, dst: str) -> tuple[Kernel, Dim3]:
-    """The phase's filters as the GEMM's B: dst[c * ld + (th * Tw + tw) * kp + k] = w[k, c, r_th, s_tw]
-    (zeros for k >= K and past the taps up to ``ld``); one thread per (c, k), k fastest (each store
-    coalesced across the warp), a weight-only step."""
-    taps = [(r, s) for r in ph.ah.taps for s in ph.aw.taps]
-    rs, tail = spec.r * spec.s, ld - len(taps) * kp
+def pack_phases(name: str, spec: ConvSpec, packs: list[tuple[Phase, int, str]], math: Math,
+                kp: int) -> tuple[Kernel, Dim3]:
+    """Every phase's filters as its GEMM's B, in one weight-only step: for each (phase, ld, dst),
+    dst[c * ld + (th * Tw + tw) * kp + k] = w[k, c, r_th, s_tw] (zeros for k >= K and past the taps
+    up to ``ld``); one thread per (c, k), k fastest (each store coalesced across the warp)."""
+    rs = spec.r * spec.s
     zero = prep.zero(math)
     code = Code()
     code(f"const int e = GROUP_ID(0) * {_ELT} + LOCAL_ID(0);")
@@ -121,14 +145,18 @@ def pack_phase(name: str, spec: ConvSpec, ph: Phase, math: Math, kp: int, ld: in
         code(f"const int c = e / {kp}, k = e - c * {kp};",
              f"const bool ok = k < {spec.k};",
              f"const {CTYPE[spec.dtype]}* src = w + ((ok ? k : 0) * {spec.c} + c) * {rs};")
-        for t, (r, s) in enumerate(taps):
-            code(*prep.store_parts(math, spec.dtype, dst, f"c * {ld} + {t * kp} + k",
-                                   f"(ok ? src[{r * spec.s + s}] : {zero})"))
-        if tail:
-            prep.zero_tail(code, math, dst, "c", f"{len(taps) * kp} + k", ld, kp)
-    kern = Kernel(name, (Buf("w", CTYPE[spec.dtype]),) + prep.part_buffers(dst, math), code.text(), (_ELT, 1, 1),
+        for ph, ld, dst in packs:
+            taps = [(r, s) for r in ph.ah.taps for s in ph.aw.taps]
+            code(f"// phase ({ph.ah.ph}, {ph.aw.ph}): {len(taps)} taps")
+            for t, (r, s) in enumerate(taps):
+                code(*prep.store_parts(math, spec.dtype, dst, f"c * {ld} + {t * kp} + k",
+                                       f"(ok ? src[{r * spec.s + s}] : {zero})"))
+            if ld - len(taps) * kp:
+                prep.zero_tail(code, math, dst, "c", f"{len(taps) * kp} + k", ld, kp)
+    bufs = tuple(b for _, _, dst in packs for b in prep.part_buffers(dst, math))
+    kern = Kernel(name, (Buf("w", CTYPE[spec.dtype]),) + bufs, code.text(), (_ELT, 1, 1),
                   frozenset({"mma_tf32", "wgmma"}),
-                  comment=f"dgrad phase ({ph.ah.ph}, {ph.aw.ph}): {len(taps)} taps of w as C x (taps x {kp})")
+                  comment=f"dgrad: the taps of {len(packs)} phases of w, each as C x (taps x {kp})")
     return kern, (cdiv(spec.c * kp, _ELT), 1, 1)
 
 
@@ -155,13 +183,15 @@ class TcDgradStrided(TcVariant):
 
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
         """First on sm_90 for TF32 and half layers (above dgrad_strided_gemm on CUDA cores: H200, the
-        ResNet-50 N32 strided layers ran 0.18-0.38x cuDNN-best TF32 there); 3xTF32 at its stated rank
-        until measured, below dgrad_direct where the dx channels fill less than half a 32-wide tile
-        (C < 16: a 3-channel stem)."""
+        ResNet-50 N32 strided layers ran 0.18-0.38x cuDNN-best TF32 there). 3xTF32 first in the fp32
+        class, one below the TF32 form (H100, round 23, phases interleaved: ResNet-50 N32's six
+        strided layers 1.32-2.52x cuDNN-best FP32 at 4.6e-7, where dgrad_strided_gemm ran 0.79-1.39x
+        and dgrad_sub_gemm1x1 0.88-1.40x); below dgrad_direct where the dx channels fill less than half
+        a 32-wide tile (C < 16: a 3-channel stem)."""
         if device_reason(device) is not None:
             return self.specialised
         if self.x3:
-            return -1 if spec.c < 16 else self.specialised
+            return -1 if spec.c < 16 else RANK_SM90 - 1
         return RANK_SM90
 
     def _kp(self, spec: ConvSpec) -> int:
@@ -185,27 +215,38 @@ class TcDgradStrided(TcVariant):
         return max(probs, key=lambda p: p.m * p.kred)
 
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
+        """The generator's pick for the largest phase, phases interleaved (il=1)."""
         cfg = tiles.pick(self.math(spec), self._largest(spec), device.units, self.limit(device))
-        return TileConfig(cfg.bm, cfg.bn, cfg.kb, cfg.st, cfg.cw, 1, cfg.ps, cfg.pi).params()
+        return TileConfig(cfg.bm, cfg.bn, cfg.kb, cfg.st, cfg.cw, 1, cfg.ps, cfg.pi).params().replace(il=1)
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
-        """The generator's space for the largest phase, unsplit (every phase's rows fill the GPU)."""
+        """The generator's space for the largest phase, unsplit (every phase's rows fill the GPU),
+        interleaved; the default tile with direct stores (il=0) second."""
         math, prob = self.math(spec), self._largest(spec)
-        out = [self.default(spec, device)]
+        first = self.default(spec, device)
+        out = [first, first.replace(il=0)]
         for c in tiles.space(math, prob, device.units, self.limit(device)):
-            p = TileConfig(c.bm, c.bn, c.kb, c.st, c.cw, 1, c.ps, c.pi).params()
+            p = TileConfig(c.bm, c.bn, c.kb, c.st, c.cw, 1, c.ps, c.pi).params().replace(il=1)
             if p not in out:
                 out.append(p)
         return out
+
+    @staticmethod
+    def _split(params: Params) -> tuple[TileConfig, bool]:
+        """The tile and whether the phases go through their own buffers (``il``, default 1)."""
+        il = int(params.get("il", 1))
+        if il not in (0, 1):
+            raise ValueError(f"il ({il}) must be 0 (stores on dx's sub-grids) or 1 (phase buffers, interleaved)")
+        return TileConfig.of(Params({k: v for k, v in params.items() if k != "il"})), bool(il)
 
     def _ld(self, spec: ConvSpec, ph: Phase, cfg: TileConfig) -> int:
         stage = self.math(spec).elems(cfg.kb)
         return cdiv(ph.problem(spec, self._kp(spec)).kred, stage) * stage
 
     def workspace_bytes(self, spec: ConvSpec, params: Params) -> int:
-        return sum(b for _, b in self._workspace(spec, TileConfig.of(params)))
+        return sum(b for _, b in self._workspace(spec, *self._split(params)))
 
-    def _workspace(self, spec: ConvSpec, cfg: TileConfig) -> tuple[tuple[str, int], ...]:
+    def _workspace(self, spec: ConvSpec, cfg: TileConfig, il: bool) -> tuple[tuple[str, int], ...]:
         math, kp = self.math(spec), self._kp(spec)
         out = tuple(((f"dyh{'' if p == 'hi' else '_' + p}"), math.esize * spec.n * spec.p * spec.q * kp)
                     for p in math.parts)
@@ -213,6 +254,8 @@ class TcDgradStrided(TcVariant):
             if not ph.empty:
                 nbytes = math.esize * spec.c * self._ld(spec, ph, cfg)
                 out += tuple((f"wph{ph.tag}{'' if p == 'hi' else '_' + p}", nbytes) for p in math.parts)
+                if il:
+                    out += ((ph.buf, spec.itemsize * ph.part().elements(spec)),)
         return out
 
     # -- plan ---------------------------------------------------------------------------------
@@ -228,7 +271,8 @@ class TcDgradStrided(TcVariant):
     def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
              epilogue: Epilogue = Epilogue()) -> Plan:
         no_epilogue(self.name, epilogue)
-        math, cfg, kp = self.math(spec), TileConfig.of(params), self._kp(spec)
+        math, kp = self.math(spec), self._kp(spec)
+        cfg, il = self._split(params)
         if cfg.ks != 1:
             raise ValueError(f"{self.name}: ks ({cfg.ks}) must be 1 (each phase's rows fill the GPU)")
         refs = lambda bufs: tuple(x.name for x in bufs)  # noqa: E731
@@ -238,10 +282,12 @@ class TcDgradStrided(TcVariant):
                                         f"dy NCHW -> NHWC ({kp} channels) as {math.name} operands")
         kernels: list[Kernel] = [yk]
         steps: list[Step] = [Launch(yk.name, ygrid, yk.block, ("y",) + refs(prep.part_buffers("dyh", math)))]
-        zk = zero_phases(f"{self.name}_zero", spec)
+        zk = None if il else zero_phases(f"{self.name}_zero", spec)
         if zk is not None:
             kernels.append(zk[0])
             steps.append(Launch(zk[0].name, zk[1], zk[0].block, ("x",)))
+        jobs: list[Job] = []
+        packs: list[tuple[Phase, int, str]] = []
         for ph in phases(spec):
             if ph.empty:
                 continue
@@ -250,14 +296,22 @@ class TcDgradStrided(TcVariant):
             if why:
                 raise ValueError(f"{self.name}: phase {ph.tag}: {'; '.join(why)}")
             a, b = self.operands(spec, ph, cfg)
-            wk, wgrid = pack_phase(f"{self.name}_w{ph.tag}", spec, ph, math, kp, self._ld(spec, ph, cfg), b.buf)
-            gk = gemm_kernel(f"{self.name}_gemm{ph.tag}", math, cfg, prob, a, b, ph.output(spec))
-            kernels += [wk, gk]
-            steps += [Launch(wk.name, wgrid, wk.block, ("w",) + refs(b.args())),
-                      Launch(gk.name, (cfg.grid(prob, device.units), 1, 1), gk.block,
-                             refs(a.args()) + refs(b.args()) + ph.output(spec).refs())]
+            packs.append((ph, self._ld(spec, ph, cfg), b.buf))
+            jobs.append(Job(prob, [a, b], ph.compact(spec) if il else ph.output(spec)))
+        wk, wgrid = pack_phases(f"{self.name}_w", spec, packs, math, kp)
+        kernels.append(wk)
+        steps.append(Launch(wk.name, wgrid, wk.block, refs(wk.args)))
+        gk = jobs_kernel(f"{self.name}_gemm", math, cfg, jobs)
+        kernels.append(gk)
+        steps.append(Launch(gk.name, (jobs_grid(cfg, [j.prob for j in jobs], device.units), 1, 1), gk.block,
+                            refs(gk.args[:-1])))
+        if il:
+            parts = [ph.part() for ph in phases(spec) if not ph.empty]
+            ik, igrid = interleave_kernel(f"{self.name}_interleave", spec, parts)
+            kernels.append(ik)
+            steps.append(Launch(ik.name, igrid, ik.block, tuple(p.buf for p in parts) + ("x",)))
         return Plan(self.name, self.family, spec, params, tuple(kernels), tuple(steps),
-                    self._workspace(spec, cfg), tolerance(math, spec.dtype), epilogue)
+                    self._workspace(spec, cfg, il), tolerance(math, spec.dtype), epilogue)
 
 
 register(TcDgradStrided("dgrad_tc_strided_tf32", frozenset({"float32"}), False, "relaxed", 12))

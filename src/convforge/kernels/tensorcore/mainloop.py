@@ -38,6 +38,16 @@ REGISTER_ROWS = 8  # per-row producer state kept in registers up to this many ro
 
 
 @dataclass(frozen=True)
+class Job:
+    """One GEMM of a kernel that runs several in turn on one tile shape (strided dgrad's phases):
+    its problem, operands (A, B) and destination."""
+
+    prob: Problem
+    ops: list[Operand]
+    out: Output
+
+
+@dataclass(frozen=True)
 class Ring:
     """The stage ring's shared-memory layout: ``st`` stages from ``sbase``, the consumers' staging
     after them, then the barriers (variable ``bars``)."""
@@ -77,11 +87,28 @@ class Ring:
 def emit_producer(code: Code, ring: Ring, prob: Problem, ops: list[Operand]) -> None:
     """The producer warpgroup (tid 0..127): per tile and stage, wait for the stage to be empty, issue
     every copy of every operand part, arrive on its full barrier once they land."""
-    cfg, math = ring.cfg, ring.math
     for op in ops:
         emit_all(code, op.thread_lets())
     code("int stage = 0;", "unsigned phase = 0u;")
-    with code.block(schedule.loop_head(cfg, prob)):
+    _producer_tiles(code, ring, prob, ops, schedule.loop_head(ring.cfg, prob))
+    code("CP_ASYNC_COMMIT();", "CP_ASYNC_WAIT(0);  // no copy outlives its thread")
+
+
+def emit_producer_jobs(code: Code, ring: Ring, jobs: list[Job]) -> None:
+    """The producer of a kernel running several GEMMs in turn (:class:`Job`): the stage ring runs on
+    from one to the next, each job's operand state in a scope of its own."""
+    code("int stage = 0;", "unsigned phase = 0u;")
+    for job, head in zip(jobs, schedule.job_heads(ring.cfg, [j.prob for j in jobs]), strict=True):
+        with code.block(""):
+            for op in job.ops:
+                emit_all(code, op.thread_lets())
+            _producer_tiles(code, ring, job.prob, job.ops, head)
+    code("CP_ASYNC_COMMIT();", "CP_ASYNC_WAIT(0);  // no copy outlives its thread")
+
+
+def _producer_tiles(code: Code, ring: Ring, prob: Problem, ops: list[Operand], head: str) -> None:
+    cfg, math = ring.cfg, ring.math
+    with code.block(head):
         emit_all(code, schedule.tile_lets(cfg, math, prob))
         rows = REGISTER_ROWS if cfg.regs() else 2 * REGISTER_ROWS  # (setmaxnreg leaves the producer 80)
         keep = [op for op in ops if op.per_thread <= rows]
@@ -99,7 +126,6 @@ def emit_producer(code: Code, ring: Ring, prob: Problem, ops: list[Operand]) -> 
                     _issue(code, cfg.stage(math), op, math, op.row_copies(i))
             code(f"CP_ASYNC_MBAR_ARRIVE({ring.full('stage')});")
             ring.advance(code)
-    code("CP_ASYNC_COMMIT();", "CP_ASYNC_WAIT(0);  // no copy outlives its thread")
 
 
 def _issue(code: Code, stage: StageLayout, op: Operand, math: Math, copies: list[Copy]) -> None:
@@ -142,9 +168,20 @@ def acc_names(cfg: TileConfig, prefix: str = "d") -> list[str]:
 def emit_consumer(code: Code, ring: Ring, prob: Problem, out: Output) -> None:
     """A consumer warpgroup (c = wg - 1): per tile, zero the accumulators, multiply every stage of its
     K range, release the stages, then store through the epilogue."""
-    cfg, math = ring.cfg, ring.math
+    _consumer_state(code, ring)
+    _consumer_tiles(code, ring, prob, out, schedule.loop_head(ring.cfg, prob))
+
+
+def emit_consumer_jobs(code: Code, ring: Ring, jobs: list[Job]) -> None:
+    """The consumers of a kernel running several GEMMs in turn, each stored through its own Output."""
+    _consumer_state(code, ring)
+    for job, head in zip(jobs, schedule.job_heads(ring.cfg, [j.prob for j in jobs]), strict=True):
+        _consumer_tiles(code, ring, job.prob, job.out, head)
+
+
+def _consumer_state(code: Code, ring: Ring) -> None:
+    cfg = ring.cfg
     acc = acc_names(cfg)
-    tied = ", ".join(acc)
     code("const int ct = tid & 127, c = wg - 1, wq = ct >> 5, g = (tid & 31) >> 2, t = tid & 3;",
          f"const U64 dsc = {desc_high()}ull | (U64)(sbase >> 4);",
          f"const U64 da0 = dsc + (U64)(c * {consumer_rows(cfg) // 16});  // this warpgroup's rows of A",
@@ -154,7 +191,13 @@ def emit_consumer(code: Code, ring: Ring, prob: Problem, out: Output) -> None:
     if cfg.pi:
         code(f"float {', '.join(acc_names(cfg, 'f'))};")
     code("int stage = 0, pstage = 0;", "unsigned phase = 0u;")
-    with code.block(schedule.loop_head(cfg, prob)):
+
+
+def _consumer_tiles(code: Code, ring: Ring, prob: Problem, out: Output, head: str) -> None:
+    cfg, math = ring.cfg, ring.math
+    acc = acc_names(cfg)
+    tied = ", ".join(acc)
+    with code.block(head):
         emit_all(code, schedule.tile_lets(cfg, math, prob))
         code(*(f"{d} = 0.0f;" for d in acc + (acc_names(cfg, "f") if cfg.pi else [])))
         with code.block("for (int kt = kbeg; kt < kend; ++kt)"):
