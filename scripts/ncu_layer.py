@@ -7,11 +7,13 @@ transforms, cuDNN's benchmark) run outside the range, so ``ncu --nvtx --nvtx-inc
 the kernels of one warm call, every launch of a convforge plan included.
 
     PYTHONPATH=src python scripts/ncu_layer.py 'N=32,C=256,H=14,W=14,K=256,R=3,S=3,pad=1' implicit_gemm_tf32
+    PYTHONPATH=src python scripts/ncu_layer.py 'N=32,C=128,H=56,W=56,K=128,R=3,S=3,stride=2,pad=1' auto --pass dgrad
 """
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from convforge.spec import ConvSpec
 
@@ -21,6 +23,9 @@ def main() -> None:
     ap.add_argument("spec", help="layer, e.g. 'N=32,C=64,H=56,W=56,K=64,R=3,S=3,pad=1'")
     ap.add_argument("impl", help="convforge algorithm (variant, family, auto) or cudnn-fp32 / cudnn-tf32")
     ap.add_argument("--precision", default=None, help="convforge precision class for 'auto' (default: config)")
+    ap.add_argument("--pass", dest="conv_pass", choices=("fprop", "dgrad", "wgrad"), default="fprop",
+                    help="the pass: fprop (conv2d), dgrad (grad.conv2d_input), wgrad (grad.conv2d_weight); "
+                         "cuDNN's through aten.convolution_backward")
     args = ap.parse_args()
     import torch  # after the arguments: --help runs without torch (tests/test_scripts.py)
     import torch.nn.functional as F
@@ -30,19 +35,22 @@ def main() -> None:
     spec = ConvSpec.parse(args.spec)
     x = torch.randn(spec.x_shape, device="cuda")
     w = torch.randn(spec.w_shape, device="cuda") / (spec.c * spec.r * spec.s) ** 0.5
+    dy = torch.randn((spec.n, spec.k, spec.p, spec.q), device="cuda")
     torch.backends.cudnn.benchmark = True
     if args.impl.startswith("cudnn-"):
         torch.backends.cudnn.allow_tf32 = args.impl == "cudnn-tf32"
-        t, b, left, right = spec.pad
-        xin = F.pad(x, (left, right, t, b)) if (t != b or left != right) else x
-        pad = (0, 0) if (t != b or left != right) else (t, left)
+        call = _cudnn_call(F, torch, spec, x, w, dy, args.conv_pass)
+    else:
+        import convforge.grad as cg
+        geo = dict(stride=spec.stride, padding=spec.pad, dilation=spec.dilation, algo=args.impl,
+                   precision=args.precision)
 
         def call() -> object:
-            return F.conv2d(xin, w, None, spec.stride, pad, spec.dilation)
-    else:
-        def call() -> object:
-            return convforge.conv2d(x, w, None, spec.stride, spec.pad, spec.dilation, algo=args.impl,
-                                    precision=args.precision)
+            if args.conv_pass == "dgrad":
+                return cg.conv2d_input(spec.x_shape, w, dy, **geo)
+            if args.conv_pass == "wgrad":
+                return cg.conv2d_weight(x, spec.w_shape, dy, **geo)
+            return convforge.conv2d(x, w, None, **geo)
     for _ in range(3):
         call()
     torch.cuda.synchronize()
@@ -50,6 +58,19 @@ def main() -> None:
     call()
     torch.cuda.nvtx.range_pop()
     torch.cuda.synchronize()
+
+
+def _cudnn_call(F: Any, torch: Any, spec: ConvSpec, x: Any, w: Any, dy: Any, conv_pass: str) -> Any:
+    """PyTorch's cuDNN call for the pass (asymmetric padding: the input padded first, as the bench does)."""
+    t, b, left, right = spec.pad
+    sym = t == b and left == right
+    xin = x if sym else F.pad(x, (left, right, t, b))
+    pad = [t, left] if sym else [0, 0]
+    if conv_pass == "fprop":
+        return lambda: F.conv2d(xin, w, None, spec.stride, pad, spec.dilation)
+    mask = [conv_pass == "dgrad", conv_pass == "wgrad", False]
+    return lambda: torch.ops.aten.convolution_backward(dy, xin, w, None, list(spec.stride), pad,
+                                                       list(spec.dilation), False, [0, 0], 1, mask)
 
 
 if __name__ == "__main__":
