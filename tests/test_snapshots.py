@@ -64,18 +64,23 @@ def test_full_filter_transform_snapshot(name, backend):
     assert src == path.read_text(), f"generated source of {name} (hf=0) changed; review and update"
 
 
-@pytest.mark.parametrize("name", ["dgrad_tc_strided_tf32", "dgrad_tc_strided_half"])
-def test_strided_dgrad_snapshot(name):
-    """The snapshot specs are stride 1, which the tensor-core strided dgrad leaves to the transposed
-    forward problem: a 3x3 stride-2 layer (four phases of 1, 2, 2 and 4 taps) and a 1x1 stride-2 one
-    (one phase and the zero step) pin its source."""
+@pytest.mark.parametrize("name, backend", [("dgrad_tc_strided_tf32", "cuda"), ("dgrad_tc_strided_half", "cuda"),
+                                           ("dgrad_sub_gemm1x1", "cuda"), ("dgrad_sub_gemm1x1", "opencl"),
+                                           ("dgrad_sub_gemm1x1_wgmma_tf32", "cuda")])
+def test_strided_dgrad_snapshot(name, backend):
+    """The snapshot specs are stride 1, which the strided dgrads leave to the transposed forward
+    problem: a 3x3 stride-2 layer (four phases of 1, 2, 2 and 4 taps, interleaved) and a 1x1
+    stride-2 one (one phase; dgrad_sub_*: the sub-grid GEMM and the interleave) pin their sources."""
     variant = next(v for v in all_variants() if v.name == name)
-    dtype = "float32" if name.endswith("tf32") else "float16"
+    dtype = "float16" if name.endswith("half") else "float32"
     bases = {"3x3s2": ConvSpec.make(2, 5, 11, 11, 6, 3, 3, 2, 1), "1x1s2": ConvSpec.make(2, 8, 7, 7, 6, 1, 1, 2)}
+    device = NOMINAL_CUDA if backend == "cuda" else NOMINAL_OPENCL_GPU
     for tag, base in bases.items():
         spec = ConvSpec.from_dict({**base.to_dict(), "dtype": dtype, "pass": "dgrad"})
-        src = variant.plan(spec, variant.default(spec, NOMINAL_CUDA), NOMINAL_CUDA).source("cuda")
-        path = SNAP / f"{name}.{tag}-dgrad.cuda.txt"
+        if variant.applies(spec, device) is not None:
+            continue
+        src = variant.plan(spec, variant.default(spec, device), device).source(backend)
+        path = SNAP / f"{name}.{tag}-dgrad.{backend}.txt"
         if os.environ.get("CONVFORGE_UPDATE_SNAPSHOTS"):
             path.write_text(src)
         assert path.exists(), f"no snapshot {path.name}: run with CONVFORGE_UPDATE_SNAPSHOTS=1 and review it"
