@@ -199,7 +199,7 @@ def test_precision_classes_follow_the_forward_variant():
 # -- the untuned heuristic -------------------------------------------------------------------------
 @pytest.mark.parametrize("layer, family, first", [
     ((32, 64, 56, 56, 64, 3, 3, 1, 1), "winograd", "dgrad_winograd_fused_f4"),
-    ((32, 256, 14, 14, 256, 3, 3, 1, 1), "winograd", "dgrad_winograd_nonfused_f4"),
+    ((32, 256, 14, 14, 256, 3, 3, 1, 1), "implicit_gemm", "dgrad_tc_implicit_gemm_3xtf32"),  # dgrad_first
     ((32, 512, 7, 7, 512, 3, 3, 1, 1), "winograd", "dgrad_winograd_nonfused_f4"),
     ((32, 256, 56, 56, 64, 1, 1, 1, 0), "gemm1x1", "dgrad_gemm1x1"),
     ((32, 1024, 14, 14, 256, 1, 1, 1, 0), "gemm1x1", "dgrad_gemm1x1"),
@@ -214,6 +214,19 @@ def test_heuristic_picks_for_resnet_dgrad(layer, family, first):
     v, params = most_specialised("auto", spec, NOMINAL_CUDA, precision="fp32")
     assert (v.family, v.name) == (family, first)
     assert v.plan(spec, params, NOMINAL_CUDA).spec == spec
+
+
+@pytest.mark.parametrize("layer, first", [
+    ((32, 512, 7, 7, 2048, 1, 1), "dgrad_tc_implicit_gemm_tf32"),  # dgrad_first: C >= 512, K >= 512
+    ((32, 512, 28, 28, 128, 1, 1), "dgrad_tc_implicit_gemm_tf32"),  # C >= 512, N H W >= 16384
+    ((32, 1024, 14, 14, 256, 1, 1), "dgrad_gemm1x1_wgmma_tf32"),  # neither: the forward's order
+    ((32, 64, 56, 56, 256, 1, 1), "dgrad_gemm1x1_wgmma_tf32"),
+    ((32, 128, 56, 56, 128, 3, 3, 2, 1), "dgrad_tc_strided_tf32"),
+    ((32, 1024, 14, 14, 2048, 1, 1, 2), "dgrad_tc_strided_tf32"),  # above dgrad_sub_gemm1x1_wgmma_tf32
+])
+def test_heuristic_picks_for_resnet50_relaxed_dgrad(layer, first):
+    spec = ConvSpec.make(*layer, conv_pass="dgrad")
+    assert most_specialised("auto", spec, NOMINAL_CUDA, precision="relaxed")[0].name == first
 
 
 # -- nvcc sm_90 ------------------------------------------------------------------------------------

@@ -85,6 +85,32 @@ def transposed_spec(spec: ConvSpec) -> ConvSpec | str:
                     spec.dtype, spec.groups, "fprop")
 
 
+DGRAD_FIRST = 3  # rank raise of a dgrad_first form: past gemm1x1_wgmma_tf32 (12 against 11) and F(4x4) (10 against 8)
+
+
+def dgrad_first(fwd: str, spec: ConvSpec) -> bool:
+    """Where the dgrad form of forward variant ``fwd`` ran ahead of the one its forward rank puts
+    first (H100, round 23, N32 float32, bench time with the rotation; ResNet-50's and the ResNet
+    suite's layers):
+
+    * ``tc_implicit_gemm_tf32`` over ``gemm1x1_wgmma_tf32`` on 1x1 dgrad where dx has C >= 512
+      channels and K >= 512 or N*H*W >= 16384 pixels (512->2048 @7² 0.060 against 0.087 ms,
+      2048->512 @7² 0.058 / 0.068, 512->256 @28² 0.063 / 0.071, 1024->512 @14² 0.053 / 0.059,
+      512->128 @28² 0.043 / 0.048; behind it at 1024->256 @14² 0.050 / 0.042 and wherever C <= 256,
+      64->256 @56² 0.128 / 0.056);
+    * ``tc_implicit_gemm_3xtf32`` over Winograd F(4x4) on 3x3 stride-1 dgrad of 14 <= H <= 28 and
+      C, K >= 128 (res256 @14² N32 / N64 0.099 / 0.160 against 0.115 / 0.181 ms, res128 @28² 0.094 /
+      0.167 against 0.096 / 0.171; at 4.7e-7 against F(4x4)'s 2.1-2.9e-6; behind it at 56² and 7²).
+    """
+    if spec.conv_pass != "dgrad" or spec.dtype != "float32" or spec.groups != 1 or spec.stride != (1, 1):
+        return False
+    if fwd == "tc_implicit_gemm_tf32":
+        return spec.r == spec.s == 1 and spec.c >= 512 and (spec.k >= 512 or spec.n * spec.h * spec.w >= 16384)
+    if fwd == "tc_implicit_gemm_3xtf32":
+        return (spec.r, spec.s, spec.dilation) == (3, 3, (1, 1)) and 14 <= spec.h <= 28 and min(spec.c, spec.k) >= 128
+    return False
+
+
 def rotate_kernel(spec: ConvSpec) -> tuple[Kernel, tuple[int, int, int]]:
     """w_rot[g*cg + c, kk, R-1-r, S-1-s] = w[g*kg + kk, c, r, s]: one thread per element of w',
     writes coalesced; a copy of the stored bits, so float16 and bfloat16 filters move as they are."""
@@ -145,9 +171,12 @@ class DgradTransposed(Variant):
 
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
         """The forward variant's standing on the transposed problem (its measured rules carry over:
-        a stride-1 dgrad costs what the forward of spec' costs, plus the small rotation)."""
+        a stride-1 dgrad costs what the forward of spec' costs, plus the small rotation), raised past
+        the forward's first where dgrad was measured apart from the forward (:func:`dgrad_first`)."""
         t = transposed_spec(spec)
-        return self.fwd.rank(t, device) if isinstance(t, ConvSpec) else self.specialised
+        if not isinstance(t, ConvSpec):
+            return self.specialised
+        return self.fwd.rank(t, device) + (DGRAD_FIRST if dgrad_first(self.fwd.name, spec) else 0)
 
     def expected_error(self, spec: ConvSpec) -> float:
         t = transposed_spec(spec)
