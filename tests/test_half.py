@@ -151,11 +151,13 @@ def test_half_variant_on_odd_shapes(ocl, name: str, dtype: str) -> None:
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("name", half_variants("opencl", "dgrad"))
 def test_half_dgrad_through_forward_families(ocl, name: str, dtype: str) -> None:
-    """Stride-1 dgrad by a forward family (its filters rotated as raw half bits) in half storage."""
+    """Stride-1 dgrad by a forward family (its filters rotated as raw half bits) in half storage, and
+    strided 1x1 dgrad through the sub-grid (dgrad_sub_*: the interleave copies half bits)."""
     v = next(v for v in all_variants() if v.name == name)
     tried = 0
     for i, base in enumerate([ODD_SPECS[0], ODD_SPECS[1], ODD_SPECS[5], VECTOR_SPECS[1], GROUPED_SPECS[1],
-                              ConvSpec.make(1, 8, 4, 5, 64, 1, 1)]):  # the last: a 64-long dgrad reduction
+                              ConvSpec.make(1, 8, 4, 5, 64, 1, 1),  # a 64-long dgrad reduction
+                              ConvSpec.make(1, 6, 9, 11, 40, 1, 1, 2, (1, 0, 0, 1))]):  # 1x1/2, split-K sub-grid
         spec = dataclasses.replace(base, dtype=dtype, conv_pass="dgrad")
         if v.applies(spec, ocl.device):
             continue
