@@ -5,7 +5,7 @@ A strided dgrad computes dx phase by phase: the pixels (ph + sh a, pw + sw b) of
 form a dense sub-grid, which a GEMM writes compact into its own buffer (N x C x bh x bw, full
 vector stores). Written straight into dx instead, every second column of a row is a partial 32-byte
 sector that the L2 must fill from DRAM first (H100, 3x3/2 128->128 @56² N32: each of the four phase
-GEMMs moved 58 MB of DRAM for its 12.8 MB of dx; ncu, docs/NOTES-dgrad.md). This pass reads each
+GEMMs moved 58 MB of DRAM for its 12.8 MB of dx; ncu, docs/NOTES-tensorcore.md). This pass reads each
 phase buffer once and writes dx once, in order.
 
 :class:`Part` maps a phase's dx pixel (ph + sh a, pw + sw b) to buffer row a + oh, column b + ow
@@ -41,7 +41,7 @@ class Part:
     def elements(self, spec: ConvSpec) -> int:
         return spec.n * spec.c * self.bh * self.bw
 
-    def read(self, ctype: str) -> list[str]:
+    def read(self) -> list[str]:
         """C lines that set ``v`` from this buffer, for the thread's plane ``nc`` and (a, b)."""
         r = f"a + {self.oh}" if self.oh else "a"
         q = f"b + {self.ow}" if self.ow else "b"
@@ -66,7 +66,7 @@ def interleave_kernel(name: str, spec: ConvSpec, parts: list[Part]) -> tuple[Ker
             f"{ctype} v = 0;"]
     for i, p in enumerate(parts):
         body.append(f"{'else ' if i else ''}if (ph == {p.ph} && pw == {p.pw}) {{")
-        body += ["  " + line for line in p.read(ctype)]
+        body += ["  " + line for line in p.read()]
         body.append("}")
     body.append("x[e] = v;")
     bufs = tuple(Buf(p.buf, ctype) for p in parts) + (Buf("x", ctype, readonly=False),)

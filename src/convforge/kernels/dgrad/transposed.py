@@ -1,4 +1,5 @@
-"""Stride-1 dgrad by any forward variant (Nervana's bprop; DESIGN.md "A problem is (spec, pass, dtype)").
+"""Stride-1 dgrad by any forward variant (Nervana's bprop; DESIGN.md "A problem is (spec, pass, dtype)"),
+and strided 1x1 dgrad by any forward 1x1 variant (:class:`DgradSubsampled`).
 
 For stride 1, dx = conv(dy, w') with the forward convolution of the transposed problem
 
