@@ -314,6 +314,22 @@ def test_offered_in_the_relaxed_class_only_and_ranked():
     assert all(p.sw == 128 for p in get_variant(NAME).space(LAYER, NOMINAL_CUDA))
 
 
+@pytest.mark.parametrize("layer, first", [
+    ((5, 4096, 1, 1, 4096, 1, 1), "gemm1x1_splitk"),  # Boda's AlexNet fc7 at N5: a weight stream
+    ((5, 4096, 1, 1, 1000, 1, 1), "gemm1x1_splitk"),  # fc8
+    ((5, 256, 6, 6, 4096, 6, 6), "gemm_fc"),  # fc6, the full-window form
+    ((32, 4096, 1, 1, 4096, 1, 1), NAME),  # 32 pixels: the wgmma tile pays
+    ((1, 1024, 7, 7, 256, 1, 1), NAME),  # batch 1, 49 pixels
+])
+def test_a_handful_of_pixels_goes_to_the_split_k_gemms(layer, first):
+    """Relaxed class on sm_90: float32 layers of at most FEW_PIXELS output pixels rank the wgmma
+    paths below the CUDA-core split-K GEMMs (isa.few_pixels); wider ones keep them first."""
+    from convforge.kernels import most_specialised
+
+    spec = ConvSpec.make(*layer)
+    assert most_specialised("auto", spec, NOMINAL_CUDA, precision="relaxed")[0].name == first
+
+
 def test_opencl_refuses_with_reason():
     plan = get_variant(NAME).plan(LAYER, Params(bn=128, wg=2, st=4, sw=128), NOMINAL_CUDA)
     with pytest.raises(ValueError, match="wgmma"):

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from convforge.plan import DeviceInfo
+from convforge.spec import ConvSpec
 
 M = 64  # rows of one wgmma
 KSTEP_BYTES = 32  # bytes of K one wgmma consumes, every math mode
@@ -133,3 +134,17 @@ def device_reason(device: DeviceInfo) -> str | None:
         have = f"{device.cc[0]}.{device.cc[1]}" if device.cc else "unknown"
         return f"wgmma is compiled for sm_90a, which runs only on compute capability 9.0 (device: {have})"
     return None
+
+
+FEW_PIXELS = 8  # output pixels (N P Q) at or below which a float32 GEMM is a weight stream, not a tile
+
+
+def few_pixels(spec: ConvSpec) -> bool:
+    """A float32 layer of at most :data:`FEW_PIXELS` output pixels: a fully-connected layer at a small
+    batch, whose GEMM streams the weights once for a handful of columns. The wgmma tiles (64-256
+    pixels wide) are then almost empty, and the CUDA-core split-K GEMMs (gemm_fc, gemm1x1_splitk)
+    stream the weights faster: Boda's AlexNet fc6 / fc7 / fc8 at N5, relaxed class, ran 0.125 /
+    0.059 / 0.020 ms on them (H200, round 8) and 0.279 / 0.129 / 0.076 ms on the wgmma paths (H100,
+    round 23; 0.42x and 0.40x cuDNN-best TF32 on fc7 / fc8). Two devices of 1.4x apart in memory
+    bandwidth: the ranking this sets is predicted for the H100, not measured there side by side."""
+    return spec.dtype == "float32" and spec.n * spec.p * spec.q <= FEW_PIXELS

@@ -25,7 +25,7 @@ from convforge.codegen.meta import cdiv
 from convforge.kernels import register
 from convforge.kernels.tensorcore import prep, tiles
 from convforge.kernels.tensorcore.epilogue import Output, reduce_kernel
-from convforge.kernels.tensorcore.isa import Math, device_reason, math_for
+from convforge.kernels.tensorcore.isa import Math, device_reason, few_pixels, math_for
 from convforge.kernels.tensorcore.kernel import gemm_kernel
 from convforge.kernels.tensorcore.operands import DenseRows, Geometry, Im2colNhwc
 from convforge.kernels.tensorcore.smem import MAX_SHARED, Tile
@@ -142,12 +142,16 @@ class TcImplicitGemm(TcVariant):
         """First on sm_90 devices for TF32 and half layers (the relaxed class and half dtypes), except
         float32 1x1 layers of stride 1 without padding, where gemm1x1_wgmma_tf32 reads x in place and
         was faster or equal (H100, TF32: 1024->256 @14² N32 33 against 43 us, 64->256 @56² 73 and 73,
-        Boda 832@7 and 256@27 N5 34 / 26 against 46 / 36); 3xTF32 by :func:`x3_rank` where measured,
-        else at its stated rank (below Winograd and gemm1x1, above implicit GEMM)."""
+        Boda 832@7 and 256@27 N5 34 / 26 against 46 / 36), and float32 layers of a handful of pixels
+        (:func:`~convforge.kernels.tensorcore.isa.few_pixels`: fully-connected at a small batch), where
+        the CUDA-core split-K GEMMs go first; 3xTF32 by :func:`x3_rank` where measured, else at its
+        stated rank (below Winograd and gemm1x1, above implicit GEMM)."""
         if device_reason(device) is not None:
             return self.specialised
         if self.x3:
             return x3_rank(spec) or self.specialised
+        if few_pixels(spec):
+            return RANK_SM90 - 3  # below gemm_fc and gemm1x1_splitk: a weight stream (isa.few_pixels)
         if spec.dtype == "float32" and spec.r == spec.s == 1 and spec.stride == (1, 1) and not any(spec.pad):
             return RANK_SM90 - 2
         return RANK_SM90

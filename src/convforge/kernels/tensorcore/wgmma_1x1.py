@@ -49,7 +49,7 @@ from convforge.kernels import register
 from convforge.kernels.common import out_args, out_refs
 from convforge.kernels.gemm import elementwise, nchw_store, too_big
 from convforge.kernels.sgemm import Store
-from convforge.kernels.tensorcore.isa import device_reason
+from convforge.kernels.tensorcore.isa import device_reason, few_pixels
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
 from convforge.spec import ConvSpec
@@ -479,7 +479,11 @@ class Gemm1x1WgmmaTF32(Variant):
         transpose 20), 512->2048 @7² 38 against 56, but 256->64 @56² 106 against 58 (transpose
         63) and 64->256 @56² 115 against 103 (GEMM 97: store-bound). xl=direct removes the
         transpose (GEMM alone: 25, 29, 43 us) and ep=smem makes the stores coalesced float4 rows,
-        so all four should win; predicted, not yet measured (scripts/gpu_wgmma.py --time)."""
+        so all four should win; predicted, not yet measured (scripts/gpu_wgmma.py --time). Below
+        gemm1x1_splitk on a handful of pixels (isa.few_pixels: Boda's fc7 / fc8 at N5 0.42x / 0.40x
+        cuDNN-best TF32 here)."""
+        if few_pixels(spec):
+            return 10  # below gemm1x1_splitk (11): a weight stream (isa.few_pixels)
         if direct_applies(spec) or (spec.c >= 256 and spec.k >= 256):
             return self.specialised
         return 10
