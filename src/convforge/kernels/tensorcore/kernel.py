@@ -12,14 +12,7 @@ from convforge.codegen.dialect import Arg, Kernel, LocalBuf
 from convforge.codegen.meta import Code
 from convforge.kernels.tensorcore.epilogue import Output
 from convforge.kernels.tensorcore.isa import Math
-from convforge.kernels.tensorcore.mainloop import (
-    Job,
-    Ring,
-    emit_consumer,
-    emit_consumer_jobs,
-    emit_producer,
-    emit_producer_jobs,
-)
+from convforge.kernels.tensorcore.mainloop import Job, Ring, emit_consumer, emit_producer
 from convforge.kernels.tensorcore.operands import Operand
 from convforge.kernels.tensorcore.tiles import Problem, TileConfig
 
@@ -27,35 +20,15 @@ from convforge.kernels.tensorcore.tiles import Problem, TileConfig
 def gemm_kernel(name: str, math: Math, cfg: TileConfig, prob: Problem, a: Operand, b: Operand,
                 out: Output) -> Kernel:
     """D = A . B^T of ``prob`` with tile ``cfg`` in ``math``, stored through ``out``."""
-    why = cfg.problems(math, prob)
-    if why:
-        raise ValueError(f"tensor-core tile {cfg.params().short()}: {'; '.join(why)}")
-    ring = Ring(cfg, math)
-    code = Code()
-    code("const int tid = LOCAL_ID(0), wg = SHFL(tid >> 7, 0);  // warpgroup, uniform in the warp",
-         "const unsigned sbase = (SMEM_U32(tc_smem) + 1023u) & ~1023u;  // swizzle atoms 1024-byte aligned",
-         f"const unsigned bars = sbase + {ring.barrier_offset}u;")
-    ring.emit_init(code)
-    regs = cfg.regs()
-    with code.block("if (wg == 0)"):
-        if regs:
-            code(f"SETMAXNREG_DEC({regs[0]});")
-        emit_producer(code, ring, prob, [a, b])
-    with code.block("else"):
-        if regs:
-            code(f"SETMAXNREG_INC({regs[1]});")
-        emit_consumer(code, ring, prob, out)
-    args = a.args() + b.args() + out.args() + (LocalBuf("tc_smem", cfg.shared_bytes(math)),)
-    return Kernel(name, args, code.text(), (cfg.threads, 1, 1), frozenset({"wgmma", "shuffle"}),
-                  min_blocks=1, comment=f"wgmma {math.name} GEMM {prob.m}x{prob.n}x{prob.kred}"
-                  f"{f' x{prob.batch}' if prob.batch > 1 else ''}: {cfg.params().short()}")
+    return jobs_kernel(name, math, cfg, [Job(prob, [a, b], out)])
 
 
 def jobs_kernel(name: str, math: Math, cfg: TileConfig, jobs: list[Job]) -> Kernel:
     """Several GEMMs of one tile shape in one launch, in turn (:func:`schedule.job_heads`): the stage
     ring runs on from one job's tiles to the next, so the producer already loads the next job's
     stages while the consumers store the last tile of this one. Launch it on
-    ``min(sum of tiles, units)`` blocks (persistent) or the most tiles of a job (``ps=0``)."""
+    ``min(sum of tiles, units)`` blocks (persistent) or the most tiles of a job (``ps=0``). One job
+    is :func:`gemm_kernel`."""
     if not jobs:
         raise ValueError(f"{name}: no GEMM to run")
     for job in jobs:
@@ -72,20 +45,28 @@ def jobs_kernel(name: str, math: Math, cfg: TileConfig, jobs: list[Job]) -> Kern
     with code.block("if (wg == 0)"):
         if regs:
             code(f"SETMAXNREG_DEC({regs[0]});")
-        emit_producer_jobs(code, ring, jobs)
+        emit_producer(code, ring, jobs)
     with code.block("else"):
         if regs:
             code(f"SETMAXNREG_INC({regs[1]});")
-        emit_consumer_jobs(code, ring, jobs)
+        emit_consumer(code, ring, jobs)
     args: tuple[Arg, ...] = ()
     for job in jobs:
         for arg in job.ops[0].args() + job.ops[1].args() + job.out.args():
             if arg.name not in {a.name for a in args}:
                 args += (arg,)
-    shapes = ", ".join(f"{j.prob.m}x{j.prob.n}x{j.prob.kred}" for j in jobs)
     return Kernel(name, args + (LocalBuf("tc_smem", cfg.shared_bytes(math)),), code.text(), (cfg.threads, 1, 1),
-                  frozenset({"wgmma", "shuffle"}), min_blocks=1,
-                  comment=f"wgmma {math.name} GEMMs {shapes} in turn: {cfg.params().short()}")
+                  frozenset({"wgmma", "shuffle"}), min_blocks=1, comment=_comment(math, cfg, jobs))
+
+
+def _comment(math: Math, cfg: TileConfig, jobs: list[Job]) -> str:
+    """The kernel's one-line comment: its GEMM(s) and tile."""
+    if len(jobs) == 1:
+        p = jobs[0].prob
+        batch = f" x{p.batch}" if p.batch > 1 else ""
+        return f"wgmma {math.name} GEMM {p.m}x{p.n}x{p.kred}{batch}: {cfg.params().short()}"
+    shapes = ", ".join(f"{j.prob.m}x{j.prob.n}x{j.prob.kred}" for j in jobs)
+    return f"wgmma {math.name} GEMMs {shapes} in turn: {cfg.params().short()}"
 
 
 def jobs_grid(cfg: TileConfig, probs: list[Problem], units: int) -> int:

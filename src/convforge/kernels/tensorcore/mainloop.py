@@ -84,25 +84,24 @@ class Ring:
         code(f"if (++stage == {self.cfg.st}) {{ stage = 0; phase ^= 1u; }}")
 
 
-def emit_producer(code: Code, ring: Ring, prob: Problem, ops: list[Operand]) -> None:
+def emit_producer(code: Code, ring: Ring, jobs: list[Job]) -> None:
     """The producer warpgroup (tid 0..127): per tile and stage, wait for the stage to be empty, issue
-    every copy of every operand part, arrive on its full barrier once they land."""
-    for op in ops:
-        emit_all(code, op.thread_lets())
+    every copy of every operand part, arrive on its full barrier once they land. Several jobs run in
+    turn, the stage ring running on from one to the next, each job's operand state in a scope of its
+    own (one job: no extra scope)."""
+    heads = schedule.job_heads(ring.cfg, [j.prob for j in jobs])
+    if len(jobs) == 1:
+        for op in jobs[0].ops:
+            emit_all(code, op.thread_lets())
     code("int stage = 0;", "unsigned phase = 0u;")
-    _producer_tiles(code, ring, prob, ops, schedule.loop_head(ring.cfg, prob))
-    code("CP_ASYNC_COMMIT();", "CP_ASYNC_WAIT(0);  // no copy outlives its thread")
-
-
-def emit_producer_jobs(code: Code, ring: Ring, jobs: list[Job]) -> None:
-    """The producer of a kernel running several GEMMs in turn (:class:`Job`): the stage ring runs on
-    from one to the next, each job's operand state in a scope of its own."""
-    code("int stage = 0;", "unsigned phase = 0u;")
-    for job, head in zip(jobs, schedule.job_heads(ring.cfg, [j.prob for j in jobs]), strict=True):
-        with code.block(""):
-            for op in job.ops:
-                emit_all(code, op.thread_lets())
-            _producer_tiles(code, ring, job.prob, job.ops, head)
+    if len(jobs) == 1:
+        _producer_tiles(code, ring, jobs[0].prob, jobs[0].ops, heads[0])
+    else:
+        for job, head in zip(jobs, heads, strict=True):
+            with code.block(""):
+                for op in job.ops:
+                    emit_all(code, op.thread_lets())
+                _producer_tiles(code, ring, job.prob, job.ops, head)
     code("CP_ASYNC_COMMIT();", "CP_ASYNC_WAIT(0);  // no copy outlives its thread")
 
 
@@ -165,15 +164,9 @@ def acc_names(cfg: TileConfig, prefix: str = "d") -> list[str]:
     return [acc_name(mi, i, prefix) for mi in range(cfg.wm) for i in range(cfg.bn // 2)]
 
 
-def emit_consumer(code: Code, ring: Ring, prob: Problem, out: Output) -> None:
+def emit_consumer(code: Code, ring: Ring, jobs: list[Job]) -> None:
     """A consumer warpgroup (c = wg - 1): per tile, zero the accumulators, multiply every stage of its
-    K range, release the stages, then store through the epilogue."""
-    _consumer_state(code, ring)
-    _consumer_tiles(code, ring, prob, out, schedule.loop_head(ring.cfg, prob))
-
-
-def emit_consumer_jobs(code: Code, ring: Ring, jobs: list[Job]) -> None:
-    """The consumers of a kernel running several GEMMs in turn, each stored through its own Output."""
+    K range, release the stages, then store through the epilogue (each job through its own Output)."""
     _consumer_state(code, ring)
     for job, head in zip(jobs, schedule.job_heads(ring.cfg, [j.prob for j in jobs]), strict=True):
         _consumer_tiles(code, ring, job.prob, job.out, head)

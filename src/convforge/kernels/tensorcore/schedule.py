@@ -31,14 +31,10 @@ def tile_lets(cfg: TileConfig, math: Math, prob: Problem) -> list[Let]:
     return out
 
 
-def loop_head(cfg: TileConfig, prob: Problem) -> str:
-    """The persistent loop over this block's tiles."""
-    return f"for (int tile = GROUP_ID(0); tile < {cfg.tiles(prob)}; tile += NUM_GROUPS(0))"
-
-
 def job_heads(cfg: TileConfig, probs: list[Problem]) -> list[str]:
-    """The loops of a kernel running several GEMMs in turn: their tiles numbered one after the other
-    (job j's from offset o_j) and dealt round-robin over the blocks, so block b takes the tiles
+    """The persistent loops over a block's tiles, one per GEMM of a kernel running several in turn
+    (one GEMM: ``for (tile = blockIdx.x; tile < tiles; tile += gridDim.x)``): their tiles numbered
+    one after the other (job j's from offset o_j) and dealt round-robin over the blocks, so block b takes the tiles
     b, b + G, ... of the whole sequence (G = gridDim.x): its first tile of job j is the one with
     o_j + tile = b mod G. No block waits at a job's end while others still have tiles of it."""
     heads, offset = [], 0
