@@ -154,8 +154,11 @@ class DgradTransposed(Variant):
         self.specialised, self.space_lead, self.grouped = fwd.specialised, fwd.space_lead, fwd.grouped
         self.dtypes = fwd.dtypes
 
+    problem = staticmethod(transposed_spec)  # the forward problem whose output is dx, or why there is none
+    problem_name = "the transposed problem"
+
     def _t(self, spec: ConvSpec) -> ConvSpec:
-        t = transposed_spec(spec)
+        t = self.problem(spec)
         if isinstance(t, str):
             raise ValueError(f"{self.name} does not apply to {spec.short()}: {t}")
         return t
@@ -164,11 +167,11 @@ class DgradTransposed(Variant):
         why = super().applies(spec, device)
         if why:
             return why
-        t = transposed_spec(spec)
+        t = self.problem(spec)
         if isinstance(t, str):
             return t
         why = self.fwd.applies(t, device)
-        return f"{self.fwd.name} on the transposed problem ({t.short()}): {why}" if why else None
+        return f"{self.fwd.name} on {self.problem_name} ({t.short()}): {why}" if why else None
 
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
         """The forward variant's standing on the transposed problem (its measured rules carry over:
@@ -180,7 +183,7 @@ class DgradTransposed(Variant):
         return self.fwd.rank(t, device) + (DGRAD_FIRST if dgrad_first(self.fwd.name, spec) else 0)
 
     def expected_error(self, spec: ConvSpec) -> float:
-        t = transposed_spec(spec)
+        t = self.problem(spec)
         return self.fwd.expected_error(t if isinstance(t, ConvSpec) else spec.with_pass("fprop"))
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
@@ -239,25 +242,12 @@ class DgradSubsampled(DgradTransposed):
     dgrad_tc_strided_* left three sectors in four partial: 1x1/2 256->512 @56² N32 moved 151 MB of
     DRAM for 26 MB of values, H100 ncu)."""
 
+    problem = staticmethod(subsampled_spec)
+    problem_name = "the sub-grid problem"
+
     def __init__(self, fwd: Variant) -> None:
         super().__init__(fwd)
         self.name = f"dgrad_sub_{fwd.name}"
-
-    def _t(self, spec: ConvSpec) -> ConvSpec:
-        t = subsampled_spec(spec)
-        if isinstance(t, str):
-            raise ValueError(f"{self.name} does not apply to {spec.short()}: {t}")
-        return t
-
-    def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
-        why = Variant.applies(self, spec, device)
-        if why:
-            return why
-        t = subsampled_spec(spec)
-        if isinstance(t, str):
-            return t
-        why = self.fwd.applies(t, device)
-        return f"{self.fwd.name} on the sub-grid problem ({t.short()}): {why}" if why else None
 
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
         """One below the forward variant's standing on the sub-grid problem: above dgrad_strided_gemm
@@ -267,10 +257,6 @@ class DgradSubsampled(DgradTransposed):
         0.094 ms against dgrad_sub_gemm1x1_wgmma_tf32's 0.155 / 0.115 / 0.122)."""
         t = subsampled_spec(spec)
         return self.fwd.rank(t, device) - 1 if isinstance(t, ConvSpec) else self.specialised
-
-    def expected_error(self, spec: ConvSpec) -> float:
-        t = subsampled_spec(spec)
-        return self.fwd.expected_error(t if isinstance(t, ConvSpec) else spec.with_pass("fprop"))
 
     def workspace_bytes(self, spec: ConvSpec, params: Params) -> int:
         return super().workspace_bytes(spec, params) + spec.itemsize * subgrid_part(spec).elements(spec)
