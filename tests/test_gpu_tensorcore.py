@@ -38,7 +38,8 @@ DTYPES = {"tc_implicit_gemm_half": ("float16", "bfloat16"), "tc_winograd_f2": ("
           "dgrad_tc_strided_half": ("float16", "bfloat16")}
 STRIDED = [ConvSpec.make(2, 6, 9, 7, 10, 1, 1, 2), ConvSpec.make(1, 9, 13, 11, 5, 3, 3, (2, 3), (1, 0, 2, 1)),
            ConvSpec.make(3, 5, 8, 8, 70, 3, 3, 2, 1), ConvSpec.make(32, 128, 56, 56, 128, 3, 3, 2, 1),
-           ConvSpec.make(32, 256, 56, 56, 512, 1, 1, 2), ConvSpec.make(32, 512, 14, 14, 512, 3, 3, 2, 1)]
+           ConvSpec.make(32, 256, 56, 56, 512, 1, 1, 2), ConvSpec.make(32, 512, 14, 14, 512, 3, 3, 2, 1),
+           ConvSpec.make(1, 16, 1, 1, 16, 1, 1, 2, 1)]  # no tap reaches dx: zeros, no GEMM
 
 
 @pytest.fixture(scope="module")

@@ -952,3 +952,19 @@ def test_job_heads_deal_every_tile_of_every_job_once_round_robin(ps):
     assert all(n == 1 for job in seen for n in job), seen
     if ps:
         assert max(load) - min(load) <= 1, load
+
+
+@pytest.mark.parametrize("name", ["dgrad_tc_strided_tf32", "dgrad_tc_strided_3xtf32"])
+def test_strided_dgrad_where_no_tap_reaches_dx_plans_no_gemm(nvcc_ok, name):
+    """A 1x1 stride-2 layer of one padded pixel: every phase is empty, dx is zeros. The plan has its
+    default and space (the tile picked for a nominal problem), no filter packing or GEMM, and writes
+    dx by the interleave (or the zero step, il=0); its sources compile."""
+    v = get_variant(name)
+    spec = ConvSpec.make(1, 16, 1, 1, 16, 1, 1, 2, 1, conv_pass="dgrad")
+    assert v.applies(spec, NOMINAL_CUDA) is None and v.space(spec, NOMINAL_CUDA)
+    for il, last in ((1, "_interleave"), (0, "_zero")):
+        plan = v.plan(spec, v.default(spec, NOMINAL_CUDA).replace(il=il), NOMINAL_CUDA)
+        names = [k.name for k in plan.kernels]
+        assert not any("_gemm" in n or n.endswith("_w") for n in names) and names[-1] == name + last, names
+        infos, _ = sass_report(plan.source("cuda"))
+        assert infos

@@ -212,7 +212,7 @@ class TcDgradStrided(TcVariant):
         """The biggest phase GEMM: the tile is chosen for it and shared by every phase."""
         kp = self._kp(spec)
         probs = [ph.problem(spec, kp) for ph in phases(spec) if not ph.empty]
-        return max(probs, key=lambda p: p.m * p.kred)
+        return max(probs, key=lambda p: p.m * p.kred, default=Problem(spec.n, spec.c, kp))  # none: dx is zeros
 
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
         """The generator's pick for the largest phase, phases interleaved (il=1)."""
@@ -298,13 +298,13 @@ class TcDgradStrided(TcVariant):
             a, b = self.operands(spec, ph, cfg)
             packs.append((ph, self._ld(spec, ph, cfg), b.buf))
             jobs.append(Job(prob, [a, b], ph.compact(spec) if il else ph.output(spec)))
-        wk, wgrid = pack_phases(f"{self.name}_w", spec, packs, math, kp)
-        kernels.append(wk)
-        steps.append(Launch(wk.name, wgrid, wk.block, refs(wk.args)))
-        gk = jobs_kernel(f"{self.name}_gemm", math, cfg, jobs)
-        kernels.append(gk)
-        steps.append(Launch(gk.name, (jobs_grid(cfg, [j.prob for j in jobs], device.units), 1, 1), gk.block,
-                            refs(gk.args[:-1])))
+        if jobs:  # none where no tap reaches a dx row (H < stride, the tap's phase past dx): dx is zeros
+            wk, wgrid = pack_phases(f"{self.name}_w", spec, packs, math, kp)
+            gk = jobs_kernel(f"{self.name}_gemm", math, cfg, jobs)
+            kernels += [wk, gk]
+            steps += [Launch(wk.name, wgrid, wk.block, refs(wk.args)),
+                      Launch(gk.name, (jobs_grid(cfg, [j.prob for j in jobs], device.units), 1, 1), gk.block,
+                             refs(gk.args[:-1]))]
         if il:
             parts = [ph.part() for ph in phases(spec) if not ph.empty]
             ik, igrid = interleave_kernel(f"{self.name}_interleave", spec, parts)
