@@ -14,6 +14,7 @@ import pytest
 from convforge.check import check_plan, expected, pass_inputs
 from convforge.dtypes import to_storage
 from convforge.kernels import get_variant
+from convforge.kernels.tensorcore.tiles import TileConfig
 from convforge.params import Params
 from convforge.plan import Epilogue
 from convforge.reference import rel_l2
@@ -211,3 +212,53 @@ def test_linear_of_convnext_stays_fp32_grade(hopper):
                      hopper, seed=8)
     print(f"3xTF32 linear 3072 -> 768: {res.rel_err:.2e}")
     assert res.ok and res.rel_err <= 5e-6, res
+
+
+# -- the TMA producer (tm=1, tensorcore/tma.py) -----------------------------------------------------
+TMA = [ConvSpec.make(2, 64, 13, 11, 96, 3, 3, 2, 1), ConvSpec.make(1, 64, 9, 10, 40, 3, 3, 1, (0, 1, 2, 1)),
+       ConvSpec.make(3, 32, 11, 9, 24, 3, 3, 1, 2, 2), ConvSpec.make(1, 128, 23, 21, 36, 5, 5, 4, (2, 1, 0, 3)),
+       ConvSpec.make(2, 128, 7, 7, 72, 1, 1, 2), ConvSpec.make(5, 64, 17, 13, 257, 3, 3, 1, 1),
+       ConvSpec.make(32, 64, 56, 56, 64, 3, 3, 1, 1), ConvSpec.make(32, 256, 14, 14, 256, 3, 3, 1, 1),
+       ConvSpec.make(32, 256, 56, 56, 512, 1, 1, 2)]
+
+
+@pytest.mark.parametrize("name, spec", list(_cases(GEMMS, TMA)), ids=str)
+def test_tma_against_float64(hopper, name, spec):
+    """Every TMA point of the space's head on layers whose channels are whole atoms: odd geometry
+    (stride 2 and 4 past the edge, asymmetric padding, dilation, K and M tails, split-K) and ResNet
+    layers (first 2 images checked); one executable run twice on fresh buffers (the tensor maps are
+    re-encoded for the new addresses)."""
+    v = get_variant(name)
+    if v.applies(spec, hopper.device):
+        pytest.skip(v.applies(spec, hopper.device))
+    why = v.tma_reason(spec, TileConfig.of(v.default(spec, hopper.device)))
+    if why:  # 32 half channels: half an atom
+        assert "atoms" in why and spec.c == 32, why
+        pytest.skip(why)
+    points = [p for p in v.space(spec, hopper.device)[:16] if p.get("tm")]
+    assert points, f"no TMA point for {spec.short()}"
+    big = spec.n >= 32
+    for prm in points[:2 if big else 4]:
+        plan = v.plan(spec, prm, hopper.device, Epilogue(bias=True, relu=True))
+        exe = hopper.executable(plan)
+        for seed in (4, 5):
+            res = check_plan(plan, hopper, seed=seed, exe=exe, batch_slice=2 if big else None)
+            assert res.ok, f"{name} [{prm.short()}] {spec.short()} seed {seed}: {res}"
+
+
+def test_tma_through_torch_fast_path(hopper):
+    """conv2d on torch tensors with a TMA point: the parameter arrays' tensor maps follow x and the
+    weights from call to call (new tensors, new addresses), output equal to PyTorch's within FP16's
+    rounding."""
+    torch = pytest.importorskip("torch")
+    import convforge as cf
+
+    prm = Params(bm=128, bn=64, kb=1, st=4, cw=2, ks=1, ps=1, tm=1)
+    for seed in range(3):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        x = torch.randn(3, 64, 19, 17, device="cuda", generator=g).half()
+        w = torch.randn(96, 64, 3, 3, device="cuda", generator=g).half()
+        y = cf.conv2d(x, w, stride=2, padding=1, algo="tc_implicit_gemm_half", params=prm)
+        ref = torch.nn.functional.conv2d(x.double(), w.double(), stride=2, padding=1)
+        err = float((y.double() - ref).norm() / ref.norm())
+        assert err < 2e-3, (seed, err)

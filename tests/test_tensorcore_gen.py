@@ -29,7 +29,7 @@ from convforge.codegen.nvcc import ptxas_report, sass_report
 from convforge.codegen.render import ARCH_SPECIFIC_MARK, render
 from convforge.dtypes import rounded
 from convforge.kernels import get_variant
-from convforge.kernels.tensorcore import epilogue, schedule
+from convforge.kernels.tensorcore import epilogue, schedule, tma
 from convforge.kernels.tensorcore.cexpr import bind, evaluate
 from convforge.kernels.tensorcore.epilogue import (
     Output,
@@ -216,7 +216,9 @@ def emulate_gemm(cfg, math, prob, a, b, data, out, tile_ids=None):
         acc = np.zeros((cfg.bm, cfg.bn))
         for kt in range(tl["kbeg"], tl["kend"]):
             smem = np.full((sbase + stage.nbytes) // math.esize, np.nan)
-            for op in (a, b):
+            if cfg.tm:
+                _tma_fill(smem, sbase, stage, math, (a, b), data, tl, kt)
+            for op in (a, b) if not cfg.tm else ():
                 for tid in range(128):
                     env = bind(op.stage_lets(), {**bind(op.tile_lets(), {**bind(op.thread_lets(), {"tid": tid}),
                                                                           **tl}), "kt": kt})
@@ -237,6 +239,26 @@ def emulate_gemm(cfg, math, prob, a, b, data, out, tile_ids=None):
                 acc[r0:r0 + 64] += ta @ tb.T
         _epilogue(acc, cfg, out, tl, y, written)
     return y, written
+
+
+def _tma_fill(smem, sbase, stage, math, ops, data, tl, kt):
+    """One stage as the TMA producer fills it: each copy's coordinates evaluated from the generator's
+    expressions, its box from the PTX ISA's traversal (tma.model_column / model_tiled), written in the
+    128-byte swizzle the copy engine applies (chunk j of box row i at j ^ (i % 8))."""
+    for op in ops:
+        env = bind(tma.stage_lets(op), {**bind(tma.tile_lets(op), dict(tl)), "kt": kt})
+        for cp_ in tma.copies(op, stage, math.parts):
+            src = data[op.name][cp_.part]
+            coords = [evaluate(e, env) for e in cp_.coords]
+            if cp_.offsets:
+                box = tma.model_column(src.reshape(cp_.map.dims[::-1]), cp_.map, *coords,
+                                       *[evaluate(e, env) for e in cp_.offsets])
+            else:
+                box = tma.model_tiled(src.reshape(cp_.map.dims[::-1]), cp_.map, *coords)
+            per = 16 // math.esize
+            for i, j in itertools.product(range(box.shape[0]), range(box.shape[1] // per)):
+                at = (sbase + cp_.dst + 128 * i + 16 * (j ^ (i % 8))) // math.esize
+                smem[at:at + per] = box[i, per * j:per * (j + 1)]
 
 
 def _read(smem, desc, rows, esize):
@@ -333,6 +355,65 @@ def test_emulated_tiles_equal_the_gemm(spec, math, cfg):
     got, ref, written = emulate(spec, math, cfg)
     assert (written == cfg.ks).all(), f"outputs written {np.unique(written)} times, want {cfg.ks}"
     np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-10)
+
+
+# The TMA producer (tm=1): layers whose channels are whole atoms (32 TF32 / 64 half channels), odd
+# geometry otherwise: stride 2 with a partial last tile of pixels, asymmetric padding, dilation, a K
+# tail inside a stage (kb=2), stride 4 past the image edge, split-K, two parts (3xTF32).
+TMA_CASES = [(ConvSpec.make(2, 64, 13, 11, 96, 3, 3, 2, 1), F16, TileConfig(128, 64, 1, 2, 2, tm=1)),
+             (ConvSpec.make(1, 64, 9, 10, 40, 3, 3, 1, (0, 1, 2, 1)), BF16, TileConfig(64, 64, 2, 2, 1, tm=1)),
+             (ConvSpec.make(3, 32, 11, 9, 24, 3, 3, 1, 2, 2), TF32, TileConfig(128, 32, 2, 2, 2, ks=2, tm=1)),
+             (ConvSpec.make(1, 32, 23, 21, 36, 5, 5, 4, (2, 1, 0, 3)), X3TF32, TileConfig(128, 64, 1, 2, 2, pi=2,
+                                                                                          tm=1)),
+             (ConvSpec.make(2, 128, 7, 7, 72, 1, 1, 2), F16, TileConfig(256, 96, 2, 2, 2, tm=1))]
+
+
+@pytest.mark.parametrize("spec, math, cfg", TMA_CASES, ids=lambda v: getattr(v, "name", None) or str(v))
+def test_emulated_tma_tiles_equal_the_gemm(spec, math, cfg):
+    """The TMA producer's copies, evaluated from the generator's expressions and run through the
+    PTX ISA's im2col traversal and tiled boxes, give every tile's GEMM exactly."""
+    assert not cfg.problems(math), cfg.problems(math)
+    got, ref, written = emulate(spec, math, cfg)
+    assert (written == cfg.ks).all()
+    np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-10)
+
+
+def test_tma_refuses_what_it_cannot_address():
+    """Channels that are not whole atoms (an atom would straddle two taps), corners past the 4-D
+    range, strides past 8 and batched rows stay with cp.async; the variant names the reason."""
+    v = get_variant("tc_implicit_gemm_half")
+    half = lambda s: ConvSpec.from_dict({**s.to_dict(), "dtype": "float16"})  # noqa: E731
+    cfg = TileConfig(128, 64, tm=1)
+    assert v.tma_reason(half(ConvSpec.make(1, 64, 9, 9, 8, 3, 3, 1, 1)), cfg) is None
+    assert "atoms" in v.tma_reason(half(ConvSpec.make(1, 40, 9, 9, 8, 3, 3, 1, 1)), cfg)
+    assert "corners" in v.tma_reason(half(ConvSpec.make(1, 64, 300, 9, 8, 3, 3, 1, 140)), cfg)
+    assert "stride" in v.tma_reason(half(ConvSpec.make(1, 64, 99, 99, 8, 3, 3, 9, 1)), cfg)
+    with pytest.raises(ValueError, match="tm=1"):
+        v.plan(half(ConvSpec.make(1, 40, 9, 9, 8, 3, 3, 1, 1)), cfg.params(), NOMINAL_CUDA)
+    assert "batched" in tma.reason(DenseRows("b", Tile(64, 1), F16, "u", rows=8, ld=64, kred=64, batch_stride=512), 64)
+    space = v.space(half(ConvSpec.make(32, 64, 56, 56, 64, 3, 3, 1, 1)), NOMINAL_CUDA)
+    assert space[0].get("tm") == 1 and space[1] == dataclasses.replace(TileConfig.of(space[0]), tm=0).params()
+    assert space[0] == v.default(half(ConvSpec.make(32, 64, 56, 56, 64, 3, 3, 1, 1)), NOMINAL_CUDA)
+    assert not any(p.get("tm") for p in v.space(half(ConvSpec.make(1, 40, 9, 9, 8, 3, 3, 1, 1)), NOMINAL_CUDA))
+
+
+def test_tma_corners_walk_exactly_the_output_pixels():
+    """The pixel bounding box holds P x Q receptive-field corners per image, in the GEMM's row order."""
+    for spec in [s for s, _, _ in TMA_CASES]:
+        math = math_for(spec.dtype)
+        g = Geometry(spec.n, spec.h, spec.w, 64, spec.p, spec.q, spec.r, spec.s, spec.stride, spec.dilation,
+                     spec.pad[0], spec.pad[2], True)
+        tm = tma.tensor_map(Im2colNhwc("a", Tile(256, 1), math, "xh", geo=g), "hi", 256)
+        x = np.arange(spec.n * spec.h * spec.w, dtype=np.float64).reshape(spec.n, spec.h, spec.w, 1) + 1
+        col = tma.model_column(x, dataclasses.replace(tm, box=(1, spec.n * spec.p * spec.q + 3)), 0,
+                               -spec.pad[2], -spec.pad[0], 0, spec.dilation[1], spec.dilation[0])
+        n, p, q = np.unravel_index(np.arange(spec.n * spec.p * spec.q), (spec.n, spec.p, spec.q))
+        hh = p * spec.stride[0] - spec.pad[0] + spec.dilation[0]
+        ww = q * spec.stride[1] - spec.pad[2] + spec.dilation[1]
+        inside = (hh >= 0) & (hh < spec.h) & (ww >= 0) & (ww < spec.w)
+        want = np.where(inside, x[n, np.clip(hh, 0, spec.h - 1), np.clip(ww, 0, spec.w - 1), 0], 0)
+        np.testing.assert_array_equal(col[:-3, 0], want)
+        assert not col[-3:].any()  # past the last image: zeros
 
 
 def _parts(a, math):
@@ -833,6 +914,21 @@ def test_compiles_for_sm90a_without_spills_hgmma_in_sass(nvcc_ok, name, spec, pa
     assert ops.count("HGMMA") >= per_stage and ops.count("HGMMA") % per_stage == 0, ops.count("HGMMA")
     assert "HMMA" not in ops
     assert ("USETMAXREG" in ops) == (cfg.regs() is not None)
+
+
+@pytest.mark.parametrize("name, dtype", [("tc_implicit_gemm_half", "float16"), ("tc_implicit_gemm_half", "bfloat16"),
+                                         ("tc_implicit_gemm_tf32", "float32"), ("tc_implicit_gemm_3xtf32", "float32")])
+def test_tma_plans_compile_without_spills_tensor_copies_in_sass(nvcc_ok, name, dtype):
+    """tm=1: no spill; the GEMM's SASS issues tensor copies (UTMALDG) and HGMMA, no cp.async (LDGSTS)."""
+    v = get_variant(name)
+    spec = ConvSpec.from_dict({**ConvSpec.make(4, 64, 15, 13, 96, 3, 3, 2, 1).to_dict(), "dtype": dtype})
+    prm = v.default(spec, NOMINAL_CUDA)
+    assert prm.get("tm") == 1
+    infos, sass = sass_report(v.plan(spec, prm, NOMINAL_CUDA, Epilogue(bias=True, relu=True)).source("cuda"))
+    for info in infos:
+        assert info.spill_stores == 0 and info.spill_loads == 0, info
+    gemm = [k for k in re.split(r"\n\s+Function : ", sass) if k.startswith(f"{name}_gemm")][0]
+    assert "UTMALDG" in gemm and "HGMMA" in gemm and "LDGSTS" not in gemm
 
 
 def test_3xtf32_points_compile_with_promotion(nvcc_ok):

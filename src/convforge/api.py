@@ -351,7 +351,7 @@ def file_native(run: Any, call: tuple[Any, ...], residual: bool = False) -> None
         from convforge.torch import native
 
         native.load()
-    if _NATIVE is None or not run.exe.fast or run.exe.plan.spec.layout != "nchw":
+    if _NATIVE is None or not run.exe.native or run.exe.plan.spec.layout != "nchw":
         return  # the C++ path takes NCHW-contiguous tensors only
     w = call[1]
     held = run.filters.entry(w, w.data_ptr()) if run.filters is not None else None
@@ -366,7 +366,7 @@ def file_cupy_native(run: Any, call: tuple[Any, ...]) -> None:
         from convforge.backends import native
 
         _CUPY_NATIVE = native.load_cupy()
-    if _CUPY_NATIVE is not None and run.exe.fast:
+    if _CUPY_NATIVE is not None and run.exe.native:
         _CUPY_NATIVE.register(*call, run.exe.native_program())
 
 

@@ -271,6 +271,11 @@ class Executable:
                 args = [val if name is None else bufs[name] for name, val in template]
                 self.backend.launch(self.program, fn, kernel, step, args)
 
+    def call(self, buffers: dict[str, Any]) -> None:
+        """One whole call on named buffers by the path a user's ``conv2d`` takes on this back-end
+        (the bench times this): here the dict path; CUDA's raw-pointer fast path where it has one."""
+        self(buffers)
+
     @staticmethod
     def _value_args(kernel: Kernel) -> list[Any]:
         """Kernel arguments that a Launch supplies (shared buffers are supplied by the back-end)."""

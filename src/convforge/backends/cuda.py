@@ -23,7 +23,7 @@ from convforge.backends.base import (
     FilterCache,
     output_buffer,
 )
-from convforge.codegen.dialect import Buf, ConstBuf, Kernel, LocalBuf, Scalar, TexBuf
+from convforge.codegen.dialect import Buf, ConstBuf, Kernel, LocalBuf, Scalar, TensorMap, TexBuf
 from convforge.codegen.render import ARCH_SPECIFIC_MARK
 from convforge.dtypes import from_storage, host_dtype, storage_dtype, to_storage
 from convforge.plan import DeviceInfo, Gemm, Launch, Plan
@@ -76,6 +76,7 @@ class CudaBackend(Backend):
         self.stream: Any = None  # None = CuPy's current stream at call time
         self._textures: dict[tuple[int, int], Any] = {}
         self._layouts: dict[Kernel, Any] = {}
+        self._map_kernels: dict[Kernel, dict[tuple[Any, ...], _Params]] = {}  # kernels with TensorMap arguments
 
     # -- compiler ---------------------------------------------------------------------------
     def compile_options(self, arch_specific: bool = False) -> list[str]:
@@ -184,11 +185,16 @@ class CudaBackend(Backend):
         if layout is None:  # per kernel, once: which arguments are constants, textures, values
             specs = [x for x in kernel.args if not isinstance(x, LocalBuf)]
             lb = kernel.local_buf()
+            if any(isinstance(a, TensorMap) for a in specs):
+                self._map_kernels[kernel] = {}
             layout = self._layouts[kernel] = (
                 [(i, a) for i, a in enumerate(specs) if isinstance(a, ConstBuf)],
                 [(i, isinstance(a, TexBuf)) for i, a in enumerate(specs) if not isinstance(a, ConstBuf)],
                 lb.nbytes if lb else 0)
         consts, values, shared = layout
+        if kernel in self._map_kernels:  # tensor maps by value: the driver launch on our own parameters
+            self._launch_maps(fn, kernel, step, args, shared, stream)
+            return
         for i, cbuf in consts:
             src = args[i]
             dst = program.get_global_var(cbuf.name)  # the symbol's device address
@@ -197,6 +203,23 @@ class CudaBackend(Backend):
                                         cp.cuda.runtime.memcpyDeviceToDevice, stream.ptr)
         vals = tuple(self._texture(args[i]) if tex else args[i] for i, tex in values)
         fn(step.grid, step.block, vals, shared_mem=shared, stream=stream)
+
+    def _launch_maps(self, fn: Any, kernel: Kernel, step: Launch, args: list[Any], shared: int, stream: Any) -> None:
+        """A launch with TensorMap arguments: its parameter array per distinct set of buffer
+        addresses and scalars (the maps encoded once for them; a few dozen kept per kernel)."""
+        values = tuple(_address(v) if isinstance(a, Buf | TensorMap) else v
+                       for a, v in zip(self._value_specs(kernel), args, strict=True))
+        cache = self._map_kernels[kernel]
+        params = cache.get(values)
+        if params is None:
+            if len(cache) >= 64:
+                cache.clear()
+            params = cache[values] = _Params(list(zip(self._value_specs(kernel), values, strict=True)))
+        _driver().launch(int(fn.ptr), *step.grid, *step.block, shared, stream.ptr, params.address, 0)
+
+    @staticmethod
+    def _value_specs(kernel: Kernel) -> list[Any]:
+        return [a for a in kernel.args if not isinstance(a, LocalBuf)]
 
     def _texture(self, array: Any) -> Any:
         """A linear float texture object over ``array``, made once per (address, size)."""
@@ -265,6 +288,77 @@ class CudaBackend(Backend):
             return [float(cp.cuda.get_elapsed_time(start, end)) for start, end in events]
 
 
+def _address(array: Any) -> int:
+    return int(array.data.ptr)
+
+
+# -- TMA tensor maps ----------------------------------------------------------------------------
+# A TensorMap argument (codegen/dialect.py) is encoded by the driver (cuTensorMapEncodeTiled /
+# cuTensorMapEncodeIm2col, through ctypes: CuPy does not bind them) from its description and the
+# address of the buffer the launch names, once per (map, address), and passed by value (128 bytes).
+_TMAP_DTYPES = {"float16": 6, "float32": 7, "bfloat16": 9}  # CUtensorMapDataType
+_SWIZZLE_128B, _L2_128B, _OOB_ZERO, _INTERLEAVE_NONE = 3, 2, 0, 0
+_TMAPS: dict[tuple[TensorMap, int], bytes] = {}
+
+
+def tensor_map(tmap: TensorMap, address: int) -> bytes:
+    """The 128-byte CUtensorMap of ``tmap`` over device memory at ``address`` (cached)."""
+    key = (tmap, address)
+    hit = _TMAPS.get(key)
+    if hit is not None:
+        return hit
+    lib = _driver().lib
+    u64, u32, i32 = ctypes.c_uint64, ctypes.c_uint32, ctypes.c_int
+    rank = len(tmap.dims)
+    raw = ctypes.create_string_buffer(128 + 64)
+    at = (ctypes.addressof(raw) + 63) & ~63
+    dims, strides = (u64 * rank)(*tmap.dims), (u64 * max(rank - 1, 1))(*tmap.strides)
+    common = (_INTERLEAVE_NONE, _SWIZZLE_128B, _L2_128B, _OOB_ZERO)
+    if tmap.mode == "tiled":
+        err = lib.cuTensorMapEncodeTiled(ctypes.c_void_p(at), _TMAP_DTYPES[tmap.dtype], rank, ctypes.c_void_p(address),
+                                         dims, strides, (u32 * rank)(*tmap.box), (u32 * rank)(*([1] * rank)), *common)
+    else:
+        spatial = rank - 2
+        elem = (u32 * rank)(1, *tmap.traversal, *([1] * (rank - 1 - spatial)))
+        err = lib.cuTensorMapEncodeIm2col(ctypes.c_void_p(at), _TMAP_DTYPES[tmap.dtype], rank,
+                                          ctypes.c_void_p(address), dims, strides, (i32 * spatial)(*tmap.lower),
+                                          (i32 * spatial)(*tmap.upper), u32(tmap.box[0]), u32(tmap.box[1]), elem,
+                                          *common)
+    if err:
+        raise RuntimeError(f"cuTensorMapEncode{tmap.mode.capitalize()} refused tensor map {tmap} at {address:#x}: "
+                           f"CUresult {err}")
+    out = _TMAPS[key] = ctypes.string_at(at, 128)
+    return out
+
+
+class _Params:
+    """A kernel's parameter array for cuLaunchKernel: pointers and scalars as 8 / 4 bytes, tensor
+    maps as 128 bytes at a 64-byte-aligned address."""
+
+    def __init__(self, values: list[tuple[Any, Any]]) -> None:
+        self._cells: list[Any] = []
+        self.maps: list[tuple[int, TensorMap]] = []  # (cell address, map) per TensorMap, in order
+        addrs = []
+        for arg, value in values:
+            if isinstance(arg, TensorMap):
+                raw = ctypes.create_string_buffer(128 + 64)
+                at = (ctypes.addressof(raw) + 63) & ~63
+                self._cells.append(raw)
+                self.maps.append((at, arg))
+                if value:
+                    ctypes.memmove(at, tensor_map(arg, int(value)), 128)
+                addrs.append(at)
+                continue
+            if isinstance(arg, Scalar):
+                cell: Any = ctypes.c_float(float(value)) if arg.ctype == "float" else ctypes.c_int32(int(value))
+            else:
+                cell = ctypes.c_uint64(int(value))
+            self._cells.append(cell)
+            addrs.append(ctypes.addressof(cell))
+        self._array = (ctypes.c_void_p * max(len(addrs), 1))(*addrs)
+        self.address = ctypes.addressof(self._array)
+
+
 def _matrices(buf: Any, batch: int, rows: int, cols: int, ld: int, stride: int) -> Any:
     """A (batch, rows, cols) float32 view of a flat buffer (element strides; 0 = broadcast)."""
     return cp.lib.stride_tricks.as_strided(buf, shape=(batch, rows, cols),
@@ -288,7 +382,7 @@ class _Driver:
         from cupy_backends.cuda.api import driver as cyd
 
         name = "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"
-        lib = ctypes.CDLL(name)
+        lib = self.lib = ctypes.CDLL(name)
         p = ctypes.c_void_p
         self.launch = cyd.launchKernel  # (f, grid xyz, block xyz, smem, stream, params, extra): raises on error
         self.error = cyd.CUDADriverError
@@ -325,6 +419,13 @@ def capturing(stream: int) -> bool:
         return True
 
 
+class _At:
+    """A ctypes buffer kept alive with the aligned address inside it that a parameter array names."""
+
+    def __init__(self, raw: Any, at: int) -> None:
+        self.raw, self.at = raw, at
+
+
 class CudaExecutable(Executable):
     """An Executable with a raw-pointer entry, :meth:`launch_raw`, for conv plans.
 
@@ -352,6 +453,8 @@ class CudaExecutable(Executable):
         self._runs: dict[str, list[tuple[tuple[int, ...], int]]] = {"all": [], "rest": [], "weights": []}
         self._keep: list[Any] = []  # ctypes storage the parameter arrays point into
         self._layouts: dict[int, list[tuple[int, Any]]] = {}  # parameter array -> argument layout
+        # TensorMap parameters: [cell address, map, pointer slot (-1: workspace), buffer name, encoded for]
+        self._maps: list[list[Any]] = []
         if self.fast:
             for i, step in enumerate(plan.steps):
                 assert isinstance(step, Launch)
@@ -374,6 +477,14 @@ class CudaExecutable(Executable):
                 storage.append(value)
                 layout.append((2, ctypes.c_uint32.from_buffer_copy(value).value))
                 continue
+            if isinstance(arg, TensorMap):  # 128 bytes, 64-aligned, encoded per buffer address (launch_raw)
+                raw = ctypes.create_string_buffer(128 + 64)
+                at = (ctypes.addressof(raw) + 63) & ~63
+                storage.append(_At(raw, at))
+                slot = slot_of.get(str(ref), -1)
+                self._maps.append([at, arg, slot, str(ref), 0])
+                layout.append((3, str(ref)))
+                continue
             assert isinstance(arg, Buf)
             cell = ctypes.c_uint64(0)
             storage.append(cell)
@@ -383,13 +494,30 @@ class CudaExecutable(Executable):
             else:
                 self._ws_slots.append((cell, str(ref)))
                 layout.append((1, str(ref)))
-        array = (ctypes.c_void_p * max(len(storage), 1))(*[ctypes.addressof(c) for c in storage])
+        array = (ctypes.c_void_p * max(len(storage), 1))(*[c.at if isinstance(c, _At) else ctypes.addressof(c)
+                                                           for c in storage])
         self._keep += storage + [array]
         lb = kernel.local_buf()
         fn = int(self.functions[step.kernel].ptr)
         head = (fn, *step.grid, *step.block, lb.nbytes if lb else 0)
         self._layouts[ctypes.addressof(array)] = layout
         return head, ctypes.addressof(array)
+
+    @property
+    def native(self) -> bool:
+        """Whether the native fast paths (torch/native.cpp, backends/cupy_native.cpp) can take this
+        executable: a fast one without tensor maps (which they have no slot kind for)."""
+        return self.fast and not self._maps
+
+    def _refresh_maps(self, vals: tuple[int, ...]) -> None:
+        """Re-encode the tensor-map parameters whose buffer moved since the last launch."""
+        ws = self._workspace
+        for entry in self._maps:
+            at, tmap, slot, name, last = entry
+            ptr = vals[slot] if slot >= 0 else (int(ws[name].data.ptr) if ws is not None else 0)
+            if ptr != last:
+                ctypes.memmove(at, tensor_map(tmap, ptr), 128)
+                entry[4] = ptr
 
     def native_program(self) -> tuple[Any, ...]:
         """This executable for the native fast path (torch/native.cpp ``register``): per step list
@@ -415,10 +543,11 @@ class CudaExecutable(Executable):
 
     def reserve(self, stream: int = 0) -> None:
         """Allocate the workspace now (first, uncaptured use); refuse under CUDA-graph capture,
-        where nothing may allocate; DeviceMemoryError when it does not fit."""
-        if self._workspace is not None:
+        where nothing may allocate; DeviceMemoryError when it does not fit. The parameter slots
+        get the workspace's addresses here, also when the dict path allocated it first."""
+        if self.context:
             return
-        if self.plan.workspace and capturing(stream):
+        if self._workspace is None and self.plan.workspace and capturing(stream):
             raise RuntimeError(f"{self.plan.describe()} needs {self.plan.workspace_bytes} bytes of workspace, "
                                "first used during CUDA-graph capture: run the layer once before capturing")
         pool = cp.get_default_memory_pool()
@@ -437,6 +566,19 @@ class CudaExecutable(Executable):
             cell.value = int(ws[name].data.ptr)
         self._ws_derived = tuple(int(ws[name].data.ptr) for name in self.derived)
 
+    def call(self, buffers: dict[str, Any]) -> None:
+        """A whole call on named CuPy buffers through :meth:`launch_raw` (conv2d's fast path on
+        CuPy and torch arrays: every step, the executable's own workspace) where the plan has one,
+        else the dict path."""
+        if not self.fast:
+            self(buffers)
+            return
+        self.check_buffers(buffers)
+        ptr = [int(buffers[n].data.ptr) if n in buffers else 0 for n in CONV_BUFFERS + PROLOGUE_BUFFERS]
+        self.reserve()
+        x, w, y, bias, res, pscale, pshift = ptr
+        self.launch_raw(x, w, y, bias, self.backend._stream().ptr, 0, "all", res, (pscale, pshift))
+
     def launch_raw(self, x: int, w: int, y: int, bias: int, stream: int, derived: int = 0,
                    steps: str = "all", res: int = 0, pro: tuple[int, int] = (0, 0)) -> None:
         """Run on raw device pointers on raw stream ``stream``. ``derived``: base of a packed
@@ -453,6 +595,8 @@ class CudaExecutable(Executable):
             vals = (x, w, y, bias, res, *self._ws_derived, *pro)
         for cell, i in self._ptr_slots:
             cell.value = vals[i]
+        if self._maps:
+            self._refresh_maps(vals)
         drv = _DRIVER or _driver()
         pushed = drv.multi_gpu and drv.current_context() != self.context
         if pushed:

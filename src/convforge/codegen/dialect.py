@@ -77,6 +77,19 @@ A kernel body is plain C using these tokens, which each renderer spells its own 
     SETMAXNREG_INC(n) / SETMAXNREG_DEC(n)                 a warpgroup's register budget (kernel launched with
                                                           a register cap: Kernel.min_blocks = 1)
     BAR_SYNC(id, threads)                                 named barrier id (1..15) over ``threads`` threads
+    MBAR_INIT_FENCE()                                     make this thread's mbarrier inits visible to the
+                                                          async proxy (the copy engine completes them)
+    MBAR_EXPECT_TX(bar, bytes)                            arrive on bar and add ``bytes`` to the transaction
+                                                          count its phase waits for (the TMA copies' bytes)
+    TMA_PREFETCH(map)                                     prefetch a TensorMap argument's descriptor
+    TMA_TILE_2D(sa, map, c0, c1, bar)                     TMA copy of the box at element (c0, c1) (innermost
+                                                          first) of a tiled TensorMap to shared address sa,
+                                                          completing its bytes on mbarrier bar; out of
+                                                          bounds reads zeros
+    TMA_IM2COL_4D(sa, map, c, w, h, n, ow, oh, bar)       TMA copy of an im2col TensorMap's column: pixels from
+                                                          (n, h, w) on through its bounding box, each read at
+                                                          (h + oh, w + ow), channels c .. c + box; zeros
+                                                          outside the tensor
     TC_F16_TO_F32(h) / TC_BF16_TO_F32(h)                  a stored half (unsigned short bits) as a float
     TC_F32_TO_F16(x) / TC_F32_TO_BF16(x)                  x rounded to nearest even, as unsigned short bits
     TC_PACK_F16X2(lo, hi) / TC_PACK_BF16X2(lo, hi)        two rounded halves in one 32-bit word (lo first)
@@ -148,7 +161,41 @@ class TexBuf:
     name: str
 
 
-Arg = Buf | ConstBuf | Scalar | LocalBuf | TexBuf
+@dataclass(frozen=True)
+class TensorMap:
+    """A TMA tensor map over the buffer its Launch names (CUDA sm_90: a 128-byte ``CUtensorMap``
+    passed by value as a ``__grid_constant__`` parameter; the back-end encodes it at launch from
+    this description and the buffer's address). ``mode`` "tiled" (``box``: the box's extent per
+    dimension) or "im2col" (``box`` = (channels per pixel, pixels per column), ``lower`` / ``upper``
+    the pixel bounding box's corners, W first, ``traversal`` the pixel strides, W first). Dimensions
+    innermost first, in elements; ``strides`` in bytes for dimensions 1 on. The shared tile is
+    written with the 128-byte swizzle. Read it with ``TMA_TILE_2D`` / ``TMA_IM2COL_4D``."""
+
+    name: str
+    mode: str
+    dtype: str  # storage dtype: float32, float16, bfloat16
+    dims: tuple[int, ...]
+    strides: tuple[int, ...]
+    box: tuple[int, ...]
+    lower: tuple[int, ...] = ()
+    upper: tuple[int, ...] = ()
+    traversal: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        rank = len(self.dims)
+        if self.mode not in ("tiled", "im2col") or len(self.strides) != rank - 1 or not 1 <= rank <= 5:
+            raise ValueError(f"tensor map {self.name}: mode tiled or im2col, rank 1..5 with rank - 1 strides")
+        if any(s % 16 for s in self.strides):
+            raise ValueError(f"tensor map {self.name}: strides {self.strides} must be multiples of 16 bytes")
+        if self.mode == "im2col" and not (rank >= 3 and len(self.box) == 2 and len(self.lower) == len(self.upper)
+                                          == len(self.traversal) == rank - 2):
+            raise ValueError(f"tensor map {self.name}: im2col needs rank >= 3, a (channels, pixels) box and "
+                             "corners and traversal strides per spatial dimension")
+        if self.mode == "tiled" and len(self.box) != rank:
+            raise ValueError(f"tensor map {self.name}: a tiled box has one extent per dimension")
+
+
+Arg = Buf | ConstBuf | Scalar | LocalBuf | TexBuf | TensorMap
 
 
 @dataclass(frozen=True)

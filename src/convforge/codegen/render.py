@@ -13,6 +13,7 @@ from convforge.codegen.dialect import (
     Kernel,
     LocalBuf,
     Scalar,
+    TensorMap,
     TexBuf,
     split_call,
 )
@@ -24,7 +25,7 @@ _TOKEN = re.compile(r"\b(GROUP_ID|LOCAL_ID|GROUP_SIZE|NUM_GROUPS|BARRIER|VLOAD4|
                     r"LDS_F1|TF32_RHA|FENCE_PROXY_ASYNC|WGMMA_FENCE|WGMMA_COMMIT|WGMMA_WAIT|WGMMA_TF32|"
                     r"MBAR_INIT|MBAR_WAIT|MBAR_ARRIVE|CP_ASYNC_MBAR_ARRIVE|SETMAXNREG_INC|SETMAXNREG_DEC|"
                     r"BAR_SYNC|WGMMA|TC_F16_TO_F32|TC_BF16_TO_F32|TC_F32_TO_F16|TC_F32_TO_BF16|TC_PACK_F16X2|"
-                    r"TC_PACK_BF16X2)\(")
+                    r"TC_PACK_BF16X2|MBAR_INIT_FENCE|MBAR_EXPECT_TX|TMA_PREFETCH|TMA_TILE_2D|TMA_IM2COL_4D)\(")
 _WORDS = re.compile(r"\b(SHARED|LOCAL_PTR|GLOBAL_PTR|RESTRICT|DEVICE|U64|I64|HALF_T|BF16_T)\b( ?)")
 
 # -- half storage (float16 / bfloat16 buffers, float32 arithmetic; codegen/dialect.py Storage) -------
@@ -276,6 +277,8 @@ class CudaRenderer(Renderer):
             return f"{const}{self.ctype(arg.ctype)}* __restrict__ {arg.name}"
         if isinstance(arg, TexBuf):
             return f"const cudaTextureObject_t {arg.name}"
+        if isinstance(arg, TensorMap):
+            return f"const __grid_constant__ cf_tmap {arg.name}"
         if isinstance(arg, (ConstBuf, LocalBuf)):
             return None  # a module-level __constant__ symbol / extern __shared__ array
         assert isinstance(arg, Scalar)
@@ -297,6 +300,8 @@ class CudaRenderer(Renderer):
             head += _CUDA_PIPE.splitlines() + [""]
         if any(_TC_HEAD.search(k.body) for k in kernels):
             head += _CUDA_TC.splitlines() + [""]
+        if any(isinstance(a, TensorMap) for k in kernels for a in k.args):
+            head += [_CUDA_TMAP, ""]
         return head
 
     def body_head(self, k: Kernel) -> list[str]:
@@ -367,7 +372,8 @@ __device__ __forceinline__ void cf_mma_tf32(float& d0, float& d1, float& d2, flo
 _WGMMA_TOKENS = frozenset({"FENCE_PROXY_ASYNC", "WGMMA_FENCE", "WGMMA_COMMIT", "WGMMA_WAIT", "WGMMA_TF32"}
                           | {"MBAR_INIT", "MBAR_WAIT", "MBAR_ARRIVE", "CP_ASYNC_MBAR_ARRIVE", "SETMAXNREG_INC",
                              "SETMAXNREG_DEC", "BAR_SYNC", "WGMMA", "TC_F16_TO_F32", "TC_BF16_TO_F32",
-                             "TC_F32_TO_F16", "TC_F32_TO_BF16", "TC_PACK_F16X2", "TC_PACK_BF16X2"})
+                             "TC_F32_TO_F16", "TC_F32_TO_BF16", "TC_PACK_F16X2", "TC_PACK_BF16X2"}
+                          | {"MBAR_INIT_FENCE", "MBAR_EXPECT_TX", "TMA_PREFETCH", "TMA_TILE_2D", "TMA_IM2COL_4D"})
 
 
 def _asm(text: str, outs: Sequence[str] = (), ins: Sequence[str] = ()) -> str:
@@ -436,7 +442,27 @@ _TC_TOKENS: dict[str, Callable[[list[str]], str]] = {
     "TC_F32_TO_BF16": lambda a: f"cf_f32_bf16({a[0]})",
     "TC_PACK_F16X2": lambda a: f"cf_pack_f16x2({a[0]}, {a[1]})",
     "TC_PACK_BF16X2": lambda a: f"cf_pack_bf16x2({a[0]}, {a[1]})",
+    "MBAR_INIT_FENCE": lambda a: _asm("fence.mbarrier_init.release.cluster;"),
+    "MBAR_EXPECT_TX": lambda a: _asm("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;", (),
+                                     [f'"r"({a[0]})', f'"r"({a[1]})']),
+    "TMA_PREFETCH": lambda a: _asm("prefetch.tensormap [%0];", (), [_map_addr(a[0])]),
+    "TMA_TILE_2D": lambda a: _asm("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+                                  "[%0], [%1, {%2, %3}], [%4];", (),
+                                  [f'"r"({a[0]})', _map_addr(a[1]), f'"r"({a[2]})', f'"r"({a[3]})', f'"r"({a[4]})']),
+    "TMA_IM2COL_4D": lambda a: _asm("cp.async.bulk.tensor.4d.shared::cluster.global.im2col.mbarrier::complete_tx::"
+                                    "bytes [%0], [%1, {%2, %3, %4, %5}], [%6], {%7, %8};", (),
+                                    [f'"r"({a[0]})', _map_addr(a[1]), *(f'"r"({v})' for v in a[2:6]),
+                                     f'"r"({a[8]})', f'"h"((unsigned short)({a[6]}))',
+                                     f'"h"((unsigned short)({a[7]}))']),
 }
+
+
+def _map_addr(name: str) -> str:
+    """The generic address of a ``__grid_constant__`` TensorMap parameter, as an asm operand."""
+    return f'"l"(reinterpret_cast<unsigned long long>(&{name}))'
+
+# A TensorMap parameter's C type: the driver's opaque 128-byte CUtensorMap (no cuda.h under NVRTC).
+_CUDA_TMAP = "struct __align__(64) cf_tmap { unsigned long long opaque[16]; };"
 
 # Device functions the tokens above call (emitted once per source that uses any of them).
 _CUDA_TC = r"""__device__ __forceinline__ void cf_mbar_wait(unsigned bar, unsigned parity)
@@ -570,6 +596,8 @@ class OpenCLRenderer(Renderer):
             return f"__constant {self.ctype(arg.ctype)}* restrict {arg.name}"
         if isinstance(arg, LocalBuf):
             return f"__local float* restrict {arg.name}"
+        if isinstance(arg, TensorMap):
+            raise ValueError(f"OpenCL renderer refuses tensor map {arg.name}: TMA is CUDA sm_90 only")
         assert isinstance(arg, Scalar)
         return f"const {arg.ctype} {arg.name}"
 

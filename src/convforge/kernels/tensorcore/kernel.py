@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from convforge.codegen.dialect import Arg, Kernel, LocalBuf
 from convforge.codegen.meta import Code
+from convforge.kernels.tensorcore import tma
 from convforge.kernels.tensorcore.epilogue import Output
 from convforge.kernels.tensorcore.isa import Math
 from convforge.kernels.tensorcore.mainloop import Job, Ring, emit_consumer, emit_producer
@@ -52,11 +53,19 @@ def jobs_kernel(name: str, math: Math, cfg: TileConfig, jobs: list[Job]) -> Kern
         emit_consumer(code, ring, jobs)
     args: tuple[Arg, ...] = ()
     for job in jobs:
-        for arg in job.ops[0].args() + job.ops[1].args() + job.out.args():
+        for arg in _operand_args(cfg, math, job) + job.out.args():
             if arg.name not in {a.name for a in args}:
                 args += (arg,)
     return Kernel(name, args + (LocalBuf("tc_smem", cfg.shared_bytes(math)),), code.text(), (cfg.threads, 1, 1),
                   frozenset({"wgmma", "shuffle"}), min_blocks=1, comment=_comment(math, cfg, jobs))
+
+
+def _operand_args(cfg: TileConfig, math: Math, job: Job) -> tuple[Arg, ...]:
+    """A, then B, each part in order: buffers (cp.async) or tensor maps over them (TMA; the launch
+    names the same buffers)."""
+    if not cfg.tm:
+        return job.ops[0].args() + job.ops[1].args()
+    return tuple(tma.tensor_map(op, part, op.tile.rows) for op in job.ops for part in math.parts)
 
 
 def _comment(math: Math, cfg: TileConfig, jobs: list[Job]) -> str:
@@ -64,7 +73,8 @@ def _comment(math: Math, cfg: TileConfig, jobs: list[Job]) -> str:
     if len(jobs) == 1:
         p = jobs[0].prob
         batch = f" x{p.batch}" if p.batch > 1 else ""
-        return f"wgmma {math.name} GEMM {p.m}x{p.n}x{p.kred}{batch}: {cfg.params().short()}"
+        how = ", TMA" if cfg.tm else ""
+        return f"wgmma {math.name} GEMM {p.m}x{p.n}x{p.kred}{batch}{how}: {cfg.params().short()}"
     shapes = ", ".join(f"{j.prob.m}x{j.prob.n}x{j.prob.kred}" for j in jobs)
     return f"wgmma {math.name} GEMMs {shapes} in turn: {cfg.params().short()}"
 

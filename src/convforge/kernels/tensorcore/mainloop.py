@@ -15,9 +15,9 @@ writes and wgmma reads through the async proxy, so each consumer thread fences t
 FP32 registers every ``pi`` stages (the tensor core's FP32 accumulation truncates; its error grows with
 the reduction length, the promoted sum's with ``pi`` stages only).
 
-A TMA producer slots in here: one elected thread per stage issues ``cp.async.bulk.tensor`` with the
-full barrier and an expected byte count (``mbarrier.arrive.expect_tx``), full barriers initialised to
-1 arrival; the consumer side is unchanged but for the proxy fence, which TMA does not need.
+With ``tm`` = 1 the producer is one thread issuing bulk tensor copies (tensorcore/tma.py): the full
+barriers expect 1 arrival, its ``mbarrier.arrive.expect_tx`` with the stage's bytes, and the copies
+complete them; the consumers skip the proxy fence (TMA writes through the async proxy).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from convforge.codegen.meta import Code
-from convforge.kernels.tensorcore import epilogue, schedule
+from convforge.kernels.tensorcore import epilogue, schedule, tma
 from convforge.kernels.tensorcore.cexpr import emit_all
 from convforge.kernels.tensorcore.epilogue import Output, acc_name
 from convforge.kernels.tensorcore.isa import Math
@@ -76,8 +76,10 @@ class Ring:
     def emit_init(self, code: Code) -> None:
         with code.block("if (tid == 0)"):
             for s in range(self.cfg.st):
-                code(f"MBAR_INIT({self.full(str(s))}, {THREADS});",
+                code(f"MBAR_INIT({self.full(str(s))}, {1 if self.cfg.tm else THREADS});",
                      f"MBAR_INIT({self.empty(str(s))}, {THREADS * self.cfg.cw});")
+            if self.cfg.tm:
+                code("MBAR_INIT_FENCE();  // the copy engine completes the full barriers")
         code("BARRIER();  // barriers initialised before any role uses them")
 
     def advance(self, code: Code) -> None:
@@ -90,6 +92,9 @@ def emit_producer(code: Code, ring: Ring, jobs: list[Job]) -> None:
     turn, the stage ring running on from one to the next, each job's operand state in a scope of its
     own (one job: no extra scope)."""
     heads = schedule.job_heads(ring.cfg, [j.prob for j in jobs])
+    if ring.cfg.tm:
+        _producer_tma(code, ring, jobs, heads)
+        return
     if len(jobs) == 1:
         for op in jobs[0].ops:
             emit_all(code, op.thread_lets())
@@ -125,6 +130,28 @@ def _producer_tiles(code: Code, ring: Ring, prob: Problem, ops: list[Operand], h
                     _issue(code, cfg.stage(math), op, math, op.row_copies(i))
             code(f"CP_ASYNC_MBAR_ARRIVE({ring.full('stage')});")
             ring.advance(code)
+
+
+def _producer_tma(code: Code, ring: Ring, jobs: list[Job], heads: list[str]) -> None:
+    """The TMA producer: thread 0 alone, per tile and stage, waits for the stage to be empty, arms
+    its full barrier with the stage's bytes and issues one tensor copy per operand part and atom."""
+    cfg, math = ring.cfg, ring.math
+    if len(jobs) != 1:
+        raise ValueError("the TMA producer runs one GEMM per kernel")
+    (job,) = jobs
+    with code.block("if (tid == 0)"):
+        for op in job.ops:
+            code(*(f"TMA_PREFETCH({tma.map_name(op, part)});" for part in math.parts))
+        code("int stage = 0;", "unsigned phase = 0u;")
+        with code.block(heads[0]):
+            emit_all(code, schedule.tile_lets(cfg, math, job.prob))
+            for op in job.ops:
+                emit_all(code, tma.tile_lets(op))
+            with code.block("for (int kt = kbeg; kt < kend; ++kt)"):
+                code(f"MBAR_WAIT({ring.empty('stage')}, phase ^ 1u);",
+                     f"const unsigned sst = sbase + stage * {ring.stage_bytes}u, fb = {ring.full('stage')};")
+                tma.emit_stage(code, job.ops, cfg.stage(math), math.parts)
+                ring.advance(code)
 
 
 def _issue(code: Code, stage: StageLayout, op: Operand, math: Math, copies: list[Copy]) -> None:
@@ -194,9 +221,10 @@ def _consumer_tiles(code: Code, ring: Ring, prob: Problem, out: Output, head: st
         emit_all(code, schedule.tile_lets(cfg, math, prob))
         code(*(f"{d} = 0.0f;" for d in acc + (acc_names(cfg, "f") if cfg.pi else [])))
         with code.block("for (int kt = kbeg; kt < kend; ++kt)"):
-            code(f"MBAR_WAIT({ring.full('stage')}, phase);",
-                 "FENCE_PROXY_ASYNC();  // the producer's cp.async (generic proxy) writes, seen by wgmma",
-                 "WGMMA_FENCE();",
+            code(f"MBAR_WAIT({ring.full('stage')}, phase);")
+            if not cfg.tm:
+                code("FENCE_PROXY_ASYNC();  // the producer's cp.async (generic proxy) writes, seen by wgmma")
+            code("WGMMA_FENCE();",
                  f"const U64 so = (U64)(stage * {ring.stage_bytes // 16});")
             for mi, a_off, b_off in wgmma_issue(cfg, math):
                 regs = ", ".join(acc[mi * cfg.bn // 2:(mi + 1) * cfg.bn // 2])

@@ -5,8 +5,9 @@ A block is 1 producer warpgroup + ``cw`` consumer warpgroups. Consumer c owns ro
 wgmma m64n{bn} per k step and product), so it holds wm * bn / 2 f32 accumulators per thread.
 A stage holds ``kb`` 128-byte atoms of K (32 TF32 or 64 FP16/BF16 elements per atom), ``st`` stages
 ring between producer and consumers. ``ks`` splits the reduction (partials + a deterministic
-reduce), ``ps`` = 1 runs a persistent grid of at most one block per SM. ``cl`` is the cluster size,
-1 only: clusters pay through TMA multicast, which the cp.async producer does not have.
+reduce), ``ps`` = 1 runs a persistent grid of at most one block per SM, ``tm`` = 1 brings the
+operands by TMA (tensorcore/tma.py) instead of cp.async. ``cl`` is the cluster size, 1 only: clusters
+pay through TMA multicast, not done.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from convforge.kernels.tensorcore.isa import Math, n_ok
 from convforge.kernels.tensorcore.smem import MAX_SHARED, StageLayout, Tile
 from convforge.params import Params
 
-KEYS = ("bm", "bn", "kb", "st", "cw", "ks", "ps", "pi")
+KEYS = ("bm", "bn", "kb", "st", "cw", "ks", "ps", "pi", "tm")
 WG = 128  # threads of a warpgroup
 ACC_LIMIT = 128  # f32 accumulators per consumer thread that leave room for addresses (<= 232 registers)
 PRODUCER_REGS, CONSUMER_REGS = 80, 200  # setmaxnreg split of 3 warpgroups (128 * 80 + 256 * 200 <= 64K;
@@ -50,6 +51,7 @@ class TileConfig:
     ps: int = 1
     pi: int = 0  # 3xTF32: promote the wgmma sums into FP32 registers every pi stages (0: never)
     cl: int = 1
+    tm: int = 0  # 1: the operands come by TMA (one producer thread, tensorcore/tma.py), 0: by cp.async
 
     @property
     def wm(self) -> int:
@@ -95,8 +97,8 @@ class TileConfig:
             out.append(f"{self.acc} accumulators per thread (bm {self.bm}, bn {self.bn}) exceed {ACC_LIMIT}")
         if self.pi and math.name != "3xtf32":
             out.append("pi (promotion) is a 3xTF32 setting")
-        if self.pi < 0 or self.ks < 1 or self.ps not in (0, 1) or self.cl != 1:
-            out.append("pi >= 0, ks >= 1, ps 0 or 1, cl 1 (no clusters without TMA multicast)")
+        if self.pi < 0 or self.ks < 1 or self.ps not in (0, 1) or self.cl != 1 or self.tm not in (0, 1):
+            out.append("pi >= 0, ks >= 1, ps 0 or 1, tm 0 or 1, cl 1 (no clusters without TMA multicast)")
         if self.shared_bytes(math) > shared_limit:
             out.append(f"{self.shared_bytes(math)} bytes of shared memory exceed {shared_limit}")
         if prob is not None and self.ks > 1 and (self.ks - 1) * cdiv(self.k_blocks(math, prob), self.ks) \
@@ -118,7 +120,7 @@ class TileConfig:
 
     def params(self) -> Params:
         keys = dict(bm=self.bm, bn=self.bn, kb=self.kb, st=self.st, cw=self.cw, ks=self.ks, ps=self.ps)
-        return Params({**keys, **({"pi": self.pi} if self.pi else {})})
+        return Params({**keys, **({"pi": self.pi} if self.pi else {}), **({"tm": self.tm} if self.tm else {})})
 
     @classmethod
     def of(cls, p: Params) -> TileConfig:
@@ -126,7 +128,7 @@ class TileConfig:
         if unknown:
             raise ValueError(f"unknown tensor-core tile parameters {sorted(unknown)} (known: {', '.join(KEYS)})")
         return cls(int(p.bm), int(p.bn), int(p.get("kb", 1)), int(p.get("st", 4)), int(p.get("cw", 2)),
-                   int(p.get("ks", 1)), int(p.get("ps", 1)), int(p.get("pi", 0)))
+                   int(p.get("ks", 1)), int(p.get("ps", 1)), int(p.get("pi", 0)), 1, int(p.get("tm", 0)))
 
 
 # Relative throughput of a block tile's wgmma stream per operand element size (m64nN with both operands in

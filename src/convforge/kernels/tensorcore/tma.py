@@ -1,0 +1,207 @@
+"""The TMA producer: one thread per block brings each stage in with the tensor memory accelerator.
+
+Instead of 128 producer threads issuing 16-byte ``cp.async`` copies (each with its own gather
+address and zero-fill predicate), one elected thread issues, per stage and per 128-byte atom of K,
+one bulk tensor copy per operand part, and arms the stage's full barrier with the bytes they bring
+(``mbarrier.arrive.expect_tx``). The copy engine writes the tile in the 128-byte swizzle the wgmma
+descriptors read (``smem.Tile``: rows of 128 bytes, chunk ``c`` of row ``r`` at ``c ^ (r % 8)``, each
+atom of K a block of its own), reads zeros outside the tensor, and writes through the async proxy,
+so the consumers need no proxy fence.
+
+* :class:`~convforge.kernels.tensorcore.operands.Im2colNhwc` (A of fprop): an **im2col** tensor map
+  over the NHWC activations ``[N][H][W][Cp]``. A copy brings ``bm`` pixels ("pixels per column") of
+  one atom of channels: from the tile's first output pixel, whose receptive field's corner is
+  (n, p sh - pt, q sw - pl), on through the pixel bounding box (W first, then H, then the next
+  image) in steps of the stride, each pixel read at the filter tap's offset (s dw, r dh). The box is
+  the set of receptive-field corners: lower corner (-pl, -pt), upper corner (Q - 1) sw - pl - (W - 1)
+  and (P - 1) sh - pt - (H - 1) (corners relative to the tensor's far edge), so exactly P x Q pixels
+  per image are walked, in the GEMM's row order. Rows past M fall in image N and read zeros; so does
+  a K tail past R S Cp (its channel coordinate Cp is out of bounds).
+* :class:`~convforge.kernels.tensorcore.operands.DenseRows` (B): a **tiled** map, box (one atom of K,
+  ``bn`` rows); rows past the matrix read zeros.
+
+It applies where an atom never straddles two filter taps (Cp a multiple of the atom: 32 TF32 or 64
+half channels), the corners fit the hardware's range for 4-D maps ([-128, 127]), the strides are at
+most 8 and the tap offsets at most 255 (:func:`reason`). :func:`model_column` is the traversal as the
+PTX ISA describes it, written independently of the generator: tests/test_tensorcore_gen.py checks it
+against the gather the cp.async producer does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from convforge.codegen.dialect import TensorMap
+from convforge.codegen.meta import Code
+from convforge.kernels.tensorcore.cexpr import Let, emit_all
+from convforge.kernels.tensorcore.isa import ROW_BYTES, Math
+from convforge.kernels.tensorcore.operands import DenseRows, Geometry, Im2colNhwc, Operand
+from convforge.kernels.tensorcore.smem import StageLayout
+
+CORNER = (-128, 127)  # pixel bounding-box corners of a 4-D im2col map (16 bits over 2 spatial dims)
+MAX_STRIDE = 8  # traversal (element) strides
+MAX_OFFSET = 255  # im2col offsets (the filter tap), unsigned
+MAX_BOX = 256  # box extent per dimension
+
+
+def storage(math: Math) -> str:
+    """The storage dtype of an operand in ``math`` (TF32 operands are float32 bits)."""
+    return {"tf32": "float32", "f16": "float16", "bf16": "bfloat16"}[math.ptx]
+
+
+def corners(g: Geometry) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(lower, upper) corners of the pixel bounding box, W first (see the module docstring)."""
+    lower = (-g.pad_left, -g.pad_top)
+    upper = ((g.q - 1) * g.stride[1] - g.pad_left - (g.w - 1), (g.p - 1) * g.stride[0] - g.pad_top - (g.h - 1))
+    return lower, upper
+
+
+def reason(op: Operand, rows: int) -> str | None:
+    """Why ``op`` (a tile of ``rows`` rows) cannot be brought by TMA, or None."""
+    if rows > MAX_BOX:
+        return f"a tile of {rows} rows exceeds the TMA box ({MAX_BOX})"
+    if isinstance(op, DenseRows):
+        return None if op.batch_stride == 0 else "batched rows are copied by cp.async"
+    if not isinstance(op, Im2colNhwc) or op.geo is None:
+        return f"{type(op).__name__} operands are copied by cp.async"
+    g, atom = op.geo, op.math.elems(1)
+    if g.cp % atom:
+        return f"{g.cp} channels are not whole {atom}-element atoms (an atom would straddle two taps)"
+    lower, upper = corners(g)
+    if not all(CORNER[0] <= v <= CORNER[1] for v in lower + upper):
+        return f"pixel box corners {lower}, {upper} outside {CORNER}"
+    if max(g.stride) > MAX_STRIDE:
+        return f"stride {g.stride} above {MAX_STRIDE}"
+    if max((g.r - 1) * g.dilation[0], (g.s - 1) * g.dilation[1]) > MAX_OFFSET:
+        return f"filter taps reach past an im2col offset of {MAX_OFFSET}"
+    return None
+
+
+def map_name(op: Operand, part: str) -> str:
+    return f"{op.name}_map" if part == "hi" else f"{op.name}_map_{part}"
+
+
+def tensor_map(op: Operand, part: str, rows: int) -> TensorMap:
+    """The tensor map of one part of ``op`` for a tile of ``rows`` rows (see :func:`reason`)."""
+    why = reason(op, rows)
+    if why:
+        raise ValueError(f"operand {op.name}: {why}")
+    es, atom, dtype = op.math.esize, op.math.elems(1), storage(op.math)
+    if isinstance(op, DenseRows):
+        return TensorMap(map_name(op, part), "tiled", dtype, (op.ld, op.rows), (op.ld * es,), (atom, rows))
+    assert isinstance(op, Im2colNhwc) and op.geo is not None
+    g = op.geo
+    lower, upper = corners(g)
+    return TensorMap(map_name(op, part), "im2col", dtype, (g.cp, g.w, g.h, g.n),
+                     (g.cp * es, g.w * g.cp * es, g.h * g.w * g.cp * es), (atom, rows), lower, upper,
+                     (g.stride[1], g.stride[0]))
+
+
+def tile_lets(op: Operand) -> list[Let]:
+    """Per tile: where the im2col column starts (the corner of the tile's first output pixel)."""
+    if not isinstance(op, Im2colNhwc):
+        return []
+    g, n = op.geo, op.name
+    assert g is not None
+    return [Let(f"{n}_t", f"(r{n}0 % {g.p * g.q})"), Let(f"{n}_n0", f"(r{n}0 / {g.p * g.q})"),
+            Let(f"{n}_h0", f"({n}_t / {g.q} * {g.stride[0]} - {g.pad_top})"),
+            Let(f"{n}_w0", f"({n}_t % {g.q} * {g.stride[1]} - {g.pad_left})")]
+
+
+def stage_lets(op: Operand) -> list[Let]:
+    """Per stage and atom a: the K position; for im2col its tap (r s: offsets or, os) and channel (a K
+    tail past R S Cp reads channel Cp or beyond: out of bounds, zeros)."""
+    n, e = op.name, op.math.elems(op.tile.atoms)
+    out = []
+    for a in range(op.tile.atoms):
+        out.append(Let(f"{n}_k{a}", f"(kt * {e} + {a * op.math.elems(1)})"))
+        if isinstance(op, Im2colNhwc):
+            g = op.geo
+            assert g is not None
+            rs = g.r * g.s
+            out += [Let(f"{n}_rs{a}", f"min({n}_k{a} / {g.cp}, {rs})"),
+                    Let(f"{n}_c{a}", f"({n}_k{a} - {n}_rs{a} * {g.cp} + ({n}_rs{a} >= {rs}) * {g.cp})"),
+                    Let(f"{n}_or{a}", f"({n}_rs{a} % {rs} / {g.s} * {g.dilation[0]})"),
+                    Let(f"{n}_os{a}", f"({n}_rs{a} % {rs} % {g.s} * {g.dilation[1]})")]
+    return out
+
+
+@dataclass(frozen=True)
+class TmaCopy:
+    """One bulk tensor copy: shared byte offset from the stage base, its map, the coordinates
+    (innermost first) and, for im2col, the tap offsets (W, H): C expressions of the stage bindings."""
+
+    dst: int
+    map: TensorMap
+    part: str
+    coords: tuple[str, ...]
+    offsets: tuple[str, ...] = ()
+
+    def statement(self) -> str:
+        dst = f"sst + {self.dst}u"
+        if self.offsets:
+            return f"TMA_IM2COL_4D({dst}, {self.map.name}, {', '.join(self.coords + self.offsets)}, fb);"
+        return f"TMA_TILE_2D({dst}, {self.map.name}, {', '.join(self.coords)}, fb);"
+
+
+def copies(op: Operand, stage: StageLayout, parts: tuple[str, ...]) -> list[TmaCopy]:
+    """The bulk tensor copies of ``op`` in one stage, every part and atom."""
+    n, out = op.name, []
+    tile = stage.tile(n)
+    for part in parts:
+        m = tensor_map(op, part, tile.rows)
+        for a in range(op.tile.atoms):
+            dst = stage.offset(n, part) + a * tile.rows * ROW_BYTES
+            if isinstance(op, Im2colNhwc):
+                coords = (f"{n}_c{a}", f"{n}_w0", f"{n}_h0", f"{n}_n0")
+                out.append(TmaCopy(dst, m, part, coords, (f"{n}_os{a}", f"{n}_or{a}")))
+            else:
+                out.append(TmaCopy(dst, m, part, (f"{n}_k{a}", f"r{n}0")))
+    return out
+
+
+def emit_stage(code: Code, ops: list[Operand], stage: StageLayout, parts: tuple[str, ...]) -> None:
+    """One stage's copies (at shared address ``sst``, full barrier ``fb``), the barrier armed with
+    their bytes first."""
+    code(f"MBAR_EXPECT_TX(fb, {stage.nbytes}u);")
+    for op in ops:
+        emit_all(code, stage_lets(op))
+    for op in ops:
+        code(*(c.statement() for c in copies(op, stage, parts)))
+
+
+def model_tiled(x: np.ndarray, tmap: TensorMap, k: int, row: int) -> np.ndarray:
+    """What a tiled 2-D copy brings: rows row .. row + box[1] of the [rows][ld] matrix ``x``, elements
+    k .. k + box[0] of each, zeros outside."""
+    out = np.zeros((tmap.box[1], tmap.box[0]), x.dtype)
+    rows, cols = x.shape
+    for i in range(tmap.box[1]):
+        if 0 <= row + i < rows:
+            for j in range(tmap.box[0]):
+                if 0 <= k + j < cols:
+                    out[i, j] = x[row + i, k + j]
+    return out
+
+
+def model_column(x: np.ndarray, tmap: TensorMap, c: int, w: int, h: int, n: int, ow: int, oh: int) -> np.ndarray:
+    """What an im2col copy brings, as the PTX ISA describes the traversal: ``box[1]`` pixels from
+    (n, h, w) on, W fastest in steps of the traversal stride while inside the bounding box
+    [lower, extent - 1 + upper], then the next row from the lower corner, then the next image; each
+    pixel's channels c .. c + box[0] read at (h + oh, w + ow), zeros outside ``x`` ([N][H][W][C])."""
+    nn, hh, ww, cc = x.shape
+    (lw, lh), (uw, uh), (sw, sh) = tmap.lower, tmap.upper, tmap.traversal
+    out = np.zeros((tmap.box[1], tmap.box[0]), x.dtype)
+    for i in range(tmap.box[1]):
+        yy, xx = h + oh, w + ow
+        if 0 <= n < nn and 0 <= yy < hh and 0 <= xx < ww:
+            for j in range(tmap.box[0]):
+                if 0 <= c + j < cc:
+                    out[i, j] = x[n, yy, xx, c + j]
+        w += sw
+        if w > ww - 1 + uw:
+            w, h = lw, h + sh
+            if h > hh - 1 + uh:
+                h, n = lh, n + 1
+    return out
