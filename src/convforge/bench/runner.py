@@ -149,7 +149,7 @@ def run_convforge(layer: Layer, index: int, be: Backend, algo: str, cfg: BenchCo
         row.rel_err, row.ok = chk.rel_err, chk.ok
         row.status = "ok" if chk.ok else f"FAIL ({chk})"
         it = cycle(_input_sets(be, spec, timing, cfg.seed))
-        row.time_ms = run_timed(lambda: exe(next(it)), be.synchronize, be.time_ms, timing)
+        row.time_ms = run_timed(lambda: exe.call(next(it)), be.synchronize, be.time_ms, timing)
     except Exception as err:  # noqa: BLE001 - a launch failure is a result too
         row.ok, row.status = False, f"error: {str(err)[:200]}"
     return _flops_row(row, spec, peak, tc_peak)
