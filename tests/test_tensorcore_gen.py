@@ -474,7 +474,10 @@ WGRAD_CASES = [(ODD[0], TF32, TileConfig(128, 32, 1, 2, 2, ks=3)),      # asymme
                (ODD[1], X3TF32, TileConfig(128, 96, 1, 2, 2, pi=2)),     # 1x1, 67 filters
                (ODD[2], BF16, TileConfig(64, 32, 2, 2, 1, ks=2)),        # stride 2, dilation 2, 5x5
                (ODD[3], F16, TileConfig(128, 32, 1, 2, 1, ks=4)),        # 11x11 / 4, (2, 1, 0, 3) padding
-               (ConvSpec.make(5, 3, 7, 9, 6, 3, 3, (2, 1), 1), TF32, TileConfig(64, 32, 2, 3, 1))]  # N=5
+               (ConvSpec.make(5, 3, 7, 9, 6, 3, 3, (2, 1), 1), TF32, TileConfig(64, 32, 2, 3, 1)),  # N=5
+               # TMA (the batch whole atoms): padding, split; stride 2 as the transposed problem's dilation
+               (ConvSpec.make(32, 5, 9, 7, 6, 3, 3, 1, (0, 1, 1, 0)), TF32, TileConfig(128, 32, 1, 2, 2, ks=3, tm=1)),
+               (ConvSpec.make(64, 3, 8, 8, 5, 3, 3, 2, (1, 0, 1, 1)), F16, TileConfig(64, 32, 2, 2, 1, tm=1))]
 
 
 @pytest.mark.parametrize("spec, math, cfg", WGRAD_CASES, ids=lambda v: getattr(v, "name", None) or str(v))
@@ -572,7 +575,11 @@ DGRAD_STRIDED = [(ODD[2], TF32, TileConfig(128, 32, 1, 2, 2)),                # 
                  (ODD[3], X3TF32, TileConfig(128, 32, 1, 2, 2, pi=2)),         # 11x11 / 4, (2, 1, 0, 3)
                  (ConvSpec.make(2, 6, 9, 7, 10, 1, 1, 2), F16, TileConfig(64, 32, 2, 2, 1)),  # 1x1 / 2: 3 empty phases
                  (ConvSpec.make(1, 9, 13, 11, 5, 3, 3, (2, 3), (1, 0, 2, 1)), BF16, TileConfig(64, 32, 1, 3, 1)),
-                 (ConvSpec.make(3, 5, 8, 8, 70, 3, 3, 2, 1), TF32, TileConfig(128, 64, 2, 2, 2))]  # K = 70: 2 atoms
+                 (ConvSpec.make(3, 5, 8, 8, 70, 3, 3, 2, 1), TF32, TileConfig(128, 64, 2, 2, 2)),  # K = 70: 2 atoms
+                 # TMA (K whole atoms): every phase's maps, the phases in one kernel
+                 (ConvSpec.make(2, 6, 9, 7, 64, 3, 3, 2, 1), F16, TileConfig(64, 32, 1, 2, 1, tm=1)),
+                 (ConvSpec.make(1, 5, 11, 13, 32, 5, 5, (2, 3), (2, 1, 0, 2)), X3TF32,
+                  TileConfig(128, 32, 2, 2, 2, pi=2, tm=1))]
 
 
 def _phase_mask(spec: ConvSpec, part) -> np.ndarray:
@@ -925,6 +932,24 @@ def test_tma_plans_compile_without_spills_tensor_copies_in_sass(nvcc_ok, name, d
     prm = v.default(spec, NOMINAL_CUDA)
     assert prm.get("tm") == 1
     infos, sass = sass_report(v.plan(spec, prm, NOMINAL_CUDA, Epilogue(bias=True, relu=True)).source("cuda"))
+    for info in infos:
+        assert info.spill_stores == 0 and info.spill_loads == 0, info
+    gemm = [k for k in re.split(r"\n\s+Function : ", sass) if k.startswith(f"{name}_gemm")][0]
+    assert "UTMALDG" in gemm and "HGMMA" in gemm and "LDGSTS" not in gemm
+
+
+@pytest.mark.parametrize("name, spec", [
+    ("wgrad_tc_implicit_gemm_tf32", ConvSpec.make(32, 64, 28, 28, 128, 3, 3, 1, 1, conv_pass="wgrad")),
+    ("wgrad_tc_implicit_gemm_half", ConvSpec.make(64, 64, 14, 14, 64, 3, 3, 2, 1, dtype="float16", conv_pass="wgrad")),
+    ("dgrad_tc_strided_half", ConvSpec.make(32, 128, 28, 28, 128, 3, 3, 2, 1, dtype="bfloat16", conv_pass="dgrad")),
+    ("dgrad_tc_strided_3xtf32", ConvSpec.make(8, 64, 15, 15, 64, 1, 1, 2, conv_pass="dgrad"))], ids=str)
+def test_training_pass_tma_plans_compile(nvcc_ok, name, spec):
+    """wgrad (the batch as channels, whole atoms) and strided dgrad (every phase's maps in one
+    kernel) by TMA: the default, no spill, tensor copies and HGMMA, no cp.async in the GEMM."""
+    v = get_variant(name)
+    prm = v.default(spec, NOMINAL_CUDA)
+    assert prm.get("tm") == 1, v.tma_reason(spec, TileConfig.of(Params({k: x for k, x in prm.items() if k != "il"})))
+    infos, sass = sass_report(v.plan(spec, prm, NOMINAL_CUDA).source("cuda"))
     for info in infos:
         assert info.spill_stores == 0 and info.spill_loads == 0, info
     gemm = [k for k in re.split(r"\n\s+Function : ", sass) if k.startswith(f"{name}_gemm")][0]

@@ -180,6 +180,7 @@ class TensorMap:
     lower: tuple[int, ...] = ()
     upper: tuple[int, ...] = ()
     traversal: tuple[int, ...] = ()
+    source: str = ""  # the buffer a plan's Launch names for it (for plans that take refs from the args)
 
     def __post_init__(self) -> None:
         rank = len(self.dims)

@@ -33,6 +33,7 @@ reads dy in place for it. Stride 1 is DgradTransposed's (kernels/dgrad/transpose
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from convforge.codegen.dialect import Buf, Dim3, Kernel
@@ -42,10 +43,10 @@ from convforge.kernels.dgrad.baseline import no_epilogue
 from convforge.kernels.dgrad.interleave import Part, interleave_kernel
 from convforge.kernels.dgrad.strided import Axis, axes
 from convforge.kernels.gemm import elementwise
-from convforge.kernels.tensorcore import prep, tiles
+from convforge.kernels.tensorcore import prep, tiles, tma
 from convforge.kernels.tensorcore.epilogue import CTYPE, Output
 from convforge.kernels.tensorcore.isa import Math, device_reason, math_for
-from convforge.kernels.tensorcore.kernel import jobs_grid, jobs_kernel
+from convforge.kernels.tensorcore.kernel import jobs_grid, jobs_kernel, launch_refs
 from convforge.kernels.tensorcore.mainloop import Job
 from convforge.kernels.tensorcore.operands import DenseRows, Geometry, Im2colNhwc
 from convforge.kernels.tensorcore.smem import Tile
@@ -215,20 +216,37 @@ class TcDgradStrided(TcVariant):
         return max(probs, key=lambda p: p.m * p.kred, default=Problem(spec.n, spec.c, kp))  # none: dx is zeros
 
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
-        """The generator's pick for the largest phase, phases interleaved (il=1)."""
+        """The generator's pick for the largest phase, phases interleaved (il=1), the operands by TMA
+        where every phase's can be (tensorcore/tma.py)."""
         cfg = tiles.pick(self.math(spec), self._largest(spec), device.units, self.limit(device))
-        return TileConfig(cfg.bm, cfg.bn, cfg.kb, cfg.st, cfg.cw, 1, cfg.ps, cfg.pi).params().replace(il=1)
+        return self._tile(spec, cfg).params().replace(il=1)
+
+    def _tile(self, spec: ConvSpec, c: TileConfig, tm: bool = True) -> TileConfig:
+        """``c`` unsplit, with TMA when asked and every phase's operands allow it."""
+        cfg = TileConfig(c.bm, c.bn, c.kb, c.st, c.cw, 1, c.ps, c.pi)
+        return dataclasses.replace(cfg, tm=1) if tm and self.tma_reason(spec, cfg) is None else cfg
+
+    def tma_reason(self, spec: ConvSpec, cfg: TileConfig) -> str | None:
+        """Why some phase's operands cannot come by TMA with tile ``cfg``, or None."""
+        for ph in phases(spec):
+            if not ph.empty:
+                a, b = self.operands(spec, ph, cfg)
+                why = tma.reason(a, cfg.bm) or tma.reason(b, cfg.bn)
+                if why:
+                    return f"phase {ph.tag}: {why}"
+        return None
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
         """The generator's space for the largest phase, unsplit (every phase's rows fill the GPU),
-        interleaved; the default tile with direct stores (il=0) second."""
+        interleaved; the default tile with direct stores (il=0) and by cp.async next."""
         math, prob = self.math(spec), self._largest(spec)
         first = self.default(spec, device)
-        out = [first, first.replace(il=0)]
+        plain = self._tile(spec, TileConfig.of(Params({k: v for k, v in first.items() if k != "il"})), tm=False)
+        out = list(dict.fromkeys([first, first.replace(il=0), plain.params().replace(il=1)]))
         for c in tiles.space(math, prob, device.units, self.limit(device)):
-            p = TileConfig(c.bm, c.bn, c.kb, c.st, c.cw, 1, c.ps, c.pi).params().replace(il=1)
-            if p not in out:
-                out.append(p)
+            for p in (self._tile(spec, c).params().replace(il=1), self._tile(spec, c, False).params().replace(il=1)):
+                if p not in out:
+                    out.append(p)
         return out
 
     @staticmethod
@@ -304,7 +322,7 @@ class TcDgradStrided(TcVariant):
             kernels += [wk, gk]
             steps += [Launch(wk.name, wgrid, wk.block, refs(wk.args)),
                       Launch(gk.name, (jobs_grid(cfg, [j.prob for j in jobs], device.units), 1, 1), gk.block,
-                             refs(gk.args[:-1]))]
+                             launch_refs(gk))]
         if il:
             parts = [ph.part() for ph in phases(spec) if not ph.empty]
             ik, igrid = interleave_kernel(f"{self.name}_interleave", spec, parts)

@@ -8,12 +8,12 @@ which setmaxnreg needs.
 
 from __future__ import annotations
 
-from convforge.codegen.dialect import Arg, Kernel, LocalBuf
+from convforge.codegen.dialect import Arg, Kernel, LocalBuf, TensorMap
 from convforge.codegen.meta import Code
 from convforge.kernels.tensorcore import tma
 from convforge.kernels.tensorcore.epilogue import Output
 from convforge.kernels.tensorcore.isa import Math
-from convforge.kernels.tensorcore.mainloop import Job, Ring, emit_consumer, emit_producer
+from convforge.kernels.tensorcore.mainloop import Job, Ring, emit_consumer, emit_producer, job_tag
 from convforge.kernels.tensorcore.operands import Operand
 from convforge.kernels.tensorcore.tiles import Problem, TileConfig
 
@@ -52,20 +52,25 @@ def jobs_kernel(name: str, math: Math, cfg: TileConfig, jobs: list[Job]) -> Kern
             code(f"SETMAXNREG_INC({regs[1]});")
         emit_consumer(code, ring, jobs)
     args: tuple[Arg, ...] = ()
-    for job in jobs:
-        for arg in _operand_args(cfg, math, job) + job.out.args():
+    for j, job in enumerate(jobs):
+        for arg in _operand_args(cfg, math, job, job_tag(jobs, j)) + job.out.args():
             if arg.name not in {a.name for a in args}:
                 args += (arg,)
     return Kernel(name, args + (LocalBuf("tc_smem", cfg.shared_bytes(math)),), code.text(), (cfg.threads, 1, 1),
                   frozenset({"wgmma", "shuffle"}), min_blocks=1, comment=_comment(math, cfg, jobs))
 
 
-def _operand_args(cfg: TileConfig, math: Math, job: Job) -> tuple[Arg, ...]:
+def _operand_args(cfg: TileConfig, math: Math, job: Job, tag: str) -> tuple[Arg, ...]:
     """A, then B, each part in order: buffers (cp.async) or tensor maps over them (TMA; the launch
-    names the same buffers)."""
+    names the same buffers: :func:`launch_refs`)."""
     if not cfg.tm:
         return job.ops[0].args() + job.ops[1].args()
-    return tuple(tma.tensor_map(op, part, op.tile.rows) for op in job.ops for part in math.parts)
+    return tuple(tma.tensor_map(op, part, op.tile.rows, tag) for op in job.ops for part in math.parts)
+
+
+def launch_refs(kernel: Kernel) -> tuple[str, ...]:
+    """What a Launch of ``kernel`` names, in order: each buffer argument, or a tensor map's buffer."""
+    return tuple(a.source if isinstance(a, TensorMap) else a.name for a in kernel.args if not isinstance(a, LocalBuf))
 
 
 def _comment(math: Math, cfg: TileConfig, jobs: list[Job]) -> str:

@@ -136,22 +136,26 @@ def _producer_tma(code: Code, ring: Ring, jobs: list[Job], heads: list[str]) -> 
     """The TMA producer: thread 0 alone, per tile and stage, waits for the stage to be empty, arms
     its full barrier with the stage's bytes and issues one tensor copy per operand part and atom."""
     cfg, math = ring.cfg, ring.math
-    if len(jobs) != 1:
-        raise ValueError("the TMA producer runs one GEMM per kernel")
-    (job,) = jobs
     with code.block("if (tid == 0)"):
-        for op in job.ops:
-            code(*(f"TMA_PREFETCH({tma.map_name(op, part)});" for part in math.parts))
-        code("int stage = 0;", "unsigned phase = 0u;")
-        with code.block(heads[0]):
-            emit_all(code, schedule.tile_lets(cfg, math, job.prob))
+        for j, job in enumerate(jobs):
             for op in job.ops:
-                emit_all(code, tma.tile_lets(op))
-            with code.block("for (int kt = kbeg; kt < kend; ++kt)"):
-                code(f"MBAR_WAIT({ring.empty('stage')}, phase ^ 1u);",
-                     f"const unsigned sst = sbase + stage * {ring.stage_bytes}u, fb = {ring.full('stage')};")
-                tma.emit_stage(code, job.ops, cfg.stage(math), math.parts)
-                ring.advance(code)
+                code(*(f"TMA_PREFETCH({tma.map_name(op, part, job_tag(jobs, j))});" for part in math.parts))
+        code("int stage = 0;", "unsigned phase = 0u;")
+        for j, (job, head) in enumerate(zip(jobs, heads, strict=True)):
+            with code.block(head):
+                emit_all(code, schedule.tile_lets(cfg, math, job.prob))
+                for op in job.ops:
+                    emit_all(code, tma.tile_lets(op))
+                with code.block("for (int kt = kbeg; kt < kend; ++kt)"):
+                    code(f"MBAR_WAIT({ring.empty('stage')}, phase ^ 1u);",
+                         f"const unsigned sst = sbase + stage * {ring.stage_bytes}u, fb = {ring.full('stage')};")
+                    tma.emit_stage(code, job.ops, cfg.stage(math), math.parts, job_tag(jobs, j))
+                    ring.advance(code)
+
+
+def job_tag(jobs: list[Job], j: int) -> str:
+    """Job j's suffix on its tensor-map parameters (none with one job)."""
+    return str(j) if len(jobs) > 1 else ""
 
 
 def _issue(code: Code, stage: StageLayout, op: Operand, math: Math, copies: list[Copy]) -> None:

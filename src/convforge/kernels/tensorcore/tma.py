@@ -79,24 +79,26 @@ def reason(op: Operand, rows: int) -> str | None:
     return None
 
 
-def map_name(op: Operand, part: str) -> str:
-    return f"{op.name}_map" if part == "hi" else f"{op.name}_map_{part}"
+def map_name(op: Operand, part: str, tag: str = "") -> str:
+    """The kernel parameter of one part's map (``tag``: the job, in a kernel running several)."""
+    return f"{op.name}{tag}_map" if part == "hi" else f"{op.name}{tag}_map_{part}"
 
 
-def tensor_map(op: Operand, part: str, rows: int) -> TensorMap:
-    """The tensor map of one part of ``op`` for a tile of ``rows`` rows (see :func:`reason`)."""
+def tensor_map(op: Operand, part: str, rows: int, tag: str = "") -> TensorMap:
+    """The tensor map of one part of ``op`` for a tile of ``rows`` rows (see :func:`reason`), over the
+    buffer ``op.buffer(part)``."""
     why = reason(op, rows)
     if why:
         raise ValueError(f"operand {op.name}: {why}")
-    es, atom, dtype = op.math.esize, op.math.elems(1), storage(op.math)
+    es, atom, dtype, name = op.math.esize, op.math.elems(1), storage(op.math), map_name(op, part, tag)
     if isinstance(op, DenseRows):
-        return TensorMap(map_name(op, part), "tiled", dtype, (op.ld, op.rows), (op.ld * es,), (atom, rows))
+        return TensorMap(name, "tiled", dtype, (op.ld, op.rows), (op.ld * es,), (atom, rows),
+                         source=op.buffer(part))
     assert isinstance(op, Im2colNhwc) and op.geo is not None
     g = op.geo
     lower, upper = corners(g)
-    return TensorMap(map_name(op, part), "im2col", dtype, (g.cp, g.w, g.h, g.n),
-                     (g.cp * es, g.w * g.cp * es, g.h * g.w * g.cp * es), (atom, rows), lower, upper,
-                     (g.stride[1], g.stride[0]))
+    return TensorMap(name, "im2col", dtype, (g.cp, g.w, g.h, g.n), (g.cp * es, g.w * g.cp * es, g.h * g.w * g.cp * es),
+                     (atom, rows), lower, upper, (g.stride[1], g.stride[0]), op.buffer(part))
 
 
 def tile_lets(op: Operand) -> list[Let]:
@@ -146,12 +148,12 @@ class TmaCopy:
         return f"TMA_TILE_2D({dst}, {self.map.name}, {', '.join(self.coords)}, fb);"
 
 
-def copies(op: Operand, stage: StageLayout, parts: tuple[str, ...]) -> list[TmaCopy]:
+def copies(op: Operand, stage: StageLayout, parts: tuple[str, ...], tag: str = "") -> list[TmaCopy]:
     """The bulk tensor copies of ``op`` in one stage, every part and atom."""
     n, out = op.name, []
     tile = stage.tile(n)
     for part in parts:
-        m = tensor_map(op, part, tile.rows)
+        m = tensor_map(op, part, tile.rows, tag)
         for a in range(op.tile.atoms):
             dst = stage.offset(n, part) + a * tile.rows * ROW_BYTES
             if isinstance(op, Im2colNhwc):
@@ -162,14 +164,14 @@ def copies(op: Operand, stage: StageLayout, parts: tuple[str, ...]) -> list[TmaC
     return out
 
 
-def emit_stage(code: Code, ops: list[Operand], stage: StageLayout, parts: tuple[str, ...]) -> None:
+def emit_stage(code: Code, ops: list[Operand], stage: StageLayout, parts: tuple[str, ...], tag: str = "") -> None:
     """One stage's copies (at shared address ``sst``, full barrier ``fb``), the barrier armed with
     their bytes first."""
     code(f"MBAR_EXPECT_TX(fb, {stage.nbytes}u);")
     for op in ops:
         emit_all(code, stage_lets(op))
     for op in ops:
-        code(*(c.statement() for c in copies(op, stage, parts)))
+        code(*(c.statement() for c in copies(op, stage, parts, tag)))
 
 
 def model_tiled(x: np.ndarray, tmap: TensorMap, k: int, row: int) -> np.ndarray:

@@ -37,7 +37,7 @@ from convforge.codegen.dialect import Kernel
 from convforge.codegen.meta import cdiv
 from convforge.kernels import register
 from convforge.kernels.dgrad.baseline import no_epilogue
-from convforge.kernels.tensorcore import prep, tiles
+from convforge.kernels.tensorcore import prep, tiles, tma
 from convforge.kernels.tensorcore.epilogue import Output, reduce_kernel
 from convforge.kernels.tensorcore.isa import Math, device_reason
 from convforge.kernels.tensorcore.kernel import gemm_kernel
@@ -128,17 +128,29 @@ class TcWgrad(TcVariant):
         return dataclasses.replace(cfg, ks=ks)
 
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
+        """The generator's pick with its split, the operands by TMA where they can be."""
         cfg = tiles.pick(self.math(spec), self.problem(spec), device.units, self.limit(device))
-        return self._split(cfg, spec, device).params()
+        return self._tma(spec, self._split(cfg, spec, device)).params()
+
+    def _tma(self, spec: ConvSpec, cfg: TileConfig) -> TileConfig:
+        return dataclasses.replace(cfg, tm=1) if self.tma_reason(spec, cfg) is None else cfg
+
+    def tma_reason(self, spec: ConvSpec, cfg: TileConfig) -> str | None:
+        """Why this layer's operands cannot come by TMA with tile ``cfg`` (tensorcore/tma.py), or None."""
+        a, b = self.operands(spec, cfg)
+        return tma.reason(a, cfg.bm) or tma.reason(b, cfg.bn)
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
-        """The default, then the generator's space with each shape's own split (and unsplit)."""
+        """The default, then the generator's space with each shape's own split (and unsplit), each
+        by TMA where it can be, and by cp.async."""
         math, prob = self.math(spec), self.problem(spec)
-        out = [TileConfig.of(self.default(spec, device))]
+        first = TileConfig.of(self.default(spec, device))
+        out = list(dict.fromkeys([first, dataclasses.replace(first, tm=0)]))
         for cfg in tiles.space(math, prob, device.units, self.limit(device)):
             for c in (self._split(cfg, spec, device), dataclasses.replace(cfg, ks=1)):
-                if c not in out and not c.problems(math, prob, self.limit(device)):
-                    out.append(c)
+                for t in (self._tma(spec, c), c):
+                    if t not in out and not t.problems(math, prob, self.limit(device)):
+                        out.append(t)
         return [c.params() for c in out]
 
     def workspace_bytes(self, spec: ConvSpec, params: Params) -> int:
