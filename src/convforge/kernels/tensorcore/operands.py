@@ -21,10 +21,9 @@ padding), B = :class:`DenseRows` (filters packed K x (r, s, c)). Winograd's batc
 convolution of a transposed problem, so the same two serve it (A: im2col rows (c, r, s) of x with
 the images as channels, B: dy rows); a stride-1 unpadded 1x1 layer's wgrad reads x and dy as they
 lie, as :class:`PlanarRows` (rows = channels, reduction along the pixels of each image). dgrad of
-stride 1 is the forward convolution of dy with rotated filters (kernels/dgrad/transposed.py). A TMA
-producer replaces ``copies`` by one tensor copy per stage (a tiled map for DenseRows, an im2col map
-for Im2colNhwc) and completes the same full barrier with a byte count instead of per-thread
-arrivals.
+stride 1 is the forward convolution of dy with rotated filters (kernels/dgrad/transposed.py). The TMA
+producer (tensorcore/tma.py, ``tm=1``) brings DenseRows and Im2colNhwc operands by tensor maps
+instead of these copies where their channels are whole 128-byte atoms.
 """
 
 from __future__ import annotations
