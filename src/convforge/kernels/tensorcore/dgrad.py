@@ -230,8 +230,7 @@ class TcDgradStrided(TcVariant):
         """Why some phase's operands cannot come by TMA with tile ``cfg``, or None."""
         for ph in phases(spec):
             if not ph.empty:
-                a, b = self.operands(spec, ph, cfg)
-                why = tma.reason(a, cfg.bm) or tma.reason(b, cfg.bn)
+                why = tma.pair_reason(*self.operands(spec, ph, cfg), cfg.bm, cfg.bn)
                 if why:
                     return f"phase {ph.tag}: {why}"
         return None

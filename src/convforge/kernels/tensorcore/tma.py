@@ -79,6 +79,11 @@ def reason(op: Operand, rows: int) -> str | None:
     return None
 
 
+def pair_reason(a: Operand, b: Operand, bm: int, bn: int) -> str | None:
+    """Why the GEMM operands A (tiles of ``bm`` rows) and B (``bn`` rows) cannot both come by TMA."""
+    return reason(a, bm) or reason(b, bn)
+
+
 def map_name(op: Operand, part: str, tag: str = "") -> str:
     """The kernel parameter of one part's map (``tag``: the job, in a kernel running several)."""
     return f"{op.name}{tag}_map" if part == "hi" else f"{op.name}{tag}_map_{part}"

@@ -186,8 +186,7 @@ class TcImplicitGemm(TcVariant):
 
     def tma_reason(self, spec: ConvSpec, cfg: TileConfig) -> str | None:
         """Why this layer's operands cannot come by TMA with tile ``cfg``, or None."""
-        a, b = self._operands(spec, cfg)
-        return tma.reason(a, cfg.bm) or tma.reason(b, cfg.bn)
+        return tma.pair_reason(*self._operands(spec, cfg), cfg.bm, cfg.bn)
 
     def _operands(self, spec: ConvSpec, cfg: TileConfig) -> tuple[Im2colNhwc, DenseRows]:
         math, prob = self.math(spec), self.problem(spec)

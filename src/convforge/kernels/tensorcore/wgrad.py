@@ -137,8 +137,7 @@ class TcWgrad(TcVariant):
 
     def tma_reason(self, spec: ConvSpec, cfg: TileConfig) -> str | None:
         """Why this layer's operands cannot come by TMA with tile ``cfg`` (tensorcore/tma.py), or None."""
-        a, b = self.operands(spec, cfg)
-        return tma.reason(a, cfg.bm) or tma.reason(b, cfg.bn)
+        return tma.pair_reason(*self.operands(spec, cfg), cfg.bm, cfg.bn)
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
         """The default, then the generator's space with each shape's own split (and unsplit), each
