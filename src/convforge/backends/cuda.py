@@ -207,19 +207,15 @@ class CudaBackend(Backend):
     def _launch_maps(self, fn: Any, kernel: Kernel, step: Launch, args: list[Any], shared: int, stream: Any) -> None:
         """A launch with TensorMap arguments: its parameter array per distinct set of buffer
         addresses and scalars (the maps encoded once for them; a few dozen kept per kernel)."""
-        values = tuple(_address(v) if isinstance(a, Buf | TensorMap) else v
-                       for a, v in zip(self._value_specs(kernel), args, strict=True))
+        specs = [a for a in kernel.args if not isinstance(a, LocalBuf)]
+        values = tuple(_address(v) if isinstance(a, Buf | TensorMap) else v for a, v in zip(specs, args, strict=True))
         cache = self._map_kernels[kernel]
         params = cache.get(values)
         if params is None:
             if len(cache) >= 64:
                 cache.clear()
-            params = cache[values] = _Params(list(zip(self._value_specs(kernel), values, strict=True)))
+            params = cache[values] = _Params(list(zip(specs, values, strict=True)))
         _driver().launch(int(fn.ptr), *step.grid, *step.block, shared, stream.ptr, params.address, 0)
-
-    @staticmethod
-    def _value_specs(kernel: Kernel) -> list[Any]:
-        return [a for a in kernel.args if not isinstance(a, LocalBuf)]
 
     def _texture(self, array: Any) -> Any:
         """A linear float texture object over ``array``, made once per (address, size)."""
@@ -299,6 +295,14 @@ def _address(array: Any) -> int:
 _TMAP_DTYPES = {"float16": 6, "float32": 7, "bfloat16": 9}  # CUtensorMapDataType
 _SWIZZLE_128B, _L2_128B, _OOB_ZERO, _INTERLEAVE_NONE = 3, 2, 0, 0
 _TMAPS: dict[tuple[TensorMap, int], bytes] = {}
+_TMAPS_KEPT = 4096  # encoded maps remembered (one per map and buffer address)
+
+
+def _map_cell() -> _At:
+    """128 bytes at a 64-byte-aligned address (what the driver writes a CUtensorMap into and a
+    kernel parameter array points at), kept alive with its ctypes buffer."""
+    raw = ctypes.create_string_buffer(128 + 64)
+    return _At(raw, (ctypes.addressof(raw) + 63) & ~63)
 
 
 def tensor_map(tmap: TensorMap, address: int) -> bytes:
@@ -310,8 +314,8 @@ def tensor_map(tmap: TensorMap, address: int) -> bytes:
     lib = _driver().lib
     u64, u32, i32 = ctypes.c_uint64, ctypes.c_uint32, ctypes.c_int
     rank = len(tmap.dims)
-    raw = ctypes.create_string_buffer(128 + 64)
-    at = (ctypes.addressof(raw) + 63) & ~63
+    cell = _map_cell()
+    at = cell.at
     dims, strides = (u64 * rank)(*tmap.dims), (u64 * max(rank - 1, 1))(*tmap.strides)
     common = (_INTERLEAVE_NONE, _SWIZZLE_128B, _L2_128B, _OOB_ZERO)
     if tmap.mode == "tiled":
@@ -327,6 +331,8 @@ def tensor_map(tmap: TensorMap, address: int) -> bytes:
     if err:
         raise RuntimeError(f"cuTensorMapEncode{tmap.mode.capitalize()} refused tensor map {tmap} at {address:#x}: "
                            f"CUresult {err}")
+    if len(_TMAPS) >= _TMAPS_KEPT:
+        _TMAPS.clear()
     out = _TMAPS[key] = ctypes.string_at(at, 128)
     return out
 
@@ -337,17 +343,14 @@ class _Params:
 
     def __init__(self, values: list[tuple[Any, Any]]) -> None:
         self._cells: list[Any] = []
-        self.maps: list[tuple[int, TensorMap]] = []  # (cell address, map) per TensorMap, in order
         addrs = []
         for arg, value in values:
             if isinstance(arg, TensorMap):
-                raw = ctypes.create_string_buffer(128 + 64)
-                at = (ctypes.addressof(raw) + 63) & ~63
-                self._cells.append(raw)
-                self.maps.append((at, arg))
+                mc = _map_cell()
+                self._cells.append(mc)
                 if value:
-                    ctypes.memmove(at, tensor_map(arg, int(value)), 128)
-                addrs.append(at)
+                    ctypes.memmove(mc.at, tensor_map(arg, int(value)), 128)
+                addrs.append(mc.at)
                 continue
             if isinstance(arg, Scalar):
                 cell: Any = ctypes.c_float(float(value)) if arg.ctype == "float" else ctypes.c_int32(int(value))
@@ -478,11 +481,9 @@ class CudaExecutable(Executable):
                 layout.append((2, ctypes.c_uint32.from_buffer_copy(value).value))
                 continue
             if isinstance(arg, TensorMap):  # 128 bytes, 64-aligned, encoded per buffer address (launch_raw)
-                raw = ctypes.create_string_buffer(128 + 64)
-                at = (ctypes.addressof(raw) + 63) & ~63
-                storage.append(_At(raw, at))
-                slot = slot_of.get(str(ref), -1)
-                self._maps.append([at, arg, slot, str(ref), 0])
+                mc = _map_cell()
+                storage.append(mc)
+                self._maps.append([mc.at, arg, slot_of.get(str(ref), -1), str(ref), 0])
                 layout.append((3, str(ref)))
                 continue
             assert isinstance(arg, Buf)
