@@ -668,7 +668,7 @@ def _torch_runner(spec: Any, epi: Any) -> Callable[..., Any]:
         return y.relu() if epi.relu else F.gelu(y) if epi.gelu else y
 
     run.filters = None  # type: ignore[attr-defined]
-    run.exe = SimpleNamespace(fast=False)  # type: ignore[attr-defined]  # nothing for the native fast path
+    run.exe = SimpleNamespace(fast=False, native=False)  # type: ignore[attr-defined]  # no native fast path
     return run
 
 
