@@ -175,8 +175,10 @@ def one_gpu_steps(model: nn.Module, device: torch.device, world: int, steps: int
 
 
 def reference_main(args: argparse.Namespace) -> None:
-    """One GPU, the same steps with the convforge model; and PyTorch's own float64 model, the
-    anchor that both the DDP run and this one compute the right gradients."""
+    """One GPU, the same steps with the convforge model; PyTorch's own float64 model, the anchor
+    that both the DDP run and this one compute the right gradients; and PyTorch's FP32 model, the
+    yardstick of how far an FP32 run strays from that anchor (batch norm over 4 images amplifies
+    rounding, and the weights of later steps differ)."""
     device = torch.device("cuda", 0)
     torch.cuda.set_device(0)
     setup(args)
@@ -187,8 +189,11 @@ def reference_main(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     torch64 = Net().to(device).double().train()  # the same weights (drawn in float32, then widened)
     anchor = one_gpu_steps(torch64, device, args.world, args.steps, torch.float64)
-    torch.save({"grads": steps, "params": params(model), "checks": checks, "torch64": anchor},
-               os.path.join(args.out, "reference.pt"))
+    torch.manual_seed(0)
+    torch32 = Net().to(device).train()  # PyTorch FP32 (TF32 off): the yardstick of the error
+    yardstick = one_gpu_steps(torch32, device, args.world, args.steps)
+    torch.save({"grads": steps, "params": params(model), "checks": checks, "torch64": anchor,
+                "params64": params(torch64), "torch32": yardstick}, os.path.join(args.out, "reference.pt"))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -202,6 +202,18 @@ def _rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+def _close(a, b, tol, scale):
+    """``a`` within ``tol`` of ``b`` relatively, or within 1e-6 of ``scale`` (the norm of the step's
+    whole gradient): a gradient that is zero analytically (a conv bias before training-mode batch
+    norm, which subtracts the batch mean) is FP32 rounding noise, ~1e-9, against float64's ~1e-18,
+    and a relative error of noise against zero says nothing."""
+    return float((a - b).norm()) <= tol * float(b.norm()) + 1e-6 * scale
+
+
+def _flat(g, keys):
+    return torch.cat([g[k].flatten() for k in keys])
+
+
 @pytest.mark.serial  # every GPU, and timings compared: never beside other tests
 @pytest.mark.parametrize("how", ["convert", "fuse", "fuse+noset", "convert+autotune"])
 def test_ddp_gradients_equal_a_one_gpu_run(two, tmp_path, how):
@@ -209,7 +221,10 @@ def test_ddp_gradients_equal_a_one_gpu_run(two, tmp_path, how):
     backward kernels) in DistributedDataParallel on two GPUs, 3 SGD steps: every step's averaged
     gradients on both ranks equal a one-GPU run's over the same two shards (each shard a forward of
     its own, as each rank's batch norm sees it) within FP32 tolerance, and the parameters after
-    the steps too; the one-GPU run itself matches PyTorch's float64 model; every executable,
+    the steps too; the one-GPU run's first gradient strays from PyTorch's float64 model's at most 4x
+    as far as PyTorch FP32's does (each parameter within 1e-3), later ones within 1e-2 (a ReLU
+    tie), its weights after the steps within 1e-4 (all together: a bias that starts at 0 is as far
+    off as its gradients); every executable,
     runner and cached filter transform of a rank is on its own GPU. ``+noset``: the ranks never
     call set_device (tensors on cuda:1 while device 0 is current); ``+autotune``: both ranks tune
     on first sight into one database at once (the reference then reads it)."""
@@ -219,9 +234,22 @@ def test_ddp_gradients_equal_a_one_gpu_run(two, tmp_path, how):
     want = torch.load(tmp_path / "reference.pt")
     got = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
     assert want["checks"]["converted"] >= 5 and want["checks"]["n_runners"] > 0, want["checks"]
-    for step, (ours, anchor) in enumerate(zip(want["grads"], want["torch64"], strict=True)):
-        for name in anchor:
-            assert _rel(ours[name], anchor[name]) < 1e-3, ("one GPU vs PyTorch float64", step, name)
+    for step, (ours, anchor, t32) in enumerate(zip(want["grads"], want["torch64"], want["torch32"], strict=True)):
+        exact = _flat(anchor, anchor)
+        e_ours, e_t32 = _rel(_flat(ours, anchor), exact), _rel(_flat(t32, anchor), exact)
+        print(f"step {step}: gradients' error against float64: convforge {e_ours:.2e}, PyTorch FP32 {e_t32:.2e}")
+        if step == 0:  # the same weights as the anchor: the whole gradient and each parameter's
+            assert e_ours <= 4 * e_t32 + 1e-5, ("one GPU vs PyTorch float64", step, e_ours, e_t32)
+            scale = float(_flat(anchor, anchor).norm())
+            for name in anchor:
+                assert _close(ours[name], anchor[name], 1e-3, scale), ("one GPU vs PyTorch float64", name,
+                                                                       _rel(ours[name], anchor[name]))
+        else:  # a ReLU at a tie (the block's residual sum within ~1e-6 of 0; H100: step 2, convert and
+            # fuse untuned: 1.6e-3, every parameter upstream of that ReLU, none downstream) passes or
+            # stops one element's gradient: a jump, not an error, that a bound at rounding level cannot allow
+            assert e_ours <= 1e-2, ("one GPU vs PyTorch float64", step, e_ours, e_t32)
+    names = list(want["params64"])  # the weights after the steps, all together: a tie moves them little
+    assert _rel(_flat(want["params"], names), _flat(want["params64"], names)) < 1e-4, "weights vs float64"
     for rank, doc in enumerate(got):
         checks = doc["checks"]
         assert checks["executables"] == [rank] and checks["runners"] == [rank], checks
@@ -229,10 +257,11 @@ def test_ddp_gradients_equal_a_one_gpu_run(two, tmp_path, how):
         assert checks["converted"] == want["checks"]["converted"], checks
         for step, (g, w) in enumerate(zip(doc["grads"], want["grads"], strict=True)):
             assert g.keys() == w.keys(), (rank, step)
-            flat_g, flat_w = torch.cat([g[k].flatten() for k in w]), torch.cat([w[k].flatten() for k in w])
+            flat_g, flat_w = _flat(g, w), _flat(w, w)
             assert _rel(flat_g, flat_w) < 1e-5, (rank, step, _rel(flat_g, flat_w))
             for name in w:
-                assert _rel(g[name], w[name]) < 1e-4, (rank, step, name, _rel(g[name], w[name]))
+                assert _close(g[name], w[name], 1e-4, float(flat_w.norm())), (rank, step, name,
+                                                                              _rel(g[name], w[name]))
         for name, p in want["params"].items():
             assert _rel(doc["params"][name], p) < 1e-5, (rank, name)
     for g0, g1 in zip(got[0]["grads"], got[1]["grads"], strict=True):  # DDP hands both ranks the same average
@@ -274,10 +303,13 @@ TUNE_SPECS = ["N=8,C=64,H=28,W=28,K=64,R=3,S=3,pad=1", "N=8,C=128,H=14,W=14,K=25
               "N=8,C=256,H=7,W=7,K=256,R=3,S=3,pad=1", "N=2,C=17,H=31,W=29,K=13,R=5,S=5,pad=2"]
 
 
-def _chosen_like(one_db, many_db, slack=1.10):
+def _chosen_like(one_db, many_db, slack=1.10, floor_ms=0.005):
     """Each layer's choice in ``many_db`` is one ``one_db``'s search measured too, within ``slack``
-    of that search's winner (and the other way round): the same choice given the same
-    measurements, up to timing noise between two runs."""
+    of that search's winner plus ``floor_ms`` (and the other way round): the same choice given the
+    same measurements, up to timing noise between two runs. The floor is the launch jitter of a
+    layer of ~10 us, timed on the path conv2d takes (host launch work included): the first
+    two-GPU run measured a 12.6 us winner's rival at 16.2 us in one process and as the winner in
+    the other."""
     from convforge.tune.db import TuningDB
 
     one, many = TuningDB(one_db), TuningDB(many_db)
@@ -288,7 +320,7 @@ def _chosen_like(one_db, many_db, slack=1.10):
             times = {(m.variant, m.params): m.time_ms for m in db_x.measurements(key) if m.time_ms}
             t = times.get((y.variant, y.params))
             assert t is not None, (key, y.variant, y.params, "not measured by the other run")
-            assert t <= slack * x.time_ms, (key, x.variant, x.time_ms, y.variant, t)
+            assert t <= slack * x.time_ms + floor_ms, (key, x.variant, x.time_ms, y.variant, t)
 
 
 def _per_worker(out):
