@@ -305,6 +305,19 @@ def _map_cell() -> _At:
     return _At(raw, (ctypes.addressof(raw) + 63) & ~63)
 
 
+def map_encoding(tmap: TensorMap) -> tuple[bool, int, tuple[int, ...], tuple[int, ...], tuple[int, ...],
+                                             tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """The driver's encode arguments of ``tmap`` but the address: (im2col, CUtensorMapDataType,
+    dims, byte strides, box (im2col: channels per pixel, pixels per column), element strides,
+    lower and upper pixel corners): what :func:`tensor_map` passes and the native fast paths
+    (native_core.h ``read_map``) pass too."""
+    rank = len(tmap.dims)
+    im2col = tmap.mode == "im2col"
+    elem = (1, *tmap.traversal, *([1] * (rank - 1 - len(tmap.traversal)))) if im2col else (1,) * rank
+    return (im2col, _TMAP_DTYPES[tmap.dtype], tuple(tmap.dims), tuple(tmap.strides), tuple(tmap.box), elem,
+            tuple(tmap.lower) if im2col else (), tuple(tmap.upper) if im2col else ())
+
+
 def tensor_map(tmap: TensorMap, address: int) -> bytes:
     """The 128-byte CUtensorMap of ``tmap`` over device memory at ``address`` (cached)."""
     key = (tmap, address)
@@ -313,21 +326,21 @@ def tensor_map(tmap: TensorMap, address: int) -> bytes:
         return hit
     lib = _driver().lib
     u64, u32, i32 = ctypes.c_uint64, ctypes.c_uint32, ctypes.c_int
-    rank = len(tmap.dims)
+    im2col, dtype, dims_, strides_, box, elem_, lower, upper = map_encoding(tmap)
+    rank = len(dims_)
     cell = _map_cell()
     at = cell.at
-    dims, strides = (u64 * rank)(*tmap.dims), (u64 * max(rank - 1, 1))(*tmap.strides)
+    dims, strides = (u64 * rank)(*dims_), (u64 * max(rank - 1, 1))(*strides_)
+    elem = (u32 * rank)(*elem_)
     common = (_INTERLEAVE_NONE, _SWIZZLE_128B, _L2_128B, _OOB_ZERO)
-    if tmap.mode == "tiled":
-        err = lib.cuTensorMapEncodeTiled(ctypes.c_void_p(at), _TMAP_DTYPES[tmap.dtype], rank, ctypes.c_void_p(address),
-                                         dims, strides, (u32 * rank)(*tmap.box), (u32 * rank)(*([1] * rank)), *common)
+    if not im2col:
+        err = lib.cuTensorMapEncodeTiled(ctypes.c_void_p(at), dtype, rank, ctypes.c_void_p(address), dims, strides,
+                                         (u32 * rank)(*box), elem, *common)
     else:
         spatial = rank - 2
-        elem = (u32 * rank)(1, *tmap.traversal, *([1] * (rank - 1 - spatial)))
-        err = lib.cuTensorMapEncodeIm2col(ctypes.c_void_p(at), _TMAP_DTYPES[tmap.dtype], rank,
-                                          ctypes.c_void_p(address), dims, strides, (i32 * spatial)(*tmap.lower),
-                                          (i32 * spatial)(*tmap.upper), u32(tmap.box[0]), u32(tmap.box[1]), elem,
-                                          *common)
+        err = lib.cuTensorMapEncodeIm2col(ctypes.c_void_p(at), dtype, rank, ctypes.c_void_p(address), dims, strides,
+                                          (i32 * spatial)(*lower), (i32 * spatial)(*upper), u32(box[0]), u32(box[1]),
+                                          elem, *common)
     if err:
         raise RuntimeError(f"cuTensorMapEncode{tmap.mode.capitalize()} refused tensor map {tmap} at {address:#x}: "
                            f"CUresult {err}")
@@ -473,7 +486,7 @@ class CudaExecutable(Executable):
         # a prologue's scale and shift after them (never filed with the native fast path)
         slot_of.update({name: len(CONV_BUFFERS) + len(self.derived) + j for j, name in enumerate(PROLOGUE_BUFFERS)})
         storage: list[Any] = []
-        layout: list[tuple[int, int | str]] = []  # the native fast path's copy (native_program)
+        layout: list[tuple[int, Any]] = []  # the native fast path's copy (native_program)
         for arg, ref in zip(self._value_args(kernel), step.args, strict=True):
             if isinstance(arg, Scalar):
                 value = ctypes.c_float(float(ref)) if arg.ctype == "float" else ctypes.c_int32(int(ref))
@@ -484,7 +497,7 @@ class CudaExecutable(Executable):
                 mc = _map_cell()
                 storage.append(mc)
                 self._maps.append([mc.at, arg, slot_of.get(str(ref), -1), str(ref), 0])
-                layout.append((3, str(ref)))
+                layout.append((3, (arg, slot_of.get(str(ref), -1), str(ref))))
                 continue
             assert isinstance(arg, Buf)
             cell = ctypes.c_uint64(0)
@@ -507,8 +520,8 @@ class CudaExecutable(Executable):
     @property
     def native(self) -> bool:
         """Whether the native fast paths (torch/native.cpp, backends/cupy_native.cpp) can take this
-        executable: a fast one without tensor maps (which they have no slot kind for)."""
-        return self.fast and not self._maps
+        executable: a fast one (tensor maps included: native_core.h encodes them per address)."""
+        return self.fast
 
     def _refresh_maps(self, vals: tuple[int, ...]) -> None:
         """Re-encode the tensor-map parameters whose buffer moved since the last launch."""
@@ -524,19 +537,25 @@ class CudaExecutable(Executable):
         """This executable for the native fast path (torch/native.cpp ``register``): per step list
         ("all", "rest", "weights") the launches as (function, grid, block, shared bytes, arguments),
         each argument (0, pointer slot) | (1, fixed 64-bit value: a workspace pointer) | (2, fixed
-        32-bit value: a scalar's bits); then the output shape, the own filter-derived buffers,
+        32-bit value: a scalar's bits) | (3, a tensor map: (pointer slot or -1, the workspace
+        buffer's address where -1, :func:`map_encoding`)); then the output shape, the own filter-derived buffers,
         their offsets in a packed buffer, its size in floats, the CUDA context, the plan's name and
         this executable (kept alive by the entry). Call after :meth:`reserve`."""
         assert self.fast and self._workspace is not None, "native_program needs a reserved fast executable"
         assert not self.plan.prologue.active, "the native fast path has no slots for a prologue's buffers"
         ws = self._workspace
 
+        def value(kind: int, v: Any) -> Any:
+            if kind == 1:
+                return int(ws[v].data.ptr)
+            if kind == 3:  # (slot, fixed address where no slot: a workspace buffer, the encode arguments)
+                tmap, slot, name = v
+                return (slot, 0 if slot >= 0 else int(ws[name].data.ptr), *map_encoding(tmap))
+            return v
+
         def launches(steps: str) -> list[tuple[Any, ...]]:
-            out = []
-            for head, params in self._runs[steps]:
-                args = tuple((kind, int(ws[v].data.ptr) if kind == 1 else v) for kind, v in self._layouts[params])
-                out.append((*head, args))
-            return out
+            return [(*head, tuple((kind, value(kind, v)) for kind, v in self._layouts[params]))
+                    for head, params in self._runs[steps]]
 
         return (launches("all"), launches("rest"), launches("weights"), tuple(self.plan.spec.y_shape),
                 self._ws_derived, self._offsets, self.derived_bytes // 4, int(self.context), self.plan.describe(),

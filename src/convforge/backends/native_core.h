@@ -40,6 +40,11 @@ using CtxPushFn = CUresult (*)(CUcontext);
 using CtxPopFn = CUresult (*)(CUcontext*);
 using CapturingFn = CUresult (*)(CUstream, int*);
 using ErrNameFn = CUresult (*)(CUresult, const char**);
+// cuTensorMapEncodeTiled / cuTensorMapEncodeIm2col (CUDA 12): enums as int, cuuint32/64 as uint32/64
+using EncodeTiledFn = CUresult (*)(void*, int, uint32_t, void*, const uint64_t*, const uint64_t*, const uint32_t*,
+                                   const uint32_t*, int, int, int, int);
+using EncodeIm2colFn = CUresult (*)(void*, int, uint32_t, void*, const uint64_t*, const uint64_t*, const int*,
+                                    const int*, uint32_t, uint32_t, const uint32_t*, int, int, int, int);
 
 struct Driver {
   LaunchFn launch = nullptr;
@@ -48,6 +53,8 @@ struct Driver {
   CtxPopFn ctx_pop = nullptr;
   CapturingFn is_capturing = nullptr;
   ErrNameFn err_name = nullptr;
+  EncodeTiledFn encode_tiled = nullptr;  // absent before CUDA 12: programs with tensor maps are refused
+  EncodeIm2colFn encode_im2col = nullptr;
 };
 Driver drv;
 
@@ -63,6 +70,8 @@ bool load_driver(std::string& why) {
   drv.ctx_pop = reinterpret_cast<CtxPopFn>(dlsym(lib, "cuCtxPopCurrent_v2"));
   drv.is_capturing = reinterpret_cast<CapturingFn>(dlsym(lib, "cuStreamIsCapturing"));
   drv.err_name = reinterpret_cast<ErrNameFn>(dlsym(lib, "cuGetErrorName"));
+  drv.encode_tiled = reinterpret_cast<EncodeTiledFn>(dlsym(lib, "cuTensorMapEncodeTiled"));
+  drv.encode_im2col = reinterpret_cast<EncodeIm2colFn>(dlsym(lib, "cuTensorMapEncodeIm2col"));
   if (!drv.launch || !drv.ctx_get || !drv.ctx_push || !drv.ctx_pop || !drv.is_capturing || !drv.err_name) {
     why = "libcuda lacks an entry point the fast path needs";
     return false;
@@ -208,11 +217,52 @@ bool parse_options(PyObject* const* a, Key& k) {
 constexpr int kMaxArgs = 64;
 constexpr int kFixedSlots = 5;  // x, w, y, bias, res; then one per filter-derived buffer
 
+constexpr int kMaxMaps = 16;  // tensor-map arguments of one launch
+
+// A TMA tensor map argument (codegen/dialect.py TensorMap, CudaExecutable.native_program kind 3):
+// the driver's encode arguments but the address, which comes from a pointer slot (or is fixed: a
+// workspace buffer); the 128-byte map is encoded again only when that address moves, as the
+// Python fast path does (backends/cuda.py _refresh_maps).
+struct MapRec {
+  int cell = 0;  // the kernel argument it is
+  int slot = -1;  // pointer slot of its buffer, or -1: ``fixed``
+  uint64_t fixed = 0;
+  bool im2col = false;
+  int dtype = 0;  // CUtensorMapDataType
+  uint32_t rank = 0;
+  uint64_t dims[5] = {0, 0, 0, 0, 0}, strides[4] = {0, 0, 0, 0};
+  uint32_t box[5] = {0, 0, 0, 0, 0}, elem[5] = {0, 0, 0, 0, 0};
+  int lower[3] = {0, 0, 0}, upper[3] = {0, 0, 0};
+  std::mutex mu;  // guards the two below (calls from several threads)
+  uint64_t last = 0;  // the address ``encoded`` is for (0: none yet)
+  unsigned char encoded[128] = {};
+};
+
+// The 128-byte map of m over ``address`` into out (64-byte aligned, as the driver wants it); the
+// driver's error, 0 if none.
+CUresult encode_map(MapRec& m, uint64_t address, unsigned char* out) {
+  std::lock_guard<std::mutex> lock(m.mu);
+  if (m.last == address && address != 0) {
+    std::memcpy(out, m.encoded, 128);
+    return 0;
+  }
+  constexpr int kInterleaveNone = 0, kSwizzle128 = 3, kL2Promote128 = 2, kOobZero = 0;
+  void* at = reinterpret_cast<void*>(address);
+  CUresult r = m.im2col ? drv.encode_im2col(out, m.dtype, m.rank, at, m.dims, m.strides, m.lower, m.upper, m.box[0],
+                                            m.box[1], m.elem, kInterleaveNone, kSwizzle128, kL2Promote128, kOobZero)
+                        : drv.encode_tiled(out, m.dtype, m.rank, at, m.dims, m.strides, m.box, m.elem,
+                                           kInterleaveNone, kSwizzle128, kL2Promote128, kOobZero);
+  m.last = r ? 0 : address;
+  if (!r) std::memcpy(m.encoded, out, 128);
+  return r;
+}
+
 struct LaunchRec {
   CUfunction fn = nullptr;
   unsigned grid[3] = {1, 1, 1}, block[3] = {1, 1, 1}, smem = 0;
   std::vector<uint64_t> cells;  // fixed values: scalars (low 4 bytes), workspace pointers
   std::vector<std::pair<int, int>> slots;  // (cell, slot): pointers set per call
+  std::vector<std::shared_ptr<MapRec>> maps;  // tensor-map arguments (their cells hold nothing)
 };
 
 struct ProgramBase {
@@ -248,10 +298,17 @@ CUresult launch_all(const ProgramBase& p, const std::vector<LaunchRec>& runs, co
   for (const LaunchRec& L : runs) {
     uint64_t cells[kMaxArgs];
     void* params[kMaxArgs];
+    alignas(64) unsigned char maps[kMaxMaps][128];  // the driver copies parameters at the launch
     size_t n = L.cells.size();
     std::memcpy(cells, L.cells.data(), n * sizeof(uint64_t));
     for (const auto& [cell, s] : L.slots) cells[cell] = slot[s];
     for (size_t i = 0; i < n; ++i) params[i] = &cells[i];
+    for (size_t i = 0; i < L.maps.size() && !bad; ++i) {
+      MapRec& m = *L.maps[i];
+      bad = encode_map(m, m.slot >= 0 ? slot[m.slot] : m.fixed, maps[i]);
+      params[m.cell] = maps[i];
+    }
+    if (bad) break;
     bad = drv.launch(L.fn, L.grid[0], L.grid[1], L.grid[2], L.block[0], L.block[1], L.block[2], L.smem, stream,
                      params, nullptr);
     if (bad) break;
@@ -266,13 +323,39 @@ CUresult launch_all(const ProgramBase& p, const std::vector<LaunchRec>& runs, co
 std::string launch_error(const ProgramBase& p, CUresult r) {
   const char* name = nullptr;
   drv.err_name(r, &name);
-  return "cuLaunchKernel failed for " + p.name + ": " + (name ? name : "unknown error") + " (" + std::to_string(r) +
-         ")";
+  return "cuLaunchKernel (or cuTensorMapEncode of its tensor maps) failed for " + p.name + ": " +
+         (name ? name : "unknown error") + " (" + std::to_string(r) + ")";
+}
+
+// A Python tuple of at most ``cap`` ints into out; its length in n. False: not that.
+template <class T>
+bool small_ints(PyObject* t, T* out, size_t cap, size_t& n) {
+  if (!PyTuple_Check(t) || static_cast<size_t>(PyTuple_GET_SIZE(t)) > cap) return false;
+  n = static_cast<size_t>(PyTuple_GET_SIZE(t));
+  for (size_t i = 0; i < n; ++i) out[i] = static_cast<T>(PyLong_AsLongLong(PyTuple_GET_ITEM(t, i)));
+  return !PyErr_Occurred();
+}
+
+// A tensor map's description, (slot, fixed, im2col, dtype, dims, strides, box, elem, lower,
+// upper) (CudaExecutable.native_program), into m; false when malformed or the driver cannot encode.
+bool read_map(PyObject* v, MapRec& m) {
+  if (!drv.encode_tiled || !drv.encode_im2col || !PyTuple_Check(v) || PyTuple_GET_SIZE(v) != 10) return false;
+  m.slot = static_cast<int>(PyLong_AsLong(PyTuple_GET_ITEM(v, 0)));
+  m.fixed = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(v, 1));
+  m.im2col = PyObject_IsTrue(PyTuple_GET_ITEM(v, 2)) == 1;
+  m.dtype = static_cast<int>(PyLong_AsLong(PyTuple_GET_ITEM(v, 3)));
+  size_t rank = 0, ns = 0, nb = 0, ne = 0, nl = 0, nu = 0;
+  bool ok = small_ints(PyTuple_GET_ITEM(v, 4), m.dims, 5, rank) && small_ints(PyTuple_GET_ITEM(v, 5), m.strides, 4, ns) &&
+            small_ints(PyTuple_GET_ITEM(v, 6), m.box, 5, nb) && small_ints(PyTuple_GET_ITEM(v, 7), m.elem, 5, ne) &&
+            small_ints(PyTuple_GET_ITEM(v, 8), m.lower, 3, nl) && small_ints(PyTuple_GET_ITEM(v, 9), m.upper, 3, nu);
+  m.rank = static_cast<uint32_t>(rank);
+  if (!ok || PyErr_Occurred() || m.slot >= kMaxArgs || rank < 1 || ns + 1 != rank || ne != rank) return false;
+  return m.im2col ? nb == 2 && nl == rank - 2 && nu == rank - 2 : nb == rank;
 }
 
 bool read_launches(PyObject* list, std::vector<LaunchRec>& out) {
   // each: (fn, gx, gy, gz, bx, by, bz, smem, args); args: ((kind, value), ...), kind 0 slot,
-  // 1 fixed 64-bit value, 2 fixed 32-bit value
+  // 1 fixed 64-bit value, 2 fixed 32-bit value, 3 a tensor map (read_map)
   if (!PyList_Check(list)) return false;
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); ++i) {
     PyObject* t = PyList_GET_ITEM(list, i);
@@ -290,6 +373,14 @@ bool read_launches(PyObject* list, std::vector<LaunchRec>& out) {
       PyObject* pair = PyTuple_GET_ITEM(args, j);
       if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) return false;
       long kind = PyLong_AsLong(PyTuple_GET_ITEM(pair, 0));
+      if (kind == 3) {
+        auto m = std::make_shared<MapRec>();
+        m->cell = static_cast<int>(j);
+        if (L.maps.size() >= kMaxMaps || !read_map(PyTuple_GET_ITEM(pair, 1), *m)) return false;
+        L.maps.push_back(std::move(m));
+        L.cells.push_back(0);
+        continue;
+      }
       unsigned long long v = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(pair, 1));
       if (kind == 0) {
         if (v >= kMaxArgs) return false;
