@@ -104,7 +104,8 @@ def _normal(records):
 
 CASES = [("tc_implicit_gemm_tf32", ConvSpec.make(2, 64, 14, 14, 64, 3, 3, 1, 1)),  # NCHW: x converted, a workspace map
          ("tc_implicit_gemm_3xtf32", ConvSpec.make(3, 32, 9, 11, 96, 3, 3, 2, (1, 0, 2, 1))),
-         ("tc_implicit_gemm_tf32", ConvSpec.make(1, 64, 7, 7, 128, 1, 1))]
+         ("tc_implicit_gemm_tf32", ConvSpec.make(1, 64, 7, 7, 128, 1, 1)),
+         ("dgrad_tc_strided_tf32", ConvSpec.make(4, 64, 15, 15, 64, 3, 3, 2, 1, conv_pass="dgrad"))]  # 4 phases
 
 
 @pytest.mark.parametrize(("name", "spec"), CASES, ids=lambda c: c if isinstance(c, str) else c.key())
@@ -159,3 +160,29 @@ def test_a_program_with_maps_is_refused_when_malformed(probe, monkeypatch):
     program[0] = [tuple(launch) for launch in launches]
     with pytest.raises(ValueError, match="malformed"):
         probe.run(tuple(program), [(0, 0, 0, 0, 0)], "all")
+
+
+def test_native_limits_are_the_cores(monkeypatch):
+    """CudaExecutable.native admits only launches that fit native_core.h's fixed arrays: the two
+    limits are the header's, and an executable over them stays on the Python fast path."""
+    import re
+
+    from conftest import NOMINAL_CUDA
+    from convforge.backends import native
+
+    core = native.CORE.read_text()
+    mod, _, _ = _stubbed_cuda_module(monkeypatch)
+    assert int(re.search(r"kMaxArgs = (\d+)", core).group(1)) == mod.NATIVE_MAX_ARGS
+    assert int(re.search(r"kMaxMaps = (\d+)", core).group(1)) == mod.NATIVE_MAX_MAPS
+    name, spec = CASES[0]
+    v = next(v for v in all_variants() if v.name == name)
+    exe = mod.CudaExecutable(_FakeBackend(NOMINAL_CUDA), v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA))
+    assert exe.native
+    monkeypatch.setattr(mod, "NATIVE_MAX_MAPS", 1)
+    assert not exe.native and exe.fast
+    monkeypatch.undo()
+    mod, _, _ = _stubbed_cuda_module(monkeypatch)  # 16 phases x 2 operands x 2 parts: 64 maps, 80 arguments
+    spec = ConvSpec.make(8, 64, 33, 33, 64, 5, 5, 4, 2, conv_pass="dgrad")
+    v = next(v for v in all_variants() if v.name == "dgrad_tc_strided_3xtf32")
+    exe = mod.CudaExecutable(_FakeBackend(NOMINAL_CUDA), v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA))
+    assert exe.fast and not exe.native

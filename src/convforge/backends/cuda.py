@@ -295,6 +295,7 @@ def _address(array: Any) -> int:
 _TMAP_DTYPES = {"float16": 6, "float32": 7, "bfloat16": 9}  # CUtensorMapDataType
 _SWIZZLE_128B, _L2_128B, _OOB_ZERO, _INTERLEAVE_NONE = 3, 2, 0, 0
 _TMAPS: dict[tuple[TensorMap, int], bytes] = {}
+NATIVE_MAX_ARGS, NATIVE_MAX_MAPS = 64, 32  # native_core.h kMaxArgs, kMaxMaps: arguments and maps of a launch
 _TMAPS_KEPT = 4096  # encoded maps remembered (one per map and buffer address)
 
 
@@ -520,8 +521,10 @@ class CudaExecutable(Executable):
     @property
     def native(self) -> bool:
         """Whether the native fast paths (torch/native.cpp, backends/cupy_native.cpp) can take this
-        executable: a fast one (tensor maps included: native_core.h encodes them per address)."""
-        return self.fast
+        executable: a fast one (tensor maps included: native_core.h encodes them per address) whose
+        launches fit the core's fixed arrays (a stride-4 strided dgrad in 3xTF32 has 64 maps)."""
+        return self.fast and all(len(layout) <= NATIVE_MAX_ARGS and sum(k == 3 for k, _ in layout) <= NATIVE_MAX_MAPS
+                                 for layout in self._layouts.values())
 
     def _refresh_maps(self, vals: tuple[int, ...]) -> None:
         """Re-encode the tensor-map parameters whose buffer moved since the last launch."""

@@ -214,10 +214,10 @@ bool parse_options(PyObject* const* a, Key& k) {
 }
 
 // ---- a program: an executable's launches with their argument layouts ----
-constexpr int kMaxArgs = 64;
+constexpr int kMaxArgs = 64;  // kernel arguments of one launch (cuda.py NATIVE_MAX_ARGS)
 constexpr int kFixedSlots = 5;  // x, w, y, bias, res; then one per filter-derived buffer
 
-constexpr int kMaxMaps = 16;  // tensor-map arguments of one launch
+constexpr int kMaxMaps = 32;  // tensor-map arguments of one launch (cuda.py NATIVE_MAX_MAPS)
 
 // A TMA tensor map argument (codegen/dialect.py TensorMap, CudaExecutable.native_program kind 3):
 // the driver's encode arguments but the address, which comes from a pointer slot (or is fixed: a
