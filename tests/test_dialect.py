@@ -181,3 +181,15 @@ def test_too_small_buffer_is_refused(ocl):
     bufs = {"x": ocl.empty(4 * 2 * 9 * 9), "w": ocl.empty(4 * 3 * 2 * 9), "y": ocl.empty(4 * 3 * 7 * 6)}
     with pytest.raises(ValueError, match=r"y \(n:k:p:q\) needs 588 bytes"):
         exe(bufs)
+
+
+def test_clusters_are_cuda_sm90_only():
+    """Kernel.cluster > 1: CUDA declares the cluster shape and gets the cluster helpers; OpenCL,
+    which has no thread-block clusters, refuses the kernel by name."""
+    body = "    const int r = CLUSTER_RANK();\n    CLUSTER_SYNC();\n    y[CLUSTER_ID() * NUM_CLUSTERS() + r] = 0.0f;\n"
+    k = Kernel("kc", (Buf("y", readonly=False),), body, (64, 1, 1), cluster=2)
+    src = render([k], "cuda")
+    assert "__cluster_dims__(2, 1, 1)" in src and "%%cluster_ctarank" in src and "barrier.cluster.wait" in src
+    assert "__cluster_dims__" not in render([_kernel()], "cuda")
+    with pytest.raises(ValueError, match="kc.*clusters"):
+        render([k], "opencl")

@@ -210,14 +210,17 @@ def emulate_gemm(cfg, math, prob, a, b, data, out, tile_ids=None):
     written = np.zeros(y.size, int)
     stage = cfg.stage(math)
     sbase = 1024 * 3
-    total = cfg.tiles(prob)
-    for tile in (range(total) if tile_ids is None else [t % total for t in tile_ids]):
-        tl = bind(schedule.tile_lets(cfg, math, prob), {"tile": tile})
+    total = cfg.work(prob)
+    units = range(total) if tile_ids is None else [t % total for t in tile_ids]
+    # a unit of work per cluster; each block of the cluster (rank r) takes its tile of it
+    for tile, rank in itertools.product(units, range(cfg.cl)):
+        peers = [bind(schedule.tile_lets(cfg, math, prob), {"tile": tile, "crank": r}) for r in range(cfg.cl)]
+        tl = peers[rank]
         acc = np.zeros((cfg.bm, cfg.bn))
         for kt in range(tl["kbeg"], tl["kend"]):
             smem = np.full((sbase + stage.nbytes) // math.esize, np.nan)
             if cfg.tm:
-                _tma_fill(smem, sbase, stage, math, (a, b), data, tl, kt)
+                _tma_fill(smem, sbase, stage, math, (a, b), data, tl, kt, cfg, peers)
             for op in (a, b) if not cfg.tm else ():
                 for tid in range(128):
                     env = bind(op.stage_lets(), {**bind(op.tile_lets(), {**bind(op.thread_lets(), {"tid": tid}),
@@ -241,13 +244,22 @@ def emulate_gemm(cfg, math, prob, a, b, data, out, tile_ids=None):
     return y, written
 
 
-def _tma_fill(smem, sbase, stage, math, ops, data, tl, kt):
+def _tma_fill(smem, sbase, stage, math, ops, data, tl, kt, cfg=None, peers=()):
     """One stage as the TMA producer fills it: each copy's coordinates evaluated from the generator's
     expressions, its box from the PTX ISA's traversal (tma.model_column / model_tiled), written in the
-    128-byte swizzle the copy engine applies (chunk j of box row i at j ^ (i % 8))."""
-    for op in ops:
-        env = bind(tma.stage_lets(op), {**bind(tma.tile_lets(op), dict(tl)), "kt": kt})
-        for cp_ in tma.copies(op, stage, math.parts):
+    128-byte swizzle the copy engine applies (chunk j of shared row i at j ^ (i % 8), rows counted
+    from the 1024-byte-aligned atom). With clusters: this block's B, and the shares of A that every
+    block of the cluster (tile bindings ``peers``, by rank) multicasts to it."""
+    ops = list(ops)
+    clustered = cfg is not None and cfg.cl > 1
+    sources = [(ops[0], p) for p in peers] + [(ops[1], tl)] if clustered else [(op, tl) for op in ops]
+    for op, env_tl in sources:
+        rows = tma.box_rows(op, ops, cfg) if cfg is not None else None
+        env = bind(tma.stage_lets(op), {**bind(tma.tile_lets(op, rows), dict(env_tl)), "kt": kt})
+        for cp_ in tma.copies(op, stage, math.parts, "", rows, cfg.cl if cfg is not None else 1):
+            if clustered and op is ops[0]:
+                assert cp_.mask == (1 << cfg.cl) - 1, "A's shares go to every block of the cluster"
+            shift = evaluate(cp_.shift, env) if cp_.shift else 0
             src = data[op.name][cp_.part]
             coords = [evaluate(e, env) for e in cp_.coords]
             if cp_.offsets:
@@ -257,7 +269,9 @@ def _tma_fill(smem, sbase, stage, math, ops, data, tl, kt):
                 box = tma.model_tiled(src.reshape(cp_.map.dims[::-1]), cp_.map, *coords)
             per = 16 // math.esize
             for i, j in itertools.product(range(box.shape[0]), range(box.shape[1] // per)):
-                at = (sbase + cp_.dst + 128 * i + 16 * (j ^ (i % 8))) // math.esize
+                row = i + shift // 128
+                at = (sbase + cp_.dst + 128 * row + 16 * (j ^ (row % 8))) // math.esize
+                assert np.isnan(smem[at:at + per]).all(), "two copies write one place of a stage"
                 smem[at:at + per] = box[i, per * j:per * (j + 1)]
 
 
@@ -368,6 +382,15 @@ TMA_CASES = [(ConvSpec.make(2, 64, 13, 11, 96, 3, 3, 2, 1), F16, TileConfig(128,
              (ConvSpec.make(2, 128, 7, 7, 72, 1, 1, 2), F16, TileConfig(256, 96, 2, 2, 2, tm=1))]
 
 
+# Clusters of two blocks multicasting A (cl=2): an odd number of N tiles (the last pair's second
+# block past the matrix), split-K, stride 4 with a partial last M tile, two parts (3xTF32), a 1x1.
+TMA_CASES += [(ConvSpec.make(2, 64, 13, 11, 96, 3, 3, 2, 1), F16, TileConfig(128, 64, 1, 2, 2, tm=1, cl=2)),
+              (ConvSpec.make(3, 32, 11, 9, 72, 3, 3, 1, 2, 2), TF32, TileConfig(128, 32, 2, 2, 2, ks=2, tm=1, cl=2)),
+              (ConvSpec.make(1, 32, 23, 21, 36, 5, 5, 4, (2, 1, 0, 3)), X3TF32,
+               TileConfig(128, 64, 1, 2, 2, pi=2, tm=1, cl=2)),
+              (ConvSpec.make(2, 128, 7, 7, 200, 1, 1), BF16, TileConfig(64, 64, 2, 2, 1, tm=1, cl=2))]
+
+
 @pytest.mark.parametrize("spec, math, cfg", TMA_CASES, ids=lambda v: getattr(v, "name", None) or str(v))
 def test_emulated_tma_tiles_equal_the_gemm(spec, math, cfg):
     """The TMA producer's copies, evaluated from the generator's expressions and run through the
@@ -392,7 +415,8 @@ def test_tma_refuses_what_it_cannot_address():
         v.plan(half(ConvSpec.make(1, 40, 9, 9, 8, 3, 3, 1, 1)), cfg.params(), NOMINAL_CUDA)
     assert "batched" in tma.reason(DenseRows("b", Tile(64, 1), F16, "u", rows=8, ld=64, kred=64, batch_stride=512), 64)
     space = v.space(half(ConvSpec.make(32, 64, 56, 56, 64, 3, 3, 1, 1)), NOMINAL_CUDA)
-    assert space[0].get("tm") == 1 and space[1] == dataclasses.replace(TileConfig.of(space[0]), tm=0).params()
+    assert space[0].get("tm") == 1 and space[1] == dataclasses.replace(TileConfig.of(space[0]), cl=2).params()
+    assert space[2] == dataclasses.replace(TileConfig.of(space[0]), tm=0).params()
     assert space[0] == v.default(half(ConvSpec.make(32, 64, 56, 56, 64, 3, 3, 1, 1)), NOMINAL_CUDA)
     assert not any(p.get("tm") for p in v.space(half(ConvSpec.make(1, 40, 9, 9, 8, 3, 3, 1, 1)), NOMINAL_CUDA))
 
@@ -719,6 +743,84 @@ def test_stage_ring_protocol(st, cw, seed):
     assert not live, "deadlock"
 
 
+@pytest.mark.parametrize("st, cw, seed", [(2, 1, 0), (3, 2, 1), (4, 2, 2), (6, 1, 3)])
+def test_cluster_stage_ring_protocol(st, cw, seed):
+    """Clusters of two (cl=2): each block's producer waits on its own empty[s], then writes its share
+    of A into stage s of BOTH blocks and its B into its own; a block's full[s] completes once its own
+    producer armed it and all three pieces landed. The consumers release a stage with one arrival per
+    warpgroup on every block's empty[s] (the generator's Ring.releases): no stage of either block is
+    overwritten before all its consumers read it, none read before all pieces landed, no deadlock."""
+    from convforge.kernels.tensorcore.mainloop import Ring
+
+    cfg = TileConfig(128, 64, 1, st, cw, tm=1, cl=2)
+    assert not cfg.problems(TF32)
+    rng = random.Random(seed)
+    iters = [5, 1, 7, 2]
+    total, blocks = sum(iters), range(cfg.cl)
+    full = [[_Mbarrier(1) for _ in range(st)] for _ in blocks]  # the producer's arrive.expect_tx
+    empty = [[_Mbarrier(Ring(cfg, TF32).releases) for _ in range(st)] for _ in blocks]
+    pieces = [[set() for _ in range(st)] for _ in blocks]  # what landed in each stage of each block
+    armed = [[False] * st for _ in blocks]
+    filled = [[None] * st for _ in blocks]
+    reads = [[set() for _ in range(st)] for _ in blocks]
+
+    def land(b, s, piece, i):
+        if filled[b][s] != i:  # the first piece of a new fill: every consumer must have read the last
+            assert filled[b][s] is None or reads[b][s] == set(range(cw)), "stage overwritten before it was read"
+            assert filled[b][s] is None or len(pieces[b][s]) == 3, "a new fill before the last one landed"
+            filled[b][s], reads[b][s], pieces[b][s] = i, set(), set()
+        pieces[b][s].add(piece)
+        if armed[b][s] and len(pieces[b][s]) == 3:  # two shares of A and B: the transaction bytes complete
+            armed[b][s] = False
+            full[b][s].arrive()
+
+    def producer(b):
+        stage, phase, i = 0, 0, 0
+        while i < total:
+            while not empty[b][stage].passes(phase ^ 1):
+                yield
+            armed[b][stage] = True  # expect_tx: the arrival counts once the bytes are in
+            for peer in blocks:
+                land(peer, stage, ("a", b), i)
+                yield
+            land(b, stage, ("b", b), i)
+            i += 1
+            stage, phase = (0, phase ^ 1) if stage + 1 == st else (stage + 1, phase)
+            yield
+
+    def consumer(b, c):
+        stage, phase, pstage, i = 0, 0, 0, 0
+
+        def release(s):
+            for peer in blocks:  # thread 0 locally, thread 1 on the peer
+                empty[peer][s].arrive()
+
+        for n in iters:
+            for kt in range(n):
+                while not full[b][stage].passes(phase):
+                    yield
+                assert filled[b][stage] == i and len(pieces[b][stage]) == 3, "stage read before it was filled"
+                reads[b][stage].add(c)
+                if kt > 0:
+                    release(pstage)
+                pstage, i = stage, i + 1
+                stage, phase = (0, phase ^ 1) if stage + 1 == st else (stage + 1, phase)
+                yield
+            release(pstage)
+            yield
+
+    live = [producer(b) for b in blocks] + [consumer(b, c) for b in blocks for c in range(cw)]
+    for _ in range(200000):
+        if not live:
+            break
+        role = rng.choice(live)
+        try:
+            next(role)
+        except StopIteration:
+            live.remove(role)
+    assert not live, "deadlock"
+
+
 # -- the epilogue -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("wm, bn", [(1, 64), (2, 128), (1, 256), (2, 96)])
 def test_staging_conflict_free_and_complete(wm, bn):
@@ -936,6 +1038,30 @@ def test_tma_plans_compile_without_spills_tensor_copies_in_sass(nvcc_ok, name, d
         assert info.spill_stores == 0 and info.spill_loads == 0, info
     gemm = [k for k in re.split(r"\n\s+Function : ", sass) if k.startswith(f"{name}_gemm")][0]
     assert "UTMALDG" in gemm and "HGMMA" in gemm and "LDGSTS" not in gemm
+
+
+@pytest.mark.parametrize("name, dtype", [("tc_implicit_gemm_half", "float16"), ("tc_implicit_gemm_tf32", "float32"),
+                                         ("tc_implicit_gemm_3xtf32", "float32")])
+def test_cluster_plans_compile_multicast_copies_in_sass(nvcc_ok, name, dtype):
+    """cl=2: a kernel of clusters of two (__cluster_dims__), no spill; the GEMM multicasts A's share
+    (a multicast tensor copy), arrives on its peer's barriers (remote shared-memory arrive) and meets it
+    at cluster barriers; HGMMA, no cp.async."""
+    v = get_variant(name)
+    spec = ConvSpec.from_dict({**ConvSpec.make(4, 64, 15, 13, 96, 3, 3, 2, 1).to_dict(), "dtype": dtype})
+    prm = dataclasses.replace(TileConfig.of(v.default(spec, NOMINAL_CUDA)), cl=2).params()
+    assert prm.get("tm") == 1 and prm.get("cl") == 2
+    plan = v.plan(spec, prm, NOMINAL_CUDA, Epilogue(bias=True, relu=True))
+    src = plan.source("cuda")
+    assert "__cluster_dims__(2, 1, 1)" in src and ".multicast::cluster" in src
+    gemm_launch = [st for st in plan.steps if st.kernel.endswith("_gemm")][0]
+    assert gemm_launch.grid[0] % 2 == 0
+    infos, sass = sass_report(src)
+    for info in infos:
+        assert info.spill_stores == 0 and info.spill_loads == 0, info
+    gemm = [k for k in re.split(r"\n\s+Function : ", sass) if k.startswith(f"{name}_gemm")][0]
+    assert "UTMALDG" in gemm and "HGMMA" in gemm and "LDGSTS" not in gemm
+    assert re.search(r"UTMALDG\S*MULTICAST|MULTICAST\S*UTMALDG", gemm), "no multicast tensor copy"
+    assert "UCGABAR" in gemm or "CGABAR" in gemm or "BAR.ARV" in gemm or "SYNCS" in gemm
 
 
 @pytest.mark.parametrize("name, spec", [

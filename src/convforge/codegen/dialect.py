@@ -90,6 +90,18 @@ A kernel body is plain C using these tokens, which each renderer spells its own 
                                                           (n, h, w) on through its bounding box, each read at
                                                           (h + oh, w + ow), channels c .. c + box; zeros
                                                           outside the tensor
+    TMA_TILE_2D_MC(sa, map, c0, c1, bar, mask) /          the same copies multicast: the box lands at shared
+    TMA_IM2COL_4D_MC(sa, map, c, w, h, n, ow, oh, bar, mask)  offset sa in every block of the cluster whose
+                                                          bit is set in mask, completing the mbarrier at
+                                                          offset bar in each
+    Thread-block clusters (Kernel.cluster > 1, CUDA sm_90):
+    CLUSTER_RANK() / CLUSTER_ID() / NUM_CLUSTERS()        the block's rank in its cluster, the cluster's
+                                                          index, the number of clusters (along x)
+    CLUSTER_SYNC()                                        every thread of every block of the cluster
+                                                          (release / acquire at cluster scope)
+    MBAR_ARRIVE_CLUSTER(bar, rank)                        arrive on the mbarrier at offset bar in block
+                                                          ``rank`` of the cluster (no fence: what it
+                                                          releases was read, not written, by this block)
     TC_F16_TO_F32(h) / TC_BF16_TO_F32(h)                  a stored half (unsigned short bits) as a float
     TC_F32_TO_F16(x) / TC_F32_TO_BF16(x)                  x rounded to nearest even, as unsigned short bits
     TC_PACK_F16X2(lo, hi) / TC_PACK_BF16X2(lo, hi)        two rounded halves in one 32-bit word (lo first)
@@ -211,6 +223,7 @@ class Kernel:
     helpers: str = ""  # device functions in the dialect, emitted before the kernel
     comment: str = ""
     min_blocks: int = 0  # > 0: blocks per SM the compiler must leave room for (CUDA launch bound)
+    cluster: int = 1  # > 1: blocks per thread-block cluster along x (CUDA sm_90 __cluster_dims__)
 
     @property
     def threads(self) -> int:

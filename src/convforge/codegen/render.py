@@ -25,7 +25,9 @@ _TOKEN = re.compile(r"\b(GROUP_ID|LOCAL_ID|GROUP_SIZE|NUM_GROUPS|BARRIER|VLOAD4|
                     r"LDS_F1|TF32_RHA|FENCE_PROXY_ASYNC|WGMMA_FENCE|WGMMA_COMMIT|WGMMA_WAIT|WGMMA_TF32|"
                     r"MBAR_INIT|MBAR_WAIT|MBAR_ARRIVE|CP_ASYNC_MBAR_ARRIVE|SETMAXNREG_INC|SETMAXNREG_DEC|"
                     r"BAR_SYNC|WGMMA|TC_F16_TO_F32|TC_BF16_TO_F32|TC_F32_TO_F16|TC_F32_TO_BF16|TC_PACK_F16X2|"
-                    r"TC_PACK_BF16X2|MBAR_INIT_FENCE|MBAR_EXPECT_TX|TMA_PREFETCH|TMA_TILE_2D|TMA_IM2COL_4D)\(")
+                    r"TC_PACK_BF16X2|MBAR_INIT_FENCE|MBAR_EXPECT_TX|TMA_PREFETCH|TMA_TILE_2D|TMA_IM2COL_4D|"
+                    r"TMA_TILE_2D_MC|TMA_IM2COL_4D_MC|CLUSTER_RANK|CLUSTER_ID|NUM_CLUSTERS|CLUSTER_SYNC|"
+                    r"MBAR_ARRIVE_CLUSTER)\(")
 _WORDS = re.compile(r"\b(SHARED|LOCAL_PTR|GLOBAL_PTR|RESTRICT|DEVICE|U64|I64|HALF_T|BF16_T)\b( ?)")
 
 # -- half storage (float16 / bfloat16 buffers, float32 arithmetic; codegen/dialect.py Storage) -------
@@ -302,6 +304,8 @@ class CudaRenderer(Renderer):
             head += _CUDA_TC.splitlines() + [""]
         if any(isinstance(a, TensorMap) for k in kernels for a in k.args):
             head += [_CUDA_TMAP, ""]
+        if any(k.cluster > 1 for k in kernels):
+            head += _CUDA_CLUSTER.splitlines() + [""]
         return head
 
     def body_head(self, k: Kernel) -> list[str]:
@@ -310,7 +314,8 @@ class CudaRenderer(Renderer):
 
     def kernel_head(self, k: Kernel, params: str) -> str:
         bounds = f"{k.threads}, {k.min_blocks}" if k.min_blocks else f"{k.threads}"
-        return (f'extern "C" __global__ void __launch_bounds__({bounds})\n'
+        cluster = f" __cluster_dims__({k.cluster}, 1, 1)" if k.cluster > 1 else ""
+        return (f'extern "C" __global__ void __launch_bounds__({bounds}){cluster}\n'
                 f"{k.name}({params})")
 
 
@@ -373,7 +378,9 @@ _WGMMA_TOKENS = frozenset({"FENCE_PROXY_ASYNC", "WGMMA_FENCE", "WGMMA_COMMIT", "
                           | {"MBAR_INIT", "MBAR_WAIT", "MBAR_ARRIVE", "CP_ASYNC_MBAR_ARRIVE", "SETMAXNREG_INC",
                              "SETMAXNREG_DEC", "BAR_SYNC", "WGMMA", "TC_F16_TO_F32", "TC_BF16_TO_F32",
                              "TC_F32_TO_F16", "TC_F32_TO_BF16", "TC_PACK_F16X2", "TC_PACK_BF16X2"}
-                          | {"MBAR_INIT_FENCE", "MBAR_EXPECT_TX", "TMA_PREFETCH", "TMA_TILE_2D", "TMA_IM2COL_4D"})
+                          | {"MBAR_INIT_FENCE", "MBAR_EXPECT_TX", "TMA_PREFETCH", "TMA_TILE_2D", "TMA_IM2COL_4D"}
+                          | {"TMA_TILE_2D_MC", "TMA_IM2COL_4D_MC", "CLUSTER_RANK", "CLUSTER_ID", "NUM_CLUSTERS",
+                             "CLUSTER_SYNC", "MBAR_ARRIVE_CLUSTER"})
 
 
 def _asm(text: str, outs: Sequence[str] = (), ins: Sequence[str] = ()) -> str:
@@ -454,6 +461,24 @@ _TC_TOKENS: dict[str, Callable[[list[str]], str]] = {
                                     [f'"r"({a[0]})', _map_addr(a[1]), *(f'"r"({v})' for v in a[2:6]),
                                      f'"r"({a[8]})', f'"h"((unsigned short)({a[6]}))',
                                      f'"h"((unsigned short)({a[7]}))']),
+    # the same copies multicast: the box lands at the same shared offset in every CTA of the cluster
+    # whose bit is set in ``mask``, each completing the mbarrier at the same offset in its own CTA
+    "TMA_TILE_2D_MC": lambda a: _asm("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                                     ".multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;", (),
+                                     [f'"r"({a[0]})', _map_addr(a[1]), f'"r"({a[2]})', f'"r"({a[3]})',
+                                      f'"r"({a[4]})', f'"h"((unsigned short)({a[5]}))']),
+    "TMA_IM2COL_4D_MC": lambda a: _asm("cp.async.bulk.tensor.4d.shared::cluster.global.im2col.mbarrier::complete_tx::"
+                                       "bytes.multicast::cluster [%0], [%1, {%2, %3, %4, %5}], [%6], {%7, %8}, %9;",
+                                       (), [f'"r"({a[0]})', _map_addr(a[1]), *(f'"r"({v})' for v in a[2:6]),
+                                            f'"r"({a[8]})', f'"h"((unsigned short)({a[6]}))',
+                                            f'"h"((unsigned short)({a[7]}))', f'"h"((unsigned short)({a[9]}))']),
+    "CLUSTER_RANK": lambda a: "cf_cluster_reg(0)",
+    "CLUSTER_ID": lambda a: "cf_cluster_reg(1)",
+    "NUM_CLUSTERS": lambda a: "cf_cluster_reg(2)",
+    "CLUSTER_SYNC": lambda a: _asm("barrier.cluster.arrive.release; barrier.cluster.wait.acquire;"),
+    "MBAR_ARRIVE_CLUSTER": lambda a: _asm("{ .reg .b32 ra; mapa.shared::cluster.u32 ra, %0, %1; "
+                                          "mbarrier.arrive.shared::cluster.b64 _, [ra]; }", (),
+                                          [f'"r"({a[0]})', f'"r"({a[1]})']),
 }
 
 
@@ -463,6 +488,16 @@ def _map_addr(name: str) -> str:
 
 # A TensorMap parameter's C type: the driver's opaque 128-byte CUtensorMap (no cuda.h under NVRTC).
 _CUDA_TMAP = "struct __align__(64) cf_tmap { unsigned long long opaque[16]; };"
+# Thread-block clusters (Kernel.cluster > 1): the block's rank in its cluster, the cluster's index
+# and the number of clusters, along x (clusters are 1-D here).
+_CUDA_CLUSTER = r"""__device__ __forceinline__ int cf_cluster_reg(int which)
+{
+    unsigned r;
+    if (which == 0) asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    else if (which == 1) asm("mov.u32 %0, %%clusterid.x;" : "=r"(r));
+    else asm("mov.u32 %0, %%nclusterid.x;" : "=r"(r));
+    return (int)r;
+}"""
 
 # Device functions the tokens above call (emitted once per source that uses any of them).
 _CUDA_TC = r"""__device__ __forceinline__ void cf_mbar_wait(unsigned bar, unsigned parity)
@@ -605,6 +640,8 @@ class OpenCLRenderer(Renderer):
         return _OPENCL_BF16.splitlines() + [""] if _uses_half(kernels, "BF16") else []
 
     def kernel_head(self, k: Kernel, params: str) -> str:
+        if k.cluster > 1:
+            raise ValueError(f"OpenCL renderer refuses {k.name}: thread-block clusters are CUDA sm_90 only")
         b = k.block
         return (f"__kernel __attribute__((reqd_work_group_size({b[0]}, {b[1]}, {b[2]})))\n"
                 f"void {k.name}({params})")

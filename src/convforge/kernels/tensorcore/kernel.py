@@ -32,6 +32,8 @@ def jobs_kernel(name: str, math: Math, cfg: TileConfig, jobs: list[Job]) -> Kern
     is :func:`gemm_kernel`."""
     if not jobs:
         raise ValueError(f"{name}: no GEMM to run")
+    if cfg.cl > 1 and len(jobs) > 1:
+        raise ValueError(f"{name}: clusters (cl={cfg.cl}) run one GEMM a kernel, not {len(jobs)}")
     for job in jobs:
         why = cfg.problems(math, job.prob)
         if why:
@@ -41,6 +43,8 @@ def jobs_kernel(name: str, math: Math, cfg: TileConfig, jobs: list[Job]) -> Kern
     code("const int tid = LOCAL_ID(0), wg = SHFL(tid >> 7, 0);  // warpgroup, uniform in the warp",
          "const unsigned sbase = (SMEM_U32(tc_smem) + 1023u) & ~1023u;  // swizzle atoms 1024-byte aligned",
          f"const unsigned bars = sbase + {ring.barrier_offset}u;")
+    if cfg.cl > 1:
+        code("const int crank = CLUSTER_RANK();  // this block's rank in its cluster (same shared layout in each)")
     ring.emit_init(code)
     regs = cfg.regs()
     with code.block("if (wg == 0)"):
@@ -51,13 +55,15 @@ def jobs_kernel(name: str, math: Math, cfg: TileConfig, jobs: list[Job]) -> Kern
         if regs:
             code(f"SETMAXNREG_INC({regs[1]});")
         emit_consumer(code, ring, jobs)
+    if cfg.cl > 1:  # no block leaves while its peer may still arrive on its barriers
+        code("CLUSTER_SYNC();")
     args: tuple[Arg, ...] = ()
     for j, job in enumerate(jobs):
         for arg in _operand_args(cfg, math, job, job_tag(jobs, j)) + job.out.args():
             if arg.name not in {a.name for a in args}:
                 args += (arg,)
     return Kernel(name, args + (LocalBuf("tc_smem", cfg.shared_bytes(math)),), code.text(), (cfg.threads, 1, 1),
-                  frozenset({"wgmma", "shuffle"}), min_blocks=1, comment=_comment(math, cfg, jobs))
+                  frozenset({"wgmma", "shuffle"}), min_blocks=1, comment=_comment(math, cfg, jobs), cluster=cfg.cl)
 
 
 def _operand_args(cfg: TileConfig, math: Math, job: Job, tag: str) -> tuple[Arg, ...]:
@@ -65,7 +71,7 @@ def _operand_args(cfg: TileConfig, math: Math, job: Job, tag: str) -> tuple[Arg,
     names the same buffers: :func:`launch_refs`)."""
     if not cfg.tm:
         return job.ops[0].args() + job.ops[1].args()
-    return tuple(tma.tensor_map(op, part, op.tile.rows, tag) for op in job.ops for part in math.parts)
+    return tuple(tma.tensor_map(op, part, tma.box_rows(op, job.ops, cfg), tag) for op in job.ops for part in math.parts)
 
 
 def launch_refs(kernel: Kernel) -> tuple[str, ...]:
@@ -87,5 +93,7 @@ def _comment(math: Math, cfg: TileConfig, jobs: list[Job]) -> str:
 def jobs_grid(cfg: TileConfig, probs: list[Problem], units: int) -> int:
     """Blocks of a :func:`jobs_kernel` launch: one per SM up to every tile of the sequence
     (persistent), or the most tiles of one job (``ps=0``: a block takes one tile of each job)."""
+    if cfg.cl > 1:
+        return cfg.grid(probs[0], units)
     total = sum(cfg.tiles(p) for p in probs)
     return min(total, max(units, 1)) if cfg.ps else max(cfg.tiles(p) for p in probs)

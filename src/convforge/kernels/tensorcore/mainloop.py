@@ -17,7 +17,11 @@ the reduction length, the promoted sum's with ``pi`` stages only).
 
 With ``tm`` = 1 the producer is one thread issuing bulk tensor copies (tensorcore/tma.py): the full
 barriers expect 1 arrival, its ``mbarrier.arrive.expect_tx`` with the stage's bytes, and the copies
-complete them; the consumers skip the proxy fence (TMA writes through the async proxy).
+complete them; the consumers skip the proxy fence (TMA writes through the async proxy). With
+clusters (``cl`` = 2) a block's stage is written by its peer's multicast too, so ``empty[s]``
+collects one arrival per consumer warpgroup of every block of the cluster (thread 0 of each
+arrives locally, thread r on the barrier of the block r ranks further: :meth:`Ring.release`), and
+the blocks initialise and leave together (cluster barriers).
 """
 
 from __future__ import annotations
@@ -77,10 +81,28 @@ class Ring:
         with code.block("if (tid == 0)"):
             for s in range(self.cfg.st):
                 code(f"MBAR_INIT({self.full(str(s))}, {1 if self.cfg.tm else THREADS});",
-                     f"MBAR_INIT({self.empty(str(s))}, {THREADS * self.cfg.cw});")
+                     f"MBAR_INIT({self.empty(str(s))}, {self.releases});")
             if self.cfg.tm:
                 code("MBAR_INIT_FENCE();  // the copy engine completes the full barriers")
-        code("BARRIER();  // barriers initialised before any role uses them")
+        if self.cfg.cl > 1:
+            code("CLUSTER_SYNC();  // every block's barriers initialised before a peer copies or arrives")
+        else:
+            code("BARRIER();  // barriers initialised before any role uses them")
+
+    @property
+    def releases(self) -> int:
+        """Arrivals that free a stage: every consumer thread; with clusters, one thread of each
+        consumer warpgroup of every block of the cluster (a peer's multicast writes this block's
+        stage, so the stage is free only once all of them have read it)."""
+        return THREADS * self.cfg.cw if self.cfg.cl == 1 else self.cfg.cw * self.cfg.cl
+
+    def release(self, s: str) -> str:
+        """A consumer thread's release of stage ``s`` (after the wgmma that read it has completed)."""
+        if self.cfg.cl == 1:
+            return f"MBAR_ARRIVE({self.empty(s)});"
+        peers = " ".join(f"else if (ct == {r}) MBAR_ARRIVE_CLUSTER({self.empty(s)}, (crank + {r}) % {self.cfg.cl});"
+                         for r in range(1, self.cfg.cl))
+        return f"if (ct == 0) MBAR_ARRIVE({self.empty(s)}); {peers}"
 
     def advance(self, code: Code) -> None:
         code(f"if (++stage == {self.cfg.st}) {{ stage = 0; phase ^= 1u; }}")
@@ -145,11 +167,11 @@ def _producer_tma(code: Code, ring: Ring, jobs: list[Job], heads: list[str]) -> 
             with code.block(head):
                 emit_all(code, schedule.tile_lets(cfg, math, job.prob))
                 for op in job.ops:
-                    emit_all(code, tma.tile_lets(op))
+                    emit_all(code, tma.tile_lets(op, tma.box_rows(op, job.ops, cfg)))
                 with code.block("for (int kt = kbeg; kt < kend; ++kt)"):
                     code(f"MBAR_WAIT({ring.empty('stage')}, phase ^ 1u);",
                          f"const unsigned sst = sbase + stage * {ring.stage_bytes}u, fb = {ring.full('stage')};")
-                    tma.emit_stage(code, job.ops, cfg.stage(math), math.parts, job_tag(jobs, j))
+                    tma.emit_stage(code, job.ops, cfg.stage(math), math.parts, job_tag(jobs, j), cfg)
                     ring.advance(code)
 
 
@@ -235,12 +257,13 @@ def _consumer_tiles(code: Code, ring: Ring, prob: Problem, out: Output, head: st
                 code(f"WGMMA({math.ptx}, {math.k}, {cfg.bn}, da0 + so + {a_off // 16}, dsc + so + {b_off // 16}, "
                      f"{regs});")
             code("WGMMA_COMMIT();", f"WGMMA_WAIT(1, {tied});  // the group before is done: release its stage",
-                 f"if (kt > kbeg) MBAR_ARRIVE({ring.empty('pstage')});", "pstage = stage;")
+                 f"if (kt > kbeg) {ring.release('pstage')}" if cfg.cl == 1 else
+                 f"if (kt > kbeg) {{ {ring.release('pstage')} }}", "pstage = stage;")
             ring.advance(code)
             if cfg.pi:
                 with code.block(f"if ((kt - kbeg) % {cfg.pi} == {cfg.pi - 1})"):
                     _promote(code, cfg, tied)
-        code(f"WGMMA_WAIT(0, {tied});", f"MBAR_ARRIVE({ring.empty('pstage')});")
+        code(f"WGMMA_WAIT(0, {tied});", ring.release("pstage"))
         if cfg.pi:
             _promote(code, cfg, tied, wait=False)
         epilogue.emit_consumer_epilogue(code, out, cfg.wm, cfg.bn, "est", "(1 + c)",

@@ -6,8 +6,10 @@ wgmma m64n{bn} per k step and product), so it holds wm * bn / 2 f32 accumulators
 A stage holds ``kb`` 128-byte atoms of K (32 TF32 or 64 FP16/BF16 elements per atom), ``st`` stages
 ring between producer and consumers. ``ks`` splits the reduction (partials + a deterministic
 reduce), ``ps`` = 1 runs a persistent grid of at most one block per SM, ``tm`` = 1 brings the
-operands by TMA (tensorcore/tma.py) instead of cp.async. ``cl`` is the cluster size, 1 only: clusters
-pay through TMA multicast, not done.
+operands by TMA (tensorcore/tma.py) instead of cp.async. ``cl`` = 2 (with TMA) runs blocks in
+clusters of two that take neighbouring N tiles of one M tile: each brings half of the shared A tile
+and multicasts it to both (tma.py), so A crosses from L2 once per pair; a stage is free again once
+the consumers of both blocks have released it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from convforge.kernels.tensorcore.isa import Math, n_ok
 from convforge.kernels.tensorcore.smem import MAX_SHARED, StageLayout, Tile
 from convforge.params import Params
 
-KEYS = ("bm", "bn", "kb", "st", "cw", "ks", "ps", "pi", "tm")
+KEYS = ("bm", "bn", "kb", "st", "cw", "ks", "ps", "pi", "tm", "cl")
 WG = 128  # threads of a warpgroup
 ACC_LIMIT = 128  # f32 accumulators per consumer thread that leave room for addresses (<= 232 registers)
 PRODUCER_REGS, CONSUMER_REGS = 80, 200  # setmaxnreg split of 3 warpgroups (128 * 80 + 256 * 200 <= 64K;
@@ -50,7 +52,7 @@ class TileConfig:
     ks: int = 1
     ps: int = 1
     pi: int = 0  # 3xTF32: promote the wgmma sums into FP32 registers every pi stages (0: never)
-    cl: int = 1
+    cl: int = 1  # blocks per cluster (2: A multicast to a pair of N tiles; TMA only)
     tm: int = 0  # 1: the operands come by TMA (one producer thread, tensorcore/tma.py), 0: by cp.async
 
     @property
@@ -97,8 +99,10 @@ class TileConfig:
             out.append(f"{self.acc} accumulators per thread (bm {self.bm}, bn {self.bn}) exceed {ACC_LIMIT}")
         if self.pi and math.name != "3xtf32":
             out.append("pi (promotion) is a 3xTF32 setting")
-        if self.pi < 0 or self.ks < 1 or self.ps not in (0, 1) or self.cl != 1 or self.tm not in (0, 1):
-            out.append("pi >= 0, ks >= 1, ps 0 or 1, tm 0 or 1, cl 1 (no clusters without TMA multicast)")
+        if self.pi < 0 or self.ks < 1 or self.ps not in (0, 1) or self.tm not in (0, 1):
+            out.append("pi >= 0, ks >= 1, ps 0 or 1, tm 0 or 1")
+        if self.cl not in (1, 2) or (self.cl == 2 and not self.tm):
+            out.append(f"cl ({self.cl}) must be 1, or 2 with tm=1 (clusters pay through TMA multicast)")
         if self.shared_bytes(math) > shared_limit:
             out.append(f"{self.shared_bytes(math)} bytes of shared memory exceed {shared_limit}")
         if prob is not None and self.ks > 1 and (self.ks - 1) * cdiv(self.k_blocks(math, prob), self.ks) \
@@ -114,13 +118,23 @@ class TileConfig:
         """Output tiles of the problem, split-K slices and batch included."""
         return cdiv(prob.m, self.bm) * cdiv(prob.n, self.bn) * self.ks * prob.batch
 
+    def work(self, prob: Problem) -> int:
+        """Units of work a cluster takes in turn: tiles, or with ``cl`` = 2 pairs of N tiles (an odd
+        last N tile paired with one past the matrix, whose block loads and stores nothing of its own)."""
+        if self.cl == 1:
+            return self.tiles(prob)
+        return cdiv(cdiv(prob.n, self.bn), self.cl) * cdiv(prob.m, self.bm) * self.ks * prob.batch
+
     def grid(self, prob: Problem, units: int) -> int:
-        """Blocks launched: every tile (ps=0) or at most one block per SM (ps=1)."""
-        return min(self.tiles(prob), max(units, 1)) if self.ps else self.tiles(prob)
+        """Blocks launched: every unit of work (ps=0) or at most one block per SM (ps=1), in whole clusters."""
+        if self.ps:
+            return self.cl * min(self.work(prob), max(units // self.cl, 1))
+        return self.cl * self.work(prob)
 
     def params(self) -> Params:
         keys = dict(bm=self.bm, bn=self.bn, kb=self.kb, st=self.st, cw=self.cw, ks=self.ks, ps=self.ps)
-        return Params({**keys, **({"pi": self.pi} if self.pi else {}), **({"tm": self.tm} if self.tm else {})})
+        return Params({**keys, **({"pi": self.pi} if self.pi else {}), **({"tm": self.tm} if self.tm else {}),
+                       **({"cl": self.cl} if self.cl > 1 else {})})
 
     @classmethod
     def of(cls, p: Params) -> TileConfig:
@@ -128,7 +142,8 @@ class TileConfig:
         if unknown:
             raise ValueError(f"unknown tensor-core tile parameters {sorted(unknown)} (known: {', '.join(KEYS)})")
         return cls(int(p.bm), int(p.bn), int(p.get("kb", 1)), int(p.get("st", 4)), int(p.get("cw", 2)),
-                   int(p.get("ks", 1)), int(p.get("ps", 1)), int(p.get("pi", 0)), 1, int(p.get("tm", 0)))
+                   int(p.get("ks", 1)), int(p.get("ps", 1)), int(p.get("pi", 0)), int(p.get("cl", 1)),
+                   int(p.get("tm", 0)))
 
 
 # Relative throughput of a block tile's wgmma stream per operand element size (m64nN with both operands in

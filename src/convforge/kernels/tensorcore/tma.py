@@ -20,6 +20,11 @@ so the consumers need no proxy fence.
 * :class:`~convforge.kernels.tensorcore.operands.DenseRows` (B): a **tiled** map, box (one atom of K,
   ``bn`` rows); rows past the matrix read zeros.
 
+With clusters of two blocks (``cl`` = 2, tiles.py) that share the A tile, each block copies half of
+A's rows (a box of ``bm / 2`` rows from row ``crank bm / 2``) **multicast** to both blocks, at the
+same shared offset in each, completing the full barrier at the same offset in each; B stays each
+block's own. Every block's full barrier still expects the whole stage's bytes.
+
 It applies where an atom never straddles two filter taps (Cp a multiple of the atom: 32 TF32 or 64
 half channels), the corners fit the hardware's range for 4-D maps ([-128, 127]), the strides are at
 most 8 and the tap offsets at most 255 (:func:`reason`). :func:`model_column` is the traversal as the
@@ -39,6 +44,7 @@ from convforge.kernels.tensorcore.cexpr import Let, emit_all
 from convforge.kernels.tensorcore.isa import ROW_BYTES, Math
 from convforge.kernels.tensorcore.operands import DenseRows, Geometry, Im2colNhwc, Operand
 from convforge.kernels.tensorcore.smem import StageLayout
+from convforge.kernels.tensorcore.tiles import TileConfig
 
 CORNER = (-128, 127)  # pixel bounding-box corners of a 4-D im2col map (16 bits over 2 spatial dims)
 MAX_STRIDE = 8  # traversal (element) strides
@@ -106,13 +112,27 @@ def tensor_map(op: Operand, part: str, rows: int, tag: str = "") -> TensorMap:
                      (atom, rows), lower, upper, (g.stride[1], g.stride[0]), op.buffer(part))
 
 
-def tile_lets(op: Operand) -> list[Let]:
-    """Per tile: where the im2col column starts (the corner of the tile's first output pixel)."""
+def box_rows(op: Operand, ops: list[Operand], cfg: TileConfig) -> int:
+    """Rows one copy of ``op`` brings: its tile's, or with clusters A's share (A, ``ops[0]``, is the
+    operand the blocks of a cluster share and multicast)."""
+    return op.tile.rows // cfg.cl if cfg.cl > 1 and op is ops[0] else op.tile.rows
+
+
+def first_row(op: Operand, rows: int) -> str:
+    """The first row of the tile ``op``'s copies start from: the tile's (``r{name}0``), or, for a
+    shared operand brought in shares of ``rows`` < its tile's, this block's share's."""
+    return f"r{op.name}0" if rows == op.tile.rows else f"(r{op.name}0 + crank * {rows})"
+
+
+def tile_lets(op: Operand, rows: int | None = None) -> list[Let]:
+    """Per tile: where the im2col column starts (the corner of the first output pixel of the rows
+    this block copies: the tile's, or its share's, ``rows`` each)."""
     if not isinstance(op, Im2colNhwc):
         return []
     g, n = op.geo, op.name
     assert g is not None
-    return [Let(f"{n}_t", f"(r{n}0 % {g.p * g.q})"), Let(f"{n}_n0", f"(r{n}0 / {g.p * g.q})"),
+    r0 = first_row(op, op.tile.rows if rows is None else rows)
+    return [Let(f"{n}_t", f"({r0} % {g.p * g.q})"), Let(f"{n}_n0", f"({r0} / {g.p * g.q})"),
             Let(f"{n}_h0", f"({n}_t / {g.q} * {g.stride[0]} - {g.pad_top})"),
             Let(f"{n}_w0", f"({n}_t % {g.q} * {g.stride[1]} - {g.pad_left})")]
 
@@ -137,46 +157,59 @@ def stage_lets(op: Operand) -> list[Let]:
 
 @dataclass(frozen=True)
 class TmaCopy:
-    """One bulk tensor copy: shared byte offset from the stage base, its map, the coordinates
-    (innermost first) and, for im2col, the tap offsets (W, H): C expressions of the stage bindings."""
+    """One bulk tensor copy: shared byte offset from the stage base (``shift``: a C expression added,
+    a cluster block's share), its map, the coordinates (innermost first) and, for im2col, the tap
+    offsets (W, H): C expressions of the stage bindings; ``mask``: the blocks of the cluster it is
+    multicast to (0: this block only)."""
 
     dst: int
     map: TensorMap
     part: str
     coords: tuple[str, ...]
     offsets: tuple[str, ...] = ()
+    shift: str = ""
+    mask: int = 0
 
     def statement(self) -> str:
-        dst = f"sst + {self.dst}u"
+        dst = f"sst + {self.dst}u" + (f" + {self.shift}" if self.shift else "")
+        mc, tail = ("_MC", f", {self.mask}") if self.mask else ("", "")
         if self.offsets:
-            return f"TMA_IM2COL_4D({dst}, {self.map.name}, {', '.join(self.coords + self.offsets)}, fb);"
-        return f"TMA_TILE_2D({dst}, {self.map.name}, {', '.join(self.coords)}, fb);"
+            return f"TMA_IM2COL_4D{mc}({dst}, {self.map.name}, {', '.join(self.coords + self.offsets)}, fb{tail});"
+        return f"TMA_TILE_2D{mc}({dst}, {self.map.name}, {', '.join(self.coords)}, fb{tail});"
 
 
-def copies(op: Operand, stage: StageLayout, parts: tuple[str, ...], tag: str = "") -> list[TmaCopy]:
-    """The bulk tensor copies of ``op`` in one stage, every part and atom."""
+def copies(op: Operand, stage: StageLayout, parts: tuple[str, ...], tag: str = "", rows: int | None = None,
+           cl: int = 1) -> list[TmaCopy]:
+    """The bulk tensor copies of ``op`` in one stage, every part and atom: the whole tile, or (``rows``
+    below the tile's, clusters of ``cl`` blocks) this block's share, multicast to every block."""
     n, out = op.name, []
     tile = stage.tile(n)
+    rows = tile.rows if rows is None else rows
+    share = rows < tile.rows
+    shift, mask = (f"crank * {rows * ROW_BYTES}u", (1 << cl) - 1) if share else ("", 0)
     for part in parts:
-        m = tensor_map(op, part, tile.rows, tag)
+        m = tensor_map(op, part, rows, tag)
         for a in range(op.tile.atoms):
             dst = stage.offset(n, part) + a * tile.rows * ROW_BYTES
             if isinstance(op, Im2colNhwc):
                 coords = (f"{n}_c{a}", f"{n}_w0", f"{n}_h0", f"{n}_n0")
-                out.append(TmaCopy(dst, m, part, coords, (f"{n}_os{a}", f"{n}_or{a}")))
+                out.append(TmaCopy(dst, m, part, coords, (f"{n}_os{a}", f"{n}_or{a}"), shift, mask))
             else:
-                out.append(TmaCopy(dst, m, part, (f"{n}_k{a}", f"r{n}0")))
+                out.append(TmaCopy(dst, m, part, (f"{n}_k{a}", first_row(op, rows)), (), shift, mask))
     return out
 
 
-def emit_stage(code: Code, ops: list[Operand], stage: StageLayout, parts: tuple[str, ...], tag: str = "") -> None:
+def emit_stage(code: Code, ops: list[Operand], stage: StageLayout, parts: tuple[str, ...], tag: str = "",
+               cfg: TileConfig | None = None) -> None:
     """One stage's copies (at shared address ``sst``, full barrier ``fb``), the barrier armed with
-    their bytes first."""
+    the whole stage's bytes first (with clusters: this block's copies and its peers' share of A)."""
     code(f"MBAR_EXPECT_TX(fb, {stage.nbytes}u);")
     for op in ops:
         emit_all(code, stage_lets(op))
+    cl = cfg.cl if cfg is not None else 1
     for op in ops:
-        code(*(c.statement() for c in copies(op, stage, parts, tag)))
+        rows = box_rows(op, ops, cfg) if cfg is not None else None
+        code(*(c.statement() for c in copies(op, stage, parts, tag, rows, cl)))
 
 
 def model_tiled(x: np.ndarray, tmap: TensorMap, k: int, row: int) -> np.ndarray:

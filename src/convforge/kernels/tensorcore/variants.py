@@ -173,12 +173,15 @@ class TcImplicitGemm(TcVariant):
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
         """The tile space; where the operands allow TMA, each of the first points also with TMA
-        right after it (the tuner decides between the producers)."""
+        right after it, and the first few also in clusters of two multicasting A (the tuner decides
+        between the producers)."""
         limit = self.limit(device)
         out = []
         for i, c in enumerate(tiles.space(self.math(spec), self.problem(spec), device.units, limit)):
             if self.tma_reason(spec, c) is None:
                 out.append(dataclasses.replace(c, tm=1).params())
+                if i < CLUSTER_POINTS:
+                    out.append(dataclasses.replace(c, tm=1, cl=2).params())
                 if i >= 8:
                     continue
             out.append(c.params())
@@ -259,6 +262,8 @@ class TcImplicitGemm(TcVariant):
         return Plan(self.name, self.family, spec, params, tuple(kernels), tuple(steps),
                     self._workspace(spec, cfg), tolerance(math, spec.dtype), epilogue)
 
+
+CLUSTER_POINTS = 3  # the first points of the space also tried in clusters of two (not yet measured on a GPU)
 
 register(TcImplicitGemm("tc_implicit_gemm_tf32", frozenset({"float32"}), False, "relaxed", 12))
 register(TcImplicitGemm("tc_implicit_gemm_3xtf32", frozenset({"float32"}), True, "fp32", 8))
