@@ -26,6 +26,9 @@ CALLS = [  # (spec, conv2d keyword arguments, algo): spellings the key must keep
     (ConvSpec.make(2, 16, 14, 14, 24, 3, 3, 1, 1), dict(padding=1), "winograd_nonfused_f4"),
     (ConvSpec.make(2, 16, 14, 14, 24, 3, 3, 1, 1), dict(padding=1, relu=True), "implicit_gemm"),
     (ConvSpec.make(2, 16, 14, 14, 24, 3, 3, 1, 1), dict(padding=1, precision="relaxed"), "auto"),
+    # TMA plans (the defaults here: whole 32-channel atoms), their tensor maps encoded by the native core
+    (ConvSpec.make(2, 64, 14, 14, 64, 3, 3, 1, 1), dict(padding=1, precision="relaxed"), "tc_implicit_gemm_tf32"),
+    (ConvSpec.make(3, 32, 13, 11, 40, 3, 3, 2, 1), dict(stride=2, padding=1), "tc_implicit_gemm_3xtf32"),
 ]
 
 

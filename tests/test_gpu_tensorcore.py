@@ -262,3 +262,41 @@ def test_tma_through_torch_fast_path(hopper):
         ref = torch.nn.functional.conv2d(x.double(), w.double(), stride=2, padding=1)
         err = float((y.double() - ref).norm() / ref.norm())
         assert err < 2e-3, (seed, err)
+
+
+def test_tma_through_the_native_fast_path(hopper, monkeypatch):
+    """Warm torch calls of a TMA plan (the default here) run in C++ (torch/native.cpp), which encodes
+    the tensor maps itself: two weights alternating (each its own packed filters: the filter map
+    moves), fresh x every call, with Python's path made to fail once both are filed; outputs equal
+    float64 within TF32's rounding."""
+    torch = pytest.importorskip("torch")
+    import convforge as cf
+    from convforge import api
+    from convforge.config import config
+    from convforge.torch import native
+
+    if not config.native:
+        pytest.skip("native fast path off (CONVFORGE_NATIVE=0)")
+    nat = native.load()
+    assert nat is not None, "the native fast path did not build on this CUDA machine: see the log"
+    spec = ConvSpec.make(3, 64, 13, 11, 96, 3, 3, 2, 1)
+    v = get_variant("tc_implicit_gemm_tf32")
+    assert v.default(spec, hopper.device).get("tm") == 1
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ws = [torch.randn(spec.w_shape, device="cuda", generator=g) for _ in range(2)]
+
+    def call(i):
+        x = torch.randn(spec.x_shape, device="cuda", generator=g)
+        y = cf.conv2d(x, ws[i % 2], stride=2, padding=1, algo="tc_implicit_gemm_tf32", precision="relaxed")
+        ref = torch.nn.functional.conv2d(x.double(), ws[i % 2].double(), stride=2, padding=1)
+        return float((y.double() - ref).norm() / ref.norm())
+
+    with torch.no_grad():
+        assert max(call(i) for i in range(2)) < 1e-3  # cold: the slow path files both weights' calls
+        entries = nat.stats()["entries"]
+        assert entries >= 1
+        monkeypatch.setattr(api, "_KEYERS", {})
+        monkeypatch.setattr(api, "_conv2d", lambda *a, **k: pytest.fail("a warm TMA call reached Python's path"))
+        errs = [call(i) for i in range(2, 8)]
+    assert max(errs) < 1e-3, errs
+    assert nat.stats()["entries"] == entries

@@ -349,6 +349,10 @@ NATIVE_CALLS = [  # (spec, conv2d keyword arguments, algo): spellings the key mu
     (ConvSpec.make(2, 16, 14, 14, 24, 3, 3, 1, 1), dict(padding=1, relu=True), "implicit_gemm"),
     (ConvSpec.make(2, 16, 14, 14, 24, 3, 3, 1, 1), dict(padding=1, precision="relaxed"), "auto"),
     (ConvSpec.make(2, 16, 14, 14, 24, 3, 3, 1, 1), dict(padding=1, max_error=1e-6), "auto"),
+    # TMA plans (whole 32-channel atoms: the defaults bring the operands by tensor maps, which the
+    # native core encodes per buffer address): NCHW x converted into the workspace, a strided layer
+    (ConvSpec.make(2, 64, 14, 14, 64, 3, 3, 1, 1), dict(padding=1, precision="relaxed"), "tc_implicit_gemm_tf32"),
+    (ConvSpec.make(3, 32, 13, 11, 40, 3, 3, 2, 1), dict(stride=2, padding=1), "tc_implicit_gemm_3xtf32"),
 ]
 
 
