@@ -501,7 +501,11 @@ WGRAD_CASES = [(ODD[0], TF32, TileConfig(128, 32, 1, 2, 2, ks=3)),      # asymme
                (ConvSpec.make(5, 3, 7, 9, 6, 3, 3, (2, 1), 1), TF32, TileConfig(64, 32, 2, 3, 1)),  # N=5
                # TMA (the batch whole atoms): padding, split; stride 2 as the transposed problem's dilation
                (ConvSpec.make(32, 5, 9, 7, 6, 3, 3, 1, (0, 1, 1, 0)), TF32, TileConfig(128, 32, 1, 2, 2, ks=3, tm=1)),
-               (ConvSpec.make(64, 3, 8, 8, 5, 3, 3, 2, (1, 0, 1, 1)), F16, TileConfig(64, 32, 2, 2, 1, tm=1))]
+               (ConvSpec.make(64, 3, 8, 8, 5, 3, 3, 2, (1, 0, 1, 1)), F16, TileConfig(64, 32, 2, 2, 1, tm=1)),
+               # clusters of two multicasting x' rows: 3 N tiles (the last pair half past K), split
+               (ConvSpec.make(32, 16, 9, 7, 70, 3, 3, 1, (0, 1, 1, 0)), TF32,
+                TileConfig(128, 32, 1, 2, 2, ks=2, tm=1, cl=2)),
+               (ConvSpec.make(64, 8, 8, 8, 64, 3, 3, 2, 1), F16, TileConfig(64, 32, 2, 2, 1, tm=1, cl=2))]
 
 
 @pytest.mark.parametrize("spec, math, cfg", WGRAD_CASES, ids=lambda v: getattr(v, "name", None) or str(v))

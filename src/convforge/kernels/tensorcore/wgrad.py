@@ -140,11 +140,13 @@ class TcWgrad(TcVariant):
         return tma.pair_reason(*self.operands(spec, cfg), cfg.bm, cfg.bn)
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
-        """The default, then the generator's space with each shape's own split (and unsplit), each
-        by TMA where it can be, and by cp.async."""
+        """The default (also in clusters of two where it takes TMA), then the generator's space with
+        each shape's own split (and unsplit), each by TMA where it can be, and by cp.async."""
         math, prob = self.math(spec), self.problem(spec)
         first = TileConfig.of(self.default(spec, device))
         out = list(dict.fromkeys([first, dataclasses.replace(first, tm=0)]))
+        if first.tm:  # also in clusters of two multicasting A (the im2col rows of x'): not yet measured
+            out.insert(1, dataclasses.replace(first, cl=2))
         for cfg in tiles.space(math, prob, device.units, self.limit(device)):
             for c in (self._split(cfg, spec, device), dataclasses.replace(cfg, ks=1)):
                 for t in (self._tma(spec, c), c):
