@@ -331,11 +331,13 @@ def test_ddp_rows_scale_against_one_gpu() -> None:
     from convforge.bench import ddp
 
     rows = [dict(model="resnet50", batch=32, impl="convforge", gpus=1, images_per_s=400.0, status="ok"),
-            dict(model="resnet50", batch=32, impl="convforge", gpus=2, images_per_s=740.0, status="ok"),
+            dict(model="resnet50", batch=32, impl="convforge", gpus=2, images_per_s=740.0, step_ms=43.0,
+                 nosync_ms=40.5, status="ok"),
             dict(model="resnet50", batch=32, impl="pytorch_fp32", gpus=2, images_per_s=700.0, status="ok")]
     ddp.scale(rows)
     assert rows[0]["scaling"] == 1.0 and rows[1]["scaling"] == pytest.approx(1.85)
     assert rows[1]["efficiency"] == pytest.approx(0.925) and "scaling" not in rows[2]  # no one-GPU row of its own
+    assert rows[1]["comm_ms"] == pytest.approx(2.5) and "comm_ms" not in rows[0]  # step - no-sync step
     assert ddp.parse_impls(None) == ddp.IMPLS and ddp.parse_impls("convforge") == ("convforge",)
     with pytest.raises(ValueError, match="--impl"):
         ddp.parse_impls("convforge,cudnn")

@@ -10,7 +10,12 @@ implementation: ``pytorch_fp32`` (cudnn.benchmark on, TF32 off), ``convforge``
 Each rank draws its own random batch (seed ``SEED + rank``); the weights are ``models.build``'s.
 
 Time: CUDA events around each step after warm-up, each rank's median; a DDP step's time is the
-slowest rank's (DDP's all-reduce keeps the ranks in step anyway). ``images/s`` = K x BATCH / step
+slowest rank's (DDP's all-reduce keeps the ranks in step anyway). On N GPUs the same processes
+also time the step under ``no_sync()`` (no all-reduce: ``nosync_ms``), so ``comm_ms`` = step -
+no-sync step is what the gradients' all-reduce adds that the backward pass did not hide, measured
+without the run-to-run spread between separate launches (several ms on H100s, round 25); the rest
+of a shortfall against one GPU is in the processes themselves (host, clocks, the other rank's
+kernels). ``images/s`` = K x BATCH / step
 time; ``scaling`` = images/s on N GPUs over images/s on one; ``efficiency`` = scaling / N (the
 issue's target on two H200s: scaling >= 1.8 for ResNet-50 at 32 images per GPU). ``--tune`` turns
 ``config.autotune`` on for the warm-up steps (the one-GPU run goes first, so the N-GPU run finds
@@ -37,12 +42,12 @@ from rich.table import Table
 from convforge.bench import models, training
 
 IMPLS = ("pytorch_fp32", "convforge", "convforge_fused")
-FIELDS = ("model", "batch", "impl", "gpus", "step_ms", "images_per_s", "images_per_s_per_gpu", "scaling",
-          "efficiency", "status")
+FIELDS = ("model", "batch", "impl", "gpus", "step_ms", "nosync_ms", "comm_ms", "images_per_s", "images_per_s_per_gpu",
+          "scaling", "efficiency", "status")
 NOTE = ("one training step (forward + cross-entropy + backward + SGD), BATCH images per GPU, training mode; one GPU: "
         "the plain model; N GPUs: DistributedDataParallel (NCCL), one process per GPU (torchrun); CUDA events, each "
-        "rank's median step, the slowest rank's; scaling = images/s on N GPUs over one GPU's; PyTorch: "
-        "cudnn.benchmark on, TF32 off")
+        "rank's median step, the slowest rank's; no-sync: the same N-GPU step without the all-reduce (no_sync()), "
+        "comm = step - no-sync; scaling = images/s on N GPUs over one GPU's; PyTorch: cudnn.benchmark on, TF32 off")
 
 
 def parse_impls(text: str | None) -> tuple[str, ...]:
@@ -123,25 +128,29 @@ def _torchrun(k: int, name: str, batch: int, impls: tuple[str, ...], warmup: int
 
 
 def scale(rows: list[dict[str, Any]]) -> None:
-    """``scaling`` and ``efficiency`` of each row against the one-GPU row of its model and impl."""
+    """``scaling`` and ``efficiency`` of each row against the one-GPU row of its model and impl;
+    ``comm_ms`` where the row has a no-sync time."""
     one = {(r["model"], r["batch"], r["impl"]): r for r in rows if r.get("gpus") == 1 and r.get("images_per_s")}
     for r in rows:
         base = one.get((r["model"], r["batch"], r["impl"]))
         if base is not None and r.get("images_per_s"):
             r["scaling"] = r["images_per_s"] / base["images_per_s"]
             r["efficiency"] = r["scaling"] / r["gpus"]
+        if r.get("step_ms") and r.get("nosync_ms"):
+            r["comm_ms"] = r["step_ms"] - r["nosync_ms"]
 
 
 def table(rows: list[dict[str, Any]], title: str) -> Table:
     t = Table(title=title)
-    for col in ("model", "batch/GPU", "impl", "GPUs", "step ms", "images/s", "per GPU", "scaling", "efficiency",
-                "status"):
+    for col in ("model", "batch/GPU", "impl", "GPUs", "step ms", "no-sync ms", "comm ms", "images/s", "per GPU",
+                "scaling", "efficiency", "status"):
         t.add_column(col)
     f = models._f
     for r in rows:
         t.add_row(r["model"], str(r["batch"]), r["impl"], str(r["gpus"]), f(r.get("step_ms"), ".2f"),
-                  f(r.get("images_per_s"), ".0f"), f(r.get("images_per_s_per_gpu"), ".0f"), f(r.get("scaling"), ".2f"),
-                  f(r.get("efficiency"), ".2f"), r.get("status", ""))
+                  f(r.get("nosync_ms"), ".2f"), f(r.get("comm_ms"), ".2f"), f(r.get("images_per_s"), ".0f"),
+                  f(r.get("images_per_s_per_gpu"), ".0f"), f(r.get("scaling"), ".2f"), f(r.get("efficiency"), ".2f"),
+                  r.get("status", ""))
     return t
 
 
@@ -199,18 +208,25 @@ def rank_run(name: str, batch: int, impls: tuple[str, ...], warmup: int, repeats
                     step()
                 torch.cuda.synchronize()
             mine = training._time(step, 0, repeats)
+            quiet = float("nan")
+            if world > 1:  # the same step without the all-reduce, in the same processes
+                with net.no_sync():
+                    step()
+                    quiet = training._time(step, 0, repeats)
             del net, m, step
         except Exception as err:  # noqa: BLE001 - a failing row must not hide the others
-            mine = float("nan")
+            mine = quiet = float("nan")
             row["status"] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
-        every = [mine]
+        every, quiet_all = [mine], [quiet]
         if world > 1:
             gathered: list[Any] = [None] * world
-            dist.all_gather_object(gathered, mine)
-            every = [float(v) for v in gathered]
+            dist.all_gather_object(gathered, (mine, quiet))
+            every, quiet_all = [float(v[0]) for v in gathered], [float(v[1]) for v in gathered]
         if row["status"] == "ok" and all(v == v for v in every):
             row["step_ms"] = max(every)
             row["rank_step_ms"] = every
+            if all(v == v for v in quiet_all):
+                row["nosync_ms"] = max(quiet_all)
             row["images_per_s"] = world * batch / (row["step_ms"] / 1e3)
             row["images_per_s_per_gpu"] = batch / (row["step_ms"] / 1e3)
         elif row["status"] == "ok":
