@@ -86,13 +86,14 @@ def _points(v: Variant, spec: ConvSpec, dev: DeviceInfo, sanitize: bool, n: int 
     """The default (and the next n - 1 points of the space); under --sanitize also the first point of
     each staging kind of the Winograd spaces (fused: cp.async filters / inputs, split-C, two-block
     register cap; non-fused: the split GEMM) and of the tensor-core generator (split-K, one tile per
-    block, two atoms of K per stage), not defaults."""
+    block, two atoms of K per stage, clusters of two), not defaults."""
     pts = [v.default(spec, dev)]
     if n > 1:
         pts += [p for p in v.space(spec, dev)[:n] if p not in pts]
     if sanitize and v.name.startswith("tc_"):
         space = v.space(spec, dev)
-        for pred in (lambda p: p.get("ks", 1) > 1, lambda p: p.get("ps") == 0, lambda p: p.get("kb") == 2):
+        for pred in (lambda p: p.get("ks", 1) > 1, lambda p: p.get("ps") == 0, lambda p: p.get("kb") == 2,
+                     lambda p: p.get("cl") == 2):
             hit = next((p for p in space if pred(p)), None)
             if hit is not None and hit not in pts:
                 pts.append(hit)
