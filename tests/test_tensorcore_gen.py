@@ -382,13 +382,28 @@ TMA_CASES = [(ConvSpec.make(2, 64, 13, 11, 96, 3, 3, 2, 1), F16, TileConfig(128,
              (ConvSpec.make(2, 128, 7, 7, 72, 1, 1, 2), F16, TileConfig(256, 96, 2, 2, 2, tm=1))]
 
 
-# Clusters of two blocks multicasting A (cl=2): an odd number of N tiles (the last pair's second
-# block past the matrix), split-K, stride 4 with a partial last M tile, two parts (3xTF32), a 1x1.
+# Clusters of two blocks multicasting A (cl=2): a partial last N tile, split-K, stride 4 with a partial
+# last M tile, two parts (3xTF32), a 1x1.
 TMA_CASES += [(ConvSpec.make(2, 64, 13, 11, 96, 3, 3, 2, 1), F16, TileConfig(128, 64, 1, 2, 2, tm=1, cl=2)),
-              (ConvSpec.make(3, 32, 11, 9, 72, 3, 3, 1, 2, 2), TF32, TileConfig(128, 32, 2, 2, 2, ks=2, tm=1, cl=2)),
+              (ConvSpec.make(3, 32, 11, 9, 100, 3, 3, 1, 2, 2), TF32, TileConfig(128, 32, 2, 2, 2, ks=2, tm=1, cl=2)),
               (ConvSpec.make(1, 32, 23, 21, 36, 5, 5, 4, (2, 1, 0, 3)), X3TF32,
                TileConfig(128, 64, 1, 2, 2, pi=2, tm=1, cl=2)),
               (ConvSpec.make(2, 128, 7, 7, 200, 1, 1), BF16, TileConfig(64, 64, 2, 2, 1, tm=1, cl=2))]
+
+
+def test_clusters_need_tma_and_whole_pairs_of_n_tiles():
+    """cl=2 only with TMA, and only where the N tiles pair up (no block of a cluster wholly past the
+    matrix); the variants offer it in their spaces, never as the default."""
+    assert any("cl (2)" in w for w in TileConfig(128, 64, cl=2).problems(TF32))
+    assert not TileConfig(128, 64, tm=1, cl=2).problems(TF32, Problem(1000, 128, 288))
+    assert any("N-tile groups" in w for w in TileConfig(128, 64, tm=1, cl=2).problems(TF32, Problem(1000, 160, 288)))
+    v = get_variant("tc_implicit_gemm_half")
+    spec = ConvSpec.make(32, 64, 56, 56, 256, 3, 3, 1, 1, dtype="float16")
+    space = v.space(spec, NOMINAL_CUDA)
+    assert v.default(spec, NOMINAL_CUDA).get("cl", 1) == 1 and space[0].get("tm") == 1
+    assert space[1] == dataclasses.replace(TileConfig.of(space[0]), cl=2).params()
+    narrow = ConvSpec.make(32, 64, 56, 56, 64, 3, 3, 1, 1, dtype="float16")  # one N tile: no pair
+    assert not any(p.get("cl") == 2 for p in v.space(narrow, NOMINAL_CUDA))
 
 
 @pytest.mark.parametrize("spec, math, cfg", TMA_CASES, ids=lambda v: getattr(v, "name", None) or str(v))
@@ -415,8 +430,7 @@ def test_tma_refuses_what_it_cannot_address():
         v.plan(half(ConvSpec.make(1, 40, 9, 9, 8, 3, 3, 1, 1)), cfg.params(), NOMINAL_CUDA)
     assert "batched" in tma.reason(DenseRows("b", Tile(64, 1), F16, "u", rows=8, ld=64, kred=64, batch_stride=512), 64)
     space = v.space(half(ConvSpec.make(32, 64, 56, 56, 64, 3, 3, 1, 1)), NOMINAL_CUDA)
-    assert space[0].get("tm") == 1 and space[1] == dataclasses.replace(TileConfig.of(space[0]), cl=2).params()
-    assert space[2] == dataclasses.replace(TileConfig.of(space[0]), tm=0).params()
+    assert space[0].get("tm") == 1 and space[1] == dataclasses.replace(TileConfig.of(space[0]), tm=0).params()
     assert space[0] == v.default(half(ConvSpec.make(32, 64, 56, 56, 64, 3, 3, 1, 1)), NOMINAL_CUDA)
     assert not any(p.get("tm") for p in v.space(half(ConvSpec.make(1, 40, 9, 9, 8, 3, 3, 1, 1)), NOMINAL_CUDA))
 
@@ -502,8 +516,8 @@ WGRAD_CASES = [(ODD[0], TF32, TileConfig(128, 32, 1, 2, 2, ks=3)),      # asymme
                # TMA (the batch whole atoms): padding, split; stride 2 as the transposed problem's dilation
                (ConvSpec.make(32, 5, 9, 7, 6, 3, 3, 1, (0, 1, 1, 0)), TF32, TileConfig(128, 32, 1, 2, 2, ks=3, tm=1)),
                (ConvSpec.make(64, 3, 8, 8, 5, 3, 3, 2, (1, 0, 1, 1)), F16, TileConfig(64, 32, 2, 2, 1, tm=1)),
-               # clusters of two multicasting x' rows: 3 N tiles (the last pair half past K), split
-               (ConvSpec.make(32, 16, 9, 7, 70, 3, 3, 1, (0, 1, 1, 0)), TF32,
+               # clusters of two multicasting x' rows: 4 N tiles (the last partial), split
+               (ConvSpec.make(32, 16, 9, 7, 100, 3, 3, 1, (0, 1, 1, 0)), TF32,
                 TileConfig(128, 32, 1, 2, 2, ks=2, tm=1, cl=2)),
                (ConvSpec.make(64, 8, 8, 8, 64, 3, 3, 2, 1), F16, TileConfig(64, 32, 2, 2, 1, tm=1, cl=2))]
 

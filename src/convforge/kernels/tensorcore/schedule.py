@@ -25,7 +25,7 @@ def tile_lets(cfg: TileConfig, math: Math, prob: Problem) -> list[Let]:
     tn, tm = cdiv(prob.n, cfg.bn), cdiv(prob.m, cfg.bm)
     nk = cfg.k_blocks(math, prob)
     per = cdiv(nk, cfg.ks)
-    if cfg.cl > 1:  # a unit is cl neighbouring N tiles; tn counts them (the last may pass the matrix)
+    if cfg.cl > 1:  # a unit is cl neighbouring N tiles (a whole number of them: TileConfig.problems)
         tn = cdiv(tn, cfg.cl)
         out = [Let("nb", f"(tile % {tn} * {cfg.cl} + crank)"), Let("mb", f"(tile / {tn} % {tm})")]
     else:

@@ -105,6 +105,9 @@ class TileConfig:
             out.append(f"cl ({self.cl}) must be 1, or 2 with tm=1 (clusters pay through TMA multicast)")
         if self.shared_bytes(math) > shared_limit:
             out.append(f"{self.shared_bytes(math)} bytes of shared memory exceed {shared_limit}")
+        if prob is not None and self.cl > 1 and cdiv(prob.n, self.bn) % self.cl:
+            out.append(f"cl ({self.cl}) needs a whole number of N-tile groups, not {cdiv(prob.n, self.bn)} tiles "
+                       "(a block wholly past the matrix would copy a box of nothing but zeros)")
         if prob is not None and self.ks > 1 and (self.ks - 1) * cdiv(self.k_blocks(math, prob), self.ks) \
                 >= self.k_blocks(math, prob):
             out.append(f"ks ({self.ks}) leaves a split of {self.k_blocks(math, prob)} k blocks empty")
@@ -119,8 +122,7 @@ class TileConfig:
         return cdiv(prob.m, self.bm) * cdiv(prob.n, self.bn) * self.ks * prob.batch
 
     def work(self, prob: Problem) -> int:
-        """Units of work a cluster takes in turn: tiles, or with ``cl`` = 2 pairs of N tiles (an odd
-        last N tile paired with one past the matrix, whose block loads and stores nothing of its own)."""
+        """Units of work a cluster takes in turn: tiles, or with ``cl`` = 2 pairs of N tiles."""
         if self.cl == 1:
             return self.tiles(prob)
         return cdiv(cdiv(prob.n, self.bn), self.cl) * cdiv(prob.m, self.bm) * self.ks * prob.batch

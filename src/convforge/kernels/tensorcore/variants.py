@@ -175,13 +175,14 @@ class TcImplicitGemm(TcVariant):
         """The tile space; where the operands allow TMA, each of the first points also with TMA
         right after it, and the first few also in clusters of two multicasting A (the tuner decides
         between the producers)."""
-        limit = self.limit(device)
+        limit, math, prob = self.limit(device), self.math(spec), self.problem(spec)
         out = []
-        for i, c in enumerate(tiles.space(self.math(spec), self.problem(spec), device.units, limit)):
+        for i, c in enumerate(tiles.space(math, prob, device.units, limit)):
             if self.tma_reason(spec, c) is None:
                 out.append(dataclasses.replace(c, tm=1).params())
-                if i < CLUSTER_POINTS:
-                    out.append(dataclasses.replace(c, tm=1, cl=2).params())
+                pair = dataclasses.replace(c, tm=1, cl=2)
+                if i < CLUSTER_POINTS and not pair.problems(math, prob, limit):
+                    out.append(pair.params())
                 if i >= 8:
                     continue
             out.append(c.params())

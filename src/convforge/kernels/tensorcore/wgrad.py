@@ -145,8 +145,9 @@ class TcWgrad(TcVariant):
         math, prob = self.math(spec), self.problem(spec)
         first = TileConfig.of(self.default(spec, device))
         out = list(dict.fromkeys([first, dataclasses.replace(first, tm=0)]))
-        if first.tm:  # also in clusters of two multicasting A (the im2col rows of x'): not yet measured
-            out.insert(1, dataclasses.replace(first, cl=2))
+        pair = dataclasses.replace(first, cl=2)
+        if first.tm and not pair.problems(math, prob, self.limit(device)):  # A (x' rows) multicast: unmeasured
+            out.insert(1, pair)
         for cfg in tiles.space(math, prob, device.units, self.limit(device)):
             for c in (self._split(cfg, spec, device), dataclasses.replace(cfg, ks=1)):
                 for t in (self._tma(spec, c), c):
