@@ -748,9 +748,13 @@ def test_stage_ring_protocol(st, cw, seed):
             empty[pstage].arrive()
             yield
 
-    roles = [producer()] + [consumer(c) for c in range(cw)]
+    _interleave(rng, [producer()] + [consumer(c) for c in range(cw)], 100000)
+
+
+def _interleave(rng, roles, steps):
+    """Step the role generators in random order until all end; none left over means no deadlock."""
     live = list(roles)
-    for _ in range(100000):
+    for _ in range(steps):
         if not live:
             break
         role = rng.choice(live)
@@ -827,16 +831,7 @@ def test_cluster_stage_ring_protocol(st, cw, seed):
             release(pstage)
             yield
 
-    live = [producer(b) for b in blocks] + [consumer(b, c) for b in blocks for c in range(cw)]
-    for _ in range(200000):
-        if not live:
-            break
-        role = rng.choice(live)
-        try:
-            next(role)
-        except StopIteration:
-            live.remove(role)
-    assert not live, "deadlock"
+    _interleave(rng, [producer(b) for b in blocks] + [consumer(b, c) for b in blocks for c in range(cw)], 200000)
 
 
 # -- the epilogue -------------------------------------------------------------------------------------
