@@ -709,3 +709,43 @@ def test_run_on_opencl_needs_no_cuda(ocl, tmp_path) -> None:
     assert "PyTorch: not run: this run is opencl" in done.stdout
     assert "| small | 2 | opencl |" in done.stdout and "batch 2 (declared by the description" in done.stdout
     assert "cupy" not in done.stderr.lower()
+
+
+def test_random_batchnorm_statistics_keep_the_signal_in_float16_range() -> None:
+    """Shipped ResNet-50 with random weights: every batch norm's statistics are measured on a random
+    image, so it normalises what reaches it (zero mean, unit variance per channel on that image); on
+    other images every activation stays far inside float16's range (with made-up statistics res5c
+    reached 6.7e4, past 65504) and the logits still depend on the input. A caffemodel's statistics
+    are its own (not re-measured)."""
+    from convforge import models
+    from convforge.graph.reference import calibrate_batchnorm
+
+    g = models.load("resnet50", batch=2, seed=3)
+    bn = next(n for n in g.nodes if n.op == "batchnorm")
+    probe = g.with_batch(1)
+    probe.outputs = [bn.inputs[0]]
+    x = np.random.default_rng(3).standard_normal(probe.input_shape).astype(np.float32)
+    seen = run_reference(probe, x, np.float32)[bn.inputs[0]]
+    assert np.allclose(g.weights[bn.weights["mean"]], seen.mean(axis=(0, 2, 3)), rtol=1e-4, atol=1e-5)
+    assert np.allclose(g.weights[bn.weights["var"]], seen.var(axis=(0, 2, 3)), rtol=1e-4, atol=1e-5)
+    g.outputs = [n.output for n in g.nodes]
+    out = run_reference(g, np.random.default_rng(11).standard_normal(g.input_shape), np.float32)
+    assert max(float(np.abs(v).max()) for v in out.values()) < 1e3
+    logits = out["fc1000"]
+    assert np.linalg.norm(logits[0] - logits[1]) > 0.05 * np.linalg.norm(logits)
+    assert calibrate_batchnorm(models.load("alexnet", batch=1)) == 0  # no batch norm: nothing to set
+
+
+def test_caffemodel_statistics_are_kept(tmp_path) -> None:
+    """Statistics given by a caffemodel are the network's: fill_weights leaves them as read."""
+    from convforge.graph.caffe import fill_weights
+
+    g = load_prototxt(SMALL, seed=4)
+    blobs = {n.name: [np.asarray(g.weights[k]).copy() for k in n.weights.values()] for n in g.nodes if n.weights}
+    for n in g.nodes:
+        if n.op == "batchnorm":
+            blobs[n.name] = [np.full_like(blobs[n.name][0], 0.25), np.full_like(blobs[n.name][1], 4.0)] \
+                + blobs[n.name][2:]
+    fill_weights(g, 0, blobs)
+    bn = next(n for n in g.nodes if n.op == "batchnorm")
+    assert (g.weights[bn.weights["mean"]] == 0.25).all() and (g.weights[bn.weights["var"]] == 4.0).all()

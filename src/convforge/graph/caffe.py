@@ -212,7 +212,9 @@ def _node(lname: str, ltype: str, layer: Message, ins: list[str]) -> Node:
 
 
 def fill_weights(graph: Graph, seed: int = 0, blobs: dict[str, list[np.ndarray]] | None = None) -> None:
-    """Weights for every node: from Caffe blobs by layer name when given, else random (He scaled)."""
+    """Weights for every node: from Caffe blobs by layer name when given, else random (He scaled),
+    each batch norm's statistics then measured on a random image so that it normalises what it is
+    given (``graph.reference.calibrate_batchnorm``)."""
     rng = np.random.default_rng(seed)
     shapes = infer_weight_shapes(graph)
     for node in graph.nodes:
@@ -233,6 +235,10 @@ def fill_weights(graph: Graph, seed: int = 0, blobs: dict[str, list[np.ndarray]]
             else:
                 arr = rng.standard_normal(shape) * 0.1
             graph.weights[key] = np.ascontiguousarray(arr, dtype=np.float32)
+    if blobs is None:
+        from convforge.graph.reference import calibrate_batchnorm
+
+        calibrate_batchnorm(graph, seed)
 
 
 def _from_blob(node: Node, role: str, blobs: list[np.ndarray], i: int, shape: tuple[int, ...]) -> np.ndarray:
