@@ -506,3 +506,45 @@ def test_native_entry_keeps_conv2d_signature_and_errors(native_mod):
         entry(x, w, b, 2, -1)
     with pytest.raises(ValueError, match="same kind"):
         entry(x, w.cpu().numpy(), b, 2, 1)
+
+
+@pytest.mark.parametrize("spec, algo", [
+    (ConvSpec.make(2, 16, 14, 14, 24, 3, 3, 1, 1), "auto"),  # dgrad with a cached filter transform
+    (ConvSpec.make(3, 8, 13, 11, 12, 3, 3, 2, (1, 0, 1, 1)), "auto"),  # strided, asymmetric padding
+    (ConvSpec.make(2, 64, 14, 14, 64, 3, 3, 1, 1), "tc_implicit_gemm_tf32"),  # tensor maps in the core
+], ids=lambda v: getattr(v, "key", lambda: v)())
+def test_backward_ops_run_in_cpp_once_filed(native_mod, spec, algo):
+    """The backward ops' CUDA kernels are native.cpp's: the first backward files each pass's call
+    (checked there against Python's result), later ones run it in C++ (no fallback to Python), and
+    the gradients stay PyTorch's (float64) through in-place weight updates (dgrad's cached filters
+    follow the version) and two weight tensors alternating."""
+    from convforge.torch import conv2d as op_conv2d
+
+    relaxed = algo.startswith("tc_")
+    tol = 2e-3 if relaxed else 1e-4
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(spec.x_shape, device="cuda", generator=g, requires_grad=True)
+    ws = [torch.randn(spec.w_shape, device="cuda", generator=g, requires_grad=True) for _ in range(2)]
+    gy = torch.randn(spec.y_shape, device="cuda", generator=g)
+
+    def step(w):
+        x.grad = w.grad = None
+        y = op_conv2d(x, w, None, spec.stride, spec.pad, spec.dilation, algo=algo,
+                      precision="relaxed" if relaxed else None)
+        y.backward(gy)
+        xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+        t, b, left, right = spec.pad
+        ref = torch.nn.functional.conv2d(torch.nn.functional.pad(xd, (left, right, t, b)), wd, None, spec.stride, 0,
+                                         spec.dilation)
+        ref.backward(gy.double())
+        for got, want in ((x.grad, xd.grad), (w.grad, wd.grad)):
+            assert float((got.double() - want).norm() / want.norm()) < tol
+
+    step(ws[0])  # cold: Python's kernels run and file both passes
+    entries, misses = native_mod.stats()["entries"], native_mod.stats()["op_fallbacks"]
+    for i in range(5):
+        step(ws[i % 2])
+        with torch.no_grad():
+            ws[0].mul_(0.9)  # a new version: dgrad's filters are transformed again
+    assert native_mod.stats()["op_fallbacks"] == misses, "warm calls went to Python"  # ws[1] shares the entries
+    assert native_mod.stats()["entries"] >= entries

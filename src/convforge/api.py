@@ -358,6 +358,21 @@ def file_native(run: Any, call: tuple[Any, ...], residual: bool = False) -> None
     _NATIVE.register(*call, run.exe.native_program(), None if held is None else (w, *held), residual)
 
 
+def file_native_pass(module: Any, run: Any, args: tuple[Any, ...], out_shape: tuple[int, ...]) -> bool:
+    """File a validated backward op's call (native.cpp ``register_pass``'s first 11 arguments;
+    ``run``, the pass runner that just ran it) with the native kernel, dgrad with the filters the
+    runner transformed for its weights; False where the executable is not one the core launches."""
+    exe = getattr(run, "exe", None)
+    if module is None or exe is None or not exe.native:
+        return False
+    held = None
+    if args[0] == 1 and getattr(run, "filters", None) is not None:
+        a = args[2]
+        entry = run.filters.entry(a, a.data_ptr())
+        held = None if entry is None else (a, *entry)
+    return bool(module.register_pass(*args, exe.native_program(), held, out_shape))
+
+
 def file_cupy_native(run: Any, call: tuple[Any, ...]) -> None:
     """File a validated CuPy call with the CuPy native fast path (built on the first CuPy call)."""
     global _CUPY_TRIED, _CUPY_NATIVE

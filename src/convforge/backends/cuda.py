@@ -803,6 +803,7 @@ def torch_pass_runner(exe: CudaExecutable, device: int) -> Callable[..., Any]:
         return out
 
     run.filters = filters  # type: ignore[attr-defined]
+    run.exe = exe  # type: ignore[attr-defined]  # for the native kernels of the backward ops (ops._file_pass)
     return run
 
 

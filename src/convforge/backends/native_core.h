@@ -104,6 +104,8 @@ struct Key {
   Seq stride, padding, dilation;
   bool relu = false, has_precision = false, has_max_error = false;
   bool residual = false;  // a plan that adds a residual tensor (FusedConv2d's run_res); relu then follows the add
+  int8_t pass = 0;  // 0 the forward (conv2d), 1 dgrad (conv2d_input), 2 wgrad (conv2d_weight)
+  int64_t size[4] = {0, 0, 0, 0};  // a backward op's input_size / weight_size (its output's shape)
   double max_error = 0.0;
   std::string algo, precision;
   bool operator==(const Key& o) const {
@@ -111,7 +113,8 @@ struct Key {
            workspace_limit == o.workspace_limit && groups == o.groups && device == o.device && stride == o.stride &&
            padding == o.padding && dilation == o.dilation && relu == o.relu && residual == o.residual &&
            has_precision == o.has_precision &&
-           has_max_error == o.has_max_error && max_error == o.max_error && algo == o.algo && precision == o.precision;
+           has_max_error == o.has_max_error && max_error == o.max_error && algo == o.algo && precision == o.precision &&
+           pass == o.pass && std::memcmp(size, o.size, sizeof size) == 0;
   }
 };
 
@@ -127,7 +130,8 @@ struct KeyHash {
       mix(h, static_cast<uint64_t>(k.ws[i]));
     }
     mix(h, static_cast<uint64_t>(k.bias_k));
-    mix(h, static_cast<uint64_t>(k.device) << 1 | static_cast<uint64_t>(k.residual));
+    mix(h, static_cast<uint64_t>(k.device) << 3 | static_cast<uint64_t>(k.pass) << 1 | static_cast<uint64_t>(k.residual));
+    for (int64_t v : k.size) mix(h, static_cast<uint64_t>(v));
     for (const Seq* s : {&k.stride, &k.padding, &k.dilation}) {
       mix(h, static_cast<uint64_t>(s->tag * 8 + s->n));
       for (int i = 0; i < s->n; ++i) mix(h, static_cast<uint64_t>(s->v[i]));
@@ -446,6 +450,16 @@ struct Table {
   size_t size() {
     std::lock_guard<std::mutex> lock(mu);
     return map.size();
+  }
+  void erase(const Key& k) {  // with the GIL held (the program may release its executable)
+    std::shared_ptr<P> gone;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      auto it = map.find(k);
+      if (it == map.end()) return;
+      gone = std::move(it->second);
+      map.erase(it);
+    }
   }
   void clear() {  // with the GIL held: programs release their executables here
     std::unordered_map<Key, std::shared_ptr<P>, KeyHash> gone;

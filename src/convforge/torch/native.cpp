@@ -471,6 +471,263 @@ at::Tensor op_autograd(c10::DispatchKeySet ks, const at::Tensor& x, const at::Te
   return op.redispatch(after, x, w, bias, stride, padding, dilation, algo, precision, max_error, groups);
 }
 
+// ---- the backward ops' CUDA kernels: convforge::conv2d_input (dgrad) and conv2d_weight (wgrad) ----
+// A warm call (a signature Python's kernel ran and filed: register_pass) runs its program here; any
+// other goes to Python's kernel (ops._input_cuda / ops._weight_cuda), which files it.
+PyObject* fallback_pass[3] = {nullptr, nullptr, nullptr};  // [1] dgrad, [2] wgrad
+constexpr int kPassOut[3] = {2, 0, 1};  // the slot each pass writes: y (forward), x (dgrad), w (wgrad)
+constexpr int kPassIn[3] = {0, 1, 0};  // the slot of its operand a: x (forward), w (dgrad), x (wgrad)
+
+// k for a backward op's call: ``a`` (dgrad: the weight, wgrad: the input) and grad_output ``g``
+// plain, on one device; ``size`` the output's 4 dimensions. False: not a call the fast path runs.
+bool pass_key(Key& k, int pass, c10::IntArrayRef size, const at::Tensor& a, const at::Tensor& g,
+              c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation, int64_t groups,
+              c10::string_view algo, std::optional<c10::string_view> precision, std::optional<double> max_error) {
+  if (size.size() != 4 || stride.size() != 2 || padding.size() != 4 || dilation.size() != 2) return false;
+  if (!plain(a, 4) || !plain(g, 4) || a.get_device() != g.get_device()) return false;
+  k.pass = static_cast<int8_t>(pass);
+  for (int i = 0; i < 4; ++i) k.size[i] = size[i];
+  tensor_key(k, a, g, nullptr);
+  k.groups = groups;
+  k.stride = seq_from_ints(stride);
+  k.padding = seq_from_ints(padding);
+  k.dilation = seq_from_ints(dilation);
+  k.algo.assign(algo.data(), algo.size());
+  if (precision.has_value()) {
+    k.has_precision = true;
+    k.precision.assign(precision->data(), precision->size());
+  }
+  if (max_error.has_value()) {
+    k.has_max_error = true;
+    k.max_error = *max_error;
+  }
+  return true;
+}
+
+// Run a backward program on a (slot kPassIn), g (y's slot) into a new output of the program's
+// output shape (slot kPassOut); dgrad's filter-derived buffers cached per weight tensor and version
+// as the forward's are, wgrad's in the executable's own workspace (it writes the filters). False
+// (nothing launched) when a pointer is not 16-byte aligned.
+bool run_pass(Program& p, int pass, const at::Tensor& a, const at::Tensor& g, at::Tensor& out) {
+  auto ap = reinterpret_cast<uintptr_t>(a.const_data_ptr());
+  auto gp = reinterpret_cast<uintptr_t>(g.const_data_ptr());
+  if ((ap | gp) & 15) return false;
+  CUstream stream = c10::cuda::getCurrentCUDAStream(g.get_device()).stream();
+  out = at::detail::empty_cuda(p.y_shape, at::kFloat, g.device(), std::nullopt);
+  uint64_t slot[kMaxArgs] = {0, 0, gp, 0, 0};
+  slot[kPassIn[pass]] = ap;
+  slot[kPassOut[pass]] = reinterpret_cast<uintptr_t>(out.data_ptr());
+  const std::vector<LaunchRec>* runs = &p.all;
+  if (!p.offsets.empty()) {
+    at::Tensor packed;
+    if (pass == 1 && !capturing(stream)) packed = filters_for(p, a, ap, slot, stream);
+    if (packed.defined()) {
+      auto base = reinterpret_cast<uintptr_t>(packed.const_data_ptr());
+      for (size_t j = 0; j < p.offsets.size(); ++j) slot[kFixedSlots + j] = base + p.offsets[j];
+      runs = &p.rest;
+    } else {
+      for (size_t j = 0; j < p.ws_derived.size(); ++j) slot[kFixedSlots + j] = p.ws_derived[j];
+    }
+  }
+  launch_checked(p, *runs, slot, stream);
+  return true;
+}
+
+std::optional<std::vector<int64_t>> concrete(c10::SymIntArrayRef s) {
+  std::vector<int64_t> out;
+  for (const c10::SymInt& v : s) {
+    std::optional<int64_t> m = v.maybe_as_int();
+    if (!m.has_value()) return std::nullopt;
+    out.push_back(*m);
+  }
+  return out;
+}
+
+at::Tensor call_pass_python(int pass, c10::SymIntArrayRef size, const at::Tensor& a, const at::Tensor& g,
+                            c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation,
+                            int64_t groups, c10::string_view algo, std::optional<c10::string_view> precision,
+                            std::optional<double> max_error) {
+  pybind11::gil_scoped_acquire gil;
+  PyObject* sizes = PyList_New(static_cast<Py_ssize_t>(size.size()));
+  for (size_t i = 0; i < size.size(); ++i) {
+    std::optional<int64_t> m = size[i].maybe_as_int();
+    TORCH_CHECK(m.has_value(), "convforge: a symbolic size reached the CUDA kernel of a backward op");
+    PyList_SET_ITEM(sizes, i, PyLong_FromLongLong(*m));
+  }
+  PyObject* args = PyTuple_New(10);
+  PyTuple_SET_ITEM(args, pass == 1 ? 0 : 1, sizes);
+  PyTuple_SET_ITEM(args, pass == 1 ? 1 : 0, THPVariable_Wrap(a));
+  PyTuple_SET_ITEM(args, 2, THPVariable_Wrap(g));
+  PyTuple_SET_ITEM(args, 3, ints_to_list(stride));
+  PyTuple_SET_ITEM(args, 4, ints_to_list(padding));
+  PyTuple_SET_ITEM(args, 5, ints_to_list(dilation));
+  PyTuple_SET_ITEM(args, 6, PyLong_FromLongLong(groups));
+  PyTuple_SET_ITEM(args, 7, PyUnicode_FromStringAndSize(algo.data(), static_cast<Py_ssize_t>(algo.size())));
+  if (precision.has_value()) {
+    PyTuple_SET_ITEM(args, 8,
+                     PyUnicode_FromStringAndSize(precision->data(), static_cast<Py_ssize_t>(precision->size())));
+  } else {
+    Py_INCREF(Py_None);
+    PyTuple_SET_ITEM(args, 8, Py_None);
+  }
+  if (max_error.has_value()) {
+    PyTuple_SET_ITEM(args, 9, PyFloat_FromDouble(*max_error));
+  } else {
+    Py_INCREF(Py_None);
+    PyTuple_SET_ITEM(args, 9, Py_None);
+  }
+  PyObject* out = PyObject_Call(fallback_pass[pass], args, nullptr);
+  Py_DECREF(args);
+  if (!out) throw python_error();
+  if (!THPVariable_Check(out)) {
+    Py_DECREF(out);
+    TORCH_CHECK(false, "convforge: the Python kernel of a backward op returned no tensor");
+  }
+  at::Tensor y = THPVariable_Unpack(out);
+  Py_DECREF(out);
+  return y;
+}
+
+at::Tensor pass_cuda(int pass, c10::SymIntArrayRef size, const at::Tensor& a, const at::Tensor& g,
+                     c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation, int64_t groups,
+                     c10::string_view algo, std::optional<c10::string_view> precision,
+                     std::optional<double> max_error) {
+  std::optional<std::vector<int64_t>> dims = concrete(size);
+  Key k;
+  if (dims.has_value() &&
+      pass_key(k, pass, *dims, a, g, stride, padding, dilation, groups, algo, precision, max_error)) {
+    if (std::shared_ptr<Program> p = find(k)) {
+      at::Tensor out;
+      if (run_pass(*p, pass, a, g, out)) return out;
+    }
+  }
+  op_fallbacks.fetch_add(1, std::memory_order_relaxed);
+  return call_pass_python(pass, size, a, g, stride, padding, dilation, groups, algo, precision, max_error);
+}
+
+at::Tensor op_input_cuda(c10::SymIntArrayRef input_size, const at::Tensor& w, const at::Tensor& gy,
+                         c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation, int64_t groups,
+                         c10::string_view algo, std::optional<c10::string_view> precision,
+                         std::optional<double> max_error) {
+  return pass_cuda(1, input_size, w, gy, stride, padding, dilation, groups, algo, precision, max_error);
+}
+
+at::Tensor op_weight_cuda(const at::Tensor& x, c10::SymIntArrayRef weight_size, const at::Tensor& gy,
+                          c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation, int64_t groups,
+                          c10::string_view algo, std::optional<c10::string_view> precision,
+                          std::optional<double> max_error) {
+  return pass_cuda(2, weight_size, x, gy, stride, padding, dilation, groups, algo, precision, max_error);
+}
+
+std::vector<int64_t> ints_of(PyObject* o) {  // a Python sequence of ints (empty with an error set otherwise)
+  std::vector<int64_t> out;
+  PyObject* seq = PySequence_Fast(o, "expected a sequence of ints");
+  if (!seq) return out;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i)
+    out.push_back(PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i)));
+  Py_DECREF(seq);
+  return out;
+}
+
+// register_pass(pass, size, a, g, stride, padding, dilation, groups, algo, precision, max_error,
+// program, seed, out_shape): file a backward op's call that Python's kernel just ran (pass 1 dgrad:
+// size = input_size, a = the weight; 2 wgrad: size = weight_size, a = the input) with its
+// executable's program (CudaExecutable.native_program), seed = None or (w, version, packed) as
+// register's, out_shape the output's shape. Answers whether the call was filed.
+PyObject* py_register_pass(PyObject*, PyObject* const* a, Py_ssize_t n) {
+  if (n != 14 || !PyLong_Check(a[0]) || !THPVariable_CheckExact(a[2]) || !THPVariable_CheckExact(a[3])) {
+    PyErr_SetString(PyExc_TypeError, "register_pass takes pass, size, a, g, stride, padding, dilation, groups, "
+                                     "algo, precision, max_error, program, seed, out_shape");
+    return nullptr;
+  }
+  long pass = PyLong_AsLong(a[0]);
+  if (pass != 1 && pass != 2) {
+    PyErr_SetString(PyExc_ValueError, "register_pass: pass must be 1 (dgrad) or 2 (wgrad)");
+    return nullptr;
+  }
+  std::vector<int64_t> size = ints_of(a[1]), stride = ints_of(a[4]), padding = ints_of(a[5]),
+                       dilation = ints_of(a[6]), out_shape = ints_of(a[13]);
+  int64_t groups = PyLong_AsLongLong(a[7]);
+  std::string algo, precision;
+  if (PyErr_Occurred() || !str_from_py(a[8], algo) || (a[9] != Py_None && !str_from_py(a[9], precision)) ||
+      (a[10] != Py_None && !PyFloat_Check(a[10]))) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "register_pass: malformed arguments");
+    return nullptr;
+  }
+  std::optional<c10::string_view> prec;
+  if (a[9] != Py_None) prec = c10::string_view(precision);
+  std::optional<double> max_error;
+  if (a[10] != Py_None) max_error = PyFloat_AS_DOUBLE(a[10]);
+  Key k;
+  if (!pass_key(k, static_cast<int>(pass), size, THPVariable_Unpack(a[2]), THPVariable_Unpack(a[3]), stride, padding,
+                dilation, groups, algo, prec, max_error))
+    Py_RETURN_FALSE;
+  auto p = std::make_shared<Program>();
+  if (!read_program(a[11], *p)) return nullptr;
+  p->y_shape = out_shape;  // the program's output is the pass's (the plan's y is its input here)
+  PyObject* seed = a[12];
+  if (pass == 1 && seed != Py_None && PyTuple_Check(seed) && PyTuple_GET_SIZE(seed) == 3 &&
+      THPVariable_CheckExact(PyTuple_GET_ITEM(seed, 0)) && THPVariable_CheckExact(PyTuple_GET_ITEM(seed, 2))) {
+    const at::Tensor& sw = THPVariable_Unpack(PyTuple_GET_ITEM(seed, 0));
+    int64_t version = PyLong_AsLongLong(PyTuple_GET_ITEM(seed, 1));
+    if (PyErr_Occurred()) return nullptr;
+    p->filters.insert_or_assign(reinterpret_cast<uintptr_t>(sw.const_data_ptr()),
+                                Filters{WeakImpl(sw.getIntrusivePtr()), version,
+                                        THPVariable_Unpack(PyTuple_GET_ITEM(seed, 2))});
+  }
+  table.put(k, std::move(p));
+  Py_RETURN_TRUE;
+}
+
+// forget_pass(same first 11 arguments as register_pass): drop a filed backward call (its check failed).
+PyObject* py_forget_pass(PyObject*, PyObject* const* a, Py_ssize_t n) {
+  if (n != 11 || !PyLong_Check(a[0]) || !THPVariable_CheckExact(a[2]) || !THPVariable_CheckExact(a[3])) {
+    PyErr_SetString(PyExc_TypeError, "forget_pass takes register_pass's first 11 arguments");
+    return nullptr;
+  }
+  std::vector<int64_t> size = ints_of(a[1]), stride = ints_of(a[4]), padding = ints_of(a[5]),
+                       dilation = ints_of(a[6]);
+  std::string algo, precision;
+  if (PyErr_Occurred() || !str_from_py(a[8], algo) || (a[9] != Py_None && !str_from_py(a[9], precision))) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "forget_pass: malformed arguments");
+    return nullptr;
+  }
+  std::optional<c10::string_view> prec;
+  if (a[9] != Py_None) prec = c10::string_view(precision);
+  std::optional<double> max_error;
+  if (a[10] != Py_None) max_error = PyFloat_AsDouble(a[10]);
+  Key k;
+  if (pass_key(k, static_cast<int>(PyLong_AsLong(a[0])), size, THPVariable_Unpack(a[2]), THPVariable_Unpack(a[3]),
+               stride, padding, dilation, PyLong_AsLongLong(a[7]), algo, prec, max_error))
+    table.erase(k);
+  Py_RETURN_NONE;
+}
+
+std::unique_ptr<torch::Library> pass_library;
+
+// register_pass_ops(input_fallback, weight_fallback): conv2d_input's and conv2d_weight's CUDA
+// kernels become op_input_cuda / op_weight_cuda, misses going to these Python kernels.
+PyObject* py_register_pass_ops(PyObject*, PyObject* const* a, Py_ssize_t n) {
+  if (n != 2 || !PyCallable_Check(a[0]) || !PyCallable_Check(a[1])) {
+    PyErr_SetString(PyExc_TypeError, "register_pass_ops takes two callables");
+    return nullptr;
+  }
+  if (pass_library) {
+    PyErr_SetString(PyExc_RuntimeError, "the backward ops' CUDA kernels are registered already");
+    return nullptr;
+  }
+  HANDLE_TH_ERRORS
+  Py_INCREF(a[0]);
+  Py_INCREF(a[1]);
+  fallback_pass[1] = a[0];
+  fallback_pass[2] = a[1];
+  pass_library = std::make_unique<torch::Library>(torch::Library::IMPL, "convforge", std::nullopt, __FILE__, __LINE__);
+  pass_library->impl("conv2d_input", torch::dispatch(c10::DispatchKey::CUDA, TORCH_FN(op_input_cuda)));
+  pass_library->impl("conv2d_weight", torch::dispatch(c10::DispatchKey::CUDA, TORCH_FN(op_weight_cuda)));
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
 std::unique_ptr<torch::Library> op_library;
 
 // register_op(cuda_fallback, grad_apply): the op's CUDA and Autograd kernels become these.
@@ -504,6 +761,13 @@ PyMethodDef methods[] = {
      "register(conv2d's 14 arguments, program, seed[, residual]) -> whether the call was filed"},
     {"register_op", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_register_op)), METH_FASTCALL,
      "register_op(cuda_fallback, grad_apply): the op's CUDA and Autograd kernels in C++"},
+    {"register_pass", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_register_pass)), METH_FASTCALL,
+     "register_pass(pass, size, a, g, stride, padding, dilation, groups, algo, precision, max_error, program, "
+     "seed, out_shape) -> whether a backward op's call was filed"},
+    {"forget_pass", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_forget_pass)), METH_FASTCALL,
+     "forget_pass(register_pass's first 11 arguments): drop a filed backward call"},
+    {"register_pass_ops", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_register_pass_ops)),
+     METH_FASTCALL, "register_pass_ops(input_fallback, weight_fallback): the backward ops' CUDA kernels in C++"},
     {"clear", py_clear, METH_NOARGS, "forget every entry"},
     {"wrap", py_wrap, METH_O, "wrap(python_conv2d) -> conv2d whose warm torch calls stay in C"},
     {"parts", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_parts)), METH_FASTCALL,

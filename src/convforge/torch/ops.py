@@ -7,9 +7,12 @@ autograd.Function whose backward runs convforge's own backward kernels through t
 traces a whole training step, and capturable in a CUDA graph like the forward op).
 
 Where the native fast path is built (native.py), the CUDA and Autograd kernels of ``conv2d`` are C++
-(native.cpp) and a warm call never enters Python; otherwise they are the Python functions here. The
-backward ops' CUDA kernels are ``convforge.grad``'s Python fast path (a dictionary hit and the
-launches; the rotated filter of a forward family serving dgrad cached per weight version).
+(native.cpp) and a warm call never enters Python; otherwise they are the Python functions here. So
+are the CUDA kernels of ``conv2d_input`` and ``conv2d_weight``: the first call of a signature runs
+``convforge.grad``'s Python path, which files it with native.cpp and checks the filed program against
+its own result (:func:`_file_pass`); later calls run in C++ (the rotated filter of a forward family
+serving dgrad cached per weight version, as the forward's filters are). ``conv2d_bias`` and the
+autograd node itself stay Python's.
 
 Schemas (padding is (top, bottom, left, right); w is K x C/groups x R x S):
 ``conv2d(Tensor x, Tensor w, Tensor? bias, int[] stride, int[] padding, int[] dilation, str algo,
@@ -34,6 +37,7 @@ import torch.nn.functional as F
 
 from convforge import grad as cf_grad
 from convforge.api import python_conv2d as cf_conv2d  # the op's C kernel asked native.cpp already
+from convforge.config import config
 from convforge.spec import ConvSpec, normalize_padding
 from convforge.torch import native
 
@@ -221,26 +225,95 @@ def _ours(conv_pass: str, call: Any, fallback: Any, tag: tuple[Any, ...], algo: 
 
 def _input_cuda(input_size: list[int], w: Any, gy: Any, stride: list[int], padding: list[int], dilation: list[int],
                 groups: int, algo: str, precision: str | None, max_error: float | None) -> Any:
-    """convforge's dgrad (``convforge.grad.conv2d_input``'s fast path)."""
+    """convforge's dgrad (``convforge.grad.conv2d_input``'s fast path); the call is filed with the
+    native kernel where there is one (:func:`_file_pass`)."""
     if w.dtype != torch.float32 or gy.dtype != torch.float32:
         return _torch_input(input_size, w, gy, stride, padding, dilation, groups)
     size, st, pad, dl = (*input_size,), (*stride,), (*padding,), (*dilation,)
     wc, gc = w.contiguous(), gy.contiguous()
-    return _ours("dgrad", lambda a: cf_grad.conv2d_input(size, wc, gc, st, pad, dl, groups, a, precision, max_error),
-                 lambda: _torch_input(input_size, w, gy, stride, padding, dilation, groups),
-                 ("dgrad", size, tuple(w.shape), st, pad, dl, groups), algo)
+    out = _ours("dgrad", lambda a: cf_grad.conv2d_input(size, wc, gc, st, pad, dl, groups, a, precision, max_error),
+                lambda: _torch_input(input_size, w, gy, stride, padding, dilation, groups),
+                ("dgrad", size, tuple(w.shape), st, pad, dl, groups), algo)
+    if _PASS_OPS and not _CHECKING and wc is w and gc is gy:
+        _file_guarded(1, size, wc, gc, (st, pad, dl, groups, algo, precision, max_error), out)
+    return out
 
 
 def _weight_cuda(x: Any, weight_size: list[int], gy: Any, stride: list[int], padding: list[int],
                  dilation: list[int], groups: int, algo: str, precision: str | None, max_error: float | None) -> Any:
-    """convforge's wgrad (``convforge.grad.conv2d_weight``'s fast path)."""
+    """convforge's wgrad (``convforge.grad.conv2d_weight``'s fast path); filed as dgrad's."""
     if x.dtype != torch.float32 or gy.dtype != torch.float32:
         return _torch_weight(x, weight_size, gy, stride, padding, dilation, groups)
     size, st, pad, dl = (*weight_size,), (*stride,), (*padding,), (*dilation,)
     xc, gc = x.contiguous(), gy.contiguous()
-    return _ours("wgrad", lambda a: cf_grad.conv2d_weight(xc, size, gc, st, pad, dl, groups, a, precision, max_error),
-                 lambda: _torch_weight(x, weight_size, gy, stride, padding, dilation, groups),
-                 ("wgrad", tuple(x.shape), size, st, pad, dl, groups), algo)
+    out = _ours("wgrad", lambda a: cf_grad.conv2d_weight(xc, size, gc, st, pad, dl, groups, a, precision, max_error),
+                lambda: _torch_weight(x, weight_size, gy, stride, padding, dilation, groups),
+                ("wgrad", tuple(x.shape), size, st, pad, dl, groups), algo)
+    if _PASS_OPS and not _CHECKING and xc is x and gc is gy:
+        _file_guarded(2, size, xc, gc, (st, pad, dl, groups, algo, precision, max_error), out)
+    return out
+
+
+_PASS_OPS = False  # True once native.cpp runs the backward ops' CUDA kernels (the end of this module)
+_CHECKING = False  # a filed call being checked (a miss then must not file again)
+
+
+def _file_guarded(kind: int, size: tuple[int, ...], a: Any, g: Any, opts: tuple[Any, ...], out: Any) -> None:
+    """:func:`_file_pass`; filing is only a speed-up, so a failure in it turns filing off (logged)
+    and the calls stay on Python's path, which has just given the right answer."""
+    global _PASS_OPS
+    try:
+        _file_pass(kind, size, a, g, opts, out)
+    except Exception as err:  # noqa: BLE001 - never let the speed-up break a backward pass
+        _PASS_OPS = False
+        log.warning("convforge: filing backward calls with the native kernels failed (%s: %s); they stay on "
+                    "Python's path", type(err).__name__, err)
+
+
+def _file_pass(kind: int, size: tuple[int, ...], a: Any, g: Any, opts: tuple[Any, ...], out: Any) -> None:
+    """File a backward call that Python just ran with native.cpp (``kind`` 1 dgrad, ``a`` the weight; 2
+    wgrad, ``a`` the input), then check it: the op called again now runs the filed program, and the
+    same kernels on the same inputs must give the same values (bit for bit with deterministic
+    reductions), else the entry is dropped and the call stays Python's, logged once. Not while a
+    CUDA graph is captured, and only for an executable the native core can launch."""
+    from convforge.api import file_native_pass
+
+    st, pad, dl, groups, algo, precision, max_error = opts
+    tag = "dgrad" if kind == 1 else "wgrad"
+    keyer, nat = cf_grad._KEYERS.get(type(g)), NATIVE
+    if keyer is None or nat is None or torch.cuda.is_current_stream_capturing():
+        return
+    try:
+        run = cf_grad.RUNNERS.get(keyer(tag, a, g, size, st, pad, dl, groups, algo, None, None, None, precision,
+                                        max_error))
+    except (TypeError, AttributeError):
+        return
+    args = (kind, list(size), a, g, list(st), list(pad), list(dl), groups, algo, precision,
+            None if max_error is None else float(max_error))
+    if run is None or getattr(run, "unfiled", False):
+        return
+    if not file_native_pass(nat, run, args, tuple(out.shape)):
+        run.unfiled = True  # type: ignore[attr-defined]  # not an executable the core launches: not asked again
+        return
+    global _CHECKING
+    op = INPUT_OP if kind == 1 else WEIGHT_OP
+    hit = same = False
+    try:
+        misses = nat.stats()["op_fallbacks"]
+        _CHECKING = True
+        again = op(list(size), a, g, *args[4:]) if kind == 1 else op(a, list(size), g, *args[4:])
+        hit = nat.stats()["op_fallbacks"] == misses  # the filed program ran, not Python's path again
+        same = torch.equal(again, out) if config.deterministic else torch.allclose(again, out, rtol=1e-5, atol=1e-7)
+    finally:
+        _CHECKING = False
+        if not (hit and same):  # unchecked or different: never left filed
+            nat.forget_pass(*args)
+    if not (hit and same):
+        run.unfiled = True  # type: ignore[attr-defined]
+        if (tag, size) not in _FELL_BACK:
+            _FELL_BACK.add((tag, size))
+            log.warning("convforge: the native %s of %s %s; it stays on Python's path", tag, size,
+                        "gave other values than Python's" if hit else "was not found where it was filed")
 
 
 def _bias_cuda(gy: Any) -> Any:
@@ -279,7 +352,8 @@ def _bias_fake(gy: Any) -> Any:
 for _name, _cuda_fn, _cpu_fn, _fake_fn in (("conv2d_input", _input_cuda, _input_cpu, _input_fake),
                                           ("conv2d_weight", _weight_cuda, _weight_cpu, _weight_fake),
                                           ("conv2d_bias", _bias_cuda, _bias_cpu, _bias_fake)):
-    _LIB.impl(_name, _cuda_fn, "CUDA")
+    if _name == "conv2d_bias" or native.load() is None:  # else native.cpp's (the end of this module)
+        _LIB.impl(_name, _cuda_fn, "CUDA")
     _LIB.impl(_name, _cpu_fn, "CPU")
     torch.library.register_fake(f"convforge::{_name}", _fake_fn, lib=_LIB)
 
@@ -293,6 +367,8 @@ BIAS_OP = torch.ops.convforge.conv2d_bias.default
 NATIVE = native.load()
 if NATIVE is not None:
     NATIVE.register_op(_cuda, _grad_apply)
+    NATIVE.register_pass_ops(_input_cuda, _weight_cuda)  # misses come back to them, which file the call
+    _PASS_OPS = True
 else:
     _LIB.impl("conv2d", _cuda, "CUDA")
     _LIB.impl("conv2d", _autograd, "Autograd", with_keyset=True)
