@@ -7,6 +7,7 @@ from a caching-allocator block poisoned with NaN first, so a kernel that skips a
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import pytest
@@ -548,3 +549,39 @@ def test_backward_ops_run_in_cpp_once_filed(native_mod, spec, algo):
             ws[0].mul_(0.9)  # a new version: dgrad's filters are transformed again
     assert native_mod.stats()["op_fallbacks"] == misses, "warm calls went to Python"  # ws[1] shares the entries
     assert native_mod.stats()["entries"] >= entries
+
+
+def test_native_autograd_node_matches_the_python_one(native_mod):
+    """CONVFORGE_NATIVE_AUTOGRAD's C++ node (set_native_autograd): the op's gradients through it equal
+    those through Python's _Conv2dFn bit for bit (the same backward ops run), with a bias and
+    without, a strided layer, a parameter that needs no gradient, and a second backward of a retained
+    graph; its grad_fn is not Python's."""
+    from convforge.torch import conv2d as op_conv2d
+
+    specs = [ConvSpec.make(2, 16, 14, 14, 24, 3, 3, 1, 1), ConvSpec.make(3, 8, 13, 11, 12, 3, 3, 2, (1, 0, 1, 1))]
+
+    def grads(spec, native, bias, need_w=True, seed=0):
+        native_mod.set_native_autograd(native)
+        try:
+            x, w, b = _tensors(spec, bias=bias, seed=seed)
+            x.requires_grad_(True)
+            w.requires_grad_(need_w)
+            if b is not None:
+                b.requires_grad_(True)
+            y = op_conv2d(x, w, b, spec.stride, spec.pad, spec.dilation)
+            name = type(y.grad_fn).__name__
+            gy = torch.randn(y.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed + 1))
+            y.backward(gy, retain_graph=True)
+            first = [t.grad.clone() for t in (x, w, b) if t is not None and t.grad is not None]
+            y.backward(gy)  # the retained graph: the gradients add up
+            return name, first, [t.grad for t in (x, w, b) if t is not None and t.grad is not None]
+        finally:
+            native_mod.set_native_autograd(False)
+
+    for spec, bias, need_w in itertools.product(specs, (True, False), (True, False)):
+        n_name, n_first, n_twice = grads(spec, True, bias, need_w)
+        p_name, p_first, p_twice = grads(spec, False, bias, need_w)
+        assert "Conv2dFn" in p_name and "Conv2dFn" not in n_name, (p_name, n_name)
+        assert len(n_first) == len(p_first) == 1 + need_w + bias
+        for a, b in zip(n_first + n_twice, p_first + p_twice, strict=True):
+            assert torch.equal(a, b), (spec.short(), bias, need_w)

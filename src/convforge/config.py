@@ -117,6 +117,10 @@ def _env_settings(env: Mapping[str, str]) -> dict[str, tuple[str, Callable[[], A
         # are summed in a fixed order; False also admits atomicAdd reductions (check_deterministic).
         "deterministic": ("CONVFORGE_DETERMINISTIC",
                           lambda: parse_bool("CONVFORGE_DETERMINISTIC", get("CONVFORGE_DETERMINISTIC") or "1")),
+        # The convforge::conv2d op's autograd node in C++ (torch/native.cpp ConvNode) instead of Python's
+        # ops._Conv2dFn: off until it has run on a GPU (read when the native module loads)
+        "native_autograd": ("CONVFORGE_NATIVE_AUTOGRAD",
+                            lambda: parse_bool("CONVFORGE_NATIVE_AUTOGRAD", get("CONVFORGE_NATIVE_AUTOGRAD") or "0")),
     }
 
 
@@ -136,6 +140,7 @@ class Config:
     disk_cache: bool
     native: bool
     deterministic: bool
+    native_autograd: bool
 
     def __init__(self, env: Mapping[str, str] | None = None) -> None:
         self._listeners: list[Callable[[], Any]] = []

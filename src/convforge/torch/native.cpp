@@ -26,6 +26,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/library.h>
 
@@ -454,13 +455,89 @@ at::Tensor op_cuda(const at::Tensor& x, const at::Tensor& w, const std::optional
   return call_python(fallback_cuda, x, w, bias, stride, padding, dilation, algo, precision, max_error, groups);
 }
 
+// ---- the op's autograd node in C++ (opt-in: CONVFORGE_NATIVE_AUTOGRAD=1, set_native_autograd) ----
+// What ops._Conv2dFn does, without Python: forward runs the op below autograd and saves x and w;
+// backward calls conv2d_input, conv2d_weight and conv2d_bias through the dispatcher (their CUDA
+// kernels: run_pass above, or Python's on a miss). Plain tensors only (fake, functional and
+// Python-mode tensors, as under torch.compile, keep the Python node).
+bool native_autograd = false;
+
+using InputSig = at::Tensor(c10::SymIntArrayRef, const at::Tensor&, const at::Tensor&, c10::IntArrayRef,
+                            c10::IntArrayRef, c10::IntArrayRef, int64_t, c10::string_view,
+                            std::optional<c10::string_view>, std::optional<double>);
+using WeightSig = at::Tensor(const at::Tensor&, c10::SymIntArrayRef, const at::Tensor&, c10::IntArrayRef,
+                             c10::IntArrayRef, c10::IntArrayRef, int64_t, c10::string_view,
+                             std::optional<c10::string_view>, std::optional<double>);
+
+std::optional<c10::string_view> opt_view(const at::IValue& v, std::string& keep) {
+  if (v.isNone()) return std::nullopt;
+  keep = v.toStringRef();
+  return c10::string_view(keep);
+}
+
+struct ConvNode : public torch::autograd::Function<ConvNode> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
+                            const at::Tensor& bias, c10::IntArrayRef stride, c10::IntArrayRef padding,
+                            c10::IntArrayRef dilation, c10::string_view algo, std::optional<c10::string_view> precision,
+                            std::optional<double> max_error, int64_t groups) {
+    ctx->save_for_backward({x, w});
+    ctx->saved_data["stride"] = stride.vec();
+    ctx->saved_data["padding"] = padding.vec();
+    ctx->saved_data["dilation"] = dilation.vec();
+    ctx->saved_data["algo"] = std::string(algo);
+    ctx->saved_data["precision"] = precision.has_value() ? at::IValue(std::string(*precision)) : at::IValue();
+    ctx->saved_data["max_error"] = max_error.has_value() ? at::IValue(*max_error) : at::IValue();
+    ctx->saved_data["groups"] = groups;
+    ctx->saved_data["bias"] = bias.defined();
+    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("convforge::conv2d", "").typed<OpSig>();
+    std::optional<at::Tensor> b = bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt;
+    return op.call(x, w, b, stride, padding, dilation, algo, precision, max_error, groups);  // grad mode off here
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    static auto input_op =
+        c10::Dispatcher::singleton().findSchemaOrThrow("convforge::conv2d_input", "").typed<InputSig>();
+    static auto weight_op =
+        c10::Dispatcher::singleton().findSchemaOrThrow("convforge::conv2d_weight", "").typed<WeightSig>();
+    static auto bias_op = c10::Dispatcher::singleton()
+                              .findSchemaOrThrow("convforge::conv2d_bias", "")
+                              .typed<at::Tensor(const at::Tensor&)>();
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &w = saved[1];
+    std::vector<int64_t> stride = ctx->saved_data["stride"].toIntVector();
+    std::vector<int64_t> padding = ctx->saved_data["padding"].toIntVector();
+    std::vector<int64_t> dilation = ctx->saved_data["dilation"].toIntVector();
+    std::string algo = ctx->saved_data["algo"].toStringRef(), keep;
+    std::optional<c10::string_view> precision = opt_view(ctx->saved_data["precision"], keep);
+    const at::IValue& me = ctx->saved_data["max_error"];
+    std::optional<double> max_error = me.isNone() ? std::nullopt : std::optional<double>(me.toDouble());
+    int64_t groups = ctx->saved_data["groups"].toInt();
+    at::Tensor gy = grads[0].contiguous();  // sum().backward() hands an expanded tensor (zero strides)
+    at::Tensor gx, gw, gb;
+    if (ctx->needs_input_grad(0))
+      gx = input_op.call(x.sym_sizes(), w, gy, stride, padding, dilation, groups, algo, precision, max_error);
+    if (ctx->needs_input_grad(1))
+      gw = weight_op.call(x, w.sym_sizes(), gy, stride, padding, dilation, groups, algo, precision, max_error);
+    if (ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(2)) gb = bias_op.call(gy);
+    return {gx, gw, gb, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor()};
+  }
+};
+
 at::Tensor op_autograd(c10::DispatchKeySet ks, const at::Tensor& x, const at::Tensor& w,
                        const std::optional<at::Tensor>& bias, c10::IntArrayRef stride, c10::IntArrayRef padding,
                        c10::IntArrayRef dilation, c10::string_view algo, std::optional<c10::string_view> precision,
                        std::optional<double> max_error, int64_t groups) {
   bool need = at::GradMode::is_enabled() &&
               (x.requires_grad() || w.requires_grad() || (bias.has_value() && bias->defined() && bias->requires_grad()));
-  if (need) return call_python(grad_apply, x, w, bias, stride, padding, dilation, algo, precision, max_error, groups);
+  if (need) {
+    const at::Tensor* b = bias.has_value() && bias->defined() ? &*bias : nullptr;
+    if (native_autograd && tensors_ok(x, w, b))
+      return ConvNode::apply(x, w, b ? *b : at::Tensor(), stride, padding, dilation, algo, precision, max_error,
+                             groups);
+    return call_python(grad_apply, x, w, bias, stride, padding, dilation, algo, precision, max_error, groups);
+  }
   c10::DispatchKeySet after = ks & c10::after_autograd_keyset;
   at::AutoDispatchBelowADInplaceOrView guard;
   // The next kernel is simply our CUDA one (no fake, functional or Python-mode tensors: only
@@ -752,7 +829,14 @@ PyObject* py_register_op(PyObject*, PyObject* const* a, Py_ssize_t n) {
   END_HANDLE_TH_ERRORS
 }
 
+PyObject* py_set_native_autograd(PyObject*, PyObject* on) {
+  native_autograd = PyObject_IsTrue(on) == 1;
+  Py_RETURN_NONE;
+}
+
 PyMethodDef methods[] = {
+    {"set_native_autograd", py_set_native_autograd, METH_O,
+     "set_native_autograd(on): the op's autograd node in C++ (True) or Python's ops._Conv2dFn (False)"},
     {"run", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_run)), METH_FASTCALL,
      "run(conv2d's 14 arguments) -> the output tensor, or None when the call has no entry"},
     {"run_res", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_run_res)), METH_FASTCALL,
