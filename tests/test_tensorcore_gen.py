@@ -1228,3 +1228,18 @@ def test_strided_dgrad_where_no_tap_reaches_dx_plans_no_gemm(nvcc_ok, name):
         assert not any("_gemm" in n or n.endswith("_w") for n in names) and names[-1] == name + last, names
         infos, _ = sass_report(plan.source("cuda"))
         assert infos
+
+
+def test_naming_a_cluster_where_none_can_run_says_why():
+    """``cl`` and ``tm`` may be named on any layer of the generator's variants (they are optional
+    parameters); where they cannot run, plan() names the reason instead of calling them unknown."""
+    from convforge.kernels import check_params
+
+    v = get_variant("tc_implicit_gemm_half")
+    spec = ConvSpec.make(4, 64, 15, 13, 64, 3, 3, 2, 1, dtype="float16")  # one N tile: no pair
+    prm = check_params(v, spec, NOMINAL_CUDA, {**v.default(spec, NOMINAL_CUDA), "cl": 2, "ks": 1})
+    with pytest.raises(ValueError, match="N-tile groups"):
+        v.plan(spec, prm, NOMINAL_CUDA)
+    prm = check_params(v, spec, NOMINAL_CUDA, {**v.default(spec, NOMINAL_CUDA), "cl": 3})
+    with pytest.raises(ValueError, match=r"cl \(3\) must be 1, or 2"):
+        v.plan(spec, prm, NOMINAL_CUDA)

@@ -7,6 +7,7 @@ and the workspace. Checking, timing, tuning, benchmarking and graphs work on Pla
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from convforge.codegen.dialect import FLOAT32, Dim3, Kernel, Storage
 from convforge.codegen.render import render
@@ -246,6 +247,9 @@ class Variant:
     residual_ok: bool = False  # its store paths honour Epilogue.residual (others raise, never ignore it)
     offset_ok: bool = False  # its store paths honour Epilogue.k_total/k_offset (others raise)
     passes: frozenset[str] = frozenset({"fprop"})  # which of fprop, dgrad, wgrad its plans compute
+    # parameters a caller may name beyond those of the space (their allowed values), for points the
+    # space leaves out on a layer: plan() then says why one cannot run rather than "unknown"
+    optional_params: dict[str, frozenset[Any]] = {}
     dtypes: frozenset[str] = frozenset({"float32"})  # storage dtypes its plans read and write
     grouped: bool = False  # it plans layers of groups > 1 (the depthwise family among them)
     layouts: frozenset[str] = frozenset({"nchw"})  # activation layouts its kernels index (spec.LAYOUTS)

@@ -144,7 +144,7 @@ def check_params(variant: Variant, spec: ConvSpec, device: DeviceInfo, params: A
     prm = params if isinstance(params, Params) else Params(params)
     default = variant.default(spec, device)
     space = variant.space(spec, device)
-    names = set(default).union(*(set(pt) for pt in space))  # optional keys appear in some points only
+    names = set(default).union(*(set(pt) for pt in space), variant.optional_params)  # some points only
     required = set(default).intersection(*(set(pt) for pt in space))
     missing, unknown = sorted(required - set(prm)), sorted(set(prm) - names)
     if missing or unknown:
@@ -154,7 +154,9 @@ def check_params(variant: Variant, spec: ConvSpec, device: DeviceInfo, params: A
         raise ValueError(f"params for {variant.name}: {what} ({variant.name} takes "
                          f"{', '.join(sorted(names)) or 'no parameters'}; its default here is "
                          f"{default.short() or '{}'})")
-    taken: dict[str, set[Any]] = {k: {v} for k, v in default.items()}
+    taken: dict[str, set[Any]] = {k: set(v) for k, v in variant.optional_params.items()}
+    for k, v in default.items():
+        taken.setdefault(k, set()).add(v)
     for point in space:
         for k, v in point.items():
             taken.setdefault(k, set()).add(v)

@@ -107,6 +107,7 @@ class TcVariant(Variant):
     backends = frozenset({"cuda"})
     exact = False
     space_lead = 6
+    optional_params = {"tm": frozenset({0, 1}), "cl": frozenset({1, 2})}  # TMA, clusters: plan() says where not
 
     def __init__(self, name: str, dtypes: frozenset[str], x3: bool, precision: str, specialised: int) -> None:
         self.name, self.dtypes, self.x3 = name, dtypes, x3
