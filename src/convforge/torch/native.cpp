@@ -146,6 +146,25 @@ at::Tensor filters_for(Program& p, const at::Tensor& w, uintptr_t wp, uint64_t* 
   return packed;
 }
 
+// Launch p on the filled pointer slots: with the filter-derived buffers cached for weights ``w``
+// (at ``wp``; not while capturing) the "rest" steps, else every step on the executable's own
+// buffers (``w`` null: a plan that writes the filters, or none to cache).
+void launch_filtered(Program& p, const at::Tensor* w, uintptr_t wp, uint64_t* slot, CUstream stream) {
+  const std::vector<LaunchRec>* runs = &p.all;
+  if (!p.offsets.empty()) {
+    at::Tensor packed;
+    if (w && !capturing(stream)) packed = filters_for(p, *w, wp, slot, stream);
+    if (packed.defined()) {
+      auto base = reinterpret_cast<uintptr_t>(packed.const_data_ptr());
+      for (size_t j = 0; j < p.offsets.size(); ++j) slot[kFixedSlots + j] = base + p.offsets[j];
+      runs = &p.rest;
+    } else {
+      for (size_t j = 0; j < p.ws_derived.size(); ++j) slot[kFixedSlots + j] = p.ws_derived[j];
+    }
+  }
+  launch_checked(p, *runs, slot, stream);
+}
+
 // Run p on validated tensors (``res``: the residual's address, for a plan that adds one); false
 // (nothing launched) when a pointer is not 16-byte aligned.
 bool run_program(Program& p, const at::Tensor& x, const at::Tensor& w, const at::Tensor* bias, at::Tensor& y,
@@ -157,19 +176,7 @@ bool run_program(Program& p, const at::Tensor& x, const at::Tensor& w, const at:
   CUstream stream = c10::cuda::getCurrentCUDAStream(x.get_device()).stream();
   y = at::detail::empty_cuda(p.y_shape, at::kFloat, x.device(), std::nullopt);  // the caching allocator, no dispatch
   uint64_t slot[kMaxArgs] = {xp, wp, reinterpret_cast<uintptr_t>(y.data_ptr()), bp, res};
-  const std::vector<LaunchRec>* runs = &p.all;
-  if (!p.offsets.empty()) {
-    at::Tensor packed;
-    if (!capturing(stream)) packed = filters_for(p, w, wp, slot, stream);
-    if (packed.defined()) {
-      auto base = reinterpret_cast<uintptr_t>(packed.const_data_ptr());
-      for (size_t j = 0; j < p.offsets.size(); ++j) slot[kFixedSlots + j] = base + p.offsets[j];
-      runs = &p.rest;
-    } else {
-      for (size_t j = 0; j < p.ws_derived.size(); ++j) slot[kFixedSlots + j] = p.ws_derived[j];
-    }
-  }
-  launch_checked(p, *runs, slot, stream);
+  launch_filtered(p, &w, wp, slot, stream);
   return true;
 }
 
@@ -328,6 +335,21 @@ PyObject* py_run_res(PyObject*, PyObject* const* a, Py_ssize_t n) {
 // y_shape, ws_derived, offsets, derived_floats, context, name, executable); seed = None or (w,
 // version, packed): filters Python's path already made for w; residual True: the plan adds a
 // residual (found by run_res, never by run). Answers whether the call was filed.
+// Seed p's filter cache with the filters Python's path made: ``seed`` None or (w, version, packed).
+// False with the Python error set when the version is not an int.
+bool seed_filters(Program& p, PyObject* seed) {
+  if (seed == Py_None || !PyTuple_Check(seed) || PyTuple_GET_SIZE(seed) != 3 ||
+      !THPVariable_CheckExact(PyTuple_GET_ITEM(seed, 0)) || !THPVariable_CheckExact(PyTuple_GET_ITEM(seed, 2)))
+    return true;
+  const at::Tensor& sw = THPVariable_Unpack(PyTuple_GET_ITEM(seed, 0));
+  int64_t version = PyLong_AsLongLong(PyTuple_GET_ITEM(seed, 1));
+  if (PyErr_Occurred()) return false;
+  p.filters.insert_or_assign(reinterpret_cast<uintptr_t>(sw.const_data_ptr()),
+                             Filters{WeakImpl(sw.getIntrusivePtr()), version,
+                                     THPVariable_Unpack(PyTuple_GET_ITEM(seed, 2))});
+  return true;
+}
+
 PyObject* py_register(PyObject*, PyObject* const* a, Py_ssize_t n) {
   if (n != kArgs + 2 && n != kArgs + 3) {
     PyErr_SetString(PyExc_TypeError, "register takes conv2d's 14 arguments, a program, a seed and a residual flag");
@@ -339,16 +361,7 @@ PyObject* py_register(PyObject*, PyObject* const* a, Py_ssize_t n) {
   if (!parse_call(a, k, x, w, b)) Py_RETURN_FALSE;
   auto p = std::make_shared<Program>();
   if (!read_program(a[kArgs], *p)) return nullptr;
-  PyObject* seed = a[kArgs + 1];
-  if (seed != Py_None && PyTuple_Check(seed) && PyTuple_GET_SIZE(seed) == 3 &&
-      THPVariable_CheckExact(PyTuple_GET_ITEM(seed, 0)) && THPVariable_CheckExact(PyTuple_GET_ITEM(seed, 2))) {
-    const at::Tensor& sw = THPVariable_Unpack(PyTuple_GET_ITEM(seed, 0));
-    int64_t version = PyLong_AsLongLong(PyTuple_GET_ITEM(seed, 1));
-    if (PyErr_Occurred()) return nullptr;
-    p->filters.insert_or_assign(reinterpret_cast<uintptr_t>(sw.const_data_ptr()),
-                                Filters{WeakImpl(sw.getIntrusivePtr()), version,
-                                        THPVariable_Unpack(PyTuple_GET_ITEM(seed, 2))});
-  }
+  if (!seed_filters(*p, a[kArgs + 1])) return nullptr;
   table.put(k, std::move(p));
   Py_RETURN_TRUE;
 }
@@ -379,6 +392,34 @@ PyObject* ints_to_list(c10::IntArrayRef a) {
   return l;
 }
 
+PyObject* str_of(c10::string_view v) {
+  return PyUnicode_FromStringAndSize(v.data(), static_cast<Py_ssize_t>(v.size()));
+}
+
+PyObject* str_or_none(std::optional<c10::string_view> v) {
+  if (!v.has_value()) Py_RETURN_NONE;
+  return str_of(*v);
+}
+
+PyObject* float_or_none(std::optional<double> v) {
+  if (!v.has_value()) Py_RETURN_NONE;
+  return PyFloat_FromDouble(*v);
+}
+
+// Call Python's ``fn`` on ``args`` (stolen) and answer the tensor it returns; ``what`` names the path.
+at::Tensor call_for_tensor(PyObject* fn, PyObject* args, const char* what) {
+  PyObject* out = PyObject_Call(fn, args, nullptr);
+  Py_DECREF(args);
+  if (!out) throw python_error();
+  if (!THPVariable_Check(out)) {
+    Py_DECREF(out);
+    TORCH_CHECK(false, "convforge: ", what, " returned no tensor");
+  }
+  at::Tensor y = THPVariable_Unpack(out);
+  Py_DECREF(out);
+  return y;
+}
+
 at::Tensor call_python(PyObject* fn, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                        c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation,
                        c10::string_view algo, std::optional<c10::string_view> precision,
@@ -396,31 +437,29 @@ at::Tensor call_python(PyObject* fn, const at::Tensor& x, const at::Tensor& w, c
   PyTuple_SET_ITEM(args, 3, ints_to_list(stride));
   PyTuple_SET_ITEM(args, 4, ints_to_list(padding));
   PyTuple_SET_ITEM(args, 5, ints_to_list(dilation));
-  PyTuple_SET_ITEM(args, 6, PyUnicode_FromStringAndSize(algo.data(), static_cast<Py_ssize_t>(algo.size())));
+  PyTuple_SET_ITEM(args, 6, str_of(algo));
+  PyTuple_SET_ITEM(args, 7, str_or_none(precision));
+  PyTuple_SET_ITEM(args, 8, float_or_none(max_error));
+  PyTuple_SET_ITEM(args, 9, PyLong_FromLongLong(groups));
+  return call_for_tensor(fn, args, "convforge::conv2d's Python path");
+}
+
+// The key fields of an op's keyword arguments (the int[] as Python's tuple(...) of them).
+void op_options(Key& k, c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation, int64_t groups,
+                c10::string_view algo, std::optional<c10::string_view> precision, std::optional<double> max_error) {
+  k.groups = groups;
+  k.stride = seq_from_ints(stride);
+  k.padding = seq_from_ints(padding);
+  k.dilation = seq_from_ints(dilation);
+  k.algo.assign(algo.data(), algo.size());
   if (precision.has_value()) {
-    PyTuple_SET_ITEM(args, 7,
-                     PyUnicode_FromStringAndSize(precision->data(), static_cast<Py_ssize_t>(precision->size())));
-  } else {
-    Py_INCREF(Py_None);
-    PyTuple_SET_ITEM(args, 7, Py_None);
+    k.has_precision = true;
+    k.precision.assign(precision->data(), precision->size());
   }
   if (max_error.has_value()) {
-    PyTuple_SET_ITEM(args, 8, PyFloat_FromDouble(*max_error));
-  } else {
-    Py_INCREF(Py_None);
-    PyTuple_SET_ITEM(args, 8, Py_None);
+    k.has_max_error = true;
+    k.max_error = *max_error;
   }
-  PyTuple_SET_ITEM(args, 9, PyLong_FromLongLong(groups));
-  PyObject* out = PyObject_Call(fn, args, nullptr);
-  Py_DECREF(args);
-  if (!out) throw python_error();
-  if (!THPVariable_Check(out)) {
-    Py_DECREF(out);
-    TORCH_CHECK(false, "convforge::conv2d: the Python path returned no tensor");
-  }
-  at::Tensor y = THPVariable_Unpack(out);
-  Py_DECREF(out);
-  return y;
 }
 
 at::Tensor op_cuda(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
@@ -431,19 +470,7 @@ at::Tensor op_cuda(const at::Tensor& x, const at::Tensor& w, const std::optional
     const at::Tensor* b = bias.has_value() && bias->defined() ? &*bias : nullptr;
     if (tensors_ok(xc, wc, b)) {  // as ops._cuda calls convforge.conv2d: tuples, no backend, params, relu
       Key k;
-      k.groups = groups;
-      k.stride = seq_from_ints(stride);
-      k.padding = seq_from_ints(padding);
-      k.dilation = seq_from_ints(dilation);
-      k.algo.assign(algo.data(), algo.size());
-      if (precision.has_value()) {
-        k.has_precision = true;
-        k.precision.assign(precision->data(), precision->size());
-      }
-      if (max_error.has_value()) {
-        k.has_max_error = true;
-        k.max_error = *max_error;
-      }
+      op_options(k, stride, padding, dilation, groups, algo, precision, max_error);
       tensor_key(k, xc, wc, b);
       if (std::shared_ptr<Program> p = find(k)) {
         at::Tensor y;
@@ -565,19 +592,7 @@ bool pass_key(Key& k, int pass, c10::IntArrayRef size, const at::Tensor& a, cons
   k.pass = static_cast<int8_t>(pass);
   for (int i = 0; i < 4; ++i) k.size[i] = size[i];
   tensor_key(k, a, g, nullptr);
-  k.groups = groups;
-  k.stride = seq_from_ints(stride);
-  k.padding = seq_from_ints(padding);
-  k.dilation = seq_from_ints(dilation);
-  k.algo.assign(algo.data(), algo.size());
-  if (precision.has_value()) {
-    k.has_precision = true;
-    k.precision.assign(precision->data(), precision->size());
-  }
-  if (max_error.has_value()) {
-    k.has_max_error = true;
-    k.max_error = *max_error;
-  }
+  op_options(k, stride, padding, dilation, groups, algo, precision, max_error);
   return true;
 }
 
@@ -594,19 +609,7 @@ bool run_pass(Program& p, int pass, const at::Tensor& a, const at::Tensor& g, at
   uint64_t slot[kMaxArgs] = {0, 0, gp, 0, 0};
   slot[kPassIn[pass]] = ap;
   slot[kPassOut[pass]] = reinterpret_cast<uintptr_t>(out.data_ptr());
-  const std::vector<LaunchRec>* runs = &p.all;
-  if (!p.offsets.empty()) {
-    at::Tensor packed;
-    if (pass == 1 && !capturing(stream)) packed = filters_for(p, a, ap, slot, stream);
-    if (packed.defined()) {
-      auto base = reinterpret_cast<uintptr_t>(packed.const_data_ptr());
-      for (size_t j = 0; j < p.offsets.size(); ++j) slot[kFixedSlots + j] = base + p.offsets[j];
-      runs = &p.rest;
-    } else {
-      for (size_t j = 0; j < p.ws_derived.size(); ++j) slot[kFixedSlots + j] = p.ws_derived[j];
-    }
-  }
-  launch_checked(p, *runs, slot, stream);
+  launch_filtered(p, pass == 1 ? &a : nullptr, ap, slot, stream);
   return true;
 }
 
@@ -639,30 +642,10 @@ at::Tensor call_pass_python(int pass, c10::SymIntArrayRef size, const at::Tensor
   PyTuple_SET_ITEM(args, 4, ints_to_list(padding));
   PyTuple_SET_ITEM(args, 5, ints_to_list(dilation));
   PyTuple_SET_ITEM(args, 6, PyLong_FromLongLong(groups));
-  PyTuple_SET_ITEM(args, 7, PyUnicode_FromStringAndSize(algo.data(), static_cast<Py_ssize_t>(algo.size())));
-  if (precision.has_value()) {
-    PyTuple_SET_ITEM(args, 8,
-                     PyUnicode_FromStringAndSize(precision->data(), static_cast<Py_ssize_t>(precision->size())));
-  } else {
-    Py_INCREF(Py_None);
-    PyTuple_SET_ITEM(args, 8, Py_None);
-  }
-  if (max_error.has_value()) {
-    PyTuple_SET_ITEM(args, 9, PyFloat_FromDouble(*max_error));
-  } else {
-    Py_INCREF(Py_None);
-    PyTuple_SET_ITEM(args, 9, Py_None);
-  }
-  PyObject* out = PyObject_Call(fallback_pass[pass], args, nullptr);
-  Py_DECREF(args);
-  if (!out) throw python_error();
-  if (!THPVariable_Check(out)) {
-    Py_DECREF(out);
-    TORCH_CHECK(false, "convforge: the Python kernel of a backward op returned no tensor");
-  }
-  at::Tensor y = THPVariable_Unpack(out);
-  Py_DECREF(out);
-  return y;
+  PyTuple_SET_ITEM(args, 7, str_of(algo));
+  PyTuple_SET_ITEM(args, 8, str_or_none(precision));
+  PyTuple_SET_ITEM(args, 9, float_or_none(max_error));
+  return call_for_tensor(fallback_pass[pass], args, "the Python kernel of a backward op");
 }
 
 at::Tensor pass_cuda(int pass, c10::SymIntArrayRef size, const at::Tensor& a, const at::Tensor& g,
@@ -706,78 +689,90 @@ std::vector<int64_t> ints_of(PyObject* o) {  // a Python sequence of ints (empty
   return out;
 }
 
-// register_pass(pass, size, a, g, stride, padding, dilation, groups, algo, precision, max_error,
-// program, seed, out_shape): file a backward op's call that Python's kernel just ran (pass 1 dgrad:
-// size = input_size, a = the weight; 2 wgrad: size = weight_size, a = the input) with its
-// executable's program (CudaExecutable.native_program), seed = None or (w, version, packed) as
-// register's, out_shape the output's shape. Answers whether the call was filed.
-PyObject* py_register_pass(PyObject*, PyObject* const* a, Py_ssize_t n) {
-  if (n != 14 || !PyLong_Check(a[0]) || !THPVariable_CheckExact(a[2]) || !THPVariable_CheckExact(a[3])) {
-    PyErr_SetString(PyExc_TypeError, "register_pass takes pass, size, a, g, stride, padding, dilation, groups, "
-                                     "algo, precision, max_error, program, seed, out_shape");
-    return nullptr;
+// The key of a backward call from register_pass's first 11 arguments (pass, size, a, g, stride,
+// padding, dilation, groups, algo, precision, max_error): 1 filled, 0 not a call the fast path runs,
+// -1 malformed (the Python error set; ``who`` names the caller).
+int pass_args(PyObject* const* a, Key& k, const char* who) {
+  if (!PyLong_Check(a[0]) || !THPVariable_CheckExact(a[2]) || !THPVariable_CheckExact(a[3])) {
+    PyErr_Format(PyExc_TypeError, "%s takes pass, size, a, g, stride, padding, dilation, groups, algo, precision, "
+                 "max_error first", who);
+    return -1;
   }
   long pass = PyLong_AsLong(a[0]);
-  if (pass != 1 && pass != 2) {
-    PyErr_SetString(PyExc_ValueError, "register_pass: pass must be 1 (dgrad) or 2 (wgrad)");
-    return nullptr;
-  }
   std::vector<int64_t> size = ints_of(a[1]), stride = ints_of(a[4]), padding = ints_of(a[5]),
-                       dilation = ints_of(a[6]), out_shape = ints_of(a[13]);
+                       dilation = ints_of(a[6]);
   int64_t groups = PyLong_AsLongLong(a[7]);
   std::string algo, precision;
-  if (PyErr_Occurred() || !str_from_py(a[8], algo) || (a[9] != Py_None && !str_from_py(a[9], precision)) ||
-      (a[10] != Py_None && !PyFloat_Check(a[10]))) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "register_pass: malformed arguments");
-    return nullptr;
+  if (PyErr_Occurred() || (pass != 1 && pass != 2) || !str_from_py(a[8], algo) ||
+      (a[9] != Py_None && !str_from_py(a[9], precision)) || (a[10] != Py_None && !PyFloat_Check(a[10]))) {
+    if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "%s: malformed arguments (pass 1 dgrad or 2 wgrad)", who);
+    return -1;
   }
   std::optional<c10::string_view> prec;
   if (a[9] != Py_None) prec = c10::string_view(precision);
   std::optional<double> max_error;
   if (a[10] != Py_None) max_error = PyFloat_AS_DOUBLE(a[10]);
-  Key k;
-  if (!pass_key(k, static_cast<int>(pass), size, THPVariable_Unpack(a[2]), THPVariable_Unpack(a[3]), stride, padding,
-                dilation, groups, algo, prec, max_error))
-    Py_RETURN_FALSE;
-  auto p = std::make_shared<Program>();
-  if (!read_program(a[11], *p)) return nullptr;
-  p->y_shape = out_shape;  // the program's output is the pass's (the plan's y is its input here)
-  PyObject* seed = a[12];
-  if (pass == 1 && seed != Py_None && PyTuple_Check(seed) && PyTuple_GET_SIZE(seed) == 3 &&
-      THPVariable_CheckExact(PyTuple_GET_ITEM(seed, 0)) && THPVariable_CheckExact(PyTuple_GET_ITEM(seed, 2))) {
-    const at::Tensor& sw = THPVariable_Unpack(PyTuple_GET_ITEM(seed, 0));
-    int64_t version = PyLong_AsLongLong(PyTuple_GET_ITEM(seed, 1));
-    if (PyErr_Occurred()) return nullptr;
-    p->filters.insert_or_assign(reinterpret_cast<uintptr_t>(sw.const_data_ptr()),
-                                Filters{WeakImpl(sw.getIntrusivePtr()), version,
-                                        THPVariable_Unpack(PyTuple_GET_ITEM(seed, 2))});
+  return pass_key(k, static_cast<int>(pass), size, THPVariable_Unpack(a[2]), THPVariable_Unpack(a[3]), stride,
+                  padding, dilation, groups, algo, prec, max_error)
+             ? 1
+             : 0;
+}
+
+// register_pass(pass, size, a, g, stride, padding, dilation, groups, algo, precision, max_error,
+// program, seed, out_shape): file a backward op's call that Python's kernel just ran (pass 1 dgrad:
+// size = input_size, a = the weight; 2 wgrad: size = weight_size, a = the input) with its
+// executable's program (CudaExecutable.native_program), seed = None or (w, version, packed) as
+// register's (dgrad), out_shape the output's shape. Answers whether the call was filed.
+PyObject* py_register_pass(PyObject*, PyObject* const* a, Py_ssize_t n) {
+  if (n != 14) {
+    PyErr_SetString(PyExc_TypeError, "register_pass takes 14 arguments");
+    return nullptr;
   }
+  Key k;
+  int got = pass_args(a, k, "register_pass");
+  if (got < 0) return nullptr;
+  if (got == 0) Py_RETURN_FALSE;
+  std::vector<int64_t> out_shape = ints_of(a[13]);
+  auto p = std::make_shared<Program>();
+  if (PyErr_Occurred() || !read_program(a[11], *p)) return nullptr;
+  p->y_shape = out_shape;  // the program's output is the pass's (the plan's y is its input here)
+  if (k.pass == 1 && !seed_filters(*p, a[12])) return nullptr;
   table.put(k, std::move(p));
   Py_RETURN_TRUE;
 }
 
-// forget_pass(same first 11 arguments as register_pass): drop a filed backward call (its check failed).
+// forget_pass(register_pass's first 11 arguments): drop a filed backward call (its check failed).
 PyObject* py_forget_pass(PyObject*, PyObject* const* a, Py_ssize_t n) {
-  if (n != 11 || !PyLong_Check(a[0]) || !THPVariable_CheckExact(a[2]) || !THPVariable_CheckExact(a[3])) {
+  if (n != 11) {
     PyErr_SetString(PyExc_TypeError, "forget_pass takes register_pass's first 11 arguments");
     return nullptr;
   }
-  std::vector<int64_t> size = ints_of(a[1]), stride = ints_of(a[4]), padding = ints_of(a[5]),
-                       dilation = ints_of(a[6]);
-  std::string algo, precision;
-  if (PyErr_Occurred() || !str_from_py(a[8], algo) || (a[9] != Py_None && !str_from_py(a[9], precision))) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "forget_pass: malformed arguments");
-    return nullptr;
-  }
-  std::optional<c10::string_view> prec;
-  if (a[9] != Py_None) prec = c10::string_view(precision);
-  std::optional<double> max_error;
-  if (a[10] != Py_None) max_error = PyFloat_AsDouble(a[10]);
   Key k;
-  if (pass_key(k, static_cast<int>(PyLong_AsLong(a[0])), size, THPVariable_Unpack(a[2]), THPVariable_Unpack(a[3]),
-               stride, padding, dilation, PyLong_AsLongLong(a[7]), algo, prec, max_error))
-    table.erase(k);
+  int got = pass_args(a, k, "forget_pass");
+  if (got < 0) return nullptr;
+  if (got > 0) table.erase(k);
   Py_RETURN_NONE;
+}
+
+// Two Python callables for kernels registered in C++ (kept for the process) and a new IMPL
+// library for them; false with the Python error set when ``a`` is not two callables or ``lib``
+// exists already (``who`` names the caller).
+bool take_two(PyObject* const* a, Py_ssize_t n, std::unique_ptr<torch::Library>& lib, const char* who,
+              PyObject*& first, PyObject*& second) {
+  if (n != 2 || !PyCallable_Check(a[0]) || !PyCallable_Check(a[1])) {
+    PyErr_Format(PyExc_TypeError, "%s takes two callables", who);
+    return false;
+  }
+  if (lib) {
+    PyErr_Format(PyExc_RuntimeError, "%s: the kernels are registered already", who);
+    return false;
+  }
+  Py_INCREF(a[0]);
+  Py_INCREF(a[1]);
+  first = a[0];
+  second = a[1];
+  lib = std::make_unique<torch::Library>(torch::Library::IMPL, "convforge", std::nullopt, __FILE__, __LINE__);
+  return true;
 }
 
 std::unique_ptr<torch::Library> pass_library;
@@ -785,20 +780,8 @@ std::unique_ptr<torch::Library> pass_library;
 // register_pass_ops(input_fallback, weight_fallback): conv2d_input's and conv2d_weight's CUDA
 // kernels become op_input_cuda / op_weight_cuda, misses going to these Python kernels.
 PyObject* py_register_pass_ops(PyObject*, PyObject* const* a, Py_ssize_t n) {
-  if (n != 2 || !PyCallable_Check(a[0]) || !PyCallable_Check(a[1])) {
-    PyErr_SetString(PyExc_TypeError, "register_pass_ops takes two callables");
-    return nullptr;
-  }
-  if (pass_library) {
-    PyErr_SetString(PyExc_RuntimeError, "the backward ops' CUDA kernels are registered already");
-    return nullptr;
-  }
   HANDLE_TH_ERRORS
-  Py_INCREF(a[0]);
-  Py_INCREF(a[1]);
-  fallback_pass[1] = a[0];
-  fallback_pass[2] = a[1];
-  pass_library = std::make_unique<torch::Library>(torch::Library::IMPL, "convforge", std::nullopt, __FILE__, __LINE__);
+  if (!take_two(a, n, pass_library, "register_pass_ops", fallback_pass[1], fallback_pass[2])) return nullptr;
   pass_library->impl("conv2d_input", torch::dispatch(c10::DispatchKey::CUDA, TORCH_FN(op_input_cuda)));
   pass_library->impl("conv2d_weight", torch::dispatch(c10::DispatchKey::CUDA, TORCH_FN(op_weight_cuda)));
   Py_RETURN_NONE;
@@ -809,20 +792,8 @@ std::unique_ptr<torch::Library> op_library;
 
 // register_op(cuda_fallback, grad_apply): the op's CUDA and Autograd kernels become these.
 PyObject* py_register_op(PyObject*, PyObject* const* a, Py_ssize_t n) {
-  if (n != 2 || !PyCallable_Check(a[0]) || !PyCallable_Check(a[1])) {
-    PyErr_SetString(PyExc_TypeError, "register_op takes two callables");
-    return nullptr;
-  }
-  if (op_library) {
-    PyErr_SetString(PyExc_RuntimeError, "the convforge::conv2d kernels are registered already");
-    return nullptr;
-  }
   HANDLE_TH_ERRORS
-  Py_INCREF(a[0]);
-  Py_INCREF(a[1]);
-  fallback_cuda = a[0];
-  grad_apply = a[1];
-  op_library = std::make_unique<torch::Library>(torch::Library::IMPL, "convforge", std::nullopt, __FILE__, __LINE__);
+  if (!take_two(a, n, op_library, "register_op", fallback_cuda, grad_apply)) return nullptr;
   op_library->impl("conv2d", torch::dispatch(c10::DispatchKey::CUDA, TORCH_FN(op_cuda)));
   op_library->impl("conv2d", torch::dispatch(c10::DispatchKey::Autograd, TORCH_FN(op_autograd)));
   Py_RETURN_NONE;
