@@ -406,6 +406,22 @@ PyObject* float_or_none(std::optional<double> v) {
   return PyFloat_FromDouble(*v);
 }
 
+// stride, padding and dilation as lists at args[at .. at + 2] (the ops' schemas put them there).
+void put_geometry(PyObject* args, int at, c10::IntArrayRef stride, c10::IntArrayRef padding,
+                  c10::IntArrayRef dilation) {
+  PyTuple_SET_ITEM(args, at, ints_to_list(stride));
+  PyTuple_SET_ITEM(args, at + 1, ints_to_list(padding));
+  PyTuple_SET_ITEM(args, at + 2, ints_to_list(dilation));
+}
+
+// algo, precision and max_error at args[at .. at + 2].
+void put_choice(PyObject* args, int at, c10::string_view algo, std::optional<c10::string_view> precision,
+                std::optional<double> max_error) {
+  PyTuple_SET_ITEM(args, at, str_of(algo));
+  PyTuple_SET_ITEM(args, at + 1, str_or_none(precision));
+  PyTuple_SET_ITEM(args, at + 2, float_or_none(max_error));
+}
+
 // Call Python's ``fn`` on ``args`` (stolen) and answer the tensor it returns; ``what`` names the path.
 at::Tensor call_for_tensor(PyObject* fn, PyObject* args, const char* what) {
   PyObject* out = PyObject_Call(fn, args, nullptr);
@@ -434,12 +450,8 @@ at::Tensor call_python(PyObject* fn, const at::Tensor& x, const at::Tensor& w, c
     Py_INCREF(Py_None);
     PyTuple_SET_ITEM(args, 2, Py_None);
   }
-  PyTuple_SET_ITEM(args, 3, ints_to_list(stride));
-  PyTuple_SET_ITEM(args, 4, ints_to_list(padding));
-  PyTuple_SET_ITEM(args, 5, ints_to_list(dilation));
-  PyTuple_SET_ITEM(args, 6, str_of(algo));
-  PyTuple_SET_ITEM(args, 7, str_or_none(precision));
-  PyTuple_SET_ITEM(args, 8, float_or_none(max_error));
+  put_geometry(args, 3, stride, padding, dilation);
+  put_choice(args, 6, algo, precision, max_error);
   PyTuple_SET_ITEM(args, 9, PyLong_FromLongLong(groups));
   return call_for_tensor(fn, args, "convforge::conv2d's Python path");
 }
@@ -638,13 +650,9 @@ at::Tensor call_pass_python(int pass, c10::SymIntArrayRef size, const at::Tensor
   PyTuple_SET_ITEM(args, pass == 1 ? 0 : 1, sizes);
   PyTuple_SET_ITEM(args, pass == 1 ? 1 : 0, THPVariable_Wrap(a));
   PyTuple_SET_ITEM(args, 2, THPVariable_Wrap(g));
-  PyTuple_SET_ITEM(args, 3, ints_to_list(stride));
-  PyTuple_SET_ITEM(args, 4, ints_to_list(padding));
-  PyTuple_SET_ITEM(args, 5, ints_to_list(dilation));
+  put_geometry(args, 3, stride, padding, dilation);
   PyTuple_SET_ITEM(args, 6, PyLong_FromLongLong(groups));
-  PyTuple_SET_ITEM(args, 7, str_of(algo));
-  PyTuple_SET_ITEM(args, 8, str_or_none(precision));
-  PyTuple_SET_ITEM(args, 9, float_or_none(max_error));
+  put_choice(args, 7, algo, precision, max_error);
   return call_for_tensor(fallback_pass[pass], args, "the Python kernel of a backward op");
 }
 
