@@ -246,6 +246,28 @@ def test_tma_against_float64(hopper, name, spec):
             assert res.ok, f"{name} [{prm.short()}] {spec.short()} seed {seed}: {res}"
 
 
+# one tap a stage (kb = 2 over 2-atom channels), the tap loop fully unrolled: nvcc 13.0 gave a copy the
+# previous copy's 16-bit im2col offset register ({1, 1} for {1, 0}; round 26), so every offset of
+# a 4x4 filter is exercised, in both GEMM kinds the generator runs it in
+UNROLLED = [("tc_implicit_gemm_tf32", ConvSpec.make(1, 64, 16, 15, 3, 4, 4, 1, 1)),
+            ("tc_implicit_gemm_half", _as(ConvSpec.make(1, 128, 16, 15, 8, 4, 4, 1, 1), "float16")),
+            ("dgrad_tc_strided_tf32", ConvSpec.make(1, 3, 31, 29, 64, 7, 7, 2, 3).with_pass("dgrad")),
+            ("dgrad_tc_strided_tf32", ConvSpec.make(1, 3, 30, 30, 64, 8, 8, 2, 3).with_pass("dgrad"))]
+
+
+@pytest.mark.parametrize("name, spec", UNROLLED, ids=str)
+@pytest.mark.parametrize("kb", [1, 2])
+def test_tma_offsets_of_an_unrolled_tap_loop(hopper, name, spec, kb):
+    """TMA copies whose im2col offsets the compiler sees as constants of an unrolled loop: one
+    consumer warpgroup, unsplit, kb atoms a stage, against float64."""
+    v = get_variant(name)
+    prm = Params(bm=128, bn=64, cw=1, kb=kb, ks=1, ps=1, st=3, tm=1)
+    if name.startswith("dgrad"):
+        prm = prm.replace(il=1)
+    res = check_plan(v.plan(spec, prm, hopper.device), hopper, seed=6)
+    assert res.ok, f"{name} [{prm.short()}] {spec.short()}: {res}"
+
+
 def test_tma_through_torch_fast_path(hopper):
     """conv2d on torch tensors with a TMA point: the parameter arrays' tensor maps follow x and the
     weights from call to call (new tensors, new addresses), output equal to PyTorch's within FP16's

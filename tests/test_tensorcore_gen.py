@@ -1243,3 +1243,20 @@ def test_naming_a_cluster_where_none_can_run_says_why():
     prm = check_params(v, spec, NOMINAL_CUDA, {**v.default(spec, NOMINAL_CUDA), "cl": 3})
     with pytest.raises(ValueError, match=r"cl \(3\) must be 1, or 2"):
         v.plan(spec, prm, NOMINAL_CUDA)
+
+
+def test_unrolled_tap_loop_gives_each_copy_its_own_im2col_offsets(nvcc_ok):
+    """A 4x4 filter over 2-atom channels, one tap a stage (kb=2), unsplit: nvcc unrolls the producer's
+    loop and folds every copy's im2col offsets to constants. In the PTX, the copies' (W, H) offsets, in issue order, are
+    each tap's (s, r), once per atom. With 16-bit "h" operands nvcc 13.0 gave the second copy of a
+    stage the first's W offset as its H offset (round 26: 0.65 relative error on an H100)."""
+    from convforge.codegen.nvcc import ptx_text
+
+    v = get_variant("tc_implicit_gemm_tf32")
+    spec = ConvSpec.make(1, 64, 16, 15, 3, 4, 4, 1, 1)
+    prm = Params(bm=128, bn=64, cw=1, kb=2, ks=1, ps=1, st=3, tm=1)
+    ptx = ptx_text(v.plan(spec, prm, NOMINAL_CUDA).source("cuda"))
+    consts = {m[0]: int(m[1]) for m in re.findall(r"mov\.u32\s+(%r\d+), (\d+);", ptx)}
+    copies = re.findall(r"cvt\.u16\.u32 ow, (%r\d+); cvt\.u16\.u32 oh, (%r\d+);[^\n]*\.im2col\.", ptx)
+    got = [(consts.get(w), consts.get(h)) for w, h in copies]
+    assert got == [(t % 4, t // 4) for t in range(16) for _ in range(2)], got

@@ -88,6 +88,28 @@ def _compile(source: str, arch: str, sass: bool) -> tuple[str, str]:
         return proc.stderr, dis.stdout
 
 
+def ptx_text(source: str, arch: str = "sm_90") -> str:
+    """The PTX nvcc's front end makes of ``source`` (what ptxas is given): for checks of values the
+    front end folds, such as the operands of an unrolled loop's inline assembly."""
+    from convforge.codegen.render import ARCH_SPECIFIC_MARK
+
+    if ARCH_SPECIFIC_MARK in source and not arch.endswith("a"):
+        arch += "a"
+    nvcc = nvcc_path()
+    if nvcc is None:
+        raise RuntimeError("nvcc not found on PATH")
+    with tempfile.TemporaryDirectory() as tmp:
+        src, ptx = os.path.join(tmp, "k.cu"), os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(source)
+        proc = subprocess.run([nvcc, f"-arch={arch}", "-ptx", "-std=c++17", "-o", ptx, src],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"nvcc failed:\n{proc.stderr}")
+        with open(ptx) as f:
+            return f.read()
+
+
 def parse_ptxas(log: str) -> list[PtxasInfo]:
     """Per-kernel figures from ptxas's verbose log."""
     out: list[PtxasInfo] = []

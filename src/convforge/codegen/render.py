@@ -456,22 +456,27 @@ _TC_TOKENS: dict[str, Callable[[list[str]], str]] = {
     "TMA_TILE_2D": lambda a: _asm("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
                                   "[%0], [%1, {%2, %3}], [%4];", (),
                                   [f'"r"({a[0]})', _map_addr(a[1]), f'"r"({a[2]})', f'"r"({a[3]})', f'"r"({a[4]})']),
-    "TMA_IM2COL_4D": lambda a: _asm("cp.async.bulk.tensor.4d.shared::cluster.global.im2col.mbarrier::complete_tx::"
-                                    "bytes [%0], [%1, {%2, %3, %4, %5}], [%6], {%7, %8};", (),
+    # 16-bit operands (im2col offsets, multicast masks) go in as 32-bit registers and are narrowed
+    # inside the asm: given "h" operands, nvcc 13.0 reused one copy's offset register for the next in
+    # a fully unrolled loop (4x4 taps, one tap a stage: {1, 1} where the PTX needed {1, 0}; H100, r26)
+    "TMA_IM2COL_4D": lambda a: _asm("{ .reg .b16 ow, oh; cvt.u16.u32 ow, %7; cvt.u16.u32 oh, %8; "
+                                    "cp.async.bulk.tensor.4d.shared::cluster.global.im2col.mbarrier::complete_tx::"
+                                    "bytes [%0], [%1, {%2, %3, %4, %5}], [%6], {ow, oh}; }", (),
                                     [f'"r"({a[0]})', _map_addr(a[1]), *(f'"r"({v})' for v in a[2:6]),
-                                     f'"r"({a[8]})', f'"h"((unsigned short)({a[6]}))',
-                                     f'"h"((unsigned short)({a[7]}))']),
+                                     f'"r"({a[8]})', f'"r"({a[6]})', f'"r"({a[7]})']),
     # the same copies multicast: the box lands at the same shared offset in every CTA of the cluster
     # whose bit is set in ``mask``, each completing the mbarrier at the same offset in its own CTA
-    "TMA_TILE_2D_MC": lambda a: _asm("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-                                     ".multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;", (),
+    "TMA_TILE_2D_MC": lambda a: _asm("{ .reg .b16 mk; cvt.u16.u32 mk, %5; "
+                                     "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                                     ".multicast::cluster [%0], [%1, {%2, %3}], [%4], mk; }", (),
                                      [f'"r"({a[0]})', _map_addr(a[1]), f'"r"({a[2]})', f'"r"({a[3]})',
-                                      f'"r"({a[4]})', f'"h"((unsigned short)({a[5]}))']),
-    "TMA_IM2COL_4D_MC": lambda a: _asm("cp.async.bulk.tensor.4d.shared::cluster.global.im2col.mbarrier::complete_tx::"
-                                       "bytes.multicast::cluster [%0], [%1, {%2, %3, %4, %5}], [%6], {%7, %8}, %9;",
+                                      f'"r"({a[4]})', f'"r"({a[5]})']),
+    "TMA_IM2COL_4D_MC": lambda a: _asm("{ .reg .b16 ow, oh, mk; cvt.u16.u32 ow, %7; cvt.u16.u32 oh, %8; "
+                                       "cvt.u16.u32 mk, %9; "
+                                       "cp.async.bulk.tensor.4d.shared::cluster.global.im2col.mbarrier::complete_tx::"
+                                       "bytes.multicast::cluster [%0], [%1, {%2, %3, %4, %5}], [%6], {ow, oh}, mk; }",
                                        (), [f'"r"({a[0]})', _map_addr(a[1]), *(f'"r"({v})' for v in a[2:6]),
-                                            f'"r"({a[8]})', f'"h"((unsigned short)({a[6]}))',
-                                            f'"h"((unsigned short)({a[7]}))', f'"h"((unsigned short)({a[9]}))']),
+                                            f'"r"({a[8]})', f'"r"({a[6]})', f'"r"({a[7]})', f'"r"({a[9]})']),
     "CLUSTER_RANK": lambda a: "cf_cluster_reg(0)",
     "CLUSTER_ID": lambda a: "cf_cluster_reg(1)",
     "NUM_CLUSTERS": lambda a: "cf_cluster_reg(2)",

@@ -515,8 +515,10 @@ std::optional<c10::string_view> opt_view(const at::IValue& v, std::string& keep)
 }
 
 struct ConvNode : public torch::autograd::Function<ConvNode> {
+  // bias an optional, not an undefined tensor: Function::apply records each tensor argument's device,
+  // which an undefined tensor has not ("tensor does not have a device", torch 2.11, round 26)
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
-                            const at::Tensor& bias, c10::IntArrayRef stride, c10::IntArrayRef padding,
+                            const std::optional<at::Tensor>& bias, c10::IntArrayRef stride, c10::IntArrayRef padding,
                             c10::IntArrayRef dilation, c10::string_view algo, std::optional<c10::string_view> precision,
                             std::optional<double> max_error, int64_t groups) {
     ctx->save_for_backward({x, w});
@@ -527,10 +529,9 @@ struct ConvNode : public torch::autograd::Function<ConvNode> {
     ctx->saved_data["precision"] = precision.has_value() ? at::IValue(std::string(*precision)) : at::IValue();
     ctx->saved_data["max_error"] = max_error.has_value() ? at::IValue(*max_error) : at::IValue();
     ctx->saved_data["groups"] = groups;
-    ctx->saved_data["bias"] = bias.defined();
+    ctx->saved_data["bias"] = bias.has_value() && bias->defined();
     static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("convforge::conv2d", "").typed<OpSig>();
-    std::optional<at::Tensor> b = bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt;
-    return op.call(x, w, b, stride, padding, dilation, algo, precision, max_error, groups);  // grad mode off here
+    return op.call(x, w, bias, stride, padding, dilation, algo, precision, max_error, groups);  // grad mode off here
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -573,8 +574,8 @@ at::Tensor op_autograd(c10::DispatchKeySet ks, const at::Tensor& x, const at::Te
   if (need) {
     const at::Tensor* b = bias.has_value() && bias->defined() ? &*bias : nullptr;
     if (native_autograd && tensors_ok(x, w, b))
-      return ConvNode::apply(x, w, b ? *b : at::Tensor(), stride, padding, dilation, algo, precision, max_error,
-                             groups);
+      return ConvNode::apply(x, w, b ? std::optional<at::Tensor>(*b) : std::nullopt, stride, padding, dilation,
+                             algo, precision, max_error, groups);
     return call_python(grad_apply, x, w, bias, stride, padding, dilation, algo, precision, max_error, groups);
   }
   c10::DispatchKeySet after = ks & c10::after_autograd_keyset;

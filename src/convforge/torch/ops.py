@@ -207,20 +207,29 @@ def _torch_weight(x: Any, weight_size: Sequence[Any], gy: Any, stride: Sequence[
                                                list(dilation), False, [0, 0], groups, [False, True, False])[1]
 
 
-def _ours(conv_pass: str, call: Any, fallback: Any, tag: tuple[Any, ...], algo: str) -> Any:
-    """``call(algo)`` (convforge.grad); a named ``algo`` that does not compute the pass (the forward's
-    variant or family) is retried as 'auto'; a layer no variant of the pass runs goes to PyTorch's
-    ``fallback()``, logged once."""
+def _ours(conv_pass: str, call: Any, fallback: Any, tag: tuple[Any, ...], algo: str) -> tuple[Any, str | None]:
+    """(``call(name)``, name): convforge.grad with ``algo``, or where that names no variant of the pass
+    (the forward's variant or family) with 'auto', remembered per layer so a warm call does not
+    fail over again; (``fallback()``, None) where no variant of the pass runs the layer (PyTorch's,
+    logged once)."""
     why: ValueError | None = None
-    for name in dict.fromkeys((algo, "auto")):
+    first = _RETRIED.get((tag, algo), algo)
+    for name in dict.fromkeys((first, algo, "auto")):
         try:
-            return call(name)
+            out = call(name)
         except ValueError as err:
             why = err
+            continue
+        if name != algo:
+            _RETRIED[(tag, algo)] = name
+        return out, name
     if tag not in _FELL_BACK:
         _FELL_BACK.add(tag)
         log.warning("convforge: %s; PyTorch computes the %s of this layer", why, conv_pass)
-    return fallback()
+    return fallback(), None
+
+
+_RETRIED: dict[tuple[Any, ...], str] = {}  # (layer tag, algo asked) -> the algo that computed the pass
 
 
 def _input_cuda(input_size: list[int], w: Any, gy: Any, stride: list[int], padding: list[int], dilation: list[int],
@@ -231,11 +240,12 @@ def _input_cuda(input_size: list[int], w: Any, gy: Any, stride: list[int], paddi
         return _torch_input(input_size, w, gy, stride, padding, dilation, groups)
     size, st, pad, dl = (*input_size,), (*stride,), (*padding,), (*dilation,)
     wc, gc = w.contiguous(), gy.contiguous()
-    out = _ours("dgrad", lambda a: cf_grad.conv2d_input(size, wc, gc, st, pad, dl, groups, a, precision, max_error),
-                lambda: _torch_input(input_size, w, gy, stride, padding, dilation, groups),
-                ("dgrad", size, tuple(w.shape), st, pad, dl, groups), algo)
-    if _PASS_OPS and not _CHECKING and wc is w and gc is gy:
-        _file_guarded(1, size, wc, gc, (st, pad, dl, groups, algo, precision, max_error), out)
+    out, used = _ours("dgrad", lambda a: cf_grad.conv2d_input(size, wc, gc, st, pad, dl, groups, a, precision,
+                                                              max_error),
+                      lambda: _torch_input(input_size, w, gy, stride, padding, dilation, groups),
+                      ("dgrad", size, tuple(w.shape), st, pad, dl, groups), algo)
+    if _PASS_OPS and not _CHECKING and used is not None and wc is w and gc is gy:
+        _file_guarded(1, size, wc, gc, (st, pad, dl, groups, algo, precision, max_error), out, used)
     return out
 
 
@@ -246,11 +256,12 @@ def _weight_cuda(x: Any, weight_size: list[int], gy: Any, stride: list[int], pad
         return _torch_weight(x, weight_size, gy, stride, padding, dilation, groups)
     size, st, pad, dl = (*weight_size,), (*stride,), (*padding,), (*dilation,)
     xc, gc = x.contiguous(), gy.contiguous()
-    out = _ours("wgrad", lambda a: cf_grad.conv2d_weight(xc, size, gc, st, pad, dl, groups, a, precision, max_error),
-                lambda: _torch_weight(x, weight_size, gy, stride, padding, dilation, groups),
-                ("wgrad", tuple(x.shape), size, st, pad, dl, groups), algo)
-    if _PASS_OPS and not _CHECKING and xc is x and gc is gy:
-        _file_guarded(2, size, xc, gc, (st, pad, dl, groups, algo, precision, max_error), out)
+    out, used = _ours("wgrad", lambda a: cf_grad.conv2d_weight(xc, size, gc, st, pad, dl, groups, a, precision,
+                                                               max_error),
+                      lambda: _torch_weight(x, weight_size, gy, stride, padding, dilation, groups),
+                      ("wgrad", tuple(x.shape), size, st, pad, dl, groups), algo)
+    if _PASS_OPS and not _CHECKING and used is not None and xc is x and gc is gy:
+        _file_guarded(2, size, xc, gc, (st, pad, dl, groups, algo, precision, max_error), out, used)
     return out
 
 
@@ -258,21 +269,24 @@ _PASS_OPS = False  # True once native.cpp runs the backward ops' CUDA kernels (t
 _CHECKING = False  # a filed call being checked (a miss then must not file again)
 
 
-def _file_guarded(kind: int, size: tuple[int, ...], a: Any, g: Any, opts: tuple[Any, ...], out: Any) -> None:
+def _file_guarded(kind: int, size: tuple[int, ...], a: Any, g: Any, opts: tuple[Any, ...], out: Any,
+                  used: str) -> None:
     """:func:`_file_pass`; filing is only a speed-up, so a failure in it turns filing off (logged)
     and the calls stay on Python's path, which has just given the right answer."""
     global _PASS_OPS
     try:
-        _file_pass(kind, size, a, g, opts, out)
+        _file_pass(kind, size, a, g, opts, out, used)
     except Exception as err:  # noqa: BLE001 - never let the speed-up break a backward pass
         _PASS_OPS = False
         log.warning("convforge: filing backward calls with the native kernels failed (%s: %s); they stay on "
                     "Python's path", type(err).__name__, err)
 
 
-def _file_pass(kind: int, size: tuple[int, ...], a: Any, g: Any, opts: tuple[Any, ...], out: Any) -> None:
+def _file_pass(kind: int, size: tuple[int, ...], a: Any, g: Any, opts: tuple[Any, ...], out: Any,
+               used: str) -> None:
     """File a backward call that Python just ran with native.cpp (``kind`` 1 dgrad, ``a`` the weight; 2
-    wgrad, ``a`` the input), then check it: the op called again now runs the filed program, and the
+    wgrad, ``a`` the input; ``used`` the algo that ran it, found under its runner, the call filed
+    under the op's ``algo``), then check it: the op called again now runs the filed program, and the
     same kernels on the same inputs must give the same values (bit for bit with deterministic
     reductions), else the entry is dropped and the call stays Python's, logged once. Not while a
     CUDA graph is captured, and only for an executable the native core can launch."""
@@ -284,7 +298,7 @@ def _file_pass(kind: int, size: tuple[int, ...], a: Any, g: Any, opts: tuple[Any
     if keyer is None or nat is None or torch.cuda.is_current_stream_capturing():
         return
     try:
-        run = cf_grad.RUNNERS.get(keyer(tag, a, g, size, st, pad, dl, groups, algo, None, None, None, precision,
+        run = cf_grad.RUNNERS.get(keyer(tag, a, g, size, st, pad, dl, groups, used, None, None, None, precision,
                                         max_error))
     except (TypeError, AttributeError):
         return
