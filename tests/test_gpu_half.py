@@ -183,7 +183,13 @@ def test_autocast_runs_our_kernels_and_casts_filters_once(gpu, monkeypatch) -> N
 @pytest.mark.parametrize("dtype", HALF)
 def test_network_half_on_cuda(cuda, dtype: str) -> None:
     """GoogLeNet and ResNet-50 (random weights, 96 x 96) stored in the dtype, logits against the
-    float64 executor on the same rounded input."""
+    float64 executor on the same rounded input: within 2x PyTorch's error in the same dtype (its
+    .half() / .bfloat16() eager run of the same graph), or 4x the per-layer tolerance where that is
+    larger. Random networks with calibrated batch norms are chaotic (a 1e-3 change of ResNet-50's
+    input at 96 x 96 moves its logits by ~0.23), so per-layer rounding alone gives errors of ~0.1
+    there, to any half-precision implementation."""
+    torch_baseline = pytest.importorskip("convforge.graph.torch_baseline")
+    pytest.importorskip("torch", reason="the yardstick is PyTorch's error in the same dtype")
     from convforge.dtypes import rounded
     from convforge.graph.reference import run_reference
     from convforge.graph.runtime import compile, load_model
@@ -195,8 +201,11 @@ def test_network_half_on_cuda(cuda, dtype: str) -> None:
         net = compile(g, batch=2, backend="cuda", dtype=dtype)
         x = np.random.default_rng(0).standard_normal(net.shapes[g.input].shape).astype(np.float32)
         out = net(x)
-        ref = run_reference(g.with_batch(1), rounded(x, dtype)[:1])
-        assert rel_l2(out[logits][:1], ref[logits]) < 4 * HALF_TOLERANCE[dtype], name
+        x1 = rounded(x, dtype)[:1]
+        ref = run_reference(g.with_batch(1), x1)[logits]
+        theirs = torch_baseline.forward_fn(g.with_batch(1), x1, "cuda", dtype)().float().cpu().numpy()
+        ours, yardstick = rel_l2(out[logits][:1], ref), rel_l2(theirs, ref)
+        assert ours < max(4 * HALF_TOLERANCE[dtype], 2 * yardstick), (name, ours, yardstick)
 
 
 # -- bench: the half baselines and the tensor-core ceilings ----------------------------------------

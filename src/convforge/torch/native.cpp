@@ -117,7 +117,7 @@ void launch_checked(const Program& p, const std::vector<LaunchRec>& runs, const 
 
 // Counted off the hot path, for tests and the host-cost script: filter transforms run, op calls
 // that went to Python (misses, layers convforge leaves to PyTorch).
-std::atomic<uint64_t> transforms{0}, op_fallbacks{0};
+std::atomic<uint64_t> transforms{0}, op_fallbacks{0}, pass_runs{0};  // pass_runs: backward calls run here
 
 // The packed filter-derived buffer for w (transformed now if missing or stale), or undefined:
 // inference tensors (no version counter) run the whole plan, as in Python.
@@ -372,9 +372,10 @@ PyObject* py_clear(PyObject*, PyObject*) {
 }
 
 PyObject* py_stats(PyObject*, PyObject*) {
-  return Py_BuildValue("{s:n,s:K,s:K}", "entries", static_cast<Py_ssize_t>(table.size()), "transforms",
+  return Py_BuildValue("{s:n,s:K,s:K,s:K}", "entries", static_cast<Py_ssize_t>(table.size()), "transforms",
                        static_cast<unsigned long long>(transforms.load()), "op_fallbacks",
-                       static_cast<unsigned long long>(op_fallbacks.load()));
+                       static_cast<unsigned long long>(op_fallbacks.load()), "pass_runs",
+                       static_cast<unsigned long long>(pass_runs.load()));
 }
 
 
@@ -667,7 +668,10 @@ at::Tensor pass_cuda(int pass, c10::SymIntArrayRef size, const at::Tensor& a, co
       pass_key(k, pass, *dims, a, g, stride, padding, dilation, groups, algo, precision, max_error)) {
     if (std::shared_ptr<Program> p = find(k)) {
       at::Tensor out;
-      if (run_pass(*p, pass, a, g, out)) return out;
+      if (run_pass(*p, pass, a, g, out)) {
+        pass_runs.fetch_add(1, std::memory_order_relaxed);
+        return out;
+      }
     }
   }
   op_fallbacks.fetch_add(1, std::memory_order_relaxed);
@@ -836,7 +840,7 @@ PyMethodDef methods[] = {
     {"wrap", py_wrap, METH_O, "wrap(python_conv2d) -> conv2d whose warm torch calls stay in C"},
     {"parts", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_parts)), METH_FASTCALL,
      "parts(conv2d's 14 arguments, piece, n) -> seconds of n repetitions of one piece of a warm call"},
-    {"stats", py_stats, METH_NOARGS, "{entries, transforms, op_fallbacks}: table size and counters"},
+    {"stats", py_stats, METH_NOARGS, "{entries, transforms, op_fallbacks, pass_runs}: table size and counters"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "convforge_native", "convforge's native fast path (torch)", -1,
