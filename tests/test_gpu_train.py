@@ -129,15 +129,20 @@ def _count_ours(monkeypatch):
     """Count the calls of convforge.grad's three functions (what the op's backward kernels call)."""
     from convforge import grad
 
-    seen = {"dgrad": 0, "wgrad": 0, "bias": 0}
-    for name, tag in (("conv2d_input", "dgrad"), ("conv2d_weight", "wgrad"), ("conv2d_bias", "bias")):
-        real = getattr(grad, name)
+    return _count_calls(monkeypatch, grad, {"conv2d_input": "dgrad", "conv2d_weight": "wgrad", "conv2d_bias": "bias"})
+
+
+def _count_calls(monkeypatch, module, names: dict[str, str]) -> dict[str, int]:
+    """Count the calls of ``module``'s functions ``names`` (name -> tag), by tag."""
+    seen = dict.fromkeys(names.values(), 0)
+    for name, tag in names.items():
+        real = getattr(module, name)
 
         def counted(*a, _real=real, _tag=tag, **k):
             seen[_tag] += 1
             return _real(*a, **k)
 
-        monkeypatch.setattr(grad, name, counted)
+        monkeypatch.setattr(module, name, counted)
     return seen
 
 
@@ -293,16 +298,7 @@ def _count_pytorch_backward(monkeypatch):
     """Count the backward calls the op handed to PyTorch's kernels."""
     from convforge.torch import ops
 
-    seen = {"dgrad": 0, "wgrad": 0}
-    for name, tag in (("_torch_input", "dgrad"), ("_torch_weight", "wgrad")):
-        real = getattr(ops, name)
-
-        def counted(*a, _real=real, _tag=tag, **k):
-            seen[_tag] += 1
-            return _real(*a, **k)
-
-        monkeypatch.setattr(ops, name, counted)
-    return seen
+    return _count_calls(monkeypatch, ops, {"_torch_input": "dgrad", "_torch_weight": "wgrad"})
 
 
 def test_cuda_graph_capture_of_a_whole_training_step(gpu, monkeypatch):
