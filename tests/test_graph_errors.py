@@ -37,6 +37,14 @@ def _conv(out: str = "c", **attrs):
 
 # -- ONNX files and nodes -------------------------------------------------------------------------
 
+@pytest.mark.parametrize("path", ["missing.onnx", "nets/missing.prototxt"])
+def test_a_model_file_that_is_not_there_is_named(tmp_path, path) -> None:
+    """A missing .onnx / .prototxt is one ValueError naming the path (not an OSError from deep in
+    the loader), listing the shipped models in case a name was meant."""
+    with pytest.raises(ValueError, match=r"model \('.*missing\.(onnx|prototxt)'\): no such file .*resnet50"):
+        load_model(str(tmp_path / path))
+
+
 def test_onnx_file_that_is_not_a_model(tmp_path) -> None:
     junk, empty = tmp_path / "junk.onnx", tmp_path / "empty.onnx"
     junk.write_bytes(np.random.default_rng(1).bytes(2000))

@@ -473,6 +473,8 @@ def load_model(model: Any, input_size: int | None = None, seed: int = 0,
     from convforge import models
 
     text = str(model) if isinstance(model, (str, Path)) else ""
+    if text.endswith((".onnx", ".prototxt")) and not Path(text).is_file():
+        raise ValueError(f"model ({text!r}): no such file (a shipped model is one of {', '.join(models.NAMES)})")
     is_onnx = text.endswith(".onnx") or type(model).__name__ == "ModelProto"
     if weights is not None and (is_onnx or not isinstance(model, (str, Path))):
         what = ("an ONNX model carries its own initializers" if is_onnx
