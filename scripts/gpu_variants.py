@@ -4,7 +4,9 @@
 times and effective TFLOPS, every transform of each plan inside the timed call. --points N times
 the first N points of each variant's space (tile configurations), --dtype runs the layers in
 float16 or bfloat16, --layers keeps the layers whose label contains one of its words, --passes
-names the passes (--sanitize: all three, so every dgrad and wgrad variant runs under memcheck too).
+names the passes (--sanitize: all three, so every dgrad and wgrad variant runs under memcheck too),
+--params times named points beside the default (';'-separated, e.g. 'bm=256,bn=128,cw=2,kb=1,st=4,tm=1'
+for tile shapes the space orders last), each filled from the default where it names fewer parameters.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ def main() -> int:
     ap.add_argument("--points", type=int, default=1, help="time the first N points of each space")
     ap.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     ap.add_argument("--layers", default="", help="comma-separated words; keep layers whose label has one")
+    ap.add_argument("--params", default="", help="';'-separated points to time too, e.g. 'bm=256,bn=128,st=4'")
     ap.add_argument("--passes", default=None,
                     help="comma-separated passes (fprop, dgrad, wgrad); default fprop, all three with --sanitize")
     args = ap.parse_args()
@@ -77,12 +80,12 @@ def main() -> int:
         for v in variants:
             if v.applies(spec, be.device):
                 continue
-            for prm in _points(v, spec, be.device, args.sanitize, args.points):
+            for prm in _points(v, spec, be.device, args.sanitize, args.points, args.params):
                 bad += _run(be, label, spec, v, prm, args.sanitize)
     return 1 if bad else 0
 
 
-def _points(v: Variant, spec: ConvSpec, dev: DeviceInfo, sanitize: bool, n: int = 1) -> list[Params]:
+def _points(v: Variant, spec: ConvSpec, dev: DeviceInfo, sanitize: bool, n: int = 1, named: str = "") -> list[Params]:
     """The default (and the next n - 1 points of the space); under --sanitize also the first point of
     each staging kind of the Winograd spaces (fused: cp.async filters / inputs, split-C, two-block
     register cap; non-fused: the split GEMM) and of the tensor-core generator (split-K, one tile per
@@ -90,6 +93,10 @@ def _points(v: Variant, spec: ConvSpec, dev: DeviceInfo, sanitize: bool, n: int 
     pts = [v.default(spec, dev)]
     if n > 1:
         pts += [p for p in v.space(spec, dev)[:n] if p not in pts]
+    for text in filter(None, named.split(";")):
+        p = pts[0].replace(**Params.parse(text))
+        if p not in pts:
+            pts.append(p)
     if sanitize and v.name.startswith("tc_"):
         space = v.space(spec, dev)
         for pred in (lambda p: p.get("ks", 1) > 1, lambda p: p.get("ps") == 0, lambda p: p.get("kb") == 2,
@@ -108,8 +115,8 @@ def _points(v: Variant, spec: ConvSpec, dev: DeviceInfo, sanitize: bool, n: int 
 
 def _run(be, label: str, spec: ConvSpec, v: Variant, prm: Params, sanitize: bool) -> int:  # type: ignore[no-untyped-def]
     """Check (and unless sanitizing, time) one point; 1 when it failed."""
-    plan = v.plan(spec, prm, be.device)
     try:
+        plan = v.plan(spec, prm, be.device)
         exe = be.executable(plan)
         res = check_plan(plan, be, exe=exe, batch_slice=1)
     except Exception as err:  # noqa: BLE001 - report and go on to the next variant
