@@ -712,8 +712,9 @@ def test_run_on_opencl_needs_no_cuda(ocl, tmp_path) -> None:
 
 
 def test_random_batchnorm_statistics_keep_the_signal_in_float16_range() -> None:
-    """Shipped ResNet-50 with random weights: every batch norm's statistics are measured on a random
-    image, so it normalises what reaches it (zero mean, unit variance per channel on that image); on
+    """Shipped ResNet-50 with random weights: every batch norm's statistics are measured on random
+    images (two at 224 x 224), so it normalises what reaches it (zero mean, unit variance per channel
+    on those images); on
     other images every activation stays far inside float16's range (with made-up statistics res5c
     reached 6.7e4, past 65504) and the logits still depend on the input. A caffemodel's statistics
     are its own (not re-measured)."""
@@ -722,7 +723,7 @@ def test_random_batchnorm_statistics_keep_the_signal_in_float16_range() -> None:
 
     g = models.load("resnet50", batch=2, seed=3)
     bn = next(n for n in g.nodes if n.op == "batchnorm")
-    probe = g.with_batch(1)
+    probe = g.with_batch(2)  # res5's 7 x 7 planes: 2 images give each statistic >= 64 values
     probe.outputs = [bn.inputs[0]]
     x = np.random.default_rng(3).standard_normal(probe.input_shape).astype(np.float32)
     seen = run_reference(probe, x, np.float32)[bn.inputs[0]]
@@ -735,6 +736,37 @@ def test_random_batchnorm_statistics_keep_the_signal_in_float16_range() -> None:
     assert np.linalg.norm(logits[0] - logits[1]) > 0.05 * np.linalg.norm(logits)
     assert calibrate_batchnorm(models.load("alexnet", batch=1)) == 0  # no batch norm: nothing to set
 
+
+
+def test_random_resnet_is_no_more_sensitive_than_a_trained_one() -> None:
+    """The last batch norm of each of ResNet-50's 16 residual branches (not the 4 projection
+    shortcuts' beside them) normalises to RESIDUAL_GAIN: at 96 x 96 a 1e-3 change of the input then
+    moves the logits by well under 1e-2 (5.8e-3 measured; with unit branches 4e-2: a chaotic net that
+    amplifies every implementation's rounding), while other images still give other logits."""
+    from convforge import models
+    from convforge.graph.reference import RESIDUAL_GAIN, calibrate_batchnorm, residual_branch_norms
+
+    g = models.load("resnet50", batch=1, input_size=96)
+    branch = residual_branch_norms(g)
+    assert len(branch) == 16 and all(name.endswith("branch2c") for name in branch), sorted(branch)
+    logits = g.producer(g.outputs[0]).inputs[0]
+    g.outputs = [logits]
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal(g.input_shape)
+
+    def sensitivity() -> float:
+        a = run_reference(g, x)[logits]
+        b = run_reference(g, x * (1 + 1e-3 * rng.standard_normal(x.shape)))[logits]
+        other = run_reference(g, rng.standard_normal(x.shape))[logits]
+        assert np.linalg.norm(other - a) > 0.1 * np.linalg.norm(a)  # the logits depend on the image
+        return float(np.linalg.norm(b - a) / np.linalg.norm(a))
+
+    assert sensitivity() < 1e-2
+    assert RESIDUAL_GAIN < 1
+    calibrate_batchnorm(g, residual_gain=1.0)
+    assert sensitivity() > 2e-2  # unit branches: the chaotic net this guards against
+    with pytest.raises(ValueError, match=r"residual_gain \(0\) must be in \(0, 1\]"):
+        calibrate_batchnorm(g, residual_gain=0)
 
 def test_caffemodel_statistics_are_kept(tmp_path) -> None:
     """Statistics given by a caffemodel are the network's: fill_weights leaves them as read."""
