@@ -58,56 +58,56 @@ def sass_report(source: str, arch: str = "sm_90") -> tuple[list[PtxasInfo], str]
 
 def _compile(source: str, arch: str, sass: bool) -> tuple[str, str]:
     """(ptxas log, SASS text or "") of ``source``; RuntimeError naming what failed."""
-    from convforge.codegen.render import ARCH_SPECIFIC_MARK
-
-    if ARCH_SPECIFIC_MARK in source and not arch.endswith("a"):
-        arch += "a"  # wgmma & co. exist only on the arch-specific target (sm_90a)
-    nvcc, dump = nvcc_path(), cuobjdump_path() if sass else None
-    if nvcc is None:
-        raise RuntimeError("nvcc not found on PATH")
+    arch = _arch_for(source, arch)
+    dump = cuobjdump_path() if sass else None
     if sass and dump is None:
         raise RuntimeError("cuobjdump / nvdisasm not found (CUDA toolkit, or pip install "
                            "nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
     with tempfile.TemporaryDirectory() as tmp:
-        src, cubin = os.path.join(tmp, "k.cu"), os.path.join(tmp, "k.cubin")
-        with open(src, "w") as f:
-            f.write(source)
+        cubin = os.path.join(tmp, "k.cubin")
         # An arch-specific target (sm_90a) through -gencode: the -arch=sm_90a shorthand also runs a
         # plain sm_90 pass on newer nvcc, which rejects wgmma / setmaxnreg (HOPPER.md).
         target = f"-gencode=arch=compute_{arch[3:]},code={arch}" if arch.endswith("a") else f"-arch={arch}"
-        proc = subprocess.run([nvcc, target, "-cubin", "-std=c++17", "-Xptxas", "-v",
-                               "-o", cubin, src], capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"nvcc failed:\n{proc.stderr}")
+        log = _nvcc(tmp, source, [target, "-cubin", "-Xptxas", "-v"], cubin)
         if not dump:
-            return proc.stderr, ""
+            return log, ""
         env = dict(os.environ, NVDISASM_PATH=os.path.dirname(tool_path("nvdisasm") or ""))
         dis = subprocess.run([dump, "-sass", cubin], capture_output=True, text=True, env=env)
         if dis.returncode != 0:
             raise RuntimeError(f"cuobjdump failed:\n{dis.stderr}")
-        return proc.stderr, dis.stdout
+        return log, dis.stdout
 
 
 def ptx_text(source: str, arch: str = "sm_90") -> str:
     """The PTX nvcc's front end makes of ``source`` (what ptxas is given): for checks of values the
     front end folds, such as the operands of an unrolled loop's inline assembly."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "k.ptx")
+        _nvcc(tmp, source, [f"-arch={_arch_for(source, arch)}", "-ptx"], ptx)
+        with open(ptx) as f:
+            return f.read()
+
+
+def _arch_for(source: str, arch: str) -> str:
+    """``arch``, made arch-specific (sm_90a) where the source uses wgmma & co., which exist only there."""
     from convforge.codegen.render import ARCH_SPECIFIC_MARK
 
-    if ARCH_SPECIFIC_MARK in source and not arch.endswith("a"):
-        arch += "a"
+    return arch + "a" if ARCH_SPECIFIC_MARK in source and not arch.endswith("a") else arch
+
+
+def _nvcc(tmp: str, source: str, flags: list[str], out: str) -> str:
+    """Compile ``source`` (written to ``tmp``) with nvcc ``flags`` into ``out``; its log, or
+    RuntimeError with the log when nvcc is missing or fails."""
     nvcc = nvcc_path()
     if nvcc is None:
         raise RuntimeError("nvcc not found on PATH")
-    with tempfile.TemporaryDirectory() as tmp:
-        src, ptx = os.path.join(tmp, "k.cu"), os.path.join(tmp, "k.ptx")
-        with open(src, "w") as f:
-            f.write(source)
-        proc = subprocess.run([nvcc, f"-arch={arch}", "-ptx", "-std=c++17", "-o", ptx, src],
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"nvcc failed:\n{proc.stderr}")
-        with open(ptx) as f:
-            return f.read()
+    src = os.path.join(tmp, "k.cu")
+    with open(src, "w") as f:
+        f.write(source)
+    proc = subprocess.run([nvcc, *flags, "-std=c++17", "-o", out, src], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"nvcc failed:\n{proc.stderr}")
+    return proc.stderr
 
 
 def parse_ptxas(log: str) -> list[PtxasInfo]:
