@@ -135,6 +135,17 @@ def test_sweep_mods_time_the_default_and_its_changes(ocl, tmp_path: Path,  # typ
     assert got[1] == {**got[0], "tk": 2} and got[2] == {**got[0], "tp": 2, "tq": 1}
 
 
+def test_sweep_takes_the_dtype(ocl, tmp_path: Path,  # type: ignore[no-untyped-def]
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    """--dtype fp16 sweeps the half layers (round 27: the sweep ignored it and found no half variant)."""
+    out = tmp_path / "out"
+    rc, text = run_main(["bench", "--suite", _suite(tmp_path), "--limit", "1", "--backend", "opencl", "--sweep",
+                         "--algo", "direct", "--dtype", "fp16", "--sweep-mods", "default", "--out", str(out)], capsys)
+    assert rc == 0, text
+    rows = json.loads((out / "sweep.json").read_text())["rows"]
+    assert rows and all("float16" in r["spec"] and r["status"] == "ok" for r in rows), rows
+
+
 BAD_SWEEPS = [
     (["--sweep"], "--sweep needs --algo"),
     (["--sweep", "--algo", "auto"], "--sweep needs --algo"),

@@ -308,8 +308,8 @@ def _run_sweep(args: argparse.Namespace, console: Console) -> int:
     """``--sweep``: the points of each ``--algo`` variant's space on every layer, in one precision class
     (relaxed when ``--precision`` names it, so families admit their relaxed variants)."""
     be = _backends(args)[0]
-    layers = _with_layout(layer_passes(load_suite(args.suite, args.limit), getattr(args, "conv_pass", None)),
-                          getattr(args, "layout", None), [be])
+    suite = _with_dtype(load_suite(args.suite, args.limit), getattr(args, "dtype", None))
+    layers = _with_layout(layer_passes(suite, getattr(args, "conv_pass", None)), getattr(args, "layout", None), [be])
     env = runner.environment([be], "none")
     report.print_header(console, env, args.suite, len(layers))
     prec = "relaxed" if "relaxed" in precisions(args.precision_classes) else "fp32"
