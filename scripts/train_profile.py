@@ -4,6 +4,8 @@ training section). With --forward: an inference forward, PyTorch FP32 eager agai
 
     python scripts/train_profile.py --model resnet50 --batch 32 [--steps 5] [--top 14] [--forward]
                                     [--precision relaxed]   # PyTorch TF32 against the relaxed class
+                                    [--fused]   # fuse() in training mode: batch norm, add, ReLU ours too
+                                    [--host]    # also: each side's host time per step, and where ours goes
 
 The step is `convforge bench --train`'s (forward, cross-entropy, backward, SGD with momentum, one
 fixed batch, training mode). Each side prints its GPU time per step and the operators that take
@@ -54,6 +56,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--forward", action="store_true", help="eval-mode forward: PyTorch against fuse()")
+    ap.add_argument("--fused", action="store_true",
+                    help="train fuse()'s model (batch norm, residual add and ReLU on convforge's kernels; they "
+                    "launch outside any aten op, so their time is in the last row) instead of convert()'s")
+    ap.add_argument("--host", action="store_true",
+                    help="also time each side's host work per step (steps enqueued without waiting for the GPU, "
+                    "the queue kept short) and print convforge's Python functions by own time (cProfile)")
     ap.add_argument("--precision", default="fp32", choices=("fp32", "relaxed"),
                     help="relaxed: PyTorch with TF32 convolutions and matmuls against convert(precision='relaxed')")
     a = ap.parse_args()
@@ -79,9 +87,45 @@ def main() -> None:
             report(f"{a.model} N{a.batch} {name}", profile(_forward_fn(m, x), a.steps), a.steps, a.top)
         return
     ours = copy.deepcopy(model).cuda()
-    ct.convert(ours, precision=a.precision)
-    for name, m in ((base, ref), (f"convforge (converted, {a.precision})", ours)):
-        report(f"{a.model} N{a.batch} {name}", profile(training.step_fn(m, x, target), a.steps), a.steps, a.top)
+    if a.fused:
+        ours, _ = ct.fuse(ours, precision=a.precision)
+    else:
+        ct.convert(ours, precision=a.precision)
+    how = "fused" if a.fused else "converted"
+    for name, m in ((base, ref), (f"convforge ({how}, {a.precision})", ours)):
+        step = training.step_fn(m, x, target)
+        report(f"{a.model} N{a.batch} {name}", profile(step, a.steps), a.steps, a.top)
+        if a.host:
+            host(name, step, a.steps, a.top * 2 if m is ours else 0)
+
+
+def host(name: str, step: Any, steps: int, top: int) -> None:
+    """Host milliseconds per step: each step timed from its call to its return, with the GPU drained
+    before it (so the launch queue never fills and blocks the host); then, for ``top`` > 0, the
+    functions with the most own time under cProfile (which slows Python down: compare ranks, not ms)."""
+    import cProfile
+    import pstats
+    import time
+
+    import torch
+
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    times.sort()
+    print(f"{name}: host {1e3 * times[len(times) // 2]:.3f} ms per step (median of {steps}; GPU drained before each)")
+    if top:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(top)
 
 
 def _forward_fn(model: Any, x: Any) -> Any:

@@ -301,16 +301,21 @@ def _count_pytorch_backward(monkeypatch):
     return _count_calls(monkeypatch, ops, {"_torch_input": "dgrad", "_torch_weight": "wgrad"})
 
 
-def test_cuda_graph_capture_of_a_whole_training_step(gpu, monkeypatch):
-    """A converted model's training step (forward, loss, backward, SGD with momentum) captured in
-    one CUDA graph after warm-up on a side stream; replays on new data track an eager copy stepped
-    on the same data."""
+@pytest.mark.parametrize("how", ["convert", "fuse"])
+def test_cuda_graph_capture_of_a_whole_training_step(gpu, monkeypatch, how):
+    """A converted (or fused: batch norm and ReLU on our training kernels) model's training step
+    (forward, loss, backward, SGD with momentum) captured in one CUDA graph after warm-up on a side
+    stream; replays on new data track an eager copy stepped on the same data, running statistics too."""
     import convforge.torch as ct
 
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     model = _small_model(2)
-    ct.convert(model)
     eager = copy.deepcopy(model)
+    if how == "convert":
+        ct.convert(model)
+        ct.convert(eager)
+    else:
+        model, _ = ct.fuse(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     eopt = torch.optim.SGD(eager.parameters(), lr=0.01, momentum=0.9)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -346,6 +351,8 @@ def test_cuda_graph_capture_of_a_whole_training_step(gpu, monkeypatch):
         torch.testing.assert_close(static_loss, want, rtol=1e-4, atol=1e-5)
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
+    for (name, b), c in zip(model.named_buffers(), eager.buffers()):
+        torch.testing.assert_close(b, c, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_loss_curve_matches_pytorch_within_noise(gpu, monkeypatch):

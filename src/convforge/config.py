@@ -117,6 +117,9 @@ def _env_settings(env: Mapping[str, str]) -> dict[str, tuple[str, Callable[[], A
         # are summed in a fixed order; False also admits atomicAdd reductions (check_deterministic).
         "deterministic": ("CONVFORGE_DETERMINISTIC",
                           lambda: parse_bool("CONVFORGE_DETERMINISTIC", get("CONVFORGE_DETERMINISTIC") or "1")),
+        # Batch norm in training mode (with the add and ReLU after it) on convforge's kernels in fused
+        # models (FusedConv2d, PreActivation: torch/batchnorm.py); off: PyTorch's modules
+        "train_bn": ("CONVFORGE_TRAIN_BN", lambda: parse_bool("CONVFORGE_TRAIN_BN", get("CONVFORGE_TRAIN_BN") or "1")),
         # The convforge::conv2d op's autograd node in C++ (torch/native.cpp ConvNode) instead of Python's
         # ops._Conv2dFn: off until it has run on a GPU (read when the native module loads)
         "native_autograd": ("CONVFORGE_NATIVE_AUTOGRAD",

@@ -112,6 +112,44 @@ def pass_ref(spec: ConvSpec, inputs: dict[str, np.ndarray]) -> np.ndarray:
     return conv2d_ref(inputs["x"], inputs["w"], spec, inputs.get("bias"))
 
 
+def batchnorm_train_ref(y: np.ndarray, gamma: np.ndarray | None, beta: np.ndarray | None, eps: float,
+                        res: np.ndarray | None = None, relu: bool = True) -> dict[str, np.ndarray]:
+    """Training batch norm over (N, H, W) per channel [+ res] [-> ReLU] in float64: z, the batch
+    mean and biased variance, and the unbiased variance the running statistics take."""
+    y64 = np.asarray(y, np.float64)
+    mean = y64.mean(axis=(0, 2, 3))
+    var = y64.var(axis=(0, 2, 3))
+    m = y64.shape[0] * y64.shape[2] * y64.shape[3]
+    xhat = (y64 - mean[None, :, None, None]) / np.sqrt(var + eps)[None, :, None, None]
+    g = np.ones_like(mean) if gamma is None else np.asarray(gamma, np.float64)
+    b = np.zeros_like(mean) if beta is None else np.asarray(beta, np.float64)
+    z = xhat * g[None, :, None, None] + b[None, :, None, None]
+    if res is not None:
+        z = z + np.asarray(res, np.float64)
+    if relu:
+        z = np.maximum(z, 0.0)
+    return {"z": z, "mean": mean, "var": var, "var_unbiased": var * m / (m - 1), "xhat": xhat}
+
+
+def batchnorm_train_backward_ref(gz: np.ndarray, y: np.ndarray, gamma: np.ndarray | None, eps: float,
+                                 z: np.ndarray | None = None, relu: bool = True) -> dict[str, np.ndarray]:
+    """The gradients of :func:`batchnorm_train_ref` in float64, given dz and (with a ReLU) the
+    forward's z: dy, the residual's gradient (the masked dz), dgamma and dbeta."""
+    fwd = batchnorm_train_ref(y, gamma, None, eps, relu=False)
+    g = np.asarray(gz, np.float64)
+    if relu:
+        assert z is not None, "the ReLU's mask comes from z"
+        g = np.where(np.asarray(z) > 0, g, 0.0)
+    xhat = fwd["xhat"]
+    m = xhat.shape[0] * xhat.shape[2] * xhat.shape[3]
+    dbeta = g.sum(axis=(0, 2, 3))
+    dgamma = (g * xhat).sum(axis=(0, 2, 3))
+    gam = np.ones_like(dbeta) if gamma is None else np.asarray(gamma, np.float64)
+    scale = gam / np.sqrt(fwd["var"] + eps)
+    dy = scale[None, :, None, None] * (g - dbeta[None, :, None, None] / m - xhat * dgamma[None, :, None, None] / m)
+    return {"dy": dy, "dres": g, "dgamma": dgamma, "dbeta": dbeta}
+
+
 def rel_l2(out: np.ndarray, ref: np.ndarray) -> float:
     """‖out − ref‖ / ‖ref‖ in float64; NaN anywhere gives NaN (never passes)."""
     diff = np.asarray(out, dtype=np.float64) - ref

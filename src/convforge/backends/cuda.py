@@ -652,6 +652,56 @@ class CudaExecutable(Executable):
             be.stream = saved
 
 
+class RawLaunches:
+    """Named launch lists of non-conv kernels run on raw device pointers (convforge.torch's training
+    batch norm, kernels/batchnorm.py): one program; per launch a parameter array built once, whose
+    pointer cells are filled per call. Every kernel argument is a buffer (sizes are constants). Calls
+    on one object are not thread-safe (they share the cells), as a conv executable's are not."""
+
+    def __init__(self, backend: CudaBackend, kernels: tuple[Kernel, ...], lists: dict[str, tuple[Launch, ...]],
+                 title: str) -> None:
+        from convforge.codegen.render import render
+
+        program = backend.program(render(list(kernels), "cuda", title))
+        by_name = {k.name: k for k in kernels}
+        with cp.cuda.Device(backend.device_id):
+            self.context = _driver().current_context()
+        self._keep: list[Any] = []
+        self._lists: dict[str, list[tuple[tuple[int, ...], int, tuple[tuple[Any, str], ...]]]] = {}
+        for which, launches in lists.items():
+            entries: list[tuple[tuple[int, ...], int, tuple[tuple[Any, str], ...]]] = []
+            for step in launches:
+                kernel = by_name[step.kernel]
+                if not all(isinstance(a, Buf) for a in kernel.args):
+                    raise ValueError(f"{kernel.name}: RawLaunches takes buffer arguments only")
+                cells = [ctypes.c_uint64(0) for _ in step.args]
+                array = (ctypes.c_void_p * max(len(cells), 1))(*[ctypes.addressof(c) for c in cells])
+                self._keep += [*cells, array]
+                lb = kernel.local_buf()
+                head = (int(backend.function(program, kernel).ptr), *step.grid, *step.block, lb.nbytes if lb else 0)
+                entries.append((head, ctypes.addressof(array), tuple(zip(cells, map(str, step.args), strict=True))))
+            self._lists[which] = entries
+
+    def __call__(self, which: str, ptrs: dict[str, int], stream: int) -> None:
+        """Launch list ``which`` on ``stream`` (a raw handle), buffers by name -> device address. The
+        context is checked on every call, one GPU or several: autograd runs backward on its own thread,
+        where nothing may have made the device's context current yet."""
+        drv = _DRIVER or _driver()
+        pushed = drv.current_context() != self.context
+        if pushed:
+            drv.ctx_push(self.context)
+        try:
+            for head, params, cells in self._lists[which]:
+                for cell, name in cells:
+                    cell.value = ptrs[name]
+                drv.launch(*head, stream, params, 0)
+        except drv.error as err:
+            raise RuntimeError(f"cuLaunchKernel failed for {which}: {err}") from err
+        finally:
+            if pushed:
+                drv.ctx_pop(ctypes.byref(ctypes.c_void_p()))
+
+
 def _external_stream(handle: int, device: int) -> Any:
     """A CuPy stream object over a raw handle: ``Stream.from_external`` where CuPy has it (14
     deprecates ``ExternalStream``), else, or when it refuses a plain handle, ``ExternalStream``."""
@@ -693,7 +743,7 @@ def torch_runner(exe: CudaExecutable, device: int) -> Callable[..., Any]:
 
     if output_buffer(exe.plan) != "y":  # a backward pass (dgrad, wgrad) or the bias gradient
         return torch_pass_runner(exe, device)
-    stream_of, is_capturing = _torch_stream_queries()
+    stream_of, is_capturing = torch_stream_queries()
     exe.reserve(stream_of(device))
     shape, launch = exe.plan.spec.y_shape, exe.launch_raw
     filters = (FilterCache(lambda w, out: _torch_transform(exe, w, out), is_capturing)
@@ -739,7 +789,7 @@ def torch_runner(exe: CudaExecutable, device: int) -> Callable[..., Any]:
     return run
 
 
-def _torch_stream_queries() -> tuple[Callable[[int], int], Callable[[], bool]]:
+def torch_stream_queries() -> tuple[Callable[[int], int], Callable[[], bool]]:
     """(raw handle of torch's current stream on a device, whether the current stream captures a
     CUDA graph), through torch's cheapest accessors."""
     import torch
@@ -765,7 +815,7 @@ def torch_pass_runner(exe: CudaExecutable, device: int) -> Callable[..., Any]:
     capture the whole plan runs. A wgrad plan writes the filters, so nothing is cached for it."""
     import torch
 
-    stream_of, is_capturing = _torch_stream_queries()
+    stream_of, is_capturing = torch_stream_queries()
     exe.reserve(stream_of(device))
     out_name = output_buffer(exe.plan)
     slot, shape, launch = CONV_BUFFERS.index(out_name), exe.plan.spec.shape_of(out_name), exe.launch_raw

@@ -162,7 +162,10 @@ class Renderer:
         raise NotImplementedError
 
     def ctype(self, name: str) -> str:
-        """A buffer's element type as this back-end spells it ("half" / "bfloat16": half storage)."""
+        """A buffer's element type as this back-end spells it ("half" / "bfloat16": half storage; the
+        dialect's integer words U64 / I64)."""
+        if name in ("U64", "I64"):
+            return self.words[name]
         return _HALF_CTYPES[self.name].get(name, name)
 
     def kernel_head(self, k: Kernel, params: str) -> str:  # pragma: no cover - abstract

@@ -50,10 +50,12 @@ from convforge.backends import get_backend
 from convforge.config import config
 from convforge.plan import Epilogue, Prologue
 from convforge.spec import ConvSpec
+from convforge.torch import batchnorm as bn_train
 from convforge.torch.modules import Conv2d, compute_dtype, padding_quad, read_tensor, reads_nhwc
 
 _F32 = torch.float32
 _CAPTURING = torch.cuda.is_current_stream_capturing
+_GRAD = torch.is_grad_enabled
 _FOLD = ("fold",)  # the folded weights' key in the module's _cf_cache
 _PRE_FOLD = ("prefold",)  # the prologue's folded scale and shift
 
@@ -80,6 +82,8 @@ class PreActivation(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.passes_through():
             return x
+        if bn_train.takes(self.bn, x):  # training: our batch norm (+ ReLU) kernels
+            return bn_train.bn_act(x, self.bn, None, self.relu)
         y = self.bn(x)
         return torch.relu(y) if self.relu else y
 
@@ -141,6 +145,8 @@ class FusedConv2d(Conv2d):
         pre = self._cf_pre
         if pre is not None and not pre.passes_through():
             return self.unfused(x, res)  # the node ran the batch norm and ReLU: x is activated
+        if _GRAD() and self._parameters["weight"].requires_grad:  # training: never folded (_folds)
+            return self.unfused(x if pre is None else pre.activate(x), res)
         src = _sources(self)
         if self._folds(x, res, src) and (pre is None or _pre_folds(pre)):
             y = self._folded_forward(x, res, src)
@@ -149,10 +155,15 @@ class FusedConv2d(Conv2d):
         return self.unfused(x if pre is None else pre.activate(x), res)
 
     def unfused(self, x: torch.Tensor, res: Any = None) -> torch.Tensor:
-        """conv -> batch norm (the module itself) -> + res -> ReLU, as the original model ran."""
+        """conv -> batch norm -> + res -> ReLU, as the original model ran: the batch norm in training
+        mode, the add and the ReLU on convforge's kernels where :func:`bn_train.takes` them, else the
+        module itself and PyTorch's ops."""
         y = Conv2d.forward(self, x)
-        if self._cf_bn is not None:
-            y = self._cf_bn(y)
+        bn = self._cf_bn
+        if bn is not None and bn_train.takes(bn, y, res):
+            return bn_train.bn_act(y, bn, res, self._cf_relu)
+        if bn is not None:
+            y = bn(y)
         if res is not None:
             y = y + res
         return torch.relu(y) if self._cf_relu else y

@@ -1,0 +1,128 @@
+"""Batch norm in training mode [+ residual] [-> ReLU] on convforge's kernels (``kernels/batchnorm.py``).
+
+What ``FusedConv2d`` (conv -> batch norm [-> + residual] [-> ReLU]) and ``PreActivation`` (batch norm [->
+ReLU] before convs) run in training mode on CUDA float32 NCHW activations, instead of PyTorch's
+``cudnn_batch_norm``, ``add_`` and ``relu_`` and their backward ops: three kernels forward (statistics,
+finalize, normalise + add + ReLU) and three backward, fewer passes over the activation, every reduction in a
+fixed order. The module's state changes as ``torch.nn.BatchNorm2d.forward`` changes it: running mean and
+unbiased variance with the momentum, ``num_batches_tracked`` + 1, all three inside the finalize kernel
+(their version counters bumped, so folds cached by version see the update). Anything else (a momentum of
+None, half or channels-last activations, eval mode, ``torch.compile`` tracing, ``config.train_bn`` off)
+keeps PyTorch's modules: :func:`takes` says which. Double backward is not supported
+(``once_differentiable``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from convforge.backends import get_backend
+from convforge.config import config
+from convforge.kernels.batchnorm import ST, BnProgram, BnTrain, bn_program
+
+_F32 = torch.float32
+_PROGRAMS: dict[tuple[Any, ...], tuple[BnTrain, BnProgram, Any, Any]] = {}  # call key -> (shape, kernels, launcher,
+# torch's raw-stream query)
+_NST = len(ST)
+
+
+def takes(bn: torch.nn.BatchNorm2d, y: torch.Tensor, res: Any = None) -> bool:
+    """Whether :func:`bn_act` runs this training batch norm (module docstring); else the caller runs
+    PyTorch's modules. The module's tensors are read from its dicts (``getattr`` on a module is slow)."""
+    if not (config.train_bn and bn.training and bn.momentum is not None and isinstance(y, torch.Tensor)):
+        return False
+    if not (y.is_cuda and y.dtype == _F32 and y.dim() == 4 and y.is_contiguous() and y.data_ptr() % 16 == 0):
+        return False
+    if y.shape[1] != bn.num_features or y.shape[0] * y.shape[2] * y.shape[3] < 2 or torch.compiler.is_compiling():
+        return False
+    if res is not None and not (isinstance(res, torch.Tensor) and res.shape == y.shape and res.dtype == _F32
+                                and res.device == y.device and res.is_contiguous() and res.data_ptr() % 16 == 0):
+        return False
+    p, b = bn._parameters, bn._buffers
+    ts = (p.get("weight"), p.get("bias"), b.get("running_mean"), b.get("running_var"))
+    for t in ts:
+        if t is not None and not (t.device == y.device and t.dtype == _F32 and t.is_contiguous()):
+            return False
+    return ((ts[0] is None) == (ts[1] is None) and (ts[2] is None) == (ts[3] is None)
+            == (b.get("num_batches_tracked") is None))
+
+
+def bn_act(y: torch.Tensor, bn: torch.nn.BatchNorm2d, res: torch.Tensor | None = None,
+           relu: bool = True) -> torch.Tensor:
+    """[ReLU](batch_norm(y) [+ res]) with batch statistics, the module's running statistics and batch count
+    updated; differentiable in y, res and the module's weight and bias. The caller checked :func:`takes`."""
+    p, b = bn._parameters, bn._buffers
+    gamma, rmean = p.get("weight"), b.get("running_mean")
+    n, c, h, w = y.shape
+    key = (n, c, h * w, relu, res is not None, gamma is not None, rmean is not None, bn.eps, bn.momentum,
+           y.device.index or 0)
+    prog = _PROGRAMS.get(key) or _program(key)
+    return _BnAct.apply(y, res, gamma, p.get("bias"), rmean, b.get("running_var"),  # type: ignore[no-any-return]
+                        b.get("num_batches_tracked"), prog)
+
+
+def _program(key: tuple[Any, ...]) -> tuple[BnTrain, BnProgram, Any, Any]:
+    """(shape, kernels, their launcher on raw pointers, torch's raw-stream query) of a call key
+    (:func:`bn_act`), compiled once per process (the CUDA back-end, and CuPy, load on first use)."""
+    from convforge.backends.cuda import RawLaunches, torch_stream_queries
+
+    n, c, hw, relu, residual, affine, track, eps, momentum, device = key
+    shape = BnTrain(n, c, hw, relu, residual, affine, track, float(eps), float(momentum))
+    be = get_backend("cuda", device)
+    prog = bn_program(shape, be.device)
+    run = RawLaunches(be, prog.kernels, {"forward": prog.forward, "backward": prog.backward},  # type: ignore[arg-type]
+                      f"batch norm (training) {shape.n}x{shape.c}x{shape.hw}{shape.tag()}")
+    hit = _PROGRAMS[key] = (shape, prog, run, torch_stream_queries()[0])
+    return hit
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+class _BnAct(torch.autograd.Function):
+    """The autograd node: saves y, the statistics (kernels/batchnorm.py ``ST``) and, with a residual and a
+    ReLU, z (whose sign is the mask); without a residual the mask is recomputed from y. Scratch and
+    statistics share one allocation a pass (forward: st, part; backward: dgamma, dbeta, cf, part)."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, res: torch.Tensor | None, gamma: torch.Tensor | None,  # type: ignore[override]
+                beta: torch.Tensor | None, rmean: torch.Tensor | None, rvar: torch.Tensor | None,
+                nbt: torch.Tensor | None, prog: tuple[BnTrain, BnProgram, Any, Any]) -> torch.Tensor:
+        shape, kernels, run, stream_of = prog
+        z = torch.empty_like(y)
+        ws = y.new_empty(_NST * shape.c + kernels.part)
+        st = ws.data_ptr()
+        run("forward", {"y": y.data_ptr(), "res": _ptr(res), "z": z.data_ptr(), "gamma": _ptr(gamma),
+                        "beta": _ptr(beta), "rmean": _ptr(rmean), "rvar": _ptr(rvar), "nbt": _ptr(nbt), "st": st,
+                        "part": st + 4 * _NST * shape.c}, stream_of(y.device.index or 0))
+        if rmean is not None and rvar is not None and nbt is not None:
+            torch.autograd.graph.increment_version((rmean, rvar, nbt))
+        ctx.prog = prog
+        ctx.save_for_backward(y, z if shape.relu and shape.residual else None, ws)
+        return z
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, gz: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        shape, kernels, run, stream_of = ctx.prog
+        y, z, st = ctx.saved_tensors
+        if not gz.is_contiguous() or gz.data_ptr() % 16:
+            gz = gz.clone(memory_format=torch.contiguous_format)
+        c = shape.c
+        dy = torch.empty_like(y)
+        gm = torch.empty_like(y) if shape.relu and shape.residual else None
+        ws = y.new_empty(4 * c + kernels.part)
+        at = ws.data_ptr()
+        run("backward", {"gz": gz.data_ptr(), "y": y.data_ptr(), "z": _ptr(z), "st": st.data_ptr(), "gm": _ptr(gm),
+                         "dg": at, "cf": at + 8 * c, "part": at + 16 * c, "dy": dy.data_ptr()},
+            stream_of(y.device.index or 0))
+        dres = None
+        if shape.residual and ctx.needs_input_grad[1]:
+            dres = gm if shape.relu else gz
+        dgamma = ws[:c] if shape.affine and ctx.needs_input_grad[2] else None
+        dbeta = ws[c:2 * c] if shape.affine and ctx.needs_input_grad[3] else None
+        return dy, dres, dgamma, dbeta, None, None, None, None

@@ -1,0 +1,107 @@
+"""Training batch norm [+ residual] [-> ReLU] kernels (kernels/batchnorm.py) on PoCL against float64,
+outputs poisoned with NaN first; the CUDA source compiled by nvcc (registers, no spills)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from conftest import NOMINAL_CUDA
+from convforge.codegen.render import render
+from convforge.kernels.batchnorm import ST, BnTrain, bn_program, host_run, slices
+from convforge.plan import DeviceInfo
+from convforge.reference import batchnorm_train_backward_ref, batchnorm_train_ref, rel_l2
+
+TOL = 1e-5  # relative L2 against float64, every output
+CASES = [
+    BnTrain(2, 3, 35),  # odd H*W (5x7): scalar loads
+    BnTrain(1, 5, 16, residual=True),  # N=1, float4 loads, add + ReLU
+    BnTrain(3, 2, 4, relu=False, residual=True),  # add, no ReLU
+    BnTrain(2, 7, 13, relu=False),  # the downsample branch: batch norm alone
+    BnTrain(2, 4, 9, affine=False, track=False),  # no gamma / beta, no running statistics
+    BnTrain(1, 3, 11 * 11, momentum=0.3, eps=1e-3),
+]
+
+
+def _ids(bn: BnTrain) -> str:
+    return f"{bn.n}x{bn.c}x{bn.hw}{bn.tag()}{'' if bn.affine else '_noaffine'}{'' if bn.track else '_notrack'}"
+
+
+def _inputs(bn: BnTrain, rng: np.random.Generator, offset: float = 0.5) -> dict[str, np.ndarray]:
+    shape = (bn.n, bn.c, bn.hw, 1)
+    arrays = {"y": (offset + rng.standard_normal(shape)).astype(np.float32)}
+    if bn.residual:
+        arrays["res"] = rng.standard_normal(shape).astype(np.float32)
+    if bn.affine:
+        arrays["gamma"] = (1 + 0.3 * rng.standard_normal(bn.c)).astype(np.float32)
+        arrays["beta"] = (0.2 * rng.standard_normal(bn.c)).astype(np.float32)
+    if bn.track:
+        arrays["rmean"] = rng.standard_normal(bn.c).astype(np.float32)
+        arrays["rvar"] = (1 + rng.random(bn.c)).astype(np.float32)
+        arrays["nbt"] = np.array([41], np.int64)
+    return arrays
+
+
+def _check(ocl, bn: BnTrain, seed: int, offset: float = 0.5, device: DeviceInfo | None = None) -> None:  # type: ignore[no-untyped-def]
+    rng = np.random.default_rng(seed)
+    arrays = _inputs(bn, rng, offset)
+    prog = bn_program(bn, device or ocl.device)
+    out = host_run(ocl, bn, "forward", dict(arrays), prog)
+    ref = batchnorm_train_ref(arrays["y"], arrays.get("gamma"), arrays.get("beta"), bn.eps, arrays.get("res"),
+                              bn.relu)
+    assert rel_l2(out["z"], ref["z"]) < TOL, rel_l2(out["z"], ref["z"])
+    st = out["st"].reshape(len(ST), bn.c).astype(np.float64)
+    assert rel_l2(st[0] + st[1], ref["mean"]) < TOL
+    assert rel_l2(st[2], 1 / np.sqrt(ref["var"] + bn.eps)) < TOL
+    if bn.track:
+        want_m = (1 - bn.momentum) * arrays["rmean"] + bn.momentum * ref["mean"]
+        want_v = (1 - bn.momentum) * arrays["rvar"] + bn.momentum * ref["var_unbiased"]
+        assert rel_l2(out["rmean"], want_m) < TOL and rel_l2(out["rvar"], want_v) < TOL
+        assert out["nbt"].tolist() == [42]
+    # backward, the ReLU's mask taken from the kernels' own z (a float64 z could round the other way)
+    gz = rng.standard_normal(out["z"].shape).astype(np.float32)
+    back = {"gz": gz, "y": arrays["y"], "z": out["z"], "st": out["st"]}
+    got = host_run(ocl, bn, "backward", back, prog)
+    want = batchnorm_train_backward_ref(gz, arrays["y"], arrays.get("gamma"), bn.eps, out["z"], bn.relu)
+    assert rel_l2(got["dy"], want["dy"]) < TOL, rel_l2(got["dy"], want["dy"])
+    if bn.affine:
+        dg = got["dg"].reshape(2, bn.c)
+        assert rel_l2(dg[0], want["dgamma"]) < TOL and rel_l2(dg[1], want["dbeta"]) < TOL, (dg, want)
+    if bn.relu and bn.residual:
+        assert rel_l2(got["gm"], want["dres"]) < TOL
+
+
+@pytest.mark.parametrize("bn", CASES, ids=_ids)
+def test_against_float64(ocl, bn: BnTrain) -> None:  # type: ignore[no-untyped-def]
+    _check(ocl, bn, seed=hash(_ids(bn)) % 1000)
+
+
+def test_a_mean_far_from_zero_keeps_the_variance(ocl) -> None:  # type: ignore[no-untyped-def]
+    """Mean 1000, spread 1: E[y^2] - E[y]^2 in float32 would lose the variance; the shifted sums do not."""
+    _check(ocl, BnTrain(2, 3, 64), seed=7, offset=1000.0)
+
+
+def test_channels_split_over_slices(ocl) -> None:  # type: ignore[no-untyped-def]
+    """A GPU-sized device splits each channel over several blocks; the slices add in order."""
+    gpu_like = dataclasses.replace(ocl.device, is_gpu=True, units=64, max_threads=max(ocl.device.max_threads, 256))
+    bn = BnTrain(2, 3, 8192, residual=True)
+    assert slices(bn, gpu_like) == 2
+    _check(ocl, bn, seed=3, device=gpu_like)
+
+
+def test_bad_shapes_name_the_problem() -> None:
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        BnTrain(1, 4, 1)
+    with pytest.raises(ValueError, match="momentum"):
+        BnTrain(2, 4, 4, momentum=1.5)
+
+
+def test_cuda_source_compiles_without_spills(nvcc_ok) -> None:  # type: ignore[no-untyped-def]
+    from convforge.codegen.nvcc import ptxas_report
+
+    for bn in (BnTrain(32, 256, 56 * 56, residual=True), BnTrain(32, 2048, 49), BnTrain(512, 256, 128 * 128)):
+        prog = bn_program(bn, NOMINAL_CUDA)
+        infos = ptxas_report(render(list(prog.kernels), "cuda", "bn"))
+        assert len(infos) == 6 and all(i.spill_stores == 0 and i.spill_loads == 0 for i in infos), infos

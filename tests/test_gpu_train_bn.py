@@ -1,0 +1,188 @@
+"""GPU tier of training batch norm on convforge's kernels (torch/batchnorm.py; skips without a CUDA device
+or torch): ``bn_act`` against float64 (outputs, running statistics, every gradient) within the class of
+PyTorch FP32's own error, odd shapes, bit-identical reruns, the fused ResNet's training path through it,
+its fallbacks to PyTorch's modules.
+
+Run on the lent GPU: ``python -m pytest -q tests/test_gpu_train_bn.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch", reason="GPU tier of training: torch not installed")
+F = torch.nn.functional
+FP32 = 5e-6
+
+# (N, C, H, W, residual, relu, affine, track): H*W odd (scalar loads) and multiples of 4 (float4), N=1,
+# a ResNet-50 stage-1 block at N=32 (channels split over slices), batch norm alone, no affine, no running stats
+CASES = [(32, 64, 56, 56, True, True, True, True), (1, 3, 7, 7, False, True, True, True),
+         (2, 5, 9, 11, True, False, True, True), (3, 7, 13, 13, False, False, True, True),
+         (4, 8, 6, 6, True, True, False, True), (2, 16, 28, 28, False, True, True, False),
+         (8, 2048, 7, 7, True, True, True, True)]
+
+
+def _rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def _module(c, affine, track, seed):
+    torch.manual_seed(seed)
+    bn = torch.nn.BatchNorm2d(c, affine=affine, track_running_stats=track, momentum=0.2).cuda().train()
+    if affine:
+        with torch.no_grad():
+            bn.weight.uniform_(0.5, 1.5)
+            bn.bias.uniform_(-0.5, 0.5)
+    if track:
+        with torch.no_grad():
+            bn.running_mean.uniform_(-1, 1)
+            bn.running_var.uniform_(0.5, 2)
+    return bn
+
+
+def _pytorch(bn, y, res, relu):
+    z = bn(y)
+    if res is not None:
+        z = z + res
+    return torch.relu(z) if relu else z
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:4])) + "".join(
+    t for t, on in zip(("_res", "_relu", "", ""), c[4:6]) if on) + ("" if c[6] else "_noaffine")
+    + ("" if c[7] else "_notrack"))
+def test_bn_act_matches_float64(gpu, case):
+    from convforge.torch import batchnorm as bt
+
+    n, c, h, w, residual, relu, affine, track = case
+    ours = _module(c, affine, track, 0)
+    ref32, ref64 = copy.deepcopy(ours), copy.deepcopy(ours).double()
+    g = torch.Generator(device="cuda").manual_seed(1)
+    y = (torch.randn(n, c, h, w, device="cuda", generator=g) * 2 + 0.7).requires_grad_()
+    res = torch.randn(n, c, h, w, device="cuda", generator=g).requires_grad_() if residual else None
+    gz = torch.randn(n, c, h, w, device="cuda", generator=g)
+    assert bt.takes(ours, y, res)
+    torch.full((n, c, h, w), float("nan"), device="cuda")  # a poisoned block where the outputs land
+    z = bt.bn_act(y, ours, res, relu)
+    z.backward(gz)
+    got = {"z": z, "y": y.grad, **({"res": res.grad} if residual else {})}
+    if affine:
+        got.update(weight=ours.weight.grad, bias=ours.bias.grad)
+    grads = {}
+    for name, m, dt in (("32", ref32, torch.float32), ("64", ref64, torch.float64)):
+        yy = y.detach().to(dt).requires_grad_()
+        rr = res.detach().to(dt).requires_grad_() if residual else None
+        zz = _pytorch(m, yy, rr, relu)
+        zz.backward(gz.to(dt))
+        grads[name] = {"z": zz, "y": yy.grad, **({"res": rr.grad} if residual else {})}
+        if affine:
+            grads[name].update(weight=m.weight.grad, bias=m.bias.grad)
+    for key, value in got.items():
+        mine, theirs = _rel(value, grads["64"][key]), _rel(grads["32"][key], grads["64"][key])
+        assert mine <= max(FP32, 2 * theirs), (key, mine, theirs)
+    if track:
+        for buf in ("running_mean", "running_var"):
+            mine, theirs = getattr(ours, buf), getattr(ref64, buf)
+            assert _rel(mine, theirs) <= FP32, (buf, _rel(mine, theirs))
+        assert int(ours.num_batches_tracked) == int(ref64.num_batches_tracked) == 1
+
+
+def test_reruns_are_bit_identical(gpu):
+    from convforge.torch import batchnorm as bt
+
+    bn = _module(64, True, True, 0)
+    y = torch.randn(16, 64, 28, 28, device="cuda", requires_grad=True)
+    outs = []
+    for _ in range(2):
+        y.grad = None
+        z = bt.bn_act(y, bn, None, True)
+        z.backward(torch.ones_like(z))
+        outs.append((z.detach().clone(), y.grad.clone(), bn.weight.grad.clone()))
+        bn.weight.grad = None
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
+def test_running_statistics_update_bumps_their_versions(gpu):
+    """A fold cached by (address, version) in eval mode must see the training step's update."""
+    from convforge.torch import batchnorm as bt
+
+    bn = _module(8, True, True, 0)
+    versions = (bn.running_mean._version, bn.running_var._version)
+    bt.bn_act(torch.randn(2, 8, 5, 5, device="cuda"), bn, None, True)
+    assert bn.running_mean._version > versions[0] and bn.running_var._version > versions[1]
+
+
+def _resnet():
+    tv = pytest.importorskip("torchvision", reason="GPU tier: torchvision not installed")
+    torch.manual_seed(0)
+    return tv.models.resnet18(num_classes=10).cuda().train()
+
+
+def test_fused_resnet_trains_through_our_batch_norm(gpu, monkeypatch):
+    """fuse(resnet18) in training mode: every batch norm through bn_act (the residual adds and ReLUs with
+    them), every parameter's gradient and running statistic within the class of PyTorch FP32's error
+    against float64, then eval mode (folded, with the updated statistics) agrees with PyTorch's."""
+    import convforge.torch as ct
+    from convforge.config import config
+    from convforge.torch import batchnorm as bt
+
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    calls = {"n": 0, "res": 0}
+    real = bt.bn_act
+
+    def counted(y, bn, res=None, relu=True):
+        calls["n"] += 1
+        calls["res"] += res is not None
+        return real(y, bn, res, relu)
+
+    monkeypatch.setattr(bt, "bn_act", counted)
+    model = _resnet()
+    ref32, ref64, off = copy.deepcopy(model), copy.deepcopy(model).double(), copy.deepcopy(model)
+    fused, _ = ct.fuse(model)
+    fused_off, _ = ct.fuse(off)  # our convolutions, PyTorch's batch norms: the error our convs alone give
+    x = torch.randn(4, 3, 64, 64, device="cuda")
+    target = torch.randint(0, 10, (4,), device="cuda")
+    F.cross_entropy(fused(x), target).backward()
+    n_bn = sum(isinstance(m, torch.nn.BatchNorm2d) for m in ref32.modules())
+    assert calls == {"n": n_bn, "res": 8}, calls  # resnet18: 20 batch norms, 8 residual adds
+    F.cross_entropy(ref32(x), target).backward()
+    F.cross_entropy(ref64(x.double()), target).backward()
+    monkeypatch.setattr(config, "train_bn", False)
+    F.cross_entropy(fused_off(x), target).backward()
+    assert calls["n"] == n_bn  # off: PyTorch's modules
+    # bound: the class's, or 2x the larger of PyTorch FP32's error and our convolutions' with PyTorch's
+    # batch norms (a gradient deep in the network carries every later layer's dgrad error)
+    for (name, p), p32, p64, q in zip(model.named_parameters(), ref32.parameters(), ref64.parameters(),
+                                      off.parameters()):
+        mine, theirs, convs = _rel(p.grad, p64.grad), _rel(p32.grad, p64.grad), _rel(q.grad, p64.grad)
+        assert mine <= max(FP32, 2 * theirs, 2 * convs), (name, mine, theirs, convs)
+    for (name, b), b64 in zip(model.named_buffers(), ref64.buffers()):
+        if "running" in name:
+            assert _rel(b, b64) <= FP32, (name, _rel(b, b64))
+    fused.eval()
+    ref32.load_state_dict(model.state_dict())
+    ref32.eval()
+    with torch.no_grad():
+        want, got = ref32(x), fused(x)
+    assert _rel(got, want) <= 1e-5
+
+
+@pytest.mark.parametrize("why", ["momentum None", "channels_last", "config off", "eval"])
+def test_what_it_leaves_to_pytorch(gpu, monkeypatch, why):
+    from convforge.config import config
+    from convforge.torch import batchnorm as bt
+
+    bn = _module(8, True, True, 0)
+    y = torch.randn(2, 8, 6, 6, device="cuda")
+    if why == "momentum None":
+        bn.momentum = None
+    elif why == "channels_last":
+        y = y.to(memory_format=torch.channels_last)
+    elif why == "config off":
+        monkeypatch.setattr(config, "train_bn", False)
+    else:
+        bn.eval()
+    assert not bt.takes(bn, y)
