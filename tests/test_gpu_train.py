@@ -440,8 +440,10 @@ def test_bench_train_rows(gpu, tmp_path):
     for impl in ("pytorch_fp32", "pytorch_tf32", "convforge", "convforge_fused"):
         r = by[impl]
         assert r["status"] == "ok" and r["time_ms"] > 0 and len(r["loss_curve"]) == training.STEPS, r
+        assert r["graph_status"] == "ok" and r["graph_ms"] > 0, r  # the whole step captured and replayed
     for impl in ("convforge", "convforge_fused"):
         assert by[impl]["speedup"] > 0 and by[impl]["within_noise"], by[impl]
+        assert by[impl]["graph_speedup"] > 0, by[impl]
     training.write(tmp_path, {}, [], ("fp32",), False, rows)
     assert (tmp_path / "train_losses.csv").read_text().count("\n") == training.STEPS + 1
 

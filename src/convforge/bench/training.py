@@ -9,11 +9,17 @@ weights as ``bench --model``, ``models.build``):
 - ``pytorch_tf32``: PyTorch with TF32 convolutions and matmuls (the relaxed class's baseline);
 - ``convforge``: ``convforge.torch.convert`` (our conv forward and our dgrad, wgrad and bias
   gradient through the op's autograd; everything else PyTorch's);
-- ``convforge_fused``: ``convforge.torch.fuse`` in training mode (our conv, PyTorch's batch norm
-  and ReLU: the same kernels as ``convforge`` with the module structure of inference).
+- ``convforge_fused``: ``convforge.torch.fuse`` in training mode (our conv, and batch norm with the
+  residual add and ReLU after it on our kernels: ``torch/batchnorm.py``).
 
 Time: CUDA events around each step after ``warmup`` steps, the median of ``repeats`` steps (each
-step updates the weights, so filter transforms are redone per step as in real training). Loss
+step updates the weights, so filter transforms are redone per step as in real training). An eager
+step of ResNet-50 is host-bound on an H100 on both sides (round 27: PyTorch TF32 24 ms of host work
+for 20 ms of GPU time), so each timed row is also captured whole (forward, loss, backward, SGD) in
+a CUDA graph after warm-up on a side stream and its replay timed the same way: ``graph_ms`` and
+``graph_speedup`` against the class baseline's replay, the host's cost gone from both sides
+(``torch.cuda.graphs``: what a user removes it with). A capture that fails says so in
+``graph_status`` and leaves the eager row standing. Loss
 curve: ``STEPS`` steps from the initial weights on a fresh copy, the loss of each step. Beside
 them, curves only: ``pytorch_fp64`` (the same steps in float64) and ``pytorch_fp32_nobench``
 (PyTorch FP32 with cudnn.benchmark off: other, equally valid FP32 algorithms). ``loss_dev`` is a
@@ -46,11 +52,13 @@ STEPS = 50
 NOISE_SLACK = 4.0
 NOISE_FLOOR = 1e-4
 CLASSES = 1000
-FIELDS = ("model", "batch", "impl", "precision", "baseline", "time_ms", "speedup", "final_loss", "loss_dev",
-          "loss_noise", "within_noise", "status", "converted", "left_to_pytorch", "tuned")
+FIELDS = ("model", "batch", "impl", "precision", "baseline", "time_ms", "speedup", "graph_ms", "graph_speedup",
+          "graph_status", "final_loss", "loss_dev", "loss_noise", "within_noise", "status", "converted",
+          "left_to_pytorch", "tuned")
 NOTE = (f"one training step: forward + cross-entropy + backward + SGD (lr {LR:g}, momentum {MOMENTUM:g}) on one "
         f"fixed random batch, training mode (batch norm on batch statistics); CUDA events, median of the timed "
-        f"steps; loss curves: {STEPS} steps from the same initial weights (seed {SEED}) on every side; "
+        f"steps; graph: the same step captured whole in a CUDA graph, its replay timed (no host cost on either "
+        f"side); loss curves: {STEPS} steps from the same initial weights (seed {SEED}) on every side; "
         "loss_dev: largest relative deviation from PyTorch FP32's curve; loss_noise: the run-to-run noise of FP32 "
         "training (PyTorch FP32 against float64 and against itself with cudnn.benchmark off; TF32's too for "
         "the relaxed class)")
@@ -141,6 +149,30 @@ def _time(step: Callable[[], Any], warmup: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _graph_row(row: dict[str, Any], step: Callable[[], Any], repeats: int) -> None:
+    """``graph_ms``: the step captured whole in a CUDA graph (three warm-up steps on a side stream
+    first: optimizer state, workspaces, runners made outside the capture), the median replay; or
+    ``graph_status`` saying why it could not be captured."""
+    import torch
+
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        row["graph_ms"] = _time(graph.replay, 2, repeats)
+        row["graph_status"] = "ok"
+        del graph
+    except Exception as err:  # noqa: BLE001 - the eager row stands without it
+        row["graph_status"] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+    torch.cuda.synchronize()
+
+
 def bench_train(name: str, batch: int, warmup: int, repeats: int, options: dict[str, Any], *,
                 pytorch: bool = True, tune: bool = False) -> list[dict[str, Any]]:
     """One row per implementation of one model's training step (module docstring); ``pytorch=False``
@@ -164,6 +196,7 @@ def bench_train(name: str, batch: int, warmup: int, repeats: int, options: dict[
                 step()  # first call: choices, compiles, workspace (tuning, with --tune) outside the timing
                 torch.cuda.synchronize()
             row["time_ms"] = _time(step, warmup, repeats)
+            _graph_row(row, step, repeats)
             row["loss_curve"] = loss_curve(step_fn(make(), x, target))
             row["final_loss"] = row["loss_curve"][-1]
         except Exception as err:  # noqa: BLE001 - one failing implementation must not hide the others
@@ -203,6 +236,10 @@ def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     models.compare(rows)
     by = {(r["model"], r["batch"], r["impl"]): r for r in rows}
     for row in rows:
+        base = by.get((row["model"], row["batch"], row.get("baseline")), {})
+        if row.get("graph_ms") and base.get("graph_ms"):
+            row["graph_speedup"] = base["graph_ms"] / row["graph_ms"]
+    for row in rows:
         key = (row["model"], row["batch"])
         ref = by.get((*key, "pytorch_fp32"), {}).get("loss_curve")
         if ref is None or "loss_curve" not in row or row["impl"] == "pytorch_fp32":
@@ -220,12 +257,16 @@ def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]], title: str) -> Table:
     t = Table(title=title)
-    for col in ("model", "batch", "impl", "class", "step ms", "speed-up", "vs", "final loss", "loss dev",
-                "noise", "status"):
+    for col in ("model", "batch", "impl", "class", "step ms", "speed-up", "graph ms", "graph ×", "vs", "final loss",
+                "loss dev", "noise", "status"):
         t.add_column(col)
     for r in rows:
+        graph = r.get("graph_status", "")
         t.add_row(r["model"], str(r["batch"]), r["impl"], r.get("precision", ""), models._f(r.get("time_ms"), ".3f"),
-                  models._f(r.get("speedup"), ".2f"), r.get("baseline", ""), models._f(r.get("final_loss"), ".4f"),
+                  models._f(r.get("speedup"), ".2f"),
+                  models._f(r.get("graph_ms"), ".3f") if graph in ("", "ok") else "failed",
+                  models._f(r.get("graph_speedup"), ".2f"), r.get("baseline", ""),
+                  models._f(r.get("final_loss"), ".4f"),
                   models._f(r.get("loss_dev"), ".1e"), models._f(r.get("loss_noise"), ".1e"), r.get("status", ""))
     return t
 
