@@ -157,7 +157,7 @@ def _centred(lane: str) -> str:
 
 def _sfx(lane: str) -> str:
     """The suffix of a lane's scalar locals: g0..g3 for a float4's x..w, g alone for a float."""
-    return str(".xyzw".index(lane[1])) if lane else ""
+    return str("xyzw".index(lane[1])) if lane else ""
 
 
 def _grad_line(bn: BnTrain, lane: str) -> str:
