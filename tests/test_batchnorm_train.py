@@ -105,3 +105,11 @@ def test_cuda_source_compiles_without_spills(nvcc_ok) -> None:  # type: ignore[n
         prog = bn_program(bn, NOMINAL_CUDA)
         infos = ptxas_report(render(list(prog.kernels), "cuda", "bn"))
         assert len(infos) == 6 and all(i.spill_stores == 0 and i.spill_loads == 0 for i in infos), infos
+
+
+def test_the_switch_is_read_from_the_environment() -> None:
+    """CONVFORGE_TRAIN_BN: on unless 0; a bad value is a clear problem, not a crash."""
+    from convforge.config import Config
+
+    assert Config({}).train_bn is True and Config({"CONVFORGE_TRAIN_BN": "0"}).train_bn is False
+    assert any("CONVFORGE_TRAIN_BN" in p for p in Config({"CONVFORGE_TRAIN_BN": "maybe"}).problems())

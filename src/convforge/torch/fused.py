@@ -17,8 +17,10 @@ Two paths, chosen per call:
   found by ``run`` as ``Conv2d``'s calls are; a plan that adds it is filed under its own key and
   found by ``run_res``.
 - unfused (training, gradients, CPU tensors, torch.compile, anything the folded path does not
-  take): exactly conv -> the batch-norm module itself (running statistics updated as PyTorch does)
-  -> + residual -> ReLU, the conv through ``Conv2d.forward`` (the differentiable op on CUDA).
+  take): exactly conv -> batch norm (running statistics updated as PyTorch does) -> + residual ->
+  ReLU, the conv through ``Conv2d.forward`` (the differentiable op on CUDA); a batch norm in
+  training mode, with the add and ReLU after it, on convforge's kernels (``torch/batchnorm.py``,
+  which says what it takes), else the module itself and PyTorch's ops.
 
 A pre-activation before the conv (batch norm -> ReLU -> conv: DenseNet, pre-activation ResNets;
 ``fuse`` puts a :class:`PreActivation` node where the two were): in eval mode with running
@@ -29,7 +31,8 @@ padding of the activated tensor stays zero; Python fast path only: the native on
 them), or, off the folded path, applies them itself (``F.batch_norm`` in eval mode: no statistics
 change, however many convs read it) before the unfused path; in training mode (or without running
 statistics) the node runs the batch norm module itself, once (running statistics updated as the
-model did), and the ReLU, and the convs take the activated tensor as plain convs.
+model did; on convforge's kernels where ``torch/batchnorm.py`` takes it), and the ReLU, and the
+convs take the activated tensor as plain convs.
 
 The batch norms are references to the modules in the model's hierarchy (not registered
 submodules: ``state_dict`` keeps its keys where they were). CUDA graphs captured in eager inference
