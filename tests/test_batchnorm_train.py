@@ -44,10 +44,12 @@ def _inputs(bn: BnTrain, rng: np.random.Generator, offset: float = 0.5) -> dict[
     return arrays
 
 
-def _check(ocl, bn: BnTrain, seed: int, offset: float = 0.5, device: DeviceInfo | None = None) -> None:  # type: ignore[no-untyped-def]
+def _check(ocl, bn: BnTrain, seed: int, offset: float = 0.5, device: DeviceInfo | None = None,  # type: ignore[no-untyped-def]
+           sp: int | None = None) -> None:
     rng = np.random.default_rng(seed)
     arrays = _inputs(bn, rng, offset)
-    prog = bn_program(bn, device or ocl.device)
+    prog = bn_program(bn, device or ocl.device, sp)
+    assert len(prog.forward) == (1 if (sp or slices(bn, device or ocl.device)) == 1 else 3)
     out = host_run(ocl, bn, "forward", dict(arrays), prog)
     ref = batchnorm_train_ref(arrays["y"], arrays.get("gamma"), arrays.get("beta"), bn.eps, arrays.get("res"),
                               bn.relu)
@@ -73,9 +75,11 @@ def _check(ocl, bn: BnTrain, seed: int, offset: float = 0.5, device: DeviceInfo 
         assert rel_l2(got["gm"], want["dres"]) < TOL
 
 
+@pytest.mark.parametrize("sp", [1, 2], ids=["one-kernel", "split"])
 @pytest.mark.parametrize("bn", CASES, ids=_ids)
-def test_against_float64(ocl, bn: BnTrain) -> None:  # type: ignore[no-untyped-def]
-    _check(ocl, bn, seed=hash(_ids(bn)) % 1000)
+def test_against_float64(ocl, bn: BnTrain, sp: int) -> None:  # type: ignore[no-untyped-def]
+    """Both forms: one block per channel (one kernel a pass) and each channel over two blocks."""
+    _check(ocl, bn, seed=sum(map(ord, _ids(bn))), sp=sp)
 
 
 def test_a_mean_far_from_zero_keeps_the_variance(ocl) -> None:  # type: ignore[no-untyped-def]
@@ -91,20 +95,24 @@ def test_channels_split_over_slices(ocl) -> None:  # type: ignore[no-untyped-def
     _check(ocl, bn, seed=3, device=gpu_like)
 
 
-def test_bad_shapes_name_the_problem() -> None:
+def test_bad_shapes_name_the_problem(ocl) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match="more than 1 value per channel"):
         BnTrain(1, 4, 1)
     with pytest.raises(ValueError, match="momentum"):
         BnTrain(2, 4, 4, momentum=1.5)
+    with pytest.raises(ValueError, match=r"slices per channel \(0\)"):
+        bn_program(BnTrain(2, 4, 4), ocl.device, sp=0)
 
 
 def test_cuda_source_compiles_without_spills(nvcc_ok) -> None:  # type: ignore[no-untyped-def]
     from convforge.codegen.nvcc import ptxas_report
 
     for bn in (BnTrain(32, 256, 56 * 56, residual=True), BnTrain(32, 2048, 49), BnTrain(512, 256, 128 * 128)):
-        prog = bn_program(bn, NOMINAL_CUDA)
-        infos = ptxas_report(render(list(prog.kernels), "cuda", "bn"))
-        assert len(infos) == 6 and all(i.spill_stores == 0 and i.spill_loads == 0 for i in infos), infos
+        for sp in (1, None):  # one kernel a pass, and the split form the device would pick (3 a pass)
+            prog = bn_program(bn, NOMINAL_CUDA, sp)
+            infos = ptxas_report(render(list(prog.kernels), "cuda", "bn"))
+            assert len(infos) == len(prog.kernels) and all(i.spill_stores == 0 and i.spill_loads == 0
+                                                           for i in infos), infos
 
 
 def test_the_switch_is_read_from_the_environment() -> None:

@@ -88,19 +88,21 @@ def test_strided_dgrad_snapshot(name, backend):
 
 
 BN_CASES = {"bn-relu": dict(n=2, c=3, hw=36), "bn-res-relu": dict(n=2, c=3, hw=35, residual=True),
-            "bn-alone": dict(n=2, c=3, hw=36, relu=False, affine=False, track=False)}
+            "bn-alone": dict(n=2, c=3, hw=36, relu=False, affine=False, track=False),
+            "bn-res-relu-split": dict(n=2, c=3, hw=36, residual=True)}  # each channel over 2 blocks
 
 
 @pytest.mark.parametrize("tag", sorted(BN_CASES))
 @pytest.mark.parametrize("backend", ["cuda", "opencl"])
 def test_training_batch_norm_snapshot(tag, backend):
-    """The six training batch-norm kernels (kernels/batchnorm.py): float4 and scalar loads, the
-    residual's masked-gradient store, no affine / no running statistics."""
+    """The training batch-norm kernels (kernels/batchnorm.py): one a pass (a block per channel) and
+    three a pass (channels split over blocks), float4 and scalar loads, the residual's masked-gradient
+    store, no affine / no running statistics."""
     from convforge.codegen.render import render
     from convforge.kernels.batchnorm import BnTrain, bn_program
 
     device = NOMINAL_CUDA if backend == "cuda" else NOMINAL_OPENCL_GPU
-    prog = bn_program(BnTrain(**BN_CASES[tag]), device)
+    prog = bn_program(BnTrain(**BN_CASES[tag]), device, 2 if tag.endswith("split") else None)
     src = render(list(prog.kernels), backend, f"batch norm (training) {tag}")
     path = SNAP / f"batchnorm_train.{tag}.{backend}.txt"
     if os.environ.get("CONVFORGE_UPDATE_SNAPSHOTS"):

@@ -5,6 +5,10 @@ as ``cudnn_batch_norm`` (a statistics pass and a normalising pass), ``add_`` and
 passes over the activation forward, and ``threshold_backward`` plus batch norm's backward (its reductions
 and its elementwise pass), about eight, backward (docs/NOTES-training.md). Here:
 
+With one block per channel (few channels' worth of values, or enough channels to fill the GPU) each pass
+is one kernel: the block reduces its channel, thread 0 finalizes, and the block applies, re-reading the
+channel (from L2 on a GPU). Otherwise, with a channel split over several blocks:
+
 forward   stats     block (j, c): slice j of channel c's N*H*W values as shifted sums, sum(v - k) and
                     sum((v - k)^2) with k the channel's first value (no cancellation when the mean is
                     large against the spread)
@@ -98,14 +102,22 @@ def slices(bn: BnTrain, device: DeviceInfo) -> int:
     return max(1, min(cdiv(4 * max(device.units, 1), bn.c), bn.m // _SLICE))
 
 
-def bn_program(bn: BnTrain, device: DeviceInfo) -> BnProgram:
-    """The forward and backward launches of ``bn`` on ``device``."""
-    sp = slices(bn, device)
+def bn_program(bn: BnTrain, device: DeviceInfo, sp: int | None = None) -> BnProgram:
+    """The forward and backward launches of ``bn`` on ``device``: with one slice per channel
+    (``slices``, or ``sp`` when given) one kernel a pass, else three (module docstring)."""
+    sp = slices(bn, device) if sp is None else sp
+    if not 1 <= sp <= bn.m:
+        raise ValueError(f"{NAME}: slices per channel ({sp}) must be in 1..{bn.m} (N*H*W)")
     bt = 256 if device.is_gpu else 64
     bt = min(bt, device.max_threads)
     v = 4 if bn.hw % 4 == 0 else 1
     ix = "I64" if bn.total > 2**31 - 1 else "int"
     eblock = (BLOCK, 1, 1)
+    if sp == 1:  # a block per channel: statistics, finalize and apply in one kernel a pass
+        one = _reduce_kernel(bn, "stats", 1, bt, v, ix, fused=True)
+        bone = _reduce_kernel(bn, "bwd_reduce", 1, bt, v, ix, fused=True)
+        return BnProgram((one, bone), (Launch(one.name, (1, bn.c, 1), one.block, _names(one)),),
+                         (Launch(bone.name, (1, bn.c, 1), bone.block, _names(bone)),), 0)
     stats = _reduce_kernel(bn, "stats", sp, bt, v, ix)
     fin = _finalize_kernel(bn, sp)
     apply = _apply_kernel(bn, v, ix)
@@ -170,16 +182,17 @@ def _grad_line(bn: BnTrain, lane: str) -> str:
     return f"const float g{_sfx(lane)} = FMA({_centred(lane)}, sc, sh) > 0.0f ? gv{lane} : 0.0f;"
 
 
-def _reduce_kernel(bn: BnTrain, what: str, sp: int, bt: int, v: int, ix: str) -> Kernel:
+def _reduce_kernel(bn: BnTrain, what: str, sp: int, bt: int, v: int, ix: str, fused: bool = False) -> Kernel:
     """Block (j, c): slice j of channel c. "stats": sums of (y - k) and (y - k)^2, k = y[0, c, 0];
     "bwd_reduce": sums of g and g * (y - mean) (and g written to "gm" with a ReLU and a residual).
-    Partial sums land in part[j * C + c] and part[(sp + j) * C + c]."""
+    Partial sums land in part[j * C + c] and part[(sp + j) * C + c]; ``fused`` (one slice: the block
+    holds the whole channel): thread 0 finalizes instead and the block applies (:func:`_fused_tail`)."""
     chunks = bn.m // v
     per = cdiv(chunks, sp)
     bwd = what == "bwd_reduce"
     writes_gm = bwd and bn.relu and bn.residual
     code = Code()
-    code(f"SHARED float s1[{bt}];", f"SHARED float s2[{bt}];",
+    code(f"SHARED float r1[{bt}];", f"SHARED float r2[{bt}];",
          "const int t = LOCAL_ID(0), j = GROUP_ID(0), c = GROUP_ID(1);",
          f"const {ix} base = ({ix})c * {bn.hw};",
          f"const int e1 = min((j + 1) * {per}, {chunks});")
@@ -207,24 +220,72 @@ def _reduce_kernel(bn: BnTrain, what: str, sp: int, bt: int, v: int, ix: str) ->
             gs = [f"d{_sfx(lane)}" for lane in _lanes(v)]
             ds = [f"d{_sfx(lane)} * d{_sfx(lane)}" for lane in _lanes(v)]
         code(f"a1 += {_pairwise(gs)};", f"a2 += {_pairwise(ds)};")
-    code("s1[t] = a1;", "s2[t] = a2;", "BARRIER();")
+    code("r1[t] = a1;", "r2[t] = a2;", "BARRIER();")
     half = bt // 2
     while half >= 1:
         with code.block(f"if (t < {half})"):
-            code(f"s1[t] += s1[t + {half}];", f"s2[t] += s2[t + {half}];")
+            code(f"r1[t] += r1[t + {half}];", f"r2[t] += r2[t + {half}];")
         code("BARRIER();")
         half //= 2
+    what_text = ("sums of the ReLU-masked gradient g and g * (y - mean)" if bwd
+                 else "shifted sums of y and y^2")
+    if fused:
+        return _fused_tail(bn, code, bwd, bt, v, ix, what_text)
     with code.block("if (t == 0)"):
-        code(f"part[j * {bn.c} + c] = s1[0];", f"part[({sp} + j) * {bn.c} + c] = s2[0];")
+        code(f"part[j * {bn.c} + c] = r1[0];", f"part[({sp} + j) * {bn.c} + c] = r2[0];")
     if bwd:
         args = (Buf("gz"), Buf("y"), *((Buf("z"),) if bn.relu and bn.residual else ()), Buf("st"),
                 *((Buf("gm", readonly=False),) if writes_gm else ()), Buf("part", readonly=False))
     else:
         args = (Buf("y"), Buf("part", readonly=False))
-    what_text = ("sums of the ReLU-masked gradient g and g * (y - mean)" if bwd
-                 else "shifted sums of y and y^2")
     return Kernel(f"{_prefix(bn)}_{what}", args, code.text(), (bt, 1, 1),
                   comment=f"{NAME}: {what_text} per (slice, channel), {sp} slice(s), {bt} threads")
+
+
+def _fused_tail(bn: BnTrain, code: Code, bwd: bool, bt: int, v: int, ix: str, what_text: str) -> Kernel:
+    """One block per channel, after its sums: thread 0 finalizes (forward: :func:`_finalize_lines`;
+    backward: dgamma, dbeta, b and d) and hands the block its coefficients through shared memory, then
+    every thread applies over the values it reduced (its own gm stores read back)."""
+    chunks = bn.m // v
+    ftype = "float4" if v == 4 else "float"
+    load = (lambda p: f"VLOAD4(0, {p} + at)") if v == 4 else (lambda p: f"{p}[at]")
+    lanes = _lanes(v)
+    code("SHARED float fin[2];")
+    with code.block("if (t == 0)"):
+        code("const float s1 = r1[0], s2 = r2[0];")
+        if bwd:
+            code(*_bwd_finalize_lines(bn), "fin[0] = b;", "fin[1] = d;")
+        else:
+            code(*_finalize_lines(bn), "fin[0] = dm;", "fin[1] = sc;")
+    code("BARRIER();")
+    code("const float b = fin[0], d = fin[1];" if bwd else
+         f"const float dm = fin[0], sc = fin[1], sh = {'beta[c]' if bn.affine else '0.0f'};")
+    with code.block(f"for (int e = t; e < {chunks}; e += {bt})"):
+        code(f"const {ix} at = base + {_at(bn, v, ix, 'e')};", f"const {ftype} yv = {load('y')};")
+        if bwd:
+            src = "gm" if bn.relu and bn.residual else "gz"
+            code(f"const {ftype} gv = {load(src)};")
+            for lane in lanes:  # with a residual gm is already masked
+                code(_grad_line(bn, lane) if bn.relu and not bn.residual else f"const float g{_sfx(lane)} = gv{lane};")
+            outs = [f"FMA(sc, g{_sfx(lane)}, FMA(b, {_centred(lane)}, d))" for lane in lanes]
+            out = "dy"
+        else:
+            if bn.residual:
+                code(f"const {ftype} rv = {load('res')};")
+            outs = [_apply_value(bn, lane) for lane in lanes]
+            out = "z"
+        code(f"VSTORE4(MAKE_FLOAT4({', '.join(outs)}), 0, {out} + at);" if v == 4 else f"{out}[at] = {outs[0]};")
+    if bwd:
+        writes_gm = bn.relu and bn.residual
+        args: tuple[Buf, ...] = (Buf("gz"), Buf("y"), *((Buf("z"),) if writes_gm else ()), Buf("st"),
+                                 *((Buf("gm", readonly=False),) if writes_gm else ()),
+                                 *((Buf("dg", readonly=False),) if bn.affine else ()), Buf("dy", readonly=False))
+        tail = "dgamma, dbeta and dy"
+    else:
+        args = (Buf("y"), *((Buf("res"),) if bn.residual else ()), *_finalize_args(bn), Buf("z", readonly=False))
+        tail = "statistics, running statistics and z"
+    return Kernel(f"{_prefix(bn)}_{'bwd' if bwd else 'fwd'}_one", args, code.text(), (bt, 1, 1),
+                  comment=f"{NAME}: {what_text}, then {tail}: one block per channel, {bt} threads")
 
 
 def _pairwise(terms: list[str]) -> str:
@@ -244,25 +305,53 @@ def _finalize_kernel(bn: BnTrain, sp: int) -> Kernel:
     code = Code()
     code(f"const int c = GROUP_ID(0) * {BLOCK} + LOCAL_ID(0);", f"if (c >= {bn.c}) return;")
     code(*_sum_slices(bn, sp))
-    code(f"const float k0 = y[(I64)c * {bn.hw}], dm = s1 / {fl(bn.m)};",
-         "const float mean = k0 + dm;",
-         f"const float var = MAX(s2 / {fl(bn.m)} - dm * dm, 0.0f);",
-         f"const float inv = 1.0f / sqrt(var + {fl(bn.eps)});",
-         f"const float sc = {'gamma[c] * inv' if bn.affine else 'inv'};",
-         f"const float sh = {'beta[c]' if bn.affine else '0.0f'};",
-         *[f"st[{i * bn.c} + c] = {n};" for i, n in enumerate(ST)])
-    if bn.track:
-        mom, keep = bn.momentum, 1.0 - bn.momentum
-        code(f"rmean[c] = {fl(keep)} * rmean[c] + {fl(mom)} * mean;",
-             f"rvar[c] = {fl(keep)} * rvar[c] + {fl(mom)} * (var * {fl(bn.m / (bn.m - 1))});",
-             "if (c == 0) nbt[0] += 1;  // num_batches_tracked, as the module's forward counts it")
-    args = (Buf("part"), Buf("y"), *((Buf("gamma"), Buf("beta")) if bn.affine else ()),
-            *((Buf("rmean", readonly=False), Buf("rvar", readonly=False), Buf("nbt", "I64", readonly=False))
-              if bn.track else ()),
-            Buf("st", readonly=False))
+    code(f"const float k0 = y[(I64)c * {bn.hw}];", *_finalize_lines(bn))
+    args = (Buf("part"), Buf("y"), *_finalize_args(bn))
     return Kernel(f"{_prefix(bn)}_finalize", args, code.text(), (BLOCK, 1, 1),
                   comment=f"{NAME}: batch statistics, scale and beta per channel"
                           + (f", running statistics (momentum {bn.momentum})" if bn.track else ""))
+
+
+def _finalize_lines(bn: BnTrain) -> list[str]:
+    """Channel c's statistics from its sums s1, s2 of y - k0: st, the running statistics, the count."""
+    lines = [f"const float dm = s1 / {fl(bn.m)};",
+             "const float mean = k0 + dm;",
+             f"const float var = MAX(s2 / {fl(bn.m)} - dm * dm, 0.0f);",
+             f"const float inv = 1.0f / sqrt(var + {fl(bn.eps)});",
+             f"const float sc = {'gamma[c] * inv' if bn.affine else 'inv'};",
+             f"const float sh = {'beta[c]' if bn.affine else '0.0f'};",
+             *[f"st[{i * bn.c} + c] = {n};" for i, n in enumerate(ST)]]
+    if bn.track:
+        mom, keep = bn.momentum, 1.0 - bn.momentum
+        lines += [f"rmean[c] = {fl(keep)} * rmean[c] + {fl(mom)} * mean;",
+                  f"rvar[c] = {fl(keep)} * rvar[c] + {fl(mom)} * (var * {fl(bn.m / (bn.m - 1))});",
+                  "if (c == 0) nbt[0] += 1;  // num_batches_tracked, as the module's forward counts it"]
+    return lines
+
+
+def _finalize_args(bn: BnTrain) -> tuple[Buf, ...]:
+    return (*((Buf("gamma"), Buf("beta")) if bn.affine else ()),
+            *((Buf("rmean", readonly=False), Buf("rvar", readonly=False), Buf("nbt", "I64", readonly=False))
+              if bn.track else ()),
+            Buf("st", readonly=False))
+
+
+def _apply_value(bn: BnTrain, lane: str) -> str:
+    """z of one value: [ReLU]((y - mean) * scale + beta [+ res])."""
+    val = f"FMA({_centred(lane)}, sc, sh)"
+    if bn.residual:
+        val = f"{val} + rv{lane}"
+    return f"RELU({val})" if bn.relu else val
+
+
+def _bwd_finalize_lines(bn: BnTrain) -> list[str]:
+    """dgamma, dbeta (with an affine) and dy's coefficients b, d from the sums s1 = sum(g) and
+    s2 = sum(g * (y - mean)); ``sc`` loaded by the caller."""
+    lines = [_st(bn, "inv")]
+    if bn.affine:
+        lines += ["dg[c] = s2 * inv;", f"dg[{bn.c} + c] = s1;"]
+    lines += [f"const float b = -sc * inv * inv * (s2 / {fl(bn.m)});", f"const float d = -sc * (s1 / {fl(bn.m)});"]
+    return lines
 
 
 def _elementwise_head(bn: BnTrain, v: int, ix: str) -> list[str]:
@@ -285,12 +374,7 @@ def _apply_kernel(bn: BnTrain, v: int, ix: str) -> Kernel:
         code("const float yv = y[e];")
         if bn.residual:
             code("const float rv = res[e];")
-    outs = []
-    for lane in lanes:
-        val = f"FMA({_centred(lane)}, sc, sh)"
-        if bn.residual:
-            val = f"{val} + rv{lane}"
-        outs.append(f"RELU({val})" if bn.relu else val)
+    outs = [_apply_value(bn, lane) for lane in lanes]
     code(f"VSTORE4(MAKE_FLOAT4({', '.join(outs)}), e, z);" if v == 4 else f"z[e] = {outs[0]};")
     args = (Buf("y"), *((Buf("res"),) if bn.residual else ()), Buf("st"), Buf("z", readonly=False))
     ops = "(y - mean) * scale + beta" + (" + res" if bn.residual else "")
@@ -303,10 +387,7 @@ def _bwd_finalize_kernel(bn: BnTrain, sp: int) -> Kernel:
     code = Code()
     code(f"const int c = GROUP_ID(0) * {BLOCK} + LOCAL_ID(0);", f"if (c >= {bn.c}) return;")
     code(*_sum_slices(bn, sp))
-    code(_st(bn, "inv", "sc"))
-    if bn.affine:
-        code("dg[c] = s2 * inv;", f"dg[{bn.c} + c] = s1;")
-    code(f"cf[c] = -sc * inv * inv * (s2 / {fl(bn.m)});", f"cf[{bn.c} + c] = -sc * (s1 / {fl(bn.m)});")
+    code(_st(bn, "sc"), *_bwd_finalize_lines(bn), "cf[c] = b;", f"cf[{bn.c} + c] = d;")
     args = (Buf("part"), Buf("st"), *((Buf("dg", readonly=False),) if bn.affine else ()), Buf("cf", readonly=False))
     return Kernel(f"{_prefix(bn)}_bwd_finalize", args, code.text(), (BLOCK, 1, 1),
                   comment=f"{NAME}: the gradients of gamma and beta, dy's coefficients")
