@@ -170,7 +170,7 @@ def test_fused_resnet_trains_through_our_batch_norm(gpu, monkeypatch):
     assert _rel(got, want) <= 1e-5
 
 
-@pytest.mark.parametrize("why", ["momentum None", "channels_last", "config off", "eval"])
+@pytest.mark.parametrize("why", ["momentum None", "channels_last", "config off", "eval", "subclass", "inference"])
 def test_what_it_leaves_to_pytorch(gpu, monkeypatch, why):
     from convforge.config import config
     from convforge.torch import batchnorm as bt
@@ -183,6 +183,16 @@ def test_what_it_leaves_to_pytorch(gpu, monkeypatch, why):
         y = y.to(memory_format=torch.channels_last)
     elif why == "config off":
         monkeypatch.setattr(config, "train_bn", False)
+    elif why == "subclass":
+        class Mine(torch.nn.BatchNorm2d):
+            pass
+
+        bn = Mine(8).cuda().train()
+    elif why == "inference":
+        with torch.inference_mode():
+            assert not bt.takes(bn, y)
+        assert bt.takes(bn, y)
+        return
     else:
         bn.eval()
     assert not bt.takes(bn, y)

@@ -24,15 +24,19 @@ from convforge.config import config
 from convforge.kernels.batchnorm import ST, BnProgram, BnTrain, bn_program
 
 _F32 = torch.float32
+_BN = torch.nn.BatchNorm2d
+_INFERENCE = torch.is_inference_mode_enabled
 _PROGRAMS: dict[tuple[Any, ...], tuple[BnTrain, BnProgram, Any, Any]] = {}  # call key -> (shape, kernels, launcher,
 # torch's raw-stream query)
 _NST = len(ST)
 
 
 def takes(bn: torch.nn.BatchNorm2d, y: torch.Tensor, res: Any = None) -> bool:
-    """Whether :func:`bn_act` runs this training batch norm (module docstring); else the caller runs
-    PyTorch's modules. The module's tensors are read from its dicts (``getattr`` on a module is slow)."""
-    if not (config.train_bn and bn.training and bn.momentum is not None and isinstance(y, torch.Tensor)):
+    """Whether :func:`bn_act` runs this training batch norm (module docstring; a ``BatchNorm2d`` itself,
+    not a subclass, outside inference mode); else the caller runs PyTorch's modules. The module's
+    tensors are read from its dicts (``getattr`` on a module is slow)."""
+    if not (config.train_bn and bn.training and bn.momentum is not None and type(bn) is _BN
+            and isinstance(y, torch.Tensor)) or _INFERENCE():  # a subclass (SyncBatchNorm...) may compute otherwise
         return False
     if not (y.is_cuda and y.dtype == _F32 and y.dim() == 4 and y.is_contiguous() and y.data_ptr() % 16 == 0):
         return False
