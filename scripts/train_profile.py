@@ -5,7 +5,8 @@ training section). With --forward: an inference forward, PyTorch FP32 eager agai
     python scripts/train_profile.py --model resnet50 --batch 32 [--steps 5] [--top 14] [--forward]
                                     [--precision relaxed]   # PyTorch TF32 against the relaxed class
                                     [--fused]   # fuse() in training mode: batch norm, add, ReLU ours too
-                                    [--host]    # also: each side's host time per step, and where ours goes
+                                    [--host]    # also: each side's host time per step, its operators by
+                                                # own host time, and ours under cProfile
 
 The step is `convforge bench --train`'s (forward, cross-entropy, backward, SGD with momentum, one
 fixed batch, training mode). Each side prints its GPU time per step and the operators that take
@@ -94,9 +95,23 @@ def main() -> None:
     how = "fused" if a.fused else "converted"
     for name, m in ((base, ref), (f"convforge ({how}, {a.precision})", ours)):
         step = training.step_fn(m, x, target)
-        report(f"{a.model} N{a.batch} {name}", profile(step, a.steps), a.steps, a.top)
+        events = profile(step, a.steps)
+        report(f"{a.model} N{a.batch} {name}", events, a.steps, a.top)
         if a.host:
+            cpu_report(name, events, a.steps, a.top)
             host(name, step, a.steps, a.top * 2 if m is ours else 0)
+
+
+def cpu_report(name: str, events: Any, steps: int, top: int) -> None:
+    """The operators and autograd nodes with the most own host time per step (torch.profiler's self CPU
+    time, profiler overhead included: compare the two sides' ranks and counts, not absolute µs)."""
+    per = sorted(((e.key, e.self_cpu_time_total / steps / 1e3, e.count // steps) for e in events
+                  if e.self_cpu_time_total > 0), key=lambda r: -r[1])
+    total = sum(ms for _, ms, _ in per)
+    print(f"\n{name}: {total:.3f} ms of host time per step under the profiler; by own time:")
+    print(f"{'operator or node':48} {'ms/step':>8} {'share':>6} {'calls':>6}")
+    for key, ms, calls in per[:top]:
+        print(f"{key[:48]:48} {ms:8.3f} {100 * ms / max(total, 1e-9):5.1f}% {calls:6d}")
 
 
 def host(name: str, step: Any, steps: int, top: int) -> None:
