@@ -29,6 +29,27 @@ def test_builtin_sizes() -> None:
     assert [len(suites.load_suite(s)) for s in ("resnet", "boda", "mec")] == [16, 43, 12]
 
 
+
+def test_vgg16_suite_is_the_networks_thirteen_convolutions():
+    """The vgg16 suite: torchvision VGG-16's configuration D at N=16, each distinct 3x3 conv once with its
+    count in the name ('x2': two such layers), 13 in all."""
+    cfg = [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"]
+    convs, c, h = [], 3, 224
+    for v in cfg:
+        if v == "M":
+            h //= 2
+        else:
+            convs.append((c, v, h))
+            c = v
+    layers = suites.load_suite("vgg16")
+    count = {}
+    for layer in layers:
+        s = layer.spec
+        assert (s.n, s.r, s.s, s.stride, s.pad) == (16, 3, 3, (1, 1), (1, 1, 1, 1)), layer.name
+        count[(s.c, s.k, s.h)] = int(layer.name.rsplit(" x", 1)[1])
+    assert sum(count.values()) == len(convs) == 13
+    assert count == {shape: convs.count(shape) for shape in convs}
+
 def test_resnet_shapes() -> None:
     specs = [layer.spec for layer in suites.load_suite("resnet")]
     got = {(s.n, s.c, s.h, s.k) for s in specs}
