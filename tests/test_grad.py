@@ -68,6 +68,32 @@ def test_bias_gradient_matches_float64(poisoned, shape):
     assert rel_l2(db, bias_grad_ref(dy)) < 1e-5
 
 
+@pytest.mark.parametrize("shape,sp", [((1, 1, 1, 1), 1), ((2, 7, 13, 11), 1), ((2, 7, 13, 11), 3), ((3, 5, 4, 7), 2),
+                                      ((1, 3, 16, 16), 5)])
+def test_relu_masked_bias_gradient_matches_float64(poisoned, shape, sp):
+    """The conv -> ReLU node's backward kernel: dy masked by z > 0 (exact zeros masked too, as
+    threshold_backward does) written to gm, and its per-channel sums; odd H*W (scalar loads), H*W a
+    multiple of 4 (float4), a channel split over slices; outputs poisoned."""
+    from convforge.kernels.wgrad import bias_grad_plan
+    from convforge.params import Params
+
+    rng = np.random.default_rng(3)
+    dy = rng.uniform(-1, 1, shape).astype(np.float32)
+    z = np.maximum(rng.uniform(-1, 1, shape), 0).astype(np.float32)  # a ReLU's output: half exact zeros
+    n, k, p, q = shape
+    spec = ConvSpec.make(n, 1, p, q, k, 1, 1, conv_pass="wgrad")
+    plan = bias_grad_plan(spec, poisoned.device, Params(bt=64, sp=min(sp, n * p * q)), relu=True)
+    exe = poisoned.executable(plan)
+    bufs = {"y": poisoned.upload(dy), "z": poisoned.upload(z), "gm": poisoned.empty(dy.nbytes),
+            "bias": poisoned.empty(4 * k)}
+    exe(bufs)
+    gm, db = poisoned.download(bufs["gm"], shape), poisoned.download(bufs["bias"], (k,))
+    want = np.where(z > 0, dy.astype(np.float64), 0.0)
+    assert not np.isnan(gm).any() and not np.isnan(db).any()
+    assert np.array_equal(gm, want.astype(np.float32))  # the mask moves values, no arithmetic
+    assert rel_l2(db, want.sum(axis=(0, 2, 3))) < 1e-5
+
+
 def test_input_size_disambiguates_the_stride(poisoned):
     """With stride 2, inputs of 13 and 14 rows both give 7 output rows: input_size decides."""
     rng = np.random.default_rng(2)
@@ -372,8 +398,11 @@ def test_bias_gradient_kernel_compiles_clean_for_sm90(nvcc_ok):
     from convforge.codegen.nvcc import ptxas_report
     from convforge.kernels.wgrad import bias_grad_plan
 
-    for shape in ((2, 7, 13, 11), (32, 512, 7, 7)):
+    for shape, relu in (((2, 7, 13, 11), False), ((32, 512, 7, 7), False), ((2, 7, 13, 11), True),
+                        ((16, 64, 224, 224), True), ((1100, 64, 176, 176), True)):  # the last past 2^31 elements
         n, k, p, q = shape
-        plan = bias_grad_plan(ConvSpec.make(n, 1, p, q, k, 1, 1, conv_pass="wgrad"), NOMINAL_CUDA)
-        infos = ptxas_report(plan.source("cuda"))
+        plan = bias_grad_plan(ConvSpec.make(n, 1, p, q, k, 1, 1, conv_pass="wgrad"), NOMINAL_CUDA, relu=relu)
+        src = plan.source("cuda")
+        assert ("long long" in src) == (n * k * p * q > 2**31 - 1)
+        infos = ptxas_report(src)
         assert infos and all(i.spill_stores == 0 and i.spill_loads == 0 for i in infos), infos

@@ -109,3 +109,26 @@ def test_training_batch_norm_snapshot(tag, backend):
         path.write_text(src)
     assert path.exists(), f"no snapshot {path.name}: run with CONVFORGE_UPDATE_SNAPSHOTS=1 and review it"
     assert src == path.read_text(), "generated batch-norm source changed; review and update the snapshot"
+
+
+BIAS_CASES = {"bias": ((2, 3, 6, 6), False), "bias-relu": ((2, 3, 6, 6), True), "bias-relu-odd": ((2, 3, 5, 7), True)}
+
+
+@pytest.mark.parametrize("tag", sorted(BIAS_CASES))
+@pytest.mark.parametrize("backend", ["cuda", "opencl"])
+def test_bias_gradient_snapshot(tag, backend):
+    """The bias-gradient kernels (kernels/wgrad/bias.py): the plain sum and the ReLU-masked one that
+    writes the masked gradient (float4 and scalar loads), each channel over two slices."""
+    from convforge.kernels.wgrad import bias_grad_plan
+    from convforge.params import Params
+
+    (n, k, p, q), relu = BIAS_CASES[tag]
+    device = NOMINAL_CUDA if backend == "cuda" else NOMINAL_OPENCL_GPU
+    plan = bias_grad_plan(ConvSpec.make(n, 1, p, q, k, 1, 1, conv_pass="wgrad"), device, Params(bt=64, sp=2),
+                          relu=relu)
+    src = plan.source(backend)
+    path = SNAP / f"bias_grad.{tag}.{backend}.txt"
+    if os.environ.get("CONVFORGE_UPDATE_SNAPSHOTS"):
+        path.write_text(src)
+    assert path.exists(), f"no snapshot {path.name}: run with CONVFORGE_UPDATE_SNAPSHOTS=1 and review it"
+    assert src == path.read_text(), "generated bias-gradient source changed; review and update the snapshot"
