@@ -20,7 +20,9 @@ Two paths, chosen per call:
   take): exactly conv -> batch norm (running statistics updated as PyTorch does) -> + residual ->
   ReLU, the conv through ``Conv2d.forward`` (the differentiable op on CUDA); a batch norm in
   training mode, with the add and ReLU after it, on convforge's kernels (``torch/batchnorm.py``,
-  which says what it takes), else the module itself and PyTorch's ops.
+  which says what it takes), else the module itself and PyTorch's ops; conv -> ReLU without batch
+  norm in training as one node whose conv applies bias and ReLU, its backward masking the gradient
+  and summing the bias in one kernel (``torch/conv_relu.py``).
 
 A pre-activation before the conv (batch norm -> ReLU -> conv: DenseNet, pre-activation ResNets;
 ``fuse`` puts a :class:`PreActivation` node where the two were): in eval mode with running
@@ -54,6 +56,7 @@ from convforge.config import config
 from convforge.plan import Epilogue, Prologue
 from convforge.spec import ConvSpec
 from convforge.torch import batchnorm as bn_train
+from convforge.torch import conv_relu
 from convforge.torch.modules import Conv2d, compute_dtype, padding_quad, read_tensor, reads_nhwc
 
 _F32 = torch.float32
@@ -161,8 +164,12 @@ class FusedConv2d(Conv2d):
         """conv -> batch norm -> + res -> ReLU, as the original model ran: the batch norm in training
         mode, the add and the ReLU on convforge's kernels where :func:`bn_train.takes` them, else the
         module itself and PyTorch's ops."""
-        y = Conv2d.forward(self, x)
         bn = self._cf_bn
+        if bn is None and res is None and self._cf_relu and not self._cf_residual:
+            z = self._conv_relu(x)
+            if z is not None:
+                return z
+        y = Conv2d.forward(self, x)
         if bn is not None and bn_train.takes(bn, y, res):
             return bn_train.bn_act(y, bn, res, self._cf_relu)
         if bn is not None:
@@ -170,6 +177,15 @@ class FusedConv2d(Conv2d):
         if res is not None:
             y = y + res
         return torch.relu(y) if self._cf_relu else y
+
+    def _conv_relu(self, x: torch.Tensor) -> torch.Tensor | None:
+        """conv -> ReLU in training on convforge's kernels (torch/conv_relu.py), or None (the
+        unfused path runs: inference, half, autocast, tracing, a layer convforge does not run)."""
+        w, b = self._parameters["weight"], self._parameters["bias"]
+        if not (_GRAD() and w is not None and w.requires_grad and conv_relu.takes(x, w, b, self.padding_mode)):
+            return None
+        return conv_relu.conv_relu(x, w, b, (list(self.stride), list(padding_quad(self)), list(self.dilation),
+                                             self.algo, self.precision, self.max_error, self.groups))
 
     def _folds(self, x: torch.Tensor, res: Any, src: tuple[Any, ...]) -> bool:
         """Whether this call may take the folded path (eval inference on CUDA float32); ``src``:

@@ -1,0 +1,152 @@
+"""GPU tier of conv -> ReLU in training on convforge's kernels (torch/conv_relu.py; skips without a CUDA
+device or torch): the fused module's output and every gradient against float64 within the class of
+PyTorch FP32's own error (odd shapes, stride 2, no bias, 1x1, 11x11/4, N=1), a VGG-like model's training
+step through the node, the masked gradient's exact zeros, and what it leaves to the unfused path.
+
+Run on the lent GPU: ``python -m pytest -q tests/test_gpu_conv_relu_train.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch", reason="GPU tier of training: torch not installed")
+F = torch.nn.functional
+FP32 = 5e-6
+
+# (N, C, H, W, K, kernel, stride, padding, bias)
+CASES = [(2, 5, 13, 11, 7, 3, 1, 1, True), (1, 3, 17, 17, 4, 3, 2, 1, True), (3, 8, 9, 9, 16, 1, 1, 0, False),
+         (2, 3, 35, 35, 8, 11, 4, 2, True), (4, 16, 28, 28, 32, 3, 1, 1, True)]
+
+
+def _rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def _block(case, seed=0):
+    n, c, h, w, k, r, s, p, bias = case
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Conv2d(c, k, r, s, p, bias=bias), torch.nn.ReLU()).cuda().train()
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:5])) + f"_k{c[5]}s{c[6]}"
+                         + ("" if c[8] else "_nobias"))
+def test_conv_relu_matches_float64(gpu, case, monkeypatch):
+    import convforge.torch as ct
+
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    model = _block(case)
+    ref32, ref64 = copy.deepcopy(model), copy.deepcopy(model).double()
+    fused, _ = ct.fuse(model)
+    n, c, h, w = case[:4]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(n, c, h, w, device="cuda", generator=g).requires_grad_()
+    z = fused(x)
+    assert type(z.grad_fn).__name__ == "_ConvReluBackward", type(z.grad_fn).__name__
+    gz = torch.randn(z.shape, device="cuda", generator=g)
+    z.backward(gz)
+    got = {"z": z, "x": x.grad, **{name: p.grad for name, p in model.named_parameters()}}
+    want = {}
+    for tag, m, dt in (("32", ref32, torch.float32), ("64", ref64, torch.float64)):
+        xx = x.detach().to(dt).requires_grad_()
+        zz = m(xx)
+        zz.backward(gz.to(dt))
+        want[tag] = {"z": zz, "x": xx.grad, **{name: p.grad for name, p in m.named_parameters()}}
+    for name, value in got.items():
+        assert value is not None and torch.isfinite(value).all(), name
+        mine, theirs = _rel(value, want["64"][name]), _rel(want["32"][name], want["64"][name])
+        assert mine <= max(FP32, 2 * theirs), (name, mine, theirs)
+
+
+def test_vgg_like_training_step_runs_through_the_node(gpu, monkeypatch):
+    """fuse() of conv-ReLU-conv-ReLU-pool-conv-ReLU-pool-linear in training: every conv through the
+    node, every parameter's gradient within the class of PyTorch FP32's error against float64, and
+    config.train_bn off gives the op's path (the same gradients within the class)."""
+    import convforge.torch as ct
+    from convforge.config import config
+    from convforge.torch import conv_relu as cr
+
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    calls = {"n": 0}
+    real = cr.conv_relu
+
+    def counted(*args):
+        calls["n"] += 1
+        return real(*args)
+
+    monkeypatch.setattr(cr, "conv_relu", counted)
+    torch.manual_seed(0)
+    nn = torch.nn
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(inplace=True), nn.Conv2d(16, 16, 3, padding=1),
+                          nn.ReLU(inplace=True), nn.MaxPool2d(2), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
+                          nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * 8 * 8, 10)).cuda().train()
+    ref32, ref64, off = copy.deepcopy(model), copy.deepcopy(model).double(), copy.deepcopy(model)
+    fused, _ = ct.fuse(model)
+    fused_off, _ = ct.fuse(off)
+    x = torch.randn(4, 3, 32, 32, device="cuda")
+    target = torch.randint(0, 10, (4,), device="cuda")
+    F.cross_entropy(fused(x), target).backward()
+    assert calls["n"] == 3, calls
+    F.cross_entropy(ref32(x), target).backward()
+    F.cross_entropy(ref64(x.double()), target).backward()
+    monkeypatch.setattr(config, "train_bn", False)
+    F.cross_entropy(fused_off(x), target).backward()
+    assert calls["n"] == 3  # off: the conv op, then PyTorch's ReLU
+    for (name, p), p32, p64, q in zip(model.named_parameters(), ref32.parameters(), ref64.parameters(),
+                                      off.parameters()):
+        mine, theirs, op = _rel(p.grad, p64.grad), _rel(p32.grad, p64.grad), _rel(q.grad, p64.grad)
+        assert mine <= max(FP32, 2 * theirs, 2 * op), (name, mine, theirs, op)
+
+
+def test_masked_gradient_and_bias_sum_are_exact_where_masked(gpu):
+    """The kernel alone: gm equals gz where z > 0 and is 0 elsewhere, bit for bit; the bias sum within
+    float32 summation error of float64's; reruns bit-identical (a fixed reduction order)."""
+    from convforge.torch.conv_relu import _masked_grad
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    for shape in ((2, 7, 13, 11), (16, 64, 56, 56), (1, 3, 1, 1)):
+        z = torch.relu(torch.randn(shape, device="cuda", generator=g))
+        gz = torch.randn(shape, device="cuda", generator=g)
+        gm, gb = _masked_grad(gz, z)
+        want = torch.where(z > 0, gz, torch.zeros_like(gz))
+        assert torch.equal(gm, want)
+        assert _rel(gb, want.double().sum(dim=(0, 2, 3))) <= 1e-6
+        gm2, gb2 = _masked_grad(gz, z)
+        assert torch.equal(gm2, gm) and torch.equal(gb2, gb)
+
+
+@pytest.mark.parametrize("why", ["config off", "no grad", "half", "frozen weights"])
+def test_what_it_leaves_to_the_unfused_path(gpu, monkeypatch, why):
+    """Not the node: config.train_bn off, no grad mode, half weights, frozen filters; the output still
+    PyTorch's within the class."""
+    import convforge.torch as ct
+    from convforge.config import config
+
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    model = _block(CASES[0])
+    ref = copy.deepcopy(model)
+    fused, _ = ct.fuse(model)
+    x = torch.randn(2, 5, 13, 11, device="cuda", requires_grad=True)
+    if why == "config off":
+        monkeypatch.setattr(config, "train_bn", False)
+    if why == "half":
+        fused.half()
+        ref.half()
+        x = x.detach().half().requires_grad_()
+    if why == "frozen weights":
+        for p in fused.parameters():
+            p.requires_grad_(False)
+    if why == "no grad":
+        with torch.no_grad():
+            z = fused(x)
+        assert z.grad_fn is None
+    else:
+        z = fused(x)
+        assert z.grad_fn is not None and type(z.grad_fn).__name__ != "_ConvReluBackward", why
+    with torch.no_grad():
+        want = ref(x)
+    assert _rel(z, want) <= (2e-3 if why == "half" else 1e-5), why
