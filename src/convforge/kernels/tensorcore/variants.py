@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from convforge.codegen.dialect import Dim3, Kernel
 from convforge.codegen.meta import cdiv
 from convforge.kernels import register
 from convforge.kernels.tensorcore import prep, tiles, tma
@@ -163,14 +164,35 @@ class TcImplicitGemm(TcVariant):
         why = super().applies(spec, device) or device_reason(device)
         if why:
             return why
+        geo = self._geo(spec)
+        return self.wide(spec, geo.n * geo.h * geo.w * geo.cp, spec.n * spec.k * spec.p * spec.q,
+                         spec.k * cdiv(geo.kred, 64) * 64)
+
+    # -- the A operand's convolution (a subclass may gather another one: TcStemGemm) ------------
+    def _geo(self, spec: ConvSpec) -> Geometry:
+        """The NHWC convolution the A operand gathers: the layer itself, C padded to whole chunks."""
         cp = prep.padded_channels(spec.c, self.math(spec))
-        return self.wide(spec, spec.n * spec.h * spec.w * cp, spec.n * spec.k * spec.p * spec.q,
-                         spec.k * cdiv(spec.r * spec.s * cp, 64) * 64)
+        return Geometry(spec.n, spec.h, spec.w, cp, spec.p, spec.q, spec.r, spec.s, spec.stride, spec.dilation,
+                        spec.pad[0], spec.pad[2], any(spec.pad))
+
+    def _in_place(self, spec: ConvSpec) -> bool:
+        return prep.reads_in_place(spec, self.math(spec))
+
+    def _prep_steps(self, spec: ConvSpec, math: Math, ld: int) -> list[tuple[Kernel, Dim3, str, str]]:
+        """(kernel, grid, source buffer, destination) of the filter step and, unless x is read in
+        place, the activation step."""
+        cp = self._geo(spec).cp
+        wk, wgrid = prep.w_krsc(spec, math, cp, ld)
+        out = [(wk, wgrid, "w", "wt")]
+        if not self._in_place(spec):
+            xk, xgrid = prep.x_from_nhwc(spec, math, cp) if spec.layout == "nhwc" else prep.x_nhwc(spec, math, cp)
+            out.append((xk, xgrid, "x", "xh"))
+        return out
 
     # -- parameters ---------------------------------------------------------------------------
     def problem(self, spec: ConvSpec) -> Problem:
-        cp = prep.padded_channels(spec.c, self.math(spec))
-        return Problem(spec.n * spec.p * spec.q, spec.k, spec.r * spec.s * cp)
+        geo = self._geo(spec)
+        return Problem(spec.n * spec.p * spec.q, spec.k, geo.kred)
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
         """The tile space; where the operands allow TMA, each of the first points also with TMA
@@ -195,11 +217,8 @@ class TcImplicitGemm(TcVariant):
 
     def _operands(self, spec: ConvSpec, cfg: TileConfig) -> tuple[Im2colNhwc, DenseRows]:
         math, prob = self.math(spec), self.problem(spec)
-        cp, ld = prep.padded_channels(spec.c, math), self._ld(spec, cfg)
-        geo = Geometry(spec.n, spec.h, spec.w, cp, spec.p, spec.q, spec.r, spec.s, spec.stride, spec.dilation,
-                       spec.pad[0], spec.pad[2], any(spec.pad))
-        in_place = prep.reads_in_place(spec, math)
-        a = Im2colNhwc("a", Tile(cfg.bm, cfg.kb), math, "x" if in_place else "xh", geo=geo)
+        ld = self._ld(spec, cfg)
+        a = Im2colNhwc("a", Tile(cfg.bm, cfg.kb), math, "x" if self._in_place(spec) else "xh", geo=self._geo(spec))
         b = DenseRows("b", Tile(cfg.bn, cfg.kb), math, "wt", rows=spec.k, ld=ld, kred=prob.kred, padded=True)
         return a, b
 
@@ -220,11 +239,11 @@ class TcImplicitGemm(TcVariant):
         return sum(b for _, b in self._workspace(spec, TileConfig.of(params)))
 
     def _workspace(self, spec: ConvSpec, cfg: TileConfig) -> tuple[tuple[str, int], ...]:
-        math, prob = self.math(spec), self.problem(spec)
-        cp, parts = prep.padded_channels(spec.c, math), math.parts
+        math, prob, geo = self.math(spec), self.problem(spec), self._geo(spec)
+        parts = math.parts
         out = tuple((("wt" if p == "hi" else f"wt_{p}"), math.esize * spec.k * self._ld(spec, cfg)) for p in parts)
-        if not prep.reads_in_place(spec, math):
-            out += tuple((("xh" if p == "hi" else f"xh_{p}"), math.esize * spec.n * spec.h * spec.w * cp)
+        if not self._in_place(spec):
+            out += tuple((("xh" if p == "hi" else f"xh_{p}"), math.esize * geo.n * geo.h * geo.w * geo.cp)
                          for p in parts)
         if cfg.ks > 1:
             out += (("part", 4 * cfg.ks * prob.m * prob.n),)
@@ -239,21 +258,18 @@ class TcImplicitGemm(TcVariant):
             raise ValueError(f"{self.name}: {'; '.join(why)}")
         if cfg.tm and self.tma_reason(spec, cfg):
             raise ValueError(f"{self.name}: tm=1: {self.tma_reason(spec, cfg)}")
-        cp, ld = prep.padded_channels(spec.c, math), self._ld(spec, cfg)
-        in_place = prep.reads_in_place(spec, math)
+        ld = self._ld(spec, cfg)
         a, b = self._operands(spec, cfg)
         pq = 1 if spec.layout == "nhwc" else spec.p * spec.q  # NHWC: row m = pixel, its K channels contiguous
         final = Output("y", prob.m, prob.n, pq, spec.dtype, epilogue.k_total, epilogue.k_offset, epi=epilogue)
         out = final if cfg.ks == 1 else Output("part", prob.m, prob.n, pq, slab=prob.m * prob.n, epi=None)
         gk = gemm_kernel(f"{self.name}_gemm", math, cfg, prob, a, b, out)
-        wk, wgrid = prep.w_krsc(spec, math, cp, ld)
         refs = lambda bufs: tuple(x.name for x in bufs)  # noqa: E731
-        steps = [Launch(wk.name, wgrid, wk.block, ("w",) + refs(prep.part_buffers("wt", math)))]
-        kernels = [wk]
-        if not in_place:
-            xk, xgrid = prep.x_from_nhwc(spec, math, cp) if spec.layout == "nhwc" else prep.x_nhwc(spec, math, cp)
-            steps.append(Launch(xk.name, xgrid, xk.block, ("x",) + refs(prep.part_buffers("xh", math))))
-            kernels.append(xk)
+        kernels: list[Kernel] = []
+        steps: list[Launch] = []
+        for kern, grid, src, dst in self._prep_steps(spec, math, ld):
+            kernels.append(kern)
+            steps.append(Launch(kern.name, grid, kern.block, (src,) + refs(prep.part_buffers(dst, math))))
         steps.append(Launch(gk.name, (cfg.grid(prob, device.units), 1, 1), gk.block,
                             refs(a.args()) + refs(b.args()) + out.refs()))
         kernels.append(gk)
