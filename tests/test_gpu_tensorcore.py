@@ -322,3 +322,37 @@ def test_tma_through_the_native_fast_path(hopper, monkeypatch):
         errs = [call(i) for i in range(2, 8)]
     assert max(errs) < 1e-3, errs
     assert nat.stats()["entries"] == entries
+
+
+# Stems with the filter columns folded into channels (tensorcore/variants.py TcStemGemm): odd sizes,
+# asymmetric padding, dilation, N=1, C of 1 to 3, 11x11/4, channels-last input; and the real stems.
+STEMS = [ConvSpec.make(2, 3, 19, 17, 8, 7, 7, 2, (3, 2, 3, 1)),
+         ConvSpec.make(1, 3, 35, 37, 12, 11, 11, 4, (2, 0, 1, 2)), ConvSpec.make(2, 1, 13, 14, 16, 5, 5, 1, 2, 2),
+         ConvSpec.make(3, 2, 23, 21, 70, 3, 5, 1, (1, 1, 2, 2))]
+BIG_STEMS = [ConvSpec.make(128, 3, 227, 227, 64, 7, 7, 2), ConvSpec.make(32, 3, 224, 224, 64, 7, 7, 2, 3),
+             ConvSpec.make(16, 3, 224, 224, 64, 3, 3, 1, 1)]
+STEM_DTYPES = {"tc_stem_gemm_half": ("float16", "bfloat16"), "tc_stem_gemm_tf32": ("float32",)}
+
+
+@pytest.mark.parametrize("name, spec", [(n, _as(s, d)) for n, dts in STEM_DTYPES.items() for d in dts
+                                        for s in STEMS + [_cl(STEMS[3], "float32")]], ids=str)
+def test_stem_fold_against_float64(hopper, name, spec):
+    """The default and another space point with bias and ReLU, NaN-poisoned outputs against float64."""
+    epi = Epilogue(bias=True, relu=True)
+    v = get_variant(name)
+    if v.applies(spec, hopper.device):
+        pytest.skip(v.applies(spec, hopper.device))
+    for prm in _points(v, spec, hopper.device, k=1):
+        res = check_plan(v.plan(spec, prm, hopper.device, epi), hopper, seed=7)
+        assert res.ok, f"{name} [{prm.short()}] {spec.short()}{epi.tag()}: {res}"
+
+
+@pytest.mark.parametrize("name, spec", [(n, _as(s, d)) for n in STEM_DTYPES for s in BIG_STEMS
+                                        for d in STEM_DTYPES[n][:1]], ids=str)
+def test_big_stems(hopper, name, spec):
+    """MEC cv3 (N128, 227², 7x7/2), ResNet-50's conv1, VGG-16's conv1_1: the default point."""
+    v = get_variant(name)
+    if v.applies(spec, hopper.device):
+        pytest.skip(v.applies(spec, hopper.device))
+    res = check_plan(v.plan(spec, v.default(spec, hopper.device), hopper.device), hopper, seed=8, batch_slice=2)
+    assert res.ok, f"{name} {spec.short()}: {res}"

@@ -1003,7 +1003,8 @@ def test_opencl_refuses_the_generator():
 
 
 def _spec_of(name, spec, dtype="float16"):
-    return spec if name != "tc_implicit_gemm_half" else ConvSpec.from_dict({**spec.to_dict(), "dtype": dtype})
+    half = name in ("tc_implicit_gemm_half", "tc_stem_gemm_half")
+    return ConvSpec.from_dict({**spec.to_dict(), "dtype": dtype}) if half else spec
 
 
 COMPILE = [("tc_implicit_gemm_tf32", ODD[0], None), ("tc_implicit_gemm_tf32", ODD[3], None),
@@ -1014,7 +1015,10 @@ COMPILE = [("tc_implicit_gemm_tf32", ODD[0], None), ("tc_implicit_gemm_tf32", OD
             Params(bm=256, bn=128, kb=1, st=4, cw=2, ks=1, ps=1)),
            ("tc_implicit_gemm_3xtf32", ConvSpec.make(32, 256, 14, 14, 256, 3, 3, 1, 1), None),
            ("tc_implicit_gemm_tf32", ConvSpec.make(8, 256, 14, 14, 512, 1, 1), Params(bm=128, bn=128, kb=2, st=3,
-                                                                                      cw=1, ks=1, ps=0))]
+                                                                                      cw=1, ks=1, ps=0)),
+           ("tc_stem_gemm_half", ConvSpec.make(128, 3, 227, 227, 64, 7, 7, 2), None),  # MEC cv3
+           ("tc_stem_gemm_half", ConvSpec.make(128, 3, 227, 227, 96, 11, 11, 4), None),  # AlexNet conv1
+           ("tc_stem_gemm_tf32", ConvSpec.make(32, 3, 224, 224, 64, 7, 7, 2, 3), None)]  # ResNet-50 conv1
 
 
 @pytest.mark.parametrize("name, spec, params", COMPILE, ids=lambda v: str(v))
@@ -1260,3 +1264,84 @@ def test_unrolled_tap_loop_gives_each_copy_its_own_im2col_offsets(nvcc_ok):
     copies = re.findall(r"cvt\.u16\.u32 ow, (%r\d+); cvt\.u16\.u32 oh, (%r\d+);[^\n]*\.im2col\.", ptx)
     got = [(consts.get(w), consts.get(h)) for w, h in copies]
     assert got == [(t % 4, t // 4) for t in range(16) for _ in range(2)], got
+
+
+# Stems with the filter columns folded into channels (TcStemGemm): 7x7/2 and 11x11/4 on 3 channels with
+# odd sizes, asymmetric padding (top and left folded apart), dilation 2, N=1, channels-last input.
+STEM_CASES = [(ConvSpec.make(2, 3, 19, 17, 8, 7, 7, 2, (3, 2, 3, 1), dtype="float16"), F16,
+               TileConfig(128, 64, 1, 2, 2)),
+              (ConvSpec.make(1, 3, 35, 37, 12, 11, 11, 4, (2, 0, 1, 2), dtype="float16"), F16,
+               TileConfig(64, 96, 1, 2, 1)),
+              (ConvSpec.make(2, 1, 13, 14, 16, 5, 5, 1, 2, 2, dtype="bfloat16"), BF16, TileConfig(128, 32, 2, 2, 1)),
+              (ConvSpec.make(3, 3, 23, 21, 20, 7, 7, 2, 3), TF32, TileConfig(128, 64, 1, 2, 2, ks=2)),
+              (ConvSpec.make(2, 2, 11, 13, 8, 3, 5, 1, (1, 1, 2, 2), 1, layout="nhwc", dtype="float16"), F16,
+               TileConfig(64, 64, 1, 2, 1))]
+
+
+def _folded(spec, xs, ws, cp, ld):
+    """x' and w' as tc_x_fold and tc_w_fold write them: the kernels' own index expressions evaluated per
+    element (prep.fold_source / wfold_source), per math part."""
+    from convforge.kernels.tensorcore.prep import fold_source, wfold_source
+
+    lets, ok, at = fold_source(spec, cp)
+    xf = {}
+    for part, x in xs.items():
+        flat = (x.transpose(0, 2, 3, 1) if spec.layout == "nhwc" else x).ravel()
+        out = np.full(spec.n * spec.h * spec.q * cp, np.nan)
+        for e in range(out.size):
+            env = {"e": e}
+            for name, expr in lets:
+                env[name] = evaluate(expr, env)
+            out[e] = flat[evaluate(at, env)] if evaluate(ok, env) else 0.0
+        xf[part] = out
+    wf = {}
+    for part, w in ws.items():
+        flat, out = w.ravel(), np.full(spec.k * ld, np.nan)
+        for e in range(spec.k * cp):
+            env = {"e": e}
+            for name, expr in wfold_source(spec, cp, ld):
+                env[name] = evaluate(expr, env)
+            for r in range(spec.r):
+                out[env["o"] + r * cp] = flat[env["src"] + r * spec.s] if env["ok"] else 0.0
+            out[env["k"] * ld + spec.r * cp + env["cj"]:(env["k"] + 1) * ld:cp] = 0.0  # the row's tail
+        assert not np.isnan(out).any(), "a filter element no thread wrote"
+        wf[part] = out
+    return xf, wf
+
+
+@pytest.mark.parametrize("spec, math, cfg", STEM_CASES, ids=lambda v: getattr(v, "name", None) or str(v))
+def test_emulated_stem_fold_equals_the_convolution(spec, math, cfg):
+    """The folded stem end to end in emulation: x' and w' from the fold kernels' expressions, the GEMM's
+    tiles through the generator over the variant's own operands (R x 1 over Q columns of S C channels),
+    equal to the layer's convolution of the same operand parts; every output written once per slice."""
+    v = get_variant("tc_stem_gemm_tf32" if spec.dtype == "float32" else "tc_stem_gemm_half")
+    assert v.applies(spec, NOMINAL_CUDA) is None, v.applies(spec, NOMINAL_CUDA)
+    assert not cfg.problems(math), cfg.problems(math)
+    rng = np.random.default_rng(4)
+    xs, ws, ref, _ = _operands(spec, math, rng)
+    a, b = v._operands(spec, cfg)
+    cp, ld, prob = a.geo.cp, b.ld, v.problem(spec)
+    assert prob.kred == spec.r * cp < spec.r * spec.s * padded_channels(spec.c, math)  # the point of the fold
+    xf, wf = _folded(spec, xs, ws, cp, ld)
+    nhwc = spec.layout == "nhwc"
+    out = Output("y", prob.m, prob.n, 1 if nhwc else spec.p * spec.q, slab=prob.m * prob.n, epi=None)
+    y, written = emulate_gemm(cfg, math, prob, dataclasses.replace(a, buf="xh"), b, {"a": xf, "b": wf}, out)
+    shape = (spec.n, spec.p, spec.q, spec.k) if nhwc else spec.y_shape
+    got, written = y.reshape(cfg.ks, -1).sum(0).reshape(shape), written.reshape(cfg.ks, -1).sum(0).reshape(shape)
+    if nhwc:
+        got, written = got.transpose(0, 3, 1, 2), written.transpose(0, 3, 1, 2)
+    assert (written == cfg.ks).all()
+    np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-10)
+
+
+def test_stem_fold_applies_only_where_it_saves_reduction():
+    half = get_variant("tc_stem_gemm_half")
+    tf32 = get_variant("tc_stem_gemm_tf32")
+    stem = ConvSpec.make(32, 3, 224, 224, 64, 7, 7, 2, 3, dtype="float16")
+    assert half.applies(stem, NOMINAL_CUDA) is None
+    assert half.problem(stem).kred == 7 * 24  # against 7 * 7 * 8 padded
+    assert "chunks" in half.applies(ConvSpec.make(2, 8, 9, 9, 4, 3, 3, dtype="float16"), NOMINAL_CUDA)
+    assert "not a stem" in half.applies(ConvSpec.make(2, 7, 13, 13, 4, 11, 11, dtype="float16"), NOMINAL_CUDA)
+    assert "saves no padding" in tf32.applies(ConvSpec.make(2, 3, 9, 9, 4, 3, 3, 1, 1), NOMINAL_CUDA)
+    assert "chunks" in tf32.applies(ConvSpec.make(2, 3, 9, 9, 4, 1, 1), NOMINAL_CUDA)  # S = 1
+    assert tf32.rank(stem, NOMINAL_CUDA) < get_variant("tc_implicit_gemm_tf32").rank(stem, NOMINAL_CUDA)

@@ -9,6 +9,10 @@
 * :func:`w_krsc`: filters K C R S -> K x ld, element (r s Cp + c) with ld the reduction padded with
   zeros to a whole stage: a weight-only step (kept per weight version by the callers that cache
   filter transforms).
+* :func:`x_fold` / :func:`w_fold`: a stem's filter columns folded into channels (``TcStemGemm``):
+  x' [N][H][Q][S C] with x'[n][h][q][s C + c] = x[n][c][h][q sw + s dw - pl] (zero outside the image
+  and past S C), the filters w'[k][r][s C + c] = w[k][c][r][s]: an R x 1 convolution of S C channels,
+  stride (sh, 1), that computes the layer.
 * :func:`rounded_parts`: the statements that store one float as the math mode's parts (shared by
   the Winograd transforms).
 """
@@ -144,4 +148,72 @@ def w_krsc(spec: ConvSpec, math: Math, cp: int, ld: int, dst: str = "wt") -> tup
     kern = Kernel("tc_w_krsc", (Buf("w", CTYPE[spec.dtype]),) + part_buffers(dst, math), code.text(),
                   (_ELT, 1, 1), frozenset({"mma_tf32", "wgmma"}),
                   comment=f"filters K C R S -> K x (R S {cp}) padded to {ld}, as {math.name} operands")
+    return kern, (cdiv(total, _ELT), 1, 1)
+
+
+def fold_source(spec: ConvSpec, cp: int) -> tuple[list[tuple[str, str]], str, str]:
+    """The folded activation element ``e`` of x' = [N][H][Q][cp] (:func:`x_fold`) as C: its bindings
+    (name, expression) in order, whether it lies in the image and the layer (``ok``), and its index
+    into x (NCHW or NHWC as ``spec.layout``). Kept apart so the tests evaluate the very strings the
+    kernel is made of."""
+    c, h, w, q = spec.c, spec.h, spec.w, spec.q
+    (_, sw), (_, dw), pl = spec.stride, spec.dilation, spec.pad[2]
+    lets = [("cj", f"e % {cp}"), ("pix", f"e / {cp}"), ("qq", f"pix % {q}"), ("hh", f"pix / {q} % {h}"),
+            ("n", f"pix / {q * h}"), ("s", f"cj / {c}"), ("ci", f"cj - s * {c}"),
+            ("ww", f"qq * {sw} + s * {dw} - {pl}")]
+    ok = f"(cj < {spec.s * c} && ww >= 0 && ww < {w})"
+    if spec.layout == "nchw":
+        at = f"((n * {c} + ci) * {h} + hh) * {w} + ww"
+    else:
+        at = f"((n * {h} + hh) * {w} + ww) * {c} + ci"
+    return lets, ok, at
+
+
+def x_fold(spec: ConvSpec, math: Math, cp: int, dst: str = "xh") -> tuple[Kernel, Dim3]:
+    """The stem's activation step (module docstring): one thread per element of x', channels fastest
+    (writes coalesced; the reads of a warp fall in a few lines of S C values)."""
+    total = spec.n * spec.h * spec.q * cp
+    lets, ok, at = fold_source(spec, cp)
+    code = Code()
+    code(f"const int e = GROUP_ID(0) * {_ELT} + LOCAL_ID(0);")
+    with code.block(f"if (e < {total})"):
+        code(*(f"const int {name} = {expr};" for name, expr in lets))
+        code(f"const bool ok = {ok};")
+        code(*store_parts(math, spec.dtype, dst, "e", f"(ok ? x[{at}] : {zero(math)})"))
+    kern = Kernel("tc_x_fold", (Buf("x", CTYPE[spec.dtype]),) + part_buffers(dst, math), code.text(),
+                  (_ELT, 1, 1), frozenset({"mma_tf32", "wgmma"}),
+                  comment=f"x {spec.layout.upper()} -> [N][H][Q][{cp}]: the {spec.s} filter columns folded into "
+                          f"channels, as {math.name} operands")
+    return kern, (cdiv(total, _ELT), 1, 1)
+
+
+def wfold_source(spec: ConvSpec, cp: int, ld: int) -> list[tuple[str, str]]:
+    """The bindings of filter-step thread ``e`` (:func:`w_fold`) as C: its row k, folded channel cj, its
+    source tap column s and channel ci, ``ok`` (cj inside S C), ``src`` (the index in w of its first
+    tap, tap r at ``src + r S``; s clamped so a padding channel's index stays inside w, though it is
+    not read) and ``o`` (its first destination; tap r at ``o + r cp``)."""
+    c, s_ = spec.c, spec.s
+    return [("k", f"e / {cp}"), ("cj", f"e - k * {cp}"), ("s", f"cj / {c}"), ("ci", f"cj - s * {c}"),
+            ("ok", f"(cj < {s_ * c})"), ("src", f"(k * {c} + ci) * {spec.r * s_} + min(s, {s_ - 1})"),
+            ("o", f"k * {ld} + cj")]
+
+
+def w_fold(spec: ConvSpec, math: Math, cp: int, ld: int, dst: str = "wt") -> tuple[Kernel, Dim3]:
+    """The stem's filter step: one thread per (k, cj) of the folded channels cj = s C + c, writing its R
+    taps R rows of ``cp`` apart (K x ld, the row's tail past R cp zero)."""
+    r, s_, total, tail = spec.r, spec.s, spec.k * cp, ld - spec.r * cp
+    code = Code()
+    code(f"const int e = GROUP_ID(0) * {_ELT} + LOCAL_ID(0);")
+    with code.block(f"if (e < {total})"):
+        for name, expr in wfold_source(spec, cp, ld):
+            code(f"const {'bool' if name == 'ok' else 'int'} {name} = {expr};")
+        for i in range(r):
+            value = f"(ok ? w[src + {i * s_}] : {zero(math)})"
+            code(*store_parts(math, spec.dtype, dst, f"o + {i * cp}", value))
+        if tail:
+            zero_tail(code, math, dst, "k", f"{r * cp} + cj", ld, cp)
+    kern = Kernel("tc_w_fold", (Buf("w", CTYPE[spec.dtype]),) + part_buffers(dst, math), code.text(),
+                  (_ELT, 1, 1), frozenset({"mma_tf32", "wgmma"}),
+                  comment=f"filters K C R S -> K x (R {cp}) padded to {ld}, the S columns folded into channels, "
+                          f"as {math.name} operands")
     return kern, (cdiv(total, _ELT), 1, 1)

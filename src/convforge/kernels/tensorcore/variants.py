@@ -281,8 +281,52 @@ class TcImplicitGemm(TcVariant):
                     self._workspace(spec, cfg), tolerance(math, spec.dtype), epilogue)
 
 
+class TcStemGemm(TcImplicitGemm):
+    """A stem (fewer input channels than a 16-byte chunk holds: 3-channel images) on the generator with
+    its S filter columns folded into channels (``prep.x_fold`` / ``w_fold``): the layer as an R x 1
+    convolution of S C channels over an image Q columns wide, stride (sh, 1). Padding C to a chunk
+    wastes most of the reduction (7x7, C = 3 in half precision: 49 taps x 8 channels for 147 real
+    terms); folded it is 7 x 24 (168 terms). The folded input is written whole before the GEMM
+    (N H Q x S C elements, more than x: the price of the fold), so the tuner weighs the two."""
+
+    MAX_FOLDED = 64  # S C at most: a stem, not a layer whose columns would multiply the input's size
+
+    def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
+        """Below the plain implicit GEMM (the tuner's space, not the heuristic's pick) until measured."""
+        return self.specialised if device_reason(device) is not None else RANK_SM90 - 4
+
+    def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
+        chunk = self.math(spec).chunk_elems if spec.dtype in self.dtypes else 1
+        if spec.s < 2 or spec.c % chunk == 0:
+            return f"the fold pays where C ({spec.c}) is not whole {chunk}-element chunks and S ({spec.s}) > 1"
+        if spec.s * spec.c > self.MAX_FOLDED:
+            return f"S * C ({spec.s * spec.c}) above {self.MAX_FOLDED}: not a stem"
+        math = self.math(spec)
+        if prep.padded_channels(spec.s * spec.c, math) >= spec.s * prep.padded_channels(spec.c, math):
+            return f"folding {spec.s} columns of {spec.c} channels saves no padding in {math.name}"
+        return super().applies(spec, device)
+
+    def _geo(self, spec: ConvSpec) -> Geometry:
+        """R x 1 over x' = [N][H][Q][S C padded]: stride (sh, 1), dilation (dh, 1), the top and bottom
+        padding kept, the left one inside the fold."""
+        cp = prep.padded_channels(spec.s * spec.c, self.math(spec))
+        return Geometry(spec.n, spec.h, spec.q, cp, spec.p, spec.q, spec.r, 1, (spec.stride[0], 1),
+                        (spec.dilation[0], 1), spec.pad[0], 0, spec.pad[0] > 0 or spec.pad[1] > 0)
+
+    def _in_place(self, spec: ConvSpec) -> bool:
+        return False
+
+    def _prep_steps(self, spec: ConvSpec, math: Math, ld: int) -> list[tuple[Kernel, Dim3, str, str]]:
+        cp = self._geo(spec).cp
+        wk, wgrid = prep.w_fold(spec, math, cp, ld)
+        xk, xgrid = prep.x_fold(spec, math, cp)
+        return [(wk, wgrid, "w", "wt"), (xk, xgrid, "x", "xh")]
+
+
 CLUSTER_POINTS = 3  # the first points of the space also tried in clusters of two (tuned, never the default)
 
 register(TcImplicitGemm("tc_implicit_gemm_tf32", frozenset({"float32"}), False, "relaxed", 12))
 register(TcImplicitGemm("tc_implicit_gemm_3xtf32", frozenset({"float32"}), True, "fp32", 8))
 register(TcImplicitGemm("tc_implicit_gemm_half", frozenset({"float16", "bfloat16"}), False, "fp32", 12))
+register(TcStemGemm("tc_stem_gemm_tf32", frozenset({"float32"}), False, "relaxed", 11))
+register(TcStemGemm("tc_stem_gemm_half", frozenset({"float16", "bfloat16"}), False, "fp32", 11))
