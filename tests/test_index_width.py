@@ -33,6 +33,7 @@ BIG = {
     "split-K partials": ConvSpec.make(32, 32, 512, 512, 160, 3, 3, 1, 1),  # y: 1.3e9, 2 slices: 2.7e9
     "split-K partials 1x1": ConvSpec.make(32, 32, 512, 512, 160, 1, 1),
     "NHWC copy": ConvSpec.make(2100, 3, 512, 512, 2, 3, 3, 1, 1),  # x: 1.65e9, C padded to 4: 2.2e9
+    "stem fold": ConvSpec.make(1100, 3, 512, 512, 64, 7, 7, 2, 3),  # x: 8.7e8; folded [N][H][Q][24]: 3.5e9
 }
 
 

@@ -1344,4 +1344,9 @@ def test_stem_fold_applies_only_where_it_saves_reduction():
     assert "not a stem" in half.applies(ConvSpec.make(2, 7, 13, 13, 4, 11, 11, dtype="float16"), NOMINAL_CUDA)
     assert "saves no padding" in tf32.applies(ConvSpec.make(2, 3, 9, 9, 4, 3, 3, 1, 1), NOMINAL_CUDA)
     assert "chunks" in tf32.applies(ConvSpec.make(2, 3, 9, 9, 4, 1, 1), NOMINAL_CUDA)  # S = 1
-    assert tf32.rank(stem, NOMINAL_CUDA) < get_variant("tc_implicit_gemm_tf32").rank(stem, NOMINAL_CUDA)
+    f32 = ConvSpec.from_dict({**stem.to_dict(), "dtype": "float32"})
+    assert tf32.rank(f32, NOMINAL_CUDA) < get_variant("tc_implicit_gemm_tf32").rank(f32, NOMINAL_CUDA)  # unmeasured
+    assert half.rank(stem, NOMINAL_CUDA) > get_variant("tc_implicit_gemm_half").rank(stem, NOMINAL_CUDA)  # measured
+    from convforge.kernels import ranked
+
+    assert ranked("auto", stem, NOMINAL_CUDA)[0].name == "tc_stem_gemm_half"
