@@ -20,14 +20,16 @@ SPECS = [ConvSpec.parse("N=1,C=3,H=13,W=13,K=8,R=3,S=3,pad=1"), ConvSpec.parse("
 
 def _size_params() -> list[tuple[str, DeviceInfo, ConvSpec, str]]:
     """(variant, device, spec, parameter) for every integer size parameter of every default (on
-    the first spec the variant applies to)."""
+    the first spec the variant applies to); a parameter whose declared values include 0 is a
+    switch there (the tensor-core generator's ``tm``: TMA off), not a size."""
     out = {}
     for dev in (NOMINAL_CUDA, NOMINAL_CPU):
         for spec in SPECS:
             for v in kernels.all_variants():
                 if v.applies(spec, dev) is None:
+                    zero = {k for k, vals in v.optional_params.items() if 0 in vals}
                     for k, x in v.default(spec, dev).items():
-                        if type(x) is int and k not in kernels.SWITCHES | kernels.ZERO_OK:
+                        if type(x) is int and k not in kernels.SWITCHES | kernels.ZERO_OK | zero:
                             out.setdefault((v.name, dev.backend, k), (v.name, dev, spec, k))
     return list(out.values())
 

@@ -46,6 +46,7 @@ from convforge.kernels.tensorcore.mainloop import consumer_rows, wgmma_issue
 from convforge.kernels.tensorcore.operands import DenseRows, Geometry, Im2colNhwc
 from convforge.kernels.tensorcore.prep import padded_channels
 from convforge.kernels.tensorcore.smem import SBO, Tile, desc_high, model_address
+from convforge.kernels.tensorcore.smem import swizzled as swizzled_chunk
 from convforge.kernels.tensorcore.tiles import Problem, TileConfig
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue
@@ -98,13 +99,25 @@ def test_descriptor_fields():
     assert ((d >> 32) & 0x3FFF) << 4 == SBO == 1024 and (d >> 49) & 7 == 0 and d >> 62 == 1
 
 
-@pytest.mark.parametrize("rows, atoms", list(itertools.product([64, 128, 256], [1, 2])))
-def test_hardware_reads_what_the_copies_wrote(rows, atoms):
+def test_narrow_swizzle_descriptors():
+    """64- and 32-byte swizzles: layout type 2 / 3, 8 rows of 64 / 32 bytes between row groups; the
+    pattern (smem.swizzled) is the address XOR the copy engine applies (bits [4:4+b) ^= [7:7+b))."""
+    for width, mode in ((64, 2), (32, 3)):
+        d = desc_high(width)
+        assert d >> 62 == mode and ((d >> 32) & 0x3FFF) << 4 == 8 * width and ((d >> 16) & 0x3FFF) == 1
+        for r, c in itertools.product(range(16), range(width // 16)):
+            lin = r * width + 16 * c
+            assert 16 * swizzled_chunk(r, c, width) + r * width == lin ^ (((lin >> 7) & (width // 16 - 1)) << 4)
+
+
+@pytest.mark.parametrize("rows, atoms, width", [(r, a, 128) for r, a in itertools.product([64, 128, 256], [1, 2])]
+                         + [(64, 2, 64), (128, 4, 64), (64, 4, 32), (128, 8, 32)])
+def test_hardware_reads_what_the_copies_wrote(rows, atoms, width):
     """Every k step of a tile: byte b (< 32) of row r as wgmma reads it through the descriptor
     (start advanced by Tile.step_offset) is where a copy put K byte 32 kk + b of that row."""
-    tile = Tile(rows, atoms)
+    tile = Tile(rows, atoms, width)
     for base, kk in itertools.product((0, 1024 * 37), range(tile.steps)):
-        d = (desc_high() | (base >> 4)) + (tile.step_offset(kk) >> 4)
+        d = (desc_high(width) | (base >> 4)) + (tile.step_offset(kk) >> 4)
         for r, b in itertools.product(range(rows), range(0, 32, 4)):
             kbyte = 32 * kk + b
             wrote = base + evaluate(tile.chunk_offset("r", "c"), {"r": r, "c": kbyte // 16}) + kbyte % 16
@@ -234,7 +247,7 @@ def emulate_gemm(cfg, math, prob, a, b, data, out, tile_ids=None):
                         else:
                             smem[at:at + n] = 0.0
             for c, (mi, a_off, b_off) in itertools.product(range(cfg.cw), wgmma_issue(cfg, math)):
-                da = desc_high() | ((sbase + c * consumer_rows(cfg) + a_off) >> 4)
+                da = stage.a.desc_high | ((sbase + c * consumer_rows(cfg) + a_off) >> 4)
                 db = desc_high() | ((sbase + b_off) >> 4)
                 ta = _read(smem, da, 64, math.esize)
                 tb = _read(smem, db, cfg.bn, math.esize)
@@ -267,10 +280,11 @@ def _tma_fill(smem, sbase, stage, math, ops, data, tl, kt, cfg=None, peers=()):
                                        *[evaluate(e, env) for e in cp_.offsets])
             else:
                 box = tma.model_tiled(src.reshape(cp_.map.dims[::-1]), cp_.map, *coords)
-            per = 16 // math.esize
+            per, width = 16 // math.esize, cp_.map.swizzle
+            assert box.shape[1] * math.esize == width, "a box row is one swizzled row"
             for i, j in itertools.product(range(box.shape[0]), range(box.shape[1] // per)):
-                row = i + shift // 128
-                at = (sbase + cp_.dst + 128 * row + 16 * (j ^ (row % 8))) // math.esize
+                row = i + shift // width
+                at = (sbase + cp_.dst + width * row + 16 * swizzled_chunk(row, j, width)) // math.esize
                 assert np.isnan(smem[at:at + per]).all(), "two copies write one place of a stage"
                 smem[at:at + per] = box[i, per * j:per * (j + 1)]
 
@@ -423,7 +437,7 @@ def test_tma_refuses_what_it_cannot_address():
     half = lambda s: ConvSpec.from_dict({**s.to_dict(), "dtype": "float16"})  # noqa: E731
     cfg = TileConfig(128, 64, tm=1)
     assert v.tma_reason(half(ConvSpec.make(1, 64, 9, 9, 8, 3, 3, 1, 1)), cfg) is None
-    assert "atoms" in v.tma_reason(half(ConvSpec.make(1, 40, 9, 9, 8, 3, 3, 1, 1)), cfg)
+    assert "straddle" in v.tma_reason(half(ConvSpec.make(1, 40, 9, 9, 8, 3, 3, 1, 1)), cfg)
     assert "corners" in v.tma_reason(half(ConvSpec.make(1, 64, 300, 9, 8, 3, 3, 1, 140)), cfg)
     assert "stride" in v.tma_reason(half(ConvSpec.make(1, 64, 99, 99, 8, 3, 3, 9, 1)), cfg)
     with pytest.raises(ValueError, match="tm=1"):
@@ -519,7 +533,17 @@ WGRAD_CASES = [(ODD[0], TF32, TileConfig(128, 32, 1, 2, 2, ks=3)),      # asymme
                # clusters of two multicasting x' rows: 4 N tiles (the last partial), split
                (ConvSpec.make(32, 16, 9, 7, 100, 3, 3, 1, (0, 1, 1, 0)), TF32,
                 TileConfig(128, 32, 1, 2, 2, ks=2, tm=1, cl=2)),
-               (ConvSpec.make(64, 8, 8, 8, 64, 3, 3, 2, 1), F16, TileConfig(64, 32, 2, 2, 1, tm=1, cl=2))]
+               (ConvSpec.make(64, 8, 8, 8, 64, 3, 3, 2, 1), F16, TileConfig(64, 32, 2, 2, 1, tm=1, cl=2)),
+               # a batch of 16 mod 32 (TF32) / 32 mod 64 and 16 (half): x' by TMA in the 64- / 32-byte swizzle
+               (ConvSpec.make(16, 5, 9, 7, 6, 3, 3, 1, (0, 1, 1, 0)), TF32,
+                TileConfig(128, 32, 1, 2, 2, ks=3, tm=1, sa=64)),
+               (ConvSpec.make(48, 3, 8, 8, 5, 3, 3, 2, (1, 0, 1, 1)), TF32, TileConfig(64, 32, 2, 3, 1, tm=1, sa=64)),
+               (ConvSpec.make(16, 9, 7, 9, 40, 3, 3, 1, 1), X3TF32, TileConfig(128, 64, 1, 2, 2, pi=2, tm=1, sa=64)),
+               (ConvSpec.make(32, 4, 8, 8, 5, 3, 3, 2, 1), F16, TileConfig(64, 32, 2, 2, 1, tm=1, sa=64)),
+               (ConvSpec.make(16, 6, 9, 7, 33, 3, 3, 1, (1, 0, 0, 1)), BF16,
+                TileConfig(128, 32, 1, 2, 2, ks=2, tm=1, sa=32)),
+               (ConvSpec.make(16, 16, 9, 7, 100, 3, 3, 1, (0, 1, 1, 0)), TF32,
+                TileConfig(128, 32, 1, 2, 2, ks=2, tm=1, cl=2, sa=64))]
 
 
 @pytest.mark.parametrize("spec, math, cfg", WGRAD_CASES, ids=lambda v: getattr(v, "name", None) or str(v))
@@ -962,6 +986,13 @@ def test_tile_problems_name_the_parameter():
     assert any("shared memory" in p for p in TileConfig(256, 256, 2, 8, 2).problems(X3TF32))
     assert any("pi" in p for p in TileConfig(128, 64, pi=2).problems(F16))
     assert any("empty" in p for p in TileConfig(128, 64, ks=4).problems(TF32, Problem(100, 64, 96)))
+    assert any("sa (64)" in p and "tm=1" in p for p in TileConfig(128, 64, sa=64).problems(TF32))
+    assert any("sa (48)" in p for p in TileConfig(128, 64, tm=1, sa=48).problems(TF32))
+    assert not TileConfig(128, 64, 2, tm=1, sa=32).problems(F16)
+    assert TileConfig.of(TileConfig(128, 64, tm=1, sa=64).params()).sa == 64
+    with pytest.raises(ValueError, match="TMA only"):
+        _iterators(TF32, 64, 1)[0].__class__("a", Tile(64, 2, 64), TF32, "xh", geo=_iterators(TF32, 64, 1)[0].geo
+                                             ).thread_lets()
     with pytest.raises(ValueError, match="unknown tensor-core tile parameters"):
         TileConfig.of(Params(bm=128, bn=64, zz=1))
 
@@ -1081,17 +1112,27 @@ def test_cluster_plans_compile_multicast_copies_in_sass(nvcc_ok, name, dtype):
     assert "UCGABAR" in gemm or "CGABAR" in gemm or "BAR.ARV" in gemm or "SYNCS" in gemm
 
 
-@pytest.mark.parametrize("name, spec", [
-    ("wgrad_tc_implicit_gemm_tf32", ConvSpec.make(32, 64, 28, 28, 128, 3, 3, 1, 1, conv_pass="wgrad")),
-    ("wgrad_tc_implicit_gemm_half", ConvSpec.make(64, 64, 14, 14, 64, 3, 3, 2, 1, dtype="float16", conv_pass="wgrad")),
-    ("dgrad_tc_strided_half", ConvSpec.make(32, 128, 28, 28, 128, 3, 3, 2, 1, dtype="bfloat16", conv_pass="dgrad")),
-    ("dgrad_tc_strided_3xtf32", ConvSpec.make(8, 64, 15, 15, 64, 1, 1, 2, conv_pass="dgrad"))], ids=str)
-def test_training_pass_tma_plans_compile(nvcc_ok, name, spec):
-    """wgrad (the batch as channels, whole atoms) and strided dgrad (every phase's maps in one
-    kernel) by TMA: the default, no spill, tensor copies and HGMMA, no cp.async in the GEMM."""
+@pytest.mark.parametrize("name, spec, sa", [
+    ("wgrad_tc_implicit_gemm_tf32", ConvSpec.make(32, 64, 28, 28, 128, 3, 3, 1, 1, conv_pass="wgrad"), 128),
+    ("wgrad_tc_implicit_gemm_half", ConvSpec.make(64, 64, 14, 14, 64, 3, 3, 2, 1, dtype="float16", conv_pass="wgrad"),
+     128),
+    ("dgrad_tc_strided_half", ConvSpec.make(32, 128, 28, 28, 128, 3, 3, 2, 1, dtype="bfloat16", conv_pass="dgrad"),
+     128),
+    ("dgrad_tc_strided_3xtf32", ConvSpec.make(8, 64, 15, 15, 64, 1, 1, 2, conv_pass="dgrad"), 128),
+    # a batch of 16 (VGG-16's): x' in the 64-byte swizzle (TF32), the 32-byte one (half); 48 channels forward
+    ("wgrad_tc_implicit_gemm_tf32", ConvSpec.make(16, 64, 28, 28, 128, 3, 3, 1, 1, conv_pass="wgrad"), 64),
+    ("wgrad_tc_implicit_gemm_half", ConvSpec.make(16, 64, 14, 14, 64, 3, 3, 1, 1, dtype="float16", conv_pass="wgrad"),
+     32),
+    ("tc_implicit_gemm_tf32", ConvSpec.make(8, 48, 28, 28, 64, 3, 3, 1, 1), 64)], ids=str)
+def test_training_pass_tma_plans_compile(nvcc_ok, name, spec, sa):
+    """wgrad (the batch as channels: whole 128-byte rows, or 64- / 32-byte ones at a batch of 16),
+    strided dgrad (every phase's maps in one kernel) and a 48-channel forward layer by TMA: the
+    default in the widest swizzle the channels allow, no spill, tensor copies and HGMMA, no
+    cp.async in the GEMM."""
     v = get_variant(name)
     prm = v.default(spec, NOMINAL_CUDA)
     assert prm.get("tm") == 1, v.tma_reason(spec, TileConfig.of(Params({k: x for k, x in prm.items() if k != "il"})))
+    assert prm.get("sa", 128) == sa
     infos, sass = sass_report(v.plan(spec, prm, NOMINAL_CUDA).source("cuda"))
     for info in infos:
         assert info.spill_stores == 0 and info.spill_loads == 0, info

@@ -293,7 +293,8 @@ def _address(array: Any) -> int:
 # cuTensorMapEncodeIm2col, through ctypes: CuPy does not bind them) from its description and the
 # address of the buffer the launch names, once per (map, address), and passed by value (128 bytes).
 _TMAP_DTYPES = {"float16": 6, "float32": 7, "bfloat16": 9}  # CUtensorMapDataType
-_SWIZZLE_128B, _L2_128B, _OOB_ZERO, _INTERLEAVE_NONE = 3, 2, 0, 0
+_L2_128B, _OOB_ZERO, _INTERLEAVE_NONE = 2, 0, 0
+_SWIZZLES = {128: 3, 64: 2, 32: 1}  # CUtensorMapSwizzle of a swizzle width in bytes
 _TMAPS: dict[tuple[TensorMap, int], bytes] = {}
 NATIVE_MAX_ARGS, NATIVE_MAX_MAPS = 64, 32  # native_core.h kMaxArgs, kMaxMaps: arguments and maps of a launch
 _TMAPS_KEPT = 4096  # encoded maps remembered (one per map and buffer address)
@@ -307,16 +308,16 @@ def _map_cell() -> _At:
 
 
 def map_encoding(tmap: TensorMap) -> tuple[bool, int, tuple[int, ...], tuple[int, ...], tuple[int, ...],
-                                             tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+                                             tuple[int, ...], tuple[int, ...], tuple[int, ...], int]:
     """The driver's encode arguments of ``tmap`` but the address: (im2col, CUtensorMapDataType,
     dims, byte strides, box (im2col: channels per pixel, pixels per column), element strides,
-    lower and upper pixel corners): what :func:`tensor_map` passes and the native fast paths
-    (native_core.h ``read_map``) pass too."""
+    lower and upper pixel corners, CUtensorMapSwizzle): what :func:`tensor_map` passes and the
+    native fast paths (native_core.h ``read_map``) pass too."""
     rank = len(tmap.dims)
     im2col = tmap.mode == "im2col"
     elem = (1, *tmap.traversal, *([1] * (rank - 1 - len(tmap.traversal)))) if im2col else (1,) * rank
     return (im2col, _TMAP_DTYPES[tmap.dtype], tuple(tmap.dims), tuple(tmap.strides), tuple(tmap.box), elem,
-            tuple(tmap.lower) if im2col else (), tuple(tmap.upper) if im2col else ())
+            tuple(tmap.lower) if im2col else (), tuple(tmap.upper) if im2col else (), _SWIZZLES[tmap.swizzle])
 
 
 def tensor_map(tmap: TensorMap, address: int) -> bytes:
@@ -327,13 +328,13 @@ def tensor_map(tmap: TensorMap, address: int) -> bytes:
         return hit
     lib = _driver().lib
     u64, u32, i32 = ctypes.c_uint64, ctypes.c_uint32, ctypes.c_int
-    im2col, dtype, dims_, strides_, box, elem_, lower, upper = map_encoding(tmap)
+    im2col, dtype, dims_, strides_, box, elem_, lower, upper, swizzle = map_encoding(tmap)
     rank = len(dims_)
     cell = _map_cell()
     at = cell.at
     dims, strides = (u64 * rank)(*dims_), (u64 * max(rank - 1, 1))(*strides_)
     elem = (u32 * rank)(*elem_)
-    common = (_INTERLEAVE_NONE, _SWIZZLE_128B, _L2_128B, _OOB_ZERO)
+    common = (_INTERLEAVE_NONE, swizzle, _L2_128B, _OOB_ZERO)
     if not im2col:
         err = lib.cuTensorMapEncodeTiled(ctypes.c_void_p(at), dtype, rank, ctypes.c_void_p(address), dims, strides,
                                          (u32 * rank)(*box), elem, *common)

@@ -237,6 +237,7 @@ struct MapRec {
   uint64_t dims[5] = {0, 0, 0, 0, 0}, strides[4] = {0, 0, 0, 0};
   uint32_t box[5] = {0, 0, 0, 0, 0}, elem[5] = {0, 0, 0, 0, 0};
   int lower[3] = {0, 0, 0}, upper[3] = {0, 0, 0};
+  int swizzle = 3;  // CUtensorMapSwizzle (3: 128 bytes, 2: 64, 1: 32)
   std::mutex mu;  // guards the two below (calls from several threads)
   uint64_t last = 0;  // the address ``encoded`` is for (0: none yet)
   unsigned char encoded[128] = {};
@@ -250,12 +251,12 @@ CUresult encode_map(MapRec& m, uint64_t address, unsigned char* out) {
     std::memcpy(out, m.encoded, 128);
     return 0;
   }
-  constexpr int kInterleaveNone = 0, kSwizzle128 = 3, kL2Promote128 = 2, kOobZero = 0;
+  constexpr int kInterleaveNone = 0, kL2Promote128 = 2, kOobZero = 0;
   void* at = reinterpret_cast<void*>(address);
   CUresult r = m.im2col ? drv.encode_im2col(out, m.dtype, m.rank, at, m.dims, m.strides, m.lower, m.upper, m.box[0],
-                                            m.box[1], m.elem, kInterleaveNone, kSwizzle128, kL2Promote128, kOobZero)
+                                            m.box[1], m.elem, kInterleaveNone, m.swizzle, kL2Promote128, kOobZero)
                         : drv.encode_tiled(out, m.dtype, m.rank, at, m.dims, m.strides, m.box, m.elem,
-                                           kInterleaveNone, kSwizzle128, kL2Promote128, kOobZero);
+                                           kInterleaveNone, m.swizzle, kL2Promote128, kOobZero);
   m.last = r ? 0 : address;
   if (!r) std::memcpy(m.encoded, out, 128);
   return r;
@@ -341,9 +342,9 @@ bool small_ints(PyObject* t, T* out, size_t cap, size_t& n) {
 }
 
 // A tensor map's description, (slot, fixed, im2col, dtype, dims, strides, box, elem, lower,
-// upper) (CudaExecutable.native_program), into m; false when malformed or the driver cannot encode.
+// upper, swizzle) (CudaExecutable.native_program), into m; false when malformed or the driver cannot encode.
 bool read_map(PyObject* v, MapRec& m) {
-  if (!drv.encode_tiled || !drv.encode_im2col || !PyTuple_Check(v) || PyTuple_GET_SIZE(v) != 10) return false;
+  if (!drv.encode_tiled || !drv.encode_im2col || !PyTuple_Check(v) || PyTuple_GET_SIZE(v) != 11) return false;
   m.slot = static_cast<int>(PyLong_AsLong(PyTuple_GET_ITEM(v, 0)));
   m.fixed = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(v, 1));
   m.im2col = PyObject_IsTrue(PyTuple_GET_ITEM(v, 2)) == 1;
@@ -353,7 +354,9 @@ bool read_map(PyObject* v, MapRec& m) {
             small_ints(PyTuple_GET_ITEM(v, 6), m.box, 5, nb) && small_ints(PyTuple_GET_ITEM(v, 7), m.elem, 5, ne) &&
             small_ints(PyTuple_GET_ITEM(v, 8), m.lower, 3, nl) && small_ints(PyTuple_GET_ITEM(v, 9), m.upper, 3, nu);
   m.rank = static_cast<uint32_t>(rank);
+  m.swizzle = static_cast<int>(PyLong_AsLong(PyTuple_GET_ITEM(v, 10)));
   if (!ok || PyErr_Occurred() || m.slot >= kMaxArgs || rank < 1 || ns + 1 != rank || ne != rank) return false;
+  if (m.swizzle < 1 || m.swizzle > 3) return false;
   return m.im2col ? nb == 2 && nl == rank - 2 && nu == rank - 2 : nb == rank;
 }
 

@@ -181,7 +181,7 @@ class TensorMap:
     dimension) or "im2col" (``box`` = (channels per pixel, pixels per column), ``lower`` / ``upper``
     the pixel bounding box's corners, W first, ``traversal`` the pixel strides, W first). Dimensions
     innermost first, in elements; ``strides`` in bytes for dimensions 1 on. The shared tile is
-    written with the 128-byte swizzle. Read it with ``TMA_TILE_2D`` / ``TMA_IM2COL_4D``."""
+    written with the ``swizzle``-byte swizzle (128, 64 or 32). Read it with ``TMA_TILE_2D`` / ``TMA_IM2COL_4D``."""
 
     name: str
     mode: str
@@ -193,6 +193,7 @@ class TensorMap:
     upper: tuple[int, ...] = ()
     traversal: tuple[int, ...] = ()
     source: str = ""  # the buffer a plan's Launch names for it (for plans that take refs from the args)
+    swizzle: int = 128  # the shared tile's swizzle in bytes (128, 64 or 32; the box's inner extent at most)
 
     def __post_init__(self) -> None:
         rank = len(self.dims)
@@ -204,6 +205,8 @@ class TensorMap:
                                           == len(self.traversal) == rank - 2):
             raise ValueError(f"tensor map {self.name}: im2col needs rank >= 3, a (channels, pixels) box and "
                              "corners and traversal strides per spatial dimension")
+        if self.swizzle not in (128, 64, 32):
+            raise ValueError(f"tensor map {self.name}: swizzle {self.swizzle} is not 128, 64 or 32 bytes")
         if self.mode == "tiled" and len(self.box) != rank:
             raise ValueError(f"tensor map {self.name}: a tiled box has one extent per dimension")
 

@@ -33,7 +33,6 @@ reads dy in place for it. Stride 1 is DgradTransposed's (kernels/dgrad/transpose
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from convforge.codegen.dialect import Buf, Dim3, Kernel
@@ -49,7 +48,6 @@ from convforge.kernels.tensorcore.isa import Math, device_reason, math_for
 from convforge.kernels.tensorcore.kernel import jobs_grid, jobs_kernel, launch_refs
 from convforge.kernels.tensorcore.mainloop import Job
 from convforge.kernels.tensorcore.operands import DenseRows, Geometry, Im2colNhwc
-from convforge.kernels.tensorcore.smem import Tile
 from convforge.kernels.tensorcore.tiles import Problem, TileConfig
 from convforge.kernels.tensorcore.variants import RANK_SM90, TcVariant, tolerance
 from convforge.params import Params
@@ -224,7 +222,7 @@ class TcDgradStrided(TcVariant):
     def _tile(self, spec: ConvSpec, c: TileConfig, tm: bool = True) -> TileConfig:
         """``c`` unsplit, with TMA when asked and every phase's operands allow it."""
         cfg = TileConfig(c.bm, c.bn, c.kb, c.st, c.cw, 1, c.ps, c.pi)
-        return dataclasses.replace(cfg, tm=1) if tm and self.tma_reason(spec, cfg) is None else cfg
+        return tma.with_tma(cfg, lambda t: self.tma_reason(spec, t)) if tm else cfg
 
     def tma_reason(self, spec: ConvSpec, cfg: TileConfig) -> str | None:
         """Why some phase's operands cannot come by TMA with tile ``cfg``, or None."""
@@ -280,8 +278,8 @@ class TcDgradStrided(TcVariant):
         """A: dy (NHWC) gathered for the phase's sub-grid; B: its packed filters."""
         math, kp = self.math(spec), self._kp(spec)
         prob = ph.problem(spec, kp)
-        a = Im2colNhwc("a", Tile(cfg.bm, cfg.kb), math, "dyh", geo=ph.geometry(spec, kp))
-        b = DenseRows("b", Tile(cfg.bn, cfg.kb), math, f"wph{ph.tag}", rows=spec.c, ld=self._ld(spec, ph, cfg),
+        a = Im2colNhwc("a", cfg.a_tile(), math, "dyh", geo=ph.geometry(spec, kp))
+        b = DenseRows("b", cfg.b_tile(), math, f"wph{ph.tag}", rows=spec.c, ld=self._ld(spec, ph, cfg),
                       kred=prob.kred, padded=True)
         return a, b
 

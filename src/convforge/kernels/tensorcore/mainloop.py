@@ -203,14 +203,14 @@ def wgmma_issue(cfg: TileConfig, math: Math) -> list[tuple[int, int, int]]:
     for kk in range(stage.a.steps):
         for pa, pb in math.products:
             for mi in range(cfg.wm):
-                out.append((mi, stage.offset("a", pa) + 64 * 128 * mi + stage.a.step_offset(kk),
+                out.append((mi, stage.offset("a", pa) + 64 * stage.a.width * mi + stage.a.step_offset(kk),
                             stage.offset("b", pb) + stage.b.step_offset(kk)))
     return out
 
 
 def consumer_rows(cfg: TileConfig) -> int:
     """Byte offset of consumer c's first A row, per c (its rows are 64 wm c ..)."""
-    return cfg.wm * 64 * 128
+    return cfg.wm * 64 * cfg.sa
 
 
 def acc_names(cfg: TileConfig, prefix: str = "d") -> list[str]:
@@ -230,7 +230,10 @@ def _consumer_state(code: Code, ring: Ring) -> None:
     acc = acc_names(cfg)
     code("const int ct = tid & 127, c = wg - 1, wq = ct >> 5, g = (tid & 31) >> 2, t = tid & 3;",
          f"const U64 dsc = {desc_high()}ull | (U64)(sbase >> 4);",
-         f"const U64 da0 = dsc + (U64)(c * {consumer_rows(cfg) // 16});  // this warpgroup's rows of A",
+         *([] if cfg.sa == 128 else
+           [f"const U64 dsa = {desc_high(cfg.sa)}ull | (U64)(sbase >> 4);  // A's {cfg.sa}-byte swizzle"]),
+         f"const U64 da0 = {'dsc' if cfg.sa == 128 else 'dsa'} + (U64)(c * {consumer_rows(cfg) // 16});"
+         "  // this warpgroup's rows of A",
          f"float* const est = tc_smem + ((sbase - SMEM_U32(tc_smem)) >> 2) + "
          f"({ring.staging_offset} + c * {epilogue.staging_bytes(cfg.wm)}) / 4;  // its staging",
          f"float {', '.join(acc)};")

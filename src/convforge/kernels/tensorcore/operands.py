@@ -102,6 +102,9 @@ class _Rows:
         return tuple(Buf(self.buffer(p), self.math.ctype) for p in self.math.parts)
 
     def thread_lets(self) -> list[Let]:
+        if self.tile.width != 128:
+            raise ValueError(f"operand {self.name}: a {self.tile.width}-byte-swizzled tile is brought by TMA only "
+                             "(the cp.async mapping fills 128-byte rows)")
         n = self.name
         return [Let(f"{n}_j", "(tid & 7)"), Let(f"{n}_rb", "(tid >> 3)"),
                 Let(f"{n}_so", self.tile.chunk_offset(f"{n}_rb", f"{n}_j"))]

@@ -1,16 +1,23 @@
-"""Shared-memory tiles of the generator: the 128-byte swizzle, wgmma matrix descriptors, stage layout.
+"""Shared-memory tiles of the generator: the 128-, 64- and 32-byte swizzles, wgmma matrix descriptors,
+stage layout.
 
 Facts from the PTX ISA (wgmma, "matrix descriptor" and "shared memory matrix layout"), encoded once:
 
-* A K-major operand tile with the 128-byte swizzle is a stack of 8-row x 128-byte atoms: row r at
-  byte 128 r, its 16-byte chunk c stored at position c ^ (r % 8) (address bits [4:6] ^= [7:9]); the
-  atom must start 1024-byte aligned. More K than 128 bytes: further column blocks ("atoms" here) of
-  the whole tile, each rows x 128 bytes, one after the other.
+* A K-major operand tile with the W-byte swizzle (W = 128, 64 or 32: the tile's ``width``) is a stack
+  of 8-row x W-byte atoms: row r at byte W r, its 16-byte chunk c stored at position
+  c ^ ((W r >> 7) % (W / 16)) (address bits [4:4+b) ^= [7:7+b), b = log2(W / 16): 128 B: c ^ (r % 8),
+  64 B: c ^ ((r >> 1) % 4), 32 B: c ^ ((r >> 2) % 2)); the atom must start 8 W-byte aligned. More K
+  than W bytes: further column blocks ("atoms" here) of the whole tile, each rows x W bytes, one
+  after the other. The copy engine writes the same patterns (``CU_TENSOR_MAP_SWIZZLE_128B / 64B / 32B``,
+  an inner box of W bytes). A narrower swizzle serves operands whose channels are not whole 128-byte
+  rows (wgrad's x' at a batch of 16: 64 bytes of TF32), so that TMA can still bring them.
 * The 64-bit descriptor: start address >> 4 in bits 0-13, leading byte offset >> 4 in 16-29 (unused
-  by swizzled K-major layouts; 1 as CUTLASS sets it), stride byte offset >> 4 in 32-45 (1024: from one
-  8-row group to the next), base offset in 49-51 (0: atoms 1024-aligned), layout in 62-63 (1 = 128B).
+  by swizzled K-major layouts; 1 as CUTLASS sets it), stride byte offset >> 4 in 32-45 (8 W: from one
+  8-row group to the next), base offset in 49-51 (0: atoms aligned), layout in 62-63 (1 = 128B,
+  2 = 64B, 3 = 32B).
 * A k step (32 bytes of K) reads from start + 32 kk within the row, its unswizzled position: the
-  hardware swizzles the whole address, so advancing the start address by 32 bytes is the k step.
+  hardware swizzles the whole address, so advancing the start address by 32 bytes is the k step
+  (a 32-byte row is one k step: the next step is the next column block).
 
 :func:`model_address` is the hardware's read as the ISA documents it, written independently of
 :meth:`Tile.chunk_offset` (the copies' write); tests/test_tensorcore_gen.py checks that they agree.
@@ -22,61 +29,89 @@ from dataclasses import dataclass
 
 from convforge.kernels.tensorcore.isa import KSTEP_BYTES, ROW_BYTES
 
-ALIGN = 1024  # a swizzle atom's alignment
-SBO = 8 * ROW_BYTES  # bytes between 8-row groups
+ALIGN = 1024  # a 128-byte swizzle atom's alignment (the narrower ones need less)
+SBO = 8 * ROW_BYTES  # bytes between 8-row groups of a 128-byte-swizzled tile
 LBO = 16  # leading byte offset field (ignored for swizzled K-major; CUTLASS writes 1 = 16 bytes)
 MODE_128B = 1
+MODES = {128: 1, 64: 2, 32: 3}  # swizzle width (row bytes) -> descriptor layout type
+WIDTHS = {v: k for k, v in MODES.items()}
 MAX_SHARED = 227 * 1024  # a block's shared memory on sm_90 (opt-in)
 
 
-def desc_high() -> int:
-    """Descriptor bits above the start address: LBO, SBO, base offset 0, the 128-byte swizzle."""
-    return ((LBO >> 4) << 16) | ((SBO >> 4) << 32) | (MODE_128B << 62)
+def desc_high(width: int = ROW_BYTES) -> int:
+    """Descriptor bits above the start address: LBO, SBO (8 rows of ``width`` bytes), base offset 0,
+    the ``width``-byte swizzle."""
+    return ((LBO >> 4) << 16) | ((8 * width >> 4) << 32) | (MODES[width] << 62)
+
+
+def swizzled(row: int, chunk: int, width: int) -> int:
+    """Where 16-byte chunk ``chunk`` of row ``row`` of a ``width``-byte-swizzled atom stack is stored
+    (its chunk position in the row): the pattern both the copies and the copy engine write."""
+    return chunk ^ ((row * width >> 7) % (width // 16))
 
 
 @dataclass(frozen=True)
 class Tile:
-    """One K-major operand part of one stage: ``rows`` (a multiple of 8) x ``atoms`` 128-byte rows of K."""
+    """One K-major operand part of one stage: ``rows`` (a multiple of 8) x ``atoms`` column blocks of
+    ``width``-byte swizzled rows of K (128 unless an operand's channels ask for less)."""
 
     rows: int
     atoms: int
+    width: int = ROW_BYTES
 
     def __post_init__(self) -> None:
-        if self.rows % 8 or self.rows <= 0 or self.atoms not in (1, 2, 4):
-            raise ValueError(f"tile of {self.rows} rows x {self.atoms} atoms: rows a multiple of 8, atoms 1, 2 or 4")
+        if self.rows % 8 or self.rows <= 0 or self.atoms not in (1, 2, 4, 8):
+            raise ValueError(f"tile of {self.rows} rows x {self.atoms} atoms: rows a multiple of 8, atoms 1, 2, 4 "
+                             "or 8")
+        if self.width not in MODES:
+            raise ValueError(f"a {self.width}-byte swizzle is not one of {sorted(MODES)}")
 
     @property
     def nbytes(self) -> int:
-        return self.rows * self.atoms * ROW_BYTES
+        return self.rows * self.kbytes
+
+    @property
+    def kbytes(self) -> int:
+        """Bytes of K per row of the whole tile (every atom)."""
+        return self.atoms * self.width
 
     @property
     def chunks_per_row(self) -> int:
-        return self.atoms * ROW_BYTES // 16
+        return self.kbytes // 16
 
     def chunk_offset(self, r: str, c: str) -> str:
-        """Byte offset in the tile of 16-byte chunk ``c`` (0 .. 8 atoms - 1) of row ``r`` (C expressions)."""
-        return (f"(((({c}) >> 3) * {self.rows * ROW_BYTES}) + ({r}) * {ROW_BYTES} + "
-                f"(((({c}) & 7) ^ (({r}) & 7)) << 4))")
+        """Byte offset in the tile of 16-byte chunk ``c`` (0 .. chunks_per_row - 1) of row ``r`` (C
+        expressions; :func:`swizzled`)."""
+        per = self.width // 16
+        rin = {128: f"({r})", 64: f"(({r}) >> 1)", 32: f"(({r}) >> 2)"}[self.width]
+        return (f"(((({c}) >> {per.bit_length() - 1}) * {self.rows * self.width}) + ({r}) * {self.width} + "
+                f"(((({c}) & {per - 1}) ^ ({rin} & {per - 1})) << 4))")
 
     def step_offset(self, kk: int) -> int:
-        """Start-address advance of k step ``kk`` (0 .. 4 atoms - 1): its atom, then 32 bytes per step."""
-        per = ROW_BYTES // KSTEP_BYTES
-        return (kk // per) * self.rows * ROW_BYTES + (kk % per) * KSTEP_BYTES
+        """Start-address advance of k step ``kk`` (0 .. steps - 1): its atom, then 32 bytes per step."""
+        per = self.width // KSTEP_BYTES
+        return (kk // per) * self.rows * self.width + (kk % per) * KSTEP_BYTES
 
     @property
     def steps(self) -> int:
-        return self.atoms * ROW_BYTES // KSTEP_BYTES
+        return self.kbytes // KSTEP_BYTES
+
+    @property
+    def desc_high(self) -> int:
+        """The descriptor bits above the start address for this tile's swizzle."""
+        return desc_high(self.width)
 
 
 def model_address(desc: int, r: int, kbyte: int) -> int:
     """Shared byte address wgmma reads for row ``r``, byte ``kbyte`` (< 32) of K of the operand that
-    ``desc`` describes: the ISA's canonical K-major 128-byte-swizzle layout."""
-    assert desc >> 62 == MODE_128B, "only the 128-byte swizzle is modelled"
+    ``desc`` describes: the ISA's canonical K-major swizzled layouts (128, 64 or 32 bytes: address
+    bits [4:4+b) ^= [7:7+b) over 8-row atoms of rows that wide)."""
+    width = WIDTHS[desc >> 62]
     assert 0 <= kbyte < KSTEP_BYTES
     start = (desc & 0x3FFF) << 4
     sbo = ((desc >> 32) & 0x3FFF) << 4
-    lin = start + (r // 8) * sbo + (r % 8) * ROW_BYTES + kbyte
-    return lin ^ (((lin >> 7) & 7) << 4)
+    lin = start + (r // 8) * sbo + (r % 8) * width + kbyte
+    return lin ^ (((lin >> 7) & (width // 16 - 1)) << 4)
 
 
 @dataclass(frozen=True)
@@ -88,7 +123,7 @@ class StageLayout:
     parts: tuple[str, ...] = ("hi",)
 
     def __post_init__(self) -> None:
-        if self.a.atoms != self.b.atoms:
+        if self.a.kbytes != self.b.kbytes:
             raise ValueError("A and B tiles of a stage must hold the same K")
 
     def offset(self, operand: str, part: str) -> int:

@@ -9,11 +9,14 @@ reduce), ``ps`` = 1 runs a persistent grid of at most one block per SM, ``tm`` =
 operands by TMA (tensorcore/tma.py) instead of cp.async. ``cl`` = 2 (with TMA) runs blocks in
 clusters of two that take neighbouring N tiles of one M tile: each brings half of the shared A tile
 and multicasts it to both (tma.py), so A crosses from L2 once per pair; a stage is free again once
-the consumers of both blocks have released it.
+the consumers of both blocks have released it. ``sa`` = 64 or 32 (with TMA) lays A's tile out in that
+swizzle (smem.py): for im2col operands whose channels are 16 or 8 TF32 elements (wgrad's x' at a batch
+of 16 mod 32), which a 128-byte box would straddle two taps of.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -23,7 +26,7 @@ from convforge.kernels.tensorcore.isa import Math, n_ok
 from convforge.kernels.tensorcore.smem import MAX_SHARED, StageLayout, Tile
 from convforge.params import Params
 
-KEYS = ("bm", "bn", "kb", "st", "cw", "ks", "ps", "pi", "tm", "cl")
+KEYS = ("bm", "bn", "kb", "st", "cw", "ks", "ps", "pi", "tm", "cl", "sa")
 WG = 128  # threads of a warpgroup
 ACC_LIMIT = 128  # f32 accumulators per consumer thread that leave room for addresses (<= 232 registers)
 PRODUCER_REGS, CONSUMER_REGS = 80, 200  # setmaxnreg split of 3 warpgroups (128 * 80 + 256 * 200 <= 64K;
@@ -54,6 +57,7 @@ class TileConfig:
     pi: int = 0  # 3xTF32: promote the wgmma sums into FP32 registers every pi stages (0: never)
     cl: int = 1  # blocks per cluster (2: A multicast to a pair of N tiles; TMA only)
     tm: int = 0  # 1: the operands come by TMA (one producer thread, tensorcore/tma.py), 0: by cp.async
+    sa: int = 128  # A's swizzle width in bytes (64 or 32, TMA only: channels that are not whole 128-byte rows)
 
     @property
     def wm(self) -> int:
@@ -68,8 +72,15 @@ class TileConfig:
         """f32 accumulators per consumer thread (twice as many registers with promotion)."""
         return self.wm * self.bn // 2
 
+    def a_tile(self) -> Tile:
+        """A's part of a stage: ``kb`` x 128 bytes of K in column blocks of its swizzle width."""
+        return Tile(self.bm, self.kb * 128 // self.sa, self.sa)
+
+    def b_tile(self) -> Tile:
+        return Tile(self.bn, self.kb)
+
     def stage(self, math: Math) -> StageLayout:
-        return StageLayout(Tile(self.bm, self.kb), Tile(self.bn, self.kb), math.parts)
+        return StageLayout(self.a_tile(), self.b_tile(), math.parts)
 
     def shared_bytes(self, math: Math) -> int:
         """Launch-sized shared memory: 1024 bytes of alignment slack, the stages, the consumers'
@@ -103,7 +114,9 @@ class TileConfig:
             out.append("pi >= 0, ks >= 1, ps 0 or 1, tm 0 or 1")
         if self.cl not in (1, 2) or (self.cl == 2 and not self.tm):
             out.append(f"cl ({self.cl}) must be 1, or 2 with tm=1 (clusters pay through TMA multicast)")
-        if self.shared_bytes(math) > shared_limit:
+        if self.sa not in (128, 64, 32) or (self.sa != 128 and not self.tm):
+            out.append(f"sa ({self.sa}) must be 128, or 64 or 32 with tm=1 (a narrow swizzle serves TMA copies)")
+        elif self.shared_bytes(math) > shared_limit:
             out.append(f"{self.shared_bytes(math)} bytes of shared memory exceed {shared_limit}")
         if prob is not None and self.cl > 1 and cdiv(prob.n, self.bn) % self.cl:
             out.append(f"cl ({self.cl}) needs a whole number of N-tile groups, not {cdiv(prob.n, self.bn)} tiles "
@@ -136,7 +149,7 @@ class TileConfig:
     def params(self) -> Params:
         keys = dict(bm=self.bm, bn=self.bn, kb=self.kb, st=self.st, cw=self.cw, ks=self.ks, ps=self.ps)
         return Params({**keys, **({"pi": self.pi} if self.pi else {}), **({"tm": self.tm} if self.tm else {}),
-                       **({"cl": self.cl} if self.cl > 1 else {})})
+                       **({"cl": self.cl} if self.cl > 1 else {}), **({"sa": self.sa} if self.sa != 128 else {})})
 
     @classmethod
     def of(cls, p: Params) -> TileConfig:
@@ -145,7 +158,7 @@ class TileConfig:
             raise ValueError(f"unknown tensor-core tile parameters {sorted(unknown)} (known: {', '.join(KEYS)})")
         return cls(int(p.bm), int(p.bn), int(p.get("kb", 1)), int(p.get("st", 4)), int(p.get("cw", 2)),
                    int(p.get("ks", 1)), int(p.get("ps", 1)), int(p.get("pi", 0)), int(p.get("cl", 1)),
-                   int(p.get("tm", 0)))
+                   int(p.get("tm", 0)), int(p.get("sa", 128)))
 
 
 # Relative throughput of a block tile's wgmma stream per operand element size (m64nN with both operands in
@@ -181,16 +194,29 @@ def pick(math: Math, prob: Problem, units: int, shared_limit: int = MAX_SHARED) 
     ConvNeXt's 384 -> 96 linear at 56x56 N32: 4.4e-7 against 7.0e-7 every 4, the same time; every
     stage 3.0e-7 at 1.23x the time), split-K where the tiles still fill less than half the SMs, a
     persistent grid."""
+    cfg = min(shapes(math, prob, shared_limit), key=lambda c: _wave_cost(c.bm, c.bn, math, prob, units))
+    return dataclasses.replace(cfg, ks=split_for(cfg, math, prob, units))
+
+
+def shapes(math: Math, prob: Problem, shared_limit: int = MAX_SHARED) -> list[TileConfig]:
+    """The candidate default tiles, unsplit: each block tile of :data:`TILE_EFFICIENCY` (128 wide
+    only for more than 64 channels) with as many stages as fit (at most 6, at least 3), one atom of
+    K per stage, 2 consumers, persistent, 3xTF32 promoted every 2 stages."""
     pi = 2 if math.name == "3xtf32" else 0
 
     def stages(bm: int, bn: int) -> int:
         return max((s for s in range(2, 7) if not TileConfig(bm, bn, 1, s, 2, 1, 1, pi)
                     .problems(math, shared_limit=shared_limit)), default=0)
 
-    shapes = [(bm, bn) for bm, bn in TILE_EFFICIENCY[math.esize] if stages(bm, bn) >= 3 and (bn == 64 or prob.n > 64)]
-    bm, bn = min(shapes, key=lambda t: _wave_cost(t[0], t[1], math, prob, units))
-    cfg = TileConfig(bm, bn, 1, stages(bm, bn), 2, 1, 1, pi)
-    return TileConfig(cfg.bm, bn, 1, cfg.st, 2, split_for(cfg, math, prob, units), 1, pi)
+    return [TileConfig(bm, bn, 1, stages(bm, bn), 2, 1, 1, pi) for bm, bn in TILE_EFFICIENCY[math.esize]
+            if stages(bm, bn) >= 3 and (bn == 64 or prob.n > 64)]
+
+
+def efficiency(cfg: TileConfig, math: Math, table: dict[int, dict[tuple[int, int], float]] | None = None) -> float:
+    """The block tile's efficiency (``table``, default :data:`TILE_EFFICIENCY`) relative to 128 x
+    64's (0.8 of it for a shape not measured)."""
+    eff = (table or TILE_EFFICIENCY)[math.esize]
+    return eff.get((cfg.bm, cfg.bn), 0.8 * eff[128, 64]) / eff[128, 64]
 
 
 def space(math: Math, prob: Problem, units: int, shared_limit: int = MAX_SHARED) -> list[TileConfig]:

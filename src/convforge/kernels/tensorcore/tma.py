@@ -25,15 +25,18 @@ A's rows (a box of ``bm / 2`` rows from row ``crank bm / 2``) **multicast** to b
 same shared offset in each, completing the full barrier at the same offset in each; B stays each
 block's own. Every block's full barrier still expects the whole stage's bytes.
 
-It applies where an atom never straddles two filter taps (Cp a multiple of the atom: 32 TF32 or 64
-half channels), the corners fit the hardware's range for 4-D maps ([-128, 127]), the strides are at
-most 8 and the tap offsets at most 255 (:func:`reason`). :func:`model_column` is the traversal as the
-PTX ISA describes it, written independently of the generator: tests/test_tensorcore_gen.py checks it
-against the gather the cp.async producer does.
+It applies where a box never straddles two filter taps (Cp a multiple of the tile's swizzle row: 32
+TF32 or 64 half channels with the 128-byte swizzle, 16 / 32 with the 64-byte one, 8 / 16 with the
+32-byte one, ``TileConfig.sa``; the map carries the swizzle), the corners fit the hardware's range
+for 4-D maps ([-128, 127]), the strides are at most 8 and the tap offsets at most 255 (:func:`reason`).
+:func:`model_column` is the traversal as the PTX ISA describes it, written independently of the
+generator: tests/test_tensorcore_gen.py checks it against the gather the cp.async producer does.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,7 +44,7 @@ import numpy as np
 from convforge.codegen.dialect import TensorMap
 from convforge.codegen.meta import Code
 from convforge.kernels.tensorcore.cexpr import Let, emit_all
-from convforge.kernels.tensorcore.isa import ROW_BYTES, Math
+from convforge.kernels.tensorcore.isa import Math
 from convforge.kernels.tensorcore.operands import DenseRows, Geometry, Im2colNhwc, Operand
 from convforge.kernels.tensorcore.smem import StageLayout
 from convforge.kernels.tensorcore.tiles import TileConfig
@@ -72,9 +75,10 @@ def reason(op: Operand, rows: int) -> str | None:
         return None if op.batch_stride == 0 else "batched rows are copied by cp.async"
     if not isinstance(op, Im2colNhwc) or op.geo is None:
         return f"{type(op).__name__} operands are copied by cp.async"
-    g, atom = op.geo, op.math.elems(1)
+    g, atom = op.geo, op.tile.width // op.math.esize
     if g.cp % atom:
-        return f"{g.cp} channels are not whole {atom}-element atoms (an atom would straddle two taps)"
+        return (f"{g.cp} channels are not whole {atom}-element rows of a {op.tile.width}-byte swizzle (a box "
+                "would straddle two taps)")
     lower, upper = corners(g)
     if not all(CORNER[0] <= v <= CORNER[1] for v in lower + upper):
         return f"pixel box corners {lower}, {upper} outside {CORNER}"
@@ -83,6 +87,17 @@ def reason(op: Operand, rows: int) -> str | None:
     if max((g.r - 1) * g.dilation[0], (g.s - 1) * g.dilation[1]) > MAX_OFFSET:
         return f"filter taps reach past an im2col offset of {MAX_OFFSET}"
     return None
+
+
+def with_tma(cfg: TileConfig, why: Callable[[TileConfig], str | None]) -> TileConfig:
+    """``cfg`` with its operands by TMA (``tm`` = 1) in the widest swizzle of A that ``why`` (a
+    variant's reason function) admits: 128 bytes, else 64 or 32 for channels that are not whole
+    128-byte rows; ``cfg`` as it is where none can be addressed."""
+    for sa in (128, 64, 32):
+        c = dataclasses.replace(cfg, tm=1, sa=sa)
+        if why(c) is None:
+            return c
+    return cfg
 
 
 def pair_reason(a: Operand, b: Operand, bm: int, bn: int) -> str | None:
@@ -101,15 +116,16 @@ def tensor_map(op: Operand, part: str, rows: int, tag: str = "") -> TensorMap:
     why = reason(op, rows)
     if why:
         raise ValueError(f"operand {op.name}: {why}")
-    es, atom, dtype, name = op.math.esize, op.math.elems(1), storage(op.math), map_name(op, part, tag)
+    es, dtype, name = op.math.esize, storage(op.math), map_name(op, part, tag)
+    atom, sw = op.tile.width // es, op.tile.width
     if isinstance(op, DenseRows):
         return TensorMap(name, "tiled", dtype, (op.ld, op.rows), (op.ld * es,), (atom, rows),
-                         source=op.buffer(part))
+                         source=op.buffer(part), swizzle=sw)
     assert isinstance(op, Im2colNhwc) and op.geo is not None
     g = op.geo
     lower, upper = corners(g)
     return TensorMap(name, "im2col", dtype, (g.cp, g.w, g.h, g.n), (g.cp * es, g.w * g.cp * es, g.h * g.w * g.cp * es),
-                     (atom, rows), lower, upper, (g.stride[1], g.stride[0]), op.buffer(part))
+                     (atom, rows), lower, upper, (g.stride[1], g.stride[0]), op.buffer(part), sw)
 
 
 def box_rows(op: Operand, ops: list[Operand], cfg: TileConfig) -> int:
@@ -140,10 +156,10 @@ def tile_lets(op: Operand, rows: int | None = None) -> list[Let]:
 def stage_lets(op: Operand) -> list[Let]:
     """Per stage and atom a: the K position; for im2col its tap (r s: offsets or, os) and channel (a K
     tail past R S Cp reads channel Cp or beyond: out of bounds, zeros)."""
-    n, e = op.name, op.math.elems(op.tile.atoms)
+    n, e, per = op.name, op.tile.kbytes // op.math.esize, op.tile.width // op.math.esize
     out = []
     for a in range(op.tile.atoms):
-        out.append(Let(f"{n}_k{a}", f"(kt * {e} + {a * op.math.elems(1)})"))
+        out.append(Let(f"{n}_k{a}", f"(kt * {e} + {a * per})"))
         if isinstance(op, Im2colNhwc):
             g = op.geo
             assert g is not None
@@ -186,11 +202,11 @@ def copies(op: Operand, stage: StageLayout, parts: tuple[str, ...], tag: str = "
     tile = stage.tile(n)
     rows = tile.rows if rows is None else rows
     share = rows < tile.rows
-    shift, mask = (f"crank * {rows * ROW_BYTES}u", (1 << cl) - 1) if share else ("", 0)
+    shift, mask = (f"crank * {rows * tile.width}u", (1 << cl) - 1) if share else ("", 0)
     for part in parts:
         m = tensor_map(op, part, rows, tag)
         for a in range(op.tile.atoms):
-            dst = stage.offset(n, part) + a * tile.rows * ROW_BYTES
+            dst = stage.offset(n, part) + a * tile.rows * tile.width
             if isinstance(op, Im2colNhwc):
                 coords = (f"{n}_c{a}", f"{n}_w0", f"{n}_h0", f"{n}_n0")
                 out.append(TmaCopy(dst, m, part, coords, (f"{n}_os{a}", f"{n}_or{a}"), shift, mask))

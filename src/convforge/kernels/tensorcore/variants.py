@@ -31,7 +31,7 @@ from convforge.kernels.tensorcore.epilogue import Output, reduce_kernel
 from convforge.kernels.tensorcore.isa import Math, device_reason, few_pixels, math_for
 from convforge.kernels.tensorcore.kernel import gemm_kernel
 from convforge.kernels.tensorcore.operands import DenseRows, Geometry, Im2colNhwc
-from convforge.kernels.tensorcore.smem import MAX_SHARED, Tile
+from convforge.kernels.tensorcore.smem import MAX_SHARED
 from convforge.kernels.tensorcore.tiles import Problem, TileConfig
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
@@ -108,7 +108,8 @@ class TcVariant(Variant):
     backends = frozenset({"cuda"})
     exact = False
     space_lead = 6
-    optional_params = {"tm": frozenset({0, 1}), "cl": frozenset({1, 2})}  # TMA, clusters: plan() says where not
+    # TMA, clusters, A's swizzle width: plan() says where not
+    optional_params = {"tm": frozenset({0, 1}), "cl": frozenset({1, 2}), "sa": frozenset({128, 64, 32})}
 
     def __init__(self, name: str, dtypes: frozenset[str], x3: bool, precision: str, specialised: int) -> None:
         self.name, self.dtypes, self.x3 = name, dtypes, x3
@@ -201,9 +202,10 @@ class TcImplicitGemm(TcVariant):
         limit, math, prob = self.limit(device), self.math(spec), self.problem(spec)
         out = []
         for i, c in enumerate(tiles.space(math, prob, device.units, limit)):
-            if self.tma_reason(spec, c) is None:
-                out.append(dataclasses.replace(c, tm=1).params())
-                pair = dataclasses.replace(c, tm=1, cl=2)
+            t = tma.with_tma(c, lambda x: self.tma_reason(spec, x))
+            if t.tm:
+                out.append(t.params())
+                pair = dataclasses.replace(t, cl=2)
                 if i < CLUSTER_POINTS and not pair.problems(math, prob, limit):
                     out.append(pair.params())
                 if i >= 8:
@@ -218,8 +220,8 @@ class TcImplicitGemm(TcVariant):
     def _operands(self, spec: ConvSpec, cfg: TileConfig) -> tuple[Im2colNhwc, DenseRows]:
         math, prob = self.math(spec), self.problem(spec)
         ld = self._ld(spec, cfg)
-        a = Im2colNhwc("a", Tile(cfg.bm, cfg.kb), math, "x" if self._in_place(spec) else "xh", geo=self._geo(spec))
-        b = DenseRows("b", Tile(cfg.bn, cfg.kb), math, "wt", rows=spec.k, ld=ld, kred=prob.kred, padded=True)
+        a = Im2colNhwc("a", cfg.a_tile(), math, "x" if self._in_place(spec) else "xh", geo=self._geo(spec))
+        b = DenseRows("b", cfg.b_tile(), math, "wt", rows=spec.k, ld=ld, kred=prob.kred, padded=True)
         return a, b
 
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
@@ -228,7 +230,7 @@ class TcImplicitGemm(TcVariant):
         timed, 1.14-1.27x on 256@14 and 512@7), else by cp.async."""
         limit = self.limit(device)
         cfg = tiles.pick(self.math(spec), self.problem(spec), device.units, limit)
-        return (dataclasses.replace(cfg, tm=1) if self.tma_reason(spec, cfg) is None else cfg).params()
+        return tma.with_tma(cfg, lambda c: self.tma_reason(spec, c)).params()
 
     def _ld(self, spec: ConvSpec, cfg: TileConfig) -> int:
         """Row length of the packed filters: the reduction padded to a whole stage."""

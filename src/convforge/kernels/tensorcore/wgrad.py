@@ -42,7 +42,6 @@ from convforge.kernels.tensorcore.epilogue import Output, reduce_kernel
 from convforge.kernels.tensorcore.isa import Math, device_reason
 from convforge.kernels.tensorcore.kernel import gemm_kernel
 from convforge.kernels.tensorcore.operands import DenseRows, Geometry, Im2colNhwc, Operand, PlanarRows
-from convforge.kernels.tensorcore.smem import Tile
 from convforge.kernels.tensorcore.tiles import Problem, TileConfig
 from convforge.kernels.tensorcore.variants import RANK_SM90, TcVariant, tolerance
 from convforge.params import Params
@@ -67,14 +66,20 @@ def geometry(spec: ConvSpec, cp: int) -> Geometry:
 # ~1.9 TFLOPS per SM, about half the dense peak; FP16 at twice the rate): block tiles in waves over the SMs,
 # plus the partials' round trip (written by the GEMM, read by the reduce) and the reduce's launch.
 SM_FLOPS = {4: 1.9e12, 2: 3.8e12}
+# Block-tile efficiencies of wgrad's GEMM (tiles.TILE_EFFICIENCY's form): TF32 128 x 64 ran 1.31-1.45x
+# slower than 128 x 128 at the same split (H100, round 29, VGG-16 N16 256@56, 512@28, 512@14), below
+# the forward sweeps' 0.8, and 256 x 64 (4 stages) 1.15x slower than 128 x 64 on 64@224 N16; half as
+# measured for the forward pass.
+EFFICIENCY = {4: {(128, 64): 0.7, (256, 64): 0.6, (128, 128): 1.0}, 2: tiles.TILE_EFFICIENCY[2]}
 PART_BYTES_PER_S = 2.5e12
 REDUCE_S = 3e-6
 
 
 def split_cost(ks: int, cfg: TileConfig, math: Math, prob: Problem, units: int) -> float:
-    """Modelled seconds of the GEMM and its reduce with ``ks`` slices (see SM_FLOPS)."""
+    """Modelled seconds of the GEMM and its reduce with ``ks`` slices (see SM_FLOPS; a block tile's
+    rate scaled by its efficiency relative to 128 x 64's, :data:`EFFICIENCY`)."""
     tiles_ = cdiv(prob.m, cfg.bm) * cdiv(prob.n, cfg.bn) * prob.batch
-    slice_s = 2.0 * cfg.bm * cfg.bn * prob.kred / ks / SM_FLOPS[math.esize]
+    slice_s = 2.0 * cfg.bm * cfg.bn * prob.kred / ks / (SM_FLOPS[math.esize] * tiles.efficiency(cfg, math, EFFICIENCY))
     waves = cdiv(tiles_ * ks, max(units, 1))
     extra = 8.0 * ks * prob.m * prob.n / PART_BYTES_PER_S + REDUCE_S if ks > 1 else 0.0
     return waves * slice_s + extra
@@ -128,12 +133,19 @@ class TcWgrad(TcVariant):
         return dataclasses.replace(cfg, ks=ks)
 
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
-        """The generator's pick with its split, the operands by TMA where they can be."""
-        cfg = tiles.pick(self.math(spec), self.problem(spec), device.units, self.limit(device))
-        return self._tma(spec, self._split(cfg, spec, device)).params()
+        """The block tile and split with the least modelled time together (:func:`split_cost` over
+        tiles.shapes: the split repairs the last wave that steers tiles.pick to narrow tiles, so
+        wide ones win here; H100, VGG-16 N16 TF32: 128 x 128 1.31-1.45x faster than 128 x 64 on
+        256@56, 512@28 and 512@14), the operands by TMA where they can be."""
+        math, prob = self.math(spec), self.problem(spec)
+        split_of = [self._split(c, spec, device) for c in tiles.shapes(math, prob, self.limit(device))]
+        cfg = min(split_of, key=lambda c: split_cost(c.ks, c, math, prob, device.units))
+        return self._tma(spec, cfg).params()
 
     def _tma(self, spec: ConvSpec, cfg: TileConfig) -> TileConfig:
-        return dataclasses.replace(cfg, tm=1) if self.tma_reason(spec, cfg) is None else cfg
+        """``cfg`` by TMA where it can be: x' in the 64-byte swizzle where the batch is 16 mod 32
+        (TF32; half: 32 mod 64), the 32-byte one where it is 8 mod 16 (TF32; half: 16 mod 32)."""
+        return tma.with_tma(cfg, lambda c: self.tma_reason(spec, c))
 
     def tma_reason(self, spec: ConvSpec, cfg: TileConfig) -> str | None:
         """Why this layer's operands cannot come by TMA with tile ``cfg`` (tensorcore/tma.py), or None."""
@@ -144,7 +156,7 @@ class TcWgrad(TcVariant):
         each shape's own split (and unsplit), each by TMA where it can be, and by cp.async."""
         math, prob = self.math(spec), self.problem(spec)
         first = TileConfig.of(self.default(spec, device))
-        out = list(dict.fromkeys([first, dataclasses.replace(first, tm=0)]))
+        out = list(dict.fromkeys([first, dataclasses.replace(first, tm=0, sa=128)]))
         pair = dataclasses.replace(first, cl=2)
         if first.tm and not pair.problems(math, prob, self.limit(device)):  # A (x' rows) multicast: unmeasured
             out.insert(1, pair)
@@ -176,8 +188,8 @@ class TcWgrad(TcVariant):
     def operands(self, spec: ConvSpec, cfg: TileConfig) -> tuple[Operand, Operand]:
         """A: the im2col rows (c, r, s) of x' = [C][H][W][Np]; B: dy' = [K][P Q Np] rows."""
         math, prob = self.math(spec), self.problem(spec)
-        a = Im2colNhwc("a", Tile(cfg.bm, cfg.kb), math, "xt", geo=geometry(spec, self._cp(spec)))
-        b = DenseRows("b", Tile(cfg.bn, cfg.kb), math, "dyt", rows=spec.k, ld=prob.kred, kred=prob.kred)
+        a = Im2colNhwc("a", cfg.a_tile(), math, "xt", geo=geometry(spec, self._cp(spec)))
+        b = DenseRows("b", cfg.b_tile(), math, "dyt", rows=spec.k, ld=prob.kred, kred=prob.kred)
         return a, b
 
     def steps_before(self, spec: ConvSpec) -> tuple[list[Kernel], list[Launch]]:
@@ -278,8 +290,8 @@ class TcWgrad1x1(TcWgrad):
         """A: x's channel planes, B: dy's (swapped: A dy's, B x's)."""
         math, pq, kred = self.math(spec), spec.p * spec.q, self.problem(spec).kred
         (ra, ca), (rb, cb) = ((spec.k, "y"), (spec.c, "x")) if self.swapped(spec) else ((spec.c, "x"), (spec.k, "y"))
-        a = PlanarRows("a", Tile(cfg.bm, cfg.kb), math, ca, rows=ra, plane=pq, image=ra * pq, kred=kred)
-        b = PlanarRows("b", Tile(cfg.bn, cfg.kb), math, cb, rows=rb, plane=pq, image=rb * pq, kred=kred)
+        a = PlanarRows("a", cfg.a_tile(), math, ca, rows=ra, plane=pq, image=ra * pq, kred=kred)
+        b = PlanarRows("b", cfg.b_tile(), math, cb, rows=rb, plane=pq, image=rb * pq, kred=kred)
         return a, b
 
     def steps_before(self, spec: ConvSpec) -> tuple[list[Kernel], list[Launch]]:

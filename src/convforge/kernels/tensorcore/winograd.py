@@ -33,7 +33,7 @@ from convforge.kernels.tensorcore.epilogue import CTYPE, Output, from_float, to_
 from convforge.kernels.tensorcore.isa import TF32, X3TF32, Math, device_reason, math_for
 from convforge.kernels.tensorcore.kernel import gemm_kernel
 from convforge.kernels.tensorcore.operands import DenseRows
-from convforge.kernels.tensorcore.smem import MAX_SHARED, Tile
+from convforge.kernels.tensorcore.smem import MAX_SHARED
 from convforge.kernels.tensorcore.tiles import Problem, TileConfig
 from convforge.kernels.winograd.nonfused import expected_error as fp32_expected
 from convforge.kernels.winograd.nonfused import winograd_applies
@@ -129,9 +129,9 @@ class TcWinograd(Variant):
         if why:
             raise ValueError(f"{self.name}: {'; '.join(why)}")
         g, cp = Geometry(spec, self.m), prob.kred
-        a = DenseRows("a", Tile(cfg.bm, cfg.kb), math, "wv", rows=g.tiles, ld=cp, kred=cp,
+        a = DenseRows("a", cfg.a_tile(), math, "wv", rows=g.tiles, ld=cp, kred=cp,
                       batch_stride=g.tiles * cp)
-        b = DenseRows("b", Tile(cfg.bn, cfg.kb), math, "wu", rows=spec.k, ld=cp, kred=cp, batch_stride=spec.k * cp)
+        b = DenseRows("b", cfg.b_tile(), math, "wu", rows=spec.k, ld=cp, kred=cp, batch_stride=spec.k * cp)
         mout = Output("wm", g.tiles, spec.k, g.tiles, slab=spec.k * g.tiles, epi=None)
         gk = gemm_kernel(f"{self.name}_gemm", math, cfg, prob, a, b, mout)
         fk, fgrid = filter_kernel(g, math, cp)
