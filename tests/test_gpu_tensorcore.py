@@ -6,6 +6,7 @@ Skips without a CUDA device of compute capability 9.0. One device call runs it a
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -280,6 +281,33 @@ def test_narrow_swizzle_tma_against_float64(hopper, name, spec, sa):
         exe = hopper.executable(plan)
         for seed in (7, 8):
             res = check_plan(plan, hopper, seed=seed, exe=exe)
+            assert res.ok, f"{name} [{prm.short()}] {spec.short()} seed {seed}: {res}"
+
+
+# Ping-pong consumers (pp=1): each warpgroup a whole tile, the block's tiles in turn, turn barriers
+# between them. Layers with many tiles a block (so both consumers work and the ring wraps between
+# them), split-K, odd edges, every dtype, TMA and cp.async points of the space.
+PINGPONG = [ConvSpec.make(5, 64, 17, 13, 257, 3, 3, 1, 1), ConvSpec.make(3, 37, 13, 7, 257, 3, 3, 1, (0, 1, 2, 1)),
+            ConvSpec.make(32, 128, 28, 28, 128, 3, 3, 1, 1)]
+
+
+@pytest.mark.parametrize("name, spec", list(_cases(GEMMS, PINGPONG)), ids=str)
+def test_pingpong_against_float64(hopper, name, spec):
+    """The space's ping-pong points (and the default's form with pp=1 on a small grid, so that each
+    block takes many tiles), NaN-poisoned, against float64, on two sets of fresh buffers."""
+    v = get_variant(name)
+    if v.applies(spec, hopper.device):
+        pytest.skip(v.applies(spec, hopper.device))
+    points = [p for p in v.space(spec, hopper.device) if p.get("pp")][:2]
+    assert points, f"no ping-pong point for {spec.short()}"
+    few = dataclasses.replace(hopper.device, units=3)  # a grid of 3 blocks: each takes many tiles in turn
+    for prm, dev in [(p, hopper.device) for p in points] + [(points[0], few)]:
+        plan = v.plan(spec, prm, dev, Epilogue(bias=True, relu=True))
+        if dev is few:
+            assert max(st.grid[0] for st in plan.steps if st.kernel.endswith("_gemm")) == 3
+        exe = hopper.executable(plan)
+        for seed in (9, 10):
+            res = check_plan(plan, hopper, seed=seed, exe=exe, batch_slice=2 if spec.n >= 32 else None)
             assert res.ok, f"{name} [{prm.short()}] {spec.short()} seed {seed}: {res}"
 
 

@@ -201,8 +201,8 @@ def emulate(spec: ConvSpec, math, cfg: TileConfig, seed: int = 0, tile_ids=None)
     ld = -(-prob.kred // math.elems(cfg.kb)) * math.elems(cfg.kb)
     geo = Geometry(spec.n, spec.h, spec.w, cp, spec.p, spec.q, spec.r, spec.s, spec.stride, spec.dilation,
                    spec.pad[0], spec.pad[2], any(spec.pad))
-    a = Im2colNhwc("a", Tile(cfg.bm, cfg.kb), math, "xh", geo=geo)
-    b = DenseRows("b", Tile(cfg.bn, cfg.kb), math, "wt", rows=spec.k, ld=ld, kred=prob.kred, padded=True)
+    a = Im2colNhwc("a", cfg.a_tile(), math, "xh", geo=geo)
+    b = DenseRows("b", cfg.b_tile(), math, "wt", rows=spec.k, ld=ld, kred=prob.kred, padded=True)
     data = {"a": {p: _nhwc(xs[p], cp) for p in math.parts}, "b": {p: _krsc(ws[p], cp, ld) for p in math.parts}}
     nhwc = spec.layout == "nhwc"  # y row-major: (N P Q) x K
     out = Output("y", prob.m, prob.n, 1 if nhwc else spec.p * spec.q, slab=prob.m * prob.n, epi=None)
@@ -246,7 +246,7 @@ def emulate_gemm(cfg, math, prob, a, b, data, out, tile_ids=None):
                             smem[at:at + n] = data[op.name][part][src:src + n]
                         else:
                             smem[at:at + n] = 0.0
-            for c, (mi, a_off, b_off) in itertools.product(range(cfg.cw), wgmma_issue(cfg, math)):
+            for c, (mi, a_off, b_off) in itertools.product(range(cfg.groups), wgmma_issue(cfg, math)):
                 da = stage.a.desc_high | ((sbase + c * consumer_rows(cfg) + a_off) >> 4)
                 db = desc_high() | ((sbase + b_off) >> 4)
                 ta = _read(smem, da, 64, math.esize)
@@ -302,7 +302,7 @@ def _epilogue(acc, cfg, out, tl, y, written):
         _rowmajor_epilogue(acc, cfg, out, tl, y, written)
         return
     ld = staging_ld(cfg.wm)
-    for c in range(cfg.cw):
+    for c in range(cfg.groups):
         for ch, items in chunks(cfg.wm, cfg.bn):
             st = _staged(acc, cfg, c, epilogue.COLS * ld, lambda mi, i, ch=ch: stage_write(ld, mi, i, ch))
             for ct, item in itertools.product(range(128), items):
@@ -339,7 +339,7 @@ def _staged(acc, cfg, c, size, write_of):
 def _rowmajor_epilogue(acc, cfg, out, tl, y, written):
     """The row-major (NHWC) epilogue: rows staged through ``swizzled`` slots, float4 runs of 4 columns
     read out by rowmajor_lets and stored at ``out``'s offsets."""
-    for c in range(cfg.cw):
+    for c in range(cfg.groups):
         for ch, items, quads in rowmajor_chunks(cfg.wm, cfg.bn):
             st = _staged(acc, cfg, c, 64 * cfg.wm * epilogue.COLS,
                          lambda mi, i, ch=ch: stage_write(0, mi, i, ch, rowmajor=True))
@@ -372,7 +372,11 @@ CASES = [(ODD[0], TF32, TileConfig(128, 64, 1, 3, 2)),
          (ODD[5], F16, TileConfig(128, 160, 2, 2, 2)),
          (_cl(ODD[1]), X3TF32, TileConfig(128, 64, 1, 2, 2, pi=2)),  # channels-last: y row-major
          (_cl(ODD[4]), F16, TileConfig(64, 96, 1, 2, 1, ks=2)),
-         (_cl(ConvSpec.make(3, 24, 5, 7, 40, 1, 1)), TF32, TileConfig(128, 64, 2, 2, 1))]  # a linear layer
+         (_cl(ConvSpec.make(3, 24, 5, 7, 40, 1, 1)), TF32, TileConfig(128, 64, 2, 2, 1)),  # a linear layer
+         # ping-pong (pp=1): each consumer a whole tile, 64 or 128 rows, split-K, NCHW and row-major stores
+         (ODD[0], TF32, TileConfig(128, 64, 1, 3, 2, pp=1)),
+         (ODD[3], F16, TileConfig(64, 32, 1, 2, 2, ks=3, pp=1)),
+         (_cl(ODD[1]), X3TF32, TileConfig(128, 64, 1, 2, 2, pi=2, pp=1))]
 
 
 @pytest.mark.parametrize("spec, math, cfg", CASES, ids=lambda v: getattr(v, "name", None) or str(v))
@@ -402,7 +406,10 @@ TMA_CASES += [(ConvSpec.make(2, 64, 13, 11, 96, 3, 3, 2, 1), F16, TileConfig(128
               (ConvSpec.make(3, 32, 11, 9, 100, 3, 3, 1, 2, 2), TF32, TileConfig(128, 32, 2, 2, 2, ks=2, tm=1, cl=2)),
               (ConvSpec.make(1, 32, 23, 21, 36, 5, 5, 4, (2, 1, 0, 3)), X3TF32,
                TileConfig(128, 64, 1, 2, 2, pi=2, tm=1, cl=2)),
-              (ConvSpec.make(2, 128, 7, 7, 200, 1, 1), BF16, TileConfig(64, 64, 2, 2, 1, tm=1, cl=2))]
+              (ConvSpec.make(2, 128, 7, 7, 200, 1, 1), BF16, TileConfig(64, 64, 2, 2, 1, tm=1, cl=2)),
+              # ping-pong by TMA, also with A in the 64-byte swizzle
+              (ConvSpec.make(2, 64, 13, 11, 96, 3, 3, 2, 1), F16, TileConfig(128, 128, 1, 3, 2, tm=1, pp=1)),
+              (ConvSpec.make(3, 48, 11, 9, 40, 3, 3, 1, 1), TF32, TileConfig(128, 64, 1, 3, 2, tm=1, sa=64, pp=1))]
 
 
 def test_clusters_need_tma_and_whole_pairs_of_n_tiles():
@@ -775,6 +782,66 @@ def test_stage_ring_protocol(st, cw, seed):
     _interleave(rng, [producer()] + [consumer(c) for c in range(cw)], 100000)
 
 
+@pytest.mark.parametrize("st, seed", [(2, 0), (3, 1), (4, 2), (6, 3)])
+def test_pingpong_stage_ring_protocol(st, seed):
+    """pp=1: the producer fills the stages of a block's tiles in order; consumer c takes the tiles
+    with lt % 2 == c and steps over the other's stages by the emitted arithmetic (stage + k blocks,
+    phase flipped per wrap), releasing only its own (one warpgroup's arrivals free a stage), and
+    waits on its tile's stages only once the other has waited on all of its previous tile's (the
+    turn barriers): every stage is read by the consumer of its tile after it was filled and before
+    it is refilled, no deadlock, tiles of uneven length (split-K slices) included. Without the turn
+    barriers a consumer two ring rounds ahead passes a parity wait on a stale stage (this test
+    failed so before they were added)."""
+    rng = random.Random(seed)
+    iters = [5, 1, 7, 2, 4, 4, 1]  # k blocks of 7 tiles
+    total = sum(iters)
+    owner = [j % 2 for j, n in enumerate(iters) for _ in range(n)]  # which consumer reads iteration i
+    full = [_Mbarrier(1) for _ in range(st)]
+    empty = [_Mbarrier(1) for _ in range(st)]  # one warpgroup's release frees a stage
+    filled = [None] * st
+    read = [True] * st
+    turn = [_Mbarrier(1), _Mbarrier(1)]  # one arrival stands for a warpgroup's 128
+
+    def producer():
+        stage, phase, i = 0, 0, 0
+        while i < total:
+            while not empty[stage].passes(phase ^ 1):
+                yield
+            assert read[stage], "stage overwritten before its consumer read it"
+            filled[stage], read[stage] = i, False
+            full[stage].arrive()
+            i += 1
+            stage, phase = (0, phase ^ 1) if stage + 1 == st else (stage + 1, phase)
+            yield
+
+    def consumer(c):
+        stage, phase, pstage, i, own = 0, 0, 0, 0, 0
+        for lt, n in enumerate(iters):
+            if lt % 2 != c:  # mainloop.py: s2 = stage + (kend - kbeg); phase ^= (s2 / st) & 1; stage = s2 % st
+                s2 = stage + n
+                phase ^= (s2 // st) & 1
+                stage, i = s2 % st, i + n
+                continue
+            while not turn[c].passes((own & 1) ^ (c == 0)):
+                yield
+            for kt in range(n):
+                while not full[stage].passes(phase):
+                    yield
+                assert filled[stage] == i and owner[i] == c, "stage read before it was filled, or by the other"
+                read[stage] = True
+                if kt > 0:
+                    empty[pstage].arrive()
+                pstage, i = stage, i + 1
+                stage, phase = (0, phase ^ 1) if stage + 1 == st else (stage + 1, phase)
+                yield
+            turn[1 - c].arrive()
+            own += 1
+            empty[pstage].arrive()
+            yield
+
+    _interleave(rng, [producer(), consumer(0), consumer(1)], 100000)
+
+
 def _interleave(rng, roles, steps):
     """Step the role generators in random order until all end; none left over means no deadlock."""
     live = list(roles)
@@ -1138,6 +1205,27 @@ def test_training_pass_tma_plans_compile(nvcc_ok, name, spec, sa):
         assert info.spill_stores == 0 and info.spill_loads == 0, info
     gemm = [k for k in re.split(r"\n\s+Function : ", sass) if k.startswith(f"{name}_gemm")][0]
     assert "UTMALDG" in gemm and "HGMMA" in gemm and "LDGSTS" not in gemm
+
+
+@pytest.mark.parametrize("name, spec, prm", [
+    ("tc_implicit_gemm_half", ConvSpec.make(32, 128, 28, 28, 128, 3, 3, 1, 1, dtype="float16", layout="nhwc"),
+     Params(bm=128, bn=128, cw=2, kb=1, ks=1, ps=1, st=6, tm=1, pp=1)),
+    ("tc_implicit_gemm_tf32", ConvSpec.make(8, 64, 28, 28, 96, 3, 3, 2, 1),
+     Params(bm=128, bn=64, cw=2, kb=1, ks=2, ps=1, st=4, pp=1)),
+    ("tc_implicit_gemm_3xtf32", ConvSpec.make(8, 48, 14, 14, 64, 3, 3, 1, 1),
+     Params(bm=64, bn=64, cw=2, kb=1, ks=1, ps=1, st=4, pi=2, tm=1, sa=64, pp=1))], ids=str)
+def test_pingpong_plans_compile(nvcc_ok, name, spec, prm):
+    """pp=1: each consumer a whole tile (128 accumulators a thread for 128 x 128), the turn barriers
+    and the skip over the other's stages: no spill, HGMMA, the TMA copies where asked."""
+    v = get_variant(name)
+    assert any(p.get("pp") for p in v.space(spec, NOMINAL_CUDA)), "the space offers ping-pong points"
+    src = v.plan(spec, prm, NOMINAL_CUDA, Epilogue(bias=True, relu=True)).source("cuda")
+    assert "lt++ & 1" in src and src.count("mbarrier.init") >= 2 * prm["st"] + 2
+    infos, sass = sass_report(src)
+    for info in infos:
+        assert info.spill_stores == 0 and info.spill_loads == 0, info
+    gemm = [k for k in re.split(r"\n\s+Function : ", sass) if k.startswith(f"{name}_gemm")][0]
+    assert "HGMMA" in gemm and (("UTMALDG" in gemm) == bool(prm.get("tm")))
 
 
 def test_3xtf32_points_compile_with_promotion(nvcc_ok):

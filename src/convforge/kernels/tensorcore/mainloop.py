@@ -15,6 +15,13 @@ writes and wgmma reads through the async proxy, so each consumer thread fences t
 FP32 registers every ``pi`` stages (the tensor core's FP32 accumulation truncates; its error grows with
 the reduction length, the promoted sum's with ``pi`` stages only).
 
+With ``pp`` = 1 (ping-pong) each consumer takes whole tiles, the block's tiles in turn (``lt`` % 2):
+it steps over the other's stages in the ring by arithmetic and releases only its own (``empty[s]``
+expects one warpgroup). Parity waits alias when a waiter runs two ring rounds ahead of a stage, so a
+consumer waits on its tile's stages only after the other has waited on all of its previous tile's
+(two turn barriers, CUTLASS's ordered math warpgroups): then one stores its tile while the other
+multiplies.
+
 With ``tm`` = 1 the producer is one thread issuing bulk tensor copies (tensorcore/tma.py): the full
 barriers expect 1 arrival, its ``mbarrier.arrive.expect_tx`` with the stage's bytes, and the copies
 complete them; the consumers skip the proxy fence (TMA writes through the async proxy). With
@@ -77,11 +84,18 @@ class Ring:
     def empty(self, s: str) -> str:
         return f"(bars + {8 * self.cfg.st}u + 8u * ({s}))"
 
+    def turn(self, c: str) -> str:
+        """Ping-pong: consumer ``c``'s turn barrier (it may wait on its tile's stages once the other
+        has waited on all of its previous tile's)."""
+        return f"(bars + {16 * self.cfg.st}u + 8u * ({c}))"
+
     def emit_init(self, code: Code) -> None:
         with code.block("if (tid == 0)"):
             for s in range(self.cfg.st):
                 code(f"MBAR_INIT({self.full(str(s))}, {1 if self.cfg.tm else THREADS});",
                      f"MBAR_INIT({self.empty(str(s))}, {self.releases});")
+            if self.cfg.pp:
+                code(f"MBAR_INIT({self.turn('0')}, {THREADS});", f"MBAR_INIT({self.turn('1')}, {THREADS});")
             if self.cfg.tm:
                 code("MBAR_INIT_FENCE();  // the copy engine completes the full barriers")
         if self.cfg.cl > 1:
@@ -91,10 +105,11 @@ class Ring:
 
     @property
     def releases(self) -> int:
-        """Arrivals that free a stage: every consumer thread; with clusters, one thread of each
-        consumer warpgroup of every block of the cluster (a peer's multicast writes this block's
-        stage, so the stage is free only once all of them have read it)."""
-        return THREADS * self.cfg.cw if self.cfg.cl == 1 else self.cfg.cw * self.cfg.cl
+        """Arrivals that free a stage: every thread of the consumers that read it (all of them, or
+        with ping-pong the one whose tile it holds); with clusters, one thread of each consumer
+        warpgroup of every block of the cluster (a peer's multicast writes this block's stage, so
+        the stage is free only once all of them have read it)."""
+        return THREADS * self.cfg.groups if self.cfg.cl == 1 else self.cfg.cw * self.cfg.cl
 
     def release(self, s: str) -> str:
         """A consumer thread's release of stage ``s`` (after the wgmma that read it has completed)."""
@@ -209,8 +224,9 @@ def wgmma_issue(cfg: TileConfig, math: Math) -> list[tuple[int, int, int]]:
 
 
 def consumer_rows(cfg: TileConfig) -> int:
-    """Byte offset of consumer c's first A row, per c (its rows are 64 wm c ..)."""
-    return cfg.wm * 64 * cfg.sa
+    """Byte offset of consumer c's first A row, per c (its rows are 64 wm c ..; with ping-pong every
+    consumer reads the whole tile: 0)."""
+    return 0 if cfg.pp else cfg.wm * 64 * cfg.sa
 
 
 def acc_names(cfg: TileConfig, prefix: str = "d") -> list[str]:
@@ -240,6 +256,8 @@ def _consumer_state(code: Code, ring: Ring) -> None:
     if cfg.pi:
         code(f"float {', '.join(acc_names(cfg, 'f'))};")
     code("int stage = 0, pstage = 0;", "unsigned phase = 0u;")
+    if cfg.pp:
+        code("int lt = 0, turn = 0;  // the block's tiles so far (consumer c takes lt % 2 == c); its own")
 
 
 def _consumer_tiles(code: Code, ring: Ring, prob: Problem, out: Output, head: str) -> None:
@@ -248,7 +266,16 @@ def _consumer_tiles(code: Code, ring: Ring, prob: Problem, out: Output, head: st
     tied = ", ".join(acc)
     with code.block(head):
         emit_all(code, schedule.tile_lets(cfg, math, prob))
+        if cfg.pp:
+            with code.block("if ((lt++ & 1) != c)"):
+                code("// the other consumer's tile: step over its stages in the ring",
+                     "const int s2 = stage + (kend - kbeg);",
+                     f"phase ^= (unsigned)((s2 / {cfg.st}) & 1);",
+                     f"stage = s2 % {cfg.st};",
+                     "continue;")
         code(*(f"{d} = 0.0f;" for d in acc + (acc_names(cfg, "f") if cfg.pi else [])))
+        if cfg.pp:  # consumer 0 first (a fresh barrier passes parity 1), then each after the other
+            code(f"MBAR_WAIT({ring.turn('c')}, ((unsigned)turn & 1u) ^ (unsigned)(c == 0));")
         with code.block("for (int kt = kbeg; kt < kend; ++kt)"):
             code(f"MBAR_WAIT({ring.full('stage')}, phase);")
             if not cfg.tm:
@@ -266,11 +293,15 @@ def _consumer_tiles(code: Code, ring: Ring, prob: Problem, out: Output, head: st
             if cfg.pi:
                 with code.block(f"if ((kt - kbeg) % {cfg.pi} == {cfg.pi - 1})"):
                     _promote(code, cfg, tied)
+        if cfg.pp:
+            code(f"MBAR_ARRIVE({ring.turn('1 - c')});  // every full wait of this tile done: the other's turn",
+                 "++turn;")
         code(f"WGMMA_WAIT(0, {tied});", ring.release("pstage"))
         if cfg.pi:
             _promote(code, cfg, tied, wait=False)
-        epilogue.emit_consumer_epilogue(code, out, cfg.wm, cfg.bn, "est", "(1 + c)",
-                                        f"(ra0 + c * {64 * cfg.wm})", "rb0", "zs", "f" if cfg.pi else "d")
+        rows = "ra0" if cfg.pp else f"(ra0 + c * {64 * cfg.wm})"
+        epilogue.emit_consumer_epilogue(code, out, cfg.wm, cfg.bn, "est", "(1 + c)", rows, "rb0", "zs",
+                                        "f" if cfg.pi else "d")
 
 
 def _promote(code: Code, cfg: TileConfig, tied: str, wait: bool = True) -> None:

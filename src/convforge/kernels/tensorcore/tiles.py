@@ -11,7 +11,10 @@ clusters of two that take neighbouring N tiles of one M tile: each brings half o
 and multicasts it to both (tma.py), so A crosses from L2 once per pair; a stage is free again once
 the consumers of both blocks have released it. ``sa`` = 64 or 32 (with TMA) lays A's tile out in that
 swizzle (smem.py): for im2col operands whose channels are 16 or 8 TF32 elements (wgrad's x' at a batch
-of 16 mod 32), which a 128-byte box would straddle two taps of.
+of 16 mod 32), which a 128-byte box would straddle two taps of. ``pp`` = 1 ("ping-pong", CUTLASS's name):
+the two consumers no longer share a tile's rows; each takes whole ``bm`` x ``bn`` tiles, the block's
+tiles in turn, so one stores its tile while the other multiplies (the shared schedule leaves the tensor
+cores idle during every epilogue).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from convforge.kernels.tensorcore.isa import Math, n_ok
 from convforge.kernels.tensorcore.smem import MAX_SHARED, StageLayout, Tile
 from convforge.params import Params
 
-KEYS = ("bm", "bn", "kb", "st", "cw", "ks", "ps", "pi", "tm", "cl", "sa")
+KEYS = ("bm", "bn", "kb", "st", "cw", "ks", "ps", "pi", "tm", "cl", "sa", "pp")
 WG = 128  # threads of a warpgroup
 ACC_LIMIT = 128  # f32 accumulators per consumer thread that leave room for addresses (<= 232 registers)
 PRODUCER_REGS, CONSUMER_REGS = 80, 200  # setmaxnreg split of 3 warpgroups (128 * 80 + 256 * 200 <= 64K;
@@ -58,10 +61,17 @@ class TileConfig:
     cl: int = 1  # blocks per cluster (2: A multicast to a pair of N tiles; TMA only)
     tm: int = 0  # 1: the operands come by TMA (one producer thread, tensorcore/tma.py), 0: by cp.async
     sa: int = 128  # A's swizzle width in bytes (64 or 32, TMA only: channels that are not whole 128-byte rows)
+    pp: int = 0  # 1: the two consumers take whole tiles in turn ("ping-pong"), 0: they share each tile
+
+    @property
+    def groups(self) -> int:
+        """Consumer warpgroups sharing one tile's rows: all of them, or one with ping-pong."""
+        return 1 if self.pp else self.cw
 
     @property
     def wm(self) -> int:
-        return self.bm // (64 * self.cw)
+        """m64 blocks per consumer warpgroup and tile."""
+        return self.bm // (64 * self.groups)
 
     @property
     def threads(self) -> int:
@@ -84,9 +94,9 @@ class TileConfig:
 
     def shared_bytes(self, math: Math) -> int:
         """Launch-sized shared memory: 1024 bytes of alignment slack, the stages, the consumers'
-        epilogue staging, two mbarriers per stage."""
+        epilogue staging, two mbarriers per stage (and the ping-pong consumers' two turn barriers)."""
         return (1024 + self.st * self.stage(math).nbytes + self.cw * epilogue.staging_bytes(self.wm)
-                + 16 * self.st)
+                + 16 * self.st + 16 * self.pp)
 
     def regs(self) -> tuple[int, int] | None:
         """(producer, consumer) registers for setmaxnreg, None when the launch bound leaves enough."""
@@ -98,8 +108,12 @@ class TileConfig:
     def problems(self, math: Math, prob: Problem | None = None, shared_limit: int = MAX_SHARED) -> list[str]:
         """Why this configuration cannot run (empty when it can)."""
         out = []
-        if self.cw not in (1, 2) or self.bm % (64 * self.cw) or self.wm not in (1, 2):
-            out.append(f"bm ({self.bm}) must be 64 x cw ({self.cw}) x 1 or 2")
+        if self.cw not in (1, 2) or self.bm % (64 * self.groups) or self.wm not in (1, 2):
+            out.append(f"bm ({self.bm}) must be 64 x cw ({self.cw}) x 1 or 2" if not self.pp else
+                       f"bm ({self.bm}) must be 64 or 128 with pp=1 (each consumer takes a whole tile)")
+        if self.pp not in (0, 1) or (self.pp and (self.cw != 2 or self.cl != 1 or not self.ps)):
+            out.append(f"pp ({self.pp}) must be 0, or 1 with cw=2, cl=1 and ps=1 (two consumers taking a "
+                       "persistent block's tiles in turn)")
         if not n_ok(self.bn) or self.bn % 32:
             out.append(f"bn ({self.bn}) must be a multiple of 32 in 32..256")
         if self.kb not in (1, 2):
@@ -149,7 +163,8 @@ class TileConfig:
     def params(self) -> Params:
         keys = dict(bm=self.bm, bn=self.bn, kb=self.kb, st=self.st, cw=self.cw, ks=self.ks, ps=self.ps)
         return Params({**keys, **({"pi": self.pi} if self.pi else {}), **({"tm": self.tm} if self.tm else {}),
-                       **({"cl": self.cl} if self.cl > 1 else {}), **({"sa": self.sa} if self.sa != 128 else {})})
+                       **({"cl": self.cl} if self.cl > 1 else {}), **({"sa": self.sa} if self.sa != 128 else {}),
+                       **({"pp": self.pp} if self.pp else {})})
 
     @classmethod
     def of(cls, p: Params) -> TileConfig:
@@ -158,7 +173,7 @@ class TileConfig:
             raise ValueError(f"unknown tensor-core tile parameters {sorted(unknown)} (known: {', '.join(KEYS)})")
         return cls(int(p.bm), int(p.bn), int(p.get("kb", 1)), int(p.get("st", 4)), int(p.get("cw", 2)),
                    int(p.get("ks", 1)), int(p.get("ps", 1)), int(p.get("pi", 0)), int(p.get("cl", 1)),
-                   int(p.get("tm", 0)), int(p.get("sa", 128)))
+                   int(p.get("tm", 0)), int(p.get("sa", 128)), int(p.get("pp", 0)))
 
 
 # Relative throughput of a block tile's wgmma stream per operand element size (m64nN with both operands in

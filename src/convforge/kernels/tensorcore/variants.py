@@ -109,7 +109,8 @@ class TcVariant(Variant):
     exact = False
     space_lead = 6
     # TMA, clusters, A's swizzle width: plan() says where not
-    optional_params = {"tm": frozenset({0, 1}), "cl": frozenset({1, 2}), "sa": frozenset({128, 64, 32})}
+    optional_params = {"tm": frozenset({0, 1}), "cl": frozenset({1, 2}), "sa": frozenset({128, 64, 32}),
+                       "pp": frozenset({0, 1})}
 
     def __init__(self, name: str, dtypes: frozenset[str], x3: bool, precision: str, specialised: int) -> None:
         self.name, self.dtypes, self.x3 = name, dtypes, x3
@@ -197,12 +198,14 @@ class TcImplicitGemm(TcVariant):
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
         """The tile space; where the operands allow TMA, each of the first points also with TMA
-        right after it, and the first few also in clusters of two multicasting A (the tuner decides
-        between the producers)."""
+        right after it, and the first few also in clusters of two multicasting A, and the first few
+        with ping-pong consumers (``pp=1``, unmeasured: round 29 built it without GPU time left) after
+        their plain forms (the tuner decides)."""
         limit, math, prob = self.limit(device), self.math(spec), self.problem(spec)
         out = []
         for i, c in enumerate(tiles.space(math, prob, device.units, limit)):
             t = tma.with_tma(c, lambda x: self.tma_reason(spec, x))
+            pong = dataclasses.replace(t, pp=1)
             if t.tm:
                 out.append(t.params())
                 pair = dataclasses.replace(t, cl=2)
@@ -211,6 +214,8 @@ class TcImplicitGemm(TcVariant):
                 if i >= 8:
                     continue
             out.append(c.params())
+            if i < PINGPONG_POINTS and not pong.problems(math, prob, limit):
+                out.append(pong.params())
         return out
 
     def tma_reason(self, spec: ConvSpec, cfg: TileConfig) -> str | None:
@@ -331,6 +336,7 @@ class TcStemGemm(TcImplicitGemm):
 
 
 CLUSTER_POINTS = 3  # the first points of the space also tried in clusters of two (tuned, never the default)
+PINGPONG_POINTS = 3  # the first points also tried with ping-pong consumers (tuned, never the default)
 
 register(TcImplicitGemm("tc_implicit_gemm_tf32", frozenset({"float32"}), False, "relaxed", 12))
 register(TcImplicitGemm("tc_implicit_gemm_3xtf32", frozenset({"float32"}), True, "fp32", 8))
