@@ -198,14 +198,13 @@ class TcImplicitGemm(TcVariant):
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
         """The tile space; where the operands allow TMA, each of the first points also with TMA
-        right after it, and the first few also in clusters of two multicasting A, and the first few
-        with ping-pong consumers (``pp=1``, unmeasured: round 29 built it without GPU time left) after
-        their plain forms (the tuner decides)."""
+        right after it, and the first few also in clusters of two multicasting A (the tuner decides
+        between the producers). Ping-pong consumers (``pp=1``) are taken by name only (``params``,
+        ``--sweep-mods pp=1``) until they have run on a GPU."""
         limit, math, prob = self.limit(device), self.math(spec), self.problem(spec)
         out = []
         for i, c in enumerate(tiles.space(math, prob, device.units, limit)):
             t = tma.with_tma(c, lambda x: self.tma_reason(spec, x))
-            pong = dataclasses.replace(t, pp=1)
             if t.tm:
                 out.append(t.params())
                 pair = dataclasses.replace(t, cl=2)
@@ -214,8 +213,6 @@ class TcImplicitGemm(TcVariant):
                 if i >= 8:
                     continue
             out.append(c.params())
-            if i < PINGPONG_POINTS and not pong.problems(math, prob, limit):
-                out.append(pong.params())
         return out
 
     def tma_reason(self, spec: ConvSpec, cfg: TileConfig) -> str | None:
@@ -336,7 +333,6 @@ class TcStemGemm(TcImplicitGemm):
 
 
 CLUSTER_POINTS = 3  # the first points of the space also tried in clusters of two (tuned, never the default)
-PINGPONG_POINTS = 3  # the first points also tried with ping-pong consumers (tuned, never the default)
 
 register(TcImplicitGemm("tc_implicit_gemm_tf32", frozenset({"float32"}), False, "relaxed", 12))
 register(TcImplicitGemm("tc_implicit_gemm_3xtf32", frozenset({"float32"}), True, "fp32", 8))
