@@ -29,7 +29,7 @@ from convforge.codegen.nvcc import ptxas_report, sass_report
 from convforge.codegen.render import ARCH_SPECIFIC_MARK, render
 from convforge.dtypes import rounded
 from convforge.kernels import get_variant
-from convforge.kernels.tensorcore import epilogue, schedule, tma
+from convforge.kernels.tensorcore import epilogue, schedule, tiles, tma
 from convforge.kernels.tensorcore.cexpr import bind, evaluate
 from convforge.kernels.tensorcore.epilogue import (
     Output,
@@ -422,9 +422,29 @@ def test_clusters_need_tma_and_whole_pairs_of_n_tiles():
     spec = ConvSpec.make(32, 64, 56, 56, 256, 3, 3, 1, 1, dtype="float16")
     space = v.space(spec, NOMINAL_CUDA)
     assert v.default(spec, NOMINAL_CUDA).get("cl", 1) == 1 and space[0].get("tm") == 1
-    assert space[1] == dataclasses.replace(TileConfig.of(space[0]), cl=2).params()
+    assert space[0].get("pp") == 1 and space[1] == dataclasses.replace(TileConfig.of(space[0]), pp=0).params()
+    assert space[2] == dataclasses.replace(TileConfig.of(space[1]), cl=2).params()
     narrow = ConvSpec.make(32, 64, 56, 56, 64, 3, 3, 1, 1, dtype="float16")  # one N tile: no pair
     assert not any(p.get("cl") == 2 for p in v.space(narrow, NOMINAL_CUDA))
+
+
+def test_pingpong_is_the_half_default_where_the_tile_allows_it():
+    """Half precision takes ping-pong consumers by default where bm is 64 or 128 (one consumer
+    holds a whole tile); TF32 and 3xTF32 keep shared tiles until they are timed; a 256-row tile
+    keeps them too; the space offers each early TMA point with and without."""
+    half = get_variant("tc_implicit_gemm_half")
+    spec = ConvSpec.make(32, 128, 28, 28, 128, 3, 3, 1, 1, dtype="float16")
+    d = TileConfig.of(half.default(spec, NOMINAL_CUDA))
+    assert d.pp == 1 and d.bm in (64, 128) and not d.problems(F16)
+    assert tiles.pingpong(TileConfig(256, 64, tm=1), F16) == TileConfig(256, 64, tm=1)
+    assert tiles.pingpong(TileConfig(128, 64, tm=1), TF32).pp == 0
+    assert tiles.pingpong(TileConfig(128, 64), F16).pp == 0  # cp.async: not timed with pp
+    for name in ("tc_implicit_gemm_tf32", "tc_implicit_gemm_3xtf32"):
+        f32 = ConvSpec.make(32, 128, 28, 28, 128, 3, 3, 1, 1)
+        assert not get_variant(name).default(f32, NOMINAL_CUDA).get("pp")
+    space = [TileConfig.of(p) for p in half.space(spec, NOMINAL_CUDA)]
+    assert any(c.pp for c in space) and any(not c.pp and c.tm for c in space)
+    assert all(not c.problems(F16) for c in space if c.pp)
 
 
 @pytest.mark.parametrize("spec, math, cfg", TMA_CASES, ids=lambda v: getattr(v, "name", None) or str(v))
@@ -1163,7 +1183,7 @@ def test_cluster_plans_compile_multicast_copies_in_sass(nvcc_ok, name, dtype):
     at cluster barriers; HGMMA, no cp.async."""
     v = get_variant(name)
     spec = ConvSpec.from_dict({**ConvSpec.make(4, 64, 15, 13, 96, 3, 3, 2, 1).to_dict(), "dtype": dtype})
-    prm = dataclasses.replace(TileConfig.of(v.default(spec, NOMINAL_CUDA)), cl=2).params()
+    prm = dataclasses.replace(TileConfig.of(v.default(spec, NOMINAL_CUDA)), cl=2, pp=0).params()
     assert prm.get("tm") == 1 and prm.get("cl") == 2
     plan = v.plan(spec, prm, NOMINAL_CUDA, Epilogue(bias=True, relu=True))
     src = plan.source("cuda")

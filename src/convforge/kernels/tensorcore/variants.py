@@ -199,13 +199,16 @@ class TcImplicitGemm(TcVariant):
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
         """The tile space; where the operands allow TMA, each of the first points also with TMA
         right after it, and the first few also in clusters of two multicasting A (the tuner decides
-        between the producers). Ping-pong consumers (``pp=1``) are taken by name only (``params``,
-        ``--sweep-mods pp=1``) until they have run on a GPU."""
+        between the producers); in half precision each of the first points with TMA also with
+        ping-pong consumers (``tiles.pingpong``) right before it."""
         limit, math, prob = self.limit(device), self.math(spec), self.problem(spec)
         out = []
         for i, c in enumerate(tiles.space(math, prob, device.units, limit)):
             t = tma.with_tma(c, lambda x: self.tma_reason(spec, x))
             if t.tm:
+                pp = tiles.pingpong(t, math, prob, limit)
+                if pp.pp and i < CLUSTER_POINTS * 2:
+                    out.append(pp.params())
                 out.append(t.params())
                 pair = dataclasses.replace(t, cl=2)
                 if i < CLUSTER_POINTS and not pair.problems(math, prob, limit):
@@ -229,10 +232,11 @@ class TcImplicitGemm(TcVariant):
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
         """tiles.pick's tile, its operands brought by TMA where they can be (H100, FP16 and TF32,
         ResNet layers N=32/128, kernel time of the whole plan: equal or faster on every layer
-        timed, 1.14-1.27x on 256@14 and 512@7), else by cp.async."""
-        limit = self.limit(device)
-        cfg = tiles.pick(self.math(spec), self.problem(spec), device.units, limit)
-        return tma.with_tma(cfg, lambda c: self.tma_reason(spec, c)).params()
+        timed, 1.14-1.27x on 256@14 and 512@7), else by cp.async; in half precision with ping-pong
+        consumers where the tile allows them (``tiles.pingpong``)."""
+        limit, math, prob = self.limit(device), self.math(spec), self.problem(spec)
+        cfg = tma.with_tma(tiles.pick(math, prob, device.units, limit), lambda c: self.tma_reason(spec, c))
+        return tiles.pingpong(cfg, math, prob, limit).params()
 
     def _ld(self, spec: ConvSpec, cfg: TileConfig) -> int:
         """Row length of the packed filters: the reduction padded to a whole stage."""
