@@ -216,10 +216,10 @@ def pick(math: Math, prob: Problem, units: int, shared_limit: int = MAX_SHARED) 
 def pingpong(cfg: TileConfig, math: Math, prob: Problem | None = None,
              shared_limit: int = MAX_SHARED) -> TileConfig:
     """``cfg`` with ping-pong consumers where they run it (bm 64 or 128, two consumers, persistent,
-    no cluster; operands by TMA, as timed) in half precision, else ``cfg``. H100, round 30, FP16 channels-last, the default tile
-    with and without pp=1: ResNet suite 1.037x (0.96-1.14x; 128@28 N96 0.0486 -> 0.0425 ms, 512@7
-    N32 0.0260 -> 0.0271), MEC 3x3 layers 1.00-1.08x. Not yet timed in TF32: there the tile is as
-    before."""
+    no cluster; operands by TMA, as timed) in half precision, else ``cfg``. H100, round 30, FP16
+    channels-last, the default tile with and without pp=1: ResNet suite 1.037x (0.96-1.14x; 128@28
+    N96 0.0486 -> 0.0425 ms, 512@7 N32 0.0260 -> 0.0271), MEC 3x3 layers 1.00-1.08x. Not yet timed
+    in TF32: there the tile is as before."""
     if math.esize != 2 or cfg.pp or not cfg.tm:
         return cfg
     pp = dataclasses.replace(cfg, pp=1)
