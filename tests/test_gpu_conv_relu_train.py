@@ -1,7 +1,8 @@
 """GPU tier of conv -> ReLU in training on convforge's kernels (torch/conv_relu.py; skips without a CUDA
 device or torch): the fused module's output and every gradient against float64 within the class of
 PyTorch FP32's own error (odd shapes, stride 2, no bias, 1x1, 11x11/4, N=1), a VGG-like model's training
-step through the node, the masked gradient's exact zeros, and what it leaves to the unfused path.
+step through the node, the masked gradient's exact zeros, what it leaves to the unfused path, and the
+masked gradient written straight into the tensor-core passes' operands (kernels/tensorcore/gradrows.py).
 
 Run on the lent GPU: ``python -m pytest -q tests/test_gpu_conv_relu_train.py``.
 """
@@ -150,3 +151,80 @@ def test_what_it_leaves_to_the_unfused_path(gpu, monkeypatch, why):
     with torch.no_grad():
         want = ref(x)
     assert _rel(z, want) <= (2e-3 if why == "half" else 1e-5), why
+
+
+# (N, C, H, W, K, stride): VGG-like, odd everything (Np and Kp padded), N = 1, strided (dgrad_tc_strided_*)
+ROWS_CASES = [(16, 64, 28, 28, 128, 1), (3, 5, 13, 11, 7, 1), (1, 8, 9, 9, 16, 1), (2, 16, 17, 17, 24, 2)]
+
+
+@pytest.mark.parametrize("tag", ["tf32", "3xtf32"])
+@pytest.mark.parametrize("case", ROWS_CASES, ids=lambda c: "x".join(map(str, c[:5])) + f"_s{c[5]}")
+def test_rows_backward_equals_the_passes_on_the_masked_gradient(gpu, tag, case):
+    """kernels/tensorcore/gradrows.py through conv_relu.rows_from_plans, every workspace poisoned with
+    NaN first: dx and dW bit-identical to the same plans run by convforge.grad on the masked gradient
+    (the same operands in the same layouts), within the math's class of float64's; the bias within
+    float32 summation error of float64's."""
+    from convforge import grad as cf_grad
+    from convforge.backends import get_backend
+    from convforge.kernels import get_variant
+    from convforge.spec import ConvSpec
+    from convforge.torch.conv_relu import _masked_grad, rows_from_plans
+
+    n, c, h, w, k, st = case
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(n, c, h, w, device="cuda", generator=g)
+    wt = 0.2 * torch.randn(k, c, 3, 3, device="cuda", generator=g)
+    spec = ConvSpec.make(n, c, h, w, k, 3, 3, stride=st, padding=1)
+    z = torch.relu(torch.randn(spec.y_shape, device="cuda", generator=g))
+    gz = torch.randn(spec.y_shape, device="cuda", generator=g)
+    be = get_backend("cuda", 0)
+    names = (f"dgrad_tc_{'implicit_gemm' if st == 1 else 'strided'}_{tag}", f"wgrad_tc_implicit_gemm_{tag}")
+    plans, params = [], []
+    for name, sp in zip(names, (spec.with_pass("dgrad"), spec.with_pass("wgrad"))):
+        v = get_variant(name)
+        assert v.applies(sp, be.device) is None, v.applies(sp, be.device)
+        params.append(v.default(sp, be.device))
+        plans.append(v.plan_for(sp, params[-1], be.device))
+    rows = rows_from_plans(plans[0], plans[1], tuple(spec.y_shape), 0)
+    assert rows is not None
+    for exe in (rows.exe_d, rows.exe_w):
+        for buf in exe.workspace().values():
+            be.fill(buf, float("nan"), be.nbytes(buf))
+    gx, gw, gb = rows(gz, x, wt, z)
+    gm, _ = _masked_grad(gz, z)
+    want_x = cf_grad.conv2d_input(list(x.shape), wt, gm, st, 1, algo=names[0], params=params[0])
+    want_w = cf_grad.conv2d_weight(x, list(wt.shape), gm, st, 1, algo=names[1], params=params[1])
+    assert torch.equal(gx, want_x) and torch.equal(gw, want_w)
+    ref_x = torch.nn.grad.conv2d_input(x.shape, wt.double(), gm.double(), st, 1)
+    ref_w = torch.nn.grad.conv2d_weight(x.double(), wt.shape, gm.double(), st, 1)
+    tol = 2e-3 if tag == "tf32" else 5e-6
+    assert _rel(gx, ref_x) <= tol and _rel(gw, ref_w) <= tol, (_rel(gx, ref_x), _rel(gw, ref_w))
+    assert _rel(gb, gm.double().sum(dim=(0, 2, 3))) <= 1e-6
+
+
+def test_relaxed_vgg_block_takes_the_rows_path(gpu, monkeypatch):
+    """fuse(precision="relaxed") of a VGG-like block: the backward goes through _RowsBackward (both
+    passes tensor-core plans), and its gradients equal config.grad_rows off's (the masked gradient in
+    NCHW, then the passes' own transposes) bit for bit, the bias's within summation order."""
+    import convforge.torch as ct
+    from convforge.config import config
+    from convforge.torch import conv_relu as cr
+
+    torch.manual_seed(4)
+    nn = torch.nn
+    model = nn.Sequential(nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.Conv2d(64, 64, 3, padding=1),
+                          nn.ReLU()).cuda().train()
+    other = copy.deepcopy(model)
+    x = torch.randn(16, 32, 28, 28, device="cuda", requires_grad=True)
+    gz = torch.randn(16, 64, 28, 28, device="cuda")
+    grads = []
+    for on, m in ((True, model), (False, other)):
+        monkeypatch.setattr(config, "grad_rows", on)
+        cr._ROWS.clear()
+        fused, _ = ct.fuse(m, precision="relaxed")
+        x.grad = None
+        fused(x).backward(gz)
+        assert (sum(r is not None for r in cr._ROWS.values()) == 2) == on, cr._ROWS
+        grads.append([x.grad.clone()] + [p.grad for p in m.parameters()])
+    for i, (a, b) in enumerate(zip(*grads)):
+        assert torch.equal(a, b) if a.dim() > 1 else _rel(a, b.double()) <= 1e-6, i

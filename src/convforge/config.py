@@ -120,6 +120,11 @@ def _env_settings(env: Mapping[str, str]) -> dict[str, tuple[str, Callable[[], A
         # Batch norm in training mode (with the add and ReLU after it) on convforge's kernels in fused
         # models (FusedConv2d, PreActivation: torch/batchnorm.py); off: PyTorch's modules
         "train_bn": ("CONVFORGE_TRAIN_BN", lambda: parse_bool("CONVFORGE_TRAIN_BN", get("CONVFORGE_TRAIN_BN") or "1")),
+        # A conv -> ReLU node's backward writes the masked gradient straight into its dgrad and wgrad GEMMs'
+        # operand layouts (kernels/tensorcore/gradrows.py) where both passes are tensor-core plans; off: the
+        # masked gradient in NCHW, then the passes' own transposes
+        "grad_rows": ("CONVFORGE_GRAD_ROWS",
+                      lambda: parse_bool("CONVFORGE_GRAD_ROWS", get("CONVFORGE_GRAD_ROWS") or "1")),
         # The convforge::conv2d op's autograd node in C++ (torch/native.cpp ConvNode) instead of Python's
         # ops._Conv2dFn: off until it has run on a GPU (read when the native module loads)
         "native_autograd": ("CONVFORGE_NATIVE_AUTOGRAD",
@@ -143,6 +148,8 @@ class Config:
     disk_cache: bool
     native: bool
     deterministic: bool
+    train_bn: bool
+    grad_rows: bool
     native_autograd: bool
 
     def __init__(self, env: Mapping[str, str] | None = None) -> None:

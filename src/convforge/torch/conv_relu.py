@@ -5,6 +5,9 @@ PyTorch runs such a block as the convolution, ``relu`` (a pass over the output) 
 applies bias and ReLU in its epilogue, and backward one kernel (``kernels/wgrad/bias.py`` with
 ``relu``) masks the gradient by the saved output's sign, writes the masked gradient for the layer's
 dgrad and wgrad and sums it for the bias: two passes over the activation fewer, and two launches.
+Where both passes are tensor-core plans that transpose the gradient first (``config.grad_rows``), the
+kernel writes it straight into their GEMMs' operand layouts instead (``kernels/tensorcore/gradrows.py``:
+:class:`_RowsBackward`), and the passes run without their transposes: three passes fewer again.
 ``FusedConv2d`` (conv -> ReLU, no batch norm, no residual) takes it in training where :func:`takes`
 says so; anything else (half or autocast, ``torch.compile`` tracing, ``config.train_bn`` off, a layer
 no convforge variant runs) keeps the unfused path.
@@ -19,6 +22,7 @@ from torch.autograd.function import once_differentiable
 
 from convforge import api
 from convforge.backends import get_backend
+from convforge.backends.base import DeviceMemoryError
 from convforge.config import config
 from convforge.spec import ConvSpec
 
@@ -92,6 +96,11 @@ class _ConvRelu(torch.autograd.Function):
 
         x, w, z = ctx.saved_tensors
         stride, pad, dil, algo, precision, max_error, groups = ctx.conv
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        rows = _rows_backward(x, w, z, ctx.conv, need_x, need_w) if need_x or need_w else None
+        if rows is not None:
+            gx, gw, gb = rows(gz, x, w, z)
+            return gx, gw, gb if ctx.has_bias and ctx.needs_input_grad[2] else None, None
         gm, gb = _masked_grad(gz, z)
         gx = gw = None
         if ctx.needs_input_grad[0]:
@@ -132,3 +141,114 @@ def _program(n: int, k: int, pq: int, device: int) -> tuple[Any, int, Any]:
                       f"conv -> ReLU backward {n}x{k}x{pq}")
     hit = _PROGRAMS[(n, k, pq, device)] = (run, int(plan.params.get("sp", 1)), torch_stream_queries()[0])
     return hit
+
+
+_ROWS: dict[tuple[Any, ...], Any] = {}  # (layer tag, gradients asked) -> _RowsBackward, or None where it does not apply
+
+
+class _RowsBackward:
+    """One layer's backward through ``kernels/tensorcore/gradrows.py``: the masked gradient and the bias
+    partial sums by one kernel that writes dgrad's and wgrad's GEMM operands, then both passes' plans
+    without their transposes of the gradient, each on its own executable's workspace, on raw pointers on
+    torch's current stream."""
+
+    def __init__(self, run: Any, part: int, exe_d: Any, exe_w: Any, ws: dict[str, int], device: int) -> None:
+        from convforge.backends.cuda import torch_stream_queries
+
+        self.run, self.part, self.exe_d, self.exe_w, self.ws, self.device = run, part, exe_d, exe_w, ws, device
+        self.stream_of = torch_stream_queries()[0]
+
+    def __call__(self, gz: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                 z: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        gz = gz.contiguous()
+        stream = self.stream_of(self.device)
+        k = z.shape[1]
+        gb, part = z.new_empty(k), z.new_empty(self.part // 4)
+        self.run("backward", {"y": gz.data_ptr(), "z": z.data_ptr(), "bpart": part.data_ptr(),
+                              "bias": gb.data_ptr(), **self.ws}, stream)
+        gx = gw = None
+        if self.exe_d is not None:
+            wc = w.contiguous()
+            gx = torch.empty(x.shape, dtype=_F32, device=x.device)
+            self.exe_d.launch_raw(gx.data_ptr(), wc.data_ptr(), 0, 0, stream)
+        if self.exe_w is not None:
+            xc = x.contiguous()
+            gw = torch.empty(w.shape, dtype=_F32, device=w.device)
+            self.exe_w.launch_raw(xc.data_ptr(), gw.data_ptr(), 0, 0, stream)
+        return gx, gw, gb
+
+
+def _rows_backward(x: torch.Tensor, w: torch.Tensor, z: torch.Tensor, conv: tuple[Any, ...], need_x: bool,
+                   need_w: bool) -> _RowsBackward | None:
+    """The layer's :class:`_RowsBackward`, built on its first backward and remembered; None where it
+    does not apply (``config.grad_rows`` off, an ``algo`` other than "auto", a pass whose plan has no
+    transpose of the gradient to take over, or workspace that does not fit): the caller's path then."""
+    tag = (tuple(x.shape), tuple(w.shape), x.device, *map(_frozen, conv), need_x, need_w)
+    if tag in _ROWS:
+        return _ROWS[tag]  # type: ignore[no-any-return]
+    if torch.cuda.is_current_stream_capturing():
+        return None  # nothing may compile or allocate now: the caller's path (not remembered)
+    made = None
+    if config.grad_rows and conv[3] == "auto" and conv[6] == 1:
+        try:
+            made = _build_rows(x, w, z, conv, need_x, need_w)
+        except DeviceMemoryError:
+            made = None
+    _ROWS[tag] = made
+    return made
+
+
+def _build_rows(x: torch.Tensor, w: torch.Tensor, z: torch.Tensor, conv: tuple[Any, ...], need_x: bool,
+                need_w: bool) -> _RowsBackward | None:
+    """Both passes chosen as ``convforge.grad`` would choose them (dispatch, the database first), then
+    :func:`rows_from_plans`."""
+    from convforge import dispatch
+    from convforge.api import _options
+    from convforge.grad import _pass_spec
+    from convforge.plan import Epilogue
+
+    stride, pad, dil, _, precision, max_error, groups = conv
+    dev = x.device.index or 0
+    be = get_backend("cuda", dev)
+    _, limit = _options(False, None, precision, max_error)
+
+    def plan(conv_pass: str) -> Any:
+        a, size = (w, x.shape) if conv_pass == "dgrad" else (x, w.shape)
+        spec = _pass_spec(conv_pass, list(size), a, z, stride, pad, dil, groups)
+        ch = dispatch.choose(spec, be, Epilogue(), algo="auto", precision=precision, max_error=max_error,
+                             workspace_limit=limit)
+        return ch.variant.plan_for(spec, ch.params, be.device, Epilogue())
+
+    return rows_from_plans(plan("dgrad") if need_x else None, plan("wgrad") if need_w else None,
+                           tuple(int(v) for v in z.shape), dev)
+
+
+def rows_from_plans(plan_d: Any, plan_w: Any, shape: tuple[int, ...], dev: int) -> _RowsBackward | None:
+    """The :class:`_RowsBackward` of a layer whose output has ``shape`` (N, K, P, Q) from its dgrad and
+    wgrad plans (either None: that gradient is not asked), their transposes of the gradient taken out
+    (``gradrows.prepared``); None where a plan has none to take."""
+    from convforge.backends.cuda import RawLaunches
+    from convforge.kernels.tensorcore import gradrows
+
+    n, k, p, q = shape
+    be: Any = get_backend("cuda", dev)  # a CudaBackend: its executables reserve and launch on raw pointers
+    pd = pw = None
+    if plan_d is not None and plan_d.spec.conv_pass == "dgrad":  # both steps write [N][P Q][Kp]: stride 1, strided
+        pd = (gradrows.prepared(plan_d, "tc_x_nhwc", n * p * q)
+              or gradrows.prepared(plan_d, f"{plan_d.variant}_dy", n * p * q))
+    if plan_w is not None and plan_w.spec.conv_pass == "wgrad":  # [K][P Q][Np]
+        pw = gradrows.prepared(plan_w, f"{plan_w.variant}_dy", k * p * q)
+    if (plan_d is not None and pd is None) or (plan_w is not None and pw is None) or not (pd or pw):
+        return None
+    kernels, launches, part = gradrows.masked_rows(n, k, p * q, pd.rows if pd else None, pw.rows if pw else None)
+    run = RawLaunches(be, kernels, {"backward": launches}, f"conv -> ReLU backward rows {n}x{k}x{p}x{q}")
+    stream = int(torch.cuda.current_stream(dev).cuda_stream)
+    exes, ws = [], {}
+    for pr in (pd, pw):
+        exe = None
+        if pr is not None:
+            exe = be.executable(pr.plan)
+            exe.reserve(stream)
+            ws.update({b.name: int(exe.workspace()[b.name].data.ptr) for b in pr.rows.buffers()})
+        exes.append(exe)
+    return _RowsBackward(run, part, exes[0], exes[1], ws, dev)
