@@ -266,6 +266,40 @@ def test_capture_before_first_use_is_refused_clearly(gpu):
             convforge.conv2d(x, w, padding=1, algo="winograd_nonfused_f4")
 
 
+def test_launches_from_a_thread_where_no_context_is_current(gpu):
+    """A thread that never made a CUDA context current (autograd's backward threads can be such):
+    the executable's and RawLaunches' launches make the device's context current there instead of
+    failing with CUDA_ERROR_INVALID_CONTEXT (round 30's flaky tier failure), and compute the layer."""
+    import threading
+
+    from convforge.backends import cuda, get_backend
+
+    spec = ConvSpec.make(2, 16, 14, 14, 24, 3, 3, 1, 1)
+    x, w, _ = _tensors(spec, bias=False)
+    exe = dispatch.executable(spec, get_backend("cuda", 0), algo="implicit_gemm")
+    exe.reserve(0)
+    y = torch.full(spec.y_shape, float("nan"), device="cuda")
+    torch.cuda.synchronize()
+    seen: dict[str, object] = {}
+
+    def work() -> None:
+        try:
+            seen["before"] = cuda._driver().current_context()
+            exe.launch_raw(x.data_ptr(), w.data_ptr(), y.data_ptr(), 0, 0)
+            seen["after"] = cuda._driver().current_context()
+        except Exception as err:  # noqa: BLE001 - reported by the assertion below
+            seen["error"] = err
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    torch.cuda.synchronize()
+    assert "error" not in seen, seen
+    assert seen["before"] == 0 and seen["after"] == exe.context, seen  # the test could fail: none was current
+    want = conv2d_ref(x.double().cpu().numpy(), w.double().cpu().numpy(), spec)
+    assert rel_l2(y.cpu().numpy(), want) < 1e-5
+
+
 @pytest.mark.parametrize("path", ["native", "python"])
 def test_conv2d_caches_filters_per_weight_version(gpu, monkeypatch, path):
     """convforge.conv2d with torch tensors: the filter transform runs once per weight version (warm

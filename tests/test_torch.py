@@ -218,6 +218,9 @@ def _stubbed_cuda_module(monkeypatch):
         def current_context(self):
             return 0
 
+        def needs_push(self, context):
+            return False
+
     mod._DRIVER = Driver()
     mod.capturing = lambda stream: stream == 666
     return mod, calls, oom

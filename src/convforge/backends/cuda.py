@@ -7,6 +7,7 @@ import contextlib
 import ctypes
 import logging
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -394,7 +395,7 @@ def _matrices(buf: Any, batch: int, rows: int, cols: int, ld: int, stride: int) 
 
 class _Driver:
     """The few libcuda entry points the fast path calls: the launch through CuPy's Cython binding
-    (``cupy_backends``), context queries through ctypes (loaded once; multi-GPU calls only)."""
+    (``cupy_backends``), context queries through ctypes (loaded once)."""
 
     def __init__(self) -> None:
         from cupy_backends.cuda.api import driver as cyd
@@ -410,12 +411,31 @@ class _Driver:
         self.ctx_push.argtypes = [p]
         self.ctx_pop = lib.cuCtxPopCurrent_v2
         self.ctx_pop.argtypes = [ctypes.POINTER(p)]
+        self.ctx_set = lib.cuCtxSetCurrent
+        self.ctx_set.argtypes = [p]
         self.multi_gpu = device_count() > 1
+        self._thread = threading.local()  # .ready: this thread has had the one GPU's context current
 
     def current_context(self) -> int:
         ctx = ctypes.c_void_p()
         self.ctx_get(ctypes.byref(ctx))
         return int(ctx.value or 0)
+
+    def needs_push(self, context: int) -> bool:
+        """Whether a launch in ``context`` must push it first. Several GPUs: unless it is current. One
+        GPU: a thread where no context is current yet (autograd runs backward on its own threads, where
+        nothing may have made one current; the launch then fails with CUDA_ERROR_INVALID_CONTEXT) gets
+        the device's context set once, as CUDA's runtime API would; checked once per thread."""
+        if self.multi_gpu:
+            return self.current_context() != context
+        if getattr(self._thread, "ready", False):
+            return False
+        current = self.current_context()
+        if current == 0:
+            self.ctx_set(ctypes.c_void_p(context))
+            current = self.current_context()
+        self._thread.ready = current == context
+        return current != context
 
 
 _DRIVER: _Driver | None = None
@@ -622,7 +642,7 @@ class CudaExecutable(Executable):
         if self._maps:
             self._refresh_maps(vals)
         drv = _DRIVER or _driver()
-        pushed = drv.multi_gpu and drv.current_context() != self.context
+        pushed = drv.needs_push(self.context)
         if pushed:
             drv.ctx_push(self.context)
         try:
@@ -688,7 +708,7 @@ class RawLaunches:
         context is checked on every call, one GPU or several: autograd runs backward on its own thread,
         where nothing may have made the device's context current yet."""
         drv = _DRIVER or _driver()
-        pushed = drv.current_context() != self.context
+        pushed = drv.needs_push(self.context)
         if pushed:
             drv.ctx_push(self.context)
         try:
