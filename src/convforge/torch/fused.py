@@ -151,7 +151,8 @@ class FusedConv2d(Conv2d):
         pre = self._cf_pre
         if pre is not None and not pre.passes_through():
             return self.unfused(x, res)  # the node ran the batch norm and ReLU: x is activated
-        if _GRAD() and self._parameters["weight"].requires_grad:  # training: never folded (_folds)
+        w = _weight_bias(self)[0]
+        if _GRAD() and w.requires_grad:  # training: never folded (_folds)
             return self.unfused(x if pre is None else pre.activate(x), res)
         src = _sources(self)
         if self._folds(x, res, src) and (pre is None or _pre_folds(pre)):
@@ -181,7 +182,7 @@ class FusedConv2d(Conv2d):
     def _conv_relu(self, x: torch.Tensor) -> torch.Tensor | None:
         """conv -> ReLU in training on convforge's kernels (torch/conv_relu.py), or None (the
         unfused path runs: inference, half, autocast, tracing, a layer convforge does not run)."""
-        w, b = self._parameters["weight"], self._parameters["bias"]
+        w, b = _weight_bias(self)
         if not (_GRAD() and w is not None and w.requires_grad and conv_relu.takes(x, w, b, self.padding_mode)):
             return None
         return conv_relu.conv_relu(x, w, b, (list(self.stride), list(padding_quad(self)), list(self.dilation),
@@ -449,3 +450,13 @@ def fold_bn(w: torch.Tensor, b: torch.Tensor | None, bn: torch.nn.BatchNorm2d,
             shift = shift + bn.bias.double()
         wf = (w.double() * scale.view(-1, 1, 1, 1)).to(dtype).contiguous()
         return wf, shift.to(dtype).contiguous()
+
+
+def _weight_bias(m: torch.nn.Module) -> tuple[Any, Any]:
+    """The conv's weight and bias as its forward sees them: the registered parameters (a dictionary
+    hit), else the plain attributes a reparametrisation sets before each forward (the hook-based
+    weight norm: not in ``_parameters``)."""
+    p = m._parameters
+    w = p.get("weight")
+    b = p.get("bias") if "bias" in p else getattr(m, "bias", None)
+    return (m.weight if w is None else w), b
