@@ -428,20 +428,27 @@ def test_clusters_need_tma_and_whole_pairs_of_n_tiles():
     assert not any(p.get("cl") == 2 for p in v.space(narrow, NOMINAL_CUDA))
 
 
-def test_pingpong_is_the_half_default_where_the_tile_allows_it():
-    """Half precision takes ping-pong consumers by default where bm is 64 or 128 (one consumer
-    holds a whole tile); TF32 and 3xTF32 keep shared tiles until they are timed; a 256-row tile
-    keeps them too; the space offers each early TMA point with and without."""
+def test_pingpong_is_the_default_where_the_tile_allows_it_and_the_tiles_cover_the_sms():
+    """Half precision and TF32 take ping-pong consumers by default where bm is 64 or 128 (one
+    consumer holds a whole tile) and there are at least as many tiles as SMs; 3xTF32 keeps shared
+    tiles; a 256-row tile keeps them too, and so does a layer of fewer tiles than SMs; the space
+    offers each early TMA point with and without."""
     half = get_variant("tc_implicit_gemm_half")
     spec = ConvSpec.make(32, 128, 28, 28, 128, 3, 3, 1, 1, dtype="float16")
     d = TileConfig.of(half.default(spec, NOMINAL_CUDA))
     assert d.pp == 1 and d.bm in (64, 128) and not d.problems(F16)
     assert tiles.pingpong(TileConfig(256, 64, tm=1), F16) == TileConfig(256, 64, tm=1)
-    assert tiles.pingpong(TileConfig(128, 64, tm=1), TF32).pp == 0
+    assert tiles.pingpong(TileConfig(128, 64, tm=1), TF32).pp == 1
+    assert tiles.pingpong(TileConfig(128, 64, tm=1), X3TF32).pp == 0
     assert tiles.pingpong(TileConfig(128, 64), F16).pp == 0  # cp.async: not timed with pp
-    for name in ("tc_implicit_gemm_tf32", "tc_implicit_gemm_3xtf32"):
-        f32 = ConvSpec.make(32, 128, 28, 28, 128, 3, 3, 1, 1)
-        assert not get_variant(name).default(f32, NOMINAL_CUDA).get("pp")
+    few, many = Problem(1568, 512, 4608), Problem(4704, 512, 4608)  # 512@7 N32 / N96: 104 / 296 tiles of 128 x 64
+    assert tiles.pingpong(TileConfig(128, 64, tm=1), TF32, few, units=132).pp == 0
+    assert tiles.pingpong(TileConfig(128, 64, tm=1), TF32, many, units=132).pp == 1
+    f32 = ConvSpec.make(32, 128, 28, 28, 128, 3, 3, 1, 1)
+    assert get_variant("tc_implicit_gemm_tf32").default(f32, NOMINAL_CUDA).get("pp") == 1
+    assert not get_variant("tc_implicit_gemm_3xtf32").default(f32, NOMINAL_CUDA).get("pp")
+    small = ConvSpec.make(32, 512, 7, 7, 512, 3, 3, 1, 1, dtype="float16")  # 104 tiles on 132 SMs
+    assert not half.default(small, NOMINAL_CUDA).get("pp")
     space = [TileConfig.of(p) for p in half.space(spec, NOMINAL_CUDA)]
     assert any(c.pp for c in space) and any(not c.pp and c.tm for c in space)
     assert all(not c.problems(F16) for c in space if c.pp)

@@ -213,17 +213,22 @@ def pick(math: Math, prob: Problem, units: int, shared_limit: int = MAX_SHARED) 
     return dataclasses.replace(cfg, ks=split_for(cfg, math, prob, units))
 
 
-def pingpong(cfg: TileConfig, math: Math, prob: Problem | None = None,
-             shared_limit: int = MAX_SHARED) -> TileConfig:
+def pingpong(cfg: TileConfig, math: Math, prob: Problem | None = None, shared_limit: int = MAX_SHARED,
+             units: int | None = None) -> TileConfig:
     """``cfg`` with ping-pong consumers where they run it (bm 64 or 128, two consumers, persistent,
-    no cluster; operands by TMA, as timed) in half precision, else ``cfg``. H100, round 30, FP16
-    channels-last, the default tile with and without pp=1: ResNet suite 1.037x (0.96-1.14x; 128@28
-    N96 0.0486 -> 0.0425 ms, 512@7 N32 0.0260 -> 0.0271), MEC 3x3 layers 1.00-1.08x. Not yet timed
-    in TF32: there the tile is as before."""
-    if math.esize != 2 or cfg.pp or not cfg.tm:
+    no cluster; operands by TMA, as timed) in half precision and TF32, else ``cfg``; with ``units``
+    (the default's choice) only where the tiles cover every SM once at least. H100, round 30, the
+    default tile against pp=1 on the ResNet, MEC and unseen suites: FP16 channels-last 1.00-1.14x
+    where tiles >= SMs (128@28 N96 0.0486 -> 0.0425 ms), 0.96-1.01x below (512@7 N32 0.0260 ->
+    0.0271); TF32 0.98-1.19x where tiles >= SMs (ResNet 12 layers 1.036x), 0.92-1.06x below (the 8x8
+    Inception layers lose 4-8 %). 3xTF32 keeps shared tiles: 0.95-1.16x on the ResNet suite, no rule
+    found."""
+    if math.name == "3xtf32" or cfg.pp or not cfg.tm:
         return cfg
     pp = dataclasses.replace(cfg, pp=1)
-    return cfg if pp.problems(math, prob, shared_limit) else pp
+    if pp.problems(math, prob, shared_limit):
+        return cfg
+    return cfg if units is not None and prob is not None and pp.work(prob) < units else pp
 
 
 def shapes(math: Math, prob: Problem, shared_limit: int = MAX_SHARED) -> list[TileConfig]:

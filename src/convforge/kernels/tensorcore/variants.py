@@ -199,10 +199,10 @@ class TcImplicitGemm(TcVariant):
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
         """The tile space; where the operands allow TMA, each of the first points also with TMA
         right after it, and the first few also in clusters of two multicasting A (the tuner decides
-        between the producers); in half precision each of the first points with TMA also with
-        ping-pong consumers (``tiles.pingpong``) right before it."""
+        between the producers); in half precision and TF32 each of the first points with TMA also
+        with ping-pong consumers (``tiles.pingpong``) right before it; the default first."""
         limit, math, prob = self.limit(device), self.math(spec), self.problem(spec)
-        out = []
+        out = [self.default(spec, device)]
         for i, c in enumerate(tiles.space(math, prob, device.units, limit)):
             t = tma.with_tma(c, lambda x: self.tma_reason(spec, x))
             if t.tm:
@@ -216,7 +216,7 @@ class TcImplicitGemm(TcVariant):
                 if i >= 8:
                     continue
             out.append(c.params())
-        return out
+        return list(dict.fromkeys(out))
 
     def tma_reason(self, spec: ConvSpec, cfg: TileConfig) -> str | None:
         """Why this layer's operands cannot come by TMA with tile ``cfg``, or None."""
@@ -232,11 +232,11 @@ class TcImplicitGemm(TcVariant):
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
         """tiles.pick's tile, its operands brought by TMA where they can be (H100, FP16 and TF32,
         ResNet layers N=32/128, kernel time of the whole plan: equal or faster on every layer
-        timed, 1.14-1.27x on 256@14 and 512@7), else by cp.async; in half precision with ping-pong
-        consumers where the tile allows them (``tiles.pingpong``)."""
+        timed, 1.14-1.27x on 256@14 and 512@7), else by cp.async; in half precision and TF32 with
+        ping-pong consumers where the tile allows them and the tiles cover the SMs (``tiles.pingpong``)."""
         limit, math, prob = self.limit(device), self.math(spec), self.problem(spec)
         cfg = tma.with_tma(tiles.pick(math, prob, device.units, limit), lambda c: self.tma_reason(spec, c))
-        return tiles.pingpong(cfg, math, prob, limit).params()
+        return tiles.pingpong(cfg, math, prob, limit, device.units).params()
 
     def _ld(self, spec: ConvSpec, cfg: TileConfig) -> int:
         """Row length of the packed filters: the reduction padded to a whole stage."""
