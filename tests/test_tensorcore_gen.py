@@ -454,6 +454,17 @@ def test_pingpong_is_the_default_where_the_tile_allows_it_and_the_tiles_cover_th
     assert all(not c.problems(F16) for c in space if c.pp)
 
 
+def test_tf32_prefers_fewer_waves_of_wider_tiles():
+    """TF32's wave model (tiles.TF32_EFFICIENCY, round 30): 512@7 N96 takes 2 waves of 128 x 128 with
+    ping-pong, not 3 of 128 x 64; N32 keeps 128 x 64 (one wave either way); 3xTF32 keeps its table."""
+    tf32, x3 = get_variant("tc_implicit_gemm_tf32"), get_variant("tc_implicit_gemm_3xtf32")
+    n96, n32 = ConvSpec.make(96, 512, 7, 7, 512, 3, 3, 1, 1), ConvSpec.make(32, 512, 7, 7, 512, 3, 3, 1, 1)
+    d = TileConfig.of(tf32.default(n96, NOMINAL_CUDA))
+    assert (d.bm, d.bn, d.pp) == (128, 128, 1)
+    assert TileConfig.of(tf32.default(n32, NOMINAL_CUDA)).bn == 64
+    assert TileConfig.of(x3.default(n96, NOMINAL_CUDA)).bn == 64
+
+
 @pytest.mark.parametrize("spec, math, cfg", TMA_CASES, ids=lambda v: getattr(v, "name", None) or str(v))
 def test_emulated_tma_tiles_equal_the_gemm(spec, math, cfg):
     """The TMA producer's copies, evaluated from the generator's expressions and run through the

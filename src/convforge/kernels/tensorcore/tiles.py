@@ -181,13 +181,22 @@ class TileConfig:
 # H100, 2026-11-24, ResNet N=32 sweeps in docs/NOTES-tensorcore.md).
 TILE_EFFICIENCY = {4: {(128, 64): 0.8, (256, 64): 0.9, (128, 128): 1.0},
                    2: {(128, 64): 0.7, (256, 64): 0.85, (128, 128): 1.0}}
+# TF32 since its default takes ping-pong consumers (round 30): 128 x 128 with pp ran 1.15x / 1.16x faster than 128 x 64
+# with pp on 512@7 N96 / N128 (3 waves of 128 x 64 against 2 of 128 x 128), equal on 256@14 N64 and 0.96x on 128@28
+# N32 (H100, docs/results/tiles-wide-tf32-resnet-2026-11-27-r30-h100.json). 3xTF32 keeps the table above.
+TF32_EFFICIENCY = {(128, 64): 0.7, (256, 64): 0.9, (128, 128): 1.0}
+
+
+def tile_efficiency(math: Math) -> dict[tuple[int, int], float]:
+    """The block-tile efficiencies the wave model uses for ``math``."""
+    return TF32_EFFICIENCY if math.name == "tf32" else TILE_EFFICIENCY[math.esize]
 
 
 def _wave_cost(bm: int, bn: int, math: Math, prob: Problem, units: int) -> float:
     """Time model of a tile shape: whole waves of tiles over the SMs, each tile's work over its
     efficiency (narrow tiles waste less of the last wave; wide ones stream better)."""
     tiles = cdiv(prob.m, bm) * cdiv(prob.n, bn) * prob.batch
-    return cdiv(tiles, max(units, 1)) * bm * bn / TILE_EFFICIENCY[math.esize][bm, bn]
+    return cdiv(tiles, max(units, 1)) * bm * bn / tile_efficiency(math)[bm, bn]
 
 
 def split_for(cfg: TileConfig, math: Math, prob: Problem, units: int) -> int:
