@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from convforge import api
+from convforge import api, dispatch
 from convforge.backends import get_backend
 from convforge.backends.base import DeviceMemoryError
 from convforge.config import config
@@ -144,6 +144,7 @@ def _program(n: int, k: int, pq: int, device: int) -> tuple[Any, int, Any]:
 
 
 _ROWS: dict[tuple[Any, ...], Any] = {}  # (layer tag, gradients asked) -> _RowsBackward, or None where it does not apply
+dispatch.ON_CLEAR.append(_ROWS.clear)  # chosen by dispatch: forgotten with its executables (tuning, settings)
 
 
 class _RowsBackward:
@@ -202,7 +203,6 @@ def _build_rows(x: torch.Tensor, w: torch.Tensor, z: torch.Tensor, conv: tuple[A
                 need_w: bool) -> _RowsBackward | None:
     """Both passes chosen as ``convforge.grad`` would choose them (dispatch, the database first), then
     :func:`rows_from_plans`."""
-    from convforge import dispatch
     from convforge.api import _options
     from convforge.grad import _pass_spec
     from convforge.plan import Epilogue
