@@ -132,3 +132,26 @@ def test_bias_gradient_snapshot(tag, backend):
         path.write_text(src)
     assert path.exists(), f"no snapshot {path.name}: run with CONVFORGE_UPDATE_SNAPSHOTS=1 and review it"
     assert src == path.read_text(), "generated bias-gradient source changed; review and update the snapshot"
+
+
+ROWS_CASES = {"tf32": ("cuda", "tf32"), "3xtf32": ("cuda", "3xtf32"), "float": ("opencl", None)}
+
+
+@pytest.mark.parametrize("tag", sorted(ROWS_CASES))
+def test_gradient_rows_snapshot(tag):
+    """The masked gradient written in the backward GEMMs' layouts (kernels/tensorcore/gradrows.py): an odd
+    layer (N 3, K 5, P Q 37) into xh of 8 channels and dy' of 4 images, TF32 / 3xTF32 on CUDA, plain floats
+    (the layouts PoCL tests) on OpenCL."""
+    from convforge.codegen.render import render
+    from convforge.kernels.tensorcore.gradrows import Rows, masked_rows
+    from convforge.kernels.tensorcore.isa import MATHS
+
+    backend, math = ROWS_CASES[tag]
+    m = MATHS[math] if math else None
+    kernels, _, _ = masked_rows(3, 5, 37, Rows("fwd_xh", m, 8), Rows("dyt", m, 4))
+    src = render(list(kernels), backend, f"grad rows {tag}")
+    path = SNAP / f"grad_rows.{tag}.{backend}.txt"
+    if os.environ.get("CONVFORGE_UPDATE_SNAPSHOTS"):
+        path.write_text(src)
+    assert path.exists(), f"no snapshot {path.name}: run with CONVFORGE_UPDATE_SNAPSHOTS=1 and review it"
+    assert src == path.read_text(), "generated gradient-rows source changed; review and update the snapshot"
