@@ -155,3 +155,26 @@ def test_gradient_rows_snapshot(tag):
         path.write_text(src)
     assert path.exists(), f"no snapshot {path.name}: run with CONVFORGE_UPDATE_SNAPSHOTS=1 and review it"
     assert src == path.read_text(), "generated gradient-rows source changed; review and update the snapshot"
+
+
+STEM_SNAPS = {"tc_stem_direct_half": ("stem7x7s2-nhwc", "N=2,C=3,H=23,W=21,K=16,R=7,S=7,stride=2,pad=3,dtype=fp16,"
+                                                        "layout=nhwc"),
+              "tc_stem_direct_tf32": ("stem3x3", "N=2,C=3,H=11,W=11,K=8,R=3,S=3,pad=1")}
+
+
+@pytest.mark.parametrize("name", sorted(STEM_SNAPS))
+def test_stem_snapshot(name):
+    """The direct stems (kernels/tensorcore/stem.py) apply to no shared snapshot spec (3-channel
+    layers): a 7x7/2 half stem in NHWC with bias and ReLU, and a 3x3 TF32 one in NCHW."""
+    from convforge.plan import Epilogue
+
+    variant = next(v for v in all_variants() if v.name == name)
+    tag, text = STEM_SNAPS[name]
+    spec = ConvSpec.parse(text)
+    src = variant.plan(spec, variant.default(spec, NOMINAL_CUDA), NOMINAL_CUDA,
+                       Epilogue(bias=True, relu=True)).source("cuda")
+    path = SNAP / f"{name}.{tag}.cuda.txt"
+    if os.environ.get("CONVFORGE_UPDATE_SNAPSHOTS"):
+        path.write_text(src)
+    assert path.exists(), f"no snapshot {path.name}: run with CONVFORGE_UPDATE_SNAPSHOTS=1 and review it"
+    assert src == path.read_text(), f"generated source of {name} changed; review and update the snapshot"

@@ -67,6 +67,12 @@ A kernel body is plain C using these tokens, which each renderer spells its own 
     The tensor-core generator (kernels/tensorcore/), feature "wgmma" too:
     WGMMA(type, k, N, desc_a, desc_b, d0 .. d{N/2-1})     m64nNk{k}, type tf32 (k 8), f16 or bf16 (k 16), FP32
                                                           accumulate, both operands K-major in shared memory
+    WGMMA_RS(type, k, N, scale_d, a0, a1, a2, a3, desc_b, d0 .. d{N/2-1})
+                                                          m64nNk{k} with A from registers (four 32-bit words a
+                                                          lane, the mma.sync A layout per warp), B in shared
+                                                          memory; scale_d 0 starts D at zero
+    WGMMA_HOLD(r...)                                      keep registers live and unchanged up to here (a
+                                                          wgmma of an earlier group may still read them)
     MBAR_INIT(bar, count) / MBAR_WAIT(bar, parity)        mbarrier at 32-bit shared address bar: init with an
                                                           arrival count / spin until the phase of that
                                                           parity has completed (a fresh barrier: parity 1

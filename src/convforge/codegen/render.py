@@ -24,7 +24,7 @@ _TOKEN = re.compile(r"\b(GROUP_ID|LOCAL_ID|GROUP_SIZE|NUM_GROUPS|BARRIER|VLOAD4|
                     r"MMA_TF32_16x8x8|SMEM_U32|CP_ASYNC16|CP_ASYNC4|CP_ASYNC_COMMIT|CP_ASYNC_WAIT|LDMATRIX_X4|LDS_F4|"
                     r"LDS_F1|TF32_RHA|FENCE_PROXY_ASYNC|WGMMA_FENCE|WGMMA_COMMIT|WGMMA_WAIT|WGMMA_TF32|"
                     r"MBAR_INIT|MBAR_WAIT|MBAR_ARRIVE|CP_ASYNC_MBAR_ARRIVE|SETMAXNREG_INC|SETMAXNREG_DEC|"
-                    r"BAR_SYNC|WGMMA|TC_F16_TO_F32|TC_BF16_TO_F32|TC_F32_TO_F16|TC_F32_TO_BF16|TC_PACK_F16X2|"
+                    r"BAR_SYNC|WGMMA_RS|WGMMA_HOLD|WGMMA|TC_F16_TO_F32|TC_BF16_TO_F32|TC_F32_TO_F16|TC_F32_TO_BF16|TC_PACK_F16X2|"
                     r"TC_PACK_BF16X2|MBAR_INIT_FENCE|MBAR_EXPECT_TX|TMA_PREFETCH|TMA_TILE_2D|TMA_IM2COL_4D|"
                     r"TMA_TILE_2D_MC|TMA_IM2COL_4D_MC|CLUSTER_RANK|CLUSTER_ID|NUM_CLUSTERS|CLUSTER_SYNC|"
                     r"MBAR_ARRIVE_CLUSTER)\(")
@@ -379,8 +379,8 @@ __device__ __forceinline__ void cf_mma_tf32(float& d0, float& d1, float& d2, flo
 # compiler neither reads them before the wait that completes them nor moves them in between.
 _WGMMA_TOKENS = frozenset({"FENCE_PROXY_ASYNC", "WGMMA_FENCE", "WGMMA_COMMIT", "WGMMA_WAIT", "WGMMA_TF32"}
                           | {"MBAR_INIT", "MBAR_WAIT", "MBAR_ARRIVE", "CP_ASYNC_MBAR_ARRIVE", "SETMAXNREG_INC",
-                             "SETMAXNREG_DEC", "BAR_SYNC", "WGMMA", "TC_F16_TO_F32", "TC_BF16_TO_F32",
-                             "TC_F32_TO_F16", "TC_F32_TO_BF16", "TC_PACK_F16X2", "TC_PACK_BF16X2"}
+                             "SETMAXNREG_DEC", "BAR_SYNC", "WGMMA", "WGMMA_RS", "WGMMA_HOLD", "TC_F16_TO_F32",
+                             "TC_BF16_TO_F32", "TC_F32_TO_F16", "TC_F32_TO_BF16", "TC_PACK_F16X2", "TC_PACK_BF16X2"}
                           | {"MBAR_INIT_FENCE", "MBAR_EXPECT_TX", "TMA_PREFETCH", "TMA_TILE_2D", "TMA_IM2COL_4D"}
                           | {"TMA_TILE_2D_MC", "TMA_IM2COL_4D_MC", "CLUSTER_RANK", "CLUSTER_ID", "NUM_CLUSTERS",
                              "CLUSTER_SYNC", "MBAR_ARRIVE_CLUSTER"})
@@ -435,7 +435,31 @@ def _wgmma_any(args: list[str]) -> str:
     return _asm(text, [f'"+f"({d})' for d in acc], [f'"l"({da})', f'"l"({db})', '"r"(1)'])
 
 
+def _wgmma_rs(args: list[str]) -> str:
+    """WGMMA_RS(type, k, N, scale_d, a0, a1, a2, a3, desc_b, d...): D = (scale_d ? D : 0) + A.B,
+    m64nNk{k}, A from four 32-bit registers a lane (the mma.sync A layout per warp), B K-major in
+    shared memory; f32 accumulators."""
+    typ, k, n, scale, a, db, acc = args[0], int(args[1]), int(args[2]), args[3], args[4:8], args[8], args[9:]
+    if _WGMMA_TYPES.get(typ) != k:
+        raise ValueError(f"WGMMA_RS type {typ!r} with k {k}: expected one of {_WGMMA_TYPES}")
+    if len(acc) != n // 2 or n % 8 or not 8 <= n <= 256:
+        raise ValueError(f"WGMMA_RS m64n{n}k{k} takes {n // 2} accumulators, got {len(acc)}")
+    na = len(acc)
+    regs = ", ".join(f"%{i}" for i in range(na))
+    trans = "" if typ == "tf32" else ", 0"
+    text = (f"{{ .reg .pred p; setp.ne.b32 p, %{na + 5}, 0; wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{typ}.{typ} "
+            f"{{{regs}}}, {{%{na}, %{na + 1}, %{na + 2}, %{na + 3}}}, %{na + 4}, p, 1, 1{trans}; }}")
+    return _asm(text, [f'"+f"({d})' for d in acc], [f'"r"({x})' for x in a] + [f'"l"({db})', f'"r"({scale})'])
+
+
+def _hold(args: list[str]) -> str:
+    """WGMMA_HOLD(r...): the registers live and unchanged up to here (a wgmma may still read them)."""
+    return f'asm volatile("" : {", ".join(f"{chr(34)}+r{chr(34)}({r})" for r in args)} :: "memory")'
+
+
 _TC_TOKENS: dict[str, Callable[[list[str]], str]] = {
+    "WGMMA_RS": _wgmma_rs,
+    "WGMMA_HOLD": _hold,
     "MBAR_INIT": lambda a: _asm("mbarrier.init.shared::cta.b64 [%0], %1;", (), [f'"r"({a[0]})', f'"r"({a[1]})']),
     "MBAR_WAIT": lambda a: f"cf_mbar_wait({a[0]}, {a[1]})",
     "MBAR_ARRIVE": lambda a: _asm("{ .reg .b64 st; mbarrier.arrive.shared::cta.b64 st, [%0]; }", (),

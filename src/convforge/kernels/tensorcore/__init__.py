@@ -17,6 +17,7 @@ The generator (CUTLASS 3's sm90 collectives as a model; each fact in one file):
                their deterministic reduce
     kernel     the composition: roles, barriers, the persistent loop
     variants   registered Variants (implicit GEMM per math mode)
+    stem       stems (3-channel images) with A built in registers from input rows in shared memory
     winograd   non-fused Winograd F(2x2) / F(4x4) whose batched GEMM runs on the generator
     wgrad      wgrad as the forward convolution of a transposed problem (images as channels)
     dgrad      strided dgrad: one forward GEMM per stride phase, stored on the phase's sub-grid of dx
@@ -35,6 +36,7 @@ from __future__ import annotations
 from convforge.kernels.tensorcore import (  # noqa: F401 - importing registers the variants
     mma_staged,
     mma_variants,
+    stem,
     variants,
     wgmma_1x1,
     winograd,
