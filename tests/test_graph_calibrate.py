@@ -242,3 +242,15 @@ def test_run_prints_what_calibration_did_and_the_budget_option(ocl: Any, tmp_pat
     assert res["error_budget"] is None and "calibration" not in res
     rc, out = run_main([*base, "--error-budget", "-1"], capsys)
     assert rc == 2 and "--error-budget (-1.0) must be a finite number > 0" in out
+
+
+def test_one_sign_choices_are_tightened_first():
+    """3xTF32's truncating sums give errors of one sign that add up over a network: its layers come
+    before a larger stated error that averages out (Winograd), each group by error, then FLOPs."""
+    from convforge.calibrate import Candidate, order
+
+    cands = [Candidate("wino", "winograd_nonfused_f4", 3e-6, "implicit_gemm", 5e-7, 10),
+             Candidate("x3a", "tc_implicit_gemm_3xtf32", 1e-6, "gemm1x1", 5e-7, 20),
+             Candidate("x3b", "gemm1x1/tc_implicit_gemm_3xtf32", 1e-6, "gemm1x1", 5e-7, 5),
+             Candidate("w2", "winograd_nonfused_f2", 7e-7, "implicit_gemm", 5e-7, 1)]
+    assert [c.path for c in order(cands)] == ["x3b", "x3a", "wino", "w2"]

@@ -79,10 +79,14 @@ def x3_rank(spec: ConvSpec) -> int | None:
     them back (NIN conv3, GoogLeNet 4b-4d, ResNet-50 res4b), where the exact fallback is slower
     than Winograd was; 3xTF32's 4.7e-7 costs a network's logits more than Winograd's 2-4e-6 (likely,
     not measured: errors of one sign, from the tensor core's truncating sums, add up across layers).
-    Not on 1x1 layers, though 3xTF32 ran 20 of 23 of those with C >= 256, K >= 128 and N*P*Q <= 32768
-    faster than gemm1x1 (NIN cccp4 0.054 against 0.112 ms): its error there, 4.6e-7 against gemm1x1's
-    2-4e-7, made `convforge run`'s calibration tighten 7 of NIN's layers and 22 of GoogLeNet's, and
-    both networks ended slower (NIN 1.567 against 1.406 ms).
+    * 1x1 stride 1 with C >= 256, K >= 256 and N*P*Q <= 32768 (:func:`x3_pointwise`), its sums
+      promoted every stage: 20 of 23 of those with K >= 128 ran faster than gemm1x1 (round 21: NIN
+      cccp4 0.054 against 0.112 ms). Round 21 left them out: promoted every 2 stages (4.6e-7), they
+      made `convforge run`'s calibration tighten 7 of NIN's layers and 22 of GoogLeNet's, both
+      networks slower. Round 31 (H100, `convforge run --batch 32`, calibration's one-sign order):
+      ResNet-50 6.095 -> 5.109 ms (0 layers tightened, error ratio 1.49), NIN 1.404 -> 1.366 (its
+      five such layers tightened back), GoogLeNet 3.258 -> 3.265; with K >= 128 GoogLeNet's search
+      tightened 15 layers and ran 3.523 ms.
 
     Below implicit GEMM on stems of fewer than 8 input channels, padded to 16-byte chunks and
     converted whole before the GEMM (AlexNet conv1 0.978 against 0.749 ms, NIN conv1 0.267 against
@@ -94,9 +98,25 @@ def x3_rank(spec: ConvSpec) -> int | None:
     unit = spec.stride == (1, 1) and spec.dilation == (1, 1)
     if spec.r == spec.s == spec.h == spec.w == 1:
         return FC_RANK if spec.n >= 128 and spec.c >= 4096 else None
+    if x3_pointwise(spec):
+        return X3_LEAD_RANK
     if spec.r == spec.s == 3 and unit and spec.h >= 56 and 64 <= spec.c <= 256 and spec.k >= 128:
         return X3_LEAD_RANK
     return None
+
+
+def x3_pointwise(spec: ConvSpec) -> bool:
+    """A 1x1 stride-1 layer of C >= 256, K >= 128 and N P Q <= 32768, where 3xTF32 ran faster than
+    gemm1x1 (x3_rank) and now goes first, its sums promoted every stage (:func:`x3_promotion`)."""
+    return (spec.r == spec.s == 1 and spec.stride == (1, 1) and not any(spec.pad) and spec.c >= 256
+            and spec.k >= 256 and spec.n * spec.p * spec.q <= 32768)
+
+
+def x3_promotion(spec: ConvSpec, pi: int) -> int:
+    """3xTF32's promotion interval on ``spec``: every stage on :func:`x3_pointwise` layers (ConvNeXt's
+    384 -> 96 linear: 3.0e-7 against 4.4e-7 every 2 stages at 1.23x the time; errors of one sign
+    from the tensor core's truncating sums are what a network's calibration weighs), else ``pi``."""
+    return 1 if pi and x3_pointwise(spec) else pi
 
 
 class TcVariant(Variant):
@@ -233,10 +253,14 @@ class TcImplicitGemm(TcVariant):
         """tiles.pick's tile, its operands brought by TMA where they can be (H100, FP16 and TF32,
         ResNet layers N=32/128, kernel time of the whole plan: equal or faster on every layer
         timed, 1.14-1.27x on 256@14 and 512@7), else by cp.async; in half precision and TF32 with
-        ping-pong consumers where the tile allows them and the tiles cover the SMs (``tiles.pingpong``)."""
+        ping-pong consumers where the tile allows them and the tiles cover the SMs (``tiles.pingpong``);
+        64 x 256 in half precision where A takes a narrow swizzle and K is whole 256s (``tiles.narrow_wide``)."""
         limit, math, prob = self.limit(device), self.math(spec), self.problem(spec)
         cfg = tma.with_tma(tiles.pick(math, prob, device.units, limit), lambda c: self.tma_reason(spec, c))
-        return tiles.pingpong(cfg, math, prob, limit, device.units).params()
+        cfg = dataclasses.replace(cfg, pi=x3_promotion(spec, cfg.pi))
+        cfg = tiles.pingpong(cfg, math, prob, limit, device.units)
+        wide = tiles.narrow_wide(cfg, math, prob, limit)
+        return (cfg if self.tma_reason(spec, wide) else wide).params()
 
     def _ld(self, spec: ConvSpec, cfg: TileConfig) -> int:
         """Row length of the packed filters: the reduction padded to a whole stage."""
@@ -303,7 +327,8 @@ class TcStemGemm(TcImplicitGemm):
         """Half precision: above the plain implicit GEMM (H100, round 28, FP16 channels-last, every step
         timed: AlexNet-style 11x11/4 N128 0.432 against 0.551 ms, 7x7/2 N128 0.497 against 0.545,
         ResNet-50's conv1 N32 0.137 against 0.149, 3x3 N128 0.698 against 0.707). TF32 (not measured:
-        its chunk of 4 channels wastes less, and x' is 4-byte) below it, in the tuner's space."""
+        its chunk of 4 channels wastes less, and x' is 4-byte) below it, in the tuner's space. Both below
+        the direct stems (tensorcore/stem.py) wherever those apply."""
         if device_reason(device) is not None:
             return self.specialised
         return RANK_SM90 + 1 if spec.dtype in HALF_EXPECTED else RANK_SM90 - 4
