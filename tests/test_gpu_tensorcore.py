@@ -392,19 +392,26 @@ def test_tma_through_the_native_fast_path(hopper, monkeypatch):
     assert nat.stats()["entries"] == entries
 
 
-# Stems with the filter columns folded into channels (tensorcore/variants.py TcStemGemm): odd sizes,
-# asymmetric padding, dilation, N=1, C of 1 to 3, 11x11/4, channels-last input; and the real stems.
+# Stems: filter columns folded into channels (tensorcore/variants.py TcStemGemm) and A built from input rows
+# (tensorcore/stem.py TcStemDirect): odd sizes, asymmetric padding, dilation, N=1, C of 1 to 3, 11x11/4,
+# channels-last input; and the real stems.
 STEMS = [ConvSpec.make(2, 3, 19, 17, 8, 7, 7, 2, (3, 2, 3, 1)),
          ConvSpec.make(1, 3, 35, 37, 12, 11, 11, 4, (2, 0, 1, 2)), ConvSpec.make(2, 1, 13, 14, 16, 5, 5, 1, 2, 2),
          ConvSpec.make(3, 2, 23, 21, 70, 3, 5, 1, (1, 1, 2, 2))]
 BIG_STEMS = [ConvSpec.make(128, 3, 227, 227, 64, 7, 7, 2), ConvSpec.make(32, 3, 224, 224, 64, 7, 7, 2, 3),
              ConvSpec.make(16, 3, 224, 224, 64, 3, 3, 1, 1)]
-STEM_DTYPES = {"tc_stem_gemm_half": ("float16", "bfloat16"), "tc_stem_gemm_tf32": ("float32",)}
+STEM_DTYPES = {"tc_stem_gemm_half": ("float16", "bfloat16"), "tc_stem_gemm_tf32": ("float32",),
+               "tc_stem_direct_half": ("float16", "bfloat16"), "tc_stem_direct_tf32": ("float32",)}
+# the direct stems' own cases: sw C odd (the strip's second copy) over two 64-pixel blocks, N=1; 11x11/4 at
+# 96 channels in two channel blocks (their default); a band that does not divide P
+DIRECT_STEMS = [ConvSpec.make(1, 3, 20, 70, 16, 3, 3, 1, 1), ConvSpec.make(2, 3, 67, 61, 96, 11, 11, 4, 2),
+                ConvSpec.make(3, 3, 41, 37, 24, 7, 7, 2, (3, 2, 1, 3))]
 
 
 @pytest.mark.parametrize("name, spec", [(n, _as(s, d)) for n, dts in STEM_DTYPES.items() for d in dts
-                                        for s in STEMS + [_cl(STEMS[3], "float32")]], ids=str)
-def test_stem_fold_against_float64(hopper, name, spec):
+                                        for s in STEMS + DIRECT_STEMS + [_cl(STEMS[3], "float32")]
+                                        + [_cl(s, d) for s in DIRECT_STEMS]], ids=str)
+def test_stems_against_float64(hopper, name, spec):
     """The default and another space point with bias and ReLU, NaN-poisoned outputs against float64."""
     epi = Epilogue(bias=True, relu=True)
     v = get_variant(name)
@@ -424,3 +431,20 @@ def test_big_stems(hopper, name, spec):
         pytest.skip(v.applies(spec, hopper.device))
     res = check_plan(v.plan(spec, v.default(spec, hopper.device), hopper.device), hopper, seed=8, batch_slice=2)
     assert res.ok, f"{name} {spec.short()}: {res}"
+
+
+# 64 x 256 ping-pong tiles where half-precision A takes a narrow swizzle and K is whole 256s (tiles.narrow_wide):
+# MEC cv5's shape at a smaller batch (channels-last and NCHW), and 160 channels (320-byte rows)
+NARROW_WIDE = [ConvSpec.make(24, 96, 24, 24, 256, 5, 5, dtype="float16", layout="nhwc"),
+               ConvSpec.make(16, 96, 27, 27, 256, 5, 5, 1, 2, dtype="bfloat16"),
+               ConvSpec.make(32, 160, 14, 14, 512, 3, 3, 1, 1, dtype="float16", layout="nhwc")]
+
+
+@pytest.mark.parametrize("spec", NARROW_WIDE, ids=str)
+def test_narrow_wide_defaults_against_float64(hopper, spec):
+    v = get_variant("tc_implicit_gemm_half")
+    prm = v.default(spec, hopper.device)
+    assert (prm["bm"], prm["bn"], prm.get("pp")) == (64, 256, 1), prm
+    res = check_plan(v.plan(spec, prm, hopper.device, Epilogue(bias=True, relu=True)), hopper, seed=9,
+                     batch_slice=3)
+    assert res.ok, f"{prm.short()} {spec.short()}: {res}"

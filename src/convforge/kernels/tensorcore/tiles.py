@@ -240,6 +240,21 @@ def pingpong(cfg: TileConfig, math: Math, prob: Problem | None = None, shared_li
     return cfg if units is not None and prob is not None and pp.work(prob) < units else pp
 
 
+def narrow_wide(cfg: TileConfig, math: Math, prob: Problem, shared_limit: int = MAX_SHARED) -> TileConfig:
+    """``cfg`` as 64 x 256 ping-pong tiles of 4 stages where a half-precision default takes ping-pong, A
+    comes in a narrow swizzle (channels that are not whole 128-byte rows: 96, 160) and K is a multiple
+    of 256: one tile then spans every output channel, so each A block's im2col rows cross from L2 once,
+    not twice. H100, round 31, FP16 channels-last against the 128 x 128 ping-pong default: MEC cv5
+    (96 -> 256, 5x5) 0.134 -> 0.100 ms, AlexNet conv2 at N128 0.247 -> 0.167, 96 -> 256 3x3 @28² N64
+    0.050 -> 0.038; 3 stages 0.120 / 0.203 / 0.044, 6 do not fit. The same tile ran 1.8-2.2x slower where
+    K is not a multiple of 256 (Inception's 144 -> 288, 160 -> 320, 288 -> 384 /2) and on every TF32
+    layer timed (docs/results/sweep-narrow-64x256-{fp16,tf32}-2026-11-27-r31-h100.*); else ``cfg``."""
+    if math.esize != 2 or not cfg.pp or cfg.sa == 128 or prob.n % 256:
+        return cfg
+    wide = dataclasses.replace(cfg, bm=64, bn=256, st=4)
+    return cfg if wide.problems(math, prob, shared_limit) else wide
+
+
 def shapes(math: Math, prob: Problem, shared_limit: int = MAX_SHARED) -> list[TileConfig]:
     """The candidate default tiles, unsplit: each block tile of :data:`TILE_EFFICIENCY` (128 wide
     only for more than 64 channels) with as many stages as fit (at most 6, at least 3), one atom of
