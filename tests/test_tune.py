@@ -140,8 +140,9 @@ def test_heuristic_3xtf32_and_1x1_tiles_where_measured() -> None:
     """H100, round 21 (tensorcore/variants.py ``x3_rank``, gemm.py ``pointwise_prefer``): 3xTF32
     first on big 3x3 layers of 64-256 channels (VGG-16 conv3_2), below implicit GEMM on 3-channel
     stems, first on deep 1x1 layers (round 31), at its stated rank elsewhere (NIN conv3 stays
-    Winograd, other 1x1 layers gemm1x1) and in the backward passes; gemm1x1 takes 64x128x16 where 128x128 tiles fill the GPU and K <= 512,
-    32x64x16 where 64x64 tiles give at most 2.5 blocks per SM and K <= 384."""
+    Winograd, other 1x1 layers gemm1x1) and in the backward passes; gemm1x1 takes 64x128x16 where
+    128x128 tiles fill the GPU and K <= 512, 32x64x16 where 64x64 tiles give at most 2.5 blocks per
+    SM and K <= 384."""
     from conftest import NOMINAL_CUDA
 
     def pick(spec: ConvSpec) -> tuple[str, tuple[int, int, int]]:
