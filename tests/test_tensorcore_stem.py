@@ -189,3 +189,16 @@ def test_stems_compile_without_spills(nvcc_ok, text, epi):
     for p in v.space(spec, NOMINAL_CUDA)[:3]:
         for info in ptxas_report(v.plan(spec, p, NOMINAL_CUDA, epi).source("cuda")):
             assert info.spill_stores == 0 and info.spill_loads == 0, (p, info)
+
+
+def test_rank_first_where_bands_share_the_filter_loads():
+    """First on stems of at least 4 output rows (N P) an SM; below the implicit GEMM under that (each
+    block loads the whole filter bank: AlexNet's conv1 at N5 ran slower than the implicit GEMM)."""
+    from convforge.kernels import ranked
+
+    alex5 = _spec("N=5,C=3,H=227,W=227,K=96,R=11,S=11,stride=4")
+    goog5 = _spec("N=5,C=3,H=224,W=224,K=64,R=7,S=7,stride=2,pad=3")
+    assert ranked("auto", alex5, NOMINAL_CUDA, precision="relaxed")[0].name == "tc_implicit_gemm_tf32"
+    assert ranked("auto", goog5, NOMINAL_CUDA, precision="relaxed")[0].name == "tc_stem_direct_tf32"
+    r50 = _spec("N=32,C=3,H=224,W=224,K=64,R=7,S=7,stride=2,pad=3,dtype=fp16")
+    assert ranked("auto", r50, NOMINAL_CUDA)[0].name == "tc_stem_direct_half"

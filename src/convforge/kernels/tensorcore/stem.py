@@ -438,9 +438,15 @@ class TcStemDirect(TcVariant):
     optional_params: dict[str, frozenset[int]] = {}
 
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
-        """Above the folded stem (``tc_stem_gemm_*``) and the implicit GEMM wherever it applies."""
+        """Above the folded stem (``tc_stem_gemm_*``) and the implicit GEMM, except where the layer has
+        fewer output rows (N P) than 4 a SM: each block loads the whole filter bank for a band of
+        rows, and with few rows the bands are short (H100, round 31, TF32: AlexNet's conv1 at N5, 275
+        rows, 0.060 ms against the implicit GEMM's 0.050; GoogLeNet's 7x7/2 conv1 at N5, 560 rows,
+        0.029 against 0.040; every N32-N128 stem faster, docs/BENCHMARKS.md)."""
         if device_reason(device) is not None:
             return self.specialised
+        if spec.n * spec.p < 4 * max(device.units, 1):
+            return RANK_SM90 - 5
         return RANK_SM90 + 2
 
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:

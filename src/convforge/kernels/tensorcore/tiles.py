@@ -184,7 +184,12 @@ TILE_EFFICIENCY = {4: {(128, 64): 0.8, (256, 64): 0.9, (128, 128): 1.0},
 # TF32 since its default takes ping-pong consumers (round 30): 128 x 128 with pp ran 1.15x / 1.16x faster than 128 x 64
 # with pp on 512@7 N96 / N128 (3 waves of 128 x 64 against 2 of 128 x 128), equal on 256@14 N64 and 0.96x on 128@28
 # N32 (H100, docs/results/tiles-wide-tf32-resnet-2026-11-27-r30-h100.json). 3xTF32 keeps the table above.
-TF32_EFFICIENCY = {(128, 64): 0.7, (256, 64): 0.9, (128, 128): 1.0}
+TF32_EFFICIENCY = {(128, 64): 0.7, (256, 64): 0.9, (128, 128): 1.0, (128, 192): 0.95}
+# Round 31: 128 x 192 (shared tiles: its 192 accumulators a tile are too many for one ping-pong consumer; 4 stages, as
+# timed) where it takes one wave and 128 x 128 two: 512@7² N96 0.119 -> 0.101 ms (111 tiles against 148; cuDNN's own
+# pick is a 64 x 192 tile); two waves of it lost everywhere (N128 0.124 -> 0.179; 256@14² N64-128 1.9-2.2x slower),
+# which the wave model prices (docs/results/sweep-tf32-resnet-weak-192-2026-11-27-r31-h100.*).
+MAX_STAGES = {(128, 192): 4}
 
 
 def tile_efficiency(math: Math) -> dict[tuple[int, int], float]:
@@ -262,11 +267,12 @@ def shapes(math: Math, prob: Problem, shared_limit: int = MAX_SHARED) -> list[Ti
     pi = 2 if math.name == "3xtf32" else 0
 
     def stages(bm: int, bn: int) -> int:
-        return max((s for s in range(2, 7) if not TileConfig(bm, bn, 1, s, 2, 1, 1, pi)
+        top = MAX_STAGES.get((bm, bn), 6)
+        return max((s for s in range(2, top + 1) if not TileConfig(bm, bn, 1, s, 2, 1, 1, pi)
                     .problems(math, shared_limit=shared_limit)), default=0)
 
-    return [TileConfig(bm, bn, 1, stages(bm, bn), 2, 1, 1, pi) for bm, bn in TILE_EFFICIENCY[math.esize]
-            if stages(bm, bn) >= 3 and (bn == 64 or prob.n > 64)]
+    return [TileConfig(bm, bn, 1, stages(bm, bn), 2, 1, 1, pi) for bm, bn in tile_efficiency(math)
+            if stages(bm, bn) >= 3 and (bn == 64 or prob.n > 64) and bn <= 2 * max(prob.n, 32)]
 
 
 def efficiency(cfg: TileConfig, math: Math, table: dict[int, dict[tuple[int, int], float]] | None = None) -> float:
