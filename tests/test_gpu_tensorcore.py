@@ -155,7 +155,8 @@ def test_resnet_layers(hopper, name, spec):
 @pytest.mark.parametrize("prm", [Params(bm=128, bn=256, kb=1, st=3, cw=2, ks=1, ps=1),
                                  Params(bm=256, bn=128, kb=1, st=3, cw=2, ks=1, ps=0),
                                  Params(bm=64, bn=64, kb=2, st=4, cw=1, ks=3, ps=1),
-                                 Params(bm=128, bn=96, kb=2, st=3, cw=1, ks=1, ps=1)], ids=lambda p: p.short())
+                                 Params(bm=128, bn=96, kb=2, st=3, cw=1, ks=1, ps=1),
+                                 Params(bm=128, bn=192, kb=1, st=4, cw=2, ks=1, ps=1)], ids=lambda p: p.short())
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_tile_shapes(hopper, prm, dtype):
     spec = _as(ConvSpec.make(3, 96, 19, 17, 200, 3, 3, 1, 1), dtype)
