@@ -455,11 +455,14 @@ def test_pingpong_is_the_default_where_the_tile_allows_it_and_the_tiles_cover_th
 
 
 def test_tf32_prefers_fewer_waves_of_wider_tiles():
-    """TF32's wave model (tiles.TF32_EFFICIENCY, round 30): 512@7 N96 takes 2 waves of 128 x 128 with
-    ping-pong, not 3 of 128 x 64; N32 keeps 128 x 64 (one wave either way); 3xTF32 keeps its table."""
+    """TF32's wave model (tiles.TF32_EFFICIENCY, rounds 30-31): 512@7 N96 takes one wave of 128 x 192
+    shared tiles of 4 stages (round 31), N128 two waves of 128 x 128 with ping-pong, not 3 of 128 x 64;
+    N32 keeps 128 x 64 (one wave either way); 3xTF32 keeps its table."""
     tf32, x3 = get_variant("tc_implicit_gemm_tf32"), get_variant("tc_implicit_gemm_3xtf32")
     n96, n32 = ConvSpec.make(96, 512, 7, 7, 512, 3, 3, 1, 1), ConvSpec.make(32, 512, 7, 7, 512, 3, 3, 1, 1)
     d = TileConfig.of(tf32.default(n96, NOMINAL_CUDA))
+    assert (d.bm, d.bn, d.pp, d.st) == (128, 192, 0, 4)
+    d = TileConfig.of(tf32.default(ConvSpec.make(128, 512, 7, 7, 512, 3, 3, 1, 1), NOMINAL_CUDA))
     assert (d.bm, d.bn, d.pp) == (128, 128, 1)
     assert TileConfig.of(tf32.default(n32, NOMINAL_CUDA)).bn == 64
     assert TileConfig.of(x3.default(n96, NOMINAL_CUDA)).bn == 64

@@ -419,37 +419,36 @@ def _wgmma_call(token: str, args: list[str]) -> str:
 _WGMMA_TYPES = {"tf32": 8, "f16": 16, "bf16": 16}
 
 
+def _wgmma_asm(token: str, typ: str, k: int, n: int, acc: list[str], a: list[str], db: str, scale: str) -> str:
+    """One wgmma.mma_async m64nNk{k} with f32 accumulators ``acc``: A by one descriptor (``a`` of one
+    64-bit value, shared memory; .f16/.bf16 then take two transpose immediates 0) or four 32-bit
+    registers (.f16/.bf16 take B's only), B by descriptor ``db``; D scaled by ``scale`` != 0 (0: D
+    starts at zero). .tf32 has no transpose immediates."""
+    if _WGMMA_TYPES.get(typ) != k:
+        raise ValueError(f"{token} type {typ!r} with k {k}: expected one of {_WGMMA_TYPES}")
+    if len(acc) != n // 2 or n % 8 or not 8 <= n <= 256:
+        raise ValueError(f"{token} m64n{n}k{k} takes {n // 2} accumulators, got {len(acc)}")
+    na, nin = len(acc), len(a)
+    regs = ", ".join(f"%{i}" for i in range(na))
+    a_op = f"%{na}" if nin == 1 else "{" + ", ".join(f"%{na + i}" for i in range(nin)) + "}"
+    trans = "" if typ == "tf32" else (", 0, 0" if nin == 1 else ", 0")
+    text = (f"{{ .reg .pred p; setp.ne.b32 p, %{na + nin + 1}, 0; wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{typ}."
+            f"{typ} {{{regs}}}, {a_op}, %{na + nin}, p, 1, 1{trans}; }}")
+    ins = [f'"l"({a[0]})'] if nin == 1 else [f'"r"({x})' for x in a]
+    return _asm(text, [f'"+f"({d})' for d in acc], ins + [f'"l"({db})', f'"r"({scale})'])
+
+
 def _wgmma_any(args: list[str]) -> str:
     """WGMMA(type, k, N, desc_a, desc_b, d...): D += A.B, m64nNk{k}, f32 accumulators, both operands
     K-major in shared memory (.f16/.bf16 take the transpose immediates 0, .tf32 has none)."""
-    typ, k, n, da, db, acc = args[0], int(args[1]), int(args[2]), args[3], args[4], args[5:]
-    if _WGMMA_TYPES.get(typ) != k:
-        raise ValueError(f"WGMMA type {typ!r} with k {k}: expected one of {_WGMMA_TYPES}")
-    if len(acc) != n // 2 or n % 8 or not 8 <= n <= 256:
-        raise ValueError(f"WGMMA m64n{n}k{k} takes {n // 2} accumulators, got {len(acc)}")
-    na = len(acc)
-    regs = ", ".join(f"%{i}" for i in range(na))
-    trans = "" if typ == "tf32" else ", 0, 0"
-    text = (f"{{ .reg .pred p; setp.ne.b32 p, %{na + 2}, 0; wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{typ}.{typ} "
-            f"{{{regs}}}, %{na}, %{na + 1}, p, 1, 1{trans}; }}")
-    return _asm(text, [f'"+f"({d})' for d in acc], [f'"l"({da})', f'"l"({db})', '"r"(1)'])
+    return _wgmma_asm("WGMMA", args[0], int(args[1]), int(args[2]), args[5:], [args[3]], args[4], "1")
 
 
 def _wgmma_rs(args: list[str]) -> str:
     """WGMMA_RS(type, k, N, scale_d, a0, a1, a2, a3, desc_b, d...): D = (scale_d ? D : 0) + A.B,
     m64nNk{k}, A from four 32-bit registers a lane (the mma.sync A layout per warp), B K-major in
     shared memory; f32 accumulators."""
-    typ, k, n, scale, a, db, acc = args[0], int(args[1]), int(args[2]), args[3], args[4:8], args[8], args[9:]
-    if _WGMMA_TYPES.get(typ) != k:
-        raise ValueError(f"WGMMA_RS type {typ!r} with k {k}: expected one of {_WGMMA_TYPES}")
-    if len(acc) != n // 2 or n % 8 or not 8 <= n <= 256:
-        raise ValueError(f"WGMMA_RS m64n{n}k{k} takes {n // 2} accumulators, got {len(acc)}")
-    na = len(acc)
-    regs = ", ".join(f"%{i}" for i in range(na))
-    trans = "" if typ == "tf32" else ", 0"
-    text = (f"{{ .reg .pred p; setp.ne.b32 p, %{na + 5}, 0; wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{typ}.{typ} "
-            f"{{{regs}}}, {{%{na}, %{na + 1}, %{na + 2}, %{na + 3}}}, %{na + 4}, p, 1, 1{trans}; }}")
-    return _asm(text, [f'"+f"({d})' for d in acc], [f'"r"({x})' for x in a] + [f'"l"({db})', f'"r"({scale})'])
+    return _wgmma_asm("WGMMA_RS", args[0], int(args[1]), int(args[2]), args[9:], args[4:8], args[8], args[3])
 
 
 def _hold(args: list[str]) -> str:
