@@ -106,7 +106,7 @@ def x3_rank(spec: ConvSpec) -> int | None:
 
 
 def x3_pointwise(spec: ConvSpec) -> bool:
-    """A 1x1 stride-1 layer of C >= 256, K >= 128 and N P Q <= 32768, where 3xTF32 ran faster than
+    """A 1x1 stride-1 layer of C >= 256, K >= 256 and N P Q <= 32768, where 3xTF32 ran faster than
     gemm1x1 (x3_rank) and now goes first, its sums promoted every stage (:func:`x3_promotion`)."""
     return (spec.r == spec.s == 1 and spec.stride == (1, 1) and not any(spec.pad) and spec.c >= 256
             and spec.k >= 256 and spec.n * spec.p * spec.q <= 32768)
