@@ -202,3 +202,18 @@ def test_rank_first_where_bands_share_the_filter_loads():
     assert ranked("auto", goog5, NOMINAL_CUDA, precision="relaxed")[0].name == "tc_stem_direct_tf32"
     r50 = _spec("N=32,C=3,H=224,W=224,K=64,R=7,S=7,stride=2,pad=3,dtype=fp16")
     assert ranked("auto", r50, NOMINAL_CUDA)[0].name == "tc_stem_direct_half"
+
+
+def test_stems_suite_is_what_the_direct_stems_serve():
+    """The built-in ``stems`` suite: ten 3-channel first layers, each served by the direct stems in half
+    precision (channels-last) and TF32; ResNet-50's at batch 1 ranked below the implicit GEMM."""
+    from convforge.bench.suites import load_suite
+
+    layers = load_suite("stems")
+    assert len(layers) == 10 and all(la.spec.c == 3 for la in layers)
+    half, tf32 = get_variant("tc_stem_direct_half"), get_variant("tc_stem_direct_tf32")
+    for la in layers:
+        cl = dataclasses.replace(la.spec, dtype="float16", layout="nhwc")
+        assert half.applies(cl, NOMINAL_CUDA) is None and tf32.applies(la.spec, NOMINAL_CUDA) is None, la.name
+    n1 = layers[-1].spec
+    assert n1.n == 1 and tf32.rank(n1, NOMINAL_CUDA) < get_variant("tc_implicit_gemm_tf32").rank(n1, NOMINAL_CUDA)
