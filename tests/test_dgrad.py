@@ -199,12 +199,14 @@ def test_precision_classes_follow_the_forward_variant():
 
 # -- the untuned heuristic -------------------------------------------------------------------------
 @pytest.mark.parametrize("layer, family, first", [
-    ((32, 64, 56, 56, 64, 3, 3, 1, 1), "winograd", "dgrad_winograd_fused_f4"),
-    ((32, 256, 14, 14, 256, 3, 3, 1, 1), "implicit_gemm", "dgrad_tc_implicit_gemm_3xtf32"),  # dgrad_first
-    ((32, 512, 7, 7, 512, 3, 3, 1, 1), "winograd", "dgrad_winograd_nonfused_f4"),
-    ((32, 256, 56, 56, 64, 1, 1, 1, 0), "gemm1x1", "dgrad_gemm1x1"),
-    # the transposed problem 256 -> 1024 is a deep 1x1 forward layer: 3xTF32 first (round 31, x3_pointwise)
-    ((32, 1024, 14, 14, 256, 1, 1, 1, 0), "implicit_gemm", "dgrad_tc_implicit_gemm_3xtf32"),
+    # 3xFP16's dgrad_first (round 32): 3x3 of C, K >= 64 and 1x1 where dx has C >= 256
+    ((32, 64, 56, 56, 64, 3, 3, 1, 1), "implicit_gemm", "dgrad_tc_implicit_gemm_3xf16"),
+    ((32, 256, 14, 14, 256, 3, 3, 1, 1), "implicit_gemm", "dgrad_tc_implicit_gemm_3xf16"),
+    ((32, 512, 7, 7, 512, 3, 3, 1, 1), "implicit_gemm", "dgrad_tc_implicit_gemm_3xf16"),
+    ((32, 256, 56, 56, 64, 1, 1, 1, 0), "implicit_gemm", "dgrad_tc_implicit_gemm_3xf16"),
+    ((32, 64, 56, 56, 256, 1, 1, 1, 0), "gemm1x1", "dgrad_gemm1x1"),  # dx of 64 channels: CUDA cores
+    ((32, 1024, 14, 14, 256, 1, 1, 1, 0), "implicit_gemm", "dgrad_tc_implicit_gemm_3xf16"),
+    ((32, 32, 28, 28, 32, 3, 3, 1, 1), "winograd", "dgrad_winograd_nonfused_f4"),  # 32 channels: below 3xFP16's rule
     ((32, 128, 56, 56, 128, 3, 3, 2, 1), "implicit_gemm", "dgrad_tc_strided_3xtf32"),  # sm_90: 3xTF32 phases
     ((32, 512, 28, 28, 1024, 1, 1, 2, 0), "implicit_gemm", "dgrad_tc_strided_3xtf32"),
     ((1, 3, 224, 224, 64, 7, 7, 2, 3), "direct", "dgrad_direct"),  # C=3: no GEMM tile

@@ -22,7 +22,7 @@ from convforge.reference import rel_l2
 from convforge.spec import ConvSpec
 from helpers import ODD_SPECS
 
-GEMMS = ("tc_implicit_gemm_tf32", "tc_implicit_gemm_3xtf32", "tc_implicit_gemm_half")
+GEMMS = ("tc_implicit_gemm_tf32", "tc_implicit_gemm_3xtf32", "tc_implicit_gemm_half", "tc_implicit_gemm_3xf16")
 WINOGRAD = ("tc_winograd_f2", "tc_winograd_f2_3xtf32", "tc_winograd_f4_3xtf32")
 EXTRA = [ConvSpec.make(2, 70, 9, 9, 36, 3, 3, 1, 1), ConvSpec.make(1, 4, 15, 15, 130, 3, 1, (1, 2), (1, 1, 0, 0)),
          ConvSpec.make(3, 37, 13, 7, 257, 3, 3, 1, (0, 1, 2, 1)), ConvSpec.make(2, 64, 7, 7, 96, 1, 1),
@@ -33,7 +33,7 @@ RESNET = [ConvSpec.make(32, 64, 56, 56, 64, 3, 3, 1, 1), ConvSpec.make(32, 128, 
           ConvSpec.make(32, 256, 14, 14, 256, 3, 3, 1, 1), ConvSpec.make(32, 512, 7, 7, 512, 3, 3, 1, 1),
           ConvSpec.make(32, 1024, 14, 14, 256, 1, 1), ConvSpec.make(32, 3, 224, 224, 64, 7, 7, 2, 3)]
 WGRAD = ("wgrad_tc_implicit_gemm_tf32", "wgrad_tc_implicit_gemm_3xtf32", "wgrad_tc_implicit_gemm_half",
-         "wgrad_tc_gemm1x1_tf32", "wgrad_tc_gemm1x1_half")
+         "wgrad_tc_gemm1x1_tf32", "wgrad_tc_gemm1x1_half", "wgrad_tc_implicit_gemm_3xf16")
 DGRAD = ("dgrad_tc_strided_tf32", "dgrad_tc_strided_3xtf32", "dgrad_tc_strided_half")
 DTYPES = {"tc_implicit_gemm_half": ("float16", "bfloat16"), "tc_winograd_f2": ("float32", "float16", "bfloat16"),
           "wgrad_tc_implicit_gemm_half": ("float16", "bfloat16"), "wgrad_tc_gemm1x1_half": ("float16", "bfloat16"),
@@ -148,8 +148,60 @@ def test_resnet_layers(hopper, name, spec):
         pytest.skip(v.applies(spec, hopper.device))
     res = check_plan(v.plan(spec, v.default(spec, hopper.device), hopper.device), hopper, seed=3, batch_slice=2)
     assert res.ok, f"{name} {spec.short()}: {res}"
-    if "3xtf32" in name:
+    if "3xtf32" in name or "3xf16" in name:
         assert res.rel_err <= 5e-6, f"{name} not FP32-grade on {spec.short()}: {res.rel_err:.2e}"
+
+
+X3H_SCALES = [(1e-30, 1e25), (3e20, 1e-12), (1.0, 0.0), (2.0**-120, 1.0)]
+
+
+@pytest.mark.parametrize("name, spec", [("tc_implicit_gemm_3xf16", ConvSpec.make(2, 70, 9, 9, 36, 3, 3, 1, 1)),
+                                        ("dgrad_tc_implicit_gemm_3xf16", ConvSpec.make(3, 37, 13, 7, 40, 3, 3, 1, 1)),
+                                        ("wgrad_tc_implicit_gemm_3xf16", ConvSpec.make(5, 9, 13, 11, 24, 3, 3, 2, 1))],
+                         ids=str)
+@pytest.mark.parametrize("scales", X3H_SCALES, ids=str)
+def test_3xf16_scales_follow_the_data(hopper, name, spec, scales):
+    """3xFP16 scales each operand by the power of two its maximum gives: operands 1e-30 and 1e25,
+    3e20 and 1e-12, a zero operand, one at 2^-120 (past FP16's range every one) stay FP32-grade
+    (<= 5e-6 against float64, NaN-poisoned output; all zeros exact); a NaN or an infinity in the
+    activation operand reaches the outputs it touches, as in FP32, and no others (the maximum skips
+    them, so the other elements keep their scale)."""
+    v = get_variant(name)
+    spec = spec.with_pass(next(iter(v.passes)))
+    plan = v.plan(spec, v.default(spec, hopper.device), hopper.device)
+    inputs = pass_inputs(spec, np.random.default_rng(11), Epilogue())
+    first, second = [k for k in ("x", "w", "y") if k in inputs and k != spec.output]
+    inputs[first] = inputs[first] * scales[0]
+    inputs[second] = inputs[second] * scales[1]
+    got = _run_poisoned(plan, hopper, inputs)
+    ref = expected(spec, inputs, Epilogue())
+    if not np.abs(ref).max():
+        assert not np.abs(got).max() and not np.isnan(got).any()
+    else:
+        assert rel_l2(got, ref) <= 5e-6, f"{name} {scales}: {rel_l2(got, ref):.2e}"
+    if scales == X3H_SCALES[0]:  # into the activation operand (a filter's NaN meets the padding's zeros)
+        bad_in = "y" if spec.output == "x" else "x"
+        other = second if bad_in == first else first
+        for bad in (np.nan, np.inf):
+            poisoned = dict(inputs)
+            poisoned[bad_in] = inputs[bad_in].copy()
+            poisoned[bad_in].flat[7] = bad
+            out = _run_poisoned(plan, hopper, poisoned)
+            one = np.zeros_like(inputs[bad_in])
+            one.flat[7] = 1.0  # the outputs the element reaches: nonzero with every other operand positive
+            reach = expected(spec, {bad_in: one, other: np.abs(inputs[other]) + 1.0}, Epilogue()) != 0
+            assert np.isfinite(out[~reach]).all() and not np.isfinite(out[reach]).any()
+
+
+def _run_poisoned(plan, be, inputs):
+    """The plan's output on ``inputs`` (float32), written over NaN."""
+    spec = plan.spec
+    bufs = {k: be.upload(to_storage(a, spec.dtype)) for k, a in inputs.items() if k != spec.output}
+    shape = {"y": spec.y_shape, "x": spec.x_shape, "w": spec.w_shape}[spec.output]
+    bufs[spec.output] = be.upload(np.full(shape, np.nan, np.float32))
+    be.executable(plan)(bufs)
+    be.synchronize()
+    return be.download(bufs[spec.output], shape, spec.dtype).astype(np.float64)
 
 
 @pytest.mark.parametrize("prm", [Params(bm=128, bn=256, kb=1, st=3, cw=2, ks=1, ps=1),

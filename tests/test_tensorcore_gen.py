@@ -41,7 +41,7 @@ from convforge.kernels.tensorcore.epilogue import (
     staging_ld,
     swizzled,
 )
-from convforge.kernels.tensorcore.isa import ACC, BF16, F16, MATHS, TF32, X3TF32, math_for
+from convforge.kernels.tensorcore.isa import ACC, BF16, F16, MATHS, TF32, X3F16, X3TF32, math_for
 from convforge.kernels.tensorcore.mainloop import consumer_rows, wgmma_issue
 from convforge.kernels.tensorcore.operands import DenseRows, Geometry, Im2colNhwc
 from convforge.kernels.tensorcore.prep import padded_channels
@@ -156,16 +156,10 @@ def _operands(spec: ConvSpec, math, rng):
     """x (NHWC, padded channels) and w (K x ld) as the prep steps make them, per part, as float64; and
     the reference: the sum over the math's products of conv(x part, w part)."""
     cp = padded_channels(spec.c, math)
-    dt = {"tf32": "float32", "3xtf32": "float32", "f16": "float16", "bf16": "bfloat16"}[math.name]
+    dt = DTYPE_OF[math.name]
     x = rounded(rng.uniform(-1, 1, spec.x_shape).astype(np.float32), dt).astype(np.float64)
     w = rounded(rng.uniform(-1, 1, spec.w_shape).astype(np.float32), dt).astype(np.float64)
-    if math.name in ("tf32", "3xtf32"):  # tf32-valued parts (cvt.rna stand-in: 10 mantissa bits)
-        xs = {"hi": _tf32(x)}
-        ws = {"hi": _tf32(w)}
-        if math.name == "3xtf32":
-            xs["lo"], ws["lo"] = _tf32(x - xs["hi"]), _tf32(w - ws["hi"])
-    else:
-        xs, ws = {"hi": x}, {"hi": w}
+    xs, ws = _parts(x, math), _parts(w, math)
     ref = sum(conv2d_ref(xs[pa], ws[pb], spec) for pa, pb in math.products)
     return xs, ws, ref, cp
 
@@ -376,7 +370,11 @@ CASES = [(ODD[0], TF32, TileConfig(128, 64, 1, 3, 2)),
          # ping-pong (pp=1): each consumer a whole tile, 64 or 128 rows, split-K, NCHW and row-major stores
          (ODD[0], TF32, TileConfig(128, 64, 1, 3, 2, pp=1)),
          (ODD[3], F16, TileConfig(64, 32, 1, 2, 2, ks=3, pp=1)),
-         (_cl(ODD[1]), X3TF32, TileConfig(128, 64, 1, 2, 2, pi=2, pp=1))]
+         (_cl(ODD[1]), X3TF32, TileConfig(128, 64, 1, 2, 2, pi=2, pp=1)),
+         # 3xFP16: two 2-byte parts a stage, split-K, promotion every stage, channels-last
+         (ODD[4], X3F16, TileConfig(128, 64, 1, 2, 2, pi=2)),
+         (ODD[3], X3F16, TileConfig(128, 32, 1, 2, 2, ks=3, pi=1)),
+         (_cl(ODD[1]), X3F16, TileConfig(128, 96, 1, 2, 2, pi=2))]
 
 
 @pytest.mark.parametrize("spec, math, cfg", CASES, ids=lambda v: getattr(v, "name", None) or str(v))
@@ -397,7 +395,10 @@ TMA_CASES = [(ConvSpec.make(2, 64, 13, 11, 96, 3, 3, 2, 1), F16, TileConfig(128,
              (ConvSpec.make(3, 32, 11, 9, 24, 3, 3, 1, 2, 2), TF32, TileConfig(128, 32, 2, 2, 2, ks=2, tm=1)),
              (ConvSpec.make(1, 32, 23, 21, 36, 5, 5, 4, (2, 1, 0, 3)), X3TF32, TileConfig(128, 64, 1, 2, 2, pi=2,
                                                                                           tm=1)),
-             (ConvSpec.make(2, 128, 7, 7, 72, 1, 1, 2), F16, TileConfig(256, 96, 2, 2, 2, tm=1))]
+             (ConvSpec.make(2, 128, 7, 7, 72, 1, 1, 2), F16, TileConfig(256, 96, 2, 2, 2, tm=1)),
+             (ConvSpec.make(1, 64, 23, 21, 36, 5, 5, 4, (2, 1, 0, 3)), X3F16, TileConfig(128, 64, 1, 2, 2, pi=2,
+                                                                                         tm=1)),
+             (ConvSpec.make(2, 64, 13, 11, 96, 3, 3, 2, 1), X3F16, TileConfig(128, 64, 1, 2, 2, pi=2, tm=1, cl=2))]
 
 
 # Clusters of two blocks multicasting A (cl=2): a partial last N tile, split-K, stride 4 with a partial
@@ -516,8 +517,15 @@ def test_tma_corners_walk_exactly_the_output_pixels():
         assert not col[-3:].any()  # past the last image: zeros
 
 
+DTYPE_OF = {"tf32": "float32", "3xtf32": "float32", "3xf16": "float32", "f16": "float16", "bf16": "bfloat16"}
+
+
 def _parts(a, math):
-    """``a`` as the math mode's operand parts (float64; TF32 rounded to nearest, 3xTF32 hi and lo)."""
+    """``a`` as the math mode's operand parts (float64; TF32 rounded to nearest, 3xTF32 hi and lo;
+    3xFP16 hi and lo in float16, unscaled: values in (-1, 1) need no scale to stay normal)."""
+    if math.name == "3xf16":
+        hi = a.astype(np.float16).astype(np.float64)
+        return {"hi": hi, "lo": (a - hi).astype(np.float16).astype(np.float64)}
     if math.name not in ("tf32", "3xtf32"):
         return {"hi": a}
     out = {"hi": _tf32(a)}
@@ -538,9 +546,9 @@ def emulate_wgrad(spec: ConvSpec, math, cfg: TileConfig, seed: int = 0, planar: 
     slice stored through dW's strided K C R S offsets into a slab of its own. Returns (dW, reference,
     writes per element)."""
     family = "gemm1x1" if planar else "implicit_gemm"
-    variant = get_variant({"tf32": f"wgrad_tc_{family}_tf32", "3xtf32": f"wgrad_tc_{family}_3xtf32"}
-                          .get(math.name, f"wgrad_tc_{family}_half"))
-    dt = {"tf32": "float32", "3xtf32": "float32", "f16": "float16", "bf16": "bfloat16"}[math.name]
+    variant = get_variant({"tf32": f"wgrad_tc_{family}_tf32", "3xtf32": f"wgrad_tc_{family}_3xtf32",
+                           "3xf16": f"wgrad_tc_{family}_3xf16"}.get(math.name, f"wgrad_tc_{family}_half"))
+    dt = DTYPE_OF[math.name]
     spec = spec.with_pass("wgrad") if dt == "float32" else ConvSpec.from_dict({**spec.to_dict(), "dtype": dt,
                                                                                "pass": "wgrad"})
     assert variant.applies(spec, NOMINAL_CUDA) is None, variant.applies(spec, NOMINAL_CUDA)
@@ -591,7 +599,11 @@ WGRAD_CASES = [(ODD[0], TF32, TileConfig(128, 32, 1, 2, 2, ks=3)),      # asymme
                (ConvSpec.make(16, 6, 9, 7, 33, 3, 3, 1, (1, 0, 0, 1)), BF16,
                 TileConfig(128, 32, 1, 2, 2, ks=2, tm=1, sa=32)),
                (ConvSpec.make(16, 16, 9, 7, 100, 3, 3, 1, (0, 1, 1, 0)), TF32,
-                TileConfig(128, 32, 1, 2, 2, ks=2, tm=1, cl=2, sa=64))]
+                TileConfig(128, 32, 1, 2, 2, ks=2, tm=1, cl=2, sa=64)),
+               # 3xFP16: cp.async with N = 5 padded to 8; a batch of 32 by TMA in the 64-byte swizzle, split
+               (ODD[0], X3F16, TileConfig(128, 32, 1, 2, 2, ks=3, pi=2)),
+               (ConvSpec.make(32, 9, 7, 9, 40, 3, 3, 2, 1), X3F16, TileConfig(128, 64, 1, 2, 2, ks=2, pi=2, tm=1,
+                                                                               sa=64))]
 
 
 @pytest.mark.parametrize("spec, math, cfg", WGRAD_CASES, ids=lambda v: getattr(v, "name", None) or str(v))
@@ -643,7 +655,7 @@ def emulate_strided_dgrad(spec: ConvSpec, math, cfg: TileConfig, seed: int = 0, 
 
     variant = get_variant({"tf32": "dgrad_tc_strided_tf32", "3xtf32": "dgrad_tc_strided_3xtf32"}
                           .get(math.name, "dgrad_tc_strided_half"))
-    dt = {"tf32": "float32", "3xtf32": "float32", "f16": "float16", "bf16": "bfloat16"}[math.name]
+    dt = DTYPE_OF[math.name]
     spec = ConvSpec.from_dict({**spec.to_dict(), "dtype": dt, "pass": "dgrad"})
     assert variant.applies(spec, NOMINAL_CUDA) is None, variant.applies(spec, NOMINAL_CUDA)
     rng = np.random.default_rng(seed)

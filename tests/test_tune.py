@@ -112,9 +112,12 @@ def test_heuristic_ranks_winograd_by_layer_on_gpus() -> None:
     from conftest import NOMINAL_CUDA
     from convforge.config import config
 
-    def pick(n: int, c: int, hw: int, dev: DeviceInfo = NOMINAL_CUDA) -> str:
+    ampere = dataclasses.replace(NOMINAL_CUDA, cc=(8, 0))  # sm_90 takes 3xFP16 first on these (C = K)
+
+    def pick(n: int, c: int, hw: int, dev: DeviceInfo = ampere) -> str:
         return heuristic_choice(ConvSpec.make(n, c, hw, hw, c, 3, 3, 1, 1), dev)[0].name
 
+    assert pick(32, 256, 14, NOMINAL_CUDA) == pick(32, 64, 56, NOMINAL_CUDA) == "tc_implicit_gemm_3xf16"
     assert pick(32, 256, 14) == pick(128, 512, 7) == "winograd_nonfused_f4"
     assert pick(32, 64, 56) == "winograd_fused_f4"
     assert pick(5, 160, 14) == "winograd_nonfused_f4"
@@ -127,7 +130,8 @@ def test_heuristic_ranks_winograd_by_layer_on_gpus() -> None:
         config.precision = "relaxed"
         # sm_90: the wgmma implicit GEMM (docs/NOTES-tensorcore.md, H100: 1.41-1.48x cuDNN-best TF32 on
         # ResNet N=32 64@56..256@14); before Hopper the Winograd rules below
-        assert pick(32, 256, 14) == pick(32, 64, 56) == pick(128, 512, 7) == "tc_implicit_gemm_tf32"
+        assert (pick(32, 256, 14, NOMINAL_CUDA) == pick(32, 64, 56, NOMINAL_CUDA) == pick(128, 512, 7, NOMINAL_CUDA)
+                == "tc_implicit_gemm_tf32")
         sm80 = dataclasses.replace(NOMINAL_CUDA, cc=(8, 0), name="nominal sm_80")
         assert pick(32, 256, 14, sm80) == pick(32, 64, 56, sm80) == "winograd_nonfused_f7"
         # <= 10x10 outputs at N >= 16: the staged TF32 F(2x2) (H200: 512@7 N32 68.9 us, F(7x7) 88.0)
@@ -149,7 +153,9 @@ def test_heuristic_3xtf32_and_1x1_tiles_where_measured() -> None:
         v, p = heuristic_choice(spec, NOMINAL_CUDA)
         return v.name, (p.bm, p.bn, p.bk) if v.name == "gemm1x1" else ()
 
-    assert pick(ConvSpec.make(32, 256, 56, 56, 256, 3, 3, 1, 1))[0] == "tc_implicit_gemm_3xtf32"
+    assert pick(ConvSpec.make(32, 256, 56, 56, 256, 3, 3, 1, 1))[0] == "tc_implicit_gemm_3xf16"  # round 32
+    assert pick(ConvSpec.make(32, 128, 56, 56, 256, 3, 3, 1, 1))[0] == "tc_implicit_gemm_3xf16"  # 3xTF32's lead
+    assert pick(ConvSpec.make(32, 96, 28, 28, 128, 3, 3, 1, 1))[0].startswith("winograd")  # C < K below 56²
     assert pick(ConvSpec.make(32, 256, 56, 56, 256, 3, 3, 1, 1, conv_pass="dgrad"))[0] != "tc_implicit_gemm_3xtf32"
     assert pick(ConvSpec.make(128, 3, 227, 227, 96, 11, 11, 4, 0))[0] == "implicit_gemm"
     assert pick(ConvSpec.make(32, 256, 13, 13, 384, 3, 3, 1, 1))[0] == "winograd_nonfused_f4"

@@ -80,7 +80,7 @@ class PrefixSearch:
 # layer to layer where others average out. Tightened first, whatever their stated error (H100, round
 # 31, 3xTF32 first on deep 1x1 layers: NIN's error went 3.1e-7 -> 1.21e-6 with 1x1 layers at 3-5e-7
 # each; ordered by stated error alone, GoogLeNet's search tightened 15 layers, Winograd ones first).
-ONE_SIGN = ("3xtf32",)
+ONE_SIGN = ("3xtf32", "3xf16")
 
 
 def one_sign(choice: str) -> bool:

@@ -111,6 +111,9 @@ A kernel body is plain C using these tokens, which each renderer spells its own 
     TC_F16_TO_F32(h) / TC_BF16_TO_F32(h)                  a stored half (unsigned short bits) as a float
     TC_F32_TO_F16(x) / TC_F32_TO_BF16(x)                  x rounded to nearest even, as unsigned short bits
     TC_PACK_F16X2(lo, hi) / TC_PACK_BF16X2(lo, hi)        two rounded halves in one 32-bit word (lo first)
+    TC_X3H_SCALE(m) / TC_X3H_UNSCALE(m)                   3xFP16's power-of-two scale of a tensor whose maximum
+                                                          |element| is m (m scaled lies in [2^14, 2^15); 1 for
+                                                          a non-finite m), and its reciprocal
 
 Half storage (float16 / bfloat16 buffers; arithmetic stays float32 on every back-end; OpenCL needs no
 cl_khr_fp16: float16 is read and written by vload_half / vstore_half_rte, bfloat16 travels as ushort

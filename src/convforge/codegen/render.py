@@ -27,7 +27,7 @@ _TOKEN = re.compile(r"\b(GROUP_ID|LOCAL_ID|GROUP_SIZE|NUM_GROUPS|BARRIER|VLOAD4|
                     r"BAR_SYNC|WGMMA_RS|WGMMA_HOLD|WGMMA|TC_F16_TO_F32|TC_BF16_TO_F32|TC_F32_TO_F16|TC_F32_TO_BF16|TC_PACK_F16X2|"
                     r"TC_PACK_BF16X2|MBAR_INIT_FENCE|MBAR_EXPECT_TX|TMA_PREFETCH|TMA_TILE_2D|TMA_IM2COL_4D|"
                     r"TMA_TILE_2D_MC|TMA_IM2COL_4D_MC|CLUSTER_RANK|CLUSTER_ID|NUM_CLUSTERS|CLUSTER_SYNC|"
-                    r"MBAR_ARRIVE_CLUSTER)\(")
+                    r"MBAR_ARRIVE_CLUSTER|TC_X3H_SCALE|TC_X3H_UNSCALE)\(")
 _WORDS = re.compile(r"\b(SHARED|LOCAL_PTR|GLOBAL_PTR|RESTRICT|DEVICE|U64|I64|HALF_T|BF16_T)\b( ?)")
 
 # -- half storage (float16 / bfloat16 buffers, float32 arithmetic; codegen/dialect.py Storage) -------
@@ -383,7 +383,7 @@ _WGMMA_TOKENS = frozenset({"FENCE_PROXY_ASYNC", "WGMMA_FENCE", "WGMMA_COMMIT", "
                              "TC_BF16_TO_F32", "TC_F32_TO_F16", "TC_F32_TO_BF16", "TC_PACK_F16X2", "TC_PACK_BF16X2"}
                           | {"MBAR_INIT_FENCE", "MBAR_EXPECT_TX", "TMA_PREFETCH", "TMA_TILE_2D", "TMA_IM2COL_4D"}
                           | {"TMA_TILE_2D_MC", "TMA_IM2COL_4D_MC", "CLUSTER_RANK", "CLUSTER_ID", "NUM_CLUSTERS",
-                             "CLUSTER_SYNC", "MBAR_ARRIVE_CLUSTER"})
+                             "CLUSTER_SYNC", "MBAR_ARRIVE_CLUSTER", "TC_X3H_SCALE", "TC_X3H_UNSCALE"})
 
 
 def _asm(text: str, outs: Sequence[str] = (), ins: Sequence[str] = ()) -> str:
@@ -475,6 +475,8 @@ _TC_TOKENS: dict[str, Callable[[list[str]], str]] = {
     "TC_F32_TO_BF16": lambda a: f"cf_f32_bf16({a[0]})",
     "TC_PACK_F16X2": lambda a: f"cf_pack_f16x2({a[0]}, {a[1]})",
     "TC_PACK_BF16X2": lambda a: f"cf_pack_bf16x2({a[0]}, {a[1]})",
+    "TC_X3H_SCALE": lambda a: f"cf_x3h_scale({a[0]}, 0)",
+    "TC_X3H_UNSCALE": lambda a: f"cf_x3h_scale({a[0]}, 1)",
     "MBAR_INIT_FENCE": lambda a: _asm("fence.mbarrier_init.release.cluster;"),
     "MBAR_EXPECT_TX": lambda a: _asm("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;", (),
                                      [f'"r"({a[0]})', f'"r"({a[1]})']),
@@ -560,13 +562,22 @@ __device__ __forceinline__ unsigned cf_pack_f16x2(float lo, float hi)
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }
+// 3xFP16's power-of-two scale from a tensor's maximum |a| (m >= 0): 2^(14 - E) for m in [2^E, 2^(E+1)),
+// so m times it lies in [2^14, 2^15); at most 2^126; 1 for a non-finite m; ``inverse``: its reciprocal.
+__device__ __forceinline__ float cf_x3h_scale(float m, int inverse)
+{
+    const int e = (__float_as_int(m) >> 23) & 255;
+    const int b = e == 255 ? 127 : min(268 - e, 253);
+    return __int_as_float((inverse ? 254 - b : b) << 23);
+}
 __device__ __forceinline__ unsigned cf_pack_bf16x2(float lo, float hi)
 {
     unsigned r;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }"""
-_TC_HEAD = re.compile(r"\b(MBAR_WAIT|TC_F16_TO_F32|TC_F32_TO_F16|TC_F32_TO_BF16|TC_PACK_F16X2|TC_PACK_BF16X2)\(")
+_TC_HEAD = re.compile(r"\b(MBAR_WAIT|TC_F16_TO_F32|TC_F32_TO_F16|TC_F32_TO_BF16|TC_PACK_F16X2|TC_PACK_BF16X2|"
+                      r"TC_X3H_SCALE|TC_X3H_UNSCALE)\(")
 
 
 # The staged tensor-core GEMM's primitives (sm_80+), on 32-bit shared addresses (SMEM_U32):

@@ -15,6 +15,12 @@ Facts encoded here, once (tests/test_tensorcore_gen.py checks each against the P
   them first (cvt.rna: nearest, ties away, as cuDNN does) halves the error of truncation.
 * 3xTF32 (FP32-grade on tensor cores): a = hi + lo with hi = tf32(a), lo = tf32(a - hi); a.b ~
   lo.hi + hi.lo + hi.hi (the dropped lo.lo and lo's rounding are ~2^-22 relative).
+* 3xFP16 (FP32-grade at twice 3xTF32's rate): the same split into FP16 parts of a tensor scaled by a
+  power of two, 2^e with max |a| 2^e in [2^14, 2^15) (the prep's maximum step), so that hi keeps 11
+  bits of every element the tensor's range leaves in FP16's normal range and lo the next 11; the
+  epilogue multiplies the sums by 2^-(ea + eb). Its representation error equals 3xTF32's (NumPy model:
+  7.5e-8 both, 4.6k- to 20k-term sums); an element 2^24 below the tensor's maximum keeps fewer bits
+  of lo, an absolute error of 2^-39 of the maximum.
 """
 
 from __future__ import annotations
@@ -44,6 +50,17 @@ class Math:
     products: tuple[tuple[str, str], ...]
     ctype: str  # C type of an operand element in global and shared memory
 
+    @property
+    def split(self) -> bool:
+        """Operands stored as hi and lo parts (3xTF32, 3xFP16): FP32-grade, sums promoted to FP32."""
+        return len(self.parts) > 1
+
+    @property
+    def scaled(self) -> bool:
+        """Operands scaled by a power of two per tensor before the split (3xFP16): each prep step
+        reads the tensor's maximum and writes the inverse scale the GEMM's epilogue applies."""
+        return self.split and self.esize == 2
+
     def __post_init__(self) -> None:
         if self.ptx not in ("tf32", "f16", "bf16"):
             raise ValueError(f"wgmma operand type {self.ptx!r} is not modelled")
@@ -72,14 +89,16 @@ TF32 = Math("tf32", "tf32", 4, 8, ("hi",), (("hi", "hi"),), "float")
 X3TF32 = Math("3xtf32", "tf32", 4, 8, ("hi", "lo"), (("lo", "hi"), ("hi", "lo"), ("hi", "hi")), "float")
 F16 = Math("f16", "f16", 2, 16, ("hi",), (("hi", "hi"),), "unsigned short")
 BF16 = Math("bf16", "bf16", 2, 16, ("hi",), (("hi", "hi"),), "unsigned short")
-MATHS = {m.name: m for m in (TF32, X3TF32, F16, BF16)}
+X3F16 = Math("3xf16", "f16", 2, 16, ("hi", "lo"), (("lo", "hi"), ("hi", "lo"), ("hi", "hi")), "unsigned short")
+MATHS = {m.name: m for m in (TF32, X3TF32, F16, BF16, X3F16)}
 HALF_MATH = {"float16": F16, "bfloat16": BF16}
 
 
-def math_for(dtype: str, x3: bool = False) -> Math:
-    """The math mode of a storage dtype: float32 -> TF32 (3xTF32 when ``x3``), halves -> their own."""
+def math_for(dtype: str, x3: bool = False, half: bool = False) -> Math:
+    """The math mode of a storage dtype: float32 -> TF32 (3xTF32 when ``x3``, 3xFP16 when ``x3`` and
+    ``half``), halves -> their own."""
     if dtype == "float32":
-        return X3TF32 if x3 else TF32
+        return (X3F16 if half else X3TF32) if x3 else TF32
     if x3:
         raise ValueError(f"3xTF32 is a float32 math mode, not one of {dtype}")
     try:

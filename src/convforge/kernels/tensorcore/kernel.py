@@ -71,7 +71,9 @@ def _operand_args(cfg: TileConfig, math: Math, job: Job, tag: str) -> tuple[Arg,
     names the same buffers: :func:`launch_refs`)."""
     if not cfg.tm:
         return job.ops[0].args() + job.ops[1].args()
-    return tuple(tma.tensor_map(op, part, tma.box_rows(op, job.ops, cfg), tag) for op in job.ops for part in math.parts)
+    return tuple(arg for op in job.ops for arg in
+                 tuple(tma.tensor_map(op, part, tma.box_rows(op, job.ops, cfg), tag) for part in math.parts)
+                 + op.scale_args())
 
 
 def launch_refs(kernel: Kernel) -> tuple[str, ...]:

@@ -238,7 +238,7 @@ def emit_consumer(code: Code, ring: Ring, jobs: list[Job]) -> None:
     K range, release the stages, then store through the epilogue (each job through its own Output)."""
     _consumer_state(code, ring)
     for job, head in zip(jobs, schedule.job_heads(ring.cfg, [j.prob for j in jobs]), strict=True):
-        _consumer_tiles(code, ring, job.prob, job.out, head)
+        _consumer_tiles(code, ring, job.prob, job.out, head, job.ops)
 
 
 def _consumer_state(code: Code, ring: Ring) -> None:
@@ -260,7 +260,8 @@ def _consumer_state(code: Code, ring: Ring) -> None:
         code("int lt = 0, turn = 0;  // the block's tiles so far (consumer c takes lt % 2 == c); its own")
 
 
-def _consumer_tiles(code: Code, ring: Ring, prob: Problem, out: Output, head: str) -> None:
+def _consumer_tiles(code: Code, ring: Ring, prob: Problem, out: Output, head: str,
+                    ops: list[Operand] | None = None) -> None:
     cfg, math = ring.cfg, ring.math
     acc = acc_names(cfg)
     tied = ", ".join(acc)
@@ -299,9 +300,20 @@ def _consumer_tiles(code: Code, ring: Ring, prob: Problem, out: Output, head: st
         code(f"WGMMA_WAIT(0, {tied});", ring.release("pstage"))
         if cfg.pi:
             _promote(code, cfg, tied, wait=False)
+        if math.scaled:
+            _unscale(code, cfg, ops or [], "f" if cfg.pi else "d")
         rows = "ra0" if cfg.pp else f"(ra0 + c * {64 * cfg.wm})"
         epilogue.emit_consumer_epilogue(code, out, cfg.wm, cfg.bn, "est", "(1 + c)", rows, "rb0", "zs",
                                         "f" if cfg.pi else "d")
+
+
+def _unscale(code: Code, cfg: TileConfig, ops: list[Operand], prefix: str) -> None:
+    """Scaled operands (3xFP16): the sums times both operands' inverse scales (powers of two: exact)."""
+    scales = [arg.name for op in ops for arg in op.scale_args()]
+    if len(scales) != 2:
+        raise ValueError(f"a scaled GEMM needs the inverse scale of both operands, got {scales}")
+    code(f"const float osc = {scales[0]}[0] * {scales[1]}[0];  // 2^-(ea + eb): the operands' scales undone",
+         *(f"{d} *= osc;" for d in acc_names(cfg, prefix)))
 
 
 def _promote(code: Code, cfg: TileConfig, tied: str, wait: bool = True) -> None:

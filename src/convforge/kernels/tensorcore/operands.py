@@ -65,6 +65,8 @@ class Operand(Protocol):
 
     def args(self) -> tuple[Buf, ...]: ...
 
+    def scale_args(self) -> tuple[Buf, ...]: ...
+
     def thread_lets(self) -> list[Let]: ...
 
     def tile_lets(self) -> list[Let]: ...
@@ -99,7 +101,11 @@ class _Rows:
         return self.buf if part == "hi" else f"{self.buf}_{part}"
 
     def args(self) -> tuple[Buf, ...]:
-        return tuple(Buf(self.buffer(p), self.math.ctype) for p in self.math.parts)
+        """The parts' buffers, then (a scaled math mode) the inverse scale the prep step wrote."""
+        return tuple(Buf(self.buffer(p), self.math.ctype) for p in self.math.parts) + self.scale_args()
+
+    def scale_args(self) -> tuple[Buf, ...]:
+        return (Buf(f"{self.buf}_s", "float"),) if self.math.scaled else ()
 
     def thread_lets(self) -> list[Let]:
         if self.tile.width != 128:

@@ -15,6 +15,10 @@
   stride (sh, 1), that computes the layer.
 * :func:`rounded_parts`: the statements that store one float as the math mode's parts (shared by
   the Winograd transforms).
+* :func:`amax` (3xFP16 only): the maximum |element| of a source tensor as 128 block maxima
+  (``{dst}_m``); each step that splits the tensor reduces them in every warp (:func:`scale_lets`),
+  scales by the power of two they give, and block 0 writes the inverse (``{dst}_s``) that the GEMM's
+  epilogue multiplies its sums by.
 """
 
 from __future__ import annotations
@@ -23,9 +27,12 @@ from convforge.codegen.dialect import Buf, Dim3, Kernel
 from convforge.codegen.meta import Code, cdiv
 from convforge.kernels.tensorcore.epilogue import CTYPE
 from convforge.kernels.tensorcore.isa import Math
+from convforge.plan import Launch
 from convforge.spec import ConvSpec
 
 _ELT = 256
+AMAX_BLOCKS = 128  # block maxima of the 3xFP16 maximum step (4 a lane of a warp's reduction)
+_AMAX_THREADS = 512
 
 
 def padded_channels(c: int, math: Math) -> int:
@@ -33,16 +40,101 @@ def padded_channels(c: int, math: Math) -> int:
     return cdiv(c, math.chunk_elems) * math.chunk_elems
 
 
-def part_buffers(name: str, math: Math) -> tuple[Buf, ...]:
+def data_buffers(name: str, math: Math) -> tuple[Buf, ...]:
+    """The buffers of an operand's parts: ``name`` (hi), ``name_lo``."""
     return tuple(Buf(name if p == "hi" else f"{name}_{p}", math.ctype, readonly=False) for p in math.parts)
+
+
+def part_buffers(name: str, math: Math) -> tuple[Buf, ...]:
+    """What a step that writes operand ``name`` takes after its source: the parts' buffers and, for a
+    scaled math mode, the block maxima it reads and the inverse scale it writes."""
+    if not math.scaled:
+        return data_buffers(name, math)
+    return data_buffers(name, math) + (Buf(f"{name}_m", "float"), Buf(f"{name}_s", "float", readonly=False))
+
+
+def features(math: Math) -> frozenset[str]:
+    """The dialect features of a step that writes ``math``'s operands (a scaled one's warp reduction
+    shuffles)."""
+    return frozenset({"mma_tf32", "wgmma", "shuffle"} if math.scaled else {"mma_tf32", "wgmma"})
+
+
+def scale_workspace(name: str, math: Math) -> tuple[tuple[str, int], ...]:
+    """The workspace of a scaled operand's maximum and inverse scale (none for other math modes)."""
+    return ((f"{name}_m", 4 * AMAX_BLOCKS), (f"{name}_s", 4)) if math.scaled else ()
+
+
+def scale_lets(math: Math, dst: str) -> list[str]:
+    """The start of a step that writes scaled operand ``dst`` (every thread, before any exit): every
+    warp reduces the block maxima to the tensor's maximum, ``sc_{dst}`` its scale; the first thread
+    of block 0 writes the inverse. Nothing for other math modes."""
+    if not math.scaled:
+        return []
+    ln = "(LOCAL_ID(0) + LOCAL_ID(1) * GROUP_SIZE(0)) & 31"
+    return [f"float sc_{dst};",
+            "{",
+            f"const int ln_ = {ln};",
+            f"float m_ = {dst}_m[ln_];",
+            *(f"m_ = MAX(m_, {dst}_m[ln_ + {32 * i}]);" for i in range(1, AMAX_BLOCKS // 32)),
+            "for (int o_ = 16; o_ > 0; o_ >>= 1) m_ = MAX(m_, SHFL(m_, ln_ ^ o_));",
+            f"sc_{dst} = TC_X3H_SCALE(m_);",
+            "if (GROUP_ID(0) + GROUP_ID(1) + GROUP_ID(2) + LOCAL_ID(0) + LOCAL_ID(1) == 0) "
+            f"{dst}_s[0] = TC_X3H_UNSCALE(m_);",
+            "}"]
+
+
+def amax(name: str, src: str, total: int, dtype: str, dst: str) -> tuple[Kernel, Dim3]:
+    """``{dst}_m[b]`` = the largest |element| block b of :data:`AMAX_BLOCKS` sees of the ``total``
+    elements of ``src`` (a grid-stride read, 4 loads in flight a thread). NaN and infinite elements
+    are skipped: they reach the products through hi as they are, and the others keep their scale."""
+    stride = AMAX_BLOCKS * _AMAX_THREADS
+    code = Code()
+    code(f"SHARED float wmax[{_AMAX_THREADS // 32}];",
+         f"int i = GROUP_ID(0) * {_AMAX_THREADS} + LOCAL_ID(0);",
+         "float m0 = 0.0f, m1 = 0.0f, m2 = 0.0f, m3 = 0.0f;")
+    with code.block(f"for (; i + {3 * stride} < {total}; i += {4 * stride})"):
+        code(*(f"m{j} = MAX(m{j}, {_finite_abs(f'{src}[i + {j * stride}]')});" for j in range(4)))
+    code(f"for (; i < {total}; i += {stride}) m0 = MAX(m0, {_finite_abs(f'{src}[i]')});",
+         "m0 = MAX(MAX(m0, m1), MAX(m2, m3));",
+         "for (int o = 16; o > 0; o >>= 1) m0 = MAX(m0, SHFL(m0, (LOCAL_ID(0) & 31) ^ o));",
+         "if ((LOCAL_ID(0) & 31) == 0) wmax[LOCAL_ID(0) >> 5] = m0;",
+         "BARRIER();")
+    with code.block("if (LOCAL_ID(0) == 0)"):
+        code("float r = wmax[0];",
+             f"for (int j = 1; j < {_AMAX_THREADS // 32}; ++j) r = MAX(r, wmax[j]);",
+             f"{dst}_m[GROUP_ID(0)] = r;")
+    kern = Kernel(name, (Buf(src, CTYPE[dtype]), Buf(f"{dst}_m", "float", readonly=False)), code.text(),
+                  (_AMAX_THREADS, 1, 1), frozenset({"wgmma", "shuffle"}),
+                  comment=f"3xFP16: the maximum |{src}| of {total} elements as {AMAX_BLOCKS} block maxima")
+    return kern, (AMAX_BLOCKS, 1, 1)
+
+
+def launches(math: Math, kern: Kernel, grid: Dim3, src: str, dst: str, total: int,
+             dtype: str) -> list[tuple[Kernel, Launch]]:
+    """The launch of step ``kern`` (``src`` -> operand ``dst``), after, for a scaled math mode, the
+    maximum step over the ``total`` elements of ``src``."""
+    out = []
+    if math.scaled:
+        ak, agrid = amax(f"tc_amax_{dst}", src, total, dtype, dst)
+        out.append((ak, Launch(ak.name, agrid, ak.block, (src, f"{dst}_m"))))
+    return out + [(kern, Launch(kern.name, grid, kern.block, (src,) + tuple(b.name for b in part_buffers(dst, math))))]
+
+
+def _finite_abs(value: str) -> str:
+    """|value| where it is finite, else 0 (NaN fails the comparison)."""
+    return f"(fabsf({value}) <= 3.402823466e38f ? fabsf({value}) : 0.0f)"
 
 
 def rounded_parts(math: Math, dst: str, index: str, value: str) -> list[str]:
     """Store float ``value`` at ``dst[index]`` (and ``dst_lo``) as ``math`` wants it: TF32-rounded, split
-    into hi and lo, or rounded to the half type."""
+    into hi and lo (3xFP16: of the value scaled by ``sc_{dst}``, :func:`scale_lets`), or rounded to the
+    half type."""
     if math.name == "tf32":
         return [f"{dst}[{index}] = CVT_TF32({value});"]
-    if math.name == "3xtf32":
+    if math.scaled:
+        return ["{", f"const float v_ = ({value}) * sc_{dst};", "const unsigned short hi_ = TC_F32_TO_F16(v_);",
+                f"{dst}[{index}] = hi_;", f"{dst}_lo[{index}] = TC_F32_TO_F16(v_ - TC_F16_TO_F32(hi_));", "}"]
+    if math.split:
         return ["{", f"const float hi_ = CVT_TF32({value});", f"{dst}[{index}] = hi_;",
                 f"{dst}_lo[{index}] = CVT_TF32(({value}) - hi_);", "}"]
     conv = "TC_F32_TO_F16" if math.name == "f16" else "TC_F32_TO_BF16"
@@ -58,12 +150,12 @@ def zero_tail(code: Code, math: Math, dst: str, row: str, first: str, ld: int, s
     """Zeros in row ``row`` (of ``ld`` elements) of every part of ``dst`` from ``first`` on, every
     ``step``-th element: the packing steps' padding past the taps up to a whole stage."""
     with code.block(f"for (int j = {first}; j < {ld}; j += {step})"):
-        code(*(f"{b.name}[{row} * {ld} + j] = {zero(math)};" for b in part_buffers(dst, math)))
+        code(*(f"{b.name}[{row} * {ld} + j] = {zero(math)};" for b in data_buffers(dst, math)))
 
 
 def store_parts(math: Math, dtype: str, dst: str, index: str, value: str) -> list[str]:
     """As :func:`rounded_parts` for a value already in storage dtype ``dtype``: halves copy their bits."""
-    if math.esize == 2:
+    if dtype != "float32":
         return [f"{dst}[{index}] = {value};"]
     return rounded_parts(math, dst, index, value)
 
@@ -83,6 +175,7 @@ def planes_to_rows(name: str, src: str, at: str, count: int, chans: int, plane: 
     p and writes along ci both coalesced), stored in the math mode's parts."""
     st = CTYPE[dtype]
     code = Code()
+    code(*scale_lets(math, dst))
     code(f"SHARED {st} tile[32 * 33];",
          "const int tx = LOCAL_ID(0), ty = LOCAL_ID(1), n = GROUP_ID(2);",
          "const int p0 = GROUP_ID(0) * 32, c0 = GROUP_ID(1) * 32;")
@@ -97,7 +190,7 @@ def planes_to_rows(name: str, src: str, at: str, count: int, chans: int, plane: 
                 code(*store_parts(math, dtype, dst, f"(n * {plane} + p) * {cp} + ci",
                                    f"tile[tx * 33 + ty + {8 * j}]"))
     kern = Kernel(name, (Buf(src, st),) + part_buffers(dst, math), code.text(), (32, 8, 1),
-                  frozenset({"mma_tf32", "wgmma"}), comment=comment)
+                  features(math), comment=comment)
     return kern, (cdiv(plane, 32), cdiv(cp, 32), count)
 
 
@@ -107,12 +200,13 @@ def x_from_nhwc(spec: ConvSpec, math: Math, cp: int, dst: str = "xh") -> tuple[K
     c, total = spec.c, spec.n * spec.h * spec.w * cp
     zero_ = zero(math)
     code = Code()
+    code(*scale_lets(math, dst))
     code(f"const int e = GROUP_ID(0) * {_ELT} + LOCAL_ID(0);")
     with code.block(f"if (e < {total})"):
         code(f"const int pix = e / {cp}, ci = e - pix * {cp};")
         code(*store_parts(math, spec.dtype, dst, "e", f"(ci < {c} ? x[pix * {c} + ci] : {zero_})"))
     kern = Kernel("tc_x_from_nhwc", (Buf("x", CTYPE[spec.dtype]),) + part_buffers(dst, math), code.text(),
-                  (_ELT, 1, 1), frozenset({"mma_tf32", "wgmma"}),
+                  (_ELT, 1, 1), features(math),
                   comment=f"x NHWC ({c} channels) -> NHWC ({cp} channels) as {math.name} operands")
     return kern, (cdiv(total, _ELT), 1, 1)
 
@@ -123,7 +217,7 @@ def reads_in_place(spec: ConvSpec, math: Math) -> bool:
     x truncated, not rounded; the filters are still rounded to nearest, so the error stays about
     cuDNN's TF32 error, and the per-element pass that would cost more than the GEMM on linear layers
     is skipped). 3xTF32 splits x into hi and lo first."""
-    return spec.layout == "nhwc" and math.name != "3xtf32" and padded_channels(spec.c, math) == spec.c
+    return spec.layout == "nhwc" and not math.split and padded_channels(spec.c, math) == spec.c
 
 
 def w_krsc(spec: ConvSpec, math: Math, cp: int, ld: int, dst: str = "wt") -> tuple[Kernel, Dim3]:
@@ -134,6 +228,7 @@ def w_krsc(spec: ConvSpec, math: Math, cp: int, ld: int, dst: str = "wt") -> tup
     rs, c, total, tail = spec.r * spec.s, spec.c, spec.k * cp, ld - spec.r * spec.s * cp
     zero_ = zero(math)
     code = Code()
+    code(*scale_lets(math, dst))
     code(f"const int e = GROUP_ID(0) * {_ELT} + LOCAL_ID(0);")
     with code.block(f"if (e < {total})"):
         code(f"const int k = e / {cp}, ci = e - k * {cp};",
@@ -146,7 +241,7 @@ def w_krsc(spec: ConvSpec, math: Math, cp: int, ld: int, dst: str = "wt") -> tup
         if tail:
             zero_tail(code, math, dst, "k", f"{rs * cp} + ci", ld, cp)
     kern = Kernel("tc_w_krsc", (Buf("w", CTYPE[spec.dtype]),) + part_buffers(dst, math), code.text(),
-                  (_ELT, 1, 1), frozenset({"mma_tf32", "wgmma"}),
+                  (_ELT, 1, 1), features(math),
                   comment=f"filters K C R S -> K x (R S {cp}) padded to {ld}, as {math.name} operands")
     return kern, (cdiv(total, _ELT), 1, 1)
 
@@ -172,6 +267,8 @@ def fold_source(spec: ConvSpec, cp: int) -> tuple[list[tuple[str, str]], str, st
 def x_fold(spec: ConvSpec, math: Math, cp: int, dst: str = "xh") -> tuple[Kernel, Dim3]:
     """The stem's activation step (module docstring): one thread per element of x', channels fastest
     (writes coalesced; the reads of a warp fall in a few lines of S C values)."""
+    if math.scaled:
+        raise ValueError(f"{math.name}: the stem's folding steps do not scale their operands")
     total = spec.n * spec.h * spec.q * cp
     lets, ok, at = fold_source(spec, cp)
     code = Code()
@@ -181,7 +278,7 @@ def x_fold(spec: ConvSpec, math: Math, cp: int, dst: str = "xh") -> tuple[Kernel
         code(f"const bool ok = {ok};")
         code(*store_parts(math, spec.dtype, dst, "e", f"(ok ? x[{at}] : {zero(math)})"))
     kern = Kernel("tc_x_fold", (Buf("x", CTYPE[spec.dtype]),) + part_buffers(dst, math), code.text(),
-                  (_ELT, 1, 1), frozenset({"mma_tf32", "wgmma"}),
+                  (_ELT, 1, 1), features(math),
                   comment=f"x {spec.layout.upper()} -> [N][H][Q][{cp}]: the {spec.s} filter columns folded into "
                           f"channels, as {math.name} operands")
     return kern, (cdiv(total, _ELT), 1, 1)
@@ -201,6 +298,8 @@ def wfold_source(spec: ConvSpec, cp: int, ld: int) -> list[tuple[str, str]]:
 def w_fold(spec: ConvSpec, math: Math, cp: int, ld: int, dst: str = "wt") -> tuple[Kernel, Dim3]:
     """The stem's filter step: one thread per (k, cj) of the folded channels cj = s C + c, writing its R
     taps R rows of ``cp`` apart (K x ld, the row's tail past R cp zero)."""
+    if math.scaled:
+        raise ValueError(f"{math.name}: the stem's folding steps do not scale their operands")
     r, s_, total, tail = spec.r, spec.s, spec.k * cp, ld - spec.r * cp
     code = Code()
     code(f"const int e = GROUP_ID(0) * {_ELT} + LOCAL_ID(0);")
@@ -213,7 +312,7 @@ def w_fold(spec: ConvSpec, math: Math, cp: int, ld: int, dst: str = "wt") -> tup
         if tail:
             zero_tail(code, math, dst, "k", f"{r * cp} + cj", ld, cp)
     kern = Kernel("tc_w_fold", (Buf("w", CTYPE[spec.dtype]),) + part_buffers(dst, math), code.text(),
-                  (_ELT, 1, 1), frozenset({"mma_tf32", "wgmma"}),
+                  (_ELT, 1, 1), features(math),
                   comment=f"filters K C R S -> K x (R {cp}) padded to {ld}, the S columns folded into channels, "
                           f"as {math.name} operands")
     return kern, (cdiv(total, _ELT), 1, 1)

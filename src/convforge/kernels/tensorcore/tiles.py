@@ -122,7 +122,7 @@ class TileConfig:
             out.append(f"st ({self.st}) must be 2..8 stages")
         if self.acc * (2 if self.pi else 1) > ACC_LIMIT + (32 if self.pi else 0):
             out.append(f"{self.acc} accumulators per thread (bm {self.bm}, bn {self.bn}) exceed {ACC_LIMIT}")
-        if self.pi and math.name != "3xtf32":
+        if self.pi and not math.split:
             out.append("pi (promotion) is a 3xTF32 setting")
         if self.pi < 0 or self.ks < 1 or self.ps not in (0, 1) or self.tm not in (0, 1):
             out.append("pi >= 0, ks >= 1, ps 0 or 1, tm 0 or 1")
@@ -237,7 +237,7 @@ def pingpong(cfg: TileConfig, math: Math, prob: Problem | None = None, shared_li
     0.0271); TF32 0.98-1.19x where tiles >= SMs (ResNet 12 layers 1.036x), 0.92-1.06x below (the 8x8
     Inception layers lose 4-8 %). 3xTF32 keeps shared tiles: 0.95-1.16x on the ResNet suite, no rule
     found."""
-    if math.name == "3xtf32" or cfg.pp or not cfg.tm:
+    if math.split or cfg.pp or not cfg.tm:
         return cfg
     pp = dataclasses.replace(cfg, pp=1)
     if pp.problems(math, prob, shared_limit):
@@ -264,7 +264,7 @@ def shapes(math: Math, prob: Problem, shared_limit: int = MAX_SHARED) -> list[Ti
     """The candidate default tiles, unsplit: each block tile of :data:`TILE_EFFICIENCY` (128 wide
     only for more than 64 channels) with as many stages as fit (at most 6, at least 3), one atom of
     K per stage, 2 consumers, persistent, 3xTF32 promoted every 2 stages."""
-    pi = 2 if math.name == "3xtf32" else 0
+    pi = 2 if math.split else 0
 
     def stages(bm: int, bn: int) -> int:
         top = MAX_STAGES.get((bm, bn), 6)
@@ -289,7 +289,7 @@ def space(math: Math, prob: Problem, units: int, shared_limit: int = MAX_SHARED)
     grids, deeper pipelines, one atom per stage, 2 consumers; shapes by the wave model)."""
     first = pick(math, prob, units, shared_limit)
     splits = sorted({1, first.ks})
-    pis = (2, 4, 1) if math.name == "3xtf32" else (0,)
+    pis = (2, 4, 1) if math.split else (0,)
     out = []
     for bn, bm, cw, kb, st, ks, ps, pi in itertools.product(BN_CHOICES, (128, 256, 64), (2, 1), (1, 2),
                                                             (6, 5, 4, 3), splits, (1, 0), pis):

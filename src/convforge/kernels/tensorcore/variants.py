@@ -50,13 +50,13 @@ RANK_SM90 = 13  # above every mma.sync / CUDA-core variant where it applies on a
 def expected(math: Math, dtype: str) -> float:
     if dtype in HALF_EXPECTED:
         return HALF_EXPECTED[dtype]
-    return X3_EXPECTED if math.name == "3xtf32" else TF32_EXPECTED
+    return X3_EXPECTED if math.split else TF32_EXPECTED
 
 
 def tolerance(math: Math, dtype: str) -> float:
     if dtype in HALF_TOLERANCE:
         return HALF_TOLERANCE[dtype]
-    return X3_TOLERANCE if math.name == "3xtf32" else TF32_TOLERANCE
+    return X3_TOLERANCE if math.split else TF32_TOLERANCE
 
 
 FC_RANK = 13  # 3xTF32 on big-batch fully-connected layers: above gemm_fc (12) and gemm1x1_splitk (11)
@@ -105,6 +105,30 @@ def x3_rank(spec: ConvSpec) -> int | None:
     return None
 
 
+def x3h_rank(spec: ConvSpec) -> int | None:
+    """3xFP16's rank on forward float32 layers: one above 3xTF32 on the 3x3 layers where :func:`x3_rank`
+    puts that first, and first (X3_LEAD_RANK + 1) on 3x3 stride-1 layers of C = K >= 64 (residual blocks' and
+    VGG's), where it ran every ResNet-suite layer faster than the fp32 class's picks (H100, round 32,
+    N32-128, 64@56² to 512@7²: 1.67x cuDNN-best FP32 against auto's 1.09x and 3xTF32's 1.16x;
+    4.6-4.9e-7 against float64) and `convforge run --net resnet50` kept every one (0 layers
+    tightened, 5.109 -> 4.263 ms). Not on 3x3 / 5x5 layers of C < K (Inception's, NIN's): with them
+    first, GoogLeNet's calibration tightened all 18 back to implicit_gemm (3.27 -> 4.33 ms) and NIN's
+    its two 3x3 layers (1.37 -> 1.69 ms): errors of one sign (the tensor core's truncating sums, as
+    3xTF32's) add up there where Winograd's cancel. Below 3xTF32 on stems, 1x1 and fully-connected
+    layers (not measured; above it there, the relaxed class would take 3xFP16 over gemm1x1_wgmma_tf32,
+    rank 12), and below every TF32 variant (the relaxed class admits 3xFP16 too)."""
+    lead = x3_rank(spec)
+    if lead == X3_LEAD_RANK and not x3_pointwise(spec):
+        return lead + 1
+    if lead is not None:  # stems, 1x1 and fully-connected layers (3xTF32 measured there): below it
+        return min(lead - 1, X3_STEM_RANK)
+    if spec.conv_pass != "fprop" or spec.dtype != "float32" or spec.groups != 1:
+        return None
+    if (spec.r, spec.s, spec.stride, spec.dilation) == (3, 3, (1, 1), (1, 1)) and spec.c == spec.k >= 64:
+        return X3_LEAD_RANK + 1
+    return None
+
+
 def x3_pointwise(spec: ConvSpec) -> bool:
     """A 1x1 stride-1 layer of C >= 256, K >= 256 and N P Q <= 32768, where 3xTF32 ran faster than
     gemm1x1 (x3_rank) and now goes first, its sums promoted every stage (:func:`x3_promotion`)."""
@@ -132,13 +156,15 @@ class TcVariant(Variant):
     optional_params = {"tm": frozenset({0, 1}), "cl": frozenset({1, 2}), "sa": frozenset({128, 64, 32}),
                        "pp": frozenset({0, 1})}
 
-    def __init__(self, name: str, dtypes: frozenset[str], x3: bool, precision: str, specialised: int) -> None:
-        self.name, self.dtypes, self.x3 = name, dtypes, x3
+    def __init__(self, name: str, dtypes: frozenset[str], x3: bool, precision: str, specialised: int,
+                 x3h: bool = False) -> None:
+        self.name, self.dtypes, self.x3, self.x3h = name, dtypes, x3, x3h
         self.precision, self.specialised = precision, specialised
         self.tolerance = X3_TOLERANCE if x3 else TF32_TOLERANCE
 
     def math(self, spec: ConvSpec) -> Math:
-        return math_for(spec.dtype, self.x3)
+        """TF32, 3xTF32 (``x3``) or 3xFP16 (``x3`` and ``x3h``) for float32; a half dtype its own."""
+        return math_for(spec.dtype, self.x3, self.x3h and spec.dtype == "float32")
 
     def expected_error(self, spec: ConvSpec) -> float:
         return expected(self.math(spec), spec.dtype)
@@ -174,6 +200,8 @@ class TcImplicitGemm(TcVariant):
         stated rank (below Winograd and gemm1x1, above implicit GEMM)."""
         if device_reason(device) is not None:
             return self.specialised
+        if self.x3 and self.x3h:
+            return x3h_rank(spec) or self.specialised
         if self.x3:
             return x3_rank(spec) or self.specialised
         if few_pixels(spec):
@@ -274,9 +302,11 @@ class TcImplicitGemm(TcVariant):
         math, prob, geo = self.math(spec), self.problem(spec), self._geo(spec)
         parts = math.parts
         out = tuple((("wt" if p == "hi" else f"wt_{p}"), math.esize * spec.k * self._ld(spec, cfg)) for p in parts)
+        out += prep.scale_workspace("wt", math)
         if not self._in_place(spec):
             out += tuple((("xh" if p == "hi" else f"xh_{p}"), math.esize * geo.n * geo.h * geo.w * geo.cp)
                          for p in parts)
+            out += prep.scale_workspace("xh", math)
         if cfg.ks > 1:
             out += (("part", 4 * cfg.ks * prob.m * prob.n),)
         return out
@@ -299,9 +329,11 @@ class TcImplicitGemm(TcVariant):
         refs = lambda bufs: tuple(x.name for x in bufs)  # noqa: E731
         kernels: list[Kernel] = []
         steps: list[Launch] = []
+        sizes = {"w": spec.k * spec.c * spec.r * spec.s // spec.groups, "x": spec.n * spec.c * spec.h * spec.w}
         for kern, grid, src, dst in self._prep_steps(spec, math, ld):
-            kernels.append(kern)
-            steps.append(Launch(kern.name, grid, kern.block, (src,) + refs(prep.part_buffers(dst, math))))
+            for k, launch in prep.launches(math, kern, grid, src, dst, sizes[src], spec.dtype):
+                kernels.append(k)
+                steps.append(launch)
         steps.append(Launch(gk.name, (cfg.grid(prob, device.units), 1, 1), gk.block,
                             refs(a.args()) + refs(b.args()) + out.refs()))
         kernels.append(gk)
@@ -366,5 +398,6 @@ CLUSTER_POINTS = 3  # the first points of the space also tried in clusters of tw
 register(TcImplicitGemm("tc_implicit_gemm_tf32", frozenset({"float32"}), False, "relaxed", 12))
 register(TcImplicitGemm("tc_implicit_gemm_3xtf32", frozenset({"float32"}), True, "fp32", 8))
 register(TcImplicitGemm("tc_implicit_gemm_half", frozenset({"float16", "bfloat16"}), False, "fp32", 12))
+register(TcImplicitGemm("tc_implicit_gemm_3xf16", frozenset({"float32"}), True, "fp32", 7, x3h=True))
 register(TcStemGemm("tc_stem_gemm_tf32", frozenset({"float32"}), False, "relaxed", 11))
 register(TcStemGemm("tc_stem_gemm_half", frozenset({"float16", "bfloat16"}), False, "fp32", 11))

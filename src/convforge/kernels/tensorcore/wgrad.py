@@ -100,15 +100,39 @@ def split(cfg: TileConfig, math: Math, prob: Problem, units: int) -> int:
     return best
 
 
+def x3h_first(spec: ConvSpec) -> bool:
+    """3xFP16 wgrad first on float32 layers where it ran ahead of the fp32 class's picks (H100, round
+    32, bench time with every step; docs/results/*-r32-h100.*):
+
+    * 3x3 of C, K >= 64: every ResNet-suite layer, N32-128, 1.60x cuDNN-best FP32 against auto's 1.17x
+      and 3xTF32's 1.11x, 4.6-4.9e-7; ResNet-50's 3x3/2 too (512@14² 0.088 against 0.255 ms);
+    * 1x1 of at most 28 x 28 input pixels and C K >= 2^17 (ResNet-50 N32: 1024->256 @14² 0.079 against
+      wgrad_gemm1x1's 0.132 ms, 2048->512 @7² 0.048 / 0.130, 512->256 @28² 0.146 / 0.201, 512->1024 /2 @28²
+      0.144 / 0.208); behind at 56² (256->64 0.204 / 0.104, 256->512 /2 0.231 / 0.201) and even at
+      128->512 @28² (0.117 / 0.119);
+    * 7x7 stems (ResNet-50's conv1: 0.241 against 0.435 ms)."""
+    if spec.dtype != "float32" or spec.groups != 1:
+        return False
+    if (spec.r, spec.s) == (3, 3):
+        return min(spec.c, spec.k) >= 64
+    if (spec.r, spec.s) == (1, 1):
+        return spec.h * spec.w <= 28 * 28 and spec.c * spec.k >= 2**17
+    return (spec.r, spec.s) == (7, 7)
+
+
 class TcWgrad(TcVariant):
     """wgrad by the wgmma generator (see the module docstring)."""
 
     passes = frozenset({"wgrad"})
 
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
-        """First on sm_90 for TF32 and half layers; 3xTF32 at its stated rank (below the CUDA-core
-        wgrad GEMM and Winograd update until measured)."""
-        if device_reason(device) is not None or self.x3:
+        """First on sm_90 for TF32 and half layers; 3xFP16 where :func:`x3h_first`; 3xTF32 (and 3xFP16
+        elsewhere) at the stated rank (below the CUDA-core wgrad GEMM and Winograd update)."""
+        if device_reason(device) is not None:
+            return self.specialised
+        if self.x3 and self.x3h:
+            return RANK_SM90 - 1 if x3h_first(spec) else self.specialised  # below TF32 (the relaxed class)
+        if self.x3:
             return self.specialised
         return RANK_SM90
 
@@ -175,6 +199,7 @@ class TcWgrad(TcVariant):
         out: tuple[tuple[str, int], ...] = ()
         for name, elems in (("xt", spec.c * spec.h * spec.w * cp), ("dyt", spec.k * prob.kred)):
             out += tuple(((name if p == "hi" else f"{name}_{p}"), math.esize * elems) for p in math.parts)
+            out += prep.scale_workspace(name, math)
         if cfg.ks > 1:
             out += (("part", 4 * cfg.ks * prob.m * prob.n),)
         return out
@@ -202,9 +227,9 @@ class TcWgrad(TcVariant):
         yk, ygrid = prep.planes_to_rows(f"{self.name}_dy", "y", f"ci * {spec.k * pq} + n * {pq} + p", spec.k,
                                         spec.n, pq, cp, math, spec.dtype, "dyt",
                                         f"dy N K P Q -> [K][P Q {cp}] (the filters of the transposed problem)")
-        refs = lambda name: tuple(b.name for b in prep.part_buffers(name, math))  # noqa: E731
-        return [xk, yk], [Launch(xk.name, xgrid, xk.block, ("x",) + refs("xt")),
-                          Launch(yk.name, ygrid, yk.block, ("y",) + refs("dyt"))]
+        pairs = (prep.launches(math, xk, xgrid, "x", "xt", spec.n * ch, spec.dtype)
+                 + prep.launches(math, yk, ygrid, "y", "dyt", spec.n * spec.k * pq, spec.dtype))
+        return [k for k, _ in pairs], [launch for _, launch in pairs]
 
     def plan_tolerance(self, spec: ConvSpec) -> float:
         return tolerance(self.math(spec), spec.dtype)
@@ -304,5 +329,6 @@ class TcWgrad1x1(TcWgrad):
 register(TcWgrad("wgrad_tc_implicit_gemm_tf32", frozenset({"float32"}), False, "relaxed", 12))
 register(TcWgrad("wgrad_tc_implicit_gemm_3xtf32", frozenset({"float32"}), True, "fp32", 4))
 register(TcWgrad("wgrad_tc_implicit_gemm_half", frozenset({"float16", "bfloat16"}), False, "fp32", 12))
+register(TcWgrad("wgrad_tc_implicit_gemm_3xf16", frozenset({"float32"}), True, "fp32", 3, x3h=True))
 register(TcWgrad1x1("wgrad_tc_gemm1x1_tf32", frozenset({"float32"}), "relaxed", 12))
 register(TcWgrad1x1("wgrad_tc_gemm1x1_half", frozenset({"float16", "bfloat16"}), "fp32", 12))
