@@ -105,6 +105,10 @@ def x3_rank(spec: ConvSpec) -> int | None:
     return None
 
 
+X3H_FLOPS = 2e9  # 3xFP16 over 3xTF32 from this much work: below, its two maximum steps cost more than it saves
+X3H_OVER_3XTF32 = 9  # one above 3xTF32's stated rank (8)
+
+
 def x3h_rank(spec: ConvSpec) -> int | None:
     """3xFP16's rank on forward float32 layers: one above 3xTF32 on the 3x3 layers where :func:`x3_rank`
     puts that first, and first (X3_LEAD_RANK + 1) on 3x3 stride-1 layers of C = K >= 64 (residual blocks' and
@@ -114,9 +118,16 @@ def x3h_rank(spec: ConvSpec) -> int | None:
     tightened, 5.109 -> 4.263 ms). Not on 3x3 / 5x5 layers of C < K (Inception's, NIN's): with them
     first, GoogLeNet's calibration tightened all 18 back to implicit_gemm (3.27 -> 4.33 ms) and NIN's
     its two 3x3 layers (1.37 -> 1.69 ms): errors of one sign (the tensor core's truncating sums, as
-    3xTF32's) add up there where Winograd's cancel. Below 3xTF32 on stems, 1x1 and fully-connected
-    layers (not measured; above it there, the relaxed class would take 3xFP16 over gemm1x1_wgmma_tf32,
-    rank 12), and below every TF32 variant (the relaxed class admits 3xFP16 too)."""
+    3xTF32's) add up there where Winograd's cancel. One above 3xTF32's stated rank (so where 3xTF32 was
+    the pick) on layers outside Winograd's 3x3 and 1x1 of at least :data:`X3H_FLOPS` (5x5, 1x7 / 7x1,
+    dilated and strided 3x3; H100, round 32, fp32 class against auto: MEC cv4 8.82 -> 5.19 ms, cv5
+    0.563 -> 0.343, Inception-v3's 1x7 768 -> 192 0.249 -> 0.154, dilated 3x3 512 0.90 -> 0.53, 3x3/2
+    256@28² 0.115 -> 0.084; slower on Boda's N5 layers of 0.1-1.8 GFLOP, GoogLeNet's 5x5 0.027 -> 0.035,
+    where the two maximum steps and their launches outweigh the GEMM's gain;
+    docs/results/layers-fprop-{mec,unseen,boda}-3xf16-2026-11-27-r32-h100.json). Below 3xTF32 on stems,
+    1x1 and fully-connected layers (not measured; above it on 1x1 layers the relaxed class would take
+    3xFP16 over gemm1x1_wgmma_tf32, rank 12), and below every TF32 variant (the relaxed class admits
+    3xFP16 too)."""
     lead = x3_rank(spec)
     if lead == X3_LEAD_RANK and not x3_pointwise(spec):
         return lead + 1
@@ -124,8 +135,11 @@ def x3h_rank(spec: ConvSpec) -> int | None:
         return min(lead - 1, X3_STEM_RANK)
     if spec.conv_pass != "fprop" or spec.dtype != "float32" or spec.groups != 1:
         return None
-    if (spec.r, spec.s, spec.stride, spec.dilation) == (3, 3, (1, 1), (1, 1)) and spec.c == spec.k >= 64:
+    winograd_domain = (spec.r, spec.s, spec.stride, spec.dilation) == (3, 3, (1, 1), (1, 1))
+    if winograd_domain and spec.c == spec.k >= 64:
         return X3_LEAD_RANK + 1
+    if not winograd_domain and (spec.r, spec.s) != (1, 1) and spec.c >= 8 and spec.flops >= X3H_FLOPS:
+        return X3H_OVER_3XTF32
     return None
 
 
