@@ -454,7 +454,8 @@ STEMS = [ConvSpec.make(2, 3, 19, 17, 8, 7, 7, 2, (3, 2, 3, 1)),
 BIG_STEMS = [ConvSpec.make(128, 3, 227, 227, 64, 7, 7, 2), ConvSpec.make(32, 3, 224, 224, 64, 7, 7, 2, 3),
              ConvSpec.make(16, 3, 224, 224, 64, 3, 3, 1, 1)]
 STEM_DTYPES = {"tc_stem_gemm_half": ("float16", "bfloat16"), "tc_stem_gemm_tf32": ("float32",),
-               "tc_stem_direct_half": ("float16", "bfloat16"), "tc_stem_direct_tf32": ("float32",)}
+               "tc_stem_direct_half": ("float16", "bfloat16"), "tc_stem_direct_tf32": ("float32",),
+               "tc_stem_gemm_3xf16": ("float32",)}
 # the direct stems' own cases: sw C odd (the strip's second copy) over two 64-pixel blocks, N=1; 11x11/4 at
 # 96 channels in two channel blocks (their default); a band that does not divide P
 DIRECT_STEMS = [ConvSpec.make(1, 3, 20, 70, 16, 3, 3, 1, 1), ConvSpec.make(2, 3, 67, 61, 96, 11, 11, 4, 2),

@@ -1532,3 +1532,50 @@ def test_stem_fold_applies_only_where_it_saves_reduction():
 
     # the direct stem (tensorcore/stem.py, measured faster on every stem) first, then the fold
     assert [v.name for v in ranked("auto", stem, NOMINAL_CUDA)[:2]] == ["tc_stem_direct_half", "tc_stem_gemm_half"]
+
+
+# -- 3xFP16's power-of-two scale, the CUDA function itself compiled for the host -----------------------
+def _x3h_scale_on_host(values):
+    """cf_x3h_scale as codegen/render.py writes it, compiled by the host C compiler (the CUDA bit casts
+    spelled with memcpy), applied to ``values``: [(scale, inverse)]."""
+    import re
+    import shutil
+    import subprocess
+    import tempfile
+
+    from convforge.codegen import render
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no host C compiler to run cf_x3h_scale on the CPU")
+    fn = re.search(r"__device__ __forceinline__ float cf_x3h_scale\(.*?\n}", render._CUDA_TC, re.S)
+    assert fn, "cf_x3h_scale not found in the sm_90 helpers"
+    body = (fn.group(0).replace("__device__ __forceinline__", "static")
+            .replace("__float_as_int(m)", "f2i(m)").replace("__int_as_float(", "i2f("))
+    src = ("#include <stdio.h>\n#include <string.h>\n#include <stdlib.h>\n"
+           "static int f2i(float f) { int i; memcpy(&i, &f, 4); return i; }\n"
+           "static float i2f(int i) { float f; memcpy(&f, &i, 4); return f; }\n"
+           "static int min(int a, int b) { return a < b ? a : b; }\n" + body +
+           "\nint main(int argc, char** argv) { for (int j = 1; j < argc; ++j) { float m = strtof(argv[j], 0);"
+           " printf(\"%a %a\\n\", (double)cf_x3h_scale(m, 0), (double)cf_x3h_scale(m, 1)); } return 0; }\n")
+    with tempfile.TemporaryDirectory() as d:
+        with open(f"{d}/s.c", "w") as f:
+            f.write(src)
+        subprocess.run([cc, "-O1", "-o", f"{d}/s", f"{d}/s.c"], check=True, capture_output=True)
+        out = subprocess.run([f"{d}/s", *map(repr, values)], check=True, capture_output=True, text=True).stdout
+    return [tuple(map(float.fromhex, line.split())) for line in out.split("\n") if line]
+
+
+def test_x3h_scale_puts_the_maximum_in_fp16s_top_binade():
+    """Every finite maximum m > 0 (fp32's normal range, its subnormals, the edges) gets a power of two
+    s with m s in [2^14, 2^15) where that is representable (s <= 2^126 else, m tiny), and its exact
+    reciprocal; zero gets 2^126, infinity and NaN 1: their elements reach the products unscaled."""
+    ms = [1.0, 0.75, 3.0e-7, 1.0e-30, 6.5e4, 3.4e38, 2.0**-126, 1.0e-40, 1.5 * 2.0**14, 2.0**15 - 1]
+    got = _x3h_scale_on_host(ms + [0.0, float("inf"), float("nan")])
+    for m, (sc, inv) in zip(ms, got, strict=False):
+        assert sc * inv == 1.0 and np.log2(sc) == int(np.log2(sc)), (m, sc, inv)
+        if m >= 2.0**-112:
+            assert 2.0**14 <= m * sc < 2.0**15, (m, sc)
+        else:
+            assert sc == 2.0**126, (m, sc)
+    assert got[-3][0] == 2.0**126 and got[-2] == (1.0, 1.0) and got[-1] == (1.0, 1.0)

@@ -267,11 +267,10 @@ def fold_source(spec: ConvSpec, cp: int) -> tuple[list[tuple[str, str]], str, st
 def x_fold(spec: ConvSpec, math: Math, cp: int, dst: str = "xh") -> tuple[Kernel, Dim3]:
     """The stem's activation step (module docstring): one thread per element of x', channels fastest
     (writes coalesced; the reads of a warp fall in a few lines of S C values)."""
-    if math.scaled:
-        raise ValueError(f"{math.name}: the stem's folding steps do not scale their operands")
     total = spec.n * spec.h * spec.q * cp
     lets, ok, at = fold_source(spec, cp)
     code = Code()
+    code(*scale_lets(math, dst))
     code(f"const int e = GROUP_ID(0) * {_ELT} + LOCAL_ID(0);")
     with code.block(f"if (e < {total})"):
         code(*(f"const int {name} = {expr};" for name, expr in lets))
@@ -298,10 +297,9 @@ def wfold_source(spec: ConvSpec, cp: int, ld: int) -> list[tuple[str, str]]:
 def w_fold(spec: ConvSpec, math: Math, cp: int, ld: int, dst: str = "wt") -> tuple[Kernel, Dim3]:
     """The stem's filter step: one thread per (k, cj) of the folded channels cj = s C + c, writing its R
     taps R rows of ``cp`` apart (K x ld, the row's tail past R cp zero)."""
-    if math.scaled:
-        raise ValueError(f"{math.name}: the stem's folding steps do not scale their operands")
     r, s_, total, tail = spec.r, spec.s, spec.k * cp, ld - spec.r * cp
     code = Code()
+    code(*scale_lets(math, dst))
     code(f"const int e = GROUP_ID(0) * {_ELT} + LOCAL_ID(0);")
     with code.block(f"if (e < {total})"):
         for name, expr in wfold_source(spec, cp, ld):

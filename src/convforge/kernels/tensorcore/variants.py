@@ -374,8 +374,14 @@ class TcStemGemm(TcImplicitGemm):
         timed: AlexNet-style 11x11/4 N128 0.432 against 0.551 ms, 7x7/2 N128 0.497 against 0.545,
         ResNet-50's conv1 N32 0.137 against 0.149, 3x3 N128 0.698 against 0.707). TF32 (not measured:
         its chunk of 4 channels wastes less, and x' is 4-byte) below it, in the tuner's space. Both below
-        the direct stems (tensorcore/stem.py) wherever those apply."""
+        the direct stems (tensorcore/stem.py) wherever those apply. 3xFP16 (fp32 class) below implicit_gemm:
+        H100, round 32, it tied it on most stems (NIN conv1 0.191 against 0.192 ms, ResNet-50's conv1 0.238 /
+        0.236, AlexNet's 0.301 / 0.277; MEC cv3 1.126 / 1.670) and, first, its one-sign error in the first
+        layer made `convforge run`'s calibration tighten 11 of ResNet-50's layers (4.46 -> 5.06 ms) and 8 of
+        GoogLeNet's (3.17 -> 3.46 ms) (docs/results/*-stem3xf16-2026-11-27-r32-h100.*)."""
         if device_reason(device) is not None:
+            return self.specialised
+        if self.x3h:  # in the tuner's space and --algo only (docstring)
             return self.specialised
         return RANK_SM90 + 1 if spec.dtype in HALF_EXPECTED else RANK_SM90 - 4
 
@@ -415,3 +421,4 @@ register(TcImplicitGemm("tc_implicit_gemm_half", frozenset({"float16", "bfloat16
 register(TcImplicitGemm("tc_implicit_gemm_3xf16", frozenset({"float32"}), True, "fp32", 7, x3h=True))
 register(TcStemGemm("tc_stem_gemm_tf32", frozenset({"float32"}), False, "relaxed", 11))
 register(TcStemGemm("tc_stem_gemm_half", frozenset({"float16", "bfloat16"}), False, "fp32", 11))
+register(TcStemGemm("tc_stem_gemm_3xf16", frozenset({"float32"}), True, "fp32", 4, x3h=True))
