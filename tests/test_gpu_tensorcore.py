@@ -34,7 +34,7 @@ RESNET = [ConvSpec.make(32, 64, 56, 56, 64, 3, 3, 1, 1), ConvSpec.make(32, 128, 
           ConvSpec.make(32, 1024, 14, 14, 256, 1, 1), ConvSpec.make(32, 3, 224, 224, 64, 7, 7, 2, 3)]
 WGRAD = ("wgrad_tc_implicit_gemm_tf32", "wgrad_tc_implicit_gemm_3xtf32", "wgrad_tc_implicit_gemm_half",
          "wgrad_tc_gemm1x1_tf32", "wgrad_tc_gemm1x1_half", "wgrad_tc_implicit_gemm_3xf16")
-DGRAD = ("dgrad_tc_strided_tf32", "dgrad_tc_strided_3xtf32", "dgrad_tc_strided_half")
+DGRAD = ("dgrad_tc_strided_tf32", "dgrad_tc_strided_3xtf32", "dgrad_tc_strided_half", "dgrad_tc_strided_3xf16")
 DTYPES = {"tc_implicit_gemm_half": ("float16", "bfloat16"), "tc_winograd_f2": ("float32", "float16", "bfloat16"),
           "wgrad_tc_implicit_gemm_half": ("float16", "bfloat16"), "wgrad_tc_gemm1x1_half": ("float16", "bfloat16"),
           "dgrad_tc_strided_half": ("float16", "bfloat16")}
@@ -157,7 +157,8 @@ X3H_SCALES = [(1e-30, 1e25), (3e20, 1e-12), (1.0, 0.0), (2.0**-120, 1.0)]
 
 @pytest.mark.parametrize("name, spec", [("tc_implicit_gemm_3xf16", ConvSpec.make(2, 70, 9, 9, 36, 3, 3, 1, 1)),
                                         ("dgrad_tc_implicit_gemm_3xf16", ConvSpec.make(3, 37, 13, 7, 40, 3, 3, 1, 1)),
-                                        ("wgrad_tc_implicit_gemm_3xf16", ConvSpec.make(5, 9, 13, 11, 24, 3, 3, 2, 1))],
+                                        ("wgrad_tc_implicit_gemm_3xf16", ConvSpec.make(5, 9, 13, 11, 24, 3, 3, 2, 1)),
+                                        ("dgrad_tc_strided_3xf16", ConvSpec.make(3, 37, 13, 7, 40, 3, 3, 2, 1))],
                          ids=str)
 @pytest.mark.parametrize("scales", X3H_SCALES, ids=str)
 def test_3xf16_scales_follow_the_data(hopper, name, spec, scales):

@@ -653,8 +653,8 @@ def emulate_strided_dgrad(spec: ConvSpec, math, cfg: TileConfig, seed: int = 0, 
     the phases no tap reaches)."""
     from convforge.kernels.tensorcore.dgrad import phases
 
-    variant = get_variant({"tf32": "dgrad_tc_strided_tf32", "3xtf32": "dgrad_tc_strided_3xtf32"}
-                          .get(math.name, "dgrad_tc_strided_half"))
+    variant = get_variant({"tf32": "dgrad_tc_strided_tf32", "3xtf32": "dgrad_tc_strided_3xtf32",
+                           "3xf16": "dgrad_tc_strided_3xf16"}.get(math.name, "dgrad_tc_strided_half"))
     dt = DTYPE_OF[math.name]
     spec = ConvSpec.from_dict({**spec.to_dict(), "dtype": dt, "pass": "dgrad"})
     assert variant.applies(spec, NOMINAL_CUDA) is None, variant.applies(spec, NOMINAL_CUDA)
@@ -705,7 +705,11 @@ DGRAD_STRIDED = [(ODD[2], TF32, TileConfig(128, 32, 1, 2, 2)),                # 
                  # TMA (K whole atoms): every phase's maps, the phases in one kernel
                  (ConvSpec.make(2, 6, 9, 7, 64, 3, 3, 2, 1), F16, TileConfig(64, 32, 1, 2, 1, tm=1)),
                  (ConvSpec.make(1, 5, 11, 13, 32, 5, 5, (2, 3), (2, 1, 0, 2)), X3TF32,
-                  TileConfig(128, 32, 2, 2, 2, pi=2, tm=1))]
+                  TileConfig(128, 32, 2, 2, 2, pi=2, tm=1)),
+                 # 3xFP16: six phases with K = 5 padded to 8; by TMA with K whole 64-element atoms
+                 (ConvSpec.make(1, 9, 13, 11, 5, 3, 3, (2, 3), (1, 0, 2, 1)), X3F16,
+                  TileConfig(128, 32, 1, 2, 2, pi=2)),
+                 (ConvSpec.make(2, 6, 9, 7, 64, 3, 3, 2, 1), X3F16, TileConfig(128, 32, 1, 2, 2, pi=1, tm=1))]
 
 
 def _phase_mask(spec: ConvSpec, part) -> np.ndarray:

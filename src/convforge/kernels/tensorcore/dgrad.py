@@ -27,7 +27,8 @@ stride-1 forward convolution of dy with dilation delta and padding -o. Per phase
 1x1 filters at stride > 1 have one phase: dgrad_sub_<1x1 forward> (kernels/dgrad/transposed.py)
 reads dy in place for it. Stride 1 is DgradTransposed's (kernels/dgrad/transposed.py); groups run dgrad_strided_gemm.
 
-* ``dgrad_tc_strided_tf32`` (relaxed), ``dgrad_tc_strided_3xtf32`` (fp32), ``dgrad_tc_strided_half``
+* ``dgrad_tc_strided_tf32`` (relaxed), ``dgrad_tc_strided_3xtf32`` (fp32), ``dgrad_tc_strided_3xf16`` (fp32;
+  round 32, emulated and compiled, not yet run on a GPU: in the tuner's space only), ``dgrad_tc_strided_half``
   (float16 / bfloat16): the forward variants' math modes and stated errors.
 """
 
@@ -139,6 +140,8 @@ def pack_phases(name: str, spec: ConvSpec, packs: list[tuple[Phase, int, str]], 
     rs = spec.r * spec.s
     zero = prep.zero(math)
     code = Code()
+    for _, _, dst in packs:
+        code(*prep.scale_lets(math, dst))
     code(f"const int e = GROUP_ID(0) * {_ELT} + LOCAL_ID(0);")
     with code.block(f"if (e < {spec.c * kp})"):
         code(f"const int c = e / {kp}, k = e - c * {kp};",
@@ -153,8 +156,7 @@ def pack_phases(name: str, spec: ConvSpec, packs: list[tuple[Phase, int, str]], 
             if ld - len(taps) * kp:
                 prep.zero_tail(code, math, dst, "c", f"{len(taps) * kp} + k", ld, kp)
     bufs = tuple(b for _, _, dst in packs for b in prep.part_buffers(dst, math))
-    kern = Kernel(name, (Buf("w", CTYPE[spec.dtype]),) + bufs, code.text(), (_ELT, 1, 1),
-                  frozenset({"mma_tf32", "wgmma"}),
+    kern = Kernel(name, (Buf("w", CTYPE[spec.dtype]),) + bufs, code.text(), (_ELT, 1, 1), prep.features(math),
                   comment=f"dgrad: the taps of {len(packs)} phases of w, each as C x (taps x {kp})")
     return kern, (cdiv(spec.c * kp, _ELT), 1, 1)
 
@@ -187,7 +189,7 @@ class TcDgradStrided(TcVariant):
         strided layers 1.32-2.52x cuDNN-best FP32 at 4.6e-7, where dgrad_strided_gemm ran 0.79-1.39x
         and dgrad_sub_gemm1x1 0.88-1.40x); below dgrad_direct where the dx channels fill less than half
         a 32-wide tile (C < 16: a 3-channel stem)."""
-        if device_reason(device) is not None:
+        if device_reason(device) is not None or self.x3h:  # 3xFP16: not yet run on a GPU (round 32)
             return self.specialised
         if self.x3:
             return -1 if spec.c < 16 else RANK_SM90 - 1
@@ -264,11 +266,12 @@ class TcDgradStrided(TcVariant):
     def _workspace(self, spec: ConvSpec, cfg: TileConfig, il: bool) -> tuple[tuple[str, int], ...]:
         math, kp = self.math(spec), self._kp(spec)
         out = tuple(((f"dyh{'' if p == 'hi' else '_' + p}"), math.esize * spec.n * spec.p * spec.q * kp)
-                    for p in math.parts)
+                    for p in math.parts) + prep.scale_workspace("dyh", math)
         for ph in phases(spec):
             if not ph.empty:
                 nbytes = math.esize * spec.c * self._ld(spec, ph, cfg)
                 out += tuple((f"wph{ph.tag}{'' if p == 'hi' else '_' + p}", nbytes) for p in math.parts)
+                out += prep.scale_workspace(f"wph{ph.tag}", math)
                 if il:
                     out += ((ph.buf, spec.itemsize * ph.part().elements(spec)),)
         return out
@@ -295,8 +298,9 @@ class TcDgradStrided(TcVariant):
         yk, ygrid = prep.planes_to_rows(f"{self.name}_dy", "y", f"(n * {spec.k} + ci) * {pq} + p", spec.n, spec.k, pq,
                                         kp, math, spec.dtype, "dyh",
                                         f"dy NCHW -> NHWC ({kp} channels) as {math.name} operands")
-        kernels: list[Kernel] = [yk]
-        steps: list[Step] = [Launch(yk.name, ygrid, yk.block, ("y",) + refs(prep.part_buffers("dyh", math)))]
+        pairs = prep.launches(math, yk, ygrid, "y", "dyh", spec.n * spec.k * pq, spec.dtype)
+        kernels: list[Kernel] = [k for k, _ in pairs]
+        steps: list[Step] = [launch for _, launch in pairs]
         zk = None if il else zero_phases(f"{self.name}_zero", spec)
         if zk is not None:
             kernels.append(zk[0])
@@ -316,6 +320,10 @@ class TcDgradStrided(TcVariant):
         if jobs:  # none where no tap reaches a dx row (H < stride, the tap's phase past dx): dx is zeros
             wk, wgrid = pack_phases(f"{self.name}_w", spec, packs, math, kp)
             gk = jobs_kernel(f"{self.name}_gemm", math, cfg, jobs)
+            for _, _, dst in packs if math.scaled else ():  # each phase's maximum of w (weight-only steps)
+                ak, agrid = prep.amax(f"tc_amax_{dst}", "w", spec.k * spec.c * spec.r * spec.s, spec.dtype, dst)
+                kernels.append(ak)
+                steps.append(Launch(ak.name, agrid, ak.block, ("w", f"{dst}_m")))
             kernels += [wk, gk]
             steps += [Launch(wk.name, wgrid, wk.block, refs(wk.args)),
                       Launch(gk.name, (jobs_grid(cfg, [j.prob for j in jobs], device.units), 1, 1), gk.block,
@@ -332,3 +340,4 @@ class TcDgradStrided(TcVariant):
 register(TcDgradStrided("dgrad_tc_strided_tf32", frozenset({"float32"}), False, "relaxed", 12))
 register(TcDgradStrided("dgrad_tc_strided_3xtf32", frozenset({"float32"}), True, "fp32", 4))
 register(TcDgradStrided("dgrad_tc_strided_half", frozenset({"float16", "bfloat16"}), False, "fp32", 12))
+register(TcDgradStrided("dgrad_tc_strided_3xf16", frozenset({"float32"}), True, "fp32", -2, x3h=True))
