@@ -105,7 +105,7 @@ def x3h_first(spec: ConvSpec) -> bool:
     32, bench time with every step; docs/results/*-r32-h100.*):
 
     * 3x3 of C, K >= 64: every ResNet-suite layer, N32-128, 1.60x cuDNN-best FP32 against auto's 1.17x
-      and 3xTF32's 1.11x, 4.6-4.9e-7; ResNet-50's 3x3/2 too (512@14² 0.088 against 0.255 ms);
+      and 3xTF32's 1.11x, 4.6-4.9e-7; ResNet-50's 3x3/2 too (512@14² 0.088 ms against cuDNN-best FP32's 0.255);
     * 1x1 of at most 28 x 28 input pixels and C K >= 2^17 (ResNet-50 N32: 1024->256 @14² 0.079 against
       wgrad_gemm1x1's 0.132 ms, 2048->512 @7² 0.048 / 0.130, 512->256 @28² 0.146 / 0.201, 512->1024 /2 @28²
       0.144 / 0.208); behind at 56² (256->64 0.204 / 0.104, 256->512 /2 0.231 / 0.201) and even at
