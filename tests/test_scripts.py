@@ -33,6 +33,7 @@ SCRIPTS = {
     "net_error_trace.py": "help (CUDA with torch: it compares with PyTorch FP32)",
     "train_profile.py": "help (CUDA with torch and torchvision: it profiles a training step)",
     "sass_loads.py": "help, and test_sass_loads_runs_on_the_cpu",
+    "tc_sum_model.py": "help, and test_tc_sum_model_runs_on_the_cpu",
 }
 NEEDS = {"host_cost.py": ("torch", "cupy")}  # modules a script imports at its top
 
@@ -171,3 +172,13 @@ def test_bad_sweeps_are_one_clear_error(extra: list[str], message: str, tmp_path
 def test_sweep_model_clash(capsys: pytest.CaptureFixture[str]) -> None:
     rc, out = run_main(["bench", "--model", "resnet18", "--sweep", "--algo", "direct"], capsys)
     assert rc == 2 and "--sweep cannot be combined with --model" in out, out
+
+
+def test_tc_sum_model_runs_on_the_cpu() -> None:
+    """The truncating-sum model on a small problem: one FP32 row and four 3xFP16 schemes, each with a
+    relative L2 error under 1e-5."""
+    proc = subprocess.run([sys.executable, str(SCRIPTS_DIR / "tc_sum_model.py"), "--rows", "64", "--k", "96"],
+                          capture_output=True, text=True, env=ENV, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    errs = [float(line.split("rel L2 ")[1].split()[0]) for line in proc.stdout.splitlines() if "rel L2" in line]
+    assert len(errs) == 5 and all(0 < e < 1e-5 for e in errs), proc.stdout
