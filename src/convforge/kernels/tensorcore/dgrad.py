@@ -298,7 +298,7 @@ class TcDgradStrided(TcVariant):
         yk, ygrid = prep.planes_to_rows(f"{self.name}_dy", "y", f"(n * {spec.k} + ci) * {pq} + p", spec.n, spec.k, pq,
                                         kp, math, spec.dtype, "dyh",
                                         f"dy NCHW -> NHWC ({kp} channels) as {math.name} operands")
-        pairs = prep.launches(math, yk, ygrid, "y", "dyh", spec.n * spec.k * pq, spec.dtype)
+        pairs = prep.launches(math, yk, ygrid, "y", "dyh", spec)
         kernels: list[Kernel] = [k for k, _ in pairs]
         steps: list[Step] = [launch for _, launch in pairs]
         zk = None if il else zero_phases(f"{self.name}_zero", spec)
@@ -321,7 +321,7 @@ class TcDgradStrided(TcVariant):
             wk, wgrid = pack_phases(f"{self.name}_w", spec, packs, math, kp)
             gk = jobs_kernel(f"{self.name}_gemm", math, cfg, jobs)
             for _, _, dst in packs if math.scaled else ():  # each phase's maximum of w (weight-only steps)
-                ak, agrid = prep.amax(f"tc_amax_{dst}", "w", spec.k * spec.c * spec.r * spec.s, spec.dtype, dst)
+                ak, agrid = prep.amax_of(spec, "w", dst)
                 kernels.append(ak)
                 steps.append(Launch(ak.name, agrid, ak.block, ("w", f"{dst}_m")))
             kernels += [wk, gk]

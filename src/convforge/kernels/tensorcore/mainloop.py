@@ -260,8 +260,7 @@ def _consumer_state(code: Code, ring: Ring) -> None:
         code("int lt = 0, turn = 0;  // the block's tiles so far (consumer c takes lt % 2 == c); its own")
 
 
-def _consumer_tiles(code: Code, ring: Ring, prob: Problem, out: Output, head: str,
-                    ops: list[Operand] | None = None) -> None:
+def _consumer_tiles(code: Code, ring: Ring, prob: Problem, out: Output, head: str, ops: list[Operand]) -> None:
     cfg, math = ring.cfg, ring.math
     acc = acc_names(cfg)
     tied = ", ".join(acc)
@@ -301,7 +300,7 @@ def _consumer_tiles(code: Code, ring: Ring, prob: Problem, out: Output, head: st
         if cfg.pi:
             _promote(code, cfg, tied, wait=False)
         if math.scaled:
-            _unscale(code, cfg, ops or [], "f" if cfg.pi else "d")
+            _unscale(code, cfg, ops, "f" if cfg.pi else "d")
         rows = "ra0" if cfg.pp else f"(ra0 + c * {64 * cfg.wm})"
         epilogue.emit_consumer_epilogue(code, out, cfg.wm, cfg.bn, "est", "(1 + c)", rows, "rb0", "zs",
                                         "f" if cfg.pi else "d")

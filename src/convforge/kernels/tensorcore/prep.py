@@ -23,6 +23,8 @@
 
 from __future__ import annotations
 
+from math import prod
+
 from convforge.codegen.dialect import Buf, Dim3, Kernel
 from convforge.codegen.meta import Code, cdiv
 from convforge.kernels.tensorcore.epilogue import CTYPE
@@ -109,15 +111,20 @@ def amax(name: str, src: str, total: int, dtype: str, dst: str) -> tuple[Kernel,
     return kern, (AMAX_BLOCKS, 1, 1)
 
 
-def launches(math: Math, kern: Kernel, grid: Dim3, src: str, dst: str, total: int,
-             dtype: str) -> list[tuple[Kernel, Launch]]:
-    """The launch of step ``kern`` (``src`` -> operand ``dst``), after, for a scaled math mode, the
-    maximum step over the ``total`` elements of ``src``."""
+def launches(math: Math, kern: Kernel, grid: Dim3, src: str, dst: str,
+             spec: ConvSpec) -> list[tuple[Kernel, Launch]]:
+    """The launch of step ``kern`` (conv buffer ``src`` of ``spec`` -> operand ``dst``), after, for a
+    scaled math mode, the maximum step over the whole of ``src``."""
     out = []
     if math.scaled:
-        ak, agrid = amax(f"tc_amax_{dst}", src, total, dtype, dst)
+        ak, agrid = amax_of(spec, src, dst)
         out.append((ak, Launch(ak.name, agrid, ak.block, (src, f"{dst}_m"))))
     return out + [(kern, Launch(kern.name, grid, kern.block, (src,) + tuple(b.name for b in part_buffers(dst, math))))]
+
+
+def amax_of(spec: ConvSpec, src: str, dst: str) -> tuple[Kernel, Dim3]:
+    """:func:`amax` over the whole of conv buffer ``src`` (x, w or y) of ``spec``, into ``{dst}_m``."""
+    return amax(f"tc_amax_{dst}", src, prod(spec.shape_of(src)), spec.dtype, dst)
 
 
 def _finite_abs(value: str) -> str:

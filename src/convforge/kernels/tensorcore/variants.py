@@ -343,9 +343,8 @@ class TcImplicitGemm(TcVariant):
         refs = lambda bufs: tuple(x.name for x in bufs)  # noqa: E731
         kernels: list[Kernel] = []
         steps: list[Launch] = []
-        sizes = {"w": spec.k * spec.c * spec.r * spec.s // spec.groups, "x": spec.n * spec.c * spec.h * spec.w}
         for kern, grid, src, dst in self._prep_steps(spec, math, ld):
-            for k, launch in prep.launches(math, kern, grid, src, dst, sizes[src], spec.dtype):
+            for k, launch in prep.launches(math, kern, grid, src, dst, spec):
                 kernels.append(k)
                 steps.append(launch)
         steps.append(Launch(gk.name, (cfg.grid(prob, device.units), 1, 1), gk.block,

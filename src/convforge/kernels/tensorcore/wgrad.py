@@ -227,8 +227,7 @@ class TcWgrad(TcVariant):
         yk, ygrid = prep.planes_to_rows(f"{self.name}_dy", "y", f"ci * {spec.k * pq} + n * {pq} + p", spec.k,
                                         spec.n, pq, cp, math, spec.dtype, "dyt",
                                         f"dy N K P Q -> [K][P Q {cp}] (the filters of the transposed problem)")
-        pairs = (prep.launches(math, xk, xgrid, "x", "xt", spec.n * ch, spec.dtype)
-                 + prep.launches(math, yk, ygrid, "y", "dyt", spec.n * spec.k * pq, spec.dtype))
+        pairs = prep.launches(math, xk, xgrid, "x", "xt", spec) + prep.launches(math, yk, ygrid, "y", "dyt", spec)
         return [k for k, _ in pairs], [launch for _, launch in pairs]
 
     def plan_tolerance(self, spec: ConvSpec) -> float:
