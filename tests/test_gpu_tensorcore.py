@@ -15,6 +15,7 @@ import pytest
 from convforge.check import check_plan, expected, pass_inputs
 from convforge.dtypes import to_storage
 from convforge.kernels import get_variant
+from convforge.kernels.tensorcore import tma
 from convforge.kernels.tensorcore.tiles import TileConfig
 from convforge.params import Params
 from convforge.plan import Epilogue
@@ -229,6 +230,57 @@ def test_promotion_keeps_3xtf32_fp32_grade(hopper):
                      seed=5).rel_err
     print(f"3xTF32 C*R*S = 4608: promoted {err:.2e}, not promoted {raw:.2e}")
     assert err <= 5e-6
+
+
+KR_POINTS = [("tc_implicit_gemm_3xf16", Params(bm=128, bn=128, kb=1, st=3, cw=2, ks=1, ps=1, tm=1, kr=1)),
+             ("tc_implicit_gemm_3xf16", Params(bm=128, bn=64, kb=1, st=4, cw=2, ks=3, ps=1, kr=1)),
+             ("tc_implicit_gemm_3xf16", Params(bm=64, bn=64, kb=2, st=3, cw=1, ks=1, ps=0, kr=1)),
+             ("tc_implicit_gemm_3xf16", Params(bm=128, bn=128, kb=1, st=3, cw=2, ks=1, ps=1, tm=1, cl=2, kr=1)),
+             ("tc_implicit_gemm_3xtf32", Params(bm=128, bn=128, kb=1, st=3, cw=2, ks=1, ps=1, tm=1, kr=1)),
+             ("tc_implicit_gemm_3xtf32", Params(bm=128, bn=64, kb=1, st=4, cw=2, ks=2, ps=1, kr=1))]
+
+
+KR_SPECS = [ConvSpec.make(3, 96, 19, 17, 256, 3, 3, 1, 1), ConvSpec.make(1, 37, 13, 7, 140, 3, 3, 2, (0, 1, 2, 1))]
+
+
+@pytest.mark.parametrize("name, prm", KR_POINTS, ids=lambda p: getattr(p, "short", lambda: str(p))())
+@pytest.mark.parametrize("spec", KR_SPECS, ids=str)
+def test_restart_every_k_step_against_float64(hopper, name, prm, spec):
+    """kr=1 (two wgmma register sets in turn, each k step's sums added into FP32): FP32-grade on odd
+    shapes with TMA, cp.async, split-K, clusters and non-persistent grids, 3xFP16 and 3xTF32."""
+    v = get_variant(name)
+    cfg = TileConfig.of(prm)
+    if cfg.tm:
+        cfg = tma.with_tma(dataclasses.replace(cfg, tm=0, sa=128), lambda c: v.tma_reason(spec, c))
+        if not cfg.tm:
+            pytest.skip(f"{spec.short()}: its operands cannot come by TMA")
+    prm = cfg.params()
+    res = check_plan(v.plan(spec, prm, hopper.device, Epilogue(bias=True, relu=True)), hopper, seed=6)
+    assert res.ok and res.rel_err <= 5e-6, f"{name} {prm.short()} {spec.short()}: {res}"
+
+
+def _toward_zero(got: np.ndarray, ref: np.ndarray) -> float:
+    """The error's mean component toward zero, over the mean magnitude (the bias a network compounds)."""
+    return float(-np.mean((got - ref) * np.sign(ref)) / np.mean(np.abs(ref)))
+
+
+@pytest.mark.parametrize("spec", [ConvSpec.make(8, 512, 14, 14, 128, 3, 3, 1, 1),
+                                  ConvSpec.make(32, 1024, 6, 6, 256, 1, 1)], ids=str)
+def test_restart_every_k_step_cuts_the_bias(hopper, spec):
+    """3xFP16's error toward zero (the tensor core's truncating sums; scripts/tc_sum_model.py) on
+    reductions of 4608 and 1024 terms: restarted every k step at most half of what promotion every 2
+    stages leaves, and the relative error FP32-grade both ways."""
+    v = get_variant("tc_implicit_gemm_3xf16")
+    inputs = pass_inputs(spec, np.random.default_rng(12), Epilogue())
+    ref = expected(spec, inputs, Epilogue())
+    prm = v.default(spec, hopper.device)
+    out = {}
+    for label, p in (("kr", prm), ("pi2", Params({**{k: x for k, x in prm.items() if k != "kr"}, "pi": 2}))):
+        got = _run_poisoned(v.plan(spec, p, hopper.device), hopper, inputs)
+        out[label] = (rel_l2(got, ref), _toward_zero(got, ref))
+    print(f"{spec.short()}: " + ", ".join(f"{k} err {e:.2e} bias {b:+.2e}" for k, (e, b) in out.items()))
+    assert prm.get("kr") == 1 and max(e for e, _ in out.values()) <= 5e-6
+    assert abs(out["kr"][1]) <= 0.5 * abs(out["pi2"][1]), out
 
 
 def _cl(spec: ConvSpec, dtype: str = "float32") -> ConvSpec:

@@ -1173,7 +1173,11 @@ COMPILE = [("tc_implicit_gemm_tf32", ODD[0], None), ("tc_implicit_gemm_tf32", OD
                                                                                       cw=1, ks=1, ps=0)),
            ("tc_stem_gemm_half", ConvSpec.make(128, 3, 227, 227, 64, 7, 7, 2), None),  # MEC cv3
            ("tc_stem_gemm_half", ConvSpec.make(128, 3, 227, 227, 96, 11, 11, 4), None),  # AlexNet conv1
-           ("tc_stem_gemm_tf32", ConvSpec.make(32, 3, 224, 224, 64, 7, 7, 2, 3), None)]  # ResNet-50 conv1
+           ("tc_stem_gemm_tf32", ConvSpec.make(32, 3, 224, 224, 64, 7, 7, 2, 3), None),  # ResNet-50 conv1
+           # kr=1: three sets of 64 accumulators with the one-thread TMA producer (NIN cccp4), and 3xTF32's
+           ("tc_implicit_gemm_3xf16", ConvSpec.make(32, 1024, 6, 6, 1024, 1, 1), None),
+           ("tc_implicit_gemm_3xtf32", ConvSpec.make(32, 256, 14, 14, 256, 3, 3, 1, 1),
+            Params(bm=128, bn=128, kb=1, st=3, cw=2, ks=1, ps=1, tm=1, kr=1))]
 
 
 @pytest.mark.parametrize("name, spec, params", COMPILE, ids=lambda v: str(v))
@@ -1583,3 +1587,82 @@ def test_x3h_scale_puts_the_maximum_in_fp16s_top_binade():
         else:
             assert sc == 2.0**126, (m, sc)
     assert got[-3][0] == 2.0**126 and got[-2] == (1.0, 1.0) and got[-1] == (1.0, 1.0)
+
+
+# -- kr: the wgmma sums restarted every k step ---------------------------------------------------------------------
+def _consumer_events(body: str) -> list[tuple[str, str]]:
+    """The consumer's k loop and what follows it to the epilogue, as (event, register set) in order:
+    ("z" / "acc", set) a wgmma starting / adding into a set, ("commit", ""), ("wait", n), ("add", set)."""
+    loop = body[body.rindex("for (int kt = kbeg", 0, body.index("WGMMA_Z(")):]
+    loop = loop[:loop.index("osc")] if "osc" in loop else loop
+    out = []
+    for m in re.finditer(r"(WGMMA_Z|WGMMA|WGMMA_COMMIT|WGMMA_WAIT)\(([^;]*)\);|f0_0 \+= (\w)0_0;", loop):
+        if m.group(3):
+            out.append(("add", m.group(3)))
+        elif m.group(1) in ("WGMMA", "WGMMA_Z"):
+            out.append(("z" if m.group(1) == "WGMMA_Z" else "acc", m.group(2).split(",")[5].strip()[0]))
+        else:
+            out.append(("commit", "") if m.group(1) == "WGMMA_COMMIT" else ("wait", m.group(2).split(",")[0]))
+    return out
+
+
+@pytest.mark.parametrize("math, cfg", [(X3F16, TileConfig(128, 128, 1, 3, 2, tm=1, kr=1)),
+                                       (X3TF32, TileConfig(128, 64, 2, 2, 2, ks=2, kr=1)),
+                                       (X3F16, TileConfig(64, 64, 1, 4, 1, kr=1))], ids=str)
+def test_restart_adds_every_k_step_once_after_its_wgmma_is_done(math, cfg):
+    """kr=1, modelled over three trips of the consumer's k loop and the tile's end: each k step is one
+    wgmma group whose first product starts a register set from zero (scale-d 0) and whose others add
+    into it; the sets alternate; a set is added into the FP32 sums exactly once, only after a
+    wait_group has retired its group, and never written again before that add."""
+    v = get_variant("tc_implicit_gemm_3xf16" if math is X3F16 else "tc_implicit_gemm_3xtf32")
+    spec = ConvSpec.make(2, 64, 9, 9, 130, 3, 3, 1, 1)
+    gemm = [k for k in v.plan(spec, cfg.params(), NOMINAL_CUDA).kernels if k.name.endswith("_gemm")][0]
+    events = _consumer_events(gemm.body)
+    loop_end = next(i for i, (e, n) in enumerate(events) if e == "wait" and n == "0")
+    trips = events[:loop_end] * 3 + events[loop_end:]
+    groups, pending, owner, added = [], [], {}, set()  # groups: set written; owner: set -> its last group
+    for ev, arg in trips:
+        if ev == "z":
+            last = owner.get(arg)
+            assert last is None or last in added, f"set {arg} restarted before group {last} was added"
+            groups.append(arg)
+            owner[arg] = len(groups) - 1
+        elif ev == "acc":
+            assert owner.get(arg) == len(groups) - 1, "a product added into another group's set"
+        elif ev == "commit":
+            pending.append(len(groups) - 1)
+        elif ev == "wait":
+            del pending[:max(len(pending) - int(arg), 0)]
+        else:  # add
+            g = owner.get(arg)
+            if g is None:
+                continue  # the tile's first k step adds the other set's zeros
+            assert g not in pending, f"group {g} added before it retired"
+            assert g not in added, f"group {g} added twice"
+            added.add(g)
+    steps = cfg.stage(math).a.steps
+    assert len(groups) == 3 * steps and added == set(range(len(groups)))
+    assert groups == ["d", "e"] * (len(groups) // 2)
+
+
+def test_restart_tiles_and_defaults():
+    """kr is a split-mode setting exclusive with pi; three sets of 64 accumulators need the TMA
+    producer's registers (setmaxnreg 40 / 232); 3xFP16's default restarts on the layers of
+    variants.x3h_restart and keeps the promotion elsewhere; the parameter round-trips."""
+    prob = Problem(4096, 256, 2304)
+    assert any("kr" in w for w in TileConfig(128, 128, tm=1, kr=1).problems(TF32))
+    assert any("kr" in w for w in TileConfig(128, 128, tm=1, pi=2, kr=1).problems(X3F16))
+    assert any("TMA" in w for w in TileConfig(128, 128, kr=1).problems(X3F16, prob))
+    big = TileConfig(128, 128, st=3, tm=1, kr=1)
+    assert not big.problems(X3F16, prob) and big.regs() == (tiles.TMA_PRODUCER_REGS, tiles.KR_CONSUMER_REGS)
+    assert TileConfig.of(big.params()) == big and big.params()["kr"] == 1
+    assert tiles.restarted(TileConfig(128, 128, st=3, tm=1, pi=2), X3F16, prob).kr == 1
+    assert tiles.restarted(TileConfig(128, 128, st=3, pi=2), X3F16, prob).pi == 2  # cp.async: no room
+    assert tiles.restarted(TileConfig(128, 128, st=3, tm=1, pi=2), X3TF32, prob).kr == 0
+    v = get_variant("tc_implicit_gemm_3xf16")
+    for spec, kr in ((ConvSpec.make(32, 1024, 6, 6, 1024, 1, 1), 1),
+                     (ConvSpec.make(32, 256, 13, 13, 384, 3, 3, 1, 1), 1),
+                     (ConvSpec.make(32, 256, 14, 14, 256, 3, 3, 1, 1), 0),
+                     (ConvSpec.make(32, 96, 54, 54, 96, 1, 1), 0)):
+        assert v.default(spec, NOMINAL_CUDA).get("kr", 0) == kr, spec.short()
+    assert any(p.get("kr") == 1 for p in v.space(ConvSpec.make(32, 256, 14, 14, 256, 3, 3, 1, 1), NOMINAL_CUDA))

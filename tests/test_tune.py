@@ -143,8 +143,9 @@ def test_heuristic_ranks_winograd_by_layer_on_gpus() -> None:
 def test_heuristic_3xtf32_and_1x1_tiles_where_measured() -> None:
     """H100, round 21 (tensorcore/variants.py ``x3_rank``, gemm.py ``pointwise_prefer``): 3xTF32
     first on big 3x3 layers of 64-256 channels (VGG-16 conv3_2), below implicit GEMM on 3-channel
-    stems, first on deep 1x1 layers (round 31), at its stated rank elsewhere (NIN conv3 stays
-    Winograd, other 1x1 layers gemm1x1) and in the backward passes; gemm1x1 takes 64x128x16 where
+    stems, at its stated rank elsewhere and in the backward passes; 3xFP16 over it on those 3x3 layers
+    (round 32) and, restarted every k step, on 3x3 layers of C != K >= 64 and deep 1x1 layers (round 33;
+    other 1x1 layers gemm1x1); gemm1x1 takes 64x128x16 where
     128x128 tiles fill the GPU and K <= 512, 32x64x16 where 64x64 tiles give at most 2.5 blocks per
     SM and K <= 384."""
     from conftest import NOMINAL_CUDA
@@ -155,17 +156,21 @@ def test_heuristic_3xtf32_and_1x1_tiles_where_measured() -> None:
 
     assert pick(ConvSpec.make(32, 256, 56, 56, 256, 3, 3, 1, 1))[0] == "tc_implicit_gemm_3xf16"  # round 32
     assert pick(ConvSpec.make(32, 128, 56, 56, 256, 3, 3, 1, 1))[0] == "tc_implicit_gemm_3xf16"  # 3xTF32's lead
-    assert pick(ConvSpec.make(32, 96, 28, 28, 128, 3, 3, 1, 1))[0].startswith("winograd")  # C < K below 56²
+    # round 33: 3xFP16 restarted every k step also first on 3x3 layers of C != K (GoogLeNet 3a, NIN conv3)
+    assert pick(ConvSpec.make(32, 96, 28, 28, 128, 3, 3, 1, 1))[0] == "tc_implicit_gemm_3xf16"
+    assert heuristic_choice(ConvSpec.make(32, 96, 28, 28, 128, 3, 3, 1, 1), NOMINAL_CUDA)[1]["kr"] == 1
+    assert pick(ConvSpec.make(32, 48, 28, 28, 128, 3, 3, 1, 1))[0].startswith("winograd")  # C < 64
     assert pick(ConvSpec.make(32, 256, 56, 56, 256, 3, 3, 1, 1, conv_pass="dgrad"))[0] != "tc_implicit_gemm_3xtf32"
     assert pick(ConvSpec.make(128, 3, 227, 227, 96, 11, 11, 4, 0))[0] == "implicit_gemm"
-    assert pick(ConvSpec.make(32, 256, 13, 13, 384, 3, 3, 1, 1))[0] == "winograd_nonfused_f4"
+    assert pick(ConvSpec.make(32, 256, 13, 13, 384, 3, 3, 1, 1))[0] == "tc_implicit_gemm_3xf16"  # round 33
     assert pick(ConvSpec.make(32, 256, 56, 56, 64, 1, 1)) == ("gemm1x1", (64, 128, 16))  # res2b 2a
     assert pick(ConvSpec.make(32, 256, 56, 56, 1024, 1, 1)) == ("gemm1x1", (128, 128, 8))
     assert pick(ConvSpec.make(32, 528, 14, 14, 160, 1, 1)) == ("gemm1x1", (32, 64, 16))  # GoogLeNet 4e
-    # round 31: 3xTF32 first on 1x1 layers of C, K >= 256 and <= 32768 pixels, promoted every stage
+    # round 31: 3xTF32 first on 1x1 layers of C, K >= 256 and <= 32768 pixels, promoted every stage; round 33:
+    # 3xFP16 restarted every k step there instead
     res5 = ConvSpec.make(32, 2048, 7, 7, 512, 1, 1)
-    assert pick(res5)[0] == pick(ConvSpec.make(32, 1024, 6, 6, 1024, 1, 1))[0] == "tc_implicit_gemm_3xtf32"
-    assert heuristic_choice(res5, NOMINAL_CUDA)[1]["pi"] == 1
+    assert pick(res5)[0] == pick(ConvSpec.make(32, 1024, 6, 6, 1024, 1, 1))[0] == "tc_implicit_gemm_3xf16"
+    assert heuristic_choice(res5, NOMINAL_CUDA)[1]["kr"] == 1
     assert pick(ConvSpec.make(32, 512, 28, 28, 128, 1, 1))[0] == "gemm1x1"  # K 128: GoogLeNet's reduce layers
     assert pick(ConvSpec.make(32, 1024, 56, 56, 256, 1, 1))[0] == "gemm1x1"  # more pixels than measured
 

@@ -24,7 +24,7 @@ _TOKEN = re.compile(r"\b(GROUP_ID|LOCAL_ID|GROUP_SIZE|NUM_GROUPS|BARRIER|VLOAD4|
                     r"MMA_TF32_16x8x8|SMEM_U32|CP_ASYNC16|CP_ASYNC4|CP_ASYNC_COMMIT|CP_ASYNC_WAIT|LDMATRIX_X4|LDS_F4|"
                     r"LDS_F1|TF32_RHA|FENCE_PROXY_ASYNC|WGMMA_FENCE|WGMMA_COMMIT|WGMMA_WAIT|WGMMA_TF32|"
                     r"MBAR_INIT|MBAR_WAIT|MBAR_ARRIVE|CP_ASYNC_MBAR_ARRIVE|SETMAXNREG_INC|SETMAXNREG_DEC|"
-                    r"BAR_SYNC|WGMMA_RS|WGMMA_HOLD|WGMMA|TC_F16_TO_F32|TC_BF16_TO_F32|TC_F32_TO_F16|TC_F32_TO_BF16|TC_PACK_F16X2|"
+                    r"BAR_SYNC|WGMMA_RS|WGMMA_HOLD|WGMMA_Z|WGMMA|TC_F16_TO_F32|TC_BF16_TO_F32|TC_F32_TO_F16|TC_F32_TO_BF16|TC_PACK_F16X2|"
                     r"TC_PACK_BF16X2|MBAR_INIT_FENCE|MBAR_EXPECT_TX|TMA_PREFETCH|TMA_TILE_2D|TMA_IM2COL_4D|"
                     r"TMA_TILE_2D_MC|TMA_IM2COL_4D_MC|CLUSTER_RANK|CLUSTER_ID|NUM_CLUSTERS|CLUSTER_SYNC|"
                     r"MBAR_ARRIVE_CLUSTER|TC_X3H_SCALE|TC_X3H_UNSCALE)\(")
@@ -379,8 +379,9 @@ __device__ __forceinline__ void cf_mma_tf32(float& d0, float& d1, float& d2, flo
 # compiler neither reads them before the wait that completes them nor moves them in between.
 _WGMMA_TOKENS = frozenset({"FENCE_PROXY_ASYNC", "WGMMA_FENCE", "WGMMA_COMMIT", "WGMMA_WAIT", "WGMMA_TF32"}
                           | {"MBAR_INIT", "MBAR_WAIT", "MBAR_ARRIVE", "CP_ASYNC_MBAR_ARRIVE", "SETMAXNREG_INC",
-                             "SETMAXNREG_DEC", "BAR_SYNC", "WGMMA", "WGMMA_RS", "WGMMA_HOLD", "TC_F16_TO_F32",
-                             "TC_BF16_TO_F32", "TC_F32_TO_F16", "TC_F32_TO_BF16", "TC_PACK_F16X2", "TC_PACK_BF16X2"}
+                             "SETMAXNREG_DEC", "BAR_SYNC", "WGMMA", "WGMMA_Z", "WGMMA_RS", "WGMMA_HOLD",
+                             "TC_F16_TO_F32", "TC_BF16_TO_F32", "TC_F32_TO_F16", "TC_F32_TO_BF16", "TC_PACK_F16X2",
+                             "TC_PACK_BF16X2"}
                           | {"MBAR_INIT_FENCE", "MBAR_EXPECT_TX", "TMA_PREFETCH", "TMA_TILE_2D", "TMA_IM2COL_4D"}
                           | {"TMA_TILE_2D_MC", "TMA_IM2COL_4D_MC", "CLUSTER_RANK", "CLUSTER_ID", "NUM_CLUSTERS",
                              "CLUSTER_SYNC", "MBAR_ARRIVE_CLUSTER", "TC_X3H_SCALE", "TC_X3H_UNSCALE"})
@@ -444,6 +445,11 @@ def _wgmma_any(args: list[str]) -> str:
     return _wgmma_asm("WGMMA", args[0], int(args[1]), int(args[2]), args[5:], [args[3]], args[4], "1")
 
 
+def _wgmma_z(args: list[str]) -> str:
+    """WGMMA_Z(type, k, N, desc_a, desc_b, d...): D = A.B (scale-d 0: D's old value is not read), as WGMMA."""
+    return _wgmma_asm("WGMMA_Z", args[0], int(args[1]), int(args[2]), args[5:], [args[3]], args[4], "0")
+
+
 def _wgmma_rs(args: list[str]) -> str:
     """WGMMA_RS(type, k, N, scale_d, a0, a1, a2, a3, desc_b, d...): D = (scale_d ? D : 0) + A.B,
     m64nNk{k}, A from four 32-bit registers a lane (the mma.sync A layout per warp), B K-major in
@@ -469,6 +475,7 @@ _TC_TOKENS: dict[str, Callable[[list[str]], str]] = {
     "SETMAXNREG_DEC": lambda a: _asm(f"setmaxnreg.dec.sync.aligned.u32 {int(a[0])};"),
     "BAR_SYNC": lambda a: _asm("bar.sync %0, %1;", (), [f'"r"({a[0]})', f'"r"({a[1]})']),
     "WGMMA": _wgmma_any,
+    "WGMMA_Z": _wgmma_z,
     "TC_F16_TO_F32": lambda a: f"cf_f16_f32({a[0]})",
     "TC_BF16_TO_F32": lambda a: f"__uint_as_float(((unsigned)({a[0]})) << 16)",
     "TC_F32_TO_F16": lambda a: f"cf_f32_f16({a[0]})",

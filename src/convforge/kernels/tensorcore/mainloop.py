@@ -253,8 +253,8 @@ def _consumer_state(code: Code, ring: Ring) -> None:
          f"float* const est = tc_smem + ((sbase - SMEM_U32(tc_smem)) >> 2) + "
          f"({ring.staging_offset} + c * {epilogue.staging_bytes(cfg.wm)}) / 4;  // its staging",
          f"float {', '.join(acc)};")
-    if cfg.pi:
-        code(f"float {', '.join(acc_names(cfg, 'f'))};")
+    for prefix in ("f", "e")[:cfg.sets - 1]:
+        code(f"float {', '.join(acc_names(cfg, prefix))};")
     code("int stage = 0, pstage = 0;", "unsigned phase = 0u;")
     if cfg.pp:
         code("int lt = 0, turn = 0;  // the block's tiles so far (consumer c takes lt % 2 == c); its own")
@@ -273,37 +273,92 @@ def _consumer_tiles(code: Code, ring: Ring, prob: Problem, out: Output, head: st
                      f"phase ^= (unsigned)((s2 / {cfg.st}) & 1);",
                      f"stage = s2 % {cfg.st};",
                      "continue;")
-        code(*(f"{d} = 0.0f;" for d in acc + (acc_names(cfg, "f") if cfg.pi else [])))
+        code(*(f"{d} = 0.0f;" for prefix in ("d", "f", "e")[:cfg.sets] for d in acc_names(cfg, prefix)))
         if cfg.pp:  # consumer 0 first (a fresh barrier passes parity 1), then each after the other
             code(f"MBAR_WAIT({ring.turn('c')}, ((unsigned)turn & 1u) ^ (unsigned)(c == 0));")
-        with code.block("for (int kt = kbeg; kt < kend; ++kt)"):
-            code(f"MBAR_WAIT({ring.full('stage')}, phase);")
-            if not cfg.tm:
-                code("FENCE_PROXY_ASYNC();  // the producer's cp.async (generic proxy) writes, seen by wgmma")
-            code("WGMMA_FENCE();",
-                 f"const U64 so = (U64)(stage * {ring.stage_bytes // 16});")
-            for mi, a_off, b_off in wgmma_issue(cfg, math):
-                regs = ", ".join(acc[mi * cfg.bn // 2:(mi + 1) * cfg.bn // 2])
-                code(f"WGMMA({math.ptx}, {math.k}, {cfg.bn}, da0 + so + {a_off // 16}, dsc + so + {b_off // 16}, "
-                     f"{regs});")
-            code("WGMMA_COMMIT();", f"WGMMA_WAIT(1, {tied});  // the group before is done: release its stage",
-                 f"if (kt > kbeg) {ring.release('pstage')}" if cfg.cl == 1 else
-                 f"if (kt > kbeg) {{ {ring.release('pstage')} }}", "pstage = stage;")
-            ring.advance(code)
-            if cfg.pi:
-                with code.block(f"if ((kt - kbeg) % {cfg.pi} == {cfg.pi - 1})"):
-                    _promote(code, cfg, tied)
+        if cfg.kr:
+            _restart_loop(code, ring)
+        else:
+            _stage_loop(code, ring, tied)
         if cfg.pp:
             code(f"MBAR_ARRIVE({ring.turn('1 - c')});  // every full wait of this tile done: the other's turn",
                  "++turn;")
-        code(f"WGMMA_WAIT(0, {tied});", ring.release("pstage"))
-        if cfg.pi:
-            _promote(code, cfg, tied, wait=False)
+        if cfg.kr:
+            code(f"WGMMA_WAIT(0, {', '.join(acc_names(cfg, 'd') + acc_names(cfg, 'e'))});", ring.release("pstage"))
+            _add_into_sums(code, cfg, "e")  # the tile's last k step (an odd one: stages hold an even number)
+        else:
+            code(f"WGMMA_WAIT(0, {tied});", ring.release("pstage"))
+            if cfg.pi:
+                _promote(code, cfg, tied, wait=False)
         if math.scaled:
-            _unscale(code, cfg, ops, "f" if cfg.pi else "d")
+            _unscale(code, cfg, ops, cfg.summed)
         rows = "ra0" if cfg.pp else f"(ra0 + c * {64 * cfg.wm})"
-        epilogue.emit_consumer_epilogue(code, out, cfg.wm, cfg.bn, "est", "(1 + c)", rows, "rb0", "zs",
-                                        "f" if cfg.pi else "d")
+        epilogue.emit_consumer_epilogue(code, out, cfg.wm, cfg.bn, "est", "(1 + c)", rows, "rb0", "zs", cfg.summed)
+
+
+def _stage_loop(code: Code, ring: Ring, tied: str) -> None:
+    """One wgmma group a stage into the ``d`` set; with ``pi`` its sums promoted every pi stages."""
+    cfg, math = ring.cfg, ring.math
+    acc = acc_names(cfg)
+    with code.block("for (int kt = kbeg; kt < kend; ++kt)"):
+        code(f"MBAR_WAIT({ring.full('stage')}, phase);")
+        if not cfg.tm:
+            code("FENCE_PROXY_ASYNC();  // the producer's cp.async (generic proxy) writes, seen by wgmma")
+        code("WGMMA_FENCE();",
+             f"const U64 so = (U64)(stage * {ring.stage_bytes // 16});")
+        for mi, a_off, b_off in wgmma_issue(cfg, math):
+            regs = ", ".join(acc[mi * cfg.bn // 2:(mi + 1) * cfg.bn // 2])
+            code(f"WGMMA({math.ptx}, {math.k}, {cfg.bn}, da0 + so + {a_off // 16}, dsc + so + {b_off // 16}, "
+                 f"{regs});")
+        code("WGMMA_COMMIT();", f"WGMMA_WAIT(1, {tied});  // the group before is done: release its stage",
+             f"if (kt > kbeg) {ring.release('pstage')}" if cfg.cl == 1 else
+             f"if (kt > kbeg) {{ {ring.release('pstage')} }}", "pstage = stage;")
+        ring.advance(code)
+        if cfg.pi:
+            with code.block(f"if ((kt - kbeg) % {cfg.pi} == {cfg.pi - 1})"):
+                _promote(code, cfg, tied)
+
+
+def _restart_loop(code: Code, ring: Ring) -> None:
+    """kr: one wgmma group a k step, its first product starting from zero (scale-d 0) in set ``d`` or
+    ``e`` in turn; once the group before it is done (wait_group 1), that group's sums are added into
+    the FP32 sums ``f`` (round to nearest) and, at a stage's first k step, the stage before released.
+    The tensor core's truncation then spans one k step's products, never the running sum."""
+    cfg, math = ring.cfg, ring.math
+    steps = cfg.stage(math).a.steps
+    if steps % 2:
+        raise ValueError(f"kr alternates two register sets over a stage's k steps, which must be even, not {steps}")
+    both = ", ".join(acc_names(cfg, "d") + acc_names(cfg, "e"))
+    issue = wgmma_issue(cfg, math)
+    per_step = len(issue) // steps
+    with code.block("for (int kt = kbeg; kt < kend; ++kt)"):
+        code(f"MBAR_WAIT({ring.full('stage')}, phase);")
+        if not cfg.tm:
+            code("FENCE_PROXY_ASYNC();  // the producer's cp.async (generic proxy) writes, seen by wgmma")
+        code(f"const U64 so = (U64)(stage * {ring.stage_bytes // 16});")
+        for kk in range(steps):
+            cur, prev = ("d", "e") if kk % 2 == 0 else ("e", "d")
+            acc = acc_names(cfg, cur)
+            code("WGMMA_FENCE();")
+            started = set()
+            for mi, a_off, b_off in issue[kk * per_step:(kk + 1) * per_step]:
+                regs = ", ".join(acc[mi * cfg.bn // 2:(mi + 1) * cfg.bn // 2])
+                op = "WGMMA" if mi in started else "WGMMA_Z"
+                started.add(mi)
+                code(f"{op}({math.ptx}, {math.k}, {cfg.bn}, da0 + so + {a_off // 16}, dsc + so + {b_off // 16}, "
+                     f"{regs});")
+            code("WGMMA_COMMIT();", f"WGMMA_WAIT(1, {both});  // the k step before is done")
+            if kk == 0:
+                code(f"if (kt > kbeg) {ring.release('pstage')}" if cfg.cl == 1 else
+                     f"if (kt > kbeg) {{ {ring.release('pstage')} }}", "pstage = stage;")
+            _add_into_sums(code, cfg, prev)
+        ring.advance(code)
+
+
+def _add_into_sums(code: Code, cfg: TileConfig, prefix: str) -> None:
+    """kr: the finished k step's wgmma sums (set ``prefix``) added into the FP32 sums."""
+    for d, f in zip(acc_names(cfg, prefix), acc_names(cfg, "f"), strict=True):
+        code(f"{f} += {d};")
 
 
 def _unscale(code: Code, cfg: TileConfig, ops: list[Operand], prefix: str) -> None:

@@ -29,11 +29,12 @@ from convforge.kernels.tensorcore.isa import Math, n_ok
 from convforge.kernels.tensorcore.smem import MAX_SHARED, StageLayout, Tile
 from convforge.params import Params
 
-KEYS = ("bm", "bn", "kb", "st", "cw", "ks", "ps", "pi", "tm", "cl", "sa", "pp")
+KEYS = ("bm", "bn", "kb", "st", "cw", "ks", "ps", "pi", "tm", "cl", "sa", "pp", "kr")
 WG = 128  # threads of a warpgroup
 ACC_LIMIT = 128  # f32 accumulators per consumer thread that leave room for addresses (<= 232 registers)
 PRODUCER_REGS, CONSUMER_REGS = 80, 200  # setmaxnreg split of 3 warpgroups (128 * 80 + 256 * 200 <= 64K;
 # ptxas: the cp.async producer of 16 rows spilled at 72, a 128-accumulator consumer fits in 200)
+TMA_PRODUCER_REGS, KR_CONSUMER_REGS = 40, 232  # kr: three sets of 64 accumulators; a TMA producer is one thread
 BN_CHOICES = (64, 128, 256, 96, 192, 32, 160, 224)
 
 
@@ -62,6 +63,8 @@ class TileConfig:
     tm: int = 0  # 1: the operands come by TMA (one producer thread, tensorcore/tma.py), 0: by cp.async
     sa: int = 128  # A's swizzle width in bytes (64 or 32, TMA only: channels that are not whole 128-byte rows)
     pp: int = 0  # 1: the two consumers take whole tiles in turn ("ping-pong"), 0: they share each tile
+    kr: int = 0  # split modes: 1 restarts the wgmma sums every k step (two register sets in turn, each added
+    # into FP32 registers by round-to-nearest), so the tensor core truncates k products' sums, not the running sum
 
     @property
     def groups(self) -> int:
@@ -79,8 +82,19 @@ class TileConfig:
 
     @property
     def acc(self) -> int:
-        """f32 accumulators per consumer thread (twice as many registers with promotion)."""
+        """f32 accumulators per consumer thread (twice as many registers with promotion, three times with kr)."""
         return self.wm * self.bn // 2
+
+    @property
+    def sets(self) -> int:
+        """Register sets of ``acc`` accumulators: the wgmma sums, the FP32 sums they are promoted into
+        (pi), a second wgmma set taking every other k step (kr)."""
+        return 3 if self.kr else 2 if self.pi else 1
+
+    @property
+    def summed(self) -> str:
+        """The prefix of the accumulators the epilogue stores: the FP32 sums where there are any."""
+        return "f" if self.sets > 1 else "d"
 
     def a_tile(self) -> Tile:
         """A's part of a stage: ``kb`` x 128 bytes of K in column blocks of its swizzle width."""
@@ -100,7 +114,9 @@ class TileConfig:
 
     def regs(self) -> tuple[int, int] | None:
         """(producer, consumer) registers for setmaxnreg, None when the launch bound leaves enough."""
-        need = self.acc * (2 if self.pi else 1)
+        need = self.acc * self.sets
+        if self.cw == 2 and need > ACC_LIMIT + 32:
+            return TMA_PRODUCER_REGS, KR_CONSUMER_REGS
         if self.cw == 2 and need > 64:
             return PRODUCER_REGS, CONSUMER_REGS
         return None
@@ -120,10 +136,14 @@ class TileConfig:
             out.append(f"kb ({self.kb}) must be 1 or 2 atoms of 128 bytes")
         if not 2 <= self.st <= 8:
             out.append(f"st ({self.st}) must be 2..8 stages")
-        if self.acc * (2 if self.pi else 1) > ACC_LIMIT + (32 if self.pi else 0):
-            out.append(f"{self.acc} accumulators per thread (bm {self.bm}, bn {self.bn}) exceed {ACC_LIMIT}")
-        if self.pi and not math.split:
-            out.append("pi (promotion) is a 3xTF32 setting")
+        limit = ACC_LIMIT + {1: 0, 2: 32, 3: 64 if self.tm else 0}[self.sets]
+        if self.acc * self.sets > limit:
+            out.append(f"{self.acc} accumulators per thread (bm {self.bm}, bn {self.bn}) in {self.sets} set(s) "
+                       f"exceed {limit}" + (" (kr's 192 need TMA's one-thread producer)" if self.kr else ""))
+        if (self.pi or self.kr) and not math.split:
+            out.append("pi (promotion) and kr (k-step restart) are settings of the split modes (3xTF32, 3xFP16)")
+        if self.kr not in (0, 1) or (self.kr and self.pi):
+            out.append(f"kr ({self.kr}) must be 0, or 1 with pi=0 (the restart promotes every k step)")
         if self.pi < 0 or self.ks < 1 or self.ps not in (0, 1) or self.tm not in (0, 1):
             out.append("pi >= 0, ks >= 1, ps 0 or 1, tm 0 or 1")
         if self.cl not in (1, 2) or (self.cl == 2 and not self.tm):
@@ -164,7 +184,7 @@ class TileConfig:
         keys = dict(bm=self.bm, bn=self.bn, kb=self.kb, st=self.st, cw=self.cw, ks=self.ks, ps=self.ps)
         return Params({**keys, **({"pi": self.pi} if self.pi else {}), **({"tm": self.tm} if self.tm else {}),
                        **({"cl": self.cl} if self.cl > 1 else {}), **({"sa": self.sa} if self.sa != 128 else {}),
-                       **({"pp": self.pp} if self.pp else {})})
+                       **({"pp": self.pp} if self.pp else {}), **({"kr": self.kr} if self.kr else {})})
 
     @classmethod
     def of(cls, p: Params) -> TileConfig:
@@ -173,7 +193,7 @@ class TileConfig:
             raise ValueError(f"unknown tensor-core tile parameters {sorted(unknown)} (known: {', '.join(KEYS)})")
         return cls(int(p.bm), int(p.bn), int(p.get("kb", 1)), int(p.get("st", 4)), int(p.get("cw", 2)),
                    int(p.get("ks", 1)), int(p.get("ps", 1)), int(p.get("pi", 0)), int(p.get("cl", 1)),
-                   int(p.get("tm", 0)), int(p.get("sa", 128)), int(p.get("pp", 0)))
+                   int(p.get("tm", 0)), int(p.get("sa", 128)), int(p.get("pp", 0)), int(p.get("kr", 0)))
 
 
 # Relative throughput of a block tile's wgmma stream per operand element size (m64nN with both operands in
@@ -225,6 +245,22 @@ def pick(math: Math, prob: Problem, units: int, shared_limit: int = MAX_SHARED) 
     persistent grid."""
     cfg = min(shapes(math, prob, shared_limit), key=lambda c: _wave_cost(c.bm, c.bn, math, prob, units))
     return dataclasses.replace(cfg, ks=split_for(cfg, math, prob, units))
+
+
+def restarted(cfg: TileConfig, math: Math, prob: Problem | None = None, shared_limit: int = MAX_SHARED) -> TileConfig:
+    """3xFP16's default: ``cfg`` with its wgmma sums restarted every k step (kr=1, pi=0) where the third
+    register set fits (128 x 128 needs the one-thread TMA producer), else ``cfg`` as it is. The tensor core
+    aligns each instruction's addends to the largest and truncates the rest toward zero; promoted every 2
+    stages the running sum is that largest, so every product loses bits toward zero and the error takes the
+    output's sign (scripts/tc_sum_model.py: a bias 10-100x an FP32 sum's, 3-5x less restarted each k step),
+    which adds up across a network's layers."""
+    if not (math.scaled and X3H_RESTART) or cfg.kr:
+        return cfg
+    kr = dataclasses.replace(cfg, pi=0, kr=1)
+    return cfg if kr.problems(math, prob, shared_limit) else kr
+
+
+X3H_RESTART = True  # 3xFP16's defaults restart the sums every k step (:func:`restarted`)
 
 
 def pingpong(cfg: TileConfig, math: Math, prob: Problem | None = None, shared_limit: int = MAX_SHARED,
@@ -289,11 +325,11 @@ def space(math: Math, prob: Problem, units: int, shared_limit: int = MAX_SHARED)
     grids, deeper pipelines, one atom per stage, 2 consumers; shapes by the wave model)."""
     first = pick(math, prob, units, shared_limit)
     splits = sorted({1, first.ks})
-    pis = (2, 4, 1) if math.split else (0,)
+    sums = ((2, 0), (4, 0), (1, 0), (0, 1)) if math.split else ((0, 0),)  # (pi, kr)
     out = []
-    for bn, bm, cw, kb, st, ks, ps, pi in itertools.product(BN_CHOICES, (128, 256, 64), (2, 1), (1, 2),
-                                                            (6, 5, 4, 3), splits, (1, 0), pis):
-        cfg = TileConfig(bm, bn, kb, st, cw, ks, ps, pi)
+    for bn, bm, cw, kb, st, ks, ps, (pi, kr) in itertools.product(BN_CHOICES, (128, 256, 64), (2, 1), (1, 2),
+                                                                  (6, 5, 4, 3), splits, (1, 0), sums):
+        cfg = TileConfig(bm, bn, kb, st, cw, ks, ps, pi, kr=kr)
         if bn > 2 * max(prob.n, 32) or cfg == first or cfg.problems(math, prob, shared_limit):
             continue
         out.append(cfg)

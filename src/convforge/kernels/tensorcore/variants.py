@@ -79,13 +79,13 @@ def x3_rank(spec: ConvSpec) -> int | None:
     them back (NIN conv3, GoogLeNet 4b-4d, ResNet-50 res4b), where the exact fallback is slower
     than Winograd was; 3xTF32's 4.7e-7 costs a network's logits more than Winograd's 2-4e-6 (likely,
     not measured: errors of one sign, from the tensor core's truncating sums, add up across layers).
-    * 1x1 stride 1 with C >= 256, K >= 256 and N*P*Q <= 32768 (:func:`x3_pointwise`), its sums
-      promoted every stage: 20 of 23 of those with K >= 128 ran faster than gemm1x1 (round 21: NIN
-      cccp4 0.054 against 0.112 ms). Round 21 left them out: promoted every 2 stages (4.6e-7), they
-      made `convforge run`'s calibration tighten 7 of NIN's layers and 22 of GoogLeNet's, both
-      networks slower. Round 31 (H100, `convforge run --batch 32`, calibration's one-sign order):
-      ResNet-50 6.095 -> 5.109 ms (0 layers tightened, error ratio 1.49), NIN 1.404 -> 1.366 (its
-      five such layers tightened back), GoogLeNet 3.258 -> 3.265; with K >= 128 GoogLeNet's search
+    * 1x1 stride 1 with C >= 256, K >= 256 and N*P*Q <= 32768 (:func:`x3_pointwise`; since round 33 at
+      gemm1x1's rank, below 3xFP16 restarted every k step), its sums promoted every stage: 20 of 23 of those
+      with K >= 128 ran faster than gemm1x1 (round 21: NIN cccp4 0.054 against 0.112 ms). Round 21 left them
+      out: promoted every 2 stages (4.6e-7), they made `convforge run`'s calibration tighten 7 of NIN's layers
+      and 22 of GoogLeNet's, both networks slower. Round 31 (H100, `convforge run --batch 32`, calibration's
+      one-sign order): ResNet-50 6.095 -> 5.109 ms (0 layers tightened, error ratio 1.49), NIN 1.404 -> 1.366
+      (its five such layers tightened back), GoogLeNet 3.258 -> 3.265; with K >= 128 GoogLeNet's search
       tightened 15 layers and ran 3.523 ms.
 
     Below implicit GEMM on stems of fewer than 8 input channels, padded to 16-byte chunks and
@@ -99,12 +99,13 @@ def x3_rank(spec: ConvSpec) -> int | None:
     if spec.r == spec.s == spec.h == spec.w == 1:
         return FC_RANK if spec.n >= 128 and spec.c >= 4096 else None
     if x3_pointwise(spec):
-        return X3_LEAD_RANK
+        return X3_LEAD_RANK - 1 if X3H_WIDE else X3_LEAD_RANK
     if spec.r == spec.s == 3 and unit and spec.h >= 56 and 64 <= spec.c <= 256 and spec.k >= 128:
         return X3_LEAD_RANK
     return None
 
 
+X3H_WIDE = True  # round 33: 3xFP16, restarted every k step, also first on 3x3 layers of C != K and deep 1x1 layers
 X3H_FLOPS = 2e9  # 3xFP16 over 3xTF32 from this much work: below, its two maximum steps cost more than it saves
 X3H_OVER_3XTF32 = 9  # one above 3xTF32's stated rank (8)
 
@@ -124,11 +125,20 @@ def x3h_rank(spec: ConvSpec) -> int | None:
     0.563 -> 0.343, Inception-v3's 1x7 768 -> 192 0.249 -> 0.154, dilated 3x3 512 0.90 -> 0.53, 3x3/2
     256@28² 0.115 -> 0.084; slower on Boda's N5 layers of 0.1-1.8 GFLOP, GoogLeNet's 5x5 0.027 -> 0.035,
     where the two maximum steps and their launches outweigh the GEMM's gain;
-    docs/results/layers-fprop-{mec,unseen,boda}-3xf16-2026-11-27-r32-h100.json). Below 3xTF32 on stems,
-    1x1 and fully-connected layers (not measured; above it on 1x1 layers the relaxed class would take
-    3xFP16 over gemm1x1_wgmma_tf32, rank 12), and below every TF32 variant (the relaxed class admits
-    3xFP16 too)."""
+    docs/results/layers-fprop-{mec,unseen,boda}-3xf16-2026-11-27-r32-h100.json). Below 3xTF32 on stems
+    and fully-connected layers, and below every TF32 variant (the relaxed class admits 3xFP16 too).
+
+    Round 33 (:data:`X3H_WIDE`): with its sums restarted every k step (:func:`x3h_restart`, an error
+    toward zero a tenth of what promotion left) also first on 3x3 stride-1 layers of C != K, both >= 64
+    (X3_LEAD_RANK + 1), and on deep 1x1 layers (:func:`x3_pointwise`: X3_LEAD_RANK, over 3xTF32, which
+    steps down to gemm1x1's 10; below gemm1x1_wgmma_tf32's 12, so the relaxed class keeps it). H100,
+    `convforge run --batch 32` (calibrated, logits within 2x PyTorch FP32's): GoogLeNet 3.17 -> 2.64 ms
+    with 0 layers tightened (round 32's try without the restart: 18), NIN 1.27 -> 1.15 (its conv3 / conv4
+    kept; its six deep 1x1 layers tightened back to gemm1x1), ResNet-50 4.46 -> 4.31, AlexNet N128 3.76 ->
+    2.61, VGG-16 10.29 -> 8.96 (docs/results/run-*-2026-11-27-r33-h100.log)."""
     lead = x3_rank(spec)
+    if X3H_WIDE and x3_pointwise(spec):
+        return X3_LEAD_RANK
     if lead == X3_LEAD_RANK and not x3_pointwise(spec):
         return lead + 1
     if lead is not None:  # stems, 1x1 and fully-connected layers (3xTF32 measured there): below it
@@ -136,11 +146,22 @@ def x3h_rank(spec: ConvSpec) -> int | None:
     if spec.conv_pass != "fprop" or spec.dtype != "float32" or spec.groups != 1:
         return None
     winograd_domain = (spec.r, spec.s, spec.stride, spec.dilation) == (3, 3, (1, 1), (1, 1))
-    if winograd_domain and spec.c == spec.k >= 64:
+    if winograd_domain and (spec.c == spec.k >= 64 or (X3H_WIDE and min(spec.c, spec.k) >= 64)):
         return X3_LEAD_RANK + 1
     if not winograd_domain and (spec.r, spec.s) != (1, 1) and spec.c >= 8 and spec.flops >= X3H_FLOPS:
         return X3H_OVER_3XTF32
     return None
+
+
+def x3h_restart(spec: ConvSpec) -> bool:
+    """Where 3xFP16's default restarts its sums every k step (``tiles.restarted``): the layers it leads
+    on by :data:`X3H_WIDE`, 3x3 stride-1 layers of C != K and deep 1x1 layers (:func:`x3_pointwise`).
+    H100, round 33, against promotion every 2 stages (gpu GEMM alone): the error toward zero 3.6-4.0e-7
+    -> 3.9-4.3e-8 (Winograd F(4x4)'s is -5e-8, an FP32 GEMM's 1e-10), the relative error 4.7-4.9e-7 ->
+    1.1-2.6e-7, at 1.08-1.18x the time on ResNet's C = K layers, which keep the promotion (`convforge run`
+    kept every one of them in round 32)."""
+    winograd_domain = (spec.r, spec.s, spec.stride, spec.dilation) == (3, 3, (1, 1), (1, 1))
+    return X3H_WIDE and (x3_pointwise(spec) or (winograd_domain and spec.c != spec.k))
 
 
 def x3_pointwise(spec: ConvSpec) -> bool:
@@ -166,9 +187,9 @@ class TcVariant(Variant):
     backends = frozenset({"cuda"})
     exact = False
     space_lead = 6
-    # TMA, clusters, A's swizzle width: plan() says where not
+    # TMA, clusters, A's swizzle width, the split modes' k-step restart: plan() says where not
     optional_params = {"tm": frozenset({0, 1}), "cl": frozenset({1, 2}), "sa": frozenset({128, 64, 32}),
-                       "pp": frozenset({0, 1})}
+                       "pp": frozenset({0, 1}), "kr": frozenset({0, 1})}
 
     def __init__(self, name: str, dtypes: frozenset[str], x3: bool, precision: str, specialised: int,
                  x3h: bool = False) -> None:
@@ -268,6 +289,8 @@ class TcImplicitGemm(TcVariant):
         for i, c in enumerate(tiles.space(math, prob, device.units, limit)):
             t = tma.with_tma(c, lambda x: self.tma_reason(spec, x))
             if t.tm:
+                if i < CLUSTER_POINTS and tiles.restarted(t, math, prob, limit).kr:
+                    out.append(tiles.restarted(t, math, prob, limit).params())
                 pp = tiles.pingpong(t, math, prob, limit)
                 if pp.pp and i < CLUSTER_POINTS * 2:
                     out.append(pp.params())
@@ -300,6 +323,8 @@ class TcImplicitGemm(TcVariant):
         limit, math, prob = self.limit(device), self.math(spec), self.problem(spec)
         cfg = tma.with_tma(tiles.pick(math, prob, device.units, limit), lambda c: self.tma_reason(spec, c))
         cfg = dataclasses.replace(cfg, pi=x3_promotion(spec, cfg.pi))
+        if x3h_restart(spec):
+            cfg = tiles.restarted(cfg, math, prob, limit)
         cfg = tiles.pingpong(cfg, math, prob, limit, device.units)
         wide = tiles.narrow_wide(cfg, math, prob, limit)
         return (cfg if self.tma_reason(spec, wide) else wide).params()
