@@ -156,10 +156,11 @@ def x3h_rank(spec: ConvSpec) -> int | None:
 def x3h_restart(spec: ConvSpec) -> bool:
     """Where 3xFP16's default restarts its sums every k step (``tiles.restarted``): the layers it leads
     on by :data:`X3H_WIDE`, 3x3 stride-1 layers of C != K and deep 1x1 layers (:func:`x3_pointwise`).
-    H100, round 33, against promotion every 2 stages (gpu GEMM alone): the error toward zero 3.6-4.0e-7
-    -> 3.9-4.3e-8 (Winograd F(4x4)'s is -5e-8, an FP32 GEMM's 1e-10), the relative error 4.7-4.9e-7 ->
-    1.1-2.6e-7, at 1.08-1.18x the time on ResNet's C = K layers, which keep the promotion (`convforge run`
-    kept every one of them in round 32)."""
+    H100, round 33, against promotion every 2 stages (the GEMM alone, non-negative activations): the
+    error toward zero 3.6-4.0e-7 -> 3.9-4.3e-8 (Winograd F(4x4)'s is -5e-8, an FP32 GEMM's 1e-10), the
+    relative error 4.7-4.9e-7 -> 1.1-2.6e-7 (docs/results/bias-3xf16-restart-2026-11-27-r33-h100.log),
+    at 1.07-1.30x the time (geomean 1.13x) on ResNet's C = K layers, which keep the promotion
+    (`convforge run` kept every one of them in round 32)."""
     winograd_domain = (spec.r, spec.s, spec.stride, spec.dilation) == (3, 3, (1, 1), (1, 1))
     return X3H_WIDE and (x3_pointwise(spec) or (winograd_domain and spec.c != spec.k))
 
