@@ -23,7 +23,8 @@ from convforge.reference import rel_l2
 from convforge.spec import ConvSpec
 from helpers import ODD_SPECS
 
-GEMMS = ("tc_implicit_gemm_tf32", "tc_implicit_gemm_3xtf32", "tc_implicit_gemm_half", "tc_implicit_gemm_3xf16")
+GEMMS = ("tc_implicit_gemm_tf32", "tc_implicit_gemm_3xtf32", "tc_implicit_gemm_half", "tc_implicit_gemm_3xf16",
+         "tc_implicit_gemm_sf16")
 WINOGRAD = ("tc_winograd_f2", "tc_winograd_f2_3xtf32", "tc_winograd_f4_3xtf32")
 EXTRA = [ConvSpec.make(2, 70, 9, 9, 36, 3, 3, 1, 1), ConvSpec.make(1, 4, 15, 15, 130, 3, 1, (1, 2), (1, 1, 0, 0)),
          ConvSpec.make(3, 37, 13, 7, 257, 3, 3, 1, (0, 1, 2, 1)), ConvSpec.make(2, 64, 7, 7, 96, 1, 1),
@@ -159,13 +160,15 @@ X3H_SCALES = [(1e-30, 1e25), (3e20, 1e-12), (1.0, 0.0), (2.0**-120, 1.0)]
 @pytest.mark.parametrize("name, spec", [("tc_implicit_gemm_3xf16", ConvSpec.make(2, 70, 9, 9, 36, 3, 3, 1, 1)),
                                         ("dgrad_tc_implicit_gemm_3xf16", ConvSpec.make(3, 37, 13, 7, 40, 3, 3, 1, 1)),
                                         ("wgrad_tc_implicit_gemm_3xf16", ConvSpec.make(5, 9, 13, 11, 24, 3, 3, 2, 1)),
-                                        ("dgrad_tc_strided_3xf16", ConvSpec.make(3, 37, 13, 7, 40, 3, 3, 2, 1))],
+                                        ("dgrad_tc_strided_3xf16", ConvSpec.make(3, 37, 13, 7, 40, 3, 3, 2, 1)),
+                                        ("tc_implicit_gemm_sf16", ConvSpec.make(2, 70, 9, 9, 36, 3, 3, 1, 1))],
                          ids=str)
 @pytest.mark.parametrize("scales", X3H_SCALES, ids=str)
 def test_3xf16_scales_follow_the_data(hopper, name, spec, scales):
     """3xFP16 scales each operand by the power of two its maximum gives: operands 1e-30 and 1e25,
     3e20 and 1e-12, a zero operand, one at 2^-120 (past FP16's range every one) stay FP32-grade
-    (<= 5e-6 against float64, NaN-poisoned output; all zeros exact); a NaN or an infinity in the
+    (<= 5e-6 against float64, NaN-poisoned output; all zeros exact; scaled FP16 TF32-grade, <= 5e-4,
+    where TF32 measures 2-4e-4); a NaN or an infinity in the
     activation operand reaches the outputs it touches, as in FP32, and no others (the maximum skips
     them, so the other elements keep their scale)."""
     v = get_variant(name)
@@ -180,7 +183,8 @@ def test_3xf16_scales_follow_the_data(hopper, name, spec, scales):
     if not np.abs(ref).max():
         assert not np.abs(got).max() and not np.isnan(got).any()
     else:
-        assert rel_l2(got, ref) <= 5e-6, f"{name} {scales}: {rel_l2(got, ref):.2e}"
+        bound = 5e-4 if name.endswith("sf16") else 5e-6
+        assert rel_l2(got, ref) <= bound, f"{name} {scales}: {rel_l2(got, ref):.2e}"
     if scales == X3H_SCALES[0]:  # into the activation operand (a filter's NaN meets the padding's zeros)
         bad_in = "y" if spec.output == "x" else "x"
         other = second if bad_in == first else first

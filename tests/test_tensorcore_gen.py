@@ -41,7 +41,7 @@ from convforge.kernels.tensorcore.epilogue import (
     staging_ld,
     swizzled,
 )
-from convforge.kernels.tensorcore.isa import ACC, BF16, F16, MATHS, TF32, X3F16, X3TF32, math_for
+from convforge.kernels.tensorcore.isa import ACC, BF16, F16, MATHS, SF16, TF32, X3F16, X3TF32, math_for
 from convforge.kernels.tensorcore.mainloop import consumer_rows, wgmma_issue
 from convforge.kernels.tensorcore.operands import DenseRows, Geometry, Im2colNhwc
 from convforge.kernels.tensorcore.prep import padded_channels
@@ -374,7 +374,11 @@ CASES = [(ODD[0], TF32, TileConfig(128, 64, 1, 3, 2)),
          # 3xFP16: two 2-byte parts a stage, split-K, promotion every stage, channels-last
          (ODD[4], X3F16, TileConfig(128, 64, 1, 2, 2, pi=2)),
          (ODD[3], X3F16, TileConfig(128, 32, 1, 2, 2, ks=3, pi=1)),
-         (_cl(ODD[1]), X3F16, TileConfig(128, 96, 1, 2, 2, pi=2))]
+         (_cl(ODD[1]), X3F16, TileConfig(128, 96, 1, 2, 2, pi=2)),
+         # scaled FP16 (the relaxed class): one 2-byte part, ping-pong, split-K, channels-last
+         (ODD[4], SF16, TileConfig(128, 64, 1, 2, 2)),
+         (ODD[3], SF16, TileConfig(64, 32, 1, 2, 2, ks=3, pp=1)),
+         (_cl(ODD[1]), SF16, TileConfig(128, 96, 1, 2, 2))]
 
 
 @pytest.mark.parametrize("spec, math, cfg", CASES, ids=lambda v: getattr(v, "name", None) or str(v))
@@ -517,12 +521,16 @@ def test_tma_corners_walk_exactly_the_output_pixels():
         assert not col[-3:].any()  # past the last image: zeros
 
 
-DTYPE_OF = {"tf32": "float32", "3xtf32": "float32", "3xf16": "float32", "f16": "float16", "bf16": "bfloat16"}
+DTYPE_OF = {"tf32": "float32", "3xtf32": "float32", "3xf16": "float32", "sf16": "float32", "f16": "float16",
+            "bf16": "bfloat16"}
 
 
 def _parts(a, math):
     """``a`` as the math mode's operand parts (float64; TF32 rounded to nearest, 3xTF32 hi and lo;
-    3xFP16 hi and lo in float16, unscaled: values in (-1, 1) need no scale to stay normal)."""
+    3xFP16 hi and lo in float16, scaled FP16 hi alone, unscaled: values in (-1, 1) need no scale to stay
+    normal)."""
+    if math.name == "sf16":
+        return {"hi": a.astype(np.float16).astype(np.float64)}
     if math.name == "3xf16":
         hi = a.astype(np.float16).astype(np.float64)
         return {"hi": hi, "lo": (a - hi).astype(np.float16).astype(np.float64)}

@@ -129,9 +129,11 @@ def test_heuristic_ranks_winograd_by_layer_on_gpus() -> None:
     try:
         config.precision = "relaxed"
         # sm_90: the wgmma implicit GEMM (docs/NOTES-tensorcore.md, H100: 1.41-1.48x cuDNN-best TF32 on
-        # ResNet N=32 64@56..256@14); before Hopper the Winograd rules below
+        # ResNet N=32 64@56..256@14), in scaled FP16 from 7 GFLOP (round 33: every ResNet-suite layer),
+        # TF32 below; before Hopper the Winograd rules below
         assert (pick(32, 256, 14, NOMINAL_CUDA) == pick(32, 64, 56, NOMINAL_CUDA) == pick(128, 512, 7, NOMINAL_CUDA)
-                == "tc_implicit_gemm_tf32")
+                == "tc_implicit_gemm_sf16")
+        assert pick(8, 256, 14, NOMINAL_CUDA) == "tc_implicit_gemm_tf32"
         sm80 = dataclasses.replace(NOMINAL_CUDA, cc=(8, 0), name="nominal sm_80")
         assert pick(32, 256, 14, sm80) == pick(32, 64, 56, sm80) == "winograd_nonfused_f7"
         # <= 10x10 outputs at N >= 16: the staged TF32 F(2x2) (H200: 512@7 N32 68.9 us, F(7x7) 88.0)
@@ -455,3 +457,23 @@ def test_tune_an_nhwc_layer(backend, db) -> None:  # type: ignore[no-untyped-def
     assert [c.status for c in res.candidates] == ["ok"] * len(res.candidates) and len(res.candidates) >= 2
     assert spec.key() in res.entry.key and spec.key().endswith("_nhwc")
     assert res.entry.error < 1e-6
+
+
+def test_scaled_fp16_leads_the_relaxed_class_on_big_layers_only() -> None:
+    """Round 33 (tensorcore/variants.py ``sf16_rank``): in the relaxed class scaled FP16 goes first on
+    float32 forward layers of >= 7 GFLOP where TF32's implicit GEMM led (ResNet's 3x3 layers at N32:
+    7.4 GFLOP), TF32 stays first below (Inception-v3's 3x1 384 @8², 1.8 GFLOP), gemm1x1_wgmma_tf32
+    on 1x1 layers and the TF32 direct stem on 3-channel layers; the fp32 class never takes it."""
+    from conftest import NOMINAL_CUDA
+    from convforge.kernels import most_specialised
+
+    def pick(spec: ConvSpec, precision: str = "relaxed") -> str:
+        return most_specialised("auto", spec, NOMINAL_CUDA, precision=precision)[0].name
+
+    big = ConvSpec.make(32, 256, 14, 14, 256, 3, 3, 1, 1)
+    small = ConvSpec.make(32, 384, 8, 8, 384, 3, 1, 1, (1, 1, 0, 0))
+    assert big.flops >= 7e9 > small.flops
+    assert pick(big) == "tc_implicit_gemm_sf16" and pick(small) == "tc_implicit_gemm_tf32"
+    assert pick(ConvSpec.make(32, 1024, 14, 14, 256, 1, 1)) == "gemm1x1_wgmma_tf32"
+    assert pick(ConvSpec.make(32, 3, 224, 224, 64, 7, 7, 2, 3)) == "tc_stem_direct_tf32"
+    assert pick(big, "fp32") != "tc_implicit_gemm_sf16"

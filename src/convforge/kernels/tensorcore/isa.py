@@ -21,6 +21,10 @@ Facts encoded here, once (tests/test_tensorcore_gen.py checks each against the P
   epilogue multiplies the sums by 2^-(ea + eb). Its representation error equals 3xTF32's (NumPy model:
   7.5e-8 both, 4.6k- to 20k-term sums); an element 2^24 below the tensor's maximum keeps fewer bits
   of lo, an absolute error of 2^-39 of the maximum.
+* Scaled FP16 (the relaxed class at FP16's rate): hi alone of the same scaled tensor, rounded to nearest.
+  FP16 and TF32 both keep 11 significant bits, so each operand's rounding error equals TF32's (cvt.rna)
+  wherever the element lies within 2^29 of the tensor's maximum (FP16's normal range after the scale);
+  smaller elements keep fewer bits, an absolute error under 2^-40 of the maximum.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class Math:
     parts: tuple[str, ...]
     products: tuple[tuple[str, str], ...]
     ctype: str  # C type of an operand element in global and shared memory
+    scale: bool = False  # float32 tensors scaled by a power of two into FP16 (3xFP16, scaled FP16)
 
     @property
     def split(self) -> bool:
@@ -57,9 +62,10 @@ class Math:
 
     @property
     def scaled(self) -> bool:
-        """Operands scaled by a power of two per tensor before the split (3xFP16): each prep step
-        reads the tensor's maximum and writes the inverse scale the GEMM's epilogue applies."""
-        return self.split and self.esize == 2
+        """Float32 operands scaled by a power of two per tensor before they are rounded to FP16 (3xFP16,
+        scaled FP16): each prep step reads the tensor's maximum and writes the inverse scale the GEMM's
+        epilogue applies."""
+        return self.scale
 
     def __post_init__(self) -> None:
         if self.ptx not in ("tf32", "f16", "bf16"):
@@ -89,16 +95,18 @@ TF32 = Math("tf32", "tf32", 4, 8, ("hi",), (("hi", "hi"),), "float")
 X3TF32 = Math("3xtf32", "tf32", 4, 8, ("hi", "lo"), (("lo", "hi"), ("hi", "lo"), ("hi", "hi")), "float")
 F16 = Math("f16", "f16", 2, 16, ("hi",), (("hi", "hi"),), "unsigned short")
 BF16 = Math("bf16", "bf16", 2, 16, ("hi",), (("hi", "hi"),), "unsigned short")
-X3F16 = Math("3xf16", "f16", 2, 16, ("hi", "lo"), (("lo", "hi"), ("hi", "lo"), ("hi", "hi")), "unsigned short")
-MATHS = {m.name: m for m in (TF32, X3TF32, F16, BF16, X3F16)}
+X3F16 = Math("3xf16", "f16", 2, 16, ("hi", "lo"), (("lo", "hi"), ("hi", "lo"), ("hi", "hi")), "unsigned short",
+             scale=True)
+SF16 = Math("sf16", "f16", 2, 16, ("hi",), (("hi", "hi"),), "unsigned short", scale=True)
+MATHS = {m.name: m for m in (TF32, X3TF32, F16, BF16, X3F16, SF16)}
 HALF_MATH = {"float16": F16, "bfloat16": BF16}
 
 
 def math_for(dtype: str, x3: bool = False, half: bool = False) -> Math:
     """The math mode of a storage dtype: float32 -> TF32 (3xTF32 when ``x3``, 3xFP16 when ``x3`` and
-    ``half``), halves -> their own."""
+    ``half``, scaled FP16 when ``half`` alone), halves -> their own."""
     if dtype == "float32":
-        return (X3F16 if half else X3TF32) if x3 else TF32
+        return (X3F16 if half else X3TF32) if x3 else (SF16 if half else TF32)
     if x3:
         raise ValueError(f"3xTF32 is a float32 math mode, not one of {dtype}")
     try:

@@ -138,6 +138,8 @@ def rounded_parts(math: Math, dst: str, index: str, value: str) -> list[str]:
     half type."""
     if math.name == "tf32":
         return [f"{dst}[{index}] = CVT_TF32({value});"]
+    if math.scaled and not math.split:
+        return [f"{dst}[{index}] = TC_F32_TO_F16(({value}) * sc_{dst});"]
     if math.scaled:
         return ["{", f"const float v_ = ({value}) * sc_{dst};", "const unsigned short hi_ = TC_F32_TO_F16(v_);",
                 f"{dst}[{index}] = hi_;", f"{dst}_lo[{index}] = TC_F32_TO_F16(v_ - TC_F16_TO_F32(hi_));", "}"]
@@ -223,8 +225,8 @@ def reads_in_place(spec: ConvSpec, math: Math) -> bool:
     half precision (its bits are the operands) or TF32 (the tensor cores read a float's top 19 bits:
     x truncated, not rounded; the filters are still rounded to nearest, so the error stays about
     cuDNN's TF32 error, and the per-element pass that would cost more than the GEMM on linear layers
-    is skipped). 3xTF32 splits x into hi and lo first."""
-    return spec.layout == "nhwc" and not math.split and padded_channels(spec.c, math) == spec.c
+    is skipped). 3xTF32 splits x into hi and lo first; the scaled modes scale and round it."""
+    return spec.layout == "nhwc" and not (math.split or math.scaled) and padded_channels(spec.c, math) == spec.c
 
 
 def w_krsc(spec: ConvSpec, math: Math, cp: int, ld: int, dst: str = "wt") -> tuple[Kernel, Dim3]:

@@ -254,7 +254,7 @@ def restarted(cfg: TileConfig, math: Math, prob: Problem | None = None, shared_l
     stages the running sum is that largest, so every product loses bits toward zero and the error takes the
     output's sign (scripts/tc_sum_model.py: a bias 10-100x an FP32 sum's, 3-5x less restarted each k step),
     which adds up across a network's layers."""
-    if not (math.scaled and X3H_RESTART) or cfg.kr:
+    if not (math.split and math.scaled and X3H_RESTART) or cfg.kr:
         return cfg
     kr = dataclasses.replace(cfg, pi=0, kr=1)
     return cfg if kr.problems(math, prob, shared_limit) else kr

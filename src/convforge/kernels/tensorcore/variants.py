@@ -13,6 +13,10 @@ rows staged in shared memory, 16-byte runs of channels written.
 * ``tc_implicit_gemm_3xtf32`` (float32, class "fp32"): operands split hi + lo, three products per
   k step, the tensor core's sums promoted into FP32 registers every ``pi`` stages; stated 1e-6,
   checked 1e-5 (the tuner measures each layer).
+* ``tc_implicit_gemm_sf16`` (float32, class "relaxed"): each operand scaled by a power of two into
+  FP16 and rounded to nearest (FP16 keeps TF32's 11 significant bits: the same rounding error for
+  every element within 2^29 of the tensor's maximum), one product a k step at FP16's rate, FP32
+  accumulation, the sums unscaled in the epilogue; stated and checked as TF32.
 * ``tc_implicit_gemm_half`` (float16, bfloat16): half operands as given, exact products, FP32
   accumulation, output rounded once at the store: the error of a half convolution is its output
   rounding (NumPy emulation in tests/test_tensorcore_gen.py: relative L2 ~2.1e-4 for float16, ~1.7e-3
@@ -153,6 +157,27 @@ def x3h_rank(spec: ConvSpec) -> int | None:
     return None
 
 
+SF16_RANK = RANK_SM90 + 1  # scaled FP16 over tc_implicit_gemm_tf32 where that leads the relaxed class
+SF16_FLOPS = 7e9  # from this much work its two maximum steps cost less than the FP16 GEMM saves
+
+
+def sf16_rank(spec: ConvSpec) -> int | None:
+    """Scaled FP16's rank (the relaxed class): first, over TF32, on the float32 forward layers of at
+    least :data:`SF16_FLOPS` where tc_implicit_gemm_tf32 leads (8 or more input channels, not 1x1
+    stride-1 layers, which gemm1x1_wgmma_tf32 reads in place); else None (its stated rank, below
+    TF32). H100, round 33, against cuDNN-best TF32 at the same error (2.6e-4 both): ResNet suite (7.4-30
+    GFLOP) 1.22x -> 1.47x, every layer faster than TF32 (512@7² N96 0.101 -> 0.087 ms); MEC 1.45x ->
+    1.73x; Inception-v3's 1x7 768 -> 192 0.116 -> 0.088 ms, dilated 3x3 512@28² 0.32-0.41 -> 0.22. Below
+    7 GFLOP the two maximum steps' reads and launches outweigh the GEMM's gain: unseen's 1.8-6.1 GFLOP
+    layers ran at 0.53-1.04x TF32's round-31 speed, Boda's N5 layers (<= 1 GFLOP) slower too
+    (docs/results/layers-{resnet,mec,unseen,boda}-relaxed-sf16-2026-11-27-r33-h100.*)."""
+    if spec.conv_pass != "fprop" or spec.dtype != "float32" or spec.groups != 1 or spec.c < 8 or few_pixels(spec):
+        return None
+    if spec.r == spec.s == 1 and spec.stride == (1, 1) and not any(spec.pad):
+        return None
+    return SF16_RANK if spec.flops >= SF16_FLOPS else None
+
+
 def x3h_restart(spec: ConvSpec) -> bool:
     """Where 3xFP16's default restarts its sums every k step (``tiles.restarted``): the layers it leads
     on by :data:`X3H_WIDE`, 3x3 stride-1 layers of C != K and deep 1x1 layers (:func:`x3_pointwise`).
@@ -181,8 +206,9 @@ def x3_promotion(spec: ConvSpec, pi: int) -> int:
 
 class TcVariant(Variant):
     """What the generator's GEMM variants share (forward, wgrad, strided dgrad): the math mode of the
-    storage dtype (TF32, or 3xTF32 when ``x3``; the half types their own), its stated error and
-    tolerance, CUDA on sm_90a only, the shared-memory limit of a device."""
+    storage dtype (TF32, or 3xTF32 when ``x3``, 3xFP16 with ``x3h`` too, scaled FP16 with ``x3h``
+    alone; the half types their own), its stated error and tolerance, CUDA on sm_90a only, the
+    shared-memory limit of a device."""
 
     family = "implicit_gemm"
     backends = frozenset({"cuda"})
@@ -238,6 +264,8 @@ class TcImplicitGemm(TcVariant):
             return self.specialised
         if self.x3 and self.x3h:
             return x3h_rank(spec) or self.specialised
+        if self.x3h:
+            return sf16_rank(spec) or self.specialised
         if self.x3:
             return x3_rank(spec) or self.specialised
         if few_pixels(spec):
@@ -444,6 +472,7 @@ register(TcImplicitGemm("tc_implicit_gemm_tf32", frozenset({"float32"}), False, 
 register(TcImplicitGemm("tc_implicit_gemm_3xtf32", frozenset({"float32"}), True, "fp32", 8))
 register(TcImplicitGemm("tc_implicit_gemm_half", frozenset({"float16", "bfloat16"}), False, "fp32", 12))
 register(TcImplicitGemm("tc_implicit_gemm_3xf16", frozenset({"float32"}), True, "fp32", 7, x3h=True))
+register(TcImplicitGemm("tc_implicit_gemm_sf16", frozenset({"float32"}), False, "relaxed", 10, x3h=True))
 register(TcStemGemm("tc_stem_gemm_tf32", frozenset({"float32"}), False, "relaxed", 11))
 register(TcStemGemm("tc_stem_gemm_half", frozenset({"float16", "bfloat16"}), False, "fp32", 11))
 register(TcStemGemm("tc_stem_gemm_3xf16", frozenset({"float32"}), True, "fp32", 4, x3h=True))
