@@ -301,18 +301,12 @@ def _stage_loop(code: Code, ring: Ring, tied: str) -> None:
     cfg, math = ring.cfg, ring.math
     acc = acc_names(cfg)
     with code.block("for (int kt = kbeg; kt < kend; ++kt)"):
-        code(f"MBAR_WAIT({ring.full('stage')}, phase);")
-        if not cfg.tm:
-            code("FENCE_PROXY_ASYNC();  // the producer's cp.async (generic proxy) writes, seen by wgmma")
-        code("WGMMA_FENCE();",
-             f"const U64 so = (U64)(stage * {ring.stage_bytes // 16});")
+        _acquire_stage(code, ring)
+        code("WGMMA_FENCE();", f"const U64 so = (U64)(stage * {ring.stage_bytes // 16});")
         for mi, a_off, b_off in wgmma_issue(cfg, math):
-            regs = ", ".join(acc[mi * cfg.bn // 2:(mi + 1) * cfg.bn // 2])
-            code(f"WGMMA({math.ptx}, {math.k}, {cfg.bn}, da0 + so + {a_off // 16}, dsc + so + {b_off // 16}, "
-                 f"{regs});")
-        code("WGMMA_COMMIT();", f"WGMMA_WAIT(1, {tied});  // the group before is done: release its stage",
-             f"if (kt > kbeg) {ring.release('pstage')}" if cfg.cl == 1 else
-             f"if (kt > kbeg) {{ {ring.release('pstage')} }}", "pstage = stage;")
+            code(_wgmma("WGMMA", cfg, math, acc, mi, a_off, b_off))
+        code("WGMMA_COMMIT();", f"WGMMA_WAIT(1, {tied});  // the group before is done: release its stage")
+        _release_previous(code, ring)
         ring.advance(code)
         if cfg.pi:
             with code.block(f"if ((kt - kbeg) % {cfg.pi} == {cfg.pi - 1})"):
@@ -332,9 +326,7 @@ def _restart_loop(code: Code, ring: Ring) -> None:
     issue = wgmma_issue(cfg, math)
     per_step = len(issue) // steps
     with code.block("for (int kt = kbeg; kt < kend; ++kt)"):
-        code(f"MBAR_WAIT({ring.full('stage')}, phase);")
-        if not cfg.tm:
-            code("FENCE_PROXY_ASYNC();  // the producer's cp.async (generic proxy) writes, seen by wgmma")
+        _acquire_stage(code, ring)
         code(f"const U64 so = (U64)(stage * {ring.stage_bytes // 16});")
         for kk in range(steps):
             cur, prev = ("d", "e") if kk % 2 == 0 else ("e", "d")
@@ -342,17 +334,34 @@ def _restart_loop(code: Code, ring: Ring) -> None:
             code("WGMMA_FENCE();")
             started = set()
             for mi, a_off, b_off in issue[kk * per_step:(kk + 1) * per_step]:
-                regs = ", ".join(acc[mi * cfg.bn // 2:(mi + 1) * cfg.bn // 2])
-                op = "WGMMA" if mi in started else "WGMMA_Z"
+                code(_wgmma("WGMMA" if mi in started else "WGMMA_Z", cfg, math, acc, mi, a_off, b_off))
                 started.add(mi)
-                code(f"{op}({math.ptx}, {math.k}, {cfg.bn}, da0 + so + {a_off // 16}, dsc + so + {b_off // 16}, "
-                     f"{regs});")
             code("WGMMA_COMMIT();", f"WGMMA_WAIT(1, {both});  // the k step before is done")
             if kk == 0:
-                code(f"if (kt > kbeg) {ring.release('pstage')}" if cfg.cl == 1 else
-                     f"if (kt > kbeg) {{ {ring.release('pstage')} }}", "pstage = stage;")
+                _release_previous(code, ring)
             _add_into_sums(code, cfg, prev)
         ring.advance(code)
+
+
+def _acquire_stage(code: Code, ring: Ring) -> None:
+    """Wait until the producer's copies of the current stage have landed (and, for cp.async, make its
+    generic-proxy writes visible to wgmma's async-proxy reads)."""
+    code(f"MBAR_WAIT({ring.full('stage')}, phase);")
+    if not ring.cfg.tm:
+        code("FENCE_PROXY_ASYNC();  // the producer's cp.async (generic proxy) writes, seen by wgmma")
+
+
+def _release_previous(code: Code, ring: Ring) -> None:
+    """After a wait that retired the stage before's wgmma: release it (not on the tile's first stage)."""
+    release = ring.release("pstage")
+    code(f"if (kt > kbeg) {release}" if ring.cfg.cl == 1 else f"if (kt > kbeg) {{ {release} }}", "pstage = stage;")
+
+
+def _wgmma(op: str, cfg: TileConfig, math: Math, acc: list[str], mi: int, a_off: int, b_off: int) -> str:
+    """One wgmma (``op``: WGMMA adds into the m64 block's accumulators, WGMMA_Z starts them from zero) of
+    the stage at ``so``: A at byte offset ``a_off`` from this consumer's rows, B at ``b_off``."""
+    regs = ", ".join(acc[mi * cfg.bn // 2:(mi + 1) * cfg.bn // 2])
+    return f"{op}({math.ptx}, {math.k}, {cfg.bn}, da0 + so + {a_off // 16}, dsc + so + {b_off // 16}, {regs});"
 
 
 def _add_into_sums(code: Code, cfg: TileConfig, prefix: str) -> None:
