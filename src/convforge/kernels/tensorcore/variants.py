@@ -149,7 +149,7 @@ def x3h_rank(spec: ConvSpec) -> int | None:
         return min(lead - 1, X3_STEM_RANK)
     if spec.conv_pass != "fprop" or spec.dtype != "float32" or spec.groups != 1:
         return None
-    winograd_domain = (spec.r, spec.s, spec.stride, spec.dilation) == (3, 3, (1, 1), (1, 1))
+    winograd_domain = _unit_3x3(spec)
     if winograd_domain and (spec.c == spec.k >= 64 or (X3H_WIDE and min(spec.c, spec.k) >= 64)):
         return X3_LEAD_RANK + 1
     if not winograd_domain and (spec.r, spec.s) != (1, 1) and spec.c >= 8 and spec.flops >= X3H_FLOPS:
@@ -173,7 +173,7 @@ def sf16_rank(spec: ConvSpec) -> int | None:
     (docs/results/layers-{resnet,mec,unseen,boda}-relaxed-sf16-2026-11-27-r33-h100.*)."""
     if spec.conv_pass != "fprop" or spec.dtype != "float32" or spec.groups != 1 or spec.c < 8 or few_pixels(spec):
         return None
-    if spec.r == spec.s == 1 and spec.stride == (1, 1) and not any(spec.pad):
+    if _plain_1x1(spec):
         return None
     return SF16_RANK if spec.flops >= SF16_FLOPS else None
 
@@ -186,14 +186,23 @@ def x3h_restart(spec: ConvSpec) -> bool:
     relative error 4.7-4.9e-7 -> 1.1-2.6e-7 (docs/results/bias-3xf16-restart-2026-11-27-r33-h100.log),
     at 1.07-1.30x the time (geomean 1.13x) on ResNet's C = K layers, which keep the promotion
     (`convforge run` kept every one of them in round 32)."""
-    winograd_domain = (spec.r, spec.s, spec.stride, spec.dilation) == (3, 3, (1, 1), (1, 1))
-    return X3H_WIDE and (x3_pointwise(spec) or (winograd_domain and spec.c != spec.k))
+    return X3H_WIDE and (x3_pointwise(spec) or (_unit_3x3(spec) and spec.c != spec.k))
+
+
+def _unit_3x3(spec: ConvSpec) -> bool:
+    """A 3x3 layer of stride 1 and dilation 1: Winograd's domain."""
+    return (spec.r, spec.s, spec.stride, spec.dilation) == (3, 3, (1, 1), (1, 1))
+
+
+def _plain_1x1(spec: ConvSpec) -> bool:
+    """A 1x1 layer of stride 1 without padding: a GEMM over x as it lies (gemm1x1_wgmma_tf32's)."""
+    return spec.r == spec.s == 1 and spec.stride == (1, 1) and not any(spec.pad)
 
 
 def x3_pointwise(spec: ConvSpec) -> bool:
     """A 1x1 stride-1 layer of C >= 256, K >= 256 and N P Q <= 32768, where 3xTF32 ran faster than
     gemm1x1 (x3_rank) and now goes first, its sums promoted every stage (:func:`x3_promotion`)."""
-    return (spec.r == spec.s == 1 and spec.stride == (1, 1) and not any(spec.pad) and spec.c >= 256
+    return (_plain_1x1(spec) and spec.c >= 256
             and spec.k >= 256 and spec.n * spec.p * spec.q <= 32768)
 
 
@@ -270,7 +279,7 @@ class TcImplicitGemm(TcVariant):
             return x3_rank(spec) or self.specialised
         if few_pixels(spec):
             return RANK_SM90 - 3  # below gemm_fc and gemm1x1_splitk: a weight stream (isa.few_pixels)
-        if spec.dtype == "float32" and spec.r == spec.s == 1 and spec.stride == (1, 1) and not any(spec.pad):
+        if spec.dtype == "float32" and _plain_1x1(spec):
             return RANK_SM90 - 2
         return RANK_SM90
 
