@@ -315,15 +315,17 @@ def test_offered_in_the_relaxed_class_only_and_ranked():
 
 
 @pytest.mark.parametrize("layer, first", [
-    ((5, 4096, 1, 1, 4096, 1, 1), "gemm1x1_splitk"),  # Boda's AlexNet fc7 at N5: a weight stream
-    ((5, 4096, 1, 1, 1000, 1, 1), "gemm1x1_splitk"),  # fc8
-    ((5, 256, 6, 6, 4096, 6, 6), "gemm_fc"),  # fc6, the full-window form
+    ((5, 4096, 1, 1, 4096, 1, 1), "gemv_stream"),  # Boda's AlexNet fc7 at N5: a weight stream
+    ((5, 4096, 1, 1, 1000, 1, 1), "gemv_stream"),  # fc8
+    ((5, 256, 6, 6, 4096, 6, 6), "gemv_stream"),  # fc6, the full-window form
+    ((2, 1024, 2, 2, 512, 1, 1), "gemm1x1_splitk"),  # 8 pixels of 2x2 maps: not fully connected
     ((32, 4096, 1, 1, 4096, 1, 1), NAME),  # 32 pixels: the wgmma tile pays
     ((1, 1024, 7, 7, 256, 1, 1), NAME),  # batch 1, 49 pixels
 ])
 def test_a_handful_of_pixels_goes_to_the_split_k_gemms(layer, first):
     """Relaxed class on sm_90: float32 layers of at most FEW_PIXELS output pixels rank the wgmma
-    paths below the CUDA-core split-K GEMMs (isa.few_pixels); wider ones keep them first."""
+    paths below the CUDA-core split-K GEMMs (isa.few_pixels), and fully-connected ones below the
+    weight stream (gemv_stream); wider ones keep them first."""
     from convforge.kernels import most_specialised
 
     spec = ConvSpec.make(*layer)
