@@ -155,12 +155,12 @@ def wg_ok(p: Params, shared_limit: int = MAX_SHARED) -> bool:
             and xl in XL and direct_ok and epilogue_path(p) in EP and staged_c_bytes(p) <= p.st * stage_bytes(p))
 
 
-def wg_space(m: int, n: int, shared_limit: int, direct: bool = False) -> list[Params]:
+def wg_space(m: int, n: int, shared_limit: int, direct: bool = False, units: int = 0) -> list[Params]:
     """Default first, then every valid point that does not overshoot M or N by 2x, the direct x
     path first where it applies (``direct``: stride 1, no padding). Only the swizzled layout:
     the core-matrix one (sw=0, correct too) took 1.6-3x the GEMM time on the H200 (2026-11-23:
     1024->256 @14², N32, 80 us against 25 us), its wgmma operand reads conflict."""
-    out = [wg_default(m, n, shared_limit, direct)]
+    out = [wg_default(m, n, shared_limit, direct, units)]
     for ep, xl, bn, wg, st in itertools.product(EP, XL if direct else XL[1:], (128, 256, 64, 192, 96, 160),
                                                 (1, 2), (4, 3, 5, 6)):
         if ep == "regs" and st != 4:
@@ -171,11 +171,14 @@ def wg_space(m: int, n: int, shared_limit: int, direct: bool = False) -> list[Pa
     return out
 
 
-def wg_default(m: int, n: int, shared_limit: int = MAX_SHARED, direct: bool = False) -> Params:
+def wg_default(m: int, n: int, shared_limit: int = MAX_SHARED, direct: bool = False, units: int = 0) -> Params:
     """64 x 128 per warpgroup (cuBLAS's choice for ResNet 1x1 layers), two warpgroups when M
-    fills them, 4 stages, the swizzled layout; x read directly where ``direct`` allows it."""
-    p = Params(bn=128 if n > 64 else 64, wg=2 if m >= 128 else 1, st=4, sw=128,
-               xl="direct" if direct else "transposed", ep="smem")
+    fills them and their blocks give at least a quarter of the ``units`` SMs one each (H100, round
+    34, NIN's cccp7 / cccp8 at N5, 16 blocks of two: 0.031 ms, of one 0.027), 4 stages, the
+    swizzled layout; x read directly where ``direct`` allows it."""
+    bn = 128 if n > 64 else 64
+    wide = m >= 128 and 4 * cdiv(n, bn) * cdiv(m, 128) > units
+    p = Params(bn=bn, wg=2 if wide else 1, st=4, sw=128, xl="direct" if direct else "transposed", ep="smem")
     if not wg_ok(p, shared_limit):
         p = p.replace(wg=1) if wg_ok(p.replace(wg=1), shared_limit) else p
     return p if wg_ok(p, shared_limit) else p.replace(st=3)
@@ -501,10 +504,12 @@ class Gemm1x1WgmmaTF32(Variant):
         return spec.k, spec.n * spec.p * spec.q
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
-        return wg_space(*self._mn(spec), min(device.shared_optin_bytes, MAX_SHARED), direct_applies(spec))
+        return wg_space(*self._mn(spec), min(device.shared_optin_bytes, MAX_SHARED), direct_applies(spec),
+                        device.units)
 
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
-        return wg_default(*self._mn(spec), min(device.shared_optin_bytes, MAX_SHARED), direct_applies(spec))
+        return wg_default(*self._mn(spec), min(device.shared_optin_bytes, MAX_SHARED), direct_applies(spec),
+                          device.units)
 
     def workspace_bytes(self, spec: ConvSpec, params: Params) -> int:
         m, n = self._mn(spec)
