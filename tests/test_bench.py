@@ -673,3 +673,18 @@ def test_a_wrong_baseline_row_is_never_cudnn_best():
     assert best is not None and best.algo == "OK" and best.time_ms == 1.0
     tf32 = best_tf32(rows)
     assert tf32 is not None and tf32.algo == "OK" and tf32.time_ms == 0.3
+
+
+def test_each_side_is_timed_as_the_fastest_of_two_passes():
+    """run_timed (convforge's rows) takes the fastest pass's median, as the cuDNN baselines do: a pass
+    slowed as a whole (clocks, a neighbour) is charged to neither side; each pass warms up first."""
+    from convforge.bench.timing import PASSES, Timing, run_timed
+
+    calls, passes = [], iter([[0.05] * 5, [0.02, 0.021, 0.5, 0.02, 0.02]])
+
+    def timer(fn, repeats):  # type: ignore[no-untyped-def]
+        assert repeats == 5
+        return next(passes)
+
+    got = run_timed(lambda: calls.append(1), lambda: None, timer, Timing(warmup=3, repeats=5))
+    assert PASSES == 2 and got == 0.02 and len(calls) == 3 * PASSES

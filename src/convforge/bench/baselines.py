@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from convforge.bench.timing import Timing, cycle, median
+from convforge.bench.timing import PASSES, Timing, cycle, median
 from convforge.spec import ConvSpec
 
 KINDS = ("cudnn", "torch", "none")
@@ -243,17 +243,15 @@ def _rel_err(out: Any, ref: Any) -> float:
     return diff / den if den else diff
 
 
-BASELINE_PASSES = 2  # timed passes per baseline; the fastest pass's median counts
-
-
 def _time_cuda(fn: Callable[[], Any], timing: Timing) -> float:
-    """Median of ``timing.repeats`` calls after the warm-up, the best of BASELINE_PASSES passes:
+    """Median of ``timing.repeats`` calls after the warm-up, the best of ``timing.PASSES`` passes:
     cuDNN's times were seen 20-60 % slow for a whole layer in single runs on the H200 (2026-11-21,
-    docs/history/BENCHMARKS-rounds-1-16.md, round 7) while ours held; a second pass gives the baseline its best case."""
+    docs/history/BENCHMARKS-rounds-1-16.md, round 7); convforge's own rows are timed the same way
+    (``timing.run_timed``)."""
     import torch
 
     best = float("inf")
-    for _ in range(BASELINE_PASSES):
+    for _ in range(PASSES):
         for _ in range(timing.warmup):
             fn()
         torch.cuda.synchronize()
