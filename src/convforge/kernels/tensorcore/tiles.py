@@ -200,7 +200,10 @@ class TileConfig:
 # shared memory: a narrow N reads more operand bytes per FLOP, and FP16 at twice TF32's rate feels it more;
 # H100, 2026-11-24, ResNet N=32 sweeps in docs/NOTES-tensorcore.md).
 TILE_EFFICIENCY = {4: {(128, 64): 0.8, (256, 64): 0.9, (128, 128): 1.0},
-                   2: {(128, 64): 0.7, (256, 64): 0.85, (128, 128): 1.0}}
+                   2: {(128, 64): 0.7, (256, 64): 0.85, (128, 128): 1.0, (128, 192): 0.95}}
+# Half precision, round 34: 128 x 192 (shared tiles, 4 stages) where it takes one wave and 128 x 128 two, as TF32 below:
+# ResNet 512@7² N96 FP16 NHWC 0.054 -> 0.043 ms; two waves of it lost 1.4-2.3x on the other 256@14² / 512@7² layers
+# (docs/results/sweep-fp16-192-resnet-deep-2026-11-27-r34-h100.*).
 # TF32 since its default takes ping-pong consumers (round 30): 128 x 128 with pp ran 1.15x / 1.16x faster than 128 x 64
 # with pp on 512@7 N96 / N128 (3 waves of 128 x 64 against 2 of 128 x 128), equal on 256@14 N64 and 0.96x on 128@28
 # N32 (H100, docs/results/tiles-wide-tf32-resnet-2026-11-27-r30-h100.json). 3xTF32 keeps the table above.
