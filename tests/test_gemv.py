@@ -107,6 +107,13 @@ def test_first_on_gpus_up_to_sixteen_images(precision):
     assert V.applies(ConvSpec.make(17, 4096, 1, 1, 4096, 1, 1), NOMINAL_CUDA) is not None
 
 
+def test_half_storage_leads_up_to_eight_images():
+    """FP16 (round 34): 1.3-3.8x cuDNN-best FP16 at N 1-5, 0.58x at N16, where the tensor cores lead."""
+    for n, first in ((1, True), (5, True), (8, True), (9, False), (16, False)):
+        spec = ConvSpec.make(n, 4096, 1, 1, 4096, 1, 1, dtype="float16")
+        assert (ranked("auto", spec, NOMINAL_CUDA)[0].name == "gemv_stream") is first, n
+
+
 @pytest.mark.parametrize("spec", [ConvSpec.make(5, 4096, 1, 1, 4096, 1, 1), ConvSpec.make(1, 512, 7, 7, 4096, 7, 7),
                                   ConvSpec.make(16, 4096, 1, 1, 4096, 1, 1)], ids=["fc7n5", "vggfc6n1", "fc7n16"])
 def test_cuda_compiles_without_spills(nvcc_ok, spec):

@@ -26,6 +26,7 @@ from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
 from convforge.spec import ConvSpec
 
 STREAM_COLUMNS = 16  # the most columns (N) a block keeps sums for
+HALF_COLUMNS = 8  # half storage: first up to this many columns (its loads convert every x element once a row block)
 _SUMS = 32  # rw * N: running sums per thread, and the threads of the reduction's second stage
 _THREADS = (256, 128, 64)
 
@@ -60,11 +61,15 @@ class GemvStream(Variant):
         return super().applies(spec, device)
 
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
-        """First on GPUs; last on CPUs, where the tuner may still time it. H100, round 34
-        (``convforge bench --suite fc``): 78-100 % of the copy bandwidth at N 1-8, 4.7-15.6x
-        cuDNN-best FP32 and 1.17-5.5x cuDNN-best TF32; at N16 (VGG-16 fc7) 0.043 ms against
-        gemm1x1_splitk's 0.065 and gemm1x1_wgmma_tf32's 0.141 (cuDNN-best TF32 0.035)."""
-        return self.specialised if device.is_gpu else 1
+        """First on GPUs (half storage: up to :data:`HALF_COLUMNS` images); last on CPUs and wider
+        half layers, where the tuner may still time it. H100, round 34 (``convforge bench --suite
+        fc``): float32 at N 1-8 77-100 % of the copy bandwidth, 4.7-13x cuDNN-best FP32 and 1.2-5.6x
+        cuDNN-best TF32; at N16 (VGG-16 fc7) 0.044 ms against gemm1x1_splitk's 0.065 and
+        gemm1x1_wgmma_tf32's 0.141 (cuDNN-best TF32 0.052); FP16 1.3-3.8x cuDNN-best FP16 at N 1-5, at N8
+        0.92-1.50x, at N16 0.58x."""
+        if not device.is_gpu or (spec.dtype != "float32" and spec.n > HALF_COLUMNS):
+            return 1
+        return self.specialised
 
     @staticmethod
     def _red(spec: ConvSpec) -> int:
