@@ -29,6 +29,7 @@ BIG = {
     "y 1x1": ConvSpec.make(32, 8, 512, 512, 320, 1, 1),
     "fc": ConvSpec.make(20000, 512, 16, 16, 64, 16, 16),  # x: 2.6e9, a filter covering the input
     "filter": ConvSpec.make(1, 65536, 6, 6, 4096, 3, 3),  # w: 2.4e9
+    "fc filter": ConvSpec.make(2, 65536, 6, 6, 1024, 6, 6),  # w: 2.4e9, two images: the weight stream
     "im2col / Winograd workspace": ConvSpec.make(16, 512, 256, 256, 64, 3, 3, 1, 1),  # x: 5.4e8
     "split-K partials": ConvSpec.make(32, 32, 512, 512, 160, 3, 3, 1, 1),  # y: 1.3e9, 2 slices: 2.7e9
     "split-K partials 1x1": ConvSpec.make(32, 32, 512, 512, 160, 1, 1),
