@@ -284,6 +284,31 @@ def pingpong(cfg: TileConfig, math: Math, prob: Problem | None = None, shared_li
     return cfg if units is not None and prob is not None and pp.work(prob) < units else pp
 
 
+PP_DEEP_STAGES = 8  # stages of the ping-pong 128 x 64 tile replacing half precision's 256 x 64 (:func:`deep_pingpong`)
+PP_DEEP_K_BLOCKS = 16  # at most this many k steps a tile: where an epilogue is a large share of a tile's time
+
+
+def deep_pingpong(cfg: TileConfig, math: Math, prob: Problem, shared_limit: int = MAX_SHARED,
+                  units: int = 0) -> TileConfig:
+    """``cfg`` as 128 x 64 ping-pong tiles of :data:`PP_DEEP_STAGES` stages where half precision's wave model
+    chose 256 x 64 (which cannot ping-pong), one tile spans every output channel, a tile takes at most
+    :data:`PP_DEEP_K_BLOCKS` k steps and the tiles cover the ``units`` SMs: one consumer's epilogue then
+    overlaps the other's wgmma, and the deeper ring keeps the producer a tile ahead. H100, round 34, FP16 / BF16
+    channels-last against 256 x 64 with 4 stages (docs/results/sweep-half-res64-{fp16,bf16}-2026-11-27-r34-h100.*,
+    sweep-half-deep-other-...): ResNet's 64@56² (9 k steps) 2.5-6.6 % faster at N32-N128 in both dtypes (N128
+    0.0885 -> 0.0829 ms), MEC cv9 9 %, VGG-16 conv1_2 7 %, ResNet-50's 64-channel 1x1 layers (1 and 4 k steps)
+    1 %; slower with 49 k steps (MEC cv4, 7x7: 1.45 -> 1.70 ms) and where K = 160 or 192 needs several N tiles
+    (Inception's 17x17 layers, 4-19 %); else ``cfg``."""
+    if math.esize != 2 or (cfg.bm, cfg.bn) != (256, 64) or cfg.pp or not cfg.tm or cfg.cl != 1:
+        return cfg
+    if prob.n > cfg.bn or cfg.k_blocks(math, prob) > PP_DEEP_K_BLOCKS:
+        return cfg
+    deep = dataclasses.replace(cfg, bm=128, pp=1, st=PP_DEEP_STAGES)
+    if deep.problems(math, prob, shared_limit) or deep.work(prob) < units:
+        return cfg
+    return deep
+
+
 def narrow_wide(cfg: TileConfig, math: Math, prob: Problem, shared_limit: int = MAX_SHARED) -> TileConfig:
     """``cfg`` as 64 x 256 ping-pong tiles of 4 stages where a half-precision default takes ping-pong, A
     comes in a narrow swizzle (channels that are not whole 128-byte rows: 96, 160) and K is a multiple

@@ -356,7 +356,8 @@ class TcImplicitGemm(TcVariant):
         """tiles.pick's tile, its operands brought by TMA where they can be (H100, FP16 and TF32,
         ResNet layers N=32/128, kernel time of the whole plan: equal or faster on every layer
         timed, 1.14-1.27x on 256@14 and 512@7), else by cp.async; in half precision and TF32 with
-        ping-pong consumers where the tile allows them and the tiles cover the SMs (``tiles.pingpong``);
+        ping-pong consumers where the tile allows them and the tiles cover the SMs (``tiles.pingpong``;
+        half precision's 256 x 64 as 128 x 64 ping-pong tiles of 8 stages, ``tiles.deep_pingpong``);
         64 x 256 in half precision where A takes a narrow swizzle and K is whole 256s (``tiles.narrow_wide``)."""
         limit, math, prob = self.limit(device), self.math(spec), self.problem(spec)
         cfg = tma.with_tma(tiles.pick(math, prob, device.units, limit), lambda c: self.tma_reason(spec, c))
@@ -364,6 +365,8 @@ class TcImplicitGemm(TcVariant):
         if x3h_restart(spec):
             cfg = tiles.restarted(cfg, math, prob, limit)
         cfg = tiles.pingpong(cfg, math, prob, limit, device.units)
+        deep = tiles.deep_pingpong(cfg, math, prob, limit, device.units)
+        cfg = cfg if self.tma_reason(spec, deep) else deep
         wide = tiles.narrow_wide(cfg, math, prob, limit)
         return (cfg if self.tma_reason(spec, wide) else wide).params()
 
