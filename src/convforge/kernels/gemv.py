@@ -98,9 +98,12 @@ class GemvStream(Variant):
     def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
              epilogue: Epilogue = Epilogue()) -> Plan:
         rw, un, nt = params.rw, params.un, params.nt
-        if rw * spec.n > _SUMS or nt % 32 or not 32 <= nt <= device.max_threads or un < 1:
-            raise ValueError(f"{self.name}: rw * N ({rw} * {spec.n}) must be <= {_SUMS}, nt ({nt}) a multiple "
-                             f"of 32 from 32 to {device.max_threads}, un ({un}) >= 1")
+        why = [f"rw * N ({rw} * {spec.n}) must be <= {_SUMS}" if rw * spec.n > _SUMS else "",
+               f"nt ({nt}) must be a multiple of 32 from 32 to {device.max_threads}"
+               if nt % 32 or not 32 <= nt <= device.max_threads else "",
+               f"un ({un}) must be >= 1" if un < 1 else ""]
+        if any(why):
+            raise ValueError(f"{self.name}: " + "; ".join(w for w in why if w))
         st = Storage(spec.dtype)
         kern = Kernel(self.name, (st.buf("w"), st.buf("x")) + out_args(epilogue, st),
                       _body(spec, rw, un, nt, epilogue, st), (nt, 1, 1),

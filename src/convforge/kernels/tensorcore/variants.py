@@ -366,7 +366,8 @@ class TcImplicitGemm(TcVariant):
             cfg = tiles.restarted(cfg, math, prob, limit)
         cfg = tiles.pingpong(cfg, math, prob, limit, device.units)
         deep = tiles.deep_pingpong(cfg, math, prob, limit, device.units)
-        cfg = cfg if self.tma_reason(spec, deep) else deep
+        if deep is not cfg and not self.tma_reason(spec, deep):
+            cfg = deep
         wide = tiles.narrow_wide(cfg, math, prob, limit)
         return (cfg if self.tma_reason(spec, wide) else wide).params()
 
