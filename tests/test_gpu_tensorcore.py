@@ -25,7 +25,7 @@ from helpers import ODD_SPECS
 
 GEMMS = ("tc_implicit_gemm_tf32", "tc_implicit_gemm_3xtf32", "tc_implicit_gemm_half", "tc_implicit_gemm_3xf16",
          "tc_implicit_gemm_sf16")
-WINOGRAD = ("tc_winograd_f2", "tc_winograd_f2_3xtf32", "tc_winograd_f4_3xtf32")
+WINOGRAD = ("tc_winograd_f2", "tc_winograd_f2_3xtf32", "tc_winograd_f4_3xtf32", "tc_winograd_f4")
 EXTRA = [ConvSpec.make(2, 70, 9, 9, 36, 3, 3, 1, 1), ConvSpec.make(1, 4, 15, 15, 130, 3, 1, (1, 2), (1, 1, 0, 0)),
          ConvSpec.make(3, 37, 13, 7, 257, 3, 3, 1, (0, 1, 2, 1)), ConvSpec.make(2, 64, 7, 7, 96, 1, 1),
          ConvSpec.make(1, 3, 31, 29, 64, 7, 7, 2, 3)]
@@ -38,6 +38,7 @@ WGRAD = ("wgrad_tc_implicit_gemm_tf32", "wgrad_tc_implicit_gemm_3xtf32", "wgrad_
          "wgrad_tc_gemm1x1_tf32", "wgrad_tc_gemm1x1_half", "wgrad_tc_implicit_gemm_3xf16")
 DGRAD = ("dgrad_tc_strided_tf32", "dgrad_tc_strided_3xtf32", "dgrad_tc_strided_half", "dgrad_tc_strided_3xf16")
 DTYPES = {"tc_implicit_gemm_half": ("float16", "bfloat16"), "tc_winograd_f2": ("float32", "float16", "bfloat16"),
+          "tc_winograd_f4": ("float32", "float16", "bfloat16"),
           "wgrad_tc_implicit_gemm_half": ("float16", "bfloat16"), "wgrad_tc_gemm1x1_half": ("float16", "bfloat16"),
           "dgrad_tc_strided_half": ("float16", "bfloat16")}
 STRIDED = [ConvSpec.make(2, 6, 9, 7, 10, 1, 1, 2), ConvSpec.make(1, 9, 13, 11, 5, 3, 3, (2, 3), (1, 0, 2, 1)),

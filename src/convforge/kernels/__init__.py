@@ -79,6 +79,12 @@ def accurate_enough(variant: Variant, spec: ConvSpec | None = None, precision: s
     bound = max_error if max_error is not None else config.max_error
     if bound is None and precision == "fp32" and variant.precision != "fp32":
         return f"precision class {variant.precision!r} is outside 'fp32' (use precision='relaxed')"
+    if (bound is None and precision == "relaxed" and spec is not None and not variant.exact
+            and spec.dtype in variant.dtypes and spec.conv_pass in variant.passes):
+        limit = relaxed_limit(spec.dtype)
+        if variant.expected_error(spec) > limit:
+            return (f"stated error {variant.expected_error(spec):.1e} > the relaxed class's {limit:.1e} on "
+                    f"{spec.dtype} (a looser max_error admits it)")
     if bound is not None and spec is not None:
         from convforge.dtypes import HALF_ROUNDING
 
@@ -86,6 +92,15 @@ def accurate_enough(variant: Variant, spec: ConvSpec | None = None, precision: s
         if stated > bound:
             return f"stated error {stated:.1e} > max_error {bound:.0e}"
     return None
+
+
+def relaxed_limit(dtype: str) -> float:
+    """The bound the relaxed class is expected to set on a ``dtype`` layer (the tuner's rule with
+    the dtype's own rounding as the most accurate error): a variant stating more is not tried."""
+    from convforge.config import FP32_SLACK, PRECISIONS
+    from convforge.dtypes import HALF_ROUNDING
+
+    return max(PRECISIONS["relaxed"], FP32_SLACK * HALF_ROUNDING.get(dtype, 0.0))
 
 
 def ranked(algo: str, spec: ConvSpec, device: DeviceInfo, workspace_limit: int | None = None,

@@ -314,16 +314,18 @@ class Tuner:
 
     def pool(self, spec: ConvSpec) -> list[Variant]:
         """The variants worth trying in this precision class: those whose stated class it admits
-        (under ``max_error``: stated error within 4 x of it), and always the exact ones."""
-        from convforge.kernels import all_variants
+        (under ``max_error``: stated error within 4 x of it; relaxed: within the bound the class
+        sets on the dtype, ``kernels.relaxed_limit``), and always the exact ones."""
+        from convforge.kernels import accurate_enough, all_variants
 
         pool = list(self.variants) if self.variants is not None else [
             v for v in all_variants() if v.capturable]  # 'auto' answers must record into CUDA graphs
+        pool = [v for v in pool if spec.dtype in v.dtypes and spec.conv_pass in v.passes]  # what states an error
         if self.max_error is not None:
             return [v for v in pool if v.exact or v.expected_error(spec) <= 4 * self.max_error]
         if self.precision == "fp32":
             return [v for v in pool if v.exact or v.precision == "fp32"]
-        return pool
+        return [v for v in pool if accurate_enough(v, spec, self.precision) is None]
 
     def _entry(self, spec: ConvSpec, epi: Epilogue, best: Candidate, heur: Candidate | None,
                n: int, seconds: float, min_error: float | None = None,

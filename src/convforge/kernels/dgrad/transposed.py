@@ -64,7 +64,7 @@ FORWARD = (
     "winograd_nonfused_f2_tf32", "winograd_nonfused_f4_3xtf32", "winograd_nonfused_f6_3xtf32",
     "winograd_nonfused_f2_pipe_tf32",
     "tc_implicit_gemm_tf32", "tc_implicit_gemm_3xtf32", "tc_implicit_gemm_half", "tc_implicit_gemm_3xf16",
-    "tc_winograd_f2", "tc_winograd_f2_3xtf32", "tc_winograd_f4_3xtf32",
+    "tc_winograd_f2", "tc_winograd_f2_3xtf32", "tc_winograd_f4_3xtf32", "tc_winograd_f4",
 )
 # The modules that register them (imported here so the adapters can be made at import time; one
 # that another change renamed is skipped, and tests/test_dgrad.py names the variants gone missing).
