@@ -70,6 +70,19 @@ def test_conv2d_cupy_float16(cuda, algo: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", HALF)
+def test_tuning_a_layer_with_an_odd_count_of_half_outputs(cuda, dtype: str) -> None:
+    """N5 K383 13x13 stores 323,635 halves: the tuner's output buffer, once rounded down to whole
+    4-byte words, failed every candidate's bound check by 2 bytes; now each candidate is judged."""
+    from convforge.tune.tuner import Budget, Tuner
+
+    spec = ConvSpec.make(5, 257, 13, 13, 383, 3, 3, 1, 1, dtype=dtype)
+    assert spec.n * spec.k * spec.p * spec.q % 2 == 1
+    res = Tuner(cuda, None, Budget(None, 6), precision="relaxed").tune(spec)
+    assert not [c.status for c in res.candidates if "bound" in c.status]
+    assert res.entry.error < HALF_TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("spec", SPECS[:4], ids=lambda s: s.key())
 def test_conv2d_torch_half(gpu, spec: ConvSpec, dtype: str) -> None:
     """float16 and bfloat16 torch tensors in, the same dtype out, three calls (the warm ones take the

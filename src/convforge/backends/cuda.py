@@ -130,7 +130,7 @@ class CudaBackend(Backend):
     # -- memory -----------------------------------------------------------------------------
     def empty(self, nbytes: int) -> Any:
         with cp.cuda.Device(self.device_id):
-            return cp.empty(max(nbytes, 4) // 4, dtype=cp.float32)
+            return cp.empty(max(-(-nbytes // 4), 1), dtype=cp.float32)  # rounded up: an odd count of halves fits
 
     def upload(self, array: np.ndarray) -> Any:
         with cp.cuda.Device(self.device_id):
@@ -736,9 +736,12 @@ def _external_stream(handle: int, device: int) -> Any:
 
 
 def _view(ptr: int, nbytes: int, device: int) -> Any:
-    """A flat float32 CuPy array over memory someone else owns (no copy, no ownership)."""
-    mem = cp.cuda.UnownedMemory(ptr, max(nbytes, 4), None, device)
-    return cp.ndarray((max(nbytes, 4) // 4,), cp.float32, cp.cuda.MemoryPointer(mem, 0))
+    """A flat float32 CuPy array over memory someone else owns (no copy, no ownership); its length
+    rounded up, so an odd count of half-precision elements is not cut short (the bound checks) —
+    the last 2 bytes are never touched, and allocations are whole granules anyway."""
+    words = max(-(-nbytes // 4), 1)
+    mem = cp.cuda.UnownedMemory(ptr, 4 * words, None, device)
+    return cp.ndarray((words,), cp.float32, cp.cuda.MemoryPointer(mem, 0))
 
 
 def torch_runner(exe: CudaExecutable, device: int) -> Callable[..., Any]:
