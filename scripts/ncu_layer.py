@@ -8,6 +8,11 @@ the kernels of one warm call, every launch of a convforge plan included.
 
     PYTHONPATH=src python scripts/ncu_layer.py 'N=32,C=256,H=14,W=14,K=256,R=3,S=3,pad=1' implicit_gemm_tf32
     PYTHONPATH=src python scripts/ncu_layer.py 'N=32,C=128,H=56,W=56,K=128,R=3,S=3,stride=2,pad=1' auto --pass dgrad
+    PYTHONPATH=src python scripts/ncu_layer.py 'N=128,C=512,H=7,W=7,K=512,R=3,S=3,pad=1' cudnn-fp32 --dtype fp16
+
+``--dtype fp16|bf16`` runs both sides on half tensors (cuDNN on channels_last ones, as the bench's
+``--layout nhwc`` baseline; convforge on NCHW ones, so its plan adds the layout conversion as a kernel of its
+own: compare the GEMM kernels).
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ def main() -> None:
     ap.add_argument("--pass", dest="conv_pass", choices=("fprop", "dgrad", "wgrad"), default="fprop",
                     help="the pass: fprop (conv2d), dgrad (grad.conv2d_input), wgrad (grad.conv2d_weight); "
                          "cuDNN's through aten.convolution_backward")
+    ap.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32",
+                    help="storage dtype of both sides (half: cuDNN on channels_last tensors)")
     args = ap.parse_args()
     import torch  # after the arguments: --help runs without torch (tests/test_scripts.py)
     import torch.nn.functional as F
@@ -36,6 +43,11 @@ def main() -> None:
     x = torch.randn(spec.x_shape, device="cuda")
     w = torch.randn(spec.w_shape, device="cuda") / (spec.c * spec.r * spec.s) ** 0.5
     dy = torch.randn((spec.n, spec.k, spec.p, spec.q), device="cuda")
+    if args.dtype != "fp32":
+        tdt = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+        x, w, dy = (t.to(tdt) for t in (x, w, dy))
+        if args.impl.startswith("cudnn-"):
+            x, w, dy = (t.to(memory_format=torch.channels_last) for t in (x, w, dy))
     torch.backends.cudnn.benchmark = True
     if args.impl.startswith("cudnn-"):
         torch.backends.cudnn.allow_tf32 = args.impl == "cudnn-tf32"
