@@ -67,6 +67,45 @@ def test_depthwise_on_pocl(ocl, spec) -> None:
 
 
 
+FLAT = [  # (layer, tile covering whole planes): flat loads of the block's consecutive source planes
+    (ConvSpec.make(2, 7, 7, 7, 7, 5, 5, 1, 2, groups=7), (2, 4, 3, 4, 2)),  # G*H*W odd: scalar, last block 1 of 3
+    (ConvSpec.make(2, 8, 14, 14, 16, 3, 3, 2, 1, groups=8), (2, 4, 4, 4, 2)),  # float4 span, stride 2, K = 2C
+    (ConvSpec.make(3, 6, 7, 7, 6, 7, 7, 1, 3, groups=6), (2, 4, 4, 4, 2)),  # 7x7 on a 7x7 plane, bc 4 of 6
+    (ConvSpec.make(1, 4, 12, 13, 4, 3, 3, 1, (0, 2, 1, 0), 2, groups=4), (4, 7, 2, 4, 2)),  # dilation 2, asym pad
+    (ConvSpec.make(1, 3, 12, 16, 3, 3, 3, 1, (4, 0, 5, 1), 2, groups=3, conv_pass="dgrad"), (4, 6, 2, 4, 2)),  # crop
+]
+
+
+@pytest.mark.parametrize("spec, tile", FLAT, ids=lambda x: x.key() if isinstance(x, ConvSpec) else "")
+def test_depthwise_flat_loads_on_pocl(ocl, spec, tile) -> None:
+    """fl=1 (``Tile.flat_ok``: one tile a plane): the block's planes read as one contiguous span and
+    scattered into the zero-filled padded tile, against float64 with the epilogue, beside fl=0."""
+    from convforge.kernels.depthwise import Tile, dgrad_stencil, fprop_stencil
+    from convforge.params import Params
+
+    v = get_variant("depthwise_dgrad" if spec.conv_pass == "dgrad" else "depthwise")
+    bq, bp, bc, tq, tp = tile
+    for fl in (True, False):
+        prm = Params(bq=bq, bp=bp, bc=bc, tq=tq, tp=tp, vec=False, fl=fl)
+        st = dgrad_stencil(spec) if spec.conv_pass == "dgrad" else fprop_stencil(spec)
+        assert Tile.of(st, prm).flat_ok and Tile.of(st, prm).problem(ocl.device) is None
+        _ok(v, spec, prm, ocl.device, ocl, Epilogue() if spec.conv_pass == "dgrad" else FULL, seed=int(fl))
+    assert "fl" in get_variant("depthwise").default(FLAT[1][0], NOMINAL_CUDA)  # the GPU default, one tile a plane
+
+
+def test_depthwise_flat_loads_refused_where_tiles_split_a_plane() -> None:
+    from convforge.params import Params
+
+    v, spec = get_variant("depthwise"), REAL[1]  # 56x56 planes: several tiles a plane
+    prm = v.default(spec, NOMINAL_CUDA)
+    assert "fl" not in prm
+    # the default's rule (measured): 5x5 and 7x7 on 7x7 planes take flat loads, 3x3 on 7x7 planes not
+    assert v.default(ConvSpec.make(32, 1152, 7, 7, 1152, 5, 5, 1, 2, groups=1152), NOMINAL_CUDA).get("fl")
+    assert "fl" not in v.default(ConvSpec.make(64, 960, 7, 7, 960, 3, 3, 1, 1, groups=960), NOMINAL_CUDA)
+    with pytest.raises(ValueError, match="fl=1 needs one tile per output plane"):
+        v.plan(spec, Params({**prm, "vec": False, "fl": True}), NOMINAL_CUDA)
+
+
 def _nhwc(spec: ConvSpec) -> ConvSpec:
     return ConvSpec.make(*spec.x_shape, spec.k, spec.r, spec.s, spec.stride, spec.pad, spec.dilation,
                          spec.groups, layout="nhwc")

@@ -5,7 +5,9 @@ Depthwise layers do R*S multiply-adds per output: memory-bound, so the kernels a
 DRAM traffic, not FLOPs. A block owns a tile of ``bp*tp`` x ``bq*tq`` outputs of ``bc`` channels of
 one image; it reads each input channel's tile plus its halo from DRAM once into shared memory (16-byte
 loads where rows are 16-byte aligned: W % 4 == 0 and the tile origin keeps its phase), coalesced,
-every load of a thread issued before the first shared store; each thread then keeps its channel's
+every load of a thread issued before the first shared store (``fl``: where one tile covers a plane, the
+block's consecutive planes are read as one span, coalesced whatever the row width, and scattered into
+the zero-filled padded tiles); each thread then keeps its channel's
 R*S filter taps in registers and computes ``tp`` x ``tq`` adjacent outputs, reading each input row
 segment it needs once from shared memory (as float4 when the segment starts 16-byte aligned) and
 reusing it across the output rows and columns it feeds. A channel multiplier m > 1 reuses the tile
@@ -106,10 +108,11 @@ class Tile:
     tq: int
     tp: int
     vec: bool
+    fl: bool = False  # flat loads: the block's whole source planes as one contiguous span (:meth:`flat_ok`)
 
     @classmethod
     def of(cls, st: Stencil, p: Params) -> Tile:
-        return cls(st, p.bq, p.bp, p.bc, p.tq, p.tp, bool(p.vec))
+        return cls(st, p.bq, p.bp, p.bc, p.tq, p.tp, bool(p.vec), bool(p.get("fl", 0)))
 
     @property
     def threads(self) -> int:
@@ -156,6 +159,20 @@ class Tile:
         return cdiv(self.off + self.iw, 4)
 
     @property
+    def flat_ok(self) -> bool:
+        """Flat loads apply: one tile covers each output plane (so every block's tile origin is the
+        plane's, -pad), the block's source planes are consecutive in memory (fprop, or dgrad with
+        multiplier 1) and rows are not loaded as float4s (vec=0)."""
+        nqt, npt, _, _ = self.grid
+        return nqt == 1 and npt == 1 and (not self.st.fan_in or self.st.mult == 1) and not self.vec
+
+    @property
+    def flat4(self) -> bool:
+        """The flat span of every block starts 16-byte aligned and holds whole float4s."""
+        hw = self.st.hi * self.st.wi
+        return (self.st.groups * hw) % 4 == 0 and (self.bc * hw) % 4 == 0
+
+    @property
     def smem_bytes(self) -> int:
         return 4 * self.bc * self.ih * self.iw
 
@@ -172,6 +189,8 @@ class Tile:
             return f"bq * bp * bc ({self.threads}) threads must be 1..{device.max_threads}"
         if self.vec and not self.vec_ok:
             return "vec=1 needs W % 4 == 0 and bq * tq * stride a multiple of 4"
+        if self.fl and not self.flat_ok:
+            return "fl=1 needs one tile per output plane, consecutive source planes (dgrad: multiplier 1) and vec=0"
         if self.smem_bytes > min(device.shared_bytes, _SMEM):
             return f"the input tile ({self.smem_bytes} B) does not fit in shared memory"
         if self.tp * self.tq > 32:
@@ -203,8 +222,45 @@ def _plane(st: Stencil, ch: str, j: str) -> str:
     return f"(n * {st.groups} + {ch})"
 
 
+def _load_flat(code: Code, t: Tile, j: str) -> None:
+    """``fl``: the block's bc source planes, consecutive in memory, read as one span (float4s where
+    :attr:`Tile.flat4`), coalesced whatever the row width; each value is stored at its place in the
+    zero-filled padded tile. The first batch of loads is in flight while the tile is zeroed."""
+    st = t.st
+    hw, u = st.hi * st.wi, 4 if t.flat4 else 1
+    units = cdiv(t.bc * hw, u)
+    trips = cdiv(units, t.threads)
+    code(f"const int nvalid = min({t.bc}, {st.groups} - c0) * {hw};  // elements of this block's planes",
+         f"const GLOBAL_PTR float* span = {st.src} + {_plane(st, 'c0', j)} * {hw};")
+    for b0 in range(0, trips, _LOAD_BATCH):
+        batch = range(b0, min(trips, b0 + _LOAD_BATCH))
+        for it in batch:
+            code(f"const int f{it} = (tid + {it * t.threads}) * {u};")
+            if u == 4:
+                code(f"const float4 v{it} = f{it} < nvalid ? VLOAD4(0, span + f{it}) "
+                     ": MAKE_FLOAT4(0.0f, 0.0f, 0.0f, 0.0f);")
+            else:
+                code(f"const float v{it} = f{it} < nvalid ? LDG(span + f{it}) : 0.0f;")
+        if b0 == 0:
+            with code.block(f"for (int z = tid; z < {cdiv(t.bc * t.ih * t.iw, 4)}; z += {t.threads})"):
+                code("xs4[z] = MAKE_FLOAT4(0.0f, 0.0f, 0.0f, 0.0f);")
+            code("BARRIER();  // the halo is zero before any value lands")
+        for it in batch:
+            with code.block(f"if (f{it} < nvalid)"):
+                for e in range(u):
+                    val = f"v{it}.{'xyzw'[e]}" if u == 4 else f"v{it}"
+                    code(f"const int ci{it}_{e} = (f{it} + {e}) / {hw}, rem{it}_{e} = (f{it} + {e}) % {hw};",
+                         f"const int row{it}_{e} = rem{it}_{e} / {st.wi} + {st.pad_t}, "
+                         f"col{it}_{e} = rem{it}_{e} % {st.wi} + {st.pad_l};",
+                         f"if ((unsigned)row{it}_{e} < {t.ih}u && (unsigned)col{it}_{e} < {t.iw}u) "
+                         f"xs[(ci{it}_{e} * {t.ih} + row{it}_{e}) * {t.iw} + col{it}_{e}] = {val};")
+
+
 def _load(code: Code, t: Tile, j: str) -> None:
     """The block's bc input tiles into shared memory: every load of a batch issued before its stores."""
+    if t.fl:
+        _load_flat(code, t, j)
+        return
     st = t.st
     per = t.ih * (t.chunks if t.vec else t.iw)
     total = t.bc * per
@@ -337,6 +393,14 @@ def _fit(extent: int, per: int, cap: int) -> int:
     return max(1, min(cap, cdiv(cdiv(extent, tiles), per)))
 
 
+# The GPU default takes flat loads (fl) where a tile covers whole planes, except 3x3 filters on 7x7 input
+# planes. H100, round 35, default against fl=0 in one sweep a layer (`bench --sweep --sweep-mods fl=0` on the 21
+# grouped-suite layers it applies to, `sweep-depthwise-flat-*-2026-11-28-r35-h100.json`): fprop 1.10x geomean,
+# 5x5 and 7x7 on 7x7 and 14x14 planes 1.08-1.35x (EfficientNet 1152@7 5x5 0.0232 -> 0.0172 ms), 3x3 on 14x14 1.01-1.23x;
+# 3x3 on 7x7 planes 0.96-1.06x (960@7, 1152@7: 0.97x, 0.96x), left out; dgrad the same (1.10x).
+FLAT_DEFAULT = True
+
+
 def stencil_default(st: Stencil, device: DeviceInfo) -> Params:
     """An untuned tile for the real layers: 4 adjacent outputs per thread along a row (one 16-byte
     store), 2 rows where the plane has them (a 7x7 filter's rows are then read 8 times for 2 outputs,
@@ -356,6 +420,8 @@ def stencil_default(st: Stencil, device: DeviceInfo) -> Params:
         t = Tile(st, bq, bp, bc, tq, tp, False)
         t = Tile(st, bq, bp, bc, tq, tp, t.vec_ok)
         if t.problem(device) is None:
+            if FLAT_DEFAULT and t.flat_ok and not (max(st.eff_r, st.eff_s) <= 3 and st.hi * st.wi <= 49):
+                return Params(bq=bq, bp=bp, bc=bc, tq=tq, tp=tp, vec=t.vec, fl=True)
             return Params(bq=bq, bp=bp, bc=bc, tq=tq, tp=tp, vec=t.vec)
         if bc > 1:
             bc = max(1, bc // 2)
@@ -378,9 +444,10 @@ def stencil_space(st: Stencil, device: DeviceInfo) -> list[Params]:
         for vec in (True, False):
             t = Tile(st, bq, bp, bc, tq, tp, vec)
             if t.problem(device) is None:
-                prm = Params(bq=bq, bp=bp, bc=bc, tq=tq, tp=tp, vec=vec)
-                if prm not in out:
-                    out.append(prm)
+                points = [Params(bq=bq, bp=bp, bc=bc, tq=tq, tp=tp, vec=vec)]
+                if t.flat_ok:
+                    points.append(Params(bq=bq, bp=bp, bc=bc, tq=tq, tp=tp, vec=vec, fl=True))
+                out += [prm for prm in points if prm not in out]
     return out
 
 
@@ -404,6 +471,7 @@ class Depthwise(Variant):
     tolerance = 1e-5
     specialised = 20
     space_lead = 1
+    optional_params = {"fl": frozenset({False, True})}
 
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
         if not spec.depthwise:
@@ -442,6 +510,7 @@ class DepthwiseDgrad(Variant):
     tolerance = 1e-5
     specialised = 20
     space_lead = 1
+    optional_params = {"fl": frozenset({False, True})}
 
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
         if not spec.depthwise:
