@@ -81,10 +81,10 @@ def accurate_enough(variant: Variant, spec: ConvSpec | None = None, precision: s
         return f"precision class {variant.precision!r} is outside 'fp32' (use precision='relaxed')"
     if (bound is None and precision == "relaxed" and spec is not None and not variant.exact
             and spec.dtype in variant.dtypes and spec.conv_pass in variant.passes):
-        limit = relaxed_limit(spec.dtype)
-        if variant.expected_error(spec) > limit:
-            return (f"stated error {variant.expected_error(spec):.1e} > the relaxed class's {limit:.1e} on "
-                    f"{spec.dtype} (a looser max_error admits it)")
+        stated, limit = variant.expected_error(spec), relaxed_limit(spec.dtype)
+        if stated > limit:
+            return (f"stated error {stated:.1e} > the relaxed class's {limit:.1e} on {spec.dtype} "
+                    "(a looser max_error admits it)")
     if bound is not None and spec is not None:
         from convforge.dtypes import HALF_ROUNDING
 
