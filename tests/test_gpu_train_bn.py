@@ -196,3 +196,97 @@ def test_what_it_leaves_to_pytorch(gpu, monkeypatch, why):
     else:
         bn.eval()
     assert not bt.takes(bn, y)
+
+
+# (N, C, K, H, W, kernel, stride, dilation, residual, relu, affine, track): native.cpp's BlockNode against
+# the two Python nodes it replaces (the op's and _BnAct) on the same kernels: N=1, prime channels and sizes,
+# stride 2, dilation 2, 1x1, with and without the residual, ReLU, affine parameters and running statistics
+BLOCKS = [(1, 3, 5, 7, 7, 3, 1, 1, False, True, True, True), (2, 16, 32, 9, 11, 3, 2, 1, True, True, True, True),
+          (4, 64, 64, 14, 14, 1, 1, 1, True, True, True, True), (3, 8, 24, 13, 13, 3, 1, 2, False, False, True, True),
+          (2, 32, 16, 10, 10, 3, 1, 1, True, False, False, True), (2, 12, 20, 8, 8, 1, 2, 1, False, True, True, False)]
+
+
+def _block(case, seed):
+    from convforge.torch.fused import FusedConv2d
+
+    n, c, k, h, w, r, s, d, residual, relu, affine, track = case
+    torch.manual_seed(seed)
+    conv = torch.nn.Conv2d(c, k, r, s, padding=d * (r // 2), dilation=d, bias=False).cuda()
+    return FusedConv2d.from_conv(conv, _module(k, affine, track, seed), residual=residual, relu=relu)
+
+
+@pytest.mark.parametrize("case", BLOCKS, ids=lambda c: "x".join(map(str, c[:5])) + f"_r{c[5]}s{c[6]}d{c[7]}"
+                         + "".join(t for t, on in zip(("_res", "_relu", "", ""), c[8:]) if on)
+                         + ("" if c[10] else "_noaffine") + ("" if c[11] else "_notrack"))
+def test_native_block_is_bit_identical_to_the_python_nodes(gpu, monkeypatch, case):
+    """Four training steps of one conv -> batch norm [-> + res] [-> ReLU] block, the weights updated in
+    place between them (the cached filters must follow their versions): with native.cpp's BlockNode (from
+    the second call on, once the first has filed it) and without it (the op's node and _BnAct), every
+    output, gradient, running statistic and batch count bit-identical, and BlockNode really ran."""
+    from convforge.config import config
+    from convforge.torch import native
+
+    module = native.load()
+    assert module is not None, "the native fast path did not build on this GPU machine"
+    n, c, k, h, w, r, s, d, residual, relu, affine, track = case
+    on, off = _block(case, 0), _block(case, 0)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    before = module.stats()["block_runs"]
+    for step in range(4):
+        x = torch.randn(n, c, h, w, device="cuda", generator=g)
+        p, q = (h + 2 * d * (r // 2) - d * (r - 1) - 1) // s + 1, (w + 2 * d * (r // 2) - d * (r - 1) - 1) // s + 1
+        res = torch.randn(n, k, p, q, device="cuda", generator=g) if residual else None
+        gz = torch.randn(n, k, p, q, device="cuda", generator=g)
+        outs = []
+        for m, native_block in ((on, True), (off, False)):
+            monkeypatch.setattr(config, "native_block", native_block)
+            xx = x.clone().requires_grad_()
+            rr = res.clone().requires_grad_() if residual else None
+            z = m(xx, rr)
+            assert torch.isfinite(z).all()
+            z.backward(gz)
+            got = [z.detach(), xx.grad, m.weight.grad] + ([rr.grad] if residual else [])
+            bn = m._cf_bn
+            if affine:
+                got += [bn.weight.grad, bn.bias.grad]
+            if track:
+                got += [bn.running_mean.clone(), bn.running_var.clone(), bn.num_batches_tracked.clone()]
+            outs.append(got)
+            with torch.no_grad():  # an SGD step: new weight versions for the next call
+                for t in [m.weight] + ([bn.weight, bn.bias] if affine else []):
+                    t.sub_(0.1 * t.grad)
+                    t.grad = None
+        for i, (a, b) in enumerate(zip(*outs)):
+            assert torch.equal(a, b), (step, i, float((a.double() - b.double()).abs().max()))
+    assert module.stats()["block_runs"] - before == 3  # calls 2-4; the first filed it
+
+
+def test_native_block_steps_a_fused_resnet_bit_identically(gpu, monkeypatch):
+    """Three SGD steps of fuse(resnet18) at N=3 with native.cpp's BlockNode and without: the same losses,
+    parameters and running statistics bit for bit (every batch norm of a ResNet is in such a block; the
+    first step files them). Its agreement with float64 is test_fused_resnet_trains_through_our_batch_norm's."""
+    import convforge.torch as ct
+    from convforge.config import config
+    from convforge.torch import native
+
+    module = native.load()
+    assert module is not None, "the native fast path did not build on this GPU machine"
+    model = _resnet()
+    fused = {True: ct.fuse(copy.deepcopy(model))[0], False: ct.fuse(copy.deepcopy(model))[0]}
+    x = torch.randn(3, 3, 64, 64, device="cuda")
+    target = torch.randint(0, 10, (3,), device="cuda")
+    losses: dict[bool, list[float]] = {True: [], False: []}
+    before = module.stats()["block_runs"]
+    for _ in range(3):
+        for native_block, m in fused.items():
+            monkeypatch.setattr(config, "native_block", native_block)
+            opt = torch.optim.SGD(m.parameters(), lr=0.05)
+            loss = F.cross_entropy(m(x), target)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses[native_block].append(float(loss))
+    assert losses[True] == losses[False]
+    for a, b in zip(fused[True].state_dict().values(), fused[False].state_dict().values()):
+        assert torch.equal(a, b)
+    assert module.stats()["block_runs"] - before >= 2 * 19  # resnet18's 20 blocks but the stem, steps 2 and 3

@@ -125,11 +125,21 @@ def _env_settings(env: Mapping[str, str]) -> dict[str, tuple[str, Callable[[], A
         # masked gradient in NCHW, then the passes' own transposes
         "grad_rows": ("CONVFORGE_GRAD_ROWS",
                       lambda: parse_bool("CONVFORGE_GRAD_ROWS", get("CONVFORGE_GRAD_ROWS") or "1")),
+        # A fused conv -> batch norm [-> + residual] [-> ReLU] block in training as one C++ autograd node
+        # (torch/native.cpp BlockNode: conv and batch-norm launches from C++); off: the op's node and
+        # batchnorm._BnAct, Python's
+        "native_block": ("CONVFORGE_NATIVE_BLOCK",
+                         lambda: parse_bool("CONVFORGE_NATIVE_BLOCK", get("CONVFORGE_NATIVE_BLOCK") or "1")),
         # The convforge::conv2d op's autograd node in C++ (torch/native.cpp ConvNode) instead of Python's
         # ops._Conv2dFn: off until it has run on a GPU (read when the native module loads)
         "native_autograd": ("CONVFORGE_NATIVE_AUTOGRAD",
                             lambda: parse_bool("CONVFORGE_NATIVE_AUTOGRAD", get("CONVFORGE_NATIVE_AUTOGRAD") or "0")),
     }
+
+
+# Settings read afresh on every call that key no cached choice or program: assigning one calls no listener
+# (the native table keeps its entries, so an A/B in one process compares warm paths)
+_SWITCHES = frozenset({"native_block"})
 
 
 class Config:
@@ -150,6 +160,7 @@ class Config:
     deterministic: bool
     train_bn: bool
     grad_rows: bool
+    native_block: bool
     native_autograd: bool
 
     def __init__(self, env: Mapping[str, str] | None = None) -> None:
@@ -171,6 +182,8 @@ class Config:
 
     def __setattr__(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)
+        if name in _SWITCHES:
+            return
         for listener in self.__dict__.get("_listeners", ()):
             listener()
 

@@ -688,6 +688,7 @@ class RawLaunches:
         with cp.cuda.Device(backend.device_id):
             self.context = _driver().current_context()
         self._keep: list[Any] = []
+        self.title = title
         self._lists: dict[str, list[tuple[tuple[int, ...], int, tuple[tuple[Any, str], ...]]]] = {}
         for which, launches in lists.items():
             entries: list[tuple[tuple[int, ...], int, tuple[tuple[Any, str], ...]]] = []
@@ -702,6 +703,15 @@ class RawLaunches:
                 head = (int(backend.function(program, kernel).ptr), *step.grid, *step.block, lb.nbytes if lb else 0)
                 entries.append((head, ctypes.addressof(array), tuple(zip(cells, map(str, step.args), strict=True))))
             self._lists[which] = entries
+
+    def native_program(self, slots: dict[str, int], first: str, second: str) -> tuple[Any, ...]:
+        """Launch lists ``first`` and ``second`` as native_core.h's ``read_program`` reads a program
+        (its "all" and "rest" steps), every argument the pointer slot ``slots`` gives its buffer's
+        name: what native.cpp's ``register_bn`` files, so C++ launches them without Python."""
+        def launches(which: str) -> list[tuple[Any, ...]]:
+            return [(*head, tuple((0, slots[name]) for _, name in cells)) for head, _, cells in self._lists[which]]
+
+        return (launches(first), launches(second), [], (), (), (), 0, int(self.context), self.title, self)
 
     def __call__(self, which: str, ptrs: dict[str, int], stream: int) -> None:
         """Launch list ``which`` on ``stream`` (a raw handle), buffers by name -> device address. The

@@ -29,6 +29,10 @@ _INFERENCE = torch.is_inference_mode_enabled
 _PROGRAMS: dict[tuple[Any, ...], tuple[BnTrain, BnProgram, Any, Any]] = {}  # call key -> (shape, kernels, launcher,
 # torch's raw-stream query)
 _NST = len(ST)
+# The pointer slot of each batch-norm buffer in native.cpp's BlockNode (its enum BnSlot, in this order)
+BN_SLOTS = {name: i for i, name in enumerate(("y", "res", "z", "gamma", "beta", "rmean", "rvar", "nbt", "st",
+                                               "part", "gz", "gm", "dg", "cf", "dy"))}
+_HANDLES: dict[tuple[Any, ...], int] = {}  # call key -> native.cpp's register_bn handle
 
 
 def takes(bn: torch.nn.BatchNorm2d, y: torch.Tensor, res: Any = None) -> bool:
@@ -66,6 +70,29 @@ def bn_act(y: torch.Tensor, bn: torch.nn.BatchNorm2d, res: torch.Tensor | None =
     prog = _PROGRAMS.get(key) or _program(key)
     return _BnAct.apply(y, res, gamma, p.get("bias"), rmean, b.get("running_var"),  # type: ignore[no-any-return]
                         b.get("num_batches_tracked"), prog)
+
+
+def block_ok(bn: torch.nn.BatchNorm2d) -> bool:
+    """:func:`takes`'s checks of the module and the mode (the tensors' are native.cpp ``block``'s)."""
+    return bool(config.train_bn and config.native_block and bn.training and bn.momentum is not None
+                and type(bn) is _BN and not _INFERENCE() and not torch.compiler.is_compiling())
+
+
+def native_handle(module: Any, bn: torch.nn.BatchNorm2d, y: torch.Tensor, res: torch.Tensor | None,
+                  relu: bool) -> int:
+    """The handle of this call's batch-norm program filed with native.cpp (``register_bn``), for its
+    ``block``: the kernels :func:`bn_act` launches, by the same call key."""
+    p, b = bn._parameters, bn._buffers
+    n, c, h, w = y.shape
+    key = (n, c, h * w, relu, res is not None, p.get("weight") is not None, b.get("running_mean") is not None,
+           bn.eps, bn.momentum, y.device.index or 0)
+    handle = _HANDLES.get(key)
+    if handle is None:
+        shape, prog, run, _ = _PROGRAMS.get(key) or _program(key)
+        handle = _HANDLES[key] = int(module.register_bn(run.native_program(BN_SLOTS, "forward", "backward"),
+                                                        shape.n, shape.c, shape.hw, shape.relu, shape.residual,
+                                                        shape.affine, shape.track, prog.part))
+    return handle
 
 
 def _program(key: tuple[Any, ...]) -> tuple[BnTrain, BnProgram, Any, Any]:

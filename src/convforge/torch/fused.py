@@ -56,14 +56,15 @@ from convforge.config import config
 from convforge.plan import Epilogue, Prologue
 from convforge.spec import ConvSpec
 from convforge.torch import batchnorm as bn_train
-from convforge.torch import conv_relu
-from convforge.torch.modules import Conv2d, compute_dtype, padding_quad, read_tensor, reads_nhwc
+from convforge.torch import conv_relu, native
+from convforge.torch.modules import _AUTOCAST, Conv2d, compute_dtype, padding_quad, read_tensor, reads_nhwc
 
 _F32 = torch.float32
 _CAPTURING = torch.cuda.is_current_stream_capturing
 _GRAD = torch.is_grad_enabled
 _FOLD = ("fold",)  # the folded weights' key in the module's _cf_cache
 _PRE_FOLD = ("prefold",)  # the prologue's folded scale and shift
+_BLOCK = "block"  # a training block's native filing in the module's _cf_cache (FusedConv2d._file_block)
 
 
 class PreActivation(torch.nn.Module):
@@ -170,14 +171,47 @@ class FusedConv2d(Conv2d):
             z = self._conv_relu(x)
             if z is not None:
                 return z
+        if bn is not None:
+            z = self._native_block(x, bn, res)
+            if z is not None:
+                return z
         y = Conv2d.forward(self, x)
         if bn is not None and bn_train.takes(bn, y, res):
-            return bn_train.bn_act(y, bn, res, self._cf_relu)
+            z = bn_train.bn_act(y, bn, res, self._cf_relu)
+            self._file_block(x, bn, res, y)
+            return z
         if bn is not None:
             y = bn(y)
         if res is not None:
             y = y + res
         return torch.relu(y) if self._cf_relu else y
+
+    def _native_block(self, x: torch.Tensor, bn: torch.nn.BatchNorm2d, res: Any) -> torch.Tensor | None:
+        """conv -> batch norm [-> + res] [-> ReLU] in training as one C++ autograd node (native.cpp
+        ``block``) once :meth:`_file_block` has filed this input signature; None: the Python nodes run
+        (not filed, the conv not filed with the native path, a check there failed)."""
+        hit = self._cf_cache.get((_BLOCK, x.shape, x.get_device(), res is not None, bn.eps, bn.momentum))
+        if hit is None or not bn_train.block_ok(bn) or _AUTOCAST():
+            return None
+        module, handle, call = hit
+        p, b = bn._parameters, bn._buffers
+        return module.block(x, read_tensor(self, "_parameters", "weight"), *call, res,  # type: ignore[no-any-return]
+                            p.get("weight"), p.get("bias"), b.get("running_mean"), b.get("running_var"),
+                            b.get("num_batches_tracked"), handle)
+
+    def _file_block(self, x: torch.Tensor, bn: torch.nn.BatchNorm2d, res: Any, y: torch.Tensor) -> None:
+        """After a training call the Python nodes ran (its conv filed with native.cpp by then): file its
+        signature for :meth:`_native_block`, where the C++ path is built and the conv has no bias."""
+        if not (config.native_block and _GRAD()) or read_tensor(self, "_parameters", "bias") is not None:
+            return
+        module = native.load()
+        if module is None or x.dtype != torch.float32:
+            return
+        # conv2d's spelling of the call, as the op's CUDA kernel files it (ops._cuda)
+        call = (None, tuple(self.stride), tuple(padding_quad(self)), tuple(self.dilation), self.algo, None, None,
+                False, None, self.precision, self.max_error, self.groups)
+        handle = bn_train.native_handle(module, bn, y, res, self._cf_relu)
+        self._cf_cache[(_BLOCK, x.shape, x.get_device(), res is not None, bn.eps, bn.momentum)] = (module, handle, call)
 
     def _conv_relu(self, x: torch.Tensor) -> torch.Tensor | None:
         """conv -> ReLU in training on convforge's kernels (torch/conv_relu.py), or None (the

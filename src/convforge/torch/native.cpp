@@ -117,7 +117,8 @@ void launch_checked(const Program& p, const std::vector<LaunchRec>& runs, const 
 
 // Counted off the hot path, for tests and the host-cost script: filter transforms run, op calls
 // that went to Python (misses, layers convforge leaves to PyTorch).
-std::atomic<uint64_t> transforms{0}, op_fallbacks{0}, pass_runs{0};  // pass_runs: backward calls run here
+std::atomic<uint64_t> transforms{0}, op_fallbacks{0}, pass_runs{0}, block_runs{0};  // pass_runs: backward calls
+// run here, block_runs: conv -> batch norm blocks run by BlockNode
 
 // The packed filter-derived buffer for w (transformed now if missing or stale), or undefined:
 // inference tensors (no version counter) run the whole plan, as in Python.
@@ -372,10 +373,11 @@ PyObject* py_clear(PyObject*, PyObject*) {
 }
 
 PyObject* py_stats(PyObject*, PyObject*) {
-  return Py_BuildValue("{s:n,s:K,s:K,s:K}", "entries", static_cast<Py_ssize_t>(table.size()), "transforms",
+  return Py_BuildValue("{s:n,s:K,s:K,s:K,s:K}", "entries", static_cast<Py_ssize_t>(table.size()), "transforms",
                        static_cast<unsigned long long>(transforms.load()), "op_fallbacks",
                        static_cast<unsigned long long>(op_fallbacks.load()), "pass_runs",
-                       static_cast<unsigned long long>(pass_runs.load()));
+                       static_cast<unsigned long long>(pass_runs.load()), "block_runs",
+                       static_cast<unsigned long long>(block_runs.load()));
 }
 
 
@@ -767,6 +769,245 @@ PyObject* py_forget_pass(PyObject*, PyObject* const* a, Py_ssize_t n) {
   Py_RETURN_NONE;
 }
 
+// ---- a conv -> batch norm [-> + residual] [-> ReLU] block in training: one C++ autograd node ----
+// What FusedConv2d.unfused runs through ops._Conv2dFn and batchnorm._BnAct (two Python autograd
+// nodes, the batch norm's launches through ctypes), as one node whose forward and backward never
+// enter Python on a warm call: forward, the conv's filed program and the batch norm's three (or
+// one) kernels; backward, the batch norm's backward kernels, then conv2d_input and conv2d_weight
+// through the dispatcher (their CUDA kernels above: filed programs, or Python's on a miss). The same
+// kernels on the same operands in the same order as the Python nodes: results bit-identical.
+// Filed per batch-norm shape by Python (register_bn, torch/batchnorm.py); a call this path does not
+// recognise answers None and Python's nodes run.
+enum BnSlot { kY, kRes, kZ, kGamma, kBeta, kRmean, kRvar, kNbt, kSt, kPart, kGz, kGm, kDg, kCf, kDy, kBnSlots };
+constexpr int64_t kNst = 5;  // kernels/batchnorm.py ST: the statistics buffer's rows, C values each
+
+struct BnProg : ProgramBase {  // all: the forward launches, rest: the backward ones
+  int64_t n = 0, c = 0, hw = 0, part = 0;  // shape (kernels/batchnorm.py BnTrain), scratch floats
+  bool relu = false, residual = false, affine = false, track = false;
+};
+
+std::mutex bn_mu;
+std::vector<std::shared_ptr<BnProg>> bn_programs;  // a handle is an index; never shrinks (one per layer shape)
+
+std::shared_ptr<BnProg> bn_at(int64_t handle) {
+  std::lock_guard<std::mutex> lock(bn_mu);
+  return handle >= 0 && handle < static_cast<int64_t>(bn_programs.size()) ? bn_programs[handle] : nullptr;
+}
+
+uintptr_t addr(const at::Tensor& t) {
+  return t.defined() ? reinterpret_cast<uintptr_t>(t.const_data_ptr()) : 0;
+}
+
+at::Tensor scratch(int64_t floats, const at::Tensor& like) {
+  return at::detail::empty_cuda({floats}, at::kFloat, like.device(), std::nullopt);
+}
+
+void launch_bn(const BnProg& b, bool backward, const uint64_t* slot, CUstream stream) {
+  CUresult bad = launch_all(b, backward ? b.rest : b.all, slot, stream);
+  TORCH_CHECK(bad == 0, launch_error(b, bad));
+}
+
+struct BlockCall {  // what block() hands the node's forward (non-tensor arguments of apply)
+  Program* conv = nullptr;
+  std::shared_ptr<BnProg> bn;
+  int64_t handle = 0;
+  at::Tensor rmean, rvar, nbt;  // undefined when the module tracks no running statistics
+  std::vector<int64_t> geometry;  // stride (2), padding (4), dilation (2), groups
+  std::string algo;
+  at::IValue precision, max_error;  // None or str / float
+};
+
+struct BlockNode : public torch::autograd::Function<BlockNode> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
+                            const std::optional<at::Tensor>& res, const std::optional<at::Tensor>& gamma,
+                            const std::optional<at::Tensor>& beta, BlockCall* call) {
+    const BnProg& b = *call->bn;
+    at::Tensor y;
+    TORCH_CHECK(run_program(*call->conv, x, w, nullptr, y), "convforge: block operands not 16-byte aligned");
+    at::Tensor z = at::detail::empty_cuda(y.sizes(), at::kFloat, y.device(), std::nullopt);
+    at::Tensor ws = scratch(kNst * b.c + b.part, y);
+    uint64_t slot[kMaxArgs] = {};
+    slot[kY] = addr(y);
+    slot[kRes] = res.has_value() ? addr(*res) : 0;
+    slot[kZ] = addr(z);
+    slot[kGamma] = gamma.has_value() ? addr(*gamma) : 0;
+    slot[kBeta] = beta.has_value() ? addr(*beta) : 0;
+    slot[kRmean] = addr(call->rmean);
+    slot[kRvar] = addr(call->rvar);
+    slot[kNbt] = addr(call->nbt);
+    slot[kSt] = addr(ws);
+    slot[kPart] = slot[kSt] + 4 * kNst * b.c;
+    launch_bn(b, false, slot, c10::cuda::getCurrentCUDAStream(y.get_device()).stream());
+    if (b.track) {  // the running statistics changed: folds cached by version see it
+      torch::autograd::impl::bump_version(call->rmean);
+      torch::autograd::impl::bump_version(call->rvar);
+      torch::autograd::impl::bump_version(call->nbt);
+    }
+    ctx->save_for_backward({x, w, y, b.relu && b.residual ? z : at::Tensor(), ws});
+    ctx->saved_data["bn"] = call->handle;
+    ctx->saved_data["geometry"] = call->geometry;
+    ctx->saved_data["algo"] = call->algo;
+    ctx->saved_data["precision"] = call->precision;
+    ctx->saved_data["max_error"] = call->max_error;
+    return z;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    static auto input_op =
+        c10::Dispatcher::singleton().findSchemaOrThrow("convforge::conv2d_input", "").typed<InputSig>();
+    static auto weight_op =
+        c10::Dispatcher::singleton().findSchemaOrThrow("convforge::conv2d_weight", "").typed<WeightSig>();
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &w = saved[1], &y = saved[2], &z = saved[3], &st = saved[4];
+    std::shared_ptr<BnProg> bp = bn_at(ctx->saved_data["bn"].toInt());
+    TORCH_CHECK(bp, "convforge: a block's batch-norm program is gone");
+    const BnProg& b = *bp;
+    at::Tensor gz = grads[0];
+    if (!gz.is_contiguous() || addr(gz) % 16) gz = gz.clone(at::MemoryFormat::Contiguous);
+    at::Tensor dy = at::detail::empty_cuda(y.sizes(), at::kFloat, y.device(), std::nullopt);
+    at::Tensor gm = b.relu && b.residual ? at::detail::empty_cuda(y.sizes(), at::kFloat, y.device(), std::nullopt)
+                                         : at::Tensor();
+    at::Tensor ws = scratch(4 * b.c + b.part, y);
+    uint64_t slot[kMaxArgs] = {};
+    slot[kGz] = addr(gz);
+    slot[kY] = addr(y);
+    slot[kZ] = addr(z);
+    slot[kSt] = addr(st);
+    slot[kGm] = addr(gm);
+    slot[kDg] = addr(ws);
+    slot[kCf] = slot[kDg] + 8 * b.c;
+    slot[kPart] = slot[kDg] + 16 * b.c;
+    slot[kDy] = addr(dy);
+    launch_bn(b, true, slot, c10::cuda::getCurrentCUDAStream(y.get_device()).stream());
+    std::vector<int64_t> g = ctx->saved_data["geometry"].toIntVector();
+    c10::IntArrayRef stride(g.data(), 2), padding(g.data() + 2, 4), dilation(g.data() + 6, 2);
+    std::string algo = ctx->saved_data["algo"].toStringRef(), keep;
+    std::optional<c10::string_view> precision = opt_view(ctx->saved_data["precision"], keep);
+    const at::IValue& me = ctx->saved_data["max_error"];
+    std::optional<double> max_error = me.isNone() ? std::nullopt : std::optional<double>(me.toDouble());
+    // gradients in the order of apply's arguments (x, w, res, gamma, beta, call); edges count only
+    // the tensors given: x 0, w 1, then res, then gamma and beta
+    torch::autograd::variable_list out(6);
+    if (ctx->needs_input_grad(0))
+      out[0] = input_op.call(x.sym_sizes(), w, dy, stride, padding, dilation, g[8], algo, precision, max_error);
+    if (ctx->needs_input_grad(1))
+      out[1] = weight_op.call(x, w.sym_sizes(), dy, stride, padding, dilation, g[8], algo, precision, max_error);
+    size_t edge = 2;
+    if (b.residual && ctx->needs_input_grad(edge++)) out[2] = b.relu ? gm : gz;
+    if (b.affine) {
+      if (ctx->needs_input_grad(edge)) out[3] = ws.slice(0, 0, b.c);
+      if (ctx->needs_input_grad(edge + 1)) out[4] = ws.slice(0, b.c, 2 * b.c);
+    }
+    return out;
+  }
+};
+
+// A batch-norm parameter or buffer the block's kernels may read: None (absent: ``present`` false),
+// or a contiguous CUDA tensor of ``n`` elements of ``dtype`` on ``device``. False: not that.
+bool bn_tensor(PyObject* o, int64_t n, at::ScalarType dtype, int8_t device, bool present, at::Tensor& out) {
+  if (o == Py_None) return !present;
+  if (!present || !THPVariable_CheckExact(o)) return false;
+  const at::Tensor& t = THPVariable_Unpack(o);
+  if (!t.is_cuda() || t.scalar_type() != dtype || !t.is_contiguous() || t.numel() != n || t.get_device() != device)
+    return false;
+  out = t;
+  return true;
+}
+
+// block(conv2d's 14 arguments, res, gamma, beta, running_mean, running_var, num_batches_tracked,
+// handle) -> z = [ReLU](batch_norm(conv2d(x, w)) [+ res]) through BlockNode, or None when the call
+// is not one this path runs (no filed conv program, another shape, a bias, grad mode off...).
+PyObject* py_block(PyObject*, PyObject* const* a, Py_ssize_t n) {
+  if (n != kArgs + 7) {
+    PyErr_SetString(PyExc_TypeError, "block takes conv2d's 14 arguments, res, gamma, beta, running_mean, "
+                    "running_var, num_batches_tracked and a handle");
+    return nullptr;
+  }
+  Key k;
+  const at::Tensor *x = nullptr, *w = nullptr, *bias = nullptr;
+  if (!at::GradMode::is_enabled() || !parse_call(a, k, x, w, bias) || bias || !PyLong_Check(a[kArgs + 6]))
+    Py_RETURN_NONE;
+  std::shared_ptr<Program> p = find(k);
+  std::shared_ptr<BnProg> bp = bn_at(PyLong_AsLongLong(a[kArgs + 6]));
+  if (PyErr_Occurred()) return nullptr;
+  if (!p || !bp || p->y_shape.size() != 4 || p->y_shape[0] != bp->n || p->y_shape[1] != bp->c ||
+      p->y_shape[2] * p->y_shape[3] != bp->hw)
+    Py_RETURN_NONE;
+  std::optional<at::Tensor> res, gamma, beta;
+  if (a[kArgs] != Py_None) {
+    if (!bp->residual || !THPVariable_CheckExact(a[kArgs])) Py_RETURN_NONE;
+    const at::Tensor& r = THPVariable_Unpack(a[kArgs]);
+    if (!plain(r, 4) || r.get_device() != x->get_device() || r.sizes() != c10::IntArrayRef(p->y_shape) ||
+        addr(r) % 16)
+      Py_RETURN_NONE;
+    res = r;
+  } else if (bp->residual) {
+    Py_RETURN_NONE;
+  }
+  BlockCall call;
+  at::Tensor g, bt;
+  int8_t dev = x->get_device();
+  if (!bn_tensor(a[kArgs + 1], bp->c, at::kFloat, dev, bp->affine, g) ||
+      !bn_tensor(a[kArgs + 2], bp->c, at::kFloat, dev, bp->affine, bt) ||
+      !bn_tensor(a[kArgs + 3], bp->c, at::kFloat, dev, bp->track, call.rmean) ||
+      !bn_tensor(a[kArgs + 4], bp->c, at::kFloat, dev, bp->track, call.rvar) ||
+      !bn_tensor(a[kArgs + 5], 1, at::kLong, dev, bp->track, call.nbt))
+    Py_RETURN_NONE;
+  if (bp->affine) {
+    gamma = g;
+    beta = bt;
+  }
+  if ((addr(*x) | addr(*w)) % 16) Py_RETURN_NONE;
+  call.conv = p.get();
+  call.bn = bp;
+  call.handle = PyLong_AsLongLong(a[kArgs + 6]);
+  call.geometry.reserve(9);
+  for (const Seq* s : {&k.stride, &k.padding, &k.dilation})
+    for (int i = 0; i < s->n; ++i) call.geometry.push_back(s->v[i]);
+  if (call.geometry.size() != 8) Py_RETURN_NONE;
+  call.geometry.push_back(k.groups);
+  call.algo = k.algo;
+  if (k.has_precision) call.precision = k.precision;
+  if (k.has_max_error) call.max_error = k.max_error;
+  HANDLE_TH_ERRORS
+  at::Tensor z = BlockNode::apply(*x, *w, res, gamma, beta, &call);
+  block_runs.fetch_add(1, std::memory_order_relaxed);
+  return THPVariable_Wrap(std::move(z));
+  END_HANDLE_TH_ERRORS
+}
+
+// register_bn(program, n, c, hw, relu, residual, affine, track, part) -> a handle for block():
+// program as register's (read_program), its "all" launches the batch norm's forward, "rest" its
+// backward, every argument a pointer slot of BnSlot (torch/batchnorm.py BN_SLOTS).
+PyObject* py_register_bn(PyObject*, PyObject* const* a, Py_ssize_t n) {
+  if (n != 9) {
+    PyErr_SetString(PyExc_TypeError, "register_bn takes a program, n, c, hw, relu, residual, affine, track, part");
+    return nullptr;
+  }
+  auto b = std::make_shared<BnProg>();
+  if (!read_program(a[0], *b)) return nullptr;
+  b->n = PyLong_AsLongLong(a[1]);
+  b->c = PyLong_AsLongLong(a[2]);
+  b->hw = PyLong_AsLongLong(a[3]);
+  b->relu = PyObject_IsTrue(a[4]) == 1;
+  b->residual = PyObject_IsTrue(a[5]) == 1;
+  b->affine = PyObject_IsTrue(a[6]) == 1;
+  b->track = PyObject_IsTrue(a[7]) == 1;
+  b->part = PyLong_AsLongLong(a[8]);
+  if (PyErr_Occurred()) return nullptr;
+  for (const auto* runs : {&b->all, &b->rest})
+    for (const LaunchRec& L : *runs)
+      for (const auto& cs : L.slots)
+        if (cs.second >= kBnSlots) {
+          PyErr_SetString(PyExc_ValueError, "register_bn: a slot outside the batch norm's buffers");
+          return nullptr;
+        }
+  std::lock_guard<std::mutex> lock(bn_mu);
+  bn_programs.push_back(std::move(b));
+  return PyLong_FromSsize_t(static_cast<Py_ssize_t>(bn_programs.size()) - 1);
+}
+
 // Two Python callables for kernels registered in C++ (kept for the process) and a new IMPL
 // library for them; false with the Python error set when ``a`` is not two callables or ``lib``
 // exists already (``who`` names the caller).
@@ -836,11 +1077,16 @@ PyMethodDef methods[] = {
      "forget_pass(register_pass's first 11 arguments): drop a filed backward call"},
     {"register_pass_ops", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_register_pass_ops)),
      METH_FASTCALL, "register_pass_ops(input_fallback, weight_fallback): the backward ops' CUDA kernels in C++"},
+    {"block", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_block)), METH_FASTCALL,
+     "block(conv2d's 14 arguments, res, gamma, beta, running_mean, running_var, num_batches_tracked, handle) -> "
+     "a conv -> batch norm block's output through one C++ autograd node, or None"},
+    {"register_bn", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_register_bn)), METH_FASTCALL,
+     "register_bn(program, n, c, hw, relu, residual, affine, track, part) -> a batch-norm program's handle"},
     {"clear", py_clear, METH_NOARGS, "forget every entry"},
     {"wrap", py_wrap, METH_O, "wrap(python_conv2d) -> conv2d whose warm torch calls stay in C"},
     {"parts", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_parts)), METH_FASTCALL,
      "parts(conv2d's 14 arguments, piece, n) -> seconds of n repetitions of one piece of a warm call"},
-    {"stats", py_stats, METH_NOARGS, "{entries, transforms, op_fallbacks, pass_runs}: table size and counters"},
+    {"stats", py_stats, METH_NOARGS, "{entries, transforms, op_fallbacks, pass_runs, block_runs}: table size and counters"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "convforge_native", "convforge's native fast path (torch)", -1,
