@@ -85,7 +85,9 @@ def _tolerance(model: nn.Module) -> float:
             for key, v in m._cf_cache.items():
                 if v is None:
                     continue
-                run = v[0] if key[0] == "fused" else None if key[0] == "fold" else v
+                # runners: "fused" entries' first item, or the entry itself; "fold" holds folded weights and
+                # "block" a training block's native filing (FusedConv2d._file_block)
+                run = v[0] if key[0] == "fused" else None if key[0] in ("fold", "block") else v
                 if run is not None:
                     tol = max(tol, run.exe.plan.tolerance)
     assert tol > 0, "no convforge plan ran"
