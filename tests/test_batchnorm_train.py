@@ -121,3 +121,41 @@ def test_the_switch_is_read_from_the_environment() -> None:
 
     assert Config({}).train_bn is True and Config({"CONVFORGE_TRAIN_BN": "0"}).train_bn is False
     assert any("CONVFORGE_TRAIN_BN" in p for p in Config({"CONVFORGE_TRAIN_BN": "maybe"}).problems())
+
+
+def test_native_slots_name_every_buffer_in_the_order_of_native_cpp() -> None:
+    """BN_SLOTS numbers every buffer a forward or backward kernel takes, in the order of native.cpp's enum
+    BnSlot (whose BlockNode fills the slots by those numbers): a buffer missing or a reordering fails."""
+    import re
+    from pathlib import Path
+
+    import convforge
+    from convforge.kernels.batchnorm import BN_SLOTS
+
+    source = (Path(convforge.__file__).parent / "torch" / "native.cpp").read_text()  # no torch import
+    enum = re.search(r"enum BnSlot \{([^}]*)\}", source)
+    assert enum is not None
+    names = [v.strip() for v in enum.group(1).split(",")]
+    assert names[-1] == "kBnSlots" and len(names) - 1 == len(BN_SLOTS)
+    for name, i in BN_SLOTS.items():
+        assert names[i].lower() == "k" + name.lower(), (name, names[i])
+    for bn in CASES:
+        prog = bn_program(bn, NOMINAL_CUDA)
+        kernels = {k.name: k for k in prog.kernels}
+        for step in prog.forward + prog.backward:
+            assert {str(a) for a in step.args} <= set(BN_SLOTS), step
+            assert {a.name for a in kernels[step.kernel].args} <= set(BN_SLOTS)
+
+
+def test_assigning_a_switch_keeps_the_native_table() -> None:
+    """config.native_block is read on every call and keys nothing: assigning it calls no listener (the
+    native table keeps its programs, so an A/B in one process compares warm paths); precision does."""
+    from convforge.config import Config
+
+    cfg = Config({})
+    calls: list[int] = []
+    cfg.on_change(lambda: calls.append(1))
+    cfg.native_block = False
+    assert calls == []
+    cfg.precision = "relaxed"
+    assert calls == [1]

@@ -290,3 +290,33 @@ def test_native_block_steps_a_fused_resnet_bit_identically(gpu, monkeypatch):
     for a, b in zip(fused[True].state_dict().values(), fused[False].state_dict().values()):
         assert torch.equal(a, b)
     assert module.stats()["block_runs"] - before >= 2 * 19  # resnet18's 20 blocks but the stem, steps 2 and 3
+
+
+def test_native_block_under_create_graph_is_differentiable_once(gpu, monkeypatch):
+    """backward(create_graph=True) through BlockNode gives the Python nodes' first-order gradients bit for
+    bit; differentiating them again raises naming the block (the Python nodes raise too), never a silent
+    zero."""
+    from convforge.config import config
+    from convforge.torch import native
+
+    module = native.load()
+    assert module is not None, "the native fast path did not build on this GPU machine"
+    case = BLOCKS[1]  # residual + ReLU, stride 2
+    n, c, k, h, w = case[:5]
+    x = torch.randn(n, c, h, w, device="cuda")
+    res = torch.randn(n, k, 5, 6, device="cuda")
+    firsts = []
+    for native_block in (True, False):
+        monkeypatch.setattr(config, "native_block", native_block)
+        m = _block(case, 0)
+        m(x, res).sum().backward()  # the first call files the block
+        before = module.stats()["block_runs"]
+        xx = x.clone().requires_grad_()
+        (gx,) = torch.autograd.grad(m(xx, res).square().sum(), xx, create_graph=True)
+        assert module.stats()["block_runs"] - before == int(native_block)
+        firsts.append(gx.detach())
+        assert gx.requires_grad
+        # native: BlockNode's own error; Python's: conv2d_input has no derivative (or _BnAct's error)
+        with pytest.raises(RuntimeError, match="differentiate twice" if native_block else ""):
+            gx.sum().backward()
+    assert torch.equal(*firsts)

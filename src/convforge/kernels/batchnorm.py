@@ -154,6 +154,10 @@ def _lanes(v: int) -> tuple[str, ...]:
 
 
 ST = ("k0", "dm", "inv", "sc", "sh")  # the "st" buffer's rows, C values each: mean = k0 + dm (module docstring)
+# Every buffer a forward or backward kernel takes, numbered: the pointer slots of native.cpp's BlockNode (its enum
+# BnSlot lists them in this order), which launches these kernels from C++ (torch/batchnorm.py native_handle)
+BN_SLOTS = {name: i for i, name in enumerate(("y", "res", "z", "gamma", "beta", "rmean", "rvar", "nbt", "st",
+                                               "part", "gz", "gm", "dg", "cf", "dy"))}
 
 
 def _st(bn: BnTrain, *names: str) -> str:

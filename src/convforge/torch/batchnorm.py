@@ -21,7 +21,7 @@ from torch.autograd.function import once_differentiable
 
 from convforge.backends import get_backend
 from convforge.config import config
-from convforge.kernels.batchnorm import ST, BnProgram, BnTrain, bn_program
+from convforge.kernels.batchnorm import BN_SLOTS, ST, BnProgram, BnTrain, bn_program
 
 _F32 = torch.float32
 _BN = torch.nn.BatchNorm2d
@@ -29,9 +29,6 @@ _INFERENCE = torch.is_inference_mode_enabled
 _PROGRAMS: dict[tuple[Any, ...], tuple[BnTrain, BnProgram, Any, Any]] = {}  # call key -> (shape, kernels, launcher,
 # torch's raw-stream query)
 _NST = len(ST)
-# The pointer slot of each batch-norm buffer in native.cpp's BlockNode (its enum BnSlot, in this order)
-BN_SLOTS = {name: i for i, name in enumerate(("y", "res", "z", "gamma", "beta", "rmean", "rvar", "nbt", "st",
-                                               "part", "gz", "gm", "dg", "cf", "dy"))}
 _HANDLES: dict[tuple[Any, ...], int] = {}  # call key -> native.cpp's register_bn handle
 
 

@@ -27,6 +27,7 @@
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/library.h>
 
@@ -817,6 +818,18 @@ struct BlockCall {  // what block() hands the node's forward (non-tensor argumen
   at::IValue precision, max_error;  // None or str / float
 };
 
+// Gradients computed outside autograd, as @once_differentiable hands them back under create_graph=True
+// (what batchnorm._BnAct does): differentiating them again raises, naming the block, instead of a silent zero.
+torch::autograd::variable_list once_differentiable(torch::autograd::variable_list grads) {
+  at::AutoGradMode on(true);
+  torch::autograd::variable_list leaves;
+  for (const at::Tensor& t : grads) leaves.push_back(t.defined() ? t.detach().requires_grad_(true) : at::Tensor());
+  auto err = std::make_shared<torch::autograd::DelayedError>(
+      "convforge: trying to differentiate twice through a fused conv -> batch norm block (its backward is "
+      "differentiable once, as torch/batchnorm.py's)", static_cast<int64_t>(leaves.size()));
+  return err->apply(std::move(leaves));
+}
+
 struct BlockNode : public torch::autograd::Function<BlockNode> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
                             const std::optional<at::Tensor>& res, const std::optional<at::Tensor>& gamma,
@@ -858,6 +871,8 @@ struct BlockNode : public torch::autograd::Function<BlockNode> {
         c10::Dispatcher::singleton().findSchemaOrThrow("convforge::conv2d_input", "").typed<InputSig>();
     static auto weight_op =
         c10::Dispatcher::singleton().findSchemaOrThrow("convforge::conv2d_weight", "").typed<WeightSig>();
+    bool create_graph = at::GradMode::is_enabled();  // backward(create_graph=True): see the end
+    at::AutoGradMode no_graph(false);
     auto saved = ctx->get_saved_variables();
     const at::Tensor &x = saved[0], &w = saved[1], &y = saved[2], &z = saved[3], &st = saved[4];
     std::shared_ptr<BnProg> bp = bn_at(ctx->saved_data["bn"].toInt());
@@ -899,6 +914,7 @@ struct BlockNode : public torch::autograd::Function<BlockNode> {
       if (ctx->needs_input_grad(edge)) out[3] = ws.slice(0, 0, b.c);
       if (ctx->needs_input_grad(edge + 1)) out[4] = ws.slice(0, b.c, 2 * b.c);
     }
+    if (create_graph) return once_differentiable(std::move(out));
     return out;
   }
 };
