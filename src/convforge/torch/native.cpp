@@ -518,6 +518,32 @@ std::optional<c10::string_view> opt_view(const at::IValue& v, std::string& keep)
   return c10::string_view(keep);
 }
 
+// conv2d_input and conv2d_weight through the dispatcher (their CUDA kernels below), found once.
+c10::TypedOperatorHandle<InputSig>& input_op() {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("convforge::conv2d_input", "").typed<InputSig>();
+  return op;
+}
+
+c10::TypedOperatorHandle<WeightSig>& weight_op() {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("convforge::conv2d_weight", "").typed<WeightSig>();
+  return op;
+}
+
+// The forward's algo, precision and max_error as a node saved them (saved_data "algo", "precision",
+// "max_error"), for the backward ops' calls; views into this object: keep it in place.
+struct SavedChoice {
+  std::string algo, keep;
+  std::optional<c10::string_view> precision;
+  std::optional<double> max_error;
+  explicit SavedChoice(torch::autograd::AutogradContext* ctx) : algo(ctx->saved_data["algo"].toStringRef()) {
+    precision = opt_view(ctx->saved_data["precision"], keep);
+    const at::IValue& me = ctx->saved_data["max_error"];
+    if (!me.isNone()) max_error = me.toDouble();
+  }
+  SavedChoice(const SavedChoice&) = delete;
+  SavedChoice& operator=(const SavedChoice&) = delete;
+};
+
 struct ConvNode : public torch::autograd::Function<ConvNode> {
   // bias an optional, not an undefined tensor: Function::apply records each tensor argument's device,
   // which an undefined tensor has not ("tensor does not have a device", torch 2.11, round 26)
@@ -540,10 +566,6 @@ struct ConvNode : public torch::autograd::Function<ConvNode> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    static auto input_op =
-        c10::Dispatcher::singleton().findSchemaOrThrow("convforge::conv2d_input", "").typed<InputSig>();
-    static auto weight_op =
-        c10::Dispatcher::singleton().findSchemaOrThrow("convforge::conv2d_weight", "").typed<WeightSig>();
     static auto bias_op = c10::Dispatcher::singleton()
                               .findSchemaOrThrow("convforge::conv2d_bias", "")
                               .typed<at::Tensor(const at::Tensor&)>();
@@ -552,17 +574,16 @@ struct ConvNode : public torch::autograd::Function<ConvNode> {
     std::vector<int64_t> stride = ctx->saved_data["stride"].toIntVector();
     std::vector<int64_t> padding = ctx->saved_data["padding"].toIntVector();
     std::vector<int64_t> dilation = ctx->saved_data["dilation"].toIntVector();
-    std::string algo = ctx->saved_data["algo"].toStringRef(), keep;
-    std::optional<c10::string_view> precision = opt_view(ctx->saved_data["precision"], keep);
-    const at::IValue& me = ctx->saved_data["max_error"];
-    std::optional<double> max_error = me.isNone() ? std::nullopt : std::optional<double>(me.toDouble());
+    SavedChoice ch(ctx);
     int64_t groups = ctx->saved_data["groups"].toInt();
     at::Tensor gy = grads[0].contiguous();  // sum().backward() hands an expanded tensor (zero strides)
     at::Tensor gx, gw, gb;
     if (ctx->needs_input_grad(0))
-      gx = input_op.call(x.sym_sizes(), w, gy, stride, padding, dilation, groups, algo, precision, max_error);
+      gx = input_op().call(x.sym_sizes(), w, gy, stride, padding, dilation, groups, ch.algo, ch.precision,
+                           ch.max_error);
     if (ctx->needs_input_grad(1))
-      gw = weight_op.call(x, w.sym_sizes(), gy, stride, padding, dilation, groups, algo, precision, max_error);
+      gw = weight_op().call(x, w.sym_sizes(), gy, stride, padding, dilation, groups, ch.algo, ch.precision,
+                            ch.max_error);
     if (ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(2)) gb = bias_op.call(gy);
     return {gx, gw, gb, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
             at::Tensor()};
@@ -867,10 +888,6 @@ struct BlockNode : public torch::autograd::Function<BlockNode> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    static auto input_op =
-        c10::Dispatcher::singleton().findSchemaOrThrow("convforge::conv2d_input", "").typed<InputSig>();
-    static auto weight_op =
-        c10::Dispatcher::singleton().findSchemaOrThrow("convforge::conv2d_weight", "").typed<WeightSig>();
     bool create_graph = at::GradMode::is_enabled();  // backward(create_graph=True): see the end
     at::AutoGradMode no_graph(false);
     auto saved = ctx->get_saved_variables();
@@ -897,17 +914,16 @@ struct BlockNode : public torch::autograd::Function<BlockNode> {
     launch_bn(b, true, slot, c10::cuda::getCurrentCUDAStream(y.get_device()).stream());
     std::vector<int64_t> g = ctx->saved_data["geometry"].toIntVector();
     c10::IntArrayRef stride(g.data(), 2), padding(g.data() + 2, 4), dilation(g.data() + 6, 2);
-    std::string algo = ctx->saved_data["algo"].toStringRef(), keep;
-    std::optional<c10::string_view> precision = opt_view(ctx->saved_data["precision"], keep);
-    const at::IValue& me = ctx->saved_data["max_error"];
-    std::optional<double> max_error = me.isNone() ? std::nullopt : std::optional<double>(me.toDouble());
+    SavedChoice ch(ctx);
     // gradients in the order of apply's arguments (x, w, res, gamma, beta, call); edges count only
     // the tensors given: x 0, w 1, then res, then gamma and beta
     torch::autograd::variable_list out(6);
     if (ctx->needs_input_grad(0))
-      out[0] = input_op.call(x.sym_sizes(), w, dy, stride, padding, dilation, g[8], algo, precision, max_error);
+      out[0] = input_op().call(x.sym_sizes(), w, dy, stride, padding, dilation, g[8], ch.algo, ch.precision,
+                               ch.max_error);
     if (ctx->needs_input_grad(1))
-      out[1] = weight_op.call(x, w.sym_sizes(), dy, stride, padding, dilation, g[8], algo, precision, max_error);
+      out[1] = weight_op().call(x, w.sym_sizes(), dy, stride, padding, dilation, g[8], ch.algo, ch.precision,
+                                ch.max_error);
     size_t edge = 2;
     if (b.residual && ctx->needs_input_grad(edge++)) out[2] = b.relu ? gm : gz;
     if (b.affine) {
@@ -1102,7 +1118,8 @@ PyMethodDef methods[] = {
     {"wrap", py_wrap, METH_O, "wrap(python_conv2d) -> conv2d whose warm torch calls stay in C"},
     {"parts", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_parts)), METH_FASTCALL,
      "parts(conv2d's 14 arguments, piece, n) -> seconds of n repetitions of one piece of a warm call"},
-    {"stats", py_stats, METH_NOARGS, "{entries, transforms, op_fallbacks, pass_runs, block_runs}: table size and counters"},
+    {"stats", py_stats, METH_NOARGS,
+     "{entries, transforms, op_fallbacks, pass_runs, block_runs}: table size and counters"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "convforge_native", "convforge's native fast path (torch)", -1,
