@@ -7,6 +7,8 @@ training section). With --forward: an inference forward, PyTorch FP32 eager agai
                                     [--fused]   # fuse() in training mode: batch norm, add, ReLU ours too
                                     [--host]    # also: each side's host time per step, its operators by
                                                 # own host time, and ours under cProfile
+                                    [--ab native_block]  # instead: an A/B of a boolean setting in ONE
+                                                # process, rounds alternating PyTorch, ours on, ours off
 
 The step is `convforge bench --train`'s (forward, cross-entropy, backward, SGD with momentum, one
 fixed batch, training mode). Each side prints its GPU time per step and the operators that take
@@ -65,6 +67,12 @@ def main() -> None:
                     "the queue kept short) and print convforge's Python functions by own time (cProfile)")
     ap.add_argument("--precision", default="fp32", choices=("fp32", "relaxed"),
                     help="relaxed: PyTorch with TF32 convolutions and matmuls against convert(precision='relaxed')")
+    ap.add_argument("--ab", metavar="SETTING",
+                    help="a boolean convforge.config setting (native_block, train_bn, grad_rows...): time the "
+                    "step as `bench --train` does and the host with the GPU drained, in rounds alternating "
+                    "PyTorch, ours with the setting on and off, all in this one process (host speed moves between "
+                    "processes by a third: an A/B across two of them measures the machine)")
+    ap.add_argument("--rounds", type=int, default=4, help="--ab: rounds (each times every side)")
     a = ap.parse_args()
     import torch
 
@@ -93,6 +101,9 @@ def main() -> None:
     else:
         ct.convert(ours, precision=a.precision)
     how = "fused" if a.fused else "converted"
+    if a.ab:
+        ab(a.ab, a.rounds, base, training.step_fn(ref, x, target), training.step_fn(ours, x, target), tf32)
+        return
     for name, m in ((base, ref), (f"convforge ({how}, {a.precision})", ours)):
         step = training.step_fn(m, x, target)
         events = profile(step, a.steps)
@@ -100,6 +111,50 @@ def main() -> None:
         if a.host:
             cpu_report(name, events, a.steps, a.top)
             host(name, step, a.steps, a.top * 2 if m is ours else 0)
+
+
+def ab(setting: str, rounds: int, base: str, theirs: Any, ours: Any, tf32: bool) -> None:
+    """Rounds alternating PyTorch, ours with ``setting`` on and ours with it off: each side's eager step
+    (``bench --train``'s timing: 2 warm-up steps, median of 10) and host time with the GPU drained (median
+    of 7); then the medians over the rounds and each of ours against PyTorch."""
+    import statistics
+    import time
+
+    import torch
+
+    from convforge.bench import training
+    from convforge.config import config
+
+    if not isinstance(getattr(config, setting, None), bool):
+        raise SystemExit(f"train_profile: --ab takes a boolean convforge.config setting, not {setting!r}")
+    keep = getattr(config, setting)
+    sides = {base: (theirs, None), f"convforge {setting}=on": (ours, True), f"convforge {setting}=off": (ours, False)}
+    eager: dict[str, list[float]] = {k: [] for k in sides}
+    drained: dict[str, list[float]] = {k: [] for k in sides}
+    for _ in range(3):
+        ours()
+    try:
+        for _ in range(rounds):
+            for name, (step, on) in sides.items():
+                torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = tf32 and on is None
+                if on is not None:
+                    setattr(config, setting, on)
+                eager[name].append(training._time(step, 2, 10))
+                times = []
+                for _ in range(7):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    step()
+                    times.append(1e3 * (time.perf_counter() - t0))
+                torch.cuda.synchronize()
+                drained[name].append(statistics.median(times))
+    finally:
+        setattr(config, setting, keep)
+    ref = statistics.median(eager[base])
+    for name in sides:
+        e, h = statistics.median(eager[name]), statistics.median(drained[name])
+        print(f"{name:32} eager {e:8.3f} ms ({ref / e:.2f}x {base})  host drained {h:8.3f} ms   rounds: eager "
+              + " ".join(f"{v:.3f}" for v in eager[name]) + ", host " + " ".join(f"{v:.2f}" for v in drained[name]))
 
 
 def cpu_report(name: str, events: Any, steps: int, top: int) -> None:
