@@ -191,7 +191,8 @@ class FusedConv2d(Conv2d):
         ``block``) once :meth:`_file_block` has filed this input signature; None: the Python nodes run
         (not filed, the conv not filed with the native path, a check there failed)."""
         hit = self._cf_cache.get((_BLOCK, x.shape, x.get_device(), res is not None, bn.eps, bn.momentum))
-        if hit is None or not bn_train.block_ok(bn) or _AUTOCAST():
+        if (hit is None or not bn_train.block_ok(bn) or _AUTOCAST() or self.padding_mode != "zeros"
+                or read_tensor(self, "_parameters", "bias") is not None):  # as filed: what the call passes
             return None
         module, handle, call = hit
         p, b = bn._parameters, bn._buffers
@@ -202,7 +203,8 @@ class FusedConv2d(Conv2d):
     def _file_block(self, x: torch.Tensor, bn: torch.nn.BatchNorm2d, res: Any, y: torch.Tensor) -> None:
         """After a training call the Python nodes ran (its conv filed with native.cpp by then): file its
         signature for :meth:`_native_block`, where the C++ path is built and the conv has no bias."""
-        if not (config.native_block and _GRAD()) or read_tensor(self, "_parameters", "bias") is not None:
+        if (not (config.native_block and _GRAD()) or read_tensor(self, "_parameters", "bias") is not None
+                or self.padding_mode != "zeros"):
             return
         module = native.load()
         if module is None or x.dtype != torch.float32:
