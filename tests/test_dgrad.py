@@ -327,11 +327,13 @@ INTERLEAVE = [
 ]
 
 
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 @pytest.mark.parametrize("spec, dtype, which", INTERLEAVE, ids=lambda v: str(v))
-def test_interleave_writes_every_dx_element_from_its_phase(ocl, spec, dtype, which):
+def test_interleave_writes_every_dx_element_from_its_phase(ocl, spec, dtype, which, layout):
     """On PoCL, dx NaN-poisoned: each element is its phase buffer's value where the phase has one
-    (offsets and bounds of :class:`Part`), zero everywhere else."""
-    spec = ConvSpec.from_dict({**spec.to_dict(), "dtype": dtype, "pass": "dgrad"})
+    (offsets and bounds of :class:`Part`), zero everywhere else; channels-last dx and phase buffers
+    (N x bh x bw x C) alike."""
+    spec = ConvSpec.from_dict({**spec.to_dict(), "dtype": dtype, "pass": "dgrad", "layout": layout})
     sh, sw = spec.stride
     if which == "sub":
         parts = [subgrid_part(spec)]
@@ -352,12 +354,14 @@ def test_interleave_writes_every_dx_element_from_its_phase(ocl, spec, dtype, whi
                     want[:, :, h, w] = data[p.buf][:, :, r, q]
     steps = (Launch(kern.name, grid, kern.block, tuple(p.buf for p in parts) + ("x",)),)
     plan = Plan("il", "dgrad", spec, Params(), (kern,), steps, (), 0.0)
-    bufs = {k: ocl.upload(to_storage(v, dtype)) for k, v in data.items()}
-    bufs["x"] = ocl.upload(to_storage(np.full(spec.x_shape, np.nan, np.float32), dtype))
+    lay = (lambda a: np.ascontiguousarray(a.transpose(0, 2, 3, 1))) if layout == "nhwc" else (lambda a: a)
+    bufs = {k: ocl.upload(to_storage(lay(v), dtype)) for k, v in data.items()}
+    bufs["x"] = ocl.upload(to_storage(lay(np.full(spec.x_shape, np.nan, np.float32)), dtype))
     ocl.executable(plan)(bufs)
     ocl.synchronize()
-    got = ocl.download(bufs["x"], spec.x_shape, dtype)
-    np.testing.assert_array_equal(got, want)
+    n, c, h, w = spec.x_shape
+    got = ocl.download(bufs["x"], (n, h, w, c) if layout == "nhwc" else spec.x_shape, dtype)
+    np.testing.assert_array_equal(got.transpose(0, 3, 1, 2) if layout == "nhwc" else got, want)
 
 
 def test_interleave_refuses_a_phase_twice_or_outside_the_stride():

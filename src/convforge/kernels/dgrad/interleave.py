@@ -1,4 +1,4 @@
-"""Strided dgrad's phases brought together: one pass that writes every element of dx (NCHW) once,
+"""Strided dgrad's phases brought together: one pass that writes every element of dx (NCHW or NHWC) once,
 coalesced, from compact per-phase buffers, zeros where no phase holds a value.
 
 A strided dgrad computes dx phase by phase: the pixels (ph + sh a, pw + sw b) of one phase (ph, pw)
@@ -41,12 +41,15 @@ class Part:
     def elements(self, spec: ConvSpec) -> int:
         return spec.n * spec.c * self.bh * self.bw
 
-    def read(self) -> list[str]:
-        """C lines that set ``v`` from this buffer, for the thread's plane ``nc`` and (a, b)."""
+    def read(self, nhwc: int = 0) -> list[str]:
+        """C lines that set ``v`` from this buffer, for the thread's (a, b) and its plane ``nc`` (NCHW:
+        N x C x bh x bw) or, with ``nhwc`` = C, its image ``n`` and channel ``c`` (N x bh x bw x C)."""
         r = f"a + {self.oh}" if self.oh else "a"
         q = f"b + {self.ow}" if self.ow else "b"
         bounds = [f"{r} < {self.bh}", f"{q} < {self.bw}"]
-        return [f"if ({' && '.join(bounds)}) v = {self.buf}[(nc * {self.bh} + {r}) * {self.bw} + {q}];"]
+        at = (f"((n * {self.bh} + {r}) * {self.bw} + {q}) * {nhwc} + c" if nhwc
+              else f"(nc * {self.bh} + {r}) * {self.bw} + {q}")
+        return [f"if ({' && '.join(bounds)}) v = {self.buf}[{at}];"]
 
 
 def interleave_kernel(name: str, spec: ConvSpec, parts: list[Part]) -> tuple[Kernel, tuple[int, int, int]]:
@@ -61,12 +64,17 @@ def interleave_kernel(name: str, spec: ConvSpec, parts: list[Part]) -> tuple[Ker
             raise ValueError(f"{name}: phase ({p.ph}, {p.pw}) offset ({p.oh}, {p.ow}) outside stride {spec.stride}")
     ctype = CTYPE[spec.dtype]
     hw = spec.h * spec.w
-    body = [f"const int ww = e % {spec.w}, hh = e / {spec.w} % {spec.h}, nc = e / {hw};",
-            f"const int a = hh / {sh}, ph = hh - a * {sh}, b = ww / {sw}, pw = ww - b * {sw};",
-            f"{ctype} v = 0;"]
+    nhwc = spec.c if spec.layout == "nhwc" else 0  # channels-last dx and phase buffers: channels fastest
+    if nhwc:
+        body = [f"const int c = e % {spec.c}, ww = e / {spec.c} % {spec.w}, hh = e / {spec.c * spec.w} % {spec.h};",
+                f"const int n = e / {spec.c * hw};"]
+    else:
+        body = [f"const int ww = e % {spec.w}, hh = e / {spec.w} % {spec.h}, nc = e / {hw};"]
+    body += [f"const int a = hh / {sh}, ph = hh - a * {sh}, b = ww / {sw}, pw = ww - b * {sw};",
+             f"{ctype} v = 0;"]
     for i, p in enumerate(parts):
         body.append(f"{'else ' if i else ''}if (ph == {p.ph} && pw == {p.pw}) {{")
-        body += ["  " + line for line in p.read()]
+        body += ["  " + line for line in p.read(nhwc)]
         body.append("}")
     body.append("x[e] = v;")
     bufs = tuple(Buf(p.buf, ctype) for p in parts) + (Buf("x", ctype, readonly=False),)

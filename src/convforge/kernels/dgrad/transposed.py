@@ -83,7 +83,7 @@ def transposed_spec(spec: ConvSpec) -> ConvSpec | str:
         return (f"padding {list(spec.pad)} exceeds the dilated filter's extent - 1 ({er}, {es}): the "
                 "transposed convolution would need negative padding")
     return ConvSpec(spec.n, spec.k, spec.p, spec.q, spec.c, spec.r, spec.s, (1, 1), pad, spec.dilation,
-                    spec.dtype, spec.groups, "fprop")
+                    spec.dtype, spec.groups, "fprop", spec.layout)
 
 
 DGRAD_FIRST = 3  # rank raise of a dgrad_first form: past gemm1x1_wgmma_tf32 (12 against 11) and F(4x4) (10 against 8)
@@ -164,7 +164,7 @@ class DgradTransposed(Variant):
         self.family, self.backends, self.precision = fwd.family, fwd.backends, fwd.precision
         self.tolerance, self.exact, self.capturable = fwd.tolerance, fwd.exact, fwd.capturable
         self.specialised, self.space_lead, self.grouped = fwd.specialised, fwd.space_lead, fwd.grouped
-        self.dtypes = fwd.dtypes
+        self.dtypes, self.layouts = fwd.dtypes, fwd.layouts  # dy and dx lie as the forward's x and y
 
     problem = staticmethod(transposed_spec)  # the forward problem whose output is dx, or why there is none
     problem_name = "the transposed problem"
@@ -239,7 +239,7 @@ def subsampled_spec(spec: ConvSpec) -> ConvSpec | str:
     if spec.stride == (1, 1):
         return "stride 1: the dgrad_<forward> adapters run it without the interleave pass"
     return ConvSpec(spec.n, spec.k, spec.p, spec.q, spec.c, 1, 1, (1, 1), (0, 0, 0, 0), (1, 1), spec.dtype,
-                    spec.groups, "fprop")
+                    spec.groups, "fprop", spec.layout)
 
 
 def subgrid_part(spec: ConvSpec) -> Part:

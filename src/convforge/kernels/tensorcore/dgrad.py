@@ -115,9 +115,9 @@ class Phase:
         return Part(self.buf, self.ah.ph, self.aw.ph, self.ah.rows, self.aw.rows)
 
     def compact(self, spec: ConvSpec) -> Output:
-        """D (N Hm Wm x C) as NCHW planes of the phase's own buffer."""
+        """D (N Hm Wm x C) as NCHW planes of the phase's own buffer (NHWC rows for a channels-last dx)."""
         pq = self.ah.rows * self.aw.rows
-        return Output(self.buf, spec.n * pq, spec.c, pq, spec.dtype, epi=Epilogue())
+        return Output(self.buf, spec.n * pq, spec.c, 1 if spec.layout == "nhwc" else pq, spec.dtype, epi=Epilogue())
 
     def output(self, spec: ConvSpec) -> Output:
         """D (N Hm Wm x C) on this phase's sub-grid of dx (NCHW)."""
@@ -178,9 +178,13 @@ def zero_phases(name: str, spec: ConvSpec) -> tuple[Kernel, Dim3] | None:
 
 
 class TcDgradStrided(TcVariant):
-    """Strided dgrad by the wgmma generator (see the module docstring)."""
+    """Strided dgrad by the wgmma generator (see the module docstring). Channels-last (``layout="nhwc"``):
+    dy is read in place where its channels are whole 16-byte chunks of halves or TF32 (else one
+    per-element step pads them), the phases always go through their buffers (NHWC rows) and the
+    interleave pass writes dx channels-last."""
 
     passes = frozenset({"dgrad"})
+    layouts = frozenset({"nchw", "nhwc"})
 
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
         """First on sm_90 for TF32 and half layers (above dgrad_strided_gemm on CUDA cores: H200, the
@@ -197,6 +201,14 @@ class TcDgradStrided(TcVariant):
 
     def _kp(self, spec: ConvSpec) -> int:
         return prep.padded_channels(spec.k, self.math(spec))
+
+    def _dy_in_place(self, spec: ConvSpec) -> bool:
+        """A channels-last dy the GEMM reads as it lies (prep.reads_in_place's rule, for dy's K channels)."""
+        math = self.math(spec)
+        return spec.layout == "nhwc" and not (math.split or math.scaled) and self._kp(spec) == spec.k
+
+    def _dy(self, spec: ConvSpec) -> str:
+        return "y" if self._dy_in_place(spec) else "dyh"
 
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
         why = super().applies(spec, device) or device_reason(device)
@@ -241,7 +253,8 @@ class TcDgradStrided(TcVariant):
         math, prob = self.math(spec), self._largest(spec)
         first = self.default(spec, device)
         plain = self._tile(spec, TileConfig.of(Params({k: v for k, v in first.items() if k != "il"})), tm=False)
-        out = list(dict.fromkeys([first, first.replace(il=0), plain.params().replace(il=1)]))
+        direct = [] if spec.layout == "nhwc" else [first.replace(il=0)]  # NHWC: phase buffers only
+        out = list(dict.fromkeys([first, *direct, plain.params().replace(il=1)]))
         for c in tiles.space(math, prob, device.units, self.limit(device)):
             for p in (self._tile(spec, c).params().replace(il=1), self._tile(spec, c, False).params().replace(il=1)):
                 if p not in out:
@@ -265,8 +278,10 @@ class TcDgradStrided(TcVariant):
 
     def _workspace(self, spec: ConvSpec, cfg: TileConfig, il: bool) -> tuple[tuple[str, int], ...]:
         math, kp = self.math(spec), self._kp(spec)
-        out = tuple(((f"dyh{'' if p == 'hi' else '_' + p}"), math.esize * spec.n * spec.p * spec.q * kp)
-                    for p in math.parts) + prep.scale_workspace("dyh", math)
+        out: tuple[tuple[str, int], ...] = ()
+        if not self._dy_in_place(spec):
+            out = tuple(((f"dyh{'' if p == 'hi' else '_' + p}"), math.esize * spec.n * spec.p * spec.q * kp)
+                        for p in math.parts) + prep.scale_workspace("dyh", math)
         for ph in phases(spec):
             if not ph.empty:
                 nbytes = math.esize * spec.c * self._ld(spec, ph, cfg)
@@ -281,7 +296,7 @@ class TcDgradStrided(TcVariant):
         """A: dy (NHWC) gathered for the phase's sub-grid; B: its packed filters."""
         math, kp = self.math(spec), self._kp(spec)
         prob = ph.problem(spec, kp)
-        a = Im2colNhwc("a", cfg.a_tile(), math, "dyh", geo=ph.geometry(spec, kp))
+        a = Im2colNhwc("a", cfg.a_tile(), math, self._dy(spec), geo=ph.geometry(spec, kp))
         b = DenseRows("b", cfg.b_tile(), math, f"wph{ph.tag}", rows=spec.c, ld=self._ld(spec, ph, cfg),
                       kred=prob.kred, padded=True)
         return a, b
@@ -293,12 +308,20 @@ class TcDgradStrided(TcVariant):
         cfg, il = self._split(params)
         if cfg.ks != 1:
             raise ValueError(f"{self.name}: ks ({cfg.ks}) must be 1 (each phase's rows fill the GPU)")
+        if not il and spec.layout == "nhwc":
+            raise ValueError(f"{self.name}: il=0 stores NCHW sub-grids; a channels-last dx takes il=1")
         refs = lambda bufs: tuple(x.name for x in bufs)  # noqa: E731
         pq = spec.p * spec.q
-        yk, ygrid = prep.planes_to_rows(f"{self.name}_dy", "y", f"(n * {spec.k} + ci) * {pq} + p", spec.n, spec.k, pq,
-                                        kp, math, spec.dtype, "dyh",
-                                        f"dy NCHW -> NHWC ({kp} channels) as {math.name} operands")
-        pairs = prep.launches(math, yk, ygrid, "y", "dyh", spec)
+        if self._dy_in_place(spec):
+            pairs = []
+        elif spec.layout == "nhwc":
+            yk, ygrid = prep.rows_from_nhwc(f"{self.name}_dy", "y", spec.k, spec.n * pq, kp, math, spec.dtype, "dyh")
+            pairs = prep.launches(math, yk, ygrid, "y", "dyh", spec)
+        else:
+            yk, ygrid = prep.planes_to_rows(f"{self.name}_dy", "y", f"(n * {spec.k} + ci) * {pq} + p", spec.n, spec.k,
+                                            pq, kp, math, spec.dtype, "dyh",
+                                            f"dy NCHW -> NHWC ({kp} channels) as {math.name} operands")
+            pairs = prep.launches(math, yk, ygrid, "y", "dyh", spec)
         kernels: list[Kernel] = [k for k, _ in pairs]
         steps: list[Step] = [launch for _, launch in pairs]
         zk = None if il else zero_phases(f"{self.name}_zero", spec)

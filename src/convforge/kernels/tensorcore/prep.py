@@ -206,18 +206,54 @@ def planes_to_rows(name: str, src: str, at: str, count: int, chans: int, plane: 
 def x_from_nhwc(spec: ConvSpec, math: Math, cp: int, dst: str = "xh") -> tuple[Kernel, Dim3]:
     """The activation step of a channels-last input: N H W C -> N H W Cp in the math mode's parts, one
     thread per element (reads and writes along channels, both coalesced); zero channels past C."""
-    c, total = spec.c, spec.n * spec.h * spec.w * cp
+    return rows_from_nhwc("tc_x_from_nhwc", "x", spec.c, spec.n * spec.h * spec.w, cp, math, spec.dtype, dst)
+
+
+def rows_from_nhwc(name: str, src: str, chans: int, pixels: int, cp: int, math: Math, dtype: str,
+                   dst: str) -> tuple[Kernel, Dim3]:
+    """``dst[pix * cp + ci] = src[pix * chans + ci]`` (zero for ci >= ``chans``) over ``pixels`` rows of a
+    channels-last tensor, in the math mode's parts: x's step, and a channels-last dy's in dgrad."""
+    total = pixels * cp
     zero_ = zero(math)
     code = Code()
     code(*scale_lets(math, dst))
     code(f"const int e = GROUP_ID(0) * {_ELT} + LOCAL_ID(0);")
     with code.block(f"if (e < {total})"):
         code(f"const int pix = e / {cp}, ci = e - pix * {cp};")
-        code(*store_parts(math, spec.dtype, dst, "e", f"(ci < {c} ? x[pix * {c} + ci] : {zero_})"))
-    kern = Kernel("tc_x_from_nhwc", (Buf("x", CTYPE[spec.dtype]),) + part_buffers(dst, math), code.text(),
-                  (_ELT, 1, 1), features(math),
-                  comment=f"x NHWC ({c} channels) -> NHWC ({cp} channels) as {math.name} operands")
+        code(*store_parts(math, dtype, dst, "e", f"(ci < {chans} ? {src}[pix * {chans} + ci] : {zero_})"))
+    comment = f"{src} NHWC ({chans} channels) -> NHWC ({cp} channels) as {math.name} operands"
+    kern = Kernel(name, (Buf(src, CTYPE[dtype]),) + part_buffers(dst, math), code.text(), (_ELT, 1, 1),
+                  features(math), comment=comment)
     return kern, (cdiv(total, _ELT), 1, 1)
+
+
+def nhwc_to_batch_rows(name: str, src: str, count: int, chans: int, plane: int, cp: int, math: Math, dtype: str,
+                       dst: str, comment: str) -> tuple[Kernel, Dim3]:
+    """``dst[(ch * plane + p) * cp + n] = src[(n * plane + p) * chans + ch]`` for n < ``cp`` (zero from
+    ``count`` on): a channels-last tensor (``count`` images of ``plane`` pixels, ``chans`` channels) to
+    rows of the batch per (channel, pixel), wgrad's operands of channels-last activations. A 32 x 32
+    tile of (image, channel) per pixel through shared memory: reads along channels and writes along
+    the batch both coalesced."""
+    st = CTYPE[dtype]
+    code = Code()
+    code(*scale_lets(math, dst))
+    code(f"SHARED {st} tile[32 * 33];",
+         "const int tx = LOCAL_ID(0), ty = LOCAL_ID(1), p = GROUP_ID(0);",
+         "const int c0 = GROUP_ID(1) * 32, n0 = GROUP_ID(2) * 32;")
+    for j in range(4):
+        code(f"{{ const int n = n0 + ty + {8 * j}, ch = c0 + tx;",
+             f"  tile[(ty + {8 * j}) * 33 + tx] = (n < {count} && ch < {chans}) ? "
+             f"{src}[(n * {plane} + p) * {chans} + ch] : 0; }}")
+    code("BARRIER();")
+    for j in range(4):
+        with code.block(f"/* row {j} */"):
+            code(f"const int ch = c0 + ty + {8 * j}, n = n0 + tx;")
+            with code.block(f"if (ch < {chans} && n < {cp})"):
+                code(*store_parts(math, dtype, dst, f"(ch * {plane} + p) * {cp} + n",
+                                   f"tile[tx * 33 + ty + {8 * j}]"))
+    kern = Kernel(name, (Buf(src, st),) + part_buffers(dst, math), code.text(), (32, 8, 1),
+                  features(math), comment=comment)
+    return kern, (plane, cdiv(chans, 32), cdiv(cp, 32))
 
 
 def reads_in_place(spec: ConvSpec, math: Math) -> bool:

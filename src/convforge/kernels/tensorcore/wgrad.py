@@ -124,6 +124,7 @@ class TcWgrad(TcVariant):
     """wgrad by the wgmma generator (see the module docstring)."""
 
     passes = frozenset({"wgrad"})
+    layouts = frozenset({"nchw", "nhwc"})  # NHWC: the transposing steps read channels-last rows
 
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
         """First on sm_90 for TF32 and half layers; 3xFP16 where :func:`x3h_first`; 3xTF32 (and 3xFP16
@@ -218,15 +219,24 @@ class TcWgrad(TcVariant):
         return a, b
 
     def steps_before(self, spec: ConvSpec) -> tuple[list[Kernel], list[Launch]]:
-        """The transposing steps: x -> x' = [C][H][W][Np], dy -> dy' = [K][P Q Np]."""
+        """The transposing steps: x -> x' = [C][H][W][Np], dy -> dy' = [K][P Q Np], from NCHW planes
+        or from channels-last rows (``layout="nhwc"``: a tile of images x channels per pixel)."""
         math, cp = self.math(spec), self._cp(spec)
         hw, pq, ch = spec.h * spec.w, spec.p * spec.q, spec.c * spec.h * spec.w
-        xk, xgrid = prep.planes_to_rows(f"{self.name}_x", "x", f"ci * {ch} + n * {hw} + p", spec.c, spec.n, hw,
-                                        cp, math, spec.dtype, "xt",
-                                        f"x N C H W -> [C][H][W][{cp}] (images as channels), {math.name} operands")
-        yk, ygrid = prep.planes_to_rows(f"{self.name}_dy", "y", f"ci * {spec.k * pq} + n * {pq} + p", spec.k,
-                                        spec.n, pq, cp, math, spec.dtype, "dyt",
-                                        f"dy N K P Q -> [K][P Q {cp}] (the filters of the transposed problem)")
+        if spec.layout == "nhwc":
+            xk, xgrid = prep.nhwc_to_batch_rows(f"{self.name}_x", "x", spec.n, spec.c, hw, cp, math, spec.dtype, "xt",
+                                                f"x N H W C -> [C][H][W][{cp}] (images as channels), "
+                                                f"{math.name} operands")
+            yk, ygrid = prep.nhwc_to_batch_rows(f"{self.name}_dy", "y", spec.n, spec.k, pq, cp, math, spec.dtype,
+                                                "dyt", f"dy N P Q K -> [K][P Q {cp}] (the filters of the "
+                                                "transposed problem)")
+        else:
+            xk, xgrid = prep.planes_to_rows(f"{self.name}_x", "x", f"ci * {ch} + n * {hw} + p", spec.c, spec.n, hw,
+                                            cp, math, spec.dtype, "xt", f"x N C H W -> [C][H][W][{cp}] (images as "
+                                            f"channels), {math.name} operands")
+            yk, ygrid = prep.planes_to_rows(f"{self.name}_dy", "y", f"ci * {spec.k * pq} + n * {pq} + p", spec.k,
+                                            spec.n, pq, cp, math, spec.dtype, "dyt",
+                                            f"dy N K P Q -> [K][P Q {cp}] (the filters of the transposed problem)")
         pairs = prep.launches(math, xk, xgrid, "x", "xt", spec) + prep.launches(math, yk, ygrid, "y", "dyt", spec)
         return [k for k, _ in pairs], [launch for _, launch in pairs]
 
@@ -270,6 +280,7 @@ class TcWgrad1x1(TcWgrad):
     257 MB of transposes for a 3.3 GFLOP GEMM)."""
 
     family = "gemm1x1"
+    layouts = frozenset({"nchw"})  # channel planes read as they lie
 
     def __init__(self, name: str, dtypes: frozenset[str], precision: str, specialised: int) -> None:
         super().__init__(name, dtypes, False, precision, specialised)
