@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 import logging
@@ -294,9 +293,8 @@ def _conv2d(x: Any, w: Any, bias: Any, stride: Any, padding: Any, dilation: Any,
     dtype = _check_array(x, "input", 4, kind)
     _same_dtype(dtype, _check_array(w, "weights", 4, kind), "weights")
     spec = _spec(tuple(x.shape), tuple(w.shape), stride, padding, dilation, groups, dtype)
-    if kind == "torch" and spec.depthwise and _channels_last(x):
-        spec = dataclasses.replace(spec, layout="nhwc")  # depthwise_nhwc reads it as it lies
-    else:
+    channels_last = kind == "torch" and _channels_last(x)  # NHWC plans read it as it lies (dispatch.layout_runner)
+    if not channels_last:
         _check_layout(x, "input", 4)
     _check_layout(w, "weights", 4)
     if bias is not None:
@@ -327,8 +325,11 @@ def _conv2d(x: Any, w: Any, bias: Any, stride: Any, padding: Any, dilation: Any,
         hash(key)
     except (TypeError, AttributeError):
         key = None
-    run = dispatch.runner(key, spec, be, epi, kind, dev or 0, algo=algo, precision=precision,
-                          max_error=max_error, workspace_limit=limit, params=prm)
+    kw: dict[str, Any] = dict(algo=algo, precision=precision, max_error=max_error, workspace_limit=limit, params=prm)
+    if channels_last:
+        run = dispatch.layout_runner(key, spec, be, epi, dev or 0, **kw)
+    else:
+        run = dispatch.runner(key, spec, be, epi, kind, dev or 0, **kw)
     y = run(x, w, bias)
     call = (x, w, bias, stride, padding, dilation, algo, backend, workspace_limit, relu, params, precision, max_error,
             groups)
@@ -351,7 +352,7 @@ def file_native(run: Any, call: tuple[Any, ...], residual: bool = False) -> None
         from convforge.torch import native
 
         native.load()
-    if _NATIVE is None or not run.exe.native or run.exe.plan.spec.layout != "nchw":
+    if _NATIVE is None or getattr(run, "copies", False) or not run.exe.native or run.exe.plan.spec.layout != "nchw":
         return  # the C++ path takes NCHW-contiguous tensors only
     w = call[1]
     held = run.filters.entry(w, w.data_ptr()) if run.filters is not None else None

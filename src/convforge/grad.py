@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from convforge import dispatch
-from convforge.api import _check_array, _check_layout, _device_index, _kind, _options, run_host
+from convforge.api import _channels_last, _check_array, _check_layout, _device_index, _kind, _options, run_host
 from convforge.backends import get_backend
 from convforge.config import config
 from convforge.dispatch import RUNNERS
@@ -111,8 +111,17 @@ def _size(value: Any, name: str) -> tuple[int, int, int, int]:
     return (int(items[0]), int(items[1]), int(items[2]), int(items[3]))
 
 
+def _as_channels_last(t: Any) -> Any:
+    """A torch tensor in channels_last memory format (itself when it lies so, or is NCHW and NHWC at once)."""
+    if _channels_last(t) or (t.is_contiguous() and (t.shape[1] == 1 or t.shape[2] * t.shape[3] == 1)):
+        return t
+    import torch
+
+    return t.contiguous(memory_format=torch.channels_last)
+
+
 def _pass_spec(conv_pass: str, size: Any, a: Any, g: Any, stride: Any, padding: Any, dilation: Any,
-               groups: Any) -> ConvSpec:
+               groups: Any, dtype: str = "float32") -> ConvSpec:
     """The forward layer of a backward call with ``conv_pass`` set, every argument checked against
     the others; ValueError naming the argument that does not fit."""
     x_shape: tuple[int, ...]
@@ -124,7 +133,8 @@ def _pass_spec(conv_pass: str, size: Any, a: Any, g: Any, stride: Any, padding: 
         sname, aname = "weight_size", "input"
         x_shape, w_shape = tuple(int(v) for v in a.shape), _size(size, sname)
     try:
-        spec = ConvSpec.from_shapes(x_shape, w_shape, stride, padding, dilation, groups, conv_pass=conv_pass)
+        spec = ConvSpec.from_shapes(x_shape, w_shape, stride, padding, dilation, groups, conv_pass=conv_pass,
+                                    dtype=dtype)
     except ValueError as err:  # stride, padding, dilation and groups name themselves; shapes do not
         if str(err).startswith(("channel mismatch", "dilated kernel")):
             raise ValueError(f"{sname} {x_shape if sname == 'input_size' else w_shape} and {aname} shape "
@@ -147,11 +157,17 @@ def _backward(conv_pass: str, size: Any, a: Any, g: Any, stride: Any, padding: A
     kind = _kind(g, "grad_output")
     if _kind(a, aname) != kind:
         raise ValueError(f"{aname} and grad_output must be the same kind of array")
-    _check_array(a, aname, 4)
-    _check_array(g, "grad_output", 4)
-    spec = _pass_spec(conv_pass, size, a, g, stride, padding, dilation, groups)
-    _check_layout(a, aname, 4)
-    _check_layout(g, "grad_output", 4)
+    dtype = _check_array(g, "grad_output", 4, kind)
+    if _check_array(a, aname, 4, kind) != dtype:
+        raise ValueError(f"{aname} dtype ({str(a.dtype).replace('torch.', '')}) must equal grad_output's ({dtype})")
+    spec = _pass_spec(conv_pass, size, a, g, stride, padding, dilation, groups, dtype)
+    # channels-last activations (torch): NHWC plans read them as they lie (dispatch.layout_runner)
+    channels_last = kind == "torch" and (_channels_last(g) or (conv_pass == "wgrad" and _channels_last(a)))
+    if channels_last and conv_pass == "wgrad":
+        a, g = _as_channels_last(a), _as_channels_last(g)  # one of the two may lie otherwise: one copy
+    for t, what in ((a, aname), (g, "grad_output")):
+        if not channels_last or (conv_pass == "dgrad" and t is a):
+            _check_layout(t, what, 4)
     _, limit = _options(False, workspace_limit, precision, max_error)
     be, dev = _backend(kind, backend, g, a, aname)
     prm = params if params is None or isinstance(params, Params) else Params(params)
@@ -163,6 +179,8 @@ def _backward(conv_pass: str, size: Any, a: Any, g: Any, stride: Any, padding: A
         return run_host(be, exe, dict(zip(("x", "w", "y"), inputs)))
     key = _file_key(kind, g, conv_pass, a, size, stride, padding, dilation, groups, algo, backend, workspace_limit,
                     params, precision, max_error)
+    if channels_last:
+        return dispatch.layout_runner(key, spec, be, Epilogue(), dev, **kw)(*inputs)
     run = dispatch.runner(key, spec, be, Epilogue(), kind, dev, **kw)
     return run(*inputs)
 
@@ -231,9 +249,10 @@ def _file_key(kind: str, g: Any, *call: Any) -> tuple[Any, ...] | None:
 def _torch_key(tag: str, a: Any, g: Any, size: Any, stride: Any, padding: Any, dilation: Any, groups: Any,
                algo: Any, backend: Any, workspace_limit: Any, params: Any, precision: Any,
                max_error: Any) -> tuple[Any, ...]:
-    return (tag, type(a), type(g), a.shape, g.shape, a.dtype, g.dtype, a.device, g.device, a.is_contiguous(),
-            g.is_contiguous(), size, stride, padding, dilation, groups, algo, backend, workspace_limit, params,
-            precision, max_error, config.precision, config.max_error, config.autotune, config.db_path)
+    return (tag, type(a), type(g), a.shape, g.shape, a.dtype, g.dtype, a.device, g.device,
+            a.is_contiguous() or a.stride(), g.is_contiguous() or g.stride(),  # strides tell channels_last apart
+            size, stride, padding, dilation, groups, algo, backend, workspace_limit, params, precision, max_error,
+            config.precision, config.max_error, config.autotune, config.db_path)
 
 
 def _cupy_key(tag: str, a: Any, g: Any, size: Any, stride: Any, padding: Any, dilation: Any, groups: Any,

@@ -823,6 +823,34 @@ def torch_runner(exe: CudaExecutable, device: int) -> Callable[..., Any]:
     return run
 
 
+def torch_layout_copies(run: Callable[..., Any], conv_pass: str) -> Callable[..., Any]:
+    """``run`` (an NCHW plan's torch runner) for channels-last activations where no variant reads them in
+    place: the activations copied into NCHW before, the activation it writes (y, dx) into channels_last
+    after; dW is the same either way. Two layout copies a call: the price of a layer no NHWC plan serves."""
+    import torch
+
+    cl = torch.channels_last
+
+    def nchw(t: Any) -> Any:
+        return None if t is None else t.contiguous()
+
+    if conv_pass == "fprop":
+        def fprop(x: Any, w: Any, bias: Any = None, derived: Any = None, res: Any = None, pro: Any = None) -> Any:
+            return run(nchw(x), w, bias, derived, nchw(res), pro).contiguous(memory_format=cl)
+
+        wrapped: Any = fprop
+    else:
+        def backward(x: Any, w: Any, y: Any) -> Any:
+            out = run(nchw(x), w, nchw(y))
+            return out if conv_pass == "wgrad" else out.contiguous(memory_format=cl)
+
+        wrapped = backward
+    wrapped.filters = getattr(run, "filters", None)
+    wrapped.exe = getattr(run, "exe", None)
+    wrapped.copies = True  # not a plan the native fast paths may file
+    return wrapped  # type: ignore[no-any-return]
+
+
 def torch_stream_queries() -> tuple[Callable[[int], int], Callable[[], bool]]:
     """(raw handle of torch's current stream on a device, whether the current stream captures a
     CUDA graph), through torch's cheapest accessors."""
@@ -856,6 +884,8 @@ def torch_pass_runner(exe: CudaExecutable, device: int) -> Callable[..., Any]:
     filters = (FilterCache(lambda w, out: _torch_transform(exe, w, out), is_capturing)
                if exe.derived and out_name != "w" else None)
     lookup = filters.get if filters is not None else None
+    nhwc = exe.plan.spec.layout == "nhwc" and out_name == "x"  # dx in channels_last memory format, as dy is
+    stored = (shape[0], shape[2], shape[3], shape[1]) if nhwc else shape
 
     def aligned(t: Any) -> tuple[Any, int]:
         p = t.data_ptr()
@@ -878,7 +908,7 @@ def torch_pass_runner(exe: CudaExecutable, device: int) -> Callable[..., Any]:
             w, ptrs[1] = aligned(w)
             if lookup is not None and not moved and not is_capturing():
                 derived = lookup(w, ptrs[1])
-        out = like.new_empty(shape)
+        out = like.new_empty(stored).permute(0, 3, 1, 2) if nhwc else like.new_empty(shape)
         ptrs[slot] = out.data_ptr()
         if derived is None:
             launch(ptrs[0], ptrs[1], ptrs[2], ptrs[3], stream_of(device))

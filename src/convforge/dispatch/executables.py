@@ -82,6 +82,30 @@ def runner(key: tuple[Any, ...] | None, spec: ConvSpec, backend: Backend, epilog
     return run
 
 
+def layout_runner(key: tuple[Any, ...] | None, spec: ConvSpec, backend: Backend, epilogue: Epilogue, device: int,
+                  **kw: Any) -> Callable[..., Any]:
+    """:func:`runner` for a torch call whose activations lie channels-last: the NHWC plans where some
+    variant reads them (``spec`` with ``layout="nhwc"``), else, once logged, the NCHW runner between
+    layout copies (``backends/cuda.py`` ``torch_layout_copies``); remembered under ``key``."""
+    import dataclasses
+
+    from convforge.backends import cuda
+
+    try:
+        return runner(key, dataclasses.replace(spec, layout="nhwc"), backend, epilogue, "torch", device, **kw)
+    except ValueError as err:
+        why = err
+    run = runner(None, spec, backend, epilogue, "torch", device, **kw)  # NCHW: its own error if it fails too
+    tag = ("layout", spec)
+    if tag not in _LOGGED:
+        _LOGGED.add(tag)
+        log.warning("convforge: %s in channels_last runs in NCHW between layout copies: %s", spec.short(), why)
+    wrapped = cuda.torch_layout_copies(run, spec.conv_pass)
+    if key is not None:
+        RUNNERS[key] = wrapped
+    return wrapped
+
+
 def _fallback(err: DeviceMemoryError, exe: Executable, spec: ConvSpec, backend: Backend, epilogue: Epilogue,
               workspace_limit: int | None, kw: dict[str, Any]) -> Executable:
     """The best variant whose workspace fits in the free memory less the output, logged once."""

@@ -252,9 +252,11 @@ class FusedConv2d(Conv2d):
         follows), so a warm call runs it through the native fast path, as ``Conv2d`` does."""
         dt = compute_dtype(x, src[0])
         assert dt is not None  # _folds said so
-        entry = self._fused_runner(x, "nhwc") if x.dtype == dt and reads_nhwc(self, x) else None
+        if x.dtype != dt:
+            x = x.to(dt)  # keeps channels_last
+        entry = self._fused_runner(x, "nhwc") if reads_nhwc(self, x) else None
         if entry is None:
-            x = x.contiguous() if x.dtype == dt else x.to(dt).contiguous()
+            x = x.contiguous()
             entry = self._fused_runner(x)
         if entry is None:
             return None

@@ -18,9 +18,9 @@ Paths of one forward call, cheapest first:
 - what convforge does not run (CPU tensors, dtypes other than float32, float16 and bfloat16,
   mixed dtypes, padding modes other than zeros): PyTorch's own forward. Grouped and depthwise
   layers run convforge's (the depthwise family, grouped direct and GEMM kernels); an input in
-  channels_last memory format is made NCHW contiguous first (a copy: the kernels read NCHW),
-  except for float32 depthwise layers in eager inference, which depthwise_nhwc reads in place and
-  answer in channels_last (ConvNeXt's blocks).
+  channels_last memory format is read in place by NHWC plans (the tensor-core GEMMs of every pass,
+  depthwise_nhwc) and answered in channels_last; where no NHWC plan serves a layer it is made NCHW
+  contiguous first (a copy).
 
 A CUDA graph captured from eager inference replays the filters transformed before capture (the
 transform is not in the graph; it is re-run into the same buffer by the next eager call after an
@@ -286,10 +286,10 @@ class Conv2d(torch.nn.Conv2d):
 
 
 def reads_nhwc(conv: torch.nn.Conv2d, x: torch.Tensor) -> bool:
-    """Whether a float32 depthwise layer gets a channels_last input, which depthwise_nhwc reads in
-    place (ConvNeXt's blocks: no copy into NCHW, and a channels_last output for the permute after)."""
-    return (conv.groups > 1 and conv.groups == conv.in_channels and x.dtype == torch.float32
-            and api._channels_last(x))
+    """Whether the layer gets a channels_last input, which NHWC plans read in place (no copy into
+    NCHW, and a channels_last output for the next layer); a layer no NHWC plan serves gets no runner
+    for it and the caller copies into NCHW."""
+    return api._channels_last(x)
 
 
 @dataclass

@@ -81,7 +81,7 @@ def _cuda(x: Any, w: Any, bias: Any, stride: list[int], padding: list[int], dila
           precision: str | None, max_error: float | None, groups: int = 1) -> Any:
     """convforge's fast path (a dictionary hit and the launches; filters cached per weight version)."""
     try:
-        return cf_conv2d(x.contiguous(), w.contiguous(), bias, (*stride,), (*padding,), (*dilation,), algo, None,
+        return cf_conv2d(activation(x), w.contiguous(), bias, (*stride,), (*padding,), (*dilation,), algo, None,
                          None, False, None, precision, max_error, groups)
     except ValueError as err:  # a layer no convforge variant runs: PyTorch's, logged once
         if algo != "auto":
@@ -91,6 +91,22 @@ def _cuda(x: Any, w: Any, bias: Any, stride: list[int], padding: list[int], dila
             _FELL_BACK.add(tag)
             log.warning("convforge: %s; PyTorch runs this layer", err)
         return _torch_conv(x, w, bias, stride, padding, dilation, groups)
+
+
+_HALF_OR_FLOAT = (torch.float32, torch.float16, torch.bfloat16)
+_CL = torch.channels_last
+
+
+def channels_last(t: Any) -> bool:
+    """A 4-D tensor in channels_last memory format that is not also NCHW-contiguous (C == 1 or 1x1
+    images are both, and count as NCHW)."""
+    return t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=_CL)
+
+
+def activation(t: Any) -> Any:
+    """An activation as convforge's kernels read it: channels_last as it lies (NHWC plans), anything
+    else NCHW-contiguous."""
+    return t if channels_last(t) else t.contiguous()
 
 
 def _fake(x: Any, w: Any, bias: Any, stride: list[int], padding: list[int], dilation: list[int], algo: str,
@@ -152,7 +168,9 @@ class _Conv2dFn(torch.autograd.Function):
     def backward(ctx: Any, gy: Any) -> tuple[Any, ...]:
         x, w = ctx.saved_tensors
         stride, padding, dilation, has_bias, algo, precision, max_error, groups = ctx.conv
-        gy = gy.contiguous()  # sum().backward() hands an expanded tensor (zero strides)
+        # sum().backward() hands an expanded tensor (zero strides); a channels_last layer's gradient
+        # stays channels_last, as its output was
+        gy = gy.contiguous(memory_format=_CL) if channels_last(x) else gy.contiguous()
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
             gx = INPUT_OP(list(x.shape), w, gy, stride, padding, dilation, groups, algo, precision, max_error)
@@ -236,31 +254,36 @@ def _input_cuda(input_size: list[int], w: Any, gy: Any, stride: list[int], paddi
                 groups: int, algo: str, precision: str | None, max_error: float | None) -> Any:
     """convforge's dgrad (``convforge.grad.conv2d_input``'s fast path); the call is filed with the
     native kernel where there is one (:func:`_file_pass`)."""
-    if w.dtype != torch.float32 or gy.dtype != torch.float32:
+    if w.dtype not in _HALF_OR_FLOAT or gy.dtype != w.dtype:
         return _torch_input(input_size, w, gy, stride, padding, dilation, groups)
     size, st, pad, dl = (*input_size,), (*stride,), (*padding,), (*dilation,)
-    wc, gc = w.contiguous(), gy.contiguous()
+    wc, gc = w.contiguous(), activation(gy)
     out, used = _ours("dgrad", lambda a: cf_grad.conv2d_input(size, wc, gc, st, pad, dl, groups, a, precision,
                                                               max_error),
                       lambda: _torch_input(input_size, w, gy, stride, padding, dilation, groups),
                       ("dgrad", size, tuple(w.shape), st, pad, dl, groups), algo)
-    if _PASS_OPS and not _CHECKING and used is not None and wc is w and gc is gy:
+    if _PASS_OPS and not _CHECKING and used is not None and wc is w and gc is gy and _files(gc):
         _file_guarded(1, size, wc, gc, (st, pad, dl, groups, algo, precision, max_error), out, used)
     return out
+
+
+def _files(g: Any) -> bool:
+    """Whether native.cpp's backward kernels take a call of this gradient (float32, NCHW-contiguous)."""
+    return g.dtype == torch.float32 and g.is_contiguous()
 
 
 def _weight_cuda(x: Any, weight_size: list[int], gy: Any, stride: list[int], padding: list[int],
                  dilation: list[int], groups: int, algo: str, precision: str | None, max_error: float | None) -> Any:
     """convforge's wgrad (``convforge.grad.conv2d_weight``'s fast path); filed as dgrad's."""
-    if x.dtype != torch.float32 or gy.dtype != torch.float32:
+    if x.dtype not in _HALF_OR_FLOAT or gy.dtype != x.dtype:
         return _torch_weight(x, weight_size, gy, stride, padding, dilation, groups)
     size, st, pad, dl = (*weight_size,), (*stride,), (*padding,), (*dilation,)
-    xc, gc = x.contiguous(), gy.contiguous()
+    xc, gc = activation(x), activation(gy)
     out, used = _ours("wgrad", lambda a: cf_grad.conv2d_weight(xc, size, gc, st, pad, dl, groups, a, precision,
                                                                max_error),
                       lambda: _torch_weight(x, weight_size, gy, stride, padding, dilation, groups),
                       ("wgrad", tuple(x.shape), size, st, pad, dl, groups), algo)
-    if _PASS_OPS and not _CHECKING and used is not None and xc is x and gc is gy:
+    if _PASS_OPS and not _CHECKING and used is not None and xc is x and gc is gy and _files(gc) and _files(xc):
         _file_guarded(2, size, xc, gc, (st, pad, dl, groups, algo, precision, max_error), out, used)
     return out
 
