@@ -78,6 +78,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --model: time one training step (forward + cross-entropy + backward + SGD) of "
                         "the converted and the fused model against PyTorch FP32 (TF32 for the relaxed class), "
                         "and a 50-step loss curve of each beside PyTorch's")
+    parser.add_argument("--amp", nargs="?", const="fp16", choices=("fp16", "bf16"),
+                        help="with --model --train: the mixed-precision step (autocast in that dtype, default fp16, "
+                        "GradScaler for fp16, channels_last, SGD momentum) against PyTorch AMP; images/s, peak "
+                        "memory, first step and a 100-step loss curve beside PyTorch's (bench/training_amp.py)")
     parser.add_argument("--devices", metavar="N|all",
                         help="with --model --train: the step also in DistributedDataParallel on N GPUs (one process "
                         "per GPU through torchrun) against one GPU: images/s, scaling, efficiency (bench/ddp.py)")
@@ -185,11 +189,19 @@ def _run_models(args: argparse.Namespace, console: Console) -> int:
     budget = getattr(args, "error_budget", None)
     if getattr(args, "devices", None) is not None and not getattr(args, "train", False):
         raise SuiteError("--devices goes with --train: it times data-parallel training (inference runs on one GPU)")
+    if getattr(args, "amp", None) is not None and not getattr(args, "train", False):
+        raise SuiteError("--amp goes with --train: it times a mixed-precision training step (inference in half "
+                         "precision: --dtype fp16|bf16)")
     if getattr(args, "train", False):
         if budget is not None:
             raise SuiteError("--error-budget calibrates inference; it does not go with --train")
-        if (getattr(args, "dtype", None) or "float32") != "float32":
-            raise SuiteError("--train times float32 training (PyTorch FP32/TF32); it does not go with --dtype")
+        amp = getattr(args, "amp", None) or {"float16": "fp16", "bfloat16": "bf16"}.get(getattr(args, "dtype", None)
+                                                                                       or "float32")
+        if amp is not None and getattr(args, "devices", None) is None:
+            from convforge.bench import training_amp
+
+            return training_amp.run(args.model, amp, args.out, args.warmup, args.repeats, console, opts,
+                                    tune=args.tune)
         if getattr(args, "devices", None) is not None:
             from convforge.bench import ddp
 

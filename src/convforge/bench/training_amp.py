@@ -1,0 +1,187 @@
+"""``convforge bench --model NAME[:BATCH] --train --amp [fp16|bf16]``: one mixed-precision training step.
+
+The step users run: ``torch.autocast("cuda", dtype)`` around forward and loss, a ``GradScaler`` (FP16;
+BF16 needs none and runs without one), model and input in channels_last, FP32 master weights, SGD with
+momentum; cudnn.benchmark on. Rows, each from a fresh copy of ONE model (``models.build``'s weights):
+
+- ``pytorch_amp``: PyTorch itself (the baseline of every AMP figure);
+- ``convforge_amp``: ``convforge.torch.convert`` (our convolutions, every pass, in the autocast dtype,
+  channels_last through; batch norm and the rest PyTorch's);
+- ``convforge_fused_amp``: ``convforge.torch.fuse`` (the fused model's training path under autocast).
+
+Columns: the step's median time (CUDA events around whole steps after warm-up), images/s, the peak
+memory of the timed steps, the first step's wall time in this process (compiling included: run the
+command twice for the time with a warm on-disk cache), and a loss curve of ``STEPS`` steps from the
+same initial weights. ``loss_noise`` is PyTorch AMP's own run-to-run noise: the larger relative
+deviation, from its curve, of PyTorch AMP with cudnn.benchmark off (other, equally valid kernels) and
+of PyTorch FP32; ``within_noise`` says whether a convforge row's deviation is at most ``NOISE_SLACK``
+times that.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from convforge.bench import models, training
+
+STEPS = 100
+NOISE_SLACK = 2.0
+DTYPES = {"fp16": "float16", "bf16": "bfloat16", "float16": "float16", "bfloat16": "bfloat16"}
+
+
+def amp_step_fn(model: Any, x: Any, target: Any, dtype: Any, lr: float = training.LR) -> Callable[[], Any]:
+    """One AMP step of ``model`` on (x, target): autocast forward and loss, scaled backward (FP16), SGD."""
+    import torch
+    import torch.nn.functional as F
+
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=training.MOMENTUM)
+    scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
+
+    def step() -> Any:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=dtype):
+            loss = F.cross_entropy(model(x), target)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        return loss
+
+    return step
+
+
+def _forms(model: Any, options: dict[str, Any], reports: dict[str, Any]) -> list[tuple[str, Callable[[], Any]]]:
+    import torch
+
+    import convforge.torch as ct
+
+    def fresh() -> Any:
+        return copy.deepcopy(model).to(memory_format=torch.channels_last)
+
+    def converted() -> Any:
+        m = fresh()
+        reports["convforge_amp"] = ct.convert(m, **options)
+        return m
+
+    def fused() -> Any:
+        m, reports["convforge_fused_amp"] = ct.fuse(fresh(), **options)
+        return m
+
+    return [("pytorch_amp", fresh), ("convforge_amp", converted), ("convforge_fused_amp", fused)]
+
+
+def bench_amp(name: str, batch: int, dtype_name: str, warmup: int, repeats: int, options: dict[str, Any],
+              tune: bool = False) -> list[dict[str, Any]]:
+    """One row per implementation of one model's AMP step (module docstring)."""
+    import torch
+
+    dtype = getattr(torch, DTYPES[dtype_name])
+    model = models.build(name)
+    if isinstance(model, str):
+        return [dict(model=name, batch=batch, impl="-", status=model)]
+    x, target = training._batch(name, batch)
+    x = x.contiguous(memory_format=torch.channels_last)
+    reports: dict[str, Any] = {}
+    rows = []
+    for impl, make in _forms(model, options, reports):
+        row: dict[str, Any] = dict(model=name, batch=batch, impl=impl, dtype=DTYPES[dtype_name], status="ok",
+                                   baseline="pytorch_amp")
+        try:
+            training._flags(False)
+            with models.tuning(tune and impl.startswith("convforge")):
+                step = amp_step_fn(make(), x, target, dtype)
+                t0 = time.perf_counter()
+                step()
+                torch.cuda.synchronize()
+                row["first_step_s"] = time.perf_counter() - t0
+            torch.cuda.reset_peak_memory_stats()
+            row["time_ms"] = training._time(step, warmup, repeats)
+            row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            row["images_s"] = batch / row["time_ms"] * 1e3
+            row["loss_curve"] = training.loss_curve(amp_step_fn(make(), x, target, dtype), STEPS)
+            row["final_loss"] = row["loss_curve"][-1]
+        except Exception as err:  # noqa: BLE001 - one failing implementation must not hide the others
+            row["status"] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+        if impl in reports:
+            rep = reports[impl]
+            row["converted"], row["left_to_pytorch"] = len(rep.converted), "; ".join(
+                f"{k}: {v}" for k, v in {**rep.left, **getattr(rep, "unfused", {})}.items())
+        rows.append(row)
+    for impl, bench, amp in (("pytorch_amp_nobench", False, True), ("pytorch_fp32", True, False)):
+        row = dict(model=name, batch=batch, impl=impl, status="ok")
+        try:
+            training._flags(False, benchmark=bench)
+            m = copy.deepcopy(model).to(memory_format=torch.channels_last)
+            step = amp_step_fn(m, x, target, dtype) if amp else training.step_fn(m, x, target)
+            row["loss_curve"] = training.loss_curve(step, STEPS)
+        except Exception as err:  # noqa: BLE001
+            row["status"] = f"failed: {type(err).__name__}: {str(err)[:200]}"
+        rows.append(row)
+    training._flags(False)
+    return compare(rows)
+
+
+def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Speed-up against PyTorch AMP; loss deviations against its curve and its run-to-run noise."""
+    by = {r["impl"]: r for r in rows}
+    base = by.get("pytorch_amp", {})
+    ref = base.get("loss_curve")
+    others = [training.deviation(by[o]["loss_curve"], ref) for o in ("pytorch_amp_nobench", "pytorch_fp32")
+              if ref and "loss_curve" in by.get(o, {})]
+    noise = max(others) if others else None
+    for row in rows:
+        if row.get("time_ms") and base.get("time_ms"):
+            row["speedup"] = base["time_ms"] / row["time_ms"]
+        if ref and row.get("loss_curve") and row["impl"] != "pytorch_amp":
+            row["loss_dev"] = training.deviation(row["loss_curve"], ref)
+            if noise is not None and row["impl"].startswith("convforge"):
+                row["loss_noise"] = noise
+                row["within_noise"] = row["loss_dev"] <= max(NOISE_SLACK * noise, training.NOISE_FLOOR)
+    return rows
+
+
+def table(rows: list[dict[str, Any]], title: str) -> Table:
+    t = Table(title=title)
+    for col in ("impl", "step ms", "× PyTorch AMP", "images/s", "peak GiB", "first step s", "final loss",
+                "loss dev", "noise", "status"):
+        t.add_column(col)
+    f = models._f
+    for r in rows:
+        if "time_ms" not in r and "status" in r and r["status"] == "ok":
+            continue  # a curve-only row
+        t.add_row(r["impl"], f(r.get("time_ms"), ".2f"), f(r.get("speedup"), ".2f"), f(r.get("images_s"), ".0f"),
+                  f(r.get("peak_gib"), ".2f"), f(r.get("first_step_s"), ".1f"), f(r.get("final_loss"), ".4f"),
+                  f(r.get("loss_dev"), ".1e"), f(r.get("loss_noise"), ".1e"), r.get("status", ""))
+    return t
+
+
+def run(specs: list[str], dtype_name: str, out: str | None, warmup: int | None, repeats: int | None,
+        console: Console, options: dict[str, Any], tune: bool = False) -> int:
+    """2 on bad input or no GPU; 1 when a row failed or a convforge loss curve left PyTorch AMP's noise."""
+    parsed = models._check_models(specs, console)
+    if parsed is None:
+        return 2
+    env = models.environment()
+    console.print(" | ".join(f"{k} {v}" for k, v in env.items()))
+    rows: list[dict[str, Any]] = []
+    for name, batch in parsed:
+        mine = bench_amp(name, batch, dtype_name, warmup if warmup is not None else 3, repeats or 10, options, tune)
+        rows += mine
+        console.print(table(mine, f"{name} N={batch}: one AMP training step ({DTYPES[dtype_name]} autocast, "
+                                  "channels_last, SGD momentum) against PyTorch AMP"))
+    console.print(__doc__.split("\n\n")[1].replace("\n", " ") if __doc__ else "")
+    if out:
+        folder = Path(out)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "train_amp.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1, default=str))
+        console.print(f"wrote {out}/train_amp.json")
+    failed = any(not str(r.get("status", "")).startswith("ok") and r["impl"] != "-" for r in rows)
+    return 1 if failed or any(r.get("within_noise") is False for r in rows) else 0
