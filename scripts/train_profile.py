@@ -9,6 +9,8 @@ training section). With --forward: an inference forward, PyTorch FP32 eager agai
                                                 # own host time, and ours under cProfile
                                     [--ab native_block]  # instead: an A/B of a boolean setting in ONE
                                                 # process, rounds alternating PyTorch, ours on, ours off
+                                    [--amp fp16|bf16]  # the AMP step (autocast, GradScaler, channels_last)
+                                                # against PyTorch AMP: bench --train --amp's step
 
 The step is `convforge bench --train`'s (forward, cross-entropy, backward, SGD with momentum, one
 fixed batch, training mode). Each side prints its GPU time per step and the operators that take
@@ -73,6 +75,9 @@ def main() -> None:
                     "PyTorch, ours with the setting on and off, all in this one process (host speed moves between "
                     "processes by a third: an A/B across two of them measures the machine)")
     ap.add_argument("--rounds", type=int, default=4, help="--ab: rounds (each times every side)")
+    ap.add_argument("--amp", choices=("fp16", "bf16"),
+                    help="the mixed-precision step (bench --train --amp's: autocast, GradScaler for fp16, model and "
+                    "input channels_last) against PyTorch AMP")
     a = ap.parse_args()
     import torch
 
@@ -101,6 +106,20 @@ def main() -> None:
     else:
         ct.convert(ours, precision=a.precision)
     how = "fused" if a.fused else "converted"
+    if a.amp:
+        from convforge.bench import training_amp
+
+        dt = torch.float16 if a.amp == "fp16" else torch.bfloat16
+        cl = torch.channels_last
+        xs = x.contiguous(memory_format=cl)
+        for name, m in ((f"PyTorch AMP {a.amp}", ref), (f"convforge ({how}, AMP {a.amp})", ours)):
+            step = training_amp.amp_step_fn(m.to(memory_format=cl), xs, target, dt)
+            events = profile(step, a.steps)
+            report(f"{a.model} N{a.batch} {name}", events, a.steps, a.top)
+            if a.host:
+                cpu_report(name, events, a.steps, a.top)
+                host(name, step, a.steps, a.top * 2 if m is ours else 0)
+        return
     if a.ab:
         ab(a.ab, a.rounds, base, training.step_fn(ref, x, target), training.step_fn(ours, x, target), tf32)
         return

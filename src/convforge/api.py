@@ -352,8 +352,8 @@ def file_native(run: Any, call: tuple[Any, ...], residual: bool = False) -> None
         from convforge.torch import native
 
         native.load()
-    if _NATIVE is None or getattr(run, "copies", False) or not run.exe.native or run.exe.plan.spec.layout != "nchw":
-        return  # the C++ path takes NCHW-contiguous tensors only
+    if _NATIVE is None or getattr(run, "copies", False) or not run.exe.native:
+        return  # a runner between layout copies is Python's; the C++ path takes the plans' own layouts
     w = call[1]
     held = run.filters.entry(w, w.data_ptr()) if run.filters is not None else None
     _NATIVE.register(*call, run.exe.native_program(), None if held is None else (w, *held), residual)

@@ -106,6 +106,8 @@ struct Key {
   bool residual = false;  // a plan that adds a residual tensor (FusedConv2d's run_res); relu then follows the add
   int8_t pass = 0;  // 0 the forward (conv2d), 1 dgrad (conv2d_input), 2 wgrad (conv2d_weight)
   int64_t size[4] = {0, 0, 0, 0};  // a backward op's input_size / weight_size (its output's shape)
+  int8_t dtype = 0;  // the activations' storage: 0 float32, 1 float16, 2 bfloat16 (torch path; CuPy: 0)
+  int8_t nhwc = 0;  // 1: channels_last activations (NHWC plans; outputs allocated channels_last)
   double max_error = 0.0;
   std::string algo, precision;
   bool operator==(const Key& o) const {
@@ -114,7 +116,7 @@ struct Key {
            padding == o.padding && dilation == o.dilation && relu == o.relu && residual == o.residual &&
            has_precision == o.has_precision &&
            has_max_error == o.has_max_error && max_error == o.max_error && algo == o.algo && precision == o.precision &&
-           pass == o.pass && std::memcmp(size, o.size, sizeof size) == 0;
+           pass == o.pass && std::memcmp(size, o.size, sizeof size) == 0 && dtype == o.dtype && nhwc == o.nhwc;
   }
 };
 
@@ -131,6 +133,7 @@ struct KeyHash {
     }
     mix(h, static_cast<uint64_t>(k.bias_k));
     mix(h, static_cast<uint64_t>(k.device) << 3 | static_cast<uint64_t>(k.pass) << 1 | static_cast<uint64_t>(k.residual));
+    mix(h, static_cast<uint64_t>(k.dtype) << 1 | static_cast<uint64_t>(k.nhwc));
     for (int64_t v : k.size) mix(h, static_cast<uint64_t>(v));
     for (const Seq* s : {&k.stride, &k.padding, &k.dilation}) {
       mix(h, static_cast<uint64_t>(s->tag * 8 + s->n));

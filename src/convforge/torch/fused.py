@@ -306,8 +306,7 @@ class FusedConv2d(Conv2d):
         if pro is not None:
             return run(x, w, b, packed, res if res_in_plan else None, pro)  # type: ignore[no-any-return]
         y = run(x, w, b, packed, res) if res_in_plan else run(x, w, b, packed)
-        if ((api._NATIVE_RUN_RES if res_in_plan else api._NATIVE_RUN) is not None and x.dtype == _F32
-                and not _CAPTURING()):  # the C++ path takes float32 only
+        if (api._NATIVE_RUN_RES if res_in_plan else api._NATIVE_RUN) is not None and not _CAPTURING():
             api.file_native(run, call, residual=res_in_plan)
         return y  # type: ignore[no-any-return]
 

@@ -12,8 +12,8 @@ Paths of one forward call, cheapest first:
 - half precision: layers of a ``.half()`` / ``.bfloat16()`` model run in their dtype, and inside a
   CUDA ``torch.autocast`` region (float16 or bfloat16) a float32 layer runs in the autocast dtype
   as PyTorch's would (input, filters and bias cast to it; the cast filters cached per weight
-  version in inference), through the same paths (half calls miss the C++ fast path, which takes
-  float32 only, and take the Python one); a half layer no convforge variant serves (grouped ones
+  version in inference), through the same paths (the C++ fast path takes every dtype and both
+  layouts); a half layer no convforge variant serves (grouped ones
   whose families take float32 only) falls back to PyTorch through the op, logged once;
 - what convforge does not run (CPU tensors, dtypes other than float32, float16 and bfloat16,
   mixed dtypes, padding modes other than zeros): PyTorch's own forward. Grouped and depthwise
@@ -234,7 +234,7 @@ class Conv2d(torch.nn.Conv2d):
             return run(x, w, b)  # no filter steps, or a capture that records the whole plan
         packed = filters.get(w, w.data_ptr())
         y = run(x, w, b) if packed is None else run(x, w, b, packed)
-        if native is not None and x.dtype == _F32 and not _CAPTURING():  # the C++ path takes float32 only
+        if native is not None and not _CAPTURING():
             api.file_native(run, (x, *call[1:]))
         return y
 

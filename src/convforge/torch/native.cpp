@@ -47,16 +47,40 @@
 
 namespace {
 
-// A tensor the fast path can run: plain torch.Tensor (or Parameter), CUDA, float32, contiguous,
-// with storage, no wrapper or Python dispatch keys, no negative bit.
+// The storage dtype's code in Key::dtype (0 float32, 1 float16, 2 bfloat16), -1 for any other.
+int dtype_code(c10::ScalarType t) {
+  return t == at::kFloat ? 0 : t == at::kHalf ? 1 : t == at::kBFloat16 ? 2 : -1;
+}
+
+// A 4-D tensor in channels_last memory format that is not also NCHW-contiguous (C == 1 or 1x1
+// images are both, and count as NCHW): NHWC plans read it as it lies.
+bool nhwc(const at::Tensor& t) {
+  return t.dim() == 4 && !t.is_contiguous() && t.is_contiguous(at::MemoryFormat::ChannelsLast);
+}
+
+// A tensor the fast path can run: plain torch.Tensor (or Parameter), CUDA, float32, float16 or
+// bfloat16, contiguous (4-D: NCHW or channels_last), with storage, no wrapper or Python dispatch
+// keys, no negative bit.
 bool plain(const at::Tensor& t, int64_t dim) {
-  if (!t.defined() || t.dim() != dim || !t.is_cuda() || t.scalar_type() != at::kFloat || t.layout() != at::kStrided)
+  if (!t.defined() || t.dim() != dim || !t.is_cuda() || dtype_code(t.scalar_type()) < 0 ||
+      t.layout() != at::kStrided)
     return false;
   const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-  if (!impl->has_storage() || impl->is_python_dispatch() || t.is_neg() || !t.is_contiguous()) return false;
+  if (!impl->has_storage() || impl->is_python_dispatch() || t.is_neg() || !(t.is_contiguous() || nhwc(t)))
+    return false;
   constexpr c10::DispatchKeySet wrappers({c10::DispatchKey::Functionalize, c10::DispatchKey::FuncTorchBatched,
                                           c10::DispatchKey::FuncTorchGradWrapper, c10::DispatchKey::Python});
   return !t.key_set().has_any(wrappers);
+}
+
+// A new output of ``shape`` (N, C, H, W) like ``like``'s dtype and device, from the caching allocator;
+// channels_last (an N H W C buffer, viewed N C H W) where ``channels_last``.
+at::Tensor new_output(c10::IntArrayRef shape, const at::Tensor& like, bool channels_last) {
+  if (!channels_last || shape.size() != 4)
+    return at::detail::empty_cuda(shape, like.scalar_type(), like.device(), std::nullopt);
+  at::Tensor rows = at::detail::empty_cuda({shape[0], shape[2], shape[3], shape[1]}, like.scalar_type(),
+                                           like.device(), std::nullopt);
+  return rows.permute({0, 3, 1, 2});
 }
 
 Seq seq_from_ints(c10::IntArrayRef a) {  // the op's int[] as Python's tuple(...) of it
@@ -74,11 +98,16 @@ void tensor_key(Key& k, const at::Tensor& x, const at::Tensor& w, const at::Tens
   }
   k.bias_k = bias ? bias->size(0) : -1;
   k.device = x.get_device();
+  k.dtype = static_cast<int8_t>(dtype_code(x.scalar_type()));
+  k.nhwc = nhwc(x);
 }
 
+// x (NCHW or channels_last), KCRS-contiguous w and a bias, one dtype, one device.
 bool tensors_ok(const at::Tensor& x, const at::Tensor& w, const at::Tensor* bias) {
-  if (!plain(x, 4) || !plain(w, 4) || w.get_device() != x.get_device()) return false;
-  return !bias || (plain(*bias, 1) && bias->get_device() == x.get_device());
+  if (!plain(x, 4) || !plain(w, 4) || !w.is_contiguous() || w.get_device() != x.get_device() ||
+      w.scalar_type() != x.scalar_type())
+    return false;
+  return !bias || (plain(*bias, 1) && bias->get_device() == x.get_device() && bias->scalar_type() == x.scalar_type());
 }
 
 // The arguments of convforge.conv2d, positionally: x, w, bias, stride, padding, dilation, algo,
@@ -176,7 +205,7 @@ bool run_program(Program& p, const at::Tensor& x, const at::Tensor& w, const at:
   uintptr_t bp = bias ? reinterpret_cast<uintptr_t>(bias->const_data_ptr()) : 0;
   if ((xp | wp | bp | res) & 15) return false;
   CUstream stream = c10::cuda::getCurrentCUDAStream(x.get_device()).stream();
-  y = at::detail::empty_cuda(p.y_shape, at::kFloat, x.device(), std::nullopt);  // the caching allocator, no dispatch
+  y = new_output(p.y_shape, x, nhwc(x));  // the caching allocator, no dispatch; x's dtype and layout
   uint64_t slot[kMaxArgs] = {xp, wp, reinterpret_cast<uintptr_t>(y.data_ptr()), bp, res};
   launch_filtered(p, &w, wp, slot, stream);
   return true;
@@ -214,7 +243,8 @@ PyObject* run_filed_res(PyObject* const* a) {
   if (!parse_call(a, k, x, w, b) || !THPVariable_CheckExact(a[kArgs])) Py_RETURN_NONE;
   std::shared_ptr<Program> p = find(k);
   const at::Tensor& res = THPVariable_Unpack(a[kArgs]);
-  if (!p || !plain(res, 4) || res.get_device() != x->get_device() || res.sizes() != c10::IntArrayRef(p->y_shape))
+  if (!p || !plain(res, 4) || res.get_device() != x->get_device() || res.sizes() != c10::IntArrayRef(p->y_shape) ||
+      res.scalar_type() != x->scalar_type() || nhwc(res) != nhwc(*x))
     Py_RETURN_NONE;
   HANDLE_TH_ERRORS
   at::Tensor y;
@@ -482,7 +512,7 @@ at::Tensor op_cuda(const at::Tensor& x, const at::Tensor& w, const std::optional
                    c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation, c10::string_view algo,
                    std::optional<c10::string_view> precision, std::optional<double> max_error, int64_t groups) {
   if (stride.size() == 2 && padding.size() == 4 && dilation.size() == 2) {
-    at::Tensor xc = x.contiguous(), wc = w.contiguous();
+    at::Tensor xc = nhwc(x) ? x : x.contiguous(), wc = w.contiguous();  // channels_last stays as it lies
     const at::Tensor* b = bias.has_value() && bias->defined() ? &*bias : nullptr;
     if (tensors_ok(xc, wc, b)) {  // as ops._cuda calls convforge.conv2d: tuples, no backend, params, relu
       Key k;
@@ -576,7 +606,8 @@ struct ConvNode : public torch::autograd::Function<ConvNode> {
     std::vector<int64_t> dilation = ctx->saved_data["dilation"].toIntVector();
     SavedChoice ch(ctx);
     int64_t groups = ctx->saved_data["groups"].toInt();
-    at::Tensor gy = grads[0].contiguous();  // sum().backward() hands an expanded tensor (zero strides)
+    // sum().backward() hands an expanded tensor (zero strides); a channels_last layer's gradient stays so
+    at::Tensor gy = grads[0].contiguous(nhwc(x) ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous);
     at::Tensor gx, gw, gb;
     if (ctx->needs_input_grad(0))
       gx = input_op().call(x.sym_sizes(), w, gy, stride, padding, dilation, groups, ch.algo, ch.precision,
@@ -626,10 +657,14 @@ bool pass_key(Key& k, int pass, c10::IntArrayRef size, const at::Tensor& a, cons
               c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation, int64_t groups,
               c10::string_view algo, std::optional<c10::string_view> precision, std::optional<double> max_error) {
   if (size.size() != 4 || stride.size() != 2 || padding.size() != 4 || dilation.size() != 2) return false;
-  if (!plain(a, 4) || !plain(g, 4) || a.get_device() != g.get_device()) return false;
+  if (!plain(a, 4) || !plain(g, 4) || a.get_device() != g.get_device() || a.scalar_type() != g.scalar_type())
+    return false;
+  // the activations' layout is dy's; dgrad's weight is KCRS, wgrad's input lies as dy does
+  if (pass == 1 ? !a.is_contiguous() : nhwc(a) != nhwc(g)) return false;
   k.pass = static_cast<int8_t>(pass);
   for (int i = 0; i < 4; ++i) k.size[i] = size[i];
   tensor_key(k, a, g, nullptr);
+  k.nhwc = nhwc(g);
   op_options(k, stride, padding, dilation, groups, algo, precision, max_error);
   return true;
 }
@@ -643,7 +678,7 @@ bool run_pass(Program& p, int pass, const at::Tensor& a, const at::Tensor& g, at
   auto gp = reinterpret_cast<uintptr_t>(g.const_data_ptr());
   if ((ap | gp) & 15) return false;
   CUstream stream = c10::cuda::getCurrentCUDAStream(g.get_device()).stream();
-  out = at::detail::empty_cuda(p.y_shape, at::kFloat, g.device(), std::nullopt);
+  out = new_output(p.y_shape, g, pass == 1 && nhwc(g));  // dx lies as dy does; dW is KCRS
   uint64_t slot[kMaxArgs] = {0, 0, gp, 0, 0};
   slot[kPassIn[pass]] = ap;
   slot[kPassOut[pass]] = reinterpret_cast<uintptr_t>(out.data_ptr());

@@ -268,8 +268,8 @@ def _input_cuda(input_size: list[int], w: Any, gy: Any, stride: list[int], paddi
 
 
 def _files(g: Any) -> bool:
-    """Whether native.cpp's backward kernels take a call of this gradient (float32, NCHW-contiguous)."""
-    return g.dtype == torch.float32 and g.is_contiguous()
+    """Whether native.cpp's backward kernels take a call of this gradient (NCHW-contiguous or channels_last)."""
+    return g.is_contiguous() or channels_last(g)
 
 
 def _weight_cuda(x: Any, weight_size: list[int], gy: Any, stride: list[int], padding: list[int],
