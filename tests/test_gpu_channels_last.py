@@ -187,21 +187,24 @@ def test_grad_scaler_skips_an_overflowing_step_as_pytorch_does(gpu):
     t = torch.randint(0, 10, (4,), device="cuda")
     mine = copy.deepcopy(base)
     ct.convert(mine)
-    for model in (copy.deepcopy(base), mine):
+    for which, model in (("PyTorch's", copy.deepcopy(base)), ("the converted", mine)):
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 60)
         before = [p.detach().clone() for p in model.parameters()]
         _step(model, x, t, torch.float16, scaler)
         scaler.step(opt)
         scaler.update()
-        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True)), "step not skipped"
+        finite = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None)
+        assert not finite, f"{which} model: every gradient finite under a loss scaled to overflow"
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True)), \
+            f"{which} model: step not skipped"
         assert scaler.get_scale() == 2.0 ** 59
         opt.zero_grad()
         scaler = torch.amp.GradScaler("cuda", init_scale=1.0)
         _step(model, x / 1e3, t, torch.float16, scaler)
         scaler.step(opt)
         scaler.update()
-        assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+        assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True)), which
 
 
 def test_resnet50_fused_amp_step_profile(gpu):

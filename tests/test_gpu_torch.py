@@ -610,7 +610,9 @@ def test_native_autograd_node_matches_the_python_one(native_mod):
             y.backward(gy)  # the retained graph: the gradients add up
             return name, first, [t.grad for t in (x, w, b) if t is not None and t.grad is not None]
         finally:
-            native_mod.set_native_autograd(False)
+            from convforge.config import config
+
+            native_mod.set_native_autograd(bool(config.native_autograd))  # the default again
 
     for spec, bias, need_w in itertools.product(specs, (True, False), (True, False)):
         n_name, n_first, n_twice = grads(spec, True, bias, need_w)

@@ -335,10 +335,11 @@ def test_bias_grad_plan_names_its_buffers_and_refuses_bad_params(ocl, nvcc_ok):
         bias_grad_plan(dataclasses.replace(spec, dtype="float16"), ocl.device)
 
 
-def test_native_autograd_setting_is_off_by_default_and_named_when_bad() -> None:
-    """CONVFORGE_NATIVE_AUTOGRAD: the C++ autograd node is opt-in until it has run on a GPU."""
+def test_native_autograd_setting_is_on_by_default_and_named_when_bad() -> None:
+    """CONVFORGE_NATIVE_AUTOGRAD: the C++ autograd node is the default (it ran the GPU tier's training
+    tests); 0 keeps Python's node."""
     from convforge.config import Config, ConfigError
 
-    assert Config({}).native_autograd is False and Config({"CONVFORGE_NATIVE_AUTOGRAD": "1"}).native_autograd
+    assert Config({}).native_autograd is True and Config({"CONVFORGE_NATIVE_AUTOGRAD": "0"}).native_autograd is False
     with pytest.raises(ConfigError, match="CONVFORGE_NATIVE_AUTOGRAD"):
         _ = Config({"CONVFORGE_NATIVE_AUTOGRAD": "sometimes"}).native_autograd

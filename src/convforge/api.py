@@ -364,8 +364,8 @@ def file_native_pass(module: Any, run: Any, args: tuple[Any, ...], out_shape: tu
     ``run``, the pass runner that just ran it) with the native kernel, dgrad with the filters the
     runner transformed for its weights; False where the executable is not one the core launches."""
     exe = getattr(run, "exe", None)
-    if module is None or exe is None or not exe.native:
-        return False
+    if module is None or exe is None or not exe.native or getattr(run, "copies", False):
+        return False  # a runner between layout copies is Python's: its program reads NCHW
     held = None
     if args[0] == 1 and getattr(run, "filters", None) is not None:
         a = args[2]

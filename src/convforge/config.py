@@ -131,9 +131,10 @@ def _env_settings(env: Mapping[str, str]) -> dict[str, tuple[str, Callable[[], A
         "native_block": ("CONVFORGE_NATIVE_BLOCK",
                          lambda: parse_bool("CONVFORGE_NATIVE_BLOCK", get("CONVFORGE_NATIVE_BLOCK") or "1")),
         # The convforge::conv2d op's autograd node in C++ (torch/native.cpp ConvNode) instead of Python's
-        # ops._Conv2dFn: off until it has run on a GPU (read when the native module loads)
+        # ops._Conv2dFn, on by default (every dtype and layout); 0 keeps Python's node, for debugging
+        # (read when the native module loads)
         "native_autograd": ("CONVFORGE_NATIVE_AUTOGRAD",
-                            lambda: parse_bool("CONVFORGE_NATIVE_AUTOGRAD", get("CONVFORGE_NATIVE_AUTOGRAD") or "0")),
+                            lambda: parse_bool("CONVFORGE_NATIVE_AUTOGRAD", get("CONVFORGE_NATIVE_AUTOGRAD") or "1")),
     }
 
 

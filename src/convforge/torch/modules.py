@@ -191,7 +191,8 @@ class Conv2d(torch.nn.Conv2d):
         if t.dtype == dt:
             return t
         if (torch.is_grad_enabled() and t.requires_grad) or torch.compiler.is_compiling():
-            return t.to(dt)
+            # KCRS as the kernels read filters: a channels_last model's weight cast and laid out in one copy
+            return t.to(dt, memory_format=torch.contiguous_format) if t.dim() == 4 else t.to(dt)
         key = ("cast", t.data_ptr(), dt)
         try:
             version = t._version
@@ -201,7 +202,7 @@ class Conv2d(torch.nn.Conv2d):
         if hit is not None and hit[0] == version and hit[1]() is t and not _CAPTURING():
             return hit[2]  # type: ignore[no-any-return]
         with torch.no_grad():
-            cast = t.to(dt)
+            cast = t.to(dt, memory_format=torch.contiguous_format) if t.dim() == 4 else t.to(dt)
         if not _CAPTURING():
             self._cf_cache[key] = (version, weakref.ref(t), cast)
         return cast

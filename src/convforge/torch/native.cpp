@@ -167,8 +167,10 @@ at::Tensor filters_for(Program& p, const at::Tensor& w, uintptr_t wp, uint64_t* 
     e = e->second.owner.expired() ? p.filters.erase(e) : std::next(e);
   }
   it = p.filters.find(wp);
-  at::Tensor packed = it != p.filters.end() ? it->second.packed
-                                            : at::empty({p.derived_floats}, w.options().requires_grad(false));
+  // a buffer of floats, whatever w's dtype (the derived sizes count 4-byte words, as Python's FilterCache does)
+  at::Tensor packed = it != p.filters.end()
+                          ? it->second.packed
+                          : at::empty({p.derived_floats}, w.options().dtype(at::kFloat).requires_grad(false));
   auto base = reinterpret_cast<uintptr_t>(packed.data_ptr());
   for (size_t j = 0; j < p.offsets.size(); ++j) slot[kFixedSlots + j] = base + p.offsets[j];
   launch_checked(p, p.weights, slot, stream);
@@ -723,11 +725,12 @@ at::Tensor pass_cuda(int pass, c10::SymIntArrayRef size, const at::Tensor& a, co
                      std::optional<double> max_error) {
   std::optional<std::vector<int64_t>> dims = concrete(size);
   Key k;
+  const at::Tensor ac = pass == 1 ? a.contiguous() : a;  // dgrad's filters KCRS (a channels_last model's: a copy)
   if (dims.has_value() &&
-      pass_key(k, pass, *dims, a, g, stride, padding, dilation, groups, algo, precision, max_error)) {
+      pass_key(k, pass, *dims, ac, g, stride, padding, dilation, groups, algo, precision, max_error)) {
     if (std::shared_ptr<Program> p = find(k)) {
       at::Tensor out;
-      if (run_pass(*p, pass, a, g, out)) {
+      if (run_pass(*p, pass, ac, g, out)) {
         pass_runs.fetch_add(1, std::memory_order_relaxed);
         return out;
       }

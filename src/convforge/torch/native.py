@@ -68,7 +68,7 @@ def _install(module: ModuleType) -> None:
 
     api.set_native(module)
     api.install_native(module)
-    module.set_native_autograd(bool(config.native_autograd))  # CONVFORGE_NATIVE_AUTOGRAD, off by default
+    module.set_native_autograd(bool(config.native_autograd))  # CONVFORGE_NATIVE_AUTOGRAD, on by default
 
 
 def _cuda_include() -> str:
