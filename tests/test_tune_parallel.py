@@ -461,5 +461,55 @@ def test_ddp_rows_scale_against_one_gpu() -> None:
     assert rows[1]["efficiency"] == pytest.approx(0.925) and "scaling" not in rows[2]  # no one-GPU row of its own
     assert rows[1]["comm_ms"] == pytest.approx(2.5) and "comm_ms" not in rows[0]  # step - no-sync step
     assert ddp.parse_impls(None) == ddp.IMPLS and ddp.parse_impls("convforge") == ("convforge",)
+    assert ddp.parse_impls("pytorch_fp32,convforge_fused") == ("pytorch", "convforge_fused")
     with pytest.raises(ValueError, match="--impl"):
         ddp.parse_impls("convforge,cudnn")
+
+
+def test_ddp_rows_of_every_mode_compare_within_their_mode() -> None:
+    """Scaling against the one-GPU row of the same mode and impl, vs PyTorch against the PyTorch row
+    of the same mode and GPU count, the comm share of the step."""
+    from convforge.bench import ddp
+
+    def row(mode: str, impl: str, gpus: int, ips: float, **kw: float) -> dict:
+        return dict(model="resnet50", batch=32, precision=mode, impl=ddp._name(impl, mode), gpus=gpus,
+                    images_per_s=ips, status="ok", **kw)
+
+    rows = [row("fp32", "pytorch", 1, 800.0), row("fp32", "pytorch", 2, 1500.0, step_ms=42.0, nosync_ms=40.0),
+            row("fp32", "convforge_fused", 1, 1200.0), row("fp32", "convforge_fused", 2, 2250.0),
+            row("fp16", "pytorch", 1, 2000.0), row("fp16", "convforge_fused", 1, 2400.0),
+            row("fp16", "convforge_fused", 2, 3000.0)]
+    ddp.scale(rows)
+    assert rows[0]["impl"] == "pytorch_fp32" and rows[4]["impl"] == "pytorch_fp16_amp_cl"
+    assert rows[1]["scaling"] == pytest.approx(1.875) and rows[3]["scaling"] == pytest.approx(1.875)
+    assert rows[1]["comm_ms"] == pytest.approx(2.0) and rows[1]["comm_pct"] == pytest.approx(100 * 2 / 42)
+    assert rows[3]["vs_pytorch"] == pytest.approx(1.5) and rows[2]["vs_pytorch"] == pytest.approx(1.5)
+    assert rows[6]["scaling"] == pytest.approx(1.25) and "vs_pytorch" not in rows[6]  # no 2-GPU fp16 PyTorch row
+    assert ddp.parse_modes("fp32,fp16,fp32") == ("fp32", "fp16") and ddp.parse_modes(None) == ("fp32",)
+    with pytest.raises(ValueError, match="--modes"):
+        ddp.parse_modes("fp8")
+    assert ddp.modes_of(("fp32", "relaxed"), None) == ("fp32", "relaxed")
+    assert ddp.modes_of(("fp32",), "bfloat16") == ("bf16",) and ddp.modes_of(("fp32",), "float32") == ("fp32",)
+
+
+def test_ddp_profile_overlap_of_allreduce_and_compute_kernels() -> None:
+    """The all-reduce's time a step, the share of it beside compute, beside our kernels, exposed."""
+    from convforge.bench import ddp
+
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "cf_dgrad_a", "ts": 0.0, "dur": 400.0},
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllReduce_Sum_f32_RING_LL", "ts": 300.0, "dur": 500.0},
+        {"ph": "X", "cat": "kernel", "name": "cudnn_wgrad", "ts": 500.0, "dur": 100.0},
+        {"ph": "X", "cat": "kernel", "name": "cf_wgrad_b", "ts": 550.0, "dur": 100.0},
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_Broadcast_RING_LL", "ts": 900.0, "dur": 50.0},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0.0, "dur": 2000.0},
+        {"ph": "i", "cat": "kernel", "name": "marker", "ts": 10.0}]}
+    ks = ddp.kernels_of(trace)
+    assert len(ks) == 5 and ks[1] == ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 300.0, 800.0)
+    got = ddp.overlap(ks, {"cf_dgrad_a", "cf_wgrad_b"}, steps=1)
+    # all-reduce 300..800: compute beside it 300..400 and 500..650 (250 us), ours 300..400 and 550..650
+    assert got["allreduce_ms"] == pytest.approx(0.5) and got["overlap"] == pytest.approx(0.5)
+    assert got["overlap_ours_ms"] == pytest.approx(0.2) and got["exposed_ms"] == pytest.approx(0.25)
+    assert got["ours_beside"] == 2
+    none = ddp.overlap([("k", 0.0, 1.0)], set())
+    assert none["allreduce_ms"] == 0 and none["overlap"] == 0

@@ -188,12 +188,14 @@ def _run_models(args: argparse.Namespace, console: Console) -> int:
     if getattr(args, "train", False):
         if budget is not None:
             raise SuiteError("--error-budget calibrates inference; it does not go with --train")
-        if (getattr(args, "dtype", None) or "float32") != "float32":
-            raise SuiteError("--train times float32 training (PyTorch FP32/TF32); it does not go with --dtype")
-        if getattr(args, "devices", None) is not None:
+        if getattr(args, "devices", None) is not None:  # --dtype fp16|bf16: AMP rows (bench/ddp.py)
             from convforge.bench import ddp
 
-            return ddp.launch(args.model, args.devices, console, args.warmup, args.repeats, args.out, tune=args.tune)
+            modes = ddp.modes_of(precisions(args.precision_classes), getattr(args, "dtype", None))
+            return ddp.launch(args.model, args.devices, console, args.warmup, args.repeats, args.out, tune=args.tune,
+                              modes=modes)
+        if (getattr(args, "dtype", None) or "float32") != "float32":
+            raise SuiteError("--train times float32 training (PyTorch FP32/TF32); it does not go with --dtype")
         from convforge.bench import training
 
         return training.run(args.model, args.out, args.warmup, args.repeats, console, opts,
