@@ -157,9 +157,14 @@ def device_checks(rank_device: int) -> dict[str, object]:
         for entry in getattr(cache, "_entries", {}).values():
             packed.add(entry[2].device.index)
     n_filters = sum(len(getattr(r, "filters", None) or ()) for r in RUNNERS.values())
+    from convforge.torch import native
+
+    nat = native.load()
+    stats = nat.stats() if nat is not None else {}
     return {"executables": sorted(exes), "runners": sorted(runners), "filters": sorted(packed),
             "n_runners": len(RUNNERS), "n_filters": n_filters, "current": torch.cuda.current_device(),
-            "rank_device": rank_device}
+            "rank_device": rank_device, "native": nat is not None, "block_runs": stats.get("block_runs", 0),
+            "pass_runs": stats.get("pass_runs", 0)}
 
 
 def setup(args: argparse.Namespace) -> None:
@@ -352,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--amp", choices=tuple(AMP))
     p.add_argument("--bucket-mb", type=float, help="DDP's bucket_cap_mb (tiny: one bucket per parameter)")
     args = p.parse_args(argv)
+    if args.amp and args.device == "cpu":
+        p.error("--amp runs on CUDA (on the CPU the op's PyTorch kernels run under CPU autocast's own rules)")
     (reference_main if args.reference else rank_main)(args)
     return 0
 

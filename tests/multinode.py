@@ -30,12 +30,14 @@ def host_argv(index: int, nodes: int, per_node: int, port: int, run_id: str = "c
 
 
 def run_hosts(args: Sequence[str], env: Mapping[str, str], nodes: int = 2, per_node: int = 1,
-              timeout: float = 900) -> list[str]:
+              timeout: float = 900, host_env: Sequence[Mapping[str, str]] = ()) -> list[str]:
     """Run ``args`` (a script and its arguments, or ``-m module ...``) on ``nodes`` hosts of
-    ``per_node`` processes each; every host's stdout + stderr, after asserting that all exited 0."""
+    ``per_node`` processes each (``host_env[i]``: host i's own variables, such as the GPUs it sees,
+    ``CUDA_VISIBLE_DEVICES``); every host's stdout + stderr, after asserting that all exited 0."""
     port = free_port()
-    procs = [subprocess.Popen([*host_argv(i, nodes, per_node, port), *args], env=dict(env), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for i in range(nodes)]
+    extra = list(host_env) + [{}] * (nodes - len(host_env))
+    procs = [subprocess.Popen([*host_argv(i, nodes, per_node, port), *args], env={**env, **extra[i]},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(nodes)]
     outs = []
     try:
         for p in procs:
