@@ -345,6 +345,40 @@ def reference_main(args: argparse.Namespace) -> None:
                 "params64": params(torch64), "torch32": yardstick}, os.path.join(args.out, "reference.pt"))
 
 
+def bench_rank_cpu(rank: int, world: int, port: int, out: str) -> None:
+    """One rank of bench/ddp.py's ``rank_run`` on the CPU (gloo), for tests/test_ddp_order.py: a tiny
+    model in place of torchvision's, a wall-clock timer in place of CUDA events."""
+    import statistics
+    import time
+    from pathlib import Path
+
+    from convforge.bench import ddp, models, training
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+
+    def build(name: str) -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+                             nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+
+    def timed(step: Any, warmup: int, repeats: int) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            step()
+            times.append(1e3 * (time.perf_counter() - t0))
+        return statistics.median(times)
+
+    models.build = build  # type: ignore[assignment]
+    models.MODELS["tiny"] = 12
+    models.environment = lambda: {"device": "cpu"}  # type: ignore[assignment]
+    training._time = timed  # type: ignore[assignment]
+    training.CLASSES = 10
+    ddp.rank_run([("tiny", 4)], ("pytorch", "convforge_fused"), ("fp32",), 1, 3, False, Path(out), profile=True,
+                 cpu=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--how", default="convert")

@@ -93,6 +93,29 @@ def test_ddp_gradients_are_pytorchs_on_both_ranks(runs: dict[str, dict]) -> None
     assert torch.equal(runs["fuse"][0]["params"]["stem.weight"], runs["fuse"][1]["params"]["stem.weight"])
 
 
+def test_bench_ddp_rows_on_the_cpu(tmp_path: Path) -> None:
+    """bench/ddp.py's rank run end to end on two CPU processes (gloo; a tiny model, a wall-clock
+    timer): the plain module alone, then in DDP with and without the all-reduce, DDP's own logging,
+    the profile (no GPU kernels here: no all-reduce time), every rank's figures gathered at rank 0."""
+    pytest.importorskip("torch", reason="torch not installed")
+    import json
+
+    import torch.multiprocessing as mp
+
+    from ddp_check import bench_rank_cpu
+    from multinode import free_port
+
+    out = tmp_path / "rows.json"
+    mp.spawn(bench_rank_cpu, args=(2, free_port(), str(out)), nprocs=2)
+    rows = {r["impl"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"pytorch_fp32", "convforge_fused"}, rows
+    for r in rows.values():
+        assert r["status"] == "ok" and r["gpus"] == 2 and len(r["rank_step_ms"]) == 2, r
+        assert r["step_ms"] > 0 and r["nosync_ms"] > 0 and r["alone_ms"] > 0, r
+        assert r["allreduce_ms"] == 0 and r["overlap"] == 0 and "tail_ms" in r, r
+        assert r["images_per_s"] == pytest.approx(2 * 4 / (r["step_ms"] / 1e3))
+
+
 # -- the backward paths never wait for the device ----------------------------------------------------------
 # What may not appear on a backward path: device, stream and event synchronisation, host reads of device
 # memory, allocations that bypass the caching allocator (cudaMalloc synchronises), streams of our own.

@@ -16,8 +16,11 @@ Time: CUDA events around each step after warm-up, each rank's median; a DDP step
 slowest rank's (DDP's all-reduce keeps the ranks in step anyway). On N GPUs the same processes also
 time the step under ``no_sync()`` (no all-reduce: ``nosync_ms``), so ``comm_ms`` = step - no-sync
 step is what the gradients' all-reduce adds that the backward pass did not hide (``comm %`` of the
-step), measured without the run-to-run spread between separate launches; the rest of a shortfall
-against one GPU is in the processes themselves (host, clocks). ``tail_ms``: DDP's own measure, from
+step), measured without the run-to-run spread between separate launches; and, before wrapping it,
+the plain module's step on each rank alone (``alone_ms``): no-sync - alone is what DDP costs besides
+the all-reduce (its per-gradient work, the buffers' broadcast at each forward, the ranks waiting for
+each other), alone against the one-GPU launch's step what the processes themselves cost (host,
+clocks, the spread between launches). ``tail_ms``: DDP's own measure, from
 its runtime logging (CUDA events) over a few more steps: from the end of the backward's compute to
 the end of its all-reduce, the part no compute hid. ``images/s`` = K x BATCH / step time;
 ``scaling`` = images/s on N GPUs over images/s on one; ``efficiency`` = scaling / N; ``vs
@@ -61,13 +64,14 @@ BASELINES = {"fp32": "pytorch_fp32", "relaxed": "pytorch_tf32", "fp16": "pytorch
              "bf16": "pytorch_bf16_amp_cl"}
 LABELS = {"fp32": "fp32", "relaxed": "relaxed", "fp16": "AMP fp16", "bf16": "AMP bf16"}
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-FIELDS = ("model", "batch", "precision", "impl", "gpus", "step_ms", "nosync_ms", "comm_ms", "comm_pct", "tail_ms",
-          "allreduce_ms", "overlap", "overlap_ours_ms", "exposed_ms", "images_per_s", "images_per_s_per_gpu",
+FIELDS = ("model", "batch", "precision", "impl", "gpus", "step_ms", "nosync_ms", "alone_ms", "comm_ms", "comm_pct",
+          "tail_ms", "allreduce_ms", "overlap", "overlap_ours_ms", "exposed_ms", "images_per_s", "images_per_s_per_gpu",
           "scaling", "efficiency", "vs_pytorch", "status")
 NOTE = ("one training step (forward + cross-entropy + backward + SGD), BATCH images per GPU, training mode; one GPU: "
         "the plain model; N GPUs: DistributedDataParallel (NCCL), one process per GPU (torchrun); CUDA events, each "
         "rank's median step, the slowest rank's; no-sync: the same N-GPU step without the all-reduce (no_sync()), "
-        "comm = step - no-sync; tail: DDP's runtime logging, all-reduce after the backward's compute ended; "
+        "comm = step - no-sync; alone: the plain module on each rank without DDP, same processes; tail: DDP's "
+        "runtime logging, all-reduce after the backward's compute ended; "
         "scaling = images/s on N GPUs over one GPU's; vs PyTorch: images/s over the PyTorch row of the same mode; "
         "fp32: PyTorch FP32 (TF32 off), relaxed: PyTorch TF32, AMP: autocast + GradScaler everywhere, PyTorch in "
         "channels_last; cudnn.benchmark on")
@@ -213,14 +217,16 @@ def scale(rows: list[dict[str, Any]]) -> None:
 
 def table(rows: list[dict[str, Any]], title: str) -> Table:
     t = Table(title=title)
-    for col in ("model", "batch/GPU", "class", "impl", "GPUs", "step ms", "no-sync ms", "comm ms", "comm %", "tail ms",
+    for col in ("model", "batch/GPU", "class", "impl", "GPUs", "step ms", "no-sync ms", "alone ms", "comm ms", "comm %",
+                "tail ms",
                 "overlap", "images/s", "per GPU", "scaling", "efficiency", "vs PyTorch", "status"):
         t.add_column(col)
     f = models._f
     for r in rows:
         ov = r.get("overlap")
         t.add_row(r["model"], str(r["batch"]), LABELS.get(r.get("precision") or "fp32", "-"), r["impl"], str(r["gpus"]),
-                  f(r.get("step_ms"), ".2f"), f(r.get("nosync_ms"), ".2f"), f(r.get("comm_ms"), ".2f"),
+                  f(r.get("step_ms"), ".2f"), f(r.get("nosync_ms"), ".2f"), f(r.get("alone_ms"), ".2f"),
+                  f(r.get("comm_ms"), ".2f"),
                   f(r.get("comm_pct"), ".1f"), f(r.get("tail_ms"), ".2f"), "-" if ov is None else f"{100 * ov:.0f}%",
                   f(r.get("images_per_s"), ".0f"), f(r.get("images_per_s_per_gpu"), ".0f"), f(r.get("scaling"), ".2f"),
                   f(r.get("efficiency"), ".2f"), f(r.get("vs_pytorch"), ".2f"), r.get("status", ""))
@@ -281,15 +287,18 @@ def step_fn(net: Any, x: Any, target: Any, mode: str) -> Callable[[], Any]:
 
 
 def rank_run(specs: list[tuple[str, int]], impls: tuple[str, ...], modes: tuple[str, ...], warmup: int,
-             repeats: int, tune: bool, path: Path, profile: bool = False, trace_dir: str | None = None) -> None:
-    """This rank's steps of every model, mode and implementation; rank 0 writes the rows to ``path``."""
+             repeats: int, tune: bool, path: Path, profile: bool = False, trace_dir: str | None = None,
+             cpu: bool = False) -> None:
+    """This rank's steps of every model, mode and implementation; rank 0 writes the rows to ``path``.
+    ``cpu``: CPU tensors and gloo (the tests' run of this code without a GPU)."""
     import torch
     import torch.distributed as dist
 
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local)
+    if not cpu:
+        torch.cuda.set_device(local)
     if world > 1:
-        dist.init_process_group("nccl")
+        dist.init_process_group("gloo" if cpu else "nccl")
     rows = []
     for name, batch in specs:
         model = models.build(name)
@@ -299,18 +308,20 @@ def rank_run(specs: list[tuple[str, int]], impls: tuple[str, ...], modes: tuple[
             continue
         for mode in modes:
             for impl in impls:
-                rows.append(_row(name, batch, model, impl, mode, world, local, rank, warmup, repeats, tune, profile,
-                                 trace_dir))
-                torch.cuda.empty_cache()
+                rows.append(_row(name, batch, model, impl, mode, world, None if cpu else local, rank, warmup,
+                                 repeats, tune, profile, trace_dir))
+                if not cpu:
+                    torch.cuda.empty_cache()
     if rank == 0:
         path.write_text(json.dumps({"env": models.environment(), "rows": rows}))
     if world > 1:
         dist.destroy_process_group()
 
 
-def _row(name: str, batch: int, model: Any, impl: str, mode: str, world: int, local: int, rank: int, warmup: int,
-         repeats: int, tune: bool, profile: bool, trace_dir: str | None) -> dict[str, Any]:
-    """One row, timed on this rank and gathered from every rank (a failure on any rank fails it)."""
+def _row(name: str, batch: int, model: Any, impl: str, mode: str, world: int, local: int | None, rank: int,
+         warmup: int, repeats: int, tune: bool, profile: bool, trace_dir: str | None) -> dict[str, Any]:
+    """One row, timed on this rank and gathered from every rank (a failure on any rank fails it);
+    ``local`` None: on the CPU."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -318,20 +329,29 @@ def _row(name: str, batch: int, model: Any, impl: str, mode: str, world: int, lo
     row: dict[str, Any] = dict(model=name, batch=batch, precision=mode, impl=_name(impl, mode), gpus=world,
                                status="ok")
     size = models.MODELS[name]
-    gen = torch.Generator(device="cuda").manual_seed(training.SEED + rank)
-    x = torch.randn(batch, 3, size, size, device="cuda", generator=gen)
-    target = torch.randint(0, training.CLASSES, (batch,), device="cuda", generator=gen)
+    dev = "cpu" if local is None else "cuda"
+    gen = torch.Generator(device=dev).manual_seed(training.SEED + rank)
+    x = torch.randn(batch, 3, size, size, device=dev, generator=gen)
+    target = torch.randint(0, training.CLASSES, (batch,), device=dev, generator=gen)
+    sync = torch.cuda.synchronize if local is not None else (lambda: None)
     mine: dict[str, float] = {}
     try:
         training._flags(mode == "relaxed" and impl == "pytorch")
         m = _make(impl, mode, model)
         xin = x.contiguous(memory_format=torch.channels_last) if impl == "pytorch" and mode in ("fp16", "bf16") else x
-        net = DDP(m, device_ids=[local]) if world > 1 else m
         with models.tuning(tune and impl.startswith("convforge")):
-            step = step_fn(net, xin, target, mode)
+            alone = step_fn(m, xin, target, mode)
             for _ in range(max(warmup, 1)):
+                alone()
+            sync()
+        net, step = m, alone
+        if world > 1:  # the plain module first, each rank alone in the same processes; then in DDP
+            mine["alone_ms"] = training._time(alone, 0, repeats)
+            net = DDP(m, device_ids=None if local is None else [local])
+            step = step_fn(net, xin, target, mode)
+            for _ in range(2):  # DDP's first steps: its buckets rebuilt in the order the gradients came
                 step()
-            torch.cuda.synchronize()
+            sync()
         mine["step_ms"] = training._time(step, 0, repeats)
         if world > 1:  # the same step without the all-reduce, in the same processes; then DDP's own logging
             with net.no_sync():
@@ -339,8 +359,8 @@ def _row(name: str, batch: int, model: Any, impl: str, mode: str, world: int, lo
                 mine["nosync_ms"] = training._time(step, 0, repeats)
             mine.update(_ddp_stats(net, step))
             if profile:
-                mine.update(_profile(step, rank, f"{name}-{batch}-{mode}-{impl}-{world}", trace_dir))
-        del net, m, step
+                mine.update(_profile(step, rank, f"{name}-{batch}-{mode}-{impl}-{world}", trace_dir, local is None))
+        del net, m, step, alone
     except Exception as err:  # noqa: BLE001 - a failing row must not hide the others
         mine = {"failed": 1.0}
         row["status"] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
@@ -360,8 +380,9 @@ def _fill(row: dict[str, Any], every: list[dict[str, float]], world: int, batch:
     """The row's times from every rank's: steps the slowest rank's, DDP's and the profile's rank 0's."""
     row["step_ms"] = max(d["step_ms"] for d in every)
     row["rank_step_ms"] = [d["step_ms"] for d in every]
-    if all("nosync_ms" in d for d in every):
-        row["nosync_ms"] = max(d["nosync_ms"] for d in every)
+    for k in ("nosync_ms", "alone_ms"):
+        if all(k in d for d in every):
+            row[k] = max(d[k] for d in every)
     for k in ("tail_ms", "allreduce_ms", "overlap", "overlap_ours_ms", "exposed_ms", "ours_beside"):
         if k in every[0]:
             row[k] = every[0][k]
@@ -388,15 +409,17 @@ def _ddp_stats(net: Any, step: Callable[[], Any], steps: int = 3) -> dict[str, f
 
 
 # -- the profile: all-reduce kernels beside compute kernels -------------------------------------------------
-def _profile(step: Callable[[], Any], rank: int, tag: str, trace_dir: str | None, steps: int = 2) -> dict[str, float]:
+def _profile(step: Callable[[], Any], rank: int, tag: str, trace_dir: str | None, cpu: bool = False,
+             steps: int = 2) -> dict[str, float]:
     """Two synchronised steps under torch.profiler; :func:`overlap` of this rank's kernels."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU] + ([] if cpu else [ProfilerActivity.CUDA])) as prof:
         for _ in range(steps):
             step()
-        torch.cuda.synchronize()
+        if not cpu:
+            torch.cuda.synchronize()
     with tempfile.TemporaryDirectory(prefix="convforge-trace-") as tmp:
         trace = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(trace))
