@@ -6,6 +6,12 @@ context and current stream, allocate there, leave device 0 current and keep per-
 apart. Skips (with the reason) unless torch sees two CUDA devices: run on a lent two-GPU machine,
 ``python -m pytest -q tests/test_gpu_multi.py``. Results are checked against the float64
 reference, outputs taken from a block poisoned with NaN.
+
+Then one process per GPU (below): DistributedDataParallel against one GPU in every precision mode on
+two and four GPUs and on two "hosts" (torchrun's c10d rendezvous on this machine), the order in
+which the backward hands DDP its gradients, the all-reduce beside our backward kernels in a profiled
+ResNet-50 step, and tuning across GPUs and hosts. The cases needing four GPUs skip on two, saying so;
+``scripts/gpu-multi all`` runs them with the bench tables in one call.
 """
 
 from __future__ import annotations
