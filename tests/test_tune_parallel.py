@@ -1,7 +1,8 @@
 """``convforge tune --devices`` and torchrun ranks (tune/parallel.py, tune/worker.py) on CI: worker
 processes sharing the PoCL device and one tuning database, a worker killed mid-run, the static
-split of torchrun ranks and rank 0's merge of per-rank databases, and the errors of ``--devices``.
-No torch, no GPU: the two-GPU runs are in test_gpu_multi.py."""
+split and the shared counter of torchrun ranks, rank 0's merge of per-rank databases, and the errors
+of ``--devices``. No GPU: the two-GPU runs are in test_gpu_multi.py; the two-"host" torchrun runs on
+the CPU (OpenCL) need torch and skip without it."""
 
 from __future__ import annotations
 
@@ -130,12 +131,39 @@ def test_cli_devices_without_cuda_exit_2(tmp_path: Path, capsys) -> None:  # typ
     assert rc == 2 and "this machine has none" in out and "--backend opencl --devices 0:0,0:0" in out, out
 
 
-def test_devices_under_torchrun_is_refused(tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
-    for k, v in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}.items():
-        monkeypatch.setenv(k, v)
+def _torchrun_env(monkeypatch: pytest.MonkeyPatch, rank: int, world: int, local: int, local_world: int) -> None:
+    for k, v in {"RANK": rank, "WORLD_SIZE": world, "LOCAL_RANK": local, "LOCAL_WORLD_SIZE": local_world}.items():
+        monkeypatch.setenv(k, str(v))
+
+
+def test_devices_list_under_torchrun_with_ranks_per_gpu_is_refused(tmp_path: Path, capsys,  # type: ignore[no-untyped-def]
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    _torchrun_env(monkeypatch, 0, 2, 0, 2)
     rc, out = run_main(["tune", "--spec", "N=1,C=3,H=9,W=9,K=4,R=3,S=3", "--devices", "0,1", "--db",
                         str(tmp_path / "t.sqlite")], capsys)
-    assert rc == 2 and "--devices does not apply under torchrun" in out, out
+    assert rc == 2 and "--devices 0,1 does not apply under torchrun with several ranks per host" in out, out
+    assert out.count("error:") == 1 and "Traceback" not in out, out
+
+
+def test_devices_under_torchrun_names_what_each_rank_runs(monkeypatch: pytest.MonkeyPatch, pocl: str) -> None:
+    """One rank per GPU: ``--devices all`` (or nothing) is the rank's LOCAL_RANK device, in-process;
+    one rank per host (LOCAL_WORLD_SIZE 1): ``--devices`` names that host's worker devices."""
+    import argparse
+
+    def args(**kw: object) -> argparse.Namespace:
+        return argparse.Namespace(**{"devices": None, "device": None, "backend": "opencl", **kw})
+
+    _torchrun_env(monkeypatch, 3, 4, 1, 2)
+    for given in (None, "all"):
+        how = parallel.how_from_args(args(devices=given))
+        assert how is not None and how.ranks == Ranks(3, 4, 1, 2) and not how.slots
+    assert "rank 3 of 4 (torchrun)" == how.describe()
+    with pytest.raises(ValueError, match="--device and --devices cannot be combined"):
+        parallel.how_from_args(args(devices="all", device=pocl))
+    _torchrun_env(monkeypatch, 1, 2, 0, 1)
+    how = parallel.how_from_args(args(devices=f"{pocl},{pocl}"))
+    assert how is not None and how.ranks == Ranks(1, 2, 0, 1) and len(how.slots) == 2
+    assert how.describe() == f"rank 1 of 2 (torchrun), 2 worker(s): opencl:{pocl}#1, opencl:{pocl}#2"
 
 
 def test_torchrun_environment() -> None:
@@ -163,6 +191,23 @@ def test_static_split_is_deterministic_balanced_and_complete() -> None:
         assert max(loads) - min(loads) <= max(costs)  # LPT: no share ahead by more than one task
     # largest first, each to the least loaded share (ties: the lower share): 95 + 1 against 95
     assert [[t.id for t in s] for s in split_static(tasks, 2)] == [[0, 5, 7, 1, 2, 4], [9, 3, 6, 8]]
+
+
+def test_claims_hand_every_layer_out_once_largest_first() -> None:
+    """Ranks drawing from one counter (here interleaved by hand) take disjoint layers that together
+    are every layer, in the cost order every rank computes the same way."""
+    tasks = [Task(i, f"t{i}", float(c), {}) for i, c in enumerate([5, 50, 7, 50, 1])]
+    order = parallel.cost_order(tasks)
+    assert [t.id for t in order] == [1, 3, 2, 0, 4] and parallel.cost_order(list(reversed(tasks))) == order
+    count = iter(range(100))
+    ranks = [parallel.claimed(order, lambda: next(count)) for _ in range(3)]
+    taken: list[list[int]] = [[], [], []]
+    for step in [0, 1, 2, 2, 0, 1, 1, 0]:  # whichever rank is idle asks next
+        t = next(ranks[step], None)
+        if t is not None:
+            taken[step].append(t.id)
+    assert taken == [[1, 4], [3], [2, 0]]
+    assert sorted(i for share in taken for i in share) == list(range(len(tasks)))
 
 
 # -- worker processes on the PoCL device -----------------------------------------------------------------
@@ -305,6 +350,83 @@ def test_ranks_across_hosts_write_their_own_files_and_rank0_merges(pocl: str, ca
     assert f"merged rank 1's database into {db}: {len(share1)} stored" in buf.getvalue()
 
 
+def test_ranks_sharing_a_counter_take_layers_in_turn_and_rank0_merges(pocl: str, cache: Path,
+                                                                      tmp_path: Path) -> None:
+    """Two ranks across hosts drawing from one counter (its answers scripted: rank 1 gets 1 and
+    then the end, rank 0 gets 0, 2 and the end): each tunes exactly the layers of its claims in cost
+    order, rank 1 in its own file, and rank 0 answers every layer after merging it."""
+    tasks = _tasks()
+    order = parallel.cost_order(tasks)
+    db = tmp_path / "tuning.sqlite"
+    sent: dict[int, dict] = {}
+    console, buf = _console()
+
+    def gather_from(rank: int):  # type: ignore[no-untyped-def]
+        def gather(payload):  # type: ignore[no-untyped-def]
+            sent[rank] = json.loads(json.dumps(payload))
+            return [sent[r] for r in sorted(sent)] if rank == 0 else None
+        return gather
+
+    answers = {1: iter([1, 3]), 0: iter([0, 2, 3])}
+    one = run_ranked(tasks, _settings(db, pocl), Ranks(1, 2, 0, 1), console, gather_from(1), lambda: next(answers[1]))
+    assert one.outcomes is None and one.per_worker == {"rank 1": 1}
+    assert {e.spec for e in TuningDB(parallel.rank_db_path(db, 1)).entries()} == {SPECS[order[1].name].key()}
+    zero = run_ranked(tasks, _settings(db, pocl), Ranks(0, 2, 0, 1), console, gather_from(0), lambda: next(answers[0]))
+    assert zero.outcomes is not None and sorted(zero.outcomes) == [t.id for t in tasks]
+    assert all(o.ok for o in zero.outcomes.values()), buf.getvalue()
+    assert zero.outcomes[order[1].id].worker == "rank 1"
+    assert {zero.outcomes[order[i].id].worker for i in (0, 2)} == {"rank 0"}
+    assert {e.spec for e in TuningDB(db).entries()} == {s.key() for s in SPECS.values()}
+    assert "layers per rank: rank 0 2, rank 1 1" in buf.getvalue()
+
+
+@pytest.mark.parametrize("where", ["in-process", "workers"])
+def test_two_hosts_through_torchrun_rendezvous(where: str, pocl: str, cache: Path, tmp_path: Path) -> None:
+    """``convforge tune`` under torchrun on two "hosts" (two agents, c10d rendezvous on localhost,
+    one rank each; OpenCL): the ranks take the layers from the shared counter (both tune some),
+    rank 1 into its own file, rank 0 merges it and prints the whole table. ``workers``: each
+    host's rank runs a worker process on its device (``--devices``, one rank per host)."""
+    pytest.importorskip("torch", reason="torchrun needs torch")
+    from multinode import run_hosts
+
+    specs = [a for s in SPECS.values() for a in ("--spec", _spec(s))]
+    db = tmp_path / "tuning.sqlite"
+    dev = ["--device", pocl] if where == "in-process" else ["--devices", pocl]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(parallel.__file__).parents[2]),
+                                                        os.environ.get("PYTHONPATH", "")]),
+           TEST_HOOK: "slow=2"}  # each layer >= 2 s: neither host can take them all
+    outs = run_hosts(["-m", "convforge.cli", "tune", *specs, "--backend", "opencl", *dev, "--budget", "2",
+                      "--db", str(db)], env)
+    zero = next(o for o in outs if "layers per rank:" in o)
+    assert f"{len(SPECS)} layer(s) tuned, 0 from the database, 0 failed" in zero, outs
+    assert "rank 0 of 2" in "".join(outs) and "rank 1 of 2" in "".join(outs), outs
+    assert "merged rank 1's database into" in zero, zero
+    import re
+
+    per = dict(re.findall(r"(rank \d)[^,\n]* (\d+)", zero.split("layers per rank:")[1].splitlines()[0]))
+    assert set(per) == {"rank 0", "rank 1"} and all(int(v) > 0 for v in per.values()), zero
+    assert {e.spec for e in TuningDB(db).entries()} == {s.key() for s in SPECS.values()}
+
+
+def _spec(s: ConvSpec) -> str:
+    """``--spec`` text of a layer."""
+    return (f"N={s.n},C={s.c},H={s.h},W={s.w},K={s.k},R={s.r},S={s.s},stride={s.stride[0]}x{s.stride[1]},"
+            f"pad={'x'.join(map(str, s.pad))}")
+
+
+def test_rank0_fails_layers_no_rank_took_and_lists_built_elsewhere(tmp_path: Path) -> None:
+    """The merge answers every layer: one no rank reported (the ranks that would have taken it
+    stopped) and those of a rank that built another layer list fail with the reason."""
+    tasks = [Task(i, f"t{i}", float(10 - i), {"kind": "layer"}) for i in range(3)]
+    ok = asdict(parallel.Outcome(True, {"entry": {}}, "", "rank 0"))
+    docs = [{"rank": 0, "digest": parallel.digest(tasks), "export": None, "outcomes": {"0": ok}},
+            {"rank": 1, "digest": "another", "export": None, "outcomes": {"1": ok}}]
+    console, buf = _console()
+    out = parallel._merge(docs, tasks, tmp_path / "t.sqlite", console)
+    assert out[0].ok and not out[1].ok and not out[2].ok
+    assert "no rank took it" in out[2].error and "rank 1 built another layer list" in buf.getvalue()
+
+
 def test_ranks_on_one_host_share_the_database(pocl: str, cache: Path, tmp_path: Path) -> None:
     tasks = _tasks()
     db = tmp_path / "tuning.sqlite"
@@ -339,5 +461,55 @@ def test_ddp_rows_scale_against_one_gpu() -> None:
     assert rows[1]["efficiency"] == pytest.approx(0.925) and "scaling" not in rows[2]  # no one-GPU row of its own
     assert rows[1]["comm_ms"] == pytest.approx(2.5) and "comm_ms" not in rows[0]  # step - no-sync step
     assert ddp.parse_impls(None) == ddp.IMPLS and ddp.parse_impls("convforge") == ("convforge",)
+    assert ddp.parse_impls("pytorch_fp32,convforge_fused") == ("pytorch", "convforge_fused")
     with pytest.raises(ValueError, match="--impl"):
         ddp.parse_impls("convforge,cudnn")
+
+
+def test_ddp_rows_of_every_mode_compare_within_their_mode() -> None:
+    """Scaling against the one-GPU row of the same mode and impl, vs PyTorch against the PyTorch row
+    of the same mode and GPU count, the comm share of the step."""
+    from convforge.bench import ddp
+
+    def row(mode: str, impl: str, gpus: int, ips: float, **kw: float) -> dict:
+        return dict(model="resnet50", batch=32, precision=mode, impl=ddp._name(impl, mode), gpus=gpus,
+                    images_per_s=ips, status="ok", **kw)
+
+    rows = [row("fp32", "pytorch", 1, 800.0), row("fp32", "pytorch", 2, 1500.0, step_ms=42.0, nosync_ms=40.0),
+            row("fp32", "convforge_fused", 1, 1200.0), row("fp32", "convforge_fused", 2, 2250.0),
+            row("fp16", "pytorch", 1, 2000.0), row("fp16", "convforge_fused", 1, 2400.0),
+            row("fp16", "convforge_fused", 2, 3000.0)]
+    ddp.scale(rows)
+    assert rows[0]["impl"] == "pytorch_fp32" and rows[4]["impl"] == "pytorch_fp16_amp_cl"
+    assert rows[1]["scaling"] == pytest.approx(1.875) and rows[3]["scaling"] == pytest.approx(1.875)
+    assert rows[1]["comm_ms"] == pytest.approx(2.0) and rows[1]["comm_pct"] == pytest.approx(100 * 2 / 42)
+    assert rows[3]["vs_pytorch"] == pytest.approx(1.5) and rows[2]["vs_pytorch"] == pytest.approx(1.5)
+    assert rows[6]["scaling"] == pytest.approx(1.25) and "vs_pytorch" not in rows[6]  # no 2-GPU fp16 PyTorch row
+    assert ddp.parse_modes("fp32,fp16,fp32") == ("fp32", "fp16") and ddp.parse_modes(None) == ("fp32",)
+    with pytest.raises(ValueError, match="--modes"):
+        ddp.parse_modes("fp8")
+    assert ddp.modes_of(("fp32", "relaxed"), None) == ("fp32", "relaxed")
+    assert ddp.modes_of(("fp32",), "bfloat16") == ("bf16",) and ddp.modes_of(("fp32",), "float32") == ("fp32",)
+
+
+def test_ddp_profile_overlap_of_allreduce_and_compute_kernels() -> None:
+    """The all-reduce's time a step, the share of it beside compute, beside our kernels, exposed."""
+    from convforge.bench import ddp
+
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "cf_dgrad_a", "ts": 0.0, "dur": 400.0},
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllReduce_Sum_f32_RING_LL", "ts": 300.0, "dur": 500.0},
+        {"ph": "X", "cat": "kernel", "name": "cudnn_wgrad", "ts": 500.0, "dur": 100.0},
+        {"ph": "X", "cat": "kernel", "name": "cf_wgrad_b", "ts": 550.0, "dur": 100.0},
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_Broadcast_RING_LL", "ts": 900.0, "dur": 50.0},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0.0, "dur": 2000.0},
+        {"ph": "i", "cat": "kernel", "name": "marker", "ts": 10.0}]}
+    ks = ddp.kernels_of(trace)
+    assert len(ks) == 5 and ks[1] == ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 300.0, 800.0)
+    got = ddp.overlap(ks, {"cf_dgrad_a", "cf_wgrad_b"}, steps=1)
+    # all-reduce 300..800: compute beside it 300..400 and 500..650 (250 us), ours 300..400 and 550..650
+    assert got["allreduce_ms"] == pytest.approx(0.5) and got["overlap"] == pytest.approx(0.5)
+    assert got["overlap_ours_ms"] == pytest.approx(0.2) and got["exposed_ms"] == pytest.approx(0.25)
+    assert got["ours_beside"] == 2
+    none = ddp.overlap([("k", 0.0, 1.0)], set())
+    assert none["allreduce_ms"] == 0 and none["overlap"] == 0

@@ -202,10 +202,15 @@ def _run_models(args: argparse.Namespace, console: Console) -> int:
 
             return training_amp.run(args.model, amp, args.out, args.warmup, args.repeats, console, opts,
                                     tune=args.tune)
-        if getattr(args, "devices", None) is not None:
+        if getattr(args, "devices", None) is not None:  # --amp / --dtype fp16|bf16: AMP rows (bench/ddp.py)
             from convforge.bench import ddp
 
-            return ddp.launch(args.model, args.devices, console, args.warmup, args.repeats, args.out, tune=args.tune)
+            half = {"fp16": "float16", "bf16": "bfloat16"}.get(amp or "")
+            modes = ddp.modes_of(precisions(args.precision_classes), getattr(args, "dtype", None) or half)
+            return ddp.launch(args.model, args.devices, console, args.warmup, args.repeats, args.out, tune=args.tune,
+                              modes=modes)
+        if (getattr(args, "dtype", None) or "float32") != "float32":
+            raise SuiteError("--train times float32 training (PyTorch FP32/TF32); it does not go with --dtype")
         from convforge.bench import training
 
         return training.run(args.model, args.out, args.warmup, args.repeats, console, opts,

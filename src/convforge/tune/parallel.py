@@ -22,15 +22,23 @@ With OpenCL, ``--devices`` names ``PLATFORM:DEVICE`` entries and may repeat one 
 opencl --devices 0:0,0:0``: two workers sharing the PoCL device; their timings disturb each other,
 so this is for exercising the worker logic, as CI does). A CUDA device may not repeat.
 
-**torchrun** (environment ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` present): no workers are
-spawned; each rank tunes its share in-process on ``LOCAL_RANK``'s GPU. The share is a static
-longest-processing-time split of the same cost-ordered list (deterministic from the layer list, so
-every rank computes the same split). On one host (``WORLD_SIZE == LOCAL_WORLD_SIZE``) every rank
-writes the shared database; across hosts rank 0 writes it and every other rank writes its own file
-beside it (``NAME.rankR.sqlite``); then every rank sends its replies (and, across hosts, its
-database's entries) to rank 0 through ``torch.distributed`` (gloo), rank 0 merges the entries as
-``convforge db import`` does (each validated, kept only where faster: ``TuningDB.import_json`` with
-``only_if_faster``) and prints the closing table.
+**torchrun** (environment ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` present; one host or several,
+``--nnodes N --node-rank R --rdzv-backend c10d --rdzv-endpoint HOST:PORT``): every rank joins a gloo
+process group over torchrun's rendezvous (:class:`convforge.torch.distributed.RankGroup`) and takes
+layers one at a time from a counter in its store, the largest left first, as a worker takes them
+from the queue above (dynamic longest-processing-time across every rank of every host, with no
+scheduler of ours; a rank whose device breaks stops taking layers and the others take the rest).
+With one rank per GPU (``--nproc-per-node`` = GPUs) a rank tunes in-process on ``LOCAL_RANK``'s GPU
+(``--devices all`` says the same); with one rank per host (``--nproc-per-node 1``) ``--devices``
+names that host's devices and the rank runs a worker process on each, fed from the shared counter.
+On one host (``WORLD_SIZE == LOCAL_WORLD_SIZE``) every rank writes the shared database; across
+hosts rank 0 writes it and every other rank writes its own file beside it (``NAME.rankR.sqlite``);
+then every rank sends its replies (and, across hosts, its database's entries) to rank 0, which
+merges the entries as ``convforge db import`` does (each validated, kept only where faster:
+``TuningDB.import_json`` with ``only_if_faster``) and prints the closing table. The ranks must
+build the same layer list (they run the same command): its digest keys the counter, and rank 0
+reports a rank that built another. Without a usable store the shares are a static
+longest-processing-time split of the same cost-ordered list (:func:`split_static`).
 
 The tuner is per-layer independent (its candidates, sample order and inputs are seeded from the
 layer's key; it reads and writes only that layer's database key), so the choices are the ones a
@@ -39,6 +47,7 @@ one-process run makes given the same measurements.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import json
 import os
@@ -48,7 +57,7 @@ import subprocess
 import sys
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
@@ -60,8 +69,9 @@ from convforge.tune.worker import FATAL_EXIT, Settings, Worker
 
 DEVICES_HELP = ("tune on several devices at once, one worker process per device: 'all' or indices such as 0,1 "
                 "(CUDA; OpenCL: PLATFORM:DEVICE entries, which may repeat to run several workers on one device, "
-                "e.g. --backend opencl --devices 0:0,0:0). Under torchrun each rank tunes its share on "
-                "LOCAL_RANK's GPU instead")
+                "e.g. --backend opencl --devices 0:0,0:0). Under torchrun (one host or several) the ranks share "
+                "the layers: with one rank per GPU each tunes on LOCAL_RANK's GPU ('all' or nothing here); "
+                "with one rank per host (--nproc-per-node 1) these are that host's devices")
 STOP_WAIT_S = 60.0
 
 
@@ -112,15 +122,18 @@ class Ranks:
 
 @dataclass(frozen=True)
 class How:
-    """Where tasks run: worker processes on ``slots``, or this torchrun rank's share."""
+    """Where tasks run: worker processes on ``slots``, this torchrun rank's share in-process
+    (``ranks``), or this rank's share through worker processes on its host's ``slots`` (both)."""
 
     slots: tuple[Slot, ...] = ()
     ranks: Ranks | None = None
 
     def describe(self) -> str:
+        workers = f"{len(self.slots)} worker(s): {', '.join(s.label for s in self.slots)}"
         if self.ranks is not None:
-            return f"rank {self.ranks.rank} of {self.ranks.world} (torchrun)"
-        return f"{len(self.slots)} worker(s): {', '.join(s.label for s in self.slots)}"
+            rank = f"rank {self.ranks.rank} of {self.ranks.world} (torchrun)"
+            return f"{rank}, {workers}" if self.slots else rank
+        return workers
 
 
 @dataclass
@@ -226,12 +239,7 @@ def how_from_args(args: Any) -> How | None:
     devices = getattr(args, "devices", None)
     ranks = torchrun_ranks()
     if ranks is not None:
-        if devices is not None:
-            raise ValueError("--devices does not apply under torchrun: each rank tunes its share on LOCAL_RANK's "
-                             "GPU (run one process with --devices, or torchrun without it)")
-        if getattr(args, "device", None) is not None and (getattr(args, "backend", None) or "cuda") == "cuda":
-            raise ValueError("--device does not apply under torchrun: each rank tunes on LOCAL_RANK's GPU")
-        how: How | None = How(ranks=ranks)
+        how: How | None = _ranked_how(args, ranks, devices)
     elif devices is None:
         return None
     else:
@@ -244,6 +252,23 @@ def how_from_args(args: Any) -> How | None:
             raise ValueError(f"{flag} measures on one device: run it without --devices or torchrun (the layers "
                              "tuned there are then found in the database)")
     return how
+
+
+def _ranked_how(args: Any, ranks: Ranks, devices: str | None) -> How:
+    """Under torchrun: the rank tunes in-process on LOCAL_RANK's device, or, with one rank per host
+    and ``--devices``, through worker processes on that host's devices (module docstring)."""
+    if getattr(args, "device", None) is not None:
+        if devices is not None:
+            raise ValueError("--device and --devices cannot be combined (--devices names every device)")
+        if (getattr(args, "backend", None) or "cuda") == "cuda":
+            raise ValueError("--device does not apply under torchrun: each rank tunes on LOCAL_RANK's GPU")
+    if devices is None or (ranks.local_world != 1 and str(devices).strip() == "all"):
+        return How(ranks=ranks)
+    if ranks.local_world != 1:
+        raise ValueError(f"--devices {devices} does not apply under torchrun with several ranks per host: each rank "
+                         "tunes on LOCAL_RANK's GPU (give --devices all or nothing, or start one rank per host, "
+                         "--nproc-per-node 1, to run worker processes on the devices named)")
+    return How(slots=tuple(parse_devices(devices, getattr(args, "backend", None) or "cuda")), ranks=ranks)
 
 
 def backend_name(args: Any, how: How) -> str:
@@ -284,8 +309,30 @@ def split_static(tasks: list[Task], n: int) -> list[list[Task]]:
 def execute(tasks: list[Task], settings: Settings, how: How, console: Any) -> Run:
     """Run ``tasks`` as ``how`` says (module docstring)."""
     if how.ranks is not None:
-        return run_ranked(tasks, settings, how.ranks, console, _torch_gather)
+        return _run_torchrun(tasks, settings, how, console)
     return run_tasks(tasks, list(how.slots), settings, console)
+
+
+def cost_order(tasks: list[Task]) -> list[Task]:
+    """The order every rank hands layers out in: largest estimated cost first (ties: task order)."""
+    return sorted(tasks, key=lambda t: (-t.cost, t.id))
+
+
+def digest(tasks: list[Task]) -> str:
+    """A short digest of the layer list (ids, names, costs, bodies): ranks that built the same
+    list agree on it."""
+    text = json.dumps([[t.id, t.name, t.cost, t.body] for t in tasks], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def claimed(order: list[Task], claim: Callable[[], int]) -> Iterator[Task]:
+    """The tasks of ``order`` at the indices ``claim()`` answers, until it answers one past the end
+    (the counter is shared: every index goes to one claimant)."""
+    while True:
+        i = claim()
+        if i >= len(order):
+            return
+        yield order[i]
 
 
 # -- worker processes --------------------------------------------------------------------------
@@ -356,6 +403,7 @@ class _Pool:
         self.events: queue.Queue[tuple[int, str, str | None]] = queue.Queue()
         self.pending: list[tuple[float, int]] = []
         self.tasks: dict[int, Task] = {}
+        self.source: Iterator[Task] | None = None  # more tasks, taken when a worker is idle (shared counter)
         self.outcomes: dict[int, Outcome] = {}
         self.bar: Any = None
         self.layers: Any = None
@@ -421,8 +469,19 @@ class _Pool:
 
     # -- the queue -----------------------------------------------------------------------------
     def feed(self, p: _Proc) -> None:
-        """Give an idle, ready, live worker the largest pending task."""
-        if not (p.live and p.ready and p.task is None and self.pending):
+        """Give an idle, ready, live worker the largest pending task (taking one from the source
+        when none is pending)."""
+        if not (p.live and p.ready and p.task is None):
+            return
+        if not self.pending and self.source is not None:
+            t = next(self.source, None)
+            if t is None:
+                self.source = None
+            else:
+                self.tasks[t.id] = t
+                heapq.heappush(self.pending, (-t.cost, t.id))
+                self.bar.update(self.layers, total=len(self.tasks))
+        if not self.pending:
             return
         _, tid = heapq.heappop(self.pending)
         p.task, p.what = self.tasks[tid], "compiling"
@@ -496,10 +555,13 @@ class _Pool:
             self.finish(t, Outcome(bool(msg.get("ok")), reply, str(msg.get("error") or ""), p.slot.label))
             self.feed(p)
 
-    def run(self, tasks: list[Task]) -> dict[int, Outcome]:
+    def run(self, tasks: list[Task], source: Iterator[Task] | None = None) -> dict[int, Outcome]:
+        """Every task of ``tasks``, and of ``source`` while it gives more (taken one at a time, as
+        workers become idle)."""
         self.tasks = {t.id: t for t in tasks}
         self.pending = [(-t.cost, t.id) for t in tasks]
         heapq.heapify(self.pending)
+        self.source = source
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with _Board(lambda: [p.status() for p in self.procs], *columns, console=self.console) as bar:
             self.bar = bar
@@ -519,10 +581,11 @@ class _Pool:
         return self.outcomes
 
     def _loop(self) -> None:
-        while len(self.outcomes) < len(self.tasks):
+        while self.source is not None or len(self.outcomes) < len(self.tasks):
             if not any(p.live for p in self.procs):
                 for tid in sorted(set(self.tasks) - set(self.outcomes)):
                     self.finish(self.tasks[tid], Outcome(False, error="no worker left: every worker died"))
+                self.source = None  # take no more: other ranks take what is left
                 return
             index, kind, payload = self.events.get()
             p = self.procs[index]
@@ -551,10 +614,12 @@ class _Pool:
                 self.on_message(q, payload or "")
 
 
-def run_tasks(tasks: list[Task], slots: list[Slot], settings: Settings, console: Any) -> Run:
-    """Every task through worker processes on ``slots`` (module docstring)."""
+def run_tasks(tasks: list[Task], slots: list[Slot], settings: Settings, console: Any,
+              source: Iterator[Task] | None = None) -> Run:
+    """Every task (and those ``source`` gives: a torchrun rank's claims) through worker processes
+    on ``slots`` (module docstring)."""
     pool = _Pool(slots, settings, console)
-    outcomes = pool.run(tasks)
+    outcomes = pool.run(tasks, source)
     per_worker = {p.slot.label: p.done for p in pool.procs}
     console.print("layers per worker: " + ", ".join(f"{k} {v}" for k, v in per_worker.items()), markup=False)
     return Run(outcomes, sum(not o.ok for o in outcomes.values()), per_worker)
@@ -566,36 +631,69 @@ def rank_db_path(db: Path, rank: int) -> Path:
     return db.with_name(f"{db.stem}.rank{rank}{db.suffix}")
 
 
-def _torch_gather(payload: dict[str, Any]) -> list[dict[str, Any]] | None:
+def _run_torchrun(tasks: list[Task], settings: Settings, how: How, console: Any) -> Run:
+    """This rank's part in a process group over torchrun's rendezvous: layers claimed from the
+    shared counter, results gathered at rank 0 (module docstring)."""
+    assert how.ranks is not None
     try:
-        from convforge.torch.distributed import gather_to_zero
+        from convforge.torch.distributed import RankGroup
     except ImportError as err:
-        raise ValueError(f"under torchrun, tuning gathers the ranks' results through torch.distributed: "
-                         f"{err}") from None
-    return gather_to_zero(payload)
+        raise ValueError(f"under torchrun, tuning shares the layers and gathers the results through "
+                         f"torch.distributed: {err}") from None
+    with RankGroup() as group:
+        return run_ranked(tasks, settings, how.ranks, console, group.gather, group.counter(f"tune/{digest(tasks)}"),
+                          how.slots)
 
 
 def run_ranked(tasks: list[Task], settings: Settings, ranks: Ranks, console: Any,
-               gather: Callable[[dict[str, Any]], list[dict[str, Any]] | None]) -> Run:
-    """This rank's share (:func:`split_static`) in-process, then the gather at rank 0, which merges
-    the other ranks' entries into the shared database (across hosts) and answers every outcome."""
-    share = split_static(tasks, ranks.world)[ranks.rank]
+               gather: Callable[[dict[str, Any]], list[dict[str, Any]] | None],
+               claim: Callable[[], int] | None = None, slots: tuple[Slot, ...] = ()) -> Run:
+    """This rank's layers (taken one at a time through ``claim``, a counter every rank shares over
+    :func:`cost_order`; None: this rank's :func:`split_static` share), in-process or through worker
+    processes on ``slots``; then the gather at rank 0, which merges the other ranks' entries into
+    the shared database (across hosts) and answers every outcome."""
+    order = cost_order(tasks)
+    source = claimed(order, claim) if claim is not None else iter(split_static(tasks, ranks.world)[ranks.rank])
     main = Path(settings.db)
     own = main if ranks.one_host or ranks.rank == 0 else rank_db_path(main, ranks.rank)
+    label = f"rank {ranks.rank}"
+    how = "layers taken in turn with the other ranks" if claim is not None else "its static share of the layers"
+    if slots:
+        console.print(f"{label} of {ranks.world}: {how}, of {len(tasks)}, on {len(slots)} worker(s) "
+                      f"({', '.join(s.label for s in slots)}); database {own}", markup=False)
+        run = run_tasks([], list(slots), replace(settings, db=str(own)), console, source)
+        outcomes = run.outcomes or {}
+        for o in outcomes.values():
+            o.worker = f"{label} {o.worker}"
+        per_worker = run.per_worker
+        export = None if own == main else _export(own)
+    else:
+        head = f"{label} of {ranks.world}: {how}, of {len(tasks)},"
+        outcomes, export = _in_process(source, claim is None, settings, ranks, own, main, console, head)
+        per_worker = {label: len(outcomes)}
+    payload = {"rank": ranks.rank, "digest": digest(tasks), "export": export,
+               "outcomes": {str(k): asdict(v) for k, v in outcomes.items()}}
+    own_failed = sum(not o.ok for o in outcomes.values())
+    gathered = gather(payload)
+    if gathered is None:
+        return Run(None, own_failed, per_worker)
+    return Run(_merge(gathered, tasks, main, console), own_failed, per_worker)
+
+
+def _in_process(source: Iterator[Task], static: bool, settings: Settings, ranks: Ranks, own: Path, main: Path,
+                console: Any, head: str) -> tuple[dict[int, Outcome], dict[str, Any] | None]:
+    """A rank's layers tuned in this process on LOCAL_RANK's device: (outcomes, its database's
+    export when it is not the shared one). A device that breaks stops the rank taking layers (with a
+    shared counter the other ranks take the rest; the rest of a ``static`` share is failed)."""
     device = str(ranks.local_rank) if settings.backend == "cuda" else settings.device
     if settings.backend == "cuda":
         _set_torch_device(ranks.local_rank)
     label = f"rank {ranks.rank}"
     worker = Worker(replace(settings, db=str(own), device=device, label=label, slot=ranks.rank))
-    console.print(f"{label} of {ranks.world}: {len(share)} of {len(tasks)} layer(s) on {worker.backend.device.name} "
-                  f"({worker.backend.name} {device}); database {own}", markup=False)
+    console.print(f"{head} on {worker.backend.device.name} ({worker.backend.name} {device}); database {own}",
+                  markup=False)
     outcomes: dict[int, Outcome] = {}
-    broken = ""
-    for t in share:
-        if broken:
-            outcomes[t.id] = Outcome(False, error=f"not tuned: {label}'s device failed earlier ({broken})",
-                                     worker=label)
-            continue
+    for t in source:
         reply = worker.run({**t.body, "id": t.id, "name": t.name})
         broken = worker.healthy() or ""
         o = Outcome(bool(reply.get("ok")) and not broken, {k: v for k, v in reply.items() if k not in ("ok", "error")},
@@ -603,22 +701,36 @@ def run_ranked(tasks: list[Task], settings: Settings, ranks: Ranks, console: Any
         outcomes[t.id] = o
         chosen = reply.get("entry", {}).get("variant") or reply.get("variant", "")
         console.print(f"{label}: {t.name}: {chosen if o.ok else o.error}", markup=False)
-    payload = {"rank": ranks.rank, "outcomes": {str(k): asdict(v) for k, v in outcomes.items()},
-               "export": None if own == main else worker.db.export_json()}
-    own_failed = sum(not o.ok for o in outcomes.values())
-    gathered = gather(payload)
-    if gathered is None:
-        return Run(None, own_failed)
-    return Run(_merge(gathered, main, console), own_failed)
+        if broken:
+            console.print(f"{label}: its device failed ({broken}); it takes no more layers", style="red",
+                          markup=False)
+            for rest in source if static else ():
+                outcomes[rest.id] = Outcome(False, error=f"not tuned: {label}'s device failed earlier ({broken})",
+                                            worker=label)
+            break
+    return outcomes, None if own == main else worker.db.export_json()
 
 
-def _merge(gathered: list[dict[str, Any]], main: Path, console: Any) -> dict[int, Outcome]:
+def _export(path: Path) -> dict[str, Any]:
+    from convforge.tune.db import TuningDB
+
+    return TuningDB(path).export_json()
+
+
+def _merge(gathered: list[dict[str, Any]], tasks: list[Task], main: Path, console: Any) -> dict[int, Outcome]:
     """Rank 0: every rank's outcomes; the entries of ranks with their own database imported into
-    the shared one (validated, kept only where faster), each import reported."""
+    the shared one (validated, kept only where faster), each import reported; a layer no rank
+    tuned (every device of the ranks that would have taken it failed) or a rank that built another
+    layer list is reported failed."""
     from convforge.tune.db import TuningDB
 
     outcomes: dict[int, Outcome] = {}
+    mine = digest(tasks)
     for doc in sorted(gathered, key=lambda d: d["rank"]):
+        if doc.get("digest", mine) != mine:
+            console.print(f"rank {doc['rank']} built another layer list than rank 0 (ranks must run the same "
+                          "command): its results are left out", style="red", markup=False)
+            continue
         if doc.get("export") is not None:
             rep = TuningDB(main).import_json(doc["export"], only_if_faster=True)
             console.print(f"merged rank {doc['rank']}'s database into {main}: {len(rep.stored)} stored, "
@@ -628,6 +740,15 @@ def _merge(gathered: list[dict[str, Any]], main: Path, console: Any) -> dict[int
                 console.print(f"  rejected {label}: {why}", style="red", markup=False)
         for tid, o in doc["outcomes"].items():
             outcomes[int(tid)] = Outcome(**o)
+    for t in tasks:
+        if t.id not in outcomes:
+            outcomes[t.id] = Outcome(False, error="not tuned: no rank took it (their devices failed, or a rank "
+                                                  "built another layer list)")
+    counts: dict[str, int] = {}
+    for o in outcomes.values():
+        if o.worker:
+            counts[o.worker] = counts.get(o.worker, 0) + 1
+    console.print("layers per rank: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())), markup=False)
     return outcomes
 
 
