@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from convforge import dispatch
-from convforge.api import _check_array, _check_layout, _device_index, _kind, _options, run_host
+from convforge.api import _check_array, _check_layout, _device_index, _kind, _options, _same_dtype, run_host
 from convforge.backends import get_backend
 from convforge.config import config
 from convforge.dispatch import RUNNERS
@@ -112,7 +112,7 @@ def _size(value: Any, name: str) -> tuple[int, int, int, int]:
 
 
 def _pass_spec(conv_pass: str, size: Any, a: Any, g: Any, stride: Any, padding: Any, dilation: Any,
-               groups: Any) -> ConvSpec:
+               groups: Any, dtype: str = "float32") -> ConvSpec:
     """The forward layer of a backward call with ``conv_pass`` set, every argument checked against
     the others; ValueError naming the argument that does not fit."""
     x_shape: tuple[int, ...]
@@ -124,7 +124,7 @@ def _pass_spec(conv_pass: str, size: Any, a: Any, g: Any, stride: Any, padding: 
         sname, aname = "weight_size", "input"
         x_shape, w_shape = tuple(int(v) for v in a.shape), _size(size, sname)
     try:
-        spec = ConvSpec.from_shapes(x_shape, w_shape, stride, padding, dilation, groups, conv_pass=conv_pass)
+        spec = ConvSpec.from_shapes(x_shape, w_shape, stride, padding, dilation, groups, dtype, conv_pass)
     except ValueError as err:  # stride, padding, dilation and groups name themselves; shapes do not
         if str(err).startswith(("channel mismatch", "dilated kernel")):
             raise ValueError(f"{sname} {x_shape if sname == 'input_size' else w_shape} and {aname} shape "
@@ -147,9 +147,10 @@ def _backward(conv_pass: str, size: Any, a: Any, g: Any, stride: Any, padding: A
     kind = _kind(g, "grad_output")
     if _kind(a, aname) != kind:
         raise ValueError(f"{aname} and grad_output must be the same kind of array")
-    _check_array(a, aname, 4)
-    _check_array(g, "grad_output", 4)
-    spec = _pass_spec(conv_pass, size, a, g, stride, padding, dilation, groups)
+    torch_op = "torch.nn.grad." + ("conv2d_input" if conv_pass == "dgrad" else "conv2d_weight")
+    dtype = _check_array(a, aname, 4, kind, torch_op)
+    _same_dtype(dtype, _check_array(g, "grad_output", 4, kind, torch_op), "grad_output")
+    spec = _pass_spec(conv_pass, size, a, g, stride, padding, dilation, groups, dtype)
     _check_layout(a, aname, 4)
     _check_layout(g, "grad_output", 4)
     _, limit = _options(False, workspace_limit, precision, max_error)
