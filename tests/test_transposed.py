@@ -182,3 +182,36 @@ def test_torch_function_and_module_match_pytorch_with_gradients():
     x = torch.rand(1, 4, 5, 5)
     assert torch.equal(cm(x, output_size=[10, 10]), m(x, output_size=[10, 10]))
     assert cm.weight is m.weight and "algo='auto'" in repr(cm)
+
+
+# -- the bench: the decoder suite and the dgrad baseline ----------------------------------------------
+def test_decoder_suite_rows_are_transposed_layers():
+    from convforge.bench.suites import SuiteError, load_suite, parse_row
+
+    layers = load_suite("decoder")
+    assert len(layers) >= 10 and all(la.spec.conv_pass == "dgrad" for la in layers)
+    up = next(la for la in layers if la.name == "sdvae_up512_64").spec
+    assert up.x_shape == (1, 512, 128, 128) and up.y_shape == (1, 512, 64, 64)  # output, input of the up-conv
+    row = {"transposed": True, "N": 1, "C": 4, "H": 5, "W": 5, "K": 6, "R": 3, "S": 3, "stride": 2, "pad": 1,
+           "output_padding": 1, "groups": 2}
+    assert parse_row(row, "r").spec.x_shape == (1, 6, 10, 10)
+    with pytest.raises(SuiteError, match="'output_padding' goes with"):
+        parse_row({**row, "transposed": False}, "r")
+    with pytest.raises(SuiteError, match="output_padding .* must be"):
+        parse_row({**row, "output_padding": 2}, "r")
+
+
+def test_dgrad_baseline_is_conv_transpose2d():
+    """bench's dgrad baseline (F.conv_transpose2d, output_padding restoring the rows a stride leaves
+    unread) computes the input gradient (checked against the float64 dgrad reference)."""
+    torch = pytest.importorskip("torch")
+    from convforge.bench.baselines import pass_fn
+    from convforge.reference import dgrad_ref
+    from convforge.spec import ConvSpec
+
+    for spec in (ConvSpec.make(2, 4, 13, 10, 6, 3, 3, (2, 3), 1, groups=2, conv_pass="dgrad"),
+                 ConvSpec.make(1, 3, 9, 9, 5, 4, 4, 2, 1, 2, conv_pass="dgrad")):
+        dy = torch.rand(spec.y_shape, dtype=torch.float64)
+        w = torch.rand(spec.w_shape, dtype=torch.float64)
+        got = pass_fn(spec)(dy, w)
+        assert rel_l2(got.numpy(), dgrad_ref(dy.numpy(), w.numpy(), spec)) < 1e-12

@@ -375,7 +375,9 @@ def _dropin(x: Any, w: Any, bias: Any, stride: Any, padding: Any, dilation: Any,
     if args.copy_pad is not None:
         _check_array(xb, "input", 4, kind)  # refuse a dtype before copying it
         xb = pad_copy(xb, args.copy_pad, args.mode, kind)
-    y = conv2d(xb, w, bias, args.stride, args.pad, args.dilation, *opts, groups)
+    algo, backend, workspace_limit, relu, params, precision, max_error = opts
+    y = conv2d(xb, w, bias, args.stride, args.pad, args.dilation, algo, backend, workspace_limit, relu, params,
+               precision, max_error, groups)
     return y[0] if args.unbatched else y
 
 
