@@ -12,7 +12,9 @@ launches (the Python fast path: a key of cheap attributes finds a prepared runne
 ``dispatch.RUNNERS``); a dgrad plan's filter transform (a forward family serving dgrad through the
 rotated filter) runs once per weight tensor and version with torch tensors, as fprop's does.
 
-Padding is as in ``conv2d``: an int, (h, w) or (top, bottom, left, right). The size argument
+Arrays take the dtypes ``conv2d`` takes for their kind (all of one dtype; float64 and complex refused,
+naming PyTorch's function); dispatch chooses among the variants serving that (pass, dtype). Padding
+is as in ``conv2d``: an int, (h, w) or (top, bottom, left, right). The size argument
 (``input_size`` / ``weight_size``, as PyTorch's) fixes what ``grad_output`` alone cannot: with a
 stride above 1 several input sizes give the same output size.
 """

@@ -3,9 +3,11 @@
 ``torch.fx.symbolic_trace``-style tracing (nn.Conv2d subclasses are leaves) of a structural copy
 of the model, then chains conv -> [BatchNorm2d] -> [add(other)] -> [ReLU] (at least one after the
 conv; every intermediate used exactly once) become one call of a :class:`FusedConv2d` at the
-conv's path. ReLU as ``nn.ReLU`` (shared modules too: nodes are matched, not modules), ``F.relu``,
-``torch.relu(_)``, ``Tensor.relu(_)``; add as ``+``, ``+=``, ``torch.add``, ``Tensor.add(_)`` with
-either operand order (alpha 1). Other eligible convs become plain convforge ``Conv2d``s.
+conv's path (not after a padding-mode conv, whose padded copy precedes a plain ``Conv2d``; every
+``nn.ConvTranspose2d`` becomes a ``ConvTranspose2d``, nothing fused after it). ReLU as ``nn.ReLU``
+(shared modules too: nodes are matched, not modules), ``F.relu``, ``torch.relu(_)``, ``Tensor.relu(_)``;
+add as ``+``, ``+=``, ``torch.add``, ``Tensor.add(_)`` with either operand order (alpha 1). Other eligible
+convs become plain convforge ``Conv2d``s.
 
 Then pre-activations: a ``BatchNorm2d`` [-> ReLU] whose output only convforge convs read (each as
 its input, its module called once there; DenseNet's BN -> ReLU -> conv, a pre-activation ResNet's
