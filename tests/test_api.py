@@ -25,8 +25,9 @@ def test_conv2d_numpy_matches_reference(ocl):
 
 
 @pytest.mark.parametrize("mutate, message", [
-    (lambda x, w: (x.astype(np.float64), w), r"input dtype \(float64\) must be one of float32, float16"),
-    (lambda x, w: (x[0], w), r"input must have rank 4"),
+    (lambda x, w: (x.astype(np.float64), w), r"input dtype \(float64\) is not run by convforge; use torch"),
+    (lambda x, w: (x.astype(np.int32), w), r"input dtype \(int32\) must be one of float32, float16"),
+    (lambda x, w: (x[0, 0], w), r"input must have rank 4"),
     (lambda x, w: (x, w[:, :2]), r"channel mismatch: input has C=3, weights have C=2"),
     (lambda x, w: (x.transpose(0, 1, 3, 2), w), r"unsupported layout"),
     (lambda x, w: (x.tolist(), w), r"input must be a NumPy array, CuPy array or torch CUDA tensor"),

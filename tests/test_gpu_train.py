@@ -404,7 +404,7 @@ def test_cudnn_baselines_of_each_backward_pass(gpu, conv_pass):
     assert by["torch-pick"].time_ms and by["torch-pick"].rel_err < 1e-5
     best = by["cudnn-best"]
     assert best.time_ms == min(r.time_ms for r in res if r.time_ms and r.precision == "fp32"
-                               and (r.impl == "torch-pick" or r.impl.startswith("cudnn:")))
+                               and (r.impl in ("torch-pick", "torch-pick-cl") or r.impl.startswith("cudnn:")))
     assert "cudnn-best-tf32" in by and "torch-fp16-cl" not in by
 
 

@@ -300,10 +300,12 @@ def test_conv2d_groups_must_divide_k(ocl) -> None:
 
 
 def test_native_defaults_follow_conv2d() -> None:
-    """native_core.h's C entry takes conv2d's 14 arguments with these defaults, groups last."""
+    """native_core.h's C entry takes conv2d's first 14 arguments with these defaults, groups last; the
+    keywords after them (padding_mode) are not its: a call naming one goes to Python's function."""
     for fn in (api.python_conv2d, api._PYTHON_CONV2D):
         params = list(inspect.signature(fn).parameters.values())
-        assert params[-1].name == "groups" and tuple(p.default for p in params[2:]) == api.NATIVE_DEFAULTS
+        assert params[13].name == "groups" and tuple(p.default for p in params[2:14]) == api.NATIVE_DEFAULTS
+        assert [p.name for p in params[14:]] == ["padding_mode"]
     core = (Path(api.__file__).parent / "backends" / "native_core.h").read_text()
     assert "constexpr int kArgs = 14;" in core and '"max_error", "groups"}' in core
     assert "defaults[13] = one;" in core

@@ -266,7 +266,7 @@ def test_conv2d_numpy_float16_end_to_end(ocl, algo: str) -> None:
     (np.float16, np.float32, None, r"weights dtype \(float32\) must equal the input's \(float16\)"),
     (np.float32, np.float16, None, r"weights dtype \(float16\) must equal the input's \(float32\)"),
     (np.float16, np.float16, np.float32, r"bias dtype \(float32\) must equal the input's \(float16\)"),
-    (np.float64, np.float64, None, r"input dtype \(float64\) must be one of float32, float16 for numpy"),
+    (np.float64, np.float64, None, r"input dtype \(float64\) is not run by convforge; use torch.nn.functional"),
     (np.uint16, np.uint16, None, r"input dtype \(uint16\) must be one of float32, float16"),
 ])
 def test_conv2d_dtype_mixes_are_clear_errors(x_dt, w_dt, b_dt, says: str) -> None:

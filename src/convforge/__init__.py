@@ -7,7 +7,7 @@ __version__ = "0.1.0"
 from convforge.config import config  # noqa: E402
 from convforge.spec import ConvSpec  # noqa: E402
 
-__all__ = ["__version__", "config", "ConvSpec", "conv2d", "algorithms", "compile"]
+__all__ = ["__version__", "config", "ConvSpec", "conv2d", "conv_transpose2d", "algorithms", "compile"]
 
 
 def __getattr__(name: str):  # type: ignore[no-untyped-def]
@@ -16,6 +16,10 @@ def __getattr__(name: str):  # type: ignore[no-untyped-def]
         from convforge import api
 
         return getattr(api, name)
+    if name == "conv_transpose2d":
+        from convforge import transposed
+
+        return transposed.conv_transpose2d
     if name == "compile":
         from convforge.graph import runtime
 

@@ -19,7 +19,7 @@ from convforge.config import config, parse_precision
 from convforge.dispatch import RUNNERS
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Plan
-from convforge.spec import ConvSpec
+from convforge.spec import ConvSpec, conv_args
 
 log = logging.getLogger("convforge")
 
@@ -87,14 +87,22 @@ ARRAY_DTYPES = {"numpy": ("float32", "float16"), "cupy": ("float32", "float16"),
                 "torch": ("float32", "float16", "bfloat16")}
 
 
-def _check_array(a: Any, what: str, rank: int, kind: str | None = None) -> str:
+# dtypes PyTorch's CUDA convolutions take that convforge does not run: refused, naming PyTorch's op
+REFUSED_DTYPES = ("float64", "complex32", "complex64", "complex128", "chalf", "cfloat", "cdouble")
+
+
+def _check_array(a: Any, what: str, rank: int, kind: str | None = None,
+                 op: str = "torch.nn.functional.conv2d") -> str:
     """The array's dtype name, after checking its rank and that ``kind`` arrays of it run (None:
-    float32 only, for callers whose plans are float32: the backward passes of grad.py)."""
+    float32 only, for callers whose plans are float32: the backward passes of grad.py). float64
+    and complex arrays are refused with PyTorch's ``op`` named as the way to run them (never cast)."""
     if isinstance(a, np.ndarray) and a.ndim == rank and a.dtype == np.float32:
         return "float32"  # the common case, quickly
     if len(a.shape) != rank:
         raise ValueError(f"{what} must have rank {rank}, got shape {tuple(a.shape)}")
     dtype = str(a.dtype).replace("torch.", "")
+    if dtype in REFUSED_DTYPES:
+        raise ValueError(f"{what} dtype ({dtype}) is not run by convforge; use {op}")
     allowed = ARRAY_DTYPES[kind] if kind is not None else ("float32",)
     if dtype not in allowed:
         raise ValueError(f"{what} dtype ({dtype}) must be {'one of ' if len(allowed) > 1 else ''}"
@@ -188,8 +196,8 @@ def install_native(module: Any) -> None:
         return
     config.on_change(module.clear)
     dispatch.ON_CLEAR.append(module.clear)
-    params = list(inspect.signature(python_conv2d).parameters.values())[2:]
-    if tuple(p.default for p in params) != NATIVE_DEFAULTS:
+    params = list(inspect.signature(python_conv2d).parameters.values())[2:2 + len(NATIVE_DEFAULTS)]
+    if tuple(p.default for p in params) != NATIVE_DEFAULTS:  # later keywords (padding_mode) go to Python
         log.warning("convforge: conv2d's defaults differ from native_core.h's: its C entry is not installed")
         return
     _FRONTS.append(module)
@@ -228,13 +236,22 @@ def conv2d(x: Any, w: Any, bias: Any = None, stride: int | Sequence[int] = 1,
            padding: int | Sequence[int] = 0, dilation: int | Sequence[int] = 1, algo: str = "auto",
            backend: str | None = None, workspace_limit: int | None = None, relu: bool = False,
            params: Params | dict[str, Any] | None = None, precision: str | None = None,
-           max_error: float | None = None, groups: int = 1) -> Any:
+           max_error: float | None = None, groups: int = 1, padding_mode: str = "zeros") -> Any:
     """Convolve NCHW ``x`` with KCRS ``w`` (float32, float16, or bfloat16 torch tensors: x, w and bias
     of one dtype, the output of it too, accumulation in float32; ``groups`` > 1: w is K x C/groups x R
     x S, as PyTorch's, groups == C a depthwise layer). NumPy input runs on OpenCL and returns NumPy;
     CuPy arrays and torch CUDA tensors run on CUDA on the caller's current stream and return the
     same type on the same device. ``algo`` is 'auto', a family or a variant name; ``precision``
     ('fp32' | 'relaxed') and ``max_error`` bound what 'auto' may pick (default: ``config``).
+
+    F.conv2d's contract: an unbatched (C, H, W) input gives a (K, P, Q) output; ``padding`` is an
+    int, (h, w), (top, bottom, left, right), 'valid' or 'same' (stride 1; where the dilated kernel
+    extent is even the extra row / column goes at the bottom / right, as PyTorch pads);
+    ``padding_mode`` is nn.Conv2d's: 'zeros' (folded into every kernel's loads) or 'reflect',
+    'replicate', 'circular', which no variant folds into its loads yet: the input is padded into a
+    copy on the arrays' device first (F.pad for torch tensors, cupy.pad for CuPy arrays; np.pad on
+    the host for NumPy arrays, before the upload) and the conv runs unpadded on it. float64 and
+    complex arrays are refused (``torch.nn.functional.conv2d`` runs them), never cast.
 
     A warm device call is a dictionary hit and the launches: no conversion objects, no
     synchronisation (torch tensors that require grad work; gradients flow only through
@@ -249,13 +266,13 @@ def conv2d(x: Any, w: Any, bias: Any = None, stride: int | Sequence[int] = 1,
     torch tensors, backends/cupy_native.cpp for CuPy arrays; ``CONVFORGE_NATIVE=0`` turns them off):
     the same lookup, allocation and launches, without Python's per-call cost. With CuPy arrays a tiny
     layer gets a one-launch plan, since its filters are transformed on every call."""
-    if _NATIVE_RUN is not None:
+    if _NATIVE_RUN is not None and padding_mode == "zeros":
         y = _NATIVE_RUN(x, w, bias, stride, padding, dilation, algo, backend, workspace_limit, relu, params,
                         precision, max_error, groups)
         if y is not None:
             return y
     return python_conv2d(x, w, bias, stride, padding, dilation, algo, backend, workspace_limit, relu, params,
-                         precision, max_error, groups)
+                         precision, max_error, groups, padding_mode)
 
 
 _PYTHON_CONV2D = conv2d  # the Python function (its signature and docstring), before any C entry
@@ -265,9 +282,12 @@ def python_conv2d(x: Any, w: Any, bias: Any = None, stride: int | Sequence[int] 
                   padding: int | Sequence[int] = 0, dilation: int | Sequence[int] = 1, algo: str = "auto",
                   backend: str | None = None, workspace_limit: int | None = None, relu: bool = False,
                   params: Params | dict[str, Any] | None = None, precision: str | None = None,
-                  max_error: float | None = None, groups: int = 1) -> Any:
+                  max_error: float | None = None, groups: int = 1, padding_mode: str = "zeros") -> Any:
     """:func:`conv2d` without asking the native fast path: for callers that just asked it and
     missed (native.cpp's C entry and the op's CUDA kernel), so a miss is looked up once."""
+    if padding_mode != "zeros":  # not in the fast path's key: never the zero-padded layer's runner
+        return _dropin(x, w, bias, stride, padding, dilation, groups, padding_mode,
+                       (algo, backend, workspace_limit, relu, params, precision, max_error))
     keyer = _KEYERS.get(type(x))
     if keyer is not None:
         try:
@@ -290,6 +310,9 @@ def _conv2d(x: Any, w: Any, bias: Any, stride: Any, padding: Any, dilation: Any,
     kind = _kind(x, "input")
     if _kind(w, "weights") != kind:
         raise ValueError("input and weights must be the same kind of array")
+    if isinstance(padding, str) or len(x.shape) != 4:  # _dropin names a rank other than 3 or 4
+        return _dropin(x, w, bias, stride, padding, dilation, groups, "zeros",
+                       (algo, backend, workspace_limit, relu, params, precision, max_error))
     dtype = _check_array(x, "input", 4, kind)
     _same_dtype(dtype, _check_array(w, "weights", 4, kind), "weights")
     spec = _spec(tuple(x.shape), tuple(w.shape), stride, padding, dilation, groups, dtype)
@@ -338,6 +361,47 @@ def _conv2d(x: Any, w: Any, bias: Any, stride: Any, padding: Any, dilation: Any,
     else:
         file_cupy_native(run, call)
     return y
+
+
+def _dropin(x: Any, w: Any, bias: Any, stride: Any, padding: Any, dilation: Any, groups: Any, padding_mode: Any,
+            opts: tuple[Any, ...]) -> Any:
+    """conv2d of an unbatched input, a string padding or a padding mode (:func:`spec.conv_args`): the
+    batched, numerically padded call (after the padded copy a mode needs), through ``conv2d`` itself
+    (so a warm call of the normalised form takes the fast path), its output unbatched again."""
+    kind = _kind(x, "input")
+    if _kind(w, "weights") != kind:
+        raise ValueError("input and weights must be the same kind of array")
+    args = conv_args(tuple(x.shape), tuple(w.shape), stride, padding, dilation, padding_mode)
+    xb = x[None] if args.unbatched else x
+    if args.copy_pad is not None:
+        _check_array(xb, "input", 4, kind)  # refuse a dtype before copying it
+        xb = pad_copy(xb, args.copy_pad, args.mode, kind)
+    algo, backend, workspace_limit, relu, params, precision, max_error = opts
+    y = conv2d(xb, w, bias, args.stride, args.pad, args.dilation, algo, backend, workspace_limit, relu, params,
+               precision, max_error, groups)
+    return y[0] if args.unbatched else y
+
+
+_NUMPY_MODES = {"zeros": "constant", "reflect": "reflect", "replicate": "edge", "circular": "wrap"}
+_TORCH_MODES = {"zeros": "constant", "reflect": "reflect", "replicate": "replicate", "circular": "circular"}
+
+
+def pad_copy(x: Any, pad: tuple[int, int, int, int], mode: str, kind: str | None = None) -> Any:
+    """An NCHW array padded by (top, bottom, left, right) in nn.Conv2d's ``mode`` (zeros, reflect,
+    replicate, circular), as a new array of its kind on its device (the pad sizes checked by
+    ``spec.conv_args``)."""
+    kind = kind or _kind(x, "input")
+    t, b, left, right = pad
+    if kind == "torch":
+        import torch.nn.functional as F  # a torch tensor is here: torch is loaded already
+
+        return F.pad(x, (left, right, t, b), mode=_TORCH_MODES[mode])
+    widths = ((0, 0), (0, 0), (t, b), (left, right))
+    if kind == "cupy":
+        import cupy
+
+        return cupy.pad(x, widths, mode=_NUMPY_MODES[mode])
+    return np.pad(x, widths, mode=_NUMPY_MODES[mode])  # type: ignore[call-overload]
 
 
 def file_native(run: Any, call: tuple[Any, ...], residual: bool = False) -> None:

@@ -12,7 +12,9 @@ launches (the Python fast path: a key of cheap attributes finds a prepared runne
 ``dispatch.RUNNERS``); a dgrad plan's filter transform (a forward family serving dgrad through the
 rotated filter) runs once per weight tensor and version with torch tensors, as fprop's does.
 
-Padding is as in ``conv2d``: an int, (h, w) or (top, bottom, left, right). The size argument
+Arrays take the dtypes ``conv2d`` takes for their kind (all of one dtype; float64 and complex refused,
+naming PyTorch's function); dispatch chooses among the variants serving that (pass, dtype). Padding
+is as in ``conv2d``: an int, (h, w) or (top, bottom, left, right). The size argument
 (``input_size`` / ``weight_size``, as PyTorch's) fixes what ``grad_output`` alone cannot: with a
 stride above 1 several input sizes give the same output size.
 """
@@ -24,7 +26,16 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from convforge import dispatch
-from convforge.api import _channels_last, _check_array, _check_layout, _device_index, _kind, _options, run_host
+from convforge.api import (
+    _channels_last,
+    _check_array,
+    _check_layout,
+    _device_index,
+    _kind,
+    _options,
+    _same_dtype,
+    run_host,
+)
 from convforge.backends import get_backend
 from convforge.config import config
 from convforge.dispatch import RUNNERS
@@ -133,8 +144,7 @@ def _pass_spec(conv_pass: str, size: Any, a: Any, g: Any, stride: Any, padding: 
         sname, aname = "weight_size", "input"
         x_shape, w_shape = tuple(int(v) for v in a.shape), _size(size, sname)
     try:
-        spec = ConvSpec.from_shapes(x_shape, w_shape, stride, padding, dilation, groups, conv_pass=conv_pass,
-                                    dtype=dtype)
+        spec = ConvSpec.from_shapes(x_shape, w_shape, stride, padding, dilation, groups, dtype, conv_pass)
     except ValueError as err:  # stride, padding, dilation and groups name themselves; shapes do not
         if str(err).startswith(("channel mismatch", "dilated kernel")):
             raise ValueError(f"{sname} {x_shape if sname == 'input_size' else w_shape} and {aname} shape "
@@ -157,9 +167,9 @@ def _backward(conv_pass: str, size: Any, a: Any, g: Any, stride: Any, padding: A
     kind = _kind(g, "grad_output")
     if _kind(a, aname) != kind:
         raise ValueError(f"{aname} and grad_output must be the same kind of array")
-    dtype = _check_array(g, "grad_output", 4, kind)
-    if _check_array(a, aname, 4, kind) != dtype:
-        raise ValueError(f"{aname} dtype ({str(a.dtype).replace('torch.', '')}) must equal grad_output's ({dtype})")
+    torch_op = "torch.nn.grad." + ("conv2d_input" if conv_pass == "dgrad" else "conv2d_weight")
+    dtype = _check_array(a, aname, 4, kind, torch_op)
+    _same_dtype(dtype, _check_array(g, "grad_output", 4, kind, torch_op), "grad_output")
     spec = _pass_spec(conv_pass, size, a, g, stride, padding, dilation, groups, dtype)
     # channels-last activations (torch): NHWC plans read them as they lie (dispatch.layout_runner)
     channels_last = kind == "torch" and (_channels_last(g) or (conv_pass == "wgrad" and _channels_last(a)))

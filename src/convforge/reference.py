@@ -85,6 +85,59 @@ def wgrad_ref(x: np.ndarray, dy: np.ndarray, spec: ConvSpec) -> np.ndarray:
     return out
 
 
+def conv_transpose2d_ref(x: np.ndarray, w: np.ndarray, stride: tuple[int, int] = (1, 1),
+                         padding: tuple[int, int, int, int] = (0, 0, 0, 0), output_padding: tuple[int, int] = (0, 0),
+                         groups: int = 1, dilation: tuple[int, int] = (1, 1),
+                         bias: np.ndarray | None = None) -> np.ndarray:
+    """PyTorch's conv_transpose2d in float64, written from its definition rather than as a dgrad:
+    x (N, C_in, H, W), w (C_in, C_out/groups, R, S); input pixel (h, w) times tap (r, s) lands on
+    output (h * sh - top + r * dh, w * sw - left + s * dw), outputs H_out = (H - 1) * sh - top -
+    bottom + dh * (R - 1) + output_padding + 1 rows (likewise W_out)."""
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    n, cin, h, wd = x64.shape
+    _, cog, r, s = w64.shape
+    (sh, sw), (dh, dw), (pt, pb, pl, pr) = stride, dilation, padding
+    full_h = (h - 1) * sh + dh * (r - 1) + 1 + output_padding[0]
+    full_w = (wd - 1) * sw + dw * (s - 1) + 1 + output_padding[1]
+    full = np.zeros((n, cog * groups, full_h, full_w), np.float64)
+    cig = cin // groups
+    xg = x64.reshape(n, groups, cig, h, wd)
+    wg = w64.reshape(groups, cig, cog, r, s)
+    for i in range(r):
+        for j in range(s):
+            part = np.einsum("ngchw,gco->ngohw", xg, wg[:, :, :, i, j], optimize=True)
+            rows = slice(i * dh, i * dh + (h - 1) * sh + 1, sh)
+            cols = slice(j * dw, j * dw + (wd - 1) * sw + 1, sw)
+            full[:, :, rows, cols] += part.reshape(n, cog * groups, h, wd)
+    out = full[:, :, pt:full_h - pb, pl:full_w - pr]
+    if bias is not None:
+        out = out + np.asarray(bias, np.float64)[None, :, None, None]
+    return out
+
+
+def pad_ref(x: np.ndarray, pad: tuple[int, int, int, int], mode: str) -> np.ndarray:
+    """``x`` (..., H, W) padded by (top, bottom, left, right) as nn.Conv2d's ``padding_mode`` pads,
+    in float64, by each mode's index rule: zeros; reflect (about the edge, edge not repeated);
+    replicate (the edge repeated); circular (wrapped)."""
+    x64 = np.asarray(x, np.float64)
+    if mode == "zeros":
+        return np.pad(x64, [(0, 0)] * (x64.ndim - 2) + [(pad[0], pad[1]), (pad[2], pad[3])])
+
+    def source(i: int, size: int) -> int:
+        if mode == "circular":
+            return i % size
+        if mode == "replicate":
+            return min(max(i, 0), size - 1)
+        period = 2 * (size - 1)  # reflect
+        k = abs(i) % period if period else 0
+        return k if k < size else period - k
+
+    h, w = x64.shape[-2:]
+    rows = [source(i, h) for i in range(-pad[0], h + pad[1])]
+    cols = [source(j, w) for j in range(-pad[2], w + pad[3])]
+    return x64[..., rows, :][..., cols]
+
+
 def activate_ref(x: np.ndarray, scale: np.ndarray | None = None, shift: np.ndarray | None = None,
                  relu: bool = False) -> np.ndarray:
     """A prologue's activation of an NCHW input in float64: ``max(scale[c] * x + shift[c], 0)``

@@ -23,6 +23,7 @@ def _int(name: str, value: Any, whole: Any) -> int:
 
 
 _FORMS = {"stride": "an int or a pair of ints", "dilation": "an int or a pair of ints",
+          "output_padding": "an int or a pair of ints",
           "padding": "an int, (h, w) or (top, bottom, left, right) of ints"}
 
 
@@ -63,6 +64,129 @@ def normalize_padding(padding: int | Sequence[int]) -> Quad:
     if len(vals) == 4:
         return (vals[0], vals[1], vals[2], vals[3])
     raise ValueError(f"padding ({padding!r}) must be {_FORMS['padding']}")
+
+
+# -- F.conv2d's argument forms: string padding, padding modes, unbatched inputs ---------------------
+# One place for them, shared by convforge.conv2d, the torch op's wrapper and convforge.torch.Conv2d.
+
+PADDING_MODES = ("zeros", "reflect", "replicate", "circular")  # nn.Conv2d's padding_mode values
+
+
+def parse_padding_mode(value: Any) -> str:
+    """``value`` when it is one of nn.Conv2d's padding modes, else a ValueError naming them."""
+    if not isinstance(value, str) or value not in PADDING_MODES:
+        raise ValueError(f"padding_mode ({value!r}) must be one of {', '.join(PADDING_MODES)}")
+    return value
+
+
+def conv_padding(padding: Any, kernel: Sequence[int], stride: Any = 1, dilation: Any = 1) -> Quad:
+    """(top, bottom, left, right) of a conv: an int, (h, w), a 4-tuple, or PyTorch's strings 'valid'
+    (none) and 'same' (the output as large as the input: d*(k-1) in all, the odd one at the
+    bottom / right, as PyTorch pads; stride 1 only, as PyTorch requires)."""
+    if not isinstance(padding, str):
+        return normalize_padding(padding)
+    if padding == "valid":
+        return (0, 0, 0, 0)
+    if padding != "same":
+        raise ValueError(f"padding ({padding!r}) must be 'same', 'valid', {_FORMS['padding']}")
+    if _pair("stride", stride) != (1, 1):
+        raise ValueError(f"padding='same' is not supported for strided convolutions (stride {stride!r}); "
+                         "give the padding as numbers")
+    dil = _pair("dilation", dilation)
+    out: list[int] = []
+    for d, k in zip(dil, kernel):
+        total = d * (int(k) - 1)
+        out += [total // 2, total - total // 2]
+    return (out[0], out[1], out[2], out[3])
+
+
+@dataclass(frozen=True)
+class ConvArgs:
+    """A conv call's arguments in the forms the kernels take: ``unbatched`` (a (C, H, W) input, run as
+    a batch of one), ``pad`` the zero padding the conv itself applies, and ``copy_pad`` the padding a
+    padded copy of the input carries first (``mode`` reflect / replicate / circular; None for zeros)."""
+
+    unbatched: bool
+    stride: Pair
+    pad: Quad
+    dilation: Pair
+    mode: str = "zeros"
+    copy_pad: Quad | None = None
+
+
+def conv_args(x_shape: Sequence[int], w_shape: Sequence[int], stride: Any = 1, padding: Any = 0,
+              dilation: Any = 1, padding_mode: Any = "zeros") -> ConvArgs:
+    """F.conv2d's (and nn.Conv2d's) arguments checked and normalised: rank 3 or 4 input, string or
+    numeric padding (:func:`conv_padding`), a padding mode of :data:`PADDING_MODES` whose padding
+    becomes a padded copy (reflect: each pad smaller than the input's side, circular: at most it,
+    as PyTorch requires)."""
+    if len(x_shape) not in (3, 4):
+        raise ValueError(f"input must have rank 4 (N, C, H, W) or 3 (C, H, W), got shape {tuple(x_shape)}")
+    if len(w_shape) != 4:
+        raise ValueError(f"weights must have rank 4 (K, C, R, S), got shape {tuple(w_shape)}")
+    mode = parse_padding_mode(padding_mode)
+    st, dl = _pair("stride", stride), _pair("dilation", dilation)
+    pad = conv_padding(padding, tuple(w_shape[2:]), st, dl)
+    if any(v < 0 for v in pad):
+        raise ValueError(f"padding ({padding!r}) must be >= 0")
+    if mode == "zeros" or not any(pad):
+        return ConvArgs(len(x_shape) == 3, st, pad, dl)
+    h, w = int(x_shape[-2]), int(x_shape[-1])
+    for side, size, (before, after) in (("H", h, pad[:2]), ("W", w, pad[2:])):
+        worst = max(before, after)
+        if mode == "reflect" and worst >= size:
+            raise ValueError(f"padding_mode='reflect' needs each padding ({worst}) smaller than the input's "
+                             f"{side} ({size})")
+        if mode == "circular" and worst > size:
+            raise ValueError(f"padding_mode='circular' needs each padding ({worst}) at most the input's "
+                             f"{side} ({size})")
+    return ConvArgs(len(x_shape) == 3, st, (0, 0, 0, 0), dl, mode, pad)
+
+
+def transposed_geometry(x_shape: Sequence[int], w_shape: Sequence[int], stride: Any = 1, padding: Any = 0,
+                        output_padding: Any = 0, groups: Any = 1, dilation: Any = 1) -> tuple[ConvSpec, int, int]:
+    """conv_transpose2d's problem as the dgrad of a forward layer: (spec, extra_h, extra_w). ``x``
+    (N, C_in, H, W) is that layer's grad_output, ``w`` (C_in, C_out/groups, R, S) its KCRS filters,
+    and its input (N, C_out, H_out, W_out) the transposed conv's output, H_out = (H - 1) * stride -
+    top - bottom + dilation * (R - 1) + output_padding + 1 (padding an int, (h, w) or a 4-tuple).
+    The forward layer's bottom / right padding is chosen so its output is H x W; where no padding
+    >= 0 does that (output_padding - padding >= stride, possible with dilation), the forward output
+    is ``extra`` rows / columns larger and ``x`` is read with that many zero rows / columns appended."""
+    if len(x_shape) != 4:
+        raise ValueError(f"input must have rank 4 (N, C, H, W) or 3 (C, H, W), got shape {tuple(x_shape)}")
+    if len(w_shape) != 4:
+        raise ValueError(f"weights must have rank 4 (C_in, C_out/groups, R, S), got shape {tuple(w_shape)}")
+    st, dl, g = _pair("stride", stride), _pair("dilation", dilation), _int_groups(groups)
+    pad = normalize_padding(padding)
+    op = _pair("output_padding", output_padding)
+    if any(v < 0 for v in pad):
+        raise ValueError(f"padding ({padding!r}) must be >= 0")
+    for i in (0, 1):
+        if op[i] < 0 or (op[i] >= st[i] and op[i] >= dl[i]):
+            raise ValueError(f"output_padding ({output_padding!r}) must be >= 0 and smaller than either stride "
+                             f"({st[i]}) or dilation ({dl[i]})")
+    n, cin, h, w = (int(v) for v in x_shape)
+    wk, cout_g, r, s = (int(v) for v in w_shape)
+    if wk != cin:
+        raise ValueError(f"channel mismatch: input has C={cin}, weights have C_in={wk} (conv_transpose2d's "
+                         "weights are C_in x C_out/groups x R x S)")
+    if cin % g:
+        raise ValueError(f"groups ({g}) must divide C_in ({cin})")
+    out, inner, extra = [], [], []
+    for size, k, sd, d, (before, after), o in ((h, r, st[0], dl[0], pad[:2], op[0]),
+                                                (w, s, st[1], dl[1], pad[2:], op[1])):
+        full = (size - 1) * sd + d * (k - 1) + o + 1
+        if full - before - after <= 0:
+            raise ValueError(f"conv_transpose2d's output would be empty: ({size} - 1) * stride {sd} - padding "
+                             f"{before + after} + dilation {d} * ({k} - 1) + output_padding {o} + 1 <= 0")
+        lo = after - o  # the forward output is `size` rows for bottom padding in [lo, lo + stride - 1]
+        fwd_after = max(lo, 0)
+        out.append(full - before - after)
+        inner.append((before, fwd_after))
+        extra.append((fwd_after - lo) // sd)
+    spec = ConvSpec.make(n, cout_g * g, out[0], out[1], cin, r, s, st, (*inner[0], *inner[1]), dl, g,
+                         conv_pass="dgrad")
+    return spec, extra[0], extra[1]
 
 
 _SPEC_TUPLES = ("stride", "pad", "dilation")

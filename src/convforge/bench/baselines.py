@@ -31,8 +31,9 @@ from convforge.spec import ConvSpec
 
 KINDS = ("cudnn", "torch", "none")
 CLASSES = ("fp32", "relaxed")  # convforge.config.PRECISIONS, in the order they are reported
-FP32_IMPLS = ("torch-pick",)  # plus every "cudnn:<ALGO>": the candidates of cuDNN-best FP32
-TF32_IMPLS = ("torch-tf32",)  # plus every "cudnn-tf32:<ALGO>": the candidates of cuDNN-best TF32
+# plus every "cudnn:<ALGO>": the candidates of cuDNN-best FP32 (the -cl picks: dgrad layers only)
+FP32_IMPLS = ("torch-pick", "torch-pick-cl")
+TF32_IMPLS = ("torch-tf32", "torch-tf32-cl")  # plus every "cudnn-tf32:<ALGO>": the candidates of cuDNN-best TF32
 BEST = {"fp32": "cudnn-best", "relaxed": "cudnn-best-tf32"}  # each class's baseline row
 BASELINE_NAMES = {"fp32": "cuDNN-best FP32", "relaxed": "cuDNN-best TF32"}
 HALF_TAGS = {"float16": "fp16", "bfloat16": "bf16"}  # a half dtype's rows: precision and impl names
@@ -216,9 +217,11 @@ def pass_fn(spec: ConvSpec) -> Callable[[Any, Any], Any]:
         return shapes[key]
 
     back = torch.ops.aten.convolution_backward.default
-    if spec.conv_pass == "dgrad":
-        return lambda dy, w: back(dy, like(dy, spec.x_shape), w, None, stride, padding, dilation, False, [0, 0],
-                                  spec.groups, [True, False, False])[0]
+    if spec.conv_pass == "dgrad":  # F.conv_transpose2d: a transposed conv's op, cuDNN's backward data as the
+        # input gradient's; output_padding restores the input rows a stride > 1 leaves unread
+        op = [(spec.h + spec.pad[0] + spec.pad[1] - spec.eff_r) % spec.stride[0],
+              (spec.w + spec.pad[2] + spec.pad[3] - spec.eff_s) % spec.stride[1]]
+        return lambda dy, w: F.conv_transpose2d(dy, w, None, stride, padding, op, spec.groups, dilation)
     return lambda x, dy: back(dy, x, like(x, spec.w_shape), None, stride, padding, dilation, False, [0, 0],
                               spec.groups, [False, True, False])[1]
 
@@ -349,6 +352,10 @@ def _gpu_baselines(spec: ConvSpec, timing: Timing, with_cudnn: bool,
         ref = pass_fn(spec)(sets[0][0].double(), sets[0][1].double())
         set_flags(tf32=False)
         out.append(_torch_variant("torch-pick", "cudnn.benchmark pick", "fp32", spec, sets, ref, timing))
+        cl = _channels_last_sets(spec, sets)
+        if cl:
+            out.append(_torch_variant("torch-pick-cl", "cudnn.benchmark pick, channels_last", "fp32", spec, cl, ref,
+                                      timing))
         if with_cudnn and "fp32" in classes:
             out += cudnn.all_algorithms(spec, sets, ref, timing, math="fma", layout=layout)
         set_flags(tf32=False, enabled=False)
@@ -356,6 +363,9 @@ def _gpu_baselines(spec: ConvSpec, timing: Timing, with_cudnn: bool,
         set_flags(tf32=True)
         out.append(_torch_variant("torch-tf32", "cudnn.benchmark pick, TF32", "tf32", spec, sets, ref,
                                   timing))
+        if cl:
+            out.append(_torch_variant("torch-tf32-cl", "cudnn.benchmark pick, TF32, channels_last", "tf32", spec, cl,
+                                      ref, timing))
         if with_cudnn and "relaxed" in classes:
             out += cudnn.all_algorithms(spec, sets, ref, timing, math="default", layout=layout)
         set_flags(tf32=False)
@@ -367,6 +377,16 @@ def _gpu_baselines(spec: ConvSpec, timing: Timing, with_cudnn: bool,
     bests = [b for b in (best_fp32(out) if "fp32" in classes else None,
                          best_tf32(out) if "relaxed" in classes else None) if b is not None]
     return bests + out
+
+
+def _channels_last_sets(spec: ConvSpec, sets: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
+    """The input sets in channels_last for a dgrad layer in NCHW (a transposed conv: cuDNN-best of
+    ``conv_transpose2d`` is PyTorch's pick in either layout), else none: other passes keep their rows."""
+    import torch
+
+    if spec.conv_pass != "dgrad" or spec.layout != "nchw":
+        return []
+    return [tuple(t.to(memory_format=torch.channels_last) for t in s) for s in sets]  # type: ignore[misc]
 
 
 def _half_baselines(spec: ConvSpec, timing: Timing, with_cudnn: bool) -> list[BaselineResult]:

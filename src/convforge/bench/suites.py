@@ -8,6 +8,9 @@ A user file is a JSON list of objects, one per layer::
 
 Keys ``N C H W K R S stride pad`` are required; ``name``, ``dilation`` and ``groups`` are optional; ``stride``,
 ``pad`` and ``dilation`` are an int or an ``[h, w]`` pair; ``groups`` an int dividing C and K (C: depthwise).
+A row with ``"transposed": true`` is a ``ConvTranspose2d`` in PyTorch's terms (C in and K out channels, H x W
+its input, an optional ``output_padding``) and is benchmarked as what ``convforge.conv_transpose2d`` runs:
+the dgrad of its forward layer (``spec.transposed_geometry``), against cuDNN's ``conv_transpose2d``.
 The built-in files are objects with a ``comment`` and ``layers``.
 """
 
@@ -19,11 +22,12 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from convforge.spec import ConvSpec
+from convforge.spec import ConvSpec, transposed_geometry
 
-BUILTIN = ("resnet", "boda", "mec", "unseen", "batch1", "fc", "grouped", "convnext_mlp", "resnet50", "vgg16", "stems")
+BUILTIN = ("resnet", "boda", "mec", "unseen", "batch1", "fc", "grouped", "convnext_mlp", "resnet50", "vgg16", "stems",
+           "decoder")
 REQUIRED = ("N", "C", "H", "W", "K", "R", "S", "stride", "pad")
-OPTIONAL = ("name", "dilation", "groups")
+OPTIONAL = ("name", "dilation", "groups", "transposed", "output_padding")
 
 
 class SuiteError(ValueError):
@@ -68,15 +72,35 @@ def parse_row(row: Any, where: str) -> Layer:
     groups = row.get("groups", 1)
     if not isinstance(groups, int) or isinstance(groups, bool):
         raise SuiteError(f"{where}: 'groups' ({groups!r}) must be an int")
+    if not isinstance(row.get("transposed", False), bool):
+        raise SuiteError(f"{where}: 'transposed' ({row['transposed']!r}) must be true or false")
+    if "output_padding" in row and row.get("transposed") is not True:
+        raise SuiteError(f"{where}: 'output_padding' goes with \"transposed\": true")
     try:
-        spec = ConvSpec.make(row["N"], row["C"], row["H"], row["W"], row["K"], row["R"], row["S"],
-                             stride, pad, dilation, groups)
+        if row.get("transposed", False) is True:
+            spec = _transposed(row, stride, pad, dilation, groups, where)
+        else:
+            spec = ConvSpec.make(row["N"], row["C"], row["H"], row["W"], row["K"], row["R"], row["S"],
+                                 stride, pad, dilation, groups)
     except ValueError as err:
         raise SuiteError(f"{where}: {err}") from None
     name = row.get("name", "")
     if not isinstance(name, str):
         raise SuiteError(f"{where}: 'name' ({name!r}) must be a string")
     return Layer(name or where.rsplit(" ", 1)[-1].replace("#", "layer"), spec)
+
+
+def _transposed(row: dict[str, Any], stride: Any, pad: Any, dilation: Any, groups: int, where: str) -> ConvSpec:
+    """The dgrad spec of a ``"transposed": true`` row (a ConvTranspose2d: C in, K out, H x W input)."""
+    op = _int_or_pair(where, "output_padding", row.get("output_padding", 0))
+    if row["K"] % groups:
+        raise SuiteError(f"{where}: groups ({groups}) must divide K ({row['K']})")
+    spec, eh, ew = transposed_geometry((row["N"], row["C"], row["H"], row["W"]),
+                                       (row["C"], row["K"] // groups, row["R"], row["S"]), stride, pad, op, groups,
+                                       dilation)
+    if eh or ew:
+        raise SuiteError(f"{where}: output_padding ({op}) past padding + stride - 1 is not benchmarked")
+    return spec
 
 
 def parse_suite(data: Any, source: str) -> list[Layer]:

@@ -1,4 +1,5 @@
-"""PyTorch drop-in: ``Conv2d`` (an ``nn.Conv2d`` that runs convforge's kernels), ``convert(model)``,
+"""PyTorch drop-in: ``Conv2d`` (an ``nn.Conv2d`` that runs convforge's kernels), ``ConvTranspose2d``
+(an ``nn.ConvTranspose2d`` on convforge's dgrad kernels: ``conv_transpose2d``), ``convert(model)``,
 ``fuse(model)`` (convs with the batch norm, residual add and ReLU after them folded into one
 kernel plan: ``FusedConv2d``; linear layers over channels-last activations with their GELU, or
 layer scale and residual add: ``FusedLinear``, ConvNeXt's MLPs) and the ``convforge::conv2d``
@@ -21,8 +22,9 @@ from convforge.torch.calibrate import CalibrationReport, calibrate
 from convforge.torch.fuse import fuse
 from convforge.torch.fused import FusedConv2d
 from convforge.torch.linear import FusedLinear
-from convforge.torch.modules import Conv2d, ConvertReport, convert
+from convforge.torch.modules import Conv2d, ConvertReport, ConvTranspose2d, convert
 from convforge.torch.ops import conv2d, output_shape
+from convforge.torch.transposed import conv_transpose2d
 
-__all__ = ["CalibrationReport", "Conv2d", "ConvertReport", "FusedConv2d", "FusedLinear", "calibrate", "convert",
-           "conv2d", "fuse", "output_shape"]
+__all__ = ["CalibrationReport", "Conv2d", "ConvTranspose2d", "ConvertReport", "FusedConv2d", "FusedLinear",
+           "calibrate", "convert", "conv2d", "conv_transpose2d", "fuse", "output_shape"]

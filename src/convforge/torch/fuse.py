@@ -3,9 +3,11 @@
 ``torch.fx.symbolic_trace``-style tracing (nn.Conv2d subclasses are leaves) of a structural copy
 of the model, then chains conv -> [BatchNorm2d] -> [add(other)] -> [ReLU] (at least one after the
 conv; every intermediate used exactly once) become one call of a :class:`FusedConv2d` at the
-conv's path. ReLU as ``nn.ReLU`` (shared modules too: nodes are matched, not modules), ``F.relu``,
-``torch.relu(_)``, ``Tensor.relu(_)``; add as ``+``, ``+=``, ``torch.add``, ``Tensor.add(_)`` with
-either operand order (alpha 1). Other eligible convs become plain convforge ``Conv2d``s.
+conv's path (not after a padding-mode conv, whose padded copy precedes a plain ``Conv2d``; every
+``nn.ConvTranspose2d`` becomes a ``ConvTranspose2d``, nothing fused after it). ReLU as ``nn.ReLU``
+(shared modules too: nodes are matched, not modules), ``F.relu``, ``torch.relu(_)``, ``Tensor.relu(_)``;
+add as ``+``, ``+=``, ``torch.add``, ``Tensor.add(_)`` with either operand order (alpha 1). Other eligible
+convs become plain convforge ``Conv2d``s.
 
 Then pre-activations: a ``BatchNorm2d`` [-> ReLU] whose output only convforge convs read (each as
 its input, its module called once there; DenseNet's BN -> ReLU -> conv, a pre-activation ResNet's
@@ -38,7 +40,7 @@ from torch.fx import Graph, GraphModule, Node, Tracer
 
 from convforge.torch.fused import FusedConv2d, PreActivation
 from convforge.torch.linear import FusedLinear
-from convforge.torch.modules import OPTIONS, Conv2d, ConvertReport, convert, static_reason
+from convforge.torch.modules import OPTIONS, Conv2d, ConvertReport, ConvTranspose2d, convert, static_reason, swapped
 
 _ADDS_F = {operator.add: False, operator.iadd: True, torch.add: False}
 _ADDS_M = {"add": False, "add_": True}
@@ -46,10 +48,11 @@ _RELUS_F = (F.relu, F.relu_, torch.relu, torch.relu_)
 
 
 class _Tracer(Tracer):
-    """fx's tracer with every nn.Conv2d (convforge's included) kept as a leaf."""
+    """fx's tracer with every nn.Conv2d and nn.ConvTranspose2d (convforge's included) kept as a leaf."""
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
-        return isinstance(m, torch.nn.Conv2d) or super().is_leaf_module(m, module_qualified_name)
+        return (isinstance(m, torch.nn.Conv2d | torch.nn.ConvTranspose2d)
+                or super().is_leaf_module(m, module_qualified_name))
 
 
 def fuse(model: torch.nn.Module, **options: Any) -> tuple[torch.nn.Module, ConvertReport]:
@@ -99,7 +102,8 @@ def _rewrite(graph: Graph, root: torch.nn.Module, report: ConvertReport, options
     modules = dict(root.named_modules(remove_duplicate=False))
     calls = Counter(n.target for n in graph.nodes if n.op == "call_module")
     for node in list(graph.nodes):
-        if node.op != "call_module" or not isinstance(modules.get(str(node.target)), torch.nn.Conv2d):
+        if node.op != "call_module" or not isinstance(modules.get(str(node.target)),
+                                                      torch.nn.Conv2d | torch.nn.ConvTranspose2d):
             continue
         name = str(node.target)
         conv = modules[name]
@@ -107,7 +111,14 @@ def _rewrite(graph: Graph, root: torch.nn.Module, report: ConvertReport, options
         if why is not None:
             report.left[name] = why
             continue
+        if isinstance(conv, torch.nn.ConvTranspose2d):  # converted, nothing fused after it
+            parent, _, attr = name.rpartition(".")
+            setattr(root.get_submodule(parent) if parent else root, attr, swapped(conv, **options))
+            report.converted.append(name)
+            continue
         chain, why = _chain(node, modules, calls[node.target])
+        if chain is not None and conv.padding_mode != "zeros":  # FusedConv2d pads with zeros only
+            chain, why = None, f"padding_mode={conv.padding_mode!r}: the padded copy runs before a plain conv"
         if chain is None:
             new: torch.nn.Module = Conv2d.from_module(conv, **options)
             if why:
@@ -170,13 +181,17 @@ def _reads_raw(node: Node, src: Node, modules: dict[str, Any], calls: Counter[An
     if not isinstance(m, Conv2d) or calls[node.target] != 1 or not node.args or node.args[0] is not src:
         return False
     others = list(node.args[1:]) + list(node.kwargs.values())
-    return (src not in others and getattr(m, "_cf_pre", None) is None and m.in_channels == bn.num_features)
+    return (src not in others and getattr(m, "_cf_pre", None) is None and m.in_channels == bn.num_features
+            and m.padding_mode == "zeros")
 
 
-def _left_reason(m: torch.nn.Conv2d) -> str | None:
+def _left_reason(m: torch.nn.Conv2d | torch.nn.ConvTranspose2d) -> str | None:
     """Why convforge never runs this conv (the device does not matter: CPU models fuse, and run
     PyTorch's ops until moved to CUDA)."""
-    if type(m) not in (torch.nn.Conv2d, Conv2d):
+    if isinstance(m, torch.nn.ConvTranspose2d):
+        if type(m) not in (torch.nn.ConvTranspose2d, ConvTranspose2d):
+            return f"a subclass of nn.ConvTranspose2d ({type(m).__name__}) whose forward may differ"
+    elif type(m) not in (torch.nn.Conv2d, Conv2d):
         return f"a subclass of nn.Conv2d ({type(m).__name__}) whose forward may differ"
     return static_reason(m, on_cuda=False)
 

@@ -15,8 +15,12 @@ Paths of one forward call, cheapest first:
   version in inference), through the same paths (the C++ fast path takes every dtype and both
   layouts); a half layer no convforge variant serves (grouped ones
   whose families take float32 only) falls back to PyTorch through the op, logged once;
+- F.conv2d's contract: an unbatched (C, H, W) input runs as a batch of one; padding 'same' /
+  'valid' as PyTorch pads; ``padding_mode`` reflect / replicate / circular by a padded copy made
+  on the device first (F.pad, differentiable; no variant folds those modes into its loads yet),
+  then the conv unpadded on it;
 - what convforge does not run (CPU tensors, dtypes other than float32, float16 and bfloat16,
-  mixed dtypes, padding modes other than zeros): PyTorch's own forward. Grouped and depthwise
+  mixed dtypes): PyTorch's own forward. Grouped and depthwise
   layers run convforge's (the depthwise family, grouped direct and GEMM kernels); an input in
   channels_last memory format is read in place by NHWC plans (the tensor-core GEMMs of every pass,
   depthwise_nhwc) and answered in channels_last; where no NHWC plan serves a layer it is made NCHW
@@ -39,11 +43,13 @@ from typing import Any
 import torch
 
 from convforge import api, dispatch
+from convforge.api import pad_copy
 from convforge.backends import get_backend
 from convforge.config import config, parse_precision
 from convforge.plan import Epilogue
-from convforge.spec import ConvSpec
+from convforge.spec import ConvSpec, conv_args, conv_padding
 from convforge.torch.ops import OP as _OP  # the overload itself: no packet resolution per call
+from convforge.torch.transposed import conv_transpose2d
 
 log = logging.getLogger("convforge")
 OPTIONS = ("algo", "precision", "max_error", "static_weights")
@@ -80,11 +86,9 @@ def compute_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype | None:
     return x.dtype if x.dtype == w.dtype and (x.dtype == _F32 or x.dtype in _HALF) else None
 
 
-def static_reason(m: torch.nn.Conv2d, on_cuda: bool = True) -> str | None:
+def static_reason(m: torch.nn.Conv2d | torch.nn.ConvTranspose2d, on_cuda: bool = True) -> str | None:
     """Why convforge cannot run this layer whatever its input, or None (``on_cuda``: parameters
     off the GPU count as a reason)."""
-    if m.padding_mode != "zeros":
-        return f"padding_mode={m.padding_mode!r} (convforge pads with zeros)"
     if m.weight.dtype != torch.float32 and m.weight.dtype not in _HALF:
         return f"dtype {str(m.weight.dtype).replace('torch.', '')} (convforge runs float32, float16 and bfloat16)"
     if on_cuda and m.weight.device.type != "cuda":
@@ -105,17 +109,8 @@ def read_tensor(m: torch.nn.Module, table: str, name: str) -> Any:
 
 def padding_quad(m: torch.nn.Conv2d) -> tuple[int, int, int, int]:
     """(top, bottom, left, right) of an nn.Conv2d: ints, 'valid', or 'same' (the extra row or
-    column at the bottom/right, as PyTorch pads)."""
-    if m.padding == "valid":
-        return (0, 0, 0, 0)
-    if m.padding == "same":
-        out = []
-        for d, k in zip(m.dilation, m.kernel_size):
-            total = d * (k - 1)
-            out += [total // 2, total - total // 2]
-        return (out[0], out[1], out[2], out[3])
-    ph, pw = m.padding  # type: ignore[str-unpack]
-    return (int(ph), int(ph), int(pw), int(pw))
+    column at the bottom/right, as PyTorch pads: ``spec.conv_padding``)."""
+    return conv_padding(m.padding, m.kernel_size, m.stride, m.dilation)
 
 
 class Conv2d(torch.nn.Conv2d):
@@ -175,14 +170,22 @@ class Conv2d(torch.nn.Conv2d):
 
     def _other_forward(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         """Half precision (a half layer, or an autocast region: input, filters and bias cast to its
-        dtype) through :meth:`_forward`; anything else through PyTorch's forward."""
+        dtype), unbatched inputs (a batch of one) and padding modes (a padded copy first) through
+        :meth:`_forward`; anything else through PyTorch's forward."""
+        if x.dim() == 3 and x.is_cuda:
+            return self.forward(x.unsqueeze(0)).squeeze(0)
         dt = compute_dtype(x, w)
-        if (dt is None or not x.is_cuda or x.dim() != 4 or not w.is_cuda or self.padding_mode != "zeros"
+        if (dt is None or not x.is_cuda or x.dim() != 4 or not w.is_cuda
                 or (b is not None and b.dtype != w.dtype)):
             return super().forward(x)
         if x.dtype != dt:
             x = x.to(dt)
-        return self._forward(x, self._cast(w, dt), None if b is None else self._cast(b, dt))
+        pad = None
+        if self.padding_mode != "zeros":
+            args = conv_args(tuple(x.shape), tuple(w.shape), self.stride, self.padding, self.dilation,
+                             self.padding_mode)
+            x, pad = pad_copy(x, args.copy_pad or (0, 0, 0, 0), args.mode, "torch"), args.pad
+        return self._forward(x, self._cast(w, dt), None if b is None else self._cast(b, dt), pad)
 
     def _cast(self, t: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
         """``t`` (a parameter) as ``dt``: itself when it is; differentiable when a gradient is
@@ -207,9 +210,12 @@ class Conv2d(torch.nn.Conv2d):
             self._cf_cache[key] = (version, weakref.ref(t), cast)
         return cast
 
-    def _forward(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        """The conv on CUDA tensors of one dtype (float32, float16 or bfloat16) through convforge."""
-        pad = padding_quad(self)
+    def _forward(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                 pad: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+        """The conv on CUDA tensors of one dtype (float32, float16 or bfloat16) through convforge;
+        ``pad``: the zero padding (None: the layer's; a padding mode's copy carries its own)."""
+        if pad is None:
+            pad = padding_quad(self)
         if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
                 x.requires_grad or w.requires_grad or (b is not None and b.requires_grad))):
             return _OP(x, w, b, list(self.stride), list(pad), list(self.dilation), self.algo, self.precision,
@@ -293,6 +299,53 @@ def reads_nhwc(conv: torch.nn.Conv2d, x: torch.Tensor) -> bool:
     return api._channels_last(x)
 
 
+class ConvTranspose2d(torch.nn.ConvTranspose2d):
+    """``torch.nn.ConvTranspose2d`` with the same constructor, parameters and state_dict, plus the keyword
+    options ``algo``, ``precision`` and ``max_error``: forward runs ``convforge.torch.conv_transpose2d``
+    (the dgrad of the forward layer whose input is this layer's output, on convforge's dgrad kernels;
+    its gradients through convforge's forward and wgrad ops) for CUDA tensors of float32, float16 or
+    bfloat16 (and in a CUDA autocast region, cast to its dtype as PyTorch's would be); anything else
+    (CPU tensors, other dtypes) runs PyTorch's forward. ``output_size`` as PyTorch's."""
+
+    def __init__(self, *args: Any, algo: str = "auto", precision: str | None = None,
+                 max_error: float | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._cf_setup(algo, precision, max_error)
+
+    def _cf_setup(self, algo: str, precision: str | None, max_error: float | None) -> None:
+        if precision is not None:
+            parse_precision(precision)
+        if max_error is not None and not max_error > 0:
+            raise ValueError(f"max_error ({max_error!r}) must be > 0")
+        self.algo, self.precision, self.max_error = algo, precision, max_error
+
+    @classmethod
+    def from_module(cls, m: torch.nn.ConvTranspose2d, algo: str = "auto", precision: str | None = None,
+                    max_error: float | None = None) -> ConvTranspose2d:
+        """A convforge ConvTranspose2d sharing ``m``'s parameters, buffers and hooks (no copy)."""
+        new = cls.__new__(cls)
+        new.__dict__.update(m.__dict__)
+        new._cf_setup(algo, precision, max_error)
+        return new
+
+    def extra_repr(self) -> str:
+        extra = f", algo={self.algo!r}" + (f", precision={self.precision!r}" if self.precision else "")
+        return super().extra_repr() + extra + (f", max_error={self.max_error:g}" if self.max_error else "")
+
+    def forward(self, x: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
+        w, b = read_tensor(self, "_parameters", "weight"), read_tensor(self, "_parameters", "bias")
+        dt = compute_dtype(x, w)
+        if (dt is None or not x.is_cuda or not w.is_cuda or x.dim() not in (3, 4) or self.padding_mode != "zeros"
+                or (b is not None and b.dtype != w.dtype)):
+            return super().forward(x, output_size)
+        op = self._output_padding(x, output_size, list(self.stride), list(self.padding),  # type: ignore[arg-type]
+                                  list(self.kernel_size), 2, list(self.dilation))
+        if x.dtype != dt:
+            x, w, b = x.to(dt), w.to(dt), None if b is None else b.to(dt)
+        return conv_transpose2d(x, w, b, self.stride, self.padding, op, self.groups, self.dilation,  # type: ignore[arg-type]
+                                self.algo, self.precision, self.max_error)
+
+
 @dataclass
 class ConvertReport:
     """What ``convert`` (or ``fuse``) swapped and what it left to PyTorch, with the reason.
@@ -318,27 +371,36 @@ class ConvertReport:
         return "\n".join(lines)
 
 
+def swapped(m: torch.nn.Module, **options: Any) -> torch.nn.Module:
+    """The convforge module for an ``nn.Conv2d`` or ``nn.ConvTranspose2d``, sharing its parameters."""
+    if isinstance(m, torch.nn.ConvTranspose2d):
+        return ConvTranspose2d.from_module(m, **{k: v for k, v in options.items() if k != "static_weights"})
+    return Conv2d.from_module(m, **options)  # type: ignore[arg-type]
+
+
 def convert(model: torch.nn.Module, **options: Any) -> ConvertReport:
-    """Swap every eligible ``nn.Conv2d`` in ``model`` (in place) for a convforge ``Conv2d`` that shares
-    its parameters. ``options``: ``algo``, ``precision`` (default ``config.precision``), ``max_error``,
-    ``static_weights`` (default True: CUDA graphs captured in eager inference leave the filter
-    transforms out; False: they record them and see in-place weight updates; see ``Conv2d``);
+    """Swap every eligible ``nn.Conv2d`` and ``nn.ConvTranspose2d`` in ``model`` (in place) for a convforge
+    ``Conv2d`` / ``ConvTranspose2d`` that shares its parameters. ``options``: ``algo``, ``precision``
+    (default ``config.precision``), ``max_error``, ``static_weights`` (Conv2d only; default True: CUDA
+    graphs captured in eager inference leave the filter transforms out; False: they record them and
+    see in-place weight updates; see ``Conv2d``);
     each layer's variant is chosen through dispatch (the tuning database first) on its first call."""
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise TypeError(f"convert() got unknown option(s) {unknown}; allowed: {', '.join(OPTIONS)}")
     report = ConvertReport()
     for name, m in list(model.named_modules()):
-        if not isinstance(m, torch.nn.Conv2d) or isinstance(m, Conv2d):
+        if not isinstance(m, torch.nn.Conv2d | torch.nn.ConvTranspose2d) or isinstance(m, Conv2d | ConvTranspose2d):
             continue
-        if type(m) is not torch.nn.Conv2d:
-            report.left[name] = f"a subclass of nn.Conv2d ({type(m).__name__}) whose forward may differ"
+        base = torch.nn.Conv2d if isinstance(m, torch.nn.Conv2d) else torch.nn.ConvTranspose2d
+        if type(m) is not base:
+            report.left[name] = f"a subclass of nn.{base.__name__} ({type(m).__name__}) whose forward may differ"
             continue
         why = static_reason(m)
         if why is not None:
             report.left[name] = why
             continue
-        new = Conv2d.from_module(m, **options)
+        new = swapped(m, **options)
         if name:
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model

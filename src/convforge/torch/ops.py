@@ -36,9 +36,10 @@ import torch
 import torch.nn.functional as F
 
 from convforge import grad as cf_grad
+from convforge.api import pad_copy
 from convforge.api import python_conv2d as cf_conv2d  # the op's C kernel asked native.cpp already
 from convforge.config import config
-from convforge.spec import ConvSpec, normalize_padding
+from convforge.spec import ConvSpec, conv_args, normalize_padding
 from convforge.torch import native
 
 log = logging.getLogger("convforge")
@@ -411,11 +412,27 @@ else:
     _LIB.impl("conv2d", _autograd, "Autograd", with_keyset=True)
 
 
-def conv2d(x: Any, w: Any, bias: Any = None, stride: int | Sequence[int] = 1, padding: int | Sequence[int] = 0,
-           dilation: int | Sequence[int] = 1, algo: str = "auto", precision: str | None = None,
-           max_error: float | None = None, groups: int = 1) -> Any:
+def conv2d(x: Any, w: Any, bias: Any = None, stride: int | Sequence[int] = 1,
+           padding: int | str | Sequence[int] = 0, dilation: int | Sequence[int] = 1, algo: str = "auto",
+           precision: str | None = None, max_error: float | None = None, groups: int = 1,
+           padding_mode: str = "zeros") -> Any:
     """``torch.ops.convforge.conv2d`` with the loose argument forms of ``convforge.conv2d``:
-    differentiable, traceable by torch.compile, capturable in CUDA graphs."""
+    differentiable, traceable by torch.compile, capturable in CUDA graphs. F.conv2d's contract as
+    ``convforge.conv2d``'s (unbatched inputs, 'same' / 'valid', padding modes: :func:`_dropin`)."""
+    if padding_mode != "zeros" or isinstance(padding, str) or x.dim() == 3:
+        return _dropin(x, w, bias, stride, padding, dilation, algo, precision, max_error, groups, padding_mode)
     st = (stride, stride) if isinstance(stride, int) else tuple(stride)
     dl = (dilation, dilation) if isinstance(dilation, int) else tuple(dilation)
     return _OP(x, w, bias, list(st), list(normalize_padding(padding)), list(dl), algo, precision, max_error, groups)
+
+
+def _dropin(x: Any, w: Any, bias: Any, stride: Any, padding: Any, dilation: Any, algo: str, precision: str | None,
+            max_error: float | None, groups: int, padding_mode: str) -> Any:
+    """The op on a batch of one for an unbatched input, with numeric padding for 'same' / 'valid',
+    after a padded copy (F.pad, differentiable) for a padding mode (``spec.conv_args``)."""
+    args = conv_args(tuple(x.shape), tuple(w.shape), stride, padding, dilation, padding_mode)
+    xb = x.unsqueeze(0) if args.unbatched else x
+    if args.copy_pad is not None:
+        xb = pad_copy(xb, args.copy_pad, args.mode, "torch")
+    y = _OP(xb, w, bias, list(args.stride), list(args.pad), list(args.dilation), algo, precision, max_error, groups)
+    return y.squeeze(0) if args.unbatched else y
