@@ -210,3 +210,24 @@ def test_cuda_sources_compile_without_spills(nvcc_ok) -> None:  # type: ignore[n
                 infos = ptxas_report(render(list(prog.kernels), "cuda", "bn"))
                 assert len(infos) == len(prog.kernels) and all(i.spill_stores == 0 and i.spill_loads == 0
                                                                for i in infos), (bn, infos)
+
+
+def test_the_torch_side_reads_layout_and_parameter_dtypes() -> None:
+    """torch/batchnorm.py's rules, on CPU tensors (takes() itself wants CUDA): NCHW-contiguous or
+    channels_last (a tensor that is both is NCHW: the same memory), other strides refused; the module's
+    parameters and running statistics all float32 (master parameters with half activations, as under
+    autocast) or all the activations' half dtype, anything else refused."""
+    torch = pytest.importorskip("torch", reason="torch not installed")
+    from convforge.torch.batchnorm import _param_dtype, layout
+
+    y = torch.zeros(2, 8, 5, 5, dtype=torch.float16)
+    assert layout(y) == "nchw" and layout(y.contiguous(memory_format=torch.channels_last)) == "nhwc"
+    assert layout(torch.zeros(2, 8, 1, 1).contiguous(memory_format=torch.channels_last)) == "nchw"
+    assert layout(y.transpose(2, 3)) is None
+    bn = torch.nn.BatchNorm2d(8)
+    assert _param_dtype(bn, y) == torch.float32 and _param_dtype(bn.half(), y) == torch.float16
+    assert _param_dtype(bn.bfloat16(), y) is None  # bfloat16 parameters with float16 activations
+    bn = torch.nn.BatchNorm2d(8)
+    bn._buffers["running_var"] = bn.running_var.half()
+    assert _param_dtype(bn, y) is None  # mixed
+    assert _param_dtype(torch.nn.BatchNorm2d(8, affine=False, track_running_stats=False), y) == torch.float32

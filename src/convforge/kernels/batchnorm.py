@@ -691,8 +691,8 @@ def host_run(backend: Any, bn: BnTrain, which: str, arrays: dict[str, np.ndarray
                 continue
             dt = buffer_dtype(bn, name)
             if dt == "int64":  # the batch counter travels as its bytes
-                count = np.ascontiguousarray(arrays.get(name, np.zeros(1, np.int64)), np.int64)
-                bufs[name] = backend.upload(count.view(np.float32))
+                batches = np.ascontiguousarray(arrays.get(name, np.zeros(1, np.int64)), np.int64)
+                bufs[name] = backend.upload(batches.view(np.float32))
             elif name in arrays:
                 a = np.ascontiguousarray(arrays[name])
                 bufs[name] = backend.upload(a if a.dtype == storage_dtype(dt) else to_storage(a, dt))
