@@ -12,7 +12,8 @@ its values (from L2 on a GPU). Otherwise, with the rows split over several block
 forward   stats     block (j, c): slice j of channel c's N*H*W values as shifted sums, sum(v - k) and
                     sum((v - k)^2) with k the channel's first value, y[0, c, 0, 0] (no cancellation when
                     the mean is large against the spread)
-          finalize  thread c: the slices' sums in slice order -> mean, 1 / sqrt(var + eps), scale = gamma
+          finalize  channel c: its slices' sums in a fixed order (threads over the slices, then a tree)
+                    -> mean, 1 / sqrt(var + eps), scale = gamma
                     * that, and beta (the "st" buffer, 5 x C, the mean kept as k + dm); the running mean
                     and unbiased variance updated with the momentum and the batch counted ("nbt", int64),
                     as ``torch.nn.BatchNorm2d`` does
@@ -22,7 +23,7 @@ forward   stats     block (j, c): slice j of channel c's N*H*W values as shifted
 backward  reduce    block (j, c): g = dz masked by the ReLU (without a residual the mask is recomputed from
                     y with the forward's own FMA, so z is not read; with one it comes from z and g is
                     written out: it is the residual's gradient), sums of g and g * (y - mean)
-          finalize  thread c: dgamma, dbeta ("dg", 2 x C) and dy's coefficients b, d ("cf", 2 x C)
+          finalize  channel c: dgamma, dbeta ("dg", 2 x C) and dy's coefficients b, d ("cf", 2 x C)
           apply     dy = scale * g + b * (y - mean) + d
 
 3 passes over the activation forward instead of 5 (8 with a residual), 5 (7) backward instead of 8. Every
@@ -197,13 +198,14 @@ def bn_program(bn: BnTrain, device: DeviceInfo, sp: int | None = None) -> BnProg
     bfin = _bwd_finalize_kernel(bn, sp)
     bapply = _bwd_apply_kernel(bn, v, ix)
     eblock = (BLOCK, 1, 1)
-    cgrid = (cdiv(bn.c, BLOCK), 1, 1)
+    fc, fk = _fin_shape(bn, sp)
+    cgrid, cblock = (cdiv(bn.c, fc), 1, 1), (fc * fk, 1, 1)
     egrid = (cdiv(bn.total // v, BLOCK), 1, 1)
     fwd = (Launch(stats.name, rgrid, rblock, _names(stats)),
-           Launch(fin.name, cgrid, eblock, _names(fin)),
+           Launch(fin.name, cgrid, cblock, _names(fin)),
            Launch(apply.name, egrid, eblock, _names(apply)))
     bwd = (Launch(bred.name, rgrid, rblock, _names(bred)),
-           Launch(bfin.name, cgrid, eblock, _names(bfin)),
+           Launch(bfin.name, cgrid, cblock, _names(bfin)),
            Launch(bapply.name, egrid, eblock, _names(bapply)))
     return BnProgram((stats, fin, apply, bred, bfin, bapply), fwd, bwd, 2 * sp * bn.c)
 
@@ -527,21 +529,41 @@ def _pairwise(terms: list[str]) -> str:
     return f"({terms[0]} + {terms[1]}) + ({terms[2]} + {terms[3]})"
 
 
-def _sum_slices(bn: BnTrain, sp: int) -> list[str]:
-    return [f"float s1 = part[c], s2 = part[{sp * bn.c} + c];",
-            *([f"for (int j = 1; j < {sp}; ++j) {{ s1 += part[j * {bn.c} + c]; s2 += part[({sp} + j) * {bn.c} + c]; }}"]
-              if sp > 1 else [])]
+def _fin_shape(bn: BnTrain, sp: int) -> tuple[int, int]:
+    """A finalize block: ``fc`` channels (consecutive threads: 32-byte pieces of a slice's row) by ``fk``
+    threads over the slices (a power of 2, at most the slices' next): the hundreds of slabs of a narrow
+    channels_last tensor cost a thread a dozen or two loads, not hundreds in a row."""
+    fc = min(bn.c, 8)
+    fk = 1 << ((BLOCK // fc).bit_length() - 1)
+    return fc, min(fk, 1 << (sp - 1).bit_length())
+
+
+def _sum_slices(bn: BnTrain, sp: int) -> tuple[Code, int, int]:
+    """The head of a finalize kernel: thread (cx, k) of block b adds slices k, k + fk, ... of channel
+    c = b * fc + cx, then the fk partial sums of each channel add in a fixed tree; threads k = 0 of real
+    channels go on with s1, s2 (the channel's sums) and c."""
+    fc, fk = _fin_shape(bn, sp)
+    code = Code()
+    code(f"SHARED float r1[{fc * fk}];", f"SHARED float r2[{fc * fk}];",
+         f"const int t = LOCAL_ID(0), k = t / {fc}, c = GROUP_ID(0) * {fc} + t % {fc};",
+         "float a1 = 0.0f, a2 = 0.0f;")
+    with code.block(f"if (c < {bn.c})"):
+        code(f"for (int j = k; j < {sp}; j += {fk}) {{ a1 += part[j * {bn.c} + c]; "
+             f"a2 += part[({sp} + j) * {bn.c} + c]; }}")
+    code("r1[t] = a1;", "r2[t] = a2;", "BARRIER();")
+    _tree(code, fk, fc, 1, "k")
+    code(f"if (k != 0 || c >= {bn.c}) return;", "const float s1 = r1[t], s2 = r2[t];")
+    return code, fc, fk
 
 
 def _finalize_kernel(bn: BnTrain, sp: int) -> Kernel:
-    """Thread c: mean, 1/sqrt(var + eps), scale and beta into st; the running statistics updated."""
-    code = Code()
-    code(f"const int c = GROUP_ID(0) * {BLOCK} + LOCAL_ID(0);", f"if (c >= {bn.c}) return;")
-    code(*_sum_slices(bn, sp))
+    """Channel c (:func:`_sum_slices`): mean, 1/sqrt(var + eps), scale and beta into st; the running
+    statistics updated."""
+    code, fc, fk = _sum_slices(bn, sp)
     first = "c" if bn.nhwc else f"(I64)c * {bn.hw}"  # y[0, c, 0, 0]
     code(f"const float k0 = {_act(bn).load('y', first)};", *_finalize_lines(bn))
     args = (Buf("part"), _act(bn).buf("y"), *_finalize_args(bn))
-    return Kernel(f"{_prefix(bn)}_finalize", args, code.text(), (BLOCK, 1, 1),
+    return Kernel(f"{_prefix(bn)}_finalize", args, code.text(), (fc * fk, 1, 1),
                   comment=f"{NAME}: batch statistics, scale and beta per channel"
                           + (f", running statistics (momentum {bn.momentum})" if bn.track else ""))
 
@@ -628,14 +650,13 @@ def _apply_kernel(bn: BnTrain, v: int, ix: str) -> Kernel:
 
 
 def _bwd_finalize_kernel(bn: BnTrain, sp: int) -> Kernel:
-    """Thread c: dgamma = sum(g * xhat), dbeta = sum(g); dy's coefficients b and d (module docstring)."""
-    code = Code()
-    code(f"const int c = GROUP_ID(0) * {BLOCK} + LOCAL_ID(0);", f"if (c >= {bn.c}) return;")
-    code(*_sum_slices(bn, sp))
+    """Channel c (:func:`_sum_slices`): dgamma = sum(g * xhat), dbeta = sum(g); dy's coefficients b and d
+    (module docstring)."""
+    code, fc, fk = _sum_slices(bn, sp)
     code(_st(bn, "sc"), *_bwd_finalize_lines(bn), "cf[c] = b;", f"cf[{bn.c} + c] = d;")
     args = (Buf("part"), Buf("st"), *((_par(bn).buf("dg", readonly=False),) if bn.affine else ()),
             Buf("cf", readonly=False))
-    return Kernel(f"{_prefix(bn)}_bwd_finalize", args, code.text(), (BLOCK, 1, 1),
+    return Kernel(f"{_prefix(bn)}_bwd_finalize", args, code.text(), (fc * fk, 1, 1),
                   comment=f"{NAME}: the gradients of gamma and beta, dy's coefficients")
 
 
