@@ -5,14 +5,15 @@ as ``cudnn_batch_norm`` (a statistics pass and a normalising pass), ``add_`` and
 passes over the activation forward, and ``threshold_backward`` plus batch norm's backward (its reductions
 and its elementwise pass), about eight, backward (docs/NOTES-training.md). Here:
 
-With one block per channel (few channels' worth of values, or enough channels to fill the GPU) each pass
-is one kernel: the block reduces its channel, thread 0 finalizes, and the block applies, re-reading the
-channel (from L2 on a GPU). Otherwise, with a channel split over several blocks:
+With one block per channel (NCHW) or channel tile (NHWC) over the whole batch (few values, or enough
+channels to fill the GPU) each pass is one kernel: the block reduces, finalizes and applies, re-reading
+its values (from L2 on a GPU). Otherwise, with the rows split over several blocks:
 
 forward   stats     block (j, c): slice j of channel c's N*H*W values as shifted sums, sum(v - k) and
-                    sum((v - k)^2) with k the channel's first value (no cancellation when the mean is
-                    large against the spread)
-          finalize  thread c: the slices' sums in slice order -> mean, 1 / sqrt(var + eps), scale = gamma
+                    sum((v - k)^2) with k the channel's first value, y[0, c, 0, 0] (no cancellation when
+                    the mean is large against the spread)
+          finalize  channel c: its slices' sums in a fixed order (threads over the slices, then a tree)
+                    -> mean, 1 / sqrt(var + eps), scale = gamma
                     * that, and beta (the "st" buffer, 5 x C, the mean kept as k + dm); the running mean
                     and unbiased variance updated with the momentum and the batch counted ("nbt", int64),
                     as ``torch.nn.BatchNorm2d`` does
@@ -22,12 +23,25 @@ forward   stats     block (j, c): slice j of channel c's N*H*W values as shifted
 backward  reduce    block (j, c): g = dz masked by the ReLU (without a residual the mask is recomputed from
                     y with the forward's own FMA, so z is not read; with one it comes from z and g is
                     written out: it is the residual's gradient), sums of g and g * (y - mean)
-          finalize  thread c: dgamma, dbeta ("dg", 2 x C) and dy's coefficients b, d ("cf", 2 x C)
+          finalize  channel c: dgamma, dbeta ("dg", 2 x C) and dy's coefficients b, d ("cf", 2 x C)
           apply     dy = scale * g + b * (y - mean) + d
 
 3 passes over the activation forward instead of 5 (8 with a residual), 5 (7) backward instead of 8. Every
-reduction adds in a fixed order, so runs are bit-identical. Activations are float32 NCHW, viewed as (N, C,
-H*W); float4 loads where H*W is a multiple of 4; element offsets in 64 bits past 2^31 - 1 elements.
+reduction adds in a fixed order, so runs are bit-identical; Inf and NaN propagate (the variance's clamp at 0
+and the ReLU mask keep NaN, as PyTorch's kernels do: a GradScaler must see them).
+
+Storage (``BnTrain.dtype``): float32, float16 or bfloat16 activations (y, res, z, dz, the masked dz, dy),
+read and written through :class:`~convforge.codegen.dialect.Storage`; the sums, the statistics ("st",
+"part", "cf") and every finalize in float32. gamma, beta, the running statistics and dgamma / dbeta are in
+the module's dtype (``pdtype``): float32 master parameters under autocast, the activations' half dtype
+in a ``.half()`` model.
+
+Layouts (``BnTrain.layout``): NCHW viewed as (N, C, H*W), 4-vectors along H*W where it is a multiple of 4;
+NHWC (channels_last) viewed as (N*H*W, C) rows: a reduction block takes a slab of rows and a tile of
+``tc * v`` channels (``_Rows``), its threads ``tc`` along the channels (v at once, coalesced and vectorised
+along C) by ``tr`` along the rows, and sums its rows through shared memory in a fixed tree; the
+elementwise kernels take 4 channels a thread where C is a multiple of 4. Element offsets in 64 bits past
+2^31 - 1 elements.
 """
 
 from __future__ import annotations
@@ -37,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from convforge.codegen.dialect import Buf, Kernel
+from convforge.codegen.dialect import Buf, Kernel, Storage
 from convforge.codegen.meta import Code, cdiv, fl
 from convforge.codegen.render import render
 from convforge.plan import DeviceInfo, Launch
@@ -45,11 +59,16 @@ from convforge.plan import DeviceInfo, Launch
 NAME = "bn_train"
 BLOCK = 256  # threads of the elementwise kernels
 _SLICE = 8192  # values per reduction block at least when a channel is split over several
+DTYPES = ("float32", "float16", "bfloat16")
+LAYOUTS = ("nchw", "nhwc")
+_SHORT = {"float16": "f16", "bfloat16": "bf16"}
 
 
 @dataclass(frozen=True)
 class BnTrain:
-    """One training batch norm: activation (n, c, hw), what follows it, its module's settings."""
+    """One training batch norm: activation (n, c, hw) in ``layout`` stored as ``dtype``, the module's
+    parameters and running statistics in ``pdtype`` (float32, or ``dtype``), what follows it, its
+    module's settings."""
 
     n: int
     c: int
@@ -60,6 +79,9 @@ class BnTrain:
     track: bool = True  # running statistics exist and are updated
     eps: float = 1e-5
     momentum: float = 0.1
+    dtype: str = "float32"  # y, res, z, dz, the masked dz, dy
+    pdtype: str = "float32"  # gamma, beta, running mean and variance, dgamma and dbeta
+    layout: str = "nchw"  # or "nhwc": channels_last, viewed as (N*H*W, C)
 
     def __post_init__(self) -> None:
         if min(self.n, self.c, self.hw) < 1:
@@ -69,6 +91,11 @@ class BnTrain:
                              f"(N*H*W = {self.n * self.hw})")
         if not self.eps > 0 or not 0.0 <= self.momentum <= 1.0:
             raise ValueError(f"{NAME}: eps ({self.eps}) must be > 0 and momentum ({self.momentum}) in [0, 1]")
+        if self.dtype not in DTYPES or self.pdtype not in ("float32", self.dtype):
+            raise ValueError(f"{NAME}: activations' dtype ({self.dtype}) must be one of {', '.join(DTYPES)} and "
+                             f"the parameters' ({self.pdtype}) float32 or the same")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"{NAME}: layout ({self.layout!r}) must be nchw or nhwc")
 
     @property
     def m(self) -> int:
@@ -79,8 +106,17 @@ class BnTrain:
     def total(self) -> int:
         return self.n * self.c * self.hw
 
+    @property
+    def nhwc(self) -> bool:
+        return self.layout == "nhwc"
+
     def tag(self) -> str:
-        return ("_relu" if self.relu else "") + ("_res" if self.residual else "")
+        return ("_relu" if self.relu else "") + ("_res" if self.residual else "") + self.storage_tag()
+
+    def storage_tag(self) -> str:
+        """"" for float32 NCHW, else e.g. "_f16_nhwc" or "_bf16p" (p: parameters in the half dtype)."""
+        return (f"_{_SHORT[self.dtype]}" if self.dtype in _SHORT else "") + ("p" if self.pdtype != "float32" else "") \
+            + ("_nhwc" if self.nhwc else "")
 
 
 @dataclass(frozen=True)
@@ -94,11 +130,46 @@ class BnProgram:
     part: int
 
 
+@dataclass(frozen=True)
+class _Rows:
+    """An NHWC reduction block: ``tc`` threads along the channels, ``v`` channels each (a 4-vector where
+    C is a multiple of 4), by ``tr`` threads along the rows (a power of 2: the tree over them)."""
+
+    v: int
+    tc: int
+    tr: int
+    cv: int  # channel vectors in a row, C / v
+
+    @classmethod
+    def of(cls, bn: BnTrain, bt: int) -> _Rows:
+        v = 4 if bn.c % 4 == 0 else 1
+        cv = bn.c // v
+        tc = min(cv, 32)
+        tr = 1 << ((max(bt // tc, 1)).bit_length() - 1)
+        return cls(v, tc, tr, cv)
+
+    @property
+    def tiles(self) -> int:
+        return cdiv(self.cv, self.tc)
+
+    @property
+    def width(self) -> int:
+        """Channels of a tile."""
+        return self.tc * self.v
+
+
+def _threads(device: DeviceInfo) -> int:
+    return min(256 if device.is_gpu else 64, device.max_threads)
+
+
 def slices(bn: BnTrain, device: DeviceInfo) -> int:
-    """Reduction blocks per channel: on GPUs enough for four blocks per compute unit, each over at least
-    8192 values; one on CPUs."""
+    """Reduction blocks per channel (NCHW) or channel tile (NHWC): on GPUs enough for four blocks per
+    compute unit, each over at least 8192 values; one on CPUs."""
     if not device.is_gpu:
         return 1
+    if bn.nhwc:
+        rows = _Rows.of(bn, _threads(device))
+        return max(1, min(cdiv(4 * max(device.units, 1), rows.tiles), bn.m * min(bn.c, rows.width) // _SLICE))
     return max(1, min(cdiv(4 * max(device.units, 1), bn.c), bn.m // _SLICE))
 
 
@@ -108,29 +179,33 @@ def bn_program(bn: BnTrain, device: DeviceInfo, sp: int | None = None) -> BnProg
     sp = slices(bn, device) if sp is None else sp
     if not 1 <= sp <= bn.m:
         raise ValueError(f"{NAME}: slices per channel ({sp}) must be in 1..{bn.m} (N*H*W)")
-    bt = 256 if device.is_gpu else 64
-    bt = min(bt, device.max_threads)
-    v = 4 if bn.hw % 4 == 0 else 1
+    bt = _threads(device)
     ix = "I64" if bn.total > 2**31 - 1 else "int"
-    eblock = (BLOCK, 1, 1)
-    if sp == 1:  # a block per channel: statistics, finalize and apply in one kernel a pass
-        one = _reduce_kernel(bn, "stats", 1, bt, v, ix, fused=True)
-        bone = _reduce_kernel(bn, "bwd_reduce", 1, bt, v, ix, fused=True)
-        return BnProgram((one, bone), (Launch(one.name, (1, bn.c, 1), one.block, _names(one)),),
-                         (Launch(bone.name, (1, bn.c, 1), bone.block, _names(bone)),), 0)
-    stats = _reduce_kernel(bn, "stats", sp, bt, v, ix)
+    if bn.nhwc:
+        rows = _Rows.of(bn, bt)
+        v, rgrid, rblock = rows.v, (sp, rows.tiles, 1), (rows.tc * rows.tr, 1, 1)
+        stats = _rows_reduce_kernel(bn, "stats", sp, rows, ix, fused=sp == 1)
+        bred = _rows_reduce_kernel(bn, "bwd_reduce", sp, rows, ix, fused=sp == 1)
+    else:
+        v, rgrid, rblock = (4 if bn.hw % 4 == 0 else 1), (sp, bn.c, 1), (bt, 1, 1)
+        stats = _reduce_kernel(bn, "stats", sp, bt, v, ix, fused=sp == 1)
+        bred = _reduce_kernel(bn, "bwd_reduce", sp, bt, v, ix, fused=sp == 1)
+    if sp == 1:  # a block per channel (tile): statistics, finalize and apply in one kernel a pass
+        return BnProgram((stats, bred), (Launch(stats.name, rgrid, rblock, _names(stats)),),
+                         (Launch(bred.name, rgrid, rblock, _names(bred)),), 0)
     fin = _finalize_kernel(bn, sp)
     apply = _apply_kernel(bn, v, ix)
-    bred = _reduce_kernel(bn, "bwd_reduce", sp, bt, v, ix)
     bfin = _bwd_finalize_kernel(bn, sp)
     bapply = _bwd_apply_kernel(bn, v, ix)
-    cgrid = (cdiv(bn.c, BLOCK), 1, 1)
+    eblock = (BLOCK, 1, 1)
+    fc, fk = _fin_shape(bn, sp)
+    cgrid, cblock = (cdiv(bn.c, fc), 1, 1), (fc * fk, 1, 1)
     egrid = (cdiv(bn.total // v, BLOCK), 1, 1)
-    fwd = (Launch(stats.name, (sp, bn.c, 1), stats.block, _names(stats)),
-           Launch(fin.name, cgrid, eblock, _names(fin)),
+    fwd = (Launch(stats.name, rgrid, rblock, _names(stats)),
+           Launch(fin.name, cgrid, cblock, _names(fin)),
            Launch(apply.name, egrid, eblock, _names(apply)))
-    bwd = (Launch(bred.name, (sp, bn.c, 1), bred.block, _names(bred)),
-           Launch(bfin.name, cgrid, eblock, _names(bfin)),
+    bwd = (Launch(bred.name, rgrid, rblock, _names(bred)),
+           Launch(bfin.name, cgrid, cblock, _names(bfin)),
            Launch(bapply.name, egrid, eblock, _names(bapply)))
     return BnProgram((stats, fin, apply, bred, bfin, bapply), fwd, bwd, 2 * sp * bn.c)
 
@@ -143,8 +218,18 @@ def _prefix(bn: BnTrain) -> str:
     return f"{NAME}_{bn.n}x{bn.c}x{bn.hw}{bn.tag()}"
 
 
+def _act(bn: BnTrain) -> Storage:
+    """How the kernels read and write the activation-sized buffers."""
+    return Storage(bn.dtype)
+
+
+def _par(bn: BnTrain) -> Storage:
+    """How the kernels read and write gamma, beta, the running statistics and dgamma / dbeta."""
+    return Storage(bn.pdtype)
+
+
 def _at(bn: BnTrain, v: int, ix: str, e: str) -> str:
-    """Offset, from channel c's first value, of the ``e``-th vector of v values of that channel."""
+    """NCHW: offset, from channel c's first value, of the ``e``-th vector of v values of that channel."""
     hv = bn.hw // v
     return f"({ix})(({e}) / {hv}) * {bn.c * bn.hw} + (({e}) % {hv}) * {v}"
 
@@ -153,22 +238,42 @@ def _lanes(v: int) -> tuple[str, ...]:
     return (".x", ".y", ".z", ".w") if v == 4 else ("",)
 
 
+def _ftype(v: int) -> str:
+    return "float4" if v == 4 else "float"
+
+
 ST = ("k0", "dm", "inv", "sc", "sh")  # the "st" buffer's rows, C values each: mean = k0 + dm (module docstring)
 # Every buffer a forward or backward kernel takes, numbered: the pointer slots of native.cpp's BlockNode (its enum
 # BnSlot lists them in this order), which launches these kernels from C++ (torch/batchnorm.py native_handle)
 BN_SLOTS = {name: i for i, name in enumerate(("y", "res", "z", "gamma", "beta", "rmean", "rvar", "nbt", "st",
                                                "part", "gz", "gm", "dg", "cf", "dy"))}
+ACT_BUFFERS = ("y", "res", "z", "gz", "gm", "dy")  # activation-sized: BnTrain.dtype, in its layout
+PARAM_BUFFERS = ("gamma", "beta", "rmean", "rvar", "dg")  # BnTrain.pdtype
 
 
-def _st(bn: BnTrain, *names: str) -> str:
-    """Loads of channel c's statistics from "st" into locals of their names."""
-    return "const float " + ", ".join(f"{n} = st[{ST.index(n) * bn.c} + c]" for n in names) + ";"
+def _st(bn: BnTrain, *names: str, ch: str = "c") -> str:
+    """Loads of channel ``ch``'s statistics from "st" (read-only where this is used) into locals of their
+    names."""
+    return "const float " + ", ".join(f"{n} = LDG(st + {ST.index(n) * bn.c} + {ch})" for n in names) + ";"
 
 
-def _centred(lane: str) -> str:
+def _st_lanes(bn: BnTrain, v: int, *names: str) -> str:
+    """NHWC: the statistics of channels c .. c + v - 1 into locals (float4 ``k0v``... where v is 4)."""
+    if v == 1:
+        return _st(bn, *names)
+    return "const float4 " + ", ".join(f"{n}v = VLOAD4(0, st + {ST.index(n) * bn.c} + c)" for n in names) + ";"
+
+
+def _stat(bn: BnTrain, name: str, lane: str) -> str:
+    """A statistic of the channel of vector lane ``lane``: one per thread in NCHW (the lanes share the
+    channel), one per lane in NHWC (``k0v.y``)."""
+    return f"{name}v{lane}" if bn.nhwc and lane else name
+
+
+def _centred(bn: BnTrain, lane: str) -> str:
     """y - mean as (y - k0) - dm: y - k0 is exact (Sterbenz) where y is near the mean, so a mean large
     against the spread costs no precision (a rounded float32 mean would)."""
-    return f"(yv{lane} - k0) - dm"
+    return f"(yv{lane} - {_stat(bn, 'k0', lane)}) - {_stat(bn, 'dm', lane)}"
 
 
 def _sfx(lane: str) -> str:
@@ -177,20 +282,47 @@ def _sfx(lane: str) -> str:
 
 
 def _grad_line(bn: BnTrain, lane: str) -> str:
-    """g{lane}: the gradient dz (gv) behind the ReLU of the value yv{lane} (backward kernels): masked
-    by z > 0 (zv) with a residual, else by the forward's own FMA recomputed (the same bits as z > 0)."""
+    """g{lane}: the gradient dz (gv) behind the ReLU of the value yv{lane} (backward kernels): zero where
+    z <= 0 (zv) with a residual, else where the forward's own FMA, recomputed, is (the same bits as z).
+    As PyTorch's threshold_backward: a NaN z passes dz on, an Inf or NaN dz reaches the sums."""
+    g = f"const float g{_sfx(lane)}"
     if not bn.relu:
-        return f"const float g{_sfx(lane)} = gv{lane};"
+        return f"{g} = gv{lane};"
     if bn.residual:
-        return f"const float g{_sfx(lane)} = zv{lane} > 0.0f ? gv{lane} : 0.0f;"
-    return f"const float g{_sfx(lane)} = FMA({_centred(lane)}, sc, sh) > 0.0f ? gv{lane} : 0.0f;"
+        return f"{g} = zv{lane} <= 0.0f ? 0.0f : gv{lane};"
+    pre = f"FMA({_centred(bn, lane)}, {_stat(bn, 'sc', lane)}, {_stat(bn, 'sh', lane)})"
+    return f"{g} = {pre} <= 0.0f ? 0.0f : gv{lane};"
+
+
+def _dy_value(bn: BnTrain, lane: str) -> str:
+    """dy of one value: scale * g + b * (y - mean) + d."""
+    b, d = _stat(bn, "b", lane), _stat(bn, "d", lane)
+    return f"FMA({_stat(bn, 'sc', lane)}, g{_sfx(lane)}, FMA({b}, {_centred(bn, lane)}, {d}))"
+
+
+def _store(s: Storage, v: int, outs: list[str], ptr: str, off: str) -> str:
+    """The statement storing ``outs`` (v floats) at vector ``off`` (v = 4) or element ``off`` of ``ptr``."""
+    if v == 4:
+        return s.vstore4(f"MAKE_FLOAT4({', '.join(outs)})", off, ptr) + ";"
+    return s.store(ptr, off, outs[0]) + ";"
+
+
+def _bwd_args(bn: BnTrain, fused: bool) -> tuple[Buf, ...]:
+    """The buffers of a backward reduction (``fused``: also its finalize and apply)."""
+    s, writes_gm = _act(bn), bn.relu and bn.residual
+    head = (s.buf("gz"), s.buf("y"), *((s.buf("z"),) if writes_gm else ()), Buf("st"),
+            *((s.buf("gm", readonly=False),) if writes_gm else ()))
+    if not fused:
+        return (*head, Buf("part", readonly=False))
+    return (*head, *((_par(bn).buf("dg", readonly=False),) if bn.affine else ()), s.buf("dy", readonly=False))
 
 
 def _reduce_kernel(bn: BnTrain, what: str, sp: int, bt: int, v: int, ix: str, fused: bool = False) -> Kernel:
-    """Block (j, c): slice j of channel c. "stats": sums of (y - k) and (y - k)^2, k = y[0, c, 0];
+    """NCHW, block (j, c): slice j of channel c. "stats": sums of (y - k) and (y - k)^2, k = y[0, c, 0];
     "bwd_reduce": sums of g and g * (y - mean) (and g written to "gm" with a ReLU and a residual).
     Partial sums land in part[j * C + c] and part[(sp + j) * C + c]; ``fused`` (one slice: the block
     holds the whole channel): thread 0 finalizes instead and the block applies (:func:`_fused_tail`)."""
+    s = _act(bn)
     chunks = bn.m // v
     per = cdiv(chunks, sp)
     bwd = what == "bwd_reduce"
@@ -203,56 +335,59 @@ def _reduce_kernel(bn: BnTrain, what: str, sp: int, bt: int, v: int, ix: str, fu
     if bwd:
         code(_st(bn, *ST[:2], *ST[3:]))
     else:
-        code("const float k0 = y[base];")
+        code(f"const float k0 = {s.load('y', 'base')};")
     code("float a1 = 0.0f, a2 = 0.0f;")
-    ftype = "float4" if v == 4 else "float"
     with code.block(f"for (int e = j * {per} + t; e < e1; e += {bt})"):
         code(f"const {ix} at = base + {_at(bn, v, ix, 'e')};")
-        load = (lambda p: f"VLOAD4(0, {p} + at)") if v == 4 else (lambda p: f"{p}[at]")
-        code(f"const {ftype} yv = {load('y')};")
+        load = (lambda p: s.vload4("0", f"{p} + at")) if v == 4 else (lambda p: s.load(p, "at"))
+        code(f"const {_ftype(v)} yv = {load('y')};")
         if bwd:
-            code(f"const {ftype} gv = {load('gz')};")
+            code(f"const {_ftype(v)} gv = {load('gz')};")
             if bn.relu and bn.residual:
-                code(f"const {ftype} zv = {load('z')};")
+                code(f"const {_ftype(v)} zv = {load('z')};")
             code(*[_grad_line(bn, lane) for lane in _lanes(v)])
             gs = [f"g{_sfx(lane)}" for lane in _lanes(v)]
-            ds = [f"{g} * ({_centred(lane)})" for g, lane in zip(gs, _lanes(v), strict=True)]
+            ds = [f"{g} * ({_centred(bn, lane)})" for g, lane in zip(gs, _lanes(v), strict=True)]
             if writes_gm:
-                code(f"VSTORE4(MAKE_FLOAT4({', '.join(gs)}), 0, gm + at);" if v == 4 else "gm[at] = g;")
+                code(_store(s, v, gs, "gm + at" if v == 4 else "gm", "0" if v == 4 else "at"))
         else:
             code(*[f"const float d{_sfx(lane)} = yv{lane} - k0;" for lane in _lanes(v)])
             gs = [f"d{_sfx(lane)}" for lane in _lanes(v)]
             ds = [f"d{_sfx(lane)} * d{_sfx(lane)}" for lane in _lanes(v)]
         code(f"a1 += {_pairwise(gs)};", f"a2 += {_pairwise(ds)};")
     code("r1[t] = a1;", "r2[t] = a2;", "BARRIER();")
-    half = bt // 2
-    while half >= 1:
-        with code.block(f"if (t < {half})"):
-            code(f"r1[t] += r1[t + {half}];", f"r2[t] += r2[t + {half}];")
-        code("BARRIER();")
-        half //= 2
+    _tree(code, bt, 1, 1, "t")
     what_text = ("sums of the ReLU-masked gradient g and g * (y - mean)" if bwd
                  else "shifted sums of y and y^2")
     if fused:
         return _fused_tail(bn, code, bwd, bt, v, ix, what_text)
     with code.block("if (t == 0)"):
         code(f"part[j * {bn.c} + c] = r1[0];", f"part[({sp} + j) * {bn.c} + c] = r2[0];")
-    if bwd:
-        args = (Buf("gz"), Buf("y"), *((Buf("z"),) if bn.relu and bn.residual else ()), Buf("st"),
-                *((Buf("gm", readonly=False),) if writes_gm else ()), Buf("part", readonly=False))
-    else:
-        args = (Buf("y"), Buf("part", readonly=False))
+    args = _bwd_args(bn, False) if bwd else (s.buf("y"), Buf("part", readonly=False))
     return Kernel(f"{_prefix(bn)}_{what}", args, code.text(), (bt, 1, 1),
                   comment=f"{NAME}: {what_text} per (slice, channel), {sp} slice(s), {bt} threads")
 
 
+def _tree(code: Code, rows: int, width: int, v: int, me: str) -> None:
+    """r1 and r2 summed over ``rows`` rows of ``width`` values (row r at r * width) into row 0, halving
+    in a fixed order; thread ``me`` of a row adds its ``v`` values."""
+    half = rows // 2
+    while half >= 1:
+        with code.block(f"if ({me} < {half})"):
+            for lane in range(v):
+                at = f"t * {v} + {lane}" if v > 1 else "t"
+                code(f"r1[{at}] += r1[{at} + {half * width}];", f"r2[{at}] += r2[{at} + {half * width}];")
+        code("BARRIER();")
+        half //= 2
+
+
 def _fused_tail(bn: BnTrain, code: Code, bwd: bool, bt: int, v: int, ix: str, what_text: str) -> Kernel:
-    """One block per channel, after its sums: thread 0 finalizes (forward: :func:`_finalize_lines`;
+    """NCHW, one block per channel, after its sums: thread 0 finalizes (forward: :func:`_finalize_lines`;
     backward: dgamma, dbeta, b and d) and hands the block its coefficients through shared memory, then
     every thread applies over the values it reduced (its own gm stores read back)."""
+    s = _act(bn)
     chunks = bn.m // v
-    ftype = "float4" if v == 4 else "float"
-    load = (lambda p: f"VLOAD4(0, {p} + at)") if v == 4 else (lambda p: f"{p}[at]")
+    load = (lambda p: s.vload4("0", f"{p} + at")) if v == 4 else (lambda p: s.load(p, "at"))
     lanes = _lanes(v)
     code("SHARED float fin[2];")
     with code.block("if (t == 0)"):
@@ -263,33 +398,129 @@ def _fused_tail(bn: BnTrain, code: Code, bwd: bool, bt: int, v: int, ix: str, wh
             code(*_finalize_lines(bn), "fin[0] = dm;", "fin[1] = sc;")
     code("BARRIER();")
     code("const float b = fin[0], d = fin[1];" if bwd else
-         f"const float dm = fin[0], sc = fin[1], sh = {'beta[c]' if bn.affine else '0.0f'};")
+         f"const float dm = fin[0], sc = fin[1], sh = {_par(bn).load('beta', 'c') if bn.affine else '0.0f'};")
     with code.block(f"for (int e = t; e < {chunks}; e += {bt})"):
-        code(f"const {ix} at = base + {_at(bn, v, ix, 'e')};", f"const {ftype} yv = {load('y')};")
+        code(f"const {ix} at = base + {_at(bn, v, ix, 'e')};", f"const {_ftype(v)} yv = {load('y')};")
         if bwd:
             src = "gm" if bn.relu and bn.residual else "gz"
-            code(f"const {ftype} gv = {load(src)};")
+            code(f"const {_ftype(v)} gv = {load(src)};")
             for lane in lanes:  # with a residual gm is already masked
                 code(_grad_line(bn, lane) if bn.relu and not bn.residual else f"const float g{_sfx(lane)} = gv{lane};")
-            outs = [f"FMA(sc, g{_sfx(lane)}, FMA(b, {_centred(lane)}, d))" for lane in lanes]
+            outs = [_dy_value(bn, lane) for lane in lanes]
             out = "dy"
         else:
             if bn.residual:
-                code(f"const {ftype} rv = {load('res')};")
+                code(f"const {_ftype(v)} rv = {load('res')};")
             outs = [_apply_value(bn, lane) for lane in lanes]
             out = "z"
-        code(f"VSTORE4(MAKE_FLOAT4({', '.join(outs)}), 0, {out} + at);" if v == 4 else f"{out}[at] = {outs[0]};")
+        code(_store(s, v, outs, f"{out} + at" if v == 4 else out, "0" if v == 4 else "at"))
     if bwd:
-        writes_gm = bn.relu and bn.residual
-        args: tuple[Buf, ...] = (Buf("gz"), Buf("y"), *((Buf("z"),) if writes_gm else ()), Buf("st"),
-                                 *((Buf("gm", readonly=False),) if writes_gm else ()),
-                                 *((Buf("dg", readonly=False),) if bn.affine else ()), Buf("dy", readonly=False))
+        args = _bwd_args(bn, True)
         tail = "dgamma, dbeta and dy"
     else:
-        args = (Buf("y"), *((Buf("res"),) if bn.residual else ()), *_finalize_args(bn), Buf("z", readonly=False))
+        args = (s.buf("y"), *((s.buf("res"),) if bn.residual else ()), *_finalize_args(bn),
+                s.buf("z", readonly=False))
         tail = "statistics, running statistics and z"
     return Kernel(f"{_prefix(bn)}_{'bwd' if bwd else 'fwd'}_one", args, code.text(), (bt, 1, 1),
                   comment=f"{NAME}: {what_text}, then {tail}: one block per channel, {bt} threads")
+
+
+def _rows_reduce_kernel(bn: BnTrain, what: str, sp: int, rows: _Rows, ix: str, fused: bool = False) -> Kernel:
+    """NHWC, block (j, t): slab j of the N*H*W rows, channel tile t (``_Rows``). Thread (tx, ty) adds rows
+    ty, ty + tr, ... of its slab for its v channels (a warp reads whole lines along C), then the tile's
+    rows are summed in a fixed tree through shared memory. Sums as :func:`_reduce_kernel`'s, into
+    part[j * C + c] and part[(sp + j) * C + c]; ``fused`` (one slab): the tree's first row finalizes its
+    channels and the block applies over the rows it read."""
+    s, v, w = _act(bn), rows.v, rows.width
+    bwd = what == "bwd_reduce"
+    writes_gm = bwd and bn.relu and bn.residual
+    lanes = _lanes(v)
+    per = cdiv(bn.m, sp)
+    ragged = rows.cv % rows.tc != 0  # the last tile's threads past C only join the barriers
+    code = Code()
+    code(f"SHARED float r1[{rows.tr * w}];", f"SHARED float r2[{rows.tr * w}];",
+         "const int t = LOCAL_ID(0), j = GROUP_ID(0);",
+         f"const int tx = t % {rows.tc}, ty = t / {rows.tc}, cw = GROUP_ID(1) * {rows.tc} + tx;")
+    if ragged:
+        code(f"const int ok = cw < {rows.cv}, c = ok ? cw * {v} : 0;",
+             f"const int e1 = ok ? min((j + 1) * {per}, {bn.m}) : 0;")
+    else:
+        code(f"const int c = cw * {v};", f"const int e1 = min((j + 1) * {per}, {bn.m});")
+    if bwd:
+        code(_st_lanes(bn, v, *ST[:2], *ST[3:]))
+    else:
+        code(f"const float4 k0v = {s.vload4('0', 'y + c')};" if v == 4 else f"const float k0 = {s.load('y', 'c')};")
+    code("float " + ", ".join(f"a{_sfx(lane)} = 0.0f, q{_sfx(lane)} = 0.0f" for lane in lanes) + ";")
+    load = (lambda p: s.vload4("0", f"{p} + at")) if v == 4 else (lambda p: s.load(p, "at"))
+    with code.block(f"for (int r = j * {per} + ty; r < e1; r += {rows.tr})"):
+        code(f"const {ix} at = ({ix})r * {bn.c} + c;", f"const {_ftype(v)} yv = {load('y')};")
+        if bwd:
+            code(f"const {_ftype(v)} gv = {load('gz')};")
+            if writes_gm:
+                code(f"const {_ftype(v)} zv = {load('z')};")
+            code(*[_grad_line(bn, lane) for lane in lanes])
+            if writes_gm:
+                code(_store(s, v, [f"g{_sfx(lane)}" for lane in lanes], "gm + at" if v == 4 else "gm",
+                            "0" if v == 4 else "at"))
+            code(*[f"a{_sfx(lane)} += g{_sfx(lane)}; q{_sfx(lane)} += g{_sfx(lane)} * ({_centred(bn, lane)});"
+                   for lane in lanes])
+        else:
+            code(*[f"const float d{_sfx(lane)} = yv{lane} - {_stat(bn, 'k0', lane)}; a{_sfx(lane)} += d{_sfx(lane)}; "
+                   f"q{_sfx(lane)} += d{_sfx(lane)} * d{_sfx(lane)};" for lane in lanes])
+    at = [f"t * {v} + {i}" if v > 1 else "t" for i in range(v)]
+    code(*[f"r1[{at[i]}] = a{_sfx(lane)}; r2[{at[i]}] = q{_sfx(lane)};" for i, lane in enumerate(lanes)],
+         "BARRIER();")
+    _tree(code, rows.tr, w, v, "ty")
+    first = "ty == 0 && ok" if ragged else "ty == 0"
+    what_text = ("sums of the ReLU-masked gradient g and g * (y - mean)" if bwd
+                 else "shifted sums of y and y^2")
+    shape = f"{rows.tc} x {rows.tr} threads, {v} channel(s) a thread"
+    if not fused:
+        with code.block(f"if ({first})"):
+            for i in range(v):
+                ch = f"c + {i}" if v > 1 else "c"
+                code(f"part[j * {bn.c} + {ch}] = r1[{at[i]}];", f"part[({sp} + j) * {bn.c} + {ch}] = r2[{at[i]}];")
+        args = _bwd_args(bn, False) if bwd else (s.buf("y"), Buf("part", readonly=False))
+        return Kernel(f"{_prefix(bn)}_{what}", args, code.text(), (rows.tc * rows.tr, 1, 1),
+                      comment=f"{NAME}: {what_text} per (slab of rows, channel), {sp} slab(s), {shape}")
+    fins = ("b", "d") if bwd else ("dm", "sc", "sh")
+    code(*[f"SHARED float f{n}[{w}];" for n in fins])
+    with code.block(f"if ({first})"):
+        for i, lane in enumerate(lanes):
+            with code.block(""):
+                code(f"const int cl = {'c + ' + str(i) if v > 1 else 'c'};",
+                     f"const float s1 = r1[{at[i]}], s2 = r2[{at[i]}];")
+                if bwd:
+                    code(*([f"const float sc = scv{lane};"] if v > 1 else []), *_bwd_finalize_lines(bn, "cl"))
+                else:
+                    code(*([f"const float k0 = k0v{lane};"] if v > 1 else []),
+                         *_finalize_lines(bn, "cl", counts=i == 0))
+                code(*[f"f{n}[{at[i]}] = {n};" for n in fins])
+    code("BARRIER();")
+    for n in fins:  # every thread of the column: its channels' coefficients
+        code(f"const float4 {n}v = MAKE_FLOAT4({', '.join(f'f{n}[tx * 4 + {i}]' for i in range(4))});" if v == 4
+             else f"const float {n} = f{n}[tx];")
+    with code.block(f"for (int r = ty; r < e1; r += {rows.tr})"):
+        code(f"const {ix} at = ({ix})r * {bn.c} + c;", f"const {_ftype(v)} yv = {load('y')};")
+        if bwd:
+            code(f"const {_ftype(v)} gv = {load('gm' if writes_gm else 'gz')};")
+            for lane in lanes:  # with a residual gm is already masked
+                code(_grad_line(bn, lane) if bn.relu and not bn.residual else f"const float g{_sfx(lane)} = gv{lane};")
+            outs, out = [_dy_value(bn, lane) for lane in lanes], "dy"
+        else:
+            if bn.residual:
+                code(f"const {_ftype(v)} rv = {load('res')};")
+            outs, out = [_apply_value(bn, lane) for lane in lanes], "z"
+        code(_store(s, v, outs, f"{out} + at" if v == 4 else out, "0" if v == 4 else "at"))
+    if bwd:
+        args = _bwd_args(bn, True)
+        tail = "dgamma, dbeta and dy"
+    else:
+        args = (s.buf("y"), *((s.buf("res"),) if bn.residual else ()), *_finalize_args(bn),
+                s.buf("z", readonly=False))
+        tail = "statistics, running statistics and z"
+    return Kernel(f"{_prefix(bn)}_{'bwd' if bwd else 'fwd'}_one", args, code.text(), (rows.tc * rows.tr, 1, 1),
+                  comment=f"{NAME}: {what_text}, then {tail}: one block per tile of {w} channels, {shape}")
 
 
 def _pairwise(terms: list[str]) -> str:
@@ -298,132 +529,177 @@ def _pairwise(terms: list[str]) -> str:
     return f"({terms[0]} + {terms[1]}) + ({terms[2]} + {terms[3]})"
 
 
-def _sum_slices(bn: BnTrain, sp: int) -> list[str]:
-    return [f"float s1 = part[c], s2 = part[{sp * bn.c} + c];",
-            *([f"for (int j = 1; j < {sp}; ++j) {{ s1 += part[j * {bn.c} + c]; s2 += part[({sp} + j) * {bn.c} + c]; }}"]
-              if sp > 1 else [])]
+def _fin_shape(bn: BnTrain, sp: int) -> tuple[int, int]:
+    """A finalize block: ``fc`` channels (consecutive threads: 32-byte pieces of a slice's row) by ``fk``
+    threads over the slices (a power of 2, at most the slices' next): the hundreds of slabs of a narrow
+    channels_last tensor cost a thread a dozen or two loads, not hundreds in a row."""
+    fc = min(bn.c, 8)
+    fk = 1 << ((BLOCK // fc).bit_length() - 1)
+    return fc, min(fk, 1 << (sp - 1).bit_length())
+
+
+def _sum_slices(bn: BnTrain, sp: int) -> tuple[Code, int, int]:
+    """The head of a finalize kernel: thread (cx, k) of block b adds slices k, k + fk, ... of channel
+    c = b * fc + cx, then the fk partial sums of each channel add in a fixed tree; threads k = 0 of real
+    channels go on with s1, s2 (the channel's sums) and c."""
+    fc, fk = _fin_shape(bn, sp)
+    code = Code()
+    code(f"SHARED float r1[{fc * fk}];", f"SHARED float r2[{fc * fk}];",
+         f"const int t = LOCAL_ID(0), k = t / {fc}, c = GROUP_ID(0) * {fc} + t % {fc};",
+         "float a1 = 0.0f, a2 = 0.0f;")
+    with code.block(f"if (c < {bn.c})"):
+        code(f"for (int j = k; j < {sp}; j += {fk}) {{ a1 += part[j * {bn.c} + c]; "
+             f"a2 += part[({sp} + j) * {bn.c} + c]; }}")
+    code("r1[t] = a1;", "r2[t] = a2;", "BARRIER();")
+    _tree(code, fk, fc, 1, "k")
+    code(f"if (k != 0 || c >= {bn.c}) return;", "const float s1 = r1[t], s2 = r2[t];")
+    return code, fc, fk
 
 
 def _finalize_kernel(bn: BnTrain, sp: int) -> Kernel:
-    """Thread c: mean, 1/sqrt(var + eps), scale and beta into st; the running statistics updated."""
-    code = Code()
-    code(f"const int c = GROUP_ID(0) * {BLOCK} + LOCAL_ID(0);", f"if (c >= {bn.c}) return;")
-    code(*_sum_slices(bn, sp))
-    code(f"const float k0 = y[(I64)c * {bn.hw}];", *_finalize_lines(bn))
-    args = (Buf("part"), Buf("y"), *_finalize_args(bn))
-    return Kernel(f"{_prefix(bn)}_finalize", args, code.text(), (BLOCK, 1, 1),
+    """Channel c (:func:`_sum_slices`): mean, 1/sqrt(var + eps), scale and beta into st; the running
+    statistics updated."""
+    code, fc, fk = _sum_slices(bn, sp)
+    first = "c" if bn.nhwc else f"(I64)c * {bn.hw}"  # y[0, c, 0, 0]
+    code(f"const float k0 = {_act(bn).load('y', first)};", *_finalize_lines(bn))
+    args = (Buf("part"), _act(bn).buf("y"), *_finalize_args(bn))
+    return Kernel(f"{_prefix(bn)}_finalize", args, code.text(), (fc * fk, 1, 1),
                   comment=f"{NAME}: batch statistics, scale and beta per channel"
                           + (f", running statistics (momentum {bn.momentum})" if bn.track else ""))
 
 
-def _finalize_lines(bn: BnTrain) -> list[str]:
-    """Channel c's statistics from its sums s1, s2 of y - k0: st, the running statistics, the count."""
+def _finalize_lines(bn: BnTrain, ch: str = "c", counts: bool = True) -> list[str]:
+    """Channel ``ch``'s statistics from its sums s1, s2 of y - k0: st, the running statistics (read and
+    written in the parameters' dtype, updated in float32) and, where ``counts``, the batch count. The
+    variance's clamp at 0 keeps NaN (an Inf or NaN input reaches the running statistics, as PyTorch's)."""
+    p = _par(bn)
     lines = [f"const float dm = s1 / {fl(bn.m)};",
              "const float mean = k0 + dm;",
-             f"const float var = MAX(s2 / {fl(bn.m)} - dm * dm, 0.0f);",
+             f"const float var = RELU(s2 / {fl(bn.m)} - dm * dm);",
              f"const float inv = 1.0f / sqrt(var + {fl(bn.eps)});",
-             f"const float sc = {'gamma[c] * inv' if bn.affine else 'inv'};",
-             f"const float sh = {'beta[c]' if bn.affine else '0.0f'};",
-             *[f"st[{i * bn.c} + c] = {n};" for i, n in enumerate(ST)]]
+             f"const float sc = {p.load('gamma', ch) + ' * inv' if bn.affine else 'inv'};",
+             f"const float sh = {p.load('beta', ch) if bn.affine else '0.0f'};",
+             *[f"st[{i * bn.c} + {ch}] = {n};" for i, n in enumerate(ST)]]
     if bn.track:
         mom, keep = bn.momentum, 1.0 - bn.momentum
-        lines += [f"rmean[c] = {fl(keep)} * rmean[c] + {fl(mom)} * mean;",
-                  f"rvar[c] = {fl(keep)} * rvar[c] + {fl(mom)} * (var * {fl(bn.m / (bn.m - 1))});",
-                  "if (c == 0) nbt[0] += 1;  // num_batches_tracked, as the module's forward counts it"]
+        lines += [p.store("rmean", ch, f"{fl(keep)} * {p.load('rmean', ch)} + {fl(mom)} * mean") + ";",
+                  p.store("rvar", ch, f"{fl(keep)} * {p.load('rvar', ch)} + {fl(mom)} * "
+                                      f"(var * {fl(bn.m / (bn.m - 1))})") + ";"]
+        if counts:
+            lines.append(f"if ({ch} == 0) nbt[0] += 1;  // num_batches_tracked, as the module's forward counts it")
     return lines
 
 
 def _finalize_args(bn: BnTrain) -> tuple[Buf, ...]:
-    return (*((Buf("gamma"), Buf("beta")) if bn.affine else ()),
-            *((Buf("rmean", readonly=False), Buf("rvar", readonly=False), Buf("nbt", "I64", readonly=False))
+    p = _par(bn)
+    return (*((p.buf("gamma"), p.buf("beta")) if bn.affine else ()),
+            *((p.buf("rmean", readonly=False), p.buf("rvar", readonly=False), Buf("nbt", "I64", readonly=False))
               if bn.track else ()),
             Buf("st", readonly=False))
 
 
 def _apply_value(bn: BnTrain, lane: str) -> str:
     """z of one value: [ReLU]((y - mean) * scale + beta [+ res])."""
-    val = f"FMA({_centred(lane)}, sc, sh)"
+    val = f"FMA({_centred(bn, lane)}, {_stat(bn, 'sc', lane)}, {_stat(bn, 'sh', lane)})"
     if bn.residual:
         val = f"{val} + rv{lane}"
     return f"RELU({val})" if bn.relu else val
 
 
-def _bwd_finalize_lines(bn: BnTrain) -> list[str]:
-    """dgamma, dbeta (with an affine) and dy's coefficients b, d from the sums s1 = sum(g) and
-    s2 = sum(g * (y - mean)); ``sc`` loaded by the caller."""
-    lines = [_st(bn, "inv")]
+def _bwd_finalize_lines(bn: BnTrain, ch: str = "c") -> list[str]:
+    """dgamma, dbeta (with an affine; stored in the parameters' dtype) and dy's coefficients b, d from the
+    sums s1 = sum(g) and s2 = sum(g * (y - mean)); ``sc`` loaded by the caller."""
+    lines = [_st(bn, "inv", ch=ch)]
     if bn.affine:
-        lines += ["dg[c] = s2 * inv;", f"dg[{bn.c} + c] = s1;"]
+        p = _par(bn)
+        lines += [p.store("dg", ch, "s2 * inv") + ";", p.store("dg", f"{bn.c} + {ch}", "s1") + ";"]
     lines += [f"const float b = -sc * inv * inv * (s2 / {fl(bn.m)});", f"const float d = -sc * (s1 / {fl(bn.m)});"]
     return lines
 
 
 def _elementwise_head(bn: BnTrain, v: int, ix: str) -> list[str]:
+    chan = f"(int)(e % {bn.c // v}) * {v}" if bn.nhwc else f"(int)((e / {bn.hw // v}) % {bn.c})"
     return [f"const {ix} e = ({ix})GROUP_ID(0) * {BLOCK} + LOCAL_ID(0);",
             f"if (e >= {bn.total // v}) return;",
-            f"const int c = (int)((e / {bn.hw // v}) % {bn.c});"]
+            f"const int c = {chan};"]
+
+
+def _elementwise_stats(bn: BnTrain, v: int, *names: str) -> str:
+    return _st_lanes(bn, v, *names) if bn.nhwc else _st(bn, *names)
+
+
+def _vload(s: Storage, v: int, name: str, src: str) -> str:
+    """const float4 / float ``name`` = vector (or element) e of ``src``."""
+    return f"const {_ftype(v)} {name} = {s.vload4('e', src) if v == 4 else s.load(src, 'e')};"
 
 
 def _apply_kernel(bn: BnTrain, v: int, ix: str) -> Kernel:
     """z = [ReLU]((y - mean) * scale + beta [+ res]), v values a thread."""
+    s = _act(bn)
     code = Code()
     code(*_elementwise_head(bn, v, ix))
-    code(_st(bn, *ST[:2], *ST[3:]))
-    lanes = _lanes(v)
-    if v == 4:
-        code("const float4 yv = VLOAD4(e, y);")
-        if bn.residual:
-            code("const float4 rv = VLOAD4(e, res);")
-    else:
-        code("const float yv = y[e];")
-        if bn.residual:
-            code("const float rv = res[e];")
-    outs = [_apply_value(bn, lane) for lane in lanes]
-    code(f"VSTORE4(MAKE_FLOAT4({', '.join(outs)}), e, z);" if v == 4 else f"z[e] = {outs[0]};")
-    args = (Buf("y"), *((Buf("res"),) if bn.residual else ()), Buf("st"), Buf("z", readonly=False))
+    code(_elementwise_stats(bn, v, *ST[:2], *ST[3:]))
+    code(_vload(s, v, "yv", "y"))
+    if bn.residual:
+        code(_vload(s, v, "rv", "res"))
+    code(_store(s, v, [_apply_value(bn, lane) for lane in _lanes(v)], "z", "e"))
+    args = (s.buf("y"), *((s.buf("res"),) if bn.residual else ()), Buf("st"), s.buf("z", readonly=False))
     ops = "(y - mean) * scale + beta" + (" + res" if bn.residual else "")
     return Kernel(f"{_prefix(bn)}_apply", args, code.text(), (BLOCK, 1, 1),
                   comment=f"{NAME}: z = {'ReLU(' + ops + ')' if bn.relu else ops}")
 
 
 def _bwd_finalize_kernel(bn: BnTrain, sp: int) -> Kernel:
-    """Thread c: dgamma = sum(g * xhat), dbeta = sum(g); dy's coefficients b and d (module docstring)."""
-    code = Code()
-    code(f"const int c = GROUP_ID(0) * {BLOCK} + LOCAL_ID(0);", f"if (c >= {bn.c}) return;")
-    code(*_sum_slices(bn, sp))
+    """Channel c (:func:`_sum_slices`): dgamma = sum(g * xhat), dbeta = sum(g); dy's coefficients b and d
+    (module docstring)."""
+    code, fc, fk = _sum_slices(bn, sp)
     code(_st(bn, "sc"), *_bwd_finalize_lines(bn), "cf[c] = b;", f"cf[{bn.c} + c] = d;")
-    args = (Buf("part"), Buf("st"), *((Buf("dg", readonly=False),) if bn.affine else ()), Buf("cf", readonly=False))
-    return Kernel(f"{_prefix(bn)}_bwd_finalize", args, code.text(), (BLOCK, 1, 1),
+    args = (Buf("part"), Buf("st"), *((_par(bn).buf("dg", readonly=False),) if bn.affine else ()),
+            Buf("cf", readonly=False))
+    return Kernel(f"{_prefix(bn)}_bwd_finalize", args, code.text(), (fc * fk, 1, 1),
                   comment=f"{NAME}: the gradients of gamma and beta, dy's coefficients")
 
 
 def _bwd_apply_kernel(bn: BnTrain, v: int, ix: str) -> Kernel:
     """dy = scale * g + b * (y - mean) + d, g the masked gradient (read back from gm with a residual)."""
+    s = _act(bn)
     code = Code()
     code(*_elementwise_head(bn, v, ix))
-    code(_st(bn, "k0", "dm", "sc", *(("sh",) if bn.relu and not bn.residual else ())),
-         f"const float b = cf[c], d = cf[{bn.c} + c];")
-    lanes = _lanes(v)
-    src = "gm" if bn.relu and bn.residual else "gz"
-    if v == 4:
-        code("const float4 yv = VLOAD4(e, y);", f"const float4 gv = VLOAD4(e, {src});")
+    code(_elementwise_stats(bn, v, "k0", "dm", "sc", *(("sh",) if bn.relu and not bn.residual else ())))
+    if bn.nhwc and v == 4:
+        code(f"const float4 bv = VLOAD4(0, cf + c), dv = VLOAD4(0, cf + {bn.c} + c);")
     else:
-        code("const float yv = y[e];", f"const float gv = {src}[e];")
-    for lane in lanes:  # with a residual gm is already masked
+        code(f"const float b = cf[c], d = cf[{bn.c} + c];")
+    src = "gm" if bn.relu and bn.residual else "gz"
+    code(_vload(s, v, "yv", "y"), _vload(s, v, "gv", src))
+    for lane in _lanes(v):  # with a residual gm is already masked
         code(_grad_line(bn, lane) if bn.relu and not bn.residual else f"const float g{_sfx(lane)} = gv{lane};")
-    outs = [f"FMA(sc, g{_sfx(lane)}, FMA(b, {_centred(lane)}, d))" for lane in lanes]
-    code(f"VSTORE4(MAKE_FLOAT4({', '.join(outs)}), e, dy);" if v == 4 else f"dy[e] = {outs[0]};")
-    args = (Buf(src), Buf("y"), Buf("st"), Buf("cf"), Buf("dy", readonly=False))
+    code(_store(s, v, [_dy_value(bn, lane) for lane in _lanes(v)], "dy", "e"))
+    args = (s.buf(src), s.buf("y"), Buf("st"), Buf("cf"), s.buf("dy", readonly=False))
     return Kernel(f"{_prefix(bn)}_bwd_apply", args, code.text(), (BLOCK, 1, 1),
                   comment=f"{NAME}: dy = scale * g + b * (y - mean) + d")
+
+
+def buffer_dtype(bn: BnTrain, name: str) -> str:
+    """The storage dtype of buffer ``name`` (``BN_SLOTS``): the activations', the parameters', float32
+    for the statistics and scratch, int64 for the batch count."""
+    if name in ACT_BUFFERS:
+        return bn.dtype
+    if name in PARAM_BUFFERS:
+        return bn.pdtype
+    return "int64" if name == "nbt" else "float32"
 
 
 def host_run(backend: Any, bn: BnTrain, which: str, arrays: dict[str, np.ndarray],
              prog: BnProgram | None = None) -> dict[str, np.ndarray]:
     """Run the ``which`` ("forward" / "backward") launches on ``backend`` with NumPy inputs (tests, the
-    OpenCL path): every buffer the launches name that ``arrays`` lacks is allocated and poisoned with
-    NaN first; returns every buffer after the run (the running statistics updated in place), those of
-    the activation's size in the shape of ``arrays["y"]``."""
+    OpenCL path), each stored in its buffer's dtype (:func:`buffer_dtype`: half buffers take float16 or
+    bfloat16-bits arrays as they are, others are rounded to it); every buffer the launches name that
+    ``arrays`` lacks is allocated and poisoned with NaN first; returns every buffer after the run as
+    float32 (the batch count as int64; the running statistics updated in place), those of the
+    activation's size in the shape of ``arrays["y"]``."""
+    from convforge.dtypes import storage_dtype, to_storage
+
     prog = prog if prog is not None else bn_program(bn, backend.device)
     launches = prog.forward if which == "forward" else prog.backward
     program = backend.program(render(list(prog.kernels), backend.name, f"batch norm (training) {bn.tag()}"))
@@ -434,24 +710,30 @@ def host_run(backend: Any, bn: BnTrain, which: str, arrays: dict[str, np.ndarray
         for name in map(str, step.args):
             if name in bufs:
                 continue
-            if name in arrays:  # an int64 array (the batch counter) travels as its bytes
+            dt = buffer_dtype(bn, name)
+            if dt == "int64":  # the batch counter travels as its bytes
+                batches = np.ascontiguousarray(arrays.get(name, np.zeros(1, np.int64)), np.int64)
+                bufs[name] = backend.upload(batches.view(np.float32))
+            elif name in arrays:
                 a = np.ascontiguousarray(arrays[name])
-                bufs[name] = backend.upload(a.view(np.float32) if a.dtype == np.int64 else a.astype(np.float32))
+                bufs[name] = backend.upload(a if a.dtype == storage_dtype(dt) else to_storage(a, dt))
             else:
                 count = sizes.get(name, bn.total)
-                bufs[name] = backend.empty(4 * count)
-                backend.fill(bufs[name], float("nan"), 4 * count)
+                nbytes = count * storage_dtype(dt).itemsize
+                bufs[name] = backend.empty(nbytes)
+                backend.fill(bufs[name], float("nan"), nbytes, dt)
     for step in launches:
         kernel = kernels[step.kernel]
         backend.launch(program, backend.function(program, kernel), kernel, step, [bufs[str(a)] for a in step.args])
     backend.synchronize()
     act = np.shape(arrays["y"])  # activation-sized buffers come back in y's shape
+    sizes["nbt"] = 1
     shapes = {name: np.shape(arrays[name]) if name in arrays else (sizes[name],) if name in sizes else act
               for name in bufs}
     out = {}
     for name, buf in bufs.items():
-        if name in arrays and np.asarray(arrays[name]).dtype == np.int64:
-            out[name] = backend.download(buf, (2 * np.asarray(arrays[name]).size,)).view(np.int64)
+        if buffer_dtype(bn, name) == "int64":
+            out[name] = backend.download(buf, (2 * int(np.prod(shapes[name])),)).view(np.int64)
         else:
-            out[name] = backend.download(buf, shapes[name]).reshape(shapes[name])
+            out[name] = backend.download(buf, shapes[name], buffer_dtype(bn, name)).reshape(shapes[name])
     return out

@@ -1,15 +1,20 @@
 """Batch norm in training mode [+ residual] [-> ReLU] on convforge's kernels (``kernels/batchnorm.py``).
 
 What ``FusedConv2d`` (conv -> batch norm [-> + residual] [-> ReLU]) and ``PreActivation`` (batch norm [->
-ReLU] before convs) run in training mode on CUDA float32 NCHW activations, instead of PyTorch's
-``cudnn_batch_norm``, ``add_`` and ``relu_`` and their backward ops: three kernels forward (statistics,
-finalize, normalise + add + ReLU) and three backward, fewer passes over the activation, every reduction in a
-fixed order. The module's state changes as ``torch.nn.BatchNorm2d.forward`` changes it: running mean and
-unbiased variance with the momentum, ``num_batches_tracked`` + 1, all three inside the finalize kernel
-(their version counters bumped, so folds cached by version see the update). Anything else (a momentum of
-None, half or channels-last activations, eval mode, ``torch.compile`` tracing, ``config.train_bn`` off)
-keeps PyTorch's modules: :func:`takes` says which. Double backward is not supported
-(``once_differentiable``).
+ReLU] before convs) run in training mode on CUDA activations, instead of PyTorch's ``cudnn_batch_norm``,
+``add_`` and ``relu_`` and their backward ops: three kernels forward (statistics, finalize, normalise + add
++ ReLU) and three backward, fewer passes over the activation, every reduction in a fixed order.
+
+Activations float32, float16 or bfloat16 (statistics and sums in float32), NCHW-contiguous or channels_last;
+every output in the activation's dtype and memory format (channels_last stays channels_last, never a layout
+copy). The module's parameters and running statistics keep their dtype: float32 master parameters with
+half activations (autocast leaves batch norm's inputs alone, as PyTorch's does: half in, half out, float32
+gradients of gamma and beta), or the activations' half dtype in a ``.half()`` model. The module's state
+changes as ``torch.nn.BatchNorm2d.forward`` changes it: running mean and unbiased variance with the
+momentum, ``num_batches_tracked`` + 1, all three inside the finalize kernel (their version counters bumped,
+so folds cached by version see the update). Anything else (a momentum of None, other dtypes or strides, a
+residual of another dtype or layout, eval mode, ``torch.compile`` tracing, ``config.train_bn`` off) keeps
+PyTorch's modules: :func:`takes` says which. Double backward is not supported (``once_differentiable``).
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from convforge.config import config
 from convforge.kernels.batchnorm import BN_SLOTS, ST, BnProgram, BnTrain, bn_program
 
 _F32 = torch.float32
+_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_CL = torch.channels_last
 _BN = torch.nn.BatchNorm2d
 _INFERENCE = torch.is_inference_mode_enabled
 _PROGRAMS: dict[tuple[Any, ...], tuple[BnTrain, BnProgram, Any, Any]] = {}  # call key -> (shape, kernels, launcher,
@@ -32,41 +39,78 @@ _NST = len(ST)
 _HANDLES: dict[tuple[Any, ...], int] = {}  # call key -> native.cpp's register_bn handle
 
 
+def layout(t: torch.Tensor) -> str | None:
+    """"nchw" for an NCHW-contiguous tensor, "nhwc" for a channels_last one (a tensor that is both, with
+    H = W = 1 or C = 1, is NCHW: the same memory), None for any other strides."""
+    if t.is_contiguous():
+        return "nchw"
+    return "nhwc" if t.is_contiguous(memory_format=_CL) else None
+
+
+def _in_layout(t: torch.Tensor, lay: str) -> bool:
+    return t.is_contiguous(memory_format=_CL if lay == "nhwc" else torch.contiguous_format)
+
+
+def _param_dtype(bn: torch.nn.BatchNorm2d, y: torch.Tensor) -> torch.dtype | None:
+    """The dtype of the module's parameters and running statistics when the kernels take them (all one
+    dtype, float32 or y's, contiguous on y's device; affine and running statistics all there or all
+    absent), else None. The module's tensors are read from its dicts (``getattr`` on a module is slow)."""
+    p, b = bn._parameters, bn._buffers
+    ts = (p.get("weight"), p.get("bias"), b.get("running_mean"), b.get("running_var"))
+    present = [t for t in ts if t is not None]
+    dt = present[0].dtype if present else _F32
+    if dt != _F32 and dt != y.dtype:
+        return None
+    for t in present:
+        if not (t.device == y.device and t.dtype == dt and t.is_contiguous()):
+            return None
+    nbt = b.get("num_batches_tracked")
+    if not ((ts[0] is None) == (ts[1] is None) and (ts[2] is None) == (ts[3] is None) == (nbt is None)):
+        return None
+    if nbt is not None and not (nbt.device == y.device and nbt.dtype == torch.int64):
+        return None
+    return dt
+
+
 def takes(bn: torch.nn.BatchNorm2d, y: torch.Tensor, res: Any = None) -> bool:
     """Whether :func:`bn_act` runs this training batch norm (module docstring; a ``BatchNorm2d`` itself,
-    not a subclass, outside inference mode); else the caller runs PyTorch's modules. The module's
-    tensors are read from its dicts (``getattr`` on a module is slow)."""
+    not a subclass, outside inference mode); else the caller runs PyTorch's modules."""
     if not (config.train_bn and bn.training and bn.momentum is not None and type(bn) is _BN
             and isinstance(y, torch.Tensor)) or _INFERENCE():  # a subclass (SyncBatchNorm...) may compute otherwise
         return False
-    if not (y.is_cuda and y.dtype == _F32 and y.dim() == 4 and y.is_contiguous() and y.data_ptr() % 16 == 0):
+    if not (y.is_cuda and y.dtype in _NAMES and y.dim() == 4 and y.data_ptr() % 16 == 0):
         return False
-    if y.shape[1] != bn.num_features or y.shape[0] * y.shape[2] * y.shape[3] < 2 or torch.compiler.is_compiling():
+    lay = layout(y)
+    if lay is None or y.shape[1] != bn.num_features or y.shape[0] * y.shape[2] * y.shape[3] < 2:
         return False
-    if res is not None and not (isinstance(res, torch.Tensor) and res.shape == y.shape and res.dtype == _F32
-                                and res.device == y.device and res.is_contiguous() and res.data_ptr() % 16 == 0):
+    if torch.compiler.is_compiling():
         return False
+    if res is not None and not (isinstance(res, torch.Tensor) and res.shape == y.shape and res.dtype == y.dtype
+                                and res.device == y.device and _in_layout(res, lay) and res.data_ptr() % 16 == 0):
+        return False
+    return _param_dtype(bn, y) is not None
+
+
+def _key(bn: torch.nn.BatchNorm2d, y: torch.Tensor, res: torch.Tensor | None, relu: bool) -> tuple[Any, ...]:
+    """A call's program key: shape, what follows, the module's settings, dtypes and layout."""
     p, b = bn._parameters, bn._buffers
-    ts = (p.get("weight"), p.get("bias"), b.get("running_mean"), b.get("running_var"))
-    for t in ts:
-        if t is not None and not (t.device == y.device and t.dtype == _F32 and t.is_contiguous()):
-            return False
-    return ((ts[0] is None) == (ts[1] is None) and (ts[2] is None) == (ts[3] is None)
-            == (b.get("num_batches_tracked") is None))
+    n, c, h, w = y.shape
+    gamma, rmean = p.get("weight"), b.get("running_mean")
+    like = gamma if gamma is not None else rmean  # the parameters' dtype (takes checked they share one)
+    return (n, c, h * w, relu, res is not None, gamma is not None, rmean is not None, bn.eps, bn.momentum,
+            y.device.index or 0, _NAMES[y.dtype], _NAMES[like.dtype if like is not None else _F32], layout(y))
 
 
 def bn_act(y: torch.Tensor, bn: torch.nn.BatchNorm2d, res: torch.Tensor | None = None,
            relu: bool = True) -> torch.Tensor:
     """[ReLU](batch_norm(y) [+ res]) with batch statistics, the module's running statistics and batch count
-    updated; differentiable in y, res and the module's weight and bias. The caller checked :func:`takes`."""
+    updated; differentiable in y, res and the module's weight and bias; in y's dtype and memory format.
+    The caller checked :func:`takes`."""
     p, b = bn._parameters, bn._buffers
-    gamma, rmean = p.get("weight"), b.get("running_mean")
-    n, c, h, w = y.shape
-    key = (n, c, h * w, relu, res is not None, gamma is not None, rmean is not None, bn.eps, bn.momentum,
-           y.device.index or 0)
+    key = _key(bn, y, res, relu)
     prog = _PROGRAMS.get(key) or _program(key)
-    return _BnAct.apply(y, res, gamma, p.get("bias"), rmean, b.get("running_var"),  # type: ignore[no-any-return]
-                        b.get("num_batches_tracked"), prog)
+    return _BnAct.apply(y, res, p.get("weight"), p.get("bias"), b.get("running_mean"),  # type: ignore[no-any-return]
+                        b.get("running_var"), b.get("num_batches_tracked"), prog)
 
 
 def block_ok(bn: torch.nn.BatchNorm2d) -> bool:
@@ -79,26 +123,24 @@ def native_handle(module: Any, bn: torch.nn.BatchNorm2d, y: torch.Tensor, res: t
                   relu: bool) -> int:
     """The handle of this call's batch-norm program filed with native.cpp (``register_bn``), for its
     ``block``: the kernels :func:`bn_act` launches, by the same call key."""
-    p, b = bn._parameters, bn._buffers
-    n, c, h, w = y.shape
-    key = (n, c, h * w, relu, res is not None, p.get("weight") is not None, b.get("running_mean") is not None,
-           bn.eps, bn.momentum, y.device.index or 0)
+    key = _key(bn, y, res, relu)
     handle = _HANDLES.get(key)
     if handle is None:
         shape, prog, run, _ = _PROGRAMS.get(key) or _program(key)
         handle = _HANDLES[key] = int(module.register_bn(run.native_program(BN_SLOTS, "forward", "backward"),
                                                         shape.n, shape.c, shape.hw, shape.relu, shape.residual,
-                                                        shape.affine, shape.track, prog.part))
+                                                        shape.affine, shape.track, prog.part, shape.dtype,
+                                                        shape.pdtype, shape.nhwc))
     return handle
 
 
 def _program(key: tuple[Any, ...]) -> tuple[BnTrain, BnProgram, Any, Any]:
     """(shape, kernels, their launcher on raw pointers, torch's raw-stream query) of a call key
-    (:func:`bn_act`), compiled once per process (the CUDA back-end, and CuPy, load on first use)."""
+    (:func:`_key`), compiled once per process (the CUDA back-end, and CuPy, load on first use)."""
     from convforge.backends.cuda import RawLaunches, torch_stream_queries
 
-    n, c, hw, relu, residual, affine, track, eps, momentum, device = key
-    shape = BnTrain(n, c, hw, relu, residual, affine, track, float(eps), float(momentum))
+    n, c, hw, relu, residual, affine, track, eps, momentum, device, dtype, pdtype, lay = key
+    shape = BnTrain(n, c, hw, relu, residual, affine, track, float(eps), float(momentum), dtype, pdtype, lay)
     be = get_backend("cuda", device)
     prog = bn_program(shape, be.device)
     run = RawLaunches(be, prog.kernels, {"forward": prog.forward, "backward": prog.backward},  # type: ignore[arg-type]
@@ -114,15 +156,16 @@ def _ptr(t: torch.Tensor | None) -> int:
 class _BnAct(torch.autograd.Function):
     """The autograd node: saves y, the statistics (kernels/batchnorm.py ``ST``) and, with a residual and a
     ReLU, z (whose sign is the mask); without a residual the mask is recomputed from y. Scratch and
-    statistics share one allocation a pass (forward: st, part; backward: dgamma, dbeta, cf, part)."""
+    statistics share one float32 allocation a pass (forward: st, part; backward: dgamma, dbeta, cf, part;
+    dgamma and dbeta apart, in the parameters' dtype, when that is a half one)."""
 
     @staticmethod
     def forward(ctx: Any, y: torch.Tensor, res: torch.Tensor | None, gamma: torch.Tensor | None,  # type: ignore[override]
                 beta: torch.Tensor | None, rmean: torch.Tensor | None, rvar: torch.Tensor | None,
                 nbt: torch.Tensor | None, prog: tuple[BnTrain, BnProgram, Any, Any]) -> torch.Tensor:
         shape, kernels, run, stream_of = prog
-        z = torch.empty_like(y)
-        ws = y.new_empty(_NST * shape.c + kernels.part)
+        z = torch.empty_like(y)  # y's dtype and strides
+        ws = y.new_empty(_NST * shape.c + kernels.part, dtype=_F32)
         st = ws.data_ptr()
         run("forward", {"y": y.data_ptr(), "res": _ptr(res), "z": z.data_ptr(), "gamma": _ptr(gamma),
                         "beta": _ptr(beta), "rmean": _ptr(rmean), "rvar": _ptr(rvar), "nbt": _ptr(nbt), "st": st,
@@ -130,6 +173,7 @@ class _BnAct(torch.autograd.Function):
         if rmean is not None and rvar is not None and nbt is not None:
             torch.autograd.graph.increment_version((rmean, rvar, nbt))
         ctx.prog = prog
+        ctx.pdtype = gamma.dtype if gamma is not None else _F32
         ctx.save_for_backward(y, z if shape.relu and shape.residual else None, ws)
         return z
 
@@ -138,19 +182,20 @@ class _BnAct(torch.autograd.Function):
     def backward(ctx: Any, gz: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         shape, kernels, run, stream_of = ctx.prog
         y, z, st = ctx.saved_tensors
-        if not gz.is_contiguous() or gz.data_ptr() % 16:
-            gz = gz.clone(memory_format=torch.contiguous_format)
+        if not _in_layout(gz, shape.layout) or gz.data_ptr() % 16:
+            gz = gz.clone(memory_format=_CL if shape.nhwc else torch.contiguous_format)
         c = shape.c
         dy = torch.empty_like(y)
         gm = torch.empty_like(y) if shape.relu and shape.residual else None
-        ws = y.new_empty(4 * c + kernels.part)
+        ws = y.new_empty(4 * c + kernels.part, dtype=_F32)
         at = ws.data_ptr()
+        dg = ws[:2 * c] if ctx.pdtype == _F32 else y.new_empty(2 * c, dtype=ctx.pdtype)
         run("backward", {"gz": gz.data_ptr(), "y": y.data_ptr(), "z": _ptr(z), "st": st.data_ptr(), "gm": _ptr(gm),
-                         "dg": at, "cf": at + 8 * c, "part": at + 16 * c, "dy": dy.data_ptr()},
+                         "dg": dg.data_ptr(), "cf": at + 8 * c, "part": at + 16 * c, "dy": dy.data_ptr()},
             stream_of(y.device.index or 0))
         dres = None
         if shape.residual and ctx.needs_input_grad[1]:
             dres = gm if shape.relu else gz
-        dgamma = ws[:c] if shape.affine and ctx.needs_input_grad[2] else None
-        dbeta = ws[c:2 * c] if shape.affine and ctx.needs_input_grad[3] else None
+        dgamma = dg[:c] if shape.affine and ctx.needs_input_grad[2] else None
+        dbeta = dg[c:] if shape.affine and ctx.needs_input_grad[3] else None
         return dy, dres, dgamma, dbeta, None, None, None, None

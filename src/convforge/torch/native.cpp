@@ -844,6 +844,9 @@ constexpr int64_t kNst = 5;  // kernels/batchnorm.py ST: the statistics buffer's
 struct BnProg : ProgramBase {  // all: the forward launches, rest: the backward ones
   int64_t n = 0, c = 0, hw = 0, part = 0;  // shape (kernels/batchnorm.py BnTrain), scratch floats
   bool relu = false, residual = false, affine = false, track = false;
+  at::ScalarType act = at::kFloat, param = at::kFloat;  // activations' and parameters' dtypes (BnTrain.dtype, pdtype)
+  bool nhwc = false;  // channels_last activations
+  at::MemoryFormat format() const { return nhwc ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous; }
 };
 
 std::mutex bn_mu;
@@ -860,6 +863,11 @@ uintptr_t addr(const at::Tensor& t) {
 
 at::Tensor scratch(int64_t floats, const at::Tensor& like) {
   return at::detail::empty_cuda({floats}, at::kFloat, like.device(), std::nullopt);
+}
+
+// An activation-sized batch-norm tensor: y's sizes, the program's dtype and memory format.
+at::Tensor bn_like(const BnProg& b, const at::Tensor& y) {
+  return at::detail::empty_cuda(y.sizes(), b.act, y.device(), b.format());
 }
 
 void launch_bn(const BnProg& b, bool backward, const uint64_t* slot, CUstream stream) {
@@ -896,7 +904,9 @@ struct BlockNode : public torch::autograd::Function<BlockNode> {
     const BnProg& b = *call->bn;
     at::Tensor y;
     TORCH_CHECK(run_program(*call->conv, x, w, nullptr, y), "convforge: block operands not 16-byte aligned");
-    at::Tensor z = at::detail::empty_cuda(y.sizes(), at::kFloat, y.device(), std::nullopt);
+    TORCH_CHECK(y.scalar_type() == b.act && y.is_contiguous(b.format()),
+                "convforge: a block's conv output is not in its batch norm's dtype and layout");
+    at::Tensor z = bn_like(b, y);
     at::Tensor ws = scratch(kNst * b.c + b.part, y);
     uint64_t slot[kMaxArgs] = {};
     slot[kY] = addr(y);
@@ -934,20 +944,21 @@ struct BlockNode : public torch::autograd::Function<BlockNode> {
     TORCH_CHECK(bp, "convforge: a block's batch-norm program is gone");
     const BnProg& b = *bp;
     at::Tensor gz = grads[0];
-    if (!gz.is_contiguous() || addr(gz) % 16) gz = gz.clone(at::MemoryFormat::Contiguous);
-    at::Tensor dy = at::detail::empty_cuda(y.sizes(), at::kFloat, y.device(), std::nullopt);
-    at::Tensor gm = b.relu && b.residual ? at::detail::empty_cuda(y.sizes(), at::kFloat, y.device(), std::nullopt)
-                                         : at::Tensor();
+    if (!gz.is_contiguous(b.format()) || addr(gz) % 16) gz = gz.clone(b.format());
+    at::Tensor dy = bn_like(b, y);
+    at::Tensor gm = b.relu && b.residual ? bn_like(b, y) : at::Tensor();
     at::Tensor ws = scratch(4 * b.c + b.part, y);
+    // dgamma, dbeta: at the start of ws in float32, apart in the parameters' half dtype
+    at::Tensor dg = b.param == at::kFloat ? ws : at::detail::empty_cuda({2 * b.c}, b.param, y.device(), std::nullopt);
     uint64_t slot[kMaxArgs] = {};
     slot[kGz] = addr(gz);
     slot[kY] = addr(y);
     slot[kZ] = addr(z);
     slot[kSt] = addr(st);
     slot[kGm] = addr(gm);
-    slot[kDg] = addr(ws);
-    slot[kCf] = slot[kDg] + 8 * b.c;
-    slot[kPart] = slot[kDg] + 16 * b.c;
+    slot[kDg] = addr(dg);
+    slot[kCf] = addr(ws) + 8 * b.c;
+    slot[kPart] = addr(ws) + 16 * b.c;
     slot[kDy] = addr(dy);
     launch_bn(b, true, slot, c10::cuda::getCurrentCUDAStream(y.get_device()).stream());
     std::vector<int64_t> g = ctx->saved_data["geometry"].toIntVector();
@@ -965,8 +976,8 @@ struct BlockNode : public torch::autograd::Function<BlockNode> {
     size_t edge = 2;
     if (b.residual && ctx->needs_input_grad(edge++)) out[2] = b.relu ? gm : gz;
     if (b.affine) {
-      if (ctx->needs_input_grad(edge)) out[3] = ws.slice(0, 0, b.c);
-      if (ctx->needs_input_grad(edge + 1)) out[4] = ws.slice(0, b.c, 2 * b.c);
+      if (ctx->needs_input_grad(edge)) out[3] = dg.slice(0, 0, b.c);
+      if (ctx->needs_input_grad(edge + 1)) out[4] = dg.slice(0, b.c, 2 * b.c);
     }
     if (create_graph) return once_differentiable(std::move(out));
     return out;
@@ -983,6 +994,26 @@ bool bn_tensor(PyObject* o, int64_t n, at::ScalarType dtype, int8_t device, bool
     return false;
   out = t;
   return true;
+}
+
+// A residual the block's kernels may read: y's sizes on x's device, the program's dtype and memory
+// format, 16-byte aligned, a plain tensor (as plain() asks of conv operands).
+bool bn_residual(const at::Tensor& r, const BnProg& b, const Program& p, int8_t device) {
+  if (!r.defined() || r.dim() != 4 || !r.is_cuda() || r.scalar_type() != b.act || r.layout() != at::kStrided ||
+      !r.is_contiguous(b.format()) || r.get_device() != device || r.sizes() != c10::IntArrayRef(p.y_shape) ||
+      addr(r) % 16)
+    return false;
+  const c10::TensorImpl* impl = r.unsafeGetTensorImpl();
+  constexpr c10::DispatchKeySet wrappers({c10::DispatchKey::Functionalize, c10::DispatchKey::FuncTorchBatched,
+                                          c10::DispatchKey::FuncTorchGradWrapper, c10::DispatchKey::Python});
+  return impl->has_storage() && !impl->is_python_dispatch() && !r.is_neg() && !r.key_set().has_any(wrappers);
+}
+
+// Whether the conv program's output is what the batch-norm program reads: run_program writes y as
+// float32 NCHW (a program filed for a half or channels_last y, by another call of the same module,
+// is not this call's). Where run_program learns other outputs, this follows them.
+bool conv_output_fits(const BnProg& b) {
+  return b.act == at::kFloat && !b.nhwc;
 }
 
 // block(conv2d's 14 arguments, res, gamma, beta, running_mean, running_var, num_batches_tracked,
@@ -1002,15 +1033,13 @@ PyObject* py_block(PyObject*, PyObject* const* a, Py_ssize_t n) {
   std::shared_ptr<BnProg> bp = bn_at(PyLong_AsLongLong(a[kArgs + 6]));
   if (PyErr_Occurred()) return nullptr;
   if (!p || !bp || p->y_shape.size() != 4 || p->y_shape[0] != bp->n || p->y_shape[1] != bp->c ||
-      p->y_shape[2] * p->y_shape[3] != bp->hw)
+      p->y_shape[2] * p->y_shape[3] != bp->hw || !conv_output_fits(*bp))
     Py_RETURN_NONE;
   std::optional<at::Tensor> res, gamma, beta;
   if (a[kArgs] != Py_None) {
     if (!bp->residual || !THPVariable_CheckExact(a[kArgs])) Py_RETURN_NONE;
     const at::Tensor& r = THPVariable_Unpack(a[kArgs]);
-    if (!plain(r, 4) || r.get_device() != x->get_device() || r.sizes() != c10::IntArrayRef(p->y_shape) ||
-        addr(r) % 16)
-      Py_RETURN_NONE;
+    if (!bn_residual(r, *bp, *p, x->get_device())) Py_RETURN_NONE;
     res = r;
   } else if (bp->residual) {
     Py_RETURN_NONE;
@@ -1018,10 +1047,10 @@ PyObject* py_block(PyObject*, PyObject* const* a, Py_ssize_t n) {
   BlockCall call;
   at::Tensor g, bt;
   int8_t dev = x->get_device();
-  if (!bn_tensor(a[kArgs + 1], bp->c, at::kFloat, dev, bp->affine, g) ||
-      !bn_tensor(a[kArgs + 2], bp->c, at::kFloat, dev, bp->affine, bt) ||
-      !bn_tensor(a[kArgs + 3], bp->c, at::kFloat, dev, bp->track, call.rmean) ||
-      !bn_tensor(a[kArgs + 4], bp->c, at::kFloat, dev, bp->track, call.rvar) ||
+  if (!bn_tensor(a[kArgs + 1], bp->c, bp->param, dev, bp->affine, g) ||
+      !bn_tensor(a[kArgs + 2], bp->c, bp->param, dev, bp->affine, bt) ||
+      !bn_tensor(a[kArgs + 3], bp->c, bp->param, dev, bp->track, call.rmean) ||
+      !bn_tensor(a[kArgs + 4], bp->c, bp->param, dev, bp->track, call.rvar) ||
       !bn_tensor(a[kArgs + 5], 1, at::kLong, dev, bp->track, call.nbt))
     Py_RETURN_NONE;
   if (bp->affine) {
@@ -1047,12 +1076,23 @@ PyObject* py_block(PyObject*, PyObject* const* a, Py_ssize_t n) {
   END_HANDLE_TH_ERRORS
 }
 
-// register_bn(program, n, c, hw, relu, residual, affine, track, part) -> a handle for block():
-// program as register's (read_program), its "all" launches the batch norm's forward, "rest" its
-// backward, every argument a pointer slot of BnSlot (torch/batchnorm.py BN_SLOTS).
+// A dtype's name as kernels/batchnorm.py spells it ("float32", "float16", "bfloat16"); false: another.
+bool bn_dtype(PyObject* o, at::ScalarType& out) {
+  const char* name = PyUnicode_Check(o) ? PyUnicode_AsUTF8(o) : nullptr;
+  if (!name) return false;
+  std::string s(name);
+  out = s == "float32" ? at::kFloat : s == "float16" ? at::kHalf : s == "bfloat16" ? at::kBFloat16 : at::kDouble;
+  return out != at::kDouble;
+}
+
+// register_bn(program, n, c, hw, relu, residual, affine, track, part, dtype, pdtype, nhwc) -> a handle
+// for block(): program as register's (read_program), its "all" launches the batch norm's forward,
+// "rest" its backward, every argument a pointer slot of BnSlot (torch/batchnorm.py BN_SLOTS); dtype
+// and pdtype the activations' and the parameters' (BnTrain's), nhwc true for channels_last.
 PyObject* py_register_bn(PyObject*, PyObject* const* a, Py_ssize_t n) {
-  if (n != 9) {
-    PyErr_SetString(PyExc_TypeError, "register_bn takes a program, n, c, hw, relu, residual, affine, track, part");
+  if (n != 12) {
+    PyErr_SetString(PyExc_TypeError, "register_bn takes a program, n, c, hw, relu, residual, affine, track, part, "
+                    "dtype, pdtype and nhwc");
     return nullptr;
   }
   auto b = std::make_shared<BnProg>();
@@ -1066,6 +1106,11 @@ PyObject* py_register_bn(PyObject*, PyObject* const* a, Py_ssize_t n) {
   b->track = PyObject_IsTrue(a[7]) == 1;
   b->part = PyLong_AsLongLong(a[8]);
   if (PyErr_Occurred()) return nullptr;
+  if (!bn_dtype(a[9], b->act) || !bn_dtype(a[10], b->param)) {
+    PyErr_SetString(PyExc_ValueError, "register_bn: dtype and pdtype must be float32, float16 or bfloat16");
+    return nullptr;
+  }
+  b->nhwc = PyObject_IsTrue(a[11]) == 1;
   for (const auto* runs : {&b->all, &b->rest})
     for (const LaunchRec& L : *runs)
       for (const auto& cs : L.slots)
@@ -1151,7 +1196,8 @@ PyMethodDef methods[] = {
      "block(conv2d's 14 arguments, res, gamma, beta, running_mean, running_var, num_batches_tracked, handle) -> "
      "a conv -> batch norm block's output through one C++ autograd node, or None"},
     {"register_bn", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_register_bn)), METH_FASTCALL,
-     "register_bn(program, n, c, hw, relu, residual, affine, track, part) -> a batch-norm program's handle"},
+     "register_bn(program, n, c, hw, relu, residual, affine, track, part, dtype, pdtype, nhwc) -> a batch-norm "
+     "program's handle"},
     {"clear", py_clear, METH_NOARGS, "forget every entry"},
     {"wrap", py_wrap, METH_O, "wrap(python_conv2d) -> conv2d whose warm torch calls stay in C"},
     {"parts", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_parts)), METH_FASTCALL,
