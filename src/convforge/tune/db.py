@@ -291,7 +291,7 @@ class TuningDB:
         if kind.kind == "foreign":
             raise self._refuse(kind.what)
         if kind.kind == "missing" or (kind.kind == "empty" and self._blank()):
-            self._create()
+            self._create(blank=kind.kind == "empty")
         conn = self._connect()
         problem = self._damage(conn)
         if problem is None:
@@ -319,11 +319,11 @@ class TuningDB:
         SQLite calls blank is given its tables in place)."""
         return self.path.stat().st_size == 0 and not side(self.path, "-wal").exists()
 
-    def _create(self) -> None:
+    def _create(self, blank: bool = False) -> None:
         """A new database with schema 2's tables and identity, written to a temporary file beside
         the path and linked (or, over an empty file, renamed) into place: another process sees no
         file or a whole one, never a half-made schema; a second creator finds the file there and
-        uses it."""
+        uses it. ``blank``: the path holds an empty file, replaced only while it is still empty."""
         import secrets
 
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}-{secrets.token_hex(4)}.new")
@@ -336,15 +336,17 @@ class TuningDB:
                 conn.execute("PRAGMA journal_mode = WAL")  # recorded in the header; no log is left
             finally:
                 conn.close()
-            if self.path.exists():  # an empty file: no other creator (the file lock), replaced whole
-                os.replace(tmp, self.path)
+            if blank:  # an empty file (checked under the file lock again): replaced whole
+                if self.path.stat().st_size == 0:
+                    os.replace(tmp, self.path)
             else:
                 try:
                     os.link(tmp, self.path)
                 except FileExistsError:
                     pass  # created by another process meanwhile: that one is used
                 except OSError:  # a file system without hard links: we hold the lock
-                    os.replace(tmp, self.path)
+                    if not self.path.exists():
+                        os.replace(tmp, self.path)
         except sqlite3.Error as err:
             raise DatabaseError(f"cannot create the tuning database {self.path}: {err}"
                                 f"{_io_hint(err)}; nothing was written there") from None
