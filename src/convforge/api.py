@@ -17,6 +17,7 @@ from convforge.backends import cuda_available, get_backend
 from convforge.backends.base import Backend, Executable, output_buffer
 from convforge.config import config, parse_precision
 from convforge.dispatch import RUNNERS
+from convforge.dispatch.choice import needs_finite_exact
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Plan
 from convforge.spec import ConvSpec, conv_args
@@ -147,9 +148,10 @@ def plan_for(spec: ConvSpec, be: Backend, algo: str = "auto", epilogue: Epilogue
 
 def executable_for(spec: ConvSpec, be: Backend, algo: str = "auto", epilogue: Epilogue = Epilogue(),
                    workspace_limit: int | None = None, params: Params | None = None,
-                   precision: str | None = None, max_error: float | None = None) -> Executable:
+                   precision: str | None = None, max_error: float | None = None,
+                   finite_exact: bool = False) -> Executable:
     return dispatch.executable(spec, be, epilogue, algo=algo, workspace_limit=workspace_limit, params=params,
-                               precision=precision, max_error=max_error)
+                               precision=precision, max_error=max_error, finite_exact=finite_exact)
 
 
 # The per-call fast path. A flat key of cheap attributes of a device call (see
@@ -338,8 +340,10 @@ def _conv2d(x: Any, w: Any, bias: Any, stride: Any, padding: Any, dilation: Any,
     be = get_backend(bname, dev)
     prm = params if params is None or isinstance(params, Params) else Params(params)
     epi = Epilogue(bias is not None, flag)
-    if kind == "numpy":
-        exe = executable_for(spec, be, algo, epi, limit, prm, precision, max_error)
+    if kind == "numpy":  # near FP32's range 'auto' keeps to a family that overflows only where the answer does
+        exact = needs_finite_exact(spec, be, epi, x, w, algo=algo, workspace_limit=limit, params=prm,
+                                   precision=precision, max_error=max_error)
+        exe = executable_for(spec, be, algo, epi, limit, prm, precision, max_error, exact)
         return run_host(be, exe, {"x": x, "w": w, "bias": bias})
     _KEYERS.setdefault(type(x), _torch_key if kind == "torch" else _cupy_key)
     try:

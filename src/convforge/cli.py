@@ -100,6 +100,9 @@ def cmd_devices(args: argparse.Namespace) -> int:
         for pi, di, plat, name in list_devices():
             why = refusal_of(pi, di)
             table.add_row("opencl", f"{pi}:{di}", plat, name + (f" [red](cannot build: {why})[/red]" if why else ""))
+        if not list_devices():
+            table.add_row("opencl", "-", "no OpenCL device (no platform offers one; POCL_DEBUG=1 says why "
+                          "PoCL does not)", "")
     except ImportError:
         table.add_row("opencl", "-", r"PyOpenCL not installed (pip install 'pyopencl\[pocl]')", "")
     Console().print(table)

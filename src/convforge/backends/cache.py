@@ -21,8 +21,15 @@ def cache_key(*parts: str) -> str:
 
 
 def _nearest(path: Path) -> Path:
-    """``path`` or its nearest ancestor that exists."""
-    while not path.exists() and path != path.parent:
+    """``path`` or its nearest ancestor that exists and can be looked into (a folder above it that
+    may not be entered, such as a HOME without search permission, is not an error here: writing an
+    entry then says why it cannot)."""
+    while path != path.parent:
+        try:
+            if path.exists():
+                return path
+        except OSError:  # a folder above may not be entered
+            pass
         path = path.parent
     return path
 
@@ -54,7 +61,7 @@ class DiskCache:
         path = self._path(key)
         try:
             data = path.read_bytes()
-        except OSError:
+        except OSError:  # missing, or a folder that may not be entered: compiled afresh
             return None
         payload = data[36:]
         if data[:4] != _MAGIC or hashlib.sha256(payload).digest() != data[4:36]:

@@ -2,17 +2,85 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyopencl as cl
 
-from convforge.backends.base import Backend, CompileError
-from convforge.codegen.dialect import Kernel, LocalBuf, Scalar
-from convforge.config import config
-from convforge.dtypes import from_storage, host_dtype, storage_dtype, to_storage
-from convforge.plan import DeviceInfo, Launch
+log = logging.getLogger("convforge.opencl")
+
+
+def _usable_folder(folder: Path) -> bool:
+    """Whether ``folder`` exists or can be made, and this process may write and enter it."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        return os.access(folder, os.W_OK | os.X_OK)
+    except OSError:
+        return False
+
+
+def _own_temp_folder() -> Path:
+    """``convforge-pocl-<uid>`` in the temporary folder (kept between runs), when this user owns it
+    and it is no link; else a fresh temporary folder."""
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    folder = Path(tempfile.gettempdir()) / f"convforge-pocl-{uid}"
+    try:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        if not folder.is_symlink() and folder.stat().st_uid == uid and os.access(folder, os.W_OK | os.X_OK):
+            return folder
+    except OSError:
+        pass
+    return Path(tempfile.mkdtemp(prefix="convforge-pocl-"))
+
+
+def _user_cache() -> Path:
+    """The folder PoCL, PyOpenCL and pytools keep caches under: $XDG_CACHE_HOME, else ~/.cache."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"))
+
+
+def _point_caches_at_usable_folders() -> None:
+    """PoCL offers no OpenCL device at all where it cannot create or write its kernel cache
+    (``POCL_CACHE_DIR``, else ``$XDG_CACHE_HOME/pocl`` or ``~/.cache/pocl``), and PyOpenCL's caches
+    (through pytools) fail with a traceback and "Exception ignored" lines: an unwritable or
+    untraversable HOME would read as "no OpenCL device found". Before PyOpenCL starts, an unusable
+    cache folder is swapped for convforge's cache folder, else ``convforge-pocl-<uid>`` in the
+    temporary folder, with one warning naming both."""
+    base, pocl = _user_cache(), os.environ.get("POCL_CACHE_DIR")
+    bad_base = not _usable_folder(base / "pocl")
+    bad_pocl = bool(pocl) and not _usable_folder(Path(str(pocl)))
+    if not (bad_base or bad_pocl):
+        return
+    from convforge.config import ConfigError, config
+
+    try:
+        alt: Path | None = config.cache_dir
+    except ConfigError:
+        alt = None
+    if alt is None or not _usable_folder(alt / "pocl"):
+        alt = _own_temp_folder()
+    was = [f"{base} (XDG_CACHE_HOME or HOME)"] if bad_base else []
+    if bad_base:
+        os.environ["XDG_CACHE_HOME"] = str(alt)
+    if bad_pocl or (bad_base and pocl is None):
+        os.environ["POCL_CACHE_DIR"] = str(alt / "pocl")
+        was += [f"{pocl} (POCL_CACHE_DIR)"] if bad_pocl else []
+    log.warning("cache folder %s cannot be created or written; PoCL and PyOpenCL cache in %s instead "
+                "(set XDG_CACHE_HOME or POCL_CACHE_DIR to a writable folder)", " and ".join(was), alt)
+
+
+_point_caches_at_usable_folders()
+
+import pyopencl as cl  # noqa: E402 - PoCL reads its cache folder when it starts
+
+from convforge.backends.base import Backend, CompileError  # noqa: E402
+from convforge.codegen.dialect import Kernel, LocalBuf, Scalar  # noqa: E402
+from convforge.config import config  # noqa: E402
+from convforge.dtypes import from_storage, host_dtype, storage_dtype, to_storage  # noqa: E402
+from convforge.plan import DeviceInfo, Launch  # noqa: E402
 
 _OPTIONS = ["-cl-std=CL1.2"]
 

@@ -113,16 +113,13 @@ def parse_suite(data: Any, source: str) -> list[Layer]:
 
 def load_file(path: str | Path) -> list[Layer]:
     """Layers of a user JSON file."""
+    from convforge.files import parse_json, read_bounded
+
     p = Path(path)
     try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except OSError as err:
-        raise SuiteError(f"{p}: cannot read ({err.strerror})") from None
-    except UnicodeDecodeError as err:
-        raise SuiteError(f"{p}: not a UTF-8 text file (byte {err.start}: {err.reason}); a suite is a "
-                         "JSON file of layers") from None
-    except json.JSONDecodeError as err:
-        raise SuiteError(f"{p}: not valid JSON (line {err.lineno}: {err.msg})") from None
+        data = parse_json(read_bounded(p, "suite"), str(p))
+    except (OSError, ValueError) as err:
+        raise SuiteError(f"{err}; a suite is a JSON file of layers") from None
     return parse_suite(data, str(p))
 
 

@@ -59,25 +59,98 @@ class Choice:
 def choose(spec: ConvSpec, backend: Backend, epilogue: Epilogue = Epilogue(), *, algo: str = "auto",
            precision: str | None = None, max_error: float | None = None,
            workspace_limit: int | None = None, params: Params | None = None,
-           filters_per_call: bool = False, prologue: Prologue = Prologue()) -> Choice:
+           filters_per_call: bool = False, prologue: Prologue = Prologue(), finite_exact: bool = False) -> Choice:
     """The (variant, params) that runs ``spec`` on ``backend`` (cached per argument set);
     ``filters_per_call``: the caller cannot keep transformed filters between calls; ``prologue``:
-    what the plan applies to its input (module docstring)."""
+    what the plan applies to its input (module docstring); ``finite_exact``: 'auto' keeps to the
+    families whose intermediates overflow only where the answer does (:func:`may_overflow`)."""
+    if not isinstance(algo, str):
+        raise TypeError(f"algo ({algo!r}) must be a string: 'auto', a family ({', '.join(kernels.FAMILIES)}) "
+                        "or a variant name")
     prec = parse_precision(precision) if precision is not None else config.precision
     bound = max_error if max_error is not None else config.max_error
     key = (backend, spec, epilogue, algo, prec, bound, workspace_limit, params,
-           config.autotune, config.db_path, config.cache_dir, filters_per_call, prologue)
+           config.autotune, config.db_path, config.cache_dir, filters_per_call, prologue, finite_exact)
     hit = _CHOICES.get(key)
     if hit is None:
         if prologue.active:
             base = choose(spec, backend, epilogue, algo=algo, precision=prec, max_error=bound,
-                          workspace_limit=workspace_limit, params=params, filters_per_call=filters_per_call)
+                          workspace_limit=workspace_limit, params=params, filters_per_call=filters_per_call,
+                          finite_exact=finite_exact)
             hit = _with_prologue(base, spec, backend, epilogue, prologue, algo, prec, bound, workspace_limit)
         else:
             hit = _choose_slow(spec, backend, epilogue, algo, prec, bound, workspace_limit, params,
-                               filters_per_call)
+                               filters_per_call, finite_exact and algo == "auto")
         _CHOICES[key] = hit
     return hit
+
+
+# -- near FP32's range: families whose transforms may overflow before the answer does ---------------
+# Winograd combines a whole input tile (B^T d B), the filter (G g G^T) and the products (A^T M A):
+# its intermediates reach past the answer's magnitude. With g_i = |G_i|_1 |B^T_i|_1 (row i of each
+# transform; the product is unchanged by how the rows are scaled), an intermediate of F(m, r) is at
+# most C x max|x| x max|w| x max(max_i g_i^2, max_p (sum_i |A^T_pi| g_i)^2), plus the transforms
+# of x and w alone (|B^T_i|_1^2 max|x|, |G_i|_1^2 max|w|). The sums of direct and the GEMM family
+# (at most C x R x S x max|x| x max|w|) overflow only where the answer itself may.
+# The factors for 3 x 3 filters (growth()), and where 'auto' on NumPy arrays leaves the family for an
+# exact one (FLT_MAX / 2 over the factor; direct's factor is 9, the answer's own bound):
+#   F(m x m)  products (x C max|x| max|w|)  threshold per channel  input alone (x max|x|)  threshold
+#   F(2x2)        64                         2.7e36                  4                       4.3e37
+#   F(4x4)        2304                       7.4e34                  100                     1.7e36
+#   F(6x6)        4579                       3.7e34                  2500                    6.8e34
+#   F(7x7)        74598                      2.3e33                  62500                   2.7e33
+# e.g. C = 64 channels: F(2x2) is left where max|x| max|w| >= 4.2e34. Ordinary data never comes close.
+OVERFLOW_LIMIT = {"float32": 3.4028234663852886e38, "bfloat16": 3.3895313892515355e38, "float16": 65504.0}
+
+
+def growth(variant: Variant, spec: ConvSpec) -> tuple[float, float, float] | None:
+    """(per-channel product factor, input factor, filter factor) bounding ``variant``'s
+    intermediates on ``spec`` (comment above), or None for a family that adds plain products."""
+    m = getattr(variant, "m", None)
+    if variant.family != "winograd" or not isinstance(m, int):
+        return None
+    from convforge.kernels.winograd.matrices import winograd
+
+    r = max(spec.r, spec.s)
+    t = winograd(r, m) if spec.conv_pass == "wgrad" else winograd(m, r)
+    b = [float(sum(abs(v) for v in row)) for row in t.BT]
+    g = [float(sum(abs(v) for v in row)) for row in t.G]
+    gb = [gi * bi for gi, bi in zip(g, b)]
+    out = max(sum(abs(float(a)) * p for a, p in zip(row, gb)) for row in t.AT)
+    return max(max(gb) ** 2, out ** 2), max(b) ** 2, max(g) ** 2
+
+
+def may_overflow(variant: Variant, spec: ConvSpec, xmax: float, wmax: float) -> bool:
+    """Whether ``variant``'s intermediates on ``spec`` may pass the dtype's largest value with inputs
+    of magnitude up to ``xmax`` and filters up to ``wmax`` (NaN or Inf among them: True) where an
+    exact family's could not; half the limit is the margin for rounding."""
+    factors = growth(variant, spec)
+    if factors is None:
+        return False
+    prod, fx, fw = factors
+    reduce = spec.n * spec.p * spec.q if spec.conv_pass == "wgrad" else max(spec.c, spec.k) // spec.groups
+    worst = max(reduce * prod * xmax * wmax, fx * xmax, fw * wmax)
+    return not worst < OVERFLOW_LIMIT.get(spec.dtype, OVERFLOW_LIMIT["float32"]) / 2
+
+
+def needs_finite_exact(spec: ConvSpec, backend: Backend, epilogue: Epilogue, x: Any, w: Any, **kw: Any) -> bool:
+    """Whether host arrays ``x`` and ``w`` call for ``choose(..., finite_exact=True)``: 'auto' chose
+    a family whose intermediates may overflow on them (:func:`may_overflow`, from max|x| and max|w|,
+    computed only then) where an exact family's would not."""
+    import numpy as np
+
+    if kw.get("algo", "auto") != "auto" or kw.get("params") is not None:
+        return False
+    ch = choose(spec, backend, epilogue, **kw)
+    if growth(ch.variant, spec) is None:
+        return False
+    xmax = float(np.max(np.abs(x), initial=0.0))
+    wmax = float(np.max(np.abs(w), initial=0.0))
+    if may_overflow(ch.variant, spec, xmax, wmax):
+        log.info("%s on %s: inputs up to %.3g and filters up to %.3g may overflow its transforms; an exact "
+                 "family runs it", ch.variant.name, spec.short(), xmax, wmax)
+        return True
+    return False
 
 
 def _with_prologue(base: Choice, spec: ConvSpec, backend: Backend, epi: Epilogue, pro: Prologue, algo: str,
@@ -109,21 +182,25 @@ def _with_prologue(base: Choice, spec: ConvSpec, backend: Backend, epi: Epilogue
 
 def _choose_slow(spec: ConvSpec, backend: Backend, epi: Epilogue, algo: str, prec: str,
                  bound: float | None, workspace_limit: int | None, params: Params | None,
-                 filters_per_call: bool = False) -> Choice:
+                 filters_per_call: bool = False, finite_exact: bool = False) -> Choice:
     dev = backend.device
     if params is not None or (algo != "auto" and algo not in kernels.FAMILIES):
         variant, prm = kernels.most_specialised(algo, spec, dev, workspace_limit, params)
         return Choice(variant, prm, None, "named")
     if algo == "auto":
-        hit = _from_db(spec, backend, epi, prec, bound, workspace_limit)
+        hit = _from_db(spec, backend, epi, prec, bound, workspace_limit, finite_exact)
         if hit is not None:
             return hit
-        if config.autotune:
+        if config.autotune and not finite_exact:
             hit = _tune_now(spec, backend, epi, prec, bound, workspace_limit)
             if hit is not None:
                 return hit
+    pool = None
+    if finite_exact:
+        pool = [v for v in kernels.select(algo, spec, dev, precision=prec, max_error=bound)
+                if growth(v, spec) is None]
     try:
-        variant, prm = kernels.most_specialised(algo, spec, dev, workspace_limit, precision=prec,
+        variant, prm = kernels.most_specialised(algo, spec, dev, workspace_limit, variants=pool, precision=prec,
                                                 max_error=bound)
     except ValueError:
         if bound is None or algo != "auto":
@@ -131,7 +208,7 @@ def _choose_slow(spec: ConvSpec, backend: Backend, epi: Epilogue, algo: str, pre
         raise ValueError(_unmeetable(spec, backend, bound)) from None
     if filters_per_call and algo == "auto" and spec.flops // 2 <= TINY_MACS:
         one = _without_filter_steps(spec, backend, epi, workspace_limit, prec, bound)
-        if one is not None:
+        if one is not None and not (finite_exact and growth(one[0], spec) is not None):
             return Choice(*one, None, "heuristic")
     return Choice(variant, prm, None, "heuristic")
 
@@ -201,14 +278,17 @@ def _entries(spec: ConvSpec, backend: Backend, epi: Epilogue, prec: str,
 
 
 def _from_db(spec: ConvSpec, backend: Backend, epi: Epilogue, prec: str, bound: float | None,
-             workspace_limit: int | None) -> Choice | None:
-    """The first stored entry that still applies, fits, plans and (under max_error) measured within it."""
+             workspace_limit: int | None, finite_exact: bool = False) -> Choice | None:
+    """The first stored entry that still applies, fits, plans and (under max_error) measured within
+    it (under ``finite_exact``, of a family whose intermediates overflow only where the answer does)."""
     for entry in _entries(spec, backend, epi, prec, bound):
         if bound is not None and not entry.error <= bound:
             continue
         try:
             variant = kernels.get_variant(entry.variant)
         except ValueError:
+            continue
+        if finite_exact and growth(variant, spec) is not None:
             continue
         if workspace_limit is not None and entry.workspace > workspace_limit:
             continue

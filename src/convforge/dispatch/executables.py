@@ -40,12 +40,13 @@ _LOGGED: set[tuple[Any, ...]] = set()
 def executable(spec: ConvSpec, backend: Backend, epilogue: Epilogue = Epilogue(), *, algo: str = "auto",
                precision: str | None = None, max_error: float | None = None,
                workspace_limit: int | None = None, params: Params | None = None,
-               filters_per_call: bool = False, prologue: Prologue = Prologue()) -> Executable:
+               filters_per_call: bool = False, prologue: Prologue = Prologue(),
+               finite_exact: bool = False) -> Executable:
     """The executable of :func:`choose`'s answer, compiled once per back-end (device); with a
     ``prologue`` its plan also reads the buffers "pscale" and "pshift" (when affine)."""
     ch = choose(spec, backend, epilogue, algo=algo, precision=precision, max_error=max_error,
                 workspace_limit=workspace_limit, params=params, filters_per_call=filters_per_call,
-                prologue=prologue)
+                prologue=prologue, finite_exact=finite_exact)
     key = (backend, backend.device.key(), ch.variant.name, spec, ch.params, epilogue, prologue)
     exe = _EXECUTABLES.get(key)
     if exe is None:

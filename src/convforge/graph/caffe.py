@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from convforge.graph.ir import Graph, GraphError, Node, conv_group, infer, input_shape
+from convforge.files import InputFileError, read_bounded
+from convforge.graph.ir import Graph, GraphError, Node, check_weights, conv_group, infer, input_shape
 from convforge.graph.prototxt import Message, one, parse
 
 
@@ -21,7 +22,10 @@ def load_prototxt(source: str | Path, weights: str | Path | None = None, seed: i
                   input_size: int | None = None, batch: int | None = None) -> Graph:
     """The IR of a Caffe net (a path or the text itself); ``weights`` a .caffemodel, else random."""
     if _is_path(source):
-        data = Path(source).read_bytes()
+        try:
+            data = read_bounded(source, "prototxt")
+        except (OSError, InputFileError) as err:
+            raise GraphError(f"prototxt: {err}") from None
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as err:
@@ -29,10 +33,26 @@ def load_prototxt(source: str | Path, weights: str | Path | None = None, seed: i
         net = parse(text, f"prototxt {source}")
     else:
         net = parse(str(source))
-    graph = _translate(net, input_size, batch)
+    try:
+        graph = _translate(net, input_size, batch)
+    except GraphError as err:
+        raise _in_file(err, "prototxt", source if _is_path(source) else None) from None
     blobs = read_caffemodel(Path(weights)) if weights is not None else None
-    fill_weights(graph, seed, blobs)
+    try:
+        fill_weights(graph, seed, blobs)
+        check_weights(graph)
+    except GraphError as err:
+        where = ("caffemodel", weights) if weights is not None else ("prototxt", source if _is_path(source) else None)
+        raise _in_file(err, *where) from None
     return graph
+
+
+def _in_file(err: GraphError, kind: str, path: str | Path | None) -> GraphError:
+    """``err`` with the file it came from in front (unless it names it already)."""
+    text = str(err)
+    if path is None or str(path) in text:
+        return err
+    return GraphError(f"{kind} {path}: {text.removeprefix(f'{kind}: ')}")
 
 
 def _is_path(source: str | Path) -> bool:
@@ -243,6 +263,11 @@ def fill_weights(graph: Graph, seed: int = 0, blobs: dict[str, list[np.ndarray]]
 
 def _from_blob(node: Node, role: str, blobs: list[np.ndarray], i: int, shape: tuple[int, ...]) -> np.ndarray:
     if node.op == "batchnorm":  # Caffe: mean, var, scale factor (divide both by it)
+        sizes = [b.size for b in blobs]
+        if len(blobs) < 2 or any(b.size != int(np.prod(shape)) for b in blobs[:2]):
+            raise GraphError(f"layer {node.name!r} (BatchNorm): the caffemodel has {len(blobs)} blob(s) of "
+                             f"{sizes} values; a BatchNorm layer has mean and variance of {int(np.prod(shape))} "
+                             "values each, then a scale factor")
         factor = float(blobs[2][0]) if len(blobs) > 2 and blobs[2].size else 1.0
         factor = 1.0 / factor if factor != 0 else 0.0
         return blobs[i].reshape(shape) * factor
@@ -335,7 +360,11 @@ def read_caffemodel(path: Path) -> dict[str, list[np.ndarray]]:
     """Blobs of each layer by name, from a binary NetParameter (layer = 100; V1 layers = 2); a file
     that is not one is a GraphError naming it."""
     try:
-        return _layers(path.read_bytes())
+        data = read_bounded(path, "caffemodel")
+    except (OSError, InputFileError) as err:
+        raise GraphError(f"caffemodel: {err}") from None
+    try:
+        return _layers(data)
     except (GraphError, IndexError, UnicodeDecodeError, ValueError, struct.error) as err:
         raise GraphError(f"caffemodel {path}: not a Caffe NetParameter ({err})") from None
 

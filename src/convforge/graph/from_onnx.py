@@ -8,12 +8,15 @@ or asking for what the runtime does not compute, is refused with a GraphError na
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from convforge.graph.ir import Graph, GraphError, Node, Tensor, infer, input_shape
+from convforge.files import InputFileError, read_bounded
+from convforge.graph.ir import Graph, GraphError, Node, Tensor, check_weights, infer, input_shape
 
 # Per op type: the fewest and most inputs (optional ones may be left empty, "") and the
 # attributes ONNX requires. The first ``fewest`` inputs must be given.
@@ -30,10 +33,20 @@ _SPEC: dict[str, tuple[int, int, tuple[str, ...]]] = {
 def load_onnx(model: Any, input_size: int | None = None, batch: int | None = None) -> Graph:
     """The IR of an ONNX ModelProto (or a path to one). A symbolic height or width needs
     ``input_size``; a symbolic batch is 1 unless ``batch`` is given."""
+    model, what = _read(model)
+    try:
+        return _translate(model, what, input_size, batch)
+    except GraphError as err:  # the file in front, where it is one and the message does not name it
+        if what == "the model" or what in str(err):
+            raise
+        raise GraphError(f"onnx: {what}: {str(err).removeprefix('onnx: ')}") from None
+
+
+def _translate(model: Any, what: str, input_size: int | None, batch: int | None) -> Graph:
+    """The IR of a read ModelProto (``what`` names it in errors)."""
     import onnx
     from onnx import numpy_helper
 
-    model, what = _read(model)
     opset = max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=0)
     if opset < 13:
         raise GraphError(f"onnx: {what}: opset ({opset}) must be 13 or later")
@@ -53,12 +66,16 @@ def load_onnx(model: Any, input_size: int | None = None, batch: int | None = Non
         if op.op_type in ("Dropout", "Identity"):
             alias[op.output[0]] = ins[0]
             continue
-        node = _node(name, op.op_type, attrs, ins, inits, graph, shapes)
-        node.output = op.output[0]
-        graph.nodes.append(node)
-        shapes = _infer_so_far(graph)
+        try:
+            node = _node(name, op.op_type, attrs, ins, inits, graph, shapes)
+            node.output = op.output[0]
+            graph.nodes.append(node)
+            shapes = _infer_so_far(graph)
+        except GraphError as err:  # name the node's ONNX tensors: a shape error names the IR's weight keys
+            raise GraphError(f"{err} (ONNX node {name!r} reads {', '.join(repr(t) for t in op.input if t)})") from None
     graph.outputs = _declared_outputs(graph, [o.name for o in g.output], alias)
     infer(graph)
+    check_weights(graph)
     return graph
 
 
@@ -81,7 +98,8 @@ def _declared_outputs(graph: Graph, names: list[str], alias: dict[str, str]) -> 
 
 def _read(model: Any) -> tuple[Any, str]:
     """(ModelProto, how to name it in errors) from a ModelProto or a path; a file that is not an
-    ONNX model is a GraphError naming it."""
+    ONNX model is a GraphError naming it. A path is read as a regular file of at most
+    ``files.LIMITS["ONNX model"]``, and its external data only from files in the model's folder."""
     import onnx
     from google.protobuf.message import DecodeError
 
@@ -89,14 +107,94 @@ def _read(model: Any) -> tuple[Any, str]:
     if isinstance(model, (str, Path)):
         what = str(model)
         try:
-            model = onnx.load(what)
-        except DecodeError as err:
+            data = read_bounded(model, "ONNX model")
+        except (OSError, InputFileError) as err:
+            raise GraphError(f"onnx: {err}") from None
+        try:
+            model = onnx.load_model_from_string(data)
+        except (DecodeError, RuntimeError, ValueError) as err:
             raise GraphError(f"onnx: {what} is not an ONNX model ({err})") from None
+        for tensor in _tensors(model.graph):
+            if tensor.data_location == onnx.TensorProto.EXTERNAL:
+                _load_external(tensor, Path(what))
     elif not isinstance(model, onnx.ModelProto):
         raise TypeError(f"model ({type(model).__name__}) must be an onnx.ModelProto or a path to one")
+    else:
+        for tensor in _tensors(model.graph):
+            if tensor.data_location == onnx.TensorProto.EXTERNAL:
+                raise GraphError(f"onnx: tensor {tensor.name!r} keeps its data in an external file: give "
+                                 "the model's path, so its data is read from the model's folder")
     if not model.HasField("graph"):
         raise GraphError(f"onnx: {what} holds no ONNX model (no graph)")
     return model, what
+
+
+def _tensors(graph: Any) -> Iterator[Any]:
+    """Every TensorProto of ``graph``: initializers and node attributes, through subgraphs."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            if attr.HasField("g"):
+                yield from _tensors(attr.g)
+            for sub in attr.graphs:
+                yield from _tensors(sub)
+
+
+def _load_external(tensor: Any, model_path: Path) -> None:
+    """Read ``tensor``'s external data into it (raw_data): only from a regular file inside the
+    model's folder, named by a relative path without ``..`` and without symbolic links, of the
+    tensor's exact size; a GraphError naming the tensor, the file and the model otherwise."""
+    import onnx
+
+    info = {e.key: e.value for e in tensor.external_data}
+    where = f"onnx: {model_path}: tensor {tensor.name!r}"
+    location = info.get("location", "")
+    folder = model_path.parent
+    if not location:
+        raise GraphError(f"{where}: its external data names no file (no 'location')")
+    rel = Path(location)
+    if rel.is_absolute() or rel.drive or location.startswith(("/", "\\")):
+        raise GraphError(f"{where}: its external data file {location!r} is an absolute path; convforge reads "
+                         f"external data only from files in the model's folder ({folder})")
+    if ".." in rel.parts:
+        raise GraphError(f"{where}: its external data file {location!r} leads out of the model's folder "
+                         f"({folder}) with '..'; convforge reads external data only from files in that folder")
+    step = folder
+    for part in rel.parts:
+        step = step / part
+        if step.is_symlink():
+            raise GraphError(f"{where}: its external data file {location!r} goes through a symbolic link "
+                             f"({step}); convforge reads external data only from files in the model's folder")
+    if not step.exists():
+        raise GraphError(f"{where}: its external data file {step} is missing (it must lie beside the model)")
+    if not os.path.realpath(step).startswith(os.path.join(os.path.realpath(folder), "")):
+        raise GraphError(f"{where}: its external data file {location!r} lies outside the model's folder ({folder})")
+    if any(d < 0 for d in tensor.dims):
+        raise GraphError(f"{where}: dims ({list(tensor.dims)}) must be >= 0")
+    try:
+        offset = int(info.get("offset", 0))
+        length = int(info["length"]) if "length" in info else None
+    except ValueError:
+        raise GraphError(f"{where}: external data offset / length ({info.get('offset')!r}, "
+                         f"{info.get('length')!r}) must be integers") from None
+    try:
+        itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+    except (KeyError, ValueError, TypeError):
+        raise GraphError(f"{where}: its data type ({tensor.data_type}) cannot be read from external data") from None
+    need = int(np.prod(tensor.dims, dtype=np.int64)) * itemsize
+    if offset < 0 or (length is not None and length != need):
+        raise GraphError(f"{where}: external data at offset {offset} with length {length} does not hold its "
+                         f"{list(tensor.dims)} values ({need} bytes)")
+    try:
+        data = read_bounded(step, "ONNX external data", offset=offset, length=need)
+    except (OSError, InputFileError) as err:
+        raise GraphError(f"{where}: external data: {err}") from None
+    tensor.raw_data = data
+    del tensor.external_data[:]
+    tensor.data_location = onnx.TensorProto.DEFAULT
 
 
 def _input_dims(value: Any, input_size: int | None, batch: int | None) -> tuple[int, int, int, int]:

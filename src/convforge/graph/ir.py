@@ -194,7 +194,26 @@ def _weight_shape(graph: Graph, node: Node, role: str, want: tuple[int, ...]) ->
         raise GraphError(f"node {node.name!r} ({node.op}): weights.{role} ({key!r}) is not in the weights")
     got = tuple(graph.weights[key].shape)
     if got != want:
-        raise GraphError(f"node {node.name!r} ({node.op}): weights.{role} has shape {got}, expected {want}")
+        raise GraphError(f"node {node.name!r} ({node.op}): weights.{role} has shape {got}, expected {want} "
+                         f"(weight {key!r})")
+
+
+def check_weights(graph: Graph) -> None:
+    """A GraphError naming the node and weight when a weight holds NaN or Inf, or a batch norm's
+    variance is negative (it would take the square root of a negative number: NaN outputs)."""
+    for node in graph.nodes:
+        for role, key in node.weights.items():
+            arr = graph.weights.get(key)
+            if arr is None or not np.issubdtype(arr.dtype, np.floating):
+                continue
+            bad = int(np.count_nonzero(~np.isfinite(arr)))
+            if bad:
+                raise GraphError(f"node {node.name!r} ({node.op}): weights.{role} ({key!r}) holds {bad} NaN or "
+                                 "infinite value(s)")
+            if node.op == "batchnorm" and role == "var" and arr.size and float(arr.min()) < 0:
+                raise GraphError(f"node {node.name!r} ({node.op}): the variance ({key!r}) has "
+                                 f"{int(np.count_nonzero(arr < 0))} negative value(s), the smallest "
+                                 f"{float(arr.min()):g}; a batch norm's variance is >= 0")
 
 
 def _infer_node(graph: Graph, node: Node, ins: list[Tensor]) -> Tensor:

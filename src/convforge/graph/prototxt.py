@@ -10,6 +10,7 @@ import re
 from typing import Any
 
 Message = dict[str, list[Any]]
+MAX_DEPTH = 100  # messages nested deeper are refused (a Caffe net nests 3 or 4 levels)
 
 _TOKEN = re.compile(r"""\s*(?:(\#[^\n]*)                           # comment
                            |("(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*')  # quoted string
@@ -57,13 +58,16 @@ def _scalar(tok: str, where: str, line: int) -> Any:
 
 def parse(text: str, where: str = "prototxt") -> Message:
     """Parse protobuf text format into a Message; errors start with ``where`` (the file name)."""
-    msg, pos = _message(_tokens(text, where), 0, None, where, 0)
+    msg, pos = _message(_tokens(text, where), 0, None, where, 0, 0)
     return msg
 
 
 def _message(toks: list[tuple[str, int]], pos: int, close: str | None, where: str,
-             opened: int) -> tuple[Message, int]:
-    """The fields up to ``close`` (None: the end); ``opened`` is the line of the opening brace."""
+             opened: int, depth: int) -> tuple[Message, int]:
+    """The fields up to ``close`` (None: the end); ``opened`` is the line of the opening brace,
+    ``depth`` how many messages enclose this one (at most MAX_DEPTH)."""
+    if depth > MAX_DEPTH:
+        raise PrototxtError(f"{where} line {opened}: messages nested deeper than {MAX_DEPTH} levels")
     msg: Message = {}
     while pos < len(toks):
         tok, line = toks[pos]
@@ -82,7 +86,7 @@ def _message(toks: list[tuple[str, int]], pos: int, close: str | None, where: st
             pos += 1
             nxt = toks[pos][0] if pos < len(toks) else ""
         if nxt in ("{", "<"):
-            sub, pos = _message(toks, pos + 1, "}" if nxt == "{" else ">", where, toks[pos][1])
+            sub, pos = _message(toks, pos + 1, "}" if nxt == "{" else ">", where, toks[pos][1], depth + 1)
             msg.setdefault(tok, []).append(sub)
         elif nxt == "[":
             pos += 1

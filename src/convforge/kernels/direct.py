@@ -236,12 +236,14 @@ class Direct(DirectBase):
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
         out = [self.default(spec, device)]
+        seen = set(out)  # (a list's ``in`` made this space quadratic: 0.3 s on a 3x3 layer)
         wc = [False, True] if self._wconst_ok(spec, device) else [False]
         ldg = [True, False] if device.backend == "cuda" else [False]
         for pt in self._grid_points(spec, device):
             for wconst, use_ldg in itertools.product(wc, ldg):
                 prm = Params(pt, wconst=wconst, ldg=use_ldg)
-                if prm not in out:
+                if prm not in seen:
+                    seen.add(prm)
                     out.append(prm)
         # Strides as run-time arguments: one binary serves any strides (a few points suffice).
         base = out[:6]

@@ -34,7 +34,11 @@ def open_db(path: Path | None = None, write: bool = False) -> TuningDB | None:
     with _LOCK:
         key = (path, write)
         if key not in _DBS:
-            if not write and not path.exists():
+            try:
+                missing = not write and not path.exists()
+            except OSError:  # a folder above it may not be entered: TuningDB says so below
+                missing = False
+            if missing:
                 return None  # not remembered: a later tuning run may create it
             try:
                 _DBS[key] = TuningDB(path, readonly=not write)

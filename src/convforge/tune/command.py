@@ -222,6 +222,10 @@ def tune_main(args: argparse.Namespace) -> int:
         with _db_config(db.path):
             us = measure_dispatch(layers[0][1], backend, epilogue=layer_epilogue(layers[0][1], epi))
         console.print(f"dispatch overhead of choose() with a warm database: {us:.2f} µs per call")
+    if db.write_errors:  # the results stand (printed above); the database stays as it was
+        _error(f"could not store {len(db.write_errors)} result(s) in the tuning database {db.path}: "
+               f"{db.write_errors[0]}; it keeps what it held before")
+        return 1
     return 1 if failed else 0
 
 
@@ -370,7 +374,7 @@ class _db_config:
 # -- convforge db -------------------------------------------------------------------------
 def add_db_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--db", type=Path, help=f"tuning database (default {config.tuning_db})")
-    sub = p.add_subparsers(dest="db_command", metavar="{list,show,export,import,clear}")
+    sub = p.add_subparsers(dest="db_command", metavar="{list,show,export,import,merge,clear}")
     sub.required = True
     ls = sub.add_parser("list", help="one line per tuned layer")
     show = sub.add_parser("show", help="every field of the entries matching a layer or key fields")
@@ -390,6 +394,11 @@ def add_db_arguments(p: argparse.ArgumentParser) -> None:
     imp.add_argument("file", type=Path)
     imp.add_argument("--replace", action="store_true", help="overwrite entries even when they are faster")
     imp.add_argument("--dry-run", action="store_true", help="check the entries and say what would be stored")
+    mrg = sub.add_parser("merge", help="merge tuning databases or exports into one: per layer and device, the "
+                         "fastest entry that validates (docs/DATABASE.md)")
+    mrg.add_argument("inputs", nargs="+", type=Path, metavar="A", help="a tuning database or a JSON export")
+    mrg.add_argument("--into", type=Path, required=True, metavar="C",
+                     help="the database written (new or existing: its entries take part; one transaction)")
     clr = sub.add_parser("clear", help="delete entries (all without filters)")
     clr.add_argument("--backend", choices=backends, help="only this back-end")
     clr.add_argument("--spec", help="only this layer (ConvSpec text)")
@@ -411,6 +420,8 @@ def _match(args: argparse.Namespace) -> dict[str, str]:
 def db_main(args: argparse.Namespace) -> int:
     """The database sub-commands: list, show and export open the database read-only."""
     console = _console()
+    if args.db_command == "merge":
+        return _merge(console, args)
     try:
         match = _match(args)
         path = Path(args.db or config.tuning_db)
@@ -468,22 +479,113 @@ def _check_clear(path: Path) -> None:
 
 
 def _import(console: Any, db: TuningDB, args: argparse.Namespace) -> int:
-    """Validate every entry, store the good ones (unless --dry-run), list the rejects with reasons."""
+    """Validate every entry, store the good ones (unless --dry-run) in one transaction, list the
+    rejects with reasons; a progress bar on a terminal for big files."""
+    doc = getattr(args, "document", None) or args.file
+    total = len(doc["entries"]) if isinstance(doc, dict) and isinstance(doc.get("entries"), list) else 0
     try:
-        rep = db.import_json(getattr(args, "document", None) or args.file, only_if_faster=not args.replace,
-                             dry_run=args.dry_run)
+        with _progress(console, total, "checking entries") as tick:
+            rep = db.import_json(doc, only_if_faster=not args.replace, dry_run=args.dry_run, on_progress=tick)
     except (OSError, ValueError) as err:
         _error(f"cannot import {args.file}: {err}")
         return 2
     verb = "would store" if args.dry_run else "imported"
-    for e in rep.stored:
-        console.print(f"  {verb}: {e.backend} {e.spec} {e.epilogue} {e.precision} {e.variant}", soft_wrap=True,
-                      markup=False)
-    for label, why in rep.rejected:
-        console.print(f"  [red]rejected[/red] {escape(label)}: {escape(why)}", soft_wrap=True)
+    _print_report(console, rep, verb)
     console.print(f"{verb} {len(rep.stored)} entries into {db.path}; {len(rep.kept)} kept (an existing entry "
                   f"is faster), {len(rep.rejected)} rejected", soft_wrap=True, markup=False)
     return 1 if rep.rejected else 0
+
+
+SHOWN = 20  # entries listed one per line after an import or merge; the rest are counted
+
+
+def _print_report(console: Any, rep: Any, verb: str) -> None:
+    for e in rep.stored[:SHOWN]:
+        console.print(f"  {verb}: {e.backend} {e.spec} {e.epilogue} {e.precision} {e.variant}", soft_wrap=True,
+                      markup=False)
+    if len(rep.stored) > SHOWN:
+        console.print(f"  ... and {len(rep.stored) - SHOWN} more", markup=False)
+    for label, why in rep.rejected[:SHOWN * 5]:
+        console.print(f"  [red]rejected[/red] {escape(label)}: {escape(why)}", soft_wrap=True)
+    if len(rep.rejected) > SHOWN * 5:
+        console.print(f"  ... and {len(rep.rejected) - SHOWN * 5} more rejected", markup=False)
+
+
+class _progress:
+    """A rich progress bar over ``total`` items on a terminal when there are many (the callback
+    it yields takes (done, total)); None otherwise."""
+
+    def __init__(self, console: Any, total: int, what: str) -> None:
+        self.console, self.total, self.what = console, total, what
+        self.bar: Any = None
+
+    def __enter__(self) -> Any:
+        if self.total < 2000 or not self.console.is_terminal:
+            return None
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        bar = self.bar = Progress(TextColumn(self.what), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                  console=self.console, transient=True)
+        bar.start()
+        task = bar.add_task(self.what, total=self.total)
+        return lambda done, total: bar.update(task, completed=done, total=total)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def _merge(console: Any, args: argparse.Namespace) -> int:
+    """``db merge A B ... --into C``: every input read (and refused) before C is opened; then per
+    key (device, back-end, layer, dtype, epilogue, precision) the fastest entry that validates is
+    stored in C in one transaction, where C holds no faster one."""
+    if args.db is not None:
+        _error("--db does not apply to db merge: name the database written with --into")
+        return 2
+    items: list[tuple[str, Any]] = []
+    try:
+        for src in dict.fromkeys(args.inputs):
+            items += _merge_input(Path(src))
+        with _progress(console, len(items), "checking entries") as tick:
+            db = TuningDB(args.into)
+            rep = db.merge([e for _, e in items], only_if_faster=True, on_progress=tick, label=lambda i: items[i][0])
+    except sqlite3.Error as err:
+        _error(f"tuning database {args.into}: {err}")
+        return 2
+    except (OSError, ValueError) as err:
+        _error(f"{err}")
+        return 2
+    _print_report(console, rep, "stored")
+    console.print(f"merged {len(items)} entries of {len(args.inputs)} input(s) into {db.path}: {len(rep.stored)} "
+                  f"stored, {len(rep.kept)} kept (one as fast or faster is there), {len(rep.rejected)} rejected",
+                  soft_wrap=True, markup=False)
+    return 1 if rep.rejected else 0
+
+
+def _merge_input(src: Path) -> list[tuple[str, Any]]:
+    """(label, entry object) of each entry of a tuning database or a JSON export at ``src``; a
+    ValueError naming ``src`` when it is neither, is missing, corrupt or unreadable."""
+    from convforge.tune.dbfile import identify
+    from convforge.tune.validate import load_document
+
+    kind = identify(src)
+    if kind.kind == "missing":
+        raise NoDatabase(f"cannot merge {src}: no such file")
+    if kind.kind in ("ours", "empty"):
+        db = TuningDB(src, readonly=True)
+        try:
+            entries = db.entries()
+        finally:
+            db.close()
+        return [(f"{src}: {e.backend} {e.spec} {e.variant} on {e.device}", dataclasses.asdict(e)) for e in entries]
+    if "text file" not in kind.what:
+        raise ValueError(f"cannot merge {src}: it is {kind.what.replace(', not a SQLite database', '')}; db merge "
+                         "reads convforge tuning databases and JSON exports")
+    try:
+        entries = load_document(src)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"cannot merge {src}: {err}") from None
+    return [(f"{src}: entry {i + 1}", e) for i, e in enumerate(entries)]
 
 
 def _print_not_carried(console: Any, db: TuningDB) -> None:

@@ -7,15 +7,17 @@ identity existed) recognised by its exact tables and columns. Everything else is
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import sqlite3
-import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
+
+from convforge.files import not_regular
 
 APPLICATION_ID = 0x43466F72  # "CFor"
 SQLITE_MAGIC = b"SQLite format 3\x00"
@@ -46,20 +48,6 @@ def ro_uri(path: Path, immutable: bool = False) -> str:
     return f"file:{quote(str(path.resolve()))}?mode=ro" + ("&immutable=1" if immutable else "")
 
 
-_NOT_REGULAR = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe), not a regular file"),
-                (stat.S_ISSOCK, "a socket, not a regular file"),
-                (stat.S_ISCHR, "a character device, not a regular file"),
-                (stat.S_ISBLK, "a block device, not a regular file"))
-
-
-def not_regular(mode: int) -> str | None:
-    """A phrase naming what a ``st_mode`` is when it is not a regular file, else None."""
-    for test, what in _NOT_REGULAR:
-        if test(mode):
-            return what
-    return None if stat.S_ISREG(mode) else "not a regular file"
-
-
 def read_head(path: Path, size: int | None = 100) -> bytes:
     """The first ``size`` bytes (all with None) of the regular file ``path``. Anything else (a
     FIFO, a device, a folder) is an OSError saying what it is, raised before a read could block:
@@ -87,6 +75,8 @@ def identify(path: Path) -> FileKind:
     except FileNotFoundError:
         return FileKind("missing")
     except OSError as err:
+        if err.errno == errno.EACCES:
+            return FileKind("foreign", what=f"unreachable ({err.strerror}: a folder above it may not be entered)")
         return FileKind("foreign", what=f"unreadable ({err.strerror or err})")
     what = not_regular(mode)
     if what:
@@ -99,9 +89,18 @@ def identify(path: Path) -> FileKind:
         return FileKind("empty")
     if not head.startswith(SQLITE_MAGIC):
         return FileKind("foreign", what=describe(head))
+    wal = len(head) > 18 and head[18] == 2
     if len(head) == 100 and int.from_bytes(head[68:72], "big") == APPLICATION_ID:
-        return FileKind("ours", schema=int.from_bytes(head[60:64], "big"))
-    return _identify_sqlite(path, wal=len(head) > 18 and head[18] == 2)
+        ours = FileKind("ours", schema=int.from_bytes(head[60:64], "big"))
+        try:
+            pending = wal and side(path, "-wal").stat().st_size > 0  # a newer schema may be in the log yet
+        except OSError:
+            pending = False
+        if pending:
+            seen = _identify_sqlite(path, wal)
+            return seen if seen.kind == "ours" else ours
+        return ours
+    return _identify_sqlite(path, wal)
 
 
 def side(path: Path, suffix: str) -> Path:

@@ -5,6 +5,7 @@ entry's layer on a nominal device of that back-end kind."""
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import json
 import math
 import os
@@ -26,17 +27,23 @@ _TEXT = ("device", "backend", "version", "spec", "dtype", "epilogue", "variant",
 _NUMBERS = ("time_ms", "error", "heuristic_ms", "seconds", "min_error")
 _INTS = ("workspace", "candidates")
 _REQUIRED = ("device", "backend", "spec", "dtype", "epilogue", "variant", "params", "time_ms", "error")
+# The longest text each field may hold (characters): names and keys are short; JSON fields hold a
+# handful of parameters or a layer's description. A 150 MB device name is no measurement's.
+TEXT_LIMIT = {"params": 4096, "spec_json": 4096, "heuristic_params": 4096, "spec": 512}
+TEXT_DEFAULT_LIMIT = 256
+# No kernel call takes an hour; seconds of tuning per layer past a day are no measurement either.
+MAX_TIME_MS = 3.6e6
+MAX_SECONDS = 86400.0
+MAX_WORKSPACE = 1 << 48  # 256 TiB: beyond any device's memory
 
 
 def read_document(source: str | os.PathLike[str]) -> Any:
-    """The JSON document in the regular file ``source`` (a FIFO or a device is refused before it is
-    read: OSError); ValueError when it is not JSON."""
-    from convforge.tune.dbfile import read_head
+    """The JSON document in the regular file ``source``, read up to the bound of a tuning export
+    (a FIFO or a device is refused before it is read); ValueError when it is not JSON, or is nested
+    deeper than the parser goes."""
+    from convforge.files import parse_json, read_bounded
 
-    try:
-        return json.loads(read_head(Path(source), None).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{source} is not a JSON document ({err})") from None
+    return parse_json(read_bounded(Path(source), "tuning export"), str(source))
 
 
 def load_document(source: str | os.PathLike[str] | dict[str, Any]) -> list[Any]:
@@ -75,7 +82,8 @@ def class_bound(precision: str, min_error: float | None) -> float:
 
 
 def entry_fields(d: Any) -> dict[str, Any]:
-    """The Entry keyword arguments of an export's object, each field's type checked."""
+    """The Entry keyword arguments of an export's object, each field's type and range checked
+    (:func:`field_problem`)."""
     from convforge.tune.db import Entry, now
     from convforge.tune.dbfile import v1_precision
 
@@ -86,21 +94,23 @@ def entry_fields(d: Any) -> dict[str, Any]:
         raise ValueError(f"lacks {', '.join(missing)}")
     names = set(Entry.__dataclass_fields__)
     vals = {k: v for k, v in d.items() if k in names}
-    for k in _TEXT:
-        if k in vals and not isinstance(vals[k], str):
-            raise TypeError(f"{k} ({vals[k]!r}) must be a string")
-    for k in _NUMBERS:
-        v = vals.get(k)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
-            raise TypeError(f"{k} ({v!r}) must be a finite number")
-    for k in _INTS:
-        if k in vals and (isinstance(vals[k], bool) or not isinstance(vals[k], int) or vals[k] < 0):
-            raise TypeError(f"{k} ({vals[k]!r}) must be an integer >= 0")
-    vals["params"] = _params_json(vals["params"])
+    if not isinstance(vals["params"], str):  # an export writes it as a JSON object
+        if not isinstance(vals["params"], dict):
+            raise TypeError(f"params ({_short(vals['params'])}) must be an object of parameter names and values")
+        try:
+            vals["params"] = json.dumps(vals["params"], sort_keys=True)
+        except (TypeError, ValueError, RecursionError) as err:
+            raise ValueError(f"params cannot be written as JSON ({err})") from None
+    for k, v in vals.items():
+        why = field_problem(k, v)
+        if why:
+            raise (TypeError if why.endswith(("must be a string", "must be a finite number")) else ValueError)(why)
+    vals["params"] = _normal_json(str(vals["params"]))
     vals.setdefault("version", "")
     vals.setdefault("workspace", 0)
     vals.setdefault("error", 0.0)
-    vals.setdefault("date", now())
+    if "date" not in vals:
+        vals["date"] = now()
     if "precision" not in vals:  # a schema-1 export: the epilogue tag or the error names the class
         epi, prec, why = v1_precision(vals["epilogue"], float(vals["error"]))
         if why:
@@ -109,35 +119,136 @@ def entry_fields(d: Any) -> dict[str, Any]:
     return vals
 
 
-def _params_json(p: Any) -> str:
-    if isinstance(p, str):
-        try:
-            p = json.loads(p)
-        except json.JSONDecodeError:
-            raise ValueError(f"params ({p!r}) is not a JSON object") from None
-    if not isinstance(p, dict):
-        raise TypeError(f"params ({p!r}) must be an object of parameter names and values")
-    return json.dumps(p, sort_keys=True)
+def field_problem(key: str, value: Any) -> str | None:
+    """Why ``value`` cannot be field ``key`` of a tuning entry (None when it can): text must be a
+    printable string within its length (``TEXT_LIMIT``), the JSON fields a JSON object; numbers
+    finite and in range (times from 0, below ``MAX_TIME_MS``); counts ints >= 0."""
+    kind = _KIND.get(key)
+    if kind == "text":
+        if type(value) is str and len(value) <= _LIMIT[key] and value.isprintable():
+            if key not in _JSON_FIELDS or _json_kind(value) == "dict":
+                return None
+        return _text_problem(key, value)
+    if kind == "number":
+        if value is None and key in _OPTIONAL:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return f"{key} ({_short(value)}) must be a finite number"
+        if value < 0:
+            return f"{key} ({value!r}) must be >= 0"
+        if key in ("time_ms", "heuristic_ms") and value > MAX_TIME_MS:
+            return f"{key} ({value!r}) is implausible (above {MAX_TIME_MS:g} ms, an hour)"
+        if key == "seconds" and value > MAX_SECONDS:
+            return f"seconds ({value!r}) is implausible (above {MAX_SECONDS:g}, a day)"
+        return None
+    if kind == "int" and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_WORKSPACE):
+        return f"{key} ({_short(value)}) must be an integer >= 0"
+    return None
+
+
+def _text_problem(key: str, value: Any) -> str:
+    if not isinstance(value, str):
+        return f"{key} ({_short(value)}) must be a string"
+    if len(value) > _LIMIT[key]:
+        return f"{key} ({_short(value)}, {len(value)} characters) is longer than {_LIMIT[key]} characters"
+    if not value.isprintable():
+        return f"{key} ({_short(value)}) holds control characters (terminal escapes, line breaks)"
+    kind = _json_kind(value)
+    return f"{key} ({_short(value)}) " + ("is not JSON" if kind is None else "must be a JSON object")
+
+
+_KIND = {**dict.fromkeys((*_TEXT, "params"), "text"), **dict.fromkeys(_NUMBERS, "number"),
+         **dict.fromkeys(_INTS, "int")}
+_LIMIT = {k: TEXT_LIMIT.get(k, TEXT_DEFAULT_LIMIT) for k in (*_TEXT, "params")}
+_JSON_FIELDS = frozenset(("params", "spec_json", "heuristic_params"))
+_OPTIONAL = frozenset(("heuristic_ms", "min_error"))
+
+
+@functools.lru_cache(maxsize=4096)
+def _json_kind(text: str) -> str | None:
+    """The type name of the JSON value ``text`` holds, None when it is not JSON (remembered: a
+    fleet's entries repeat their parameters and layers)."""
+    try:
+        return type(json.loads(text)).__name__
+    except (ValueError, RecursionError):
+        return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _normal_json(text: str) -> str:
+    return json.dumps(json.loads(text), sort_keys=True)
+
+
+def row_problem(vals: dict[str, Any]) -> str | None:
+    """Why a database row's fields cannot be an Entry (None when they can): each field as
+    :func:`field_problem` says, and a time of at least ``MIN_TIME_MS``."""
+    from convforge.tune.db import MIN_TIME_MS
+
+    for k, v in vals.items():
+        if v is None and k not in ("heuristic_ms", "min_error"):
+            return f"{k} is empty"
+        why = field_problem(k, v)
+        if why:
+            return why
+    if vals["time_ms"] < MIN_TIME_MS:
+        return f"time_ms ({vals['time_ms']!r}) is implausible (below {MIN_TIME_MS} ms)"
+    return None
+
+
+def _short(v: Any, n: int = 60) -> str:
+    """``repr(v)`` cut to ``n`` characters (a 150 MB value is not echoed)."""
+    text = repr(v) if not isinstance(v, str) or len(v) <= n else repr(v[:n]) + "..."
+    return text if len(text) <= n + 5 else text[:n] + "..."
 
 
 def validate_entry(d: Any) -> Entry:
     """An Entry from an export's object, checked to be usable; ValueError/TypeError saying why not."""
+    return Verifier()(d)
+
+
+class Verifier:
+    """:func:`validate_entry` for many entries: each entry's fields and record are checked, and
+    whether its parameters plan for its layer (the costly part: the variant's parameter space and
+    its generator) once per distinct (variant, layer, back-end, epilogue, parameters), as a fleet's
+    entries repeat them across devices."""
+
+    def __init__(self) -> None:
+        self._plans: dict[tuple[str, ...], str | None] = {}
+
+    def __call__(self, d: Any) -> Entry:
+        from convforge.tune.db import MIN_TIME_MS, Entry
+
+        entry = Entry(**entry_fields(d))
+        if entry.backend not in NOMINAL:
+            raise ValueError(f"backend ({entry.backend!r}) must be one of {', '.join(NOMINAL)}")
+        if not entry.time_ms >= MIN_TIME_MS:
+            raise ValueError(f"time_ms ({entry.time_ms!r}) is implausible (below {MIN_TIME_MS} ms)")
+        _check_record(entry)
+        key = (entry.variant, entry.spec, entry.spec_json, entry.dtype, entry.backend, entry.epilogue, entry.params)
+        if key not in self._plans:
+            try:
+                _check_plans(entry)
+                self._plans[key] = None
+            except (ValueError, TypeError) as err:
+                self._plans[key] = str(err)
+        why = self._plans[key]
+        if why is not None:
+            raise ValueError(why)
+        return entry
+
+
+def _check_plans(entry: Entry) -> None:
+    """The entry's layer, variant and parameters: the spec matches its spec_json, the variant is
+    known and applies on a nominal device of the back-end, the parameters are its own and plan."""
     from convforge.kernels import check_params, get_variant
     from convforge.params import Params
     from convforge.plan import Epilogue
     from convforge.spec import ConvSpec
-    from convforge.tune.db import MIN_TIME_MS, Entry
 
-    entry = Entry(**entry_fields(d))
-    if entry.backend not in NOMINAL:
-        raise ValueError(f"backend ({entry.backend!r}) must be one of {', '.join(NOMINAL)}")
-    if not entry.time_ms >= MIN_TIME_MS:
-        raise ValueError(f"time_ms ({entry.time_ms!r}) is implausible (below {MIN_TIME_MS} ms)")
-    _check_record(entry)
     try:
         spec = ConvSpec.from_dict(json.loads(entry.spec_json))
-    except (ValueError, TypeError, KeyError, AttributeError) as err:
-        raise ValueError(f"spec_json ({entry.spec_json!r}) does not describe a layer ({err})") from None
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as err:
+        raise ValueError(f"spec_json ({entry.spec_json[:200]!r}) does not describe a layer ({err})") from None
     if spec.key() != entry.spec:
         raise ValueError(f"spec ({entry.spec!r}) does not match its spec_json ({spec.key()!r})")
     if spec.dtype != entry.dtype:
@@ -155,7 +266,6 @@ def validate_entry(d: Any) -> Entry:
         variant.plan(spec, params, device, epi)
     except Exception as err:  # noqa: BLE001 - whatever the generator says, the entry is unusable
         raise ValueError(f"parameters {params.short()} do not plan for the layer: {err}") from None
-    return entry
 
 
 def _check_record(entry: Entry) -> None:
