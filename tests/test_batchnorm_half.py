@@ -231,8 +231,9 @@ def test_cuda_sources_compile_without_spills(nvcc_ok) -> None:  # type: ignore[n
     for shape, dtype, layout in itertools.product(shapes, DTYPES[1:], LAYOUTS):
         for pdtype in ("float32", dtype):
             bn = BnTrain(**shape, dtype=dtype, pdtype=pdtype, layout=layout)  # type: ignore[arg-type]
-            for sp in (1, None):  # one kernel a pass, and the split form the device would pick
-                prog = bn_program(bn, NOMINAL_CUDA, sp)
+            # one kernel a pass, the split form the device would pick, statistics from 64 partial sums
+            for sp, partials in ((1, None), (None, None), (None, 64)):
+                prog = bn_program(bn, NOMINAL_CUDA, sp, partials)
                 infos = ptxas_report(render(list(prog.kernels), "cuda", "bn"))
                 assert len(infos) == len(prog.kernels) and all(i.spill_stores == 0 and i.spill_loads == 0
                                                                for i in infos), (bn, infos)
