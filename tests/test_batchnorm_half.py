@@ -23,7 +23,7 @@ import pytest
 from conftest import NOMINAL_CUDA
 from convforge.codegen.render import render
 from convforge.dtypes import HALF_TOLERANCE, rounded
-from convforge.kernels.batchnorm import DTYPES, LAYOUTS, ST, BnTrain, bn_program, host_run, slices
+from convforge.kernels.batchnorm import DTYPES, LAYOUTS, PARTIAL_ROWS, ST, BnTrain, bn_program, host_run, slices
 from convforge.plan import DeviceInfo
 from convforge.reference import batchnorm_train_backward_ref, batchnorm_train_ref, rel_l2
 
@@ -40,13 +40,13 @@ SHAPES = [(2, 5, 9), (1, 8, 12), (6, 7, 1), (3, 12, 5)]
 def _combos() -> list[tuple[BnTrain, int]]:
     """Every dtype x layout x relu x residual x affine x track, each with a shape of SHAPES in turn; the
     rows split over 2 blocks for the affine, tracking ones (every dtype, layout, relu and residual sees
-    both forms), one block per channel (tile) otherwise; the parameters in the half dtype every other
-    half case."""
+    both forms, and each form every shape), one block per channel (tile) otherwise; the parameters in the
+    half dtype every other half case."""
     out = []
     for i, (dtype, layout, relu, residual, affine, track) in enumerate(
             itertools.product(DTYPES, LAYOUTS, (True, False), (True, False), (True, False), (True, False))):
-        n, c, hw = SHAPES[i % len(SHAPES)]
-        pdtype = dtype if dtype != "float32" and (i // 4) % 2 else "float32"
+        n, c, hw = SHAPES[(i + i // 4) % len(SHAPES)]  # the split cases (i % 4 == 0) see every shape too
+        pdtype = dtype if dtype != "float32" and (i + i // 4) % 2 else "float32"
         bn = BnTrain(n, c, hw, relu, residual, affine, track, momentum=0.2 if i % 3 else 0.1,
                      dtype=dtype, pdtype=pdtype, layout=layout)
         out.append((bn, 2 if affine and track else 1))
@@ -91,11 +91,26 @@ def _forward(ocl, bn: BnTrain, arrays: dict[str, np.ndarray], prog) -> dict[str,
     return host_run(ocl, bn, "forward", given, prog)
 
 
+def _partial_sums(y: np.ndarray, bounds: list[int]) -> np.ndarray:
+    """What a conv's epilogue would hand the statistics (kernels/batchnorm.py PARTIAL_ROWS), in float32:
+    each channel's N*H*W values cut at ``bounds``, each piece's sums about its own first value."""
+    n, c, hw = y.shape
+    flat = y.transpose(1, 0, 2).reshape(c, n * hw)
+    rows = np.zeros((len(PARTIAL_ROWS), len(bounds) - 1, c), np.float32)
+    for j, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        d = flat[:, lo:hi] - flat[:, lo:lo + 1]
+        rows[0, j], rows[1, j], rows[2, j], rows[3, j] = d.sum(axis=1), (d * d).sum(axis=1), flat[:, lo], hi - lo
+    return rows.reshape(-1)
+
+
 def _check(ocl, bn: BnTrain, sp: int | None, seed: int, offset: float = 0.5,  # type: ignore[no-untyped-def]
-           device: DeviceInfo | None = None) -> None:
+           device: DeviceInfo | None = None, bounds: list[int] | None = None) -> None:
     rng = np.random.default_rng(seed)
     arrays = _inputs(bn, rng, offset)
-    prog = bn_program(bn, device or ocl.device, sp)
+    partials = None if bounds is None else len(bounds) - 1
+    prog = bn_program(bn, device or ocl.device, sp, partials)
+    if bounds is not None:
+        arrays["part"] = _partial_sums(arrays["y"], bounds)
     out = _forward(ocl, bn, arrays, prog)
     y4 = arrays["y"][..., None]
     ref = batchnorm_train_ref(y4, arrays.get("gamma"), arrays.get("beta"), bn.eps,
@@ -189,6 +204,17 @@ def test_a_nan_in_y_reaches_its_channels_output_and_running_statistics(ocl, layo
     assert np.isfinite(z[:, others]).all() and np.isfinite(out["rvar"][others]).all()
 
 
+@pytest.mark.parametrize("bn", [BnTrain(3, 5, 7, residual=True), BnTrain(3, 12, 7, dtype="float16", layout="nhwc")],
+                         ids=["nchw-f32", "nhwc-f16"])
+def test_statistics_from_another_kernels_partial_sums(ocl, bn: BnTrain) -> None:  # type: ignore[no-untyped-def]
+    """The forward started from partial sums another kernel wrote (a conv's epilogue: bn_program's
+    ``partials``): four pieces of uneven sizes, each about its own shift, around a mean of 200 (sums
+    about 0 would cancel there); two kernels, y never read for the statistics; the backward as usual."""
+    prog = bn_program(bn, ocl.device, 1, partials=4)
+    assert len(prog.forward) == 2 and not any("y" in step.args for step in prog.forward[:1])
+    _check(ocl, bn, 1, seed=9, offset=200.0, bounds=[0, 4, 9, 17, 21])
+
+
 def test_bad_settings_name_the_problem() -> None:
     with pytest.raises(ValueError, match="must be one of float32"):
         BnTrain(2, 4, 4, dtype="float64")
@@ -205,8 +231,9 @@ def test_cuda_sources_compile_without_spills(nvcc_ok) -> None:  # type: ignore[n
     for shape, dtype, layout in itertools.product(shapes, DTYPES[1:], LAYOUTS):
         for pdtype in ("float32", dtype):
             bn = BnTrain(**shape, dtype=dtype, pdtype=pdtype, layout=layout)  # type: ignore[arg-type]
-            for sp in (1, None):  # one kernel a pass, and the split form the device would pick
-                prog = bn_program(bn, NOMINAL_CUDA, sp)
+            # one kernel a pass, the split form the device would pick, statistics from 64 partial sums
+            for sp, partials in ((1, None), (None, None), (None, 64)):
+                prog = bn_program(bn, NOMINAL_CUDA, sp, partials)
                 infos = ptxas_report(render(list(prog.kernels), "cuda", "bn"))
                 assert len(infos) == len(prog.kernels) and all(i.spill_stores == 0 and i.spill_loads == 0
                                                                for i in infos), (bn, infos)

@@ -46,6 +46,7 @@ elementwise kernels take 4 channels a thread where C is a multiple of 4. Element
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,12 +174,18 @@ def slices(bn: BnTrain, device: DeviceInfo) -> int:
     return max(1, min(cdiv(4 * max(device.units, 1), bn.c), bn.m // _SLICE))
 
 
-def bn_program(bn: BnTrain, device: DeviceInfo, sp: int | None = None) -> BnProgram:
+def bn_program(bn: BnTrain, device: DeviceInfo, sp: int | None = None, partials: int | None = None) -> BnProgram:
     """The forward and backward launches of ``bn`` on ``device``: with one slice per channel
-    (``slices``, or ``sp`` when given) one kernel a pass, else three (module docstring)."""
+    (``slices``, or ``sp`` when given) one kernel a pass, else three (module docstring).
+
+    ``partials``: the forward starts from ``partials`` partial sums per channel that another kernel wrote
+    into "part" (a conv's epilogue, one per output tile: :data:`PARTIAL_ROWS`), so it is two kernels,
+    finalize and apply, and never reads y for its statistics."""
     sp = slices(bn, device) if sp is None else sp
     if not 1 <= sp <= bn.m:
         raise ValueError(f"{NAME}: slices per channel ({sp}) must be in 1..{bn.m} (N*H*W)")
+    if partials is not None and not 1 <= partials <= bn.m:
+        raise ValueError(f"{NAME}: partial sums per channel ({partials}) must be in 1..{bn.m} (N*H*W)")
     bt = _threads(device)
     ix = "I64" if bn.total > 2**31 - 1 else "int"
     if bn.nhwc:
@@ -190,24 +197,36 @@ def bn_program(bn: BnTrain, device: DeviceInfo, sp: int | None = None) -> BnProg
         v, rgrid, rblock = (4 if bn.hw % 4 == 0 else 1), (sp, bn.c, 1), (bt, 1, 1)
         stats = _reduce_kernel(bn, "stats", sp, bt, v, ix, fused=sp == 1)
         bred = _reduce_kernel(bn, "bwd_reduce", sp, bt, v, ix, fused=sp == 1)
-    if sp == 1:  # a block per channel (tile): statistics, finalize and apply in one kernel a pass
-        return BnProgram((stats, bred), (Launch(stats.name, rgrid, rblock, _names(stats)),),
-                         (Launch(bred.name, rgrid, rblock, _names(bred)),), 0)
-    fin = _finalize_kernel(bn, sp)
-    apply = _apply_kernel(bn, v, ix)
-    bfin = _bwd_finalize_kernel(bn, sp)
-    bapply = _bwd_apply_kernel(bn, v, ix)
-    eblock = (BLOCK, 1, 1)
-    fc, fk = _fin_shape(bn, sp)
-    cgrid, cblock = (cdiv(bn.c, fc), 1, 1), (fc * fk, 1, 1)
-    egrid = (cdiv(bn.total // v, BLOCK), 1, 1)
-    fwd = (Launch(stats.name, rgrid, rblock, _names(stats)),
-           Launch(fin.name, cgrid, cblock, _names(fin)),
-           Launch(apply.name, egrid, eblock, _names(apply)))
-    bwd = (Launch(bred.name, rgrid, rblock, _names(bred)),
-           Launch(bfin.name, cgrid, cblock, _names(bfin)),
-           Launch(bapply.name, egrid, eblock, _names(bapply)))
-    return BnProgram((stats, fin, apply, bred, bfin, bapply), fwd, bwd, 2 * sp * bn.c)
+    egrid, eblock = (cdiv(bn.total // v, BLOCK), 1, 1), (BLOCK, 1, 1)
+
+    def finalize(kernel: Kernel, count: int) -> Launch:
+        fc, fk = _fin_shape(bn, count)
+        return Launch(kernel.name, (cdiv(bn.c, fc), 1, 1), (fc * fk, 1, 1), _names(kernel))
+
+    def launch(kernel: Kernel, grid: tuple[int, int, int], block: tuple[int, int, int]) -> Launch:
+        return Launch(kernel.name, grid, block, _names(kernel))
+
+    kernels: list[Kernel] = []
+    if partials is not None:  # statistics from another kernel's partial sums: finalize, apply
+        pfin, apply = _finalize_kernel(bn, partials, external=True), _apply_kernel(bn, v, ix)
+        kernels += [pfin, apply]
+        fwd: tuple[Launch, ...] = (finalize(pfin, partials), launch(apply, egrid, eblock))
+    elif sp == 1:  # a block per channel (tile): statistics, finalize and apply in one kernel a pass
+        kernels.append(stats)
+        fwd = (launch(stats, rgrid, rblock),)
+    else:
+        fin, apply = _finalize_kernel(bn, sp), _apply_kernel(bn, v, ix)
+        kernels += [stats, fin, apply]
+        fwd = (launch(stats, rgrid, rblock), finalize(fin, sp), launch(apply, egrid, eblock))
+    if sp == 1:
+        kernels.append(bred)
+        bwd: tuple[Launch, ...] = (launch(bred, rgrid, rblock),)
+    else:
+        bfin, bapply = _bwd_finalize_kernel(bn, sp), _bwd_apply_kernel(bn, v, ix)
+        kernels += [bred, bfin, bapply]
+        bwd = (launch(bred, rgrid, rblock), finalize(bfin, sp), launch(bapply, egrid, eblock))
+    part = max(2 * sp * bn.c if sp > 1 else 0, len(PARTIAL_ROWS) * partials * bn.c if partials else 0)
+    return BnProgram(tuple(kernels), fwd, bwd, part)
 
 
 def _names(k: Kernel) -> tuple[str, ...]:
@@ -242,6 +261,11 @@ def _ftype(v: int) -> str:
     return "float4" if v == 4 else "float"
 
 
+# Partial sums another kernel hands the forward (bn_program's ``partials`` P): "part" holds these rows, P x C
+# floats each, partial j of channel c at [row][j][c]: the sums of y - k and (y - k)^2 over the partial's n values
+# of the channel, k (a value of that channel, ideally one of the partial's own: the shift), and n; every value
+# of the channel in exactly one partial (the n add up to N*H*W)
+PARTIAL_ROWS = ("s1", "s2", "shift", "count")
 ST = ("k0", "dm", "inv", "sc", "sh")  # the "st" buffer's rows, C values each: mean = k0 + dm (module docstring)
 # Every buffer a forward or backward kernel takes, numbered: the pointer slots of native.cpp's BlockNode (its enum
 # BnSlot lists them in this order), which launches these kernels from C++ (torch/batchnorm.py native_handle)
@@ -339,7 +363,7 @@ def _reduce_kernel(bn: BnTrain, what: str, sp: int, bt: int, v: int, ix: str, fu
     code("float a1 = 0.0f, a2 = 0.0f;")
     with code.block(f"for (int e = j * {per} + t; e < e1; e += {bt})"):
         code(f"const {ix} at = base + {_at(bn, v, ix, 'e')};")
-        load = (lambda p: s.vload4("0", f"{p} + at")) if v == 4 else (lambda p: s.load(p, "at"))
+        load = _loader(s, v)
         code(f"const {_ftype(v)} yv = {load('y')};")
         if bwd:
             code(f"const {_ftype(v)} gv = {load('gz')};")
@@ -385,10 +409,6 @@ def _fused_tail(bn: BnTrain, code: Code, bwd: bool, bt: int, v: int, ix: str, wh
     """NCHW, one block per channel, after its sums: thread 0 finalizes (forward: :func:`_finalize_lines`;
     backward: dgamma, dbeta, b and d) and hands the block its coefficients through shared memory, then
     every thread applies over the values it reduced (its own gm stores read back)."""
-    s = _act(bn)
-    chunks = bn.m // v
-    load = (lambda p: s.vload4("0", f"{p} + at")) if v == 4 else (lambda p: s.load(p, "at"))
-    lanes = _lanes(v)
     code("SHARED float fin[2];")
     with code.block("if (t == 0)"):
         code("const float s1 = r1[0], s2 = r2[0];")
@@ -399,30 +419,42 @@ def _fused_tail(bn: BnTrain, code: Code, bwd: bool, bt: int, v: int, ix: str, wh
     code("BARRIER();")
     code("const float b = fin[0], d = fin[1];" if bwd else
          f"const float dm = fin[0], sc = fin[1], sh = {_par(bn).load('beta', 'c') if bn.affine else '0.0f'};")
-    with code.block(f"for (int e = t; e < {chunks}; e += {bt})"):
-        code(f"const {ix} at = base + {_at(bn, v, ix, 'e')};", f"const {_ftype(v)} yv = {load('y')};")
-        if bwd:
-            src = "gm" if bn.relu and bn.residual else "gz"
-            code(f"const {_ftype(v)} gv = {load(src)};")
-            for lane in lanes:  # with a residual gm is already masked
-                code(_grad_line(bn, lane) if bn.relu and not bn.residual else f"const float g{_sfx(lane)} = gv{lane};")
-            outs = [_dy_value(bn, lane) for lane in lanes]
-            out = "dy"
-        else:
-            if bn.residual:
-                code(f"const {_ftype(v)} rv = {load('res')};")
-            outs = [_apply_value(bn, lane) for lane in lanes]
-            out = "z"
-        code(_store(s, v, outs, f"{out} + at" if v == 4 else out, "0" if v == 4 else "at"))
-    if bwd:
-        args = _bwd_args(bn, True)
-        tail = "dgamma, dbeta and dy"
-    else:
-        args = (s.buf("y"), *((s.buf("res"),) if bn.residual else ()), *_finalize_args(bn),
-                s.buf("z", readonly=False))
-        tail = "statistics, running statistics and z"
+    with code.block(f"for (int e = t; e < {bn.m // v}; e += {bt})"):
+        _apply_step(bn, code, bwd, v, f"const {ix} at = base + {_at(bn, v, ix, 'e')};")
+    args, tail = _one_args(bn, bwd)
     return Kernel(f"{_prefix(bn)}_{'bwd' if bwd else 'fwd'}_one", args, code.text(), (bt, 1, 1),
                   comment=f"{NAME}: {what_text}, then {tail}: one block per channel, {bt} threads")
+
+
+def _loader(s: Storage, v: int) -> Callable[[str], str]:
+    """Buffer name -> the load of vector (v = 4) or element ``at`` of it."""
+    return (lambda p: s.vload4("0", f"{p} + at")) if v == 4 else (lambda p: s.load(p, "at"))
+
+
+def _apply_step(bn: BnTrain, code: Code, bwd: bool, v: int, at_line: str) -> None:
+    """One step of a fused kernel's apply loop at offset ``at`` (declared by ``at_line``): z (forward) or
+    dy (backward: g from dz, or from gm, already masked, with a residual) of its v values."""
+    s, lanes, load = _act(bn), _lanes(v), _loader(_act(bn), v)
+    code(at_line, f"const {_ftype(v)} yv = {load('y')};")
+    if bwd:
+        code(f"const {_ftype(v)} gv = {load('gm' if bn.relu and bn.residual else 'gz')};")
+        for lane in lanes:
+            code(_grad_line(bn, lane) if bn.relu and not bn.residual else f"const float g{_sfx(lane)} = gv{lane};")
+        outs, out = [_dy_value(bn, lane) for lane in lanes], "dy"
+    else:
+        if bn.residual:
+            code(f"const {_ftype(v)} rv = {load('res')};")
+        outs, out = [_apply_value(bn, lane) for lane in lanes], "z"
+    code(_store(s, v, outs, f"{out} + at" if v == 4 else out, "0" if v == 4 else "at"))
+
+
+def _one_args(bn: BnTrain, bwd: bool) -> tuple[tuple[Buf, ...], str]:
+    """A fused (one kernel a pass) kernel's buffers, and what it ends with."""
+    if bwd:
+        return _bwd_args(bn, True), "dgamma, dbeta and dy"
+    s = _act(bn)
+    args = (s.buf("y"), *((s.buf("res"),) if bn.residual else ()), *_finalize_args(bn), s.buf("z", readonly=False))
+    return args, "statistics, running statistics and z"
 
 
 def _rows_reduce_kernel(bn: BnTrain, what: str, sp: int, rows: _Rows, ix: str, fused: bool = False) -> Kernel:
@@ -451,7 +483,7 @@ def _rows_reduce_kernel(bn: BnTrain, what: str, sp: int, rows: _Rows, ix: str, f
     else:
         code(f"const float4 k0v = {s.vload4('0', 'y + c')};" if v == 4 else f"const float k0 = {s.load('y', 'c')};")
     code("float " + ", ".join(f"a{_sfx(lane)} = 0.0f, q{_sfx(lane)} = 0.0f" for lane in lanes) + ";")
-    load = (lambda p: s.vload4("0", f"{p} + at")) if v == 4 else (lambda p: s.load(p, "at"))
+    load = _loader(s, v)
     with code.block(f"for (int r = j * {per} + ty; r < e1; r += {rows.tr})"):
         code(f"const {ix} at = ({ix})r * {bn.c} + c;", f"const {_ftype(v)} yv = {load('y')};")
         if bwd:
@@ -475,14 +507,23 @@ def _rows_reduce_kernel(bn: BnTrain, what: str, sp: int, rows: _Rows, ix: str, f
     what_text = ("sums of the ReLU-masked gradient g and g * (y - mean)" if bwd
                  else "shifted sums of y and y^2")
     shape = f"{rows.tc} x {rows.tr} threads, {v} channel(s) a thread"
-    if not fused:
-        with code.block(f"if ({first})"):
-            for i in range(v):
-                ch = f"c + {i}" if v > 1 else "c"
-                code(f"part[j * {bn.c} + {ch}] = r1[{at[i]}];", f"part[({sp} + j) * {bn.c} + {ch}] = r2[{at[i]}];")
-        args = _bwd_args(bn, False) if bwd else (s.buf("y"), Buf("part", readonly=False))
-        return Kernel(f"{_prefix(bn)}_{what}", args, code.text(), (rows.tc * rows.tr, 1, 1),
-                      comment=f"{NAME}: {what_text} per (slab of rows, channel), {sp} slab(s), {shape}")
+    if fused:
+        return _rows_fused_tail(bn, code, bwd, rows, ix, first, what_text)
+    with code.block(f"if ({first})"):
+        for i in range(v):
+            ch = f"c + {i}" if v > 1 else "c"
+            code(f"part[j * {bn.c} + {ch}] = r1[{at[i]}];", f"part[({sp} + j) * {bn.c} + {ch}] = r2[{at[i]}];")
+    args = _bwd_args(bn, False) if bwd else (s.buf("y"), Buf("part", readonly=False))
+    return Kernel(f"{_prefix(bn)}_{what}", args, code.text(), (rows.tc * rows.tr, 1, 1),
+                  comment=f"{NAME}: {what_text} per (slab of rows, channel), {sp} slab(s), {shape}")
+
+
+def _rows_fused_tail(bn: BnTrain, code: Code, bwd: bool, rows: _Rows, ix: str, first: str, what_text: str) -> Kernel:
+    """NHWC, one block per channel tile over every row, after its sums: the threads of the tree's first row
+    (``first``) finalize their channels, one block of code per lane, and hand the tile its coefficients
+    through shared memory; then every thread applies over the rows it read."""
+    v, w, lanes = rows.v, rows.width, _lanes(rows.v)
+    at = [f"t * {v} + {i}" if v > 1 else "t" for i in range(v)]
     fins = ("b", "d") if bwd else ("dm", "sc", "sh")
     code(*[f"SHARED float f{n}[{w}];" for n in fins])
     with code.block(f"if ({first})"):
@@ -501,24 +542,9 @@ def _rows_reduce_kernel(bn: BnTrain, what: str, sp: int, rows: _Rows, ix: str, f
         code(f"const float4 {n}v = MAKE_FLOAT4({', '.join(f'f{n}[tx * 4 + {i}]' for i in range(4))});" if v == 4
              else f"const float {n} = f{n}[tx];")
     with code.block(f"for (int r = ty; r < e1; r += {rows.tr})"):
-        code(f"const {ix} at = ({ix})r * {bn.c} + c;", f"const {_ftype(v)} yv = {load('y')};")
-        if bwd:
-            code(f"const {_ftype(v)} gv = {load('gm' if writes_gm else 'gz')};")
-            for lane in lanes:  # with a residual gm is already masked
-                code(_grad_line(bn, lane) if bn.relu and not bn.residual else f"const float g{_sfx(lane)} = gv{lane};")
-            outs, out = [_dy_value(bn, lane) for lane in lanes], "dy"
-        else:
-            if bn.residual:
-                code(f"const {_ftype(v)} rv = {load('res')};")
-            outs, out = [_apply_value(bn, lane) for lane in lanes], "z"
-        code(_store(s, v, outs, f"{out} + at" if v == 4 else out, "0" if v == 4 else "at"))
-    if bwd:
-        args = _bwd_args(bn, True)
-        tail = "dgamma, dbeta and dy"
-    else:
-        args = (s.buf("y"), *((s.buf("res"),) if bn.residual else ()), *_finalize_args(bn),
-                s.buf("z", readonly=False))
-        tail = "statistics, running statistics and z"
+        _apply_step(bn, code, bwd, v, f"const {ix} at = ({ix})r * {bn.c} + c;")
+    args, tail = _one_args(bn, bwd)
+    shape = f"{rows.tc} x {rows.tr} threads, {v} channel(s) a thread"
     return Kernel(f"{_prefix(bn)}_{'bwd' if bwd else 'fwd'}_one", args, code.text(), (rows.tc * rows.tr, 1, 1),
                   comment=f"{NAME}: {what_text}, then {tail}: one block per tile of {w} channels, {shape}")
 
@@ -538,34 +564,48 @@ def _fin_shape(bn: BnTrain, sp: int) -> tuple[int, int]:
     return fc, min(fk, 1 << (sp - 1).bit_length())
 
 
-def _sum_slices(bn: BnTrain, sp: int) -> tuple[Code, int, int]:
+def _sum_slices(bn: BnTrain, sp: int, external: bool = False) -> tuple[Code, int, int]:
     """The head of a finalize kernel: thread (cx, k) of block b adds slices k, k + fk, ... of channel
     c = b * fc + cx, then the fk partial sums of each channel add in a fixed tree; threads k = 0 of real
-    channels go on with s1, s2 (the channel's sums) and c."""
+    channels go on with s1, s2 (the channel's sums) and c. ``external``: the slices are another kernel's
+    partials (``PARTIAL_ROWS``), each moved to the shift of partial 0 as it is added (sums about k_j
+    to sums about K: s1 + n (k_j - K), s2 + (k_j - K) (2 s1 + n (k_j - K)))."""
     fc, fk = _fin_shape(bn, sp)
     code = Code()
     code(f"SHARED float r1[{fc * fk}];", f"SHARED float r2[{fc * fk}];",
          f"const int t = LOCAL_ID(0), k = t / {fc}, c = GROUP_ID(0) * {fc} + t % {fc};",
          "float a1 = 0.0f, a2 = 0.0f;")
     with code.block(f"if (c < {bn.c})"):
-        code(f"for (int j = k; j < {sp}; j += {fk}) {{ a1 += part[j * {bn.c} + c]; "
-             f"a2 += part[({sp} + j) * {bn.c} + c]; }}")
+        if external:
+            row = [f"{i * sp * bn.c}" for i in range(len(PARTIAL_ROWS))]
+            code(f"const float kk = part[{row[2]} + c];")
+            with code.block(f"for (int j = k; j < {sp}; j += {fk})"):
+                code(f"const int at = j * {bn.c} + c;",
+                     f"const float s1j = part[at], dk = part[{row[2]} + at] - kk, ndk = part[{row[3]} + at] * dk;",
+                     "a1 += s1j + ndk;", f"a2 += part[{row[1]} + at] + dk * (2.0f * s1j + ndk);")
+        else:
+            code(f"for (int j = k; j < {sp}; j += {fk}) {{ a1 += part[j * {bn.c} + c]; "
+                 f"a2 += part[({sp} + j) * {bn.c} + c]; }}")
     code("r1[t] = a1;", "r2[t] = a2;", "BARRIER();")
     _tree(code, fk, fc, 1, "k")
     code(f"if (k != 0 || c >= {bn.c}) return;", "const float s1 = r1[t], s2 = r2[t];")
     return code, fc, fk
 
 
-def _finalize_kernel(bn: BnTrain, sp: int) -> Kernel:
+def _finalize_kernel(bn: BnTrain, sp: int, external: bool = False) -> Kernel:
     """Channel c (:func:`_sum_slices`): mean, 1/sqrt(var + eps), scale and beta into st; the running
-    statistics updated."""
-    code, fc, fk = _sum_slices(bn, sp)
-    first = "c" if bn.nhwc else f"(I64)c * {bn.hw}"  # y[0, c, 0, 0]
-    code(f"const float k0 = {_act(bn).load('y', first)};", *_finalize_lines(bn))
-    args = (Buf("part"), _act(bn).buf("y"), *_finalize_args(bn))
-    return Kernel(f"{_prefix(bn)}_finalize", args, code.text(), (fc * fk, 1, 1),
-                  comment=f"{NAME}: batch statistics, scale and beta per channel"
-                          + (f", running statistics (momentum {bn.momentum})" if bn.track else ""))
+    statistics updated. The shift: y[0, c, 0, 0], or (``external``) partial 0's."""
+    code, fc, fk = _sum_slices(bn, sp, external)
+    if external:
+        code(f"const float k0 = part[{2 * sp * bn.c} + c];", *_finalize_lines(bn))
+        args: tuple[Buf, ...] = (Buf("part"), *_finalize_args(bn))
+    else:
+        first = "c" if bn.nhwc else f"(I64)c * {bn.hw}"  # y[0, c, 0, 0]
+        code(f"const float k0 = {_act(bn).load('y', first)};", *_finalize_lines(bn))
+        args = (Buf("part"), _act(bn).buf("y"), *_finalize_args(bn))
+    return Kernel(f"{_prefix(bn)}_finalize{'_partials' if external else ''}", args, code.text(), (fc * fk, 1, 1),
+                  comment=f"{NAME}: batch statistics{f' from {sp} partial sums' if external else ''}, scale and "
+                          "beta per channel" + (f", running statistics (momentum {bn.momentum})" if bn.track else ""))
 
 
 def _finalize_lines(bn: BnTrain, ch: str = "c", counts: bool = True) -> list[str]:
