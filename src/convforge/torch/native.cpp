@@ -1009,11 +1009,11 @@ bool bn_residual(const at::Tensor& r, const BnProg& b, const Program& p, int8_t 
   return impl->has_storage() && !impl->is_python_dispatch() && !r.is_neg() && !r.key_set().has_any(wrappers);
 }
 
-// Whether the conv program's output is what the batch-norm program reads: run_program writes y as
-// float32 NCHW (a program filed for a half or channels_last y, by another call of the same module,
-// is not this call's). Where run_program learns other outputs, this follows them.
-bool conv_output_fits(const BnProg& b) {
-  return b.act == at::kFloat && !b.nhwc;
+// Whether the conv program's output is what the batch-norm program reads: run_program writes y in
+// x's dtype and memory format (a batch-norm program filed for another dtype or layout, by another
+// call of the same module, is not this call's).
+bool conv_output_fits(const BnProg& b, const at::Tensor& x) {
+  return b.act == x.scalar_type() && b.nhwc == nhwc(x);
 }
 
 // block(conv2d's 14 arguments, res, gamma, beta, running_mean, running_var, num_batches_tracked,
@@ -1033,7 +1033,7 @@ PyObject* py_block(PyObject*, PyObject* const* a, Py_ssize_t n) {
   std::shared_ptr<BnProg> bp = bn_at(PyLong_AsLongLong(a[kArgs + 6]));
   if (PyErr_Occurred()) return nullptr;
   if (!p || !bp || p->y_shape.size() != 4 || p->y_shape[0] != bp->n || p->y_shape[1] != bp->c ||
-      p->y_shape[2] * p->y_shape[3] != bp->hw || !conv_output_fits(*bp))
+      p->y_shape[2] * p->y_shape[3] != bp->hw || !conv_output_fits(*bp, *x))
     Py_RETURN_NONE;
   std::optional<at::Tensor> res, gamma, beta;
   if (a[kArgs] != Py_None) {
