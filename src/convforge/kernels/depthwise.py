@@ -41,6 +41,7 @@ another. ``depthwise_wgrad`` is in depthwise_wgrad.py.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from convforge.codegen.dialect import Kernel, Storage
@@ -273,10 +274,10 @@ class Tile:
     def flat_ok(self) -> bool:
         """Flat loads apply: one tile covers each output plane (so every block's tile origin is the
         plane's, -pad), the block's source planes are consecutive in memory (NCHW; fprop, or dgrad
-        with multiplier 1) and rows are not loaded as float4s (vec=0)."""
+        with multiplier 1), rows are not loaded as float4s (vec=0) and the filter is small."""
         nqt, npt, _, _ = self.grid
         return (nqt == 1 and npt == 1 and (not self.st.fan_in or self.st.mult == 1) and not self.vec
-                and not self.st.nhwc)
+                and not self.st.nhwc and not self.st.big)
 
     @property
     def flat_unit(self) -> int:
@@ -426,6 +427,20 @@ def _load_flat(code: Code, t: Tile, j: str) -> None:
                          f"xs[(ci{it}_{e} * {t.ih} + row{it}_{e}) * {t.iw} + col{it}_{e}] = {val};")
 
 
+def _batches(code: Code, t: Tile, total: int) -> Iterator[tuple[range, Callable[[int], str], Callable[[int], bool]]]:
+    """The load trips of ``total`` units in batches of ``_LOAD_BATCH``: (trips, the unit of trip it,
+    whether trip it needs a bound check). Unrolled; the tiled form's large halos loop at run time
+    over batches (every trip then checked)."""
+    trips = cdiv(total, t.threads)
+    if t.st.big and trips > 2 * _LOAD_BATCH:
+        with code.block(f"for (int b = 0; b < {cdiv(trips, _LOAD_BATCH)}; ++b)  /* {_LOAD_BATCH} loads in flight */"):
+            yield range(_LOAD_BATCH), lambda it: f"tid + (b * {_LOAD_BATCH} + {it}) * {t.threads}", lambda it: True
+        return
+    for b0 in range(0, trips, _LOAD_BATCH):
+        yield (range(b0, min(trips, b0 + _LOAD_BATCH)), lambda it: f"tid + {it * t.threads}",
+               lambda it: it * t.threads + t.threads > total)
+
+
 def _load_nhwc(code: Code, t: Tile, j: str) -> None:
     """NHWC: the block's bc channels of each tile pixel, ``cv`` consecutive channels a load (16
     bytes where they align), the channel chunks of a pixel fastest so a warp reads contiguous runs;
@@ -434,12 +449,10 @@ def _load_nhwc(code: Code, t: Tile, j: str) -> None:
     u = t.cv
     nch = t.bc // u
     total = nch * t.ih * t.iw
-    trips = cdiv(total, t.threads)
-    for b0 in range(0, trips, _LOAD_BATCH):
-        batch = range(b0, min(trips, b0 + _LOAD_BATCH))
+    for batch, start, guarded in _batches(code, t, total):
         for it in batch:
-            guard = it * t.threads + t.threads > total
-            code(f"const int t{it} = tid + {it * t.threads};",
+            guard = guarded(it)
+            code(f"const int t{it} = {start(it)};",
                  f"const int ci{it} = (t{it} % {nch}) * {u}, pix{it} = t{it} / {nch};",
                  f"const int row{it} = pix{it} / {t.iw}, col{it} = pix{it} % {t.iw};",
                  f"const int iy{it} = y0 + row{it}, ix{it} = x0 + col{it};")
@@ -451,7 +464,7 @@ def _load_nhwc(code: Code, t: Tile, j: str) -> None:
             src = f"{st.src} + ((n * {st.hi} + iy{it}) * {st.wi} + ix{it}) * {st.src_planes} + {ch}"
             _vector(code, st, f"v{it}", u, ok, src)
         for it in batch:
-            guard = it * t.threads + t.threads > total
+            guard = guarded(it)
             with code.block(f"if (t{it} < {total})" if guard else ""):
                 for e in range(u):
                     code(f"xs[(ci{it} + {e}) * {t.plane} + row{it} * {t.iw} + col{it}] = {_lane(f'v{it}', u, e)};")
@@ -468,14 +481,12 @@ def _load(code: Code, t: Tile, j: str) -> None:
     st = t.st
     per = t.ih * (t.chunks if t.vec else t.iw)
     total = t.bc * per
-    trips = cdiv(total, t.threads)
     hw = st.hi * st.wi
     vw = t.vw if t.vec else 1
-    for b0 in range(0, trips, _LOAD_BATCH):
-        batch = range(b0, min(trips, b0 + _LOAD_BATCH))
+    for batch, start, guarded in _batches(code, t, total):
         for it in batch:
-            guard = it * t.threads + t.threads > total
-            code(f"const int t{it} = tid + {it * t.threads};",
+            guard = guarded(it)
+            code(f"const int t{it} = {start(it)};",
                  f"const int ci{it} = t{it} / {per}, rem{it} = t{it} % {per};")
             if t.vec:
                 code(f"const int row{it} = rem{it} / {t.chunks}, col{it} = {vw} * (rem{it} % {t.chunks}) - {t.off};",
@@ -490,7 +501,7 @@ def _load(code: Code, t: Tile, j: str) -> None:
             else:
                 _vector(code, st, f"v{it}", vw, ok, src)
         for it in batch:
-            guard = it * t.threads + t.threads > total
+            guard = guarded(it)
             if t.vec:
                 base = f"(ci{it} * {t.ih} + row{it}) * {t.iw} + col{it}"
                 with code.block(f"if (t{it} < {total})" if guard else ""):
@@ -754,9 +765,10 @@ def _shrink(st: Stencil, device: DeviceInfo, bq: int, bp: int, bc: int, tq: int,
 def _special_default(st: Stencil, device: DeviceInfo) -> Params | None:
     """Untuned tiles of the newer forms (None: the plain NCHW rule). Tiled form (large filters): 8 x 4
     outputs a thread (S x 8 FMAs per S + 11 shared reads a filter row), one channel a block of
-    >= 64 threads. Phases: tp x tq super-pixels making 4 (float32) or 8 (half) dx columns and about 2
-    dx rows a thread (one 16-byte store a row). NHWC: 32 channels (a warp, channel-vectorised loads)
-    by a few pixel tiles, 256 threads."""
+    >= 64 threads, on NHWC too (a channel's halo'd tile fills shared memory; such layers are
+    compute-bound, the strided loads a small share). Phases: tp x tq super-pixels making 4 (float32)
+    or 8 (half) dx columns and about 2 dx rows a thread (one 16-byte store a row). NHWC: 32 channels
+    (a warp, channel-vectorised loads) by a few pixel tiles, 256 threads."""
     half = st.sto.half
     if st.phases:
         sh, sw = st.out_step
@@ -769,7 +781,7 @@ def _special_default(st: Stencil, device: DeviceInfo) -> Params | None:
         tp = 4 if st.eff_r >= 7 and st.ho >= 28 else 2 if st.ho >= 6 else 1
     else:
         return None
-    if st.nhwc:
+    if st.nhwc and not st.big:
         bc = min(32, st.groups)
         bq = _fit(st.wo, tq, max(1, 256 // bc // 2))
         bp = _fit(st.ho, tp, max(1, 256 // (bc * bq)))
@@ -809,7 +821,7 @@ def stencil_default(st: Stencil, device: DeviceInfo) -> Params:
 def _space_axes(st: Stencil) -> tuple[tuple[int, ...], ...]:
     """(tq, tp, bq, bp, bc) candidates of the space."""
     if st.big:
-        return (8, 4, 2), (4, 2, 1), (4, 7, 8, 14, 16), (4, 7, 8, 14, 16), (1, 2)
+        return (8, 4, 2), (4, 2, 1), (4, 7, 8, 14, 16), (4, 7, 8, 14, 16), (1, 2, 4)
     if st.nhwc:
         return (4, 2, 1), (1, 2, 4), (1, 2, 4, 8), (1, 2, 4, 8), (8, 16, 32, 64)
     tq = (8, 4, 2, 1) if st.sto.half or st.phases else (4, 2, 1)
