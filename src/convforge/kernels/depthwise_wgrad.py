@@ -39,9 +39,9 @@ _SMEM = 48 * 1024  # static shared memory a block may declare
 
 def wgrad_splits(spec: ConvSpec, device: DeviceInfo, blocks: int | None = None) -> int:
     """Slices of the N*P output rows: enough blocks (``blocks`` per slice, default K) for ~4 per
-    compute unit."""
+    compute unit, at most 64 (the slice sum's terms)."""
     want = cdiv(4 * max(device.units, 1), blocks or spec.k) if device.is_gpu else 1
-    return max(1, min(spec.n * spec.p, want))
+    return max(1, min(spec.n * spec.p, want, 64))
 
 
 def _form(spec: ConvSpec) -> str:

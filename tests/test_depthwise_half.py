@@ -1,0 +1,212 @@
+"""The depthwise family in float16 / bfloat16 storage (FP32 arithmetic), NCHW and NHWC, every pass, on
+PoCL against the float64 reference with the output poisoned (NaN) first, on odd shapes: N=1, prime
+channel counts (13, 59), multiplier 2, stride 2 and 4, asymmetric padding, dilation 2, 3x3 to 7x7 and
+the large filters' tiled form (13x13, 31x31) on small planes; bias / residual / ReLU / GELU / SiLU
+epilogues; strided dgrad by phase; the NHWC wgrad and the tiled wgrad.
+
+Tolerances: relative L2 against float64 of the same half inputs, the plan's own (dtypes.HALF_TOLERANCE:
+1e-3 float16, 8e-3 bfloat16, about twice the rounding of the output alone, u / sqrt(3): these layers
+measure 1.8-2.4e-4 and 1.5-2.2e-3); float32 plans of the new forms at the variants' 1e-5 (they measure
+7e-8 to 3e-7).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from conftest import NOMINAL_CUDA
+from convforge.check import check_plan
+from convforge.kernels import get_variant, select
+from convforge.kernels.depthwise import REG_TAPS, Tile, dgrad_stencil, fprop_stencil, phases_of
+from convforge.plan import Epilogue
+from convforge.spec import ConvSpec
+
+HALF = ("float16", "bfloat16")
+PASS_VARIANT = {"fprop": "depthwise", "dgrad": "depthwise_dgrad", "wgrad": "depthwise_wgrad"}
+ODD = [
+    ConvSpec.make(1, 13, 11, 9, 13, 3, 3, 1, 1, groups=13),  # N=1, prime C, odd sizes
+    ConvSpec.make(2, 5, 17, 16, 10, 5, 5, 2, (2, 1, 0, 3), groups=5),  # 5x5 /2, asymmetric pad, K = 2C
+    ConvSpec.make(1, 59, 9, 8, 59, 7, 7, 1, 3, groups=59),  # prime 59, 7x7, W = 8 (16-byte half rows)
+    ConvSpec.make(1, 3, 20, 24, 3, 3, 3, 1, 2, 2, groups=3),  # dilation 2
+    ConvSpec.make(1, 3, 21, 17, 6, 3, 3, 4, (1, 0, 2, 1), groups=3),  # stride 4 > kernel, K = 2C, asym pad
+    ConvSpec.make(1, 2, 18, 20, 2, 13, 13, 1, 6, groups=2),  # the tiled form (13x13)
+    ConvSpec.make(1, 2, 17, 19, 4, 13, 13, 2, (6, 5, 6, 7), groups=2),  # tiled, stride 2, K = 2C, asym pad
+    ConvSpec.make(1, 2, 19, 21, 2, 31, 31, 1, 15, groups=2),  # 31x31 (RepLKNet) on a small plane
+]
+EPILOGUES = [Epilogue(), Epilogue(bias=True, residual=True, silu=True), Epilogue(bias=True, relu=True),
+             Epilogue(residual=True, gelu=True)]
+
+
+def _as(spec: ConvSpec, dtype: str, layout: str, conv_pass: str) -> ConvSpec:
+    return ConvSpec.from_dict({**spec.to_dict(), "dtype": dtype, "layout": layout, "pass": conv_pass})
+
+
+def _check(ocl, spec: ConvSpec, prm, epi: Epilogue, seed: int, name: str | None = None) -> None:  # type: ignore[no-untyped-def]
+    v = get_variant(name or PASS_VARIANT[spec.conv_pass])
+    res = check_plan(v.plan(spec, prm, ocl.device, epi), ocl, seed=seed)
+    assert res.ok, f"{v.name} [{prm.short()}] {spec.short()}{epi.tag()}: {res}"
+
+
+def _points(spec: ConvSpec, i: int, device) -> list:  # type: ignore[no-untyped-def]
+    """One point a layer, alternating the GPU default (16-byte loads, several outputs a thread) and the
+    CPU default (one output a thread), so each form runs on every shape class without doubling the
+    PoCL compile time."""
+    v = get_variant(PASS_VARIANT[spec.conv_pass])
+    return [v.default(spec, NOMINAL_CUDA if i % 2 == 0 else device)]
+
+
+# -- every (pass, dtype, layout) on PoCL ------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("conv_pass", ["fprop", "dgrad", "wgrad"])
+def test_half_depthwise_every_pass_on_pocl(ocl, conv_pass, dtype, layout) -> None:
+    ran = 0
+    for i, base in enumerate(ODD):
+        spec = _as(base, dtype, layout, conv_pass)
+        v = get_variant(PASS_VARIANT[conv_pass])
+        assert v.applies(spec, ocl.device) is None, (spec.short(), v.applies(spec, ocl.device))
+        epi = EPILOGUES[i % len(EPILOGUES)] if conv_pass == "fprop" else Epilogue()
+        for prm in _points(spec, i, ocl.device):
+            _check(ocl, spec, prm, epi, seed=i)
+            ran += 1
+    assert ran == len(ODD)
+
+
+@pytest.mark.parametrize("conv_pass", ["fprop", "dgrad", "wgrad"])
+def test_float32_new_forms_on_pocl(ocl, conv_pass) -> None:
+    """float32 through the forms this file adds: NHWC tiles (every pass), strided dgrad by phase and
+    the tiled form of large filters (NCHW)."""
+    for i, base in enumerate(ODD):
+        for layout in ("nhwc", "nchw"):
+            spec = _as(base, "float32", layout, conv_pass)
+            new = layout == "nhwc" or base.r * base.s > REG_TAPS or (conv_pass == "dgrad" and base.stride != (1, 1))
+            if not new or (layout == "nchw" and i % 2):
+                continue
+            epi = Epilogue(bias=True, residual=True, relu=True) if conv_pass == "fprop" and i % 2 else Epilogue()
+            for prm in _points(spec, i + (layout == "nhwc"), ocl.device):
+                _check(ocl, spec, prm, epi, seed=i)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_half_depthwise_sampled_tiles_on_pocl(ocl, dtype) -> None:
+    """Random points of the spaces (any tile, vec / fl / tq=8 / NHWC bc) on three layers."""
+    import random
+
+    rng = random.Random(7)
+    for j, (base, layout, conv_pass) in enumerate([(ODD[1], "nchw", "fprop"), (ODD[2], "nhwc", "dgrad"),
+                                                   (ODD[4], "nchw", "dgrad"), (ODD[0], "nhwc", "fprop")]):
+        spec = _as(base, dtype, layout, conv_pass)
+        v = get_variant(PASS_VARIANT[conv_pass])
+        space = v.space(spec, NOMINAL_CUDA)
+        for prm in rng.sample(space, min(2, len(space))):
+            _check(ocl, spec, prm, Epilogue(bias=True) if conv_pass == "fprop" else Epilogue(), seed=j)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_depthwise_nhwc_half_channel_vectors_on_pocl(ocl, dtype) -> None:
+    """depthwise_nhwc with cv = 4 or 8 channels a thread (8- and 16-byte loads and stores), its GPU
+    default, and a concat offset that keeps the vectors aligned."""
+    from convforge.params import Params
+
+    v = get_variant("depthwise_nhwc")
+    for i, (base, cv) in enumerate([(ConvSpec.make(2, 16, 9, 7, 16, 3, 3, 1, 1, groups=16), 8),
+                                    (ConvSpec.make(1, 8, 11, 10, 8, 5, 5, 2, (2, 1, 1, 2), groups=8), 4),
+                                    (ConvSpec.make(1, 24, 7, 9, 24, 3, 3, 1, 1, 2, groups=24), 4)]):
+        spec = _as(base, dtype, "nhwc", "fprop")
+        prm = Params(bc=2, bt=4, tq=2, tp=1, cv=cv)
+        _check(ocl, spec, prm, EPILOGUES[i + 1], seed=i, name="depthwise_nhwc")
+        _check(ocl, spec, v.default(spec, NOMINAL_CUDA), Epilogue(bias=True, silu=True), seed=i,
+               name="depthwise_nhwc")
+    with pytest.raises(ValueError, match="cv=4 needs multiplier 1"):
+        spec = _as(ODD[1], dtype, "nhwc", "fprop")  # K = 2C
+        v.plan(spec, Params(bc=2, bt=4, tq=2, tp=1, cv=4), NOMINAL_CUDA)
+
+
+def test_half_vector_store_paths_on_pocl(ocl) -> None:
+    """NCHW rows of 8 halves (one 16-byte load and store: vw = 8, tq = 8) and of 4 (8 bytes) with
+    a residual and SiLU, beside a row width that allows neither."""
+    from convforge.params import Params
+
+    for i, (base, prm) in enumerate([
+            (ConvSpec.make(1, 3, 10, 16, 3, 3, 3, 1, 1, groups=3), Params(bq=2, bp=5, bc=2, tq=8, tp=2, vec=True)),
+            (ConvSpec.make(1, 3, 10, 12, 3, 3, 3, 1, 1, groups=3), Params(bq=3, bp=5, bc=2, tq=4, tp=2, vec=True)),
+            (ConvSpec.make(1, 3, 10, 13, 3, 3, 3, 1, 1, groups=3), Params(bq=2, bp=5, bc=2, tq=8, tp=2, vec=False))]):
+        spec = _as(base, "float16", "nchw", "fprop")
+        t = Tile.of(fprop_stencil(spec), prm)
+        assert t.vw == (8 if i == 0 else 4) and t.problem(NOMINAL_CUDA) is None
+        _check(ocl, spec, prm, Epilogue(bias=True, residual=True, silu=True), seed=i)
+        src = get_variant("depthwise").plan(spec, prm, NOMINAL_CUDA).source("cuda")
+        assert ("cf_ld8h(" in src and "cf_st8h(" in src) == (i == 0)
+
+
+# -- the forms' bookkeeping (no device) -------------------------------------------------------------
+@pytest.mark.parametrize("stride, pad, taps, dil", [(2, 1, 3, 1), (4, 1, 3, 1), (2, 3, 7, 1), (3, 2, 5, 2),
+                                                    (2, 6, 13, 1), (1, 15, 31, 1)])
+def test_phase_taps_cover_every_tap_once(stride, pad, taps, dil) -> None:
+    """Each (dx row, filter tap) pair that the scatter form of dgrad sums (dx row ih gets
+    dy[(ih + pad - r*dil) / stride] * w[r] where that divides) appears once in the phase tables."""
+    spec = ConvSpec.make(1, 2, 23, 23, 2, taps, taps, stride, pad, dil, groups=2)
+    ph = phases_of(spec)
+    lo = ph.lo[0]
+    for ih in range(spec.h):
+        a, u = ih % stride, ih // stride
+        want = {(r, (ih + pad - r * dil) // stride) for r in range(taps) if (ih + pad - r * dil) % stride == 0}
+        got = {(r, u + off + lo) for r, off in ph.rows[a]}
+        assert got == want
+    assert all(0 <= off < ph.win[0] for taps_ in ph.rows for _, off in taps_)
+
+
+def test_stencil_forms_are_chosen_by_stride_and_size() -> None:
+    small, big = ODD[0], ODD[5]
+    assert dgrad_stencil(small.with_pass("dgrad")).flip and dgrad_stencil(small.with_pass("dgrad")).phases is None
+    assert dgrad_stencil(ODD[1].with_pass("dgrad")).phases is not None  # stride 2: phases
+    assert dgrad_stencil(big.with_pass("dgrad")).phases is not None  # large filters: phases, taps in shared memory
+    assert fprop_stencil(big).big and not fprop_stencil(small).big
+    nhwc = Tile.of(fprop_stencil(_as(small, "float16", "nhwc", "fprop")), get_variant("depthwise").default(
+        _as(small, "float16", "nhwc", "fprop"), NOMINAL_CUDA))
+    assert nhwc.plane % 32 == 4 if nhwc.vread else nhwc.plane % 2 == 1  # lanes (channels) in distinct banks
+
+
+def test_auto_picks_the_depthwise_family_for_half_layers() -> None:
+    """Every pass, dtype and layout of a depthwise layer (large filters and strides too) is served by
+    the depthwise family; NHWC float32 forward keeps depthwise_nhwc first (measured), NHWC half the
+    shared-memory tile with 16-byte channel loads."""
+    for base, dtype, layout, conv_pass in itertools.product(ODD, HALF + ("float32",), ("nchw", "nhwc"),
+                                                            ("fprop", "dgrad", "wgrad")):
+        spec = _as(base, dtype, layout, conv_pass)
+        first = select("auto", spec, NOMINAL_CUDA)[0]
+        assert first.family == "depthwise", (spec.short(), first.name)
+        if conv_pass == "fprop" and layout == "nhwc" and base.r * base.s <= REG_TAPS:
+            assert first.name == ("depthwise_nhwc" if dtype == "float32" else "depthwise"), spec.short()
+
+
+def test_depthwise_refusals_name_the_problem() -> None:
+    from convforge.params import Params
+
+    v = get_variant("depthwise")
+    spec = _as(ODD[0], "float16", "nhwc", "fprop")
+    with pytest.raises(ValueError, match="vec=1 reads NCHW rows"):
+        v.plan(spec, Params(bq=2, bp=2, bc=8, tq=4, tp=1, vec=True), NOMINAL_CUDA)
+    with pytest.raises(ValueError, match=r"bq, bp, bc, tq and tp must be >= 1"):
+        v.plan(spec, Params(bq=0, bp=2, bc=8, tq=4, tp=1, vec=False), NOMINAL_CUDA)
+    dg = get_variant("depthwise_dgrad")
+    spec = _as(ODD[4], "float16", "nchw", "dgrad")  # stride 4: 16 dx pixels a super-pixel
+    with pytest.raises(ValueError, match=r"super-pixels of 4 x 4 \(64\) outputs per thread must be <= 32"):
+        dg.plan(spec, Params(bq=2, bp=2, bc=1, tq=2, tp=2, vec=False), NOMINAL_CUDA)
+    with pytest.raises(ValueError, match="writes a gradient"):
+        dg.plan(spec, dg.default(spec, NOMINAL_CUDA), NOMINAL_CUDA, Epilogue(silu=True))
+
+
+def test_silu_epilogue_is_one_activation() -> None:
+    epi = Epilogue(bias=True, silu=True)
+    assert epi.tag() == "_bias_silu" and epi.activation == "silu" and epi.plain() == epi
+    assert epi.activate("v") == "SILU(v)" and Epilogue(relu=True).activate("v") == "RELU(v)"
+    with pytest.raises(ValueError, match="unsupported epilogue: GELU and SiLU together"):
+        Epilogue(gelu=True, silu=True)
+    from convforge.codegen.dialect import Buf, Kernel
+    from convforge.codegen.render import render
+
+    k = Kernel("act", (Buf("y", readonly=False),), "y[0] = SILU(y[0]);", (1, 1, 1))
+    assert "v / (1.0f + expf(-v))" in render([k], "cuda") and "v / (1.0f + exp(-v))" in render([k], "opencl")
