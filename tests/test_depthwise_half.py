@@ -12,6 +12,7 @@ measure 1.8-2.4e-4 and 1.5-2.2e-3); float32 plans of the new forms at the varian
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -124,6 +125,22 @@ def test_depthwise_nhwc_half_channel_vectors_on_pocl(ocl, dtype) -> None:
         v.plan(spec, Params(bc=2, bt=4, tq=2, tp=1, cv=4), NOMINAL_CUDA)
 
 
+@pytest.mark.parametrize("dtype", HALF)
+def test_half_flat_loads_on_pocl(ocl, dtype) -> None:
+    """fl=1 on half storage: the block's planes as one span of 16-byte (8 halves) or 8-byte (4) loads,
+    and scalar where the span does not align."""
+    from convforge.params import Params
+
+    for i, (base, unit) in enumerate([(ConvSpec.make(2, 8, 14, 14, 8, 5, 5, 1, 2, groups=8), 8),
+                                      (ConvSpec.make(1, 3, 10, 10, 6, 3, 3, 1, 1, groups=3), 4),
+                                      (ConvSpec.make(1, 3, 9, 9, 3, 3, 3, 1, 1, groups=3), 1)]):
+        spec = _as(base, dtype, "nchw", "fprop")
+        prm = Params(bq=4, bp=7 if i == 0 else 5, bc=2 if i == 0 else 1, tq=4, tp=2, vec=False, fl=True)
+        t = Tile.of(fprop_stencil(spec), prm)
+        assert t.flat_ok and t.flat_unit == unit and t.problem(NOMINAL_CUDA) is None
+        _check(ocl, spec, prm, Epilogue(bias=True, gelu=True), seed=i)
+
+
 def test_half_vector_store_paths_on_pocl(ocl) -> None:
     """NCHW rows of 8 halves (one 16-byte load and store: vw = 8, tq = 8) and of 4 (8 bytes) with
     a residual and SiLU, beside a row width that allows neither."""
@@ -210,3 +227,56 @@ def test_silu_epilogue_is_one_activation() -> None:
 
     k = Kernel("act", (Buf("y", readonly=False),), "y[0] = SILU(y[0]);", (1, 1, 1))
     assert "v / (1.0f + expf(-v))" in render([k], "cuda") and "v / (1.0f + exp(-v))" in render([k], "opencl")
+
+
+# -- no silent fallback: slow_reason ---------------------------------------------------------------
+def test_slow_reason_names_half_layers_without_a_fast_variant(monkeypatch) -> None:
+    """On CUDA half layers: None where a tensor-core or memory-bound variant serves the layer, else one
+    line naming the CUDA-core candidates; float32 and other back-ends are not judged."""
+    from convforge.dispatch import choice, is_fast, slow_reason
+    from convforge.plan import DeviceInfo
+
+    grouped = ConvSpec.make(32, 448, 28, 28, 448, 3, 3, 1, 1, groups=8, dtype="float16")
+    dense = ConvSpec.make(8, 64, 14, 14, 64, 3, 3, 1, 1, dtype="bfloat16")
+    assert slow_reason(dense, NOMINAL_CUDA) is None  # the tensor-core GEMMs serve it
+    assert is_fast(get_variant("tc_implicit_gemm_half"), dense, NOMINAL_CUDA)
+    assert not is_fast(get_variant("implicit_gemm"), grouped, NOMINAL_CUDA)
+    why = slow_reason(grouped, NOMINAL_CUDA, get_variant("implicit_gemm"))
+    assert why is not None and why.startswith("implicit_gemm runs the float16 layer N32 C448 28x28") and "g8" in why
+    slow = [get_variant("implicit_gemm"), get_variant("direct_smem")]
+    monkeypatch.setattr(choice.kernels, "ranked", lambda *a, **k: slow)
+    why = slow_reason(grouped, NOMINAL_CUDA)
+    assert why is not None and why.startswith("no fast variant serves the float16 layer") and \
+        "(implicit_gemm, direct_smem)" in why
+    monkeypatch.setattr(choice.kernels, "ranked", lambda *a, **k: [])
+    assert (slow_reason(grouped, NOMINAL_CUDA) or "").startswith("no variant runs the float16 layer")
+    monkeypatch.undo()
+    for base, layout, conv_pass in itertools.product(ODD[:3] + ODD[5:6], ("nchw", "nhwc"), ("fprop", "dgrad", "wgrad")):
+        assert slow_reason(_as(base, "bfloat16", layout, conv_pass), NOMINAL_CUDA) is None  # depthwise: memory-bound
+    assert slow_reason(dataclasses.replace(grouped, dtype="float32"), NOMINAL_CUDA) is None
+    ocl = DeviceInfo("opencl", "nominal OpenCL GPU", units=132)
+    assert slow_reason(grouped, ocl) is None
+
+
+# -- the bench suites ---------------------------------------------------------------------------------
+def test_depthwise_and_grouped_conv_suites() -> None:
+    from convforge.bench.suites import BUILTIN, load_suite
+
+    assert {"depthwise", "grouped_conv"} <= set(BUILTIN)
+    dw = {x.name: x.spec for x in load_suite("depthwise")}
+    assert len(dw) == 55 and all(s.depthwise for s in dw.values())
+    big = dw["replknet31b dw31x31 128@56 x2"]
+    assert (big.n, big.r, big.pad, big.p) == (32, 31, (15, 15, 15, 15), 56)
+    slak = dw["slak_t dw51x5 96@56 x3"]
+    assert (slak.r, slak.s, slak.pad, slak.p, slak.q) == (51, 5, (25, 25, 2, 2), 56, 56)
+    for spec in dw.values():  # every layer, every pass and layout, in half storage: the depthwise family
+        for layout, conv_pass in itertools.product(("nchw", "nhwc"), ("fprop", "dgrad", "wgrad")):
+            first = select("auto", _as(spec, "float16", layout, conv_pass), NOMINAL_CUDA)[0]
+            assert first.family == "depthwise", (spec.short(), layout, conv_pass, first.name)
+    gc = {x.name: x.spec for x in load_suite("grouped_conv")}
+    assert len(gc) == 72 and not any(s.depthwise for s in gc.values()) and all(s.groups > 1 for s in gc.values())
+    assert {4, 8, 16, 24, 32, 56, 64, 112} <= {s.cg for s in gc.values()}  # group widths 4..112 (and 1x1 ones)
+    issue = gc["regnet_y_8gf gw56 3x3 448@28 x3"]  # issue 59's grouped layer
+    assert (issue.n, issue.c, issue.h, issue.groups, issue.cg) == (32, 448, 28, 8, 56)
+    assert gc["regnet_y_400mf gw8 3x3 440@7 x5"].groups == 55 and gc["resnext101_32x8d g32 3x3 2048@7 x2"].cg == 64
+    assert gc["shufflenet_v1_g8 1x1 96->360@28"].kg == 45

@@ -127,8 +127,8 @@ def _with_layout(layers: list[Layer], layout: str | None, backends: list[Backend
         if not any(v.applies(la.spec, be.device) is None for v in all_variants() for be in backends):
             names = "/".join(be.name for be in backends)
             raise SuiteError(f"--layout {layout}: no {names} variant reads layer {la.name} ({la.spec.short()}) in "
-                             f"{layout.upper()} (forward depthwise layers, and on sm_90 the tensor-core GEMMs, do; "
-                             "use --limit or a suite of them)")
+                             f"{layout.upper()} (depthwise layers in every pass, and on sm_90 the tensor-core GEMMs, "
+                             "do; use --limit or a suite of them)")
     return out
 
 

@@ -21,7 +21,8 @@ from typing import Any
 
 from convforge.spec import ConvSpec
 
-BUILTIN = ("resnet", "boda", "mec", "unseen", "batch1", "fc", "grouped", "convnext_mlp", "resnet50", "vgg16", "stems")
+BUILTIN = ("resnet", "boda", "mec", "unseen", "batch1", "fc", "grouped", "convnext_mlp", "resnet50", "vgg16", "stems",
+           "depthwise", "grouped_conv")
 REQUIRED = ("N", "C", "H", "W", "K", "R", "S", "stride", "pad")
 OPTIONAL = ("name", "dilation", "groups")
 

@@ -764,11 +764,12 @@ def _shrink(st: Stencil, device: DeviceInfo, bq: int, bp: int, bc: int, tq: int,
 
 def _special_default(st: Stencil, device: DeviceInfo) -> Params | None:
     """Untuned tiles of the newer forms (None: the plain NCHW rule). Tiled form (large filters): 8 x 4
-    outputs a thread (S x 8 FMAs per S + 11 shared reads a filter row), one channel a block of
-    >= 64 threads, on NHWC too (a channel's halo'd tile fills shared memory; such layers are
-    compute-bound, the strided loads a small share). Phases: tp x tq super-pixels making 4 (float32)
-    or 8 (half) dx columns and about 2 dx rows a thread (one 16-byte store a row). NHWC: 32 channels
-    (a warp, channel-vectorised loads) by a few pixel tiles, 256 threads."""
+    outputs a thread (S x 8 FMAs per S + 11 shared reads a filter row), channels a block until it has
+    >= 64 threads (one on planes of 28 and more), on NHWC too (a channel's halo'd tile fills shared
+    memory; such layers are compute-bound, the strided loads a small share). Phases: tp x tq
+    super-pixels making 4 (float32) or 8 (half) dx columns and about 2 dx rows a thread (one 16-byte
+    store a row). NHWC: 32 channels (a warp, channel-vectorised loads) by a few pixel tiles, 256
+    threads."""
     half = st.sto.half
     if st.phases:
         sh, sw = st.out_step
@@ -788,7 +789,7 @@ def _special_default(st: Stencil, device: DeviceInfo) -> Params | None:
     else:
         bq = _fit(st.wo, tq, 16)
         bp = _fit(st.ho, tp, max(1, 128 // bq))
-        bc = 1 if st.big else max(1, min(st.groups, cdiv(128, bq * bp)))
+        bc = max(1, min(st.groups, cdiv(64 if st.big else 128, bq * bp)))
     return _shrink(st, device, bq, bp, bc, tq, tp, FLAT_DEFAULT and not st.big)
 
 
