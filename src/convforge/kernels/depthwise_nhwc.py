@@ -221,7 +221,7 @@ def nhwc_space(spec: ConvSpec, device: DeviceInfo) -> list[Params]:
                                                      cvs):
         if bc * cv > max(16, spec.k) or threads < bc or tq > max(1, spec.q) or tp > max(1, spec.p):
             continue
-        prm = Params(bc=bc, bt=threads // bc, tq=tq, tp=tp, **({"cv": cv} if cv > 1 else {}))
+        prm = Params({"bc": bc, "bt": threads // bc, "tq": tq, "tp": tp, **({"cv": cv} if cv > 1 else {})})
         if prm not in out and NhwcTile.of(spec, prm).problem(device) is None:
             out.append(prm)
     return out
