@@ -280,3 +280,28 @@ def test_depthwise_and_grouped_conv_suites() -> None:
     assert (issue.n, issue.c, issue.h, issue.groups, issue.cg) == (32, 448, 28, 8, 56)
     assert gc["regnet_y_400mf gw8 3x3 440@7 x5"].groups == 55 and gc["resnext101_32x8d g32 3x3 2048@7 x2"].cg == 64
     assert gc["shufflenet_v1_g8 1x1 96->360@28"].kg == 45
+
+
+@pytest.mark.parametrize("dtype", HALF + ("float32",))
+def test_sixteen_byte_storage_tokens_round_trip_on_pocl(ocl, dtype) -> None:
+    """Storage.vload8 / vstore8 (VLOAD8_* / VSTORE8_*: one 16-byte access of 8 halves on CUDA, two
+    8-byte ones on OpenCL) move 8 stored values exactly."""
+    import numpy as np
+
+    from convforge.codegen.dialect import Kernel, Storage
+    from convforge.codegen.render import render
+    from convforge.dtypes import rounded, to_storage
+    from convforge.plan import Launch
+
+    st = Storage(dtype)
+    body = "\n".join(["const int i = LOCAL_ID(0);", "float4 lo, hi;", f"{st.vload8('lo', 'hi', 'i', 'x')};",
+                      f"{st.vstore8('lo', 'hi', 'i', 'y')};"])
+    k = Kernel("copy8", (st.buf("x"), st.buf("y", False)), body, (4, 1, 1))
+    prog = ocl.program(render([k], "opencl"))
+    vals = rounded(np.random.default_rng(1).uniform(-3, 3, 32).astype(np.float32), dtype)
+    bufs = [ocl.upload(to_storage(vals, dtype)), ocl.upload(to_storage(np.zeros(32, np.float32), dtype))]
+    ocl.launch(prog, ocl.function(prog, k), k, Launch("copy8", (1, 1, 1), (4, 1, 1), ()), bufs)
+    ocl.synchronize()
+    assert np.array_equal(ocl.download(bufs[1], (32,), dtype), vals)
+    cuda = render([k], "cuda")
+    assert ("cf_ld8" in cuda and "uint4" in cuda) == (dtype != "float32")
