@@ -114,8 +114,8 @@ def _with_dtype(layers: list[Layer], dtype: str | None) -> list[Layer]:
 
 def _with_layout(layers: list[Layer], layout: str | None, backends: list[Backend]) -> list[Layer]:
     """The layers with activations in ``layout`` memory; an error naming the first layer no variant
-    runs in that layout on ``backends`` (NHWC: depthwise_nhwc for forward depthwise layers, the
-    tensor-core GEMMs of sm_90 for the others)."""
+    runs in that layout on ``backends`` (NHWC: the depthwise family for depthwise layers in every
+    pass, the tensor-core GEMMs of sm_90 for the others)."""
     import dataclasses
 
     from convforge.kernels import all_variants
