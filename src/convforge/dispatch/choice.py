@@ -293,7 +293,8 @@ def is_fast(variant: Variant, spec: ConvSpec, device: DeviceInfo, params: Params
         return True
     try:
         plan = variant.plan(spec, params if params is not None else variant.default(spec, device), device)
-    except ValueError:  # parameters it refuses: judged by what it would run, so not fast
+    except Exception as err:  # noqa: BLE001 - a variant that cannot plan is not fast, never a crash
+        log.debug("is_fast: %s does not plan %s (%s)", variant.name, spec.short(), err)
         return False
     return bool(plan.requires & TENSOR_CORE_FEATURES)
 
