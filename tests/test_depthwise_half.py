@@ -305,3 +305,31 @@ def test_sixteen_byte_storage_tokens_round_trip_on_pocl(ocl, dtype) -> None:
     assert np.array_equal(ocl.download(bufs[1], (32,), dtype), vals)
     cuda = render([k], "cuda")
     assert ("cf_ld8" in cuda and "uint4" in cuda) == (dtype != "float32")
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_half_depthwise_writes_at_a_channel_offset(ocl, layout) -> None:
+    """A concat written in place (k_total / k_offset) in float16, NCHW and NHWC: channel k lands at
+    k_offset + k of k_total, the other channels stay poisoned."""
+    import numpy as np
+
+    from convforge.dtypes import rounded, to_storage
+    from convforge.reference import conv2d_ref, rel_l2
+
+    spec = _as(ODD[1], "float16", layout, "fprop")  # K = 2C = 10
+    v = get_variant("depthwise")
+    kt = spec.k + 5
+    plan = v.plan(spec, v.default(spec, NOMINAL_CUDA), ocl.device, Epilogue(bias=True, k_total=kt, k_offset=3))
+    rng = np.random.default_rng(4)
+    x, w, b = (rounded(rng.uniform(-1, 1, s).astype(np.float32), "float16")
+               for s in (spec.x_shape, spec.w_shape, (spec.k,)))
+    nhwc = layout == "nhwc"
+    shape = (spec.n, spec.p, spec.q, kt) if nhwc else (spec.n, kt, spec.p, spec.q)
+    bufs = {"x": ocl.upload(to_storage(x.transpose(0, 2, 3, 1) if nhwc else x, "float16")),
+            "w": ocl.upload(to_storage(w, "float16")), "bias": ocl.upload(to_storage(b, "float16")),
+            "y": ocl.upload(to_storage(np.full(shape, np.nan, np.float32), "float16"))}
+    ocl.executable(plan)(bufs)
+    got = ocl.download(bufs["y"], shape, "float16")
+    got = got.transpose(0, 3, 1, 2) if nhwc else got
+    assert rel_l2(got[:, 3:3 + spec.k], conv2d_ref(x, w, spec, b)) < 1e-3
+    assert np.isnan(got[:, :3]).all() and np.isnan(got[:, 3 + spec.k:]).all()
