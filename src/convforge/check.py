@@ -82,6 +82,8 @@ def expected(spec: ConvSpec, inputs: dict[str, np.ndarray], epilogue: Epilogue =
             out = np.maximum(out, 0.0)
         if epilogue.gelu:
             out = gelu_ref(out)
+        if epilogue.silu:
+            out = silu_ref(out)
     return out
 
 
@@ -89,6 +91,13 @@ def gelu_ref(a: np.ndarray) -> np.ndarray:
     """The exact GELU, x * Phi(x) = x/2 * (1 + erf(x / sqrt 2)), in float64 (NaN stays NaN)."""
     erf = np.vectorize(math.erf, otypes=[np.float64])
     return 0.5 * a * (1.0 + erf(np.asarray(a, np.float64) / math.sqrt(2.0)))
+
+
+def silu_ref(a: np.ndarray) -> np.ndarray:
+    """SiLU, x * sigmoid(x) = x / (1 + exp(-x)), in float64 (NaN stays NaN; exp overflow gives -0)."""
+    a = np.asarray(a, np.float64)
+    with np.errstate(over="ignore"):
+        return a / (1.0 + np.exp(-a))
 
 
 _ACTIVATIONS = ("x", "y", "res")  # the buffers a layout rearranges (filters stay KCRS)

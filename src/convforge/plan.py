@@ -86,8 +86,9 @@ Step = Launch | Fill | Gemm
 class Epilogue:
     """Work folded into the output write: per-channel bias, a residual tensor shaped like the
     output (``res``, added before the activation: a network's skip connection) and one activation,
-    ReLU or GELU (the exact, erf form: ``nn.GELU()``'s default; a transformer-style MLP's first
-    linear layer, ConvNeXt's)."""
+    ReLU, GELU (the exact, erf form: ``nn.GELU()``'s default; a transformer-style MLP's first
+    linear layer, ConvNeXt's) or SiLU (``nn.SiLU``: EfficientNet's, MobileNet-v3's swish).
+    Store paths spell the activation through :meth:`activate`, the one place its math lives."""
 
     bias: bool = False
     relu: bool = False
@@ -95,10 +96,12 @@ class Epilogue:
     k_total: int = 0  # channels of the tensor written (0: the conv's own K): a concat written in place
     k_offset: int = 0  # the first of those channels this conv writes
     gelu: bool = False
+    silu: bool = False
 
     def __post_init__(self) -> None:
-        if self.relu and self.gelu:
-            raise ValueError("unsupported epilogue: ReLU and GELU together (one activation at most)")
+        if self.relu + self.gelu + self.silu > 1:
+            named = " and ".join(n for n, on in (("ReLU", self.relu), ("GELU", self.gelu), ("SiLU", self.silu)) if on)
+            raise ValueError(f"unsupported epilogue: {named} together (one activation at most)")
         if self.k_total and (self.residual or self.k_offset < 0):
             raise ValueError(f"unsupported epilogue: channel offset {self.k_offset} of {self.k_total} "
                              f"{'with a residual' if self.residual else ''}")
@@ -118,17 +121,23 @@ class Epilogue:
             expr = f"{expr} + {storage.load('res', index)}"
         return self.activate(expr)
 
+    @property
+    def activation(self) -> str:
+        """The activation's name: "relu", "gelu", "silu" or "" (none)."""
+        return "relu" if self.relu else "gelu" if self.gelu else "silu" if self.silu else ""
+
     def activate(self, expr: str) -> str:
-        """``expr`` through the epilogue's activation (RELU / GELU: the dialect's NaN-keeping forms)."""
-        return f"RELU({expr})" if self.relu else f"GELU({expr})" if self.gelu else expr
+        """``expr`` through the epilogue's activation (RELU / GELU / SILU: the dialect's NaN-keeping forms)."""
+        act = self.activation
+        return f"{act.upper()}({expr})" if act else expr
 
     def plain(self) -> Epilogue:
         """Bias and activation only: the part a database entry is tuned with (no residual, no offset)."""
-        return Epilogue(bias=self.bias, relu=self.relu, gelu=self.gelu)
+        return Epilogue(bias=self.bias, relu=self.relu, gelu=self.gelu, silu=self.silu)
 
     def tag(self) -> str:
         at = f"_at{self.k_offset}of{self.k_total}" if self.k_total else ""
-        act = "_relu" if self.relu else "_gelu" if self.gelu else ""
+        act = f"_{self.activation}" if self.activation else ""
         return ("_bias" if self.bias else "") + ("_res" if self.residual else "") + act + at
 
 

@@ -118,8 +118,8 @@ def _with_dtype(layers: list[Layer], dtype: str | None) -> list[Layer]:
 
 def _with_layout(layers: list[Layer], layout: str | None, backends: list[Backend]) -> list[Layer]:
     """The layers with activations in ``layout`` memory; an error naming the first layer no variant
-    runs in that layout on ``backends`` (NHWC: depthwise_nhwc for forward depthwise layers, the
-    tensor-core GEMMs of sm_90 for the others)."""
+    runs in that layout on ``backends`` (NHWC: the depthwise family for depthwise layers in every
+    pass, the tensor-core GEMMs of sm_90 for the others)."""
     import dataclasses
 
     from convforge.kernels import all_variants
@@ -131,8 +131,8 @@ def _with_layout(layers: list[Layer], layout: str | None, backends: list[Backend
         if not any(v.applies(la.spec, be.device) is None for v in all_variants() for be in backends):
             names = "/".join(be.name for be in backends)
             raise SuiteError(f"--layout {layout}: no {names} variant reads layer {la.name} ({la.spec.short()}) in "
-                             f"{layout.upper()} (forward depthwise layers, and on sm_90 the tensor-core GEMMs, do; "
-                             "use --limit or a suite of them)")
+                             f"{layout.upper()} (depthwise layers in every pass, and on sm_90 the tensor-core GEMMs, "
+                             "do; use --limit or a suite of them)")
     return out
 
 

@@ -25,7 +25,7 @@ from typing import Any
 from convforge.spec import ConvSpec, transposed_geometry
 
 BUILTIN = ("resnet", "boda", "mec", "unseen", "batch1", "fc", "grouped", "convnext_mlp", "resnet50", "vgg16", "stems",
-           "decoder")
+           "decoder", "depthwise", "grouped_conv")
 REQUIRED = ("N", "C", "H", "W", "K", "R", "S", "stride", "pad")
 OPTIONAL = ("name", "dilation", "groups", "transposed", "output_padding")
 

@@ -15,6 +15,7 @@ A kernel body is plain C using these tokens, which each renderer spells its own 
     MAX(a, b)                                             float maximum
     RELU(a)                                               max(a, 0) that keeps NaN (fmax would not)
     GELU(a)                                               a / 2 * (1 + erf(a / sqrt 2)): the exact GELU
+    SILU(a)                                               a / (1 + exp(-a)): SiLU (swish), as PyTorch's
     LDG(p)                                                read-only load of *p
     SHFL(v, lane)                                         warp shuffle (feature "shuffle", CUDA only)
     TEX(t, i)                                             element i of a TexBuf (feature "texture")
@@ -127,6 +128,10 @@ bits). Generators spell these through :class:`Storage`, never by hand:
     VLOAD4_F16(off, p) / VLOAD4_BF16(off, p)              float4 of the 4 elements at p + 4*off (an
                                                           8-byte load; 8-byte aligned)
     VSTORE4_F16(v, off, p) / VSTORE4_BF16(v, off, p)      float4 v stored as 4 elements at p + 4*off
+    VLOAD8_F16(lo, hi, off, p) / VLOAD8_BF16(...)         float4 lvalues lo, hi = the 8 elements at p + 8*off
+                                                          (CUDA: one 16-byte read-only load; 16-byte aligned)
+    VSTORE8_F16(lo, hi, off, p) / VSTORE8_BF16(...)       float4 lo, hi stored as the 8 elements at p + 8*off
+                                                          (CUDA: one 16-byte store)
 
 Parameters are typed objects that write their own declarations, never pasted strings.
 """
@@ -281,7 +286,7 @@ def split_call(text: str, start: int) -> tuple[list[str], int]:
 HALF_CTYPES = {"float16": "half", "bfloat16": "bfloat16"}
 _HALF_TAGS = {"float16": "F16", "bfloat16": "BF16"}
 HALF_TOKENS = tuple(f"{op}_{tag}" for tag in ("F16", "BF16")
-                    for op in ("LD", "LDG", "ST", "VLOAD4", "VSTORE4"))
+                    for op in ("LD", "LDG", "ST", "VLOAD4", "VSTORE4", "VLOAD8", "VSTORE8"))
 
 
 @dataclass(frozen=True)
@@ -341,6 +346,19 @@ class Storage:
         """Store float4 ``value`` as the 4 elements at ``ptr + 4*off``."""
         tok = f"VSTORE4_{_HALF_TAGS[self.dtype]}" if self.half else "VSTORE4"
         return f"{tok}({value}, {off}, {ptr})"
+
+    def vload8(self, lo: str, hi: str, off: str, ptr: str) -> str:
+        """The expression setting float4 lvalues ``lo``, ``hi`` to the 8 elements at ``ptr + 8*off``:
+        16 bytes of half storage in one load (CUDA), two float4 loads of float32."""
+        if self.half:
+            return f"VLOAD8_{_HALF_TAGS[self.dtype]}({lo}, {hi}, {off}, {ptr})"
+        return f"({lo} = VLOAD4(2 * ({off}), {ptr}), {hi} = VLOAD4(2 * ({off}) + 1, {ptr}))"
+
+    def vstore8(self, lo: str, hi: str, off: str, ptr: str) -> str:
+        """The expression storing float4 ``lo``, ``hi`` as the 8 elements at ``ptr + 8*off``."""
+        if self.half:
+            return f"VSTORE8_{_HALF_TAGS[self.dtype]}({lo}, {hi}, {off}, {ptr})"
+        return f"(VSTORE4({lo}, 2 * ({off}), {ptr}), VSTORE4({hi}, 2 * ({off}) + 1, {ptr}))"
 
 
 FLOAT32 = Storage()

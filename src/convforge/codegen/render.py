@@ -20,7 +20,8 @@ from convforge.codegen.dialect import (
 
 _TOKEN = re.compile(r"\b(GROUP_ID|LOCAL_ID|GROUP_SIZE|NUM_GROUPS|BARRIER|VLOAD4|VSTORE4|"
                     r"LD_F16|LDG_F16|ST_F16|VLOAD4_F16|VSTORE4_F16|LD_BF16|LDG_BF16|ST_BF16|VLOAD4_BF16|VSTORE4_BF16|"
-                    r"MAKE_FLOAT4|FMA|MAX|RELU|GELU|LDG|SHFL|TEX|COPY4_ASYNC|COPY1_ASYNC|COPY_WAIT|CVT_TF32|"
+                    r"VLOAD8_F16|VSTORE8_F16|VLOAD8_BF16|VSTORE8_BF16|"
+                    r"MAKE_FLOAT4|FMA|MAX|RELU|GELU|SILU|LDG|SHFL|TEX|COPY4_ASYNC|COPY1_ASYNC|COPY_WAIT|CVT_TF32|"
                     r"MMA_TF32_16x8x8|SMEM_U32|CP_ASYNC16|CP_ASYNC4|CP_ASYNC_COMMIT|CP_ASYNC_WAIT|LDMATRIX_X4|LDS_F4|"
                     r"LDS_F1|TF32_RHA|FENCE_PROXY_ASYNC|WGMMA_FENCE|WGMMA_COMMIT|WGMMA_WAIT|WGMMA_TF32|"
                     r"MBAR_INIT|MBAR_WAIT|MBAR_ARRIVE|CP_ASYNC_MBAR_ARRIVE|SETMAXNREG_INC|SETMAXNREG_DEC|"
@@ -53,12 +54,24 @@ def _cuda_half(token: str, args: list[str]) -> str:
         return f"(({args[0]})[{args[1]}] = cf_f2{cvt}({args[2]}))"
     if op == "VLOAD4":
         return f"cf_{pack}f(*(const uint2*)(({args[1]}) + 4 * ({args[0]})))"
+    if op == "VLOAD8":
+        return f"cf_ld8{cvt}(({args[3]}) + 8 * ({args[2]}), {args[0]}, {args[1]})"
+    if op == "VSTORE8":
+        return f"cf_st8{cvt}(({args[3]}) + 8 * ({args[2]}), {args[0]}, {args[1]})"
     return f"(*(uint2*)(({args[2]}) + 4 * ({args[1]})) = cf_f{pack}({args[0]}))"
 
 
 def _opencl_half(token: str, args: list[str]) -> str:
     """OpenCL spelling of one half-storage token (bfloat16 helpers: ``_OPENCL_BF16``)."""
     op, tag = token.rsplit("_", 1)
+    if op in ("VLOAD8", "VSTORE8"):  # two 8-byte halves: OpenCL has no 16-byte half load without cl_khr_fp16
+        lo, hi, off, ptr = args
+        four = f"VLOAD4_{tag}" if op == "VLOAD8" else f"VSTORE4_{tag}"
+        if op == "VLOAD8":
+            return (f"({lo} = {_opencl_half(four, [f'2 * ({off})', ptr])}, "
+                    f"{hi} = {_opencl_half(four, [f'2 * ({off}) + 1', ptr])})")
+        return (f"({_opencl_half(four, [lo, f'2 * ({off})', ptr])}, "
+                f"{_opencl_half(four, [hi, f'2 * ({off}) + 1', ptr])})")
     if tag == "F16":
         return {"LD": lambda: f"vload_half({args[1]}, {args[0]})",
                 "LDG": lambda: f"vload_half(0, {args[0]})",
@@ -125,6 +138,30 @@ __device__ __forceinline__ uint2 cf_fbf4(float4 v)
     return make_uint2(cf_f2bf(v.x) | ((unsigned)cf_f2bf(v.y) << 16), cf_f2bf(v.z) | ((unsigned)cf_f2bf(v.w) << 16));
 }"""
 
+# 16-byte half loads and stores (VLOAD8_* / VSTORE8_*), emitted only where a kernel uses them.
+_CUDA_HALF8 = r"""__device__ __forceinline__ void cf_ld8h(const unsigned short* p, float4& lo, float4& hi)
+{
+    const uint4 u = __ldg((const uint4*)p);
+    lo = cf_h4f(make_uint2(u.x, u.y));
+    hi = cf_h4f(make_uint2(u.z, u.w));
+}
+__device__ __forceinline__ void cf_ld8bf(const unsigned short* p, float4& lo, float4& hi)
+{
+    const uint4 u = __ldg((const uint4*)p);
+    lo = cf_bf4f(make_uint2(u.x, u.y));
+    hi = cf_bf4f(make_uint2(u.z, u.w));
+}
+__device__ __forceinline__ void cf_st8h(unsigned short* p, float4 lo, float4 hi)
+{
+    const uint2 a = cf_fh4(lo), b = cf_fh4(hi);
+    *(uint4*)p = make_uint4(a.x, a.y, b.x, b.y);
+}
+__device__ __forceinline__ void cf_st8bf(unsigned short* p, float4 lo, float4 hi)
+{
+    const uint2 a = cf_fbf4(lo), b = cf_fbf4(hi);
+    *(uint4*)p = make_uint4(a.x, a.y, b.x, b.y);
+}"""
+
 _OPENCL_BF16 = r"""inline float cf_bf2f(ushort b) { return as_float((uint)b << 16); }
 inline ushort cf_f2bf(float f)
 {
@@ -152,6 +189,7 @@ class Renderer:
 
     name = ""
     erf = "erf"  # the float erf function of the dialect (GELU)
+    exp = "exp"  # the float exp function of the dialect (SILU)
     features: frozenset[str] = frozenset()
     words: dict[str, str] = {}
 
@@ -203,6 +241,8 @@ class Renderer:
             out += [self.expand(_RELU_HELPER), ""]
         if any(re.search(r"\bGELU\(", k.body + k.helpers) for k in kernels):
             out += [self.expand(_GELU_HELPER.replace("ERF", self.erf)), ""]
+        if any(re.search(r"\bSILU\(", k.body + k.helpers) for k in kernels):
+            out += [self.expand(_SILU_HELPER.replace("EXP", self.exp)), ""]
         seen_helpers: set[str] = set()
         for k in kernels:
             if k.helpers and k.helpers not in seen_helpers:
@@ -225,11 +265,15 @@ class Renderer:
 _RELU_HELPER = "DEVICE float cf_relu(const float v) { return v < 0.0f ? 0.0f : v; }"
 # The exact GELU as PyTorch's CUDA kernel computes it in float: v / 2 * (1 + erf(v / sqrt 2)).
 _GELU_HELPER = "DEVICE float cf_gelu(const float v) { return 0.5f * v * (1.0f + ERF(v * 0.70710678118654752f)); }"
+# SiLU (swish) as PyTorch's CUDA kernel computes it in float: v / (1 + exp(-v)) (NaN stays NaN; a large
+# negative v gives -0).
+_SILU_HELPER = "DEVICE float cf_silu(const float v) { return v / (1.0f + EXP(-v)); }"
 
 
 class CudaRenderer(Renderer):
     name = "cuda"
     erf = "erff"
+    exp = "expf"
     features = frozenset({"shuffle", "constant", "ldg", "texture", "mma_tf32", "wgmma"})
     words = {"SHARED": "__shared__", "LOCAL_PTR": "", "GLOBAL_PTR": "", "RESTRICT": "__restrict__",
              "DEVICE": "__device__ __forceinline__", "U64": "unsigned long long", "I64": "long long",
@@ -252,6 +296,7 @@ class CudaRenderer(Renderer):
             "MAX": lambda: f"fmaxf({', '.join(args)})",
             "RELU": lambda: f"cf_relu({args[0]})",
             "GELU": lambda: f"cf_gelu({args[0]})",
+            "SILU": lambda: f"cf_silu({args[0]})",
             "LDG": lambda: f"__ldg({args[0]})",
             "SHFL": lambda: f"__shfl_sync(0xffffffffu, {args[0]}, {args[1]})",
             "TEX": lambda: f"tex1Dfetch<float>({args[0]}, {args[1]})",
@@ -297,6 +342,8 @@ class CudaRenderer(Renderer):
         head = [f"__constant__ {self.ctype(cb.ctype)} {cb.name}[{cb.count}];" for cb in seen.values()] + [""]
         if _uses_half(kernels):
             head += _CUDA_HALF.splitlines() + [""]
+        if any(re.search(r"\b(VLOAD8|VSTORE8)_(F16|BF16)\(", k.body + k.helpers) for k in kernels):
+            head += _CUDA_HALF8.splitlines() + [""]
         if any(re.search(r"\bCOPY[14]_ASYNC\(", k.body) for k in kernels):
             head += _CUDA_COPY_ASYNC.splitlines() + [""]
         if any(re.search(r"\b(MMA_TF32_16x8x8|CVT_TF32)\(", k.body + k.helpers) for k in kernels):
@@ -658,6 +705,7 @@ class OpenCLRenderer(Renderer):
             "MAX": lambda: f"fmax({', '.join(args)})",
             "RELU": lambda: f"cf_relu({args[0]})",
             "GELU": lambda: f"cf_gelu({args[0]})",
+            "SILU": lambda: f"cf_silu({args[0]})",
             "LDG": lambda: f"(*({args[0]}))",
             "COPY4_ASYNC": lambda: f"vstore4(vload4(0, {args[1]}), 0, {args[0]})",
             "COPY1_ASYNC": lambda: (f"(({args[0]})[{args[1]}] = ((({args[4]}) >> ({args[5]})) & 1ul) ? "

@@ -21,6 +21,13 @@ version counter) and a layer is tiny (at most ``TINY_MACS`` multiply-adds: its k
 what a launch does), the heuristic prefers the first ranked variant whose plan is one launch, else
 one with no filter-only step: the transform's launch would cost as much as the convolution. Database entries are timed
 with their transforms (BENCHMARKING.md), so they are kept as they are.
+
+No silent fallback to a slow variant: on half storage (FP16 / BF16) the vendor library runs dense and
+grouped convolutions on tensor cores, so a CUDA-core form (``direct*``, ``implicit_gemm*``,
+``im2col_gemm``, ``gemm1x1*`` and their dgrad / wgrad adapters) runs such a layer at a fraction of its
+speed. :func:`slow_reason` says, for a spec (and optionally the variant chosen for it), why no fast
+variant serves it, so that a caller can hand the layer to PyTorch and list it in its report;
+:func:`is_fast` is the test it applies to one variant.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 from convforge import kernels
 from convforge.config import PRECISIONS, config, parse_precision, precision_key
 from convforge.params import Params
-from convforge.plan import Epilogue, Prologue, Variant
+from convforge.plan import DeviceInfo, Epilogue, Prologue, Variant
 from convforge.spec import ConvSpec
 from convforge.tune.heuristic import epilogue_key
 
@@ -42,6 +49,13 @@ if TYPE_CHECKING:
     from convforge.tune.db import Entry
 
 log = logging.getLogger("convforge.dispatch")
+# What makes a variant fast on a half-precision layer: its kernels run on tensor cores (features a
+# plan's kernels require), or its family is memory-bound, so that its roof is DRAM bandwidth rather
+# than the arithmetic rate the library beats it on (depthwise: R*S FMAs an output; the GEMV stream).
+TENSOR_CORE_FEATURES = frozenset({"wgmma", "mma_tf32"})
+MEMORY_BOUND_FAMILIES = frozenset({"depthwise"})
+MEMORY_BOUND_VARIANTS = frozenset({"gemv_stream"})
+HALF_DTYPES = frozenset({"float16", "bfloat16"})
 TINY_MACS = 1 << 22
 _CHOICES: dict[tuple[Any, ...], Choice] = {}
 
@@ -346,6 +360,49 @@ def _plans(variant: Variant, params: Params, spec: ConvSpec, backend: Backend, e
     except ValueError:  # "unsupported epilogue": no store path for a residual / channel offset
         return False
     return True
+
+
+def is_fast(variant: Variant, spec: ConvSpec, device: DeviceInfo, params: Params | None = None) -> bool:
+    """Whether ``variant`` runs ``spec`` near the speed of the vendor library's kernels of its dtype.
+    Every variant counts on float32 (the library's FP32 kernels are CUDA-core kernels too); on half
+    storage, a memory-bound family (MEMORY_BOUND_FAMILIES, MEMORY_BOUND_VARIANTS) or a plan (of
+    ``params``, default: the variant's default) whose kernels run on tensor cores."""
+    if spec.dtype not in HALF_DTYPES:
+        return True
+    if variant.family in MEMORY_BOUND_FAMILIES or variant.name in MEMORY_BOUND_VARIANTS:
+        return True
+    try:
+        plan = variant.plan(spec, params if params is not None else variant.default(spec, device), device)
+    except Exception as err:  # noqa: BLE001 - a variant that cannot plan is not fast, never a crash
+        log.debug("is_fast: %s does not plan %s (%s)", variant.name, spec.short(), err)
+        return False
+    return bool(plan.requires & TENSOR_CORE_FEATURES)
+
+
+def slow_reason(spec: ConvSpec, device: DeviceInfo, variant: Variant | None = None, params: Params | None = None, *,
+                precision: str | None = None, max_error: float | None = None) -> str | None:
+    """None when a fast variant (:func:`is_fast`) serves ``spec`` on ``device``, else one line saying
+    why not, for a caller to log once and hand the layer to PyTorch. Judged on CUDA half-precision
+    layers only (float32 and other back-ends: None). With ``variant`` (and ``params``): that choice
+    (say, what :func:`choose` returned); without: every variant ``auto`` may pick in the precision
+    class (``precision``, ``max_error``: as :func:`choose` takes them)."""
+    if spec.dtype not in HALF_DTYPES or device.backend != "cuda":
+        return None
+    what = f"{spec.dtype} layer {spec.short()}"
+    if variant is not None:
+        if is_fast(variant, spec, device, params):
+            return None
+        return (f"{variant.name} runs the {what} on CUDA cores, far below the library's tensor-core kernels "
+                "of that dtype")
+    pool = kernels.ranked("auto", spec, device, precision=precision, max_error=max_error)
+    if any(is_fast(v, spec, device) for v in pool):
+        return None
+    if not pool:
+        why = kernels.reasons("auto", spec, device, precision=precision, max_error=max_error)
+        return f"no variant runs the {what} ({len(why)} refuse it)"
+    names = ", ".join(v.name for v in pool[:4]) + (", ..." if len(pool) > 4 else "")
+    return (f"no fast variant serves the {what}: only CUDA-core forms apply ({names}), far below the "
+            "library's tensor-core kernels of that dtype")
 
 
 def cached() -> list[tuple[ConvSpec, Epilogue, str, Choice]]:

@@ -20,10 +20,11 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from convforge.codegen.dialect import Buf, Kernel
+from convforge.codegen.dialect import Kernel, Storage
 from convforge.codegen.meta import Code, cdiv
 from convforge.kernels import register
 from convforge.kernels.common import out_args, out_refs
+from convforge.kernels.depthwise import ALL_DTYPES
 from convforge.kernels.gemm import too_big
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
@@ -37,14 +38,15 @@ class NhwcTile:
     """Derived sizes of one parameter set on one layer."""
 
     spec: ConvSpec
-    bc: int  # channels per block (threads along K, fastest)
+    bc: int  # channel groups per block (threads along K, fastest)
     bt: int  # pixel tiles per block
     tq: int  # outputs per thread along a row
     tp: int  # output rows per thread
+    cv: int = 1  # consecutive channels per thread: one 16-byte (8 halves, 4 floats) or 8-byte load a pixel
 
     @classmethod
     def of(cls, spec: ConvSpec, p: Params) -> NhwcTile:
-        return cls(spec, p.bc, p.bt, p.tq, p.tp)
+        return cls(spec, p.bc, p.bt, p.tq, p.tp, p.get("cv", 1))
 
     @property
     def threads(self) -> int:
@@ -65,43 +67,78 @@ class NhwcTile:
         """(q tiles, p tiles, pixel-tile blocks, channel blocks, blocks in all)."""
         s = self.spec
         nq, np_ = cdiv(s.q, self.tq), cdiv(s.p, self.tp)
-        ntb, ncb = cdiv(s.n * np_ * nq, self.bt), cdiv(s.k, self.bc)
+        ntb, ncb = cdiv(s.n * np_ * nq, self.bt), cdiv(s.k, self.bc * self.cv)
         return nq, np_, ntb, ncb, ntb * ncb
 
-    def problem(self, device: DeviceInfo) -> str | None:
+    @property
+    def vstore(self) -> bool:
+        """The cv outputs of a pixel go out as one vector (aligned in the tensor written)."""
+        return self.cv > 1
+
+    def problem(self, device: DeviceInfo, epi: Epilogue = Epilogue()) -> str | None:
         """None when the generator takes this tile on ``device``, else what is wrong."""
+        s = self.spec
         if min(self.bc, self.bt, self.tq, self.tp) < 1:
             return "bc, bt, tq and tp must be >= 1"
         if not 1 <= self.threads <= device.max_threads:
             return f"bc * bt ({self.threads}) threads must be 1..{device.max_threads}"
         if self.tp * self.tq > 32:
             return f"tp * tq ({self.tp * self.tq}) outputs per thread must be <= 32"
-        if self.spec.r * self.spec.s + self.seg + self.tp * self.tq > _REGS:
-            return f"taps, row segment and outputs ({self.spec.r * self.spec.s} + {self.seg} + " \
-                   f"{self.tp * self.tq}) must fit in {_REGS} registers"
+        if self.cv not in (1, 4, 8) or (self.cv == 8 and s.dtype == "float32"):
+            return f"cv ({self.cv}) must be 1, 4 or (half storage) 8 channels a thread"
+        if self.cv > 1 and (s.kg != 1 or s.k % self.cv or (epi.k_total or s.k) % self.cv or epi.k_offset % self.cv):
+            return f"cv={self.cv} needs multiplier 1 and channel counts (and a concat's offset) that are " \
+                   f"multiples of {self.cv}"
+        taps = s.r * s.s
+        if self.cv * (taps + self.seg + self.tp * self.tq) > _REGS:
+            return f"taps, row segment and outputs ({self.cv} x ({taps} + {self.seg} + " \
+                   f"{self.tp * self.tq})) must fit in {_REGS} registers"
         return None
 
 
+def _vec(name: str, cv: int, e: int) -> str:
+    """Channel ``e`` of the cv-vector ``name`` (float, float4, or float4 pair ``name``a/b)."""
+    if cv == 1:
+        return name
+    return f"{name}.{'xyzw'[e]}" if cv == 4 else f"{name}{'ab'[e // 4]}.{'xyzw'[e % 4]}"
+
+
+def _load_vec(sto: Storage, name: str, cv: int, ok: str, src: str) -> str:
+    """The statement(s) loading the cv channels at ``src`` into ``name`` where ``ok``, else zeros."""
+    zero = "MAKE_FLOAT4(0.0f, 0.0f, 0.0f, 0.0f)"
+    if cv == 1:
+        return f"const float {name} = {ok} ? {sto.ldg(src)} : 0.0f;"
+    if cv == 4:
+        return f"const float4 {name} = {ok} ? {sto.vload4('0', src)} : {zero};"
+    return f"float4 {name}a = {zero}, {name}b = {zero};\nif ({ok}) {sto.vload8(f'{name}a', f'{name}b', '0', src)};"
+
+
 def nhwc_body(t: NhwcTile, epi: Epilogue) -> str:
-    """The kernel body of tile ``t``: one channel and tp x tq outputs per thread."""
+    """The kernel body of tile ``t``: cv channels and tp x tq outputs per thread."""
     s = t.spec
+    sto = Storage(s.dtype)
+    cv = t.cv
     (sh, sw), (dh, dw) = s.stride, s.dilation
     nq, np_, ntb, _, _ = t.grid
     m = s.kg  # outputs per input channel
     kt, koff = epi.k_total or s.k, epi.k_offset
     code = Code()
+    kexpr = f"((bid / {ntb}) * {t.bc} + lk) * {cv}" if cv > 1 else f"(bid / {ntb}) * {t.bc} + lk"
     code("const int tid = LOCAL_ID(0);",
          f"const int lk = tid % {t.bc}, lt = tid / {t.bc};",
          "const int bid = GROUP_ID(0);  // pixel tiles fastest: neighbours share their halo through L2",
-         f"const int k = (bid / {ntb}) * {t.bc} + lk, tile = (bid % {ntb}) * {t.bt} + lt;")
+         f"const int k = {kexpr}, tile = (bid % {ntb}) * {t.bt} + lt;")
     with code.block(f"if (k < {s.k} && tile < {s.n * np_ * nq})"):
         code(f"const int qt = tile % {nq}, pt = (tile / {nq}) % {np_}, n = tile / {nq * np_};",
              f"const int p0 = pt * {t.tp}, q0 = qt * {t.tq};",
              f"const int y0 = p0 * {sh} - {s.pad[0]}, x0 = q0 * {sw} - {s.pad[2]};",
              f"const int xb = n * {s.h * s.w * s.c} + {f'k / {m}' if m > 1 else 'k'};")
-        for r, c in itertools.product(range(s.r), range(s.s)):
-            code(f"const float f{r}_{c} = LDG(w + k * {s.r * s.s} + {r * s.s + c});")
-        accs = [f"acc{i}_{j}" for i, j in itertools.product(range(t.tp), range(t.tq))]
+        sfx = [f"{e}_" if cv > 1 else "" for e in range(cv)]
+        for e, r, c in itertools.product(range(cv), range(s.r), range(s.s)):
+            kk = f"(k + {e})" if e else "k"
+            code(f"const float f{sfx[e]}{r}_{c} = {sto.ldg(f'w + {kk} * {s.r * s.s} + {r * s.s + c}')};")
+        accs = [f"acc{i}_{j}{'_' + str(e) if cv > 1 else ''}"
+                for i, j, e in itertools.product(range(t.tp), range(t.tq), range(cv))]
         code(*(f"float {a} = 0.0f;" for a in accs))
         for e in range(t.seg):
             code(f"const bool in{e} = (unsigned)(x0 + {e}) < {s.w}u;")
@@ -113,18 +150,35 @@ def nhwc_body(t: NhwcTile, epi: Epilogue) -> str:
             with code.block(f"if ((unsigned)(y0 + {ir}) < {s.h}u)  /* input row {ir} */"):
                 code(f"const int rb = xb + ((y0 + {ir}) * {s.w} + x0) * {s.c};")
                 for e in range(t.seg):
-                    code(f"const float e{e} = in{e} ? LDG(x + rb + {e * s.c}) : 0.0f;")
+                    code(_load_vec(sto, f"e{e}", cv, f"in{e}", f"x + rb + {e * s.c}"))
                 for i, r in users:
-                    for jq, c in itertools.product(range(t.tq), range(s.s)):
-                        code(f"acc{i}_{jq} = FMA(e{jq * sw + c * dw}, f{r}_{c}, acc{i}_{jq});")
+                    for jq, c, e in itertools.product(range(t.tq), range(s.s), range(cv)):
+                        acc = f"acc{i}_{jq}{'_' + str(e) if cv > 1 else ''}"
+                        code(f"{acc} = FMA({_vec(f'e{jq * sw + c * dw}', cv, e)}, f{sfx[e]}{r}_{c}, {acc});")
         for i in range(t.tp):
             with code.block(f"if (p0 + {i} < {s.p})"):
                 for jq in range(t.tq):
                     idx = f"((n * {s.p} + p0 + {i}) * {s.q} + q0 + {jq}) * {kt} + {koff} + k" if koff else \
                         f"((n * {s.p} + p0 + {i}) * {s.q} + q0 + {jq}) * {kt} + k"
-                    val = epi.apply(f"acc{i}_{jq}", "k", idx, offset_done=True)
-                    code(f"if (q0 + {jq} < {s.q}) y[{idx}] = {val};")
+                    if cv == 1:
+                        val = epi.apply(f"acc{i}_{jq}", "k", idx, offset_done=True, storage=sto)
+                        code(f"if (q0 + {jq} < {s.q}) {sto.store('y', idx, val)};")
+                        continue
+                    vals = [epi.apply(f"acc{i}_{jq}_{e}", f"k + {e}", f"{idx} + {e}", offset_done=True, storage=sto)
+                            for e in range(cv)]
+                    lo = f"MAKE_FLOAT4({', '.join(vals[:4])})"
+                    st = sto.vstore4(lo, "0", f"y + {idx}") if cv == 4 else \
+                        sto.vstore8(lo, f"MAKE_FLOAT4({', '.join(vals[4:])})", "0", f"y + {idx}")
+                    code(f"if (q0 + {jq} < {s.q}) {st};")
     return code.text()
+
+
+def _cv(spec: ConvSpec, tq: int, tp: int, device: DeviceInfo) -> int:
+    """Channels a thread on half storage: 16 bytes (8) where the registers allow, else 8 bytes (4),
+    else 1; float32 keeps one channel a thread (its measured default)."""
+    if spec.dtype == "float32":
+        return 1
+    return next((cv for cv in (8, 4) if NhwcTile(spec, 1, 1, tq, tp, cv).problem(device) is None), 1)
 
 
 def nhwc_default(spec: ConvSpec, device: DeviceInfo) -> Params:
@@ -133,7 +187,8 @@ def nhwc_default(spec: ConvSpec, device: DeviceInfo) -> Params:
     serves 8 outputs of 4 rows: ConvNeXt-T 96@56 0.063 ms against 0.114 for 2 x 4 on an H100), one
     row of 4 at stride 2 (the rows two output rows share are fewer), 2 x 4 otherwise (sweep of the
     grouped suite's depthwise layers, docs/BENCHMARKS.md); small tiles on a CPU, where PoCL runs one
-    work-item after another."""
+    work-item after another. Half storage: cv channels a thread (8: one 16-byte load a pixel) where
+    the registers allow, fewer outputs a thread then."""
     if not device.is_gpu:
         return Params(bc=min(spec.k, 4), bt=4, tq=2 if spec.q >= 2 else 1, tp=1)
     bc = min(32, spec.k)
@@ -145,6 +200,12 @@ def nhwc_default(spec: ConvSpec, device: DeviceInfo) -> Params:
     else:
         tq, tp = min(4, spec.q), min(2, spec.p)
     for tq_, tp_ in ((tq, tp), (tq, 1), (min(2, tq), 1), (1, 1)):
+        cv = _cv(spec, tq_, tp_, device)
+        if cv > 1:
+            bc_ = max(1, min(32, spec.k // cv))
+            prm = Params(bc=bc_, bt=max(1, min(256 // bc_, device.max_threads // bc_)), tq=tq_, tp=tp_, cv=cv)
+            if NhwcTile.of(spec, prm).problem(device) is None:
+                return prm
         t = NhwcTile(spec, bc, bt, tq_, tp_)
         if t.problem(device) is None:
             return Params(bc=bc, bt=bt, tq=tq_, tp=tp_)
@@ -152,12 +213,15 @@ def nhwc_default(spec: ConvSpec, device: DeviceInfo) -> Params:
 
 
 def nhwc_space(spec: ConvSpec, device: DeviceInfo) -> list[Params]:
-    """The default first, then 64..512 threads of 16..128 channels, 1..8 x 1..4 outputs a thread."""
+    """The default first, then 64..512 threads of 16..128 channels, 1..8 x 1..4 outputs a thread
+    (and, on half storage, 4 or 8 channels a thread)."""
     out = [nhwc_default(spec, device)]
-    for bc, threads, tq, tp in itertools.product((16, 32, 64, 128), (64, 128, 256, 512), (1, 2, 4, 8), (1, 2, 4)):
-        if bc > max(16, spec.k) or threads < bc or tq > max(1, spec.q) or tp > max(1, spec.p):
+    cvs = (1,) if spec.dtype == "float32" else (1, 4, 8)
+    for bc, threads, tq, tp, cv in itertools.product((16, 32, 64, 128), (64, 128, 256, 512), (1, 2, 4, 8), (1, 2, 4),
+                                                     cvs):
+        if bc * cv > max(16, spec.k) or threads < bc or tq > max(1, spec.q) or tp > max(1, spec.p):
             continue
-        prm = Params(bc=bc, bt=threads // bc, tq=tq, tp=tp)
+        prm = Params({"bc": bc, "bt": threads // bc, "tq": tq, "tp": tp, **({"cv": cv} if cv > 1 else {})})
         if prm not in out and NhwcTile.of(spec, prm).problem(device) is None:
             out.append(prm)
     return out
@@ -165,18 +229,21 @@ def nhwc_space(spec: ConvSpec, device: DeviceInfo) -> list[Params]:
 
 class DepthwiseNhwc(Variant):
     """fprop of a depthwise layer (groups == C, any multiplier) on NHWC activations, any stride,
-    dilation and padding; bias, residual, ReLU and a concat's channel offset in the epilogue."""
+    dilation and padding, float32 or half storage; bias, residual, ReLU / GELU / SiLU and a concat's
+    channel offset in the epilogue."""
 
     name = "depthwise_nhwc"
     family = "depthwise"
     grouped = True
     layouts = frozenset({"nhwc"})
+    dtypes = ALL_DTYPES
     exact = True
     residual_ok = True
     offset_ok = True
     tolerance = 1e-5
     specialised = 20
     space_lead = 1
+    optional_params = {"cv": frozenset({1, 4, 8})}
 
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
         if not spec.depthwise:
@@ -195,11 +262,12 @@ class DepthwiseNhwc(Variant):
     def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
              epilogue: Epilogue = Epilogue()) -> Plan:
         t = NhwcTile.of(spec, params)
-        why = t.problem(device)
+        why = t.problem(device, epilogue)
         if why:
             raise ValueError(f"{self.name}: {why}")
         name = "conv_depthwise_nhwc"
-        kernel = Kernel(name, (Buf("x"), Buf("w")) + out_args(epilogue), nhwc_body(t, epilogue),
+        sto = Storage(spec.dtype)
+        kernel = Kernel(name, (sto.buf("x"), sto.buf("w")) + out_args(epilogue, sto), nhwc_body(t, epilogue),
                         (t.threads, 1, 1), comment=f"{self.name}: {params.short()}")
         launch = Launch(name, (t.grid[4], 1, 1), (t.threads, 1, 1), ("x", "w") + out_refs(epilogue))
         return Plan(self.name, self.family, spec, params, (kernel,), (launch,), tolerance=self.tolerance,

@@ -1,0 +1,534 @@
+"""wgrad of a depthwise layer: dw[k, r, s] = sum over N*P*Q of x(window of tap r, s) * dy[k], a
+per-channel reduction, deterministic (fixed trees and an ordered sum of slices; no atomics), in
+float32, float16 and bfloat16 storage (FP32 sums; partial filters in float32), NCHW or NHWC.
+
+Three forms, one variant (``depthwise_wgrad``):
+
+* blocked (half storage's default, NCHW and NHWC, up to ``REG_TAPS`` taps): the outputs are cut into
+  items of ``tp`` x ``tq`` (rows x columns of one image); block (channel, slice of the items) walks its
+  slice, each thread an item at a time (NCHW: consecutive threads take consecutive items along a row,
+  so their 16-byte dy and x loads are contiguous; NHWC: ``bc`` consecutive channels of one item, so a
+  warp's loads of a pixel are one run). A thread keeps one partial sum per tap, the item's dy values
+  and one input row segment in registers: each row segment is read once (16-byte vectors where the
+  row aligns) and serves every tap and output row it meets, so the reads through L1 stay near the
+  bytes the layer must move. Then a fixed shared-memory tree over the threads of each channel;
+* simple (float32 NCHW's default, measured): block (k, slice of the N*P output rows) of ``bt``
+  threads, one output a thread at a time, one partial sum per tap, the same tree;
+* tiled (larger filters, RepLKNet's 13x13 to 31x31): per-tap sums do not fit in registers, so the
+  threads of block (k, slice) own the taps instead: thread (r, strip) sums ``ts`` adjacent taps of
+  filter row r over the slice's outputs (dy read once a column for ``ts`` FMAs). Compute-bound (R*S
+  FMAs an output), so on NHWC the plan first transposes x and dy to NCHW workspaces (two passes over
+  the activations against hundreds of FMAs per element).
+
+With ``ns`` > 1 slices each writes a partial filter and a second kernel adds the slices in order.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from convforge.codegen.dialect import FLOAT32, Buf, Dim3, Kernel, Storage
+from convforge.codegen.meta import Code, cdiv
+from convforge.kernels import register
+from convforge.kernels.depthwise import ALL_DTYPES, REG_TAPS
+from convforge.kernels.dgrad import no_epilogue
+from convforge.kernels.gemm import too_big
+from convforge.params import Params
+from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Step, Variant
+from convforge.spec import ConvSpec
+
+_SMEM = 48 * 1024  # static shared memory a block may declare
+
+
+def wgrad_splits(spec: ConvSpec, device: DeviceInfo, blocks: int | None = None) -> int:
+    """Slices of the N*P output rows: enough blocks (``blocks`` per slice, default K) for ~4 per
+    compute unit, at most 64 (the slice sum's terms)."""
+    want = cdiv(4 * max(device.units, 1), blocks or spec.k) if device.is_gpu else 1
+    return max(1, min(spec.n * spec.p, want, 64))
+
+
+def _tiled(spec: ConvSpec) -> bool:
+    """Large filters: the tap-parallel form."""
+    return spec.r * spec.s > REG_TAPS
+
+
+def _strips(spec: ConvSpec, ts: int) -> int:
+    return cdiv(spec.s, ts)
+
+
+def _vw(spec: ConvSpec) -> int:
+    """Elements of a 16-byte load: 4 floats, 8 halves."""
+    return 4 if spec.dtype == "float32" else 8
+
+
+@dataclass(frozen=True)
+class WTile:
+    """A blocked parameter set on one layer: ``bt`` threads along the items for each of ``bc``
+    channel lanes (NHWC; 1 on NCHW), items of ``tp`` x ``tq`` outputs."""
+
+    spec: ConvSpec
+    bc: int
+    bt: int
+    tq: int
+    tp: int
+
+    @classmethod
+    def of(cls, spec: ConvSpec, p: Params) -> WTile:
+        return cls(spec, p.get("bc", 1), p.bt if spec.layout == "nchw" else p.bs, p.tq, p.tp)
+
+    @property
+    def threads(self) -> int:
+        return self.bc * self.bt
+
+    @property
+    def grid_q(self) -> int:
+        return cdiv(self.spec.q, self.tq)
+
+    @property
+    def grid_p(self) -> int:
+        return cdiv(self.spec.p, self.tp)
+
+    @property
+    def items(self) -> int:
+        return self.spec.n * self.grid_p * self.grid_q
+
+    @property
+    def seg(self) -> int:
+        return (self.tq - 1) * self.spec.stride[1] + self.spec.eff_s
+
+    @property
+    def rows(self) -> int:
+        return (self.tp - 1) * self.spec.stride[0] + self.spec.eff_r
+
+    @property
+    def xv(self) -> int:
+        """NCHW input rows as 16-byte vectors (the vector width; 1: scalar): rows and every item's
+        first column aligned to it."""
+        s, vw = self.spec, _vw(self.spec)
+        return vw if s.layout == "nchw" and s.w % vw == 0 and (self.tq * s.stride[1]) % vw == 0 else 1
+
+    @property
+    def gv(self) -> int:
+        """NCHW dy rows of an item as 16-byte vectors (or 1)."""
+        s, vw = self.spec, _vw(self.spec)
+        return vw if s.layout == "nchw" and s.q % vw == 0 and self.tq % vw == 0 else 1
+
+    def problem(self, device: DeviceInfo) -> str | None:
+        s = self.spec
+        rs = s.r * s.s
+        if min(self.bc, self.bt, self.tq, self.tp) < 1 or self.bt & (self.bt - 1):
+            return f"bt / bs ({self.bt}) must be a power of two and bc, tq, tp >= 1"
+        if not 1 <= self.threads <= device.max_threads:
+            return f"{self.threads} threads must be 1..{device.max_threads}"
+        if 4 * rs * self.threads > min(device.shared_bytes, _SMEM):
+            return f"{self.threads} threads' {rs} partial sums do not fit in shared memory"
+        if self.tp * self.tq > 32 or rs + self.tp * self.tq + self.seg > _REGS:
+            return f"taps, tp * tq outputs and the row segment ({rs} + {self.tp * self.tq} + {self.seg}) " \
+                   f"must fit in {_REGS} registers"
+        return None
+
+
+_REGS = 160  # a rough cap on the floats a thread of the blocked form holds
+
+
+class DepthwiseWgrad(Variant):
+    """wgrad of a depthwise layer (module docstring): any stride, dilation, padding and multiplier,
+    NCHW or NHWC, float32 or half storage."""
+
+    name = "depthwise_wgrad"
+    family = "depthwise"
+    passes = frozenset({"wgrad"})
+    grouped = True
+    exact = True
+    tolerance = 1e-5
+    specialised = 20
+    space_lead = 1
+    dtypes = ALL_DTYPES
+    layouts = frozenset({"nchw", "nhwc"})
+
+    def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
+        if not spec.depthwise:
+            return "only depthwise layers (groups == C > 1)"
+        why = super().applies(spec, device) or too_big(spec)
+        if why is None and not _tiled(spec) and not self._fits(spec, 32, device):
+            return "the filter's partial sums do not fit in shared memory"
+        if why is None and _tiled(spec) and spec.r * _strips(spec, 8) > device.max_threads:
+            return f"{spec.r} filter rows of {_strips(spec, 8)} strips exceed {device.max_threads} threads"
+        return why
+
+    def _fits(self, spec: ConvSpec, bt: int, device: DeviceInfo) -> bool:
+        return bt <= device.max_threads and 4 * spec.r * spec.s * bt <= min(device.shared_bytes, _SMEM)
+
+    def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
+        if _tiled(spec):
+            ts = next((t for t in (8, 4, 2, 1) if spec.r * _strips(spec, t) >= 64), 1)
+            ts = max(ts, next(t for t in (1, 2, 4, 8) if spec.r * _strips(spec, t) <= device.max_threads))
+            return Params(ts=ts, ns=wgrad_splits(spec, device))
+        if spec.layout == "nchw" and spec.dtype == "float32":
+            bt = next((b for b in ((256, 128, 64, 32) if device.is_gpu else (32,)) if self._fits(spec, b, device)), 32)
+            return Params(bt=bt, ns=wgrad_splits(spec, device))
+        return self._blocked_default(spec, device)
+
+    def _blocked_default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
+        """Items of 2 (3x3) or 4 rows of 8 columns on NCHW (one 16-byte load of halves a dy row;
+        4 when rows do not align to 8), of 2 x 4 on NHWC under 32 channel lanes; threads as many
+        (<= 256) as the partial sums' shared memory takes; slices for ~4 blocks a compute unit."""
+        nchw = spec.layout == "nchw"
+        if not device.is_gpu:
+            tq, tp, bc = min(2, spec.q), 1, 1 if nchw else min(4, spec.k)
+        elif nchw:
+            tq = 8 if spec.q % 8 == 0 or spec.q >= 16 else 4 if spec.q >= 4 else spec.q
+            tp, bc = (2 if spec.eff_r <= 3 else 4), 1
+        else:
+            tq, tp, bc = min(4, spec.q), min(2, spec.p), min(32, spec.k)
+        for tq_, tp_ in ((tq, tp), (tq, 1), (min(tq, 4), 1), (1, 1)):
+            for bt in ((256 // bc, 128 // bc, 64 // bc, 32 // bc, 1) if device.is_gpu else (32 // bc, 1)):
+                t = WTile(spec, bc, max(1, bt), tq_, tp_)
+                if t.problem(device) is None:
+                    ns = min(wgrad_splits(spec, device, cdiv(spec.k, bc)), t.items)
+                    return _blocked_params(spec, t, ns)
+        return _blocked_params(spec, WTile(spec, 1, 1, 1, 1), 1)
+
+    def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
+        out = [self.default(spec, device)]
+        rows = spec.n * spec.p
+        if _tiled(spec):
+            for ts, ns in itertools.product((8, 4, 2), (1, 2, 4, 8, 16, 32, 64)):
+                prm = Params(ts=ts, ns=ns)
+                if spec.r * _strips(spec, ts) <= device.max_threads and ns <= rows and prm not in out:
+                    out.append(prm)
+            return out
+        if spec.layout == "nchw":
+            out.append(self._blocked_default(spec, device))
+            for bt, ns in itertools.product((64, 128, 256), (1, 2, 4, 8, 16, 32, 64)):
+                prm = Params(bt=bt, ns=ns)
+                if self._fits(spec, bt, device) and ns <= rows and prm not in out:
+                    out.append(prm)
+        bcs = (1,) if spec.layout == "nchw" else (8, 16, 32, 64)
+        for bc, bt, tq, tp, ns in itertools.product(bcs, (1, 2, 4, 8, 16, 32, 64, 128, 256), (1, 2, 4, 8), (1, 2, 4),
+                                                    (1, 4, 16, 64)):
+            t = WTile(spec, bc, bt, tq, tp)
+            if (bc > max(8, spec.k) or t.threads < 32 or tq > max(1, spec.q) or tp > max(1, spec.p)
+                    or ns > t.items or t.problem(device)):
+                continue
+            prm = _blocked_params(spec, t, ns)
+            if prm not in out:
+                out.append(prm)
+        return [prm for prm in dict.fromkeys(out)]
+
+    def workspace_bytes(self, spec: ConvSpec, params: Params) -> int:
+        part = 4 * params.ns * spec.k * spec.r * spec.s if params.ns > 1 else 0
+        if _tiled(spec) and spec.layout == "nhwc":
+            part += spec.itemsize * (spec.n * spec.c * spec.h * spec.w + spec.n * spec.k * spec.p * spec.q)
+        return part
+
+    def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
+             epilogue: Epilogue = Epilogue()) -> Plan:
+        no_epilogue(self.name, epilogue)
+        ns = params.ns
+        out = "w" if ns == 1 else "part"
+        sto = Storage(spec.dtype)
+        wbuf = sto.buf(out, readonly=False) if ns == 1 else FLOAT32.buf(out, readonly=False)
+        kernels: list[Kernel] = []
+        steps: list[Step] = []
+        workspace: list[tuple[str, int]] = []
+        src = ("x", "y")
+        if _tiled(spec):
+            body, block, grid = self._tiled_plan(spec, params, device, out, kernels, steps, workspace)
+            src = ("xt", "yt") if spec.layout == "nhwc" else src
+        elif "tq" in params:
+            t = WTile.of(spec, params)
+            why = t.problem(device)
+            if why:
+                raise ValueError(f"{self.name}: {why}")
+            if not 1 <= ns <= t.items:
+                raise ValueError(f"{self.name}: ns ({ns}) must be 1..{t.items} (items of tp x tq outputs)")
+            body, block, grid = _blocked_body(t, ns, out), (t.threads, 1, 1), (cdiv(spec.k, t.bc), ns, 1)
+        else:
+            bt = params.bt
+            if spec.layout != "nchw":
+                raise ValueError(f"{self.name}: the simple form (bt, ns) reads NCHW; NHWC takes bc, bs, tq, tp, ns")
+            if bt & (bt - 1) or not self._fits(spec, bt, device):
+                raise ValueError(f"{self.name}: bt ({bt}) must be a power of two whose {spec.r * spec.s} partial "
+                                 "sums fit in shared memory")
+            if not 1 <= ns <= spec.n * spec.p:
+                raise ValueError(f"{self.name}: ns ({ns}) must be 1..{spec.n * spec.p} (N*P output rows)")
+            body, block, grid = _reduce_body(spec, bt, ns, out), (bt, 1, 1), (spec.k, ns, 1)
+        name = "wgrad_depthwise"
+        args = (sto.buf(src[0]), sto.buf(src[1]), wbuf)
+        # the blocked form names a launch bound of 1 block: with the thread count alone ptxas (13.0)
+        # spilled 16 bytes at 48 registers on float16 3x3 (tp 2, tq 8); with it, 56 and none
+        bound = 1 if "tq" in params and not _tiled(spec) else 0
+        kernels.append(Kernel(name, args, body, block, comment=f"{self.name}: {params.short()}", min_blocks=bound))
+        steps.append(Launch(name, grid, block, (*src, out)))
+        if ns > 1:
+            kern, launch = _slice_sum(spec, ns, sto)
+            kernels.append(kern)
+            steps.append(launch)
+            workspace.insert(0, ("part", 4 * ns * spec.k * spec.r * spec.s))
+        return Plan(self.name, self.family, spec, params, tuple(kernels), tuple(steps), tuple(workspace),
+                    tolerance=self.tolerance, epilogue=epilogue)
+
+    def _tiled_plan(self, spec: ConvSpec, params: Params, device: DeviceInfo, out: str, kernels: list[Kernel],
+                    steps: list[Step], workspace: list[tuple[str, int]]) -> tuple[str, Dim3, Dim3]:
+        """The tiled form's body, block and grid; on NHWC the transposes of x and dy before it."""
+        ts, ns = params.ts, params.ns
+        threads = spec.r * _strips(spec, ts)
+        if not 1 <= ts <= spec.s or threads > device.max_threads:
+            raise ValueError(f"{self.name}: ts ({ts}) must be 1..{spec.s} with R * ceil(S / ts) "
+                             f"<= {device.max_threads} threads")
+        if not 1 <= ns <= spec.n * spec.p:
+            raise ValueError(f"{self.name}: ns ({ns}) must be 1..{spec.n * spec.p} (N*P output rows)")
+        src = ("x", "y")
+        if spec.layout == "nhwc":
+            src = ("xt", "yt")
+            sto = Storage(spec.dtype)
+            for name, buf, shape in (("to_nchw_x", "x", spec.x_shape), ("to_nchw_y", "y", spec.y_shape)):
+                kern, grid = _to_nchw(name, sto, shape)
+                kernels.append(kern)
+                steps.append(Launch(name, grid, kern.block, (buf, f"{buf}t")))
+                workspace.append((f"{buf}t", spec.itemsize * shape[0] * shape[1] * shape[2] * shape[3]))
+        return _tiled_body(spec, ts, ns, out, src), (threads, 1, 1), (spec.k, ns, 1)
+
+
+def _blocked_params(spec: ConvSpec, t: WTile, ns: int) -> Params:
+    if spec.layout == "nchw":
+        return Params(bt=t.bt, tq=t.tq, tp=t.tp, ns=ns)
+    return Params(bc=t.bc, bs=t.bt, tq=t.tq, tp=t.tp, ns=ns)
+
+
+def _slice_sum(spec: ConvSpec, ns: int, sto: Storage) -> tuple[Kernel, Launch]:
+    """dw = the ns slices' partial filters added in order (the same sum on every run)."""
+    total = spec.k * spec.r * spec.s
+    sums = " + ".join(f"part[{j * total} + e]" for j in range(ns))
+    code = Code()
+    code("const int e = GROUP_ID(0) * 256 + LOCAL_ID(0);")
+    with code.block(f"if (e < {total})"):
+        code(f"{sto.store('w', 'e', sums)};  // the slices in order: the same sum on every run")
+    kern = Kernel("wgrad_depthwise_sum", (Buf("part"), sto.buf("w", readonly=False)), code.text(), (256, 1, 1),
+                  comment=f"sum of {ns} slices' partial filters")
+    return kern, Launch("wgrad_depthwise_sum", (cdiv(total, 256), 1, 1), (256, 1, 1), ("part", "w"))
+
+
+def _to_nchw(name: str, sto: Storage, shape: tuple[int, int, int, int]) -> tuple[Kernel, tuple[int, int, int]]:
+    """A kernel copying an NHWC tensor of logical ``shape`` into NCHW order (the stored values as
+    they are: a half value converts to float and back exactly)."""
+    n, c, h, w = shape
+    total = n * c * h * w
+    code = Code()
+    code("const int e = GROUP_ID(0) * 256 + LOCAL_ID(0);  // NCHW element: writes coalesce")
+    with code.block(f"if (e < {total})"):
+        code(f"const int ww = e % {w}, hh = (e / {w}) % {h}, cc = (e / {w * h}) % {c}, nn = e / {w * h * c};",
+             f"{sto.store('dst', 'e', sto.load('src', f'((nn * {h} + hh) * {w} + ww) * {c} + cc'))};")
+    kern = Kernel(name, (sto.buf("src"), sto.buf("dst", readonly=False)), code.text(), (256, 1, 1),
+                  comment="NHWC -> NCHW for the tiled depthwise wgrad")
+    return kern, (cdiv(total, 256), 1, 1)
+
+
+def _tree(code: Code, t: str, bt: int, rs: int, lanes: int = 1) -> None:
+    """part_[j * bt + t] for j < rs summed over the threads t (in ``lanes`` interleaved groups: t
+    and t + lanes * half) in a fixed tree; the sums land at thread 0 of each group."""
+    half = bt // lanes // 2
+    while half >= 1:
+        with code.block(f"if ({t} < {half * lanes})"):
+            with code.block(f"for (int j = 0; j < {rs}; ++j)"):
+                code(f"part_[j * {bt} + {t}] += part_[j * {bt} + {t} + {half * lanes}];")
+        code("BARRIER();")
+        half //= 2
+
+
+def _reduce_body(spec: ConvSpec, bt: int, ns: int, out: str) -> str:
+    """NCHW, block (k, slice): R*S partial sums over the slice's outputs, then a fixed tree."""
+    sto = Storage(spec.dtype)
+    (sh, sw), (dh, dw) = spec.stride, spec.dilation
+    pt, pl = spec.pad[0], spec.pad[2]
+    rs, rows, pq = spec.r * spec.s, spec.n * spec.p, spec.p * spec.q
+    per = cdiv(rows, ns)
+    code = Code()
+    code(f"SHARED float part_[{rs * bt}];  // {rs} taps x {bt} threads",
+         "const int t = LOCAL_ID(0), k = GROUP_ID(0);",
+         f"const int c = k / {spec.kg};  // the input channel of k",
+         f"const int row0 = GROUP_ID(1) * {per}, row1 = min(row0 + {per}, {rows});",
+         f"const int count = (row1 - row0) * {spec.q};")
+    for r, s_ in itertools.product(range(spec.r), range(spec.s)):
+        code(f"float a{r}_{s_} = 0.0f;")
+    with code.block(f"for (int e = t; e < count; e += {bt})"):
+        code(f"const int row = row0 + e / {spec.q}, q = e % {spec.q};",
+             f"const int n = row / {spec.p}, p = row % {spec.p};",
+             f"const float g = {sto.ldg(f'y + (n * {spec.k} + k) * {pq} + p * {spec.q} + q')};",
+             f"const GLOBAL_PTR {sto.elem}* xc = x + (n * {spec.c} + c) * {spec.h * spec.w};",
+             f"const int y0 = p * {sh} - {pt}, x0 = q * {sw} - {pl};")
+        for r in range(spec.r):
+            with code.block(f"if ((unsigned)(y0 + {r * dh}) < {spec.h}u)"):
+                code(f"const GLOBAL_PTR {sto.elem}* xr = xc + (y0 + {r * dh}) * {spec.w};")
+                for s_ in range(spec.s):
+                    code(f"if ((unsigned)(x0 + {s_ * dw}) < {spec.w}u) "
+                         f"a{r}_{s_} = FMA({sto.ldg(f'xr + x0 + {s_ * dw}')}, g, a{r}_{s_});")
+    for r, s_ in itertools.product(range(spec.r), range(spec.s)):
+        code(f"part_[{(r * spec.s + s_) * bt} + t] = a{r}_{s_};")
+    code("BARRIER();")
+    _tree(code, "t", bt, rs)
+    dst = f"GROUP_ID(1) * {spec.k * rs} + k * {rs} + j" if ns > 1 else f"k * {rs} + j"
+    with code.block(f"for (int j = t; j < {rs}; j += {bt})"):
+        code(f"{_store_out(spec, out, dst, f'part_[j * {bt}]')};")
+    return code.text()
+
+
+def _store_out(spec: ConvSpec, out: str, idx: str, value: str) -> str:
+    """The statement writing ``value`` to dw (the dtype) or to the float32 partial filters."""
+    return Storage(spec.dtype).store(out, idx, value) if out == "w" else f"{out}[{idx}] = {value}"
+
+
+def _vec_load(code: Code, sto: Storage, name: str, width: int, ok: str, src: str) -> None:
+    """``name`` (float4, or float4 ``name``a / ``name``b for 8 elements) = the ``width`` elements at
+    ``src`` where ``ok``, else zeros."""
+    zero = "MAKE_FLOAT4(0.0f, 0.0f, 0.0f, 0.0f)"
+    if width == 4:
+        code(f"const float4 {name} = ({ok}) ? {sto.vload4('0', src)} : {zero};")
+    else:
+        code(f"float4 {name}a = {zero}, {name}b = {zero};",
+             f"if ({ok}) {sto.vload8(f'{name}a', f'{name}b', '0', src)};")
+
+
+def _vec_lane(name: str, width: int, e: int) -> str:
+    return f"{name}.{'xyzw'[e]}" if width == 4 else f"{name}{'ab'[e // 4]}.{'xyzw'[e % 4]}"
+
+
+def _blocked_body(t: WTile, ns: int, out: str) -> str:
+    """The blocked form (module docstring): thread lt of channel k walks every bt-th item of its
+    block's slice; per item its dy values, then each input row segment once, FMAs into one sum a tap."""
+    s = t.spec
+    sto = Storage(s.dtype)
+    nhwc = s.layout == "nhwc"
+    (sh, sw), (dh, dw) = s.stride, s.dilation
+    rs, nq, np_ = s.r * s.s, t.grid_q, t.grid_p
+    per = cdiv(t.items, ns)
+    code = Code()
+    code(f"SHARED float part_[{rs * t.threads}];  // {rs} taps x {t.threads} threads")
+    if nhwc:
+        code(f"const int tid = LOCAL_ID(0), lc = tid % {t.bc}, lt = tid / {t.bc};"
+             "  // channels fastest: a warp's loads of one pixel are one run",
+             f"const int k = GROUP_ID(0) * {t.bc} + lc, kk = min(k, {s.k - 1});")
+    else:
+        code("const int tid = LOCAL_ID(0), lt = tid, k = GROUP_ID(0), kk = k;")
+    code(f"const int c = kk / {s.kg};  // the input channel of k",
+         f"const int it0 = GROUP_ID(1) * {per}, it1 = min(it0 + {per}, {t.items});")
+    code(*(f"float a{r}_{c} = 0.0f;" for r, c in itertools.product(range(s.r), range(s.s))))
+    with code.block(f"for (int it = it0 + lt; it < it1; it += {t.bt})  /* items of {t.tp} x {t.tq} outputs */"):
+        code(f"const int qc = it % {nq}, pc = (it / {nq}) % {np_}, n = it / {nq * np_};",
+             f"const int p0 = pc * {t.tp}, q0 = qc * {t.tq};",
+             f"const int y0 = p0 * {sh} - {s.pad[0]}, x0 = q0 * {sw} - {s.pad[2]};")
+        _blocked_dy(code, t, sto)
+        for ir in range(t.rows):
+            users = [(i, (ir - i * sh) // dh) for i in range(t.tp)
+                     if ir >= i * sh and (ir - i * sh) % dh == 0 and (ir - i * sh) // dh < s.r]
+            if not users:
+                continue
+            with code.block(f"if ((unsigned)(y0 + {ir}) < {s.h}u)  /* input row {ir} */"):
+                _blocked_row(code, t, sto, ir)
+                for i, r in users:
+                    for jq, c in itertools.product(range(t.tq), range(s.s)):
+                        code(f"a{r}_{c} = FMA(e{jq * sw + c * dw}, g{i}_{jq}, a{r}_{c});")
+    for r, c in itertools.product(range(s.r), range(s.s)):
+        code(f"part_[{(r * s.s + c) * t.threads} + tid] = a{r}_{c};")
+    code("BARRIER();")
+    _tree(code, "tid", t.threads, rs, t.bc)
+    dst = f"GROUP_ID(1) * {s.k * rs} + k * {rs} + j" if ns > 1 else f"k * {rs} + j"
+    with code.block(f"if (k < {s.k})" if nhwc else ""):
+        with code.block(f"for (int j = lt; j < {rs}; j += {t.bt})"):
+            lane = "lc" if nhwc else "0"
+            code(f"{_store_out(s, out, dst, f'part_[j * {t.threads} + {lane}]')};")
+    return code.text()
+
+
+def _blocked_dy(code: Code, t: WTile, sto: Storage) -> None:
+    """g{i}_{j}: the item's dy values (zero past the plane), 16-byte vectors where rows align."""
+    s = t.spec
+    for i in range(t.tp):
+        row_ok = f"p0 + {i} < {s.p}"
+        if s.layout == "nhwc":
+            base = f"y + ((n * {s.p} + p0 + {i}) * {s.q} + q0) * {s.k} + kk"
+            for jq in range(t.tq):
+                load = sto.ldg(f"{base} + {jq * s.k}")
+                code(f"const float g{i}_{jq} = ({row_ok} && q0 + {jq} < {s.q}) ? {load} : 0.0f;")
+            continue
+        base = f"y + ((n * {s.k} + k) * {s.p} + p0 + {i}) * {s.q} + q0"
+        if t.gv > 1:
+            for a in range(t.tq // t.gv):
+                _vec_load(code, sto, f"gv{i}_{a}", t.gv, row_ok, f"{base} + {a * t.gv}")
+            code(*(f"const float g{i}_{jq} = {_vec_lane(f'gv{i}_{jq // t.gv}', t.gv, jq % t.gv)};"
+                   for jq in range(t.tq)))
+        else:
+            for jq in range(t.tq):
+                code(f"const float g{i}_{jq} = ({row_ok} && q0 + {jq} < {s.q}) ? {sto.ldg(f'{base} + {jq}')} : 0.0f;")
+
+
+def _blocked_row(code: Code, t: WTile, sto: Storage, ir: int) -> None:
+    """e0 .. e{seg-1}: input row y0 + ir, columns x0 .. (zero outside the plane); on NCHW read as
+    aligned 16-byte vectors where the rows allow (each vector wholly in or out of the row)."""
+    s = t.spec
+    if s.layout == "nhwc":
+        base = f"x + ((n * {s.h} + y0 + {ir}) * {s.w} + x0) * {s.c} + c"
+        for e in range(t.seg):
+            code(f"const float e{e} = (unsigned)(x0 + {e}) < {s.w}u ? {sto.ldg(f'{base} + {e * s.c}')} : 0.0f;")
+        return
+    base = f"x + ((n * {s.c} + c) * {s.h} + y0 + {ir}) * {s.w}"
+    if t.xv == 1:
+        for e in range(t.seg):
+            code(f"const float e{e} = (unsigned)(x0 + {e}) < {s.w}u ? {sto.ldg(f'{base} + x0 + {e}')} : 0.0f;")
+        return
+    off = (-s.pad[2]) % t.xv  # x0 - off is a multiple of the vector width
+    for a in range(cdiv(off + t.seg, t.xv)):
+        col = f"x0 - {off} + {a * t.xv}" if off else f"x0 + {a * t.xv}"
+        _vec_load(code, sto, f"xv{a}", t.xv, f"(unsigned)({col}) < {s.w}u", f"{base} + {col}")
+    code(*(f"const float e{e} = {_vec_lane(f'xv{(e + off) // t.xv}', t.xv, (e + off) % t.xv)};"
+           for e in range(t.seg)))
+
+
+_QCHUNK = 8  # output columns the tiled form takes a trip: ts x 8 FMAs per (ts + 7) * stride input reads
+
+
+def _tiled_body(spec: ConvSpec, ts: int, ns: int, out: str, src: tuple[str, str]) -> str:
+    """Large filters (NCHW operands ``src``), block (k, slice): thread (r, strip) sums taps
+    (r, s0 .. s0 + ts - 1) over the slice's outputs, 8 columns a trip (each input column the taps and
+    columns share read once); no cross-thread reduction."""
+    sto = Storage(spec.dtype)
+    (sh, sw), (dh, dw) = spec.stride, spec.dilation
+    pt, pl = spec.pad[0], spec.pad[2]
+    rs, rows, pq, nst = spec.r * spec.s, spec.n * spec.p, spec.p * spec.q, _strips(spec, ts)
+    per = cdiv(rows, ns)
+    xs, ys = src
+    code = Code()
+    code("const int t = LOCAL_ID(0), k = GROUP_ID(0);",
+         f"const int r = t / {nst}, s0 = (t % {nst}) * {ts};  // this thread's filter row and first tap",
+         f"const int c = k / {spec.kg};  // the input channel of k",
+         f"const int row0 = GROUP_ID(1) * {per}, row1 = min(row0 + {per}, {rows});",
+         f"const GLOBAL_PTR {sto.elem}* xc = {xs} + c * {spec.h * spec.w};")
+    code(*(f"float a{j} = 0.0f;" for j in range(ts)))
+    with code.block("for (int row = row0; row < row1; ++row)"):
+        code(f"const int n = row / {spec.p}, p = row % {spec.p};",
+             f"const int iy = p * {sh} - {pt} + r * {dh};")
+        with code.block(f"if ((unsigned)iy < {spec.h}u)"):
+            code(f"const GLOBAL_PTR {sto.elem}* xr = xc + n * {spec.c * spec.h * spec.w} + iy * {spec.w};",
+                 f"const GLOBAL_PTR {sto.elem}* gy = {ys} + (n * {spec.k} + k) * {pq} + p * {spec.q};")
+            u = min(_QCHUNK, spec.q)
+            with code.block(f"for (int q0 = 0; q0 < {spec.q}; q0 += {u})  /* {u} columns a trip */"):
+                for i in range(u):  # one address for the whole block: a broadcast
+                    guard = f"q0 + {i} < {spec.q} ? " if spec.q % u else ""
+                    code(f"const float g{i} = {guard}{sto.ldg(f'gy + q0 + {i}')}{' : 0.0f' if guard else ''};")
+                code(f"const int xq = q0 * {sw} - {pl} + s0 * {dw};")
+                for pos in sorted({i * sw + j * dw for i in range(u) for j in range(ts)}):
+                    code(f"const float v{pos} = (unsigned)(xq + {pos}) < {spec.w}u ? "
+                         f"{sto.ldg(f'xr + xq + {pos}')} : 0.0f;")
+                for i, j in itertools.product(range(u), range(ts)):
+                    code(f"a{j} = FMA(v{i * sw + j * dw}, g{i}, a{j});")
+    base = f"GROUP_ID(1) * {spec.k * rs} + k * {rs}" if ns > 1 else f"k * {rs}"
+    with code.block(f"if (r < {spec.r})"):
+        for j in range(ts):
+            with code.block(f"if (s0 + {j} < {spec.s})" if (spec.s % ts) else ""):
+                code(f"{_store_out(spec, out, f'{base} + r * {spec.s} + s0 + {j}', f'a{j}')};")
+    return code.text()
+
+
+register(DepthwiseWgrad())

@@ -1,0 +1,110 @@
+"""GPU tier of the depthwise family in float16 / bfloat16, NCHW and NHWC, every pass (skips without a
+CUDA device; written without one, so never run yet when first committed).
+
+- what ``auto`` picks for every layer of the ``depthwise`` suite (MobileNet-v2/v3, EfficientNet-B0,
+  ShuffleNet-v2, ConvNeXt-T, RepLKNet-31B, SLaK-T) at N=2, against float64 of the same half inputs with
+  the output poisoned, bias + residual + SiLU on the forward pass;
+- random points of the tuning spaces on real layers at N=4;
+- achieved bandwidth of the defaults on real layers at their own batch, printed beside a copy of the
+  layer's own bytes (``-s`` shows the table), with a loose floor that only a pathological kernel misses.
+
+Run on the lent GPU: ``python -m pytest -q -s tests/test_gpu_depthwise.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import numpy as np
+import pytest
+
+from convforge import dispatch
+from convforge.bench.suites import load_suite
+from convforge.check import check_plan
+from convforge.dtypes import to_storage
+from convforge.kernels import get_variant
+from convforge.plan import Epilogue
+from convforge.spec import ConvSpec
+
+pytestmark = pytest.mark.gpu
+
+HALF = ("float16", "bfloat16")
+SUITE = [layer.spec for layer in load_suite("depthwise")]
+PASS_VARIANT = {"fprop": "depthwise", "dgrad": "depthwise_dgrad", "wgrad": "depthwise_wgrad"}
+REAL = [ConvSpec.make(64, 144, 56, 56, 144, 3, 3, 1, 1, groups=144),
+        ConvSpec.make(64, 96, 112, 112, 96, 3, 3, 2, 1, groups=96),
+        ConvSpec.make(64, 480, 14, 14, 480, 5, 5, 1, 2, groups=480),
+        ConvSpec.make(32, 96, 56, 56, 96, 7, 7, 1, 3, groups=96),
+        ConvSpec.make(32, 768, 7, 7, 768, 7, 7, 1, 3, groups=768)]
+
+
+def _as(spec: ConvSpec, dtype: str, layout: str, conv_pass: str) -> ConvSpec:
+    return dataclasses.replace(spec, dtype=dtype, layout=layout, conv_pass=conv_pass)
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("conv_pass", ["fprop", "dgrad", "wgrad"])
+def test_auto_on_the_depthwise_suite(cuda, conv_pass, dtype, layout) -> None:
+    epi = Epilogue(bias=True, residual=True, silu=True) if conv_pass == "fprop" else Epilogue()
+    for i, base in enumerate(SUITE):
+        spec = _as(base.with_batch(2), dtype, layout, conv_pass)
+        ch = dispatch.choose(spec, cuda, epi)
+        assert ch.variant.family == "depthwise", (spec.short(), ch.variant.name)
+        assert dispatch.slow_reason(spec, cuda.device, ch.variant, ch.params) is None
+        res = check_plan(ch.variant.plan(spec, ch.params, cuda.device, epi), cuda, seed=i)
+        assert res.ok, f"{ch.variant.name} [{ch.params.short()}] {spec.short()}{epi.tag()}: {res}"
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("conv_pass", ["fprop", "dgrad", "wgrad"])
+def test_sampled_spaces_on_real_layers(cuda, conv_pass, dtype) -> None:
+    v = get_variant(PASS_VARIANT[conv_pass])
+    for layout in ("nchw", "nhwc"):
+        for spec in REAL:
+            spec = _as(spec.with_batch(4), dtype, layout, conv_pass)
+            space = v.space(spec, cuda.device)
+            for prm in random.Random(spec.c).sample(space, min(4, len(space))):
+                res = check_plan(v.plan(spec, prm, cuda.device), cuda, seed=2)
+                assert res.ok, f"{v.name} [{prm.short()}] {spec.short()}: {res}"
+
+
+def _time_default(cuda, spec: ConvSpec) -> float:  # type: ignore[no-untyped-def]
+    """Median ms of the default plan of ``spec`` on fresh buffers (two sets, alternated)."""
+    ch = dispatch.choose(spec, cuda)
+    plan = ch.variant.plan(spec, ch.params, cuda.device)
+    exe = cuda.executable(plan)
+    rng = np.random.default_rng(0)
+    sets = []
+    for _ in range(2):
+        bufs = {name: cuda.upload(to_storage(rng.uniform(-1, 1, spec.shape_of(name)).astype(np.float32), spec.dtype))
+                for name in ("x", "w", "y")}
+        sets.append(bufs)
+    for bufs in sets:
+        exe(bufs)
+    cuda.synchronize()
+    turn = iter(sets * 50)
+    return float(np.median(cuda.time_ms(lambda: exe(next(turn)), 40)))
+
+
+def test_bandwidth_of_the_defaults(cuda) -> None:
+    """GB/s (input + filter + output, each once) of auto's pick on real layers in each pass, dtype and
+    layout, beside a copy of the same bytes; printed, and a floor of 20 % of that copy (the target is
+    70 %: what falls under 20 % is a pathology, not a tuning matter)."""
+    from convforge.bench.ceilings import measure_copy
+    from convforge.bench.timing import layer_bytes
+
+    rows, slow = [], []
+    for base in REAL:
+        same = measure_copy(cuda, 3, 10, nbytes=max(1, layer_bytes(_as(base, "float16", "nchw", "fprop")) // 2))[0]
+        for dtype, layout, conv_pass in ((d, lay, p) for d in HALF for lay in ("nchw", "nhwc")
+                                         for p in ("fprop", "dgrad", "wgrad")):
+            spec = _as(base, dtype, layout, conv_pass)
+            ms = _time_default(cuda, spec)
+            gbs = layer_bytes(spec) / (ms * 1e-3) / 1e9
+            rows.append(f"{spec.short():80s} {ms:8.4f} ms {gbs:7.0f} GB/s {100 * gbs / same:5.1f} % of a copy")
+            if gbs < 0.2 * same:
+                slow.append(rows[-1])
+    print("\n" + "\n".join(rows))
+    assert not slow, "below 20 % of a copy of the layer's bytes:\n" + "\n".join(slow)
