@@ -232,3 +232,30 @@ def test_resnet50_fused_amp_step_profile(gpu):
     events = {e.key for e in prof.key_averages()}
     bad = sorted(e for e in events if _CUDNN_CONV.search(e) or bn.search(e))
     assert not bad, f"PyTorch / cuDNN kernels left in the fused AMP step: {bad}"
+
+
+def test_slow_half_layers_are_handed_to_pytorch_and_reported(gpu, caplog):
+    """Issue 59's "no silent fallback": under autocast a grouped layer no tensor-core or memory-bound
+    variant serves goes to PyTorch (logged once, listed in the report, the output PyTorch's own); a
+    depthwise layer, which the depthwise family serves in half, and a dense layer stay ours."""
+    import logging
+
+    import torch
+
+    import convforge.torch as ct
+
+    caplog.set_level(logging.WARNING, logger="convforge")
+    cl = torch.channels_last
+    model = torch.nn.Sequential(torch.nn.Conv2d(64, 64, 3, 1, 1, groups=8, bias=False),
+                                torch.nn.Conv2d(64, 64, 3, 1, 1, groups=64, bias=False),
+                                torch.nn.Conv2d(64, 32, 1, bias=False)).cuda().to(memory_format=cl)
+    ref = copy.deepcopy(model)
+    report = ct.convert(model)
+    x = torch.randn(2, 64, 17, 17, device="cuda").contiguous(memory_format=cl)
+    with torch.autocast("cuda", dtype=torch.float16), torch.no_grad():
+        got, want = model(x), ref(x)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    handed = report.handed_back
+    forward = [k for k in handed if k.startswith("fprop") and "C64 17x17" in k]
+    assert len(forward) == 1 and " g8 " in forward[0], handed  # the depthwise and 1x1 layers: ours
+    assert "handed to PyTorch at run time" in str(report)

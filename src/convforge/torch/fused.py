@@ -58,6 +58,7 @@ from convforge.spec import ConvSpec
 from convforge.torch import batchnorm as bn_train
 from convforge.torch import conv_relu, native
 from convforge.torch.modules import _AUTOCAST, Conv2d, compute_dtype, padding_quad, read_tensor, reads_nhwc
+from convforge.torch.ops import handed_back
 
 _F32 = torch.float32
 _CAPTURING = torch.cuda.is_current_stream_capturing
@@ -329,6 +330,8 @@ class FusedConv2d(Conv2d):
         except ValueError:
             return None
         dev = x.device.index or 0
+        if handed_back(spec, dev, self.algo, self.precision, self.max_error):
+            return None  # the unfused path: PyTorch's convolution (logged once)
         backend = get_backend("cuda", dev)
         pro = self._prologue()
         kw: dict[str, Any] = dict(algo=self.algo, precision=self.precision, max_error=self.max_error, prologue=pro)

@@ -48,6 +48,7 @@ from convforge.backends import get_backend
 from convforge.config import config, parse_precision
 from convforge.plan import Epilogue
 from convforge.spec import ConvSpec, conv_args, conv_padding
+from convforge.torch.ops import HANDED_BACK, handed_back
 from convforge.torch.ops import OP as _OP  # the overload itself: no packet resolution per call
 from convforge.torch.transposed import conv_transpose2d
 
@@ -286,6 +287,8 @@ class Conv2d(torch.nn.Conv2d):
             spec = ConvSpec.from_shapes(tuple(x.shape), tuple(self.weight.shape), tuple(self.stride), pad,
                                         tuple(self.dilation), self.groups, dtype=x.dtype, layout=layout)
             dev = x.device.index or 0
+            if handed_back(spec, dev, self.algo, self.precision, self.max_error):
+                return None  # the op runs PyTorch's convolution (logged once)
             return dispatch.runner(None, spec, get_backend("cuda", dev), Epilogue(self.bias is not None), "torch",
                                    dev, algo=self.algo, precision=self.precision, max_error=self.max_error)
         except ValueError:
@@ -362,12 +365,19 @@ class ConvertReport:
     unfused: dict[str, str] = field(default_factory=dict)
     linears: dict[str, str] = field(default_factory=dict)
 
+    @property
+    def handed_back(self) -> dict[str, str]:
+        """Layers (pass and shape) handed to PyTorch at run time so far in this process, and why: a
+        half-precision layer no fast convforge variant serves (``torch/ops.py`` ``handed_back``)."""
+        return dict(HANDED_BACK)
+
     def __str__(self) -> str:
         lines = [f"convforge: {len(self.converted)} conv layer(s) converted, {len(self.left)} left to PyTorch"
                  + (f", {len(self.fused)} fused with what follows them" if self.fused else "")
                  + (f"; {len(self.linears)} linear layer(s) fused" if self.linears else "")]
         lines += [f"  {name or '<model>'}: {why}" for name, why in self.left.items()]
         lines += [f"  {name or '<model>'}: not fused: {why}" for name, why in self.unfused.items()]
+        lines += [f"  handed to PyTorch at run time: {layer}: {why}" for layer, why in self.handed_back.items()]
         return "\n".join(lines)
 
 

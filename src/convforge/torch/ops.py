@@ -71,16 +71,22 @@ def output_shape(x_shape: Sequence[Any], w_shape: Sequence[Any], stride: Sequenc
 
 def _torch_conv(x: Any, w: Any, bias: Any, stride: Sequence[int], padding: Sequence[int],
                 dilation: Sequence[int], groups: int = 1) -> Any:
-    """PyTorch's convolution with convforge's (top, bottom, left, right) padding."""
+    """PyTorch's convolution with convforge's (top, bottom, left, right) padding, in the inputs' dtype
+    (autocast, still on below the op's autograd kernel, would cast float32 inputs to half)."""
     t, b, left, right = padding
-    if t != b or left != right:
-        return F.conv2d(F.pad(x, (left, right, t, b)), w, bias, tuple(stride), 0, tuple(dilation), groups)
-    return F.conv2d(x, w, bias, tuple(stride), (t, left), tuple(dilation), groups)
+    with torch.autocast(x.device.type, enabled=False):
+        if t != b or left != right:
+            return F.conv2d(F.pad(x, (left, right, t, b)), w, bias, tuple(stride), 0, tuple(dilation), groups)
+        return F.conv2d(x, w, bias, tuple(stride), (t, left), tuple(dilation), groups)
 
 
 def _cuda(x: Any, w: Any, bias: Any, stride: list[int], padding: list[int], dilation: list[int], algo: str,
           precision: str | None, max_error: float | None, groups: int = 1) -> Any:
-    """convforge's fast path (a dictionary hit and the launches; filters cached per weight version)."""
+    """convforge's fast path (a dictionary hit and the launches; filters cached per weight version); a
+    half-precision layer no fast variant serves goes to PyTorch (:func:`handed_back`)."""
+    if x.dtype in _HALF and _slow_call("fprop", x.shape, w.shape, stride, padding, dilation, groups, x.dtype,
+                                       channels_last(x), x.device.index or 0, algo, precision, max_error):
+        return _torch_conv(x, w, bias, stride, padding, dilation, groups)
     try:
         return cf_conv2d(activation(x), w.contiguous(), bias, (*stride,), (*padding,), (*dilation,), algo, None,
                          None, False, None, precision, max_error, groups)
@@ -95,6 +101,68 @@ def _cuda(x: Any, w: Any, bias: Any, stride: list[int], padding: list[int], dila
 
 
 _HALF_OR_FLOAT = (torch.float32, torch.float16, torch.bfloat16)
+_HALF = (torch.float16, torch.bfloat16)
+HANDED_BACK: dict[str, str] = {}  # layer (pass, spec) -> why PyTorch runs it: what convert / fuse reports list
+_SLOW: dict[tuple[Any, ...], str | None] = {}
+
+
+def handed_back(spec: ConvSpec, device: int, algo: str, precision: str | None, max_error: float | None) -> str | None:
+    """Why a half-precision layer goes to PyTorch rather than to the variant ``auto`` would pick for it
+    (``dispatch.slow_reason``: no tensor-core or memory-bound variant serves it, so ours would run far
+    below cuDNN), or None; logged once per layer and kept in :data:`HANDED_BACK`. A named ``algo``
+    always runs what it names; float32 layers always run ours."""
+    if algo != "auto" or spec.dtype not in ("float16", "bfloat16"):
+        return None
+    key = (spec, device, precision, max_error, config.precision, config.max_error, config.db_path)
+    if key in _SLOW:
+        return _SLOW[key]
+    from convforge import dispatch
+    from convforge.backends import get_backend
+    from convforge.plan import Epilogue
+
+    be = get_backend("cuda", device)
+    try:
+        ch = dispatch.choose(spec, be, Epilogue(), algo="auto", precision=precision, max_error=max_error)
+        why = dispatch.slow_reason(spec, be.device, ch.variant, ch.params)
+    except ValueError as err:  # no variant at all: the caller's own fallback says so
+        why = str(err)
+    _SLOW[key] = why
+    if why is not None:
+        HANDED_BACK[f"{spec.conv_pass} {spec.short()}"] = why
+        log.warning("convforge: %s; PyTorch runs the %s of this layer", why, spec.conv_pass)
+    return why
+
+
+_CALLS: dict[tuple[Any, ...], str | None] = {}  # a call's cheap signature -> handed_back's answer
+
+
+def _slow_call(conv_pass: str, x_shape: Sequence[int], w_shape: Sequence[int], stride: Sequence[int],
+               padding: Sequence[int], dilation: Sequence[int], groups: int, dtype: Any, nhwc: bool, device: int,
+               algo: str, precision: str | None, max_error: float | None) -> str | None:
+    """:func:`handed_back` for a half-precision call, by its cheap signature (a dictionary hit once seen)."""
+    tag = (conv_pass, tuple(x_shape), tuple(w_shape), tuple(stride), tuple(padding), tuple(dilation), groups, dtype,
+           nhwc, device, algo, precision, max_error, config.precision, config.max_error, config.db_path)
+    try:
+        return _CALLS[tag]
+    except KeyError:
+        pass
+    spec = _half_spec(conv_pass, x_shape, w_shape, stride, padding, dilation, groups, dtype, nhwc)
+    why = _CALLS[tag] = None if spec is None else handed_back(spec, device, algo, precision, max_error)
+    return why
+
+
+def _half_spec(conv_pass: str, x_shape: Sequence[int], w_shape: Sequence[int], stride: Sequence[int],
+               padding: Sequence[int], dilation: Sequence[int], groups: int, dtype: Any,
+               nhwc: bool) -> ConvSpec | None:
+    """The (pass, layer) spec of a half-precision call, or None for other dtypes and shapes it refuses."""
+    if dtype not in _HALF:
+        return None
+    try:
+        return ConvSpec.from_shapes(tuple(x_shape), tuple(w_shape), tuple(stride), tuple(padding), tuple(dilation),
+                                    groups, dtype=str(dtype).replace("torch.", ""), conv_pass=conv_pass,
+                                    layout="nhwc" if nhwc else "nchw")
+    except ValueError:
+        return None
 _CL = torch.channels_last
 
 
@@ -257,6 +325,9 @@ def _input_cuda(input_size: list[int], w: Any, gy: Any, stride: list[int], paddi
     native kernel where there is one (:func:`_file_pass`)."""
     if w.dtype not in _HALF_OR_FLOAT or gy.dtype != w.dtype:
         return _torch_input(input_size, w, gy, stride, padding, dilation, groups)
+    if w.dtype in _HALF and _slow_call("dgrad", input_size, w.shape, stride, padding, dilation, groups, w.dtype,
+                                       channels_last(gy), gy.device.index or 0, algo, precision, max_error):
+        return _torch_input(input_size, w, gy, stride, padding, dilation, groups)
     size, st, pad, dl = (*input_size,), (*stride,), (*padding,), (*dilation,)
     wc, gc = w.contiguous(), activation(gy)
     out, used = _ours("dgrad", lambda a: cf_grad.conv2d_input(size, wc, gc, st, pad, dl, groups, a, precision,
@@ -277,6 +348,10 @@ def _weight_cuda(x: Any, weight_size: list[int], gy: Any, stride: list[int], pad
                  dilation: list[int], groups: int, algo: str, precision: str | None, max_error: float | None) -> Any:
     """convforge's wgrad (``convforge.grad.conv2d_weight``'s fast path); filed as dgrad's."""
     if x.dtype not in _HALF_OR_FLOAT or gy.dtype != x.dtype:
+        return _torch_weight(x, weight_size, gy, stride, padding, dilation, groups)
+    if x.dtype in _HALF and _slow_call("wgrad", x.shape, weight_size, stride, padding, dilation, groups, x.dtype,
+                                       channels_last(x) or channels_last(gy), x.device.index or 0, algo, precision,
+                                       max_error):
         return _torch_weight(x, weight_size, gy, stride, padding, dilation, groups)
     size, st, pad, dl = (*weight_size,), (*stride,), (*padding,), (*dilation,)
     xc, gc = activation(x), activation(gy)
