@@ -101,7 +101,7 @@ def cmd_devices(args: argparse.Namespace) -> int:
             why = refusal_of(pi, di)
             table.add_row("opencl", f"{pi}:{di}", plat, name + (f" [red](cannot build: {why})[/red]" if why else ""))
     except ImportError:
-        table.add_row("opencl", "-", r"PyOpenCL not installed (pip install 'pyopencl\[pocl]')", "")
+        table.add_row("opencl", "-", r"PyOpenCL not installed (pip install 'convforge\[opencl]')", "")
     Console().print(table)
     return 0
 
@@ -209,7 +209,7 @@ def _show_default(spec: ConvSpec) -> str:
 
 # Optional packages a command may need: what to call each, and what to install for it.
 OPTIONAL = {"torch": ("PyTorch", "convforge[torch]"), "torchvision": ("torchvision", "convforge[torch]"),
-            "cupy": ("CuPy", "convforge[cuda]"), "pyopencl": ("PyOpenCL", "pyopencl[pocl]"),
+            "cupy": ("CuPy", "convforge[cuda]"), "pyopencl": ("PyOpenCL", "convforge[opencl]"),
             "onnx": ("onnx", "convforge[onnx]"), "matplotlib": ("matplotlib", "convforge[plot]")}
 
 
