@@ -20,7 +20,7 @@ def ocl():
     if not opencl_available():
         if os.environ.get("CI"):
             pytest.fail("no OpenCL device on CI: is pyopencl[pocl] installed?")
-        pytest.skip("no OpenCL device (pip install 'pyopencl[pocl]')")
+        pytest.skip("no OpenCL device (pip install 'convforge[opencl]')")
     return get_backend("opencl")
 
 

@@ -394,7 +394,8 @@ def test_relaxed_heuristic_picks_big_winograd_on_gpu_resnet(tmp_path: Path,
     for dev in (NOMINAL_CUDA, ampere):
         dispatch.clear_choices()
         be = _NominalBackend(dev)
-        for layer in suites.load_suite("resnet"):
+        # the suite's four shapes at its smallest and largest batch (N 64 and 96 repeat them in between)
+        for layer in (x for x in suites.load_suite("resnet") if x.spec.n in (32, 128)):
             relaxed = dispatch.choose(layer.spec, be, precision="relaxed")  # type: ignore[arg-type]
             assert relaxed.source == "heuristic", layer.name
             small = layer.spec.p * layer.spec.q <= 100  # the staged TF32 F(2x2) leads there (tensorcore/mma_staged.py)

@@ -36,7 +36,7 @@ TORCH = "--model needs PyTorch: pip install 'convforge[torch]'"
 CUPY = "backend 'cuda' needs CuPy"
 PYOPENCL = "backend 'opencl' needs pyopencl"
 ONNX = "--net FILE.onnx needs onnx: pip install 'convforge[onnx]'"
-INSTALL = {"cupy": "pip install 'convforge[cuda]'", "pyopencl": "pip install 'pyopencl[pocl]'"}
+INSTALL = {"cupy": "pip install 'convforge[cuda]'", "pyopencl": "pip install 'convforge[opencl]'"}
 
 
 @pytest.fixture(autouse=True)
@@ -128,7 +128,7 @@ def test_a_model_name_is_checked_before_torch_is_needed(absent, capsys: pytest.C
 # Commands that need no optional package: they still run, and say what is missing where they list it.
 RUNS = [
     (("cupy", "pyopencl", "torch"), ["devices"], ["CuPy not installed (pip install 'convforge[cuda]')",
-                                                  "PyOpenCL not installed (pip install 'pyopencl[pocl]')"]),
+                                                  "PyOpenCL not installed (pip install 'convforge[opencl]')"]),
     (("cupy",), ["algos", "--spec", SPEC, "--backend", "cuda"], ["nominal sm_90"]),
     (("pyopencl",), ["algos", "--spec", SPEC, "--backend", "opencl"], ["nominal OpenCL GPU"]),
     (("cupy", "pyopencl"), ["show", "--spec", SPEC, "--variant", "direct", "--backend", "both"],

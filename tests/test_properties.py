@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-hypothesis = pytest.importorskip("hypothesis", reason="hypothesis not installed (pip install -e '.[test]')")
+hypothesis = pytest.importorskip("hypothesis", reason="hypothesis not installed (pip install -e '.[dev]')")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 

@@ -1,20 +1,42 @@
-"""Generated-source snapshots: a generator change that alters code nobody meant to touch shows up here.
+"""Generated-source snapshots: a generator change that alters code nobody meant to touch fails here.
 
-Regenerate deliberately with ``CONVFORGE_UPDATE_SNAPSHOTS=1 pytest tests/test_snapshots.py``.
+Every case is one generated source (a variant on a small spec, pass and back-end, or one of the
+kernels outside the variants: training batch norm, bias gradient, gradient rows). The first case of
+each family x dtype x pass x back-end keeps its whole text in ``tests/snapshots/CASE.txt``, the diff
+a reviewer reads; every other case keeps the sha256 of its text in ``tests/snapshots/hashes.json``.
+Either kind fails when the source changes, naming the case, and writes the new source to
+``$TMPDIR/convforge-snapshots/`` to read.
+
+After an intended generator change: ``CONVFORGE_UPDATE_SNAPSHOTS=1 python -m pytest tests/test_snapshots.py``
+rewrites both (and drops entries of cases that are gone); review ``git diff tests/snapshots``. To see a
+hashed case's old text, ``CONVFORGE_SNAPSHOT_DUMP=DIR`` writes every case's source to DIR: run it on
+both commits and diff the folders.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import fcntl
+import hashlib
+import json
 import os
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from conftest import NOMINAL_CUDA, NOMINAL_OPENCL_GPU
-from convforge.kernels import all_variants
+from convforge.kernels import all_variants, get_variant
+from convforge.plan import DeviceInfo, Epilogue
 from convforge.spec import ConvSpec
 
 SNAP = Path(__file__).parent / "snapshots"
+HASHES = SNAP / "hashes.json"
+UPDATE = bool(os.environ.get("CONVFORGE_UPDATE_SNAPSHOTS"))
+
 SPECS = {"3x3": ConvSpec.make(2, 5, 11, 11, 6, 3, 3, 1, 1), "1x1": ConvSpec.make(2, 8, 7, 7, 6, 1, 1),
          "1x1deep": ConvSpec.make(1, 256, 2, 2, 16, 1, 1), "fc": ConvSpec.make(2, 40, 3, 3, 13, 3, 3),
          # grouped (3 groups of 2 -> 3 channels), grouped 1x1, depthwise with multiplier 2
@@ -23,158 +45,263 @@ SPECS = {"3x3": ConvSpec.make(2, 5, 11, 11, 6, 3, 3, 1, 1), "1x1": ConvSpec.make
          "depthwise": ConvSpec.make(2, 8, 12, 12, 16, 3, 3, 1, 1, groups=8),
          "dwnhwc": ConvSpec.make(2, 8, 12, 12, 16, 3, 3, 1, 1, groups=8, layout="nhwc")}  # channels-last
 PASS_ORDER = ("fprop", "dgrad", "wgrad")
-# every pass a variant computes; a snapshot of another pass than fprop has the pass in its name
-CASES = [(v.name, tag, be, cp) for v in all_variants() for tag in SPECS for be in sorted(v.backends)
-         for cp in PASS_ORDER if cp in v.passes]
 
 
-@pytest.mark.parametrize("name, tag, backend, conv_pass", CASES)
-def test_generated_source_snapshot(name, tag, backend, conv_pass):
-    variant = next(v for v in all_variants() if v.name == name)
-    device = NOMINAL_CUDA if backend == "cuda" else NOMINAL_OPENCL_GPU
-    spec = SPECS[tag].with_pass(conv_pass)
-    if variant.applies(spec, device):
-        pytest.skip(f"{name} does not apply to the {tag} snapshot spec")
-    src = variant.plan(spec, variant.default(spec, device), device).source(backend)
-    tag = tag if conv_pass == "fprop" else f"{tag}-{conv_pass}"
-    path = SNAP / f"{name}.{tag}.{backend}.txt"
-    if os.environ.get("CONVFORGE_UPDATE_SNAPSHOTS"):
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(src)
-    assert path.exists(), f"no snapshot {path.name}: run with CONVFORGE_UPDATE_SNAPSHOTS=1 and review it"
-    assert src == path.read_text(), f"generated source of {name} changed; review and update the snapshot"
+@dataclass(frozen=True)
+class Case:
+    """One generated source: ``key`` names its snapshot, ``group`` (family, dtype, pass, back-end)
+    decides whether it is kept whole (the group's first case) or as a hash."""
+
+    key: str
+    group: tuple[str, str, str, str]
+    make: Callable[[], str]
 
 
-@pytest.mark.parametrize("name", ["winograd_nonfused_f6", "winograd_nonfused_f7"])
-@pytest.mark.parametrize("backend", ["cuda", "opencl"])
-def test_full_filter_transform_snapshot(name, backend):
-    """F(6x6)/F(7x7) default to split transforms (xi, xo) and, on the 3x3 snapshot spec's few
-    tiles, half-transformed filters (hf=1); this pins the other paths: the full G g G^T filter
-    transform, the plain GEMM and the thread-per-tile transforms with staged stores."""
-    variant = next(v for v in all_variants() if v.name == name)
-    device = NOMINAL_CUDA if backend == "cuda" else NOMINAL_OPENCL_GPU
-    spec = SPECS["3x3"]
-    prm = variant.default(spec, device)
-    assert prm.get("hf") == prm.get("xi") == prm.get("xo") == prm.get("lo") == 1
-    src = variant.plan(spec, prm.replace(hf=0, xi=0, xo=0, so=1, lo=0), device).source(backend)
-    path = SNAP / f"{name}.3x3-hf0.{backend}.txt"
-    if os.environ.get("CONVFORGE_UPDATE_SNAPSHOTS"):
-        path.write_text(src)
-    assert path.exists(), f"no snapshot {path.name}: run with CONVFORGE_UPDATE_SNAPSHOTS=1 and review it"
-    assert src == path.read_text(), f"generated source of {name} (hf=0) changed; review and update"
+def _family(name: str) -> str:
+    """A variant's family, the sm_90 tensor-core generator's variants apart (their own full texts)."""
+    v = get_variant(name)
+    return f"{v.family}/tensorcore" if ".tensorcore" in type(v).__module__ else v.family
 
 
-@pytest.mark.parametrize("name, backend", [("dgrad_tc_strided_tf32", "cuda"), ("dgrad_tc_strided_half", "cuda"),
-                                           ("dgrad_sub_gemm1x1", "cuda"), ("dgrad_sub_gemm1x1", "opencl"),
-                                           ("dgrad_sub_gemm1x1_wgmma_tf32", "cuda")])
-def test_strided_dgrad_snapshot(name, backend):
-    """The snapshot specs are stride 1, which the strided dgrads leave to the transposed forward
-    problem: a 3x3 stride-2 layer (four phases of 1, 2, 2 and 4 taps, interleaved) and a 1x1
-    stride-2 one (one phase; dgrad_sub_*: the sub-grid GEMM and the interleave) pin their sources."""
-    variant = next(v for v in all_variants() if v.name == name)
-    dtype = "float16" if name.endswith("half") else "float32"
+def _device(backend: str) -> DeviceInfo:
+    return NOMINAL_CUDA if backend == "cuda" else NOMINAL_OPENCL_GPU
+
+
+def _variant_source(name: str, spec: ConvSpec, backend: str, **changes: int) -> Callable[[], str]:
+    def make() -> str:
+        v = get_variant(name)
+        prm = v.default(spec, _device(backend))
+        return v.plan(spec, prm.replace(**changes) if changes else prm, _device(backend)).source(backend)
+    return make
+
+
+def _variant_cases() -> Iterator[Case]:
+    """Every variant on every snapshot spec it applies to, in every pass it computes, on each back-end."""
+    for v in all_variants():
+        for tag, base in SPECS.items():
+            for backend in sorted(v.backends):
+                for conv_pass in PASS_ORDER:
+                    spec = base.with_pass(conv_pass)
+                    if conv_pass not in v.passes or v.applies(spec, _device(backend)) is not None:
+                        continue
+                    label = tag if conv_pass == "fprop" else f"{tag}-{conv_pass}"
+                    yield Case(f"{v.name}.{label}.{backend}", (_family(v.name), spec.dtype, conv_pass, backend),
+                               _variant_source(v.name, spec, backend))
+
+
+def _half_cases() -> Iterator[Case]:
+    """The CUDA-core / OpenCL families' variants that store FP16 and BF16 (half storage, FP32 sums; the
+    tensor-core ones are tests/test_tensorcore_gen.py's), with bias, ReLU and, where taken, a residual."""
+    specs = {"3x3": ConvSpec.make(2, 5, 11, 11, 6, 3, 3, 1, 1), "1x1": ConvSpec.make(2, 8, 8, 8, 12, 1, 1),
+             "1x1deep": ConvSpec.make(1, 256, 2, 2, 16, 1, 1), "fc": ConvSpec.make(2, 40, 3, 3, 13, 3, 3)}
+    half = {"float16", "bfloat16"}
+    names = sorted(v.name for v in all_variants() if half <= v.dtypes and "float32" in v.dtypes
+                   and v.family in ("direct", "im2col", "implicit_gemm", "gemm1x1") and "fprop" in v.passes)
+    for name in names:
+        v = get_variant(name)
+        for tag, base in specs.items():
+            for backend in sorted(v.backends):
+                for dtype in sorted(half):
+                    spec = dataclasses.replace(base, dtype=dtype)
+                    if v.applies(spec, _device(backend)) is not None:
+                        continue
+
+                    def make(name: str = name, spec: ConvSpec = spec, backend: str = backend) -> str:
+                        v, device = get_variant(name), _device(backend)
+                        return v.plan(spec, v.default(spec, device), device,
+                                      Epilogue(True, True, v.residual_ok)).source(backend)
+                    yield Case(f"half/{name}.{tag}.{dtype}.{backend}", (_family(name), dtype, "fprop", backend), make)
+
+
+def _prologue_cases() -> Iterator[Case]:
+    """The 1x1 GEMM with an affine + ReLU prologue (DenseNet's bottleneck): float4 loads activated in
+    place, scalar loads inside their bounds test."""
+    from convforge.plan import Prologue
+
+    spec = ConvSpec.make(2, 8, 7, 8, 6, 1, 1)
+    for backend in ("cuda", "opencl"):
+        def make(backend: str = backend) -> str:
+            v, device = get_variant("gemm1x1"), _device(backend)
+            return v.plan_for(spec, v.default(spec, device), device, Epilogue(bias=True, relu=True),
+                              Prologue(affine=True, relu=True)).source(backend)
+        yield Case(f"gemm1x1.1x1-prologue.{backend}", ("gemm1x1", "float32", "fprop", backend), make)
+
+
+def _full_transform_cases() -> Iterator[Case]:
+    """F(6x6)/F(7x7) default to split transforms (xi, xo) and, on the 3x3 spec's few tiles, half-transformed
+    filters (hf=1); these pin the other paths: the full G g G^T filter transform, the plain GEMM and the
+    thread-per-tile transforms with staged stores."""
+    for name in ("winograd_nonfused_f6", "winograd_nonfused_f7"):
+        for backend in ("cuda", "opencl"):
+            yield Case(f"{name}.3x3-hf0.{backend}", (_family(name), "float32", "fprop", backend),
+                       _variant_source(name, SPECS["3x3"], backend, hf=0, xi=0, xo=0, so=1, lo=0))
+
+
+def _strided_dgrad_cases() -> Iterator[Case]:
+    """The snapshot specs are stride 1, which the strided dgrads leave to the transposed forward problem:
+    a 3x3 stride-2 layer (four phases of 1, 2, 2 and 4 taps, interleaved) and a 1x1 stride-2 one (one
+    phase; dgrad_sub_*: the sub-grid GEMM and the interleave)."""
     bases = {"3x3s2": ConvSpec.make(2, 5, 11, 11, 6, 3, 3, 2, 1), "1x1s2": ConvSpec.make(2, 8, 7, 7, 6, 1, 1, 2)}
-    device = NOMINAL_CUDA if backend == "cuda" else NOMINAL_OPENCL_GPU
-    for tag, base in bases.items():
-        spec = ConvSpec.from_dict({**base.to_dict(), "dtype": dtype, "pass": "dgrad"})
-        if variant.applies(spec, device) is not None:
-            continue
-        src = variant.plan(spec, variant.default(spec, device), device).source(backend)
-        path = SNAP / f"{name}.{tag}-dgrad.{backend}.txt"
-        if os.environ.get("CONVFORGE_UPDATE_SNAPSHOTS"):
-            path.write_text(src)
-        assert path.exists(), f"no snapshot {path.name}: run with CONVFORGE_UPDATE_SNAPSHOTS=1 and review it"
-        assert src == path.read_text(), f"generated source of {name} ({tag}) changed; review and update"
+    for name, backend in [("dgrad_tc_strided_tf32", "cuda"), ("dgrad_tc_strided_half", "cuda"),
+                          ("dgrad_sub_gemm1x1", "cuda"), ("dgrad_sub_gemm1x1", "opencl"),
+                          ("dgrad_sub_gemm1x1_wgmma_tf32", "cuda")]:
+        dtype = "float16" if name.endswith("half") else "float32"
+        for tag, base in bases.items():
+            spec = ConvSpec.from_dict({**base.to_dict(), "dtype": dtype, "pass": "dgrad"})
+            if get_variant(name).applies(spec, _device(backend)) is None:
+                yield Case(f"{name}.{tag}-dgrad.{backend}", (_family(name), dtype, "dgrad", backend),
+                           _variant_source(name, spec, backend))
 
 
-BN_CASES = {"bn-relu": dict(n=2, c=3, hw=36), "bn-res-relu": dict(n=2, c=3, hw=35, residual=True),
-            "bn-alone": dict(n=2, c=3, hw=36, relu=False, affine=False, track=False),
-            "bn-res-relu-split": dict(n=2, c=3, hw=36, residual=True)}  # each channel over 2 blocks
+def _stem_cases() -> Iterator[Case]:
+    """The direct stems (kernels/tensorcore/stem.py) apply to no shared spec (3-channel layers): a 7x7/2
+    half stem in NHWC and a 3x3 TF32 one in NCHW, both with bias and ReLU."""
+    stems = {"tc_stem_direct_half": ("stem7x7s2-nhwc", "N=2,C=3,H=23,W=21,K=16,R=7,S=7,stride=2,pad=3,dtype=fp16,"
+                                                       "layout=nhwc"),
+             "tc_stem_direct_tf32": ("stem3x3", "N=2,C=3,H=11,W=11,K=8,R=3,S=3,pad=1")}
+    for name, (tag, text) in sorted(stems.items()):
+        spec = ConvSpec.parse(text)
+
+        def make(name: str = name, spec: ConvSpec = spec) -> str:
+            v = get_variant(name)
+            return v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA, Epilogue(bias=True, relu=True)) \
+                .source("cuda")
+        yield Case(f"{name}.{tag}.cuda", (_family(name), spec.dtype, "fprop", "cuda"), make)
 
 
-@pytest.mark.parametrize("tag", sorted(BN_CASES))
-@pytest.mark.parametrize("backend", ["cuda", "opencl"])
-def test_training_batch_norm_snapshot(tag, backend):
-    """The training batch-norm kernels (kernels/batchnorm.py): one a pass (a block per channel) and
-    three a pass (channels split over blocks), float4 and scalar loads, the residual's masked-gradient
-    store, no affine / no running statistics."""
-    from convforge.codegen.render import render
-    from convforge.kernels.batchnorm import BnTrain, bn_program
+def _batchnorm_cases() -> Iterator[Case]:
+    """Training batch norm (kernels/batchnorm.py): one kernel a pass (a block per channel) and three
+    (channels split over blocks), float4 and scalar loads, the residual's masked-gradient store, no
+    affine / no running statistics."""
+    cases = {"bn-alone": dict(n=2, c=3, hw=36, relu=False, affine=False, track=False),
+             "bn-relu": dict(n=2, c=3, hw=36), "bn-res-relu": dict(n=2, c=3, hw=35, residual=True),
+             "bn-res-relu-split": dict(n=2, c=3, hw=36, residual=True)}  # each channel over 2 blocks
+    for backend in ("cuda", "opencl"):
+        for tag, kw in cases.items():
+            def make(tag: str = tag, kw: dict = kw, backend: str = backend) -> str:
+                from convforge.codegen.render import render
+                from convforge.kernels.batchnorm import BnTrain, bn_program
 
-    device = NOMINAL_CUDA if backend == "cuda" else NOMINAL_OPENCL_GPU
-    prog = bn_program(BnTrain(**BN_CASES[tag]), device, 2 if tag.endswith("split") else None)
-    src = render(list(prog.kernels), backend, f"batch norm (training) {tag}")
-    path = SNAP / f"batchnorm_train.{tag}.{backend}.txt"
-    if os.environ.get("CONVFORGE_UPDATE_SNAPSHOTS"):
-        path.write_text(src)
-    assert path.exists(), f"no snapshot {path.name}: run with CONVFORGE_UPDATE_SNAPSHOTS=1 and review it"
-    assert src == path.read_text(), "generated batch-norm source changed; review and update the snapshot"
-
-
-BIAS_CASES = {"bias": ((2, 3, 6, 6), False), "bias-relu": ((2, 3, 6, 6), True), "bias-relu-odd": ((2, 3, 5, 7), True)}
+                prog = bn_program(BnTrain(**kw), _device(backend), 2 if tag.endswith("split") else None)
+                return render(list(prog.kernels), backend, f"batch norm (training) {tag}")
+            yield Case(f"batchnorm_train.{tag}.{backend}", ("batchnorm_train", "float32", "train", backend), make)
 
 
-@pytest.mark.parametrize("tag", sorted(BIAS_CASES))
-@pytest.mark.parametrize("backend", ["cuda", "opencl"])
-def test_bias_gradient_snapshot(tag, backend):
-    """The bias-gradient kernels (kernels/wgrad/bias.py): the plain sum and the ReLU-masked one that
-    writes the masked gradient (float4 and scalar loads), each channel over two slices."""
-    from convforge.kernels.wgrad import bias_grad_plan
-    from convforge.params import Params
+def _bias_grad_cases() -> Iterator[Case]:
+    """The bias gradient (kernels/wgrad/bias.py): the plain sum and the ReLU-masked one that writes the
+    masked gradient (float4 and scalar loads), each channel over two slices."""
+    cases = {"bias": ((2, 3, 6, 6), False), "bias-relu": ((2, 3, 6, 6), True), "bias-relu-odd": ((2, 3, 5, 7), True)}
+    for backend in ("cuda", "opencl"):
+        for tag, ((n, k, p, q), relu) in cases.items():
+            def make(n: int = n, k: int = k, p: int = p, q: int = q, relu: bool = relu, backend: str = backend) -> str:
+                from convforge.kernels.wgrad import bias_grad_plan
+                from convforge.params import Params
 
-    (n, k, p, q), relu = BIAS_CASES[tag]
-    device = NOMINAL_CUDA if backend == "cuda" else NOMINAL_OPENCL_GPU
-    plan = bias_grad_plan(ConvSpec.make(n, 1, p, q, k, 1, 1, conv_pass="wgrad"), device, Params(bt=64, sp=2),
-                          relu=relu)
-    src = plan.source(backend)
-    path = SNAP / f"bias_grad.{tag}.{backend}.txt"
-    if os.environ.get("CONVFORGE_UPDATE_SNAPSHOTS"):
-        path.write_text(src)
-    assert path.exists(), f"no snapshot {path.name}: run with CONVFORGE_UPDATE_SNAPSHOTS=1 and review it"
-    assert src == path.read_text(), "generated bias-gradient source changed; review and update the snapshot"
+                spec = ConvSpec.make(n, 1, p, q, k, 1, 1, conv_pass="wgrad")
+                return bias_grad_plan(spec, _device(backend), Params(bt=64, sp=2), relu=relu).source(backend)
+            yield Case(f"bias_grad.{tag}.{backend}", ("bias_grad", "float32", "wgrad", backend), make)
 
 
-ROWS_CASES = {"tf32": ("cuda", "tf32"), "3xtf32": ("cuda", "3xtf32"), "float": ("opencl", None)}
-
-
-@pytest.mark.parametrize("tag", sorted(ROWS_CASES))
-def test_gradient_rows_snapshot(tag):
+def _grad_rows_cases() -> Iterator[Case]:
     """The masked gradient written in the backward GEMMs' layouts (kernels/tensorcore/gradrows.py): an odd
     layer (N 3, K 5, P Q 37) into xh of 8 channels and dy' of 4 images, TF32 / 3xTF32 on CUDA, plain floats
     (the layouts PoCL tests) on OpenCL."""
-    from convforge.codegen.render import render
-    from convforge.kernels.tensorcore.gradrows import Rows, masked_rows
-    from convforge.kernels.tensorcore.isa import MATHS
+    for tag, (backend, math) in {"tf32": ("cuda", "tf32"), "3xtf32": ("cuda", "3xtf32"),
+                                 "float": ("opencl", None)}.items():
+        def make(tag: str = tag, backend: str = backend, math: str | None = math) -> str:
+            from convforge.codegen.render import render
+            from convforge.kernels.tensorcore.gradrows import Rows, masked_rows
+            from convforge.kernels.tensorcore.isa import MATHS
 
-    backend, math = ROWS_CASES[tag]
-    m = MATHS[math] if math else None
-    kernels, _, _ = masked_rows(3, 5, 37, Rows("fwd_xh", m, 8), Rows("dyt", m, 4))
-    src = render(list(kernels), backend, f"grad rows {tag}")
-    path = SNAP / f"grad_rows.{tag}.{backend}.txt"
-    if os.environ.get("CONVFORGE_UPDATE_SNAPSHOTS"):
-        path.write_text(src)
-    assert path.exists(), f"no snapshot {path.name}: run with CONVFORGE_UPDATE_SNAPSHOTS=1 and review it"
-    assert src == path.read_text(), "generated gradient-rows source changed; review and update the snapshot"
+            m = MATHS[math] if math else None
+            kernels, _, _ = masked_rows(3, 5, 37, Rows("fwd_xh", m, 8), Rows("dyt", m, 4))
+            return render(list(kernels), backend, f"grad rows {tag}")
+        yield Case(f"grad_rows.{tag}.{backend}", ("grad_rows", "float32", "dgrad", backend), make)
 
 
-STEM_SNAPS = {"tc_stem_direct_half": ("stem7x7s2-nhwc", "N=2,C=3,H=23,W=21,K=16,R=7,S=7,stride=2,pad=3,dtype=fp16,"
-                                                        "layout=nhwc"),
-              "tc_stem_direct_tf32": ("stem3x3", "N=2,C=3,H=11,W=11,K=8,R=3,S=3,pad=1")}
+def _all_cases() -> list[Case]:
+    cases = [*_variant_cases(), *_half_cases(), *_prologue_cases(), *_full_transform_cases(),
+             *_strided_dgrad_cases(), *_stem_cases(), *_batchnorm_cases(), *_bias_grad_cases(), *_grad_rows_cases()]
+    keys = [c.key for c in cases]
+    assert len(keys) == len(set(keys)), "two snapshot cases share a key"
+    return cases
 
 
-@pytest.mark.parametrize("name", sorted(STEM_SNAPS))
-def test_stem_snapshot(name):
-    """The direct stems (kernels/tensorcore/stem.py) apply to no shared snapshot spec (3-channel
-    layers): a 7x7/2 half stem in NHWC with bias and ReLU, and a 3x3 TF32 one in NCHW."""
-    from convforge.plan import Epilogue
+CASES = _all_cases()
+FULL = {next(c.key for c in CASES if c.group == g) for g in {c.group for c in CASES}}
 
-    variant = next(v for v in all_variants() if v.name == name)
-    tag, text = STEM_SNAPS[name]
-    spec = ConvSpec.parse(text)
-    src = variant.plan(spec, variant.default(spec, NOMINAL_CUDA), NOMINAL_CUDA,
-                       Epilogue(bias=True, relu=True)).source("cuda")
-    path = SNAP / f"{name}.{tag}.cuda.txt"
-    if os.environ.get("CONVFORGE_UPDATE_SNAPSHOTS"):
-        path.write_text(src)
-    assert path.exists(), f"no snapshot {path.name}: run with CONVFORGE_UPDATE_SNAPSHOTS=1 and review it"
-    assert src == path.read_text(), f"generated source of {name} changed; review and update the snapshot"
+
+def _digest(src: str) -> str:
+    return hashlib.sha256(src.encode()).hexdigest()
+
+
+@contextmanager
+def _hash_table() -> Iterator[dict[str, str]]:
+    """The hashes, read and (in update mode) written back under a lock: xdist workers share the file."""
+    SNAP.mkdir(exist_ok=True)
+    with open(Path(tempfile.gettempdir()) / "convforge-snapshots.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        table = json.loads(HASHES.read_text()) if HASHES.exists() else {}
+        before = dict(table)
+        yield table
+        if table != before:
+            tmp = HASHES.with_suffix(".json.tmp")
+            tmp.write_text(json.dumps(dict(sorted(table.items())), indent=0) + "\n")
+            tmp.replace(HASHES)
+
+
+def _show(key: str, src: str) -> Path:
+    """Write a changed source where the failure message can point to it."""
+    out = Path(tempfile.gettempdir()) / "convforge-snapshots" / f"{key}.txt"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(src)
+    return out
+
+
+HOW = "if intended, rerun with CONVFORGE_UPDATE_SNAPSHOTS=1 and review `git diff tests/snapshots`"
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.key)
+def test_generated_source_snapshot(case: Case) -> None:
+    src = case.make()
+    if dump := os.environ.get("CONVFORGE_SNAPSHOT_DUMP"):
+        Path(dump).mkdir(parents=True, exist_ok=True)
+        (Path(dump) / f"{case.key}.txt").write_text(src)
+    path = SNAP / f"{case.key}.txt"
+    if case.key in FULL:
+        if UPDATE:
+            path.write_text(src)
+            with _hash_table() as table:
+                table.pop(case.key, None)
+        assert path.exists(), f"no snapshot {path.name}: {HOW}"
+        assert src == path.read_text(), f"generated source of {case.key} changed (new: {_show(case.key, src)}); {HOW}"
+        return
+    if UPDATE:
+        path.unlink(missing_ok=True)
+    with _hash_table() as table:
+        if UPDATE:
+            table[case.key] = _digest(src)
+        old = table.get(case.key)
+    assert old is not None, f"no hash for {case.key} in {HASHES.name}: {HOW}"
+    assert old == _digest(src), (f"generated source of {case.key} changed: sha256 {old[:12]} -> {_digest(src)[:12]} "
+                                 f"(new: {_show(case.key, src)}; the old one: CONVFORGE_SNAPSHOT_DUMP on the commit "
+                                 f"before); {HOW}")
+
+
+def test_no_stale_snapshots() -> None:
+    """Every kept text and hash belongs to a current case (update mode removes the others)."""
+    keys = {c.key for c in CASES}
+    with _hash_table() as table:
+        stale_hashes = sorted(set(table) - (keys - FULL))
+        if UPDATE:
+            for key in stale_hashes:
+                del table[key]
+    stale_files = sorted(str(p.relative_to(SNAP))[:-4] for p in SNAP.rglob("*.txt"))
+    stale_files = [key for key in stale_files if key not in FULL]
+    if UPDATE:
+        for key in stale_files:
+            if key not in keys:  # a case moving between kinds is its own test's to rewrite
+                (SNAP / f"{key}.txt").unlink()
+        return
+    assert not stale_hashes and not stale_files, \
+        f"snapshots of no current case: {stale_files + stale_hashes}; rerun with CONVFORGE_UPDATE_SNAPSHOTS=1"

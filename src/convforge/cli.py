@@ -104,7 +104,7 @@ def cmd_devices(args: argparse.Namespace) -> int:
             table.add_row("opencl", "-", "no OpenCL device (no platform offers one; POCL_DEBUG=1 says why "
                           "PoCL does not)", "")
     except ImportError:
-        table.add_row("opencl", "-", r"PyOpenCL not installed (pip install 'pyopencl\[pocl]')", "")
+        table.add_row("opencl", "-", r"PyOpenCL not installed (pip install 'convforge\[opencl]')", "")
     Console().print(table)
     return 0
 
@@ -212,7 +212,7 @@ def _show_default(spec: ConvSpec) -> str:
 
 # Optional packages a command may need: what to call each, and what to install for it.
 OPTIONAL = {"torch": ("PyTorch", "convforge[torch]"), "torchvision": ("torchvision", "convforge[torch]"),
-            "cupy": ("CuPy", "convforge[cuda]"), "pyopencl": ("PyOpenCL", "pyopencl[pocl]"),
+            "cupy": ("CuPy", "convforge[cuda]"), "pyopencl": ("PyOpenCL", "convforge[opencl]"),
             "onnx": ("onnx", "convforge[onnx]"), "matplotlib": ("matplotlib", "convforge[plot]")}
 
 

@@ -13,7 +13,7 @@ def _default_cache_dir() -> Path:
     return Path(base) / "convforge"
 
 
-# Precision classes (BENCHMARKING.md): the relative L2 error each admits. "fp32" also admits, on
+# Precision classes (docs/MEASURING.md): the relative L2 error each admits. "fp32" also admits, on
 # layers where even the most accurate variant exceeds its bound (very long reductions), anything
 # within FP32_SLACK x that variant's error.
 PRECISIONS = {"fp32": 5e-6, "relaxed": 1e-3}

@@ -31,8 +31,8 @@ def get_backend(name: str, device: str | int | None = None) -> Backend:
             try:
                 from convforge.backends.opencl import OpenCLBackend
             except ImportError as err:
-                raise ValueError(f"backend 'opencl' needs pyopencl ({err}); pip install 'pyopencl[pocl]' "
-                                 "for a CPU device") from None
+                raise ValueError(f"backend 'opencl' needs pyopencl ({err}); pip install 'convforge[opencl]' "
+                                 "(PyOpenCL with PoCL, a CPU device)") from None
 
             _INSTANCES[key] = OpenCLBackend(None if device is None else str(device))
         else:

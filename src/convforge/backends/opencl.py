@@ -135,7 +135,7 @@ def _pick(spec: str) -> cl.Device:
             raise ValueError(f"OpenCL device ({spec!r}) does not exist; devices: {have}") from None
     devices = [d for p in platforms for d in p.get_devices()]
     if not devices:
-        raise RuntimeError("no OpenCL device found (pip install 'pyopencl[pocl]' for a CPU one)")
+        raise RuntimeError("no OpenCL device found (pip install 'convforge[opencl]' for a CPU one: PoCL)")
     gpus = [d for d in devices if d.type & cl.device_type.GPU]
     refused = []
     for dev in gpus + [d for d in devices if d not in gpus]:

@@ -4,7 +4,7 @@ One model per name, built as ``bench.models`` builds it (the same random float32
 ``models.SEED``), run in the dtype by every side; rows:
 
 - ``pytorch_{fp16,bf16}_autocast_cl``: PyTorch autocast (that dtype) on the model and input in
-  channels_last — the baseline of every convforge row (BENCHMARKING.md);
+  channels_last — the baseline of every convforge row (docs/MEASURING.md);
 - ``pytorch_…_autocast``: the same in NCHW; ``pytorch_…``: the model and input cast to the dtype
   (``.half()`` / ``.bfloat16()``, NCHW), eager; ``pytorch_…_graph``: that replayed from a CUDA graph;
 - ``convforge_…``: the cast model converted by ``convforge.torch.convert``; ``convforge_…_fused``:

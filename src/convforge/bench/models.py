@@ -21,11 +21,11 @@ replayed from a CUDA graph, PyTorch TF32, ``torch.compile`` FP32, the model conv
 epilogue: ``convforge_fused``) eagerly and from a CUDA graph; each output's relative L2 error
 against a float64 run of the same model on the GPU. CUDA events, warm-up first, median of repeats.
 The converted figures exclude filter transforms (made once per weight version on the warm-up
-call, as an inference runtime does); per-layer suites still time them (BENCHMARKING.md).
+call, as an inference runtime does); per-layer suites still time them (docs/MEASURING.md).
 
 Precision classes (``--precision fp32|relaxed|both``): the convforge rows of a class convert with
 ``precision=`` that class and are compared with the class's baseline, ``pytorch_fp32`` (TF32 off)
-for fp32 and ``pytorch_tf32`` for relaxed (BENCHMARKING.md); every row carries ``precision`` and
+for fp32 and ``pytorch_tf32`` for relaxed (docs/MEASURING.md); every row carries ``precision`` and
 ``baseline``, and ``speedup`` / ``err_vs_pytorch`` are against that baseline row (the PyTorch rows
 are run once and shared by both classes). ``--tune`` turns ``config.autotune`` on around each
 convforge model's first (warm-up) call, so dispatch tunes every layer with its real epilogue in the

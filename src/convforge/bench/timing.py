@@ -1,4 +1,4 @@
-"""Timing rules shared by convforge and the baselines (BENCHMARKING.md): warm-up outside the timed
+"""Timing rules shared by convforge and the baselines (docs/MEASURING.md): warm-up outside the timed
 region, device events, median of repeats, rotation among input sets for layers that fit in L2."""
 
 from __future__ import annotations

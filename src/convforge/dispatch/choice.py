@@ -20,7 +20,7 @@ Where the caller transforms filters on every call (``filters_per_call``: CuPy ar
 version counter) and a layer is tiny (at most ``TINY_MACS`` multiply-adds: its kernel costs about
 what a launch does), the heuristic prefers the first ranked variant whose plan is one launch, else
 one with no filter-only step: the transform's launch would cost as much as the convolution. Database entries are timed
-with their transforms (BENCHMARKING.md), so they are kept as they are.
+with their transforms (docs/MEASURING.md), so they are kept as they are.
 
 No silent fallback to a slow variant: on half storage (FP16 / BF16) the vendor library runs dense and
 grouped convolutions on tensor cores, so a CUDA-core form (``direct*``, ``implicit_gemm*``,
