@@ -82,12 +82,18 @@ class Gemm:
 Step = Launch | Fill | Gemm
 
 
+# The epilogue's activations: field name -> the dialect token that applies it (codegen/dialect.py).
+ACTIVATIONS = {"relu": "RELU", "gelu": "GELU", "silu": "SILU", "hardswish": "HSWISH"}
+_ACT_NAMES = {"relu": "ReLU", "gelu": "GELU", "silu": "SiLU", "hardswish": "HardSwish"}
+
+
 @dataclass(frozen=True)
 class Epilogue:
     """Work folded into the output write: per-channel bias, a residual tensor shaped like the
-    output (``res``, added before the activation: a network's skip connection) and one activation,
-    ReLU or GELU (the exact, erf form: ``nn.GELU()``'s default; a transformer-style MLP's first
-    linear layer, ConvNeXt's)."""
+    output (``res``, added before the activation: a network's skip connection) and one activation:
+    ReLU, GELU (the exact, erf form: ``nn.GELU()``'s default; a transformer-style MLP's first
+    linear layer, ConvNeXt's), SiLU (x * sigmoid(x): EfficientNet's, YOLO's) or HardSwish
+    (x * relu6(x + 3) / 6: MobileNet-v3's)."""
 
     bias: bool = False
     relu: bool = False
@@ -95,10 +101,14 @@ class Epilogue:
     k_total: int = 0  # channels of the tensor written (0: the conv's own K): a concat written in place
     k_offset: int = 0  # the first of those channels this conv writes
     gelu: bool = False
+    silu: bool = False
+    hardswish: bool = False
 
     def __post_init__(self) -> None:
-        if self.relu and self.gelu:
-            raise ValueError("unsupported epilogue: ReLU and GELU together (one activation at most)")
+        acts = [name for name in ACTIVATIONS if getattr(self, name)]
+        if len(acts) > 1:
+            raise ValueError(f"unsupported epilogue: {' and '.join(_ACT_NAMES[a] for a in acts)} together "
+                             "(one activation at most)")
         if self.k_total and (self.residual or self.k_offset < 0):
             raise ValueError(f"unsupported epilogue: channel offset {self.k_offset} of {self.k_total} "
                              f"{'with a residual' if self.residual else ''}")
@@ -118,17 +128,23 @@ class Epilogue:
             expr = f"{expr} + {storage.load('res', index)}"
         return self.activate(expr)
 
+    @property
+    def act(self) -> str:
+        """The activation's name ("relu", "gelu", "silu", "hardswish"), or "" for none."""
+        return next((name for name in ACTIVATIONS if getattr(self, name)), "")
+
     def activate(self, expr: str) -> str:
-        """``expr`` through the epilogue's activation (RELU / GELU: the dialect's NaN-keeping forms)."""
-        return f"RELU({expr})" if self.relu else f"GELU({expr})" if self.gelu else expr
+        """``expr`` through the epilogue's activation (the dialect's NaN-keeping RELU / GELU / SILU /
+        HSWISH)."""
+        return f"{ACTIVATIONS[self.act]}({expr})" if self.act else expr
 
     def plain(self) -> Epilogue:
         """Bias and activation only: the part a database entry is tuned with (no residual, no offset)."""
-        return Epilogue(bias=self.bias, relu=self.relu, gelu=self.gelu)
+        return Epilogue(bias=self.bias, relu=self.relu, gelu=self.gelu, silu=self.silu, hardswish=self.hardswish)
 
     def tag(self) -> str:
         at = f"_at{self.k_offset}of{self.k_total}" if self.k_total else ""
-        act = "_relu" if self.relu else "_gelu" if self.gelu else ""
+        act = f"_{self.act}" if self.act else ""
         return ("_bias" if self.bias else "") + ("_res" if self.residual else "") + act + at
 
 
