@@ -78,7 +78,6 @@ def test_epilogue_compiles_for_cuda_in_every_variant(nvcc_ok, spec: ConvSpec, ep
     """Every CUDA variant's plan with the activation (tensor-core ones included: their own epilogue
     writer) compiles for sm_90 without spills and applies it."""
     from conftest import NOMINAL_CUDA
-
     from convforge.codegen.nvcc import ptxas_report
 
     plans = _cuda_plans(spec, epi, NOMINAL_CUDA)
