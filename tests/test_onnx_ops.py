@@ -334,6 +334,16 @@ def test_grouped_conv_transpose_is_a_strided_scatter() -> None:
 
 # -- errors ------------------------------------------------------------------------------------------------------
 
+def test_docs_list_every_supported_op() -> None:
+    """docs/ONNX.md's table names each op of SUPPORTED_OPS (the one list in code)."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "ONNX.md").read_text()
+    rows = {name.strip() for line in text.splitlines() if line.startswith("| ") and not line.startswith("| op")
+            for name in line.split("|")[1].split(",")}
+    assert set(SUPPORTED_OPS) == rows - {"---"}
+
+
 def test_unknown_op_names_the_supported_ones() -> None:
     m = model([node("Einsum", ["x", "x"], equation="nchw,nchw->nchw")], {})
     with pytest.raises(GraphError, match=r"node 'einsum_y' \(Einsum\): unknown ONNX op type 'Einsum'; supported: "
