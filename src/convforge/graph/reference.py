@@ -235,6 +235,7 @@ def _softmax(graph: Graph, node: Node, ins: list[Arr]) -> Arr:
 def _binary(graph: Graph, node: Node, ins: list[Arr]) -> Arr:
     a = ins[0]
     b = ins[1] if len(ins) == 2 else _w(graph, node, "b")
+    assert b is not None
     if node.attrs.get("swap"):
         a, b = b, a
     fn = node.attrs["fn"]
@@ -273,7 +274,8 @@ def _deconv(graph: Graph, node: Node, ins: list[Arr]) -> Arr:
     w = _w(graph, node, "w")
     assert w is not None
     (r, s), (sh, sw), (pt, pb, pl, pr), (dh, dw) = conv_geometry(node)
-    g, oh, ow = conv_group(node), *node.attrs.get("out_pad", (0, 0))
+    g = conv_group(node)
+    oh, ow = (int(v) for v in node.attrs.get("out_pad", (0, 0)))
     n, c, h, wd = x.shape
     k = int(node.attrs["k"])
     cg, kg = c // g, k // g
