@@ -244,3 +244,20 @@ def test_torch_onnx_export_runs(ocl, tmp_path, name: str, opset: int) -> None:
     got = out[g.outputs[0]]
     ref = run_reference(g, x.numpy())[g.outputs[0]]
     assert rel_l2(got, ref) < TOL and rel_l2(want, ref) < TOL, (rel_l2(got, ref), rel_l2(want, ref))
+
+
+@pytest.mark.parametrize("name", NETS)
+@pytest.mark.parametrize("passes", [False, True])
+def test_torch_baseline_runs_the_onnx_graphs(name: str, passes: bool) -> None:
+    """`convforge run`'s PyTorch comparison (and calibration's reference on CUDA) computes the new
+    ops (act, broadcast binary, resize, pad, deconv, views) and the fused SiLU / HardSwish epilogues
+    as the float64 executor does: here on the CPU."""
+    pytest.importorskip("torch", reason="torch is not installed (pip install 'convforge[torch]')")
+    from convforge.graph.passes import optimize
+    from convforge.graph.torch_baseline import forward_fn
+
+    g = load_onnx(NETS[name]())
+    g = optimize(g) if passes else g
+    x = np.random.default_rng(4).standard_normal(g.input_shape).astype(np.float32)
+    got = forward_fn(g, x, "cpu")().numpy()
+    assert rel_l2(got, run_reference(g, x)["y"]) < 1e-5

@@ -96,7 +96,7 @@ class Ctx:
 
     def weight(self, node: Node, role: str, arr: np.ndarray) -> None:
         key = f"{node.name}.{role}"
-        self.graph.weights[key] = np.ascontiguousarray(arr, dtype=np.float32)
+        self.graph.weights[key] = np.array(arr, dtype=np.float32, order="C")  # a writable copy
         node.weights[role] = key
 
     def ints(self, key: str, count: int, default: tuple[int, ...]) -> tuple[int, ...]:
