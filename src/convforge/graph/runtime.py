@@ -295,7 +295,11 @@ class Network:
         spec = deconv_spec(node, x, y, self.dtype)
         bufs = {"y": self.buf(node.inputs[0]), "w": self._weight(node.weights["w"], dtype=self.dtype),
                 "x": self.buf(node.output)}
-        exe = dispatch.executable(spec, self.backend, Epilogue(), workspace_limit=self.workspace_limit)
+        try:
+            exe = dispatch.executable(spec, self.backend, Epilogue(), workspace_limit=self.workspace_limit)
+        except ValueError as err:
+            raise ValueError(f"node {node.name!r} (deconv: a transposed convolution as the dgrad of "
+                             f"{spec.short()}): {err}") from None
         self._execs.append(exe)
         self._convs.append((exe, bufs))
         self._order.append(node.name)
