@@ -93,9 +93,9 @@ def test_conv_bias_from_a_node(ocl) -> None:
 
 
 def test_conv_bias_that_is_an_activation_is_refused() -> None:
-    m = model([node("ReduceMean", ["x"], "r", axes=[0, 2, 3], keepdims=0), node("Conv", ["x", "w", "r"])],
-              {"w": arr(3, 3, 1, 1)})
-    with pytest.raises(GraphError, match=r"node 'reducemean_r' \(ReduceMean\): axes .* must be the height"):
+    """Every tensor the runtime computes is per image (N, ...): a bias must come from constants."""
+    m = model([node("Conv", ["x", "w", "x"])], {"w": arr(3, 3, 1, 1)})
+    with pytest.raises(GraphError, match=r"node 'conv_y' \(Conv\): B \('x'\) must be a constant \(an initializer"):
         load_onnx(m)
 
 
@@ -111,6 +111,14 @@ def test_conv_bias_that_is_an_activation_is_refused() -> None:
 ], ids=["sigmoid", "tanh", "hardswish", "hardsigmoid", "leaky", "relu6like", "clip", "clip_max", "clip_min"])
 def test_activations(ocl, op: str, ins: list[str], attrs: dict, inits: dict) -> None:
     check(model([node(op, ["x", *ins], **attrs)], inits))
+
+
+@pytest.mark.parametrize("op, act", [("Swish", "silu"), ("Gelu", "gelu")])
+def test_newer_activation_ops_fuse_into_the_conv(ocl, op: str, act: str) -> None:
+    """Swish (opset 24) and Gelu (opset 20) after a conv: its epilogue."""
+    c, inits = conv()
+    g = check(model([c, node(op, ["c"])], inits, opset=24))
+    assert [(n.op, n.attrs.get("act")) for n in g.nodes] == [("conv", act)]
 
 
 @pytest.mark.parametrize("gate, attrs, want", [("Sigmoid", {}, "silu"),

@@ -9,7 +9,7 @@ Ops and their attributes (beyond Caffe's conv / fc / pool / lrn / relu / batchno
 concat / softmax / flatten / dropout):
 
 * ``act``: an elementwise activation ``fn`` (:data:`ACT_FNS`): sigmoid, silu, hardswish,
-  hardsigmoid (``alpha``, ``beta``), clip (``lo``, ``hi``; None: unbounded), tanh;
+  hardsigmoid (``alpha``, ``beta``), clip (``lo``, ``hi``; None: unbounded), tanh, gelu (exact);
 * ``binary``: ``fn`` (add, sub, mul, div) of two tensors, or of one tensor and the constant weight
   ``b`` (``swap``: the constant is the left operand), broadcast as NumPy does (rank kept, the batch
   never broadcast);
@@ -41,8 +41,8 @@ WEIGHTS: dict[str, tuple[str, ...]] = {
 }
 OPTIONAL = {"bias", "gamma", "beta", "pscale", "pshift", "b"}  # pscale, pshift: a conv's prologue (both or none)
 
-ACT_FNS = ("sigmoid", "silu", "hardswish", "hardsigmoid", "clip", "tanh")  # an act node's fn
-EPILOGUE_ACTS = ("silu", "hardswish")  # what a conv / fc folds into its epilogue (attrs["act"]) besides ReLU
+ACT_FNS = ("sigmoid", "silu", "hardswish", "hardsigmoid", "clip", "tanh", "gelu")  # an act node's fn
+EPILOGUE_ACTS = ("silu", "hardswish", "gelu")  # what a conv / fc folds into its epilogue (attrs["act"]) besides ReLU
 BINARY_FNS = ("add", "sub", "mul", "div")
 RESIZE_MODES = ("nearest", "linear")
 COORD_MODES = ("asymmetric", "half_pixel", "pytorch_half_pixel", "align_corners")

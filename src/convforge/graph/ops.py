@@ -319,6 +319,8 @@ def act_expr(fn: str, attrs: dict, v: str) -> str:
         return f"SILU({v})"
     if fn == "hardswish":
         return f"HSWISH({v})"
+    if fn == "gelu":
+        return f"GELU({v})"
     if fn == "tanh":
         return f"tanh({v})"
     if fn == "hardsigmoid":

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from convforge.check import hardswish_ref, sigmoid_ref, silu_ref
+from convforge.check import gelu_ref, hardswish_ref, sigmoid_ref, silu_ref
 from convforge.graph.ir import (
     Graph,
     Node,
@@ -78,6 +78,8 @@ def act_ref(fn: str, x: Arr, attrs: dict) -> Arr:
         return silu_ref(x)
     if fn == "hardswish":
         return hardswish_ref(x)
+    if fn == "gelu":
+        return gelu_ref(x)
     if fn == "hardsigmoid":
         return np.clip(float(attrs.get("alpha", 0.2)) * x + float(attrs.get("beta", 0.5)), 0.0, 1.0)
     if fn == "tanh":
