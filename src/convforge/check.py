@@ -84,6 +84,8 @@ def expected(spec: ConvSpec, inputs: dict[str, np.ndarray], epilogue: Epilogue =
             out = gelu_ref(out)
         if epilogue.silu:
             out = silu_ref(out)
+        if epilogue.hardswish:
+            out = hardswish_ref(out)
     return out
 
 
@@ -93,11 +95,22 @@ def gelu_ref(a: np.ndarray) -> np.ndarray:
     return 0.5 * a * (1.0 + erf(np.asarray(a, np.float64) / math.sqrt(2.0)))
 
 
-def silu_ref(a: np.ndarray) -> np.ndarray:
-    """SiLU, x * sigmoid(x) = x / (1 + exp(-x)), in float64 (NaN stays NaN; exp overflow gives -0)."""
+def sigmoid_ref(a: np.ndarray) -> np.ndarray:
+    """1 / (1 + exp(-a)) in float64 (0 and 1 at the extremes, without overflow warnings)."""
     a = np.asarray(a, np.float64)
     with np.errstate(over="ignore"):
-        return a / (1.0 + np.exp(-a))
+        return 1.0 / (1.0 + np.exp(-a))
+
+
+def silu_ref(a: np.ndarray) -> np.ndarray:
+    """SiLU (Swish), a * sigmoid(a), in float64 (NaN stays NaN)."""
+    return np.asarray(a, np.float64) * sigmoid_ref(a)
+
+
+def hardswish_ref(a: np.ndarray) -> np.ndarray:
+    """HardSwish, a * min(max(a + 3, 0), 6) / 6, in float64 (NaN stays NaN)."""
+    a = np.asarray(a, np.float64)
+    return a * np.clip(a + 3.0, 0.0, 6.0) / 6.0
 
 
 _ACTIVATIONS = ("x", "y", "res")  # the buffers a layout rearranges (filters stay KCRS)

@@ -82,13 +82,18 @@ class Gemm:
 Step = Launch | Fill | Gemm
 
 
+# The epilogue's activations: field name -> the dialect token that applies it (codegen/dialect.py).
+ACTIVATIONS = {"relu": "RELU", "gelu": "GELU", "silu": "SILU", "hardswish": "HSWISH"}
+_ACT_NAMES = {"relu": "ReLU", "gelu": "GELU", "silu": "SiLU", "hardswish": "HardSwish"}
+
+
 @dataclass(frozen=True)
 class Epilogue:
     """Work folded into the output write: per-channel bias, a residual tensor shaped like the
-    output (``res``, added before the activation: a network's skip connection) and one activation,
+    output (``res``, added before the activation: a network's skip connection) and one activation:
     ReLU, GELU (the exact, erf form: ``nn.GELU()``'s default; a transformer-style MLP's first
-    linear layer, ConvNeXt's) or SiLU (``nn.SiLU``: EfficientNet's, MobileNet-v3's swish).
-    Store paths spell the activation through :meth:`activate`, the one place its math lives."""
+    linear layer, ConvNeXt's), SiLU (x * sigmoid(x): EfficientNet's, YOLO's) or HardSwish
+    (x * relu6(x + 3) / 6: MobileNet-v3's)."""
 
     bias: bool = False
     relu: bool = False
@@ -97,11 +102,13 @@ class Epilogue:
     k_offset: int = 0  # the first of those channels this conv writes
     gelu: bool = False
     silu: bool = False
+    hardswish: bool = False
 
     def __post_init__(self) -> None:
-        if self.relu + self.gelu + self.silu > 1:
-            named = " and ".join(n for n, on in (("ReLU", self.relu), ("GELU", self.gelu), ("SiLU", self.silu)) if on)
-            raise ValueError(f"unsupported epilogue: {named} together (one activation at most)")
+        acts = [name for name in ACTIVATIONS if getattr(self, name)]
+        if len(acts) > 1:
+            raise ValueError(f"unsupported epilogue: {' and '.join(_ACT_NAMES[a] for a in acts)} together "
+                             "(one activation at most)")
         if self.k_total and (self.residual or self.k_offset < 0):
             raise ValueError(f"unsupported epilogue: channel offset {self.k_offset} of {self.k_total} "
                              f"{'with a residual' if self.residual else ''}")
@@ -122,23 +129,28 @@ class Epilogue:
         return self.activate(expr)
 
     @property
-    def activation(self) -> str:
-        """The activation's name: "relu", "gelu", "silu" or "" (none)."""
-        return "relu" if self.relu else "gelu" if self.gelu else "silu" if self.silu else ""
+    def act(self) -> str:
+        """The activation's name ("relu", "gelu", "silu", "hardswish"), or "" for none."""
+        return next((name for name in ACTIVATIONS if getattr(self, name)), "")
 
     def activate(self, expr: str) -> str:
-        """``expr`` through the epilogue's activation (RELU / GELU / SILU: the dialect's NaN-keeping forms)."""
-        act = self.activation
-        return f"{act.upper()}({expr})" if act else expr
+        """``expr`` through the epilogue's activation (the dialect's NaN-keeping RELU / GELU / SILU /
+        HSWISH)."""
+        return f"{ACTIVATIONS[self.act]}({expr})" if self.act else expr
 
     def plain(self) -> Epilogue:
         """Bias and activation only: the part a database entry is tuned with (no residual, no offset)."""
-        return Epilogue(bias=self.bias, relu=self.relu, gelu=self.gelu, silu=self.silu)
+        return Epilogue(bias=self.bias, relu=self.relu, gelu=self.gelu, silu=self.silu, hardswish=self.hardswish)
 
     def tag(self) -> str:
         at = f"_at{self.k_offset}of{self.k_total}" if self.k_total else ""
-        act = f"_{self.activation}" if self.activation else ""
+        act = f"_{self.act}" if self.act else ""
         return ("_bias" if self.bias else "") + ("_res" if self.residual else "") + act + at
+
+    @property
+    def activation(self) -> str:
+        """The activation's name (as :attr:`act`)."""
+        return self.act
 
 
 @dataclass(frozen=True)

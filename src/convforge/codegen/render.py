@@ -21,7 +21,7 @@ from convforge.codegen.dialect import (
 _TOKEN = re.compile(r"\b(GROUP_ID|LOCAL_ID|GROUP_SIZE|NUM_GROUPS|BARRIER|VLOAD4|VSTORE4|"
                     r"LD_F16|LDG_F16|ST_F16|VLOAD4_F16|VSTORE4_F16|LD_BF16|LDG_BF16|ST_BF16|VLOAD4_BF16|VSTORE4_BF16|"
                     r"VLOAD8_F16|VSTORE8_F16|VLOAD8_BF16|VSTORE8_BF16|"
-                    r"MAKE_FLOAT4|FMA|MAX|RELU|GELU|SILU|LDG|SHFL|TEX|COPY4_ASYNC|COPY1_ASYNC|COPY_WAIT|CVT_TF32|"
+                    r"MAKE_FLOAT4|FMA|MAX|RELU|GELU|SILU|HSWISH|LDG|SHFL|TEX|COPY4_ASYNC|COPY1_ASYNC|COPY_WAIT|CVT_TF32|"
                     r"MMA_TF32_16x8x8|SMEM_U32|CP_ASYNC16|CP_ASYNC4|CP_ASYNC_COMMIT|CP_ASYNC_WAIT|LDMATRIX_X4|LDS_F4|"
                     r"LDS_F1|TF32_RHA|FENCE_PROXY_ASYNC|WGMMA_FENCE|WGMMA_COMMIT|WGMMA_WAIT|WGMMA_TF32|"
                     r"MBAR_INIT|MBAR_WAIT|MBAR_ARRIVE|CP_ASYNC_MBAR_ARRIVE|SETMAXNREG_INC|SETMAXNREG_DEC|"
@@ -241,8 +241,9 @@ class Renderer:
             out += [self.expand(_RELU_HELPER), ""]
         if any(re.search(r"\bGELU\(", k.body + k.helpers) for k in kernels):
             out += [self.expand(_GELU_HELPER.replace("ERF", self.erf)), ""]
-        if any(re.search(r"\bSILU\(", k.body + k.helpers) for k in kernels):
-            out += [self.expand(_SILU_HELPER.replace("EXP", self.exp)), ""]
+        for token, helper in (("SILU", _SILU_HELPER.replace("EXP", self.exp)), ("HSWISH", _HSWISH_HELPER)):
+            if any(re.search(rf"\b{token}\(", k.body + k.helpers) for k in kernels):
+                out += [self.expand(helper), ""]
         seen_helpers: set[str] = set()
         for k in kernels:
             if k.helpers and k.helpers not in seen_helpers:
@@ -268,6 +269,9 @@ _GELU_HELPER = "DEVICE float cf_gelu(const float v) { return 0.5f * v * (1.0f + 
 # SiLU (swish) as PyTorch's CUDA kernel computes it in float: v / (1 + exp(-v)) (NaN stays NaN; a large
 # negative v gives -0).
 _SILU_HELPER = "DEVICE float cf_silu(const float v) { return v / (1.0f + EXP(-v)); }"
+# HardSwish as PyTorch computes it: v * min(max(v + 3, 0), 6) / 6, by comparisons so NaN stays NaN.
+_HSWISH_HELPER = ("DEVICE float cf_hswish(const float v)\n{\n    const float t = v + 3.0f;\n"
+                  "    return v * (t < 0.0f ? 0.0f : t > 6.0f ? 6.0f : t) / 6.0f;\n}")
 
 
 class CudaRenderer(Renderer):
@@ -297,6 +301,7 @@ class CudaRenderer(Renderer):
             "RELU": lambda: f"cf_relu({args[0]})",
             "GELU": lambda: f"cf_gelu({args[0]})",
             "SILU": lambda: f"cf_silu({args[0]})",
+            "HSWISH": lambda: f"cf_hswish({args[0]})",
             "LDG": lambda: f"__ldg({args[0]})",
             "SHFL": lambda: f"__shfl_sync(0xffffffffu, {args[0]}, {args[1]})",
             "TEX": lambda: f"tex1Dfetch<float>({args[0]}, {args[1]})",
@@ -706,6 +711,7 @@ class OpenCLRenderer(Renderer):
             "RELU": lambda: f"cf_relu({args[0]})",
             "GELU": lambda: f"cf_gelu({args[0]})",
             "SILU": lambda: f"cf_silu({args[0]})",
+            "HSWISH": lambda: f"cf_hswish({args[0]})",
             "LDG": lambda: f"(*({args[0]}))",
             "COPY4_ASYNC": lambda: f"vstore4(vload4(0, {args[1]}), 0, {args[0]})",
             "COPY1_ASYNC": lambda: (f"(({args[0]})[{args[1]}] = ((({args[4]}) >> ({args[5]})) & 1ul) ? "

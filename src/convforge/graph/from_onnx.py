@@ -1,8 +1,10 @@
 """ONNX front-end (extra ``[onnx]``): a model into the IR, initializers as weights (opset 13+).
 
-Ops: Conv, Gemm, MatMul (by an initializer), Relu, LeakyRelu, Clip, MaxPool, AveragePool,
-GlobalAveragePool, GlobalMaxPool, LRN, BatchNormalization, Add, Concat, Softmax (over channels),
-Flatten, Reshape (to N x -1), Dropout, Identity. A node missing a required input or attribute,
+The ops read are :data:`SUPPORTED_OPS` (graph/onnx_ops.py, one handler each; docs/ONNX.md says
+what each supports): what ``torch.onnx.export`` writes for classic and modern CNNs (EfficientNet,
+MobileNet-v3, YOLO-style detectors, UNets). A node whose inputs are all constants (Constant, Shape
+of a tensor whose shape is known, Gather, Cast, Concat of shapes, ...) is evaluated at load time by
+``onnx.reference`` and its outputs become constants. A node missing a required input or attribute,
 or asking for what the runtime does not compute, is refused with a GraphError naming it.
 """
 
@@ -16,18 +18,13 @@ from typing import Any
 import numpy as np
 
 from convforge.files import InputFileError, read_bounded
-from convforge.graph.ir import Graph, GraphError, Node, Tensor, check_weights, infer, input_shape
+from convforge.graph import onnx_ops
+from convforge.graph.ir import Graph, GraphError, Node, Tensor, check_weights, infer, infer_node, input_shape
+from convforge.graph.onnx_ops import SUPPORTED_OPS
 
-# Per op type: the fewest and most inputs (optional ones may be left empty, "") and the
-# attributes ONNX requires. The first ``fewest`` inputs must be given.
-_SPEC: dict[str, tuple[int, int, tuple[str, ...]]] = {
-    "Conv": (2, 3, ()), "Gemm": (2, 3, ()), "MatMul": (2, 2, ()), "Relu": (1, 1, ()),
-    "LeakyRelu": (1, 1, ()), "Clip": (1, 3, ()), "MaxPool": (1, 1, ("kernel_shape",)),
-    "AveragePool": (1, 1, ("kernel_shape",)), "GlobalAveragePool": (1, 1, ()),
-    "GlobalMaxPool": (1, 1, ()), "LRN": (1, 1, ("size",)), "BatchNormalization": (5, 5, ()),
-    "Add": (2, 2, ()), "Sum": (1, 2**31, ()), "Concat": (1, 2**31, ("axis",)), "Softmax": (1, 1, ()),
-    "Flatten": (1, 1, ()), "Reshape": (2, 2, ()), "Dropout": (1, 3, ()), "Identity": (1, 1, ()),
-}
+__all__ = ["SUPPORTED_OPS", "load_onnx"]
+
+_SPEC = onnx_ops.SPEC
 
 
 def load_onnx(model: Any, input_size: int | None = None, batch: int | None = None) -> Graph:
@@ -58,25 +55,80 @@ def _translate(model: Any, what: str, input_size: int | None, batch: int | None)
     graph = Graph(g.name or "onnx", real[0].name, _input_dims(real[0], input_size, batch), [], [])
     shapes = _infer_so_far(graph)
     alias: dict[str, str] = {}
+    consts = dict(inits)
     for i, op in enumerate(g.node):
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in op.attribute}
         name = op.name or f"{op.op_type}_{i}"
-        _check_node(f"node {name!r} ({op.op_type})", op, attrs)
         ins = [alias.get(t, t) for t in op.input]  # "" stays: an optional input left out
+        if _fold(op, attrs, ins, consts, shapes, opset):
+            continue
+        _check_node(f"node {name!r} ({op.op_type})", op, attrs)
         if op.op_type in ("Dropout", "Identity"):
             alias[op.output[0]] = ins[0]
             continue
+        ctx = onnx_ops.Ctx(graph, consts, shapes, name, op.op_type, attrs, ins, op.output[0])
         try:
-            node = _node(name, op.op_type, attrs, ins, inits, graph, shapes)
-            node.output = op.output[0]
-            graph.nodes.append(node)
-            shapes = _infer_so_far(graph)
+            onnx_ops.HANDLERS[op.op_type](ctx)
         except GraphError as err:  # name the node's ONNX tensors: a shape error names the IR's weight keys
             raise GraphError(f"{err} (ONNX node {name!r} reads {', '.join(repr(t) for t in op.input if t)})") from None
-    graph.outputs = _declared_outputs(graph, [o.name for o in g.output], alias)
+        if not ctx.nodes:  # a view that changes nothing
+            alias[op.output[0]] = ctx.x.name
+        for node in ctx.nodes:
+            try:
+                shapes[node.output] = infer_node(graph, node, shapes)
+            except GraphError as err:
+                raise GraphError(f"{err} (ONNX node {name!r} reads "
+                                 f"{', '.join(repr(t) for t in op.input if t)})") from None
+            graph.nodes.append(node)
+    names = [o.name for o in g.output]
+    for name in names:
+        if alias.get(name, name) in consts:
+            raise GraphError(f"onnx: output {name!r} is a constant (computed from initializers only)")
+    graph.outputs = _declared_outputs(graph, names, alias)
     infer(graph)
     check_weights(graph)
     return graph
+
+
+def _fold(op: Any, attrs: dict[str, Any], ins: list[str], consts: dict[str, np.ndarray],
+          shapes: dict[str, Tensor], opset: int) -> bool:
+    """Evaluate ``op`` at load time when it computes constants (every input a constant, a Constant,
+    or the Shape / Size of a tensor whose shape is known), its outputs then constants; False when it
+    computes on activations."""
+    given = [t for t in ins if t]
+    if op.op_type in ("Shape", "Size") and given and given[0] in shapes:
+        shape = np.array(shapes[given[0]].shape, np.int64)
+        if op.op_type == "Size":
+            consts[op.output[0]] = np.array(shape.prod(), np.int64)
+        else:
+            n = len(shape)
+            start, end = int(attrs.get("start", 0)), int(attrs.get("end", n))
+            consts[op.output[0]] = shape[start % n if start < 0 else start:end % n if end < 0 else end]
+        return True
+    if op.op_type != "Constant" and (not given or not all(t in consts for t in given)):
+        return False
+    from onnx.reference import ReferenceEvaluator
+
+    where = f"node {op.name or op.op_type!r} ({op.op_type})"
+    try:
+        feeds = {t: consts[t] for t in given}
+        node = _renamed(op, ins)
+        outs = ReferenceEvaluator(node, opsets={"": opset}).run(None, feeds)
+    except Exception as err:  # noqa: BLE001 - whatever onnx.reference cannot evaluate is refused by name
+        raise GraphError(f"{where}: its inputs are constants, but evaluating it failed ({err})") from None
+    for name, value in zip(op.output, outs, strict=False):
+        if name:
+            consts[name] = np.asarray(value)
+    return True
+
+
+def _renamed(op: Any, ins: list[str]) -> Any:
+    """A copy of NodeProto ``op`` reading ``ins`` (aliases resolved)."""
+    node = type(op)()
+    node.CopyFrom(op)
+    del node.input[:]
+    node.input.extend(ins)
+    return node
 
 
 def _declared_outputs(graph: Graph, names: list[str], alias: dict[str, str]) -> list[str]:
@@ -223,7 +275,8 @@ def _infer_so_far(graph: Graph) -> dict[str, Tensor]:
 def _check_node(where: str, op: Any, attrs: dict[str, Any]) -> None:
     """A supported op type with its required inputs, attributes and an output, else a GraphError."""
     if op.op_type not in _SPEC:
-        raise GraphError(f"{where}: unknown ONNX op type {op.op_type!r}")
+        raise GraphError(f"{where}: unknown ONNX op type {op.op_type!r}; supported: "
+                         f"{', '.join(SUPPORTED_OPS)} (and any op whose inputs are all constants)")
     fewest, most, required = _SPEC[op.op_type]
     if not fewest <= len(op.input) <= most:
         want = f"{fewest}" if fewest == most else f"{fewest} or more" if most == 2**31 else f"{fewest} to {most}"
@@ -236,130 +289,3 @@ def _check_node(where: str, op: Any, attrs: dict[str, Any]) -> None:
             raise GraphError(f"{where}: attribute {key!r} is missing, but it is required")
     if not op.output or not op.output[0]:
         raise GraphError(f"{where}: has no output")
-
-
-def _ints(attrs: dict[str, Any], key: str, count: int, default: tuple[int, ...], where: str) -> tuple[int, ...]:
-    """An ints attribute of exactly ``count`` values (``default`` when absent)."""
-    vals = attrs.get(key, default)
-    if not isinstance(vals, (list, tuple)) or len(vals) != count:
-        raise GraphError(f"{where}: {key} ({vals!r}) must be {count} ints (2-D only)")
-    return tuple(int(v) for v in vals)
-
-
-def _pads(attrs: dict[str, Any], where: str) -> tuple[int, int, int, int]:
-    """ONNX pads (top, left, bottom, right) as the IR's (top, bottom, left, right)."""
-    if attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
-        raise GraphError(f"{where}: auto_pad ({attrs['auto_pad']!r}) is not supported; give pads")
-    t, left, b, r = _ints(attrs, "pads", 4, (0, 0, 0, 0), where)
-    return (t, b, left, r)
-
-
-def _weight(graph: Graph, inits: dict[str, np.ndarray], node: Node, role: str, tensor: str,
-            transform: Any = None) -> None:
-    if tensor not in inits:
-        raise GraphError(f"node {node.name!r} ({node.op}): {role} ({tensor!r}) must be an initializer")
-    arr = inits[tensor] if transform is None else transform(inits[tensor])
-    key = f"{node.name}.{role}"
-    graph.weights[key] = np.ascontiguousarray(arr, dtype=np.float32)
-    node.weights[role] = key
-
-
-def _init(inits: dict[str, np.ndarray], tensor: str, role: str, ndim: int, where: str) -> np.ndarray:
-    """Initializer ``tensor`` of rank ``ndim`` (a weight the runtime needs as a constant)."""
-    arr = inits.get(tensor)
-    if arr is None:
-        raise GraphError(f"{where}: {role} ({tensor!r}) must be an initializer")
-    if arr.ndim != ndim:
-        raise GraphError(f"{where}: {role} ({tensor!r}) has shape {arr.shape}, expected {ndim}-D")
-    return arr
-
-
-def _axis(attrs: dict[str, Any], default: int, x: Tensor) -> int:
-    """Attribute ``axis`` made non-negative against the rank of ``x``."""
-    axis = int(attrs.get("axis", default))
-    return axis + len(x.shape) if axis < 0 else axis
-
-
-def _node(name: str, kind: str, attrs: dict[str, Any], ins: list[str], inits: dict[str, np.ndarray],
-          graph: Graph, shapes: dict[str, Tensor]) -> Node:
-    where = f"node {name!r} ({kind})"
-    acts = [t for t in ins if t and t not in inits]
-    if not acts:
-        raise GraphError(f"{where}: no input is a tensor (constants are not folded)")
-    if acts[0] not in shapes:
-        raise GraphError(f"{where}: input {acts[0]!r} is dangling (no earlier node or graph input produces it)")
-    x = shapes[acts[0]]
-    node = Node(name, "", acts[:1], name)
-    if kind == "Conv":
-        w = _init(inits, ins[1], "W", 4, where)
-        if "kernel_shape" in attrs and _ints(attrs, "kernel_shape", 2, (), where) != w.shape[2:]:
-            raise GraphError(f"{where}: kernel_shape ({attrs['kernel_shape']}) does not match W {w.shape}")
-        node.op = "conv"
-        node.attrs = {"k": int(w.shape[0]), "kernel": tuple(int(v) for v in w.shape[2:]),
-                      "stride": _ints(attrs, "strides", 2, (1, 1), where), "pad": _pads(attrs, where),
-                      "dilation": _ints(attrs, "dilations", 2, (1, 1), where), "group": int(attrs.get("group", 1))}
-        _weight(graph, inits, node, "w", ins[1])
-        if len(ins) > 2 and ins[2]:
-            _weight(graph, inits, node, "bias", ins[2])
-    elif kind in ("Gemm", "MatMul"):
-        if attrs.get("transA", 0) or attrs.get("alpha", 1.0) != 1.0 or attrs.get("beta", 1.0) != 1.0:
-            raise GraphError(f"{where}: only transA=0, alpha=1, beta=1 are supported")
-        w = _init(inits, ins[1], "B", 2, where)
-        trans = kind == "Gemm" and attrs.get("transB", 0)
-        node.op, node.attrs = "fc", {"k": int(w.shape[0] if trans else w.shape[1])}
-        _weight(graph, inits, node, "w", ins[1], None if trans else np.transpose)
-        if len(ins) > 2 and ins[2]:
-            _weight(graph, inits, node, "bias", ins[2], np.ravel)
-    elif kind in ("Relu", "LeakyRelu"):
-        node.op, node.attrs = "relu", {"slope": float(attrs.get("alpha", 0.01)) if kind == "LeakyRelu" else 0.0}
-    elif kind == "Clip":
-        lo, hi = (float(inits[t]) if t in inits else None for t in (ins + ["", ""])[1:3])
-        if lo != 0.0:
-            raise GraphError(f"{where}: min ({lo}) must be 0 (a clipped ReLU)")
-        node.op, node.attrs = "relu", {"slope": 0.0, "clip": hi}
-    elif kind in ("MaxPool", "AveragePool"):
-        if _ints(attrs, "dilations", 2, (1, 1), where) != (1, 1):
-            raise GraphError(f"{where}: dilations ({attrs['dilations']}) are not supported")
-        node.op = "pool"
-        node.attrs = {"kind": "max" if kind == "MaxPool" else "avg",
-                      "kernel": _ints(attrs, "kernel_shape", 2, (), where),
-                      "stride": _ints(attrs, "strides", 2, (1, 1), where), "pad": _pads(attrs, where),
-                      "ceil": bool(attrs.get("ceil_mode", 0)), "count_pad": bool(attrs.get("count_include_pad", 0))}
-    elif kind in ("GlobalAveragePool", "GlobalMaxPool"):
-        node.op, node.attrs = "pool", {"kind": "avg" if "Average" in kind else "max", "global": True}
-    elif kind == "LRN":
-        node.op = "lrn"
-        node.attrs = {"size": int(attrs["size"]), "alpha": float(attrs.get("alpha", 1e-4)),
-                      "beta": float(attrs.get("beta", 0.75)), "k": float(attrs.get("bias", 1.0))}
-    elif kind == "BatchNormalization":
-        node.op, node.attrs = "batchnorm", {"eps": float(attrs.get("epsilon", 1e-5))}
-        for role, t in zip(("gamma", "beta", "mean", "var"), ins[1:5], strict=True):
-            _weight(graph, inits, node, role, t)
-    elif kind in ("Add", "Sum"):
-        if len(acts) != len(ins):
-            raise GraphError(f"{where}: adding an initializer is not supported (only tensors)")
-        node.op, node.inputs = "add", acts
-    elif kind == "Concat":
-        node.op, node.inputs, node.attrs = "concat", acts, {"axis": int(attrs["axis"])}
-    elif kind == "Softmax":
-        if _axis(attrs, -1, x) != 1:
-            raise GraphError(f"{where}: axis ({attrs.get('axis', -1)}) of the {len(x.shape)}-D input {x} must be "
-                             "the channels (axis 1, or -1 of a 2-D input): softmax runs over channels only")
-        node.op = "softmax"
-    elif kind in ("Flatten", "Reshape"):
-        if kind == "Flatten" and _axis(attrs, 1, x) != 1:
-            raise GraphError(f"{where}: axis ({attrs['axis']}) must be 1")
-        if kind == "Reshape":
-            _flattens(where, _init(inits, ins[1], "shape", 1, where), x, bool(attrs.get("allowzero", 0)))
-        node.op = "flatten"
-    return node
-
-
-def _flattens(where: str, shape: np.ndarray, x: Tensor, allowzero: bool) -> None:
-    """Refuse a Reshape target other than (N, -1) of ``x``: the runtime only flattens."""
-    n, rest = x.shape[0], x.size // x.shape[0]
-    s = [int(v) for v in shape]
-    keep = (0,) if not allowzero else ()  # 0 copies the input's dim unless allowzero
-    if len(s) != 2 or s[0] not in (-1, n, *keep) or s[1] not in (-1, rest) or s == [-1, -1]:
-        raise GraphError(f"{where}: shape ({s}) must flatten the input {x} to ({n}, {rest}) "
-                         f"(e.g. [{n}, -1]); other reshapes are not supported")

@@ -4,6 +4,24 @@ A :class:`Graph` holds one input, nodes in topological order, named outputs and 
 (float32 NumPy arrays by name). Every activation is a float32 NCHW (``n:c:y:x``) or
 NC (``n:c``) tensor. :func:`infer` checks the graph and gives every tensor its shape; a malformed
 graph is refused with an error naming the node, the field and the value.
+
+Ops and their attributes (beyond Caffe's conv / fc / pool / lrn / relu / batchnorm / scale / add /
+concat / softmax / flatten / dropout):
+
+* ``act``: an elementwise activation ``fn`` (:data:`ACT_FNS`): sigmoid, silu, hardswish,
+  hardsigmoid (``alpha``, ``beta``), clip (``lo``, ``hi``; None: unbounded), tanh, gelu (exact);
+* ``binary``: ``fn`` (add, sub, mul, div) of two tensors, or of one tensor and the constant weight
+  ``b`` (``swap``: the constant is the left operand), broadcast as NumPy does (rank kept, the batch
+  never broadcast);
+* ``resize``: to ``size`` (P, Q) by ``mode`` nearest / linear, ONNX's ``coord`` transformation with
+  ``scale`` (the factors it divides by) and ``nearest`` rounding (:func:`resize_table`);
+* ``pad``: ``pad`` (top, bottom, left, right) by ``mode`` constant (``value``), reflect or edge;
+* ``deconv``: the transposed convolution (ONNX ConvTranspose): weights ``w`` (C, K/group, R, S) and
+  ``bias``, ``kernel`` / ``stride`` / ``pad`` / ``dilation`` / ``group`` as the conv whose input
+  gradient it is, and ``out_pad`` (extra rows and columns at the bottom and right);
+* ``reshape``: a view of the same elements as (N,) + ``shape`` (one or three per-image dims).
+
+A conv or fc node may carry ``act`` (:data:`EPILOGUE_ACTS`): an activation folded into its epilogue.
 """
 
 from __future__ import annotations
@@ -14,14 +32,22 @@ from typing import Any
 import numpy as np
 
 OPS = ("conv", "fc", "pool", "lrn", "relu", "batchnorm", "scale", "add", "concat", "softmax",
-       "flatten", "dropout")
+       "flatten", "dropout", "act", "binary", "resize", "pad", "deconv", "reshape")
 
 # Weights each op needs (by role), and which of them are optional.
 WEIGHTS: dict[str, tuple[str, ...]] = {
     "conv": ("w", "bias", "pscale", "pshift"), "fc": ("w", "bias"), "batchnorm": ("mean", "var", "gamma", "beta"),
-    "scale": ("gamma", "beta"),
+    "scale": ("gamma", "beta"), "deconv": ("w", "bias"), "binary": ("b",),
 }
-OPTIONAL = {"bias", "gamma", "beta", "pscale", "pshift"}  # pscale, pshift: a conv's prologue (both or none)
+OPTIONAL = {"bias", "gamma", "beta", "pscale", "pshift", "b"}  # pscale, pshift: a conv's prologue (both or none)
+
+ACT_FNS = ("sigmoid", "silu", "hardswish", "hardsigmoid", "clip", "tanh", "gelu")  # an act node's fn
+EPILOGUE_ACTS = ("silu", "hardswish", "gelu")  # what a conv / fc folds into its epilogue (attrs["act"]) besides ReLU
+BINARY_FNS = ("add", "sub", "mul", "div")
+RESIZE_MODES = ("nearest", "linear")
+COORD_MODES = ("asymmetric", "half_pixel", "pytorch_half_pixel", "align_corners")
+NEAREST_MODES = ("round_prefer_floor", "round_prefer_ceil", "floor", "ceil")
+PAD_MODES = ("constant", "reflect", "edge")
 
 
 class GraphError(ValueError):
@@ -184,6 +210,47 @@ def pool_out(size: int, k: int, st: int, p0: int, p1: int, ceil: bool) -> int:
     return out
 
 
+def deconv_out(size: int, k: int, st: int, p0: int, p1: int, dil: int, extra: int) -> int:
+    """Output extent of a transposed convolution (ONNX ConvTranspose, PyTorch conv_transpose2d): the
+    input extent of the conv whose input gradient it is, ``extra`` (output_padding) rows added."""
+    return (size - 1) * st - p0 - p1 + (k - 1) * dil + 1 + extra
+
+
+def resize_table(size: int, out: int, scale: float, mode: str, coord: str, nearest: str) -> np.ndarray:
+    """Per output index along one axis, (first source index, second source index, weight of the
+    second) in float64, as ONNX Resize defines them: the output coordinate mapped back by ``coord``
+    with ``scale`` (the factor the output extent is the input's), then the nearest source by
+    ``nearest`` rounding, or the two neighbours and the fraction (``mode`` linear); sources clamped
+    to the input (edge values)."""
+    y = np.arange(out, dtype=np.float64)
+    length = scale * size
+    if coord == "align_corners":
+        x = np.zeros(out) if length == 1 else y * (size - 1) / (length - 1)
+    elif coord == "asymmetric":
+        x = y / scale
+    elif coord == "pytorch_half_pixel" and length == 1:
+        x = np.full(out, -0.5)
+    else:  # half_pixel, pytorch_half_pixel
+        x = (y + 0.5) / scale - 0.5
+    lo = np.floor(x)
+    frac = x - lo
+    if mode == "linear":
+        first, second, weight = lo, lo + 1, frac
+    else:
+        up = {"round_prefer_floor": frac > 0.5, "round_prefer_ceil": frac >= 0.5, "floor": np.zeros(out, bool),
+              "ceil": frac > 0}[nearest]
+        first = second = lo + up
+        weight = np.zeros(out)
+    return np.stack([np.clip(first, 0, size - 1), np.clip(second, 0, size - 1), weight], axis=1)
+
+
+def broadcast(where: str, a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    """The NumPy broadcast of shapes ``a`` and ``b`` of equal rank, else a GraphError."""
+    if len(a) != len(b) or any(x != y and 1 not in (x, y) for x, y in zip(a, b)):
+        raise GraphError(f"{where}: shapes {a} and {b} do not broadcast (equal ranks, each dim equal or 1)")
+    return tuple(max(x, y) for x, y in zip(a, b))
+
+
 def _weight_shape(graph: Graph, node: Node, role: str, want: tuple[int, ...]) -> None:
     key = node.weights.get(role)
     if key is None:
@@ -216,6 +283,13 @@ def check_weights(graph: Graph) -> None:
                                  f"{float(arr.min()):g}; a batch norm's variance is >= 0")
 
 
+def _check_act(node: Node, where: str) -> None:
+    """A conv / fc node's epilogue activation: ReLU or one of EPILOGUE_ACTS, not both."""
+    act = node.attrs.get("act")
+    if act is not None and (act not in EPILOGUE_ACTS or node.attrs.get("relu")):
+        raise GraphError(f"{where}: act ({act!r}) must be one of {', '.join(EPILOGUE_ACTS)}, and not with relu")
+
+
 def _infer_node(graph: Graph, node: Node, ins: list[Tensor]) -> Tensor:
     """The output tensor of ``node`` given its input tensors."""
     x = ins[0]
@@ -242,6 +316,7 @@ def _infer_node(graph: Graph, node: Node, ins: list[Tensor]) -> Tensor:
             raise GraphError(f"{where}: a prologue needs both weights.pscale and weights.pshift")
         _weight_shape(graph, node, "pscale", (c,))
         _weight_shape(graph, node, "pshift", (c,))
+        _check_act(node, where)
         out = Tensor(node.output, ("n", "c", "y", "x"), (n, k, p, q))
         if len(ins) == 2 and ins[1].shape != out.shape:
             raise GraphError(f"{where}: residual input {ins[1]} does not match the output {out}")
@@ -253,6 +328,7 @@ def _infer_node(graph: Graph, node: Node, ins: list[Tensor]) -> Tensor:
         fan = x.size // x.shape[0]
         _weight_shape(graph, node, "w", (k, fan))
         _weight_shape(graph, node, "bias", (k,))
+        _check_act(node, where)
         return Tensor(node.output, ("n", "c"), (x.shape[0], k))
     if node.op == "pool":
         kind = node.attrs.get("kind", "max")
@@ -294,10 +370,108 @@ def _infer_node(graph: Graph, node: Node, ins: list[Tensor]) -> Tensor:
         if node.op == "lrn" and int(node.attrs.get("size", 5)) % 2 != 1:
             raise GraphError(f"{where}: size ({node.attrs.get('size')!r}) must be odd")
         return Tensor(node.output, x.dims, x.shape)
+    return _infer_onnx_op(graph, node, ins, where)
+
+
+def _choice(node: Node, key: str, allowed: tuple[str, ...], default: str | None = None) -> str:
+    v = node.attrs.get(key, default)
+    if v not in allowed:
+        raise GraphError(f"node {node.name!r} ({node.op}): {key} ({v!r}) must be one of {', '.join(allowed)}")
+    return str(v)
+
+
+def _infer_onnx_op(graph: Graph, node: Node, ins: list[Tensor], where: str) -> Tensor:
+    """The output of the ops that modern CNNs' ONNX exports brought: act, binary, resize, pad,
+    deconv, reshape (module docstring)."""
+    x = ins[0]
+    if node.op in ("resize", "pad", "deconv") and len(x.dims) != 4:
+        raise GraphError(f"{where}: input {x.name!r} is {x.layout()}, expected n:c:y:x")
+    if node.op == "act":
+        _choice(node, "fn", ACT_FNS)
+        return Tensor(node.output, x.dims, x.shape)
+    if node.op == "binary":
+        _choice(node, "fn", BINARY_FNS)
+        b = graph.weight(node, "b")
+        if (len(ins) == 2) == (b is not None):
+            raise GraphError(f"{where}: a binary op takes two tensors, or one and the constant weights.b")
+        other = ins[1].shape if b is None else tuple(b.shape)
+        if b is not None and other[:1] != (1,):
+            raise GraphError(f"{where}: weights.b has shape {other}: a constant is never per image (batch dim 1)")
+        if b is None and other[0] != x.shape[0]:
+            raise GraphError(f"{where}: inputs {x} and {ins[1]} differ in the batch")
+        out = broadcast(where, x.shape, other)
+        return Tensor(node.output, x.dims, out)
+    if node.op == "resize":
+        _choice(node, "mode", RESIZE_MODES)
+        _choice(node, "coord", COORD_MODES)
+        _choice(node, "nearest", NEAREST_MODES, "round_prefer_floor")
+        size = _ints(node, "size", (0, 0), 2)
+        scale = node.attrs.get("scale")
+        if min(size) < 1 or not isinstance(scale, tuple) or len(scale) != 2 or not all(
+                isinstance(v, float) and v > 0 for v in scale):
+            raise GraphError(f"{where}: size ({size}) must be >= 1 and scale ({scale!r}) 2 floats > 0")
+        return Tensor(node.output, x.dims, x.shape[:2] + size)
+    if node.op == "pad":
+        mode = _choice(node, "mode", PAD_MODES, "constant")
+        pt, pb, pl, pr = _ints(node, "pad", 0, 4)
+        h, w = x.shape[2:]
+        if mode == "reflect" and (max(pt, pb) >= h or max(pl, pr) >= w):
+            raise GraphError(f"{where}: reflect pad {(pt, pb, pl, pr)} must be smaller than the input {x}")
+        return Tensor(node.output, x.dims, (x.shape[0], x.shape[1], h + pt + pb, w + pl + pr))
+    if node.op == "deconv":
+        return _infer_deconv(graph, node, x, where)
+    if node.op == "reshape":
+        shape = tuple(node.attrs.get("shape", ()))
+        if len(shape) not in (1, 3) or not all(isinstance(v, int) and v >= 1 for v in shape) or \
+                int(np.prod(shape)) != x.size // x.shape[0]:
+            raise GraphError(f"{where}: shape ({shape!r}) must be 1 or 3 positive ints holding the "
+                             f"{x.size // x.shape[0]} values of an image of {x}")
+        return Tensor(node.output, ("n", "c", "y", "x")[:len(shape) + 1], (x.shape[0],) + shape)
     raise GraphError(f"{where}: unknown op {node.op!r}; known: {', '.join(OPS)}")
 
 
-_ARITY = {"add": (2, 99), "concat": (1, 99), "conv": (1, 2)}  # conv: + fused residual
+def _infer_deconv(graph: Graph, node: Node, x: Tensor, where: str) -> Tensor:
+    """A transposed convolution's output (``deconv_out``), its weights checked."""
+    (r, s), st, pad, dil = conv_geometry(node)
+    k = node.attrs.get("k")
+    if not isinstance(k, int) or k < 1:
+        raise GraphError(f"{where}: k ({k!r}) must be a positive int")
+    n, c, h, w = x.shape
+    g = conv_group(node)
+    if c % g or k % g:
+        raise GraphError(f"{where}: group ({g}) must divide the input channels ({c}) and k ({k})")
+    oh, ow = _ints(node, "out_pad", 0, 2)
+    if oh >= st[0] or ow >= st[1]:
+        raise GraphError(f"{where}: out_pad ({(oh, ow)}) must be smaller than the stride ({st})")
+    p = deconv_out(h, r, st[0], pad[0], pad[1], dil[0], oh)
+    q = deconv_out(w, s, st[1], pad[2], pad[3], dil[1], ow)
+    if p < 1 or q < 1:
+        raise GraphError(f"{where}: pad {pad} leaves no output of the transposed convolution of {x}")
+    _weight_shape(graph, node, "w", (c, k // g, r, s))
+    _weight_shape(graph, node, "bias", (k,))
+    return Tensor(node.output, x.dims, (n, k, p, q))
+
+
+_ARITY = {"add": (2, 99), "concat": (1, 99), "conv": (1, 2), "binary": (1, 2)}  # conv: + fused residual
+
+
+def infer_node(graph: Graph, node: Node, shapes: dict[str, Tensor]) -> Tensor:
+    """The output tensor of ``node`` given the tensors before it (``shapes``), its op, arity,
+    inputs and weights checked; a GraphError names what is wrong."""
+    if node.op not in OPS:
+        raise GraphError(f"node {node.name!r}: unknown op {node.op!r}; known: {', '.join(OPS)}")
+    lo, hi = _ARITY.get(node.op, (1, 1))
+    if not lo <= len(node.inputs) <= hi:
+        raise GraphError(f"node {node.name!r} ({node.op}): inputs ({node.inputs}) must number "
+                         f"{lo}" + (f" to {hi}" if hi != lo and hi < 99 else " or more" if hi != lo else ""))
+    for t in node.inputs:
+        if t not in shapes:
+            raise GraphError(f"node {node.name!r} ({node.op}): input {t!r} is dangling "
+                             "(no earlier node or graph input produces it)")
+    if node.output in shapes:
+        raise GraphError(f"node {node.name!r} ({node.op}): output {node.output!r} is already produced "
+                         "(tensors are written once)")
+    return _infer_node(graph, node, [shapes[t] for t in node.inputs])
 
 
 def infer(graph: Graph) -> dict[str, Tensor]:
@@ -310,20 +484,7 @@ def infer(graph: Graph) -> dict[str, Tensor]:
         if node.name in seen:
             raise GraphError(f"node {node.name!r}: name is used twice")
         seen.add(node.name)
-        if node.op not in OPS:
-            raise GraphError(f"node {node.name!r}: unknown op {node.op!r}; known: {', '.join(OPS)}")
-        lo, hi = _ARITY.get(node.op, (1, 1))
-        if not lo <= len(node.inputs) <= hi:
-            raise GraphError(f"node {node.name!r} ({node.op}): inputs ({node.inputs}) must number "
-                             f"{lo}" + (f" to {hi}" if hi != lo and hi < 99 else " or more" if hi != lo else ""))
-        for t in node.inputs:
-            if t not in shapes:
-                raise GraphError(f"node {node.name!r} ({node.op}): input {t!r} is dangling "
-                                 "(no earlier node or graph input produces it)")
-        if node.output in shapes:
-            raise GraphError(f"node {node.name!r} ({node.op}): output {node.output!r} is already produced "
-                             "(tensors are written once)")
-        shapes[node.output] = _infer_node(graph, node, [shapes[t] for t in node.inputs])
+        shapes[node.output] = infer_node(graph, node, shapes)
     if not graph.outputs:
         raise GraphError(f"graph {graph.name!r}: outputs is empty")
     for t in graph.outputs:

@@ -1,5 +1,6 @@
 """Non-conv operations in the kernel dialect: pooling, LRN, activations, per-channel affine
-(unfolded batch norm / scale), add, softmax and concat copies.
+(unfolded batch norm / scale), add, softmax and concat copies; broadcast binary ops, resize and
+padding (what ONNX exports of modern CNNs bring).
 
 Each builder returns an :class:`OpLaunch`: a kernel specialised to its shapes (sizes are constants,
 like the conv families) and its launch, with arguments named by tensor or weight. One thread per
@@ -305,3 +306,121 @@ def copy_into(node: Node, x: Tensor, total_c: int, offset: int, src: str, dst: s
     body = f"{st.store('y', at, st.load('x', 'e'))};"
     return _elementwise(kernel_name(node, f"_{part}"), x.size, (st.buf("x"), _out(st)), (src, dst), body,
                         f"{node.name}: concat input {part} at channel {offset}")
+
+
+# -- the ops of modern CNNs' ONNX exports (ir.py: act, binary, resize, pad) ------------------------
+
+def act_expr(fn: str, attrs: dict, v: str) -> str:
+    """The float expression of activation ``fn`` (ir.ACT_FNS) of ``v``, NaN kept NaN (comparisons
+    rather than fmin / fmax, which would turn it into a bound)."""
+    if fn == "sigmoid":
+        return f"(1.0f / (1.0f + exp(-{v})))"
+    if fn == "silu":
+        return f"SILU({v})"
+    if fn == "hardswish":
+        return f"HSWISH({v})"
+    if fn == "gelu":
+        return f"GELU({v})"
+    if fn == "tanh":
+        return f"tanh({v})"
+    if fn == "hardsigmoid":
+        t = f"({float(attrs.get('alpha', 0.2))!r}f * {v} + {float(attrs.get('beta', 0.5))!r}f)"
+        return f"({t} < 0.0f ? 0.0f : {t} > 1.0f ? 1.0f : {t})"
+    lo, hi = attrs.get("lo"), attrs.get("hi")
+    expr = v
+    if hi is not None:
+        expr = f"({expr} > {float(hi)!r}f ? {float(hi)!r}f : {expr})"
+    if lo is not None:
+        expr = f"({v} < {float(lo)!r}f ? {float(lo)!r}f : {expr})"
+    return expr
+
+
+def unary(node: Node, x: Tensor, src: str, dst: str, st: Storage = FLOAT32) -> OpLaunch:
+    """y = fn(x) elementwise (an ``act`` node)."""
+    fn = node.attrs["fn"]
+    body = f"const float v = {st.load('x', 'e')};\n{st.store('y', 'e', act_expr(fn, node.attrs, 'v'))};"
+    return _elementwise(kernel_name(node), x.size, (st.buf("x"), _out(st)), (src, dst), body, f"{node.name}: {fn}")
+
+
+def _offset(shape: tuple[int, ...], out: tuple[int, ...]) -> str:
+    """The element offset in a tensor of ``shape`` broadcast to ``out`` (equal ranks) of the output
+    element whose coordinates are i0, i1, ...: broadcast dims contribute nothing."""
+    if shape == out:
+        return "e"
+    terms, stride = [], 1
+    for d in reversed(range(len(out))):
+        if shape[d] != 1:
+            terms.append(f"i{d} * {stride}" if stride != 1 else f"i{d}")
+        stride *= shape[d]
+    return " + ".join(reversed(terms)) or "0"
+
+
+def binary(node: Node, a: Tensor, b: tuple[int, ...], y: Tensor, srcs: tuple[str, str], dst: str,
+           b_const: bool, st: Storage = FLOAT32) -> OpLaunch:
+    """y = a fn b (add, sub, mul, div) with NumPy broadcasting; ``b`` (shape ``b``) is the second
+    tensor, or a float32 constant (``b_const``; left of the operator with attrs["swap"])."""
+    out = y.shape
+    coords = []
+    div = 1
+    for d in reversed(range(len(out))):
+        coords.append(f"i{d} = " + (f"(e / {div})" if div > 1 else "e") + (f" % {out[d]}" if d else ""))
+        div *= out[d]
+    lhs = st.load("a", _offset(a.shape, out))
+    rhs = f"b[{_offset(b, out)}]" if b_const else st.load("b", _offset(b, out))
+    if node.attrs.get("swap"):
+        lhs, rhs = rhs, lhs
+    op = {"add": "+", "sub": "-", "mul": "*", "div": "/"}[node.attrs["fn"]]
+    need = a.shape != out or b != out
+    store = st.store("y", "e", f"{lhs} {op} {rhs}")
+    body = (f"const int {', '.join(reversed(coords))};\n" if need else "") + f"{store};"
+    bufs = (st.buf("a"), Buf("b") if b_const else st.buf("b"), _out(st))
+    return _elementwise(kernel_name(node), y.size, bufs, (*srcs, dst), body,
+                        f"{node.name}: {node.attrs['fn']} {a.shape} by {'constant ' if b_const else ''}{b}")
+
+
+def resize(node: Node, x: Tensor, y: Tensor, src: str, dst: str, rows: str, cols: str,
+           st: Storage = FLOAT32) -> OpLaunch:
+    """Nearest or bilinear resize by two float32 tables ``rows`` (P x 3) and ``cols`` (Q x 3) of
+    (first source, second source, weight of the second), ir.resize_table's, computed on the host in
+    float64 so a rounding tie lands where the reference puts it."""
+    _, _, h, w = x.shape
+    _, _, p, q = y.shape
+    head = (f"const int j = e % {q}, i = (e / {q}) % {p}, nc = e / {p * q};\n"
+            f"const GLOBAL_PTR {st.elem}* in = x + nc * {h * w};\n"
+            f"const int y0 = (int)ty[3 * i], x0 = (int)tx[3 * j];\n")
+    if node.attrs["mode"] == "nearest":
+        body = head + f"{st.store('y', 'e', st.load('in', f'y0 * {w} + x0'))};"
+    else:
+        ld = lambda r, c: st.load("in", f"{r} * {w} + {c}")  # noqa: E731
+        body = head + f"""const int y1 = (int)ty[3 * i + 1], x1 = (int)tx[3 * j + 1];
+const float fy = ty[3 * i + 2], fx = tx[3 * j + 2];
+const float top = (1.0f - fx) * {ld('y0', 'x0')} + fx * {ld('y0', 'x1')};
+const float bot = (1.0f - fx) * {ld('y1', 'x0')} + fx * {ld('y1', 'x1')};
+{st.store('y', 'e', '(1.0f - fy) * top + fy * bot')};"""
+    return _elementwise(kernel_name(node), y.size, (st.buf("x"), Buf("ty"), Buf("tx"), _out(st)),
+                        (src, rows, cols, dst), body,
+                        f"{node.name}: resize {node.attrs['mode']} {h}x{w} -> {p}x{q} ({node.attrs['coord']})")
+
+
+def pad(node: Node, x: Tensor, y: Tensor, src: str, dst: str, st: Storage = FLOAT32) -> OpLaunch:
+    """Constant (``value``), reflect or edge padding of the planes."""
+    _, _, h, w = x.shape
+    _, _, p, q = y.shape
+    pt, _, pl, _ = conv_geometry(node)[2]
+    mode = node.attrs.get("mode", "constant")
+    body = (f"const int j = e % {q}, i = (e / {q}) % {p}, nc = e / {p * q};\n"
+            f"int yy = i - {pt}, xx = j - {pl};\n")
+    if mode == "constant":
+        value = f"{float(node.attrs.get('value', 0.0))!r}f"
+        load = st.load("x", f"nc * {h * w} + yy * {w} + xx")
+        body += (f"const bool inside = yy >= 0 && yy < {h} && xx >= 0 && xx < {w};\n"
+                 f"{st.store('y', 'e', f'inside ? {load} : {value}')};")
+    else:
+        if mode == "reflect":
+            body += (f"yy = yy < 0 ? -yy : yy >= {h} ? {2 * h - 2} - yy : yy;\n"
+                     f"xx = xx < 0 ? -xx : xx >= {w} ? {2 * w - 2} - xx : xx;\n")
+        else:
+            body += f"yy = min(max(yy, 0), {h - 1});\nxx = min(max(xx, 0), {w - 1});\n"
+        body += f"{st.store('y', 'e', st.load('x', f'nc * {h * w} + yy * {w} + xx'))};"
+    return _elementwise(kernel_name(node), y.size, (st.buf("x"), _out(st)), (src, dst), body,
+                        f"{node.name}: pad {mode} {conv_geometry(node)[2]}")

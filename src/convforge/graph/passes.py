@@ -1,7 +1,9 @@
 """Graph passes, each a function Graph -> Graph that leaves its argument unchanged.
 
-``optimize`` runs them in order: identity removal, batch norm folding, activation fusion,
-pre-activation folding, residual fusion, LRN into the pool after it, concat in place.
+``optimize`` runs them in order: identity removal, zero padding into the convs after it, constant
+bias adds into the conv / fc before them, batch norm folding, gated activations (x * sigmoid(x):
+SiLU; x * hardsigmoid(x): HardSwish), activation fusion, pre-activation folding, residual fusion,
+LRN into the pool after it, concat in place.
 Each is tested by running the graph through the float64 reference before and after.
 """
 
@@ -11,7 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from convforge.graph.ir import Graph, Node, infer
+from convforge.graph.ir import EPILOGUE_ACTS, Graph, Node, conv_geometry, conv_group, infer
 
 Pass = Callable[[Graph], Graph]
 
@@ -65,32 +67,144 @@ def fold_batchnorm(graph: Graph) -> Graph:
     g = graph.copy()
     for node in list(g.nodes):
         prod = g.producer(node.inputs[0]) if node.op in ("batchnorm", "scale") else None
-        if (prod is None or prod.op not in ("conv", "fc") or prod.attrs.get("relu")
+        if (prod is None or prod.op not in ("conv", "fc", "deconv") or _activated(prod)
                 or len(prod.inputs) > 1 or _sole_consumer(g, prod.output) is not node):
             continue
         a, shift = channel_affine(g, node)
         w = np.asarray(g.weights[prod.weights["w"]], np.float64)
         b = g.weight(prod, "bias")
-        b64 = np.zeros(w.shape[0]) if b is None else np.asarray(b, np.float64)
+        b64 = np.zeros(a.shape[0]) if b is None else np.asarray(b, np.float64)
         wkey, bkey = f"{prod.name}.w+{node.name}", f"{prod.name}.bias+{node.name}"
-        g.weights[wkey] = (w * a.reshape((-1,) + (1,) * (w.ndim - 1))).astype(np.float32)
+        g.weights[wkey] = _scale_outputs(prod, w, a).astype(np.float32)
         g.weights[bkey] = (b64 * a + shift).astype(np.float32)
         prod.weights = {"w": wkey, "bias": bkey}
         _drop(g, node, prod.output)
     return g
 
 
-def fuse_relu(graph: Graph) -> Graph:
-    """Fold a plain ReLU into the epilogue of the conv / fc / add / affine that produces its input
-    (when the ReLU is that producer's only reader)."""
+def _activated(node: Node) -> bool:
+    """``node`` applies an activation to what it writes (a fused ReLU or epilogue act)."""
+    return bool(node.attrs.get("relu") or node.attrs.get("act"))
+
+
+def _scale_outputs(node: Node, w: np.ndarray, a: np.ndarray) -> np.ndarray:
+    """Filters ``w`` of a conv / fc / deconv with output channel k scaled by ``a[k]`` (a deconv's
+    filters are (C, K/group, R, S): output channel k is group k // (K/group)'s column k % (K/group))."""
+    if node.op != "deconv":
+        return w * a.reshape((-1,) + (1,) * (w.ndim - 1))
+    g = conv_group(node)
+    c, kg = w.shape[0], w.shape[1]
+    return (w.reshape(g, c // g, kg, *w.shape[2:]) * a.reshape(g, 1, kg, 1, 1)).reshape(w.shape)
+
+
+def fold_pad(graph: Graph) -> Graph:
+    """Fold a constant zero pad into the padding of the convs that read it, when every reader is a
+    conv taking it as its input (no prologue yet): the padded tensor is never written."""
     g = graph.copy()
     for node in list(g.nodes):
-        prod = g.producer(node.inputs[0]) if node.op == "relu" else None
-        plain = node.attrs.get("slope", 0.0) == 0.0 and node.attrs.get("clip") is None
-        if (prod is None or not plain or prod.op not in ("conv", "fc", "add", "batchnorm", "scale")
-                or prod.attrs.get("relu") or _sole_consumer(g, prod.output) is not node):
+        if node.op != "pad" or node.attrs.get("mode", "constant") != "constant" or node.attrs.get("value", 0.0):
             continue
-        prod.attrs["relu"] = True
+        users = g.consumers(node.output)
+        if node.output in g.outputs or not users or not all(
+                u.op == "conv" and u.inputs == [node.output] and "pscale" not in u.weights
+                and not u.attrs.get("pre_relu") for u in users):
+            continue
+        extra = conv_geometry(node)[2]
+        for u in users:
+            u.attrs["pad"] = tuple(p + e for p, e in zip(conv_geometry(u)[2], extra, strict=True))
+            u.inputs = [node.inputs[0]]
+        g.nodes.remove(node)
+    return g
+
+
+def _channel_constant(graph: Graph, node: Node, k: int) -> np.ndarray | None:
+    """The constant of a one-input binary add / sub as K per-channel values (a scalar or one
+    value per channel, broadcast over the rest), else None."""
+    b = graph.weight(node, "b")
+    if b is None or node.attrs.get("fn") not in ("add", "sub") or (node.attrs["fn"] == "sub"
+                                                                   and node.attrs.get("swap")):
+        return None
+    shape = b.shape
+    if any(d != 1 for i, d in enumerate(shape) if i != 1) or (len(shape) > 1 and shape[1] not in (1, k)):
+        return None
+    vals = np.broadcast_to(np.asarray(b, np.float64).reshape(-1), (k,))
+    return -vals if node.attrs["fn"] == "sub" else vals
+
+
+def fold_bias(graph: Graph) -> Graph:
+    """Fold a per-channel constant add (or subtract) into the bias of the conv / fc / deconv before
+    it (its only reader, no activation yet): MatMul + Add bias as ONNX writes a linear layer."""
+    g = graph.copy()
+    shapes = infer(graph)
+    for node in list(g.nodes):
+        prod = g.producer(node.inputs[0]) if node.op == "binary" and len(node.inputs) == 1 else None
+        if (prod is None or prod.op not in ("conv", "fc", "deconv") or _activated(prod) or len(prod.inputs) > 1
+                or _sole_consumer(g, prod.output) is not node
+                or shapes[node.output].shape != shapes[prod.output].shape):
+            continue
+        k = shapes[prod.output].shape[1]
+        vals = _channel_constant(g, node, k)
+        if vals is None:
+            continue
+        b = g.weight(prod, "bias")
+        key = f"{prod.name}.bias+{node.name}"
+        g.weights[key] = ((np.zeros(k) if b is None else np.asarray(b, np.float64)) + vals).astype(np.float32)
+        prod.weights["bias"] = key
+        _drop(g, node, prod.output)
+    return g
+
+
+def _gate_of(node: Node | None) -> str | None:
+    """The activation x * node(x) is, for a gate ``node``: sigmoid gives SiLU, hardsigmoid with
+    alpha 1/6 and beta 1/2 HardSwish; None for anything else."""
+    if node is None or node.op != "act":
+        return None
+    if node.attrs["fn"] == "sigmoid":
+        return "silu"
+    if (node.attrs["fn"] == "hardsigmoid" and abs(float(node.attrs.get("alpha", 0.2)) - 1 / 6) < 1e-6
+            and float(node.attrs.get("beta", 0.5)) == 0.5):
+        return "hardswish"
+    return None
+
+
+def fuse_gate(graph: Graph) -> Graph:
+    """x * sigmoid(x) -> SiLU and x * hardsigmoid(x) -> HardSwish (as exports write them): the
+    multiply becomes the activation of x, the gate dropped when nothing else reads it."""
+    g = graph.copy()
+    for node in list(g.nodes):
+        if node.op != "binary" or node.attrs.get("fn") != "mul" or len(node.inputs) != 2:
+            continue
+        for x, gate_out in (node.inputs, node.inputs[::-1]):
+            gate = g.producer(gate_out)
+            fn = _gate_of(gate)
+            if fn is None or gate is None or gate.inputs[0] != x:
+                continue
+            if _sole_consumer(g, gate_out) is node:
+                g.nodes.remove(gate)
+            node.op, node.inputs, node.attrs = "act", [x], {"fn": fn}
+            break
+    return g
+
+
+def fuse_relu(graph: Graph) -> Graph:
+    """Fold a plain ReLU into the epilogue of the conv / fc / add / affine / deconv that produces
+    its input, and a SiLU or HardSwish act (``EPILOGUE_ACTS``) into a conv's or fc's (when the
+    activation is that producer's only reader)."""
+    g = graph.copy()
+    for node in list(g.nodes):
+        prod = g.producer(node.inputs[0]) if node.op in ("relu", "act") else None
+        if node.op == "relu":
+            ok = node.attrs.get("slope", 0.0) == 0.0 and node.attrs.get("clip") is None
+            takers: tuple[str, ...] = ("conv", "fc", "add", "batchnorm", "scale", "deconv")
+        else:
+            ok, takers = node.attrs.get("fn") in EPILOGUE_ACTS, ("conv", "fc")
+        if (prod is None or not ok or prod.op not in takers or _activated(prod)
+                or _sole_consumer(g, prod.output) is not node):
+            continue
+        if node.op == "relu":
+            prod.attrs["relu"] = True
+        else:
+            prod.attrs["act"] = node.attrs["fn"]
         _drop(g, node, prod.output)
     return g
 
@@ -168,7 +282,7 @@ def fuse_residual(graph: Graph) -> Graph:
             continue
         for mine, other in (node.inputs, node.inputs[::-1]):
             prod = g.producer(mine)
-            if (prod is not None and prod.op == "conv" and len(prod.inputs) == 1 and not prod.attrs.get("relu")
+            if (prod is not None and prod.op == "conv" and len(prod.inputs) == 1 and not _activated(prod)
                     and _sole_consumer(g, mine) is node and order.get(other, -1) < order[mine]):
                 prod.inputs.append(other)
                 prod.attrs["relu"] = bool(node.attrs.get("relu"))
@@ -209,8 +323,8 @@ def concat_in_place(graph: Graph) -> Graph:
     return g
 
 
-PASSES: tuple[Pass, ...] = (remove_identities, fold_batchnorm, fuse_relu, fold_preactivation, fuse_residual,
-                            fuse_lrn_pool, concat_in_place)
+PASSES: tuple[Pass, ...] = (remove_identities, fold_pad, fold_bias, fold_batchnorm, fuse_gate, fuse_relu,
+                            fold_preactivation, fuse_residual, fuse_lrn_pool, concat_in_place)
 
 
 def optimize(graph: Graph, passes: tuple[Pass, ...] = PASSES) -> Graph:

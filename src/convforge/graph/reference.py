@@ -14,7 +14,18 @@ from collections.abc import Callable
 
 import numpy as np
 
-from convforge.graph.ir import Graph, Node, conv_geometry, conv_group, infer, lrn_params, pool_out
+from convforge.check import gelu_ref, hardswish_ref, sigmoid_ref, silu_ref
+from convforge.graph.ir import (
+    Graph,
+    Node,
+    conv_geometry,
+    conv_group,
+    deconv_out,
+    infer,
+    lrn_params,
+    pool_out,
+    resize_table,
+)
 from convforge.reference import activate_ref, conv2d_ref
 from convforge.spec import ConvSpec
 
@@ -45,7 +56,36 @@ def _w(graph: Graph, node: Node, role: str) -> Arr | None:
 
 
 def _act(node: Node, y: Arr) -> Arr:
+    """A node's fused activation: ReLU, or a conv / fc epilogue's ``act``."""
+    if node.attrs.get("act"):
+        return act_ref(node.attrs["act"], y, node.attrs)
     return np.maximum(y, 0.0) if node.attrs.get("relu") else y
+
+
+def _act32(node: Node, y: Arr) -> Arr:
+    """:func:`_act` on float32 values, rounded to float32."""
+    if node.attrs.get("act"):
+        return act_ref(node.attrs["act"], y, node.attrs).astype(np.float32)
+    return np.maximum(y, np.float32(0)) if node.attrs.get("relu") else y
+
+
+def act_ref(fn: str, x: Arr, attrs: dict) -> Arr:
+    """An ``act`` node's function ``fn`` (ir.ACT_FNS) of ``x`` in float64 (NaN stays NaN)."""
+    x = np.asarray(x, np.float64)
+    if fn == "sigmoid":
+        return sigmoid_ref(x)
+    if fn == "silu":
+        return silu_ref(x)
+    if fn == "hardswish":
+        return hardswish_ref(x)
+    if fn == "gelu":
+        return gelu_ref(x)
+    if fn == "hardsigmoid":
+        return np.clip(float(attrs.get("alpha", 0.2)) * x + float(attrs.get("beta", 0.5)), 0.0, 1.0)
+    if fn == "tanh":
+        return np.tanh(x)
+    lo, hi = attrs.get("lo"), attrs.get("hi")
+    return np.clip(x, -np.inf if lo is None else float(lo), np.inf if hi is None else float(hi))
 
 
 def _activated(graph: Graph, node: Node, x: Arr) -> Arr:
@@ -101,7 +141,7 @@ def _conv32(graph: Graph, node: Node, ins: list[Arr], tf32: bool = False) -> Arr
         y = y + b.astype(np.float32)[None, :, None, None]
     if len(ins) == 2:
         y = y + ins[1]
-    return np.maximum(y, np.float32(0)) if node.attrs.get("relu") else y
+    return _act32(node, y)
 
 
 def _fc32(graph: Graph, node: Node, ins: list[Arr], tf32: bool = False) -> Arr:
@@ -112,7 +152,7 @@ def _fc32(graph: Graph, node: Node, ins: list[Arr], tf32: bool = False) -> Arr:
     y = x @ w.T
     b = graph.weight(node, "bias")
     y = y + b.astype(np.float32) if b is not None else y
-    return np.maximum(y, np.float32(0)) if node.attrs.get("relu") else y
+    return _act32(node, y)
 
 
 def _fc(graph: Graph, node: Node, ins: list[Arr]) -> Arr:
@@ -194,6 +234,69 @@ def _softmax(graph: Graph, node: Node, ins: list[Arr]) -> Arr:
     return e / e.sum(axis=1, keepdims=True)
 
 
+def _binary(graph: Graph, node: Node, ins: list[Arr]) -> Arr:
+    a = ins[0]
+    b = ins[1] if len(ins) == 2 else _w(graph, node, "b")
+    assert b is not None
+    if node.attrs.get("swap"):
+        a, b = b, a
+    fn = node.attrs["fn"]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide}[fn](a, b)
+
+
+def _resize(graph: Graph, node: Node, ins: list[Arr]) -> Arr:
+    """Separable: along H, then W, each by its table (ir.resize_table)."""
+    x = ins[0]
+    (p, q), (sh, sw) = node.attrs["size"], node.attrs["scale"]
+    mode, coord, near = node.attrs["mode"], node.attrs["coord"], node.attrs.get("nearest", "round_prefer_floor")
+    out = x
+    for axis, size, scale in ((2, p, sh), (3, q, sw)):
+        t = resize_table(out.shape[axis], size, scale, mode, coord, near)
+        i0, i1 = t[:, 0].astype(int), t[:, 1].astype(int)
+        wshape = (1,) * axis + (size,) + (1,) * (3 - axis)
+        w1 = t[:, 2].reshape(wshape)
+        out = np.take(out, i0, axis=axis) * (1.0 - w1) + np.take(out, i1, axis=axis) * w1
+    return out
+
+
+def _pad(graph: Graph, node: Node, ins: list[Arr]) -> Arr:
+    pt, pb, pl, pr = conv_geometry(node)[2]
+    mode = node.attrs.get("mode", "constant")
+    widths = ((0, 0), (0, 0), (pt, pb), (pl, pr))
+    if mode == "constant":
+        return np.pad(ins[0], widths, constant_values=float(node.attrs.get("value", 0.0)))
+    return np.pad(ins[0], widths, mode=mode)
+
+
+def _deconv(graph: Graph, node: Node, ins: list[Arr]) -> Arr:
+    """The transposed convolution as its definition: every input value times the filter, scattered
+    at stride ``stride`` (dilated taps), then the padding cropped (independent of the dgrad kernels)."""
+    x = ins[0]
+    w = _w(graph, node, "w")
+    assert w is not None
+    (r, s), (sh, sw), (pt, pb, pl, pr), (dh, dw) = conv_geometry(node)
+    g = conv_group(node)
+    oh, ow = (int(v) for v in node.attrs.get("out_pad", (0, 0)))
+    n, c, h, wd = x.shape
+    k = int(node.attrs["k"])
+    cg, kg = c // g, k // g
+    full_h, full_w = (h - 1) * sh + (r - 1) * dh + 1 + oh, (wd - 1) * sw + (s - 1) * dw + 1 + ow
+    full = np.zeros((n, k, full_h, full_w))
+    xg = x.reshape(n, g, cg, h, wd)
+    wg = w.reshape(g, cg, kg, r, s)
+    for i in range(r):
+        for j in range(s):
+            tap = np.einsum("ngchw,gck->ngkhw", xg, wg[:, :, :, i, j]).reshape(n, k, h, wd)
+            full[:, :, i * dh:i * dh + (h - 1) * sh + 1:sh, j * dw:j * dw + (wd - 1) * sw + 1:sw] += tap
+    p = deconv_out(h, r, sh, pt, pb, dh, oh)
+    q = deconv_out(wd, s, sw, pl, pr, dw, ow)
+    y = full[:, :, pt:pt + p, pl:pl + q]
+    b = _w(graph, node, "bias")
+    y = y + b.reshape(1, -1, 1, 1) if b is not None else y
+    return _act(node, y)
+
+
 _OPS: dict[str, Callable[[Graph, Node, list[Arr]], Arr]] = {
     "conv": _conv, "fc": _fc, "pool": _pool, "lrn": _lrn, "relu": _relu, "batchnorm": _batchnorm,
     "scale": _scale, "softmax": _softmax,
@@ -201,6 +304,9 @@ _OPS: dict[str, Callable[[Graph, Node, list[Arr]], Arr]] = {
     "concat": lambda g, n, ins: np.concatenate(ins, axis=1),
     "flatten": lambda g, n, ins: ins[0].reshape(ins[0].shape[0], -1),
     "dropout": lambda g, n, ins: ins[0],
+    "act": lambda g, n, ins: act_ref(n.attrs["fn"], ins[0], n.attrs),
+    "binary": _binary, "resize": _resize, "pad": _pad, "deconv": _deconv,
+    "reshape": lambda g, n, ins: ins[0].reshape((ins[0].shape[0],) + tuple(n.attrs["shape"])),
 }
 _OPS32: dict[str, Callable[[Graph, Node, list[Arr], bool], Arr]] = {"conv": _conv32, "fc": _fc32}
 

@@ -13,7 +13,7 @@ import logging
 import math
 import numbers
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +24,12 @@ from convforge.codegen.dialect import Storage
 from convforge.codegen.render import render
 from convforge.dtypes import to_storage
 from convforge.graph import ops
-from convforge.graph.ir import Graph, Node, Tensor, conv_geometry, conv_group, infer
+from convforge.graph.ir import Graph, Node, Tensor, conv_geometry, conv_group, infer, resize_table
 from convforge.plan import INT32_MAX, Epilogue, Launch, Prologue
 from convforge.spec import ConvSpec, parse_dtype
 
 log = logging.getLogger("convforge.graph")
-ALIASES = ("flatten", "dropout")  # views: the output is the input's buffer
+ALIASES = ("flatten", "dropout", "reshape")  # views: the output is the input's buffer
 
 
 @dataclass
@@ -105,7 +105,7 @@ def _check_op_widths(graph: Graph, shapes: dict[str, Tensor]) -> None:
     """The op kernels (ops.py) index with 32-bit ints: a tensor of a non-conv node past 2^31 - 1
     elements is refused before anything is allocated (a conv's width is its variant's business)."""
     for node in graph.nodes:
-        if node.op in ("conv", "fc") or node.op in ALIASES:
+        if node.op in ("conv", "fc", "deconv") or node.op in ALIASES:
             continue
         for t in (*node.inputs, node.output):
             if shapes[t].size > INT32_MAX:
@@ -174,9 +174,8 @@ class Network:
         under ``max_error`` (default: the node's bound in ``max_errors``, if any)."""
         spec = conv_spec(node, self.shapes[node.inputs[0]], self.dtype)
         bound = self.max_errors.get(node.name) if max_error is None else max_error
-        return dispatch.choose(spec, self.backend, Epilogue(bias="bias" in node.weights,
-                                                            relu=bool(node.attrs.get("relu"))),
-                               workspace_limit=self.workspace_limit, max_error=bound, prologue=prologue_of(node))
+        return dispatch.choose(spec, self.backend, epilogue_of(node), workspace_limit=self.workspace_limit,
+                               max_error=bound, prologue=prologue_of(node))
 
     def _concats_in_place(self) -> dict[str, tuple[str, int]]:
         """conv output -> (concat tensor, channel offset) for the concats the passes marked, where
@@ -233,6 +232,9 @@ class Network:
         if node.op in ("conv", "fc"):
             self._conv(node, x)
             return
+        if node.op in ("act", "binary", "resize", "pad", "deconv"):
+            self._build_onnx_op(node, x)
+            return
         src, dst, st = node.inputs[0], node.output, self.st
         y = self.shapes[dst]
         if node.op == "pool":
@@ -261,6 +263,56 @@ class Network:
         else:
             raise ValueError(f"node {node.name!r}: the runtime has no kernel for op {node.op!r}")
 
+    def _build_onnx_op(self, node: Node, x: Tensor) -> None:
+        """The ops of modern CNNs' ONNX exports (ir.py): act, binary, resize, pad, deconv."""
+        src, dst, st = node.inputs[0], node.output, self.st
+        y = self.shapes[dst]
+        if node.op == "act":
+            self._kernel(node, ops.unary(node, x, src, dst, st))
+        elif node.op == "binary":
+            const = len(node.inputs) == 1
+            other = tuple(self.graph.weights[node.weights["b"]].shape) if const else self.shapes[node.inputs[1]].shape
+            srcs = (src, node.weights["b"] if const else node.inputs[1])
+            if const:
+                self._weight(node.weights["b"])
+            self._kernel(node, ops.binary(node, x, other, y, srcs, dst, const, st))
+        elif node.op == "resize":
+            keys = (f"{node.name}.rows", f"{node.name}.cols")
+            for key, axis in zip(keys, (2, 3), strict=True):
+                self._weight(key, resize_table(x.shape[axis], y.shape[axis], node.attrs["scale"][axis - 2],
+                                               node.attrs["mode"], node.attrs["coord"],
+                                               node.attrs.get("nearest", "round_prefer_floor")))
+            self._kernel(node, ops.resize(node, x, y, src, dst, *keys, st))
+        elif node.op == "pad":
+            self._kernel(node, ops.pad(node, x, y, src, dst, st))
+        else:
+            self._deconv(node, x, y)
+
+    def _deconv(self, node: Node, x: Tensor, y: Tensor) -> None:
+        """A transposed convolution through dispatch's dgrad pass: the input gradient of the conv
+        whose input has the transposed output's shape (``deconv_spec``), the deconv's input in that
+        pass's dy buffer "y", its output in dx "x"; bias and ReLU after it in one affine kernel."""
+        spec = deconv_spec(node, x, y, self.dtype)
+        bufs = {"y": self.buf(node.inputs[0]), "w": self._weight(node.weights["w"], dtype=self.dtype),
+                "x": self.buf(node.output)}
+        try:
+            exe = dispatch.executable(spec, self.backend, Epilogue(), workspace_limit=self.workspace_limit)
+        except ValueError as err:
+            raise ValueError(f"node {node.name!r} (deconv: a transposed convolution as the dgrad of "
+                             f"{spec.short()}): {err}") from None
+        self._execs.append(exe)
+        self._convs.append((exe, bufs))
+        self._order.append(node.name)
+        self.steps.append(Step(node.name, node.op, exe.plan.describe(), _conv_call(exe, bufs), spec.flops))
+        relu = bool(node.attrs.get("relu"))
+        if "bias" in node.weights or relu:
+            b = self.graph.weights[node.weights["bias"]] if "bias" in node.weights else np.zeros(y.shape[1])
+            one, shift = f"{node.name}.one", f"{node.name}.shift"
+            self._weight(one, np.ones(y.shape[1]))
+            self._weight(shift, b)
+            tail = Node(node.name + "+bias", "scale", [node.output], node.output, {"relu": relu})
+            self._kernel(tail, ops.affine(tail, y, node.output, node.output, one, shift, relu, self.st))
+
     def _kernel(self, node: Node, launch: ops.OpLaunch) -> None:
         if node.name not in self._order:
             self._order.append(node.name)
@@ -279,18 +331,19 @@ class Network:
         pro = prologue_of(node)  # its scale and shift stay float32, as a batch norm's parameters do
         bufs.update({name: self._weight(node.weights[name]) for name in pro.buffers()})
         residual = node.inputs[1] if len(node.inputs) > 1 else None
+        plain = epilogue_of(node)
         choice = self.choice(node)
         named = dict(algo=choice.variant.name, params=choice.params, prologue=pro)
         if node.output in self.into:
             concat, off = self.into[node.output]
-            epi = Epilogue(bias=has_bias, relu=relu, k_total=self.shapes[concat].shape[1], k_offset=off)
+            epi = replace(plain, k_total=self.shapes[concat].shape[1], k_offset=off)
             exe = dispatch.executable(spec, self.backend, epi, **named)
         elif residual is not None and choice.variant.residual_ok:
-            epi = Epilogue(bias=has_bias, relu=relu, residual=True)
+            epi = replace(plain, residual=True)
             exe = dispatch.executable(spec, self.backend, epi, **named)
             bufs["res"] = self.buf(residual)
         else:
-            epi = Epilogue(bias=has_bias, relu=relu and residual is None)
+            epi = plain if residual is None else Epilogue(bias=has_bias)
             exe = dispatch.executable(spec, self.backend, epi, workspace_limit=self.workspace_limit,
                                       max_error=self.max_errors.get(node.name), prologue=pro)
         self._execs.append(exe)
@@ -433,6 +486,24 @@ def _sequence(calls: list[Callable[[], None]]) -> Callable[[], None]:
             call()
 
     return run
+
+
+def epilogue_of(node: Node) -> Epilogue:
+    """The plain epilogue of a conv / fc node: its bias and its fused activation (ReLU, or
+    ``attrs["act"]``: SiLU, HardSwish, GELU), as the tuning database keys it."""
+    act = node.attrs.get("act")
+    return Epilogue(bias="bias" in node.weights, relu=bool(node.attrs.get("relu")), silu=act == "silu",
+                    hardswish=act == "hardswish", gelu=act == "gelu")
+
+
+def deconv_spec(node: Node, x: Tensor, y: Tensor, dtype: str = "float32") -> ConvSpec:
+    """The dgrad problem of a deconv node (ONNX ConvTranspose) with input ``x`` and output ``y``: the
+    conv of ``y``'s shape into ``x``'s, whose filters (C_out = x's channels, C_in / group, R, S) are
+    the deconv's own, as ``convforge.grad.conv2d_input`` poses it."""
+    (r, s), st, pad, dil = conv_geometry(node)
+    n, k, _, _ = x.shape
+    _, c, h, w = y.shape
+    return ConvSpec(n, c, h, w, k, r, s, st, pad, dil, dtype=dtype, groups=conv_group(node), conv_pass="dgrad")
 
 
 def prologue_of(node: Node) -> Prologue:

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from convforge.graph.ir import Graph, Node, conv_geometry, conv_group, lrn_params
+from convforge.graph.ir import Graph, Node, conv_geometry, conv_group, lrn_params, resize_table
 
 
 @dataclass
@@ -50,10 +50,67 @@ def _pool(F: Any, node: Node, x: Any) -> Any:
     return F.avg_pool2d(x, k, st, (pt, pl), ceil_mode=ceil, count_include_pad=count_pad)
 
 
+def _act(F: Any, torch: Any, fn: str, attrs: dict, x: Any) -> Any:
+    """An act node's function (ir.ACT_FNS), or a conv / fc epilogue's, in PyTorch."""
+    if fn in ("sigmoid", "tanh"):
+        return getattr(torch, fn)(x)
+    if fn == "silu":
+        return F.silu(x)
+    if fn == "hardswish":
+        return F.hardswish(x)
+    if fn == "gelu":
+        return F.gelu(x)
+    if fn == "hardsigmoid":
+        return (x * float(attrs.get("alpha", 0.2)) + float(attrs.get("beta", 0.5))).clamp(0.0, 1.0)
+    return x.clamp(attrs.get("lo"), attrs.get("hi"))
+
+
+def _resize(torch: Any, node: Node, x: Any) -> Any:
+    """A resize node by the same host tables as our kernel (ir.resize_table): F.interpolate has
+    no form for every ONNX coordinate mode and rounding."""
+    out = x
+    for axis in (2, 3):
+        t = torch.from_numpy(resize_table(out.shape[axis], node.attrs["size"][axis - 2],
+                                          node.attrs["scale"][axis - 2], node.attrs["mode"], node.attrs["coord"],
+                                          node.attrs.get("nearest", "round_prefer_floor"))).to(x.device)
+        shape = [1, 1, 1, 1]
+        shape[axis] = -1
+        w1 = t[:, 2].to(x.dtype).reshape(shape)
+        out = out.index_select(axis, t[:, 0].long()) * (1 - w1) + out.index_select(axis, t[:, 1].long()) * w1
+    return out
+
+
+def _onnx_op(F: Any, torch: Any, node: Node, ins: list[Any], w: dict[str, Any]) -> Any:
+    """The ops of ONNX exports (ir.py: act, binary, resize, pad, deconv, reshape) in PyTorch."""
+    x, op = ins[0], node.op
+    if op == "act":
+        return _act(F, torch, node.attrs["fn"], node.attrs, x)
+    if op == "binary":
+        a, b = x, (ins[1] if len(ins) == 2 else w["b"])
+        a, b = (b, a) if node.attrs.get("swap") else (a, b)
+        return {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div}[node.attrs["fn"]](a, b)
+    if op == "resize":
+        return _resize(torch, node, x)
+    if op == "pad":
+        pt, pb, pl, pr = conv_geometry(node)[2]
+        mode = {"constant": "constant", "reflect": "reflect", "edge": "replicate"}[node.attrs.get("mode", "constant")]
+        value = float(node.attrs.get("value", 0.0)) if mode == "constant" else None
+        return F.pad(x, (pl, pr, pt, pb), mode=mode, value=value)
+    if op == "deconv":
+        _, st, (pt, pb, pl, pr), dil = conv_geometry(node)  # unequal sides: the full output, cropped
+        oh, ow = node.attrs.get("out_pad", (0, 0))
+        full = F.pad(F.conv_transpose2d(x, w["w"], None, st, 0, 0, conv_group(node), dil), (0, ow, 0, oh))
+        y = full[:, :, pt:full.shape[2] - pb, pl:full.shape[3] - pr]
+        return y + w["bias"][:, None, None] if "bias" in w else y
+    return x.reshape((x.shape[0],) + tuple(node.attrs["shape"]))
+
+
 def _op(F: Any, torch: Any, node: Node, ins: list[Any], w: dict[str, Any]) -> Any:
     x = ins[0]
     op = node.op
-    if op == "conv":
+    if op in ("act", "binary", "resize", "pad", "deconv", "reshape"):
+        y = _onnx_op(F, torch, node, ins, w)
+    elif op == "conv":
         if "pscale" in w:  # a folded pre-activation (prologue): batch norm's affine, then ReLU
             x = x * w["pscale"][:, None, None] + w["pshift"][:, None, None]
         if node.attrs.get("pre_relu"):
@@ -89,6 +146,8 @@ def _op(F: Any, torch: Any, node: Node, ins: list[Any], w: dict[str, Any]) -> An
         y = x
     if len(ins) > 1 and op == "conv":
         y = y + ins[1]
+    if node.attrs.get("act"):
+        return _act(F, torch, node.attrs["act"], node.attrs, y)
     return F.relu(y) if node.attrs.get("relu") else y
 
 

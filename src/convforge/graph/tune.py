@@ -14,7 +14,7 @@ def net_layers(graph: Graph, dtype: str = "float32") -> list[tuple[str, ConvSpec
     """The (name, spec, epilogue) of every conv and fc the runtime dispatches, after the passes,
     deduplicated (the first node of each distinct shape and epilogue names it), stored as ``dtype``."""
     from convforge.graph.passes import optimize
-    from convforge.graph.runtime import conv_spec
+    from convforge.graph.runtime import conv_spec, epilogue_of
 
     g = optimize(graph)
     shapes = infer(g)
@@ -22,7 +22,7 @@ def net_layers(graph: Graph, dtype: str = "float32") -> list[tuple[str, ConvSpec
     for node in g.nodes:
         if node.op in ("conv", "fc"):
             spec = conv_spec(node, shapes[node.inputs[0]], dtype)
-            epi = Epilogue(bias="bias" in node.weights, relu=bool(node.attrs.get("relu")))
+            epi = epilogue_of(node)
             seen.setdefault((spec, epi), node.name)
     return [(name, spec, epi) for (spec, epi), name in seen.items()]
 

@@ -304,7 +304,7 @@ class Im2colCublas(Variant):
                                   batch=spec.n, stride_a=0, stride_b=crs * pq,
                                   stride_c=spec.k * pq)]
         kernels = [kern]
-        if epilogue.bias or epilogue.activation or epilogue.residual:
+        if epilogue.bias or epilogue.act or epilogue.residual:
             total = spec.n * spec.k * pq
             body = [f"y[e] = {epilogue.apply('y[e]', f'(e / {pq}) % {spec.k}', 'e')};"]
             args = out_args(epilogue)

@@ -146,7 +146,7 @@ class Output:
             v = f"{v} + {bias or to_float(self.dtype, f'bias[{k}]')}"
         if self.epi.residual:
             v = f"{v} + {res or to_float(self.dtype, f'res[{off}]')}"
-        return f"fmaxf({v}, 0.0f)" if self.epi.relu else f"GELU({v})" if self.epi.gelu else v
+        return f"fmaxf({v}, 0.0f)" if self.epi.relu else self.epi.activate(v)
 
     @property
     def rowmajor(self) -> bool:
