@@ -65,14 +65,22 @@ def _act(F: Any, torch: Any, fn: str, attrs: dict, x: Any) -> Any:
     return x.clamp(attrs.get("lo"), attrs.get("hi"))
 
 
+_TABLES: dict[tuple[Any, ...], Any] = {}  # (node's attributes, axis, size, device) -> its table on the device
+
+
 def _resize(torch: Any, node: Node, x: Any) -> Any:
     """A resize node by the same host tables as our kernel (ir.resize_table): F.interpolate has
-    no form for every ONNX coordinate mode and rounding."""
+    no form for every ONNX coordinate mode and rounding. The tables go to the device once per node
+    and size (a copy from the host is not allowed while a CUDA graph is captured)."""
     out = x
     for axis in (2, 3):
-        t = torch.from_numpy(resize_table(out.shape[axis], node.attrs["size"][axis - 2],
-                                          node.attrs["scale"][axis - 2], node.attrs["mode"], node.attrs["coord"],
-                                          node.attrs.get("nearest", "round_prefer_floor"))).to(x.device)
+        key = (repr(sorted(node.attrs.items())), axis, out.shape[axis], str(x.device))
+        t = _TABLES.get(key)
+        if t is None:
+            t = _TABLES[key] = torch.from_numpy(
+                resize_table(out.shape[axis], node.attrs["size"][axis - 2], node.attrs["scale"][axis - 2],
+                             node.attrs["mode"], node.attrs["coord"],
+                             node.attrs.get("nearest", "round_prefer_floor"))).to(x.device)
         shape = [1, 1, 1, 1]
         shape[axis] = -1
         w1 = t[:, 2].to(x.dtype).reshape(shape)

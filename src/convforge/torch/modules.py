@@ -56,6 +56,7 @@ log = logging.getLogger("convforge")
 OPTIONS = ("algo", "precision", "max_error", "static_weights")
 _F32 = torch.float32
 _HALF = (torch.float16, torch.bfloat16)
+_HANDED = ("handed back",)  # _cf_cache's mark: a layer of this module went to PyTorch (ops.handed_back)
 _CAPTURING = torch.cuda.is_current_stream_capturing
 
 
@@ -229,12 +230,12 @@ class Conv2d(torch.nn.Conv2d):
             if y is not None:
                 return y
         run = self._prepared(x, pad, "nhwc") if reads_nhwc(self, x) else None
-        if run is None:
+        if run is None and not (self._cf_cache.get(_HANDED) and api._channels_last(x)):
             x = x.contiguous()
             run = self._prepared(x, pad)
         if not w.is_contiguous():
             w = w.contiguous()
-        if run is None:
+        if run is None:  # PyTorch's convolution through the op (a channels_last input handed back stays so)
             return _OP(x, w, b, list(self.stride), list(pad), list(self.dilation), self.algo, self.precision,
                        self.max_error, self.groups)
         filters = run.filters
@@ -288,6 +289,7 @@ class Conv2d(torch.nn.Conv2d):
                                         tuple(self.dilation), self.groups, dtype=x.dtype, layout=layout)
             dev = x.device.index or 0
             if handed_back(spec, dev, self.algo, self.precision, self.max_error):
+                self._cf_cache[_HANDED] = True
                 return None  # the op runs PyTorch's convolution (logged once)
             return dispatch.runner(None, spec, get_backend("cuda", dev), Epilogue(self.bias is not None), "torch",
                                    dev, algo=self.algo, precision=self.precision, max_error=self.max_error)

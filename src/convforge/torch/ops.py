@@ -28,6 +28,7 @@ transformed once per weight version (modules.py).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -104,14 +105,17 @@ _HALF_OR_FLOAT = (torch.float32, torch.float16, torch.bfloat16)
 _HALF = (torch.float16, torch.bfloat16)
 HANDED_BACK: dict[str, str] = {}  # layer (pass, spec) -> why PyTorch runs it: what convert / fuse reports list
 _SLOW: dict[tuple[Any, ...], str | None] = {}
+# Below this much work a layer costs about a launch on any kernel, tensor cores or not: it stays ours
+HAND_BACK_FLOPS = 100_000_000
 
 
 def handed_back(spec: ConvSpec, device: int, algo: str, precision: str | None, max_error: float | None) -> str | None:
     """Why a half-precision layer goes to PyTorch rather than to the variant ``auto`` would pick for it
     (``dispatch.slow_reason``: no tensor-core or memory-bound variant serves it, so ours would run far
     below cuDNN), or None; logged once per layer and kept in :data:`HANDED_BACK`. A named ``algo``
-    always runs what it names; float32 layers always run ours."""
-    if algo != "auto" or spec.dtype not in ("float16", "bfloat16"):
+    always runs what it names; float32 layers, and layers of under :data:`HAND_BACK_FLOPS` (launch-bound
+    on any kernel), always run ours."""
+    if algo != "auto" or spec.dtype not in ("float16", "bfloat16") or spec.flops < HAND_BACK_FLOPS:
         return None
     key = (spec, device, precision, max_error, config.precision, config.max_error, config.db_path)
     if key in _SLOW:
@@ -127,8 +131,8 @@ def handed_back(spec: ConvSpec, device: int, algo: str, precision: str | None, m
     except ValueError as err:  # no variant at all: the caller's own fallback says so
         why = str(err)
     _SLOW[key] = why
-    if why is not None:
-        HANDED_BACK[f"{spec.conv_pass} {spec.short()}"] = why
+    if why is not None:  # one entry a layer, whichever layout its activations came in
+        HANDED_BACK[f"{spec.conv_pass} {dataclasses.replace(spec, layout='nchw').short()}"] = why
         log.warning("convforge: %s; PyTorch runs the %s of this layer", why, spec.conv_pass)
     return why
 
