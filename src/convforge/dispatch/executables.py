@@ -8,6 +8,9 @@ dtypes, devices, contiguity, the keyword arguments, the configuration's precisio
 ``conv2d`` computes per call: a warm call is a dictionary hit and a launch. A key is made only of
 what the slow path validated, so a hit needs no further checking.
 
+The first call of a layer compiles its program; one that takes long says so through
+``convforge.progress`` (the "convforge" logger, INFO).
+
 Device memory: when the workspace of the chosen variant cannot be allocated, ``auto`` falls back
 to the best variant whose workspace fits in what is free (less the output's size) and logs it once;
 an explicitly named algorithm (or explicit ``params``) raises ``DeviceMemoryError`` naming the bytes
@@ -24,6 +27,7 @@ from convforge.backends.base import DeviceMemoryError
 from convforge.dispatch.choice import choose
 from convforge.params import Params
 from convforge.plan import Epilogue, Prologue
+from convforge.progress import Phase
 from convforge.spec import ConvSpec
 
 if TYPE_CHECKING:
@@ -48,9 +52,10 @@ def executable(spec: ConvSpec, backend: Backend, epilogue: Epilogue = Epilogue()
                 prologue=prologue)
     key = (backend, backend.device.key(), ch.variant.name, spec, ch.params, epilogue, prologue)
     exe = _EXECUTABLES.get(key)
-    if exe is None:
-        plan = ch.variant.plan_for(spec, ch.params, backend.device, epilogue, prologue)
-        exe = _EXECUTABLES[key] = backend.executable(plan)
+    if exe is None:  # a first call: said in the log when it takes long (convforge.progress)
+        with Phase(f"compiling {ch.variant.name} [{ch.params.short()}] for {spec.short()}"):
+            plan = ch.variant.plan_for(spec, ch.params, backend.device, epilogue, prologue)
+            exe = _EXECUTABLES[key] = backend.executable(plan)
     return exe
 
 
