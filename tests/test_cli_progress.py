@@ -162,3 +162,19 @@ def test_devices_says_what_pocl_is_for(ocl, capsys: pytest.CaptureFixture[str]) 
     assert rc == 0
     if not ocl.device.is_gpu:
         assert "correctness back-end" in text and "correctness," in text, text
+
+
+def test_first_calls_say_how_many_kernels_they_compiled(ocl, caplog: pytest.LogCaptureFixture,  # type: ignore[no-untyped-def]
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model's first forward compiles layer after layer: the log says how far it is (here every
+    compile, EVERY_S being 0), naming the latest."""
+    from convforge import dispatch
+    from convforge.spec import ConvSpec
+
+    monkeypatch.setattr(progress, "EVERY_S", 0.0)
+    caplog.set_level(logging.INFO, logger="convforge")
+    spec = ConvSpec.parse("N=1,C=3,H=7,W=5,K=2,R=3,S=3,pad=1")
+    dispatch.clear_executables()
+    dispatch.executable(spec, ocl, algo="direct")
+    text = " ".join(r.getMessage() for r in caplog.records)
+    assert "first calls: 1 kernel program(s) compiled in" in text and f"for {spec.short()}" in text, text

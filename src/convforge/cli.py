@@ -298,12 +298,13 @@ def phase_bars(console: Any) -> Iterator[None]:
     from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from convforge.progress import Phase, listen
+    from convforge.progress import EVERY_S, Phase, listen
 
     live = bool(console.is_terminal)
     bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                    TimeElapsedColumn(), console=console, transient=True, disable=not live)
     tasks: dict[int, Any] = {}
+    said: dict[int, float] = {}  # off a terminal: when each phase last printed a line
 
     def show(phase: Phase, event: str) -> None:
         if event == "start":
@@ -313,9 +314,12 @@ def phase_bars(console: Any) -> Iterator[None]:
         if task is None:
             return
         bar.update(task, completed=phase.done)
-        if event == "slow" and not live:
+        if not live and (event == "slow" or (event == "advance" and phase.slow
+                                             and phase.seconds - said.get(id(phase), 0.0) >= 5 * EVERY_S)):
+            said[id(phase)] = phase.seconds  # a line at 2 s, then at most one every 10 s
             console.print(f"{phase.status()} ...", markup=False, highlight=False)
         if event == "end":
+            said.pop(id(phase), None)
             bar.remove_task(task)
             del tasks[id(phase)]
             if phase.slow:

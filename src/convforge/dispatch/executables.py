@@ -20,6 +20,7 @@ asked for and the bytes free.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -53,10 +54,34 @@ def executable(spec: ConvSpec, backend: Backend, epilogue: Epilogue = Epilogue()
     key = (backend, backend.device.key(), ch.variant.name, spec, ch.params, epilogue, prologue)
     exe = _EXECUTABLES.get(key)
     if exe is None:  # a first call: said in the log when it takes long (convforge.progress)
-        with Phase(f"compiling {ch.variant.name} [{ch.params.short()}] for {spec.short()}"):
+        what = f"{ch.variant.name} [{ch.params.short()}] for {spec.short()}"
+        start = time.perf_counter()
+        with Phase(f"compiling {what}"):
             plan = ch.variant.plan_for(spec, ch.params, backend.device, epilogue, prologue)
             exe = _EXECUTABLES[key] = backend.executable(plan)
+        _compiled(what, start)
     return exe
+
+
+_STREAK = {"count": 0, "start": 0.0, "end": 0.0, "said": 0.0}  # first-call compiles one after another
+
+
+def _compiled(what: str, start: float) -> None:
+    """Count a first call's compile in the current streak (compiles less than EVERY_S apart: a
+    model's first forward, a network built layer by layer) and, at most every EVERY_S seconds once
+    the streak has run that long, log how far it is."""
+    from convforge.progress import EVERY_S
+
+    now = time.perf_counter()
+    st = _STREAK
+    if start - st["end"] > EVERY_S:
+        st.update(count=0, start=start, said=start)
+    st["count"] += 1
+    st["end"] = now
+    if now - st["said"] >= EVERY_S:
+        st["said"] = now
+        log.info("convforge: first calls: %d kernel program(s) compiled in %.1f s, the latest %s", st["count"],
+                 now - st["start"], what)
 
 
 def runner(key: tuple[Any, ...] | None, spec: ConvSpec, backend: Backend, epilogue: Epilogue, kind: str,

@@ -210,8 +210,9 @@ def _baselines(args: argparse.Namespace, console: Any, graph: Any, x: np.ndarray
 def _numpy(console: Any, graph: Any, x: np.ndarray, total: float, repeats: int,
            ref: dict[str, np.ndarray] | None, res: dict[str, Any]) -> None:
     """The network in plain float32 NumPy (``run_reference(..., float32)``: each conv and fully
-    connected layer as BLAS GEMMs), timed by wall clock on the CPU (median of ``repeats`` runs
-    after one untimed): what a NumPy user gets on this machine, beside convforge's time."""
+    connected layer as BLAS GEMMs), timed by wall clock on the CPU (median of ``repeats`` runs;
+    NumPy compiles nothing, so the first counts): what a NumPy user gets on this machine, beside
+    convforge's time."""
     from convforge.bench.numpy_conv import blas_name
     from convforge.graph.reference import run_reference
     from convforge.progress import Phase
@@ -221,10 +222,9 @@ def _numpy(console: Any, graph: Any, x: np.ndarray, total: float, repeats: int,
     xs = x.astype(np.float32)
     times = []
     with Phase(f"timing NumPy's float32 run of the network ({repeats} runs)"):
-        out = run_reference(graph, xs, dtype=np.float32)
         for _ in range(repeats):
             t0 = time.perf_counter()
-            run_reference(graph, xs, dtype=np.float32)
+            out = run_reference(graph, xs, dtype=np.float32)
             times.append((time.perf_counter() - t0) * 1e3)
     ms = float(np.median(times))
     blas = blas_name()
