@@ -60,7 +60,8 @@ def test_algorithms_lists_variants(ocl):
 
 
 def test_cli_show_prints_both_backends(capsys):
-    assert main(["show", "--spec", "N=1,C=3,H=13,W=13,K=8,R=3,S=3,pad=1", "--variant", "direct"]) == 0
+    spec = "N=1,C=3,H=13,W=13,K=8,R=3,S=3,pad=1"
+    assert main(["show", "--spec", spec, "--variant", "direct", "--backend", "both"]) == 0
     out = capsys.readouterr().out
     assert "===== cuda =====" in out and "===== opencl =====" in out
     assert "__global__" in out and "__kernel" in out

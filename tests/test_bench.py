@@ -180,8 +180,9 @@ def test_no_vendor_import() -> None:
 # -- PoCL --------------------------------------------------------------------------------------
 def test_ceilings_opencl(ocl) -> None:  # type: ignore[no-untyped-def]
     c = ceilings.measure(ocl, quick=True)
-    assert c.ffma_tflops > 0 and c.copy_gbs > 0 and c.copy_bytes > 0
-    assert "FFMA" in str(c)
+    assert c.copy_gbs > 0 and c.copy_bytes > 0 and "FFMA" in str(c)
+    # a CPU device's FFMA kernel measures PoCL's code, not the CPU: not measured there (ceilings.py)
+    assert (c.ffma_tflops is None) == (not ocl.device.is_gpu) and (c.ffma_tflops or 1) > 0
 
 
 def test_bench_pocl_end_to_end(ocl, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
@@ -196,7 +197,7 @@ def test_bench_pocl_end_to_end(ocl, tmp_path: Path, capsys: pytest.CaptureFixtur
     assert rc == 0, text
     assert "no baseline" in text and "ceilings (opencl)" in text and "tiny3x3" in text
     doc = json.loads((out / "results.json").read_text())
-    assert doc["env"]["device"] and doc["ceilings"]["opencl"]["ffma_tflops"] > 0
+    assert doc["env"]["device"] and (doc["ceilings"]["opencl"]["ffma_tflops"] or 1) > 0
     rows = doc["rows"]
     assert {r["layer"] for r in rows} == {"tiny3x3", "layer2"}
     for r in rows:
@@ -205,8 +206,8 @@ def test_bench_pocl_end_to_end(ocl, tmp_path: Path, capsys: pytest.CaptureFixtur
         lines = list(csv.DictReader(fh))
     assert len(lines) == len(rows) and all(x["device"] == doc["env"]["device"] for x in lines)
     assert all(x["rel_err"] for x in lines)
-    for png in ("tflops.png", "speedup.png", "workspace.png", "roofline.png"):
-        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    assert (out / "tflops.png").read_bytes()[:4] == b"\x89PNG"
+    assert not (out / "speedup.png").exists() and "no speedup.png (no baseline timed" in text  # --baseline none
 
 
 def test_bench_ablation_im2win_pocl(ocl, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
@@ -233,7 +234,7 @@ def test_bench_bad_suite_message(capsys: pytest.CaptureFixture[str]) -> None:
     from convforge.cli import main
 
     assert main(["bench", "--suite", "nosuch.json", "--backend", "opencl"]) == 2
-    assert "nosuch.json" in capsys.readouterr().out
+    assert "nosuch.json" in capsys.readouterr().err
 
 
 def test_reports_and_plots_with_baselines(tmp_path: Path) -> None:
@@ -642,7 +643,7 @@ def test_error_text_in_square_brackets_is_printed(tmp_path: Path, capsys: pytest
     f = tmp_path / "dil.json"
     f.write_text(json.dumps([{**TINY[0], "dilation": [1, 1, 1]}]))
     assert main(["bench", "--suite", str(f), "--backend", "opencl", "--baseline", "none"]) == 2
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert "must be an int or an [h, w] pair of ints" in out, out
 
 

@@ -286,7 +286,8 @@ def test_cli_algos_and_show_take_dtype(capsys) -> None:
     assert rc == 0 and "bfloat16" in out.splitlines()[0]
     assert "winograd_nonfused_f2 " in out and "does not take bfloat16" in out
     assert "+ implicit_gemm " in out
-    rc, out = run_main(["show", "--spec", spec, "--variant", "implicit_gemm", "--dtype", "fp16", "--bias"], capsys)
+    rc, out = run_main(["show", "--spec", spec, "--variant", "implicit_gemm", "--dtype", "fp16", "--bias",
+                        "--backend", "both"], capsys)
     assert rc == 0 and "vload_half(" in out and "cf_h2f(" in out and "__global const half* restrict w" in out
     rc, out = run_main(["show", "--spec", spec + ",dtype=bf16", "--dtype", "fp16"], capsys)
     assert rc == 2 and "--dtype (float16) contradicts the spec's dtype (bfloat16)" in out

@@ -162,7 +162,7 @@ def test_absurd_sizes_on_the_command_line(capsys) -> None:  # type: ignore[no-un
 
 
 def test_algos_lists_the_big_layer_honestly(capsys) -> None:  # type: ignore[no-untyped-def]
-    rc, out = run_main(["algos", "--spec", "N=64,C=256,H=512,W=512,K=64,R=3,S=3,pad=1"], capsys)
+    rc, out = run_main(["algos", "--spec", "N=64,C=256,H=512,W=512,K=64,R=3,S=3,pad=1", "--backend", "cuda"], capsys)
     assert rc == 0, out
     plus = [line.split()[1] for line in out.splitlines() if line.strip().startswith("+")]
     assert set(plus) == {"direct", "direct_smem", "direct_shfl"}, out

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -14,6 +18,9 @@ from convforge.backends.cache import DiskCache, cache_key
 from convforge.codegen.dialect import Buf, Kernel, LocalBuf, Scalar
 from convforge.config import config
 from convforge.plan import DeviceInfo, Fill, Gemm, Launch, Plan, Step
+from convforge.progress import Phase
+
+log = logging.getLogger("convforge")
 
 
 class CompileError(RuntimeError):
@@ -88,6 +95,58 @@ def weight_steps(plan: Plan) -> tuple[frozenset[int], tuple[str, ...]]:
         cand = keep
 
 
+@dataclass(frozen=True)
+class Work:
+    """A program to compile before its first use (:meth:`Backend.compile_ahead`), with one run's
+    launches and the bytes of every buffer they name, for back-ends that compile each kernel again
+    for the launch shape it meets (PoCL)."""
+
+    source: str
+    kernels: tuple[Kernel, ...]
+    launches: tuple[Launch, ...] = ()
+    sizes: tuple[tuple[str, int], ...] = ()
+
+
+def plan_work(plan: Plan, backend: str, sizes: dict[str, int] | None = None) -> Work:
+    """The :class:`Work` of a Plan on ``backend``: its source, its launches, its buffers' sizes
+    (``sizes``: the bytes of the buffers a caller binds, where they are larger than the plan's
+    own: a concat written in place)."""
+    s = plan.spec
+    own = {**{name: s.itemsize * int(np.prod(s.shape_of(name))) for name in CONV_BUFFERS},
+           **{name: 4 * s.c for name in plan.prologue.buffers()}, **dict(plan.workspace)}
+    if plan.epilogue.k_total:  # the output is the concat's whole tensor
+        own["y"] = own["y"] // s.k * max(s.k, plan.epilogue.k_total)
+    for name, nbytes in (sizes or {}).items():
+        own[name] = max(own.get(name, 0), nbytes)
+    launches = tuple(step for step in plan.steps if isinstance(step, Launch))
+    return Work(plan_source(plan, backend), tuple(plan.kernels), launches, tuple(own.items()))
+
+
+_SOURCES: dict[tuple[Plan, str], str] = {}  # plan_source's memory (plans are frozen, hashable values)
+_SOURCES_KEPT = 256
+
+
+def plan_source(plan: Plan, backend: str) -> str:
+    """``plan.source(backend)``, remembered for the last plans rendered: a program compiled ahead
+    (:meth:`Backend.compile_ahead`) and the executable made for it later render it once."""
+    key = (plan, backend)
+    src = _SOURCES.get(key)
+    if src is None:
+        if len(_SOURCES) >= _SOURCES_KEPT:
+            _SOURCES.clear()
+        src = _SOURCES[key] = plan.source(backend)
+    return src
+
+
+def compile_workers() -> int:
+    """Threads that compile at once: the CPUs this process may use, at most 16."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cpus = os.cpu_count() or 4
+    return max(1, min(16, cpus))
+
+
 class Backend(ABC):
     """Compiler, program, allocator and device for one vendor API."""
 
@@ -101,8 +160,7 @@ class Backend(ABC):
     # -- compiler ---------------------------------------------------------------------------
     def program(self, source: str) -> Any:
         """Compiled program for ``source``, from memory, disk, or the compiler, in that order."""
-        key = cache_key(source, " ".join(self.compile_options()), self.compiler_version(),
-                        self.device.name, self.device.driver, __version__)
+        key = self._key(source)
         prog = self._programs.get(key)
         if prog is None:
             blob = self.disk.get(key)
@@ -113,6 +171,47 @@ class Backend(ABC):
                     self.disk.put(key, blob)
             self._programs[key] = prog
         return prog
+
+    def _key(self, source: str) -> str:
+        return cache_key(source, " ".join(self.compile_options()), self.compiler_version(),
+                         self.device.name, self.device.driver, __version__)
+
+    def compile_ahead(self, work: Sequence[Work], what: str = "kernels", workers: int | None = None) -> int:
+        """Compile the programs of ``work`` that are not compiled yet, ``workers`` (default:
+        :func:`compile_workers`) at a time, so the first run finds them built; reported as a
+        :class:`~convforge.progress.Phase` ("compiling ``what``"). A program that fails to compile is
+        left for its first use to report. Returns how many programs were compiled here (not found
+        in a cache)."""
+        todo = self._pending(work)
+        if not todo:
+            return 0
+        n = max(1, min(workers or compile_workers(), len(todo)))
+        with Phase(f"compiling {what} ({n} thread{'s' if n > 1 else ''})", len(todo), "programs") as phase:
+            return self._compile_all(todo, n, phase)
+
+    def _pending(self, work: Sequence[Work]) -> list[Work]:
+        """The distinct programs of ``work`` this back-end has not compiled in this process."""
+        seen: dict[str, Work] = {}
+        for w in work:
+            if w.source not in seen and self._key(w.source) not in self._programs:
+                seen[w.source] = w
+        return list(seen.values())
+
+    def _compile_all(self, todo: list[Work], workers: int, phase: Phase) -> int:
+        """Compile ``todo`` on ``workers`` threads (the compilers, NVRTC through CuPy and an OpenCL
+        driver's through PyOpenCL, release the GIL while they work); how many were compiled."""
+        def one(w: Work) -> bool:
+            try:
+                cached = self.disk.has(self._key(w.source))
+                self.program(w.source)
+            except Exception as err:  # noqa: BLE001 - its first use compiles it again and reports it
+                log.debug("convforge: compiling ahead failed (%s); the first use reports it", err)
+                cached = True
+            phase.advance()
+            return not cached
+
+        with ThreadPoolExecutor(workers, thread_name_prefix="convforge-compile") as pool:
+            return sum(pool.map(one, todo))
 
     @abstractmethod
     def compile_options(self) -> list[str]: ...
@@ -190,7 +289,7 @@ class Executable:
 
     def __init__(self, backend: Backend, plan: Plan) -> None:
         self.backend, self.plan = backend, plan
-        self.program = backend.program(plan.source(backend.name))
+        self.program = backend.program(plan_source(plan, backend.name))
         self.kernels = {k.name: k for k in plan.kernels}
         self.functions = {k.name: backend.function(self.program, k) for k in plan.kernels}
         self._workspace: dict[str, Any] | None = None  # every workspace buffer (workspace())

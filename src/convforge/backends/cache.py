@@ -55,6 +55,10 @@ class DiskCache:
     def _path(self, key: str) -> Path:
         return self.folder / f"{key}.bin"
 
+    def has(self, key: str) -> bool:
+        """Whether an entry is filed under ``key`` (not read, so not checked: :meth:`get` does that)."""
+        return self.enabled and self._path(key).is_file()
+
     def get(self, key: str) -> bytes | None:
         if not self.enabled:
             return None

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import tempfile
+import threading
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-log = logging.getLogger("convforge.opencl")
+log = logging.getLogger("convforge")
 
 
 def _usable_folder(folder: Path) -> bool:
@@ -76,7 +79,9 @@ _point_caches_at_usable_folders()
 
 import pyopencl as cl  # noqa: E402 - PoCL reads its cache folder when it starts
 
-from convforge.backends.base import Backend, CompileError  # noqa: E402
+from convforge import __version__  # noqa: E402
+from convforge.backends.base import Backend, CompileError, Work  # noqa: E402
+from convforge.backends.cache import cache_key  # noqa: E402
 from convforge.codegen.dialect import Kernel, LocalBuf, Scalar  # noqa: E402
 from convforge.config import config  # noqa: E402
 from convforge.dtypes import from_storage, host_dtype, storage_dtype, to_storage  # noqa: E402
@@ -150,12 +155,29 @@ class BufferTooLarge(ValueError):
     """One buffer larger than the device allocates at once (CL_DEVICE_MAX_MEM_ALLOC_SIZE)."""
 
 
+# PoCL compiles a kernel once more for each launch shape it meets, when the launch runs: specialised
+# for the work-group size, a zero global offset and whether every global size is below this
+# ("smallgrid"; PoCL 3's CPU devices). A warm-up launch that matches those compiles what the run will use.
+_POCL_SMALL_GRID = 65536
+
+
+def _warm_launch(step: Launch) -> Launch:
+    """``step`` with as few work-groups as keep PoCL's specialisation: one, or in each dimension
+    whose global size reaches :data:`_POCL_SMALL_GRID` as many as reach it (never more than the
+    launch had, so every group run is one of the real launch's and stays inside its buffers)."""
+    globals_ = [g * b for g, b in zip(step.grid, step.block)]
+    if max(globals_) < _POCL_SMALL_GRID:
+        return replace(step, grid=(1, 1, 1))
+    g0, g1, g2 = (-(-_POCL_SMALL_GRID // b) if g * b >= _POCL_SMALL_GRID else 1 for g, b in zip(step.grid, step.block))
+    return replace(step, grid=(g0, g1, g2))
+
+
 class OpenCLBackend(Backend):
     name = "opencl"
 
-    def __init__(self, device: str | None = None) -> None:
+    def __init__(self, device: str | None = None, *, cl_device: cl.Device | None = None) -> None:
         super().__init__()
-        self.cl_device = _pick(config.opencl_device if device is None else device)
+        self.cl_device = cl_device or _pick(config.opencl_device if device is None else device)
         self.ctx = cl.Context([self.cl_device])
         self.queue = cl.CommandQueue(
             self.ctx, properties=cl.command_queue_properties.PROFILING_ENABLE)
@@ -188,6 +210,76 @@ class OpenCLBackend(Backend):
             return prog, None
         binaries = prog.get_info(cl.program_info.BINARIES)
         return prog, (bytes(binaries[0]) if binaries and binaries[0] else None)
+
+    def _compile_all(self, todo: list[Work], workers: int, phase: Any) -> int:
+        """On PoCL: each thread its own context on the device (PoCL compiles under one lock per
+        context), building its share and launching each kernel once with :func:`_warm_launch`
+        on scratch buffers, so PoCL's on-disk kernel cache (POCL_CACHE_DIR) holds every program and
+        work-group function this context then loads instead of compiling one by one. Work warmed
+        before (a marker in convforge's disk cache) is skipped. Other drivers: threads over one
+        context, as every back-end."""
+        if self.keeps_binaries or os.environ.get("POCL_KERNEL_CACHE", "1") == "0":
+            return super()._compile_all(todo, workers, phase)
+        jobs: queue.SimpleQueue[Work] = queue.SimpleQueue()
+        for w in todo:
+            if not self.disk.has(self._warm_key(w)):
+                jobs.put(w)
+            else:
+                phase.advance()
+        count = jobs.qsize()
+
+        def drain() -> None:
+            side = OpenCLBackend(cl_device=self.cl_device)
+            while True:
+                try:
+                    w = jobs.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    side._warm(w)
+                    self.disk.put(self._warm_key(w), b"")
+                except Exception as err:  # noqa: BLE001 - its first use compiles it again and reports it
+                    log.debug("convforge: warming a PoCL program failed (%s)", err)
+                phase.advance()
+
+        threads = [threading.Thread(target=drain, name=f"convforge-compile-{i}") for i in range(min(workers, count))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return count
+
+    def _warm_key(self, w: Work) -> str:
+        """Disk-cache key of "PoCL's cache holds ``w``'s program and the launch shapes it runs"."""
+        shapes = sorted({(s.kernel, s.block, max(g * b for g, b in zip(s.grid, s.block)) < _POCL_SMALL_GRID)
+                         for s in w.launches})
+        return cache_key("pocl-warm", w.source, repr(shapes), " ".join(self.compile_options()),
+                         self.compiler_version(), self.device.name, self.device.driver, __version__,
+                         os.environ.get("POCL_CACHE_DIR", ""))
+
+    def _warm(self, w: Work) -> None:
+        """Build ``w``'s program in this context and run each launch once, shrunk (:func:`_warm_launch`)."""
+        program = self.program(w.source)
+        kernels = {k.name: k for k in w.kernels}
+        sizes = dict(w.sizes)
+        bufs: dict[str, Any] = {}
+        for step in w.launches:
+            kernel = kernels[step.kernel]
+            values = iter(step.args)
+            args: list[Any] = []
+            for a in kernel.args:
+                if isinstance(a, LocalBuf):
+                    continue
+                ref = next(values)
+                if isinstance(a, Scalar):
+                    args.append(ref)
+                else:
+                    name = str(ref)
+                    if name not in bufs:
+                        bufs[name] = self.empty(max(sizes[name], 4))  # KeyError: not warmed
+                    args.append(bufs[name])
+            self.launch(program, self.function(program, kernel), kernel, _warm_launch(step), args)
+        self.queue.finish()
 
     def load_binary(self, blob: bytes) -> Any | None:
         try:

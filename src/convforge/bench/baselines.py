@@ -29,7 +29,7 @@ from typing import Any
 from convforge.bench.timing import PASSES, Timing, cycle, median
 from convforge.spec import ConvSpec
 
-KINDS = ("cudnn", "torch", "none")
+KINDS = ("cudnn", "torch", "numpy", "none")
 CLASSES = ("fp32", "relaxed")  # convforge.config.PRECISIONS, in the order they are reported
 # plus every "cudnn:<ALGO>": the candidates of cuDNN-best FP32 (the -cl picks: dgrad layers only)
 FP32_IMPLS = ("torch-pick", "torch-pick-cl")
@@ -80,6 +80,8 @@ def unavailable(kind: str, backend: str) -> str | None:
     """Why baseline ``kind`` cannot run for ``backend`` (None when it can)."""
     if kind == "none":
         return "no baseline requested"
+    if kind == "numpy":
+        return None
     if not torch_available():
         return "PyTorch is not installed (pip install 'convforge[torch]'): no baseline available"
     if kind == "cudnn":
@@ -102,6 +104,8 @@ def run(kind: str, spec: ConvSpec, timing: Timing, on_gpu: bool,
         classes: tuple[str, ...] = ("fp32",)) -> list[BaselineResult]:
     """Every baseline implementation of ``kind`` on ``spec`` that the precision ``classes`` need
     (empty when none is available)."""
+    if kind == "numpy":
+        return _numpy_baselines(spec, timing)
     if kind == "none" or not torch_available():
         return []
     if not spec.symmetric_pad:
@@ -470,3 +474,24 @@ def _cpu_baselines(spec: ConvSpec, timing: Timing) -> list[BaselineResult]:
         times.append((time.perf_counter() - t0) * 1e3)
     res = BaselineResult("torch-cpu", f"torch {torch.__version__} CPU", "fp32", median(times), 0, err)
     return [res]
+
+
+def _numpy_baselines(spec: ConvSpec, timing: Timing) -> list[BaselineResult]:
+    """im2col + NumPy's BLAS matmul in float32 on the CPU (bench/numpy_conv.py), timed with a wall
+    clock; its error against float64 on the same inputs."""
+    import numpy as np
+
+    from convforge.bench import numpy_conv
+
+    blas = numpy_conv.blas_name()
+    algo = f"im2col + np.matmul (NumPy {np.__version__}{', ' + blas if blas else ''})"
+    if spec.dtype != "float32":
+        return [BaselineResult("numpy", algo, HALF_TAGS[spec.dtype], None, status=f"no {spec.dtype} baseline in NumPy")]
+    a, b = numpy_conv.pass_inputs(spec)
+    fn = numpy_conv.pass_fn(spec)
+    ref = numpy_conv.reference(spec, a, b)
+    out = fn(a, b)
+    den = float(np.linalg.norm(ref))
+    err = float(np.linalg.norm(out.astype(np.float64) - ref)) / den if den else 0.0
+    ms = numpy_conv.time_ms(lambda: fn(a, b), timing.warmup, timing.repeats)
+    return [BaselineResult("numpy", algo, "fp32", ms, 0, err)]

@@ -1,7 +1,10 @@
 """Measured ceilings: FP32 FFMA throughput and device copy bandwidth, and on CUDA the tensor cores'.
 
 The first two are generated kernels in the dialect, wrapped in Plans and run through the back-end like
-any convolution, so "% of peak" is against what this device does today, not a datasheet. The
+any convolution, so "% of peak" is against what this device does today, not a datasheet. On a CPU
+device (PoCL) the FFMA kernel measures PoCL's code for a GPU-shaped kernel, not the CPU (it read
+0.0004 TFLOPS, and layers then reached "197 % of peak"), so it is not measured there and no row
+has a "% peak". The
 tensor-core ceilings (FP16, BF16, TF32: a large cuBLAS GEMM through torch.matmul, FP32 accumulation)
 are measured once per run where torch sees the GPU (``baselines.tensor_core_peaks``).
 """
@@ -29,9 +32,10 @@ _DUMMY = ConvSpec(1, 1, 1, 1, 1, 1, 1)  # Plans carry a spec; the ceiling kernel
 
 @dataclass(frozen=True)
 class Ceilings:
-    """Measured FP32 FMA throughput (TFLOPS) and copy bandwidth (GB/s, read + write)."""
+    """Measured FP32 FMA throughput (TFLOPS; None: not measured, CPU devices) and copy bandwidth
+    (GB/s, read + write)."""
 
-    ffma_tflops: float
+    ffma_tflops: float | None
     copy_gbs: float
     ffma_threads: int = 0
     copy_bytes: int = 0
@@ -50,8 +54,9 @@ class Ceilings:
     def __str__(self) -> str:
         tc = ", ".join(f"{k.replace('float16', 'FP16').replace('bfloat16', 'BF16').upper()} {v:.4g}"
                        for k, v in self.tc_tflops.items())
-        return (f"measured FP32 FFMA {self.ffma_tflops:.4g} TFLOPS, "
-                f"copy bandwidth {self.copy_gbs:.4g} GB/s (read + write)"
+        ffma = (f"measured FP32 FFMA {self.ffma_tflops:.4g} TFLOPS" if self.ffma_tflops else
+                "FP32 FFMA not measured (a CPU device: its generated kernel says nothing of the CPU's peak)")
+        return (f"{ffma}, copy bandwidth {self.copy_gbs:.4g} GB/s (read + write)"
                 + (f", tensor-core GEMM (cuBLAS, FP32 accumulation) {tc} TFLOPS" if tc else ""))
 
 
@@ -128,13 +133,17 @@ def measure_copy(be: Backend, warmup: int = 2, repeats: int = 5,
 
 
 def measure(be: Backend, quick: bool = False) -> Ceilings:
-    """Every ceiling; ``quick`` uses tiny sizes (tests, CPU smoke runs). The tensor-core ones only on
-    the CUDA back-end where torch sees a GPU."""
+    """Every ceiling; ``quick`` uses tiny sizes (tests, CPU smoke runs). The FFMA one on GPUs only
+    (module docstring), the tensor-core ones only on the CUDA back-end where torch sees a GPU."""
+    tf: float | None = None
+    threads = 0
     if quick:
-        tf, threads = measure_ffma(be, 1, 3, blocks=2, iters=16)
+        if be.device.is_gpu:
+            tf, threads = measure_ffma(be, 1, 3, blocks=2, iters=16)
         gbs, size = measure_copy(be, 1, 3, nbytes=1 << 20)
     else:
-        tf, threads = measure_ffma(be)
+        if be.device.is_gpu:
+            tf, threads = measure_ffma(be)
         gbs, size = measure_copy(be)
     tc: dict[str, float] = {}
     if be.name == "cuda":

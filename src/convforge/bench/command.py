@@ -9,17 +9,26 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from rich.console import Console
-from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-from convforge.backends.base import Backend
-from convforge.bench import baselines, ceilings, plots, report, runner, sweep
-from convforge.bench.suites import BUILTIN, Layer, SuiteError, load_suite
-from convforge.bench.timing import Timing
+from convforge.bench import baselines
+from convforge.bench.suites import ABLATIONS, BUILTIN, Layer, SuiteError, load_suite
 from convforge.calibrate import TIGHT
 from convforge.config import MAX_ERROR_HELP, config, max_error_arg
+
+IMPORT_ERROR: ImportError | None = None  # what running a bench needs and cannot import (cli says so)
+try:  # not needed to list the options: `convforge bench -h` works without them
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from convforge.bench import ceilings, plots, report, runner, sweep
+    from convforge.bench.timing import Timing
+except ImportError as _err:
+    IMPORT_ERROR = _err
+
+if TYPE_CHECKING:
+    from convforge.backends.base import Backend
 
 PRECISION_CHOICES = ("fp32", "relaxed", "both")
 
@@ -35,7 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=("cuda", "opencl"),
                         help="default: cuda when a CUDA device is visible, else opencl")
     parser.add_argument("--baseline", choices=baselines.KINDS,
-                        help="default: cudnn on cuda, torch (CPU or GPU) on opencl")
+                        help="cudnn (cuDNN-best: PyTorch's pick and every cuDNN algorithm), torch (PyTorch's pick, "
+                        "on the GPU or the CPU), numpy (im2col + NumPy's BLAS matmul, float32, on the CPU) or none; "
+                        "default: cudnn on cuda, else torch on opencl when PyTorch is installed, else numpy")
     parser.add_argument("--out", metavar="DIR", help="write results.json, results.csv and PNG plots here")
     parser.add_argument("--compare-backends", action="store_true",
                         help="run convforge through CUDA and OpenCL on the same GPU, side by side")
@@ -45,7 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="check only the first N images against the reference")
     parser.add_argument("--quick-ceilings", action="store_true",
                         help="measure the ceilings with tiny kernels (smoke tests)")
-    parser.add_argument("--seed", type=int, default=0)
+    from convforge.cli import add_seed_argument
+
+    add_seed_argument(parser, "seed of the layers' random inputs and filters")
     parser.add_argument("--max-error", type=max_error_arg, metavar="E", help=MAX_ERROR_HELP)
     parser.add_argument("--precision", dest="precision_classes", choices=PRECISION_CHOICES,
                         help="accuracy class(es) to run, each against its own baseline: 'fp32' (error "
@@ -73,7 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "channels_last tensors); NHWC is read by depthwise_nhwc, so depthwise layers only")
     from convforge.cli import add_pass_option
 
-    add_pass_option(parser, allow_all=True, extra=" (--suite): each pass against cuDNN-best of that pass")
+    add_pass_option(parser, allow_all=True, extra=" (--suite): each pass against cuDNN-best of that pass",
+                    default="fprop, or each suite layer's own pass")
     parser.add_argument("--train", action="store_true",
                         help="with --model: time one training step (forward + cross-entropy + backward + SGD) of "
                         "the converted and the fused model against PyTorch FP32 (TF32 for the relaxed class), "
@@ -92,7 +106,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep-mods", metavar="'k=v,k=v;k=v'",
                         help="with --sweep: each variant's default and the default changed by each "
                         "';'-separated mod, instead of the space")
-    parser.add_argument("--ablation", choices=sorted(runner.ABLATIONS),
+    parser.add_argument("--ablation", choices=sorted(ABLATIONS),
                         help="time one variant in its ablation configurations instead "
                         "(im2win: all on / no prefetch+double buffer / no vector loads / "
                         "no micro-kernel); no baseline unless --baseline is given")
@@ -158,9 +172,12 @@ def _backends(args: argparse.Namespace) -> list[Backend]:
 
 
 def _baseline_kind(args: argparse.Namespace, bes: list[Backend]) -> str:
+    """--baseline, else cuDNN-best on CUDA, PyTorch where it is installed, NumPy (on the CPU) without it."""
     if args.baseline:
         return str(args.baseline)
-    return "cudnn" if bes[0].name == "cuda" else "torch"
+    if bes[0].name == "cuda":
+        return "cudnn"
+    return "torch" if baselines.torch_available() else "numpy"
 
 
 def precisions(choice: str | None) -> tuple[str, ...]:
@@ -280,9 +297,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     if tf32:
         notes.append(tf32)
         console.print(f"[yellow]baseline: {escape(tf32)}[/]")
-    ceil = {}
-    for be in bes:
-        ceil[be.name] = ceilings.measure(be, quick=args.quick_ceilings)
+    ceil = _ceilings(bes, args.quick_ceilings, console)
     report.print_ceilings(console, ceil)
     cfg = runner.BenchConfig(tuple(args.algo or ["auto"]), kind, args.warmup, args.repeats,
                              args.batch_slice, args.seed, classes)
@@ -340,7 +355,7 @@ def _run_ablation(args: argparse.Namespace, console: Console) -> int:
     kind = args.baseline or "none"
     env = runner.environment([be], kind)
     report.print_header(console, env, args.suite, len(layers))
-    ceil = {be.name: ceilings.measure(be, quick=args.quick_ceilings)}
+    ceil = _ceilings([be], args.quick_ceilings, console)
     report.print_ceilings(console, ceil)
     cfg = runner.BenchConfig(("auto",), kind, args.warmup, args.repeats, args.batch_slice,
                              args.seed)
@@ -362,6 +377,20 @@ def _run_ablation(args: argparse.Namespace, console: Console) -> int:
     return 1 if failed else 0
 
 
+def _ceilings(bes: list[Backend], quick: bool, console: Console) -> dict[str, ceilings.Ceilings]:
+    """The measured ceilings of each back-end, with a progress line while they are measured."""
+    from convforge.cli import phase_bars
+    from convforge.progress import Phase
+
+    out = {}
+    with phase_bars(console), Phase("measuring the devices' ceilings (FFMA, copy bandwidth)", len(bes),
+                                    "back-ends") as phase:
+        for be in bes:
+            out[be.name] = ceilings.measure(be, quick=quick)
+            phase.advance()
+    return out
+
+
 def _by_layer(rows: list[runner.Row]) -> list[list[runner.Row]]:
     groups: dict[int, list[runner.Row]] = {}
     for r in rows:
@@ -374,9 +403,12 @@ def _write(out: Path, env: dict[str, object], ceil: dict[str, ceilings.Ceilings]
     out.mkdir(parents=True, exist_ok=True)
     report.write_json(out / "results.json", env, ceil, suite, rows, notes)
     report.write_csv(out / "results.csv", env, rows)
+    if not plots.available():
+        console.print(f"wrote {out}/results.json, results.csv, no plots (pip install 'convforge[plot]')", markup=False)
+        return
     pngs = plots.write_plots(out, rows, ceil)
-    what = ", ".join(p.name for p in pngs) if pngs else "no plots (pip install 'convforge[plot]')"
-    console.print(f"wrote {out}/results.json, results.csv, {what}", markup=False)
+    what = ", ".join([p.name for p in pngs] + plots.skipped(rows, ceil))
+    console.print(f"wrote {out}/results.json, results.csv, {what}", markup=False, soft_wrap=True)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -386,8 +418,8 @@ def main(args: argparse.Namespace) -> int:
         console = Console(width=200)  # logs and pipes get the whole table, not an 80-column squeeze
     try:
         return _run(args, console)
-    except SuiteError as err:
-        console.print(f"[red]error:[/] {escape(str(err))}", soft_wrap=True)  # one line, however long
+    except SuiteError as err:  # one line on stderr, however long, as cli.main prints every other error
+        print(f"error: {err}", file=sys.stderr)
         return 2
 
 

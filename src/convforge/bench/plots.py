@@ -61,15 +61,16 @@ def _bars(plt: Any, path: Path, layers: list[str], impls: dict[str, list[float]]
 def _roofline(plt: Any, path: Path, rows: list[Row], ceilings: dict[str, Ceilings]) -> None:
     fig, ax = plt.subplots(figsize=(7, 5))
     pts = [r for r in rows if r.tflops and r.min_bytes]
+    roofs = {b: c for b, c in ceilings.items() if c.ffma_tflops and c.copy_gbs}
     ais = [r.flops / r.min_bytes for r in pts] or [1.0]
-    knees = [c.ffma_tflops * 1e3 / c.copy_gbs for c in ceilings.values() if c.copy_gbs]
+    knees = [(c.ffma_tflops or 0.0) * 1e3 / c.copy_gbs for c in roofs.values()]
     lo, hi = min(ais + knees) / 4, max(ais + knees) * 4
-    for backend, c in ceilings.items():
-        knee = c.ffma_tflops * 1e12 / (c.copy_gbs * 1e9) if c.copy_gbs else hi
+    for backend, c in roofs.items():
+        peak = c.ffma_tflops or 0.0
+        knee = peak * 1e12 / (c.copy_gbs * 1e9)
         xs = [lo, min(max(knee, lo), hi), hi]
-        ys = [min(c.ffma_tflops, x * c.copy_gbs / 1e3) for x in xs]
-        ax.plot(xs, ys, "--", label=f"measured roof ({backend}): {c.ffma_tflops:.3g} TFLOPS, "
-                                    f"{c.copy_gbs:.3g} GB/s")
+        ys = [min(peak, x * c.copy_gbs / 1e3) for x in xs]
+        ax.plot(xs, ys, "--", label=f"measured roof ({backend}): {peak:.3g} TFLOPS, {c.copy_gbs:.3g} GB/s")
     impls = list(dict.fromkeys(r.impl for r in pts))
     for impl in impls:
         sel = [r for r in pts if r.impl == impl]
@@ -85,22 +86,56 @@ def _roofline(plt: Any, path: Path, rows: list[Row], ceilings: dict[str, Ceiling
     plt.close(fig)
 
 
+def _has(values: dict[str, list[float]]) -> bool:
+    """Whether a series holds any number above zero (a plot of NaN and zero bars is empty)."""
+    return any(v == v and v > 0 for col in values.values() for v in col)
+
+
 def write_plots(out: Path, rows: list[Row], ceilings: dict[str, Ceilings]) -> list[Path]:
-    """The four PNGs; returns their paths (empty when matplotlib is missing)."""
+    """The PNGs that have something to show (tflops.png, speedup.png, workspace.png, roofline.png);
+    returns their paths (empty when matplotlib is missing). :func:`skipped` says why one is not there."""
     if not available():
         return []
     plt = _pyplot()
-    paths = [out / n for n in ("tflops.png", "speedup.png", "workspace.png", "roofline.png")]
+    written = []
     # cuDNN-best FP32 / TF32 stand for their algorithms
     main = [r for r in rows if not r.impl.startswith(("cudnn:", "cudnn-tf32:"))]
     layers, impls = _series(main, "tflops")
-    _bars(plt, paths[0], layers, impls, "effective TFLOPS", "effective TFLOPS per layer")
+    unit = "TFLOPS" if max((r.tflops for r in main if r.tflops), default=0.0) >= 1 else "GFLOP/s"
+    if _has(impls):
+        if unit != "TFLOPS":
+            impls = {k: [v * 1e3 for v in col] for k, col in impls.items()}
+        _bars(plt, out / "tflops.png", layers, impls, f"effective {unit}", f"effective {unit} per layer")
+        written.append(out / "tflops.png")
     conv = [r for r in rows if r.impl.startswith("convforge")]
-    base = ", ".join(dict.fromkeys(f"{r.precision}: {r.baseline_impl}" for r in conv if r.baseline_impl))
     layers, impls = _series(conv, "speedup")
-    title = f"speed-up over each class's baseline ({base})" if base else "speed-up (no baseline available)"
-    _bars(plt, paths[1], layers, impls, "baseline time / convforge time", title)
+    if _has(impls):
+        base = ", ".join(dict.fromkeys(f"{r.precision}: {r.baseline_impl}" for r in conv if r.baseline_impl))
+        _bars(plt, out / "speedup.png", layers, impls, "baseline time / convforge time",
+              f"speed-up over each class's baseline ({base})")
+        written.append(out / "speedup.png")
     layers, impls = _series(rows, "workspace_bytes")
-    _bars(plt, paths[2], layers, impls, "workspace bytes", "workspace per implementation", log=True)
-    _roofline(plt, paths[3], main, ceilings)
-    return paths
+    if _has(impls):
+        _bars(plt, out / "workspace.png", layers, impls, "workspace bytes", "workspace per implementation", log=True)
+        written.append(out / "workspace.png")
+    if any(r.tflops and r.min_bytes for r in main) and any(c.ffma_tflops and c.copy_gbs for c in ceilings.values()):
+        _roofline(plt, out / "roofline.png", main, ceilings)
+        written.append(out / "roofline.png")
+    return written
+
+
+def skipped(rows: list[Row], ceilings: dict[str, Ceilings]) -> list[str]:
+    """Why each plot :func:`write_plots` leaves out is not there, one phrase each."""
+    conv = [r for r in rows if r.impl.startswith("convforge")]
+    why = []
+    if not any(r.tflops for r in rows):
+        why.append("no tflops.png (nothing was timed)")
+    if not any(r.speedup for r in conv):
+        why.append("no speedup.png (no baseline timed these layers: --baseline, or PyTorch / NumPy absent)")
+    if not any(r.workspace_bytes for r in rows):
+        why.append("no workspace.png (no implementation used a workspace)")
+    if not any(c.ffma_tflops and c.copy_gbs for c in ceilings.values()):
+        why.append("no roofline.png (no FFMA ceiling: not measured on a CPU device)")
+    elif not any(r.tflops and r.min_bytes for r in rows):
+        why.append("no roofline.png (nothing was timed)")
+    return why

@@ -39,6 +39,17 @@ def _bytes(v: int | None) -> str:
     return f"{v} B"
 
 
+def speed_unit(rows: Iterable[Row]) -> tuple[str, float, str]:
+    """(column title, factor from TFLOPS, format) for the speeds of ``rows``: TFLOPS where some
+    row reaches 1, else GFLOP/s (a CPU device's layers would read 0.0004 TFLOPS)."""
+    top = max((r.tflops for r in rows if r.tflops), default=0.0)
+    return ("TFLOPS", 1.0, ".4g") if top >= 1 else ("GFLOP/s", 1e3, ".3g")
+
+
+def _speed(r: Row, unit: tuple[str, float, str]) -> str:
+    return _num(None if r.tflops is None else r.tflops * unit[1], unit[2])
+
+
 def print_header(console: Console, env: dict[str, Any], suite: str, nlayers: int) -> None:
     console.print(f"[bold]convforge bench[/] suite [cyan]{suite}[/] ({nlayers} layers)")
     console.print(f"device: {env['device']}  driver: {env['driver'] or '-'}  ({env.get('platform') or '-'})")
@@ -91,8 +102,10 @@ def layer_table(rows: list[Row], title: str = "", precision: str | None = None) 
     memory = grouped_rows(rows)
     mine = _convforge(rows, precision)
     tc = any(r.pct_tc is not None for r in mine)
+    peak = any(r.pct_peak is not None for r in mine)  # none on CPU devices (ceilings.py)
+    unit = speed_unit(mine)
     cols = [("layer", "left"), ("class", "left"), ("convforge variant", "left"), ("time ms", "right"),
-            ("TFLOPS", "right"), ("% peak", "right")] + ([("% TC peak", "right")] if tc else [])
+            (unit[0], "right")] + ([("% peak", "right")] if peak else []) + ([("% TC peak", "right")] if tc else [])
     cols += [("GB/s", "right"), ("% copy", "right"), ("% copy of own bytes", "right"),
              ("baseline GB/s", "right")] if memory else []
     cols += [("baseline ms", "right"), ("baseline algo", "left"), ("speed-up", "right"), ("workspace", "right"),
@@ -106,8 +119,8 @@ def layer_table(rows: list[Row], title: str = "", precision: str | None = None) 
         variant = r.algo if len(r.algo) < 72 else r.algo[:69] + "..."
         base = escape(f"{r.baseline_impl}: {r.baseline_algo}") if r.baseline_impl else "none available"
         cls = r.precision + ("" if _dtype(r) == "float32" else f" {_dtype(r)}")
-        cells = [escape(r.layer), cls, escape(f"{variant} [{r.backend}]"), _num(r.time_ms, ".3f"),
-                 _num(r.tflops, ".4g"), _num(r.pct_peak, ".1f")] + ([_num(r.pct_tc, ".1f")] if tc else [])
+        cells = [escape(r.layer), cls, escape(f"{variant} [{r.backend}]"), _num(r.time_ms, ".3f"), _speed(r, unit)]
+        cells += ([_num(r.pct_peak, ".1f")] if peak else []) + ([_num(r.pct_tc, ".1f")] if tc else [])
         if memory:
             base_gbs = r.min_bytes / (r.baseline_ms * 1e-3) / 1e9 if r.baseline_ms and r.min_bytes else None
             cells += [_num(r.gbs, ".0f"), _num(r.pct_copy, ".1f"), _num(r.pct_copy_same, ".1f"), _num(base_gbs, ".0f")]
@@ -205,7 +218,8 @@ def baseline_table(rows: list[Row]) -> Table:
     """Every baseline implementation (cuDNN algorithms with their status, other precisions labelled)."""
     t = Table(title="baselines")
     memory = grouped_rows(rows)
-    for col in ("layer", "impl", "algo", "precision", "time ms", "TFLOPS", "% TC peak") + (
+    unit = speed_unit(r for r in rows if not r.impl.startswith("convforge"))
+    for col in ("layer", "impl", "algo", "precision", "time ms", unit[0], "% TC peak") + (
             ("GB/s", "% copy", "% copy of own bytes") if memory else ()) + ("workspace", "rel err", "status"):
         t.add_column(col)
     for r in rows:
@@ -213,7 +227,7 @@ def baseline_table(rows: list[Row]) -> Table:
             continue
         bw = [_num(r.gbs, ".0f"), _num(r.pct_copy, ".1f"), _num(r.pct_copy_same, ".1f")] if memory else []
         t.add_row(escape(r.layer), escape(r.impl), escape(r.algo), r.precision, _num(r.time_ms, ".3f"),
-                  _num(r.tflops, ".4g"), _num(r.pct_tc, ".1f"), *bw,
+                  _speed(r, unit), _num(r.pct_tc, ".1f"), *bw,
                   _bytes(r.workspace_bytes), _num(r.rel_err, ".1e"), escape(r.status[:50]))
     return t
 

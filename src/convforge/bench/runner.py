@@ -18,7 +18,7 @@ from convforge import __version__, dispatch
 from convforge.backends.base import Backend
 from convforge.bench import baselines
 from convforge.bench.ceilings import Ceilings, measure_copy
-from convforge.bench.suites import Layer
+from convforge.bench.suites import ABLATIONS, Layer
 from convforge.bench.timing import Timing, check_slice, cycle, run_timed
 from convforge.check import check_plan, pass_inputs
 from convforge.dtypes import to_storage
@@ -257,18 +257,7 @@ def run_suite(layers: list[Layer], bes: list[Backend], cfg: BenchConfig,
     return rows
 
 
-# -- ablations --------------------------------------------------------------------------------
-# name -> (variant, [(configuration label, parameter overrides of the default)])
-ABLATIONS: dict[str, tuple[str, list[tuple[str, dict[str, int]]]]] = {
-    "im2win": ("im2win", [
-        ("all on", {}),
-        ("no prefetch/double buffer", {"pf": 0, "db": 0}),
-        ("no vector loads", {"va": 1, "vb": 1}),
-        ("no micro-kernel", {"bm": 16, "bn": 16, "bk": 64, "tm": 1, "tn": 1}),
-    ]),
-}
-
-
+# -- ablations (bench/suites.py ABLATIONS) -------------------------------------------------
 def ablation_points(name: str, spec: ConvSpec, device: DeviceInfo) -> list[tuple[str, Variant, Params]]:
     """(label, variant, params) of each configuration of ablation ``name`` on ``spec``."""
     from convforge.kernels import get_variant

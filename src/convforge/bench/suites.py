@@ -27,6 +27,15 @@ from convforge.spec import ConvSpec, transposed_geometry
 BUILTIN = ("resnet", "boda", "mec", "unseen", "batch1", "fc", "grouped", "convnext_mlp", "resnet50", "vgg16", "stems",
            "decoder", "depthwise", "grouped_conv")
 REQUIRED = ("N", "C", "H", "W", "K", "R", "S", "stride", "pad")
+# ``bench --ablation NAME``: name -> (variant, [(configuration label, parameter overrides of the default)])
+ABLATIONS: dict[str, tuple[str, list[tuple[str, dict[str, int]]]]] = {
+    "im2win": ("im2win", [
+        ("all on", {}),
+        ("no prefetch/double buffer", {"pf": 0, "db": 0}),
+        ("no vector loads", {"va": 1, "vb": 1}),
+        ("no micro-kernel", {"bm": 16, "bn": 16, "bk": 64, "tm": 1, "tn": 1}),
+    ]),
+}
 OPTIONAL = ("name", "dilation", "groups", "transposed", "output_padding")
 
 

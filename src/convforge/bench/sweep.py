@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -109,30 +110,20 @@ def run_sweep(args: argparse.Namespace, layers: list[Layer], backend: Backend, p
               console: Console) -> int:
     """Time the points, print one table per layer, write ``sweep.json`` with ``--out``; 1 when a
     point failed (it scores infinity and the others still run), 2 when no point applied anywhere."""
+    from convforge.cli import phase_bars
+    from convforge.progress import Phase
     from convforge.tune.tuner import Tuner
 
     tuner = Tuner(backend, seed=args.seed, repeats=args.repeats)
     changes = mods(args.sweep_mods)
     rows: list[dict[str, Any]] = []
     best: dict[str, dict[str, Any]] = {}
-    for layer in layers:
-        chosen = variants(args.algo, layer.spec, backend, precision)
-        pts = [(v, p) for v in chosen for p in points(v, layer.spec, backend, args.sweep_limit, changes)]
-        if not pts:
-            console.print(f"{escape(layer.name)}: no --algo variant applies on {backend.name}", markup=False)
-            continue
-        cands = tuner.measure_many(layer.spec, Epilogue(), pts)
-        mine = [_row(layer, c) for c in cands]
-        fastest = min((r["time_ms"] for r in mine if r["status"] == "ok"), default=None)
-        for r in mine:
-            r["fastest"] = r["status"] == "ok" and r["time_ms"] == fastest
-            key = f"{layer.name}|{r['variant']}"
-            if r["status"] == "ok" and (key not in best or r["time_ms"] < best[key]["time_ms"]):
-                best[key] = r
-        console.print(table(mine, f"{layer.name} ({layer.spec.short()}) on {backend.device.name}"))
-        rows += mine
+    with phase_bars(console), Phase("sweeping the layers' tuning spaces", len(layers), "layers") as phase:
+        for layer in layers:
+            rows += _sweep_layer(tuner, layer, args, backend, precision, changes, best, console)
+            phase.advance()
     if not rows:
-        console.print("[red]error:[/] no --algo variant applies to any layer of the suite")
+        print("error: no --algo variant applies to any layer of the suite", file=sys.stderr)
         return 2
     failed = [r for r in rows if r["status"] != "ok"]
     console.print(f"{len(rows)} point(s) timed, {len(failed)} failed", markup=False)
@@ -146,6 +137,27 @@ def run_sweep(args: argparse.Namespace, layers: list[Layer], backend: Backend, p
     return 1 if failed else 0
 
 
+def _sweep_layer(tuner: Any, layer: Layer, args: argparse.Namespace, backend: Backend, precision: str,
+                 changes: list[Params], best: dict[str, dict[str, Any]],
+                 console: Console) -> list[dict[str, Any]]:
+    """One layer's points, checked and timed, printed as a table; ``best`` keeps each variant's fastest."""
+    chosen = variants(args.algo, layer.spec, backend, precision)
+    pts = [(v, p) for v in chosen for p in points(v, layer.spec, backend, args.sweep_limit, changes)]
+    if not pts:
+        console.print(f"{escape(layer.name)}: no --algo variant applies on {backend.name}", markup=False)
+        return []
+    cands = tuner.measure_many(layer.spec, Epilogue(), pts)
+    mine = [_row(layer, c) for c in cands]
+    fastest = min((r["time_ms"] for r in mine if r["status"] == "ok"), default=None)
+    for r in mine:
+        r["fastest"] = r["status"] == "ok" and r["time_ms"] == fastest
+        key = f"{layer.name}|{r['variant']}"
+        if r["status"] == "ok" and (key not in best or r["time_ms"] < best[key]["time_ms"]):
+            best[key] = r
+    console.print(table(mine, f"{layer.name} ({layer.spec.short()}) on {backend.device.name}"))
+    return mine
+
+
 def _row(layer: Layer, cand: Any) -> dict[str, Any]:
     ok = cand.status == "ok"
     return {"layer": layer.name, "spec": layer.spec.short(), "variant": cand.variant.name,
@@ -156,11 +168,13 @@ def _row(layer: Layer, cand: Any) -> dict[str, Any]:
 
 def table(rows: list[dict[str, Any]], title: str) -> Table:
     t = Table(title=escape(title))
-    for col in ("variant", "point", "ms", "TFLOPS", "rel err", "status"):
-        t.add_column(col, justify="right" if col in ("ms", "TFLOPS", "rel err") else "left")
+    tera = max((r["tflops"] or 0.0 for r in rows), default=0.0) >= 1  # else GFLOP/s: a CPU device's points
+    speed = "TFLOPS" if tera else "GFLOP/s"
+    for col in ("variant", "point", "ms", speed, "rel err", "status"):
+        t.add_column(col, justify="right" if col in ("ms", speed, "rel err") else "left")
     for r in rows:
         ms = "-" if r["time_ms"] is None else f"{r['time_ms']:.4f}" + (" *" if r["fastest"] else "")
-        tf = "-" if r["tflops"] is None else f"{r['tflops']:.3g}"
+        tf = "-" if r["tflops"] is None else f"{r['tflops'] * (1 if tera else 1e3):.3g}"
         err = "-" if r["rel_err"] is None else f"{r['rel_err']:.1e}"
         t.add_row(r["variant"], escape(r["point"]), ms, tf, err, escape(str(r["status"])[:120]))
     return t

@@ -7,10 +7,12 @@ import itertools
 import statistics
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-from convforge.plan import DeviceInfo
 from convforge.spec import ConvSpec
+
+if TYPE_CHECKING:  # the bench's options are listed without NumPy (cli._add_optional)
+    from convforge.plan import DeviceInfo
 
 T = TypeVar("T")
 

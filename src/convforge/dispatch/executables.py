@@ -8,6 +8,9 @@ dtypes, devices, contiguity, the keyword arguments, the configuration's precisio
 ``conv2d`` computes per call: a warm call is a dictionary hit and a launch. A key is made only of
 what the slow path validated, so a hit needs no further checking.
 
+The first call of a layer compiles its program; one that takes long says so through
+``convforge.progress`` (the "convforge" logger, INFO).
+
 Device memory: when the workspace of the chosen variant cannot be allocated, ``auto`` falls back
 to the best variant whose workspace fits in what is free (less the output's size) and logs it once;
 an explicitly named algorithm (or explicit ``params``) raises ``DeviceMemoryError`` naming the bytes
@@ -17,6 +20,7 @@ asked for and the bytes free.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +28,7 @@ from convforge.backends.base import DeviceMemoryError
 from convforge.dispatch.choice import choose
 from convforge.params import Params
 from convforge.plan import Epilogue, Prologue
+from convforge.progress import Phase
 from convforge.spec import ConvSpec
 
 if TYPE_CHECKING:
@@ -49,10 +54,35 @@ def executable(spec: ConvSpec, backend: Backend, epilogue: Epilogue = Epilogue()
                 prologue=prologue, finite_exact=finite_exact)
     key = (backend, backend.device.key(), ch.variant.name, spec, ch.params, epilogue, prologue)
     exe = _EXECUTABLES.get(key)
-    if exe is None:
-        plan = ch.variant.plan_for(spec, ch.params, backend.device, epilogue, prologue)
-        exe = _EXECUTABLES[key] = backend.executable(plan)
+    if exe is None:  # a first call: said in the log when it takes long (convforge.progress)
+        what = f"{ch.variant.name} [{ch.params.short()}] for {spec.short()}"
+        start = time.perf_counter()
+        with Phase(f"compiling {what}"):
+            plan = ch.variant.plan_for(spec, ch.params, backend.device, epilogue, prologue)
+            exe = _EXECUTABLES[key] = backend.executable(plan)
+        _compiled(what, start)
     return exe
+
+
+_STREAK = {"count": 0, "start": 0.0, "end": 0.0, "said": 0.0}  # first-call compiles one after another
+
+
+def _compiled(what: str, start: float) -> None:
+    """Count a first call's compile in the current streak (compiles less than EVERY_S apart: a
+    model's first forward, a network built layer by layer) and, at most every EVERY_S seconds once
+    the streak has run that long, log how far it is."""
+    from convforge.progress import EVERY_S
+
+    now = time.perf_counter()
+    st = _STREAK
+    if start - st["end"] > EVERY_S:
+        st.update(count=0, start=start, said=start)
+    st["count"] += 1
+    st["end"] = now
+    if now - st["said"] >= EVERY_S:
+        st["said"] = now
+        log.info("convforge: first calls: %d kernel program(s) compiled in %.1f s, the latest %s", st["count"],
+                 now - st["start"], what)
 
 
 def runner(key: tuple[Any, ...] | None, spec: ConvSpec, backend: Backend, epilogue: Epilogue, kind: str,

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from convforge import dispatch
+from convforge.backends.base import Work, plan_work
 from convforge.codegen.dialect import Storage
 from convforge.codegen.render import render
 from convforge.dtypes import to_storage
@@ -41,6 +42,18 @@ class Step:
     variant: str
     run: Callable[[], None]
     flops: int = 0
+
+
+@dataclass(frozen=True)
+class _ConvCall:
+    """A conv node as :meth:`Network._conv` chose it: what ``dispatch.executable`` is asked for."""
+
+    node: Node
+    spec: ConvSpec
+    epilogue: Epilogue
+    prologue: Prologue
+    named: dict[str, Any]
+    bufs: dict[str, Any]
 
 
 @dataclass
@@ -143,9 +156,14 @@ class Network:
         self._order: list[str] = []  # step names in launch order
         self.transformed_bytes = 0  # filters transformed once at build (Winograd U, packed weights)
         self._convs: list[tuple[Any, dict[str, Any]]] = []  # (executable, the buffers its layer binds)
+        self._pending: list[_ConvCall] = []  # convs chosen, not yet compiled
+        self.compiled_ahead = 0  # programs this build compiled (the others came from a cache)
         self.arena: list[Any] = []  # the scratch workspace every conv shares, one buffer per rank
         for node in graph.nodes:
             self._build(node)
+        self._compile_ahead()
+        for call in self._pending:
+            self._conv_executable(call)
         self._bind_workspaces()
         self._link_kernels()
         self.run_eager()  # compile, allocate workspaces: nothing of that happens in a capture
@@ -320,7 +338,8 @@ class Network:
 
     def _conv(self, node: Node, x: Tensor) -> None:
         """A conv or fc through dispatch; a fused residual needs a variant with a residual store
-        path (``Variant.residual_ok``), else the conv runs plain and a separate add follows."""
+        path (``Variant.residual_ok``), else the conv runs plain and a separate add follows. The
+        choice is made here; the executable after :meth:`_compile_ahead` (``_conv_executable``)."""
         spec = conv_spec(node, x, self.dtype)
         has_bias = "bias" in node.weights
         relu = bool(node.attrs.get("relu"))
@@ -333,28 +352,62 @@ class Network:
         residual = node.inputs[1] if len(node.inputs) > 1 else None
         plain = epilogue_of(node)
         choice = self.choice(node)
-        named = dict(algo=choice.variant.name, params=choice.params, prologue=pro)
+        named: dict[str, Any] = dict(algo=choice.variant.name, params=choice.params, prologue=pro)
         if node.output in self.into:
             concat, off = self.into[node.output]
             epi = replace(plain, k_total=self.shapes[concat].shape[1], k_offset=off)
-            exe = dispatch.executable(spec, self.backend, epi, **named)
         elif residual is not None and choice.variant.residual_ok:
             epi = replace(plain, residual=True)
-            exe = dispatch.executable(spec, self.backend, epi, **named)
             bufs["res"] = self.buf(residual)
         else:
             epi = plain if residual is None else Epilogue(bias=has_bias)
-            exe = dispatch.executable(spec, self.backend, epi, workspace_limit=self.workspace_limit,
-                                      max_error=self.max_errors.get(node.name), prologue=pro)
-        self._execs.append(exe)
-        self._convs.append((exe, bufs))
+            named = dict(workspace_limit=self.workspace_limit, max_error=self.max_errors.get(node.name), prologue=pro)
+        dispatch.choose(spec, self.backend, epi, **named)  # chosen here, on this thread (it may tune)
         self._order.append(node.name)
-        self.steps.append(Step(node.name, node.op, exe.plan.describe() + pro.tag() + epi.tag(),
-                               _conv_call(exe, bufs), spec.flops))
+        self._pending.append(_ConvCall(node, spec, epi, pro, named, bufs))
         if residual is not None and not epi.residual:
             y = self.shapes[node.output]
             add = Node(node.name + "+add", "add", [node.output, residual], node.output, {"relu": relu})
             self._kernel(add, ops.add(add, y, [node.output, residual], node.output, relu, self.st))
+
+    def _conv_executable(self, call: _ConvCall) -> None:
+        """The compiled executable of a conv chosen by :meth:`_conv`, and its step."""
+        exe = dispatch.executable(call.spec, self.backend, call.epilogue, **call.named)
+        self._execs.append(exe)
+        self._convs.append((exe, call.bufs))
+        self.steps.append(Step(call.node.name, call.node.op, exe.plan.describe() + call.prologue.tag()
+                               + call.epilogue.tag(), _conv_call(exe, call.bufs), call.spec.flops))
+
+    def _compile_ahead(self) -> None:
+        """Every program the network runs -- each conv's plan and the operations' program --
+        compiled at once on several threads (``Backend.compile_ahead``), before the executables
+        are made one by one: those then find them built."""
+        be = self.backend
+        work = []
+        for call in self._pending:
+            ch = dispatch.choose(call.spec, be, call.epilogue, **call.named)
+            try:
+                plan = ch.variant.plan_for(call.spec, ch.params, be.device, call.epilogue, call.prologue)
+            except ValueError:  # said when its executable is made
+                continue
+            work.append(plan_work(plan, be.name, {name: be.nbytes(buf) for name, buf in call.bufs.items()}))
+        ops_work = self._ops_work()
+        if ops_work is not None:
+            work.append(ops_work)
+        self.compiled_ahead = be.compile_ahead(work, f"{self.graph.name}'s kernels")
+
+    def _ops_work(self) -> Work | None:
+        """The operations' program (:meth:`_link_kernels`) with its launches and buffer sizes."""
+        if not self._kernels:
+            return None
+        kernels = tuple({k.kernel.name: k.kernel for _, _, k in self._kernels}.values())
+        launches = tuple(Launch(ol.kernel.name, ol.grid, ol.kernel.block, ol.args) for _, _, ol in self._kernels)
+        sizes = {a: self.backend.nbytes(self.weights[a]) if a in self.weights else
+                 self.memory.sizes[self.memory.slot_of[a]] for _, _, ol in self._kernels for a in ol.args}
+        return Work(self._ops_source(kernels), kernels, launches, tuple(sizes.items()))
+
+    def _ops_source(self, kernels: tuple[Any, ...] | list[Any]) -> str:
+        return render(list(kernels), self.backend.name, f"{self.graph.name} operations")
 
     def _bind_workspaces(self) -> None:
         """Give every conv its workspace, then run the weight-only steps once.
@@ -401,7 +454,7 @@ class Network:
             return
         kernels = list({k.kernel.name: k.kernel for _, _, k in self._kernels}.values())
         be = self.backend
-        program = be.program(render(kernels, be.name, f"{self.graph.name} operations"))
+        program = be.program(self._ops_source(kernels))
         by_node: dict[str, list[Callable[[], None]]] = {}
         for name, _, ol in self._kernels:
             fn = be.function(program, ol.kernel)
@@ -440,20 +493,26 @@ class Network:
         self.backend.synchronize()
         return {t: self.backend.download(self.buf(t), self.shapes[t].shape, self.dtype) for t in self.graph.outputs}
 
-    def profile(self, repeats: int = 5) -> list[tuple[Step, float]]:
-        """Each step timed alone with device events (a separate pass, not the replay): median ms."""
+    def profile(self, repeats: int = 5, warmup: bool = True,
+                on_step: Callable[[], None] | None = None) -> list[tuple[Step, float]]:
+        """Each step timed alone with device events (a separate pass, not the replay): median ms,
+        after one untimed run of the step (``warmup``); ``on_step`` is called as each is done."""
         _check_repeats(repeats)
         out = []
         for step in self.steps:
-            step.run()
+            if warmup:
+                step.run()
             times = self.backend.time_ms(step.run, repeats)
             out.append((step, float(np.median(times))))
+            if on_step is not None:
+                on_step()
         return out
 
-    def time_ms(self, repeats: int = 10) -> float:
-        """Median device time of one replay of the whole network."""
+    def time_ms(self, repeats: int = 10, warmup: bool = True) -> float:
+        """Median device time of one replay of the whole network, after one untimed (``warmup``)."""
         _check_repeats(repeats)
-        self.replay()
+        if warmup:
+            self.replay()
         return float(np.median(self.backend.time_ms(self.replay, repeats)))
 
 

@@ -5,7 +5,8 @@ kernel plan: ``FusedConv2d``; linear layers over channels-last activations with 
 layer scale and residual add: ``FusedLinear``, ConvNeXt's MLPs) and the ``convforge::conv2d``
 operator (torch.compile and CUDA-graph safe, with autograd), and ``calibrate(model, reference,
 example)`` (a per-network error budget: the fewest layers set to a tight max_error that bring
-the output error within budget x PyTorch's).
+the output error within budget x PyTorch's), and ``prepare(model, example)`` (every layer's
+kernels compiled on several threads before the first forward).
 
 Imported only when torch is installed (torch stays an optional extra): ``import convforge`` never
 imports this package.
@@ -24,7 +25,8 @@ from convforge.torch.fused import FusedConv2d
 from convforge.torch.linear import FusedLinear
 from convforge.torch.modules import Conv2d, ConvertReport, ConvTranspose2d, convert
 from convforge.torch.ops import conv2d, output_shape
+from convforge.torch.prepare import prepare
 from convforge.torch.transposed import conv_transpose2d
 
 __all__ = ["CalibrationReport", "Conv2d", "ConvTranspose2d", "ConvertReport", "FusedConv2d", "FusedLinear",
-           "calibrate", "convert", "conv2d", "conv_transpose2d", "fuse", "output_shape"]
+           "calibrate", "convert", "conv2d", "conv_transpose2d", "fuse", "output_shape", "prepare"]

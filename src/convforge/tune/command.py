@@ -6,17 +6,23 @@ import argparse
 import dataclasses
 import json
 import logging
-import sqlite3
 from pathlib import Path
 from typing import Any
 
-from rich.markup import escape
-
 from convforge.config import MAX_ERROR_HELP, PRECISION_HELP, PRECISIONS, config, max_error_arg, precision_key
-from convforge.plan import Epilogue
 from convforge.spec import ConvSpec
-from convforge.tune.db import Entry, NoDatabase, TuningDB
-from convforge.tune.tuner import Budget, Candidate, TuneError, Tuner, TuneResult, measure_dispatch
+
+IMPORT_ERROR: ImportError | None = None  # what running these commands needs and cannot import (cli says so)
+try:  # not needed to list the options: `convforge tune -h` works without them
+    import sqlite3
+
+    from rich.markup import escape
+
+    from convforge.plan import Epilogue
+    from convforge.tune.db import Entry, NoDatabase, TuningDB
+    from convforge.tune.tuner import Budget, Candidate, TuneError, Tuner, TuneResult, measure_dispatch
+except ImportError as _err:
+    IMPORT_ERROR = _err
 
 DEFAULT_BUDGET = "5s,16"  # per layer: Boda's 43 layers in well under 10 minutes on a GPU
 
@@ -38,17 +44,20 @@ def _error(msg: str) -> None:
 
 # -- convforge tune -----------------------------------------------------------------------
 def add_tune_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--suite", help="built-in suite name (resnet, boda, mec, unseen) or a JSON suite file")
-    p.add_argument("--spec", action="append", default=[], metavar="SPEC",
-                   help="a layer such as 'N=1,C=3,H=13,W=13,K=8,R=3,S=3,pad=1' (repeatable)")
+    p.add_argument("--suite", metavar="NAME|FILE", help=f"a built-in suite ({_suite_names()}) or a JSON suite file")
+    from convforge.cli import SPEC_HELP
+
+    p.add_argument("--spec", action="append", default=[], metavar="SPEC", help=SPEC_HELP + " (repeatable)")
     p.add_argument("--limit", type=int, help="tune only the first LIMIT layers of --suite / --spec (>= 1)")
     p.add_argument("--budget", default=DEFAULT_BUDGET,
                    help="per layer: seconds ('30s'), candidates ('20') or both ('12s,24'); "
                         f"default {DEFAULT_BUDGET}")
     p.add_argument("--backend", choices=("cuda", "opencl"), help="default: cuda when present, else opencl")
     p.add_argument("--device", help="CUDA device index or OpenCL 'platform:device'")
-    from convforge.tune.parallel import DEVICES_HELP
-
+    try:
+        from convforge.tune.parallel import DEVICES_HELP
+    except ImportError:
+        DEVICES_HELP = "tune on several devices at once, one worker process per device: 'all' or 0,1,..."
     p.add_argument("--devices", metavar="all|0,1,...", help=DEVICES_HELP)
     p.add_argument("--db", type=Path, help=f"tuning database (default {config.tuning_db})")
     p.add_argument("--bias", action="store_true", help="tune with a bias epilogue (fprop only)")
@@ -57,15 +66,17 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
 
     add_pass_option(p, allow_all=True, extra=" (--suite / --spec)")
     p.add_argument("--force", action="store_true", help="re-tune layers the database already knows")
-    p.add_argument("--seed", type=int, default=0, help="seed of the space sample and of the check inputs")
+    from convforge.cli import add_seed_argument, int_arg
+
+    add_seed_argument(p, "seed of the space sample and of the check inputs")
     p.add_argument("--precision", choices=tuple(PRECISIONS), help=PRECISION_HELP)
     p.add_argument("--max-error", type=max_error_arg, metavar="E", help=MAX_ERROR_HELP)
     p.add_argument("--workers", type=int, help="compile threads, >= 1 (default: CPU count, at most 16)")
     p.add_argument("--report", type=Path, metavar="DIR",
                    help="also write Boda's autotuned / heuristic / fixed-parameters comparison to DIR "
                         "(report.json, report.png)")
-    p.add_argument("--report-sets", type=int, default=3,
-                   help="parameter sets per variant tried as the fixed setting (default 3)")
+    p.add_argument("--report-sets", type=int_arg(1), default=3, metavar="N",
+                   help="with --report: parameter sets per variant tried as the fixed setting (>= 1, default 3)")
     p.add_argument("--dispatch-overhead", action="store_true",
                    help="measure choose() per call on the first layer afterwards (µs)")
     p.add_argument("-v", "--verbose", action="store_true", help="log every candidate's fate")
@@ -80,6 +91,15 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
                    help="tune a torchvision model's convs as `bench --model` runs them (repeatable): converted "
                         "(and fused, where convforge.torch.fuse exists), each layer with its real epilogue, in "
                         "the --precision class (CUDA; --budget per layer)")
+
+
+def _suite_names() -> str:
+    """The built-in suites, from the registry (bench/suites.py)."""
+    try:
+        from convforge.bench.suites import BUILTIN
+    except ImportError:  # the bench package is not there: name none rather than a stale list
+        return "see convforge bench -h"
+    return ", ".join(BUILTIN)
 
 
 def _layers(args: argparse.Namespace) -> list[tuple[str, ConvSpec]]:
@@ -385,7 +405,7 @@ def add_db_arguments(p: argparse.ArgumentParser) -> None:
         q.add_argument("--spec", help="only this layer (ConvSpec text)")
         q.add_argument("--backend", choices=backends, help="only this back-end")
         q.add_argument("--variant", help="only this variant")
-        add_pass_option(q, allow_all=False, extra=" (default: every pass)")
+        add_pass_option(q, allow_all=False, default="every pass")
     exp = sub.add_parser("export", help="write the entries as JSON (to share between machines)")
     exp.add_argument("file", type=Path, help="output JSON file ('-' for stdout); an existing file only with --force")
     exp.add_argument("--backend", choices=backends, help="only this back-end")

@@ -1,0 +1,176 @@
+"""``prepare(model, example)``: compile a converted or fused model's kernels, several at a time, before
+its first forward.
+
+The first eager forward of a model from ``convert`` or ``fuse`` compiles each layer's kernels as it
+reaches the layer, one after the other. ``prepare`` runs the model once on an example input with
+PyTorch's own convolutions in place of convforge's (each convforge layer records the input it gets;
+nothing of convforge's is compiled or run), then builds every layer's runner for those inputs on a
+pool of threads (NVRTC, through CuPy, releases the GIL while it compiles), reported as a
+``convforge.progress`` phase (the "convforge" logger, INFO). The first real forward on inputs of
+the same shapes finds each layer's runner built. It prepares eager inference (``model.eval()``,
+no gradients): training compiles its backward kernels on its first step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from convforge.torch.modules import Conv2d, compute_dtype, padding_quad, reads_nhwc
+
+log = logging.getLogger("convforge")
+_F32 = torch.float32
+
+
+def prepare(model: torch.nn.Module, *example: Any, workers: int | None = None, **example_kwargs: Any) -> int:
+    """Compile the kernels ``model``'s first forward on ``example`` (its positional and keyword
+    arguments) will run, on ``workers`` threads (default: the CPUs, at most 16; 1 while
+    ``config.autotune`` is on, so tuning times one candidate at a time). Returns how many layer
+    runners were built. Layers convforge does not run on these inputs (CPU tensors, training,
+    other dtypes) are skipped; anything a layer cannot prepare is left for its first call."""
+    from convforge.backends.base import compile_workers
+    from convforge.config import config
+    from convforge.progress import Phase
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"prepare() takes a torch.nn.Module, not {type(model).__name__}")
+    training = _training_batch_norm(model)
+    if training:
+        raise ValueError(f"prepare() prepares inference, and batch norm {training!r} is in training mode (its "
+                         "running statistics would move): call model.eval() first; training compiles its "
+                         "kernels on its first step")
+    jobs = _record(model, example, example_kwargs)
+    if not jobs:
+        return 0
+    n = 1 if config.autotune else max(1, min(workers or compile_workers(), len(jobs)))
+    name = type(model).__name__
+    with Phase(f"compiling {name}'s kernels ({n} thread{'s' if n > 1 else ''})", len(jobs), "layers") as phase:
+        def run(job: Callable[[], Any]) -> None:
+            try:
+                job()
+            except Exception as err:  # noqa: BLE001 - the layer's first call builds it again and says why
+                log.debug("convforge: preparing a layer failed (%s); its first call builds it", err)
+            phase.advance()
+
+        with ThreadPoolExecutor(n, thread_name_prefix="convforge-prepare") as pool:
+            list(pool.map(run, jobs))
+    return len(jobs)
+
+
+def _training_batch_norm(model: torch.nn.Module) -> str | None:
+    """The name of a batch norm in training mode that ``model`` runs (its own, or one a fused
+    layer references), or None."""
+    bn_type = torch.nn.modules.batchnorm._BatchNorm
+    for name, m in model.named_modules():
+        pre = getattr(m, "_cf_pre", None)
+        refs = [m, getattr(m, "_cf_bn", None), getattr(m, "bn", None), getattr(pre, "bn", None)]
+        for bn in refs:
+            if isinstance(bn, bn_type) and bn.training:
+                return (name or "<model>") if bn is m else f"{name or '<model>'}'s batch norm"
+    return None
+
+
+def _record(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Callable[[], Any]]:
+    """Run ``model`` with PyTorch's convolutions under no_grad, each convforge layer's call turned into
+    a job that builds what its first real call will need; the model's own forwards are restored."""
+    from convforge.torch.fused import FusedConv2d
+
+    jobs: dict[tuple[Any, ...], Callable[[], Any]] = {}
+    patched: list[tuple[torch.nn.Module, Any]] = []
+    try:
+        for m in model.modules():
+            if isinstance(m, Conv2d):
+                patched.append((m, m.__dict__.get("forward")))
+                fused = isinstance(m, FusedConv2d)
+                m.forward = _fused_recorder(m, jobs) if fused else _conv_recorder(m, jobs)  # type: ignore[method-assign]
+        with torch.no_grad():
+            model(*args, **kwargs)
+    finally:
+        for m, own in patched:
+            if own is None:
+                del m.forward
+            else:
+                m.forward = own  # type: ignore[method-assign]
+    return list(jobs.values())
+
+
+def _stand_in(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor with ``x``'s shape and device and ``dtype`` holding one element (zero strides): what a
+    layer's runner is built from (shape, dtype, device), without keeping the activation."""
+    return torch.empty_strided(tuple(x.shape), (0,) * x.dim(), dtype=dtype, device=x.device)
+
+
+def _conv_job(m: Conv2d, x: torch.Tensor, jobs: dict[tuple[Any, ...], Callable[[], Any]]) -> None:
+    """The job of a ``Conv2d`` call of ``x`` (its eager inference path, modules.py ``_forward``)."""
+    w = m.weight
+    dt = compute_dtype(x, w)
+    if (dt is None or not x.is_cuda or x.dim() != 4 or not w.is_cuda or m.padding_mode != "zeros"
+            or (m.bias is not None and m.bias.dtype != w.dtype)):
+        return
+    nhwc = x.dtype == _F32 and reads_nhwc(m, x)
+    key = (id(m), tuple(x.shape), dt, x.device, nhwc)
+    if key in jobs:
+        return
+    stand, pad, dev = _stand_in(x, dt), padding_quad(m), x.device
+
+    def job() -> None:
+        with torch.cuda.device(dev):
+            if not nhwc or m._prepared(stand, pad, "nhwc") is None:
+                m._prepared(stand, pad)
+
+    jobs[key] = job
+
+
+def _conv_recorder(m: Conv2d, jobs: dict[tuple[Any, ...], Callable[[], Any]]) -> Callable[..., torch.Tensor]:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        _conv_job(m, x, jobs)
+        return torch.nn.Conv2d.forward(m, x)
+
+    return forward
+
+
+def _fused_recorder(m: Any, jobs: dict[tuple[Any, ...], Callable[[], Any]]) -> Callable[..., torch.Tensor]:
+    """A FusedConv2d's call: the folded path's job where its forward would fold (fused.py), else
+    the plain conv's; the output as the original modules compute it."""
+    from convforge.torch.fused import _pre_folds, _sources
+
+    def forward(x: torch.Tensor, res: Any = None) -> torch.Tensor:
+        pre = m._cf_pre
+        through = pre is None or pre.passes_through()
+        src = _sources(m)
+        if through and m._folds(x, res, src) and (pre is None or _pre_folds(pre)):
+            _fused_job(m, x, src, jobs)
+        else:  # the unfused path: the conv alone, on the activated input (same shape and dtype)
+            _conv_job(m, x, jobs)
+        if pre is not None and through:
+            x = pre.activate(x)
+        y = torch.nn.Conv2d.forward(m, x)
+        if m._cf_bn is not None:
+            y = m._cf_bn(y)
+        if res is not None:
+            y = y + res
+        return torch.relu(y) if m._cf_relu else y
+
+    return forward
+
+
+def _fused_job(m: Any, x: torch.Tensor, src: tuple[Any, ...], jobs: dict[tuple[Any, ...], Callable[[], Any]]) -> None:
+    dt = compute_dtype(x, src[0])
+    if dt is None:
+        return
+    nhwc = x.dtype == dt and reads_nhwc(m, x)
+    key = ("fused", id(m), tuple(x.shape), dt, x.device, nhwc)
+    if key in jobs:
+        return
+    stand, dev = _stand_in(x, dt), x.device
+
+    def job() -> None:
+        with torch.cuda.device(dev):
+            if not nhwc or m._fused_runner(stand, "nhwc") is None:
+                m._fused_runner(stand)
+
+    jobs[key] = job
