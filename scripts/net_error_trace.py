@@ -16,7 +16,7 @@ import argparse
 import numpy as np
 
 from convforge import config, models
-from convforge.graph import torch_baseline
+from convforge.graph import torch_reference
 from convforge.graph.passes import optimize
 from convforge.graph.reference import run_reference
 from convforge.graph.runtime import compile, conv_spec
@@ -33,7 +33,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=3)
     ap.add_argument("--images", type=int, default=1, help="errors over the first IMAGES images")
     a = ap.parse_args()
-    why = torch_baseline.available()
+    why = torch_reference.available()
     if why:
         raise SystemExit(f"net_error_trace: {why}")
     config.precision = a.precision
@@ -41,7 +41,7 @@ def main() -> None:
     g.outputs = list(dict.fromkeys(n.output for n in g.nodes))
     net = compile(g, batch=a.batch, backend="cuda", passes=False, error_budget=a.error_budget, capture=False)
     x = np.random.default_rng(a.seed).standard_normal(g.input_shape).astype(np.float32)
-    ours, pt = net(x), torch_baseline.outputs(g, x, tf32=a.precision == "relaxed")
+    ours, pt = net(x), torch_reference.outputs(g, x, tf32=a.precision == "relaxed")
     k = max(1, min(a.images, a.batch))
     want = run_reference(g.with_batch(k), x[:k])
     print(f"{a.net} N{a.batch} {a.precision}, error budget {a.error_budget:g}; errors of {k} image(s) against float64")

@@ -82,7 +82,7 @@ def main() -> None:
     import torch
 
     import convforge.torch as ct
-    from convforge.bench import models, training
+    from convforge.apps.bench import models, training
 
     torch.backends.cudnn.benchmark = True
     tf32 = a.precision == "relaxed"
@@ -107,7 +107,7 @@ def main() -> None:
         ct.convert(ours, precision=a.precision)
     how = "fused" if a.fused else "converted"
     if a.amp:
-        from convforge.bench import training_amp
+        from convforge.apps.bench import training_amp
 
         dt = torch.float16 if a.amp == "fp16" else torch.bfloat16
         cl = torch.channels_last
@@ -141,7 +141,7 @@ def ab(setting: str, rounds: int, base: str, theirs: Any, ours: Any, tf32: bool)
 
     import torch
 
-    from convforge.bench import training
+    from convforge.apps.bench import training
     from convforge.config import config
 
     if not isinstance(getattr(config, setting, None), bool):

@@ -352,7 +352,7 @@ def bench_rank_cpu(rank: int, world: int, port: int, out: str) -> None:
     import time
     from pathlib import Path
 
-    from convforge.bench import ddp, models, training
+    from convforge.apps.bench import ddp, models, training
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from convforge.bench import baselines, ceilings, command, report, runner, suites
-from convforge.bench.baselines import BaselineResult
-from convforge.bench.runner import Row, attach_baseline
-from convforge.bench.timing import check_slice, rotation_sets
+from convforge.apps.bench import baselines, ceilings, command, report, runner, suites
+from convforge.apps.bench.baselines import BaselineResult
+from convforge.apps.bench.runner import Row, attach_baseline
+from convforge.apps.bench.timing import check_slice, rotation_sets
 from convforge.plan import DeviceInfo
 from convforge.spec import ConvSpec
 
@@ -146,7 +146,7 @@ def test_baselines_without_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "not installed" in (baselines.unavailable("torch", "opencl") or "")
     assert "not installed" in (baselines.unavailable("cudnn", "cuda") or "")
     spec = ConvSpec.make(1, 1, 5, 5, 1, 3, 3)
-    from convforge.bench.timing import Timing
+    from convforge.apps.bench.timing import Timing
 
     assert baselines.run("cudnn", spec, Timing(), True) == []
     assert baselines.primary([]) is None and baselines.best_fp32([]) is None
@@ -171,7 +171,7 @@ def test_cudnn_best_and_speedup() -> None:
 
 def test_no_vendor_import() -> None:
     """Importing bench must import neither torch nor pyopencl (CUDA machines lack pyopencl)."""
-    code = ("import sys, convforge.bench.command, convforge.bench.runner, convforge.bench.plots; "
+    code = ("import sys, convforge.apps.bench.command, convforge.apps.bench.runner, convforge.apps.bench.plots; "
             "bad = [m for m in ('torch', 'pyopencl', 'cupy') if m in sys.modules]; "
             "sys.exit(1 if bad else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
@@ -239,7 +239,7 @@ def test_bench_bad_suite_message(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_reports_and_plots_with_baselines(tmp_path: Path) -> None:
     """JSON, CSV and all four plots from synthetic GPU-like rows (cuDNN algorithms, other precisions)."""
-    from convforge.bench import plots
+    from convforge.apps.bench import plots
 
     spec = ConvSpec.make(32, 64, 56, 56, 64, 3, 3, 1, 1)
     base = baselines.BaselineResult("cudnn-best", "FFT_TILING", "fp32", 1.0, 1 << 20, 1e-6)
@@ -613,7 +613,7 @@ def test_gpu_cudnn_baselines_per_class(cuda) -> None:  # type: ignore[no-untyped
     torch = pytest.importorskip("torch", reason="GPU tier: PyTorch is not installed")
     if not torch.cuda.is_available():
         pytest.skip("GPU tier: PyTorch sees no CUDA device")
-    from convforge.bench.timing import Timing
+    from convforge.apps.bench.timing import Timing
 
     spec = ConvSpec.make(8, 64, 28, 28, 64, 3, 3, 1, 1)
     switches = baselines._tf32_switches(torch)
@@ -663,7 +663,7 @@ def test_non_utf8_suite_file_is_named(tmp_path: Path, command: str, capsys: pyte
 def test_a_wrong_baseline_row_is_never_cudnn_best():
     """A cuDNN row whose error says it computed something else (seen: a legacy BWD_DATA algorithm at
     1.17 on the H200) or NaN is left out of cuDNN-best, however fast."""
-    from convforge.bench.baselines import BaselineResult, best_fp32, best_tf32
+    from convforge.apps.bench.baselines import BaselineResult, best_fp32, best_tf32
 
     rows = [BaselineResult("torch-pick", "pick", "fp32", 2.0, 0, 4e-7),
             BaselineResult("cudnn:FAST_WRONG", "FAST_WRONG", "fp32", 0.5, 0, 1.17),
@@ -680,7 +680,7 @@ def test_a_wrong_baseline_row_is_never_cudnn_best():
 def test_each_side_is_timed_as_the_fastest_of_two_passes():
     """run_timed (convforge's rows) takes the fastest pass's median, as the cuDNN baselines do: a pass
     slowed as a whole (clocks, a neighbour) is charged to neither side; each pass warms up first."""
-    from convforge.bench.timing import PASSES, Timing, run_timed
+    from convforge.apps.bench.timing import PASSES, Timing, run_timed
 
     calls, passes = [], iter([[0.05] * 5, [0.02, 0.021, 0.5, 0.02, 0.02]])
 

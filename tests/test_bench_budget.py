@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from convforge.bench import models as M
+from convforge.apps.bench import models as M
 from convforge.config import config
 from helpers import run_main
 

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from convforge.bench import baselines, ceilings, numpy_conv, plots, report
-from convforge.bench.runner import Row, attach_baseline
-from convforge.bench.timing import Timing
+from convforge.apps.bench import baselines, ceilings, numpy_conv, plots, report
+from convforge.apps.bench.runner import Row, attach_baseline
+from convforge.apps.bench.timing import Timing
 from convforge.reference import rel_l2
 from convforge.spec import ConvSpec
 

@@ -171,7 +171,7 @@ def test_every_subcommand_is_walked_here() -> None:
 
 # -- what an optional package only adds: a note naming the install, the command goes on -------------
 def test_the_pytorch_baseline_of_a_suite_names_the_install(absent) -> None:  # type: ignore[no-untyped-def]
-    from convforge.bench import baselines
+    from convforge.apps.bench import baselines
 
     absent("torch")
     for kind in ("torch", "cudnn"):
@@ -183,7 +183,7 @@ def test_the_pytorch_baseline_of_a_suite_names_the_install(absent) -> None:  # t
 def test_run_names_the_install_of_its_pytorch_comparison(absent) -> None:  # type: ignore[no-untyped-def]
     from rich.console import Console
 
-    from convforge.graph import command
+    from convforge.apps.run import command
 
     absent("torch")
     res: dict[str, object] = {}
@@ -195,7 +195,7 @@ def test_bench_out_without_matplotlib_writes_results_and_names_the_plot_install(
         absent, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     from rich.console import Console
 
-    from convforge.bench import command
+    from convforge.apps.bench import command
 
     absent("matplotlib")
     console = Console(record=True, width=200)
@@ -206,7 +206,7 @@ def test_bench_out_without_matplotlib_writes_results_and_names_the_plot_install(
 
 
 def test_tune_report_without_matplotlib_writes_its_json(absent, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    from convforge.tune.report import write_report
+    from convforge.apps.tune.report import write_report
 
     absent("matplotlib")
     assert write_report(tmp_path, {"layers": []}) == [tmp_path / "report.json"]
@@ -215,7 +215,7 @@ def test_tune_report_without_matplotlib_writes_its_json(absent, tmp_path: Path) 
 # -- the safety net and a fresh interpreter ---------------------------------------------------------
 def test_an_unchecked_optional_import_is_still_one_error_line(absent, monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
                                                               capsys: pytest.CaptureFixture[str]) -> None:
-    from convforge.graph import command
+    from convforge.apps.run import command
 
     def uses_onnx(args: object) -> int:
         import onnx  # noqa: F401

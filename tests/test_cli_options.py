@@ -84,7 +84,7 @@ def _help(*argv: str) -> str:
 
 
 def test_tune_suite_help_lists_every_registered_suite() -> None:
-    from convforge.bench.suites import BUILTIN
+    from convforge.apps.bench.suites import BUILTIN
 
     text = _help("tune")
     assert all(name in text for name in BUILTIN), text

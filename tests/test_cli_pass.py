@@ -97,8 +97,8 @@ def test_bench_pass_rows_get_their_pass_baseline(ocl, capsys, tmp_path):
     """With PyTorch on the CPU as the baseline (torch installed), each pass is compared with
     PyTorch's computation of that pass, its error against float64 of the same pass."""
     pytest.importorskip("torch", reason="torch not installed: the PyTorch CPU baseline is not available")
-    from convforge.bench import baselines
-    from convforge.bench.timing import Timing
+    from convforge.apps.bench import baselines
+    from convforge.apps.bench.timing import Timing
     from convforge.spec import ConvSpec
 
     spec = ConvSpec.parse(SPEC)
@@ -110,7 +110,7 @@ def test_bench_pass_rows_get_their_pass_baseline(ocl, capsys, tmp_path):
 def test_training_comparison_and_files(tmp_path):
     """Speed-ups against each class's baseline, loss deviations against PyTorch FP32's curve, the
     noise from the no-benchmark run, and the three files."""
-    from convforge.bench import training
+    from convforge.apps.bench import training
 
     base = [2.0, 1.5, 1.2]
 
@@ -147,7 +147,7 @@ def test_training_bench_flow_on_cpu(monkeypatch, tmp_path):
     and the batch replaced): every implementation and both curve rows run, the relaxed class's rows
     join the fp32 class's PyTorch rows, and the comparison fills speed-ups and loss deviations."""
     torch = pytest.importorskip("torch", reason="torch not installed: the training bench is not tested")
-    from convforge.bench import models, training
+    from convforge.apps.bench import models, training
 
     def build(name):
         torch.manual_seed(0)

@@ -141,7 +141,7 @@ def test_run_on_a_cpu_device_compares_with_numpy(ocl, tmp_path: Path, capsys: py
     """Without a CUDA device: no `--backend cuda` advice, a NumPy float32 baseline with its time
     and error, speeds in GFLOP/s with decimals, and the long phases said as they end."""
     import convforge.backends
-    from convforge.graph import command
+    from convforge.apps.run import command
 
     monkeypatch.setattr(convforge.backends, "cuda_available", lambda: False)
     monkeypatch.setattr(progress, "EVERY_S", 0.0)

@@ -260,7 +260,7 @@ def test_slow_reason_names_half_layers_without_a_fast_variant(monkeypatch) -> No
 
 # -- the bench suites ---------------------------------------------------------------------------------
 def test_depthwise_and_grouped_conv_suites() -> None:
-    from convforge.bench.suites import BUILTIN, load_suite
+    from convforge.apps.bench.suites import BUILTIN, load_suite
 
     assert {"depthwise", "grouped_conv"} <= set(BUILTIN)
     dw = {x.name: x.spec for x in load_suite("depthwise")}

@@ -127,7 +127,7 @@ def test_a_budget_under_the_fast_error_moves_layers(gpu) -> None:
 
 def test_bench_calibrates_on_a_separate_input(gpu, monkeypatch: pytest.MonkeyPatch) -> None:
     import convforge.torch as ct
-    from convforge.bench import models as M
+    from convforge.apps.bench import models as M
 
     monkeypatch.setitem(M.MODELS, "tiny", 28)
     monkeypatch.setattr(M, "build", lambda name: _model(16, 2))

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from convforge import dispatch
-from convforge.bench.suites import load_suite
+from convforge.apps.bench.suites import load_suite
 from convforge.check import check_plan
 from convforge.dtypes import to_storage
 from convforge.kernels import get_variant
@@ -92,8 +92,8 @@ def test_bandwidth_of_the_defaults(cuda) -> None:
     """GB/s (input + filter + output, each once) of auto's pick on real layers in each pass, dtype and
     layout, beside a copy of the same bytes; printed, and a floor of 20 % of that copy (the target is
     70 %: what falls under 20 % is a pathology, not a tuning matter)."""
-    from convforge.bench.ceilings import measure_copy
-    from convforge.bench.timing import layer_bytes
+    from convforge.apps.bench.ceilings import measure_copy
+    from convforge.apps.bench.timing import layer_bytes
 
     rows, slow = [], []
     for base in REAL:

@@ -21,8 +21,8 @@ import copy
 import numpy as np
 import pytest
 
-from convforge.bench.suites import load_suite
-from convforge.bench.timing import check_slice
+from convforge.apps.bench.suites import load_suite
+from convforge.apps.bench.timing import check_slice
 from convforge.check import check_plan
 from convforge.kernels import get_variant
 from convforge.plan import Epilogue
@@ -262,12 +262,12 @@ def test_converted_model_runs_every_conv(vision, name, how) -> None:
     printed beside it)."""
     torch = vision
     import convforge.torch as ct
-    from convforge.bench import models
+    from convforge.apps.bench import models
     from convforge.torch import ops
 
     model = models.build(name)
     assert not isinstance(model, str), model
-    from convforge.bench.baselines import torch_flags
+    from convforge.apps.bench.baselines import torch_flags
 
     x = torch.randn(2, 3, 224, 224, device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
     with torch.no_grad(), torch_flags() as set_flags:

@@ -125,7 +125,7 @@ def test_conv2d_torch_dtype_mix_is_an_error(gpu) -> None:
 # -- convforge.torch: .half() / .bfloat16() models and autocast regions ------------------------
 def _resnet18():
     tv = pytest.importorskip("torchvision", reason="torchvision not installed")
-    from convforge.bench.models import reinit
+    from convforge.apps.bench.models import reinit
 
     model = tv.models.resnet18(weights=None)
     reinit(model, 0)
@@ -201,7 +201,7 @@ def test_network_half_on_cuda(cuda, dtype: str) -> None:
     larger. The yardstick follows the network's own sensitivity to rounding: with unit residual
     branches a random ResNet-50 was chaotic (0.17 FP16 error on both sides at 96 x 96, round 26);
     the shipped weights now scale the branches down (graph.reference.RESIDUAL_GAIN)."""
-    torch_baseline = pytest.importorskip("convforge.graph.torch_baseline")
+    torch_reference = pytest.importorskip("convforge.graph.torch_reference")
     pytest.importorskip("torch", reason="the yardstick is PyTorch's error in the same dtype")
     from convforge.dtypes import rounded
     from convforge.graph.reference import run_reference
@@ -216,7 +216,7 @@ def test_network_half_on_cuda(cuda, dtype: str) -> None:
         out = net(x)
         x1 = rounded(x, dtype)[:1]
         ref = run_reference(g.with_batch(1), x1)[logits]
-        theirs = torch_baseline.forward_fn(g.with_batch(1), x1, "cuda", dtype)().float().cpu().numpy()
+        theirs = torch_reference.forward_fn(g.with_batch(1), x1, "cuda", dtype)().float().cpu().numpy()
         ours, yardstick = rel_l2(out[logits][:1], ref), rel_l2(theirs, ref)
         assert ours < max(4 * HALF_TOLERANCE[dtype], 2 * yardstick), (name, ours, yardstick)
 
@@ -224,8 +224,8 @@ def test_network_half_on_cuda(cuda, dtype: str) -> None:
 # -- bench: the half baselines and the tensor-core ceilings ----------------------------------------
 @pytest.mark.parametrize("dtype", HALF)
 def test_half_baselines_and_tensor_core_ceilings(gpu, dtype: str) -> None:
-    from convforge.bench import baselines
-    from convforge.bench.timing import Timing
+    from convforge.apps.bench import baselines
+    from convforge.apps.bench.timing import Timing
 
     spec = dataclasses.replace(SPECS[1], dtype=dtype)
     res = baselines.run("cudnn", spec, Timing(1, 3, 1), True)

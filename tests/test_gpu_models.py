@@ -46,7 +46,7 @@ def models_gpu(gpu: Any) -> Any:
 def test_bench_both_classes_tuned(models_gpu: Any) -> None:
     """One set of PyTorch rows; convforge rows of each class against that class's baseline, every
     layer tuned into the database in both classes, outputs within their class's accuracy."""
-    from convforge.bench import models as M
+    from convforge.apps.bench import models as M
 
     rows = M.bench_classes("resnet18", 1, 1, 3, {}, ("fp32", "relaxed"), tune=True)
     assert [r["impl"] for r in rows].count("pytorch_tf32") == 1, rows
@@ -67,7 +67,7 @@ def test_bench_both_classes_tuned(models_gpu: Any) -> None:
 
 
 def test_tune_model_then_everything_comes_from_the_database(models_gpu: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from convforge.bench import models as M
+    from convforge.apps.bench import models as M
 
     monkeypatch.setattr(config, "precision", "relaxed")
     console = Console(record=True, width=250)
@@ -86,8 +86,8 @@ def test_torch_baseline_tf32_and_restores_the_switches(gpu: Any) -> None:
     import numpy as np
 
     from convforge import models
+    from convforge.apps.run.torch_baseline import run_torch
     from convforge.graph.reference import run_reference
-    from convforge.graph.torch_baseline import run_torch
     from convforge.reference import rel_l2
 
     g = models.load("nin", input_size=128, seed=1)

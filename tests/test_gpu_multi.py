@@ -368,7 +368,7 @@ def _merged(names):
 def _bench_rows(tmp_path, n, model="resnet50:32", modes="fp32", hosts=False):
     """bench/ddp.py's rows on ``n`` GPUs, profiled (rank-run directly: one launch, no one-GPU run)."""
     out = tmp_path / f"ddp-{n}.json"
-    args = ["-m", "convforge.bench.ddp", "--rank-run", "--model", model, "--modes", modes, "--profile",
+    args = ["-m", "convforge.apps.bench.ddp", "--rank-run", "--model", model, "--modes", modes, "--profile",
             "--warmup", "3", "--repeats", "10", "--json", str(out), "--trace-dir", str(tmp_path / "traces")]
     env = _env(tmp_path)
     if hosts:

@@ -19,14 +19,14 @@ pytestmark = pytest.mark.gpu
 def test_shipped_networks_meet_twice_pytorch_fp32(cuda, name, batch, size):
     pytest.importorskip("torch", reason="the reference error on CUDA is PyTorch's: torch not installed")
     from convforge import models
-    from convforge.graph import torch_baseline
+    from convforge.graph import torch_reference
     from convforge.graph.calibrate import targets
     from convforge.graph.reference import run_reference
     from convforge.graph.runtime import compile
     from convforge.reference import rel_l2
 
-    if torch_baseline.available():
-        pytest.skip(torch_baseline.available())
+    if torch_reference.available():
+        pytest.skip(torch_reference.available())
     g = models.load(name, input_size=size).with_batch(batch)
     logits = targets(g)  # the softmax's input: what calibration compares
     g.outputs = logits
@@ -37,7 +37,7 @@ def test_shipped_networks_meet_twice_pytorch_fp32(cuda, name, batch, size):
     x = np.random.default_rng(0).standard_normal(g.input_shape).astype(np.float32)
     want = run_reference(g.with_batch(1), x[:1])
     ours = net(x)
-    pt = torch_baseline.outputs(g, x)
+    pt = torch_reference.outputs(g, x)
     ref = np.concatenate([want[t].ravel() for t in logits])
     err = rel_l2(np.concatenate([ours[t][:1].ravel() for t in logits]), ref)
     err_pt = rel_l2(np.concatenate([pt[t][:1].ravel() for t in logits]), ref)

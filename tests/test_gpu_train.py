@@ -360,7 +360,7 @@ def test_loss_curve_matches_pytorch_within_noise(gpu, monkeypatch):
     loss curves stay within the run-to-run noise of FP32 training (PyTorch FP32 against float64
     and against itself with other algorithms), and the loss goes down."""
     import convforge.torch as ct
-    from convforge.bench import training
+    from convforge.apps.bench import training
 
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     model = _small_model(3)
@@ -388,8 +388,8 @@ def test_cudnn_baselines_of_each_backward_pass(gpu, conv_pass):
     """bench's baselines for a backward pass: PyTorch's pick through convolution_backward and every
     legacy BWD_DATA / BWD_FILTER algorithm in FMA math, each with its error against float64 of the
     same pass; cuDNN-best FP32 is the fastest of them."""
-    from convforge.bench import baselines
-    from convforge.bench.timing import Timing
+    from convforge.apps.bench import baselines
+    from convforge.apps.bench.timing import Timing
 
     spec = ConvSpec.make(4, 32, 14, 14, 32, 3, 3, 1, 1, conv_pass=conv_pass)
     res = baselines.run("cudnn", spec, Timing(1, 3, 1), True, ("fp32", "relaxed"))
@@ -431,7 +431,7 @@ def test_bench_train_rows(gpu, tmp_path):
     """``bench --model resnet18:2 --train``'s rows: every implementation timed, loss curves of STEPS
     steps, the convforge curves within the noise."""
     pytest.importorskip("torchvision", reason="torchvision not installed: bench --train needs it")
-    from convforge.bench import training
+    from convforge.apps.bench import training
 
     rows = training.compare(training.bench_train("resnet18", 2, 1, 3, {}))
     by = {r["impl"]: r for r in rows}

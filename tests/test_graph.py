@@ -11,9 +11,9 @@ import struct
 import numpy as np
 import pytest
 
+from convforge.apps.run.command import SUMMARY_HEADER
 from convforge.graph import passes
 from convforge.graph.caffe import load_prototxt, read_caffemodel
-from convforge.graph.command import SUMMARY_HEADER
 from convforge.graph.ir import Graph, GraphError, Node, infer
 from convforge.graph.prototxt import PrototxtError, parse
 from convforge.graph.reference import run_reference
@@ -642,7 +642,7 @@ def test_torch_baseline_runs_the_same_graph(name: str) -> None:
     """The PyTorch comparison of ``convforge run`` computes the graph the reference computes."""
     pytest.importorskip("torch", reason="torch is not installed (pip install 'convforge[torch]')")
     from convforge import models
-    from convforge.graph.torch_baseline import forward_fn
+    from convforge.graph.torch_reference import forward_fn
 
     g = models.load(name, input_size=48 if name != "alexnet" else 67, seed=1)
     g.outputs = [g.producer(g.outputs[0]).inputs[0]]
@@ -660,7 +660,7 @@ def test_torch_baseline_pools(attrs: dict) -> None:
     """PyTorch's pools for the comparison: unequal padding (explicit), a fused LRN, as the
     reference computes them; an average that skips unequal padding is refused by name."""
     pytest.importorskip("torch", reason="torch is not installed (pip install 'convforge[torch]')")
-    from convforge.graph.torch_baseline import forward_fn
+    from convforge.graph.torch_reference import forward_fn
 
     g = _one_op("pool", attrs, shape=(2, 11, 13, 12))
     x = _x(g)

@@ -85,7 +85,8 @@ def test_alexnet_n128_peak_memory(cuda) -> None:
     import cupy as cp
 
     from convforge import dispatch
-    from convforge.graph import torch_baseline
+    from convforge.apps.run import torch_baseline
+    from convforge.graph import torch_reference
 
     dispatch.clear_executables()  # executables of earlier tests may hold workspaces of their own
     pool = cp.get_default_memory_pool()
@@ -96,7 +97,7 @@ def test_alexnet_n128_peak_memory(cuda) -> None:
     held = pool.used_bytes() - before
     assert net.workspace_bytes == net.arena_bytes > 0
     assert abs(held - net.peak_bytes) < 0.02 * net.peak_bytes + (16 << 20), (held, net.peak_bytes)
-    why = torch_baseline.available()
+    why = torch_reference.available()
     if why is None:
         x = np.random.default_rng(3).standard_normal(net.shapes[g.input].shape).astype(np.float32)
         torch_peak = torch_baseline.run_torch(g.with_batch(128), x, repeats=2).peak_bytes

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import NOMINAL_CUDA
 from convforge import api
-from convforge.bench import models, suites
+from convforge.apps.bench import models, suites
 from convforge.check import check_plan
 from convforge.kernels import get_variant, select
 from convforge.plan import Epilogue

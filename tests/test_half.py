@@ -404,7 +404,7 @@ def test_cuda_float16_load_is_exact_on_every_bit_pattern(tmp_path) -> None:
 def test_bench_half_baseline_is_chosen_by_the_layers_dtype() -> None:
     """A half layer compares with cuDNN-best of its dtype in every class; a float32 layer's FP16
     context row (PyTorch channels_last) is never its baseline."""
-    from convforge.bench.baselines import HALF_BEST, BaselineResult, best_half, for_class
+    from convforge.apps.bench.baselines import HALF_BEST, BaselineResult, best_half, for_class
 
     rows = [BaselineResult("torch-fp16", "pick", "fp16", 0.5, 0, 3e-4),
             BaselineResult("torch-fp16-cl", "pick", "fp16", 0.3, 0, 3e-4),

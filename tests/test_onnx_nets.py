@@ -254,7 +254,7 @@ def test_torch_baseline_runs_the_onnx_graphs(name: str, passes: bool) -> None:
     as the float64 executor does: here on the CPU."""
     pytest.importorskip("torch", reason="torch is not installed (pip install 'convforge[torch]')")
     from convforge.graph.passes import optimize
-    from convforge.graph.torch_baseline import forward_fn
+    from convforge.graph.torch_reference import forward_fn
 
     g = load_onnx(NETS[name]())
     g = optimize(g) if passes else g

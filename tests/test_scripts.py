@@ -23,7 +23,7 @@ ENV = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT / 'tests'}"
 # needs at import is missing), "bash" (bash -n here; it runs on the GPU machine), or the test that runs it.
 SCRIPTS = {
     "benchmarks_md.py": "tests/test_bench.py::test_benchmarks_md_one_table_per_class",
-    "gpu-ab": "bash", "gpu-check": "bash", "gpu-final": "bash", "gpu-multi": "bash",
+    "gpu-ab": "bash", "gpu-amp": "bash", "gpu-check": "bash", "gpu-final": "bash", "gpu-multi": "bash",
     "gpu-ncu": "bash", "gpu-opencl-setup": "bash",
     "gpu_variants.py": "help (scripts/gpu-check runs it under compute-sanitizer and for its timings)",
     "host_cost.py": "help (scripts/gpu-final check runs it)",
@@ -34,6 +34,7 @@ SCRIPTS = {
     "train_profile.py": "help (CUDA with torch and torchvision: it profiles a training step)",
     "sass_loads.py": "help, and test_sass_loads_runs_on_the_cpu",
     "tc_sum_model.py": "help, and test_tc_sum_model_runs_on_the_cpu",
+    "winograd_accuracy.py": "help (its table is docs/NOTES-winograd.md's; a run takes minutes on PoCL)",
 }
 NEEDS = {"host_cost.py": ("torch", "cupy")}  # modules a script imports at its top
 
@@ -116,7 +117,7 @@ def test_sweep_times_the_first_points_of_each_space(ocl, tmp_path: Path,  # type
 
 
 def _spec(layer: dict[str, object]):  # type: ignore[no-untyped-def]
-    from convforge.bench.suites import parse_row
+    from convforge.apps.bench.suites import parse_row
 
     return parse_row(layer, "test").spec
 

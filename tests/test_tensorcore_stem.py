@@ -207,7 +207,7 @@ def test_rank_first_where_bands_share_the_filter_loads():
 def test_stems_suite_is_what_the_direct_stems_serve():
     """The built-in ``stems`` suite: ten 3-channel first layers, each served by the direct stems in half
     precision (channels-last) and TF32; ResNet-50's at batch 1 ranked below the implicit GEMM."""
-    from convforge.bench.suites import load_suite
+    from convforge.apps.bench.suites import load_suite
 
     layers = load_suite("stems")
     assert len(layers) == 10 and all(la.spec.c == 3 for la in layers)

@@ -351,7 +351,7 @@ def test_bench_model_weights_are_signal_preserving_and_reproducible():
     stack keeps an input-dependent output, and two draws are identical; a constant output is
     flagged by a spread of 0."""
     torch = _torch()
-    from convforge.bench import models as M
+    from convforge.apps.bench import models as M
 
     nn = torch.nn
 

@@ -186,7 +186,7 @@ def test_torch_function_and_module_match_pytorch_with_gradients():
 
 # -- the bench: the decoder suite and the dgrad baseline ----------------------------------------------
 def test_decoder_suite_rows_are_transposed_layers():
-    from convforge.bench.suites import SuiteError, load_suite, parse_row
+    from convforge.apps.bench.suites import SuiteError, load_suite, parse_row
 
     layers = load_suite("decoder")
     assert len(layers) >= 10 and all(la.spec.conv_pass == "dgrad" for la in layers)
@@ -205,7 +205,7 @@ def test_dgrad_baseline_is_conv_transpose2d():
     """bench's dgrad baseline (F.conv_transpose2d, output_padding restoring the rows a stride leaves
     unread) computes the input gradient (checked against the float64 dgrad reference)."""
     torch = pytest.importorskip("torch")
-    from convforge.bench.baselines import pass_fn
+    from convforge.apps.bench.baselines import pass_fn
     from convforge.reference import dgrad_ref
     from convforge.spec import ConvSpec
 

@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from convforge.apps.tune import parallel
+from convforge.apps.tune.parallel import Ranks, Task, parse_devices, run_ranked, run_tasks, split_static, torchrun_ranks
+from convforge.apps.tune.worker import TEST_HOOK, Settings
 from convforge.plan import Epilogue
 from convforge.spec import ConvSpec
-from convforge.tune import parallel
 from convforge.tune.db import TuningDB
-from convforge.tune.parallel import Ranks, Task, parse_devices, run_ranked, run_tasks, split_static, torchrun_ranks
 from convforge.tune.tuner import Budget, Tuner
-from convforge.tune.worker import TEST_HOOK, Settings
 from helpers import run_main
 
 # tiny layers: a 3x3 with padding, a strided one with asymmetric padding, a 1x1 (each a distinct cost)
@@ -392,7 +392,7 @@ def test_two_hosts_through_torchrun_rendezvous(where: str, pocl: str, cache: Pat
     specs = [a for s in SPECS.values() for a in ("--spec", _spec(s))]
     db = tmp_path / "tuning.sqlite"
     dev = ["--device", pocl] if where == "in-process" else ["--devices", pocl]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(parallel.__file__).parents[2]),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(parallel.__file__).parents[3]),
                                                         os.environ.get("PYTHONPATH", "")]),
            TEST_HOOK: "slow=2"}  # each layer >= 2 s: neither host can take them all
     outs = run_hosts(["-m", "convforge.cli", "tune", *specs, "--backend", "opencl", *dev, "--budget", "2",
@@ -450,7 +450,7 @@ def test_bench_devices_errors_exit_2(argv: list[str], match: str, capsys) -> Non
 
 
 def test_ddp_rows_scale_against_one_gpu() -> None:
-    from convforge.bench import ddp
+    from convforge.apps.bench import ddp
 
     rows = [dict(model="resnet50", batch=32, impl="convforge", gpus=1, images_per_s=400.0, status="ok"),
             dict(model="resnet50", batch=32, impl="convforge", gpus=2, images_per_s=740.0, step_ms=43.0,
@@ -469,7 +469,7 @@ def test_ddp_rows_scale_against_one_gpu() -> None:
 def test_ddp_rows_of_every_mode_compare_within_their_mode() -> None:
     """Scaling against the one-GPU row of the same mode and impl, vs PyTorch against the PyTorch row
     of the same mode and GPU count, the comm share of the step."""
-    from convforge.bench import ddp
+    from convforge.apps.bench import ddp
 
     def row(mode: str, impl: str, gpus: int, ips: float, **kw: float) -> dict:
         return dict(model="resnet50", batch=32, precision=mode, impl=ddp._name(impl, mode), gpus=gpus,
@@ -494,7 +494,7 @@ def test_ddp_rows_of_every_mode_compare_within_their_mode() -> None:
 
 def test_ddp_profile_overlap_of_allreduce_and_compute_kernels() -> None:
     """The all-reduce's time a step, the share of it beside compute, beside our kernels, exposed."""
-    from convforge.bench import ddp
+    from convforge.apps.bench import ddp
 
     trace = {"traceEvents": [
         {"ph": "X", "cat": "kernel", "name": "cf_dgrad_a", "ts": 0.0, "dur": 400.0},

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from convforge import dispatch
-from convforge.bench import suites
+from convforge.apps.bench import suites
 from convforge.check import check_plan
 from convforge.spec import ConvSpec
 

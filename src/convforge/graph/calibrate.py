@@ -121,10 +121,10 @@ def reference_outputs(graph: Graph, x: np.ndarray, backend: Any, relaxed: bool,
     (TF32 when ``relaxed``) on the whole batch ``x`` where ``reference`` is "auto", the back-end CUDA
     and torch sees the GPU; else the plain float32 evaluation of those images (module docstring)."""
     if reference == "auto" and backend.name == "cuda":
-        from convforge.graph import torch_baseline
+        from convforge.graph import torch_reference
 
-        if torch_baseline.available() is None:
-            out = torch_baseline.outputs(graph, x, tf32=relaxed)
+        if torch_reference.available() is None:
+            out = torch_reference.outputs(graph, x, tf32=relaxed)
             return {t: v[:images] for t, v in out.items()}, "PyTorch TF32" if relaxed else "PyTorch FP32"
     what = "PyTorch TF32's stand-in: a float32 evaluation with TF32 products" if relaxed else \
         "PyTorch FP32's stand-in: a plain float32 evaluation"

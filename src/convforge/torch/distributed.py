@@ -1,5 +1,5 @@
 """What convforge's commands need from ``torch.distributed`` when ``torchrun`` starts them
-(``convforge tune`` under torchrun: convforge.tune.parallel): the rank's GPU made current, layers
+(``convforge tune`` under torchrun: convforge.apps.tune.parallel): the rank's GPU made current, layers
 handed out one at a time from a counter every rank shares, and the ranks' results gathered at rank 0.
 
 :class:`RankGroup` is a gloo process group (CPU objects only: no GPU memory, works across hosts

@@ -78,7 +78,7 @@ def _tune_parallel(args: argparse.Namespace, console: Any, db: Any, budget: Any,
     torchrun rank other than 0: 1 if one of its own layers failed)."""
     from dataclasses import asdict
 
-    from convforge.tune import parallel
+    from convforge.apps.tune import parallel
 
     tasks = [parallel.Task(i, name, float(spec.flops), {"kind": "layer", "spec": spec.to_dict(), "epi": asdict(epi)})
              for i, (name, spec, epi) in enumerate(layers)]

@@ -147,7 +147,7 @@ def measure(be: Backend, quick: bool = False) -> Ceilings:
         gbs, size = measure_copy(be)
     tc: dict[str, float] = {}
     if be.name == "cuda":
-        from convforge.bench.baselines import tensor_core_peaks
+        from convforge.apps.bench.baselines import tensor_core_peaks
 
         tc = tensor_core_peaks(quick)
     return Ceilings(tf, gbs, threads, size, tc)

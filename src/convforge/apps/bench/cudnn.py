@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from convforge.bench.baselines import BaselineResult, _rel_err, _time_cuda
-from convforge.bench.timing import Timing, cycle
+from convforge.apps.bench.baselines import BaselineResult, _rel_err, _time_cuda
+from convforge.apps.bench.timing import Timing, cycle
 from convforge.spec import ConvSpec
 
 ALGOS = ("IMPLICIT_GEMM", "IMPLICIT_PRECOMP_GEMM", "GEMM", "DIRECT", "FFT", "FFT_TILING", "WINOGRAD",

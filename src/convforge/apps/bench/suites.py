@@ -136,7 +136,7 @@ def builtin(name: str) -> list[Layer]:
     """A built-in suite by name."""
     if name not in BUILTIN:
         raise SuiteError(f"suite ({name!r}) must be one of {', '.join(BUILTIN)} or a JSON file")
-    text = resources.files("convforge.bench").joinpath(f"suites/{name}.json").read_text()
+    text = resources.files("convforge.apps.bench").joinpath(f"suites/{name}.json").read_text()
     return parse_suite(json.loads(text), f"suite {name}")
 
 

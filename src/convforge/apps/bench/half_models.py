@@ -30,7 +30,7 @@ from typing import Any
 
 from rich.console import Console
 
-from convforge.bench import models as M
+from convforge.apps.bench import models as M
 
 TAGS = {"float16": "fp16", "bfloat16": "bf16"}
 NOTE = ("half precision: every side gets the same float32 weights (Kaiming-normal, seed {seed}) and the input "

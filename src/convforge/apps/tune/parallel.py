@@ -1,7 +1,7 @@
 """Tuning on several devices at once: ``convforge tune ... --devices all|0,1,...`` and ``torchrun``.
 
-**Worker processes** (``--devices``): one ``python -m convforge.tune.worker`` subprocess per device
-(:mod:`convforge.tune.worker`; subprocesses rather than ``multiprocessing`` so that each one's
+**Worker processes** (``--devices``): one ``python -m convforge.apps.tune.worker`` subprocess per device
+(:mod:`convforge.apps.tune.worker`; subprocesses rather than ``multiprocessing`` so that each one's
 environment is set before CUDA starts: a worker sees only its own GPU, ``CUDA_VISIBLE_DEVICES``, and
 nothing in it can touch another device; its stdout carries only the JSON-lines protocol, and a
 worker killed halfway through a message cannot leave a shared queue broken). The layers wait in one
@@ -65,7 +65,7 @@ from typing import IO, Any
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
-from convforge.tune.worker import FATAL_EXIT, Settings, Worker
+from convforge.apps.tune.worker import FATAL_EXIT, Settings, Worker
 
 DEVICES_HELP = ("tune on several devices at once, one worker process per device: 'all' or indices such as 0,1 "
                 "(CUDA; OpenCL: PLATFORM:DEVICE entries, which may repeat to run several workers on one device, "
@@ -413,7 +413,7 @@ class _Pool:
         root = _source_root()
         env = {**os.environ, **p.slot.env}
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        p.popen = subprocess.Popen([sys.executable, "-m", "convforge.tune.worker"], stdin=subprocess.PIPE,
+        p.popen = subprocess.Popen([sys.executable, "-m", "convforge.apps.tune.worker"], stdin=subprocess.PIPE,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1, env=env,
                                    start_new_session=True)  # Ctrl-C reaches the parent, which stops them
         header = replace(self.settings, backend=p.slot.backend, device=p.slot.device, label=p.slot.label,

@@ -45,7 +45,7 @@ def _error(msg: str) -> None:
 # -- convforge tune -----------------------------------------------------------------------
 def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suite", metavar="NAME|FILE", help=f"a built-in suite ({_suite_names()}) or a JSON suite file")
-    from convforge.cli import SPEC_HELP
+    from convforge.apps.cli import SPEC_HELP
 
     p.add_argument("--spec", action="append", default=[], metavar="SPEC", help=SPEC_HELP + " (repeatable)")
     p.add_argument("--limit", type=int, help="tune only the first LIMIT layers of --suite / --spec (>= 1)")
@@ -55,18 +55,18 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=("cuda", "opencl"), help="default: cuda when present, else opencl")
     p.add_argument("--device", help="CUDA device index or OpenCL 'platform:device'")
     try:
-        from convforge.tune.parallel import DEVICES_HELP
+        from convforge.apps.tune.parallel import DEVICES_HELP
     except ImportError:
         DEVICES_HELP = "tune on several devices at once, one worker process per device: 'all' or 0,1,..."
     p.add_argument("--devices", metavar="all|0,1,...", help=DEVICES_HELP)
     p.add_argument("--db", type=Path, help=f"tuning database (default {config.tuning_db})")
     p.add_argument("--bias", action="store_true", help="tune with a bias epilogue (fprop only)")
     p.add_argument("--relu", action="store_true", help="tune with a ReLU epilogue (fprop only)")
-    from convforge.cli import add_pass_option
+    from convforge.apps.cli import add_pass_option
 
     add_pass_option(p, allow_all=True, extra=" (--suite / --spec)")
     p.add_argument("--force", action="store_true", help="re-tune layers the database already knows")
-    from convforge.cli import add_seed_argument, int_arg
+    from convforge.apps.cli import add_seed_argument, int_arg
 
     add_seed_argument(p, "seed of the space sample and of the check inputs")
     p.add_argument("--precision", choices=tuple(PRECISIONS), help=PRECISION_HELP)
@@ -84,7 +84,7 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
                    "not with --suite or --spec")
     p.add_argument("--batch", type=int, help="batch size of --net (default 1); only with --net: a --spec or "
                    "--suite layer carries its own N")
-    from convforge.cli import add_dtype_argument
+    from convforge.apps.cli import add_dtype_argument
 
     add_dtype_argument(p)
     p.add_argument("--model", action="append", metavar="NAME[:BATCH]",
@@ -96,7 +96,7 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
 def _suite_names() -> str:
     """The built-in suites, from the registry (bench/suites.py)."""
     try:
-        from convforge.bench.suites import BUILTIN
+        from convforge.apps.bench.suites import BUILTIN
     except ImportError:  # the bench package is not there: name none rather than a stale list
         return "see convforge bench -h"
     return ", ".join(BUILTIN)
@@ -106,9 +106,9 @@ def _layers(args: argparse.Namespace) -> list[tuple[str, ConvSpec]]:
     out: list[tuple[str, ConvSpec]] = []
     if args.suite:
         try:
-            from convforge.bench.suites import load_suite
+            from convforge.apps.bench.suites import load_suite
         except ImportError as err:
-            raise ValueError("suites need convforge.bench.suites; pass layers with --spec") from err
+            raise ValueError("suites need convforge.apps.bench.suites; pass layers with --spec") from err
         for item in load_suite(args.suite):
             pair: Any = item
             name, spec = (pair.name, pair.spec) if hasattr(pair, "spec") else pair
@@ -116,7 +116,7 @@ def _layers(args: argparse.Namespace) -> list[tuple[str, ConvSpec]]:
     for i, text in enumerate(args.spec):
         out.append((f"spec{i + 1}", ConvSpec.parse(text)))
     if getattr(args, "dtype", None):
-        from convforge.cli import with_dtype
+        from convforge.apps.cli import with_dtype
 
         out = [(name, with_dtype(spec, args.dtype)) for name, spec in out]
     if args.limit is not None:
@@ -129,7 +129,7 @@ def _layers(args: argparse.Namespace) -> list[tuple[str, ConvSpec]]:
 def with_passes(layers: list[tuple[str, ConvSpec]], choice: str | None) -> list[tuple[str, ConvSpec]]:
     """Each layer in the pass(es) ``--pass`` names (``cli.spec_passes``), named "layer" for fprop
     and "layer:dgrad" / "layer:wgrad" for the others."""
-    from convforge.cli import spec_passes
+    from convforge.apps.cli import spec_passes
 
     return [(name if s.conv_pass == "fprop" else f"{name}:{s.conv_pass}", s)
             for name, spec in layers for s in spec_passes(spec, choice)]
@@ -153,7 +153,7 @@ def check_tune_args(args: argparse.Namespace) -> Budget:
     """Every number, the budget (answered, parsed), the report folder and the mix of options,
     before anything runs: ValueError naming the option; an option the chosen mode would ignore is
     refused."""
-    from convforge.cli import check_out_dir
+    from convforge.apps.cli import check_out_dir
 
     for flag, value in (("--limit", args.limit), ("--workers", args.workers), ("--batch", args.batch)):
         if value is not None and value < 1:
@@ -179,7 +179,7 @@ def layer_epilogue(spec: ConvSpec, epi: Epilogue) -> Epilogue:
 
 def tune_main(args: argparse.Namespace) -> int:
     """Tune a suite or layers into the database, with a progress bar and a closing table."""
-    from convforge.tune.parallel import how_from_args
+    from convforge.apps.tune.parallel import how_from_args
 
     try:
         budget = check_tune_args(args)
@@ -192,10 +192,10 @@ def tune_main(args: argparse.Namespace) -> int:
     if getattr(args, "model", None):
         return _tune_models(args, console, budget, how)
     if getattr(args, "net", None):
-        from convforge.graph.tune import tune_net
+        from convforge.apps.tune.net import tune_net
 
         if str(args.net).endswith(".onnx"):
-            from convforge.cli import need
+            from convforge.apps.cli import need
 
             need("--net FILE.onnx", "onnx")
         # the back-end before the database: a missing back-end leaves nothing on disk
@@ -227,8 +227,8 @@ def tune_main(args: argparse.Namespace) -> int:
     console.print(f"{fresh} layer(s) tuned, {len(results) - fresh} from the database, "
                   f"{len(failed)} failed; {_tuner_timings(results)} candidate(s) timed")
     if args.report and results:
+        from convforge.apps.tune.report import build_report, write_report
         from convforge.kernels import all_variants
-        from convforge.tune.report import build_report, write_report
 
         tuner = Tuner(backend, db, budget, args.seed, workers=args.workers)
         doc = build_report(tuner, layers, results, all_variants(), args.report_sets)
@@ -254,9 +254,9 @@ def _tune_parallel(args: argparse.Namespace, console: Any, budget: Budget, layer
     """``--suite`` / ``--spec`` on several devices or torchrun ranks (tune/parallel.py): identical
     layers tuned once (the others then come from the database, as in one process), the same
     closing table."""
+    from convforge.apps.tune import parallel
     from convforge.kernels import get_variant
     from convforge.params import Params
-    from convforge.tune import parallel
 
     groups: dict[tuple[ConvSpec, Epilogue], list[str]] = {}
     for name, spec in layers:
@@ -303,7 +303,7 @@ def _tune_models(args: argparse.Namespace, console: Any, budget: Budget, how: An
         _error("--model tunes only layers the database does not know (no --force): clear their entries "
                "first (convforge db clear)")
         return 2
-    from convforge.bench.models import tune_models
+    from convforge.apps.bench.models import tune_models
     from convforge.tune import clear_choices
 
     if args.db is not None:
@@ -398,7 +398,7 @@ def add_db_arguments(p: argparse.ArgumentParser) -> None:
     sub.required = True
     ls = sub.add_parser("list", help="one line per tuned layer")
     show = sub.add_parser("show", help="every field of the entries matching a layer or key fields")
-    from convforge.cli import add_pass_option
+    from convforge.apps.cli import add_pass_option
 
     backends = ("cuda", "opencl")
     for q in (ls, show):

@@ -1,27 +1,19 @@
-"""PyTorch's time on the same graph and weights (a bench baseline: imports torch).
+"""The graph run through PyTorch (``torch.nn.functional``): the reference a CUDA network's
+calibration compares with where torch sees the GPU (``convforge.graph.calibrate``), and the
+computation ``convforge run`` times as its PyTorch baseline. torch is imported inside the functions.
 
-The IR runs op by op through ``torch.nn.functional`` in FP32 with cudnn.benchmark on and TF32
-off (``tf32=True``: on, for cuDNN and matmul, the relaxed class's baseline), or with every weight
-and the input in float16 / bfloat16 (``dtype``: PyTorch's ``.half()`` eager), eager and replayed
-from a CUDA graph; peak memory is ``torch.cuda.max_memory_allocated``.
+The IR runs op by op in FP32 with cudnn.benchmark on and TF32 off (``tf32=True``: on, for cuDNN and
+matmul, the relaxed class's reference), or with every weight and the input in float16 / bfloat16
+(``dtype``: PyTorch's ``.half()`` eager).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from convforge.graph.ir import Graph, Node, conv_geometry, conv_group, lrn_params, resize_table
-
-
-@dataclass
-class TorchTimes:
-    eager_ms: float
-    graph_ms: float
-    peak_bytes: int
-    output: np.ndarray
 
 
 def _lrn(F: Any, attrs: dict, x: Any) -> Any:
@@ -183,21 +175,6 @@ def forward_fn(graph: Graph, x: np.ndarray, device: str = "cuda", dtype: str = "
     return forward
 
 
-def run_torch(graph: Graph, x: np.ndarray, repeats: int = 20, tf32: bool = False,
-              dtype: str = "float32") -> TorchTimes:
-    """Time ``graph`` (at x's batch) in PyTorch FP32 (``tf32``: TF32 allowed) or with weights and
-    input in ``dtype`` (float16, bfloat16), eager and CUDA-graph replayed, on the GPU. The TF32
-    switches are restored afterwards."""
-    import torch
-
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    set_math(torch, tf32)
-    try:
-        return _run_torch(torch, graph, x, repeats, dtype)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-
-
 def outputs(graph: Graph, x: np.ndarray, tf32: bool = False) -> dict[str, np.ndarray]:
     """Every output of ``graph`` on ``x`` computed by PyTorch on the GPU in FP32 (``tf32``: TF32
     allowed; cudnn.benchmark on, as the timed baseline), as float32 NumPy arrays. The TF32 switches
@@ -219,37 +196,6 @@ def set_math(torch: Any, tf32: bool) -> None:
     torch.backends.cudnn.benchmark = True
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32
-
-
-def _run_torch(torch: Any, graph: Graph, x: np.ndarray, repeats: int, dtype: str = "float32") -> TorchTimes:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    forward = forward_fn(graph, x, "cuda", dtype)
-
-    def timed(fn: Any) -> float:
-        for _ in range(3):
-            fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return float(start.elapsed_time(end)) / repeats
-
-    eager = timed(forward)
-    peak = int(torch.cuda.max_memory_allocated())
-    out = forward().float().cpu().numpy()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        forward()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        forward()
-    replay = timed(g.replay)
-    return TorchTimes(eager, replay, peak, out)
 
 
 def available() -> str | None:

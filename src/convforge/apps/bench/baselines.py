@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from convforge.bench.timing import PASSES, Timing, cycle, median
+from convforge.apps.bench.timing import PASSES, Timing, cycle, median
 from convforge.spec import ConvSpec
 
 KINDS = ("cudnn", "torch", "numpy", "none")
@@ -344,7 +344,7 @@ def _gpu_baselines(spec: ConvSpec, timing: Timing, with_cudnn: bool,
     """PyTorch's picks and, ``with_cudnn``, every legacy cuDNN algorithm, in the math each class needs."""
     import torch
 
-    from convforge.bench import cudnn
+    from convforge.apps.bench import cudnn
 
     sets = pass_sets(spec, timing.sets)
     layout = spec.layout  # an nhwc layer: every baseline gets channels_last tensors, as convforge's kernel does
@@ -400,7 +400,7 @@ def _half_baselines(spec: ConvSpec, timing: Timing, with_cudnn: bool) -> list[Ba
     against float64 on the same half inputs."""
     import torch
 
-    from convforge.bench import cudnn
+    from convforge.apps.bench import cudnn
 
     tag = HALF_TAGS[spec.dtype]
     sets = pass_sets(spec, timing.sets, dtype=spec.dtype)
@@ -481,7 +481,7 @@ def _numpy_baselines(spec: ConvSpec, timing: Timing) -> list[BaselineResult]:
     clock; its error against float64 on the same inputs."""
     import numpy as np
 
-    from convforge.bench import numpy_conv
+    from convforge.apps.bench import numpy_conv
 
     blas = numpy_conv.blas_name()
     algo = f"im2col + np.matmul (NumPy {np.__version__}{', ' + blas if blas else ''})"

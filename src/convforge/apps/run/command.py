@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tune", action="store_true", help="tune the network's convs into the database first")
     p.add_argument("--input-size", type=int, metavar="H", help="square input size (default: the model's)")
     p.add_argument("--weights", type=Path, help="a .caffemodel for a prototxt net (default: random, --seed)")
-    from convforge.cli import add_dtype_argument, add_seed_argument, int_arg
+    from convforge.apps.cli import add_dtype_argument, add_seed_argument, int_arg
 
     add_seed_argument(p, "seed of the random weights and input")
     p.add_argument("--repeats", type=int_arg(1), metavar="N",
@@ -70,8 +70,8 @@ def main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from convforge.api import default_backend
+    from convforge.apps.cli import check_out_dir, phase_bars
     from convforge.backends import get_backend
-    from convforge.cli import check_out_dir, phase_bars
     from convforge.dtypes import rounded
     from convforge.graph.passes import optimize
     from convforge.graph.runtime import Network, check_budget, load_model
@@ -88,7 +88,7 @@ def main(args: argparse.Namespace) -> int:
     budget = check_budget(args.error_budget, "--error-budget")
     check_out_dir("--out", args.out)
     if str(args.net).endswith(".onnx"):
-        from convforge.cli import need
+        from convforge.apps.cli import need
 
         need("--net FILE.onnx", "onnx")
     graph = load_model(args.net, args.input_size, args.seed, args.weights)
@@ -213,7 +213,7 @@ def _numpy(console: Any, graph: Any, x: np.ndarray, total: float, repeats: int,
     connected layer as BLAS GEMMs), timed by wall clock on the CPU (median of ``repeats`` runs;
     NumPy compiles nothing, so the first counts): what a NumPy user gets on this machine, beside
     convforge's time."""
-    from convforge.bench.numpy_conv import blas_name
+    from convforge.apps.bench.numpy_conv import blas_name
     from convforge.graph.reference import run_reference
     from convforge.progress import Phase
     from convforge.reference import rel_l2
@@ -314,10 +314,10 @@ def _calibrate(console: Any, net: Any, budget: float, seed: int, limit: int | No
 
 
 def _tune(args: argparse.Namespace, console: Any, backend: Any) -> None:
+    from convforge.apps.tune.command import DEFAULT_BUDGET
+    from convforge.apps.tune.net import tune_net
     from convforge.dispatch import clear_choices, clear_executables
-    from convforge.graph.tune import tune_net
     from convforge.tune import clear_choices as clear_tune_choices
-    from convforge.tune.command import DEFAULT_BUDGET
     from convforge.tune.db import TuningDB
     from convforge.tune.tuner import Budget
 
@@ -379,9 +379,10 @@ def _images(k: int) -> str:
 def _torch(console: Any, graph: Any, x: np.ndarray, total: float, peak: int, repeats: int,
            ref: dict[str, np.ndarray] | None, res: dict[str, Any]) -> None:
     """PyTorch FP32 on the same graph and weights (CUDA); its output is the logits."""
-    from convforge.graph import torch_baseline
+    from convforge.apps.run import torch_baseline
+    from convforge.graph import torch_reference
 
-    why = torch_baseline.available()
+    why = torch_reference.available()
     if why:
         hint = "; pip install 'convforge[torch]', or --no-torch" if "not installed" in why else ""
         res["torch"] = f"skipped ({why}{hint})"

@@ -22,8 +22,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from convforge.apps.bench.suites import Layer, SuiteError
 from convforge.backends.base import Backend
-from convforge.bench.suites import Layer, SuiteError
 from convforge.params import Params
 from convforge.plan import Epilogue, Variant
 from convforge.spec import ConvSpec
@@ -110,7 +110,7 @@ def run_sweep(args: argparse.Namespace, layers: list[Layer], backend: Backend, p
               console: Console) -> int:
     """Time the points, print one table per layer, write ``sweep.json`` with ``--out``; 1 when a
     point failed (it scores infinity and the others still run), 2 when no point applied anywhere."""
-    from convforge.cli import phase_bars
+    from convforge.apps.cli import phase_bars
     from convforge.progress import Phase
     from convforge.tune.tuner import Tuner
 

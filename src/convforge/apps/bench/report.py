@@ -14,9 +14,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from convforge.bench.baselines import BASELINE_NAMES, HALF_BASELINE_NAMES
-from convforge.bench.ceilings import Ceilings
-from convforge.bench.runner import Row
+from convforge.apps.bench.baselines import BASELINE_NAMES, HALF_BASELINE_NAMES
+from convforge.apps.bench.ceilings import Ceilings
+from convforge.apps.bench.runner import Row
 
 CSV_FIELDS = ("layer", "index", "pass", "impl", "backend", "algo", "precision", "time_ms", "tflops", "pct_peak",
               "workspace_bytes", "rel_err", "ok", "status", "baseline_impl", "baseline_algo",

@@ -43,7 +43,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from convforge.bench import models
+from convforge.apps.bench import models
 
 SEED = 0
 LR = 1e-3

@@ -3,7 +3,7 @@
 One training step (forward + cross-entropy + backward + SGD, training mode) of a torchvision model,
 BATCH images per GPU, timed on ONE GPU without any wrapper (the baseline) and on N GPUs in
 ``DistributedDataParallel`` (NCCL), one process per GPU started by ``torchrun`` (``python -m
-torch.distributed.run --standalone --nproc-per-node K -m convforge.bench.ddp --rank-run ...``; the
+torch.distributed.run --standalone --nproc-per-node K -m convforge.apps.bench.ddp --rank-run ...``; the
 parent launches K = 1, then each N asked (``--devices 2,4``), every model and mode in one launch,
 and reads rank 0's JSON). Rows per implementation: ``pytorch`` (cudnn.benchmark on), ``convforge``
 (``convforge.torch.convert``) and ``convforge_fused`` (``convforge.torch.fuse``, training mode);
@@ -56,7 +56,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from convforge.bench import models, training
+from convforge.apps.bench import models, training
 
 IMPLS = ("pytorch", "convforge", "convforge_fused")
 MODES = ("fp32", "relaxed", "fp16", "bf16")
@@ -180,7 +180,7 @@ def _torchrun(k: int, parsed: list[tuple[str, int]], impls: tuple[str, ...], mod
     root = str(Path(convforge.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={k}", "-m",
-           "convforge.bench.ddp", "--rank-run", "--impl", ",".join(impls), "--modes", ",".join(modes),
+           "convforge.apps.bench.ddp", "--rank-run", "--impl", ",".join(impls), "--modes", ",".join(modes),
            "--json", str(path)]
     for name, batch in parsed:
         cmd += ["--model", f"{name}:{batch}"]
@@ -503,7 +503,7 @@ def overlap(kernels: list[tuple[str, float, float]], ours: set[str], steps: int 
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m convforge.bench.ddp", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m convforge.apps.bench.ddp", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", action="append", required=True, metavar="NAME[:BATCH]")
     p.add_argument("--devices", help="GPUs of the data-parallel runs: N, several (2,4) or all (default: all)")
     p.add_argument("--impl", help=f"comma-separated, some of {', '.join(IMPLS)} (default: all)")

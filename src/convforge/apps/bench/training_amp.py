@@ -30,7 +30,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from convforge.bench import models, training
+from convforge.apps.bench import models, training
 
 STEPS = 100
 NOISE_SLACK = 2.0

@@ -466,7 +466,7 @@ def run(specs: list[str], out: str | None, warmup: int | None, repeats: int | No
     env = environment()
     console.print(" | ".join(f"{k} {v}" for k, v in env.items()))
     if dtype != "float32":
-        from convforge.bench import half_models
+        from convforge.apps.bench import half_models
 
         return half_models.run(models, out, warmup, repeats, console, options, classes[0], dtype, tune, env)
     notes = [NOTE, CLASS_NOTE, TUNED_NOTE if tune else UNTUNED_NOTE]
@@ -503,7 +503,7 @@ def _check_models(specs: list[str], console: Console) -> list[tuple[str, int]] |
     except ValueError as err:
         console.print(f"[red]error:[/] {escape(str(err))}", soft_wrap=True)  # one line, however long
         return None
-    from convforge.cli import need
+    from convforge.apps.cli import need
 
     try:
         need("--model", "torch", "torchvision")
@@ -563,8 +563,8 @@ def _tune_models_parallel(specs: list[str], models: list[tuple[str, int]], conso
     import torch
 
     import convforge.tune as tune_pkg
+    from convforge.apps.tune import parallel
     from convforge.config import config
-    from convforge.tune import parallel
 
     if how.ranks is not None:
         torch.cuda.set_device(how.ranks.local_rank)

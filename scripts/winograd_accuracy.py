@@ -1,13 +1,15 @@
-"""Accuracy table of the Winograd variants beside direct and implicit GEMM on the ResNet 3x3 layers.
+#!/usr/bin/env python3
+"""The accuracy table of the Winograd variants beside direct and implicit GEMM on the ResNet 3x3 layers.
 
-``python -m convforge.kernels.winograd.accuracy [N]`` prints a Markdown table of relative L2 error
-against the float64 reference. The error is arithmetic (float32 rounding of the transforms and
-sums), not a property of the device, so a reduced batch on PoCL gives the figures the tolerances
-are derived from.
+``python scripts/winograd_accuracy.py [N]`` prints a Markdown table of relative L2 error against the
+float64 reference (docs/NOTES-winograd.md holds it). The error is arithmetic (float32 rounding of
+the transforms and sums), not a property of the device, so a reduced batch on PoCL gives the
+figures the tolerances are derived from.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from convforge.spec import ConvSpec
@@ -41,5 +43,11 @@ def table(n: int = 1, seed: int = 0) -> str:
     return "\n".join(lines)
 
 
+def main() -> None:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("n", nargs="?", type=int, default=1, help="the batch (default 1)")
+    print(table(p.parse_args().n))
+
+
 if __name__ == "__main__":
-    print(table(int(sys.argv[1]) if len(sys.argv) > 1 else 1))
+    main()

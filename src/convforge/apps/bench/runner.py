@@ -15,11 +15,11 @@ from typing import Any
 import numpy as np
 
 from convforge import __version__, dispatch
+from convforge.apps.bench import baselines
+from convforge.apps.bench.ceilings import Ceilings, measure_copy
+from convforge.apps.bench.suites import ABLATIONS, Layer
+from convforge.apps.bench.timing import Timing, check_slice, cycle, run_timed
 from convforge.backends.base import Backend
-from convforge.bench import baselines
-from convforge.bench.ceilings import Ceilings, measure_copy
-from convforge.bench.suites import ABLATIONS, Layer
-from convforge.bench.timing import Timing, check_slice, cycle, run_timed
 from convforge.check import check_plan, pass_inputs
 from convforge.dtypes import to_storage
 from convforge.params import Params
@@ -191,7 +191,7 @@ def bench_layer(layer: Layer, index: int, bes: list[Backend], cfg: BenchConfig,
                 ceilings: dict[str, Ceilings], baseline_on_gpu: bool) -> list[Row]:
     """All rows of one layer: convforge in every precision class on every back-end and algorithm,
     then the baselines (run once for all classes); each class's rows get that class's baseline."""
-    from convforge.bench.timing import layer_bytes
+    from convforge.apps.bench.timing import layer_bytes
 
     spec = layer.spec
     rows: list[Row] = []
@@ -225,7 +225,7 @@ def bench_layer(layer: Layer, index: int, bes: list[Backend], cfg: BenchConfig,
 def same_size_copy(spec: ConvSpec, bes: list[Backend], cfg: BenchConfig) -> dict[str, float]:
     """GB/s of the copy kernel moving the layer's own bytes (half read, half written) per launch,
     cycling as many buffer sets as the layer's timing does, per back-end: a small layer's ceiling."""
-    from convforge.bench.timing import layer_bytes
+    from convforge.apps.bench.timing import layer_bytes
 
     out = {}
     for be in bes:

@@ -1,6 +1,6 @@
 """``convforge bench``: run a suite with convforge and the baselines, print the table, write results.
 
-Wired by cli.py as ``add_arguments(subparser)`` and ``main(args)``; ``python -m convforge.bench.command``
+Wired by cli.py as ``add_arguments(subparser)`` and ``main(args)``; ``python -m convforge.apps.bench.command``
 runs it standalone.
 """
 
@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from convforge.bench import baselines
-from convforge.bench.suites import ABLATIONS, BUILTIN, Layer, SuiteError, load_suite
+from convforge.apps.bench import baselines
+from convforge.apps.bench.suites import ABLATIONS, BUILTIN, Layer, SuiteError, load_suite
 from convforge.calibrate import TIGHT
 from convforge.config import MAX_ERROR_HELP, config, max_error_arg
 
@@ -22,8 +22,8 @@ try:  # not needed to list the options: `convforge bench -h` works without them
     from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from convforge.bench import ceilings, plots, report, runner, sweep
-    from convforge.bench.timing import Timing
+    from convforge.apps.bench import ceilings, plots, report, runner, sweep
+    from convforge.apps.bench.timing import Timing
 except ImportError as _err:
     IMPORT_ERROR = _err
 
@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="check only the first N images against the reference")
     parser.add_argument("--quick-ceilings", action="store_true",
                         help="measure the ceilings with tiny kernels (smoke tests)")
-    from convforge.cli import add_seed_argument
+    from convforge.apps.cli import add_seed_argument
 
     add_seed_argument(parser, "seed of the layers' random inputs and filters")
     parser.add_argument("--max-error", type=max_error_arg, metavar="E", help=MAX_ERROR_HELP)
@@ -84,7 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layout", choices=("nchw", "nhwc"),
                         help="with --suite: activations in NCHW (default) or NHWC memory on every side (cuDNN gets "
                         "channels_last tensors); NHWC is read by depthwise_nhwc, so depthwise layers only")
-    from convforge.cli import add_pass_option
+    from convforge.apps.cli import add_pass_option
 
     add_pass_option(parser, allow_all=True, extra=" (--suite): each pass against cuDNN-best of that pass",
                     default="fprop, or each suite layer's own pass")
@@ -113,7 +113,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _dtype_arg(text: str) -> str:
-    from convforge.cli import dtype_arg
+    from convforge.apps.cli import dtype_arg
 
     return dtype_arg(text)
 
@@ -122,7 +122,7 @@ def _with_dtype(layers: list[Layer], dtype: str | None) -> list[Layer]:
     """The suite's layers stored as ``--dtype`` (a layer naming another dtype is an error)."""
     import dataclasses
 
-    from convforge.cli import with_dtype
+    from convforge.apps.cli import with_dtype
 
     try:
         return [dataclasses.replace(la, spec=with_dtype(la.spec, dtype)) for la in layers]
@@ -190,7 +190,7 @@ def precisions(choice: str | None) -> tuple[str, ...]:
 
 def _run_models(args: argparse.Namespace, console: Console) -> int:
     """``--model``: whole torchvision models in the ``--precision`` class(es), tuned with ``--tune``."""
-    from convforge.bench import models
+    from convforge.apps.bench import models
 
     clash = [flag for flag, val in (("--suite", args.suite), ("--ablation", args.ablation),
                                     ("--compare-backends", args.compare_backends),
@@ -215,12 +215,12 @@ def _run_models(args: argparse.Namespace, console: Console) -> int:
         amp = getattr(args, "amp", None) or {"float16": "fp16", "bfloat16": "bf16"}.get(getattr(args, "dtype", None)
                                                                                        or "float32")
         if amp is not None and getattr(args, "devices", None) is None:
-            from convforge.bench import training_amp
+            from convforge.apps.bench import training_amp
 
             return training_amp.run(args.model, amp, args.out, args.warmup, args.repeats, console, opts,
                                     tune=args.tune)
         if getattr(args, "devices", None) is not None:  # --amp / --dtype fp16|bf16: AMP rows (bench/ddp.py)
-            from convforge.bench import ddp
+            from convforge.apps.bench import ddp
 
             half = {"fp16": "float16", "bf16": "bfloat16"}.get(amp or "")
             modes = ddp.modes_of(precisions(args.precision_classes), getattr(args, "dtype", None) or half)
@@ -228,7 +228,7 @@ def _run_models(args: argparse.Namespace, console: Console) -> int:
                               modes=modes)
         if (getattr(args, "dtype", None) or "float32") != "float32":
             raise SuiteError("--train times float32 training (PyTorch FP32/TF32); it does not go with --dtype")
-        from convforge.bench import training
+        from convforge.apps.bench import training
 
         return training.run(args.model, args.out, args.warmup, args.repeats, console, opts,
                             classes=precisions(args.precision_classes), tune=args.tune)
@@ -245,7 +245,7 @@ def _run_models(args: argparse.Namespace, console: Console) -> int:
 def check_numbers(args: argparse.Namespace) -> None:
     """--repeats, --batch-slice (>= 1), --warmup (>= 0), --limit (>= 1) and the --out folder, before
     anything loads or runs: SuiteError naming the option."""
-    from convforge.cli import check_out_dir
+    from convforge.apps.cli import check_out_dir
 
     for flag, value, least in (("--repeats", args.repeats, 1), ("--batch-slice", args.batch_slice, 1),
                                ("--warmup", args.warmup, 0), ("--limit", args.limit, 1)):
@@ -330,7 +330,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
 
 def layer_passes(layers: list[Layer], choice: str | None) -> list[Layer]:
     """Each layer in the pass(es) ``--pass`` names, named "layer" (fprop) or "layer:dgrad" / "layer:wgrad"."""
-    from convforge.cli import spec_passes
+    from convforge.apps.cli import spec_passes
 
     return [Layer(layer.name if s.conv_pass == "fprop" else f"{layer.name}:{s.conv_pass}", s)
             for layer in layers for s in spec_passes(layer.spec, choice)]
@@ -379,7 +379,7 @@ def _run_ablation(args: argparse.Namespace, console: Console) -> int:
 
 def _ceilings(bes: list[Backend], quick: bool, console: Console) -> dict[str, ceilings.Ceilings]:
     """The measured ceilings of each back-end, with a progress line while they are measured."""
-    from convforge.cli import phase_bars
+    from convforge.apps.cli import phase_bars
     from convforge.progress import Phase
 
     out = {}

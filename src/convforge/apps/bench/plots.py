@@ -10,8 +10,8 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
-from convforge.bench.ceilings import Ceilings
-from convforge.bench.runner import Row
+from convforge.apps.bench.ceilings import Ceilings
+from convforge.apps.bench.runner import Row
 
 
 def available() -> bool:

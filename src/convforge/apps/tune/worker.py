@@ -1,8 +1,8 @@
 """A tuning worker: one process on one device, tuning the layers its parent hands it one at a time
-(``convforge tune --devices``, :mod:`convforge.tune.parallel`); :class:`Worker` is also used
+(``convforge tune --devices``, :mod:`convforge.apps.tune.parallel`); :class:`Worker` is also used
 in-process by a ``torchrun`` rank for its share.
 
-``python -m convforge.tune.worker`` speaks JSON lines. The parent writes the :class:`Settings` on
+``python -m convforge.apps.tune.worker`` speaks JSON lines. The parent writes the :class:`Settings` on
 the first line of the worker's stdin, then one task per line (``{"id", "name", "kind", "spec",
 "epi", ...}``), then ``{"stop": true}`` (or closes stdin). The worker answers on its ORIGINAL
 stdout, kept for the protocol alone (fd 1 is pointed at stderr, so whatever else Python or a C
