@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from convforge.apps.bench import baselines, ceilings, command, report, runner, suites
+from convforge.apps.bench import baselines, bench_command, ceilings, report, runner, suites
 from convforge.apps.bench.baselines import BaselineResult
 from convforge.apps.bench.runner import Row, attach_baseline
 from convforge.apps.bench.timing import check_slice, rotation_sets
@@ -171,7 +171,7 @@ def test_cudnn_best_and_speedup() -> None:
 
 def test_no_vendor_import() -> None:
     """Importing bench must import neither torch nor pyopencl (CUDA machines lack pyopencl)."""
-    code = ("import sys, convforge.apps.bench.command, convforge.apps.bench.runner, convforge.apps.bench.plots; "
+    code = ("import sys, convforge.apps.bench.bench_command, convforge.apps.bench.runner, convforge.apps.bench.plots; "
             "bad = [m for m in ('torch', 'pyopencl', 'cupy') if m in sys.modules]; "
             "sys.exit(1 if bad else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
@@ -281,13 +281,13 @@ def test_precision_option_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
     assert parse(["bench", "--suite", "resnet", "--precision", "relaxed"]).precision_classes == "relaxed"
     with pytest.raises(SystemExit):
         parse(["bench", "--suite", "resnet", "--precision", "tf32"])
-    assert command.precisions("both") == ("fp32", "relaxed")
-    assert command.precisions("relaxed") == ("relaxed",)
+    assert bench_command.precisions("both") == ("fp32", "relaxed")
+    assert bench_command.precisions("relaxed") == ("relaxed",)
     from convforge.config import config
 
-    assert command.precisions(None) == ("fp32",)  # the default class
+    assert bench_command.precisions(None) == ("fp32",)  # the default class
     monkeypatch.setattr(config, "precision", "relaxed")  # CONVFORGE_PRECISION=relaxed
-    assert command.precisions(None) == ("relaxed",)
+    assert bench_command.precisions(None) == ("relaxed",)
 
 
 def test_error_ratio_and_attach() -> None:

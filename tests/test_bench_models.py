@@ -277,7 +277,7 @@ def test_run_net_relaxed_on_pocl(ocl: Any, tmp_path: Path, capsys: pytest.Captur
     stored for the plain epilogue) serves the fused bias + ReLU conv "a" only in a relaxed run; the
     table and the JSON say the class, and the output is still checked against float64."""
     from convforge import kernels, tune
-    from convforge.apps.run.command import SUMMARY_HEADER
+    from convforge.apps.run.run_command import SUMMARY_HEADER
     from convforge.plan import Epilogue
     from convforge.spec import ConvSpec
     from convforge.tune import Tuner
@@ -315,7 +315,7 @@ def test_run_net_relaxed_on_pocl(ocl: Any, tmp_path: Path, capsys: pytest.Captur
 
 
 def test_errors_line_puts_both_errors_side_by_side() -> None:
-    from convforge.apps.run.command import errors_line
+    from convforge.apps.run.run_command import errors_line
 
     line = errors_line({"precision": "relaxed", "logits_error": 2e-4, "torch_logits_error": 5e-4})
     assert line == "logits error vs float64 (relaxed class): convforge 2.00e-04 | PyTorch TF32 5.00e-04 | ratio 0.40"

@@ -285,13 +285,13 @@ def test_bad_environment_at_the_api() -> None:
 def test_out_of_device_memory_is_one_line(capsys, monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A DeviceMemoryError (or CuPy's OutOfMemoryError, also a MemoryError) from a command: one
     error line naming the bytes asked for and free, exit status 1, no traceback."""
-    from convforge.apps.run import command
+    from convforge.apps.run import run_command
     from convforge.backends.base import DeviceMemoryError
 
     def too_big(args):  # type: ignore[no-untyped-def]
         raise DeviceMemoryError("workspace of implicit_gemm on N=512", 8 << 30, 1 << 30)
 
-    monkeypatch.setattr(command, "main", too_big)
+    monkeypatch.setattr(run_command, "main", too_big)
     monkeypatch.setattr(config, "db_path", tmp_path / "t.sqlite")
     rc, out = run_main(["run", "--net", "nin"], capsys)
     assert rc == 1 and "Traceback" not in out, out

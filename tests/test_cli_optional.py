@@ -183,11 +183,11 @@ def test_the_pytorch_baseline_of_a_suite_names_the_install(absent) -> None:  # t
 def test_run_names_the_install_of_its_pytorch_comparison(absent) -> None:  # type: ignore[no-untyped-def]
     from rich.console import Console
 
-    from convforge.apps.run import command
+    from convforge.apps.run import run_command
 
     absent("torch")
     res: dict[str, object] = {}
-    command._torch(Console(record=True), None, None, 1.0, 0, 1, None, res)  # type: ignore[arg-type]
+    run_command._torch(Console(record=True), None, None, 1.0, 0, 1, None, res)  # type: ignore[arg-type]
     assert "pip install 'convforge[torch]', or --no-torch" in str(res["torch"]), res
 
 
@@ -195,11 +195,11 @@ def test_bench_out_without_matplotlib_writes_results_and_names_the_plot_install(
         absent, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     from rich.console import Console
 
-    from convforge.apps.bench import command
+    from convforge.apps.bench import bench_command
 
     absent("matplotlib")
     console = Console(record=True, width=200)
-    command._write(tmp_path, {"device": "test"}, {}, "tiny", [], [], console)
+    bench_command._write(tmp_path, {"device": "test"}, {}, "tiny", [], [], console)
     assert (tmp_path / "results.json").exists() and (tmp_path / "results.csv").exists()
     assert not list(tmp_path.glob("*.png"))
     assert "no plots (pip install 'convforge[plot]')" in console.export_text()
@@ -215,7 +215,7 @@ def test_tune_report_without_matplotlib_writes_its_json(absent, tmp_path: Path) 
 # -- the safety net and a fresh interpreter ---------------------------------------------------------
 def test_an_unchecked_optional_import_is_still_one_error_line(absent, monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
                                                               capsys: pytest.CaptureFixture[str]) -> None:
-    from convforge.apps.run import command
+    from convforge.apps.run import run_command
 
     def uses_onnx(args: object) -> int:
         import onnx  # noqa: F401
@@ -223,7 +223,7 @@ def test_an_unchecked_optional_import_is_still_one_error_line(absent, monkeypatc
         return 0
 
     absent("onnx")
-    monkeypatch.setattr(command, "main", uses_onnx)
+    monkeypatch.setattr(run_command, "main", uses_onnx)
     rc, out = run_main(["run", "--net", "nin"], capsys)
     assert rc == 2, out
     one_error_line(out, "this command needs onnx: pip install 'convforge[onnx]'")
@@ -233,7 +233,7 @@ def test_an_unchecked_optional_import_is_still_one_error_line(absent, monkeypatc
 
         return 0
 
-    monkeypatch.setattr(command, "main", broken)  # not an optional package: a bug, so a traceback
+    monkeypatch.setattr(run_command, "main", broken)  # not an optional package: a bug, so a traceback
     with pytest.raises(ModuleNotFoundError):
         run_main(["run", "--net", "nin"], capsys)
 

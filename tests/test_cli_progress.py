@@ -141,7 +141,7 @@ def test_run_on_a_cpu_device_compares_with_numpy(ocl, tmp_path: Path, capsys: py
     """Without a CUDA device: no `--backend cuda` advice, a NumPy float32 baseline with its time
     and error, speeds in GFLOP/s with decimals, and the long phases said as they end."""
     import convforge.backends
-    from convforge.apps.run import command
+    from convforge.apps.run import run_command
 
     monkeypatch.setattr(convforge.backends, "cuda_available", lambda: False)
     monkeypatch.setattr(progress, "EVERY_S", 0.0)
@@ -153,7 +153,8 @@ def test_run_on_a_cpu_device_compares_with_numpy(ocl, tmp_path: Path, capsys: py
     assert "timing each step alone: done, 2 steps in" in out and "checking against the float64 reference" in out, out
     res = json.loads(next((tmp_path / "o").glob("run-*.json")).read_text())
     assert res["numpy_ms"] > 0 and res["numpy_logits_error"] < 1e-5
-    assert command.gflops(0.4123) == "0.412" and command.gflops(12.34) == "12.3" and command.gflops(4321.0) == "4321"
+    gflops = run_command.gflops
+    assert gflops(0.4123) == "0.412" and gflops(12.34) == "12.3" and gflops(4321.0) == "4321"
 
 
 def test_devices_says_what_pocl_is_for(ocl, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]

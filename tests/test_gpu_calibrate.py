@@ -16,7 +16,7 @@ import math
 
 import pytest
 
-from convforge.calibrate import TIGHT
+from convforge.error_budget import TIGHT
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch", reason="GPU tier of convforge.torch.calibrate: torch not installed")
@@ -56,7 +56,7 @@ def _x(seed: int) -> torch.Tensor:
 
 def _errors(fused: nn.Module, model: nn.Module, x: torch.Tensor) -> tuple[float, float]:
     """(convforge's, PyTorch FP32's) relative L2 error against float64 on ``x``, TF32 off."""
-    from convforge.torch.calibrate import _tf32
+    from convforge.torch.model_calibration import _tf32
 
     with torch.no_grad(), _tf32(False):
         want = copy.deepcopy(model).double()(x.double())

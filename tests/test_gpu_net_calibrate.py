@@ -20,7 +20,7 @@ def test_shipped_networks_meet_twice_pytorch_fp32(cuda, name, batch, size):
     pytest.importorskip("torch", reason="the reference error on CUDA is PyTorch's: torch not installed")
     from convforge import models
     from convforge.graph import torch_reference
-    from convforge.graph.calibrate import targets
+    from convforge.graph.network_calibration import targets
     from convforge.graph.reference import run_reference
     from convforge.graph.runtime import compile
     from convforge.reference import rel_l2

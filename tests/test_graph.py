@@ -11,7 +11,7 @@ import struct
 import numpy as np
 import pytest
 
-from convforge.apps.run.command import SUMMARY_HEADER
+from convforge.apps.run.run_command import SUMMARY_HEADER
 from convforge.graph import passes
 from convforge.graph.caffe import load_prototxt, read_caffemodel
 from convforge.graph.ir import Graph, GraphError, Node, infer

@@ -1,4 +1,4 @@
-"""Calibration (``convforge.calibrate``: the one rule; ``convforge.graph.calibrate``: on networks).
+"""Calibration (``convforge.error_budget``: the one rule; ``convforge.graph.network_calibration``: on networks).
 
 Torch-free unit tests of the rule with injected error functions, then on PoCL a small network whose
 fast per-layer choices are forced to Winograd F(4x4) through a temporary tuning database: its
@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from convforge import dispatch, kernels, tune
-from convforge.calibrate import CalibrationReport, Candidate, calibrate_layers, loosen, order, search_prefix
 from convforge.config import config
-from convforge.graph.calibrate import calibrate_network, calibration_input, targets
+from convforge.error_budget import CalibrationReport, Candidate, calibrate_layers, loosen, order, search_prefix
 from convforge.graph.ir import Graph, Node
+from convforge.graph.network_calibration import calibrate_network, calibration_input, targets
 from convforge.graph.passes import optimize
 from convforge.graph.reference import run_reference
 from convforge.graph.runtime import Network, compile, conv_spec
@@ -247,7 +247,7 @@ def test_run_prints_what_calibration_did_and_the_budget_option(ocl: Any, tmp_pat
 def test_one_sign_choices_are_tightened_first():
     """3xTF32's truncating sums give errors of one sign that add up over a network: its layers come
     before a larger stated error that averages out (Winograd), each group by error, then FLOPs."""
-    from convforge.calibrate import Candidate, order
+    from convforge.error_budget import Candidate, order
 
     cands = [Candidate("wino", "winograd_nonfused_f4", 3e-6, "implicit_gemm", 5e-7, 10),
              Candidate("x3a", "tc_implicit_gemm_3xtf32", 1e-6, "gemm1x1", 5e-7, 20),

@@ -110,8 +110,8 @@ def _ort_gpu_ms(ort: Any, sess: Any, x: np.ndarray, repeats: int = 20) -> float:
 def test_exported_model_runs_under_convforge_run(cuda, tmp_path, capsys, name: str) -> None:
     ort = pytest.importorskip("onnxruntime", reason="GPU tier: onnxruntime is not installed (its error is the bar)")
     from convforge.cli import main
-    from convforge.graph.calibrate import CAL_IMAGES
     from convforge.graph.from_onnx import load_onnx
+    from convforge.graph.network_calibration import CAL_IMAGES
     from convforge.graph.reference import run_reference
 
     path = _export(name, tmp_path)

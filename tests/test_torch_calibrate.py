@@ -9,7 +9,6 @@ too. The whole calibration on a GPU is in tests/test_gpu_calibrate.py.
 
 from __future__ import annotations
 
-import importlib
 import math
 from types import SimpleNamespace
 
@@ -20,8 +19,7 @@ nn = torch.nn
 
 import convforge.torch as ct  # noqa: E402
 from convforge.spec import ConvSpec  # noqa: E402
-
-cal = importlib.import_module("convforge.torch.calibrate")  # the module (the package's attribute is the function)
+from convforge.torch import model_calibration as cal  # noqa: E402
 
 
 def _counting(errors: list[float]):

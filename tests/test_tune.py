@@ -405,7 +405,7 @@ def _parse(add, argv: list[str]) -> argparse.Namespace:  # type: ignore[no-untyp
 
 
 def test_tune_command_report_and_db_commands(backend, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
-    from convforge.apps.tune.command import add_db_arguments, add_tune_arguments, db_main, tune_main
+    from convforge.apps.tune.tune_command import add_db_arguments, add_tune_arguments, db_main, tune_main
 
     dbp = str(tmp_path / "cli.sqlite")
     spec = "N=1,C=3,H=13,W=13,K=5,R=3,S=3,pad=1"

@@ -436,14 +436,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ptxas", action="store_true", help="also compile with nvcc and print registers/spills")
     add_dtype_argument(p)
     p.set_defaults(func=cmd_show)
-    _add_optional(sub, "bench", "convforge.apps.bench.command", "add_arguments", "main",
+    _add_optional(sub, "bench", "convforge.apps.bench.bench_command", "add_arguments", "main",
                   "benchmark a suite of layers, or whole torchvision models, against each precision class's "
                   "baseline (cuDNN-best on a GPU; PyTorch or NumPy on a CPU)")
-    _add_optional(sub, "tune", "convforge.apps.tune.command", "add_tune_arguments", "tune_main",
+    _add_optional(sub, "tune", "convforge.apps.tune.tune_command", "add_tune_arguments", "tune_main",
                   "autotune a suite, layers, a network or a model into the tuning database")
-    _add_optional(sub, "db", "convforge.apps.tune.command", "add_db_arguments", "db_main",
+    _add_optional(sub, "db", "convforge.apps.tune.tune_command", "add_db_arguments", "db_main",
                   "inspect, export, import or clear the tuning database")
-    _add_optional(sub, "run", "convforge.apps.run.command", "add_arguments", "main",
+    _add_optional(sub, "run", "convforge.apps.run.run_command", "add_arguments", "main",
                   "run a whole network (alexnet, nin, googlenet, vgg16, resnet50, .prototxt, .onnx): build, check "
                   "against float64, time each step")
     _finish(parser)

@@ -133,7 +133,7 @@ class Network:
     stored through every op; arithmetic is float32, per-channel affine parameters stay float32.
     ``max_errors``: a bound on the error of the variant chosen for each named conv / fc node
     (``dispatch.choose``'s ``max_error``; the others keep the precision class's choice):
-    calibration's per-layer tightening (``convforge.graph.calibrate``)."""
+    calibration's per-layer tightening (``convforge.graph.network_calibration``)."""
 
     def __init__(self, graph: Graph, backend: Any, capture: bool = True,
                  workspace_limit: int | None = None, dtype: str = "float32",
@@ -647,7 +647,7 @@ def compile(model: Any, batch: int | None = None, backend: str | None = None, *,
     use; the layers share one scratch arena of the largest need (``Network._bind_workspaces``).
     ``error_budget`` (default 2): calibrate at build so the output error stays within that many
     times PyTorch FP32's (a plain float32 evaluation's, without torch), tightening the layers that
-    need it (``convforge.graph.calibrate``; the report is ``network.calibration``); 0 or None: no
+    need it (``convforge.graph.network_calibration``; the report is ``network.calibration``); 0 or None: no
     calibration, every layer keeps the precision class's choice. Half-precision networks are not
     calibrated (their storage rounding is far above FP32's error)."""
     from convforge.api import default_backend
@@ -669,7 +669,7 @@ def compile(model: Any, batch: int | None = None, backend: str | None = None, *,
     dt = parse_dtype(dtype)
     if budget is None or dt != "float32":  # the budget is relative to FP32's error: float32 networks only
         return Network(graph, be, capture=capture, workspace_limit=limit, dtype=dt)
-    from convforge.graph.calibrate import calibrate_network
+    from convforge.graph.network_calibration import calibrate_network
 
     cal = calibrate_network(graph, be, budget=budget, seed=seed, workspace_limit=limit)
     net = cal.network if cal.network.graph.outputs == graph.outputs else \

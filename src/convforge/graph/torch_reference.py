@@ -1,5 +1,5 @@
 """The graph run through PyTorch (``torch.nn.functional``): the reference a CUDA network's
-calibration compares with where torch sees the GPU (``convforge.graph.calibrate``), and the
+calibration compares with where torch sees the GPU (``convforge.graph.network_calibration``), and the
 computation ``convforge run`` times as its PyTorch baseline. torch is imported inside the functions.
 
 The IR runs op by op in FP32 with cudnn.benchmark on and TF32 off (``tf32=True``: on, for cuDNN and

@@ -165,7 +165,7 @@ class FusedLinear(torch.nn.Linear):
     def _epilogue(self) -> Epilogue:
         return Epilogue(bias=self.bias is not None, gelu=self._cf_gelu, residual=self._cf_residual)
 
-    # -- calibration (torch/calibrate.py): a bound no variant meets runs PyTorch's operations -----
+    # -- calibration (torch/model_calibration.py): a bound no variant meets runs PyTorch's operations -----
     cf_tight_is_pytorch = True  # at a bound no convforge variant states, forward runs PyTorch's ops
 
     # Conv2d's: the bound the variant is chosen under, cached runners dropped; here a bound no variant

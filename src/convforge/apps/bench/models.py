@@ -54,8 +54,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from convforge.calibrate import TIGHT
 from convforge.config import config
+from convforge.error_budget import TIGHT
 
 MODELS = {"resnet18": 224, "resnet50": 224, "vgg16": 224, "googlenet": 224, "alexnet": 224, "inception_v3": 299,
           # modern CNNs: grouped (ResNeXt, RegNet) and depthwise (MobileNet, EfficientNet, ShuffleNet, ConvNeXt)

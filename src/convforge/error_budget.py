@@ -8,7 +8,7 @@ of them are not within 2x of PyTorch FP32's output error), while a tight bound o
 gives away speed that a network needs. The rule, per network:
 
 1. the bound is ``budget`` x the reference error (PyTorch FP32's on the same input, or for a
-   network without torch a plain float32 evaluation's: ``convforge.graph.calibrate``), measured on
+   network without torch a plain float32 evaluation's: ``convforge.graph.network_calibration``), measured on
    an input that is not the one reported on; calibration aims at ``headroom`` x the bound (default
    0.95): the error on other inputs of the same distribution differs by a few per cent;
 2. the model with every layer at its own setting ("fast") gives the starting error; each layer

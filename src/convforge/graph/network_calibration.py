@@ -1,4 +1,4 @@
-"""Calibration of compiled networks: ``convforge.calibrate``'s rule (the one shared with
+"""Calibration of compiled networks: ``convforge.error_budget``'s rule (the one shared with
 ``convforge.torch.calibrate``) on a :class:`~convforge.graph.runtime.Network`.
 
 ``convforge.compile(..., error_budget=2)`` and ``convforge run --error-budget 2`` (both the
@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from convforge.calibrate import TIGHT, CalibrationReport, Candidate, calibrate_layers, check_settings
 from convforge.config import config
+from convforge.error_budget import TIGHT, CalibrationReport, Candidate, calibrate_layers, check_settings
 from convforge.graph.ir import Graph
 from convforge.graph.reference import run_reference
 from convforge.graph.runtime import Network, conv_spec

@@ -297,7 +297,7 @@ def _write(out: Path, res: dict[str, Any]) -> None:
 
 def _calibrate(console: Any, net: Any, budget: float, seed: int, limit: int | None, reference: str) -> Any:
     """Calibrate ``net`` (built without bounds) to ``budget`` and print what moved and its cost."""
-    from convforge.graph.calibrate import calibrate_network
+    from convforge.graph.network_calibration import calibrate_network
     from convforge.progress import Phase
 
     with Phase(f"calibrating to an error budget of {budget:g}x"):
@@ -314,8 +314,8 @@ def _calibrate(console: Any, net: Any, budget: float, seed: int, limit: int | No
 
 
 def _tune(args: argparse.Namespace, console: Any, backend: Any) -> None:
-    from convforge.apps.tune.command import DEFAULT_BUDGET
     from convforge.apps.tune.net import tune_net
+    from convforge.apps.tune.tune_command import DEFAULT_BUDGET
     from convforge.dispatch import clear_choices, clear_executables
     from convforge.tune import clear_choices as clear_tune_choices
     from convforge.tune.db import TuningDB
@@ -355,7 +355,7 @@ def _check(console: Any, graph: Any, x: np.ndarray, out: dict[str, np.ndarray],
     calibration's estimator, on the input calibration never saw (one image's ratio to PyTorch's
     moves by 2x between inputs). Returns the reference's outputs. The logits are the last output
     (main adds them after a softmax)."""
-    from convforge.graph.calibrate import CAL_IMAGES
+    from convforge.graph.network_calibration import CAL_IMAGES
     from convforge.graph.reference import run_reference
     from convforge.progress import Phase
     from convforge.reference import rel_l2

@@ -1,6 +1,6 @@
 """``calibrate(model, reference, example)``: a per-network error budget for a converted or fused model.
 
-The rule and its search are ``convforge.calibrate``'s (the one calibration module, shared with
+The rule and its search are ``convforge.error_budget``'s (the one calibration module, shared with
 ``convforge.compile`` and ``convforge run``); this module supplies a PyTorch model's parts: the
 float64 output of the original model on ``example`` and PyTorch FP32's own error on it (TF32 off,
 or on with ``tf32``: the relaxed class's baseline) give the bound; one forward of ``model`` records
@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from convforge.calibrate import (  # noqa: F401 - the shared module's names, as this module always had them
+from convforge.dispatch import Choice
+from convforge.error_budget import (  # noqa: F401 - the shared module's names, as this module always had them
     TIGHT,
     CalibrationReport,
     Candidate,
@@ -35,7 +36,6 @@ from convforge.calibrate import (  # noqa: F401 - the shared module's names, as 
     order,
     search_prefix,
 )
-from convforge.dispatch import Choice
 from convforge.spec import ConvSpec
 from convforge.torch.linear import FusedLinear
 from convforge.torch.modules import Conv2d

@@ -1,6 +1,6 @@
 """``convforge bench``: run a suite with convforge and the baselines, print the table, write results.
 
-Wired by cli.py as ``add_arguments(subparser)`` and ``main(args)``; ``python -m convforge.apps.bench.command``
+Wired by cli.py as ``add_arguments(subparser)`` and ``main(args)``; ``python -m convforge.apps.bench.bench_command``
 runs it standalone.
 """
 
@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 from convforge.apps.bench import baselines
 from convforge.apps.bench.suites import ABLATIONS, BUILTIN, Layer, SuiteError, load_suite
-from convforge.calibrate import TIGHT
 from convforge.config import MAX_ERROR_HELP, config, max_error_arg
+from convforge.error_budget import TIGHT
 
 IMPORT_ERROR: ImportError | None = None  # what running a bench needs and cannot import (cli says so)
 try:  # not needed to list the options: `convforge bench -h` works without them
