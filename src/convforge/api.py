@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from convforge import dispatch, kernels
+from convforge import caches, dispatch, kernels
 from convforge.backends import cuda_available, get_backend
 from convforge.backends.base import Backend, Executable, output_buffer
 from convforge.config import config, parse_precision
@@ -192,12 +192,11 @@ def install_native(module: Any) -> None:
     executables change. Where conv2d's defaults are not the ones the C entry assumes, only Python's
     conv2d asks the torch module (``set_native``) and a warning says so."""
     import convforge
-    from convforge import dispatch
 
-    if module in _FRONTS or module.clear in dispatch.ON_CLEAR:  # installed once: hooks registered once
+    if module in _FRONTS or caches.is_registered(module.clear):  # installed once: its table registered once
         return
-    config.on_change(module.clear)
-    dispatch.ON_CLEAR.append(module.clear)
+    caches.register(module.clear, f"native fast path: {getattr(module, '__name__', module)}",
+                    on=("executables", "settings"))
     params = list(inspect.signature(python_conv2d).parameters.values())[2:2 + len(NATIVE_DEFAULTS)]
     if tuple(p.default for p in params) != NATIVE_DEFAULTS:  # later keywords (padding_mode) go to Python
         log.warning("convforge: conv2d's defaults differ from native_core.h's: its C entry is not installed")

@@ -25,7 +25,7 @@ import numbers
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from convforge import dispatch
+from convforge import caches, dispatch
 from convforge.api import (
     _channels_last,
     _check_array,
@@ -216,6 +216,7 @@ def _bias(g: Any, backend: str | None) -> Any:
 
 
 _BIAS_EXES: dict[tuple[Any, ...], Any] = {}
+caches.register(_BIAS_EXES.clear, "grad: bias-gradient executables")
 
 
 def _bias_executable(be: Any, spec: ConvSpec) -> Any:
@@ -225,8 +226,6 @@ def _bias_executable(be: Any, spec: ConvSpec) -> Any:
     if exe is None:
         from convforge.kernels.wgrad import bias_grad_plan
 
-        if not _BIAS_EXES and _BIAS_EXES.clear not in dispatch.ON_CLEAR:
-            dispatch.ON_CLEAR.append(_BIAS_EXES.clear)
         exe = _BIAS_EXES[key] = be.executable(bias_grad_plan(spec, be.device))
     return exe
 

@@ -37,7 +37,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from convforge import kernels
+from convforge import caches, kernels
 from convforge.config import PRECISIONS, config, parse_precision, precision_key
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Prologue, Variant
@@ -58,6 +58,7 @@ MEMORY_BOUND_VARIANTS = frozenset({"gemv_stream"})
 HALF_DTYPES = frozenset({"float16", "bfloat16"})
 TINY_MACS = 1 << 22
 _CHOICES: dict[tuple[Any, ...], Choice] = {}
+caches.register(_CHOICES.clear, "dispatch: choices", on=("choices",))
 
 
 @dataclass(frozen=True)
@@ -413,4 +414,4 @@ def cached() -> list[tuple[ConvSpec, Epilogue, str, Choice]]:
 
 def clear_choices() -> None:
     """Forget cached choices (after the database or the configuration changed)."""
-    _CHOICES.clear()
+    caches.clear("choices")

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from convforge import caches
 from convforge.backends.base import DeviceMemoryError
 from convforge.dispatch.choice import choose
 from convforge.params import Params
@@ -38,7 +39,8 @@ log = logging.getLogger("convforge")
 
 _EXECUTABLES: dict[tuple[Any, ...], Executable] = {}
 RUNNERS: dict[tuple[Any, ...], Callable[..., Any]] = {}
-ON_CLEAR: list[Callable[[], Any]] = []  # other tables of runners (the native fast path's)
+caches.register(_EXECUTABLES.clear, "dispatch: compiled executables")
+caches.register(RUNNERS.clear, "dispatch: per-call runners")
 _LOGGED: set[tuple[Any, ...]] = set()
 
 
@@ -160,8 +162,6 @@ def _fallback(err: DeviceMemoryError, exe: Executable, spec: ConvSpec, backend: 
 
 
 def clear_executables() -> None:
-    """Forget compiled executables and the per-call runners built on them."""
-    _EXECUTABLES.clear()
-    RUNNERS.clear()
-    for clear in ON_CLEAR:
-        clear()
+    """Forget compiled executables, the per-call runners built on them and every other table
+    registered on them (:mod:`convforge.caches`, event ``executables``)."""
+    caches.clear("executables")

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from convforge import api, dispatch
+from convforge import api, caches, dispatch
 from convforge.backends import get_backend
 from convforge.backends.base import DeviceMemoryError
 from convforge.config import config
@@ -144,7 +144,7 @@ def _program(n: int, k: int, pq: int, device: int) -> tuple[Any, int, Any]:
 
 
 _ROWS: dict[tuple[Any, ...], Any] = {}  # (layer tag, gradients asked) -> _RowsBackward, or None where it does not apply
-dispatch.ON_CLEAR.append(_ROWS.clear)  # chosen by dispatch: forgotten with its executables (tuning, settings)
+caches.register(_ROWS.clear, "torch.conv_relu: the rows backward of each layer")  # chosen by dispatch
 
 
 class _RowsBackward:

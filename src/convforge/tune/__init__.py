@@ -10,6 +10,7 @@ import logging
 import threading
 from pathlib import Path
 
+from convforge import caches
 from convforge.config import config
 from convforge.params import Params
 from convforge.plan import Epilogue, Variant
@@ -48,16 +49,21 @@ def open_db(path: Path | None = None, write: bool = False) -> TuningDB | None:
         return _DBS[key]
 
 
-def clear_choices() -> None:
-    """Forget cached choices and database handles (after the database changed underneath)."""
-    from convforge import dispatch
-
-    dispatch.clear_choices()
+def _close_dbs() -> None:
+    """Close the shared database handles; the next :func:`open_db` opens the file anew."""
     with _LOCK:
         for db in _DBS.values():
             if db is not None:
                 db.close()
         _DBS.clear()
+
+
+caches.register(_close_dbs, "tune: open databases", on=("databases",))
+
+
+def clear_choices() -> None:
+    """Forget cached choices and database handles (after the database changed underneath)."""
+    caches.clear("choices", "databases")
 
 
 def choose(spec: ConvSpec, backend: object, epilogue: Epilogue = NO_EPILOGUE,
