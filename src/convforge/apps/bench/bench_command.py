@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="check only the first N images against the reference")
     parser.add_argument("--quick-ceilings", action="store_true",
                         help="measure the ceilings with tiny kernels (smoke tests)")
-    from convforge.apps.cli import add_seed_argument
+    from convforge.apps.options import add_seed_argument
 
     add_seed_argument(parser, "seed of the layers' random inputs and filters")
     parser.add_argument("--max-error", type=max_error_arg, metavar="E", help=MAX_ERROR_HELP)
@@ -84,7 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layout", choices=("nchw", "nhwc"),
                         help="with --suite: activations in NCHW (default) or NHWC memory on every side (cuDNN gets "
                         "channels_last tensors); NHWC is read by depthwise_nhwc, so depthwise layers only")
-    from convforge.apps.cli import add_pass_option
+    from convforge.apps.options import add_pass_option
 
     add_pass_option(parser, allow_all=True, extra=" (--suite): each pass against cuDNN-best of that pass",
                     default="fprop, or each suite layer's own pass")
@@ -113,7 +113,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _dtype_arg(text: str) -> str:
-    from convforge.apps.cli import dtype_arg
+    from convforge.apps.options import dtype_arg
 
     return dtype_arg(text)
 
@@ -122,7 +122,7 @@ def _with_dtype(layers: list[Layer], dtype: str | None) -> list[Layer]:
     """The suite's layers stored as ``--dtype`` (a layer naming another dtype is an error)."""
     import dataclasses
 
-    from convforge.apps.cli import with_dtype
+    from convforge.apps.options import with_dtype
 
     try:
         return [dataclasses.replace(la, spec=with_dtype(la.spec, dtype)) for la in layers]
@@ -245,7 +245,7 @@ def _run_models(args: argparse.Namespace, console: Console) -> int:
 def check_numbers(args: argparse.Namespace) -> None:
     """--repeats, --batch-slice (>= 1), --warmup (>= 0), --limit (>= 1) and the --out folder, before
     anything loads or runs: SuiteError naming the option."""
-    from convforge.apps.cli import check_out_dir
+    from convforge.apps.options import check_out_dir
 
     for flag, value, least in (("--repeats", args.repeats, 1), ("--batch-slice", args.batch_slice, 1),
                                ("--warmup", args.warmup, 0), ("--limit", args.limit, 1)):
@@ -330,7 +330,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
 
 def layer_passes(layers: list[Layer], choice: str | None) -> list[Layer]:
     """Each layer in the pass(es) ``--pass`` names, named "layer" (fprop) or "layer:dgrad" / "layer:wgrad"."""
-    from convforge.apps.cli import spec_passes
+    from convforge.apps.options import spec_passes
 
     return [Layer(layer.name if s.conv_pass == "fprop" else f"{layer.name}:{s.conv_pass}", s)
             for layer in layers for s in spec_passes(layer.spec, choice)]
@@ -379,7 +379,7 @@ def _run_ablation(args: argparse.Namespace, console: Console) -> int:
 
 def _ceilings(bes: list[Backend], quick: bool, console: Console) -> dict[str, ceilings.Ceilings]:
     """The measured ceilings of each back-end, with a progress line while they are measured."""
-    from convforge.apps.cli import phase_bars
+    from convforge.apps.options import phase_bars
     from convforge.progress import Phase
 
     out = {}

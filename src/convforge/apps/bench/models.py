@@ -503,7 +503,7 @@ def _check_models(specs: list[str], console: Console) -> list[tuple[str, int]] |
     except ValueError as err:
         console.print(f"[red]error:[/] {escape(str(err))}", soft_wrap=True)  # one line, however long
         return None
-    from convforge.apps.cli import need
+    from convforge.apps.options import need
 
     try:
         need("--model", "torch", "torchvision")

@@ -110,7 +110,7 @@ def run_sweep(args: argparse.Namespace, layers: list[Layer], backend: Backend, p
               console: Console) -> int:
     """Time the points, print one table per layer, write ``sweep.json`` with ``--out``; 1 when a
     point failed (it scores infinity and the others still run), 2 when no point applied anywhere."""
-    from convforge.apps.cli import phase_bars
+    from convforge.apps.options import phase_bars
     from convforge.progress import Phase
     from convforge.tune.tuner import Tuner
 

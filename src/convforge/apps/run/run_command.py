@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tune", action="store_true", help="tune the network's convs into the database first")
     p.add_argument("--input-size", type=int, metavar="H", help="square input size (default: the model's)")
     p.add_argument("--weights", type=Path, help="a .caffemodel for a prototxt net (default: random, --seed)")
-    from convforge.apps.cli import add_dtype_argument, add_seed_argument, int_arg
+    from convforge.apps.options import add_dtype_argument, add_seed_argument, int_arg
 
     add_seed_argument(p, "seed of the random weights and input")
     p.add_argument("--repeats", type=int_arg(1), metavar="N",
@@ -70,7 +70,7 @@ def main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from convforge.api import default_backend
-    from convforge.apps.cli import check_out_dir, phase_bars
+    from convforge.apps.options import check_out_dir, phase_bars
     from convforge.backends import get_backend
     from convforge.dtypes import rounded
     from convforge.graph.passes import optimize
@@ -88,7 +88,7 @@ def main(args: argparse.Namespace) -> int:
     budget = check_budget(args.error_budget, "--error-budget")
     check_out_dir("--out", args.out)
     if str(args.net).endswith(".onnx"):
-        from convforge.apps.cli import need
+        from convforge.apps.options import need
 
         need("--net FILE.onnx", "onnx")
     graph = load_model(args.net, args.input_size, args.seed, args.weights)

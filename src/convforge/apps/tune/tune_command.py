@@ -45,7 +45,7 @@ def _error(msg: str) -> None:
 # -- convforge tune -----------------------------------------------------------------------
 def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suite", metavar="NAME|FILE", help=f"a built-in suite ({_suite_names()}) or a JSON suite file")
-    from convforge.apps.cli import SPEC_HELP
+    from convforge.apps.options import SPEC_HELP
 
     p.add_argument("--spec", action="append", default=[], metavar="SPEC", help=SPEC_HELP + " (repeatable)")
     p.add_argument("--limit", type=int, help="tune only the first LIMIT layers of --suite / --spec (>= 1)")
@@ -62,11 +62,11 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--db", type=Path, help=f"tuning database (default {config.tuning_db})")
     p.add_argument("--bias", action="store_true", help="tune with a bias epilogue (fprop only)")
     p.add_argument("--relu", action="store_true", help="tune with a ReLU epilogue (fprop only)")
-    from convforge.apps.cli import add_pass_option
+    from convforge.apps.options import add_pass_option
 
     add_pass_option(p, allow_all=True, extra=" (--suite / --spec)")
     p.add_argument("--force", action="store_true", help="re-tune layers the database already knows")
-    from convforge.apps.cli import add_seed_argument, int_arg
+    from convforge.apps.options import add_seed_argument, int_arg
 
     add_seed_argument(p, "seed of the space sample and of the check inputs")
     p.add_argument("--precision", choices=tuple(PRECISIONS), help=PRECISION_HELP)
@@ -84,7 +84,7 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
                    "not with --suite or --spec")
     p.add_argument("--batch", type=int, help="batch size of --net (default 1); only with --net: a --spec or "
                    "--suite layer carries its own N")
-    from convforge.apps.cli import add_dtype_argument
+    from convforge.apps.options import add_dtype_argument
 
     add_dtype_argument(p)
     p.add_argument("--model", action="append", metavar="NAME[:BATCH]",
@@ -116,7 +116,7 @@ def _layers(args: argparse.Namespace) -> list[tuple[str, ConvSpec]]:
     for i, text in enumerate(args.spec):
         out.append((f"spec{i + 1}", ConvSpec.parse(text)))
     if getattr(args, "dtype", None):
-        from convforge.apps.cli import with_dtype
+        from convforge.apps.options import with_dtype
 
         out = [(name, with_dtype(spec, args.dtype)) for name, spec in out]
     if args.limit is not None:
@@ -129,7 +129,7 @@ def _layers(args: argparse.Namespace) -> list[tuple[str, ConvSpec]]:
 def with_passes(layers: list[tuple[str, ConvSpec]], choice: str | None) -> list[tuple[str, ConvSpec]]:
     """Each layer in the pass(es) ``--pass`` names (``cli.spec_passes``), named "layer" for fprop
     and "layer:dgrad" / "layer:wgrad" for the others."""
-    from convforge.apps.cli import spec_passes
+    from convforge.apps.options import spec_passes
 
     return [(name if s.conv_pass == "fprop" else f"{name}:{s.conv_pass}", s)
             for name, spec in layers for s in spec_passes(spec, choice)]
@@ -153,7 +153,7 @@ def check_tune_args(args: argparse.Namespace) -> Budget:
     """Every number, the budget (answered, parsed), the report folder and the mix of options,
     before anything runs: ValueError naming the option; an option the chosen mode would ignore is
     refused."""
-    from convforge.apps.cli import check_out_dir
+    from convforge.apps.options import check_out_dir
 
     for flag, value in (("--limit", args.limit), ("--workers", args.workers), ("--batch", args.batch)):
         if value is not None and value < 1:
@@ -195,7 +195,7 @@ def tune_main(args: argparse.Namespace) -> int:
         from convforge.apps.tune.net import tune_net
 
         if str(args.net).endswith(".onnx"):
-            from convforge.apps.cli import need
+            from convforge.apps.options import need
 
             need("--net FILE.onnx", "onnx")
         # the back-end before the database: a missing back-end leaves nothing on disk
@@ -398,7 +398,7 @@ def add_db_arguments(p: argparse.ArgumentParser) -> None:
     sub.required = True
     ls = sub.add_parser("list", help="one line per tuned layer")
     show = sub.add_parser("show", help="every field of the entries matching a layer or key fields")
-    from convforge.apps.cli import add_pass_option
+    from convforge.apps.options import add_pass_option
 
     backends = ("cuda", "opencl")
     for q in (ls, show):
