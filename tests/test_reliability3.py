@@ -319,6 +319,19 @@ def test_auto_keeps_a_finite_answer_finite_near_overflow(ocl) -> None:
     assert needs_finite_exact(spec, ocl, Epilogue(), x, w)
 
 
+def test_the_finite_exact_setting_keeps_auto_off_winograd_for_every_array_kind(ocl, monkeypatch) -> None:
+    """CONVFORGE_FINITE_EXACT (config.finite_exact): 'auto' runs an exact family without reading the
+    arrays (the switch for torch and CuPy tensors, which are not read on the host); off, Winograd stays."""
+    from convforge import dispatch
+    from convforge.config import Config, config
+
+    spec = ConvSpec.make(1, 3, 9, 9, 4, 3, 3, 1, 1)
+    assert Config({}).finite_exact is False and Config({"CONVFORGE_FINITE_EXACT": "1"}).finite_exact is True
+    assert dispatch.choose(spec, ocl).variant.family == "winograd"
+    monkeypatch.setattr(config, "finite_exact", True)
+    assert dispatch.choose(spec, ocl).variant.family != "winograd"
+
+
 def test_overflow_factors_and_thresholds() -> None:
     """The factors the docstring's table states (3x3 filters) and what they decide."""
     from conftest import NOMINAL_CUDA

@@ -218,7 +218,7 @@ def _torch_key(x: Any, w: Any, b: Any, stride: Any, padding: Any, dilation: Any,
             stride, padding, dilation, algo, backend, workspace_limit,
             relu if relu.__class__ is bool else (relu.__class__, relu), params, precision, max_error,
             groups if groups.__class__ is int else (groups.__class__, groups),
-            config.precision, config.max_error, config.autotune, config.db_path)
+            config.precision, config.max_error, config.autotune, config.db_path, config.finite_exact)
 
 
 def _cupy_key(x: Any, w: Any, b: Any, stride: Any, padding: Any, dilation: Any, algo: Any, backend: Any,
@@ -230,7 +230,7 @@ def _cupy_key(x: Any, w: Any, b: Any, stride: Any, padding: Any, dilation: Any, 
             stride, padding, dilation, algo, backend, workspace_limit,
             relu if relu.__class__ is bool else (relu.__class__, relu), params, precision, max_error,
             groups if groups.__class__ is int else (groups.__class__, groups),
-            config.precision, config.max_error, config.autotune, config.db_path)
+            config.precision, config.max_error, config.autotune, config.db_path, config.finite_exact)
 
 
 def conv2d(x: Any, w: Any, bias: Any = None, stride: int | Sequence[int] = 1,

@@ -130,6 +130,11 @@ def _env_settings(env: Mapping[str, str]) -> dict[str, tuple[str, Callable[[], A
         # batchnorm._BnAct, Python's
         "native_block": ("CONVFORGE_NATIVE_BLOCK",
                          lambda: parse_bool("CONVFORGE_NATIVE_BLOCK", get("CONVFORGE_NATIVE_BLOCK") or "1")),
+        # 'auto' keeps to families whose intermediates overflow only where the answer does (no Winograd) for
+        # every array kind: values near FLT_MAX stay finite where the exact answer is (NumPy input is checked
+        # per call without it; torch and CuPy arrays are not read on the host, so this is their switch)
+        "finite_exact": ("CONVFORGE_FINITE_EXACT",
+                         lambda: parse_bool("CONVFORGE_FINITE_EXACT", get("CONVFORGE_FINITE_EXACT") or "0")),
         # The convforge::conv2d op's autograd node in C++ (torch/native.cpp ConvNode) instead of Python's
         # ops._Conv2dFn, on by default (every dtype and layout); 0 keeps Python's node, for debugging
         # (read when the native module loads)
@@ -163,6 +168,7 @@ class Config:
     grad_rows: bool
     native_block: bool
     native_autograd: bool
+    finite_exact: bool
 
     def __init__(self, env: Mapping[str, str] | None = None) -> None:
         self._listeners: list[Callable[[], Any]] = []

@@ -261,7 +261,7 @@ def _torch_key(tag: str, a: Any, g: Any, size: Any, stride: Any, padding: Any, d
     return (tag, type(a), type(g), a.shape, g.shape, a.dtype, g.dtype, a.device, g.device,
             a.is_contiguous() or a.stride(), g.is_contiguous() or g.stride(),  # strides tell channels_last apart
             size, stride, padding, dilation, groups, algo, backend, workspace_limit, params, precision, max_error,
-            config.precision, config.max_error, config.autotune, config.db_path)
+            config.precision, config.max_error, config.autotune, config.db_path, config.finite_exact)
 
 
 def _cupy_key(tag: str, a: Any, g: Any, size: Any, stride: Any, padding: Any, dilation: Any, groups: Any,

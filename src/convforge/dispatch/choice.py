@@ -77,13 +77,14 @@ def choose(spec: ConvSpec, backend: Backend, epilogue: Epilogue = Epilogue(), *,
            filters_per_call: bool = False, prologue: Prologue = Prologue(), finite_exact: bool = False) -> Choice:
     """The (variant, params) that runs ``spec`` on ``backend`` (cached per argument set);
     ``filters_per_call``: the caller cannot keep transformed filters between calls; ``prologue``:
-    what the plan applies to its input (module docstring); ``finite_exact``: 'auto' keeps to the
-    families whose intermediates overflow only where the answer does (:func:`may_overflow`)."""
+    what the plan applies to its input (module docstring); ``finite_exact`` (or ``config.finite_exact``):
+    'auto' keeps to the families whose intermediates overflow only where the answer does (:func:`may_overflow`)."""
     if not isinstance(algo, str):
         raise TypeError(f"algo ({algo!r}) must be a string: 'auto', a family ({', '.join(kernels.FAMILIES)}) "
                         "or a variant name")
     prec = parse_precision(precision) if precision is not None else config.precision
     bound = max_error if max_error is not None else config.max_error
+    finite_exact = finite_exact or config.finite_exact  # CONVFORGE_FINITE_EXACT: every array kind, every call
     key = (backend, spec, epilogue, algo, prec, bound, workspace_limit, params,
            config.autotune, config.db_path, config.cache_dir, filters_per_call, prologue, finite_exact)
     hit = _CHOICES.get(key)
