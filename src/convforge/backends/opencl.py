@@ -275,8 +275,10 @@ class OpenCLBackend(Backend):
                     args.append(ref)
                 else:
                     name = str(ref)
-                    if name not in bufs:
-                        bufs[name] = self.empty(max(sizes[name], 4))  # KeyError: not warmed
+                    if name not in bufs:  # zeros: a kernel that reads indices from a buffer (resize's tables)
+                        nbytes = max(sizes[name], 4)  # reads element 0, never a garbage address
+                        bufs[name] = self.empty(nbytes)  # KeyError above: not warmed
+                        self.fill(bufs[name], 0.0, nbytes)
                     args.append(bufs[name])
             self.launch(program, self.function(program, kernel), kernel, _warm_launch(step), args)
         self.queue.finish()
