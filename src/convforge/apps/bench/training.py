@@ -200,11 +200,9 @@ def bench_train(name: str, batch: int, warmup: int, repeats: int, options: dict[
             row["loss_curve"] = loss_curve(step_fn(make(), x, target))
             row["final_loss"] = row["loss_curve"][-1]
         except Exception as err:  # noqa: BLE001 - one failing implementation must not hide the others
-            row["status"] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+            row["status"] = failure(err)
         if impl in reports:
-            rep = reports[impl]
-            row["converted"], row["left_to_pytorch"] = len(rep.converted), "; ".join(
-                f"{k}: {v}" for k, v in {**rep.left, **getattr(rep, "unfused", {})}.items())
+            row.update(report_fields(reports[impl]))
         rows.append(row)
     if pytorch:
         rows.append(_curve_row(name, batch, "pytorch_fp32_nobench", lambda: copy.deepcopy(model), x, target, False))
@@ -213,6 +211,17 @@ def bench_train(name: str, batch: int, warmup: int, repeats: int, options: dict[
     _flags(False)
     models.label(rows, options, tune)
     return rows
+
+
+def failure(err: BaseException) -> str:
+    """A row's status for an implementation that raised: the error's type and first line."""
+    return f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+
+
+def report_fields(rep: Any) -> dict[str, Any]:
+    """A convert / fuse report as a row's fields: how many convs were converted, what stayed PyTorch's."""
+    left = {**rep.left, **getattr(rep, "unfused", {})}
+    return {"converted": len(rep.converted), "left_to_pytorch": "; ".join(f"{k}: {v}" for k, v in left.items())}
 
 
 def _curve_row(name: str, batch: int, impl: str, make: Callable[[], Any], x: Any, target: Any,

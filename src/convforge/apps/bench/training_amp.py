@@ -109,11 +109,9 @@ def bench_amp(name: str, batch: int, dtype_name: str, warmup: int, repeats: int,
             row["loss_curve"] = training.loss_curve(amp_step_fn(make(), x, target, dtype), STEPS)
             row["final_loss"] = row["loss_curve"][-1]
         except Exception as err:  # noqa: BLE001 - one failing implementation must not hide the others
-            row["status"] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+            row["status"] = training.failure(err)
         if impl in reports:
-            rep = reports[impl]
-            row["converted"], row["left_to_pytorch"] = len(rep.converted), "; ".join(
-                f"{k}: {v}" for k, v in {**rep.left, **getattr(rep, "unfused", {})}.items())
+            row.update(training.report_fields(reports[impl]))
         rows.append(row)
     for impl, bench, amp in (("pytorch_amp_nobench", False, True), ("pytorch_fp32", True, False)):
         row = dict(model=name, batch=batch, impl=impl, status="ok")
