@@ -112,6 +112,10 @@ def main() -> None:
         dt = torch.float16 if a.amp == "fp16" else torch.bfloat16
         cl = torch.channels_last
         xs = x.contiguous(memory_format=cl)
+        if a.ab:  # the A/B of the AMP step
+            steps = [training_amp.amp_step_fn(m.to(memory_format=cl), xs, target, dt) for m in (ref, ours)]
+            ab(a.ab, a.rounds, f"PyTorch AMP {a.amp}", *steps, False)
+            return
         for name, m in ((f"PyTorch AMP {a.amp}", ref), (f"convforge ({how}, AMP {a.amp})", ours)):
             step = training_amp.amp_step_fn(m.to(memory_format=cl), xs, target, dt)
             events = profile(step, a.steps)

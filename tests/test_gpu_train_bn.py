@@ -44,11 +44,16 @@ def _module(c, affine, track, seed):
     return bn
 
 
-def _pytorch(bn, y, res, relu):
+def _pytorch(bn, y, res, relu, mask=None):
+    """PyTorch's modules; ``mask``: the ReLU's decisions to take (ours: a pre-activation within a rounding of 0
+    flips sign between float32 and float64, and one flipped element's gradient outweighs the tolerance at
+    millions of elements, so the references follow the candidate's decisions at the threshold)."""
     z = bn(y)
     if res is not None:
         z = z + res
-    return torch.relu(z) if relu else z
+    if not relu:
+        return z
+    return torch.relu(z) if mask is None else z * mask.to(z.dtype)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:4])) + "".join(
@@ -75,7 +80,7 @@ def test_bn_act_matches_float64(gpu, case):
     for name, m, dt in (("32", ref32, torch.float32), ("64", ref64, torch.float64)):
         yy = y.detach().to(dt).requires_grad_()
         rr = res.detach().to(dt).requires_grad_() if residual else None
-        zz = _pytorch(m, yy, rr, relu)
+        zz = _pytorch(m, yy, rr, relu, (z > 0).detach())
         zz.backward(gz.to(dt))
         grads[name] = {"z": zz, "y": yy.grad, **({"res": rr.grad} if residual else {})}
         if affine:
@@ -215,36 +220,57 @@ def _block(case, seed):
     return FusedConv2d.from_conv(conv, _module(k, affine, track, seed), residual=residual, relu=relu)
 
 
+# how a block's training call runs: float32; an FP16 / BF16 autocast region on a channels_last input (the
+# float32 master weight cast by the block's caller); a .half() model on NCHW input
+MODES = [("fp32", None, None, False), ("amp16_nhwc", torch.float16, None, True),
+         ("ampbf16_nhwc", torch.bfloat16, None, True), ("half_nchw", None, torch.float16, False)]
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m[0])
 @pytest.mark.parametrize("case", BLOCKS, ids=lambda c: "x".join(map(str, c[:5])) + f"_r{c[5]}s{c[6]}d{c[7]}"
                          + "".join(t for t, on in zip(("_res", "_relu", "", ""), c[8:]) if on)
                          + ("" if c[10] else "_noaffine") + ("" if c[11] else "_notrack"))
-def test_native_block_is_bit_identical_to_the_python_nodes(gpu, monkeypatch, case):
+def test_native_block_is_bit_identical_to_the_python_nodes(gpu, monkeypatch, case, mode):
     """Four training steps of one conv -> batch norm [-> + res] [-> ReLU] block, the weights updated in
     place between them (the cached filters must follow their versions): with native.cpp's BlockNode (from
     the second call on, once the first has filed it) and without it (the op's node and _BnAct), every
-    output, gradient, running statistic and batch count bit-identical, and BlockNode really ran."""
+    output, gradient, running statistic and batch count bit-identical, and BlockNode really ran; in float32,
+    under FP16 / BF16 autocast with channels_last activations (gradients of the float32 master weights), and
+    in a half model."""
+    import contextlib
+
     from convforge.config import config
     from convforge.torch import native
 
     module = native.load()
     assert module is not None, "the native fast path did not build on this GPU machine"
     n, c, k, h, w, r, s, d, residual, relu, affine, track = case
+    _, amp, half, nhwc = mode
     on, off = _block(case, 0), _block(case, 0)
+    if half is not None:  # the batch norm is a reference, not a submodule: converted as a model's would be
+        for m in (on, off):
+            m.to(half)
+            m._cf_bn.to(half)
+    act = half or amp or torch.float32  # the activations' dtype
+    fmt = torch.channels_last if nhwc else torch.contiguous_format
     g = torch.Generator(device="cuda").manual_seed(3)
     before = module.stats()["block_runs"]
     for step in range(4):
-        x = torch.randn(n, c, h, w, device="cuda", generator=g)
+        x = torch.randn(n, c, h, w, device="cuda", generator=g).to(half or torch.float32, memory_format=fmt)
         p, q = (h + 2 * d * (r // 2) - d * (r - 1) - 1) // s + 1, (w + 2 * d * (r // 2) - d * (r - 1) - 1) // s + 1
-        res = torch.randn(n, k, p, q, device="cuda", generator=g) if residual else None
-        gz = torch.randn(n, k, p, q, device="cuda", generator=g)
+        res = torch.randn(n, k, p, q, device="cuda", generator=g).to(act, memory_format=fmt) if residual else None
+        gz = torch.randn(n, k, p, q, device="cuda", generator=g).to(act, memory_format=fmt)
         outs = []
         for m, native_block in ((on, True), (off, False)):
             monkeypatch.setattr(config, "native_block", native_block)
             xx = x.clone().requires_grad_()
             rr = res.clone().requires_grad_() if residual else None
-            z = m(xx, rr)
-            assert torch.isfinite(z).all()
+            ctx = torch.autocast("cuda", amp) if amp is not None else contextlib.nullcontext()
+            with ctx:
+                z = m(xx, rr)
+            assert torch.isfinite(z).all() and z.dtype == act and z.is_contiguous(memory_format=fmt)
             z.backward(gz)
+            assert m.weight.grad.dtype == m.weight.dtype  # float32 master weights under autocast
             got = [z.detach(), xx.grad, m.weight.grad] + ([rr.grad] if residual else [])
             bn = m._cf_bn
             if affine:
@@ -261,10 +287,14 @@ def test_native_block_is_bit_identical_to_the_python_nodes(gpu, monkeypatch, cas
     assert module.stats()["block_runs"] - before == 3  # calls 2-4; the first filed it
 
 
-def test_native_block_steps_a_fused_resnet_bit_identically(gpu, monkeypatch):
+@pytest.mark.parametrize("amp", [None, torch.float16, torch.bfloat16], ids=["fp32", "amp16", "ampbf16"])
+def test_native_block_steps_a_fused_resnet_bit_identically(gpu, monkeypatch, amp):
     """Three SGD steps of fuse(resnet18) at N=3 with native.cpp's BlockNode and without: the same losses,
     parameters and running statistics bit for bit (every batch norm of a ResNet is in such a block; the
-    first step files them). Its agreement with float64 is test_fused_resnet_trains_through_our_batch_norm's."""
+    first step files them); in float32 and as an AMP step (autocast, channels_last, a GradScaler). Its
+    agreement with float64 is test_fused_resnet_trains_through_our_batch_norm's."""
+    import contextlib
+
     import convforge.torch as ct
     from convforge.config import config
     from convforge.torch import native
@@ -272,18 +302,23 @@ def test_native_block_steps_a_fused_resnet_bit_identically(gpu, monkeypatch):
     module = native.load()
     assert module is not None, "the native fast path did not build on this GPU machine"
     model = _resnet()
+    fmt = torch.contiguous_format if amp is None else torch.channels_last
+    model = model.to(memory_format=fmt)
     fused = {True: ct.fuse(copy.deepcopy(model))[0], False: ct.fuse(copy.deepcopy(model))[0]}
-    x = torch.randn(3, 3, 64, 64, device="cuda")
+    x = torch.randn(3, 3, 64, 64, device="cuda").to(memory_format=fmt)
     target = torch.randint(0, 10, (3,), device="cuda")
     losses: dict[bool, list[float]] = {True: [], False: []}
+    scalers = {b: torch.amp.GradScaler("cuda", enabled=amp is torch.float16) for b in fused}
     before = module.stats()["block_runs"]
     for _ in range(3):
         for native_block, m in fused.items():
             monkeypatch.setattr(config, "native_block", native_block)
             opt = torch.optim.SGD(m.parameters(), lr=0.05)
-            loss = F.cross_entropy(m(x), target)
-            loss.backward()
-            opt.step()
+            with torch.autocast("cuda", amp) if amp is not None else contextlib.nullcontext():
+                loss = F.cross_entropy(m(x), target)
+            scalers[native_block].scale(loss).backward()
+            scalers[native_block].step(opt)
+            scalers[native_block].update()
             opt.zero_grad(set_to_none=True)
             losses[native_block].append(float(loss))
     assert losses[True] == losses[False]

@@ -57,7 +57,7 @@ from convforge.plan import Epilogue, Prologue
 from convforge.spec import ConvSpec
 from convforge.torch import batchnorm as bn_train
 from convforge.torch import conv_relu, native
-from convforge.torch.modules import _AUTOCAST, Conv2d, compute_dtype, padding_quad, read_tensor, reads_nhwc
+from convforge.torch.modules import Conv2d, compute_dtype, padding_quad, read_tensor, reads_nhwc
 from convforge.torch.ops import handed_back
 
 _F32 = torch.float32
@@ -66,6 +66,13 @@ _GRAD = torch.is_grad_enabled
 _FOLD = ("fold",)  # the folded weights' key in the module's _cf_cache
 _PRE_FOLD = ("prefold",)  # the prologue's folded scale and shift
 _BLOCK = "block"  # a training block's native filing in the module's _cf_cache (FusedConv2d._file_block)
+
+
+def _block_key(x: torch.Tensor, dt: torch.dtype, res: Any, bn: torch.nn.BatchNorm2d) -> tuple[Any, ...]:
+    """A training block's filing key: the conv's input signature (``x`` cast to ``dt`` keeps its shape
+    and strides, so the key needs no cast), and what the batch norm program depends on beyond the
+    tensors native.cpp checks."""
+    return (_BLOCK, x.shape, x.stride(), dt, x.get_device(), res is not None, bn.eps, bn.momentum)
 
 
 class PreActivation(torch.nn.Module):
@@ -190,31 +197,51 @@ class FusedConv2d(Conv2d):
     def _native_block(self, x: torch.Tensor, bn: torch.nn.BatchNorm2d, res: Any) -> torch.Tensor | None:
         """conv -> batch norm [-> + res] [-> ReLU] in training as one C++ autograd node (native.cpp
         ``block``) once :meth:`_file_block` has filed this input signature; None: the Python nodes run
-        (not filed, the conv not filed with the native path, a check there failed)."""
-        hit = self._cf_cache.get((_BLOCK, x.shape, x.get_device(), res is not None, bn.eps, bn.momentum))
-        if (hit is None or not bn_train.block_ok(bn) or _AUTOCAST() or self.padding_mode != "zeros"
+        (not filed, the conv not filed with the native path, a check there failed). A half layer and
+        an autocast region run it too, on the operands :meth:`_block_operands` casts."""
+        if (not bn_train.block_ok(bn) or self.padding_mode != "zeros"
                 or read_tensor(self, "_parameters", "bias") is not None):  # as filed: what the call passes
+            return None
+        dt = compute_dtype(x, read_tensor(self, "_parameters", "weight"))
+        hit = None if dt is None else self._cf_cache.get(_block_key(x, dt, res, bn))
+        ops = None if hit is None else self._block_operands(x, dt)
+        if ops is None:
             return None
         module, handle, call = hit
         p, b = bn._parameters, bn._buffers
-        return module.block(x, read_tensor(self, "_parameters", "weight"), *call, res,  # type: ignore[no-any-return]
+        return module.block(*ops, *call, res,  # type: ignore[no-any-return]
                             p.get("weight"), p.get("bias"), b.get("running_mean"), b.get("running_var"),
                             b.get("num_batches_tracked"), handle)
 
+    def _block_operands(self, x: torch.Tensor, dt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(input, weight) as the block's conv reads them: in ``dt`` (:func:`compute_dtype`: an autocast
+        region casts both, the float32 master weight through a differentiable KCRS copy, as ``Conv2d``
+        does), the weight in KCRS; None when convforge does not run the conv."""
+        w = read_tensor(self, "_parameters", "weight")
+        if x.dim() != 4 or not (x.is_cuda and w.is_cuda):
+            return None
+        if x.dtype != dt:
+            x = x.to(dt)  # keeps channels_last
+        w = self._cast(w, dt)
+        return x, w if w.is_contiguous() else w.contiguous()
+
     def _file_block(self, x: torch.Tensor, bn: torch.nn.BatchNorm2d, res: Any, y: torch.Tensor) -> None:
         """After a training call the Python nodes ran (its conv filed with native.cpp by then): file its
-        signature for :meth:`_native_block`, where the C++ path is built and the conv has no bias."""
+        signature for :meth:`_native_block`, where the C++ path is built and the conv has no bias. ``x``:
+        the module's input (cast here as the conv cast it); ``y``: the conv's output."""
         if (not (config.native_block and _GRAD()) or read_tensor(self, "_parameters", "bias") is not None
                 or self.padding_mode != "zeros"):
             return
         module = native.load()
-        if module is None or x.dtype != torch.float32:
+        w = read_tensor(self, "_parameters", "weight")
+        dt = compute_dtype(x, w)
+        if module is None or dt is None or y.dtype != dt:
             return
         # conv2d's spelling of the call, as the op's CUDA kernel files it (ops._cuda)
         call = (None, tuple(self.stride), tuple(padding_quad(self)), tuple(self.dilation), self.algo, None, None,
                 False, None, self.precision, self.max_error, self.groups)
         handle = bn_train.native_handle(module, bn, y, res, self._cf_relu)
-        self._cf_cache[(_BLOCK, x.shape, x.get_device(), res is not None, bn.eps, bn.momentum)] = (module, handle, call)
+        self._cf_cache[_block_key(x, dt, res, bn)] = (module, handle, call)
 
     def _conv_relu(self, x: torch.Tensor) -> torch.Tensor | None:
         """conv -> ReLU in training on convforge's kernels (torch/conv_relu.py), or None (the
