@@ -164,6 +164,26 @@ def test_half_dgrad_through_forward_families(ocl, name: str, dtype: str) -> None
     assert tried, f"{name} applies to none of the test shapes"
 
 
+# Grouped layers no tensor-core form takes, strided and dilated as PyTorch's OpInfo samples are: the exact
+# baselines run them in half (FP32 sums), so a half layer's backward is ours, not PyTorch's
+BASELINE_SPECS = [ConvSpec.make(2, 4, 8, 8, 2, 3, 3, (3, 2), (2, 2, 1, 1), (4, 4), groups=2),
+                  ConvSpec.make(1, 4, 6, 5, 6, 3, 2, groups=2),
+                  ConvSpec.make(3, 6, 7, 9, 9, 3, 3, 2, (1, 0, 1, 1), groups=3)]
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("conv_pass", ["dgrad", "wgrad"])
+def test_half_exact_backward_baselines_on_grouped_strided_layers(ocl, conv_pass: str, dtype: str) -> None:
+    """dgrad_direct and wgrad_direct in half storage: NaN-poisoned output, error under the dtype's tolerance
+    against float64, on N=1 and prime shapes, stride 3x2, dilation 4, asymmetric padding, groups."""
+    v = next(v for v in all_variants() if v.name == f"{conv_pass}_direct")
+    for i, base in enumerate(BASELINE_SPECS):
+        spec = dataclasses.replace(base, dtype=dtype, conv_pass=conv_pass)
+        assert v.applies(spec, ocl.device) is None, spec.short()
+        res = check_plan(v.plan(spec, v.default(spec, ocl.device), ocl.device), ocl, seed=i)
+        assert res.ok and res.tolerance == HALF_TOLERANCE[dtype], f"{v.name} {spec.short()}: {res}"
+
+
 def test_plan_tolerance_is_at_least_the_dtype_rounding(ocl) -> None:
     v = next(v for v in all_variants() if v.name == "direct")
     for dtype in ("float32", *HALF):

@@ -8,7 +8,7 @@ It is what the tuner verifies faster dgrad variants against past the reference's
 
 from __future__ import annotations
 
-from convforge.codegen.dialect import Buf, Kernel
+from convforge.codegen.dialect import Kernel, Storage
 from convforge.codegen.meta import Code, cdiv
 from convforge.kernels import register
 from convforge.kernels.gemm import too_big
@@ -33,6 +33,9 @@ class DgradDirect(Variant):
     grouped = True
     exact = True
     tolerance = 1e-5
+    # half storage (FP32 sums): a half layer no faster form serves (small grouped, strided and dilated ones)
+    # runs on convforge's kernels; a large one is handed to PyTorch (dispatch.slow_reason)
+    dtypes = frozenset({"float32", "float16", "bfloat16"})
 
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
         return super().applies(spec, device) or too_big(spec, spec.k * spec.cg * spec.r * spec.s)
@@ -48,6 +51,7 @@ class DgradDirect(Variant):
         (sh, sw), (dh, dw) = spec.stride, spec.dilation
         pt, pl = spec.pad[0], spec.pad[2]
         cg, kg, rs = spec.cg, spec.kg, spec.r * spec.s
+        st = Storage(spec.dtype)
         code = Code()
         tiles_x = cdiv(spec.w, params.bw)
         if tiles_x == 1:
@@ -71,12 +75,12 @@ class DgradDirect(Variant):
                          f"const int q = tx / {sw};")
                     with code.block(f"for (int kk = 0; kk < {kg}; ++kk)"):
                         code(f"const int k = g * {kg} + kk;",
-                             f"acc = FMA(y[((n * {spec.k} + k) * {spec.p} + p) * {spec.q} + q],"
-                             f" w[(k * {cg} + cl) * {rs} + r * {spec.s} + s], acc);")
-            code(f"x[((n * {spec.c} + c) * {spec.h} + iy) * {spec.w} + ix] = acc;")
+                             f"acc = FMA({st.load('y', f'((n * {spec.k} + k) * {spec.p} + p) * {spec.q} + q')},"
+                             f" {st.load('w', f'(k * {cg} + cl) * {rs} + r * {spec.s} + s')}, acc);")
+            code(st.store("x", f"((n * {spec.c} + c) * {spec.h} + iy) * {spec.w} + ix", "acc") + ";")
         name = "dgrad_direct"
         block = (params.bw, params.bh, 1)
-        kernel = Kernel(name, (Buf("y"), Buf("w"), Buf("x", readonly=False)), code.text(), block,
+        kernel = Kernel(name, (st.buf("y"), st.buf("w"), st.buf("x", readonly=False)), code.text(), block,
                         comment=f"dgrad_direct: {params.short()}")
         grid = (tiles_x * spec.n * spec.c, cdiv(spec.h, params.bh), 1)
         return Plan(self.name, self.family, spec, params, (kernel,), (Launch(name, grid, block, ("y", "w", "x")),),

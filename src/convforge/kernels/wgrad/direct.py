@@ -8,7 +8,7 @@ result is the same on every run (no atomics). Any stride, dilation, padding and 
 
 from __future__ import annotations
 
-from convforge.codegen.dialect import Buf, Kernel
+from convforge.codegen.dialect import Kernel, Storage
 from convforge.codegen.meta import Code
 from convforge.kernels import register
 from convforge.kernels.dgrad import no_epilogue
@@ -27,6 +27,9 @@ class WgradDirect(Variant):
     grouped = True
     exact = True
     tolerance = 1e-5
+    # half storage (FP32 sums and tree): a half layer no faster form serves (small grouped, strided and
+    # dilated ones) runs on convforge's kernels; a large one is handed to PyTorch (dispatch.slow_reason)
+    dtypes = frozenset({"float32", "float16", "bfloat16"})
 
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
         return super().applies(spec, device) or too_big(spec, spec.k * spec.cg * spec.r * spec.s)
@@ -44,6 +47,7 @@ class WgradDirect(Variant):
         (sh, sw), (dh, dw) = spec.stride, spec.dilation
         pt, pl = spec.pad[0], spec.pad[2]
         cg, kg, pq = spec.cg, spec.kg, spec.p * spec.q
+        st = Storage(spec.dtype)
         code = Code()
         code(f"SHARED float part[{bt}];",
              "const int t = LOCAL_ID(0);",
@@ -56,16 +60,16 @@ class WgradDirect(Variant):
                  f"const int p = pq / {spec.q}, q = pq % {spec.q};",
                  f"const int iy = p * {sh} + r * {dh} - {pt}, ix = q * {sw} + s * {dw} - {pl};")
             with code.block(f"if ((unsigned)iy < {spec.h}u && (unsigned)ix < {spec.w}u)"):
-                code(f"acc = FMA(x[((n * {spec.c} + c) * {spec.h} + iy) * {spec.w} + ix],"
-                     f" y[(n * {spec.k} + k) * {pq} + pq], acc);")
+                code(f"acc = FMA({st.load('x', f'((n * {spec.c} + c) * {spec.h} + iy) * {spec.w} + ix')},"
+                     f" {st.load('y', f'(n * {spec.k} + k) * {pq} + pq')}, acc);")
         code("part[t] = acc;", "BARRIER();")
         half = bt // 2
         while half >= 1:
             code(f"if (t < {half}) part[t] += part[t + {half}];", "BARRIER();")
             half //= 2
-        code(f"if (t == 0) w[(k * {cg} + cl) * {spec.r * spec.s} + rs] = part[0];")
+        code(f"if (t == 0) {st.store('w', f'(k * {cg} + cl) * {spec.r * spec.s} + rs', 'part[0]')};")
         name = "wgrad_direct"
-        kernel = Kernel(name, (Buf("x"), Buf("y"), Buf("w", readonly=False)), code.text(), (bt, 1, 1),
+        kernel = Kernel(name, (st.buf("x"), st.buf("y"), st.buf("w", readonly=False)), code.text(), (bt, 1, 1),
                         comment=f"wgrad_direct: {params.short()}")
         grid = (spec.r * spec.s, cg, spec.k)
         return Plan(self.name, self.family, spec, params, (kernel,),
