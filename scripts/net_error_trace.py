@@ -15,11 +15,13 @@ import argparse
 
 import numpy as np
 
-from convforge import config, models
+from convforge import config
 from convforge.graph import torch_reference
+from convforge.graph.build import compile
+from convforge.graph.caffe import load_shipped
 from convforge.graph.passes import optimize
 from convforge.graph.reference import run_reference
-from convforge.graph.runtime import compile, conv_spec
+from convforge.graph.runtime import conv_spec
 from convforge.reference import rel_l2
 
 
@@ -37,7 +39,7 @@ def main() -> None:
     if why:
         raise SystemExit(f"net_error_trace: {why}")
     config.precision = a.precision
-    g = optimize(models.load(a.net, input_size=a.input_size).with_batch(a.batch))
+    g = optimize(load_shipped(a.net, input_size=a.input_size).with_batch(a.batch))
     g.outputs = list(dict.fromkeys(n.output for n in g.nodes))
     net = compile(g, batch=a.batch, backend="cuda", passes=False, error_budget=a.error_budget, capture=False)
     x = np.random.default_rng(a.seed).standard_normal(g.input_shape).astype(np.float32)

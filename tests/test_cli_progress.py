@@ -81,8 +81,8 @@ def _small(tmp_path: Path) -> Path:
 
 def test_network_compile_is_one_logged_phase(ocl, tmp_path: Path, caplog: pytest.LogCaptureFixture,  # type: ignore[no-untyped-def]
                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from convforge.graph.build import compile
     from convforge.graph.reference import run_reference
-    from convforge.graph.runtime import compile
     from convforge.reference import rel_l2
 
     monkeypatch.setattr(progress, "EVERY_S", 0.0)
@@ -99,7 +99,7 @@ def test_network_compile_is_one_logged_phase(ocl, tmp_path: Path, caplog: pytest
 BUILD = """
 import json, sys
 import numpy as np
-from convforge.graph.runtime import compile
+from convforge.graph.build import compile
 net = compile(sys.argv[1], backend=sys.argv[2], error_budget=0, seed=5)
 x = np.random.default_rng(2).standard_normal(net.shapes[net.graph.input].shape).astype(np.float32)
 print(json.dumps({"compiled": net.compiled_ahead, "out": net(x)[net.graph.outputs[0]].ravel()[:20].tolist()}))

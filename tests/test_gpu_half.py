@@ -204,8 +204,8 @@ def test_network_half_on_cuda(cuda, dtype: str) -> None:
     torch_reference = pytest.importorskip("convforge.graph.torch_reference")
     pytest.importorskip("torch", reason="the yardstick is PyTorch's error in the same dtype")
     from convforge.dtypes import rounded
+    from convforge.graph.build import compile, load_model
     from convforge.graph.reference import run_reference
-    from convforge.graph.runtime import compile, load_model
 
     for name in ("googlenet", "resnet50"):
         g = load_model(name, input_size=96)

@@ -85,12 +85,12 @@ def test_tune_model_then_everything_comes_from_the_database(models_gpu: Any, mon
 def test_torch_baseline_tf32_and_restores_the_switches(gpu: Any) -> None:
     import numpy as np
 
-    from convforge import models
     from convforge.apps.run.torch_baseline import run_torch
+    from convforge.graph.caffe import load_shipped
     from convforge.graph.reference import run_reference
     from convforge.reference import rel_l2
 
-    g = models.load("nin", input_size=128, seed=1)
+    g = load_shipped("nin", input_size=128, seed=1)
     g.outputs = [g.producer(g.outputs[0]).inputs[0]]
     x = np.random.default_rng(0).standard_normal((1, 3, 128, 128)).astype(np.float32)
     want = run_reference(g, x)[g.outputs[0]]

@@ -18,16 +18,16 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("name,batch,size", [("googlenet", 2, 224), ("resnet50", 2, 224), ("vgg16", 1, 112)])
 def test_shipped_networks_meet_twice_pytorch_fp32(cuda, name, batch, size):
     pytest.importorskip("torch", reason="the reference error on CUDA is PyTorch's: torch not installed")
-    from convforge import models
     from convforge.graph import torch_reference
+    from convforge.graph.build import compile
+    from convforge.graph.caffe import load_shipped
     from convforge.graph.network_calibration import targets
     from convforge.graph.reference import run_reference
-    from convforge.graph.runtime import compile
     from convforge.reference import rel_l2
 
     if torch_reference.available():
         pytest.skip(torch_reference.available())
-    g = models.load(name, input_size=size).with_batch(batch)
+    g = load_shipped(name, input_size=size).with_batch(batch)
     logits = targets(g)  # the softmax's input: what calibration compares
     g.outputs = logits
     net = compile(g, batch=batch, backend="cuda")

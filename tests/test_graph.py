@@ -13,11 +13,12 @@ import pytest
 
 from convforge.apps.run.run_command import SUMMARY_HEADER
 from convforge.graph import passes
+from convforge.graph.build import compile
 from convforge.graph.caffe import load_prototxt, read_caffemodel
 from convforge.graph.ir import Graph, GraphError, Node, infer
 from convforge.graph.prototxt import PrototxtError, parse
 from convforge.graph.reference import run_reference
-from convforge.graph.runtime import Network, compile, plan_memory
+from convforge.graph.runtime import Network, plan_memory
 from convforge.reference import rel_l2
 
 TOL = 2e-5
@@ -505,9 +506,9 @@ def test_fold_batchnorm_needs_a_sole_reader() -> None:
 
 
 def test_memory_plan_reuses_slots_without_overlap() -> None:
-    from convforge import models
+    from convforge.graph.caffe import load_shipped
 
-    g = passes.optimize(models.load("googlenet", input_size=64))
+    g = passes.optimize(load_shipped("googlenet", input_size=64))
     shapes = infer(g)
     mp = plan_memory(g, shapes)
     every = sum(t.nbytes for t in shapes.values())
@@ -527,9 +528,9 @@ def test_memory_plan_reuses_slots_without_overlap() -> None:
 
 @pytest.mark.parametrize("name, size", [("alexnet", 67), ("nin", 67), ("googlenet", 64)])
 def test_network_end_to_end(ocl, name: str, size: int) -> None:
-    from convforge import models
+    from convforge.graph.caffe import load_shipped
 
-    g = models.load(name, input_size=size, seed=7)
+    g = load_shipped(name, input_size=size, seed=7)
     logits = g.producer(g.outputs[0]).inputs[0]  # softmax flattens errors: check its input too
     g.outputs = [logits, g.outputs[0]]
     net = compile(g, batch=1, backend="opencl", error_budget=0)  # the kernels' own error (calibration: its tests)
@@ -641,10 +642,10 @@ def test_fx_front_end(ocl) -> None:
 def test_torch_baseline_runs_the_same_graph(name: str) -> None:
     """The PyTorch comparison of ``convforge run`` computes the graph the reference computes."""
     pytest.importorskip("torch", reason="torch is not installed (pip install 'convforge[torch]')")
-    from convforge import models
+    from convforge.graph.caffe import load_shipped
     from convforge.graph.torch_reference import forward_fn
 
-    g = models.load(name, input_size=48 if name != "alexnet" else 67, seed=1)
+    g = load_shipped(name, input_size=48 if name != "alexnet" else 67, seed=1)
     g.outputs = [g.producer(g.outputs[0]).inputs[0]]
     x = _x(g)
     got = forward_fn(g, x, "cpu")().numpy()
@@ -718,10 +719,10 @@ def test_random_batchnorm_statistics_keep_the_signal_in_float16_range() -> None:
     other images every activation stays far inside float16's range (with made-up statistics res5c
     reached 6.7e4, past 65504) and the logits still depend on the input. A caffemodel's statistics
     are its own (not re-measured)."""
-    from convforge import models
+    from convforge.graph.caffe import load_shipped
     from convforge.graph.reference import calibrate_batchnorm
 
-    g = models.load("resnet50", batch=2, seed=3)
+    g = load_shipped("resnet50", batch=2, seed=3)
     bn = next(n for n in g.nodes if n.op == "batchnorm")
     probe = g.with_batch(2)  # res5's 7 x 7 planes: 2 images give each statistic >= 64 values
     probe.outputs = [bn.inputs[0]]
@@ -734,7 +735,7 @@ def test_random_batchnorm_statistics_keep_the_signal_in_float16_range() -> None:
     assert max(float(np.abs(v).max()) for v in out.values()) < 1e3
     logits = out["fc1000"]
     assert np.linalg.norm(logits[0] - logits[1]) > 0.05 * np.linalg.norm(logits)
-    assert calibrate_batchnorm(models.load("alexnet", batch=1)) == 0  # no batch norm: nothing to set
+    assert calibrate_batchnorm(load_shipped("alexnet", batch=1)) == 0  # no batch norm: nothing to set
 
 
 
@@ -743,10 +744,10 @@ def test_random_resnet_is_no_more_sensitive_than_a_trained_one() -> None:
     shortcuts' beside them) normalises to RESIDUAL_GAIN: at 96 x 96 a 1e-3 change of the input then
     moves the logits by well under 1e-2 (5.8e-3 measured; with unit branches 4e-2: a chaotic net that
     amplifies every implementation's rounding), while other images still give other logits."""
-    from convforge import models
+    from convforge.graph.caffe import load_shipped
     from convforge.graph.reference import RESIDUAL_GAIN, calibrate_batchnorm, residual_branch_norms
 
-    g = models.load("resnet50", batch=1, input_size=96)
+    g = load_shipped("resnet50", batch=1, input_size=96)
     branch = residual_branch_norms(g)
     assert len(branch) == 16 and all(name.endswith("branch2c") for name in branch), sorted(branch)
     logits = g.producer(g.outputs[0]).inputs[0]

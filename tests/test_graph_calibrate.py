@@ -18,11 +18,12 @@ import pytest
 from convforge import dispatch, kernels, tune
 from convforge.config import config
 from convforge.error_budget import CalibrationReport, Candidate, calibrate_layers, loosen, order, search_prefix
+from convforge.graph.build import compile
 from convforge.graph.ir import Graph, Node
 from convforge.graph.network_calibration import calibrate_network, calibration_input, targets
 from convforge.graph.passes import optimize
 from convforge.graph.reference import run_reference
-from convforge.graph.runtime import Network, compile, conv_spec
+from convforge.graph.runtime import Network, conv_spec
 from convforge.plan import Epilogue
 from convforge.reference import rel_l2
 from convforge.tune import Tuner

@@ -10,12 +10,12 @@ import math
 import numpy as np
 import pytest
 
-from convforge.graph import runtime
+from convforge.graph import build
+from convforge.graph.build import compile, load_model
 from convforge.graph.caffe import load_prototxt
 from convforge.graph.ir import GraphError, infer, pool_out
 from convforge.graph.prototxt import PrototxtError
 from convforge.graph.reference import run_reference
-from convforge.graph.runtime import compile, load_model
 
 onnx = pytest.importorskip("onnx", reason="onnx is not installed (pip install 'convforge[onnx]')")
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
@@ -183,7 +183,7 @@ def test_prototxt_file_errors_name_the_file_and_line(tmp_path) -> None:
 def no_network(monkeypatch) -> list:
     """compile() up to the Network, which records its graph instead of building kernels."""
     made: list = []
-    monkeypatch.setattr(runtime, "Network", lambda graph, backend, **kw: made.append((graph, kw)) or graph)
+    monkeypatch.setattr(build, "Network", lambda graph, backend, **kw: made.append((graph, kw)) or graph)
     return made
 
 

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from convforge import models
+from convforge.graph.build import compile
+from convforge.graph.caffe import load_shipped
 from convforge.graph.reference import run_reference
-from convforge.graph.runtime import compile
 from convforge.reference import rel_l2
 
 pytestmark = pytest.mark.gpu
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("name", models.NAMES)
 @pytest.mark.parametrize("batch", [1, 4])
 def test_network_full_size_on_cuda(cuda, name: str, batch: int) -> None:
-    g = models.load(name, seed=11)
+    g = load_shipped(name, seed=11)
     logits = g.producer(g.outputs[0]).inputs[0]
     g.outputs = [logits, g.outputs[0]]
     net = compile(g, batch=batch, backend="cuda")
@@ -45,7 +46,7 @@ def test_op_kernels_compile_for_cuda(nvcc_ok) -> None:
 
     kernels = []
     for name in ("googlenet", "resnet50", "alexnet"):
-        g = optimize(models.load(name, input_size=64))
+        g = optimize(load_shipped(name, input_size=64))
         g.nodes.append(type(g.nodes[0])("bn_probe", "scale", [g.nodes[0].output], "bn_probe_out", {},
                                         {}))
         shapes = infer(g)
@@ -92,7 +93,7 @@ def test_alexnet_n128_peak_memory(cuda) -> None:
     pool = cp.get_default_memory_pool()
     cp.cuda.Device().synchronize()
     before = pool.used_bytes()
-    g = models.load("alexnet", seed=11)
+    g = load_shipped("alexnet", seed=11)
     net = compile(g, batch=128, backend="cuda")
     held = pool.used_bytes() - before
     assert net.workspace_bytes == net.arena_bytes > 0

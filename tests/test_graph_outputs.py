@@ -12,10 +12,10 @@ import pytest
 
 from convforge import models
 from convforge.graph import passes
-from convforge.graph.caffe import load_prototxt
+from convforge.graph.build import compile
+from convforge.graph.caffe import load_prototxt, load_shipped
 from convforge.graph.ir import Graph
 from convforge.graph.reference import run_reference
-from convforge.graph.runtime import compile
 from convforge.reference import rel_l2
 from helpers import run_main
 
@@ -135,7 +135,7 @@ def test_prototxt_in_place_chain_ends_under_the_blob_name() -> None:
 # -- each shipped network ------------------------------------------------------------------------
 @pytest.mark.parametrize("name", models.NAMES)
 def test_shipped_networks_keep_their_output_names(name: str) -> None:
-    graph = models.load(name, input_size=64)
+    graph = load_shipped(name, input_size=64)
     logits = graph.producer(graph.outputs[0]).inputs[0]
     for outputs in (list(graph.outputs), [*graph.outputs, logits]):  # as `convforge run` checks them
         graph.outputs = outputs
@@ -145,7 +145,7 @@ def test_shipped_networks_keep_their_output_names(name: str) -> None:
 @pytest.mark.parametrize("name, size", [("alexnet", 67), ("nin", 67), ("googlenet", 64), ("vgg16", 32),
                                         ("resnet50", 32)])
 def test_shipped_networks_compile_and_run(ocl, capsys, name: str, size: int) -> None:  # type: ignore[no-untyped-def]
-    graph = models.load(name, input_size=size)
+    graph = load_shipped(name, input_size=size)
     net = compile(name, backend="opencl", input_size=size, error_budget=0)  # names, not calibration (own tests)
     assert net.graph.outputs == graph.outputs
     out = net(_x(graph))

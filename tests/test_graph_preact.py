@@ -9,10 +9,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from convforge.graph.build import compile
 from convforge.graph.ir import Graph, GraphError, Node, infer
 from convforge.graph.passes import fold_preactivation, optimize
 from convforge.graph.reference import run_reference
-from convforge.graph.runtime import Network, compile, prologue_of
+from convforge.graph.runtime import Network, prologue_of
 from convforge.plan import Prologue
 from convforge.reference import rel_l2
 

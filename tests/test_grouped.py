@@ -341,10 +341,10 @@ layer { name: "pw" type: "Convolution" bottom: "dw2" top: "pw"
 
 
 def test_grouped_prototxt_compiles_against_float64(ocl) -> None:
+    from convforge.graph.build import compile
     from convforge.graph.caffe import load_prototxt
     from convforge.graph.ir import infer
     from convforge.graph.reference import run_reference
-    from convforge.graph.runtime import compile
 
     g = load_prototxt(GROUPED_NET, seed=5)
     shapes = infer(g)
@@ -372,9 +372,9 @@ def test_grouped_onnx_compiles_against_float64(ocl, tmp_path: Path) -> None:
     onnx = pytest.importorskip("onnx", reason="onnx is not installed (pip install 'convforge[onnx]')")
     from onnx import TensorProto, helper, numpy_helper
 
+    from convforge.graph.build import compile
     from convforge.graph.from_onnx import load_onnx
     from convforge.graph.reference import run_reference
-    from convforge.graph.runtime import compile
 
     rng = np.random.default_rng(3)
     init = lambda name, *shape: numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), name)  # noqa: E731

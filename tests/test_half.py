@@ -367,9 +367,9 @@ def test_network_in_half_precision_against_the_float64_executor(ocl, dtype: str,
     """Activations, conv weights and biases stored in the dtype through every op (conv, batch norm /
     scale, ReLU, leaky ReLU, residual add, LRN, max and average pooling, concat, fc, softmax, global
     pooling); the float64 executor runs the float32 weights on the same (rounded) input."""
+    from convforge.graph.build import compile
     from convforge.graph.caffe import load_prototxt
     from convforge.graph.reference import run_reference
-    from convforge.graph.runtime import compile
     from convforge.reference import rel_l2
 
     g = load_prototxt(SMALL, seed=3)
@@ -387,7 +387,7 @@ def test_network_in_half_precision_against_the_float64_executor(ocl, dtype: str,
 
 
 def test_compile_refuses_an_unknown_dtype() -> None:
-    from convforge.graph.runtime import compile
+    from convforge.graph.build import compile
 
     with pytest.raises(ValueError, match="dtype"):
         compile("alexnet", dtype="int8")

@@ -9,10 +9,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from convforge.graph.build import compile
 from convforge.graph.ir import GraphError
 from convforge.graph.passes import optimize
 from convforge.graph.reference import run_reference
-from convforge.graph.runtime import compile
 from convforge.reference import rel_l2
 
 onnx = pytest.importorskip("onnx", reason="onnx is not installed (pip install 'convforge[onnx]')")

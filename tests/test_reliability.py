@@ -372,7 +372,7 @@ def test_import_refuses_a_document_of_another_schema(capsys, tmp_path: Path, sch
 # -- 11. the rest ----------------------------------------------------------------------------
 def test_prototxt_batch_is_used_or_said(ocl, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     """A declared batch is run unless --batch says otherwise; a batch that does not fit is one error."""
-    from convforge.graph.runtime import compile as compile_net
+    from convforge.graph.build import compile as compile_net
 
     text = ('name: "b"\ninput: "data"\ninput_dim: {n}\ninput_dim: 3\ninput_dim: 9\ninput_dim: 9\n'
             'layer {{ name: "c1" type: "Convolution" bottom: "data" top: "c1" '

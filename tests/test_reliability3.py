@@ -583,8 +583,8 @@ def test_onnx_batchnorm_with_negative_variance(tmp_path: Path) -> None:
     pytest.importorskip("onnx")
     from onnx import helper
 
+    from convforge.graph.build import load_model
     from convforge.graph.ir import GraphError
-    from convforge.graph.runtime import load_model
     from test_graph_errors import _model
 
     inits = {"g": np.ones(3, np.float32), "b": np.zeros(3, np.float32), "m": np.zeros(3, np.float32),

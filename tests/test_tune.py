@@ -12,12 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from convforge import dispatch
 from convforge.config import config
+from convforge.dispatch import measure_dispatch
 from convforge.kernels import get_variant
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Plan, Variant
 from convforge.spec import ConvSpec
-from convforge.tune import Budget, TuningDB, choose, clear_choices, heuristic_choice, measure_dispatch
+from convforge.tune import Budget, TuningDB, clear_choices, heuristic_choice
 from convforge.tune.db import SCHEMA_VERSION, Entry, now
 from convforge.tune.heuristic import NO_EPILOGUE
 from convforge.tune.tuner import Tuner
@@ -264,6 +266,12 @@ def test_wrong_result_never_wins(backend, caplog) -> None:  # type: ignore[no-un
     assert res.candidates[0].status.startswith("wrong")
     assert res.variant.name == "direct"
     assert any("wrong" in r.getMessage() for r in caplog.records)
+
+
+def choose(spec, backend):  # type: ignore[no-untyped-def]
+    """(variant, params) that ``auto`` runs ``spec`` with (dispatch's choice)."""
+    ch = dispatch.choose(spec, backend)
+    return ch.variant, ch.params
 
 
 def test_choose_database_autotune_and_heuristic(backend, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -21,7 +21,7 @@ def __getattr__(name: str):  # type: ignore[no-untyped-def]
 
         return transposed.conv_transpose2d
     if name == "compile":
-        from convforge.graph import runtime
+        from convforge.graph import build
 
-        return runtime.compile
+        return build.compile
     raise AttributeError(name)

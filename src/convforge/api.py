@@ -449,6 +449,8 @@ def file_cupy_native(run: Any, call: tuple[Any, ...]) -> None:
         from convforge.backends import native
 
         _CUPY_NATIVE = native.load_cupy()
+        if _CUPY_NATIVE is not None:
+            install_native(_CUPY_NATIVE)  # the loader builds it; the API installs it
     if _CUPY_NATIVE is not None and run.exe.native:
         _CUPY_NATIVE.register(*call, run.exe.native_program())
 

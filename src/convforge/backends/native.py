@@ -133,8 +133,4 @@ def load_cupy() -> ModuleType | None:
                         "fast path", err)
             module = None
     _STATE["cupy"] = module
-    if module is not None:
-        from convforge import api
-
-        api.install_native(module)
     return module

@@ -8,8 +8,8 @@ call is a dictionary hit and a launch.
 
 from __future__ import annotations
 
-from convforge.dispatch.choice import Choice, choose, clear_choices, is_fast, slow_reason
+from convforge.dispatch.choice import Choice, choose, clear_choices, is_fast, measure_dispatch, slow_reason
 from convforge.dispatch.executables import RUNNERS, clear_executables, executable, layout_runner, runner
 
 __all__ = ["Choice", "choose", "clear_choices", "executable", "clear_executables", "runner", "layout_runner",
-           "RUNNERS", "is_fast", "slow_reason"]
+           "RUNNERS", "is_fast", "slow_reason", "measure_dispatch"]

@@ -416,3 +416,14 @@ def cached() -> list[tuple[ConvSpec, Epilogue, str, Choice]]:
 def clear_choices() -> None:
     """Forget cached choices (after the database or the configuration changed)."""
     caches.clear("choices")
+
+
+def measure_dispatch(spec: ConvSpec, backend: Any, calls: int = 20000, epilogue: Epilogue = Epilogue()) -> float:
+    """Microseconds per warm :func:`choose` call (the API's dispatch overhead on a known layer)."""
+    import time
+
+    choose(spec, backend, epilogue)
+    start = time.perf_counter()
+    for _ in range(calls):
+        choose(spec, backend, epilogue)
+    return (time.perf_counter() - start) / calls * 1e6

@@ -384,3 +384,12 @@ def _layers(buf: bytes) -> dict[str, list[np.ndarray]]:
         if blobs:
             out[name] = blobs
     return out
+
+
+def load_shipped(name: str, seed: int = 0, input_size: int | None = None, batch: int | None = None,
+                 weights: str | Path | None = None) -> Graph:
+    """The IR of shipped model ``name`` (``convforge.models.NAMES``) with random weights (``seed``) or a
+    ``.caffemodel``."""
+    from convforge import models
+
+    return load_prototxt(models.prototxt(name), weights=weights, seed=seed, input_size=input_size, batch=batch)

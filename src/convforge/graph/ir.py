@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from convforge.spec import ConvSpec
+
 OPS = ("conv", "fc", "pool", "lrn", "relu", "batchnorm", "scale", "add", "concat", "softmax",
        "flatten", "dropout", "act", "binary", "resize", "pad", "deconv", "reshape")
 
@@ -491,3 +493,28 @@ def infer(graph: Graph) -> dict[str, Tensor]:
         if t not in shapes:
             raise GraphError(f"graph {graph.name!r}: output {t!r} is not produced by any node")
     return shapes
+
+
+def conv_spec(node: Node, x: Tensor, dtype: str = "float32") -> ConvSpec:
+    """The ConvSpec of a conv node, or of a fully connected node as a 1x1 conv on a 1x1 image,
+    stored as ``dtype``."""
+    n = x.shape[0]
+    k = int(node.attrs["k"])
+    if node.op == "fc":
+        return ConvSpec(n, x.size // n, 1, 1, k, 1, 1, dtype=dtype)
+    (r, s), st, pad, dil = conv_geometry(node)
+    return ConvSpec(n, x.shape[1], x.shape[2], x.shape[3], k, r, s, st, pad, dil, dtype=dtype, groups=conv_group(node))
+
+
+def channel_affine(graph: Graph, node: Node) -> tuple[np.ndarray, np.ndarray]:
+    """Per-channel (scale, shift) of a batchnorm or scale node, computed in float64."""
+    def get(role: str, default: float, c: int) -> np.ndarray:
+        w = graph.weight(node, role)
+        return np.full(c, default) if w is None else np.asarray(w, np.float64)
+
+    c = graph.weights[next(iter(node.weights.values()))].shape[0]
+    gamma, beta = get("gamma", 1.0, c), get("beta", 0.0, c)
+    if node.op == "scale":
+        return gamma, beta
+    a = gamma / np.sqrt(get("var", 1.0, c) + float(node.attrs.get("eps", 1e-5)))
+    return a, beta - get("mean", 0.0, c) * a

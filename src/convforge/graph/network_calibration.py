@@ -32,9 +32,9 @@ import numpy as np
 
 from convforge.config import config
 from convforge.error_budget import TIGHT, CalibrationReport, Candidate, calibrate_layers, check_settings
-from convforge.graph.ir import Graph
+from convforge.graph.ir import Graph, conv_spec
 from convforge.graph.reference import run_reference
-from convforge.graph.runtime import Network, conv_spec
+from convforge.graph.runtime import Network
 from convforge.reference import rel_l2
 
 CAL_SEED_OFFSET = 2  # the calibration input's seed: the reported input's seed + 2 (bench's rule)

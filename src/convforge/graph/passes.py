@@ -62,7 +62,7 @@ def remove_identities(graph: Graph) -> Graph:
 def fold_batchnorm(graph: Graph) -> Graph:
     """Fold batchnorm / scale nodes that follow a conv or fc (and are its only reader) into the
     producer's weights and bias: w' = w * a[k], b' = b * a[k] + shift[k], in float64."""
-    from convforge.graph.runtime import channel_affine
+    from convforge.graph.ir import channel_affine
 
     g = graph.copy()
     for node in list(g.nodes):
@@ -225,7 +225,7 @@ def _pre_affine(graph: Graph, node: Node) -> tuple[np.ndarray | None, np.ndarray
     """(scale, shift, relu, nodes folded) of the pre-activation ending at ``node``: a plain ReLU
     alone, or a batchnorm / scale (its fused ReLU too), composed with a batchnorm / scale before it
     that has no ReLU and no other reader (Caffe's BatchNorm + Scale), in float64."""
-    from convforge.graph.runtime import channel_affine
+    from convforge.graph.ir import channel_affine
 
     if node.op == "relu":
         return None, None, True, [node]

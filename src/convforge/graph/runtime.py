@@ -10,11 +10,8 @@ graph and replayed; on OpenCL it is enqueued in order.
 from __future__ import annotations
 
 import logging
-import math
-import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,7 +22,17 @@ from convforge.codegen.dialect import Storage
 from convforge.codegen.render import render
 from convforge.dtypes import to_storage
 from convforge.graph import ops
-from convforge.graph.ir import Graph, Node, Tensor, conv_geometry, conv_group, infer, resize_table
+from convforge.graph.ir import (
+    Graph,
+    Node,
+    Tensor,
+    channel_affine,
+    conv_geometry,
+    conv_group,
+    conv_spec,
+    infer,
+    resize_table,
+)
 from convforge.plan import INT32_MAX, Epilogue, Launch, Prologue
 from convforge.spec import ConvSpec, parse_dtype
 
@@ -568,123 +575,3 @@ def deconv_spec(node: Node, x: Tensor, y: Tensor, dtype: str = "float32") -> Con
 def prologue_of(node: Node) -> Prologue:
     """The prologue a conv node's plan applies (``passes.fold_preactivation``), or none."""
     return Prologue(affine="pscale" in node.weights, relu=bool(node.attrs.get("pre_relu")))
-
-
-def conv_spec(node: Node, x: Tensor, dtype: str = "float32") -> ConvSpec:
-    """The ConvSpec of a conv node, or of a fully connected node as a 1x1 conv on a 1x1 image,
-    stored as ``dtype``."""
-    n = x.shape[0]
-    k = int(node.attrs["k"])
-    if node.op == "fc":
-        return ConvSpec(n, x.size // n, 1, 1, k, 1, 1, dtype=dtype)
-    (r, s), st, pad, dil = conv_geometry(node)
-    return ConvSpec(n, x.shape[1], x.shape[2], x.shape[3], k, r, s, st, pad, dil, dtype=dtype, groups=conv_group(node))
-
-
-def channel_affine(graph: Graph, node: Node) -> tuple[np.ndarray, np.ndarray]:
-    """Per-channel (scale, shift) of a batchnorm or scale node, computed in float64."""
-    def get(role: str, default: float, c: int) -> np.ndarray:
-        w = graph.weight(node, role)
-        return np.full(c, default) if w is None else np.asarray(w, np.float64)
-
-    c = graph.weights[next(iter(node.weights.values()))].shape[0]
-    gamma, beta = get("gamma", 1.0, c), get("beta", 0.0, c)
-    if node.op == "scale":
-        return gamma, beta
-    a = gamma / np.sqrt(get("var", 1.0, c) + float(node.attrs.get("eps", 1e-5)))
-    return a, beta - get("mean", 0.0, c) * a
-
-
-def load_model(model: Any, input_size: int | None = None, seed: int = 0,
-               weights: str | Path | None = None) -> Graph:
-    """A Graph from a Graph, a shipped model name, a .prototxt or .onnx path (or an ONNX
-    ModelProto), or a torch module. ``weights`` (a .caffemodel) only go with prototxt nets and
-    shipped models: an ONNX file carries its own, a Graph or module holds them already."""
-    from convforge import models
-
-    text = str(model) if isinstance(model, (str, Path)) else ""
-    if text.endswith((".onnx", ".prototxt")) and not Path(text).is_file():
-        raise ValueError(f"model ({text!r}): no such file (a shipped model is one of {', '.join(models.NAMES)})")
-    is_onnx = text.endswith(".onnx") or type(model).__name__ == "ModelProto"
-    if weights is not None and (is_onnx or not isinstance(model, (str, Path))):
-        what = ("an ONNX model carries its own initializers" if is_onnx
-                else f"a {type(model).__name__} has its own weights")
-        raise ValueError(f"weights ({str(weights)!r}) are for prototxt nets and shipped models only: {what}")
-    if is_onnx:
-        from convforge.graph.from_onnx import load_onnx
-
-        return load_onnx(model, input_size=input_size)
-    if isinstance(model, Graph):
-        return model
-    if isinstance(model, (str, Path)):
-        if text in models.NAMES:
-            return models.load(text, seed=seed, input_size=input_size, weights=weights)
-        if text.endswith(".prototxt"):
-            from convforge.graph.caffe import load_prototxt
-
-            return load_prototxt(Path(text), weights=weights, seed=seed, input_size=input_size)
-        raise ValueError(f"model ({text!r}) must be one of {', '.join(models.NAMES)}, a .prototxt or an .onnx file")
-    if type(model).__module__.split(".")[0] == "torch" or hasattr(model, "forward"):
-        from convforge.graph.fx import from_module
-
-        if input_size is None:
-            raise ValueError("a torch module needs input_size (and its input channels come from the first conv)")
-        return from_module(model, input_size=input_size)
-    raise ValueError(f"model of type {type(model).__name__} is not a Graph, a name, a path, "
-                     "an ONNX ModelProto or a torch module")
-
-
-def compile(model: Any, batch: int | None = None, backend: str | None = None, *, input_size: int | None = None,
-            passes: bool = True, seed: int = 0, weights: str | Path | None = None,
-            capture: bool = True, workspace_limit: int | None = None, dtype: Any = "float32",
-            error_budget: float | None = 2.0) -> Network:
-    """A :class:`Network` for ``model`` at ``batch`` (default: the batch its description declares,
-    1 for the shipped nets and a symbolic ONNX batch) on ``backend`` ('cuda' or 'opencl'; default CUDA
-    when present). ``passes`` runs the graph passes (BN folding, fusion, identity removal).
-    ``dtype`` ('float32', 'float16' / 'fp16', 'bfloat16' / 'bf16'): how activations and conv
-    weights are stored (FP32 arithmetic).
-    ``workspace_limit`` (bytes): the most workspace (scratch and filter transforms) any conv may
-    use; the layers share one scratch arena of the largest need (``Network._bind_workspaces``).
-    ``error_budget`` (default 2): calibrate at build so the output error stays within that many
-    times PyTorch FP32's (a plain float32 evaluation's, without torch), tightening the layers that
-    need it (``convforge.graph.network_calibration``; the report is ``network.calibration``); 0 or None: no
-    calibration, every layer keeps the precision class's choice. Half-precision networks are not
-    calibrated (their storage rounding is far above FP32's error)."""
-    from convforge.api import default_backend
-    from convforge.backends import get_backend
-    from convforge.graph.passes import optimize
-
-    if batch is not None and (not isinstance(batch, numbers.Integral) or isinstance(batch, bool) or batch < 1):
-        raise ValueError(f"batch ({batch!r}) must be a positive int")
-    if workspace_limit is not None and (not isinstance(workspace_limit, numbers.Real) or isinstance(
-            workspace_limit, bool) or not math.isfinite(workspace_limit) or workspace_limit < 0):
-        raise ValueError(f"workspace_limit ({workspace_limit!r}) must be a finite number >= 0 (bytes)")
-    budget = check_budget(error_budget)
-    graph = load_model(model, input_size, seed, weights)
-    graph = graph.with_batch(graph.input_shape[0] if batch is None else int(batch))
-    if passes:
-        graph = optimize(graph)
-    be = get_backend(backend or default_backend())
-    limit = None if workspace_limit is None else int(workspace_limit)
-    dt = parse_dtype(dtype)
-    if budget is None or dt != "float32":  # the budget is relative to FP32's error: float32 networks only
-        return Network(graph, be, capture=capture, workspace_limit=limit, dtype=dt)
-    from convforge.graph.network_calibration import calibrate_network
-
-    cal = calibrate_network(graph, be, budget=budget, seed=seed, workspace_limit=limit)
-    net = cal.network if cal.network.graph.outputs == graph.outputs else \
-        Network(graph, be, capture=False, workspace_limit=limit, max_errors=cal.max_errors)
-    if capture:
-        net.capture()
-    net.calibration = cal.report
-    return net
-
-
-def check_budget(value: Any, name: str = "error_budget") -> float | None:
-    """An error budget as a float, None for 0 / None (no calibration); ValueError naming ``name``
-    otherwise."""
-    if value is None or (not isinstance(value, bool) and isinstance(value, numbers.Real) and value == 0):
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < float(value) < math.inf:
-        raise ValueError(f"{name} ({value!r}) must be a finite number > 0, or 0 / None for no calibration")
-    return float(value)

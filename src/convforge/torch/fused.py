@@ -204,7 +204,9 @@ class FusedConv2d(Conv2d):
             return None
         dt = compute_dtype(x, read_tensor(self, "_parameters", "weight"))
         hit = None if dt is None else self._cf_cache.get(_block_key(x, dt, res, bn))
-        ops = None if hit is None else self._block_operands(x, dt)
+        if hit is None or dt is None:
+            return None
+        ops = self._block_operands(x, dt)
         if ops is None:
             return None
         module, handle, call = hit

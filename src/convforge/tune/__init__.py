@@ -12,15 +12,12 @@ from pathlib import Path
 
 from convforge import caches
 from convforge.config import config
-from convforge.params import Params
-from convforge.plan import Epilogue, Variant
-from convforge.spec import ConvSpec
 from convforge.tune.db import Entry, TuningDB
-from convforge.tune.heuristic import NO_EPILOGUE, heuristic_choice
-from convforge.tune.tuner import Budget, TuneError, Tuner, TuneResult, measure_dispatch
+from convforge.tune.heuristic import heuristic_choice
+from convforge.tune.tuner import Budget, TuneError, Tuner, TuneResult
 
-__all__ = ["choose", "clear_choices", "open_db", "Budget", "Entry", "Tuner", "TuneError", "TuneResult",
-           "TuningDB", "heuristic_choice", "measure_dispatch", "AUTOTUNE_BUDGET"]
+__all__ = ["clear_choices", "open_db", "Budget", "Entry", "Tuner", "TuneError", "TuneResult",
+           "TuningDB", "heuristic_choice", "AUTOTUNE_BUDGET"]
 
 log = logging.getLogger("convforge.tune")
 _DBS: dict[tuple[Path, bool], TuningDB | None] = {}
@@ -64,12 +61,3 @@ caches.register(_close_dbs, "tune: open databases", on=("databases",))
 def clear_choices() -> None:
     """Forget cached choices and database handles (after the database changed underneath)."""
     caches.clear("choices", "databases")
-
-
-def choose(spec: ConvSpec, backend: object, epilogue: Epilogue = NO_EPILOGUE,
-           workspace_limit: int | None = None) -> tuple[Variant, Params]:
-    """(variant, params) for ``spec``: :func:`convforge.dispatch.choose` with ``algo='auto'``."""
-    from convforge import dispatch
-
-    ch = dispatch.choose(spec, backend, epilogue, workspace_limit=workspace_limit)  # type: ignore[arg-type]
-    return ch.variant, ch.params

@@ -36,10 +36,9 @@ from convforge.tune.dbfile import (
     ro_uri,
     side,
 )
+from convforge.tune.entry import EXPORT_FORMAT, Entry, now
 
-EXPORT_FORMAT = "convforge-tuning"
 BUSY_TIMEOUT_S = 60.0
-MIN_TIME_MS = 1e-4  # 0.1 us: no kernel launch is faster; an imported claim below it is implausible
 
 log = logging.getLogger("convforge.tune")
 
@@ -50,57 +49,6 @@ class DatabaseError(ValueError):
 
 class NoDatabase(DatabaseError, FileNotFoundError):
     """There is no tuning database at the path (read-only opening)."""
-
-
-def now() -> str:
-    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One tuned layer: the key (``KEY_FIELDS``) and what was chosen, with the heuristic for comparison.
-    ``error`` is the chosen candidate's measured error, ``min_error`` the smallest any candidate
-    measured on the layer (None when unknown)."""
-
-    device: str
-    backend: str
-    version: str
-    spec: str
-    dtype: str
-    epilogue: str
-    variant: str
-    params: str  # Params.to_json()
-    time_ms: float
-    workspace: int
-    error: float
-    date: str
-    spec_json: str = "{}"
-    heuristic_variant: str = ""
-    heuristic_params: str = "{}"
-    heuristic_ms: float | None = None
-    candidates: int = 0
-    seconds: float = 0.0
-    precision: str = "fp32"
-    min_error: float | None = None
-
-    @property
-    def key(self) -> tuple[str, ...]:
-        return tuple(getattr(self, f) for f in KEY_FIELDS)
-
-    @property
-    def speedup(self) -> float | None:
-        """Heuristic time over tuned time (None when the heuristic was not measured)."""
-        if not self.heuristic_ms or not self.time_ms:
-            return None
-        return self.heuristic_ms / self.time_ms
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Entry:
-        """An entry from an export's object, with its fields' types checked (ValueError naming the
-        field otherwise). Exports of schema 1 lack ``precision``: their error decides it."""
-        from convforge.tune.validate import entry_fields
-
-        return cls(**entry_fields(d))
 
 
 @dataclass(frozen=True)

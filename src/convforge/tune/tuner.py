@@ -550,15 +550,3 @@ def _first_lines(err: BaseException, n: int = 6) -> str:
     text = f"{type(err).__name__}: {err}".strip()
     lines = [ln for ln in text.splitlines() if ln.strip()]
     return " | ".join(lines[:n])
-
-
-def measure_dispatch(spec: ConvSpec, backend: Backend, calls: int = 20000,
-                     epilogue: Epilogue = NO_EPILOGUE) -> float:
-    """Microseconds per warm ``choose()`` call (the API's dispatch overhead on a known layer)."""
-    from convforge.tune import choose
-
-    choose(spec, backend, epilogue, None)
-    start = time.perf_counter()
-    for _ in range(calls):
-        choose(spec, backend, epilogue, None)
-    return (time.perf_counter() - start) / calls * 1e6

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from convforge.plan import DeviceInfo
 
 if TYPE_CHECKING:
-    from convforge.tune.db import Entry
+    from convforge.tune.entry import Entry
 
 # Devices standing for "a GPU of this back-end" when checking imported parameters.
 NOMINAL = {
@@ -49,8 +49,8 @@ def read_document(source: str | os.PathLike[str]) -> Any:
 def load_document(source: str | os.PathLike[str] | dict[str, Any]) -> list[Any]:
     """The entries of an export (a file or the document itself); one ValueError when malformed,
     or of a schema newer than this convforge reads."""
-    from convforge.tune.db import EXPORT_FORMAT
     from convforge.tune.dbfile import SCHEMA_VERSION
+    from convforge.tune.entry import EXPORT_FORMAT
 
     doc = source if isinstance(source, dict) else read_document(source)
     if not isinstance(doc, dict) or doc.get("format") != EXPORT_FORMAT:
@@ -84,8 +84,8 @@ def class_bound(precision: str, min_error: float | None) -> float:
 def entry_fields(d: Any) -> dict[str, Any]:
     """The Entry keyword arguments of an export's object, each field's type and range checked
     (:func:`field_problem`)."""
-    from convforge.tune.db import Entry, now
     from convforge.tune.dbfile import v1_precision
+    from convforge.tune.entry import Entry, now
 
     if not isinstance(d, dict):
         raise TypeError(f"an entry must be a JSON object, got {type(d).__name__}")
@@ -182,7 +182,7 @@ def _normal_json(text: str) -> str:
 def row_problem(vals: dict[str, Any]) -> str | None:
     """Why a database row's fields cannot be an Entry (None when they can): each field as
     :func:`field_problem` says, and a time of at least ``MIN_TIME_MS``."""
-    from convforge.tune.db import MIN_TIME_MS
+    from convforge.tune.entry import MIN_TIME_MS
 
     for k, v in vals.items():
         if v is None and k not in ("heuristic_ms", "min_error"):
@@ -216,7 +216,7 @@ class Verifier:
         self._plans: dict[tuple[str, ...], str | None] = {}
 
     def __call__(self, d: Any) -> Entry:
-        from convforge.tune.db import MIN_TIME_MS, Entry
+        from convforge.tune.entry import MIN_TIME_MS, Entry
 
         entry = Entry(**entry_fields(d))
         if entry.backend not in NOMINAL:

@@ -23,10 +23,10 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
 from typing import Any
 
-from convforge.apps.bench.timing import PASSES, Timing, cycle, median
+from convforge.apps.bench.measured import BaselineResult, rel_err, time_cuda
+from convforge.apps.bench.timing import Timing, cycle, median
 from convforge.spec import ConvSpec
 
 KINDS = ("cudnn", "torch", "numpy", "none")
@@ -39,22 +39,6 @@ BASELINE_NAMES = {"fp32": "cuDNN-best FP32", "relaxed": "cuDNN-best TF32"}
 HALF_TAGS = {"float16": "fp16", "bfloat16": "bf16"}  # a half dtype's rows: precision and impl names
 HALF_BEST = {d: f"cudnn-best-{t}" for d, t in HALF_TAGS.items()}  # a half layer's baseline row, any class
 HALF_BASELINE_NAMES = {HALF_BEST[d]: f"cuDNN-best {t.upper()}" for d, t in HALF_TAGS.items()}
-
-
-@dataclass(frozen=True)
-class BaselineResult:
-    """One baseline implementation on one layer; ``time_ms`` is None when it could not run."""
-
-    impl: str
-    algo: str
-    precision: str
-    time_ms: float | None
-    workspace_bytes: int | None = None
-    rel_err: float | None = None
-    status: str = "ok"
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def torch_available() -> bool:
@@ -244,37 +228,6 @@ def pass_sets(spec: ConvSpec, count: int, device: str = "cuda", seed: int = 0,
             for _ in range(count)]
 
 
-def _rel_err(out: Any, ref: Any) -> float:
-    diff = (out.double() - ref).norm().item()
-    den = ref.norm().item()
-    return diff / den if den else diff
-
-
-def _time_cuda(fn: Callable[[], Any], timing: Timing) -> float:
-    """Median of ``timing.repeats`` calls after the warm-up, the best of ``timing.PASSES`` passes:
-    cuDNN's times were seen 20-60 % slow for a whole layer in single runs on the H200 (2026-11-21,
-    docs/history/BENCHMARKS-rounds-1-16.md, round 7); convforge's own rows are timed the same way
-    (``timing.run_timed``)."""
-    import torch
-
-    best = float("inf")
-    for _ in range(PASSES):
-        for _ in range(timing.warmup):
-            fn()
-        torch.cuda.synchronize()
-        # Queued back to back, synchronised once (as convforge's own timer does): host work of
-        # one call overlaps the device work of the one before.
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(timing.repeats)]
-        for start, end in events:
-            start.record()
-            fn()
-            end.record()
-        torch.cuda.synchronize()
-        best = min(best, median([start.elapsed_time(end) for start, end in events]))
-    return best
-
-
 def _peak_extra(fn: Callable[[], Any], out_bytes: int) -> int:
     """Bytes the call allocates beyond its output (workspace seen by torch's allocator)."""
     import torch
@@ -296,9 +249,9 @@ def _torch_variant(name: str, algo: str, precision: str, spec: ConvSpec, sets: l
     call = lambda: fn(*next(it))
     try:
         out = fn(*sets[0])
-        err = _rel_err(out.float(), ref)
+        err = rel_err(out.float(), ref)
         ws = _peak_extra(call, out.numel() * out.element_size())
-        ms = _time_cuda(call, timing)
+        ms = time_cuda(call, timing)
     except RuntimeError as exc:
         return BaselineResult(name, algo, precision, None, status=f"failed: {str(exc)[:80]}")
     return BaselineResult(name, algo, precision, ms, ws, err)
@@ -452,7 +405,7 @@ def tensor_core_peaks(quick: bool = False) -> dict[str, float]:
                               ("tf32", torch.float32, True)):
             set_flags(tf32=tf32)
             a, b = (torch.randn(n, n, device="cuda", dtype=dt) for _ in range(2))
-            ms = _time_cuda(functools.partial(torch.matmul, a, b), timing)
+            ms = time_cuda(functools.partial(torch.matmul, a, b), timing)
             out[key] = 2.0 * n ** 3 / (ms * 1e-3) / 1e12
             del a, b
     return out
@@ -464,7 +417,7 @@ def _cpu_baselines(spec: ConvSpec, timing: Timing) -> list[BaselineResult]:
 
     (a, b), fn = pass_sets(spec, 1, "cpu")[0], pass_fn(spec)
     ref = fn(a.double(), b.double())
-    err = _rel_err(fn(a, b), ref)
+    err = rel_err(fn(a, b), ref)
     for _ in range(timing.warmup):
         fn(a, b)
     times = []

@@ -232,12 +232,15 @@ def _run_models(args: argparse.Namespace, console: Console) -> int:
 
         return training.run(args.model, args.out, args.warmup, args.repeats, console, opts,
                             classes=precisions(args.precision_classes), tune=args.tune)
-    extra = {} if budget is None else {"error_budget": budget}
     dtype = getattr(args, "dtype", None) or "float32"
     if dtype != "float32":
         if budget is not None:
             raise SuiteError("--error-budget calibrates float32 models; it does not go with --dtype")
-        extra = {"dtype": dtype}
+        from convforge.apps.bench import half_models
+
+        return half_models.run_specs(args.model, args.out, args.warmup, args.repeats, console, opts,
+                                     precisions(args.precision_classes)[0], dtype, args.tune)
+    extra = {} if budget is None else {"error_budget": budget}
     return models.run(args.model, args.out, args.warmup, args.repeats, console, opts,
                       classes=precisions(args.precision_classes), tune=args.tune, **extra)
 

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from convforge.apps.bench.baselines import BaselineResult, _rel_err, _time_cuda
+from convforge.apps.bench.measured import BaselineResult, rel_err, time_cuda
 from convforge.apps.bench.timing import Timing, cycle
 from convforge.spec import ConvSpec
 
@@ -209,9 +209,9 @@ def _one(api: _Api, d: _Descriptors, row: str, algo: int, spec: ConvSpec, sets: 
     status = call(*sets[0])
     if status != 0:
         return BaselineResult(name, row, prec, None, ws.value, status=api.error(status))
-    err = _rel_err(out.float(), ref)
+    err = rel_err(out.float(), ref)
     it = cycle(sets)
-    ms = _time_cuda(lambda: call(*next(it)), timing)
+    ms = time_cuda(lambda: call(*next(it)), timing)
     if d.math == "fma refused":
         return BaselineResult(name, row, "tf32?", ms, ws.value, err,
                               "ok (FMA math refused: default math, TF32 possible; not an FP32 candidate)")

@@ -149,6 +149,17 @@ def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def run_specs(specs: list[str], out: str | None, warmup: int | None, repeats: int | None, console: Console,
+              options: dict[str, Any], precision: str, dtype: str, tune: bool) -> int:
+    """``convforge bench --model ... --dtype fp16|bf16``: exit status 2 on bad input or no GPU, else
+    :func:`run`'s."""
+    prepared = M.prepare(specs, console)
+    if prepared is None:
+        return 2
+    models, env = prepared
+    return run(models, out, warmup, repeats, console, options, precision, dtype, tune, env)
+
+
 def run(models: list[tuple[str, int]], out: str | None, warmup: int | None, repeats: int | None,
         console: Console, options: dict[str, Any], precision: str, dtype: str, tune: bool,
         env: dict[str, Any]) -> int:

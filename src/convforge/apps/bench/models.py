@@ -456,19 +456,14 @@ def _f(v: float | None, fmt: str) -> str:
 
 def run(specs: list[str], out: str | None, warmup: int | None, repeats: int | None, console: Console,
         options: dict[str, Any], classes: tuple[str, ...] = ("fp32",), tune: bool = False,
-        error_budget: float | None = None, dtype: str = "float32") -> int:
-    """``convforge bench --model ...``: exit status 2 on bad input or no GPU, 1 when a run failed;
-    ``error_budget``: calibrate the fused rows first (module docstring); ``dtype`` float16 /
-    bfloat16: the half-precision rows of ``bench.half_models`` instead."""
-    models = _check_models(specs, console)
-    if models is None:
+        error_budget: float | None = None) -> int:
+    """``convforge bench --model ...`` in float32: exit status 2 on bad input or no GPU, 1 when a run
+    failed; ``error_budget``: calibrate the fused rows first (module docstring). A half dtype's rows are
+    ``bench.half_models``'."""
+    prepared = prepare(specs, console)
+    if prepared is None:
         return 2
-    env = environment()
-    console.print(" | ".join(f"{k} {v}" for k, v in env.items()))
-    if dtype != "float32":
-        from convforge.apps.bench import half_models
-
-        return half_models.run(models, out, warmup, repeats, console, options, classes[0], dtype, tune, env)
+    models, env = prepared
     notes = [NOTE, CLASS_NOTE, TUNED_NOTE if tune else UNTUNED_NOTE]
     notes += [] if error_budget is None else [BUDGET_NOTE.format(r=error_budget)]
     extra = {} if error_budget is None else {"error_budget": error_budget}
@@ -493,6 +488,17 @@ def run(specs: list[str], out: str | None, warmup: int | None, repeats: int | No
             writer.writerows(rows)
         console.print(f"wrote {folder}/models.json, models.csv")
     return 1 if any(not str(r.get("status", "")).startswith("ok") and r["impl"] != "-" for r in rows) else 0
+
+
+def prepare(specs: list[str], console: Console) -> tuple[list[tuple[str, int]], dict[str, Any]] | None:
+    """(models, environment) of a ``--model`` run, the environment printed; None on bad input or no GPU
+    (said on ``console``)."""
+    models = _check_models(specs, console)
+    if models is None:
+        return None
+    env = environment()
+    console.print(" | ".join(f"{k} {v}" for k, v in env.items()))
+    return models, env
 
 
 def _check_models(specs: list[str], console: Console) -> list[tuple[str, int]] | None:

@@ -73,8 +73,9 @@ def main(args: argparse.Namespace) -> int:
     from convforge.apps.options import check_out_dir, phase_bars
     from convforge.backends import get_backend
     from convforge.dtypes import rounded
+    from convforge.graph.build import check_budget, load_model
     from convforge.graph.passes import optimize
-    from convforge.graph.runtime import Network, check_budget, load_model
+    from convforge.graph.runtime import Network
 
     console = Console()
     prec = config.precision  # cli.main set it from --precision

@@ -30,7 +30,7 @@ def net_layers(graph: Graph, dtype: str = "float32") -> list[tuple[str, ConvSpec
 def tune_net(args: argparse.Namespace, console: Any, backend: Any, db: Any, budget: Any, how: Any = None) -> int:
     """Tune the network's distinct convs into ``db`` with a progress bar; 1 if any failed. ``how``
     (tune/parallel.py): on several devices, or this torchrun rank's share (``backend`` is then None)."""
-    from convforge.graph.runtime import load_model
+    from convforge.graph.build import load_model
 
     if args.batch is not None and args.batch < 1:
         raise ValueError(f"--batch ({args.batch}) must be >= 1")

@@ -18,9 +18,10 @@ try:  # not needed to list the options: `convforge tune -h` works without them
 
     from rich.markup import escape
 
+    from convforge.dispatch import measure_dispatch
     from convforge.plan import Epilogue
     from convforge.tune.db import Entry, NoDatabase, TuningDB
-    from convforge.tune.tuner import Budget, Candidate, TuneError, Tuner, TuneResult, measure_dispatch
+    from convforge.tune.tuner import Budget, Candidate, TuneError, Tuner, TuneResult
 except ImportError as _err:
     IMPORT_ERROR = _err
 
