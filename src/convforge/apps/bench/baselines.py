@@ -141,7 +141,7 @@ def _fastest(results: list[BaselineResult], precision: str, impls: tuple[str, ..
 
 # A baseline row whose error against float64 exceeds this is a wrong answer, never cuDNN-best: cuDNN's
 # FP32 rows measure 1e-7..1.5e-5 (wgrad's pick), its TF32 rows ~3e-4; a legacy algorithm was seen
-# returning garbage (error 1.2) on the H200.
+# returning garbage (error 1.2).
 WRONG = {"fp32": 1e-3, "tf32": 1e-2}
 
 
@@ -252,8 +252,8 @@ def _rel_err(out: Any, ref: Any) -> float:
 
 def _time_cuda(fn: Callable[[], Any], timing: Timing) -> float:
     """Median of ``timing.repeats`` calls after the warm-up, the best of ``timing.PASSES`` passes:
-    cuDNN's times were seen 20-60 % slow for a whole layer in single runs on the H200 (2026-11-21,
-    docs/history/BENCHMARKS-rounds-1-16.md, round 7); convforge's own rows are timed the same way
+    cuDNN's times were seen 20-60 % slow for a whole layer in single runs
+    (docs/history/BENCHMARKS-rounds-1-16.md); convforge's own rows are timed the same way
     (``timing.run_timed``)."""
     import torch
 
