@@ -96,7 +96,14 @@ def _device_for(backend: str):  # type: ignore[no-untyped-def]
 
 
 def cmd_algos(args: argparse.Namespace) -> int:
-    """Variants that apply to a layer in each pass asked for, with their default parameters and space size."""
+    """Variants that apply to a layer in each pass asked for, with their default parameters and space
+    size; with ``--matrix``, the registry's family x pass x dtype x architecture table instead."""
+    if args.matrix:
+        from convforge import kernels
+        from convforge.apps.matrix import format_matrix, matrix
+
+        print(format_matrix(matrix(kernels.all_variants())))
+        return 0
     dev = _device_for(args.backend or _default_backend())
     for spec in spec_passes(with_dtype(ConvSpec.parse(args.spec), args.dtype), args.conv_pass):
         _print_algos(spec, dev)
@@ -246,8 +253,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("devices", help="list the CUDA and OpenCL devices convforge can use, and what each is for")
     p.set_defaults(func=cmd_devices)
-    p = sub.add_parser("algos", help="list the variants that apply to a layer, with their default parameters")
-    p.add_argument("--spec", required=True, help=SPEC_HELP)
+    p = sub.add_parser("algos", help="list the variants that apply to a layer, with their default parameters, "
+                       "or (--matrix) which family serves which pass, dtype and architecture")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--spec", help=SPEC_HELP)
+    what.add_argument("--matrix", action="store_true",
+                      help="print the registry's table: a row per family and pass, a column per dtype, each cell "
+                           "the back-ends and architectures that serve it and how many variants")
     p.add_argument("--backend", choices=("cuda", "opencl"), help=BACKEND_HELP)
     p.add_argument("--precision", choices=tuple(PRECISIONS), help=PRECISION_HELP)
     p.add_argument("--max-error", type=max_error_arg, metavar="E", help=MAX_ERROR_HELP)

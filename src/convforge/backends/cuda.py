@@ -388,8 +388,8 @@ def _matrices(buf: Any, batch: int, rows: int, cols: int, ld: int, stride: int) 
 # A warm call of conv2d is: read three device pointers and the current stream handle, allocate the
 # output through the caller's allocator, rewrite the pointer slots of kernel-parameter buffers
 # built once per executable, and call cuLaunchKernel through CuPy's compiled binding (typed C
-# arguments: ~0.8 us above a launch from C on the H200 host, where ctypes' argument conversion
-# cost ~3 us more; scripts/host_cost.py measures both). Nothing synchronises, nothing reads device
+# arguments, under a microsecond above a launch from C, where ctypes' argument conversion costs
+# several more; scripts/host_cost.py measures both). Nothing synchronises, nothing reads device
 # memory, nothing allocates outside the caller's allocator once the workspace exists, so CUDA-graph
 # capture works.
 

@@ -545,7 +545,7 @@ _TC_TOKENS: dict[str, Callable[[list[str]], str]] = {
                                   [f'"r"({a[0]})', _map_addr(a[1]), f'"r"({a[2]})', f'"r"({a[3]})', f'"r"({a[4]})']),
     # 16-bit operands (im2col offsets, multicast masks) go in as 32-bit registers and are narrowed
     # inside the asm: given "h" operands, nvcc 13.0 reused one copy's offset register for the next in
-    # a fully unrolled loop (4x4 taps, one tap a stage: {1, 1} where the PTX needed {1, 0}; H100, r26)
+    # a fully unrolled loop (4x4 taps, one tap a stage: {1, 1} where the PTX needed {1, 0})
     "TMA_IM2COL_4D": lambda a: _asm("{ .reg .b16 ow, oh; cvt.u16.u32 ow, %7; cvt.u16.u32 oh, %8; "
                                     "cp.async.bulk.tensor.4d.shared::cluster.global.im2col.mbarrier::complete_tx::"
                                     "bytes [%0], [%1, {%2, %3, %4, %5}], [%6], {ow, oh}; }", (),

@@ -12,8 +12,8 @@ every op's output rounded to float32; in the relaxed class with TF32 operands), 
 what PyTorch FP32 gives. Errors are relative L2 against the float64 executor over the first
 ``CAL_IMAGES`` (4) images of a random batch drawn with ``seed`` + 2 (``CAL_SEED_OFFSET``), never the
 input a run reports on; a softmax output is compared through its logits (softmax flattens errors).
-One image's error ratio to PyTorch's moves by 2x between inputs (VGG-16 on an H100: 0.93x on one,
-2.14x on another, same layers), so the estimate the rule steers by averages several.
+One image's error ratio to PyTorch's moves by up to 2x between inputs (same layers), so the estimate
+the rule steers by averages several.
 
 A probe builds the network with the candidates tightened (``Network(max_errors=...)``: dispatch
 then chooses those layers under ``max_error=tight``) and runs it once; the network of the final

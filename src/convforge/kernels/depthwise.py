@@ -736,10 +736,7 @@ def _fit(extent: int, per: int, cap: int) -> int:
 
 
 # The GPU default takes flat loads (fl) where a tile covers whole planes, except 3x3 filters on 7x7 input
-# planes. H100, round 35, default against fl=0 in one sweep a layer (`bench --sweep --sweep-mods fl=0` on the 21
-# grouped-suite layers it applies to, `sweep-depthwise-flat-*-2026-11-28-r35-h100.json`): fprop 1.10x geomean,
-# 5x5 and 7x7 on 7x7 and 14x14 planes 1.08-1.35x (EfficientNet 1152@7 5x5 0.0232 -> 0.0172 ms), 3x3 on 14x14 1.01-1.23x;
-# 3x3 on 7x7 planes 0.96-1.06x (960@7, 1152@7: 0.97x, 0.96x), left out; dgrad the same (1.10x).
+# planes, where the flat loads gain nothing (measured on the grouped suite, docs/NOTES-gemm.md).
 FLAT_DEFAULT = True
 
 
@@ -797,10 +794,9 @@ def stencil_default(st: Stencil, device: DeviceInfo) -> Params:
     """An untuned tile for the real layers: 4 adjacent outputs per thread along a row (one 16-byte
     store; 8 for half storage where rows align to 8), 2 rows where the plane has them (a 7x7 filter's
     rows are then read 8 times for 2 outputs, not 14), 4 rows for 7x7 filters on planes of >= 28 rows
-    (H100, round 20: ConvNeXt-T 96@56 0.050 -> 0.043 ms, 192@28 0.029 -> 0.025; no gain on 5x5 or
-    7x7 planes), the row's width in threads (up to 32), rows up to ~256 threads, and channels per block
-    until a block has >= 128 threads (7x7 and 14x14 planes). Phases, large filters and NHWC:
-    :func:`_special_default`."""
+    (fewer filter-row reads an output; no gain on 5x5 or 7x7 planes), the row's width in threads (up
+    to 32), rows up to ~256 threads, and channels per block until a block has >= 128 threads (7x7
+    and 14x14 planes). Phases, large filters and NHWC: :func:`_special_default`."""
     if not device.is_gpu:
         prm = Params(bq=_fit(st.wo, 1, 8), bp=_fit(st.ho, 1, 4), bc=1, tq=1, tp=1, vec=False)
         return prm

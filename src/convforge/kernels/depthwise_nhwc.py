@@ -184,7 +184,7 @@ def _cv(spec: ConvSpec, tq: int, tp: int, device: DeviceInfo) -> int:
 def nhwc_default(spec: ConvSpec, device: DeviceInfo) -> Params:
     """An untuned tile: a warp of consecutive channels (fewer when K is small) per pixel tile, 256
     threads; per thread 4 x 8 outputs for 5x5 and larger filters (a 7x7 row segment of 14 inputs then
-    serves 8 outputs of 4 rows: ConvNeXt-T 96@56 0.063 ms against 0.114 for 2 x 4 on an H100), one
+    serves 8 outputs of 4 rows, about twice as fast as 2 x 4), one
     row of 4 at stride 2 (the rows two output rows share are fewer), 2 x 4 otherwise (sweep of the
     grouped suite's depthwise layers, docs/BENCHMARKS.md); small tiles on a CPU, where PoCL runs one
     work-item after another. Half storage: cv channels a thread (8: one 16-byte load a pixel) where

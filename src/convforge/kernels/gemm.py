@@ -188,9 +188,8 @@ class _ConvGemmBase(Variant):
 
 
 def implicit_prefer(spec: ConvSpec) -> tuple[tuple[int, int, int, int, int], ...]:
-    """Tiles measured best on the H200 for unpadded layers (MEC suite, median of 7-15 calls):
-    128x64x16 (cv8 42.5 TFLOPS, cv10 38.9, against 38.5 / 32.8 for 128x128x8), and 96x128x24
-    when K is a multiple of 96 (cv1: 36.1 against 28.7: no idle rows). Padded layers keep
+    """Tiles measured best for unpadded layers (docs/NOTES-gemm.md): 128x64x16 above 128x128x8,
+    and 96x128x24 when K is a multiple of 96 (no idle rows). Padded layers keep
     per-column bounds state, which pushes these tiles past 128 registers: no preference."""
     if any(spec.pad) or spec.kg < 64 or spec.n * spec.p * spec.q < 64:
         return ()
@@ -480,15 +479,11 @@ def pointwise_operand(spec: ConvSpec, pro: Prologue = Prologue()) -> Operand:
 
 def pointwise_prefer(m: int, n: int, units: int) -> tuple[tuple[int, int, int, int, int], ...]:
     """1x1 tiles by GEMM shape (M = K channels, N = N*P*Q pixels). Where 128x128 tiles alone
-    fill the GPU: 64x128x16 for K <= 512 (H100, round 21, all 13 such layers of NIN, ResNet-50 and
-    GoogLeNet at N=32 best or within 2 % of it: ResNet-50 res2b 2a 0.080 ms against 0.196 for
-    128x128x8, GoogLeNet 3b pool proj 0.030 against 0.058: no idle rows at K=64, twice the blocks),
-    128x128x8 above; 64x64x16 with 4x4 micro-tiles otherwise (Boda's batch-5 layers on the H200:
-    cccp3 0.025 ms against 0.041 for 128x128), or 32x64x16 where even 64x64 tiles give at most 2.5
-    blocks per compute unit and K <= 384 (H100, round 21, GoogLeNet's 14² and 7² 1x1 layers at N=32:
-    4e 3x3 reduce 0.042 against 0.058 ms, 5a 3x3 reduce 0.025 against 0.038; 13 of 15 faster, two
-    equal; ResNet-50's res5 layers, K=512, lost); 64x16 for fully-connected shapes (N*P*Q <= 16),
-    where a wide tile would be mostly idle columns."""
+    fill the GPU: 64x128x16 for K <= 512 (no idle rows at K=64, twice the blocks), 128x128x8
+    above; 64x64x16 with 4x4 micro-tiles otherwise, or 32x64x16 where even 64x64 tiles give at most
+    2.5 blocks per compute unit and K <= 384 (more blocks fill the GPU; at K=512 the narrow tile
+    loses); 64x16 for fully-connected shapes (N*P*Q <= 16), where a wide tile would be mostly idle
+    columns (docs/NOTES-gemm.md)."""
     if n <= 16:
         return ((64, 16, 16, 4, 4),)
     if m >= 64 and n >= 64:
@@ -566,9 +561,8 @@ class _SplitK(_ConvGemmBase):
         if why is None and not self._splits(spec):
             why = too_big(spec, 2 * spec.n * spec.k * spec.p * spec.q, "split-K partial outputs (2 slices)")
         if why is None and device.is_gpu:
-            # H200, Boda's batch-5 layers: the extra reduce pass loses once the plain GEMM has
-            # half a block per SM (3b: 0.0186 against 0.0172 ms) or the reduction is short
-            # (3a, C=192: 0.0196 against 0.0136 ms).
+            # the extra reduce pass loses once the plain GEMM has half a block per SM or the
+            # reduction is short.
             tiles = self._tiles(spec, device)
             if 2 * tiles >= max(device.units, 1) and not self._thin(spec, device):
                 why = f"N*P*Q already gives {tiles} tiles for {device.units} compute units"
@@ -602,11 +596,9 @@ class _SplitK(_ConvGemmBase):
 
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
         """The un-split tile, split into the fewest slices that give every compute unit a block
-        (two for fully-connected shapes, which stream weights): on the H200, 5a (832@7) 64x64
-        ks=16 0.016 ms, 4c (512@14) ks=4 0.015 ms; more slices than that only add traffic. A thin
-        layer (:meth:`_thin`) of N*P*Q > 16 takes 64x32x16 tiles split until the GPU holds about
-        1024 threads per unit (H100, round 20: VGG-16 fc6 N32 1.739 -> 0.491 ms at ks=16, fc7
-        0.278 -> 0.093)."""
+        (two for fully-connected shapes, which stream weights); more slices than that only add
+        traffic. A thin layer (:meth:`_thin`) of N*P*Q > 16 takes 64x32x16 tiles split until the
+        GPU holds about 1024 threads per unit: its few tiles alone leave most of it idle."""
         base = self._unsplit(spec, device)
         splits = self._splits(spec)
         m, n, k = self._mnk(spec)
@@ -666,8 +658,8 @@ class Gemm1x1SplitK(_SplitK, Gemm1x1):
 
 class ImplicitGemmSplitK(_SplitK, ImplicitGemm):
     """Implicit GEMM with the C*R*S reduction split: layers Winograd does not run at batch 1-5
-    (stride 2, 5x5, 7x1), whose few output tiles leave most SMs idle (H200 database, ResNet-18
-    N=1 stride-2 3x3: the plain implicit GEMM 123-179 us; four 128x128 tiles for 132 SMs)."""
+    (stride 2, 5x5, 7x1), whose few output tiles leave most SMs idle (a ResNet-18 stride-2 3x3
+    layer at N=1: four 128x128 tiles for a GPU of 132 SMs)."""
 
     name = "implicit_gemm_splitk"
     specialised = 6

@@ -3,8 +3,7 @@ filter that covers the whole unpadded input, as AlexNet's fc6) as a GEMV of a ha
 
 At N <= 8 such a layer reads its K x C weights once and does N multiply-adds per weight: the time is
 the weight read. The GEMM tiles (64-256 columns wide, 16-64 rows of reduction a stage) run almost
-empty there and stream the weights at a third of the DRAM rate (H100, Boda's AlexNet fc7 at N5:
-gemm1x1_splitk 0.062 ms, 1.08 TB/s; cuDNN-best TF32 0.040 ms).
+empty there and stream the weights at a fraction of the DRAM rate (docs/NOTES-gemm.md).
 
 ``gemv_stream``: a block owns ``rw`` output channels (rows of the filter matrix); its ``nt``
 threads read those rows side by side, 16 bytes a thread (float4 where C % 4 == 0), ``un`` loads of
@@ -62,11 +61,9 @@ class GemvStream(Variant):
 
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
         """First on GPUs (half storage: up to :data:`HALF_COLUMNS` images); last on CPUs and wider
-        half layers, where the tuner may still time it. H100, round 34 (``convforge bench --suite
-        fc``): float32 at N 1-8 77-100 % of the copy bandwidth, 4.7-13x cuDNN-best FP32 and 1.2-5.6x
-        cuDNN-best TF32; at N16 (VGG-16 fc7) 0.044 ms against gemm1x1_splitk's 0.065 and
-        gemm1x1_wgmma_tf32's 0.141 (cuDNN-best TF32 0.052); FP16 1.3-3.8x cuDNN-best FP16 at N 1-5, at N8
-        0.92-1.50x, at N16 0.58x."""
+        half layers, where the tuner may still time it. On GPUs it streams the weights near the copy
+        bandwidth, ahead of the GEMMs on float32 layers of up to 16 images; half layers gain less as
+        N grows, hence :data:`HALF_COLUMNS` (docs/NOTES-gemm.md)."""
         if not device.is_gpu or (spec.dtype != "float32" and spec.n > HALF_COLUMNS):
             return 1
         return self.specialised

@@ -4,7 +4,7 @@
 // CUDA and Autograd kernels, and a FusedConv2d call whose plan adds the residual (run_res), in
 // C++: the call's key from the tensors' sizes and the keyword arguments, a table lookup, the output from PyTorch's caching allocator (at::empty), the plan's
 // launches through cuLaunchKernel with argument buffers prepared once per executable. Python's
-// fast path costs ~14 us per call on the H200 host; this one aims at a launch plus a few hundred ns.
+// fast path costs microseconds per call in the interpreter; this one aims at a launch plus a few hundred ns.
 //
 // Why it is safe: the table is filled only by Python's validating slow path (``register``), under
 // a key parsed from the same arguments by the same function as the lookup (``parse_call``), so a
@@ -578,7 +578,7 @@ struct SavedChoice {
 
 struct ConvNode : public torch::autograd::Function<ConvNode> {
   // bias an optional, not an undefined tensor: Function::apply records each tensor argument's device,
-  // which an undefined tensor has not ("tensor does not have a device", torch 2.11, round 26)
+  // which an undefined tensor has not ("tensor does not have a device", torch 2.11)
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
                             const std::optional<at::Tensor>& bias, c10::IntArrayRef stride, c10::IntArrayRef padding,
                             c10::IntArrayRef dilation, c10::string_view algo, std::optional<c10::string_view> precision,

@@ -125,7 +125,7 @@ def _fastest(results: list[BaselineResult], precision: str, impls: tuple[str, ..
 
 # A baseline row whose error against float64 exceeds this is a wrong answer, never cuDNN-best: cuDNN's
 # FP32 rows measure 1e-7..1.5e-5 (wgrad's pick), its TF32 rows ~3e-4; a legacy algorithm was seen
-# returning garbage (error 1.2) on the H200.
+# returning garbage (error 1.2).
 WRONG = {"fp32": 1e-3, "tf32": 1e-2}
 
 

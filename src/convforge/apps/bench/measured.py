@@ -35,8 +35,8 @@ def rel_err(out: Any, ref: Any) -> float:
 
 def time_cuda(fn: Callable[[], Any], timing: Timing) -> float:
     """Median of ``timing.repeats`` calls after the warm-up, the best of ``timing.PASSES`` passes:
-    cuDNN's times were seen 20-60 % slow for a whole layer in single runs on the H200 (2026-11-21,
-    docs/history/BENCHMARKS-rounds-1-16.md, round 7); convforge's own rows are timed the same way
+    cuDNN's times were seen 20-60 % slow for a whole layer in single runs
+    (docs/history/BENCHMARKS-rounds-1-16.md); convforge's own rows are timed the same way
     (``timing.run_timed``)."""
     import torch
 

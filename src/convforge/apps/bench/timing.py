@@ -80,8 +80,8 @@ def run_timed(call: Callable[[], None], sync: Callable[[], None],
     """Median milliseconds of ``call`` timed by ``timer`` after ``timing.warmup`` untimed calls, the
     fastest of :data:`PASSES` passes: the rule the cuDNN baselines are timed by
     (``measured.time_cuda``), so a layer of 20-50 us that the GPU's clocks or a neighbour slowed for
-    one whole pass is not charged to either side alone (H100, round 34, Boda's GoogLeNet 4e 5x5: 0.021
-    and 0.049 ms for the same kernel in two calls)."""
+    one whole pass is not charged to either side alone (one pass of the same kernel was seen at
+    over twice another's time)."""
     best = float("inf")
     for _ in range(PASSES):
         for _ in range(timing.warmup):

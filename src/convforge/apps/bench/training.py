@@ -14,8 +14,8 @@ weights as ``bench --model``, ``models.build``):
 
 Time: CUDA events around each step after ``warmup`` steps, the median of ``repeats`` steps (each
 step updates the weights, so filter transforms are redone per step as in real training). An eager
-step of ResNet-50 is host-bound on an H100 on both sides (round 27: PyTorch TF32 24 ms of host work
-for 20 ms of GPU time), so each timed row is also captured whole (forward, loss, backward, SGD) in
+step of ResNet-50 can be host-bound on a fast GPU on both sides (more host work than GPU time), so
+each timed row is also captured whole (forward, loss, backward, SGD) in
 a CUDA graph after warm-up on a side stream and its replay timed the same way: ``graph_ms`` and
 ``graph_speedup`` against the class baseline's replay, the host's cost gone from both sides
 (``torch.cuda.graphs``: what a user removes it with). A capture that fails says so in

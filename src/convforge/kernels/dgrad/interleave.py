@@ -4,8 +4,8 @@ coalesced, from compact per-phase buffers, zeros where no phase holds a value.
 A strided dgrad computes dx phase by phase: the pixels (ph + sh a, pw + sw b) of one phase (ph, pw)
 form a dense sub-grid, which a GEMM writes compact into its own buffer (N x C x bh x bw, full
 vector stores). Written straight into dx instead, every second column of a row is a partial 32-byte
-sector that the L2 must fill from DRAM first (H100, 3x3/2 128->128 @56² N32: each of the four phase
-GEMMs moved 58 MB of DRAM for its 12.8 MB of dx; ncu, docs/NOTES-tensorcore.md). This pass reads each
+sector that the L2 must fill from DRAM first, several times the bytes of dx (docs/NOTES-gemm.md,
+docs/NOTES-tensorcore.md). This pass reads each
 phase buffer once and writes dx once, in order.
 
 :class:`Part` maps a phase's dx pixel (ph + sh a, pw + sw b) to buffer row a + oh, column b + ow

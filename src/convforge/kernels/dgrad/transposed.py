@@ -93,22 +93,15 @@ DGRAD_LEAD = 12
 
 
 def dgrad_first(fwd: str, spec: ConvSpec) -> bool:
-    """Where the dgrad form of forward variant ``fwd`` ran ahead of the one its forward rank puts
-    first (H100, round 23, N32 float32, bench time with the rotation; ResNet-50's and the ResNet
-    suite's layers):
+    """Where the dgrad form of forward variant ``fwd`` runs ahead of the one its forward rank puts
+    first (float32, timed with the filter rotation; docs/NOTES-gemm.md):
 
     * ``tc_implicit_gemm_tf32`` over ``gemm1x1_wgmma_tf32`` on 1x1 dgrad where dx has C >= 512
-      channels and K >= 512 or N*H*W >= 16384 pixels (512->2048 @7² 0.060 against 0.087 ms,
-      2048->512 @7² 0.058 / 0.068, 512->256 @28² 0.063 / 0.071, 1024->512 @14² 0.053 / 0.059,
-      512->128 @28² 0.043 / 0.048; behind it at 1024->256 @14² 0.050 / 0.042 and wherever C <= 256,
-      64->256 @56² 0.128 / 0.056);
+      channels and K >= 512 or N*H*W >= 16384 pixels (behind it wherever C <= 256);
     * ``tc_implicit_gemm_3xtf32`` over Winograd F(4x4) on 3x3 stride-1 dgrad of 14 <= H <= 28 and
-      C, K >= 128 (res256 @14² N32 / N64 0.099 / 0.160 against 0.115 / 0.181 ms, res128 @28² 0.094 /
-      0.167 against 0.096 / 0.171; at 4.7e-7 against F(4x4)'s 2.1-2.9e-6; behind it at 56² and 7²).
-    * ``tc_implicit_gemm_3xf16`` on 3x3 stride-1 dgrad of C, K >= 64 (every ResNet-suite layer, N32-128:
-      1.56x cuDNN-best FP32 against auto's 1.09x, 4.6-4.9e-7; round 32) and on 1x1 dgrad where dx has
-      C >= 256 channels (ResNet-50's: 512->128 @28² 0.056 against 0.086 ms, 1024->512 @14² 0.070 / 0.083;
-      behind at C <= 128: 64->256 @56² 0.171 / 0.083, 128->512 @28² 0.103 / 0.082).
+      C, K >= 128, at a fifth of its error (behind it at 56² and 7²).
+    * ``tc_implicit_gemm_3xf16`` on 3x3 stride-1 dgrad of C, K >= 64 and on 1x1 dgrad where dx has
+      C >= 256 channels (behind at C <= 128).
     """
     if spec.conv_pass != "dgrad" or spec.dtype != "float32" or spec.groups != 1 or spec.stride != (1, 1):
         return False
@@ -254,8 +247,8 @@ class DgradSubsampled(DgradTransposed):
     filter reaches (:func:`subsampled_spec`, compact in a workspace, dy read as it lies), then one
     pass writes all of dx, zeros between (:mod:`.interleave`). The zero-stuffed rows are never
     multiplied and every dx sector is written whole once (the phase-by-phase stores of
-    dgrad_tc_strided_* left three sectors in four partial: 1x1/2 256->512 @56² N32 moved 151 MB of
-    DRAM for 26 MB of values, H100 ncu)."""
+    dgrad_tc_strided_* left three sectors in four partial, so the L2 read several times dx's bytes
+    from DRAM to fill them)."""
 
     problem = staticmethod(subsampled_spec)
     problem_name = "the sub-grid problem"
@@ -266,10 +259,8 @@ class DgradSubsampled(DgradTransposed):
 
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
         """One below the forward variant's standing on the sub-grid problem: above dgrad_strided_gemm
-        (H100, round 23, ResNet-50 N32's 1x1/2 layers, fp32 class: dgrad_sub_gemm1x1 0.23 / 0.20 /
-        0.33 ms against 0.55 / 0.35 / 0.48), below the wgmma strided dgrads on sm_90, which ran the
-        same layers in one launch with the phases interleaved as fast or faster (TF32: 0.155 / 0.100 /
-        0.094 ms against dgrad_sub_gemm1x1_wgmma_tf32's 0.155 / 0.115 / 0.122)."""
+        (faster on strided 1x1 layers), below the wgmma strided dgrads on sm_90, which run the same
+        layers in one launch with the phases interleaved as fast or faster."""
         t = subsampled_spec(spec)
         return self.fwd.rank(t, device) - 1 if isinstance(t, ConvSpec) else self.specialised
 

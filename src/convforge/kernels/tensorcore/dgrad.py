@@ -21,14 +21,13 @@ stride-1 forward convolution of dy with dilation delta and padding -o. Per phase
   stored straight on the phase's sub-grid of dx by the epilogue's pixel map (rows ph + sh i, columns
   pw + sw j of each NCHW plane), the phases no tap reaches filled with zeros first. The direct stores
   leave every other 4-byte word of a sector to another phase: the L2 fills each partial sector from
-  DRAM (H100, 3x3/2 128->128 @56² N32: each phase's GEMM moved 58 MB of DRAM for 12.8 MB of dx,
-  62 us of 263 in all; ncu).
+  DRAM, several times the bytes of dx (docs/NOTES-tensorcore.md).
 
 1x1 filters at stride > 1 have one phase: dgrad_sub_<1x1 forward> (kernels/dgrad/transposed.py)
 reads dy in place for it. Stride 1 is DgradTransposed's (kernels/dgrad/transposed.py); groups run dgrad_strided_gemm.
 
 * ``dgrad_tc_strided_tf32`` (relaxed), ``dgrad_tc_strided_3xtf32`` (fp32), ``dgrad_tc_strided_3xf16`` (fp32;
-  round 32, emulated and compiled, not yet run on a GPU: in the tuner's space only), ``dgrad_tc_strided_half``
+  emulated and compiled, not yet run on a GPU: in the tuner's space only), ``dgrad_tc_strided_half``
   (float16 / bfloat16): the forward variants' math modes and stated errors.
 """
 
@@ -187,13 +186,11 @@ class TcDgradStrided(TcVariant):
     layouts = frozenset({"nchw", "nhwc"})
 
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
-        """First on sm_90 for TF32 and half layers (above dgrad_strided_gemm on CUDA cores: H200, the
-        ResNet-50 N32 strided layers ran 0.18-0.38x cuDNN-best TF32 there). 3xTF32 first in the fp32
-        class, one below the TF32 form (H100, round 23, phases interleaved: ResNet-50 N32's six
-        strided layers 1.32-2.52x cuDNN-best FP32 at 4.6e-7, where dgrad_strided_gemm ran 0.79-1.39x
-        and dgrad_sub_gemm1x1 0.88-1.40x); below dgrad_direct where the dx channels fill less than half
-        a 32-wide tile (C < 16: a 3-channel stem)."""
-        if device_reason(device) is not None or self.x3h:  # 3xFP16: not yet run on a GPU (round 32)
+        """First on sm_90 for TF32 and half layers (far above dgrad_strided_gemm on CUDA cores).
+        3xTF32 first in the fp32 class, one below the TF32 form (ahead of dgrad_strided_gemm and
+        dgrad_sub_gemm1x1 on strided layers at FP32-grade error); below dgrad_direct where the dx
+        channels fill less than half a 32-wide tile (C < 16: a 3-channel stem)."""
+        if device_reason(device) is not None or self.x3h:  # 3xFP16: not yet run on a GPU
             return self.specialised
         if self.x3:
             return -1 if spec.c < 16 else RANK_SM90 - 1

@@ -170,8 +170,5 @@ def few_pixels(spec: ConvSpec) -> bool:
     """A float32 layer of at most :data:`FEW_PIXELS` output pixels: a fully-connected layer at a small
     batch, whose GEMM streams the weights once for a handful of columns. The wgmma tiles (64-256
     pixels wide) are then almost empty, and the CUDA-core split-K GEMMs (gemm_fc, gemm1x1_splitk)
-    stream the weights faster: Boda's AlexNet fc6 / fc7 / fc8 at N5, relaxed class, ran 0.125 /
-    0.059 / 0.020 ms on them (H200, round 8) and 0.279 / 0.129 / 0.076 ms on the wgmma paths (H100,
-    round 23; 0.42x and 0.40x cuDNN-best TF32 on fc7 / fc8). Two devices of 1.4x apart in memory
-    bandwidth: the ranking this sets is predicted for the H100, not measured there side by side."""
+    stream the weights faster (measured on different GPUs, not side by side: docs/NOTES-tensorcore.md)."""
     return spec.dtype == "float32" and spec.n * spec.p * spec.q <= FEW_PIXELS

@@ -194,9 +194,8 @@ def pipe_ok(p: Params, a: Kind, b: Kind, limit: int = PIPE_SHARED) -> bool:
 
 
 # (bm, bn, bk, wm, wn, st): 64 x 64 warp tiles first (cuDNN's 128 x 128 x 16, 2 x 2 warps, 4 stages).
-# Blocks of fewer than 4 warps are left out: on the H200 (2026-11-23) the staged Winograd F(2x2) GEMM
-# at (128, 64, 32, 2, 1, 3) with ks=2 gave a wrong result (rel L2 0.98 on N2 C132 9x11 K131); not yet
-# understood, so no 1- or 2-warp block is offered until it is.
+# Blocks of fewer than 4 warps are left out: one gave a wrong result on a GPU (docs/NOTES-tensorcore.md),
+# not yet understood, so no 1- or 2-warp block is offered until it is.
 PIPE_TILES = ((128, 128, 32, 2, 2, 3), (128, 128, 16, 2, 2, 4), (128, 64, 32, 2, 2, 3),
               (64, 128, 32, 2, 2, 3), (128, 64, 16, 2, 2, 4), (64, 128, 16, 2, 2, 4),
               (128, 128, 32, 2, 2, 2), (128, 128, 16, 2, 2, 3),

@@ -10,10 +10,8 @@
 
 * ``winograd_nonfused_f2_pipe_tf32``: non-fused F(2x2) with rounded U and V and the staged GEMM.
 
-H200, 2026-11-23 (scripts/tc_check.py, N32, whole call in us; old = the register-staged TF32 variant
-of the same family; cuDNN TF32 = torch with allow_tf32 and benchmark): ResNet 3x3 64@56 NHWC 104.6
-(old 118.6, cuDNN 105.8), 128@28 80.2 (116.9, 66.1), 256@14 NHWC 81.4 / F(2x2) 71.1 (155.0 / 79.8,
-64.2), 512@7 F(2x2) 68.9 (76.6, 73.3); 1x1 C1024 -> K256 @14 54.0 (56.6; cuBLAS-backed cuDNN 39.5).
+Faster than the register-staged TF32 variants of the same families on every layer timed
+(docs/NOTES-tensorcore.md).
 
 Accuracy as the other TF32 variants (:mod:`convforge.kernels.tensorcore`): both operands rounded
 to nearest, FP32 accumulation: stated 3e-4, checked against 1e-3. CUDA only, sm_80+.
@@ -172,8 +170,7 @@ class Gemm1x1PipeTF32(_StagedTF32):
         return super().applies(spec, device)
 
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
-        """Below both wgmma paths on sm_90 (H100, N32: 1024->256 @14² 60 us against 33 / 43,
-        64->256 @56² 224 against 73 / 73; untuned, it was the unseen suite's worst layer, 0.27x)."""
+        """Below both wgmma paths on sm_90, which run the same layers in a fraction of its time."""
         return self.specialised - 1 if device.cc == (9, 0) else self.specialised
 
     def _operands(self, spec: ConvSpec) -> tuple[AsyncOperand, AsyncOperand]:
@@ -271,10 +268,8 @@ class WinogradF2PipeTF32(WinogradNonFusedTC):
         self.specialised = 7
 
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
-        """Above F(7x7) (rank 11) for 3x3 layers of at most 10x10 outputs with N >= 16, where it was
-        faster (H200, 2026-11-23, scripts/tc_check.py, whole call: ResNet 512@7 N32 68.9 us against
-        F(7x7) 88.0 and cuDNN TF32 73.3); F(7x7) kept the bigger images (256@14: 66.0 against 71.1;
-        128@28: 65.7 against 95.6)."""
+        """Above F(7x7) (rank 11) for 3x3 layers of at most 10x10 outputs with N >= 16, where it is
+        faster; F(7x7) keeps the bigger images."""
         if device.is_gpu and (spec.r, spec.s) == (3, 3) and spec.p * spec.q <= 100 and spec.n >= 16:
             return 12
         return self.specialised

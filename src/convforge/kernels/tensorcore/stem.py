@@ -440,9 +440,7 @@ class TcStemDirect(TcVariant):
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
         """Above the folded stem (``tc_stem_gemm_*``) and the implicit GEMM, except where the layer has
         fewer output rows (N P) than 4 a SM: each block loads the whole filter bank for a band of
-        rows, and with few rows the bands are short (H100, round 31, TF32: AlexNet's conv1 at N5, 275
-        rows, 0.060 ms against the implicit GEMM's 0.050; GoogLeNet's 7x7/2 conv1 at N5, 560 rows,
-        0.029 against 0.040; every N32-N128 stem faster, docs/BENCHMARKS.md)."""
+        rows, and with few rows the bands are short (docs/NOTES-tensorcore.md)."""
         if device_reason(device) is not None:
             return self.specialised
         if spec.n * spec.p < 4 * max(device.units, 1):
@@ -485,10 +483,9 @@ class TcStemDirect(TcVariant):
 
     def _pick(self, spec: ConvSpec, points: list[Params], units: int) -> Params:
         """The fewest channel blocks that let a band of 4 rows fit with two warpgroups (each block
-        loads the filters: H100, FP16 11x11/4 96 channels, N128: one block 0.210 ms, two 0.242, four
-        0.442), then the tallest band of at most 8 rows that still gives 4 blocks an SM (a band reads
-        (BP - 1) sh + R rows for BP: taller bands read less twice; MEC cv3 FP16 bands of 16 / 8 / 4 / 2
-        rows 0.166 / 0.169 / 0.189 / 0.219 ms), two warpgroups where a band has two units."""
+        loads the filters, so more blocks reload them), then the tallest band of at most 8 rows that
+        still gives 4 blocks an SM (a band reads (BP - 1) sh + R rows for BP: taller bands read less
+        twice, with little gain past 8), two warpgroups where a band has two units."""
         two = [p for p in points if (p["wg"] == 2) == (self.geo(spec, p).bp * self.geo(spec, p).mb >= 2)]
         two = two or points
         ns = min((p["ns"] for p in two if p["bp"] >= min(4, spec.p)), default=min(p["ns"] for p in two))

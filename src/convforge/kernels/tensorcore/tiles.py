@@ -198,20 +198,16 @@ class TileConfig:
 
 # Relative throughput of a block tile's wgmma stream per operand element size (m64nN with both operands in
 # shared memory: a narrow N reads more operand bytes per FLOP, and FP16 at twice TF32's rate feels it more;
-# H100, 2026-11-24, ResNet N=32 sweeps in docs/NOTES-tensorcore.md).
+# fitted to sweeps, docs/NOTES-tensorcore.md).
 TILE_EFFICIENCY = {4: {(128, 64): 0.8, (256, 64): 0.9, (128, 128): 1.0},
                    2: {(128, 64): 0.7, (256, 64): 0.85, (128, 128): 1.0, (128, 192): 0.95}}
-# Half precision, round 34: 128 x 192 (shared tiles, 4 stages) where it takes one wave and 128 x 128 two, as TF32 below:
-# ResNet 512@7² N96 FP16 NHWC 0.054 -> 0.043 ms; two waves of it lost 1.4-2.3x on the other 256@14² / 512@7² layers
-# (docs/results/sweep-fp16-192-resnet-deep-2026-11-27-r34-h100.*).
-# TF32 since its default takes ping-pong consumers (round 30): 128 x 128 with pp ran 1.15x / 1.16x faster than 128 x 64
-# with pp on 512@7 N96 / N128 (3 waves of 128 x 64 against 2 of 128 x 128), equal on 256@14 N64 and 0.96x on 128@28
-# N32 (H100, docs/results/tiles-wide-tf32-resnet-2026-11-27-r30-h100.json). 3xTF32 keeps the table above.
+# Half precision: 128 x 192 (shared tiles, 4 stages) where it takes one wave and 128 x 128 two, as TF32 below;
+# two waves of it lose, which the wave model prices.
+# TF32 with ping-pong consumers (its default): 128 x 128 above 128 x 64, since fewer, wider tiles need fewer waves
+# on deep layers. 3xTF32 keeps the table above.
 TF32_EFFICIENCY = {(128, 64): 0.7, (256, 64): 0.9, (128, 128): 1.0, (128, 192): 0.95}
-# Round 31: 128 x 192 (shared tiles: its 192 accumulators a tile are too many for one ping-pong consumer; 4 stages, as
-# timed) where it takes one wave and 128 x 128 two: 512@7² N96 0.119 -> 0.101 ms (111 tiles against 148; cuDNN's own
-# pick is a 64 x 192 tile); two waves of it lost everywhere (N128 0.124 -> 0.179; 256@14² N64-128 1.9-2.2x slower),
-# which the wave model prices (docs/results/sweep-tf32-resnet-weak-192-2026-11-27-r31-h100.*).
+# 128 x 192 (shared tiles: its 192 accumulators a tile are too many for one ping-pong consumer; 4 stages) where
+# it takes one wave and 128 x 128 two; two waves of it lose, which the wave model prices.
 MAX_STAGES = {(128, 192): 4}
 
 
@@ -242,10 +238,9 @@ def split_for(cfg: TileConfig, math: Math, prob: Problem, units: int) -> int:
 def pick(math: Math, prob: Problem, units: int, shared_limit: int = MAX_SHARED) -> TileConfig:
     """The default: 2 consumer warpgroups, the block tile of :data:`TILE_EFFICIENCY` with the least
     modelled time (:func:`_wave_cost`; 128 wide only for more than 64 channels) where 3 stages fit,
-    one atom of K per stage, as many stages as fit (at most 6), 3xTF32 promoted every 2 stages (H100,
-    ConvNeXt's 384 -> 96 linear at 56x56 N32: 4.4e-7 against 7.0e-7 every 4, the same time; every
-    stage 3.0e-7 at 1.23x the time), split-K where the tiles still fill less than half the SMs, a
-    persistent grid."""
+    one atom of K per stage, as many stages as fit (at most 6), 3xTF32 promoted every 2 stages
+    (every 4 errs more at the same time, every stage costs time), split-K where the tiles still fill
+    less than half the SMs, a persistent grid."""
     cfg = min(shapes(math, prob, shared_limit), key=lambda c: _wave_cost(c.bm, c.bn, math, prob, units))
     return dataclasses.replace(cfg, ks=split_for(cfg, math, prob, units))
 
@@ -270,12 +265,8 @@ def pingpong(cfg: TileConfig, math: Math, prob: Problem | None = None, shared_li
              units: int | None = None) -> TileConfig:
     """``cfg`` with ping-pong consumers where they run it (bm 64 or 128, two consumers, persistent,
     no cluster; operands by TMA, as timed) in half precision and TF32, else ``cfg``; with ``units``
-    (the default's choice) only where the tiles cover every SM once at least. H100, round 30, the
-    default tile against pp=1 on the ResNet, MEC and unseen suites: FP16 channels-last 1.00-1.14x
-    where tiles >= SMs (128@28 N96 0.0486 -> 0.0425 ms), 0.96-1.01x below (512@7 N32 0.0260 ->
-    0.0271); TF32 0.98-1.19x where tiles >= SMs (ResNet 12 layers 1.036x), 0.92-1.06x below (the 8x8
-    Inception layers lose 4-8 %). 3xTF32 keeps shared tiles: 0.95-1.16x on the ResNet suite, no rule
-    found."""
+    (the default's choice) only where the tiles cover every SM once at least: below that, ping-pong
+    has no second tile to overlap and loses. 3xTF32 keeps shared tiles (no rule found for it)."""
     if math.split or cfg.pp or not cfg.tm:
         return cfg
     pp = dataclasses.replace(cfg, pp=1)
@@ -293,12 +284,8 @@ def deep_pingpong(cfg: TileConfig, math: Math, prob: Problem, shared_limit: int 
     """``cfg`` as 128 x 64 ping-pong tiles of :data:`PP_DEEP_STAGES` stages where half precision's wave model
     chose 256 x 64 (which cannot ping-pong), one tile spans every output channel, a tile takes at most
     :data:`PP_DEEP_K_BLOCKS` k steps and the tiles cover the ``units`` SMs: one consumer's epilogue then
-    overlaps the other's wgmma, and the deeper ring keeps the producer a tile ahead. H100, round 34, FP16 / BF16
-    channels-last against 256 x 64 with 4 stages (docs/results/sweep-half-res64-{fp16,bf16}-2026-11-27-r34-h100.*,
-    sweep-half-deep-other-...): ResNet's 64@56² (9 k steps) 2.5-6.6 % faster at N32-N128 in both dtypes (N128
-    0.0885 -> 0.0829 ms), MEC cv9 9 %, VGG-16 conv1_2 7 %, ResNet-50's 64-channel 1x1 layers (1 and 4 k steps)
-    1 %; slower with 49 k steps (MEC cv4, 7x7: 1.45 -> 1.70 ms) and where K = 160 or 192 needs several N tiles
-    (Inception's 17x17 layers, 4-19 %); else ``cfg``."""
+    overlaps the other's wgmma, and the deeper ring keeps the producer a tile ahead. With many k steps
+    a tile, or several N tiles, the shared tile wins; else ``cfg``."""
     if math.esize != 2 or (cfg.bm, cfg.bn) != (256, 64) or cfg.pp or not cfg.tm or cfg.cl != 1:
         return cfg
     if prob.n > cfg.bn or cfg.k_blocks(math, prob) > PP_DEEP_K_BLOCKS:
@@ -313,11 +300,7 @@ def narrow_wide(cfg: TileConfig, math: Math, prob: Problem, shared_limit: int = 
     """``cfg`` as 64 x 256 ping-pong tiles of 4 stages where a half-precision default takes ping-pong, A
     comes in a narrow swizzle (channels that are not whole 128-byte rows: 96, 160) and K is a multiple
     of 256: one tile then spans every output channel, so each A block's im2col rows cross from L2 once,
-    not twice. H100, round 31, FP16 channels-last against the 128 x 128 ping-pong default: MEC cv5
-    (96 -> 256, 5x5) 0.134 -> 0.100 ms, AlexNet conv2 at N128 0.247 -> 0.167, 96 -> 256 3x3 @28² N64
-    0.050 -> 0.038; 3 stages 0.120 / 0.203 / 0.044, 6 do not fit. The same tile ran 1.8-2.2x slower where
-    K is not a multiple of 256 (Inception's 144 -> 288, 160 -> 320, 288 -> 384 /2) and on every TF32
-    layer timed (docs/results/sweep-narrow-64x256-{fp16,tf32}-2026-11-27-r31-h100.*); else ``cfg``."""
+    not twice. Where K is not a multiple of 256, and in TF32, the tile loses; else ``cfg``."""
     if math.esize != 2 or not cfg.pp or cfg.sa == 128 or prob.n % 256:
         return cfg
     wide = dataclasses.replace(cfg, bm=64, bn=256, st=4)
@@ -349,8 +332,8 @@ def efficiency(cfg: TileConfig, math: Math, table: dict[int, dict[tuple[int, int
 def space(math: Math, prob: Problem, units: int, shared_limit: int = MAX_SHARED) -> list[TileConfig]:
     """The default first, then every valid configuration that does not overshoot the channels by
     2x (bn, bm for 1 or 2 consumers, kb, 3-6 stages, the default's split and no split, persistent or
-    not, 3xTF32 promotion intervals), the measured-promising ones first (H100 sweeps: persistent
-    grids, deeper pipelines, one atom per stage, 2 consumers; shapes by the wave model)."""
+    not, 3xTF32 promotion intervals), the ones sweeps found promising first (persistent grids,
+    deeper pipelines, one atom per stage, 2 consumers; shapes by the wave model)."""
     first = pick(math, prob, units, shared_limit)
     splits = sorted({1, first.ks})
     sums = ((2, 0), (4, 0), (1, 0), (0, 1)) if math.split else ((0, 0),)  # (pi, kr)

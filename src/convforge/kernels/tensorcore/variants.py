@@ -69,32 +69,24 @@ X3_STEM_RANK = 4  # 3xTF32 below implicit_gemm (5) on layers of fewer than 8 inp
 
 
 def x3_rank(spec: ConvSpec) -> int | None:
-    """3xTF32's heuristic rank on forward float32 NCHW layers where the H100 measured it against the
-    CUDA-core pick (round 21, N=32 and AlexNet's N=128, bench time, every transform included), or
-    None (its stated rank then). First:
+    """3xTF32's heuristic rank on forward float32 NCHW layers where it was measured against the
+    CUDA-core pick, or None (its stated rank then). First:
 
-    * fully-connected, batch >= 128, reduction >= 4096 (round 20: AlexNet fc6 0.336 ms against
-      split-K's 0.614, fc7 0.160 against 0.280; at batch 32 split-K won);
-    * 3x3 stride 1 with H >= 56, 64 <= C <= 256 and K >= 128 (VGG-16 conv2_x and conv3_x: conv3_2 1.05
-      against Winograd's 1.51 ms; GoogLeNet conv2 0.245 against 0.306; all 6 such layers faster).
+    * fully-connected, batch >= 128, reduction >= 4096: the GEMM is large enough for the tensor
+      cores to beat split-K (at smaller batches split-K wins);
+    * 3x3 stride 1 with H >= 56, 64 <= C <= 256 and K >= 128 (VGG's and GoogLeNet's wide early
+      layers), where it beats Winograd.
 
-    Not on smaller 3x3 layers, though 3xTF32 ran 9 of 10 with 8 <= H <= 16 and C >= 112 faster than
-    Winograd (AlexNet conv3 N128 0.386 against 0.453 ms): `convforge run`'s calibration tightened
-    them back (NIN conv3, GoogLeNet 4b-4d, ResNet-50 res4b), where the exact fallback is slower
-    than Winograd was; 3xTF32's 4.7e-7 costs a network's logits more than Winograd's 2-4e-6 (likely,
-    not measured: errors of one sign, from the tensor core's truncating sums, add up across layers).
-    * 1x1 stride 1 with C >= 256, K >= 256 and N*P*Q <= 32768 (:func:`x3_pointwise`; since round 33 at
-      gemm1x1's rank, below 3xFP16 restarted every k step), its sums promoted every stage: 20 of 23 of those
-      with K >= 128 ran faster than gemm1x1 (round 21: NIN cccp4 0.054 against 0.112 ms). Round 21 left them
-      out: promoted every 2 stages (4.6e-7), they made `convforge run`'s calibration tighten 7 of NIN's layers
-      and 22 of GoogLeNet's, both networks slower. Round 31 (H100, `convforge run --batch 32`, calibration's
-      one-sign order): ResNet-50 6.095 -> 5.109 ms (0 layers tightened, error ratio 1.49), NIN 1.404 -> 1.366
-      (its five such layers tightened back), GoogLeNet 3.258 -> 3.265; with K >= 128 GoogLeNet's search
-      tightened 15 layers and ran 3.523 ms.
+    Not on smaller 3x3 layers, where it is faster than Winograd too: errors of one sign (the tensor
+    core's truncating sums) add up across layers, so a network's calibration tightens them back to
+    an exact fallback slower than Winograd.
+    * 1x1 stride 1 with C >= 256, K >= 256 and N*P*Q <= 32768 (:func:`x3_pointwise`; at gemm1x1's rank,
+      below 3xFP16 restarted every k step), its sums promoted every stage: faster than gemm1x1 there;
+      promoted less often, or on narrower K, the networks' calibration tightens them back.
 
-    Below implicit GEMM on stems of fewer than 8 input channels, padded to 16-byte chunks and
-    converted whole before the GEMM (AlexNet conv1 0.978 against 0.749 ms, NIN conv1 0.267 against
-    0.193, ResNet-50 conv1 0.282 against 0.234)."""
+    Below implicit GEMM on stems of fewer than 8 input channels: padded to 16-byte chunks and
+    converted whole before the GEMM, they lose to it. The measurements: docs/NOTES-tensorcore.md,
+    "Measurements behind the code's choices"."""
     if spec.conv_pass != "fprop" or spec.dtype != "float32" or spec.layout != "nchw" or spec.groups != 1:
         return None
     if spec.c < 8:
@@ -109,7 +101,7 @@ def x3_rank(spec: ConvSpec) -> int | None:
     return None
 
 
-X3H_WIDE = True  # round 33: 3xFP16, restarted every k step, also first on 3x3 layers of C != K and deep 1x1 layers
+X3H_WIDE = True  # 3xFP16, restarted every k step, also first on 3x3 layers of C != K and deep 1x1 layers
 X3H_FLOPS = 2e9  # 3xFP16 over 3xTF32 from this much work: below, its two maximum steps cost more than it saves
 X3H_OVER_3XTF32 = 9  # one above 3xTF32's stated rank (8)
 
@@ -117,29 +109,20 @@ X3H_OVER_3XTF32 = 9  # one above 3xTF32's stated rank (8)
 def x3h_rank(spec: ConvSpec) -> int | None:
     """3xFP16's rank on forward float32 layers: one above 3xTF32 on the 3x3 layers where :func:`x3_rank`
     puts that first, and first (X3_LEAD_RANK + 1) on 3x3 stride-1 layers of C = K >= 64 (residual blocks' and
-    VGG's), where it ran every ResNet-suite layer faster than the fp32 class's picks (H100, round 32,
-    N32-128, 64@56² to 512@7²: 1.67x cuDNN-best FP32 against auto's 1.09x and 3xTF32's 1.16x;
-    4.6-4.9e-7 against float64) and `convforge run --net resnet50` kept every one (0 layers
-    tightened, 5.109 -> 4.263 ms). Not on 3x3 / 5x5 layers of C < K (Inception's, NIN's): with them
-    first, GoogLeNet's calibration tightened all 18 back to implicit_gemm (3.27 -> 4.33 ms) and NIN's
-    its two 3x3 layers (1.37 -> 1.69 ms): errors of one sign (the tensor core's truncating sums, as
-    3xTF32's) add up there where Winograd's cancel. One above 3xTF32's stated rank (so where 3xTF32 was
-    the pick) on layers outside Winograd's 3x3 and 1x1 of at least :data:`X3H_FLOPS` (5x5, 1x7 / 7x1,
-    dilated and strided 3x3; H100, round 32, fp32 class against auto: MEC cv4 8.82 -> 5.19 ms, cv5
-    0.563 -> 0.343, Inception-v3's 1x7 768 -> 192 0.249 -> 0.154, dilated 3x3 512 0.90 -> 0.53, 3x3/2
-    256@28² 0.115 -> 0.084; slower on Boda's N5 layers of 0.1-1.8 GFLOP, GoogLeNet's 5x5 0.027 -> 0.035,
-    where the two maximum steps and their launches outweigh the GEMM's gain;
-    docs/results/layers-fprop-{mec,unseen,boda}-3xf16-2026-11-27-r32-h100.json). Below 3xTF32 on stems
-    and fully-connected layers, and below every TF32 variant (the relaxed class admits 3xFP16 too).
+    VGG's), where it is faster than the fp32 class's picks and its error (about 5e-7) keeps every such
+    layer through a network's calibration. Not on 3x3 / 5x5 layers of C < K (Inception's, NIN's)
+    without the restart below: errors of one sign (the tensor core's truncating sums, as 3xTF32's)
+    add up there where Winograd's cancel, and calibration tightens them back to something slower.
+    One above 3xTF32's stated rank (so where 3xTF32 was the pick) on layers outside Winograd's 3x3
+    and 1x1 of at least :data:`X3H_FLOPS` (5x5, 1x7 / 7x1, dilated and strided 3x3); below that
+    much work the two maximum steps and their launches outweigh the GEMM's gain. Below 3xTF32 on
+    stems and fully-connected layers, and below every TF32 variant (the relaxed class admits 3xFP16 too).
 
-    Round 33 (:data:`X3H_WIDE`): with its sums restarted every k step (:func:`x3h_restart`, an error
-    toward zero a tenth of what promotion left) also first on 3x3 stride-1 layers of C != K, both >= 64
+    With :data:`X3H_WIDE` (sums restarted every k step, :func:`x3h_restart`: an error toward zero a
+    tenth of what promotion left) also first on 3x3 stride-1 layers of C != K, both >= 64
     (X3_LEAD_RANK + 1), and on deep 1x1 layers (:func:`x3_pointwise`: X3_LEAD_RANK, over 3xTF32, which
-    steps down to gemm1x1's 10; below gemm1x1_wgmma_tf32's 12, so the relaxed class keeps it). H100,
-    `convforge run --batch 32` (calibrated, logits within 2x PyTorch FP32's): GoogLeNet 3.17 -> 2.64 ms
-    with 0 layers tightened (round 32's try without the restart: 18), NIN 1.27 -> 1.15 (its conv3 / conv4
-    kept; its six deep 1x1 layers tightened back to gemm1x1), ResNet-50 4.46 -> 4.31, AlexNet N128 3.76 ->
-    2.61, VGG-16 10.29 -> 8.96 (docs/results/run-*-2026-11-27-r33-h100.log)."""
+    steps down to gemm1x1's 10; below gemm1x1_wgmma_tf32's 12, so the relaxed class keeps it): there
+    the networks' calibration keeps them. Measurements: docs/NOTES-tensorcore.md."""
     lead = x3_rank(spec)
     if X3H_WIDE and x3_pointwise(spec):
         return X3_LEAD_RANK
@@ -165,12 +148,8 @@ def sf16_rank(spec: ConvSpec) -> int | None:
     """Scaled FP16's rank (the relaxed class): first, over TF32, on the float32 forward layers of at
     least :data:`SF16_FLOPS` where tc_implicit_gemm_tf32 leads (8 or more input channels, not 1x1
     stride-1 layers, which gemm1x1_wgmma_tf32 reads in place); else None (its stated rank, below
-    TF32). H100, round 33, against cuDNN-best TF32 at the same error (2.6e-4 both): ResNet suite (7.4-30
-    GFLOP) 1.22x -> 1.47x, every layer faster than TF32 (512@7² N96 0.101 -> 0.087 ms); MEC 1.45x ->
-    1.73x; Inception-v3's 1x7 768 -> 192 0.116 -> 0.088 ms, dilated 3x3 512@28² 0.32-0.41 -> 0.22. Below
-    7 GFLOP the two maximum steps' reads and launches outweigh the GEMM's gain: unseen's 1.8-6.1 GFLOP
-    layers ran at 0.53-1.04x TF32's round-31 speed, Boda's N5 layers (<= 1 GFLOP) slower too
-    (docs/results/layers-{resnet,mec,unseen,boda}-relaxed-sf16-2026-11-27-r33-h100.*)."""
+    TF32). At the same error as TF32 it is faster from :data:`SF16_FLOPS` on; below, the two maximum
+    steps' reads and launches outweigh the GEMM's gain (docs/NOTES-tensorcore.md)."""
     if spec.conv_pass != "fprop" or spec.dtype != "float32" or spec.groups != 1 or spec.c < 8 or few_pixels(spec):
         return None
     if _plain_1x1(spec):
@@ -181,11 +160,8 @@ def sf16_rank(spec: ConvSpec) -> int | None:
 def x3h_restart(spec: ConvSpec) -> bool:
     """Where 3xFP16's default restarts its sums every k step (``tiles.restarted``): the layers it leads
     on by :data:`X3H_WIDE`, 3x3 stride-1 layers of C != K and deep 1x1 layers (:func:`x3_pointwise`).
-    H100, round 33, against promotion every 2 stages (the GEMM alone, non-negative activations): the
-    error toward zero 3.6-4.0e-7 -> 3.9-4.3e-8 (Winograd F(4x4)'s is -5e-8, an FP32 GEMM's 1e-10), the
-    relative error 4.7-4.9e-7 -> 1.1-2.6e-7 (docs/results/bias-3xf16-restart-2026-11-27-r33-h100.log),
-    at 1.07-1.30x the time (geomean 1.13x) on ResNet's C = K layers, which keep the promotion
-    (`convforge run` kept every one of them in round 32)."""
+    The restart cuts the error toward zero about tenfold, at some time; ResNet's C = K layers, which
+    calibration keeps anyway, keep the cheaper promotion (docs/NOTES-tensorcore.md)."""
     return X3H_WIDE and (x3_pointwise(spec) or (_unit_3x3(spec) and spec.c != spec.k))
 
 
@@ -264,8 +240,7 @@ class TcImplicitGemm(TcVariant):
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
         """First on sm_90 devices for TF32 and half layers (the relaxed class and half dtypes), except
         float32 1x1 layers of stride 1 without padding, where gemm1x1_wgmma_tf32 reads x in place and
-        was faster or equal (H100, TF32: 1024->256 @14² N32 33 against 43 us, 64->256 @56² 73 and 73,
-        Boda 832@7 and 256@27 N5 34 / 26 against 46 / 36), and float32 layers of a handful of pixels
+        is faster or equal, and float32 layers of a handful of pixels
         (:func:`~convforge.kernels.tensorcore.isa.few_pixels`: fully-connected at a small batch), where
         the CUDA-core split-K GEMMs go first; 3xTF32 by :func:`x3_rank` where measured, else at its
         stated rank (below Winograd and gemm1x1, above implicit GEMM)."""
@@ -353,9 +328,8 @@ class TcImplicitGemm(TcVariant):
         return a, b
 
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
-        """tiles.pick's tile, its operands brought by TMA where they can be (H100, FP16 and TF32,
-        ResNet layers N=32/128, kernel time of the whole plan: equal or faster on every layer
-        timed, 1.14-1.27x on 256@14 and 512@7), else by cp.async; in half precision and TF32 with
+        """tiles.pick's tile, its operands brought by TMA where they can be (never slower than
+        cp.async, faster on deep small layers), else by cp.async; in half precision and TF32 with
         ping-pong consumers where the tile allows them and the tiles cover the SMs (``tiles.pingpong``;
         half precision's 256 x 64 as 128 x 64 ping-pong tiles of 8 stages, ``tiles.deep_pingpong``);
         64 x 256 in half precision where A takes a narrow swizzle and K is whole 256s (``tiles.narrow_wide``)."""
@@ -436,15 +410,11 @@ class TcStemGemm(TcImplicitGemm):
     MAX_FOLDED = 64  # S C at most: a stem, not a layer whose columns would multiply the input's size
 
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
-        """Half precision: above the plain implicit GEMM (H100, round 28, FP16 channels-last, every step
-        timed: AlexNet-style 11x11/4 N128 0.432 against 0.551 ms, 7x7/2 N128 0.497 against 0.545,
-        ResNet-50's conv1 N32 0.137 against 0.149, 3x3 N128 0.698 against 0.707). TF32 (not measured:
-        its chunk of 4 channels wastes less, and x' is 4-byte) below it, in the tuner's space. Both below
-        the direct stems (tensorcore/stem.py) wherever those apply. 3xFP16 (fp32 class) below implicit_gemm:
-        H100, round 32, it tied it on most stems (NIN conv1 0.191 against 0.192 ms, ResNet-50's conv1 0.238 /
-        0.236, AlexNet's 0.301 / 0.277; MEC cv3 1.126 / 1.670) and, first, its one-sign error in the first
-        layer made `convforge run`'s calibration tighten 11 of ResNet-50's layers (4.46 -> 5.06 ms) and 8 of
-        GoogLeNet's (3.17 -> 3.46 ms) (docs/results/*-stem3xf16-2026-11-27-r32-h100.*)."""
+        """Half precision: above the plain implicit GEMM, faster on every stem measured. TF32 (not
+        measured: its chunk of 4 channels wastes less, and x' is 4-byte) below it, in the tuner's space.
+        Both below the direct stems (tensorcore/stem.py) wherever those apply. 3xFP16 (fp32 class) below
+        implicit_gemm: it ties it on most stems, and its one-sign error in the first layer makes a
+        network's calibration tighten many later layers (docs/NOTES-tensorcore.md)."""
         if device_reason(device) is not None:
             return self.specialised
         if self.x3h:  # in the tuner's space and --algo only (docstring)

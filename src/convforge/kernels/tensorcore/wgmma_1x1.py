@@ -158,8 +158,8 @@ def wg_ok(p: Params, shared_limit: int = MAX_SHARED) -> bool:
 def wg_space(m: int, n: int, shared_limit: int, direct: bool = False, units: int = 0) -> list[Params]:
     """Default first, then every valid point that does not overshoot M or N by 2x, the direct x
     path first where it applies (``direct``: stride 1, no padding). Only the swizzled layout:
-    the core-matrix one (sw=0, correct too) took 1.6-3x the GEMM time on the H200 (2026-11-23:
-    1024->256 @14², N32, 80 us against 25 us), its wgmma operand reads conflict."""
+    the core-matrix one (sw=0, correct too) takes several times the GEMM time: its wgmma operand
+    reads conflict."""
     out = [wg_default(m, n, shared_limit, direct, units)]
     for ep, xl, bn, wg, st in itertools.product(EP, XL if direct else XL[1:], (128, 256, 64, 192, 96, 160),
                                                 (1, 2), (4, 3, 5, 6)):
@@ -173,8 +173,8 @@ def wg_space(m: int, n: int, shared_limit: int, direct: bool = False, units: int
 
 def wg_default(m: int, n: int, shared_limit: int = MAX_SHARED, direct: bool = False, units: int = 0) -> Params:
     """64 x 128 per warpgroup (cuBLAS's choice for ResNet 1x1 layers), two warpgroups when M
-    fills them and their blocks give at least a quarter of the ``units`` SMs one each (H100, round
-    34, NIN's cccp7 / cccp8 at N5, 16 blocks of two: 0.031 ms, of one 0.027), 4 stages, the
+    fills them and their blocks give at least a quarter of the ``units`` SMs one each (fewer,
+    larger blocks leave SMs idle on small layers), 4 stages, the
     swizzled layout; x read directly where ``direct`` allows it."""
     bn = 128 if n > 64 else 64
     wide = m >= 128 and 4 * cdiv(n, bn) * cdiv(m, 128) > units
@@ -477,14 +477,11 @@ class Gemm1x1WgmmaTF32(Variant):
 
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
         """Above gemm1x1_tf32 where x is read in place (stride 1, no padding) or C and K are both
-        >= 256; below it elsewhere. Measured (H200, N32, weights cached, 2026-11-23) with the
-        transpose pass and accumulator stores: 1024->256 @14² 45 us against 56 (GEMM 25 +
-        transpose 20), 512->2048 @7² 38 against 56, but 256->64 @56² 106 against 58 (transpose
-        63) and 64->256 @56² 115 against 103 (GEMM 97: store-bound). xl=direct removes the
-        transpose (GEMM alone: 25, 29, 43 us) and ep=smem makes the stores coalesced float4 rows,
-        so all four should win; predicted, not yet measured (scripts/gpu_wgmma.py --time). Below
-        gemm1x1_splitk on a handful of pixels (isa.few_pixels: Boda's fc7 / fc8 at N5 0.42x / 0.40x
-        cuDNN-best TF32 here)."""
+        >= 256; below it elsewhere: with the transpose pass and accumulator stores it lost on
+        shallow layers of large images (store-bound). xl=direct removes the transpose and ep=smem
+        makes the stores coalesced float4 rows, so all should win; predicted, not yet measured
+        (docs/NOTES-wgmma.md). Below gemm1x1_splitk on a handful of pixels (isa.few_pixels: a
+        weight stream)."""
         if few_pixels(spec):
             return 10  # below gemm1x1_splitk (11): a weight stream (isa.few_pixels)
         if direct_applies(spec) or (spec.c >= 256 and spec.k >= 256):

@@ -62,14 +62,12 @@ def geometry(spec: ConvSpec, cp: int) -> Geometry:
     return Geometry(spec.c, spec.h, spec.w, cp, spec.r, spec.s, spec.p, spec.q, (dh, dw), (sh, sw), pt, pl, padded)
 
 
-# The split's cost model (H100, round 22, ResNet N=32 wgrad, TF32 128 x 64 tiles: 256@14² ran its GEMM at
-# ~1.9 TFLOPS per SM, about half the dense peak; FP16 at twice the rate): block tiles in waves over the SMs,
-# plus the partials' round trip (written by the GEMM, read by the reduce) and the reduce's launch.
+# The split's cost model: block tiles in waves over the SMs at a measured GEMM rate per SM (TF32 about
+# half the dense peak, FP16 twice TF32), plus the partials' round trip (written by the GEMM, read by the
+# reduce) and the reduce's launch.
 SM_FLOPS = {4: 1.9e12, 2: 3.8e12}
-# Block-tile efficiencies of wgrad's GEMM (tiles.TILE_EFFICIENCY's form): TF32 128 x 64 ran 1.31-1.45x
-# slower than 128 x 128 at the same split (H100, round 29, VGG-16 N16 256@56, 512@28, 512@14), below
-# the forward sweeps' 0.8, and 256 x 64 (4 stages) 1.15x slower than 128 x 64 on 64@224 N16; half as
-# measured for the forward pass.
+# Block-tile efficiencies of wgrad's GEMM (tiles.TILE_EFFICIENCY's form): narrow TF32 tiles lose more here
+# than in the forward pass (wgrad's long reductions), so 128 x 128 leads; half as for the forward pass.
 EFFICIENCY = {4: {(128, 64): 0.7, (256, 64): 0.6, (128, 128): 1.0}, 2: tiles.TILE_EFFICIENCY[2]}
 PART_BYTES_PER_S = 2.5e12
 REDUCE_S = 3e-6
@@ -101,16 +99,13 @@ def split(cfg: TileConfig, math: Math, prob: Problem, units: int) -> int:
 
 
 def x3h_first(spec: ConvSpec) -> bool:
-    """3xFP16 wgrad first on float32 layers where it ran ahead of the fp32 class's picks (H100, round
-    32, bench time with every step; docs/results/*-r32-h100.*):
+    """3xFP16 wgrad first on float32 layers where it runs ahead of the fp32 class's picks at FP32-grade
+    error (docs/NOTES-wgrad.md):
 
-    * 3x3 of C, K >= 64: every ResNet-suite layer, N32-128, 1.60x cuDNN-best FP32 against auto's 1.17x
-      and 3xTF32's 1.11x, 4.6-4.9e-7; ResNet-50's 3x3/2 too (512@14² 0.088 ms against cuDNN-best FP32's 0.255);
-    * 1x1 of at most 28 x 28 input pixels and C K >= 2^17 (ResNet-50 N32: 1024->256 @14² 0.079 against
-      wgrad_gemm1x1's 0.132 ms, 2048->512 @7² 0.048 / 0.130, 512->256 @28² 0.146 / 0.201, 512->1024 /2 @28²
-      0.144 / 0.208); behind at 56² (256->64 0.204 / 0.104, 256->512 /2 0.231 / 0.201) and even at
-      128->512 @28² (0.117 / 0.119);
-    * 7x7 stems (ResNet-50's conv1: 0.241 against 0.435 ms)."""
+    * 3x3 of C, K >= 64, strided too;
+    * 1x1 of at most 28 x 28 input pixels and C K >= 2^17: deep, small images (on larger images or
+      fewer channels wgrad_gemm1x1 stays ahead);
+    * 7x7 stems."""
     if spec.dtype != "float32" or spec.groups != 1:
         return False
     if (spec.r, spec.s) == (3, 3):
@@ -160,8 +155,7 @@ class TcWgrad(TcVariant):
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
         """The block tile and split with the least modelled time together (:func:`split_cost` over
         tiles.shapes: the split repairs the last wave that steers tiles.pick to narrow tiles, so
-        wide ones win here; H100, VGG-16 N16 TF32: 128 x 128 1.31-1.45x faster than 128 x 64 on
-        256@56, 512@28 and 512@14), the operands by TMA where they can be."""
+        wide ones win here), the operands by TMA where they can be."""
         math, prob = self.math(spec), self.problem(spec)
         split_of = [self._split(c, spec, device) for c in tiles.shapes(math, prob, self.limit(device))]
         cfg = min(split_of, key=lambda c: split_cost(c.ks, c, math, prob, device.units))

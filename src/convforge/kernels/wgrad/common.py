@@ -71,11 +71,9 @@ def pick_split(tiles: int, threads: int, red: int, device: DeviceInfo, part_byte
     GPUs the fewest splits that give ``waves`` waves of blocks (a wave: as many blocks per compute
     unit as fit at ~128 registers per thread) and keep each running sum within ``accurate`` terms,
     no split shorter than MIN_SLICE terms and no more than WORKSPACE_CAP of partial results
-    (``part_bytes`` per split); on CPUs only the accuracy bound. H100, ResNet layers at N32 (split
-    sweeps, now `convforge bench --pass wgrad --sweep`): the long GEMM reductions were fastest at 1-2
-    waves, the
-    Winograd update's short tile reductions at about half a wave (more slices add M traffic and
-    per-block overhead)."""
+    (``part_bytes`` per split); on CPUs only the accuracy bound. Long GEMM reductions run fastest
+    at 1-2 waves, the Winograd update's short tile reductions at about half a wave (more slices add
+    M traffic and per-block overhead; split sweeps in docs/NOTES-wgrad.md)."""
     offered = splits(red)
     if part_bytes:
         offered = [ks for ks in offered if ks == 1 or ks * part_bytes <= WORKSPACE_CAP] or [1]

@@ -166,10 +166,8 @@ class _WgradGemm(Variant):
 
     def _prefer(self, spec: ConvSpec, device: DeviceInfo) -> tuple[tuple[int, int, int, int, int], ...]:
         """128 x 64 x 16 tiles (8 x 8 per thread) where M = K/groups exceeds 64, else 64 x 128 x 8:
-        split-K (not smaller tiles) fills the GPU. H100, N32, the defaults' splits: 128 x 64 x 8
-        34 TFLOPS on ResNet 128@28², 256@14², 512@7² and 3x3/2 64>128@56² against 24-29 for
-        128 x 128, and 16-deep slices 3-15 % faster again (128@28², 1x1 64>256@56², 1x1/2
-        256>512@56², 3x3/2 64>128@56²); 64 x 128 x 8 the fastest tile at 64@56² (28.7)."""
+        split-K (not smaller tiles) fills the GPU; 128 x 64 beats 128 x 128 there, and 16-deep
+        slices beat 8-deep ones (docs/NOTES-wgrad.md)."""
         m, n, _ = self._mnk(spec)
         if not device.is_gpu or n < 64:
             return ()

@@ -55,13 +55,9 @@ from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
 from convforge.spec import ConvSpec
 
-# Relative L2 error measured on PoCL at the GPU defaults' splits, ResNet layers at N = 2-16
-# and on the H100 at N32 and N128 (`convforge bench --pass wgrad` times the same calls): what the
-# precision rule states before a
-# layer is tuned. F(3x3, 2x2) measured 3-9e-7, F(3x3, 4x4) 1.6-4.0e-6: both fp32-grade. F(4x4)'s
-# error grows with the tiles one running sum adds: H100, 64@56² N32 2.6e-6 at 98 tiles, 3.0e-6 at
-# 196, 4.0e-6 at 392 (also 128@28² N32 and 64@56² N128), 5.5e-6 at 784, 7.8e-6 at 1568; so the
-# defaults keep a running sum within _SLICE tiles.
+# Relative L2 error at the GPU defaults' splits on ResNet layers: what the precision rule states
+# before a layer is tuned (both fp32-grade; docs/NOTES-wgrad.md). F(4x4)'s error grows with the tiles
+# one running sum adds, so the defaults keep a running sum within _SLICE tiles.
 _EXPECTED = {2: 5e-7, 4: 2.5e-6}
 _TOLERANCE = {2: 1e-5, 4: 2e-5}
 _SLICE = {2: 2048, 4: 400}
@@ -131,10 +127,10 @@ class WgradWinograd(Variant):
 
     # -- parameters ------------------------------------------------------------------------
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
-        """The SGEMM default tile for K x C (128 x 64 where K > 64: H100, F(4x4) at 256@14² and
-        512@7² N32, 6-7 % faster than 128 x 128), the tile reduction split by :func:`pick_split`
-        into half a wave (H100, N32: the best split of every ResNet layer was within 2x of it)
-        with running sums within _SLICE tiles; transforms in blocks of 256 threads (64 on CPUs)."""
+        """The SGEMM default tile for K x C (128 x 64 where K > 64, a little faster than 128 x 128),
+        the tile reduction split by :func:`pick_split` into half a wave (near the best split on
+        every layer swept) with running sums within _SLICE tiles; transforms in blocks of 256
+        threads (64 on CPUs)."""
         t4 = self._t4(spec)
         prefer = ((128, 64, 8, 8, 8),) if device.is_gpu and spec.k > 64 and spec.c >= 64 else ()
         p = gemm_default(spec.k, spec.c, t4, device, True, True, "k", "k", prefer=prefer)
@@ -257,7 +253,7 @@ class WgradWinograd(Variant):
         """dW[k][c] = A^T (sum of the ks slices of M) A, the slices added in order. Thread idx owns
         (k, c) = idx; the block's 9 x tb results are contiguous in dW, so they go through shared
         memory and out as 9 coalesced rows (stored straight, each thread's 9 floats 36 bytes
-        apart took 27 of the plan's 110 us at 512@7² N32 on the H100)."""
+        apart, the stores took a quarter of the plan's time)."""
         at = update_transform(self.m)[0]
         a, a2, kc = self.m + 2, self._a2(), spec.k * spec.c
         code = Code()

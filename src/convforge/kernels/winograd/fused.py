@@ -239,9 +239,9 @@ class WinogradFused(Variant):
         return expected_error(self.m, spec.r, spec.s)
 
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
-        """F(4x4) first on GPUs above 32x32 outputs (H200: ResNet 64@56², N32-128, its default
-        beats fused F(2x2) and non-fused F(4x4) defaults); F(2x2) otherwise, and for one image
-        (H200, 64@56² N=1: 22.8 us against F(4x4)'s 27.0, at a sixth of its error)."""
+        """F(4x4) first on GPUs above 32x32 outputs (its default beats fused F(2x2) and non-fused
+        F(4x4) defaults there); F(2x2) otherwise, and for one image (faster there too, at a sixth
+        of F(4x4)'s error)."""
         if self.m == 4 and device.is_gpu and spec.p * spec.q > 32 * 32 and spec.n > 1:
             return 10
         return self.specialised
@@ -290,7 +290,7 @@ class WinogradFused(Variant):
                     dict(bk=32, bn=32, bc=4, lk=4, ln=8, groups=8)]
         else:
             # Default: 4 warps x 9 elements (144 accumulators, 255 registers), 2 blocks per SM
-            # (H200: fastest F(4x4) point on all 8 ResNet layers measured, 1.2-1.5x the 6-warp one).
+            # (the fastest F(4x4) point on every ResNet layer measured, ahead of the 6-warp one).
             base = [dict(bk=32, bn=16, bc=8, lk=8, ln=4, groups=4),
                     dict(bk=32, bn=16, bc=4, lk=8, ln=4, groups=4),
                     dict(bk=32, bn=16, bc=4, lk=8, ln=4, groups=6),
@@ -298,8 +298,8 @@ class WinogradFused(Variant):
                     dict(bk=16, bn=32, bc=4, lk=4, ln=8, groups=6),
                     # 45 KB: fits OpenCL GPUs' 48 KB local memory (255 registers, 64 threads)
                     dict(bk=16, bn=16, bc=4, lk=4, ln=4, groups=4)]
-        # Raw filters transformed in the loop (fl=1) first (H200: 7-15% faster than fl=0 at
-        # 64x32x8); the pre-transformed layout (fl=0) only where it does not spill (the
+        # Raw filters transformed in the loop (fl=1) first (faster than fl=0: fewer bytes to load);
+        # the pre-transformed layout (fl=0) only where it does not spill (the
         # 9-element F(4x4) points need fl's fewer registers).
         # Then cp.async staging (sm_80+; a plain copy elsewhere): ca = the pre-transformed filters
         # (no prefetch registers, no transform in the loop), ci = the raw input windows (no
@@ -323,8 +323,8 @@ class WinogradFused(Variant):
 
     def _split_points(self, g: Geometry, device: DeviceInfo, base: list[Params]) -> list[Params]:
         """Split-C points (``ks``), after all unsplit ones so defaults stay as they are: on GPUs
-        for a few points whose unsplit grid has fewer than three blocks per compute unit (H200:
-        F(2x2) 256@14^2 N32 ks=2 1.19x faster than unsplit; N64 has 392 blocks), with
+        for a few points whose unsplit grid has fewer than three blocks per compute unit (there a
+        split fills the GPU), with
         ks in (2, 4, 8) leaving every slice at least two stages; on CPUs for the first two
         points (there to exercise the path, small tiles fill a CPU anyway)."""
         units = max(device.units, 1)

@@ -68,9 +68,8 @@ from convforge.spec import ConvSpec
 
 MAX_ALPHA = 9
 GemmGen = Callable[..., Kernel]  # gemm_kernel's signature: (name, shape, p, a, b, c, args, prelude, ...)
-# H200, F(7x7) with split transforms, every fast sgemm tile timed (docs/NOTES-winograd.md, round 7):
-# 64 x 64 x 16 with 8 x 8 per thread (64 threads) was fastest or within 3 % at 64@56² and 128@28²,
-# N32-N128; 64 x 96 with 8 x 12 wins where the GEMM has 96 columns (512@7² N96: 0.159 against 0.208 ms).
+# F(7x7) with split transforms (docs/NOTES-winograd.md): 64 x 64 x 16 with 8 x 8 per thread (64 threads)
+# is fastest or close on large images; 64 x 96 with 8 x 12 where the GEMM has 96 columns (no idle columns).
 _SMALL_TILE = (64, 64, 16, 8, 8)
 _N96_TILE = (64, 96, 8, 8, 12)
 _TRANSFORM_KEYS = ("so", "xi", "xo", "xt", "lo")  # non-GEMM choices a GPU space point inherits from the default
@@ -136,13 +135,11 @@ class WinogradNonFused(Variant):
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
         """On GPUs, for 3x3 layers of at most 64x64 outputs and N >= 16: F(7x7) first where its
         multiplications (81/49 per output, times the padding to whole tiles) are under 0.8 of
-        F(4x4)'s (H200, defaults with staged stores: 6-31 % less time than F(4x4) on all 8 ResNet
-        layers timed, N32 and N128); else F(4x4) for outputs of at most 32x32 with >= 64 tiles:
-        there its defaults (split GEMM included) beat every fused default (ResNet 128@28² to 512@7²,
-        N32-128; Boda 3x3 at N5); with fewer tiles and C >= 128 (ResNet 128@28² to 512@7² at N=1)
-        F(2x2), whose split GEMM fills the GPU where the fused kernel's few blocks each run a long
-        channel loop (H200 database, N=1: 26-40 us against fused F(2x2)'s 40-137 us); bigger images
-        stay with fused F(4x4), small ones with few channels with fused F(2x2)."""
+        F(4x4)'s (fewer multiplications, less time); else F(4x4) for outputs of at most 32x32 with
+        >= 64 tiles: there its defaults (split GEMM included) beat every fused default; with fewer
+        tiles and C >= 128 F(2x2), whose split GEMM fills the GPU where the fused kernel's few blocks
+        each run a long channel loop; bigger images stay with fused F(4x4), small ones with few
+        channels with fused F(2x2) (docs/NOTES-winograd.md)."""
         if not (device.is_gpu and (spec.r, spec.s) == (3, 3)):
             return self.specialised
         if (self.m == 7 and spec.p * spec.q <= 64 * 64 and spec.n >= 16
@@ -167,12 +164,10 @@ class WinogradNonFused(Variant):
 
     # -- parameters -------------------------------------------------------------------------
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
-        """On GPUs the batched GEMM from the shared generator (``gemm="sgemm"``): on the H200 it beat
-        the family's own kernel on every layer timed (F(4x4), N32 64@56²: 0.116 against 0.127 ms;
-        256@14²: 0.131 against 0.184; N5 832@7²: 0.099 against 0.255). On CPUs the own kernel's
-        small tile, which compiles quickly on PoCL. Unsplit GEMMs over >= 128 channels take 16-deep
-        slices (H200, F(4x4), bk=16 against 8: 2-4 % faster at 128@28² N32/N128, 256@14² N64/N128,
-        512@7² N128; 2-5 % slower split or at C=64)."""
+        """On GPUs the batched GEMM from the shared generator (``gemm="sgemm"``), which beats the
+        family's own kernel on every layer timed. On CPUs the own kernel's small tile, which
+        compiles quickly on PoCL. Unsplit GEMMs over >= 128 channels take 16-deep slices (a little
+        faster there; slower split or at C=64)."""
         if not device.is_gpu:
             return self._stores(spec, self.own_default(spec, device))
         space = self.sgemm_space(spec, device)
@@ -191,8 +186,8 @@ class WinogradNonFused(Variant):
     def _small_default(self, spec: ConvSpec, device: DeviceInfo) -> Params | None:
         """For alpha >= 8 with at least 64 GEMM columns: the 64 x 64 x 16 tile unsplit, or for a
         column count that is a multiple of 96 but not of 64 the 64 x 96 tile in 2 channel slices
-        (H200, round 7: each tile's splits were slower, except 64 x 96 at 512@7² N96: ks=2 0.159,
-        unsplit 0.18 ms); with split transforms. None where this rule does not apply."""
+        (each tile's splits were slower, except 64 x 96's); with split transforms. None where this
+        rule does not apply."""
         t = Geometry(spec, self.m).tiles
         if not self._big_alpha(spec) or t < 64:
             return None
@@ -216,21 +211,17 @@ class WinogradNonFused(Variant):
 
     def _half_default(self, spec: ConvSpec) -> bool:
         """hf=1 (half-transformed filters, :meth:`_half_operand`) by default where U dwarfs the
-        GEMM's other operand: alpha >= 8 (H is s/alpha of U) and at most 64 GEMM columns. H200,
-        F(7x7) defaults: 512@7² N32 0.105 -> 0.098 ms (0.083 with ks=2), N64 0.144 -> 0.134
-        (0.123 with ks=1); N96 and N128 unchanged, 256@14² N32 +4 % (-6 % with ks=2), N64 and
-        N128 11-18 % slower, F(4x4) slower everywhere. (The same alpha >= 8 defaults take the
-        split transforms xi=1, xo=1 of split.py: H200, F(7x7), 1-10 % less time on all 16 ResNet
-        layers, none slower.) The same layers take lo=1, the L2 order of the GEMM's blocks and the
-        transforms' tiles (H200, F(7x7) defaults: 512@7² N32 0.092 -> 0.086 ms, N64 0.120 ->
-        0.117; 3-27 % slower on every layer with more columns)."""
+        GEMM's other operand: alpha >= 8 (H is s/alpha of U) and at most 64 GEMM columns; with more
+        columns, or at F(4x4), it is slower. (The same alpha >= 8 defaults take the split
+        transforms xi=1, xo=1 of split.py, never slower.) The same layers take lo=1, the L2 order of
+        the GEMM's blocks and the transforms' tiles, which loses on layers with more columns
+        (docs/NOTES-winograd.md)."""
         return self._big_alpha(spec) and Geometry(spec, self.m).tiles <= 64
 
     def _stores(self, spec: ConvSpec, p: Params) -> Params:
         """``p`` with so=1 (output tiles stored through shared memory, staged.py) unless each
-        tile row is one aligned vector store (m = 2 or 4 and Q a multiple of m). H200, defaults:
-        F(7x7) 8-27 % less time with so=1 on ResNet, F(4x4) 2-6 % at 7x7 and 14x14, F(4x4) at 28x28
-        and 56x56 (float4 rows) 0.5-3 % slower."""
+        tile row is one aligned vector store (m = 2 or 4 and Q a multiple of m), where staging only
+        adds shared-memory traffic."""
         if p.get("xo"):
             return p
         return p if self.m in (2, 4) and spec.q % self.m == 0 else p.replace(so=1)
@@ -320,8 +311,8 @@ class WinogradNonFused(Variant):
 
     def _gemm_tiles(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
         """The sgemm points worth timing on a GPU: register prefetch with double buffering and the
-        widest global loads the operands allow (every other pipeline or load width lost on the
-        H200 wherever it was timed, docs/NOTES-winograd.md rounds 4-6)."""
+        widest global loads the operands allow (every other pipeline or load width lost wherever
+        it was timed, docs/NOTES-winograd.md)."""
         pts = self.sgemm_space(spec, device)
         va, vb = max(p.va for p in pts), max(p.vb for p in pts)
         return [p for p in pts if p.pf and p.db and p.va == va and p.vb == vb]

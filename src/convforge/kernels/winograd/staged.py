@@ -6,8 +6,8 @@ of m (no vector row stores), a warp's store touches ~m times the sectors it need
 thread writes its tile to shared memory (rows at an odd stride: conflict free), then the block
 stores all its tiles together, element l = lid + e * tb in (row i, tile, column j) order:
 consecutive threads write consecutive columns of consecutive tiles, runs of an output row, which
-coalesce. (The same staging of the input transform's loads was measured slower on the H200 at
-every ResNet layer and is not offered: those loads hit L1, the extra shared-memory traffic costs.)
+coalesce. (The same staging of the input transform's loads is not offered: it was slower on every
+layer measured, since those loads hit L1 and the extra shared-memory traffic costs.)
 """
 
 from __future__ import annotations
