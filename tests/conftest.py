@@ -8,6 +8,12 @@ import pytest
 
 from convforge.plan import DeviceInfo
 
+# PoCL compiles each kernel's work-group function through LLVM's -O3 pipeline when it first runs, and
+# on a cold cache (CI: a fresh machine) that is most of the suite's time: a third as long without the
+# optimiser. The tests check what the kernels compute, on shapes too small for speed to matter; set
+# POCL_EXTRA_BUILD_FLAGS (even to "") to test the optimised build.
+os.environ.setdefault("POCL_EXTRA_BUILD_FLAGS", "-cl-opt-disable")
+
 NOMINAL_CUDA = DeviceInfo("cuda", "nominal sm_90", cc=(9, 0), shared_optin_bytes=227 * 1024, units=132)
 NOMINAL_OPENCL_GPU = DeviceInfo("opencl", "nominal OpenCL GPU", units=132)
 
