@@ -30,6 +30,20 @@ def ocl():
     return get_backend("opencl")
 
 
+@pytest.fixture
+def poisoned(ocl, monkeypatch):
+    """Every buffer the back-end allocates from now on starts as NaN (outputs, workspace)."""
+    real = ocl.empty
+
+    def empty(nbytes):
+        buf = real(nbytes)
+        ocl.fill(buf, float("nan"), max(nbytes, 4))
+        return buf
+
+    monkeypatch.setattr(ocl, "empty", empty)
+    return ocl
+
+
 @pytest.fixture(scope="session")
 def cuda():
     """The CUDA back-end; GPU-tier tests skip with this reason when there is no CUDA device."""

@@ -16,20 +16,6 @@ from convforge.spec import ConvSpec, conv_args, conv_padding
 TOL = 1e-5
 
 
-@pytest.fixture
-def poisoned(ocl, monkeypatch):
-    """Every buffer the back-end allocates from now on starts as NaN (outputs, workspace)."""
-    real = ocl.empty
-
-    def empty(nbytes):
-        buf = real(nbytes)
-        ocl.fill(buf, float("nan"), max(nbytes, 4))
-        return buf
-
-    monkeypatch.setattr(ocl, "empty", empty)
-    return ocl
-
-
 def _ref(x, w, b, stride, pad, dilation, groups=1, mode="zeros"):
     """The float64 answer: the padded input (pad_ref's index rules) convolved without padding."""
     x4 = x[None] if x.ndim == 3 else x

@@ -22,20 +22,6 @@ SPECS = ODD_SPECS + [
 ]
 
 
-@pytest.fixture
-def poisoned(ocl, monkeypatch):
-    """Every buffer the back-end allocates from now on starts as NaN (outputs, workspace)."""
-    real = ocl.empty
-
-    def empty(nbytes):
-        buf = real(nbytes)
-        ocl.fill(buf, float("nan"), max(nbytes, 4))
-        return buf
-
-    monkeypatch.setattr(ocl, "empty", empty)
-    return ocl
-
-
 def _data(spec, seed=0):
     rng = np.random.default_rng(seed)
     x = rng.uniform(-1, 1, spec.x_shape).astype(np.float32)

@@ -18,20 +18,6 @@ from convforge.spec import transposed_geometry
 TOL = 1e-5
 
 
-@pytest.fixture
-def poisoned(ocl, monkeypatch):
-    """Every buffer the back-end allocates from now on starts as NaN (outputs, workspace)."""
-    real = ocl.empty
-
-    def empty(nbytes):
-        buf = real(nbytes)
-        ocl.fill(buf, float("nan"), max(nbytes, 4))
-        return buf
-
-    monkeypatch.setattr(ocl, "empty", empty)
-    return ocl
-
-
 # x shape, w shape (C_in, C_out/groups, R, S), stride, padding, output_padding, groups, dilation
 CASES = [
     ((1, 5, 7, 3), (5, 3, 3, 3), 2, 1, 1, 1, 1),  # N=1, primes, stride 2 with output_padding
