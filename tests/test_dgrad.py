@@ -413,3 +413,23 @@ def test_subsampled_plan_compiles_and_keeps_its_shape(nvcc_ok, name):
         assert all("x" not in getattr(s, "args", ()) for s in plan.steps[:-1])
         if (name, spec.dtype) not in SUB_SPILLS:
             assert_compiles_clean(v, spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA)
+
+
+def test_many_phases_keep_their_tensor_maps_within_the_parameter_limit():
+    """FCN-8s' 16x16 / 8 up-sampling: 64 phases. Their TMA maps would take 33,280 bytes of kernel
+    parameters (CUDA allows 32,764: NVRTC refused it); the variant falls back to cp.async operands
+    there, and a kernel over the limit is refused when it is made, not by the compiler."""
+    from convforge.codegen.dialect import PARAM_BYTES_LIMIT, Buf, Kernel, TensorMap, param_bytes
+
+    spec = ConvSpec(n=8, c=21, h=224, w=224, k=21, r=16, s=16, stride=(8, 8), pad=(4, 4, 4, 4), conv_pass="dgrad")
+    for name in ("dgrad_tc_strided_3xtf32", "dgrad_tc_strided_3xf16", "dgrad_tc_strided_tf32"):
+        v = get_variant(name)
+        assert v.applies(spec, NOMINAL_CUDA) is None, name
+        for params in [v.default(spec, NOMINAL_CUDA), *v.space(spec, NOMINAL_CUDA)[:6]]:
+            plan = v.plan(spec, params, NOMINAL_CUDA)
+            assert all(param_bytes(k.args) <= PARAM_BYTES_LIMIT for k in plan.kernels), (name, params.short())
+    tmap = TensorMap("m", "tiled", "float32", (64, 64), (256,), (32, 32))
+    assert param_bytes((Buf("x"), tmap, Buf("y"))) == 64 + 128 + 8
+    with pytest.raises(ValueError, match=r"kernel k: its 300 parameters take \d+ bytes, over the 32764"):
+        Kernel("k", tuple(TensorMap(f"m{i}", "tiled", "float32", (64, 64), (256,), (32, 32)) for i in range(300)),
+               "", (128, 1, 1))

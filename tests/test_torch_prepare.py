@@ -1,10 +1,15 @@
 """``convforge.torch.prepare``: a converted or fused model's kernels compiled on several threads before
 its first forward. On the CPU: the recording pass computes what the model computes and leaves the
-model as it was; a model in training mode is refused by name. On a GPU (tier ``gpu``): every layer's
-runner is built by ``prepare``, so the first forward compiles nothing and gives the same values."""
+model as it was; a model in training mode is refused by name; the first-call hook that ``fuse`` and
+``convert`` arm stays quiet on CPU inputs and in training, survives deepcopy and pickling. On a GPU
+(tier ``gpu``): every layer's runner is built by ``prepare``, so the first forward compiles nothing
+and gives the same values, and a model's first eval forward runs ``prepare`` by itself, once."""
 
 from __future__ import annotations
 
+import copy
+import io
+import sys
 import time
 
 import pytest
@@ -13,6 +18,8 @@ torch = pytest.importorskip("torch", reason="convforge.torch needs PyTorch (pip 
 from torch import nn  # noqa: E402
 
 from convforge.torch import convert, fuse, prepare  # noqa: E402
+
+prep_mod = sys.modules["convforge.torch.prepare"]  # the module (convforge.torch.prepare is also the function)
 
 
 class Net(nn.Module):
@@ -99,3 +106,56 @@ def _converted() -> nn.Module:
     m = _net("cuda")
     convert(m)
     return m
+
+
+def _counting_prepare(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    real = prep_mod.prepare
+
+    def counted(model, *a, **k):  # type: ignore[no-untyped-def]
+        calls.append(id(model))
+        return real(model, *a, **k)
+
+    monkeypatch.setattr(prep_mod, "prepare", counted)
+    return calls
+
+
+def test_the_first_call_hook_is_quiet_on_cpu_and_in_training(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _counting_prepare(monkeypatch)
+    model = fuse(_net())[0]  # (convert swaps only CUDA layers: its hook is tested on the GPU)
+    assert model.__dict__.get("_cf_prepare_pending") is True
+    x = torch.randn(1, 3, 7, 5)
+    with torch.no_grad():
+        model(x)  # CPU tensors: nothing to prepare
+        model.train()
+        model(x)  # training: nothing to prepare (it moves the running statistics)
+        want = model.eval()(x)
+    assert calls == [] and model.__dict__["_cf_prepare_pending"] is True
+    with torch.no_grad():
+        for m in (copy.deepcopy(model), copy.deepcopy(copy.deepcopy(model))):
+            assert m.__dict__.get("_cf_prepare_pending") is True
+            assert torch.allclose(m(x), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("how", ["fuse", "convert"])
+def test_the_first_eval_forward_prepares_itself_once(gpu, how: str, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    calls = _counting_prepare(monkeypatch)
+    ref = _net("cuda")
+    model = fuse(_net("cuda"))[0] if how == "fuse" else _converted()
+    twin = copy.deepcopy(model)
+    x = torch.randn(2, 3, 19, 17, device="cuda")
+    with torch.no_grad():
+        y = model(x)
+        model(x)
+        twin(x)
+        want = ref(x)
+    assert calls == [id(model), id(twin)]
+    assert torch.allclose(y, want, rtol=1e-4, atol=1e-4)
+    if how == "convert":  # a converted model pickles whole (the hook is a module-level function)
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=False)
+        with torch.no_grad():
+            assert torch.allclose(loaded(x), want, rtol=1e-4, atol=1e-4)

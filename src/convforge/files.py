@@ -1,5 +1,6 @@
 """Reading the files convforge is given (suites, prototxt, caffemodel, ONNX and its external data,
-tuning exports): each must be a regular file, and is read up to a size bound that the error names.
+tuning exports): each must be a regular file, and is read up to a size bound that the error names;
+and writing result files whole or not at all (:func:`write_atomic`).
 
 A FIFO, a device (``/dev/zero``), a socket or a folder is refused before a read could block or run
 on without end: the file is opened non-blocking and checked by its descriptor, so a path swapped for
@@ -9,10 +10,13 @@ more (``/proc`` files report 0) is read only to the bound plus one byte.
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 import stat
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -143,3 +147,32 @@ def parse_json(text: str | bytes, what: str) -> Any:
 
 __all__ = ["LIMITS", "InputFileError", "not_regular", "open_regular", "parse_json", "read_bounded", "read_text",
            "size_text"]
+
+
+def write_atomic(path: str | os.PathLike[str], text: str) -> Path:
+    """Write ``text`` to ``path`` through a temporary file in the same folder (flushed to disk, then
+    renamed into place), so a crash, a full disk or a second writer never leaves it half written;
+    the folder is made when missing. Returns the path."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def csv_text(fieldnames: list[str] | tuple[str, ...], rows: list[dict[str, Any]]) -> str:
+    """``rows`` as CSV text with a header line (keys outside ``fieldnames`` left out), for
+    :func:`write_atomic`."""
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(fieldnames), extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+    return buf.getvalue()

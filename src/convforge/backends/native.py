@@ -60,7 +60,8 @@ def build(stem: str, sources: Sequence[Path], command: Callable[[Path], list[str
     """The library ``<stem>-<hash>.so`` for these sources (their text is hashed, with Python's version,
     ``extra_tag`` and the command), built by ``command(output)`` if missing."""
     folder = config.cache_dir / "native"
-    probe = command(folder / "OUT")
+    probe = [arg.replace(str(folder), "<cache>") for arg in command(folder / "OUT")]  # the same library
+    # wherever the cache folder is (a copied or moved cache finds it)
     text = [src.read_text() for src in sources]
     tag = hashlib.sha256("\0".join([*text, extra_tag, sys.version, *probe]).encode())
     path = folder / f"{stem}-{tag.hexdigest()[:16]}.so"

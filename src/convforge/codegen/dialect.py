@@ -244,6 +244,12 @@ class Kernel:
     min_blocks: int = 0  # > 0: blocks per SM the compiler must leave room for (CUDA launch bound)
     cluster: int = 1  # > 1: blocks per thread-block cluster along x (CUDA sm_90 __cluster_dims__)
 
+    def __post_init__(self) -> None:
+        need = param_bytes(self.args)
+        if need > PARAM_BYTES_LIMIT:
+            raise ValueError(f"kernel {self.name}: its {len(self.args)} parameters take {need} bytes, over the "
+                             f"{PARAM_BYTES_LIMIT} a kernel may take (CUDA 12.1+ on sm_70+)")
+
     @property
     def threads(self) -> int:
         return self.block[0] * self.block[1] * self.block[2]
@@ -256,6 +262,25 @@ class Kernel:
         if len(bufs) > 1:
             raise ValueError(f"{self.name}: at most one launch-sized shared buffer")
         return bufs[0] if bufs else None
+
+
+PARAM_BYTES_LIMIT = 32764  # the most bytes of parameters a CUDA kernel takes (compilers refuse more)
+TENSOR_MAP_BYTES = 128  # a CUtensorMap, 64-byte aligned
+
+
+def param_bytes(args: tuple[Arg, ...]) -> int:
+    """Bytes a kernel's parameter list takes on CUDA: pointers (buffers, texture objects) 8, tensor
+    maps 128 at 64-byte alignment, scalars 4 or 8; constant and launch-sized shared buffers none."""
+    total = 0
+    for a in args:
+        if isinstance(a, TensorMap):
+            total = -(-total // 64) * 64 + TENSOR_MAP_BYTES
+        elif isinstance(a, Buf | TexBuf):
+            total = -(-total // 8) * 8 + 8
+        elif isinstance(a, Scalar):
+            size = 8 if a.ctype in ("long", "size_t", "double", "unsigned long long", "long long") else 4
+            total = -(-total // size) * size + size
+    return total
 
 
 def split_call(text: str, start: int) -> tuple[list[str], int]:

@@ -41,6 +41,7 @@ from torch.fx import Graph, GraphModule, Node, Tracer
 from convforge.torch.fused import FusedConv2d, PreActivation
 from convforge.torch.linear import FusedLinear
 from convforge.torch.modules import OPTIONS, Conv2d, ConvertReport, ConvTranspose2d, convert, static_reason, swapped
+from convforge.torch.prepare import prepare_on_first_call
 
 _ADDS_F = {operator.add: False, operator.iadd: True, torch.add: False}
 _ADDS_M = {"add": False, "add_": True}
@@ -76,7 +77,9 @@ def fuse(model: torch.nn.Module, **options: Any) -> tuple[torch.nn.Module, Conve
     _rewrite(graph, root, report, options)
     _fold_preactivations(graph, root, report)
     _fuse_linears(graph, root, report, options)
-    return _graph_module(root, graph, type(model).__name__), report
+    gm = _graph_module(root, graph, type(model).__name__)
+    prepare_on_first_call(gm)
+    return gm, report
 
 
 def mirror(model: torch.nn.Module) -> torch.nn.Module:

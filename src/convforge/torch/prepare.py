@@ -9,6 +9,9 @@ pool of threads (NVRTC, through CuPy, releases the GIL while it compiles), repor
 ``convforge.progress`` phase (the "convforge" logger, INFO). The first real forward on inputs of
 the same shapes finds each layer's runner built. It prepares eager inference (``model.eval()``,
 no gradients): training compiles its backward kernels on its first step.
+
+``fuse`` and ``convert`` arm :func:`prepare_on_first_call` on the model they answer, so a user's
+first eager inference forward prepares itself without knowing of ``prepare``.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ def prepare(model: torch.nn.Module, *example: Any, workers: int | None = None, *
 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"prepare() takes a torch.nn.Module, not {type(model).__name__}")
+    model.__dict__[_PENDING] = False  # prepared now: its first call need not (and the run below must not)
     training = _training_batch_norm(model)
     if training:
         raise ValueError(f"prepare() prepares inference, and batch norm {training!r} is in training mode (its "
@@ -59,6 +63,36 @@ def prepare(model: torch.nn.Module, *example: Any, workers: int | None = None, *
         with ThreadPoolExecutor(n, thread_name_prefix="convforge-prepare") as pool:
             list(pool.map(run, jobs))
     return len(jobs)
+
+
+_PENDING = "_cf_prepare_pending"
+
+
+def prepare_on_first_call(model: torch.nn.Module) -> None:
+    """Have ``model``'s first forward in eval mode on CUDA tensors run :func:`prepare` on that call's
+    inputs before it runs (a forward pre-hook; later calls pay one attribute check). A copy of the
+    model (``copy.deepcopy``) prepares on its own first call; the hook is a module-level function, so
+    the model still pickles."""
+    model.__dict__[_PENDING] = True
+    if _prepare_hook not in model._forward_pre_hooks.values():
+        model.register_forward_pre_hook(_prepare_hook, with_kwargs=True)
+    again = getattr(model, "_deepcopy_hooks", None)  # a GraphModule's deepcopy drops forward hooks and
+    if isinstance(again, list) and prepare_on_first_call not in again:  # calls these on the copy
+        again.append(prepare_on_first_call)
+
+
+def _prepare_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    if not module.__dict__.get(_PENDING) or module.training:
+        return
+    if (torch.jit.is_tracing() or torch.compiler.is_compiling()
+            or not any(isinstance(a, torch.Tensor) and a.is_cuda for a in (*args, *kwargs.values()))
+            or torch.cuda.is_current_stream_capturing()):
+        return
+    module.__dict__[_PENDING] = False
+    try:
+        prepare(module, *args, **kwargs)
+    except Exception as err:  # noqa: BLE001 - the forward itself builds each layer and reports a real problem
+        log.debug("convforge: preparing %s on its first call failed (%s)", type(module).__name__, err)
 
 
 def _training_batch_norm(model: torch.nn.Module) -> str | None:

@@ -96,6 +96,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --model --train: the mixed-precision step (autocast in that dtype, default fp16, "
                         "GradScaler for fp16, channels_last, SGD momentum) against PyTorch AMP; images/s, peak "
                         "memory, first step and a 100-step loss curve beside PyTorch's (bench/training_amp.py)")
+    parser.add_argument("--first-call", action="store_true",
+                        help="with --model: the first forward of the fused model in a new process, with an "
+                        "empty cache (cold) and with the cache the first process left (warm), in seconds")
     parser.add_argument("--devices", metavar="N|all",
                         help="with --model --train: the step also in DistributedDataParallel on N GPUs (one process "
                         "per GPU through torchrun) against one GPU: images/s, scaling, efficiency (bench/ddp.py)")
@@ -209,6 +212,14 @@ def _run_models(args: argparse.Namespace, console: Console) -> int:
     if getattr(args, "amp", None) is not None and not getattr(args, "train", False):
         raise SuiteError("--amp goes with --train: it times a mixed-precision training step (inference in half "
                          "precision: --dtype fp16|bf16)")
+    if getattr(args, "first_call", False):
+        if getattr(args, "train", False) or budget is not None or args.tune:
+            raise SuiteError("--first-call times an untuned fused model's first forward; it does not go with "
+                             "--train, --tune or --error-budget")
+        from convforge.apps.bench import first_call
+
+        return first_call.run(args.model, getattr(args, "dtype", None) or "float32", args.layout or "nchw",
+                              args.out, console)
     if getattr(args, "train", False):
         if budget is not None:
             raise SuiteError("--error-budget calibrates inference; it does not go with --train")
@@ -269,6 +280,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         return _run_models(args, console)
     if args.tune:
         raise SuiteError("--tune goes with --model (to tune a suite: convforge tune --suite NAME)")
+    if getattr(args, "first_call", False):
+        raise SuiteError("--first-call goes with --model")
     if getattr(args, "train", False):
         raise SuiteError("--train goes with --model (for one pass of a suite's layers: --pass dgrad|wgrad|all)")
     if getattr(args, "error_budget", None) is not None:

@@ -42,7 +42,6 @@ with ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` and ``NVSHMEM_DISABLE_NVLS=1``).
 from __future__ import annotations
 
 import copy
-import csv
 import json
 import os
 import shutil
@@ -57,6 +56,7 @@ from rich.console import Console
 from rich.table import Table
 
 from convforge.apps.bench import models, training
+from convforge.files import csv_text, write_atomic
 
 IMPLS = ("pytorch", "convforge", "convforge_fused")
 MODES = ("fp32", "relaxed", "fp16", "bf16")
@@ -236,11 +236,8 @@ def table(rows: list[dict[str, Any]], title: str) -> Table:
 def write(folder: Path, rows: list[dict[str, Any]]) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     env = models.environment()
-    (folder / "ddp.json").write_text(json.dumps({"env": env, "note": NOTE, "rows": rows}, indent=1))
-    with open(folder / "ddp.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=FIELDS, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
+    write_atomic(folder / "ddp.json", json.dumps({"env": env, "note": NOTE, "rows": rows}, indent=1))
+    write_atomic(folder / "ddp.csv", csv_text(FIELDS, rows))
 
 
 # -- one rank (under torchrun) ------------------------------------------------------------------------
@@ -313,7 +310,7 @@ def rank_run(specs: list[tuple[str, int]], impls: tuple[str, ...], modes: tuple[
                 if not cpu:
                     torch.cuda.empty_cache()
     if rank == 0:
-        path.write_text(json.dumps({"env": models.environment(), "rows": rows}))
+        write_atomic(path, json.dumps({"env": models.environment(), "rows": rows}))
     if world > 1:
         dist.destroy_process_group()
 

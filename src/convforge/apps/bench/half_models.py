@@ -21,7 +21,6 @@ CUDA events, warm-up first, median of repeats; converted figures exclude filter 
 from __future__ import annotations
 
 import copy
-import csv
 import json
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -31,6 +30,7 @@ from typing import Any
 from rich.console import Console
 
 from convforge.apps.bench import models as M
+from convforge.files import csv_text, write_atomic
 
 TAGS = {"float16": "fp16", "bfloat16": "bf16"}
 NOTE = ("half precision: every side gets the same float32 weights (Kaiming-normal, seed {seed}) and the input "
@@ -181,10 +181,7 @@ def run(models: list[tuple[str, int]], out: str | None, warmup: int | None, repe
         folder = Path(out)
         folder.mkdir(parents=True, exist_ok=True)
         doc = {"env": env, "notes": notes, "dtype": dtype, "classes": [precision], "tuned": tune, "rows": rows}
-        (folder / "models.json").write_text(json.dumps(doc, indent=1))
-        with open(folder / "models.csv", "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=M.FIELDS, extrasaction="ignore")
-            writer.writeheader()
-            writer.writerows(rows)
+        write_atomic(folder / "models.json", json.dumps(doc, indent=1))
+        write_atomic(folder / "models.csv", csv_text(M.FIELDS, rows))
         console.print(f"wrote {folder}/models.json, models.csv")
     return 1 if any(not str(r.get("status", "")).startswith("ok") and r["impl"] != "-" for r in rows) else 0

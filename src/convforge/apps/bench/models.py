@@ -41,7 +41,6 @@ report on); the fused rows then carry ``error_budget``, ``tightened`` (how many 
 from __future__ import annotations
 
 import copy
-import csv
 import dataclasses
 import json
 import statistics
@@ -56,6 +55,7 @@ from rich.table import Table
 
 from convforge.config import config
 from convforge.error_budget import TIGHT
+from convforge.files import csv_text, write_atomic
 
 MODELS = {"resnet18": 224, "resnet50": 224, "vgg16": 224, "googlenet": 224, "alexnet": 224, "inception_v3": 299,
           # modern CNNs: grouped (ResNeXt, RegNet) and depthwise (MobileNet, EfficientNet, ShuffleNet, ConvNeXt)
@@ -481,11 +481,8 @@ def run(specs: list[str], out: str | None, warmup: int | None, repeats: int | No
         folder = Path(out)
         folder.mkdir(parents=True, exist_ok=True)
         doc = {"env": env, "notes": notes, "classes": list(classes), "tuned": tune, "rows": rows, **extra}
-        (folder / "models.json").write_text(json.dumps(doc, indent=1))
-        with open(folder / "models.csv", "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=FIELDS + (BUDGET_FIELDS if extra else ()), extrasaction="ignore")
-            writer.writeheader()
-            writer.writerows(rows)
+        write_atomic(folder / "models.json", json.dumps(doc, indent=1))
+        write_atomic(folder / "models.csv", csv_text(FIELDS + (BUDGET_FIELDS if extra else ()), rows))
         console.print(f"wrote {folder}/models.json, models.csv")
     return 1 if any(not str(r.get("status", "")).startswith("ok") and r["impl"] != "-" for r in rows) else 0
 

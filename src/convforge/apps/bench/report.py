@@ -3,7 +3,6 @@ back-end comparison, results.json and results.csv."""
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 from collections.abc import Iterable
@@ -17,6 +16,7 @@ from rich.table import Table
 from convforge.apps.bench.baselines import BASELINE_NAMES, HALF_BASELINE_NAMES
 from convforge.apps.bench.ceilings import Ceilings
 from convforge.apps.bench.runner import Row
+from convforge.files import csv_text, write_atomic
 
 CSV_FIELDS = ("layer", "index", "pass", "impl", "backend", "algo", "precision", "time_ms", "tflops", "pct_peak",
               "workspace_bytes", "rel_err", "ok", "status", "baseline_impl", "baseline_algo",
@@ -254,21 +254,21 @@ def write_json(path: Path, env: dict[str, Any], ceilings: dict[str, Ceilings], s
     doc = {"suite": suite, "env": env, "ceilings": {k: c.to_dict() for k, c in ceilings.items()},
            "notes": notes, "precisions": classes(rows), "summary": summary(rows),
            "rows": [r.to_dict() for r in rows]}
-    path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    write_atomic(path, json.dumps(doc, indent=1, default=str) + "\n")
 
 
 def write_csv(path: Path, env: dict[str, Any], rows: list[Row]) -> None:
     """One line per layer x implementation, with the device, driver and library versions on each."""
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(CSV_FIELDS) + list(ENV_FIELDS))
-        w.writeheader()
-        for r in rows:
-            d = r.to_dict()
-            spec = d.pop("spec")
-            d.update({k: spec.get(k, "") for k in ("N", "C", "H", "W", "K", "R", "S")})
-            d["groups"] = spec.get("groups", 1)
-            d.update({k: "x".join(map(str, spec.get(k, []))) for k in ("stride", "pad", "dilation")})
-            d["dtype"] = spec.get("dtype", "float32")
-            d["pass"] = spec.get("pass", "fprop")
-            d.update({k: env.get(k, "") for k in ENV_FIELDS})
-            w.writerow({k: d.get(k, "") for k in w.fieldnames})
+    fields = list(CSV_FIELDS) + list(ENV_FIELDS)
+    lines = []
+    for r in rows:
+        d = r.to_dict()
+        spec = d.pop("spec")
+        d.update({k: spec.get(k, "") for k in ("N", "C", "H", "W", "K", "R", "S")})
+        d["groups"] = spec.get("groups", 1)
+        d.update({k: "x".join(map(str, spec.get(k, []))) for k in ("stride", "pad", "dilation")})
+        d["dtype"] = spec.get("dtype", "float32")
+        d["pass"] = spec.get("pass", "fprop")
+        d.update({k: env.get(k, "") for k in ENV_FIELDS})
+        lines.append({k: d.get(k, "") for k in fields})
+    write_atomic(path, csv_text(fields, lines))

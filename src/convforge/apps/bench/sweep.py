@@ -24,6 +24,7 @@ from rich.table import Table
 
 from convforge.apps.bench.suites import Layer, SuiteError
 from convforge.backends.base import Backend
+from convforge.files import write_atomic
 from convforge.params import Params
 from convforge.plan import Epilogue, Variant
 from convforge.spec import ConvSpec
@@ -132,7 +133,7 @@ def run_sweep(args: argparse.Namespace, layers: list[Layer], backend: Backend, p
         out.mkdir(parents=True, exist_ok=True)
         doc = {"device": backend.device.name, "backend": backend.name, "suite": args.suite, "rows": rows,
                "fastest": {k: r["params"] for k, r in best.items()}}
-        (out / "sweep.json").write_text(json.dumps(doc, indent=1) + "\n")
+        write_atomic(out / "sweep.json", json.dumps(doc, indent=1) + "\n")
         console.print(f"wrote {out}/sweep.json", markup=False)
     return 1 if failed else 0
 

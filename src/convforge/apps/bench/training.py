@@ -33,7 +33,6 @@ whether a convforge row's deviation is at most ``NOISE_SLACK`` x its class's noi
 from __future__ import annotations
 
 import copy
-import csv
 import json
 import statistics
 from collections.abc import Callable
@@ -44,6 +43,7 @@ from rich.console import Console
 from rich.table import Table
 
 from convforge.apps.bench import models
+from convforge.files import csv_text, write_atomic
 
 SEED = 0
 LR = 1e-3
@@ -317,15 +317,10 @@ def write(folder: Path, env: dict[str, Any], notes: list[str], classes: tuple[st
     folder.mkdir(parents=True, exist_ok=True)
     doc = {"env": env, "notes": notes, "classes": list(classes), "tuned": tune, "steps": STEPS, "lr": LR,
            "momentum": MOMENTUM, "rows": rows}
-    (folder / "train.json").write_text(json.dumps(doc, indent=1, default=str))
-    with open(folder / "train.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
+    write_atomic(folder / "train.json", json.dumps(doc, indent=1, default=str))
+    write_atomic(folder / "train.csv", csv_text(FIELDS, rows))
     curves = [(f"{r['model']}:{r['batch']}:{r['impl']}:{r.get('precision', '')}", r["loss_curve"])
               for r in rows if r.get("loss_curve")]
-    with open(folder / "train_losses.csv", "w", newline="") as f:
-        writer2 = csv.writer(f)
-        writer2.writerow(["step", *(name for name, _ in curves)])
-        for i in range(max((len(c) for _, c in curves), default=0)):
-            writer2.writerow([i + 1, *(c[i] if i < len(c) else "" for _, c in curves)])
+    steps = [{"step": i + 1, **{name: c[i] if i < len(c) else "" for name, c in curves}}
+             for i in range(max((len(c) for _, c in curves), default=0))]
+    write_atomic(folder / "train_losses.csv", csv_text(["step", *(name for name, _ in curves)], steps))

@@ -31,6 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 from convforge.apps.bench import models, training
+from convforge.files import write_atomic
 
 STEPS = 100
 NOISE_SLACK = 2.0
@@ -179,7 +180,7 @@ def run(specs: list[str], dtype_name: str, out: str | None, warmup: int | None, 
     if out:
         folder = Path(out)
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / "train_amp.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1, default=str))
+        write_atomic(folder / "train_amp.json", json.dumps({"env": env, "rows": rows}, indent=1, default=str))
         console.print(f"wrote {out}/train_amp.json")
     failed = any(not str(r.get("status", "")).startswith("ok") and r["impl"] != "-" for r in rows)
     return 1 if failed or any(r.get("within_noise") is False for r in rows) else 0

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from convforge.config import PRECISIONS, config
+from convforge.files import write_atomic
 
 IMPORT_ERROR: ImportError | None = None  # what running a network needs and cannot import (cli says so)
 try:  # not needed to list the options: `convforge run -h` works without it
@@ -293,7 +294,7 @@ def _write(out: Path, res: dict[str, Any]) -> None:
     cls = ("-relaxed" if res.get("precision") == "relaxed" else "") + (
         "" if res.get("dtype", "float32") == "float32" else f"-{res['dtype']}")
     name = re.sub(r"[^\w.-]", "_", f"run-{res['net']}-n{res['batch']}-{res['backend']}{cls}.json")
-    (out / name).write_text(json.dumps({**res, "summary": summary_line(res)}, indent=1) + "\n")
+    write_atomic(out / name, json.dumps({**res, "summary": summary_line(res)}, indent=1) + "\n")
 
 
 def _calibrate(console: Any, net: Any, budget: float, seed: int, limit: int | None, reference: str) -> Any:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from convforge.files import write_atomic
 from convforge.params import Params
 from convforge.plan import Epilogue, Variant
 from convforge.spec import ConvSpec
@@ -124,7 +125,7 @@ def write_report(folder: str | Path, doc: dict[str, Any]) -> list[Path]:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     written = [folder / "report.json"]
-    written[0].write_text(json.dumps(_clean(doc), indent=1, default=_jsonable))
+    write_atomic(written[0], json.dumps(_clean(doc), indent=1, default=_jsonable))
     try:
         import matplotlib
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from convforge.codegen.dialect import Buf, Dim3, Kernel
+from convforge.codegen.dialect import PARAM_BYTES_LIMIT, TENSOR_MAP_BYTES, Buf, Dim3, Kernel
 from convforge.codegen.meta import Code, cdiv
 from convforge.kernels import register
 from convforge.kernels.dgrad.baseline import no_epilogue
@@ -236,7 +236,13 @@ class TcDgradStrided(TcVariant):
         return tma.with_tma(cfg, lambda t: self.tma_reason(spec, t)) if tm else cfg
 
     def tma_reason(self, spec: ConvSpec, cfg: TileConfig) -> str | None:
-        """Why some phase's operands cannot come by TMA with tile ``cfg``, or None."""
+        """Why some phase's operands cannot come by TMA with tile ``cfg`` (or their tensor maps
+        would not fit in the kernel's parameters: stride 8 has 64 phases), or None."""
+        busy = sum(not ph.empty for ph in phases(spec))
+        need = busy * (2 * len(self.math(spec).parts) * TENSOR_MAP_BYTES + 8)
+        if need > PARAM_BYTES_LIMIT:
+            return (f"{busy} phases' tensor maps take {need} bytes of kernel parameters, over the "
+                    f"{PARAM_BYTES_LIMIT} allowed")
         for ph in phases(spec):
             if not ph.empty:
                 why = tma.pair_reason(*self.operands(spec, ph, cfg), cfg.bm, cfg.bn)
