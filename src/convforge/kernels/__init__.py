@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -31,13 +32,25 @@ def _load() -> None:
 
 
 _LOADED = False
+_LOADING = False
+_LOAD_LOCK = threading.RLock()  # re-entrant: a family module's import may ask for the registry
 
 
 def all_variants() -> list[Variant]:
-    global _LOADED
+    """Every registered variant, the family modules imported on the first call. Thread-safe: a
+    thread that comes while another imports them waits for the whole registry (prepare() and
+    compile_ahead() build layers on several threads at once; a half-filled registry answered
+    "no variant applies" and the layer fell back)."""
+    global _LOADED, _LOADING
     if not _LOADED:  # a flag, not "registry empty": one family may be imported before the rest
-        _LOADED = True
-        _load()
+        with _LOAD_LOCK:  # the importing thread holds it: the others wait for the whole registry
+            if not (_LOADED or _LOADING):  # _LOADING: a family module asking while it is imported
+                _LOADING = True
+                try:
+                    _load()
+                    _LOADED = True
+                finally:
+                    _LOADING = False
     return list(_REGISTRY.values())
 
 
