@@ -237,12 +237,10 @@ class Renderer:
         if any(k.requires & ARCH_SPECIFIC for k in kernels):
             out.append(ARCH_SPECIFIC_MARK)
         out += self.file_head(kernels)
-        if any(re.search(r"\bRELU\(", k.body + k.helpers) for k in kernels):
-            out += [self.expand(_RELU_HELPER), ""]
-        if any(re.search(r"\bGELU\(", k.body + k.helpers) for k in kernels):
-            out += [self.expand(_GELU_HELPER.replace("ERF", self.erf)), ""]
-        for token, helper in (("SILU", _SILU_HELPER.replace("EXP", self.exp)), ("HSWISH", _HSWISH_HELPER)):
-            if any(re.search(rf"\b{token}\(", k.body + k.helpers) for k in kernels):
+        texts = [k.body + k.helpers for k in kernels]
+        for token, helper in (("RELU", _RELU_HELPER), ("GELU", _GELU_HELPER.replace("ERF", self.erf)),
+                              ("SILU", _SILU_HELPER.replace("EXP", self.exp)), ("HSWISH", _HSWISH_HELPER)):
+            if _uses(token, texts):
                 out += [self.expand(helper), ""]
         seen_helpers: set[str] = set()
         for k in kernels:
@@ -260,6 +258,13 @@ class Renderer:
             out.append("}")
             out.append("")
         return "\n".join(out)
+
+
+def _uses(token: str, texts: list[str]) -> bool:
+    """Whether a body calls ``token(`` as a word (the plain substring test first: bodies run to
+    hundreds of kilobytes and most name no activation)."""
+    call = token + "("
+    return any(call in t and re.search(rf"\b{token}\(", t) for t in texts)
 
 
 # ReLU that keeps NaN (as the float64 reference and PyTorch do; fmax would turn it into 0).

@@ -24,6 +24,7 @@ the slices and applies bias/ReLU. More, shorter blocks for small P x Q layers wi
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -197,9 +198,11 @@ class Layout:
         return None
 
 
+@functools.cache
 def best_pad(lk: int, ln: int, vk: int, vn: int, bn: int) -> int:
     """Row padding (floats) of the output staging buffer with the fewest shared-memory wavefronts
-    for one warp's stores, found by simulating 32 banks; 128-bit stores go 8 lanes per phase."""
+    for one warp's stores, found by simulating 32 banks; 128-bit stores go 8 lanes per phase
+    (remembered: a few dozen tile shapes, asked for on every dispatch of a 3x3 layer)."""
     best, best_cost = 0, None
     for pad in range(0, 32, max(vn, 1)):
         cost = 0
