@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import tempfile
 import threading
 from collections.abc import Callable
@@ -125,6 +124,32 @@ def refusal_of(platform: int, device: int) -> str | None:
     return build_refusal(cl.get_platforms()[platform].get_devices()[device])
 
 
+def _device_index(device: cl.Device) -> str:
+    """``device`` as ``_pick`` reads it: "platform:device" indices."""
+    for i, p in enumerate(cl.get_platforms()):
+        for j, d in enumerate(p.get_devices()):
+            if d == device:
+                return f"{i}:{j}"
+    raise ValueError(f"OpenCL device {device.name.strip()} is not among the platforms' devices")
+
+
+def warm_worker() -> None:
+    """A PoCL warming process (:meth:`OpenCLBackend._compile_all`): the device from argv[1]
+    ("platform:device"), a pickled list of Work on stdin (from the parent process, never from a
+    file), one line per Work on stdout: "ok I" or "failed I"."""
+    import pickle
+    import sys
+
+    works = pickle.loads(sys.stdin.buffer.read())  # noqa: S301 - the parent wrote it, through a pipe
+    backend = OpenCLBackend(cl_device=_pick(sys.argv[1]))
+    for i, w in enumerate(works):
+        try:
+            backend._warm(w)
+            print(f"ok {i}", flush=True)
+        except Exception:  # noqa: BLE001 - the parent's run compiles it again and reports the error
+            print(f"failed {i}", flush=True)
+
+
 def _pick(spec: str) -> cl.Device:
     """The device ``spec`` ("platform:device") names, else the first GPU, else the first device,
     skipping devices whose compiler cannot build a trivial kernel (RuntimeError naming each when
@@ -212,42 +237,70 @@ class OpenCLBackend(Backend):
         return prog, (bytes(binaries[0]) if binaries and binaries[0] else None)
 
     def _compile_all(self, todo: list[Work], workers: int, phase: Any) -> int:
-        """On PoCL: each thread its own context on the device (PoCL compiles under one lock per
-        context), building its share and launching each kernel once with :func:`_warm_launch`
-        on scratch buffers, so PoCL's on-disk kernel cache (POCL_CACHE_DIR) holds every program and
-        work-group function this context then loads instead of compiling one by one. Work warmed
-        before (a marker in convforge's disk cache) is skipped. Other drivers: threads over one
-        context, as every back-end."""
+        """On PoCL: its share built in a context of this process and the rest in ``workers - 1``
+        worker processes (PoCL runs one LLVM compile at a time per process, whatever the contexts
+        or threads), each launching every kernel once with :func:`_warm_launch` on scratch buffers,
+        so PoCL's on-disk kernel cache (POCL_CACHE_DIR, shared by the processes) holds every
+        program and work-group function the run's context then loads instead of compiling them one
+        by one. Work warmed before (a marker in convforge's disk cache) is skipped. Other drivers:
+        threads over one context, as every back-end."""
         if self.keeps_binaries or os.environ.get("POCL_KERNEL_CACHE", "1") == "0":
             return super()._compile_all(todo, workers, phase)
-        jobs: queue.SimpleQueue[Work] = queue.SimpleQueue()
+        pending = []
         for w in todo:
-            if not self.disk.has(self._warm_key(w)):
-                jobs.put(w)
+            if self.disk.has(self._warm_key(w)):
+                phase.advance()
             else:
-                phase.advance()
-        count = jobs.qsize()
-
-        def drain() -> None:
-            side = OpenCLBackend(cl_device=self.cl_device)
-            while True:
-                try:
-                    w = jobs.get_nowait()
-                except queue.Empty:
-                    return
-                try:
-                    side._warm(w)
-                    self.disk.put(self._warm_key(w), b"")
-                except Exception as err:  # noqa: BLE001 - its first use compiles it again and reports it
-                    log.debug("convforge: warming a PoCL program failed (%s)", err)
-                phase.advance()
-
-        threads = [threading.Thread(target=drain, name=f"convforge-compile-{i}") for i in range(min(workers, count))]
-        for t in threads:
-            t.start()
-        for t in threads:
+                pending.append(w)
+        n = max(1, min(workers, len(pending)))
+        shares = [pending[i::n] for i in range(n)]
+        readers = [self._warm_in_process(share, phase) for share in shares[1:]]
+        side = OpenCLBackend(cl_device=self.cl_device)
+        for w in shares[0]:
+            try:
+                side._warm(w)
+                self.disk.put(self._warm_key(w), b"")
+            except Exception as err:  # noqa: BLE001 - its first use compiles it again and reports it
+                log.debug("convforge: warming a PoCL program failed (%s)", err)
+            phase.advance()
+        for t in readers:
             t.join()
-        return count
+        return len(pending)
+
+    def _warm_in_process(self, works: list[Work], phase: Any) -> threading.Thread:
+        """Warm ``works`` in a new Python process on this device (:func:`warm_worker`); a thread
+        that follows its progress (the phase, the disk markers) until it ends. A worker that cannot
+        start or fails leaves its programs to their first use, which compiles and reports them."""
+        import pickle
+        import subprocess
+        import sys
+
+        where = _device_index(self.cl_device)
+        cmd = [sys.executable, "-c", "from convforge.backends.opencl import warm_worker; warm_worker()", where]
+        env = {**os.environ, "CONVFORGE_CACHE_DIR": str(config.cache_dir)}
+
+        def follow() -> None:
+            done = 0
+            try:
+                with subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                      env=env) as proc:
+                    assert proc.stdin is not None and proc.stdout is not None
+                    proc.stdin.write(pickle.dumps(works))
+                    proc.stdin.close()
+                    for line in proc.stdout:
+                        ok, _, index = line.decode().strip().partition(" ")
+                        if ok == "ok" and index.isdigit() and int(index) < len(works):
+                            self.disk.put(self._warm_key(works[int(index)]), b"")
+                        done += 1
+                        phase.advance()
+            except OSError as err:
+                log.debug("convforge: a PoCL warming process failed to run (%s)", err)
+            if done < len(works):
+                phase.advance(len(works) - done)
+
+        t = threading.Thread(target=follow, name="convforge-compile-process")
+        t.start()
+        return t
 
     def _warm_key(self, w: Work) -> str:
         """Disk-cache key of "PoCL's cache holds ``w``'s program and the launch shapes it runs"."""
