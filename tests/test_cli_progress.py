@@ -179,3 +179,22 @@ def test_first_calls_say_how_many_kernels_they_compiled(ocl, caplog: pytest.LogC
     dispatch.executable(spec, ocl, algo="direct")
     text = " ".join(r.getMessage() for r in caplog.records)
     assert "first calls: 1 kernel program(s) compiled in" in text and f"for {spec.short()}" in text, text
+
+
+def test_deferred_compiles_load_cached_programs_and_defer_the_rest(ocl) -> None:  # type: ignore[no-untyped-def]
+    """``prepare``'s first pass: inside ``deferring_compiles`` a program some cache holds loads as
+    usual and one none holds raises CompileDeferred (naming it) instead of compiling; outside, it
+    compiles."""
+    import uuid
+
+    from convforge.backends.base import CompileDeferred, deferring_compiles
+
+    cached = "__kernel void cf_defer_a(__global float* x) { x[0] = 1.0f; }"
+    fresh = f"// {uuid.uuid4()}\n__kernel void cf_defer_b(__global float* x) {{ x[0] = 2.0f; }}"
+    ocl.program(cached)
+    with deferring_compiles():
+        assert ocl.program(cached) is not None
+        with pytest.raises(CompileDeferred) as info:
+            ocl.program(fresh)
+    assert info.value.source == fresh and info.value.backend is ocl
+    assert ocl.program(fresh) is not None

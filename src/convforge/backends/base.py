@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,6 +140,31 @@ def plan_source(plan: Plan, backend: str) -> str:
     return src
 
 
+_DEFER = threading.local()
+
+
+class CompileDeferred(BaseException):
+    """Raised by :meth:`Backend.program`, inside :func:`deferring_compiles`, for a program no cache
+    holds: the caller compiles it later with others, on several threads. A BaseException, so the
+    ``except Exception`` of a layer's set-up (which would record "convforge does not run this
+    layer") lets it through to the caller that asked for deferral."""
+
+    def __init__(self, backend: Backend, source: str) -> None:
+        super().__init__("compile deferred")
+        self.backend, self.source = backend, source
+
+
+@contextmanager
+def deferring_compiles() -> Iterator[None]:
+    """In this thread, :meth:`Backend.program` raises :class:`CompileDeferred` instead of compiling
+    a program that is in no cache (memory or disk); loading a cached one goes on as usual."""
+    _DEFER.on = True
+    try:
+        yield
+    finally:
+        _DEFER.on = False
+
+
 def compile_workers() -> int:
     """Threads that compile at once: the CPUs this process may use, at most 16."""
     try:
@@ -166,6 +193,8 @@ class Backend(ABC):
             blob = self.disk.get(key)
             prog = self.load_binary(blob) if blob is not None else None
             if prog is None:
+                if getattr(_DEFER, "on", False):
+                    raise CompileDeferred(self, source)
                 prog, blob = self.build(source)
                 if blob:
                     self.disk.put(key, blob)

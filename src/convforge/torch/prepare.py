@@ -4,9 +4,11 @@ its first forward.
 The first eager forward of a model from ``convert`` or ``fuse`` compiles each layer's kernels as it
 reaches the layer, one after the other. ``prepare`` runs the model once on an example input with
 PyTorch's own convolutions in place of convforge's (each convforge layer records the input it gets;
-nothing of convforge's is compiled or run), then builds every layer's runner for those inputs on a
-pool of threads (NVRTC, through CuPy, releases the GIL while it compiles), reported as a
-``convforge.progress`` phase (the "convforge" logger, INFO). The first real forward on inputs of
+nothing of convforge's is compiled or run), then builds every layer's runner for those inputs: one
+after another on this thread where the programs are in a cache (a warm process: Python work, which
+threads would only make contend), and for the others their programs first, on a pool of threads
+(NVRTC releases the GIL while it compiles); reported as a ``convforge.progress`` phase (the
+"convforge" logger, INFO). The first real forward on inputs of
 the same shapes finds each layer's runner built. It prepares eager inference (``model.eval()``,
 no gradients): training compiles its backward kernels on its first step.
 
@@ -23,6 +25,8 @@ from typing import Any
 
 import torch
 
+from convforge.backends.base import CompileDeferred, deferring_compiles
+from convforge.progress import Phase
 from convforge.torch.modules import Conv2d, compute_dtype, padding_quad, reads_nhwc
 
 log = logging.getLogger("convforge")
@@ -37,7 +41,6 @@ def prepare(model: torch.nn.Module, *example: Any, workers: int | None = None, *
     other dtypes) are skipped; anything a layer cannot prepare is left for its first call."""
     from convforge.backends.base import compile_workers
     from convforge.config import config
-    from convforge.progress import Phase
 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"prepare() takes a torch.nn.Module, not {type(model).__name__}")
@@ -53,16 +56,63 @@ def prepare(model: torch.nn.Module, *example: Any, workers: int | None = None, *
     n = 1 if config.autotune else max(1, min(workers or compile_workers(), len(jobs)))
     name = type(model).__name__
     with Phase(f"compiling {name}'s kernels ({n} thread{'s' if n > 1 else ''})", len(jobs), "layers") as phase:
-        def run(job: Callable[[], Any]) -> None:
+        later = _build_cached(jobs, phase) if n > 1 else jobs
+        if later:
+            _compile(later, n)
+        for job in later:
+            _run(job)
+            phase.advance()
+    return len(jobs)
+
+
+def _run(job: Callable[[], Any]) -> None:
+    try:
+        job()
+    except Exception as err:  # noqa: BLE001 - the layer's first call builds it again and says why
+        log.debug("convforge: preparing a layer failed (%s); its first call builds it", err)
+
+
+def _build_cached(jobs: list[Callable[[], Any]], phase: Phase) -> list[Callable[[], Any]]:
+    """Build, one after another on this thread, every layer whose programs some cache holds (a warm
+    process: Python work, which threads would only make contend); the jobs that stopped at a
+    program to compile, with that program (``_compile``'s work)."""
+    later = []
+    with deferring_compiles():
+        for job in jobs:
             try:
                 job()
-            except Exception as err:  # noqa: BLE001 - the layer's first call builds it again and says why
+            except CompileDeferred as d:
+                later.append(_Deferred(job, d.backend, d.source))
+                continue
+            except Exception as err:  # noqa: BLE001 - as _run
                 log.debug("convforge: preparing a layer failed (%s); its first call builds it", err)
             phase.advance()
+    return later
 
-        with ThreadPoolExecutor(n, thread_name_prefix="convforge-prepare") as pool:
-            list(pool.map(run, jobs))
-    return len(jobs)
+
+class _Deferred:
+    """A job that stopped at ``source``: called, it runs the job again (the program then compiled)."""
+
+    def __init__(self, job: Callable[[], Any], backend: Any, source: str) -> None:
+        self.job, self.backend, self.source = job, backend, source
+
+    def __call__(self) -> Any:
+        return self.job()
+
+
+def _compile(jobs: list[Callable[[], Any]], n: int) -> None:
+    """The programs the deferred ``jobs`` stopped at, compiled on ``n`` threads (NVRTC releases the
+    GIL); a job without one (no deferral) has nothing to compile here."""
+    sources = {(id(j.backend), j.source): j for j in jobs if isinstance(j, _Deferred)}
+
+    def build(j: _Deferred) -> None:
+        try:
+            j.backend.program(j.source)
+        except Exception as err:  # noqa: BLE001 - the job, run next, compiles it again and reports it
+            log.debug("convforge: compiling a layer's program ahead failed (%s)", err)
+
+    with ThreadPoolExecutor(min(n, len(sources)) or 1, thread_name_prefix="convforge-prepare") as pool:
+        list(pool.map(build, sources.values()))
 
 
 _PENDING = "_cf_prepare_pending"
