@@ -1,7 +1,8 @@
 """``convforge.torch.prepare``: a converted or fused model's kernels compiled on several threads before
 its first forward. On the CPU: the recording pass computes what the model computes and leaves the
 model as it was; a model in training mode is refused by name; the first-call hook that ``fuse`` and
-``convert`` arm stays quiet on CPU inputs and in training, survives deepcopy and pickling. On a GPU
+``convert`` arm stays quiet on CPU inputs and in training, survives deepcopy; a fused model pickles.
+On a GPU
 (tier ``gpu``): every layer's runner is built by ``prepare``, so the first forward compiles nothing
 and gives the same values, and a model's first eval forward runs ``prepare`` by itself, once."""
 
@@ -131,7 +132,12 @@ def test_the_first_call_hook_is_quiet_on_cpu_and_in_training(monkeypatch: pytest
         model(x)  # training: nothing to prepare (it moves the running statistics)
         want = model.eval()(x)
     assert calls == [] and model.__dict__["_cf_prepare_pending"] is True
+    buf = io.BytesIO()  # the net's forward is annotated under `from __future__ import annotations`
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
     with torch.no_grad():
+        assert torch.allclose(loaded(x), want, rtol=1e-6, atol=1e-6)
         for m in (copy.deepcopy(model), copy.deepcopy(copy.deepcopy(model))):
             assert m.__dict__.get("_cf_prepare_pending") is True
             assert torch.allclose(m(x), want, rtol=1e-6, atol=1e-6)

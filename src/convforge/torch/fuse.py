@@ -73,6 +73,9 @@ def fuse(model: torch.nn.Module, **options: Any) -> tuple[torch.nn.Module, Conve
         report.unfused[""] = (f"torch.fx cannot trace the model ({type(err).__name__}: {first}); "
                               "convert() swapped its convs without fusion")
         return root, report
+    for node in graph.nodes:  # a forward annotated under `from __future__ import annotations` gives
+        if isinstance(node.type, str):  # strings, which fx keeps as globals that do not pickle
+            node.type = None
     report = ConvertReport()
     _rewrite(graph, root, report, options)
     _fold_preactivations(graph, root, report)
