@@ -2,9 +2,8 @@
 its first forward. On the CPU: the recording pass computes what the model computes and leaves the
 model as it was; a model in training mode is refused by name; the first-call hook that ``fuse`` and
 ``convert`` arm stays quiet on CPU inputs and in training, survives deepcopy; a fused model pickles.
-On a GPU
-(tier ``gpu``): every layer's runner is built by ``prepare``, so the first forward compiles nothing
-and gives the same values, and a model's first eval forward runs ``prepare`` by itself, once."""
+On a GPU (tier ``gpu``): every layer's runner is built by ``prepare``, so the first forward compiles
+nothing and gives the same values, and a model's first eval forward runs ``prepare`` by itself, once."""
 
 from __future__ import annotations
 
