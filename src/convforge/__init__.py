@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
-from convforge.config import config  # noqa: E402
-from convforge.spec import ConvSpec  # noqa: E402
+from convforge.config import config
+from convforge.spec import ConvSpec
+from convforge.version import __version__
 
 __all__ = ["__version__", "config", "ConvSpec", "conv2d", "conv_transpose2d", "algorithms", "compile"]
 

@@ -7,7 +7,6 @@ import os
 import sys
 from collections.abc import Callable
 
-from convforge import __version__
 from convforge.apps.options import (
     OPTIONAL,
     SPEC_HELP,
@@ -20,6 +19,7 @@ from convforge.apps.options import (
 from convforge.config import MAX_ERROR_HELP, PRECISION_HELP, PRECISIONS, config, max_error_arg
 from convforge.params import Params
 from convforge.spec import ConvSpec
+from convforge.version import __version__
 
 BACKEND_HELP = ("cuda or opencl; default: the one `run` and `bench` use (cuda when a CUDA device is visible, "
                 "else opencl)")

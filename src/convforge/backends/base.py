@@ -15,12 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from convforge import __version__
 from convforge.backends.cache import DiskCache, cache_key
 from convforge.codegen.dialect import Buf, Kernel, LocalBuf, Scalar
 from convforge.config import config
 from convforge.plan import DeviceInfo, Fill, Gemm, Launch, Plan, Step
 from convforge.progress import Phase
+from convforge.version import __version__
 
 log = logging.getLogger("convforge")
 

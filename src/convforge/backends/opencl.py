@@ -78,13 +78,13 @@ _point_caches_at_usable_folders()
 
 import pyopencl as cl  # noqa: E402 - PoCL reads its cache folder when it starts
 
-from convforge import __version__  # noqa: E402
 from convforge.backends.base import Backend, CompileError, Work  # noqa: E402
 from convforge.backends.cache import cache_key  # noqa: E402
 from convforge.codegen.dialect import Kernel, LocalBuf, Scalar  # noqa: E402
 from convforge.config import config  # noqa: E402
 from convforge.dtypes import from_storage, host_dtype, storage_dtype, to_storage  # noqa: E402
 from convforge.plan import DeviceInfo, Launch  # noqa: E402
+from convforge.version import __version__  # noqa: E402
 
 _OPTIONS = ["-cl-std=CL1.2"]
 

@@ -19,11 +19,11 @@ try:
 except ImportError as err:  # pragma: no cover - exercised only without torch
     raise ImportError("convforge.torch needs PyTorch: pip install torch") from err
 
-from convforge.torch.fuse import fuse
+from convforge.torch.fuse import convert, fuse
 from convforge.torch.fused import FusedConv2d
 from convforge.torch.linear import FusedLinear
 from convforge.torch.model_calibration import CalibrationReport, calibrate
-from convforge.torch.modules import Conv2d, ConvertReport, ConvTranspose2d, convert
+from convforge.torch.modules import Conv2d, ConvertReport, ConvTranspose2d
 from convforge.torch.ops import conv2d, output_shape
 from convforge.torch.prepare import prepare
 from convforge.torch.transposed import conv_transpose2d

@@ -40,7 +40,8 @@ from torch.fx import Graph, GraphModule, Node, Tracer
 
 from convforge.torch.fused import FusedConv2d, PreActivation
 from convforge.torch.linear import FusedLinear
-from convforge.torch.modules import OPTIONS, Conv2d, ConvertReport, ConvTranspose2d, convert, static_reason, swapped
+from convforge.torch.modules import OPTIONS, Conv2d, ConvertReport, ConvTranspose2d, static_reason, swapped
+from convforge.torch.modules import convert as convert_in_place
 from convforge.torch.prepare import prepare_on_first_call
 
 _ADDS_F = {operator.add: False, operator.iadd: True, torch.add: False}
@@ -56,6 +57,17 @@ class _Tracer(Tracer):
                 or super().is_leaf_module(m, module_qualified_name))
 
 
+def convert(model: torch.nn.Module, **options: Any) -> ConvertReport:
+    """``convforge.torch.convert``: :func:`convforge.torch.modules.convert` (every eligible conv of
+    ``model`` swapped in place), and the model's first eval forward on CUDA prepares its layers'
+    kernels several at a time (:func:`~convforge.torch.prepare.prepare_on_first_call`)."""
+    report = convert_in_place(model, **options)
+    if report.converted:
+        prepare_on_first_call(model)
+    return report
+
+
+
 def fuse(model: torch.nn.Module, **options: Any) -> tuple[torch.nn.Module, ConvertReport]:
     """The fused model (a GraphModule; ``model`` itself is unchanged) and the report of what was
     converted, fused, and left to PyTorch with the reason. ``options`` as ``convert``'s."""
@@ -68,7 +80,7 @@ def fuse(model: torch.nn.Module, **options: Any) -> tuple[torch.nn.Module, Conve
     try:
         graph = _Tracer().trace(root)
     except Exception as err:  # noqa: BLE001 - any tracing failure means: no fusion, convert instead
-        report = convert(root, **options)
+        report = convert(root, **options)  # (armed for its first call)
         first = (str(err).splitlines() or [""])[0][:200]
         report.unfused[""] = (f"torch.fx cannot trace the model ({type(err).__name__}: {first}); "
                               "convert() swapped its convs without fusion")

@@ -420,8 +420,4 @@ def convert(model: torch.nn.Module, **options: Any) -> ConvertReport:
         report.converted.append(name)
     if "" in report.converted:
         raise TypeError("convert() swaps layers inside a model; wrap a lone nn.Conv2d with Conv2d.from_module")
-    if report.converted:
-        from convforge.torch.prepare import prepare_on_first_call
-
-        prepare_on_first_call(model)
     return report

@@ -460,7 +460,7 @@ class TuningDB:
 
     # -- measurements ---------------------------------------------------------------------
     def add_measurements(self, key: tuple[str, ...], items: list[Measurement]) -> None:
-        from convforge import __version__
+        from convforge.version import __version__
 
         rows = [key + (__version__, m.variant, m.params, _finite(m.time_ms), _finite(m.error), m.status, now())
                 for m in items]

@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 
-from convforge import __version__
 from convforge.backends.base import Backend, Executable
 from convforge.check import expected, from_layout, in_layout, pass_inputs, stored_shape
 from convforge.config import FP32_SLACK, PRECISIONS, config, precision_key
@@ -37,6 +36,7 @@ from convforge.reference import rel_l2
 from convforge.spec import ConvSpec
 from convforge.tune.db import KEY_FIELDS, Entry, Measurement, TuningDB, now
 from convforge.tune.heuristic import NO_EPILOGUE, applicable, epilogue_key, prune_reason
+from convforge.version import __version__
 
 log = logging.getLogger("convforge.tune")
 

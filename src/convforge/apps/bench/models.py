@@ -405,7 +405,7 @@ def _compiled(model: Any, x: Any) -> Callable[[], Any]:
 def environment() -> dict[str, Any]:
     import torch
 
-    from convforge import __version__
+    from convforge.version import __version__
 
     try:
         import torchvision

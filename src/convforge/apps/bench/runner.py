@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from convforge import __version__, dispatch
+from convforge import dispatch
 from convforge.apps.bench import baselines
 from convforge.apps.bench.ceilings import Ceilings, measure_copy
 from convforge.apps.bench.suites import ABLATIONS, Layer
@@ -25,6 +25,7 @@ from convforge.dtypes import to_storage
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Variant
 from convforge.spec import ConvSpec
+from convforge.version import __version__
 
 
 @dataclass
