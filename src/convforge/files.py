@@ -176,3 +176,21 @@ def csv_text(fieldnames: list[str] | tuple[str, ...], rows: list[dict[str, Any]]
     writer.writeheader()
     writer.writerows(rows)
     return buf.getvalue()
+
+
+def write_atomic_bytes(path: str | os.PathLike[str], write: Any) -> Path:
+    """:func:`write_atomic` for a writer of bytes: ``write(f)`` fills a temporary binary file in the
+    same folder (a plot's ``savefig``), which is then flushed and renamed into place."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target

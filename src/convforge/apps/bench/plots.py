@@ -12,6 +12,7 @@ from typing import Any
 
 from convforge.apps.bench.ceilings import Ceilings
 from convforge.apps.bench.runner import Row
+from convforge.files import write_atomic_bytes
 
 
 def available() -> bool:
@@ -54,7 +55,7 @@ def _bars(plt: Any, path: Path, layers: list[str], impls: dict[str, list[float]]
         ax.set_yscale("symlog")
     ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    write_atomic_bytes(path, lambda f: fig.savefig(f, dpi=110, format="png"))
     plt.close(fig)
 
 
@@ -82,7 +83,7 @@ def _roofline(plt: Any, path: Path, rows: list[Row], ceilings: dict[str, Ceiling
     ax.set_title("roofline (effective TFLOPS may pass the roof for Winograd/FFT)")
     ax.legend(fontsize=6)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    write_atomic_bytes(path, lambda f: fig.savefig(f, dpi=110, format="png"))
     plt.close(fig)
 
 

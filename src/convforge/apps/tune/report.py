@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from convforge.files import write_atomic
+from convforge.files import write_atomic, write_atomic_bytes
 from convforge.params import Params
 from convforge.plan import Epilogue, Variant
 from convforge.spec import ConvSpec
@@ -151,7 +151,7 @@ def write_report(folder: str | Path, doc: dict[str, Any]) -> list[Path]:
     ax.legend()
     fig.tight_layout()
     png = folder / "report.png"
-    fig.savefig(png, dpi=120)
+    write_atomic_bytes(png, lambda f: fig.savefig(f, dpi=120, format="png"))
     plt.close(fig)
     return written + [png]
 
