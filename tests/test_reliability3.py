@@ -724,3 +724,22 @@ def test_entry_rows_round_trip_through_validation() -> None:
     assert Entry(**asdict(e)) == e
     with pytest.raises(DatabaseError):
         TuningDB("/nonexistent-folder/x.sqlite")
+
+
+def test_result_files_are_written_whole_or_not_at_all(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Bench and run results (JSON, CSV, plots) go through a temporary file renamed into place: a
+    writer that fails half-way leaves the previous file as it was and no temporary file beside it."""
+    from convforge.files import csv_text, write_atomic, write_atomic_bytes
+
+    path = write_atomic(tmp_path / "out" / "results.json", '{"rows": [1]}\n')
+    assert path.read_text() == '{"rows": [1]}\n'
+
+    def half(f) -> None:  # type: ignore[no-untyped-def]
+        f.write(b"\x89PNG half")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        write_atomic_bytes(path, half)
+    assert path.read_text() == '{"rows": [1]}\n'
+    assert sorted(p.name for p in path.parent.iterdir()) == ["results.json"]
+    assert csv_text(["a", "b"], [{"a": 1, "b": 2, "c": 3}]).splitlines() == ["a,b", "1,2"]
