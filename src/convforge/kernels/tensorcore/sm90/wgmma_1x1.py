@@ -1,5 +1,8 @@
 """A Hopper ``wgmma`` TF32 GEMM for 1x1 convolutions (CUDA, compute capability 9.0, sm_90a).
 
+sm_90a, but outside the generator of this package (:mod:`convforge.kernels.tensorcore.sm90`): its own
+cp.async pipeline, shared layouts and matrix descriptors.
+
 The plan has three steps:
 
 1. (weights only, kept per weight version) ``wt[k][c] = tf32(w[k][c])``, C padded with zeros to
