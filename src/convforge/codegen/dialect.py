@@ -65,7 +65,8 @@ A kernel body is plain C using these tokens, which each renderer spells its own 
                                                           tied to it (read only after it)
     WGMMA_TF32(N, desc_a, desc_b, d0 .. d{N/2-1})         warpgroup D += A.B, m64nNk8 TF32, FP32
                                                           accumulate, A and B K-major in shared memory
-                                                          by 64-bit matrix descriptors (kernels/tensorcore/sm90/wgmma_1x1.py)
+                                                          by 64-bit matrix descriptors
+                                                          (kernels/tensorcore/sm90/wgmma_1x1.py)
     The tensor-core generator (kernels/tensorcore/sm90/), feature "wgmma" too:
     WGMMA(type, k, N, desc_a, desc_b, d0 .. d{N/2-1})     m64nNk{k}, type tf32 (k 8), f16 or bf16 (k 16), FP32
                                                           accumulate, both operands K-major in shared memory
