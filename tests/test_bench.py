@@ -399,7 +399,8 @@ def test_relaxed_heuristic_picks_big_winograd_on_gpu_resnet(tmp_path: Path,
         for layer in (x for x in suites.load_suite("resnet") if x.spec.n in (32, 128)):
             relaxed = dispatch.choose(layer.spec, be, precision="relaxed")  # type: ignore[arg-type]
             assert relaxed.source == "heuristic", layer.name
-            small = layer.spec.p * layer.spec.q <= 100  # the staged TF32 F(2x2) leads there (tensorcore/mma_staged.py)
+            # the staged TF32 F(2x2) leads there (tensorcore/sm80/mma_staged.py)
+            small = layer.spec.p * layer.spec.q <= 100
             want = ("tc_implicit_gemm_sf16",) if dev.cc == (9, 0) else ("_f2_pipe_tf32",) if small else ("_f6", "_f7")
             assert relaxed.variant.name.endswith(want), (dev.name, layer.name, relaxed.variant.name)
             assert relaxed.variant.precision == "relaxed"

@@ -20,8 +20,8 @@ from conftest import NOMINAL_CUDA
 from convforge.codegen.nvcc import sass_report
 from convforge.dtypes import to_storage
 from convforge.kernels import get_variant
-from convforge.kernels.tensorcore import prep
-from convforge.kernels.tensorcore.isa import math_for
+from convforge.kernels.tensorcore.sm90 import prep
+from convforge.kernels.tensorcore.sm90.isa import math_for
 from convforge.params import Params
 from convforge.plan import Launch, Plan
 from convforge.spec import ConvSpec

@@ -2,7 +2,7 @@
 device or torch): the fused module's output and every gradient against float64 within the class of
 PyTorch FP32's own error (odd shapes, stride 2, no bias, 1x1, 11x11/4, N=1), a VGG-like model's training
 step through the node, the masked gradient's exact zeros, what it leaves to the unfused path, and the
-masked gradient written straight into the tensor-core passes' operands (kernels/tensorcore/gradrows.py).
+masked gradient written straight into the tensor-core passes' operands (kernels/tensorcore/sm90/gradrows.py).
 
 Run on the lent GPU: ``python -m pytest -q tests/test_gpu_conv_relu_train.py``.
 """
@@ -160,7 +160,7 @@ ROWS_CASES = [(16, 64, 28, 28, 128, 1), (3, 5, 13, 11, 7, 1), (1, 8, 9, 9, 16, 1
 @pytest.mark.parametrize("tag", ["tf32", "3xtf32"])
 @pytest.mark.parametrize("case", ROWS_CASES, ids=lambda c: "x".join(map(str, c[:5])) + f"_s{c[5]}")
 def test_rows_backward_equals_the_passes_on_the_masked_gradient(gpu, tag, case):
-    """kernels/tensorcore/gradrows.py through conv_relu.rows_from_plans, every workspace poisoned with
+    """kernels/tensorcore/sm90/gradrows.py through conv_relu.rows_from_plans, every workspace poisoned with
     NaN first: dx and dW bit-identical to the same plans run by convforge.grad on the masked gradient
     (the same operands in the same layouts), within the math's class of float64's; the bias within
     float32 summation error of float64's."""

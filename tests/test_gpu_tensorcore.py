@@ -1,4 +1,4 @@
-"""GPU tier of the wgmma generator (kernels/tensorcore/): every variant x dtype against float64.
+"""GPU tier of the wgmma generator (kernels/tensorcore/sm90/): every variant x dtype against float64.
 
 Skips without a CUDA device of compute capability 9.0. One device call runs it all:
 ``python3 -m pytest -q tests/test_gpu_tensorcore.py`` (a few minutes on an H100/H200).
@@ -15,8 +15,8 @@ import pytest
 from convforge.check import check_plan, expected, pass_inputs
 from convforge.dtypes import to_storage
 from convforge.kernels import get_variant
-from convforge.kernels.tensorcore import tma
-from convforge.kernels.tensorcore.tiles import TileConfig
+from convforge.kernels.tensorcore.sm90 import tma
+from convforge.kernels.tensorcore.sm90.tiles import TileConfig
 from convforge.params import Params
 from convforge.plan import Epilogue
 from convforge.reference import rel_l2
@@ -88,8 +88,8 @@ TRAINING = list(_cases(WGRAD, ODD_SPECS + EXTRA + RESNET + PLANAR_1X1)) + list(
 
 @pytest.mark.parametrize("name, spec", TRAINING, ids=str)
 def test_training_pass_against_float64(hopper, name, spec):
-    """The backward passes on the generator (tensorcore/wgrad.py: the transposed forward problem and
-    the in-place 1x1; tensorcore/dgrad.py: one GEMM per stride phase, interleaved or stored on dx's
+    """The backward passes on the generator (tensorcore/sm90/wgrad.py: the transposed forward problem and
+    the in-place 1x1; tensorcore/sm90/dgrad.py: one GEMM per stride phase, interleaved or stored on dx's
     sub-grids): the default and three other
     space points on odd shapes (the default only on the big layers), NaN-poisoned outputs against the
     float64 gradient of the same inputs."""
@@ -326,7 +326,7 @@ def test_linear_of_convnext_stays_fp32_grade(hopper):
     assert res.ok and res.rel_err <= 5e-6, res
 
 
-# -- the TMA producer (tm=1, tensorcore/tma.py) -----------------------------------------------------
+# -- the TMA producer (tm=1, tensorcore/sm90/tma.py) -----------------------------------------------------
 TMA = [ConvSpec.make(2, 64, 13, 11, 96, 3, 3, 2, 1), ConvSpec.make(1, 64, 9, 10, 40, 3, 3, 1, (0, 1, 2, 1)),
        ConvSpec.make(3, 32, 11, 9, 24, 3, 3, 1, 2, 2), ConvSpec.make(1, 128, 23, 21, 36, 5, 5, 4, (2, 1, 0, 3)),
        ConvSpec.make(2, 128, 7, 7, 72, 1, 1, 2), ConvSpec.make(5, 64, 17, 13, 257, 3, 3, 1, 1),
@@ -503,8 +503,8 @@ def test_tma_through_the_native_fast_path(hopper, monkeypatch):
     assert nat.stats()["entries"] == entries
 
 
-# Stems: filter columns folded into channels (tensorcore/variants.py TcStemGemm) and A built from input rows
-# (tensorcore/stem.py TcStemDirect): odd sizes, asymmetric padding, dilation, N=1, C of 1 to 3, 11x11/4,
+# Stems: filter columns folded into channels (tensorcore/sm90/variants.py TcStemGemm) and A built from input rows
+# (tensorcore/sm90/stem.py TcStemDirect): odd sizes, asymmetric padding, dilation, N=1, C of 1 to 3, 11x11/4,
 # channels-last input; and the real stems.
 STEMS = [ConvSpec.make(2, 3, 19, 17, 8, 7, 7, 2, (3, 2, 3, 1)),
          ConvSpec.make(1, 3, 35, 37, 12, 11, 11, 4, (2, 0, 1, 2)), ConvSpec.make(2, 1, 13, 14, 16, 5, 5, 1, 2, 2),

@@ -1,4 +1,4 @@
-"""The masked gradient written in the backward GEMMs' operand layouts (kernels/tensorcore/gradrows.py):
+"""The masked gradient written in the backward GEMMs' operand layouts (kernels/tensorcore/sm90/gradrows.py):
 the layouts and the bias on PoCL against float64 (every destination poisoned with NaN first, so a pad
 left unwritten fails), the plans' prep steps found and dropped, the CUDA source compiled by nvcc."""
 
@@ -10,8 +10,8 @@ import pytest
 from conftest import NOMINAL_CUDA
 from convforge.codegen.render import render
 from convforge.kernels import get_variant
-from convforge.kernels.tensorcore.gradrows import Rows, images_per_block, masked_rows, prepared
-from convforge.kernels.tensorcore.isa import TF32, X3TF32
+from convforge.kernels.tensorcore.sm90.gradrows import Rows, images_per_block, masked_rows, prepared
+from convforge.kernels.tensorcore.sm90.isa import TF32, X3TF32
 from convforge.reference import rel_l2
 from convforge.spec import ConvSpec
 

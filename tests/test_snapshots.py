@@ -154,7 +154,7 @@ def _strided_dgrad_cases() -> Iterator[Case]:
 
 
 def _stem_cases() -> Iterator[Case]:
-    """The direct stems (kernels/tensorcore/stem.py) apply to no shared spec (3-channel layers): a 7x7/2
+    """The direct stems (kernels/tensorcore/sm90/stem.py) apply to no shared spec (3-channel layers): a 7x7/2
     half stem in NHWC and a 3x3 TF32 one in NCHW, both with bias and ReLU."""
     stems = {"tc_stem_direct_half": ("stem7x7s2-nhwc", "N=2,C=3,H=23,W=21,K=16,R=7,S=7,stride=2,pad=3,dtype=fp16,"
                                                        "layout=nhwc"),
@@ -203,15 +203,15 @@ def _bias_grad_cases() -> Iterator[Case]:
 
 
 def _grad_rows_cases() -> Iterator[Case]:
-    """The masked gradient written in the backward GEMMs' layouts (kernels/tensorcore/gradrows.py): an odd
+    """The masked gradient written in the backward GEMMs' layouts (kernels/tensorcore/sm90/gradrows.py): an odd
     layer (N 3, K 5, P Q 37) into xh of 8 channels and dy' of 4 images, TF32 / 3xTF32 on CUDA, plain floats
     (the layouts PoCL tests) on OpenCL."""
     for tag, (backend, math) in {"tf32": ("cuda", "tf32"), "3xtf32": ("cuda", "3xtf32"),
                                  "float": ("opencl", None)}.items():
         def make(tag: str = tag, backend: str = backend, math: str | None = math) -> str:
             from convforge.codegen.render import render
-            from convforge.kernels.tensorcore.gradrows import Rows, masked_rows
-            from convforge.kernels.tensorcore.isa import MATHS
+            from convforge.kernels.tensorcore.sm90.gradrows import Rows, masked_rows
+            from convforge.kernels.tensorcore.sm90.isa import MATHS
 
             m = MATHS[math] if math else None
             kernels, _, _ = masked_rows(3, 5, 37, Rows("fwd_xh", m, 8), Rows("dyt", m, 4))

@@ -1,4 +1,4 @@
-"""The staged TF32 tensor-core GEMM (kernels/tensorcore/mma_pipe.py) without a GPU: its lane arithmetic against
+"""The staged TF32 tensor-core GEMM (kernels/tensorcore/sm80/mma_pipe.py) without a GPU: its lane arithmetic against
 the PTX ISA's ldmatrix and mma.m16n8k8 .tf32 layouts (a warp-level emulation of one k step, every
 operand layout), shared-memory bank groups, the cp.async copy positions, nvcc compiles of the new
 variants (no spills, registers reported) and the SASS main loop (LDGSTS, LDSM, HMMA; instructions
@@ -17,7 +17,7 @@ import pytest
 from conftest import NOMINAL_CUDA, NOMINAL_OPENCL_GPU
 from convforge.codegen.nvcc import ptxas_report
 from convforge.kernels import get_variant
-from convforge.kernels.tensorcore.mma_pipe import (
+from convforge.kernels.tensorcore.sm80.mma_pipe import (
     AsyncOperand,
     PipeLayout,
     _Copier,
@@ -273,7 +273,7 @@ def loop_mix(src: str) -> Counter[str]:
 # Measured (nvcc 13, sm_90): NHWC 128 x 128 x 32 2.52 instructions per HMMA, 128 x 64 x 32 3.09;
 # 1x1 128 x 128 x 32 2.62 (a quarter of it the raw activations' rounding), 128 x 64 x 32 3.17;
 # Winograd F(2x2) GEMM (32-bit fragment reads) 128 x 128 x 32 3.12, x 16 3.23. The register-staged
-# generator (kernels/tensorcore/mma_sync.py) runs 8-12.
+# generator (kernels/tensorcore/sm80/mma_sync.py) runs 8-12.
 SASS_CASES = [("implicit_gemm_nhwc_tf32", RESNET[0], (128, 128, 32, 2, 2, 3), 2.7),
               ("implicit_gemm_nhwc_tf32", RESNET[0], (128, 64, 32, 2, 2, 3), 3.3),
               ("gemm1x1_pipe_tf32", RESNET[3], (128, 128, 32, 2, 2, 3), 2.8),

@@ -17,7 +17,7 @@ from convforge.codegen.render import OpenCLRenderer
 from convforge.config import PRECISIONS
 from convforge.kernels import get_variant
 from convforge.kernels.sgemm import Operand
-from convforge.kernels.tensorcore.mma_sync import (
+from convforge.kernels.tensorcore.sm80.mma_sync import (
     A_FRAG,
     B_FRAG,
     C_FRAG,

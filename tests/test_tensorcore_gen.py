@@ -1,4 +1,4 @@
-"""The wgmma generator (kernels/tensorcore/) without a GPU.
+"""The wgmma generator (kernels/tensorcore/sm90/) without a GPU.
 
 * The ISA tables against the PTX ISA's (math modes, accumulator fragment), descriptor fields, the
   swizzle the copies write against the hardware's documented read (smem.model_address).
@@ -29,9 +29,9 @@ from convforge.codegen.nvcc import ptxas_report, sass_report
 from convforge.codegen.render import ARCH_SPECIFIC_MARK, render
 from convforge.dtypes import rounded
 from convforge.kernels import get_variant
-from convforge.kernels.tensorcore import epilogue, schedule, tiles, tma
-from convforge.kernels.tensorcore.cexpr import bind, evaluate
-from convforge.kernels.tensorcore.epilogue import (
+from convforge.kernels.tensorcore.sm90 import epilogue, schedule, tiles, tma
+from convforge.kernels.tensorcore.sm90.cexpr import bind, evaluate
+from convforge.kernels.tensorcore.sm90.epilogue import (
     Output,
     chunks,
     readout_lets,
@@ -41,13 +41,13 @@ from convforge.kernels.tensorcore.epilogue import (
     staging_ld,
     swizzled,
 )
-from convforge.kernels.tensorcore.isa import ACC, BF16, F16, MATHS, SF16, TF32, X3F16, X3TF32, math_for
-from convforge.kernels.tensorcore.mainloop import consumer_rows, wgmma_issue
-from convforge.kernels.tensorcore.operands import DenseRows, Geometry, Im2colNhwc
-from convforge.kernels.tensorcore.prep import padded_channels
-from convforge.kernels.tensorcore.smem import SBO, Tile, desc_high, model_address
-from convforge.kernels.tensorcore.smem import swizzled as swizzled_chunk
-from convforge.kernels.tensorcore.tiles import Problem, TileConfig
+from convforge.kernels.tensorcore.sm90.isa import ACC, BF16, F16, MATHS, SF16, TF32, X3F16, X3TF32, math_for
+from convforge.kernels.tensorcore.sm90.mainloop import consumer_rows, wgmma_issue
+from convforge.kernels.tensorcore.sm90.operands import DenseRows, Geometry, Im2colNhwc
+from convforge.kernels.tensorcore.sm90.prep import padded_channels
+from convforge.kernels.tensorcore.sm90.smem import SBO, Tile, desc_high, model_address
+from convforge.kernels.tensorcore.sm90.smem import swizzled as swizzled_chunk
+from convforge.kernels.tensorcore.sm90.tiles import Problem, TileConfig
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue
 from convforge.reference import conv2d_ref, dgrad_ref, rel_l2, wgrad_ref
@@ -591,7 +591,7 @@ def _truncated(a):
 
 
 def emulate_wgrad(spec: ConvSpec, math, cfg: TileConfig, seed: int = 0, planar: bool = False):
-    """The wgrad plan's GEMM (tensorcore/wgrad.py) through the generator's expressions, operands laid
+    """The wgrad plan's GEMM (tensorcore/sm90/wgrad.py) through the generator's expressions, operands laid
     out as its transposing steps write them (x' = [C][H][W][Np], dy' = [K][P Q Np]), or, ``planar``
     (the 1x1 variants), x and dy as they lie (TF32: truncated by the tensor cores); every split
     slice stored through dW's strided K C R S offsets into a slab of its own. Returns (dW, reference,
@@ -686,7 +686,7 @@ def test_emulated_planar_wgrad_of_1x1_layers(spec, math, cfg):
 def test_truncated_tf32_wgrad_error_matches_the_stated_one():
     """TF32 read from float bits truncates both operands: the 1x1 wgrad's stated error is what that
     gives on a deep reduction (cuDNN's TF32 wgrad measures the same 6.9e-4)."""
-    from convforge.kernels.tensorcore.wgrad import TRUNCATED_EXPECTED, TRUNCATED_TOLERANCE
+    from convforge.kernels.tensorcore.sm90.wgrad import TRUNCATED_EXPECTED, TRUNCATED_TOLERANCE
 
     rng = np.random.default_rng(1)
     x, dy = rng.uniform(-1, 1, (96, 8192)), rng.uniform(-1, 1, (64, 8192))
@@ -696,13 +696,13 @@ def test_truncated_tf32_wgrad_error_matches_the_stated_one():
 
 
 def emulate_strided_dgrad(spec: ConvSpec, math, cfg: TileConfig, seed: int = 0, il: bool = False):
-    """Every phase GEMM of the strided dgrad plan (tensorcore/dgrad.py) through the generator's
+    """Every phase GEMM of the strided dgrad plan (tensorcore/sm90/dgrad.py) through the generator's
     expressions: dy as its conversion step writes it (NHWC, Kp channels), each phase's filters as its
     packing step writes them, D stored through the phase's pixel map into dx (``il``: stored compact
     through the phase buffer's Output, then placed by its interleave Part: row a, column b of the
     buffer at dx pixel (ph + sh a, pw + sw b)). Returns (dx, reference, writes per element, mask of
     the phases no tap reaches)."""
-    from convforge.kernels.tensorcore.dgrad import phases
+    from convforge.kernels.tensorcore.sm90.dgrad import phases
 
     variant = get_variant({"tf32": "dgrad_tc_strided_tf32", "3xtf32": "dgrad_tc_strided_3xtf32",
                            "3xf16": "dgrad_tc_strided_3xf16"}.get(math.name, "dgrad_tc_strided_half"))
@@ -806,7 +806,7 @@ def test_wgrad_reduce_writes_every_filter_element_once():
 def test_emulated_batched_gemm_of_winograd(math, cfg):
     """The Winograd GEMM's operands (DenseRows over a batch: V[e] tiles x Cp, U[e] K x Cp, channel tail
     zero-filled) and its M output slabs [z][e][k][t]: equal to the batched products, each written once."""
-    from convforge.kernels.tensorcore.winograd import TcWinograd
+    from convforge.kernels.tensorcore.sm90.winograd import TcWinograd
 
     rng = np.random.default_rng(3)
     spec = ConvSpec.make(2, 37, 11, 9, 67, 3, 3, 1, 1)
@@ -971,7 +971,7 @@ def test_cluster_stage_ring_protocol(st, cw, seed):
     producer armed it and all three pieces landed. The consumers release a stage with one arrival per
     warpgroup on every block's empty[s] (the generator's Ring.releases): no stage of either block is
     overwritten before all its consumers read it, none read before all pieces landed, no deadlock."""
-    from convforge.kernels.tensorcore.mainloop import Ring
+    from convforge.kernels.tensorcore.sm90.mainloop import Ring
 
     cfg = TileConfig(128, 64, 1, st, cw, tm=1, cl=2)
     assert not cfg.problems(TF32)
@@ -1098,7 +1098,7 @@ def test_half_output_rounding_matches_stated_error(dtype):
     """NumPy emulation of the half variant's only rounding (products exact, sums FP32, one rounding
     at the store) on a ResNet-like layer: its relative L2 error is what the variant states (within
     30 %) and far below its check's tolerance."""
-    from convforge.kernels.tensorcore.variants import HALF_EXPECTED, HALF_TOLERANCE
+    from convforge.kernels.tensorcore.sm90.variants import HALF_EXPECTED, HALF_TOLERANCE
 
     spec = ConvSpec.make(2, 64, 12, 12, 32, 3, 3, 1, 1, dtype=dtype)
     rng = np.random.default_rng(0)
@@ -1145,7 +1145,7 @@ def test_winograd_stated_errors_match_the_rounding_emulation(dtype, m):
     30 %), half their check's tolerance at most: TF32 operands for float32 and bfloat16 layers,
     FP16 for float16; BF16 operands would be 2.5x worse (F(2x2)) and 7x worse (F(4x4)), so they are
     not used."""
-    from convforge.kernels.tensorcore.winograd import TOLERANCE
+    from convforge.kernels.tensorcore.sm90.winograd import TOLERANCE
 
     spec = ConvSpec.make(2, 64, 20, 20, 32, 3, 3, 1, 1, dtype=dtype)
     v = get_variant(f"tc_winograd_f{m}")
@@ -1461,8 +1461,8 @@ def test_job_heads_deal_every_tile_of_every_job_once_round_robin(ps):
     tiles b, b + G, ... of the whole sequence, so the blocks' loads differ by one tile at most."""
     import re
 
-    from convforge.kernels.tensorcore.kernel import jobs_grid
-    from convforge.kernels.tensorcore.schedule import job_heads
+    from convforge.kernels.tensorcore.sm90.kernel import jobs_grid
+    from convforge.kernels.tensorcore.sm90.schedule import job_heads
 
     cfg = TileConfig(128, 64, ps=ps)
     probs = [Problem(128 * t, 64, 256) for t in (7, 3, 12, 1)]
@@ -1551,7 +1551,7 @@ STEM_CASES = [(ConvSpec.make(2, 3, 19, 17, 8, 7, 7, 2, (3, 2, 3, 1), dtype="floa
 def _folded(spec, xs, ws, cp, ld):
     """x' and w' as tc_x_fold and tc_w_fold write them: the kernels' own index expressions evaluated per
     element (prep.fold_source / wfold_source), per math part."""
-    from convforge.kernels.tensorcore.prep import fold_source, wfold_source
+    from convforge.kernels.tensorcore.sm90.prep import fold_source, wfold_source
 
     lets, ok, at = fold_source(spec, cp)
     xf = {}
@@ -1619,7 +1619,7 @@ def test_stem_fold_applies_only_where_it_saves_reduction():
     assert half.rank(stem, NOMINAL_CUDA) > get_variant("tc_implicit_gemm_half").rank(stem, NOMINAL_CUDA)  # measured
     from convforge.kernels import ranked
 
-    # the direct stem (tensorcore/stem.py, measured faster on every stem) first, then the fold
+    # the direct stem (tensorcore/sm90/stem.py, measured faster on every stem) first, then the fold
     assert [v.name for v in ranked("auto", stem, NOMINAL_CUDA)[:2]] == ["tc_stem_direct_half", "tc_stem_gemm_half"]
 
 

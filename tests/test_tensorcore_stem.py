@@ -1,4 +1,4 @@
-"""The stem kernels (kernels/tensorcore/stem.py) modelled on the CPU: every A register and every B element
+"""The stem kernels (kernels/tensorcore/sm90/stem.py) modelled on the CPU: every A register and every B element
 wgmma reads, emulated from the generator's own index expressions, against the convolution's im2col
 definition; shapes, refusals and the nvcc compile (no spills). The GPU tier runs them against float64."""
 
@@ -12,10 +12,10 @@ import pytest
 from conftest import NOMINAL_CUDA
 from convforge.codegen.nvcc import ptxas_report
 from convforge.kernels import get_variant
-from convforge.kernels.tensorcore import stem
-from convforge.kernels.tensorcore.cexpr import bind, evaluate
-from convforge.kernels.tensorcore.isa import M
-from convforge.kernels.tensorcore.smem import model_address
+from convforge.kernels.tensorcore.sm90 import stem
+from convforge.kernels.tensorcore.sm90.cexpr import bind, evaluate
+from convforge.kernels.tensorcore.sm90.isa import M
+from convforge.kernels.tensorcore.sm90.smem import model_address
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue
 from convforge.spec import ConvSpec

@@ -145,7 +145,7 @@ def test_heuristic_ranks_winograd_by_layer_on_gpus() -> None:
 
 
 def test_heuristic_3xtf32_and_1x1_tiles_where_measured() -> None:
-    """H100, round 21 (tensorcore/variants.py ``x3_rank``, gemm.py ``pointwise_prefer``): 3xTF32
+    """H100, round 21 (tensorcore/sm90/variants.py ``x3_rank``, gemm.py ``pointwise_prefer``): 3xTF32
     first on big 3x3 layers of 64-256 channels (VGG-16 conv3_2), below implicit GEMM on 3-channel
     stems, at its stated rank elsewhere and in the backward passes; 3xFP16 over it on those 3x3 layers
     (round 32) and, restarted every k step, on 3x3 layers of C != K >= 64 and deep 1x1 layers (round 33;
@@ -468,7 +468,7 @@ def test_tune_an_nhwc_layer(backend, db) -> None:  # type: ignore[no-untyped-def
 
 
 def test_scaled_fp16_leads_the_relaxed_class_on_big_layers_only() -> None:
-    """Round 33 (tensorcore/variants.py ``sf16_rank``): in the relaxed class scaled FP16 goes first on
+    """Round 33 (tensorcore/sm90/variants.py ``sf16_rank``): in the relaxed class scaled FP16 goes first on
     float32 forward layers of >= 7 GFLOP where TF32's implicit GEMM led (ResNet's 3x3 layers at N32:
     7.4 GFLOP), TF32 stays first below (Inception-v3's 3x1 384 @8², 1.8 GFLOP), gemm1x1_wgmma_tf32
     on 1x1 layers and the TF32 direct stem on 3-channel layers; the fp32 class never takes it."""

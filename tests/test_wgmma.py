@@ -18,7 +18,7 @@ from convforge.backends.base import weight_steps
 from convforge.codegen.nvcc import ptxas_report
 from convforge.codegen.render import ARCH_SPECIFIC_MARK, render
 from convforge.kernels import get_variant
-from convforge.kernels.tensorcore.wgmma_1x1 import (
+from convforge.kernels.tensorcore.sm90.wgmma_1x1 import (
     ACC,
     BK,
     C_PAD,

@@ -247,7 +247,7 @@ def test_tuner_admits_wgrad_candidates_by_the_fp32_rule(ocl, tmp_path):
 
 # -- the heuristic's order -----------------------------------------------------------------
 @pytest.mark.parametrize("spec, first", [
-    # sm_90, fp32 class: 3xFP16 first on 3x3, deep 1x1 at <= 28² and 7x7 stems (tensorcore/wgrad.x3h_first)
+    # sm_90, fp32 class: 3xFP16 first on 3x3, deep 1x1 at <= 28² and 7x7 stems (tensorcore/sm90/wgrad.x3h_first)
     (ConvSpec.make(32, 64, 56, 56, 64, 3, 3, 1, 1, conv_pass="wgrad"), "wgrad_tc_implicit_gemm_3xf16"),
     (ConvSpec.make(32, 256, 56, 56, 64, 1, 1, conv_pass="wgrad"), "wgrad_gemm1x1"),
     (ConvSpec.make(32, 256, 56, 56, 512, 1, 1, 2, conv_pass="wgrad"), "wgrad_implicit_gemm"),

@@ -121,7 +121,7 @@ def _env_settings(env: Mapping[str, str]) -> dict[str, tuple[str, Callable[[], A
         # models (FusedConv2d, PreActivation: torch/batchnorm.py); off: PyTorch's modules
         "train_bn": ("CONVFORGE_TRAIN_BN", lambda: parse_bool("CONVFORGE_TRAIN_BN", get("CONVFORGE_TRAIN_BN") or "1")),
         # A conv -> ReLU node's backward writes the masked gradient straight into its dgrad and wgrad GEMMs'
-        # operand layouts (kernels/tensorcore/gradrows.py) where both passes are tensor-core plans; off: the
+        # operand layouts (kernels/tensorcore/sm90/gradrows.py) where both passes are tensor-core plans; off: the
         # masked gradient in NCHW, then the passes' own transposes
         "grad_rows": ("CONVFORGE_GRAD_ROWS",
                       lambda: parse_bool("CONVFORGE_GRAD_ROWS", get("CONVFORGE_GRAD_ROWS") or "1")),

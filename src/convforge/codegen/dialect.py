@@ -36,7 +36,7 @@ A kernel body is plain C using these tokens, which each renderer spells its own 
                                                           mma.sync m16n8k8 .tf32, FP32 accumulate;
                                                           d* float lvalues, a*/b* TF32-valued floats
                                                           in the PTX fragment layouts, see
-                                                          kernels/tensorcore/mma_sync.py); feature "mma_tf32",
+                                                          kernels/tensorcore/sm80/mma_sync.py); feature "mma_tf32",
                                                           CUDA sm_80+ only
     SMEM_U32(p)                                           32-bit shared-window address of pointer p
     CP_ASYNC16(sa, src, n) / CP_ASYNC4(sa, src, n)        cp.async of 16 (.cg) / 4 (.ca) bytes from src
@@ -65,8 +65,9 @@ A kernel body is plain C using these tokens, which each renderer spells its own 
                                                           tied to it (read only after it)
     WGMMA_TF32(N, desc_a, desc_b, d0 .. d{N/2-1})         warpgroup D += A.B, m64nNk8 TF32, FP32
                                                           accumulate, A and B K-major in shared memory
-                                                          by 64-bit matrix descriptors (kernels/tensorcore/wgmma_1x1.py)
-    The tensor-core generator (kernels/tensorcore/), feature "wgmma" too:
+                                                          by 64-bit matrix descriptors
+                                                          (kernels/tensorcore/sm90/wgmma_1x1.py)
+    The tensor-core generator (kernels/tensorcore/sm90/), feature "wgmma" too:
     WGMMA(type, k, N, desc_a, desc_b, d0 .. d{N/2-1})     m64nNk{k}, type tf32 (k 8), f16 or bf16 (k 16), FP32
                                                           accumulate, both operands K-major in shared memory
     WGMMA_Z(type, k, N, desc_a, desc_b, d0 .. d{N/2-1})   the same with D = A.B (scale-d 0: D starts at zero)

@@ -470,7 +470,7 @@ def _wgmma_call(token: str, args: list[str]) -> str:
     return _asm(text, [f'"+f"({d})' for d in acc], [f'"l"({da})', f'"l"({db})', '"r"(1)'])
 
 
-# -- the tensor-core generator (kernels/tensorcore/): mbarrier stage rings, warpgroup roles, wgmma of
+# -- the tensor-core generator (kernels/tensorcore/sm90/): mbarrier stage rings, warpgroup roles, wgmma of
 # every math mode, storage-dtype conversions of its epilogue. Shared addresses are 32-bit (SMEM_U32).
 # mbarrier waits spin on try_wait.parity (labels are local to the braces of each inlined copy);
 # cp.async arrivals use .noinc, so a full barrier expects one arrival per producer thread.
@@ -648,7 +648,7 @@ _TC_HEAD = re.compile(r"\b(MBAR_WAIT|TC_F16_TO_F32|TC_F32_TO_F16|TC_F32_TO_BF16|
 # cp.async of 16 bytes (.cg, L1 bypassed) or 4 bytes (.ca), each reading ``n`` bytes (0 or the full
 # size) and zero-filling the rest, so a chunk outside the matrix costs no branch; ldmatrix x4 gives
 # lane l row l / 4, 32-bit word l % 4 of each of four 8 x 8 b16 matrices whose row addresses lanes
-# 8q..8q+7 supply: for a k-contiguous shared tile exactly the TF32 fragments (kernels/tensorcore/mma_pipe.py).
+# 8q..8q+7 supply: for a k-contiguous shared tile exactly the TF32 fragments (kernels/tensorcore/sm80/mma_pipe.py).
 _CUDA_PIPE = r"""__device__ __forceinline__ void cf_cp_async16(unsigned dst, const float* src, unsigned n)
 {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(n) : "memory");

@@ -22,13 +22,53 @@ def register(variant: Variant) -> Variant:
     return variant
 
 
-def _load() -> None:
-    # Importing the family modules registers their variants.
-    import importlib
-    import pkgutil
+# The modules that register variants (each by ``register(...)`` when imported), in the registry's order:
+# the one place that order is set. It is part of dispatch (``ranked`` keeps registration order among
+# equal ranks) and kept as it was when the families were imported by name. all_variants() lists the
+# variants in it whatever was imported first. ``dgrad.transposed`` registers its stride-1 adapters of
+# the forward variants (``register_adapters``) after every module is imported, listed at its place.
+REGISTRATION_ORDER = (
+    "gemm",
+    "dgrad.baseline",
+    "dgrad.strided",
+    "direct",
+    "im2win",
+    "winograd.nonfused",
+    "winograd.fused",
+    "tensorcore.sm80.mma_variants",
+    "tensorcore.sm80.mma_staged",
+    "tensorcore.sm90.variants",
+    "tensorcore.sm90.stem",
+    "tensorcore.sm90.wgmma_1x1",
+    "tensorcore.sm90.winograd",
+    "tensorcore.sm90.dgrad",
+    "tensorcore.sm90.wgrad",
+    "dgrad.transposed",
+    "depthwise",
+    "depthwise_nhwc",
+    "depthwise_wgrad",
+    "gemv",
+    "wgrad.direct",
+    "wgrad.gemm",
+    "wgrad.winograd",
+)
 
-    for mod in pkgutil.iter_modules(__path__):
-        importlib.import_module(f"{__name__}.{mod.name}")
+
+def _load() -> None:
+    """Import the modules of REGISTRATION_ORDER (which registers their variants), make the dgrad
+    adapters of the forward variants, and put the registry in REGISTRATION_ORDER (a module imported
+    before the first load registered its variants first; a variant of a module not listed goes last)."""
+    import importlib
+
+    for mod in REGISTRATION_ORDER:
+        importlib.import_module(f"{__name__}.{mod}")
+    from convforge.kernels.dgrad.transposed import register_adapters
+
+    register_adapters()
+    place = {f"{__name__}.{mod}": i for i, mod in enumerate(REGISTRATION_ORDER)}
+    ordered = sorted(_REGISTRY.values(), key=lambda v: place.get(type(v).__module__, len(place)))
+    _REGISTRY.clear()
+    _REGISTRY.update((v.name, v) for v in ordered)
 
 
 _LOADED = False

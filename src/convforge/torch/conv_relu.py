@@ -6,7 +6,7 @@ applies bias and ReLU in its epilogue, and backward one kernel (``kernels/wgrad/
 ``relu``) masks the gradient by the saved output's sign, writes the masked gradient for the layer's
 dgrad and wgrad and sums it for the bias: two passes over the activation fewer, and two launches.
 Where both passes are tensor-core plans that transpose the gradient first (``config.grad_rows``), the
-kernel writes it straight into their GEMMs' operand layouts instead (``kernels/tensorcore/gradrows.py``:
+kernel writes it straight into their GEMMs' operand layouts instead (``kernels/tensorcore/sm90/gradrows.py``:
 :class:`_RowsBackward`), and the passes run without their transposes: three passes fewer again.
 ``FusedConv2d`` (conv -> ReLU, no batch norm, no residual) takes it in training where :func:`takes`
 says so; anything else (half or autocast, ``torch.compile`` tracing, ``config.train_bn`` off, a layer
@@ -148,7 +148,7 @@ caches.register(_ROWS.clear, "torch.conv_relu: the rows backward of each layer")
 
 
 class _RowsBackward:
-    """One layer's backward through ``kernels/tensorcore/gradrows.py``: the masked gradient and the bias
+    """One layer's backward through ``kernels/tensorcore/sm90/gradrows.py``: the masked gradient and the bias
     partial sums by one kernel that writes dgrad's and wgrad's GEMM operands, then both passes' plans
     without their transposes of the gradient, each on its own executable's workspace, on raw pointers on
     torch's current stream."""
@@ -228,7 +228,7 @@ def rows_from_plans(plan_d: Any, plan_w: Any, shape: tuple[int, ...], dev: int) 
     wgrad plans (either None: that gradient is not asked), their transposes of the gradient taken out
     (``gradrows.prepared``); None where a plan has none to take."""
     from convforge.backends.cuda import RawLaunches
-    from convforge.kernels.tensorcore import gradrows
+    from convforge.kernels.tensorcore.sm90 import gradrows
 
     n, k, p, q = shape
     be: Any = get_backend("cuda", dev)  # a CudaBackend: its executables reserve and launch on raw pointers

@@ -10,7 +10,7 @@ Three ways, one module each, and the pass they share:
   into stride phases, one dense sub-GEMM per phase in one launch, so it never multiplies the zeros
   of a zero-stuffed dy (CUTLASS's strided dgrad); stride 1 is its one-phase case;
 * :mod:`.interleave` -- the pass that writes dx once, in order, from compact per-phase buffers (zeros
-  where no phase reaches), used by the wgmma strided dgrad (kernels/tensorcore/dgrad.py) and by
+  where no phase reaches), used by the wgmma strided dgrad (kernels/tensorcore/sm90/dgrad.py) and by
   ``dgrad_sub_<1x1 forward>`` (:mod:`.transposed`: a strided 1x1 layer as the stride-1 1x1 dgrad of
   dy's P x Q grid, read in place).
 """

@@ -32,7 +32,6 @@ so each adapter states the forward variant's class, tolerance and expected error
 from __future__ import annotations
 
 import dataclasses
-import importlib
 
 from convforge.codegen.dialect import Buf, Kernel
 from convforge.kernels import _REGISTRY, register
@@ -66,9 +65,6 @@ FORWARD = (
     "tc_implicit_gemm_tf32", "tc_implicit_gemm_3xtf32", "tc_implicit_gemm_half", "tc_implicit_gemm_3xf16",
     "tc_winograd_f2", "tc_winograd_f2_3xtf32", "tc_winograd_f4_3xtf32", "tc_winograd_f4",
 )
-# The modules that register them (imported here so the adapters can be made at import time; one
-# that another change renamed is skipped, and tests/test_dgrad.py names the variants gone missing).
-_MODULES = ("direct", "gemm", "im2win", "winograd", "tensorcore")
 
 
 def transposed_spec(spec: ConvSpec) -> ConvSpec | str:
@@ -285,19 +281,13 @@ class DgradSubsampled(DgradTransposed):
                     inner.tolerance, epilogue)
 
 
-def _register_all() -> None:
-    for mod in _MODULES:
-        try:
-            importlib.import_module(f"convforge.kernels.{mod}")
-        except ModuleNotFoundError as ex:  # moved by another change: its adapters go missing, loudly in tests
-            if ex.name != f"convforge.kernels.{mod}":
-                raise
+def register_adapters() -> None:
+    """Register the adapters of the forward variants above. The registry's first load
+    (``kernels._load``) calls it once every family module is imported; one that another change
+    renamed is skipped, and tests/test_dgrad.py names the variants gone missing."""
     for name in FORWARD:
         if name in _REGISTRY:
             register(DgradTransposed(_REGISTRY[name]))
     for name in SUBSAMPLED:
         if name in _REGISTRY:
             register(DgradSubsampled(_REGISTRY[name]))
-
-
-_register_all()

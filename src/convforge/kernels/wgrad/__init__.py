@@ -9,7 +9,7 @@ reads "x" and "y" = dy, writes "w" = dw); and the bias gradient beside it.
 * bias.py      :func:`bias_grad_plan`: db = dy summed over N, P, Q (a Plan reading "y", writing "bias").
 * common.py    split-K choice, reduce kernels, the atomicAdd option (config.deterministic), accuracy.
 
-Importing this package registers its variants (the kernels package imports it automatically).
+Importing this package registers its variants (kernels.REGISTRATION_ORDER lists its modules).
 """
 
 from convforge.kernels.wgrad import direct, gemm, winograd  # noqa: F401

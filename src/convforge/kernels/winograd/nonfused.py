@@ -508,7 +508,7 @@ class WinogradNonFused(Variant):
     def _gemm_stage(self, g: Geometry, gp: Params, ks: int, hf: bool,
                     lo: bool) -> tuple[Kernel, Dim3, Dim3]:
         """The batched GEMM from a shared generator (``gemm`` other than "own"): kernel, grid and
-        block. The hook of the tensor-core variants (kernels/tensorcore/mma_variants.py), which swap the
+        block. The hook of the tensor-core variants (kernels/tensorcore/sm80/mma_variants.py), which swap the
         generator and keep everything else."""
         return (self._sgemm_kernel(g, gp, ks, hf, lo), gemm_grid(self._shape(g, ks), gp),
                 gemm_block(gp))

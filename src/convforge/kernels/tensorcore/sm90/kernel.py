@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from convforge.codegen.dialect import Arg, Kernel, LocalBuf, TensorMap
 from convforge.codegen.meta import Code
-from convforge.kernels.tensorcore import tma
-from convforge.kernels.tensorcore.epilogue import Output
-from convforge.kernels.tensorcore.isa import Math
-from convforge.kernels.tensorcore.mainloop import Job, Ring, emit_consumer, emit_producer, job_tag
-from convforge.kernels.tensorcore.operands import Operand
-from convforge.kernels.tensorcore.tiles import Problem, TileConfig
+from convforge.kernels.tensorcore.sm90 import tma
+from convforge.kernels.tensorcore.sm90.epilogue import Output
+from convforge.kernels.tensorcore.sm90.isa import Math
+from convforge.kernels.tensorcore.sm90.mainloop import Job, Ring, emit_consumer, emit_producer, job_tag
+from convforge.kernels.tensorcore.sm90.operands import Operand
+from convforge.kernels.tensorcore.sm90.tiles import Problem, TileConfig
 
 
 def gemm_kernel(name: str, math: Math, cfg: TileConfig, prob: Problem, a: Operand, b: Operand,

@@ -1,5 +1,5 @@
 """Tensor-core (TF32) variants of the GEMM family: implicit GEMM and the 1x1 path on
-:mod:`convforge.kernels.tensorcore.mma_sync`, in two accuracy grades.
+:mod:`convforge.kernels.tensorcore.sm80.mma_sync`, in two accuracy grades.
 
 * ``*_tf32``: operands rounded to TF32 (10-bit mantissa, unit roundoff u = 2^-11), FP32
   accumulation: class "relaxed". Each product carries two roundings of relative size up to u
@@ -44,7 +44,7 @@ from convforge.kernels.gemm import (
     too_big,
 )
 from convforge.kernels.sgemm import GemmShape, Operand
-from convforge.kernels.tensorcore.mma_sync import (
+from convforge.kernels.tensorcore.sm80.mma_sync import (
     LEAD_TILES,
     TC_KEYS,
     tc_block,
@@ -231,7 +231,7 @@ _WINO_X3_ADDED = {4: 1.3e-7, 6: 9e-7, 8: 1.8e-6, 9: 1.8e-5}
 class WinogradNonFusedTC(WinogradNonFused):
     """Non-fused Winograd F(m x m) with the batched GEMM on tensor cores (``gemm="tf32"`` or
     ``"3xtf32"``): the transform kernels, splits (ks), hf and stores of the CUDA-core variant,
-    the GEMM from :func:`convforge.kernels.tensorcore.mma_sync.tc_kernel`."""
+    the GEMM from :func:`convforge.kernels.tensorcore.sm80.mma_sync.tc_kernel`."""
 
     backends = frozenset({"cuda"})
     space_lead = 8
@@ -274,7 +274,7 @@ class WinogradNonFusedTC(WinogradNonFused):
         return self._with_tile(super().default(spec, device), self._tiles(spec, device, True)[0])
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
-        """The default, the lead tiles of :data:`convforge.kernels.tensorcore.mma_sync.LEAD_TILES` under its
+        """The default, the lead tiles of :data:`convforge.kernels.tensorcore.sm80.mma_sync.LEAD_TILES` under its
         choices, its channel splits and hf flipped, then every tensor-core tile under the default's
         transform choices at each split."""
         first = self.default(spec, device)

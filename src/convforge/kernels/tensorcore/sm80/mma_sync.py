@@ -18,7 +18,7 @@ i (``fast == "i"``: im2col columns, Winograd U and V) is stored k-major (``S[k][
 Fragment reads are single words here. (``ldmatrix`` does serve TF32 for a k-contiguous tile: an
 8 x 8 b16 matrix row is 4 consecutive 32-bit words and lane l receives row l / 4, word l % 4, i.e.
 the A fragment (g, t) and, rows being n, the B fragment (k = t, n = g); the staged generator
-:mod:`convforge.kernels.tensorcore.mma_pipe` uses it, with cp.async stages.)
+:mod:`convforge.kernels.tensorcore.sm80.mma_pipe` uses it, with cp.async stages.)
 
 ``x3`` (3xTF32): the shared tiles keep FP32; each fragment value is split a = hi + lo with
 hi = tf32(a), lo = tf32(a - hi), and acc += a_lo b_hi + a_hi b_lo + a_hi b_hi (small terms

@@ -41,11 +41,11 @@ from dataclasses import dataclass
 from convforge.codegen.dialect import Buf, Kernel, LocalBuf
 from convforge.codegen.meta import Code, cdiv
 from convforge.kernels import register
-from convforge.kernels.tensorcore.cexpr import Let, emit_all
-from convforge.kernels.tensorcore.epilogue import CTYPE, to_float
-from convforge.kernels.tensorcore.isa import ACC, M, Math, device_reason
-from convforge.kernels.tensorcore.smem import MAX_SHARED, Tile
-from convforge.kernels.tensorcore.variants import RANK_SM90, TcVariant, tolerance
+from convforge.kernels.tensorcore.sm90.cexpr import Let, emit_all
+from convforge.kernels.tensorcore.sm90.epilogue import CTYPE, to_float
+from convforge.kernels.tensorcore.sm90.isa import ACC, M, Math, device_reason
+from convforge.kernels.tensorcore.sm90.smem import MAX_SHARED, Tile
+from convforge.kernels.tensorcore.sm90.variants import RANK_SM90, TcVariant, tolerance
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Launch, Plan
 from convforge.spec import ConvSpec

@@ -22,7 +22,7 @@ consumer waits on its tile's stages only after the other has waited on all of it
 (two turn barriers, CUTLASS's ordered math warpgroups): then one stores its tile while the other
 multiplies.
 
-With ``tm`` = 1 the producer is one thread issuing bulk tensor copies (tensorcore/tma.py): the full
+With ``tm`` = 1 the producer is one thread issuing bulk tensor copies (tensorcore/sm90/tma.py): the full
 barriers expect 1 arrival, its ``mbarrier.arrive.expect_tx`` with the stage's bytes, and the copies
 complete them; the consumers skip the proxy fence (TMA writes through the async proxy). With
 clusters (``cl`` = 2) a block's stage is written by its peer's multicast too, so ``empty[s]``
@@ -36,13 +36,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from convforge.codegen.meta import Code
-from convforge.kernels.tensorcore import epilogue, schedule, tma
-from convforge.kernels.tensorcore.cexpr import emit_all
-from convforge.kernels.tensorcore.epilogue import Output, acc_name
-from convforge.kernels.tensorcore.isa import Math
-from convforge.kernels.tensorcore.operands import THREADS, Copy, Operand
-from convforge.kernels.tensorcore.smem import StageLayout, desc_high
-from convforge.kernels.tensorcore.tiles import Problem, TileConfig
+from convforge.kernels.tensorcore.sm90 import epilogue, schedule, tma
+from convforge.kernels.tensorcore.sm90.cexpr import emit_all
+from convforge.kernels.tensorcore.sm90.epilogue import Output, acc_name
+from convforge.kernels.tensorcore.sm90.isa import Math
+from convforge.kernels.tensorcore.sm90.operands import THREADS, Copy, Operand
+from convforge.kernels.tensorcore.sm90.smem import StageLayout, desc_high
+from convforge.kernels.tensorcore.sm90.tiles import Problem, TileConfig
 
 REGISTER_ROWS = 8  # per-row producer state kept in registers up to this many rows per thread (twice as
 # many without setmaxnreg, when the producer has the launch bound's 168 registers)

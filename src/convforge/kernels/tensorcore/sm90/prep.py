@@ -27,8 +27,8 @@ from math import prod
 
 from convforge.codegen.dialect import Buf, Dim3, Kernel
 from convforge.codegen.meta import Code, cdiv
-from convforge.kernels.tensorcore.epilogue import CTYPE
-from convforge.kernels.tensorcore.isa import Math
+from convforge.kernels.tensorcore.sm90.epilogue import CTYPE
+from convforge.kernels.tensorcore.sm90.isa import Math
 from convforge.plan import Launch
 from convforge.spec import ConvSpec
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from convforge.kernels.tensorcore.isa import KSTEP_BYTES, ROW_BYTES
+from convforge.kernels.tensorcore.sm90.isa import KSTEP_BYTES, ROW_BYTES
 
 ALIGN = 1024  # a 128-byte swizzle atom's alignment (the narrower ones need less)
 SBO = 8 * ROW_BYTES  # bytes between 8-row groups of a 128-byte-swizzled tile

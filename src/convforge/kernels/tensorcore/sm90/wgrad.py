@@ -9,15 +9,15 @@ of P x Q taps, with the forward's dilation as its stride, the forward's stride a
 the forward's top / left padding; its "output pixels" are the R x S filter taps. As the implicit
 GEMM D (C R S x K) = A . B^T over the reduction (p, q, n):
 
-* A = :class:`~convforge.kernels.tensorcore.operands.Im2colNhwc` over x' = [C][H][W][Np], rows
+* A = :class:`~convforge.kernels.tensorcore.sm90.operands.Im2colNhwc` over x' = [C][H][W][Np], rows
   (c, r, s), the chunk at (p, q, n..n+3) reading x' pixel (r dh - pt + p sh, s dw - pl + q sw);
-* B = :class:`~convforge.kernels.tensorcore.operands.DenseRows` over dy' = [K][P Q Np];
+* B = :class:`~convforge.kernels.tensorcore.sm90.operands.DenseRows` over dy' = [K][P Q Np];
 * D stored into dW's K C R S layout (the epilogue's strided :class:`Output`: images R S apart,
   columns C R S apart), split-K over the long reduction (N P Q Np / chunk stages) with the
   deterministic reduce; no bias, residual or activation (a gradient has none).
 
 Plan: (1) x NCHW -> x' and (2) dy NCHW -> dy' by one transposing step each
-(:func:`~convforge.kernels.tensorcore.prep.planes_to_rows`: TF32-rounded, 3xTF32 hi / lo, half bits
+(:func:`~convforge.kernels.tensorcore.sm90.prep.planes_to_rows`: TF32-rounded, 3xTF32 hi / lo, half bits
 as they are; each reads and writes its tensor once), (3) the wgmma GEMM, (4) with split-K the reduce.
 CUTLASS's sm90 wgrad takes NHWC activations with the reduction strided (MN-major operands), which
 wgmma allows for 16-bit types only; TF32 wants both operands K-major, which these transposes give
@@ -37,13 +37,13 @@ from convforge.codegen.dialect import Kernel
 from convforge.codegen.meta import cdiv
 from convforge.kernels import register
 from convforge.kernels.dgrad.baseline import no_epilogue
-from convforge.kernels.tensorcore import prep, tiles, tma
-from convforge.kernels.tensorcore.epilogue import Output, reduce_kernel
-from convforge.kernels.tensorcore.isa import Math, device_reason
-from convforge.kernels.tensorcore.kernel import gemm_kernel
-from convforge.kernels.tensorcore.operands import DenseRows, Geometry, Im2colNhwc, Operand, PlanarRows
-from convforge.kernels.tensorcore.tiles import Problem, TileConfig
-from convforge.kernels.tensorcore.variants import RANK_SM90, TcVariant, tolerance
+from convforge.kernels.tensorcore.sm90 import prep, tiles, tma
+from convforge.kernels.tensorcore.sm90.epilogue import Output, reduce_kernel
+from convforge.kernels.tensorcore.sm90.isa import Math, device_reason
+from convforge.kernels.tensorcore.sm90.kernel import gemm_kernel
+from convforge.kernels.tensorcore.sm90.operands import DenseRows, Geometry, Im2colNhwc, Operand, PlanarRows
+from convforge.kernels.tensorcore.sm90.tiles import Problem, TileConfig
+from convforge.kernels.tensorcore.sm90.variants import RANK_SM90, TcVariant, tolerance
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Launch, Plan
 from convforge.spec import ConvSpec
@@ -167,7 +167,7 @@ class TcWgrad(TcVariant):
         return tma.with_tma(cfg, lambda c: self.tma_reason(spec, c))
 
     def tma_reason(self, spec: ConvSpec, cfg: TileConfig) -> str | None:
-        """Why this layer's operands cannot come by TMA with tile ``cfg`` (tensorcore/tma.py), or None."""
+        """Why this layer's operands cannot come by TMA with tile ``cfg`` (tensorcore/sm90/tma.py), or None."""
         return tma.pair_reason(*self.operands(spec, cfg), cfg.bm, cfg.bn)
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:

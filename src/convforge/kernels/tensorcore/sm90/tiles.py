@@ -6,7 +6,7 @@ wgmma m64n{bn} per k step and product), so it holds wm * bn / 2 f32 accumulators
 A stage holds ``kb`` 128-byte atoms of K (32 TF32 or 64 FP16/BF16 elements per atom), ``st`` stages
 ring between producer and consumers. ``ks`` splits the reduction (partials + a deterministic
 reduce), ``ps`` = 1 runs a persistent grid of at most one block per SM, ``tm`` = 1 brings the
-operands by TMA (tensorcore/tma.py) instead of cp.async. ``cl`` = 2 (with TMA) runs blocks in
+operands by TMA (tensorcore/sm90/tma.py) instead of cp.async. ``cl`` = 2 (with TMA) runs blocks in
 clusters of two that take neighbouring N tiles of one M tile: each brings half of the shared A tile
 and multicasts it to both (tma.py), so A crosses from L2 once per pair; a stage is free again once
 the consumers of both blocks have released it. ``sa`` = 64 or 32 (with TMA) lays A's tile out in that
@@ -24,9 +24,9 @@ import itertools
 from dataclasses import dataclass
 
 from convforge.codegen.meta import cdiv
-from convforge.kernels.tensorcore import epilogue
-from convforge.kernels.tensorcore.isa import Math, n_ok
-from convforge.kernels.tensorcore.smem import MAX_SHARED, StageLayout, Tile
+from convforge.kernels.tensorcore.sm90 import epilogue
+from convforge.kernels.tensorcore.sm90.isa import Math, n_ok
+from convforge.kernels.tensorcore.sm90.smem import MAX_SHARED, StageLayout, Tile
 from convforge.params import Params
 
 KEYS = ("bm", "bn", "kb", "st", "cw", "ks", "ps", "pi", "tm", "cl", "sa", "pp", "kr")
@@ -60,7 +60,7 @@ class TileConfig:
     ps: int = 1
     pi: int = 0  # 3xTF32: promote the wgmma sums into FP32 registers every pi stages (0: never)
     cl: int = 1  # blocks per cluster (2: A multicast to a pair of N tiles; TMA only)
-    tm: int = 0  # 1: the operands come by TMA (one producer thread, tensorcore/tma.py), 0: by cp.async
+    tm: int = 0  # 1: the operands come by TMA (one producer thread, tensorcore/sm90/tma.py), 0: by cp.async
     sa: int = 128  # A's swizzle width in bytes (64 or 32, TMA only: channels that are not whole 128-byte rows)
     pp: int = 0  # 1: the two consumers take whole tiles in turn ("ping-pong"), 0: they share each tile
     kr: int = 0  # split modes: 1 restarts the wgmma sums every k step (two register sets in turn, each added

@@ -3,7 +3,7 @@
 The protocol (:class:`Operand`): an implicit GEMM D (M x N) = A (M x Kred) . B (N x Kred)^T with both
 operands K-major. An iterator owns one of them; for every stage it names, per producer thread, a list
 of 16-byte copies (:class:`Copy`: shared byte offset in its tile, source element offset, predicate),
-from bindings (:class:`~convforge.kernels.tensorcore.cexpr.Let`) at three levels:
+from bindings (:class:`~convforge.kernels.tensorcore.sm90.cexpr.Let`) at three levels:
 
 * ``thread_lets``: per producer thread (``tid`` 0..127), once;
 * ``tile_lets``: per output tile (``ra0`` / ``rb0``: the tile's first row of A / B; ``bz``: the batch);
@@ -17,12 +17,12 @@ Rows past the operand's end are clamped to its last row (finite data; their resu
 
 fprop: A = :class:`Im2colNhwc` (output pixels x (r, s, c) of NHWC activations, any stride, dilation,
 padding), B = :class:`DenseRows` (filters packed K x (r, s, c)). Winograd's batched GEMM: both
-:class:`DenseRows` (V[e]: tiles x C, U[e]: K x C). wgrad (tensorcore/wgrad.py) is the forward
+:class:`DenseRows` (V[e]: tiles x C, U[e]: K x C). wgrad (tensorcore/sm90/wgrad.py) is the forward
 convolution of a transposed problem, so the same two serve it (A: im2col rows (c, r, s) of x with
 the images as channels, B: dy rows); a stride-1 unpadded 1x1 layer's wgrad reads x and dy as they
 lie, as :class:`PlanarRows` (rows = channels, reduction along the pixels of each image). dgrad of
 stride 1 is the forward convolution of dy with rotated filters (kernels/dgrad/transposed.py). The TMA
-producer (tensorcore/tma.py, ``tm=1``) brings DenseRows and Im2colNhwc operands by tensor maps
+producer (tensorcore/sm90/tma.py, ``tm=1``) brings DenseRows and Im2colNhwc operands by tensor maps
 instead of these copies where their channels are whole 128-byte atoms.
 """
 
@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from convforge.codegen.dialect import Buf
-from convforge.kernels.tensorcore.cexpr import Let
-from convforge.kernels.tensorcore.isa import Math
-from convforge.kernels.tensorcore.smem import Tile
+from convforge.kernels.tensorcore.sm90.cexpr import Let
+from convforge.kernels.tensorcore.sm90.isa import Math
+from convforge.kernels.tensorcore.sm90.smem import Tile
 
 THREADS = 128  # the producer warpgroup
 

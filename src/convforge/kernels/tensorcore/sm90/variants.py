@@ -30,13 +30,13 @@ import dataclasses
 from convforge.codegen.dialect import Dim3, Kernel
 from convforge.codegen.meta import cdiv
 from convforge.kernels import register
-from convforge.kernels.tensorcore import prep, tiles, tma
-from convforge.kernels.tensorcore.epilogue import Output, reduce_kernel
-from convforge.kernels.tensorcore.isa import Math, device_reason, few_pixels, math_for
-from convforge.kernels.tensorcore.kernel import gemm_kernel
-from convforge.kernels.tensorcore.operands import DenseRows, Geometry, Im2colNhwc
-from convforge.kernels.tensorcore.smem import MAX_SHARED
-from convforge.kernels.tensorcore.tiles import Problem, TileConfig
+from convforge.kernels.tensorcore.sm90 import prep, tiles, tma
+from convforge.kernels.tensorcore.sm90.epilogue import Output, reduce_kernel
+from convforge.kernels.tensorcore.sm90.isa import Math, device_reason, few_pixels, math_for
+from convforge.kernels.tensorcore.sm90.kernel import gemm_kernel
+from convforge.kernels.tensorcore.sm90.operands import DenseRows, Geometry, Im2colNhwc
+from convforge.kernels.tensorcore.sm90.smem import MAX_SHARED
+from convforge.kernels.tensorcore.sm90.tiles import Problem, TileConfig
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
 from convforge.spec import ConvSpec
@@ -241,7 +241,7 @@ class TcImplicitGemm(TcVariant):
         """First on sm_90 devices for TF32 and half layers (the relaxed class and half dtypes), except
         float32 1x1 layers of stride 1 without padding, where gemm1x1_wgmma_tf32 reads x in place and
         is faster or equal, and float32 layers of a handful of pixels
-        (:func:`~convforge.kernels.tensorcore.isa.few_pixels`: fully-connected at a small batch), where
+        (:func:`~convforge.kernels.tensorcore.sm90.isa.few_pixels`: fully-connected at a small batch), where
         the CUDA-core split-K GEMMs go first; 3xTF32 by :func:`x3_rank` where measured, else at its
         stated rank (below Winograd and gemm1x1, above implicit GEMM)."""
         if device_reason(device) is not None:
@@ -412,7 +412,7 @@ class TcStemGemm(TcImplicitGemm):
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
         """Half precision: above the plain implicit GEMM, faster on every stem measured. TF32 (not
         measured: its chunk of 4 channels wastes less, and x' is 4-byte) below it, in the tuner's space.
-        Both below the direct stems (tensorcore/stem.py) wherever those apply. 3xFP16 (fp32 class) below
+        Both below the direct stems (tensorcore/sm90/stem.py) wherever those apply. 3xFP16 (fp32 class) below
         implicit_gemm: it ties it on most stems, and its one-sign error in the first layer makes a
         network's calibration tighten many later layers (docs/NOTES-tensorcore.md)."""
         if device_reason(device) is not None:

@@ -1,4 +1,4 @@
-"""TF32 variants on the staged tensor-core GEMM (:mod:`convforge.kernels.tensorcore.mma_pipe`), class "relaxed".
+"""TF32 variants on the staged tensor-core GEMM (:mod:`convforge.kernels.tensorcore.sm80.mma_pipe`), class "relaxed".
 
 * ``gemm1x1_pipe_tf32``: 1x1 convolution; the filters (A, K x C) are written TF32-rounded once per
   weight version by a plan step, the activations (B, contiguous along pixels) copied raw and
@@ -13,7 +13,7 @@
 Faster than the register-staged TF32 variants of the same families on every layer timed
 (docs/NOTES-tensorcore.md).
 
-Accuracy as the other TF32 variants (:mod:`convforge.kernels.tensorcore`): both operands rounded
+Accuracy as the other TF32 variants (:mod:`convforge.kernels.tensorcore.sm80.mma_variants`): both operands rounded
 to nearest, FP32 accumulation: stated 3e-4, checked against 1e-3. CUDA only, sm_80+.
 """
 
@@ -29,7 +29,7 @@ from convforge.kernels import register
 from convforge.kernels.common import out_args, out_refs
 from convforge.kernels.gemm import elementwise, nchw_store, too_big
 from convforge.kernels.sgemm import GemmShape, Store
-from convforge.kernels.tensorcore.mma_pipe import (
+from convforge.kernels.tensorcore.sm80.mma_pipe import (
     PIPE_KEYS,
     AsyncOperand,
     Kind,
@@ -39,7 +39,7 @@ from convforge.kernels.tensorcore.mma_pipe import (
     pipe_kernel,
     pipe_space,
 )
-from convforge.kernels.tensorcore.mma_variants import (
+from convforge.kernels.tensorcore.sm80.mma_variants import (
     TF32_EXPECTED,
     TF32_TOLERANCE,
     WinogradNonFusedTC,

@@ -8,7 +8,7 @@ descriptors read (``smem.Tile``: rows of 128 bytes, chunk ``c`` of row ``r`` at 
 atom of K a block of its own), reads zeros outside the tensor, and writes through the async proxy,
 so the consumers need no proxy fence.
 
-* :class:`~convforge.kernels.tensorcore.operands.Im2colNhwc` (A of fprop): an **im2col** tensor map
+* :class:`~convforge.kernels.tensorcore.sm90.operands.Im2colNhwc` (A of fprop): an **im2col** tensor map
   over the NHWC activations ``[N][H][W][Cp]``. A copy brings ``bm`` pixels ("pixels per column") of
   one atom of channels: from the tile's first output pixel, whose receptive field's corner is
   (n, p sh - pt, q sw - pl), on through the pixel bounding box (W first, then H, then the next
@@ -17,7 +17,7 @@ so the consumers need no proxy fence.
   and (P - 1) sh - pt - (H - 1) (corners relative to the tensor's far edge), so exactly P x Q pixels
   per image are walked, in the GEMM's row order. Rows past M fall in image N and read zeros; so does
   a K tail past R S Cp (its channel coordinate Cp is out of bounds).
-* :class:`~convforge.kernels.tensorcore.operands.DenseRows` (B): a **tiled** map, box (one atom of K,
+* :class:`~convforge.kernels.tensorcore.sm90.operands.DenseRows` (B): a **tiled** map, box (one atom of K,
   ``bn`` rows); rows past the matrix read zeros.
 
 With clusters of two blocks (``cl`` = 2, tiles.py) that share the A tile, each block copies half of
@@ -43,11 +43,11 @@ import numpy as np
 
 from convforge.codegen.dialect import TensorMap
 from convforge.codegen.meta import Code
-from convforge.kernels.tensorcore.cexpr import Let, emit_all
-from convforge.kernels.tensorcore.isa import Math
-from convforge.kernels.tensorcore.operands import DenseRows, Geometry, Im2colNhwc, Operand
-from convforge.kernels.tensorcore.smem import StageLayout
-from convforge.kernels.tensorcore.tiles import TileConfig
+from convforge.kernels.tensorcore.sm90.cexpr import Let, emit_all
+from convforge.kernels.tensorcore.sm90.isa import Math
+from convforge.kernels.tensorcore.sm90.operands import DenseRows, Geometry, Im2colNhwc, Operand
+from convforge.kernels.tensorcore.sm90.smem import StageLayout
+from convforge.kernels.tensorcore.sm90.tiles import TileConfig
 
 CORNER = (-128, 127)  # pixel bounding-box corners of a 4-D im2col map (16 bits over 2 spatial dims)
 MAX_STRIDE = 8  # traversal (element) strides

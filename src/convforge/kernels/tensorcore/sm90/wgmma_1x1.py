@@ -1,5 +1,8 @@
 """A Hopper ``wgmma`` TF32 GEMM for 1x1 convolutions (CUDA, compute capability 9.0, sm_90a).
 
+sm_90a, but outside the generator of this package (:mod:`convforge.kernels.tensorcore.sm90`): its own
+cp.async pipeline, shared layouts and matrix descriptors.
+
 The plan has three steps:
 
 1. (weights only, kept per weight version) ``wt[k][c] = tf32(w[k][c])``, C padded with zeros to
@@ -49,7 +52,7 @@ from convforge.kernels import register
 from convforge.kernels.common import out_args, out_refs
 from convforge.kernels.gemm import elementwise, nchw_store, too_big
 from convforge.kernels.sgemm import Store
-from convforge.kernels.tensorcore.isa import device_reason, few_pixels
+from convforge.kernels.tensorcore.sm90.isa import device_reason, few_pixels
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
 from convforge.spec import ConvSpec
@@ -61,7 +64,7 @@ SBO = 8 * ROW_BYTES  # bytes between groups of 8 rows (both layouts)
 LBO = {0: 128, 128: 16}  # bytes between K-adjacent core matrices (unused by the swizzled mode)
 MODE = {0: 0, 128: 1}  # descriptor bits 62-63
 MAX_SHARED = 227 * 1024
-TF32_EXPECTED = 3e-4  # as the mma.sync TF32 variants (kernels/tensorcore/mma_variants.py)
+TF32_EXPECTED = 3e-4  # as the mma.sync TF32 variants (kernels/tensorcore/sm80/mma_variants.py)
 TF32_TOLERANCE = 1e-3
 WG_KEYS = ("bn", "wg", "st", "sw", "xl", "ep")
 XL = ("direct", "transposed")  # how x reaches the B tiles (see the module docstring)

@@ -33,13 +33,13 @@ import itertools
 from convforge.codegen.dialect import Buf, Dim3, Kernel
 from convforge.codegen.meta import Code, cdiv
 from convforge.kernels import register
-from convforge.kernels.tensorcore import prep, tiles
-from convforge.kernels.tensorcore.epilogue import CTYPE, Output, from_float, to_float
-from convforge.kernels.tensorcore.isa import TF32, X3TF32, Math, device_reason, math_for
-from convforge.kernels.tensorcore.kernel import gemm_kernel
-from convforge.kernels.tensorcore.operands import DenseRows
-from convforge.kernels.tensorcore.smem import MAX_SHARED
-from convforge.kernels.tensorcore.tiles import Problem, TileConfig
+from convforge.kernels.tensorcore.sm90 import prep, tiles
+from convforge.kernels.tensorcore.sm90.epilogue import CTYPE, Output, from_float, to_float
+from convforge.kernels.tensorcore.sm90.isa import TF32, X3TF32, Math, device_reason, math_for
+from convforge.kernels.tensorcore.sm90.kernel import gemm_kernel
+from convforge.kernels.tensorcore.sm90.operands import DenseRows
+from convforge.kernels.tensorcore.sm90.smem import MAX_SHARED
+from convforge.kernels.tensorcore.sm90.tiles import Problem, TileConfig
 from convforge.kernels.winograd.nonfused import expected_error as fp32_expected
 from convforge.kernels.winograd.nonfused import winograd_applies
 from convforge.kernels.winograd.tiles import (

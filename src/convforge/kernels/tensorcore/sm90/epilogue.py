@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 from convforge.codegen.dialect import Buf, Kernel
 from convforge.codegen.meta import Code, cdiv
-from convforge.kernels.tensorcore.cexpr import Let
-from convforge.kernels.tensorcore.isa import ACC
+from convforge.kernels.tensorcore.sm90.cexpr import Let
+from convforge.kernels.tensorcore.sm90.isa import ACC
 from convforge.plan import Epilogue
 
 COLS = 32  # columns staged at once

@@ -1,7 +1,7 @@
 """The staged TF32 tensor-core GEMM (CUDA sm_80+): cp.async pipeline, ldmatrix fragments.
 
 C (M x N) = A (M x K) . B (K x N), batched (GROUP_ID(2)) and split along K like
-:mod:`convforge.kernels.tensorcore.mma_sync`, whose main loop spent ~12 instructions per HMMA (address
+:mod:`convforge.kernels.tensorcore.sm80.mma_sync`, whose main loop spent ~12 instructions per HMMA (address
 arithmetic of register-staged loads, TF32 rounding on every store to shared memory, one shared
 load per fragment word). This one aims at cuDNN's ~3:
 
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from convforge.codegen.dialect import Arg, Dim3, Kernel, LocalBuf
 from convforge.codegen.meta import Code
 from convforge.kernels.sgemm import GemmShape, SetupFn, Store, _default_setup
-from convforge.kernels.tensorcore.mma_sync import TcLayout, pick_tile, tc_grid
+from convforge.kernels.tensorcore.sm80.mma_sync import TcLayout, pick_tile, tc_grid
 from convforge.params import Params
 from convforge.plan import DeviceInfo
 

@@ -10,9 +10,9 @@ sh, and row h = ph + sh i reads dy row i + (ph + pt - r dh) / sh (kernels/dgrad/
 of a phase read dy rows i + o + t delta (o: the last tap's offset, delta = dh / gcd(sh, dh)): a
 stride-1 forward convolution of dy with dilation delta and padding -o. Per phase (ph, pw):
 
-* A = :class:`~convforge.kernels.tensorcore.operands.Im2colNhwc` over dy in NHWC (one conversion
+* A = :class:`~convforge.kernels.tensorcore.sm90.operands.Im2colNhwc` over dy in NHWC (one conversion
   step for every phase: K padded to a 16-byte chunk, TF32-rounded / 3xTF32 hi + lo / half bits);
-* B = :class:`~convforge.kernels.tensorcore.operands.DenseRows` over the phase's filters, packed
+* B = :class:`~convforge.kernels.tensorcore.sm90.operands.DenseRows` over the phase's filters, packed
   C x (t_h, t_w, Kp) by one weight-only step for all phases (kept per weight version with torch
   tensors);
 * D (N Hm Wm x C) stored compact in the phase's own workspace (N x C x Hm x Wm, the epilogue's
@@ -42,14 +42,14 @@ from convforge.kernels.dgrad.baseline import no_epilogue
 from convforge.kernels.dgrad.interleave import Part, interleave_kernel
 from convforge.kernels.dgrad.strided import Axis, axes
 from convforge.kernels.gemm import elementwise
-from convforge.kernels.tensorcore import prep, tiles, tma
-from convforge.kernels.tensorcore.epilogue import CTYPE, Output
-from convforge.kernels.tensorcore.isa import Math, device_reason, math_for
-from convforge.kernels.tensorcore.kernel import jobs_grid, jobs_kernel, launch_refs
-from convforge.kernels.tensorcore.mainloop import Job
-from convforge.kernels.tensorcore.operands import DenseRows, Geometry, Im2colNhwc
-from convforge.kernels.tensorcore.tiles import Problem, TileConfig
-from convforge.kernels.tensorcore.variants import RANK_SM90, TcVariant, tolerance
+from convforge.kernels.tensorcore.sm90 import prep, tiles, tma
+from convforge.kernels.tensorcore.sm90.epilogue import CTYPE, Output
+from convforge.kernels.tensorcore.sm90.isa import Math, device_reason, math_for
+from convforge.kernels.tensorcore.sm90.kernel import jobs_grid, jobs_kernel, launch_refs
+from convforge.kernels.tensorcore.sm90.mainloop import Job
+from convforge.kernels.tensorcore.sm90.operands import DenseRows, Geometry, Im2colNhwc
+from convforge.kernels.tensorcore.sm90.tiles import Problem, TileConfig
+from convforge.kernels.tensorcore.sm90.variants import RANK_SM90, TcVariant, tolerance
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Step
 from convforge.spec import ConvSpec
@@ -226,7 +226,7 @@ class TcDgradStrided(TcVariant):
 
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
         """The generator's pick for the largest phase, phases interleaved (il=1), the operands by TMA
-        where every phase's can be (tensorcore/tma.py)."""
+        where every phase's can be (tensorcore/sm90/tma.py)."""
         cfg = tiles.pick(self.math(spec), self._largest(spec), device.units, self.limit(device))
         return self._tile(spec, cfg).params().replace(il=1)
 

@@ -14,9 +14,9 @@ cluster of two blocks (``crank`` = 0, 1: the block's rank in it): the loop runs 
 from __future__ import annotations
 
 from convforge.codegen.meta import cdiv
-from convforge.kernels.tensorcore.cexpr import Let
-from convforge.kernels.tensorcore.isa import Math
-from convforge.kernels.tensorcore.tiles import Problem, TileConfig
+from convforge.kernels.tensorcore.sm90.cexpr import Let
+from convforge.kernels.tensorcore.sm90.isa import Math
+from convforge.kernels.tensorcore.sm90.tiles import Problem, TileConfig
 
 
 def tile_lets(cfg: TileConfig, math: Math, prob: Problem) -> list[Let]:

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 from convforge.codegen.dialect import Buf, Kernel
 from convforge.codegen.meta import Code, cdiv
-from convforge.kernels.tensorcore import prep
-from convforge.kernels.tensorcore.isa import MATHS, Math
+from convforge.kernels.tensorcore.sm90 import prep
+from convforge.kernels.tensorcore.sm90.isa import MATHS, Math
 from convforge.plan import Launch, Plan
 
 _PP, _KK, _THREADS = 32, 8, 256  # pixels and channels of a block's tile; threads (32 x 8)
