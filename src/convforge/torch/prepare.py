@@ -76,7 +76,7 @@ def _build_cached(jobs: list[Callable[[], Any]], phase: Phase) -> list[Callable[
     """Build, one after another on this thread, every layer whose programs some cache holds (a warm
     process: Python work, which threads would only make contend); the jobs that stopped at a
     program to compile, with that program (``_compile``'s work)."""
-    later = []
+    later: list[Callable[[], Any]] = []
     with deferring_compiles():
         for job in jobs:
             try:

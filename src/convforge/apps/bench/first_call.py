@@ -111,7 +111,7 @@ def _table(rows: list[dict[str, Any]]) -> Table:
     return t
 
 
-def measure(name: str, batch: int, dtype: str, layout: str) -> dict[str, float]:
+def measure(name: str, batch: int, dtype: str, layout: str) -> dict[str, Any]:
     """In this (new) process: the times of FIELDS for one model (see the module docstring)."""
     t0 = time.perf_counter()
     import torch
