@@ -57,10 +57,14 @@ import os
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
+
+if "--parts" in sys.argv:  # native.parts exists in the profiling build only (a library of its own)
+    os.environ.setdefault("CONVFORGE_NATIVE_PROFILE", "1")
 
 import cupy as cp
 import torch
@@ -315,8 +319,9 @@ def parts(x: Any, w: Any, b: Any, spec: ConvSpec, args: argparse.Namespace) -> N
     with torch.no_grad():
         conv()  # builds the runner and files the call
     nat = native.load()
+    nat = nat if hasattr(nat, "parts") else None  # a production build (CONVFORGE_NATIVE_PROFILE=0) has none
     print(f"{torch.cuda.get_device_name()} | layer {spec.short()} | algo {args.algo} | no_grad, host us per call"
-          f" | pieces timed {'in C (native.parts)' if nat is not None else 'from Python (native path off)'}")
+          f" | pieces timed {'in C (native.parts)' if nat is not None else 'from Python (no native.parts)'}")
     if nat is not None:
         call = (x, w, b, spec.stride, spec.pad, spec.dilation, args.algo, None, None, False, None, None, None, 1)
         rows = [("whole conv2d call (from Python)", conv)]

@@ -132,7 +132,8 @@ def test_native_slots_name_every_buffer_in_the_order_of_native_cpp() -> None:
     import convforge
     from convforge.kernels.batchnorm import BN_SLOTS
 
-    source = (Path(convforge.__file__).parent / "torch" / "native.cpp").read_text()  # no torch import
+    folder = Path(convforge.__file__).parent / "torch"  # native.cpp and the files it includes; no torch import
+    source = "\n".join(p.read_text() for p in [folder / "native.cpp", *sorted(folder.glob("native_*.inc"))])
     enum = re.search(r"enum BnSlot \{([^}]*)\}", source)
     assert enum is not None
     names = [v.strip() for v in enum.group(1).split(",")]

@@ -161,7 +161,8 @@ def _cpp_function(text: str, name: str) -> str:
 
 
 def test_native_backward_paths_never_synchronise_and_use_the_current_stream() -> None:
-    cpp = (SRC / "torch" / "native.cpp").read_text()
+    parts = [SRC / "torch" / "native.cpp", *sorted((SRC / "torch").glob("native_*.inc"))]  # the file and its includes
+    cpp = "\n".join(p.read_text() for p in parts)
     core = (SRC / "backends" / "native_core.h").read_text()
     for text, names in ((cpp, CPP_PATHS), (core, CORE_PATHS)):
         for name in names:

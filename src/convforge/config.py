@@ -113,6 +113,10 @@ def _env_settings(env: Mapping[str, str]) -> dict[str, tuple[str, Callable[[], A
                        lambda: parse_bool("CONVFORGE_DISK_CACHE", get("CONVFORGE_DISK_CACHE") or "1")),
         # torch and CuPy calls through the C++ fast paths (torch/native.cpp, backends/cupy_native.cpp)
         "native": ("CONVFORGE_NATIVE", lambda: parse_bool("CONVFORGE_NATIVE", get("CONVFORGE_NATIVE") or "1")),
+        # The torch native module built with its profiling entry point (native.parts: scripts/host_cost.py
+        # --parts), a library of its own; off (the default): production builds carry none
+        "native_profile": ("CONVFORGE_NATIVE_PROFILE",
+                           lambda: parse_bool("CONVFORGE_NATIVE_PROFILE", get("CONVFORGE_NATIVE_PROFILE") or "0")),
         # Run-to-run bit-identical results (the default): reductions split over blocks (wgrad's split-K)
         # are summed in a fixed order; False also admits atomicAdd reductions (check_deterministic).
         "deterministic": ("CONVFORGE_DETERMINISTIC",
@@ -163,6 +167,7 @@ class Config:
     max_error: float | None
     disk_cache: bool
     native: bool
+    native_profile: bool
     deterministic: bool
     train_bn: bool
     grad_rows: bool

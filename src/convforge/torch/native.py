@@ -15,7 +15,10 @@ What the module does (native.cpp): ``run(14 conv2d arguments)`` answers the outp
 function it wraps); ``clear()`` forgets every entry (on a configuration change or
 ``clear_executables``); ``stats()`` answers the number of entries and two counters (filter
 transforms run, op calls that went to Python); ``register_op(cuda_fallback, grad_apply)`` makes
-the ``convforge::conv2d`` op's CUDA and Autograd kernels C++.
+the ``convforge::conv2d`` op's CUDA and Autograd kernels C++. native.cpp holds the fast call and
+the module; it includes native_ops.inc (the ops' kernels), native_nodes.inc (the C++ autograd
+nodes) and, built with ``CONVFORGE_NATIVE_PROFILE=1`` only (a library of its own),
+native_profile.inc (``parts()``: where a warm call's host time goes, for scripts/host_cost.py).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from convforge.config import config
 
 log = logging.getLogger("convforge")
 SOURCE = Path(__file__).with_name("native.cpp")
+# The files native.cpp includes, by concern (hashed with it: an edit to any rebuilds the library)
+PARTS = tuple(Path(__file__).with_name(f"native_{part}.inc") for part in ("ops", "nodes", "profile"))
 _STATE: dict[str, ModuleType | None] = {}
 
 
@@ -93,15 +98,17 @@ def command(output: Path) -> list[str]:
     root = Path(torch.__file__).resolve().parent
     lib = root / "lib"
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
-    return [native.compiler(), *native.base_flags(), f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{root / 'include'}",
-            f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}", f"-I{_cuda_include()}", str(SOURCE),
+    profile = ["-DCONVFORGE_NATIVE_PROFILE"] if config.native_profile else []  # native_profile.inc: parts()
+    return [native.compiler(), *native.base_flags(), *profile, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            f"-I{root / 'include'}", f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
+            f"-I{_cuda_include()}", str(SOURCE),
             "-o", str(output), f"-L{lib}", "-lc10", "-lc10_cuda", "-ltorch_cpu", "-ltorch_python",
             f"-Wl,-rpath,{lib}", "-ldl"]
 
 
 def _built() -> Path:
     """The library for this source, torch, Python and compiler command, built if missing (~30 s)."""
-    return native.build("convforge_native", [SOURCE, native.CORE], command, f"torch {torch.__version__}")
+    return native.build("convforge_native", [SOURCE, *PARTS, native.CORE], command, f"torch {torch.__version__}")
 
 
 def _import(path: Path) -> ModuleType:
