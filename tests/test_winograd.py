@@ -18,6 +18,7 @@ from convforge.kernels.winograd.tiles import Geometry
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Plan
 from convforge.spec import ConvSpec
+from helpers import covering
 
 SIZES = [(2, 3), (4, 3), (6, 3), (7, 3), (2, 5), (3, 2), (4, 5)]
 # float32 transform error bounds per F(m, r), about 10x what the 1-D/2-D error test measures
@@ -175,15 +176,14 @@ def test_sampled_params(backend, name: str) -> None:  # type: ignore[no-untyped-
 @pytest.mark.parametrize("m", [2, 4])
 def test_fused_async_copies_on_odd_shapes(backend, m: int) -> None:  # type: ignore[no-untyped-def]
     """The cp.async points (ca: transformed filters, ci: raw input windows through a per-thread
-    shared area) on every odd shape, and ci split over channels."""
+    shared area) on the odd shapes, taking turns: the ca point on C = K = 1 and on partial C / K
+    tiles, the ci-only point on asymmetric padding and on no padding; and ci split over channels."""
     name = f"winograd_fused_f{m}"
     v = get_variant(name)
-    for spec in ODD:
-        pts = [p for p in v.space(spec, backend.device) if "ca" in p or "ci" in p]
-        assert any("ca" in p for p in pts) and any("ci" in p and "ca" not in p for p in pts)
-        for prm in pts:
-            if "ks" not in prm:
-                _check(backend, name, spec, prm)
+    for j, spec in enumerate(ODD):
+        pts = [p for p in v.space(spec, backend.device) if ("ca" in p or "ci" in p) and "ks" not in p]
+        ca, ci = (next(p for p in pts if "ca" in p), next(p for p in pts if "ci" in p and "ca" not in p))
+        _check(backend, name, spec, (ca, ci)[j % 2])
     prm = next(p for p in v.space(SPLIT_SPEC, backend.device) if "ci" in p)
     _check(backend, name, SPLIT_SPEC, prm.replace(ks=3))
 
@@ -562,13 +562,15 @@ def test_nonfused_sgemm_compiles_without_spills(m: int, spec: ConvSpec) -> None:
 @pytest.mark.usefixtures("nvcc_ok")  # skips without nvcc, fails on CI
 @pytest.mark.parametrize("name", ["winograd_fused_f2", "winograd_fused_f4"])
 def test_fused_space_without_spills(name: str) -> None:
-    """Every GPU tuning point of the fused kernels compiles with 0 spills (ptxas, sm_90)."""
+    """The GPU tuning points of the fused kernels compile with 0 spills (ptxas, sm_90): every
+    combination of the code-path switches (fl, ca, ci, mb, ks) at its first (largest) tile, and
+    every value of each tile parameter (the space is tiles x switches; helpers.covering)."""
     dev = NOMINAL_CUDA
     v = get_variant(name)
     spec = ConvSpec.make(32, 128, 28, 28, 128, 3, 3, padding=1)
     space = v.space(spec, dev)
     assert space[0]["fl"] == 1 and len(space) >= 8
-    for prm in space:
+    for prm in covering(space, ("fl", "ca", "ci", "mb", "ks")):
         for info in ptxas_report(v.plan(spec, prm, dev).source("cuda")):
             assert info.spill_stores == 0 and info.spill_loads == 0, (prm.short(), info)
 
@@ -624,15 +626,17 @@ def test_fused_split_c_space_and_workspace() -> None:
 @pytest.mark.usefixtures("nvcc_ok")  # skips without nvcc, fails on CI
 @pytest.mark.parametrize("name", ["winograd_fused_f2", "winograd_fused_f4"])
 def test_fused_split_c_without_spills(name: str) -> None:
-    """Every split-C GPU point on the small-grid ResNet layers (even slices) and on a C = 200
-    layer (uneven slices where offered) compiles with 0 spills, the reduce kernel included."""
+    """Every split-C GPU point on a small-grid ResNet layer (even slices) and on a C = 200 layer
+    (uneven slices where offered), and the first and last on a second ResNet layer (the same
+    points, other constants), compile with 0 spills, the reduce kernel included."""
     dev = NOMINAL_CUDA
     v = get_variant(name)
     seen = 0
-    for spec in (ConvSpec.make(32, 512, 7, 7, 512, 3, 3, padding=1),
-                 ConvSpec.make(32, 256, 14, 14, 256, 3, 3, padding=1),
-                 ConvSpec.make(32, 200, 7, 7, 512, 3, 3, padding=(1, 0, 1, 1))):
-        for prm in (p for p in v.space(spec, dev) if "ks" in p):
+    for spec, ends in ((ConvSpec.make(32, 512, 7, 7, 512, 3, 3, padding=1), False),
+                       (ConvSpec.make(32, 256, 14, 14, 256, 3, 3, padding=1), True),
+                       (ConvSpec.make(32, 200, 7, 7, 512, 3, 3, padding=(1, 0, 1, 1)), False)):
+        points = [p for p in v.space(spec, dev) if "ks" in p]
+        for prm in points[::len(points) - 1] if ends else points:
             seen += 1
             for info in ptxas_report(v.plan(spec, prm, dev).source("cuda")):
                 assert info.spill_stores == 0 and info.spill_loads == 0, (prm.short(), info)
