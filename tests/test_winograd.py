@@ -298,16 +298,18 @@ def test_nonfused_half_filters_on_odd_shapes(backend, m: int) -> None:  # type: 
 def test_nonfused_split_transforms_on_odd_shapes(backend, m: int) -> None:  # type: ignore[no-untyped-def]
     """xi / xo (split.py): a thread per row/column of a tile, 32 tiles per block. Odd shapes with
     partial tiles and a last block past the end, 5x5 and 3x2 filters (alpha_h != alpha_w),
-    a channel split summed in the output pass, bias + ReLU through the staged stores."""
+    a channel split summed in the output pass, bias + ReLU through the staged stores. Both split
+    transforms together on every shape; one of them beside the other's per-thread form (xi alone,
+    xo alone: the workspaces they hand over) in turns over the shapes."""
     from convforge.plan import Epilogue
 
     v = get_variant(f"winograd_nonfused_f{m}")
     # SGEMM_ODD's first two shapes (asymmetric pad, partial C / K tiles) repeat ODD[1] and ODD[2] here
     specs = ODD[:3] + SGEMM_ODD[2:] + [ConvSpec.make(2, 7, 9, 10, 5, 3, 2, padding=1)]
     checked = 0
-    for spec in [sp for sp in specs if v.applies(sp, backend.device) is None]:
+    for k, spec in enumerate([sp for sp in specs if v.applies(sp, backend.device) is None]):
         base = v.default(spec, backend.device)
-        pts = [(base.replace(xi=1), Epilogue()), (base.replace(xo=1), Epilogue(bias=True)),
+        pts = [(base.replace(xi=1), Epilogue()) if k % 2 == 0 else (base.replace(xo=1), Epilogue(bias=True)),
                (base.replace(xi=1, xo=1), Epilogue(bias=True, relu=True))]
         if spec.c >= 2:
             pts.append((v.sgemm_default(spec, backend.device).replace(ks=2, xi=1, xo=1), Epilogue()))
@@ -315,7 +317,7 @@ def test_nonfused_split_transforms_on_odd_shapes(backend, m: int) -> None:  # ty
             res = check_plan(v.plan(spec, prm, backend.device, epi), backend, seed=9)
             assert res.ok, f"{prm.short()} {epi} {spec.short()}: {res}"
             checked += 1
-    assert checked >= 12
+    assert checked >= 11
 
 
 @pytest.mark.parametrize("m", [6, 7])
