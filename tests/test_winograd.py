@@ -274,7 +274,8 @@ def test_nonfused_half_filters_on_odd_shapes(backend, m: int) -> None:  # type: 
     from convforge.plan import Epilogue
 
     v = get_variant(f"winograd_nonfused_f{m}")
-    specs = ODD[1:3] + SGEMM_ODD + [ConvSpec.make(2, 7, 9, 10, 5, 3, 2, padding=1)]
+    # SGEMM_ODD's first two shapes (asymmetric pad, partial C / K tiles) repeat ODD[1] and ODD[2] here
+    specs = ODD[1:3] + SGEMM_ODD[2:] + [ConvSpec.make(2, 7, 9, 10, 5, 3, 2, padding=1)]
     vec = Params(bm=32, bn=32, bk=8, tm=4, tn=4, va=4, vb=4, pf=1, db=1, gemm="sgemm", tb=64, hf=1)
     checked = 0
     for spec in [sp for sp in specs if v.applies(sp, backend.device) is None]:
@@ -289,7 +290,7 @@ def test_nonfused_half_filters_on_odd_shapes(backend, m: int) -> None:  # type: 
     spec = ConvSpec.make(2, 20, 8, 8, 36, 3, 3, padding=1)  # K and T multiples of 4: float4 loads
     res = check_plan(v.plan(spec, vec, backend.device), backend, seed=8)
     assert res.ok, res
-    assert checked >= 8
+    assert checked >= (6 if m == 7 else 8)  # F(7x7) takes no 5x5 filter
     with pytest.raises(ValueError, match="hf=1 .* needs gemm='sgemm'"):
         v.plan(spec, v.own_default(spec, backend.device).replace(hf=1), backend.device)
 
