@@ -33,6 +33,25 @@ def sample(variant: Variant, spec: ConvSpec, device: DeviceInfo, k: int = 2, see
     return pts
 
 
+def covering(points: list[Params], combos: tuple[str, ...] = ()) -> list[Params]:
+    """A deterministic subset of ``points`` (in their order) holding every value each parameter
+    takes among them (absent counts as a value), the first and last points, and the first point of
+    every distinct combination of the ``combos`` parameters' values: what a compile check over a
+    whole tuning space exercises, in a fraction of its points."""
+    keys = sorted({k for p in points for k in p})
+    seen_pairs: set[tuple[str, object]] = set()
+    seen_combos: set[tuple[object, ...]] = set()
+    out: list[Params] = []
+    for i, p in enumerate(points):
+        pairs = {(k, p.get(k)) for k in keys}
+        combo = tuple(p.get(k) for k in combos)
+        if i in (0, len(points) - 1) or not pairs <= seen_pairs or combo not in seen_combos:
+            out.append(p)
+        seen_pairs |= pairs
+        seen_combos.add(combo)
+    return out
+
+
 def assert_compiles_clean(variant: Variant, spec: ConvSpec, params: Params, device: DeviceInfo,
                           epilogue: Epilogue = Epilogue()) -> None:
     """nvcc -arch=sm_90 -cubin -Xptxas -v: no error and no spill in any kernel."""

@@ -534,6 +534,7 @@ def test_network_end_to_end(ocl, name: str, size: int) -> None:
     logits = g.producer(g.outputs[0]).inputs[0]  # softmax flattens errors: check its input too
     g.outputs = [logits, g.outputs[0]]
     net = compile(g, batch=1, backend="opencl", error_budget=0)  # the kernels' own error (calibration: its tests)
+    assert net.graph.outputs == g.outputs  # the declared names, through every pass (and in _check's net(x))
     assert len(net.steps) < len(g.nodes)  # the passes fused something
     _check(net, g, _x(g), tol=1e-4)
     assert net.peak_bytes == (net.memory.bytes + net.weight_bytes + net.transformed_bytes

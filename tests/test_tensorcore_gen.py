@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import random
 import re
@@ -285,8 +286,15 @@ def _tma_fill(smem, sbase, stage, math, ops, data, tl, kt, cfg=None, peers=()):
 
 def _read(smem, desc, rows, esize):
     """The rows x k operand one wgmma reads through ``desc`` (k = 32 bytes / esize)."""
+    return smem[_read_index(desc, rows, esize)]
+
+
+@functools.cache
+def _read_index(desc, rows, esize):
+    """The smem element each (row, element) of that operand comes from: a function of the descriptor
+    alone, so worked out once per descriptor rather than once per k-step of every tile."""
     k = 32 // esize
-    return np.array([[smem[model_address(desc, r, e * esize) // esize] for e in range(k)] for r in range(rows)])
+    return np.array([[model_address(desc, r, e * esize) // esize for e in range(k)] for r in range(rows)])
 
 
 def _epilogue(acc, cfg, out, tl, y, written):
@@ -298,10 +306,9 @@ def _epilogue(acc, cfg, out, tl, y, written):
     ld = staging_ld(cfg.wm)
     for c in range(cfg.groups):
         for ch, items in chunks(cfg.wm, cfg.bn):
-            st = _staged(acc, cfg, c, epilogue.COLS * ld, lambda mi, i, ch=ch: stage_write(ld, mi, i, ch))
+            st = _staged(acc, cfg, c, epilogue.COLS * ld, (ld, ch, False))
             for ct, item in itertools.product(range(128), items):
-                env = bind(readout_lets(cfg.wm, item), {"ct": ct})
-                ec, er = env[f"ec{item}"], env[f"er{item}"]
+                ec, er = _readout(cfg.wm, item, ct)
                 k = tl["rb0"] + epilogue.COLS * ch + ec
                 m = tl["ra0"] + c * 64 * cfg.wm + er
                 if k >= out.n:
@@ -315,19 +322,41 @@ def _epilogue(acc, cfg, out, tl, y, written):
                         written[o] += 1
 
 
-def _staged(acc, cfg, c, size, write_of):
-    """Column group c's accumulators placed where ``write_of(mi, i)`` stages them (NaN elsewhere);
-    no two land on one slot."""
+def _staged(acc, cfg, c, size, write):
+    """Column group c's accumulators placed where ``stage_write(*write)`` stages them (``write``: ld,
+    column chunk, rowmajor; NaN elsewhere)."""
+    at, rows, cols = _stage_map(cfg.wm, cfg.bn, size, *write)
     st = np.full(size, np.nan)
-    for wq, lane, mi, i in itertools.product(range(4), range(32), range(cfg.wm), range(cfg.bn // 2)):
-        w = write_of(mi, i)
+    st[at] = acc[c * 64 * cfg.wm + rows, cols]
+    return st
+
+
+@functools.cache
+def _stage_map(wm, bn, size, ld, ch, rowmajor):
+    """(staging slot, accumulator row in the column group, column) of every accumulator that
+    stage_write places in chunk ``ch``, by evaluating its expressions per (warp, lane, register); no
+    two land on one slot. The same for every tile of a config: worked out once."""
+    seen = np.zeros(size, bool)
+    at, rows, cols = [], [], []
+    for wq, lane, mi, i in itertools.product(range(4), range(32), range(wm), range(bn // 2)):
+        w = stage_write(ld, mi, i, ch, rowmajor=rowmajor)
         if w is None:
             continue
         row, col = ACC.coords(wq, lane, i)
-        at = evaluate(w[0], {"wq": wq, "g": lane >> 2, "t": lane & 3})
-        assert np.isnan(st[at]), "two accumulators staged at one place"
-        st[at] = acc[c * 64 * cfg.wm + 64 * mi + row, col]
-    return st
+        slot = evaluate(w[0], {"wq": wq, "g": lane >> 2, "t": lane & 3})
+        assert not seen[slot], "two accumulators staged at one place"
+        seen[slot] = True
+        at.append(slot)
+        rows.append(64 * mi + row)
+        cols.append(col)
+    return np.array(at, int), np.array(rows, int), np.array(cols, int)
+
+
+@functools.cache
+def _readout(wm, item, ct):
+    """(column, row) in the staging of read-out item ``item`` of consumer thread ``ct``."""
+    env = bind(readout_lets(wm, item), {"ct": ct})
+    return env[f"ec{item}"], env[f"er{item}"]
 
 
 def _rowmajor_epilogue(acc, cfg, out, tl, y, written):
@@ -335,8 +364,7 @@ def _rowmajor_epilogue(acc, cfg, out, tl, y, written):
     read out by rowmajor_lets and stored at ``out``'s offsets."""
     for c in range(cfg.groups):
         for ch, items, quads in rowmajor_chunks(cfg.wm, cfg.bn):
-            st = _staged(acc, cfg, c, 64 * cfg.wm * epilogue.COLS,
-                         lambda mi, i, ch=ch: stage_write(0, mi, i, ch, rowmajor=True))
+            st = _staged(acc, cfg, c, 64 * cfg.wm * epilogue.COLS, (0, ch, True))
             for ct, item in itertools.product(range(128), items):
                 if ct + 128 * item >= 64 * cfg.wm * quads:
                     continue

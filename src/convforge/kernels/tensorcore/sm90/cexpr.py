@@ -83,9 +83,10 @@ def _compiled(expr: str) -> Any:
 
 def evaluate(expr: str, env: Mapping[str, int]) -> int:
     """The value of C expression ``expr`` with the variables of ``env`` (ints)."""
-    scope: dict[str, Any] = {k: _Int(v) for k, v in env.items()}
+    code = _compiled(expr)
+    scope: dict[str, Any] = {k: _Int(env[k]) for k in code.co_names if k in env}  # only the names it reads
     scope.update(_Int=_Int, _u32=_u32, min=min, max=max)
-    return int(eval(_compiled(expr), {"__builtins__": {}}, scope))  # noqa: S307 - our own strings
+    return int(eval(code, {"__builtins__": {}}, scope))  # noqa: S307 - our own strings
 
 
 @dataclass(frozen=True)
