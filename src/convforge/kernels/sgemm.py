@@ -218,15 +218,17 @@ def gemm_space(m: int, n: int, k: int, device: DeviceInfo, va_ok: bool = True,
     first = gemm_default(m, n, k, device, va_ok, vb_ok, a_fast, b_fast)
     twin = first.replace(kc=0) if "kc" in first else chunked(first, k, big=True)
     out = [first] + ([twin] if twin != first else [])
+    seen = set(out)  # (membership in the list was quadratic: a few hundred points, asked on every dispatch)
     for bm, bn, bk, tm, tn, va, vb, pipe in itertools.product(
             (32, 64, 128), (32, 64, 96, 128), (8, 16), (4, 8), (4, 8, 12), (4, 1), (4, 1),
             ((1, 1), (1, 0), (0, 0))):
         if bm > 2 * max(m, 16) or bn > 2 * max(n, 16) or (bn == 96) != (tn == 12):
             continue  # 96 x 12: N = 96 (ResNet 512@7² N96 under F(7x7)) without a 128-wide tile's waste
         p = chunked(Params(bm=bm, bn=bn, bk=bk, tm=tm, tn=tn, va=va, vb=vb, pf=pipe[0], db=pipe[1]), k)
-        if p not in out and layout_ok(p, va_ok, vb_ok, a_fast, b_fast, device.max_threads,
-                                      min(device.shared_bytes, 48 * 1024)):
+        if p not in seen and layout_ok(p, va_ok, vb_ok, a_fast, b_fast, device.max_threads,
+                                       min(device.shared_bytes, 48 * 1024)):
             out.append(p)
+            seen.add(p)
     return out
 
 
