@@ -150,22 +150,10 @@ __all__ = ["LIMITS", "InputFileError", "not_regular", "open_regular", "parse_jso
 
 
 def write_atomic(path: str | os.PathLike[str], text: str) -> Path:
-    """Write ``text`` to ``path`` through a temporary file in the same folder (flushed to disk, then
-    renamed into place), so a crash, a full disk or a second writer never leaves it half written;
-    the folder is made when missing. Returns the path."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
+    """Write ``text`` (UTF-8) to ``path`` through a temporary file in the same folder (flushed to
+    disk, then renamed into place), so a crash, a full disk or a second writer never leaves it half
+    written; the folder is made when missing. Returns the path."""
+    return write_atomic_bytes(path, lambda f: f.write(text.encode("utf-8")))
 
 
 def csv_text(fieldnames: list[str] | tuple[str, ...], rows: list[dict[str, Any]]) -> str:

@@ -215,8 +215,12 @@ class Backend(ABC):
         if not todo:
             return 0
         n = max(1, min(workers or compile_workers(), len(todo)))
-        with Phase(f"compiling {what} ({n} thread{'s' if n > 1 else ''})", len(todo), "programs") as phase:
+        with Phase(f"compiling {what} ({self._workers_text(n)})", len(todo), "programs") as phase:
             return self._compile_all(todo, n, phase)
+
+    def _workers_text(self, n: int) -> str:
+        """How :meth:`_compile_all` spreads the work, for the phase's line ("4 threads")."""
+        return f"{n} thread{'s' if n > 1 else ''}"
 
     def _pending(self, work: Sequence[Work]) -> list[Work]:
         """The distinct programs of ``work`` this back-end has not compiled in this process."""

@@ -253,7 +253,12 @@ class OpenCLBackend(Backend):
             else:
                 pending.append(w)
         n = max(1, min(workers, len(pending)))
-        shares = [pending[i::n] for i in range(n)]
+        shares: list[list[Work]] = [[] for _ in range(n)]
+        loads = [0] * n
+        for w in sorted(pending, key=lambda w: -len(w.source)):  # longest first, each to the least loaded
+            i = loads.index(min(loads))  # share (a program's length stands for its compile time)
+            shares[i].append(w)
+            loads[i] += len(w.source)
         readers = [self._warm_in_process(share, phase) for share in shares[1:]]
         side = OpenCLBackend(cl_device=self.cl_device)
         for w in shares[0]:
@@ -266,6 +271,11 @@ class OpenCLBackend(Backend):
         for t in readers:
             t.join()
         return len(pending)
+
+    def _workers_text(self, n: int) -> str:
+        if self.keeps_binaries or os.environ.get("POCL_KERNEL_CACHE", "1") == "0":
+            return super()._workers_text(n)
+        return f"{n} process{'es' if n > 1 else ''}"
 
     def _warm_in_process(self, works: list[Work], phase: Any) -> threading.Thread:
         """Warm ``works`` in a new Python process on this device (:func:`warm_worker`); a thread
