@@ -89,7 +89,7 @@ PASSES = [
 def test_channels_last_passes_plan_without_nchw_steps(name, spec):
     """Each pass takes NHWC activations as they lie: no NCHW transpose (tc_x_nhwc, planes_to_rows of
     NCHW planes), dy read in place where its channels are whole half chunks, the strided dgrad's phases
-    through their buffers (il=0 refused), the NHWC variants' layouts as the pass needs."""
+    stored on dx's sub-grid or through their buffers, the NHWC variants' layouts as the pass needs."""
     v = get_variant(name)
     assert v.applies(spec, NOMINAL_CUDA) is None, v.applies(spec, NOMINAL_CUDA)
     plan = v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA)
@@ -101,9 +101,13 @@ def test_channels_last_passes_plan_without_nchw_steps(name, spec):
     if name.startswith("dgrad_tc_strided"):
         in_place = "3x" not in name and spec.k % (4 if spec.dtype == "float32" else 8) == 0  # halves, TF32
         assert (f"{name}_dy" in names) != in_place
-        assert all("il" not in p or p["il"] == 1 for p in v.space(spec, NOMINAL_CUDA))
-        with pytest.raises(ValueError, match="il=0"):
-            v.plan(spec, v.default(spec, NOMINAL_CUDA).replace(il=0), NOMINAL_CUDA)
+        # stored straight on dx's sub-grid by default (no phase buffers, no interleave pass); the
+        # space holds the buffered form too
+        assert v.default(spec, NOMINAL_CUDA)["il"] == 0
+        assert {p["il"] for p in v.space(spec, NOMINAL_CUDA)} == {0, 1}
+        for il in (0, 1):
+            names = [k.name for k in v.plan(spec, v.default(spec, NOMINAL_CUDA).replace(il=il), NOMINAL_CUDA).kernels]
+            assert (f"{name}_interleave" in names) == bool(il), names
 
 
 def test_planar_wgrad_keeps_to_nchw():

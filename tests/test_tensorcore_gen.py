@@ -729,13 +729,15 @@ def emulate_strided_dgrad(spec: ConvSpec, math, cfg: TileConfig, seed: int = 0, 
     packing step writes them, D stored through the phase's pixel map into dx (``il``: stored compact
     through the phase buffer's Output, then placed by its interleave Part: row a, column b of the
     buffer at dx pixel (ph + sh a, pw + sw b)). Returns (dx, reference, writes per element, mask of
-    the phases no tap reaches)."""
+    the phases no tap reaches). A channels-last ``spec`` stores into NHWC dx (and phase buffers); the
+    result is returned as NCHW."""
     from convforge.kernels.tensorcore.sm90.dgrad import phases
 
     variant = get_variant({"tf32": "dgrad_tc_strided_tf32", "3xtf32": "dgrad_tc_strided_3xtf32",
                            "3xf16": "dgrad_tc_strided_3xf16"}.get(math.name, "dgrad_tc_strided_half"))
     dt = DTYPE_OF[math.name]
     spec = ConvSpec.from_dict({**spec.to_dict(), "dtype": dt, "pass": "dgrad"})
+    nhwc = spec.layout == "nhwc"
     assert variant.applies(spec, NOMINAL_CUDA) is None, variant.applies(spec, NOMINAL_CUDA)
     rng = np.random.default_rng(seed)
     dy = rounded(rng.uniform(-1, 1, spec.y_shape).astype(np.float32), dt).astype(np.float64)
@@ -769,11 +771,20 @@ def emulate_strided_dgrad(spec: ConvSpec, math, cfg: TileConfig, seed: int = 0, 
         out = dataclasses.replace(ph.compact(spec), slab=part.elements(spec), epi=None)
         y, wr = emulate_gemm(cfg, math, prob, a, b, data, out)
         assert (wr == 1).all(), "every element of a phase buffer written once"
+        y = y.reshape(spec.n, part.bh, part.bw, spec.c).transpose(0, 3, 1, 2) if nhwc else y
         sub = np.zeros(spec.x_shape)
         sub[:, :, part.ph::spec.stride[0], part.pw::spec.stride[1]] = y.reshape(spec.n, spec.c, part.bh, part.bw)
-        dx += sub.ravel()
-        written += _phase_mask(spec, part).ravel()  # the interleave places each buffer element once
-    return dx.reshape(spec.x_shape), ref, written.reshape(spec.x_shape), empty
+        mask = _phase_mask(spec, part)  # the interleave places each buffer element once
+        dx += _as_layout(sub, nhwc).ravel()
+        written += _as_layout(mask, nhwc).ravel()
+    n, c, h, w = spec.x_shape
+    back = (lambda a: a.reshape(n, h, w, c).transpose(0, 3, 1, 2)) if nhwc else (lambda a: a.reshape(n, c, h, w))
+    return back(dx), ref, back(written), empty
+
+
+def _as_layout(a: np.ndarray, nhwc: bool) -> np.ndarray:
+    """An NCHW array in the layout dx lies in."""
+    return a.transpose(0, 2, 3, 1) if nhwc else a
 
 
 DGRAD_STRIDED = [(ODD[2], TF32, TileConfig(128, 32, 1, 2, 2)),                # 5x5 / 2, dilation 2
@@ -788,7 +799,12 @@ DGRAD_STRIDED = [(ODD[2], TF32, TileConfig(128, 32, 1, 2, 2)),                # 
                  # 3xFP16: six phases with K = 5 padded to 8; by TMA with K whole 64-element atoms
                  (ConvSpec.make(1, 9, 13, 11, 5, 3, 3, (2, 3), (1, 0, 2, 1)), X3F16,
                   TileConfig(128, 32, 1, 2, 2, pi=2)),
-                 (ConvSpec.make(2, 6, 9, 7, 64, 3, 3, 2, 1), X3F16, TileConfig(128, 32, 1, 2, 2, pi=1, tm=1))]
+                 (ConvSpec.make(2, 6, 9, 7, 64, 3, 3, 2, 1), X3F16, TileConfig(128, 32, 1, 2, 2, pi=1, tm=1)),
+                 # channels-last dx: the direct stores put whole pixel rows on dx's sub-grid
+                 (ConvSpec.make(2, 16, 10, 9, 24, 4, 4, 2, 1, layout="nhwc"), F16, TileConfig(64, 32, 1, 2, 1)),
+                 (ConvSpec.make(1, 7, 13, 11, 5, 3, 3, (2, 3), (1, 0, 2, 1), layout="nhwc"), BF16,
+                  TileConfig(64, 32, 1, 3, 1)),
+                 (ConvSpec.make(3, 12, 8, 8, 32, 2, 2, 2, 0, layout="nhwc"), TF32, TileConfig(128, 32, 1, 2, 2, tm=1))]
 
 
 def _phase_mask(spec: ConvSpec, part) -> np.ndarray:

@@ -17,11 +17,12 @@ stride-1 forward convolution of dy with dilation delta and padding -o. Per phase
   tensors);
 * D (N Hm Wm x C) stored compact in the phase's own workspace (N x C x Hm x Wm, the epilogue's
   float4 rows), then one pass writes every dx element from its phase's buffer, zeros for the phases
-  no tap reaches (``il=1``, the default, :mod:`convforge.kernels.dgrad.interleave`); or (``il=0``)
-  stored straight on the phase's sub-grid of dx by the epilogue's pixel map (rows ph + sh i, columns
-  pw + sw j of each NCHW plane), the phases no tap reaches filled with zeros first. The direct stores
-  leave every other 4-byte word of a sector to another phase: the L2 fills each partial sector from
-  DRAM, several times the bytes of dx (docs/NOTES-tensorcore.md).
+  no tap reaches (``il=1``, the NCHW default, :mod:`convforge.kernels.dgrad.interleave`); or (``il=0``,
+  the channels-last default) stored straight on the phase's sub-grid of dx by the epilogue's pixel
+  map (rows ph + sh i, columns pw + sw j: of each NCHW plane, or whole NHWC pixels of C channels),
+  the phases no tap reaches filled with zeros first. On NCHW the direct stores leave every other
+  4-byte word of a sector to another phase: the L2 fills each partial sector from DRAM, several
+  times the bytes of dx; on NHWC a row is a pixel's run of channels (docs/NOTES-tensorcore.md).
 
 1x1 filters at stride > 1 have one phase: dgrad_sub_<1x1 forward> (kernels/dgrad/transposed.py)
 reads dy in place for it. Stride 1 is DgradTransposed's (kernels/dgrad/transposed.py); groups run dgrad_strided_gemm.
@@ -119,11 +120,17 @@ class Phase:
         return Output(self.buf, spec.n * pq, spec.c, 1 if spec.layout == "nhwc" else pq, spec.dtype, epi=Epilogue())
 
     def output(self, spec: ConvSpec) -> Output:
-        """D (N Hm Wm x C) on this phase's sub-grid of dx (NCHW)."""
-        hw = spec.h * spec.w
-        return Output("x", spec.n * self.ah.rows * self.aw.rows, spec.c, self.ah.rows * self.aw.rows, spec.dtype,
-                      istride=spec.c * hw, kstride=hw, pix_q=self.aw.rows, pix_row=spec.stride[0] * spec.w,
-                      pix_col=spec.stride[1], pix_base=self.ah.ph * spec.w + self.aw.ph, epi=Epilogue())
+        """D (N Hm Wm x C) on this phase's sub-grid of dx: NCHW planes, or channels-last rows (a pixel's
+        C channels contiguous, so the row-major epilogue stores runs of channels)."""
+        hw, pq = spec.h * spec.w, self.ah.rows * self.aw.rows
+        sh, sw = spec.stride
+        base = self.ah.ph * spec.w + self.aw.ph
+        if spec.layout == "nhwc":
+            c = spec.c
+            return Output("x", spec.n * pq, c, pq, spec.dtype, istride=c * hw, kstride=1, pix_q=self.aw.rows,
+                          pix_row=sh * spec.w * c, pix_col=sw * c, pix_base=base * c, epi=Epilogue())
+        return Output("x", spec.n * pq, spec.c, pq, spec.dtype, istride=spec.c * hw, kstride=hw, pix_q=self.aw.rows,
+                      pix_row=sh * spec.w, pix_col=sw, pix_base=base, epi=Epilogue())
 
 
 def phases(spec: ConvSpec) -> list[Phase]:
@@ -169,7 +176,8 @@ def zero_phases(name: str, spec: ConvSpec) -> tuple[Kernel, Dim3] | None:
         return None
     conds = [f"hh % {spec.stride[0]} == {ph}" for ph in empty_h] + [f"ww % {spec.stride[1]} == {pw}" for pw in empty_w]
     zero = prep.zero(math_for(spec.dtype))
-    body = [f"const int ww = e % {spec.w}, hh = e / {spec.w} % {spec.h};",
+    per = spec.c if spec.layout == "nhwc" else 1  # elements per dx pixel run (channels-last: C)
+    body = [f"const int ww = e / {per} % {spec.w}, hh = e / {per * spec.w} % {spec.h};",
             f"if ({' || '.join(conds)}) x[e] = {zero};"]
     return elementwise(name, spec.n * spec.c * spec.h * spec.w, (Buf("x", CTYPE[spec.dtype], readonly=False),), body,
                        f"dgrad: zeros where no tap reaches (phases h%{spec.stride[0]} in {empty_h}, "
@@ -179,8 +187,9 @@ def zero_phases(name: str, spec: ConvSpec) -> tuple[Kernel, Dim3] | None:
 class TcDgradStrided(TcVariant):
     """Strided dgrad by the wgmma generator (see the module docstring). Channels-last (``layout="nhwc"``):
     dy is read in place where its channels are whole 16-byte chunks of halves or TF32 (else one
-    per-element step pads them), the phases always go through their buffers (NHWC rows) and the
-    interleave pass writes dx channels-last."""
+    per-element step pads them); a phase's D rows are whole dx pixels (C contiguous channels), so
+    the GEMM stores them on dx's sub-grid (``il=0``, the default) or through the phase buffers and
+    the interleave pass (``il=1``)."""
 
     passes = frozenset({"dgrad"})
     layouts = frozenset({"nchw", "nhwc"})
@@ -225,10 +234,20 @@ class TcDgradStrided(TcVariant):
         return max(probs, key=lambda p: p.m * p.kred, default=Problem(spec.n, spec.c, kp))  # none: dx is zeros
 
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
-        """The generator's pick for the largest phase, phases interleaved (il=1), the operands by TMA
-        where every phase's can be (tensorcore/sm90/tma.py)."""
+        """The generator's pick for the largest phase, the operands by TMA where every phase's can be
+        (tensorcore/sm90/tma.py); phases interleaved (il=1) on NCHW, stored straight on a channels-last
+        dx (:meth:`_direct_first`)."""
         cfg = tiles.pick(self.math(spec), self._largest(spec), device.units, self.limit(device))
-        return self._tile(spec, cfg).params().replace(il=1)
+        return self._tile(spec, cfg).params().replace(il=0 if self._direct_first(spec) else 1)
+
+    @staticmethod
+    def _direct_first(spec: ConvSpec) -> bool:
+        """A channels-last dx: a phase's D row is one whole dx pixel (C contiguous channels), so the
+        direct stores write runs of a pixel's bytes and the phase buffers and interleave pass (two
+        more passes over dx) cost more than they save, even where a pixel is less than a sector
+        (docs/NOTES-tensorcore.md). NCHW sub-grids leave every other word of a sector to another
+        phase (the module docstring): interleaved there."""
+        return spec.layout == "nhwc"
 
     def _tile(self, spec: ConvSpec, c: TileConfig, tm: bool = True) -> TileConfig:
         """``c`` unsplit, with TMA when asked and every phase's operands allow it."""
@@ -256,8 +275,7 @@ class TcDgradStrided(TcVariant):
         math, prob = self.math(spec), self._largest(spec)
         first = self.default(spec, device)
         plain = self._tile(spec, TileConfig.of(Params({k: v for k, v in first.items() if k != "il"})), tm=False)
-        direct = [] if spec.layout == "nhwc" else [first.replace(il=0)]  # NHWC: phase buffers only
-        out = list(dict.fromkeys([first, *direct, plain.params().replace(il=1)]))
+        out = list(dict.fromkeys([first, first.replace(il=1 - int(first["il"])), plain.params().replace(il=1)]))
         for c in tiles.space(math, prob, device.units, self.limit(device)):
             for p in (self._tile(spec, c).params().replace(il=1), self._tile(spec, c, False).params().replace(il=1)):
                 if p not in out:
@@ -311,8 +329,6 @@ class TcDgradStrided(TcVariant):
         cfg, il = self._split(params)
         if cfg.ks != 1:
             raise ValueError(f"{self.name}: ks ({cfg.ks}) must be 1 (each phase's rows fill the GPU)")
-        if not il and spec.layout == "nhwc":
-            raise ValueError(f"{self.name}: il=0 stores NCHW sub-grids; a channels-last dx takes il=1")
         refs = lambda bufs: tuple(x.name for x in bufs)  # noqa: E731
         pq = spec.p * spec.q
         if self._dy_in_place(spec):

@@ -150,9 +150,10 @@ class Output:
 
     @property
     def rowmajor(self) -> bool:
-        """A row's columns lie contiguous (pq = 1: an NHWC output, row m = pixel, column k = channel);
-        the epilogue then stages rows and stores runs of 4 columns."""
-        return self.pq == 1 and self.kst == 1
+        """A row's columns lie contiguous (an NHWC output, row m = pixel, column k = channel: pq = 1,
+        or with strides of its own, such as strided dgrad's pixel map onto a channels-last dx); the
+        epilogue then stages rows and stores runs of 4 columns."""
+        return self.kst == 1 and (self.pq == 1 or self.strided)
 
     @property
     def vector_cols(self) -> bool:
