@@ -48,8 +48,11 @@ def test_nhwc_training_plans_against_float64(cuda, name):
             spec = dataclasses.replace(base, dtype=dtype, conv_pass=conv_pass, layout="nhwc")
             if v.applies(spec, cuda.device):
                 continue
-            res = check_plan(v.plan(spec, v.default(spec, cuda.device), cuda.device), cuda, seed=i)
-            assert res.ok, f"{name} {spec.short()}: {res}"
+            first = v.default(spec, cuda.device)
+            # strided dgrad: the direct stores on dx's sub-grid (the NHWC default) and the phase buffers
+            for prm in [first] + ([first.replace(il=1 - int(first["il"]))] if "il" in first else []):
+                res = check_plan(v.plan(spec, prm, cuda.device), cuda, seed=i)
+                assert res.ok, f"{name} [{prm.short()}] {spec.short()}: {res}"
             ran += 1
     assert ran, f"{name} applied to none of the layers"
 
