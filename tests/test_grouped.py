@@ -17,6 +17,7 @@ from conftest import NOMINAL_CUDA
 from convforge import api
 from convforge.apps.bench import models, suites
 from convforge.check import check_plan
+from convforge.frontends.keys import torch_key
 from convforge.kernels import get_variant, select
 from convforge.plan import Epilogue
 from convforge.reference import conv2d_ref, rel_l2
@@ -317,7 +318,7 @@ def test_fast_path_keys_tell_groups_apart() -> None:
         shape, dtype, is_contiguous, device = (1, 6, 5, 5), "float32", lambda self: True, "cuda:0"
 
     a = Arr()
-    keys = {api._torch_key(a, a, None, 1, 0, 1, "auto", None, None, False, None, None, None, g) for g in (1, 6)}
+    keys = {torch_key(a, a, None, 1, 0, 1, "auto", None, None, False, None, None, None, g) for g in (1, 6)}
     assert len(keys) == 2
 
 

@@ -568,8 +568,9 @@ def test_fast_path_with_weights_of_another_kind_gives_the_clear_error(monkeypatc
     torch = _torch()
     import convforge
     from convforge import api
+    from convforge.frontends.keys import torch_key
 
-    monkeypatch.setitem(api._KEYERS, torch.Tensor, api._torch_key)
+    monkeypatch.setitem(api._KEYERS, torch.Tensor, torch_key)
     x = torch.randn(1, 3, 8, 8)
     with pytest.raises(ValueError):
         convforge.conv2d(x, np.ones((4, 3, 3, 3), np.float32))

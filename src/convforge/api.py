@@ -5,39 +5,23 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import numbers
-import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
 from convforge import caches, dispatch, kernels
 from convforge.backends import cuda_available, get_backend
-from convforge.backends.base import Backend, Executable, output_buffer
-from convforge.config import config, parse_precision
+from convforge.backends.base import Backend, Executable
 from convforge.dispatch import RUNNERS
 from convforge.dispatch.choice import needs_finite_exact
+from convforge.frontends.checks import check_array, check_layout, check_options, same_dtype
+from convforge.frontends.keys import cupy_key, torch_key
+from convforge.frontends.kinds import device_index, is_channels_last, kind_of, pad_copy
+from convforge.frontends.numpy_run import run_host
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Plan
 from convforge.spec import ConvSpec, conv_args
 
 log = logging.getLogger("convforge")
-
-
-def _kind(a: Any, what: str) -> str:
-    """'numpy', 'cupy' or 'torch' — decided without importing either vendor library."""
-    mod = type(a).__module__.split(".")[0]
-    if isinstance(a, np.ndarray):
-        return "numpy"
-    if mod == "cupy":
-        return "cupy"
-    if mod == "torch":
-        if getattr(a, "device", None) is None or a.device.type != "cuda":
-            raise ValueError(f"{what} is a torch tensor on {a.device}; convforge runs torch CUDA tensors "
-                             "(use .numpy() for the OpenCL path)")
-        return "torch"
-    raise ValueError(f"{what} must be a NumPy array, CuPy array or torch CUDA tensor, got {type(a).__name__}")
 
 
 _SPECS: dict[tuple[Any, ...], ConvSpec] = {}
@@ -63,80 +47,6 @@ def _plain(v: Any) -> bool:
     return type(v) is int or (type(v) is tuple and all(type(e) is int for e in v))
 
 
-def _options(relu: Any, workspace_limit: Any, precision: Any, max_error: Any) -> tuple[bool, int | None]:
-    """Check conv2d's scalar options; ``relu`` and ``workspace_limit`` as bool and int. A
-    ValueError names the option and the value: ``relu="no"`` must not switch ReLU on, nor
-    ``max_error=True`` read as 1.0."""
-    if not isinstance(relu, bool | np.bool_):
-        raise ValueError(f"relu ({relu!r}) must be True or False")
-    if workspace_limit is not None:
-        if isinstance(workspace_limit, bool | np.bool_) or not isinstance(workspace_limit, numbers.Integral):
-            raise ValueError(f"workspace_limit ({workspace_limit!r}) must be an int (bytes) or None")
-        if workspace_limit < 0:
-            raise ValueError(f"workspace_limit ({workspace_limit}) must be >= 0")
-        workspace_limit = operator.index(workspace_limit)
-    if precision is not None:
-        parse_precision(precision)
-    if max_error is not None and (isinstance(max_error, bool | np.bool_) or not isinstance(max_error, numbers.Real)
-                                  or not float(max_error) > 0):
-        raise ValueError(f"max_error ({max_error!r}) must be a number > 0")
-    return bool(relu), workspace_limit
-
-
-# The storage dtypes each kind of array brings (NumPy and CuPy have no bfloat16).
-ARRAY_DTYPES = {"numpy": ("float32", "float16"), "cupy": ("float32", "float16"),
-                "torch": ("float32", "float16", "bfloat16")}
-
-
-# dtypes PyTorch's CUDA convolutions take that convforge does not run: refused, naming PyTorch's op
-REFUSED_DTYPES = ("float64", "complex32", "complex64", "complex128", "chalf", "cfloat", "cdouble")
-
-
-def _check_array(a: Any, what: str, rank: int, kind: str | None = None,
-                 op: str = "torch.nn.functional.conv2d") -> str:
-    """The array's dtype name, after checking its rank and that ``kind`` arrays of it run (None:
-    float32 only, for callers whose plans are float32: the backward passes of grad.py). float64
-    and complex arrays are refused with PyTorch's ``op`` named as the way to run them (never cast)."""
-    if isinstance(a, np.ndarray) and a.ndim == rank and a.dtype == np.float32:
-        return "float32"  # the common case, quickly
-    if len(a.shape) != rank:
-        raise ValueError(f"{what} must have rank {rank}, got shape {tuple(a.shape)}")
-    dtype = str(a.dtype).replace("torch.", "")
-    if dtype in REFUSED_DTYPES:
-        raise ValueError(f"{what} dtype ({dtype}) is not run by convforge; use {op}")
-    allowed = ARRAY_DTYPES[kind] if kind is not None else ("float32",)
-    if dtype not in allowed:
-        raise ValueError(f"{what} dtype ({dtype}) must be {'one of ' if len(allowed) > 1 else ''}"
-                         f"{', '.join(allowed)}" + (f" for {kind} arrays" if kind else ""))
-    return dtype
-
-
-def _same_dtype(dtype: str, other: str, what: str) -> None:
-    if other != dtype:
-        raise ValueError(f"{what} dtype ({other}) must equal the input's ({dtype}): input, weights and "
-                         "bias share one dtype")
-
-
-def _channels_last(x: Any) -> bool:
-    """A torch tensor in channels_last memory format (strides (H*W*C, 1, W*C, C), as
-    ``.to(memory_format=torch.channels_last)`` makes them) that is not also NCHW contiguous (C == 1
-    or 1x1 images are both, and stay NCHW). From the strides: api.py imports no vendor library."""
-    n, c, h, w = x.shape
-    return tuple(x.stride()) == (h * w * c, 1, w * c, c) and not x.is_contiguous()
-
-
-def _check_layout(a: Any, what: str, rank: int) -> None:
-    if isinstance(a, np.ndarray) and a.flags.c_contiguous:
-        return
-    contiguous = (a.flags["C_CONTIGUOUS"] if hasattr(a, "flags") and not callable(a.flags)
-                  else a.is_contiguous())
-    if not contiguous:
-        layout = "NCHW" if rank == 4 else "1-D"
-        strides = a.stride() if callable(getattr(a, "stride", None)) else a.strides  # torch: stride(), in elements
-        raise ValueError(f"{what} has an unsupported layout (strides {tuple(strides)}): "
-                         f"pass a contiguous {layout} array")
-
-
 def plan_for(spec: ConvSpec, be: Backend, algo: str = "auto", epilogue: Epilogue = Epilogue(),
              workspace_limit: int | None = None, params: Params | None = None,
              precision: str | None = None, max_error: float | None = None) -> Plan:
@@ -154,13 +64,11 @@ def executable_for(spec: ConvSpec, be: Backend, algo: str = "auto", epilogue: Ep
                                precision=precision, max_error=max_error, finite_exact=finite_exact)
 
 
-# The per-call fast path. A flat key of cheap attributes of a device call (see
-# dispatch/executables.py) finds a prepared runner; the key function is chosen by the input's
-# type, registered the first time the slow path validates a call with that type. NumPy (OpenCL)
-# calls have no fast path. The configuration's precision settings are part of the key (four
-# attribute reads), so changing ``config`` takes effect on the next call. ``relu`` enters with its
-# class unless it is a bool: 1 equals True as a key, and would find a relu=True runner that the
-# slow path (which wants a bool) never checked it for.
+# The per-call fast path. A flat key of cheap attributes of a device call (frontends/keys.py)
+# finds a prepared runner; the key function is chosen by the input's type, registered the first
+# time the slow path validates a call with that type. NumPy (OpenCL) calls have no fast path. The
+# configuration's precision settings are part of the key (four attribute reads), so changing
+# ``config`` takes effect on the next call.
 _KEYERS: dict[type, Callable[..., tuple[Any, ...]]] = {}
 # The native fast paths (C++: convforge/torch/native.cpp for torch tensors, backends/cupy_native.cpp
 # for CuPy arrays), loaded with the first call of their kind. Each has ``run`` (the output of a call
@@ -207,30 +115,6 @@ def install_native(module: Any) -> None:
     for m in _FRONTS:
         front = m.wrap(front)
     globals()["conv2d"] = convforge.conv2d = functools.update_wrapper(front, _PYTHON_CONV2D)  # type: ignore[attr-defined]
-
-
-def _torch_key(x: Any, w: Any, b: Any, stride: Any, padding: Any, dilation: Any, algo: Any, backend: Any,
-               workspace_limit: Any, relu: Any, params: Any, precision: Any, max_error: Any,
-               groups: Any = 1) -> tuple[Any, ...]:
-    return (type(x), type(w), x.shape, w.shape, x.dtype, w.dtype, x.device, w.device,
-            x.is_contiguous() or x.stride(), w.is_contiguous(),  # strides tell channels_last from other views
-            b is None or (type(b), b.shape, b.dtype, b.device, b.is_contiguous()),
-            stride, padding, dilation, algo, backend, workspace_limit,
-            relu if relu.__class__ is bool else (relu.__class__, relu), params, precision, max_error,
-            groups if groups.__class__ is int else (groups.__class__, groups),
-            config.precision, config.max_error, config.autotune, config.db_path, config.finite_exact)
-
-
-def _cupy_key(x: Any, w: Any, b: Any, stride: Any, padding: Any, dilation: Any, algo: Any, backend: Any,
-              workspace_limit: Any, relu: Any, params: Any, precision: Any, max_error: Any,
-              groups: Any = 1) -> tuple[Any, ...]:
-    return (type(x), type(w), x.shape, w.shape, x.dtype, w.dtype, x.data.device_id, w.data.device_id,
-            x.flags.c_contiguous, w.flags.c_contiguous,
-            b is None or (type(b), b.shape, b.dtype, b.data.device_id, b.flags.c_contiguous),
-            stride, padding, dilation, algo, backend, workspace_limit,
-            relu if relu.__class__ is bool else (relu.__class__, relu), params, precision, max_error,
-            groups if groups.__class__ is int else (groups.__class__, groups),
-            config.precision, config.max_error, config.autotune, config.db_path, config.finite_exact)
 
 
 def conv2d(x: Any, w: Any, bias: Any = None, stride: int | Sequence[int] = 1,
@@ -308,34 +192,34 @@ def _conv2d(x: Any, w: Any, bias: Any, stride: Any, padding: Any, dilation: Any,
     """The first call of a signature: validate everything, choose, compile, build the runner."""
     if params is not None and not isinstance(params, Mapping):
         raise TypeError(f"params ({params!r}) must be a dict or Params of parameter names and values")
-    kind = _kind(x, "input")
-    if _kind(w, "weights") != kind:
+    kind = kind_of(x, "input")
+    if kind_of(w, "weights") != kind:
         raise ValueError("input and weights must be the same kind of array")
     if isinstance(padding, str) or len(x.shape) != 4:  # _dropin names a rank other than 3 or 4
         return _dropin(x, w, bias, stride, padding, dilation, groups, "zeros",
                        (algo, backend, workspace_limit, relu, params, precision, max_error))
-    dtype = _check_array(x, "input", 4, kind)
-    _same_dtype(dtype, _check_array(w, "weights", 4, kind), "weights")
+    dtype = check_array(x, "input", 4, kind)
+    same_dtype(dtype, check_array(w, "weights", 4, kind), "weights")
     spec = _spec(tuple(x.shape), tuple(w.shape), stride, padding, dilation, groups, dtype)
-    channels_last = kind == "torch" and _channels_last(x)  # NHWC plans read it as it lies (dispatch.layout_runner)
+    channels_last = kind == "torch" and is_channels_last(x)  # NHWC plans read it as it lies (dispatch.layout_runner)
     if not channels_last:
-        _check_layout(x, "input", 4)
-    _check_layout(w, "weights", 4)
+        check_layout(x, "input", 4)
+    check_layout(w, "weights", 4)
     if bias is not None:
-        if _kind(bias, "bias") != kind:
+        if kind_of(bias, "bias") != kind:
             raise ValueError("bias must be the same kind of array as the input")
-        _same_dtype(dtype, _check_array(bias, "bias", 1, kind), "bias")
-        _check_layout(bias, "bias", 1)
+        same_dtype(dtype, check_array(bias, "bias", 1, kind), "bias")
+        check_layout(bias, "bias", 1)
         if bias.shape[0] != spec.k:
             raise ValueError(f"bias has {bias.shape[0]} entries, weights have K={spec.k}")
-    flag, limit = _options(relu, workspace_limit, precision, max_error)
+    flag, limit = check_options(relu, workspace_limit, precision, max_error)
     bname = backend or ("opencl" if kind == "numpy" else "cuda")
     if kind != "numpy" and bname != "cuda":
         raise ValueError(f"backend ({bname!r}) cannot run {kind} device arrays; use backend='cuda'")
-    dev = _device_index(x, kind)
+    dev = device_index(x, kind)
     for other, what in ((w, "weights"), (bias, "bias")):
-        if other is not None and kind != "numpy" and _device_index(other, kind) != dev:
-            raise ValueError(f"input is on CUDA device {dev} but {what} are on device {_device_index(other, kind)}")
+        if other is not None and kind != "numpy" and device_index(other, kind) != dev:
+            raise ValueError(f"input is on CUDA device {dev} but {what} are on device {device_index(other, kind)}")
     be = get_backend(bname, dev)
     prm = params if params is None or isinstance(params, Params) else Params(params)
     epi = Epilogue(bias is not None, flag)
@@ -344,7 +228,7 @@ def _conv2d(x: Any, w: Any, bias: Any, stride: Any, padding: Any, dilation: Any,
                                    precision=precision, max_error=max_error)
         exe = executable_for(spec, be, algo, epi, limit, prm, precision, max_error, exact)
         return run_host(be, exe, {"x": x, "w": w, "bias": bias})
-    _KEYERS.setdefault(type(x), _torch_key if kind == "torch" else _cupy_key)
+    _KEYERS.setdefault(type(x), torch_key if kind == "torch" else cupy_key)
     try:
         key: tuple[Any, ...] | None = _KEYERS[type(x)](x, w, bias, stride, padding, dilation, algo, backend,
                                                       workspace_limit, relu, params, precision, max_error, groups)
@@ -371,40 +255,18 @@ def _dropin(x: Any, w: Any, bias: Any, stride: Any, padding: Any, dilation: Any,
     """conv2d of an unbatched input, a string padding or a padding mode (:func:`spec.conv_args`): the
     batched, numerically padded call (after the padded copy a mode needs), through ``conv2d`` itself
     (so a warm call of the normalised form takes the fast path), its output unbatched again."""
-    kind = _kind(x, "input")
-    if _kind(w, "weights") != kind:
+    kind = kind_of(x, "input")
+    if kind_of(w, "weights") != kind:
         raise ValueError("input and weights must be the same kind of array")
     args = conv_args(tuple(x.shape), tuple(w.shape), stride, padding, dilation, padding_mode)
     xb = x[None] if args.unbatched else x
     if args.copy_pad is not None:
-        _check_array(xb, "input", 4, kind)  # refuse a dtype before copying it
+        check_array(xb, "input", 4, kind)  # refuse a dtype before copying it
         xb = pad_copy(xb, args.copy_pad, args.mode, kind)
     algo, backend, workspace_limit, relu, params, precision, max_error = opts
     y = conv2d(xb, w, bias, args.stride, args.pad, args.dilation, algo, backend, workspace_limit, relu, params,
                precision, max_error, groups)
     return y[0] if args.unbatched else y
-
-
-_NUMPY_MODES = {"zeros": "constant", "reflect": "reflect", "replicate": "edge", "circular": "wrap"}
-_TORCH_MODES = {"zeros": "constant", "reflect": "reflect", "replicate": "replicate", "circular": "circular"}
-
-
-def pad_copy(x: Any, pad: tuple[int, int, int, int], mode: str, kind: str | None = None) -> Any:
-    """An NCHW array padded by (top, bottom, left, right) in nn.Conv2d's ``mode`` (zeros, reflect,
-    replicate, circular), as a new array of its kind on its device (the pad sizes checked by
-    ``spec.conv_args``)."""
-    kind = kind or _kind(x, "input")
-    t, b, left, right = pad
-    if kind == "torch":
-        import torch.nn.functional as F  # a torch tensor is here: torch is loaded already
-
-        return F.pad(x, (left, right, t, b), mode=_TORCH_MODES[mode])
-    widths = ((0, 0), (0, 0), (t, b), (left, right))
-    if kind == "cupy":
-        import cupy
-
-        return cupy.pad(x, widths, mode=_NUMPY_MODES[mode])
-    return np.pad(x, widths, mode=_NUMPY_MODES[mode])  # type: ignore[call-overload]
 
 
 def file_native(run: Any, call: tuple[Any, ...], residual: bool = False) -> None:
@@ -453,27 +315,6 @@ def file_cupy_native(run: Any, call: tuple[Any, ...]) -> None:
             install_native(_CUPY_NATIVE)  # the loader builds it; the API installs it
     if _CUPY_NATIVE is not None and run.exe.native:
         _CUPY_NATIVE.register(*call, run.exe.native_program())
-
-
-def _device_index(x: Any, kind: str) -> int | None:
-    if kind == "torch":
-        return int(x.device.index or 0)
-    if kind == "cupy":
-        return int(x.data.device_id)
-    return None
-
-
-def run_host(be: Backend, exe: Executable, inputs: dict[str, Any]) -> np.ndarray:
-    """Run ``exe`` on host arrays by buffer name (None: absent): upload them, allocate the buffer
-    its plan writes (y, x, w or bias), run, download that buffer."""
-    spec = exe.plan.spec
-    out = output_buffer(exe.plan)
-    shape = spec.shape_of(out)
-    bufs = {name: be.upload(a) for name, a in inputs.items() if a is not None}
-    bufs[out] = be.empty(spec.itemsize * int(np.prod(shape)))
-    exe(bufs)
-    got = be.download(bufs[out], shape, spec.dtype)
-    return got.astype(np.float16) if spec.dtype == "float16" else got  # exact: the kernel stored float16
 
 
 def default_backend() -> str:

@@ -203,14 +203,14 @@ def _build_rows(x: torch.Tensor, w: torch.Tensor, z: torch.Tensor, conv: tuple[A
                 need_w: bool) -> _RowsBackward | None:
     """Both passes chosen as ``convforge.grad`` would choose them (dispatch, the database first), then
     :func:`rows_from_plans`."""
-    from convforge.api import _options
+    from convforge.frontends.checks import check_options
     from convforge.grad import _pass_spec
     from convforge.plan import Epilogue
 
     stride, pad, dil, _, precision, max_error, groups = conv
     dev = x.device.index or 0
     be = get_backend("cuda", dev)
-    _, limit = _options(False, None, precision, max_error)
+    _, limit = check_options(False, None, precision, max_error)
 
     def plan(conv_pass: str) -> Any:
         a, size = (w, x.shape) if conv_pass == "dgrad" else (x, w.shape)

@@ -43,9 +43,9 @@ from typing import Any
 import torch
 
 from convforge import api, dispatch
-from convforge.api import pad_copy
 from convforge.backends import get_backend
 from convforge.config import config, parse_precision
+from convforge.frontends.kinds import is_channels_last, pad_copy
 from convforge.plan import Epilogue
 from convforge.spec import ConvSpec, conv_args, conv_padding
 from convforge.torch.ops import HANDED_BACK, handed_back
@@ -230,7 +230,7 @@ class Conv2d(torch.nn.Conv2d):
             if y is not None:
                 return y
         run = self._prepared(x, pad, "nhwc") if reads_nhwc(self, x) else None
-        if run is None and not (self._cf_cache.get(_HANDED) and api._channels_last(x)):
+        if run is None and not (self._cf_cache.get(_HANDED) and is_channels_last(x)):
             x = x.contiguous()
             run = self._prepared(x, pad)
         if not w.is_contiguous():
@@ -301,7 +301,7 @@ def reads_nhwc(conv: torch.nn.Conv2d, x: torch.Tensor) -> bool:
     """Whether the layer gets a channels_last input, which NHWC plans read in place (no copy into
     NCHW, and a channels_last output for the next layer); a layer no NHWC plan serves gets no runner
     for it and the caller copies into NCHW."""
-    return api._channels_last(x)
+    return is_channels_last(x)
 
 
 class ConvTranspose2d(torch.nn.ConvTranspose2d):

@@ -37,9 +37,9 @@ import torch
 import torch.nn.functional as F
 
 from convforge import grad as cf_grad
-from convforge.api import pad_copy
 from convforge.api import python_conv2d as cf_conv2d  # the op's C kernel asked native.cpp already
 from convforge.config import config
+from convforge.frontends.kinds import pad_copy
 from convforge.spec import ConvSpec, conv_args, normalize_padding
 from convforge.torch import native
 
