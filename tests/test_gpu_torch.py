@@ -308,8 +308,8 @@ def test_conv2d_caches_filters_per_weight_version(gpu, monkeypatch, path):
     fast paths: the native one (its own filter cache, started from the slow path's, counted by
     ``stats``) and Python's."""
     import convforge
-    from convforge import api
     from convforge.backends import cuda as cuda_mod
+    from convforge.frontends import fast_path
     from convforge.torch import native
 
     calls = []
@@ -319,7 +319,7 @@ def test_conv2d_caches_filters_per_weight_version(gpu, monkeypatch, path):
     if path == "native" and mod is None:
         pytest.skip("native fast path off (CONVFORGE_NATIVE=0)")
     if path == "python":
-        monkeypatch.setattr(api, "_NATIVE_RUN", None)
+        monkeypatch.setattr(fast_path, "RUN", None)
 
     def transforms():  # Python's transforms (the slow path's first), plus the native path's own
         return len(calls) + (mod.stats()["transforms"] - base if mod is not None else 0)
@@ -467,12 +467,12 @@ def test_native_off_by_environment():
     if not torch.cuda.is_available():
         pytest.skip("GPU tier: torch sees no CUDA device")
     code = ("import torch, convforge, convforge.torch as ct\n"
-            "from convforge import api\n"
+            "from convforge.frontends import fast_path\n"
             "x = torch.randn(1, 8, 8, 8, device='cuda'); w = torch.randn(8, 8, 3, 3, device='cuda')\n"
             "y = [convforge.conv2d(x, w, padding=1) for _ in range(2)][-1]\n"
             "z = ct.conv2d(x, w, None, 1, 1)\n"
             "want = torch.nn.functional.conv2d(x.double(), w.double(), padding=1)\n"
-            "assert api._NATIVE is None\n"
+            "assert fast_path.TORCH is None\n"
             "print(float((y.double() - want).norm() / want.norm()), float((z.double() - want).norm() / want.norm()))\n")
     import os
 

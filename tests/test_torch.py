@@ -589,12 +589,13 @@ def test_a_native_miss_is_looked_up_once(monkeypatch):
     import torch.nn.functional as F
 
     from convforge import api
+    from convforge.frontends import fast_path
     from convforge.torch import ops
 
     assert inspect.signature(api.python_conv2d) == inspect.signature(api.conv2d)
     asked: list[int] = []
     ran: list[int] = []
-    monkeypatch.setattr(api, "_NATIVE_RUN", lambda *a: asked.append(len(a)))
+    monkeypatch.setattr(fast_path, "RUN", lambda *a: asked.append(len(a)))
     # conv2d's Python body stands in for a device run (numpy arrays need OpenCL, absent on the GPU tier)
     real = api._conv2d
     monkeypatch.setattr(api, "_conv2d", lambda *a: ran.append(len(a)) or "ran" if isinstance(a[0], np.ndarray)

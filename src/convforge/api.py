@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import functools
-import inspect
-import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from convforge import caches, dispatch, kernels
+from convforge import dispatch, kernels
 from convforge.backends import cuda_available, get_backend
 from convforge.backends.base import Backend, Executable
 from convforge.dispatch import RUNNERS
 from convforge.dispatch.choice import needs_finite_exact
+from convforge.frontends import fast_path
 from convforge.frontends.checks import check_array, check_layout, check_options, same_dtype
 from convforge.frontends.keys import cupy_key, torch_key
 from convforge.frontends.kinds import device_index, is_channels_last, kind_of, pad_copy
@@ -20,9 +19,6 @@ from convforge.frontends.numpy_run import run_host
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Plan
 from convforge.spec import ConvSpec, conv_args
-
-log = logging.getLogger("convforge")
-
 
 _SPECS: dict[tuple[Any, ...], ConvSpec] = {}
 
@@ -70,51 +66,6 @@ def executable_for(spec: ConvSpec, be: Backend, algo: str = "auto", epilogue: Ep
 # configuration's precision settings are part of the key (four attribute reads), so changing
 # ``config`` takes effect on the next call.
 _KEYERS: dict[type, Callable[..., tuple[Any, ...]]] = {}
-# The native fast paths (C++: convforge/torch/native.cpp for torch tensors, backends/cupy_native.cpp
-# for CuPy arrays), loaded with the first call of their kind. Each has ``run`` (the output of a call
-# the slow path filed with its ``register``, else None) and ``wrap`` (conv2d as a C callable);
-# ``convforge.conv2d`` becomes the chain of their wrappers around ``python_conv2d`` (the torch one
-# outermost), so a warm call never enters Python and a miss is looked up once in each.
-_NATIVE: Any = None  # the torch module, asked by Python's conv2d where its C entry is not installed
-_NATIVE_RUN: Callable[..., Any] | None = None
-_NATIVE_RUN_RES: Callable[..., Any] | None = None  # a FusedConv2d plan that adds the residual
-_NATIVE_TRIED = False
-_CUPY_NATIVE: Any = None
-_CUPY_TRIED = False
-_FRONTS: list[Any] = []  # installed native modules, innermost first
-
-
-def set_native(module: Any) -> None:
-    """Route warm torch calls through ``module`` (native.cpp), from now on."""
-    global _NATIVE, _NATIVE_RUN, _NATIVE_RUN_RES
-    _NATIVE, _NATIVE_RUN, _NATIVE_RUN_RES = module, module.run, module.run_res
-
-
-# conv2d's defaults as native_core.h's C entry assumes them (``wrap``), checked before it takes over
-NATIVE_DEFAULTS = (None, 1, 0, 1, "auto", None, None, False, None, None, None, 1)
-
-
-def install_native(module: Any) -> None:
-    """Make ``module``'s C entry part of ``convforge.conv2d`` (the torch module outermost, since a
-    CuPy call costs it one failed type check) and clear its table whenever the configuration or the
-    executables change. Where conv2d's defaults are not the ones the C entry assumes, only Python's
-    conv2d asks the torch module (``set_native``) and a warning says so."""
-    import convforge
-
-    if module in _FRONTS or caches.is_registered(module.clear):  # installed once: its table registered once
-        return
-    caches.register(module.clear, f"native fast path: {getattr(module, '__name__', module)}",
-                    on=("executables", "settings"))
-    params = list(inspect.signature(python_conv2d).parameters.values())[2:2 + len(NATIVE_DEFAULTS)]
-    if tuple(p.default for p in params) != NATIVE_DEFAULTS:  # later keywords (padding_mode) go to Python
-        log.warning("convforge: conv2d's defaults differ from native_core.h's: its C entry is not installed")
-        return
-    _FRONTS.append(module)
-    _FRONTS.sort(key=lambda m: m is _NATIVE)  # torch's last: outermost
-    front: Any = python_conv2d
-    for m in _FRONTS:
-        front = m.wrap(front)
-    globals()["conv2d"] = convforge.conv2d = functools.update_wrapper(front, _PYTHON_CONV2D)  # type: ignore[attr-defined]
 
 
 def conv2d(x: Any, w: Any, bias: Any = None, stride: int | Sequence[int] = 1,
@@ -151,9 +102,10 @@ def conv2d(x: Any, w: Any, bias: Any = None, stride: int | Sequence[int] = 1,
     torch tensors, backends/cupy_native.cpp for CuPy arrays; ``CONVFORGE_NATIVE=0`` turns them off):
     the same lookup, allocation and launches, without Python's per-call cost. With CuPy arrays a tiny
     layer gets a one-launch plan, since its filters are transformed on every call."""
-    if _NATIVE_RUN is not None and padding_mode == "zeros":
-        y = _NATIVE_RUN(x, w, bias, stride, padding, dilation, algo, backend, workspace_limit, relu, params,
-                        precision, max_error, groups)
+    native = fast_path.RUN
+    if native is not None and padding_mode == "zeros":
+        y = native(x, w, bias, stride, padding, dilation, algo, backend, workspace_limit, relu, params, precision,
+                   max_error, groups)
         if y is not None:
             return y
     return python_conv2d(x, w, bias, stride, padding, dilation, algo, backend, workspace_limit, relu, params,
@@ -161,6 +113,14 @@ def conv2d(x: Any, w: Any, bias: Any = None, stride: int | Sequence[int] = 1,
 
 
 _PYTHON_CONV2D = conv2d  # the Python function (its signature and docstring), before any C entry
+
+
+def _install(front: Callable[..., Any]) -> None:
+    """Make ``front`` (the native fast paths' C entries around :func:`python_conv2d`,
+    frontends/fast_path.py) ``convforge.conv2d``."""
+    import convforge
+
+    globals()["conv2d"] = convforge.conv2d = functools.update_wrapper(front, _PYTHON_CONV2D)  # type: ignore[attr-defined]
 
 
 def python_conv2d(x: Any, w: Any, bias: Any = None, stride: int | Sequence[int] = 1,
@@ -184,6 +144,9 @@ def python_conv2d(x: Any, w: Any, bias: Any = None, stride: int | Sequence[int] 
             return run(x, w, bias)
     return _conv2d(x, w, bias, stride, padding, dilation, algo, backend, workspace_limit, relu, params,
                    precision, max_error, groups)
+
+
+fast_path.serve(python_conv2d, _install)
 
 
 def _conv2d(x: Any, w: Any, bias: Any, stride: Any, padding: Any, dilation: Any, algo: str,
@@ -244,9 +207,9 @@ def _conv2d(x: Any, w: Any, bias: Any, stride: Any, padding: Any, dilation: Any,
     call = (x, w, bias, stride, padding, dilation, algo, backend, workspace_limit, relu, params, precision, max_error,
             groups)
     if kind == "torch":
-        file_native(run, call)
+        fast_path.file_native(run, call)
     else:
-        file_cupy_native(run, call)
+        fast_path.file_cupy_native(run, call)
     return y
 
 
@@ -267,54 +230,6 @@ def _dropin(x: Any, w: Any, bias: Any, stride: Any, padding: Any, dilation: Any,
     y = conv2d(xb, w, bias, args.stride, args.pad, args.dilation, algo, backend, workspace_limit, relu, params,
                precision, max_error, groups)
     return y[0] if args.unbatched else y
-
-
-def file_native(run: Any, call: tuple[Any, ...], residual: bool = False) -> None:
-    """File a validated torch call (conv2d's 14 arguments; ``run``, the runner that just ran it)
-    with the native fast path (built on the first torch call), with the filters the runner
-    transformed for its weights, if any (so the native path does not transform them again: a
-    transform during CUDA-graph warm-up would allocate in the graph's pool). ``residual``: the
-    plan adds a residual (FusedConv2d), found by ``run_res`` under its own key."""
-    global _NATIVE_TRIED
-    if not _NATIVE_TRIED:
-        _NATIVE_TRIED = True
-        from convforge.torch import native
-
-        native.load()
-    if _NATIVE is None or getattr(run, "copies", False) or not run.exe.native:
-        return  # a runner between layout copies is Python's; the C++ path takes the plans' own layouts
-    w = call[1]
-    held = run.filters.entry(w, w.data_ptr()) if run.filters is not None else None
-    _NATIVE.register(*call, run.exe.native_program(), None if held is None else (w, *held), residual)
-
-
-def file_native_pass(module: Any, run: Any, args: tuple[Any, ...], out_shape: tuple[int, ...]) -> bool:
-    """File a validated backward op's call (native.cpp ``register_pass``'s first 11 arguments;
-    ``run``, the pass runner that just ran it) with the native kernel, dgrad with the filters the
-    runner transformed for its weights; False where the executable is not one the core launches."""
-    exe = getattr(run, "exe", None)
-    if module is None or exe is None or not exe.native or getattr(run, "copies", False):
-        return False  # a runner between layout copies is Python's: its program reads NCHW
-    held = None
-    if args[0] == 1 and getattr(run, "filters", None) is not None:
-        a = args[2]
-        entry = run.filters.entry(a, a.data_ptr())
-        held = None if entry is None else (a, *entry)
-    return bool(module.register_pass(*args, exe.native_program(), held, out_shape))
-
-
-def file_cupy_native(run: Any, call: tuple[Any, ...]) -> None:
-    """File a validated CuPy call with the CuPy native fast path (built on the first CuPy call)."""
-    global _CUPY_TRIED, _CUPY_NATIVE
-    if not _CUPY_TRIED:
-        _CUPY_TRIED = True
-        from convforge.backends import native
-
-        _CUPY_NATIVE = native.load_cupy()
-        if _CUPY_NATIVE is not None:
-            install_native(_CUPY_NATIVE)  # the loader builds it; the API installs it
-    if _CUPY_NATIVE is not None and run.exe.native:
-        _CUPY_NATIVE.register(*call, run.exe.native_program())
 
 
 def default_backend() -> str:

@@ -24,6 +24,7 @@ from convforge import api, caches, dispatch
 from convforge.backends import get_backend
 from convforge.backends.base import DeviceMemoryError
 from convforge.config import config
+from convforge.frontends import fast_path
 from convforge.spec import ConvSpec
 
 _F32 = torch.float32
@@ -71,7 +72,7 @@ def _forward_conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, conv
     stride, pad, dil, algo, precision, max_error, groups = conv
     call = (x, w, b, tuple(stride), tuple(pad), tuple(dil), algo, None, None, True, None, precision, max_error,
             groups)
-    native = api._NATIVE_RUN
+    native = fast_path.RUN
     z = None if native is None else native(*call)
     return api.python_conv2d(*call) if z is None else z
 

@@ -42,9 +42,10 @@ from typing import Any
 
 import torch
 
-from convforge import api, dispatch
+from convforge import dispatch
 from convforge.backends import get_backend
 from convforge.config import config, parse_precision
+from convforge.frontends import fast_path
 from convforge.frontends.kinds import is_channels_last, pad_copy
 from convforge.plan import Epilogue
 from convforge.spec import ConvSpec, conv_args, conv_padding
@@ -222,7 +223,7 @@ class Conv2d(torch.nn.Conv2d):
                 x.requires_grad or w.requires_grad or (b is not None and b.requires_grad))):
             return _OP(x, w, b, list(self.stride), list(pad), list(self.dilation), self.algo, self.precision,
                        self.max_error, self.groups)
-        native = api._NATIVE_RUN  # a warm layer: C++ (native.cpp), as the op's CUDA kernel runs it
+        native = fast_path.RUN  # a warm layer: C++ (native.cpp), as the op's CUDA kernel runs it
         call = (x, w, b, self.stride, pad, self.dilation, self.algo, None, None, False, None, self.precision,
                 self.max_error, self.groups)  # the op's spelling of this layer's conv2d call: one entry for both
         if native is not None and not (self.static_weights and _CAPTURING()):  # captures: the whole plan
@@ -244,7 +245,7 @@ class Conv2d(torch.nn.Conv2d):
         packed = filters.get(w, w.data_ptr())
         y = run(x, w, b) if packed is None else run(x, w, b, packed)
         if native is not None and not _CAPTURING():
-            api.file_native(run, (x, *call[1:]))
+            fast_path.file_native(run, (x, *call[1:]))
         return y
 
     def set_max_error(self, value: float | None) -> None:
