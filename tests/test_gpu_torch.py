@@ -142,12 +142,12 @@ def test_conv2d_module_training_matches_pytorch_and_learns(gpu, monkeypatch):
 
 
 def test_filter_transform_runs_once_per_weight_version(gpu, monkeypatch):
-    from convforge.backends import cuda as cuda_mod
+    from convforge.frontends import torch_run
     from convforge.torch import modules, native
 
     calls = []
-    real = cuda_mod.torch_transform
-    monkeypatch.setattr(cuda_mod, "torch_transform", lambda exe, w, out=None: calls.append(1) or real(exe, w, out))
+    real = torch_run.torch_transform
+    monkeypatch.setattr(torch_run, "torch_transform", lambda exe, w, out=None: calls.append(1) or real(exe, w, out))
     mod = native.load()  # warm layers run there (its own count), starting from Python's filters
     base = mod.stats()["transforms"] if mod is not None else 0
 
@@ -308,13 +308,12 @@ def test_conv2d_caches_filters_per_weight_version(gpu, monkeypatch, path):
     fast paths: the native one (its own filter cache, started from the slow path's, counted by
     ``stats``) and Python's."""
     import convforge
-    from convforge.backends import cuda as cuda_mod
-    from convforge.frontends import fast_path
+    from convforge.frontends import fast_path, torch_run
     from convforge.torch import native
 
     calls = []
-    real = cuda_mod.torch_transform
-    monkeypatch.setattr(cuda_mod, "torch_transform", lambda exe, w, out=None: calls.append(1) or real(exe, w, out))
+    real = torch_run.torch_transform
+    monkeypatch.setattr(torch_run, "torch_transform", lambda exe, w, out=None: calls.append(1) or real(exe, w, out))
     mod = native.load()
     if path == "native" and mod is None:
         pytest.skip("native fast path off (CONVFORGE_NATIVE=0)")

@@ -30,7 +30,7 @@ from convforge.backends import get_backend
 from convforge.dispatch import RUNNERS
 from convforge.frontends.checks import check_array, check_layout, check_options, same_dtype
 from convforge.frontends.keys import cupy_pass_key, torch_pass_key
-from convforge.frontends.kinds import device_index, is_channels_last, kind_of
+from convforge.frontends.kinds import device_index, is_channels_last, kind_of, runner_maker
 from convforge.frontends.numpy_run import run_host
 from convforge.params import Params
 from convforge.plan import Epilogue
@@ -199,9 +199,7 @@ def _bias(g: Any, backend: str | None) -> Any:
     exe = _bias_executable(be, spec)
     if kind == "numpy":
         return run_host(be, exe, {"y": g})
-    from convforge.backends import cuda
-
-    run = (cuda.torch_runner if kind == "torch" else cuda.cupy_runner)(exe, dev)  # type: ignore[arg-type]
+    run = runner_maker(kind)(exe, dev)
     key = _file_key(kind, g, "bias", g, None, 1, 0, 1, 1, "auto", backend, None, None, None, None)
     if key is not None:
         RUNNERS[key] = run

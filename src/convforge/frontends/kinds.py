@@ -4,6 +4,7 @@ a vendor library."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -43,6 +44,18 @@ def is_channels_last(x: Any) -> bool:
     or 1x1 images are both, and stay NCHW). From the strides: no vendor library is imported."""
     n, c, h, w = x.shape
     return tuple(x.stride()) == (h * w * c, 1, w * c, c) and not x.is_contiguous()
+
+
+def runner_maker(kind: str) -> Callable[..., Callable[..., Any]]:
+    """``make(exe, device) -> run`` for device arrays of ``kind`` ("torch" | "cupy"): a compiled CUDA
+    executable run on such arrays (frontends/torch_run.py, frontends/cupy_run.py)."""
+    if kind == "torch":
+        from convforge.frontends.torch_run import torch_runner
+
+        return torch_runner
+    from convforge.frontends.cupy_run import cupy_runner
+
+    return cupy_runner
 
 
 _NUMPY_MODES = {"zeros": "constant", "reflect": "reflect", "replicate": "edge", "circular": "wrap"}

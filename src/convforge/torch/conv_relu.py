@@ -131,7 +131,8 @@ def _program(n: int, k: int, pq: int, device: int) -> tuple[Any, int, Any]:
     hit = _PROGRAMS.get((n, k, pq, device))
     if hit is not None:
         return hit
-    from convforge.backends.cuda import RawLaunches, torch_stream_queries
+    from convforge.backends.cuda import RawLaunches
+    from convforge.frontends.torch_run import torch_stream_queries
     from convforge.kernels.wgrad import bias_grad_plan
     from convforge.plan import Launch
 
@@ -155,7 +156,7 @@ class _RowsBackward:
     torch's current stream."""
 
     def __init__(self, run: Any, part: int, exe_d: Any, exe_w: Any, ws: dict[str, int], device: int) -> None:
-        from convforge.backends.cuda import torch_stream_queries
+        from convforge.frontends.torch_run import torch_stream_queries
 
         self.run, self.part, self.exe_d, self.exe_w, self.ws, self.device = run, part, exe_d, exe_w, ws, device
         self.stream_of = torch_stream_queries()[0]
