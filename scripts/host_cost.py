@@ -75,6 +75,7 @@ import convforge.torch as ct
 from convforge import api
 from convforge.backends import native as backend_native
 from convforge.dispatch import RUNNERS
+from convforge.frontends.keys import torch_key
 from convforge.spec import ConvSpec
 from convforge.torch import native
 
@@ -375,8 +376,8 @@ def c_burst_us(timed: Callable[[int], float], args: argparse.Namespace) -> float
 def python_pieces(x: Any, w: Any, b: Any, spec: ConvSpec, args: argparse.Namespace,
                   conv: Callable[[], object]) -> list[tuple[str, Callable[[], object]]]:
     """The Python fast path's pieces (``CONVFORGE_NATIVE=0``)."""
-    key = (lambda: api._torch_key(x, w, b, spec.stride, spec.pad, spec.dilation, args.algo, None, None, False, None,
-                                  None, None))
+    key = (lambda: torch_key(x, w, b, spec.stride, spec.pad, spec.dilation, args.algo, None, None, False, None,
+                              None, None))
     run = runner_of(x, w, b, spec, args.algo)
     wp = w.data_ptr()
     return [

@@ -173,7 +173,7 @@ def test_spec_memo_does_not_take_bools_for_ints():
 
 def test_fast_path_key_keeps_relu_kinds_apart():
     """A warm relu=True runner must not answer relu=1 (or "yes"), which the slow path refuses."""
-    from convforge import api
+    from convforge.frontends.keys import torch_key
 
     class Fake:  # the attributes the torch key reads
         shape, dtype, device = (1, 3, 8, 8), "float32", "cuda:0"
@@ -184,7 +184,7 @@ def test_fast_path_key_keeps_relu_kinds_apart():
     x = Fake()
 
     def key(relu):
-        return api._torch_key(x, x, None, 1, 0, 1, "auto", None, None, relu, None, None, None)
+        return torch_key(x, x, None, 1, 0, 1, "auto", None, None, relu, None, None, None)
 
     assert key(True) == key(True) and key(False) != key(True)
     assert key(1) != key(True) and key(0) != key(False) and key(np.True_) != key(True)

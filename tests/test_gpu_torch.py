@@ -142,12 +142,12 @@ def test_conv2d_module_training_matches_pytorch_and_learns(gpu, monkeypatch):
 
 
 def test_filter_transform_runs_once_per_weight_version(gpu, monkeypatch):
-    from convforge.backends import cuda as cuda_mod
+    from convforge.frontends import torch_run
     from convforge.torch import modules, native
 
     calls = []
-    real = cuda_mod.torch_transform
-    monkeypatch.setattr(cuda_mod, "torch_transform", lambda exe, w, out=None: calls.append(1) or real(exe, w, out))
+    real = torch_run.torch_transform
+    monkeypatch.setattr(torch_run, "torch_transform", lambda exe, w, out=None: calls.append(1) or real(exe, w, out))
     mod = native.load()  # warm layers run there (its own count), starting from Python's filters
     base = mod.stats()["transforms"] if mod is not None else 0
 
@@ -308,18 +308,17 @@ def test_conv2d_caches_filters_per_weight_version(gpu, monkeypatch, path):
     fast paths: the native one (its own filter cache, started from the slow path's, counted by
     ``stats``) and Python's."""
     import convforge
-    from convforge import api
-    from convforge.backends import cuda as cuda_mod
+    from convforge.frontends import fast_path, torch_run
     from convforge.torch import native
 
     calls = []
-    real = cuda_mod.torch_transform
-    monkeypatch.setattr(cuda_mod, "torch_transform", lambda exe, w, out=None: calls.append(1) or real(exe, w, out))
+    real = torch_run.torch_transform
+    monkeypatch.setattr(torch_run, "torch_transform", lambda exe, w, out=None: calls.append(1) or real(exe, w, out))
     mod = native.load()
     if path == "native" and mod is None:
         pytest.skip("native fast path off (CONVFORGE_NATIVE=0)")
     if path == "python":
-        monkeypatch.setattr(api, "_NATIVE_RUN", None)
+        monkeypatch.setattr(fast_path, "RUN", None)
 
     def transforms():  # Python's transforms (the slow path's first), plus the native path's own
         return len(calls) + (mod.stats()["transforms"] - base if mod is not None else 0)
@@ -467,12 +466,12 @@ def test_native_off_by_environment():
     if not torch.cuda.is_available():
         pytest.skip("GPU tier: torch sees no CUDA device")
     code = ("import torch, convforge, convforge.torch as ct\n"
-            "from convforge import api\n"
+            "from convforge.frontends import fast_path\n"
             "x = torch.randn(1, 8, 8, 8, device='cuda'); w = torch.randn(8, 8, 3, 3, device='cuda')\n"
             "y = [convforge.conv2d(x, w, padding=1) for _ in range(2)][-1]\n"
             "z = ct.conv2d(x, w, None, 1, 1)\n"
             "want = torch.nn.functional.conv2d(x.double(), w.double(), padding=1)\n"
-            "assert api._NATIVE is None\n"
+            "assert fast_path.TORCH is None\n"
             "print(float((y.double() - want).norm() / want.norm()), float((z.double() - want).norm() / want.norm()))\n")
     import os
 

@@ -101,8 +101,8 @@ def test_dgrad_filter_transforms_are_cached_per_weight_version(gpu, monkeypatch)
     """A dgrad plan with a filter-only step (a forward family serving dgrad through the rotated
     filter) transforms once per weight version with torch tensors."""
     from convforge import grad, kernels
-    from convforge.backends import cuda as cuda_mod
     from convforge.backends.base import weight_steps
+    from convforge.frontends import torch_run
 
     spec = ConvSpec.make(2, 16, 14, 14, 24, 3, 3, 1, 1, conv_pass="dgrad")
     with_steps = [v for v in kernels.all_variants() if v.applies(spec, gpu.device) is None
@@ -110,8 +110,8 @@ def test_dgrad_filter_transforms_are_cached_per_weight_version(gpu, monkeypatch)
     if not with_steps:
         pytest.skip("no dgrad variant with a filter transform on this tree (the rotated-filter dgrad families)")
     calls = []
-    real = cuda_mod.torch_transform
-    monkeypatch.setattr(cuda_mod, "torch_transform", lambda exe, w, out=None: calls.append(1) or real(exe, w, out))
+    real = torch_run.torch_transform
+    monkeypatch.setattr(torch_run, "torch_transform", lambda exe, w, out=None: calls.append(1) or real(exe, w, out))
     x, w, dy = _data(spec)
     for v in with_steps:
         calls.clear()

@@ -349,6 +349,7 @@ def test_pass_runner_fills_the_pointer_slots_of_its_pass(monkeypatch, what):
     torch = pytest.importorskip("torch", reason="torch not installed: the torch runner is not tested")
     from conftest import NOMINAL_CUDA
     from convforge.codegen.dialect import LocalBuf
+    from convforge.frontends import torch_run
     from convforge.kernels import get_variant
     from convforge.kernels.wgrad import bias_grad_plan
     from test_torch import _FakeBackend, _stubbed_cuda_module
@@ -363,7 +364,7 @@ def test_pass_runner_fills_the_pointer_slots_of_its_pass(monkeypatch, what):
         v = get_variant(f"{what}_direct")
         plan = v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA)
     exe = mod.CudaExecutable(_FakeBackend(NOMINAL_CUDA), plan)
-    run = mod.torch_runner(exe, 0)
+    run = torch_run.torch_runner(exe, 0)
     assert run.filters is None
     x, w, dy = (torch.randn(s) for s in (spec.x_shape, spec.w_shape, spec.y_shape))
     args = {"dgrad": (None, w, dy), "wgrad": (x, None, dy), "bias": (None, None, dy)}[what]

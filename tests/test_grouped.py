@@ -17,6 +17,8 @@ from conftest import NOMINAL_CUDA
 from convforge import api
 from convforge.apps.bench import models, suites
 from convforge.check import check_plan
+from convforge.frontends import fast_path
+from convforge.frontends.keys import torch_key
 from convforge.kernels import get_variant, select
 from convforge.plan import Epilogue
 from convforge.reference import conv2d_ref, rel_l2
@@ -304,7 +306,7 @@ def test_native_defaults_follow_conv2d() -> None:
     keywords after them (padding_mode) are not its: a call naming one goes to Python's function."""
     for fn in (api.python_conv2d, api._PYTHON_CONV2D):
         params = list(inspect.signature(fn).parameters.values())
-        assert params[13].name == "groups" and tuple(p.default for p in params[2:14]) == api.NATIVE_DEFAULTS
+        assert params[13].name == "groups" and tuple(p.default for p in params[2:14]) == fast_path.NATIVE_DEFAULTS
         assert [p.name for p in params[14:]] == ["padding_mode"]
     core = (Path(api.__file__).parent / "backends" / "native_core.h").read_text()
     assert "constexpr int kArgs = 14;" in core and '"max_error", "groups"}' in core
@@ -317,7 +319,7 @@ def test_fast_path_keys_tell_groups_apart() -> None:
         shape, dtype, is_contiguous, device = (1, 6, 5, 5), "float32", lambda self: True, "cuda:0"
 
     a = Arr()
-    keys = {api._torch_key(a, a, None, 1, 0, 1, "auto", None, None, False, None, None, None, g) for g in (1, 6)}
+    keys = {torch_key(a, a, None, 1, 0, 1, "auto", None, None, False, None, None, None, g) for g in (1, 6)}
     assert len(keys) == 2
 
 

@@ -452,6 +452,7 @@ def test_torch_runner_launches_only_the_rest_while_weights_are_unchanged(monkeyp
     into the same buffer, and under capture the whole plan launches."""
     torch = _torch()
     from conftest import NOMINAL_CUDA
+    from convforge.frontends import torch_run
 
     mod, calls, _ = _stubbed_cuda_module(monkeypatch)
     capture = [False]
@@ -463,14 +464,14 @@ def test_torch_runner_launches_only_the_rest_while_weights_are_unchanged(monkeyp
         made.append(out)
         return out if out is not None else torch.empty(exe.derived_bytes // 4)
 
-    monkeypatch.setattr(mod, "torch_transform", fake_transform)
+    monkeypatch.setattr(torch_run, "torch_transform", fake_transform)
     spec = ConvSpec.make(2, 16, 14, 14, 24, 3, 3, 1, 1)
     v = next(v for v in all_variants() if v.name == "winograd_nonfused_f4")
     plan = v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA)
     exe = mod.CudaExecutable(_FakeBackend(NOMINAL_CUDA), plan)
     rest = len(plan.steps) - len(exe.weight_steps)
     assert exe.weight_steps and rest
-    run = mod.torch_runner(exe, 0)
+    run = torch_run.torch_runner(exe, 0)
     x, w = torch.randn(spec.x_shape), torch.randn(spec.w_shape, requires_grad=True)
     for i in range(3):
         calls.clear()
@@ -522,6 +523,7 @@ def test_residual_pointer_reaches_the_epilogue_slot(monkeypatch):
     torch = _torch()
     from conftest import NOMINAL_CUDA
     from convforge.codegen.dialect import LocalBuf
+    from convforge.frontends import torch_run
     from convforge.plan import Epilogue
 
     mod, calls, _ = _stubbed_cuda_module(monkeypatch)
@@ -532,7 +534,7 @@ def test_residual_pointer_reaches_the_epilogue_slot(monkeypatch):
     plan = v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA, Epilogue(True, True, residual=True))
     exe = mod.CudaExecutable(_FakeBackend(NOMINAL_CUDA), plan)
     assert exe.fast and not exe.weight_steps
-    run = mod.torch_runner(exe, 0)
+    run = torch_run.torch_runner(exe, 0)
     x, w, b = torch.randn(spec.x_shape), torch.randn(spec.w_shape), torch.randn(spec.k)
 
     def res_cells():
@@ -558,7 +560,7 @@ def test_residual_pointer_reaches_the_epilogue_slot(monkeypatch):
     plain = mod.CudaExecutable(_FakeBackend(NOMINAL_CUDA), v.plan(spec, v.default(spec, NOMINAL_CUDA),
                                                                   NOMINAL_CUDA, Epilogue(True)))
     with pytest.raises(ValueError, match="adds no residual"):
-        mod.torch_runner(plain, 0)(x, w, b, None, res)
+        torch_run.torch_runner(plain, 0)(x, w, b, None, res)
 
 
 def test_fast_path_with_weights_of_another_kind_gives_the_clear_error(monkeypatch):
@@ -568,8 +570,9 @@ def test_fast_path_with_weights_of_another_kind_gives_the_clear_error(monkeypatc
     torch = _torch()
     import convforge
     from convforge import api
+    from convforge.frontends.keys import torch_key
 
-    monkeypatch.setitem(api._KEYERS, torch.Tensor, api._torch_key)
+    monkeypatch.setitem(api._KEYERS, torch.Tensor, torch_key)
     x = torch.randn(1, 3, 8, 8)
     with pytest.raises(ValueError):
         convforge.conv2d(x, np.ones((4, 3, 3, 3), np.float32))
@@ -588,12 +591,13 @@ def test_a_native_miss_is_looked_up_once(monkeypatch):
     import torch.nn.functional as F
 
     from convforge import api
+    from convforge.frontends import fast_path
     from convforge.torch import ops
 
     assert inspect.signature(api.python_conv2d) == inspect.signature(api.conv2d)
     asked: list[int] = []
     ran: list[int] = []
-    monkeypatch.setattr(api, "_NATIVE_RUN", lambda *a: asked.append(len(a)))
+    monkeypatch.setattr(fast_path, "RUN", lambda *a: asked.append(len(a)))
     # conv2d's Python body stands in for a device run (numpy arrays need OpenCL, absent on the GPU tier)
     real = api._conv2d
     monkeypatch.setattr(api, "_conv2d", lambda *a: ran.append(len(a)) or "ran" if isinstance(a[0], np.ndarray)

@@ -217,7 +217,7 @@ def test_folded_path_takes_the_native_route(monkeypatch, name, res_in_plan):
     a plan that adds the residual asks ``run_res`` with them (ReLU: after the add) and the
     residual. On a miss the Python runner runs and the call is filed (the residual plan as such);
     on a hit nothing runs in Python; a capture with static weights never asks. Stand-ins: no CUDA."""
-    from convforge import api
+    from convforge.frontends import fast_path
 
     model = _randomize(Every()).eval()
     fused, _ = ct.fuse(model)
@@ -239,9 +239,9 @@ def test_folded_path_takes_the_native_route(monkeypatch, name, res_in_plan):
 
     capturing = [False]
     monkeypatch.setattr(fused_mod, "_CAPTURING", lambda: capturing[0])
-    monkeypatch.setattr(api, "_NATIVE_RUN_RES" if res_in_plan else "_NATIVE_RUN", native)
-    monkeypatch.setattr(api, "_NATIVE_RUN" if res_in_plan else "_NATIVE_RUN_RES", None)  # never asked
-    monkeypatch.setattr(api, "file_native", lambda r, call, residual=False: filed.append((r, call, residual)))
+    monkeypatch.setattr(fast_path, "RUN_RES" if res_in_plan else "RUN", native)
+    monkeypatch.setattr(fast_path, "RUN" if res_in_plan else "RUN_RES", None)  # never asked
+    monkeypatch.setattr(fast_path, "file_native", lambda r, call, residual=False: filed.append((r, call, residual)))
     monkeypatch.setattr(ct.FusedConv2d, "_folds", lambda self, x, res, src: True)
     x = torch.randn(2, m.in_channels, 13, 17)
     with torch.no_grad():
@@ -277,11 +277,11 @@ def test_folded_path_wiring(monkeypatch, res_in_plan):
     monkeypatch.setattr(fused_mod, "_CAPTURING", lambda: False)  # CPU torch cannot ask
     monkeypatch.setattr(ct.FusedConv2d, "_folds", lambda self, x, res, src: True)
     monkeypatch.setattr(ct.FusedConv2d, "_fused_runner", lambda self, x: (run, res_in_plan, (2, 8, 13, 17)))
-    from convforge import api  # the native route misses and files nothing: the stand-in has no executable
+    from convforge.frontends import fast_path  # the native route misses, files nothing (the stand-in has no exe)
 
-    monkeypatch.setattr(api, "_NATIVE_RUN", lambda *a: None)
-    monkeypatch.setattr(api, "_NATIVE_RUN_RES", lambda *a: None)
-    monkeypatch.setattr(api, "file_native", lambda *a, **k: None)
+    monkeypatch.setattr(fast_path, "RUN", lambda *a: None)
+    monkeypatch.setattr(fast_path, "RUN_RES", lambda *a: None)
+    monkeypatch.setattr(fast_path, "file_native", lambda *a, **k: None)
     x, res = torch.randn(2, 8, 13, 17), torch.randn(2, 8, 13, 17)
     with torch.no_grad():
         got = m(x, res)

@@ -101,7 +101,7 @@ def test_eval_takes_the_folded_path_and_matches_float64(gpu, algo, mode, monkeyp
     plans included, run in C; the tolerance is the largest stated tolerance of the chosen plans."""
     import convforge.torch as ct
     from convforge import kernels
-    from convforge.backends import cuda as cuda_mod
+    from convforge.frontends import torch_run
     from convforge.torch import fused as fused_mod
     from convforge.torch import native
 
@@ -129,10 +129,10 @@ def test_eval_takes_the_folded_path_and_matches_float64(gpu, algo, mode, monkeyp
     tol = _tolerance(fused)
     assert _err(y, model, x) < tol, (algo, tol)
     folds, transforms, python_runs = [], [], []
-    real_fold, real_transform = fused_mod.fold_bn, cuda_mod.torch_transform
+    real_fold, real_transform = fused_mod.fold_bn, torch_run.torch_transform
     real_python = ct.FusedConv2d._run_python
     monkeypatch.setattr(fused_mod, "fold_bn", lambda *a: folds.append(1) or real_fold(*a))
-    monkeypatch.setattr(cuda_mod, "torch_transform", lambda *a: transforms.append(1) or real_transform(*a))
+    monkeypatch.setattr(torch_run, "torch_transform", lambda *a: transforms.append(1) or real_transform(*a))
     monkeypatch.setattr(ct.FusedConv2d, "_run_python",
                         lambda self, *a: python_runs.append(self) or real_python(self, *a))
     mod = native.load()

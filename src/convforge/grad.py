@@ -26,19 +26,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from convforge import caches, dispatch
-from convforge.api import (
-    _channels_last,
-    _check_array,
-    _check_layout,
-    _device_index,
-    _kind,
-    _options,
-    _same_dtype,
-    run_host,
-)
 from convforge.backends import get_backend
-from convforge.config import config
 from convforge.dispatch import RUNNERS
+from convforge.frontends.checks import check_array, check_layout, check_options, same_dtype
+from convforge.frontends.keys import cupy_pass_key, torch_pass_key
+from convforge.frontends.kinds import device_index, is_channels_last, kind_of, runner_maker
+from convforge.frontends.numpy_run import run_host
 from convforge.params import Params
 from convforge.plan import Epilogue
 from convforge.spec import ConvSpec
@@ -124,7 +117,7 @@ def _size(value: Any, name: str) -> tuple[int, int, int, int]:
 
 def _as_channels_last(t: Any) -> Any:
     """A torch tensor in channels_last memory format (itself when it lies so, or is NCHW and NHWC at once)."""
-    if _channels_last(t) or (t.is_contiguous() and (t.shape[1] == 1 or t.shape[2] * t.shape[3] == 1)):
+    if is_channels_last(t) or (t.is_contiguous() and (t.shape[1] == 1 or t.shape[2] * t.shape[3] == 1)):
         return t
     import torch
 
@@ -164,21 +157,21 @@ def _backward(conv_pass: str, size: Any, a: Any, g: Any, stride: Any, padding: A
     if params is not None and not isinstance(params, Mapping):
         raise TypeError(f"params ({params!r}) must be a dict or Params of parameter names and values")
     aname = "weight" if conv_pass == "dgrad" else "input"
-    kind = _kind(g, "grad_output")
-    if _kind(a, aname) != kind:
+    kind = kind_of(g, "grad_output")
+    if kind_of(a, aname) != kind:
         raise ValueError(f"{aname} and grad_output must be the same kind of array")
     torch_op = "torch.nn.grad." + ("conv2d_input" if conv_pass == "dgrad" else "conv2d_weight")
-    dtype = _check_array(a, aname, 4, kind, torch_op)
-    _same_dtype(dtype, _check_array(g, "grad_output", 4, kind, torch_op), "grad_output")
+    dtype = check_array(a, aname, 4, kind, torch_op)
+    same_dtype(dtype, check_array(g, "grad_output", 4, kind, torch_op), "grad_output")
     spec = _pass_spec(conv_pass, size, a, g, stride, padding, dilation, groups, dtype)
     # channels-last activations (torch): NHWC plans read them as they lie (dispatch.layout_runner)
-    channels_last = kind == "torch" and (_channels_last(g) or (conv_pass == "wgrad" and _channels_last(a)))
+    channels_last = kind == "torch" and (is_channels_last(g) or (conv_pass == "wgrad" and is_channels_last(a)))
     if channels_last and conv_pass == "wgrad":
         a, g = _as_channels_last(a), _as_channels_last(g)  # one of the two may lie otherwise: one copy
     for t, what in ((a, aname), (g, "grad_output")):
         if not channels_last or (conv_pass == "dgrad" and t is a):
-            _check_layout(t, what, 4)
-    _, limit = _options(False, workspace_limit, precision, max_error)
+            check_layout(t, what, 4)
+    _, limit = check_options(False, workspace_limit, precision, max_error)
     be, dev = _backend(kind, backend, g, a, aname)
     prm = params if params is None or isinstance(params, Params) else Params(params)
     kw: dict[str, Any] = dict(algo=algo, precision=precision, max_error=max_error, workspace_limit=limit,
@@ -197,18 +190,16 @@ def _backward(conv_pass: str, size: Any, a: Any, g: Any, stride: Any, padding: A
 
 def _bias(g: Any, backend: str | None) -> Any:
     """conv2d_bias's slow path: the bias-gradient plan of a layer of grad_output's shape."""
-    kind = _kind(g, "grad_output")
-    _check_array(g, "grad_output", 4)
-    _check_layout(g, "grad_output", 4)
+    kind = kind_of(g, "grad_output")
+    check_array(g, "grad_output", 4)
+    check_layout(g, "grad_output", 4)
     n, k, p, q = (int(v) for v in g.shape)
     spec = ConvSpec.make(n, 1, p, q, k, 1, 1, conv_pass="wgrad")  # a 1x1 layer whose output is grad_output's shape
     be, dev = _backend(kind, backend, g)
     exe = _bias_executable(be, spec)
     if kind == "numpy":
         return run_host(be, exe, {"y": g})
-    from convforge.backends import cuda
-
-    run = (cuda.torch_runner if kind == "torch" else cuda.cupy_runner)(exe, dev)  # type: ignore[arg-type]
+    run = runner_maker(kind)(exe, dev)
     key = _file_key(kind, g, "bias", g, None, 1, 0, 1, 1, "auto", backend, None, None, None, None)
     if key is not None:
         RUNNERS[key] = run
@@ -235,9 +226,9 @@ def _backend(kind: str, backend: str | None, g: Any, a: Any = None, aname: str =
     bname = backend or ("opencl" if kind == "numpy" else "cuda")
     if kind != "numpy" and bname != "cuda":
         raise ValueError(f"backend ({bname!r}) cannot run {kind} device arrays; use backend='cuda'")
-    dev = _device_index(g, kind)
-    if a is not None and kind != "numpy" and _device_index(a, kind) != dev:
-        raise ValueError(f"grad_output is on CUDA device {dev} but {aname} is on device {_device_index(a, kind)}")
+    dev = device_index(g, kind)
+    if a is not None and kind != "numpy" and device_index(a, kind) != dev:
+        raise ValueError(f"grad_output is on CUDA device {dev} but {aname} is on device {device_index(a, kind)}")
     return get_backend(bname, dev), dev or 0
 
 
@@ -246,29 +237,10 @@ def _file_key(kind: str, g: Any, *call: Any) -> tuple[Any, ...] | None:
     None when an argument is unhashable (the call is then not remembered)."""
     if kind == "numpy":
         return None
-    _KEYERS.setdefault(type(g), _torch_key if kind == "torch" else _cupy_key)
+    _KEYERS.setdefault(type(g), torch_pass_key if kind == "torch" else cupy_pass_key)
     try:
         key = _KEYERS[type(g)](call[0], call[1], g, *call[2:])
         hash(key)
     except (TypeError, AttributeError):
         return None
     return key
-
-
-def _torch_key(tag: str, a: Any, g: Any, size: Any, stride: Any, padding: Any, dilation: Any, groups: Any,
-               algo: Any, backend: Any, workspace_limit: Any, params: Any, precision: Any,
-               max_error: Any) -> tuple[Any, ...]:
-    return (tag, type(a), type(g), a.shape, g.shape, a.dtype, g.dtype, a.device, g.device,
-            a.is_contiguous() or a.stride(), g.is_contiguous() or g.stride(),  # strides tell channels_last apart
-            size, stride, padding, dilation, groups, algo, backend, workspace_limit, params, precision, max_error,
-            config.precision, config.max_error, config.autotune, config.db_path, config.finite_exact)
-
-
-def _cupy_key(tag: str, a: Any, g: Any, size: Any, stride: Any, padding: Any, dilation: Any, groups: Any,
-              algo: Any, backend: Any, workspace_limit: Any, params: Any, precision: Any,
-              max_error: Any) -> tuple[Any, ...]:
-    return (tag, type(a), type(g), a.shape, g.shape, a.dtype, g.dtype, a.data.device_id, g.data.device_id,
-            a.flags.c_contiguous, g.flags.c_contiguous, size, stride, padding, dilation, groups, algo, backend,
-            workspace_limit, params, precision, max_error, config.precision, config.max_error, config.autotune,
-            config.db_path)
-

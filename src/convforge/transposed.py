@@ -30,7 +30,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from convforge import api, grad
-from convforge.api import _check_array, _check_layout, _kind, _same_dtype, pad_copy
+from convforge.frontends.checks import check_array, check_layout, same_dtype
+from convforge.frontends.kinds import kind_of, pad_copy
 from convforge.params import Params
 from convforge.spec import ConvSpec, transposed_geometry
 
@@ -43,11 +44,11 @@ def transposed_problem(x: Any, w: Any, stride: Any = 1, padding: Any = 0, output
                        dilation: Any = 1) -> tuple[ConvSpec, int, int]:
     """(the dgrad spec, extra rows, extra columns) of conv_transpose2d on these arrays (batched, checked
     kinds and dtypes): ``spec.transposed_geometry`` with the arrays' dtype."""
-    kind = _kind(x, "input")
-    if _kind(w, "weights") != kind:
+    kind = kind_of(x, "input")
+    if kind_of(w, "weights") != kind:
         raise ValueError("input and weights must be the same kind of array")
-    dtype = _check_array(x, "input", 4, kind, _OP)
-    _same_dtype(dtype, _check_array(w, "weights", 4, kind, _OP), "weights")
+    dtype = check_array(x, "input", 4, kind, _OP)
+    same_dtype(dtype, check_array(w, "weights", 4, kind, _OP), "weights")
     spec, eh, ew = transposed_geometry(tuple(x.shape), tuple(w.shape), stride, padding, output_padding, groups,
                                        dilation)
     return dataclasses.replace(spec, dtype=dtype), eh, ew
@@ -73,17 +74,17 @@ def conv_transpose2d(x: Any, w: Any, bias: Any = None, stride: int | Sequence[in
     W) or (C_in, H, W), w (C_in, C_out/groups, R, S), an optional bias of C_out; padding an int,
     (h, w) or (top, bottom, left, right). ``algo``, ``precision``, ``max_error``,
     ``workspace_limit`` and ``params`` choose the dgrad variant as they choose conv2d's."""
-    _kind(x, "input")  # the kind first: a list or a CPU tensor is named as such
+    kind_of(x, "input")  # the kind first: a list or a CPU tensor is named as such
     xb, unbatched = _batched(x, "input")
     spec, eh, ew = transposed_problem(xb, w, stride, padding, output_padding, groups, dilation)
-    kind = _kind(xb, "input")
+    kind = kind_of(xb, "input")
     if bias is not None:
-        if _kind(bias, "bias") != kind:
+        if kind_of(bias, "bias") != kind:
             raise ValueError("bias must be the same kind of array as the input")
-        _same_dtype(spec.dtype, _check_array(bias, "bias", 1, kind, _OP), "bias")
+        same_dtype(spec.dtype, check_array(bias, "bias", 1, kind, _OP), "bias")
         if bias.shape[0] != spec.c:
             raise ValueError(f"bias has {bias.shape[0]} entries, the output has C_out={spec.c}")
-    _check_layout(xb, "input", 4)
+    check_layout(xb, "input", 4)
     if eh or ew:
         xb = pad_copy(xb, (0, eh, 0, ew), "zeros", kind)
     y = grad.conv2d_input(spec.x_shape, w, xb, spec.stride, spec.pad, spec.dilation, spec.groups, algo, precision,
@@ -131,4 +132,4 @@ def conv_transpose2d_weight(x: Any, weight_size: Sequence[int], grad_output: Any
 def _crop(a: Any, h: int, w: int) -> Any:
     """The first h rows and w columns of an NCHW array, as a contiguous array of its kind."""
     part = a[:, :, :h, :w]
-    return part.contiguous() if _kind(a, "array") == "torch" else part.copy()
+    return part.contiguous() if kind_of(a, "array") == "torch" else part.copy()

@@ -551,7 +551,7 @@ PyObject* py_wrap(PyObject*, PyObject* impl) {
 }
 
 // The module's shared set-up: the driver, the wrapper type, conv2d's argument names and defaults
-// (convforge/api.py checks that they are the Python function's before it installs a wrapper).
+// (convforge/frontends/fast_path.py checks that they are the Python function's before it installs a wrapper).
 bool init_core() {
   std::string why;
   if (!load_driver(why)) {

@@ -2,11 +2,12 @@
 
 ``executable`` caches the compiled Executable per back-end instance (one per device), variant,
 spec, parameters and epilogue. ``runner`` builds, once per distinct call signature, a closure that
-runs a validated device call on raw pointers (backends/cuda.py ``torch_runner`` /
-``cupy_runner``) and files it in ``RUNNERS`` under a key of cheap attributes (types, shapes,
-dtypes, devices, contiguity, the keyword arguments, the configuration's precision settings) that
-``conv2d`` computes per call: a warm call is a dictionary hit and a launch. A key is made only of
-what the slow path validated, so a hit needs no further checking.
+runs a validated device call on raw pointers (frontends/torch_run.py ``torch_runner``,
+frontends/cupy_run.py ``cupy_runner``) and files it in ``RUNNERS`` under a key of cheap attributes
+(frontends/keys.py: types, shapes, dtypes, devices, contiguity, the keyword arguments, the
+configuration's precision settings) that ``conv2d`` computes per call: a warm call is a dictionary
+hit and a launch. A key is made only of what the slow path validated, so a hit needs no further
+checking.
 
 The first call of a layer compiles its program; one that takes long says so through
 ``convforge.progress`` (the "convforge" logger, INFO).
@@ -94,21 +95,21 @@ def runner(key: tuple[Any, ...] | None, spec: ConvSpec, backend: Backend, epilog
     """``run(x, w, bias, derived=None) -> y`` for validated ``kind`` ("torch" | "cupy") arrays on
     CUDA device ``device``, remembered under ``key`` (None: not remembered); for a dgrad or wgrad
     ``spec``, ``run(x, w, y) -> out`` with the slot of the buffer it writes None
-    (backends/cuda.py ``torch_pass_runner``)."""
-    from convforge.backends import cuda
+    (frontends/torch_run.py ``torch_pass_runner``)."""
+    from convforge.frontends.kinds import runner_maker
 
-    make = cuda.torch_runner if kind == "torch" else cuda.cupy_runner
+    make = runner_maker(kind)
     # CuPy arrays have no version counter: their filters are transformed on every call
     kw: dict[str, Any] = dict(algo=algo, precision=precision, max_error=max_error, params=params,
                               filters_per_call=kind == "cupy", prologue=prologue)
     exe = executable(spec, backend, epilogue, workspace_limit=workspace_limit, **kw)
     try:
-        run = make(exe, device)  # type: ignore[arg-type]
+        run = make(exe, device)
     except DeviceMemoryError as err:
         if algo != "auto" or params is not None:
             raise
         exe = _fallback(err, exe, spec, backend, epilogue, workspace_limit, kw)
-        run = make(exe, device)  # type: ignore[arg-type]
+        run = make(exe, device)
     run.exe = exe  # type: ignore[attr-defined]  # the torch package's filter transforms use it
     if key is not None:
         RUNNERS[key] = run
@@ -119,10 +120,10 @@ def layout_runner(key: tuple[Any, ...] | None, spec: ConvSpec, backend: Backend,
                   **kw: Any) -> Callable[..., Any]:
     """:func:`runner` for a torch call whose activations lie channels-last: the NHWC plans where some
     variant reads them (``spec`` with ``layout="nhwc"``), else, once logged, the NCHW runner between
-    layout copies (``backends/cuda.py`` ``torch_layout_copies``); remembered under ``key``."""
+    layout copies (``frontends/torch_run.py`` ``torch_layout_copies``); remembered under ``key``."""
     import dataclasses
 
-    from convforge.backends import cuda
+    from convforge.frontends.torch_run import torch_layout_copies
 
     try:
         return runner(key, dataclasses.replace(spec, layout="nhwc"), backend, epilogue, "torch", device, **kw)
@@ -133,7 +134,7 @@ def layout_runner(key: tuple[Any, ...] | None, spec: ConvSpec, backend: Backend,
     if tag not in _LOGGED:
         _LOGGED.add(tag)
         log.warning("convforge: %s in channels_last runs in NCHW between layout copies: %s", spec.short(), why)
-    wrapped = cuda.torch_layout_copies(run, spec.conv_pass)
+    wrapped = torch_layout_copies(run, spec.conv_pass)
     if key is not None:
         RUNNERS[key] = wrapped
     return wrapped

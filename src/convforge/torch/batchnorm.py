@@ -137,7 +137,8 @@ def native_handle(module: Any, bn: torch.nn.BatchNorm2d, y: torch.Tensor, res: t
 def _program(key: tuple[Any, ...]) -> tuple[BnTrain, BnProgram, Any, Any]:
     """(shape, kernels, their launcher on raw pointers, torch's raw-stream query) of a call key
     (:func:`_key`), compiled once per process (the CUDA back-end, and CuPy, load on first use)."""
-    from convforge.backends.cuda import RawLaunches, torch_stream_queries
+    from convforge.backends.cuda import RawLaunches
+    from convforge.frontends.torch_run import torch_stream_queries
 
     n, c, hw, relu, residual, affine, track, eps, momentum, device, dtype, pdtype, lay = key
     shape = BnTrain(n, c, hw, relu, residual, affine, track, float(eps), float(momentum), dtype, pdtype, lay)

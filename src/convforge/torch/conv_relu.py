@@ -24,6 +24,7 @@ from convforge import api, caches, dispatch
 from convforge.backends import get_backend
 from convforge.backends.base import DeviceMemoryError
 from convforge.config import config
+from convforge.frontends import fast_path
 from convforge.spec import ConvSpec
 
 _F32 = torch.float32
@@ -71,7 +72,7 @@ def _forward_conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, conv
     stride, pad, dil, algo, precision, max_error, groups = conv
     call = (x, w, b, tuple(stride), tuple(pad), tuple(dil), algo, None, None, True, None, precision, max_error,
             groups)
-    native = api._NATIVE_RUN
+    native = fast_path.RUN
     z = None if native is None else native(*call)
     return api.python_conv2d(*call) if z is None else z
 
@@ -130,7 +131,8 @@ def _program(n: int, k: int, pq: int, device: int) -> tuple[Any, int, Any]:
     hit = _PROGRAMS.get((n, k, pq, device))
     if hit is not None:
         return hit
-    from convforge.backends.cuda import RawLaunches, torch_stream_queries
+    from convforge.backends.cuda import RawLaunches
+    from convforge.frontends.torch_run import torch_stream_queries
     from convforge.kernels.wgrad import bias_grad_plan
     from convforge.plan import Launch
 
@@ -154,7 +156,7 @@ class _RowsBackward:
     torch's current stream."""
 
     def __init__(self, run: Any, part: int, exe_d: Any, exe_w: Any, ws: dict[str, int], device: int) -> None:
-        from convforge.backends.cuda import torch_stream_queries
+        from convforge.frontends.torch_run import torch_stream_queries
 
         self.run, self.part, self.exe_d, self.exe_w, self.ws, self.device = run, part, exe_d, exe_w, ws, device
         self.stream_of = torch_stream_queries()[0]
@@ -203,14 +205,14 @@ def _build_rows(x: torch.Tensor, w: torch.Tensor, z: torch.Tensor, conv: tuple[A
                 need_w: bool) -> _RowsBackward | None:
     """Both passes chosen as ``convforge.grad`` would choose them (dispatch, the database first), then
     :func:`rows_from_plans`."""
-    from convforge.api import _options
+    from convforge.frontends.checks import check_options
     from convforge.grad import _pass_spec
     from convforge.plan import Epilogue
 
     stride, pad, dil, _, precision, max_error, groups = conv
     dev = x.device.index or 0
     be = get_backend("cuda", dev)
-    _, limit = _options(False, None, precision, max_error)
+    _, limit = check_options(False, None, precision, max_error)
 
     def plan(conv_pass: str) -> Any:
         a, size = (w, x.shape) if conv_pass == "dgrad" else (x, w.shape)

@@ -50,13 +50,14 @@ from typing import Any
 
 import torch
 
-from convforge import api, dispatch
+from convforge import dispatch
 from convforge.backends import get_backend
 from convforge.config import config
+from convforge.frontends import fast_path
 from convforge.plan import Epilogue, Prologue
 from convforge.spec import ConvSpec
 from convforge.torch import batchnorm as bn_train
-from convforge.torch import conv_relu, native
+from convforge.torch import conv_relu
 from convforge.torch.modules import Conv2d, compute_dtype, padding_quad, read_tensor, reads_nhwc
 from convforge.torch.ops import handed_back
 
@@ -234,7 +235,7 @@ class FusedConv2d(Conv2d):
         if (not (config.native_block and _GRAD()) or read_tensor(self, "_parameters", "bias") is not None
                 or self.padding_mode != "zeros"):
             return
-        module = native.load()
+        module = fast_path.load_torch()
         w = read_tensor(self, "_parameters", "weight")
         dt = compute_dtype(x, w)
         if module is None or dt is None or y.dtype != dt:
@@ -312,9 +313,9 @@ class FusedConv2d(Conv2d):
                     y.relu_()
             return y
         if res_in_plan:
-            y = None if skip or api._NATIVE_RUN_RES is None else api._NATIVE_RUN_RES(*call, res)
+            y = None if skip or fast_path.RUN_RES is None else fast_path.RUN_RES(*call, res)
             return self._run_python(run, True, call, res) if y is None else y  # type: ignore[no-any-return]
-        y = None if skip or api._NATIVE_RUN is None else api._NATIVE_RUN(*call)
+        y = None if skip or fast_path.RUN is None else fast_path.RUN(*call)
         if y is None:
             y = self._run_python(run, False, call, res)
         if res is not None:
@@ -336,8 +337,8 @@ class FusedConv2d(Conv2d):
         if pro is not None:
             return run(x, w, b, packed, res if res_in_plan else None, pro)  # type: ignore[no-any-return]
         y = run(x, w, b, packed, res) if res_in_plan else run(x, w, b, packed)
-        if (api._NATIVE_RUN_RES if res_in_plan else api._NATIVE_RUN) is not None and not _CAPTURING():
-            api.file_native(run, call, residual=res_in_plan)
+        if (fast_path.RUN_RES if res_in_plan else fast_path.RUN) is not None and not _CAPTURING():
+            fast_path.file_native(run, call, residual=res_in_plan)
         return y  # type: ignore[no-any-return]
 
     def _fused_runner(self, x: torch.Tensor, layout: str = "nchw") -> tuple[Any, bool, tuple[int, ...]] | None:

@@ -42,10 +42,11 @@ from typing import Any
 
 import torch
 
-from convforge import api, dispatch
-from convforge.api import pad_copy
+from convforge import dispatch
 from convforge.backends import get_backend
 from convforge.config import config, parse_precision
+from convforge.frontends import fast_path
+from convforge.frontends.kinds import is_channels_last, pad_copy
 from convforge.plan import Epilogue
 from convforge.spec import ConvSpec, conv_args, conv_padding
 from convforge.torch.ops import HANDED_BACK, handed_back
@@ -222,7 +223,7 @@ class Conv2d(torch.nn.Conv2d):
                 x.requires_grad or w.requires_grad or (b is not None and b.requires_grad))):
             return _OP(x, w, b, list(self.stride), list(pad), list(self.dilation), self.algo, self.precision,
                        self.max_error, self.groups)
-        native = api._NATIVE_RUN  # a warm layer: C++ (native.cpp), as the op's CUDA kernel runs it
+        native = fast_path.RUN  # a warm layer: C++ (native.cpp), as the op's CUDA kernel runs it
         call = (x, w, b, self.stride, pad, self.dilation, self.algo, None, None, False, None, self.precision,
                 self.max_error, self.groups)  # the op's spelling of this layer's conv2d call: one entry for both
         if native is not None and not (self.static_weights and _CAPTURING()):  # captures: the whole plan
@@ -230,7 +231,7 @@ class Conv2d(torch.nn.Conv2d):
             if y is not None:
                 return y
         run = self._prepared(x, pad, "nhwc") if reads_nhwc(self, x) else None
-        if run is None and not (self._cf_cache.get(_HANDED) and api._channels_last(x)):
+        if run is None and not (self._cf_cache.get(_HANDED) and is_channels_last(x)):
             x = x.contiguous()
             run = self._prepared(x, pad)
         if not w.is_contiguous():
@@ -244,7 +245,7 @@ class Conv2d(torch.nn.Conv2d):
         packed = filters.get(w, w.data_ptr())
         y = run(x, w, b) if packed is None else run(x, w, b, packed)
         if native is not None and not _CAPTURING():
-            api.file_native(run, (x, *call[1:]))
+            fast_path.file_native(run, (x, *call[1:]))
         return y
 
     def set_max_error(self, value: float | None) -> None:
@@ -301,7 +302,7 @@ def reads_nhwc(conv: torch.nn.Conv2d, x: torch.Tensor) -> bool:
     """Whether the layer gets a channels_last input, which NHWC plans read in place (no copy into
     NCHW, and a channels_last output for the next layer); a layer no NHWC plan serves gets no runner
     for it and the caller copies into NCHW."""
-    return api._channels_last(x)
+    return is_channels_last(x)
 
 
 class ConvTranspose2d(torch.nn.ConvTranspose2d):

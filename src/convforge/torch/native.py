@@ -45,7 +45,8 @@ _STATE: dict[str, ModuleType | None] = {}
 
 
 def load() -> ModuleType | None:
-    """The native module, built if needed; None where it cannot run (the reason logged once)."""
+    """The native module, built if needed; None where it cannot run (the reason logged once). It is
+    only built and answered here: ``frontends/fast_path.py`` (``load_torch``) installs it."""
     if "module" in _STATE:
         return _STATE["module"]
     module = None
@@ -58,22 +59,10 @@ def load() -> ModuleType | None:
             module = _import(_built())
         except (OSError, RuntimeError, ImportError, subprocess.SubprocessError) as err:
             log.warning("convforge: native fast path unavailable (%s); torch calls take the Python fast path", err)
-    _STATE["module"] = module
     if module is not None:
-        _install(module)
+        module.set_native_autograd(bool(config.native_autograd))  # CONVFORGE_NATIVE_AUTOGRAD, on by default
+    _STATE["module"] = module
     return module
-
-
-def _install(module: ModuleType) -> None:
-    """Route warm torch calls through ``module``: the Python conv2d asks it first, and
-    ``convforge.conv2d`` becomes its C entry where conv2d's defaults are the ones it assumes
-    (``api.install_native``); it clears its table whenever the configuration or the executables
-    change."""
-    from convforge import api
-
-    api.set_native(module)
-    api.install_native(module)
-    module.set_native_autograd(bool(config.native_autograd))  # CONVFORGE_NATIVE_AUTOGRAD, on by default
 
 
 def _cuda_include() -> str:

@@ -37,11 +37,11 @@ import torch
 import torch.nn.functional as F
 
 from convforge import grad as cf_grad
-from convforge.api import pad_copy
 from convforge.api import python_conv2d as cf_conv2d  # the op's C kernel asked native.cpp already
 from convforge.config import config
+from convforge.frontends.fast_path import load_torch
+from convforge.frontends.kinds import pad_copy
 from convforge.spec import ConvSpec, conv_args, normalize_padding
-from convforge.torch import native
 
 log = logging.getLogger("convforge")
 
@@ -393,7 +393,7 @@ def _file_pass(kind: int, size: tuple[int, ...], a: Any, g: Any, opts: tuple[Any
     same kernels on the same inputs must give the same values (bit for bit with deterministic
     reductions), else the entry is dropped and the call stays Python's, logged once. Not while a
     CUDA graph is captured, and only for an executable the native core can launch."""
-    from convforge.api import file_native_pass
+    from convforge.frontends.fast_path import file_native_pass
 
     st, pad, dl, groups, algo, precision, max_error = opts
     tag = "dgrad" if kind == 1 else "wgrad"
@@ -469,7 +469,7 @@ def _bias_fake(gy: Any) -> Any:
 for _name, _cuda_fn, _cpu_fn, _fake_fn in (("conv2d_input", _input_cuda, _input_cpu, _input_fake),
                                           ("conv2d_weight", _weight_cuda, _weight_cpu, _weight_fake),
                                           ("conv2d_bias", _bias_cuda, _bias_cpu, _bias_fake)):
-    if _name == "conv2d_bias" or native.load() is None:  # else native.cpp's (the end of this module)
+    if _name == "conv2d_bias" or load_torch() is None:  # else native.cpp's (the end of this module)
         _LIB.impl(_name, _cuda_fn, "CUDA")
     _LIB.impl(_name, _cpu_fn, "CPU")
     torch.library.register_fake(f"convforge::{_name}", _fake_fn, lib=_LIB)
@@ -481,7 +481,7 @@ BIAS_OP = torch.ops.convforge.conv2d_bias.default
 
 # The CUDA and Autograd kernels: C++ where the native fast path is built (native.cpp: a warm call
 # never enters Python; a miss calls _cuda, a call needing a gradient _grad_apply), else Python's.
-NATIVE = native.load()
+NATIVE = load_torch()
 if NATIVE is not None:
     NATIVE.register_op(_cuda, _grad_apply)
     NATIVE.register_pass_ops(_input_cuda, _weight_cuda)  # misses come back to them, which file the call

@@ -657,7 +657,7 @@ def discovering(found: list[tuple[Any, Any, str, float | None, int | None]]) -> 
 
 
 def _torch_runner(spec: Any, epi: Any) -> Callable[..., Any]:
-    """A runner (backends/cuda.py ``torch_runner``'s signature) computing the layer with PyTorch."""
+    """A runner (frontends/torch_run.py ``torch_runner``'s signature) computing the layer with PyTorch."""
     from types import SimpleNamespace
 
     import torch.nn.functional as F
