@@ -125,11 +125,13 @@ def test_eval_folds_every_pre_activation_and_matches_float64(gpu, algo, monkeypa
 
     model = _model(1).eval()
     fused, _ = ct.fuse(model, algo=algo)
+    x = torch.randn(3, 3, 13, 11, device="cuda")
+    with torch.no_grad():
+        ct.prepare(fused, x)  # what the first call would do first: a recording pass with PyTorch's convs
     calls = []
     for name, m in model.named_modules():
         if isinstance(m, nn.BatchNorm2d):
             m.register_forward_hook(lambda *a, n=name: calls.append(n))
-    x = torch.randn(3, 3, 13, 11, device="cuda")
     with torch.no_grad():
         y = fused(x)
     assert not calls  # every batch norm folded: before the convs (prologue) or after (epilogue)

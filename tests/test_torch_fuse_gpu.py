@@ -108,12 +108,14 @@ def test_eval_takes_the_folded_path_and_matches_float64(gpu, algo, mode, monkeyp
     model = _model(0, full=algo != "winograd").eval()  # Winograd runs only the 3x3 stride-1 convs
     fused, report = ct.fuse(model, algo=algo)
     assert report.fused["1.c2"] == "bn+add+relu" and not report.left
+    x = torch.randn(3, 3, 13, 17, device="cuda")
+    ctx = torch.inference_mode() if mode == "inference_mode" else torch.no_grad()
+    with ctx:
+        ct.prepare(fused, x)  # what the first call would do first: a recording pass with PyTorch's convs
     bn_calls = []
     for m in fused.modules():
         if isinstance(m, nn.BatchNorm2d):
             m.register_forward_hook(lambda *a: bn_calls.append(1))
-    x = torch.randn(3, 3, 13, 17, device="cuda")
-    ctx = torch.inference_mode() if mode == "inference_mode" else torch.no_grad()
     with ctx:
         _poison((3, 16, 13, 17))
         y = fused(x)
