@@ -210,11 +210,11 @@ def emulate(spec: ConvSpec, math, cfg: TileConfig, seed: int = 0, tile_ids=None)
     return got, ref, written
 
 
-def emulate_gemm(cfg, math, prob, a, b, data, out, tile_ids=None):
+def emulate_gemm(cfg, math, prob, a, b, data, out, tile_ids=None, size=None):
     """The tiles of one GEMM launch: producer copies into a byte-addressed stage, every consumer's
     wgmma through its descriptors, the epilogue into ``out``'s planar offsets. Returns (y, written)
-    over ks * batch slabs."""
-    y = np.zeros(cfg.ks * prob.batch * out.slab if out.slab else prob.m * out.kt)
+    over ks * batch slabs (or ``size`` elements: slabs that interleave, a grouped conv's)."""
+    y = np.zeros(size or (cfg.ks * prob.batch * out.slab if out.slab else prob.m * out.kt))
     written = np.zeros(y.size, int)
     stage = cfg.stage(math)
     sbase = 1024 * 3

@@ -273,6 +273,9 @@ class Variant:
     optional_params: dict[str, frozenset[Any]] = {}
     dtypes: frozenset[str] = frozenset({"float32"})  # storage dtypes its plans read and write
     grouped: bool = False  # it plans layers of groups > 1 (the depthwise family among them)
+    # reached only by its own name (algo=NAME, bench --algo NAME), never by 'auto' or its family: a
+    # variant checked on the CPU (emulated, compiled) that no GPU has run yet
+    named_only: bool = False
     layouts: frozenset[str] = frozenset({"nchw"})  # activation layouts its kernels index (spec.LAYOUTS)
     # its plan() takes ``prologue=`` (Prologue, applied to the input load); a subclass that defines
     # its own plan() without saying so again takes none (__init_subclass__)

@@ -38,6 +38,7 @@ REGISTRATION_ORDER = (
     "tensorcore.sm80.mma_variants",
     "tensorcore.sm80.mma_staged",
     "tensorcore.sm90.variants",
+    "tensorcore.sm90.grouped",
     "tensorcore.sm90.stem",
     "tensorcore.sm90.wgmma_1x1",
     "tensorcore.sm90.winograd",
@@ -106,7 +107,7 @@ def select(algo: str, spec: ConvSpec, device: DeviceInfo, *, precision: str | No
            max_error: float | None = None) -> list[Variant]:
     """Variants named by ``algo`` (a family, a variant or 'auto') that apply to ``spec``; 'auto' and
     families keep to those whose stated accuracy the precision class (and ``max_error``) admits."""
-    variants = all_variants()
+    variants = [v for v in all_variants() if not v.named_only]  # those only by their name (Variant.named_only)
     if algo == "auto":
         chosen = variants
     elif algo in _REGISTRY and not (algo in FAMILIES and spec.conv_pass not in _REGISTRY[algo].passes):

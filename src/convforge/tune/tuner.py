@@ -319,7 +319,7 @@ class Tuner:
         from convforge.kernels import accurate_enough, all_variants
 
         pool = list(self.variants) if self.variants is not None else [
-            v for v in all_variants() if v.capturable]  # 'auto' answers must record into CUDA graphs
+            v for v in all_variants() if v.capturable and not v.named_only]  # 'auto' answers record into CUDA graphs
         pool = [v for v in pool if spec.dtype in v.dtypes and spec.conv_pass in v.passes]  # what states an error
         if self.max_error is not None:
             return [v for v in pool if v.exact or v.expected_error(spec) <= 4 * self.max_error]

@@ -79,6 +79,11 @@ class Output:
     pix_row: int = 0
     pix_col: int = 1
     pix_base: int = 0
+    bias_z: int = 0  # a batched GEMM's slab z reads the bias from z bias_z on (grouped: each group's K)
+
+    def bias_col(self, k: str, z: str) -> str:
+        """The bias index of column ``k`` of slab ``z``."""
+        return f"{k} + ({z}) * {self.bias_z}" if self.bias_z else k
 
     @property
     def kt(self) -> int:
@@ -169,11 +174,12 @@ class Output:
                     f4 = self.dtype == "float32"  # bias and residual quads as float4 loads too
                     epi = self.epi or Epilogue()
                     if f4 and epi.bias:
-                        code(f"const float4 bq = *(const float4*)(bias + {k});")
+                        code(f"const float4 bq = *(const float4*)(bias + {self.bias_col(k, z)});")
                     if f4 and epi.residual:
                         code("const float4 rq = *(const float4*)(res + oo);")
-                    outs = [self.value(v, f"{k} + {i}", f"oo + {i}", f"bq.{'xyzw'[i]}" if f4 else None,
-                                       f"rq.{'xyzw'[i]}" if f4 else None) for i, v in enumerate(vals)]
+                    outs = [self.value(v, self.bias_col(f"{k} + {i}", z), f"oo + {i}",
+                                       f"bq.{'xyzw'[i]}" if f4 else None, f"rq.{'xyzw'[i]}" if f4 else None)
+                            for i, v in enumerate(vals)]
                     code(*self._vstore("oo", outs))
                 return
             self._scalar(code, [(f"{k} + {i} < {self.n}", m, f"{k} + {i}") for i in range(4)], z, vals)
@@ -183,7 +189,7 @@ class Output:
         if self.vector:
             code(f"const int oo = {self.offset(m, k, z)};")
             with code.block(f"if ({m} < {self.m})"):
-                outs = [self.value(v, k, f"oo + {i}") for i, v in enumerate(vals)]
+                outs = [self.value(v, self.bias_col(k, z), f"oo + {i}") for i, v in enumerate(vals)]
                 code(*self._vstore("oo", outs))
             return
         self._scalar(code, [(f"{m} + {i} < {self.m}", f"{m} + {i}", k) for i in range(4)], z, vals)
@@ -193,7 +199,7 @@ class Output:
         for i, ((guard, m, k), v) in enumerate(zip(at, vals)):
             with code.block(f"if ({guard})"):
                 code(f"const int o{i} = {self.offset(m, k, z)};",
-                     f"{self.buf}[o{i}] = {from_float(self.dtype, self.value(v, k, f'o{i}'))};")
+                     f"{self.buf}[o{i}] = {from_float(self.dtype, self.value(v, self.bias_col(k, z), f'o{i}'))};")
 
     def _vstore(self, off: str, vals: list[str]) -> list[str]:
         if self.dtype == "float32":

@@ -203,7 +203,9 @@ class PlanarRows(_Rows):
 @dataclass(frozen=True)
 class Geometry:
     """The convolution an :class:`Im2colNhwc` gathers for: NHWC activations of ``cp`` channels (a
-    multiple of the chunk), output pixels P x Q per image, N images."""
+    multiple of the chunk), output pixels P x Q per image, N images. A grouped convolution reads
+    ``cp`` channels of pixels ``pitch`` channels apart, those of batch (group) bz from channel
+    bz ``group_stride`` on (``pitch`` 0: the pixels are ``cp`` channels, ungrouped)."""
 
     n: int
     h: int
@@ -218,6 +220,13 @@ class Geometry:
     pad_top: int
     pad_left: int
     padded: bool  # some tap of some output pixel falls outside the image
+    pitch: int = 0
+    group_stride: int = 0
+
+    @property
+    def px(self) -> int:
+        """Elements from one pixel to the next."""
+        return self.pitch or self.cp
 
     @property
     def m(self) -> int:
@@ -240,11 +249,12 @@ class Im2colNhwc(_Rows):
     def row_lets(self, i: int) -> list[Let]:
         g, n = self.geo, self.name
         assert g is not None
+        group = f"bz * {g.group_stride} + " if g.group_stride else ""
         return [Let(f"{n}_m{i}", f"min({self.row(i)}, {g.m - 1})"),
                 Let(f"{n}_x{i}", f"({n}_m{i} % {g.p * g.q})"),
                 Let(f"{n}_h{i}", f"({n}_x{i} / {g.q} * {g.stride[0]} - {g.pad_top})"),
                 Let(f"{n}_w{i}", f"({n}_x{i} % {g.q} * {g.stride[1]} - {g.pad_left})"),
-                Let(f"{n}_b{i}", f"(({n}_m{i} / {g.p * g.q} * {g.h} + {n}_h{i}) * {g.w} + {n}_w{i}) * {g.cp}")]
+                Let(f"{n}_b{i}", f"{group}(({n}_m{i} / {g.p * g.q} * {g.h} + {n}_h{i}) * {g.w} + {n}_w{i}) * {g.px}")]
 
     def stage_lets(self) -> list[Let]:
         g, n = self.geo, self.name
@@ -255,7 +265,7 @@ class Im2colNhwc(_Rows):
                     Let(f"{n}_rs{a}", f"({n}_k{a} / {g.cp})"),
                     Let(f"{n}_dy{a}", f"({n}_rs{a} / {g.s} * {g.dilation[0]})"),
                     Let(f"{n}_dx{a}", f"({n}_rs{a} % {g.s} * {g.dilation[1]})"),
-                    Let(f"{n}_o{a}", f"(({n}_dy{a} * {g.w} + {n}_dx{a}) * {g.cp} + {n}_k{a} % {g.cp})")]
+                    Let(f"{n}_o{a}", f"(({n}_dy{a} * {g.w} + {n}_dx{a}) * {g.px} + {n}_k{a} % {g.cp})")]
         return out
 
     def row_copies(self, i: int) -> list[Copy]:

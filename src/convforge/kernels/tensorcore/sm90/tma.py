@@ -76,6 +76,8 @@ def reason(op: Operand, rows: int) -> str | None:
     if not isinstance(op, Im2colNhwc) or op.geo is None:
         return f"{type(op).__name__} operands are copied by cp.async"
     g, atom = op.geo, op.tile.width // op.math.esize
+    if g.pitch or g.group_stride:
+        return "a grouped gather (channels of a group within wider pixels) is brought by cp.async"
     if g.cp % atom:
         return (f"{g.cp} channels are not whole {atom}-element rows of a {op.tile.width}-byte swizzle (a box "
                 "would straddle two taps)")

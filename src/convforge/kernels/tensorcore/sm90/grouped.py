@@ -1,0 +1,169 @@
+"""Grouped convolution on the wgmma generator: every group's implicit GEMM in one launch.
+
+A convolution of G groups is G independent forward convolutions of Cg = C / G input and Kg = K / G
+output channels each. Here they are the G batches of one batched GEMM (:class:`~convforge.kernels.
+tensorcore.sm90.tiles.Problem` ``batch``; the schedule numbers a group's tiles one after another,
+so a group's rows of x are read by neighbouring blocks), per group z:
+
+* A = :class:`~convforge.kernels.tensorcore.sm90.operands.Im2colNhwc` over the NHWC activations
+  (read in place where C is whole 16-byte chunks, else after the forward's per-element step),
+  gathering Cg channels a tap from channel z Cg on, of pixels C channels apart (``Geometry.pitch``,
+  ``group_stride``);
+* B = :class:`~convforge.kernels.tensorcore.sm90.operands.DenseRows` over the filters packed
+  K x (R S Cg) by the forward's weight step (a grouped filter is K x Cg x R x S), group z's Kg rows
+  from row z Kg on (``batch_stride``);
+* D stored at output channels z Kg .. (slab z of an :class:`~convforge.kernels.tensorcore.sm90.
+  epilogue.Output` of K columns), bias read from channel z Kg on (``bias_z``), residual and
+  activation as the forward's.
+
+Cg must be whole chunks (8 halves, 4 TF32 values): a chunk never straddles two groups and no padding
+channel is read. Operands come by cp.async (TMA boxes of a group's channels are not made yet) and the
+reduction is not split (each group's R S Cg is short; the groups fill the GPU instead). Narrow
+groups (Cg of 4 in ResNeXt-50's first stage, or fewer than a chunk) and depthwise layers are other
+variants' (depthwise, implicit_gemm).
+
+* ``tc_grouped_tf32`` (float32, relaxed), ``tc_grouped_3xtf32`` (float32, fp32 class),
+  ``tc_grouped_half`` (float16 / bfloat16): the forward variants' math modes and stated errors.
+
+Emulated tile by tile against float64 (tests/test_tensorcore_grouped.py) and compiled by nvcc; no GPU
+has run them yet, so they are reached only by name (``Variant.named_only``: ``algo="tc_grouped_half"``,
+``bench --algo tc_grouped_half``), never by ``auto`` or the implicit_gemm family.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from convforge.codegen.dialect import Dim3, Kernel
+from convforge.kernels import register
+from convforge.kernels.tensorcore.sm90 import prep, tiles
+from convforge.kernels.tensorcore.sm90.epilogue import Output
+from convforge.kernels.tensorcore.sm90.isa import Math
+from convforge.kernels.tensorcore.sm90.kernel import gemm_kernel
+from convforge.kernels.tensorcore.sm90.operands import DenseRows, Geometry, Im2colNhwc
+from convforge.kernels.tensorcore.sm90.tiles import Problem, TileConfig
+from convforge.kernels.tensorcore.sm90.variants import TcImplicitGemm, tolerance
+from convforge.params import Params
+from convforge.plan import DeviceInfo, Epilogue, Launch, Plan
+from convforge.spec import ConvSpec
+
+
+class TcGrouped(TcImplicitGemm):
+    """Grouped convolution as one batched GEMM of its groups (see the module docstring)."""
+
+    grouped = True
+    named_only = True  # until a GPU has run and timed it (the module docstring)
+    offset_ok = False  # a concat's channel offset: the groups' slabs already place the channels
+
+    def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
+        """The generator's rank on sm_90 (what it would take once timed: above the CUDA-core grouped GEMMs)."""
+        return super().rank(spec, device)
+
+    def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
+        if spec.groups == 1:
+            return f"{self.name} runs grouped layers (groups > 1); tc_implicit_gemm_* runs the others"
+        why = super().applies(spec, device)
+        if why:
+            return why
+        chunk = self.math(spec).chunk_elems
+        if spec.cg % chunk:
+            return (f"groups of {spec.cg} input channels are not whole {chunk}-channel chunks (a chunk would "
+                    "straddle two groups)")
+        return None
+
+    def _geo(self, spec: ConvSpec) -> Geometry:
+        """Cg channels a tap, of pixels of the activation's (padded) C channels, group z from z Cg on."""
+        pitch = prep.padded_channels(spec.c, self.math(spec))
+        return Geometry(spec.n, spec.h, spec.w, spec.cg, spec.p, spec.q, spec.r, spec.s, spec.stride, spec.dilation,
+                        spec.pad[0], spec.pad[2], any(spec.pad), pitch=pitch, group_stride=spec.cg)
+
+    def _prep_steps(self, spec: ConvSpec, math: Math, ld: int) -> list[tuple[Kernel, Dim3, str, str]]:
+        """The forward's filter step on K x Cg x R x S (one group's channels a row) and, unless x is
+        read in place, its activation step on all C channels."""
+        wk, wgrid = prep.w_krsc(dataclasses.replace(spec, c=spec.cg, groups=1), math, spec.cg, ld)
+        out = [(wk, wgrid, "w", "wt")]
+        if not self._in_place(spec):
+            pitch = self._geo(spec).px
+            xk, xgrid = (prep.x_from_nhwc(spec, math, pitch) if spec.layout == "nhwc"
+                         else prep.x_nhwc(spec, math, pitch))
+            out.append((xk, xgrid, "x", "xh"))
+        return out
+
+    def problem(self, spec: ConvSpec) -> Problem:
+        return Problem(spec.n * spec.p * spec.q, spec.kg, spec.r * spec.s * spec.cg, spec.groups)
+
+    def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
+        """The generator's tiles for one group's GEMM, unsplit, by cp.async; the default first."""
+        limit, math, prob = self.limit(device), self.math(spec), self.problem(spec)
+        out = [self.default(spec, device)]
+        out += [dataclasses.replace(c, ks=1).params() for c in tiles.space(math, prob, device.units, limit)
+                if not dataclasses.replace(c, ks=1).problems(math, prob, limit)]
+        return list(dict.fromkeys(out))
+
+    def tma_reason(self, spec: ConvSpec, cfg: TileConfig) -> str | None:
+        return "a grouped layer's operands come by cp.async"
+
+    def _operands(self, spec: ConvSpec, cfg: TileConfig) -> tuple[Im2colNhwc, DenseRows]:
+        math, prob = self.math(spec), self.problem(spec)
+        ld = self._ld(spec, cfg)
+        a = Im2colNhwc("a", cfg.a_tile(), math, "x" if self._in_place(spec) else "xh", geo=self._geo(spec))
+        b = DenseRows("b", cfg.b_tile(), math, "wt", rows=spec.kg, ld=ld, kred=prob.kred, batch_stride=spec.kg * ld,
+                      padded=True)
+        return a, b
+
+    def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
+        """tiles.pick's tile for one group's GEMM, unsplit (the groups are the parallelism)."""
+        limit, math, prob = self.limit(device), self.math(spec), self.problem(spec)
+        cfg = dataclasses.replace(tiles.pick(math, prob, device.units, limit), ks=1)
+        return cfg.params()
+
+    def _workspace(self, spec: ConvSpec, cfg: TileConfig) -> tuple[tuple[str, int], ...]:
+        math, geo = self.math(spec), self._geo(spec)
+        out = tuple((("wt" if p == "hi" else f"wt_{p}"), math.esize * spec.k * self._ld(spec, cfg))
+                    for p in math.parts)
+        out += prep.scale_workspace("wt", math)
+        if not self._in_place(spec):
+            out += tuple((("xh" if p == "hi" else f"xh_{p}"), math.esize * geo.n * geo.h * geo.w * geo.px)
+                         for p in math.parts)
+            out += prep.scale_workspace("xh", math)
+        return out
+
+    def output(self, spec: ConvSpec, epilogue: Epilogue = Epilogue()) -> Output:
+        """D of group z at output channels z Kg .. (NCHW planes or NHWC rows), its bias from z Kg on."""
+        prob = self.problem(spec)
+        pq = 1 if spec.layout == "nhwc" else spec.p * spec.q
+        return Output("y", prob.m, prob.n, pq, spec.dtype, spec.k, slab=spec.kg * pq, epi=epilogue,
+                      bias_z=spec.kg)
+
+    def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
+             epilogue: Epilogue = Epilogue()) -> Plan:
+        math, prob, cfg = self.math(spec), self.problem(spec), TileConfig.of(params)
+        why = cfg.problems(math, prob, self.limit(device))
+        if why:
+            raise ValueError(f"{self.name}: {'; '.join(why)}")
+        if cfg.ks != 1 or cfg.tm or cfg.cl != 1:
+            raise ValueError(f"{self.name}: ks ({cfg.ks}), tm ({cfg.tm}) and cl ({cfg.cl}) must be 1, 0 and 1 "
+                             "(each group's reduction whole, its operands by cp.async)")
+        if epilogue.k_total:
+            raise ValueError(f"{self.name}: unsupported epilogue: a channel offset (the groups place the channels)")
+        ld = self._ld(spec, cfg)
+        a, b = self._operands(spec, cfg)
+        out = self.output(spec, epilogue)
+        gk = gemm_kernel(f"{self.name}_gemm", math, cfg, prob, a, b, out)
+        refs = lambda bufs: tuple(x.name for x in bufs)  # noqa: E731
+        kernels: list[Kernel] = []
+        steps: list[Launch] = []
+        for kern, grid, src, dst in self._prep_steps(spec, math, ld):
+            for k, launch in prep.launches(math, kern, grid, src, dst, spec):
+                kernels.append(k)
+                steps.append(launch)
+        steps.append(Launch(gk.name, (cfg.grid(prob, device.units), 1, 1), gk.block,
+                            refs(a.args()) + refs(b.args()) + out.refs()))
+        kernels.append(gk)
+        return Plan(self.name, self.family, spec, params, tuple(kernels), tuple(steps),
+                    self._workspace(spec, cfg), tolerance(math, spec.dtype), epilogue)
+
+
+register(TcGrouped("tc_grouped_tf32", frozenset({"float32"}), False, "relaxed", 12))
+register(TcGrouped("tc_grouped_3xtf32", frozenset({"float32"}), True, "fp32", 8))
+register(TcGrouped("tc_grouped_half", frozenset({"float16", "bfloat16"}), False, "fp32", 12))

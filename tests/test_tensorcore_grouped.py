@@ -1,0 +1,110 @@
+"""Grouped convolution on the wgmma generator (kernels/tensorcore/sm90/grouped.py), on the CPU: every
+group's GEMM tile by tile through the generator's own expressions (test_tensorcore_gen.emulate_gemm)
+against the float64 grouped convolution, the bias index of each group's columns, the plans compiled by
+nvcc, and the rule that keeps a variant no GPU has run out of 'auto'."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from conftest import NOMINAL_CUDA
+from convforge.codegen.nvcc import sass_report
+from convforge.dtypes import rounded
+from convforge.kernels import get_variant, ranked, select
+from convforge.kernels.tensorcore.sm90.cexpr import evaluate
+from convforge.kernels.tensorcore.sm90.isa import BF16, F16, TF32, X3TF32
+from convforge.kernels.tensorcore.sm90.tiles import TileConfig
+from convforge.plan import Epilogue
+from convforge.reference import conv2d_ref
+from convforge.spec import ConvSpec
+from test_tensorcore_gen import DTYPE_OF, _krsc, _nhwc, _parts, _truncated, emulate_gemm
+
+NAMES = {"tf32": "tc_grouped_tf32", "3xtf32": "tc_grouped_3xtf32", "f16": "tc_grouped_half", "bf16": "tc_grouped_half"}
+
+# odd grouped layers: N = 1, stride 2 with asymmetric padding, dilation, Kg not a multiple of 4, NCHW and NHWC
+CASES = [(ConvSpec.make(2, 16, 7, 9, 24, 3, 3, 1, 1, groups=2, layout="nhwc"), F16, TileConfig(64, 32, 1, 2, 1)),
+         (ConvSpec.make(1, 32, 9, 11, 20, 3, 3, 2, (1, 0, 2, 1), groups=4), BF16, TileConfig(64, 32, 1, 3, 1)),
+         (ConvSpec.make(2, 12, 9, 8, 24, 3, 3, 1, 2, 2, groups=3, layout="nhwc"), TF32, TileConfig(128, 32, 1, 2, 2)),
+         (ConvSpec.make(1, 8, 8, 7, 6, 3, 3, 2, 1, groups=2), X3TF32, TileConfig(128, 32, 1, 2, 2, pi=2))]
+
+
+def emulate_grouped(spec: ConvSpec, math, cfg: TileConfig, seed: int = 0):
+    """The grouped plan's GEMM: x as the kernel reads it (NHWC, C channels a pixel; TF32 read in place is
+    truncated by the tensor cores), the filters as the weight step packs them (K x (R S Cg) rows of ld),
+    D through the variant's own Output (group z at channels z Kg ..). Returns (y NCHW, reference,
+    writes per element)."""
+    variant = get_variant(NAMES[math.name])
+    spec = dataclasses.replace(spec, dtype=DTYPE_OF[math.name])
+    assert variant.applies(spec, NOMINAL_CUDA) is None, variant.applies(spec, NOMINAL_CUDA)
+    rng = np.random.default_rng(seed)
+    x = rounded(rng.uniform(-1, 1, spec.x_shape).astype(np.float32), spec.dtype).astype(np.float64)
+    w = rounded(rng.uniform(-1, 1, spec.w_shape).astype(np.float32), spec.dtype).astype(np.float64)
+    in_place_tf32 = variant._in_place(spec) and math.name == "tf32"
+    xs = {"hi": _truncated(x)} if in_place_tf32 else _parts(x, math)
+    ws = _parts(w, math)
+    ref = sum(conv2d_ref(xs[pa], ws[pb], spec) for pa, pb in math.products)
+    prob = variant.problem(spec)
+    a, b = variant._operands(spec, cfg)
+    ld = variant._ld(spec, cfg)
+    data = {"a": {p: _nhwc(xs[p], a.geo.px) for p in math.parts},
+            "b": {p: _krsc(ws[p], spec.cg, ld) for p in math.parts}}
+    out = dataclasses.replace(variant.output(spec), epi=None)
+    y, written = emulate_gemm(cfg, math, prob, a, b, data, out, size=int(np.prod(spec.y_shape)))
+    if spec.layout == "nhwc":
+        shape = (spec.n, spec.p, spec.q, spec.k)
+        return y.reshape(shape).transpose(0, 3, 1, 2), ref, written.reshape(shape).transpose(0, 3, 1, 2)
+    return y.reshape(spec.y_shape), ref, written.reshape(spec.y_shape)
+
+
+@pytest.mark.parametrize("spec, math, cfg", CASES, ids=lambda v: getattr(v, "name", None) or str(v))
+def test_emulated_grouped_gemm_equals_the_grouped_convolution(spec, math, cfg):
+    """Each group's tiles read only its own Cg input channels and filters and land on its own Kg output
+    channels: the float64 grouped convolution of the same operand parts, every output written once."""
+    assert not cfg.problems(math), cfg.problems(math)
+    got, ref, written = emulate_grouped(spec, math, cfg)
+    assert (written == 1).all(), np.unique(written)
+    np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-10)
+
+
+def test_each_group_reads_the_bias_of_its_own_channels():
+    """Column k of group z adds bias[z Kg + k] (the epilogue's bias index, evaluated as the kernel has it)."""
+    spec = dataclasses.replace(CASES[0][0], dtype="float16")
+    out = get_variant("tc_grouped_half").output(spec, Epilogue(bias=True))
+    for z in range(spec.groups):
+        for k in range(spec.kg):
+            assert evaluate(out.bias_col("k", "z"), {"k": k, "z": z}) == z * spec.kg + k
+
+
+def test_no_variant_no_gpu_has_run_is_picked_without_its_name():
+    """tc_grouped_* are named_only: 'auto' and the implicit_gemm family leave them out (a channels-last
+    half grouped layer has no variant for 'auto' then, as before); their own names reach them."""
+    spec = ConvSpec.make(4, 64, 15, 13, 128, 3, 3, 1, 1, groups=8, dtype="float16", layout="nhwc")
+    assert ranked("auto", spec, NOMINAL_CUDA) == []
+    assert all(not v.name.startswith("tc_grouped") for v in select("implicit_gemm", spec, NOMINAL_CUDA))
+    assert [v.name for v in select("tc_grouped_half", spec, NOMINAL_CUDA)] == ["tc_grouped_half"]
+
+
+@pytest.mark.parametrize("why, spec", [
+    ("whole 8-channel chunks", ConvSpec.make(2, 32, 8, 8, 32, 3, 3, 1, 1, groups=8, dtype="float16")),  # Cg 4
+    ("groups > 1", ConvSpec.make(2, 32, 8, 8, 32, 3, 3, 1, 1, dtype="float16"))])
+def test_grouped_refuses_what_it_cannot_read(why, spec):
+    assert why in get_variant("tc_grouped_half").applies(spec, NOMINAL_CUDA)
+
+
+@pytest.mark.parametrize("name, dtype, layout, epi", [
+    ("tc_grouped_half", "float16", "nhwc", Epilogue(bias=True, relu=True)),
+    ("tc_grouped_half", "bfloat16", "nchw", Epilogue(residual=True, silu=True)),
+    ("tc_grouped_tf32", "float32", "nhwc", Epilogue(bias=True, residual=True)),
+    ("tc_grouped_3xtf32", "float32", "nchw", Epilogue(bias=True, relu=True))])
+def test_grouped_plans_compile(nvcc_ok, name, dtype, layout, epi):
+    """The default plan of a ResNeXt-style grouped 3x3 layer (32 groups of 8 channels) and its steps
+    compile for sm_90a without spills; the GEMM is one launch over the groups."""
+    v = get_variant(name)
+    spec = ConvSpec.make(8, 256, 14, 14, 256, 3, 3, 1, 1, groups=32, dtype=dtype, layout=layout)
+    plan = v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA, epi)
+    assert [k.name for k in plan.kernels].count(f"{name}_gemm") == 1
+    infos, _ = sass_report(plan.source("cuda"))
+    assert infos and all(i.spill_stores == 0 for i in infos), infos
