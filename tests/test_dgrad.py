@@ -240,7 +240,10 @@ COMPILE_SPECS = [ConvSpec.make(8, 128, 28, 28, 64, 3, 3, 1, 1, conv_pass="dgrad"
                  ConvSpec.make(1, 832, 7, 7, 256, 1, 1, conv_pass="dgrad"),
                  ConvSpec.make(3, 7, 13, 11, 5, 3, 3, 1, (0, 1, 1, 0), conv_pass="dgrad"),
                  ConvSpec.make(8, 128, 28, 28, 64, 3, 3, 1, 1, dtype="float16", conv_pass="dgrad"),
-                 ConvSpec.make(8, 256, 14, 14, 128, 1, 1, dtype="bfloat16", conv_pass="dgrad")]
+                 ConvSpec.make(8, 256, 14, 14, 128, 1, 1, dtype="bfloat16", conv_pass="dgrad"),
+                 # grouped (8 groups of 16 -> 32 channels): the tensor-core grouped GEMM's adapters only
+                 ConvSpec.make(8, 128, 14, 14, 256, 3, 3, 1, 1, groups=8, conv_pass="dgrad"),
+                 ConvSpec.make(8, 128, 14, 14, 256, 3, 3, 1, 1, groups=8, dtype="float16", conv_pass="dgrad")]
 # The forward variant's own default spills on the transposed odd problem (fprop N3 C5 12x10 -> K7
 # 3x3 pad (2, 1, 1, 2): 255 registers, 24 B spilled): a defect of the forward kernel, not of the adapter.
 FORWARD_SPILLS = {("dgrad_implicit_gemm_3xtf32", 4)}
@@ -256,7 +259,7 @@ def _compile_cases() -> list[object]:
     for n in ADAPTERS:
         v, compiled = get_variant(n), set()
         for i, s in enumerate(COMPILE_SPECS):
-            if v.applies(s, NOMINAL_CUDA) is not None:
+            if v.applies(s, NOMINAL_CUDA) is not None or (s.groups > 1) != ("grouped" in n):
                 continue
             point = (s.r, s.s, s.dtype, v.default(s, NOMINAL_CUDA))
             if point in compiled and (n, i) not in FORWARD_SPILLS:

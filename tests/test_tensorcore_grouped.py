@@ -108,3 +108,33 @@ def test_grouped_plans_compile(nvcc_ok, name, dtype, layout, epi):
     assert [k.name for k in plan.kernels].count(f"{name}_gemm") == 1
     infos, _ = sass_report(plan.source("cuda"))
     assert infos and all(i.spill_stores == 0 for i in infos), infos
+
+
+def test_emulated_grouped_dgrad_is_the_transposed_grouped_convolution():
+    """dgrad_tc_grouped_half (stride 1) runs the forward on the transposed problem: dy as the input, each
+    group's filters transposed (C and K swapped within the group) and rotated, as dgrad_rotate writes
+    them. Emulated through the forward's GEMM, that equals the float64 input gradient."""
+    from convforge.kernels.dgrad.transposed import transposed_spec
+    from convforge.reference import dgrad_ref
+
+    spec = ConvSpec.make(2, 16, 7, 6, 32, 3, 3, 1, (1, 0, 2, 1), groups=2, dtype="float16", conv_pass="dgrad",
+                         layout="nhwc")
+    assert get_variant("dgrad_tc_grouped_half").applies(spec, NOMINAL_CUDA) is None
+    t = transposed_spec(spec)
+    assert not isinstance(t, str) and t.groups == spec.groups and (t.c, t.k) == (spec.k, spec.c)
+    rng = np.random.default_rng(4)
+    dy = rounded(rng.uniform(-1, 1, spec.y_shape).astype(np.float32), "float16").astype(np.float64)
+    w = rounded(rng.uniform(-1, 1, spec.w_shape).astype(np.float32), "float16").astype(np.float64)
+    g, kg, cg = spec.groups, spec.kg, spec.cg
+    w_rot = np.empty(t.w_shape)  # w'[g cg + c, kk, R-1-r, S-1-s] = w[g kg + kk, c, r, s]
+    for z in range(g):
+        w_rot[z * cg:(z + 1) * cg] = w[z * kg:(z + 1) * kg].transpose(1, 0, 2, 3)[:, :, ::-1, ::-1]
+    v, cfg = get_variant("tc_grouped_half"), TileConfig(64, 32, 1, 2, 1)
+    a, b = v._operands(t, cfg)
+    ld = v._ld(t, cfg)
+    data = {"a": {"hi": _nhwc(dy, a.geo.px)}, "b": {"hi": _krsc(w_rot, t.cg, ld)}}
+    out = dataclasses.replace(v.output(t), epi=None)
+    y, written = emulate_gemm(cfg, F16, v.problem(t), a, b, data, out, size=int(np.prod(t.y_shape)))
+    got = y.reshape(t.n, t.p, t.q, t.k).transpose(0, 3, 1, 2)
+    assert (written == 1).all()
+    np.testing.assert_allclose(got, dgrad_ref(dy, w, spec), rtol=1e-10, atol=1e-10)

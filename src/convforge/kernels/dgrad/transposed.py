@@ -64,6 +64,7 @@ FORWARD = (
     "winograd_nonfused_f2_pipe_tf32",
     "tc_implicit_gemm_tf32", "tc_implicit_gemm_3xtf32", "tc_implicit_gemm_half", "tc_implicit_gemm_3xf16",
     "tc_winograd_f2", "tc_winograd_f2_3xtf32", "tc_winograd_f4_3xtf32", "tc_winograd_f4",
+    "tc_grouped_tf32", "tc_grouped_3xtf32", "tc_grouped_half",
 )
 
 
@@ -154,6 +155,7 @@ class DgradTransposed(Variant):
         self.tolerance, self.exact, self.capturable = fwd.tolerance, fwd.exact, fwd.capturable
         self.specialised, self.space_lead, self.grouped = fwd.specialised, fwd.space_lead, fwd.grouped
         self.dtypes, self.layouts = fwd.dtypes, fwd.layouts  # dy and dx lie as the forward's x and y
+        self.named_only = fwd.named_only  # a forward no GPU has run yet makes a dgrad none has either
 
     problem = staticmethod(transposed_spec)  # the forward problem whose output is dx, or why there is none
     problem_name = "the transposed problem"
