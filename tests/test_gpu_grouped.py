@@ -62,16 +62,17 @@ def test_every_grouped_variant_on_the_suite(cuda, name) -> None:
 
 TC_GROUPED = {"tc_grouped_half": ("float16", "bfloat16"), "tc_grouped_tf32": ("float32",),
               "tc_grouped_3xtf32": ("float32",), "dgrad_tc_grouped_half": ("float16", "bfloat16"),
-              "dgrad_tc_grouped_3xtf32": ("float32",)}
+              "dgrad_tc_grouped_3xtf32": ("float32",), "wgrad_tc_grouped_half": ("float16", "bfloat16"),
+              "wgrad_tc_grouped_3xtf32": ("float32",)}
 
 
 @pytest.mark.parametrize("name", sorted(TC_GROUPED))
 @pytest.mark.parametrize("layout", ["nhwc", "nchw"])
 def test_tensor_core_grouped_on_the_suite(cuda, name, layout) -> None:
-    """tc_grouped_* and their stride-1 dgrad adapters (named only until this passes and is timed): the
-    default plan on every suite layer whose groups are whole chunks, N=2, in each dtype and layout, bias +
-    residual + ReLU on every other forward, against float64 with the output poisoned; 3xTF32 at the fp32
-    class's 5e-6."""
+    """tc_grouped_*, their stride-1 dgrad adapters and wgrad_tc_grouped_* (named only until this passes
+    and is timed): the default plan on every suite layer it takes (the forward and dgrad: groups of whole
+    chunks), N=2, in each dtype and layout, bias + residual + ReLU on every other forward, against float64
+    with the output poisoned; 3xTF32 at the fp32 class's 5e-6."""
     import dataclasses
 
     v = get_variant(name)
@@ -79,7 +80,7 @@ def test_tensor_core_grouped_on_the_suite(cuda, name, layout) -> None:
     for i, base in enumerate(SUITE):
         for dtype in TC_GROUPED[name]:
             spec = dataclasses.replace(base.with_batch(2), dtype=dtype, layout=layout,
-                                       conv_pass="dgrad" if name.startswith("dgrad") else "fprop")
+                                       conv_pass=name.split("_")[0] if name[:5] in ("dgrad", "wgrad") else "fprop")
             if v.applies(spec, cuda.device):
                 continue
             epi = FULL if i % 2 and spec.conv_pass == "fprop" else Epilogue()

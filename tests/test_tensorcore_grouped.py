@@ -94,6 +94,21 @@ def test_grouped_refuses_what_it_cannot_read(why, spec):
     assert why in get_variant("tc_grouped_half").applies(spec, NOMINAL_CUDA)
 
 
+@pytest.mark.parametrize("name, dtype, layout", [("wgrad_tc_grouped_half", "float16", "nhwc"),
+                                                  ("wgrad_tc_grouped_half", "bfloat16", "nchw"),
+                                                  ("wgrad_tc_grouped_3xtf32", "float32", "nchw")])
+def test_grouped_wgrad_plans_compile(nvcc_ok, name, dtype, layout):
+    """The default wgrad plan of a ResNeXt-style layer (32 groups of 4 channels, split over its 25,088-term
+    reduction: the batched reduce included) compiles for sm_90a without spills."""
+    v = get_variant(name)
+    spec = ConvSpec.make(32, 128, 28, 28, 128, 3, 3, 1, 1, groups=32, dtype=dtype, layout=layout, conv_pass="wgrad")
+    prm = v.default(spec, NOMINAL_CUDA)
+    plan = v.plan(spec, prm, NOMINAL_CUDA)
+    assert prm["ks"] > 1 and plan.kernels[-1].name == f"{name}_reduce", prm
+    infos, _ = sass_report(plan.source("cuda"))
+    assert infos and all(i.spill_stores == 0 for i in infos), infos
+
+
 @pytest.mark.parametrize("name, dtype, layout, epi", [
     ("tc_grouped_half", "float16", "nhwc", Epilogue(bias=True, relu=True)),
     ("tc_grouped_half", "bfloat16", "nchw", Epilogue(residual=True, silu=True)),
@@ -138,3 +153,74 @@ def test_emulated_grouped_dgrad_is_the_transposed_grouped_convolution():
     got = y.reshape(t.n, t.p, t.q, t.k).transpose(0, 3, 1, 2)
     assert (written == 1).all()
     np.testing.assert_allclose(got, dgrad_ref(dy, w, spec), rtol=1e-10, atol=1e-10)
+
+
+WGRAD = {"tf32": "wgrad_tc_grouped_tf32", "3xtf32": "wgrad_tc_grouped_3xtf32", "f16": "wgrad_tc_grouped_half",
+         "bf16": "wgrad_tc_grouped_half"}
+# Cg of 2 and 4 too (wgrad's channels are its images), N = 1 and 5, stride 2 with asymmetric padding
+WGRAD_CASES = [(ConvSpec.make(5, 8, 7, 9, 6, 3, 3, 1, 1, groups=2), TF32, TileConfig(128, 32, 1, 2, 2, ks=3)),
+               (ConvSpec.make(1, 12, 9, 8, 8, 3, 3, 2, (1, 0, 2, 1), groups=4, layout="nhwc"), F16,
+                TileConfig(64, 32, 1, 2, 1)),
+               (ConvSpec.make(3, 6, 8, 7, 9, 3, 3, 1, 1, groups=3), BF16, TileConfig(64, 32, 2, 2, 1, ks=2)),
+               (ConvSpec.make(2, 8, 6, 6, 8, 1, 1, groups=2), X3TF32, TileConfig(128, 32, 1, 2, 2, pi=2))]
+
+
+@pytest.mark.parametrize("spec, math, cfg", WGRAD_CASES, ids=lambda v: getattr(v, "name", None) or str(v))
+def test_emulated_grouped_wgrad_equals_the_filter_gradient(spec, math, cfg):
+    """wgrad_tc_grouped_*: each group's GEMM over its images of x' = [C][H][W][Np] and its rows of
+    dy' = [K][P Q Np] (as the transposing steps write them), stored through dW's strided K Cg R S offsets
+    (split slices in slabs of their own), equals the float64 filter gradient; every element once a slice."""
+    from convforge.reference import wgrad_ref
+
+    v = get_variant(WGRAD[math.name])
+    spec = dataclasses.replace(spec, dtype=DTYPE_OF[math.name], conv_pass="wgrad")
+    assert v.applies(spec, NOMINAL_CUDA) is None, v.applies(spec, NOMINAL_CUDA)
+    assert not cfg.problems(math, v.problem(spec)), cfg.problems(math, v.problem(spec))
+    rng = np.random.default_rng(2)
+    x = rounded(rng.uniform(-1, 1, spec.x_shape).astype(np.float32), spec.dtype).astype(np.float64)
+    dy = rounded(rng.uniform(-1, 1, spec.y_shape).astype(np.float32), spec.dtype).astype(np.float64)
+    xs, ds = _parts(x, math), _parts(dy, math)
+    ref = sum(wgrad_ref(xs[pa], ds[pb], spec) for pa, pb in math.products)
+    prob = v.problem(spec)
+    cp = prob.kred // (spec.p * spec.q)
+    a, b = v.operands(spec, cfg)
+
+    def images_as_channels(t):  # [N][C][H][W] -> [C][H][W][cp]
+        out = np.zeros(t.shape[1:] + (cp,))
+        out[..., :t.shape[0]] = t.transpose(1, 2, 3, 0)
+        return out.ravel()
+
+    data = {"a": {p: images_as_channels(xs[p]) for p in math.parts},
+            "b": {p: images_as_channels(ds[p]) for p in math.parts}}
+    out = dataclasses.replace(v.output(spec), epi=None)
+    size = int(np.prod(spec.w_shape))
+    y, written = emulate_gemm(cfg, math, prob, a, b, data, out, size=cfg.ks * size)
+    got = y.reshape(cfg.ks, -1).sum(0).reshape(spec.w_shape)
+    assert (written.reshape(cfg.ks, -1) == 1).all(), np.unique(written)
+    np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-10)
+
+
+def test_grouped_wgrad_reduce_sums_each_groups_slices_into_its_filters():
+    """The batched split-K reduce (epilogue.reduce_lines, the kernel's own strings): element e of the
+    partials (group bz's planar (m, k) from bz m n on, slice z at e + z total) lands on dW's
+    ((bz Kg + k) Cg + c) R S + r s, each filter element exactly once."""
+    from convforge.kernels.tensorcore.sm90.epilogue import reduce_lines
+
+    spec = ConvSpec.make(2, 12, 9, 8, 8, 3, 3, 1, 1, groups=4, conv_pass="wgrad")
+    v = get_variant("wgrad_tc_grouped_tf32")
+    out, prob = v.output(spec), v.problem(spec)
+    total, rs = prob.batch * prob.m * prob.n, spec.r * spec.s
+    lines = reduce_lines(out, 3, total, prob.batch)
+    assert lines[3:5] == [f"s += part[e + {total}];", f"s += part[e + {2 * total}];"]
+    seen = np.zeros(total, int)
+    for e in range(total):
+        env = {"e": e}
+        for line in lines[:2]:
+            for decl in line.removeprefix("const int ").rstrip(";").split(", "):
+                name, expr = decl.split(" = ", 1)
+                env[name] = evaluate(expr, env)
+        o = evaluate(lines[5].removeprefix("const int o = ").rstrip(";"), env)
+        c, r_s = divmod(env["m"], rs)
+        assert o == ((env["bz"] * spec.kg + env["k"]) * spec.cg + c) * rs + r_s
+        seen[o] += 1
+    assert (seen == 1).all()

@@ -314,9 +314,13 @@ def _rowmajor_epilogue(code: Code, out: Output, wm: int, bn: int, stage: str, ba
                     out.store4_cols(code, "m", "k", z, ["v.x", "v.y", "v.z", "v.w"])
 
 
-def reduce_kernel(name: str, out: Output, ks: int, total: int) -> tuple[Kernel, tuple[int, int, int]]:
+def reduce_kernel(name: str, out: Output, ks: int, total: int, batch: int = 1) -> tuple[Kernel, tuple[int, int, int]]:
     """Sum ``ks`` raw FP32 partial slabs (``part``, planar with the conv's own channels) in slice order
-    (deterministic), then bias, residual, ReLU, channel offset and dtype into ``out``."""
+    (deterministic), then bias, residual, ReLU, channel offset and dtype into ``out``. A batched GEMM's
+    (``batch`` > 1) slabs hold its batches one after another, batch bz's m n partials from bz m n on,
+    and batch bz lands in ``out``'s slab bz (``total``: every batch's elements)."""
+    if batch > 1:
+        return _batched_reduce(name, out, ks, total, batch)
     src = Output("part", out.m, out.n, out.pq, slab=total, epi=None)
     code = Code()
     code(f"const int e = GROUP_ID(0) * {_ELT} + LOCAL_ID(0);")
@@ -329,5 +333,29 @@ def reduce_kernel(name: str, out: Output, ks: int, total: int) -> tuple[Kernel, 
              f"{out.buf}[o] = {from_float(out.dtype, out.value('s', 'k', 'o'))};")
     kern = Kernel(name, (Buf("part"),) + out.args(), code.text(), (_ELT, 1, 1), frozenset({"wgmma"}),
                   comment=f"sum of {ks} split-K partials, then the epilogue")
+    return kern, (cdiv(total, _ELT), 1, 1)
+
+
+def reduce_lines(out: Output, ks: int, total: int, batch: int) -> list[str]:
+    """The batched reduce's body for element ``e`` < ``total`` (kept apart so tests evaluate the very
+    strings): its batch bz, its (m, k) within the batch, the slices summed in order, the store."""
+    per = out.m * out.n
+    lines = [f"const int bz = e / {per}, el = e - bz * {per};",
+             f"const int m = el / {out.pq * out.n} * {out.pq} + el % {out.pq}, k = el / {out.pq} % {out.n};",
+             "float s = part[e];"]
+    lines += [f"s += part[e + {z * total}];" for z in range(1, ks)]
+    lines += [f"const int o = {out.offset('m', 'k', 'bz')};",
+              f"{out.buf}[o] = {from_float(out.dtype, out.value('s', out.bias_col('k', 'bz'), 'o'))};"]
+    return lines
+
+
+def _batched_reduce(name: str, out: Output, ks: int, total: int, batch: int) -> tuple[Kernel, tuple[int, int, int]]:
+    """reduce_kernel of a batched GEMM (a grouped convolution's groups)."""
+    code = Code()
+    code(f"const int e = GROUP_ID(0) * {_ELT} + LOCAL_ID(0);")
+    with code.block(f"if (e < {total})"):
+        code(*reduce_lines(out, ks, total, batch))
+    kern = Kernel(name, (Buf("part"),) + out.args(), code.text(), (_ELT, 1, 1), frozenset({"wgmma"}),
+                  comment=f"sum of {ks} split-K partials of {batch} batches, then the epilogue")
     return kern, (cdiv(total, _ELT), 1, 1)
 

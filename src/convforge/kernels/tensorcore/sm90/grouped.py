@@ -25,6 +25,12 @@ variants' (depthwise, implicit_gemm).
 * ``tc_grouped_tf32`` (float32, relaxed), ``tc_grouped_3xtf32`` (float32, fp32 class),
   ``tc_grouped_half`` (float16 / bfloat16): the forward variants' math modes and stated errors.
 
+Stride-1 dgrad is the forward on the transposed problem (``dgrad_tc_grouped_*``, kernels/dgrad/transposed.py).
+wgrad (``wgrad_tc_grouped_*``, :class:`TcGroupedWgrad`) is the wgrad generator's transposed problem per group:
+group z's filter gradient (Cg R S x Kg) reads images z Cg .. of x' = [C][H][W][Np] (``group_stride``) and
+rows z Kg .. of dy' = [K][P Q Np], split over the long reduction with a reduce that knows the groups; any
+Cg (the channels are the images there), depthwise layers excepted (their own wgrad family).
+
 Emulated tile by tile against float64 (tests/test_tensorcore_grouped.py) and compiled by nvcc; no GPU
 has run them yet, so they are reached only by name (``Variant.named_only``: ``algo="tc_grouped_half"``,
 ``bench --algo tc_grouped_half``), never by ``auto`` or the implicit_gemm family.
@@ -37,12 +43,13 @@ import dataclasses
 from convforge.codegen.dialect import Dim3, Kernel
 from convforge.kernels import register
 from convforge.kernels.tensorcore.sm90 import prep, tiles
-from convforge.kernels.tensorcore.sm90.epilogue import Output
+from convforge.kernels.tensorcore.sm90.epilogue import Output, reduce_kernel
 from convforge.kernels.tensorcore.sm90.isa import Math
 from convforge.kernels.tensorcore.sm90.kernel import gemm_kernel
 from convforge.kernels.tensorcore.sm90.operands import DenseRows, Geometry, Im2colNhwc
 from convforge.kernels.tensorcore.sm90.tiles import Problem, TileConfig
 from convforge.kernels.tensorcore.sm90.variants import TcImplicitGemm, tolerance
+from convforge.kernels.tensorcore.sm90.wgrad import TcWgrad, geometry
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Launch, Plan
 from convforge.spec import ConvSpec
@@ -164,6 +171,78 @@ class TcGrouped(TcImplicitGemm):
                     self._workspace(spec, cfg), tolerance(math, spec.dtype), epilogue)
 
 
+class TcGroupedWgrad(TcWgrad):
+    """wgrad of a grouped layer: the wgrad generator's GEMM per group, the groups batched (the module
+    docstring)."""
+
+    grouped = True
+    named_only = True  # until a GPU has run and timed it
+
+    def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
+        if spec.groups == 1:
+            return f"{self.name} runs grouped layers (groups > 1); wgrad_tc_implicit_gemm_* runs the others"
+        if spec.depthwise:
+            return "a depthwise layer's filter gradient is the depthwise family's (depthwise_wgrad)"
+        return super().applies(spec, device)
+
+    def problem(self, spec: ConvSpec) -> Problem:
+        return Problem(spec.cg * spec.r * spec.s, spec.kg, spec.p * spec.q * self._cp(spec), spec.groups)
+
+    def operands(self, spec: ConvSpec, cfg: TileConfig) -> tuple[Im2colNhwc, DenseRows]:
+        """A: group z's im2col rows (c, r, s) of x' = [C][H][W][Np], images z Cg ..; B: its dy' rows z Kg .."""
+        math, prob, cp = self.math(spec), self.problem(spec), self._cp(spec)
+        geo = dataclasses.replace(geometry(dataclasses.replace(spec, c=spec.cg, groups=1), cp),
+                                  group_stride=spec.cg * spec.h * spec.w * cp)
+        a = Im2colNhwc("a", cfg.a_tile(), math, "xt", geo=geo)
+        b = DenseRows("b", cfg.b_tile(), math, "dyt", rows=spec.kg, ld=prob.kred, kred=prob.kred,
+                      batch_stride=spec.kg * prob.kred)
+        return a, b
+
+    def output(self, spec: ConvSpec) -> Output:
+        """dW (K Cg R S) as group z's D (Cg R S x Kg): row (c, r s), column k at ((z Kg + k) Cg + c) R S + r s."""
+        rs, prob = spec.r * spec.s, self.problem(spec)
+        return Output("w", prob.m, prob.n, rs, spec.dtype, istride=rs, kstride=spec.cg * rs, slab=prob.m * prob.n,
+                      epi=Epilogue())
+
+    def _workspace(self, spec: ConvSpec, cfg: TileConfig) -> tuple[tuple[str, int], ...]:
+        """The transposed x and dy (whole tensors, as TcWgrad's) and every group's split partials."""
+        math, prob, cp = self.math(spec), self.problem(spec), self._cp(spec)
+        ws: tuple[tuple[str, int], ...] = ()
+        for name, elems in (("xt", spec.c * spec.h * spec.w * cp), ("dyt", spec.k * prob.kred)):
+            ws += tuple(((name if p == "hi" else f"{name}_{p}"), math.esize * elems) for p in math.parts)
+            ws += prep.scale_workspace(name, math)
+        if cfg.ks > 1:
+            ws += (("part", 4 * cfg.ks * prob.batch * prob.m * prob.n),)
+        return ws
+
+    def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
+             epilogue: Epilogue = Epilogue()) -> Plan:
+        math, prob, cfg = self.math(spec), self.problem(spec), TileConfig.of(params)
+        if epilogue != Epilogue():
+            raise ValueError(f"{self.name}: a gradient has no epilogue")
+        why = cfg.problems(math, prob, self.limit(device))
+        if why:
+            raise ValueError(f"{self.name}: {'; '.join(why)}")
+        a, b = self.operands(spec, cfg)
+        final = self.output(spec)
+        total = prob.batch * prob.m * prob.n
+        out = final if cfg.ks == 1 else Output("part", prob.m, prob.n, final.pq, slab=prob.m * prob.n, epi=None)
+        gk = gemm_kernel(f"{self.name}_gemm", math, cfg, prob, a, b, out)
+        kernels, steps = self.steps_before(spec)
+        kernels.append(gk)
+        steps.append(Launch(gk.name, (cfg.grid(prob, device.units), 1, 1), gk.block,
+                            tuple(x.name for x in a.args() + b.args()) + out.refs()))
+        if cfg.ks > 1:
+            rk, rgrid = reduce_kernel(f"{self.name}_reduce", final, cfg.ks, total, prob.batch)
+            kernels.append(rk)
+            steps.append(Launch(rk.name, rgrid, rk.block, ("part",) + final.refs()))
+        return Plan(self.name, self.family, spec, params, tuple(kernels), tuple(steps),
+                    self._workspace(spec, cfg), self.plan_tolerance(spec), epilogue)
+
+
 register(TcGrouped("tc_grouped_tf32", frozenset({"float32"}), False, "relaxed", 12))
 register(TcGrouped("tc_grouped_3xtf32", frozenset({"float32"}), True, "fp32", 8))
 register(TcGrouped("tc_grouped_half", frozenset({"float16", "bfloat16"}), False, "fp32", 12))
+register(TcGroupedWgrad("wgrad_tc_grouped_tf32", frozenset({"float32"}), False, "relaxed", 12))
+register(TcGroupedWgrad("wgrad_tc_grouped_3xtf32", frozenset({"float32"}), True, "fp32", 8))
+register(TcGroupedWgrad("wgrad_tc_grouped_half", frozenset({"float16", "bfloat16"}), False, "fp32", 12))
