@@ -227,14 +227,19 @@ def test_bad_settings_name_the_problem() -> None:
 @pytest.mark.parametrize("dtype", DTYPES[1:])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_cuda_sources_compile_without_spills(nvcc_ok, dtype: str, layout: str) -> None:  # type: ignore[no-untyped-def]
-    """Each half dtype and layout, on three shapes (a ResNet stage-1 block with its residual, 2048 channels
-    of 7x7, a prime channel count): every form of the program compiles for sm_90 without spills; the
-    parameters' dtype (float32 master or the activations' half, which changes only their loads) alternates
-    over the shapes, both covered."""
+    """Three shapes (a ResNet stage-1 block with its residual, 2048 channels of 7x7, a prime channel
+    count): every form of the program compiles for sm_90 without spills. float16 and bfloat16 change
+    only the loads, stores and conversions, so the two take the shapes in turns, swapped between the
+    layouts: each shape compiles in each layout and each dtype. The parameters' dtype (float32 master
+    or the activations' half, which changes only their loads) alternates over the shapes, both covered
+    in each dtype and each layout."""
     from convforge.codegen.nvcc import ptxas_report
 
     shapes = [dict(n=32, c=256, hw=56 * 56, residual=True), dict(n=32, c=2048, hw=49), dict(n=8, c=37, hw=9)]
+    turn = (DTYPES[1:].index(dtype) + LAYOUTS.index(layout)) % 2
     for i, shape in enumerate(shapes):
+        if i % 2 != turn:
+            continue
         for pdtype in (("float32", dtype)[i % 2],):
             bn = BnTrain(**shape, dtype=dtype, pdtype=pdtype, layout=layout)  # type: ignore[arg-type]
             # one kernel a pass, the split form the device would pick, statistics from 64 partial sums
