@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -22,7 +24,8 @@ def test_variant_on_pocl(ocl, name, spec):
     v = get_variant(name)
     if v.applies(spec, ocl.device):
         pytest.skip(f"{name}: {v.applies(spec, ocl.device)}")
-    for i, params in enumerate(sample(v, spec, ocl.device, k=2, seed=hash(spec.key()) % 1000)):
+    seed = zlib.crc32(spec.key().encode()) % 1000  # the same points on every run (hash() is salted per process)
+    for i, params in enumerate(sample(v, spec, ocl.device, k=2, seed=seed)):
         res = check_plan(v.plan(spec, params, ocl.device), ocl, seed=i)
         assert res.ok, f"{name} [{params.short()}] {spec.short()}: {res}"
 
