@@ -43,15 +43,14 @@ import dataclasses
 from convforge.codegen.dialect import Dim3, Kernel
 from convforge.kernels import register
 from convforge.kernels.tensorcore.sm90 import prep, tiles
-from convforge.kernels.tensorcore.sm90.epilogue import Output, reduce_kernel
+from convforge.kernels.tensorcore.sm90.epilogue import Output
 from convforge.kernels.tensorcore.sm90.isa import Math
-from convforge.kernels.tensorcore.sm90.kernel import gemm_kernel
 from convforge.kernels.tensorcore.sm90.operands import DenseRows, Geometry, Im2colNhwc
 from convforge.kernels.tensorcore.sm90.tiles import Problem, TileConfig
-from convforge.kernels.tensorcore.sm90.variants import TcImplicitGemm, tolerance
+from convforge.kernels.tensorcore.sm90.variants import TcImplicitGemm
 from convforge.kernels.tensorcore.sm90.wgrad import TcWgrad, geometry
 from convforge.params import Params
-from convforge.plan import DeviceInfo, Epilogue, Launch, Plan
+from convforge.plan import DeviceInfo, Epilogue, Plan
 from convforge.spec import ConvSpec
 
 
@@ -144,31 +143,14 @@ class TcGrouped(TcImplicitGemm):
 
     def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
              epilogue: Epilogue = Epilogue()) -> Plan:
-        math, prob, cfg = self.math(spec), self.problem(spec), TileConfig.of(params)
-        why = cfg.problems(math, prob, self.limit(device))
-        if why:
-            raise ValueError(f"{self.name}: {'; '.join(why)}")
+        """The forward's plan (prep steps, one GEMM launch) once the point is one this variant runs."""
+        cfg = TileConfig.of(params)
         if cfg.ks != 1 or cfg.tm or cfg.cl != 1:
             raise ValueError(f"{self.name}: ks ({cfg.ks}), tm ({cfg.tm}) and cl ({cfg.cl}) must be 1, 0 and 1 "
                              "(each group's reduction whole, its operands by cp.async)")
         if epilogue.k_total:
             raise ValueError(f"{self.name}: unsupported epilogue: a channel offset (the groups place the channels)")
-        ld = self._ld(spec, cfg)
-        a, b = self._operands(spec, cfg)
-        out = self.output(spec, epilogue)
-        gk = gemm_kernel(f"{self.name}_gemm", math, cfg, prob, a, b, out)
-        refs = lambda bufs: tuple(x.name for x in bufs)  # noqa: E731
-        kernels: list[Kernel] = []
-        steps: list[Launch] = []
-        for kern, grid, src, dst in self._prep_steps(spec, math, ld):
-            for k, launch in prep.launches(math, kern, grid, src, dst, spec):
-                kernels.append(k)
-                steps.append(launch)
-        steps.append(Launch(gk.name, (cfg.grid(prob, device.units), 1, 1), gk.block,
-                            refs(a.args()) + refs(b.args()) + out.refs()))
-        kernels.append(gk)
-        return Plan(self.name, self.family, spec, params, tuple(kernels), tuple(steps),
-                    self._workspace(spec, cfg), tolerance(math, spec.dtype), epilogue)
+        return super().plan(spec, params, device, epilogue)
 
 
 class TcGroupedWgrad(TcWgrad):
@@ -203,41 +185,6 @@ class TcGroupedWgrad(TcWgrad):
         rs, prob = spec.r * spec.s, self.problem(spec)
         return Output("w", prob.m, prob.n, rs, spec.dtype, istride=rs, kstride=spec.cg * rs, slab=prob.m * prob.n,
                       epi=Epilogue())
-
-    def _workspace(self, spec: ConvSpec, cfg: TileConfig) -> tuple[tuple[str, int], ...]:
-        """The transposed x and dy (whole tensors, as TcWgrad's) and every group's split partials."""
-        math, prob, cp = self.math(spec), self.problem(spec), self._cp(spec)
-        ws: tuple[tuple[str, int], ...] = ()
-        for name, elems in (("xt", spec.c * spec.h * spec.w * cp), ("dyt", spec.k * prob.kred)):
-            ws += tuple(((name if p == "hi" else f"{name}_{p}"), math.esize * elems) for p in math.parts)
-            ws += prep.scale_workspace(name, math)
-        if cfg.ks > 1:
-            ws += (("part", 4 * cfg.ks * prob.batch * prob.m * prob.n),)
-        return ws
-
-    def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
-             epilogue: Epilogue = Epilogue()) -> Plan:
-        math, prob, cfg = self.math(spec), self.problem(spec), TileConfig.of(params)
-        if epilogue != Epilogue():
-            raise ValueError(f"{self.name}: a gradient has no epilogue")
-        why = cfg.problems(math, prob, self.limit(device))
-        if why:
-            raise ValueError(f"{self.name}: {'; '.join(why)}")
-        a, b = self.operands(spec, cfg)
-        final = self.output(spec)
-        total = prob.batch * prob.m * prob.n
-        out = final if cfg.ks == 1 else Output("part", prob.m, prob.n, final.pq, slab=prob.m * prob.n, epi=None)
-        gk = gemm_kernel(f"{self.name}_gemm", math, cfg, prob, a, b, out)
-        kernels, steps = self.steps_before(spec)
-        kernels.append(gk)
-        steps.append(Launch(gk.name, (cfg.grid(prob, device.units), 1, 1), gk.block,
-                            tuple(x.name for x in a.args() + b.args()) + out.refs()))
-        if cfg.ks > 1:
-            rk, rgrid = reduce_kernel(f"{self.name}_reduce", final, cfg.ks, total, prob.batch)
-            kernels.append(rk)
-            steps.append(Launch(rk.name, rgrid, rk.block, ("part",) + final.refs()))
-        return Plan(self.name, self.family, spec, params, tuple(kernels), tuple(steps),
-                    self._workspace(spec, cfg), self.plan_tolerance(spec), epilogue)
 
 
 register(TcGrouped("tc_grouped_tf32", frozenset({"float32"}), False, "relaxed", 12))

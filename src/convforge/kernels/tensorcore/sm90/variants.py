@@ -367,6 +367,12 @@ class TcImplicitGemm(TcVariant):
         return out
 
     # -- plan ---------------------------------------------------------------------------------
+    def output(self, spec: ConvSpec, epilogue: Epilogue = Epilogue()) -> Output:
+        """D (N P Q x K) as y: NCHW planes, or NHWC rows (row m = pixel, its K channels contiguous)."""
+        prob = self.problem(spec)
+        pq = 1 if spec.layout == "nhwc" else spec.p * spec.q
+        return Output("y", prob.m, prob.n, pq, spec.dtype, epilogue.k_total, epilogue.k_offset, epi=epilogue)
+
     def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
              epilogue: Epilogue = Epilogue()) -> Plan:
         math, prob, cfg = self.math(spec), self.problem(spec), TileConfig.of(params)
@@ -377,9 +383,8 @@ class TcImplicitGemm(TcVariant):
             raise ValueError(f"{self.name}: tm=1: {self.tma_reason(spec, cfg)}")
         ld = self._ld(spec, cfg)
         a, b = self._operands(spec, cfg)
-        pq = 1 if spec.layout == "nhwc" else spec.p * spec.q  # NHWC: row m = pixel, its K channels contiguous
-        final = Output("y", prob.m, prob.n, pq, spec.dtype, epilogue.k_total, epilogue.k_offset, epi=epilogue)
-        out = final if cfg.ks == 1 else Output("part", prob.m, prob.n, pq, slab=prob.m * prob.n, epi=None)
+        final = self.output(spec, epilogue)
+        out = final if cfg.ks == 1 else Output("part", prob.m, prob.n, final.pq, slab=prob.m * prob.n, epi=None)
         gk = gemm_kernel(f"{self.name}_gemm", math, cfg, prob, a, b, out)
         refs = lambda bufs: tuple(x.name for x in bufs)  # noqa: E731
         kernels: list[Kernel] = []

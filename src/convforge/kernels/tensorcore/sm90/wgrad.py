@@ -196,7 +196,7 @@ class TcWgrad(TcVariant):
             out += tuple(((name if p == "hi" else f"{name}_{p}"), math.esize * elems) for p in math.parts)
             out += prep.scale_workspace(name, math)
         if cfg.ks > 1:
-            out += (("part", 4 * cfg.ks * prob.m * prob.n),)
+            out += (("part", 4 * cfg.ks * prob.batch * prob.m * prob.n),)
         return out
 
     # -- plan ---------------------------------------------------------------------------------
@@ -253,7 +253,7 @@ class TcWgrad(TcVariant):
         steps.append(Launch(gk.name, (cfg.grid(prob, device.units), 1, 1), gk.block,
                             tuple(x.name for x in a.args() + b.args()) + out.refs()))
         if cfg.ks > 1:
-            rk, rgrid = reduce_kernel(f"{self.name}_reduce", final, cfg.ks, prob.m * prob.n)
+            rk, rgrid = reduce_kernel(f"{self.name}_reduce", final, cfg.ks, prob.batch * prob.m * prob.n, prob.batch)
             kernels.append(rk)
             steps.append(Launch(rk.name, rgrid, rk.block, ("part",) + final.refs()))
         return Plan(self.name, self.family, spec, params, tuple(kernels), tuple(steps),
