@@ -618,6 +618,13 @@ def _truncated(a):
     return (a.astype(np.float32).view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32).astype(np.float64)
 
 
+def images_as_channels(t, cp):
+    """[N][C][H][W] -> [C][H][W][cp] (wgrad's x' and dy': images as channels, padded to cp), flat."""
+    out = np.zeros(t.shape[1:] + (cp,))
+    out[..., :t.shape[0]] = t.transpose(1, 2, 3, 0)
+    return out.ravel()
+
+
 def emulate_wgrad(spec: ConvSpec, math, cfg: TileConfig, seed: int = 0, planar: bool = False):
     """The wgrad plan's GEMM (tensorcore/sm90/wgrad.py) through the generator's expressions, operands laid
     out as its transposing steps write them (x' = [C][H][W][Np], dy' = [K][P Q Np]), or, ``planar``
@@ -643,12 +650,7 @@ def emulate_wgrad(spec: ConvSpec, math, cfg: TileConfig, seed: int = 0, planar: 
     cp = prob.kred // (spec.p * spec.q)
     a, b = variant.operands(spec, cfg)
 
-    def images_as_channels(t):  # [N][C][H][W] -> [C][H][W][cp]
-        out = np.zeros(t.shape[1:] + (cp,))
-        out[..., :t.shape[0]] = t.transpose(1, 2, 3, 0)
-        return out.ravel()
-
-    lay = np.ravel if planar else images_as_channels
+    lay = np.ravel if planar else functools.partial(images_as_channels, cp=cp)
     source = {"x": xs, "xt": xs, "y": ds, "dyt": ds}  # the buffer each operand reads
     data = {op.name: {p: lay(source[op.buf][p]) for p in math.parts} for op in (a, b)}
     out = dataclasses.replace(variant.output(spec), slab=prob.m * prob.n, epi=None)

@@ -20,7 +20,7 @@ from convforge.kernels.tensorcore.sm90.tiles import TileConfig
 from convforge.plan import Epilogue
 from convforge.reference import conv2d_ref
 from convforge.spec import ConvSpec
-from test_tensorcore_gen import DTYPE_OF, _krsc, _nhwc, _parts, _truncated, emulate_gemm
+from test_tensorcore_gen import DTYPE_OF, _krsc, _nhwc, _parts, _truncated, emulate_gemm, images_as_channels
 
 NAMES = {"tf32": "tc_grouped_tf32", "3xtf32": "tc_grouped_3xtf32", "f16": "tc_grouped_half", "bf16": "tc_grouped_half"}
 
@@ -185,13 +185,8 @@ def test_emulated_grouped_wgrad_equals_the_filter_gradient(spec, math, cfg):
     cp = prob.kred // (spec.p * spec.q)
     a, b = v.operands(spec, cfg)
 
-    def images_as_channels(t):  # [N][C][H][W] -> [C][H][W][cp]
-        out = np.zeros(t.shape[1:] + (cp,))
-        out[..., :t.shape[0]] = t.transpose(1, 2, 3, 0)
-        return out.ravel()
-
-    data = {"a": {p: images_as_channels(xs[p]) for p in math.parts},
-            "b": {p: images_as_channels(ds[p]) for p in math.parts}}
+    data = {"a": {p: images_as_channels(xs[p], cp) for p in math.parts},
+            "b": {p: images_as_channels(ds[p], cp) for p in math.parts}}
     out = dataclasses.replace(v.output(spec), epi=None)
     size = int(np.prod(spec.w_shape))
     y, written = emulate_gemm(cfg, math, prob, a, b, data, out, size=cfg.ks * size)
