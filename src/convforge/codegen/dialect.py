@@ -71,6 +71,8 @@ A kernel body is plain C using these tokens, which each renderer spells its own 
     WGMMA(type, k, N, desc_a, desc_b, d0 .. d{N/2-1})     m64nNk{k}, type tf32 (k 8), f16 or bf16 (k 16), FP32
                                                           accumulate, both operands K-major in shared memory
     WGMMA_Z(type, k, N, desc_a, desc_b, d0 .. d{N/2-1})   the same with D = A.B (scale-d 0: D starts at zero)
+    WGMMA_T / WGMMA_TZ(type, k, N, desc_a, desc_b, d...)  WGMMA / WGMMA_Z with both operands MN-major (f16 and
+                                                          bf16: the transpose immediates 1)
     WGMMA_RS(type, k, N, scale_d, a0, a1, a2, a3, desc_b, d0 .. d{N/2-1})
                                                           m64nNk{k} with A from registers (four 32-bit words a
                                                           lane, the mma.sync A layout per warp), B in shared
