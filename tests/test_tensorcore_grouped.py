@@ -13,6 +13,7 @@ import pytest
 from conftest import NOMINAL_CUDA
 from convforge.codegen.nvcc import sass_report
 from convforge.dtypes import rounded
+from convforge.dispatch.choice import is_fast, slow_reason
 from convforge.kernels import get_variant, ranked, select
 from convforge.kernels.tensorcore.sm90.cexpr import evaluate
 from convforge.kernels.tensorcore.sm90.isa import BF16, F16, TF32, X3TF32
@@ -78,13 +79,22 @@ def test_each_group_reads_the_bias_of_its_own_channels():
             assert evaluate(out.bias_col("k", "z"), {"k": k, "z": z}) == z * spec.kg + k
 
 
-def test_no_variant_no_gpu_has_run_is_picked_without_its_name():
-    """tc_grouped_* are named_only: 'auto' and the implicit_gemm family leave them out (a channels-last
-    half grouped layer has no variant for 'auto' then, as before); their own names reach them."""
-    spec = ConvSpec.make(4, 64, 15, 13, 128, 3, 3, 1, 1, groups=8, dtype="float16", layout="nhwc")
-    assert ranked("auto", spec, NOMINAL_CUDA) == []
-    assert all(not v.name.startswith("tc_grouped") for v in select("implicit_gemm", spec, NOMINAL_CUDA))
-    assert [v.name for v in select("tc_grouped_half", spec, NOMINAL_CUDA)] == ["tc_grouped_half"]
+def test_auto_takes_the_timed_grouped_forward_and_names_its_narrow_groups_slow():
+    """tc_grouped_half (timed on an H200) is in 'auto' and the implicit_gemm family; its groups of fewer
+    than 16 output channels count as slow (dispatch.is_fast, so a half layer goes to PyTorch); the
+    untimed TF32 forms and the grouped dgrad / wgrad are reached by name only."""
+    spec = ConvSpec.make(4, 64, 15, 13, 128, 3, 3, 1, 1, groups=4, dtype="float16", layout="nhwc")
+    assert [v.name for v in ranked("auto", spec, NOMINAL_CUDA)] == ["tc_grouped_half"]
+    assert is_fast(get_variant("tc_grouped_half"), spec, NOMINAL_CUDA)
+    narrow = dataclasses.replace(spec, groups=16)  # 8 output channels a group
+    assert not is_fast(get_variant("tc_grouped_half"), narrow, NOMINAL_CUDA)
+    assert "8 output channels" in slow_reason(narrow, NOMINAL_CUDA, get_variant("tc_grouped_half"))
+    f32 = dataclasses.replace(spec, dtype="float32")
+    assert all(not v.name.startswith("tc_grouped") for v in ranked("auto", f32, NOMINAL_CUDA))
+    for name in ("dgrad_tc_grouped_half", "wgrad_tc_grouped_half"):
+        back = dataclasses.replace(spec, conv_pass=name[:5])
+        assert name not in [v.name for v in ranked("auto", back, NOMINAL_CUDA)]
+        assert [v.name for v in select(name, back, NOMINAL_CUDA)] == [name]
 
 
 @pytest.mark.parametrize("why, spec", [

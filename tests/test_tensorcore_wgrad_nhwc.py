@@ -105,8 +105,12 @@ def test_refusals_say_why():
 
 
 def test_ranked_first_for_channels_last_half_wgrad():
+    """First for channels-last half wgrad, except 3x3 filters on 7x7 output images (the transposed path)."""
     spec = _half(ConvSpec.make(32, 256, 14, 14, 256, 3, 3, 1, 1), "bfloat16")
     assert ranked("auto", spec, NOMINAL_CUDA)[0].name == NAME
+    assert ranked("auto", _half(ConvSpec.make(32, 512, 7, 7, 512, 1, 1), "float16"), NOMINAL_CUDA)[0].name == NAME
+    small = _half(ConvSpec.make(32, 512, 7, 7, 512, 3, 3, 1, 1), "float16")
+    assert ranked("auto", small, NOMINAL_CUDA)[0].name == "wgrad_tc_implicit_gemm_half"
 
 
 @pytest.mark.parametrize("spec", [ConvSpec.make(128, 256, 56, 56, 64, 1, 1),

@@ -317,6 +317,12 @@ class Variant:
         is); a variant whose measured standing depends on the layer overrides it."""
         return self.specialised
 
+    def slow_on(self, spec: ConvSpec) -> str | None:
+        """Why this variant, though it runs ``spec`` on the tensor cores, is measured far below the vendor
+        library's kernels there (``dispatch.is_fast`` then counts it slow, and a half layer goes to
+        PyTorch), or None."""
+        return None
+
     def expected_error(self, spec: ConvSpec) -> float:
         """Typical relative L2 error on ``spec`` (stated, from docs/NOTES-winograd.md's accuracy table):
         what the precision rule uses where the tuner measured nothing. Exact FP32 sums of products

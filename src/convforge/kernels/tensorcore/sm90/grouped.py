@@ -31,14 +31,18 @@ group z's filter gradient (Cg R S x Kg) reads images z Cg .. of x' = [C][H][W][N
 rows z Kg .. of dy' = [K][P Q Np], split over the long reduction with a reduce that knows the groups; any
 Cg (the channels are the images there), depthwise layers excepted (their own wgrad family).
 
-Emulated tile by tile against float64 (tests/test_tensorcore_grouped.py) and compiled by nvcc; no GPU
-has run them yet, so they are reached only by name (``Variant.named_only``: ``algo="tc_grouped_half"``,
-``bench --algo tc_grouped_half``), never by ``auto`` or the implicit_gemm family.
+Emulated tile by tile against float64 (tests/test_tensorcore_grouped.py), compiled by nvcc and checked on an
+H200 (tests/test_gpu_grouped.py). Timed there only ``tc_grouped_half``'s forward (docs/BENCHMARKS.md), which
+``auto`` takes; its groups of fewer than :data:`NARROW` output channels leave most of a 64-column tile
+empty and ran at 0.36x cuDNN-best (ResNeXt-50's 8-channel groups), so the variant calls itself slow there
+(``slow_on``) and a half layer goes to PyTorch. The others, not yet timed, are reached only by name
+(``Variant.named_only``: ``algo="tc_grouped_tf32"``, ``bench --algo wgrad_tc_grouped_half``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from convforge.codegen.dialect import Dim3, Kernel
 from convforge.kernels import register
@@ -53,13 +57,25 @@ from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Plan
 from convforge.spec import ConvSpec
 
+TIMED = frozenset({"tc_grouped_half"})  # timed on an H200 (docs/BENCHMARKS.md): in 'auto'; the others by name
+NARROW = 16  # output channels a group below which the forward counts itself slow (slow_on)
+
 
 class TcGrouped(TcImplicitGemm):
     """Grouped convolution as one batched GEMM of its groups (see the module docstring)."""
 
     grouped = True
-    named_only = True  # until a GPU has run and timed it (the module docstring)
     offset_ok = False  # a concat's channel offset: the groups' slabs already place the channels
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.named_only = self.name not in TIMED  # until a GPU has timed it (the module docstring)
+
+    def slow_on(self, spec: ConvSpec) -> str | None:
+        if spec.kg < NARROW:
+            return (f"groups of {spec.kg} output channels fill {spec.kg} of a tile's 64 columns (ResNeXt-50's "
+                    "8-channel groups ran at 0.36x cuDNN-best on an H200)")
+        return None
 
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
         """The generator's rank on sm_90 (what it would take once timed: above the CUDA-core grouped GEMMs)."""

@@ -39,6 +39,7 @@ from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Launch, Plan
 from convforge.spec import ConvSpec
 
+SMALL_IMAGE = 64  # output pixels an image at or below which multi-tap layers rank below the transposed path
 # Block tiles (bm x bn, consumers) in the order the default prefers them at equal modelled time.
 SHAPES = ((128, 128, 2), (128, 64, 2), (128, 192, 2), (64, 128, 1), (64, 64, 1), (256, 64, 2), (128, 256, 2))
 
@@ -60,8 +61,14 @@ class TcWgradNhwc(TcVariant):
     optional_params = {**TcVariant.optional_params, "mn": frozenset({1})}
 
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
-        """Above the transposed path on sm_90 (no transposing steps)."""
-        return self.specialised if device_reason(device) is not None else RANK_SM90 + 1
+        """Above the transposed path on sm_90 (no transposing steps), except filters of several taps on
+        output images of at most :data:`SMALL_IMAGE` pixels, where the transposed path ran twice as fast
+        (ResNet-50's 3x3 layers at 7x7 output, H200: 0.048 ms against 0.026)."""
+        if device_reason(device) is not None:
+            return self.specialised
+        if spec.r * spec.s > 1 and spec.p * spec.q <= SMALL_IMAGE:
+            return RANK_SM90 - 1
+        return RANK_SM90 + 1
 
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
         why = super().applies(spec, device) or device_reason(device)
