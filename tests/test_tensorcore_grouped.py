@@ -12,8 +12,8 @@ import pytest
 
 from conftest import NOMINAL_CUDA
 from convforge.codegen.nvcc import sass_report
-from convforge.dtypes import rounded
 from convforge.dispatch.choice import is_fast, slow_reason
+from convforge.dtypes import rounded
 from convforge.kernels import get_variant, ranked, select
 from convforge.kernels.tensorcore.sm90.cexpr import evaluate
 from convforge.kernels.tensorcore.sm90.isa import BF16, F16, TF32, X3TF32
