@@ -31,10 +31,10 @@ group z's filter gradient (Cg R S x Kg) reads images z Cg .. of x' = [C][H][W][N
 rows z Kg .. of dy' = [K][P Q Np], split over the long reduction with a reduce that knows the groups; any
 Cg (the channels are the images there), depthwise layers excepted (their own wgrad family).
 
-Emulated tile by tile against float64 (tests/test_tensorcore_grouped.py), compiled by nvcc and checked on an
-H200 (tests/test_gpu_grouped.py). Timed there only ``tc_grouped_half``'s forward (docs/BENCHMARKS.md), which
+Emulated tile by tile against float64 (tests/test_tensorcore_grouped.py), compiled by nvcc and checked on a
+GPU (tests/test_gpu_grouped.py). Timed there only ``tc_grouped_half``'s forward (docs/BENCHMARKS.md), which
 ``auto`` takes; its groups of fewer than :data:`NARROW` output channels leave most of a 64-column tile
-empty and ran at 0.36x cuDNN-best (ResNeXt-50's 8-channel groups), so the variant calls itself slow there
+empty and ran far below cuDNN (docs/NOTES-tensorcore.md), so the variant calls itself slow there
 (``slow_on``) and a half layer goes to PyTorch. The others, not yet timed, are reached only by name
 (``Variant.named_only``: ``algo="tc_grouped_tf32"``, ``bench --algo wgrad_tc_grouped_half``).
 """
@@ -57,7 +57,7 @@ from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Plan
 from convforge.spec import ConvSpec
 
-TIMED = frozenset({"tc_grouped_half"})  # timed on an H200 (docs/BENCHMARKS.md): in 'auto'; the others by name
+TIMED = frozenset({"tc_grouped_half"})  # timed on a GPU (docs/BENCHMARKS.md): in 'auto'; the others by name
 NARROW = 16  # output channels a group below which the forward counts itself slow (slow_on)
 
 
@@ -73,8 +73,8 @@ class TcGrouped(TcImplicitGemm):
 
     def slow_on(self, spec: ConvSpec) -> str | None:
         if spec.kg < NARROW:
-            return (f"groups of {spec.kg} output channels fill {spec.kg} of a tile's 64 columns (ResNeXt-50's "
-                    "8-channel groups ran at 0.36x cuDNN-best on an H200)")
+            return (f"groups of {spec.kg} output channels fill {spec.kg} of a tile's 64 columns (measured far below "
+                    "cuDNN: docs/NOTES-tensorcore.md)")
         return None
 
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:

@@ -8,8 +8,7 @@ runs along the reduction in memory, but for 16-bit types wgmma reads MN-major sh
 transpose immediates), and the TMA copies that bring the forward pass's K-major tiles bring these
 unchanged: per stage, ``kb`` x 64 output pixels by 64 channels of x at the tile's tap (an im2col copy,
 padding and stride by the copy engine) and of dy (a tiled copy of [N P Q][K]). No transposing step:
-the transposed path (wgrad.py) moves x and dy twice more, about half of an AMP ResNet-50 step's wgrad
-time on an H200 (docs/NOTES-training.md).
+the transposed path (wgrad.py) moves x and dy twice more (what that cost: docs/NOTES-training.md).
 
 * A = :class:`~convforge.kernels.tensorcore.sm90.operands.MnIm2col`: rows (rs, c) with c fastest; each
   block of 64 rows lies in one tap (C a multiple of 64), so a 128-row tile of a 64-channel layer takes
@@ -62,8 +61,8 @@ class TcWgradNhwc(TcVariant):
 
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
         """Above the transposed path on sm_90 (no transposing steps), except filters of several taps on
-        output images of at most :data:`SMALL_IMAGE` pixels, where the transposed path ran twice as fast
-        (ResNet-50's 3x3 layers at 7x7 output, H200: 0.048 ms against 0.026)."""
+        output images of at most :data:`SMALL_IMAGE` pixels, where the transposed path ran faster
+        (docs/NOTES-tensorcore.md)."""
         if device_reason(device) is not None:
             return self.specialised
         if spec.r * spec.s > 1 and spec.p * spec.q <= SMALL_IMAGE:
