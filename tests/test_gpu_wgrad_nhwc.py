@@ -19,11 +19,13 @@ pytestmark = pytest.mark.gpu
 ODD = [ConvSpec.make(1, 64, 7, 7, 24, 3, 3, 1, 1), ConvSpec.make(3, 128, 9, 11, 40, 3, 3, 2, (1, 0, 2, 1)),
        ConvSpec.make(1, 64, 5, 7, 136, 1, 1), ConvSpec.make(2, 64, 13, 13, 64, 5, 5, 1, 3, 2),
        ConvSpec.make(1, 64, 31, 29, 16, 11, 11, 4, (2, 1, 0, 3)), ConvSpec.make(2, 128, 9, 9, 64, 1, 1, 2),
-       ConvSpec.make(5, 192, 17, 13, 8, 3, 3, 1, 1)]
+       ConvSpec.make(5, 192, 17, 13, 8, 3, 3, 1, 1),
+       ConvSpec.make(3, 96, 5, 7, 40, 1, 1), ConvSpec.make(1, 24, 9, 7, 16, 1, 1)]  # 1x1 of any C % 8 == 0
 RESNET50 = [ConvSpec.make(8, 64, 56, 56, 64, 1, 1), ConvSpec.make(8, 64, 56, 56, 64, 3, 3, 1, 1),
             ConvSpec.make(8, 64, 56, 56, 256, 1, 1), ConvSpec.make(8, 256, 56, 56, 128, 1, 1),
             ConvSpec.make(8, 128, 56, 56, 128, 3, 3, 2, 1), ConvSpec.make(8, 256, 56, 56, 512, 1, 1, 2),
-            ConvSpec.make(8, 512, 14, 14, 512, 3, 3, 1, 1), ConvSpec.make(8, 2048, 7, 7, 512, 1, 1)]
+            ConvSpec.make(8, 512, 14, 14, 512, 3, 3, 1, 1), ConvSpec.make(8, 2048, 7, 7, 512, 1, 1),
+            ConvSpec.make(8, 240, 28, 28, 40, 1, 1), ConvSpec.make(8, 40, 28, 28, 240, 1, 1)]  # EfficientNet-B0
 
 
 def _half(spec: ConvSpec, dtype: str) -> ConvSpec:

@@ -56,6 +56,9 @@ CASES = [(ConvSpec.make(2, 64, 7, 7, 24, 3, 3, 1, 1), F16, TileConfig(64, 64, 1,
          (ConvSpec.make(1, 64, 31, 29, 16, 11, 11, 4, (2, 1, 0, 3)), F16,
           TileConfig(64, 64, 1, 2, 1, ks=2, tm=1, mn=1)),
          (ConvSpec.make(2, 128, 9, 9, 64, 1, 1, 2), F16, TileConfig(128, 64, 1, 2, 2, tm=1, mn=1)),
+         # 1x1 layers of C not a multiple of 64 (x as [N H W][C] rows): 96 on 128-row tiles, 24 below one block
+         (ConvSpec.make(3, 96, 5, 7, 40, 1, 1), F16, TileConfig(128, 64, 1, 2, 2, ks=2, tm=1, mn=1)),
+         (ConvSpec.make(1, 24, 9, 7, 16, 1, 1), BF16, TileConfig(64, 64, 1, 2, 1, tm=1, mn=1)),
          # three 64-column blocks of B (bn 192) over K = 200
          (ConvSpec.make(1, 64, 5, 6, 200, 3, 3, 1, 1), BF16, TileConfig(128, 192, 1, 2, 2, tm=1, mn=1))]
 
@@ -96,6 +99,9 @@ def test_refusals_say_why():
     assert "NCHW" in v.applies(ConvSpec.from_dict({**_half(base, "float16").to_dict(), "layout": "nchw"}),
                                NOMINAL_CUDA)
     assert "64-channel" in v.applies(_half(ConvSpec.make(2, 96, 8, 8, 32, 3, 3, 1, 1), "float16"), NOMINAL_CUDA)
+    assert "64-channel" in v.applies(_half(ConvSpec.make(2, 96, 8, 8, 32, 1, 1, 2), "float16"), NOMINAL_CUDA)
+    assert v.applies(_half(ConvSpec.make(2, 96, 8, 8, 32, 1, 1), "float16"), NOMINAL_CUDA) is None
+    assert "16-byte rows of x" in v.applies(_half(ConvSpec.make(2, 36, 8, 8, 32, 1, 1), "float16"), NOMINAL_CUDA)
     assert "16-byte" in v.applies(_half(ConvSpec.make(2, 64, 8, 8, 36, 3, 3, 1, 1), "float16"), NOMINAL_CUDA)
     assert "grouped" in v.applies(_half(ConvSpec.make(2, 128, 8, 8, 128, 3, 3, 1, 1, groups=2), "float16"),
                                   NOMINAL_CUDA)
@@ -116,7 +122,8 @@ def test_ranked_first_for_channels_last_half_wgrad():
 @pytest.mark.parametrize("spec", [ConvSpec.make(128, 256, 56, 56, 64, 1, 1),
                                   ConvSpec.make(128, 64, 56, 56, 64, 3, 3, 1, 1),
                                   ConvSpec.make(128, 512, 28, 28, 1024, 1, 1, 2),
-                                  ConvSpec.make(3, 128, 9, 11, 40, 3, 3, 2, (1, 0, 2, 1))],
+                                  ConvSpec.make(3, 128, 9, 11, 40, 3, 3, 2, (1, 0, 2, 1)),
+                                  ConvSpec.make(64, 240, 28, 28, 40, 1, 1)],
                          ids=lambda s: s.key())
 def test_plans_compile_without_spills_hgmma_in_sass(nvcc_ok, spec):
     """The default and two more points of each space compile for sm_90a without spills (the reduce

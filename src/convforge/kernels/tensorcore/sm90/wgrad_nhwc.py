@@ -12,7 +12,8 @@ the transposed path (wgrad.py) moves x and dy twice more (what that cost: docs/N
 
 * A = :class:`~convforge.kernels.tensorcore.sm90.operands.MnIm2col`: rows (rs, c) with c fastest; each
   block of 64 rows lies in one tap (C a multiple of 64), so a 128-row tile of a 64-channel layer takes
-  two taps.
+  two taps. A stride-1 unpadded 1x1 layer's x is a plain [N H W][C] matrix
+  (:class:`~convforge.kernels.tensorcore.sm90.operands.MnRows`), any C of whole 16-byte rows.
 * B = :class:`~convforge.kernels.tensorcore.sm90.operands.MnRows` over dy = [N P Q][K].
 * D stored into dW's K C R S layout (row (rs, c) at c R S + rs, column k at k C R S), split-K over
   the pixels with the deterministic reduce.
@@ -52,6 +53,12 @@ def geometry(spec: ConvSpec) -> Geometry:
     return Geometry(spec.n, spec.h, spec.w, spec.c, spec.p, spec.q, spec.r, spec.s, (sh, sw), (dh, dw), pt, pl, padded)
 
 
+def plain_1x1(spec: ConvSpec) -> bool:
+    """A stride-1 unpadded 1x1 layer: x is a [N H W][C] matrix, read by tiled copies (any C of whole
+    16-byte rows: blocks past C read zeros, and their rows of D are never stored)."""
+    return (spec.r, spec.s) == (1, 1) and spec.stride == (1, 1) and not any(spec.pad)
+
+
 class TcWgradNhwc(TcVariant):
     """wgrad of channels-last half layers by MN-major operands (see the module docstring)."""
 
@@ -75,14 +82,19 @@ class TcWgradNhwc(TcVariant):
             return why
         if spec.groups != 1:
             return "grouped layers: wgrad_tc_grouped_* (or the depthwise wgrad)"
-        if spec.c % 64:
-            return f"C ({spec.c}) is not a whole number of 64-channel boxes (the transposed path runs it)"
         if spec.k % 8:
             return f"K ({spec.k}) is not a whole number of 16-byte rows of dy"
-        op = MnIm2col("a", TileConfig(64, 64, 1, 2, 1, tm=1, mn=1).a_tile(), self.math(spec), "x", geo=geometry(spec))
-        why = tma.reason(op, 64)
-        if why:
-            return f"x cannot be walked by an im2col copy: {why}"
+        if plain_1x1(spec):
+            if spec.c % 8:
+                return f"C ({spec.c}) is not a whole number of 16-byte rows of x"
+        else:
+            if spec.c % 64:
+                return (f"C ({spec.c}) is not a whole number of 64-channel boxes (a box would straddle two taps; "
+                        "the transposed path runs it)")
+            tile = TileConfig(64, 64, 1, 2, 1, tm=1, mn=1).a_tile()
+            why = tma.reason(MnIm2col("a", tile, self.math(spec), "x", geo=geometry(spec)), 64)
+            if why:
+                return f"x cannot be walked by an im2col copy: {why}"
         prob = self.problem(spec)
         return self.wide(spec, spec.n * spec.h * spec.w * spec.c, spec.n * spec.p * spec.q * spec.k,
                          64 * prob.m * prob.n)
@@ -139,9 +151,13 @@ class TcWgradNhwc(TcVariant):
                       pix_col=rs, epi=Epilogue())
 
     def operands(self, spec: ConvSpec, cfg: TileConfig) -> tuple[Operand, Operand]:
-        """A: the tap's pixels of x (NHWC), B: dy = [N P Q][K]."""
+        """A: the tap's pixels of x (NHWC; a stride-1 unpadded 1x1 layer's x as [N H W][C] rows), B: dy =
+        [N P Q][K]."""
         math = self.math(spec)
-        a = MnIm2col("a", cfg.a_tile(), math, "x", geo=geometry(spec))
+        if plain_1x1(spec):
+            a: Operand = MnRows("a", cfg.a_tile(), math, "x", cols=spec.c, ld=spec.c, kred=spec.n * spec.h * spec.w)
+        else:
+            a = MnIm2col("a", cfg.a_tile(), math, "x", geo=geometry(spec))
         b = MnRows("b", cfg.b_tile(), math, "y", cols=spec.k, ld=spec.k, kred=spec.n * spec.p * spec.q)
         return a, b
 
