@@ -225,11 +225,11 @@ def _spills(v, spec: ConvSpec, prm, epi: Epilogue) -> int:  # type: ignore[no-un
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("name", half_variants("cuda"))
 def test_half_cuda_sources_compile_without_spills(nvcc_ok, name: str, dtype: str) -> None:
-    """nvcc -arch=sm_90: the default parameters compile without spills; a sampled point may spill
-    only where its float32 twin spills too (half storage adds none). The shapes the variant takes
-    alternate between the two half dtypes (which change only the loads, stores and conversions):
-    each shape compiled in one of them, each dtype on half the shapes (on the one shape where
-    only one applies)."""
+    """nvcc -arch=sm_90: the default parameters compile without spills; a sampled point (on the first
+    shape each dtype takes) may spill only where its float32 twin spills too (half storage adds none).
+    The shapes the variant takes alternate between the two half dtypes (which change only the loads,
+    stores and conversions): each shape compiled in one of them, each dtype on half the shapes (on the
+    one shape where only one applies)."""
     v = next(v for v in all_variants() if v.name == name)
     epi = Epilogue(True, True, v.residual_ok)
     done = 0
@@ -242,7 +242,7 @@ def test_half_cuda_sources_compile_without_spills(nvcc_ok, name: str, dtype: str
         spec = _with(base, dtype)
         default, *others = sample(v, spec, NOMINAL_CUDA, 1, seed=i)
         assert_compiles_clean(v, spec, default, NOMINAL_CUDA, epi)
-        for prm in others:
+        for prm in others if done == 0 else []:
             if _spills(v, spec, prm, epi):
                 assert _spills(v, base, prm, epi), f"{name} [{prm.short()}] spills in {dtype} only"
         done += 1
