@@ -25,10 +25,13 @@ GROUPED = [
 @pytest.mark.parametrize("spec", ODD_SPECS + GROUPED, ids=lambda s: s.key())
 @pytest.mark.parametrize("conv_pass", ["dgrad", "wgrad"])
 def test_baseline_on_pocl(ocl, conv_pass, spec):
+    """The space's first point on every shape, and its second on every other shape (in turns over the
+    two passes, each shape running both points in one of them)."""
     v = get_variant(f"{conv_pass}_direct")
+    both = ((ODD_SPECS + GROUPED).index(spec) + ("dgrad", "wgrad").index(conv_pass)) % 2 == 0
     spec = spec.with_pass(conv_pass)
     assert v.applies(spec, ocl.device) is None
-    for i, params in enumerate(v.space(spec, ocl.device)[:2]):
+    for i, params in enumerate(v.space(spec, ocl.device)[:2 if both else 1]):
         res = check_plan(v.plan(spec, params, ocl.device), ocl, seed=i)
         assert res.ok, f"{v.name} [{params.short()}] {spec.short()}: {res}"
 

@@ -1,10 +1,10 @@
 """Training batch norm kernels (kernels/batchnorm.py) in float16 / bfloat16 and channels-last on PoCL.
 
-Every (activation dtype x layout x ReLU x residual x affine x running statistics) combination against a
-float64 reference of the same stored inputs (the half values, widened), every output poisoned with NaN
-first; odd shapes (C prime, H*W odd, N = 1, H*W = 1, a ragged channel tile); one kernel a pass and the
-rows split over two blocks; Inf and NaN reaching what PyTorch's kernels let them reach; the CUDA source
-compiled by nvcc without spills.
+Every (activation dtype x ReLU x residual x affine x running statistics) combination, the two layouts
+taking them in turns (each layout every combination in some dtype), against a float64 reference of the
+same stored inputs (the half values, widened), every output poisoned with NaN first; odd shapes (C prime,
+H*W odd, N = 1, H*W = 1, a ragged channel tile); one kernel a pass and the rows split over two blocks; Inf
+and NaN reaching what PyTorch's kernels let them reach; the CUDA source compiled by nvcc without spills.
 
 Tolerances (relative L2 against float64 of the same inputs): what is stored in a half dtype is judged at
 ``dtypes.HALF_TOLERANCE`` (float16 1e-3, bfloat16 8e-3: about 3.5x the u / sqrt(3) that rounding the
@@ -38,15 +38,20 @@ SHAPES = [(2, 5, 9), (1, 8, 12), (6, 7, 1), (3, 12, 5)]
 
 
 def _combos() -> list[tuple[BnTrain, int]]:
-    """Every dtype x layout x relu x residual x affine x track, each with a shape of SHAPES in turn; the
-    rows split over 2 blocks for the affine, tracking ones (every dtype, layout, relu and residual sees
-    both forms, and each form every shape), one block per channel (tile) otherwise; the parameters in the
-    half dtype every other half case."""
+    """Every dtype x relu x residual x affine x track, the two layouts taking the 16 flag combinations in
+    turns (each dtype runs 8 in each layout; each layout runs every combination, in some dtype: the
+    layout changes the indexing and vector widths, the flags the arithmetic), each case with a shape of
+    SHAPES in turn (every shape in every dtype and layout, and with every relu x residual); the rows
+    split over 2 blocks for the affine, tracking ones (every dtype and layout sees both forms, the split
+    one on every shape), one block per channel (tile) otherwise; the parameters in the half dtype every
+    other half case (in both layouts, with and without the split)."""
     out = []
-    for i, (dtype, layout, relu, residual, affine, track) in enumerate(
-            itertools.product(DTYPES, LAYOUTS, (True, False), (True, False), (True, False), (True, False))):
-        n, c, hw = SHAPES[(i + i // 4) % len(SHAPES)]  # the split cases (i % 4 == 0) see every shape too
-        pdtype = dtype if dtype != "float32" and (i + i // 4) % 2 else "float32"
+    for i, (dtype, relu, residual, affine, track) in enumerate(
+            itertools.product(DTYPES, (True, False), (True, False), (True, False), (True, False))):
+        j = i % 16  # the flags' combination
+        layout = LAYOUTS[(DTYPES.index(dtype) + j + j // 4) % 2]
+        n, c, hw = SHAPES[(2 * i + i // 4 + i // 2) % len(SHAPES)]
+        pdtype = dtype if dtype != "float32" and (i + i // 8) % 2 else "float32"
         bn = BnTrain(n, c, hw, relu, residual, affine, track, momentum=0.2 if i % 3 else 0.1,
                      dtype=dtype, pdtype=pdtype, layout=layout)
         out.append((bn, 2 if affine and track else 1))
@@ -138,6 +143,17 @@ def _check(ocl, bn: BnTrain, sp: int | None, seed: int, offset: float = 0.5,  # 
         assert max(errs) < tol(bn.pdtype), ("dgamma, dbeta", errs)
     if bn.relu and bn.residual:
         assert rel_l2(_unlay(bn, got["gm"]), want["dres"]) == 0.0  # the masked dz, exact
+
+
+def test_the_combinations_cover_every_dtype_layout_and_flag() -> None:
+    """What _combos promises: every dtype with every flag combination, every layout with every flag
+    combination and every shape, the split form in every dtype and layout."""
+    cases = _combos()
+    flags = [(bn.relu, bn.residual, bn.affine, bn.track) for bn, _ in cases]
+    assert len({(bn.dtype, f) for (bn, _), f in zip(cases, flags)}) == len(DTYPES) * 16 == len(cases)
+    assert len({(bn.layout, f) for (bn, _), f in zip(cases, flags)}) == len(LAYOUTS) * 16
+    assert len({(bn.dtype, bn.layout, (bn.n, bn.c, bn.hw)) for bn, _ in cases}) == len(DTYPES) * len(LAYOUTS) * 4
+    assert len({(bn.dtype, bn.layout) for bn, sp in cases if sp > 1}) == len(DTYPES) * len(LAYOUTS)
 
 
 @pytest.mark.parametrize("case", _combos(), ids=_ids)

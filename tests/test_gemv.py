@@ -26,11 +26,14 @@ SPECS = [ConvSpec.make(1, 13, 1, 1, 7, 1, 1), ConvSpec.make(3, 5, 11, 11, 11, 11
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.key())
 def test_weight_stream_matches_the_reference(ocl, spec):
+    """The default and up to three sampled points, the plain store and bias + residual + ReLU taking
+    the points in turns (each layer runs both; the epilogue changes the stores, the point the tiling)."""
     assert V.applies(spec, ocl.device) is None
-    for params in sample(V, spec, ocl.device, k=3, seed=1):
-        for epi in (Epilogue(), Epilogue(bias=True, relu=True, residual=True)):
-            res = check_plan(V.plan(spec, params, ocl.device, epi), ocl, seed=2)
-            assert res.ok, f"{params.short()} {epi.tag()}: {res}"
+    epilogues = (Epilogue(), Epilogue(bias=True, relu=True, residual=True))
+    for i, params in enumerate(sample(V, spec, ocl.device, k=3, seed=1)):
+        epi = epilogues[(i + SPECS.index(spec)) % 2]
+        res = check_plan(V.plan(spec, params, ocl.device, epi), ocl, seed=2)
+        assert res.ok, f"{params.short()} {epi.tag()}: {res}"
 
 
 def test_every_point_of_the_space_on_one_layer(ocl):

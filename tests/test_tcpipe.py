@@ -249,10 +249,12 @@ def _specs(name: str) -> list[ConvSpec]:
 @pytest.mark.parametrize("name", NEW)
 def test_compiles_without_spills(nvcc_ok, name):
     """The default on every ResNet and odd layer the variant takes, and a sampled point of the tuning
-    space on the ResNet layers (the odd shapes' boundary code is the default's)."""
+    space on every other ResNet layer it takes (the odd shapes' boundary code is the default's)."""
     v = get_variant(name)
+    resnet = 0
     for spec in _specs(name):
-        k = 1 if spec in RESNET else 0
+        k = 1 if spec in RESNET and resnet % 2 == 0 else 0
+        resnet += spec in RESNET
         for i, p in enumerate(sample(v, spec, NOMINAL_CUDA, k=k, seed=3)):
             epi = Epilogue(bias=True, relu=True) if i == 0 else Epilogue()
             for info in ptxas_report(v.plan(spec, p, NOMINAL_CUDA, epi).source("cuda")):

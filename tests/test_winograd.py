@@ -527,12 +527,15 @@ def test_cuda_compiles_without_spills(name: str) -> None:
 @pytest.mark.parametrize("spec", RESNET, ids=lambda s: s.key())
 def test_two_block_points_fit_their_register_cap(m: int, spec: ConvSpec) -> None:
     """Fused points with mb=2 (__launch_bounds__(threads, 2)) compile with no spill and within two
-    blocks' share of the 64K-register file: the claim they are offered on."""
+    blocks' share of the 64K-register file: the claim they are offered on. The two ResNet layers offer
+    the same points (their registers do not depend on the layer's sizes) and take them in turns: each
+    point compiled once, each layer with half of them."""
     dev = NOMINAL_CUDA
     v = get_variant(f"winograd_fused_f{m}")
     points = [p for p in v.space(spec, dev) if p.get("mb")]
     assert points, "no two-block point offered"
-    for p in points:
+    assert points == [p for p in v.space(RESNET[1 - RESNET.index(spec)], dev) if p.get("mb")]
+    for p in points[RESNET.index(spec)::2]:
         plan = v.plan(spec, p, dev)
         assert "__launch_bounds__(" in plan.source("cuda") and ", 2)" in plan.source("cuda")
         info = next(i for i in _assert_ptxas_clean(plan) if i.kernel == "wino_fused")
@@ -540,26 +543,32 @@ def test_two_block_points_fit_their_register_cap(m: int, spec: ConvSpec) -> None
         assert info.registers <= 65536 // (2 * threads), (p.short(), info)
 
 
+SGEMM_COMPILE = [RESNET[0], ConvSpec.make(5, 832, 7, 7, 384, 3, 3, padding=1)]
+
+
 @pytest.mark.usefixtures("nvcc_ok")  # skips without nvcc, fails on CI
 @pytest.mark.parametrize("m", [2, 4, 6, 7])
-@pytest.mark.parametrize("spec", [RESNET[0], ConvSpec.make(5, 832, 7, 7, 384, 3, 3, padding=1)],
-                         ids=lambda s: s.key())
+@pytest.mark.parametrize("spec", SGEMM_COMPILE, ids=lambda s: s.key())
 def test_nonfused_sgemm_compiles_without_spills(m: int, spec: ConvSpec) -> None:
-    """The sgemm path's default point, and the default with the other output store (so), and
-    with a 3-way channel split: every kernel of the plan compiles with 0 spills."""
+    """The sgemm path's default point on both layers; and the default with the other output store
+    (so), with a 3-way channel split, the other filter form (hf), the other transforms (xi / xo), and
+    for F(6x6) / F(7x7) the 96-column tile, the L2 order and the transform blocks: every kernel of the
+    plan compiles with 0 spills. The two layers take those changed points in turns, swapped from one
+    tile size to the next: each compiled once per tile size, on each layer for some tile sizes (the
+    layer changes the default's tile and the size constants, the change the code path)."""
     dev = NOMINAL_CUDA
     v = get_variant(f"winograd_nonfused_f{m}")
     first = v.default(spec, dev)
-    for prm in (v.sgemm_default(spec, dev), first.replace(so=1 - first.get("so", 0)),
-                first.replace(ks=3), first.replace(hf=1 - first.get("hf", 0)),
-                first.replace(xi=1 - first.get("xi", 0), xo=1 - first.get("xo", 0), lo=0)):
-        _assert_ptxas_clean(v.plan(spec, prm, dev))
+    changed = [first.replace(so=1 - first.get("so", 0)), first.replace(ks=3), first.replace(hf=1 - first.get("hf", 0)),
+               first.replace(xi=1 - first.get("xi", 0), xo=1 - first.get("xo", 0), lo=0)]
     if m >= 6:  # the 96-column tile (8 x 12 accumulators), the L2 order and the transform blocks
         vb = 4 if Geometry(spec, m).tiles % 4 == 0 else 1
         n96 = Params(bm=64, bn=96, bk=8, tm=8, tn=12, va=4, vb=vb, pf=1, db=1, gemm="sgemm", tb=128)
-        for prm in (n96.replace(xi=1, xo=1, ks=2), first.replace(xi=1, xo=1, lo=1, xt=64),
-                    first.replace(xi=1, xo=1, xt=16)):
-            _assert_ptxas_clean(v.plan(spec, prm, dev))
+        changed += [n96.replace(xi=1, xo=1, ks=2), first.replace(xi=1, xo=1, lo=1, xt=64),
+                    first.replace(xi=1, xo=1, xt=16)]
+    turn = (SGEMM_COMPILE.index(spec) + [2, 4, 6, 7].index(m)) % 2
+    for prm in [v.sgemm_default(spec, dev), *changed[turn::2]]:
+        _assert_ptxas_clean(v.plan(spec, prm, dev))
 
 
 @pytest.mark.usefixtures("nvcc_ok")  # skips without nvcc, fails on CI
@@ -629,22 +638,26 @@ def test_fused_split_c_space_and_workspace() -> None:
 @pytest.mark.usefixtures("nvcc_ok")  # skips without nvcc, fails on CI
 @pytest.mark.parametrize("name", ["winograd_fused_f2", "winograd_fused_f4"])
 def test_fused_split_c_without_spills(name: str) -> None:
-    """Every split-C GPU point on a small-grid ResNet layer (even slices) and on a C = 200 layer
-    (uneven slices where offered), and the first and last on a second ResNet layer (the same
-    points, other constants), compile with 0 spills, the reduce kernel included."""
+    """Every split-C GPU point of a small-grid ResNet layer (even slices) compiles with 0 spills, the
+    reduce kernel included: those a C = 200 layer offers too (uneven slices) every other one there,
+    the rest on the ResNet layer (the same points, other constants); and the first and last on a second
+    ResNet layer."""
     dev = NOMINAL_CUDA
     v = get_variant(name)
-    seen = 0
-    for spec, ends in ((ConvSpec.make(32, 512, 7, 7, 512, 3, 3, padding=1), False),
-                       (ConvSpec.make(32, 256, 14, 14, 256, 3, 3, padding=1), True),
-                       (ConvSpec.make(32, 200, 7, 7, 512, 3, 3, padding=(1, 0, 1, 1)), False)):
-        points = [p for p in v.space(spec, dev) if "ks" in p]
-        for prm in points[::len(points) - 1] if ends else points:
-            seen += 1
-            for info in ptxas_report(v.plan(spec, prm, dev).source("cuda")):
-                assert info.spill_stores == 0 and info.spill_loads == 0, (prm.short(), info)
-                assert info.registers <= 255
-    assert seen >= 9
+    even, ends, uneven = (ConvSpec.make(32, 512, 7, 7, 512, 3, 3, padding=1),
+                          ConvSpec.make(32, 256, 14, 14, 256, 3, 3, padding=1),
+                          ConvSpec.make(32, 200, 7, 7, 512, 3, 3, padding=(1, 0, 1, 1)))
+    points = [p for p in v.space(even, dev) if "ks" in p]
+    offered = [p for p in v.space(uneven, dev) if "ks" in p]
+    assert len(points) >= 6 and offered and all(p in points for p in offered)
+    ending = [p for p in v.space(ends, dev) if "ks" in p]
+    cases = [(uneven if p in offered and i % 2 else even, p) for i, p in enumerate(points)]
+    cases += [(ends, ending[0]), (ends, ending[-1])]
+    assert any(spec is uneven for spec, _ in cases)
+    for spec, prm in cases:
+        for info in ptxas_report(v.plan(spec, prm, dev).source("cuda")):
+            assert info.spill_stores == 0 and info.spill_loads == 0, (prm.short(), info)
+            assert info.registers <= 255
 
 
 @pytest.mark.parametrize("m", [2, 4])
