@@ -32,10 +32,10 @@ rows z Kg .. of dy' = [K][P Q Np], split over the long reduction with a reduce t
 Cg (the channels are the images there), depthwise layers excepted (their own wgrad family).
 
 Emulated tile by tile against float64 (tests/test_tensorcore_grouped.py), compiled by nvcc and checked on a
-GPU (tests/test_gpu_grouped.py). Timed there only ``tc_grouped_half``'s forward (docs/BENCHMARKS.md), which
-``auto`` takes; its groups of fewer than :data:`NARROW` output channels leave most of a 64-column tile
-empty and ran far below cuDNN (docs/NOTES-tensorcore.md), so the variant calls itself slow there
-(``slow_on``) and a half layer goes to PyTorch. The others, not yet timed, are reached only by name
+GPU (tests/test_gpu_grouped.py). Timed there the half forwards (docs/BENCHMARKS.md), which ``auto`` takes:
+``tc_grouped_packed_half`` wherever groups pack, else ``tc_grouped_half``, whose groups of fewer than
+:data:`NARROW` output channels leave most of a 64-column tile empty and ran far below cuDNN
+(docs/NOTES-tensorcore.md), so it calls itself slow there (``slow_on``) and a half layer goes to PyTorch. The others, not yet timed, are reached only by name
 (``Variant.named_only``: ``algo="tc_grouped_tf32"``, ``bench --algo wgrad_tc_grouped_half``).
 """
 
@@ -57,7 +57,7 @@ from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Plan
 from convforge.spec import ConvSpec
 
-TIMED = frozenset({"tc_grouped_half"})  # timed on a GPU (docs/BENCHMARKS.md): in 'auto'; the others by name
+TIMED = frozenset({"tc_grouped_half", "tc_grouped_packed_half"})  # timed on a GPU: in 'auto'; others by name
 NARROW = 16  # output channels a group below which the forward counts itself slow (slow_on)
 
 
@@ -188,8 +188,8 @@ class TcGroupedPacked(TcGrouped):
     elsewhere). The tensor cores then multiply P times the useful products, as the unpacked form wastes
     (64 - Kg) of a tile's 64 columns, but a tile's reduction is P times longer (R S P Cg: whole stages
     instead of one or two) and its 64 stored columns all real, and groups of 4 channels (ResNeXt's first
-    stage, below an 8-channel chunk) become whole chunks. Emulated and compiled; no GPU has run it yet
-    (``named_only``)."""
+    stage, below an 8-channel chunk) become whole chunks. Ranked above the unpacked form wherever it packs:
+    faster on every ResNeXt-50 grouped layer timed, its 32-channel groups included (docs/BENCHMARKS.md)."""
 
     def __init__(self, name: str, dtypes: frozenset[str], x3: bool, precision: str, specialised: int) -> None:
         super().__init__(name, dtypes, x3, precision, specialised)
@@ -202,6 +202,10 @@ class TcGroupedPacked(TcGrouped):
 
     def slow_on(self, spec: ConvSpec) -> str | None:
         return None
+
+    def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
+        """One above the unpacked form (the class docstring)."""
+        return super().rank(spec, device) + 1
 
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
         if spec.groups == 1 or spec.depthwise:
