@@ -35,8 +35,9 @@ Emulated tile by tile against float64 (tests/test_tensorcore_grouped.py), compil
 GPU (tests/test_gpu_grouped.py). Timed there the half forwards (docs/BENCHMARKS.md), which ``auto`` takes:
 ``tc_grouped_packed_half`` wherever groups pack, else ``tc_grouped_half``, whose groups of fewer than
 :data:`NARROW` output channels leave most of a 64-column tile empty and ran far below cuDNN
-(docs/NOTES-tensorcore.md), so it calls itself slow there (``slow_on``) and a half layer goes to PyTorch. The others, not yet timed, are reached only by name
-(``Variant.named_only``: ``algo="tc_grouped_tf32"``, ``bench --algo wgrad_tc_grouped_half``).
+(docs/NOTES-tensorcore.md), so it calls itself slow there (``slow_on``) and a half layer goes to PyTorch.
+The others, not yet timed, are reached only by name (``Variant.named_only``: ``algo="tc_grouped_tf32"``,
+``bench --algo wgrad_tc_grouped_half``).
 """
 
 from __future__ import annotations
