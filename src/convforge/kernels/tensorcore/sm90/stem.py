@@ -45,7 +45,7 @@ from convforge.kernels.tensorcore.sm90 import prep
 from convforge.kernels.tensorcore.sm90.cexpr import Let, emit_all
 from convforge.kernels.tensorcore.sm90.epilogue import CTYPE, from_float, to_float
 from convforge.kernels.tensorcore.sm90.isa import ACC, KSTEP_BYTES, M, Math, device_reason
-from convforge.kernels.tensorcore.sm90.smem import MAX_SHARED, Tile
+from convforge.kernels.tensorcore.sm90.smem import ALIGN, MAX_SHARED, Tile
 from convforge.kernels.tensorcore.sm90.variants import RANK_SM90, TcVariant, tolerance
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Launch, Plan
@@ -140,7 +140,7 @@ class StemGeo:
     @property
     def woff(self) -> int:
         """Byte offset of the B tiles (1024-aligned)."""
-        return cdiv(self.strip_bytes * (2 if self.dual else 1), 1024) * 1024
+        return cdiv(self.strip_bytes * (2 if self.dual else 1), ALIGN) * ALIGN
 
     @property
     def btile(self) -> Tile:
@@ -178,7 +178,7 @@ class StemGeo:
     @property
     def shared_bytes(self) -> int:
         """Dynamic shared memory of a block (1024 bytes of slack for aligning the base)."""
-        return self.stoff + self.wg * self.stage_bytes + 1024
+        return self.stoff + self.wg * self.stage_bytes + ALIGN
 
     @property
     def threads(self) -> int:

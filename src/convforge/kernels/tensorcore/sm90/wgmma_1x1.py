@@ -57,7 +57,7 @@ from convforge.kernels.sgemm import Store
 from convforge.kernels.tensorcore.sm90 import smem
 from convforge.kernels.tensorcore.sm90.isa import ACC as ACC_LAYOUT
 from convforge.kernels.tensorcore.sm90.isa import CHUNK, KSTEP_BYTES, ROW_BYTES, TF32, device_reason, few_pixels
-from convforge.kernels.tensorcore.sm90.smem import MAX_SHARED, SBO
+from convforge.kernels.tensorcore.sm90.smem import ALIGN, MAX_SHARED, SBO
 from convforge.kernels.tensorcore.sm90.variants import TF32_EXPECTED, TF32_TOLERANCE
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
@@ -145,7 +145,7 @@ def stage_bytes(p: Params) -> int:
 
 def shared_bytes(p: Params) -> int:
     """Launch-sized shared memory: the stages plus 1 KB to align them to 1024 bytes."""
-    return p.st * stage_bytes(p) + 1024
+    return p.st * stage_bytes(p) + ALIGN
 
 
 def x_layout(p: Params) -> str:
