@@ -31,7 +31,7 @@ from convforge.codegen.dialect import Dim3, Kernel
 from convforge.codegen.meta import cdiv
 from convforge.kernels import register
 from convforge.kernels.tensorcore.sm90 import prep, tiles, tma
-from convforge.kernels.tensorcore.sm90.epilogue import Output, reduce_kernel
+from convforge.kernels.tensorcore.sm90.epilogue import Output, partials, reduce_kernel
 from convforge.kernels.tensorcore.sm90.isa import Math, device_reason, few_pixels, math_for
 from convforge.kernels.tensorcore.sm90.kernel import gemm_kernel
 from convforge.kernels.tensorcore.sm90.operands import DenseRows, Geometry, Im2colNhwc, Operand
@@ -396,6 +396,23 @@ class TcImplicitGemm(TcVariant):
 
     def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
              epilogue: Epilogue = Epilogue()) -> Plan:
+        return self._plan(spec, params, device, epilogue)
+
+    def plan_stats(self, spec: ConvSpec, params: Params, device: DeviceInfo) -> tuple[Plan, int]:
+        """(plan, P): the forward whose epilogue also writes the batch norm's per-channel partial sums of the
+        stored y into a buffer "bnpart" the caller gives: 4 x P x K floats in kernels/batchnorm.py's
+        PARTIAL_ROWS order, what ``bn_program(partials=P)`` finalizes without reading y again
+        (sm90/epilogue.py's docstring). Unsplit (``ks`` taken as 1), NHWC, the conv's plain output (no bias,
+        residual or activation); ValueError where it cannot."""
+        if spec.conv_pass != "fprop" or spec.layout != "nhwc":
+            raise ValueError(f"{self.name}: batch-norm statistics in the epilogue need an NHWC forward, not "
+                             f"{spec.conv_pass} {spec.layout}")
+        params = params.replace(ks=1) if params.get("ks", 1) != 1 else params
+        plan = self._plan(spec, params, device, Epilogue(), stats=True)
+        return plan, partials(self.problem(spec).m, TileConfig.of(params).wm)
+
+    def _plan(self, spec: ConvSpec, params: Params, device: DeviceInfo, epilogue: Epilogue,
+              stats: bool = False) -> Plan:
         math, prob, cfg = self.math(spec), self.problem(spec), TileConfig.of(params)
         why = cfg.problems(math, prob, self.limit(device))
         if why:
@@ -410,7 +427,12 @@ class TcImplicitGemm(TcVariant):
             for k, launch in prep.launches(math, kern, grid, src, dst, spec):
                 kernels.append(k)
                 steps.append(launch)
-        gemm, launches = gemm_steps(self.name, math, cfg, prob, a, b, self.output(spec, epilogue), device.units)
+        out = self.output(spec, epilogue)
+        if stats:
+            out = dataclasses.replace(out, stats=True)
+            if out.stats_reason():
+                raise ValueError(f"{self.name}: {out.stats_reason()}")
+        gemm, launches = gemm_steps(self.name, math, cfg, prob, a, b, out, device.units)
         kernels += gemm
         steps += launches
         return Plan(self.name, self.family, spec, params, tuple(kernels), tuple(steps),
