@@ -74,9 +74,9 @@ _BLOCK = "block"  # a training block's native filing in the module's _cf_cache (
 
 def _block_key(x: torch.Tensor, dt: torch.dtype, res: Any, bn: torch.nn.BatchNorm2d) -> tuple[Any, ...]:
     """A training block's filing key: the conv's input signature (``x`` cast to ``dt`` keeps its shape
-    and strides, so the key needs no cast), and what the batch norm program depends on beyond the
-    tensors native.cpp checks."""
-    return (_BLOCK, x.shape, x.stride(), dt, x.get_device(), res is not None, bn.eps, bn.momentum)
+    and strides, so the key needs no cast), what the batch norm program depends on beyond the
+    tensors native.cpp checks, and ``config.bn_stats`` (an A/B in one process files each form)."""
+    return (_BLOCK, x.shape, x.stride(), dt, x.get_device(), res is not None, bn.eps, bn.momentum, config.bn_stats)
 
 
 class PreActivation(torch.nn.Module):
