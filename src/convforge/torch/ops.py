@@ -297,7 +297,7 @@ def _torch_weight(x: Any, weight_size: Sequence[Any], gy: Any, stride: Sequence[
     t, b, left, right = padding
     sym = t == b and left == right
     xin = x if sym else F.pad(x, (left, right, t, b))
-    w = gy.new_zeros(tuple(weight_size))  # its shape is all that is read
+    w = gy.new_empty(tuple(weight_size))  # its shape is all that is read (no fill kernel)
     return torch.ops.aten.convolution_backward(gy, xin, w, None, list(stride), [t, left] if sym else [0, 0],
                                                list(dilation), False, [0, 0], groups, [False, True, False])[1]
 
