@@ -11,14 +11,14 @@ import pytest
 
 from conftest import NOMINAL_CUDA
 from convforge.check import check_plan
-from convforge.codegen.nvcc import PtxasInfo, ptxas_report
+from convforge.codegen.nvcc import PtxasInfo
 from convforge.kernels import get_variant
 from convforge.kernels.winograd.matrices import Matrix, matmul, transpose, winograd
 from convforge.kernels.winograd.tiles import Geometry
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Plan
 from convforge.spec import ConvSpec
-from helpers import covering
+from helpers import covering, ptxas_reports
 
 SIZES = [(2, 3), (4, 3), (6, 3), (7, 3), (2, 5), (3, 2), (4, 5)]
 # float32 transform error bounds per F(m, r), about 10x what the 1-D/2-D error test measures
@@ -498,14 +498,16 @@ def test_workspace_reported() -> None:
 
 # -- CUDA compile --------------------------------------------------------------------------------
 
-def _assert_ptxas_clean(plan: Plan) -> list[PtxasInfo]:
-    """Every kernel of the plan compiles (sm_90) with no spill and at most 255 registers."""
-    infos = ptxas_report(plan.source("cuda"))
-    assert {i.kernel for i in infos} == {k.name for k in plan.kernels}
-    for info in infos:
-        assert info.spill_stores == 0 and info.spill_loads == 0, info
-        assert info.registers <= 255
-    return infos
+def _assert_ptxas_clean(*plans: Plan) -> list[list[PtxasInfo]]:
+    """Every kernel of each plan compiles (sm_90) with no spill and at most 255 registers (one nvcc
+    run for all: helpers.ptxas_reports); the plans' reports."""
+    reports = ptxas_reports([plan.source("cuda") for plan in plans])
+    for plan, infos in zip(plans, reports, strict=True):
+        assert {i.kernel for i in infos} == {k.name for k in plan.kernels}
+        for info in infos:
+            assert info.spill_stores == 0 and info.spill_loads == 0, (plan.params.short(), info)
+            assert info.registers <= 255
+    return reports
 
 
 RESNET = [ConvSpec.make(32, 64, 56, 56, 64, 3, 3, padding=1),
@@ -535,12 +537,12 @@ def test_two_block_points_fit_their_register_cap(m: int, spec: ConvSpec) -> None
     points = [p for p in v.space(spec, dev) if p.get("mb")]
     assert points, "no two-block point offered"
     assert points == [p for p in v.space(RESNET[1 - RESNET.index(spec)], dev) if p.get("mb")]
-    for p in points[RESNET.index(spec)::2]:
-        plan = v.plan(spec, p, dev)
+    plans = [v.plan(spec, p, dev) for p in points[RESNET.index(spec)::2]]
+    for plan, infos in zip(plans, _assert_ptxas_clean(*plans), strict=True):
         assert "__launch_bounds__(" in plan.source("cuda") and ", 2)" in plan.source("cuda")
-        info = next(i for i in _assert_ptxas_clean(plan) if i.kernel == "wino_fused")
+        info = next(i for i in infos if i.kernel == "wino_fused")
         threads = next(k.threads for k in plan.kernels if k.name == "wino_fused")
-        assert info.registers <= 65536 // (2 * threads), (p.short(), info)
+        assert info.registers <= 65536 // (2 * threads), (plan.params.short(), info)
 
 
 SGEMM_COMPILE = [RESNET[0], ConvSpec.make(5, 832, 7, 7, 384, 3, 3, padding=1)]
@@ -567,8 +569,7 @@ def test_nonfused_sgemm_compiles_without_spills(m: int, spec: ConvSpec) -> None:
         changed += [n96.replace(xi=1, xo=1, ks=2), first.replace(xi=1, xo=1, lo=1, xt=64),
                     first.replace(xi=1, xo=1, xt=16)]
     turn = (SGEMM_COMPILE.index(spec) + [2, 4, 6, 7].index(m)) % 2
-    for prm in [v.sgemm_default(spec, dev), *changed[turn::2]]:
-        _assert_ptxas_clean(v.plan(spec, prm, dev))
+    _assert_ptxas_clean(*[v.plan(spec, prm, dev) for prm in [v.sgemm_default(spec, dev), *changed[turn::2]]])
 
 
 @pytest.mark.usefixtures("nvcc_ok")  # skips without nvcc, fails on CI
@@ -582,8 +583,9 @@ def test_fused_space_without_spills(name: str) -> None:
     spec = ConvSpec.make(32, 128, 28, 28, 128, 3, 3, padding=1)
     space = v.space(spec, dev)
     assert space[0]["fl"] == 1 and len(space) >= 8
-    for prm in covering(space, ("fl", "ca", "ci", "mb", "ks")):
-        for info in ptxas_report(v.plan(spec, prm, dev).source("cuda")):
+    points = covering(space, ("fl", "ca", "ci", "mb", "ks"))
+    for prm, infos in zip(points, ptxas_reports([v.plan(spec, p, dev).source("cuda") for p in points]), strict=True):
+        for info in infos:
             assert info.spill_stores == 0 and info.spill_loads == 0, (prm.short(), info)
 
 
@@ -654,8 +656,9 @@ def test_fused_split_c_without_spills(name: str) -> None:
     cases = [(uneven if p in offered and i % 2 else even, p) for i, p in enumerate(points)]
     cases += [(ends, ending[0]), (ends, ending[-1])]
     assert any(spec is uneven for spec, _ in cases)
-    for spec, prm in cases:
-        for info in ptxas_report(v.plan(spec, prm, dev).source("cuda")):
+    for (_, prm), infos in zip(cases, ptxas_reports([v.plan(s, p, dev).source("cuda") for s, p in cases]),
+                               strict=True):
+        for info in infos:
             assert info.spill_stores == 0 and info.spill_loads == 0, (prm.short(), info)
             assert info.registers <= 255
 
