@@ -78,7 +78,7 @@ def ptxas_reports(sources: Sequence[str], arch: str = "sm_90") -> list[list[Ptxa
     every translation unit, is about 0.5 s of CPU a call, paid here once: the sources go into one unit,
     each in a namespace of its own, its kernels renamed (name__cfbI, then named back) and its macros
     undefined after it. ptxas allocates each kernel's registers on its own, so the figures are those of
-    the source's own compile (test_sass.test_batched_reports_equal_single_compiles checks that). A
+    the source's own compile (test_nvcc_batch.test_batched_reports_equal_single_compiles checks that). A
     source the renaming does not fit, and every source of a unit that fails, is compiled alone (the
     error then names its source)."""
     out: list[list[PtxasInfo] | None] = [None] * len(sources)
