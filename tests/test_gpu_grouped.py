@@ -60,7 +60,8 @@ def test_every_grouped_variant_on_the_suite(cuda, name) -> None:
     assert ran > 0 or name == "gemm1x1"
 
 
-TC_GROUPED = {"tc_grouped_half": ("float16", "bfloat16"), "tc_grouped_tf32": ("float32",),
+TC_GROUPED = {"tc_grouped_half": ("float16", "bfloat16"), "tc_grouped_packed_half": ("float16", "bfloat16"),
+              "tc_grouped_tf32": ("float32",),
               "tc_grouped_3xtf32": ("float32",), "dgrad_tc_grouped_half": ("float16", "bfloat16"),
               "dgrad_tc_grouped_3xtf32": ("float32",), "wgrad_tc_grouped_half": ("float16", "bfloat16"),
               "wgrad_tc_grouped_3xtf32": ("float32",)}
@@ -278,6 +279,45 @@ def test_channels_last_depthwise_reads_in_place(torch_gpu) -> None:
                 assert ym.is_contiguous(memory_format=torch.channels_last) == (inp is not x)
         with pytest.raises(ValueError, match="unsupported layout"):
             convforge.conv2d(x.transpose(2, 3), w, b, 1, 3, groups=spec.groups)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_converted_depthwise_warm_calls_stay_in_c(torch_gpu, monkeypatch, autocast) -> None:
+    """A converted Conv2d whose plan has no filter step (depthwise, channels_last; FP32 and under FP16
+    autocast) is filed with the native fast path on its first call: warm calls never reach the Python
+    runner (made to fail), and stay right."""
+    torch = torch_gpu
+    import convforge.torch as ct
+    from convforge.config import config
+    from convforge.torch import modules, native
+
+    if not config.native or native.load() is None:
+        pytest.skip("native fast path off: nothing to check")
+    spec = REAL[2].with_batch(2)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x, w, b = (torch.randn(s, device="cuda", generator=g) for s in (spec.x_shape, spec.w_shape, (spec.k,)))
+    conv = torch.nn.Conv2d(spec.c, spec.k, spec.r, padding=3, groups=spec.groups).cuda()
+    with torch.no_grad():
+        conv.weight.copy_(w)
+        conv.bias.copy_(b)
+    conv = ct.Conv2d.from_module(conv)
+    xc = x.to(memory_format=torch.channels_last)
+    dt = torch.float16 if autocast else torch.float32
+    cast = (lambda t: t.to(dt).double()) if autocast else (lambda t: t)
+    want = conv2d_ref(cast(x).cpu().numpy(), cast(w).cpu().numpy(), spec, cast(b).cpu().numpy())
+    tol = 2e-3 if autocast else 1e-6
+
+    def call() -> torch.Tensor:
+        with torch.no_grad(), torch.autocast("cuda", torch.float16, enabled=autocast):
+            return conv(xc)
+    assert rel_l2(call().float().cpu().numpy(), want) < tol  # files the plan
+    monkeypatch.setattr(modules.Conv2d, "_prepared", lambda *a, **k: (_ for _ in ()).throw(
+        AssertionError("a warm call reached the Python runner")))
+    for _ in range(2):
+        y = call()
+        assert y.dtype == dt and rel_l2(y.float().cpu().numpy(), want) < tol
+
+
 
 # -- torchvision models -------------------------------------------------------------------------
 @pytest.fixture

@@ -639,6 +639,36 @@ def test_fx_front_end(ocl) -> None:
     _check(compile(g, backend="opencl"), g, x)
 
 
+def test_fx_front_end_takes_modern_activations(ocl) -> None:
+    """SiLU, Hardswish, GELU, Mish after convs (folded into their epilogues), Sigmoid, Tanh, Hardsigmoid as
+    modules and functions: the traced graph runs on PoCL as the module does."""
+    torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'convforge[torch]')")
+    from convforge.graph.fx import from_module
+
+    nn, F = torch.nn, torch.nn.functional
+
+    class Acts(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.c = nn.ModuleList(nn.Conv2d(4, 4, 3, padding=1) for _ in range(5))
+            self.acts = nn.ModuleList([nn.SiLU(), nn.Hardswish(), nn.GELU(), nn.Mish(), nn.Hardsigmoid()])
+
+        def forward(self, x):  # type: ignore[no-untyped-def]
+            for conv, act in zip(self.c, self.acts, strict=True):
+                x = act(conv(x))
+            return torch.tanh(F.mish(torch.sigmoid(F.silu(x)) + F.hardswish(x)))
+
+    m = Acts().eval()
+    g = from_module(m, input_size=9, channels=4)
+    x = _x(g)
+    with torch.no_grad():
+        want = m(torch.from_numpy(x)).numpy()
+    assert rel_l2(run_reference(g, x)[g.outputs[0]], want) < 1e-5
+    _check(compile(g, backend="opencl"), g, x)
+    with pytest.raises(GraphError, match="approximate"):
+        from_module(nn.Sequential(nn.Conv2d(3, 3, 1), nn.GELU(approximate="tanh")), input_size=4)
+
+
 @pytest.mark.parametrize("name", ["alexnet", "googlenet", "resnet50"])
 def test_torch_baseline_runs_the_same_graph(name: str) -> None:
     """The PyTorch comparison of ``convforge run`` computes the graph the reference computes."""

@@ -463,7 +463,14 @@ def test_bench_grouped_prints_bandwidth(ocl, tmp_path: Path, capsys) -> None:  #
     row = json.loads((out / "results.json").read_text())["rows"][0]
     assert row["ok"] and row["spec"]["layout"] == "nhwc" and row["algo"].startswith("depthwise_nhwc"), row
     rc, text = run_main(["bench", "--suite", "resnet", "--layout", "nhwc", "--backend", "opencl"], capsys)
-    assert rc != 0 and "no opencl variant reads layer" in text and "in NHWC" in text, text
+    assert rc != 0 and "no opencl variant reads any layer" in text and "in NHWC" in text, text
+    # a suite of both: the depthwise layer runs, the other is named and left out
+    f.write_text(json.dumps([json.loads(f.read_text())[0], {"name": "plain", "N": 2, "C": 8, "H": 16, "W": 16,
+                                                           "K": 8, "R": 3, "S": 3, "stride": 1, "pad": 1}]))
+    rc, text = run_main(["bench", "--suite", str(f), "--layout", "nhwc", "--backend", "opencl", "--baseline", "none",
+                         "--out", str(out), "--quick-ceilings", "--repeats", "2", "--warmup", "1"], capsys)
+    assert rc == 0 and "no opencl variant reads layer plain" in text and "left out" in text, text
+    assert [r["layer"] for r in json.loads((out / "results.json").read_text())["rows"]] == ["dw5"]
 
 
 def test_bench_models_know_the_modern_cnns() -> None:

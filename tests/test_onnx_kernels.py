@@ -40,6 +40,30 @@ def test_epilogue_names_and_one_activation() -> None:
         Epilogue(silu=True, hardswish=True)
 
 
+def test_mish_epilogue_on_opencl_variants(ocl) -> None:
+    """Mish (x tanh(softplus(x))) after bias and after a residual, on the OpenCL variants of a 3x3 layer
+    (every other one, in turns), against the float64 reference; its reference: 0 at 0, x for large x."""
+    from convforge.check import mish_ref
+
+    assert mish_ref(np.array([0.0]))[0] == 0.0 and mish_ref(np.array([40.0]))[0] == 40.0
+    assert np.isnan(mish_ref(np.array([np.nan]))[0]) and abs(mish_ref(np.array([1.0]))[0] - 0.8650983882673103) < 1e-12
+    spec, ran = ConvSpec.make(2, 5, 11, 11, 6, 3, 3, 1, 1), []
+    for k, v in enumerate(all_variants()):
+        epi = Epilogue(bias=k % 2 == 0, residual=k % 2 == 1 and v.residual_ok, mish=True)
+        if v.applies(spec, ocl.device) or k % 3:
+            continue
+        try:
+            plan = v.plan(spec, v.default(spec, ocl.device), ocl.device, epi)
+        except ValueError as err:
+            assert "unsupported epilogue" in str(err), f"{v.name}: {err}"
+            continue
+        assert "cf_mish" in plan.source("opencl")
+        res = check_plan(plan, ocl, seed=5)
+        assert res.ok, f"{v.name}: {res}"
+        ran.append(v.name)
+    assert len(ran) >= 2, ran
+
+
 @pytest.mark.parametrize("spec, epi", CASES, ids=IDS)
 def test_epilogue_on_every_opencl_variant(ocl, spec: ConvSpec, epi: Epilogue) -> None:
     """bias / residual then the activation, on each variant that plans the layer. On the 3x3 layer

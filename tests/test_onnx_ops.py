@@ -113,9 +113,9 @@ def test_activations(ocl, op: str, ins: list[str], attrs: dict, inits: dict) -> 
     check(model([node(op, ["x", *ins], **attrs)], inits))
 
 
-@pytest.mark.parametrize("op, act", [("Swish", "silu"), ("Gelu", "gelu")])
+@pytest.mark.parametrize("op, act", [("Swish", "silu"), ("Gelu", "gelu"), ("Mish", "mish")])
 def test_newer_activation_ops_fuse_into_the_conv(ocl, op: str, act: str) -> None:
-    """Swish (opset 24) and Gelu (opset 20) after a conv: its epilogue."""
+    """Swish (opset 24), Gelu (opset 20) and Mish (opset 18) after a conv: its epilogue."""
     c, inits = conv()
     g = check(model([c, node(op, ["c"])], inits, opset=24))
     assert [(n.op, n.attrs.get("act")) for n in g.nodes] == [("conv", act)]
@@ -130,6 +130,25 @@ def test_gated_activation_fuses_into_the_conv(ocl, gate: str, attrs: dict, want:
     mul = node("Mul", ["c", "s"] if order == "xg" else ["s", "c"])
     g = check(model([c, node(gate, ["c"], "s", **attrs), mul], inits))
     assert [(n.op, n.attrs.get("act")) for n in g.nodes] == [("conv", want)]
+
+
+@pytest.mark.parametrize("order", ["xg", "gx"])
+def test_mish_as_older_exports_write_it_fuses_into_the_conv(ocl, order: str) -> None:
+    """conv -> x * tanh(softplus(x)) (Mish below opset 18) becomes the conv's Mish epilogue (one launch)."""
+    c, inits = conv()
+    mul = node("Mul", ["c", "t"] if order == "xg" else ["t", "c"])
+    g = check(model([c, node("Softplus", ["c"], "sp"), node("Tanh", ["sp"], "t"), mul], inits))
+    assert [(n.op, n.attrs.get("act")) for n in g.nodes] == [("conv", "mish")]
+
+
+def test_mish_and_softplus_alone(ocl) -> None:
+    """Mish and Softplus not after a conv: one element-wise kernel each; a softplus read elsewhere stays."""
+    g = check(model([node("Mish", ["x"], "m"), node("Softplus", ["m"])], {}, opset=18))
+    assert [(n.op, n.attrs.get("fn")) for n in g.nodes] == [("act", "mish"), ("act", "softplus")]
+    nodes = [node("Softplus", ["x"], "sp"), node("Tanh", ["sp"], "t"), node("Mul", ["x", "t"], "m"),
+             node("Add", ["m", "sp"])]
+    g = check(model(nodes, {}))
+    assert [(n.op, n.attrs.get("fn")) for n in g.nodes] == [("act", "softplus"), ("act", "mish"), ("add", None)]
 
 
 def test_silu_not_after_a_conv_is_one_kernel(ocl) -> None:

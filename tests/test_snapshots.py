@@ -154,6 +154,20 @@ def _strided_dgrad_cases() -> Iterator[Case]:
                            _variant_source(name, spec, backend))
 
 
+def _half_tc_cases() -> Iterator[Case]:
+    """Tensor-core variants of half layers no shared spec takes: wgrad_tc_nhwc_half (channels-last, whole
+    64-channel boxes: a 3x3 layer of 64 channels, 128-row tiles over two taps, split; a 1x1 stride-2 one) and
+    tc_grouped_packed_half (groups of 4 channels packed 8 to a GEMM group, block-diagonal filters)."""
+    cases = {("wgrad_tc_nhwc_half", "3x3c64-nhwc"): "N=2,C=64,H=9,W=9,K=24,R=3,S=3,pad=1,pass=wgrad",
+             ("wgrad_tc_nhwc_half", "1x1s2c128-nhwc"): "N=2,C=128,H=9,W=9,K=64,R=1,S=1,stride=2,pass=wgrad",
+             ("tc_grouped_packed_half", "g16x4-nhwc"): "N=2,C=64,H=9,W=9,K=64,R=3,S=3,pad=1,groups=16"}
+    for (name, tag), text in cases.items():
+        spec = ConvSpec.parse(f"{text},dtype=fp16,layout=nhwc")
+        label = tag if spec.conv_pass == "fprop" else f"{tag}-{spec.conv_pass}"
+        yield Case(f"{name}.{label}.cuda", (_family(name), spec.dtype, spec.conv_pass, "cuda"),
+                   _variant_source(name, spec, "cuda"))
+
+
 def _stem_cases() -> Iterator[Case]:
     """The direct stems (kernels/tensorcore/sm90/stem.py) apply to no shared spec (3-channel layers): a 7x7/2
     half stem in NHWC and a 3x3 TF32 one in NCHW, both with bias and ReLU."""
@@ -222,7 +236,8 @@ def _grad_rows_cases() -> Iterator[Case]:
 
 def _all_cases() -> list[Case]:
     cases = [*_variant_cases(), *_half_cases(), *_prologue_cases(), *_full_transform_cases(),
-             *_strided_dgrad_cases(), *_stem_cases(), *_batchnorm_cases(), *_bias_grad_cases(), *_grad_rows_cases()]
+             *_strided_dgrad_cases(), *_stem_cases(), *_half_tc_cases(), *_batchnorm_cases(), *_bias_grad_cases(),
+             *_grad_rows_cases()]
     keys = [c.key for c in cases]
     assert len(keys) == len(set(keys)), "two snapshot cases share a key"
     return cases

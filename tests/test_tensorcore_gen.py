@@ -46,7 +46,7 @@ from convforge.kernels.tensorcore.sm90.isa import ACC, BF16, F16, MATHS, SF16, T
 from convforge.kernels.tensorcore.sm90.mainloop import consumer_rows, wgmma_issue
 from convforge.kernels.tensorcore.sm90.operands import DenseRows, Geometry, Im2colNhwc
 from convforge.kernels.tensorcore.sm90.prep import padded_channels
-from convforge.kernels.tensorcore.sm90.smem import SBO, Tile, desc_high, model_address
+from convforge.kernels.tensorcore.sm90.smem import SBO, Tile, desc_high, model_address, model_address_mn
 from convforge.kernels.tensorcore.sm90.smem import swizzled as swizzled_chunk
 from convforge.kernels.tensorcore.sm90.tiles import Problem, TileConfig
 from convforge.params import Params
@@ -243,9 +243,9 @@ def emulate_gemm(cfg, math, prob, a, b, data, out, tile_ids=None, size=None):
                             smem[at:at + n] = 0.0
             for c, (mi, a_off, b_off) in itertools.product(range(cfg.groups), wgmma_issue(cfg, math)):
                 da = stage.a.desc_high | ((sbase + c * consumer_rows(cfg) + a_off) >> 4)
-                db = desc_high() | ((sbase + b_off) >> 4)
-                ta = _read(smem, da, 64, math.esize)
-                tb = _read(smem, db, cfg.bn, math.esize)
+                db = stage.b.desc_high | ((sbase + b_off) >> 4)
+                ta = _read(smem, da, 64, math.esize, stage.a.mn)
+                tb = _read(smem, db, cfg.bn, math.esize, stage.b.mn)
                 r0 = c * 64 * cfg.wm + 64 * mi
                 acc[r0:r0 + 64] += ta @ tb.T
         _epilogue(acc, cfg, out, tl, y, written)
@@ -284,16 +284,19 @@ def _tma_fill(smem, sbase, stage, math, ops, data, tl, kt, cfg=None, peers=()):
                 smem[at:at + per] = box[i, per * j:per * (j + 1)]
 
 
-def _read(smem, desc, rows, esize):
-    """The rows x k operand one wgmma reads through ``desc`` (k = 32 bytes / esize)."""
-    return smem[_read_index(desc, rows, esize)]
+def _read(smem, desc, rows, esize, mn=False):
+    """The rows x k operand one wgmma reads through ``desc`` (k = 32 bytes / esize; ``mn``: an
+    MN-major operand, rows = its M or N index)."""
+    return smem[_read_index(desc, rows, esize, mn)]
 
 
 @functools.cache
-def _read_index(desc, rows, esize):
+def _read_index(desc, rows, esize, mn=False):
     """The smem element each (row, element) of that operand comes from: a function of the descriptor
     alone, so worked out once per descriptor rather than once per k-step of every tile."""
     k = 32 // esize
+    if mn:
+        return np.array([[model_address_mn(desc, r, e) // esize for e in range(k)] for r in range(rows)])
     return np.array([[model_address(desc, r, e * esize) // esize for e in range(k)] for r in range(rows)])
 
 

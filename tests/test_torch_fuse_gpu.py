@@ -279,3 +279,30 @@ def test_torchvision_resnets(gpu, name, batch, size, monkeypatch):
     err, err_pt = (float((t.double() - want).norm() / want.norm()) for t in (y, pt))
     assert err < _tolerance(fused), (err, err_pt)
     print(f"{name}: fused rel err {err:.2e}, PyTorch FP32 {err_pt:.2e}")
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_folded_branches_run_one_convforge_conv_a_block(gpu, autocast):
+    """RepVGG / ACNet-style blocks (tests/test_torch_branches.py's model) fused in eval on CUDA: each block's
+    BranchSum runs its one folded FusedConv2d (the branches' convs never called), channels_last, FP32 and
+    under FP16 autocast, against the original model in float64."""
+    import convforge.torch as ct
+    from convforge.torch.branches import BranchSum
+    from test_torch_branches import _model
+
+    m = _model().cuda().to(memory_format=torch.channels_last)
+    f, report = ct.fuse(m)
+    sums = [mod for mod in f.modules() if isinstance(mod, BranchSum)]
+    assert len(sums) == 5, report.fused
+    x = torch.randn(4, 8, 31, 29, device="cuda").contiguous(memory_format=torch.channels_last)
+    want = copy.deepcopy(m).double()(x.double())
+    for s in sums:  # the branches' own convs must not run once folded
+        for conv, _ in s._cf_branches:
+            if conv is not None:
+                conv.register_forward_pre_hook(lambda *a: (_ for _ in ()).throw(AssertionError("a branch ran")))
+    with torch.no_grad(), torch.autocast("cuda", torch.float16, enabled=autocast):
+        for _ in range(2):
+            y = f(x)
+    err = float((y.double() - want).norm() / want.norm())
+    assert err < (3e-3 if autocast else 1e-5), err
+    assert all(s._cf_conv is not None and s._cf_conv._cf_cache for s in sums)

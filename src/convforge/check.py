@@ -86,6 +86,8 @@ def expected(spec: ConvSpec, inputs: dict[str, np.ndarray], epilogue: Epilogue =
             out = silu_ref(out)
         if epilogue.hardswish:
             out = hardswish_ref(out)
+        if epilogue.mish:
+            out = mish_ref(out)
     return out
 
 
@@ -111,6 +113,14 @@ def hardswish_ref(a: np.ndarray) -> np.ndarray:
     """HardSwish, a * min(max(a + 3, 0), 6) / 6, in float64 (NaN stays NaN)."""
     a = np.asarray(a, np.float64)
     return a * np.clip(a + 3.0, 0.0, 6.0) / 6.0
+
+
+def mish_ref(a: np.ndarray) -> np.ndarray:
+    """Mish, a * tanh(softplus(a)) = a * tanh(log1p(exp(a))), in float64 (NaN stays NaN; a large a gives
+    a, without overflow warnings)."""
+    a = np.asarray(a, np.float64)
+    with np.errstate(over="ignore"):
+        return a * np.tanh(np.log1p(np.exp(a)))
 
 
 _ACTIVATIONS = ("x", "y", "res")  # the buffers a layout rearranges (filters stay KCRS)

@@ -83,8 +83,8 @@ Step = Launch | Fill | Gemm
 
 
 # The epilogue's activations: field name -> the dialect token that applies it (codegen/dialect.py).
-ACTIVATIONS = {"relu": "RELU", "gelu": "GELU", "silu": "SILU", "hardswish": "HSWISH"}
-_ACT_NAMES = {"relu": "ReLU", "gelu": "GELU", "silu": "SiLU", "hardswish": "HardSwish"}
+ACTIVATIONS = {"relu": "RELU", "gelu": "GELU", "silu": "SILU", "hardswish": "HSWISH", "mish": "MISH"}
+_ACT_NAMES = {"relu": "ReLU", "gelu": "GELU", "silu": "SiLU", "hardswish": "HardSwish", "mish": "Mish"}
 
 
 @dataclass(frozen=True)
@@ -92,8 +92,8 @@ class Epilogue:
     """Work folded into the output write: per-channel bias, a residual tensor shaped like the
     output (``res``, added before the activation: a network's skip connection) and one activation:
     ReLU, GELU (the exact, erf form: ``nn.GELU()``'s default; a transformer-style MLP's first
-    linear layer, ConvNeXt's), SiLU (x * sigmoid(x): EfficientNet's, YOLO's) or HardSwish
-    (x * relu6(x + 3) / 6: MobileNet-v3's)."""
+    linear layer, ConvNeXt's), SiLU (x * sigmoid(x): EfficientNet's, YOLO's), HardSwish
+    (x * relu6(x + 3) / 6: MobileNet-v3's) or Mish (x * tanh(softplus(x)): CSP backbones')."""
 
     bias: bool = False
     relu: bool = False
@@ -103,6 +103,7 @@ class Epilogue:
     gelu: bool = False
     silu: bool = False
     hardswish: bool = False
+    mish: bool = False
 
     def __post_init__(self) -> None:
         acts = [name for name in ACTIVATIONS if getattr(self, name)]
@@ -130,7 +131,7 @@ class Epilogue:
 
     @property
     def act(self) -> str:
-        """The activation's name ("relu", "gelu", "silu", "hardswish"), or "" for none."""
+        """The activation's name ("relu", "gelu", "silu", "hardswish", "mish"), or "" for none."""
         return next((name for name in ACTIVATIONS if getattr(self, name)), "")
 
     def activate(self, expr: str) -> str:
@@ -140,7 +141,8 @@ class Epilogue:
 
     def plain(self) -> Epilogue:
         """Bias and activation only: the part a database entry is tuned with (no residual, no offset)."""
-        return Epilogue(bias=self.bias, relu=self.relu, gelu=self.gelu, silu=self.silu, hardswish=self.hardswish)
+        return Epilogue(bias=self.bias, relu=self.relu, gelu=self.gelu, silu=self.silu, hardswish=self.hardswish,
+                        mish=self.mish)
 
     def tag(self) -> str:
         at = f"_at{self.k_offset}of{self.k_total}" if self.k_total else ""
@@ -316,6 +318,12 @@ class Variant:
         """The heuristic's preference for this variant on ``spec`` (Boda's rule: how specialised it
         is); a variant whose measured standing depends on the layer overrides it."""
         return self.specialised
+
+    def slow_on(self, spec: ConvSpec) -> str | None:
+        """Why this variant, though it runs ``spec`` on the tensor cores, is measured far below the vendor
+        library's kernels there (``dispatch.is_fast`` then counts it slow, and a half layer goes to
+        PyTorch), or None."""
+        return None
 
     def expected_error(self, spec: ConvSpec) -> float:
         """Typical relative L2 error on ``spec`` (stated, from docs/NOTES-winograd.md's accuracy table):

@@ -17,6 +17,7 @@ A kernel body is plain C using these tokens, which each renderer spells its own 
     GELU(a)                                               a / 2 * (1 + erf(a / sqrt 2)): the exact GELU
     SILU(a)                                               a / (1 + exp(-a)): SiLU (Swish), a * sigmoid(a)
     HSWISH(a)                                             a * min(max(a + 3, 0), 6) / 6: HardSwish (NaN kept)
+    MISH(a)                                               a * tanh(log1p(exp(a))): Mish (NaN kept)
     LDG(p)                                                read-only load of *p
     SHFL(v, lane)                                         warp shuffle (feature "shuffle", CUDA only)
     TEX(t, i)                                             element i of a TexBuf (feature "texture")
@@ -71,6 +72,8 @@ A kernel body is plain C using these tokens, which each renderer spells its own 
     WGMMA(type, k, N, desc_a, desc_b, d0 .. d{N/2-1})     m64nNk{k}, type tf32 (k 8), f16 or bf16 (k 16), FP32
                                                           accumulate, both operands K-major in shared memory
     WGMMA_Z(type, k, N, desc_a, desc_b, d0 .. d{N/2-1})   the same with D = A.B (scale-d 0: D starts at zero)
+    WGMMA_T / WGMMA_TZ(type, k, N, desc_a, desc_b, d...)  WGMMA / WGMMA_Z with both operands MN-major (f16 and
+                                                          bf16: the transpose immediates 1)
     WGMMA_RS(type, k, N, scale_d, a0, a1, a2, a3, desc_b, d0 .. d{N/2-1})
                                                           m64nNk{k} with A from registers (four 32-bit words a
                                                           lane, the mma.sync A layout per warp), B in shared

@@ -21,11 +21,11 @@ from convforge.codegen.dialect import (
 _TOKEN = re.compile(r"\b(GROUP_ID|LOCAL_ID|GROUP_SIZE|NUM_GROUPS|BARRIER|VLOAD4|VSTORE4|"
                     r"LD_F16|LDG_F16|ST_F16|VLOAD4_F16|VSTORE4_F16|LD_BF16|LDG_BF16|ST_BF16|VLOAD4_BF16|VSTORE4_BF16|"
                     r"VLOAD8_F16|VSTORE8_F16|VLOAD8_BF16|VSTORE8_BF16|"
-                    r"MAKE_FLOAT4|FMA|MAX|RELU|GELU|SILU|HSWISH|LDG|SHFL|TEX|COPY4_ASYNC|COPY1_ASYNC|COPY_WAIT|CVT_TF32|"
+                    r"MAKE_FLOAT4|FMA|MAX|RELU|GELU|SILU|HSWISH|MISH|LDG|SHFL|TEX|COPY4_ASYNC|COPY1_ASYNC|COPY_WAIT|CVT_TF32|"
                     r"MMA_TF32_16x8x8|SMEM_U32|CP_ASYNC16|CP_ASYNC4|CP_ASYNC_COMMIT|CP_ASYNC_WAIT|LDMATRIX_X4|LDS_F4|"
                     r"LDS_F1|TF32_RHA|FENCE_PROXY_ASYNC|WGMMA_FENCE|WGMMA_COMMIT|WGMMA_WAIT|WGMMA_TF32|"
                     r"MBAR_INIT|MBAR_WAIT|MBAR_ARRIVE|CP_ASYNC_MBAR_ARRIVE|SETMAXNREG_INC|SETMAXNREG_DEC|"
-                    r"BAR_SYNC|WGMMA_RS|WGMMA_HOLD|WGMMA_Z|WGMMA|TC_F16_TO_F32|TC_BF16_TO_F32|TC_F32_TO_F16|TC_F32_TO_BF16|TC_PACK_F16X2|"
+                    r"BAR_SYNC|WGMMA_RS|WGMMA_HOLD|WGMMA_TZ|WGMMA_T|WGMMA_Z|WGMMA|TC_F16_TO_F32|TC_BF16_TO_F32|TC_F32_TO_F16|TC_F32_TO_BF16|TC_PACK_F16X2|"
                     r"TC_PACK_BF16X2|MBAR_INIT_FENCE|MBAR_EXPECT_TX|TMA_PREFETCH|TMA_TILE_2D|TMA_IM2COL_4D|"
                     r"TMA_TILE_2D_MC|TMA_IM2COL_4D_MC|CLUSTER_RANK|CLUSTER_ID|NUM_CLUSTERS|CLUSTER_SYNC|"
                     r"MBAR_ARRIVE_CLUSTER|TC_X3H_SCALE|TC_X3H_UNSCALE)\(")
@@ -189,7 +189,9 @@ class Renderer:
 
     name = ""
     erf = "erf"  # the float erf function of the dialect (GELU)
-    exp = "exp"  # the float exp function of the dialect (SILU)
+    exp = "exp"  # the float exp function of the dialect (SILU, Mish)
+    log1p = "log1p"  # (Mish)
+    tanh = "tanh"  # (Mish)
     features: frozenset[str] = frozenset()
     words: dict[str, str] = {}
 
@@ -239,7 +241,9 @@ class Renderer:
         out += self.file_head(kernels)
         texts = [k.body + k.helpers for k in kernels]
         for token, helper in (("RELU", _RELU_HELPER), ("GELU", _GELU_HELPER.replace("ERF", self.erf)),
-                              ("SILU", _SILU_HELPER.replace("EXP", self.exp)), ("HSWISH", _HSWISH_HELPER)):
+                              ("SILU", _SILU_HELPER.replace("EXP", self.exp)), ("HSWISH", _HSWISH_HELPER),
+                              ("MISH", _MISH_HELPER.replace("EXP", self.exp).replace("LOG1P", self.log1p)
+                               .replace("TANH", self.tanh))):
             if _uses(token, texts):
                 out += [self.expand(helper), ""]
         seen_helpers: set[str] = set()
@@ -278,11 +282,17 @@ _SILU_HELPER = "DEVICE float cf_silu(const float v) { return v / (1.0f + EXP(-v)
 _HSWISH_HELPER = ("DEVICE float cf_hswish(const float v)\n{\n    const float t = v + 3.0f;\n"
                   "    return v * (t < 0.0f ? 0.0f : t > 6.0f ? 6.0f : t) / 6.0f;\n}")
 
+# Mish as PyTorch's CUDA kernel computes it in float: v * tanh(log1p(exp(v))) (NaN stays NaN; a large v
+# gives v, a large negative one -0).
+_MISH_HELPER = "DEVICE float cf_mish(const float v) { return v * TANH(LOG1P(EXP(v))); }"
+
 
 class CudaRenderer(Renderer):
     name = "cuda"
     erf = "erff"
     exp = "expf"
+    log1p = "log1pf"
+    tanh = "tanhf"
     features = frozenset({"shuffle", "constant", "ldg", "texture", "mma_tf32", "wgmma"})
     words = {"SHARED": "__shared__", "LOCAL_PTR": "", "GLOBAL_PTR": "", "RESTRICT": "__restrict__",
              "DEVICE": "__device__ __forceinline__", "U64": "unsigned long long", "I64": "long long",
@@ -307,6 +317,7 @@ class CudaRenderer(Renderer):
             "GELU": lambda: f"cf_gelu({args[0]})",
             "SILU": lambda: f"cf_silu({args[0]})",
             "HSWISH": lambda: f"cf_hswish({args[0]})",
+            "MISH": lambda: f"cf_mish({args[0]})",
             "LDG": lambda: f"__ldg({args[0]})",
             "SHFL": lambda: f"__shfl_sync(0xffffffffu, {args[0]}, {args[1]})",
             "TEX": lambda: f"tex1Dfetch<float>({args[0]}, {args[1]})",
@@ -436,7 +447,8 @@ __device__ __forceinline__ void cf_mma_tf32(float& d0, float& d1, float& d2, flo
 # compiler neither reads them before the wait that completes them nor moves them in between.
 _WGMMA_TOKENS = frozenset({"FENCE_PROXY_ASYNC", "WGMMA_FENCE", "WGMMA_COMMIT", "WGMMA_WAIT", "WGMMA_TF32"}
                           | {"MBAR_INIT", "MBAR_WAIT", "MBAR_ARRIVE", "CP_ASYNC_MBAR_ARRIVE", "SETMAXNREG_INC",
-                             "SETMAXNREG_DEC", "BAR_SYNC", "WGMMA", "WGMMA_Z", "WGMMA_RS", "WGMMA_HOLD",
+                             "SETMAXNREG_DEC", "BAR_SYNC", "WGMMA", "WGMMA_Z", "WGMMA_T", "WGMMA_TZ", "WGMMA_RS",
+                             "WGMMA_HOLD",
                              "TC_F16_TO_F32", "TC_BF16_TO_F32", "TC_F32_TO_F16", "TC_F32_TO_BF16", "TC_PACK_F16X2",
                              "TC_PACK_BF16X2"}
                           | {"MBAR_INIT_FENCE", "MBAR_EXPECT_TX", "TMA_PREFETCH", "TMA_TILE_2D", "TMA_IM2COL_4D"}
@@ -477,19 +489,22 @@ def _wgmma_call(token: str, args: list[str]) -> str:
 _WGMMA_TYPES = {"tf32": 8, "f16": 16, "bf16": 16}
 
 
-def _wgmma_asm(token: str, typ: str, k: int, n: int, acc: list[str], a: list[str], db: str, scale: str) -> str:
+def _wgmma_asm(token: str, typ: str, k: int, n: int, acc: list[str], a: list[str], db: str, scale: str,
+               mn: bool = False) -> str:
     """One wgmma.mma_async m64nNk{k} with f32 accumulators ``acc``: A by one descriptor (``a`` of one
-    64-bit value, shared memory; .f16/.bf16 then take two transpose immediates 0) or four 32-bit
-    registers (.f16/.bf16 take B's only), B by descriptor ``db``; D scaled by ``scale`` != 0 (0: D
-    starts at zero). .tf32 has no transpose immediates."""
+    64-bit value, shared memory; .f16/.bf16 then take two transpose immediates: 0 K-major, 1 with
+    ``mn``, both operands MN-major) or four 32-bit registers (.f16/.bf16 take B's only), B by descriptor
+    ``db``; D scaled by ``scale`` != 0 (0: D starts at zero). .tf32 has no transpose immediates."""
     if _WGMMA_TYPES.get(typ) != k:
         raise ValueError(f"{token} type {typ!r} with k {k}: expected one of {_WGMMA_TYPES}")
+    if mn and (typ == "tf32" or len(a) != 1):
+        raise ValueError(f"{token}: MN-major operands are 16-bit (f16, bf16) in shared memory, not {typ!r}")
     if len(acc) != n // 2 or n % 8 or not 8 <= n <= 256:
         raise ValueError(f"{token} m64n{n}k{k} takes {n // 2} accumulators, got {len(acc)}")
     na, nin = len(acc), len(a)
     regs = ", ".join(f"%{i}" for i in range(na))
     a_op = f"%{na}" if nin == 1 else "{" + ", ".join(f"%{na + i}" for i in range(nin)) + "}"
-    trans = "" if typ == "tf32" else (", 0, 0" if nin == 1 else ", 0")
+    trans = "" if typ == "tf32" else (", 1, 1" if mn else ", 0, 0" if nin == 1 else ", 0")
     text = (f"{{ .reg .pred p; setp.ne.b32 p, %{na + nin + 1}, 0; wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{typ}."
             f"{typ} {{{regs}}}, {a_op}, %{na + nin}, p, 1, 1{trans}; }}")
     ins = [f'"l"({a[0]})'] if nin == 1 else [f'"r"({x})' for x in a]
@@ -505,6 +520,16 @@ def _wgmma_any(args: list[str]) -> str:
 def _wgmma_z(args: list[str]) -> str:
     """WGMMA_Z(type, k, N, desc_a, desc_b, d...): D = A.B (scale-d 0: D's old value is not read), as WGMMA."""
     return _wgmma_asm("WGMMA_Z", args[0], int(args[1]), int(args[2]), args[5:], [args[3]], args[4], "0")
+
+
+def _wgmma_t(args: list[str]) -> str:
+    """WGMMA_T(type, k, N, desc_a, desc_b, d...): as WGMMA with both operands MN-major (f16 / bf16)."""
+    return _wgmma_asm("WGMMA_T", args[0], int(args[1]), int(args[2]), args[5:], [args[3]], args[4], "1", mn=True)
+
+
+def _wgmma_tz(args: list[str]) -> str:
+    """WGMMA_TZ(...): WGMMA_T starting D at zero (scale-d 0)."""
+    return _wgmma_asm("WGMMA_TZ", args[0], int(args[1]), int(args[2]), args[5:], [args[3]], args[4], "0", mn=True)
 
 
 def _wgmma_rs(args: list[str]) -> str:
@@ -533,6 +558,8 @@ _TC_TOKENS: dict[str, Callable[[list[str]], str]] = {
     "BAR_SYNC": lambda a: _asm("bar.sync %0, %1;", (), [f'"r"({a[0]})', f'"r"({a[1]})']),
     "WGMMA": _wgmma_any,
     "WGMMA_Z": _wgmma_z,
+    "WGMMA_T": _wgmma_t,
+    "WGMMA_TZ": _wgmma_tz,
     "TC_F16_TO_F32": lambda a: f"cf_f16_f32({a[0]})",
     "TC_BF16_TO_F32": lambda a: f"__uint_as_float(((unsigned)({a[0]})) << 16)",
     "TC_F32_TO_F16": lambda a: f"cf_f32_f16({a[0]})",
@@ -717,6 +744,7 @@ class OpenCLRenderer(Renderer):
             "GELU": lambda: f"cf_gelu({args[0]})",
             "SILU": lambda: f"cf_silu({args[0]})",
             "HSWISH": lambda: f"cf_hswish({args[0]})",
+            "MISH": lambda: f"cf_mish({args[0]})",
             "LDG": lambda: f"(*({args[0]}))",
             "COPY4_ASYNC": lambda: f"vstore4(vload4(0, {args[1]}), 0, {args[0]})",
             "COPY1_ASYNC": lambda: (f"(({args[0]})[{args[1]}] = ((({args[4]}) >> ({args[5]})) & 1ul) ? "

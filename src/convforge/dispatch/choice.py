@@ -368,9 +368,12 @@ def is_fast(variant: Variant, spec: ConvSpec, device: DeviceInfo, params: Params
     """Whether ``variant`` runs ``spec`` near the speed of the vendor library's kernels of its dtype.
     Every variant counts on float32 (the library's FP32 kernels are CUDA-core kernels too); on half
     storage, a memory-bound family (MEMORY_BOUND_FAMILIES, MEMORY_BOUND_VARIANTS) or a plan (of
-    ``params``, default: the variant's default) whose kernels run on tensor cores."""
+    ``params``, default: the variant's default) whose kernels run on tensor cores, unless the variant
+    says it is slow there (``Variant.slow_on``)."""
     if spec.dtype not in HALF_DTYPES:
         return True
+    if variant.slow_on(spec):
+        return False
     if variant.family in MEMORY_BOUND_FAMILIES or variant.name in MEMORY_BOUND_VARIANTS:
         return True
     try:
@@ -394,6 +397,9 @@ def slow_reason(spec: ConvSpec, device: DeviceInfo, variant: Variant | None = No
     if variant is not None:
         if is_fast(variant, spec, device, params):
             return None
+        slow = variant.slow_on(spec)
+        if slow:
+            return f"{variant.name} is slow on the {what}: {slow}"
         return (f"{variant.name} runs the {what} on CUDA cores, far below the library's tensor-core kernels "
                 "of that dtype")
     pool = kernels.ranked("auto", spec, device, precision=precision, max_error=max_error)

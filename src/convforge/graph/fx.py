@@ -1,8 +1,9 @@
 """PyTorch front-end (extra ``[torch]``): ``torch.fx`` tracing of an ``nn.Module`` into the IR.
 
-Modules: Conv2d, Linear, BatchNorm2d, ReLU, LeakyReLU, ReLU6, MaxPool2d, AvgPool2d,
-AdaptiveAvgPool2d(1), AdaptiveMaxPool2d(1), LocalResponseNorm, Softmax, Flatten, Dropout, Identity;
-functions relu, add, cat, flatten, softmax (and the matching tensor methods).
+Modules: Conv2d, Linear, BatchNorm2d, ReLU, LeakyReLU, ReLU6, SiLU, Hardswish, GELU (exact), Mish,
+Sigmoid, Tanh, Hardsigmoid, MaxPool2d, AvgPool2d, AdaptiveAvgPool2d(1), AdaptiveMaxPool2d(1),
+LocalResponseNorm, Softmax, Flatten, Dropout, Identity; functions relu, silu, hardswish, gelu, mish,
+sigmoid, tanh, add, cat, flatten, softmax (and the matching tensor methods).
 """
 
 from __future__ import annotations
@@ -96,6 +97,12 @@ def _module(node: Node, m: Any, graph: Graph, torch: Any) -> None:
         node.attrs = {"slope": float(getattr(m, "negative_slope", 0.0))}
         if isinstance(m, nn.ReLU6):
             node.attrs["clip"] = 6.0
+    elif type(m) in _ACT_MODULES(nn):
+        if isinstance(m, nn.GELU) and m.approximate != "none":
+            raise GraphError(f"{where}: approximate ({m.approximate!r}) must be 'none' (the exact, erf GELU)")
+        node.op, node.attrs = "act", {"fn": _ACT_MODULES(nn)[type(m)]}
+        if node.attrs["fn"] == "hardsigmoid":  # PyTorch's: x / 6 + 1 / 2, clipped
+            node.attrs.update(alpha=1 / 6, beta=0.5)
     elif isinstance(m, (nn.MaxPool2d, nn.AvgPool2d)):
         ph, pw = _pair(m.padding)
         node.op = "pool"
@@ -119,12 +126,34 @@ def _module(node: Node, m: Any, graph: Graph, torch: Any) -> None:
         raise GraphError(f"{where}: unsupported module {type(m).__name__}")
 
 
+def _ACT_MODULES(nn: Any) -> dict[type, str]:
+    """Activation modules -> the IR's act function (ir.ACT_FNS)."""
+    return {nn.SiLU: "silu", nn.Hardswish: "hardswish", nn.GELU: "gelu", nn.Mish: "mish", nn.Sigmoid: "sigmoid",
+            nn.Tanh: "tanh", nn.Hardsigmoid: "hardsigmoid"}
+
+
+def _act_function(t: Any, torch: Any) -> str | None:
+    """The IR's act function of a torch function or tensor method ``t``, or None."""
+    F = torch.nn.functional
+    table = {F.silu: "silu", F.hardswish: "hardswish", F.mish: "mish", torch.sigmoid: "sigmoid",
+             torch.tanh: "tanh", "sigmoid": "sigmoid", "tanh": "tanh"}
+    try:
+        return table.get(t)
+    except TypeError:  # an unhashable target
+        return None
+
+
 def _function(node: Node, fxn: Any, torch: Any) -> None:
     F = torch.nn.functional
     t = fxn.target
     where = f"node {node.name!r} ({getattr(t, '__name__', t)})"
+    act = _act_function(t, torch)
     if t in (torch.relu, F.relu, "relu"):
         node.op = "relu"
+    elif act is not None or t is F.gelu:
+        if t is F.gelu and fxn.kwargs.get("approximate", "none") != "none":
+            raise GraphError(f"{where}: approximate must be 'none' (the exact, erf GELU)")
+        node.op, node.attrs = "act", {"fn": act or "gelu"}
     elif t in (operator.add, torch.add, "add"):
         node.op = "add"
         if len(node.inputs) != 2:

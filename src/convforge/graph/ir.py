@@ -43,8 +43,8 @@ WEIGHTS: dict[str, tuple[str, ...]] = {
 }
 OPTIONAL = {"bias", "gamma", "beta", "pscale", "pshift", "b"}  # pscale, pshift: a conv's prologue (both or none)
 
-ACT_FNS = ("sigmoid", "silu", "hardswish", "hardsigmoid", "clip", "tanh", "gelu")  # an act node's fn
-EPILOGUE_ACTS = ("silu", "hardswish", "gelu")  # what a conv / fc folds into its epilogue (attrs["act"]) besides ReLU
+ACT_FNS = ("sigmoid", "silu", "hardswish", "hardsigmoid", "clip", "tanh", "gelu", "mish", "softplus")  # an act's fn
+EPILOGUE_ACTS = ("silu", "hardswish", "gelu", "mish")  # a conv / fc epilogue's (attrs["act"]) besides ReLU
 BINARY_FNS = ("add", "sub", "mul", "div")
 RESIZE_MODES = ("nearest", "linear")
 COORD_MODES = ("asymmetric", "half_pixel", "pytorch_half_pixel", "align_corners")

@@ -24,6 +24,7 @@ SPEC: dict[str, tuple[int, int, tuple[str, ...]]] = {
     "Conv": (2, 3, ()), "ConvTranspose": (2, 3, ()), "Gemm": (2, 3, ()), "MatMul": (2, 2, ()),
     "Relu": (1, 1, ()), "LeakyRelu": (1, 1, ()), "Clip": (1, 3, ()), "Sigmoid": (1, 1, ()), "Tanh": (1, 1, ()),
     "HardSigmoid": (1, 1, ()), "HardSwish": (1, 1, ()), "Swish": (1, 1, ()), "Gelu": (1, 1, ()),
+    "Mish": (1, 1, ()), "Softplus": (1, 1, ()),
     "MaxPool": (1, 1, ("kernel_shape",)), "AveragePool": (1, 1, ("kernel_shape",)), "GlobalAveragePool": (1, 1, ()),
     "GlobalMaxPool": (1, 1, ()),
     "ReduceMean": (1, 2, ()), "ReduceMax": (1, 2, ()), "LRN": (1, 1, ("size",)), "BatchNormalization": (5, 5, ()),
@@ -239,14 +240,14 @@ def clip(c: Ctx) -> None:
 
 
 def activation(c: Ctx) -> None:
-    """Sigmoid, Tanh, HardSigmoid, HardSwish; Swish (opset 24) of alpha 1 (SiLU); Gelu (opset 20), the
-    exact form."""
+    """Sigmoid, Tanh, HardSigmoid, HardSwish, Mish (opset 18), Softplus; Swish (opset 24) of alpha 1 (SiLU);
+    Gelu (opset 20), the exact form."""
     if c.kind == "Swish" and float(c.attrs.get("alpha", 1.0)) != 1.0:
         raise c.fail(f"alpha ({c.attrs['alpha']}) must be 1 (SiLU)")
     if c.kind == "Gelu" and c.text("approximate", "none") != "none":
         raise c.fail(f"approximate ({c.text('approximate', '')!r}) must be none (the exact, erf GELU)")
     fn = {"Sigmoid": "sigmoid", "Tanh": "tanh", "HardSigmoid": "hardsigmoid", "HardSwish": "hardswish",
-          "Swish": "silu", "Gelu": "gelu"}[c.kind]
+          "Swish": "silu", "Gelu": "gelu", "Mish": "mish", "Softplus": "softplus"}[c.kind]
     attrs: dict[str, Any] = {"fn": fn}
     if fn == "hardsigmoid":
         attrs.update(alpha=float(c.attrs.get("alpha", 0.2)), beta=float(c.attrs.get("beta", 0.5)))
@@ -489,6 +490,7 @@ def batchnorm(c: Ctx) -> None:
 HANDLERS: dict[str, Handler] = {
     "Conv": conv, "ConvTranspose": conv_transpose, "Gemm": gemm, "MatMul": gemm, "Relu": relu, "LeakyRelu": relu,
     "Clip": clip, "Sigmoid": activation, "Tanh": activation, "HardSigmoid": activation, "HardSwish": activation,
+    "Mish": activation, "Softplus": activation,
     "Swish": activation, "Gelu": activation,
     "MaxPool": pool, "AveragePool": pool, "GlobalAveragePool": global_pool, "GlobalMaxPool": global_pool,
     "ReduceMean": reduce, "ReduceMax": reduce, "LRN": lrn, "BatchNormalization": batchnorm,

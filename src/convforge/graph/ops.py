@@ -321,6 +321,10 @@ def act_expr(fn: str, attrs: dict, v: str) -> str:
         return f"HSWISH({v})"
     if fn == "gelu":
         return f"GELU({v})"
+    if fn == "mish":
+        return f"MISH({v})"
+    if fn == "softplus":
+        return f"log1p(exp({v}))"
     if fn == "tanh":
         return f"tanh({v})"
     if fn == "hardsigmoid":

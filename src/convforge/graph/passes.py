@@ -154,33 +154,45 @@ def fold_bias(graph: Graph) -> Graph:
     return g
 
 
-def _gate_of(node: Node | None) -> str | None:
-    """The activation x * node(x) is, for a gate ``node``: sigmoid gives SiLU, hardsigmoid with
-    alpha 1/6 and beta 1/2 HardSwish; None for anything else."""
+def _gate_of(g: Graph, node: Node | None) -> tuple[str, str, list[Node]] | None:
+    """(activation, its input, the gate's nodes) that x * node(...) is, for a gate ``node``: sigmoid(x)
+    gives SiLU, hardsigmoid(x) with alpha 1/6 and beta 1/2 HardSwish, tanh(softplus(x)) Mish (as exports
+    below opset 18 write it); None for anything else."""
     if node is None or node.op != "act":
         return None
-    if node.attrs["fn"] == "sigmoid":
-        return "silu"
-    if (node.attrs["fn"] == "hardsigmoid" and abs(float(node.attrs.get("alpha", 0.2)) - 1 / 6) < 1e-6
+    fn = node.attrs["fn"]
+    if fn == "sigmoid":
+        return "silu", node.inputs[0], [node]
+    if (fn == "hardsigmoid" and abs(float(node.attrs.get("alpha", 0.2)) - 1 / 6) < 1e-6
             and float(node.attrs.get("beta", 0.5)) == 0.5):
-        return "hardswish"
+        return "hardswish", node.inputs[0], [node]
+    inner = g.producer(node.inputs[0]) if fn == "tanh" else None
+    if inner is not None and inner.op == "act" and inner.attrs["fn"] == "softplus":
+        return "mish", inner.inputs[0], [node, inner]
     return None
 
 
 def fuse_gate(graph: Graph) -> Graph:
-    """x * sigmoid(x) -> SiLU and x * hardsigmoid(x) -> HardSwish (as exports write them): the
-    multiply becomes the activation of x, the gate dropped when nothing else reads it."""
+    """x * sigmoid(x) -> SiLU, x * hardsigmoid(x) -> HardSwish and x * tanh(softplus(x)) -> Mish (as
+    exports write them): the multiply becomes the activation of x, the gate's nodes dropped when
+    nothing else reads them."""
     g = graph.copy()
     for node in list(g.nodes):
         if node.op != "binary" or node.attrs.get("fn") != "mul" or len(node.inputs) != 2:
             continue
         for x, gate_out in (node.inputs, node.inputs[::-1]):
-            gate = g.producer(gate_out)
-            fn = _gate_of(gate)
-            if fn is None or gate is None or gate.inputs[0] != x:
+            found = _gate_of(g, g.producer(gate_out))
+            if found is None or found[1] != x:
                 continue
-            if _sole_consumer(g, gate_out) is node:
-                g.nodes.remove(gate)
+            fn, _, gate_nodes = found
+            reader, dropped = node, []
+            for gn in gate_nodes:  # outermost first: each dropped only when its one reader goes too
+                if _sole_consumer(g, gn.output) is not reader:
+                    break
+                dropped.append(gn)
+                reader = gn
+            for gn in dropped:
+                g.nodes.remove(gn)
             node.op, node.inputs, node.attrs = "act", [x], {"fn": fn}
             break
     return g

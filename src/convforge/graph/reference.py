@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from convforge.check import gelu_ref, hardswish_ref, sigmoid_ref, silu_ref
+from convforge.check import gelu_ref, hardswish_ref, mish_ref, sigmoid_ref, silu_ref
 from convforge.graph.ir import (
     Graph,
     Node,
@@ -80,6 +80,11 @@ def act_ref(fn: str, x: Arr, attrs: dict) -> Arr:
         return hardswish_ref(x)
     if fn == "gelu":
         return gelu_ref(x)
+    if fn == "mish":
+        return mish_ref(x)
+    if fn == "softplus":
+        with np.errstate(over="ignore"):
+            return np.log1p(np.exp(x))
     if fn == "hardsigmoid":
         return np.clip(float(attrs.get("alpha", 0.2)) * x + float(attrs.get("beta", 0.5)), 0.0, 1.0)
     if fn == "tanh":

@@ -556,10 +556,10 @@ def _sequence(calls: list[Callable[[], None]]) -> Callable[[], None]:
 
 def epilogue_of(node: Node) -> Epilogue:
     """The plain epilogue of a conv / fc node: its bias and its fused activation (ReLU, or
-    ``attrs["act"]``: SiLU, HardSwish, GELU), as the tuning database keys it."""
+    ``attrs["act"]``: SiLU, HardSwish, GELU, Mish), as the tuning database keys it."""
     act = node.attrs.get("act")
     return Epilogue(bias="bias" in node.weights, relu=bool(node.attrs.get("relu")), silu=act == "silu",
-                    hardswish=act == "hardswish", gelu=act == "gelu")
+                    hardswish=act == "hardswish", gelu=act == "gelu", mish=act == "mish")
 
 
 def deconv_spec(node: Node, x: Tensor, y: Tensor, dtype: str = "float32") -> ConvSpec:

@@ -52,6 +52,10 @@ def _act(F: Any, torch: Any, fn: str, attrs: dict, x: Any) -> Any:
         return F.hardswish(x)
     if fn == "gelu":
         return F.gelu(x)
+    if fn == "mish":
+        return F.mish(x)
+    if fn == "softplus":
+        return F.softplus(x, threshold=float("inf"))
     if fn == "hardsigmoid":
         return (x * float(attrs.get("alpha", 0.2)) + float(attrs.get("beta", 0.5))).clamp(0.0, 1.0)
     return x.clamp(attrs.get("lo"), attrs.get("hi"))

@@ -43,6 +43,7 @@ REGISTRATION_ORDER = (
     "tensorcore.sm90.winograd",
     "tensorcore.sm90.dgrad",
     "tensorcore.sm90.wgrad",
+    "tensorcore.sm90.wgrad_nhwc",
     "tensorcore.sm90.grouped",
     "dgrad.transposed",
     "depthwise",

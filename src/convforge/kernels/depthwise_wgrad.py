@@ -456,7 +456,11 @@ def _blocked_dy(code: Code, t: WTile, sto: Storage) -> None:
         base = f"y + ((n * {s.k} + k) * {s.p} + p0 + {i}) * {s.q} + q0"
         if t.gv > 1:
             for a in range(t.tq // t.gv):
-                _vec_load(code, sto, f"gv{i}_{a}", t.gv, row_ok, f"{base} + {a * t.gv}")
+                # the last column item of a row shorter than tq * grid_q (Q = 28, tq = 8) holds vectors
+                # past Q: a column guard (each vector wholly in or out: gv divides Q and q0), else
+                # they read the next row's dy, or past the buffer after the last row
+                ok = f"{row_ok} && q0 + {a * t.gv} < {s.q}" if s.q % t.tq and a * t.gv >= s.q % t.tq else row_ok
+                _vec_load(code, sto, f"gv{i}_{a}", t.gv, ok, f"{base} + {a * t.gv}")
             code(*(f"const float g{i}_{jq} = {_vec_lane(f'gv{i}_{jq // t.gv}', t.gv, jq % t.gv)};"
                    for jq in range(t.tq)))
         else:

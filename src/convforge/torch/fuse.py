@@ -16,6 +16,11 @@ module added at the root as ``_cf_preact_<batch norm path>``, holding no paramet
 and every reading conv a :class:`FusedConv2d` that folds it into its input load in eval inference
 (``fused.py``); in training mode the node runs the batch norm once and the convs run plain.
 
+Before all that, in a model fused in eval mode, sums of re-parameterisable branches over one input (two
+convs or more, each with its batch norm, and an identity: RepVGG / ACNet-style blocks) [-> ReLU] become one
+:class:`~convforge.torch.branches.BranchSum` call each, which runs them as one folded conv in eval inference
+and as the branches in training (torch/branches.py).
+
 Then linear layers over channels-last activations (torch/linear.py): ``nn.Linear`` -> GELU, and
 ``nn.Linear`` -> permute(0, 3, 1, 2) -> layer scale * . -> [torchvision's stochastic depth, eval] ->
 + residual (ConvNeXt's blocks) become one :class:`FusedLinear` call each at the linear's path.
@@ -38,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Graph, GraphModule, Node, Tracer
 
+from convforge.torch.branches import Branch, BranchSum, branch_reason
 from convforge.torch.fused import FusedConv2d, PreActivation
 from convforge.torch.linear import FusedLinear
 from convforge.torch.modules import OPTIONS, Conv2d, ConvertReport, ConvTranspose2d, static_reason, swapped
@@ -89,6 +95,7 @@ def fuse(model: torch.nn.Module, **options: Any) -> tuple[torch.nn.Module, Conve
         if isinstance(node.type, str):  # strings, which fx keeps as globals that do not pickle
             node.type = None
     report = ConvertReport()
+    _fold_branch_sums(graph, root, report, options)
     _rewrite(graph, root, report, options)
     _fold_preactivations(graph, root, report)
     _fuse_linears(graph, root, report, options)
@@ -150,6 +157,110 @@ def _rewrite(graph: Graph, root: torch.nn.Module, report: ConvertReport, options
         setattr(root.get_submodule(parent) if parent else root, attr, new)
         report.converted.append(name)
     graph.lint()
+
+
+def _fold_branch_sums(graph: Graph, root: torch.nn.Module, report: ConvertReport,
+                      options: dict[str, Any]) -> None:
+    """Replace every sum of re-parameterisable branches over one input [-> ReLU] (torch/branches.py) with
+    one :class:`BranchSum` call (a module added at the root as ``_cf_branches_<first conv's path>``), the
+    branches' convs swapped for convforge ``Conv2d``s (what BranchSum runs in training). Only for a model
+    fused in eval mode: a model fused for training keeps its conv -> batch norm chains (one node each)."""
+    if root.training:
+        return
+    modules = dict(root.named_modules(remove_duplicate=False))
+    calls = Counter(n.target for n in graph.nodes if n.op == "call_module")
+    for node in reversed(list(graph.nodes)):
+        if node.graph is not graph or _residual_operands(node) is None:
+            continue  # erased by an earlier fold, or not an add
+        if any(_residual_operands(u) is not None and len(node.users) == 1 for u in node.users):
+            continue  # an inner add of a larger sum: its root takes it
+        found = _branch_sum(node, modules, calls)
+        if found is None:
+            continue
+        x, branches, inner = found
+        users = list(node.users)
+        last = users[0] if len(users) == 1 and _is_relu(users[0], node, modules) else node
+        names = [str(n.target) for n in inner if n.op == "call_module"
+                 and isinstance(modules.get(str(n.target)), torch.nn.Conv2d)]
+        path = "_cf_branches_" + names[0].replace(".", "_")
+        swaps = {}
+        for name in names:
+            swaps[id(modules[name])] = new_conv = Conv2d.from_module(modules[name], **options)
+            parent, _, attr = name.rpartition(".")
+            setattr(root.get_submodule(parent) if parent else root, attr, new_conv)
+        branches = [(None if c is None else swaps[id(c)], bn) for c, bn in branches]
+        module = BranchSum(branches, last is not node, options).train(False)  # the model's mode (eval)
+        root.add_module(path, module)
+        with graph.inserting_before(last):
+            new = graph.call_module(path, (x,))
+        new.meta = dict(last.meta)
+        last.replace_all_uses_with(new)
+        for n in sorted(inner + [node] + ([last] if last is not node else []), key=_order(graph), reverse=True):
+            graph.erase_node(n)
+        report.converted += names
+        report.fused[names[0]] = f"branches({module.ops()})"
+    graph.lint()
+
+
+def _order(graph: Graph) -> Any:
+    index = {n: i for i, n in enumerate(graph.nodes)}
+    return lambda n: index[n]
+
+
+def _residual_operands(node: Node) -> tuple[Node, Node] | None:
+    """The two operands of an out-of-place add (alpha 1), or None."""
+    if not ((node.op == "call_function" and node.target in (operator.add, torch.add))
+            or (node.op == "call_method" and node.target == "add")):
+        return None
+    if len(node.args) != 2 or set(node.kwargs) - {"alpha"} or node.kwargs.get("alpha", 1) != 1:
+        return None
+    a, b = node.args
+    return (a, b) if isinstance(a, Node) and isinstance(b, Node) else None
+
+
+def _branch_sum(root: Node, modules: dict[str, Any],
+                calls: Counter[Any]) -> tuple[Node, list[Branch], list[Node]] | None:
+    """(input x, branches, the nodes they and the inner adds are) when ``root`` sums branches of one
+    input that fold into one conv (torch/branches.py), else None. Every intermediate is read once,
+    every module called once."""
+    leaves, inner, stack = [], [], [root]
+    while stack:
+        n = stack.pop()
+        ops = _residual_operands(n)
+        if ops is not None and (n is root or len(n.users) == 1):
+            if n is not root:
+                inner.append(n)
+            stack += [ops[1], ops[0]]
+        else:
+            leaves.append(n)
+
+    def module(n: Node, kind: type) -> Any:
+        m = modules.get(str(n.target)) if n.op == "call_module" else None
+        ok = m is not None and type(m) in ((torch.nn.Conv2d, Conv2d) if kind is torch.nn.Conv2d else (kind,))
+        return m if ok and calls[n.target] == 1 and len(n.args) == 1 and not n.kwargs else None
+
+    parts: list[tuple[Node, Branch, list[Node]]] = []
+    for leaf in leaves:
+        bn = module(leaf, torch.nn.BatchNorm2d)
+        src = leaf.args[0] if bn is not None else leaf
+        conv = module(src, torch.nn.Conv2d) if isinstance(src, Node) else None
+        if conv is not None and (bn is None or len(src.users) == 1) and _left_reason(conv) is None:  # type: ignore[union-attr]
+            parts.append((src.args[0], (conv, bn),  # type: ignore[union-attr]
+                          [src] + ([leaf] if bn is not None else [])))
+        elif bn is not None:
+            parts.append((src, (None, bn), [leaf]))  # type: ignore[arg-type]
+        else:
+            parts.append((leaf, (None, None), []))
+    xs = {p[0] for p in parts if p[1][0] is not None}
+    if len(xs) != 1:
+        return None
+    x = xs.pop()
+    if any(p[0] is not x for p in parts) or any(len(n.users) != 1 for p in parts for n in p[2]):
+        return None
+    branches = [p[1] for p in parts]
+    if branch_reason(branches) is not None:
+        return None
+    return x, branches, [n for p in parts for n in p[2]] + inner
 
 
 def _fold_preactivations(graph: Graph, root: torch.nn.Module, report: ConvertReport) -> None:

@@ -241,10 +241,11 @@ class Conv2d(torch.nn.Conv2d):
                        self.max_error, self.groups)
         filters = run.filters
         if filters is None or (not self.static_weights and _CAPTURING()):
-            return run(x, w, b)  # no filter steps, or a capture that records the whole plan
-        packed = filters.get(w, w.data_ptr())
-        y = run(x, w, b) if packed is None else run(x, w, b, packed)
-        if native is not None and not _CAPTURING():
+            y = run(x, w, b)  # no filter steps, or a capture that records the whole plan
+        else:
+            packed = filters.get(w, w.data_ptr())
+            y = run(x, w, b) if packed is None else run(x, w, b, packed)
+        if native is not None and not _CAPTURING():  # plans without filter steps too (depthwise, NHWC GEMMs)
             fast_path.file_native(run, (x, *call[1:]))
         return y
 

@@ -134,23 +134,27 @@ def _with_dtype(layers: list[Layer], dtype: str | None) -> list[Layer]:
 
 
 def _with_layout(layers: list[Layer], layout: str | None, backends: list[Backend]) -> list[Layer]:
-    """The layers with activations in ``layout`` memory; an error naming the first layer no variant
-    runs in that layout on ``backends`` (NHWC: the depthwise family for depthwise layers in every
-    pass, the tensor-core GEMMs of sm_90 for the others)."""
+    """The layers with activations in ``layout`` memory, without those no variant runs in that layout
+    on ``backends`` (NHWC: the depthwise family for depthwise layers in every pass, the tensor-core GEMMs
+    of sm_90 for the others), each of them named on stderr; an error when none is left."""
     import dataclasses
+    import sys
 
     from convforge.kernels import all_variants
 
     if layout in (None, "nchw"):
         return layers
     out = [dataclasses.replace(la, spec=dataclasses.replace(la.spec, layout=layout)) for la in layers]
+    names = "/".join(be.name for be in backends)
+    kept = [la for la in out if any(v.applies(la.spec, be.device) is None for v in all_variants() for be in backends)]
     for la in out:
-        if not any(v.applies(la.spec, be.device) is None for v in all_variants() for be in backends):
-            names = "/".join(be.name for be in backends)
-            raise SuiteError(f"--layout {layout}: no {names} variant reads layer {la.name} ({la.spec.short()}) in "
-                             f"{layout.upper()} (depthwise layers in every pass, and on sm_90 the tensor-core GEMMs, "
-                             "do; use --limit or a suite of them)")
-    return out
+        if la not in kept:
+            print(f"bench: --layout {layout}: no {names} variant reads layer {la.name} ({la.spec.short()}) in "
+                  f"{layout.upper()}: left out", file=sys.stderr)
+    if not kept:
+        raise SuiteError(f"--layout {layout}: no {names} variant reads any layer of the suite in {layout.upper()} "
+                         "(depthwise layers in every pass, and on sm_90 the tensor-core GEMMs, do)")
+    return kept
 
 
 def _budget_arg(text: str) -> float:

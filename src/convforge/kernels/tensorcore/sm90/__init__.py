@@ -25,6 +25,7 @@ What runs on it:
     stem       stems (3-channel images) with A built in registers from input rows in shared memory
     winograd   non-fused Winograd F(2x2) / F(4x4) whose batched GEMM runs on the generator
     wgrad      wgrad as the forward convolution of a transposed problem (images as channels)
+    wgrad_nhwc wgrad of channels-last half layers, x and dy as they lie (MN-major operands, no transposes)
     dgrad      strided dgrad: one forward GEMM per stride phase, stored on the phase's sub-grid of dx
     gradrows   the masked gradient of a conv -> ReLU node written in the backward GEMMs' operand layouts
 

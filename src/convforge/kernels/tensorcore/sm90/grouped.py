@@ -31,14 +31,18 @@ group z's filter gradient (Cg R S x Kg) reads images z Cg .. of x' = [C][H][W][N
 rows z Kg .. of dy' = [K][P Q Np], split over the long reduction with a reduce that knows the groups; any
 Cg (the channels are the images there), depthwise layers excepted (their own wgrad family).
 
-Emulated tile by tile against float64 (tests/test_tensorcore_grouped.py) and compiled by nvcc; no GPU
-has run them yet, so they are reached only by name (``Variant.named_only``: ``algo="tc_grouped_half"``,
-``bench --algo tc_grouped_half``), never by ``auto`` or the implicit_gemm family.
+Emulated tile by tile against float64 (tests/test_tensorcore_grouped.py), compiled by nvcc and checked on a
+GPU (tests/test_gpu_grouped.py). Timed there the half forwards (docs/BENCHMARKS.md), which ``auto`` takes:
+``tc_grouped_packed_half`` wherever groups pack, else ``tc_grouped_half``, whose groups of fewer than
+:data:`NARROW` output channels leave most of a 64-column tile empty and ran far below cuDNN
+(docs/NOTES-tensorcore.md), so it calls itself slow there (``slow_on``) and a half layer goes to PyTorch. The others, not yet timed, are reached only by name
+(``Variant.named_only``: ``algo="tc_grouped_tf32"``, ``bench --algo wgrad_tc_grouped_half``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from convforge.codegen.dialect import Dim3, Kernel
 from convforge.kernels import register
@@ -53,13 +57,25 @@ from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Plan
 from convforge.spec import ConvSpec
 
+TIMED = frozenset({"tc_grouped_half", "tc_grouped_packed_half"})  # timed on a GPU: in 'auto'; others by name
+NARROW = 16  # output channels a group below which the forward counts itself slow (slow_on)
+
 
 class TcGrouped(TcImplicitGemm):
     """Grouped convolution as one batched GEMM of its groups (see the module docstring)."""
 
     grouped = True
-    named_only = True  # until a GPU has run and timed it (the module docstring)
     offset_ok = False  # a concat's channel offset: the groups' slabs already place the channels
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.named_only = self.name not in TIMED  # until a GPU has timed it (the module docstring)
+
+    def slow_on(self, spec: ConvSpec) -> str | None:
+        if spec.kg < NARROW:
+            return (f"groups of {spec.kg} output channels fill {spec.kg} of a tile's 64 columns (measured far below "
+                    "cuDNN: docs/NOTES-tensorcore.md)")
+        return None
 
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
         """The generator's rank on sm_90 (what it would take once timed: above the CUDA-core grouped GEMMs)."""
@@ -153,6 +169,82 @@ class TcGrouped(TcImplicitGemm):
         return super().plan(spec, params, device, epilogue)
 
 
+PACKED_COLUMNS = 64  # output channels of a packed group at most: one 64-column tile of B
+
+
+def pack_factor(spec: ConvSpec) -> int:
+    """Groups of ``spec`` packed into one GEMM group by :class:`TcGroupedPacked`: the most P dividing the
+    groups with P Kg <= :data:`PACKED_COLUMNS` and P Cg a whole number of 8-channel chunks (1: none)."""
+    best = 1
+    for p in range(2, spec.groups + 1):
+        if spec.groups % p == 0 and p * spec.kg <= PACKED_COLUMNS and p * spec.cg % 8 == 0:
+            best = p
+    return best
+
+
+class TcGroupedPacked(TcGrouped):
+    """Narrow groups packed: P groups of Cg -> Kg channels as one group of P Cg -> P Kg whose filters are
+    block-diagonal (the filter step writes each row's Cg channels at its group's place and zeros
+    elsewhere). The tensor cores then multiply P times the useful products, as the unpacked form wastes
+    (64 - Kg) of a tile's 64 columns, but a tile's reduction is P times longer (R S P Cg: whole stages
+    instead of one or two) and its 64 stored columns all real, and groups of 4 channels (ResNeXt's first
+    stage, below an 8-channel chunk) become whole chunks. Ranked above the unpacked form wherever it packs:
+    faster on every ResNeXt-50 grouped layer timed, its 32-channel groups included (docs/BENCHMARKS.md)."""
+
+    def __init__(self, name: str, dtypes: frozenset[str], x3: bool, precision: str, specialised: int) -> None:
+        super().__init__(name, dtypes, x3, precision, specialised)
+        self._base = TcGrouped(name, dtypes, x3, precision, specialised)  # the unpacked form, on the packed spec
+
+    @staticmethod
+    def packed(spec: ConvSpec) -> ConvSpec:
+        """The layer as the GEMM sees it: P times fewer, P times wider groups (P = :func:`pack_factor`)."""
+        return dataclasses.replace(spec, groups=spec.groups // pack_factor(spec))
+
+    def slow_on(self, spec: ConvSpec) -> str | None:
+        return None
+
+    def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
+        """One above the unpacked form (the class docstring)."""
+        return super().rank(spec, device) + 1
+
+    def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
+        if spec.groups == 1 or spec.depthwise:
+            return f"{self.name} packs narrow groups (groups > 1, not depthwise)"
+        if pack_factor(spec) < 2:
+            return (f"no two of the {spec.groups} groups of {spec.cg} -> {spec.kg} channels pack into "
+                    f"{PACKED_COLUMNS} output channels of whole 8-channel chunks (tc_grouped_* runs it)")
+        why = TcImplicitGemm.applies(self, spec, device)  # dtype, pass, layout, device, index widths (packed)
+        if why:
+            return why
+        g = self.packed(spec)
+        chunk = self.math(spec).chunk_elems
+        return None if g.cg % chunk == 0 else f"packed groups of {g.cg} channels are not whole {chunk}-channel chunks"
+
+    def _geo(self, spec: ConvSpec) -> Geometry:
+        return self._base._geo(self.packed(spec))
+
+    def problem(self, spec: ConvSpec) -> Problem:
+        return self._base.problem(self.packed(spec))
+
+    def _operands(self, spec: ConvSpec, cfg: TileConfig) -> tuple[Im2colNhwc, DenseRows]:
+        return self._base._operands(self.packed(spec), cfg)
+
+    def output(self, spec: ConvSpec, epilogue: Epilogue = Epilogue()) -> Output:
+        return self._base.output(self.packed(spec), epilogue)
+
+    def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
+        return self._base.default(self.packed(spec), device)
+
+    def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
+        return self._base.space(self.packed(spec), device)
+
+    def _prep_steps(self, spec: ConvSpec, math: Math, ld: int) -> list[tuple[Kernel, Dim3, str, str]]:
+        """The block-diagonal filter step, then (unless x is read in place) the unpacked form's x step."""
+        g = self.packed(spec)
+        wk, wgrid = prep.w_krsc(dataclasses.replace(g, c=g.cg, groups=1), math, g.cg, ld, block=(spec.kg, spec.cg))
+        return [(wk, wgrid, "w", "wt")] + self._base._prep_steps(g, math, ld)[1:]
+
+
 class TcGroupedWgrad(TcWgrad):
     """wgrad of a grouped layer: the wgrad generator's GEMM per group, the groups batched (the module
     docstring)."""
@@ -190,6 +282,7 @@ class TcGroupedWgrad(TcWgrad):
 register(TcGrouped("tc_grouped_tf32", frozenset({"float32"}), False, "relaxed", 12))
 register(TcGrouped("tc_grouped_3xtf32", frozenset({"float32"}), True, "fp32", 8))
 register(TcGrouped("tc_grouped_half", frozenset({"float16", "bfloat16"}), False, "fp32", 12))
+register(TcGroupedPacked("tc_grouped_packed_half", frozenset({"float16", "bfloat16"}), False, "fp32", 12))
 register(TcGroupedWgrad("wgrad_tc_grouped_tf32", frozenset({"float32"}), False, "relaxed", 12))
 register(TcGroupedWgrad("wgrad_tc_grouped_3xtf32", frozenset({"float32"}), True, "fp32", 8))
 register(TcGroupedWgrad("wgrad_tc_grouped_half", frozenset({"float16", "bfloat16"}), False, "fp32", 12))

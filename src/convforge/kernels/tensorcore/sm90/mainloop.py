@@ -41,7 +41,7 @@ from convforge.kernels.tensorcore.sm90.cexpr import emit_all
 from convforge.kernels.tensorcore.sm90.epilogue import Output, acc_name
 from convforge.kernels.tensorcore.sm90.isa import Math
 from convforge.kernels.tensorcore.sm90.operands import THREADS, Copy, Operand
-from convforge.kernels.tensorcore.sm90.smem import StageLayout, desc_high
+from convforge.kernels.tensorcore.sm90.smem import StageLayout
 from convforge.kernels.tensorcore.sm90.tiles import Problem, TileConfig
 
 REGISTER_ROWS = 8  # per-row producer state kept in registers up to this many rows per thread (twice as
@@ -218,7 +218,7 @@ def wgmma_issue(cfg: TileConfig, math: Math) -> list[tuple[int, int, int]]:
     for kk in range(stage.a.steps):
         for pa, pb in math.products:
             for mi in range(cfg.wm):
-                out.append((mi, stage.offset("a", pa) + 64 * stage.a.width * mi + stage.a.step_offset(kk),
+                out.append((mi, stage.offset("a", pa) + stage.a.block_offset(mi) + stage.a.step_offset(kk),
                             stage.offset("b", pb) + stage.b.step_offset(kk)))
     return out
 
@@ -226,7 +226,7 @@ def wgmma_issue(cfg: TileConfig, math: Math) -> list[tuple[int, int, int]]:
 def consumer_rows(cfg: TileConfig) -> int:
     """Byte offset of consumer c's first A row, per c (its rows are 64 wm c ..; with ping-pong every
     consumer reads the whole tile: 0)."""
-    return 0 if cfg.pp else cfg.wm * 64 * cfg.sa
+    return 0 if cfg.pp else cfg.a_tile().block_offset(cfg.wm)
 
 
 def acc_names(cfg: TileConfig, prefix: str = "d") -> list[str]:
@@ -244,11 +244,12 @@ def emit_consumer(code: Code, ring: Ring, jobs: list[Job]) -> None:
 def _consumer_state(code: Code, ring: Ring) -> None:
     cfg = ring.cfg
     acc = acc_names(cfg)
+    a_high, b_high = cfg.a_tile().desc_high, cfg.b_tile().desc_high
     code("const int ct = tid & 127, c = wg - 1, wq = ct >> 5, g = (tid & 31) >> 2, t = tid & 3;",
-         f"const U64 dsc = {desc_high()}ull | (U64)(sbase >> 4);",
-         *([] if cfg.sa == 128 else
-           [f"const U64 dsa = {desc_high(cfg.sa)}ull | (U64)(sbase >> 4);  // A's {cfg.sa}-byte swizzle"]),
-         f"const U64 da0 = {'dsc' if cfg.sa == 128 else 'dsa'} + (U64)(c * {consumer_rows(cfg) // 16});"
+         f"const U64 dsc = {b_high}ull | (U64)(sbase >> 4);" + ("  // MN-major operands" if cfg.mn else ""),
+         *([] if a_high == b_high else
+           [f"const U64 dsa = {a_high}ull | (U64)(sbase >> 4);  // A's {cfg.sa}-byte swizzle"]),
+         f"const U64 da0 = {'dsc' if a_high == b_high else 'dsa'} + (U64)(c * {consumer_rows(cfg) // 16});"
          "  // this warpgroup's rows of A",
          f"float* const est = tc_smem + ((sbase - SMEM_U32(tc_smem)) >> 2) + "
          f"({ring.staging_offset} + c * {epilogue.staging_bytes(cfg.wm)}) / 4;  // its staging",
@@ -361,6 +362,8 @@ def _wgmma(op: str, cfg: TileConfig, math: Math, acc: list[str], mi: int, a_off:
     """One wgmma (``op``: WGMMA adds into the m64 block's accumulators, WGMMA_Z starts them from zero) of
     the stage at ``so``: A at byte offset ``a_off`` from this consumer's rows, B at ``b_off``."""
     regs = ", ".join(acc[mi * cfg.bn // 2:(mi + 1) * cfg.bn // 2])
+    if cfg.mn:  # both operands MN-major: the transposing forms
+        op = {"WGMMA": "WGMMA_T", "WGMMA_Z": "WGMMA_TZ"}[op]
     return f"{op}({math.ptx}, {math.k}, {cfg.bn}, da0 + so + {a_off // 16}, dsc + so + {b_off // 16}, {regs});"
 
 

@@ -24,6 +24,12 @@ lie, as :class:`PlanarRows` (rows = channels, reduction along the pixels of each
 stride 1 is the forward convolution of dy with rotated filters (kernels/dgrad/transposed.py). The TMA
 producer (tensorcore/sm90/tma.py, ``tm=1``) brings DenseRows and Im2colNhwc operands by tensor maps
 instead of these copies where their channels are whole 128-byte atoms.
+
+MN-major operands (16-bit types, TMA only; ``TileConfig.mn``): the reduction runs over the rows of a
+channels-last tensor, the M or N index along its channels. :class:`MnRows` reads a row-major matrix
+(dy = [N P Q][K]: column k, reduction row), :class:`MnIm2col` the pixels of one filter tap of NHWC
+activations (x: row (tap, c) of D, reduction over the output pixels). wgrad of channels-last layers
+(tensorcore/sm90/wgrad_nhwc.py) multiplies the two as they lie.
 """
 
 from __future__ import annotations
@@ -281,3 +287,42 @@ class Im2colNhwc(_Rows):
                 conds.append(f"{n}_rs{a} < {g.r * g.s}")
             out.append(Copy(self.smem(i, a), f"({n}_b{i} + {n}_o{a})", " && ".join(conds)))
         return out
+
+
+@dataclass(frozen=True)
+class _MnMajor(_Rows):
+    """An MN-major operand: brought by TMA only (tensorcore/sm90/tma.py), a stage of ``tile.rows``
+    reduction rows by ``tile.atoms`` blocks of 64 elements."""
+
+    def thread_lets(self) -> list[Let]:
+        raise ValueError(f"operand {self.name}: MN-major operands are brought by TMA only (tm=1)")
+
+    def row_lets(self, i: int) -> list[Let]:
+        raise ValueError(f"operand {self.name}: MN-major operands are brought by TMA only (tm=1)")
+
+    def stage_lets(self) -> list[Let]:
+        raise ValueError(f"operand {self.name}: MN-major operands are brought by TMA only (tm=1)")
+
+    def row_copies(self, i: int) -> list[Copy]:
+        raise ValueError(f"operand {self.name}: MN-major operands are brought by TMA only (tm=1)")
+
+
+@dataclass(frozen=True)
+class MnRows(_MnMajor):
+    """A row-major matrix [``kred`` rows][``ld``] whose columns are this operand's M or N index (the
+    first ``cols`` of each row) and whose rows are the reduction: dy = [N P Q][K] of a channels-last
+    layer. Rows past ``kred`` and columns past ``cols`` read zeros (the copy engine's bounds)."""
+
+    cols: int = 0
+    ld: int = 0
+    kred: int = 0
+
+
+@dataclass(frozen=True)
+class MnIm2col(_MnMajor):
+    """The pixels of NHWC activations ``geo`` under its filter taps: row m = (tap, c) of D with c fastest
+    (each block of 64 rows lies in one tap: ``geo.cp`` a multiple of 64), reduction index = output pixel
+    (n, oh, ow) reading input pixel (oh sh - pt + r dh, ow sw - pl + s dw), zeros outside the image and
+    past the last image."""
+
+    geo: Geometry | None = None

@@ -265,21 +265,32 @@ def reads_in_place(spec: ConvSpec, math: Math) -> bool:
     return spec.layout == "nhwc" and not (math.split or math.scaled) and padded_channels(spec.c, math) == spec.c
 
 
-def w_krsc(spec: ConvSpec, math: Math, cp: int, ld: int, dst: str = "wt") -> tuple[Kernel, Dim3]:
+def w_krsc(spec: ConvSpec, math: Math, cp: int, ld: int, dst: str = "wt",
+           block: tuple[int, int] | None = None) -> tuple[Kernel, Dim3]:
     """The filter packing step (see the module docstring): one thread per (k, c), channels fastest,
     reading its R S contiguous taps (a warp reads one contiguous run) and writing them R S channel
     rows apart (each store coalesced across the warp); channels past C and the row's tail past
-    R S Cp get zeros."""
+    R S Cp get zeros. ``block`` = (kg, cg): filters of ``cg`` channels a row (K x cg x R x S), groups of
+    ``kg`` rows, packed block-diagonally into rows of C = P cg channels (P groups a packed group: row k
+    holds its cg channels at (k / kg % P) cg, zeros elsewhere)."""
     rs, c, total, tail = spec.r * spec.s, spec.c, spec.k * cp, ld - spec.r * spec.s * cp
     zero_ = zero(math)
     code = Code()
     code(*scale_lets(math, dst))
     code(f"const int e = GROUP_ID(0) * {_ELT} + LOCAL_ID(0);")
     with code.block(f"if (e < {total})"):
-        code(f"const int k = e / {cp}, ci = e - k * {cp};",
-             f"const bool ok = ci < {c};",
-             f"const {CTYPE[spec.dtype]}* src = w + (k * {c} + (ok ? ci : 0)) * {rs};",
-             f"const int o = k * {ld} + ci;")
+        code(f"const int k = e / {cp}, ci = e - k * {cp};")
+        if block is None:
+            code(f"const bool ok = ci < {c};",
+                 f"const {CTYPE[spec.dtype]}* src = w + (k * {c} + (ok ? ci : 0)) * {rs};")
+        else:
+            kg, cg = block
+            if c % cg:
+                raise ValueError(f"block-diagonal filters: C ({c}) is not a whole number of groups of {cg}")
+            code(f"const int cj = ci - k / {kg} % {c // cg} * {cg};  // the channel within the row's own group",
+                 f"const bool ok = (unsigned)cj < {cg}u;",
+                 f"const GLOBAL_PTR {CTYPE[spec.dtype]}* src = w + (k * {cg} + (ok ? cj : 0)) * {rs};")
+        code(f"const int o = k * {ld} + ci;")
         for i in range(rs):
             value = f"(ok ? src[{i}] : {zero_})"
             code(*store_parts(math, spec.dtype, dst, f"o + {i * cp}", value))

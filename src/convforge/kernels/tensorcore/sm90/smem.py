@@ -18,6 +18,13 @@ Facts from the PTX ISA (wgmma, "matrix descriptor" and "shared memory matrix lay
 * A k step (32 bytes of K) reads from start + 32 kk within the row, its unswizzled position: the
   hardware swizzles the whole address, so advancing the start address by 32 bytes is the k step
   (a 32-byte row is one k step: the next step is the next column block).
+* An MN-major tile (16-bit types only; wgmma's transpose immediates 1) in the 128-byte swizzle: its rows
+  are K (``rows`` K elements), each row 64 elements of M or N; ``atoms`` blocks of 64 MN elements, each
+  ``rows`` x 128 bytes, one after the other. CUTLASS's canonical form in 16-byte units is
+  ((8, m), (8, k)) : ((1, LBO), (8, SBO)): the leading byte offset is the step from one 64-element MN
+  block to the next (``rows`` x 128 here), the stride byte offset from 8 K rows to the next (1024). A
+  k step (16 K rows) advances the start address by 16 rows (2048 bytes). The copy engine writes these
+  tiles as it writes K-major ones: a box of 64 channels (128 bytes) by ``rows`` pixels per block.
 
 :func:`model_address` is the hardware's read as the ISA documents it, written independently of
 :meth:`Tile.chunk_offset` (the copies' write); tests/test_tensorcore_gen.py checks that they agree.
@@ -50,21 +57,49 @@ def swizzled(row: int, chunk: int, width: int) -> int:
     return chunk ^ ((row * width >> 7) % (width // 16))
 
 
+MN_STEP_ROWS = 16  # K rows of one k step of an MN-major (16-bit) tile
+
+
 @dataclass(frozen=True)
 class Tile:
-    """One K-major operand part of one stage: ``rows`` (a multiple of 8) x ``atoms`` column blocks of
-    ``width``-byte swizzled rows of K (128 unless an operand's channels ask for less)."""
+    """One operand part of one stage. K-major (``major`` "k"): ``rows`` (a multiple of 8) x ``atoms``
+    column blocks of ``width``-byte swizzled rows of K (128 unless an operand's channels ask for
+    less). MN-major ("mn", 16-bit types): ``rows`` K elements x ``atoms`` blocks of 64 MN elements, each
+    a 128-byte-swizzled block of ``rows`` rows (see the module docstring)."""
 
     rows: int
     atoms: int
     width: int = ROW_BYTES
+    major: str = "k"
 
     def __post_init__(self) -> None:
+        if self.major == "mn":
+            if self.rows % MN_STEP_ROWS or self.rows <= 0 or not 1 <= self.atoms <= 4 or self.width != ROW_BYTES:
+                raise ValueError(f"MN-major tile of {self.rows} K rows x {self.atoms} blocks: K rows a multiple of "
+                                 f"{MN_STEP_ROWS}, 1 to 4 blocks of 64, the 128-byte swizzle")
+            return
+        if self.major != "k":
+            raise ValueError(f"tile major {self.major!r} is not 'k' or 'mn'")
         if self.rows % 8 or self.rows <= 0 or self.atoms not in (1, 2, 4, 8):
             raise ValueError(f"tile of {self.rows} rows x {self.atoms} atoms: rows a multiple of 8, atoms 1, 2, 4 "
                              "or 8")
         if self.width not in MODES:
             raise ValueError(f"a {self.width}-byte swizzle is not one of {sorted(MODES)}")
+
+    @property
+    def mn(self) -> bool:
+        return self.major == "mn"
+
+    @property
+    def kspan(self) -> int:
+        """Bytes of K a stage holds per M or N index (A's and B's must agree): a K-major row's, or an
+        MN-major tile's K rows of 2-byte elements."""
+        return 2 * self.rows if self.mn else self.kbytes
+
+    def block_offset(self, mi: int) -> int:
+        """Byte offset of the ``mi``-th block of 64 M (or N) indices: 64 rows on (K-major), or the
+        ``mi``-th 64-element block (MN-major)."""
+        return mi * self.rows * self.width if self.mn else 64 * self.width * mi
 
     @property
     def nbytes(self) -> int:
@@ -88,17 +123,23 @@ class Tile:
                 f"(((({c}) & {per - 1}) ^ ({rin} & {per - 1})) << 4))")
 
     def step_offset(self, kk: int) -> int:
-        """Start-address advance of k step ``kk`` (0 .. steps - 1): its atom, then 32 bytes per step."""
+        """Start-address advance of k step ``kk`` (0 .. steps - 1): its atom, then 32 bytes per step
+        (MN-major: 16 K rows per step)."""
+        if self.mn:
+            return kk * MN_STEP_ROWS * self.width
         per = self.width // KSTEP_BYTES
         return (kk // per) * self.rows * self.width + (kk % per) * KSTEP_BYTES
 
     @property
     def steps(self) -> int:
-        return self.kbytes // KSTEP_BYTES
+        return self.rows // MN_STEP_ROWS if self.mn else self.kbytes // KSTEP_BYTES
 
     @property
     def desc_high(self) -> int:
-        """The descriptor bits above the start address for this tile's swizzle."""
+        """The descriptor bits above the start address for this tile's swizzle (MN-major: the leading
+        byte offset steps from one 64-element block to the next)."""
+        if self.mn:
+            return (((self.rows * self.width) >> 4) << 16) | ((8 * self.width >> 4) << 32) | (MODE_128B << 62)
         return desc_high(self.width)
 
 
@@ -114,6 +155,18 @@ def model_address(desc: int, r: int, kbyte: int) -> int:
     return lin ^ (((lin >> 7) & (width // 16 - 1)) << 4)
 
 
+def model_address_mn(desc: int, mn: int, k: int, esize: int = 2) -> int:
+    """Shared byte address wgmma reads for element (``mn``, ``k``) of an MN-major 128-byte-swizzled
+    operand (k < 16 within the step): CUTLASS's canonical ((8, m), (8, k)) : ((1, LBO), (8, SBO)) in
+    16-byte units, elements within a 16-byte unit contiguous, then the 128-byte swizzle."""
+    assert desc >> 62 == MODE_128B and esize == 2 and 0 <= k < MN_STEP_ROWS
+    start = (desc & 0x3FFF) << 4
+    lbo = ((desc >> 16) & 0x3FFF) << 4
+    sbo = ((desc >> 32) & 0x3FFF) << 4
+    lin = start + (mn // 64) * lbo + (mn % 64) * esize + (k // 8) * sbo + (k % 8) * ROW_BYTES
+    return lin ^ (((lin >> 7) & 7) << 4)
+
+
 @dataclass(frozen=True)
 class StageLayout:
     """One pipeline stage: the A parts (each ``a``), then the B parts (each ``b``), 1024-aligned."""
@@ -123,7 +176,7 @@ class StageLayout:
     parts: tuple[str, ...] = ("hi",)
 
     def __post_init__(self) -> None:
-        if self.a.kbytes != self.b.kbytes:
+        if self.a.kspan != self.b.kspan or self.a.major != self.b.major:
             raise ValueError("A and B tiles of a stage must hold the same K")
 
     def offset(self, operand: str, part: str) -> int:

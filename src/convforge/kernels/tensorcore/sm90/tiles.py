@@ -29,7 +29,7 @@ from convforge.kernels.tensorcore.sm90.isa import Math, n_ok
 from convforge.kernels.tensorcore.sm90.smem import MAX_SHARED, StageLayout, Tile
 from convforge.params import Params
 
-KEYS = ("bm", "bn", "kb", "st", "cw", "ks", "ps", "pi", "tm", "cl", "sa", "pp", "kr")
+KEYS = ("bm", "bn", "kb", "st", "cw", "ks", "ps", "pi", "tm", "cl", "sa", "pp", "kr", "mn")
 WG = 128  # threads of a warpgroup
 ACC_LIMIT = 128  # f32 accumulators per consumer thread that leave room for addresses (<= 232 registers)
 PRODUCER_REGS, CONSUMER_REGS = 80, 200  # setmaxnreg split of 3 warpgroups (128 * 80 + 256 * 200 <= 64K;
@@ -65,6 +65,8 @@ class TileConfig:
     pp: int = 0  # 1: the two consumers take whole tiles in turn ("ping-pong"), 0: they share each tile
     kr: int = 0  # split modes: 1 restarts the wgmma sums every k step (two register sets in turn, each added
     # into FP32 registers by round-to-nearest), so the tensor core truncates k products' sums, not the running sum
+    mn: int = 0  # 1: both operands MN-major (16-bit types, TMA): a stage holds kb x 64 K rows of bm and bn
+    # elements (channels-last activations whose reduction runs over pixels: wgrad_nhwc.py)
 
     @property
     def groups(self) -> int:
@@ -97,10 +99,15 @@ class TileConfig:
         return "f" if self.sets > 1 else "d"
 
     def a_tile(self) -> Tile:
-        """A's part of a stage: ``kb`` x 128 bytes of K in column blocks of its swizzle width."""
+        """A's part of a stage: ``kb`` x 128 bytes of K in column blocks of its swizzle width (MN-major:
+        ``kb`` x 64 K rows of bm / 64 blocks)."""
+        if self.mn:
+            return Tile(self.kb * 64, self.bm // 64, major="mn")
         return Tile(self.bm, self.kb * 128 // self.sa, self.sa)
 
     def b_tile(self) -> Tile:
+        if self.mn:
+            return Tile(self.kb * 64, self.bn // 64, major="mn")
         return Tile(self.bn, self.kb)
 
     def stage(self, math: Math) -> StageLayout:
@@ -148,9 +155,14 @@ class TileConfig:
             out.append("pi >= 0, ks >= 1, ps 0 or 1, tm 0 or 1")
         if self.cl not in (1, 2) or (self.cl == 2 and not self.tm):
             out.append(f"cl ({self.cl}) must be 1, or 2 with tm=1 (clusters pay through TMA multicast)")
+        mn_bad = self.mn and (self.mn != 1 or math.esize != 2 or math.split or math.scaled or not self.tm or self.cl > 1
+                        or self.sa != 128 or self.bn % 64 or self.bm % 64 or self.bn > 256)
+        if mn_bad:
+            out.append(f"mn ({self.mn}): MN-major operands are 16-bit (FP16, BF16), by TMA, without clusters, in "
+                       "whole 64-element blocks of bm and bn (bn at most 256)")
         if self.sa not in (128, 64, 32) or (self.sa != 128 and not self.tm):
             out.append(f"sa ({self.sa}) must be 128, or 64 or 32 with tm=1 (a narrow swizzle serves TMA copies)")
-        elif self.shared_bytes(math) > shared_limit:
+        elif not mn_bad and self.shared_bytes(math) > shared_limit:
             out.append(f"{self.shared_bytes(math)} bytes of shared memory exceed {shared_limit}")
         if prob is not None and self.cl > 1 and cdiv(prob.n, self.bn) % self.cl:
             out.append(f"cl ({self.cl}) needs a whole number of N-tile groups, not {cdiv(prob.n, self.bn)} tiles "
@@ -184,7 +196,8 @@ class TileConfig:
         keys = dict(bm=self.bm, bn=self.bn, kb=self.kb, st=self.st, cw=self.cw, ks=self.ks, ps=self.ps)
         return Params({**keys, **({"pi": self.pi} if self.pi else {}), **({"tm": self.tm} if self.tm else {}),
                        **({"cl": self.cl} if self.cl > 1 else {}), **({"sa": self.sa} if self.sa != 128 else {}),
-                       **({"pp": self.pp} if self.pp else {}), **({"kr": self.kr} if self.kr else {})})
+                       **({"pp": self.pp} if self.pp else {}), **({"kr": self.kr} if self.kr else {}),
+                       **({"mn": self.mn} if self.mn else {})})
 
     @classmethod
     def of(cls, p: Params) -> TileConfig:
@@ -193,7 +206,8 @@ class TileConfig:
             raise ValueError(f"unknown tensor-core tile parameters {sorted(unknown)} (known: {', '.join(KEYS)})")
         return cls(int(p.bm), int(p.bn), int(p.get("kb", 1)), int(p.get("st", 4)), int(p.get("cw", 2)),
                    int(p.get("ks", 1)), int(p.get("ps", 1)), int(p.get("pi", 0)), int(p.get("cl", 1)),
-                   int(p.get("tm", 0)), int(p.get("sa", 128)), int(p.get("pp", 0)), int(p.get("kr", 0)))
+                   int(p.get("tm", 0)), int(p.get("sa", 128)), int(p.get("pp", 0)), int(p.get("kr", 0)),
+                   int(p.get("mn", 0)))
 
 
 # Relative throughput of a block tile's wgmma stream per operand element size (m64nN with both operands in

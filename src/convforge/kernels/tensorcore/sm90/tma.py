@@ -19,6 +19,12 @@ so the consumers need no proxy fence.
   a K tail past R S Cp (its channel coordinate Cp is out of bounds).
 * :class:`~convforge.kernels.tensorcore.sm90.operands.DenseRows` (B): a **tiled** map, box (one atom of K,
   ``bn`` rows); rows past the matrix read zeros.
+* MN-major operands (``TileConfig.mn``): the same two maps with the roles of rows and K exchanged. A
+  stage of :class:`~convforge.kernels.tensorcore.sm90.operands.MnIm2col` is, per block of 64 channels, one
+  im2col copy of the stage's ``kb`` x 64 output pixels from pixel ``kt kb 64`` on at the tile's filter
+  tap; a stage of :class:`~convforge.kernels.tensorcore.sm90.operands.MnRows` one tiled box of 64 columns
+  by the stage's rows. The copies write the 128-byte swizzle with the reduction along the rows, which
+  is the MN-major layout wgmma reads (smem.py).
 
 With clusters of two blocks (``cl`` = 2, tiles.py) that share the A tile, each block copies half of
 A's rows (a box of ``bm / 2`` rows from row ``crank bm / 2``) **multicast** to both blocks, at the
@@ -45,7 +51,7 @@ from convforge.codegen.dialect import TensorMap
 from convforge.codegen.meta import Code
 from convforge.kernels.tensorcore.sm90.cexpr import Let, emit_all
 from convforge.kernels.tensorcore.sm90.isa import Math
-from convforge.kernels.tensorcore.sm90.operands import DenseRows, Geometry, Im2colNhwc, Operand
+from convforge.kernels.tensorcore.sm90.operands import DenseRows, Geometry, Im2colNhwc, MnIm2col, MnRows, Operand
 from convforge.kernels.tensorcore.sm90.smem import StageLayout
 from convforge.kernels.tensorcore.sm90.tiles import TileConfig
 
@@ -71,6 +77,10 @@ def reason(op: Operand, rows: int) -> str | None:
     """Why ``op`` (a tile of ``rows`` rows) cannot be brought by TMA, or None."""
     if rows > MAX_BOX:
         return f"a tile of {rows} rows exceeds the TMA box ({MAX_BOX})"
+    if isinstance(op, MnRows):
+        return None if op.ld * op.math.esize % 16 == 0 else f"rows of {op.ld} elements are not 16-byte multiples"
+    if isinstance(op, MnIm2col):
+        return _geometry_reason(op.geo, 64)
     if isinstance(op, DenseRows):
         return None if op.batch_stride == 0 else "batched rows are copied by cp.async"
     if not isinstance(op, Im2colNhwc) or op.geo is None:
@@ -81,6 +91,15 @@ def reason(op: Operand, rows: int) -> str | None:
     if g.cp % atom:
         return (f"{g.cp} channels are not whole {atom}-element rows of a {op.tile.width}-byte swizzle (a box "
                 "would straddle two taps)")
+    return _geometry_reason(g, atom)
+
+
+def _geometry_reason(g: Geometry | None, atom: int) -> str | None:
+    """Why an im2col map cannot walk ``g``'s pixels in boxes of ``atom`` channels, or None."""
+    if g is None:
+        return "an im2col operand without its geometry"
+    if g.cp % atom:
+        return f"{g.cp} channels are not whole {atom}-element boxes"
     lower, upper = corners(g)
     if not all(CORNER[0] <= v <= CORNER[1] for v in lower + upper):
         return f"pixel box corners {lower}, {upper} outside {CORNER}"
@@ -120,10 +139,13 @@ def tensor_map(op: Operand, part: str, rows: int, tag: str = "") -> TensorMap:
         raise ValueError(f"operand {op.name}: {why}")
     es, dtype, name = op.math.esize, storage(op.math), map_name(op, part, tag)
     atom, sw = op.tile.width // es, op.tile.width
+    if isinstance(op, MnRows):
+        return TensorMap(name, "tiled", dtype, (op.ld, op.kred), (op.ld * es,), (atom, rows),
+                         source=op.buffer(part), swizzle=sw)
     if isinstance(op, DenseRows):
         return TensorMap(name, "tiled", dtype, (op.ld, op.rows), (op.ld * es,), (atom, rows),
                          source=op.buffer(part), swizzle=sw)
-    assert isinstance(op, Im2colNhwc) and op.geo is not None
+    assert isinstance(op, (Im2colNhwc, MnIm2col)) and op.geo is not None
     g = op.geo
     lower, upper = corners(g)
     return TensorMap(name, "im2col", dtype, (g.cp, g.w, g.h, g.n), (g.cp * es, g.w * g.cp * es, g.h * g.w * g.cp * es),
@@ -144,7 +166,17 @@ def first_row(op: Operand, rows: int) -> str:
 
 def tile_lets(op: Operand, rows: int | None = None) -> list[Let]:
     """Per tile: where the im2col column starts (the corner of the first output pixel of the rows
-    this block copies: the tile's, or its share's, ``rows`` each)."""
+    this block copies: the tile's, or its share's, ``rows`` each); MN-major im2col: per block a of 64
+    rows its filter tap (offsets os, or; rows past R S Cp keep the last tap: never stored) and channel."""
+    if isinstance(op, MnIm2col):
+        g, n, out = op.geo, op.name, []
+        assert g is not None
+        for a in range(op.tile.atoms):
+            out += [Let(f"{n}_rs{a}", f"min((r{n}0 + {64 * a}) / {g.cp}, {g.r * g.s - 1})"),
+                    Let(f"{n}_c{a}", f"((r{n}0 + {64 * a}) % {g.cp})"),
+                    Let(f"{n}_os{a}", f"({n}_rs{a} % {g.s} * {g.dilation[1]})"),
+                    Let(f"{n}_or{a}", f"({n}_rs{a} / {g.s} * {g.dilation[0]})")]
+        return out
     if not isinstance(op, Im2colNhwc):
         return []
     g, n = op.geo, op.name
@@ -157,7 +189,17 @@ def tile_lets(op: Operand, rows: int | None = None) -> list[Let]:
 
 def stage_lets(op: Operand) -> list[Let]:
     """Per stage and atom a: the K position; for im2col its tap (r s: offsets or, os) and channel (a K
-    tail past R S Cp reads channel Cp or beyond: out of bounds, zeros)."""
+    tail past R S Cp reads channel Cp or beyond: out of bounds, zeros). MN-major: the stage's first
+    reduction row (MnRows) or output pixel (MnIm2col: its image and receptive-field corner)."""
+    if isinstance(op, MnRows):
+        return [Let(f"{op.name}_p", f"(kt * {op.tile.rows})")]
+    if isinstance(op, MnIm2col):
+        g, n = op.geo, op.name
+        assert g is not None
+        return [Let(f"{n}_p", f"(kt * {op.tile.rows})"), Let(f"{n}_t", f"({n}_p % {g.p * g.q})"),
+                Let(f"{n}_n0", f"({n}_p / {g.p * g.q})"),
+                Let(f"{n}_h0", f"({n}_t / {g.q} * {g.stride[0]} - {g.pad_top})"),
+                Let(f"{n}_w0", f"({n}_t % {g.q} * {g.stride[1]} - {g.pad_left})")]
     n, e, per = op.name, op.tile.kbytes // op.math.esize, op.tile.width // op.math.esize
     out = []
     for a in range(op.tile.atoms):
@@ -209,7 +251,12 @@ def copies(op: Operand, stage: StageLayout, parts: tuple[str, ...], tag: str = "
         m = tensor_map(op, part, rows, tag)
         for a in range(op.tile.atoms):
             dst = stage.offset(n, part) + a * tile.rows * tile.width
-            if isinstance(op, Im2colNhwc):
+            if isinstance(op, MnIm2col):  # block a: its 64 channels of the stage's pixels at its tap
+                coords = (f"{n}_c{a}", f"{n}_w0", f"{n}_h0", f"{n}_n0")
+                out.append(TmaCopy(dst, m, part, coords, (f"{n}_os{a}", f"{n}_or{a}")))
+            elif isinstance(op, MnRows):  # block a: columns r0 + 64 a of the stage's rows
+                out.append(TmaCopy(dst, m, part, (f"(r{n}0 + {64 * a})", f"{n}_p")))
+            elif isinstance(op, Im2colNhwc):
                 coords = (f"{n}_c{a}", f"{n}_w0", f"{n}_h0", f"{n}_n0")
                 out.append(TmaCopy(dst, m, part, coords, (f"{n}_os{a}", f"{n}_or{a}"), shift, mask))
             else:

@@ -1,0 +1,343 @@
+"""depthwise_wgrad's blocked form (items of tp x tq outputs): its index space read from the generated
+source and checked in NumPy, no compiler needed, on sampled points of the variant's space on small
+layers; then the case that failed on an H200, on PoCL and through nvcc.
+
+The model takes the kernel body as the generator writes it: the block's prelude and the item loop's
+header lines are evaluated (C integer arithmetic on non-negative values is Python's), every load of
+x or dy is found with its guard and address, and the plan's launches give the grid. It checks that
+
+* every item is walked by exactly one thread of one slice, and the items tile the output plane;
+* every dy load that is switched on lands on an output of its own item inside the plane, and every
+  output of channel k is read exactly once (no column of the next row, nothing past the buffer);
+* every x load that is switched on lands in the input row it names, inside the plane;
+* every (slice, channel, tap) of the partial filters is stored exactly once, and the slice sum
+  covers the filter and adds every slice.
+
+The bug it was written for: ConvNeXt-T's 28x28 7x7 layer, float32 NCHW, items of 4 x 8 with dy read
+as float4. Q = 28 is not a multiple of tq = 8, so the last item of a row has columns 28..31; the
+second float4 of each of its dy rows was guarded by the row only and read the next row's columns
+0..3 (wrong sums at taps s = 0..2 of every channel), and after the plane's last row, past the dy
+buffer (NaN on the GPU, where the poisoned next allocation follows: taps r = 0..3 of channel 191).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import re
+from dataclasses import dataclass, field
+from types import CodeType
+
+import numpy as np
+import pytest
+
+from conftest import NOMINAL_CUDA
+from convforge.check import check_plan
+from convforge.codegen.meta import cdiv
+from convforge.kernels import get_variant
+from convforge.params import Params
+from convforge.plan import Plan
+from convforge.spec import ConvSpec
+from helpers import assert_compiles_clean
+
+V = get_variant("depthwise_wgrad")
+_COMMENT = re.compile(r"/\*.*?\*/|//.*$")
+_UNSIGNED = re.compile(r"\(unsigned\)\(([^()]*)\) < (\d+)u")
+_GUARDED = re.compile(r"= (?P<guard>[^?]*) \? (?P<mac>VLOAD4|VLOAD8|LDG)\w*\(")
+_IF_LOAD = re.compile(r"^if \((?P<guard>.*)\) (?P<mac>VLOAD4|VLOAD8)\w*\(")
+_ROW_IF = re.compile(r"^if \(\(unsigned\)\(y0 \+ (\d+)\) < (\d+)u\)")
+_WIDTH = {"VLOAD4": 4, "VLOAD8": 8, "LDG": 1}
+
+
+def _py(c: str) -> str:
+    """A C integer expression of the generated source as a NumPy one (operands non-negative where
+    it divides; ``(unsigned)(e) < n`` is 0 <= e < n)."""
+    c = _UNSIGNED.sub(r"((0 <= (\1)) & ((\1) < \2))", c)
+    c = " & ".join(f"({part.strip()})" for part in c.split("&&"))
+    return c.replace("/", "//").replace("min(", "np.minimum(")
+
+
+@functools.cache
+def _compiled(expr: str) -> CodeType:
+    return compile(expr, "<generated>", "eval")
+
+
+def _ev(expr: str, env: dict):  # type: ignore[no-untyped-def]
+    """A Python expression of the model evaluated on ``env`` (NumPy arrays or ints)."""
+    return eval(_compiled(expr), {"np": np}, env)
+
+
+def _assign(line: str, env: dict) -> None:
+    """``const int a = e1, b = e2;`` evaluated into ``env`` in order."""
+    decl = line.removeprefix("const int ").rstrip(";")
+    for name, expr in re.findall(r"(\w+) = (.*?)(?=, \w+ = |$)", decl):
+        env[name] = _ev(_py(expr), env)
+
+
+def _args(line: str, start: int) -> str:
+    """The argument text of the call whose '(' is at ``start``."""
+    depth = 0
+    for i in range(start, len(line)):
+        depth += {"(": 1, ")": -1}.get(line[i], 0)
+        if depth == 0:
+            return line[start + 1:i]
+    raise AssertionError(f"unbalanced call: {line}")
+
+
+@dataclass
+class Load:
+    buf: str  # "x" or "y"
+    width: int
+    guard: str  # the Python guard ("True" when none)
+    addr: str  # the Python address (elements from the buffer's start)
+    row: int  # the input row (x: y0 + row) or item row (dy: p0 + row) the address names
+    row_guard: str = "True"  # x: the enclosing `if` on the input row
+
+
+@dataclass
+class Blocked:
+    """The blocked kernel's body cut into what the model evaluates."""
+
+    prelude: list[str] = field(default_factory=list)
+    header: list[str] = field(default_factory=list)
+    loads: list[Load] = field(default_factory=list)
+    walk: tuple[str, str] = ("", "")  # the item loop's start and step
+    store: tuple[str, str, str, str] = ("", "", "", "")  # j's start, bound and step; the store's index
+    store_guard: str = "True"
+
+
+def parse_blocked(body: str) -> Blocked:
+    """The prelude, item-loop header, loads and final store of a blocked kernel body (the FMAs,
+    the tree and the declarations are skipped)."""
+    out = Blocked()
+    lines = [_COMMENT.sub("", raw).strip() for raw in body.splitlines()]
+    row_guard, in_loop = "True", False
+    for line in lines:
+        if line.startswith("a") and "FMA(" in line:  # most of the body: a0_0 = FMA(e0, g0_0, a0_0);
+            continue
+        if line.startswith("for (int it = "):
+            m = re.match(r"for \(int it = (.*); it < it1; it \+= (\d+)\)", line)
+            assert m, line
+            out.walk, in_loop = (m[1], m[2]), True
+        elif line.startswith("const int ") and not in_loop:
+            out.prelude.append(line)
+        elif line.startswith("const int ") and "= it " in line or line.startswith(("const int p0", "const int y0")):
+            out.header.append(line)
+        elif m := _ROW_IF.match(line):
+            row_guard = _py(f"(unsigned)(y0 + {m[1]}) < {m[2]}u")
+        elif m := (_GUARDED.search(line) or _IF_LOAD.match(line)):
+            addr = _args(line, m.end() - 1).split(", ")[-1]
+            buf, _, rest = addr.partition(" + ")
+            row = re.search(r"(?:p0|y0) \+ (\d+)", rest)
+            assert buf in ("x", "y") and row, line
+            out.loads.append(Load(buf, _WIDTH[m["mac"]], _py(m["guard"]), _py(rest), int(row[1]),
+                                  row_guard if buf == "x" else "True"))
+        elif line.startswith("if (k < "):
+            out.store_guard = _py(line[3:].rstrip(" {").strip("()"))
+        elif m := re.match(r"for \(int j = (\w+); j < (\d+); j \+= (\d+)\)", line):
+            out.store = (m[1], m[2], m[3], "")
+        elif out.store[0] and "part_[j" in line:  # part[i] = ..., w[i] = ... or ST_F16(w, i, ...)
+            index = _args(line, line.index("(")).split(", ")[1] if line.startswith("ST_") else \
+                line.split("[", 1)[1].split("] =")[0]
+            out.store = (*out.store[:3], _py(index))
+    assert out.loads and out.store[3] and out.walk[0], "not the blocked form's body"
+    return out
+
+
+def _env(b: Blocked, bx, tid, by) -> dict:  # type: ignore[no-untyped-def]
+    """The prelude's values for blocks bx, threads tid and slices by (broadcast arrays)."""
+    env: dict = {"tid": tid, "bx": bx, "by": by}
+    for line in b.prelude:
+        _assign(line.replace("LOCAL_ID(0)", "tid").replace("GROUP_ID(0)", "bx").replace("GROUP_ID(1)", "by"), env)
+    return env
+
+
+def gaps(plan: Plan) -> list[str]:
+    """What the blocked kernel of ``plan`` gets wrong, as sentences (empty: its index space is whole)."""
+    spec, prm = plan.spec, plan.params
+    b = parse_blocked(plan.kernels[0].body)
+    grid, block = plan.steps[0].grid, plan.steps[0].block
+    nhwc = spec.layout == "nhwc"
+    tq, tp, rs = prm.tq, prm.tp, spec.r * spec.s
+    nq, np_ = cdiv(spec.q, tq), cdiv(spec.p, tp)
+    items = spec.n * nq * np_
+    found: list[str] = []
+
+    # items: each walked by exactly one (slice, thread)
+    env = _env(b, 0, np.arange(block[0])[:, None], np.arange(grid[1])[None, :])
+    start, step = _ev(_py(b.walk[0]), env), int(b.walk[1])
+    walked = np.zeros(items + 1, np.int64)
+    it = np.broadcast_to(start, np.broadcast_shapes(np.shape(start), np.shape(env["it1"]))).copy()
+    while (live := it < env["it1"]).any():
+        np.add.at(walked, np.minimum(it[live], items), 1)
+        it += step
+    lanes = prm.get("bc", 1)  # NHWC: each of bc channel lanes walks the items
+    if (walked[:items] != lanes).any() or walked[items]:
+        found.append(f"items walked other than once a lane: {np.flatnonzero(walked[:items] != lanes)[:8].tolist()}")
+
+    # the items tile the plane
+    ienv = {**_env(b, 0, 0, 0), "it": np.arange(items)}
+    for line in b.header:
+        _assign(line, ienv)
+    tiles = set(zip(ienv["n"].tolist(), ienv["p0"].tolist(), ienv["q0"].tolist()))
+    if tiles != set(itertools.product(range(spec.n), range(0, np_ * tp, tp), range(0, nq * tq, tq))):
+        found.append("the items do not tile the output plane")
+
+    found += _load_gaps(spec, b, ienv, nhwc, grid[0] * (prm.get("bc", 1)), tq)
+    found += _store_gaps(spec, b, grid, block, rs)
+    found += _sum_gaps(plan, rs)
+    return found
+
+
+def _load_gaps(spec: ConvSpec, b: Blocked, ienv: dict, nhwc: bool, lanes: int, tq: int) -> list[str]:
+    """Every switched-on load where it means to be; every dy element of channel k read once (k: the
+    first and last channel, and the last lane of the first NHWC block)."""
+    found: list[str] = []
+    ys = (spec.n, spec.p, spec.q, spec.k) if nhwc else (spec.n, spec.k, spec.p, spec.q)
+    for k in sorted({0, spec.k - 1, min(lanes, spec.k) - 1}):
+        kenv = {**ienv, "k": k, "kk": k, "c": k // spec.kg}
+        seen = np.zeros(int(np.prod(ys)) + 1, np.int64)
+        for ld in b.loads:
+            found += _load_gap(spec, ld, kenv, nhwc, tq, seen)
+        plane = seen[:-1].reshape(ys)[:, :, :, k] if nhwc else seen[:-1].reshape(ys)[:, k]
+        if (plane != 1).any():
+            found.append(f"k={k}: {(plane != 1).sum()} dy elements not read exactly once")
+    return found
+
+
+def _unravel(addr: np.ndarray, shape: tuple[int, ...]) -> list[np.ndarray]:
+    """The coordinates of flat indices (np.unravel_index, but NumPy 2.4's answers wrong past 8192
+    elements of an (n, 1) array)."""
+    out = []
+    for dim in reversed(shape):
+        out.append(addr % dim)
+        addr = addr // dim
+    return out[::-1]
+
+
+def _load_gap(spec: ConvSpec, ld: Load, kenv: dict, nhwc: bool, tq: int, seen: np.ndarray) -> list[str]:
+    """One load over every item: where it is on, all its lanes must land in its own item (dy, each
+    counted into ``seen``) or in the input row it names (x)."""
+    k, items = kenv["k"], kenv["it"].shape
+    on = np.broadcast_to(_ev(f"({ld.guard}) & ({ld.row_guard})", kenv), items)
+    addr = np.broadcast_to(_ev(ld.addr, kenv), items)[on][:, None] + np.arange(ld.width)
+    item = {key: kenv[key][on][:, None] for key in ("n", "p0", "q0", "y0")}
+    shape = ((spec.n, spec.p, spec.q, spec.k) if nhwc else (spec.n, spec.k, spec.p, spec.q)) if ld.buf == "y" \
+        else ((spec.n, spec.h, spec.w, spec.c) if nhwc else (spec.n, spec.c, spec.h, spec.w))
+    inside = (addr >= 0) & (addr < np.prod(shape))
+    if not inside.all():
+        return [f"k={k}: {ld.buf} load of row {ld.row} reads past the buffer in {(~inside).any(1).sum()} items"]
+    coord = _unravel(addr, shape)
+    n_, ch_, row_, col_ = (coord[0], coord[3], coord[1], coord[2]) if nhwc else coord
+    if ld.buf == "y":
+        ok = ((n_ == item["n"]) & (ch_ == k) & (row_ == item["p0"] + ld.row)
+              & (col_ >= item["q0"]) & (col_ < item["q0"] + tq))
+        np.add.at(seen, np.where(ok, addr, seen.size - 1), 1)
+    else:
+        ok = (n_ == item["n"]) & (ch_ == k // spec.kg) & (row_ == item["y0"] + ld.row)
+    if ok.all():
+        return []
+    i, lane = np.argwhere(~ok)[0]
+    return [f"k={k}: {ld.buf} load of row {ld.row} lane {lane} lands outside its item in {(~ok).any(1).sum()} "
+            f"items (n={item['n'][i, 0]} p0={item['p0'][i, 0]} q0={item['q0'][i, 0]} reads "
+            f"{ld.buf}[{n_[i, lane]}, {ch_[i, lane]}, {row_[i, lane]}, {col_[i, lane]}] in NCHW order)"]
+
+
+def _store_gaps(spec: ConvSpec, b: Blocked, grid: tuple, block: tuple, rs: int) -> list[str]:
+    """Every (slice, channel, tap) of the partial filters (or of dw) stored exactly once."""
+    j0, bound, step, index = b.store
+    assert int(bound) == rs
+    written = np.zeros(grid[1] * spec.k * rs + 1, np.int64)
+    for by in range(grid[1]):
+        env = _env(b, np.arange(grid[0])[:, None], np.arange(block[0])[None, :], by)
+        j = np.broadcast_to(env[j0], (grid[0], block[0])).copy()
+        on = np.broadcast_to(_ev(b.store_guard, env), j.shape)
+        while (live := on & (j < rs)).any():
+            idx = np.broadcast_to(_ev(index.replace("GROUP_ID(1)", "by"), {**env, "j": j}), j.shape)
+            np.add.at(written, np.clip(idx[live], 0, written.size - 1), 1)
+            j = j + int(step)
+    if (written[:-1] != 1).any() or written[-1]:
+        return [f"{(written[:-1] != 1).sum()} of {written.size - 1} filter entries not stored exactly once"]
+    return []
+
+
+def _sum_gaps(plan: Plan, rs: int) -> list[str]:
+    spec, ns = plan.spec, plan.params.ns
+    if ns == 1:
+        return []
+    body, total = plan.kernels[1].body, spec.k * rs
+    terms = [int(t) for t in re.findall(r"part\[(\d+) \+ e\]", body)]
+    grid = plan.steps[1].grid[0] * plan.steps[1].block[0]
+    if terms != [j * total for j in range(ns)] or f"e < {total}" not in body or grid < total:
+        return [f"the slice sum does not add {ns} slices over {total} entries"]
+    return []
+
+
+def blocked_points(spec: ConvSpec) -> list[Params]:
+    return [prm for prm in V.space(spec, NOMINAL_CUDA) if "tq" in prm]
+
+
+# -- the model -------------------------------------------------------------------------------------------
+FAILED = ConvSpec.make(4, 192, 28, 28, 192, 7, 7, 1, 3, groups=192).with_pass("wgrad")  # the H200 failure
+SMALL = [ConvSpec.make(1, 3, 12, 12, 3, 3, 3, 1, 1, groups=3),  # Q = 12: tq 8 leaves a half item
+         ConvSpec.make(2, 2, 20, 20, 4, 7, 7, 1, 3, groups=2),  # Q = 20, K = 2C
+         ConvSpec.make(1, 5, 17, 16, 5, 5, 5, 2, (2, 1, 0, 3), groups=5),  # stride 2, asymmetric pad
+         ConvSpec.make(1, 3, 20, 24, 3, 3, 3, 1, 2, 2, groups=3),  # dilation 2
+         ConvSpec.make(1, 3, 15, 24, 3, 3, 3, 2, (1, 0, 1, 1), groups=3)]  # stride 2: Q = 12
+
+
+def _as(spec: ConvSpec, dtype: str, layout: str) -> ConvSpec:
+    return ConvSpec.from_dict({**spec.to_dict(), "dtype": dtype, "layout": layout, "pass": "wgrad"})
+
+
+def test_model_sees_the_h200_failure() -> None:
+    """The failing point: its index space is now whole (before the fix the model named the second
+    float4 of each dy row of the items at q0 = 24: the next row's columns 0..3, past the buffer at
+    the plane's end)."""
+    prm = Params(bt=128, tq=8, tp=4, ns=3)
+    assert prm in V.space(FAILED, NOMINAL_CUDA)
+    assert gaps(V.plan(FAILED, prm, NOMINAL_CUDA)) == []
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_model_sampled_blocked_points_on_small_layers(dtype, layout) -> None:
+    """Every 8th blocked point of the space (GPU device) on small odd layers, and in NCHW every
+    point of items 8 wide (16-byte dy rows): a few hundred plans, seconds."""
+    ran = 0
+    for base in SMALL:
+        spec = _as(base, dtype, layout)
+        for i, prm in enumerate(blocked_points(spec)):
+            if i % 8 == 0 or (layout == "nchw" and prm.tq == 8):
+                assert gaps(V.plan(spec, prm, NOMINAL_CUDA)) == [], f"[{prm.short()}] {spec.short()}"
+                ran += 1
+    assert ran > 40
+
+
+def test_model_flags_an_unguarded_vector() -> None:
+    """The model is not blind: the same plan with the column guard taken out shows the gap."""
+    spec, prm = _as(SMALL[0], "float32", "nchw"), Params(bt=32, tq=8, tp=2, ns=1)
+    plan = V.plan(spec, prm, NOMINAL_CUDA)
+    body = plan.kernels[0].body.replace(" && q0 + 4 < 12", "")
+    assert body != plan.kernels[0].body
+    broken = dataclasses.replace(plan, kernels=(dataclasses.replace(plan.kernels[0], body=body), *plan.kernels[1:]))
+    found = gaps(broken)
+    assert any("y load of row 0 lane 0 lands outside its item" in f for f in found), found
+
+
+# -- PoCL and nvcc ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec, prm", [
+    (SMALL[0].with_pass("wgrad"), Params(bt=32, tq=8, tp=2, ns=1)),
+    (SMALL[1].with_pass("wgrad"), Params(bt=32, tq=8, tp=4, ns=3)),
+    (SMALL[4].with_pass("wgrad"), Params(bt=32, tq=8, tp=2, ns=2)),
+], ids=["3x3-q12", "7x7-q20-ns3", "3x3-stride2-q12-ns2"])
+def test_ragged_last_item_on_pocl(ocl, spec, prm) -> None:
+    """float4 dy rows (tq = 8) on planes whose width is not a multiple of tq, output and workspace
+    poisoned: before the column guard rel L2 1e-1 (the next row's dy) and 6e8 (past the buffer)."""
+    res = check_plan(V.plan(spec, prm, ocl.device), ocl, seed=3)
+    assert res.ok, f"[{prm.short()}] {spec.short()}: {res}"
+
+
+def test_failed_point_compiles_clean(nvcc_ok) -> None:
+    assert_compiles_clean(V, FAILED, Params(bt=128, tq=8, tp=4, ns=3), NOMINAL_CUDA)
