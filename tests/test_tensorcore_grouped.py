@@ -80,21 +80,28 @@ def test_each_group_reads_the_bias_of_its_own_channels():
 
 
 def test_auto_takes_the_timed_grouped_forward_and_names_its_narrow_groups_slow():
-    """tc_grouped_half (timed on an H200) is in 'auto' and the implicit_gemm family; its groups of fewer
-    than 16 output channels count as slow (dispatch.is_fast, so a half layer goes to PyTorch); the
-    untimed TF32 forms and the grouped dgrad / wgrad are reached by name only."""
+    """tc_grouped_packed_half and tc_grouped_half (timed on an H200) are in 'auto', the packed form first
+    where groups pack; the unpacked form's groups of fewer than 16 output channels count as slow
+    (dispatch.is_fast, so a half layer goes to PyTorch); the half grouped dgrad / wgrad are in 'auto' too,
+    slow below 32 channels a group; the untimed TF32 forms are reached by name only."""
     spec = ConvSpec.make(4, 64, 15, 13, 128, 3, 3, 1, 1, groups=4, dtype="float16", layout="nhwc")
-    assert [v.name for v in ranked("auto", spec, NOMINAL_CUDA)] == ["tc_grouped_half"]
+    assert [v.name for v in ranked("auto", spec, NOMINAL_CUDA)] == ["tc_grouped_packed_half", "tc_grouped_half"]
     assert is_fast(get_variant("tc_grouped_half"), spec, NOMINAL_CUDA)
     narrow = dataclasses.replace(spec, groups=16)  # 8 output channels a group
     assert not is_fast(get_variant("tc_grouped_half"), narrow, NOMINAL_CUDA)
     assert "8 output channels" in slow_reason(narrow, NOMINAL_CUDA, get_variant("tc_grouped_half"))
     f32 = dataclasses.replace(spec, dtype="float32")
     assert all(not v.name.startswith("tc_grouped") for v in ranked("auto", f32, NOMINAL_CUDA))
+    wide = dataclasses.replace(spec, groups=2)  # 32 -> 64 channels a group
     for name in ("dgrad_tc_grouped_half", "wgrad_tc_grouped_half"):
         back = dataclasses.replace(spec, conv_pass=name[:5])
-        assert name not in [v.name for v in ranked("auto", back, NOMINAL_CUDA)]
+        assert name in [v.name for v in ranked("auto", back, NOMINAL_CUDA)]
+        assert not is_fast(get_variant(name), back, NOMINAL_CUDA)  # 16 channels a group
+        assert is_fast(get_variant(name), dataclasses.replace(wide, conv_pass=name[:5]), NOMINAL_CUDA)
         assert [v.name for v in select(name, back, NOMINAL_CUDA)] == [name]
+    for name in ("dgrad_tc_grouped_tf32", "wgrad_tc_grouped_tf32"):
+        back = dataclasses.replace(f32, conv_pass=name[:5])
+        assert name not in [v.name for v in ranked("auto", back, NOMINAL_CUDA)]
 
 
 @pytest.mark.parametrize("why, spec", [
@@ -298,11 +305,12 @@ def test_block_diagonal_filter_step_on_pocl(ocl, groups, cg, kg, r):
 
 def test_packed_plans_compile(nvcc_ok):
     """ResNeXt-50's first-stage grouped 3x3 (32 groups of 4, packed 16 to a group) compiles for sm_90a
-    without spills; the packed variant is reached by name only until a GPU has run it."""
+    without spills; ``auto`` takes the packed variant ahead of the unpacked form (timed on a GPU)."""
     v = get_variant("tc_grouped_packed_half")
     spec = ConvSpec.make(8, 128, 28, 28, 128, 3, 3, 1, 1, groups=32, dtype="float16", layout="nhwc")
-    assert v.named_only and v.applies(spec, NOMINAL_CUDA) is None
-    assert "tc_grouped_packed_half" not in [x.name for x in ranked("auto", spec, NOMINAL_CUDA)]
+    assert not v.named_only and v.applies(spec, NOMINAL_CUDA) is None
+    names = [x.name for x in ranked("auto", spec, NOMINAL_CUDA)]
+    assert names[0] == "tc_grouped_packed_half", names
     infos, _ = sass_report(v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA, Epilogue(bias=True, relu=True))
                            .source("cuda"))
     assert infos and all(i.spill_stores == 0 for i in infos), infos

@@ -350,3 +350,32 @@ def test_torchvision_models(name, size, train):
         want.sum().backward()
         g1, g2 = model.layer1[0].conv2.weight.grad, ref.layer1[0].conv2.weight.grad
         assert torch.allclose(g1, g2, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name,size", [("efficientnet_b0", 64), ("convnext_tiny", 64)])
+def test_stochastic_depth_follows_the_mode_after_an_eval_fuse(name, size):
+    """A model fused in eval (as the bench and most users do) and then trained drops paths as the
+    original does in training: torchvision's StochasticDepth stays a module that reads its mode at each
+    call (traced through, ``training=False`` stuck and training silently lost its regularisation)."""
+    tv = pytest.importorskip("torchvision", reason="torchvision not installed: fuse on its models skipped")
+    torch.manual_seed(0)
+    model = getattr(tv.models, name)(weights=None, stochastic_depth_prob=0.5).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("layer_scale"):
+                p.uniform_(0.1, 1.0)
+    ref = copy.deepcopy(model)
+    fused, _ = ct.fuse(model)
+    x = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.allclose(fused(x), ref(x), rtol=1e-4, atol=1e-5)  # eval: the identity
+        fused.train()
+        ref.train()
+        torch.manual_seed(7)
+        want = ref(x)
+        torch.manual_seed(7)
+        got = fused(x)
+        torch.manual_seed(8)
+        other = fused(x)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (got - want).abs().max()
+    assert not torch.allclose(other, got, rtol=1e-3, atol=1e-4)  # paths were dropped, by the seed

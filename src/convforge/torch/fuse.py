@@ -22,14 +22,16 @@ convs or more, each with its batch norm, and an identity: RepVGG / ACNet-style b
 and as the branches in training (torch/branches.py).
 
 Then linear layers over channels-last activations (torch/linear.py): ``nn.Linear`` -> GELU, and
-``nn.Linear`` -> permute(0, 3, 1, 2) -> layer scale * . -> [torchvision's stochastic depth, eval] ->
+``nn.Linear`` -> permute(0, 3, 1, 2) -> layer scale * . -> [torchvision's stochastic depth] ->
 + residual (ConvNeXt's blocks) become one :class:`FusedLinear` call each at the linear's path.
 
 The result is a ``GraphModule`` whose module hierarchy mirrors the original's (every module a
 shallow copy sharing its parameters and buffers, batch norms included), so ``state_dict()`` has
 the same keys, in the same order, holding the same tensors; the original model is not changed.
 Python control flow (``if self.training``) is fixed when the model is traced, as for any fx
-trace. A model fx cannot trace falls back to ``convert`` on a structural copy, said in the report.
+trace, except in torchvision's ``StochasticDepth`` (EfficientNet, ConvNeXt...), kept a leaf so that it drops
+paths in training however the model was when fused, and is the identity in eval. A model fx cannot trace
+falls back to ``convert`` on a structural copy, said in the report.
 """
 
 from __future__ import annotations
@@ -55,11 +57,19 @@ _ADDS_M = {"add": False, "add_": True}
 _RELUS_F = (F.relu, F.relu_, torch.relu, torch.relu_)
 
 
+def _is_stochastic_depth_module(m: Any) -> bool:
+    """torchvision's ``StochasticDepth`` (its forward reads ``self.training``: traced through, the mode at
+    fuse time would stick)."""
+    cls = type(m)
+    return cls.__name__ == "StochasticDepth" and cls.__module__.startswith("torchvision.")
+
+
 class _Tracer(Tracer):
-    """fx's tracer with every nn.Conv2d and nn.ConvTranspose2d (convforge's included) kept as a leaf."""
+    """fx's tracer with every nn.Conv2d and nn.ConvTranspose2d (convforge's included) and torchvision's
+    StochasticDepth kept as a leaf."""
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
-        return (isinstance(m, torch.nn.Conv2d | torch.nn.ConvTranspose2d)
+        return (isinstance(m, torch.nn.Conv2d | torch.nn.ConvTranspose2d) or _is_stochastic_depth_module(m)
                 or super().is_leaf_module(m, module_qualified_name))
 
 
@@ -415,7 +425,7 @@ def _replace(graph: Graph, nodes: list[Node], res: Node | None) -> None:
 
 def _fuse_linears(graph: Graph, root: torch.nn.Module, report: ConvertReport, options: dict[str, Any]) -> None:
     """Swap ``nn.Linear`` -> GELU, and ``nn.Linear`` -> permute(0, 3, 1, 2) -> layer scale * . ->
-    [stochastic depth in eval] -> + residual (ConvNeXt's blocks), for one :class:`FusedLinear` call
+    [stochastic depth] -> + residual (ConvNeXt's blocks), for one :class:`FusedLinear` call
     (every intermediate used once, the linear module called once)."""
     modules = dict(root.named_modules(remove_duplicate=False))
     calls = Counter(n.target for n in graph.nodes if n.op == "call_module")
@@ -433,8 +443,8 @@ def _fuse_linears(graph: Graph, root: torch.nn.Module, report: ConvertReport, op
             found = _scaled_residual(nxt, node, root)
             if found is None:
                 continue
-            nodes, scale, res = found
-            new = FusedLinear.from_linear(lin, nchw=True, scale=scale, residual=True, **options)
+            nodes, scale, res, drop = found
+            new = FusedLinear.from_linear(lin, nchw=True, scale=scale, residual=True, drop=drop, **options)
             getter = next(a for a in nodes[1].args if isinstance(a, Node) and a.op == "get_attr")
             _replace(graph, [node, *nodes], res)
             if not getter.users:
@@ -457,9 +467,9 @@ def _is_gelu(node: Node, src: Node, modules: dict[str, Any]) -> bool:
             and set(node.kwargs) <= {"approximate"} and node.kwargs.get("approximate", "none") == "none")
 
 
-def _scaled_residual(node: Node, src: Node, root: torch.nn.Module) -> tuple[list[Node], Any, Node] | None:
-    """(nodes permute, mul [, stochastic depth], add; (owner, attribute) of the scale; the residual)
-    when ``node`` starts ConvNeXt's tail after ``src``, else None."""
+def _scaled_residual(node: Node, src: Node, root: torch.nn.Module) -> tuple[list[Node], Any, Node, Any] | None:
+    """(nodes permute, mul [, stochastic depth], add; (owner, attribute) of the scale; the residual; the
+    StochasticDepth module or None) when ``node`` starts ConvNeXt's tail after ``src``, else None."""
     dims = list(node.args[1:]) if node.op == "call_method" else (list(node.args[1:]) or [None])
     if len(dims) == 1 and isinstance(dims[0], list | tuple):
         dims = list(dims[0])
@@ -477,19 +487,25 @@ def _scaled_residual(node: Node, src: Node, root: torch.nn.Module) -> tuple[list
     scale = getattr(owner, attr, None)
     if not isinstance(scale, torch.Tensor) or scale.dim() != 3 or tuple(scale.shape[1:]) != (1, 1):
         return None
-    nodes, last = [node, mul], mul
+    nodes, last, drop = [node, mul], mul, None
     nxt = _only_user(mul)
     if nxt is not None and _is_eval_stochastic_depth(nxt, mul):
+        nodes.append(nxt)
+        last, nxt = nxt, _only_user(nxt)
+    elif nxt is not None and nxt.op == "call_module" and nxt.args == (mul,) and not nxt.kwargs:
+        drop = root.get_submodule(str(nxt.target))
+        if not _is_stochastic_depth_module(drop):
+            return None
         nodes.append(nxt)
         last, nxt = nxt, _only_user(nxt)
     res = _residual(nxt, last) if nxt is not None else None
     if res is None:
         return None
-    return [*nodes, nxt], (owner, attr), res  # type: ignore[list-item]
+    return [*nodes, nxt], (owner, attr), res, drop  # type: ignore[list-item]
 
 
 def _is_eval_stochastic_depth(node: Node, src: Node) -> bool:
-    """torchvision's ``stochastic_depth(x, p, mode, training=False)``: the identity."""
+    """torchvision's ``stochastic_depth(x, p, mode, training=False)`` called as a function: the identity."""
     fn = node.target
     if node.op != "call_function" or getattr(fn, "__name__", "") != "stochastic_depth":
         return False

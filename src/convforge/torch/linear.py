@@ -4,7 +4,7 @@ folded in.
 
 ConvNeXt's blocks (and any MLP over an (N, H, W, C) activation) spend most of their time in two
 ``nn.Linear`` layers and the element-wise operations around them: ``Linear -> GELU`` and
-``Linear -> permute(0, 3, 1, 2) -> layer_scale * . -> stochastic depth (identity in eval) -> + input``.
+``Linear -> permute(0, 3, 1, 2) -> layer_scale * . -> stochastic depth -> + input``.
 ``fuse()`` (fuse.py) turns each chain into one call of this module:
 
 * ``gelu``: the exact GELU in the GEMM's epilogue; the output is (N, H, W, K) contiguous, as
@@ -12,7 +12,9 @@ ConvNeXt's blocks (and any MLP over an (N, H, W, C) activation) spend most of th
 * ``nchw`` + ``scale`` + residual: the per-channel layer scale folded into the weights and bias
   (``W' = s W``, ``b' = s b``, cached per version of the three), the block input added in the
   epilogue (read in channels_last memory format; a copy when it is not), the output the (N, K, H, W)
-  view in channels_last memory that the permute gave.
+  view in channels_last memory that the permute gave. The stochastic depth module, where one was
+  fused, is called as the model called it (it drops paths in training, is the identity in eval): a
+  training-mode one with p > 0 sends the call to PyTorch's operations.
 
 Eval inference on CUDA tensors of one dtype (float32, float16, bfloat16) takes this path where a
 variant serves the layer (sm_90: ``tc_implicit_gemm_*``; float32 in the fp32 class as 3xTF32, in
@@ -46,23 +48,25 @@ class FusedLinear(torch.nn.Linear):
     _cf_nchw: bool = False  # the output permuted to (N, K, H, W), as permute(0, 3, 1, 2) after it
     _cf_scale: tuple[torch.nn.Module, str] | None = None  # (owner, attribute) of the layer scale
     _cf_residual: bool = False
+    _cf_drop: torch.nn.Module | None = None  # torchvision's StochasticDepth before the residual add
 
     @classmethod
     def from_linear(cls, m: torch.nn.Linear, gelu: bool = False, nchw: bool = False,
                     scale: tuple[torch.nn.Module, str] | None = None, residual: bool = False,
-                    algo: str = "auto", precision: str | None = None, max_error: float | None = None,
-                    static_weights: bool = True) -> FusedLinear:
+                    drop: torch.nn.Module | None = None, algo: str = "auto", precision: str | None = None,
+                    max_error: float | None = None, static_weights: bool = True) -> FusedLinear:
         """A FusedLinear sharing ``m``'s parameters, buffers and hooks; ``scale`` is referenced (read at
-        each call), never registered."""
+        each call), never registered, as is ``drop`` (the model's own stochastic depth module)."""
         if precision is not None:
             parse_precision(precision)
         if max_error is not None and not max_error > 0:
             raise ValueError(f"max_error ({max_error!r}) must be > 0")
-        if gelu and (nchw or scale is not None or residual):
+        if gelu and (nchw or scale is not None or residual or drop is not None):
             raise ValueError("FusedLinear folds either GELU or the permute, layer scale and residual add")
         new = cls.__new__(cls)
         new.__dict__.update(m.__dict__)
-        new.__dict__.update(_cf_gelu=gelu, _cf_nchw=nchw, _cf_scale=scale, _cf_residual=residual, algo=algo,
+        new.__dict__.update(_cf_gelu=gelu, _cf_nchw=nchw, _cf_scale=scale, _cf_residual=residual, _cf_drop=drop,
+                            algo=algo,
                             precision=precision, max_error=max_error, static_weights=static_weights,
                             _cf_cache={}, _cf_folded=None)
         return new
@@ -70,7 +74,8 @@ class FusedLinear(torch.nn.Linear):
     def fused_ops(self) -> str:
         """What the module applies after the product: "gelu" or "permute+scale+add"."""
         ops = [t for t, on in (("gelu", self._cf_gelu), ("permute", self._cf_nchw),
-                               ("scale", self._cf_scale is not None), ("add", self._cf_residual)) if on]
+                               ("scale", self._cf_scale is not None), ("stochastic_depth", self._cf_drop is not None),
+                               ("add", self._cf_residual)) if on]
         return "+".join(ops)
 
     def extra_repr(self) -> str:
@@ -104,6 +109,8 @@ class FusedLinear(torch.nn.Linear):
         s = self.scale()
         if s is not None:
             y = s * y
+        if self._cf_drop is not None:
+            y = self._cf_drop(y)
         return y if res is None else y + res
 
     def _eligible(self, x: torch.Tensor, res: Any) -> bool:
@@ -118,6 +125,9 @@ class FusedLinear(torch.nn.Linear):
             return False
         if torch.compiler.is_compiling() or _AUTOCAST():
             return False
+        drop = self._cf_drop
+        if drop is not None and drop.training and getattr(drop, "p", 1.0) > 0:
+            return False  # it drops paths: PyTorch's operations, the module's own randomness
         return not torch.is_grad_enabled() or not any(
             t is not None and t.requires_grad for t in (x, w, b, s, res))
 

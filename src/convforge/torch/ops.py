@@ -281,10 +281,14 @@ def _torch_input(input_size: Sequence[Any], w: Any, gy: Any, stride: Sequence[in
     t, b, left, right = padding
     sym = t == b and left == right
     n, c, h, wd = input_size
-    x = gy.new_zeros((n, c, h, wd) if sym else (n, c, h + t + b, wd + left + right))  # its shape is all that is read
+    # x's shape and memory format are all that is read: gy's format, so cuDNN copies neither gy nor dx between
+    # layouts (an NCHW x beside a channels_last gy cost two activation copies a layer)
+    fmt = _CL if channels_last(gy) else torch.contiguous_format
+    x = torch.empty((n, c, h, wd) if sym else (n, c, h + t + b, wd + left + right), dtype=gy.dtype, device=gy.device,
+                    memory_format=fmt)
     gx = torch.ops.aten.convolution_backward(gy, x, w, None, list(stride), [t, left] if sym else [0, 0],
                                              list(dilation), False, [0, 0], groups, [True, False, False])[0]
-    return gx if sym else gx[:, :, t:t + h, left:left + wd].contiguous()
+    return gx if sym else gx[:, :, t:t + h, left:left + wd].contiguous(memory_format=fmt)
 
 
 def _torch_weight(x: Any, weight_size: Sequence[Any], gy: Any, stride: Sequence[int], padding: Sequence[int],

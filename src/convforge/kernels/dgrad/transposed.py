@@ -155,8 +155,13 @@ class DgradTransposed(Variant):
         self.tolerance, self.exact, self.capturable = fwd.tolerance, fwd.exact, fwd.capturable
         self.specialised, self.space_lead, self.grouped = fwd.specialised, fwd.space_lead, fwd.grouped
         self.dtypes, self.layouts = fwd.dtypes, fwd.layouts  # dy and dx lie as the forward's x and y
-        # a forward no GPU has timed makes a dgrad none has either; the grouped forward is timed, not its dgrad
-        self.named_only = fwd.named_only or (fwd.grouped and fwd.name.startswith("tc_grouped"))
+        # a forward no GPU has timed makes a dgrad none has either; a grouped forward says whether its dgrad was
+        self.named_only = fwd.named_only or (fwd.grouped and not getattr(fwd, "dgrad_timed", False))
+
+    def slow_on(self, spec: ConvSpec) -> str | None:
+        """The forward's word on its dgrad form (grouped: ``dgrad_slow_on``), else None."""
+        rule = getattr(self.fwd, "dgrad_slow_on", None)
+        return rule(spec) if rule is not None else None
 
     problem = staticmethod(transposed_spec)  # the forward problem whose output is dx, or why there is none
     problem_name = "the transposed problem"

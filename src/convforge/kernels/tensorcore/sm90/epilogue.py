@@ -11,6 +11,13 @@ pixels of one output channel, contiguous in an NCHW plane (one 16-byte store for
 halves) when P*Q is a multiple of 4; else 4 guarded scalar stores. A warp writes 2 (wm = 1) or 1
 channel rows of 64 or 128 pixels: coalesced.
 
+Batch-norm statistics (``Output.stats``, NHWC rows, unsplit, no bias / residual / activation): each consumer
+warpgroup's tile of rows is one partial j = row0 / 64 wm of :data:`~convforge.kernels.batchnorm.PARTIAL_ROWS`
+per column: the sums of y - k and (y - k)^2 over its rows of the stored (rounded) y, k its first row's value,
+and the count, into ``bnpart`` [row][j][column] (4 x P x N floats, P = cdiv(M, 64 wm)). A thread keeps one
+column quad of a chunk (quads = 8: 128 is a multiple of 8), the four lanes of a warp holding that quad add by
+xor shuffles, the four warps through the staging buffer in warp order: a fixed order, bit-identical runs.
+
 Planar layout: element (row m, column k) of slab z (split-K slice x batch) sits at
 z * slab + (m / pq * k_total + k_offset + k) * pq + m % pq: NCHW outputs (pq = P*Q, m = n P Q + pix),
 Winograd's M[z][e][k][t] (pq = T), split-K partials [z][n][k][pix].
@@ -80,6 +87,7 @@ class Output:
     pix_col: int = 1
     pix_base: int = 0
     bias_z: int = 0  # a batched GEMM's slab z reads the bias from z bias_z on (grouped: each group's K)
+    stats: bool = False  # also the batch norm's per-channel partial sums into "bnpart" (module docstring)
 
     def bias_col(self, k: str, z: str) -> str:
         """The bias index of column ``k`` of slab ``z``."""
@@ -124,7 +132,18 @@ class Output:
             out += (Buf("bias", CTYPE[self.dtype]),)
         if self.epi is not None and self.epi.residual:
             out += (Buf("res", CTYPE[self.dtype]),)
+        if self.stats:
+            out += (Buf("bnpart", "float", readonly=False),)
         return out
+
+    def stats_reason(self) -> str | None:
+        """Why this destination cannot also write batch-norm statistics (None: it can)."""
+        epi = self.epi or Epilogue()
+        if not self.rowmajor or self.strided or self.slab or self.k_total or self.k_offset:
+            return "batch-norm statistics need plain NHWC rows (one slab, no channel offset)"
+        if epi != Epilogue():
+            return f"batch-norm statistics take the conv's plain output (no bias, residual or activation: {epi.tag()})"
+        return None
 
     def refs(self) -> tuple[str, ...]:
         return tuple(a.name for a in self.args())
@@ -292,9 +311,16 @@ def emit_consumer_epilogue(code: Code, out: Output, wm: int, bn: int, stage: str
                     out.store4(code, "m", "k", z, ["v.x", "v.y", "v.z", "v.w"])
 
 
+def partials(m: int, wm: int) -> int:
+    """Batch-norm partial sums per column of an M-row GEMM whose consumer warpgroups take 64 wm rows."""
+    return cdiv(m, 64 * wm)
+
+
 def _rowmajor_epilogue(code: Code, out: Output, wm: int, bn: int, stage: str, bar: str,
                        row0: str, col0: str, z: str, prefix: str) -> None:
     """emit_consumer_epilogue for a row-major ``out`` (NHWC): rows staged, float4 runs of columns stored."""
+    if out.stats and (out.stats_reason() or bn % COLS):
+        raise ValueError(f"epilogue: {out.stats_reason() or f'statistics need whole {COLS}-column chunks ({bn})'}")
     for ch, items, quads in rowmajor_chunks(wm, bn):
         code(f"BAR_SYNC({bar}, 128);  // the last chunk's reads are done")
         for mi in range(wm):
@@ -303,15 +329,79 @@ def _rowmajor_epilogue(code: Code, out: Output, wm: int, bn: int, stage: str, ba
                 if w is not None:
                     code(f"{stage}[{w[0]}] = {w[1]};")
         code(f"BAR_SYNC({bar}, 128);")
-        for item in items:
-            with code.block(f"/* chunk {ch}, item {item} */"):
-                for let in rowmajor_lets(wm, item, quads):
-                    let.emit(code)
-                guard = 64 * wm * quads
-                with code.block(f"if (ct + {128 * item} < {guard})" if (item + 1) * 128 > guard else ""):
-                    code(f"const float4 v = *(const float4*)({stage} + {swizzled(f'er{item}', f'4 * eq{item}')});",
-                         f"const int k = {col0} + {COLS * ch} + 4 * eq{item}, m = {row0} + er{item};")
-                    out.store4_cols(code, "m", "k", z, ["v.x", "v.y", "v.z", "v.w"])
+        if not out.stats:
+            _rowmajor_items(code, out, wm, stage, row0, col0, z, ch, items, quads)
+            continue
+        with code.block(f"/* chunk {ch}: stores and batch-norm statistics */"):
+            stats_head(code, out, stage)
+            _rowmajor_items(code, out, wm, stage, row0, col0, z, ch, items, quads)
+            _stats_store(code, out, wm, stage, bar, row0, f"{col0} + {COLS * ch}")
+
+
+def _rowmajor_items(code: Code, out: Output, wm: int, stage: str, row0: str, col0: str, z: str, ch: int,
+                    items: list[int], quads: int) -> None:
+    """A staged chunk's stores, item by item (1 row x 4 columns each); with ``out.stats`` each row into the
+    thread's sums."""
+    for item in items:
+        with code.block(f"/* chunk {ch}, item {item} */"):
+            for let in rowmajor_lets(wm, item, quads):
+                let.emit(code)
+            guard = 64 * wm * quads
+            with code.block(f"if (ct + {128 * item} < {guard})" if (item + 1) * 128 > guard else ""):
+                code(f"const float4 v = *(const float4*)({stage} + {swizzled(f'er{item}', f'4 * eq{item}')});",
+                     f"const int k = {col0} + {COLS * ch} + 4 * eq{item}, m = {row0} + er{item};")
+                out.store4_cols(code, "m", "k", z, ["v.x", "v.y", "v.z", "v.w"])
+                if out.stats:
+                    _stats_add(code, out)
+
+
+def _rounded(out: Output, v: str) -> str:
+    """The float value stored for accumulator expression ``v`` (its storage rounding undone)."""
+    return v if out.dtype == "float32" else to_float(out.dtype, from_float(out.dtype, v))
+
+
+def stats_head(code: Code, out: Output, stage: str) -> None:
+    """A chunk's statistics registers: this thread's column quad ``sq`` (= ct % 8), the shifts bk0..3 (the
+    stored values of the warpgroup's first row, staged), the sums bs1_*, bs2_*."""
+    code("const int sq = ct & 7;  // this thread's column quad in the chunk (every item's)",
+         f"const float4 bk = *(const float4*)({stage} + {swizzled('0', '4 * sq')});")
+    for i, c in enumerate("xyzw"):
+        code(f"const float bk{i} = {_rounded(out, f'bk.{c}')};")
+    code("float " + ", ".join(f"bs1_{i} = 0.0f, bs2_{i} = 0.0f" for i in range(4)) + ";")
+
+
+def _stats_add(code: Code, out: Output) -> None:
+    """One item's row into the sums (rows past M add nothing)."""
+    with code.block(f"if (m < {out.m})"):
+        for i, c in enumerate("xyzw"):
+            code(f"const float d{i} = {_rounded(out, f'v.{c}')} - bk{i};", f"bs1_{i} += d{i};",
+                 f"bs2_{i} = FMA(d{i}, d{i}, bs2_{i});")
+
+
+def _stats_store(code: Code, out: Output, wm: int, stage: str, bar: str, row0: str, col: str) -> None:
+    """The chunk's sums: the lanes of a quad by xor shuffles, the warps in order through the staging buffer,
+    then threads 0..31 (one column each) write partial ``row0 / 64 wm``'s four rows."""
+    p = partials(out.m, wm)
+    sums = [f"bs{r}_{i}" for r in (1, 2) for i in range(4)]
+    for lane in (8, 16):
+        code(*(f"{s} += SHFL({s}, (tid & 31) ^ {lane});" for s in sums))
+    code(f"BAR_SYNC({bar}, 128);  // every read of the staged chunk done")
+    with code.block("if ((ct & 31) < 8)"):
+        code(*(f"{stage}[(wq * 8 + sq) * 8 + {j}] = {s};" for j, s in enumerate(sums)))
+    with code.block("if (ct < 8)"):
+        code(*(f"{stage}[256 + sq * 4 + {i}] = bk{i};" for i in range(4)))
+    code(f"BAR_SYNC({bar}, 128);")
+    with code.block(f"if (ct < 32 && {row0} < {out.m})"):
+        code("const int q = ct >> 2, i = ct & 3;",
+             f"const int kk = {col} + ct, pj = ({row0}) / {64 * wm}, nrows = min({out.m} - ({row0}), {64 * wm});")
+        with code.block(f"if (kk < {out.n})"):
+            code(f"float a1 = {stage}[q * 8 + i], a2 = {stage}[q * 8 + 4 + i];")
+            for w in range(1, 4):
+                code(f"a1 += {stage}[({w * 8} + q) * 8 + i];", f"a2 += {stage}[({w * 8} + q) * 8 + 4 + i];")
+            at = f"pj * {out.n} + kk"
+            code(f"bnpart[{at}] = a1;", f"bnpart[{p * out.n} + {at}] = a2;",
+                 f"bnpart[{2 * p * out.n} + {at}] = {stage}[256 + ct];",
+                 f"bnpart[{3 * p * out.n} + {at}] = (float)nrows;")
 
 
 def reduce_kernel(name: str, out: Output, ks: int, total: int, batch: int = 1) -> tuple[Kernel, tuple[int, int, int]]:

@@ -35,8 +35,9 @@ Emulated tile by tile against float64 (tests/test_tensorcore_grouped.py), compil
 GPU (tests/test_gpu_grouped.py). Timed there the half forwards (docs/BENCHMARKS.md), which ``auto`` takes:
 ``tc_grouped_packed_half`` wherever groups pack, else ``tc_grouped_half``, whose groups of fewer than
 :data:`NARROW` output channels leave most of a 64-column tile empty and ran far below cuDNN
-(docs/NOTES-tensorcore.md), so it calls itself slow there (``slow_on``) and a half layer goes to PyTorch. The others, not yet timed, are reached only by name
-(``Variant.named_only``: ``algo="tc_grouped_tf32"``, ``bench --algo wgrad_tc_grouped_half``).
+(docs/NOTES-tensorcore.md), so it calls itself slow there (``slow_on``) and a half layer goes to PyTorch.
+The others, not yet timed, are reached only by name (``Variant.named_only``: ``algo="tc_grouped_tf32"``,
+``bench --algo wgrad_tc_grouped_half``).
 """
 
 from __future__ import annotations
@@ -59,6 +60,17 @@ from convforge.spec import ConvSpec
 
 TIMED = frozenset({"tc_grouped_half", "tc_grouped_packed_half"})  # timed on a GPU: in 'auto'; others by name
 NARROW = 16  # output channels a group below which the forward counts itself slow (slow_on)
+# timed on a GPU: in 'auto' (the forward's dgrad as dgrad_<forward>), slow below WIDE channels a group
+BACKWARD_TIMED = frozenset({"tc_grouped_half", "wgrad_tc_grouped_half"})
+WIDE = 32
+
+
+def backward_slow(spec: ConvSpec) -> str | None:
+    """Why the grouped dgrad / wgrad count themselves slow on ``spec`` (``slow_on``), or None."""
+    if min(spec.cg, spec.kg) < WIDE:
+        return (f"groups of {spec.cg} -> {spec.kg} channels: the grouped dgrad and wgrad ran at 0.33-1.0x "
+                f"cuDNN-best below {WIDE} (docs/NOTES-tensorcore.md)")
+    return None
 
 
 class TcGrouped(TcImplicitGemm):
@@ -70,6 +82,11 @@ class TcGrouped(TcImplicitGemm):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.named_only = self.name not in TIMED  # until a GPU has timed it (the module docstring)
+        self.dgrad_timed = self.name in BACKWARD_TIMED  # its stride-1 dgrad (kernels/dgrad/transposed.py)
+
+    def dgrad_slow_on(self, spec: ConvSpec) -> str | None:
+        """``slow_on`` of this variant's dgrad form on the dgrad layer ``spec``."""
+        return backward_slow(spec)
 
     def slow_on(self, spec: ConvSpec) -> str | None:
         if spec.kg < NARROW:
@@ -250,7 +267,13 @@ class TcGroupedWgrad(TcWgrad):
     docstring)."""
 
     grouped = True
-    named_only = True  # until a GPU has run and timed it
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.named_only = self.name not in BACKWARD_TIMED  # until a GPU has run and timed it
+
+    def slow_on(self, spec: ConvSpec) -> str | None:
+        return backward_slow(spec)
 
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
         if spec.groups == 1:

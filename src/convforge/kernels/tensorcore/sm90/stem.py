@@ -41,16 +41,17 @@ from dataclasses import dataclass
 from convforge.codegen.dialect import Buf, Kernel, LocalBuf
 from convforge.codegen.meta import Code, cdiv
 from convforge.kernels import register
+from convforge.kernels.tensorcore.sm90 import prep
 from convforge.kernels.tensorcore.sm90.cexpr import Let, emit_all
-from convforge.kernels.tensorcore.sm90.epilogue import CTYPE, to_float
-from convforge.kernels.tensorcore.sm90.isa import ACC, M, Math, device_reason
-from convforge.kernels.tensorcore.sm90.smem import MAX_SHARED, Tile
+from convforge.kernels.tensorcore.sm90.epilogue import CTYPE, from_float, to_float
+from convforge.kernels.tensorcore.sm90.isa import ACC, KSTEP_BYTES, M, Math, device_reason
+from convforge.kernels.tensorcore.sm90.smem import ALIGN, MAX_SHARED, Tile
 from convforge.kernels.tensorcore.sm90.variants import RANK_SM90, TcVariant, tolerance
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Launch, Plan
 from convforge.spec import ConvSpec
 
-BWIDTH = 32  # bytes of K per B tile row: one k step, the 32-byte swizzle
+BWIDTH = KSTEP_BYTES  # bytes of K per B tile row: one k step, the 32-byte swizzle
 _WT_THREADS = 256
 
 
@@ -139,7 +140,7 @@ class StemGeo:
     @property
     def woff(self) -> int:
         """Byte offset of the B tiles (1024-aligned)."""
-        return cdiv(self.strip_bytes * (2 if self.dual else 1), 1024) * 1024
+        return cdiv(self.strip_bytes * (2 if self.dual else 1), ALIGN) * ALIGN
 
     @property
     def btile(self) -> Tile:
@@ -177,7 +178,7 @@ class StemGeo:
     @property
     def shared_bytes(self) -> int:
         """Dynamic shared memory of a block (1024 bytes of slack for aligning the base)."""
-        return self.stoff + self.wg * self.stage_bytes + 1024
+        return self.stoff + self.wg * self.stage_bytes + ALIGN
 
     @property
     def threads(self) -> int:
@@ -303,7 +304,7 @@ def main_kernel(name: str, geo: StemGeo, epi: Epilogue) -> Kernel:
     _emit_loads(code, geo)
     code("FENCE_PROXY_ASYNC();  // the filters' generic writes, before wgmma reads them", "BARRIER();")
     emit_all(code, a_lets(geo))
-    code(f"const unsigned long long bdesc0 = {Tile(geo.kn, 1, BWIDTH).desc_high}ull | "
+    code(f"const unsigned long long bdesc0 = {geo.btile.desc_high}ull | "
          f"(unsigned long long)(((sbase + {geo.woff}u) >> 4) & 0x3FFFu);")
     if masked(geo):
         code(f"const unsigned mk0 = {mask_expr(geo, 0)}, mk1 = {mask_expr(geo, 1)};")
@@ -336,8 +337,7 @@ def _emit_loads(code: Code, geo: StemGeo) -> None:
         emit_all(code, wcopy_lets(geo))
         code("*(uint4*)(sp + sdst) = *(const uint4*)((const unsigned char*)wt + gsrc);")
     total = geo.sr * geo.rs
-    ctype = "float" if math.ptx == "tf32" else "unsigned short"
-    zero = "0.0f" if math.ptx == "tf32" else "(unsigned short)0"
+    ctype, zero = math.ctype, prep.zero(math)
     code("#pragma unroll 4")
     with code.block(f"for (int e = tid; e < {total}; e += {geo.threads})"):
         emit_all(code, strip_lets(geo))
@@ -399,11 +399,7 @@ def _emit_epilogue(code: Code, geo: StemGeo, epi: Epilogue, accs: list[str], sta
             else:
                 for d in (0, 1):
                     at = f"{stage} + (({col} + {d}) * {geo.sld} + {row}) * {geo.oes}"
-                    if half:
-                        conv = f"TC_F32_TO_{'F16' if dt == 'float16' else 'BF16'}({vals[d]})"
-                        code(f"*(unsigned short*)({at}) = {conv};")
-                    else:
-                        code(f"*(float*)({at}) = {vals[d]};")
+                    code(f"*({CTYPE[dt]}*)({at}) = {from_float(dt, vals[d])};")
     code("BAR_SYNC(1 + wg, 128);")
     tw = "(tid & 127)"
     if geo.nhwc:
@@ -414,7 +410,7 @@ def _emit_epilogue(code: Code, geo: StemGeo, epi: Epilogue, accs: list[str], sta
                 code(f"*(uint4*)((unsigned char*)y + (((n * {s.p} + p) * {s.q} + q) * {s.k} + gy * {geo.kn}) * "
                      f"{geo.oes} + ch * 16) = *(const uint4*)({stage} + row * {geo.sld * geo.oes} + ch * 16);")
     else:
-        et = "unsigned short" if half else "float"
+        et = CTYPE[dt]
         with code.block(f"for (int e = {tw}; e < {M * geo.kn}; e += 128)"):
             code(f"const int col = e / {M}, row = e % {M}, q = q0 + row;")
             with code.block(f"if (q < {s.q})"):

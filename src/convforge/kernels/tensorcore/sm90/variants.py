@@ -31,10 +31,10 @@ from convforge.codegen.dialect import Dim3, Kernel
 from convforge.codegen.meta import cdiv
 from convforge.kernels import register
 from convforge.kernels.tensorcore.sm90 import prep, tiles, tma
-from convforge.kernels.tensorcore.sm90.epilogue import Output, reduce_kernel
+from convforge.kernels.tensorcore.sm90.epilogue import Output, partials, reduce_kernel
 from convforge.kernels.tensorcore.sm90.isa import Math, device_reason, few_pixels, math_for
 from convforge.kernels.tensorcore.sm90.kernel import gemm_kernel
-from convforge.kernels.tensorcore.sm90.operands import DenseRows, Geometry, Im2colNhwc
+from convforge.kernels.tensorcore.sm90.operands import DenseRows, Geometry, Im2colNhwc, Operand
 from convforge.kernels.tensorcore.sm90.smem import MAX_SHARED
 from convforge.kernels.tensorcore.sm90.tiles import Problem, TileConfig
 from convforge.params import Params
@@ -61,6 +61,29 @@ def tolerance(math: Math, dtype: str) -> float:
     if dtype in HALF_TOLERANCE:
         return HALF_TOLERANCE[dtype]
     return X3_TOLERANCE if math.split else TF32_TOLERANCE
+
+
+def split_workspace(cfg: TileConfig, prob: Problem) -> tuple[tuple[str, int], ...]:
+    """The split-K partial slabs ``part`` (raw FP32, ``cfg.ks`` slices of every batch's m x n); none
+    when the reduction is whole."""
+    return (("part", 4 * cfg.ks * prob.batch * prob.m * prob.n),) if cfg.ks > 1 else ()
+
+
+def gemm_steps(name: str, math: Math, cfg: TileConfig, prob: Problem, a: Operand, b: Operand, final: Output,
+               units: int) -> tuple[list[Kernel], list[Launch]]:
+    """The GEMM of ``prob`` into ``final`` and its launch. Split (``cfg.ks`` > 1), the GEMM writes the
+    raw partial slabs of :func:`split_workspace` and a reduce sums them in slice order into ``final``
+    with its epilogue."""
+    out = final if cfg.ks == 1 else Output("part", prob.m, prob.n, final.pq, slab=prob.m * prob.n, epi=None)
+    gk = gemm_kernel(f"{name}_gemm", math, cfg, prob, a, b, out)
+    kernels: list[Kernel] = [gk]
+    steps = [Launch(gk.name, (cfg.grid(prob, units), 1, 1), gk.block,
+                    tuple(x.name for x in a.args() + b.args()) + out.refs())]
+    if cfg.ks > 1:
+        rk, rgrid = reduce_kernel(f"{name}_reduce", final, cfg.ks, prob.batch * prob.m * prob.n, prob.batch)
+        kernels.append(rk)
+        steps.append(Launch(rk.name, rgrid, rk.block, ("part",) + final.refs()))
+    return kernels, steps
 
 
 FC_RANK = 13  # 3xTF32 on big-batch fully-connected layers: above gemm_fc (12) and gemm1x1_splitk (11)
@@ -362,9 +385,7 @@ class TcImplicitGemm(TcVariant):
             out += tuple((("xh" if p == "hi" else f"xh_{p}"), math.esize * geo.n * geo.h * geo.w * geo.cp)
                          for p in parts)
             out += prep.scale_workspace("xh", math)
-        if cfg.ks > 1:
-            out += (("part", 4 * cfg.ks * prob.m * prob.n),)
-        return out
+        return out + split_workspace(cfg, prob)
 
     # -- plan ---------------------------------------------------------------------------------
     def output(self, spec: ConvSpec, epilogue: Epilogue = Epilogue()) -> Output:
@@ -375,6 +396,23 @@ class TcImplicitGemm(TcVariant):
 
     def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
              epilogue: Epilogue = Epilogue()) -> Plan:
+        return self._plan(spec, params, device, epilogue)
+
+    def plan_stats(self, spec: ConvSpec, params: Params, device: DeviceInfo) -> tuple[Plan, int]:
+        """(plan, P): the forward whose epilogue also writes the batch norm's per-channel partial sums of the
+        stored y into a buffer "bnpart" the caller gives: 4 x P x K floats in kernels/batchnorm.py's
+        PARTIAL_ROWS order, what ``bn_program(partials=P)`` finalizes without reading y again
+        (sm90/epilogue.py's docstring). Unsplit (``ks`` taken as 1), NHWC, the conv's plain output (no bias,
+        residual or activation); ValueError where it cannot."""
+        if spec.conv_pass != "fprop" or spec.layout != "nhwc":
+            raise ValueError(f"{self.name}: batch-norm statistics in the epilogue need an NHWC forward, not "
+                             f"{spec.conv_pass} {spec.layout}")
+        params = params.replace(ks=1) if params.get("ks", 1) != 1 else params
+        plan = self._plan(spec, params, device, Epilogue(), stats=True)
+        return plan, partials(self.problem(spec).m, TileConfig.of(params).wm)
+
+    def _plan(self, spec: ConvSpec, params: Params, device: DeviceInfo, epilogue: Epilogue,
+              stats: bool = False) -> Plan:
         math, prob, cfg = self.math(spec), self.problem(spec), TileConfig.of(params)
         why = cfg.problems(math, prob, self.limit(device))
         if why:
@@ -383,23 +421,20 @@ class TcImplicitGemm(TcVariant):
             raise ValueError(f"{self.name}: tm=1: {self.tma_reason(spec, cfg)}")
         ld = self._ld(spec, cfg)
         a, b = self._operands(spec, cfg)
-        final = self.output(spec, epilogue)
-        out = final if cfg.ks == 1 else Output("part", prob.m, prob.n, final.pq, slab=prob.m * prob.n, epi=None)
-        gk = gemm_kernel(f"{self.name}_gemm", math, cfg, prob, a, b, out)
-        refs = lambda bufs: tuple(x.name for x in bufs)  # noqa: E731
         kernels: list[Kernel] = []
         steps: list[Launch] = []
         for kern, grid, src, dst in self._prep_steps(spec, math, ld):
             for k, launch in prep.launches(math, kern, grid, src, dst, spec):
                 kernels.append(k)
                 steps.append(launch)
-        steps.append(Launch(gk.name, (cfg.grid(prob, device.units), 1, 1), gk.block,
-                            refs(a.args()) + refs(b.args()) + out.refs()))
-        kernels.append(gk)
-        if cfg.ks > 1:
-            rk, rgrid = reduce_kernel(f"{self.name}_reduce", final, cfg.ks, prob.m * prob.n)
-            kernels.append(rk)
-            steps.append(Launch(rk.name, rgrid, rk.block, ("part",) + final.refs()))
+        out = self.output(spec, epilogue)
+        if stats:
+            out = dataclasses.replace(out, stats=True)
+            if out.stats_reason():
+                raise ValueError(f"{self.name}: {out.stats_reason()}")
+        gemm, launches = gemm_steps(self.name, math, cfg, prob, a, b, out, device.units)
+        kernels += gemm
+        steps += launches
         return Plan(self.name, self.family, spec, params, tuple(kernels), tuple(steps),
                     self._workspace(spec, cfg), tolerance(math, spec.dtype), epilogue)
 

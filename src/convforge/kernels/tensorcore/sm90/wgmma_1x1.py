@@ -1,7 +1,9 @@
 """A Hopper ``wgmma`` TF32 GEMM for 1x1 convolutions (CUDA, compute capability 9.0, sm_90a).
 
 sm_90a, but outside the generator of this package (:mod:`convforge.kernels.tensorcore.sm90`): its own
-cp.async pipeline, shared layouts and matrix descriptors.
+cp.async pipeline and copies, and an unswizzled layout (``sw=0``) the generator lacks; the 128-byte
+swizzle's descriptor and hardware model (``smem``), the accumulator layout (``isa.ACC``) and the TF32
+error figures are the generator's.
 
 The plan has three steps:
 
@@ -52,32 +54,41 @@ from convforge.kernels import register
 from convforge.kernels.common import out_args, out_refs
 from convforge.kernels.gemm import elementwise, nchw_store, too_big
 from convforge.kernels.sgemm import Store
-from convforge.kernels.tensorcore.sm90.isa import device_reason, few_pixels
+from convforge.kernels.tensorcore.sm90 import smem
+from convforge.kernels.tensorcore.sm90.isa import ACC as ACC_LAYOUT
+from convforge.kernels.tensorcore.sm90.isa import CHUNK, KSTEP_BYTES, ROW_BYTES, TF32, device_reason, few_pixels
+from convforge.kernels.tensorcore.sm90.smem import ALIGN, MAX_SHARED, SBO
+from convforge.kernels.tensorcore.sm90.variants import TF32_EXPECTED, TF32_TOLERANCE
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
 from convforge.spec import ConvSpec
 
-BK = 32  # floats of K per slice: one 128-byte row per operand row
-KSTEP = 8  # k of one wgmma (tf32)
-ROW_BYTES = 4 * BK
-SBO = 8 * ROW_BYTES  # bytes between groups of 8 rows (both layouts)
-LBO = {0: 128, 128: 16}  # bytes between K-adjacent core matrices (unused by the swizzled mode)
-MODE = {0: 0, 128: 1}  # descriptor bits 62-63
-MAX_SHARED = 227 * 1024
-TF32_EXPECTED = 3e-4  # as the mma.sync TF32 variants (kernels/tensorcore/sm80/mma_variants.py)
-TF32_TOLERANCE = 1e-3
+# The 128-byte row (isa.ROW_BYTES), the 8-row group stride (smem.SBO, both layouts here), the shared
+# memory limit and the TF32 error figures are the generator's.
+BK = TF32.elems(1)  # floats of K per slice: one 128-byte row per operand row
+KSTEP = TF32.k  # k of one wgmma (tf32)
+CORE = 8 * CHUNK  # bytes of an unswizzled core matrix: 8 rows x 16 bytes
+LBO = {0: CORE, 128: smem.LBO}  # bytes between K-adjacent core matrices (unused by the swizzled mode)
 WG_KEYS = ("bn", "wg", "st", "sw", "xl", "ep")
 XL = ("direct", "transposed")  # how x reaches the B tiles (see the module docstring)
 EP = ("smem", "regs")  # how C leaves: staged through shared memory, or from the accumulators
 C_PAD = 8  # floats past each row of the staged C tile (see _store_staged)
 
-# Accumulator m64nNk8 .f32: (row, column) of register 4j + r of a lane, per n8 chunk j, as C
+
+
+def _plus(base: str, k: int) -> str:
+    return f"{base} + {k}" if k else base
+
+
+# Accumulator m64nNk8 .f32 (isa.ACC): (row, column) of register 4j + r of a lane, per n8 chunk j, as C
 # expressions of g = lane >> 2 and t = lane & 3 (row offset 16 w for warp w of the warpgroup).
-ACC = (("g", "2 * t"), ("g", "2 * t + 1"), ("g + 8", "2 * t"), ("g + 8", "2 * t + 1"))
+ACC = tuple((_plus("g", r), _plus("2 * t", c)) for r, c in zip(ACC_LAYOUT.rows, ACC_LAYOUT.cols, strict=True))
 
 
 def chunk_offset(sw: int, r: str, c: str) -> str:
-    """Byte offset in an operand tile of 16-byte chunk ``c`` (0..7) of row ``r`` (C expressions)."""
+    """Byte offset in an operand tile of 16-byte chunk ``c`` (0..7) of row ``r`` (C expressions). The
+    swizzle is smem.swizzled's; the expression is not smem.Tile.chunk_offset's, which adds the column
+    block of wider K (one block here, always 0) and would change the generated source."""
     if sw == 128:
         return f"(({r}) * {ROW_BYTES} + ((({c}) ^ (({r}) & 7)) << 4))"
     return f"((({r}) >> 3) * {SBO} + ({c}) * {LBO[0]} + ((({r}) & 7) << 4))"
@@ -92,31 +103,36 @@ def copy_coords(sw: int, q: str) -> tuple[str, str]:
 
 
 def desc_high(sw: int) -> int:
-    """Descriptor bits above the start address: LBO, SBO, base offset 0, swizzle mode."""
-    return ((LBO[sw] >> 4) << 16) | ((SBO >> 4) << 32) | (MODE[sw] << 62)
+    """Descriptor bits above the start address: the generator's 128-byte swizzle (smem.desc_high), or
+    for ``sw=0`` LBO, SBO, base offset 0 and swizzle mode 0 (none)."""
+    if sw == 128:
+        return smem.desc_high(ROW_BYTES)
+    return ((LBO[sw] >> 4) << 16) | ((SBO >> 4) << 32)
 
 
 def k_step_bytes(sw: int, kk: int) -> int:
     """Start-address advance of k step ``kk`` (0..3) inside a slice: chunk 2 kk of row 0, at its
     unswizzled position (the hardware applies the swizzle to the whole address)."""
-    return 2 * kk * (16 if sw == 128 else LBO[0])
+    return kk * KSTEP_BYTES if sw == 128 else 2 * kk * LBO[0]
 
 
 def model_address(desc: int, r: int, k: int) -> int:
     """Shared byte address the hardware reads for element (row r, k) (k < 8) of a K-major
-    operand described by ``desc``: the documented canonical layouts, independent of the above."""
+    operand described by ``desc``: the documented canonical layouts, independent of the above
+    (the 128-byte swizzle: the generator's model, smem.model_address)."""
+    mode = desc >> 62
+    if mode != 0:
+        assert mode == smem.MODE_128B, "only the 128-byte swizzle is modelled"
+        return smem.model_address(desc, r, 4 * k)
     start = (desc & 0x3FFF) << 4
     lbo, sbo = ((desc >> 16) & 0x3FFF) << 4, ((desc >> 32) & 0x3FFF) << 4
-    mode = desc >> 62
-    if mode == 0:  # core matrices: 8 rows x 16 bytes, contiguous
-        return start + (r // 8) * sbo + (k // 4) * lbo + (r % 8) * 16 + (k % 4) * 4
-    assert mode == 1, "only the 128-byte swizzle is modelled"
-    lin = start + (r // 8) * sbo + (r % 8) * 128 + (k // 4) * 16 + (k % 4) * 4
-    return lin ^ (((lin >> 7) & 7) << 4)
+    # core matrices: 8 rows x 16 bytes, contiguous
+    return start + (r // 8) * sbo + (k // 4) * lbo + (r % 8) * 16 + (k % 4) * 4
 
 
 def acc_coords(w: int, lane: int, i: int) -> tuple[int, int]:
-    """(row, column) in the warpgroup's 64 x N tile of accumulator ``i`` of warp ``w``, lane."""
+    """(row, column) in the warpgroup's 64 x N tile of accumulator ``i`` of warp ``w``, lane: the
+    :data:`ACC` expressions the stores emit, evaluated (tests hold them against the PTX ISA)."""
     env = {"g": lane >> 2, "t": lane & 3}
     row, col = ACC[i % 4]
     return 16 * w + eval(row, {}, env), 8 * (i // 4) + eval(col, {}, env)  # noqa: S307
@@ -129,7 +145,7 @@ def stage_bytes(p: Params) -> int:
 
 def shared_bytes(p: Params) -> int:
     """Launch-sized shared memory: the stages plus 1 KB to align them to 1024 bytes."""
-    return p.st * stage_bytes(p) + 1024
+    return p.st * stage_bytes(p) + ALIGN
 
 
 def x_layout(p: Params) -> str:
@@ -460,11 +476,6 @@ def _store_staged(code: Code, m: int, n: int, p: Params, c: Store) -> None:
 
 
 # -- the variant --------------------------------------------------------------------------------
-def wgmma_reason(device: DeviceInfo) -> str | None:
-    """Why ``device`` cannot run the sm_90a wgmma kernels (None when it can)."""
-    return device_reason(device)
-
-
 class Gemm1x1WgmmaTF32(Variant):
     """1x1 convolution as a wgmma TF32 GEMM on K-major, TF32-rounded copies of w and x."""
 
@@ -498,7 +509,7 @@ class Gemm1x1WgmmaTF32(Variant):
         if spec.r != 1 or spec.s != 1:
             return "only 1x1 filters"
         ws = padded_rows(spec.n * spec.p * spec.q, 256) * padded_c(spec)  # the largest over the space
-        return super().applies(spec, device) or wgmma_reason(device) or too_big(spec, ws, "NHWC workspace")
+        return super().applies(spec, device) or device_reason(device) or too_big(spec, ws, "NHWC workspace")
 
     def _mn(self, spec: ConvSpec) -> tuple[int, int]:
         return spec.k, spec.n * spec.p * spec.q

@@ -38,12 +38,11 @@ from convforge.codegen.meta import cdiv
 from convforge.kernels import register
 from convforge.kernels.dgrad.baseline import no_epilogue
 from convforge.kernels.tensorcore.sm90 import prep, tiles, tma
-from convforge.kernels.tensorcore.sm90.epilogue import Output, reduce_kernel
+from convforge.kernels.tensorcore.sm90.epilogue import Output
 from convforge.kernels.tensorcore.sm90.isa import Math, device_reason
-from convforge.kernels.tensorcore.sm90.kernel import gemm_kernel
 from convforge.kernels.tensorcore.sm90.operands import DenseRows, Geometry, Im2colNhwc, Operand, PlanarRows
 from convforge.kernels.tensorcore.sm90.tiles import Problem, TileConfig
-from convforge.kernels.tensorcore.sm90.variants import RANK_SM90, TcVariant, tolerance
+from convforge.kernels.tensorcore.sm90.variants import RANK_SM90, TcVariant, gemm_steps, split_workspace, tolerance
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Launch, Plan
 from convforge.spec import ConvSpec
@@ -195,9 +194,7 @@ class TcWgrad(TcVariant):
         for name, elems in (("xt", spec.c * spec.h * spec.w * cp), ("dyt", spec.k * prob.kred)):
             out += tuple(((name if p == "hi" else f"{name}_{p}"), math.esize * elems) for p in math.parts)
             out += prep.scale_workspace(name, math)
-        if cfg.ks > 1:
-            out += (("part", 4 * cfg.ks * prob.batch * prob.m * prob.n),)
-        return out
+        return out + split_workspace(cfg, prob)
 
     # -- plan ---------------------------------------------------------------------------------
     def output(self, spec: ConvSpec) -> Output:
@@ -245,17 +242,10 @@ class TcWgrad(TcVariant):
         if why:
             raise ValueError(f"{self.name}: {'; '.join(why)}")
         a, b = self.operands(spec, cfg)
-        final = self.output(spec)
-        out = final if cfg.ks == 1 else Output("part", prob.m, prob.n, final.pq, slab=prob.m * prob.n, epi=None)
-        gk = gemm_kernel(f"{self.name}_gemm", math, cfg, prob, a, b, out)
         kernels, steps = self.steps_before(spec)
-        kernels.append(gk)
-        steps.append(Launch(gk.name, (cfg.grid(prob, device.units), 1, 1), gk.block,
-                            tuple(x.name for x in a.args() + b.args()) + out.refs()))
-        if cfg.ks > 1:
-            rk, rgrid = reduce_kernel(f"{self.name}_reduce", final, cfg.ks, prob.batch * prob.m * prob.n, prob.batch)
-            kernels.append(rk)
-            steps.append(Launch(rk.name, rgrid, rk.block, ("part",) + final.refs()))
+        gemm, launches = gemm_steps(self.name, math, cfg, prob, a, b, self.output(spec), device.units)
+        kernels += gemm
+        steps += launches
         return Plan(self.name, self.family, spec, params, tuple(kernels), tuple(steps),
                     self._workspace(spec, cfg), self.plan_tolerance(spec), epilogue)
 
@@ -312,8 +302,7 @@ class TcWgrad1x1(TcWgrad):
         return super().output(spec)
 
     def _workspace(self, spec: ConvSpec, cfg: TileConfig) -> tuple[tuple[str, int], ...]:
-        prob = self.problem(spec)
-        return (("part", 4 * cfg.ks * prob.m * prob.n),) if cfg.ks > 1 else ()
+        return split_workspace(cfg, self.problem(spec))
 
     def operands(self, spec: ConvSpec, cfg: TileConfig) -> tuple[Operand, Operand]:
         """A: x's channel planes, B: dy's (swapped: A dy's, B x's)."""

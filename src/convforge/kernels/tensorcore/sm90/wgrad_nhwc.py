@@ -28,15 +28,14 @@ import dataclasses
 from convforge.kernels import register
 from convforge.kernels.dgrad.baseline import no_epilogue
 from convforge.kernels.tensorcore.sm90 import tma
-from convforge.kernels.tensorcore.sm90.epilogue import Output, reduce_kernel
+from convforge.kernels.tensorcore.sm90.epilogue import Output
 from convforge.kernels.tensorcore.sm90.isa import device_reason
-from convforge.kernels.tensorcore.sm90.kernel import gemm_kernel
 from convforge.kernels.tensorcore.sm90.operands import Geometry, MnIm2col, MnRows, Operand
 from convforge.kernels.tensorcore.sm90.tiles import Problem, TileConfig
-from convforge.kernels.tensorcore.sm90.variants import RANK_SM90, TcVariant, tolerance
+from convforge.kernels.tensorcore.sm90.variants import RANK_SM90, TcVariant, gemm_steps, split_workspace, tolerance
 from convforge.kernels.tensorcore.sm90.wgrad import split, split_cost
 from convforge.params import Params
-from convforge.plan import DeviceInfo, Epilogue, Launch, Plan
+from convforge.plan import DeviceInfo, Epilogue, Plan
 from convforge.spec import ConvSpec
 
 SMALL_IMAGE = 64  # output pixels an image at or below which multi-tap layers rank below the transposed path
@@ -138,8 +137,7 @@ class TcWgradNhwc(TcVariant):
         return sum(b for _, b in self._workspace(spec, TileConfig.of(params)))
 
     def _workspace(self, spec: ConvSpec, cfg: TileConfig) -> tuple[tuple[str, int], ...]:
-        prob = self.problem(spec)
-        return (("part", 4 * cfg.ks * prob.m * prob.n),) if cfg.ks > 1 else ()
+        return split_workspace(cfg, self.problem(spec))
 
     # -- plan ---------------------------------------------------------------------------------
     def output(self, spec: ConvSpec) -> Output:
@@ -171,15 +169,7 @@ class TcWgradNhwc(TcVariant):
         if why:
             raise ValueError(f"{self.name}: {'; '.join(why)}")
         a, b = self.operands(spec, cfg)
-        final = self.output(spec)
-        out = final if cfg.ks == 1 else Output("part", prob.m, prob.n, final.pq, slab=prob.m * prob.n, epi=None)
-        gk = gemm_kernel(f"{self.name}_gemm", math, cfg, prob, a, b, out)
-        kernels, steps = [gk], [Launch(gk.name, (cfg.grid(prob, device.units), 1, 1), gk.block,
-                                       tuple(x.name for x in a.args() + b.args()) + out.refs())]
-        if cfg.ks > 1:
-            rk, rgrid = reduce_kernel(f"{self.name}_reduce", final, cfg.ks, prob.m * prob.n)
-            kernels.append(rk)
-            steps.append(Launch(rk.name, rgrid, rk.block, ("part",) + final.refs()))
+        kernels, steps = gemm_steps(self.name, math, cfg, prob, a, b, self.output(spec), device.units)
         return Plan(self.name, self.family, spec, params, tuple(kernels), tuple(steps),
                     self._workspace(spec, cfg), tolerance(math, spec.dtype), epilogue)
 
