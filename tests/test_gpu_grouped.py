@@ -63,7 +63,8 @@ def test_every_grouped_variant_on_the_suite(cuda, name) -> None:
 TC_GROUPED = {"tc_grouped_half": ("float16", "bfloat16"), "tc_grouped_packed_half": ("float16", "bfloat16"),
               "tc_grouped_tf32": ("float32",),
               "tc_grouped_3xtf32": ("float32",), "dgrad_tc_grouped_half": ("float16", "bfloat16"),
-              "dgrad_tc_grouped_3xtf32": ("float32",), "wgrad_tc_grouped_half": ("float16", "bfloat16"),
+              "dgrad_tc_grouped_3xtf32": ("float32",), "dgrad_tc_grouped_packed_half": ("float16", "bfloat16"),
+              "wgrad_tc_grouped_half": ("float16", "bfloat16"),
               "wgrad_tc_grouped_3xtf32": ("float32",)}
 
 

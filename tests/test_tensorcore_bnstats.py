@@ -147,3 +147,21 @@ def test_evaluated_partial_index_matches_the_kernels_expression() -> None:
     for wm in (1, 2):
         for row0 in (0, 64 * wm, 5 * 64 * wm):
             assert evaluate(f"({row0}) / {64 * wm}", {}) == row0 // (64 * wm)
+
+
+def test_the_block_passes_the_partials_through_the_conv_residual_slot() -> None:
+    """native.cpp's block hands the statistics plan the batch norm's partial-sum scratch in the conv's
+    "res" slot: the plan's "bnpart" renamed there, nothing else changed; a plan with a residual refused."""
+    pytest.importorskip("torch", reason="torch not installed: convforge.torch's filing helpers skipped")
+    from conftest import NOMINAL_CUDA
+    from convforge.torch.batchnorm import partials_in_res
+
+    v = get_variant(NAME)
+    plan, _ = v.plan_stats(SPECS[0], v.default(SPECS[0], NOMINAL_CUDA), NOMINAL_CUDA)
+    moved = partials_in_res(plan)
+    before = [s.args for s in plan.steps]
+    after = [s.args for s in moved.steps]
+    assert [tuple("res" if a == "bnpart" else a for a in args) for args in before] == after
+    assert "bnpart" not in str(after) and "res" in after[-1] and moved.kernels == plan.kernels
+    with pytest.raises(ValueError, match="residual"):
+        partials_in_res(dataclasses.replace(plan, epilogue=Epilogue(residual=True)))

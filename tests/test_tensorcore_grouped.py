@@ -284,6 +284,40 @@ def test_emulated_packed_groups_equal_the_grouped_convolution(spec, math, cfg):
     np.testing.assert_allclose(y, ref, rtol=1e-10, atol=1e-10)
 
 
+def test_emulated_packed_dgrad_is_the_transposed_grouped_convolution():
+    """dgrad_tc_grouped_packed_half (stride 1): the packed forward on the transposed problem, its
+    block-diagonal filters built from the rotated ones (dgrad_rotate, then the packed filter step):
+    equals the float64 input gradient, every dx element written once. Reached by name until timed."""
+    from convforge.kernels.dgrad.transposed import transposed_spec
+    from convforge.kernels.tensorcore.sm90.grouped import pack_factor
+    from convforge.reference import dgrad_ref
+
+    spec = ConvSpec.make(2, 32, 7, 6, 64, 3, 3, 1, (1, 0, 2, 1), groups=8, dtype="float16", conv_pass="dgrad",
+                         layout="nhwc")
+    dv = get_variant("dgrad_tc_grouped_packed_half")
+    assert dv.named_only and dv.applies(spec, NOMINAL_CUDA) is None
+    t = transposed_spec(spec)
+    assert not isinstance(t, str)
+    rng = np.random.default_rng(6)
+    dy = rounded(rng.uniform(-1, 1, spec.y_shape).astype(np.float32), "float16").astype(np.float64)
+    w = rounded(rng.uniform(-1, 1, spec.w_shape).astype(np.float32), "float16").astype(np.float64)
+    g, kg, cg = spec.groups, spec.kg, spec.cg
+    w_rot = np.empty(t.w_shape)
+    for z in range(g):
+        w_rot[z * cg:(z + 1) * cg] = w[z * kg:(z + 1) * kg].transpose(1, 0, 2, 3)[:, :, ::-1, ::-1]
+    v, cfg = get_variant("tc_grouped_packed_half"), TileConfig(64, 64, 1, 2, 1)
+    p = pack_factor(t)
+    assert p >= 2
+    a, b = v._operands(t, cfg)
+    ld = v._ld(t, cfg)
+    data = {"a": {"hi": _nhwc(dy, a.geo.px)}, "b": {"hi": _krsc(_block_diagonal(w_rot, t.groups, p), p * t.cg, ld)}}
+    out = dataclasses.replace(v.output(t), epi=None)
+    y, written = emulate_gemm(cfg, F16, v.problem(t), a, b, data, out, size=int(np.prod(t.y_shape)))
+    got = y.reshape(t.n, t.p, t.q, t.k).transpose(0, 3, 1, 2)
+    assert (written == 1).all()
+    np.testing.assert_allclose(got, dgrad_ref(dy, w, spec), rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("groups, cg, kg, r", [(8, 4, 4, 3), (16, 8, 8, 3), (12, 8, 4, 1)])
 def test_block_diagonal_filter_step_on_pocl(ocl, groups, cg, kg, r):
     """The packed variant's filter step (prep.w_krsc with ``block``) writes each row's Cg channels at its

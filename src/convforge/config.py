@@ -134,6 +134,10 @@ def _env_settings(env: Mapping[str, str]) -> dict[str, tuple[str, Callable[[], A
         # batchnorm._BnAct, Python's
         "native_block": ("CONVFORGE_NATIVE_BLOCK",
                          lambda: parse_bool("CONVFORGE_NATIVE_BLOCK", get("CONVFORGE_NATIVE_BLOCK") or "1")),
+        # That block's conv writes the batch norm's partial sums in its epilogue (tensor-core NHWC forwards:
+        # sm90/epilogue.py), so the batch norm finalizes them and never reads y for its statistics; off (the
+        # default until a GPU has checked it in whole training steps): the batch norm's own statistics pass
+        "bn_stats": ("CONVFORGE_BN_STATS", lambda: parse_bool("CONVFORGE_BN_STATS", get("CONVFORGE_BN_STATS") or "0")),
         # 'auto' keeps to families whose intermediates overflow only where the answer does (no Winograd) for
         # every array kind: values near FLT_MAX stay finite where the exact answer is (NumPy input is checked
         # per call without it; torch and CuPy arrays are not read on the host, so this is their switch)
@@ -172,6 +176,7 @@ class Config:
     train_bn: bool
     grad_rows: bool
     native_block: bool
+    bn_stats: bool
     native_autograd: bool
     finite_exact: bool
 

@@ -120,33 +120,66 @@ def block_ok(bn: torch.nn.BatchNorm2d) -> bool:
 
 
 def native_handle(module: Any, bn: torch.nn.BatchNorm2d, y: torch.Tensor, res: torch.Tensor | None,
-                  relu: bool) -> int:
+                  relu: bool, stats: tuple[Any, int] | None = None) -> int:
     """The handle of this call's batch-norm program filed with native.cpp (``register_bn``), for its
-    ``block``: the kernels :func:`bn_act` launches, by the same call key."""
+    ``block``: the kernels :func:`bn_act` launches, by the same call key. ``stats``: (the block's conv as a
+    native program whose epilogue writes P partial sums into the "res" slot, P): the forward then finalizes
+    those (``bn_program(partials=P)``) and the block runs that conv (:func:`stats_conv_program`)."""
     key = _key(bn, y, res, relu)
-    handle = _HANDLES.get(key)
+    hkey = key if stats is None else (*key, stats[1])
+    handle = _HANDLES.get(hkey)
     if handle is None:
-        shape, prog, run, _ = _PROGRAMS.get(key) or _program(key)
-        handle = _HANDLES[key] = int(module.register_bn(run.native_program(BN_SLOTS, "forward", "backward"),
-                                                        shape.n, shape.c, shape.hw, shape.relu, shape.residual,
-                                                        shape.affine, shape.track, prog.part, shape.dtype,
-                                                        shape.pdtype, shape.nhwc))
+        if stats is None:
+            shape, prog, run, _ = _PROGRAMS.get(key) or _program(key)
+        else:
+            shape, prog, run, _ = _program(key, stats[1], keep=False)
+        handle = _HANDLES[hkey] = int(module.register_bn(run.native_program(BN_SLOTS, "forward", "backward"),
+                                                         shape.n, shape.c, shape.hw, shape.relu, shape.residual,
+                                                         shape.affine, shape.track, prog.part, shape.dtype,
+                                                         shape.pdtype, shape.nhwc,
+                                                         None if stats is None else stats[0]))
     return handle
 
 
-def _program(key: tuple[Any, ...]) -> tuple[BnTrain, BnProgram, Any, Any]:
+def stats_conv_program(backend: Any, plan: Any) -> tuple[Any, ...]:
+    """A statistics plan (``TcImplicitGemm.plan_stats``) as native.cpp's ``register_bn`` takes its conv
+    (:func:`partials_in_res`)."""
+    exe = backend.executable(partials_in_res(plan))
+    exe.reserve()
+    return exe.native_program()  # type: ignore[no-any-return]
+
+
+def partials_in_res(plan: Any) -> Any:
+    """``plan`` with its "bnpart" buffer named "res": the conv's residual slot, which a plan without a
+    residual leaves free, so native.cpp's block passes the batch norm's partial-sum scratch there."""
+    import dataclasses
+
+    from convforge.plan import Launch
+
+    if plan.epilogue.residual:
+        raise ValueError("a statistics plan with a residual has no free slot for its partial sums")
+    steps = tuple(dataclasses.replace(s, args=tuple("res" if a == "bnpart" else a for a in s.args))
+                  if isinstance(s, Launch) else s for s in plan.steps)
+    return dataclasses.replace(plan, steps=steps)
+
+
+def _program(key: tuple[Any, ...], partials: int | None = None,
+             keep: bool = True) -> tuple[BnTrain, BnProgram, Any, Any]:
     """(shape, kernels, their launcher on raw pointers, torch's raw-stream query) of a call key
-    (:func:`_key`), compiled once per process (the CUDA back-end, and CuPy, load on first use)."""
+    (:func:`_key`), compiled once per process (the CUDA back-end, and CuPy, load on first use); with
+    ``partials`` the forward starting from a conv epilogue's partial sums (not kept: its handle is)."""
     from convforge.backends.cuda import RawLaunches
     from convforge.frontends.torch_run import torch_stream_queries
 
     n, c, hw, relu, residual, affine, track, eps, momentum, device, dtype, pdtype, lay = key
     shape = BnTrain(n, c, hw, relu, residual, affine, track, float(eps), float(momentum), dtype, pdtype, lay)
     be = get_backend("cuda", device)
-    prog = bn_program(shape, be.device)
+    prog = bn_program(shape, be.device, partials=partials)
     run = RawLaunches(be, prog.kernels, {"forward": prog.forward, "backward": prog.backward},  # type: ignore[arg-type]
                       f"batch norm (training) {shape.n}x{shape.c}x{shape.hw}{shape.tag()}")
-    hit = _PROGRAMS[key] = (shape, prog, run, torch_stream_queries()[0])
+    hit = (shape, prog, run, torch_stream_queries()[0])
+    if keep:
+        _PROGRAMS[key] = hit
     return hit
 
 

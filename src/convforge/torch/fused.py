@@ -46,6 +46,7 @@ fold and the whole plan, so replays see every update.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -61,6 +62,8 @@ from convforge.torch import conv_relu
 from convforge.torch.modules import Conv2d, compute_dtype, padding_quad, read_tensor, reads_nhwc
 from convforge.torch.ops import handed_back
 
+log = logging.getLogger("convforge")
+
 _F32 = torch.float32
 _CAPTURING = torch.cuda.is_current_stream_capturing
 _GRAD = torch.is_grad_enabled
@@ -71,9 +74,9 @@ _BLOCK = "block"  # a training block's native filing in the module's _cf_cache (
 
 def _block_key(x: torch.Tensor, dt: torch.dtype, res: Any, bn: torch.nn.BatchNorm2d) -> tuple[Any, ...]:
     """A training block's filing key: the conv's input signature (``x`` cast to ``dt`` keeps its shape
-    and strides, so the key needs no cast), and what the batch norm program depends on beyond the
-    tensors native.cpp checks."""
-    return (_BLOCK, x.shape, x.stride(), dt, x.get_device(), res is not None, bn.eps, bn.momentum)
+    and strides, so the key needs no cast), what the batch norm program depends on beyond the
+    tensors native.cpp checks, and ``config.bn_stats`` (an A/B in one process files each form)."""
+    return (_BLOCK, x.shape, x.stride(), dt, x.get_device(), res is not None, bn.eps, bn.momentum, config.bn_stats)
 
 
 class PreActivation(torch.nn.Module):
@@ -243,8 +246,33 @@ class FusedConv2d(Conv2d):
         # conv2d's spelling of the call, as the op's CUDA kernel files it (ops._cuda)
         call = (None, tuple(self.stride), tuple(padding_quad(self)), tuple(self.dilation), self.algo, None, None,
                 False, None, self.precision, self.max_error, self.groups)
-        handle = bn_train.native_handle(module, bn, y, res, self._cf_relu)
+        handle = bn_train.native_handle(module, bn, y, res, self._cf_relu, self._stats_conv(x, w, dt, y))
         self._cf_cache[_block_key(x, dt, res, bn)] = (module, handle, call)
+
+    def _stats_conv(self, x: torch.Tensor, w: torch.Tensor, dt: torch.dtype,
+                    y: torch.Tensor) -> tuple[Any, int] | None:
+        """(native program, P) of this block's conv with the batch norm's P partial sums in its epilogue
+        (``config.bn_stats``; a variant with ``plan_stats``: tensor-core NHWC forwards), or None: the batch
+        norm reads y for its statistics. Any failure here only costs the speed-up (logged)."""
+        if not config.bn_stats or y.dim() != 4 or not y.is_contiguous(memory_format=torch.channels_last):
+            return None
+        if y.shape[1] % 4:  # the partial sums follow 5 C floats of statistics in the block's scratch: 16-byte aligned
+            return None
+        try:
+            spec = ConvSpec.from_shapes(tuple(x.shape), tuple(w.shape), tuple(self.stride), padding_quad(self),
+                                        tuple(self.dilation), self.groups, dtype=dt, layout="nhwc")
+            backend = get_backend("cuda", x.device.index or 0)
+            ch = dispatch.choose(spec, backend, Epilogue(), algo=self.algo, precision=self.precision,
+                                 max_error=self.max_error)
+            make = getattr(ch.variant, "plan_stats", None)
+            if make is None:
+                return None
+            plan, parts = make(spec, ch.params, backend.device)
+            return bn_train.stats_conv_program(backend, plan), parts
+        except (ValueError, RuntimeError) as err:
+            log.info("convforge: the batch norm after the conv of %s x %s computes its own statistics (%s)",
+                     tuple(x.shape), tuple(w.shape), err)
+            return None
 
     def _conv_relu(self, x: torch.Tensor) -> torch.Tensor | None:
         """conv -> ReLU in training on convforge's kernels (torch/conv_relu.py), or None (the

@@ -398,8 +398,8 @@ PyMethodDef methods[] = {
      "block(conv2d's 14 arguments, res, gamma, beta, running_mean, running_var, num_batches_tracked, handle) -> "
      "a conv -> batch norm block's output through one C++ autograd node, or None"},
     {"register_bn", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_register_bn)), METH_FASTCALL,
-     "register_bn(program, n, c, hw, relu, residual, affine, track, part, dtype, pdtype, nhwc) -> a batch-norm "
-     "program's handle"},
+     "register_bn(program, n, c, hw, relu, residual, affine, track, part, dtype, pdtype, nhwc[, stats_conv]) -> "
+     "a batch-norm program's handle"},
     {"clear", py_clear, METH_NOARGS, "forget every entry"},
     {"wrap", py_wrap, METH_O, "wrap(python_conv2d) -> conv2d whose warm torch calls stay in C"},
 #ifdef CONVFORGE_NATIVE_PROFILE

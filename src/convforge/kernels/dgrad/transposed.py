@@ -64,7 +64,7 @@ FORWARD = (
     "winograd_nonfused_f2_pipe_tf32",
     "tc_implicit_gemm_tf32", "tc_implicit_gemm_3xtf32", "tc_implicit_gemm_half", "tc_implicit_gemm_3xf16",
     "tc_winograd_f2", "tc_winograd_f2_3xtf32", "tc_winograd_f4_3xtf32", "tc_winograd_f4",
-    "tc_grouped_tf32", "tc_grouped_3xtf32", "tc_grouped_half",
+    "tc_grouped_tf32", "tc_grouped_3xtf32", "tc_grouped_half", "tc_grouped_packed_half",
 )
 
 
