@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import random
+import re
+from collections.abc import Sequence
 
 from convforge.cli import main
-from convforge.codegen.nvcc import ptxas_report
+from convforge.codegen.nvcc import PtxasInfo, ptxas_report
+from convforge.codegen.render import ARCH_SPECIFIC_MARK
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Variant
 from convforge.spec import ConvSpec
@@ -61,6 +64,63 @@ def assert_compiles_clean(variant: Variant, spec: ConvSpec, params: Params, devi
     for info in infos:
         assert info.spill_stores == 0 and info.spill_loads == 0, (
             f"{variant.name} [{params.short()}] {info.kernel} spills: {info}")
+
+
+# A kernel's definition as the renderer writes it: extern "C" __global__ void [__attr__(...)]* name(
+_KERNEL = re.compile(r'(extern "C" __global__ void(?:\s+__\w+__\([^()]*\))*\s+)(\w+)(\s*\()')
+_DEFINE = re.compile(r"^\s*#\s*define\s+(\w+)", re.M)
+_RENAMED = re.compile(r"(\w+)__cfb(\d+)")
+
+
+def ptxas_reports(sources: Sequence[str], arch: str = "sm_90") -> list[list[PtxasInfo]]:
+    """``ptxas_report`` of each source, from one nvcc run per target (sm_90 / sm_90a) instead of one
+    per source. nvcc's fixed cost, preprocessing and parsing the CUDA runtime headers it includes in
+    every translation unit, is about 0.5 s of CPU a call, paid here once: the sources go into one unit,
+    each in a namespace of its own, its kernels renamed (name__cfbI, then named back) and its macros
+    undefined after it. ptxas allocates each kernel's registers on its own, so the figures are those of
+    the source's own compile (test_nvcc_batch.test_batched_reports_equal_single_compiles checks that). A
+    source the renaming does not fit, and every source of a unit that fails, is compiled alone (the
+    error then names its source)."""
+    out: list[list[PtxasInfo] | None] = [None] * len(sources)
+    groups: dict[str, list[int]] = {}
+    for i, src in enumerate(sources):
+        if "#include" in src or src.count("__global__") != len(_KERNEL.findall(src)):
+            out[i] = ptxas_report(src, arch)
+        else:
+            target = arch + "a" if ARCH_SPECIFIC_MARK in src and not arch.endswith("a") else arch
+            groups.setdefault(target, []).append(i)
+    for target, members in groups.items():
+        unit = "".join(f"namespace cfb{i} {{\n"
+                       + _KERNEL.sub(lambda m, i=i: f"{m.group(1)}{m.group(2)}__cfb{i}{m.group(3)}", sources[i])
+                       + "\n}\n" + "".join(f"#undef {name}\n" for name in dict.fromkeys(_DEFINE.findall(sources[i])))
+                       for i in members)
+        try:
+            infos = ptxas_report(unit, target) if len(members) > 1 else None
+        except RuntimeError:
+            infos = None
+        if infos is None:
+            for i in members:
+                out[i] = ptxas_report(sources[i], target)
+            continue
+        for i in members:
+            out[i] = []
+        for info in infos:
+            m = _RENAMED.fullmatch(info.kernel)
+            assert m, f"a kernel of the batched unit was not renamed: {info.kernel}"
+            out[int(m.group(2))].append(PtxasInfo(m.group(1), info.registers, info.spill_stores, info.spill_loads,
+                                                  info.stack, info.shared))
+    return [o if o is not None else [] for o in out]
+
+
+def assert_sources_compile_clean(sources: Sequence[tuple[str, str]], arch: str = "sm_90") -> list[list[PtxasInfo]]:
+    """Each (label, CUDA source) compiles (``ptxas_reports``: one nvcc run for all) with no spill in any
+    kernel; their reports, in order."""
+    reports = ptxas_reports([src for _, src in sources], arch)
+    for (label, _), infos in zip(sources, reports, strict=True):
+        assert infos, f"{label}: ptxas reported no kernel"
+        for info in infos:
+            assert info.spill_stores == 0 and info.spill_loads == 0, f"{label} {info.kernel} spills: {info}"
+    return reports
 
 
 def run_main(argv: list[str], capsys) -> tuple[int, str]:  # type: ignore[no-untyped-def]

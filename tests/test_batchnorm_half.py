@@ -249,21 +249,23 @@ def test_cuda_sources_compile_without_spills(nvcc_ok, dtype: str, layout: str) -
     layouts: each shape compiles in each layout and each dtype. The parameters' dtype (float32 master
     or the activations' half, which changes only their loads) alternates over the shapes, both covered
     in each dtype and each layout."""
-    from convforge.codegen.nvcc import ptxas_report
+    from helpers import ptxas_reports
 
     shapes = [dict(n=32, c=256, hw=56 * 56, residual=True), dict(n=32, c=2048, hw=49), dict(n=8, c=37, hw=9)]
     turn = (DTYPES[1:].index(dtype) + LAYOUTS.index(layout)) % 2
+    progs = []
     for i, shape in enumerate(shapes):
         if i % 2 != turn:
             continue
         for pdtype in (("float32", dtype)[i % 2],):
             bn = BnTrain(**shape, dtype=dtype, pdtype=pdtype, layout=layout)  # type: ignore[arg-type]
             # one kernel a pass, the split form the device would pick, statistics from 64 partial sums
-            for sp, partials in ((1, None), (None, None), (None, 64)):
-                prog = bn_program(bn, NOMINAL_CUDA, sp, partials)
-                infos = ptxas_report(render(list(prog.kernels), "cuda", "bn"))
-                assert len(infos) == len(prog.kernels) and all(i.spill_stores == 0 and i.spill_loads == 0
-                                                               for i in infos), (bn, infos)
+            progs += [(bn, bn_program(bn, NOMINAL_CUDA, sp, partials)) for sp, partials in ((1, None), (None, None),
+                                                                                             (None, 64))]
+    reports = ptxas_reports([render(list(prog.kernels), "cuda", "bn") for _, prog in progs])  # one nvcc run
+    for (bn, prog), infos in zip(progs, reports, strict=True):
+        assert len(infos) == len(prog.kernels) and all(i.spill_stores == 0 and i.spill_loads == 0
+                                                       for i in infos), (bn, infos)
 
 
 def test_the_torch_side_reads_layout_and_parameter_dtypes() -> None:

@@ -105,14 +105,15 @@ def test_bad_shapes_name_the_problem(ocl) -> None:  # type: ignore[no-untyped-de
 
 
 def test_cuda_source_compiles_without_spills(nvcc_ok) -> None:  # type: ignore[no-untyped-def]
-    from convforge.codegen.nvcc import ptxas_report
+    from helpers import ptxas_reports
 
-    for bn in (BnTrain(32, 256, 56 * 56, residual=True), BnTrain(32, 2048, 49), BnTrain(512, 256, 128 * 128)):
-        for sp in (1, None):  # one kernel a pass, and the split form the device would pick (3 a pass)
-            prog = bn_program(bn, NOMINAL_CUDA, sp)
-            infos = ptxas_report(render(list(prog.kernels), "cuda", "bn"))
-            assert len(infos) == len(prog.kernels) and all(i.spill_stores == 0 and i.spill_loads == 0
-                                                           for i in infos), infos
+    # one kernel a pass, and the split form the device would pick (3 a pass); one nvcc run for all
+    progs = [bn_program(bn, NOMINAL_CUDA, sp) for bn in (BnTrain(32, 256, 56 * 56, residual=True),
+                                                         BnTrain(32, 2048, 49), BnTrain(512, 256, 128 * 128))
+             for sp in (1, None)]
+    for prog, infos in zip(progs, ptxas_reports([render(list(p.kernels), "cuda", "bn") for p in progs]), strict=True):
+        assert len(infos) == len(prog.kernels) and all(i.spill_stores == 0 and i.spill_loads == 0
+                                                       for i in infos), infos
 
 
 def test_the_switch_is_read_from_the_environment() -> None:

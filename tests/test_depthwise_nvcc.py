@@ -11,10 +11,10 @@ import itertools
 import pytest
 
 from conftest import NOMINAL_CUDA
-from convforge.codegen.nvcc import ptxas_report
 from convforge.kernels import select
 from convforge.plan import Epilogue
 from convforge.spec import ConvSpec
+from helpers import ptxas_reports
 
 REAL = [ConvSpec.make(64, 144, 56, 56, 144, 3, 3, 1, 1, groups=144),
         ConvSpec.make(64, 96, 112, 112, 96, 3, 3, 2, 1, groups=96),
@@ -29,7 +29,9 @@ REAL = [ConvSpec.make(64, 144, 56, 56, 144, 3, 3, 1, 1, groups=144),
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 def test_half_defaults_compile_clean_for_sm90a(nvcc_ok, conv_pass, layout) -> None:
     """float16 and bfloat16 alternate over the layers (each dtype meets every filter size across the
-    two layouts), to keep the compile time of the tier down."""
+    two layouts), to keep the compile time of the tier down; the layers' plans go through one nvcc run
+    (helpers.ptxas_reports)."""
+    cases = []
     for i, base in enumerate(REAL):
         dtype = ("float16", "bfloat16")[(i + (layout == "nhwc")) % 2]
         spec = ConvSpec.from_dict({**base.to_dict(), "dtype": dtype, "layout": layout, "pass": conv_pass})
@@ -37,20 +39,24 @@ def test_half_defaults_compile_clean_for_sm90a(nvcc_ok, conv_pass, layout) -> No
         assert v.family == "depthwise", (spec.short(), v.name)
         prm = v.default(spec, NOMINAL_CUDA)
         epi = Epilogue(bias=True, silu=True) if conv_pass == "fprop" else Epilogue()
-        infos = ptxas_report(v.plan(spec, prm, NOMINAL_CUDA, epi).source("cuda"), arch="sm_90a")
+        cases.append((f"{v.name} [{prm.short()}] {spec.short()}", v.plan(spec, prm, NOMINAL_CUDA, epi).source("cuda")))
+    for (label, _), infos in zip(cases, ptxas_reports([src for _, src in cases], arch="sm_90a"), strict=True):
         assert infos
         for info in infos:
-            assert info.spill_stores == 0 and info.spill_loads == 0, f"{v.name} [{prm.short()}] {spec.short()}: {info}"
+            assert info.spill_stores == 0 and info.spill_loads == 0, f"{label}: {info}"
 
 
 def test_float32_new_forms_compile_clean(nvcc_ok) -> None:
     """float32 through NHWC tiles (dgrad, wgrad), strided dgrad by phase and the tiled form."""
     cases = itertools.product(REAL[1:5], [("nhwc", "dgrad"), ("nhwc", "wgrad"), ("nchw", "dgrad")])
+    plans = []
     for i, (base, (layout, conv_pass)) in enumerate(cases):
         if i % 2:
             continue
         spec = ConvSpec.from_dict({**base.to_dict(), "layout": layout, "pass": conv_pass})
         v = select("auto", spec, NOMINAL_CUDA)[0]
         prm = v.default(spec, NOMINAL_CUDA)
-        for info in ptxas_report(v.plan(spec, prm, NOMINAL_CUDA).source("cuda"), arch="sm_90a"):
-            assert info.spill_stores == 0 and info.spill_loads == 0, f"{v.name} [{prm.short()}] {spec.short()}: {info}"
+        plans.append((f"{v.name} [{prm.short()}] {spec.short()}", v.plan(spec, prm, NOMINAL_CUDA).source("cuda")))
+    for (label, _), infos in zip(plans, ptxas_reports([src for _, src in plans], arch="sm_90a"), strict=True):
+        for info in infos:
+            assert info.spill_stores == 0 and info.spill_loads == 0, f"{label}: {info}"

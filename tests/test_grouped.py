@@ -23,7 +23,7 @@ from convforge.kernels import get_variant, select
 from convforge.plan import Epilogue
 from convforge.reference import conv2d_ref, rel_l2
 from convforge.spec import ConvSpec
-from helpers import assert_compiles_clean, run_main, sample
+from helpers import assert_sources_compile_clean, run_main, sample
 
 FULL = Epilogue(bias=True, relu=True, residual=True)
 
@@ -220,23 +220,29 @@ def test_grouped_compiles_for_sm90(nvcc_ok, name) -> None:
     candidates += [_nhwc(c) for c in DEPTHWISE[:3] + REAL[1:3]]
     specs = [s for s in candidates if v.applies(s, NOMINAL_CUDA) is None]
     assert specs, f"{name} applies to no grouped spec"
-    specs = specs[:4]
+    specs, sources = specs[:4], []
     for i, spec in enumerate(specs):  # a sampled point besides the default on the first and last
         for prm in sample(v, spec, NOMINAL_CUDA, k=int(i in (0, len(specs) - 1)), seed=i):
-            assert_compiles_clean(v, spec, prm, NOMINAL_CUDA, FULL if i % 2 else Epilogue())
+            plan = v.plan(spec, prm, NOMINAL_CUDA, FULL if i % 2 else Epilogue())
+            sources.append((f"{name} [{prm.short()}] {spec.short()}", plan.source("cuda")))
+    assert_sources_compile_clean(sources)  # one nvcc run
 
 
 @pytest.mark.parametrize("spec", REAL, ids=lambda s: s.key())
 def test_depthwise_defaults_compile_clean_on_real_layers(nvcc_ok, spec) -> None:
-    """MobileNet-v2 and ConvNeXt-T layers: the untuned default and every pass compile without spills."""
+    """MobileNet-v2 and ConvNeXt-T layers: the untuned default and every pass compile without spills
+    (one nvcc run for the four)."""
+    sources = []
     for name, p in (("depthwise", "fprop"), ("depthwise_dgrad", "dgrad"), ("depthwise_wgrad", "wgrad"),
                     ("depthwise_nhwc", "nhwc")):
         v = get_variant(name)
         s = _nhwc(spec) if p == "nhwc" else spec.with_pass(p)
         p = "fprop" if p == "nhwc" else p
         if v.applies(s, NOMINAL_CUDA) is None:
-            assert_compiles_clean(v, s, v.default(s, NOMINAL_CUDA), NOMINAL_CUDA,
-                                  Epilogue(bias=True, relu=True) if p == "fprop" else Epilogue())
+            plan = v.plan(s, v.default(s, NOMINAL_CUDA), NOMINAL_CUDA,
+                          Epilogue(bias=True, relu=True) if p == "fprop" else Epilogue())
+            sources.append((f"{name} {s.short()}", plan.source("cuda")))
+    assert_sources_compile_clean(sources)
 
 
 # -- choices and refusals -----------------------------------------------------------------------

@@ -21,7 +21,7 @@ from convforge.dtypes import HALF_TOLERANCE, from_storage, rounded, to_storage
 from convforge.kernels import all_variants
 from convforge.plan import Epilogue, Launch
 from convforge.spec import ConvSpec
-from helpers import ODD_SPECS, assert_compiles_clean, run_main, sample
+from helpers import ODD_SPECS, ptxas_reports, run_main, sample
 
 HALF = ("float16", "bfloat16")
 # Shapes where the generators vectorise (C*R*S, H*W and P*Q multiples of 4): 8-byte half4 loads/stores.
@@ -215,11 +215,8 @@ def test_float32_only_variants_refuse_half(ocl) -> None:
 
 
 # -- nvcc: the half CUDA sources compile for sm_90 without spills ----------------------------------
-def _spills(v, spec: ConvSpec, prm, epi: Epilogue) -> int:  # type: ignore[no-untyped-def]
-    from convforge.codegen.nvcc import ptxas_report
-
-    src = v.plan(spec, prm, NOMINAL_CUDA, epi).source("cuda")
-    return sum(i.spill_stores + i.spill_loads for i in ptxas_report(src))
+def _spills(infos) -> int:  # type: ignore[no-untyped-def]
+    return sum(i.spill_stores + i.spill_loads for i in infos)
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -229,24 +226,32 @@ def test_half_cuda_sources_compile_without_spills(nvcc_ok, name: str, dtype: str
     shape each dtype takes) may spill only where its float32 twin spills too (half storage adds none).
     The shapes the variant takes alternate between the two half dtypes (which change only the loads,
     stores and conversions): each shape compiled in one of them, each dtype on half the shapes (on the
-    one shape where only one applies)."""
+    one shape where only one applies). One nvcc run for the defaults and the sampled point
+    (helpers.ptxas_reports), another for the twin where the sampled point spills."""
     v = next(v for v in all_variants() if v.name == name)
     epi = Epilogue(True, True, v.residual_ok)
-    done = 0
     shapes = [ConvSpec.make(2, 64, 28, 28, 64, 3, 3, 1, 1), ConvSpec.make(4, 256, 14, 14, 128, 1, 1),
               ODD_SPECS[4], ConvSpec.make(4, 512, 6, 6, 256, 6, 6)]
     taken = [(i, base) for i, base in enumerate(shapes) if not v.applies(_with(base, dtype), NOMINAL_CUDA)]
+    defaults, sampled = [], []
     for j, (i, base) in enumerate(taken):
         if len(taken) > 1 and j % 2 != HALF.index(dtype):
             continue
         spec = _with(base, dtype)
         default, *others = sample(v, spec, NOMINAL_CUDA, 1, seed=i)
-        assert_compiles_clean(v, spec, default, NOMINAL_CUDA, epi)
-        for prm in others if done == 0 else []:
-            if _spills(v, spec, prm, epi):
-                assert _spills(v, base, prm, epi), f"{name} [{prm.short()}] spills in {dtype} only"
-        done += 1
-    assert done
+        defaults.append((f"{name} [{default.short()}] {spec.short()}", v.plan(spec, default, NOMINAL_CUDA, epi)))
+        sampled += [(base, spec, prm) for prm in others if not defaults[1:]]
+    assert defaults
+    reports = ptxas_reports([plan.source("cuda") for _, plan in defaults]
+                            + [v.plan(spec, prm, NOMINAL_CUDA, epi).source("cuda") for _, spec, prm in sampled])
+    for (label, _), infos in zip(defaults, reports, strict=False):
+        assert infos, f"{label}: ptxas reported no kernel"
+        assert not _spills(infos), f"{label} spills: {infos}"
+    spilling = [(base, prm) for (base, _, prm), infos in zip(sampled, reports[len(defaults):], strict=True)
+                if _spills(infos)]
+    twins = ptxas_reports([v.plan(base, prm, NOMINAL_CUDA, epi).source("cuda") for base, prm in spilling])
+    for (_, prm), infos in zip(spilling, twins, strict=True):
+        assert _spills(infos), f"{name} [{prm.short()}] spills in {dtype} only"
 
 
 # -- conv2d with NumPy float16 -----------------------------------------------------------------------

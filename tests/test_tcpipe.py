@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from conftest import NOMINAL_CUDA, NOMINAL_OPENCL_GPU
-from convforge.codegen.nvcc import ptxas_report
 from convforge.kernels import get_variant
 from convforge.kernels.tensorcore.sm80.mma_pipe import (
     AsyncOperand,
@@ -36,7 +35,7 @@ from convforge.kernels.tensorcore.sm80.mma_pipe import (
 from convforge.params import Params
 from convforge.plan import Epilogue
 from convforge.spec import ConvSpec
-from helpers import ODD_SPECS, sample
+from helpers import ODD_SPECS, ptxas_reports, sample
 from test_tensorcore import doc_a, doc_b, doc_c, ev
 
 NEW = ["gemm1x1_pipe_tf32", "implicit_gemm_nhwc_tf32", "winograd_nonfused_f2_pipe_tf32"]
@@ -251,15 +250,17 @@ def test_compiles_without_spills(nvcc_ok, name):
     """The default on every ResNet and odd layer the variant takes, and a sampled point of the tuning
     space on every other ResNet layer it takes (the odd shapes' boundary code is the default's)."""
     v = get_variant(name)
-    resnet = 0
+    resnet, plans = 0, []
     for spec in _specs(name):
         k = 1 if spec in RESNET and resnet % 2 == 0 else 0
         resnet += spec in RESNET
         for i, p in enumerate(sample(v, spec, NOMINAL_CUDA, k=k, seed=3)):
             epi = Epilogue(bias=True, relu=True) if i == 0 else Epilogue()
-            for info in ptxas_report(v.plan(spec, p, NOMINAL_CUDA, epi).source("cuda")):
-                print(f"{name} {spec.short()} [{p.short()}] {info.kernel}: {info.registers} registers")
-                assert info.spill_stores == info.spill_loads == info.stack == 0, f"{name} [{p.short()}] {info}"
+            plans.append((spec, p, v.plan(spec, p, NOMINAL_CUDA, epi)))
+    for (spec, p, _), infos in zip(plans, ptxas_reports([plan.source("cuda") for *_, plan in plans]), strict=True):
+        for info in infos:  # one nvcc run for the test's plans
+            print(f"{name} {spec.short()} [{p.short()}] {info.kernel}: {info.registers} registers")
+            assert info.spill_stores == info.spill_loads == info.stack == 0, f"{name} [{p.short()}] {info}"
 
 
 def loop_mix(src: str) -> Counter[str]:

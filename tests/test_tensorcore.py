@@ -32,7 +32,7 @@ from convforge.kernels.tensorcore.sm80.mma_sync import (
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue
 from convforge.spec import ConvSpec
-from helpers import ODD_SPECS, sample
+from helpers import ODD_SPECS, ptxas_reports, sample
 
 NEW = ["implicit_gemm_tf32", "implicit_gemm_3xtf32", "implicit_gemm_precomp_tf32", "gemm1x1_tf32", "gemm1x1_3xtf32",
        "winograd_nonfused_f2_tf32", "winograd_nonfused_f4_3xtf32", "winograd_nonfused_f6_3xtf32"]
@@ -306,7 +306,7 @@ def test_compiles_without_spills(nvcc_ok, name):
     """The default on the ResNet and odd layers, and a sampled point of the tuning space on every other
     ResNet layer the variant takes (the odd shapes' boundary code is the default's)."""
     v = get_variant(name)
-    resnet = 0
+    resnet, plans = 0, []
     for spec in _compile_specs(name):
         if v.applies(spec, NOMINAL_CUDA):
             continue
@@ -314,11 +314,13 @@ def test_compiles_without_spills(nvcc_ok, name):
         resnet += spec in RESNET
         for i, p in enumerate(sample(v, spec, NOMINAL_CUDA, k=k, seed=5)):
             epi = Epilogue(bias=True, relu=True) if i == 0 else Epilogue()
-            for info in ptxas_report(v.plan(spec, p, NOMINAL_CUDA, epi).source("cuda")):
-                print(f"{name} {spec.short()} [{p.short()}] {info.kernel}: {info.registers} registers, "
-                      f"{info.shared} B shared")
-                assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack == 0, (
-                    f"{name} [{p.short()}] {info.kernel} spills: {info}")
+            plans.append((spec, p, v.plan(spec, p, NOMINAL_CUDA, epi)))
+    for (spec, p, _), infos in zip(plans, ptxas_reports([plan.source("cuda") for *_, plan in plans]), strict=True):
+        for info in infos:  # one nvcc run for the test's plans
+            print(f"{name} {spec.short()} [{p.short()}] {info.kernel}: {info.registers} registers, "
+                  f"{info.shared} B shared")
+            assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack == 0, (
+                f"{name} [{p.short()}] {info.kernel} spills: {info}")
 
 
 # -- GPU tier ---------------------------------------------------------------------------------

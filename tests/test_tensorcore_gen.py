@@ -818,13 +818,16 @@ def _phase_mask(spec: ConvSpec, part) -> np.ndarray:
     return m
 
 
-@pytest.mark.parametrize("il", [False, True], ids=["direct", "interleaved"])
-@pytest.mark.parametrize("spec, math, cfg", DGRAD_STRIDED, ids=lambda v: getattr(v, "name", None) or str(v))
+@pytest.mark.parametrize("spec, math, cfg, il", [(*case, i % 2 == 1) for i, case in enumerate(DGRAD_STRIDED)],
+                         ids=lambda v: {False: "direct", True: "interleaved"}.get(v) if isinstance(v, bool)
+                         else getattr(v, "name", None) or str(v))
 def test_emulated_strided_dgrad_equals_the_input_gradient(spec, math, cfg, il):
     """Strided dgrad, one forward GEMM per stride phase on the generator: every phase's tiles through
     its own expressions, stored by the pixel map onto the phase's sub-grid, equal the float64 input
     gradient of the same operand parts; every dx element written once, but for the phases no tap
-    reaches (the zero step's)."""
+    reaches (the zero step's). The direct and interleaved (il) stores take the cases in turns (TMA,
+    3xFP16 and channels-last dx cases are neighbours there): each store meets TF32, 3xTF32, FP16,
+    BF16 and 3xFP16, TMA, channels-last dx, an empty phase or stride (2, 3) with asymmetric padding."""
     assert not cfg.problems(math), cfg.problems(math)
     got, ref, written, empty = emulate_strided_dgrad(spec, math, cfg, il=il)
     assert (written[~empty] == 1).all() and (written[empty] == 0).all(), np.unique(written)

@@ -119,18 +119,24 @@ def test_ranked_first_for_channels_last_half_wgrad():
     assert ranked("auto", small, NOMINAL_CUDA)[0].name == "wgrad_tc_implicit_gemm_half"
 
 
-@pytest.mark.parametrize("spec", [ConvSpec.make(128, 256, 56, 56, 64, 1, 1),
-                                  ConvSpec.make(128, 64, 56, 56, 64, 3, 3, 1, 1),
-                                  ConvSpec.make(128, 512, 28, 28, 1024, 1, 1, 2),
-                                  ConvSpec.make(3, 128, 9, 11, 40, 3, 3, 2, (1, 0, 2, 1)),
-                                  ConvSpec.make(64, 240, 28, 28, 40, 1, 1)],
-                         ids=lambda s: s.key())
+COMPILE_LAYERS = [ConvSpec.make(128, 256, 56, 56, 64, 1, 1),
+                  ConvSpec.make(128, 64, 56, 56, 64, 3, 3, 1, 1),
+                  ConvSpec.make(128, 512, 28, 28, 1024, 1, 1, 2),
+                  ConvSpec.make(3, 128, 9, 11, 40, 3, 3, 2, (1, 0, 2, 1)),
+                  ConvSpec.make(64, 240, 28, 28, 40, 1, 1)]
+
+
+@pytest.mark.parametrize("spec", COMPILE_LAYERS, ids=lambda s: s.key())
 def test_plans_compile_without_spills_hgmma_in_sass(nvcc_ok, spec):
-    """The default and two more points of each space compile for sm_90a without spills (the reduce
-    kernel of a split plan too): HGMMA and tensor copies in SASS."""
+    """The default of each space and its second or third point, in turns over the layers, compile for
+    sm_90a without spills (the reduce kernel of a split plan too): HGMMA and tensor copies in SASS.
+    The first three points of these spaces are 64x64, 128x64 and 128x128 tiles, split or not: in
+    turns, each tile is still compiled split and unsplit, every layer with its default."""
     v = get_variant(NAME)
+    turn = COMPILE_LAYERS.index(spec) % 2
     spec = _half(spec, "float16")
-    for prm in v.space(spec, NOMINAL_CUDA)[:3]:
+    space = v.space(spec, NOMINAL_CUDA)
+    for prm in (space[0], space[1 + turn]):
         infos, sass = sass_report(v.plan(spec, prm, NOMINAL_CUDA).source("cuda"))
         assert infos and all(i.spill_stores == 0 for i in infos), (prm.short(), infos)
         assert "HGMMA" in sass and "UTMALDG" in sass, prm.short()

@@ -24,7 +24,7 @@ from convforge.params import Params
 from convforge.plan import Epilogue
 from convforge.reference import bias_grad_ref, rel_l2, wgrad_ref
 from convforge.spec import ConvSpec
-from helpers import ODD_SPECS, assert_compiles_clean, sample
+from helpers import ODD_SPECS, assert_compiles_clean, assert_sources_compile_clean, sample
 
 GEMMS = ["wgrad_implicit_gemm", "wgrad_gemm1x1"]
 WINOGRAD = ["wgrad_winograd_f2", "wgrad_winograd_f4"]
@@ -279,13 +279,11 @@ def test_cuda_sources_compile_without_spills(nvcc_ok, name):
     """The default on every layer the variant takes, and a sampled point of the tuning space on every
     other one of them."""
     v = get_variant(name)
-    done = 0
     specs = [spec for spec in COMPILE_SPECS if not v.applies(spec, NOMINAL_CUDA)]
-    for i, spec in enumerate(specs):
-        for params in sample(v, spec, NOMINAL_CUDA, k=1 - i % 2, seed=11):
-            assert_compiles_clean(v, spec, params, NOMINAL_CUDA)
-            done += 1
-    assert done >= 2
+    sources = [(f"{name} [{params.short()}] {spec.short()}", v.plan(spec, params, NOMINAL_CUDA).source("cuda"))
+               for i, spec in enumerate(specs) for params in sample(v, spec, NOMINAL_CUDA, k=1 - i % 2, seed=11)]
+    assert len(sources) >= 2
+    assert_sources_compile_clean(sources)  # one nvcc run
 
 
 def test_atomic_source_compiles_for_sm90(nvcc_ok, monkeypatch):
