@@ -14,7 +14,7 @@ import pytest
 
 from convforge.kernels import get_variant
 from convforge.kernels.batchnorm import PARTIAL_ROWS
-from convforge.kernels.tensorcore.sm90.cexpr import bind, evaluate
+from convforge.kernels.tensorcore.sm90.cexpr import bind
 from convforge.kernels.tensorcore.sm90.epilogue import COLS, partials, rowmajor_chunks, rowmajor_lets
 from convforge.kernels.tensorcore.sm90.tiles import TileConfig
 from convforge.params import Params
@@ -142,11 +142,30 @@ def test_stats_plans_compile_without_spills(nvcc_ok) -> None:  # type: ignore[no
         assert gemm and all(i.spill_stores == 0 and i.spill_loads == 0 for i in gemm), (plan.params, infos)
 
 
-def test_evaluated_partial_index_matches_the_kernels_expression() -> None:
-    """The kernel's partial index ``row0 / 64 wm`` for the consumer rows the mainloop passes."""
-    for wm in (1, 2):
-        for row0 in (0, 64 * wm, 5 * 64 * wm):
-            assert evaluate(f"({row0}) / {64 * wm}", {}) == row0 // (64 * wm)
+def test_the_kernels_partial_index_and_row_count_are_the_models() -> None:
+    """The generated source's partial index and row count, evaluated for every consumer of every tile
+    (ra0 = mb bm, consumer c; C's integer division on non-negative values), are the model's:
+    j = row0 / 64 wm and min(M - row0, 64 wm) rows."""
+    import re
+
+    from conftest import NOMINAL_CUDA
+
+    v = get_variant(NAME)
+    spec = SPECS[2]
+    for point in POINTS[:2]:
+        prm = _config(v, spec, NOMINAL_CUDA, point)
+        cfg, m = TileConfig.of(prm), v.problem(spec).m
+        src = v.plan_stats(spec, prm, NOMINAL_CUDA)[0].source("cuda")
+        found = re.search(r"pj = (.+?), nrows = (min\(.+?\));", src)
+        assert found, "no partial index in the source"
+        pj, nrows = (e.replace("/", "//") for e in found.groups())
+        for mb in range(-(-m // cfg.bm)):
+            for c in range(1 if cfg.pp else cfg.cw):
+                row0 = mb * cfg.bm + (0 if cfg.pp else c * 64 * cfg.wm)
+                if row0 < m:  # the store's guard
+                    env = {"ra0": mb * cfg.bm, "c": c, "min": min}
+                    assert eval(pj, env) == row0 // (64 * cfg.wm)  # noqa: S307 - the kernel's own expression
+                    assert eval(nrows, env) == min(m - row0, 64 * cfg.wm)  # noqa: S307
 
 
 def test_the_block_passes_the_partials_through_the_conv_residual_slot() -> None:
