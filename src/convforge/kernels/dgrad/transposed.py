@@ -155,8 +155,10 @@ class DgradTransposed(Variant):
         self.tolerance, self.exact, self.capturable = fwd.tolerance, fwd.exact, fwd.capturable
         self.specialised, self.space_lead, self.grouped = fwd.specialised, fwd.space_lead, fwd.grouped
         self.dtypes, self.layouts = fwd.dtypes, fwd.layouts  # dy and dx lie as the forward's x and y
-        # a forward no GPU has timed makes a dgrad none has either; a grouped forward says whether its dgrad was
-        self.named_only = fwd.named_only or (fwd.grouped and not getattr(fwd, "dgrad_timed", False))
+        # a forward no GPU has timed makes a dgrad none has either; a tensor-core grouped forward says whether its
+        # dgrad form was timed (the CUDA-core families' grouped forms are timed with them)
+        untimed = fwd.name.startswith("tc_grouped") and not getattr(fwd, "dgrad_timed", False)
+        self.named_only = fwd.named_only or untimed
 
     def slow_on(self, spec: ConvSpec) -> str | None:
         """The forward's word on its dgrad form (grouped: ``dgrad_slow_on``), else None."""
