@@ -608,6 +608,15 @@ def test_onnx_unknown_op_is_refused() -> None:
 
 # -- torch.fx -----------------------------------------------------------------------------------
 
+def _fx_graph_is_the_module(torch, m, g) -> None:  # type: ignore[no-untyped-def]
+    """The traced graph's float64 reference run is the module's output, and its PoCL compile checks."""
+    x = _x(g)
+    with torch.no_grad():
+        want = m(torch.from_numpy(x)).numpy()
+    assert rel_l2(run_reference(g, x)[g.outputs[0]], want) < 1e-5
+    _check(compile(g, backend="opencl"), g, x)
+
+
 def test_fx_front_end(ocl) -> None:
     torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'convforge[torch]')")
     from convforge.graph.fx import from_module
@@ -631,12 +640,7 @@ def test_fx_front_end(ocl) -> None:
     with torch.no_grad():
         m.bn.running_var.uniform_(0.5, 1.5)
         m.bn.running_mean.normal_()
-    g = from_module(m, input_size=12, channels=3)
-    x = _x(g)
-    with torch.no_grad():
-        want = m(torch.from_numpy(x)).numpy()
-    assert rel_l2(run_reference(g, x)[g.outputs[0]], want) < 1e-5
-    _check(compile(g, backend="opencl"), g, x)
+    _fx_graph_is_the_module(torch, m, from_module(m, input_size=12, channels=3))
 
 
 def test_fx_front_end_takes_modern_activations(ocl) -> None:
@@ -659,12 +663,7 @@ def test_fx_front_end_takes_modern_activations(ocl) -> None:
             return torch.tanh(F.mish(torch.sigmoid(F.silu(x)) + F.hardswish(x)))
 
     m = Acts().eval()
-    g = from_module(m, input_size=9, channels=4)
-    x = _x(g)
-    with torch.no_grad():
-        want = m(torch.from_numpy(x)).numpy()
-    assert rel_l2(run_reference(g, x)[g.outputs[0]], want) < 1e-5
-    _check(compile(g, backend="opencl"), g, x)
+    _fx_graph_is_the_module(torch, m, from_module(m, input_size=9, channels=4))
     with pytest.raises(GraphError, match="approximate"):
         from_module(nn.Sequential(nn.Conv2d(3, 3, 1), nn.GELU(approximate="tanh")), input_size=4)
 
