@@ -235,3 +235,39 @@ def test_filters_per_call_make_a_tiny_layer_one_launch(shape, tmp_path, monkeypa
     assert (dispatch.choose(big, be, epi, filters_per_call=True).variant  # type: ignore[arg-type]
             == dispatch.choose(big, be, epi).variant)  # type: ignore[arg-type]
     dispatch.clear_choices()
+
+
+def test_a_runner_cache_hit_files_the_call_again(monkeypatch):
+    """A native miss that ``python_conv2d`` answers from the runner cache files the call with the native
+    fast path again: the native table drops every entry when a setting is assigned, the runner cache
+    keeps its runners, and a call that only ran its runner stayed on Python's path for good (a fused
+    model's blocks then never ran natively: ResNet-50's AMP step 16 -> 31 ms after one setting changed)."""
+    from convforge import api
+    from convforge.dispatch import RUNNERS
+    from convforge.frontends import fast_path
+    from convforge.frontends.keys import torch_key
+
+    class Tensor:  # what torch_key reads of a torch tensor
+        dtype, device = "float16", "cuda:0"
+
+        def __init__(self, shape: tuple[int, ...]) -> None:
+            self.shape = shape
+
+        def is_contiguous(self) -> bool:
+            return True
+
+    x, w = Tensor((2, 8, 5, 5)), Tensor((4, 8, 3, 3))
+    call = (x, w, None, 1, 1, 1, "auto", None, None, False, None, None, None, 1)
+    ran: list[tuple[object, ...]] = []
+    filed: list[tuple[object, ...]] = []
+
+    def run(*a: object) -> str:
+        ran.append(a)
+        return "y"
+
+    monkeypatch.setitem(api._KEYERS, Tensor, torch_key)
+    monkeypatch.setitem(RUNNERS, torch_key(*call), run)
+    monkeypatch.setattr(fast_path, "file_native", lambda r, c, residual=False: filed.append((r, c)))
+    assert api.python_conv2d(x, w, None, 1, 1) == "y"
+    assert api.python_conv2d(x, w, None, 1, 1) == "y"
+    assert ran == [(x, w, None)] * 2 and filed == [(run, call)] * 2

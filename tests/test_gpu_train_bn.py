@@ -327,6 +327,40 @@ def test_native_block_steps_a_fused_resnet_bit_identically(gpu, monkeypatch, amp
     assert module.stats()["block_runs"] - before >= 2 * 19  # resnet18's 20 blocks but the stem, steps 2 and 3
 
 
+def test_blocks_run_natively_again_after_a_setting_is_assigned(gpu, monkeypatch):
+    """Assigning a setting empties the native table (caches.py, event "settings"); the next call of each conv
+    files it again from Python's path, so a fused model's blocks run in C++ again from the step after. They
+    did not: a miss answered from the runner cache was never filed (a second fused ResNet-50 in one process,
+    after a setting was assigned, ran every block on Python's path)."""
+    import convforge.torch as ct
+    from convforge.config import config
+    from convforge.torch import native
+
+    module = native.load()
+    assert module is not None, "the native fast path did not build on this GPU machine"
+    fused = ct.fuse(_resnet().to(memory_format=torch.channels_last))[0]
+    x = torch.randn(3, 3, 64, 64, device="cuda").to(memory_format=torch.channels_last)
+    target = torch.randint(0, 10, (3,), device="cuda")
+    opt = torch.optim.SGD(fused.parameters(), lr=0.05)
+
+    def step() -> None:
+        with torch.autocast("cuda", torch.float16):
+            loss = F.cross_entropy(fused(x), target)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(2):
+        step()
+    monkeypatch.setattr(config, "max_error", config.max_error)  # an assignment, the value unchanged
+    assert module.stats()["entries"] == 0
+    step()  # files every conv again
+    before = module.stats()["block_runs"]
+    for _ in range(2):
+        step()
+    assert module.stats()["block_runs"] - before >= 2 * 19  # resnet18's 20 blocks but the stem
+
+
 def test_native_block_under_create_graph_is_differentiable_once(gpu, monkeypatch):
     """backward(create_graph=True) through BlockNode gives the Python nodes' first-order gradients bit for
     bit; differentiating them again raises naming the block (the Python nodes raise too), never a silent

@@ -129,7 +129,9 @@ def python_conv2d(x: Any, w: Any, bias: Any = None, stride: int | Sequence[int] 
                   params: Params | dict[str, Any] | None = None, precision: str | None = None,
                   max_error: float | None = None, groups: int = 1, padding_mode: str = "zeros") -> Any:
     """:func:`conv2d` without asking the native fast path: for callers that just asked it and
-    missed (native.cpp's C entry and the op's CUDA kernel), so a miss is looked up once."""
+    missed (native.cpp's C entry and the op's CUDA kernel), so a miss is looked up once. A miss whose
+    runner is cached is filed again (:func:`_file`): the native table drops its entries when a setting
+    is assigned, the runners stay, and a call only run here would stay off the native path for good."""
     if padding_mode != "zeros":  # not in the fast path's key: never the zero-padded layer's runner
         return _dropin(x, w, bias, stride, padding, dilation, groups, padding_mode,
                        (algo, backend, workspace_limit, relu, params, precision, max_error))
@@ -141,7 +143,10 @@ def python_conv2d(x: Any, w: Any, bias: Any = None, stride: int | Sequence[int] 
         except (TypeError, AttributeError):  # unhashable arguments (a list, a params dict), or weights or bias
             run = None  # of another kind than x (no such attribute): the slow path validates and says so
         if run is not None:
-            return run(x, w, bias)
+            y = run(x, w, bias)
+            _file(keyer is torch_key, run, (x, w, bias, stride, padding, dilation, algo, backend, workspace_limit,
+                                            relu, params, precision, max_error, groups))
+            return y
     return _conv2d(x, w, bias, stride, padding, dilation, algo, backend, workspace_limit, relu, params,
                    precision, max_error, groups)
 
@@ -206,11 +211,16 @@ def _conv2d(x: Any, w: Any, bias: Any, stride: Any, padding: Any, dilation: Any,
     y = run(x, w, bias)
     call = (x, w, bias, stride, padding, dilation, algo, backend, workspace_limit, relu, params, precision, max_error,
             groups)
-    if kind == "torch":
+    _file(kind == "torch", run, call)
+    return y
+
+
+def _file(torch_call: bool, run: Any, call: tuple[Any, ...]) -> None:
+    """File a call Python's path just ran (conv2d's 14 arguments) with the native fast path of its kind."""
+    if torch_call:
         fast_path.file_native(run, call)
     else:
         fast_path.file_cupy_native(run, call)
-    return y
 
 
 def _dropin(x: Any, w: Any, bias: Any, stride: Any, padding: Any, dilation: Any, groups: Any, padding_mode: Any,
