@@ -89,28 +89,34 @@ def test_the_batch_norm_finalizes_the_epilogues_partials(hopper) -> None:  # typ
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_a_fused_block_trains_with_the_statistics_in_its_conv(hopper, monkeypatch, dtype: str) -> None:  # type: ignore[no-untyped-def]
-    """``config.bn_stats``: a fused conv -> batch norm -> ReLU block under autocast, channels_last, runs its
-    native node with the statistics conv (a handle filed with P partials) and matches PyTorch's module:
-    output, the input's and weights' gradients, the running statistics (the half dtype's tolerance)."""
+    """``config.bn_stats``: fused conv -> batch norm -> ReLU blocks under autocast, channels_last, run their
+    native nodes with the statistics conv (a handle filed with P partials) and match PyTorch's modules:
+    output, the input's and weights' gradients, the running statistics (the half dtype's tolerance). Two
+    blocks whose batch norms match (64 channels of 19x23 each) behind different convs (1x1, 3x3): each runs
+    its own conv (one handle per conv, not per batch-norm shape)."""
     import copy
 
     import torch
 
     import convforge.torch as ct
     from convforge.config import config
+    from convforge.frontends import fast_path
     from convforge.torch import batchnorm as bn_train
 
     monkeypatch.setattr(config, "bn_stats", True)
     torch.manual_seed(0)
     dt = getattr(torch, dtype)
-    model = torch.nn.Sequential(torch.nn.Conv2d(32, 64, 3, padding=1, bias=False), torch.nn.BatchNorm2d(64),
+    model = torch.nn.Sequential(torch.nn.Conv2d(32, 64, 1, bias=False), torch.nn.BatchNorm2d(64), torch.nn.ReLU(),
+                                torch.nn.Conv2d(64, 64, 3, padding=1, bias=False), torch.nn.BatchNorm2d(64),
                                 torch.nn.ReLU()).cuda().to(memory_format=torch.channels_last)
     ref = copy.deepcopy(model)
     fused, _ = ct.fuse(copy.deepcopy(model).train(), algo="tc_implicit_gemm_half")  # a variant with plan_stats
     fused.train()
     ref.train()
     x = (torch.randn(6, 32, 19, 23, device="cuda") + 0.5).contiguous(memory_format=torch.channels_last)
-    before = {k for k in bn_train._HANDLES if len(k) == 14}
+    before = set(bn_train._HANDLES)
+    native = fast_path.load_torch()
+    runs = native.stats()["block_runs"]
     outs = []
     for mod in (ref, fused):
         for _ in range(3):  # the first call files the block, the next ones run it
@@ -119,12 +125,14 @@ def test_a_fused_block_trains_with_the_statistics_in_its_conv(hopper, monkeypatc
             with torch.autocast("cuda", dtype=dt):
                 y = mod(xi)
             y.float().square().sum().backward()
-        bn = [m for m in mod.modules() if isinstance(m, torch.nn.BatchNorm2d)][0]
-        conv = [m for m in mod.modules() if isinstance(m, torch.nn.Conv2d)][0]
-        outs.append((y.float(), xi.grad.float(), conv.weight.grad.float(), bn.weight.grad, bn.running_mean,
-                     bn.running_var))
-    assert {k for k in bn_train._HANDLES if len(k) == 14} - before, "no statistics handle was filed"
+        bns = [m for m in mod.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+        convs = [m for m in mod.modules() if isinstance(m, torch.nn.Conv2d)]
+        outs.append((y.float(), xi.grad.float(), *(c.weight.grad.float() for c in convs),
+                     *(t for bn in bns for t in (bn.weight.grad, bn.running_mean, bn.running_var))))
+    assert len(set(bn_train._HANDLES) - before) == 2, "not one statistics handle per block"
+    assert native.stats()["block_runs"] - runs == 4, "the blocks' calls 2 and 3 did not run the native node"
     tol = 2e-2 if dtype == "bfloat16" else 4e-3
-    for name, got, want in zip(("y", "dx", "dw", "dgamma", "rmean", "rvar"), outs[1], outs[0], strict=True):
+    names = ("y", "dx", "dw1", "dw2", "dgamma1", "rmean1", "rvar1", "dgamma2", "rmean2", "rvar2")
+    for name, got, want in zip(names, outs[1], outs[0], strict=True):
         err = ((got - want).norm() / want.norm()).item()
         assert err < tol, (name, err)

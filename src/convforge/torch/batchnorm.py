@@ -120,13 +120,15 @@ def block_ok(bn: torch.nn.BatchNorm2d) -> bool:
 
 
 def native_handle(module: Any, bn: torch.nn.BatchNorm2d, y: torch.Tensor, res: torch.Tensor | None,
-                  relu: bool, stats: tuple[Any, int] | None = None) -> int:
+                  relu: bool, stats: tuple[Any, int, Any] | None = None) -> int:
     """The handle of this call's batch-norm program filed with native.cpp (``register_bn``), for its
     ``block``: the kernels :func:`bn_act` launches, by the same call key. ``stats``: (the block's conv as a
-    native program whose epilogue writes P partial sums into the "res" slot, P): the forward then finalizes
-    those (``bn_program(partials=P)``) and the block runs that conv (:func:`stats_conv_program`)."""
+    native program whose epilogue writes P partial sums into the "res" slot, P, that conv's identity): the
+    forward then finalizes those (``bn_program(partials=P)``) and the block runs that conv
+    (:func:`stats_conv_program`). The handle then carries the conv, so it is filed by the conv's identity
+    too: two blocks whose batch norms match (a 1x1 and a 3x3 conv into 64 channels) get one each."""
     key = _key(bn, y, res, relu)
-    hkey = key if stats is None else (*key, stats[1])
+    hkey = key if stats is None else (*key, stats[1], stats[2])
     handle = _HANDLES.get(hkey)
     if handle is None:
         if stats is None:

@@ -250,10 +250,11 @@ class FusedConv2d(Conv2d):
         self._cf_cache[_block_key(x, dt, res, bn)] = (module, handle, call)
 
     def _stats_conv(self, x: torch.Tensor, w: torch.Tensor, dt: torch.dtype,
-                    y: torch.Tensor) -> tuple[Any, int] | None:
-        """(native program, P) of this block's conv with the batch norm's P partial sums in its epilogue
-        (``config.bn_stats``; a variant with ``plan_stats``: tensor-core NHWC forwards), or None: the batch
-        norm reads y for its statistics. Any failure here only costs the speed-up (logged)."""
+                    y: torch.Tensor) -> tuple[Any, int, Any] | None:
+        """(native program, P, the conv's identity: spec, variant, parameters) of this block's conv with the
+        batch norm's P partial sums in its epilogue (``config.bn_stats``; a variant with ``plan_stats``:
+        tensor-core NHWC forwards), or None: the batch norm reads y for its statistics. Any failure here only
+        costs the speed-up (logged)."""
         if not config.bn_stats or y.dim() != 4 or not y.is_contiguous(memory_format=torch.channels_last):
             return None
         if y.shape[1] % 4:  # the partial sums follow 5 C floats of statistics in the block's scratch: 16-byte aligned
@@ -268,7 +269,7 @@ class FusedConv2d(Conv2d):
             if make is None:
                 return None
             plan, parts = make(spec, ch.params, backend.device)
-            return bn_train.stats_conv_program(backend, plan), parts
+            return bn_train.stats_conv_program(backend, plan), parts, (spec, plan.variant, repr(plan.params))
         except (ValueError, RuntimeError) as err:
             log.info("convforge: the batch norm after the conv of %s x %s computes its own statistics (%s)",
                      tuple(x.shape), tuple(w.shape), err)
