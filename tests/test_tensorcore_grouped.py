@@ -287,7 +287,7 @@ def test_emulated_packed_groups_equal_the_grouped_convolution(spec, math, cfg):
 def test_emulated_packed_dgrad_is_the_transposed_grouped_convolution():
     """dgrad_tc_grouped_packed_half (stride 1): the packed forward on the transposed problem, its
     block-diagonal filters built from the rotated ones (dgrad_rotate, then the packed filter step):
-    equals the float64 input gradient, every dx element written once. Reached by name until timed."""
+    equals the float64 input gradient, every dx element written once. In 'auto' (timed), never slow."""
     from convforge.kernels.dgrad.transposed import transposed_spec
     from convforge.kernels.tensorcore.sm90.grouped import pack_factor
     from convforge.reference import dgrad_ref
@@ -295,7 +295,8 @@ def test_emulated_packed_dgrad_is_the_transposed_grouped_convolution():
     spec = ConvSpec.make(2, 32, 7, 6, 64, 3, 3, 1, (1, 0, 2, 1), groups=8, dtype="float16", conv_pass="dgrad",
                          layout="nhwc")
     dv = get_variant("dgrad_tc_grouped_packed_half")
-    assert dv.named_only and dv.applies(spec, NOMINAL_CUDA) is None
+    assert not dv.named_only and dv.applies(spec, NOMINAL_CUDA) is None and dv.slow_on(spec) is None
+    assert [v.name for v in ranked("auto", spec, NOMINAL_CUDA)][0] == "dgrad_tc_grouped_packed_half"
     t = transposed_spec(spec)
     assert not isinstance(t, str)
     rng = np.random.default_rng(6)

@@ -278,6 +278,9 @@ class Variant:
     # reached only by its own name (algo=NAME, bench --algo NAME), never by 'auto' or its family: a
     # variant checked on the CPU (emulated, compiled) that no GPU has run yet
     named_only: bool = False
+    # whether the stride-1 dgrad form of this forward (kernels/dgrad/transposed.py, dgrad_<name>) was timed on
+    # a GPU: False keeps that form out of 'auto' though the forward is in it
+    dgrad_timed: bool = True
     layouts: frozenset[str] = frozenset({"nchw"})  # activation layouts its kernels index (spec.LAYOUTS)
     # its plan() takes ``prologue=`` (Prologue, applied to the input load); a subclass that defines
     # its own plan() without saying so again takes none (__init_subclass__)
@@ -323,6 +326,10 @@ class Variant:
         """Why this variant, though it runs ``spec`` on the tensor cores, is measured far below the vendor
         library's kernels there (``dispatch.is_fast`` then counts it slow, and a half layer goes to
         PyTorch), or None."""
+        return None
+
+    def dgrad_slow_on(self, spec: ConvSpec) -> str | None:
+        """:meth:`slow_on` of this forward's dgrad form (dgrad_<name>) on the dgrad layer ``spec``, or None."""
         return None
 
     def expected_error(self, spec: ConvSpec) -> float:

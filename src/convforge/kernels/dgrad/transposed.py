@@ -155,15 +155,12 @@ class DgradTransposed(Variant):
         self.tolerance, self.exact, self.capturable = fwd.tolerance, fwd.exact, fwd.capturable
         self.specialised, self.space_lead, self.grouped = fwd.specialised, fwd.space_lead, fwd.grouped
         self.dtypes, self.layouts = fwd.dtypes, fwd.layouts  # dy and dx lie as the forward's x and y
-        # a forward no GPU has timed makes a dgrad none has either; a tensor-core grouped forward says whether its
-        # dgrad form was timed (the CUDA-core families' grouped forms are timed with them)
-        untimed = fwd.name.startswith("tc_grouped") and not getattr(fwd, "dgrad_timed", False)
-        self.named_only = fwd.named_only or untimed
+        # a forward no GPU has timed makes a dgrad none has either, nor does one whose dgrad form was not timed
+        self.named_only = fwd.named_only or not fwd.dgrad_timed
 
     def slow_on(self, spec: ConvSpec) -> str | None:
-        """The forward's word on its dgrad form (grouped: ``dgrad_slow_on``), else None."""
-        rule = getattr(self.fwd, "dgrad_slow_on", None)
-        return rule(spec) if rule is not None else None
+        """The forward's word on its dgrad form (``Variant.dgrad_slow_on``)."""
+        return self.fwd.dgrad_slow_on(spec)
 
     problem = staticmethod(transposed_spec)  # the forward problem whose output is dx, or why there is none
     problem_name = "the transposed problem"

@@ -61,7 +61,7 @@ from convforge.spec import ConvSpec
 TIMED = frozenset({"tc_grouped_half", "tc_grouped_packed_half"})  # timed on a GPU: in 'auto'; others by name
 NARROW = 16  # output channels a group below which the forward counts itself slow (slow_on)
 # timed on a GPU: in 'auto' (the forward's dgrad as dgrad_<forward>), slow below WIDE channels a group
-BACKWARD_TIMED = frozenset({"tc_grouped_half", "wgrad_tc_grouped_half"})
+BACKWARD_TIMED = frozenset({"tc_grouped_half", "tc_grouped_packed_half", "wgrad_tc_grouped_half"})
 WIDE = 32
 
 
@@ -218,6 +218,11 @@ class TcGroupedPacked(TcGrouped):
         return dataclasses.replace(spec, groups=spec.groups // pack_factor(spec))
 
     def slow_on(self, spec: ConvSpec) -> str | None:
+        return None
+
+    def dgrad_slow_on(self, spec: ConvSpec) -> str | None:
+        """None: the packed dgrad ran at 1.10-1.89x cuDNN-best FP16 on ResNeXt-50's stride-1 grouped layers,
+        groups of 4 to 32 channels (docs/BENCHMARKS.md)."""
         return None
 
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
