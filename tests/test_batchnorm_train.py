@@ -150,14 +150,16 @@ def test_native_slots_name_every_buffer_in_the_order_of_native_cpp() -> None:
 
 
 def test_assigning_a_switch_keeps_the_native_table() -> None:
-    """config.native_block is read on every call and keys nothing: assigning it calls no listener (the
-    native table keeps its programs, so an A/B in one process compares warm paths); precision does."""
+    """config.native_block is read on every call and keys nothing, config.bn_stats keys a block's filing (not
+    a conv's): assigning either calls no listener (the native table keeps its programs, so an A/B in one
+    process compares warm paths); precision does."""
     from convforge.config import Config
 
     cfg = Config({})
     calls: list[int] = []
     cfg.on_change(lambda: calls.append(1))
     cfg.native_block = False
+    cfg.bn_stats = True
     assert calls == []
     cfg.precision = "relaxed"
     assert calls == [1]

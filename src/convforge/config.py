@@ -151,9 +151,10 @@ def _env_settings(env: Mapping[str, str]) -> dict[str, tuple[str, Callable[[], A
     }
 
 
-# Settings read afresh on every call that key no cached choice or program: assigning one calls no listener
-# (the native table keeps its entries, so an A/B in one process compares warm paths)
-_SWITCHES = frozenset({"native_block"})
+# Settings read afresh on every call that key no cached choice or program (bn_stats: in a block's filing key, not
+# in a conv's): assigning one calls no listener (the native table keeps its entries, so an A/B in one process
+# compares warm paths)
+_SWITCHES = frozenset({"native_block", "bn_stats"})
 
 
 class Config:
