@@ -201,6 +201,29 @@ def test_processes_creating_one_database_all_see_it_whole(tmp_path: Path) -> Non
         assert identify(Path(path)).kind == "ours" and len(TuningDB(path, readonly=True).entries()) == 1
 
 
+def test_a_log_removed_while_it_is_looked_at_is_no_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another process's last close checkpoints the write-ahead log into the file and removes it: between
+    an exists() and a stat(), or while identify() copies it aside, the log may vanish. Then there is no
+    log (the file holds everything): no FileNotFoundError (before: one in five processes creating one
+    database under load)."""
+    from convforge.tune import dbfile
+
+    path = tmp_path / "db.sqlite"
+    TuningDB(path).close()
+    assert dbfile.log_bytes(path) == 0
+    (tmp_path / "db.sqlite-wal").write_bytes(b"\0" * 4096)  # a log, no -shm: identify() copies both aside
+    real = shutil.copyfile
+
+    def vanishing(src: object, dst: object) -> object:
+        if str(src).endswith("-wal"):
+            os.unlink(str(src))
+            raise FileNotFoundError(2, "No such file or directory", str(src))
+        return real(src, dst)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(dbfile.shutil, "copyfile", vanishing)
+    assert identify(path).kind == "ours"
+
+
 # -- 3. bounded reads of regular files -------------------------------------------------------------
 def test_read_bounded_refuses_devices_fifos_and_oversize_files(tmp_path: Path) -> None:
     from convforge.files import InputFileError, read_bounded

@@ -92,11 +92,7 @@ def identify(path: Path) -> FileKind:
     wal = len(head) > 18 and head[18] == 2
     if len(head) == 100 and int.from_bytes(head[68:72], "big") == APPLICATION_ID:
         ours = FileKind("ours", schema=int.from_bytes(head[60:64], "big"))
-        try:
-            pending = wal and side(path, "-wal").stat().st_size > 0  # a newer schema may be in the log yet
-        except OSError:
-            pending = False
-        if pending:
+        if wal and log_bytes(path) > 0:  # a newer schema may be in the log yet
             seen = _identify_sqlite(path, wal)
             return seen if seen.kind == "ours" else ours
         return ours
@@ -108,12 +104,20 @@ def side(path: Path, suffix: str) -> Path:
     return path.with_name(path.name + suffix)
 
 
+def log_bytes(path: Path) -> int:
+    """The size of the write-ahead log beside ``path``, 0 where there is none, in one look: another
+    process's last close checkpoints and removes the log, between an ``exists()`` and a ``stat()`` too."""
+    try:
+        return side(path, "-wal").stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
 def ro_connect(path: Path, wal: bool, **kw: Any) -> sqlite3.Connection:
     """A read-only connection to ``path`` that creates nothing beside it where it can: a WAL
     database with no write-ahead log (nothing beyond the main file to read) is opened immutable,
     so SQLite makes no ``-shm``; with a log and its ``-shm`` present, plainly read-only."""
-    log = side(path, "-wal")
-    quiet = wal and (not log.exists() or log.stat().st_size == 0)
+    quiet = wal and log_bytes(path) == 0
     return sqlite3.connect(ro_uri(path, immutable=quiet), uri=True, **kw)
 
 
@@ -121,12 +125,14 @@ def _identify_sqlite(path: Path, wal: bool) -> FileKind:
     """A SQLite file whose header lacks our application_id: ours with the change still in the WAL,
     schema 1 of ours, a blank database, or foreign. Read without creating anything beside it: a
     WAL database whose log lacks its ``-shm`` is inspected in a temporary copy."""
-    if wal and side(path, "-wal").exists() and side(path, "-wal").stat().st_size and \
-            not side(path, "-shm").exists():
+    if wal and log_bytes(path) and not side(path, "-shm").exists():
         with tempfile.TemporaryDirectory(prefix="convforge-inspect-") as tmp:
             copy = Path(tmp) / "db"
             shutil.copyfile(path, copy)
-            shutil.copyfile(side(path, "-wal"), side(copy, "-wal"))
+            try:
+                shutil.copyfile(side(path, "-wal"), side(copy, "-wal"))
+            except FileNotFoundError:  # checkpointed into the main file and removed meanwhile: read that
+                return _inspect_sqlite(path, wal)
             return _inspect_sqlite(copy, wal)
     return _inspect_sqlite(path, wal)
 
