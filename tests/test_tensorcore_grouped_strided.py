@@ -14,7 +14,7 @@ import pytest
 from conftest import NOMINAL_CUDA
 from convforge.codegen.nvcc import sass_report
 from convforge.dtypes import rounded, to_storage
-from convforge.kernels import get_variant, ranked
+from convforge.kernels import get_variant, ranked, select
 from convforge.kernels.tensorcore.sm90.dgrad import phases
 from convforge.kernels.tensorcore.sm90.dgrad_grouped import pack
 from convforge.kernels.tensorcore.sm90.isa import BF16, F16
@@ -177,7 +177,8 @@ RESNEXT = [_dgrad(32, 256, 56, 56, 256, 3, 2, 1, 32), _dgrad(32, 512, 28, 28, 51
 
 
 def test_auto_never_takes_it():
-    """named_only: reached by name (algo=...), never in 'auto', though it applies to ResNeXt's layers."""
+    """named_only: reached by name (algo=...), never in 'auto' nor its family, though it applies to ResNeXt's
+    layers."""
     v = get_variant(NAME)
     assert v.named_only and v.grouped
     for spec in RESNEXT:
@@ -185,14 +186,18 @@ def test_auto_never_takes_it():
             s = dataclasses.replace(spec, dtype=dtype, layout=layout)
             assert v.applies(s, NOMINAL_CUDA) is None
             assert NAME not in [x.name for x in ranked("auto", s, NOMINAL_CUDA)]
+            assert NAME not in [x.name for x in select(v.family, s, NOMINAL_CUDA)]
+            assert [x.name for x in select(NAME, s, NOMINAL_CUDA)] == [NAME]
 
 
 @pytest.mark.parametrize("spec, dtype, layout", [(RESNEXT[0], "float16", "nhwc"), (RESNEXT[1], "bfloat16", "nchw"),
-                                                 (RESNEXT[2], "float16", "nhwc")],
+                                                 (RESNEXT[2], "float16", "nhwc"),
+                                                 (_dgrad(32, 120, 56, 56, 120, 3, 2, 1, 5), "bfloat16", "nhwc")],
                          ids=lambda v: v.short() if isinstance(v, ConvSpec) else v)
 def test_grouped_strided_dgrad_plans_compile_without_spills(nvcc_ok, spec, dtype, layout):
-    """ResNeXt-50's stride-2 grouped 3x3 dgrads at their defaults (dy's conversion on NCHW, the filter step, the
-    phases' GEMM, the interleave on NCHW): sm_90a without spills, HGMMA in the GEMM's SASS."""
+    """ResNeXt-50's stride-2 grouped 3x3 dgrads (and RegNetY's 5 groups of 24, unpacked) at their defaults (dy's
+    conversion on NCHW, the filter step, the phases' GEMM, the interleave on NCHW): sm_90a without spills, HGMMA
+    in the GEMM's SASS."""
     v = get_variant(NAME)
     spec = dataclasses.replace(spec, dtype=dtype, layout=layout)
     plan = v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA)
