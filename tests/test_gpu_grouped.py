@@ -65,16 +65,16 @@ TC_GROUPED = {"tc_grouped_half": ("float16", "bfloat16"), "tc_grouped_packed_hal
               "tc_grouped_3xtf32": ("float32",), "dgrad_tc_grouped_half": ("float16", "bfloat16"),
               "dgrad_tc_grouped_3xtf32": ("float32",), "dgrad_tc_grouped_packed_half": ("float16", "bfloat16"),
               "wgrad_tc_grouped_half": ("float16", "bfloat16"),
-              "wgrad_tc_grouped_3xtf32": ("float32",)}
+              "wgrad_tc_grouped_3xtf32": ("float32",), "dgrad_tc_strided_grouped_half": ("float16", "bfloat16")}
 
 
 @pytest.mark.parametrize("name", sorted(TC_GROUPED))
 @pytest.mark.parametrize("layout", ["nhwc", "nchw"])
 def test_tensor_core_grouped_on_the_suite(cuda, name, layout) -> None:
-    """tc_grouped_*, their stride-1 dgrad adapters and wgrad_tc_grouped_* (named only until this passes
-    and is timed): the default plan on every suite layer it takes (the forward and dgrad: groups of whole
-    chunks), N=2, in each dtype and layout, bias + residual + ReLU on every other forward, against float64
-    with the output poisoned; 3xTF32 at the fp32 class's 5e-6."""
+    """tc_grouped_*, their stride-1 dgrad adapters, the strided grouped dgrad (dgrad_tc_strided_grouped_half)
+    and wgrad_tc_grouped_* (named only until this passes and is timed): the default plan on every suite layer
+    it takes (the forward and dgrad: groups of whole chunks), N=2, in each dtype and layout, bias + residual +
+    ReLU on every other forward, against float64 with the output poisoned; 3xTF32 at the fp32 class's 5e-6."""
     import dataclasses
 
     v = get_variant(name)

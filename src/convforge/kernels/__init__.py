@@ -45,6 +45,7 @@ REGISTRATION_ORDER = (
     "tensorcore.sm90.wgrad",
     "tensorcore.sm90.wgrad_nhwc",
     "tensorcore.sm90.grouped",
+    "tensorcore.sm90.dgrad_grouped",
     "dgrad.transposed",
     "depthwise",
     "depthwise_nhwc",

@@ -27,6 +27,7 @@ What runs on it:
     wgrad      wgrad as the forward convolution of a transposed problem (images as channels)
     wgrad_nhwc wgrad of channels-last half layers, x and dy as they lie (MN-major operands, no transposes)
     dgrad      strided dgrad: one forward GEMM per stride phase, stored on the phase's sub-grid of dx
+    dgrad_grouped  strided dgrad of grouped half layers: each phase's GEMM batched over the (packed) groups
     gradrows   the masked gradient of a conv -> ReLU node written in the backward GEMMs' operand layouts
 
 Outside the generator: ``wgmma_1x1``, the first wgmma 1x1 GEMM (its own pipeline), which reads NCHW x in

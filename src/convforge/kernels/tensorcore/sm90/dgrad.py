@@ -139,10 +139,13 @@ def phases(spec: ConvSpec) -> list[Phase]:
 
 
 def pack_phases(name: str, spec: ConvSpec, packs: list[tuple[Phase, int, str]], math: Math,
-                kp: int) -> tuple[Kernel, Dim3]:
+                kp: int, block: tuple[int, int] | None = None) -> tuple[Kernel, Dim3]:
     """Every phase's filters as its GEMM's B, in one weight-only step: for each (phase, ld, dst),
     dst[c * ld + (th * Tw + tw) * kp + k] = w[k, c, r_th, s_tw] (zeros for k >= K and past the taps
-    up to ``ld``); one thread per (c, k), k fastest (each store coalesced across the warp)."""
+    up to ``ld``); one thread per (c, k), k fastest (each store coalesced across the warp).
+    ``block`` = (kg, cg): grouped filters (K x cg x R x S, groups of kg rows), P = kp / kg groups packed
+    block-diagonally into each GEMM group of P cg columns: column c's row holds, at k, filter row
+    c / (P cg) kp + k where k / kg is c's group within the packed one (c / cg % P), zeros elsewhere."""
     rs = spec.r * spec.s
     zero = prep.zero(math)
     code = Code()
@@ -150,9 +153,16 @@ def pack_phases(name: str, spec: ConvSpec, packs: list[tuple[Phase, int, str]], 
         code(*prep.scale_lets(math, dst))
     code(f"const int e = GROUP_ID(0) * {_ELT} + LOCAL_ID(0);")
     with code.block(f"if (e < {spec.c * kp})"):
-        code(f"const int c = e / {kp}, k = e - c * {kp};",
-             f"const bool ok = k < {spec.k};",
-             f"const {CTYPE[spec.dtype]}* src = w + ((ok ? k : 0) * {spec.c} + c) * {rs};")
+        code(f"const int c = e / {kp}, k = e - c * {kp};")
+        if block is None:
+            code(f"const bool ok = k < {spec.k};",
+                 f"const {CTYPE[spec.dtype]}* src = w + ((ok ? k : 0) * {spec.c} + c) * {rs};")
+        else:
+            kg, cg = block
+            p = kp // kg
+            row = f"c / {p * cg} * {kp} + k"  # the filter row (dy channel) of column c's packed group
+            code(f"const bool ok = k / {kg} == c / {cg} % {p};  // the block diagonal: k in column c's own group",
+                 f"const GLOBAL_PTR {CTYPE[spec.dtype]}* src = w + (({row}) * {cg} + c % {cg}) * {rs};")
         for ph, ld, dst in packs:
             taps = [(r, s) for r in ph.ah.taps for s in ph.aw.taps]
             code(f"// phase ({ph.ah.ph}, {ph.aw.ph}): {len(taps)} taps")
@@ -208,6 +218,18 @@ class TcDgradStrided(TcVariant):
     def _kp(self, spec: ConvSpec) -> int:
         return prep.padded_channels(spec.k, self.math(spec))
 
+    def job_problem(self, spec: ConvSpec, ph: Phase) -> Problem:
+        """Phase ``ph``'s GEMM (subclasses: a batch of them)."""
+        return ph.problem(spec, self._kp(spec))
+
+    def store(self, spec: ConvSpec, ph: Phase, il: bool) -> Output:
+        """Where phase ``ph``'s D goes: its compact buffer (``il``) or dx's sub-grid."""
+        return ph.compact(spec) if il else ph.output(spec)
+
+    def pack_step(self, spec: ConvSpec, packs: list[tuple[Phase, int, str]]) -> tuple[Kernel, Dim3]:
+        """The weight-only step writing every phase's B (:func:`pack_phases`)."""
+        return pack_phases(f"{self.name}_w", spec, packs, self.math(spec), self._kp(spec))
+
     def _dy_in_place(self, spec: ConvSpec) -> bool:
         """A channels-last dy the GEMM reads as it lies (prep.reads_in_place's rule, for dy's K channels)."""
         math = self.math(spec)
@@ -230,7 +252,7 @@ class TcDgradStrided(TcVariant):
     def _largest(self, spec: ConvSpec) -> Problem:
         """The biggest phase GEMM: the tile is chosen for it and shared by every phase."""
         kp = self._kp(spec)
-        probs = [ph.problem(spec, kp) for ph in phases(spec) if not ph.empty]
+        probs = [self.job_problem(spec, ph) for ph in phases(spec) if not ph.empty]
         return max(probs, key=lambda p: p.m * p.kred, default=Problem(spec.n, spec.c, kp))  # none: dx is zeros
 
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
@@ -292,7 +314,7 @@ class TcDgradStrided(TcVariant):
 
     def _ld(self, spec: ConvSpec, ph: Phase, cfg: TileConfig) -> int:
         stage = self.math(spec).elems(cfg.kb)
-        return cdiv(ph.problem(spec, self._kp(spec)).kred, stage) * stage
+        return cdiv(self.job_problem(spec, ph).kred, stage) * stage
 
     def workspace_bytes(self, spec: ConvSpec, params: Params) -> int:
         return sum(b for _, b in self._workspace(spec, *self._split(params)))
@@ -316,7 +338,7 @@ class TcDgradStrided(TcVariant):
     def operands(self, spec: ConvSpec, ph: Phase, cfg: TileConfig) -> tuple[Im2colNhwc, DenseRows]:
         """A: dy (NHWC) gathered for the phase's sub-grid; B: its packed filters."""
         math, kp = self.math(spec), self._kp(spec)
-        prob = ph.problem(spec, kp)
+        prob = self.job_problem(spec, ph)
         a = Im2colNhwc("a", cfg.a_tile(), math, self._dy(spec), geo=ph.geometry(spec, kp))
         b = DenseRows("b", cfg.b_tile(), math, f"wph{ph.tag}", rows=spec.c, ld=self._ld(spec, ph, cfg),
                       kred=prob.kred, padded=True)
@@ -352,15 +374,15 @@ class TcDgradStrided(TcVariant):
         for ph in phases(spec):
             if ph.empty:
                 continue
-            prob = ph.problem(spec, kp)
+            prob = self.job_problem(spec, ph)
             why = cfg.problems(math, prob, self.limit(device))
             if why:
                 raise ValueError(f"{self.name}: phase {ph.tag}: {'; '.join(why)}")
             a, b = self.operands(spec, ph, cfg)
             packs.append((ph, self._ld(spec, ph, cfg), b.buf))
-            jobs.append(Job(prob, [a, b], ph.compact(spec) if il else ph.output(spec)))
+            jobs.append(Job(prob, [a, b], self.store(spec, ph, il)))
         if jobs:  # none where no tap reaches a dx row (H < stride, the tap's phase past dx): dx is zeros
-            wk, wgrid = pack_phases(f"{self.name}_w", spec, packs, math, kp)
+            wk, wgrid = self.pack_step(spec, packs)
             gk = jobs_kernel(f"{self.name}_gemm", math, cfg, jobs)
             for _, _, dst in packs if math.scaled else ():  # each phase's maximum of w (weight-only steps)
                 ak, agrid = prep.amax_of(spec, "w", dst)
