@@ -29,7 +29,7 @@ from convforge.codegen.dialect import Dim3, Kernel
 from convforge.kernels import register
 from convforge.kernels.tensorcore.sm90.dgrad import Phase, TcDgradStrided, pack_phases
 from convforge.kernels.tensorcore.sm90.epilogue import Output
-from convforge.kernels.tensorcore.sm90.grouped import PACKED_COLUMNS
+from convforge.kernels.tensorcore.sm90.grouped import pack_factor
 from convforge.kernels.tensorcore.sm90.operands import DenseRows, Im2colNhwc
 from convforge.kernels.tensorcore.sm90.tiles import Problem, TileConfig
 from convforge.plan import DeviceInfo
@@ -37,13 +37,9 @@ from convforge.spec import ConvSpec
 
 
 def pack(spec: ConvSpec) -> int:
-    """Groups packed into one GEMM group: the most P dividing the groups with P Cg <= :data:`PACKED_COLUMNS`
-    dx channels and P Kg whole 8-channel chunks (1: none)."""
-    best = 1
-    for p in range(2, spec.groups + 1):
-        if spec.groups % p == 0 and p * spec.cg <= PACKED_COLUMNS and p * spec.kg % 8 == 0:
-            best = p
-    return best
+    """Groups packed into one GEMM group: the most P dividing the groups with P Cg <= grouped.PACKED_COLUMNS
+    dx channels and P Kg whole 8-channel chunks (1: none): the forward's rule on the transposed problem."""
+    return pack_factor(dataclasses.replace(spec, c=spec.k, k=spec.c))
 
 
 class TcDgradStridedGrouped(TcDgradStrided):
