@@ -18,7 +18,8 @@ G / P (the Problem's ``batch``):
   P Cg columns, slab zp at dx channel zp P Cg.
 
 P Kg must be whole 8-channel chunks (a chunk never straddles two GEMM groups); operands by cp.async (as the
-grouped forward's), the reduction unsplit. Never run on a GPU yet: reached only by name (``named_only``).
+grouped forward's), the reduction unsplit. ``auto`` runs it: it is the only half variant for these layers (timings in
+docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ class TcDgradStridedGrouped(TcDgradStrided):
     docstring)."""
 
     grouped = True
-    named_only = True  # never run on a GPU (tests/test_gpu_grouped.py runs it there)
     offset_ok = False
 
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
