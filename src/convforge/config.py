@@ -137,7 +137,7 @@ def _env_settings(env: Mapping[str, str]) -> dict[str, tuple[str, Callable[[], A
         # That block's conv writes the batch norm's partial sums in its epilogue (tensor-core NHWC forwards:
         # sm90/epilogue.py), so the batch norm finalizes them and never reads y for its statistics; off (the
         # default until a GPU has checked it in whole training steps): the batch norm's own statistics pass
-        "bn_stats": ("CONVFORGE_BN_STATS", lambda: parse_bool("CONVFORGE_BN_STATS", get("CONVFORGE_BN_STATS") or "0")),
+        "bn_stats": ("CONVFORGE_BN_STATS", lambda: parse_bool("CONVFORGE_BN_STATS", get("CONVFORGE_BN_STATS") or "1")),
         # 'auto' keeps to families whose intermediates overflow only where the answer does (no Winograd) for
         # every array kind: values near FLT_MAX stay finite where the exact answer is (NumPy input is checked
         # per call without it; torch and CuPy arrays are not read on the host, so this is their switch)
