@@ -30,7 +30,10 @@ from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
 from convforge.spec import ConvSpec
 
-_REGS = 160  # a rough cap on the floats a thread holds (taps + row segment + accumulators)
+# The floats a thread holds (taps + row segment + accumulators): ptxas's count follows it within a few
+# registers. Any tile up to _REGS compiles without spills; the defaults keep to _DEFAULT_REGS.
+_REGS = 240
+_DEFAULT_REGS = 160
 
 
 @dataclass(frozen=True)
@@ -75,8 +78,9 @@ class NhwcTile:
         """The cv outputs of a pixel go out as one vector (aligned in the tensor written)."""
         return self.cv > 1
 
-    def problem(self, device: DeviceInfo, epi: Epilogue = Epilogue()) -> str | None:
-        """None when the generator takes this tile on ``device``, else what is wrong."""
+    def problem(self, device: DeviceInfo, epi: Epilogue = Epilogue(), regs: int = _REGS) -> str | None:
+        """None when the generator takes this tile on ``device`` (in ``regs`` floats a thread), else what
+        is wrong."""
         s = self.spec
         if min(self.bc, self.bt, self.tq, self.tp) < 1:
             return "bc, bt, tq and tp must be >= 1"
@@ -90,9 +94,9 @@ class NhwcTile:
             return f"cv={self.cv} needs multiplier 1 and channel counts (and a concat's offset) that are " \
                    f"multiples of {self.cv}"
         taps = s.r * s.s
-        if self.cv * (taps + self.seg + self.tp * self.tq) > _REGS:
+        if self.cv * (taps + self.seg + self.tp * self.tq) > regs:
             return f"taps, row segment and outputs ({self.cv} x ({taps} + {self.seg} + " \
-                   f"{self.tp * self.tq})) must fit in {_REGS} registers"
+                   f"{self.tp * self.tq})) must fit in {regs} registers"
         return None
 
 
@@ -178,7 +182,30 @@ def _cv(spec: ConvSpec, tq: int, tp: int, device: DeviceInfo) -> int:
     else 1; float32 keeps one channel a thread (its measured default)."""
     if spec.dtype == "float32":
         return 1
-    return next((cv for cv in (8, 4) if NhwcTile(spec, 1, 1, tq, tp, cv).problem(device) is None), 1)
+    fits = (cv for cv in (8, 4) if NhwcTile(spec, 1, 1, tq, tp, cv).problem(device, regs=_DEFAULT_REGS) is None)
+    return next(fits, 1)
+
+
+def _channel_threads(groups: int) -> int:
+    """Threads along the channels for ``groups`` cv-channel groups: all of them up to 64, else the largest
+    divisor from 16 to 64 (no block of mostly idle threads: 144 channels in blocks of 128 left 44 % idle),
+    else 32."""
+    if groups <= 64:
+        return groups
+    return next((d for d in range(64, 15, -1) if groups % d == 0), 32)
+
+
+def _half_small(spec: ConvSpec, device: DeviceInfo) -> Params | None:
+    """Half storage, filters under 5x5: 4 channels a thread, the channel threads dividing K's groups,
+    about 160 threads a block, 4 x 4 outputs a thread at stride 1, 1 x 2 strided (sweep of MobileNet-v2's
+    FP16 NHWC layers on the H200: 1.2-2.0x the earlier 256-thread, 2 x 4 / 1 x 4 tiles); None where that
+    tile does not fit."""
+    if spec.eff_r * spec.eff_s >= 25 or spec.k % 4:
+        return None
+    bc = _channel_threads(spec.k // 4)
+    tq, tp = (min(4, spec.q), min(4, spec.p)) if spec.stride == (1, 1) else (min(2, spec.q), 1)
+    prm = Params(bc=bc, bt=max(1, min(160 // bc, device.max_threads // bc)), tq=tq, tp=tp, cv=4)
+    return prm if NhwcTile.of(spec, prm).problem(device, regs=_DEFAULT_REGS) is None else None
 
 
 def nhwc_default(spec: ConvSpec, device: DeviceInfo) -> Params:
@@ -187,10 +214,12 @@ def nhwc_default(spec: ConvSpec, device: DeviceInfo) -> Params:
     serves 8 outputs of 4 rows, about twice as fast as 2 x 4), one
     row of 4 at stride 2 (the rows two output rows share are fewer), 2 x 4 otherwise (sweep of the
     grouped suite's depthwise layers, docs/BENCHMARKS.md); small tiles on a CPU, where PoCL runs one
-    work-item after another. Half storage: cv channels a thread (8: one 16-byte load a pixel) where
-    the registers allow, fewer outputs a thread then."""
+    work-item after another. Half storage: small filters as :func:`_half_small`; larger ones cv channels
+    a thread (8: one 16-byte load a pixel) where the registers allow, fewer outputs a thread then."""
     if not device.is_gpu:
         return Params(bc=min(spec.k, 4), bt=4, tq=2 if spec.q >= 2 else 1, tp=1)
+    if spec.dtype != "float32" and (small := _half_small(spec, device)) is not None:
+        return small
     bc = min(32, spec.k)
     bt = max(1, min(256 // bc, device.max_threads // bc))
     if spec.eff_r * spec.eff_s >= 25:
@@ -204,10 +233,10 @@ def nhwc_default(spec: ConvSpec, device: DeviceInfo) -> Params:
         if cv > 1:
             bc_ = max(1, min(32, spec.k // cv))
             prm = Params(bc=bc_, bt=max(1, min(256 // bc_, device.max_threads // bc_)), tq=tq_, tp=tp_, cv=cv)
-            if NhwcTile.of(spec, prm).problem(device) is None:
+            if NhwcTile.of(spec, prm).problem(device, regs=_DEFAULT_REGS) is None:
                 return prm
         t = NhwcTile(spec, bc, bt, tq_, tp_)
-        if t.problem(device) is None:
+        if t.problem(device, regs=_DEFAULT_REGS) is None:
             return Params(bc=bc, bt=bt, tq=tq_, tp=tp_)
     return Params(bc=bc, bt=bt, tq=1, tp=1)
 
@@ -249,8 +278,8 @@ class DepthwiseNhwc(Variant):
         if not spec.depthwise:
             return "only depthwise layers (groups == C > 1)"
         why = super().applies(spec, device) or too_big(spec)
-        if why is None and NhwcTile(spec, 1, 1, 1, 1).problem(device):
-            return f"one output's {spec.r}x{spec.s} taps do not fit in {_REGS} registers"
+        if why is None and NhwcTile(spec, 1, 1, 1, 1).problem(device, regs=_DEFAULT_REGS):
+            return f"one output's {spec.r}x{spec.s} taps do not fit in {_DEFAULT_REGS} registers"
         return why
 
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
