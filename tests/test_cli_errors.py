@@ -96,6 +96,8 @@ REFUSED = [
     ([*BENCH, "--out", A_FILE], f"--out ({A_FILE}) is a file"),
     (["bench", "--model", "resnet18", "--repeats", "0"], "--repeats (0) must be >= 1"),
     (["bench", "--model", "resnet18", "--limit", "2"], "--model cannot be combined with --limit"),
+    (["bench", "--model", "resnet18", "--first-call", "--train"], "add --amp fp16|bf16"),
+    (["bench", "--model", "resnet18", "--first-call", "--tune"], "it does not go with --tune"),
 ]
 
 

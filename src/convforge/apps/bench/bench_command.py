@@ -97,8 +97,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "GradScaler for fp16, channels_last, SGD momentum) against PyTorch AMP; images/s, peak "
                         "memory, first step and a 100-step loss curve beside PyTorch's (bench/training_amp.py)")
     parser.add_argument("--first-call", action="store_true",
-                        help="with --model: the first forward of the fused model in a new process, with an "
-                        "empty cache (cold) and with the cache the first process left (warm), in seconds")
+                        help="with --model: the first forward of the fused model (with --train --amp: its first "
+                        "AMP training step) in a new process, with an empty cache (cold) and with the cache the "
+                        "first process left (warm), in seconds")
     parser.add_argument("--devices", metavar="N|all",
                         help="with --model --train: the step also in DistributedDataParallel on N GPUs (one process "
                         "per GPU through torchrun) against one GPU: images/s, scaling, efficiency (bench/ddp.py)")
@@ -217,13 +218,16 @@ def _run_models(args: argparse.Namespace, console: Console) -> int:
         raise SuiteError("--amp goes with --train: it times a mixed-precision training step (inference in half "
                          "precision: --dtype fp16|bf16)")
     if getattr(args, "first_call", False):
-        if getattr(args, "train", False) or budget is not None or args.tune:
-            raise SuiteError("--first-call times an untuned fused model's first forward; it does not go with "
-                             "--train, --tune or --error-budget")
+        train = getattr(args, "train", False)
+        if budget is not None or args.tune or getattr(args, "devices", None) is not None:
+            raise SuiteError("--first-call times an untuned fused model's first forward (with --train --amp: its "
+                             "first AMP step) on one GPU; it does not go with --tune, --error-budget or --devices")
+        if train and getattr(args, "amp", None) is None:
+            raise SuiteError("--first-call --train times the first mixed-precision step: add --amp fp16|bf16")
         from convforge.apps.bench import first_call
 
         return first_call.run(args.model, getattr(args, "dtype", None) or "float32", args.layout or "nchw",
-                              args.out, console)
+                              args.out, console, train=args.amp if train else None)
     if getattr(args, "train", False):
         if budget is not None:
             raise SuiteError("--error-budget calibrates inference; it does not go with --train")

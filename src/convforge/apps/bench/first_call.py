@@ -13,7 +13,10 @@ process runs first so that the machine's one-time costs (files in the page cache
 set-up) fall on no row.
 
 ``--dtype fp16|bf16`` runs the model cast to that dtype; ``--layout nhwc`` gives the model and input
-channels_last. The child's entry point is this module (``python -m convforge.apps.bench.first_call``).
+channels_last. ``--train --amp fp16|bf16`` times the first mixed-precision training step instead
+(``training_amp.amp_step_fn``: autocast, GradScaler for FP16, channels_last, SGD with momentum; the
+model in training mode, float32 master weights) and a second step, against PyTorch AMP's first step.
+The child's entry point is this module (``python -m convforge.apps.bench.first_call``).
 """
 
 from __future__ import annotations
@@ -37,9 +40,12 @@ CHILD_TIMEOUT_S = 600
 FIELDS = ("fuse_s", "first_s", "second_s", "pytorch_first_s", "import_s")
 
 
-def run(specs: list[str], dtype: str, layout: str, out: str | None, console: Console) -> int:
+def run(specs: list[str], dtype: str, layout: str, out: str | None, console: Console, train: str | None = None) -> int:
     """Every model cold then warm: the table and (``out``) first_call.json; exit status 1 when a child
-    failed, 2 on bad input or no GPU."""
+    failed, 2 on bad input or no GPU. ``train`` (fp16 / bf16): the first AMP training step instead of
+    the first forward (``dtype`` and ``layout`` then float32 and channels_last: AMP's)."""
+    if train is not None:
+        dtype, layout = f"train-{train}", "nhwc"
     from convforge.apps.bench import models as M
 
     prepared = M.prepare(specs, console)
@@ -57,14 +63,17 @@ def run(specs: list[str], dtype: str, layout: str, out: str | None, console: Con
             for state in ("cold", "warm"):
                 row = _child(name, batch, dtype, layout, cache)
                 rows.append({"model": name, "batch": batch, "dtype": dtype, "layout": layout, "cache": state, **row})
-    console.print(_table(rows))
+    console.print(_table(rows, train is not None))
     for r in rows:
         for phase in r.get("phases", []):
             console.print(f"  {r['model']} {r['cache']}: {phase}", markup=False, highlight=False)
-    console.print("fuse, first and second forward: convforge.torch.fuse(model) and its forwards under no_grad, "
-                  "synchronised; pytorch first: the unfused model's first forward (cudnn.benchmark); import: "
-                  "torch + torchvision + convforge; each row a new process, cold = empty cache folder, warm = the "
-                  "folder the cold process left")
+    what = ("first and second step: the fused model's AMP training steps (forward, loss, backward, SGD), "
+            "synchronised; pytorch first: the unfused model's first AMP step" if train is not None else
+            "first and second forward: the fused model's forwards under no_grad, synchronised; pytorch first: the "
+            "unfused model's first forward")
+    console.print(f"fuse: convforge.torch.fuse(model); {what} (cudnn.benchmark); import: torch + torchvision + "
+                  "convforge; each row a new process, cold = empty cache folder, warm = the folder the cold "
+                  "process left")
     if out:
         write_atomic(Path(out) / "first_call.json", json.dumps({"env": env, "rows": rows}, indent=1))
         console.print(f"wrote {out}/first_call.json")
@@ -100,9 +109,10 @@ def _child(name: str, batch: int, dtype: str, layout: str, cache: str) -> dict[s
     return {"status": "ok", **json.loads(lines[-1])}
 
 
-def _table(rows: list[dict[str, Any]]) -> Table:
-    t = Table(title="first forward of a fused model, new process each row (seconds)")
-    for col in ("model", "N", "dtype", "layout", "cache", "fuse", "first fwd", "second fwd", "pytorch first",
+def _table(rows: list[dict[str, Any]], train: bool = False) -> Table:
+    what, unit = ("first AMP training step", "step") if train else ("first forward", "fwd")
+    t = Table(title=f"{what} of a fused model, new process each row (seconds)")
+    for col in ("model", "N", "dtype", "layout", "cache", "fuse", f"first {unit}", f"second {unit}", "pytorch first",
                 "import", "status"):
         t.add_column(col)
     for r in rows:
@@ -125,6 +135,8 @@ def measure(name: str, batch: int, dtype: str, layout: str) -> dict[str, Any]:
     model = M.build(name)
     if isinstance(model, str):
         raise RuntimeError(model)
+    amp = dtype[len("train-"):] if dtype.startswith("train-") else None
+    dtype = "float32" if amp else dtype  # AMP: float32 master weights, autocast computes in half
     fmt = torch.channels_last if layout == "nhwc" else torch.contiguous_format
     model = model.to(dtype=getattr(torch, dtype), memory_format=fmt)
     size = M.MODELS[name]
@@ -145,6 +157,10 @@ def measure(name: str, batch: int, dtype: str, layout: str) -> dict[str, Any]:
         if event == "end":
             phases.append(f"{phase.what}: {phase.done} {phase.unit}, {phase.seconds:.2f} s")
 
+    if amp:
+        with listen(note):
+            times = _train_steps(model, name, batch, amp, timed)
+        return {**times, "import_s": imported, "phases": phases}
     with torch.no_grad(), listen(note):
         _, pytorch_first = timed(lambda: model(x))
         (fused, _), fuse_s = timed(lambda: ct.fuse(model))
@@ -152,6 +168,27 @@ def measure(name: str, batch: int, dtype: str, layout: str) -> dict[str, Any]:
         _, second = timed(lambda: fused(x))
     return {"fuse_s": fuse_s, "first_s": first, "second_s": second, "pytorch_first_s": pytorch_first,
             "import_s": imported, "phases": phases}
+
+
+def _train_steps(model: Any, name: str, batch: int, amp: str, timed: Any) -> dict[str, float]:
+    """PyTorch AMP's first step on a copy, then fuse, the fused model's first and second AMP steps
+    (training_amp.amp_step_fn), on one batch of ``batch`` images in channels_last."""
+    import copy
+
+    import torch
+
+    import convforge.torch as ct
+    from convforge.apps.bench import training, training_amp
+
+    dtype = getattr(torch, training_amp.DTYPES[amp])
+    x, target = training._batch(name, batch)
+    x = x.contiguous(memory_format=torch.channels_last)
+    _, pytorch_first = timed(training_amp.amp_step_fn(copy.deepcopy(model), x, target, dtype))
+    (fused, _), fuse_s = timed(lambda: ct.fuse(model))
+    step = training_amp.amp_step_fn(fused, x, target, dtype)
+    _, first = timed(step)
+    _, second = timed(step)
+    return {"fuse_s": fuse_s, "first_s": first, "second_s": second, "pytorch_first_s": pytorch_first}
 
 
 if __name__ == "__main__":
