@@ -10,10 +10,12 @@ threads would only make contend), and for the others their programs first, on a 
 (NVRTC releases the GIL while it compiles); reported as a ``convforge.progress`` phase (the
 "convforge" logger, INFO). The first real forward on inputs of
 the same shapes finds each layer's runner built. It prepares eager inference (``model.eval()``,
-no gradients): training compiles its backward kernels on its first step.
+no gradients); a training step's backward kernels are compiled ahead by
+:func:`~convforge.torch.train_ahead.compile_training_ahead`.
 
 ``fuse`` and ``convert`` arm :func:`prepare_on_first_call` on the model they answer, so a user's
-first eager inference forward prepares itself without knowing of ``prepare``.
+first eager inference forward prepares itself, and the first training forward compiles the step's
+backward kernels ahead, without knowing of either.
 """
 
 from __future__ import annotations
@@ -116,14 +118,17 @@ def _compile(jobs: list[Callable[[], Any]], n: int) -> None:
 
 
 _PENDING = "_cf_prepare_pending"
+_TRAIN_PENDING = "_cf_train_ahead_pending"
 
 
 def prepare_on_first_call(model: torch.nn.Module) -> None:
     """Have ``model``'s first forward in eval mode on CUDA tensors run :func:`prepare` on that call's
-    inputs before it runs (a forward pre-hook; later calls pay one attribute check). A copy of the
+    inputs before it runs, and its first forward in training mode with gradients enabled run
+    ``compile_training_ahead`` (a forward pre-hook; later calls pay one attribute check). A copy of the
     model (``copy.deepcopy``) prepares on its own first call; the hook is a module-level function, so
     the model still pickles."""
     model.__dict__[_PENDING] = True
+    model.__dict__[_TRAIN_PENDING] = True
     if _prepare_hook not in model._forward_pre_hooks.values():
         model.register_forward_pre_hook(_prepare_hook, with_kwargs=True)
     again = getattr(model, "_deepcopy_hooks", None)  # a GraphModule's deepcopy drops forward hooks and
@@ -132,17 +137,34 @@ def prepare_on_first_call(model: torch.nn.Module) -> None:
 
 
 def _prepare_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    if not module.__dict__.get(_PENDING) or module.training:
+    training = module.training
+    if training and not (module.__dict__.get(_TRAIN_PENDING) and torch.is_grad_enabled()):
+        return
+    if not training and not module.__dict__.get(_PENDING):
         return
     if (torch.jit.is_tracing() or torch.compiler.is_compiling()
             or not any(isinstance(a, torch.Tensor) and a.is_cuda for a in (*args, *kwargs.values()))
             or torch.cuda.is_current_stream_capturing()):
+        return
+    if training:
+        _train_ahead(module, args, kwargs)
         return
     module.__dict__[_PENDING] = False
     try:
         prepare(module, *args, **kwargs)
     except Exception as err:  # noqa: BLE001 - the forward itself builds each layer and reports a real problem
         log.debug("convforge: preparing %s on its first call failed (%s)", type(module).__name__, err)
+
+
+def _train_ahead(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """The hook's training half: the first training step's backward kernels compiled ahead, once."""
+    from convforge.torch.train_ahead import compile_training_ahead
+
+    module.__dict__[_TRAIN_PENDING] = False
+    try:
+        compile_training_ahead(module, *args, **kwargs)
+    except Exception as err:  # noqa: BLE001 - the step itself compiles each kernel and reports a real problem
+        log.debug("convforge: compiling %s's backward kernels ahead failed (%s)", type(module).__name__, err)
 
 
 def _training_batch_norm(model: torch.nn.Module) -> str | None:
