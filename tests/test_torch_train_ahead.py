@@ -40,6 +40,7 @@ def test_recording_a_training_model_leaves_it_as_it_was() -> None:
 def test_the_hook_is_quiet_on_cpu_and_without_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
     ran: list[int] = []
     monkeypatch.setattr(prep_mod, "_train_ahead", lambda m, a, k: ran.append(id(m)))
+    monkeypatch.setattr(prep_mod.config, "train_ahead", True)
     fused = fuse(_net())[0].train()
     x = torch.randn(2, 3, 11, 9)
     fused(x)  # CPU tensors

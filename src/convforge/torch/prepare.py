@@ -14,8 +14,8 @@ no gradients); a training step's backward kernels are compiled ahead by
 :func:`~convforge.torch.train_ahead.compile_training_ahead`.
 
 ``fuse`` and ``convert`` arm :func:`prepare_on_first_call` on the model they answer, so a user's
-first eager inference forward prepares itself, and the first training forward compiles the step's
-backward kernels ahead, without knowing of either.
+first eager inference forward prepares itself without knowing of ``prepare`` (and, under
+``config.train_ahead``, the first training forward compiles the step's backward kernels ahead).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from convforge.backends.base import CompileDeferred, deferring_compiles
+from convforge.config import config
 from convforge.progress import Phase
 from convforge.torch.modules import Conv2d, compute_dtype, padding_quad, reads_nhwc
 
@@ -138,7 +139,7 @@ def prepare_on_first_call(model: torch.nn.Module) -> None:
 
 def _prepare_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     training = module.training
-    if training and not (module.__dict__.get(_TRAIN_PENDING) and torch.is_grad_enabled()):
+    if training and not (module.__dict__.get(_TRAIN_PENDING) and torch.is_grad_enabled() and config.train_ahead):
         return
     if not training and not module.__dict__.get(_PENDING):
         return

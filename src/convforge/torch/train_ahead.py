@@ -14,7 +14,8 @@ or compile that fails is left for the step itself to report. The forward's kerne
 blocks' statistics epilogues among them) still compile in the step.
 
 ``prepare_on_first_call`` (prepare.py) runs it on a fused or converted model's first forward in
-training mode with gradients enabled on CUDA tensors.
+training mode with gradients enabled on CUDA tensors, under ``config.train_ahead``
+(``CONVFORGE_TRAIN_AHEAD=1``; off until a GPU has run tests/test_torch_train_ahead.py).
 """
 
 from __future__ import annotations
