@@ -181,9 +181,11 @@ def _training_batch_norm(model: torch.nn.Module) -> str | None:
     return None
 
 
-def _record(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Callable[[], Any]]:
+def _record(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+            wrap: Callable[[Conv2d, Any], Any] | None = None) -> list[Callable[[], Any]]:
     """Run ``model`` with PyTorch's convolutions under no_grad, each convforge layer's call turned into
-    a job that builds what its first real call will need; the model's own forwards are restored."""
+    a job that builds what its first real call will need; the model's own forwards are restored.
+    ``wrap(layer, recorder)``: the forward the layer runs instead of its recorder (train_ahead.py)."""
     from convforge.torch.fused import FusedConv2d
 
     jobs: dict[tuple[Any, ...], Callable[[], Any]] = {}
@@ -192,8 +194,8 @@ def _record(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
         for m in model.modules():
             if isinstance(m, Conv2d):
                 patched.append((m, m.__dict__.get("forward")))
-                fused = isinstance(m, FusedConv2d)
-                m.forward = _fused_recorder(m, jobs) if fused else _conv_recorder(m, jobs)  # type: ignore[method-assign]
+                rec = _fused_recorder(m, jobs) if isinstance(m, FusedConv2d) else _conv_recorder(m, jobs)
+                m.forward = rec if wrap is None else wrap(m, rec)  # type: ignore[method-assign]
         with torch.no_grad():
             model(*args, **kwargs)
     finally:

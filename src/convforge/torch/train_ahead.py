@@ -77,32 +77,18 @@ def record_calls(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str
     """The convforge layers' inputs when ``model`` runs on ``args`` / ``kwargs`` with PyTorch's
     convolutions (cudnn.benchmark off), no gradients and every training batch norm in eval mode (all
     restored after)."""
-    from convforge.torch.fused import FusedConv2d
-    from convforge.torch.prepare import _conv_recorder, _fused_recorder
+    from convforge.torch.prepare import _record
 
     inputs = {id(a) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)}
     calls: list[LayerCall] = []
-    jobs: dict[tuple[Any, ...], Any] = {}  # the inference recorders' jobs: built, never run
-    patched: list[tuple[torch.nn.Module, Any]] = []
     held = _training_batch_norms(model)
     benchmark = torch.backends.cudnn.benchmark  # PyTorch's stand-in convolutions need no algorithm search
     try:
         torch.backends.cudnn.benchmark = False
         for bn in held:
             bn.training = False
-        for m in model.modules():
-            if isinstance(m, Conv2d):
-                inner = _fused_recorder(m, jobs) if isinstance(m, FusedConv2d) else _conv_recorder(m, jobs)
-                patched.append((m, m.__dict__.get("forward")))
-                m.forward = _visiting(m, inner, calls, inputs)  # type: ignore[method-assign]
-        with torch.no_grad():
-            model(*args, **kwargs)
+        _record(model, args, kwargs, lambda m, rec: _visiting(m, rec, calls, inputs))  # its jobs: never run
     finally:
-        for m, own in patched:
-            if own is None:
-                del m.forward
-            else:
-                m.forward = own  # type: ignore[method-assign]
         for bn in held:
             bn.training = True
         torch.backends.cudnn.benchmark = benchmark
