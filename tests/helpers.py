@@ -7,7 +7,7 @@ import re
 from collections.abc import Sequence
 
 from convforge.cli import main
-from convforge.codegen.nvcc import PtxasInfo, ptxas_report
+from convforge.codegen.nvcc import PtxasInfo, ptxas_report, sass_report
 from convforge.codegen.render import ARCH_SPECIFIC_MARK
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Variant
@@ -72,6 +72,38 @@ _DEFINE = re.compile(r"^\s*#\s*define\s+(\w+)", re.M)
 _RENAMED = re.compile(r"(\w+)__cfb(\d+)")
 
 
+def _batch_groups(sources: Sequence[str], arch: str) -> tuple[list[int], dict[str, list[int]]]:
+    """(indices of the sources to compile alone, {target: indices of the sources batched for it}): a
+    source with an #include, or with a __global__ the renaming does not match, goes alone."""
+    alone: list[int] = []
+    groups: dict[str, list[int]] = {}
+    for i, src in enumerate(sources):
+        if "#include" in src or src.count("__global__") != len(_KERNEL.findall(src)):
+            alone.append(i)
+        else:
+            target = arch + "a" if ARCH_SPECIFIC_MARK in src and not arch.endswith("a") else arch
+            groups.setdefault(target, []).append(i)
+    return alone, groups
+
+
+def _batch_unit(sources: Sequence[str], members: Sequence[int]) -> str:
+    """One translation unit of ``members``' sources: each in namespace cfbI, its kernels renamed
+    name__cfbI, its macros undefined after it."""
+    return "".join(f"namespace cfb{i} {{\n"
+                   + _KERNEL.sub(lambda m, i=i: f"{m.group(1)}{m.group(2)}__cfb{i}{m.group(3)}", sources[i])
+                   + "\n}\n" + "".join(f"#undef {name}\n" for name in dict.fromkeys(_DEFINE.findall(sources[i])))
+                   for i in members)
+
+
+def _split_infos(infos: list[PtxasInfo], out: dict[int, list[PtxasInfo]]) -> None:
+    """The batched unit's ptxas figures, each under its source's index with its kernel's own name."""
+    for info in infos:
+        m = _RENAMED.fullmatch(info.kernel)
+        assert m, f"a kernel of the batched unit was not renamed: {info.kernel}"
+        out[int(m.group(2))].append(PtxasInfo(m.group(1), info.registers, info.spill_stores, info.spill_loads,
+                                              info.stack, info.shared))
+
+
 def ptxas_reports(sources: Sequence[str], arch: str = "sm_90") -> list[list[PtxasInfo]]:
     """``ptxas_report`` of each source, from one nvcc run per target (sm_90 / sm_90a) instead of one
     per source. nvcc's fixed cost, preprocessing and parsing the CUDA runtime headers it includes in
@@ -82,34 +114,59 @@ def ptxas_reports(sources: Sequence[str], arch: str = "sm_90") -> list[list[Ptxa
     source the renaming does not fit, and every source of a unit that fails, is compiled alone (the
     error then names its source)."""
     out: list[list[PtxasInfo] | None] = [None] * len(sources)
-    groups: dict[str, list[int]] = {}
-    for i, src in enumerate(sources):
-        if "#include" in src or src.count("__global__") != len(_KERNEL.findall(src)):
-            out[i] = ptxas_report(src, arch)
-        else:
-            target = arch + "a" if ARCH_SPECIFIC_MARK in src and not arch.endswith("a") else arch
-            groups.setdefault(target, []).append(i)
+    alone, groups = _batch_groups(sources, arch)
+    for i in alone:
+        out[i] = ptxas_report(sources[i], arch)
     for target, members in groups.items():
-        unit = "".join(f"namespace cfb{i} {{\n"
-                       + _KERNEL.sub(lambda m, i=i: f"{m.group(1)}{m.group(2)}__cfb{i}{m.group(3)}", sources[i])
-                       + "\n}\n" + "".join(f"#undef {name}\n" for name in dict.fromkeys(_DEFINE.findall(sources[i])))
-                       for i in members)
         try:
-            infos = ptxas_report(unit, target) if len(members) > 1 else None
+            infos = ptxas_report(_batch_unit(sources, members), target) if len(members) > 1 else None
         except RuntimeError:
             infos = None
         if infos is None:
             for i in members:
                 out[i] = ptxas_report(sources[i], target)
             continue
+        per: dict[int, list[PtxasInfo]] = {i: [] for i in members}
+        _split_infos(infos, per)
         for i in members:
-            out[i] = []
-        for info in infos:
-            m = _RENAMED.fullmatch(info.kernel)
-            assert m, f"a kernel of the batched unit was not renamed: {info.kernel}"
-            out[int(m.group(2))].append(PtxasInfo(m.group(1), info.registers, info.spill_stores, info.spill_loads,
-                                                  info.stack, info.shared))
+            out[i] = per[i]
     return [o if o is not None else [] for o in out]
+
+
+_FUNCTION = re.compile(r"(?=\n[ \t]+Function : )")
+
+
+def sass_reports(sources: Sequence[str], arch: str = "sm_90") -> list[tuple[list[PtxasInfo], str]]:
+    """``sass_report`` of each source (ptxas figures, SASS text), batched as ``ptxas_reports``: one nvcc
+    and one cuobjdump run per target. Each source's SASS text is cuobjdump's header and the sections
+    ("Function : name") of its own kernels, in the unit's order, under their own names
+    (test_nvcc_batch.test_batched_sass_equals_single_compiles checks the instructions are those of the
+    source's own compile)."""
+    out: list[tuple[list[PtxasInfo], str] | None] = [None] * len(sources)
+    alone, groups = _batch_groups(sources, arch)
+    for i in alone:
+        out[i] = sass_report(sources[i], arch)
+    for target, members in groups.items():
+        try:
+            res = sass_report(_batch_unit(sources, members), target) if len(members) > 1 else None
+        except RuntimeError:
+            res = None
+        if res is None:
+            for i in members:
+                out[i] = sass_report(sources[i], target)
+            continue
+        per: dict[int, list[PtxasInfo]] = {i: [] for i in members}
+        _split_infos(res[0], per)
+        head, *sections = _FUNCTION.split(res[1])
+        text = {i: head for i in members}
+        for section in sections:
+            m = re.match(r"\n[ \t]+Function : \w+?__cfb(\d+)\b", section)
+            assert m, f"a kernel of the batched unit was not renamed: {section[:80]!r}"
+            i = int(m.group(1))
+            text[i] += re.sub(rf"\b(\w+)__cfb{i}\b", r"\1", section)
+        for i in members:
+            out[i] = (per[i], text[i])
+    return [o if o is not None else ([], "") for o in out]
 
 
 def assert_sources_compile_clean(sources: Sequence[tuple[str, str]], arch: str = "sm_90") -> list[list[PtxasInfo]]:

@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 from conftest import NOMINAL_CUDA
-from convforge.codegen.nvcc import sass_report
 from convforge.dtypes import to_storage
 from convforge.kernels import get_variant
 from convforge.kernels.tensorcore.sm90 import prep
@@ -25,6 +24,7 @@ from convforge.kernels.tensorcore.sm90.isa import math_for
 from convforge.params import Params
 from convforge.plan import Launch, Plan
 from convforge.spec import ConvSpec
+from helpers import sass_reports
 
 
 def _on_pocl(ocl, kern, grid, src_name, src, dst_shape, dtype):
@@ -118,11 +118,15 @@ def test_planar_wgrad_keeps_to_nchw():
     assert get_variant("wgrad_tc_implicit_gemm_half").applies(spec, NOMINAL_CUDA) is None
 
 
-@pytest.mark.parametrize("name, spec", [PASSES[0], PASSES[2], PASSES[4], PASSES[6], PASSES[9]], ids=str)
-def test_channels_last_passes_compile_without_spills(nvcc_ok, name, spec):
-    v = get_variant(name)
-    infos, sass = sass_report(v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA).source("cuda"))
-    for info in infos:
-        assert info.spill_stores == 0 and info.spill_loads == 0, info
-    gemm = [k for k in re.split(r"\n\s+Function : ", sass) if k.split("\n")[0].endswith("_gemm")]
-    assert gemm and "HGMMA" in gemm[0]
+def test_channels_last_passes_compile_without_spills(nvcc_ok):
+    """PASSES 0, 2, 4, 6 and 9 at their defaults: no spills, HGMMA in the GEMM (one nvcc + cuobjdump run
+    for the five, helpers.sass_reports)."""
+    cases = [PASSES[0], PASSES[2], PASSES[4], PASSES[6], PASSES[9]]
+    reports = sass_reports([(v := get_variant(name)).plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA)
+                            .source("cuda") for name, spec in cases])
+    for (name, spec), (infos, sass) in zip(cases, reports, strict=True):
+        assert infos, (name, spec.short())
+        for info in infos:
+            assert info.spill_stores == 0 and info.spill_loads == 0, (name, spec.short(), info)
+        gemm = [k for k in re.split(r"\n\s+Function : ", sass) if k.split("\n")[0].endswith("_gemm")]
+        assert gemm and "HGMMA" in gemm[0], (name, spec.short())

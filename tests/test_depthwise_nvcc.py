@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import itertools
 
-import pytest
-
 from conftest import NOMINAL_CUDA
 from convforge.kernels import select
 from convforge.plan import Epilogue
@@ -25,21 +23,22 @@ REAL = [ConvSpec.make(64, 144, 56, 56, 144, 3, 3, 1, 1, groups=144),
         ConvSpec.make(32, 96, 56, 56, 96, 51, 5, 1, (25, 25, 2, 2), groups=96)]
 
 
-@pytest.mark.parametrize("conv_pass", ["fprop", "dgrad", "wgrad"])
-@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
-def test_half_defaults_compile_clean_for_sm90a(nvcc_ok, conv_pass, layout) -> None:
-    """float16 and bfloat16 alternate over the layers (each dtype meets every filter size across the
-    two layouts), to keep the compile time of the tier down; the layers' plans go through one nvcc run
-    (helpers.ptxas_reports)."""
+def test_half_defaults_compile_clean_for_sm90a(nvcc_ok) -> None:
+    """The auto pick's default on every REAL layer, each pass and layout: float16 and bfloat16
+    alternate over the layers (each dtype meets every filter size across the two layouts), to keep the
+    compile time of the tier down; all the plans go through one nvcc run (helpers.ptxas_reports)."""
     cases = []
-    for i, base in enumerate(REAL):
-        dtype = ("float16", "bfloat16")[(i + (layout == "nhwc")) % 2]
-        spec = ConvSpec.from_dict({**base.to_dict(), "dtype": dtype, "layout": layout, "pass": conv_pass})
-        v = select("auto", spec, NOMINAL_CUDA)[0]
-        assert v.family == "depthwise", (spec.short(), v.name)
-        prm = v.default(spec, NOMINAL_CUDA)
-        epi = Epilogue(bias=True, silu=True) if conv_pass == "fprop" else Epilogue()
-        cases.append((f"{v.name} [{prm.short()}] {spec.short()}", v.plan(spec, prm, NOMINAL_CUDA, epi).source("cuda")))
+    for conv_pass in ("fprop", "dgrad", "wgrad"):
+        for layout in ("nchw", "nhwc"):
+            for i, base in enumerate(REAL):
+                dtype = ("float16", "bfloat16")[(i + (layout == "nhwc")) % 2]
+                spec = ConvSpec.from_dict({**base.to_dict(), "dtype": dtype, "layout": layout, "pass": conv_pass})
+                v = select("auto", spec, NOMINAL_CUDA)[0]
+                assert v.family == "depthwise", (spec.short(), v.name)
+                prm = v.default(spec, NOMINAL_CUDA)
+                epi = Epilogue(bias=True, silu=True) if conv_pass == "fprop" else Epilogue()
+                cases.append((f"{v.name} [{prm.short()}] {spec.short()}",
+                              v.plan(spec, prm, NOMINAL_CUDA, epi).source("cuda")))
     for (label, _), infos in zip(cases, ptxas_reports([src for _, src in cases], arch="sm_90a"), strict=True):
         assert infos
         for info in infos:

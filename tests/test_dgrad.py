@@ -54,10 +54,6 @@ MINE = ADAPTERS + SUBS + ["dgrad_strided_gemm"]  # dgrad_direct: test_backward; 
 OPENCL = [n for n in MINE if "opencl" in get_variant(n).backends]
 
 
-def _ids(spec: ConvSpec) -> str:
-    return spec.key()
-
-
 def test_every_forward_variant_worth_it_has_its_adapter():
     """A forward variant renamed or moved by another change would silently lose its dgrad form."""
     missing = [f for f in FORWARD if f"dgrad_{f}" not in DGRAD]
@@ -279,16 +275,18 @@ def _compile_cases() -> dict[str, list[int]]:
 COMPILE_CASES = _compile_cases()
 
 
-@pytest.mark.parametrize("name", list(COMPILE_CASES))
-def test_adapter_compiles_for_sm90(nvcc_ok, name):
-    """Each adapter's default on the ResNet-like layers (3x3, 1x1; N=1 for the split-K ones; float16
-    and bfloat16 for the half ones) and an odd one, those it applies to (test_every_adapter_has_a_
-    compile_spec checks there is one), through one nvcc run (helpers.ptxas_reports). A FORWARD_SPILLS
-    case must still spill: once it does not, it leaves that set."""
-    v, which = get_variant(name), COMPILE_CASES[name]
-    sources = [v.plan(COMPILE_SPECS[i], v.default(COMPILE_SPECS[i], NOMINAL_CUDA), NOMINAL_CUDA).source("cuda")
-               for i in which]
-    for i, infos in zip(which, ptxas_reports(sources), strict=True):
+def test_adapter_compiles_for_sm90(nvcc_ok):
+    """Every adapter's default on the ResNet-like layers (3x3, 1x1; N=1 for the split-K ones; float16
+    and bfloat16 for the half ones) and an odd one, those it applies to (COMPILE_CASES; test_every_
+    adapter_has_a_compile_spec checks there is one), all through one nvcc run per target (helpers.
+    ptxas_reports). A FORWARD_SPILLS case must still spill: once it does not, it leaves that set."""
+    cases = [(name, i) for name, which in COMPILE_CASES.items() for i in which]
+    assert set(ADAPTERS) <= {name for name, _ in cases}
+    sources = []
+    for name, i in cases:
+        v = get_variant(name)
+        sources.append(v.plan(COMPILE_SPECS[i], v.default(COMPILE_SPECS[i], NOMINAL_CUDA), NOMINAL_CUDA).source("cuda"))
+    for (name, i), infos in zip(cases, ptxas_reports(sources), strict=True):
         assert infos, f"{name} on COMPILE_SPECS[{i}]: ptxas reported no kernel"
         spills = [info for info in infos if info.spill_stores or info.spill_loads]
         if (name, i) in FORWARD_SPILLS:
@@ -306,11 +304,13 @@ STRIDED_COMPILE = [ConvSpec.make(32, 128, 56, 56, 128, 3, 3, 2, 1), ConvSpec.mak
                    ConvSpec.make(32, 64, 56, 56, 64, 3, 3, 1, 1), ODD_SPECS[4], OWN[6]]
 
 
-@pytest.mark.parametrize("spec", [s.with_pass("dgrad") for s in STRIDED_COMPILE], ids=_ids)
-def test_strided_compiles_for_sm90(nvcc_ok, spec):
+def test_strided_compiles_for_sm90(nvcc_ok):
+    """dgrad_strided_gemm's default and two seeded points of its space on each STRIDED_COMPILE layer,
+    all through one nvcc run: no spills."""
     v = get_variant("dgrad_strided_gemm")
     assert_sources_compile_clean([(f"{v.name} [{params.short()}] {spec.short()}",  # one nvcc run
                                    v.plan(spec, params, NOMINAL_CUDA).source("cuda"))
+                                  for spec in [s.with_pass("dgrad") for s in STRIDED_COMPILE]
                                   for params in sample(v, spec, NOMINAL_CUDA, k=2, seed=1)])
 
 
@@ -419,24 +419,24 @@ SUB_COMPILE = [ConvSpec.make(32, 256, 56, 56, 512, 1, 1, 2, conv_pass="dgrad"),
 SUB_SPILLS = {("dgrad_sub_gemm1x1", "float16")}
 
 
-@pytest.mark.parametrize("name", SUBS)
-def test_subsampled_plan_compiles_and_keeps_its_shape(nvcc_ok, name):
+def test_subsampled_plan_compiles_and_keeps_its_shape(nvcc_ok):
     """Each dgrad_sub_* default on the ResNet-50 1x1/2 layers it applies to: the rotation (a weight
     step), the forward plan of the sub-grid problem with dy as its input, the interleave last (the
-    only step writing dx); nvcc sm_90 without spills."""
-    v = get_variant(name)
-    specs = [s for s in SUB_COMPILE if v.applies(s, NOMINAL_CUDA) is None]
-    assert specs, name
+    only step writing dx); nvcc sm_90 without spills (all of SUBS through one nvcc run)."""
     sources = []
-    for spec in specs:
-        plan = v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA)
-        inner = v.fwd.plan(subsampled_spec(spec), v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA)
-        steps, derived = weight_steps(plan)
-        assert 0 in steps and "w_rot" in derived and output_buffer(plan) == "x"
-        assert plan.kernels[1:-1] == inner.kernels and plan.steps[-1].args == ("dx_sub", "x")
-        assert all("x" not in getattr(s, "args", ()) for s in plan.steps[:-1])
-        if (name, spec.dtype) not in SUB_SPILLS:
-            sources.append((f"{name} {spec.short()}", plan.source("cuda")))
+    for name in SUBS:
+        v = get_variant(name)
+        specs = [s for s in SUB_COMPILE if v.applies(s, NOMINAL_CUDA) is None]
+        assert specs, name
+        for spec in specs:
+            plan = v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA)
+            inner = v.fwd.plan(subsampled_spec(spec), v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA)
+            steps, derived = weight_steps(plan)
+            assert 0 in steps and "w_rot" in derived and output_buffer(plan) == "x", (name, spec)
+            assert plan.kernels[1:-1] == inner.kernels and plan.steps[-1].args == ("dx_sub", "x"), (name, spec)
+            assert all("x" not in getattr(s, "args", ()) for s in plan.steps[:-1]), (name, spec)
+            if (name, spec.dtype) not in SUB_SPILLS:
+                sources.append((f"{name} {spec.short()}", plan.source("cuda")))
     assert_sources_compile_clean(sources)  # one nvcc run
 
 

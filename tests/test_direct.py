@@ -13,7 +13,7 @@ from convforge.check import check_plan
 from convforge.kernels import get_variant
 from convforge.plan import Epilogue
 from convforge.spec import ConvSpec
-from helpers import ODD_SPECS, assert_compiles_clean, sample
+from helpers import ODD_SPECS, assert_sources_compile_clean, sample
 
 OCL_VARIANTS = ["direct", "direct_smem"]
 
@@ -80,27 +80,36 @@ CUDA_SPECS = [ConvSpec.make(32, 64, 56, 56, 64, 3, 3, 1, 1), ConvSpec.make(128, 
 CUDA_VARIANTS = ["direct", "direct_smem", "direct_shfl"]
 
 
-@pytest.mark.parametrize("spec", CUDA_SPECS, ids=lambda s: s.key())
-@pytest.mark.parametrize("name", CUDA_VARIANTS)
-def test_cuda_compiles_without_spills(nvcc_ok, name, spec):
-    """The default on each layer, and a sampled point of the tuning space on every other layer, the
-    variants taking the layers in turns (each layer sampled for some variant)."""
-    v = get_variant(name)
-    if v.applies(spec, NOMINAL_CUDA):
-        pytest.skip(f"{name}: {v.applies(spec, NOMINAL_CUDA)}")
-    k = int((CUDA_SPECS.index(spec) + CUDA_VARIANTS.index(name)) % 2 == 0)
-    for params in sample(v, spec, NOMINAL_CUDA, k=k):
-        assert_compiles_clean(v, spec, params, NOMINAL_CUDA)
+def test_cuda_compiles_without_spills(nvcc_ok):
+    """Each variant's default on each layer it takes, and a sampled point of the tuning space on every
+    other layer, the variants taking the layers in turns (each layer sampled for some variant); one
+    nvcc run for all (helpers.assert_sources_compile_clean)."""
+    sources, sampled = [], set()
+    for name in CUDA_VARIANTS:
+        v = get_variant(name)
+        for spec in CUDA_SPECS:
+            if v.applies(spec, NOMINAL_CUDA):
+                continue
+            k = int((CUDA_SPECS.index(spec) + CUDA_VARIANTS.index(name)) % 2 == 0)
+            points = sample(v, spec, NOMINAL_CUDA, k=k)
+            if len(points) > 1:
+                sampled.add(spec)
+            sources += [(f"{name} [{params.short()}] {spec.short()}", v.plan(spec, params, NOMINAL_CUDA).source("cuda"))
+                        for params in points]
+    assert sampled == set(CUDA_SPECS)
+    assert_sources_compile_clean(sources)
 
 
-@pytest.mark.parametrize("extra", [dict(tex=True, ldg=False), dict(rt=True, tk=4), dict(wconst=True)])
-def test_cuda_input_paths_compile(nvcc_ok, extra):
+def test_cuda_input_paths_compile(nvcc_ok):
+    """direct's texture, register-tile and constant-filter input paths compile without spills on the
+    odd layer (one nvcc run); the texture path is CUDA only."""
     spec = CUDA_SPECS[3]
     v = get_variant("direct")
-    assert_compiles_clean(v, spec, v.default(spec, NOMINAL_CUDA).replace(**extra), NOMINAL_CUDA)
-    if extra.get("tex"):
-        with pytest.raises(ValueError, match="lacks features"):
-            v.plan(spec, v.default(spec, NOMINAL_CUDA).replace(**extra), NOMINAL_CUDA).source("opencl")
+    extras = [dict(tex=True, ldg=False), dict(rt=True, tk=4), dict(wconst=True)]
+    assert_sources_compile_clean([(str(extra), v.plan(spec, v.default(spec, NOMINAL_CUDA).replace(**extra),
+                                                      NOMINAL_CUDA).source("cuda")) for extra in extras])
+    with pytest.raises(ValueError, match="lacks features"):
+        v.plan(spec, v.default(spec, NOMINAL_CUDA).replace(**extras[0]), NOMINAL_CUDA).source("opencl")
 
 
 def test_constant_filters_refused_when_too_big():

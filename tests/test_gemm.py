@@ -26,7 +26,7 @@ from convforge.kernels.sgemm import (
 from convforge.params import Params
 from convforge.plan import Epilogue, Gemm, Launch, Plan
 from convforge.spec import ConvSpec
-from helpers import ODD_SPECS, assert_compiles_clean, sample
+from helpers import ODD_SPECS, assert_compiles_clean, assert_sources_compile_clean, sample
 
 GENERAL = ["im2col_gemm", "implicit_gemm", "implicit_gemm_precomp", "im2win"]
 POINTWISE = ["gemm1x1", "gemm1x1_splitk"]
@@ -286,26 +286,21 @@ def test_im2col_cublas_plan_reaches_backend_gemm(ocl):
 CUDA_SPECS = [ConvSpec.make(32, 64, 56, 56, 64, 3, 3, 1, 1), ConvSpec.make(128, 3, 227, 227, 96, 11, 11, 4)]
 
 
-@pytest.mark.parametrize("spec", CUDA_SPECS, ids=["resnet56", "alexnet11x11s4"])
-@pytest.mark.parametrize("name", GENERAL + ["im2col_cublas"])
-def test_cuda_compiles_without_spills(nvcc_ok, name, spec):
-    v = get_variant(name)
-    assert v.applies(spec, NOMINAL_CUDA) is None
-    assert_compiles_clean(v, spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA, Epilogue(True, True))
-
-
-@pytest.mark.parametrize("name", POINTWISE)
-def test_cuda_compiles_pointwise(nvcc_ok, name):
-    spec = ConvSpec.make(5, 832, 7, 7, 128, 1, 1)
-    v = get_variant(name)
-    assert_compiles_clean(v, spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA)
-
-
-@pytest.mark.parametrize("spec", [ConvSpec.make(1, 128, 28, 28, 256, 3, 3, 2, 1),
-                                  ConvSpec.make(1, 256, 14, 14, 512, 3, 3, 2, 1)], ids=["128@28s2", "256@14s2"])
-def test_cuda_compiles_implicit_splitk(nvcc_ok, spec):
-    v = get_variant("implicit_gemm_splitk")
-    assert_compiles_clean(v, spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA, Epilogue(True, True))
+def test_cuda_compiles_without_spills(nvcc_ok):
+    """The defaults compile for sm_90 without spills (one nvcc run for all): the general variants and
+    im2col_cublas with bias + ReLU on a ResNet 3x3 and the AlexNet 11x11/4 layer, the pointwise ones on
+    a 1x1 layer, implicit_gemm_splitk with bias + ReLU on two N=1 stride-2 layers."""
+    cases = [(name, spec, Epilogue(True, True)) for name in GENERAL + ["im2col_cublas"] for spec in CUDA_SPECS]
+    cases += [(name, ConvSpec.make(5, 832, 7, 7, 128, 1, 1), Epilogue()) for name in POINTWISE]
+    cases += [("implicit_gemm_splitk", ConvSpec.make(1, c, hw, hw, 2 * c, 3, 3, 2, 1), Epilogue(True, True))
+              for c, hw in ((128, 28), (256, 14))]
+    sources = []
+    for name, spec, epi in cases:
+        v = get_variant(name)
+        assert v.applies(spec, NOMINAL_CUDA) is None, (name, spec)
+        sources.append((f"{name} {spec.short()}", v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA, epi)
+                        .source("cuda")))
+    assert_sources_compile_clean(sources)
 
 
 # -- the GPU defaults' tiles, on PoCL --------------------------------------------------------

@@ -129,12 +129,14 @@ def test_a_plan_whose_gradient_is_read_elsewhere_is_not_taken() -> None:
 
 
 def test_cuda_source_compiles_without_spills(nvcc_ok) -> None:  # type: ignore[no-untyped-def]
-    from convforge.codegen.nvcc import ptxas_report
+    from helpers import ptxas_reports
 
+    sources = []
     for n, k, pq, math in ((16, 64, 224 * 224, TF32), (16, 512, 14 * 14, X3TF32), (64, 1024, 224 * 224, TF32)):
         kernels, _, _ = masked_rows(n, k, pq, Rows("fwd_xh", math, k), Rows("dyt", math, n))
         source = render(list(kernels), "cuda", "grad rows")
         if n * k * pq > 2**31 - 1:
             assert "long long" in source  # 64-bit offsets past 2^31 - 1 elements
-        infos = ptxas_report(source)
+        sources.append(source)
+    for infos in ptxas_reports(sources):  # one nvcc run
         assert len(infos) == 2 and all(i.spill_stores == 0 == i.spill_loads for i in infos), infos

@@ -213,35 +213,39 @@ def test_depthwise_dgrad_crops_when_padding_exceeds_the_filter(ocl) -> None:
 
 
 # -- nvcc -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", GROUPED_FPROP + ("direct_shfl", "depthwise", "depthwise_nhwc"))
-def test_grouped_compiles_for_sm90(nvcc_ok, name) -> None:
-    v = get_variant(name)
-    candidates = GROUPED + DEPTHWISE[:3] + REAL[1:3]
-    candidates += [_nhwc(c) for c in DEPTHWISE[:3] + REAL[1:3]]
-    specs = [s for s in candidates if v.applies(s, NOMINAL_CUDA) is None]
-    assert specs, f"{name} applies to no grouped spec"
-    specs, sources = specs[:4], []
-    for i, spec in enumerate(specs):  # a sampled point besides the default on the first and last
-        for prm in sample(v, spec, NOMINAL_CUDA, k=int(i in (0, len(specs) - 1)), seed=i):
-            plan = v.plan(spec, prm, NOMINAL_CUDA, FULL if i % 2 else Epilogue())
-            sources.append((f"{name} [{prm.short()}] {spec.short()}", plan.source("cuda")))
+def test_grouped_compiles_for_sm90(nvcc_ok) -> None:
+    """Each grouped forward variant, direct_shfl and the depthwise ones on (up to) four of the grouped,
+    depthwise and real layers it takes, NCHW or NHWC: the default, and a sampled point on the first and
+    last; no spills (one nvcc run for all)."""
+    sources = []
+    for name in GROUPED_FPROP + ("direct_shfl", "depthwise", "depthwise_nhwc"):
+        v = get_variant(name)
+        candidates = GROUPED + DEPTHWISE[:3] + REAL[1:3]
+        candidates += [_nhwc(c) for c in DEPTHWISE[:3] + REAL[1:3]]
+        specs = [s for s in candidates if v.applies(s, NOMINAL_CUDA) is None]
+        assert specs, f"{name} applies to no grouped spec"
+        specs = specs[:4]
+        for i, spec in enumerate(specs):  # a sampled point besides the default on the first and last
+            for prm in sample(v, spec, NOMINAL_CUDA, k=int(i in (0, len(specs) - 1)), seed=i):
+                plan = v.plan(spec, prm, NOMINAL_CUDA, FULL if i % 2 else Epilogue())
+                sources.append((f"{name} [{prm.short()}] {spec.short()}", plan.source("cuda")))
     assert_sources_compile_clean(sources)  # one nvcc run
 
 
-@pytest.mark.parametrize("spec", REAL, ids=lambda s: s.key())
-def test_depthwise_defaults_compile_clean_on_real_layers(nvcc_ok, spec) -> None:
-    """MobileNet-v2 and ConvNeXt-T layers: the untuned default and every pass compile without spills
-    (one nvcc run for the four)."""
+def test_depthwise_defaults_compile_clean_on_real_layers(nvcc_ok) -> None:
+    """MobileNet-v2 and ConvNeXt-T layers (REAL): the untuned default and every pass compile without
+    spills (one nvcc run for all the layers and passes)."""
     sources = []
-    for name, p in (("depthwise", "fprop"), ("depthwise_dgrad", "dgrad"), ("depthwise_wgrad", "wgrad"),
-                    ("depthwise_nhwc", "nhwc")):
-        v = get_variant(name)
-        s = _nhwc(spec) if p == "nhwc" else spec.with_pass(p)
-        p = "fprop" if p == "nhwc" else p
-        if v.applies(s, NOMINAL_CUDA) is None:
-            plan = v.plan(s, v.default(s, NOMINAL_CUDA), NOMINAL_CUDA,
-                          Epilogue(bias=True, relu=True) if p == "fprop" else Epilogue())
-            sources.append((f"{name} {s.short()}", plan.source("cuda")))
+    for spec in REAL:
+        for name, p in (("depthwise", "fprop"), ("depthwise_dgrad", "dgrad"), ("depthwise_wgrad", "wgrad"),
+                        ("depthwise_nhwc", "nhwc")):
+            v = get_variant(name)
+            s = _nhwc(spec) if p == "nhwc" else spec.with_pass(p)
+            p = "fprop" if p == "nhwc" else p
+            if v.applies(s, NOMINAL_CUDA) is None:
+                plan = v.plan(s, v.default(s, NOMINAL_CUDA), NOMINAL_CUDA,
+                              Epilogue(bias=True, relu=True) if p == "fprop" else Epilogue())
+                sources.append((f"{name} {s.short()}", plan.source("cuda")))
     assert_sources_compile_clean(sources)
 
 

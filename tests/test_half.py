@@ -219,39 +219,43 @@ def _spills(infos) -> int:  # type: ignore[no-untyped-def]
     return sum(i.spill_stores + i.spill_loads for i in infos)
 
 
-@pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("name", half_variants("cuda"))
-def test_half_cuda_sources_compile_without_spills(nvcc_ok, name: str, dtype: str) -> None:
-    """nvcc -arch=sm_90: the default parameters compile without spills; a sampled point (on the first
-    shape each dtype takes) may spill only where its float32 twin spills too (half storage adds none).
-    The shapes the variant takes alternate between the two half dtypes (which change only the loads,
-    stores and conversions): each shape compiled in one of them, each dtype on half the shapes (on the
-    one shape where only one applies). One nvcc run for the defaults and the sampled point
-    (helpers.ptxas_reports), another for the twin where the sampled point spills."""
-    v = next(v for v in all_variants() if v.name == name)
-    epi = Epilogue(True, True, v.residual_ok)
+def test_half_cuda_sources_compile_without_spills(nvcc_ok) -> None:
+    """nvcc -arch=sm_90, for every half CUDA variant in both half dtypes: the default parameters compile
+    without spills; a sampled point (on the first shape each dtype takes) may spill only where its
+    float32 twin spills too (half storage adds none). The shapes the variant takes alternate between the
+    two half dtypes (which change only the loads, stores and conversions): each shape compiled in one of
+    them, each dtype on half the shapes (on the one shape where only one applies). One nvcc run for all
+    the defaults and sampled points (helpers.ptxas_reports), another for the twins where a sampled point
+    spills."""
     shapes = [ConvSpec.make(2, 64, 28, 28, 64, 3, 3, 1, 1), ConvSpec.make(4, 256, 14, 14, 128, 1, 1),
               ODD_SPECS[4], ConvSpec.make(4, 512, 6, 6, 256, 6, 6)]
-    taken = [(i, base) for i, base in enumerate(shapes) if not v.applies(_with(base, dtype), NOMINAL_CUDA)]
-    defaults, sampled = [], []
-    for j, (i, base) in enumerate(taken):
-        if len(taken) > 1 and j % 2 != HALF.index(dtype):
-            continue
-        spec = _with(base, dtype)
-        default, *others = sample(v, spec, NOMINAL_CUDA, 1, seed=i)
-        defaults.append((f"{name} [{default.short()}] {spec.short()}", v.plan(spec, default, NOMINAL_CUDA, epi)))
-        sampled += [(base, spec, prm) for prm in others if not defaults[1:]]
-    assert defaults
-    reports = ptxas_reports([plan.source("cuda") for _, plan in defaults]
-                            + [v.plan(spec, prm, NOMINAL_CUDA, epi).source("cuda") for _, spec, prm in sampled])
+    defaults, sampled = [], []  # (label, source); (label, dtype, (variant, float32 spec, point, epilogue), source)
+    for name in half_variants("cuda"):
+        v = next(v for v in all_variants() if v.name == name)
+        epi = Epilogue(True, True, v.residual_ok)
+        for dtype in HALF:
+            taken = [(i, base) for i, base in enumerate(shapes) if not v.applies(_with(base, dtype), NOMINAL_CUDA)]
+            first = True
+            for j, (i, base) in enumerate(taken):
+                if len(taken) > 1 and j % 2 != HALF.index(dtype):
+                    continue
+                spec = _with(base, dtype)
+                default, *others = sample(v, spec, NOMINAL_CUDA, 1, seed=i)
+                defaults.append((f"{name} [{default.short()}] {spec.short()}",
+                                 v.plan(spec, default, NOMINAL_CUDA, epi).source("cuda")))
+                sampled += [(f"{name} [{prm.short()}] {spec.short()}", dtype, (v, base, prm, epi),
+                             v.plan(spec, prm, NOMINAL_CUDA, epi).source("cuda")) for prm in others if first]
+                first = False
+            assert not first, (name, dtype)
+    reports = ptxas_reports([src for _, src in defaults] + [src for *_, src in sampled])
     for (label, _), infos in zip(defaults, reports, strict=False):
         assert infos, f"{label}: ptxas reported no kernel"
         assert not _spills(infos), f"{label} spills: {infos}"
-    spilling = [(base, prm) for (base, _, prm), infos in zip(sampled, reports[len(defaults):], strict=True)
-                if _spills(infos)]
-    twins = ptxas_reports([v.plan(base, prm, NOMINAL_CUDA, epi).source("cuda") for base, prm in spilling])
-    for (_, prm), infos in zip(spilling, twins, strict=True):
-        assert _spills(infos), f"{name} [{prm.short()}] spills in {dtype} only"
+    spilling = [(label, dtype, twin) for (label, dtype, twin, _), infos in zip(sampled, reports[len(defaults):],
+                                                                            strict=True) if _spills(infos)]
+    twins = ptxas_reports([v.plan(base, prm, NOMINAL_CUDA, epi).source("cuda") for *_, (v, base, prm, epi) in spilling])
+    for (label, dtype, _), infos in zip(spilling, twins, strict=True):
+        assert _spills(infos), f"{label} spills in {dtype} only"
 
 
 # -- conv2d with NumPy float16 -----------------------------------------------------------------------

@@ -114,15 +114,13 @@ def test_direct_32_bit_plans_are_unchanged_below_the_limit() -> None:
 
 
 def test_direct_64_bit_source_compiles_clean(nvcc_ok) -> None:
-    from helpers import assert_compiles_clean
+    from helpers import assert_sources_compile_clean
 
-    spec = BIG["x 3x3 (issue 34)"]
-    for name in ("direct", "direct_smem", "direct_shfl"):
-        v = get_variant(name)
-        assert_compiles_clean(v, spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA)
-    v = get_variant("direct")
-    ybig = BIG["y 3x3"]
-    assert_compiles_clean(v, ybig, v.default(ybig, NOMINAL_CUDA), NOMINAL_CUDA)
+    cases = [(name, BIG["x 3x3 (issue 34)"]) for name in ("direct", "direct_smem", "direct_shfl")]
+    cases.append(("direct", BIG["y 3x3"]))
+    assert_sources_compile_clean([(f"{name} {spec.short()}",  # one nvcc run
+                                   (v := get_variant(name)).plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA)
+                                   .source("cuda")) for name, spec in cases])
 
 
 @pytest.mark.parametrize("name", ["direct", "direct_smem"])

@@ -1,20 +1,21 @@
-"""helpers.ptxas_reports: several CUDA sources through one nvcc run give each source the ptxas figures
-(registers, spills, stack, shared memory) of its own compile, and a source that does not compile is
-still named by its own error."""
+"""helpers.ptxas_reports / sass_reports: several CUDA sources through one nvcc run give each source the
+ptxas figures (registers, spills, stack, shared memory) and the SASS of its own compile, and a source that
+does not compile is still named by its own error."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
 from conftest import NOMINAL_CUDA
-from convforge.codegen.nvcc import ptxas_report
+from convforge.codegen.nvcc import ptxas_report, sass_report
 from convforge.codegen.render import ARCH_SPECIFIC_MARK
 from convforge.kernels import get_variant
 from convforge.plan import Epilogue, Prologue
 from convforge.spec import ConvSpec
-from helpers import ODD_SPECS, ptxas_reports
+from helpers import ODD_SPECS, ptxas_reports, sass_reports
 
 RESNET = ConvSpec.make(32, 64, 56, 56, 64, 3, 3, 1, 1)
 
@@ -45,12 +46,40 @@ def _sources() -> list[str]:
     return out
 
 
+def _sections(sass: str) -> dict[str, list[str]]:
+    """Each kernel's SASS lines, whitespace collapsed (cuobjdump pads its columns to the widest line of
+    the cubin), by kernel name, in cuobjdump's order."""
+    out = {}
+    for section in re.split(r"\n\s+Function : ", sass)[1:]:
+        name, _, body = section.partition("\n")
+        out[name] = [" ".join(line.split()) for line in body.splitlines() if line.strip()]
+    return out
+
+
+TINY = 'extern "C" __global__ void __launch_bounds__(32) k(float* y)\n{\n    y[threadIdx.x] = 1.0f;\n}\n'
+
+
 def test_batched_reports_equal_single_compiles(nvcc_ok) -> None:  # type: ignore[no-untyped-def]
+    """ptxas_reports' figures of every source are its own compile's; sass_reports' figures and SASS
+    (each kernel's instructions, in order, under its own name) of a multi-kernel sm_90 source and a
+    multi-kernel sm_90a one, each batched with a one-kernel source of its target, are too."""
     sources = _sources()
     assert any(ARCH_SPECIFIC_MARK in s for s in sources) and not all(ARCH_SPECIFIC_MARK in s for s in sources)
-    alone = [sorted(ptxas_report(s), key=lambda i: i.kernel) for s in sources]
+    sm90, sm90a = 7, 6  # gemm1x1_splitk (two kernels), tc_implicit_gemm_tf32 (three)
+    assert ARCH_SPECIFIC_MARK in sources[sm90a] and ARCH_SPECIFIC_MARK not in sources[sm90]
+    alone_sass = {i: sass_report(sources[i]) for i in (sm90, sm90a)}
+    alone = [sorted(alone_sass[i][0] if i in alone_sass else ptxas_report(s), key=lambda i: i.kernel)
+             for i, s in enumerate(sources)]
     together = [sorted(r, key=lambda i: i.kernel) for r in ptxas_reports(sources)]
     assert all(alone) and together == alone
+    batch = [sources[sm90], TINY, sources[sm90a], ARCH_SPECIFIC_MARK + "\n" + TINY]
+    reports = sass_reports(batch)
+    for (infos, sass), i in zip(reports[::2], (sm90, sm90a), strict=True):
+        assert sorted(infos, key=lambda i: i.kernel) == alone[i]
+        own = _sections(alone_sass[i][1])
+        assert len(own) >= 2 and _sections(sass) == own
+    for infos, sass in reports[1::2]:
+        assert [i.kernel for i in infos] == ["k"] and list(_sections(sass)) == ["k"]
 
 
 def test_a_source_that_fails_is_named_by_its_own_error(nvcc_ok) -> None:  # type: ignore[no-untyped-def]

@@ -67,10 +67,10 @@ def test_mish_epilogue_on_opencl_variants(ocl) -> None:
 @pytest.mark.parametrize("spec, epi", CASES, ids=IDS)
 def test_epilogue_on_every_opencl_variant(ocl, spec: ConvSpec, epi: Epilogue) -> None:
     """bias / residual then the activation, on each variant that plans the layer. On the 3x3 layer
-    (test_gelu's, where every variant runs bias + GELU and residual + GELU) the variants take
-    bias + SiLU and residual + HardSwish in turns by their order: the activation is a token in a
-    store path those runs exercise, so each variant runs one of the two, each on half of them; every
-    plan is checked to apply its activation."""
+    (test_gelu's) the variants take bias + SiLU and residual + HardSwish in turns by their order: the
+    activation is a token in a store path, so each variant runs one of the two, each on half of them,
+    and test_gelu runs each with GELU after the other of bias and residual; every plan is checked to
+    apply its activation."""
     ran = []
     turn = {"bias_silu": 0, "res_hardswish": 1}.get(IDS[CASES.index((spec, epi))])
     for k, v in enumerate(all_variants()):

@@ -115,28 +115,28 @@ DENSE = [ConvSpec.make(32, 128, hw, hw, 32, 3, 3, padding=1) for hw in (56, 28, 
     [ConvSpec.make(32, 256, 56, 56, 128, 1, 1), ConvSpec.make(32, 992, 7, 7, 128, 1, 1)]
 
 
-@pytest.mark.parametrize("name", ["direct", "direct_shfl", "winograd_fused_f2", "winograd_fused_f4",
-                                  "winograd_nonfused_f2", "winograd_nonfused_f4", "gemm1x1",
-                                  "winograd_nonfused_f4_3xtf32", "implicit_gemm"])
-def test_cuda_prologue_sources_compile_without_spills(nvcc_ok: bool, name: str) -> None:
-    """The default point of every prologue variant on DenseNet's layers (sm_90, ptxas): on the first
-    and the last layer it plans, and on each other layer whose default differs from those already
-    compiled (the same point on another of these sizes changes only constants). Some tuning points of
-    the fused Winograd kernel already at 255 registers do spill with a prologue (F(4x4) with bc=4:
-    200-270 bytes; F(2x2) 64-tile ones: 8-16 bytes): slower, not wrong."""
-    v = kernels.get_variant(name)
-    layers = [spec for spec in DENSE if not v.applies(spec, NOMINAL_CUDA)]
-    seen: set[object] = set()
+def test_cuda_prologue_sources_compile_without_spills(nvcc_ok: bool) -> None:
+    """The default point of every prologue variant on DenseNet's layers (sm_90, ptxas; one nvcc run for
+    all): on the first and the last layer it plans, and on each other layer whose default differs from
+    those already compiled (the same point on another of these sizes changes only constants). Some
+    tuning points of the fused Winograd kernel already at 255 registers do spill with a prologue (F(4x4)
+    with bc=4: 200-270 bytes; F(2x2) 64-tile ones: 8-16 bytes): slower, not wrong."""
     sources = []
-    for spec in layers:
-        prm = v.default(spec, NOMINAL_CUDA)
-        if prm in seen and spec is not layers[-1]:
-            continue
-        seen.add(prm)
-        src = v.plan_for(spec, prm, NOMINAL_CUDA, Epilogue(bias=True, relu=True), FULL).source("cuda")
-        assert "pscale" in src
-        sources.append((f"{name} {spec.short()}", src))
-    assert sources, name
+    for name in ["direct", "direct_shfl", "winograd_fused_f2", "winograd_fused_f4", "winograd_nonfused_f2",
+                 "winograd_nonfused_f4", "gemm1x1", "winograd_nonfused_f4_3xtf32", "implicit_gemm"]:
+        v = kernels.get_variant(name)
+        layers = [spec for spec in DENSE if not v.applies(spec, NOMINAL_CUDA)]
+        seen: set[object] = set()
+        before = len(sources)
+        for spec in layers:
+            prm = v.default(spec, NOMINAL_CUDA)
+            if prm in seen and spec is not layers[-1]:
+                continue
+            seen.add(prm)
+            src = v.plan_for(spec, prm, NOMINAL_CUDA, Epilogue(bias=True, relu=True), FULL).source("cuda")
+            assert "pscale" in src, name
+            sources.append((f"{name} {spec.short()}", src))
+        assert len(sources) > before, name
     assert_sources_compile_clean(sources)  # one nvcc run
 
 

@@ -13,10 +13,11 @@ import os
 import pytest
 
 from conftest import NOMINAL_CUDA
-from convforge.codegen.nvcc import cuobjdump_path, sass_report
+from convforge.codegen.nvcc import cuobjdump_path
 from convforge.codegen.sass import loop_loads
 from convforge.kernels import get_variant
 from convforge.spec import ConvSpec
+from helpers import sass_reports
 
 CASES = [("winograd_nonfused_f4", ConvSpec.make(32, 256, 14, 14, 256, 3, 3, padding=1)),
          ("winograd_nonfused_f4", ConvSpec.make(32, 512, 7, 7, 512, 3, 3, padding=1)),
@@ -38,13 +39,14 @@ def cuobjdump_ok(nvcc_ok):
 
 
 @pytest.mark.usefixtures("cuobjdump_ok")
-@pytest.mark.parametrize("name, spec", CASES, ids=lambda c: c if isinstance(c, str) else c.key())
-def test_prefetch_issues_early(name: str, spec: ConvSpec) -> None:
-    v = get_variant(name)
-    plan = v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA)
-    _, sass = sass_report(plan.source("cuda"))
-    loops = {k: lp for k, lp in loop_loads(sass).items() if k.endswith("sgemm") and lp}
-    assert loops, f"no SGEMM main loop found in {name}'s SASS"
-    for loop in loops.values():
-        assert loop.ffma >= 512 and loop.ldg_after, f"not a big-tile main loop: {loop}"
-        assert not loop.late_loads(0.9), f"prefetch sunk below 90 % of the FFMAs: {loop}"
+def test_prefetch_issues_early() -> None:
+    """Each CASES default's SGEMM main loop (one nvcc + cuobjdump run for all, helpers.sass_reports):
+    a big-tile loop whose register prefetch (LDG) issues before the last tenth of its FFMAs."""
+    sources = [get_variant(name).plan(spec, get_variant(name).default(spec, NOMINAL_CUDA), NOMINAL_CUDA)
+               .source("cuda") for name, spec in CASES]
+    for (name, _), (_, sass) in zip(CASES, sass_reports(sources), strict=True):
+        loops = {k: lp for k, lp in loop_loads(sass).items() if k.endswith("sgemm") and lp}
+        assert loops, f"no SGEMM main loop found in {name}'s SASS"
+        for loop in loops.values():
+            assert loop.ffma >= 512 and loop.ldg_after, f"{name}: not a big-tile main loop: {loop}"
+            assert not loop.late_loads(0.9), f"{name}: prefetch sunk below 90 % of the FFMAs: {loop}"

@@ -35,7 +35,7 @@ from convforge.kernels.tensorcore.sm80.mma_pipe import (
 from convforge.params import Params
 from convforge.plan import Epilogue
 from convforge.spec import ConvSpec
-from helpers import ODD_SPECS, ptxas_reports, sample
+from helpers import ODD_SPECS, ptxas_reports, sample, sass_reports
 from test_tensorcore import doc_a, doc_b, doc_c, ev
 
 NEW = ["gemm1x1_pipe_tf32", "implicit_gemm_nhwc_tf32", "winograd_nonfused_f2_pipe_tf32"]
@@ -245,30 +245,33 @@ def _specs(name: str) -> list[ConvSpec]:
     return [s for s in RESNET + odd if not get_variant(name).applies(s, NOMINAL_CUDA)]
 
 
-@pytest.mark.parametrize("name", NEW)
-def test_compiles_without_spills(nvcc_ok, name):
-    """The default on every ResNet and odd layer the variant takes, and a sampled point of the tuning
-    space on every other ResNet layer it takes (the odd shapes' boundary code is the default's)."""
-    v = get_variant(name)
-    resnet, plans = 0, []
-    for spec in _specs(name):
-        k = 1 if spec in RESNET and resnet % 2 == 0 else 0
-        resnet += spec in RESNET
-        for i, p in enumerate(sample(v, spec, NOMINAL_CUDA, k=k, seed=3)):
-            epi = Epilogue(bias=True, relu=True) if i == 0 else Epilogue()
-            plans.append((spec, p, v.plan(spec, p, NOMINAL_CUDA, epi)))
-    for (spec, p, _), infos in zip(plans, ptxas_reports([plan.source("cuda") for *_, plan in plans]), strict=True):
-        for info in infos:  # one nvcc run for the test's plans
+def test_compiles_without_spills(nvcc_ok):
+    """For every NEW variant: the default on every ResNet and odd layer the variant takes, and a sampled
+    point of the tuning space on every other ResNet layer it takes (the odd shapes' boundary code is the
+    default's); one nvcc run for all."""
+    plans = []
+    for name in NEW:
+        v = get_variant(name)
+        resnet = 0
+        assert _specs(name), name
+        for spec in _specs(name):
+            k = 1 if spec in RESNET and resnet % 2 == 0 else 0
+            resnet += spec in RESNET
+            for i, p in enumerate(sample(v, spec, NOMINAL_CUDA, k=k, seed=3)):
+                epi = Epilogue(bias=True, relu=True) if i == 0 else Epilogue()
+                plans.append((name, spec, p, v.plan(spec, p, NOMINAL_CUDA, epi)))
+    for (name, spec, p, _), infos in zip(plans, ptxas_reports([plan.source("cuda") for *_, plan in plans]),
+                                         strict=True):
+        assert infos, f"{name} {spec.short()} [{p.short()}]: ptxas reported no kernel"
+        for info in infos:
             print(f"{name} {spec.short()} [{p.short()}] {info.kernel}: {info.registers} registers")
             assert info.spill_stores == info.spill_loads == info.stack == 0, f"{name} [{p.short()}] {info}"
 
 
-def loop_mix(src: str) -> Counter[str]:
-    """Opcode counts (first component) of the GEMM kernel's largest loop in the SASS of ``src``."""
-    from convforge.codegen.nvcc import sass_report
+def loop_mix(sass: str) -> Counter[str]:
+    """Opcode counts (first component) of the GEMM kernel's largest loop in ``sass``."""
     from convforge.codegen.sass import instructions
 
-    _, sass = sass_report(src)
     ins = next(i for k, i in instructions(sass).items() if k.endswith(("_gemm", "tcgemm")))
     spans = [(int(m.group(1), 16), a) for a, op, arg in ins if op.startswith("BRA")
              for m in [re.search(r"0x([0-9a-f]+)", arg)] if m and int(m.group(1), 16) < a]
@@ -288,24 +291,29 @@ SASS_CASES = [("implicit_gemm_nhwc_tf32", RESNET[0], (128, 128, 32, 2, 2, 3), 2.
               ("winograd_nonfused_f2_pipe_tf32", RESNET[0], (128, 128, 16, 2, 2, 4), 3.4)]
 
 
-@pytest.mark.parametrize("name, spec, tile, bound", SASS_CASES, ids=lambda c: str(c))
-def test_sass_main_loop(nvcc_ok, name, spec, tile, bound):
-    """The main loop is cp.async (LDGSTS), ldmatrix (LDSM) and HMMA.1688.F32.TF32, no local memory,
-    and at most ``bound`` instructions per HMMA."""
+def test_sass_main_loop(nvcc_ok):
+    """For each SASS_CASES tile (one nvcc + cuobjdump run for all, helpers.sass_reports): the main loop
+    is cp.async (LDGSTS), ldmatrix (LDSM) and HMMA.1688.F32.TF32, no local memory, and at most
+    ``bound`` instructions per HMMA."""
     from convforge.codegen.nvcc import cuobjdump_path
 
     if cuobjdump_path() is None:
         pytest.skip("cuobjdump/nvdisasm not found: SASS checks skipped")
-    v = get_variant(name)
-    p = v.default(spec, NOMINAL_CUDA).replace(**dict(zip(("bm", "bn", "bk", "wm", "wn", "st"), tile, strict=True)))
-    mix = loop_mix(v.plan(spec, p, NOMINAL_CUDA).source("cuda"))
-    lay = PipeLayout(*tile)
-    assert mix["HMMA"] == lay.fm * lay.fn * p.bk // 8
-    assert mix["LDGSTS"] > 0 and (mix["LDSM"] > 0 or "winograd" in name)
-    assert not (mix["LDL"] or mix["STL"] or mix["LDG"])
-    per = sum(mix.values()) / mix["HMMA"]
-    print(f"{name} [{p.short()}]: {sum(mix.values())} instructions, {per:.2f} per HMMA: {dict(mix.most_common(8))}")
-    assert per <= bound
+    cases = []
+    for name, spec, tile, bound in SASS_CASES:
+        v = get_variant(name)
+        p = v.default(spec, NOMINAL_CUDA).replace(**dict(zip(("bm", "bn", "bk", "wm", "wn", "st"), tile, strict=True)))
+        cases.append((name, p, tile, bound, v.plan(spec, p, NOMINAL_CUDA).source("cuda")))
+    for (name, p, tile, bound, _), (_, sass) in zip(cases, sass_reports([c[-1] for c in cases]), strict=True):
+        label = f"{name} [{p.short()}]"
+        mix = loop_mix(sass)
+        lay = PipeLayout(*tile)
+        assert mix["HMMA"] == lay.fm * lay.fn * p.bk // 8, label
+        assert mix["LDGSTS"] > 0 and (mix["LDSM"] > 0 or "winograd" in name), label
+        assert not (mix["LDL"] or mix["STL"] or mix["LDG"]), label
+        per = sum(mix.values()) / mix["HMMA"]
+        print(f"{label}: {sum(mix.values())} instructions, {per:.2f} per HMMA: {dict(mix.most_common(8))}")
+        assert per <= bound, label
 
 
 # -- GPU tier ---------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from convforge.kernels.tensorcore.sm80.mma_sync import (
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue
 from convforge.spec import ConvSpec
-from helpers import ODD_SPECS, ptxas_reports, sample
+from helpers import ODD_SPECS, ptxas_reports, sample, sass_reports
 
 NEW = ["implicit_gemm_tf32", "implicit_gemm_3xtf32", "implicit_gemm_precomp_tf32", "gemm1x1_tf32", "gemm1x1_3xtf32",
        "winograd_nonfused_f2_tf32", "winograd_nonfused_f4_3xtf32", "winograd_nonfused_f6_3xtf32"]
@@ -301,22 +301,27 @@ def _compile_specs(name: str) -> list[ConvSpec]:
     return [RESNET[0], RESNET[1], ODD_SPECS[1], ODD_SPECS[3]]
 
 
-@pytest.mark.parametrize("name", NEW)
-def test_compiles_without_spills(nvcc_ok, name):
-    """The default on the ResNet and odd layers, and a sampled point of the tuning space on every other
-    ResNet layer the variant takes (the odd shapes' boundary code is the default's)."""
-    v = get_variant(name)
-    resnet, plans = 0, []
-    for spec in _compile_specs(name):
-        if v.applies(spec, NOMINAL_CUDA):
-            continue
-        k = 1 if spec in RESNET and resnet % 2 == 0 else 0
-        resnet += spec in RESNET
-        for i, p in enumerate(sample(v, spec, NOMINAL_CUDA, k=k, seed=5)):
-            epi = Epilogue(bias=True, relu=True) if i == 0 else Epilogue()
-            plans.append((spec, p, v.plan(spec, p, NOMINAL_CUDA, epi)))
-    for (spec, p, _), infos in zip(plans, ptxas_reports([plan.source("cuda") for *_, plan in plans]), strict=True):
-        for info in infos:  # one nvcc run for the test's plans
+def test_compiles_without_spills(nvcc_ok):
+    """For every NEW variant: the default on the ResNet and odd layers, and a sampled point of the
+    tuning space on every other ResNet layer the variant takes (the odd shapes' boundary code is the
+    default's); one nvcc run for all."""
+    plans = []
+    for name in NEW:
+        v = get_variant(name)
+        resnet, before = 0, len(plans)
+        for spec in _compile_specs(name):
+            if v.applies(spec, NOMINAL_CUDA):
+                continue
+            k = 1 if spec in RESNET and resnet % 2 == 0 else 0
+            resnet += spec in RESNET
+            for i, p in enumerate(sample(v, spec, NOMINAL_CUDA, k=k, seed=5)):
+                epi = Epilogue(bias=True, relu=True) if i == 0 else Epilogue()
+                plans.append((name, spec, p, v.plan(spec, p, NOMINAL_CUDA, epi)))
+        assert len(plans) > before, name
+    for (name, spec, p, _), infos in zip(plans, ptxas_reports([plan.source("cuda") for *_, plan in plans]),
+                                         strict=True):
+        assert infos, f"{name} {spec.short()} [{p.short()}]: ptxas reported no kernel"
+        for info in infos:
             print(f"{name} {spec.short()} [{p.short()}] {info.kernel}: {info.registers} registers, "
                   f"{info.shared} B shared")
             assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack == 0, (
@@ -372,28 +377,29 @@ SASS_CASES = [("implicit_gemm_tf32", RESNET[0]), ("implicit_gemm_3xtf32", RESNET
               ("winograd_nonfused_f4_3xtf32", RESNET[1])]
 
 
-@pytest.mark.parametrize("name, spec", SASS_CASES, ids=lambda c: c if isinstance(c, str) else c.key())
-def test_sass_main_loop(nvcc_ok, name, spec):
-    """The main loop holds fm x fn x bk/8 HMMA.1688.F32.TF32 (x3 for 3xTF32), nothing touches local
-    memory, and the register prefetch (LDG) issues before the last tenth of the HMMAs."""
-    from convforge.codegen.nvcc import cuobjdump_path, sass_report
+def test_sass_main_loop(nvcc_ok):
+    """For each SASS_CASES default (one nvcc + cuobjdump run for all, helpers.sass_reports): the main
+    loop holds fm x fn x bk/8 HMMA.1688.F32.TF32 (x3 for 3xTF32), nothing touches local memory, and the
+    register prefetch (LDG) issues before the last tenth of the HMMAs."""
+    from convforge.codegen.nvcc import cuobjdump_path
     from convforge.codegen.sass import instructions
 
     if cuobjdump_path() is None:
         pytest.skip("cuobjdump/nvdisasm not found: SASS checks skipped")
-    v = get_variant(name)
-    p = v.default(spec, NOMINAL_CUDA)
-    _, sass = sass_report(v.plan(spec, p, NOMINAL_CUDA).source("cuda"))
-    ins = next(i for k, i in instructions(sass).items() if "gemm" in k)
-    assert not [op for _, op, _ in ins if op.startswith(("LDL", "STL"))], "local memory in the GEMM"
-    spans = [(int(m.group(1), 16), a) for a, op, arg in ins if op.startswith("BRA")
-             for m in [__import__("re").search(r"0x([0-9a-f]+)", arg)] if m and int(m.group(1), 16) < a]
-    lo, hi = max(spans, key=lambda s: s[1] - s[0])
-    body = [op for a, op, _ in ins if lo <= a <= hi]
-    hmma = [i for i, op in enumerate(body) if op.startswith("HMMA")]
-    assert all(body[i] == "HMMA.1688.F32.TF32" for i in hmma)
-    lay = TcLayout(p.bm, p.bn, p.bk, p.wm, p.wn)
-    assert len(hmma) == lay.fm * lay.fn * p.bk // 8 * (3 if "3x" in name else 1)
-    ldg = [i for i, op in enumerate(body) if op.startswith("LDG")]
-    assert ldg and max(sum(h < i for h in hmma) for i in ldg) <= 0.9 * len(hmma), "prefetch sunk late"
-    print(f"{name} [{p.short()}]: loop of {len(body)} instructions, {len(hmma)} HMMA, {len(ldg)} LDG")
+    cases = [(name, spec, get_variant(name).default(spec, NOMINAL_CUDA)) for name, spec in SASS_CASES]
+    reports = sass_reports([get_variant(name).plan(spec, p, NOMINAL_CUDA).source("cuda") for name, spec, p in cases])
+    for (name, spec, p), (_, sass) in zip(cases, reports, strict=True):
+        label = f"{name} {spec.short()} [{p.short()}]"
+        ins = next(i for k, i in instructions(sass).items() if "gemm" in k)
+        assert not [op for _, op, _ in ins if op.startswith(("LDL", "STL"))], f"{label}: local memory in the GEMM"
+        spans = [(int(m.group(1), 16), a) for a, op, arg in ins if op.startswith("BRA")
+                 for m in [__import__("re").search(r"0x([0-9a-f]+)", arg)] if m and int(m.group(1), 16) < a]
+        lo, hi = max(spans, key=lambda s: s[1] - s[0])
+        body = [op for a, op, _ in ins if lo <= a <= hi]
+        hmma = [i for i, op in enumerate(body) if op.startswith("HMMA")]
+        assert all(body[i] == "HMMA.1688.F32.TF32" for i in hmma), label
+        lay = TcLayout(p.bm, p.bn, p.bk, p.wm, p.wn)
+        assert len(hmma) == lay.fm * lay.fn * p.bk // 8 * (3 if "3x" in name else 1), label
+        ldg = [i for i, op in enumerate(body) if op.startswith("LDG")]
+        assert ldg and max(sum(h < i for h in hmma) for i in ldg) <= 0.9 * len(hmma), f"{label}: prefetch sunk late"
+        print(f"{label}: loop of {len(body)} instructions, {len(hmma)} HMMA, {len(ldg)} LDG")

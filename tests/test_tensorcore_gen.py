@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from conftest import NOMINAL_CUDA
-from convforge.codegen.nvcc import ptxas_report, sass_report
+from convforge.codegen.nvcc import ptxas_report
 from convforge.codegen.render import ARCH_SPECIFIC_MARK, render
 from convforge.dtypes import rounded
 from convforge.kernels import get_variant
@@ -53,6 +53,7 @@ from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue
 from convforge.reference import conv2d_ref, dgrad_ref, rel_l2, wgrad_ref
 from convforge.spec import ConvSpec
+from helpers import assert_sources_compile_clean, ptxas_reports, sass_reports
 
 VARIANTS = ("tc_implicit_gemm_tf32", "tc_implicit_gemm_3xtf32", "tc_implicit_gemm_half")
 ODD = [ConvSpec.make(1, 3, 13, 11, 5, 3, 3, 1, (0, 1, 1, 0)),
@@ -1313,67 +1314,85 @@ COMPILE = [("tc_implicit_gemm_tf32", ODD[0], None), ("tc_implicit_gemm_tf32", OD
             Params(bm=128, bn=128, kb=1, st=3, cw=2, ks=1, ps=1, tm=1, kr=1))]
 
 
-@pytest.mark.parametrize("name, spec, params", COMPILE, ids=lambda v: str(v))
-def test_compiles_for_sm90a_without_spills_hgmma_in_sass(nvcc_ok, name, spec, params):
-    """nvcc -arch=sm_90a: no spill in any kernel; the GEMM's SASS has HGMMA (a whole number of stages'
-    worth: ptxas peels or unrolls short K loops) and no HMMA; setmaxnreg where the tile trades registers."""
-    v = get_variant(name)
-    spec = _spec_of(name, spec)
-    prm = params or v.default(spec, NOMINAL_CUDA)
-    plan = v.plan(spec, prm, NOMINAL_CUDA, Epilogue(bias=True, relu=True))
-    infos, sass = sass_report(plan.source("cuda"))
+def _no_spills(label, infos):
+    assert infos, f"{label}: ptxas reported no kernel"
     for info in infos:
-        assert info.spill_stores == 0 and info.spill_loads == 0, info
-    gemm = [k for k in re.split(r"\n\s+Function : ", sass) if k.startswith(f"{name}_gemm")]
-    assert gemm, "no GEMM kernel in the SASS"
-    ops = re.findall(r"\b(HGMMA|HMMA|FFMA|SETMAXNREG|USETMAXREG)\b", gemm[0])
-    cfg, math = TileConfig.of(prm), v.math(spec)
-    per_stage = len(wgmma_issue(cfg, math))
-    assert ops.count("HGMMA") >= per_stage and ops.count("HGMMA") % per_stage == 0, ops.count("HGMMA")
-    assert "HMMA" not in ops
-    assert ("USETMAXREG" in ops) == (cfg.regs() is not None)
+        assert info.spill_stores == 0 and info.spill_loads == 0, (label, info)
 
 
-@pytest.mark.parametrize("name, dtype", [("tc_implicit_gemm_half", "float16"), ("tc_implicit_gemm_half", "bfloat16"),
-                                         ("tc_implicit_gemm_tf32", "float32"), ("tc_implicit_gemm_3xtf32", "float32")])
-def test_tma_plans_compile_without_spills_tensor_copies_in_sass(nvcc_ok, name, dtype):
-    """tm=1: no spill; the GEMM's SASS issues tensor copies (UTMALDG) and HGMMA, no cp.async (LDGSTS)."""
-    v = get_variant(name)
-    spec = ConvSpec.from_dict({**ConvSpec.make(4, 64, 15, 13, 96, 3, 3, 2, 1).to_dict(), "dtype": dtype})
-    prm = v.default(spec, NOMINAL_CUDA)
-    assert prm.get("tm") == 1
-    infos, sass = sass_report(v.plan(spec, prm, NOMINAL_CUDA, Epilogue(bias=True, relu=True)).source("cuda"))
-    for info in infos:
-        assert info.spill_stores == 0 and info.spill_loads == 0, info
-    gemm = [k for k in re.split(r"\n\s+Function : ", sass) if k.startswith(f"{name}_gemm")][0]
-    assert "UTMALDG" in gemm and "HGMMA" in gemm and "LDGSTS" not in gemm
+def _gemms(name, sass):
+    """The SASS sections of the kernels named ``name``_gemm*."""
+    return [k for k in re.split(r"\n\s+Function : ", sass) if k.startswith(f"{name}_gemm")]
 
 
-@pytest.mark.parametrize("name, dtype", [("tc_implicit_gemm_half", "float16"), ("tc_implicit_gemm_tf32", "float32"),
-                                         ("tc_implicit_gemm_3xtf32", "float32")])
-def test_cluster_plans_compile_multicast_copies_in_sass(nvcc_ok, name, dtype):
-    """cl=2: a kernel of clusters of two (__cluster_dims__), no spill; the GEMM multicasts A's share
-    (a multicast tensor copy), arrives on its peer's barriers (remote shared-memory arrive) and meets it
-    at cluster barriers; HGMMA, no cp.async."""
-    v = get_variant(name)
-    spec = ConvSpec.from_dict({**ConvSpec.make(4, 64, 15, 13, 96, 3, 3, 2, 1).to_dict(), "dtype": dtype})
-    prm = dataclasses.replace(TileConfig.of(v.default(spec, NOMINAL_CUDA)), cl=2, pp=0).params()
-    assert prm.get("tm") == 1 and prm.get("cl") == 2
-    plan = v.plan(spec, prm, NOMINAL_CUDA, Epilogue(bias=True, relu=True))
-    src = plan.source("cuda")
-    assert "__cluster_dims__(2, 1, 1)" in src and ".multicast::cluster" in src
-    gemm_launch = [st for st in plan.steps if st.kernel.endswith("_gemm")][0]
-    assert gemm_launch.grid[0] % 2 == 0
-    infos, sass = sass_report(src)
-    for info in infos:
-        assert info.spill_stores == 0 and info.spill_loads == 0, info
-    gemm = [k for k in re.split(r"\n\s+Function : ", sass) if k.startswith(f"{name}_gemm")][0]
-    assert "UTMALDG" in gemm and "HGMMA" in gemm and "LDGSTS" not in gemm
-    assert re.search(r"UTMALDG\S*MULTICAST|MULTICAST\S*UTMALDG", gemm), "no multicast tensor copy"
-    assert "UCGABAR" in gemm or "CGABAR" in gemm or "BAR.ARV" in gemm or "SYNCS" in gemm
+def test_compiles_for_sm90a_without_spills_hgmma_in_sass(nvcc_ok):
+    """Each COMPILE case, through one nvcc run (helpers.sass_reports), nvcc -arch=sm_90a: no spill in
+    any kernel; the GEMM's SASS has HGMMA (a whole number of stages' worth: ptxas peels or unrolls short
+    K loops) and no HMMA; setmaxnreg where the tile trades registers."""
+    cases, sources = [], []
+    for name, spec, params in COMPILE:
+        v = get_variant(name)
+        spec = _spec_of(name, spec)
+        prm = params or v.default(spec, NOMINAL_CUDA)
+        cases.append((f"{name} {spec.short()} [{prm.short()}]", name, v, spec, prm))
+        sources.append(v.plan(spec, prm, NOMINAL_CUDA, Epilogue(bias=True, relu=True)).source("cuda"))
+    for (label, name, v, spec, prm), (infos, sass) in zip(cases, sass_reports(sources), strict=True):
+        _no_spills(label, infos)
+        gemm = _gemms(name, sass)
+        assert gemm, f"{label}: no GEMM kernel in the SASS"
+        ops = re.findall(r"\b(HGMMA|HMMA|FFMA|SETMAXNREG|USETMAXREG)\b", gemm[0])
+        cfg, math = TileConfig.of(prm), v.math(spec)
+        per_stage = len(wgmma_issue(cfg, math))
+        assert ops.count("HGMMA") >= per_stage and ops.count("HGMMA") % per_stage == 0, (label, ops.count("HGMMA"))
+        assert "HMMA" not in ops, label
+        assert ("USETMAXREG" in ops) == (cfg.regs() is not None), label
 
 
-@pytest.mark.parametrize("name, spec, sa", [
+def test_tma_plans_compile_without_spills_tensor_copies_in_sass(nvcc_ok):
+    """tm=1 (the default on a stride-2 layer), in float16, bfloat16, TF32 and 3xTF32, through one nvcc
+    run: no spill; the GEMM's SASS issues tensor copies (UTMALDG) and HGMMA, no cp.async (LDGSTS)."""
+    cases, sources = [], []
+    for name, dtype in [("tc_implicit_gemm_half", "float16"), ("tc_implicit_gemm_half", "bfloat16"),
+                        ("tc_implicit_gemm_tf32", "float32"), ("tc_implicit_gemm_3xtf32", "float32")]:
+        v = get_variant(name)
+        spec = ConvSpec.from_dict({**ConvSpec.make(4, 64, 15, 13, 96, 3, 3, 2, 1).to_dict(), "dtype": dtype})
+        prm = v.default(spec, NOMINAL_CUDA)
+        assert prm.get("tm") == 1, (name, dtype)
+        cases.append((name, f"{name} {dtype}"))
+        sources.append(v.plan(spec, prm, NOMINAL_CUDA, Epilogue(bias=True, relu=True)).source("cuda"))
+    for (name, label), (infos, sass) in zip(cases, sass_reports(sources), strict=True):
+        _no_spills(label, infos)
+        gemm = _gemms(name, sass)[0]
+        assert "UTMALDG" in gemm and "HGMMA" in gemm and "LDGSTS" not in gemm, label
+
+
+def test_cluster_plans_compile_multicast_copies_in_sass(nvcc_ok):
+    """cl=2 in float16, TF32 and 3xTF32, through one nvcc run: a kernel of clusters of two
+    (__cluster_dims__), no spill; the GEMM multicasts A's share (a multicast tensor copy), arrives on its
+    peer's barriers (remote shared-memory arrive) and meets it at cluster barriers; HGMMA, no cp.async."""
+    cases, sources = [], []
+    for name, dtype in [("tc_implicit_gemm_half", "float16"), ("tc_implicit_gemm_tf32", "float32"),
+                        ("tc_implicit_gemm_3xtf32", "float32")]:
+        v = get_variant(name)
+        spec = ConvSpec.from_dict({**ConvSpec.make(4, 64, 15, 13, 96, 3, 3, 2, 1).to_dict(), "dtype": dtype})
+        prm = dataclasses.replace(TileConfig.of(v.default(spec, NOMINAL_CUDA)), cl=2, pp=0).params()
+        assert prm.get("tm") == 1 and prm.get("cl") == 2
+        plan = v.plan(spec, prm, NOMINAL_CUDA, Epilogue(bias=True, relu=True))
+        src = plan.source("cuda")
+        assert "__cluster_dims__(2, 1, 1)" in src and ".multicast::cluster" in src
+        gemm_launch = [st for st in plan.steps if st.kernel.endswith("_gemm")][0]
+        assert gemm_launch.grid[0] % 2 == 0
+        cases.append((name, f"{name} {dtype}"))
+        sources.append(src)
+    for (name, label), (infos, sass) in zip(cases, sass_reports(sources), strict=True):
+        _no_spills(label, infos)
+        gemm = _gemms(name, sass)[0]
+        assert "UTMALDG" in gemm and "HGMMA" in gemm and "LDGSTS" not in gemm, label
+        assert re.search(r"UTMALDG\S*MULTICAST|MULTICAST\S*UTMALDG", gemm), f"{label}: no multicast tensor copy"
+        assert "UCGABAR" in gemm or "CGABAR" in gemm or "BAR.ARV" in gemm or "SYNCS" in gemm, label
+
+
+TRAINING_TMA = [
     ("wgrad_tc_implicit_gemm_tf32", ConvSpec.make(32, 64, 28, 28, 128, 3, 3, 1, 1, conv_pass="wgrad"), 128),
     ("wgrad_tc_implicit_gemm_half", ConvSpec.make(64, 64, 14, 14, 64, 3, 3, 2, 1, dtype="float16", conv_pass="wgrad"),
      128),
@@ -1384,50 +1403,61 @@ def test_cluster_plans_compile_multicast_copies_in_sass(nvcc_ok, name, dtype):
     ("wgrad_tc_implicit_gemm_tf32", ConvSpec.make(16, 64, 28, 28, 128, 3, 3, 1, 1, conv_pass="wgrad"), 64),
     ("wgrad_tc_implicit_gemm_half", ConvSpec.make(16, 64, 14, 14, 64, 3, 3, 1, 1, dtype="float16", conv_pass="wgrad"),
      32),
-    ("tc_implicit_gemm_tf32", ConvSpec.make(8, 48, 28, 28, 64, 3, 3, 1, 1), 64)], ids=str)
-def test_training_pass_tma_plans_compile(nvcc_ok, name, spec, sa):
+    ("tc_implicit_gemm_tf32", ConvSpec.make(8, 48, 28, 28, 64, 3, 3, 1, 1), 64)]
+
+
+def test_training_pass_tma_plans_compile(nvcc_ok):
     """wgrad (the batch as channels: whole 128-byte rows, or 64- / 32-byte ones at a batch of 16),
-    strided dgrad (every phase's maps in one kernel) and a 48-channel forward layer by TMA: the
-    default in the widest swizzle the channels allow, no spill, tensor copies and HGMMA, no
-    cp.async in the GEMM."""
-    v = get_variant(name)
-    prm = v.default(spec, NOMINAL_CUDA)
-    assert prm.get("tm") == 1, v.tma_reason(spec, TileConfig.of(Params({k: x for k, x in prm.items() if k != "il"})))
-    assert prm.get("sa", 128) == sa
-    infos, sass = sass_report(v.plan(spec, prm, NOMINAL_CUDA).source("cuda"))
-    for info in infos:
-        assert info.spill_stores == 0 and info.spill_loads == 0, info
-    gemm = [k for k in re.split(r"\n\s+Function : ", sass) if k.startswith(f"{name}_gemm")][0]
-    assert "UTMALDG" in gemm and "HGMMA" in gemm and "LDGSTS" not in gemm
+    strided dgrad (every phase's maps in one kernel) and a 48-channel forward layer by TMA (the
+    TRAINING_TMA cases, through one nvcc run): the default in the widest swizzle the channels allow,
+    no spill, tensor copies and HGMMA, no cp.async in the GEMM."""
+    cases, sources = [], []
+    for name, spec, sa in TRAINING_TMA:
+        v = get_variant(name)
+        prm = v.default(spec, NOMINAL_CUDA)
+        assert prm.get("tm") == 1, v.tma_reason(spec, TileConfig.of(Params({k: x for k, x in prm.items()
+                                                                             if k != "il"})))
+        assert prm.get("sa", 128) == sa, (name, spec)
+        cases.append((name, f"{name} {spec.short()}"))
+        sources.append(v.plan(spec, prm, NOMINAL_CUDA).source("cuda"))
+    for (name, label), (infos, sass) in zip(cases, sass_reports(sources), strict=True):
+        _no_spills(label, infos)
+        gemm = _gemms(name, sass)[0]
+        assert "UTMALDG" in gemm and "HGMMA" in gemm and "LDGSTS" not in gemm, label
 
 
-@pytest.mark.parametrize("name, spec, prm", [
+PINGPONG = [
     ("tc_implicit_gemm_half", ConvSpec.make(32, 128, 28, 28, 128, 3, 3, 1, 1, dtype="float16", layout="nhwc"),
      Params(bm=128, bn=128, cw=2, kb=1, ks=1, ps=1, st=6, tm=1, pp=1)),
     ("tc_implicit_gemm_tf32", ConvSpec.make(8, 64, 28, 28, 96, 3, 3, 2, 1),
      Params(bm=128, bn=64, cw=2, kb=1, ks=2, ps=1, st=4, pp=1)),
     ("tc_implicit_gemm_3xtf32", ConvSpec.make(8, 48, 14, 14, 64, 3, 3, 1, 1),
-     Params(bm=64, bn=64, cw=2, kb=1, ks=1, ps=1, st=4, pi=2, tm=1, sa=64, pp=1))], ids=str)
-def test_pingpong_plans_compile(nvcc_ok, name, spec, prm):
-    """pp=1: each consumer a whole tile (128 accumulators a thread for 128 x 128), the turn barriers
-    and the skip over the other's stages: no spill, HGMMA, the TMA copies where asked."""
-    v = get_variant(name)
-    src = v.plan(spec, prm, NOMINAL_CUDA, Epilogue(bias=True, relu=True)).source("cuda")
-    assert "lt++ & 1" in src and src.count("mbarrier.init") >= 2 * prm["st"] + 2
-    infos, sass = sass_report(src)
-    for info in infos:
-        assert info.spill_stores == 0 and info.spill_loads == 0, info
-    gemm = [k for k in re.split(r"\n\s+Function : ", sass) if k.startswith(f"{name}_gemm")][0]
-    assert "HGMMA" in gemm and (("UTMALDG" in gemm) == bool(prm.get("tm")))
+     Params(bm=64, bn=64, cw=2, kb=1, ks=1, ps=1, st=4, pi=2, tm=1, sa=64, pp=1))]
+
+
+def test_pingpong_plans_compile(nvcc_ok):
+    """pp=1 (the PINGPONG cases, through one nvcc run): each consumer a whole tile (128 accumulators a
+    thread for 128 x 128), the turn barriers and the skip over the other's stages: no spill, HGMMA, the
+    TMA copies where asked."""
+    cases, sources = [], []
+    for name, spec, prm in PINGPONG:
+        src = get_variant(name).plan(spec, prm, NOMINAL_CUDA, Epilogue(bias=True, relu=True)).source("cuda")
+        assert "lt++ & 1" in src and src.count("mbarrier.init") >= 2 * prm["st"] + 2, name
+        cases.append((name, prm, f"{name} {spec.short()} [{prm.short()}]"))
+        sources.append(src)
+    for (name, prm, label), (infos, sass) in zip(cases, sass_reports(sources), strict=True):
+        _no_spills(label, infos)
+        gemm = _gemms(name, sass)[0]
+        assert "HGMMA" in gemm and (("UTMALDG" in gemm) == bool(prm.get("tm"))), label
 
 
 def test_3xtf32_points_compile_with_promotion(nvcc_ok):
     v = get_variant("tc_implicit_gemm_3xtf32")
     spec = ConvSpec.make(4, 64, 28, 28, 128, 3, 3, 1, 1)
-    for p in (Params(bm=128, bn=128, kb=1, st=3, cw=2, ks=1, ps=1, pi=4), Params(bm=128, bn=64, kb=2, st=2, cw=1,
-                                                                                 ks=1, ps=1, pi=2)):
-        for info in ptxas_report(v.plan(spec, p, NOMINAL_CUDA).source("cuda")):
-            assert info.spill_stores == 0 and info.spill_loads == 0, (p, info)
+    points = (Params(bm=128, bn=128, kb=1, st=3, cw=2, ks=1, ps=1, pi=4),
+              Params(bm=128, bn=64, kb=2, st=2, cw=1, ks=1, ps=1, pi=2))
+    assert_sources_compile_clean([(f"[{p.short()}]", v.plan(spec, p, NOMINAL_CUDA).source("cuda"))  # one nvcc run
+                                  for p in points])
 
 
 LINEAR = [("tc_implicit_gemm_3xtf32", _cl(ConvSpec.make(32, 96, 56, 56, 384, 1, 1)), Epilogue(bias=True, gelu=True)),
@@ -1435,22 +1465,24 @@ LINEAR = [("tc_implicit_gemm_3xtf32", _cl(ConvSpec.make(32, 96, 56, 56, 384, 1, 
           ("tc_implicit_gemm_half", _cl(ConvSpec.make(8, 64, 14, 14, 256, 1, 1)), Epilogue(bias=True, gelu=True))]
 
 
-@pytest.mark.parametrize("name, spec, epi", LINEAR, ids=lambda v: str(v))
-def test_channels_last_plans_compile_and_read_in_place(nvcc_ok, name, spec, epi):
-    """Channels-last layers (ConvNeXt's linear layers as 1x1 convs): the per-element step for 3xTF32's
-    split only (TF32 and halves of whole chunks: the GEMM reads x), HGMMA without spills, the GELU
-    helper where asked."""
-    v = get_variant(name)
-    spec = _spec_of(name, spec)
-    plan = v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA, epi)
-    names = [k.name for k in plan.kernels]
-    assert ("tc_x_from_nhwc" in names) == ("3xtf32" in name) and "tc_x_nhwc" not in names
-    src = plan.source("cuda")
-    assert ("cf_gelu" in src) == epi.gelu
-    infos, sass = sass_report(src)
-    for info in infos:
-        assert info.spill_stores == 0 and info.spill_loads == 0, info
-    assert "HGMMA" in sass
+def test_channels_last_plans_compile_and_read_in_place(nvcc_ok):
+    """Channels-last layers (ConvNeXt's linear layers as 1x1 convs, the LINEAR cases, through one nvcc
+    run): the per-element step for 3xTF32's split only (TF32 and halves of whole chunks: the GEMM reads
+    x), HGMMA without spills, the GELU helper where asked."""
+    labels, sources = [], []
+    for name, spec, epi in LINEAR:
+        v = get_variant(name)
+        spec = _spec_of(name, spec)
+        plan = v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA, epi)
+        names = [k.name for k in plan.kernels]
+        assert ("tc_x_from_nhwc" in names) == ("3xtf32" in name) and "tc_x_nhwc" not in names, name
+        src = plan.source("cuda")
+        assert ("cf_gelu" in src) == epi.gelu, name
+        labels.append(f"{name} {spec.short()}")
+        sources.append(src)
+    for label, (infos, sass) in zip(labels, sass_reports(sources), strict=True):
+        _no_spills(label, infos)
+        assert "HGMMA" in sass, label
 
 
 WGRAD_COMPILE = [("wgrad_tc_implicit_gemm_tf32", ConvSpec.make(32, 64, 56, 56, 64, 3, 3, 1, 1), "float32"),
@@ -1462,26 +1494,28 @@ WGRAD_COMPILE = [("wgrad_tc_implicit_gemm_tf32", ConvSpec.make(32, 64, 56, 56, 6
                  ("wgrad_tc_gemm1x1_half", ConvSpec.make(32, 1024, 14, 14, 256, 1, 1), "float16")]
 
 
-@pytest.mark.parametrize("name, spec, dtype", WGRAD_COMPILE, ids=lambda v: str(v))
-def test_wgrad_plans_compile_without_spills_hgmma_in_sass(nvcc_ok, name, spec, dtype):
-    """The wgrad plans' defaults (the transposing steps, the GEMM, the split-K reduce): no spills,
-    HGMMA in the GEMM's SASS; a split where the GEMM alone would leave SMs idle and the reduction
-    gives slices of at least 4 stages."""
-    v = get_variant(name)
-    spec = ConvSpec.from_dict({**spec.to_dict(), "dtype": dtype, "pass": "wgrad"})
-    prm = v.default(spec, NOMINAL_CUDA)
-    cfg = TileConfig.of(prm)
-    prob = v.problem(spec)
-    tiles_ = -(-prob.m // cfg.bm) * -(-prob.n // cfg.bn)
-    assert cfg.ks > 1 or 2 * tiles_ > NOMINAL_CUDA.units or cfg.k_blocks(v.math(spec), prob) < 8, prm
-    plan = v.plan(spec, prm, NOMINAL_CUDA)
-    steps = ([] if "gemm1x1" in name else ["x", "dy"]) + ["gemm"] + (["reduce"] if cfg.ks > 1 else [])
-    assert [k.name.rsplit("_", 1)[-1] for k in plan.kernels] == steps
-    infos, sass = sass_report(plan.source("cuda"))
-    for info in infos:
-        assert info.spill_stores == 0 and info.spill_loads == 0, info
-    gemm = [k for k in re.split(r"\n\s+Function : ", sass) if k.startswith(f"{name}_gemm")]
-    assert gemm and "HGMMA" in gemm[0] and "HMMA" not in gemm[0]
+def test_wgrad_plans_compile_without_spills_hgmma_in_sass(nvcc_ok):
+    """The wgrad plans' defaults on the WGRAD_COMPILE layers (the transposing steps, the GEMM, the
+    split-K reduce), through one nvcc run: no spills, HGMMA in the GEMM's SASS; a split where the GEMM
+    alone would leave SMs idle and the reduction gives slices of at least 4 stages."""
+    cases, sources = [], []
+    for name, spec, dtype in WGRAD_COMPILE:
+        v = get_variant(name)
+        spec = ConvSpec.from_dict({**spec.to_dict(), "dtype": dtype, "pass": "wgrad"})
+        prm = v.default(spec, NOMINAL_CUDA)
+        cfg = TileConfig.of(prm)
+        prob = v.problem(spec)
+        tiles_ = -(-prob.m // cfg.bm) * -(-prob.n // cfg.bn)
+        assert cfg.ks > 1 or 2 * tiles_ > NOMINAL_CUDA.units or cfg.k_blocks(v.math(spec), prob) < 8, (name, prm)
+        plan = v.plan(spec, prm, NOMINAL_CUDA)
+        steps = ([] if "gemm1x1" in name else ["x", "dy"]) + ["gemm"] + (["reduce"] if cfg.ks > 1 else [])
+        assert [k.name.rsplit("_", 1)[-1] for k in plan.kernels] == steps, name
+        cases.append((name, f"{name} {spec.short()}"))
+        sources.append(plan.source("cuda"))
+    for (name, label), (infos, sass) in zip(cases, sass_reports(sources), strict=True):
+        _no_spills(label, infos)
+        gemm = _gemms(name, sass)
+        assert gemm and "HGMMA" in gemm[0] and "HMMA" not in gemm[0], label
 
 
 DGRAD_COMPILE = [("dgrad_tc_strided_tf32", ConvSpec.make(32, 128, 56, 56, 128, 3, 3, 2, 1), "float32"),
@@ -1491,19 +1525,22 @@ DGRAD_COMPILE = [("dgrad_tc_strided_tf32", ConvSpec.make(32, 128, 56, 56, 128, 3
                  ("dgrad_tc_strided_half", ODD[3], "bfloat16")]
 
 
-@pytest.mark.parametrize("name, spec, dtype", DGRAD_COMPILE, ids=lambda v: str(v))
-def test_strided_dgrad_plans_compile_without_spills_hgmma_in_sass(nvcc_ok, name, spec, dtype):
-    """The strided dgrad plans' defaults (dy's conversion, per phase the filter packing and the GEMM,
-    the zero step where a phase has no tap): no spills, HGMMA in every phase GEMM's SASS."""
-    v = get_variant(name)
-    spec = ConvSpec.from_dict({**spec.to_dict(), "dtype": dtype, "pass": "dgrad"})
-    plan = v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA)
-    infos, sass = sass_report(plan.source("cuda"))
-    for info in infos:
-        assert info.spill_stores == 0 and info.spill_loads == 0, info
-    gemms = [k for k in re.split(r"\n\s+Function : ", sass) if k.startswith(f"{name}_gemm")]
-    assert len(gemms) == sum(k.name.startswith(f"{name}_gemm") for k in plan.kernels) >= 1
-    assert all("HGMMA" in g and "HMMA" not in g for g in gemms)
+def test_strided_dgrad_plans_compile_without_spills_hgmma_in_sass(nvcc_ok):
+    """The strided dgrad plans' defaults on the DGRAD_COMPILE layers (dy's conversion, per phase the
+    filter packing and the GEMM, the zero step where a phase has no tap), through one nvcc run: no
+    spills, HGMMA in every phase GEMM's SASS."""
+    cases, sources = [], []
+    for name, spec, dtype in DGRAD_COMPILE:
+        v = get_variant(name)
+        spec = ConvSpec.from_dict({**spec.to_dict(), "dtype": dtype, "pass": "dgrad"})
+        plan = v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA)
+        cases.append((name, plan, f"{name} {spec.short()}"))
+        sources.append(plan.source("cuda"))
+    for (name, plan, label), (infos, sass) in zip(cases, sass_reports(sources), strict=True):
+        _no_spills(label, infos)
+        gemms = _gemms(name, sass)
+        assert len(gemms) == sum(k.name.startswith(f"{name}_gemm") for k in plan.kernels) >= 1, label
+        assert all("HGMMA" in g and "HMMA" not in g for g in gemms), label
 
 
 @pytest.mark.parametrize("ps", [1, 0])
@@ -1540,20 +1577,22 @@ def test_job_heads_deal_every_tile_of_every_job_once_round_robin(ps):
         assert max(load) - min(load) <= 1, load
 
 
-@pytest.mark.parametrize("name", ["dgrad_tc_strided_tf32", "dgrad_tc_strided_3xtf32"])
-def test_strided_dgrad_where_no_tap_reaches_dx_plans_no_gemm(nvcc_ok, name):
-    """A 1x1 stride-2 layer of one padded pixel: every phase is empty, dx is zeros. The plan has its
-    default and space (the tile picked for a nominal problem), no filter packing or GEMM, and writes
-    dx by the interleave (or the zero step, il=0); its sources compile."""
-    v = get_variant(name)
+def test_strided_dgrad_where_no_tap_reaches_dx_plans_no_gemm(nvcc_ok):
+    """A 1x1 stride-2 layer of one padded pixel, in TF32 and 3xTF32: every phase is empty, dx is zeros.
+    The plan has its default and space (the tile picked for a nominal problem), no filter packing or
+    GEMM, and writes dx by the interleave (or the zero step, il=0); its sources compile (one nvcc run)."""
     spec = ConvSpec.make(1, 16, 1, 1, 16, 1, 1, 2, 1, conv_pass="dgrad")
-    assert v.applies(spec, NOMINAL_CUDA) is None and v.space(spec, NOMINAL_CUDA)
-    for il, last in ((1, "_interleave"), (0, "_zero")):
-        plan = v.plan(spec, v.default(spec, NOMINAL_CUDA).replace(il=il), NOMINAL_CUDA)
-        names = [k.name for k in plan.kernels]
-        assert not any("_gemm" in n or n.endswith("_w") for n in names) and names[-1] == name + last, names
-        infos, _ = sass_report(plan.source("cuda"))
-        assert infos
+    sources = []
+    for name in ["dgrad_tc_strided_tf32", "dgrad_tc_strided_3xtf32"]:
+        v = get_variant(name)
+        assert v.applies(spec, NOMINAL_CUDA) is None and v.space(spec, NOMINAL_CUDA)
+        for il, last in ((1, "_interleave"), (0, "_zero")):
+            plan = v.plan(spec, v.default(spec, NOMINAL_CUDA).replace(il=il), NOMINAL_CUDA)
+            names = [k.name for k in plan.kernels]
+            assert not any("_gemm" in n or n.endswith("_w") for n in names) and names[-1] == name + last, names
+            sources.append((f"{name} il={il}", plan.source("cuda")))
+    for (label, _), infos in zip(sources, ptxas_reports([src for _, src in sources]), strict=True):
+        assert infos, label
 
 
 def test_naming_a_cluster_where_none_can_run_says_why():

@@ -21,6 +21,7 @@ from convforge.kernels.tensorcore.sm90.tiles import TileConfig
 from convforge.plan import Epilogue
 from convforge.reference import conv2d_ref
 from convforge.spec import ConvSpec
+from helpers import ptxas_reports
 from test_tensorcore_gen import DTYPE_OF, _krsc, _nhwc, _parts, _truncated, emulate_gemm, images_as_channels
 
 NAMES = {"tf32": "tc_grouped_tf32", "3xtf32": "tc_grouped_3xtf32", "f16": "tc_grouped_half", "bf16": "tc_grouped_half"}
@@ -111,35 +112,43 @@ def test_grouped_refuses_what_it_cannot_read(why, spec):
     assert why in get_variant("tc_grouped_half").applies(spec, NOMINAL_CUDA)
 
 
-@pytest.mark.parametrize("name, dtype, layout", [("wgrad_tc_grouped_half", "float16", "nhwc"),
-                                                  ("wgrad_tc_grouped_half", "bfloat16", "nchw"),
-                                                  ("wgrad_tc_grouped_3xtf32", "float32", "nchw")])
-def test_grouped_wgrad_plans_compile(nvcc_ok, name, dtype, layout):
+def test_grouped_wgrad_plans_compile(nvcc_ok):
     """The default wgrad plan of a ResNeXt-style layer (32 groups of 4 channels, split over its 25,088-term
-    reduction: the batched reduce included) compiles for sm_90a without spills."""
-    v = get_variant(name)
-    spec = ConvSpec.make(32, 128, 28, 28, 128, 3, 3, 1, 1, groups=32, dtype=dtype, layout=layout, conv_pass="wgrad")
-    prm = v.default(spec, NOMINAL_CUDA)
-    plan = v.plan(spec, prm, NOMINAL_CUDA)
-    assert prm["ks"] > 1 and plan.kernels[-1].name == f"{name}_reduce", prm
-    infos, _ = sass_report(plan.source("cuda"))
-    assert infos and all(i.spill_stores == 0 for i in infos), infos
+    reduction: the batched reduce included), half NHWC, bfloat16 NCHW and 3xTF32 NCHW, compiles for sm_90a
+    without spills (one nvcc run for the three)."""
+    labels, sources = [], []
+    for name, dtype, layout in [("wgrad_tc_grouped_half", "float16", "nhwc"),
+                                ("wgrad_tc_grouped_half", "bfloat16", "nchw"),
+                                ("wgrad_tc_grouped_3xtf32", "float32", "nchw")]:
+        v = get_variant(name)
+        spec = ConvSpec.make(32, 128, 28, 28, 128, 3, 3, 1, 1, groups=32, dtype=dtype, layout=layout,
+                             conv_pass="wgrad")
+        prm = v.default(spec, NOMINAL_CUDA)
+        plan = v.plan(spec, prm, NOMINAL_CUDA)
+        assert prm["ks"] > 1 and plan.kernels[-1].name == f"{name}_reduce", (name, prm)
+        labels.append(f"{name} {spec.short()}")
+        sources.append(plan.source("cuda"))
+    for label, infos in zip(labels, ptxas_reports(sources), strict=True):
+        assert infos and all(i.spill_stores == 0 for i in infos), (label, infos)
 
 
-@pytest.mark.parametrize("name, dtype, layout, epi", [
-    ("tc_grouped_half", "float16", "nhwc", Epilogue(bias=True, relu=True)),
-    ("tc_grouped_half", "bfloat16", "nchw", Epilogue(residual=True, silu=True)),
-    ("tc_grouped_tf32", "float32", "nhwc", Epilogue(bias=True, residual=True)),
-    ("tc_grouped_3xtf32", "float32", "nchw", Epilogue(bias=True, relu=True))])
-def test_grouped_plans_compile(nvcc_ok, name, dtype, layout, epi):
-    """The default plan of a ResNeXt-style grouped 3x3 layer (32 groups of 8 channels) and its steps
-    compile for sm_90a without spills; the GEMM is one launch over the groups."""
-    v = get_variant(name)
-    spec = ConvSpec.make(8, 256, 14, 14, 256, 3, 3, 1, 1, groups=32, dtype=dtype, layout=layout)
-    plan = v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA, epi)
-    assert [k.name for k in plan.kernels].count(f"{name}_gemm") == 1
-    infos, _ = sass_report(plan.source("cuda"))
-    assert infos and all(i.spill_stores == 0 for i in infos), infos
+def test_grouped_plans_compile(nvcc_ok):
+    """The default plan of a ResNeXt-style grouped 3x3 layer (32 groups of 8 channels) and its steps, in
+    each variant, dtype and layout below with an epilogue, compile for sm_90a without spills (one nvcc
+    run for all); the GEMM is one launch over the groups."""
+    labels, sources = [], []
+    for name, dtype, layout, epi in [("tc_grouped_half", "float16", "nhwc", Epilogue(bias=True, relu=True)),
+                                     ("tc_grouped_half", "bfloat16", "nchw", Epilogue(residual=True, silu=True)),
+                                     ("tc_grouped_tf32", "float32", "nhwc", Epilogue(bias=True, residual=True)),
+                                     ("tc_grouped_3xtf32", "float32", "nchw", Epilogue(bias=True, relu=True))]:
+        v = get_variant(name)
+        spec = ConvSpec.make(8, 256, 14, 14, 256, 3, 3, 1, 1, groups=32, dtype=dtype, layout=layout)
+        plan = v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA, epi)
+        assert [k.name for k in plan.kernels].count(f"{name}_gemm") == 1, name
+        labels.append(f"{name} {spec.short()}")
+        sources.append(plan.source("cuda"))
+    for label, infos in zip(labels, ptxas_reports(sources), strict=True):
+        assert infos and all(i.spill_stores == 0 for i in infos), (label, infos)
 
 
 def test_emulated_grouped_dgrad_is_the_transposed_grouped_convolution():

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from conftest import NOMINAL_CUDA
-from convforge.codegen.nvcc import sass_report
 from convforge.dtypes import rounded, to_storage
 from convforge.kernels import get_variant, ranked, select
 from convforge.kernels.tensorcore.sm90.dgrad import phases
@@ -23,6 +22,7 @@ from convforge.params import Params
 from convforge.plan import Launch, Plan
 from convforge.reference import dgrad_ref
 from convforge.spec import ConvSpec
+from helpers import sass_reports
 from test_tensorcore_gen import DTYPE_OF, _nhwc, _phase_mask, emulate_gemm
 
 NAME = "dgrad_tc_strided_grouped_half"
@@ -189,20 +189,19 @@ def test_auto_takes_it_on_resnext_strided_layers():
             assert [x.name for x in select(NAME, s, NOMINAL_CUDA)] == [NAME]
 
 
-@pytest.mark.parametrize("spec, dtype, layout", [(RESNEXT[0], "float16", "nhwc"), (RESNEXT[1], "bfloat16", "nchw"),
-                                                 (RESNEXT[2], "float16", "nhwc"),
-                                                 (_dgrad(32, 120, 56, 56, 120, 3, 2, 1, 5), "bfloat16", "nhwc")],
-                         ids=lambda v: v.short() if isinstance(v, ConvSpec) else v)
-def test_grouped_strided_dgrad_plans_compile_without_spills(nvcc_ok, spec, dtype, layout):
+def test_grouped_strided_dgrad_plans_compile_without_spills(nvcc_ok):
     """ResNeXt-50's stride-2 grouped 3x3 dgrads (and RegNetY's 5 groups of 24, unpacked) at their defaults (dy's
     conversion on NCHW, the filter step, the phases' GEMM, the interleave on NCHW): sm_90a without spills, HGMMA
-    in the GEMM's SASS."""
+    in the GEMM's SASS (one nvcc + cuobjdump run for the four, helpers.sass_reports)."""
     v = get_variant(NAME)
-    spec = dataclasses.replace(spec, dtype=dtype, layout=layout)
-    plan = v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA)
-    infos, sass = sass_report(plan.source("cuda"))
-    assert infos
-    for info in infos:
-        assert info.spill_stores == 0 and info.spill_loads == 0, info
-    gemms = [k for k in re.split(r"\n\s+Function : ", sass) if k.startswith(f"{NAME}_gemm")]
-    assert len(gemms) == 1 and "HGMMA" in gemms[0] and "HMMA" not in gemms[0]
+    specs = [dataclasses.replace(spec, dtype=dtype, layout=layout)
+             for spec, dtype, layout in [(RESNEXT[0], "float16", "nhwc"), (RESNEXT[1], "bfloat16", "nchw"),
+                                         (RESNEXT[2], "float16", "nhwc"),
+                                         (_dgrad(32, 120, 56, 56, 120, 3, 2, 1, 5), "bfloat16", "nhwc")]]
+    reports = sass_reports([v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA).source("cuda") for spec in specs])
+    for spec, (infos, sass) in zip(specs, reports, strict=True):
+        assert infos, spec.short()
+        for info in infos:
+            assert info.spill_stores == 0 and info.spill_loads == 0, (spec.short(), info)
+        gemms = [k for k in re.split(r"\n\s+Function : ", sass) if k.startswith(f"{NAME}_gemm")]
+        assert len(gemms) == 1 and "HGMMA" in gemms[0] and "HMMA" not in gemms[0], spec.short()

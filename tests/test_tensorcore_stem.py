@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from conftest import NOMINAL_CUDA
-from convforge.codegen.nvcc import ptxas_report
 from convforge.kernels import get_variant
 from convforge.kernels.tensorcore.sm90 import stem
 from convforge.kernels.tensorcore.sm90.cexpr import bind, evaluate
@@ -19,6 +18,7 @@ from convforge.kernels.tensorcore.sm90.smem import model_address
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue
 from convforge.spec import ConvSpec
+from helpers import assert_sources_compile_clean
 
 
 def _spec(text: str) -> ConvSpec:
@@ -182,16 +182,16 @@ COMPILED = [("N=128,C=3,H=227,W=227,K=64,R=7,S=7,stride=2,dtype=fp16,layout=nhwc
             ("N=32,C=3,H=224,W=224,K=64,R=7,S=7,stride=2,pad=3", Epilogue(bias=True, gelu=True))]
 
 
-@pytest.mark.parametrize("text, epi", COMPILED, ids=[c[0] for c in COMPILED])
-def test_stems_compile_without_spills(nvcc_ok, text, epi):
-    spec = _spec(text)
-    v = get_variant("tc_stem_direct_tf32" if spec.dtype == "float32" else "tc_stem_direct_half")
-    sources: dict[str, object] = {}  # points that render the same source on this layer compile once
-    for p in v.space(spec, NOMINAL_CUDA)[:3]:
-        sources.setdefault(v.plan(spec, p, NOMINAL_CUDA, epi).source("cuda"), p)
-    for src, p in sources.items():
-        for info in ptxas_report(src):
-            assert info.spill_stores == 0 and info.spill_loads == 0, (p, info)
+def test_stems_compile_without_spills(nvcc_ok):
+    """The first three points of the space on each COMPILED stem, with its epilogue: no spills (one
+    nvcc run for all)."""
+    sources: dict[str, str] = {}  # points that render the same source on a layer compile once
+    for text, epi in COMPILED:
+        spec = _spec(text)
+        v = get_variant("tc_stem_direct_tf32" if spec.dtype == "float32" else "tc_stem_direct_half")
+        for p in v.space(spec, NOMINAL_CUDA)[:3]:
+            sources.setdefault(v.plan(spec, p, NOMINAL_CUDA, epi).source("cuda"), f"{text} [{p.short()}]")
+    assert_sources_compile_clean([(label, src) for src, label in sources.items()])
 
 
 def test_rank_first_where_bands_share_the_filter_loads():

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from conftest import NOMINAL_CUDA
-from convforge.codegen.nvcc import sass_report
 from convforge.dtypes import rounded
 from convforge.kernels import get_variant, ranked
 from convforge.kernels.tensorcore.sm90.isa import BF16, F16
@@ -21,6 +20,7 @@ from convforge.kernels.tensorcore.sm90.smem import Tile, model_address_mn
 from convforge.kernels.tensorcore.sm90.tiles import TileConfig
 from convforge.reference import wgrad_ref
 from convforge.spec import ConvSpec
+from helpers import sass_reports
 from test_tensorcore_gen import emulate_gemm
 
 NAME = "wgrad_tc_nhwc_half"
@@ -126,17 +126,19 @@ COMPILE_LAYERS = [ConvSpec.make(128, 256, 56, 56, 64, 1, 1),
                   ConvSpec.make(64, 240, 28, 28, 40, 1, 1)]
 
 
-@pytest.mark.parametrize("spec", COMPILE_LAYERS, ids=lambda s: s.key())
-def test_plans_compile_without_spills_hgmma_in_sass(nvcc_ok, spec):
-    """The default of each space and its second or third point, in turns over the layers, compile for
-    sm_90a without spills (the reduce kernel of a split plan too): HGMMA and tensor copies in SASS.
-    The first three points of these spaces are 64x64, 128x64 and 128x128 tiles, split or not: in
-    turns, each tile is still compiled split and unsplit, every layer with its default."""
+def test_plans_compile_without_spills_hgmma_in_sass(nvcc_ok):
+    """The default of each space and its second or third point, in turns over the COMPILE_LAYERS,
+    compile for sm_90a without spills (the reduce kernel of a split plan too; one nvcc run for all):
+    HGMMA and tensor copies in SASS. The first three points of these spaces are 64x64, 128x64 and
+    128x128 tiles, split or not: in turns, each tile is still compiled split and unsplit, every layer
+    with its default."""
     v = get_variant(NAME)
-    turn = COMPILE_LAYERS.index(spec) % 2
-    spec = _half(spec, "float16")
-    space = v.space(spec, NOMINAL_CUDA)
-    for prm in (space[0], space[1 + turn]):
-        infos, sass = sass_report(v.plan(spec, prm, NOMINAL_CUDA).source("cuda"))
-        assert infos and all(i.spill_stores == 0 for i in infos), (prm.short(), infos)
-        assert "HGMMA" in sass and "UTMALDG" in sass, prm.short()
+    cases = []
+    for turn, layer in enumerate(COMPILE_LAYERS):
+        spec = _half(layer, "float16")
+        space = v.space(spec, NOMINAL_CUDA)
+        cases += [(f"{spec.short()} [{prm.short()}]", v.plan(spec, prm, NOMINAL_CUDA).source("cuda"))
+                  for prm in (space[0], space[1 + turn % 2])]
+    for (label, _), (infos, sass) in zip(cases, sass_reports([src for _, src in cases]), strict=True):
+        assert infos and all(i.spill_stores == 0 for i in infos), (label, infos)
+        assert "HGMMA" in sass and "UTMALDG" in sass, label

@@ -15,7 +15,6 @@ import pytest
 
 from conftest import NOMINAL_CUDA
 from convforge.backends.base import weight_steps
-from convforge.codegen.nvcc import ptxas_report
 from convforge.codegen.render import ARCH_SPECIFIC_MARK, render
 from convforge.kernels import get_variant
 from convforge.kernels.tensorcore.sm90.wgmma_1x1 import (
@@ -44,6 +43,7 @@ from convforge.kernels.tensorcore.sm90.wgmma_1x1 import (
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue
 from convforge.spec import ConvSpec
+from helpers import ptxas_reports, sass_reports
 
 NAME = "gemm1x1_wgmma_tf32"
 LAYER = ConvSpec.make(32, 1024, 14, 14, 256, 1, 1)  # GEMM 256 x 6272 x 1024 (ResNet-50 stage 3)
@@ -396,37 +396,43 @@ CASES = ([(LAYER, p) for p in POINTS + DIRECT + STAGED] + [(s, Params(bn=128, wg
          + [(ConvSpec.make(32, 64, 56, 56, 256, 1, 1), DIRECT[1]), (ODD[1], DIRECT[4]), (ODD[3], DIRECT[0])])
 
 
-@pytest.mark.parametrize("spec, p", CASES, ids=lambda c: c.short() if isinstance(c, Params) else c.key())
-def test_nvcc_sm90a_no_spills(nvcc_ok, spec, p):
-    """nvcc -arch=sm_90a (asked for by the source): no spill, the rolled main loop holds
-    bk / 8 = 4 HGMMA of m64n{bn}k8 TF32 (no serialisation fallback, no local memory); xl=direct:
-    the GEMM's only global loads are x's, 16 bytes wide where H*W allows it, 4 per unit and
-    slice (two slices before the loop, one in it), and its 16-byte shared stores are the B tile's."""
-    from convforge.codegen.nvcc import cuobjdump_path, sass_report
+def test_nvcc_sm90a_no_spills(nvcc_ok):
+    """Every CASES point, nvcc -arch=sm_90a (asked for by the source; one nvcc run for all,
+    helpers.sass_reports): no spill, the rolled main loop holds bk / 8 = 4 HGMMA of m64n{bn}k8 TF32
+    (no serialisation fallback, no local memory); xl=direct: the GEMM's only global loads are x's, 16
+    bytes wide where H*W allows it, 4 per unit and slice (two slices before the loop, one in it), and
+    its 16-byte shared stores are the B tile's."""
+    from convforge.codegen.nvcc import cuobjdump_path
 
-    epi = Epilogue(relu=True) if p.get("xl") == "direct" else Epilogue(bias=True, relu=True)  # LDG: x only
-    src = get_variant(NAME).plan(spec, p, NOMINAL_CUDA, epi).source("cuda")
+    sources = []
+    for spec, p in CASES:
+        epi = Epilogue(relu=True) if p.get("xl") == "direct" else Epilogue(bias=True, relu=True)  # LDG: x only
+        sources.append(get_variant(NAME).plan(spec, p, NOMINAL_CUDA, epi).source("cuda"))
     if cuobjdump_path() is None:
-        infos = ptxas_report(src)
+        reports = [(infos, None) for infos in ptxas_reports(sources)]
     else:
-        infos, sass = sass_report(src)
-        ops = [ln.split()[1] for ln in sass.splitlines() if "HGMMA" in ln]
-        assert len(ops) == 4 and set(ops) == {f"HGMMA.64x{p.bn}x8.F32.TF32"}, ops
-        assert "LDL" not in sass and "STL" not in sass
-        gemm = sass.split("Function : ")
-        gemm_sass = next(f for f in gemm if f.startswith(f"{NAME}_gemm"))
-        if p.get("xl") == "direct":  # x: 4 loads per unit and slice
-            ld = [ln for ln in gemm_sass.splitlines() if re.search(r"\bLDG\.", ln)]
-            wide = spec.h * spec.w % 4 == 0
-            nk = -(-spec.c // BK)
-            copies = min(nk, 2) + (nk > 2)  # slices 0, 1 before the loop; kt + 2 in it (dead when nk <= 2)
-            assert len(ld) == copies * 4 * direct_units(p) * (1 if wide else 4), (len(ld), ld[:3])
-            assert all(".128" in ln for ln in ld) == wide, ld[:3]
-            assert gemm_sass.count("STS.128") == (1 + (nk > 1)) * 4 * direct_units(p)
-            assert "_xt" not in sass, "no transpose kernel left"
-    for info in infos:
-        assert info.spill_stores == 0 and info.spill_loads == 0, info
-    print(p.short(), [(i.kernel, i.registers) for i in infos])
+        reports = list(sass_reports(sources))
+    for (spec, p), (infos, sass) in zip(CASES, reports, strict=True):
+        label = f"{spec.short()} [{p.short()}]"
+        assert infos, label
+        if sass is not None:
+            ops = [ln.split()[1] for ln in sass.splitlines() if "HGMMA" in ln]
+            assert len(ops) == 4 and set(ops) == {f"HGMMA.64x{p.bn}x8.F32.TF32"}, (label, ops)
+            assert "LDL" not in sass and "STL" not in sass, label
+            gemm = sass.split("Function : ")
+            gemm_sass = next(f for f in gemm if f.startswith(f"{NAME}_gemm"))
+            if p.get("xl") == "direct":  # x: 4 loads per unit and slice
+                ld = [ln for ln in gemm_sass.splitlines() if re.search(r"\bLDG\.", ln)]
+                wide = spec.h * spec.w % 4 == 0
+                nk = -(-spec.c // BK)
+                copies = min(nk, 2) + (nk > 2)  # slices 0, 1 before the loop; kt + 2 in it (dead when nk <= 2)
+                assert len(ld) == copies * 4 * direct_units(p) * (1 if wide else 4), (label, len(ld), ld[:3])
+                assert all(".128" in ln for ln in ld) == wide, (label, ld[:3])
+                assert gemm_sass.count("STS.128") == (1 + (nk > 1)) * 4 * direct_units(p), label
+                assert "_xt" not in sass, f"{label}: no transpose kernel left"
+        for info in infos:
+            assert info.spill_stores == 0 and info.spill_loads == 0, (label, info)
+        print(p.short(), [(i.kernel, i.registers) for i in infos])
 
 
 # -- GPU tier -----------------------------------------------------------------------------------

@@ -523,29 +523,28 @@ RESNET = [ConvSpec.make(32, 64, 56, 56, 64, 3, 3, padding=1),
 
 
 @pytest.mark.usefixtures("nvcc_ok")  # skips without nvcc, fails on CI
-@pytest.mark.parametrize("name", VARIANTS)
-def test_cuda_compiles_without_spills(name: str) -> None:
+def test_cuda_compiles_without_spills() -> None:
+    """Every winograd variant's default on the first ResNet layer (one nvcc run for all)."""
     dev = NOMINAL_CUDA
-    v = get_variant(name)
     spec = RESNET[0]
-    plan = v.plan(spec, v.default(spec, dev), dev)
-    _assert_ptxas_clean(plan)
+    _assert_ptxas_clean(*[(v := get_variant(name)).plan(spec, v.default(spec, dev), dev) for name in VARIANTS])
 
 
 @pytest.mark.usefixtures("nvcc_ok")  # skips without nvcc, fails on CI
-@pytest.mark.parametrize("m", [2, 4])
-@pytest.mark.parametrize("spec", RESNET, ids=lambda s: s.key())
-def test_two_block_points_fit_their_register_cap(m: int, spec: ConvSpec) -> None:
-    """Fused points with mb=2 (__launch_bounds__(threads, 2)) compile with no spill and within two
-    blocks' share of the 64K-register file: the claim they are offered on. The two ResNet layers offer
-    the same points (their registers do not depend on the layer's sizes) and take them in turns: each
-    point compiled once, each layer with half of them."""
+def test_two_block_points_fit_their_register_cap() -> None:
+    """Fused points (F(2x2) and F(4x4)) with mb=2 (__launch_bounds__(threads, 2)) compile with no spill
+    and within two blocks' share of the 64K-register file: the claim they are offered on. The two ResNet
+    layers offer the same points (their registers do not depend on the layer's sizes) and take them in
+    turns: each point compiled once, each layer with half of them (one nvcc run for all)."""
     dev = NOMINAL_CUDA
-    v = get_variant(f"winograd_fused_f{m}")
-    points = [p for p in v.space(spec, dev) if p.get("mb")]
-    assert points, "no two-block point offered"
-    assert points == [p for p in v.space(RESNET[1 - RESNET.index(spec)], dev) if p.get("mb")]
-    plans = [v.plan(spec, p, dev) for p in points[RESNET.index(spec)::2]]
+    plans = []
+    for m in (2, 4):
+        v = get_variant(f"winograd_fused_f{m}")
+        for spec in RESNET:
+            points = [p for p in v.space(spec, dev) if p.get("mb")]
+            assert points, f"no two-block point offered (F({m}x{m}), {spec.short()})"
+            assert points == [p for p in v.space(RESNET[1 - RESNET.index(spec)], dev) if p.get("mb")]
+            plans += [v.plan(spec, p, dev) for p in points[RESNET.index(spec)::2]]
     for plan, infos in zip(plans, _assert_ptxas_clean(*plans), strict=True):
         assert "__launch_bounds__(" in plan.source("cuda") and ", 2)" in plan.source("cuda")
         info = next(i for i in infos if i.kernel == "wino_fused")
@@ -557,47 +556,55 @@ SGEMM_COMPILE = [RESNET[0], ConvSpec.make(5, 832, 7, 7, 384, 3, 3, padding=1)]
 
 
 @pytest.mark.usefixtures("nvcc_ok")  # skips without nvcc, fails on CI
-@pytest.mark.parametrize("m", [2, 4, 6, 7])
-@pytest.mark.parametrize("spec", SGEMM_COMPILE, ids=lambda s: s.key())
-def test_nonfused_sgemm_compiles_without_spills(m: int, spec: ConvSpec) -> None:
-    """The sgemm path's default point on both layers; and the default with the other output store
-    (so), with a 3-way channel split, the other filter form (hf), the other transforms (xi / xo), and
-    for F(6x6) / F(7x7) the 96-column tile, the L2 order and the transform blocks: every kernel of the
-    plan compiles with 0 spills. The two layers take those changed points in turns, swapped from one
-    tile size to the next: each compiled once per tile size, on each layer for some tile sizes (the
-    layer changes the default's tile and the size constants, the change the code path)."""
+def test_nonfused_sgemm_compiles_without_spills() -> None:
+    """For each tile size (F(2x2), F(4x4), F(6x6), F(7x7)): the sgemm path's default point on both
+    layers; and the default with the other output store (so), with a 3-way channel split, the other
+    filter form (hf), the other transforms (xi / xo), and for F(6x6) / F(7x7) the 96-column tile, the L2
+    order and the transform blocks: every kernel of the plan compiles with 0 spills (one nvcc run for
+    all). The two layers take those changed points in turns, swapped from one tile size to the next:
+    each compiled once per tile size, on each layer for some tile sizes (the layer changes the default's
+    tile and the size constants, the change the code path)."""
     dev = NOMINAL_CUDA
-    v = get_variant(f"winograd_nonfused_f{m}")
-    first = v.default(spec, dev)
-    changed = [first.replace(so=1 - first.get("so", 0)), first.replace(ks=3), first.replace(hf=1 - first.get("hf", 0)),
-               first.replace(xi=1 - first.get("xi", 0), xo=1 - first.get("xo", 0), lo=0)]
-    if m >= 6:  # the 96-column tile (8 x 12 accumulators), the L2 order and the transform blocks
-        vb = 4 if Geometry(spec, m).tiles % 4 == 0 else 1
-        n96 = Params(bm=64, bn=96, bk=8, tm=8, tn=12, va=4, vb=vb, pf=1, db=1, gemm="sgemm", tb=128)
-        changed += [n96.replace(xi=1, xo=1, ks=2), first.replace(xi=1, xo=1, lo=1, xt=64),
-                    first.replace(xi=1, xo=1, xt=16)]
-    turn = (SGEMM_COMPILE.index(spec) + [2, 4, 6, 7].index(m)) % 2
-    _assert_ptxas_clean(*[v.plan(spec, prm, dev) for prm in [v.sgemm_default(spec, dev), *changed[turn::2]]])
+    plans = []
+    for m in (2, 4, 6, 7):
+        v = get_variant(f"winograd_nonfused_f{m}")
+        for spec in SGEMM_COMPILE:
+            first = v.default(spec, dev)
+            changed = [first.replace(so=1 - first.get("so", 0)), first.replace(ks=3),
+                       first.replace(hf=1 - first.get("hf", 0)),
+                       first.replace(xi=1 - first.get("xi", 0), xo=1 - first.get("xo", 0), lo=0)]
+            if m >= 6:  # the 96-column tile (8 x 12 accumulators), the L2 order and the transform blocks
+                vb = 4 if Geometry(spec, m).tiles % 4 == 0 else 1
+                n96 = Params(bm=64, bn=96, bk=8, tm=8, tn=12, va=4, vb=vb, pf=1, db=1, gemm="sgemm", tb=128)
+                changed += [n96.replace(xi=1, xo=1, ks=2), first.replace(xi=1, xo=1, lo=1, xt=64),
+                            first.replace(xi=1, xo=1, xt=16)]
+            turn = (SGEMM_COMPILE.index(spec) + [2, 4, 6, 7].index(m)) % 2
+            plans += [v.plan(spec, prm, dev) for prm in [v.sgemm_default(spec, dev), *changed[turn::2]]]
+    _assert_ptxas_clean(*plans)
 
 
 @pytest.mark.usefixtures("nvcc_ok")  # skips without nvcc, fails on CI
-@pytest.mark.parametrize("name", ["winograd_fused_f2", "winograd_fused_f4"])
-def test_fused_space_without_spills(name: str) -> None:
-    """The GPU tuning points of the fused kernels compile with 0 spills (ptxas, sm_90): every
-    combination of the code-path switches fl, ca, ci at its first (largest) tile, and every value of
-    each tile parameter (the space is tiles x switches; helpers.covering). The two-block (mb) and
-    split-C (ks) points are each compiled by test_two_block_points_fit_their_register_cap and
-    test_fused_split_c_without_spills (all of them, on ResNet layers), not here again."""
+def test_fused_space_without_spills() -> None:
+    """The GPU tuning points of the fused kernels (F(2x2), F(4x4)) compile with 0 spills (ptxas, sm_90;
+    one nvcc run for both): every combination of the code-path switches fl, ca, ci at its first
+    (largest) tile, and every value of each tile parameter (the space is tiles x switches;
+    helpers.covering). The two-block (mb) and split-C (ks) points are each compiled by
+    test_two_block_points_fit_their_register_cap and test_fused_split_c_without_spills (all of them, on
+    ResNet layers), not here again."""
     dev = NOMINAL_CUDA
-    v = get_variant(name)
     spec = ConvSpec.make(32, 128, 28, 28, 128, 3, 3, padding=1)
-    space = v.space(spec, dev)
-    assert space[0]["fl"] == 1 and len(space) >= 8
-    assert any("mb" in p for p in space) and any("ks" in p for p in space)
-    points = covering([p for p in space if "mb" not in p and "ks" not in p], ("fl", "ca", "ci"))
-    for prm, infos in zip(points, ptxas_reports([v.plan(spec, p, dev).source("cuda") for p in points]), strict=True):
+    cases = []
+    for name in ["winograd_fused_f2", "winograd_fused_f4"]:
+        v = get_variant(name)
+        space = v.space(spec, dev)
+        assert space[0]["fl"] == 1 and len(space) >= 8
+        assert any("mb" in p for p in space) and any("ks" in p for p in space)
+        cases += [(name, v, p) for p in covering([p for p in space if "mb" not in p and "ks" not in p],
+                                                 ("fl", "ca", "ci"))]
+    for (name, _, prm), infos in zip(cases, ptxas_reports([v.plan(spec, p, dev).source("cuda") for _, v, p in cases]),
+                                     strict=True):
         for info in infos:
-            assert info.spill_stores == 0 and info.spill_loads == 0, (prm.short(), info)
+            assert info.spill_stores == 0 and info.spill_loads == 0, (name, prm.short(), info)
 
 
 # -- split-C (ks): channel slices over grid z, partial outputs reduced with the epilogue -----------
@@ -649,33 +656,35 @@ def test_fused_split_c_space_and_workspace() -> None:
 
 
 @pytest.mark.usefixtures("nvcc_ok")  # skips without nvcc, fails on CI
-@pytest.mark.parametrize("name", ["winograd_fused_f2", "winograd_fused_f4"])
-def test_fused_split_c_without_spills(name: str) -> None:
-    """The split-C GPU points of a small-grid ResNet layer (even slices) compile with 0 spills, the
-    reduce kernel included. The slice count (ks) changes only constants (the stages a slice, the
-    reduce's number of terms), so each tile compiles with two of its ks values, one on the ResNet layer
-    and one on a C = 200 layer where that offers it (uneven slices: the predicated edge stage), the
-    values rotated over the tiles so that every ks is compiled."""
+def test_fused_split_c_without_spills() -> None:
+    """The split-C GPU points of a small-grid ResNet layer (even slices), F(2x2) and F(4x4), compile
+    with 0 spills, the reduce kernel included (one nvcc run for both). The slice count (ks) changes only
+    constants (the stages a slice, the reduce's number of terms), so each tile compiles with two of its
+    ks values, one on the ResNet layer and one on a C = 200 layer where that offers it (uneven slices:
+    the predicated edge stage), the values rotated over the tiles so that every ks is compiled."""
     dev = NOMINAL_CUDA
-    v = get_variant(name)
     even, uneven = (ConvSpec.make(32, 512, 7, 7, 512, 3, 3, padding=1),
                     ConvSpec.make(32, 200, 7, 7, 512, 3, 3, padding=(1, 0, 1, 1)))
-    points = [p for p in v.space(even, dev) if "ks" in p]
-    offered = [p for p in v.space(uneven, dev) if "ks" in p]
-    assert len(points) >= 6 and offered and all(p in points for p in offered)
-    tiles: dict[object, list[Params]] = {}
-    for p in points:
-        tiles.setdefault(p.replace(ks=0), []).append(p)
-    cases = []
-    for t, same in enumerate(tiles.values()):
-        a, b = same[t % len(same)], same[(t + 1) % len(same)]
-        cases += [(even, a), (uneven if b in offered else even, b)]
-    assert any(spec is uneven for spec, _ in cases)
-    assert {p["ks"] for _, p in cases} == {p["ks"] for p in points}
-    for (_, prm), infos in zip(cases, ptxas_reports([v.plan(s, p, dev).source("cuda") for s, p in cases]),
-                               strict=True):
+    all_cases = []
+    for name in ["winograd_fused_f2", "winograd_fused_f4"]:
+        v = get_variant(name)
+        points = [p for p in v.space(even, dev) if "ks" in p]
+        offered = [p for p in v.space(uneven, dev) if "ks" in p]
+        assert len(points) >= 6 and offered and all(p in points for p in offered)
+        tiles: dict[object, list[Params]] = {}
+        for p in points:
+            tiles.setdefault(p.replace(ks=0), []).append(p)
+        cases = []
+        for t, same in enumerate(tiles.values()):
+            a, b = same[t % len(same)], same[(t + 1) % len(same)]
+            cases += [(even, a), (uneven if b in offered else even, b)]
+        assert any(spec is uneven for spec, _ in cases), name
+        assert {p["ks"] for _, p in cases} == {p["ks"] for p in points}, name
+        all_cases += [(name, v, s, p) for s, p in cases]
+    for (name, _, _, prm), infos in zip(all_cases, ptxas_reports([v.plan(s, p, dev).source("cuda")
+                                                                   for _, v, s, p in all_cases]), strict=True):
         for info in infos:
-            assert info.spill_stores == 0 and info.spill_loads == 0, (prm.short(), info)
+            assert info.spill_stores == 0 and info.spill_loads == 0, (name, prm.short(), info)
             assert info.registers <= 255
 
 
