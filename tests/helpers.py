@@ -140,7 +140,7 @@ def sass_reports(sources: Sequence[str], arch: str = "sm_90") -> list[tuple[list
     """``sass_report`` of each source (ptxas figures, SASS text), batched as ``ptxas_reports``: one nvcc
     and one cuobjdump run per target. Each source's SASS text is cuobjdump's header and the sections
     ("Function : name") of its own kernels, in the unit's order, under their own names
-    (test_nvcc_batch.test_batched_sass_equals_single_compiles checks the instructions are those of the
+    (test_nvcc_batch.test_batched_reports_equal_single_compiles checks the instructions are those of the
     source's own compile)."""
     out: list[tuple[list[PtxasInfo], str] | None] = [None] * len(sources)
     alone, groups = _batch_groups(sources, arch)
