@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Sequence
+from typing import Any
 
 from convforge.cli import main
 from convforge.codegen.nvcc import PtxasInfo, ptxas_report, sass_report
@@ -113,24 +114,34 @@ def ptxas_reports(sources: Sequence[str], arch: str = "sm_90") -> list[list[Ptxa
     the source's own compile (test_nvcc_batch.test_batched_reports_equal_single_compiles checks that). A
     source the renaming does not fit, and every source of a unit that fails, is compiled alone (the
     error then names its source)."""
-    out: list[list[PtxasInfo] | None] = [None] * len(sources)
-    alone, groups = _batch_groups(sources, arch)
-    for i in alone:
-        out[i] = ptxas_report(sources[i], arch)
-    for target, members in groups.items():
-        try:
-            infos = ptxas_report(_batch_unit(sources, members), target) if len(members) > 1 else None
-        except RuntimeError:
-            infos = None
-        if infos is None:
-            for i in members:
-                out[i] = ptxas_report(sources[i], target)
-            continue
+    def split(infos: list[PtxasInfo], members: list[int]) -> dict[int, list[PtxasInfo]]:
         per: dict[int, list[PtxasInfo]] = {i: [] for i in members}
         _split_infos(infos, per)
-        for i in members:
-            out[i] = per[i]
-    return [o if o is not None else [] for o in out]
+        return per
+
+    return [o if o is not None else [] for o in _batched(sources, arch, ptxas_report, split)]
+
+
+def _batched(sources: Sequence[str], arch: str, one: Any, split: Any) -> list[Any]:
+    """``one(source, target)`` of each source from one run per target of the batched unit, ``split(result,
+    members)`` handing each member its share; a source the renaming does not fit, and every member of a
+    unit that fails, compiled alone. None where nothing was compiled (no sources)."""
+    out: list[Any] = [None] * len(sources)
+    alone, groups = _batch_groups(sources, arch)
+    for i in alone:
+        out[i] = one(sources[i], arch)
+    for target, members in groups.items():
+        try:
+            res = one(_batch_unit(sources, members), target) if len(members) > 1 else None
+        except RuntimeError:
+            res = None
+        if res is None:
+            for i in members:
+                out[i] = one(sources[i], target)
+            continue
+        for i, mine in split(res, members).items():
+            out[i] = mine
+    return out
 
 
 _FUNCTION = re.compile(r"(?=\n[ \t]+Function : )")
@@ -142,19 +153,7 @@ def sass_reports(sources: Sequence[str], arch: str = "sm_90") -> list[tuple[list
     ("Function : name") of its own kernels, in the unit's order, under their own names
     (test_nvcc_batch.test_batched_reports_equal_single_compiles checks the instructions are those of the
     source's own compile)."""
-    out: list[tuple[list[PtxasInfo], str] | None] = [None] * len(sources)
-    alone, groups = _batch_groups(sources, arch)
-    for i in alone:
-        out[i] = sass_report(sources[i], arch)
-    for target, members in groups.items():
-        try:
-            res = sass_report(_batch_unit(sources, members), target) if len(members) > 1 else None
-        except RuntimeError:
-            res = None
-        if res is None:
-            for i in members:
-                out[i] = sass_report(sources[i], target)
-            continue
+    def split(res: tuple[list[PtxasInfo], str], members: list[int]) -> dict[int, tuple[list[PtxasInfo], str]]:
         per: dict[int, list[PtxasInfo]] = {i: [] for i in members}
         _split_infos(res[0], per)
         head, *sections = _FUNCTION.split(res[1])
@@ -164,9 +163,9 @@ def sass_reports(sources: Sequence[str], arch: str = "sm_90") -> list[tuple[list
             assert m, f"a kernel of the batched unit was not renamed: {section[:80]!r}"
             i = int(m.group(1))
             text[i] += re.sub(rf"\b(\w+)__cfb{i}\b", r"\1", section)
-        for i in members:
-            out[i] = (per[i], text[i])
-    return [o if o is not None else ([], "") for o in out]
+        return {i: (per[i], text[i]) for i in members}
+
+    return [o if o is not None else ([], "") for o in _batched(sources, arch, sass_report, split)]
 
 
 def assert_sources_compile_clean(sources: Sequence[tuple[str, str]], arch: str = "sm_90") -> list[list[PtxasInfo]]:
