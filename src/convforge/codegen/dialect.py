@@ -143,6 +143,7 @@ Parameters are typed objects that write their own declarations, never pasted str
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 Dim3 = tuple[int, int, int]
@@ -293,9 +294,8 @@ def split_call(text: str, start: int) -> tuple[list[str], int]:
     Returns the arguments and the index just past the closing parenthesis.
     """
     depth, args, cur = 0, [], start + 1
-    i = start
-    while i < len(text):
-        ch = text[i]
+    for m in _PUNCT.finditer(text, start):  # only the three characters that matter, found by the regex engine
+        ch, i = m.group(), m.start()
         if ch == "(":
             depth += 1
         elif ch == ")":
@@ -303,11 +303,13 @@ def split_call(text: str, start: int) -> tuple[list[str], int]:
             if depth == 0:
                 args.append(text[cur:i].strip())
                 return [a for a in args if a != "" or len(args) > 1], i + 1
-        elif ch == "," and depth == 1:
+        elif depth == 1:
             args.append(text[cur:i].strip())
             cur = i + 1
-        i += 1
     raise ValueError(f"unbalanced parentheses after {text[max(0, start - 20):start + 20]!r}")
+
+
+_PUNCT = re.compile(r"[(),]")
 
 
 # -- half storage ----------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from convforge.codegen.dialect import (
     split_call,
 )
 
-_TOKEN = re.compile(r"\b(GROUP_ID|LOCAL_ID|GROUP_SIZE|NUM_GROUPS|BARRIER|VLOAD4|VSTORE4|"
+_TOKEN = re.compile(r"\b(?=[A-Z])(GROUP_ID|LOCAL_ID|GROUP_SIZE|NUM_GROUPS|BARRIER|VLOAD4|VSTORE4|"
                     r"LD_F16|LDG_F16|ST_F16|VLOAD4_F16|VSTORE4_F16|LD_BF16|LDG_BF16|ST_BF16|VLOAD4_BF16|VSTORE4_BF16|"
                     r"VLOAD8_F16|VSTORE8_F16|VLOAD8_BF16|VSTORE8_BF16|"
                     r"MAKE_FLOAT4|FMA|MAX|RELU|GELU|SILU|HSWISH|MISH|LDG|SHFL|TEX|COPY4_ASYNC|COPY1_ASYNC|COPY_WAIT|CVT_TF32|"
@@ -29,7 +29,7 @@ _TOKEN = re.compile(r"\b(GROUP_ID|LOCAL_ID|GROUP_SIZE|NUM_GROUPS|BARRIER|VLOAD4|
                     r"TC_PACK_BF16X2|MBAR_INIT_FENCE|MBAR_EXPECT_TX|TMA_PREFETCH|TMA_TILE_2D|TMA_IM2COL_4D|"
                     r"TMA_TILE_2D_MC|TMA_IM2COL_4D_MC|CLUSTER_RANK|CLUSTER_ID|NUM_CLUSTERS|CLUSTER_SYNC|"
                     r"MBAR_ARRIVE_CLUSTER|TC_X3H_SCALE|TC_X3H_UNSCALE)\(")
-_WORDS = re.compile(r"\b(SHARED|LOCAL_PTR|GLOBAL_PTR|RESTRICT|DEVICE|U64|I64|HALF_T|BF16_T)\b( ?)")
+_WORDS = re.compile(r"\b(?=[SLGRDUIHB])(SHARED|LOCAL_PTR|GLOBAL_PTR|RESTRICT|DEVICE|U64|I64|HALF_T|BF16_T)\b( ?)")
 
 # -- half storage (float16 / bfloat16 buffers, float32 arithmetic; codegen/dialect.py Storage) -------
 # CUDA keeps both as unsigned short bits (no cuda_fp16.h: NVRTC and nvcc alike) converted by PTX cvt
@@ -86,7 +86,8 @@ def _opencl_half(token: str, args: list[str]) -> str:
 
 
 def _uses_half(kernels: list[Kernel], tag: str = "") -> bool:
-    return any(m.group(1).endswith(tag) for k in kernels for m in _HALF_USE.finditer(k.body + k.helpers))
+    return any(m.group(1).endswith(tag) for k in kernels for t in (k.body, k.helpers)
+               if f"{tag or 'F16'}(" in t for m in _HALF_USE.finditer(t))
 
 
 # float16 -> float32 in C rather than PTX cvt: the bits moved to float32's place and scaled by 2^112
@@ -222,12 +223,19 @@ class Renderer:
         # A word that spells as nothing takes its following space with it.
         text = _WORDS.sub(lambda m: self.words[m.group(1)] + (m.group(2) if self.words[m.group(1)] else ""),
                           text)
-        # From the last token back: a token's arguments lie after it, so they are done first,
-        # and text before the current token never moves.
-        for m in reversed(list(_TOKEN.finditer(text))):
+        return self._tokens(text)
+
+    def _tokens(self, text: str) -> str:
+        """``text`` with each token replaced by its call on its own arguments expanded first; the
+        pieces are joined once (bodies run to hundreds of kilobytes: no copy per token)."""
+        if "(" not in text:  # most arguments: no call in them
+            return text
+        out, pos = [], 0
+        while (m := _TOKEN.search(text, pos)) is not None:
             args, end = split_call(text, m.end() - 1)
-            text = text[:m.start()] + self.call(m.group(1), args) + text[end:]
-        return text
+            out += [text[pos:m.start()], self.call(m.group(1), [self._tokens(a) for a in args])]
+            pos = end
+        return text if not out else "".join(out) + text[pos:]
 
     def render(self, kernels: list[Kernel], title: str = "") -> str:
         """Whole translation unit for these kernels."""
@@ -267,8 +275,13 @@ class Renderer:
 def _uses(token: str, texts: list[str]) -> bool:
     """Whether a body calls ``token(`` as a word (the plain substring test first: bodies run to
     hundreds of kilobytes and most name no activation)."""
-    call = token + "("
-    return any(call in t and re.search(rf"\b{token}\(", t) for t in texts)
+    return any(_calls(t, token) for t in texts)
+
+
+def _calls(text: str, *tokens: str) -> bool:
+    """Whether ``text`` calls one of ``tokens`` as a word (a plain substring test first: it is fast,
+    a regular expression over a long body is not)."""
+    return any(f"{tok}(" in text and re.search(rf"\b{tok}\(", text) for tok in tokens)
 
 
 # ReLU that keeps NaN (as the float64 reference and PyTorch do; fmax would turn it into 0).
@@ -363,15 +376,16 @@ class CudaRenderer(Renderer):
         head = [f"__constant__ {self.ctype(cb.ctype)} {cb.name}[{cb.count}];" for cb in seen.values()] + [""]
         if _uses_half(kernels):
             head += _CUDA_HALF.splitlines() + [""]
-        if any(re.search(r"\b(VLOAD8|VSTORE8)_(F16|BF16)\(", k.body + k.helpers) for k in kernels):
+        if any(_calls(t, "VLOAD8_F16", "VLOAD8_BF16", "VSTORE8_F16", "VSTORE8_BF16")
+               for k in kernels for t in (k.body, k.helpers)):
             head += _CUDA_HALF8.splitlines() + [""]
-        if any(re.search(r"\bCOPY[14]_ASYNC\(", k.body) for k in kernels):
+        if any(_calls(k.body, "COPY1_ASYNC", "COPY4_ASYNC") for k in kernels):
             head += _CUDA_COPY_ASYNC.splitlines() + [""]
-        if any(re.search(r"\b(MMA_TF32_16x8x8|CVT_TF32)\(", k.body + k.helpers) for k in kernels):
+        if any(_calls(t, "MMA_TF32_16x8x8", "CVT_TF32") for k in kernels for t in (k.body, k.helpers)):
             head += _CUDA_MMA_TF32.splitlines() + [""]
-        if any(re.search(r"\b(CP_ASYNC16|CP_ASYNC4|LDMATRIX_X4|LDS_F4|LDS_F1)\(", k.body) for k in kernels):
+        if any(_calls(k.body, "CP_ASYNC16", "CP_ASYNC4", "LDMATRIX_X4", "LDS_F4", "LDS_F1") for k in kernels):
             head += _CUDA_PIPE.splitlines() + [""]
-        if any(_TC_HEAD.search(k.body) for k in kernels):
+        if any(_calls(k.body, *_TC_HEAD) for k in kernels):
             head += _CUDA_TC.splitlines() + [""]
         if any(isinstance(a, TensorMap) for k in kernels for a in k.args):
             head += [_CUDA_TMAP, ""]
@@ -667,8 +681,8 @@ __device__ __forceinline__ unsigned cf_pack_bf16x2(float lo, float hi)
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }"""
-_TC_HEAD = re.compile(r"\b(MBAR_WAIT|TC_F16_TO_F32|TC_F32_TO_F16|TC_F32_TO_BF16|TC_PACK_F16X2|TC_PACK_BF16X2|"
-                      r"TC_X3H_SCALE|TC_X3H_UNSCALE)\(")
+_TC_HEAD = ("MBAR_WAIT", "TC_F16_TO_F32", "TC_F32_TO_F16", "TC_F32_TO_BF16", "TC_PACK_F16X2", "TC_PACK_BF16X2",
+            "TC_X3H_SCALE", "TC_X3H_UNSCALE")
 
 
 # The staged tensor-core GEMM's primitives (sm_80+), on 32-bit shared addresses (SMEM_U32):
