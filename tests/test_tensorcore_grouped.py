@@ -358,3 +358,32 @@ def test_packed_plans_compile(nvcc_ok):
     infos, _ = sass_report(v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA, Epilogue(bias=True, relu=True))
                            .source("cuda"))
     assert infos and all(i.spill_stores == 0 for i in infos), infos
+
+
+def test_variants_that_say_tensor_cores_plan_on_tensor_cores():
+    """``Variant.tensor_cores`` lets dispatch.is_fast skip building a plan: every variant that sets it
+    plans each layer it applies to (dense, 1x1, strided, grouped, depthwise; each pass; each dtype) with
+    kernels on tensor cores, and at least one such plan was checked per variant."""
+    from convforge.dispatch.choice import TENSOR_CORE_FEATURES
+    from convforge.kernels import all_variants
+
+    layers = [ConvSpec.make(2, 16, 9, 9, 24, 3, 3, 1, 1), ConvSpec.make(2, 32, 7, 7, 64, 1, 1),
+              ConvSpec.make(1, 16, 11, 11, 32, 3, 3, 2, 1), ConvSpec.make(2, 64, 9, 9, 128, 3, 3, 1, 1, groups=2),
+              ConvSpec.make(2, 32, 8, 8, 32, 3, 3, 1, 1, groups=32), ConvSpec.make(2, 3, 32, 32, 64, 7, 7, 2, 3),
+              ConvSpec.make(2, 64, 10, 10, 128, 3, 3, 2, 1, groups=2), ConvSpec.make(2, 64, 9, 9, 64, 3, 3, 1, 1, groups=8),
+              ConvSpec.make(2, 64, 8, 8, 128, 1, 1, 2, 0), ConvSpec.make(4, 256, 16, 16, 512, 1, 1)]
+    checked: dict[str, int] = {}
+    for v in all_variants():
+        if not v.tensor_cores:
+            continue
+        checked[v.name] = 0
+        for base in layers:
+            for dtype, layout, conv_pass in [(d, lay, p) for d in ("float32", "float16", "bfloat16")
+                                             for lay in ("nchw", "nhwc") for p in ("fprop", "dgrad", "wgrad")]:
+                spec = dataclasses.replace(base, dtype=dtype, layout=layout, conv_pass=conv_pass)
+                if v.applies(spec, NOMINAL_CUDA) is not None:
+                    continue
+                plan = v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA)
+                assert plan.requires & TENSOR_CORE_FEATURES, (v.name, spec.short())
+                checked[v.name] += 1
+    assert checked and not [n for n, c in checked.items() if c == 0], checked

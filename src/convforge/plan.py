@@ -328,6 +328,10 @@ class Variant:
         PyTorch), or None."""
         return None
 
+    # Every plan of this variant runs its product on tensor cores (dispatch.is_fast then builds none to
+    # find out); False: a plan's kernels say so (Plan.requires)
+    tensor_cores = False
+
     def dgrad_slow_on(self, spec: ConvSpec) -> str | None:
         """:meth:`slow_on` of this forward's dgrad form (dgrad_<name>) on the dgrad layer ``spec``, or None."""
         return None

@@ -367,14 +367,14 @@ def _plans(variant: Variant, params: Params, spec: ConvSpec, backend: Backend, e
 def is_fast(variant: Variant, spec: ConvSpec, device: DeviceInfo, params: Params | None = None) -> bool:
     """Whether ``variant`` runs ``spec`` near the speed of the vendor library's kernels of its dtype.
     Every variant counts on float32 (the library's FP32 kernels are CUDA-core kernels too); on half
-    storage, a memory-bound family (MEMORY_BOUND_FAMILIES, MEMORY_BOUND_VARIANTS) or a plan (of
-    ``params``, default: the variant's default) whose kernels run on tensor cores, unless the variant
-    says it is slow there (``Variant.slow_on``)."""
+    storage, a memory-bound family (MEMORY_BOUND_FAMILIES, MEMORY_BOUND_VARIANTS), a variant whose
+    every plan runs on tensor cores (``Variant.tensor_cores``) or a plan (of ``params``, default: the
+    variant's default) whose kernels do, unless the variant says it is slow there (``Variant.slow_on``)."""
     if spec.dtype not in HALF_DTYPES:
         return True
     if variant.slow_on(spec):
         return False
-    if variant.family in MEMORY_BOUND_FAMILIES or variant.name in MEMORY_BOUND_VARIANTS:
+    if variant.family in MEMORY_BOUND_FAMILIES or variant.name in MEMORY_BOUND_VARIANTS or variant.tensor_cores:
         return True
     try:
         plan = variant.plan(spec, params if params is not None else variant.default(spec, device), device)

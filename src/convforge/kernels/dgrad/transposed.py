@@ -153,6 +153,7 @@ class DgradTransposed(Variant):
         self.name = f"dgrad_{fwd.name}"
         self.family, self.backends, self.precision = fwd.family, fwd.backends, fwd.precision
         self.tolerance, self.exact, self.capturable = fwd.tolerance, fwd.exact, fwd.capturable
+        self.tensor_cores = fwd.tensor_cores
         self.specialised, self.space_lead, self.grouped = fwd.specialised, fwd.space_lead, fwd.grouped
         self.dtypes, self.layouts = fwd.dtypes, fwd.layouts  # dy and dx lie as the forward's x and y
         # a forward no GPU has timed makes a dgrad none has either, nor does one whose dgrad form was not timed

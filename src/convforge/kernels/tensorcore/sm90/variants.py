@@ -221,6 +221,7 @@ class TcVariant(Variant):
     family = "implicit_gemm"
     backends = frozenset({"cuda"})
     exact = False
+    tensor_cores = True  # wgmma (tests/test_tensorcore_grouped.py checks every plan says so)
     space_lead = 6
     # TMA, clusters, A's swizzle width, the split modes' k-step restart: plan() says where not
     optional_params = {"tm": frozenset({0, 1}), "cl": frozenset({1, 2}), "sa": frozenset({128, 64, 32}),
