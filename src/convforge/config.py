@@ -138,6 +138,11 @@ def _env_settings(env: Mapping[str, str]) -> dict[str, tuple[str, Callable[[], A
         # sm90/epilogue.py), so the batch norm finalizes them and never reads y for its statistics; off: the
         # batch norm's own statistics pass (for debugging)
         "bn_stats": ("CONVFORGE_BN_STATS", lambda: parse_bool("CONVFORGE_BN_STATS", get("CONVFORGE_BN_STATS") or "1")),
+        # A fused or converted model's first training forward compiles the step's dgrad and wgrad programs ahead
+        # on a pool of threads (torch/train_ahead.py); off by default until a GPU has run its test
+        # (tests/test_torch_train_ahead.py): each program then compiles when the backward first reaches it
+        "train_ahead": ("CONVFORGE_TRAIN_AHEAD",
+                        lambda: parse_bool("CONVFORGE_TRAIN_AHEAD", get("CONVFORGE_TRAIN_AHEAD") or "0")),
         # 'auto' keeps to families whose intermediates overflow only where the answer does (no Winograd) for
         # every array kind: values near FLT_MAX stay finite where the exact answer is (NumPy input is checked
         # per call without it; torch and CuPy arrays are not read on the host, so this is their switch)
@@ -154,7 +159,7 @@ def _env_settings(env: Mapping[str, str]) -> dict[str, tuple[str, Callable[[], A
 # Settings read afresh on every call that key no cached choice or program (bn_stats: in a block's filing key, not
 # in a conv's): assigning one calls no listener (the native table keeps its entries, so an A/B in one process
 # compares warm paths)
-_SWITCHES = frozenset({"native_block", "bn_stats"})
+_SWITCHES = frozenset({"native_block", "bn_stats", "train_ahead"})
 
 
 class Config:
@@ -178,6 +183,7 @@ class Config:
     grad_rows: bool
     native_block: bool
     bn_stats: bool
+    train_ahead: bool
     native_autograd: bool
     finite_exact: bool
 

@@ -10,12 +10,12 @@ threads would only make contend), and for the others their programs first, on a 
 (NVRTC releases the GIL while it compiles); reported as a ``convforge.progress`` phase (the
 "convforge" logger, INFO). The first real forward on inputs of
 the same shapes finds each layer's runner built. It prepares eager inference (``model.eval()``,
-no gradients). A training step needs nothing ahead: measured on an H200 (ResNet-50 N128, FP16 AMP),
-its first step in a new process with an empty cache took 7.9 s, no faster when its backward kernels
-were compiled ahead on threads (docs/history/2026-11-29-first-amp-step.md).
+no gradients); a training step's backward kernels are compiled ahead by
+:func:`~convforge.torch.train_ahead.compile_training_ahead`.
 
 ``fuse`` and ``convert`` arm :func:`prepare_on_first_call` on the model they answer, so a user's
-first eager inference forward prepares itself without knowing of ``prepare``.
+first eager inference forward prepares itself without knowing of ``prepare`` (and, under
+``config.train_ahead``, the first training forward compiles the step's backward kernels ahead).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ def prepare(model: torch.nn.Module, *example: Any, workers: int | None = None, *
     runners were built. Layers convforge does not run on these inputs (CPU tensors, training,
     other dtypes) are skipped; anything a layer cannot prepare is left for its first call."""
     from convforge.backends.base import compile_workers
+    from convforge.config import config
 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"prepare() takes a torch.nn.Module, not {type(model).__name__}")
@@ -118,14 +119,17 @@ def _compile(jobs: list[Callable[[], Any]], n: int) -> None:
 
 
 _PENDING = "_cf_prepare_pending"
+_TRAIN_PENDING = "_cf_train_ahead_pending"
 
 
 def prepare_on_first_call(model: torch.nn.Module) -> None:
     """Have ``model``'s first forward in eval mode on CUDA tensors run :func:`prepare` on that call's
-    inputs before it runs (a forward pre-hook; later calls pay one attribute check). A copy of the
+    inputs before it runs, and its first forward in training mode with gradients enabled run
+    ``compile_training_ahead`` (a forward pre-hook; later calls pay one attribute check). A copy of the
     model (``copy.deepcopy``) prepares on its own first call; the hook is a module-level function, so
     the model still pickles."""
     model.__dict__[_PENDING] = True
+    model.__dict__[_TRAIN_PENDING] = True
     if _prepare_hook not in model._forward_pre_hooks.values():
         model.register_forward_pre_hook(_prepare_hook, with_kwargs=True)
     again = getattr(model, "_deepcopy_hooks", None)  # a GraphModule's deepcopy drops forward hooks and
@@ -134,17 +138,34 @@ def prepare_on_first_call(model: torch.nn.Module) -> None:
 
 
 def _prepare_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    if module.training or not module.__dict__.get(_PENDING):
+    training = module.training
+    if training and not (module.__dict__.get(_TRAIN_PENDING) and torch.is_grad_enabled() and config.train_ahead):
+        return
+    if not training and not module.__dict__.get(_PENDING):
         return
     if (torch.jit.is_tracing() or torch.compiler.is_compiling()
             or not any(isinstance(a, torch.Tensor) and a.is_cuda for a in (*args, *kwargs.values()))
             or torch.cuda.is_current_stream_capturing()):
+        return
+    if training:
+        _train_ahead(module, args, kwargs)
         return
     module.__dict__[_PENDING] = False
     try:
         prepare(module, *args, **kwargs)
     except Exception as err:  # noqa: BLE001 - the forward itself builds each layer and reports a real problem
         log.debug("convforge: preparing %s on its first call failed (%s)", type(module).__name__, err)
+
+
+def _train_ahead(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """The hook's training half: the first training step's backward kernels compiled ahead, once."""
+    from convforge.torch.train_ahead import compile_training_ahead
+
+    module.__dict__[_TRAIN_PENDING] = False
+    try:
+        compile_training_ahead(module, *args, **kwargs)
+    except Exception as err:  # noqa: BLE001 - the step itself compiles each kernel and reports a real problem
+        log.debug("convforge: compiling %s's backward kernels ahead failed (%s)", type(module).__name__, err)
 
 
 def _training_batch_norm(model: torch.nn.Module) -> str | None:
@@ -160,9 +181,11 @@ def _training_batch_norm(model: torch.nn.Module) -> str | None:
     return None
 
 
-def _record(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Callable[[], Any]]:
+def _record(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+            wrap: Callable[[Conv2d, Any], Any] | None = None) -> list[Callable[[], Any]]:
     """Run ``model`` with PyTorch's convolutions under no_grad, each convforge layer's call turned into
-    a job that builds what its first real call will need; the model's own forwards are restored."""
+    a job that builds what its first real call will need; the model's own forwards are restored.
+    ``wrap(layer, recorder)``: the forward the layer runs instead of its recorder (train_ahead.py)."""
     from convforge.torch.fused import FusedConv2d
 
     jobs: dict[tuple[Any, ...], Callable[[], Any]] = {}
@@ -171,8 +194,8 @@ def _record(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
         for m in model.modules():
             if isinstance(m, Conv2d):
                 patched.append((m, m.__dict__.get("forward")))
-                m.forward = (_fused_recorder(m, jobs) if isinstance(m, FusedConv2d)  # type: ignore[method-assign]
-                             else _conv_recorder(m, jobs))
+                rec = _fused_recorder(m, jobs) if isinstance(m, FusedConv2d) else _conv_recorder(m, jobs)
+                m.forward = rec if wrap is None else wrap(m, rec)  # type: ignore[method-assign]
         with torch.no_grad():
             model(*args, **kwargs)
     finally:

@@ -1,0 +1,89 @@
+"""``convforge.torch.train_ahead``: a training step's backward kernels compiled ahead. On the CPU: the
+recording pass of a fused model in training mode computes what the model computes, moves no running
+statistic, leaves every batch norm in training mode and the forwards as they were, and records no
+CPU layer; the first-call hook stays quiet on CPU inputs and without gradients. On a GPU (tier
+``gpu``): a fused ResNet-18's AMP step compiles ahead the dgrad and wgrad programs its backward then
+finds built (none built again), and the step's loss is the one without compiling ahead."""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="convforge.torch needs PyTorch (pip install 'convforge[torch]')")
+import torch.nn.functional as F  # noqa: E402
+
+from convforge.torch import fuse  # noqa: E402
+from convforge.torch.train_ahead import compile_training_ahead, record_calls  # noqa: E402
+from test_torch_prepare import _net  # noqa: E402
+
+prep_mod = sys.modules["convforge.torch.prepare"]
+
+
+def test_recording_a_training_model_leaves_it_as_it_was() -> None:
+    fused = fuse(_net())[0].train()
+    x = torch.randn(2, 3, 11, 9)
+    state = {k: v.clone() for k, v in fused.state_dict().items()}
+    bench = torch.backends.cudnn.benchmark
+    assert record_calls(fused, (x,), {}) == []  # CPU tensors: convforge runs none of these layers
+    assert torch.backends.cudnn.benchmark == bench
+    assert all(torch.equal(state[k], v) for k, v in fused.state_dict().items())  # no running statistic moved
+    bns = [m for m in fused.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    assert bns and all(bn.training for bn in bns)
+    assert not any("forward" in m.__dict__ for m in fused.modules())
+    want = copy.deepcopy(fused)
+    torch.testing.assert_close(fused(x), want(x), rtol=0, atol=0)
+
+
+def test_the_hook_is_quiet_on_cpu_and_without_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+    ran: list[int] = []
+    monkeypatch.setattr(prep_mod, "_train_ahead", lambda m, a, k: ran.append(id(m)))
+    monkeypatch.setattr(prep_mod.config, "train_ahead", True)
+    fused = fuse(_net())[0].train()
+    x = torch.randn(2, 3, 11, 9)
+    fused(x)  # CPU tensors
+    with torch.no_grad():
+        fused(x)
+    assert ran == [] and fused.__dict__.get("_cf_train_ahead_pending") is True
+
+
+@pytest.mark.gpu
+def test_backward_programs_are_built_ahead(gpu, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    import torchvision
+
+    from convforge.backends import get_backend
+
+    torch.manual_seed(0)
+    cl = torch.channels_last
+    model = torchvision.models.resnet18(num_classes=10).cuda().to(memory_format=cl)
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 3, 64, 64, device="cuda").contiguous(memory_format=cl)
+    target = torch.randint(0, 10, (4,), device="cuda")
+    be = get_backend("cuda", 0)
+    built: list[str] = []
+    real = type(be).build
+
+    def counted(self, source):  # type: ignore[no-untyped-def]
+        built.append(source)
+        return real(self, source)
+
+    monkeypatch.setattr(type(be), "build", counted)
+    fused = fuse(model)[0].train()
+    fused.__dict__["_cf_train_ahead_pending"] = False  # compiled ahead by hand below, not by the hook
+    with torch.autocast("cuda", dtype=torch.float16):
+        n = compile_training_ahead(fused, x)
+    ahead = set(built)
+    assert n > 0 and len(ahead) >= n, (n, len(ahead))
+    built.clear()
+    losses = []
+    for m in (fused, fuse(ref)[0].train()):
+        m.__dict__["_cf_train_ahead_pending"] = False
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = F.cross_entropy(m(x), target)
+        loss.backward()
+        losses.append(float(loss))
+        if m is fused:
+            assert not ahead & set(built), "a program compiled ahead was built again in the step"
+    assert losses[0] == losses[1]
