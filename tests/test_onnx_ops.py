@@ -64,8 +64,12 @@ def check(m, shape: tuple[int, ...] = SHAPE, tol: float = TOL, onnx_ref: bool = 
     if onnx_ref:
         want = ReferenceEvaluator(m).run(None, {"x": x})[0]
         assert want.shape == ref.shape
+        # onnx.reference computes in float32 too: it checks the graph's meaning (a wrong one is off by O(1)),
+        # not our rounding, so its own error against float64 is allowed on top (never judged against a less
+        # accurate answer: the float64 check above is the judge)
+        own = rel_l2(want, ref)
         err = rel_l2(got, want)
-        assert err < tol, f"vs onnx.reference: relative error {err:.2e}"
+        assert err < tol + own, f"vs onnx.reference: relative error {err:.2e} (its own vs float64: {own:.2e})"
     return net.graph
 
 
