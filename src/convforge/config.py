@@ -139,10 +139,9 @@ def _env_settings(env: Mapping[str, str]) -> dict[str, tuple[str, Callable[[], A
         # batch norm's own statistics pass (for debugging)
         "bn_stats": ("CONVFORGE_BN_STATS", lambda: parse_bool("CONVFORGE_BN_STATS", get("CONVFORGE_BN_STATS") or "1")),
         # A fused or converted model's first training forward compiles the step's dgrad and wgrad programs ahead
-        # on a pool of threads (torch/train_ahead.py); off by default until a GPU has run its test
-        # (tests/test_torch_train_ahead.py): each program then compiles when the backward first reaches it
+        # on a pool of threads (torch/train_ahead.py); 0: each program compiles when the backward first reaches it
         "train_ahead": ("CONVFORGE_TRAIN_AHEAD",
-                        lambda: parse_bool("CONVFORGE_TRAIN_AHEAD", get("CONVFORGE_TRAIN_AHEAD") or "0")),
+                        lambda: parse_bool("CONVFORGE_TRAIN_AHEAD", get("CONVFORGE_TRAIN_AHEAD") or "1")),
         # 'auto' keeps to families whose intermediates overflow only where the answer does (no Winograd) for
         # every array kind: values near FLT_MAX stay finite where the exact answer is (NumPy input is checked
         # per call without it; torch and CuPy arrays are not read on the host, so this is their switch)

@@ -1,6 +1,7 @@
 """``convforge bench --model NAME[:BATCH] --first-call``: how long a user waits for a fused model's first forward.
 
-Each model runs in two new Python processes that share one fresh cache folder: the first finds it
+Each model runs in two new Python processes that share one fresh cache folder (convforge's, and the
+CUDA driver's compute cache, ``CUDA_CACHE_PATH``, inside it): the first finds it
 empty (cold: every kernel compiled, every choice made), the second finds what the first left there
 (warm: a new process on a machine that ran the model before). After torch, torchvision and
 convforge are imported and the model (random weights, eval mode) is on the GPU, a process times
@@ -72,7 +73,8 @@ def run(specs: list[str], dtype: str, layout: str, out: str | None, console: Con
             "first and second forward: the fused model's forwards under no_grad, synchronised; pytorch first: the "
             "unfused model's first forward")
     console.print(f"fuse: convforge.torch.fuse(model); {what} (cudnn.benchmark); import: torch + torchvision + "
-                  "convforge; each row a new process, cold = empty cache folder, warm = the folder the cold "
+                  "convforge; each row a new process, cold = empty cache folders (convforge's and the CUDA driver's "
+                  "compute cache), warm = the folders the cold "
                   "process left")
     if out:
         write_atomic(Path(out) / "first_call.json", json.dumps({"env": env, "rows": rows}, indent=1))
@@ -96,7 +98,9 @@ def _native_folder(console: Console) -> Path | None:
 
 def _child(name: str, batch: int, dtype: str, layout: str, cache: str) -> dict[str, Any]:
     """One new process's times (FIELDS) and status."""
-    env = {**os.environ, "CONVFORGE_CACHE_DIR": cache}
+    # the driver's compute cache too (it keeps what was compiled for the device across processes: a
+    # process that finds it full is not cold, however empty convforge's own folder)
+    env = {**os.environ, "CONVFORGE_CACHE_DIR": cache, "CUDA_CACHE_PATH": str(Path(cache) / "nv-compute-cache")}
     cmd = [sys.executable, "-m", "convforge.apps.bench.first_call", name, str(batch), dtype, layout]
     try:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False)
