@@ -1,9 +1,10 @@
-"""``convforge.torch.train_ahead``: a training step's backward kernels compiled ahead. On the CPU: the
+"""``convforge.torch.train_ahead``: a training step's kernels compiled ahead. On the CPU: the
 recording pass of a fused model in training mode computes what the model computes, moves no running
 statistic, leaves every batch norm in training mode and the forwards as they were, and records no
 CPU layer; the first-call hook stays quiet on CPU inputs and without gradients. On a GPU (tier
-``gpu``): a fused ResNet-18's AMP step compiles ahead the dgrad and wgrad programs its backward then
-finds built (none built again), and the step's loss is the one without compiling ahead."""
+``gpu``): a fused ResNet-18's AMP step compiles ahead the programs its forward and backward then find
+built: its convs' forward, dgrad and wgrad, its batch norms' and the blocks' statistics convs (none
+built in the step, none built twice), and the step's loss is the one without compiling ahead."""
 
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def test_the_hook_is_quiet_on_cpu_and_without_gradients(monkeypatch: pytest.Monk
 
 
 @pytest.mark.gpu
-def test_backward_programs_are_built_ahead(gpu, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+def test_step_programs_are_built_ahead(gpu, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     import torchvision
 
     from convforge.backends import get_backend
@@ -86,4 +87,6 @@ def test_backward_programs_are_built_ahead(gpu, monkeypatch: pytest.MonkeyPatch)
         losses.append(float(loss))
         if m is fused:
             assert not ahead & set(built), "a program compiled ahead was built again in the step"
+            missed = [src.splitlines()[0] for src in built]
+            assert not missed, f"the step built {len(missed)} programs train_ahead did not predict: {missed[:8]}"
     assert losses[0] == losses[1]

@@ -93,12 +93,19 @@ def takes(bn: torch.nn.BatchNorm2d, y: torch.Tensor, res: Any = None) -> bool:
 
 def _key(bn: torch.nn.BatchNorm2d, y: torch.Tensor, res: torch.Tensor | None, relu: bool) -> tuple[Any, ...]:
     """A call's program key: shape, what follows, the module's settings, dtypes and layout."""
+    return key_of(bn, tuple(y.shape), y.dtype, layout(y), res is not None, relu, y.device.index or 0)
+
+
+def key_of(bn: torch.nn.BatchNorm2d, shape: tuple[int, ...], dtype: torch.dtype, lay: str | None, residual: bool,
+           relu: bool, device: int) -> tuple[Any, ...]:
+    """:func:`_key` from the activation's shape, dtype, layout and device alone (no tensor: what
+    torch/train_ahead.py predicts a step will meet)."""
     p, b = bn._parameters, bn._buffers
-    n, c, h, w = y.shape
+    n, c, h, w = shape
     gamma, rmean = p.get("weight"), b.get("running_mean")
     like = gamma if gamma is not None else rmean  # the parameters' dtype (takes checked they share one)
-    return (n, c, h * w, relu, res is not None, gamma is not None, rmean is not None, bn.eps, bn.momentum,
-            y.device.index or 0, _NAMES[y.dtype], _NAMES[like.dtype if like is not None else _F32], layout(y))
+    return (n, c, h * w, relu, residual, gamma is not None, rmean is not None, bn.eps, bn.momentum,
+            device, _NAMES[dtype], _NAMES[like.dtype if like is not None else _F32], lay)
 
 
 def bn_act(y: torch.Tensor, bn: torch.nn.BatchNorm2d, res: torch.Tensor | None = None,
@@ -173,16 +180,34 @@ def _program(key: tuple[Any, ...], partials: int | None = None,
     from convforge.backends.cuda import RawLaunches
     from convforge.frontends.torch_run import torch_stream_queries
 
-    n, c, hw, relu, residual, affine, track, eps, momentum, device, dtype, pdtype, lay = key
-    shape = BnTrain(n, c, hw, relu, residual, affine, track, float(eps), float(momentum), dtype, pdtype, lay)
-    be = get_backend("cuda", device)
-    prog = bn_program(shape, be.device, partials=partials)
+    shape, prog = _shape_program(key, partials)
+    be = get_backend("cuda", key[9])
     run = RawLaunches(be, prog.kernels, {"forward": prog.forward, "backward": prog.backward},  # type: ignore[arg-type]
-                      f"batch norm (training) {shape.n}x{shape.c}x{shape.hw}{shape.tag()}")
+                      _title(shape))
     hit = (shape, prog, run, torch_stream_queries()[0])
     if keep:
         _PROGRAMS[key] = hit
     return hit
+
+
+def _shape_program(key: tuple[Any, ...], partials: int | None) -> tuple[BnTrain, BnProgram]:
+    n, c, hw, relu, residual, affine, track, eps, momentum, device, dtype, pdtype, lay = key
+    shape = BnTrain(n, c, hw, relu, residual, affine, track, float(eps), float(momentum), dtype, pdtype, lay)
+    return shape, bn_program(shape, get_backend("cuda", device).device, partials=partials)
+
+
+def _title(shape: BnTrain) -> str:
+    return f"batch norm (training) {shape.n}x{shape.c}x{shape.hw}{shape.tag()}"
+
+
+def program_work(key: tuple[Any, ...], partials: int | None = None) -> Any:
+    """The ``Work`` (source and kernels) of the program :func:`_program` compiles for ``key``: what
+    torch/train_ahead.py compiles ahead, on the same source, so the step finds it built."""
+    from convforge.backends.base import Work
+    from convforge.codegen.render import render
+
+    shape, prog = _shape_program(key, partials)
+    return Work(render(list(prog.kernels), "cuda", _title(shape)), tuple(prog.kernels))
 
 
 def _ptr(t: torch.Tensor | None) -> int:

@@ -257,23 +257,36 @@ class FusedConv2d(Conv2d):
         costs the speed-up (logged)."""
         if not config.bn_stats or y.dim() != 4 or not y.is_contiguous(memory_format=torch.channels_last):
             return None
-        if y.shape[1] % 4:  # the partial sums follow 5 C floats of statistics in the block's scratch: 16-byte aligned
-            return None
         try:
-            spec = ConvSpec.from_shapes(tuple(x.shape), tuple(w.shape), tuple(self.stride), padding_quad(self),
-                                        tuple(self.dilation), self.groups, dtype=dt, layout="nhwc")
-            backend = get_backend("cuda", x.device.index or 0)
-            ch = dispatch.choose(spec, backend, Epilogue(), algo=self.algo, precision=self.precision,
-                                 max_error=self.max_error)
-            make = getattr(ch.variant, "plan_stats", None)
-            if make is None:
+            found = self.stats_plan(tuple(x.shape), tuple(w.shape), dt, x.device.index or 0)
+            if found is None:
                 return None
-            plan, parts = make(spec, ch.params, backend.device)
+            plan, parts, spec = found
+            backend = get_backend("cuda", x.device.index or 0)
             return bn_train.stats_conv_program(backend, plan), parts, (spec, plan.variant, repr(plan.params))
         except (ValueError, RuntimeError) as err:
             log.info("convforge: the batch norm after the conv of %s x %s computes its own statistics (%s)",
                      tuple(x.shape), tuple(w.shape), err)
             return None
+
+    def stats_plan(self, x_shape: tuple[int, ...], w_shape: tuple[int, ...], dt: torch.dtype,
+                   device: int) -> tuple[Any, int, ConvSpec] | None:
+        """(plan, P, spec) of this block's conv on channels-last ``x_shape`` in ``dt`` with the batch norm's P
+        partial sums in its epilogue, or None where its variant has no such plan or K is not a multiple of 4
+        (the partial sums follow 5 C floats of statistics in the block's scratch: 16-byte aligned); raises
+        ValueError where nothing applies. Also what torch/train_ahead.py compiles ahead."""
+        if w_shape[0] % 4:
+            return None
+        spec = ConvSpec.from_shapes(x_shape, w_shape, tuple(self.stride), padding_quad(self), tuple(self.dilation),
+                                    self.groups, dtype=dt, layout="nhwc")
+        backend = get_backend("cuda", device)
+        ch = dispatch.choose(spec, backend, Epilogue(), algo=self.algo, precision=self.precision,
+                             max_error=self.max_error)
+        make = getattr(ch.variant, "plan_stats", None)
+        if make is None:
+            return None
+        plan, parts = make(spec, ch.params, backend.device)
+        return plan, parts, spec
 
     def _conv_relu(self, x: torch.Tensor) -> torch.Tensor | None:
         """conv -> ReLU in training on convforge's kernels (torch/conv_relu.py), or None (the

@@ -1,22 +1,30 @@
-"""``compile_training_ahead(model, example)``: compile the backward kernels of a converted or fused
-model's first training step on several threads before that step runs.
+"""``compile_training_ahead(model, example)``: compile the kernels of a converted or fused model's first
+training step on several threads before that step runs.
 
 A training step compiles each layer's forward kernels as the forward reaches the layer and its dgrad
 and wgrad kernels as the backward reaches them, one program after another on the caller's thread.
 Here the model runs once on the example with PyTorch's convolutions in place of convforge's, batch
 norms held in eval mode so that no running statistic moves (only the shapes matter), under the
 caller's autocast; each convforge layer records its input's shape, compute dtype and layout. Then
-every layer's dgrad (not of the model's own input, which needs none) and wgrad problem is chosen as
-``convforge.grad`` chooses it (``dispatch.choose``, the NHWC plans first for channels-last
-activations) and the programs are compiled on a pool of threads (``Backend.compile_ahead``); the
-step then finds them built. A layer PyTorch runs (a half layer handed back) is skipped; a choice
-or compile that fails is left for the step itself to report. The forward's kernels (the fused
-blocks' statistics epilogues among them) still compile in the step.
+the programs the step will build are predicted and compiled on a pool of threads
+(``Backend.compile_ahead``), so the step finds them built:
+
+- every layer's forward (without a bias: a biased forward's epilogue is left to the step), dgrad (not of
+  the model's own input, which needs none) and wgrad, chosen as ``convforge.grad`` and the conv op choose
+  them (``dispatch.choose``, the NHWC plans first for channels-last activations);
+- for a fused block whose batch norm trains on convforge's kernels (``FusedConv2d``, torch/batchnorm.py):
+  the batch norm's program of its first call, and, under ``config.bn_stats``, the block's conv with the
+  statistics epilogue (``FusedConv2d.stats_plan``) and the batch norm that finalizes those statistics.
+
+A layer PyTorch runs (a half layer handed back) is skipped. A prediction that misses costs one compile
+on the pool, never a wrong result: the step compiles what it needs by the same source, from the cache when
+the prediction was right. A choice or compile that fails is left for the step itself to report.
 
 ``prepare_on_first_call`` (prepare.py) runs it on a fused or converted model's first forward in
 training mode with gradients enabled on CUDA tensors, under ``config.train_ahead``
 (``CONVFORGE_TRAIN_AHEAD``, on by default: on an H200 a fused ResNet-50's first BF16 AMP step with
-every cache empty took 44 s with it and 87 s without; docs/BENCHMARKS.md, "First call").
+every cache empty took 44 s with the backward's programs compiled ahead and 87 s without;
+docs/BENCHMARKS.md, "First call").
 """
 
 from __future__ import annotations
@@ -50,12 +58,14 @@ class LayerCall:
     algo: str
     precision: str | None
     max_error: float | None
+    has_bias: bool = False
+    block: Any = None  # (module, batch norm, residual?, ReLU?) of a fused block whose batch norm trains, else None
 
 
 def compile_training_ahead(model: torch.nn.Module, *example: Any, **example_kwargs: Any) -> int:
-    """Compile the dgrad and wgrad programs ``model``'s training step on ``example`` will run (module
-    docstring); how many programs were compiled here (not found in a cache). Nothing while
-    ``config.autotune`` is on (tuning times candidates one at a time)."""
+    """Compile the programs ``model``'s training step on ``example`` will run (module docstring); how
+    many were compiled here (not found in a cache). Nothing while ``config.autotune`` is on (tuning
+    times candidates one at a time)."""
     from convforge.config import config
 
     if config.autotune:
@@ -63,14 +73,13 @@ def compile_training_ahead(model: torch.nn.Module, *example: Any, **example_kwar
     calls = record_calls(model, example, example_kwargs)
     work_by_device: dict[int, list[Any]] = {}
     for call in dict.fromkeys(calls):
-        for conv_pass in ("dgrad", "wgrad") if call.needs_dgrad else ("wgrad",):
-            work = _pass_work(call, conv_pass)
-            if work is not None:
-                work_by_device.setdefault(call.device, []).append(work)
+        passes = ("fprop",) * (not call.has_bias) + (("dgrad", "wgrad") if call.needs_dgrad else ("wgrad",))
+        found = [_pass_work(call, conv_pass) for conv_pass in passes] + _block_work(call)
+        work_by_device.setdefault(call.device, []).extend(w for w in found if w is not None)
     from convforge.backends import get_backend
 
     name = type(model).__name__
-    return sum(get_backend("cuda", dev).compile_ahead(work, f"{name}'s backward kernels")
+    return sum(get_backend("cuda", dev).compile_ahead(work, f"{name}'s training kernels")
                for dev, work in work_by_device.items())
 
 
@@ -88,7 +97,8 @@ def record_calls(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str
         torch.backends.cudnn.benchmark = False
         for bn in held:
             bn.training = False
-        _record(model, args, kwargs, lambda m, rec: _visiting(m, rec, calls, inputs))  # its jobs: never run
+        ids = {id(bn) for bn in held}
+        _record(model, args, kwargs, lambda m, rec: _visiting(m, rec, calls, inputs, ids))  # its jobs: never run
     finally:
         for bn in held:
             bn.training = True
@@ -96,10 +106,11 @@ def record_calls(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str
     return calls
 
 
-def _visiting(m: Conv2d, inner: Any, calls: list[LayerCall], inputs: set[int]) -> Any:
-    """``inner`` (the layer's recorded forward), noting the layer's input first."""
+def _visiting(m: Conv2d, inner: Any, calls: list[LayerCall], inputs: set[int], held: set[int]) -> Any:
+    """``inner`` (the layer's recorded forward), noting the layer's input first; ``held``: the ids of
+    the batch norms that train (held in eval mode while recording)."""
     def forward(x: torch.Tensor, *rest: Any) -> torch.Tensor:
-        call = _layer_call(m, x, id(x) not in inputs)
+        call = _layer_call(m, x, id(x) not in inputs, rest[0] if rest else None, held)
         if call is not None:
             calls.append(call)
         return inner(x, *rest)  # type: ignore[no-any-return]
@@ -107,7 +118,8 @@ def _visiting(m: Conv2d, inner: Any, calls: list[LayerCall], inputs: set[int]) -
     return forward
 
 
-def _layer_call(m: Conv2d, x: torch.Tensor, needs_dgrad: bool) -> LayerCall | None:
+def _layer_call(m: Conv2d, x: torch.Tensor, needs_dgrad: bool, res: Any = None,
+                held: frozenset[int] | set[int] = frozenset()) -> LayerCall | None:
     """The layer's input as its training step would see it, or None where convforge does not run it."""
     w = m.weight
     dt = compute_dtype(x, w)
@@ -115,8 +127,43 @@ def _layer_call(m: Conv2d, x: torch.Tensor, needs_dgrad: bool) -> LayerCall | No
         return None
     from convforge.torch.ops import channels_last
 
+    bn = getattr(m, "_cf_bn", None)
+    block = (m, bn, res is not None, bool(getattr(m, "_cf_relu", False))) if id(bn) in held else None
     return LayerCall(tuple(x.shape), tuple(w.shape), tuple(m.stride), padding_quad(m), tuple(m.dilation), m.groups,
-                     dt, channels_last(x), x.device.index or 0, needs_dgrad, m.algo, m.precision, m.max_error)
+                     dt, channels_last(x), x.device.index or 0, needs_dgrad, m.algo, m.precision, m.max_error,
+                     m.bias is not None, block)
+
+
+def _block_work(call: LayerCall) -> list[Any]:
+    """The programs a fused block's first training call builds besides its conv's (module docstring):
+    its batch norm's, and under ``config.bn_stats`` the statistics conv and the batch norm finishing it;
+    empty where the block's batch norm is PyTorch's or nothing applies."""
+    from convforge.config import config
+    from convforge.spec import ConvSpec
+    from convforge.torch import batchnorm as bn_train
+
+    if call.block is None or call.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return []
+    m, bn, residual, relu = call.block
+    if not (config.train_bn and type(bn) is torch.nn.BatchNorm2d and bn.momentum is not None):
+        return []
+    try:
+        y = ConvSpec.from_shapes(call.x_shape, call.w_shape, call.stride, call.pad, call.dilation, call.groups,
+                                 str(call.dtype).replace("torch.", "")).y_shape
+        key = bn_train.key_of(bn, tuple(y), call.dtype, "nhwc" if call.channels_last else "nchw", residual, relu,
+                              call.device)
+        work = [bn_train.program_work(key)]
+        if config.bn_stats and config.native_block and call.channels_last and not call.has_bias:
+            found = m.stats_plan(call.x_shape, call.w_shape, call.dtype, call.device)
+            if found is not None:
+                from convforge.backends.base import plan_work
+
+                plan, parts, _ = found
+                work += [plan_work(bn_train.partials_in_res(plan), "cuda"), bn_train.program_work(key, parts)]
+        return work
+    except (ValueError, RuntimeError, KeyError) as err:
+        log.debug("convforge: no batch-norm programs to compile ahead for %s (%s)", call.x_shape, err)
+        return []
 
 
 def _pass_work(call: LayerCall, conv_pass: str) -> Any:
