@@ -4,7 +4,8 @@ statistic, leaves every batch norm in training mode and the forwards as they wer
 CPU layer; the first-call hook stays quiet on CPU inputs and without gradients. On a GPU (tier
 ``gpu``): a fused ResNet-18's AMP step compiles ahead the programs its forward and backward then find
 built: its convs' forward, dgrad and wgrad, its batch norms' and the blocks' statistics convs (none
-built in the step, none built twice), and the step's loss is the one without compiling ahead."""
+built in the step, none built twice), a second call finds them listed and records nothing, and the
+step's loss is the one without compiling ahead."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def test_the_hook_is_quiet_on_cpu_and_without_gradients(monkeypatch: pytest.Monk
 
 
 @pytest.mark.gpu
-def test_step_programs_are_built_ahead(gpu, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+def test_step_programs_are_built_ahead(gpu, monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
     import torchvision
 
     from convforge.backends import get_backend
@@ -71,10 +72,18 @@ def test_step_programs_are_built_ahead(gpu, monkeypatch: pytest.MonkeyPatch) -> 
         return real(self, source)
 
     monkeypatch.setattr(type(be), "build", counted)
+    ta = sys.modules["convforge.torch.train_ahead"]
+    manifest = tmp_path / "manifest.json"
+    monkeypatch.setattr(ta, "_manifest", lambda m, a, k: manifest)  # not one an earlier run left in the cache
+    recorded: list[int] = []
+    real_record = ta.record_calls
+    monkeypatch.setattr(ta, "record_calls", lambda *a: recorded.append(1) or real_record(*a))
     fused = fuse(model)[0].train()
     fused.__dict__["_cf_train_ahead_pending"] = False  # compiled ahead by hand below, not by the hook
     with torch.autocast("cuda", dtype=torch.float16):
         n = compile_training_ahead(fused, x)
+        assert manifest.is_file() and recorded == [1]
+        assert compile_training_ahead(fused, x) == 0 and recorded == [1]  # listed and cached: nothing recorded
     ahead = set(built)
     assert n > 0 and len(ahead) >= n, (n, len(ahead))
     built.clear()

@@ -201,6 +201,10 @@ class Backend(ABC):
             self._programs[key] = prog
         return prog
 
+    def program_key(self, source: str) -> str:
+        """The key :meth:`program` files ``source``'s compiled program under in the disk cache."""
+        return self._key(source)
+
     def _key(self, source: str) -> str:
         return cache_key(source, " ".join(self.compile_options()), self.compiler_version(),
                          self.device.name, self.device.driver, __version__)

@@ -20,6 +20,11 @@ A layer PyTorch runs (a half layer handed back) is skipped. A prediction that mi
 on the pool, never a wrong result: the step compiles what it needs by the same source, from the cache when
 the prediction was right. A choice or compile that fails is left for the step itself to report.
 
+A new process with a warm cache would pay the recording and the predictions (generating every source to
+find it cached) for nothing: the programs compiled ahead are listed in the cache folder under a hash of
+the model's layers, the inputs and the settings (``_manifest``), and a process that finds the list, with
+every program on it still cached, does nothing here.
+
 ``prepare_on_first_call`` (prepare.py) runs it on a fused or converted model's first forward in
 training mode with gradients enabled on CUDA tensors, under ``config.train_ahead``
 (``CONVFORGE_TRAIN_AHEAD``, on by default: on an H200 a fused ResNet-50's first BF16 AMP step with
@@ -30,8 +35,11 @@ docs/BENCHMARKS.md, "First call").
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -65,22 +73,42 @@ class LayerCall:
 def compile_training_ahead(model: torch.nn.Module, *example: Any, **example_kwargs: Any) -> int:
     """Compile the programs ``model``'s training step on ``example`` will run (module docstring); how
     many were compiled here (not found in a cache). Nothing while ``config.autotune`` is on (tuning
-    times candidates one at a time)."""
+    times candidates one at a time), nor where this model's step on inputs like these was compiled ahead
+    into this cache before and every program it listed is still there (:func:`_manifest`: a new process
+    with a warm cache records nothing and generates no source here)."""
+    from convforge.backends import get_backend
     from convforge.config import config
 
     if config.autotune:
         return 0
-    calls = record_calls(model, example, example_kwargs)
-    work_by_device: dict[int, list[Any]] = {}
-    for call in dict.fromkeys(calls):
-        passes = ("fprop",) * (not call.has_bias) + (("dgrad", "wgrad") if call.needs_dgrad else ("wgrad",))
-        found = [_pass_work(call, conv_pass) for conv_pass in passes] + _block_work(call)
-        work_by_device.setdefault(call.device, []).extend(w for w in found if w is not None)
-    from convforge.backends import get_backend
-
+    manifest = _manifest(model, example, example_kwargs)
+    if manifest is not None and _all_cached(manifest):
+        return 0
+    work_by_device: dict[int, dict[str, Any]] = {}
+    seen: set[Any] = set()
+    for call in record_calls(model, example, example_kwargs):
+        for w in _call_work(call, seen):
+            work_by_device.setdefault(call.device, {})[w.source] = w
     name = type(model).__name__
-    return sum(get_backend("cuda", dev).compile_ahead(work, f"{name}'s training kernels")
-               for dev, work in work_by_device.items())
+    compiled = 0
+    for dev, work in work_by_device.items():
+        be = get_backend("cuda", dev)
+        compiled += be.compile_ahead(list(work.values()), f"{name}'s training kernels")
+        if manifest is not None:
+            _write_manifest(manifest, be, work)
+    return compiled
+
+
+def _call_work(call: LayerCall, seen: set[Any]) -> list[Any]:
+    """The programs one recorded call adds (module docstring), each conv problem and batch norm once:
+    ``seen`` holds what earlier calls gave (layers of one shape share their programs)."""
+    conv = dataclasses.replace(call, block=None)
+    out: list[Any] = []
+    if conv not in seen:
+        seen.add(conv)
+        passes = ("fprop",) * (not call.has_bias) + (("dgrad", "wgrad") if call.needs_dgrad else ("wgrad",))
+        out += [w for w in (_pass_work(call, p) for p in passes) if w is not None]
+    return out + _block_work(call, seen)
 
 
 def record_calls(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[LayerCall]:
@@ -134,10 +162,10 @@ def _layer_call(m: Conv2d, x: torch.Tensor, needs_dgrad: bool, res: Any = None,
                      m.bias is not None, block)
 
 
-def _block_work(call: LayerCall) -> list[Any]:
+def _block_work(call: LayerCall, seen: set[Any]) -> list[Any]:
     """The programs a fused block's first training call builds besides its conv's (module docstring):
     its batch norm's, and under ``config.bn_stats`` the statistics conv and the batch norm finishing it;
-    empty where the block's batch norm is PyTorch's or nothing applies."""
+    empty where the block's batch norm is PyTorch's, nothing applies or ``seen`` has them already."""
     from convforge.config import config
     from convforge.spec import ConvSpec
     from convforge.torch import batchnorm as bn_train
@@ -152,8 +180,12 @@ def _block_work(call: LayerCall) -> list[Any]:
                                  str(call.dtype).replace("torch.", "")).y_shape
         key = bn_train.key_of(bn, tuple(y), call.dtype, "nhwc" if call.channels_last else "nchw", residual, relu,
                               call.device)
-        work = [bn_train.program_work(key)]
-        if config.bn_stats and config.native_block and call.channels_last and not call.has_bias:
+        work = [] if key in seen else [bn_train.program_work(key)]
+        seen.add(key)
+        stats = ("stats", dataclasses.replace(call, block=None), key)
+        if (config.bn_stats and config.native_block and call.channels_last and not call.has_bias
+                and stats not in seen):
+            seen.add(stats)
             found = m.stats_plan(call.x_shape, call.w_shape, call.dtype, call.device)
             if found is not None:
                 from convforge.backends.base import plan_work
@@ -164,6 +196,87 @@ def _block_work(call: LayerCall) -> list[Any]:
     except (ValueError, RuntimeError, KeyError) as err:
         log.debug("convforge: no batch-norm programs to compile ahead for %s (%s)", call.x_shape, err)
         return []
+
+
+def _manifest(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Path | None:
+    """Where this cache keeps the list of programs compiled ahead for ``model``'s step on inputs like
+    ``args`` / ``kwargs`` (their shapes, dtypes, strides and devices; the layers' and batch norms'
+    settings; autocast's dtype; the settings that change a choice; the tuning database's state), or None
+    without a disk cache. A list that outlives its programs (a cleared folder, a new database) only
+    costs the compile ahead: :func:`_all_cached` checks every program is still there."""
+    from convforge.config import config
+    from convforge.version import __version__
+
+    if not config.disk_cache:
+        return None
+    try:
+        st = config.tuning_db.stat()
+        db_state: tuple[int, int] | None = (st.st_mtime_ns, st.st_size)
+    except OSError:  # no database yet
+        db_state = None
+    tensors = [(tuple(a.shape), str(a.dtype), tuple(a.stride()), str(a.device))
+               for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    autocast = _autocast()
+    layers = [(name, type(m).__name__, *_settings(m)) for name, m in model.named_modules() if _settings(m)]
+    what = repr((__version__, tensors, autocast, layers, sorted(kwargs), config.precision, config.max_error,
+                 config.bn_stats, config.native_block, config.train_bn, config.deterministic, db_state))
+    return config.cache_dir / "train_ahead" / f"{hashlib.sha256(what.encode()).hexdigest()}.json"
+
+
+def _autocast() -> str | None:
+    """CUDA autocast's dtype where it is on, else None."""
+    try:
+        on = torch.is_autocast_enabled("cuda")
+    except TypeError:  # torch < 2.4: CUDA's autocast only, no argument
+        on = torch.is_autocast_enabled()
+    if not on:
+        return None
+    get = getattr(torch, "get_autocast_dtype", None)
+    return str(get("cuda") if get is not None else torch.get_autocast_gpu_dtype())
+
+
+def _settings(m: torch.nn.Module) -> tuple[Any, ...]:
+    """What of a layer decides the programs its step builds: a convforge conv's geometry, options and fused
+    ops, a batch norm's settings and mode; () for anything else."""
+    if isinstance(m, Conv2d):
+        fused = m.fused_ops() if hasattr(m, "fused_ops") else ""
+        return (tuple(m.weight.shape), str(m.weight.dtype), m.stride, m.padding, m.dilation, m.groups,
+                m.bias is not None, m.padding_mode, m.algo, m.precision, m.max_error, fused)
+    if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+        return (type(m).__name__, m.num_features, m.eps, m.momentum, m.affine, m.track_running_stats, m.training)
+    return ()
+
+
+def _all_cached(manifest: Path) -> bool:
+    """Whether ``manifest`` lists programs and the disk cache holds every one."""
+    from convforge.backends import get_backend
+
+    try:
+        listed = json.loads(manifest.read_text())
+        return bool(listed) and all(get_backend("cuda", int(dev)).disk.has(key)
+                                    for dev, keys in listed.items() for key in keys)
+    except (OSError, ValueError, TypeError, AttributeError):  # missing, unreadable or not ours: compile ahead
+        return False
+
+
+def _write_manifest(manifest: Path, be: Any, work: dict[str, Any]) -> None:
+    """List the programs of ``work`` the disk cache now holds under this device (atomically: a crash or a
+    second process leaves the old list or the new one); a failure to write only costs the next process the
+    compile ahead."""
+    from convforge.files import write_atomic
+
+    try:
+        listed = json.loads(manifest.read_text()) if manifest.is_file() else {}
+    except (OSError, ValueError):
+        listed = {}
+    keys = [k for k in (be.program_key(src) for src in work) if be.disk.has(k)]
+    if not keys:
+        return
+    listed[str(be.device_id)] = keys
+    try:
+        write_atomic(manifest, json.dumps(listed))
+    except OSError as err:
+        log.debug("convforge: could not write %s (%s)", manifest, err)
 
 
 def _pass_work(call: LayerCall, conv_pass: str) -> Any:
