@@ -39,6 +39,17 @@ def test_recording_a_training_model_leaves_it_as_it_was() -> None:
     torch.testing.assert_close(fused(x), want(x), rtol=0, atol=0)
 
 
+def test_recording_draws_no_random_number_the_step_would_draw() -> None:
+    """A dropout in the recording forward leaves the generator where it was: the step draws the masks it
+    would have drawn without compiling ahead."""
+    net = torch.nn.Sequential(_net(), torch.nn.Dropout(0.5))
+    fused = fuse(net)[0].train()
+    x = torch.randn(2, 3, 11, 9)
+    before = torch.get_rng_state()
+    record_calls(fused, (x,), {})
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_the_hook_is_quiet_on_cpu_and_without_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
     ran: list[int] = []
     monkeypatch.setattr(prep_mod, "_train_ahead", lambda m, a, k: ran.append(id(m)))

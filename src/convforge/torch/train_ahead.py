@@ -114,10 +114,14 @@ def _call_work(call: LayerCall, seen: set[Any]) -> list[Any]:
 def record_calls(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[LayerCall]:
     """The convforge layers' inputs when ``model`` runs on ``args`` / ``kwargs`` with PyTorch's
     convolutions (cudnn.benchmark off), no gradients and every training batch norm in eval mode (all
-    restored after)."""
+    restored after), the random number generators forked (a dropout or stochastic depth in the recording
+    draws nothing the step would have drawn)."""
     from convforge.torch.prepare import _record
 
-    inputs = {id(a) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)}
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    inputs = {id(a) for a in tensors}
+    # the inputs' GPUs only: forking every visible device's generator would make a context on each (DDP)
+    devices = sorted({a.device.index or 0 for a in tensors if a.is_cuda})
     calls: list[LayerCall] = []
     held = _training_batch_norms(model)
     benchmark = torch.backends.cudnn.benchmark  # PyTorch's stand-in convolutions need no algorithm search
@@ -126,7 +130,8 @@ def record_calls(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str
         for bn in held:
             bn.training = False
         ids = {id(bn) for bn in held}
-        _record(model, args, kwargs, lambda m, rec: _visiting(m, rec, calls, inputs, ids))  # its jobs: never run
+        with torch.random.fork_rng(devices=devices):
+            _record(model, args, kwargs, lambda m, rec: _visiting(m, rec, calls, inputs, ids))  # jobs: never run
     finally:
         for bn in held:
             bn.training = True
