@@ -37,6 +37,7 @@ _PROGRAMS: dict[tuple[Any, ...], tuple[BnTrain, BnProgram, Any, Any]] = {}  # ca
 # torch's raw-stream query)
 _NST = len(ST)
 _HANDLES: dict[tuple[Any, ...], int] = {}  # call key -> native.cpp's register_bn handle
+_DEVICE = 9  # where a call key (key_of) holds the device index
 
 
 def layout(t: torch.Tensor) -> str | None:
@@ -181,7 +182,7 @@ def _program(key: tuple[Any, ...], partials: int | None = None,
     from convforge.frontends.torch_run import torch_stream_queries
 
     shape, prog = _shape_program(key, partials)
-    be = get_backend("cuda", key[9])
+    be = get_backend("cuda", key[_DEVICE])
     run = RawLaunches(be, prog.kernels, {"forward": prog.forward, "backward": prog.backward},  # type: ignore[arg-type]
                       _title(shape))
     hit = (shape, prog, run, torch_stream_queries()[0])
