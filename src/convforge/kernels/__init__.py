@@ -214,6 +214,8 @@ def check_params(variant: Variant, spec: ConvSpec, device: DeviceInfo, params: A
         raise TypeError(f"params keys ({bad_keys!r}) must be strings")
     prm = params if isinstance(params, Params) else Params(params)
     default = variant.default(spec, device)
+    if prm == default:  # the variant's own choice: valid without listing its space (slow for the tile generators)
+        return default
     space = variant.space(spec, device)
     names = set(default).union(*(set(pt) for pt in space), variant.optional_params)  # some points only
     required = set(default).intersection(*(set(pt) for pt in space))
