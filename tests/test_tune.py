@@ -471,7 +471,7 @@ def test_scaled_fp16_leads_the_relaxed_class_on_big_layers_only() -> None:
     """Round 33 (tensorcore/sm90/variants.py ``sf16_rank``): in the relaxed class scaled FP16 goes first on
     float32 forward layers of >= 7 GFLOP where TF32's implicit GEMM led (ResNet's 3x3 layers at N32:
     7.4 GFLOP), TF32 stays first below (Inception-v3's 3x1 384 @8², 1.8 GFLOP), gemm1x1_wgmma_tf32
-    on 1x1 layers and the TF32 direct stem on 3-channel layers; the fp32 class never takes it."""
+    on the 1x1 layers where it leads (variants.wgmma_1x1_leads) and the TF32 direct stem on 3-channel layers; the fp32 class never takes it."""
     from conftest import NOMINAL_CUDA
     from convforge.kernels import most_specialised
 
@@ -482,6 +482,7 @@ def test_scaled_fp16_leads_the_relaxed_class_on_big_layers_only() -> None:
     small = ConvSpec.make(32, 384, 8, 8, 384, 3, 1, 1, (1, 1, 0, 0))
     assert big.flops >= 7e9 > small.flops
     assert pick(big) == "tc_implicit_gemm_sf16" and pick(small) == "tc_implicit_gemm_tf32"
-    assert pick(ConvSpec.make(32, 1024, 14, 14, 256, 1, 1)) == "gemm1x1_wgmma_tf32"
+    assert pick(ConvSpec.make(32, 256, 56, 56, 64, 1, 1)) == "gemm1x1_wgmma_tf32"
+    assert pick(ConvSpec.make(32, 1024, 14, 14, 256, 1, 1)) == "tc_implicit_gemm_tf32"
     assert pick(ConvSpec.make(32, 3, 224, 224, 64, 7, 7, 2, 3)) == "tc_stem_direct_tf32"
     assert pick(big, "fp32") != "tc_implicit_gemm_sf16"

@@ -17,13 +17,13 @@ from conftest import NOMINAL_CUDA
 from convforge.backends.base import weight_steps
 from convforge.codegen.render import ARCH_SPECIFIC_MARK, render
 from convforge.kernels import get_variant
+from convforge.kernels.tensorcore.sm90.smem import SBO
 from convforge.kernels.tensorcore.sm90.wgmma_1x1 import (
     ACC,
     BK,
     C_PAD,
     LBO,
     ROW_BYTES,
-    SBO,
     XDirect,
     acc_coords,
     chunk_offset,
@@ -320,13 +320,16 @@ def test_offered_in_the_relaxed_class_only_and_ranked():
     ((5, 4096, 1, 1, 1000, 1, 1), "gemv_stream"),  # fc8
     ((5, 256, 6, 6, 4096, 6, 6), "gemv_stream"),  # fc6, the full-window form
     ((2, 1024, 2, 2, 512, 1, 1), "gemm1x1_splitk"),  # 8 pixels of 2x2 maps: not fully connected
-    ((32, 4096, 1, 1, 4096, 1, 1), NAME),  # 32 pixels: the wgmma tile pays
-    ((1, 1024, 7, 7, 256, 1, 1), NAME),  # batch 1, 49 pixels
+    ((32, 4096, 1, 1, 4096, 1, 1), "tc_implicit_gemm_tf32"),  # 32 pixels: a wgmma tile pays (the generator's)
+    ((1, 1024, 7, 7, 256, 1, 1), "tc_implicit_gemm_tf32"),  # batch 1, 49 pixels
+    ((32, 256, 56, 56, 64, 1, 1), NAME),  # C >= K on 56 x 56: x read in place leads (wgmma_1x1_leads)
+    ((32, 64, 56, 56, 256, 1, 1), "tc_implicit_gemm_tf32"),  # K > C
 ])
 def test_a_handful_of_pixels_goes_to_the_split_k_gemms(layer, first):
     """Relaxed class on sm_90: float32 layers of at most FEW_PIXELS output pixels rank the wgmma
     paths below the CUDA-core split-K GEMMs (isa.few_pixels), and fully-connected ones below the
-    weight stream (gemv_stream); wider ones keep them first."""
+    weight stream (gemv_stream); wider ones keep them first, gemm1x1_wgmma_tf32 where it measured
+    ahead of the generator (variants.wgmma_1x1_leads), the generator elsewhere."""
     from convforge.kernels import most_specialised
 
     spec = ConvSpec.make(*layer)

@@ -57,6 +57,33 @@ def swizzled(row: int, chunk: int, width: int) -> int:
     return chunk ^ ((row * width >> 7) % (width // 16))
 
 
+# The interleaved (unswizzled) K-major layout, layout type 0: "core matrices" of 8 rows x 16 bytes stored
+# contiguously (128 bytes each), K-adjacent core matrices LBO bytes apart, 8-row groups SBO bytes apart.
+# Only gemm1x1_wgmma_tf32 can use it (``sw=0``, off its tuning space: its wgmma reads conflict).
+CORE_BYTES = 128  # one core matrix: 8 rows x 16 bytes
+CORE_LBO = CORE_BYTES  # K-adjacent core matrices of a row group are stored one after the other
+
+
+def desc_high_interleaved() -> int:
+    """Descriptor bits above the start address of an interleaved tile of 128-byte rows: LBO, SBO,
+    base offset 0, layout type 0 (no swizzle)."""
+    return ((CORE_LBO >> 4) << 16) | ((SBO >> 4) << 32)
+
+
+def interleaved_offset(r: str, c: str) -> str:
+    """C expression: byte offset of 16-byte chunk ``c`` of row ``r`` in an interleaved tile."""
+    return f"((({r}) >> 3) * {SBO} + ({c}) * {CORE_LBO} + ((({r}) & 7) << 4))"
+
+
+def model_address_interleaved(desc: int, r: int, k: int) -> int:
+    """Shared byte address wgmma reads for row ``r``, 4-byte element ``k`` (< 8) of an interleaved
+    K-major tile: the ISA's canonical no-swizzle layout, read from the descriptor's LBO and SBO."""
+    assert desc >> 62 == 0 and 0 <= k < 8
+    start = (desc & 0x3FFF) << 4
+    lbo, sbo = ((desc >> 16) & 0x3FFF) << 4, ((desc >> 32) & 0x3FFF) << 4
+    return start + (r // 8) * sbo + (k // 4) * lbo + (r % 8) * 16 + (k % 4) * 4
+
+
 MN_STEP_ROWS = 16  # K rows of one k step of an MN-major (16-bit) tile
 
 

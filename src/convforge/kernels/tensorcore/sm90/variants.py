@@ -193,6 +193,14 @@ def _unit_3x3(spec: ConvSpec) -> bool:
     return (spec.r, spec.s, spec.stride, spec.dilation) == (3, 3, (1, 1), (1, 1))
 
 
+def wgmma_1x1_leads(spec: ConvSpec) -> bool:
+    """Where gemm1x1_wgmma_tf32 ran ahead of tc_implicit_gemm_tf32 on a plain float32 1x1 layer
+    (:func:`_plain_1x1`): C >= K on images of at least 28 x 28, where the generator's NCHW -> NHWC
+    step moves the most bytes for the least GEMM. Elsewhere (K > C, 14 x 14 and 7 x 7) the generator
+    was faster; the dgrad forms follow on the transposed problem (docs/NOTES-wgmma.md)."""
+    return spec.c >= spec.k and spec.h * spec.w >= 28 * 28
+
+
 def _plain_1x1(spec: ConvSpec) -> bool:
     """A 1x1 layer of stride 1 without padding: a GEMM over x as it lies (gemm1x1_wgmma_tf32's)."""
     return spec.r == spec.s == 1 and spec.stride == (1, 1) and not any(spec.pad)
@@ -263,8 +271,8 @@ class TcImplicitGemm(TcVariant):
 
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
         """First on sm_90 devices for TF32 and half layers (the relaxed class and half dtypes), except
-        float32 1x1 layers of stride 1 without padding, where gemm1x1_wgmma_tf32 reads x in place and
-        is faster or equal, and float32 layers of a handful of pixels
+        the float32 1x1 layers of stride 1 without padding where gemm1x1_wgmma_tf32, reading x in place,
+        was measured ahead (:func:`wgmma_1x1_leads`), and float32 layers of a handful of pixels
         (:func:`~convforge.kernels.tensorcore.sm90.isa.few_pixels`: fully-connected at a small batch), where
         the CUDA-core split-K GEMMs go first; 3xTF32 by :func:`x3_rank` where measured, else at its
         stated rank (below Winograd and gemm1x1, above implicit GEMM)."""
@@ -279,7 +287,7 @@ class TcImplicitGemm(TcVariant):
         if few_pixels(spec):
             return RANK_SM90 - 3  # below gemm_fc and gemm1x1_splitk: a weight stream (isa.few_pixels)
         if spec.dtype == "float32" and _plain_1x1(spec):
-            return RANK_SM90 - 2
+            return RANK_SM90 - 2 if wgmma_1x1_leads(spec) else RANK_SM90
         return RANK_SM90
 
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:

@@ -56,8 +56,8 @@ from convforge.kernels.gemm import elementwise, nchw_store, too_big
 from convforge.kernels.sgemm import Store
 from convforge.kernels.tensorcore.sm90 import smem
 from convforge.kernels.tensorcore.sm90.isa import ACC as ACC_LAYOUT
-from convforge.kernels.tensorcore.sm90.isa import CHUNK, KSTEP_BYTES, ROW_BYTES, TF32, device_reason, few_pixels
-from convforge.kernels.tensorcore.sm90.smem import ALIGN, MAX_SHARED, SBO
+from convforge.kernels.tensorcore.sm90.isa import KSTEP_BYTES, ROW_BYTES, TF32, device_reason, few_pixels
+from convforge.kernels.tensorcore.sm90.smem import ALIGN, MAX_SHARED
 from convforge.kernels.tensorcore.sm90.variants import TF32_EXPECTED, TF32_TOLERANCE
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
@@ -67,8 +67,7 @@ from convforge.spec import ConvSpec
 # memory limit and the TF32 error figures are the generator's.
 BK = TF32.elems(1)  # floats of K per slice: one 128-byte row per operand row
 KSTEP = TF32.k  # k of one wgmma (tf32)
-CORE = 8 * CHUNK  # bytes of an unswizzled core matrix: 8 rows x 16 bytes
-LBO = {0: CORE, 128: smem.LBO}  # bytes between K-adjacent core matrices (unused by the swizzled mode)
+LBO = {0: smem.CORE_LBO, 128: smem.LBO}  # bytes between K-adjacent core matrices (unused by the swizzled mode)
 WG_KEYS = ("bn", "wg", "st", "sw", "xl", "ep")
 XL = ("direct", "transposed")  # how x reaches the B tiles (see the module docstring)
 EP = ("smem", "regs")  # how C leaves: staged through shared memory, or from the accumulators
@@ -91,7 +90,7 @@ def chunk_offset(sw: int, r: str, c: str) -> str:
     block of wider K (one block here, always 0) and would change the generated source."""
     if sw == 128:
         return f"(({r}) * {ROW_BYTES} + ((({c}) ^ (({r}) & 7)) << 4))"
-    return f"((({r}) >> 3) * {SBO} + ({c}) * {LBO[0]} + ((({r}) & 7) << 4))"
+    return smem.interleaved_offset(r, c)
 
 
 def copy_coords(sw: int, q: str) -> tuple[str, str]:
@@ -103,11 +102,9 @@ def copy_coords(sw: int, q: str) -> tuple[str, str]:
 
 
 def desc_high(sw: int) -> int:
-    """Descriptor bits above the start address: the generator's 128-byte swizzle (smem.desc_high), or
-    for ``sw=0`` LBO, SBO, base offset 0 and swizzle mode 0 (none)."""
-    if sw == 128:
-        return smem.desc_high(ROW_BYTES)
-    return ((LBO[sw] >> 4) << 16) | ((SBO >> 4) << 32)
+    """Descriptor bits above the start address: the 128-byte swizzle's or the interleaved layout's
+    (both smem's)."""
+    return smem.desc_high(ROW_BYTES) if sw == 128 else smem.desc_high_interleaved()
 
 
 def k_step_bytes(sw: int, kk: int) -> int:
@@ -118,16 +115,12 @@ def k_step_bytes(sw: int, kk: int) -> int:
 
 def model_address(desc: int, r: int, k: int) -> int:
     """Shared byte address the hardware reads for element (row r, k) (k < 8) of a K-major
-    operand described by ``desc``: the documented canonical layouts, independent of the above
-    (the 128-byte swizzle: the generator's model, smem.model_address)."""
+    operand described by ``desc``: smem's models of the documented layouts, independent of the above."""
     mode = desc >> 62
     if mode != 0:
         assert mode == smem.MODE_128B, "only the 128-byte swizzle is modelled"
         return smem.model_address(desc, r, 4 * k)
-    start = (desc & 0x3FFF) << 4
-    lbo, sbo = ((desc >> 16) & 0x3FFF) << 4, ((desc >> 32) & 0x3FFF) << 4
-    # core matrices: 8 rows x 16 bytes, contiguous
-    return start + (r // 8) * sbo + (k // 4) * lbo + (r % 8) * 16 + (k % 4) * 4
+    return smem.model_address_interleaved(desc, r, k)
 
 
 def acc_coords(w: int, lane: int, i: int) -> tuple[int, int]:
@@ -491,11 +484,10 @@ class Gemm1x1WgmmaTF32(Variant):
 
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
         """Above gemm1x1_tf32 where x is read in place (stride 1, no padding) or C and K are both
-        >= 256; below it elsewhere: with the transpose pass and accumulator stores it lost on
-        shallow layers of large images (store-bound). xl=direct removes the transpose and ep=smem
-        makes the stores coalesced float4 rows, so all should win; predicted, not yet measured
-        (docs/NOTES-wgmma.md). Below gemm1x1_splitk on a handful of pixels (isa.few_pixels: a
-        weight stream)."""
+        >= 256; below it elsewhere (with the transpose pass it lost on shallow layers of large
+        images). On sm_90 the generator's tc_implicit_gemm_tf32 steps above it on the plain 1x1
+        layers where it measured faster (variants.wgmma_1x1_leads; docs/NOTES-wgmma.md). Below
+        gemm1x1_splitk on a handful of pixels (isa.few_pixels: a weight stream)."""
         if few_pixels(spec):
             return 10  # below gemm1x1_splitk (11): a weight stream (isa.few_pixels)
         if direct_applies(spec) or (spec.c >= 256 and spec.k >= 256):
