@@ -222,7 +222,7 @@ def test_heuristic_picks_for_resnet_dgrad(layer, family, first):
     ((32, 512, 7, 7, 2048, 1, 1), "dgrad_tc_implicit_gemm_tf32"),  # dgrad_first: C >= 512, K >= 512
     ((32, 512, 28, 28, 128, 1, 1), "dgrad_tc_implicit_gemm_tf32"),  # C >= 512, N H W >= 16384
     ((32, 1024, 14, 14, 256, 1, 1), "dgrad_tc_implicit_gemm_tf32"),  # neither: the forward's order on 256 -> 1024
-    ((32, 64, 56, 56, 256, 1, 1), "dgrad_gemm1x1_wgmma_tf32"),  # the forward's order on 256 -> 64 @ 56 (wgmma_1x1_leads)
+    ((32, 64, 56, 56, 256, 1, 1), "dgrad_gemm1x1_wgmma_tf32"),  # the forward's order on 256 -> 64 @ 56
     ((32, 128, 56, 56, 128, 3, 3, 2, 1), "dgrad_tc_strided_tf32"),
     ((32, 1024, 14, 14, 2048, 1, 1, 2), "dgrad_tc_strided_tf32"),  # above dgrad_sub_gemm1x1_wgmma_tf32
 ])

@@ -471,7 +471,8 @@ def test_scaled_fp16_leads_the_relaxed_class_on_big_layers_only() -> None:
     """Round 33 (tensorcore/sm90/variants.py ``sf16_rank``): in the relaxed class scaled FP16 goes first on
     float32 forward layers of >= 7 GFLOP where TF32's implicit GEMM led (ResNet's 3x3 layers at N32:
     7.4 GFLOP), TF32 stays first below (Inception-v3's 3x1 384 @8², 1.8 GFLOP), gemm1x1_wgmma_tf32
-    on the 1x1 layers where it leads (variants.wgmma_1x1_leads) and the TF32 direct stem on 3-channel layers; the fp32 class never takes it."""
+    on the 1x1 layers where it leads (variants.wgmma_1x1_leads) and the TF32 direct stem on 3-channel
+    layers; the fp32 class never takes it."""
     from conftest import NOMINAL_CUDA
     from convforge.kernels import most_specialised
 
