@@ -197,9 +197,9 @@ def _channel_threads(groups: int) -> int:
 
 def _half_small(spec: ConvSpec, device: DeviceInfo) -> Params | None:
     """Half storage, filters under 5x5: 4 channels a thread, the channel threads dividing K's groups,
-    about 160 threads a block, 4 x 4 outputs a thread at stride 1, 1 x 2 strided (sweep of MobileNet-v2's
-    FP16 NHWC layers on the H200: 1.2-2.0x the earlier 256-thread, 2 x 4 / 1 x 4 tiles); None where that
-    tile does not fit."""
+    about 160 threads a block, 4 x 4 outputs a thread at stride 1, 1 x 2 strided (faster than 256-thread,
+    2 x 4 / 1 x 4 tiles on MobileNet-v2's FP16 NHWC layers: docs/NOTES-gemm.md); None where that tile
+    does not fit."""
     if spec.eff_r * spec.eff_s >= 25 or spec.k % 4:
         return None
     bc = _channel_threads(spec.k // 4)

@@ -27,9 +27,8 @@ every program on it still cached, does nothing here.
 
 ``prepare_on_first_call`` (prepare.py) runs it on a fused or converted model's first forward in
 training mode with gradients enabled on CUDA tensors, under ``config.train_ahead``
-(``CONVFORGE_TRAIN_AHEAD``, on by default: on an H200 a fused ResNet-50's first BF16 AMP step with
-every cache empty took 44 s with the backward's programs compiled ahead and 87 s without;
-docs/BENCHMARKS.md, "First call").
+(``CONVFORGE_TRAIN_AHEAD``, on by default: a cold first step compiles its programs on threads instead of
+one after another as the step reaches them; docs/BENCHMARKS.md, "First call").
 """
 
 from __future__ import annotations
