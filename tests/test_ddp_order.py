@@ -132,6 +132,7 @@ CORE_PATHS = ["launch_all", "capturing"]
 # Python: (module file, "Class.method" or function): the nodes' backward and the launchers they use
 PY_PATHS = [("torch/ops.py", "_Conv2dFn.backward"), ("torch/batchnorm.py", "_BnAct.backward"),
             ("torch/conv_relu.py", "_ConvRelu.backward"), ("torch/conv_relu.py", "_masked_grad"),
+            ("torch/conv_relu.py", "_masked_grad_half"),
             ("torch/conv_relu.py", "_RowsBackward.__call__"), ("backends/cuda.py", "RawLaunches.__call__"),
             ("backends/cuda.py", "CudaExecutable.launch_raw"), ("frontends/torch_run.py", "torch_pass_runner"),
             ("frontends/torch_run.py", "torch_stream_queries")]

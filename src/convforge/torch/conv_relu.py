@@ -8,9 +8,12 @@ dgrad and wgrad and sums it for the bias: two passes over the activation fewer, 
 Where both passes are tensor-core plans that transpose the gradient first (``config.grad_rows``), the
 kernel writes it straight into their GEMMs' operand layouts instead (``kernels/tensorcore/sm90/gradrows.py``:
 :class:`_RowsBackward`), and the passes run without their transposes: three passes fewer again.
-``FusedConv2d`` (conv -> ReLU, no batch norm, no residual) takes it in training where :func:`takes`
-says so; anything else (half or autocast, ``torch.compile`` tracing, ``config.train_bn`` off, a layer
-no convforge variant runs) keeps the unfused path.
+Half layers and autocast regions (float16, bfloat16; NCHW or channels_last, which stays so) take the same
+node: the forward applies bias and ReLU in its epilogue, the backward masks the gradient and sums it for the
+bias in PyTorch's elementwise ops, then runs the half dgrad and wgrad ops; the fused pass-writing kernels are
+float32 NCHW only. ``FusedConv2d`` (conv -> ReLU, no batch norm, no residual) takes it in training where
+:func:`takes` says so; anything else (``torch.compile`` tracing, ``config.train_bn`` off, a half layer handed
+back to PyTorch, a layer no convforge variant runs) keeps the unfused path.
 """
 
 from __future__ import annotations
@@ -28,19 +31,25 @@ from convforge.frontends import fast_path
 from convforge.spec import ConvSpec
 
 _F32 = torch.float32
+_HALF = (torch.float16, torch.bfloat16)
 _PROGRAMS: dict[tuple[int, int, int, int], tuple[Any, int, Any]] = {}  # (n, k, pq, device) -> (launcher, slices,
 # torch's raw-stream query)
 
 
 def takes(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, padding_mode: str) -> bool:
-    """Whether :func:`conv_relu` may run this training call: CUDA float32 4-D input and filters (and
-    bias) on one device, zero padding, outside autocast and torch.compile tracing, ``config.train_bn``."""
+    """Whether :func:`conv_relu` may run this training call: CUDA 4-D input and filters (and bias) of one
+    dtype (float32, float16 or bfloat16) on one device, or float32 ones in a float16 / bfloat16 autocast
+    region (the caller casts them: :func:`convforge.torch.modules.compute_dtype`); zero padding, outside
+    torch.compile tracing, ``config.train_bn``."""
     if not (config.train_bn and padding_mode == "zeros" and isinstance(x, torch.Tensor) and x.is_cuda
-            and x.dtype == _F32 and x.dim() == 4 and w.dtype == _F32 and w.device == x.device):
+            and x.dim() == 4 and w.device == x.device and (b is None or b.device == x.device)):
         return False
-    if b is not None and not (b.dtype == _F32 and b.device == x.device):
+    if torch.compiler.is_compiling():
         return False
-    return not (torch.is_autocast_enabled() or torch.compiler.is_compiling())
+    from convforge.torch.modules import compute_dtype
+
+    dt = compute_dtype(x, w)
+    return dt is not None and (b is None or b.dtype == w.dtype)
 
 
 def conv_relu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, conv: tuple[Any, ...]) -> torch.Tensor | None:
@@ -48,8 +57,11 @@ def conv_relu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, conv: tu
     quad, dilation, algo, precision, max_error, groups) as lists and values. None where no convforge
     variant runs the layer with ``algo`` "auto" (the caller then runs its unfused path, whose op
     logs the fallback once); such a layer is remembered and not tried again."""
-    tag = (tuple(x.shape), tuple(w.shape), x.device, *map(_frozen, conv))
+    tag = (tuple(x.shape), tuple(w.shape), x.device, x.dtype, *map(_frozen, conv))
     if tag in _REFUSED:
+        return None
+    if x.dtype in _HALF and _handed_back(x, w, conv):
+        _REFUSED.add(tag)
         return None
     try:
         return _ConvRelu.apply(x, w, b, conv)  # type: ignore[no-any-return]
@@ -65,6 +77,15 @@ _REFUSED: set[tuple[Any, ...]] = set()
 
 def _frozen(v: Any) -> Any:
     return tuple(v) if isinstance(v, list) else v
+
+
+def _handed_back(x: torch.Tensor, w: torch.Tensor, conv: tuple[Any, ...]) -> bool:
+    """Whether a half layer's forward goes to PyTorch (``ops.handed_back``: no fast variant serves it)."""
+    from convforge.torch.ops import _slow_call, channels_last
+
+    stride, pad, dil, algo, precision, max_error, groups = conv
+    return _slow_call("fprop", x.shape, w.shape, stride, pad, dil, groups, x.dtype, channels_last(x),
+                      x.device.index or 0, algo, precision, max_error) is not None
 
 
 def _forward_conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, conv: tuple[Any, ...]) -> Any:
@@ -85,7 +106,10 @@ class _ConvRelu(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,  # type: ignore[override]
                 conv: tuple[Any, ...]) -> torch.Tensor:
-        z = _forward_conv(x.contiguous(), w.contiguous(), b, conv)
+        from convforge.torch.ops import activation
+
+        xa = x.contiguous() if x.dtype == _F32 else activation(x)  # a half channels_last x stays NHWC
+        z = _forward_conv(xa, w.contiguous(), b, conv)
         ctx.save_for_backward(x, w, z)
         ctx.conv, ctx.has_bias = conv, b is not None
         return z  # type: ignore[no-any-return]
@@ -98,17 +122,28 @@ class _ConvRelu(torch.autograd.Function):
         x, w, z = ctx.saved_tensors
         stride, pad, dil, algo, precision, max_error, groups = ctx.conv
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        rows = _rows_backward(x, w, z, ctx.conv, need_x, need_w) if need_x or need_w else None
+        half = z.dtype != _F32
+        rows = _rows_backward(x, w, z, ctx.conv, need_x, need_w) if (need_x or need_w) and not half else None
         if rows is not None:
             gx, gw, gb = rows(gz, x, w, z)
             return gx, gw, gb if ctx.has_bias and ctx.needs_input_grad[2] else None, None
-        gm, gb = _masked_grad(gz, z)
+        gm, gb = _masked_grad_half(gz, z, x) if half else _masked_grad(gz, z)
         gx = gw = None
         if ctx.needs_input_grad[0]:
             gx = INPUT_OP(list(x.shape), w, gm, stride, pad, dil, groups, algo, precision, max_error)
         if ctx.needs_input_grad[1]:
             gw = WEIGHT_OP(x, list(w.shape), gm, stride, pad, dil, groups, algo, precision, max_error)
         return gx, gw, gb if ctx.has_bias and ctx.needs_input_grad[2] else None, None
+
+
+def _masked_grad_half(gz: torch.Tensor, z: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gz where z > 0 else 0, in x's memory format; its sum per channel, summed in float32, in z's dtype):
+    PyTorch's elementwise ops (the one-kernel form is float32 NCHW)."""
+    from convforge.torch.ops import channels_last
+
+    fmt = torch.channels_last if channels_last(x) else torch.contiguous_format
+    gm = gz.masked_fill(z <= 0, 0).contiguous(memory_format=fmt)
+    return gm, gm.sum((0, 2, 3), dtype=_F32).to(z.dtype)
 
 
 def _masked_grad(gz: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -290,10 +290,14 @@ class FusedConv2d(Conv2d):
 
     def _conv_relu(self, x: torch.Tensor) -> torch.Tensor | None:
         """conv -> ReLU in training on convforge's kernels (torch/conv_relu.py), or None (the
-        unfused path runs: inference, half, autocast, tracing, a layer convforge does not run)."""
+        unfused path runs: inference, tracing, a layer convforge does not run). In an autocast region
+        the input, filters and bias are cast to its dtype first (differentiably, as autocast casts)."""
         w, b = _weight_bias(self)
         if not (_GRAD() and w is not None and w.requires_grad and conv_relu.takes(x, w, b, self.padding_mode)):
             return None
+        dt = compute_dtype(x, w)
+        if dt is not None and dt != w.dtype:
+            x, w, b = x.to(dt), self._cast(w, dt), None if b is None else self._cast(b, dt)
         return conv_relu.conv_relu(x, w, b, (list(self.stride), list(padding_quad(self)), list(self.dilation),
                                              self.algo, self.precision, self.max_error, self.groups))
 
