@@ -30,6 +30,7 @@ What runs on it:
     dgrad_grouped  strided dgrad of grouped half layers: each phase's GEMM batched over the (packed) groups
     gradrows   the masked gradient of a conv -> ReLU node written in the backward GEMMs' operand layouts
 
-Outside the generator: ``wgmma_1x1``, the first wgmma 1x1 GEMM (its own pipeline), which reads NCHW x in
-place without a conversion pass.
+Outside the generator: ``wgmma_1x1``, the first wgmma 1x1 GEMM (its own pipeline, the generator's ``smem``
+and ``isa`` facts), which reads NCHW x in place without a conversion pass; first only where that pays
+(``variants.wgmma_1x1_leads``).
 """
