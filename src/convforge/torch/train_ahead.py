@@ -9,8 +9,9 @@ caller's autocast; each convforge layer records its input's shape, compute dtype
 the programs the step will build are predicted and compiled on a pool of threads
 (``Backend.compile_ahead``), so the step finds them built:
 
-- every layer's forward (without a bias: a biased forward's epilogue is left to the step), dgrad (not of
-  the model's own input, which needs none) and wgrad, chosen as ``convforge.grad`` and the conv op choose
+- every layer's forward with the epilogue its training call runs (a bias; bias and ReLU for a conv -> ReLU
+  node, torch/conv_relu.py; a fused block's conv, whose batch norm follows, without a bias only), dgrad (not
+  of the model's own input, which needs none) and wgrad, chosen as ``convforge.grad`` and the conv op choose
   them (``dispatch.choose``, the NHWC plans first for channels-last activations);
 - for a fused block whose batch norm trains on convforge's kernels (``FusedConv2d``, torch/batchnorm.py):
   the batch norm's program of its first call, and, under ``config.bn_stats``, the block's conv with the
@@ -67,6 +68,7 @@ class LayerCall:
     max_error: float | None
     has_bias: bool = False
     block: Any = None  # (module, batch norm, residual?, ReLU?) of a fused block whose batch norm trains, else None
+    relu_node: bool = False  # the layer trains as a conv -> ReLU node (its forward's epilogue applies the ReLU)
 
 
 def compile_training_ahead(model: torch.nn.Module, *example: Any, **example_kwargs: Any) -> int:
@@ -105,8 +107,9 @@ def _call_work(call: LayerCall, seen: set[Any]) -> list[Any]:
     out: list[Any] = []
     if conv not in seen:
         seen.add(conv)
-        passes = ("fprop",) * (not call.has_bias) + (("dgrad", "wgrad") if call.needs_dgrad else ("wgrad",))
-        out += [w for w in (_pass_work(call, p) for p in passes) if w is not None]
+        fwd = _forward_epilogue(call)
+        passes = ("fprop",) * (fwd is not None) + (("dgrad", "wgrad") if call.needs_dgrad else ("wgrad",))
+        out += [w for w in (_pass_work(call, p, fwd) for p in passes) if w is not None]
     return out + _block_work(call, seen)
 
 
@@ -157,13 +160,17 @@ def _layer_call(m: Conv2d, x: torch.Tensor, needs_dgrad: bool, res: Any = None,
     dt = compute_dtype(x, w)
     if dt is None or not x.is_cuda or x.dim() != 4 or not w.is_cuda or m.padding_mode != "zeros":
         return None
+    from convforge.config import config
     from convforge.torch.ops import channels_last
 
     bn = getattr(m, "_cf_bn", None)
-    block = (m, bn, res is not None, bool(getattr(m, "_cf_relu", False))) if id(bn) in held else None
+    relu = bool(getattr(m, "_cf_relu", False))
+    block = (m, bn, res is not None, relu) if id(bn) in held else None
+    node = (relu and bn is None and res is None and not getattr(m, "_cf_residual", False) and config.train_bn
+            and w.requires_grad)  # FusedConv2d._conv_relu's conditions (torch/conv_relu.py)
     return LayerCall(tuple(x.shape), tuple(w.shape), tuple(m.stride), padding_quad(m), tuple(m.dilation), m.groups,
                      dt, channels_last(x), x.device.index or 0, needs_dgrad, m.algo, m.precision, m.max_error,
-                     m.bias is not None, block)
+                     m.bias is not None, block, node)
 
 
 def _block_work(call: LayerCall, seen: set[Any]) -> list[Any]:
@@ -283,9 +290,20 @@ def _write_manifest(manifest: Path, be: Any, work: dict[str, Any]) -> None:
         log.debug("convforge: could not write %s (%s)", manifest, err)
 
 
-def _pass_work(call: LayerCall, conv_pass: str) -> Any:
-    """The program ``convforge.grad`` would build for ``call``'s ``conv_pass`` (its ``Work``), or None
-    where PyTorch runs that pass or nothing applies."""
+def _forward_epilogue(call: LayerCall) -> Any:
+    """The epilogue of ``call``'s forward program in its training step, or None where it is not predicted
+    (a fused block's conv with a bias: the block's own path decides)."""
+    from convforge.plan import Epilogue
+
+    if call.block is not None:
+        return None if call.has_bias else Epilogue()
+    return Epilogue(call.has_bias, call.relu_node)
+
+
+def _pass_work(call: LayerCall, conv_pass: str, epilogue: Any = None) -> Any:
+    """The program ``convforge.grad`` (or, for the forward, the conv op or the conv -> ReLU node) would
+    build for ``call``'s ``conv_pass`` with ``epilogue`` (None: none), as its ``Work``; None where PyTorch
+    runs that pass or nothing applies."""
     from convforge import dispatch
     from convforge.backends import get_backend
     from convforge.backends.base import plan_work
@@ -311,9 +329,10 @@ def _pass_work(call: LayerCall, conv_pass: str) -> Any:
     for layout in layouts:
         s = dataclasses.replace(spec, layout=layout)
         try:
-            ch = dispatch.choose(s, be, Epilogue(), algo=call.algo, precision=call.precision,
+            epi = epilogue if epilogue is not None else Epilogue()
+            ch = dispatch.choose(s, be, epi, algo=call.algo, precision=call.precision,
                                  max_error=call.max_error, workspace_limit=limit)
-            return plan_work(ch.variant.plan_for(s, ch.params, be.device, Epilogue()), be.name)
+            return plan_work(ch.variant.plan_for(s, ch.params, be.device, epi), be.name)
         except ValueError as err:
             log.debug("convforge: no %s program to compile ahead for %s (%s)", conv_pass, s.short(), err)
     return None
