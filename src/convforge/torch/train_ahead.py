@@ -109,7 +109,7 @@ def _call_work(call: LayerCall, seen: set[Any]) -> list[Any]:
         seen.add(conv)
         fwd = _forward_epilogue(call)
         passes = ("fprop",) * (fwd is not None) + (("dgrad", "wgrad") if call.needs_dgrad else ("wgrad",))
-        out += [w for w in (_pass_work(call, p, fwd) for p in passes) if w is not None]
+        out += [w for w in (_pass_work(call, p, fwd if p == "fprop" else None) for p in passes) if w is not None]
     return out + _block_work(call, seen)
 
 
