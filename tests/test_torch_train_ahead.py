@@ -1,7 +1,8 @@
 """``convforge.torch.train_ahead``: a training step's kernels compiled ahead. On the CPU: the
 recording pass of a fused model in training mode computes what the model computes, moves no running
 statistic, leaves every batch norm in training mode and the forwards as they were, and records no
-CPU layer; the first-call hook stays quiet on CPU inputs and without gradients. On a GPU (tier
+CPU layer; the first-call hook stays quiet on CPU inputs and without gradients; each pass is predicted
+with its own epilogue. On a GPU (tier
 ``gpu``): a fused ResNet-18's AMP step compiles ahead the programs its forward and backward then find
 built: its convs' forward, dgrad and wgrad, its batch norms' and the blocks' statistics convs (none
 built in the step, none built twice), a second call finds them listed and records nothing, and the
@@ -110,3 +111,27 @@ def test_step_programs_are_built_ahead(gpu, monkeypatch: pytest.MonkeyPatch, tmp
             missed = [src.splitlines()[0] for src in built]
             assert not missed, f"the step built {len(missed)} programs train_ahead did not predict: {missed[:8]}"
     assert losses[0] == losses[1]
+
+
+def test_each_pass_is_predicted_with_its_own_epilogue(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The forward's program with the epilogue its training call runs (a bias; bias and ReLU for a conv ->
+    ReLU node; a fused block's conv without a bias only), dgrad and wgrad with none."""
+    from convforge.plan import Epilogue
+
+    ta = sys.modules["convforge.torch.train_ahead"]
+    asked: list[tuple[str, object]] = []
+    monkeypatch.setattr(ta, "_pass_work", lambda call, p, epi=None: asked.append((p, epi)))
+    monkeypatch.setattr(ta, "_block_work", lambda call, seen: [])
+    base = dict(x_shape=(2, 8, 9, 9), w_shape=(16, 8, 3, 3), stride=(1, 1), pad=(1, 1, 1, 1), dilation=(1, 1),
+                groups=1, dtype=torch.float16, channels_last=True, device=0, needs_dgrad=True, algo="auto",
+                precision=None, max_error=None)
+    cases = [(dict(has_bias=True, relu_node=True), Epilogue(True, True)),
+             (dict(has_bias=True), Epilogue(True, False)),
+             (dict(), Epilogue()),
+             (dict(block=("m", "bn", False, True)), Epilogue()),
+             (dict(has_bias=True, block=("m", "bn", False, True)), None)]
+    for extra, fwd in cases:
+        asked.clear()
+        ta._call_work(ta.LayerCall(**base, **extra), set())
+        want = ([("fprop", fwd)] if fwd is not None else []) + [("dgrad", None), ("wgrad", None)]
+        assert asked == want, (extra, asked)
