@@ -255,7 +255,7 @@ class FusedConv2d(Conv2d):
         batch norm's P partial sums in its epilogue (``config.bn_stats``; a variant with ``plan_stats``:
         tensor-core NHWC forwards), or None: the batch norm reads y for its statistics. Any failure here only
         costs the speed-up (logged)."""
-        if not config.bn_stats or y.dim() != 4 or not y.is_contiguous(memory_format=torch.channels_last):
+        if y.dim() != 4 or not self.stats_conv_wanted(y.is_contiguous(memory_format=torch.channels_last)):
             return None
         try:
             found = self.stats_plan(tuple(x.shape), tuple(w.shape), dt, x.device.index or 0)
@@ -268,6 +268,13 @@ class FusedConv2d(Conv2d):
             log.info("convforge: the batch norm after the conv of %s x %s computes its own statistics (%s)",
                      tuple(x.shape), tuple(w.shape), err)
             return None
+
+    def stats_conv_wanted(self, channels_last: bool) -> bool:
+        """Whether this block's conv writes its batch norm's partial sums in training: the C++ block node
+        (``config.native_block``) with ``config.bn_stats``, no conv bias, zero padding and a channels-last
+        output. The one place :meth:`_file_block` and torch/train_ahead.py read it from."""
+        return (config.bn_stats and config.native_block and channels_last and self.padding_mode == "zeros"
+                and read_tensor(self, "_parameters", "bias") is None)
 
     def stats_plan(self, x_shape: tuple[int, ...], w_shape: tuple[int, ...], dt: torch.dtype,
                    device: int) -> tuple[Any, int, ConvSpec] | None:

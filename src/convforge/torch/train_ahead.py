@@ -194,8 +194,7 @@ def _block_work(call: LayerCall, seen: set[Any]) -> list[Any]:
         work = [] if key in seen else [bn_train.program_work(key)]
         seen.add(key)
         stats = ("stats", dataclasses.replace(call, block=None), key)
-        if (config.bn_stats and config.native_block and call.channels_last and not call.has_bias
-                and stats not in seen):
+        if stats not in seen and m.stats_conv_wanted(call.channels_last):
             seen.add(stats)
             found = m.stats_plan(call.x_shape, call.w_shape, call.dtype, call.device)
             if found is not None:
