@@ -127,7 +127,8 @@ class _ConvRelu(torch.autograd.Function):
         if rows is not None:
             gx, gw, gb = rows(gz, x, w, z)
             return gx, gw, gb if ctx.has_bias and ctx.needs_input_grad[2] else None, None
-        gm, gb = _masked_grad_half(gz, z, x) if half else _masked_grad(gz, z)
+        need_b = ctx.has_bias and ctx.needs_input_grad[2]
+        gm, gb = _masked_grad_half(gz, z, x, need_b) if half else _masked_grad(gz, z)
         gx = gw = None
         if ctx.needs_input_grad[0]:
             gx = INPUT_OP(list(x.shape), w, gm, stride, pad, dil, groups, algo, precision, max_error)
@@ -136,14 +137,15 @@ class _ConvRelu(torch.autograd.Function):
         return gx, gw, gb if ctx.has_bias and ctx.needs_input_grad[2] else None, None
 
 
-def _masked_grad_half(gz: torch.Tensor, z: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(gz where z > 0 else 0, in x's memory format; its sum per channel, summed in float32, in z's dtype):
-    PyTorch's elementwise ops (the one-kernel form is float32 NCHW)."""
+def _masked_grad_half(gz: torch.Tensor, z: torch.Tensor, x: torch.Tensor,
+                      need_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(gz where z > 0 else 0, in x's memory format; where ``need_bias``, its sum per channel, summed in
+    float32, in z's dtype, else None): PyTorch's elementwise ops (the one-kernel form is float32 NCHW)."""
     from convforge.torch.ops import channels_last
 
     fmt = torch.channels_last if channels_last(x) else torch.contiguous_format
     gm = gz.masked_fill(z <= 0, 0).contiguous(memory_format=fmt)
-    return gm, gm.sum((0, 2, 3), dtype=_F32).to(z.dtype)
+    return gm, gm.sum((0, 2, 3), dtype=_F32).to(z.dtype) if need_bias else None
 
 
 def _masked_grad(gz: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
