@@ -302,8 +302,31 @@ class Tile:
         return 1
 
     @property
+    def skew(self) -> int:
+        """Floats by which each ``cv``-channel chunk's planes are shifted in shared memory (NHWC, 8-channel
+        loads): the chunks of one pixel a warp's tile stores write then start in distinct banks (bc=32:
+        8, bc=16: 16, bc=64: 4), so the stores are conflict-free (without it 4-, 2- and 8-way); 0 where
+        the stores already are, or the shift would break the rows' 16-byte alignment. A read phase of
+        8 lanes stays in one chunk, so the float4 reads are unchanged."""
+        u = self.cv
+        if u != 8:
+            return 0
+        skew = (32 * u // self.bc) % 32
+        return skew if skew % 4 == 0 else 0
+
+    def base(self, ch: str) -> str:
+        """The shared-memory offset of channel ``ch``'s (a name or expression) tile."""
+        c = ch if ch.isidentifier() else f"({ch})"
+        return f"{c} * {self.plane}" + (f" + {c} / {self.cv} * {self.skew}" if self.skew else "")
+
+    @property
+    def tile_floats(self) -> int:
+        """The input tiles' floats in shared memory, skewed chunks included."""
+        return self.bc * self.plane + (self.bc // self.cv) * self.skew
+
+    @property
     def smem_bytes(self) -> int:
-        return 4 * self.bc * (self.plane + (self.st.r * self.st.s if self.st.big else 0))
+        return 4 * (self.tile_floats + (self.bc * self.st.r * self.st.s if self.st.big else 0))
 
     @property
     def grid(self) -> tuple[int, int, int, int]:
@@ -351,7 +374,8 @@ def _head(code: Code, t: Tile) -> None:
          f"const int y0 = p0 * {st.stride[0]} - {st.pad_t}, x0 = q0 * {st.stride[1]} - {st.pad_l};",
          f"const int c = c0 + lc, cw = min(c, {st.groups - 1});  // cw: clamped, filter reads stay in bounds")
     what = f"{t.bc} x {t.ih} x {t.iw} input tiles with halo" + (f", {t.plane} floats apart" if st.nhwc else "")
-    code(f"SHARED float4 xs4[{cdiv(t.bc * t.plane, 4)}];  // {what}",
+    what += f", chunks of {t.cv} skewed {t.skew}" if t.skew else ""
+    code(f"SHARED float4 xs4[{cdiv(t.tile_floats, 4)}];  // {what}",
          "LOCAL_PTR float* xs = (LOCAL_PTR float*)xs4;")
     if st.big:
         code(f"SHARED float ws[{t.bc * st.r * st.s}];  // the block's {st.r}x{st.s} filters")
@@ -467,7 +491,8 @@ def _load_nhwc(code: Code, t: Tile, j: str) -> None:
             guard = guarded(it)
             with code.block(f"if (t{it} < {total})" if guard else ""):
                 for e in range(u):
-                    code(f"xs[(ci{it} + {e}) * {t.plane} + row{it} * {t.iw} + col{it}] = {_lane(f'v{it}', u, e)};")
+                    at = f"{t.base(f'ci{it}')} + {e * t.plane} + row{it} * {t.iw} + col{it}"
+                    code(f"xs[{at}] = {_lane(f'v{it}', u, e)};")
 
 
 def _load(code: Code, t: Tile, j: str) -> None:
@@ -547,7 +572,7 @@ def _row_values(code: Code, t: Tile, row: int | str) -> None:
 
 def _thread_tile(code: Code, t: Tile) -> None:
     st = t.st
-    code(f"const LOCAL_PTR float* xt = xs + lc * {t.plane} + ly * {t.tp * st.stride[0] * t.iw} "
+    code(f"const LOCAL_PTR float* xt = xs + {t.base('lc')} + ly * {t.tp * st.stride[0] * t.iw} "
          f"+ lx * {t.tq * st.stride[1]};")
 
 
@@ -766,7 +791,9 @@ def _special_default(st: Stencil, device: DeviceInfo) -> Params | None:
     memory; such layers are compute-bound, the strided loads a small share). Phases: tp x tq
     super-pixels making 4 (float32) or 8 (half) dx columns and about 2 dx rows a thread (one 16-byte
     store a row). NHWC: 32 channels (a warp, channel-vectorised loads) by a few pixel tiles, 256
-    threads."""
+    threads; in half storage 4 output rows a thread at stride 1 on planes of 14 rows and more, and 16
+    channels (128 threads) where 32 do not divide the channels or the filter is larger than 3x3 (the
+    FP16 sweep of MobileNet-v2's and ConvNeXt-T's layers, docs/NOTES-half.md)."""
     half = st.sto.half
     if st.phases:
         sh, sw = st.out_step
@@ -777,12 +804,16 @@ def _special_default(st: Stencil, device: DeviceInfo) -> Params | None:
     elif st.nhwc:
         tq = 4 if st.wo >= 6 else 2 if st.wo >= 2 else 1
         tp = 4 if st.eff_r >= 7 and st.ho >= 28 else 2 if st.ho >= 6 else 1
+        if half and st.stride == (1, 1) and st.ho >= 14:
+            tp = 4
     else:
         return None
     if st.nhwc and not st.big:
         bc = min(32, st.groups)
         bq = _fit(st.wo, tq, max(1, 256 // bc // 2))
         bp = _fit(st.ho, tp, max(1, 256 // (bc * bq)))
+        if half and bc == 32 and (st.groups % 32 or st.eff_r > 3):
+            bc = 16  # half the channels on the same pixels: no idle half chunk; larger filters' halos fit more blocks
     else:
         bq = _fit(st.wo, tq, 16)
         bp = _fit(st.ho, tp, max(1, 128 // bq))
