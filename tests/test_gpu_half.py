@@ -193,8 +193,9 @@ def test_autocast_runs_our_kernels_and_casts_filters_once(gpu, monkeypatch) -> N
 
 
 # -- the graph runtime on CUDA ------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["googlenet", "resnet50"])
 @pytest.mark.parametrize("dtype", HALF)
-def test_network_half_on_cuda(cuda, dtype: str) -> None:
+def test_network_half_on_cuda(cuda, dtype: str, name: str) -> None:
     """GoogLeNet and ResNet-50 (random weights, 96 x 96) stored in the dtype, logits against the
     float64 executor on the same rounded input: within 2x PyTorch's error in the same dtype (its
     .half() / .bfloat16() eager run of the same graph), or 4x the per-layer tolerance where that is
@@ -207,18 +208,17 @@ def test_network_half_on_cuda(cuda, dtype: str) -> None:
     from convforge.graph.build import compile, load_model
     from convforge.graph.reference import run_reference
 
-    for name in ("googlenet", "resnet50"):
-        g = load_model(name, input_size=96)
-        logits = g.producer(g.outputs[0]).inputs[0]  # before the softmax
-        g.outputs = [logits]
-        net = compile(g, batch=2, backend="cuda", dtype=dtype)
-        x = np.random.default_rng(0).standard_normal(net.shapes[g.input].shape).astype(np.float32)
-        out = net(x)
-        x1 = rounded(x, dtype)[:1]
-        ref = run_reference(g.with_batch(1), x1)[logits]
-        theirs = torch_reference.forward_fn(g.with_batch(1), x1, "cuda", dtype)().float().cpu().numpy()
-        ours, yardstick = rel_l2(out[logits][:1], ref), rel_l2(theirs, ref)
-        assert ours < max(4 * HALF_TOLERANCE[dtype], 2 * yardstick), (name, ours, yardstick)
+    g = load_model(name, input_size=96)
+    logits = g.producer(g.outputs[0]).inputs[0]  # before the softmax
+    g.outputs = [logits]
+    net = compile(g, batch=2, backend="cuda", dtype=dtype)
+    x = np.random.default_rng(0).standard_normal(net.shapes[g.input].shape).astype(np.float32)
+    out = net(x)
+    x1 = rounded(x, dtype)[:1]
+    ref = run_reference(g.with_batch(1), x1)[logits]
+    theirs = torch_reference.forward_fn(g.with_batch(1), x1, "cuda", dtype)().float().cpu().numpy()
+    ours, yardstick = rel_l2(out[logits][:1], ref), rel_l2(theirs, ref)
+    assert ours < max(4 * HALF_TOLERANCE[dtype], 2 * yardstick), (name, ours, yardstick)
 
 
 # -- bench: the half baselines and the tensor-core ceilings ----------------------------------------
