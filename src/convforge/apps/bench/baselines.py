@@ -314,7 +314,7 @@ def _gpu_baselines(spec: ConvSpec, timing: Timing, with_cudnn: bool,
             out.append(_torch_variant("torch-pick-cl", "cudnn.benchmark pick, channels_last", "fp32", spec, cl, ref,
                                       timing))
         if with_cudnn and "fp32" in classes:
-            out += cudnn.all_algorithms(spec, sets, ref, timing, math="fma", layout=layout)
+            out += cudnn.all_algorithms(spec, sets, ref, timing, math="fma", layout=layout, bound_ms=_fastest_ms(out))
         set_flags(tf32=False, enabled=False)
         out.append(_torch_variant("im2col+cublas", "torch, cuDNN off", "fp32", spec, sets, ref, timing))
         set_flags(tf32=True)
@@ -324,7 +324,8 @@ def _gpu_baselines(spec: ConvSpec, timing: Timing, with_cudnn: bool,
             out.append(_torch_variant("torch-tf32-cl", "cudnn.benchmark pick, TF32, channels_last", "tf32", spec, cl,
                                       ref, timing))
         if with_cudnn and "relaxed" in classes:
-            out += cudnn.all_algorithms(spec, sets, ref, timing, math="default", layout=layout)
+            out += cudnn.all_algorithms(spec, sets, ref, timing, math="default", layout=layout,
+                                        bound_ms=_fastest_ms(out, "tf32"))
         set_flags(tf32=False)
         if spec.conv_pass == "fprop":  # half-precision context: the forward pass only
             cl = torch.channels_last
@@ -334,6 +335,13 @@ def _gpu_baselines(spec: ConvSpec, timing: Timing, with_cudnn: bool,
     bests = [b for b in (best_fp32(out) if "fp32" in classes else None,
                          best_tf32(out) if "relaxed" in classes else None) if b is not None]
     return bests + out
+
+
+def _fastest_ms(rows: list[BaselineResult], precision: str | None = None) -> float | None:
+    """The fastest time among ``rows`` (of ``precision`` where given) that ran, None where none did: the
+    bound below which the cuDNN algorithms that follow are timed in full (``measured.time_cuda``)."""
+    times = [r.time_ms for r in rows if r.time_ms is not None and (precision is None or r.precision == precision)]
+    return min(times) if times else None
 
 
 def _channels_last_sets(spec: ConvSpec, sets: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
@@ -367,8 +375,10 @@ def _half_baselines(spec: ConvSpec, timing: Timing, with_cudnn: bool) -> list[Ba
         out.append(_torch_variant(f"torch-{tag}-cl", "cudnn.benchmark pick, channels_last", tag, spec, cl, ref,
                                   timing))
         if with_cudnn:
-            out += cudnn.all_algorithms(spec, sets, ref, timing, math="tensor_op", dtype=spec.dtype)
-            out += cudnn.all_algorithms(spec, cl, ref, timing, math="tensor_op", dtype=spec.dtype, layout="nhwc")
+            bound = _fastest_ms(out)
+            out += cudnn.all_algorithms(spec, sets, ref, timing, math="tensor_op", dtype=spec.dtype, bound_ms=bound)
+            out += cudnn.all_algorithms(spec, cl, ref, timing, math="tensor_op", dtype=spec.dtype, layout="nhwc",
+                                        bound_ms=bound)
     best = best_half(out, spec.dtype)
     return ([best] if best is not None else []) + out
 

@@ -179,7 +179,7 @@ def _descriptors_of(d: _Descriptors, conv_pass: str) -> tuple[tuple[Any, Any, An
 
 
 def _one(api: _Api, d: _Descriptors, row: str, algo: int, spec: ConvSpec, sets: list[tuple[Any, Any]],
-         ref: Any, timing: Timing) -> BaselineResult:
+         ref: Any, timing: Timing, bound_ms: float | None = None) -> BaselineResult:
     """One algorithm of ``spec``'s pass: its workspace, one checked call, then the timed calls
     rotating over ``sets`` (the pass's two inputs: x, w for fprop; dy, w for dgrad; x, dy for wgrad)."""
     import torch
@@ -211,7 +211,7 @@ def _one(api: _Api, d: _Descriptors, row: str, algo: int, spec: ConvSpec, sets: 
         return BaselineResult(name, row, prec, None, ws.value, status=api.error(status))
     err = rel_err(out.float(), ref)
     it = cycle(sets)
-    ms = time_cuda(lambda: call(*next(it)), timing)
+    ms = time_cuda(lambda: call(*next(it)), timing, bound_ms)
     if d.math == "fma refused":
         return BaselineResult(name, row, "tf32?", ms, ws.value, err,
                               "ok (FMA math refused: default math, TF32 possible; not an FP32 candidate)")
@@ -219,12 +219,15 @@ def _one(api: _Api, d: _Descriptors, row: str, algo: int, spec: ConvSpec, sets: 
 
 
 def all_algorithms(spec: ConvSpec, sets: list[tuple[Any, Any]], ref: Any, timing: Timing,
-                   math: str = "fma", dtype: str = "float32", layout: str = "nchw") -> list[BaselineResult]:
+                   math: str = "fma", dtype: str = "float32", layout: str = "nchw",
+                   bound_ms: float | None = None) -> list[BaselineResult]:
     """Each legacy algorithm of ``spec``'s pass (8 forward, 6 backward data, 6 backward filter) in
     ``math`` ("fma": FP32 rows ``cudnn:ALGO``; "default": TF32-permitted rows ``cudnn-tf32:ALGO``;
     "tensor_op": ``dtype`` (float16, bfloat16) rows ``cudnn-fp16:ALGO`` / ``cudnn-fp16-nhwc:ALGO`` on
     ``layout`` tensors, ``sets`` of that dtype and memory format), timed, or with the status that
-    stopped it. ``sets``: the pass's two inputs, as ``_one`` takes them."""
+    stopped it. ``sets``: the pass's two inputs, as ``_one`` takes them; ``bound_ms``: the fastest
+    baseline of the class already timed for the layer (``measured.time_cuda``: far slower algorithms
+    are timed briefly)."""
     import torch
 
     prefix, prec = _names(math, dtype, layout)
@@ -238,7 +241,7 @@ def all_algorithms(spec: ConvSpec, sets: list[tuple[Any, Any]], ref: Any, timing
         out = []
         for row, algo in PASS_ALGOS[spec.conv_pass]:
             try:
-                out.append(_one(api, d, row, algo, spec, sets, ref, timing))
+                out.append(_one(api, d, row, algo, spec, sets, ref, timing, bound_ms))
             except RuntimeError as err:  # e.g. out of memory for an FFT workspace
                 out.append(BaselineResult(f"{prefix}{row}", row, prec, None, status=f"failed: {str(err)[:80]}"))
         return out
