@@ -3,7 +3,8 @@ device or torch): the fused module's output and every gradient against float64 w
 PyTorch FP32's own error (odd shapes, stride 2, no bias, 1x1, 11x11/4, N=1), half layers and autocast regions
 (NCHW and channels_last) within 2x PyTorch's own error of that precision, a VGG-like model's training
 step through the node, the masked gradient's exact zeros, what it leaves to the unfused path, and the
-masked gradient written straight into the tensor-core passes' operands (kernels/tensorcore/sm90/gradrows.py).
+masked gradient written straight into the tensor-core passes' operands (kernels/tensorcore/sm90/gradrows.py),
+and the half node in C++ (config.native_conv_relu) bit for bit the Python one.
 
 Run on the lent GPU: ``python -m pytest -q tests/test_gpu_conv_relu_train.py``.
 """
@@ -172,6 +173,49 @@ def test_half_and_autocast_take_the_node(gpu, case, mode, dtype, layout):
         assert value is not None and torch.isfinite(value).all(), name
         mine, ref = _rel(value, want[name]), _rel(theirs[name], want[name])
         assert mine <= max(1e-3 if dtype == "float16" else 8e-3, 2 * ref), (name, mine, ref)
+
+
+@pytest.mark.parametrize("mode", ["half", "autocast"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+@pytest.mark.parametrize("case", HALF_CASES[:3], ids=lambda c: "x".join(map(str, c[:5])) + f"_k{c[5]}s{c[6]}")
+def test_native_half_node_equals_pythons(gpu, monkeypatch, case, mode, dtype, layout):
+    """config.native_conv_relu: a warm half call runs native.cpp's ConvReluNode (its counter moves, the
+    grad_fn is the C++ node's), and its output and every gradient are bit for bit the Python node's (the same
+    kernels and ops in the same order), in both layouts, half and autocast, with and without bias."""
+    import convforge.torch as ct
+    from convforge.config import config
+    from convforge.frontends import fast_path
+
+    dt = getattr(torch, dtype)
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    model = _block(case).to(memory_format=fmt)
+    if mode == "half":
+        model = model.to(dt)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x0 = torch.randn(*case[:4], device="cuda", generator=g).contiguous(memory_format=fmt)
+    xin = x0.to(dt) if mode == "half" else x0
+
+    def step(native):
+        monkeypatch.setattr(config, "native_conv_relu", native)
+        fused, _ = ct.fuse(copy.deepcopy(model))
+        for _ in range(2):  # the first call files the program; the second is warm
+            fused.zero_grad(set_to_none=True)
+            x = xin.detach().requires_grad_()
+            with torch.autocast("cuda", dtype=dt, enabled=mode == "autocast"):
+                z = fused(x)
+            z.backward(torch.linspace(-1, 1, z.numel(), device="cuda").reshape(z.shape).to(z.dtype))
+        return z, type(z.grad_fn).__name__, x.grad, {n: p.grad for n, p in fused.named_parameters()}
+
+    z_py, fn_py, gx_py, grads_py = step(False)
+    before = fast_path.TORCH.stats()["relu_runs"] if fast_path.TORCH is not None else 0
+    z_c, fn_c, gx_c, grads_c = step(True)
+    assert fast_path.TORCH is not None and fast_path.TORCH.stats()["relu_runs"] > before
+    assert fn_py == "_ConvReluBackward" and fn_c != fn_py, (fn_py, fn_c)
+    assert torch.equal(z_c, z_py) and torch.equal(gx_c, gx_py) and gx_c.is_contiguous(memory_format=fmt)
+    assert grads_c.keys() == grads_py.keys()
+    for name, value in grads_c.items():
+        assert value is not None and torch.equal(value, grads_py[name]), name
 
 
 @pytest.mark.parametrize("why", ["config off", "no grad", "frozen weights"])

@@ -138,6 +138,11 @@ def _env_settings(env: Mapping[str, str]) -> dict[str, tuple[str, Callable[[], A
         # sm90/epilogue.py), so the batch norm finalizes them and never reads y for its statistics; off: the
         # batch norm's own statistics pass (for debugging)
         "bn_stats": ("CONVFORGE_BN_STATS", lambda: parse_bool("CONVFORGE_BN_STATS", get("CONVFORGE_BN_STATS") or "1")),
+        # A half conv [+ bias] -> ReLU layer in training (FusedConv2d) as one C++ autograd node (torch/native.cpp
+        # ConvReluNode: no Python on a warm forward or backward); off until its GPU test
+        # (tests/test_gpu_conv_relu_train.py, both settings) has run: Python's conv_relu._ConvRelu
+        "native_conv_relu": ("CONVFORGE_NATIVE_CONV_RELU", lambda: parse_bool(
+            "CONVFORGE_NATIVE_CONV_RELU", get("CONVFORGE_NATIVE_CONV_RELU") or "0")),
         # A fused or converted model's first training forward compiles the step's dgrad and wgrad programs ahead
         # on a pool of threads (torch/train_ahead.py); 0: each program compiles when the backward first reaches it
         "train_ahead": ("CONVFORGE_TRAIN_AHEAD",
@@ -158,7 +163,7 @@ def _env_settings(env: Mapping[str, str]) -> dict[str, tuple[str, Callable[[], A
 # Settings read afresh on every call that key no cached choice or program (bn_stats: in a block's filing key, not
 # in a conv's): assigning one calls no listener (the native table keeps its entries, so an A/B in one process
 # compares warm paths)
-_SWITCHES = frozenset({"native_block", "bn_stats", "train_ahead"})
+_SWITCHES = frozenset({"native_block", "native_conv_relu", "bn_stats", "train_ahead"})
 
 
 class Config:
@@ -181,6 +186,7 @@ class Config:
     train_bn: bool
     grad_rows: bool
     native_block: bool
+    native_conv_relu: bool
     bn_stats: bool
     train_ahead: bool
     native_autograd: bool

@@ -11,9 +11,11 @@ kernel writes it straight into their GEMMs' operand layouts instead (``kernels/t
 Half layers and autocast regions (float16, bfloat16; NCHW or channels_last, which stays so) take the same
 node: the forward applies bias and ReLU in its epilogue, the backward masks the gradient and sums it for the
 bias in PyTorch's elementwise ops, then runs the half dgrad and wgrad ops; the fused pass-writing kernels are
-float32 NCHW only. ``FusedConv2d`` (conv -> ReLU, no batch norm, no residual) takes it in training where
-:func:`takes` says so; anything else (``torch.compile`` tracing, ``config.train_bn`` off, a half layer handed
-back to PyTorch, a layer no convforge variant runs) keeps the unfused path.
+float32 NCHW only. With ``config.native_conv_relu`` a warm half call takes native.cpp's ConvReluNode instead
+(the same ops from C++: no Python in its forward or backward). ``FusedConv2d`` (conv -> ReLU, no batch norm,
+no residual) takes it in training where :func:`takes` says so; anything else (``torch.compile`` tracing,
+``config.train_bn`` off, a half layer handed back to PyTorch, a layer no convforge variant runs) keeps the
+unfused path.
 """
 
 from __future__ import annotations
@@ -63,6 +65,10 @@ def conv_relu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, conv: tu
     if x.dtype in _HALF and _handed_back(x, w, conv):
         _REFUSED.add(tag)
         return None
+    if x.dtype in _HALF and config.native_conv_relu:
+        z = _native_node(x, w, b, conv)
+        if z is not None:
+            return z
     try:
         return _ConvRelu.apply(x, w, b, conv)  # type: ignore[no-any-return]
     except ValueError:
@@ -73,6 +79,17 @@ def conv_relu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, conv: tu
 
 
 _REFUSED: set[tuple[Any, ...]] = set()
+
+
+def _native_node(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, conv: tuple[Any, ...]) -> Any:
+    """The layer through native.cpp's ConvReluNode (half storage), or None: the native module is not
+    loaded, or the call is not filed yet (the Python node's first forward files it) or not one it runs."""
+    module = fast_path.TORCH
+    if module is None:
+        return None
+    stride, pad, dil, algo, precision, max_error, groups = conv
+    return module.conv_relu(x, w, b, tuple(stride), tuple(pad), tuple(dil), algo, None, None, True, None, precision,
+                            max_error, groups)
 
 
 def _frozen(v: Any) -> Any:

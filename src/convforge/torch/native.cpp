@@ -147,8 +147,9 @@ void launch_checked(const Program& p, const std::vector<LaunchRec>& runs, const 
 
 // Counted off the hot path, for tests and the host-cost script: filter transforms run, op calls
 // that went to Python (misses, layers convforge leaves to PyTorch).
-std::atomic<uint64_t> transforms{0}, op_fallbacks{0}, pass_runs{0}, block_runs{0};  // pass_runs: backward calls
-// run here, block_runs: conv -> batch norm blocks run by BlockNode
+std::atomic<uint64_t> transforms{0}, op_fallbacks{0}, pass_runs{0}, block_runs{0}, relu_runs{0};  // pass_runs:
+// backward calls run here, block_runs: conv -> batch norm blocks run by BlockNode, relu_runs: conv -> ReLU
+// layers run by ConvReluNode
 
 // The packed filter-derived buffer for w (transformed now if missing or stale), or undefined:
 // inference tensors (no version counter) run the whole plan, as in Python.
@@ -317,11 +318,12 @@ PyObject* py_clear(PyObject*, PyObject*) {
 }
 
 PyObject* py_stats(PyObject*, PyObject*) {
-  return Py_BuildValue("{s:n,s:K,s:K,s:K,s:K}", "entries", static_cast<Py_ssize_t>(table.size()), "transforms",
+  return Py_BuildValue("{s:n,s:K,s:K,s:K,s:K,s:K}", "entries", static_cast<Py_ssize_t>(table.size()), "transforms",
                        static_cast<unsigned long long>(transforms.load()), "op_fallbacks",
                        static_cast<unsigned long long>(op_fallbacks.load()), "pass_runs",
                        static_cast<unsigned long long>(pass_runs.load()), "block_runs",
-                       static_cast<unsigned long long>(block_runs.load()));
+                       static_cast<unsigned long long>(block_runs.load()), "relu_runs",
+                       static_cast<unsigned long long>(relu_runs.load()));
 }
 
 
@@ -397,6 +399,8 @@ PyMethodDef methods[] = {
     {"block", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_block)), METH_FASTCALL,
      "block(conv2d's 14 arguments, res, gamma, beta, running_mean, running_var, num_batches_tracked, handle) -> "
      "a conv -> batch norm block's output through one C++ autograd node, or None"},
+    {"conv_relu", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_conv_relu)), METH_FASTCALL,
+     "conv_relu(conv2d's 14 arguments) -> a half conv -> ReLU layer's output through one C++ autograd node, or None"},
     {"register_bn", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_register_bn)), METH_FASTCALL,
      "register_bn(program, n, c, hw, relu, residual, affine, track, part, dtype, pdtype, nhwc[, stats_conv]) -> "
      "a batch-norm program's handle"},
@@ -407,7 +411,7 @@ PyMethodDef methods[] = {
      "parts(conv2d's 14 arguments, piece, n) -> seconds of n repetitions of one piece of a warm call"},
 #endif
     {"stats", py_stats, METH_NOARGS,
-     "{entries, transforms, op_fallbacks, pass_runs, block_runs}: table size and counters"},
+     "{entries, transforms, op_fallbacks, pass_runs, block_runs, relu_runs}: table size and counters"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "convforge_native", "convforge's native fast path (torch)", -1,
