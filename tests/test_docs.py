@@ -110,6 +110,16 @@ def test_readme_is_short_and_opens_with_the_ci_commands() -> None:
         assert f"'{line}'" in ci or f'"{line}"' in ci, f".ci/run does not check the README's {line!r}"
 
 
+def test_readme_lists_the_onnx_ops_read() -> None:
+    """The README's ONNX paragraph names exactly the ops the reader takes (graph/onnx_ops.py), in its order."""
+    from convforge.graph.onnx_ops import SUPPORTED_OPS
+
+    text = " ".join((ROOT / "README.md").read_text().split())
+    found = re.search(r"ONNX ops \(.*?\): (.*?)\.(?: |$)", text)
+    assert found, "the README has no 'ONNX ops (...): A, B, ...' paragraph"
+    assert found.group(1).split(", ") == list(SUPPORTED_OPS)
+
+
 @pytest.mark.parametrize("doc", [ROOT / "README.md", ROOT / "docs" / "USAGE.md"], ids=lambda p: p.name)
 def test_python_examples_parse(doc: Path) -> None:
     """Every ```python block of the README and the usage guide is valid Python (the README's NumPy and CLI
