@@ -133,6 +133,32 @@ def test_depthwise_nhwc_half_channel_vectors_on_pocl(ocl, dtype) -> None:
         v.plan(spec, Params(bc=2, bt=4, tq=2, tp=1, cv=4), NOMINAL_CUDA)
 
 
+@pytest.mark.parametrize("conv_pass", ["fprop", "dgrad"])
+def test_nhwc_channel_blocks_fastest_and_skewed_tiles_on_pocl(ocl, conv_pass) -> None:
+    """cf=1 (NHWC blocks numbered channel blocks fastest) on the GPU default tiles, and the skewed 8-channel
+    chunks (bc 16, 32 and 64: skew 16, 8 and 4) with both block orders: 3x3, 5x5 /2 with asymmetric padding
+    (dgrad by phase), 7x7, odd planes, several channel blocks, the last one partly idle."""
+    from convforge.params import Params
+
+    specs = [ConvSpec.make(2, 48, 13, 11, 48, 3, 3, 1, 1, groups=48),
+             ConvSpec.make(1, 40, 17, 17, 40, 5, 5, 2, (2, 1, 1, 2), groups=40),
+             ConvSpec.make(3, 72, 9, 14, 72, 7, 7, 1, 3, groups=72)]
+    for i, (base, bc) in enumerate(zip(specs, (16, 32, 64), strict=True)):
+        spec = _as(base, HALF[i % 2], "nhwc", conv_pass)
+        v = get_variant(PASS_VARIANT[conv_pass])
+        default = v.default(spec, NOMINAL_CUDA)
+        prm = Params(**{**dict(default.items()), "bc": bc, "bq": 2, "bp": 2, "cf": i % 2 == 0})
+        st = fprop_stencil(spec) if conv_pass == "fprop" else dgrad_stencil(spec)
+        t = Tile.of(st, prm)
+        assert t.skew == {16: 16, 32: 8, 64: 4}[bc] and t.problem(NOMINAL_CUDA) is None, t.skew
+        _check(ocl, spec, Params(**{**dict(default.items()), "cf": True}), Epilogue(), seed=i)
+        _check(ocl, spec, prm, Epilogue(bias=True, silu=True) if conv_pass == "fprop" else Epilogue(), seed=i + 3)
+    nchw = _as(specs[0], "float16", "nchw", "fprop")
+    v = get_variant("depthwise")
+    with pytest.raises(ValueError, match="cf=1"):
+        v.plan(nchw, Params(**{**dict(v.default(nchw, NOMINAL_CUDA).items()), "cf": True}), NOMINAL_CUDA)
+
+
 @pytest.mark.parametrize("dtype", HALF)
 def test_half_flat_loads_on_pocl(ocl, dtype) -> None:
     """fl=1 on half storage: the block's planes as one span of 16-byte (8 halves) or 8-byte (4) loads,

@@ -191,10 +191,11 @@ class Tile:
     tp: int
     vec: bool
     fl: bool = False  # flat loads: the block's whole source planes as one contiguous span (:meth:`flat_ok`)
+    cf: bool = False  # NHWC: blocks numbered channel blocks fastest (a pixel's channel chunks read together)
 
     @classmethod
     def of(cls, st: Stencil, p: Params) -> Tile:
-        return cls(st, p.bq, p.bp, p.bc, p.tq, p.tp, bool(p.vec), bool(p.get("fl", 0)))
+        return cls(st, p.bq, p.bp, p.bc, p.tq, p.tp, bool(p.vec), bool(p.get("fl", 0)), bool(p.get("cf", 0)))
 
     @property
     def threads(self) -> int:
@@ -345,6 +346,8 @@ class Tile:
             if self.st.nhwc:
                 return "vec=1 reads NCHW rows as vectors (NHWC tiles are read channel-vectorised)"
             return f"vec=1 needs W % {self.vw} == 0 and bq * tq * stride a multiple of {self.vw}"
+        if self.cf and not self.st.nhwc:
+            return "cf=1 numbers NHWC blocks channel blocks fastest (NCHW planes are apart in memory)"
         if self.fl and not self.flat_ok:
             return "fl=1 needs one tile per output plane, consecutive source planes (dgrad: multiplier 1) and vec=0"
         if self.smem_bytes > min(device.shared_bytes, _SMEM):
@@ -367,10 +370,15 @@ def _head(code: Code, t: Tile) -> None:
              "  // channels fastest: a warp's stores of one pixel are contiguous")
     else:
         code(f"const int lx = tid % {t.bq}, ly = (tid / {t.bq}) % {t.bp}, lc = tid / {t.bq * t.bp};")
-    code("const int bid = GROUP_ID(0);  // q tiles fastest: neighbours share their halo through L2",
-         f"const int qt = bid % {nqt}, pt = (bid / {nqt}) % {npt}, cbn = bid / {nqt * npt};",
-         f"const int n = cbn / {ncb}, c0 = (cbn % {ncb}) * {t.bc};",
-         f"const int p0 = pt * {t.bp * t.tp}, q0 = qt * {t.bq * t.tq};",
+    if t.cf:
+        code("const int bid = GROUP_ID(0);  // channel blocks fastest: the chunks of a pixel's channels read together",
+             f"const int cb = bid % {ncb}, qt = (bid / {ncb}) % {nqt}, pt = (bid / {ncb * nqt}) % {npt};",
+             f"const int n = bid / {ncb * nqt * npt}, c0 = cb * {t.bc};")
+    else:
+        code("const int bid = GROUP_ID(0);  // q tiles fastest: neighbours share their halo through L2",
+             f"const int qt = bid % {nqt}, pt = (bid / {nqt}) % {npt}, cbn = bid / {nqt * npt};",
+             f"const int n = cbn / {ncb}, c0 = (cbn % {ncb}) * {t.bc};")
+    code(f"const int p0 = pt * {t.bp * t.tp}, q0 = qt * {t.bq * t.tq};",
          f"const int y0 = p0 * {st.stride[0]} - {st.pad_t}, x0 = q0 * {st.stride[1]} - {st.pad_l};",
          f"const int c = c0 + lc, cw = min(c, {st.groups - 1});  // cw: clamped, filter reads stay in bounds")
     what = f"{t.bc} x {t.ih} x {t.iw} input tiles with halo" + (f", {t.plane} floats apart" if st.nhwc else "")
@@ -905,7 +913,7 @@ class Depthwise(Variant):
     space_lead = 1
     dtypes = ALL_DTYPES
     layouts = frozenset({"nchw", "nhwc"})
-    optional_params = {"fl": frozenset({False, True})}
+    optional_params = {"fl": frozenset({False, True}), "cf": frozenset({False, True})}
 
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
         if not spec.depthwise:
@@ -951,7 +959,7 @@ class DepthwiseDgrad(Variant):
     space_lead = 1
     dtypes = ALL_DTYPES
     layouts = frozenset({"nchw", "nhwc"})
-    optional_params = {"fl": frozenset({False, True})}
+    optional_params = {"fl": frozenset({False, True}), "cf": frozenset({False, True})}
 
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
         if not spec.depthwise:
