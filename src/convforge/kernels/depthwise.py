@@ -800,8 +800,9 @@ def _special_default(st: Stencil, device: DeviceInfo) -> Params | None:
     super-pixels making 4 (float32) or 8 (half) dx columns and about 2 dx rows a thread (one 16-byte
     store a row). NHWC: 32 channels (a warp, channel-vectorised loads) by a few pixel tiles, 256
     threads; in half storage 4 output rows a thread at stride 1 on planes of 14 rows and more, and 16
-    channels (128 threads) where 32 do not divide the channels or the filter is larger than 3x3 (the
-    FP16 sweep of MobileNet-v2's and ConvNeXt-T's layers, docs/NOTES-half.md)."""
+    channels (128 threads) where 32 do not divide the channels or the filter is larger than 3x3, the
+    strided dgrad's phases excepted (the FP16 sweep of MobileNet-v2's and ConvNeXt-T's forward layers,
+    docs/NOTES-gemm.md; the phases were not in it)."""
     half = st.sto.half
     if st.phases:
         sh, sw = st.out_step
@@ -820,7 +821,7 @@ def _special_default(st: Stencil, device: DeviceInfo) -> Params | None:
         bc = min(32, st.groups)
         bq = _fit(st.wo, tq, max(1, 256 // bc // 2))
         bp = _fit(st.ho, tp, max(1, 256 // (bc * bq)))
-        if half and bc == 32 and (st.groups % 32 or st.eff_r > 3):
+        if half and bc == 32 and not st.phases and (st.groups % 32 or st.eff_r > 3):
             bc = 16  # half the channels on the same pixels: no idle half chunk; larger filters' halos fit more blocks
     else:
         bq = _fit(st.wo, tq, 16)
