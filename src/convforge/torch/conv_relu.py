@@ -85,11 +85,14 @@ def _native_node(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, conv:
     """The layer through native.cpp's ConvReluNode (half storage), or None: the native module is not
     loaded, or the call is not filed yet (the Python node's first forward files it) or not one it runs."""
     module = fast_path.TORCH
-    if module is None:
-        return None
+    return None if module is None else module.conv_relu(*_call(x, w, b, conv))
+
+
+def _call(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, conv: tuple[Any, ...]) -> tuple[Any, ...]:
+    """conv2d's 14 arguments for the layer with bias and ReLU in its epilogue: the key under which the Python
+    node's forward files the program and the native node finds it."""
     stride, pad, dil, algo, precision, max_error, groups = conv
-    return module.conv_relu(x, w, b, tuple(stride), tuple(pad), tuple(dil), algo, None, None, True, None, precision,
-                            max_error, groups)
+    return (x, w, b, tuple(stride), tuple(pad), tuple(dil), algo, None, None, True, None, precision, max_error, groups)
 
 
 def _frozen(v: Any) -> Any:
@@ -107,9 +110,7 @@ def _handed_back(x: torch.Tensor, w: torch.Tensor, conv: tuple[Any, ...]) -> boo
 
 def _forward_conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, conv: tuple[Any, ...]) -> Any:
     """The conv with bias and ReLU in its epilogue: the native fast path when warm, else Python's."""
-    stride, pad, dil, algo, precision, max_error, groups = conv
-    call = (x, w, b, tuple(stride), tuple(pad), tuple(dil), algo, None, None, True, None, precision, max_error,
-            groups)
+    call = _call(x, w, b, conv)
     native = fast_path.RUN
     z = None if native is None else native(*call)
     return api.python_conv2d(*call) if z is None else z
