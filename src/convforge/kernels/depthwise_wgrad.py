@@ -20,7 +20,7 @@ Three forms, one variant (``depthwise_wgrad``):
   FMAs an output), so on NHWC the plan first transposes x and dy to NCHW workspaces (two passes over
   the activations against hundreds of FMAs per element).
 
-With ``ns`` > 1 slices each writes a partial filter and a second kernel adds the slices in order.
+With ``ns`` > 1 slices each writes a partial filter and a second kernel adds the slices in a fixed tree.
 """
 
 from __future__ import annotations
@@ -48,6 +48,24 @@ def wgrad_splits(spec: ConvSpec, device: DeviceInfo, blocks: int | None = None) 
     return max(1, min(spec.n * spec.p, want, 64))
 
 
+_MAX_SLICES = 1024  # the blocked form's slices: its partial filters are summed by a parallel fixed tree
+_WARPS_PER_UNIT = 32  # warps the blocked form's slices aim to keep resident on each compute unit
+
+
+def blocked_splits(spec: ConvSpec, threads: int, bc: int, bt: int, items: int, device: DeviceInfo,
+                   sums: int = 1) -> int:
+    """Slices of the blocked form: enough blocks of ``threads`` over the ceil(K / bc) channel blocks for
+    ~32 resident warps a compute unit (a block has few warps, and each thread's loop is a chain of
+    dependent loads: occupancy hides them); past 32, only while each of the ``bt`` threads of a channel
+    lane keeps an item for every ~6 of its ``sums`` (a slice's partial sums, tree and store cost about
+    that: 8 items for 7x7, 6 for 3x3 in lanes of 4 channels, in the H200 sweep of 2026-11-30); at most 1024."""
+    if not device.is_gpu:
+        return max(1, min(wgrad_splits(spec, device, cdiv(spec.k, bc)), items))
+    warps = cdiv(threads, device.warp or 32) * cdiv(spec.k, bc)
+    want = cdiv(max(device.units, 1) * _WARPS_PER_UNIT, warps)
+    return max(1, min(want, max(items // (max(2, sums // 6) * bt), min(32, items)), _MAX_SLICES))
+
+
 def _tiled(spec: ConvSpec) -> bool:
     """Large filters: the tap-parallel form."""
     return spec.r * spec.s > REG_TAPS
@@ -65,21 +83,28 @@ def _vw(spec: ConvSpec) -> int:
 @dataclass(frozen=True)
 class WTile:
     """A blocked parameter set on one layer: ``bt`` threads along the items for each of ``bc``
-    channel lanes (NHWC; 1 on NCHW), items of ``tp`` x ``tq`` outputs."""
+    channel lanes (NHWC; 1 on NCHW), items of ``tp`` x ``tq`` outputs; on NHWC each lane takes ``cv``
+    consecutive channels (1, or 4: one 8-byte load of halves a pixel, four sums a tap)."""
 
     spec: ConvSpec
     bc: int
     bt: int
     tq: int
     tp: int
+    cv: int = 1
 
     @classmethod
     def of(cls, spec: ConvSpec, p: Params) -> WTile:
-        return cls(spec, p.get("bc", 1), p.bt if spec.layout == "nchw" else p.bs, p.tq, p.tp)
+        return cls(spec, p.get("bc", 1), p.bt if spec.layout == "nchw" else p.bs, p.tq, p.tp, p.get("cv", 1))
 
     @property
     def threads(self) -> int:
         return self.bc * self.bt
+
+    @property
+    def channels(self) -> int:
+        """Output channels a block sums: bc lanes of cv."""
+        return self.bc * self.cv
 
     @property
     def grid_q(self) -> int:
@@ -117,15 +142,20 @@ class WTile:
     def problem(self, device: DeviceInfo) -> str | None:
         s = self.spec
         rs = s.r * s.s
+        cv = self.cv
         if min(self.bc, self.bt, self.tq, self.tp) < 1 or self.bt & (self.bt - 1):
             return f"bt / bs ({self.bt}) must be a power of two and bc, tq, tp >= 1"
+        if cv not in (1, 4):
+            return f"cv ({cv}) must be 1 or 4"
+        if cv > 1 and (s.layout != "nhwc" or s.kg != 1 or s.k % cv):
+            return f"cv ({cv}) reads NHWC channels of a multiplier-1 layer whose K is a multiple of {cv}"
         if not 1 <= self.threads <= device.max_threads:
             return f"{self.threads} threads must be 1..{device.max_threads}"
-        if 4 * rs * self.threads > min(device.shared_bytes, _SMEM):
-            return f"{self.threads} threads' {rs} partial sums do not fit in shared memory"
-        if self.tp * self.tq > 32 or rs + self.tp * self.tq + self.seg > _REGS:
-            return f"taps, tp * tq outputs and the row segment ({rs} + {self.tp * self.tq} + {self.seg}) " \
-                   f"must fit in {_REGS} registers"
+        if 4 * rs * cv * self.threads > min(device.shared_bytes, _SMEM):
+            return f"{self.threads} threads' {rs * cv} partial sums do not fit in shared memory"
+        if self.tp * self.tq > 32 or (rs + self.tp * self.tq + self.seg) * cv > _REGS:
+            return f"taps, tp * tq outputs and the row segment (({rs} + {self.tp * self.tq} + {self.seg}) x " \
+                   f"{cv} channels) must fit in {_REGS} registers"
         return None
 
 
@@ -172,21 +202,26 @@ class DepthwiseWgrad(Variant):
 
     def _blocked_default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
         """Items of 2 (3x3) or 4 rows of 8 columns on NCHW (one 16-byte load of halves a dy row;
-        4 when rows do not align to 8), of 2 x 4 on NHWC under 32 channel lanes; threads as many
-        (<= 256) as the partial sums' shared memory takes; slices for ~4 blocks a compute unit."""
-        nchw = spec.layout == "nchw"
+        4 when rows do not align to 8); on NHWC, filters up to 3x3 where K allows: items of 2 x 4, 8 lanes
+        of 4 channels (a load of 4 channels a pixel) x 16 threads; else 32 channel lanes, items of 2 x 4
+        (2 x 8 past 3x3); threads as many (<= 256) as the partial sums' shared memory takes; slices for
+        ~32 warps a compute unit (the H200 sweep of 2026-11-30 chose these among 8 mods)."""
+        nchw, cv = spec.layout == "nchw", 1
         if not device.is_gpu:
             tq, tp, bc = min(2, spec.q), 1, 1 if nchw else min(4, spec.k)
         elif nchw:
             tq = 8 if spec.q % 8 == 0 or spec.q >= 16 else 4 if spec.q >= 4 else spec.q
             tp, bc = (2 if spec.eff_r <= 3 else 4), 1
         else:
-            tq, tp, bc = min(4, spec.q), min(2, spec.p), min(32, spec.k)
+            tq, tp, bc = min(4 if spec.r * spec.s <= 9 else 8, spec.q), min(2, spec.p), min(32, spec.k)
+            if spec.r * spec.s <= 9 and WTile(spec, 8, 16, tq, tp, 4).problem(device) is None:
+                bc, cv = 8, 4
+        top = 128 if cv > 1 else 256
         for tq_, tp_ in ((tq, tp), (tq, 1), (min(tq, 4), 1), (1, 1)):
-            for bt in ((256 // bc, 128 // bc, 64 // bc, 32 // bc, 1) if device.is_gpu else (32 // bc, 1)):
-                t = WTile(spec, bc, max(1, bt), tq_, tp_)
+            for bt in ((top // bc, 128 // bc, 64 // bc, 32 // bc, 1) if device.is_gpu else (32 // bc, 1)):
+                t = WTile(spec, bc, max(1, bt), tq_, tp_, cv)
                 if t.problem(device) is None:
-                    ns = min(wgrad_splits(spec, device, cdiv(spec.k, bc)), t.items)
+                    ns = blocked_splits(spec, t.threads, t.channels, t.bt, t.items, device, spec.r * spec.s * cv)
                     return _blocked_params(spec, t, ns)
         return _blocked_params(spec, WTile(spec, 1, 1, 1, 1), 1)
 
@@ -205,11 +240,12 @@ class DepthwiseWgrad(Variant):
                 prm = Params(bt=bt, ns=ns)
                 if self._fits(spec, bt, device) and ns <= rows and prm not in out:
                     out.append(prm)
-        bcs = (1,) if spec.layout == "nchw" else (8, 16, 32, 64)
-        for bc, bt, tq, tp, ns in itertools.product(bcs, (1, 2, 4, 8, 16, 32, 64, 128, 256), (1, 2, 4, 8), (1, 2, 4),
-                                                    (1, 4, 16, 64)):
-            t = WTile(spec, bc, bt, tq, tp)
-            if (bc > max(8, spec.k) or t.threads < 32 or tq > max(1, spec.q) or tp > max(1, spec.p)
+        lanes = [(1, 1)] if spec.layout == "nchw" else [(1, 8), (1, 16), (1, 32), (1, 64), (4, 2), (4, 4), (4, 8),
+                                                         (4, 16)]  # (cv, bc): 8 to 64 channels a block
+        for (cv, bc), bt, tq, tp, ns in itertools.product(lanes, (1, 2, 4, 8, 16, 32, 64, 128, 256), (1, 2, 4, 8),
+                                                          (1, 2, 4), (1, 4, 16, 64, 256, 1024)):
+            t = WTile(spec, bc, bt, tq, tp, cv)
+            if (t.channels > max(8, spec.k) or t.threads < 32 or tq > max(1, spec.q) or tp > max(1, spec.p)
                     or ns > t.items or t.problem(device)):
                 continue
             prm = _blocked_params(spec, t, ns)
@@ -244,7 +280,7 @@ class DepthwiseWgrad(Variant):
                 raise ValueError(f"{self.name}: {why}")
             if not 1 <= ns <= t.items:
                 raise ValueError(f"{self.name}: ns ({ns}) must be 1..{t.items} (items of tp x tq outputs)")
-            body, block, grid = _blocked_body(t, ns, out), (t.threads, 1, 1), (cdiv(spec.k, t.bc), ns, 1)
+            body, block, grid = _blocked_body(t, ns, out), (t.threads, 1, 1), (cdiv(spec.k, t.channels), ns, 1)
         else:
             bt = params.bt
             if spec.layout != "nchw":
@@ -295,20 +331,34 @@ class DepthwiseWgrad(Variant):
 def _blocked_params(spec: ConvSpec, t: WTile, ns: int) -> Params:
     if spec.layout == "nchw":
         return Params(bt=t.bt, tq=t.tq, tp=t.tp, ns=ns)
+    if t.cv > 1:
+        return Params(bc=t.bc, bs=t.bt, tq=t.tq, tp=t.tp, ns=ns, cv=t.cv)
     return Params(bc=t.bc, bs=t.bt, tq=t.tq, tp=t.tp, ns=ns)
 
 
+_SUM_LANES, _SUM_GROUPS = 32, 8  # the slice sum's block: 32 filter elements x 8 groups of slices
+
+
 def _slice_sum(spec: ConvSpec, ns: int, sto: Storage) -> tuple[Kernel, Launch]:
-    """dw = the ns slices' partial filters added in order (the same sum on every run)."""
+    """dw = the ns slices' partial filters added in a fixed order (the same sum on every run): group g of
+    a block's 8 sums slices g, g + 8, ... of 32 consecutive filter elements (a warp's reads are one run),
+    then a fixed tree over the groups."""
     total = spec.k * spec.r * spec.s
-    sums = " + ".join(f"part[{j * total} + e]" for j in range(ns))
+    threads = _SUM_LANES * _SUM_GROUPS
     code = Code()
-    code("const int e = GROUP_ID(0) * 256 + LOCAL_ID(0);")
+    code(f"SHARED float part_[{threads}];",
+         f"const int t = LOCAL_ID(0), g = t / {_SUM_LANES}, e = GROUP_ID(0) * {_SUM_LANES} + t % {_SUM_LANES};",
+         "float acc = 0.0f;")
     with code.block(f"if (e < {total})"):
-        code(f"{sto.store('w', 'e', sums)};  // the slices in order: the same sum on every run")
-    kern = Kernel("wgrad_depthwise_sum", (Buf("part"), sto.buf("w", readonly=False)), code.text(), (256, 1, 1),
+        code(f"for (int j = g; j < {ns}; j += {_SUM_GROUPS}) acc += part[j * {total} + e];")
+    code("part_[t] = acc;", "BARRIER();")
+    _tree(code, "t", threads, 1, _SUM_LANES)
+    with code.block(f"if (t < {_SUM_LANES} && e < {total})"):
+        code(f"{sto.store('w', 'e', 'part_[t]')};")
+    kern = Kernel("wgrad_depthwise_sum", (Buf("part"), sto.buf("w", readonly=False)), code.text(), (threads, 1, 1),
                   comment=f"sum of {ns} slices' partial filters")
-    return kern, Launch("wgrad_depthwise_sum", (cdiv(total, 256), 1, 1), (256, 1, 1), ("part", "w"))
+    grid = (cdiv(total, _SUM_LANES), 1, 1)
+    return kern, Launch("wgrad_depthwise_sum", grid, (threads, 1, 1), ("part", "w"))
 
 
 def _to_nchw(name: str, sto: Storage, shape: tuple[int, int, int, int]) -> tuple[Kernel, tuple[int, int, int]]:
@@ -402,19 +452,21 @@ def _blocked_body(t: WTile, ns: int, out: str) -> str:
     sto = Storage(s.dtype)
     nhwc = s.layout == "nhwc"
     (sh, sw), (dh, dw) = s.stride, s.dilation
-    rs, nq, np_ = s.r * s.s, t.grid_q, t.grid_p
+    rs, nq, np_, cv = s.r * s.s, t.grid_q, t.grid_p, t.cv
     per = cdiv(t.items, ns)
     code = Code()
-    code(f"SHARED float part_[{rs * t.threads}];  // {rs} taps x {t.threads} threads")
+    sums = f"{rs} taps x {cv} channels" if cv > 1 else f"{rs} taps"
+    code(f"SHARED float part_[{rs * cv * t.threads}];  // {sums} x {t.threads} threads")
     if nhwc:
+        first = f"(GROUP_ID(0) * {t.bc} + lc) * {cv}" if cv > 1 else f"GROUP_ID(0) * {t.bc} + lc"
         code(f"const int tid = LOCAL_ID(0), lc = tid % {t.bc}, lt = tid / {t.bc};"
              "  // channels fastest: a warp's loads of one pixel are one run",
-             f"const int k = GROUP_ID(0) * {t.bc} + lc, kk = min(k, {s.k - 1});")
+             f"const int k = {first}, kk = min(k, {s.k - cv});" + ("  // channels k .. k + 3" if cv > 1 else ""))
     else:
         code("const int tid = LOCAL_ID(0), lt = tid, k = GROUP_ID(0), kk = k;")
     code(f"const int c = kk / {s.kg};  // the input channel of k",
          f"const int it0 = GROUP_ID(1) * {per}, it1 = min(it0 + {per}, {t.items});")
-    code(*(f"float a{r}_{c} = 0.0f;" for r, c in itertools.product(range(s.r), range(s.s))))
+    code(*(f"float {_acc(r, c, v, cv)} = 0.0f;" for r, c, v in itertools.product(range(s.r), range(s.s), range(cv))))
     with code.block(f"for (int it = it0 + lt; it < it1; it += {t.bt})  /* items of {t.tp} x {t.tq} outputs */"):
         code(f"const int qc = it % {nq}, pc = (it / {nq}) % {np_}, n = it / {nq * np_};",
              f"const int p0 = pc * {t.tp}, q0 = qc * {t.tq};",
@@ -428,18 +480,30 @@ def _blocked_body(t: WTile, ns: int, out: str) -> str:
             with code.block(f"if ((unsigned)(y0 + {ir}) < {s.h}u)  /* input row {ir} */"):
                 _blocked_row(code, t, sto, ir)
                 for i, r in users:
-                    for jq, c in itertools.product(range(t.tq), range(s.s)):
-                        code(f"a{r}_{c} = FMA(e{jq * sw + c * dw}, g{i}_{jq}, a{r}_{c});")
-    for r, c in itertools.product(range(s.r), range(s.s)):
-        code(f"part_[{(r * s.s + c) * t.threads} + tid] = a{r}_{c};")
+                    for jq, c, v in itertools.product(range(t.tq), range(s.s), range(cv)):
+                        a = _acc(r, c, v, cv)
+                        code(f"{a} = FMA({_lane(f'e{jq * sw + c * dw}', v, cv)}, {_lane(f'g{i}_{jq}', v, cv)}, {a});")
+    for r, c, v in itertools.product(range(s.r), range(s.s), range(cv)):
+        code(f"part_[{((r * s.s + c) * cv + v) * t.threads} + tid] = {_acc(r, c, v, cv)};")
     code("BARRIER();")
-    _tree(code, "tid", t.threads, rs, t.bc)
-    dst = f"GROUP_ID(1) * {s.k * rs} + k * {rs} + j" if ns > 1 else f"k * {rs} + j"
+    _tree(code, "tid", t.threads, rs * cv, t.bc)
+    kj = f"(k + j % {cv}) * {rs} + j / {cv}" if cv > 1 else f"k * {rs} + j"  # sum j: tap j / cv of channel k + j % cv
+    dst = f"GROUP_ID(1) * {s.k * rs} + {kj}" if ns > 1 else kj
     with code.block(f"if (k < {s.k})" if nhwc else ""):
-        with code.block(f"for (int j = lt; j < {rs}; j += {t.bt})"):
+        with code.block(f"for (int j = lt; j < {rs * cv}; j += {t.bt})"):
             lane = "lc" if nhwc else "0"
             code(f"{_store_out(s, out, dst, f'part_[j * {t.threads} + {lane}]')};")
     return code.text()
+
+
+def _acc(r: int, c: int, v: int, cv: int) -> str:
+    """The sum of tap (r, c) for the thread's channel v of cv."""
+    return f"a{r}_{c}_{v}" if cv > 1 else f"a{r}_{c}"
+
+
+def _lane(name: str, v: int, cv: int) -> str:
+    """Channel v of a value loaded for cv channels (a float4 where cv is 4)."""
+    return f"{name}.{'xyzw'[v]}" if cv > 1 else name
 
 
 def _blocked_dy(code: Code, t: WTile, sto: Storage) -> None:
@@ -450,8 +514,11 @@ def _blocked_dy(code: Code, t: WTile, sto: Storage) -> None:
         if s.layout == "nhwc":
             base = f"y + ((n * {s.p} + p0 + {i}) * {s.q} + q0) * {s.k} + kk"
             for jq in range(t.tq):
-                load = sto.ldg(f"{base} + {jq * s.k}")
-                code(f"const float g{i}_{jq} = ({row_ok} && q0 + {jq} < {s.q}) ? {load} : 0.0f;")
+                ok = f"{row_ok} && q0 + {jq} < {s.q}"
+                if t.cv > 1:
+                    _vec_load(code, sto, f"g{i}_{jq}", 4, ok, f"{base} + {jq * s.k}")
+                    continue
+                code(f"const float g{i}_{jq} = ({ok}) ? {sto.ldg(f'{base} + {jq * s.k}')} : 0.0f;")
             continue
         base = f"y + ((n * {s.k} + k) * {s.p} + p0 + {i}) * {s.q} + q0"
         if t.gv > 1:
@@ -475,6 +542,9 @@ def _blocked_row(code: Code, t: WTile, sto: Storage, ir: int) -> None:
     if s.layout == "nhwc":
         base = f"x + ((n * {s.h} + y0 + {ir}) * {s.w} + x0) * {s.c} + c"
         for e in range(t.seg):
+            if t.cv > 1:
+                _vec_load(code, sto, f"e{e}", 4, f"(unsigned)(x0 + {e}) < {s.w}u", f"{base} + {e * s.c}")
+                continue
             code(f"const float e{e} = (unsigned)(x0 + {e}) < {s.w}u ? {sto.ldg(f'{base} + {e * s.c}')} : 0.0f;")
         return
     base = f"x + ((n * {s.c} + c) * {s.h} + y0 + {ir}) * {s.w}"
