@@ -139,10 +139,10 @@ def _env_settings(env: Mapping[str, str]) -> dict[str, tuple[str, Callable[[], A
         # batch norm's own statistics pass (for debugging)
         "bn_stats": ("CONVFORGE_BN_STATS", lambda: parse_bool("CONVFORGE_BN_STATS", get("CONVFORGE_BN_STATS") or "1")),
         # A half conv [+ bias] -> ReLU layer in training (FusedConv2d) as one C++ autograd node (torch/native.cpp
-        # ConvReluNode: no Python on a warm forward or backward); off until its GPU test
-        # (tests/test_gpu_conv_relu_train.py, both settings) has run: Python's conv_relu._ConvRelu
+        # ConvReluNode: no Python on a warm forward or backward), on by default; 0 keeps Python's
+        # conv_relu._ConvRelu (the same kernels and ops in the same order), for debugging
         "native_conv_relu": ("CONVFORGE_NATIVE_CONV_RELU", lambda: parse_bool(
-            "CONVFORGE_NATIVE_CONV_RELU", get("CONVFORGE_NATIVE_CONV_RELU") or "0")),
+            "CONVFORGE_NATIVE_CONV_RELU", get("CONVFORGE_NATIVE_CONV_RELU") or "1")),
         # A fused or converted model's first training forward compiles the step's dgrad and wgrad programs ahead
         # on a pool of threads (torch/train_ahead.py); 0: each program compiles when the backward first reaches it
         "train_ahead": ("CONVFORGE_TRAIN_AHEAD",

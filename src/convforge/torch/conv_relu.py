@@ -11,11 +11,11 @@ kernel writes it straight into their GEMMs' operand layouts instead (``kernels/t
 Half layers and autocast regions (float16, bfloat16; NCHW or channels_last, which stays so) take the same
 node: the forward applies bias and ReLU in its epilogue, the backward masks the gradient and sums it for the
 bias in PyTorch's elementwise ops, then runs the half dgrad and wgrad ops; the fused pass-writing kernels are
-float32 NCHW only. With ``config.native_conv_relu`` a warm half call takes native.cpp's ConvReluNode instead
-(the same ops from C++: no Python in its forward or backward). ``FusedConv2d`` (conv -> ReLU, no batch norm,
-no residual) takes it in training where :func:`takes` says so; anything else (``torch.compile`` tracing,
-``config.train_bn`` off, a half layer handed back to PyTorch, a layer no convforge variant runs) keeps the
-unfused path.
+float32 NCHW only. With ``config.native_conv_relu`` (on by default) a warm half call takes native.cpp's
+ConvReluNode instead (the same ops from C++: no Python in its forward or backward). ``FusedConv2d``
+(conv -> ReLU, no batch norm, no residual) takes it in training where :func:`takes` says so; anything else
+(``torch.compile`` tracing, ``config.train_bn`` off, a half layer handed back to PyTorch, a layer no convforge
+variant runs) keeps the unfused path.
 """
 
 from __future__ import annotations
@@ -85,7 +85,11 @@ def _native_node(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, conv:
     """The layer through native.cpp's ConvReluNode (half storage), or None: the native module is not
     loaded, or the call is not filed yet (the Python node's first forward files it) or not one it runs."""
     module = fast_path.TORCH
-    return None if module is None else module.conv_relu(*_call(x, w, b, conv))
+    if module is None:
+        return None
+    # the program is filed with KCRS filters (the Python node's w.contiguous()); a channels_last model's
+    # weight reaches the node through the same differentiable copy
+    return module.conv_relu(*_call(x, w if w.is_contiguous() else w.contiguous(), b, conv))
 
 
 def _call(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, conv: tuple[Any, ...]) -> tuple[Any, ...]:
