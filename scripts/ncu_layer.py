@@ -11,8 +11,9 @@ the kernels of one warm call, every launch of a convforge plan included.
     PYTHONPATH=src python scripts/ncu_layer.py 'N=128,C=512,H=7,W=7,K=512,R=3,S=3,pad=1' cudnn-fp32 --dtype fp16
 
 ``--dtype fp16|bf16`` runs both sides on half tensors (cuDNN on channels_last ones, as the bench's
-``--layout nhwc`` baseline; convforge on NCHW ones, so its plan adds the layout conversion as a kernel of its
-own: compare the GEMM kernels).
+``--layout nhwc`` baseline; convforge on NCHW ones unless ``--layout nhwc``, so its plan may add a layout
+conversion as a kernel of its own: compare the GEMM kernels). ``--params 'k=v,...'`` times one point of the
+variant's space instead of the tuned one.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ def main() -> None:
                          "cuDNN's through aten.convolution_backward")
     ap.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32",
                     help="storage dtype of both sides (half: cuDNN on channels_last tensors)")
+    ap.add_argument("--layout", choices=("nchw", "nhwc"), default="nchw",
+                    help="convforge's tensors: nchw, or nhwc (channels_last, its NHWC kernels)")
+    ap.add_argument("--params", default=None, help="convforge parameters instead of the tuned ones, e.g. 'bc=8,cv=4'")
     args = ap.parse_args()
     import torch  # after the arguments: --help runs without torch (tests/test_scripts.py)
     import torch.nn.functional as F
@@ -46,16 +50,18 @@ def main() -> None:
     if args.dtype != "fp32":
         tdt = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
         x, w, dy = (t.to(tdt) for t in (x, w, dy))
-        if args.impl.startswith("cudnn-"):
-            x, w, dy = (t.to(memory_format=torch.channels_last) for t in (x, w, dy))
+    if args.impl.startswith("cudnn-") and args.dtype != "fp32" or args.layout == "nhwc":
+        x, w, dy = (t.to(memory_format=torch.channels_last) for t in (x, w, dy))
     torch.backends.cudnn.benchmark = True
     if args.impl.startswith("cudnn-"):
         torch.backends.cudnn.allow_tf32 = args.impl == "cudnn-tf32"
         call = _cudnn_call(F, torch, spec, x, w, dy, args.conv_pass)
     else:
         import convforge.grad as cg
-        geo = dict(stride=spec.stride, padding=spec.pad, dilation=spec.dilation, algo=args.impl,
-                   precision=args.precision)
+        params = dict(kv.split("=") for kv in args.params.split(",")) if args.params else None
+        geo = dict(stride=spec.stride, padding=spec.pad, dilation=spec.dilation, groups=spec.groups,
+                   algo=args.impl, precision=args.precision,
+                   params={k: int(v) for k, v in params.items()} if params else None)
 
         def call() -> object:
             if args.conv_pass == "dgrad":
@@ -79,10 +85,10 @@ def _cudnn_call(F: Any, torch: Any, spec: ConvSpec, x: Any, w: Any, dy: Any, con
     xin = x if sym else F.pad(x, (left, right, t, b))
     pad = [t, left] if sym else [0, 0]
     if conv_pass == "fprop":
-        return lambda: F.conv2d(xin, w, None, spec.stride, pad, spec.dilation)
+        return lambda: F.conv2d(xin, w, None, spec.stride, pad, spec.dilation, spec.groups)
     mask = [conv_pass == "dgrad", conv_pass == "wgrad", False]
     return lambda: torch.ops.aten.convolution_backward(dy, xin, w, None, list(spec.stride), pad,
-                                                       list(spec.dilation), False, [0, 0], 1, mask)
+                                                       list(spec.dilation), False, [0, 0], spec.groups, mask)
 
 
 if __name__ == "__main__":
