@@ -103,7 +103,8 @@ class Blocked:
     header: list[str] = field(default_factory=list)
     loads: list[Load] = field(default_factory=list)
     walk: tuple[str, str] = ("", "")  # the item loop's start and step
-    store: tuple[str, str, str, str] = ("", "", "", "")  # j's start, bound and step; the store's index
+    stores: list[tuple[int, str, int, int, str]] = field(default_factory=list)  # a chunk's store loop: j's
+    # first sum and thread term (j = j0 + lt), bound and step, the store's index
     store_guard: str = "True"
 
 
@@ -135,13 +136,13 @@ def parse_blocked(body: str) -> Blocked:
                                   row_guard if buf == "x" else "True"))
         elif line.startswith("if (k < "):
             out.store_guard = _py(line[3:].rstrip(" {").strip("()"))
-        elif m := re.match(r"for \(int j = (\w+); j < (\d+); j \+= (\d+)\)", line):
-            out.store = (m[1], m[2], m[3], "")
-        elif out.store[0] and "part_[j" in line:  # part[i] = ..., w[i] = ... or ST_F16(w, i, ...)
+        elif m := re.match(r"for \(int j = (?:(\d+) \+ )?(\w+); j < (\d+); j \+= (\d+)\)", line):
+            out.stores.append((int(m[1] or 0), m[2], int(m[3]), int(m[4]), ""))
+        elif out.stores and not out.stores[-1][4] and "part_[" in line:  # part[i] = ..., w[i] = ...
             index = _args(line, line.index("(")).split(", ")[1] if line.startswith("ST_") else \
-                line.split("[", 1)[1].split("] =")[0]
-            out.store = (*out.store[:3], _py(index))
-    assert out.loads and out.store[3] and out.walk[0], "not the blocked form's body"
+                line.split("[", 1)[1].split("] =")[0]  # ... or ST_F16(w, i, ...)
+            out.stores[-1] = (*out.stores[-1][:4], _py(index))
+    assert out.loads and out.stores and all(st[4] for st in out.stores) and out.walk[0], "not the blocked form"
     return out
 
 
@@ -252,17 +253,17 @@ def _load_gap(spec: ConvSpec, ld: Load, kenv: dict, nhwc: bool, tq: int, seen: n
 def _store_gaps(spec: ConvSpec, b: Blocked, grid: tuple, block: tuple, rs: int) -> list[str]:
     """Every (slice, channel, tap) of the partial filters (or of dw) stored exactly once; ``rs``: the sums
     a thread holds (taps x its channels)."""
-    j0, bound, step, index = b.store
-    assert int(bound) == rs
+    chunks = [(j0, bound) for j0, _, bound, _, _ in b.stores]
+    assert chunks[0][0] == 0 and chunks[-1][1] == rs and all(a[1] == c[0] for a, c in zip(chunks, chunks[1:]))
     written = np.zeros(grid[1] * spec.k * spec.r * spec.s + 1, np.int64)
-    for by in range(grid[1]):
+    for by, (j0, lt, bound, step, index) in itertools.product(range(grid[1]), b.stores):
         env = _env(b, np.arange(grid[0])[:, None], np.arange(block[0])[None, :], by)
-        j = np.broadcast_to(env[j0], (grid[0], block[0])).copy()
+        j = j0 + np.broadcast_to(env[lt], (grid[0], block[0])).copy()
         on = np.broadcast_to(_ev(b.store_guard, env), j.shape)
-        while (live := on & (j < rs)).any():
+        while (live := on & (j < bound)).any():
             idx = np.broadcast_to(_ev(index.replace("GROUP_ID(1)", "by"), {**env, "j": j}), j.shape)
             np.add.at(written, np.clip(idx[live], 0, written.size - 1), 1)
-            j = j + int(step)
+            j = j + step
     if (written[:-1] != 1).any() or written[-1]:
         return [f"{(written[:-1] != 1).sum()} of {written.size - 1} filter entries not stored exactly once"]
     return []
@@ -349,6 +350,21 @@ def test_model_four_channel_lanes(dtype) -> None:
     assert ran > 20
 
 
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_model_load_guarded_rows(layout) -> None:
+    """pr = 1 (each input row's guard inside its loads, no branch a row) on every small layer, with and
+    without lanes of 4 channels: the same index space as the branch a row."""
+    ran = 0
+    for base in SMALL + (CV4 if layout == "nhwc" else []):
+        spec = _as(base, "float16", layout)
+        for i, prm in enumerate(blocked_points(spec)):
+            if i % 16 == 0 or prm.get("cv", 1) == 4 and i % 4 == 0:
+                prm = Params(**{**dict(prm.items()), "pr": 1})
+                assert gaps(V.plan(spec, prm, NOMINAL_CUDA)) == [], f"[{prm.short()}] {spec.short()}"
+                ran += 1
+    assert ran > 10
+
+
 def test_model_flags_an_unguarded_vector() -> None:
     """The model is not blind: the same plan with the column guard taken out shows the gap."""
     spec, prm = _as(SMALL[0], "float32", "nchw"), Params(bt=32, tq=8, tp=2, ns=1)
@@ -384,6 +400,25 @@ def test_four_channel_lanes_on_pocl(ocl, case, dtype) -> None:
         assert res.ok, f"[{prm.short()}] {spec.short()}: {res}"
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("spec, prm", [
+    (SMALL[1], Params(bc=2, bs=16, tq=4, tp=2, ns=3, pr=1, mb=2)),
+    (SMALL[2], Params(bc=1, bs=32, tq=2, tp=2, ns=1, pr=1)),
+    (CV4[1], Params(bc=2, bs=16, cv=4, tq=4, tp=2, ns=3, pr=1, mb=4)),
+    (SMALL[2], Params(bt=32, tq=8, tp=2, ns=2, pr=1)),
+    (SMALL[1], Params(bc=2, bs=64, tq=2, tp=2, ns=2)),
+    (CV4[0], Params(bc=2, bs=64, cv=4, tq=2, tp=2, ns=1, pr=1)),
+    (SMALL[2], Params(bt=256, tq=4, tp=2, ns=1)),
+], ids=["7x7-k2c", "5x5-stride2", "cv4-stride2", "nchw-5x5", "7x7-4-chunks", "cv4-3-chunks", "nchw-4-chunks"])
+def test_guarded_rows_and_chunked_tree_on_pocl(ocl, spec, prm, dtype) -> None:
+    """pr = 1 (rows guarded load by load; top and bottom rows of the plane outside it), and blocks of 128
+    and 256 threads whose slice-end tree takes its sums in chunks of shared memory, against float64,
+    output and workspace poisoned."""
+    spec = _as(spec, dtype, "nchw" if "bt" in prm else "nhwc")
+    res = check_plan(V.plan(spec, prm, ocl.device), ocl, seed=7)
+    assert res.ok, f"[{prm.short()}] {spec.short()}: {res}"
+
+
 def test_four_channel_default_compiles_clean(nvcc_ok) -> None:
     """The FP16 NHWC 3x3 default (cv = 4) through nvcc: no spill."""
     spec = _as(ConvSpec.make(64, 144, 56, 56, 144, 3, 3, 1, 1, groups=144), "float16", "nhwc")
@@ -394,3 +429,20 @@ def test_four_channel_default_compiles_clean(nvcc_ok) -> None:
 
 def test_failed_point_compiles_clean(nvcc_ok) -> None:
     assert_compiles_clean(V, FAILED, Params(bt=128, tq=8, tp=4, ns=3), NOMINAL_CUDA)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("base, want", [
+    (ConvSpec.make(32, 192, 28, 28, 192, 7, 7, 1, 3, groups=192), dict(pr=1, mb=3, tp=4)),  # 170 registers
+    (ConvSpec.make(32, 384, 14, 14, 384, 7, 7, 1, 3, groups=384), dict(pr=1, mb=4, bc=16)),  # 128 registers
+    (ConvSpec.make(64, 240, 28, 28, 240, 5, 5, 1, 2, groups=240), dict(pr=1, mb=4, tq=4)),  # 64 registers
+    (ConvSpec.make(64, 480, 14, 14, 480, 5, 5, 1, 2, groups=480), dict(pr=1, mb=3)),  # 85 registers
+    (ConvSpec.make(64, 144, 56, 56, 144, 3, 3, 1, 1, groups=144), dict(cv=4)),  # branch a row
+], ids=["7x7-28", "7x7-14", "5x5-q28", "5x5-q14", "3x3-s1"])
+def test_row_load_defaults_compile_clean(nvcc_ok, base, want, dtype) -> None:
+    """The NHWC half defaults guard rows load by load (pr = 1) past 3x3 with the launch bound the H200
+    sweep chose, and compile through nvcc without a spill (3x3 at stride 1 keeps a branch a row)."""
+    spec = _as(base, dtype, "nhwc")
+    prm = V.default(spec, NOMINAL_CUDA)
+    assert {k: prm.get(k, 0) for k in want} == want and prm.get("pr", 0) == want.get("pr", 0), prm
+    assert_compiles_clean(V, spec, prm, NOMINAL_CUDA)

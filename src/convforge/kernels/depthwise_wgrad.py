@@ -25,6 +25,7 @@ With ``ns`` > 1 slices each writes a partial filter and a second kernel adds the
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -53,17 +54,19 @@ _WARPS_PER_UNIT = 32  # warps the blocked form's slices aim to keep resident on 
 
 
 def blocked_splits(spec: ConvSpec, threads: int, bc: int, bt: int, items: int, device: DeviceInfo,
-                   sums: int = 1) -> int:
+                   sums: int = 1, tp: int = 2) -> int:
     """Slices of the blocked form: enough blocks of ``threads`` over the ceil(K / bc) channel blocks for
     ~32 resident warps a compute unit (a block has few warps, and each thread's loop is a chain of
     dependent loads: occupancy hides them); past 32, only while each of the ``bt`` threads of a channel
     lane keeps an item for every ~6 of its ``sums`` (a slice's partial sums, tree and store cost about
-    that: 8 items for 7x7, 6 for 3x3 in lanes of 4 channels, in the H200 sweep of 2026-11-30); at most 1024."""
+    that: 8 items for 7x7, 6 for 3x3 in lanes of 4 channels, in the H200 sweep of 2026-11-30, for items of
+    ``tp`` = 2 rows; items of 4 rows count twice); at most 1024."""
     if not device.is_gpu:
         return max(1, min(wgrad_splits(spec, device, cdiv(spec.k, bc)), items))
     warps = cdiv(threads, device.warp or 32) * cdiv(spec.k, bc)
     want = cdiv(max(device.units, 1) * _WARPS_PER_UNIT, warps)
-    return max(1, min(want, max(items // (max(2, sums // 6) * bt), min(32, items)), _MAX_SLICES))
+    each = max(1, max(2, sums // 6) * 2 // max(2, tp))  # items a thread keeps
+    return max(1, min(want, max(items // (each * bt), min(32, items)), _MAX_SLICES))
 
 
 def _tiled(spec: ConvSpec) -> bool:
@@ -84,7 +87,9 @@ def _vw(spec: ConvSpec) -> int:
 class WTile:
     """A blocked parameter set on one layer: ``bt`` threads along the items for each of ``bc``
     channel lanes (NHWC; 1 on NCHW), items of ``tp`` x ``tq`` outputs; on NHWC each lane takes ``cv``
-    consecutive channels (1, or 4: one 8-byte load of halves a pixel, four sums a tap)."""
+    consecutive channels (1, or 4: one 8-byte load of halves a pixel, four sums a tap); ``pr`` 1: input
+    rows guarded load by load rather than by a branch a row (ptxas then hoists loads across rows, and
+    registers grow); ``mb``: the blocks a compute unit the launch bound names (caps the registers)."""
 
     spec: ConvSpec
     bc: int
@@ -92,10 +97,13 @@ class WTile:
     tq: int
     tp: int
     cv: int = 1
+    pr: int = 0
+    mb: int = 1
 
     @classmethod
     def of(cls, spec: ConvSpec, p: Params) -> WTile:
-        return cls(spec, p.get("bc", 1), p.bt if spec.layout == "nchw" else p.bs, p.tq, p.tp, p.get("cv", 1))
+        return cls(spec, p.get("bc", 1), p.bt if spec.layout == "nchw" else p.bs, p.tq, p.tp, p.get("cv", 1),
+                   p.get("pr", 0), p.get("mb", 1))
 
     @property
     def threads(self) -> int:
@@ -145,14 +153,14 @@ class WTile:
         cv = self.cv
         if min(self.bc, self.bt, self.tq, self.tp) < 1 or self.bt & (self.bt - 1):
             return f"bt / bs ({self.bt}) must be a power of two and bc, tq, tp >= 1"
+        if self.pr not in (0, 1) or not 1 <= self.mb <= 8:
+            return f"pr ({self.pr}) must be 0 or 1 and mb ({self.mb}) 1..8"
         if cv not in (1, 4):
             return f"cv ({cv}) must be 1 or 4"
         if cv > 1 and (s.layout != "nhwc" or s.kg != 1 or s.k % cv):
             return f"cv ({cv}) reads NHWC channels of a multiplier-1 layer whose K is a multiple of {cv}"
         if not 1 <= self.threads <= device.max_threads:
             return f"{self.threads} threads must be 1..{device.max_threads}"
-        if 4 * rs * cv * self.threads > min(device.shared_bytes, _SMEM):
-            return f"{self.threads} threads' {rs * cv} partial sums do not fit in shared memory"
         if self.tp * self.tq > 32 or (rs + self.tp * self.tq + self.seg) * cv > _REGS:
             return f"taps, tp * tq outputs and the row segment (({rs} + {self.tp * self.tq} + {self.seg}) x " \
                    f"{cv} channels) must fit in {_REGS} registers"
@@ -160,6 +168,7 @@ class WTile:
 
 
 _REGS = 160  # a rough cap on the floats a thread of the blocked form holds
+_SM_REGISTERS = 64 * 1024  # 32-bit registers a CUDA compute unit holds (sm_50 .. sm_90): mb's arithmetic
 
 
 class DepthwiseWgrad(Variant):
@@ -213,16 +222,21 @@ class DepthwiseWgrad(Variant):
             tq = 8 if spec.q % 8 == 0 or spec.q >= 16 else 4 if spec.q >= 4 else spec.q
             tp, bc = (2 if spec.eff_r <= 3 else 4), 1
         else:
-            tq, tp, bc = min(4 if spec.r * spec.s <= 9 else 8, spec.q), min(2, spec.p), min(32, spec.k)
-            if spec.r * spec.s <= 9 and WTile(spec, 8, 16, tq, tp, 4).problem(device) is None:
+            rs = spec.r * spec.s
+            tq = min(4 if rs <= 9 or rs <= 25 and spec.q >= 28 else 8, spec.q)
+            tp, bc = min(2, spec.p), min(32, spec.k)
+            if rs > 25:  # 7x7 (H200 sweep, 2026-11-30): items of 4 rows on large planes, 16 lanes on small
+                tp, bc = (min(4, spec.p), bc) if spec.p >= 28 else (tp, min(16, spec.k))
+            if rs <= 9 and WTile(spec, 8, 16, tq, tp, 4).problem(device) is None:
                 bc, cv = 8, 4
-        top = 128 if cv > 1 else 256
+        top = 128 if cv > 1 or spec.r * spec.s > 25 else 256  # the sweeps' block sizes (7x7: 128)
         for tq_, tp_ in ((tq, tp), (tq, 1), (min(tq, 4), 1), (1, 1)):
             for bt in ((top // bc, 128 // bc, 64 // bc, 32 // bc, 1) if device.is_gpu else (32 // bc, 1)):
                 t = WTile(spec, bc, max(1, bt), tq_, tp_, cv)
                 if t.problem(device) is None:
-                    ns = blocked_splits(spec, t.threads, t.channels, t.bt, t.items, device, spec.r * spec.s * cv)
-                    return _blocked_params(spec, t, ns)
+                    ns = blocked_splits(spec, t.threads, t.channels, t.bt, t.items, device, spec.r * spec.s * cv,
+                                        t.tp)
+                    return _blocked_params(spec, _row_loads(t, device), ns)
         return _blocked_params(spec, WTile(spec, 1, 1, 1, 1), 1)
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
@@ -248,9 +262,10 @@ class DepthwiseWgrad(Variant):
             if (t.channels > max(8, spec.k) or t.threads < 32 or tq > max(1, spec.q) or tp > max(1, spec.p)
                     or ns > t.items or t.problem(device)):
                 continue
-            prm = _blocked_params(spec, t, ns)
-            if prm not in out:
-                out.append(prm)
+            for tt in (t, dataclasses.replace(t, pr=1, mb=max(1, min(8, _SM_REGISTERS // (128 * t.threads))))):
+                prm = _blocked_params(spec, tt, ns)
+                if prm not in out:
+                    out.append(prm)
         return [prm for prm in dict.fromkeys(out)]
 
     def workspace_bytes(self, spec: ConvSpec, params: Params) -> int:
@@ -293,9 +308,9 @@ class DepthwiseWgrad(Variant):
             body, block, grid = _reduce_body(spec, bt, ns, out), (bt, 1, 1), (spec.k, ns, 1)
         name = "wgrad_depthwise"
         args = (sto.buf(src[0]), sto.buf(src[1]), wbuf)
-        # the blocked form names a launch bound of 1 block: with the thread count alone ptxas (13.0)
-        # spilled 16 bytes at 48 registers on float16 3x3 (tp 2, tq 8); with it, 56 and none
-        bound = 1 if "tq" in params and not _tiled(spec) else 0
+        # the blocked form names a launch bound of mb blocks (default 1): with the thread count alone ptxas
+        # (13.0) spilled 16 bytes at 48 registers on float16 3x3 (tp 2, tq 8); with it, 56 and none
+        bound = params.get("mb", 1) if "tq" in params and not _tiled(spec) else 0
         kernels.append(Kernel(name, args, body, block, comment=f"{self.name}: {params.short()}", min_blocks=bound))
         steps.append(Launch(name, grid, block, (*src, out)))
         if ns > 1:
@@ -328,12 +343,35 @@ class DepthwiseWgrad(Variant):
         return _tiled_body(spec, ts, ns, out, src), (threads, 1, 1), (spec.k, ns, 1)
 
 
-def _blocked_params(spec: ConvSpec, t: WTile, ns: int) -> Params:
-    if spec.layout == "nchw":
-        return Params(bt=t.bt, tq=t.tq, tp=t.tp, ns=ns)
+def _row_loads(t: WTile, device: DeviceInfo) -> WTile:
+    """``t`` with rows guarded load by load (pr = 1) where the H200 sweep of 2026-11-30 measured it faster,
+    and the launch bound that caps the registers the hoisted loads take: NHWC half storage past 3x3 (128
+    registers for 7x7's 49 sums, 170 with items of 4 rows, 85 for 5x5, 64 for 5x5 items 4 wide), and 3x3
+    in lanes of 4 channels at
+    stride > 1 (128). ptxas spills there on some layers (3x3 stride 2: 8-16 bytes; 5x5 stride 2 items 4
+    wide: ~300), measured fastest all the same (72@56/2: 0.040 ms against 0.052 at 128 registers and no
+    spill; 3x3 stride 2: 1.2-1.6x, where 170 registers ran 2x slower). Elsewhere the sweep found the
+    branch a row as fast or faster (3x3 stride 1: pr alone 2x slower; NCHW: 1.0-1.06x for 7x7 with
+    spills, slower for 5x5)."""
+    s = t.spec
+    rs = s.r * s.s
+    if not device.is_gpu or s.dtype == "float32" or s.layout != "nhwc":
+        return t
     if t.cv > 1:
-        return Params(bc=t.bc, bs=t.bt, tq=t.tq, tp=t.tp, ns=ns, cv=t.cv)
-    return Params(bc=t.bc, bs=t.bt, tq=t.tq, tp=t.tp, ns=ns)
+        target = 128 if max(s.stride) > 1 else 0
+    else:
+        target = (170 if t.tp >= 4 else 128) if rs > 25 else 64 if t.tq <= 4 else 85 if rs > 9 else 0
+    if not target:
+        return t
+    mb = max(1, min(8, _SM_REGISTERS // (target * t.threads)))
+    return dataclasses.replace(t, pr=1, mb=mb)
+
+
+def _blocked_params(spec: ConvSpec, t: WTile, ns: int) -> Params:
+    """The parameters naming ``t`` (cv, pr and mb only where not 1, 0, 1)."""
+    opt = {k: v for k, v, usual in (("cv", t.cv, 1), ("pr", t.pr, 0), ("mb", t.mb, 1)) if v != usual}
+    lanes = {"bt": t.bt} if spec.layout == "nchw" else {"bc": t.bc, "bs": t.bt}
+    return Params({**lanes, "tq": t.tq, "tp": t.tp, "ns": ns, **opt})
 
 
 _SUM_LANES, _SUM_GROUPS = 32, 8  # the slice sum's block: 32 filter elements x 8 groups of slices
@@ -455,8 +493,9 @@ def _blocked_body(t: WTile, ns: int, out: str) -> str:
     rs, nq, np_, cv = s.r * s.s, t.grid_q, t.grid_p, t.cv
     per = cdiv(t.items, ns)
     code = Code()
+    total, chunk = rs * cv, _sum_chunk(rs * cv, t.threads)
     sums = f"{rs} taps x {cv} channels" if cv > 1 else f"{rs} taps"
-    code(f"SHARED float part_[{rs * cv * t.threads}];  // {sums} x {t.threads} threads")
+    code(f"SHARED float part_[{chunk * t.threads}];  // {chunk} of the {sums} x {t.threads} threads at a time")
     if nhwc:
         first = f"(GROUP_ID(0) * {t.bc} + lc) * {cv}" if cv > 1 else f"GROUP_ID(0) * {t.bc} + lc"
         code(f"const int tid = LOCAL_ID(0), lc = tid % {t.bc}, lt = tid / {t.bc};"
@@ -477,23 +516,38 @@ def _blocked_body(t: WTile, ns: int, out: str) -> str:
                      if ir >= i * sh and (ir - i * sh) % dh == 0 and (ir - i * sh) // dh < s.r]
             if not users:
                 continue
-            with code.block(f"if ((unsigned)(y0 + {ir}) < {s.h}u)  /* input row {ir} */"):
-                _blocked_row(code, t, sto, ir)
+            row_ok = f"(unsigned)(y0 + {ir}) < {s.h}u"
+            with code.block(f"/* input row {ir} */" if t.pr else f"if ({row_ok})  /* input row {ir} */"):
+                _blocked_row(code, t, sto, ir, row_ok if t.pr else "")
                 for i, r in users:
                     for jq, c, v in itertools.product(range(t.tq), range(s.s), range(cv)):
                         a = _acc(r, c, v, cv)
                         code(f"{a} = FMA({_lane(f'e{jq * sw + c * dw}', v, cv)}, {_lane(f'g{i}_{jq}', v, cv)}, {a});")
-    for r, c, v in itertools.product(range(s.r), range(s.s), range(cv)):
-        code(f"part_[{((r * s.s + c) * cv + v) * t.threads} + tid] = {_acc(r, c, v, cv)};")
-    code("BARRIER();")
-    _tree(code, "tid", t.threads, rs * cv, t.bc)
+    accs = [_acc(r, c, v, cv) for r, c, v in itertools.product(range(s.r), range(s.s), range(cv))]
     kj = f"(k + j % {cv}) * {rs} + j / {cv}" if cv > 1 else f"k * {rs} + j"  # sum j: tap j / cv of channel k + j % cv
     dst = f"GROUP_ID(1) * {s.k * rs} + {kj}" if ns > 1 else kj
-    with code.block(f"if (k < {s.k})" if nhwc else ""):
-        with code.block(f"for (int j = lt; j < {rs * cv}; j += {t.bt})"):
-            lane = "lc" if nhwc else "0"
-            code(f"{_store_out(s, out, dst, f'part_[j * {t.threads} + {lane}]')};")
+    lane = "lc" if nhwc else "0"
+    for j0 in range(0, total, chunk):  # sums j0 .. j0 + chunk - 1: shared memory, a tree, stores
+        n = min(chunk, total - j0)
+        if j0:
+            code("BARRIER();  // the last chunk's stores have read part_")
+        code(*(f"part_[{i * t.threads} + tid] = {accs[j0 + i]};" for i in range(n)))
+        code("BARRIER();")
+        _tree(code, "tid", t.threads, n, t.bc)
+        with code.block(f"if (k < {s.k})" if nhwc else ""):
+            with code.block(f"for (int j = {f'{j0} + ' if j0 else ''}lt; j < {j0 + n}; j += {t.bt})"):
+                row = f"(j - {j0})" if j0 else "j"
+                code(f"{_store_out(s, out, dst, f'part_[{row} * {t.threads} + {lane}]')};")
     return code.text()
+
+
+_CHUNK_FLOATS = 2048  # shared memory of the blocked form's slice-end tree (8 KiB): the rest stays L1
+
+
+def _sum_chunk(total: int, threads: int) -> int:
+    """Sums a thread files into shared memory at a time for the tree at a slice's end: 8 KiB of floats
+    (or all of them where they fit), so that shared memory does not take the L1 the x rows need."""
+    return max(1, min(total, _CHUNK_FLOATS // threads))
 
 
 def _acc(r: int, c: int, v: int, cv: int) -> str:
@@ -535,27 +589,30 @@ def _blocked_dy(code: Code, t: WTile, sto: Storage) -> None:
                 code(f"const float g{i}_{jq} = ({row_ok} && q0 + {jq} < {s.q}) ? {sto.ldg(f'{base} + {jq}')} : 0.0f;")
 
 
-def _blocked_row(code: Code, t: WTile, sto: Storage, ir: int) -> None:
+def _blocked_row(code: Code, t: WTile, sto: Storage, ir: int, row_ok: str = "") -> None:
     """e0 .. e{seg-1}: input row y0 + ir, columns x0 .. (zero outside the plane); on NCHW read as
-    aligned 16-byte vectors where the rows allow (each vector wholly in or out of the row)."""
+    aligned 16-byte vectors where the rows allow (each vector wholly in or out of the row). ``row_ok``:
+    the row's own guard, folded into each load's (``pr``: no branch a row, so ptxas may hoist the loads
+    of later rows above the sums of earlier ones)."""
     s = t.spec
+    both = f"{row_ok} && " if row_ok else ""
     if s.layout == "nhwc":
         base = f"x + ((n * {s.h} + y0 + {ir}) * {s.w} + x0) * {s.c} + c"
         for e in range(t.seg):
             if t.cv > 1:
-                _vec_load(code, sto, f"e{e}", 4, f"(unsigned)(x0 + {e}) < {s.w}u", f"{base} + {e * s.c}")
+                _vec_load(code, sto, f"e{e}", 4, f"{both}(unsigned)(x0 + {e}) < {s.w}u", f"{base} + {e * s.c}")
                 continue
-            code(f"const float e{e} = (unsigned)(x0 + {e}) < {s.w}u ? {sto.ldg(f'{base} + {e * s.c}')} : 0.0f;")
+            code(f"const float e{e} = {both}(unsigned)(x0 + {e}) < {s.w}u ? {sto.ldg(f'{base} + {e * s.c}')} : 0.0f;")
         return
     base = f"x + ((n * {s.c} + c) * {s.h} + y0 + {ir}) * {s.w}"
     if t.xv == 1:
         for e in range(t.seg):
-            code(f"const float e{e} = (unsigned)(x0 + {e}) < {s.w}u ? {sto.ldg(f'{base} + x0 + {e}')} : 0.0f;")
+            code(f"const float e{e} = {both}(unsigned)(x0 + {e}) < {s.w}u ? {sto.ldg(f'{base} + x0 + {e}')} : 0.0f;")
         return
     off = (-s.pad[2]) % t.xv  # x0 - off is a multiple of the vector width
     for a in range(cdiv(off + t.seg, t.xv)):
         col = f"x0 - {off} + {a * t.xv}" if off else f"x0 + {a * t.xv}"
-        _vec_load(code, sto, f"xv{a}", t.xv, f"(unsigned)({col}) < {s.w}u", f"{base} + {col}")
+        _vec_load(code, sto, f"xv{a}", t.xv, f"{both}(unsigned)({col}) < {s.w}u", f"{base} + {col}")
     code(*(f"const float e{e} = {_vec_lane(f'xv{(e + off) // t.xv}', t.xv, (e + off) % t.xv)};"
            for e in range(t.seg)))
 
