@@ -52,6 +52,7 @@ REGISTRATION_ORDER = (
     "depthwise_wgrad",
     "gemv",
     "wgrad.direct",
+    "wgrad.grouped",
     "wgrad.gemm",
     "wgrad.winograd",
 )

@@ -54,16 +54,17 @@ _WARPS_PER_UNIT = 32  # warps the blocked form's slices aim to keep resident on 
 
 
 def blocked_splits(spec: ConvSpec, threads: int, bc: int, bt: int, items: int, device: DeviceInfo,
-                   sums: int = 1, tp: int = 2) -> int:
+                   sums: int = 1, tp: int = 2, lane_blocks: int | None = None) -> int:
     """Slices of the blocked form: enough blocks of ``threads`` over the ceil(K / bc) channel blocks for
     ~32 resident warps a compute unit (a block has few warps, and each thread's loop is a chain of
     dependent loads: occupancy hides them); past 32, only while each of the ``bt`` threads of a channel
     lane keeps an item for every ~6 of its ``sums`` (a slice's partial sums, tree and store cost about
     that: 8 items for 7x7, 6 for 3x3 in lanes of 4 channels, in the H200 sweep of 2026-11-30, for items of
     ``tp`` = 2 rows; items of 4 rows count twice); at most 1024."""
+    blocks = lane_blocks or cdiv(spec.k, bc)  # blocks along the channels (wgrad_grouped's lanes: its own count)
     if not device.is_gpu:
-        return max(1, min(wgrad_splits(spec, device, cdiv(spec.k, bc)), items))
-    warps = cdiv(threads, device.warp or 32) * cdiv(spec.k, bc)
+        return max(1, min(wgrad_splits(spec, device, blocks), items))
+    warps = cdiv(threads, device.warp or 32) * blocks
     want = cdiv(max(device.units, 1) * _WARPS_PER_UNIT, warps)
     each = max(1, max(2, sums // 6) * 2 // max(2, tp))  # items a thread keeps
     return max(1, min(want, max(items // (each * bt), min(32, items)), _MAX_SLICES))
@@ -314,7 +315,7 @@ class DepthwiseWgrad(Variant):
         kernels.append(Kernel(name, args, body, block, comment=f"{self.name}: {params.short()}", min_blocks=bound))
         steps.append(Launch(name, grid, block, (*src, out)))
         if ns > 1:
-            kern, launch = _slice_sum(spec, ns, sto)
+            kern, launch = slice_sum(spec, ns, sto)
             kernels.append(kern)
             steps.append(launch)
             workspace.insert(0, ("part", 4 * ns * spec.k * spec.r * spec.s))
@@ -377,11 +378,11 @@ def _blocked_params(spec: ConvSpec, t: WTile, ns: int) -> Params:
 _SUM_LANES, _SUM_GROUPS = 32, 8  # the slice sum's block: 32 filter elements x 8 groups of slices
 
 
-def _slice_sum(spec: ConvSpec, ns: int, sto: Storage) -> tuple[Kernel, Launch]:
+def slice_sum(spec: ConvSpec, ns: int, sto: Storage) -> tuple[Kernel, Launch]:
     """dw = the ns slices' partial filters added in a fixed order (the same sum on every run): group g of
     a block's 8 sums slices g, g + 8, ... of 32 consecutive filter elements (a warp's reads are one run),
     then a fixed tree over the groups."""
-    total = spec.k * spec.r * spec.s
+    total = spec.k * spec.cg * spec.r * spec.s  # the filter's elements (depthwise: cg = 1)
     threads = _SUM_LANES * _SUM_GROUPS
     code = Code()
     code(f"SHARED float part_[{threads}];",
@@ -390,7 +391,7 @@ def _slice_sum(spec: ConvSpec, ns: int, sto: Storage) -> tuple[Kernel, Launch]:
     with code.block(f"if (e < {total})"):
         code(f"for (int j = g; j < {ns}; j += {_SUM_GROUPS}) acc += part[j * {total} + e];")
     code("part_[t] = acc;", "BARRIER();")
-    _tree(code, "t", threads, 1, _SUM_LANES)
+    tree(code, "t", threads, 1, _SUM_LANES)
     with code.block(f"if (t < {_SUM_LANES} && e < {total})"):
         code(f"{sto.store('w', 'e', 'part_[t]')};")
     kern = Kernel("wgrad_depthwise_sum", (Buf("part"), sto.buf("w", readonly=False)), code.text(), (threads, 1, 1),
@@ -414,7 +415,7 @@ def _to_nchw(name: str, sto: Storage, shape: tuple[int, int, int, int]) -> tuple
     return kern, (cdiv(total, 256), 1, 1)
 
 
-def _tree(code: Code, t: str, bt: int, rs: int, lanes: int = 1) -> None:
+def tree(code: Code, t: str, bt: int, rs: int, lanes: int = 1) -> None:
     """part_[j * bt + t] for j < rs summed over the threads t (in ``lanes`` interleaved groups: t
     and t + lanes * half) in a fixed tree; the sums land at thread 0 of each group."""
     half = bt // lanes // 2
@@ -456,7 +457,7 @@ def _reduce_body(spec: ConvSpec, bt: int, ns: int, out: str) -> str:
     for r, s_ in itertools.product(range(spec.r), range(spec.s)):
         code(f"part_[{(r * spec.s + s_) * bt} + t] = a{r}_{s_};")
     code("BARRIER();")
-    _tree(code, "t", bt, rs)
+    tree(code, "t", bt, rs)
     dst = f"GROUP_ID(1) * {spec.k * rs} + k * {rs} + j" if ns > 1 else f"k * {rs} + j"
     with code.block(f"for (int j = t; j < {rs}; j += {bt})"):
         code(f"{_store_out(spec, out, dst, f'part_[j * {bt}]')};")
@@ -468,7 +469,7 @@ def _store_out(spec: ConvSpec, out: str, idx: str, value: str) -> str:
     return Storage(spec.dtype).store(out, idx, value) if out == "w" else f"{out}[{idx}] = {value}"
 
 
-def _vec_load(code: Code, sto: Storage, name: str, width: int, ok: str, src: str) -> None:
+def vec_load(code: Code, sto: Storage, name: str, width: int, ok: str, src: str) -> None:
     """``name`` (float4, or float4 ``name``a / ``name``b for 8 elements) = the ``width`` elements at
     ``src`` where ``ok``, else zeros."""
     zero = "MAKE_FLOAT4(0.0f, 0.0f, 0.0f, 0.0f)"
@@ -493,7 +494,7 @@ def _blocked_body(t: WTile, ns: int, out: str) -> str:
     rs, nq, np_, cv = s.r * s.s, t.grid_q, t.grid_p, t.cv
     per = cdiv(t.items, ns)
     code = Code()
-    total, chunk = rs * cv, _sum_chunk(rs * cv, t.threads)
+    total, chunk = rs * cv, sum_chunk(rs * cv, t.threads)
     sums = f"{rs} taps x {cv} channels" if cv > 1 else f"{rs} taps"
     code(f"SHARED float part_[{chunk * t.threads}];  // {chunk} of the {sums} x {t.threads} threads at a time")
     if nhwc:
@@ -533,7 +534,7 @@ def _blocked_body(t: WTile, ns: int, out: str) -> str:
             code("BARRIER();  // the last chunk's stores have read part_")
         code(*(f"part_[{i * t.threads} + tid] = {accs[j0 + i]};" for i in range(n)))
         code("BARRIER();")
-        _tree(code, "tid", t.threads, n, t.bc)
+        tree(code, "tid", t.threads, n, t.bc)
         with code.block(f"if (k < {s.k})" if nhwc else ""):
             with code.block(f"for (int j = {f'{j0} + ' if j0 else ''}lt; j < {j0 + n}; j += {t.bt})"):
                 row = f"(j - {j0})" if j0 else "j"
@@ -544,7 +545,7 @@ def _blocked_body(t: WTile, ns: int, out: str) -> str:
 _CHUNK_FLOATS = 2048  # shared memory of the blocked form's slice-end tree (8 KiB): the rest stays L1
 
 
-def _sum_chunk(total: int, threads: int) -> int:
+def sum_chunk(total: int, threads: int) -> int:
     """Sums a thread files into shared memory at a time for the tree at a slice's end: 8 KiB of floats
     (or all of them where they fit), so that shared memory does not take the L1 the x rows need."""
     return max(1, min(total, _CHUNK_FLOATS // threads))
@@ -570,7 +571,7 @@ def _blocked_dy(code: Code, t: WTile, sto: Storage) -> None:
             for jq in range(t.tq):
                 ok = f"{row_ok} && q0 + {jq} < {s.q}"
                 if t.cv > 1:
-                    _vec_load(code, sto, f"g{i}_{jq}", 4, ok, f"{base} + {jq * s.k}")
+                    vec_load(code, sto, f"g{i}_{jq}", 4, ok, f"{base} + {jq * s.k}")
                     continue
                 code(f"const float g{i}_{jq} = ({ok}) ? {sto.ldg(f'{base} + {jq * s.k}')} : 0.0f;")
             continue
@@ -581,7 +582,7 @@ def _blocked_dy(code: Code, t: WTile, sto: Storage) -> None:
                 # past Q: a column guard (each vector wholly in or out: gv divides Q and q0), else
                 # they read the next row's dy, or past the buffer after the last row
                 ok = f"{row_ok} && q0 + {a * t.gv} < {s.q}" if s.q % t.tq and a * t.gv >= s.q % t.tq else row_ok
-                _vec_load(code, sto, f"gv{i}_{a}", t.gv, ok, f"{base} + {a * t.gv}")
+                vec_load(code, sto, f"gv{i}_{a}", t.gv, ok, f"{base} + {a * t.gv}")
             code(*(f"const float g{i}_{jq} = {_vec_lane(f'gv{i}_{jq // t.gv}', t.gv, jq % t.gv)};"
                    for jq in range(t.tq)))
         else:
@@ -600,7 +601,7 @@ def _blocked_row(code: Code, t: WTile, sto: Storage, ir: int, row_ok: str = "") 
         base = f"x + ((n * {s.h} + y0 + {ir}) * {s.w} + x0) * {s.c} + c"
         for e in range(t.seg):
             if t.cv > 1:
-                _vec_load(code, sto, f"e{e}", 4, f"{both}(unsigned)(x0 + {e}) < {s.w}u", f"{base} + {e * s.c}")
+                vec_load(code, sto, f"e{e}", 4, f"{both}(unsigned)(x0 + {e}) < {s.w}u", f"{base} + {e * s.c}")
                 continue
             code(f"const float e{e} = {both}(unsigned)(x0 + {e}) < {s.w}u ? {sto.ldg(f'{base} + {e * s.c}')} : 0.0f;")
         return
@@ -612,7 +613,7 @@ def _blocked_row(code: Code, t: WTile, sto: Storage, ir: int, row_ok: str = "") 
     off = (-s.pad[2]) % t.xv  # x0 - off is a multiple of the vector width
     for a in range(cdiv(off + t.seg, t.xv)):
         col = f"x0 - {off} + {a * t.xv}" if off else f"x0 + {a * t.xv}"
-        _vec_load(code, sto, f"xv{a}", t.xv, f"{both}(unsigned)({col}) < {s.w}u", f"{base} + {col}")
+        vec_load(code, sto, f"xv{a}", t.xv, f"{both}(unsigned)({col}) < {s.w}u", f"{base} + {col}")
     code(*(f"const float e{e} = {_vec_lane(f'xv{(e + off) // t.xv}', t.xv, (e + off) % t.xv)};"
            for e in range(t.seg)))
 
