@@ -56,6 +56,10 @@ def test_refusals() -> None:
     depthwise = _as(ConvSpec.make(1, 8, 8, 8, 8, 3, 3, 1, 1, groups=8), "float16")
     assert "grouped" in (V.applies(dense, NOMINAL_CUDA) or "")
     assert "depthwise" in (V.applies(depthwise, NOMINAL_CUDA) or "")
+    big = _as(ConvSpec.make(1, 8, 16, 16, 8, 11, 11, 1, 5, groups=2), "float16")
+    assert "registers" in (V.applies(big, NOMINAL_CUDA) or "")
+    nchw = ConvSpec.from_dict({**CASES[0][0].to_dict(), "dtype": "float16", "pass": "wgrad"})
+    assert "NHWC" in (V.applies(nchw, NOMINAL_CUDA) or "")
     spec = _as(CASES[0][0], "float16")
     with pytest.raises(ValueError, match="cw"):
         V.plan(spec, Params(cw=3, bl=8, bs=4, tq=2, tp=1, ns=1), NOMINAL_CUDA)

@@ -31,6 +31,7 @@ from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
 from convforge.spec import ConvSpec
 
 _REGS = 160  # a rough cap on the floats a thread holds (sums, a row segment, the item's dy)
+_MAX_TAPS = 49  # 7x7: a lane's sums stay in registers under the 128-register bound
 _WIDTHS = (8, 4, 2, 1)  # input channels a lane may sum (a 16-, 8-, 4-byte or scalar load of halves)
 
 
@@ -110,8 +111,8 @@ class WgradGrouped(Variant):
         if spec.groups == 1 or spec.depthwise:
             return "only grouped layers of more than one input channel a group (depthwise: depthwise_wgrad)"
         why = super().applies(spec, device) or too_big(spec)
-        if why is None and (spec.r * spec.s + spec.eff_s) > _REGS:
-            return f"a {spec.r}x{spec.s} filter's sums do not fit in registers"
+        if why is None and spec.r * spec.s > _MAX_TAPS:
+            return f"a {spec.r}x{spec.s} filter's sums do not fit in registers (at most {_MAX_TAPS} taps)"
         return why
 
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
