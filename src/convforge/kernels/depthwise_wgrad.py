@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from convforge.codegen.dialect import FLOAT32, Buf, Dim3, Kernel, Storage
@@ -494,7 +495,7 @@ def _blocked_body(t: WTile, ns: int, out: str) -> str:
     rs, nq, np_, cv = s.r * s.s, t.grid_q, t.grid_p, t.cv
     per = cdiv(t.items, ns)
     code = Code()
-    total, chunk = rs * cv, sum_chunk(rs * cv, t.threads)
+    chunk = sum_chunk(rs * cv, t.threads)
     sums = f"{rs} taps x {cv} channels" if cv > 1 else f"{rs} taps"
     code(f"SHARED float part_[{chunk * t.threads}];  // {chunk} of the {sums} x {t.threads} threads at a time")
     if nhwc:
@@ -528,18 +529,28 @@ def _blocked_body(t: WTile, ns: int, out: str) -> str:
     kj = f"(k + j % {cv}) * {rs} + j / {cv}" if cv > 1 else f"k * {rs} + j"  # sum j: tap j / cv of channel k + j % cv
     dst = f"GROUP_ID(1) * {s.k * rs} + {kj}" if ns > 1 else kj
     lane = "lc" if nhwc else "0"
+    tree_store(code, accs, chunk, t.threads, t.bc, t.bt, f"if (k < {s.k})" if nhwc else "",
+               lambda row: _store_out(s, out, dst, f"part_[{row} * {t.threads} + {lane}]"))
+    return code.text()
+
+
+def tree_store(code: Code, accs: list[str], chunk: int, threads: int, lanes: int, bt: int, guard: str,
+               store: Callable[[str], str]) -> None:
+    """Each thread's sums ``accs`` (sum j: accs[j]) through shared memory ``part_`` ``chunk`` at a time: a
+    fixed tree over the ``bt`` threads of each of ``lanes`` interleaved lanes, then, under ``guard``,
+    thread lt of a lane stores sums lt, lt + bt, ...: ``store(row)`` is the statement for sum j, whose
+    total sits in part_[row * threads + lane]."""
+    total = len(accs)
     for j0 in range(0, total, chunk):  # sums j0 .. j0 + chunk - 1: shared memory, a tree, stores
         n = min(chunk, total - j0)
         if j0:
             code("BARRIER();  // the last chunk's stores have read part_")
-        code(*(f"part_[{i * t.threads} + tid] = {accs[j0 + i]};" for i in range(n)))
+        code(*(f"part_[{i * threads} + tid] = {accs[j0 + i]};" for i in range(n)))
         code("BARRIER();")
-        tree(code, "tid", t.threads, n, t.bc)
-        with code.block(f"if (k < {s.k})" if nhwc else ""):
-            with code.block(f"for (int j = {f'{j0} + ' if j0 else ''}lt; j < {j0 + n}; j += {t.bt})"):
-                row = f"(j - {j0})" if j0 else "j"
-                code(f"{_store_out(s, out, dst, f'part_[{row} * {t.threads} + {lane}]')};")
-    return code.text()
+        tree(code, "tid", threads, n, lanes)
+        with code.block(guard):
+            with code.block(f"for (int j = {f'{j0} + ' if j0 else ''}lt; j < {j0 + n}; j += {bt})"):
+                code(f"{store(f'(j - {j0})' if j0 else 'j')};")
 
 
 _CHUNK_FLOATS = 2048  # shared memory of the blocked form's slice-end tree (8 KiB): the rest stays L1

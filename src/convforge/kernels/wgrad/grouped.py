@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from convforge.codegen.dialect import FLOAT32, Kernel, Storage
 from convforge.codegen.meta import Code, cdiv
 from convforge.kernels import register
-from convforge.kernels.depthwise_wgrad import blocked_splits, slice_sum, sum_chunk, tree, vec_load
+from convforge.kernels.depthwise_wgrad import blocked_splits, slice_sum, sum_chunk, tree_store, vec_load
 from convforge.kernels.dgrad import no_epilogue
 from convforge.kernels.gemm import too_big
 from convforge.params import Params
@@ -253,24 +253,18 @@ def _lane(name: str, v: int, cw: int) -> str:
 
 
 def _store(code: Code, t: GTile, ns: int, out: str, accs: list[str], chunk: int) -> None:
-    """The sums through shared memory ``chunk`` at a time: a fixed tree over each lane's bs threads, then
-    lane (k, chunk)'s sum j (tap j / cw, channel v = j % cw) to dw (or the slice's partial filter)."""
+    """The sums through shared memory ``chunk`` at a time (depthwise_wgrad.tree_store): lane (k, chunk)'s
+    sum j (tap j / cw, channel v = j % cw) to dw, or to the slice's partial filter."""
     s = t.spec
-    rs, cw, total = s.r * s.s, t.cw, len(accs)
+    rs, cw = s.r * s.s, t.cw
     kw = f"(k * {s.cg} + ch * {cw} + j % {cw}) * {rs} + j / {cw}"
     dst = f"GROUP_ID(1) * {s.k * s.cg * rs} + {kw}" if ns > 1 else kw
-    for j0 in range(0, total, chunk):
-        n = min(chunk, total - j0)
-        if j0:
-            code("BARRIER();  // the last chunk's stores have read part_")
-        code(*(f"part_[{i * t.threads} + tid] = {accs[j0 + i]};" for i in range(n)))
-        code("BARRIER();")
-        tree(code, "tid", t.threads, n, t.bl)
-        with code.block(f"if (lane < {t.lanes})"):
-            with code.block(f"for (int j = {f'{j0} + ' if j0 else ''}lt; j < {j0 + n}; j += {t.bs})"):
-                row = f"(j - {j0})" if j0 else "j"
-                value = f"part_[{row} * {t.threads} + ll]"
-                code((Storage(s.dtype).store(out, dst, value) if out == "w" else f"{out}[{dst}] = {value}") + ";")
+    sto = Storage(s.dtype)
+
+    def store(row: str) -> str:
+        value = f"part_[{row} * {t.threads} + ll]"
+        return sto.store(out, dst, value) if out == "w" else f"{out}[{dst}] = {value}"
+    tree_store(code, accs, chunk, t.threads, t.bl, t.bs, f"if (lane < {t.lanes})", store)
 
 
 register(WgradGrouped())
