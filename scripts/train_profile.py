@@ -195,13 +195,18 @@ def cpu_report(name: str, events: Any, steps: int, top: int) -> None:
 def host(name: str, step: Any, steps: int, top: int) -> None:
     """Host milliseconds per step: each step timed from its call to its return, with the GPU drained
     before it (so the launch queue never fills and blocks the host); then, for ``top`` > 0, the
-    functions with the most own time under cProfile (which slows Python down: compare ranks, not ms)."""
+    functions with the most own time under cProfile (which slows Python down: compare ranks, not ms). Where
+    native.cpp is built: its counters a step (op calls handed to Python, backward passes and blocks run in C++)."""
     import cProfile
     import pstats
     import time
 
     import torch
 
+    from convforge.torch import native
+
+    mod = native.load()
+    before = mod.stats() if mod is not None else {}
     times = []
     for _ in range(steps):
         torch.cuda.synchronize()
@@ -211,6 +216,10 @@ def host(name: str, step: Any, steps: int, top: int) -> None:
     torch.cuda.synchronize()
     times.sort()
     print(f"{name}: host {1e3 * times[len(times) // 2]:.3f} ms per step (median of {steps}; GPU drained before each)")
+    if mod is not None:  # native.cpp's counters a step: op calls that went to Python, passes and blocks run in C++
+        after = mod.stats()
+        print("  native.cpp a step: " + ", ".join(f"{k} {(after[k] - before[k]) / steps:g}" for k in after
+                                                  if k != "entries") + f"; entries {after['entries']}")
     if top:
         prof = cProfile.Profile()
         prof.enable()
