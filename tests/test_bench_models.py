@@ -369,3 +369,34 @@ def test_tuning_tunes_each_layer_with_its_epilogue_on_pocl(ocl: Any, monkeypatch
 
     again = dispatch.choose(spec, ocl, epi, precision="relaxed")
     assert (again.variant, again.params, again.source) == (ch.variant, ch.params, "db")
+
+
+def test_time_rounds_interleaves_and_drops_a_failing_step(monkeypatch):
+    """The training benches time their implementations in interleaved rounds, the order rotated each round,
+    each one's setup before each of its turns; a step that raises leaves the rounds with its exception."""
+    from convforge.apps.bench import training
+
+    calls: list[str] = []
+
+    def samples(step, n):
+        return [step() for _ in range(n)]
+
+    def stepper(name, ms, fail_at=None):
+        def step():
+            calls.append(name)
+            if fail_at is not None and calls.count(name) == fail_at:
+                raise RuntimeError(f"{name} broke")
+            return ms
+        return step
+
+    setups: list[str] = []
+    monkeypatch.setattr(training, "_samples", samples)
+    steps = {name: (stepper(name, ms, fail), lambda name=name: setups.append(name))
+             for name, ms, fail in (("a", 3.0, None), ("b", 1.0, None), ("c", 2.0, 4))}
+    out = training.time_rounds(steps, warmup=1, repeats=6, rounds=3)
+    assert out["a"] == 3.0 and out["b"] == 1.0
+    assert isinstance(out["c"], RuntimeError) and "c broke" in str(out["c"])
+    # warm-up a b c; round 0: a a b b c c; round 1, rotated by one: b b c (its 4th call raises) a a;
+    # round 2, c gone: a a b b
+    assert calls == ["a", "b", "c", "a", "a", "b", "b", "c", "c", "b", "b", "c", "a", "a", "a", "a", "b", "b"]
+    assert setups[:3] == ["a", "b", "c"] and setups.count("c") == 3

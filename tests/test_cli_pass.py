@@ -162,7 +162,7 @@ def test_training_bench_flow_on_cpu(monkeypatch, tmp_path):
     monkeypatch.setattr(models, "build", build)
     monkeypatch.setitem(models.MODELS, "tiny", 12)
     monkeypatch.setattr(training, "_batch", batch)
-    monkeypatch.setattr(training, "_time", lambda step, warmup, repeats: (step(), 2.0)[1])
+    monkeypatch.setattr(training, "_samples", lambda step, n: [(step(), 2.0)[1] for _ in range(n)])
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(training, "STEPS", 8)
     rows = training.bench_train("tiny", 4, 1, 2, {})
@@ -177,3 +177,49 @@ def test_training_bench_flow_on_cpu(monkeypatch, tmp_path):
     assert by[("convforge", "fp32")]["within_noise"] is True and by[("pytorch_fp64", "fp32")]["loss_dev"] < 1e-5
     training.write(tmp_path, {}, [], ("fp32", "relaxed"), False, rows)
     assert json.loads((tmp_path / "train.json").read_text())["rows"][0]["impl"] == "pytorch_fp32"
+
+
+def test_amp_training_bench_flow_on_cpu(monkeypatch):
+    """bench_amp's rows end to end with a tiny model on CPU tensors (torch installed; CUDA events, memory
+    counters and the batch replaced; autocast on "cuda" is off without CUDA): the three timed rows are timed in
+    interleaved rounds, each has its first step, peak memory and a loss curve; the curve-only rows join and the
+    comparison fills speed-ups."""
+    torch = pytest.importorskip("torch", reason="torch not installed: the AMP training bench is not tested")
+    import warnings
+
+    from convforge.apps.bench import models, training, training_amp
+
+    def build(name):
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1, bias=False), torch.nn.BatchNorm2d(8),
+                                   torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+                                   torch.nn.Linear(8, 10)).eval()
+
+    def batch(name, n):
+        g = torch.Generator().manual_seed(0)
+        return torch.randn(n, 3, 12, 12, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+    timed: list[int] = []
+
+    def samples(step, n):
+        timed.append(id(step))
+        return [(step(), 2.0)[1] for _ in range(n)]
+
+    monkeypatch.setattr(models, "build", build)
+    monkeypatch.setitem(models.MODELS, "tiny", 12)
+    monkeypatch.setattr(training, "_batch", batch)
+    monkeypatch.setattr(training, "_samples", samples)
+    for name, value in (("synchronize", None), ("memory_allocated", 0), ("max_memory_allocated", 2**30),
+                        ("reset_peak_memory_stats", None)):
+        monkeypatch.setattr(torch.cuda, name, lambda value=value: value)
+    monkeypatch.setattr(training_amp, "STEPS", 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # autocast / GradScaler asked for CUDA on a machine without it
+        rows = training_amp.compare(training_amp.bench_amp("tiny", 4, "fp16", 1, 6, {}))
+    by = {r["impl"]: r for r in rows}
+    assert set(by) == {"pytorch_amp", "convforge_amp", "convforge_fused_amp", "pytorch_amp_nobench", "pytorch_fp32"}
+    assert all(r["status"] == "ok" and len(r["loss_curve"]) == 4 for r in rows), rows
+    timed_rows = [by[i] for i in ("pytorch_amp", "convforge_amp", "convforge_fused_amp")]
+    assert all(r["peak_gib"] == 1.0 and r["first_step_s"] >= 0 and r["time_ms"] == 2.0 and r["speedup"] == 1.0
+               for r in timed_rows), timed_rows
+    assert len(timed) == 3 * training.ROUNDS and len(set(timed[:3])) == 3 and timed[3] == timed[1]  # rotated

@@ -12,14 +12,14 @@ weights as ``bench --model``, ``models.build``):
 - ``convforge_fused``: ``convforge.torch.fuse`` in training mode (our conv, and batch norm with the
   residual add and ReLU after it on our kernels: ``torch/batchnorm.py``).
 
-Time: CUDA events around each step after ``warmup`` steps, the median of ``repeats`` steps (each
-step updates the weights, so filter transforms are redone per step as in real training). An eager
-step of ResNet-50 can be host-bound on a fast GPU on both sides (more host work than GPU time), so
-each timed row is also captured whole (forward, loss, backward, SGD) in
-a CUDA graph after warm-up on a side stream and its replay timed the same way: ``graph_ms`` and
-``graph_speedup`` against the class baseline's replay, the host's cost gone from both sides
-(``torch.cuda.graphs``: what a user removes it with). A capture that fails says so in
-``graph_status`` and leaves the eager row standing. Loss
+Time: CUDA events around each step after ``warmup`` steps, the median of ``repeats`` steps, the
+implementations timed in interleaved rounds (``time_rounds``: host and GPU speed drift); each step
+updates the weights, so filter transforms are redone per step as in real training. An eager step of
+ResNet-50 can be host-bound on a fast GPU on both sides (more host work than GPU time), so each timed
+row is also captured whole (forward, loss, backward, SGD) in a CUDA graph after warm-up on a side
+stream and its replay timed the same way: ``graph_ms`` and ``graph_speedup`` against the class
+baseline's replay, the host's cost gone from both sides (``torch.cuda.graphs``: what a user removes
+it with). A capture that fails says so in ``graph_status`` and leaves the eager row standing. Loss
 curve: ``STEPS`` steps from the initial weights on a fresh copy, the loss of each step. Beside
 them, curves only: ``pytorch_fp64`` (the same steps in float64) and ``pytorch_fp32_nobench``
 (PyTorch FP32 with cudnn.benchmark off: other, equally valid FP32 algorithms). ``loss_dev`` is a
@@ -33,6 +33,7 @@ whether a convforge row's deviation is at most ``NOISE_SLACK`` x its class's noi
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import statistics
 from collections.abc import Callable
@@ -134,10 +135,15 @@ def _flags(tf32: bool, benchmark: bool = True) -> None:
 
 def _time(step: Callable[[], Any], warmup: int, repeats: int) -> float:
     """Median CUDA-event time of single steps after ``warmup`` steps."""
-    import torch
-
     for _ in range(warmup):
         step()
+    return statistics.median(_samples(step, repeats))
+
+
+def _samples(step: Callable[[], Any], repeats: int) -> list[float]:
+    """CUDA-event milliseconds of ``repeats`` single steps, each waited for."""
+    import torch
+
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -146,7 +152,49 @@ def _time(step: Callable[[], Any], warmup: int, repeats: int) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return times
+
+
+ROUNDS = 5
+Timed = tuple[Callable[[], Any], Callable[[], None]]  # (step, setup before each of its turns)
+
+
+def time_rounds(steps: dict[str, Timed], warmup: int, repeats: int,
+                rounds: int = ROUNDS) -> dict[str, float | BaseException]:
+    """Each implementation's median step time (``_samples``), timed in ``rounds`` interleaved rounds of
+    about ``repeats / rounds`` steps each, the order rotated every round, after ``warmup`` steps each;
+    ``steps``: impl -> (step, setup), setup called before each of its turns (TF32 and cudnn flags).
+
+    Host and GPU speed drift within one call and between calls (PyTorch AMP's ConvNeXt-T step: 29.8 ms
+    when timed first, 34.4 ms interleaved with ours; host-bound steps move most), so implementations timed
+    one after another compare unlike moments. An implementation whose step raises gets its exception
+    in place of a time and leaves the rounds."""
+    out: dict[str, float | BaseException] = {}
+    live = dict(steps)
+
+    def turn(impl: str, n: int, into: list[float] | None) -> None:
+        step, setup = live[impl]
+        try:
+            setup()
+            if into is None:
+                for _ in range(n):
+                    step()
+            else:
+                into += _samples(step, n)
+        except Exception as err:  # noqa: BLE001 - one failing implementation must not stop the others
+            out[impl] = err
+            del live[impl]
+
+    for impl in list(live):
+        turn(impl, warmup, None)
+    times: dict[str, list[float]] = {impl: [] for impl in live}
+    per = max(1, -(-repeats // rounds))
+    for r in range(rounds):
+        order = list(live)
+        for impl in order[r % len(order):] + order[:r % len(order)] if order else []:
+            turn(impl, per, times[impl])
+    out.update({impl: statistics.median(times[impl]) for impl in live})
+    return out
 
 
 def _graph_row(row: dict[str, Any], step: Callable[[], Any], repeats: int) -> None:
@@ -184,8 +232,10 @@ def bench_train(name: str, batch: int, warmup: int, repeats: int, options: dict[
         return [dict(model=name, batch=batch, impl="-", status=model)]
     x, target = _batch(name, batch)
     reports: dict[str, Any] = {}
-    rows = []
-    for impl, make, tf32 in _forms(model, options, reports):
+    rows: list[dict[str, Any]] = []
+    live: dict[str, Timed] = {}
+    forms = {impl: (make, tf32) for impl, make, tf32 in _forms(model, options, reports)}
+    for impl, (make, tf32) in forms.items():
         if not pytorch and not impl.startswith("convforge"):
             continue
         row: dict[str, Any] = dict(model=name, batch=batch, impl=impl, status="ok")
@@ -195,15 +245,29 @@ def bench_train(name: str, batch: int, warmup: int, repeats: int, options: dict[
                 step = step_fn(make(), x, target)
                 step()  # first call: choices, compiles, workspace (tuning, with --tune) outside the timing
                 torch.cuda.synchronize()
-            row["time_ms"] = _time(step, warmup, repeats)
-            _graph_row(row, step, repeats)
-            row["loss_curve"] = loss_curve(step_fn(make(), x, target))
-            row["final_loss"] = row["loss_curve"][-1]
+            live[impl] = (step, functools.partial(_flags, tf32))
         except Exception as err:  # noqa: BLE001 - one failing implementation must not hide the others
             row["status"] = failure(err)
         if impl in reports:
             row.update(report_fields(reports[impl]))
         rows.append(row)
+    times = time_rounds(live, warmup, repeats)
+    for row in rows:
+        t = times.get(row["impl"])
+        if isinstance(t, BaseException):
+            row["status"] = failure(t)
+            continue
+        if t is None:
+            continue
+        row["time_ms"] = t
+        make, tf32 = forms[row["impl"]]
+        try:
+            _flags(tf32)
+            _graph_row(row, live[row["impl"]][0], repeats)
+            row["loss_curve"] = loss_curve(step_fn(make(), x, target))
+            row["final_loss"] = row["loss_curve"][-1]
+        except Exception as err:  # noqa: BLE001
+            row["status"] = failure(err)
     if pytorch:
         rows.append(_curve_row(name, batch, "pytorch_fp32_nobench", lambda: copy.deepcopy(model), x, target, False))
         rows.append(_curve_row(name, batch, "pytorch_fp64", lambda: copy.deepcopy(model).double(), x.double(), target,

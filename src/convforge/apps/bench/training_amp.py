@@ -9,13 +9,14 @@ momentum; cudnn.benchmark on. Rows, each from a fresh copy of ONE model (``model
   channels_last through; batch norm and the rest PyTorch's);
 - ``convforge_fused_amp``: ``convforge.torch.fuse`` (the fused model's training path under autocast).
 
-Columns: the step's median time (CUDA events around whole steps after warm-up), images/s, the peak
-memory of the timed steps, the first step's wall time in this process (compiling included: run the
-command twice for the time with a warm on-disk cache), and a loss curve of ``STEPS`` steps from the
-same initial weights. ``loss_noise`` is PyTorch AMP's own run-to-run noise: the larger relative
-deviation, from its curve, of PyTorch AMP with cudnn.benchmark off (other, equally valid kernels) and
-of PyTorch FP32; ``within_noise`` says whether a convforge row's deviation is at most ``NOISE_SLACK``
-times that.
+Columns: the step's median time (CUDA events around whole steps after warm-up; the implementations
+timed in interleaved rounds, ``training.time_rounds``), images/s, the peak memory of a step (what the
+implementation allocated above what was allocated before its model was built), the first step's wall
+time in this process (compiling included: run the command twice for the time with a warm on-disk
+cache), and a loss curve of ``STEPS`` steps from the same initial weights. ``loss_noise`` is PyTorch
+AMP's own run-to-run noise: the larger relative deviation, from its curve, of PyTorch AMP with
+cudnn.benchmark off (other, equally valid kernels) and of PyTorch FP32; ``within_noise`` says whether
+a convforge row's deviation is at most ``NOISE_SLACK`` times that.
 """
 
 from __future__ import annotations
@@ -91,29 +92,33 @@ def bench_amp(name: str, batch: int, dtype_name: str, warmup: int, repeats: int,
     x, target = training._batch(name, batch)
     x = x.contiguous(memory_format=torch.channels_last)
     reports: dict[str, Any] = {}
-    rows = []
-    for impl, make in _forms(model, options, reports):
+    rows: list[dict[str, Any]] = []
+    live: dict[str, training.Timed] = {}
+    makers = dict(_forms(model, options, reports))
+    for impl, make in makers.items():
         row: dict[str, Any] = dict(model=name, batch=batch, impl=impl, dtype=DTYPES[dtype_name], status="ok",
                                    baseline="pytorch_amp")
         try:
-            training._flags(False)
-            with models.tuning(tune and impl.startswith("convforge")):
-                step = amp_step_fn(make(), x, target, dtype)
-                t0 = time.perf_counter()
-                step()
-                torch.cuda.synchronize()
-                row["first_step_s"] = time.perf_counter() - t0
-            torch.cuda.reset_peak_memory_stats()
-            row["time_ms"] = training._time(step, warmup, repeats)
-            row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            row["images_s"] = batch / row["time_ms"] * 1e3
-            row["loss_curve"] = training.loss_curve(amp_step_fn(make(), x, target, dtype), STEPS)
-            row["final_loss"] = row["loss_curve"][-1]
+            live[impl] = (_first_step(row, make, x, target, dtype, tune and impl.startswith("convforge")),
+                          lambda: training._flags(False))
         except Exception as err:  # noqa: BLE001 - one failing implementation must not hide the others
             row["status"] = training.failure(err)
         if impl in reports:
             row.update(training.report_fields(reports[impl]))
         rows.append(row)
+    times = training.time_rounds(live, warmup, repeats)
+    live.clear()  # the timed models go before the curves' fresh copies
+    for row in rows:
+        t = times.get(row["impl"])
+        if isinstance(t, BaseException):
+            row["status"] = training.failure(t)
+        elif t is not None:
+            row["time_ms"], row["images_s"] = t, batch / t * 1e3
+            try:
+                row["loss_curve"] = training.loss_curve(amp_step_fn(makers[row["impl"]](), x, target, dtype), STEPS)
+                row["final_loss"] = row["loss_curve"][-1]
+            except Exception as err:  # noqa: BLE001
+                row["status"] = training.failure(err)
     for impl, bench, amp in (("pytorch_amp_nobench", False, True), ("pytorch_fp32", True, False)):
         row = dict(model=name, batch=batch, impl=impl, status="ok")
         try:
@@ -126,6 +131,27 @@ def bench_amp(name: str, batch: int, dtype_name: str, warmup: int, repeats: int,
         rows.append(row)
     training._flags(False)
     return compare(rows)
+
+
+def _first_step(row: dict[str, Any], make: Callable[[], Any], x: Any, target: Any, dtype: Any,
+                tune: bool) -> Callable[[], Any]:
+    """The implementation's step function, after its first step (``first_step_s``: compiling, tuning with
+    ``tune``) and one more (``peak_gib``: what a step allocates above what was allocated before its model)."""
+    import torch
+
+    training._flags(False)
+    before = torch.cuda.memory_allocated()
+    with models.tuning(tune):
+        step = amp_step_fn(make(), x, target, dtype)
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        row["first_step_s"] = time.perf_counter() - t0
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    row["peak_gib"] = (torch.cuda.max_memory_allocated() - before) / 2**30
+    return step
 
 
 def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
