@@ -11,6 +11,10 @@ training section). With --forward: an inference forward, PyTorch FP32 eager agai
                                                 # process, rounds alternating PyTorch, ours on, ours off
                                     [--amp fp16|bf16]  # the AMP step (autocast, GradScaler, channels_last)
                                                 # against PyTorch AMP: bench --train --amp's step
+                                    [--phases]  # with --amp, instead: host ms of each phase of the step
+                                                # (forward + loss, backward, scaler) for PyTorch, convert()
+                                                # and fuse(), in alternating rounds, as is and with the GPU
+                                                # drained between phases; synchronising calls a step
 
 The step is `convforge bench --train`'s (forward, cross-entropy, backward, SGD with momentum, one
 fixed batch, training mode). Each side prints its GPU time per step and the operators that take
@@ -78,6 +82,9 @@ def main() -> None:
     ap.add_argument("--amp", choices=("fp16", "bf16"),
                     help="the mixed-precision step (bench --train --amp's: autocast, GradScaler for fp16, model and "
                     "input channels_last) against PyTorch AMP")
+    ap.add_argument("--phases", action="store_true",
+                    help="with --amp: host ms per phase of the step (forward + loss, backward, scaler) for PyTorch, "
+                    "convert() and fuse() in alternating rounds, as is and drained; synchronising calls a step")
     a = ap.parse_args()
     import torch
 
@@ -92,6 +99,11 @@ def main() -> None:
     if isinstance(model, str):
         raise SystemExit(f"train_profile: {model}")
     x, target = training._batch(a.model, a.batch)
+    if a.phases:
+        if not a.amp:
+            raise SystemExit("train_profile: --phases times the AMP step: give --amp fp16 or --amp bf16")
+        phases(a.model, a.batch, model, x, target, a.amp, a.rounds)
+        return
     ref = copy.deepcopy(model).cuda()
     if a.forward:
         ref.eval()
@@ -134,6 +146,85 @@ def main() -> None:
         if a.host:
             cpu_report(name, events, a.steps, a.top)
             host(name, step, a.steps, a.top * 2 if m is ours else 0)
+
+
+def phases(name: str, batch: int, model: Any, x: Any, target: Any, amp: str, rounds: int, per: int = 6) -> None:
+    """Host milliseconds of each phase of the AMP step (forward + loss, scaled backward, scaler step and
+    update), and the step's, for PyTorch AMP, ``convert()`` and ``fuse()``: ``rounds`` rounds alternating the
+    three, ``per`` steps each as is ("normal": phases overlap the GPU, the scaler's step waits for it) and
+    ``per`` with the GPU drained between phases ("drained": each phase's own host time; the step column leaves
+    the drains out). Then the synchronising CUDA calls of one step each (sync-debug mode)."""
+    import collections
+    import time
+    import warnings
+
+    import torch
+    import torch.nn.functional as F
+
+    import convforge.torch as ct
+
+    dt = torch.float16 if amp == "fp16" else torch.bfloat16
+    xs = x.contiguous(memory_format=torch.channels_last)
+
+    def fresh() -> Any:
+        return copy.deepcopy(model).cuda().to(memory_format=torch.channels_last)
+
+    converted = fresh()
+    ct.convert(converted)
+    forms = {"pytorch": fresh(), "convert": converted, "fused": ct.fuse(fresh())[0]}
+
+    def stepper(m: Any) -> Any:
+        m.train()
+        opt = torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9)
+        scaler = torch.amp.GradScaler("cuda", enabled=dt == torch.float16)
+
+        def step(drain: bool) -> tuple[float, float, float, float]:
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=dt):
+                loss = F.cross_entropy(m(xs), target)
+            t1 = time.perf_counter()
+            if drain:
+                torch.cuda.synchronize()
+            t1b = time.perf_counter()
+            scaler.scale(loss).backward()
+            t2 = time.perf_counter()
+            if drain:
+                torch.cuda.synchronize()
+            t2b = time.perf_counter()
+            scaler.step(opt)
+            scaler.update()
+            t3 = time.perf_counter()
+            torch.cuda.synchronize()
+            t4 = time.perf_counter()
+            return t1 - t0, t2 - t1b, t3 - t2b, t4 - t0 - (t1b - t1) - (t2b - t2)
+        return step
+
+    steps = {k: stepper(m) for k, m in forms.items()}
+    for s in steps.values():
+        for _ in range(4):
+            s(False)
+    res: dict[tuple[str, bool], list[tuple[float, ...]]] = {(k, d): [] for k in steps for d in (False, True)}
+    for _ in range(rounds):
+        for k, s in steps.items():
+            for d in (False, True):
+                res[(k, d)] += [s(d) for _ in range(per)]
+    print(f"{name} N{batch} AMP {amp}: host ms per phase (median of {rounds * per}, rounds alternating)")
+    print(f"{'form':10s} {'mode':8s} {'fwd+loss':>9s} {'backward':>9s} {'scaler':>9s} {'step':>9s}")
+    for (k, d), v in res.items():
+        cols = [1e3 * sorted(t[i] for t in v)[len(v) // 2] for i in range(4)]
+        print(f"{k:10s} {'drained' if d else 'normal':8s} " + " ".join(f"{c:9.2f}" for c in cols))
+    for k, s in steps.items():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode(1)
+            s(False)
+            torch.cuda.set_sync_debug_mode(0)
+        where = collections.Counter(f"{w.filename.split('site-packages/')[-1]}:{w.lineno} {str(w.message)[:80]}"
+                                    for w in caught)
+        print(f"\n{k}: {sum(where.values())} synchronising calls in one step")
+        for line, n in where.most_common(12):
+            print(f"  {n:4d} {line}")
 
 
 def ab(setting: str, rounds: int, base: str, theirs: Any, ours: Any, tf32: bool) -> None:
@@ -227,7 +318,9 @@ def host(name: str, step: Any, steps: int, top: int) -> None:
             step()
         torch.cuda.synchronize()
         prof.disable()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+        stats = pstats.Stats(prof)
+        stats.sort_stats("tottime").print_stats(top)
+        stats.sort_stats("cumulative").print_stats("convforge", top)  # our Python functions, callers first
 
 
 def _forward_fn(model: Any, x: Any) -> Any:
