@@ -12,7 +12,9 @@ image), each item's input row segments read once and used for every tap and outp
 fixed shared-memory tree over each lane's threads, in 8 KiB chunks; with ``ns`` > 1 slices each writes a
 partial filter and a second kernel adds them in a fixed order.
 
-Reached by name (``algo="wgrad_grouped"``) until a GPU has timed it against cuDNN (``named_only``).
+Reached by name only (``algo="wgrad_grouped"``, ``named_only``): it ran well below cuDNN-best FP16 on
+ResNeXt-50's layers, whose tensor-core kernels it does not reach (docs/NOTES-wgrad.md), so ``auto`` keeps
+handing such half layers to PyTorch.
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ class WgradGrouped(Variant):
     specialised = 20
     dtypes = frozenset({"float32", "float16", "bfloat16"})
     layouts = frozenset({"nhwc"})
-    named_only = True  # until a GPU has timed it against cuDNN-best (module docstring)
+    named_only = True  # timed below cuDNN-best (module docstring)
 
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
         if spec.groups == 1 or spec.depthwise:
