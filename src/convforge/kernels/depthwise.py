@@ -836,7 +836,8 @@ def stencil_default(st: Stencil, device: DeviceInfo) -> Params:
     rows are then read 8 times for 2 outputs, not 14), 4 rows for 7x7 filters on planes of >= 28 rows
     (fewer filter-row reads an output; no gain on 5x5 or 7x7 planes), the row's width in threads (up
     to 32), rows up to ~256 threads, and channels per block until a block has >= 128 threads (7x7
-    and 14x14 planes). Phases, large filters and NHWC: :func:`_special_default`."""
+    and 14x14 planes); 2 outputs a thread on strided half rows of 32 and more. Phases, large filters and
+    NHWC: :func:`_special_default`."""
     if not device.is_gpu:
         prm = Params(bq=_fit(st.wo, 1, 8), bp=_fit(st.ho, 1, 4), bc=1, tq=1, tp=1, vec=False)
         return prm
@@ -849,6 +850,8 @@ def stencil_default(st: Stencil, device: DeviceInfo) -> Params:
     if st.sto.half and st.wo % 8 == 0:
         tq = 8  # 8 halves: one 16-byte store a row
     tp = 4 if st.eff_r >= 7 and st.ho >= 28 else 2 if st.ho >= 6 else 1
+    if st.sto.half and min(st.stride) > 1 and st.wo >= 32:
+        tq = 2  # strided half rows 8 a thread: a warp's shared reads 16 halves apart, 8-way bank conflicts
     bq = _fit(st.wo, tq, 32)
     bp = _fit(st.ho, tp, max(1, 256 // bq))
     bc = max(1, min(st.groups, cdiv(128, bq * bp)))
