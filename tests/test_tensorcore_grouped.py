@@ -115,7 +115,8 @@ def test_grouped_refuses_what_it_cannot_read(why, spec):
 def test_grouped_wgrad_plans_compile(nvcc_ok):
     """The default wgrad plan of a ResNeXt-style layer (32 groups of 4 channels, split over its 25,088-term
     reduction: the batched reduce included), half NHWC, bfloat16 NCHW and 3xTF32 NCHW, compiles for sm_90a
-    without spills (one nvcc run for the three)."""
+    without spills (one nvcc run for the three); the groups of 4 output channels take 16-column tiles
+    (``narrow_tiles``: wgmma m64n16k16) in every math mode."""
     labels, sources = [], []
     for name, dtype, layout in [("wgrad_tc_grouped_half", "float16", "nhwc"),
                                 ("wgrad_tc_grouped_half", "bfloat16", "nchw"),
@@ -126,6 +127,7 @@ def test_grouped_wgrad_plans_compile(nvcc_ok):
         prm = v.default(spec, NOMINAL_CUDA)
         plan = v.plan(spec, prm, NOMINAL_CUDA)
         assert prm["ks"] > 1 and plan.kernels[-1].name == f"{name}_reduce", (name, prm)
+        assert prm["bn"] == 16 and ".m64n16k" in plan.source("cuda"), (name, prm)
         labels.append(f"{name} {spec.short()}")
         sources.append(plan.source("cuda"))
     for label, infos in zip(labels, ptxas_reports(sources), strict=True):
@@ -188,7 +190,13 @@ WGRAD_CASES = [(ConvSpec.make(5, 8, 7, 9, 6, 3, 3, 1, 1, groups=2), TF32, TileCo
                (ConvSpec.make(1, 12, 9, 8, 8, 3, 3, 2, (1, 0, 2, 1), groups=4, layout="nhwc"), F16,
                 TileConfig(64, 32, 1, 2, 1)),
                (ConvSpec.make(3, 6, 8, 7, 9, 3, 3, 1, 1, groups=3), BF16, TileConfig(64, 32, 2, 2, 1, ks=2)),
-               (ConvSpec.make(2, 8, 6, 6, 8, 1, 1, groups=2), X3TF32, TileConfig(128, 32, 1, 2, 2, pi=2))]
+               (ConvSpec.make(2, 8, 6, 6, 8, 1, 1, groups=2), X3TF32, TileConfig(128, 32, 1, 2, 2, pi=2)),
+               # 16-column tiles (narrow_tiles): groups of 4 output channels, split; of 16, two consumers
+               (ConvSpec.make(2, 16, 7, 9, 16, 3, 3, 1, 1, groups=4, layout="nhwc"), F16, TileConfig(64, 16, 1, 2, 1)),
+               (ConvSpec.make(1, 32, 9, 8, 32, 3, 3, 2, (1, 0, 2, 1), groups=8, layout="nhwc"), F16,
+                TileConfig(64, 16, 1, 2, 1, ks=2)),
+               (ConvSpec.make(3, 64, 6, 6, 64, 3, 3, 1, 1, groups=4), BF16, TileConfig(128, 16, 1, 2, 2)),
+               (ConvSpec.make(2, 16, 7, 9, 16, 3, 3, 1, 1, groups=4), X3TF32, TileConfig(128, 16, 1, 2, 2, pi=2))]
 
 
 @pytest.mark.parametrize("spec, math, cfg", WGRAD_CASES, ids=lambda v: getattr(v, "name", None) or str(v))

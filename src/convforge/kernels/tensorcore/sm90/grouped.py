@@ -29,7 +29,8 @@ Stride-1 dgrad is the forward on the transposed problem (``dgrad_tc_grouped_*``,
 wgrad (``wgrad_tc_grouped_*``, :class:`TcGroupedWgrad`) is the wgrad generator's transposed problem per group:
 group z's filter gradient (Cg R S x Kg) reads images z Cg .. of x' = [C][H][W][Np] (``group_stride``) and
 rows z Kg .. of dy' = [K][P Q Np], split over the long reduction with a reduce that knows the groups; any
-Cg (the channels are the images there), depthwise layers excepted (their own wgrad family).
+Cg (the channels are the images there), depthwise layers excepted (their own wgrad family). Groups of at
+most 16 output channels take 16-column tiles (:func:`narrow_tiles`), not 32 or more mostly empty ones.
 
 Emulated tile by tile against float64 (tests/test_tensorcore_grouped.py), compiled by nvcc and checked on a
 GPU (tests/test_gpu_grouped.py). Timed there the half forwards (docs/BENCHMARKS.md), which ``auto`` takes:
@@ -53,7 +54,7 @@ from convforge.kernels.tensorcore.sm90.isa import Math
 from convforge.kernels.tensorcore.sm90.operands import DenseRows, Geometry, Im2colNhwc
 from convforge.kernels.tensorcore.sm90.tiles import Problem, TileConfig
 from convforge.kernels.tensorcore.sm90.variants import TcImplicitGemm
-from convforge.kernels.tensorcore.sm90.wgrad import TcWgrad, geometry
+from convforge.kernels.tensorcore.sm90.wgrad import TcWgrad, geometry, split_cost
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Plan
 from convforge.spec import ConvSpec
@@ -63,6 +64,7 @@ NARROW = 16  # output channels a group below which the forward counts itself slo
 # timed on a GPU: in 'auto' (the forward's dgrad as dgrad_<forward>), slow below WIDE channels a group
 BACKWARD_TIMED = frozenset({"tc_grouped_half", "tc_grouped_packed_half", "wgrad_tc_grouped_half"})
 WIDE = 32
+NARROW_BN = 16  # the narrow wgrad tile's columns (narrow_tiles): groups of at most this many output channels
 
 
 def backward_slow(spec: ConvSpec) -> str | None:
@@ -290,6 +292,27 @@ class TcGroupedWgrad(TcWgrad):
     def problem(self, spec: ConvSpec) -> Problem:
         return Problem(spec.cg * spec.r * spec.s, spec.kg, spec.p * spec.q * self._cp(spec), spec.groups)
 
+    def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
+        """Groups of at most :data:`NARROW_BN` output channels: :func:`narrow_tiles`' tile with the least
+        modelled time, split as the wgrad generator splits; wider groups: the generator's default."""
+        narrow = self._narrow(spec, device)
+        if not narrow:
+            return super().default(spec, device)
+        math, prob = self.math(spec), self.problem(spec)
+        return min(narrow, key=lambda c: split_cost(c.ks, c, math, prob, device.units)).params()
+
+    def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
+        """The narrow tiles (each split and unsplit) first for groups of at most NARROW_BN output channels."""
+        narrow = [c for cfg in self._narrow(spec, device) for c in (cfg, dataclasses.replace(cfg, ks=1))]
+        out = list(dict.fromkeys(c.params() for c in narrow))
+        return out + [p for p in super().space(spec, device) if p not in out]
+
+    def _narrow(self, spec: ConvSpec, device: DeviceInfo) -> list[TileConfig]:
+        if spec.kg > NARROW_BN:
+            return []
+        math, prob, limit = self.math(spec), self.problem(spec), self.limit(device)
+        return [self._split(c, spec, device) for c in narrow_tiles(math, prob, limit)]
+
     def operands(self, spec: ConvSpec, cfg: TileConfig) -> tuple[Im2colNhwc, DenseRows]:
         """A: group z's im2col rows (c, r, s) of x' = [C][H][W][Np], images z Cg ..; B: its dy' rows z Kg .."""
         math, prob, cp = self.math(spec), self.problem(spec), self._cp(spec)
@@ -305,6 +328,20 @@ class TcGroupedWgrad(TcWgrad):
         rs, prob = spec.r * spec.s, self.problem(spec)
         return Output("w", prob.m, prob.n, rs, spec.dtype, istride=rs, kstride=spec.cg * rs, slab=prob.m * prob.n,
                       epi=Epilogue())
+
+
+def narrow_tiles(math: Math, prob: Problem, shared_limit: int) -> list[TileConfig]:
+    """16-column tiles (wgmma m64n16k16) for a group's few output channels, where a 32-column tile leaves
+    most columns empty (4 of 32 at Kg = 4): 64 rows for one consumer warpgroup, 128 for two where the
+    group's C R S rows fill more than 64, each with as many stages (at most 6) as fit; cp.async operands
+    (a group's channels within wider pixels are no TMA box). Emulated against float64 and compiled
+    (tests/test_tensorcore_grouped.py); not yet timed, and ``backward_slow`` keeps ``auto`` off them."""
+    out = []
+    for bm, cw in ((64, 1), (128, 2)) if prob.m > 64 else ((64, 1),):
+        fits = [c for c in (TileConfig(bm, NARROW_BN, 1, st, cw) for st in range(6, 2, -1))
+                if not c.problems(math, prob, shared_limit)]
+        out += fits[:1]
+    return out
 
 
 register(TcGrouped("tc_grouped_tf32", frozenset({"float32"}), False, "relaxed", 12))

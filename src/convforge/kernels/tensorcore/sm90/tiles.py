@@ -2,7 +2,8 @@
 
 A block is 1 producer warpgroup + ``cw`` consumer warpgroups. Consumer c owns rows
 [64 wm c, 64 wm (c + 1)) of the ``bm`` x ``bn`` block tile (wm = bm / (64 cw) m64 blocks, each one
-wgmma m64n{bn} per k step and product), so it holds wm * bn / 2 f32 accumulators per thread.
+wgmma m64n{bn} per k step and product), so it holds wm * bn / 2 f32 accumulators per thread. ``bn`` is a
+multiple of 32, or 16 (one pass of the cp.async producer's 16 rows: a narrow grouped wgrad's tile).
 A stage holds ``kb`` 128-byte atoms of K (32 TF32 or 64 FP16/BF16 elements per atom), ``st`` stages
 ring between producer and consumers. ``ks`` splits the reduction (partials + a deterministic
 reduce), ``ps`` = 1 runs a persistent grid of at most one block per SM, ``tm`` = 1 brings the
@@ -137,8 +138,8 @@ class TileConfig:
         if self.pp not in (0, 1) or (self.pp and (self.cw != 2 or self.cl != 1 or not self.ps)):
             out.append(f"pp ({self.pp}) must be 0, or 1 with cw=2, cl=1 and ps=1 (two consumers taking a "
                        "persistent block's tiles in turn)")
-        if not n_ok(self.bn) or self.bn % 32:
-            out.append(f"bn ({self.bn}) must be a multiple of 32 in 32..256")
+        if not n_ok(self.bn) or (self.bn % 32 and self.bn != 16):
+            out.append(f"bn ({self.bn}) must be 16, or a multiple of 32 in 32..256")
         if self.kb not in (1, 2):
             out.append(f"kb ({self.kb}) must be 1 or 2 atoms of 128 bytes")
         if not 2 <= self.st <= 8:
