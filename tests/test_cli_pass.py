@@ -142,11 +142,9 @@ def test_training_comparison_and_files(tmp_path):
     assert table[0][0] == "step" and len(table) == 4 and len(table[0]) == 7 and table[1][0] == "1"
 
 
-def test_training_bench_flow_on_cpu(monkeypatch, tmp_path):
-    """bench_train's rows end to end with a tiny model on CPU tensors (torch installed; CUDA events
-    and the batch replaced): every implementation and both curve rows run, the relaxed class's rows
-    join the fp32 class's PyTorch rows, and the comparison fills speed-ups and loss deviations."""
-    torch = pytest.importorskip("torch", reason="torch not installed: the training bench is not tested")
+def _tiny_model(monkeypatch, torch):
+    """The training benches' model "tiny" (conv, batch norm, ReLU, pool, linear) and its fixed batch of 12x12
+    images, in place of torchvision's models and their batches."""
     from convforge.apps.bench import models, training
 
     def build(name):
@@ -162,6 +160,17 @@ def test_training_bench_flow_on_cpu(monkeypatch, tmp_path):
     monkeypatch.setattr(models, "build", build)
     monkeypatch.setitem(models.MODELS, "tiny", 12)
     monkeypatch.setattr(training, "_batch", batch)
+
+
+def test_training_bench_flow_on_cpu(monkeypatch, tmp_path):
+    """bench_train's rows end to end with a tiny model on CPU tensors (torch installed; CUDA events
+    and the batch replaced): every implementation and both curve rows run, the relaxed class's rows
+    join the fp32 class's PyTorch rows, and the comparison fills speed-ups and loss deviations."""
+    torch = pytest.importorskip("torch", reason="torch not installed: the training bench is not tested")
+    from convforge.apps.bench import training
+
+
+    _tiny_model(monkeypatch, torch)
     monkeypatch.setattr(training, "_samples", lambda step, n: [(step(), 2.0)[1] for _ in range(n)])
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(training, "STEPS", 8)
@@ -187,17 +196,8 @@ def test_amp_training_bench_flow_on_cpu(monkeypatch):
     torch = pytest.importorskip("torch", reason="torch not installed: the AMP training bench is not tested")
     import warnings
 
-    from convforge.apps.bench import models, training, training_amp
+    from convforge.apps.bench import training, training_amp
 
-    def build(name):
-        torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1, bias=False), torch.nn.BatchNorm2d(8),
-                                   torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
-                                   torch.nn.Linear(8, 10)).eval()
-
-    def batch(name, n):
-        g = torch.Generator().manual_seed(0)
-        return torch.randn(n, 3, 12, 12, generator=g), torch.randint(0, 10, (n,), generator=g)
 
     timed: list[int] = []
 
@@ -205,9 +205,7 @@ def test_amp_training_bench_flow_on_cpu(monkeypatch):
         timed.append(id(step))
         return [(step(), 2.0)[1] for _ in range(n)]
 
-    monkeypatch.setattr(models, "build", build)
-    monkeypatch.setitem(models.MODELS, "tiny", 12)
-    monkeypatch.setattr(training, "_batch", batch)
+    _tiny_model(monkeypatch, torch)
     monkeypatch.setattr(training, "_samples", samples)
     for name, value in (("synchronize", None), ("memory_allocated", 0), ("max_memory_allocated", 2**30),
                         ("reset_peak_memory_stats", None)):
