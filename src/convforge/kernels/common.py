@@ -26,3 +26,22 @@ def pro_channel(spec: ConvSpec, c: str, group: str = "bz") -> str:
     """The input channel of a grouped layer's channel ``c`` within group ``group`` (the prologue
     reads its per-channel scale and shift at it)."""
     return c if spec.groups == 1 else f"({group} * {spec.cg} + {c})"
+
+
+class ThreadWindow:
+    """The input window one thread of a tile reads: ``rows`` x ``seg`` for its ``tp`` x ``tq`` outputs
+    (mixed into tile dataclasses that have ``spec``, ``tp`` and ``tq``)."""
+
+    spec: ConvSpec
+    tp: int
+    tq: int
+
+    @property
+    def seg(self) -> int:
+        """Input columns one thread reads per row."""
+        return (self.tq - 1) * self.spec.stride[1] + self.spec.eff_s
+
+    @property
+    def rows(self) -> int:
+        """Input rows one thread reads."""
+        return (self.tp - 1) * self.spec.stride[0] + self.spec.eff_r

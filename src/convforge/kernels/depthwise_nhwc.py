@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from convforge.codegen.dialect import Kernel, Storage
 from convforge.codegen.meta import Code, cdiv
 from convforge.kernels import register
-from convforge.kernels.common import out_args, out_refs
+from convforge.kernels.common import ThreadWindow, out_args, out_refs
 from convforge.kernels.depthwise import ALL_DTYPES
 from convforge.kernels.gemm import too_big
 from convforge.params import Params
@@ -37,7 +37,7 @@ _DEFAULT_REGS = 160
 
 
 @dataclass(frozen=True)
-class NhwcTile:
+class NhwcTile(ThreadWindow):
     """Derived sizes of one parameter set on one layer."""
 
     spec: ConvSpec
@@ -55,15 +55,6 @@ class NhwcTile:
     def threads(self) -> int:
         return self.bc * self.bt
 
-    @property
-    def seg(self) -> int:
-        """Input columns one thread reads per row."""
-        return (self.tq - 1) * self.spec.stride[1] + self.spec.eff_s
-
-    @property
-    def rows(self) -> int:
-        """Input rows one thread reads."""
-        return (self.tp - 1) * self.spec.stride[0] + self.spec.eff_r
 
     @property
     def grid(self) -> tuple[int, int, int, int, int]:

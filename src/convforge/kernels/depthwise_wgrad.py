@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from convforge.codegen.dialect import FLOAT32, Buf, Dim3, Kernel, Storage
 from convforge.codegen.meta import Code, cdiv
 from convforge.kernels import register
+from convforge.kernels.common import ThreadWindow
 from convforge.kernels.depthwise import ALL_DTYPES, REG_TAPS
 from convforge.kernels.dgrad import no_epilogue
 from convforge.kernels.gemm import too_big
@@ -86,7 +87,7 @@ def _vw(spec: ConvSpec) -> int:
 
 
 @dataclass(frozen=True)
-class WTile:
+class WTile(ThreadWindow):
     """A blocked parameter set on one layer: ``bt`` threads along the items for each of ``bc``
     channel lanes (NHWC; 1 on NCHW), items of ``tp`` x ``tq`` outputs; on NHWC each lane takes ``cv``
     consecutive channels (1, or 4: one 8-byte load of halves a pixel, four sums a tap); ``pr`` 1: input
@@ -128,13 +129,6 @@ class WTile:
     def items(self) -> int:
         return self.spec.n * self.grid_p * self.grid_q
 
-    @property
-    def seg(self) -> int:
-        return (self.tq - 1) * self.spec.stride[1] + self.spec.eff_s
-
-    @property
-    def rows(self) -> int:
-        return (self.tp - 1) * self.spec.stride[0] + self.spec.eff_r
 
     @property
     def xv(self) -> int:

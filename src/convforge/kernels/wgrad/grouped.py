@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from convforge.codegen.dialect import FLOAT32, Kernel, Storage
 from convforge.codegen.meta import Code, cdiv
 from convforge.kernels import register
+from convforge.kernels.common import ThreadWindow
 from convforge.kernels.depthwise_wgrad import blocked_splits, slice_sum, sum_chunk, tree_store, vec_load
 from convforge.kernels.dgrad import no_epilogue
 from convforge.kernels.gemm import too_big
@@ -38,7 +39,7 @@ _WIDTHS = (8, 4, 2, 1)  # input channels a lane may sum (a 16-, 8-, 4-byte or sc
 
 
 @dataclass(frozen=True)
-class GTile:
+class GTile(ThreadWindow):
     """A parameter set on one layer: ``bl`` lanes of ``cw`` input channels x ``bs`` threads along the
     items of ``tp`` x ``tq`` outputs; ``mb`` blocks a compute unit in the launch bound (caps the registers
     that ptxas spends hoisting the loads of every row)."""
@@ -73,13 +74,6 @@ class GTile:
         s = self.spec
         return s.n * cdiv(s.p, self.tp) * cdiv(s.q, self.tq)
 
-    @property
-    def seg(self) -> int:
-        return (self.tq - 1) * self.spec.stride[1] + self.spec.eff_s
-
-    @property
-    def rows(self) -> int:
-        return (self.tp - 1) * self.spec.stride[0] + self.spec.eff_r
 
     def problem(self, device: DeviceInfo) -> str | None:
         s = self.spec
