@@ -336,9 +336,9 @@ def narrow_tiles(math: Math, prob: Problem, shared_limit: int) -> list[TileConfi
     group's C R S rows fill more than 64, each with as many stages (at most 6) as fit; cp.async operands
     (a group's channels within wider pixels are no TMA box). Emulated against float64 and compiled
     (tests/test_tensorcore_grouped.py); not yet timed, and ``backward_slow`` keeps ``auto`` off them."""
-    out = []
+    out, pi = [], 2 if math.split else 0  # 3xTF32 promoted every 2 stages, as tiles.shapes' tiles
     for bm, cw in ((64, 1), (128, 2)) if prob.m > 64 else ((64, 1),):
-        fits = [c for c in (TileConfig(bm, NARROW_BN, 1, st, cw) for st in range(6, 2, -1))
+        fits = [c for c in (TileConfig(bm, NARROW_BN, 1, st, cw, pi=pi) for st in range(6, 2, -1))
                 if not c.problems(math, prob, shared_limit)]
         out += fits[:1]
     return out
