@@ -109,9 +109,11 @@ def _partial_sums(y: np.ndarray, bounds: list[int]) -> np.ndarray:
 
 
 def _check(ocl, bn: BnTrain, sp: int | None, seed: int, offset: float = 0.5,  # type: ignore[no-untyped-def]
-           device: DeviceInfo | None = None, bounds: list[int] | None = None) -> None:
+           device: DeviceInfo | None = None, bounds: list[int] | None = None, gamma_scale: float = 1.0) -> None:
     rng = np.random.default_rng(seed)
     arrays = _inputs(bn, rng, offset)
+    if "gamma" in arrays and gamma_scale != 1.0:
+        arrays["gamma"] = rounded(arrays["gamma"] * gamma_scale, bn.pdtype)
     partials = None if bounds is None else len(bounds) - 1
     prog = bn_program(bn, device or ocl.device, sp, partials)
     if bounds is not None:
@@ -119,7 +121,7 @@ def _check(ocl, bn: BnTrain, sp: int | None, seed: int, offset: float = 0.5,  # 
     out = _forward(ocl, bn, arrays, prog)
     y4 = arrays["y"][..., None]
     ref = batchnorm_train_ref(y4, arrays.get("gamma"), arrays.get("beta"), bn.eps,
-                              arrays["res"][..., None] if bn.residual else None, bn.relu)
+                              arrays["res"][..., None] if bn.residual else None, bn.relu, bn.act)
     z = _unlay(bn, out["z"])
     assert rel_l2(z, ref["z"]) < tol(bn.dtype), ("z", rel_l2(z, ref["z"]))
     st = out["st"].reshape(len(ST), bn.c).astype(np.float64)
@@ -134,7 +136,8 @@ def _check(ocl, bn: BnTrain, sp: int | None, seed: int, offset: float = 0.5,  # 
     gz = rounded(rng.standard_normal((bn.n, bn.c, bn.hw)), bn.dtype)
     got = host_run(ocl, bn, "backward", {"gz": _lay(bn, gz), "y": _lay(bn, arrays["y"]), "z": out["z"],
                                          "st": out["st"]}, prog)
-    want = batchnorm_train_backward_ref(gz[..., None], y4, arrays.get("gamma"), bn.eps, z, bn.relu)
+    want = batchnorm_train_backward_ref(gz[..., None], y4, arrays.get("gamma"), bn.eps, z, bn.relu,
+                                        arrays.get("beta"), bn.act)
     dy = _unlay(bn, got["dy"])
     assert rel_l2(dy, want["dy"]) < tol(bn.dtype), ("dy", rel_l2(dy, want["dy"]))
     if bn.affine:
@@ -231,7 +234,32 @@ def test_statistics_from_another_kernels_partial_sums(ocl, bn: BnTrain) -> None:
     _check(ocl, bn, 1, seed=9, offset=200.0, bounds=[0, 4, 9, 17, 21])
 
 
+def _act_cases() -> list[tuple[BnTrain, int]]:
+    """SiLU and HardSwish after the batch norm (EfficientNet's, MobileNet-v3's blocks) in every dtype and
+    layout, one kernel a pass and split in turn, the parameters in the half dtype in one of each; shapes
+    of SHAPES in turn."""
+    out = []
+    for i, (act, dtype, layout) in enumerate(itertools.product(("silu", "hardswish"), DTYPES, LAYOUTS)):
+        n, c, hw = SHAPES[i % len(SHAPES)]
+        pdtype = dtype if dtype != "float32" and i % 3 == 0 else "float32"
+        out.append((BnTrain(n, c, hw, relu=False, dtype=dtype, pdtype=pdtype, layout=layout, act=act), 1 + i % 2))
+    return out
+
+
+@pytest.mark.parametrize("case", _act_cases(), ids=_ids)
+def test_silu_and_hardswish_against_float64(ocl, case) -> None:  # type: ignore[no-untyped-def]
+    """z = act(batch norm(y)) and the backward through the activation's derivative at the pre-activation
+    the kernel recomputes from y, against float64; gamma tripled so the pre-activations reach HardSwish's
+    three pieces (below -3, the ramp, above 3) and SiLU's tails."""
+    bn, sp = case
+    _check(ocl, bn, sp, seed=sum(map(ord, _ids(case))), gamma_scale=3.0)
+
+
 def test_bad_settings_name_the_problem() -> None:
+    with pytest.raises(ValueError, match="activation \\('gelu'\\) must be one of"):
+        BnTrain(2, 4, 4, relu=False, act="gelu")
+    with pytest.raises(ValueError, match="without ReLU or residual"):
+        BnTrain(2, 4, 4, act="silu")
     with pytest.raises(ValueError, match="must be one of float32"):
         BnTrain(2, 4, 4, dtype="float64")
     with pytest.raises(ValueError, match=r"parameters' \(float16\) float32 or the same"):
@@ -243,15 +271,17 @@ def test_bad_settings_name_the_problem() -> None:
 @pytest.mark.parametrize("dtype", DTYPES[1:])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_cuda_sources_compile_without_spills(nvcc_ok, dtype: str, layout: str) -> None:  # type: ignore[no-untyped-def]
-    """Three shapes (a ResNet stage-1 block with its residual, 2048 channels of 7x7, a prime channel
-    count): every form of the program compiles for sm_90 without spills. float16 and bfloat16 change
-    only the loads, stores and conversions, so the two take the shapes in turns, swapped between the
-    layouts: each shape compiles in each layout and each dtype. The parameters' dtype (float32 master
-    or the activations' half, which changes only their loads) alternates over the shapes, both covered
-    in each dtype and each layout."""
+    """Five shapes (a ResNet stage-1 block with its residual, 2048 channels of 7x7, a prime channel
+    count, EfficientNet's SiLU and MobileNet-v3's HardSwish blocks): every form of the program compiles
+    for sm_90 without spills. float16 and bfloat16 change only the loads, stores and conversions, so the
+    two take the shapes in turns, swapped between the layouts: each shape compiles in each layout and each
+    dtype. The parameters' dtype (float32 master or the activations' half, which changes only their
+    loads) alternates over the shapes, both covered in each dtype and each layout."""
     from helpers import ptxas_reports
 
-    shapes = [dict(n=32, c=256, hw=56 * 56, residual=True), dict(n=32, c=2048, hw=49), dict(n=8, c=37, hw=9)]
+    shapes = [dict(n=32, c=256, hw=56 * 56, residual=True), dict(n=32, c=2048, hw=49), dict(n=8, c=37, hw=9),
+              dict(n=64, c=144, hw=56 * 56, relu=False, act="silu"), dict(n=16, c=120, hw=28 * 28, relu=False,
+                                                                          act="hardswish")]
     turn = (DTYPES[1:].index(dtype) + LAYOUTS.index(layout)) % 2
     progs = []
     for i, shape in enumerate(shapes):

@@ -52,7 +52,7 @@ def _check(ocl, bn: BnTrain, seed: int, offset: float = 0.5, device: DeviceInfo 
     assert len(prog.forward) == (1 if (sp or slices(bn, device or ocl.device)) == 1 else 3)
     out = host_run(ocl, bn, "forward", dict(arrays), prog)
     ref = batchnorm_train_ref(arrays["y"], arrays.get("gamma"), arrays.get("beta"), bn.eps, arrays.get("res"),
-                              bn.relu)
+                              bn.relu, bn.act)
     assert rel_l2(out["z"], ref["z"]) < TOL, rel_l2(out["z"], ref["z"])
     st = out["st"].reshape(len(ST), bn.c).astype(np.float64)
     assert rel_l2(st[0] + st[1], ref["mean"]) < TOL
@@ -66,7 +66,8 @@ def _check(ocl, bn: BnTrain, seed: int, offset: float = 0.5, device: DeviceInfo 
     gz = rng.standard_normal(out["z"].shape).astype(np.float32)
     back = {"gz": gz, "y": arrays["y"], "z": out["z"], "st": out["st"]}
     got = host_run(ocl, bn, "backward", back, prog)
-    want = batchnorm_train_backward_ref(gz, arrays["y"], arrays.get("gamma"), bn.eps, out["z"], bn.relu)
+    want = batchnorm_train_backward_ref(gz, arrays["y"], arrays.get("gamma"), bn.eps, out["z"], bn.relu,
+                                        arrays.get("beta"), bn.act)
     assert rel_l2(got["dy"], want["dy"]) < TOL, rel_l2(got["dy"], want["dy"])
     if bn.affine:
         dg = got["dg"].reshape(2, bn.c)

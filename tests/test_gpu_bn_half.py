@@ -55,14 +55,17 @@ def _module(c, affine, track, seed, dtype=torch.float32):
     return bn.to(dtype)
 
 
-def _pytorch(bn, y, res, relu):
+ACTS = {"silu": F.silu, "hardswish": F.hardswish}
+
+
+def _pytorch(bn, y, res, relu, act=""):
     z = bn(y)
     if res is not None:
         z = z + res
-    return torch.relu(z) if relu else z
+    return torch.relu(z) if relu else ACTS[act](z) if act else z
 
 
-def _run(bn, y, res, gz, relu, ours):
+def _run(bn, y, res, gz, relu, ours, act=""):
     """z, the gradients and the running statistics of one training call (ours: bn_act)."""
     from convforge.torch import batchnorm as bt
 
@@ -71,9 +74,9 @@ def _run(bn, y, res, gz, relu, ours):
     if ours:
         assert bt.takes(bn, yy, rr)
         torch.full(y.shape, float("nan"), device="cuda", dtype=y.dtype)  # a poisoned block where outputs land
-        z = bt.bn_act(yy, bn, rr, relu)
+        z = bt.bn_act(yy, bn, rr, relu, act)
     else:
-        z = _pytorch(bn, yy, rr, relu)
+        z = _pytorch(bn, yy, rr, relu, act)
     z.backward(gz)
     out = {"z": z, "y": yy.grad, **({"res": rr.grad} if rr is not None else {})}
     if bn.affine:
@@ -219,6 +222,78 @@ def test_what_it_leaves_to_pytorch(gpu, why):
     assert not bt.takes(bn, y, res)
 
 
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("act", sorted(ACTS))
+def test_bn_silu_and_hardswish_in_half_against_float64_and_pytorch(gpu, act, dtype, fmt):
+    """batch norm -> SiLU / HardSwish (EfficientNet's, MobileNet-v3's blocks) as one node: z, dy, dgamma,
+    dbeta and the running statistics within the bound of PyTorch's BatchNorm2d + F.silu / F.hardswish in
+    the same dtype, both against float64; two shapes (rows split over blocks, a ragged channel tile)."""
+    for n, c, h, w in ((32, 96, 28, 28), (4, 132, 5, 5)):
+        ours = _module(c, True, True, 0)
+        with torch.no_grad():
+            ours.weight.uniform_(1.0, 3.0)  # pre-activations past HardSwish's +-3
+        theirs, ref64 = copy.deepcopy(ours), copy.deepcopy(ours).double()
+        g = torch.Generator(device="cuda").manual_seed(2)
+        y = (torch.randn(n, c, h, w, device="cuda", generator=g) * 2 + 0.3).to(dtype).contiguous(
+            memory_format=FORMATS[fmt])
+        gz = torch.randn(n, c, h, w, device="cuda", generator=g).to(dtype).contiguous(memory_format=FORMATS[fmt])
+        got = _run(ours, y, None, gz, False, True, act)
+        half = _run(theirs, y, None, gz, False, False, act)
+        want = _run(ref64, y.double(), None, gz.double(), False, False, act)
+        for key, value in got.items():
+            mine, pt = _rel(value, want[key]), _rel(half[key], want[key])
+            assert mine <= max(RATIO * pt, FLOOR[value.dtype]), (act, (n, c, h, w), key, mine, pt)
+        assert got["z"].is_contiguous(memory_format=FORMATS[fmt]) and got["y"].is_contiguous(
+            memory_format=FORMATS[fmt])
+
+
+@pytest.mark.parametrize("name", ["efficientnet_b0", "mobilenet_v3_large"])
+def test_fused_silu_and_hardswish_models_amp_step(gpu, monkeypatch, name):
+    """fuse(EfficientNet-B0 / MobileNet-v3-L), one autocast float16 channels_last step: every conv -> BN ->
+    SiLU / HardSwish block runs its activation inside our batch norm node (the C++ block from the second
+    step), the loss and every parameter's gradient near PyTorch AMP's, both against float64 (dropout and
+    stochastic depth off: the three runs see one network)."""
+    import convforge.torch as ct
+    from convforge.torch import batchnorm as bt
+
+    tv = pytest.importorskip("torchvision", reason="GPU tier: torchvision not installed")
+    acts: dict[str, int] = {}
+    real = bt.bn_act
+
+    def counted(y, bn, res=None, relu=True, act=""):
+        acts[act] = acts.get(act, 0) + 1
+        return real(y, bn, res, relu, act)
+
+    monkeypatch.setattr(bt, "bn_act", counted)
+    torch.manual_seed(0)
+    kw = {"stochastic_depth_prob": 0.0, "dropout": 0.0} if name.startswith("efficientnet") else {"dropout": 0.0}
+    model = getattr(tv.models, name)(num_classes=10, **kw).cuda().train().to(memory_format=torch.channels_last)
+    amp, ref64 = copy.deepcopy(model), copy.deepcopy(model).double()
+    fused, report = ct.fuse(model)
+    want_act = "silu" if name.startswith("efficientnet") else "hardswish"
+    assert sum(v.endswith("+" + want_act) for v in report.fused.values()) >= 10, report.fused
+    x = torch.randn(4, 3, 64, 64, device="cuda").contiguous(memory_format=torch.channels_last)
+    target = torch.randint(0, 10, (4,), device="cuda")
+    losses = []
+    for m in (fused, amp):
+        with torch.autocast("cuda", torch.float16):
+            loss = F.cross_entropy(m(x), target)
+        loss.backward()
+        losses.append(float(loss))
+    assert acts.get(want_act, 0) >= 10, acts
+    loss64 = F.cross_entropy(ref64(x.double()), target)
+    loss64.backward()
+    assert abs(losses[0] - float(loss64)) <= max(2 * abs(losses[1] - float(loss64)), 1e-2)
+    grads = [(p.grad, q.grad, p64.grad) for p, q, p64 in zip(model.parameters(), amp.parameters(), ref64.parameters())]
+    whole = [_rel(torch.cat([g[i].double().flatten() for g in grads]), torch.cat([g[2].flatten() for g in grads]))
+             for i in (0, 1)]
+    assert whole[0] <= max(1.5 * whole[1], 1e-2), whole  # the whole gradient
+    for (pname, _), (mine, theirs, g64) in zip(model.named_parameters(), grads):
+        # one small parameter's (an SE block's bias: 2-6e-2 on both sides) within a few times PyTorch's
+        assert _rel(mine, g64) <= max(3 * _rel(theirs, g64), 1e-1), (pname, _rel(mine, g64), _rel(theirs, g64))
+
+
 def test_fused_resnet_amp_step_runs_every_batch_norm_ours(gpu, monkeypatch):
     """fuse(resnet18), one autocast float16 step: every batch norm through bn_act (half activations,
     float32 parameters), the loss and every parameter's gradient near PyTorch AMP's, both against float64."""
@@ -229,10 +304,10 @@ def test_fused_resnet_amp_step_runs_every_batch_norm_ours(gpu, monkeypatch):
     calls = {"n": 0, "half": 0}
     real = bt.bn_act
 
-    def counted(y, bn, res=None, relu=True):
+    def counted(y, bn, res=None, relu=True, act=""):
         calls["n"] += 1
         calls["half"] += y.dtype == torch.float16
-        return real(y, bn, res, relu)
+        return real(y, bn, res, relu, act)
 
     monkeypatch.setattr(bt, "bn_act", counted)
     torch.manual_seed(0)

@@ -138,10 +138,10 @@ def test_fused_resnet_trains_through_our_batch_norm(gpu, monkeypatch):
     calls = {"n": 0, "res": 0}
     real = bt.bn_act
 
-    def counted(y, bn, res=None, relu=True):
+    def counted(y, bn, res=None, relu=True, act=""):
         calls["n"] += 1
         calls["res"] += res is not None
-        return real(y, bn, res, relu)
+        return real(y, bn, res, relu, act)
 
     monkeypatch.setattr(bt, "bn_act", counted)
     model = _resnet()

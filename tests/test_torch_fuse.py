@@ -122,6 +122,54 @@ def test_every_pattern_matches_the_original(mode):
         assert torch.equal(b, c), name  # running statistics updated once, as PyTorch does
 
 
+class Acts(nn.Module):
+    """conv -> batch norm -> SiLU / HardSwish as EfficientNet's and MobileNet-v3's blocks write them, and
+    the neighbours fuse must leave alone (an activation without a batch norm or after an add)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.bn1, self.silu = nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.SiLU(True)
+        self.dw, self.bndw = nn.Conv2d(8, 8, 5, stride=2, padding=2, groups=8, bias=False), nn.BatchNorm2d(8)
+        self.c2, self.bn2, self.hs = nn.Conv2d(8, 12, 1, bias=False), nn.BatchNorm2d(12), nn.Hardswish()
+        self.c3 = nn.Conv2d(12, 12, 3, padding=1)  # conv -> SiLU, no batch norm: the SiLU stays
+        self.c4, self.bn4 = nn.Conv2d(12, 12, 3, padding=1, bias=False), nn.BatchNorm2d(12)  # bn -> add -> SiLU
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.silu(self.bn1(self.c1(x)))
+        out = F.silu(self.bndw(self.dw(out)), inplace=True)
+        out = self.hs(self.bn2(self.c2(out)))
+        out = F.hardswish(out + 0)  # not after a conv chain's batch norm
+        out = F.silu(self.c3(out))
+        return F.silu(self.bn4(self.c4(out)) + out)
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_silu_and_hardswish_after_batch_norm_are_fused_and_match(mode):
+    """conv -> BN -> SiLU / HardSwish (module, F., inplace) fuse as "bn+silu" / "bn+hardswish"; the others
+    keep their activation outside; outputs, gradients and running statistics as the original's (CPU)."""
+    model = _randomize(Acts()).train(mode == "train")
+    ref = copy.deepcopy(model)
+    fused, report = ct.fuse(model)
+    assert report.fused == {"c1": "bn+silu", "dw": "bn+silu", "c2": "bn+hardswish", "c4": "bn+add"}, report.fused
+    assert fused.c1._cf_act == "silu" and not fused.c1._cf_relu
+    x = torch.randn(2, 3, 11, 13, generator=torch.Generator().manual_seed(3))
+    want, got = ref(x), fused(x)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got - want).abs().max()
+    got.square().sum().backward()
+    want.square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-5), name
+    for (name, b), c in zip(model.named_buffers(), ref.buffers()):
+        assert torch.equal(b, c), name
+
+
+def test_an_activation_is_refused_where_the_fused_module_cannot_apply_it():
+    with pytest.raises(ValueError, match="act .'gelu'. must be one of"):
+        ct.FusedConv2d.from_conv(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), act="gelu")
+    with pytest.raises(ValueError, match="after a batch norm without residual or ReLU"):
+        ct.FusedConv2d.from_conv(nn.Conv2d(3, 4, 3), None, act="silu")
+
+
 def test_fold_matches_batch_norm_in_float64():
     conv = nn.Conv2d(5, 7, 3, padding=1).double()
     for affine in (True, False):

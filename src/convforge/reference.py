@@ -165,10 +165,31 @@ def pass_ref(spec: ConvSpec, inputs: dict[str, np.ndarray]) -> np.ndarray:
     return conv2d_ref(inputs["x"], inputs["w"], spec, inputs.get("bias"))
 
 
+def _act64(z: np.ndarray, act: str) -> np.ndarray:
+    """SiLU or HardSwish in float64 (``act`` "silu" / "hardswish"; "" passes z)."""
+    if act == "silu":
+        return z / (1.0 + np.exp(-z))
+    if act == "hardswish":
+        return z * np.clip(z + 3.0, 0.0, 6.0) / 6.0
+    return z
+
+
+def _dact64(z: np.ndarray, act: str) -> np.ndarray:
+    """The derivative of :func:`_act64` at z (HardSwish's as PyTorch's backward takes it: v / 3 + 1/2 on
+    [-3, 3])."""
+    if act == "silu":
+        s = 1.0 / (1.0 + np.exp(-z))
+        return s * (1.0 + z * (1.0 - s))
+    if act == "hardswish":
+        return np.where(z < -3.0, 0.0, np.where(z <= 3.0, z / 3.0 + 0.5, 1.0))
+    return np.ones_like(z)
+
+
 def batchnorm_train_ref(y: np.ndarray, gamma: np.ndarray | None, beta: np.ndarray | None, eps: float,
-                        res: np.ndarray | None = None, relu: bool = True) -> dict[str, np.ndarray]:
-    """Training batch norm over (N, H, W) per channel [+ res] [-> ReLU] in float64: z, the batch
-    mean and biased variance, and the unbiased variance the running statistics take."""
+                        res: np.ndarray | None = None, relu: bool = True, act: str = "") -> dict[str, np.ndarray]:
+    """Training batch norm over (N, H, W) per channel [+ res] [-> ReLU | SiLU | HardSwish (``act``)] in
+    float64: z, the batch mean and biased variance, and the unbiased variance the running statistics
+    take."""
     y64 = np.asarray(y, np.float64)
     mean = y64.mean(axis=(0, 2, 3))
     var = y64.var(axis=(0, 2, 3))
@@ -181,18 +202,25 @@ def batchnorm_train_ref(y: np.ndarray, gamma: np.ndarray | None, beta: np.ndarra
         z = z + np.asarray(res, np.float64)
     if relu:
         z = np.maximum(z, 0.0)
+    z = _act64(z, act)
     return {"z": z, "mean": mean, "var": var, "var_unbiased": var * m / (m - 1), "xhat": xhat}
 
 
 def batchnorm_train_backward_ref(gz: np.ndarray, y: np.ndarray, gamma: np.ndarray | None, eps: float,
-                                 z: np.ndarray | None = None, relu: bool = True) -> dict[str, np.ndarray]:
+                                 z: np.ndarray | None = None, relu: bool = True, beta: np.ndarray | None = None,
+                                 act: str = "") -> dict[str, np.ndarray]:
     """The gradients of :func:`batchnorm_train_ref` in float64, given dz and (with a ReLU) the
-    forward's z: dy, the residual's gradient (the masked dz), dgamma and dbeta."""
+    forward's z: dy, the residual's gradient (the masked dz), dgamma and dbeta. With ``act`` (no
+    residual) dz passes the activation's derivative at the pre-activation (``beta`` needed)."""
     fwd = batchnorm_train_ref(y, gamma, None, eps, relu=False)
     g = np.asarray(gz, np.float64)
     if relu:
         assert z is not None, "the ReLU's mask comes from z"
         g = np.where(np.asarray(z) > 0, g, 0.0)
+    if act:
+        gam = np.ones(fwd["mean"].shape) if gamma is None else np.asarray(gamma, np.float64)
+        bet = np.zeros(fwd["mean"].shape) if beta is None else np.asarray(beta, np.float64)
+        g = g * _dact64(fwd["xhat"] * gam[None, :, None, None] + bet[None, :, None, None], act)
     xhat = fwd["xhat"]
     m = xhat.shape[0] * xhat.shape[2] * xhat.shape[3]
     dbeta = g.sum(axis=(0, 2, 3))

@@ -18,6 +18,7 @@ A kernel body is plain C using these tokens, which each renderer spells its own 
     SILU(a)                                               a / (1 + exp(-a)): SiLU (Swish), a * sigmoid(a)
     HSWISH(a)                                             a * min(max(a + 3, 0), 6) / 6: HardSwish (NaN kept)
     MISH(a)                                               a * tanh(log1p(exp(a))): Mish (NaN kept)
+    DSILU(a), DHSWISH(a)                                  the derivative of SiLU / HardSwish at a (backward)
     LDG(p)                                                read-only load of *p
     SHFL(v, lane)                                         warp shuffle (feature "shuffle", CUDA only)
     TEX(t, i)                                             element i of a TexBuf (feature "texture")

@@ -21,7 +21,7 @@ from convforge.codegen.dialect import (
 _TOKEN = re.compile(r"\b(GROUP_ID|LOCAL_ID|GROUP_SIZE|NUM_GROUPS|BARRIER|VLOAD4|VSTORE4|"
                     r"LD_F16|LDG_F16|ST_F16|VLOAD4_F16|VSTORE4_F16|LD_BF16|LDG_BF16|ST_BF16|VLOAD4_BF16|VSTORE4_BF16|"
                     r"VLOAD8_F16|VSTORE8_F16|VLOAD8_BF16|VSTORE8_BF16|"
-                    r"MAKE_FLOAT4|FMA|MAX|RELU|GELU|SILU|HSWISH|MISH|LDG|SHFL|TEX|COPY4_ASYNC|COPY1_ASYNC|COPY_WAIT|CVT_TF32|"
+                    r"MAKE_FLOAT4|FMA|MAX|RELU|GELU|SILU|HSWISH|MISH|DSILU|DHSWISH|LDG|SHFL|TEX|COPY4_ASYNC|COPY1_ASYNC|COPY_WAIT|CVT_TF32|"
                     r"MMA_TF32_16x8x8|SMEM_U32|CP_ASYNC16|CP_ASYNC4|CP_ASYNC_COMMIT|CP_ASYNC_WAIT|LDMATRIX_X4|LDS_F4|"
                     r"LDS_F1|TF32_RHA|FENCE_PROXY_ASYNC|WGMMA_FENCE|WGMMA_COMMIT|WGMMA_WAIT|WGMMA_TF32|"
                     r"MBAR_INIT|MBAR_WAIT|MBAR_ARRIVE|CP_ASYNC_MBAR_ARRIVE|SETMAXNREG_INC|SETMAXNREG_DEC|"
@@ -256,7 +256,8 @@ class Renderer:
         for token, helper in (("RELU", _RELU_HELPER), ("GELU", _GELU_HELPER.replace("ERF", self.erf)),
                               ("SILU", _SILU_HELPER.replace("EXP", self.exp)), ("HSWISH", _HSWISH_HELPER),
                               ("MISH", _MISH_HELPER.replace("EXP", self.exp).replace("LOG1P", self.log1p)
-                               .replace("TANH", self.tanh))):
+                               .replace("TANH", self.tanh)),
+                              ("DSILU", _DSILU_HELPER.replace("EXP", self.exp)), ("DHSWISH", _DHSWISH_HELPER)):
             if _uses(token, texts):
                 out += [self.expand(helper), ""]
         seen_helpers: set[str] = set()
@@ -300,6 +301,14 @@ _SILU_HELPER = "DEVICE float cf_silu(const float v) { return v / (1.0f + EXP(-v)
 _HSWISH_HELPER = ("DEVICE float cf_hswish(const float v)\n{\n    const float t = v + 3.0f;\n"
                   "    return v * (t < 0.0f ? 0.0f : t > 6.0f ? 6.0f : t) / 6.0f;\n}")
 
+# The derivatives the batch norm's backward multiplies dz by (kernels/batchnorm.py), as PyTorch's silu_backward
+# and hardswish_backward compute them in float: s (1 + v (1 - s)) with s = sigmoid(v); 0 below -3, v / 3 + 1/2 up
+# to 3, else 1 (a NaN v passes dz on, as PyTorch's does).
+_DSILU_HELPER = ("DEVICE float cf_dsilu(const float v)\n{\n    const float s = 1.0f / (1.0f + EXP(-v));\n"
+                 "    return s * (1.0f + v * (1.0f - s));\n}")
+_DHSWISH_HELPER = ("DEVICE float cf_dhswish(const float v)\n{\n"
+                   "    return v < -3.0f ? 0.0f : v <= 3.0f ? v / 3.0f + 0.5f : 1.0f;\n}")
+
 # Mish as PyTorch's CUDA kernel computes it in float: v * tanh(log1p(exp(v))) (NaN stays NaN; a large v
 # gives v, a large negative one -0).
 _MISH_HELPER = "DEVICE float cf_mish(const float v) { return v * TANH(LOG1P(EXP(v))); }"
@@ -336,6 +345,8 @@ class CudaRenderer(Renderer):
             "SILU": lambda: f"cf_silu({args[0]})",
             "HSWISH": lambda: f"cf_hswish({args[0]})",
             "MISH": lambda: f"cf_mish({args[0]})",
+            "DSILU": lambda: f"cf_dsilu({args[0]})",
+            "DHSWISH": lambda: f"cf_dhswish({args[0]})",
             "LDG": lambda: f"__ldg({args[0]})",
             "SHFL": lambda: f"__shfl_sync(0xffffffffu, {args[0]}, {args[1]})",
             "TEX": lambda: f"tex1Dfetch<float>({args[0]}, {args[1]})",
@@ -764,6 +775,8 @@ class OpenCLRenderer(Renderer):
             "SILU": lambda: f"cf_silu({args[0]})",
             "HSWISH": lambda: f"cf_hswish({args[0]})",
             "MISH": lambda: f"cf_mish({args[0]})",
+            "DSILU": lambda: f"cf_dsilu({args[0]})",
+            "DHSWISH": lambda: f"cf_dhswish({args[0]})",
             "LDG": lambda: f"(*({args[0]}))",
             "COPY4_ASYNC": lambda: f"vstore4(vload4(0, {args[1]}), 0, {args[0]})",
             "COPY1_ASYNC": lambda: (f"(({args[0]})[{args[1]}] = ((({args[4]}) >> ({args[5]})) & 1ul) ? "

@@ -26,6 +26,11 @@ backward  reduce    block (j, c): g = dz masked by the ReLU (without a residual 
           finalize  channel c: dgamma, dbeta ("dg", 2 x C) and dy's coefficients b, d ("cf", 2 x C)
           apply     dy = scale * g + b * (y - mean) + d
 
+SiLU or HardSwish after the batch norm (``BnTrain.act``: EfficientNet's and MobileNet-v3's conv -> BN ->
+activation, no ReLU, no residual): the apply writes act(pre), and the backward's g is dz times the
+activation's derivative at the pre-activation, recomputed from y as the ReLU's mask is (DSILU / DHSWISH,
+PyTorch's silu_backward and hardswish_backward formulas): no activation pass and no kernel of its own.
+
 3 passes over the activation forward instead of 5 (8 with a residual), 5 (7) backward instead of 8. Every
 reduction adds in a fixed order, so runs are bit-identical; Inf and NaN propagate (the variance's clamp at 0
 and the ReLU mask keep NaN, as PyTorch's kernels do: a GradScaler must see them).
@@ -63,6 +68,8 @@ _SLICE = 8192  # values per reduction block at least when a channel is split ove
 DTYPES = ("float32", "float16", "bfloat16")
 LAYOUTS = ("nchw", "nhwc")
 _SHORT = {"float16": "f16", "bfloat16": "bf16"}
+ACTS = ("", "silu", "hardswish")  # BnTrain.act: the activations besides ReLU (the dialect's SILU / HSWISH)
+_ACT_TOKENS = {"silu": ("SILU", "DSILU"), "hardswish": ("HSWISH", "DHSWISH")}  # forward, derivative
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,8 @@ class BnTrain:
     dtype: str = "float32"  # y, res, z, dz, the masked dz, dy
     pdtype: str = "float32"  # gamma, beta, running mean and variance, dgamma and dbeta
     layout: str = "nchw"  # or "nhwc": channels_last, viewed as (N*H*W, C)
+    act: str = ""  # "silu" or "hardswish" after the batch norm (EfficientNet's, MobileNet-v3's blocks): no ReLU,
+    # no residual; the backward recomputes the pre-activation from y, as the ReLU's mask
 
     def __post_init__(self) -> None:
         if min(self.n, self.c, self.hw) < 1:
@@ -97,6 +106,10 @@ class BnTrain:
                              f"the parameters' ({self.pdtype}) float32 or the same")
         if self.layout not in LAYOUTS:
             raise ValueError(f"{NAME}: layout ({self.layout!r}) must be nchw or nhwc")
+        if self.act not in ACTS:
+            raise ValueError(f"{NAME}: activation ({self.act!r}) must be one of {', '.join(map(repr, ACTS))}")
+        if self.act and (self.relu or self.residual):
+            raise ValueError(f"{NAME}: an activation ({self.act}) follows a batch norm without ReLU or residual")
 
     @property
     def m(self) -> int:
@@ -112,7 +125,14 @@ class BnTrain:
         return self.layout == "nhwc"
 
     def tag(self) -> str:
-        return ("_relu" if self.relu else "") + ("_res" if self.residual else "") + self.storage_tag()
+        act = f"_{self.act}" if self.act else ""
+        return ("_relu" if self.relu else "") + ("_res" if self.residual else "") + act + self.storage_tag()
+
+    @property
+    def masked(self) -> bool:
+        """Whether the backward recomputes the pre-activation from y for the gradient behind an activation
+        (a ReLU without a residual, SiLU, HardSwish); with a residual the ReLU's mask comes from z."""
+        return (self.relu or bool(self.act)) and not self.residual
 
     def storage_tag(self) -> str:
         """"" for float32 NCHW, else e.g. "_f16_nhwc" or "_bf16p" (p: parameters in the half dtype)."""
@@ -306,15 +326,19 @@ def _sfx(lane: str) -> str:
 
 
 def _grad_line(bn: BnTrain, lane: str) -> str:
-    """g{lane}: the gradient dz (gv) behind the ReLU of the value yv{lane} (backward kernels): zero where
-    z <= 0 (zv) with a residual, else where the forward's own FMA, recomputed, is (the same bits as z).
-    As PyTorch's threshold_backward: a NaN z passes dz on, an Inf or NaN dz reaches the sums."""
+    """g{lane}: the gradient dz (gv) behind the activation of the value yv{lane} (backward kernels). ReLU:
+    zero where z <= 0 (zv) with a residual, else where the forward's own FMA, recomputed, is (the same bits
+    as z); as PyTorch's threshold_backward, a NaN z passes dz on, an Inf or NaN dz reaches the sums. SiLU and
+    HardSwish: dz times the derivative at the recomputed pre-activation (DSILU / DHSWISH, PyTorch's
+    silu_backward and hardswish_backward formulas)."""
     g = f"const float g{_sfx(lane)}"
-    if not bn.relu:
+    if not (bn.relu or bn.act):
         return f"{g} = gv{lane};"
     if bn.residual:
         return f"{g} = zv{lane} <= 0.0f ? 0.0f : gv{lane};"
     pre = f"FMA({_centred(bn, lane)}, {_stat(bn, 'sc', lane)}, {_stat(bn, 'sh', lane)})"
+    if bn.act:
+        return f"{g} = gv{lane} * {_ACT_TOKENS[bn.act][1]}({pre});"
     return f"{g} = {pre} <= 0.0f ? 0.0f : gv{lane};"
 
 
@@ -381,7 +405,7 @@ def _reduce_kernel(bn: BnTrain, what: str, sp: int, bt: int, v: int, ix: str, fu
         code(f"a1 += {_pairwise(gs)};", f"a2 += {_pairwise(ds)};")
     code("r1[t] = a1;", "r2[t] = a2;", "BARRIER();")
     _tree(code, bt, 1, 1, "t")
-    what_text = ("sums of the ReLU-masked gradient g and g * (y - mean)" if bwd
+    what_text = (f"sums of the {_act_name(bn)}-masked gradient g and g * (y - mean)" if bwd
                  else "shifted sums of y and y^2")
     if fused:
         return _fused_tail(bn, code, bwd, bt, v, ix, what_text)
@@ -439,7 +463,7 @@ def _apply_step(bn: BnTrain, code: Code, bwd: bool, v: int, at_line: str) -> Non
     if bwd:
         code(f"const {_ftype(v)} gv = {load('gm' if bn.relu and bn.residual else 'gz')};")
         for lane in lanes:
-            code(_grad_line(bn, lane) if bn.relu and not bn.residual else f"const float g{_sfx(lane)} = gv{lane};")
+            code(_grad_line(bn, lane) if bn.masked else f"const float g{_sfx(lane)} = gv{lane};")
         outs, out = [_dy_value(bn, lane) for lane in lanes], "dy"
     else:
         if bn.residual:
@@ -504,7 +528,7 @@ def _rows_reduce_kernel(bn: BnTrain, what: str, sp: int, rows: _Rows, ix: str, f
          "BARRIER();")
     _tree(code, rows.tr, w, v, "ty")
     first = "ty == 0 && ok" if ragged else "ty == 0"
-    what_text = ("sums of the ReLU-masked gradient g and g * (y - mean)" if bwd
+    what_text = (f"sums of the {_act_name(bn)}-masked gradient g and g * (y - mean)" if bwd
                  else "shifted sums of y and y^2")
     shape = f"{rows.tc} x {rows.tr} threads, {v} channel(s) a thread"
     if fused:
@@ -639,10 +663,12 @@ def _finalize_args(bn: BnTrain) -> tuple[Buf, ...]:
 
 
 def _apply_value(bn: BnTrain, lane: str) -> str:
-    """z of one value: [ReLU]((y - mean) * scale + beta [+ res])."""
+    """z of one value: [ReLU | SiLU | HardSwish]((y - mean) * scale + beta [+ res])."""
     val = f"FMA({_centred(bn, lane)}, {_stat(bn, 'sc', lane)}, {_stat(bn, 'sh', lane)})"
     if bn.residual:
         val = f"{val} + rv{lane}"
+    if bn.act:
+        return f"{_ACT_TOKENS[bn.act][0]}({val})"
     return f"RELU({val})" if bn.relu else val
 
 
@@ -686,7 +712,11 @@ def _apply_kernel(bn: BnTrain, v: int, ix: str) -> Kernel:
     args = (s.buf("y"), *((s.buf("res"),) if bn.residual else ()), Buf("st"), s.buf("z", readonly=False))
     ops = "(y - mean) * scale + beta" + (" + res" if bn.residual else "")
     return Kernel(f"{_prefix(bn)}_apply", args, code.text(), (BLOCK, 1, 1),
-                  comment=f"{NAME}: z = {'ReLU(' + ops + ')' if bn.relu else ops}")
+                  comment=f"{NAME}: z = {_act_name(bn) + '(' + ops + ')' if bn.relu or bn.act else ops}")
+
+
+def _act_name(bn: BnTrain) -> str:
+    return {"silu": "SiLU", "hardswish": "HardSwish"}.get(bn.act, "ReLU")
 
 
 def _bwd_finalize_kernel(bn: BnTrain, sp: int) -> Kernel:
@@ -705,7 +735,7 @@ def _bwd_apply_kernel(bn: BnTrain, v: int, ix: str) -> Kernel:
     s = _act(bn)
     code = Code()
     code(*_elementwise_head(bn, v, ix))
-    code(_elementwise_stats(bn, v, "k0", "dm", "sc", *(("sh",) if bn.relu and not bn.residual else ())))
+    code(_elementwise_stats(bn, v, "k0", "dm", "sc", *(("sh",) if bn.masked else ())))
     if bn.nhwc and v == 4:
         code(f"const float4 bv = VLOAD4(0, cf + c), dv = VLOAD4(0, cf + {bn.c} + c);")
     else:
@@ -713,7 +743,7 @@ def _bwd_apply_kernel(bn: BnTrain, v: int, ix: str) -> Kernel:
     src = "gm" if bn.relu and bn.residual else "gz"
     code(_vload(s, v, "yv", "y"), _vload(s, v, "gv", src))
     for lane in _lanes(v):  # with a residual gm is already masked
-        code(_grad_line(bn, lane) if bn.relu and not bn.residual else f"const float g{_sfx(lane)} = gv{lane};")
+        code(_grad_line(bn, lane) if bn.masked else f"const float g{_sfx(lane)} = gv{lane};")
     code(_store(s, v, [_dy_value(bn, lane) for lane in _lanes(v)], "dy", "e"))
     args = (s.buf(src), s.buf("y"), Buf("st"), Buf("cf"), s.buf("dy", readonly=False))
     return Kernel(f"{_prefix(bn)}_bwd_apply", args, code.text(), (BLOCK, 1, 1),

@@ -1,4 +1,5 @@
-"""Batch norm in training mode [+ residual] [-> ReLU] on convforge's kernels (``kernels/batchnorm.py``).
+"""Batch norm in training mode [+ residual] [-> ReLU | SiLU | HardSwish] on convforge's kernels
+(``kernels/batchnorm.py``).
 
 What ``FusedConv2d`` (conv -> batch norm [-> + residual] [-> ReLU]) and ``PreActivation`` (batch norm [->
 ReLU] before convs) run in training mode on CUDA activations, instead of PyTorch's ``cudnn_batch_norm``,
@@ -92,13 +93,14 @@ def takes(bn: torch.nn.BatchNorm2d, y: torch.Tensor, res: Any = None) -> bool:
     return _param_dtype(bn, y) is not None
 
 
-def _key(bn: torch.nn.BatchNorm2d, y: torch.Tensor, res: torch.Tensor | None, relu: bool) -> tuple[Any, ...]:
+def _key(bn: torch.nn.BatchNorm2d, y: torch.Tensor, res: torch.Tensor | None, relu: bool,
+         act: str = "") -> tuple[Any, ...]:
     """A call's program key: shape, what follows, the module's settings, dtypes and layout."""
-    return key_of(bn, tuple(y.shape), y.dtype, layout(y), res is not None, relu, y.device.index or 0)
+    return key_of(bn, tuple(y.shape), y.dtype, layout(y), res is not None, relu, y.device.index or 0, act)
 
 
 def key_of(bn: torch.nn.BatchNorm2d, shape: tuple[int, ...], dtype: torch.dtype, lay: str | None, residual: bool,
-           relu: bool, device: int) -> tuple[Any, ...]:
+           relu: bool, device: int, act: str = "") -> tuple[Any, ...]:
     """:func:`_key` from the activation's shape, dtype, layout and device alone (no tensor: what
     torch/train_ahead.py predicts a step will meet)."""
     p, b = bn._parameters, bn._buffers
@@ -106,16 +108,17 @@ def key_of(bn: torch.nn.BatchNorm2d, shape: tuple[int, ...], dtype: torch.dtype,
     gamma, rmean = p.get("weight"), b.get("running_mean")
     like = gamma if gamma is not None else rmean  # the parameters' dtype (takes checked they share one)
     return (n, c, h * w, relu, residual, gamma is not None, rmean is not None, bn.eps, bn.momentum,
-            device, _NAMES[dtype], _NAMES[like.dtype if like is not None else _F32], lay)
+            device, _NAMES[dtype], _NAMES[like.dtype if like is not None else _F32], lay, act)
 
 
 def bn_act(y: torch.Tensor, bn: torch.nn.BatchNorm2d, res: torch.Tensor | None = None,
-           relu: bool = True) -> torch.Tensor:
-    """[ReLU](batch_norm(y) [+ res]) with batch statistics, the module's running statistics and batch count
-    updated; differentiable in y, res and the module's weight and bias; in y's dtype and memory format.
-    The caller checked :func:`takes`."""
+           relu: bool = True, act: str = "") -> torch.Tensor:
+    """[ReLU](batch_norm(y) [+ res]), or ``act`` ("silu", "hardswish": no ReLU, no residual) of
+    batch_norm(y), with batch statistics, the module's running statistics and batch count updated;
+    differentiable in y, res and the module's weight and bias; in y's dtype and memory format. The
+    caller checked :func:`takes`."""
     p, b = bn._parameters, bn._buffers
-    key = _key(bn, y, res, relu)
+    key = _key(bn, y, res, relu, act)
     prog = _PROGRAMS.get(key) or _program(key)
     return _BnAct.apply(y, res, p.get("weight"), p.get("bias"), b.get("running_mean"),  # type: ignore[no-any-return]
                         b.get("running_var"), b.get("num_batches_tracked"), prog)
@@ -128,14 +131,15 @@ def block_ok(bn: torch.nn.BatchNorm2d) -> bool:
 
 
 def native_handle(module: Any, bn: torch.nn.BatchNorm2d, y: torch.Tensor, res: torch.Tensor | None,
-                  relu: bool, stats: tuple[Any, int, Any] | None = None) -> int:
+                  relu: bool, stats: tuple[Any, int, Any] | None = None, act: str = "") -> int:
     """The handle of this call's batch-norm program filed with native.cpp (``register_bn``), for its
     ``block``: the kernels :func:`bn_act` launches, by the same call key. ``stats``: (the block's conv as a
     native program whose epilogue writes P partial sums into the "res" slot, P, that conv's identity): the
     forward then finalizes those (``bn_program(partials=P)``) and the block runs that conv
     (:func:`stats_conv_program`). The handle then carries the conv, so it is filed by the conv's identity
-    too: two blocks whose batch norms match (a 1x1 and a 3x3 conv into 64 channels) get one each."""
-    key = _key(bn, y, res, relu)
+    too: two blocks whose batch norms match (a 1x1 and a 3x3 conv into 64 channels) get one each. ``act``:
+    as :func:`bn_act`'s (the node needs no more: it saves and allocates as for a batch norm without ReLU)."""
+    key = _key(bn, y, res, relu, act)
     hkey = key if stats is None else (*key, stats[1], stats[2])
     handle = _HANDLES.get(hkey)
     if handle is None:
@@ -192,8 +196,8 @@ def _program(key: tuple[Any, ...], partials: int | None = None,
 
 
 def _shape_program(key: tuple[Any, ...], partials: int | None) -> tuple[BnTrain, BnProgram]:
-    n, c, hw, relu, residual, affine, track, eps, momentum, device, dtype, pdtype, lay = key
-    shape = BnTrain(n, c, hw, relu, residual, affine, track, float(eps), float(momentum), dtype, pdtype, lay)
+    n, c, hw, relu, residual, affine, track, eps, momentum, device, dtype, pdtype, lay, act = key
+    shape = BnTrain(n, c, hw, relu, residual, affine, track, float(eps), float(momentum), dtype, pdtype, lay, act)
     return shape, bn_program(shape, get_backend("cuda", device).device, partials=partials)
 
 

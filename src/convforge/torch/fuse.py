@@ -2,8 +2,9 @@
 
 ``torch.fx.symbolic_trace``-style tracing (nn.Conv2d subclasses are leaves) of a structural copy
 of the model, then chains conv -> [BatchNorm2d] -> [add(other)] -> [ReLU] (at least one after the
-conv; every intermediate used exactly once) become one call of a :class:`FusedConv2d` at the
-conv's path (not after a padding-mode conv, whose padded copy precedes a plain ``Conv2d``; every
+conv; every intermediate used exactly once), and conv -> BatchNorm2d -> SiLU / HardSwish (``nn.SiLU``,
+``nn.Hardswish``, ``F.silu``, ``F.hardswish``), become one call of a :class:`FusedConv2d` at the conv's
+path (not after a padding-mode conv, whose padded copy precedes a plain ``Conv2d``; every
 ``nn.ConvTranspose2d`` becomes a ``ConvTranspose2d``, nothing fused after it). ReLU as ``nn.ReLU``
 (shared modules too: nodes are matched, not modules), ``F.relu``, ``torch.relu(_)``, ``Tensor.relu(_)``;
 add as ``+``, ``+=``, ``torch.add``, ``Tensor.add(_)`` with either operand order (alpha 1). Other eligible
@@ -55,6 +56,8 @@ from convforge.torch.prepare import prepare_on_first_call
 _ADDS_F = {operator.add: False, operator.iadd: True, torch.add: False}
 _ADDS_M = {"add": False, "add_": True}
 _RELUS_F = (F.relu, F.relu_, torch.relu, torch.relu_)
+_ACTS_M = {torch.nn.SiLU: "silu", torch.nn.Hardswish: "hardswish"}
+_ACTS_F = {F.silu: "silu", F.hardswish: "hardswish"}
 
 
 def _is_stochastic_depth_module(m: Any) -> bool:
@@ -159,8 +162,8 @@ def _rewrite(graph: Graph, root: torch.nn.Module, report: ConvertReport, options
             if why:
                 report.unfused[name] = why
         else:
-            nodes, bn, res, relu = chain
-            new = FusedConv2d.from_conv(conv, bn, res is not None, relu, **options)
+            nodes, bn, res, relu, act = chain
+            new = FusedConv2d.from_conv(conv, bn, res is not None, relu, act, **options)
             _replace(graph, nodes, res)
             report.fused[name] = new.fused_ops()  # type: ignore[operator]
         parent, _, attr = name.rpartition(".")
@@ -335,12 +338,13 @@ def _left_reason(m: torch.nn.Conv2d | torch.nn.ConvTranspose2d) -> str | None:
     return static_reason(m, on_cuda=False)
 
 
-Chain = tuple[list[Node], Any, Node | None, bool]
+Chain = tuple[list[Node], Any, Node | None, bool, str]
 
 
 def _chain(conv: Node, modules: dict[str, Any], calls: int) -> tuple[Chain | None, str | None]:
-    """(nodes conv [bn] [add] [relu], bn module, residual node, relu) after ``conv``, or
-    (None, why not: None when nothing fusable follows)."""
+    """(nodes conv [bn] [add] [relu | silu | hardswish], bn module, residual node, relu, "silu" / "hardswish"
+    / "") after ``conv``, or (None, why not: None when nothing fusable follows). SiLU and HardSwish only
+    right after a batch norm (EfficientNet's and MobileNet-v3's conv -> BN -> activation)."""
     users = list(conv.users)
     if len(users) > 1:
         return None, f"output used {len(users)} times"
@@ -348,7 +352,7 @@ def _chain(conv: Node, modules: dict[str, Any], calls: int) -> tuple[Chain | Non
         return None, f"module called {calls} times"
     if len(conv.args) != 1 or conv.kwargs or not users:
         return None, None
-    nodes, bn, res, relu = [conv], None, None, False
+    nodes, bn, res, relu, act = [conv], None, None, False, ""
     nxt: Node | None = users[0]
     if nxt is not None and _is_bn(nxt, conv, modules):
         bn = modules[str(nxt.target)]
@@ -362,9 +366,13 @@ def _chain(conv: Node, modules: dict[str, Any], calls: int) -> tuple[Chain | Non
     if nxt is not None and _is_relu(nxt, nodes[-1], modules):
         relu = True
         nodes.append(nxt)
+    elif nxt is not None and bn is not None and res is None:
+        act = _activation(nxt, nodes[-1], modules)
+        if act:
+            nodes.append(nxt)
     if len(nodes) == 1:
         return None, None
-    return (nodes, bn, res, relu), None
+    return (nodes, bn, res, relu, act), None
 
 
 def _only_user(node: Node) -> Node | None:
@@ -410,6 +418,20 @@ def _is_relu(node: Node, src: Node, modules: dict[str, Any]) -> bool:
     if node.op == "call_function":
         return node.target in _RELUS_F
     return node.op == "call_method" and node.target in ("relu", "relu_") and len(extra) == 0
+
+
+def _activation(node: Node, src: Node, modules: dict[str, Any]) -> str:
+    """"silu" / "hardswish" when ``node`` applies that activation to ``src`` alone (``nn.SiLU`` /
+    ``nn.Hardswish`` modules, ``F.silu`` / ``F.hardswish``, an ``inplace`` flag allowed), else ""."""
+    if node.args[:1] != (src,) or len(node.args) > 2 or set(node.kwargs) - {"inplace"}:
+        return ""
+    if any(not isinstance(v, bool) for v in (*node.args[1:], *node.kwargs.values())):
+        return ""
+    if node.op == "call_module" and len(node.args) == 1 and not node.kwargs:
+        return _ACTS_M.get(type(modules.get(str(node.target))), "")
+    if node.op == "call_function":
+        return _ACTS_F.get(node.target, "")  # type: ignore[arg-type]
+    return ""
 
 
 def _replace(graph: Graph, nodes: list[Node], res: Node | None) -> None:

@@ -1,5 +1,7 @@
 """``FusedConv2d``: a convforge ``Conv2d`` that also applies the batch norm, residual add and ReLU
-that followed it in a model (``convforge.torch.fuse`` puts it there).
+(or, after a batch norm alone, SiLU / HardSwish: ``act``) that followed it in a model
+(``convforge.torch.fuse`` puts it there). In training the activation runs inside the batch norm's
+kernels (torch/batchnorm.py); in the folded path it follows the plan in place.
 
 Two paths, chosen per call:
 - folded (eval inference on CUDA: no gradient needed, the batch norm, if any, in eval mode with
@@ -55,6 +57,7 @@ from convforge import dispatch
 from convforge.backends import get_backend
 from convforge.config import config
 from convforge.frontends import fast_path
+from convforge.kernels.batchnorm import ACTS
 from convforge.plan import Epilogue, Prologue
 from convforge.spec import ConvSpec
 from convforge.torch import batchnorm as bn_train
@@ -129,25 +132,29 @@ class FusedConv2d(Conv2d):
     _cf_bn: torch.nn.BatchNorm2d | None
     _cf_residual: bool
     _cf_relu: bool
+    _cf_act: str = ""  # "silu" / "hardswish" after the batch norm (no ReLU, no residual): EfficientNet, MobileNet-v3
     _cf_pre: PreActivation | None = None  # the pre-activation it folds (set by ``fuse``)
 
     @classmethod
     def from_conv(cls, m: torch.nn.Conv2d, bn: torch.nn.BatchNorm2d | None = None, residual: bool = False,
-                  relu: bool = False, **options: Any) -> FusedConv2d:
+                  relu: bool = False, act: str = "", **options: Any) -> FusedConv2d:
         """A FusedConv2d sharing ``m``'s parameters, buffers, hooks and attribute dicts; ``bn`` is
-        referenced, not registered."""
+        referenced, not registered. ``act``: SiLU or HardSwish after the batch norm (``ACTS``)."""
+        if act not in ACTS or (act and (bn is None or residual or relu)):
+            raise ValueError(f"FusedConv2d: act ({act!r}) must be one of {ACTS}, after a batch norm without "
+                             "residual or ReLU")
         new = cls.__new__(cls)
         new.__dict__.update(m.__dict__)
         new._cf_setup(**{"algo": "auto", "precision": None, "max_error": None, "static_weights": True, **options})
         new.__dict__["_cf_bn"] = bn  # a plain attribute: not a submodule, not in state_dict
-        new._cf_residual, new._cf_relu = residual, relu
+        new._cf_residual, new._cf_relu, new._cf_act = residual, relu, act
         return new
 
     def fused_ops(self) -> str:
         """What this module applies after the conv, e.g. "bn+add+relu", and before it, e.g.
         "pre(bn+relu)+bn+relu"."""
         after = "+".join(t for t, on in (("bn", self._cf_bn is not None), ("add", self._cf_residual),
-                                         ("relu", self._cf_relu)) if on)
+                                         ("relu", self._cf_relu), (self._cf_act, bool(self._cf_act))) if on)
         if self._cf_pre is None:
             return after
         return f"pre({self._cf_pre.ops()})" + (f"+{after}" if after else "")
@@ -175,9 +182,9 @@ class FusedConv2d(Conv2d):
         return self.unfused(x if pre is None else pre.activate(x), res)
 
     def unfused(self, x: torch.Tensor, res: Any = None) -> torch.Tensor:
-        """conv -> batch norm -> + res -> ReLU, as the original model ran: the batch norm in training
-        mode, the add and the ReLU on convforge's kernels where :func:`bn_train.takes` them, else the
-        module itself and PyTorch's ops."""
+        """conv -> batch norm -> + res -> ReLU (or -> SiLU / HardSwish), as the original model ran: the
+        batch norm in training mode, the add and the activation on convforge's kernels where
+        :func:`bn_train.takes` them, else the module itself and PyTorch's ops."""
         bn = self._cf_bn
         if bn is None and res is None and self._cf_relu and not self._cf_residual:
             z = self._conv_relu(x)
@@ -189,14 +196,14 @@ class FusedConv2d(Conv2d):
                 return z
         y = Conv2d.forward(self, x)
         if bn is not None and bn_train.takes(bn, y, res):
-            z = bn_train.bn_act(y, bn, res, self._cf_relu)
+            z = bn_train.bn_act(y, bn, res, self._cf_relu, self._cf_act)
             self._file_block(x, bn, res, y)
             return z
         if bn is not None:
             y = bn(y)
         if res is not None:
             y = y + res
-        return torch.relu(y) if self._cf_relu else y
+        return torch.relu(y) if self._cf_relu else _activate(y, self._cf_act)
 
     def _native_block(self, x: torch.Tensor, bn: torch.nn.BatchNorm2d, res: Any) -> torch.Tensor | None:
         """conv -> batch norm [-> + res] [-> ReLU] in training as one C++ autograd node (native.cpp
@@ -246,7 +253,8 @@ class FusedConv2d(Conv2d):
         # conv2d's spelling of the call, as the op's CUDA kernel files it (ops._cuda)
         call = (None, tuple(self.stride), tuple(padding_quad(self)), tuple(self.dilation), self.algo, None, None,
                 False, None, self.precision, self.max_error, self.groups)
-        handle = bn_train.native_handle(module, bn, y, res, self._cf_relu, self._stats_conv(x, w, dt, y))
+        handle = bn_train.native_handle(module, bn, y, res, self._cf_relu, self._stats_conv(x, w, dt, y),
+                                        self._cf_act)
         self._cf_cache[_block_key(x, dt, res, bn)] = (module, handle, call)
 
     def _stats_conv(self, x: torch.Tensor, w: torch.Tensor, dt: torch.dtype,
@@ -364,7 +372,7 @@ class FusedConv2d(Conv2d):
                 y.add_(res)
                 if self._cf_relu:
                     y.relu_()
-            return y
+            return _activate(y, self._cf_act, inplace=True)
         if res_in_plan:
             y = None if skip or fast_path.RUN_RES is None else fast_path.RUN_RES(*call, res)
             return self._run_python(run, True, call, res) if y is None else y  # type: ignore[no-any-return]
@@ -375,7 +383,7 @@ class FusedConv2d(Conv2d):
             y.add_(res)
             if self._cf_relu:
                 y.relu_()
-        return y  # type: ignore[no-any-return]
+        return _activate(y, self._cf_act, inplace=True)
 
     def _run_python(self, run: Any, res_in_plan: bool, call: tuple[Any, ...], res: Any,
                     pro: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -507,6 +515,16 @@ class FusedConv2d(Conv2d):
             w, b = hit[1], hit[2]
         self._cf_cache[_FOLD] = (key, w, b)
         return w, b
+
+
+def _activate(y: torch.Tensor, act: str, inplace: bool = False) -> torch.Tensor:
+    """SiLU or HardSwish (``act``) of y as PyTorch's modules compute them (in place on a tensor this module
+    made), or y itself."""
+    if act == "silu":
+        return torch.nn.functional.silu(y, inplace=inplace)
+    if act == "hardswish":
+        return torch.nn.functional.hardswish(y, inplace=inplace)
+    return y
 
 
 def _pre_folds(pre: PreActivation) -> bool:

@@ -67,7 +67,8 @@ class LayerCall:
     precision: str | None
     max_error: float | None
     has_bias: bool = False
-    block: Any = None  # (module, batch norm, residual?, ReLU?) of a fused block whose batch norm trains, else None
+    block: Any = None  # (module, batch norm, residual?, ReLU?, SiLU / HardSwish) of a fused block whose batch norm
+    # trains, else None
     relu_node: bool = False  # the layer trains as a conv -> ReLU node (its forward's epilogue applies the ReLU)
 
 
@@ -165,7 +166,7 @@ def _layer_call(m: Conv2d, x: torch.Tensor, needs_dgrad: bool, res: Any = None,
 
     bn = getattr(m, "_cf_bn", None)
     relu = bool(getattr(m, "_cf_relu", False))
-    block = (m, bn, res is not None, relu) if id(bn) in held else None
+    block = (m, bn, res is not None, relu, str(getattr(m, "_cf_act", ""))) if id(bn) in held else None
     node = (relu and bn is None and res is None and not getattr(m, "_cf_residual", False) and config.train_bn
             and w.requires_grad)  # FusedConv2d._conv_relu's conditions (torch/conv_relu.py)
     return LayerCall(tuple(x.shape), tuple(w.shape), tuple(m.stride), padding_quad(m), tuple(m.dilation), m.groups,
@@ -183,14 +184,14 @@ def _block_work(call: LayerCall, seen: set[Any]) -> list[Any]:
 
     if call.block is None or call.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return []
-    m, bn, residual, relu = call.block
+    m, bn, residual, relu, act = call.block
     if not (config.train_bn and type(bn) is torch.nn.BatchNorm2d and bn.momentum is not None):
         return []
     try:
         y = ConvSpec.from_shapes(call.x_shape, call.w_shape, call.stride, call.pad, call.dilation, call.groups,
                                  str(call.dtype).replace("torch.", "")).y_shape
         key = bn_train.key_of(bn, tuple(y), call.dtype, "nhwc" if call.channels_last else "nchw", residual, relu,
-                              call.device)
+                              call.device, act)
         work = [] if key in seen else [bn_train.program_work(key)]
         seen.add(key)
         stats = ("stats", dataclasses.replace(call, block=None), key)
