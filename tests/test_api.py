@@ -271,3 +271,31 @@ def test_a_runner_cache_hit_files_the_call_again(monkeypatch):
     assert api.python_conv2d(x, w, None, 1, 1) == "y"
     assert api.python_conv2d(x, w, None, 1, 1) == "y"
     assert ran == [(x, w, None)] * 2 and filed == [(run, call)] * 2
+
+
+class _Strided:
+    """The shape, strides and contiguity a torch tensor reports (no torch on CI)."""
+
+    def __init__(self, shape: tuple[int, ...], strides: tuple[int, ...], contiguous: bool) -> None:
+        self.shape, self._strides, self._contiguous = shape, strides, contiguous
+
+    def stride(self) -> tuple[int, ...]:
+        return self._strides
+
+    def is_contiguous(self) -> bool:
+        return self._contiguous
+
+
+@pytest.mark.parametrize("shape,strides,contiguous,want", [
+    ((2, 8, 5, 3), (120, 1, 24, 8), False, True),  # channels_last
+    ((2, 8, 5, 3), (120, 15, 3, 1), True, False),  # NCHW
+    ((2, 1, 5, 3), (15, 1, 3, 1), True, False),  # C == 1: NCHW and NHWC at once, counted NCHW
+    ((2, 8, 1, 1), (8, 1, 1, 1), True, True),  # 1x1 images: one memory, read in place by NHWC plans
+    ((2, 8, 1, 1), (8, 1, 8, 8), True, True),  # the same, as channels_last strides it
+    ((2, 8, 1, 1), (16, 2, 1, 1), False, False),  # every other channel: neither
+    ((2, 1, 1, 1), (1, 1, 1, 1), True, False)])
+def test_which_torch_tensors_nhwc_plans_read_in_place(shape, strides, contiguous, want):
+    """frontends.kinds.is_channels_last (torch/ops.channels_last and native.cpp's nhwc keep its rule)."""
+    from convforge.frontends.kinds import is_channels_last
+
+    assert is_channels_last(_Strided(shape, strides, contiguous)) is want

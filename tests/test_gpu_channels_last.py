@@ -88,6 +88,48 @@ def test_grad_keeps_channels_last(gpu, dtype):
                                                                                   rel_l2(f64(dw), want_dw))
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_squeeze_excitation_convs_read_pooled_images_in_place(gpu, dtype):
+    """A squeeze-excitation block's convs (1x1 on N x C x 1 x 1: 96 -> 8 -> 96, with bias) through the
+    training op: NCHW and NHWC are one memory there, so NHWC plans read it in place (no layout step in
+    the profile of forward + backward; float32's wgrad transposes for TF32's K-major operands in every
+    layout), output, dx, dW and db within the dtype's tolerance of float64."""
+    import torch
+
+    import convforge.torch as ct
+
+    tdt = getattr(torch, dtype)
+    tol = HALF_TOLERANCE.get(dtype, 5e-6)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    convs = [ct.Conv2d(96, 8, 1).cuda().to(tdt), ct.Conv2d(8, 96, 1).cuda().to(tdt)]
+    x = torch.randn(64, 96, 1, 1, device="cuda", generator=g).to(tdt).requires_grad_()
+    ref = [torch.nn.Conv2d(96, 8, 1).cuda().double(), torch.nn.Conv2d(8, 96, 1).cuda().double()]
+    for mine, r in zip(convs, ref):
+        r.load_state_dict({k: v.double() for k, v in mine.state_dict().items()})
+    xr = x.detach().double().requires_grad_()
+    gz = torch.randn(64, 96, 1, 1, device="cuda", generator=g).to(tdt)
+    for _ in range(2):  # the second call: warm, as a training step runs
+        x.grad = None
+        for m in convs:
+            m.zero_grad()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            z = convs[1](torch.nn.functional.silu(convs[0](x)))
+            z.backward(gz)
+            torch.cuda.synchronize()
+    zr = ref[1](torch.nn.functional.silu(ref[0](xr)))
+    zr.backward(gz.double())
+    names = [e.key for e in prof.key_averages()]
+    layout_steps = r"tc_x_nhwc|nchwToNhwc|nhwcToNchw"  # NCHW plans' activation steps
+    if dtype != "float32":  # the half wgrad reads NHWC as it lies; TF32's wants K-major operands in any layout
+        layout_steps += r"|wgrad_tc_implicit_gemm_\w+_(x|dy)$"
+    assert not [k for k in names if re.search(layout_steps, k)], names
+    pairs = [(z, zr), (x.grad, xr.grad)] + [(getattr(m, n).grad, getattr(r, n).grad) for m, r in zip(convs, ref)
+                                            for n in ("weight", "bias")]
+    for mine, want in pairs:
+        err = rel_l2(mine.detach().double().cpu().numpy(), want.detach().cpu().numpy())
+        assert err < tol * 2, err
+
+
 # -- whole AMP steps ----------------------------------------------------------------------------------
 def _block_model():
     """A small residual network with every layer kind of a ResNet step: a 7x7/2 stem, 3x3 convs, a

@@ -39,10 +39,14 @@ def device_index(x: Any, kind: str) -> int | None:
 
 
 def is_channels_last(x: Any) -> bool:
-    """A torch tensor in channels_last memory format (strides (H*W*C, 1, W*C, C), as
-    ``.to(memory_format=torch.channels_last)`` makes them) that is not also NCHW contiguous (C == 1
-    or 1x1 images are both, and stay NCHW). From the strides: no vendor library is imported."""
+    """A torch tensor NHWC plans read as it lies: in channels_last memory format (strides (H*W*C, 1, W*C,
+    C), as ``.to(memory_format=torch.channels_last)`` makes them) and not also NCHW contiguous (C == 1:
+    stays NCHW), or a contiguous batch of 1x1 images of several channels, whose NCHW and NHWC are one
+    memory (a squeeze-excitation block's pooled input: read in place, no layout step). From the strides:
+    no vendor library is imported."""
     n, c, h, w = x.shape
+    if h == w == 1:
+        return c > 1 and x.is_contiguous()
     return tuple(x.stride()) == (h * w * c, 1, w * c, c) and not x.is_contiguous()
 
 

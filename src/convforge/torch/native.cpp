@@ -52,10 +52,13 @@ int dtype_code(c10::ScalarType t) {
   return t == at::kFloat ? 0 : t == at::kHalf ? 1 : t == at::kBFloat16 ? 2 : -1;
 }
 
-// A 4-D tensor in channels_last memory format that is not also NCHW-contiguous (C == 1 or 1x1
-// images are both, and count as NCHW): NHWC plans read it as it lies.
+// A 4-D tensor NHWC plans read as it lies (ops.channels_last's rule): channels_last and not also
+// NCHW-contiguous (C == 1 counts as NCHW), or a contiguous batch of 1x1 images of several channels
+// (one memory in both layouts: a squeeze-excitation block's pooled input).
 bool nhwc(const at::Tensor& t) {
-  return t.dim() == 4 && !t.is_contiguous() && t.is_contiguous(at::MemoryFormat::ChannelsLast);
+  if (t.dim() != 4) return false;
+  if (t.size(2) == 1 && t.size(3) == 1) return t.size(1) > 1 && t.is_contiguous();
+  return !t.is_contiguous() && t.is_contiguous(at::MemoryFormat::ChannelsLast);
 }
 
 // A tensor the fast path can run: plain torch.Tensor (or Parameter), CUDA, float32, float16 or

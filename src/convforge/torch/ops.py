@@ -171,9 +171,14 @@ _CL = torch.channels_last
 
 
 def channels_last(t: Any) -> bool:
-    """A 4-D tensor in channels_last memory format that is not also NCHW-contiguous (C == 1 or 1x1
-    images are both, and count as NCHW)."""
-    return t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=_CL)
+    """A 4-D tensor NHWC plans read as it lies (``frontends.kinds.is_channels_last``'s rule, native.cpp's
+    ``nhwc``): channels_last and not also NCHW-contiguous (C == 1 counts as NCHW), or a contiguous batch
+    of 1x1 images of several channels (one memory in both layouts)."""
+    if t.dim() != 4:
+        return False
+    if t.shape[2] == 1 and t.shape[3] == 1:
+        return bool(t.shape[1] > 1 and t.is_contiguous())
+    return not t.is_contiguous() and t.is_contiguous(memory_format=_CL)
 
 
 def activation(t: Any) -> Any:
