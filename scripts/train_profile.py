@@ -11,6 +11,8 @@ training section). With --forward: an inference forward, PyTorch FP32 eager agai
                                                 # process, rounds alternating PyTorch, ours on, ours off
                                     [--amp fp16|bf16]  # the AMP step (autocast, GradScaler, channels_last)
                                                 # against PyTorch AMP: bench --train --amp's step
+                                    [--kernels]  # also: each side's kernels by launches per step (what
+                                                # a host-bound step's launch count is made of)
                                     [--phases]  # with --amp, instead: host ms of each phase of the step
                                                 # (forward + loss, backward, scaler) for PyTorch, convert()
                                                 # and fuse(), in alternating rounds, as is and with the GPU
@@ -58,6 +60,27 @@ def report(name: str, events: Any, steps: int, top: int) -> None:
     print(f"{'(kernels without an operator: optimizer, autograd)':48} {rest:8.3f} {100 * rest / total:5.1f}%")
 
 
+def kernel_report(name: str, events: Any, steps: int, top: int) -> None:
+    """The step's kernels by launches per step (names cut to a family: template arguments and our shape
+    suffixes dropped), with their GPU time: where a host-bound step's launches come from."""
+    import re
+
+    fam: dict[str, list[float]] = {}
+    for e in events:
+        if not (str(e.device_type).endswith("CUDA") and e.self_device_time_total > 0):
+            continue
+        key = re.sub(r"<.*", "", e.key)
+        key = re.sub(r"_\d+x\d+.*", "", key)  # convforge kernels: name_<shape>...
+        row = fam.setdefault(key[:60], [0.0, 0.0])
+        row[0] += e.count / steps
+        row[1] += e.self_device_time_total / steps / 1e3
+    total = sum(r[0] for r in fam.values())
+    print(f"\n{name}: {total:.0f} kernel launches a step; by kernel family:")
+    print(f"{'kernel':60} {'a step':>7} {'ms':>7}")
+    for key, (n, ms) in sorted(fam.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"{key:60} {n:7.1f} {ms:7.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="resnet50")
@@ -82,6 +105,7 @@ def main() -> None:
     ap.add_argument("--amp", choices=("fp16", "bf16"),
                     help="the mixed-precision step (bench --train --amp's: autocast, GradScaler for fp16, model and "
                     "input channels_last) against PyTorch AMP")
+    ap.add_argument("--kernels", action="store_true", help="also: the kernels by launches per step")
     ap.add_argument("--phases", action="store_true",
                     help="with --amp: host ms per phase of the step (forward + loss, backward, scaler) for PyTorch, "
                     "convert() and fuse() in alternating rounds, as is and drained; synchronising calls a step")
@@ -132,6 +156,8 @@ def main() -> None:
             step = training_amp.amp_step_fn(m.to(memory_format=cl), xs, target, dt)
             events = profile(step, a.steps)
             report(f"{a.model} N{a.batch} {name}", events, a.steps, a.top)
+            if a.kernels:
+                kernel_report(name, events, a.steps, a.top * 3)
             if a.host:
                 cpu_report(name, events, a.steps, a.top)
                 host(name, step, a.steps, a.top * 2 if m is ours else 0)
