@@ -248,6 +248,20 @@ def test_bn_silu_and_hardswish_in_half_against_float64_and_pytorch(gpu, act, dty
             memory_format=FORMATS[fmt])
 
 
+def _amp_steps(fused, amp, ref64, x, target):
+    """One forward + backward of ``fused`` and ``amp`` under float16 autocast and of ``ref64`` in float64 on
+    (x, target): ([fused's loss, amp's loss], the float64 loss); the gradients stay in the parameters."""
+    losses = []
+    for m in (fused, amp):
+        with torch.autocast("cuda", torch.float16):
+            loss = F.cross_entropy(m(x), target)
+        loss.backward()
+        losses.append(float(loss))
+    loss64 = F.cross_entropy(ref64(x.double()), target)
+    loss64.backward()
+    return losses, float(loss64)
+
+
 @pytest.mark.parametrize("name", ["efficientnet_b0", "mobilenet_v3_large"])
 def test_fused_silu_and_hardswish_models_amp_step(gpu, monkeypatch, name):
     """fuse(EfficientNet-B0 / MobileNet-v3-L), one autocast float16 channels_last step: every conv -> BN ->
@@ -274,17 +288,9 @@ def test_fused_silu_and_hardswish_models_amp_step(gpu, monkeypatch, name):
     want_act = "silu" if name.startswith("efficientnet") else "hardswish"
     assert sum(v.endswith("+" + want_act) for v in report.fused.values()) >= 10, report.fused
     x = torch.randn(4, 3, 64, 64, device="cuda").contiguous(memory_format=torch.channels_last)
-    target = torch.randint(0, 10, (4,), device="cuda")
-    losses = []
-    for m in (fused, amp):
-        with torch.autocast("cuda", torch.float16):
-            loss = F.cross_entropy(m(x), target)
-        loss.backward()
-        losses.append(float(loss))
+    losses, loss64 = _amp_steps(fused, amp, ref64, x, torch.randint(0, 10, (4,), device="cuda"))
     assert acts.get(want_act, 0) >= 10, acts
-    loss64 = F.cross_entropy(ref64(x.double()), target)
-    loss64.backward()
-    assert abs(losses[0] - float(loss64)) <= max(2 * abs(losses[1] - float(loss64)), 1e-2)
+    assert abs(losses[0] - loss64) <= max(2 * abs(losses[1] - loss64), 1e-2)
     grads = [(p.grad, q.grad, p64.grad) for p, q, p64 in zip(model.parameters(), amp.parameters(), ref64.parameters())]
     whole = [_rel(torch.cat([g[i].double().flatten() for g in grads]), torch.cat([g[2].flatten() for g in grads]))
              for i in (0, 1)]
@@ -314,19 +320,11 @@ def test_fused_resnet_amp_step_runs_every_batch_norm_ours(gpu, monkeypatch):
     model = tv.models.resnet18(num_classes=10).cuda().train()
     amp, ref64 = copy.deepcopy(model), copy.deepcopy(model).double()
     fused, _ = ct.fuse(model)
-    x = torch.randn(4, 3, 64, 64, device="cuda")
-    target = torch.randint(0, 10, (4,), device="cuda")
-    losses = []
-    for m in (fused, amp):
-        with torch.autocast("cuda", torch.float16):
-            loss = F.cross_entropy(m(x), target)
-        loss.backward()
-        losses.append(float(loss))
-    loss64 = F.cross_entropy(ref64(x.double()), target)
-    loss64.backward()
+    losses, loss64 = _amp_steps(fused, amp, ref64, torch.randn(4, 3, 64, 64, device="cuda"),
+                                torch.randint(0, 10, (4,), device="cuda"))
     n_bn = sum(isinstance(m, torch.nn.BatchNorm2d) for m in amp.modules())
     assert calls == {"n": n_bn, "half": n_bn}, calls
-    assert abs(losses[0] - float(loss64)) <= max(2 * abs(losses[1] - float(loss64)), 1e-2)
+    assert abs(losses[0] - loss64) <= max(2 * abs(losses[1] - loss64), 1e-2)
     for (name, p), q, p64 in zip(model.named_parameters(), amp.parameters(), ref64.parameters()):
         mine, theirs = _rel(p.grad, p64.grad), _rel(q.grad, p64.grad)
         assert mine <= max(2 * theirs, 1e-2), (name, mine, theirs)

@@ -111,7 +111,12 @@ def test_every_pattern_matches_the_original(mode):
         model.bn4.train()
     ref = copy.deepcopy(model)
     fused, _ = ct.fuse(model)
-    x = torch.randn(2, 3, 13, 17, generator=torch.Generator().manual_seed(1))
+    _matches(model, ref, fused, torch.randn(2, 3, 13, 17, generator=torch.Generator().manual_seed(1)))
+
+
+def _matches(model, ref, fused, x) -> None:
+    """``fused`` (of ``model``) against ``ref`` (a copy of the original): outputs, every parameter's gradient,
+    every buffer (running statistics updated once, as PyTorch does)."""
     want, got = ref(x), fused(x)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got - want).abs().max()
     got.square().sum().backward()
@@ -119,7 +124,7 @@ def test_every_pattern_matches_the_original(mode):
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-5), name
     for (name, b), c in zip(model.named_buffers(), ref.buffers()):
-        assert torch.equal(b, c), name  # running statistics updated once, as PyTorch does
+        assert torch.equal(b, c), name
 
 
 class Acts(nn.Module):
@@ -152,15 +157,7 @@ def test_silu_and_hardswish_after_batch_norm_are_fused_and_match(mode):
     fused, report = ct.fuse(model)
     assert report.fused == {"c1": "bn+silu", "dw": "bn+silu", "c2": "bn+hardswish", "c4": "bn+add"}, report.fused
     assert fused.c1._cf_act == "silu" and not fused.c1._cf_relu
-    x = torch.randn(2, 3, 11, 13, generator=torch.Generator().manual_seed(3))
-    want, got = ref(x), fused(x)
-    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got - want).abs().max()
-    got.square().sum().backward()
-    want.square().sum().backward()
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-5), name
-    for (name, b), c in zip(model.named_buffers(), ref.buffers()):
-        assert torch.equal(b, c), name
+    _matches(model, ref, fused, torch.randn(2, 3, 11, 13, generator=torch.Generator().manual_seed(3)))
 
 
 def test_an_activation_is_refused_where_the_fused_module_cannot_apply_it():
