@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -110,3 +111,33 @@ def test_bandwidth_of_the_defaults(cuda, base: ConvSpec) -> None:
             slow.append(rows[-1])
     print("\n" + "\n".join(rows))
     assert not slow, "below 20 % of a copy of the layer's bytes:\n" + "\n".join(slow)
+
+
+# depthwise_mma (tensor cores, Toeplitz blocks): odd shapes (N = 1 and past an 8-image chunk, primes,
+# asymmetric padding, planes over one 16-column tile, padding past R - 1 in dgrad) and the large-kernel
+# suite's layers at N = 1 (their float64 references are the slow part)
+MMA_ODD = [ConvSpec.make(1, 8, 13, 29, 8, 13, 13, 1, (6, 5, 7, 6), groups=8),
+           ConvSpec.make(11, 6, 17, 17, 6, 11, 9, 1, (1, 3, 0, 2), groups=6),
+           ConvSpec.make(3, 16, 9, 45, 16, 5, 17, 1, (6, 6, 8, 9), groups=16)]
+MMA_LARGE = [layer.spec.with_batch(1) for layer in
+             load_suite(str(Path(__file__).parent.parent / "docs/results/suite-depthwise-large-2026-11-29.json"))]
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("conv_pass", ["fprop", "dgrad"])
+def test_depthwise_mma_against_float64(cuda, conv_pass, dtype, layout) -> None:
+    """The default and three sampled points of the space on the odd shapes, the default on the suite's
+    layers, output poisoned, against float64 of the same half inputs; the forward with bias + residual
+    + GELU."""
+    v = get_variant("depthwise_mma_dgrad" if conv_pass == "dgrad" else "depthwise_mma")
+    epi = Epilogue(bias=True, residual=True, gelu=True) if conv_pass == "fprop" else Epilogue()
+    for base in MMA_ODD + MMA_LARGE:
+        spec = _as(base, dtype, layout, conv_pass)
+        assert v.applies(spec, cuda.device) is None, (spec.short(), v.applies(spec, cuda.device))
+        space = v.space(spec, cuda.device)
+        more = 3 if base in MMA_ODD else 0
+        points = [space[0]] + random.Random(spec.c + spec.r).sample(space[1:], min(more, len(space) - 1))
+        for i, prm in enumerate(points):
+            res = check_plan(v.plan(spec, prm, cuda.device, epi), cuda, seed=i)
+            assert res.ok, f"{v.name} [{prm.short()}] {spec.short()}{epi.tag()}: {res}"

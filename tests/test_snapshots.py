@@ -45,7 +45,9 @@ SPECS = {"3x3": ConvSpec.make(2, 5, 11, 11, 6, 3, 3, 1, 1), "1x1": ConvSpec.make
          "grouped8": ConvSpec.make(2, 16, 9, 9, 24, 3, 3, 1, 1, groups=2),  # whole chunks a group: tc_grouped_*
          "depthwise": ConvSpec.make(2, 8, 12, 12, 16, 3, 3, 1, 1, groups=8),
          "dwnhwc": ConvSpec.make(2, 8, 12, 12, 16, 3, 3, 1, 1, groups=8, layout="nhwc"),  # channels-last
-         "gnhwc": ConvSpec.make(2, 16, 9, 9, 16, 3, 3, 1, 1, groups=4, layout="nhwc")}  # groups of 4, channels-last
+         "gnhwc": ConvSpec.make(2, 16, 9, 9, 16, 3, 3, 1, 1, groups=4, layout="nhwc"),  # groups of 4, channels-last
+         # a large depthwise filter in FP16, channels-last: depthwise_mma's Toeplitz blocks
+         "dwlarge": ConvSpec.make(2, 8, 12, 12, 8, 13, 13, 1, 6, groups=8, dtype="float16", layout="nhwc")}
 PASS_ORDER = ("fprop", "dgrad", "wgrad")
 
 

@@ -40,6 +40,10 @@ A kernel body is plain C using these tokens, which each renderer spells its own 
                                                           in the PTX fragment layouts, see
                                                           kernels/tensorcore/sm80/mma_sync.py); feature "mma_tf32",
                                                           CUDA sm_80+ only
+    MMA_F16_16x8x16 / MMA_BF16_16x8x16(d0, d1, d2, d3, a0, a1, a2, a3, b0, b1)
+                                                          the same, m16n8k16 on FP16 / BF16: a*/b*
+                                                          unsigned words of two halves (lower index in
+                                                          the low bits); feature "mma_tf32"
     SMEM_U32(p)                                           32-bit shared-window address of pointer p
     CP_ASYNC16(sa, src, n) / CP_ASYNC4(sa, src, n)        cp.async of 16 (.cg) / 4 (.ca) bytes from src
                                                           to shared address sa, reading n bytes (0 or

@@ -22,7 +22,7 @@ _TOKEN = re.compile(r"\b(GROUP_ID|LOCAL_ID|GROUP_SIZE|NUM_GROUPS|BARRIER|VLOAD4|
                     r"LD_F16|LDG_F16|ST_F16|VLOAD4_F16|VSTORE4_F16|LD_BF16|LDG_BF16|ST_BF16|VLOAD4_BF16|VSTORE4_BF16|"
                     r"VLOAD8_F16|VSTORE8_F16|VLOAD8_BF16|VSTORE8_BF16|"
                     r"MAKE_FLOAT4|FMA|MAX|RELU|GELU|SILU|HSWISH|MISH|DSILU|DHSWISH|LDG|SHFL|TEX|COPY4_ASYNC|COPY1_ASYNC|COPY_WAIT|CVT_TF32|"
-                    r"MMA_TF32_16x8x8|SMEM_U32|CP_ASYNC16|CP_ASYNC4|CP_ASYNC_COMMIT|CP_ASYNC_WAIT|LDMATRIX_X4|LDS_F4|"
+                    r"MMA_TF32_16x8x8|MMA_F16_16x8x16|MMA_BF16_16x8x16|SMEM_U32|CP_ASYNC16|CP_ASYNC4|CP_ASYNC_COMMIT|CP_ASYNC_WAIT|LDMATRIX_X4|LDS_F4|"
                     r"LDS_F1|TF32_RHA|FENCE_PROXY_ASYNC|WGMMA_FENCE|WGMMA_COMMIT|WGMMA_WAIT|WGMMA_TF32|"
                     r"MBAR_INIT|MBAR_WAIT|MBAR_ARRIVE|CP_ASYNC_MBAR_ARRIVE|SETMAXNREG_INC|SETMAXNREG_DEC|"
                     r"BAR_SYNC|WGMMA_RS|WGMMA_HOLD|WGMMA_TZ|WGMMA_T|WGMMA_Z|WGMMA|TC_F16_TO_F32|TC_BF16_TO_F32|TC_F32_TO_F16|TC_F32_TO_BF16|TC_PACK_F16X2|"
@@ -179,7 +179,7 @@ inline ushort4 cf_f4bf(float4 v) { return (ushort4)(cf_f2bf(v.x), cf_f2bf(v.y), 
 
 
 # Why a back-end may lack a feature (appended to the refusal).
-_FEATURE_WHY = {"mma_tf32": "tensor-core MMA_TF32_16x8x8 / CVT_TF32 / CP_ASYNC* / LDMATRIX_X4 are CUDA PTX "
+_FEATURE_WHY = {"mma_tf32": "tensor-core MMA_* / CVT_TF32 / CP_ASYNC* / LDMATRIX_X4 are CUDA PTX "
                              "(mma.sync, cp.async, ldmatrix: sm_80+)",
                 "wgmma": "warpgroup MMA (WGMMA_*) and proxy fences are CUDA PTX for sm_90a"}
 
@@ -355,6 +355,8 @@ class CudaRenderer(Renderer):
             "COPY_WAIT": lambda: "cf_copy_wait()",
             "CVT_TF32": lambda: f"cf_tf32({args[0]})",
             "MMA_TF32_16x8x8": lambda: f"cf_mma_tf32({', '.join(args)})",
+            "MMA_F16_16x8x16": lambda: f"cf_mma_f16({', '.join(args)})",
+            "MMA_BF16_16x8x16": lambda: f"cf_mma_bf16({', '.join(args)})",
             "SMEM_U32": lambda: f"((unsigned)__cvta_generic_to_shared({args[0]}))",
             "CP_ASYNC16": lambda: f"cf_cp_async16({', '.join(args + ['16u'] * (len(args) == 2))})",
             "CP_ASYNC4": lambda: f"cf_cp_async4({', '.join(args)})",
@@ -399,6 +401,8 @@ class CudaRenderer(Renderer):
             head += _CUDA_COPY_ASYNC.splitlines() + [""]
         if any(_calls(t, "MMA_TF32_16x8x8", "CVT_TF32") for k in kernels for t in (k.body, k.helpers)):
             head += _CUDA_MMA_TF32.splitlines() + [""]
+        if any(_calls(t, "MMA_F16_16x8x16", "MMA_BF16_16x8x16") for k in kernels for t in (k.body, k.helpers)):
+            head += _CUDA_MMA_HALF.splitlines() + [""]
         if any(_calls(k.body, "CP_ASYNC16", "CP_ASYNC4", "LDMATRIX_X4", "LDS_F4", "LDS_F1") for k in kernels):
             head += _CUDA_PIPE.splitlines() + [""]
         if any(_calls(k.body, *_TC_HEAD) for k in kernels):
@@ -471,6 +475,18 @@ __device__ __forceinline__ void cf_mma_tf32(float& d0, float& d1, float& d2, flo
         : "r"(__float_as_uint(a0)), "r"(__float_as_uint(a1)), "r"(__float_as_uint(a2)),
           "r"(__float_as_uint(a3)), "r"(__float_as_uint(b0)), "r"(__float_as_uint(b1)));
 }"""
+
+# Tensor cores, FP16 / BF16 (sm_80+): mma.sync m16n8k16, each A / B word two halves (the lower
+# element in the low 16 bits), FP32 accumulation in place (D = C).
+_CUDA_MMA_HALF = "\n".join(
+    f"""__device__ __forceinline__ void cf_mma_{t}(float& d0, float& d1, float& d2, float& d3, unsigned a0,
+                                            unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1)
+{{
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32 "
+        "{{%0, %1, %2, %3}}, {{%4, %5, %6, %7}}, {{%8, %9}}, {{%0, %1, %2, %3}};"
+        : "+f"(d0), "+f"(d1), "+f"(d2), "+f"(d3)
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}}""" for t in ("f16", "bf16"))
 
 # Hopper (sm_90a) asynchronous copies and warpgroup MMA, spelled inline (volatile: their order is
 # their meaning). The accumulators are "+f" operands of every WGMMA_TF32 and WGMMA_WAIT, so the

@@ -50,6 +50,7 @@ REGISTRATION_ORDER = (
     "depthwise",
     "depthwise_nhwc",
     "depthwise_wgrad",
+    "tensorcore.sm80.depthwise_mma",
     "gemv",
     "wgrad.direct",
     "wgrad.grouped",
