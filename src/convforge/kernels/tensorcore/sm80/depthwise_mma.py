@@ -368,8 +368,8 @@ def _units(code: Code, geo: Geo, epi: Epilogue, sto: Storage, dst: str) -> None:
 
 # -- parameters ------------------------------------------------------------------------------------
 def _candidates(spec: ConvSpec) -> list[Geo]:
-    """Every tiling the generator takes on ``spec``, in the default's order of preference: channels a
-    block (more first on NHWC: longer runs a pixel; fewer first on NCHW), then images, then rows."""
+    """Every tiling the generator takes on ``spec`` (with the default's warps): channels a block (more
+    first on NHWC: longer runs a pixel; fewer first on NCHW), then images, then rows."""
     cgs = [c for c in (8, 4, 2, 1) if spec.c % c == 0]
     if spec.layout != "nhwc":
         cgs.reverse()
@@ -399,7 +399,8 @@ def default_geo(spec: ConvSpec, device: DeviceInfo) -> Geo | None:
     """Within two blocks an SM's shared memory and a block for every SM where one can, the candidate
     of the fewest strip sectors, each weighted by the shared loads an mma costs at its images a block
     (3 A words serve nt / 8 products); None: no tiling fits."""
-    fit = [g for g in _candidates(spec) if g.smem <= _BUDGET] or _candidates(spec)
+    cands = _candidates(spec)
+    fit = [g for g in cands if g.smem <= _BUDGET] or cands
     if not fit:
         return None
     full = [g for g in fit if g.blocks >= max(device.units, 1)] or fit
