@@ -13,10 +13,10 @@ import pytest
 from conftest import NOMINAL_CUDA, NOMINAL_OPENCL_GPU
 from convforge.backends.base import output_buffer, weight_steps
 from convforge.check import check_plan, pass_inputs
-from convforge.dtypes import to_storage
+from convforge.dtypes import from_storage, to_storage
 from convforge.kernels import all_variants, get_variant, most_specialised
 from convforge.kernels.dgrad import DgradTransposed, transposed_spec
-from convforge.kernels.dgrad.interleave import Part, interleave_kernel
+from convforge.kernels.dgrad.interleave import Part, interleave_kernel, vector_width
 from convforge.kernels.dgrad.strided import Axis
 from convforge.kernels.dgrad.transposed import FORWARD, SUBSAMPLED, DgradSubsampled, subgrid_part, subsampled_spec
 from convforge.params import Params
@@ -361,6 +361,10 @@ INTERLEAVE = [
     (ConvSpec.make(2, 3, 9, 7, 4, 3, 3, 2, 1), "float32", None),  # every phase, odd sizes: short last rows
     (ConvSpec.make(1, 2, 13, 10, 3, 1, 1, (3, 4), (2, 0, 1, 0)), "float32", "sub"),  # one phase, offsets
     (ConvSpec.make(1, 5, 8, 11, 3, 3, 3, (2, 3)), "float16", ((0, 0), (1, 2))),  # two of six phases, halves
+    # vector forms (8 / 4 elements a thread): rows of 16 / 12 / 24, channels 8 / 4 / 16
+    (ConvSpec.make(2, 8, 10, 16, 4, 4, 4, 2, 1), "float16", None),  # NCHW 8 a thread, the column phase fixed
+    (ConvSpec.make(1, 4, 7, 12, 3, 3, 3, (2, 3)), "bfloat16", ((0, 0), (1, 1), (1, 2))),  # 4 a thread, 4 % 3
+    (ConvSpec.make(1, 16, 24, 24, 3, 16, 16, 8, 4), "float32", ((0, 0), (3, 5), (7, 7))),  # stride 8, float4 x 2
 ]
 
 
@@ -378,10 +382,13 @@ def test_interleave_writes_every_dx_element_from_its_phase(ocl, spec, dtype, whi
         keep = which or [(a, b) for a in range(sh) for b in range(sw)]
         parts = [Part(f"p{a}{b}", a, b, -(-(spec.h - a) // sh), -(-(spec.w - b) // sw)) for a, b in keep]
     kern, grid = interleave_kernel("il", spec, parts)
+    run = spec.c if layout == "nhwc" else spec.w
+    assert vector_width(spec) == (8 if run % 8 == 0 else 4 if run % 4 == 0 else 1)
+    assert f"({vector_width(spec)} element" in kern.comment
     rng = np.random.default_rng(3)
     data = {p.buf: rng.uniform(-1, 1, (spec.n, spec.c, p.bh, p.bw)).astype(np.float32) for p in parts}
     if dtype != "float32":
-        data = {k: v.astype(np.float16).astype(np.float32) for k, v in data.items()}
+        data = {k: from_storage(to_storage(v, dtype), dtype) for k, v in data.items()}
     want = np.zeros(spec.x_shape, np.float32)
     for p in parts:
         for h in range(p.ph, spec.h, sh):
@@ -399,6 +406,42 @@ def test_interleave_writes_every_dx_element_from_its_phase(ocl, spec, dtype, whi
     n, c, h, w = spec.x_shape
     got = ocl.download(bufs["x"], (n, h, w, c) if layout == "nhwc" else spec.x_shape, dtype)
     np.testing.assert_array_equal(got.transpose(0, 3, 1, 2) if layout == "nhwc" else got, want)
+
+
+ZERO_PHASES = [(ConvSpec.make(2, 8, 16, 16, 4, 1, 1, 2), "float16"),  # 1x1 / 2: three empty phases, 8 a thread
+               (ConvSpec.make(1, 4, 9, 12, 3, 1, 1, (2, 3)), "bfloat16"),  # five empty phases, 4 a thread, 4 % 3
+               (ConvSpec.make(1, 3, 7, 9, 5, 2, 2, 4, 0), "float32"),  # 2x2 / 4: 12 of 16 empty, 1 a thread
+               (ConvSpec.make(1, 16, 10, 8, 5, 1, 3, (3, 2), (0, 1, 0, 0)), "float32")]  # rows 1, 2 empty only
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("spec, dtype", ZERO_PHASES, ids=str)
+def test_zero_phases_zero_every_element_no_tap_reaches(ocl, spec, dtype, layout):
+    """The strided dgrad's zero step on PoCL, dx NaN-poisoned: every element of a phase no tap reaches
+    is zero; in NHWC nothing else is written; in NCHW a vector may also zero its other elements (the
+    phases' GEMMs run after it and write theirs)."""
+    from convforge.kernels.tensorcore.sm90.dgrad import phases, zero_phases
+
+    spec = ConvSpec.from_dict({**spec.to_dict(), "dtype": dtype, "pass": "dgrad", "layout": layout})
+    made = zero_phases("zp", spec)
+    assert made is not None
+    kern, grid = made
+    empty = np.zeros(spec.x_shape, bool)
+    for ph in phases(spec):
+        if ph.empty:
+            empty[:, :, ph.ah.ph::spec.stride[0], ph.aw.ph::spec.stride[1]] = True
+    assert empty.any() and not empty.all()
+    plan = Plan("zp", "dgrad", spec, Params(), (kern,), (Launch(kern.name, grid, kern.block, ("x",)),), (), 0.0)
+    n, c, h, w = spec.x_shape
+    to = (lambda a: np.ascontiguousarray(a.transpose(0, 2, 3, 1))) if layout == "nhwc" else (lambda a: a)
+    bufs = {"x": ocl.upload(to_storage(to(np.full(spec.x_shape, np.nan, np.float32)), dtype))}
+    ocl.executable(plan)(bufs)
+    ocl.synchronize()
+    got = ocl.download(bufs["x"], (n, h, w, c) if layout == "nhwc" else spec.x_shape, dtype)
+    got = got.transpose(0, 3, 1, 2) if layout == "nhwc" else got
+    assert (got[empty] == 0).all()
+    rest = got[~empty]
+    assert np.isnan(rest).all() if layout == "nhwc" else (np.isnan(rest) | (rest == 0)).all()
 
 
 def test_interleave_refuses_a_phase_twice_or_outside_the_stride():

@@ -36,16 +36,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from convforge.codegen.dialect import PARAM_BYTES_LIMIT, TENSOR_MAP_BYTES, Buf, Dim3, Kernel
+from convforge.codegen.dialect import PARAM_BYTES_LIMIT, TENSOR_MAP_BYTES, Buf, Dim3, Kernel, Storage
 from convforge.codegen.meta import Code, cdiv
 from convforge.kernels import register
 from convforge.kernels.dgrad.baseline import no_epilogue
-from convforge.kernels.dgrad.interleave import Part, interleave_kernel
+from convforge.kernels.dgrad.interleave import Part, interleave_kernel, vector_width
 from convforge.kernels.dgrad.strided import Axis, axes
 from convforge.kernels.gemm import elementwise
 from convforge.kernels.tensorcore.sm90 import prep, tiles, tma
 from convforge.kernels.tensorcore.sm90.epilogue import CTYPE, Output
-from convforge.kernels.tensorcore.sm90.isa import Math, device_reason, math_for
+from convforge.kernels.tensorcore.sm90.isa import Math, device_reason
 from convforge.kernels.tensorcore.sm90.kernel import jobs_grid, jobs_kernel, launch_refs
 from convforge.kernels.tensorcore.sm90.mainloop import Job
 from convforge.kernels.tensorcore.sm90.operands import DenseRows, Geometry, Im2colNhwc
@@ -178,20 +178,32 @@ def pack_phases(name: str, spec: ConvSpec, packs: list[tuple[Phase, int, str]], 
 
 
 def zero_phases(name: str, spec: ConvSpec) -> tuple[Kernel, Dim3] | None:
-    """Zeros on the dx pixels of the phases no tap reaches (one thread per dx element), or None."""
+    """Zeros on the dx pixels of the phases no tap reaches, or None where every phase has taps. A
+    thread stores ``vector_width`` elements at once (a pixel's channels in NHWC, a run of a row in
+    NCHW) where one of them lies in such a phase: it runs before the phases' GEMMs, which write their
+    own elements over any zero it leaves on them."""
     ah, aw = axes(spec)
     empty_h = [a.ph for a in phase_axes(ah) if not a.taps]
     empty_w = [a.ph for a in phase_axes(aw) if not a.taps]
     if not empty_h and not empty_w:
         return None
-    conds = [f"hh % {spec.stride[0]} == {ph}" for ph in empty_h] + [f"ww % {spec.stride[1]} == {pw}" for pw in empty_w]
-    zero = prep.zero(math_for(spec.dtype))
-    per = spec.c if spec.layout == "nhwc" else 1  # elements per dx pixel run (channels-last: C)
-    body = [f"const int ww = e / {per} % {spec.w}, hh = e / {per * spec.w} % {spec.h};",
-            f"if ({' || '.join(conds)}) x[e] = {zero};"]
-    return elementwise(name, spec.n * spec.c * spec.h * spec.w, (Buf("x", CTYPE[spec.dtype], readonly=False),), body,
-                       f"dgrad: zeros where no tap reaches (phases h%{spec.stride[0]} in {empty_h}, "
-                       f"w%{spec.stride[1]} in {empty_w})")
+    sh, sw = spec.stride
+    vec = vector_width(spec)
+    st = Storage(spec.dtype)
+    if spec.layout == "nhwc":  # a thread's vec channels share one pixel
+        body = [f"const int ww = e * {vec} / {spec.c} % {spec.w}, hh = e * {vec} / {spec.c * spec.w} % {spec.h};"]
+        cols = [f"ww % {sw} == {pw}" for pw in empty_w]
+    else:  # a thread's vec elements are columns w0 .. w0 + vec - 1 of one row
+        body = [f"const int w0 = e * {vec} % {spec.w}, hh = e * {vec} / {spec.w} % {spec.h};"]
+        cols = ["true"] if empty_w and vec >= sw else [f"(w0 + {j}) % {sw} == {pw}" for pw in empty_w
+                                                        for j in range(vec)]
+    conds = [f"hh % {sh} == {ph}" for ph in empty_h] + cols
+    zero = "MAKE_FLOAT4(0.0f, 0.0f, 0.0f, 0.0f)"
+    store = {1: st.store("x", "e", "0.0f"), 4: st.vstore4(zero, "e", "x"), 8: st.vstore8(zero, zero, "e", "x")}[vec]
+    body.append(f"if ({' || '.join(conds)}) {store};")
+    return elementwise(name, spec.n * spec.c * spec.h * spec.w // vec, (st.buf("x", readonly=False),), body,
+                       f"dgrad: zeros where no tap reaches (phases h%{sh} in {empty_h}, w%{sw} in {empty_w}), "
+                       f"{vec} element{'s' if vec > 1 else ''} a thread")
 
 
 class TcDgradStrided(TcVariant):
