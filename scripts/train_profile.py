@@ -13,6 +13,8 @@ training section). With --forward: an inference forward, PyTorch FP32 eager agai
                                                 # against PyTorch AMP: bench --train --amp's step
                                     [--kernels]  # also: each side's kernels by launches per step (what
                                                 # a host-bound step's launch count is made of)
+                                    [--bn]      # also: convforge's batch-norm kernels by kind, with the
+                                                # bandwidth their activation reads and writes reach
                                     [--phases]  # with --amp, instead: host ms of each phase of the step
                                                 # (forward + loss, backward, scaler) for PyTorch, convert()
                                                 # and fuse(), in alternating rounds, as is and with the GPU
@@ -81,6 +83,34 @@ def kernel_report(name: str, events: Any, steps: int, top: int) -> None:
         print(f"{key:60} {n:7.1f} {ms:7.3f}")
 
 
+def bn_report(events: Any, steps: int, copy_gbs: float = 4036.0) -> None:
+    """convforge's batch-norm kernels (kernels/batchnorm.py, ``bn_train_<N>x<C>x<HW><tags>_<kind>``) by
+    kind: launches and ms a step, and GB/s of the activation tensors each kind reads and writes (y, res,
+    z, dz, the masked dz, dy: the kernel's own byte model), against the H200's measured copy bandwidth."""
+    import re
+
+    kinds: dict[str, list[float]] = {}
+    for e in events:
+        m = re.match(r"bn_train_(\d+)x(\d+)x(\d+)(\w*?)_(stats|finalize_partials|finalize|apply|bwd_reduce|"
+                     r"bwd_finalize|bwd_apply|fwd_one|bwd_one)$", e.key)
+        if not (m and str(e.device_type).endswith("CUDA")):
+            continue
+        n, c, hw, tags, kind = int(m[1]), int(m[2]), int(m[3]), m[4], m[5]
+        size = 4 if not re.search(r"_(f16|bf16)", tags) else 2
+        res, relu = "_res" in tags, "_relu" in tags
+        tensors = {"stats": 1, "apply": 3 if res else 2, "bwd_reduce": 4 if res and relu else 2,
+                   "bwd_apply": 3}.get(kind, 0)
+        row = kinds.setdefault(kind, [0.0, 0.0, 0.0])
+        row[0] += e.count / steps
+        row[1] += e.self_device_time_total / steps / 1e3
+        row[2] += tensors * n * c * hw * size * e.count / steps
+    print(f"\nconvforge batch norm by kernel kind (GB/s: the activations it reads and writes; copy {copy_gbs:.0f}):")
+    print(f"{'kind':20} {'a step':>7} {'ms':>7} {'GB/s':>7}")
+    for kind, (count, ms, nbytes) in sorted(kinds.items(), key=lambda kv: -kv[1][1]):
+        gbs = f"{nbytes / ms / 1e6:7.0f}" if nbytes and ms else "      -"
+        print(f"{kind:20} {count:7.1f} {ms:7.3f} {gbs}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="resnet50")
@@ -106,6 +136,7 @@ def main() -> None:
                     help="the mixed-precision step (bench --train --amp's: autocast, GradScaler for fp16, model and "
                     "input channels_last) against PyTorch AMP")
     ap.add_argument("--kernels", action="store_true", help="also: the kernels by launches per step")
+    ap.add_argument("--bn", action="store_true", help="also: convforge's batch-norm kernels by kind, with bandwidth")
     ap.add_argument("--phases", action="store_true",
                     help="with --amp: host ms per phase of the step (forward + loss, backward, scaler) for PyTorch, "
                     "convert() and fuse() in alternating rounds, as is and drained; synchronising calls a step")
@@ -158,6 +189,8 @@ def main() -> None:
             report(f"{a.model} N{a.batch} {name}", events, a.steps, a.top)
             if a.kernels:
                 kernel_report(name, events, a.steps, a.top * 3)
+            if a.bn and m is ours:
+                bn_report(events, a.steps)
             if a.host:
                 cpu_report(name, events, a.steps, a.top)
                 host(name, step, a.steps, a.top * 2 if m is ours else 0)

@@ -26,7 +26,10 @@ REAL = [ConvSpec.make(2, 64, 56, 56, 64, 3, 3, 1, 1), ConvSpec.make(3, 512, 7, 7
         ConvSpec.make(1, 512, 14, 14, 1024, 1, 1, 2)]  # 1x1/2, N=1: the split-K sub-grid GEMM
 HALF = [dataclasses.replace(s, dtype=d) for s in (ODD_SPECS[1], OWN[0], REAL[0], REAL[4], REAL[3], OWN[8])
         for d in ("float16", "bfloat16")]
-GPU_SPECS = [s.with_pass("dgrad") for s in ODD_SPECS + OWN + REAL + HALF]
+GROUPED = [ConvSpec.make(2, 64, 14, 14, 64, 3, 3, 1, 1, groups=8),  # the tensor-core grouped forms (ResNeXt-like)
+           ConvSpec.make(1, 256, 7, 7, 256, 3, 3, 1, (1, 0, 2, 1), groups=8, dtype="float16"),
+           ConvSpec.make(3, 128, 13, 11, 128, 3, 3, 1, 1, groups=4, dtype="bfloat16")]
+GPU_SPECS = [s.with_pass("dgrad") for s in ODD_SPECS + OWN + REAL + HALF + GROUPED]
 NAMES = [n for n in MINE if "cuda" in get_variant(n).backends]
 
 

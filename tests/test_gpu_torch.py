@@ -169,6 +169,49 @@ def test_filter_transform_runs_once_per_weight_version(gpu, monkeypatch):
     assert rel_l2(y.cpu().numpy(), _ref(x, m.weight, spec, m.bias)) < 1e-5
 
 
+@pytest.mark.parametrize("kind", ["conv_fp32", "transposed_fp16"])
+def test_channels_last_filters_are_transformed_once_per_version(gpu, monkeypatch, kind):
+    """A channels_last model's filters (``model.to(memory_format=torch.channels_last)``) are not KCRS:
+    the modules keep one KCRS copy per weight version (``modules.kernel_operand``), so the filter
+    transforms behind it run once, not at every call (they ran per call before: a new copy each time)."""
+    from convforge.frontends import torch_run
+    from convforge.torch import modules, native
+
+    calls = []
+    real = torch_run.torch_transform
+    monkeypatch.setattr(torch_run, "torch_transform", lambda exe, w, out=None: calls.append(1) or real(exe, w, out))
+    mod = native.load()
+    base = mod.stats()["transforms"] if mod is not None else 0
+
+    def transforms():
+        return len(calls) + (mod.stats()["transforms"] - base if mod is not None else 0)
+
+    cl = torch.channels_last
+    if kind == "conv_fp32":
+        m = modules.Conv2d(16, 24, 3, padding=1, algo="winograd_nonfused_f4").cuda().to(memory_format=cl)
+        x = torch.randn(2, 16, 14, 14, device="cuda").to(memory_format=cl)
+        ref = lambda: F.conv2d(x.double(), m.weight.double(), m.bias.double(), padding=1)  # noqa: E731
+    else:
+        m = modules.ConvTranspose2d(64, 32, 4, stride=2, padding=1, algo="dgrad_tc_strided_half").cuda().half()
+        m = m.to(memory_format=cl)
+        x = torch.randn(2, 64, 9, 11, device="cuda", dtype=torch.float16).to(memory_format=cl)
+        ref = lambda: F.conv_transpose2d(x.double(), m.weight.double(), m.bias.double(), stride=2,  # noqa: E731
+                                         padding=1)
+    assert not m.weight.is_contiguous()
+    tol = 1e-5 if kind == "conv_fp32" else 2e-3
+    with torch.inference_mode():
+        for _ in range(4):
+            _poison((2, 24, 14, 14) if kind == "conv_fp32" else (2, 32, 18, 11))  # the output's bytes
+            y = m(x)
+    assert transforms() == 1
+    with torch.no_grad():
+        assert rel_l2(y.double().cpu().numpy(), ref().cpu().numpy()) < tol
+        m.weight.mul_(-2.0)
+        y = m(x)
+        assert transforms() == 2
+        assert rel_l2(y.double().cpu().numpy(), ref().cpu().numpy()) < tol
+
+
 def _model():
     import convforge.torch as ct
 

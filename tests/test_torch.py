@@ -612,3 +612,38 @@ def test_a_native_miss_is_looked_up_once(monkeypatch):
     y = ops._cuda(xt, wt, None, [1, 1], [1, 1, 1, 1], [1, 1], "auto", None, None)
     torch.testing.assert_close(y, F.conv2d(xt, wt, None, 1, 1))
     assert asked == [14]
+
+
+def test_kernel_operand_copies_channels_last_filters_once_per_version(monkeypatch):
+    """A channels_last (or half-cast) model's filters reach the kernels KCRS: one copy per weight
+    version in inference (so the filter transforms behind it are filed once, not per call), a
+    differentiable copy per call in training, the parameter itself when it already is KCRS."""
+    torch = _torch()
+    from convforge.torch import modules
+    from convforge.torch.modules import kernel_operand
+
+    monkeypatch.setattr(modules, "_CAPTURING", lambda: False)  # CPU tensors: no CUDA stream to ask
+    cache: dict = {}
+    w = torch.nn.Parameter(torch.randn(8, 4, 3, 3).to(memory_format=torch.channels_last))
+    plain = torch.randn(8, 4, 3, 3)
+    assert kernel_operand(cache, plain, torch.float32) is plain
+    with torch.no_grad():
+        first = kernel_operand(cache, w, torch.float32)
+        assert first.is_contiguous() and torch.equal(first, w) and first.data_ptr() != w.data_ptr()
+        assert kernel_operand(cache, w, torch.float32) is first  # filed: no copy a call
+        w.mul_(2)  # an optimizer step: a new version
+        second = kernel_operand(cache, w, torch.float32)
+        assert second is not first and torch.equal(second, w)
+        half = kernel_operand(cache, w, torch.float16)
+        assert half.dtype == torch.float16 and half.is_contiguous() and kernel_operand(cache, w, torch.float16) is half
+    with torch.inference_mode():  # the copy made there is a normal tensor (the filter caches need its version)
+        w.mul_(0.5)
+        third = kernel_operand(cache, w, torch.float32)
+    assert not third.is_inference() and third._version >= 0 and torch.equal(third, w)
+    trained = kernel_operand(cache, w, torch.float32)  # grad enabled and w requires it: differentiable
+    assert trained.is_contiguous() and trained.grad_fn is not None
+    trained.sum().backward()
+    assert torch.equal(w.grad, torch.ones_like(w))
+    b = torch.randn(8)
+    assert kernel_operand(cache, b, torch.float32) is b
+    assert kernel_operand(cache, b, torch.float16).dtype == torch.float16

@@ -235,8 +235,7 @@ class FusedConv2d(Conv2d):
             return None
         if x.dtype != dt:
             x = x.to(dt)  # keeps channels_last
-        w = self._cast(w, dt)
-        return x, w if w.is_contiguous() else w.contiguous()
+        return x, self._cast(w, dt)
 
     def _file_block(self, x: torch.Tensor, bn: torch.nn.BatchNorm2d, res: Any, y: torch.Tensor) -> None:
         """After a training call the Python nodes ran (its conv filed with native.cpp by then): file its
@@ -360,7 +359,6 @@ class FusedConv2d(Conv2d):
             w, b = self._fold(src, dt)
         else:
             w = self._cast(src[0], dt)
-            w = w if w.is_contiguous() else w.contiguous()
             b = None if src[1] is None else self._cast(src[1], dt)
         skip = self.static_weights and _CAPTURING()
         # conv2d's spelling; relu: the plan's (after the add when the plan adds the residual)

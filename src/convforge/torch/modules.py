@@ -116,6 +116,33 @@ def padding_quad(m: torch.nn.Conv2d) -> tuple[int, int, int, int]:
     return conv_padding(m.padding, m.kernel_size, m.stride, m.dilation)
 
 
+def kernel_operand(cache: dict[tuple[Any, ...], Any], t: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    """Parameter ``t`` as ``dt`` and, for 4-D filters, KCRS-contiguous (as the kernels read them: a
+    channels_last model's filters are not): itself when it already is; a differentiable copy when a
+    gradient is needed; else a copy kept in ``cache`` per tensor, address, version and dtype, so a
+    channels_last or half-cast model's filters are copied (and their transforms filed) once, not at
+    every call (inference tensors and CUDA-graph captures, which record the copy: one per call)."""
+    kcrs = t.dim() != 4 or t.is_contiguous()
+    if t.dtype == dt and kcrs:
+        return t
+    fmt = {"memory_format": torch.contiguous_format} if t.dim() == 4 else {}
+    if (torch.is_grad_enabled() and t.requires_grad) or torch.compiler.is_compiling():
+        return t.to(dt, **fmt)
+    key = ("cast", t.data_ptr(), dt)
+    try:
+        version = t._version
+    except RuntimeError:  # an inference tensor has no version counter
+        return t.to(dt, **fmt)
+    hit = cache.get(key)
+    if hit is not None and hit[0] == version and hit[1]() is t and not _CAPTURING():
+        return hit[2]  # type: ignore[no-any-return]
+    with torch.inference_mode(False), torch.no_grad():  # a normal tensor: an inference tensor has no version
+        cast = t.to(dt, **fmt)  # counter, so the filter caches behind it would miss at every call
+    if not _CAPTURING():
+        cache[key] = (version, weakref.ref(t), cast)
+    return cast
+
+
 class Conv2d(torch.nn.Conv2d):
     """``torch.nn.Conv2d`` with the same constructor, parameters and state_dict, plus the keyword
     options ``algo`` ('auto', a family or a variant), ``precision`` ('fp32' | 'relaxed'),
@@ -169,7 +196,7 @@ class Conv2d(torch.nn.Conv2d):
         if (not x.is_cuda or x.dtype != _F32 or x.dim() != 4 or not w.is_cuda or w.dtype != _F32
                 or self.padding_mode != "zeros" or _AUTOCAST()):  # static_reason's tests, inline
             return self._other_forward(x, w, b)
-        return self._forward(x, w, b)
+        return self._forward(x, self._cast(w, _F32), b)
 
     def _other_forward(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         """Half precision (a half layer, or an autocast region: input, filters and bias cast to its
@@ -191,27 +218,8 @@ class Conv2d(torch.nn.Conv2d):
         return self._forward(x, self._cast(w, dt), None if b is None else self._cast(b, dt), pad)
 
     def _cast(self, t: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
-        """``t`` (a parameter) as ``dt``: itself when it is; differentiable when a gradient is
-        needed; else cached per tensor, address, version and dtype (inference tensors, and
-        CUDA-graph captures, which record the cast: cast per call)."""
-        if t.dtype == dt:
-            return t
-        if (torch.is_grad_enabled() and t.requires_grad) or torch.compiler.is_compiling():
-            # KCRS as the kernels read filters: a channels_last model's weight cast and laid out in one copy
-            return t.to(dt, memory_format=torch.contiguous_format) if t.dim() == 4 else t.to(dt)
-        key = ("cast", t.data_ptr(), dt)
-        try:
-            version = t._version
-        except RuntimeError:  # an inference tensor has no version counter
-            return t.to(dt)
-        hit = self._cf_cache.get(key)
-        if hit is not None and hit[0] == version and hit[1]() is t and not _CAPTURING():
-            return hit[2]  # type: ignore[no-any-return]
-        with torch.no_grad():
-            cast = t.to(dt, memory_format=torch.contiguous_format) if t.dim() == 4 else t.to(dt)
-        if not _CAPTURING():
-            self._cf_cache[key] = (version, weakref.ref(t), cast)
-        return cast
+        """``t`` (a parameter) as ``dt`` and, for filters, KCRS (:func:`kernel_operand`)."""
+        return kernel_operand(self._cf_cache, t, dt)
 
     def _forward(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
                  pad: tuple[int, int, int, int] | None = None) -> torch.Tensor:
@@ -325,6 +333,12 @@ class ConvTranspose2d(torch.nn.ConvTranspose2d):
         if max_error is not None and not max_error > 0:
             raise ValueError(f"max_error ({max_error!r}) must be > 0")
         self.algo, self.precision, self.max_error = algo, precision, max_error
+        self._cf_cache: dict[tuple[Any, ...], Any] = {}  # filters as the kernels read them (kernel_operand)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(super().__getstate__())
+        state["_cf_cache"] = {}
+        return state
 
     @classmethod
     def from_module(cls, m: torch.nn.ConvTranspose2d, algo: str = "auto", precision: str | None = None,
@@ -348,7 +362,8 @@ class ConvTranspose2d(torch.nn.ConvTranspose2d):
         op = self._output_padding(x, output_size, list(self.stride), list(self.padding),  # type: ignore[arg-type]
                                   list(self.kernel_size), 2, list(self.dilation))
         if x.dtype != dt:
-            x, w, b = x.to(dt), w.to(dt), None if b is None else b.to(dt)
+            x = x.to(dt)
+        w, b = kernel_operand(self._cf_cache, w, dt), None if b is None else kernel_operand(self._cf_cache, b, dt)
         return conv_transpose2d(x, w, b, self.stride, self.padding, op, self.groups, self.dilation,  # type: ignore[arg-type]
                                 self.algo, self.precision, self.max_error)
 
