@@ -209,7 +209,7 @@ class FusedLinear(torch.nn.Linear):
         hit = self._cf_folded
         if key is not None and hit is not None and hit[0] == key:
             return hit[1], hit[2]
-        with torch.no_grad():
+        with torch.inference_mode(False), torch.no_grad():  # a normal tensor: the filter cache keys its version
             sv = s.reshape(-1, 1)
             w4 = (w * sv).view(self.out_features, self.in_features, 1, 1)
             b2 = None if b is None else b * sv.reshape(-1)

@@ -10,7 +10,8 @@ One model per name, built as ``bench.models`` builds it (the same random float32
 - ``convforge_…``: the cast model converted by ``convforge.torch.convert``; ``convforge_…_fused``:
   fused by ``convforge.torch.fuse`` (batch norm folded in float64, then cast), eager and
   ``_graph`` (CUDA graph replay); ``convforge_autocast_fused``: the float32 model fused and run
-  under autocast (filters cast once per weight version).
+  under autocast (filters cast once per weight version), NCHW; ``convforge_autocast_fused_cl``: the
+  same with the model and input channels_last, as the baseline runs (what a mixed-precision user does).
 
 Errors: each output against a float64 run of the float32 model on the input rounded to the dtype
 (the input every side gets), relative L2; ``err_vs_pytorch`` is a row's over the baseline's.
@@ -73,10 +74,10 @@ def _runs(model: Any, x: Any, dtype: str, warmup: int, options: dict[str, Any],
         reports[f"convforge_{tag}_fused" + ("_graph" if graph else "")] = rep
         return M._replay(fm, xh, warmup) if graph else (lambda: fm(xh))
 
-    def autocast_fused() -> Callable[[], Any]:
-        fm, rep = ct.fuse(copy.deepcopy(model), **options)
-        reports["convforge_autocast_fused"] = rep
-        return autocast(fm, x)
+    def autocast_fused(channels_last: bool) -> Callable[[], Any]:
+        fm, rep = ct.fuse(copy.deepcopy(model_cl if channels_last else model), **options)
+        reports["convforge_autocast_fused" + ("_cl" if channels_last else "")] = rep
+        return autocast(fm, x_cl if channels_last else x)
 
     return [
         (baseline_impl(dtype), lambda: autocast(model_cl, x_cl)),
@@ -86,7 +87,8 @@ def _runs(model: Any, x: Any, dtype: str, warmup: int, options: dict[str, Any],
         (f"convforge_{tag}", converted),
         (f"convforge_{tag}_fused", lambda: fused(False)),
         (f"convforge_{tag}_fused_graph", lambda: fused(True)),
-        ("convforge_autocast_fused", autocast_fused),
+        ("convforge_autocast_fused", lambda: autocast_fused(False)),
+        ("convforge_autocast_fused_cl", lambda: autocast_fused(True)),
     ]
 
 
