@@ -196,7 +196,7 @@ class Conv2d(torch.nn.Conv2d):
         if (not x.is_cuda or x.dtype != _F32 or x.dim() != 4 or not w.is_cuda or w.dtype != _F32
                 or self.padding_mode != "zeros" or _AUTOCAST()):  # static_reason's tests, inline
             return self._other_forward(x, w, b)
-        return self._forward(x, self._cast(w, _F32), b)
+        return self._forward(x, w if w.is_contiguous() else self._cast(w, _F32), b)  # channels_last: KCRS once
 
     def _other_forward(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         """Half precision (a half layer, or an autocast region: input, filters and bias cast to its
