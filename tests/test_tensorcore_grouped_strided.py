@@ -205,3 +205,26 @@ def test_grouped_strided_dgrad_plans_compile_without_spills(nvcc_ok):
             assert info.spill_stores == 0 and info.spill_loads == 0, (spec.short(), info)
         gemms = [k for k in re.split(r"\n\s+Function : ", sass) if k.startswith(f"{NAME}_gemm")]
         assert len(gemms) == 1 and "HGMMA" in gemms[0] and "HMMA" not in gemms[0], spec.short()
+
+
+@pytest.mark.parametrize("spec", [ConvSpec.make(2, 6, 11, 9, 5, 3, 3, 2, 1, dtype="float16", conv_pass="dgrad"),
+                                  ConvSpec.make(1, 3, 40, 48, 3, 16, 16, 8, 4, dtype="bfloat16", conv_pass="dgrad")],
+                         ids=["3x3s2-fp16", "16x16s8-bf16"])
+def test_phase_filters_on_pocl(ocl, spec):
+    """The plain strided dgrad's filter step (dgrad.pack_phases, one row of blocks per phase): each phase's
+    B is its taps of w, k fastest, zeros for k >= K (K padded to a chunk) and past the taps up to ld; every
+    element of every destination written (4 phases of 4 / 2 / 2 / 1 taps; stride 8's 64 phases of 2 x 2)."""
+    v, cfg = get_variant("dgrad_tc_strided_half"), TileConfig(64, 32, 1, 2, 1)
+    kp = v._kp(spec)
+    packs = [(ph, v._ld(spec, ph, cfg), f"wph{ph.tag}") for ph in phases(spec) if not ph.empty]
+    assert kp > spec.k and len(packs) == spec.stride[0] * spec.stride[1]
+    kern, grid = v.pack_step(spec, packs)
+    assert grid[1] == len(packs)
+    w = np.random.default_rng(5).uniform(-2, 2, spec.w_shape).astype(np.float32)
+    w = rounded(w, spec.dtype)
+    got = _run_pack_on_pocl(ocl, spec, kern, grid, [(d, ld) for _, ld, d in packs], w)
+    for (ph, ld, _), g in zip(packs, got, strict=True):
+        want = np.zeros((spec.c, ld), np.float32)
+        for t, (r, s) in enumerate((r, s) for r in ph.ah.taps for s in ph.aw.taps):
+            want[:, t * kp:t * kp + spec.k] = w[:, :, r, s].T
+        np.testing.assert_array_equal(g, want)

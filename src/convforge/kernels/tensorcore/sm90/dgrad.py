@@ -142,7 +142,9 @@ def pack_phases(name: str, spec: ConvSpec, packs: list[tuple[Phase, int, str]], 
                 kp: int, block: tuple[int, int] | None = None) -> tuple[Kernel, Dim3]:
     """Every phase's filters as its GEMM's B, in one weight-only step: for each (phase, ld, dst),
     dst[c * ld + (th * Tw + tw) * kp + k] = w[k, c, r_th, s_tw] (zeros for k >= K and past the taps
-    up to ``ld``); one thread per (c, k), k fastest (each store coalesced across the warp).
+    up to ``ld``); one thread per (c, k), k fastest (each store coalesced across the warp), one row of
+    blocks per phase (``GROUP_ID(1)``): the phases' stores run side by side, not in turn (stride 8 has 64
+    phases; a few hundred threads that walked all of them took 39 us on FCN-8s' 21-class head).
     ``block`` = (kg, cg): grouped filters (K x cg x R x S, groups of kg rows), P = kp / kg groups packed
     block-diagonally into each GEMM group of P cg columns: column c's row holds, at k, filter row
     c / (P cg) kp + k where k / kg is c's group within the packed one (c / cg % P), zeros elsewhere."""
@@ -151,30 +153,31 @@ def pack_phases(name: str, spec: ConvSpec, packs: list[tuple[Phase, int, str]], 
     code = Code()
     for _, _, dst in packs:
         code(*prep.scale_lets(math, dst))
-    code(f"const int e = GROUP_ID(0) * {_ELT} + LOCAL_ID(0);")
+    code(f"const int e = GROUP_ID(0) * {_ELT} + LOCAL_ID(0), pi = GROUP_ID(1);  // pi: this block's phase")
     with code.block(f"if (e < {spec.c * kp})"):
         code(f"const int c = e / {kp}, k = e - c * {kp};")
         if block is None:
             code(f"const bool ok = k < {spec.k};",
-                 f"const {CTYPE[spec.dtype]}* src = w + ((ok ? k : 0) * {spec.c} + c) * {rs};")
+                 f"const GLOBAL_PTR {CTYPE[spec.dtype]}* src = w + ((ok ? k : 0) * {spec.c} + c) * {rs};")
         else:
             kg, cg = block
             p = kp // kg
             row = f"c / {p * cg} * {kp} + k"  # the filter row (dy channel) of column c's packed group
             code(f"const bool ok = k / {kg} == c / {cg} % {p};  // the block diagonal: k in column c's own group",
                  f"const GLOBAL_PTR {CTYPE[spec.dtype]}* src = w + (({row}) * {cg} + c % {cg}) * {rs};")
-        for ph, ld, dst in packs:
+        for i, (ph, ld, dst) in enumerate(packs):
             taps = [(r, s) for r in ph.ah.taps for s in ph.aw.taps]
-            code(f"// phase ({ph.ah.ph}, {ph.aw.ph}): {len(taps)} taps")
-            for t, (r, s) in enumerate(taps):
-                code(*prep.store_parts(math, spec.dtype, dst, f"c * {ld} + {t * kp} + k",
-                                       f"(ok ? src[{r * spec.s + s}] : {zero})"))
-            if ld - len(taps) * kp:
-                prep.zero_tail(code, math, dst, "c", f"{len(taps) * kp} + k", ld, kp)
+            with code.block(f"{'else ' if i else ''}if (pi == {i})"):
+                code(f"// phase ({ph.ah.ph}, {ph.aw.ph}): {len(taps)} taps")
+                for t, (r, s) in enumerate(taps):
+                    code(*prep.store_parts(math, spec.dtype, dst, f"c * {ld} + {t * kp} + k",
+                                           f"(ok ? src[{r * spec.s + s}] : {zero})"))
+                if ld - len(taps) * kp:
+                    prep.zero_tail(code, math, dst, "c", f"{len(taps) * kp} + k", ld, kp)
     bufs = tuple(b for _, _, dst in packs for b in prep.part_buffers(dst, math))
     kern = Kernel(name, (Buf("w", CTYPE[spec.dtype]),) + bufs, code.text(), (_ELT, 1, 1), prep.features(math),
                   comment=f"dgrad: the taps of {len(packs)} phases of w, each as C x (taps x {kp})")
-    return kern, (cdiv(spec.c * kp, _ELT), 1, 1)
+    return kern, (cdiv(spec.c * kp, _ELT), len(packs), 1)
 
 
 def zero_phases(name: str, spec: ConvSpec) -> tuple[Kernel, Dim3] | None:
