@@ -589,6 +589,8 @@ def _write_atomic(path: Path, text: str) -> None:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask's mode, as open() gives
         with os.fdopen(fd, "w") as f:
             f.write(text)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename: a power cut never leaves an emptied database
         os.replace(tmp, path)
     except BaseException as err:
         with contextlib.suppress(OSError):
