@@ -382,7 +382,8 @@ def test_variants_that_say_tensor_cores_plan_on_tensor_cores():
               ConvSpec.make(2, 32, 8, 8, 32, 3, 3, 1, 1, groups=32), ConvSpec.make(2, 3, 32, 32, 64, 7, 7, 2, 3),
               ConvSpec.make(2, 64, 10, 10, 128, 3, 3, 2, 1, groups=2),
               ConvSpec.make(2, 64, 9, 9, 64, 3, 3, 1, 1, groups=8), ConvSpec.make(2, 64, 8, 8, 128, 1, 1, 2, 0),
-              ConvSpec.make(4, 256, 16, 16, 512, 1, 1)]
+              ConvSpec.make(4, 256, 16, 16, 512, 1, 1),
+              ConvSpec.make(2, 32, 8, 8, 64, 2, 2, 2, 0)]  # 2x2/2 (an up-convolution's dgrad: the paired form)
     checked: dict[str, int] = {}
     for v in all_variants():
         if not v.tensor_cores:

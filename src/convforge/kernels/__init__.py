@@ -46,6 +46,7 @@ REGISTRATION_ORDER = (
     "tensorcore.sm90.wgrad_nhwc",
     "tensorcore.sm90.grouped",
     "tensorcore.sm90.dgrad_grouped",
+    "tensorcore.sm90.dgrad_paired",
     "dgrad.transposed",
     "depthwise",
     "depthwise_nhwc",

@@ -28,6 +28,8 @@ What runs on it:
     wgrad_nhwc wgrad of channels-last half layers, x and dy as they lie (MN-major operands, no transposes)
     dgrad      strided dgrad: one forward GEMM per stride phase, stored on the phase's sub-grid of dx
     dgrad_grouped  strided dgrad of grouped half layers: each phase's GEMM batched over the (packed) groups
+    dgrad_paired   strided dgrad with neighbouring column phases that read the same dy columns in one GEMM
+                   (NCHW dx stored straight: no interleave; named only until a GPU has run it)
     gradrows   the masked gradient of a conv -> ReLU node written in the backward GEMMs' operand layouts
 
 Outside the generator: ``wgmma_1x1``, the first wgmma 1x1 GEMM (its own pipeline, the generator's ``smem``

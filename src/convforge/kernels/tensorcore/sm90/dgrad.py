@@ -98,6 +98,15 @@ class Phase:
     def problem(self, spec: ConvSpec, kp: int) -> Problem:
         return Problem(spec.n * self.ah.rows * self.aw.rows, spec.c, len(self.ah.taps) * len(self.aw.taps) * kp)
 
+    def taps(self) -> list[tuple[int, int]]:
+        """The phase's taps (r, s), in the order of its GEMM's reduction."""
+        return [(r, s) for r in self.ah.taps for s in self.aw.taps]
+
+    def b_rows(self, spec: ConvSpec) -> list[tuple[str, list[tuple[int, int]]]]:
+        """The rows of the packed filters that dx channel ``c`` fills (C expressions of c) and the taps
+        each holds: one row, c, with the phase's taps."""
+        return [("c", self.taps())]
+
     def geometry(self, spec: ConvSpec, kp: int) -> Geometry:
         """dy (N x P x Q, Kp channels) read as the forward convolution of this phase."""
         ah, aw = self.ah, self.aw
@@ -142,9 +151,10 @@ def pack_phases(name: str, spec: ConvSpec, packs: list[tuple[Phase, int, str]], 
                 kp: int, block: tuple[int, int] | None = None) -> tuple[Kernel, Dim3]:
     """Every phase's filters as its GEMM's B, in one weight-only step: for each (phase, ld, dst),
     dst[c * ld + (th * Tw + tw) * kp + k] = w[k, c, r_th, s_tw] (zeros for k >= K and past the taps
-    up to ``ld``); one thread per (c, k), k fastest (each store coalesced across the warp), one row of
-    blocks per phase (``GROUP_ID(1)``): the phases' stores run side by side, not in turn (stride 8 has 64
-    phases; a few hundred threads that walked all of them took 39 us on FCN-8s' 21-class head).
+    up to ``ld``; the rows and taps of :meth:`Phase.b_rows`); one thread per (c, k), k fastest (each store
+    coalesced across the warp), one row of blocks per phase (``GROUP_ID(1)``): the phases' stores run side
+    by side, not in turn (stride 8 has 64 phases; a few hundred threads that walked all of them took 39 us
+    on FCN-8s' 21-class head).
     ``block`` = (kg, cg): grouped filters (K x cg x R x S, groups of kg rows), P = kp / kg groups packed
     block-diagonally into each GEMM group of P cg columns: column c's row holds, at k, filter row
     c / (P cg) kp + k where k / kg is c's group within the packed one (c / cg % P), zeros elsewhere."""
@@ -166,14 +176,17 @@ def pack_phases(name: str, spec: ConvSpec, packs: list[tuple[Phase, int, str]], 
             code(f"const bool ok = k / {kg} == c / {cg} % {p};  // the block diagonal: k in column c's own group",
                  f"const GLOBAL_PTR {CTYPE[spec.dtype]}* src = w + (({row}) * {cg} + c % {cg}) * {rs};")
         for i, (ph, ld, dst) in enumerate(packs):
-            taps = [(r, s) for r in ph.ah.taps for s in ph.aw.taps]
             with code.block(f"{'else ' if i else ''}if (pi == {i})"):
-                code(f"// phase ({ph.ah.ph}, {ph.aw.ph}): {len(taps)} taps")
-                for t, (r, s) in enumerate(taps):
-                    code(*prep.store_parts(math, spec.dtype, dst, f"c * {ld} + {t * kp} + k",
-                                           f"(ok ? src[{r * spec.s + s}] : {zero})"))
-                if ld - len(taps) * kp:
-                    prep.zero_tail(code, math, dst, "c", f"{len(taps) * kp} + k", ld, kp)
+                rows = ph.b_rows(spec)
+                for row, taps in rows:
+                    row = row if row.isidentifier() else f"({row})"
+                    which = f", row {row}" if len(rows) > 1 else ""
+                    code(f"// phase ({ph.ah.ph}, {ph.aw.ph}){which}: {len(taps)} taps")
+                    for t, (r, s) in enumerate(taps):
+                        code(*prep.store_parts(math, spec.dtype, dst, f"{row} * {ld} + {t * kp} + k",
+                                               f"(ok ? src[{r * spec.s + s}] : {zero})"))
+                    if ld - len(taps) * kp:
+                        prep.zero_tail(code, math, dst, row, f"{len(taps) * kp} + k", ld, kp)
     bufs = tuple(b for _, _, dst in packs for b in prep.part_buffers(dst, math))
     kern = Kernel(name, (Buf("w", CTYPE[spec.dtype]),) + bufs, code.text(), (_ELT, 1, 1), prep.features(math),
                   comment=f"dgrad: the taps of {len(packs)} phases of w, each as C x (taps x {kp})")
@@ -233,6 +246,14 @@ class TcDgradStrided(TcVariant):
     def _kp(self, spec: ConvSpec) -> int:
         return prep.padded_channels(spec.k, self.math(spec))
 
+    def _phases(self, spec: ConvSpec) -> list[Phase]:
+        """The GEMMs of a call, one per stride phase (subclasses: their own grouping of the phases)."""
+        return phases(spec)
+
+    def _b_rows(self, spec: ConvSpec, ph: Phase) -> int:
+        """Rows of phase ``ph``'s packed filters (every GEMM group's): dx's C channels."""
+        return spec.c
+
     def job_problem(self, spec: ConvSpec, ph: Phase) -> Problem:
         """Phase ``ph``'s GEMM (subclasses: a batch of them)."""
         return ph.problem(spec, self._kp(spec))
@@ -267,7 +288,7 @@ class TcDgradStrided(TcVariant):
     def _largest(self, spec: ConvSpec) -> Problem:
         """The biggest phase GEMM: the tile is chosen for it and shared by every phase."""
         kp = self._kp(spec)
-        probs = [self.job_problem(spec, ph) for ph in phases(spec) if not ph.empty]
+        probs = [self.job_problem(spec, ph) for ph in self._phases(spec) if not ph.empty]
         return max(probs, key=lambda p: p.m * p.kred, default=Problem(spec.n, spec.c, kp))  # none: dx is zeros
 
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
@@ -294,12 +315,12 @@ class TcDgradStrided(TcVariant):
     def tma_reason(self, spec: ConvSpec, cfg: TileConfig) -> str | None:
         """Why some phase's operands cannot come by TMA with tile ``cfg`` (or their tensor maps
         would not fit in the kernel's parameters: stride 8 has 64 phases), or None."""
-        busy = sum(not ph.empty for ph in phases(spec))
+        busy = sum(not ph.empty for ph in self._phases(spec))
         need = busy * (2 * len(self.math(spec).parts) * TENSOR_MAP_BYTES + 8)
         if need > PARAM_BYTES_LIMIT:
             return (f"{busy} phases' tensor maps take {need} bytes of kernel parameters, over the "
                     f"{PARAM_BYTES_LIMIT} allowed")
-        for ph in phases(spec):
+        for ph in self._phases(spec):
             if not ph.empty:
                 why = tma.pair_reason(*self.operands(spec, ph, cfg), cfg.bm, cfg.bn)
                 if why:
@@ -340,9 +361,9 @@ class TcDgradStrided(TcVariant):
         if not self._dy_in_place(spec):
             out = tuple(((f"dyh{'' if p == 'hi' else '_' + p}"), math.esize * spec.n * spec.p * spec.q * kp)
                         for p in math.parts) + prep.scale_workspace("dyh", math)
-        for ph in phases(spec):
+        for ph in self._phases(spec):
             if not ph.empty:
-                nbytes = math.esize * spec.c * self._ld(spec, ph, cfg)
+                nbytes = math.esize * self._b_rows(spec, ph) * self._ld(spec, ph, cfg)
                 out += tuple((f"wph{ph.tag}{'' if p == 'hi' else '_' + p}", nbytes) for p in math.parts)
                 out += prep.scale_workspace(f"wph{ph.tag}", math)
                 if il:
@@ -355,7 +376,7 @@ class TcDgradStrided(TcVariant):
         math, kp = self.math(spec), self._kp(spec)
         prob = self.job_problem(spec, ph)
         a = Im2colNhwc("a", cfg.a_tile(), math, self._dy(spec), geo=ph.geometry(spec, kp))
-        b = DenseRows("b", cfg.b_tile(), math, f"wph{ph.tag}", rows=spec.c, ld=self._ld(spec, ph, cfg),
+        b = DenseRows("b", cfg.b_tile(), math, f"wph{ph.tag}", rows=self._b_rows(spec, ph), ld=self._ld(spec, ph, cfg),
                       kred=prob.kred, padded=True)
         return a, b
 
@@ -386,7 +407,7 @@ class TcDgradStrided(TcVariant):
             steps.append(Launch(zk[0].name, zk[1], zk[0].block, ("x",)))
         jobs: list[Job] = []
         packs: list[tuple[Phase, int, str]] = []
-        for ph in phases(spec):
+        for ph in self._phases(spec):
             if ph.empty:
                 continue
             prob = self.job_problem(spec, ph)
@@ -408,7 +429,7 @@ class TcDgradStrided(TcVariant):
                       Launch(gk.name, (jobs_grid(cfg, [j.prob for j in jobs], device.units), 1, 1), gk.block,
                              launch_refs(gk))]
         if il:
-            parts = [ph.part() for ph in phases(spec) if not ph.empty]
+            parts = [ph.part() for ph in self._phases(spec) if not ph.empty]
             ik, igrid = interleave_kernel(f"{self.name}_interleave", spec, parts)
             kernels.append(ik)
             steps.append(Launch(ik.name, igrid, ik.block, tuple(p.buf for p in parts) + ("x",)))

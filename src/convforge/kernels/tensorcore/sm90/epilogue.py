@@ -86,6 +86,10 @@ class Output:
     pix_row: int = 0
     pix_col: int = 1
     pix_base: int = 0
+    # columns as pairs (k / kdiv, k % kdiv) where kdiv > 1: the first strided by kstride, the second by ksub (the
+    # paired strided dgrad's NCHW dx: column c kdiv + pw is channel c of column phase pw, pw elements along a row)
+    kdiv: int = 1
+    ksub: int = 0
     bias_z: int = 0  # a batched GEMM's slab z reads the bias from z bias_z on (grouped: each group's K)
     stats: bool = False  # also the batch norm's per-channel partial sums into "bnpart" (module docstring)
 
@@ -123,7 +127,9 @@ class Output:
         slab = f"({z}) * {self.slab} + " if self.slab else ""
         off = f" + {self.k_offset}" if self.k_offset else ""
         if self.strided:
-            return f"({slab}({m}) / {self.pq} * {self.ist} + (({k}){off}) * {self.kst} + {self.pixel(m)})"
+            col = f"(({k}){off}) * {self.kst}" if self.kdiv == 1 else \
+                f"(({k}){off}) / {self.kdiv} * {self.kst} + (({k}){off}) % {self.kdiv} * {self.ksub}"
+            return f"({slab}({m}) / {self.pq} * {self.ist} + {col} + {self.pixel(m)})"
         return f"({slab}(({m}) / {self.pq} * {self.kt}{off} + ({k})) * {self.pq} + ({m}) % {self.pq})"
 
     def args(self) -> tuple[Buf, ...]:

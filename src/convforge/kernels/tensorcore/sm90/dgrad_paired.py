@@ -1,0 +1,137 @@
+"""Strided dgrad with neighbouring column phases in one GEMM (``dgrad_tc_paired_half``): where the column
+phases pw0, pw0 + 1, ... of a run read the same dy columns (the same first offset, tap count and
+sub-grid width: every column phase of a kernel-equals-stride layer such as UNet's 2x2/2 up-convolutions,
+a 1x1 GEMM and a pixel shuffle; 6x6/2 with padding 2; FCN-8s' 16x16/8 in two runs of four), their GEMMs
+share A (dy, gathered once) and differ only in B (each phase's taps). One GEMM per (row phase, run) then
+takes B's rows for every phase of the run, N = g C columns:
+
+* NCHW dx: column c g + i is channel c of column phase pw0 + i, stored at dx pixel (ph + sh a,
+  pw0 + i + sw b) by ``Output.kdiv`` = g, ``ksub`` = 1: the g phases' values of a dx row lie side by side
+  and one warp stores them together, so every 32-byte sector is whole when it reaches the L2 (the
+  plain form's direct stores leave every other element of a sector to another phase's GEMM, which runs
+  later, and the L2 fills the rest from DRAM; it stores through phase buffers and an interleave
+  instead, two more passes over dx: tensorcore/sm90/dgrad.py).
+* NHWC dx: column i C + c, a run of g C elements of consecutive dx pixels' channels.
+
+No phase buffers, no interleave pass. Compiled and emulated against float64
+(tests/test_tensorcore_paired.py); not yet run on a GPU, so reached by name only (``named_only``) until
+one has timed it against ``dgrad_tc_strided_half``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from convforge.kernels import register
+from convforge.kernels.dgrad.strided import axes
+from convforge.kernels.tensorcore.sm90.dgrad import Phase, PhaseAxis, TcDgradStrided, phase_axes
+from convforge.kernels.tensorcore.sm90.epilogue import Output
+from convforge.kernels.tensorcore.sm90.tiles import Problem, TileConfig
+from convforge.params import Params
+from convforge.plan import DeviceInfo, Epilogue
+from convforge.spec import ConvSpec
+
+
+@dataclass(frozen=True)
+class PairedPhase(Phase):
+    """Row phase ``ah`` with the run ``cols`` of column phases (consecutive, the same dy columns read:
+    ``aw`` is the first of them) as one GEMM (the module docstring)."""
+
+    cols: tuple[PhaseAxis, ...] = ()
+
+    @property
+    def tag(self) -> str:
+        return f"{self.ah.ph}{self.aw.ph}x{len(self.cols)}"
+
+    def problem(self, spec: ConvSpec, kp: int) -> Problem:
+        return Problem(spec.n * self.ah.rows * self.aw.rows, len(self.cols) * spec.c,
+                       len(self.ah.taps) * len(self.aw.taps) * kp)
+
+    def b_rows(self, spec: ConvSpec) -> list[tuple[str, list[tuple[int, int]]]]:
+        """Dx channel c's row of each column phase of the run: c g + i (NCHW) or i C + c (NHWC), the
+        phase's own taps (the same count in each)."""
+        g = len(self.cols)
+        rows = []
+        for i, col in enumerate(self.cols):
+            row = f"c * {g} + {i}" if spec.layout == "nchw" else (f"{i * spec.c} + c" if i else "c")
+            rows.append((row, [(r, s) for r in self.ah.taps for s in col.taps]))
+        return rows
+
+    def output(self, spec: ConvSpec) -> Output:
+        """D (N Hm Wm x g C) on the run's sub-grids of dx (the module docstring's column order)."""
+        g, (sh, sw) = len(self.cols), spec.stride
+        hw, pq = spec.h * spec.w, self.ah.rows * self.aw.rows
+        base = self.ah.ph * spec.w + self.aw.ph
+        if spec.layout == "nhwc":
+            c = spec.c
+            return Output("x", spec.n * pq, g * c, pq, spec.dtype, istride=c * hw, kstride=1, pix_q=self.aw.rows,
+                          pix_row=sh * spec.w * c, pix_col=sw * c, pix_base=base * c, epi=Epilogue())
+        return Output("x", spec.n * pq, g * spec.c, pq, spec.dtype, istride=spec.c * hw, kstride=hw,
+                      pix_q=self.aw.rows, pix_row=sh * spec.w, pix_col=sw, pix_base=base, kdiv=g, ksub=1,
+                      epi=Epilogue())
+
+
+def runs(cols: list[PhaseAxis]) -> list[tuple[PhaseAxis, ...]]:
+    """The column phases with taps, in runs of consecutive phases that read the same dy columns."""
+    out: list[tuple[PhaseAxis, ...]] = []
+    for col in cols:
+        if not col.taps or col.rows <= 0:
+            continue
+        last = out[-1][-1] if out else None
+        if last is not None and last.ph + 1 == col.ph and (last.first, len(last.taps), last.rows) == \
+                (col.first, len(col.taps), col.rows):
+            out[-1] += (col,)
+        else:
+            out.append((col,))
+    return out
+
+
+def paired_phases(spec: ConvSpec) -> list[Phase]:
+    """Every (row phase, run of column phases) GEMM of ``spec``; row phases without taps are empty
+    (their dx rows get the zero step's zeros)."""
+    ah, aw = axes(spec)
+    cols = runs(phase_axes(aw))
+    out: list[Phase] = []
+    for row in phase_axes(ah):
+        out += [PairedPhase(row, run[0], run) for run in cols]
+    return out
+
+
+class TcDgradPaired(TcDgradStrided):
+    """The strided dgrad with each run of column phases in one GEMM (the module docstring); direct
+    stores only (``il=0``)."""
+
+    named_only = True  # not yet run on a GPU (the module docstring)
+
+    def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
+        why = super().applies(spec, device)
+        if why:
+            return why
+        if spec.groups != 1:
+            return "grouped layers: dgrad_tc_strided_grouped_half"
+        if all(len(run) == 1 for run in runs(phase_axes(axes(spec)[1]))):
+            return "no two neighbouring column phases read the same dy columns: dgrad_tc_strided_* runs it"
+        return None
+
+    def _phases(self, spec: ConvSpec) -> list[Phase]:
+        return paired_phases(spec)
+
+    def _b_rows(self, spec: ConvSpec, ph: Phase) -> int:
+        return len(ph.cols) * spec.c if isinstance(ph, PairedPhase) else spec.c
+
+    def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
+        return super().default(spec, device).replace(il=0)
+
+    def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
+        """The plain form's space with the direct stores (the only ones here)."""
+        return list(dict.fromkeys(p.replace(il=0) for p in super().space(spec, device)))
+
+    @staticmethod
+    def _split(params: Params) -> tuple[TileConfig, bool]:
+        cfg, il = TcDgradStrided._split(params)
+        if il:
+            raise ValueError("il (1): the paired strided dgrad stores dx directly (il=0), no phase buffers")
+        return cfg, il
+
+
+register(TcDgradPaired("dgrad_tc_paired_half", frozenset({"float16", "bfloat16"}), False, "fp32", 12))
