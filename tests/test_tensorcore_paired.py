@@ -99,6 +99,9 @@ CASES = [(_spec(2, 5, 14, 10, 7, 2, 2, 0), F16, TileConfig(64, 32, 1, 2, 1)),   
          (_spec(1, 3, 12, 8, 5, 4, 4, 0), F16, TileConfig(64, 32, 1, 2, 1)),                     # four phases a run
          (_spec(1, 6, 10, 12, 9, 6, 2, 2, "bfloat16"), BF16, TileConfig(64, 32, 1, 2, 1)),       # three taps a side
          (_spec(1, 3, 24, 16, 5, 16, 8, 4, "float16", "nhwc"), F16, TileConfig(64, 32, 1, 2, 1)),  # FCN-like runs
+         # by TMA (K whole 64-element atoms), both layouts
+         (_spec(2, 6, 10, 14, 64, 2, 2, 0), F16, TileConfig(64, 32, 1, 2, 1, tm=1)),
+         (_spec(1, 24, 12, 10, 64, 4, 4, 0, "bfloat16", "nhwc"), BF16, TileConfig(64, 64, 1, 2, 1, tm=1)),
          # 3x2, padding 1 on the rows only: row phases of 1 and 2 taps, N = 3, asymmetric padding
          (_spec(3, 7, 9, 8, 6, 3, 2, (1, 1, 0, 0), "float16", "nchw", s=2), F16, TileConfig(64, 32, 1, 2, 1))]
 
@@ -107,6 +110,7 @@ CASES = [(_spec(2, 5, 14, 10, 7, 2, 2, 0), F16, TileConfig(64, 32, 1, 2, 1)),   
 def test_emulated_paired_dgrad_equals_the_input_gradient(spec, math, cfg):
     """Every dx element written exactly once (no zero step here: every phase has a tap), equal to the float64
     input gradient of the same rounded operands."""
+    assert not cfg.tm or get_variant(NAME).tma_reason(spec, cfg) is None  # TMA cases: the maps the plan would use
     got, ref, written = emulate_paired(spec, math, cfg)
     assert (written == 1).all(), np.unique(written)
     np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-10)
