@@ -14,7 +14,7 @@ import pytest
 from conftest import NOMINAL_CUDA
 from convforge.dtypes import rounded, to_storage
 from convforge.kernels import get_variant, ranked, select
-from convforge.kernels.tensorcore.sm90.dgrad import phases
+from convforge.kernels.tensorcore.sm90.dgrad import _pack_tiles, phases
 from convforge.kernels.tensorcore.sm90.dgrad_grouped import pack
 from convforge.kernels.tensorcore.sm90.isa import BF16, F16
 from convforge.kernels.tensorcore.sm90.tiles import TileConfig
@@ -208,18 +208,23 @@ def test_grouped_strided_dgrad_plans_compile_without_spills(nvcc_ok):
 
 
 @pytest.mark.parametrize("spec", [ConvSpec.make(2, 6, 11, 9, 5, 3, 3, 2, 1, dtype="float16", conv_pass="dgrad"),
-                                  ConvSpec.make(1, 3, 40, 48, 3, 16, 16, 8, 4, dtype="bfloat16", conv_pass="dgrad")],
-                         ids=["3x3s2-fp16", "16x16s8-bf16"])
+                                  ConvSpec.make(1, 3, 40, 48, 3, 16, 16, 8, 4, dtype="bfloat16", conv_pass="dgrad"),
+                                  ConvSpec.make(1, 50, 13, 11, 37, 3, 3, 2, 1, dtype="float16", conv_pass="dgrad"),
+                                  ConvSpec.make(1, 3, 45, 45, 5, 20, 20, 5, 2, dtype="float16", conv_pass="dgrad")],
+                         ids=["3x3s2-fp16", "16x16s8-bf16", "2x2-tiles", "20x20s5-tap-chunks"])
 def test_phase_filters_on_pocl(ocl, spec):
-    """The plain strided dgrad's filter step (dgrad.pack_phases, one row of blocks per phase): each phase's
-    B is its taps of w, k fastest, zeros for k >= K (K padded to a chunk) and past the taps up to ld; every
-    element of every destination written (4 phases of 4 / 2 / 2 / 1 taps; stride 8's 64 phases of 2 x 2)."""
+    """The plain strided dgrad's filter step (dgrad.pack_phases, shared tiles of 32 k x ct c x the taps):
+    each phase's B is its taps of w, k fastest, zeros for k >= K (K padded to a chunk) and past the taps
+    up to ld; every element of every destination written (4 phases of 4 / 2 / 2 / 1 taps; stride 8's 64
+    phases of 2 x 2; 50 x 37 channels over 2 x 2 tiles; 400 taps, more than one tile holds, in chunks)."""
     v, cfg = get_variant("dgrad_tc_strided_half"), TileConfig(64, 32, 1, 2, 1)
     kp = v._kp(spec)
     packs = [(ph, v._ld(spec, ph, cfg), f"wph{ph.tag}") for ph in phases(spec) if not ph.empty]
     assert kp > spec.k and len(packs) == spec.stride[0] * spec.stride[1]
     kern, grid = v.pack_step(spec, packs)
-    assert grid[1] == len(packs)
+    ct, tc = _pack_tiles(spec)
+    assert grid == (-(-kp // 32), -(-spec.c // ct), 1) and (tc < spec.r * spec.s) == (spec.r == 20)
+    assert (grid[0] > 1 and grid[1] > 1) == (spec.c == 50)
     w = np.random.default_rng(5).uniform(-2, 2, spec.w_shape).astype(np.float32)
     w = rounded(w, spec.dtype)
     got = _run_pack_on_pocl(ocl, spec, kern, grid, [(d, ld) for _, ld, d in packs], w)

@@ -55,8 +55,6 @@ from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Step
 from convforge.spec import ConvSpec
 
-_ELT = 256
-
 
 @dataclass(frozen=True)
 class PhaseAxis:
@@ -147,50 +145,90 @@ def phases(spec: ConvSpec) -> list[Phase]:
     return [Phase(h, w) for h in phase_axes(ah) for w in phase_axes(aw)]
 
 
+_PACK_TILE_BYTES = 24576
+
+
+def _pack_tiles(spec: ConvSpec) -> tuple[int, int]:
+    """(dx channels per block, taps per chunk) of :func:`pack_phases`: a shared tile of c x taps x 33
+    elements within 24 KiB, every tap at once where one channel's fit, else the taps in chunks."""
+    rs, elt = spec.r * spec.s, 4 if spec.dtype == "float32" else 2
+    if rs * 33 * elt > _PACK_TILE_BYTES:
+        return 1, _PACK_TILE_BYTES // (33 * elt)
+    return max(1, min(spec.c, _PACK_TILE_BYTES // (rs * 33 * elt))), rs
+
+
 def pack_phases(name: str, spec: ConvSpec, packs: list[tuple[Phase, int, str]], math: Math,
                 kp: int, block: tuple[int, int] | None = None) -> tuple[Kernel, Dim3]:
     """Every phase's filters as its GEMM's B, in one weight-only step: for each (phase, ld, dst),
-    dst[c * ld + (th * Tw + tw) * kp + k] = w[k, c, r_th, s_tw] (zeros for k >= K and past the taps
-    up to ``ld``; the rows and taps of :meth:`Phase.b_rows`); one thread per (c, k), k fastest (each store
-    coalesced across the warp), one row of blocks per phase (``GROUP_ID(1)``): the phases' stores run side
-    by side, not in turn (stride 8 has 64 phases; a few hundred threads that walked all of them took 39 us
-    on FCN-8s' 21-class head).
+    dst[row(c) * ld + (th * Tw + tw) * kp + k] = w[k, c, r_th, s_tw] (zeros for k >= K and past the
+    taps up to ``ld``; the rows and taps of :meth:`Phase.b_rows`). A block (32 x 8 threads) holds 32 k
+    by ``ct`` dx channels by the taps (in chunks where they are many) in shared memory: it reads each
+    k's run of channels and taps whole (w's order), then writes every phase's rows with k fastest, so
+    both sides are coalesced and w is read once for all phases (one thread per (c, k) walking w's rows,
+    2 bytes of each 32-byte sector, took 19 us on SD-VAE's 512 x 512 4x4 filters).
     ``block`` = (kg, cg): grouped filters (K x cg x R x S, groups of kg rows), P = kp / kg groups packed
     block-diagonally into each GEMM group of P cg columns: column c's row holds, at k, filter row
     c / (P cg) kp + k where k / kg is c's group within the packed one (c / cg % P), zeros elsewhere."""
     rs = spec.r * spec.s
-    zero = prep.zero(math)
+    ct, tc = _pack_tiles(spec)
     code = Code()
     for _, _, dst in packs:
         code(*prep.scale_lets(math, dst))
-    code(f"const int e = GROUP_ID(0) * {_ELT} + LOCAL_ID(0), pi = GROUP_ID(1);  // pi: this block's phase")
-    with code.block(f"if (e < {spec.c * kp})"):
-        code(f"const int c = e / {kp}, k = e - c * {kp};")
-        if block is None:
-            code(f"const bool ok = k < {spec.k};",
-                 f"const GLOBAL_PTR {CTYPE[spec.dtype]}* src = w + ((ok ? k : 0) * {spec.c} + c) * {rs};")
-        else:
-            kg, cg = block
-            p = kp // kg
-            row = f"c / {p * cg} * {kp} + k"  # the filter row (dy channel) of column c's packed group
-            code(f"const bool ok = k / {kg} == c / {cg} % {p};  // the block diagonal: k in column c's own group",
-                 f"const GLOBAL_PTR {CTYPE[spec.dtype]}* src = w + (({row}) * {cg} + c % {cg}) * {rs};")
-        for i, (ph, ld, dst) in enumerate(packs):
-            with code.block(f"{'else ' if i else ''}if (pi == {i})"):
-                rows = ph.b_rows(spec)
-                for row, taps in rows:
-                    row = row if row.isidentifier() else f"({row})"
-                    which = f", row {row}" if len(rows) > 1 else ""
-                    code(f"// phase ({ph.ah.ph}, {ph.aw.ph}){which}: {len(taps)} taps")
-                    for t, (r, s) in enumerate(taps):
-                        code(*prep.store_parts(math, spec.dtype, dst, f"{row} * {ld} + {t * kp} + k",
-                                               f"(ok ? src[{r * spec.s + s}] : {zero})"))
-                    if ld - len(taps) * kp:
-                        prep.zero_tail(code, math, dst, row, f"{len(taps) * kp} + k", ld, kp)
+    code(f"SHARED {CTYPE[spec.dtype]} tile[{ct * tc * 33}];  // [c][tap][k]: rows of 32 k, padded to 33",
+         "const int tx = LOCAL_ID(0), ty = LOCAL_ID(1), k = GROUP_ID(0) * 32 + tx;",
+         f"const int k0 = GROUP_ID(0) * 32, c0 = GROUP_ID(1) * {ct};")
+    if block is None:
+        ok, src = f"kr < {spec.k} && c < {spec.c}", f"kr * {spec.c} + c"
+    else:
+        kg, cg = block
+        p = kp // kg  # kr's filter row (dy channel) of column c's packed group, on the block diagonal
+        ok = f"kr < {kp} && c < {spec.c} && kr / {kg} == c / {cg} % {p}"
+        src = f"(c / {p * cg} * {kp} + kr) * {cg} + c % {cg}"
+    for t0 in range(0, rs, tc):
+        t1 = min(rs, t0 + tc)
+        if t0:
+            code("BARRIER();")
+        span = ct * (t1 - t0)
+        for j0 in range(0, span, 256):  # 32 independent loads a thread, then their 32 stores
+            with code.block(f"/* tile elements {j0} .. {min(span, j0 + 256) - 1} of each k */"):
+                code(f"const int j = {j0} + ty * 32 + tx;",
+                     f"const int c = c0 + j / {t1 - t0}, t = {t0} + j % {t1 - t0};")
+                for kk in range(32):
+                    kr = f"(k0 + {kk})"
+                    code(f"const {CTYPE[spec.dtype]} v{kk} = (j < {span} && {ok.replace('kr', kr)}) "
+                         f"? w[({src.replace('kr', kr)}) * {rs} + t] : 0;")
+                with code.block(f"if (j < {span})"):
+                    code(*(f"tile[j * 33 + {kk}] = v{kk};" for kk in range(32)))
+        code("BARRIER();")
+        with code.block(f"for (int cc = ty; cc < {ct}; cc += 8)"):
+            code("const int c = c0 + cc;")
+            with code.block(f"if (c < {spec.c} && k < {kp})"):
+                _pack_stores(code, spec, packs, math, kp, (t0, t1), last=t1 == rs)
     bufs = tuple(b for _, _, dst in packs for b in prep.part_buffers(dst, math))
-    kern = Kernel(name, (Buf("w", CTYPE[spec.dtype]),) + bufs, code.text(), (_ELT, 1, 1), prep.features(math),
-                  comment=f"dgrad: the taps of {len(packs)} phases of w, each as C x (taps x {kp})")
-    return kern, (cdiv(spec.c * kp, _ELT), len(packs), 1)
+    kern = Kernel(name, (Buf("w", CTYPE[spec.dtype]),) + bufs, code.text(), (32, 8, 1), prep.features(math),
+                  comment=f"dgrad: the taps of {len(packs)} phases of w, each as C x (taps x {kp}), "
+                  f"through tiles of 32 k x {ct} c x {tc} taps")
+    return kern, (cdiv(kp, 32), cdiv(spec.c, ct), 1)
+
+
+def _pack_stores(code: Code, spec: ConvSpec, packs: list[tuple[Phase, int, str]], math: Math, kp: int,
+                 chunk: tuple[int, int], last: bool) -> None:
+    """:func:`pack_phases`' stores of the taps in ``chunk`` (tap indices r S + s) from the shared tile
+    (channel cc, k = k0 + tx), and the rows' zero tails after the last chunk."""
+    t0, t1 = chunk
+    for ph, ld, dst in packs:
+        rows = ph.b_rows(spec)
+        for row, taps in rows:
+            row = row if row.isidentifier() else f"({row})"
+            mine = [(t, r * spec.s + s) for t, (r, s) in enumerate(taps) if t0 <= r * spec.s + s < t1]
+            which = f", row {row}" if len(rows) > 1 else ""
+            if mine:
+                code(f"// phase ({ph.ah.ph}, {ph.aw.ph}){which}: {len(mine)} of {len(taps)} taps")
+            for t, tap in mine:
+                code(*prep.store_parts(math, spec.dtype, dst, f"{row} * {ld} + {t * kp} + k",
+                                       f"tile[(cc * {t1 - t0} + {tap - t0}) * 33 + tx]"))
+            if last and ld - len(taps) * kp:
+                prep.zero_tail(code, math, dst, row, f"{len(taps) * kp} + k", ld, kp)
 
 
 def zero_phases(name: str, spec: ConvSpec) -> tuple[Kernel, Dim3] | None:
