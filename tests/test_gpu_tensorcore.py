@@ -45,7 +45,7 @@ STRIDED = [ConvSpec.make(2, 6, 9, 7, 10, 1, 1, 2), ConvSpec.make(1, 9, 13, 11, 5
            ConvSpec.make(3, 5, 8, 8, 70, 3, 3, 2, 1), ConvSpec.make(32, 128, 56, 56, 128, 3, 3, 2, 1),
            ConvSpec.make(32, 256, 56, 56, 512, 1, 1, 2), ConvSpec.make(32, 512, 14, 14, 512, 3, 3, 2, 1),
            ConvSpec.make(1, 16, 1, 1, 16, 1, 1, 2, 1)]  # no tap reaches dx: zeros, no GEMM
-# dgrad_tc_paired_half (named only until these pass): 2x2/2 up-convolutions (odd sizes; UNet's widest, NCHW and
+# dgrad_tc_paired_half: 2x2/2 up-convolutions (odd sizes; UNet's widest, NCHW and
 # NHWC), 6x6/2 with padding 2, an FCN-8s-like 16x16/8 head (two runs of four column phases)
 PAIRED = [ConvSpec.make(2, 5, 14, 10, 7, 2, 2, 2, 0), ConvSpec.make(1, 8, 10, 18, 16, 2, 2, 2, 0, layout="nhwc"),
           ConvSpec.make(1, 6, 10, 12, 9, 6, 6, 2, 2), ConvSpec.make(1, 3, 24, 16, 5, 16, 16, 8, 4, layout="nhwc"),

@@ -1,7 +1,8 @@
 """The paired strided dgrad (tensorcore/sm90/dgrad_paired.py) on the CPU: which column phases pair, what it
 refuses, every GEMM emulated through the generator's own expressions against the float64 input gradient
-(NCHW and NHWC dx, odd sizes), its filter step on PoCL, its kernels compiled for sm_90a without spills.
-Not yet run on a GPU: the variant is reached by name only."""
+(NCHW and NHWC dx, odd sizes), its filter step on PoCL, its kernels compiled for sm_90a without spills,
+its NCHW stores as whole rows of a dx channel's column phases (vectors). On the GPU:
+tests/test_gpu_tensorcore.py."""
 
 from __future__ import annotations
 
@@ -46,12 +47,13 @@ def test_runs_of_column_phases(r, stride, pad, w, want):
     assert [len(run) for run in runs(phase_axes(axes(spec)[1]))] == want
 
 
-def test_reached_by_name_only_and_refusals():
+def test_auto_takes_it_where_it_applies_and_refusals():
     v = get_variant(NAME)
-    assert v.named_only
+    assert not v.named_only
     unet = _spec(4, 64, 256, 256, 128, 2, 2, 0)
     assert v.applies(unet, NOMINAL_CUDA) is None
-    assert NAME not in [x.name for x in ranked("auto", unet, NOMINAL_CUDA)]
+    assert ranked("auto", unet, NOMINAL_CUDA)[0].name == NAME
+    assert ranked("auto", _spec(1, 64, 32, 32, 64, 4, 2, 1), NOMINAL_CUDA)[0].name == "dgrad_tc_strided_half"
     assert [x.name for x in select(NAME, unet, NOMINAL_CUDA)] == [NAME]
     assert "read the same dy columns" in v.applies(_spec(1, 64, 32, 32, 64, 4, 2, 1), NOMINAL_CUDA)
     assert v.applies(_spec(1, 64, 32, 32, 64, 2, 1, 0), NOMINAL_CUDA) is not None  # stride 1
@@ -148,6 +150,21 @@ def test_paired_filters_on_pocl(ocl, spec):
             for t, (r, s) in enumerate((r, s) for r in ph.ah.taps for s in col.taps):
                 want[rows, t * kp:t * kp + spec.k] = w[:, :, r, s].T
         np.testing.assert_array_equal(g, want)
+
+
+@pytest.mark.parametrize("spec, run, unit", [(_spec(4, 64, 256, 256, 128, 2, 2, 0), True, 8),
+                                             (_spec(2, 5, 14, 10, 7, 2, 2, 0), False, 2),
+                                             (_spec(1, 3, 24, 16, 5, 16, 8, 4), False, 4)],
+                         ids=["unet-rows-of-8", "odd-pairs", "fcn-runs-of-4"])
+def test_nchw_stores_are_vectors(spec, run, unit):
+    """NCHW dx: a dx channel's g column phases stored together; 4 rows of 2x2/2 as one run of 8 halves
+    (16 bytes) where the sub-grid's rows hold whole quads, else each row's g values (4 or 8 bytes)."""
+    v = get_variant(NAME)
+    outs = [ph.output(spec) for ph in v._phases(spec) if not ph.empty]
+    assert outs and all(o.pairs and o.pair_units() == (run, unit) for o in outs)
+    src = v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA).source("cuda")
+    store = {8: "*(uint4*)(x + ", 4: "*(uint2*)(x + ", 2: "*(unsigned*)(x + "}[unit]
+    assert store in src and "x[o0] =" not in src
 
 
 def test_paired_plans_compile_without_spills(nvcc_ok):

@@ -13,9 +13,9 @@ takes B's rows for every phase of the run, N = g C columns:
   instead, two more passes over dx: tensorcore/sm90/dgrad.py).
 * NHWC dx: column i C + c, a run of g C elements of consecutive dx pixels' channels.
 
-No phase buffers, no interleave pass. Compiled and emulated against float64
-(tests/test_tensorcore_paired.py); not yet run on a GPU, so reached by name only (``named_only``) until
-one has timed it against ``dgrad_tc_strided_half``.
+No phase buffers, no interleave pass. Emulated against float64 (tests/test_tensorcore_paired.py) and
+run against it on the GPU (tests/test_gpu_tensorcore.py); ranked ahead of ``dgrad_tc_strided_half`` where
+it applies.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from convforge.kernels.dgrad.strided import axes
 from convforge.kernels.tensorcore.sm90.dgrad import Phase, PhaseAxis, TcDgradStrided, phase_axes
 from convforge.kernels.tensorcore.sm90.epilogue import Output
 from convforge.kernels.tensorcore.sm90.tiles import Problem, TileConfig
+from convforge.kernels.tensorcore.sm90.variants import RANK_SM90
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue
 from convforge.spec import ConvSpec
@@ -101,7 +102,11 @@ class TcDgradPaired(TcDgradStrided):
     """The strided dgrad with each run of column phases in one GEMM (the module docstring); direct
     stores only (``il=0``)."""
 
-    named_only = True  # not yet run on a GPU (the module docstring)
+    def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
+        """Ahead of dgrad_tc_strided_half where it applies (the GPU tier's cases passed; faster on
+        every decoder layer it takes, both layouts: docs/BENCHMARKS.md)."""
+        base = super().rank(spec, device)
+        return base + 1 if base == RANK_SM90 else base
 
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
         why = super().applies(spec, device)

@@ -226,6 +226,53 @@ class Output:
                 code(f"const int o{i} = {self.offset(m, k, z)};",
                      f"{self.buf}[o{i}] = {from_float(self.dtype, self.value(v, self.bias_col(k, z), f'o{i}'))};")
 
+    @property
+    def pairs(self) -> bool:
+        """Half columns paired along a row (kdiv > 1, ksub 1: the paired strided dgrad's NCHW dx), no
+        bias or residual: the epilogue stores each row's kdiv values, or 4 rows' runs, as vectors."""
+        epi = self.epi or Epilogue()
+        return self.kdiv > 1 and self.ksub == 1 and self.dtype != "float32" and self.strided \
+            and not self.slab and not self.k_offset and not (epi.bias or epi.residual) and self.n % self.kdiv == 0
+
+    def pair_units(self) -> tuple[bool, int]:
+        """(4 rows from a multiple of 4 are one contiguous run of 4 kdiv elements, elements per vector
+        store): the largest power of two (at most 8: 16 bytes) every offset's terms are multiples of."""
+        g = self.kdiv
+        run = self.pix_col == g and self.pix_q % 4 == 0 and self.pq % 4 == 0
+        terms = [self.ist, self.kst, self.pix_row, self.pix_base, (4 if run else 1) * self.pix_col]
+        unit = 8
+        while unit > 1 and any(t % unit for t in terms):
+            unit //= 2
+        return run, min(unit, 4 * g if run else g)
+
+    def store_pairs(self, code: Code, m: str, k: str, z: str, vals: list[list[str]]) -> None:
+        """Store rows m .. m + 3 (m a multiple of 4) of columns k .. k + kdiv - 1 (k a multiple of kdiv):
+        ``vals[i][j]`` is column k + i of row m + j; row m + j's kdiv values lie side by side."""
+        g = self.kdiv
+        run, unit = self.pair_units()
+        outs = [[self.value(vals[i][j], k, "") for i in range(g)] for j in range(4)]
+        if run:
+            code(f"const int oo = {self.offset(m, k, z)};")
+            with code.block(f"if ({m} < {self.m})"):
+                flat = [v for row in outs for v in row]
+                for u in range(0, 4 * g, unit):
+                    code(self._vstore_n(f"oo + {u}", flat[u:u + unit]))
+            return
+        for j in range(4):
+            with code.block(f"if ({m} + {j} < {self.m})"):
+                code(f"const int o{j} = {self.offset(f'{m} + {j}', k, z)};")
+                for u in range(0, g, unit):
+                    code(self._vstore_n(f"o{j} + {u}", outs[j][u:u + unit]))
+
+    def _vstore_n(self, off: str, vals: list[str]) -> str:
+        """One store of 1, 2, 4 or 8 halves at element ``off`` (aligned to their bytes)."""
+        if len(vals) == 1:
+            return f"{self.buf}[{off}] = {from_float(self.dtype, vals[0])};"
+        words = [_pack2(self.dtype, vals[i], vals[i + 1]) for i in range(0, len(vals), 2)]
+        kind = {1: "unsigned", 2: "uint2", 4: "uint4"}[len(words)]
+        val = words[0] if len(words) == 1 else f"make_{kind}({', '.join(words)})"
+        return f"*({kind}*)({self.buf} + {off}) = {val};"
+
     def _vstore(self, off: str, vals: list[str]) -> list[str]:
         if self.dtype == "float32":
             return [f"*(float4*)({self.buf} + {off}) = make_float4({', '.join(vals)});"]
@@ -300,6 +347,8 @@ def emit_consumer_epilogue(code: Code, out: Output, wm: int, bn: int, stage: str
         return
     ld = staging_ld(wm)
     for ch, items in chunks(wm, bn):
+        if out.pairs and COLS % out.kdiv == 0:
+            items = pair_items(wm, bn, ch, out.kdiv)
         code(f"BAR_SYNC({bar}, 128);  // the last chunk's reads are done")
         for mi in range(wm):
             for i in range(bn // 2):
@@ -307,6 +356,9 @@ def emit_consumer_epilogue(code: Code, out: Output, wm: int, bn: int, stage: str
                 if w is not None:
                     code(f"{stage}[{w[0]}] = {w[1]};")
         code(f"BAR_SYNC({bar}, 128);")
+        if out.pairs and COLS % out.kdiv == 0:
+            _pair_items(code, out, wm, bn, stage, row0, col0, z, ch, items)
+            continue
         for item in items:
             with code.block(f"/* chunk {ch}, item {item} */"):
                 for let in readout_lets(wm, item):
@@ -315,6 +367,29 @@ def emit_consumer_epilogue(code: Code, out: Output, wm: int, bn: int, stage: str
                      f"const int k = {col0} + {COLS * ch} + ec{item}, m = {row0} + er{item};")
                 with code.block(f"if (k < {out.n})"):
                     out.store4(code, "m", "k", z, ["v.x", "v.y", "v.z", "v.w"])
+
+
+def pair_items(wm: int, bn: int, ch: int, g: int) -> list[int]:
+    """A thread's items (4 rows x g columns) in chunk ``ch`` of a paired output (:meth:`Output.pairs`)."""
+    return list(range(cdiv(min(COLS, bn - COLS * ch) // g * 16 * wm, 128)))
+
+
+def _pair_items(code: Code, out: Output, wm: int, bn: int, stage: str, row0: str, col0: str, z: str,
+                ch: int, items: list[int]) -> None:
+    """A paired output's read-out: each item's g staged columns (one dx channel's column phases) for 4
+    rows, stored as the rows' runs of g (or 4 g) elements (:meth:`Output.store_pairs`)."""
+    g, ld, quads = out.kdiv, staging_ld(wm), 16 * wm
+    total = min(COLS, bn - COLS * ch) // g * quads
+    for item in items:
+        with code.block(f"/* chunk {ch}, item {item}: {g} columns x 4 rows */"):
+            e = f"(ct + {128 * item})"
+            code(f"const int eg{item} = {e} / {quads}, er{item} = {e} % {quads} * 4;")
+            guard = f"{e} < {total} && " if (item + 1) * 128 > total else ""
+            code(f"const int k = {col0} + {COLS * ch} + eg{item} * {g}, m = {row0} + er{item};")
+            with code.block(f"if ({guard}k < {out.n})"):
+                for i in range(g):
+                    code(f"const float4 v{i} = *(const float4*)({stage} + (eg{item} * {g} + {i}) * {ld} + er{item});")
+                out.store_pairs(code, "m", "k", z, [[f"v{i}.{c}" for c in "xyzw"] for i in range(g)])
 
 
 def partials(m: int, wm: int) -> int:
