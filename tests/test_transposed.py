@@ -13,7 +13,7 @@ import pytest
 import convforge
 from convforge import transposed
 from convforge.reference import conv_transpose2d_ref, rel_l2, wgrad_ref
-from convforge.spec import transposed_geometry
+from convforge.spec import transposed_geometry, transposed_problem
 
 TOL = 1e-5
 
@@ -124,6 +124,19 @@ def test_bad_input_is_named(call, message):
     x, w = _data((1, 4, 3, 3), (4, 3, 3, 3))
     with pytest.raises(ValueError, match=message):
         call(x, w)
+
+
+def test_geometry_is_remembered_for_plain_arguments_only():
+    """A warm call's geometry is one dictionary hit for ints and tuples of ints (torch.Size is one);
+    a bool, a float or a list takes the validating path every time, so True never passes for 1."""
+    args = ((2, 7, 5, 6), (7, 3, 4, 4), (2, 2), 1, 0, 1, 1)
+    first = transposed_geometry(*args)
+    assert transposed_geometry(*args) is first and first == transposed_problem(*args)
+    assert transposed_geometry([2, 7, 5, 6], [7, 3, 4, 4], [2, 2], 1, 0, 1, 1) == first
+    for bad in (dict(stride=True), dict(stride=(2, True)), dict(groups=1.0), dict(dilation=(1.0, 1))):
+        kw = dict(stride=(2, 2), padding=1, output_padding=0, groups=1, dilation=1) | bad
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            transposed_geometry((2, 7, 5, 6), (7, 3, 4, 4), *kw.values())
 
 
 def test_geometry_matches_pytorch_output_sizes():

@@ -143,8 +143,35 @@ def conv_args(x_shape: Sequence[int], w_shape: Sequence[int], stride: Any = 1, p
     return ConvArgs(len(x_shape) == 3, st, (0, 0, 0, 0), dl, mode, pad)
 
 
+_TRANSPOSED: dict[tuple[Any, ...], tuple[ConvSpec, int, int]] = {}
+
+
+def _plain_key(v: Any) -> Any:
+    """``v`` itself where it is an int or a tuple of ints (exactly: not a bool), else None."""
+    if type(v) is int or (type(v) is tuple and all(type(e) is int for e in v)):
+        return v
+    return None
+
+
 def transposed_geometry(x_shape: Sequence[int], w_shape: Sequence[int], stride: Any = 1, padding: Any = 0,
                         output_padding: Any = 0, groups: Any = 1, dilation: Any = 1) -> tuple[ConvSpec, int, int]:
+    """:func:`transposed_problem`, remembered for arguments of plain ints and tuples of ints (a warm
+    ``conv_transpose2d`` call of a torch module: its validation took most of the call's host time)."""
+    args = (x_shape, w_shape, stride, padding, output_padding, groups, dilation)
+    key = tuple(_plain_key(tuple(a) if i < 2 and isinstance(a, tuple | list) else a) for i, a in enumerate(args))
+    if None in key:
+        return transposed_problem(*args)
+    hit = _TRANSPOSED.get(key)
+    if hit is None:
+        hit = transposed_problem(*args)
+        if len(_TRANSPOSED) >= 1024:
+            _TRANSPOSED.clear()
+        _TRANSPOSED[key] = hit
+    return hit
+
+
+def transposed_problem(x_shape: Sequence[int], w_shape: Sequence[int], stride: Any = 1, padding: Any = 0,
+                       output_padding: Any = 0, groups: Any = 1, dilation: Any = 1) -> tuple[ConvSpec, int, int]:
     """conv_transpose2d's problem as the dgrad of a forward layer: (spec, extra_h, extra_w). ``x``
     (N, C_in, H, W) is that layer's grad_output, ``w`` (C_in, C_out/groups, R, S) its KCRS filters,
     and its input (N, C_out, H_out, W_out) the transposed conv's output, H_out = (H - 1) * stride -
