@@ -111,6 +111,26 @@ def test_training_pass_against_float64(hopper, name, spec):
         assert res.ok, f"{name} [{prm.short()}] {spec.short()}: {res}"
 
 
+# dgrad_tc_paired_half with an NCHW dy read as it lies (mn=1: MN-major 3-D tiled copies, B MN-major; by params only
+# until these pass): odd C, a K tail, several images; UNet's widest and narrowest up-convolutions; 4x4/4
+PAIRED_MN = [(ConvSpec.make(2, 5, 16, 16, 72, 2, 2, 2, 0), TileConfig(64, 64, 1, 4, 1, tm=1, mn=1)),
+             (ConvSpec.make(3, 40, 16, 32, 64, 2, 2, 2, 0), TileConfig(128, 64, 1, 4, 2, tm=1, mn=1)),
+             (ConvSpec.make(1, 6, 32, 32, 16, 4, 4, 4, 0), TileConfig(64, 64, 1, 4, 1, tm=1, mn=1)),
+             (ConvSpec.make(4, 64, 256, 256, 128, 2, 2, 2, 0), TileConfig(128, 128, 1, 4, 2, tm=1, mn=1)),
+             (ConvSpec.make(4, 512, 32, 32, 1024, 2, 2, 2, 0), TileConfig(128, 128, 1, 4, 2, tm=1, mn=1))]
+
+
+@pytest.mark.parametrize("spec, cfg", PAIRED_MN, ids=lambda v: v.short() if hasattr(v, "short") else None)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_paired_dy_in_place_against_float64(hopper, spec, cfg, dtype):
+    """The paired strided dgrad reading an NCHW dy in place (mn=1), NaN-poisoned dx against float64."""
+    v = get_variant("dgrad_tc_paired_half")
+    spec = dataclasses.replace(spec, dtype=dtype, conv_pass="dgrad")
+    assert v.applies(spec, hopper.device) is None and v.mn_reason(spec) is None
+    res = check_plan(v.plan(spec, cfg.params().replace(il=0), hopper.device), hopper, seed=3)
+    assert res.ok, f"[{cfg.params().short()}] {spec.short()}: {res}"
+
+
 EPILOGUES = [Epilogue(bias=True, relu=True), Epilogue(residual=True, relu=True), Epilogue(bias=True, k_total=80,
                                                                                           k_offset=9)]
 

@@ -63,6 +63,9 @@ def test_auto_takes_it_where_it_applies_and_refusals():
     assert all(p["il"] == 0 for p in v.space(unet, NOMINAL_CUDA))
 
 
+MN_UNET = TileConfig(128, 128, 1, 4, 2, tm=1, mn=1)  # dy in place on UNet's layers (GPU tier: test_gpu_tensorcore)
+
+
 def emulate_paired(spec: ConvSpec, math, cfg: TileConfig, seed: int = 0):
     """dx from every paired GEMM (dy NHWC with Kp channels, each GEMM's B from the layer's definition by its
     rows and taps, D through its Output): (dx NCHW, the float64 reference, writes per element)."""
@@ -79,6 +82,18 @@ def emulate_paired(spec: ConvSpec, math, cfg: TileConfig, seed: int = 0):
         a, b = v.operands(spec, ph, cfg)
         prob = v.job_problem(spec, ph)
         g = len(ph.cols)
+        if cfg.mn:  # dy as it lies, B MN-major: [K][ld] with B[k, row] = the tap's filter
+            assert prob.n == g * spec.c == b.cols and kp == spec.k
+            m = np.full((spec.k, b.ld), np.nan)
+            for i, col in enumerate(ph.cols):
+                (r, s), = [(r, s) for r in ph.ah.taps for s in col.taps]
+                m[:, np.arange(spec.c) * g + i] = w[:, :, r, s]
+            data = {"a": {"hi": dy.ravel()}, "b": {"hi": np.nan_to_num(m, nan=1e30).ravel()}}
+            y, wr = emulate_gemm(cfg, math, prob, a, b, data, dataclasses.replace(ph.output(spec), slab=dx.size,
+                                                                                    epi=None))
+            dx += y
+            written += wr
+            continue
         assert prob.n == g * spec.c == b.rows
         m = np.zeros((b.rows, b.ld))
         for i, col in enumerate(ph.cols):
@@ -105,7 +120,12 @@ CASES = [(_spec(2, 5, 14, 10, 7, 2, 2, 0), F16, TileConfig(64, 32, 1, 2, 1)),   
          (_spec(2, 6, 10, 14, 64, 2, 2, 0), F16, TileConfig(64, 32, 1, 2, 1, tm=1)),
          (_spec(1, 24, 12, 10, 64, 4, 4, 0, "bfloat16", "nhwc"), BF16, TileConfig(64, 64, 1, 2, 1, tm=1)),
          # 3x2, padding 1 on the rows only: row phases of 1 and 2 taps, N = 3, asymmetric padding
-         (_spec(3, 7, 9, 8, 6, 3, 2, (1, 1, 0, 0), "float16", "nchw", s=2), F16, TileConfig(64, 32, 1, 2, 1))]
+         (_spec(3, 7, 9, 8, 6, 3, 2, (1, 1, 0, 0), "float16", "nchw", s=2), F16, TileConfig(64, 32, 1, 2, 1)),
+         # mn=1: an NCHW dy read as it lies (MN-major tiles of one image's 64 pixels, K rows; a K tail past 64),
+         # odd C (B's columns past g C never stored), two images' tiles; 4x4/4's runs of four
+         (_spec(2, 5, 16, 16, 72, 2, 2, 0), F16, TileConfig(64, 64, 1, 2, 1, tm=1, mn=1)),
+         (_spec(3, 40, 16, 32, 64, 2, 2, 0, "bfloat16"), BF16, TileConfig(128, 64, 1, 2, 2, tm=1, mn=1)),
+         (_spec(1, 6, 32, 32, 16, 4, 4, 0), F16, TileConfig(64, 64, 1, 2, 1, tm=1, mn=1))]
 
 
 @pytest.mark.parametrize("spec, math, cfg", CASES, ids=lambda v: v.short() if hasattr(v, "short") else None)
@@ -152,6 +172,38 @@ def test_paired_filters_on_pocl(ocl, spec):
         np.testing.assert_array_equal(g, want)
 
 
+@pytest.mark.parametrize("spec", [_spec(2, 5, 16, 16, 72, 2, 2, 0), _spec(1, 100, 32, 32, 40, 4, 4, 0, "bfloat16")],
+                         ids=["2x2s2-odd-c", "4x4s4-two-c-tiles"])
+def test_mn_filters_on_pocl(ocl, spec):
+    """mn=1's filter step: each GEMM's B MN-major, row k of the tap holding column c g + i = w[k, c, r, s],
+    written with c fastest; columns past g C (16-byte row padding) left as they were (NaN here)."""
+    v, cfg = get_variant(NAME), TileConfig(64, 64, 1, 2, 1, tm=1, mn=1)
+    assert v.mn_reason(spec) is None
+    packs = [(ph, v._ld(spec, ph, cfg), f"wph{ph.tag}") for ph in paired_phases(spec) if not ph.empty]
+    kern, grid = v.pack_step(spec, packs, cfg)
+    w = rounded(np.random.default_rng(6).uniform(-2, 2, spec.w_shape).astype(np.float32), spec.dtype)
+    got = _run_pack(ocl, spec, kern, grid, [(d, ld, spec.k) for _, ld, d in packs], w)
+    for (ph, ld, _), g in zip(packs, got, strict=True):
+        n = len(ph.cols)
+        want = np.full((spec.k, ld), np.nan, np.float32)
+        for i, col in enumerate(ph.cols):
+            (r, s), = [(r, s) for r in ph.ah.taps for s in col.taps]
+            want[:, np.arange(spec.c) * n + i] = w[:, :, r, s]
+        np.testing.assert_array_equal(g, want)
+
+
+def test_mn_refusals():
+    """mn=1 only where each GEMM's A is dy itself, in NCHW, whole 64-pixel blocks of an image."""
+    v = get_variant(NAME)
+    assert "NCHW only" in v.mn_reason(_spec(2, 5, 16, 16, 72, 2, 2, 0, layout="nhwc"))
+    assert "64-pixel" in v.mn_reason(_spec(2, 5, 14, 10, 72, 2, 2, 0))
+    assert "16-byte" in v.mn_reason(_spec(2, 5, 16, 16, 7, 2, 2, 0))
+    assert "one tap" in v.mn_reason(_spec(1, 6, 16, 16, 16, 6, 2, 2))
+    with pytest.raises(ValueError, match="mn=1"):
+        v.plan(_spec(2, 5, 14, 10, 72, 2, 2, 0), TileConfig(64, 64, 1, 2, 1, tm=1, mn=1).params().replace(il=0),
+               NOMINAL_CUDA)
+
+
 @pytest.mark.parametrize("spec, run, unit", [(_spec(4, 64, 256, 256, 128, 2, 2, 0), True, 8),
                                              (_spec(2, 5, 14, 10, 7, 2, 2, 0), False, 2),
                                              (_spec(1, 3, 24, 16, 5, 16, 8, 4), False, 4)],
@@ -168,12 +220,15 @@ def test_nchw_stores_are_vectors(spec, run, unit):
 
 
 def test_paired_plans_compile_without_spills(nvcc_ok):
-    """UNet's widest up-convolution (N4, 128 -> 64 at 256²) at the default in NCHW FP16 and NHWC BF16, and
-    FCN-8s' head: sm_90a without spills, HGMMA in the GEMM's SASS."""
+    """UNet's widest up-convolution (N4, 128 -> 64 at 256²) at the default in NCHW FP16 and NHWC BF16,
+    FCN-8s' head, and the UNet layer with dy read in place (mn=1, 3-D tiled copies): sm_90a without
+    spills, HGMMA in the GEMM's SASS."""
     v = get_variant(NAME)
     specs = [_spec(4, 64, 256, 256, 128, 2, 2, 0), _spec(4, 64, 256, 256, 128, 2, 2, 0, "bfloat16", "nhwc"),
-             _spec(8, 21, 224, 224, 21, 16, 8, 4)]
-    sources = [v.plan(s, v.default(s, NOMINAL_CUDA), NOMINAL_CUDA).source("cuda") for s in specs]
+             _spec(8, 21, 224, 224, 21, 16, 8, 4), _spec(4, 64, 256, 256, 128, 2, 2, 0)]
+    params = [v.default(s, NOMINAL_CUDA) for s in specs[:3]] + [MN_UNET.params().replace(il=0)]
+    sources = [v.plan(s, p, NOMINAL_CUDA).source("cuda") for s, p in zip(specs, params, strict=True)]
+    assert "cp.async.bulk.tensor.3d" in sources[3] and "_dy(" not in sources[3]
     for spec, (infos, sass) in zip(specs, sass_reports(sources), strict=True):
         assert infos and all(i.spill_stores == 0 and i.spill_loads == 0 for i in infos), (spec.short(), infos)
         assert "HGMMA" in sass, spec.short()

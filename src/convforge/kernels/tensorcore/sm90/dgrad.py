@@ -158,7 +158,7 @@ def _pack_tiles(spec: ConvSpec) -> tuple[int, int]:
 
 
 def pack_phases(name: str, spec: ConvSpec, packs: list[tuple[Phase, int, str]], math: Math,
-                kp: int, block: tuple[int, int] | None = None) -> tuple[Kernel, Dim3]:
+                kp: int, block: tuple[int, int] | None = None, mn: bool = False) -> tuple[Kernel, Dim3]:
     """Every phase's filters as its GEMM's B, in one weight-only step: for each (phase, ld, dst),
     dst[row(c) * ld + (th * Tw + tw) * kp + k] = w[k, c, r_th, s_tw] (zeros for k >= K and past the
     taps up to ``ld``; the rows and taps of :meth:`Phase.b_rows`). A block (32 x 8 threads) holds 32 k
@@ -168,7 +168,9 @@ def pack_phases(name: str, spec: ConvSpec, packs: list[tuple[Phase, int, str]], 
     2 bytes of each 32-byte sector, took 19 us on SD-VAE's 512 x 512 4x4 filters).
     ``block`` = (kg, cg): grouped filters (K x cg x R x S, groups of kg rows), P = kp / kg groups packed
     block-diagonally into each GEMM group of P cg columns: column c's row holds, at k, filter row
-    c / (P cg) kp + k where k / kg is c's group within the packed one (c / cg % P), zeros elsewhere."""
+    c / (P cg) kp + k where k / kg is c's group within the packed one (c / cg % P), zeros elsewhere.
+    ``mn``: each B MN-major, [taps x kp][ld] (dst[(t kp + k) ld + row(c)], rows past the phase's
+    written left as they are: columns no GEMM column reads into D), written with c fastest."""
     rs = spec.r * spec.s
     ct, tc = _pack_tiles(spec)
     code = Code()
@@ -200,6 +202,13 @@ def pack_phases(name: str, spec: ConvSpec, packs: list[tuple[Phase, int, str]], 
                 with code.block(f"if (j < {span})"):
                     code(*(f"tile[j * 33 + {kk}] = v{kk};" for kk in range(32)))
         code("BARRIER();")
+        if mn:  # lanes along c: each (tap, k) row of B written c fastest
+            with code.block("for (int kk = ty; kk < 32; kk += 8)"):
+                with code.block(f"for (int cc = tx; cc < {ct}; cc += 32)"):
+                    code("const int c = c0 + cc, km = k0 + kk;")
+                    with code.block(f"if (c < {spec.c} && km < {kp})"):
+                        _pack_stores(code, spec, packs, math, kp, (t0, t1), last=t1 == rs, mn=True)
+            continue
         with code.block(f"for (int cc = ty; cc < {ct}; cc += 8)"):
             code("const int c = c0 + cc;")
             with code.block(f"if (c < {spec.c} && k < {kp})"):
@@ -212,9 +221,10 @@ def pack_phases(name: str, spec: ConvSpec, packs: list[tuple[Phase, int, str]], 
 
 
 def _pack_stores(code: Code, spec: ConvSpec, packs: list[tuple[Phase, int, str]], math: Math, kp: int,
-                 chunk: tuple[int, int], last: bool) -> None:
+                 chunk: tuple[int, int], last: bool, mn: bool = False) -> None:
     """:func:`pack_phases`' stores of the taps in ``chunk`` (tap indices r S + s) from the shared tile
-    (channel cc, k = k0 + tx), and the rows' zero tails after the last chunk."""
+    (channel cc, k = k0 + tx; ``mn``: k = km = k0 + kk, B MN-major), and the rows' zero tails after the
+    last chunk (K-major B only)."""
     t0, t1 = chunk
     for ph, ld, dst in packs:
         rows = ph.b_rows(spec)
@@ -225,9 +235,10 @@ def _pack_stores(code: Code, spec: ConvSpec, packs: list[tuple[Phase, int, str]]
             if mine:
                 code(f"// phase ({ph.ah.ph}, {ph.aw.ph}){which}: {len(mine)} of {len(taps)} taps")
             for t, tap in mine:
-                code(*prep.store_parts(math, spec.dtype, dst, f"{row} * {ld} + {t * kp} + k",
-                                       f"tile[(cc * {t1 - t0} + {tap - t0}) * 33 + tx]"))
-            if last and ld - len(taps) * kp:
+                at = f"({t * kp} + km) * {ld} + {row}" if mn else f"{row} * {ld} + {t * kp} + k"
+                code(*prep.store_parts(math, spec.dtype, dst, at,
+                                       f"tile[(cc * {t1 - t0} + {tap - t0}) * 33 + {'kk' if mn else 'tx'}]"))
+            if last and ld - len(taps) * kp and not mn:
                 prep.zero_tail(code, math, dst, row, f"{len(taps) * kp} + k", ld, kp)
 
 
@@ -300,17 +311,19 @@ class TcDgradStrided(TcVariant):
         """Where phase ``ph``'s D goes: its compact buffer (``il``) or dx's sub-grid."""
         return ph.compact(spec) if il else ph.output(spec)
 
-    def pack_step(self, spec: ConvSpec, packs: list[tuple[Phase, int, str]]) -> tuple[Kernel, Dim3]:
+    def pack_step(self, spec: ConvSpec, packs: list[tuple[Phase, int, str]],
+                  cfg: TileConfig | None = None) -> tuple[Kernel, Dim3]:
         """The weight-only step writing every phase's B (:func:`pack_phases`)."""
         return pack_phases(f"{self.name}_w", spec, packs, self.math(spec), self._kp(spec))
 
-    def _dy_in_place(self, spec: ConvSpec) -> bool:
-        """A channels-last dy the GEMM reads as it lies (prep.reads_in_place's rule, for dy's K channels)."""
+    def _dy_in_place(self, spec: ConvSpec, cfg: TileConfig | None = None) -> bool:
+        """A channels-last dy the GEMM reads as it lies (prep.reads_in_place's rule, for dy's K channels;
+        subclasses: also by the tile ``cfg``)."""
         math = self.math(spec)
         return spec.layout == "nhwc" and not (math.split or math.scaled) and self._kp(spec) == spec.k
 
-    def _dy(self, spec: ConvSpec) -> str:
-        return "y" if self._dy_in_place(spec) else "dyh"
+    def _dy(self, spec: ConvSpec, cfg: TileConfig | None = None) -> str:
+        return "y" if self._dy_in_place(spec, cfg) else "dyh"
 
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
         why = super().applies(spec, device) or device_reason(device)
@@ -390,18 +403,22 @@ class TcDgradStrided(TcVariant):
         stage = self.math(spec).elems(cfg.kb)
         return cdiv(self.job_problem(spec, ph).kred, stage) * stage
 
+    def _b_bytes(self, spec: ConvSpec, ph: Phase, cfg: TileConfig) -> int:
+        """Bytes of phase ``ph``'s packed filters (each part)."""
+        return self.math(spec).esize * self._b_rows(spec, ph) * self._ld(spec, ph, cfg)
+
     def workspace_bytes(self, spec: ConvSpec, params: Params) -> int:
         return sum(b for _, b in self._workspace(spec, *self._split(params)))
 
     def _workspace(self, spec: ConvSpec, cfg: TileConfig, il: bool) -> tuple[tuple[str, int], ...]:
         math, kp = self.math(spec), self._kp(spec)
         out: tuple[tuple[str, int], ...] = ()
-        if not self._dy_in_place(spec):
+        if not self._dy_in_place(spec, cfg):
             out = tuple(((f"dyh{'' if p == 'hi' else '_' + p}"), math.esize * spec.n * spec.p * spec.q * kp)
                         for p in math.parts) + prep.scale_workspace("dyh", math)
         for ph in self._phases(spec):
             if not ph.empty:
-                nbytes = math.esize * self._b_rows(spec, ph) * self._ld(spec, ph, cfg)
+                nbytes = self._b_bytes(spec, ph, cfg)
                 out += tuple((f"wph{ph.tag}{'' if p == 'hi' else '_' + p}", nbytes) for p in math.parts)
                 out += prep.scale_workspace(f"wph{ph.tag}", math)
                 if il:
@@ -427,7 +444,7 @@ class TcDgradStrided(TcVariant):
             raise ValueError(f"{self.name}: ks ({cfg.ks}) must be 1 (each phase's rows fill the GPU)")
         refs = lambda bufs: tuple(x.name for x in bufs)  # noqa: E731
         pq = spec.p * spec.q
-        if self._dy_in_place(spec):
+        if self._dy_in_place(spec, cfg):
             pairs = []
         elif spec.layout == "nhwc":
             yk, ygrid = prep.rows_from_nhwc(f"{self.name}_dy", "y", spec.k, spec.n * pq, kp, math, spec.dtype, "dyh")
@@ -456,7 +473,7 @@ class TcDgradStrided(TcVariant):
             packs.append((ph, self._ld(spec, ph, cfg), b.buf))
             jobs.append(Job(prob, [a, b], self.store(spec, ph, il)))
         if jobs:  # none where no tap reaches a dx row (H < stride, the tap's phase past dx): dx is zeros
-            wk, wgrid = self.pack_step(spec, packs)
+            wk, wgrid = self.pack_step(spec, packs, cfg)
             gk = jobs_kernel(f"{self.name}_gemm", math, cfg, jobs)
             for _, _, dst in packs if math.scaled else ():  # each phase's maximum of w (weight-only steps)
                 ak, agrid = prep.amax_of(spec, "w", dst)

@@ -93,7 +93,8 @@ class TcDgradStridedGrouped(TcDgradStrided):
         _, cols, _ = self._widths(spec)
         return dataclasses.replace(out, n=cols, k_total=spec.c, slab=cols * out.kst)
 
-    def pack_step(self, spec: ConvSpec, packs: list[tuple[Phase, int, str]]) -> tuple[Kernel, Dim3]:
+    def pack_step(self, spec: ConvSpec, packs: list[tuple[Phase, int, str]],
+                  cfg: TileConfig | None = None) -> tuple[Kernel, Dim3]:
         """Every phase's block-diagonal filters (:func:`pack_phases` with ``block``)."""
         _, _, red = self._widths(spec)
         return pack_phases(f"{self.name}_w", spec, packs, self.math(spec), red, block=(spec.kg, spec.cg))

@@ -22,10 +22,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from convforge.codegen.dialect import Dim3, Kernel
+from convforge.codegen.meta import cdiv
 from convforge.kernels import register
 from convforge.kernels.dgrad.strided import axes
-from convforge.kernels.tensorcore.sm90.dgrad import Phase, PhaseAxis, TcDgradStrided, phase_axes
+from convforge.kernels.tensorcore.sm90.dgrad import Phase, PhaseAxis, TcDgradStrided, pack_phases, phase_axes
 from convforge.kernels.tensorcore.sm90.epilogue import Output
+from convforge.kernels.tensorcore.sm90.operands import MnRows, Operand
 from convforge.kernels.tensorcore.sm90.tiles import Problem, TileConfig
 from convforge.kernels.tensorcore.sm90.variants import RANK_SM90
 from convforge.params import Params
@@ -120,6 +123,61 @@ class TcDgradPaired(TcDgradStrided):
 
     def _phases(self, spec: ConvSpec) -> list[Phase]:
         return paired_phases(spec)
+
+    # -- dy read in place (mn=1) --------------------------------------------------------------
+    def mn_reason(self, spec: ConvSpec) -> str | None:
+        """Why an NCHW dy cannot be read as it lies (``mn=1``), or None: every GEMM must read dy's
+        pixel (i, j) for its sub-grid pixel (i, j) with one tap (kernel = stride, no padding), so A
+        is dy itself, [N][K][P Q] with the reduction over K: MN-major tiles of 64 pixels of one
+        image (P Q a multiple of 64), K whole 16-byte rows of B."""
+        if spec.layout != "nchw":
+            return "dy is read in place MN-major in NCHW only (channels-last dy: K-major, already in place)"
+        if spec.k % 8:
+            return f"K ({spec.k}) is not whole 16-byte rows"
+        if (spec.p * spec.q) % 64:
+            return f"P Q ({spec.p * spec.q}) is not whole 64-pixel blocks of an image"
+        for ph in self._phases(spec):
+            if ph.empty:
+                continue
+            if any(len(a.taps) != 1 or a.first != 0 or a.rows != n for a, n in
+                   [(ph.ah, spec.p)] + [(c, spec.q) for c in getattr(ph, "cols", (ph.aw,))]):
+                return f"phase {ph.tag} reads dy with more than one tap or off its own pixel"
+        return None
+
+    def _dy_in_place(self, spec: ConvSpec, cfg: TileConfig | None = None) -> bool:
+        return bool(cfg is not None and cfg.mn) or super()._dy_in_place(spec, cfg)
+
+    def _mn_ld(self, spec: ConvSpec, ph: Phase) -> int:
+        """Row length of an MN-major B: its g C columns, whole 16-byte rows."""
+        return cdiv(self._b_rows(spec, ph), 8) * 8
+
+    def _ld(self, spec: ConvSpec, ph: Phase, cfg: TileConfig) -> int:
+        return self._mn_ld(spec, ph) if cfg.mn else super()._ld(spec, ph, cfg)
+
+    def _b_bytes(self, spec: ConvSpec, ph: Phase, cfg: TileConfig) -> int:
+        if cfg.mn:
+            return self.math(spec).esize * self._kp(spec) * self._mn_ld(spec, ph)
+        return super()._b_bytes(spec, ph, cfg)
+
+    def operands(self, spec: ConvSpec, ph: Phase, cfg: TileConfig) -> tuple[Operand, Operand]:  # type: ignore[override]
+        """``mn=1``: A = dy [N][K][P Q] as it lies, B = the run's packed filters [K][g C] (both
+        MN-major); else the plain form's."""
+        if not cfg.mn:
+            return super().operands(spec, ph, cfg)
+        why = self.mn_reason(spec)
+        if why:
+            raise ValueError(f"{self.name}: mn=1: {why}")
+        math, pq = self.math(spec), spec.p * spec.q
+        a = MnRows("a", cfg.a_tile(), math, "y", cols=pq, ld=pq, kred=spec.k, images=spec.n)
+        b = MnRows("b", cfg.b_tile(), math, f"wph{ph.tag}", cols=self._b_rows(spec, ph), ld=self._mn_ld(spec, ph),
+                   kred=spec.k)
+        return a, b
+
+    def pack_step(self, spec: ConvSpec, packs: list[tuple[Phase, int, str]],
+                  cfg: TileConfig | None = None) -> tuple[Kernel, Dim3]:
+        """The plain form's filter step; MN-major B (rows of g C columns) with ``mn=1``."""
+        return pack_phases(f"{self.name}_w", spec, packs, self.math(spec), self._kp(spec),
+                           mn=bool(cfg is not None and cfg.mn))
 
     def _b_rows(self, spec: ConvSpec, ph: Phase) -> int:
         return len(ph.cols) * spec.c if isinstance(ph, PairedPhase) else spec.c

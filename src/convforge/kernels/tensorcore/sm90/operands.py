@@ -311,11 +311,15 @@ class _MnMajor(_Rows):
 class MnRows(_MnMajor):
     """A row-major matrix [``kred`` rows][``ld``] whose columns are this operand's M or N index (the
     first ``cols`` of each row) and whose rows are the reduction: dy = [N P Q][K] of a channels-last
-    layer. Rows past ``kred`` and columns past ``cols`` read zeros (the copy engine's bounds)."""
+    layer. Rows past ``kred`` and columns past ``cols`` read zeros (the copy engine's bounds).
+    ``images`` > 1: that many such matrices one after another, the M or N index running over each
+    one's ``cols`` columns in turn (an NCHW tensor [N][K][P Q]: index n P Q + pq, reduction over K;
+    ``cols`` a multiple of 64, so no block of 64 straddles two images)."""
 
     cols: int = 0
     ld: int = 0
     kred: int = 0
+    images: int = 1
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,9 @@ def reason(op: Operand, rows: int) -> str | None:
     if rows > MAX_BOX:
         return f"a tile of {rows} rows exceeds the TMA box ({MAX_BOX})"
     if isinstance(op, MnRows):
-        return None if op.ld * op.math.esize % 16 == 0 else f"rows of {op.ld} elements are not 16-byte multiples"
+        if op.ld * op.math.esize % 16:
+            return f"rows of {op.ld} elements are not 16-byte multiples"
+        return f"{op.cols} columns an image are not whole 64-element blocks" if op.images > 1 and op.cols % 64 else None
     if isinstance(op, MnIm2col):
         return _geometry_reason(op.geo, 64)
     if isinstance(op, DenseRows):
@@ -139,6 +141,9 @@ def tensor_map(op: Operand, part: str, rows: int, tag: str = "") -> TensorMap:
         raise ValueError(f"operand {op.name}: {why}")
     es, dtype, name = op.math.esize, storage(op.math), map_name(op, part, tag)
     atom, sw = op.tile.width // es, op.tile.width
+    if isinstance(op, MnRows) and op.images > 1:  # [images][kred][ld]: one image's rows a box
+        return TensorMap(name, "tiled", dtype, (op.ld, op.kred, op.images), (op.ld * es, op.ld * op.kred * es),
+                         (atom, rows, 1), source=op.buffer(part), swizzle=sw)
     if isinstance(op, MnRows):
         return TensorMap(name, "tiled", dtype, (op.ld, op.kred), (op.ld * es,), (atom, rows),
                          source=op.buffer(part), swizzle=sw)
@@ -235,6 +240,9 @@ class TmaCopy:
         mc, tail = ("_MC", f", {self.mask}") if self.mask else ("", "")
         if self.offsets:
             return f"TMA_IM2COL_4D{mc}({dst}, {self.map.name}, {', '.join(self.coords + self.offsets)}, fb{tail});"
+        if len(self.coords) == 3:
+            assert not self.mask, "a 3-D tiled copy is not multicast"
+            return f"TMA_TILE_3D({dst}, {self.map.name}, {', '.join(self.coords)}, fb);"
         return f"TMA_TILE_2D{mc}({dst}, {self.map.name}, {', '.join(self.coords)}, fb{tail});"
 
 
@@ -254,6 +262,9 @@ def copies(op: Operand, stage: StageLayout, parts: tuple[str, ...], tag: str = "
             if isinstance(op, MnIm2col):  # block a: its 64 channels of the stage's pixels at its tap
                 coords = (f"{n}_c{a}", f"{n}_w0", f"{n}_h0", f"{n}_n0")
                 out.append(TmaCopy(dst, m, part, coords, (f"{n}_os{a}", f"{n}_or{a}")))
+            elif isinstance(op, MnRows) and op.images > 1:  # block a: its image's columns of the stage's rows
+                col = f"(r{n}0 + {64 * a})"
+                out.append(TmaCopy(dst, m, part, (f"({col} % {op.cols})", f"{n}_p", f"({col} / {op.cols})")))
             elif isinstance(op, MnRows):  # block a: columns r0 + 64 a of the stage's rows
                 out.append(TmaCopy(dst, m, part, (f"(r{n}0 + {64 * a})", f"{n}_p")))
             elif isinstance(op, Im2colNhwc):
@@ -277,17 +288,16 @@ def emit_stage(code: Code, ops: list[Operand], stage: StageLayout, parts: tuple[
         code(*(c.statement() for c in copies(op, stage, parts, tag, rows, cl)))
 
 
-def model_tiled(x: np.ndarray, tmap: TensorMap, k: int, row: int) -> np.ndarray:
-    """What a tiled 2-D copy brings: rows row .. row + box[1] of the [rows][ld] matrix ``x``, elements
-    k .. k + box[0] of each, zeros outside."""
-    out = np.zeros((tmap.box[1], tmap.box[0]), x.dtype)
-    rows, cols = x.shape
-    for i in range(tmap.box[1]):
-        if 0 <= row + i < rows:
-            for j in range(tmap.box[0]):
-                if 0 <= k + j < cols:
-                    out[i, j] = x[row + i, k + j]
-    return out
+def model_tiled(x: np.ndarray, tmap: TensorMap, *coords: int) -> np.ndarray:
+    """What a tiled copy brings: the box at ``coords`` (innermost first) of ``x`` (its dimensions
+    outermost first), zeros outside, as rows of ``box[0]`` elements (a 3-D box of one image: its
+    ``box[1]`` rows)."""
+    out = np.zeros(tuple(tmap.box[::-1]), x.dtype)
+    for idx in np.ndindex(*out.shape):
+        at = tuple(c + i for c, i in zip(coords[::-1], idx, strict=True))
+        if all(0 <= v < d for v, d in zip(at, x.shape, strict=True)):
+            out[idx] = x[at]
+    return out.reshape(-1, tmap.box[0])
 
 
 def model_column(x: np.ndarray, tmap: TensorMap, c: int, w: int, h: int, n: int, ow: int, oh: int) -> np.ndarray:
