@@ -20,8 +20,8 @@ it applies.
 ``mn=1`` (NCHW, where each GEMM's A is dy itself: kernel = stride without padding): dy read as it lies,
 [N][K][P Q], as MN-major tiles of 64 pixels of one image (3-D tiled TMA copies: ``MnRows.images``) and B
 packed MN-major ([K][g C], c fastest), so a call is the filter step and the GEMM, no dy copy. Emulated
-and compiled, not yet run on a GPU: in the space's tail only (GPU tier: ``test_gpu_tensorcore -k
-dy_in_place``).
+and compiled, not yet run on a GPU: by params only (GPU tier: ``test_gpu_tensorcore -k dy_in_place``;
+timing: ``bench --sweep --sweep-mods 'mn=1,st=4'``).
 """
 
 from __future__ import annotations
@@ -192,17 +192,10 @@ class TcDgradPaired(TcDgradStrided):
         return super().default(spec, device).replace(il=0)
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
-        """The plain form's space with the direct stores (the only ones here); last, where an NCHW dy
-        can be read in place, the MN-major tiles (``mn=1``: not yet run on a GPU, so never the default)."""
-        out = list(dict.fromkeys(p.replace(il=0) for p in super().space(spec, device)))
-        if self.mn_reason(spec) is None:
-            math, prob = self.math(spec), self._largest(spec)
-            for bm, bn, cw in ((128, 128, 2), (128, 64, 2), (64, 64, 1)):
-                fits = [c for c in (TileConfig(bm, bn, 1, st, cw, tm=1, mn=1) for st in range(6, 2, -1))
-                        if not c.problems(math, prob, self.limit(device))]
-                if fits:
-                    out.append(fits[0].params().replace(il=0))
-        return out
+        """The plain form's space with the direct stores (the only ones here). ``mn=1`` is not in it
+        until a GPU has run it (a tuner must not meet an untried copy form): ``bench --sweep
+        --sweep-mods 'mn=1,st=4'`` times it."""
+        return list(dict.fromkeys(p.replace(il=0) for p in super().space(spec, device)))
 
     @staticmethod
     def _split(params: Params) -> tuple[TileConfig, bool]:
