@@ -345,9 +345,9 @@ def emit_consumer_epilogue(code: Code, out: Output, wm: int, bn: int, stage: str
     if out.rowmajor:
         _rowmajor_epilogue(code, out, wm, bn, stage, bar, row0, col0, z, prefix)
         return
-    ld = staging_ld(wm)
+    ld, paired = staging_ld(wm), out.pairs and COLS % out.kdiv == 0
     for ch, items in chunks(wm, bn):
-        if out.pairs and COLS % out.kdiv == 0:
+        if paired:
             items = pair_items(wm, bn, ch, out.kdiv)
         code(f"BAR_SYNC({bar}, 128);  // the last chunk's reads are done")
         for mi in range(wm):
@@ -356,7 +356,7 @@ def emit_consumer_epilogue(code: Code, out: Output, wm: int, bn: int, stage: str
                 if w is not None:
                     code(f"{stage}[{w[0]}] = {w[1]};")
         code(f"BAR_SYNC({bar}, 128);")
-        if out.pairs and COLS % out.kdiv == 0:
+        if paired:
             _pair_items(code, out, wm, bn, stage, row0, col0, z, ch, items)
             continue
         for item in items:
