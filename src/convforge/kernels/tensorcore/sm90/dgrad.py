@@ -180,12 +180,20 @@ def pack_phases(name: str, spec: ConvSpec, packs: list[tuple[Phase, int, str]], 
          "const int tx = LOCAL_ID(0), ty = LOCAL_ID(1), k = GROUP_ID(0) * 32 + tx;",
          f"const int k0 = GROUP_ID(0) * 32, c0 = GROUP_ID(1) * {ct};")
     if block is None:
-        ok, src = f"kr < {spec.k} && c < {spec.c}", f"kr * {spec.c} + c"
+        def ok(kr: str) -> str:
+            return f"{kr} < {spec.k} && c < {spec.c}"
+
+        def src(kr: str) -> str:
+            return f"{kr} * {spec.c} + c"
     else:
         kg, cg = block
-        p = kp // kg  # kr's filter row (dy channel) of column c's packed group, on the block diagonal
-        ok = f"kr < {kp} && c < {spec.c} && kr / {kg} == c / {cg} % {p}"
-        src = f"(c / {p * cg} * {kp} + kr) * {cg} + c % {cg}"
+        p = kp // kg  # filter row kr (dy channel) of column c's packed group, on the block diagonal
+
+        def ok(kr: str) -> str:
+            return f"{kr} < {kp} && c < {spec.c} && {kr} / {kg} == c / {cg} % {p}"
+
+        def src(kr: str) -> str:
+            return f"(c / {p * cg} * {kp} + {kr}) * {cg} + c % {cg}"
     for t0 in range(0, rs, tc):
         t1 = min(rs, t0 + tc)
         if t0:
@@ -197,8 +205,7 @@ def pack_phases(name: str, spec: ConvSpec, packs: list[tuple[Phase, int, str]], 
                      f"const int c = c0 + j / {t1 - t0}, t = {t0} + j % {t1 - t0};")
                 for kk in range(32):
                     kr = f"(k0 + {kk})"
-                    code(f"const {CTYPE[spec.dtype]} v{kk} = (j < {span} && {ok.replace('kr', kr)}) "
-                         f"? w[({src.replace('kr', kr)}) * {rs} + t] : 0;")
+                    code(f"const {CTYPE[spec.dtype]} v{kk} = (j < {span} && {ok(kr)}) ? w[({src(kr)}) * {rs} + t] : 0;")
                 with code.block(f"if (j < {span})"):
                     code(*(f"tile[j * 33 + {kk}] = v{kk};" for kk in range(32)))
         code("BARRIER();")
@@ -313,8 +320,9 @@ class TcDgradStrided(TcVariant):
 
     def pack_step(self, spec: ConvSpec, packs: list[tuple[Phase, int, str]],
                   cfg: TileConfig | None = None) -> tuple[Kernel, Dim3]:
-        """The weight-only step writing every phase's B (:func:`pack_phases`)."""
-        return pack_phases(f"{self.name}_w", spec, packs, self.math(spec), self._kp(spec))
+        """The weight-only step writing every phase's B (:func:`pack_phases`; MN-major with ``mn=1``)."""
+        return pack_phases(f"{self.name}_w", spec, packs, self.math(spec), self._kp(spec),
+                           mn=bool(cfg is not None and cfg.mn))
 
     def _dy_in_place(self, spec: ConvSpec, cfg: TileConfig | None = None) -> bool:
         """A channels-last dy the GEMM reads as it lies (prep.reads_in_place's rule, for dy's K channels;

@@ -28,11 +28,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from convforge.codegen.dialect import Dim3, Kernel
 from convforge.codegen.meta import cdiv
 from convforge.kernels import register
 from convforge.kernels.dgrad.strided import axes
-from convforge.kernels.tensorcore.sm90.dgrad import Phase, PhaseAxis, TcDgradStrided, pack_phases, phase_axes
+from convforge.kernels.tensorcore.sm90.dgrad import Phase, PhaseAxis, TcDgradStrided, phase_axes
 from convforge.kernels.tensorcore.sm90.epilogue import Output
 from convforge.kernels.tensorcore.sm90.operands import MnRows, Operand
 from convforge.kernels.tensorcore.sm90.tiles import Problem, TileConfig
@@ -178,12 +177,6 @@ class TcDgradPaired(TcDgradStrided):
         b = MnRows("b", cfg.b_tile(), math, f"wph{ph.tag}", cols=self._b_rows(spec, ph), ld=self._mn_ld(spec, ph),
                    kred=spec.k)
         return a, b
-
-    def pack_step(self, spec: ConvSpec, packs: list[tuple[Phase, int, str]],
-                  cfg: TileConfig | None = None) -> tuple[Kernel, Dim3]:
-        """The plain form's filter step; MN-major B (rows of g C columns) with ``mn=1``."""
-        return pack_phases(f"{self.name}_w", spec, packs, self.math(spec), self._kp(spec),
-                           mn=bool(cfg is not None and cfg.mn))
 
     def _b_rows(self, spec: ConvSpec, ph: Phase) -> int:
         return len(ph.cols) * spec.c if isinstance(ph, PairedPhase) else spec.c
