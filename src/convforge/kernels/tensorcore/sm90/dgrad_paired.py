@@ -19,9 +19,9 @@ it applies.
 
 ``mn=1`` (NCHW, where each GEMM's A is dy itself: kernel = stride without padding): dy read as it lies,
 [N][K][P Q], as MN-major tiles of 64 pixels of one image (3-D tiled TMA copies: ``MnRows.images``) and B
-packed MN-major ([K][g C], c fastest), so a call is the filter step and the GEMM, no dy copy. Emulated
-and compiled, not yet run on a GPU: by params only (GPU tier: ``test_gpu_tensorcore -k dy_in_place``;
-timing: ``bench --sweep --sweep-mods 'mn=1,st=4'``).
+packed MN-major ([K][g C], c fastest), so a call is the filter step and the GEMM, no dy copy: the
+default where it applies (four stages), and in the tuner's space beside the copying form (GPU tier:
+``test_gpu_tensorcore -k dy_in_place``).
 """
 
 from __future__ import annotations
@@ -182,13 +182,27 @@ class TcDgradPaired(TcDgradStrided):
         return len(ph.cols) * spec.c if isinstance(ph, PairedPhase) else spec.c
 
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
-        return super().default(spec, device).replace(il=0)
+        """The plain form's default with the direct stores; dy read in place (``mn=1``) where it can be."""
+        return self._in_place(spec, device, super().default(spec, device).replace(il=0))
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
-        """The plain form's space with the direct stores (the only ones here). ``mn=1`` is not in it
-        until a GPU has run it (a tuner must not meet an untried copy form): ``bench --sweep
-        --sweep-mods 'mn=1,st=4'`` times it."""
-        return list(dict.fromkeys(p.replace(il=0) for p in super().space(spec, device)))
+        """The plain form's space with the direct stores (the only ones here), each also with dy read
+        in place where it can be."""
+        plain = [p.replace(il=0) for p in super().space(spec, device)]
+        return list(dict.fromkeys(plain + [self._in_place(spec, device, p) for p in plain]))
+
+    def _in_place(self, spec: ConvSpec, device: DeviceInfo, params: Params) -> Params:
+        """``params`` with dy read in place (``mn=1``, at most four stages) where :meth:`mn_reason`
+        allows it and every phase's tile takes MN-major operands, else unchanged."""
+        if self.mn_reason(spec) is not None:
+            return params
+        mn = params.replace(mn=1, st=min(int(params.get("st", 4)), 4))
+        cfg, _ = self._split(mn)
+        math = self.math(spec)
+        if any(cfg.problems(math, self.job_problem(spec, ph), self.limit(device))
+               for ph in self._phases(spec) if not ph.empty):
+            return params
+        return mn
 
     @staticmethod
     def _split(params: Params) -> tuple[TileConfig, bool]:
