@@ -141,6 +141,6 @@ def test_exported_model_runs_under_convforge_run(cuda, tmp_path, capsys, name: s
         line += f"; PyTorch CUDA graph {res['torch_graph_ms']:.3f} ms"
     print(line)
     assert "relative error vs the float64 reference" in printed
-    # 2x onnxruntime's error (onnxruntime-gpu's where installed, else its CPU FP32 one), with a floor
-    # of 1e-6: a shallow net's CPU error (the UNet's ~5e-8) is below what any FP32 GPU conv library keeps
-    assert err <= max(2 * err_ort, 1e-6), line
+    # 2x onnxruntime's error (onnxruntime-gpu's where installed, else its CPU FP32 one): `run` calibrates
+    # an ONNX net to the smaller of PyTorch FP32's error and onnxruntime's (CPU, FP32)
+    assert "onnxruntime" in printed and err <= 2 * err_ort, line

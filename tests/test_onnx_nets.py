@@ -171,6 +171,51 @@ def test_convforge_run_on_an_onnx_file(ocl, tmp_path, capsys) -> None:
     assert any("silu" in r["variant"] for r in res["layers"])
 
 
+# -- onnxruntime as the calibration's second bar ---------------------------------------------------------
+
+def test_onnxruntime_reference_runs_fixed_batches_and_inner_tensors() -> None:
+    """``onnxruntime_reference.outputs``: a model of a fixed batch (2) given 3 images runs in two
+    chunks (the last padded); a tensor inside the graph is added as an output; a name the graph does
+    not have is refused with the reason."""
+    pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (pip install -e '.[dev]')")
+    from convforge.graph import onnxruntime_reference as ortref
+
+    m = tiny_unet()
+    inner = next(n.output[0] for n in m.graph.node if n.op_type == "Concat")
+    x = np.random.default_rng(4).standard_normal((3, 3, 16, 18)).astype(np.float32)
+    got, why = ortref.outputs(m, x, ["y", inner])
+    assert why == "" and got is not None and got["y"].shape == (3, 2, 16, 18)
+    ev = ReferenceEvaluator(m)
+    for i in range(3):  # each image against onnx.reference on a batch of two (the image twice)
+        pair = np.concatenate([x[i:i + 1]] * 2)
+        assert rel_l2(got["y"][i], ev.run(None, {"x": pair})[0][0]) < 1e-6
+    assert got[inner].shape[0] == 3 and np.isfinite(got[inner]).all()
+    none, why = ortref.outputs(m, x, ["y", "renamed_by_a_pass"])
+    assert none is None and "renamed_by_a_pass" in why
+
+
+def test_calibration_of_an_onnx_net_takes_the_smaller_bar(ocl) -> None:
+    """Calibrating a network read from ONNX: the bar is the smaller of the float32 stand-in's error
+    and onnxruntime's, and the report says whose; without the model only the stand-in's."""
+    pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (pip install -e '.[dev]')")
+    from convforge.graph import onnxruntime_reference as ortref
+    from convforge.graph.network_calibration import CAL_IMAGES, calibrate_network, calibration_input
+    from convforge.graph.passes import optimize
+
+    m = efficientnet_like()
+    g = optimize(load_onnx(m))
+    plain = calibrate_network(g, ocl, budget=1e6).report
+    both = calibrate_network(g, ocl, budget=1e6, onnx_model=m).report
+    x = calibration_input(g, 0)[:CAL_IMAGES]
+    ref = run_reference(g.with_batch(len(x)), x)["y"]
+    got, _ = ortref.outputs(m, x, ["y"])
+    assert got is not None
+    err_ort = rel_l2(got["y"], ref)
+    assert 0 < both.err_pytorch == min(plain.err_pytorch, err_ort)
+    assert "onnxruntime" in both.reference and "onnxruntime" not in plain.reference
+    assert "stand-in" in plain.reference
+
+
 # -- torch.onnx.export ------------------------------------------------------------------------------------
 
 def _torch_models():  # type: ignore[no-untyped-def]

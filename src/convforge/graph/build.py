@@ -68,7 +68,8 @@ def compile(model: Any, batch: int | None = None, backend: str | None = None, *,
     ``workspace_limit`` (bytes): the most workspace (scratch and filter transforms) any conv may
     use; the layers share one scratch arena of the largest need (``Network._bind_workspaces``).
     ``error_budget`` (default 2): calibrate at build so the output error stays within that many
-    times PyTorch FP32's (a plain float32 evaluation's, without torch), tightening the layers that
+    times PyTorch FP32's (a plain float32 evaluation's, without torch; for an ONNX model the smaller of
+    that and onnxruntime's where it is installed), tightening the layers that
     need it (``convforge.graph.network_calibration``; the report is ``network.calibration``); 0 or None: no
     calibration, every layer keeps the precision class's choice. Half-precision networks are not
     calibrated (their storage rounding is far above FP32's error)."""
@@ -93,7 +94,9 @@ def compile(model: Any, batch: int | None = None, backend: str | None = None, *,
         return Network(graph, be, capture=capture, workspace_limit=limit, dtype=dt)
     from convforge.graph.network_calibration import calibrate_network
 
-    cal = calibrate_network(graph, be, budget=budget, seed=seed, workspace_limit=limit)
+    onnx_model = model if type(model).__name__ == "ModelProto" or (
+        isinstance(model, (str, Path)) and str(model).endswith(".onnx")) else None
+    cal = calibrate_network(graph, be, budget=budget, seed=seed, workspace_limit=limit, onnx_model=onnx_model)
     net = cal.network if cal.network.graph.outputs == graph.outputs else \
         Network(graph, be, capture=False, workspace_limit=limit, max_errors=cal.max_errors)
     if capture:

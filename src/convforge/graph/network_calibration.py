@@ -12,6 +12,8 @@ every op's output rounded to float32; in the relaxed class with TF32 operands), 
 what PyTorch FP32 gives. Errors are relative L2 against the float64 executor over the first
 ``CAL_IMAGES`` (4) images of a random batch drawn with ``seed`` + 2 (``CAL_SEED_OFFSET``), never the
 input a run reports on; a softmax output is compared through its logits (softmax flattens errors).
+A network read from ONNX (``onnx_model``) is held to the smaller of that error and onnxruntime's
+(CPU, FP32) where onnxruntime is installed, the runtime an ONNX user compares with (fp32 class).
 One image's error ratio to PyTorch's moves by up to 2x between inputs (same layers), so the estimate
 the rule steers by averages several.
 
@@ -70,11 +72,14 @@ def calibration_input(graph: Graph, seed: int) -> np.ndarray:
 
 def calibrate_network(graph: Graph, backend: Any, *, budget: float = DEFAULT_BUDGET, tight: float = TIGHT,
                       headroom: float = 0.95, seed: int = 0, workspace_limit: int | None = None,
-                      fast: Network | None = None, reference: str = "auto") -> Calibrated:
+                      fast: Network | None = None, reference: str = "auto", onnx_model: Any = None) -> Calibrated:
     """Calibrate the network of ``graph`` (after the passes) on ``backend`` (module docstring).
     ``fast``: that network already built with no bounds (its outputs must include the targets), to
     save a build. ``reference``: "auto" (PyTorch where it can run, else the float32 stand-in) or
-    "float32" (the stand-in). The returned network's outputs are ``graph``'s and the targets."""
+    "float32" (the stand-in). ``onnx_model``: the ONNX file (or ModelProto) ``graph`` was read
+    from: where onnxruntime is installed the bar is the smaller of that reference's error and
+    onnxruntime's (``onnxruntime_reference``). The returned network's outputs are ``graph``'s and
+    the targets."""
     check_settings(budget, tight, headroom)
     if reference not in ("auto", "float32"):
         raise ValueError(f"calibrate: reference ({reference!r}) must be 'auto' or 'float32'")
@@ -88,6 +93,8 @@ def calibrate_network(graph: Graph, backend: Any, *, budget: float = DEFAULT_BUD
     relaxed = config.precision == "relaxed"
     got, what = reference_outputs(cal, x, backend, relaxed, reference, images=k)
     err_ref = rel_l2(_flat(got, want_t), want)
+    if onnx_model is not None and not relaxed:  # onnxruntime's is an FP32 bar
+        err_ref, what = _onnxruntime_bar(onnx_model, x[:k], want_t, want, err_ref, what)
     t_ref = time.perf_counter() - t0
     if fast is None or not set(want_t) <= set(fast.graph.outputs):
         fast = Network(cal, backend, capture=False, workspace_limit=workspace_limit)
@@ -113,6 +120,24 @@ def calibrate_network(graph: Graph, backend: Any, *, budget: float = DEFAULT_BUD
         net = Network(cal, backend, capture=False, workspace_limit=workspace_limit,
                       max_errors={p: tight for p in chosen})
     return Calibrated(net, {p: tight for p in chosen}, report, time.perf_counter() - t0, t_ref)
+
+
+def _onnxruntime_bar(model: Any, x: np.ndarray, names: list[str], want: np.ndarray, err_ref: float,
+                     what: str) -> tuple[float, str]:
+    """(the smaller of ``err_ref`` and onnxruntime's error on ``x``, whose it is) where onnxruntime
+    runs the model; else (``err_ref``, ``what`` with the reason onnxruntime's was not measured)."""
+    from convforge.graph import onnxruntime_reference as ortref
+
+    why = ortref.available()
+    got = None
+    if why is None:
+        got, why = ortref.outputs(model, x, names)
+    if got is None:
+        return err_ref, f"{what}; onnxruntime's not measured: {why}"
+    err = rel_l2(_flat(got, names), want)
+    if err < err_ref:
+        return err, f"onnxruntime (CPU, FP32), below {what}'s {err_ref:.2e}"
+    return err_ref, f"{what}, below onnxruntime's (CPU, FP32) {err:.2e}"
 
 
 def reference_outputs(graph: Graph, x: np.ndarray, backend: Any, relaxed: bool,

@@ -53,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "CONVFORGE_PRECISION")
     p.add_argument("--error-budget", type=float, default=2.0, metavar="R",
                    help="calibrate at build: keep the logits' error within R x PyTorch FP32's (TF32's in the relaxed "
-                        "class; on OpenCL, without torch or with --no-torch: a plain float32 evaluation's), "
+                        "class; on OpenCL, without torch or with --no-torch: a plain float32 evaluation's; for an "
+                        ".onnx net the smaller of that and onnxruntime's where it is installed), "
                         "tightening the layers that need it, measured on a separate random input (seed + 2); "
                         "default 2, 0 = no calibration")
     add_dtype_argument(p)
@@ -119,8 +120,9 @@ def main(args: argparse.Namespace) -> int:
             console.print(f"calibration: not run for {dtype} storage (the budget is relative to FP32's error; "
                           "half storage rounds far above it)", markup=False)
             budget = None
-        cal = None if budget is None else _calibrate(console, net, budget, args.seed, limit,
-                                                     "float32" if args.no_torch else "auto")
+        cal = None if budget is None else _calibrate(
+            console, net, budget, args.seed, limit, "float32" if args.no_torch else "auto",
+            args.net if str(args.net).endswith(".onnx") else None)
         if cal is not None:
             net = cal.network
         net.capture()
@@ -297,14 +299,15 @@ def _write(out: Path, res: dict[str, Any]) -> None:
     write_atomic(out / name, json.dumps({**res, "summary": summary_line(res)}, indent=1) + "\n")
 
 
-def _calibrate(console: Any, net: Any, budget: float, seed: int, limit: int | None, reference: str) -> Any:
+def _calibrate(console: Any, net: Any, budget: float, seed: int, limit: int | None, reference: str,
+               onnx_model: Any = None) -> Any:
     """Calibrate ``net`` (built without bounds) to ``budget`` and print what moved and its cost."""
     from convforge.graph.network_calibration import calibrate_network
     from convforge.progress import Phase
 
     with Phase(f"calibrating to an error budget of {budget:g}x"):
         cal = calibrate_network(net.graph, net.backend, budget=budget, seed=seed, workspace_limit=limit, fast=net,
-                                reference=reference)
+                                reference=reference, onnx_model=onnx_model)
     rep = cal.report
     console.print(str(rep), markup=False, highlight=False, soft_wrap=True)
     moved = ", ".join(c.path for c in rep.tightened) or "none"
