@@ -131,6 +131,27 @@ def test_paired_dy_in_place_against_float64(hopper, spec, cfg, dtype):
     assert res.ok, f"[{cfg.params().short()}] {spec.short()}: {res}"
 
 
+# dgrad_tc_strided_half with its column phases joined in registers (jn=1, NCHW half dx, stored as pairs; the
+# default where the phases' tiles fill the GPU): odd C and K by cp.async, DCGAN's 4x4/2 and SD-VAE-like widths by TMA, a 3x3/2 (ResNet's
+# downsampling dgrad: phases of 1 and 2 taps), N = 3
+JOINED = [(ConvSpec.make(2, 5, 16, 16, 72, 4, 4, 2, 1), TileConfig(64, 64, 1, 4, 1, ps=0)),
+          (ConvSpec.make(3, 24, 14, 14, 40, 3, 3, 2, 1), TileConfig(64, 32, 1, 4, 1, ps=0)),
+          (ConvSpec.make(16, 64, 32, 32, 128, 4, 4, 2, 1), TileConfig(128, 64, 1, 4, 2, ps=0, tm=1)),
+          (ConvSpec.make(1, 128, 64, 64, 128, 4, 4, 2, 1), TileConfig(128, 128, 1, 4, 2, ps=0, tm=1)),
+          (ConvSpec.make(2, 256, 28, 28, 128, 3, 3, 2, 1), TileConfig(128, 128, 1, 4, 2, ps=0, tm=1))]
+
+
+@pytest.mark.parametrize("spec, cfg", JOINED, ids=lambda v: v.short() if hasattr(v, "short") else None)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_strided_joined_against_float64(hopper, spec, cfg, dtype):
+    """The strided dgrad with column phases joined in registers (jn=1), NaN-poisoned dx against float64."""
+    v = get_variant("dgrad_tc_strided_half")
+    spec = dataclasses.replace(spec, dtype=dtype, conv_pass="dgrad")
+    assert v.applies(spec, hopper.device) is None and v.jn_reason(spec, cfg) is None
+    res = check_plan(v.plan(spec, cfg.params().replace(il=0, jn=1), hopper.device), hopper, seed=3)
+    assert res.ok, f"[{cfg.params().short()}] {spec.short()}: {res}"
+
+
 EPILOGUES = [Epilogue(bias=True, relu=True), Epilogue(residual=True, relu=True), Epilogue(bias=True, k_total=80,
                                                                                           k_offset=9)]
 

@@ -22,7 +22,11 @@ stride-1 forward convolution of dy with dilation delta and padding -o. Per phase
   map (rows ph + sh i, columns pw + sw j: of each NCHW plane, or whole NHWC pixels of C channels),
   the phases no tap reaches filled with zeros first. On NCHW the direct stores leave every other
   4-byte word of a sector to another phase: the L2 fills each partial sector from DRAM, several
-  times the bytes of dx; on NHWC a row is a pixel's run of channels (docs/NOTES-tensorcore.md).
+  times the bytes of dx; on NHWC a row is a pixel's run of channels (docs/NOTES-tensorcore.md);
+  or (``jn=1``, the NCHW half default where every phase's tiles fill the GPU) the column phases
+  joined in registers: with ``ps=0`` block b takes tile b of phase (ph, 0), holds it as packed
+  halves, then tile b of (ph, 1), and stores both as each dx row's pairs (``Output.pairs``): no
+  phase buffers, no interleave (:meth:`TcDgradStrided._joined`).
 
 1x1 filters at stride > 1 have one phase: dgrad_sub_<1x1 forward> (kernels/dgrad/transposed.py)
 reads dy in place for it. Stride 1 is DgradTransposed's (kernels/dgrad/transposed.py); groups run dgrad_strided_gemm.
@@ -34,7 +38,7 @@ reads dy in place for it. Stride 1 is DgradTransposed's (kernels/dgrad/transpose
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from convforge.codegen.dialect import PARAM_BYTES_LIMIT, TENSOR_MAP_BYTES, Buf, Dim3, Kernel, Storage
 from convforge.codegen.meta import Code, cdiv
@@ -314,9 +318,35 @@ class TcDgradStrided(TcVariant):
         """Phase ``ph``'s GEMM (subclasses: a batch of them)."""
         return ph.problem(spec, self._kp(spec))
 
-    def store(self, spec: ConvSpec, ph: Phase, il: bool) -> Output:
-        """Where phase ``ph``'s D goes: its compact buffer (``il``) or dx's sub-grid."""
-        return ph.compact(spec) if il else ph.output(spec)
+    def store(self, spec: ConvSpec, ph: Phase, il: bool, jn: bool = False) -> Output:
+        """Where phase ``ph``'s D goes: its compact buffer (``il``), dx's sub-grid, or (``jn``) held
+        in registers (column phase 0) until column phase 1 stores both as pairs."""
+        if not jn:
+            return ph.compact(spec) if il else ph.output(spec)
+        if ph.aw.ph == 0:
+            return replace(ph.output(spec), park=True)
+        hw, pq, (sh, sw) = spec.h * spec.w, ph.ah.rows * ph.aw.rows, spec.stride
+        return Output("x", spec.n * pq, 2 * spec.c, pq, spec.dtype, istride=spec.c * hw, kstride=hw,
+                      pix_q=ph.aw.rows, pix_row=sh * spec.w, pix_col=sw, pix_base=ph.ah.ph * spec.w, kdiv=2, ksub=1,
+                      epi=Epilogue(), joined=True)
+
+    def jn_reason(self, spec: ConvSpec, cfg: TileConfig) -> str | None:
+        """Why the column phases cannot be joined in registers (``jn=1``), or None: an NCHW dx of one
+        16-bit part at column stride 2, every phase with taps on one sub-grid (every GEMM of one tile
+        count: block b takes tile b of each), a ps=0 tile of one 64-row block a consumer (two spilled)
+        without clusters, ping-pong or split."""
+        math = self.math(spec)
+        if spec.layout != "nchw" or math.parts != ("hi",) or math.scaled or spec.dtype == "float32":
+            return "joined column phases store an NCHW dx of 16-bit elements"
+        if spec.stride[1] != 2:
+            return f"column stride {spec.stride[1]}: phases are joined in pairs (stride 2)"
+        if cfg.ps or cfg.cl > 1 or cfg.pp or cfg.ks > 1 or cfg.wm != 1:
+            return (f"tile {cfg.params().short()}: joining needs ps=0, consumers of one 64-row block (the parked "
+                    "tile's registers beside the accumulators), no clusters, ping-pong or split")
+        phs = self._phases(spec)
+        if any(ph.empty for ph in phs) or len({(ph.ah.rows, ph.aw.rows) for ph in phs}) > 1:
+            return "the phases' sub-grids differ (or a phase has no taps): their GEMMs' tiles would not pair"
+        return None
 
     def pack_step(self, spec: ConvSpec, packs: list[tuple[Phase, int, str]],
                   cfg: TileConfig | None = None) -> tuple[Kernel, Dim3]:
@@ -351,11 +381,37 @@ class TcDgradStrided(TcVariant):
         return max(probs, key=lambda p: p.m * p.kred, default=Problem(spec.n, spec.c, kp))  # none: dx is zeros
 
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
+        """The column phases joined in registers where that fills the GPU (:meth:`_joined`), else the
+        plain default (:meth:`_plain_default`)."""
+        plain = self._plain_default(spec, device)
+        joined = self._joined(spec, device, plain)
+        return joined[0] if joined else plain
+
+    def _plain_default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
         """The generator's pick for the largest phase, the operands by TMA where every phase's can be
         (tensorcore/sm90/tma.py); phases interleaved (il=1) on NCHW, stored straight on a channels-last
         dx (:meth:`_direct_first`)."""
         cfg = tiles.pick(self.math(spec), self._largest(spec), device.units, self.limit(device))
         return self._tile(spec, cfg).params().replace(il=0 if self._direct_first(spec) else 1)
+
+    def _joined(self, spec: ConvSpec, device: DeviceInfo, plain: Params) -> list[Params]:
+        """``jn=1`` tiles of 128 rows (two consumers of 64) by 128 or 64 columns (the wider first where C
+        fills it), ``plain``'s stages at most, where the layer joins (:meth:`jn_reason`), has 32 dx
+        channels or more and one phase's tiles fill three quarters of the SMs (a block takes one tile
+        of every phase: H200, 4x4/2 decoder layers, 0.78 -> 0.64 ms on SD-VAE 512@64, 0.47 -> 0.39 on
+        DCGAN 128@16; DCGAN's 512@4 of 64 tiles a phase and 3-channel 64@32 slower: not taken)."""
+        if spec.c < 32 or self.jn_reason(spec, TileConfig(128, 64, 1, 2, 2, ps=0)):
+            return []
+        math, base = self.math(spec), self._split(plain)[0]
+        out = []
+        for bn in ((128, 64) if spec.c >= 128 else (64,)):
+            cfg = self._tile(spec, TileConfig(128, bn, base.kb, min(base.st, 6), 2, 1, 0, base.pi, kr=base.kr))
+            probs = [self.job_problem(spec, ph) for ph in self._phases(spec)]
+            if self.jn_reason(spec, cfg) or any(cfg.problems(math, p, self.limit(device)) for p in probs) \
+                    or 4 * cfg.tiles(probs[0]) < 3 * device.units:
+                continue
+            out.append(cfg.params().replace(il=0, jn=1))
+        return out
 
     @staticmethod
     def _direct_first(spec: ConvSpec) -> bool:
@@ -388,11 +444,13 @@ class TcDgradStrided(TcVariant):
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
         """The generator's space for the largest phase, unsplit (every phase's rows fill the GPU),
-        interleaved; the default tile with direct stores (il=0) and by cp.async next."""
+        interleaved; the joined tiles first where they apply, then the plain default tile with direct
+        stores (il=0) and by cp.async."""
         math, prob = self.math(spec), self._largest(spec)
-        first = self.default(spec, device)
+        first = self._plain_default(spec, device)
         plain = self._tile(spec, TileConfig.of(Params({k: v for k, v in first.items() if k != "il"})), tm=False)
-        out = list(dict.fromkeys([first, first.replace(il=1 - int(first["il"])), plain.params().replace(il=1)]))
+        out = list(dict.fromkeys(self._joined(spec, device, first) +
+                                 [first, first.replace(il=1 - int(first["il"])), plain.params().replace(il=1)]))
         for c in tiles.space(math, prob, device.units, self.limit(device)):
             for p in (self._tile(spec, c).params().replace(il=1), self._tile(spec, c, False).params().replace(il=1)):
                 if p not in out:
@@ -405,7 +463,15 @@ class TcDgradStrided(TcVariant):
         il = int(params.get("il", 1))
         if il not in (0, 1):
             raise ValueError(f"il ({il}) must be 0 (stores on dx's sub-grids) or 1 (phase buffers, interleaved)")
-        return TileConfig.of(Params({k: v for k, v in params.items() if k != "il"})), bool(il)
+        return TileConfig.of(Params({k: v for k, v in params.items() if k not in ("il", "jn")})), bool(il)
+
+    @staticmethod
+    def _jn(params: Params) -> bool:
+        """Whether the column phases are joined in registers (``jn``, default 0)."""
+        jn = int(params.get("jn", 0))
+        if jn not in (0, 1):
+            raise ValueError(f"jn ({jn}) must be 0 or 1 (column phases joined in registers, stored as pairs)")
+        return bool(jn)
 
     def _ld(self, spec: ConvSpec, ph: Phase, cfg: TileConfig) -> int:
         stage = self.math(spec).elems(cfg.kb)
@@ -448,8 +514,13 @@ class TcDgradStrided(TcVariant):
         no_epilogue(self.name, epilogue)
         math, kp = self.math(spec), self._kp(spec)
         cfg, il = self._split(params)
+        jn = self._jn(params)
         if cfg.ks != 1:
             raise ValueError(f"{self.name}: ks ({cfg.ks}) must be 1 (each phase's rows fill the GPU)")
+        refused = (self.jn_reason(spec, cfg) or ("il (1): joined phases store dx directly" if il else None)) \
+            if jn else None
+        if refused:
+            raise ValueError(f"{self.name}: jn (1): {refused}")
         refs = lambda bufs: tuple(x.name for x in bufs)  # noqa: E731
         pq = spec.p * spec.q
         if self._dy_in_place(spec, cfg):
@@ -479,7 +550,7 @@ class TcDgradStrided(TcVariant):
                 raise ValueError(f"{self.name}: phase {ph.tag}: {'; '.join(why)}")
             a, b = self.operands(spec, ph, cfg)
             packs.append((ph, self._ld(spec, ph, cfg), b.buf))
-            jobs.append(Job(prob, [a, b], self.store(spec, ph, il)))
+            jobs.append(Job(prob, [a, b], self.store(spec, ph, il, jn)))
         if jobs:  # none where no tap reaches a dx row (H < stride, the tap's phase past dx): dx is zeros
             wk, wgrid = self.pack_step(spec, packs, cfg)
             gk = jobs_kernel(f"{self.name}_gemm", math, cfg, jobs)

@@ -87,7 +87,10 @@ class TcDgradStridedGrouped(TcDgradStrided):
         return (dataclasses.replace(a, geo=geo),
                 dataclasses.replace(b, rows=cols, batch_stride=cols * b.ld))
 
-    def store(self, spec: ConvSpec, ph: Phase, il: bool) -> Output:
+    def jn_reason(self, spec: ConvSpec, cfg: TileConfig) -> str | None:
+        return "grouped phases store slabs of packed groups (jn is the dense form's)"
+
+    def store(self, spec: ConvSpec, ph: Phase, il: bool, jn: bool = False) -> Output:
         """The dense form's destination, P Cg columns a slab, slab zp from dx channel zp P Cg on."""
         out = super().store(spec, ph, il)
         _, cols, _ = self._widths(spec)

@@ -129,6 +129,9 @@ class TcDgradPaired(TcDgradStrided):
     def _phases(self, spec: ConvSpec) -> list[Phase]:
         return paired_phases(spec)
 
+    def jn_reason(self, spec: ConvSpec, cfg: TileConfig) -> str | None:
+        return "the paired GEMM holds its column phases in one tile already (jn is dgrad_tc_strided_half's)"
+
     # -- dy read in place (mn=1) --------------------------------------------------------------
     def mn_reason(self, spec: ConvSpec) -> str | None:
         """Why an NCHW dy cannot be read as it lies (``mn=1``), or None: every GEMM must read dy's

@@ -92,6 +92,11 @@ class Output:
     ksub: int = 0
     bias_z: int = 0  # a batched GEMM's slab z reads the bias from z bias_z on (grouped: each group's K)
     stats: bool = False  # also the batch norm's per-channel partial sums into "bnpart" (module docstring)
+    # column phases joined in registers (the strided dgrad's ``jn=1``): ``park``, this job's tile is held as
+    # packed halves until the next job's epilogue; ``joined``, this job's tile and the parked one are the
+    # paired layout's columns 2 c + 1 and 2 c (this Output describes both: n = 2 C, kdiv = 2)
+    park: bool = False
+    joined: bool = False
 
     def bias_col(self, k: str, z: str) -> str:
         """The bias index of column ``k`` of slab ``z``."""
@@ -367,6 +372,49 @@ def emit_consumer_epilogue(code: Code, out: Output, wm: int, bn: int, stage: str
                      f"const int k = {col0} + {COLS * ch} + ec{item}, m = {row0} + er{item};")
                 with code.block(f"if (k < {out.n})"):
                     out.store4(code, "m", "k", z, ["v.x", "v.y", "v.z", "v.w"])
+
+
+def park_names(wm: int, bn: int) -> list[str]:
+    """The registers a parked tile takes: accumulators (i, i + 1) of block mi packed as two halves."""
+    return [f"pk{mi}_{i // 2}" for mi in range(wm) for i in range(0, bn // 2, 2)]
+
+
+def emit_park(code: Code, dtype: str, wm: int, bn: int, prefix: str = "d") -> None:
+    """Hold this tile for the next job's :func:`emit_joined_epilogue`: each pair of accumulators of
+    one row (columns 2 t, 2 t + 1 of an n8 block) rounded to ``dtype`` and packed in one register."""
+    for mi in range(wm):
+        for i in range(0, bn // 2, 2):
+            code(f"pk{mi}_{i // 2} = {_pack2(dtype, acc_name(mi, i, prefix), acc_name(mi, i + 1, prefix))};")
+
+
+def joined_write(ld: int, mi: int, i: int, ch: int, phase: int) -> str | None:
+    """Staging float offset of accumulator ``i`` of block ``mi`` of column phase ``phase`` in chunk
+    ``ch`` of the joined tile (32 paired columns: 16 channels, each channel c's phases at columns
+    2 c and 2 c + 1), or None where its channel lies in another chunk."""
+    if 8 * (i // ACC.per_chunk) // (COLS // 2) != ch:
+        return None
+    col = f"(2 * ({ACC.col_expr(i)} - {COLS // 2 * ch}) + {phase})"
+    return f"({col} * {ld} + {64 * mi} + {ACC.row_expr(i)})"
+
+
+def emit_joined_epilogue(code: Code, out: Output, wm: int, bn: int, stage: str, bar: str,
+                         row0: str, col0: str, z: str, prefix: str = "d") -> None:
+    """The parked tile (column phase 0) and this tile (phase 1) staged side by side in the paired
+    layout and stored as each row's pairs (``out``: the paired Output of both, n = 2 C; ``col0``
+    the tile's first channel). No accumulator is rounded twice: the parked halves are exact."""
+    ld, wide = staging_ld(wm), 2 * bn
+    for ch, _ in chunks(wm, wide):
+        code(f"BAR_SYNC({bar}, 128);  // the last chunk's reads are done")
+        for mi in range(wm):
+            for i in range(bn // 2):
+                w0, w1 = joined_write(ld, mi, i, ch, 0), joined_write(ld, mi, i, ch, 1)
+                if w0 is None or w1 is None:
+                    continue
+                word = f"pk{mi}_{i // 2}"
+                half = f"(unsigned short)({word} & 0xffffu)" if i % 2 == 0 else f"(unsigned short)({word} >> 16)"
+                code(f"{stage}[{w0}] = {to_float(out.dtype, half)};", f"{stage}[{w1}] = {acc_name(mi, i, prefix)};")
+        code(f"BAR_SYNC({bar}, 128);")
+        _pair_items(code, out, wm, wide, stage, row0, f"2 * {col0}", z, ch, pair_items(wm, wide, ch, 2))
 
 
 def pair_items(wm: int, bn: int, ch: int, g: int) -> list[int]:

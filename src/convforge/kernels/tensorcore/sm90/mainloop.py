@@ -237,6 +237,9 @@ def emit_consumer(code: Code, ring: Ring, jobs: list[Job]) -> None:
     """A consumer warpgroup (c = wg - 1): per tile, zero the accumulators, multiply every stage of its
     K range, release the stages, then store through the epilogue (each job through its own Output)."""
     _consumer_state(code, ring)
+    if any(job.out.park for job in jobs):
+        _check_joined(ring.cfg, jobs)
+        code(f"unsigned {', '.join(epilogue.park_names(ring.cfg.wm, ring.cfg.bn))};  // the parked tile")
     for job, head in zip(jobs, schedule.job_heads(ring.cfg, [j.prob for j in jobs]), strict=True):
         _consumer_tiles(code, ring, job.prob, job.out, head, job.ops)
 
@@ -294,7 +297,31 @@ def _consumer_tiles(code: Code, ring: Ring, prob: Problem, out: Output, head: st
         if math.scaled:
             _unscale(code, cfg, ops, cfg.summed)
         rows = "ra0" if cfg.pp else f"(ra0 + c * {64 * cfg.wm})"
-        epilogue.emit_consumer_epilogue(code, out, cfg.wm, cfg.bn, "est", "(1 + c)", rows, "rb0", "zs", cfg.summed)
+        if out.park:
+            epilogue.emit_park(code, out.dtype, cfg.wm, cfg.bn, cfg.summed)
+        elif out.joined:
+            epilogue.emit_joined_epilogue(code, out, cfg.wm, cfg.bn, "est", "(1 + c)", rows, "rb0", "zs", cfg.summed)
+        else:
+            epilogue.emit_consumer_epilogue(code, out, cfg.wm, cfg.bn, "est", "(1 + c)", rows, "rb0", "zs",
+                                            cfg.summed)
+
+
+def _check_joined(cfg: TileConfig, jobs: list[Job]) -> None:
+    """Jobs that park a tile come in (park, joined) pairs, every job of the kernel of one tile count,
+    so that each block takes the same tile of every job in turn (``ps=0``, no clusters, one consumer
+    a tile, no split): the parked registers hold the first job's tile until the second's epilogue."""
+    why = []
+    if cfg.ps or cfg.cl > 1 or cfg.pp or cfg.ks > 1:
+        why.append(f"tile {cfg.params().short()} is not ps=0 without clusters, ping-pong or split")
+    if len({cfg.tiles(job.prob) for job in jobs}) > 1:  # block b then takes tile b of every job
+        why.append("the jobs' tile counts differ")
+    for j, job in enumerate(jobs):
+        if job.out.park and (j + 1 == len(jobs) or not jobs[j + 1].out.joined):
+            why.append(f"job {j} parks a tile no next job joins")
+        if job.out.joined and (j == 0 or not jobs[j - 1].out.park):
+            why.append(f"job {j} joins a tile no job before it parked")
+    if why:
+        raise ValueError("joined column phases: " + "; ".join(why))
 
 
 def _stage_loop(code: Code, ring: Ring, tied: str) -> None:
