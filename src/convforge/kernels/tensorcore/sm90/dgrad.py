@@ -397,9 +397,11 @@ class TcDgradStrided(TcVariant):
     def _joined(self, spec: ConvSpec, device: DeviceInfo, plain: Params) -> list[Params]:
         """``jn=1`` tiles of 128 rows (two consumers of 64) by 128 or 64 columns (the wider first where C
         fills it), ``plain``'s stages at most, where the layer joins (:meth:`jn_reason`), has 32 dx
-        channels or more and one phase's tiles fill three quarters of the SMs (a block takes one tile
-        of every phase: H200, 4x4/2 decoder layers, 0.78 -> 0.64 ms on SD-VAE 512@64, 0.47 -> 0.39 on
-        DCGAN 128@16; DCGAN's 512@4 of 64 tiles a phase and 3-channel 64@32 slower: not taken)."""
+        channels or more and one phase's tiles fill three quarters of their waves of blocks (a block
+        takes one tile of every phase, ``ps=0``). H200, FP16: 4x4/2 decoder layers 0.078 -> 0.064 ms on
+        SD-VAE 512@64, 0.047 -> 0.039 on DCGAN 128@16 (0.97 of their waves); ResNet-50's 3x3/2 dgrad
+        0.055 -> 0.040 at 512@7 (0.79); slower where the waves are emptier: DCGAN 512@4 (0.48), ResNet
+        256@14 (0.74: 0.038 -> 0.047; 128@28 at 0.74 was faster, 0.049 -> 0.039, and is left plain)."""
         if spec.c < 32 or self.jn_reason(spec, TileConfig(128, 64, 1, 2, 2, ps=0)):
             return []
         math, base = self.math(spec), self._split(plain)[0]
@@ -407,8 +409,10 @@ class TcDgradStrided(TcVariant):
         for bn in ((128, 64) if spec.c >= 128 else (64,)):
             cfg = self._tile(spec, TileConfig(128, bn, base.kb, min(base.st, 6), 2, 1, 0, base.pi, kr=base.kr))
             probs = [self.job_problem(spec, ph) for ph in self._phases(spec)]
+            tiles = cfg.tiles(probs[0])
+            waves = cdiv(tiles, max(device.units, 1)) * max(device.units, 1)
             if self.jn_reason(spec, cfg) or any(cfg.problems(math, p, self.limit(device)) for p in probs) \
-                    or 4 * cfg.tiles(probs[0]) < 3 * device.units:
+                    or 4 * tiles < 3 * waves:
                 continue
             out.append(cfg.params().replace(il=0, jn=1))
         return out
