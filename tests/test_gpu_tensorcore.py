@@ -131,9 +131,9 @@ def test_paired_dy_in_place_against_float64(hopper, spec, cfg, dtype):
     assert res.ok, f"[{cfg.params().short()}] {spec.short()}: {res}"
 
 
-# dgrad_tc_strided_half with its column phases joined in registers (jn=1, NCHW half dx, stored as pairs; the
-# default where the phases' tiles fill the GPU): odd C and K by cp.async, DCGAN's 4x4/2 and SD-VAE-like widths by TMA, a 3x3/2 (ResNet's
-# downsampling dgrad: phases of 1 and 2 taps), N = 3
+# dgrad_tc_strided_half with its column phases joined in registers (jn=1, NCHW half dx, stored as pairs;
+# the default where the phases' tiles fill the GPU): odd C and K by cp.async, DCGAN's 4x4/2 and SD-VAE-like
+# widths by TMA, a 3x3/2 (ResNet's downsampling dgrad: phases of 1 and 2 taps), N = 3
 JOINED = [(ConvSpec.make(2, 5, 16, 16, 72, 4, 4, 2, 1), TileConfig(64, 64, 1, 4, 1, ps=0)),
           (ConvSpec.make(3, 24, 14, 14, 40, 3, 3, 2, 1), TileConfig(64, 32, 1, 4, 1, ps=0)),
           (ConvSpec.make(16, 64, 32, 32, 128, 4, 4, 2, 1), TileConfig(128, 64, 1, 4, 2, ps=0, tm=1)),
