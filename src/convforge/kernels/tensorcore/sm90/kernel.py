@@ -89,7 +89,8 @@ def _comment(math: Math, cfg: TileConfig, jobs: list[Job]) -> str:
         how = ", TMA" if cfg.tm else ""
         return f"wgmma {math.name} GEMM {p.m}x{p.n}x{p.kred}{batch}{how}: {cfg.params().short()}"
     shapes = ", ".join(f"{j.prob.m}x{j.prob.n}x{j.prob.kred}" for j in jobs)
-    return f"wgmma {math.name} GEMMs {shapes} in turn: {cfg.params().short()}"
+    joined = "; each parked tile joined with the next job's, stored as pairs" if any(j.out.park for j in jobs) else ""
+    return f"wgmma {math.name} GEMMs {shapes} in turn{joined}: {cfg.params().short()}"
 
 
 def jobs_grid(cfg: TileConfig, probs: list[Problem], units: int) -> int:
