@@ -152,6 +152,26 @@ def test_strided_joined_against_float64(hopper, spec, cfg, dtype):
     assert res.ok, f"[{cfg.params().short()}] {spec.short()}: {res}"
 
 
+# dgrad_tc_strided_half reading an NCHW dy as it lies (mn=1: 4-D tiled TMA boxes of 64 pixels of a dy row at each
+# tap's offset, zeros outside; B MN-major; by params only until these pass), with and without the joined stores:
+# SD-VAE's 4x4/2 widths, a 3x3/2, two images
+STRIDED_MN = [(ConvSpec.make(1, 64, 128, 128, 64, 4, 4, 2, 1), TileConfig(128, 64, 1, 4, 2, ps=0, tm=1, mn=1)),
+              (ConvSpec.make(2, 32, 12, 128, 128, 3, 3, 2, 1), TileConfig(128, 64, 1, 4, 2, ps=0, tm=1, mn=1)),
+              (ConvSpec.make(1, 256, 128, 128, 256, 4, 4, 2, 1), TileConfig(128, 128, 1, 4, 2, ps=0, tm=1, mn=1))]
+
+
+@pytest.mark.parametrize("spec, cfg", STRIDED_MN, ids=lambda v: v.short() if hasattr(v, "short") else None)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("jn", [0, 1])
+def test_strided_dy_in_place_against_float64(hopper, spec, cfg, dtype, jn):
+    """The strided dgrad reading an NCHW dy in place (mn=1), NaN-poisoned dx against float64."""
+    v = get_variant("dgrad_tc_strided_half")
+    spec = dataclasses.replace(spec, dtype=dtype, conv_pass="dgrad")
+    assert v.applies(spec, hopper.device) is None and v.mn_reason(spec) is None
+    res = check_plan(v.plan(spec, cfg.params().replace(il=0, jn=jn), hopper.device), hopper, seed=3)
+    assert res.ok, f"[{cfg.params().short()} jn={jn}] {spec.short()}: {res}"
+
+
 EPILOGUES = [Epilogue(bias=True, relu=True), Epilogue(residual=True, relu=True), Epilogue(bias=True, k_total=80,
                                                                                           k_offset=9)]
 

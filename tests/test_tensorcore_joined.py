@@ -7,6 +7,10 @@ joined staging is the paired layout (channel c's phases at columns 2 c, 2 c + 1)
 the jobs, emulated with the parked tile rounded, give the float64 input gradient with every dx element
 written once; the refusals; the GEMM compiles without spills. The GPU tier
 (tests/test_gpu_tensorcore.py ``-k joined``) runs the plans against float64.
+
+``mn=1`` on the same variant (by params only: not yet run on a GPU): the NCHW dy read as it lies, each
+phase's A a 4-D tiled TMA box of 64 pixels of one dy row at the tap's offset (``MnPlanes``: zeros
+outside the plane), B the filters MN-major; emulated here with and without the joined stores.
 """
 
 from __future__ import annotations
@@ -82,11 +86,12 @@ def test_joined_staging_is_the_paired_layout(bn):
         assert len(seen) == 64 * min(32, 2 * bn - 32 * ch)
 
 
-def emulate_joined(spec: ConvSpec, math, cfg: TileConfig, seed: int = 0):
-    """dx from the plan's jobs: each phase's GEMM (dy NHWC, B from the layer's definition) stored by its
-    own sub-grid Output, column phase 0's values rounded to the dtype first (its parked halves)."""
+def emulate_joined(spec: ConvSpec, math, cfg: TileConfig, seed: int = 0, joined: bool = True):
+    """dx from the plan's jobs: each phase's GEMM (dy NHWC, or NCHW as it lies with ``cfg.mn``; B from the
+    layer's definition) stored by its own sub-grid Output, column phase 0's values rounded to the dtype
+    first where ``joined`` (its parked halves)."""
     v = get_variant(NAME)
-    assert v.jn_reason(spec, cfg) is None, v.jn_reason(spec, cfg)
+    assert not joined or v.jn_reason(spec, cfg) is None, v.jn_reason(spec, cfg)
     rng = np.random.default_rng(seed)
     dy = rounded(rng.uniform(-1, 1, spec.y_shape).astype(np.float32), spec.dtype).astype(np.float64)
     w = rounded(rng.uniform(-1, 1, spec.w_shape).astype(np.float32), spec.dtype).astype(np.float64)
@@ -94,13 +99,19 @@ def emulate_joined(spec: ConvSpec, math, cfg: TileConfig, seed: int = 0):
     dx, written = np.zeros(int(np.prod(spec.x_shape))), np.zeros(int(np.prod(spec.x_shape)), int)
     for ph in phases(spec):
         a, b = v.operands(spec, ph, cfg)
-        m = np.zeros((b.rows, b.ld))
-        for t, (r, s) in enumerate(ph.taps()):
-            m[:, t * kp:t * kp + spec.k] = w[:, :, r, s].T
+        if cfg.mn:  # B [taps K][ld]: row t K + k, column c
+            m = np.full((len(ph.taps()) * spec.k, b.ld), 1e30)
+            for t, (r, s) in enumerate(ph.taps()):
+                m[t * spec.k:(t + 1) * spec.k, :spec.c] = w[:, :, r, s]
+            data = {"a": {"hi": dy.ravel()}, "b": {"hi": m.ravel()}}
+        else:
+            m = np.zeros((b.rows, b.ld))
+            for t, (r, s) in enumerate(ph.taps()):
+                m[:, t * kp:t * kp + spec.k] = w[:, :, r, s].T
+            data = {"a": {"hi": _nhwc(dy, kp)}, "b": {"hi": m.ravel()}}
         out = dataclasses.replace(ph.output(spec), slab=dx.size, epi=None)
-        data = {"a": {"hi": _nhwc(dy, kp)}, "b": {"hi": m.ravel()}}
         y, wr = emulate_gemm(cfg, math, v.job_problem(spec, ph), a, b, data, out)
-        if ph.aw.ph == 0:
+        if joined and ph.aw.ph == 0:
             y = rounded(y.astype(np.float32), spec.dtype).astype(np.float64)
         dx += y
         written += wr
@@ -122,6 +133,38 @@ def test_emulated_joined_dgrad_equals_the_input_gradient(spec, math, cfg):
     assert err < 2e-3, err  # the parked halves' rounding; the tiles' sums are exact
 
 
+MN_CASES = [(_spec(1, 8, 4, 128, 64, 4, 1), F16, TileConfig(64, 64, 1, 2, 1, ps=0, tm=1, mn=1)),  # 4x4/2, dy 2 x 64
+            (_spec(2, 5, 6, 128, 64, 3, 1, "bfloat16"), BF16, TileConfig(64, 64, 1, 2, 1, ps=0, tm=1, mn=1))]
+
+
+@pytest.mark.parametrize("joined", [False, True])
+@pytest.mark.parametrize("spec, math, cfg", MN_CASES, ids=lambda v: v.short() if hasattr(v, "short") else None)
+def test_emulated_dy_in_place(spec, math, cfg, joined):
+    """``mn=1``: no dy step in the plan, every phase's A a 4-D box per tap (rows above and below the plane
+    and columns past its edges zero-filled), dx equal to float64, every element written once."""
+    v = get_variant(NAME)
+    assert v.mn_reason(spec) is None and v.tma_reason(spec, cfg) is None
+    plan = v.plan(spec, cfg.params().replace(il=0, jn=int(joined)), NOMINAL_CUDA)
+    assert not any(k.name.endswith("_dy") for k in plan.kernels) and "dyh" not in dict(plan.workspace)
+    gemm = next(k for k in plan.kernels if k.name.endswith("_gemm"))
+    assert "TMA_TILE_4D(" in gemm.body
+    dx, ref, written = emulate_joined(spec, math, cfg, joined=joined)
+    assert (written == 1).all()
+    err = np.linalg.norm(dx - ref) / np.linalg.norm(ref)
+    assert err < (2e-3 if joined else 1e-12), err
+
+
+def test_mn_refusals():
+    v = get_variant(NAME)
+    spec = MN_CASES[0][0]
+    assert "NCHW" in v.mn_reason(dataclasses.replace(spec, layout="nhwc"))
+    assert "K (40)" in v.mn_reason(dataclasses.replace(spec, k=40))
+    assert "64-pixel" in v.mn_reason(_spec(1, 8, 4, 96, 64, 4, 1))
+    assert "16-bit" in get_variant("dgrad_tc_strided_3xtf32").mn_reason(dataclasses.replace(spec, dtype="float32"))
+    with pytest.raises(ValueError, match="mn"):
+        v.plan(dataclasses.replace(spec, k=40), MN_CASES[0][2].params().replace(il=0), NOMINAL_CUDA)
+
+
 def test_refusals():
     v = get_variant(NAME)
     spec, cfg = CASES[0][0], CASES[0][2]
@@ -140,11 +183,14 @@ def test_refusals():
 
 
 def test_joined_gemms_compile_without_spills(nvcc_ok):
-    """DCGAN 128@16 and SD-VAE 512@64's layers (FP16, BF16) with 128 x 128 and 128 x 64 tiles."""
+    """DCGAN 128@16 and SD-VAE 512@64's layers (FP16, BF16) with 128 x 128 and 128 x 64 tiles; SD-VAE's
+    also with dy read in place (mn=1, four stages)."""
     v, sources = get_variant(NAME), []
-    for text, dtype, cfg in itertools.product(
-            ["N=128,C=64,H=32,W=32,K=128", "N=1,C=512,H=128,W=128,K=512"], ["float16", "bfloat16"],
-            [TileConfig(128, 128, 1, 4, 2, ps=0, tm=1), TileConfig(128, 64, 1, 6, 2, ps=0, tm=1)]):
+    sdvae = "N=1,C=512,H=128,W=128,K=512"
+    for text, dtype, cfg in list(itertools.product(
+            ["N=128,C=64,H=32,W=32,K=128", sdvae], ["float16", "bfloat16"],
+            [TileConfig(128, 128, 1, 4, 2, ps=0, tm=1), TileConfig(128, 64, 1, 6, 2, ps=0, tm=1)])) + \
+            [(sdvae, "float16", TileConfig(128, 128, 1, 4, 2, ps=0, tm=1, mn=1))]:
         spec = ConvSpec.parse(f"{text},R=4,S=4,stride=2,pad=1,pass=dgrad,layout=nchw,dtype={dtype}")
         plan = v.plan(spec, _params(cfg), NOMINAL_CUDA)
         sources.append((f"{text} {dtype} {cfg.params().short()}",

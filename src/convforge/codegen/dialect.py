@@ -105,6 +105,8 @@ A kernel body is plain C using these tokens, which each renderer spells its own 
                                                           completing its bytes on mbarrier bar; out of
                                                           bounds reads zeros
     TMA_TILE_3D(sa, map, c0, c1, c2, bar)                 the same of a 3-D tiled TensorMap (one image's box)
+    TMA_TILE_4D(sa, map, c0, c1, c2, c3, bar)             the same of a 4-D one (an NCHW tensor's planes at a
+                                                          tap's offset: negative coordinates read zeros)
     TMA_IM2COL_4D(sa, map, c, w, h, n, ow, oh, bar)       TMA copy of an im2col TensorMap's column: pixels from
                                                           (n, h, w) on through its bounding box, each read at
                                                           (h + oh, w + ow), channels c .. c + box; zeros

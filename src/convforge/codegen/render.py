@@ -26,7 +26,7 @@ _TOKEN = re.compile(r"\b(GROUP_ID|LOCAL_ID|GROUP_SIZE|NUM_GROUPS|BARRIER|VLOAD4|
                     r"LDS_F1|TF32_RHA|FENCE_PROXY_ASYNC|WGMMA_FENCE|WGMMA_COMMIT|WGMMA_WAIT|WGMMA_TF32|"
                     r"MBAR_INIT|MBAR_WAIT|MBAR_ARRIVE|CP_ASYNC_MBAR_ARRIVE|SETMAXNREG_INC|SETMAXNREG_DEC|"
                     r"BAR_SYNC|WGMMA_RS|WGMMA_HOLD|WGMMA_TZ|WGMMA_T|WGMMA_Z|WGMMA|TC_F16_TO_F32|TC_BF16_TO_F32|TC_F32_TO_F16|TC_F32_TO_BF16|TC_PACK_F16X2|"
-                    r"TC_PACK_BF16X2|MBAR_INIT_FENCE|MBAR_EXPECT_TX|TMA_PREFETCH|TMA_TILE_2D|TMA_TILE_3D|TMA_IM2COL_4D|"
+                    r"TC_PACK_BF16X2|MBAR_INIT_FENCE|MBAR_EXPECT_TX|TMA_PREFETCH|TMA_TILE_2D|TMA_TILE_3D|TMA_TILE_4D|TMA_IM2COL_4D|"
                     r"TMA_TILE_2D_MC|TMA_IM2COL_4D_MC|CLUSTER_RANK|CLUSTER_ID|NUM_CLUSTERS|CLUSTER_SYNC|"
                     r"MBAR_ARRIVE_CLUSTER|TC_X3H_SCALE|TC_X3H_UNSCALE)\(")
 _WORDS = re.compile(r"\b(SHARED|LOCAL_PTR|GLOBAL_PTR|RESTRICT|DEVICE|U64|I64|HALF_T|BF16_T)\b( ?)")
@@ -498,7 +498,7 @@ _WGMMA_TOKENS = frozenset({"FENCE_PROXY_ASYNC", "WGMMA_FENCE", "WGMMA_COMMIT", "
                              "TC_F16_TO_F32", "TC_BF16_TO_F32", "TC_F32_TO_F16", "TC_F32_TO_BF16", "TC_PACK_F16X2",
                              "TC_PACK_BF16X2"}
                           | {"MBAR_INIT_FENCE", "MBAR_EXPECT_TX", "TMA_PREFETCH", "TMA_TILE_2D", "TMA_TILE_3D",
-                             "TMA_IM2COL_4D"}
+                             "TMA_TILE_4D", "TMA_IM2COL_4D"}
                           | {"TMA_TILE_2D_MC", "TMA_IM2COL_4D_MC", "CLUSTER_RANK", "CLUSTER_ID", "NUM_CLUSTERS",
                              "CLUSTER_SYNC", "MBAR_ARRIVE_CLUSTER", "TC_X3H_SCALE", "TC_X3H_UNSCALE"})
 
@@ -625,6 +625,9 @@ _TC_TOKENS: dict[str, Callable[[list[str]], str]] = {
     "TMA_TILE_3D": lambda a: _asm("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
                                   "[%0], [%1, {%2, %3, %4}], [%5];", (),
                                   [f'"r"({a[0]})', _map_addr(a[1]), *(f'"r"({v})' for v in a[2:5]), f'"r"({a[5]})']),
+    "TMA_TILE_4D": lambda a: _asm("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+                                  "[%0], [%1, {%2, %3, %4, %5}], [%6];", (),
+                                  [f'"r"({a[0]})', _map_addr(a[1]), *(f'"r"({v})' for v in a[2:6]), f'"r"({a[6]})']),
     # 16-bit operands (im2col offsets, multicast masks) go in as 32-bit registers and are narrowed
     # inside the asm: given "h" operands, nvcc 13.0 reused one copy's offset register for the next in
     # a fully unrolled loop (4x4 taps, one tap a stage: {1, 1} where the PTX needed {1, 0})

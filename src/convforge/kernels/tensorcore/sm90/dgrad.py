@@ -28,6 +28,11 @@ stride-1 forward convolution of dy with dilation delta and padding -o. Per phase
   halves, then tile b of (ph, 1), and stores both as each dx row's pairs (``Output.pairs``): no
   phase buffers, no interleave (:meth:`TcDgradStrided._joined`).
 
+``mn=1`` (NCHW half, by params only: emulated and compiled, not yet run on a GPU; GPU tier
+``test_gpu_tensorcore -k strided_dy_in_place``): A = dy as it lies, each stage a 4-D tiled TMA box
+of 64 pixels of one dy row at the stage's tap offset (:class:`MnPlanes`; zeros outside the plane are
+the padding), B the filters MN-major: no dy copy step.
+
 1x1 filters at stride > 1 have one phase: dgrad_sub_<1x1 forward> (kernels/dgrad/transposed.py)
 reads dy in place for it. Stride 1 is DgradTransposed's (kernels/dgrad/transposed.py); groups run dgrad_strided_gemm.
 
@@ -52,7 +57,7 @@ from convforge.kernels.tensorcore.sm90.epilogue import CTYPE, Output
 from convforge.kernels.tensorcore.sm90.isa import Math, device_reason
 from convforge.kernels.tensorcore.sm90.kernel import jobs_grid, jobs_kernel, launch_refs
 from convforge.kernels.tensorcore.sm90.mainloop import Job
-from convforge.kernels.tensorcore.sm90.operands import DenseRows, Geometry, Im2colNhwc
+from convforge.kernels.tensorcore.sm90.operands import DenseRows, Geometry, Im2colNhwc, MnPlanes, MnRows, Operand
 from convforge.kernels.tensorcore.sm90.tiles import Problem, TileConfig
 from convforge.kernels.tensorcore.sm90.variants import RANK_SM90, TcVariant, tolerance
 from convforge.params import Params
@@ -355,10 +360,28 @@ class TcDgradStrided(TcVariant):
                            mn=bool(cfg is not None and cfg.mn))
 
     def _dy_in_place(self, spec: ConvSpec, cfg: TileConfig | None = None) -> bool:
-        """A channels-last dy the GEMM reads as it lies (prep.reads_in_place's rule, for dy's K channels;
-        subclasses: also by the tile ``cfg``)."""
+        """A channels-last dy the GEMM reads as it lies (prep.reads_in_place's rule, for dy's K channels),
+        or an NCHW one read MN-major (``mn=1``)."""
+        if cfg is not None and cfg.mn:
+            return True
         math = self.math(spec)
         return spec.layout == "nhwc" and not (math.split or math.scaled) and self._kp(spec) == spec.k
+
+    def mn_reason(self, spec: ConvSpec) -> str | None:
+        """Why an NCHW dy cannot be read as it lies (``mn=1``), or None: 16-bit operands of one part, K
+        whole 64-channel stages (a stage in one tap), every phase's sub-grid rows whole 64-pixel blocks
+        (:class:`MnPlanes`: each block a box of one dy row at the tap's offset, zeros outside)."""
+        math = self.math(spec)
+        if spec.layout != "nchw":
+            return "dy is read in place MN-major in NCHW only (channels-last dy: K-major, already in place)"
+        if math.parts != ("hi",) or math.scaled or math.esize != 2:
+            return "MN-major operands are 16-bit (FP16, BF16)"
+        if spec.k % 64:
+            return f"K ({spec.k}) is not whole 64-channel stages (a stage would straddle two taps)"
+        for ph in self._phases(spec):
+            if not ph.empty and ph.aw.rows % 64:
+                return f"phase {ph.tag}'s sub-grid rows of {ph.aw.rows} pixels are not whole 64-pixel blocks"
+        return None
 
     def _dy(self, spec: ConvSpec, cfg: TileConfig | None = None) -> str:
         return "y" if self._dy_in_place(spec, cfg) else "dyh"
@@ -478,12 +501,17 @@ class TcDgradStrided(TcVariant):
         return bool(jn)
 
     def _ld(self, spec: ConvSpec, ph: Phase, cfg: TileConfig) -> int:
+        """Row length of phase ``ph``'s packed filters: the reduction in whole stages, or (``mn=1``) the
+        B columns in whole 16-byte rows."""
+        if cfg.mn:
+            return cdiv(self._b_rows(spec, ph), 8) * 8
         stage = self.math(spec).elems(cfg.kb)
         return cdiv(self.job_problem(spec, ph).kred, stage) * stage
 
     def _b_bytes(self, spec: ConvSpec, ph: Phase, cfg: TileConfig) -> int:
-        """Bytes of phase ``ph``'s packed filters (each part)."""
-        return self.math(spec).esize * self._b_rows(spec, ph) * self._ld(spec, ph, cfg)
+        """Bytes of phase ``ph``'s packed filters (each part): B rows x ld, or MN-major kred x ld."""
+        rows = self.job_problem(spec, ph).kred if cfg.mn else self._b_rows(spec, ph)
+        return self.math(spec).esize * rows * self._ld(spec, ph, cfg)
 
     def workspace_bytes(self, spec: ConvSpec, params: Params) -> int:
         return sum(b for _, b in self._workspace(spec, *self._split(params)))
@@ -504,8 +532,24 @@ class TcDgradStrided(TcVariant):
         return out
 
     # -- plan ---------------------------------------------------------------------------------
-    def operands(self, spec: ConvSpec, ph: Phase, cfg: TileConfig) -> tuple[Im2colNhwc, DenseRows]:
-        """A: dy (NHWC) gathered for the phase's sub-grid; B: its packed filters."""
+    def operands(self, spec: ConvSpec, ph: Phase, cfg: TileConfig) -> tuple[Operand, Operand]:
+        """A: dy (NHWC) gathered for the phase's sub-grid; B: its packed filters (:meth:`plain_operands`).
+        ``mn=1``: A = the NCHW dy's planes at each tap's offset (:class:`MnPlanes`), B the filters
+        MN-major ([taps K][C])."""
+        if not cfg.mn:
+            return self.plain_operands(spec, ph, cfg)
+        why = self.mn_reason(spec)
+        if why:
+            raise ValueError(f"{self.name}: mn (1): {why}")
+        math, ah, aw = self.math(spec), ph.ah, ph.aw
+        a = MnPlanes("a", cfg.a_tile(), math, "y", images=spec.n, chans=spec.k, p=spec.p, q=spec.q, ps=ah.rows,
+                     qs=aw.rows, first_h=ah.first, first_w=aw.first, delta_h=ah.delta, delta_w=aw.delta,
+                     taps_w=len(aw.taps))
+        return a, MnRows("b", cfg.b_tile(), math, f"wph{ph.tag}", cols=self._b_rows(spec, ph),
+                         ld=self._ld(spec, ph, cfg), kred=self.job_problem(spec, ph).kred)
+
+    def plain_operands(self, spec: ConvSpec, ph: Phase, cfg: TileConfig) -> tuple[Im2colNhwc, DenseRows]:
+        """A: dy (NHWC) gathered for the phase's sub-grid; B: its packed filters, K-major."""
         math, kp = self.math(spec), self._kp(spec)
         prob = self.job_problem(spec, ph)
         a = Im2colNhwc("a", cfg.a_tile(), math, self._dy(spec), geo=ph.geometry(spec, kp))
@@ -553,7 +597,7 @@ class TcDgradStrided(TcVariant):
             if why:
                 raise ValueError(f"{self.name}: phase {ph.tag}: {'; '.join(why)}")
             a, b = self.operands(spec, ph, cfg)
-            packs.append((ph, self._ld(spec, ph, cfg), b.buf))
+            packs.append((ph, self._ld(spec, ph, cfg), b.buffer("hi")))
             jobs.append(Job(prob, [a, b], self.store(spec, ph, il, jn)))
         if jobs:  # none where no tap reaches a dx row (H < stride, the tap's phase past dx): dx is zeros
             wk, wgrid = self.pack_step(spec, packs, cfg)

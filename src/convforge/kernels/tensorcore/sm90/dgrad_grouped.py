@@ -31,7 +31,7 @@ from convforge.kernels import register
 from convforge.kernels.tensorcore.sm90.dgrad import Phase, TcDgradStrided, pack_phases
 from convforge.kernels.tensorcore.sm90.epilogue import Output
 from convforge.kernels.tensorcore.sm90.grouped import pack_factor
-from convforge.kernels.tensorcore.sm90.operands import DenseRows, Im2colNhwc
+from convforge.kernels.tensorcore.sm90.operands import Operand
 from convforge.kernels.tensorcore.sm90.tiles import Problem, TileConfig
 from convforge.plan import DeviceInfo
 from convforge.spec import ConvSpec
@@ -78,9 +78,11 @@ class TcDgradStridedGrouped(TcDgradStrided):
         groups, cols, red = self._widths(spec)
         return Problem(spec.n * ph.ah.rows * ph.aw.rows, cols, len(ph.ah.taps) * len(ph.aw.taps) * red, groups)
 
-    def operands(self, spec: ConvSpec, ph: Phase, cfg: TileConfig) -> tuple[Im2colNhwc, DenseRows]:
+    def operands(self, spec: ConvSpec, ph: Phase, cfg: TileConfig) -> tuple[Operand, Operand]:
         """The dense form's operands narrowed to one packed group, offset per group (the module docstring)."""
-        a, b = super().operands(spec, ph, cfg)
+        if cfg.mn:
+            raise ValueError(f"{self.name}: mn (1): grouped phases read dy's packed groups K-major")
+        a, b = self.plain_operands(spec, ph, cfg)
         _, cols, red = self._widths(spec)
         assert a.geo is not None
         geo = dataclasses.replace(a.geo, cp=red, pitch=a.geo.cp, group_stride=red)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from convforge.codegen.meta import cdiv
 from convforge.kernels import register
 from convforge.kernels.dgrad.strided import axes
 from convforge.kernels.tensorcore.sm90.dgrad import Phase, PhaseAxis, TcDgradStrided, phase_axes
@@ -152,22 +151,7 @@ class TcDgradPaired(TcDgradStrided):
                 return f"phase {ph.tag} reads dy with more than one tap or off its own pixel"
         return None
 
-    def _dy_in_place(self, spec: ConvSpec, cfg: TileConfig | None = None) -> bool:
-        return bool(cfg is not None and cfg.mn) or super()._dy_in_place(spec, cfg)
-
-    def _mn_ld(self, spec: ConvSpec, ph: Phase) -> int:
-        """Row length of an MN-major B: its g C columns, whole 16-byte rows."""
-        return cdiv(self._b_rows(spec, ph), 8) * 8
-
-    def _ld(self, spec: ConvSpec, ph: Phase, cfg: TileConfig) -> int:
-        return self._mn_ld(spec, ph) if cfg.mn else super()._ld(spec, ph, cfg)
-
-    def _b_bytes(self, spec: ConvSpec, ph: Phase, cfg: TileConfig) -> int:
-        if cfg.mn:
-            return self.math(spec).esize * self._kp(spec) * self._mn_ld(spec, ph)
-        return super()._b_bytes(spec, ph, cfg)
-
-    def operands(self, spec: ConvSpec, ph: Phase, cfg: TileConfig) -> tuple[Operand, Operand]:  # type: ignore[override]
+    def operands(self, spec: ConvSpec, ph: Phase, cfg: TileConfig) -> tuple[Operand, Operand]:
         """``mn=1``: A = dy [N][K][P Q] as it lies, B = the run's packed filters [K][g C] (both
         MN-major); else the plain form's."""
         if not cfg.mn:
@@ -177,7 +161,7 @@ class TcDgradPaired(TcDgradStrided):
             raise ValueError(f"{self.name}: mn=1: {why}")
         math, pq = self.math(spec), spec.p * spec.q
         a = MnRows("a", cfg.a_tile(), math, "y", cols=pq, ld=pq, kred=spec.k, images=spec.n)
-        b = MnRows("b", cfg.b_tile(), math, f"wph{ph.tag}", cols=self._b_rows(spec, ph), ld=self._mn_ld(spec, ph),
+        b = MnRows("b", cfg.b_tile(), math, f"wph{ph.tag}", cols=self._b_rows(spec, ph), ld=self._ld(spec, ph, cfg),
                    kred=spec.k)
         return a, b
 

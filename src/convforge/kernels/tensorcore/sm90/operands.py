@@ -323,6 +323,28 @@ class MnRows(_MnMajor):
 
 
 @dataclass(frozen=True)
+class MnPlanes(_MnMajor):
+    """An NCHW tensor [``images``][``chans``][``p``][``q``] read as one strided dgrad phase's A, MN-major:
+    M index n ps qs + i qs + j (pixel (i, j) of the phase's ps x qs sub-grid of image n), reduction index
+    t chans + k (tap t = th taps_w + tw outer), element [n][k][i + oh][j + ow] with oh = first_h + th
+    delta_h, ow = first_w + tw delta_w, zeros outside the plane (the copy engine's bounds). ``qs`` a
+    multiple of 64 (a block of 64 M indices in one sub-grid row), ``chans`` of the stage's rows (a stage
+    in one tap)."""
+
+    images: int = 1
+    chans: int = 0
+    p: int = 0
+    q: int = 0
+    ps: int = 0
+    qs: int = 0
+    first_h: int = 0
+    first_w: int = 0
+    delta_h: int = 1
+    delta_w: int = 1
+    taps_w: int = 1
+
+
+@dataclass(frozen=True)
 class MnIm2col(_MnMajor):
     """The pixels of NHWC activations ``geo`` under its filter taps: row m = (tap, c) of D with c fastest
     (each block of 64 rows lies in one tap: ``geo.cp`` a multiple of 64), reduction index = output pixel

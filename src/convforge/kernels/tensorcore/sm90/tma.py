@@ -51,7 +51,15 @@ from convforge.codegen.dialect import TensorMap
 from convforge.codegen.meta import Code
 from convforge.kernels.tensorcore.sm90.cexpr import Let, emit_all
 from convforge.kernels.tensorcore.sm90.isa import Math
-from convforge.kernels.tensorcore.sm90.operands import DenseRows, Geometry, Im2colNhwc, MnIm2col, MnRows, Operand
+from convforge.kernels.tensorcore.sm90.operands import (
+    DenseRows,
+    Geometry,
+    Im2colNhwc,
+    MnIm2col,
+    MnPlanes,
+    MnRows,
+    Operand,
+)
 from convforge.kernels.tensorcore.sm90.smem import StageLayout
 from convforge.kernels.tensorcore.sm90.tiles import TileConfig
 
@@ -81,6 +89,11 @@ def reason(op: Operand, rows: int) -> str | None:
         if op.ld * op.math.esize % 16:
             return f"rows of {op.ld} elements are not 16-byte multiples"
         return f"{op.cols} columns an image are not whole 64-element blocks" if op.images > 1 and op.cols % 64 else None
+    if isinstance(op, MnPlanes):
+        if op.qs % 64 or op.chans % op.tile.rows or op.q * op.math.esize % 16:
+            return (f"sub-grid rows of {op.qs} pixels, {op.chans} channels and planes {op.q} wide: not whole 64-pixel "
+                    f"blocks, {op.tile.rows}-row stages and 16-byte rows")
+        return None
     if isinstance(op, MnIm2col):
         return _geometry_reason(op.geo, 64)
     if isinstance(op, DenseRows):
@@ -141,6 +154,10 @@ def tensor_map(op: Operand, part: str, rows: int, tag: str = "") -> TensorMap:
         raise ValueError(f"operand {op.name}: {why}")
     es, dtype, name = op.math.esize, storage(op.math), map_name(op, part, tag)
     atom, sw = op.tile.width // es, op.tile.width
+    if isinstance(op, MnPlanes):  # [images][chans][p][q]: 64 pixels of one row by the stage's channels
+        return TensorMap(name, "tiled", dtype, (op.q, op.p, op.chans, op.images),
+                         (op.q * es, op.p * op.q * es, op.chans * op.p * op.q * es), (atom, 1, rows, 1),
+                         source=op.buffer(part), swizzle=sw)
     if isinstance(op, MnRows) and op.images > 1:  # [images][kred][ld]: one image's rows a box
         return TensorMap(name, "tiled", dtype, (op.ld, op.kred, op.images), (op.ld * es, op.ld * op.kred * es),
                          (atom, rows, 1), source=op.buffer(part), swizzle=sw)
@@ -198,6 +215,12 @@ def stage_lets(op: Operand) -> list[Let]:
     reduction row (MnRows) or output pixel (MnIm2col: its image and receptive-field corner)."""
     if isinstance(op, MnRows):
         return [Let(f"{op.name}_p", f"(kt * {op.tile.rows})")]
+    if isinstance(op, MnPlanes):  # the stage's tap and first channel, the tap's offsets
+        n = op.name
+        return [Let(f"{n}_p", f"(kt * {op.tile.rows})"), Let(f"{n}_t", f"({n}_p / {op.chans})"),
+                Let(f"{n}_k", f"({n}_p % {op.chans})"),
+                Let(f"{n}_oh", f"({op.first_h} + {n}_t / {op.taps_w} * {op.delta_h})"),
+                Let(f"{n}_ow", f"({op.first_w} + {n}_t % {op.taps_w} * {op.delta_w})")]
     if isinstance(op, MnIm2col):
         g, n = op.geo, op.name
         assert g is not None
@@ -240,9 +263,9 @@ class TmaCopy:
         mc, tail = ("_MC", f", {self.mask}") if self.mask else ("", "")
         if self.offsets:
             return f"TMA_IM2COL_4D{mc}({dst}, {self.map.name}, {', '.join(self.coords + self.offsets)}, fb{tail});"
-        if len(self.coords) == 3:
-            assert not self.mask, "a 3-D tiled copy is not multicast"
-            return f"TMA_TILE_3D({dst}, {self.map.name}, {', '.join(self.coords)}, fb);"
+        if len(self.coords) in (3, 4):
+            assert not self.mask, "a 3-D or 4-D tiled copy is not multicast"
+            return f"TMA_TILE_{len(self.coords)}D({dst}, {self.map.name}, {', '.join(self.coords)}, fb);"
         return f"TMA_TILE_2D{mc}({dst}, {self.map.name}, {', '.join(self.coords)}, fb{tail});"
 
 
@@ -262,6 +285,11 @@ def copies(op: Operand, stage: StageLayout, parts: tuple[str, ...], tag: str = "
             if isinstance(op, MnIm2col):  # block a: its 64 channels of the stage's pixels at its tap
                 coords = (f"{n}_c{a}", f"{n}_w0", f"{n}_h0", f"{n}_n0")
                 out.append(TmaCopy(dst, m, part, coords, (f"{n}_os{a}", f"{n}_or{a}")))
+            elif isinstance(op, MnPlanes):  # block a: 64 pixels of one sub-grid row at the stage's tap
+                col, plane = f"(r{n}0 + {64 * a})", op.ps * op.qs
+                coords = (f"({col} % {op.qs} + {n}_ow)", f"({col} % {plane} / {op.qs} + {n}_oh)", f"{n}_k",
+                          f"({col} / {plane})")
+                out.append(TmaCopy(dst, m, part, coords))
             elif isinstance(op, MnRows) and op.images > 1:  # block a: its image's columns of the stage's rows
                 col = f"(r{n}0 + {64 * a})"
                 out.append(TmaCopy(dst, m, part, (f"({col} % {op.cols})", f"{n}_p", f"({col} / {op.cols})")))
