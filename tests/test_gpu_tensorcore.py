@@ -111,8 +111,8 @@ def test_training_pass_against_float64(hopper, name, spec):
         assert res.ok, f"{name} [{prm.short()}] {spec.short()}: {res}"
 
 
-# dgrad_tc_paired_half with an NCHW dy read as it lies (mn=1: MN-major 3-D tiled copies, B MN-major; by params only
-# until these pass): odd C, a K tail, several images; UNet's widest and narrowest up-convolutions; 4x4/4
+# dgrad_tc_paired_half with an NCHW dy read as it lies (mn=1: MN-major 3-D tiled copies, B MN-major; its NCHW
+# default where it applies): odd C, a K tail, several images; UNet's widest and narrowest up-convolutions; 4x4/4
 PAIRED_MN = [(ConvSpec.make(2, 5, 16, 16, 72, 2, 2, 2, 0), TileConfig(64, 64, 1, 4, 1, tm=1, mn=1)),
              (ConvSpec.make(3, 40, 16, 32, 64, 2, 2, 2, 0), TileConfig(128, 64, 1, 4, 2, tm=1, mn=1)),
              (ConvSpec.make(1, 6, 32, 32, 16, 4, 4, 4, 0), TileConfig(64, 64, 1, 4, 1, tm=1, mn=1)),
@@ -124,11 +124,20 @@ PAIRED_MN = [(ConvSpec.make(2, 5, 16, 16, 72, 2, 2, 2, 0), TileConfig(64, 64, 1,
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_paired_dy_in_place_against_float64(hopper, spec, cfg, dtype):
     """The paired strided dgrad reading an NCHW dy in place (mn=1), NaN-poisoned dx against float64."""
-    v = get_variant("dgrad_tc_paired_half")
+    _strided_case(hopper, "dgrad_tc_paired_half", spec, dtype, cfg.params().replace(il=0))
+
+
+def _strided_case(hopper, name: str, spec: ConvSpec, dtype: str, params) -> None:  # type: ignore[no-untyped-def]
+    """Variant ``name``'s plan of ``params`` on the dgrad of ``spec`` in ``dtype`` (its forms' reasons
+    none), NaN-poisoned dx against float64."""
+    v = get_variant(name)
     spec = dataclasses.replace(spec, dtype=dtype, conv_pass="dgrad")
-    assert v.applies(spec, hopper.device) is None and v.mn_reason(spec) is None
-    res = check_plan(v.plan(spec, cfg.params().replace(il=0), hopper.device), hopper, seed=3)
-    assert res.ok, f"[{cfg.params().short()}] {spec.short()}: {res}"
+    cfg = TileConfig.of(Params({k: val for k, val in params.items() if k not in ("il", "jn")}))
+    assert v.applies(spec, hopper.device) is None
+    assert not params.get("mn") or v.mn_reason(spec) is None
+    assert not params.get("jn") or v.jn_reason(spec, cfg) is None
+    res = check_plan(v.plan(spec, params, hopper.device), hopper, seed=3)
+    assert res.ok, f"{name} [{params.short()}] {spec.short()}: {res}"
 
 
 # dgrad_tc_strided_half with its column phases joined in registers (jn=1, NCHW half dx, stored as pairs;
@@ -145,11 +154,7 @@ JOINED = [(ConvSpec.make(2, 5, 16, 16, 72, 4, 4, 2, 1), TileConfig(64, 64, 1, 4,
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_strided_joined_against_float64(hopper, spec, cfg, dtype):
     """The strided dgrad with column phases joined in registers (jn=1), NaN-poisoned dx against float64."""
-    v = get_variant("dgrad_tc_strided_half")
-    spec = dataclasses.replace(spec, dtype=dtype, conv_pass="dgrad")
-    assert v.applies(spec, hopper.device) is None and v.jn_reason(spec, cfg) is None
-    res = check_plan(v.plan(spec, cfg.params().replace(il=0, jn=1), hopper.device), hopper, seed=3)
-    assert res.ok, f"[{cfg.params().short()}] {spec.short()}: {res}"
+    _strided_case(hopper, "dgrad_tc_strided_half", spec, dtype, cfg.params().replace(il=0, jn=1))
 
 
 # dgrad_tc_strided_half reading an NCHW dy as it lies (mn=1: 4-D tiled TMA boxes of 64 pixels of a dy row at each
@@ -165,11 +170,7 @@ STRIDED_MN = [(ConvSpec.make(1, 64, 128, 128, 64, 4, 4, 2, 1), TileConfig(128, 6
 @pytest.mark.parametrize("jn", [0, 1])
 def test_strided_dy_in_place_against_float64(hopper, spec, cfg, dtype, jn):
     """The strided dgrad reading an NCHW dy in place (mn=1), NaN-poisoned dx against float64."""
-    v = get_variant("dgrad_tc_strided_half")
-    spec = dataclasses.replace(spec, dtype=dtype, conv_pass="dgrad")
-    assert v.applies(spec, hopper.device) is None and v.mn_reason(spec) is None
-    res = check_plan(v.plan(spec, cfg.params().replace(il=0, jn=jn), hopper.device), hopper, seed=3)
-    assert res.ok, f"[{cfg.params().short()} jn={jn}] {spec.short()}: {res}"
+    _strided_case(hopper, "dgrad_tc_strided_half", spec, dtype, cfg.params().replace(il=0, jn=jn))
 
 
 EPILOGUES = [Epilogue(bias=True, relu=True), Epilogue(residual=True, relu=True), Epilogue(bias=True, k_total=80,
