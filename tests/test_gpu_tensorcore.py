@@ -158,11 +158,12 @@ def test_strided_joined_against_float64(hopper, spec, cfg, dtype):
 
 
 # dgrad_tc_strided_half reading an NCHW dy as it lies (mn=1: 4-D tiled TMA boxes of 64 pixels of a dy row at each
-# tap's offset, zeros outside; B MN-major; by params only until these pass), with and without the joined stores:
-# SD-VAE's 4x4/2 widths, a 3x3/2, two images
-STRIDED_MN = [(ConvSpec.make(1, 64, 128, 128, 64, 4, 4, 2, 1), TileConfig(128, 64, 1, 4, 2, ps=0, tm=1, mn=1)),
-              (ConvSpec.make(2, 32, 12, 128, 128, 3, 3, 2, 1), TileConfig(128, 64, 1, 4, 2, ps=0, tm=1, mn=1)),
-              (ConvSpec.make(1, 256, 128, 128, 256, 4, 4, 2, 1), TileConfig(128, 128, 1, 4, 2, ps=0, tm=1, mn=1))]
+# tap's row offset, zeros outside; B MN-major), with and without the joined stores: r x 2 filters at stride 2, whose
+# phases' column taps start on 16-byte boundaries (a 4x4/2 layer's do not: refused, the H200 faulted on them)
+STRIDED_MN = [(dataclasses.replace(ConvSpec.make(1, 64, 128, 128, 64, 4, 2, 2, (1, 1, 0, 0)), layout="nchw"),
+               TileConfig(128, 64, 1, 4, 2, ps=0, tm=1, mn=1)),
+              (dataclasses.replace(ConvSpec.make(2, 32, 12, 128, 128, 3, 2, 2, (1, 1, 0, 0)), layout="nchw"),
+               TileConfig(128, 64, 1, 4, 2, ps=0, tm=1, mn=1))]
 
 
 @pytest.mark.parametrize("spec, cfg", STRIDED_MN, ids=lambda v: v.short() if hasattr(v, "short") else None)

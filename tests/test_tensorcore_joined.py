@@ -133,8 +133,15 @@ def test_emulated_joined_dgrad_equals_the_input_gradient(spec, math, cfg):
     assert err < 2e-3, err  # the parked halves' rounding; the tiles' sums are exact
 
 
-MN_CASES = [(_spec(1, 8, 4, 128, 64, 4, 1), F16, TileConfig(64, 64, 1, 2, 1, ps=0, tm=1, mn=1)),  # 4x4/2, dy 2 x 64
-            (_spec(2, 5, 6, 128, 64, 3, 1, "bfloat16"), BF16, TileConfig(64, 64, 1, 2, 1, ps=0, tm=1, mn=1))]
+def _spec_x2(n, c, h, w, k, r, dtype="float16") -> ConvSpec:
+    """An NCHW dgrad of an r x 2 filter at stride 2, rows padded by 1: every phase's one column tap reads dy
+    at column offset 0 (mn=1's TMA boxes need 16-byte aligned column starts)."""
+    return dataclasses.replace(ConvSpec.make(n, c, h, w, k, r, 2, 2, (1, 1, 0, 0), dtype=dtype, layout="nchw"),
+                               conv_pass="dgrad")
+
+
+MN_CASES = [(_spec_x2(1, 8, 4, 128, 64, 4), F16, TileConfig(64, 64, 1, 2, 1, ps=0, tm=1, mn=1)),  # 4x2/2, dy 2 x 64
+            (_spec_x2(2, 5, 6, 128, 64, 3, "bfloat16"), BF16, TileConfig(64, 64, 1, 2, 1, ps=0, tm=1, mn=1))]
 
 
 @pytest.mark.parametrize("joined", [False, True])
@@ -159,7 +166,8 @@ def test_mn_refusals():
     spec = MN_CASES[0][0]
     assert "NCHW" in v.mn_reason(dataclasses.replace(spec, layout="nhwc"))
     assert "K (40)" in v.mn_reason(dataclasses.replace(spec, k=40))
-    assert "64-pixel" in v.mn_reason(_spec(1, 8, 4, 96, 64, 4, 1))
+    assert "64-pixel" in v.mn_reason(_spec_x2(1, 8, 4, 96, 64, 4))
+    assert "16-byte" in v.mn_reason(_spec(1, 8, 4, 128, 64, 4, 1))  # 4x4/2: taps one column apart
     assert "16-bit" in get_variant("dgrad_tc_strided_3xtf32").mn_reason(dataclasses.replace(spec, dtype="float32"))
     with pytest.raises(ValueError, match="mn"):
         v.plan(dataclasses.replace(spec, k=40), MN_CASES[0][2].params().replace(il=0), NOMINAL_CUDA)
@@ -183,15 +191,16 @@ def test_refusals():
 
 
 def test_joined_gemms_compile_without_spills(nvcc_ok):
-    """DCGAN 128@16 and SD-VAE 512@64's layers (FP16, BF16) with 128 x 128 and 128 x 64 tiles; SD-VAE's
-    also with dy read in place (mn=1, four stages)."""
+    """DCGAN 128@16 and SD-VAE 512@64's layers (FP16, BF16) with 128 x 128 and 128 x 64 tiles; a 4x2/2 layer
+    as wide as SD-VAE's with dy read in place (mn=1, four stages)."""
     v, sources = get_variant(NAME), []
     sdvae = "N=1,C=512,H=128,W=128,K=512"
     for text, dtype, cfg in list(itertools.product(
             ["N=128,C=64,H=32,W=32,K=128", sdvae], ["float16", "bfloat16"],
             [TileConfig(128, 128, 1, 4, 2, ps=0, tm=1), TileConfig(128, 64, 1, 6, 2, ps=0, tm=1)])) + \
-            [(sdvae, "float16", TileConfig(128, 128, 1, 4, 2, ps=0, tm=1, mn=1))]:
-        spec = ConvSpec.parse(f"{text},R=4,S=4,stride=2,pad=1,pass=dgrad,layout=nchw,dtype={dtype}")
+            [("4x2", "float16", TileConfig(128, 128, 1, 4, 2, ps=0, tm=1, mn=1))]:
+        spec = _spec_x2(1, 512, 128, 128, 512, 4) if text == "4x2" else \
+            ConvSpec.parse(f"{text},R=4,S=4,stride=2,pad=1,pass=dgrad,layout=nchw,dtype={dtype}")
         plan = v.plan(spec, _params(cfg), NOMINAL_CUDA)
         sources.append((f"{text} {dtype} {cfg.params().short()}",
                         render([k for k in plan.kernels if k.name.endswith("_gemm")], "cuda")))

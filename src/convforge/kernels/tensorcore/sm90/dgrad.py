@@ -28,10 +28,12 @@ stride-1 forward convolution of dy with dilation delta and padding -o. Per phase
   halves, then tile b of (ph, 1), and stores both as each dx row's pairs (``Output.pairs``): no
   phase buffers, no interleave (:meth:`TcDgradStrided._joined`).
 
-``mn=1`` (NCHW half, by params only: emulated and compiled, not yet run on a GPU; GPU tier
-``test_gpu_tensorcore -k strided_dy_in_place``): A = dy as it lies, each stage a 4-D tiled TMA box
-of 64 pixels of one dy row at the stage's tap offset (:class:`MnPlanes`; zeros outside the plane are
-the padding), B the filters MN-major: no dy copy step.
+``mn=1`` (NCHW half, by params only): A = dy as it lies, each stage a 4-D tiled TMA box of 64 pixels
+of one dy row at the stage's tap offset (:class:`MnPlanes`; zeros outside the plane are the padding),
+B the filters MN-major: no dy copy step. Only where every phase's column taps sit at dy column offsets
+that are multiples of 8 (e.g. 4x2 filters at stride 2): a tile copy's innermost coordinate must be
+16-byte aligned (the H200 faults with an illegal instruction otherwise), so the one-column shifts of
+3x3/2 and 4x4/2 layers' taps cannot be copy offsets.
 
 1x1 filters at stride > 1 have one phase: dgrad_sub_<1x1 forward> (kernels/dgrad/transposed.py)
 reads dy in place for it. Stride 1 is DgradTransposed's (kernels/dgrad/transposed.py); groups run dgrad_strided_gemm.
@@ -379,8 +381,16 @@ class TcDgradStrided(TcVariant):
         if spec.k % 64:
             return f"K ({spec.k}) is not whole 64-channel stages (a stage would straddle two taps)"
         for ph in self._phases(spec):
-            if not ph.empty and ph.aw.rows % 64:
+            if ph.empty:
+                continue
+            if ph.aw.rows % 64:
                 return f"phase {ph.tag}'s sub-grid rows of {ph.aw.rows} pixels are not whole 64-pixel blocks"
+            offs = [ph.aw.first + t * ph.aw.delta for t in range(len(ph.aw.taps))]
+            if any(o % 8 for o in offs):
+                # the H200 faults (illegal instruction) on a tile copy whose innermost coordinate is not a
+                # multiple of 16 bytes: a tap's one-column shift cannot be the copy's own offset
+                return (f"phase {ph.tag}'s column taps read dy at column offsets {offs}: a TMA tile box starts "
+                        "on a 16-byte boundary of its innermost dimension (8 halves)")
         return None
 
     def _dy(self, spec: ConvSpec, cfg: TileConfig | None = None) -> str:
