@@ -440,9 +440,10 @@ def test_failed_point_compiles_clean(nvcc_ok) -> None:
     (ConvSpec.make(64, 144, 56, 56, 144, 3, 3, 1, 1, groups=144), dict(cv=4)),  # branch a row
 ], ids=["7x7-28", "7x7-14", "5x5-q28", "5x5-q14", "3x3-s1"])
 def test_row_load_defaults_compile_clean(nvcc_ok, base, want, dtype) -> None:
-    """The NHWC half defaults guard rows load by load (pr = 1) past 3x3 with the launch bound the H200
-    sweep chose, and compile through nvcc without a spill (3x3 at stride 1 keeps a branch a row)."""
+    """The blocked form's NHWC half defaults guard rows load by load (pr = 1) past 3x3 with the launch bound
+    the H200 sweep chose, and compile through nvcc without a spill (3x3 at stride 1 keeps a branch a row).
+    (The variant's default of 7x7 on 14-row planes is the streamed form: tests/test_depthwise_wgrad_stream.py.)"""
     spec = _as(base, dtype, "nhwc")
-    prm = V.default(spec, NOMINAL_CUDA)
+    prm = V._blocked_default(spec, NOMINAL_CUDA)
     assert {k: prm.get(k, 0) for k in want} == want and prm.get("pr", 0) == want.get("pr", 0), prm
     assert_compiles_clean(V, spec, prm, NOMINAL_CUDA)

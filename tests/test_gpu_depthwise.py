@@ -141,3 +141,18 @@ def test_depthwise_mma_against_float64(cuda, conv_pass, dtype, layout) -> None:
         for i, prm in enumerate(points):
             res = check_plan(v.plan(spec, prm, cuda.device, epi), cuda, seed=i)
             assert res.ok, f"{v.name} [{prm.short()}] {spec.short()}{epi.tag()}: {res}"
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("base", REAL, ids=lambda s: s.short())
+def test_streamed_wgrad_on_real_layers(cuda, base: ConvSpec, dtype: str) -> None:
+    """depthwise_wgrad's streamed form (sc): the default and three sweep points at N=4 (every band and
+    slice path), dw and the partial filters poisoned, against float64."""
+    from convforge.kernels.depthwise_wgrad_stream import stream_space
+
+    spec = _as(dataclasses.replace(base, n=4), dtype, "nhwc", "wgrad")
+    v = get_variant("depthwise_wgrad")
+    space = stream_space(spec, cuda.device)
+    for prm in space[:1] + random.Random(3).sample(space[1:], min(3, len(space) - 1)):
+        res = check_plan(v.plan(spec, prm, cuda.device), cuda, seed=4)
+        assert res.ok, f"[{prm.short()}] {spec.short()}: {res}"

@@ -10,6 +10,7 @@ A kernel body is plain C using these tokens, which each renderer spells its own 
     I64                                                   64-bit signed integer type (element offsets
                                                           past 2^31 - 1: ArrayDesc.index casts to it)
     VLOAD4(off, p) / VSTORE4(v, off, p)                   float4 at p + 4*off
+    VLOAD2(off, p)                                        float2 at p + 2*off (any address space)
     MAKE_FLOAT4(a, b, c, d)                               float4 constructor
     FMA(a, b, c)                                          fused a*b + c
     MAX(a, b)                                             float maximum

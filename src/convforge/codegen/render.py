@@ -18,7 +18,7 @@ from convforge.codegen.dialect import (
     split_call,
 )
 
-_TOKEN = re.compile(r"\b(GROUP_ID|LOCAL_ID|GROUP_SIZE|NUM_GROUPS|BARRIER|VLOAD4|VSTORE4|"
+_TOKEN = re.compile(r"\b(GROUP_ID|LOCAL_ID|GROUP_SIZE|NUM_GROUPS|BARRIER|VLOAD4|VSTORE4|VLOAD2|"
                     r"LD_F16|LDG_F16|ST_F16|VLOAD4_F16|VSTORE4_F16|LD_BF16|LDG_BF16|ST_BF16|VLOAD4_BF16|VSTORE4_BF16|"
                     r"VLOAD8_F16|VSTORE8_F16|VLOAD8_BF16|VSTORE8_BF16|"
                     r"MAKE_FLOAT4|FMA|MAX|RELU|GELU|SILU|HSWISH|MISH|DSILU|DHSWISH|LDG|SHFL|TEX|COPY4_ASYNC|COPY1_ASYNC|COPY_WAIT|CVT_TF32|"
@@ -336,6 +336,7 @@ class CudaRenderer(Renderer):
             "NUM_GROUPS": lambda: f"((int)gridDim.{d})",
             "BARRIER": lambda: "__syncthreads()",
             "VLOAD4": lambda: f"(*(const float4*)(({args[1]}) + 4 * ({args[0]})))",
+            "VLOAD2": lambda: f"(*(const float2*)(({args[1]}) + 2 * ({args[0]})))",
             "VSTORE4": lambda: f"(*(float4*)(({args[2]}) + 4 * ({args[1]})) = ({args[0]}))",
             "MAKE_FLOAT4": lambda: f"make_float4({', '.join(args)})",
             "FMA": lambda: f"fmaf({', '.join(args)})",
@@ -789,6 +790,7 @@ class OpenCLRenderer(Renderer):
             "NUM_GROUPS": lambda: f"((int)get_num_groups({args[0]}))",
             "BARRIER": lambda: "barrier(CLK_LOCAL_MEM_FENCE)",
             "VLOAD4": lambda: f"vload4({args[0]}, {args[1]})",
+            "VLOAD2": lambda: f"vload2({args[0]}, {args[1]})",
             "VSTORE4": lambda: f"vstore4({args[0]}, {args[1]}, {args[2]})",
             "MAKE_FLOAT4": lambda: f"((float4)({', '.join(args)}))",
             "FMA": lambda: f"mad({', '.join(args)})",

@@ -2,7 +2,7 @@
 per-channel reduction, deterministic (fixed trees and an ordered sum of slices; no atomics), in
 float32, float16 and bfloat16 storage (FP32 sums; partial filters in float32), NCHW or NHWC.
 
-Three forms, one variant (``depthwise_wgrad``):
+Four forms, one variant (``depthwise_wgrad``):
 
 * blocked (half storage's default, NCHW and NHWC, up to ``REG_TAPS`` taps): the outputs are cut into
   items of ``tp`` x ``tq`` (rows x columns of one image); block (channel, slice of the items) walks its
@@ -14,6 +14,8 @@ Three forms, one variant (``depthwise_wgrad``):
   bytes the layer must move. Then a fixed shared-memory tree over the threads of each channel;
 * simple (float32 NCHW's default, measured): block (k, slice of the N*P output rows) of ``bt``
   threads, one output a thread at a time, one partial sum per tap, the same tree;
+* streamed (``sc``; NHWC, multiplier 1, C a multiple of 8; the half default for 7x7 filters on planes of
+  <= 14 rows): rows of input streamed through a ring in shared memory (depthwise_wgrad_stream.py);
 * tiled (larger filters, RepLKNet's 13x13 to 31x31): per-tap sums do not fit in registers, so the
   threads of block (k, slice) own the taps instead: thread (r, strip) sums ``ts`` adjacent taps of
   filter row r over the slice's outputs (dy read once a column for ``ts`` FMAs). Compute-bound (R*S
@@ -35,6 +37,7 @@ from convforge.codegen.meta import Code, cdiv
 from convforge.kernels import register
 from convforge.kernels.common import ThreadWindow
 from convforge.kernels.depthwise import ALL_DTYPES, REG_TAPS
+from convforge.kernels.depthwise_wgrad_stream import Stream, stream_body, stream_pick, stream_space
 from convforge.kernels.dgrad import no_epilogue
 from convforge.kernels.gemm import too_big
 from convforge.params import Params
@@ -200,6 +203,10 @@ class DepthwiseWgrad(Variant):
             ts = next((t for t in (8, 4, 2, 1) if spec.r * _strips(spec, t) >= 64), 1)
             ts = max(ts, next(t for t in (1, 2, 4, 8) if spec.r * _strips(spec, t) <= device.max_threads))
             return Params(ts=ts, ns=wgrad_splits(spec, device))
+        if spec.layout == "nhwc":
+            streamed = stream_pick(spec, device)
+            if streamed is not None:
+                return streamed
         if spec.layout == "nchw" and spec.dtype == "float32":
             bt = next((b for b in ((256, 128, 64, 32) if device.is_gpu else (32,)) if self._fits(spec, b, device)), 32)
             return Params(bt=bt, ns=wgrad_splits(spec, device))
@@ -237,6 +244,8 @@ class DepthwiseWgrad(Variant):
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
         out = [self.default(spec, device)]
+        if not _tiled(spec):  # the blocked form's default beside the streamed form's sweep
+            out += [self._blocked_default(spec, device)] + stream_space(spec, device)
         rows = spec.n * spec.p
         if _tiled(spec):
             for ts, ns in itertools.product((8, 4, 2), (1, 2, 4, 8, 16, 32, 64)):
@@ -284,6 +293,16 @@ class DepthwiseWgrad(Variant):
         if _tiled(spec):
             body, block, grid = self._tiled_plan(spec, params, device, out, kernels, steps, workspace)
             src = ("xt", "yt") if spec.layout == "nhwc" else src
+        elif "sc" in params:
+            st = Stream.of(spec, params)
+            why = st.problem(device)
+            if why:
+                raise ValueError(f"{self.name}: {why}")
+            if not 1 <= ns <= st.items:
+                raise ValueError(f"{self.name}: ns ({ns}) must be 1..{st.items} (bands of {st.sb} rows of each image)")
+            store = _store_out(spec, out, f"GROUP_ID(1) * {spec.k * spec.r * spec.s} + {{i}}" if ns > 1 else "{i}",
+                               "{v}")
+            body, block, grid = stream_body(st, out, sto, store), (st.threads, 1, 1), (st.cblocks, ns, 1)
         elif "tq" in params:
             t = WTile.of(spec, params)
             why = t.problem(device)
@@ -306,7 +325,7 @@ class DepthwiseWgrad(Variant):
         args = (sto.buf(src[0]), sto.buf(src[1]), wbuf)
         # the blocked form names a launch bound of mb blocks (default 1): with the thread count alone ptxas
         # (13.0) spilled 16 bytes at 48 registers on float16 3x3 (tp 2, tq 8); with it, 56 and none
-        bound = params.get("mb", 1) if "tq" in params and not _tiled(spec) else 0
+        bound = params.get("mb", 1) if "tq" in params and not _tiled(spec) and "sc" not in params else 0
         kernels.append(Kernel(name, args, body, block, comment=f"{self.name}: {params.short()}", min_blocks=bound))
         steps.append(Launch(name, grid, block, (*src, out)))
         if ns > 1:
