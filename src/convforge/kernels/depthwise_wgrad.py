@@ -31,6 +31,7 @@ import dataclasses
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from convforge.codegen.dialect import FLOAT32, Buf, Dim3, Kernel, Storage
 from convforge.codegen.meta import Code, cdiv
@@ -166,6 +167,7 @@ class WTile(ThreadWindow):
         return None
 
 
+_Form = TypeVar("_Form", WTile, Stream)  # a parameter set of the blocked or the streamed form
 _REGS = 160  # a rough cap on the floats a thread of the blocked form holds
 _SM_REGISTERS = 64 * 1024  # 32-bit registers a CUDA compute unit holds (sm_50 .. sm_90): mb's arithmetic
 
@@ -294,22 +296,12 @@ class DepthwiseWgrad(Variant):
             body, block, grid = self._tiled_plan(spec, params, device, out, kernels, steps, workspace)
             src = ("xt", "yt") if spec.layout == "nhwc" else src
         elif "sc" in params:
-            st = Stream.of(spec, params)
-            why = st.problem(device)
-            if why:
-                raise ValueError(f"{self.name}: {why}")
-            if not 1 <= ns <= st.items:
-                raise ValueError(f"{self.name}: ns ({ns}) must be 1..{st.items} (bands of {st.sb} rows of each image)")
+            st = self._checked(Stream.of(spec, params), ns, device, f"bands of {params.sb} rows of each image")
             store = _store_out(spec, out, f"GROUP_ID(1) * {spec.k * spec.r * spec.s} + {{i}}" if ns > 1 else "{i}",
                                "{v}")
             body, block, grid = stream_body(st, out, sto, store), (st.threads, 1, 1), (st.cblocks, ns, 1)
         elif "tq" in params:
-            t = WTile.of(spec, params)
-            why = t.problem(device)
-            if why:
-                raise ValueError(f"{self.name}: {why}")
-            if not 1 <= ns <= t.items:
-                raise ValueError(f"{self.name}: ns ({ns}) must be 1..{t.items} (items of tp x tq outputs)")
+            t = self._checked(WTile.of(spec, params), ns, device, "items of tp x tq outputs")
             body, block, grid = _blocked_body(t, ns, out), (t.threads, 1, 1), (cdiv(spec.k, t.channels), ns, 1)
         else:
             bt = params.bt
@@ -335,6 +327,16 @@ class DepthwiseWgrad(Variant):
             workspace.insert(0, ("part", 4 * ns * spec.k * spec.r * spec.s))
         return Plan(self.name, self.family, spec, params, tuple(kernels), tuple(steps), tuple(workspace),
                     tolerance=self.tolerance, epilogue=epilogue)
+
+    def _checked(self, t: _Form, ns: int, device: DeviceInfo, items: str) -> _Form:
+        """``t`` (a blocked or streamed parameter set) where it fits ``device`` and ``ns`` slices split its
+        items (``items``: what they are), else ValueError naming the problem."""
+        why = t.problem(device)
+        if why:
+            raise ValueError(f"{self.name}: {why}")
+        if not 1 <= ns <= t.items:
+            raise ValueError(f"{self.name}: ns ({ns}) must be 1..{t.items} ({items})")
+        return t
 
     def _tiled_plan(self, spec: ConvSpec, params: Params, device: DeviceInfo, out: str, kernels: list[Kernel],
                     steps: list[Step], workspace: list[tuple[str, int]]) -> tuple[str, Dim3, Dim3]:

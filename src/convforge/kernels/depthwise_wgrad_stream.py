@@ -291,26 +291,29 @@ def _x_chunk(t: Stream, i: str, y: str, sto: Storage, v: str) -> tuple[list[str]
     """Chunk ``i`` of the input rows from ``y`` on: statements loading it into float4 ``v``a / ``v``b
     (zeros outside the image and past C) and the ring offset it goes to."""
     s = t.spec
-    per = t.wl * (t.sc // _CHUNK)
-    lines = [f"const int {v}y = {y} + {i} / {per}, {v}x = ({i} % {per}) / {t.sc // _CHUNK}, "
-             f"{v}c = ({i} % {t.sc // _CHUNK}) * {_CHUNK};",
-             f"float4 {v}a = MAKE_FLOAT4(0.0f, 0.0f, 0.0f, 0.0f), {v}b = {v}a;",
-             f"if ((unsigned){v}y < {s.h}u && c0 + {v}c < {s.c}) "
-             + sto.vload8(f"{v}a", f"{v}b", "0", f"x + ((n * {s.h} + {v}y) * {s.w} + {v}x) * {s.c} + c0 + {v}c") + ";"]
-    at = f"(({v}y + {s.pad[0]}) % {t.slots}) * {t.row_floats} + {t.col(f'{s.pad[2]} + {v}x')} + {v}c"
-    return lines, f"xs + {at}"
+    return _chunk(t, i, y, sto, v, t.wl, f"(unsigned){v}r < {s.h}u",
+                  f"x + ((n * {s.h} + {v}r) * {s.w} + {v}x) * {s.c}",
+                  f"xs + (({v}r + {s.pad[0]}) % {t.slots}) * {t.row_floats} + {t.col(f'{s.pad[2]} + {v}x')}")
 
 
 def _dy_chunk(t: Stream, i: str, p: str, sto: Storage, v: str) -> tuple[list[str], str]:
     """Chunk ``i`` of the dy rows from ``p`` on (zeros past the item's band), and its offset."""
     s = t.spec
-    per = s.q * (t.sc // _CHUNK)
-    lines = [f"const int {v}p = {p} + {i} / {per}, {v}x = ({i} % {per}) / {t.sc // _CHUNK}, "
-             f"{v}c = ({i} % {t.sc // _CHUNK}) * {_CHUNK};",
+    return _chunk(t, i, p, sto, v, s.q, f"{v}r < pb", f"y + ((n * {s.p} + {v}r) * {s.q} + {v}x) * {s.k}",
+                  f"ds + ({v}r % {2 * t.sr}) * {t.dy_floats} + {t.col(f'{v}x')}")
+
+
+def _chunk(t: Stream, i: str, row0: str, sto: Storage, v: str, cols: int, ok: str, src: str,
+           dst: str) -> tuple[list[str], str]:
+    """Chunk ``i`` of rows of ``cols`` pixels from row ``row0`` on (``v``r, ``v``x, ``v``c: its row,
+    column and first channel): the statements loading it where ``ok`` (else zeros, and past C) from
+    ``src`` + c0 + ``v``c, and its shared offset ``dst`` + ``v``c."""
+    cc = t.sc // _CHUNK
+    lines = [f"const int {v}r = {row0} + {i} / {cols * cc}, {v}x = ({i} % {cols * cc}) / {cc}, "
+             f"{v}c = ({i} % {cc}) * {_CHUNK};",
              f"float4 {v}a = MAKE_FLOAT4(0.0f, 0.0f, 0.0f, 0.0f), {v}b = {v}a;",
-             f"if ({v}p < pb && c0 + {v}c < {s.k}) "
-             + sto.vload8(f"{v}a", f"{v}b", "0", f"y + ((n * {s.p} + {v}p) * {s.q} + {v}x) * {s.k} + c0 + {v}c") + ";"]
-    return lines, f"ds + ({v}p % {2 * t.sr}) * {t.dy_floats} + {t.col(f'{v}x')} + {v}c"
+             f"if ({ok} && c0 + {v}c < {t.spec.c}) " + sto.vload8(f"{v}a", f"{v}b", "0", f"{src} + c0 + {v}c") + ";"]
+    return lines, f"{dst} + {v}c"
 
 
 def _put(v: str, at: str) -> str:
