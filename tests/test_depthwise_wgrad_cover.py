@@ -447,3 +447,31 @@ def test_row_load_defaults_compile_clean(nvcc_ok, base, want, dtype) -> None:
     prm = V._blocked_default(spec, NOMINAL_CUDA)
     assert {k: prm.get(k, 0) for k in want} == want and prm.get("pr", 0) == want.get("pr", 0), prm
     assert_compiles_clean(V, spec, prm, NOMINAL_CUDA)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("spec, prm", [
+    (CV4[0], Params(bc=2, bs=16, cv=4, tq=4, tp=2, ns=3, pg=2)),
+    (CV4[1], Params(bc=2, bs=16, cv=4, tq=2, tp=2, ns=2, pg=3)),
+    (SMALL[3], Params(bc=1, bs=32, tq=2, tp=2, ns=1, pg=2)),
+    (SMALL[2], Params(bt=32, tq=8, tp=2, ns=2, pg=2)),
+    (SMALL[1], Params(bc=2, bs=16, tq=2, tp=2, ns=3, pg=4)),
+], ids=["cv4-pairs", "cv4-stride2-threes", "dilation2-pairs", "nchw-5x5-pairs", "7x7-fours"])
+def test_row_groups_on_pocl(ocl, spec, prm, dtype) -> None:
+    """pg > 1 (the loads of pg input rows under one branch, each guarded, before their FMAs; rows past the
+    plane's top and bottom inside a group) against float64, output and workspace poisoned."""
+    spec = _as(spec, dtype, "nchw" if "bt" in prm else "nhwc")
+    plan = V.plan(spec, prm, ocl.device)
+    assert "/* input rows 0, 1" in plan.kernels[0].body
+    res = check_plan(plan, ocl, seed=9)
+    assert res.ok, f"[{prm.short()}] {spec.short()}: {res}"
+
+
+def test_row_groups_compile_clean_and_refusals(nvcc_ok) -> None:
+    """MobileNet-v2's 144@56 FP16 NHWC default with its rows in pairs, through nvcc without a spill; pg
+    past the item's rows or past the register budget refused."""
+    spec = _as(ConvSpec.make(64, 144, 56, 56, 144, 3, 3, 1, 1, groups=144), "float16", "nhwc")
+    prm = V.default(spec, NOMINAL_CUDA).replace(pg=2)
+    assert_compiles_clean(V, spec, prm, NOMINAL_CUDA)
+    with pytest.raises(ValueError, match="pg"):
+        V.plan(spec, prm.replace(pg=5), NOMINAL_CUDA)

@@ -96,7 +96,10 @@ class WTile(ThreadWindow):
     channel lanes (NHWC; 1 on NCHW), items of ``tp`` x ``tq`` outputs; on NHWC each lane takes ``cv``
     consecutive channels (1, or 4: one 8-byte load of halves a pixel, four sums a tap); ``pr`` 1: input
     rows guarded load by load rather than by a branch a row (ptxas then hoists loads across rows, and
-    registers grow); ``mb``: the blocks a compute unit the launch bound names (caps the registers)."""
+    registers grow); ``mb``: the blocks a compute unit the launch bound names (caps the registers);
+    ``pg``: input rows under one branch, all their loads before their FMAs (1: a branch a row; 2 halves an
+    item's chain of load latencies on 3x3: 122 registers against 101 on 144@56 FP16, by params and in the
+    space, not yet timed)."""
 
     spec: ConvSpec
     bc: int
@@ -106,11 +109,12 @@ class WTile(ThreadWindow):
     cv: int = 1
     pr: int = 0
     mb: int = 1
+    pg: int = 1
 
     @classmethod
     def of(cls, spec: ConvSpec, p: Params) -> WTile:
         return cls(spec, p.get("bc", 1), p.bt if spec.layout == "nchw" else p.bs, p.tq, p.tp, p.get("cv", 1),
-                   p.get("pr", 0), p.get("mb", 1))
+                   p.get("pr", 0), p.get("mb", 1), p.get("pg", 1))
 
     @property
     def threads(self) -> int:
@@ -153,17 +157,17 @@ class WTile(ThreadWindow):
         cv = self.cv
         if min(self.bc, self.bt, self.tq, self.tp) < 1 or self.bt & (self.bt - 1):
             return f"bt / bs ({self.bt}) must be a power of two and bc, tq, tp >= 1"
-        if self.pr not in (0, 1) or not 1 <= self.mb <= 8:
-            return f"pr ({self.pr}) must be 0 or 1 and mb ({self.mb}) 1..8"
+        if self.pr not in (0, 1) or not 1 <= self.mb <= 8 or not 1 <= self.pg <= max(1, self.rows):
+            return f"pr ({self.pr}) must be 0 or 1, mb ({self.mb}) 1..8 and pg ({self.pg}) 1..{self.rows}"
         if cv not in (1, 4):
             return f"cv ({cv}) must be 1 or 4"
         if cv > 1 and (s.layout != "nhwc" or s.kg != 1 or s.k % cv):
             return f"cv ({cv}) reads NHWC channels of a multiplier-1 layer whose K is a multiple of {cv}"
         if not 1 <= self.threads <= device.max_threads:
             return f"{self.threads} threads must be 1..{device.max_threads}"
-        if self.tp * self.tq > 32 or (rs + self.tp * self.tq + self.seg) * cv > _REGS:
-            return f"taps, tp * tq outputs and the row segment (({rs} + {self.tp * self.tq} + {self.seg}) x " \
-                   f"{cv} channels) must fit in {_REGS} registers"
+        if self.tp * self.tq > 32 or (rs + self.tp * self.tq + self.seg * self.pg) * cv > _REGS:
+            return f"taps, tp * tq outputs and pg row segments (({rs} + {self.tp * self.tq} + {self.pg} x " \
+                   f"{self.seg}) x {cv} channels) must fit in {_REGS} registers"
         return None
 
 
@@ -246,8 +250,11 @@ class DepthwiseWgrad(Variant):
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
         out = [self.default(spec, device)]
-        if not _tiled(spec):  # the blocked form's default beside the streamed form's sweep
-            out += [self._blocked_default(spec, device)] + stream_space(spec, device)
+        if not _tiled(spec):  # the blocked form's default (and its rows in pairs) beside the streamed form's sweep
+            blocked = self._blocked_default(spec, device)
+            pairs = blocked.replace(pg=2)
+            t = WTile.of(spec, pairs)
+            out += [blocked] + ([pairs] if not t.pr and t.problem(device) is None else []) + stream_space(spec, device)
         rows = spec.n * spec.p
         if _tiled(spec):
             for ts, ns in itertools.product((8, 4, 2), (1, 2, 4, 8, 16, 32, 64)):
@@ -386,7 +393,7 @@ def _row_loads(t: WTile, device: DeviceInfo) -> WTile:
 
 def _blocked_params(spec: ConvSpec, t: WTile, ns: int) -> Params:
     """The parameters naming ``t`` (cv, pr and mb only where not 1, 0, 1)."""
-    opt = {k: v for k, v, usual in (("cv", t.cv, 1), ("pr", t.pr, 0), ("mb", t.mb, 1)) if v != usual}
+    opt = {k: v for k, v, usual in (("cv", t.cv, 1), ("pr", t.pr, 0), ("mb", t.mb, 1), ("pg", t.pg, 1)) if v != usual}
     lanes = {"bt": t.bt} if spec.layout == "nchw" else {"bc": t.bc, "bs": t.bt}
     return Params({**lanes, "tq": t.tq, "tp": t.tp, "ns": ns, **opt})
 
@@ -506,7 +513,7 @@ def _blocked_body(t: WTile, ns: int, out: str) -> str:
     s = t.spec
     sto = Storage(s.dtype)
     nhwc = s.layout == "nhwc"
-    (sh, sw), (dh, dw) = s.stride, s.dilation
+    sh, sw = s.stride
     rs, nq, np_, cv = s.r * s.s, t.grid_q, t.grid_p, t.cv
     per = cdiv(t.items, ns)
     code = Code()
@@ -528,18 +535,7 @@ def _blocked_body(t: WTile, ns: int, out: str) -> str:
              f"const int p0 = pc * {t.tp}, q0 = qc * {t.tq};",
              f"const int y0 = p0 * {sh} - {s.pad[0]}, x0 = q0 * {sw} - {s.pad[2]};")
         _blocked_dy(code, t, sto)
-        for ir in range(t.rows):
-            users = [(i, (ir - i * sh) // dh) for i in range(t.tp)
-                     if ir >= i * sh and (ir - i * sh) % dh == 0 and (ir - i * sh) // dh < s.r]
-            if not users:
-                continue
-            row_ok = f"(unsigned)(y0 + {ir}) < {s.h}u"
-            with code.block(f"/* input row {ir} */" if t.pr else f"if ({row_ok})  /* input row {ir} */"):
-                _blocked_row(code, t, sto, ir, row_ok if t.pr else "")
-                for i, r in users:
-                    for jq, c, v in itertools.product(range(t.tq), range(s.s), range(cv)):
-                        a = _acc(r, c, v, cv)
-                        code(f"{a} = FMA({_lane(f'e{jq * sw + c * dw}', v, cv)}, {_lane(f'g{i}_{jq}', v, cv)}, {a});")
+        _blocked_rows(code, t, sto)
     accs = [_acc(r, c, v, cv) for r, c, v in itertools.product(range(s.r), range(s.s), range(cv))]
     kj = f"(k + j % {cv}) * {rs} + j / {cv}" if cv > 1 else f"k * {rs} + j"  # sum j: tap j / cv of channel k + j % cv
     dst = f"GROUP_ID(1) * {s.k * rs} + {kj}" if ns > 1 else kj
@@ -616,31 +612,66 @@ def _blocked_dy(code: Code, t: WTile, sto: Storage) -> None:
                 code(f"const float g{i}_{jq} = ({row_ok} && q0 + {jq} < {s.q}) ? {sto.ldg(f'{base} + {jq}')} : 0.0f;")
 
 
-def _blocked_row(code: Code, t: WTile, sto: Storage, ir: int, row_ok: str = "") -> None:
-    """e0 .. e{seg-1}: input row y0 + ir, columns x0 .. (zero outside the plane); on NCHW read as
-    aligned 16-byte vectors where the rows allow (each vector wholly in or out of the row). ``row_ok``:
-    the row's own guard, folded into each load's (``pr``: no branch a row, so ptxas may hoist the loads
-    of later rows above the sums of earlier ones)."""
+def _blocked_rows(code: Code, t: WTile, sto: Storage) -> None:
+    """An item's input rows and their FMAs into the sums of every output row and filter row that meet
+    there: a branch a row (``pr`` 0, ``pg`` 1), or each load guarded (``pr`` 1: ptxas may hoist every
+    row's loads), or ``pg`` rows under one branch, all their loads (each guarded) before their FMAs."""
+    s = t.spec
+    sh, dh = s.stride[0], s.dilation[0]
+    users = {ir: [(i, (ir - i * sh) // dh) for i in range(t.tp)
+                  if ir >= i * sh and (ir - i * sh) % dh == 0 and (ir - i * sh) // dh < s.r] for ir in range(t.rows)}
+    rows = [ir for ir in range(t.rows) if users[ir]]
+    size = 1 if t.pr else t.pg
+    for grp in (rows[k:k + size] for k in range(0, len(rows), size)):
+        ok = {ir: f"(unsigned)(y0 + {ir}) < {s.h}u" for ir in grp}
+        what = f"input row {grp[0]}" if len(grp) == 1 else f"input rows {', '.join(map(str, grp))}"
+        head = f"/* {what} */" if t.pr else f"if ({' || '.join(ok.values())})  /* {what} */"
+        with code.block(head):
+            names = {ir: "e" if len(grp) == 1 else f"e{ir}_" for ir in grp}
+            for ir in grp:
+                _blocked_row(code, t, sto, ir, ok[ir] if t.pr or len(grp) > 1 else "", names[ir])
+            for ir in grp:
+                _row_fmas(code, t, names[ir], users[ir])
+
+
+def _row_fmas(code: Code, t: WTile, name: str, users: list[tuple[int, int]]) -> None:
+    """The FMAs of one input row (values ``name``0 ..) for each (output row i, filter row r) in ``users``."""
+    s, cv = t.spec, t.cv
+    sw, dw = s.stride[1], s.dilation[1]
+    for i, r in users:
+        for jq, c, v in itertools.product(range(t.tq), range(s.s), range(cv)):
+            a = _acc(r, c, v, cv)
+            code(f"{a} = FMA({_lane(f'{name}{jq * sw + c * dw}', v, cv)}, {_lane(f'g{i}_{jq}', v, cv)}, {a});")
+
+
+def _blocked_row(code: Code, t: WTile, sto: Storage, ir: int, row_ok: str = "", name: str = "e") -> None:
+    """``name``0 .. ``name``{seg-1}: input row y0 + ir, columns x0 .. (zero outside the plane); on NCHW
+    read as aligned 16-byte vectors where the rows allow (each vector wholly in or out of the row).
+    ``row_ok``: the row's own guard, folded into each load's (``pr``: no branch a row, so ptxas may hoist
+    the loads of later rows above the sums of earlier ones)."""
     s = t.spec
     both = f"{row_ok} && " if row_ok else ""
+    xv = "xv" if name == "e" else f"{name}v"
     if s.layout == "nhwc":
         base = f"x + ((n * {s.h} + y0 + {ir}) * {s.w} + x0) * {s.c} + c"
         for e in range(t.seg):
             if t.cv > 1:
-                vec_load(code, sto, f"e{e}", 4, f"{both}(unsigned)(x0 + {e}) < {s.w}u", f"{base} + {e * s.c}")
+                vec_load(code, sto, f"{name}{e}", 4, f"{both}(unsigned)(x0 + {e}) < {s.w}u", f"{base} + {e * s.c}")
                 continue
-            code(f"const float e{e} = {both}(unsigned)(x0 + {e}) < {s.w}u ? {sto.ldg(f'{base} + {e * s.c}')} : 0.0f;")
+            load = sto.ldg(f"{base} + {e * s.c}")
+            code(f"const float {name}{e} = {both}(unsigned)(x0 + {e}) < {s.w}u ? {load} : 0.0f;")
         return
     base = f"x + ((n * {s.c} + c) * {s.h} + y0 + {ir}) * {s.w}"
     if t.xv == 1:
         for e in range(t.seg):
-            code(f"const float e{e} = {both}(unsigned)(x0 + {e}) < {s.w}u ? {sto.ldg(f'{base} + x0 + {e}')} : 0.0f;")
+            load = sto.ldg(f"{base} + x0 + {e}")
+            code(f"const float {name}{e} = {both}(unsigned)(x0 + {e}) < {s.w}u ? {load} : 0.0f;")
         return
     off = (-s.pad[2]) % t.xv  # x0 - off is a multiple of the vector width
     for a in range(cdiv(off + t.seg, t.xv)):
         col = f"x0 - {off} + {a * t.xv}" if off else f"x0 + {a * t.xv}"
-        vec_load(code, sto, f"xv{a}", t.xv, f"{both}(unsigned)({col}) < {s.w}u", f"{base} + {col}")
-    code(*(f"const float e{e} = {_vec_lane(f'xv{(e + off) // t.xv}', t.xv, (e + off) % t.xv)};"
+        vec_load(code, sto, f"{xv}{a}", t.xv, f"{both}(unsigned)({col}) < {s.w}u", f"{base} + {col}")
+    code(*(f"const float {name}{e} = {_vec_lane(f'{xv}{(e + off) // t.xv}', t.xv, (e + off) % t.xv)};"
            for e in range(t.seg)))
 
 
