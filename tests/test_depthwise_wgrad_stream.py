@@ -35,6 +35,9 @@ CASES = [
     (ConvSpec.make(1, 8, 20, 24, 8, 3, 3, 1, 2, 2, groups=8), Params(sc=8, sq=4, sb=7, sr=2, ns=1)),
     (ConvSpec.make(3, 32, 9, 8, 32, 7, 7, 1, 3, groups=32), Params(sc=32, sq=2, sg=3, sb=9, sv=4, ns=2)),
     (ConvSpec.make(1, 8, 21, 17, 8, 3, 3, 4, (1, 0, 2, 1), groups=8), Params(sc=8, sq=3, sb=2, ns=1)),
+    # stream_pick's set on ConvNeXt-like 7x7 planes of 7 and 14 rows: two rows a step, one filter row a thread
+    (ConvSpec.make(1, 32, 7, 7, 32, 7, 7, 1, 3, groups=32), Params(sc=32, sq=8, sg=7, sb=7, sr=2, ns=1)),
+    (ConvSpec.make(2, 32, 14, 14, 32, 7, 7, 1, 3, groups=32), Params(sc=32, sq=8, sg=7, sb=14, sr=2, ns=2)),
 ]
 
 
