@@ -306,7 +306,7 @@ class DepthwiseWgrad(Variant):
             st = self._checked(Stream.of(spec, params), ns, device, f"bands of {params.sb} rows of each image")
             store = _store_out(spec, out, f"GROUP_ID(1) * {spec.k * spec.r * spec.s} + {{i}}" if ns > 1 else "{i}",
                                "{v}")
-            body, block, grid = stream_body(st, out, sto, store), (st.threads, 1, 1), (st.cblocks, ns, 1)
+            body, block, grid = stream_body(st, sto, store), (st.threads, 1, 1), (st.cblocks, ns, 1)
         elif "tq" in params:
             t = self._checked(WTile.of(spec, params), ns, device, "items of tp x tq outputs")
             body, block, grid = _blocked_body(t, ns, out), (t.threads, 1, 1), (cdiv(spec.k, t.channels), ns, 1)
@@ -324,7 +324,7 @@ class DepthwiseWgrad(Variant):
         args = (sto.buf(src[0]), sto.buf(src[1]), wbuf)
         # the blocked form names a launch bound of mb blocks (default 1): with the thread count alone ptxas
         # (13.0) spilled 16 bytes at 48 registers on float16 3x3 (tp 2, tq 8); with it, 56 and none
-        bound = params.get("mb", 1) if "tq" in params and not _tiled(spec) and "sc" not in params else 0
+        bound = params.get("mb", 1) if "tq" in params and not _tiled(spec) else 0
         kernels.append(Kernel(name, args, body, block, comment=f"{self.name}: {params.short()}", min_blocks=bound))
         steps.append(Launch(name, grid, block, (*src, out)))
         if ns > 1:

@@ -249,7 +249,7 @@ def _params(t: Stream, ns: int) -> Params:
     return Params({"sc": t.sc, "sq": t.sq, "sb": t.sb, **opt, "ns": ns})
 
 
-def stream_body(t: Stream, out: str, sto: Storage, store_out: str) -> str:
+def stream_body(t: Stream, sto: Storage, store_out: str) -> str:
     """The streamed kernel's body (module docstring); ``store_out`` formats the statement writing
     float ``{v}`` to filter element ``{i}`` of slice ``GROUP_ID(1)`` (or of dw itself)."""
     s = t.spec

@@ -28,12 +28,12 @@ stride-1 forward convolution of dy with dilation delta and padding -o. Per phase
   halves, then tile b of (ph, 1), and stores both as each dx row's pairs (``Output.pairs``): no
   phase buffers, no interleave (:meth:`TcDgradStrided._joined`).
 
-``mn=1`` (NCHW half, by params only): A = dy as it lies, each stage a 4-D tiled TMA box of 64 pixels
-of one dy row at the stage's tap offset (:class:`MnPlanes`; zeros outside the plane are the padding),
-B the filters MN-major: no dy copy step. Only where every phase's column taps sit at dy column offsets
-that are multiples of 8 (e.g. 4x2 filters at stride 2): a tile copy's innermost coordinate must be
-16-byte aligned (the H200 faults with an illegal instruction otherwise), so the one-column shifts of
-3x3/2 and 4x4/2 layers' taps cannot be copy offsets.
+``mn=1`` (NCHW half, by params; GPU tier on 4x2/2 and 3x2/2 layers): A = dy as it lies, each stage
+a 4-D tiled TMA box of 64 pixels of one dy row at the stage's tap offset (:class:`MnPlanes`; zeros
+outside the plane are the padding), B the filters MN-major: no dy copy step. Only where every phase's
+column taps sit at dy column offsets that are multiples of 8 (e.g. 4x2 filters at stride 2): a tile
+copy's innermost coordinate must be 16-byte aligned (the H200 faults with an illegal instruction
+otherwise), so the one-column shifts of 3x3/2 and 4x4/2 layers' taps cannot be copy offsets.
 
 1x1 filters at stride > 1 have one phase: dgrad_sub_<1x1 forward> (kernels/dgrad/transposed.py)
 reads dy in place for it. Stride 1 is DgradTransposed's (kernels/dgrad/transposed.py); groups run dgrad_strided_gemm.
