@@ -1838,3 +1838,37 @@ def test_restart_tiles_and_defaults():
                      (ConvSpec.make(32, 96, 54, 54, 96, 1, 1), 0)):
         assert v.default(spec, NOMINAL_CUDA).get("kr", 0) == kr, spec.short()
     assert any(p.get("kr") == 1 for p in v.space(ConvSpec.make(32, 256, 14, 14, 256, 3, 3, 1, 1), NOMINAL_CUDA))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_gemms_of_at_most_16_columns_take_16_column_tiles(dtype):
+    """tiles.narrow: a layer writing at most 16 channels (RGB out, a segmentation head, DCGAN's last
+    transposed layer as its dgrad) takes 16-column tiles in half precision; 17 channels and TF32 keep the
+    wave model's tile; the space offers 16 columns only to GEMMs of at most 32."""
+    fwd, tf32 = get_variant("tc_implicit_gemm_half"), get_variant("tc_implicit_gemm_tf32")
+    strided = get_variant("dgrad_tc_strided_half")
+
+    def bn(variant, spec) -> int:
+        assert variant.applies(spec, NOMINAL_CUDA) is None, variant.applies(spec, NOMINAL_CUDA)
+        return int(variant.default(spec, NOMINAL_CUDA)["bn"])
+
+    for k, layout in ((3, "nchw"), (2, "nhwc"), (16, "nhwc"), (13, "nchw")):
+        assert bn(fwd, ConvSpec.make(8, 64, 64, 64, k, 3, 3, 1, 1, dtype=dtype, layout=layout)) == 16
+    assert bn(fwd, ConvSpec.make(8, 64, 64, 64, 17, 3, 3, 1, 1, dtype=dtype, layout="nhwc")) >= 32
+    assert bn(tf32, ConvSpec.make(8, 64, 64, 64, 3, 3, 3, 1, 1, layout="nhwc")) >= 32
+    dcgan_last = ConvSpec.make(128, 3, 64, 64, 64, 4, 4, 2, 1, dtype=dtype, conv_pass="dgrad")
+    assert bn(strided, dcgan_last) == 16
+    narrow_space = {TileConfig.of(p).bn for p in fwd.space(ConvSpec.make(8, 64, 64, 64, 24, 3, 3, 1, 1, dtype=dtype),
+                                                           NOMINAL_CUDA)}
+    wide_space = {TileConfig.of(p).bn for p in fwd.space(ConvSpec.make(8, 64, 64, 64, 64, 3, 3, 1, 1, dtype=dtype),
+                                                         NOMINAL_CUDA)}
+    assert 16 in narrow_space and 16 not in wide_space
+
+
+def test_16_column_tiles_compile_without_spills(nvcc_ok):
+    fwd = get_variant("tc_implicit_gemm_half")
+    spec = ConvSpec.make(8, 64, 128, 128, 3, 3, 3, 1, 1, dtype="float16", layout="nhwc")
+    params = fwd.default(spec, NOMINAL_CUDA)
+    assert TileConfig.of(params).bn == 16
+    for info in ptxas_report(fwd.plan(spec, params, NOMINAL_CUDA).source("cuda")):
+        assert info.spill_stores == 0 and info.spill_loads == 0, info

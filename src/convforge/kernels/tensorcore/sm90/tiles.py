@@ -257,7 +257,24 @@ def pick(math: Math, prob: Problem, units: int, shared_limit: int = MAX_SHARED) 
     (every 4 errs more at the same time, every stage costs time), split-K where the tiles still fill
     less than half the SMs, a persistent grid."""
     cfg = min(shapes(math, prob, shared_limit), key=lambda c: _wave_cost(c.bm, c.bn, math, prob, units))
+    cfg = narrow(cfg, math, prob, shared_limit)
     return dataclasses.replace(cfg, ks=split_for(cfg, math, prob, units))
+
+
+NARROW_N = 16  # a GEMM of at most this many columns takes 16-column tiles (:func:`narrow`)
+
+
+def narrow(cfg: TileConfig, math: Math, prob: Problem, shared_limit: int = MAX_SHARED) -> TileConfig:
+    """``cfg`` 16 columns wide where the GEMM has at most :data:`NARROW_N` (a layer writing 3 RGB channels,
+    a segmentation head's classes): a 64-wide tile would spend three quarters or more of its wgmma work
+    and B traffic on zero columns. H200, DCGAN's last 4x4/2 transposed layer (64 -> 3 channels, N128):
+    0.0756 -> 0.0609 ms in FP16 NCHW, 0.0680 -> 0.0472 in NHWC (``bench --sweep``); 32 columns on 21
+    (FCN-8s' head) moved nothing, so wider GEMMs keep the wave model's tile. Plain FP16 / BF16 only: the
+    TF32 and split modes were not timed with it (their spaces hold it). Else ``cfg``."""
+    if prob.n > NARROW_N or cfg.bn <= 16 or math.esize != 2 or math.split or math.scaled:
+        return cfg
+    slim = dataclasses.replace(cfg, bn=16)
+    return cfg if slim.problems(math, prob, shared_limit) else slim
 
 
 def restarted(cfg: TileConfig, math: Math, prob: Problem | None = None, shared_limit: int = MAX_SHARED) -> TileConfig:
@@ -353,7 +370,8 @@ def space(math: Math, prob: Problem, units: int, shared_limit: int = MAX_SHARED)
     splits = sorted({1, first.ks})
     sums = ((2, 0), (4, 0), (1, 0), (0, 1)) if math.split else ((0, 0),)  # (pi, kr)
     out = []
-    for bn, bm, cw, kb, st, ks, ps, (pi, kr) in itertools.product(BN_CHOICES, (128, 256, 64), (2, 1), (1, 2),
+    bns = BN_CHOICES + ((16,) if prob.n <= 2 * NARROW_N else ())  # 16 columns only where they can pay
+    for bn, bm, cw, kb, st, ks, ps, (pi, kr) in itertools.product(bns, (128, 256, 64), (2, 1), (1, 2),
                                                                   (6, 5, 4, 3), splits, (1, 0), sums):
         cfg = TileConfig(bm, bn, kb, st, cw, ks, ps, pi, kr=kr)
         if bn > 2 * max(prob.n, 32) or cfg == first or cfg.problems(math, prob, shared_limit):
