@@ -245,10 +245,24 @@ def _grad_rows_cases() -> Iterator[Case]:
         yield Case(f"grad_rows.{tag}.{backend}", ("grad_rows", "float32", "dgrad", backend), make)
 
 
+def _maxpool_cases() -> Iterator[Case]:
+    """Training max pool (kernels/maxpool.py): ResNet's 3x3/2 pool on odd NCHW float32 planes, and a
+    channels-last float16 one in ceil mode."""
+    from convforge.kernels.maxpool import PoolTrain, source
+
+    cases = {"3x3s2-nchw": PoolTrain(2, 3, 11, 13, 3, 3, 2, 2, 1, 1),
+             "3x3s2-ceil-nhwc": PoolTrain(2, 5, 10, 9, 3, 3, 2, 2, 0, 0, True, "float16", "nhwc")}
+    for backend in ("cuda", "opencl"):
+        for tag, pt in cases.items():
+            def make(pt: PoolTrain = pt, backend: str = backend) -> str:
+                return source(pt, backend)
+            yield Case(f"maxpool_train.{tag}.{backend}", ("maxpool_train", pt.dtype, "train", backend), make)
+
+
 def _all_cases() -> list[Case]:
     cases = [*_variant_cases(), *_half_cases(), *_prologue_cases(), *_full_transform_cases(),
              *_strided_dgrad_cases(), *_stem_cases(), *_half_tc_cases(), *_batchnorm_cases(), *_bias_grad_cases(),
-             *_grad_rows_cases()]
+             *_grad_rows_cases(), *_maxpool_cases()]
     keys = [c.key for c in cases]
     assert len(keys) == len(set(keys)), "two snapshot cases share a key"
     return cases

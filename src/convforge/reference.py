@@ -231,6 +231,44 @@ def batchnorm_train_backward_ref(gz: np.ndarray, y: np.ndarray, gamma: np.ndarra
     return {"dy": dy, "dres": g, "dgamma": dgamma, "dbeta": dbeta}
 
 
+def maxpool_ref(x: np.ndarray, k: tuple[int, int], stride: tuple[int, int], pad: tuple[int, int],
+                out: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """Max pooling of NCHW ``x`` in float64 as PyTorch's ``max_pool2d`` picks (dilation 1): the first of
+    equal maxima, the last NaN, a window of -inf its first in-image tap; ``out`` the pooled (P, Q).
+    Returns y and each maximum's tap in its window (r * kw + s)."""
+    x64 = np.asarray(x, np.float64)
+    n, c, h, w = x64.shape
+    (kh, kw), (sh, sw), (ph, pw), (p, q) = k, stride, pad, out
+    y, tap = np.empty((n, c, p, q)), np.empty((n, c, p, q), np.int64)
+    for i in range(p):
+        for j in range(q):
+            h0, w0 = i * sh - ph, j * sw - pw
+            hs, he, ws, we = max(h0, 0), min(h0 + kh, h), max(w0, 0), min(w0 + kw, w)
+            m, best = x64[:, :, hs, ws].copy(), np.full((n, c), (hs - h0) * kw + (ws - w0))
+            for hh in range(hs, he):
+                for ww in range(ws, we):
+                    v = x64[:, :, hh, ww]
+                    take = (v > m) | np.isnan(v)
+                    m, best = np.where(take, v, m), np.where(take, (hh - h0) * kw + (ww - w0), best)
+            y[:, :, i, j], tap[:, :, i, j] = m, best
+    return y, tap
+
+
+def maxpool_backward_ref(gy: np.ndarray, tap: np.ndarray, x_shape: tuple[int, ...], k: tuple[int, int],
+                         stride: tuple[int, int], pad: tuple[int, int]) -> np.ndarray:
+    """The gradient of :func:`maxpool_ref`'s input: each window's gradient added to its maximum's tap."""
+    gx = np.zeros(x_shape)
+    _, _, p, q = np.shape(gy)
+    kw, (sh, sw), (ph, pw) = k[1], stride, pad
+    nn, cc = np.meshgrid(np.arange(x_shape[0]), np.arange(x_shape[1]), indexing="ij")
+    for i in range(p):
+        for j in range(q):
+            t = tap[:, :, i, j]
+            rows, cols = i * sh - ph + t // kw, j * sw - pw + t % kw
+            np.add.at(gx, (nn, cc, rows, cols), np.asarray(gy, np.float64)[:, :, i, j])
+    return gx
+
+
 def rel_l2(out: np.ndarray, ref: np.ndarray) -> float:
     """‖out − ref‖ / ‖ref‖ in float64; NaN anywhere gives NaN (never passes)."""
     diff = np.asarray(out, dtype=np.float64) - ref
