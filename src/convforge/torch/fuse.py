@@ -24,7 +24,8 @@ and as the branches in training (torch/branches.py).
 
 Then linear layers over channels-last activations (torch/linear.py): ``nn.Linear`` -> GELU, and
 ``nn.Linear`` -> permute(0, 3, 1, 2) -> layer scale * . -> [torchvision's stochastic depth] ->
-+ residual (ConvNeXt's blocks) become one :class:`FusedLinear` call each at the linear's path.
++ residual (ConvNeXt's blocks) become one :class:`FusedLinear` call each at the linear's path, and every
+``nn.MaxPool2d`` convforge's (torch/pool.py).
 
 The result is a ``GraphModule`` whose module hierarchy mirrors the original's (every module a
 shallow copy sharing its parameters and buffers, batch norms included), so ``state_dict()`` has
@@ -51,6 +52,7 @@ from convforge.torch.fused import FusedConv2d, PreActivation
 from convforge.torch.linear import FusedLinear
 from convforge.torch.modules import OPTIONS, Conv2d, ConvertReport, ConvTranspose2d, static_reason, swapped
 from convforge.torch.modules import convert as convert_in_place
+from convforge.torch.pool import MaxPool2d
 from convforge.torch.prepare import prepare_on_first_call
 
 _ADDS_F = {operator.add: False, operator.iadd: True, torch.add: False}
@@ -112,6 +114,7 @@ def fuse(model: torch.nn.Module, **options: Any) -> tuple[torch.nn.Module, Conve
     _rewrite(graph, root, report, options)
     _fold_preactivations(graph, root, report)
     _fuse_linears(graph, root, report, options)
+    _swap_pools(graph, root, report)
     gm = _graph_module(root, graph, type(model).__name__)
     prepare_on_first_call(gm)
     return gm, report
@@ -443,6 +446,20 @@ def _replace(graph: Graph, nodes: list[Node], res: Node | None) -> None:
     last.replace_all_uses_with(new)
     for n in reversed(nodes):
         graph.erase_node(n)
+
+
+def _swap_pools(graph: Graph, root: torch.nn.Module, report: ConvertReport) -> None:
+    """Swap every ``nn.MaxPool2d`` (the class itself, without ``return_indices``) for convforge's
+    (torch/pool.py: one pass each way where PyTorch's backward scatters through int64 indices)."""
+    modules = dict(root.named_modules(remove_duplicate=False))
+    for node in graph.nodes:
+        m = modules.get(str(node.target)) if node.op == "call_module" else None
+        if not isinstance(m, torch.nn.MaxPool2d) or type(m) is not torch.nn.MaxPool2d or m.return_indices:
+            continue
+        name = str(node.target)
+        parent, _, attr = name.rpartition(".")
+        setattr(root.get_submodule(parent) if parent else root, attr, MaxPool2d.from_module(m))
+        report.pools.append(name)
 
 
 def _fuse_linears(graph: Graph, root: torch.nn.Module, report: ConvertReport, options: dict[str, Any]) -> None:

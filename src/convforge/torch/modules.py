@@ -376,13 +376,15 @@ class ConvertReport:
     only): conv -> what its module also applies ("bn+add+relu"); ``unfused`` (``fuse`` only): why
     the operations after a conv, or the whole model ("" key), stay separate PyTorch operations;
     ``linears`` (``fuse`` only): linear layers over channels-last activations that convforge runs
-    (torch/linear.py) -> what they fold ("gelu", "permute+scale+add")."""
+    (torch/linear.py) -> what they fold ("gelu", "permute+scale+add"); ``pools`` (``fuse`` only): max
+    pools convforge runs (torch/pool.py)."""
 
     converted: list[str] = field(default_factory=list)
     left: dict[str, str] = field(default_factory=dict)
     fused: dict[str, str] = field(default_factory=dict)
     unfused: dict[str, str] = field(default_factory=dict)
     linears: dict[str, str] = field(default_factory=dict)
+    pools: list[str] = field(default_factory=list)
 
     @property
     def handed_back(self) -> dict[str, str]:
@@ -393,7 +395,8 @@ class ConvertReport:
     def __str__(self) -> str:
         lines = [f"convforge: {len(self.converted)} conv layer(s) converted, {len(self.left)} left to PyTorch"
                  + (f", {len(self.fused)} fused with what follows them" if self.fused else "")
-                 + (f"; {len(self.linears)} linear layer(s) fused" if self.linears else "")]
+                 + (f"; {len(self.linears)} linear layer(s) fused" if self.linears else "")
+                 + (f"; {len(self.pools)} max pool(s) on convforge's kernels" if self.pools else "")]
         lines += [f"  {name or '<model>'}: {why}" for name, why in self.left.items()]
         lines += [f"  {name or '<model>'}: not fused: {why}" for name, why in self.unfused.items()]
         lines += [f"  handed to PyTorch at run time: {layer}: {why}" for layer, why in self.handed_back.items()]
