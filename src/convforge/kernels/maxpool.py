@@ -23,6 +23,8 @@ taps; PyTorch's output size (floor or ceil mode, padding at most half the window
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,12 +131,21 @@ def _index_type(pt: PoolTrain) -> str:
     return "I64" if pt.x_size > 2**31 - 1 or pt.y_size > 2**31 - 1 else "int"
 
 
+@contextmanager
+def _each_element(code: Code, pt: PoolTrain, rows: int, cols: int, ix: str) -> Iterator[None]:
+    """One thread an element of an N x C x rows x cols tensor: its linear index ``e``, the bound check,
+    and n, c, r, s (:func:`_split`); the body goes inside."""
+    code(f"const {ix} e = ({ix})GROUP_ID(0) * {THREADS} + LOCAL_ID(0);")
+    with code.block(f"if (e < {pt.n * pt.c * rows * cols})"):
+        code(*_split(pt, rows, cols, ix))
+        yield
+
+
 def forward_kernel(pt: PoolTrain, name: str = "maxpool_fwd") -> Kernel:
+    """The forward: one thread an output element (module docstring)."""
     st, ix = Storage(pt.dtype), _index_type(pt)
     code = Code()
-    code(f"const {ix} e = ({ix})GROUP_ID(0) * {THREADS} + LOCAL_ID(0);")
-    with code.block(f"if (e < {pt.y_size})"):
-        code(*_split(pt, pt.p, pt.q, ix))
+    with _each_element(code, pt, pt.p, pt.q, ix):
         code(f"const int h0 = r * {pt.sh} - {pt.ph}, w0 = s * {pt.sw} - {pt.pw};",
              f"const int hs = max(h0, 0), he = min(h0 + {pt.kh}, {pt.h});",
              f"const int ws = max(w0, 0), we = min(w0 + {pt.kw}, {pt.w});",
@@ -153,11 +164,10 @@ def forward_kernel(pt: PoolTrain, name: str = "maxpool_fwd") -> Kernel:
 
 
 def backward_kernel(pt: PoolTrain, name: str = "maxpool_bwd") -> Kernel:
+    """The backward: one thread an input element, gathering (module docstring)."""
     st, ix = Storage(pt.dtype), _index_type(pt)
     code = Code()
-    code(f"const {ix} e = ({ix})GROUP_ID(0) * {THREADS} + LOCAL_ID(0);")
-    with code.block(f"if (e < {pt.x_size})"):
-        code(*_split(pt, pt.h, pt.w, ix))
+    with _each_element(code, pt, pt.h, pt.w, ix):
         code("// the windows holding (r, s): rows p0..p1, columns q0..q1",
              f"const int ar = r + {pt.ph} - {pt.kh - 1}, as = s + {pt.pw} - {pt.kw - 1};",
              f"const int p0 = ar <= 0 ? 0 : (ar + {pt.sh - 1}) / {pt.sh};",
