@@ -457,6 +457,8 @@ def _swap_pools(graph: Graph, root: torch.nn.Module, report: ConvertReport) -> N
         if not isinstance(m, torch.nn.MaxPool2d) or type(m) is not torch.nn.MaxPool2d or m.return_indices:
             continue
         name = str(node.target)
+        if name in report.pools:  # one module called at several places: swapped once
+            continue
         parent, _, attr = name.rpartition(".")
         setattr(root.get_submodule(parent) if parent else root, attr, MaxPool2d.from_module(m))
         report.pools.append(name)
