@@ -286,7 +286,8 @@ class FusedConv2d(Conv2d):
     def stats_plan(self, x_shape: tuple[int, ...], w_shape: tuple[int, ...], dt: torch.dtype,
                    device: int) -> tuple[Any, int, ConvSpec] | None:
         """(plan, P, spec) of this block's conv on channels-last ``x_shape`` in ``dt`` with the batch norm's P
-        partial sums in its epilogue, or None where its variant has no such plan or K is not a multiple of 4
+        partial sums in its epilogue, or None where its variant has no such plan, its tile is not whole 32-column
+        chunks (tiles.narrow) or K is not a multiple of 4
         (the partial sums follow 5 C floats of statistics in the block's scratch: 16-byte aligned); raises
         ValueError where nothing applies. Also what torch/train_ahead.py compiles ahead."""
         if w_shape[0] % 4:
@@ -297,8 +298,8 @@ class FusedConv2d(Conv2d):
         ch = dispatch.choose(spec, backend, Epilogue(), algo=self.algo, precision=self.precision,
                              max_error=self.max_error)
         make = getattr(ch.variant, "plan_stats", None)
-        if make is None:
-            return None
+        if make is None or int(ch.params.get("bn", 0)) % 32:  # statistics take whole 32-column chunks: a
+            return None  # 16-column tile (tiles.narrow, K <= 16) leaves them to the batch norm's own pass
         plan, parts = make(spec, ch.params, backend.device)
         return plan, parts, spec
 
