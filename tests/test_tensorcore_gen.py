@@ -1865,10 +1865,13 @@ def test_half_gemms_of_at_most_16_columns_take_16_column_tiles(dtype):
     assert 16 in narrow_space and 16 not in wide_space
 
 
-def test_16_column_tiles_compile_without_spills(nvcc_ok):
+@pytest.mark.parametrize("layout", ["nhwc", "nchw"])
+def test_16_column_tiles_compile_without_spills(nvcc_ok, layout):
+    """The plain store and the bias + residual + activation epilogue of a 16-column tile (a 3-channel head)."""
     fwd = get_variant("tc_implicit_gemm_half")
-    spec = ConvSpec.make(8, 64, 128, 128, 3, 3, 3, 1, 1, dtype="float16", layout="nhwc")
+    spec = ConvSpec.make(8, 64, 128, 128, 3, 3, 3, 1, 1, dtype="float16", layout=layout)
     params = fwd.default(spec, NOMINAL_CUDA)
     assert TileConfig.of(params).bn == 16
-    for info in ptxas_report(fwd.plan(spec, params, NOMINAL_CUDA).source("cuda")):
-        assert info.spill_stores == 0 and info.spill_loads == 0, info
+    for epi in (Epilogue(), Epilogue(bias=True, residual=True, silu=True)):
+        for info in ptxas_report(fwd.plan(spec, params, NOMINAL_CUDA, epi).source("cuda")):
+            assert info.spill_stores == 0 and info.spill_loads == 0, info
