@@ -221,9 +221,11 @@ def _block(case, seed):
 
 
 # how a block's training call runs: float32; an FP16 / BF16 autocast region on a channels_last input (the
-# float32 master weight cast by the block's caller); a .half() model on NCHW input
+# float32 master weight, KCRS or channels_last as model.to(memory_format=...) leaves it, cast by BlockNode and
+# its gradient cast back there, by Python's Conv2d on the other side); a .half() model on NCHW input
 MODES = [("fp32", None, None, False), ("amp16_nhwc", torch.float16, None, True),
-         ("ampbf16_nhwc", torch.bfloat16, None, True), ("half_nchw", None, torch.float16, False)]
+         ("ampbf16_nhwc", torch.bfloat16, None, True), ("amp16_nhwc_clw", torch.float16, None, "weights"),
+         ("half_nchw", None, torch.float16, False)]
 
 
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m[0])
@@ -253,6 +255,9 @@ def test_native_block_is_bit_identical_to_the_python_nodes(gpu, monkeypatch, cas
         for m in (on, off):
             m.to(half)
             m._cf_bn.to(half)
+    if nhwc == "weights":  # channels_last parameters too
+        for m in (on, off):
+            m.to(memory_format=torch.channels_last)
     act = half or amp or torch.float32  # the activations' dtype
     fmt = torch.channels_last if nhwc else torch.contiguous_format
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -271,6 +276,8 @@ def test_native_block_is_bit_identical_to_the_python_nodes(gpu, monkeypatch, cas
             with ctx:
                 z = m(xx, rr)
             assert torch.isfinite(z).all() and z.dtype == act and z.is_contiguous(memory_format=fmt)
+            if native_block and step and amp is not None:  # the master weight is the node's own input
+                assert [type(f).__name__ for f, _ in z.grad_fn.next_functions if f][1] == "AccumulateGrad"
             z.backward(gz)
             assert m.weight.grad.dtype == m.weight.dtype  # float32 master weights under autocast
             got = [z.detach(), xx.grad, m.weight.grad] + ([rr.grad] if residual else [])

@@ -227,15 +227,19 @@ class FusedConv2d(Conv2d):
                             b.get("num_batches_tracked"), handle)
 
     def _block_operands(self, x: torch.Tensor, dt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(input, weight) as the block's conv reads them: in ``dt`` (:func:`compute_dtype`: an autocast
-        region casts both, the float32 master weight through a differentiable KCRS copy, as ``Conv2d``
-        does), the weight in KCRS; None when convforge does not run the conv."""
+        """(input, weight) as the block node takes them: the input in ``dt`` (:func:`compute_dtype`: an
+        autocast region casts it, keeping channels_last); the module's own weight, which the node copies
+        to KCRS in ``dt`` itself (an autocast region's float32 master weight cast in C++, its gradient cast
+        back there: no Python cast and no autograd node of its own a block). None when convforge does
+        not run the conv."""
         w = read_tensor(self, "_parameters", "weight")
         if x.dim() != 4 or not (x.is_cuda and w.is_cuda):
             return None
         if x.dtype != dt:
             x = x.to(dt)  # keeps channels_last
-        return x, self._cast(w, dt)
+        if w.dtype not in (dt, torch.float32):  # another half dtype than the region's: cast as Conv2d does
+            w = self._cast(w, dt)
+        return x, w
 
     def _file_block(self, x: torch.Tensor, bn: torch.nn.BatchNorm2d, res: Any, y: torch.Tensor) -> None:
         """After a training call the Python nodes ran (its conv filed with native.cpp by then): file its

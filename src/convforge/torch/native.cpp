@@ -113,9 +113,26 @@ bool tensors_ok(const at::Tensor& x, const at::Tensor& w, const at::Tensor* bias
   return !bias || (plain(*bias, 1) && bias->get_device() == x.get_device() && bias->scalar_type() == x.scalar_type());
 }
 
+// Filters a node casts itself (``kcrs_operand``): the module's own weight where the conv runs in x's
+// dtype from it, float32 master weights of a half conv (an autocast region) or channels_last ones.
+bool filters_ok(const at::Tensor& x, const at::Tensor& w) {
+  at::ScalarType t = w.scalar_type();
+  return plain(x, 4) && plain(w, 4) && w.get_device() == x.get_device() &&
+         (t == x.scalar_type() || (t == at::kFloat && x.scalar_type() != at::kFloat));
+}
+
+// The KCRS filters in x's dtype a conv program reads, from filters_ok's ``w``: itself, or a copy (grad
+// mode off: the node's backward casts the filters' gradient back, as autocast's cast would).
+at::Tensor kcrs_operand(const at::Tensor& x, const at::Tensor& w) {
+  if (w.scalar_type() == x.scalar_type() && w.is_contiguous()) return w;
+  return w.to(x.scalar_type(), false, false, at::MemoryFormat::Contiguous);
+}
+
 // The arguments of convforge.conv2d, positionally: x, w, bias, stride, padding, dilation, algo,
 // backend, workspace_limit, relu, params, precision, max_error, groups. False: not a call this path runs.
-bool parse_call(PyObject* const* a, Key& k, const at::Tensor*& x, const at::Tensor*& w, const at::Tensor*& b) {
+// ``cast``: without a bias, w may be filters the caller turns into the conv's (filters_ok, kcrs_operand).
+bool parse_call(PyObject* const* a, Key& k, const at::Tensor*& x, const at::Tensor*& w, const at::Tensor*& b,
+                bool cast = false) {
   if (!THPVariable_CheckExact(a[0]) || !THPVariable_CheckExact(a[1])) return false;
   x = &THPVariable_Unpack(a[0]);
   w = &THPVariable_Unpack(a[1]);
@@ -124,7 +141,8 @@ bool parse_call(PyObject* const* a, Key& k, const at::Tensor*& x, const at::Tens
     if (!THPVariable_CheckExact(a[2])) return false;
     b = &THPVariable_Unpack(a[2]);
   }
-  if (!tensors_ok(*x, *w, b) || !parse_options(a, k)) return false;
+  bool ok = tensors_ok(*x, *w, b) || (cast && !b && filters_ok(*x, *w));
+  if (!ok || !parse_options(a, k)) return false;
   tensor_key(k, *x, *w, b);
   return true;
 }
