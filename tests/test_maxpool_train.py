@@ -21,6 +21,14 @@ CASES = [
     PoolTrain(3, 6, 8, 8, 3, 3, 2, 2, 1, 1, dtype="float16", layout="nhwc"),
     PoolTrain(2, 7, 13, 11, 3, 3, 2, 2, 1, 1, ceil=True, dtype="bfloat16", layout="nhwc"),
     PoolTrain(1, 3, 12, 12, 3, 3, 1, 1, 1, 1, dtype="float16"),  # stride 1: every input in 9 windows
+    # channels-last vectors (kernels/maxpool.lanes): 8 halves, 4 floats, 4 halves where C is not whole 8s
+    PoolTrain(2, 16, 11, 13, 3, 3, 2, 2, 1, 1, dtype="float16", layout="nhwc"),
+    PoolTrain(1, 12, 10, 9, 3, 3, 2, 2, 0, 0, ceil=True, dtype="bfloat16", layout="nhwc"),
+    PoolTrain(3, 8, 9, 7, 2, 2, 2, 2, dtype="float32", layout="nhwc"),
+    PoolTrain(1, 8, 12, 12, 3, 3, 1, 1, 1, 1, dtype="float16", layout="nhwc"),  # 9 windows an input, vectors
+    PoolTrain(2, 8, 17, 19, 5, 5, 4, 4, 2, 2, dtype="bfloat16", layout="nhwc"),
+    PoolTrain(1, 4, 13, 12, 6, 5, 1, 1, 3, 2, dtype="float32", layout="nhwc"),  # 30 taps, 30 windows: loops
+    PoolTrain(1, 3, 13, 12, 6, 5, 3, 2, 3, 2),  # the forward's loop, NCHW
 ]
 
 
@@ -61,11 +69,13 @@ def test_against_float64(ocl, pt: PoolTrain) -> None:  # type: ignore[no-untyped
     _check(ocl, pt, rng.standard_normal((pt.n, pt.c, pt.h, pt.w)).astype(np.float32), seed=1)
 
 
-@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
-def test_ties_nan_and_infinity_follow_pytorch(ocl, layout: str) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("layout, c, dtype", [("nchw", 3, "float32"), ("nhwc", 3, "float32"),
+                                              ("nhwc", 8, "float16"), ("nhwc", 4, "float32")])
+def test_ties_nan_and_infinity_follow_pytorch(ocl, layout: str, c: int, dtype: str) -> None:  # type: ignore[no-untyped-def]
     """Equal maxima give the gradient to the first, a NaN wins (the last of several), a window of -inf
-    keeps its first in-image tap: PyTorch's choices, so the gradient lands where its would."""
-    pt = PoolTrain(2, 3, 9, 9, 3, 3, 2, 2, 1, 1, layout=layout)
+    keeps its first in-image tap: PyTorch's choices, so the gradient lands where its would (one channel
+    a thread, and channels-last vectors)."""
+    pt = PoolTrain(2, c, 9, 9, 3, 3, 2, 2, 1, 1, layout=layout, dtype=dtype)
     rng = np.random.default_rng(5)
     x = rng.integers(-2, 3, (pt.n, pt.c, pt.h, pt.w)).astype(np.float32)  # many ties
     x[0, 0, :4, :4] = -np.inf

@@ -4,7 +4,9 @@ the window it lies (one byte), the backward gathers.
 PyTorch's ``max_pool2d`` keeps int64 indices into the input plane and scatters the gradient back
 through them; on an H200 its channels-last backward took 0.91 ms of a ResNet-50 N128 FP16 step
 (``max_pool2d_with_indices_backward``, docs/NOTES-training.md), about ten times the bytes it moves.
-Here:
+Here (one thread takes a vector of 8 halves or 4 floats of channels in channels-last layers of whole
+vectors, :func:`lanes`; windows of up to 25 taps unrolled, every load issued before the first compare:
+the looping form, one 2-byte load in flight a thread, ran at a fifth of the copy bandwidth):
 
 forward   one thread an output element: the maximum over the window's in-image taps, row by row,
           a later tap taking over when it is larger or NaN (PyTorch's rule: the first of equal maxima,
@@ -109,11 +111,25 @@ class PoolProgram:
     backward: tuple[Launch, ...]
 
 
+UNROLL_TAPS = 25  # windows (forward) or window counts (backward) up to this are unrolled: every load issued first
+
+
+def lanes(pt: PoolTrain) -> int:
+    """Channels one thread takes: channels-last layers of whole vectors take 8 halves (one 16-byte
+    load) or 4 floats; 1 otherwise (NCHW, odd C)."""
+    if pt.layout != "nhwc":
+        return 1
+    v = 4 if pt.dtype == "float32" else 8
+    return v if pt.c % v == 0 else 4 if pt.c % 4 == 0 else 1
+
+
 def _split(pt: PoolTrain, rows: int, cols: int, ix: str) -> list[str]:
     """Lines naming n, c and the row / column ``r``, ``s`` of linear element ``e`` of an N x C x rows x
-    cols tensor in the layer's layout."""
+    cols tensor in the layer's layout (channels-last: ``e`` counts vectors of :func:`lanes` channels,
+    ``cv`` the vector within the pixel, ``c`` its first channel)."""
     if pt.layout == "nhwc":
-        return [f"const int c = (int)(e % {pt.c});", f"const {ix} t = e / {pt.c};",
+        v = lanes(pt)
+        return [f"const int cv = (int)(e % {pt.c // v}), c = cv * {v};", f"const {ix} t = e / {pt.c // v};",
                 f"const int s = (int)(t % {cols}), r = (int)(t / {cols} % {rows});",
                 f"const {ix} n = t / {cols * rows};"]
     return [f"const int s = (int)(e % {cols}), r = (int)(e / {cols} % {rows});",
@@ -121,9 +137,10 @@ def _split(pt: PoolTrain, rows: int, cols: int, ix: str) -> list[str]:
 
 
 def _at(pt: PoolTrain, rows: int, cols: int, r: str, s: str) -> str:
-    """The offset of element (n, c, r, s) of an N x C x rows x cols tensor in the layer's layout."""
+    """The offset of element (n, c, r, s) of an N x C x rows x cols tensor in the layer's layout, in
+    units of :func:`lanes` elements (the vector of channels c .. c + lanes - 1 where channels-last)."""
     if pt.layout == "nhwc":
-        return f"((n * {rows} + ({r})) * {cols} + ({s})) * {pt.c} + c"
+        return f"((n * {rows} + ({r})) * {cols} + ({s})) * {pt.c // lanes(pt)} + cv"
     return f"((n * {pt.c} + c) * {rows} + ({r})) * {cols} + ({s})"
 
 
@@ -133,39 +150,139 @@ def _index_type(pt: PoolTrain) -> str:
 
 @contextmanager
 def _each_element(code: Code, pt: PoolTrain, rows: int, cols: int, ix: str) -> Iterator[None]:
-    """One thread an element of an N x C x rows x cols tensor: its linear index ``e``, the bound check,
-    and n, c, r, s (:func:`_split`); the body goes inside."""
+    """One thread an element (a vector of :func:`lanes` channels) of an N x C x rows x cols tensor: its
+    linear index ``e``, the bound check, and n, c, r, s (:func:`_split`); the body goes inside."""
     code(f"const {ix} e = ({ix})GROUP_ID(0) * {THREADS} + LOCAL_ID(0);")
-    with code.block(f"if (e < {pt.n * pt.c * rows * cols})"):
+    with code.block(f"if (e < {pt.n * pt.c * rows * cols // lanes(pt)})"):
         code(*_split(pt, rows, cols, ix))
         yield
 
 
+def _lanes_of(pt: PoolTrain, name: str) -> list[str]:
+    """The float lanes of vector local ``name`` (:func:`_load`): itself, a float4's, or two float4s'."""
+    v = lanes(pt)
+    if v == 1:
+        return [name]
+    parts = [name] if v == 4 else [name + "a", name + "b"]
+    return [f"{p}.{x}" for p in parts for x in "xyzw"]
+
+
+def _load(pt: PoolTrain, name: str, buf: str, off: str, ok: str | None = None) -> list[str]:
+    """Statements declaring vector local ``name`` = the :func:`lanes` values of ``buf`` at vector offset
+    ``off`` (zeros where ``ok`` is false: no load)."""
+    st, v = Storage(pt.dtype), lanes(pt)
+    if v == 1:
+        load = st.load(buf, off)
+        return [f"const float {name} = {load if ok is None else f'{ok} ? {load} : 0.0f'};"]
+    zero = "MAKE_FLOAT4(0.0f, 0.0f, 0.0f, 0.0f)"
+    if v == 4:
+        load = st.vload4(off, buf)
+        return [f"const float4 {name} = {load if ok is None else f'{ok} ? {load} : {zero}'};"]
+    head = f"float4 {name}a = {zero}, {name}b = {zero};"
+    body = f"{st.vload8(name + 'a', name + 'b', off, buf)};"
+    return [head, body if ok is None else f"if ({ok}) {body}"]
+
+
+def _store(pt: PoolTrain, buf: str, values: list[str]) -> str:
+    """The statement storing the lanes ``values`` as vector ``e`` of ``buf``."""
+    st, v = Storage(pt.dtype), lanes(pt)
+    if v == 1:
+        return f"{st.store(buf, 'e', values[0])};"
+    quads = [f"MAKE_FLOAT4({', '.join(values[i:i + 4])})" for i in range(0, v, 4)]
+    return f"{st.vstore4(quads[0], 'e', buf)};" if v == 4 else f"{st.vstore8(quads[0], quads[1], 'e', buf)};"
+
+
+def _taps_word(pt: PoolTrain, name: str, off: str, ok: str | None = None) -> list[str]:
+    """Statements declaring ``name``: the window-tap bytes of vector ``off`` of ix (one byte; a 32-bit
+    word of four lanes' bytes, lane k in byte k; two words for 8 lanes), 0 where ``ok`` is false."""
+    v = lanes(pt)
+    if v == 1:
+        return [f"const int {name} = {'' if ok is None else f'!({ok}) ? 0 : '}(int)ix[{off}];"]
+    words = v // 4
+    out = []
+    for i in range(words):
+        load = f"((const GLOBAL_PTR unsigned int*)ix)[({off}) * {words} + {i}]"
+        out.append(f"const unsigned int {name}{i} = {load if ok is None else f'{ok} ? {load} : 0u'};")
+    return out
+
+
+def _tap_of(pt: PoolTrain, name: str, lane: int) -> str:
+    """Lane ``lane``'s tap byte out of :func:`_taps_word`'s locals."""
+    if lanes(pt) == 1:
+        return name
+    return f"(int)(({name}{lane // 4} >> {8 * (lane % 4)}) & 255u)"
+
+
+def _forward_taps(code: Code, pt: PoolTrain, v: int) -> None:
+    """The window's maximum and its tap per lane into m0.., b0..: every tap's load issued first (windows
+    of at most UNROLL_TAPS taps), then the comparisons in tap order."""
+    taps = [(i, j) for i in range(pt.kh) for j in range(pt.kw)]
+    code(f"const int h0 = r * {pt.sh} - {pt.ph}, w0 = s * {pt.sw} - {pt.pw};")
+    for t, (i, j) in enumerate(taps):
+        code(f"const bool k{t} = (unsigned)(h0 + {i}) < {pt.h}u && (unsigned)(w0 + {j}) < {pt.w}u;")
+        code(*_load(pt, f"v{t}", "x", _at(pt, pt.h, pt.w, f"h0 + {i}", f"w0 + {j}"), f"k{t}"))
+    code(f"float {', '.join(f'm{ln} = 0.0f' for ln in range(v))};",
+         f"int {', '.join(f'b{ln} = 0' for ln in range(v))};",
+         "bool any = false;  // the first in-image tap starts each maximum")
+    for t in range(len(taps)):
+        vals = _lanes_of(pt, f"v{t}")
+        if t == 0:  # nothing before it
+            with code.block("if (k0)"):
+                code(*(f"m{ln} = {vals[ln]};" for ln in range(v)), "any = true;")
+            continue
+        with code.block(f"if (k{t})"):
+            with code.block("if (!any)"):
+                code(*(f"m{ln} = {vals[ln]}; b{ln} = {t};" for ln in range(v)), "any = true;")
+            with code.block("else"):
+                code("// larger, or NaN: PyTorch's rule")
+                code(*(f"if ({vals[ln]} > m{ln} || {vals[ln]} != {vals[ln]}) {{ m{ln} = {vals[ln]}; b{ln} = {t}; }}"
+                       for ln in range(v)))
+
+
+def _forward_loop(code: Code, pt: PoolTrain, v: int) -> None:
+    """The same as :func:`_forward_taps` for big windows: the in-image taps row by row."""
+    code(f"const int h0 = r * {pt.sh} - {pt.ph}, w0 = s * {pt.sw} - {pt.pw};",
+         f"const int hs = max(h0, 0), he = min(h0 + {pt.kh}, {pt.h});",
+         f"const int ws = max(w0, 0), we = min(w0 + {pt.kw}, {pt.w});")
+    code(*_load(pt, "f", "x", _at(pt, pt.h, pt.w, "hs", "ws")))
+    first = _lanes_of(pt, "f")
+    code(f"float {', '.join(f'm{ln} = {first[ln]}' for ln in range(v))};",
+         f"const int b = (hs - h0) * {pt.kw} + (ws - w0);  // the first in-image tap",
+         f"int {', '.join(f'b{ln} = b' for ln in range(v))};")
+    with code.block("for (int hh = hs; hh < he; ++hh)"):
+        with code.block("for (int ww = ws; ww < we; ++ww)"):
+            code(*_load(pt, "u", "x", _at(pt, pt.h, pt.w, "hh", "ww")),
+                 f"const int tap = (hh - h0) * {pt.kw} + (ww - w0);", "// larger, or NaN: PyTorch's rule")
+            vals = _lanes_of(pt, "u")
+            code(*(f"if ({vals[ln]} > m{ln} || {vals[ln]} != {vals[ln]}) {{ m{ln} = {vals[ln]}; b{ln} = tap; }}"
+                   for ln in range(v)))
+
+
 def forward_kernel(pt: PoolTrain, name: str = "maxpool_fwd") -> Kernel:
-    """The forward: one thread an output element (module docstring)."""
-    st, ix = Storage(pt.dtype), _index_type(pt)
+    """The forward: one thread an output element or channel vector (module docstring)."""
+    st, ix, v = Storage(pt.dtype), _index_type(pt), lanes(pt)
     code = Code()
     with _each_element(code, pt, pt.p, pt.q, ix):
-        code(f"const int h0 = r * {pt.sh} - {pt.ph}, w0 = s * {pt.sw} - {pt.pw};",
-             f"const int hs = max(h0, 0), he = min(h0 + {pt.kh}, {pt.h});",
-             f"const int ws = max(w0, 0), we = min(w0 + {pt.kw}, {pt.w});",
-             f"float m = {st.load('x', _at(pt, pt.h, pt.w, 'hs', 'ws'))};",
-             f"int best = (hs - h0) * {pt.kw} + (ws - w0);  // the first in-image tap")
-        with code.block("for (int hh = hs; hh < he; ++hh)"):
-            with code.block("for (int ww = ws; ww < we; ++ww)"):
-                code(f"const float v = {st.load('x', _at(pt, pt.h, pt.w, 'hh', 'ww'))};")
-                code("// larger, or NaN: PyTorch's rule")
-                with code.block("if (v > m || v != v)"):
-                    code("m = v;", f"best = (hh - h0) * {pt.kw} + (ww - w0);")
-        code(f"{st.store('y', 'e', 'm')};", "ix[e] = (unsigned char)best;")
+        (_forward_taps if pt.kh * pt.kw <= UNROLL_TAPS else _forward_loop)(code, pt, v)
+        code(_store(pt, "y", [f"m{ln}" for ln in range(v)]))
+        if v == 1:
+            code("ix[e] = (unsigned char)b0;")
+        for i in range(v // 4):
+            word = " | ".join(f"((unsigned int)b{4 * i + k} << {8 * k})" for k in range(4))
+            code(f"((GLOBAL_PTR unsigned int*)ix)[e * {v // 4} + {i}] = {word};")
     return Kernel(name, (st.buf("x"), st.buf("y", readonly=False), Buf("ix", "unsigned char", readonly=False)),
                   code.text(), (THREADS, 1, 1), comment=f"max pool forward: y and the window tap of each maximum, "
-                  f"{pt.tag()}")
+                  f"{pt.tag()}, {v} channel(s) a thread")
+
+
+def _windows(pt: PoolTrain) -> tuple[int, int]:
+    """The most windows holding one input along rows and columns."""
+    return cdiv(pt.kh, pt.sh), cdiv(pt.kw, pt.sw)
 
 
 def backward_kernel(pt: PoolTrain, name: str = "maxpool_bwd") -> Kernel:
-    """The backward: one thread an input element, gathering (module docstring)."""
-    st, ix = Storage(pt.dtype), _index_type(pt)
+    """The backward: one thread an input element or channel vector, gathering (module docstring)."""
+    st, ix, v = Storage(pt.dtype), _index_type(pt), lanes(pt)
     code = Code()
     with _each_element(code, pt, pt.h, pt.w, ix):
         code("// the windows holding (r, s): rows p0..p1, columns q0..q1",
@@ -174,23 +291,40 @@ def backward_kernel(pt: PoolTrain, name: str = "maxpool_bwd") -> Kernel:
              f"const int p1 = min((r + {pt.ph}) / {pt.sh}, {pt.p - 1});",
              f"const int q0 = as <= 0 ? 0 : (as + {pt.sw - 1}) / {pt.sw};",
              f"const int q1 = min((s + {pt.pw}) / {pt.sw}, {pt.q - 1});",
-             "float g = 0.0f;")
-        with code.block("for (int pp = p0; pp <= p1; ++pp)"):
-            with code.block("for (int qq = q0; qq <= q1; ++qq)"):
-                code(f"const {ix} o = {_at(pt, pt.p, pt.q, 'pp', 'qq')};",
-                     f"const int tap = (r - (pp * {pt.sh} - {pt.ph})) * {pt.kw} + (s - (qq * {pt.sw} - {pt.pw}));")
-                code(f"if ((int)ix[o] == tap) g += {st.load('gy', 'o')};")
-        code(f"{st.store('gx', 'e', 'g')};")
+             f"float {', '.join(f'g{ln} = 0.0f' for ln in range(v))};")
+        nh, nw = _windows(pt)
+        tap = f"(r - (pp * {pt.sh} - {pt.ph})) * {pt.kw} + (s - (qq * {pt.sw} - {pt.pw}))"
+        if nh * nw <= UNROLL_TAPS:  # every window's loads first, then the sums in the loop's order
+            for i, j in ((i, j) for i in range(nh) for j in range(nw)):
+                t = i * nw + j
+                code(f"const bool k{t} = p0 + {i} <= p1 && q0 + {j} <= q1;  // window {t}")
+                o = _at(pt, pt.p, pt.q, f"p0 + {i}", f"q0 + {j}")
+                code(*_taps_word(pt, f"w{t}_", o, f"k{t}"), *_load(pt, f"d{t}", "gy", o, f"k{t}"))
+            for i, j in ((i, j) for i in range(nh) for j in range(nw)):
+                t = i * nw + j
+                with code.block(f"if (k{t})"):
+                    code(f"const int pp = p0 + {i}, qq = q0 + {j}, tap = {tap};")
+                    vals = _lanes_of(pt, f"d{t}")
+                    code(*(f"if ({_tap_of(pt, f'w{t}_', ln)} == tap) g{ln} += {vals[ln]};" for ln in range(v)))
+        else:
+            with code.block("for (int pp = p0; pp <= p1; ++pp)"):
+                with code.block("for (int qq = q0; qq <= q1; ++qq)"):
+                    o = _at(pt, pt.p, pt.q, "pp", "qq")
+                    code(f"const int tap = {tap};", *_taps_word(pt, "w_", o), *_load(pt, "d", "gy", o))
+                    vals = _lanes_of(pt, "d")
+                    code(*(f"if ({_tap_of(pt, 'w_', ln)} == tap) g{ln} += {vals[ln]};" for ln in range(v)))
+        code(_store(pt, "gx", [f"g{ln}" for ln in range(v)]))
     return Kernel(name, (st.buf("gy"), Buf("ix", "unsigned char"), st.buf("gx", readonly=False)), code.text(),
                   (THREADS, 1, 1), comment=f"max pool backward: each input's gradient gathered from its windows, "
-                  f"{pt.tag()}")
+                  f"{pt.tag()}, {v} channel(s) a thread")
 
 
 def pool_program(pt: PoolTrain) -> PoolProgram:
     """The two kernels and their launches (one each)."""
     fk, bk = forward_kernel(pt), backward_kernel(pt)
-    fwd = Launch(fk.name, (cdiv(pt.y_size, THREADS), 1, 1), fk.block, ("x", "y", "ix"))
-    bwd = Launch(bk.name, (cdiv(pt.x_size, THREADS), 1, 1), bk.block, ("gy", "ix", "gx"))
+    v = lanes(pt)
+    fwd = Launch(fk.name, (cdiv(pt.y_size // v, THREADS), 1, 1), fk.block, ("x", "y", "ix"))
+    bwd = Launch(bk.name, (cdiv(pt.x_size // v, THREADS), 1, 1), bk.block, ("gy", "ix", "gx"))
     return PoolProgram((fk, bk), (fwd,), (bwd,))
 
 
