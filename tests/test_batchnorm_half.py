@@ -20,7 +20,7 @@ import itertools
 import numpy as np
 import pytest
 
-from conftest import NOMINAL_CUDA
+from conftest import NOMINAL_CUDA, NOMINAL_OPENCL_GPU
 from convforge.codegen.render import render
 from convforge.dtypes import HALF_TOLERANCE, rounded
 from convforge.kernels.batchnorm import DTYPES, LAYOUTS, PARTIAL_ROWS, ST, BnTrain, bn_program, host_run, slices
@@ -232,6 +232,16 @@ def test_statistics_from_another_kernels_partial_sums(ocl, bn: BnTrain) -> None:
     prog = bn_program(bn, ocl.device, 1, partials=4)
     assert len(prog.forward) == 2 and not any("y" in step.args for step in prog.forward[:1])
     _check(ocl, bn, 1, seed=9, offset=200.0, bounds=[0, 4, 9, 17, 21])
+
+
+def test_thousands_of_partial_sums_on_a_gpu_shaped_finalize(ocl) -> None:  # type: ignore[no-untyped-def]
+    """The finalize of a GPU program (kernels/batchnorm._partial_threads: 1024-thread blocks, 4 channels a
+    block past 1024 partials) run on PoCL: 1,300 pieces of uneven sizes (ResNet-50 N128 hands 3,136)."""
+    bn = BnTrain(2, 12, 1500, dtype="float16", layout="nhwc")
+    prog = bn_program(bn, NOMINAL_OPENCL_GPU, 1, partials=1300)
+    assert prog.forward[0].block == (1024, 1, 1)
+    cuts = np.sort(np.random.default_rng(4).choice(np.arange(1, bn.m), 1299, replace=False))
+    _check(ocl, bn, 1, seed=10, offset=200.0, device=NOMINAL_OPENCL_GPU, bounds=[0, *cuts.tolist(), bn.m])
 
 
 def _act_cases() -> list[tuple[BnTrain, int]]:

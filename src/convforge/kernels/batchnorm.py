@@ -219,8 +219,8 @@ def bn_program(bn: BnTrain, device: DeviceInfo, sp: int | None = None, partials:
         bred = _reduce_kernel(bn, "bwd_reduce", sp, bt, v, ix, fused=sp == 1)
     egrid, eblock = (cdiv(bn.total // v, BLOCK), 1, 1), (BLOCK, 1, 1)
 
-    def finalize(kernel: Kernel, count: int) -> Launch:
-        fc, fk = _fin_shape(bn, count)
+    def finalize(kernel: Kernel, count: int, threads: int = BLOCK) -> Launch:
+        fc, fk = _fin_shape(bn, count, threads)
         return Launch(kernel.name, (cdiv(bn.c, fc), 1, 1), (fc * fk, 1, 1), _names(kernel))
 
     def launch(kernel: Kernel, grid: tuple[int, int, int], block: tuple[int, int, int]) -> Launch:
@@ -228,9 +228,10 @@ def bn_program(bn: BnTrain, device: DeviceInfo, sp: int | None = None, partials:
 
     kernels: list[Kernel] = []
     if partials is not None:  # statistics from another kernel's partial sums: finalize, apply
-        pfin, apply = _finalize_kernel(bn, partials, external=True), _apply_kernel(bn, v, ix)
+        ft = _partial_threads(device)
+        pfin, apply = _finalize_kernel(bn, partials, external=True, threads=ft), _apply_kernel(bn, v, ix)
         kernels += [pfin, apply]
-        fwd: tuple[Launch, ...] = (finalize(pfin, partials), launch(apply, egrid, eblock))
+        fwd: tuple[Launch, ...] = (finalize(pfin, partials, ft), launch(apply, egrid, eblock))
     elif sp == 1:  # a block per channel (tile): statistics, finalize and apply in one kernel a pass
         kernels.append(stats)
         fwd = (launch(stats, rgrid, rblock),)
@@ -579,22 +580,31 @@ def _pairwise(terms: list[str]) -> str:
     return f"({terms[0]} + {terms[1]}) + ({terms[2]} + {terms[3]})"
 
 
-def _fin_shape(bn: BnTrain, sp: int) -> tuple[int, int]:
-    """A finalize block: ``fc`` channels (consecutive threads: 32-byte pieces of a slice's row) by ``fk``
-    threads over the slices (a power of 2, at most the slices' next): the hundreds of slabs of a narrow
-    channels_last tensor cost a thread a dozen or two loads, not hundreds in a row."""
-    fc = min(bn.c, 8)
-    fk = 1 << ((BLOCK // fc).bit_length() - 1)
+def _partial_threads(device: DeviceInfo) -> int:
+    """Threads of the block finalizing a conv epilogue's partial sums: thousands of rows a channel
+    (ResNet-50 N128's 56 x 56 layers: 3136), so on GPUs the largest block (1024): at 256 threads a
+    block of 8 channels, the finalize of a 64-channel layer ran on 8 blocks, ~100 dependent loads a
+    thread (11 us a launch on an H200)."""
+    return min(1024, device.max_threads) if device.is_gpu else BLOCK
+
+
+def _fin_shape(bn: BnTrain, sp: int, threads: int = BLOCK) -> tuple[int, int]:
+    """A finalize block of ``threads``: ``fc`` channels (consecutive threads: 32-byte pieces of a slice's
+    row; 16-byte ones past 1024 slices, twice the blocks) by ``fk`` threads over the slices (a power of 2,
+    at most the slices' next): the hundreds of slabs of a narrow channels_last tensor cost a thread a
+    dozen or two loads, not hundreds in a row."""
+    fc = min(bn.c, 8 if sp <= 1024 else 4)
+    fk = 1 << ((threads // fc).bit_length() - 1)
     return fc, min(fk, 1 << (sp - 1).bit_length())
 
 
-def _sum_slices(bn: BnTrain, sp: int, external: bool = False) -> tuple[Code, int, int]:
+def _sum_slices(bn: BnTrain, sp: int, external: bool = False, threads: int = BLOCK) -> tuple[Code, int, int]:
     """The head of a finalize kernel: thread (cx, k) of block b adds slices k, k + fk, ... of channel
     c = b * fc + cx, then the fk partial sums of each channel add in a fixed tree; threads k = 0 of real
     channels go on with s1, s2 (the channel's sums) and c. ``external``: the slices are another kernel's
     partials (``PARTIAL_ROWS``), each moved to the shift of partial 0 as it is added (sums about k_j
     to sums about K: s1 + n (k_j - K), s2 + (k_j - K) (2 s1 + n (k_j - K)))."""
-    fc, fk = _fin_shape(bn, sp)
+    fc, fk = _fin_shape(bn, sp, threads)
     code = Code()
     code(f"SHARED float r1[{fc * fk}];", f"SHARED float r2[{fc * fk}];",
          f"const int t = LOCAL_ID(0), k = t / {fc}, c = GROUP_ID(0) * {fc} + t % {fc};",
@@ -616,10 +626,10 @@ def _sum_slices(bn: BnTrain, sp: int, external: bool = False) -> tuple[Code, int
     return code, fc, fk
 
 
-def _finalize_kernel(bn: BnTrain, sp: int, external: bool = False) -> Kernel:
+def _finalize_kernel(bn: BnTrain, sp: int, external: bool = False, threads: int = BLOCK) -> Kernel:
     """Channel c (:func:`_sum_slices`): mean, 1/sqrt(var + eps), scale and beta into st; the running
     statistics updated. The shift: y[0, c, 0, 0], or (``external``) partial 0's."""
-    code, fc, fk = _sum_slices(bn, sp, external)
+    code, fc, fk = _sum_slices(bn, sp, external, threads)
     if external:
         code(f"const float k0 = part[{2 * sp * bn.c} + c];", *_finalize_lines(bn))
         args: tuple[Buf, ...] = (Buf("part"), *_finalize_args(bn))
