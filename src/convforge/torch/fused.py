@@ -209,7 +209,7 @@ class FusedConv2d(Conv2d):
         """conv -> batch norm [-> + res] [-> ReLU] in training as one C++ autograd node (native.cpp
         ``block``) once :meth:`_file_block` has filed this input signature; None: the Python nodes run
         (not filed, the conv not filed with the native path, a check there failed). A half layer and
-        an autocast region run it too, on the operands :meth:`_block_operands` casts."""
+        an autocast region run it too, on the operands :meth:`_block_operands` hands it."""
         if (not bn_train.block_ok(bn) or self.padding_mode != "zeros"
                 or read_tensor(self, "_parameters", "bias") is not None):  # as filed: what the call passes
             return None
