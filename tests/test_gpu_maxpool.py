@@ -125,6 +125,33 @@ def test_falls_back_where_the_kernels_do_not_run(cuda) -> None:
     assert torch.equal(m(x), F.max_pool2d(x, 3, 2, 1, dilation=2))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_views_off_a_16_byte_boundary(cuda, dtype) -> None:
+    """The channel-vector kernels read 16 bytes at a time: a channels-last input viewed at an odd storage
+    offset goes to PyTorch, a gradient at an odd offset is copied first; both sides agree with PyTorch."""
+    from convforge.torch.pool import MaxPool2d, layer_of
+
+    dt = getattr(torch, dtype)
+    n, c, h, w = 2, 16, 9, 11
+    flat = torch.randn(1 + n * h * w * c, device=cuda).to(dt)
+    x = flat[1:].view(n, h, w, c).permute(0, 3, 1, 2).requires_grad_()  # channels_last, 2 or 4 bytes off
+    assert x.is_contiguous(memory_format=torch.channels_last) and x.data_ptr() % 16
+    m = MaxPool2d.from_module(torch.nn.MaxPool2d(3, 2, 1))
+    assert layer_of(m, x) is None and layer_of(m, x.detach().clone(memory_format=torch.channels_last)) is not None
+    y = m(x)
+    ref = F.max_pool2d(x.detach(), 3, 2, 1)
+    assert torch.equal(y, ref)
+    xa = x.detach().clone(memory_format=torch.channels_last).requires_grad_()
+    ya = m(xa)
+    gflat = torch.randn(1 + ya.numel(), device=cuda).to(dt)
+    gy = gflat[1:].view(n, ya.shape[2], ya.shape[3], c).permute(0, 3, 1, 2)
+    assert gy.data_ptr() % 16
+    ya.backward(gy)
+    xr = x.detach().clone().requires_grad_()
+    F.max_pool2d(xr, 3, 2, 1).backward(gy)
+    assert torch.equal(ya.detach(), ref) and _rel(xa.grad, xr.grad) <= (1e-6 if dtype == "float32" else 1e-2)
+
+
 def test_fuse_swaps_resnets_pool(cuda) -> None:
     """fuse() puts convforge's pool in ResNet's place (the fused AMP step against float64, through it:
     test_gpu_bn_half.py::test_fused_resnet_amp_step_runs_every_batch_norm_ours)."""

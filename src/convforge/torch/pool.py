@@ -7,7 +7,8 @@ forward keeps one byte per output (which tap of the window was the maximum) and 
 input's gradient from its windows: one pass each, deterministic, the same maxima and the same gradients
 (PyTorch's choice among equal maxima and NaN). float32, float16 and bfloat16, NCHW or channels_last,
 the output in the input's memory format; anything else (dilation, ``return_indices``, other strides or
-dtypes, CPU tensors, ``torch.compile`` tracing) runs PyTorch's ``max_pool2d``.
+dtypes, CPU tensors, ``torch.compile`` tracing, a channels-last view off a 16-byte boundary) runs PyTorch's
+``max_pool2d``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from convforge.backends import get_backend
-from convforge.kernels.maxpool import PoolProgram, PoolTrain, pool_program, title
+from convforge.kernels.maxpool import PoolProgram, PoolTrain, lanes, pool_program, title
 from convforge.torch.batchnorm import layout
 
 _NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -39,9 +40,16 @@ def layer_of(m: torch.nn.MaxPool2d, x: torch.Tensor) -> PoolTrain | None:
     sh, sw = _pair(m.stride if m.stride is not None else m.kernel_size)
     n, c, h, w = x.shape
     try:
-        return PoolTrain(n, c, h, w, kh, kw, sh, sw, ph, pw, bool(m.ceil_mode), _NAMES[x.dtype], lay)
+        pt = PoolTrain(n, c, h, w, kh, kw, sh, sw, ph, pw, bool(m.ceil_mode), _NAMES[x.dtype], lay)
     except ValueError:  # a window PyTorch refuses or has no byte for: its own error or result
         return None
+    return None if _misaligned(pt, x) else pt
+
+
+def _misaligned(pt: PoolTrain, t: torch.Tensor) -> bool:
+    """Whether ``t`` (a view at an odd storage offset) is off the 16-byte boundary the channel-vector
+    kernels' loads need (``kernels.maxpool.lanes``)."""
+    return lanes(pt) > 1 and t.data_ptr() % 16 != 0
 
 
 def _program(pt: PoolTrain, device: int) -> tuple[PoolTrain, Any, Any]:
@@ -81,6 +89,8 @@ class _MaxPool(torch.autograd.Function):
         pt, run, stream_of = ctx.prog
         (ix,) = ctx.saved_tensors
         gy = gy.contiguous(memory_format=_format(pt))
+        if _misaligned(pt, gy):  # a view at an odd offset: the vector loads need a 16-byte boundary
+            gy = gy.clone(memory_format=_format(pt))
         gx = torch.empty((pt.n, pt.c, pt.h, pt.w), dtype=gy.dtype, device=gy.device, memory_format=_format(pt))
         run("backward", {"gy": gy.data_ptr(), "ix": ix.data_ptr(), "gx": gx.data_ptr()},
             stream_of(gy.device.index or 0))
