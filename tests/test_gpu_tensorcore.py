@@ -629,3 +629,44 @@ def test_narrow_wide_defaults_against_float64(hopper, spec):
     res = check_plan(v.plan(spec, prm, hopper.device, Epilogue(bias=True, relu=True)), hopper, seed=9,
                      batch_slice=3)
     assert res.ok, f"{prm.short()} {spec.short()}: {res}"
+
+
+# -- the half-staged epilogue (eh=1, epilogue.h8_reason): the same stored values as the float staging ----
+HALF_STAGED = [ConvSpec.make(2, 24, 9, 11, 72, 3, 3, 1, 1), ConvSpec.make(3, 64, 13, 7, 200, 1, 1),
+               ConvSpec.make(1, 64, 15, 13, 128, 3, 3, 2, (1, 0, 0, 1)), ConvSpec.make(8, 256, 14, 14, 1024, 1, 1)]
+HALF_STAGED_EPILOGUES = [Epilogue(), Epilogue(relu=True), Epilogue(bias=True, silu=True),
+                         Epilogue(bias=True, residual=True, relu=True), Epilogue(residual=True)]
+
+
+@pytest.mark.parametrize("dtype", ("float16", "bfloat16"))
+@pytest.mark.parametrize("spec", HALF_STAGED, ids=str)
+@pytest.mark.parametrize("epi", HALF_STAGED_EPILOGUES, ids=lambda e: e.tag() or "plain")
+def test_half_staging_stores_what_the_float_staging_stores(hopper, spec, epi, dtype):
+    """NHWC forwards (M and K tails, stride 2, a ResNet 1x1) at the default tile and at 64- and 128-column
+    tiles with and without ping-pong: eh=1 and eh=0 both within tolerance of float64, and equal errors on
+    the same inputs (the same values stored: one rounding of the same float operations)."""
+    v, spec = get_variant("tc_implicit_gemm_half"), _cl(spec, dtype)
+    base = v.default(spec, hopper.device)
+    points = [base] + [base.replace(**m) for m in (dict(bn=64, pp=1), dict(bn=128, pp=0), dict(bn=64, pp=0))]
+    for prm in dict.fromkeys(points):
+        if TileConfig.of(prm).problems(v.math(spec), v.problem(spec), v.limit(hopper.device)):
+            continue
+        half, flt = (check_plan(v.plan(spec, p, hopper.device, epi), hopper, seed=9) for p in (prm, prm.replace(eh=0)))
+        assert half.ok and flt.ok, f"[{prm.short()}] {spec.short()}{epi.tag()}: eh=1 {half}, eh=0 {flt}"
+        assert half.rel_err == flt.rel_err, f"[{prm.short()}] {spec.short()}{epi.tag()}: {half} != {flt}"
+
+
+@pytest.mark.parametrize("name, spec", [("dgrad_tc_implicit_gemm_half", ConvSpec.make(3, 200, 9, 7, 64, 3, 3, 1, 1)),
+                                        ("dgrad_tc_implicit_gemm_half", ConvSpec.make(16, 256, 28, 28, 128, 1, 1)),
+                                        ("dgrad_tc_strided_half", ConvSpec.make(2, 128, 14, 13, 64, 3, 3, 2, 1)),
+                                        ("dgrad_tc_strided_half", ConvSpec.make(4, 512, 14, 14, 256, 1, 1, 2))],
+                         ids=str)
+def test_half_staged_dgrad_equals_the_float_staging(hopper, name, spec):
+    """The NHWC dgrads (the transposed forward; the strided one's phases onto dx rows) stage halves too."""
+    v = get_variant(name)
+    spec = ConvSpec.from_dict({**spec.to_dict(), "dtype": "float16", "layout": "nhwc", "pass": "dgrad"})
+    if v.applies(spec, hopper.device):
+        pytest.skip(v.applies(spec, hopper.device))
+    prm = v.default(spec, hopper.device)
+    half, flt = (check_plan(v.plan(spec, p, hopper.device), hopper, seed=4) for p in (prm, prm.replace(eh=0)))
+    assert half.ok and flt.ok and half.rel_err == flt.rel_err, f"[{prm.short()}] {spec.short()}: {half} / {flt}"

@@ -162,8 +162,9 @@ def _half_tc_cases() -> Iterator[Case]:
     64-channel boxes: a 3x3 layer of 64 channels, 128-row tiles over two taps, split; a 1x1 stride-2 one),
     dgrad_tc_paired_half (a 2x2/2 up-convolution: both column phases in one GEMM a row phase; NCHW: the
     phases' values of 4 pixels stored as one 16-byte run; dy read in place, MN-major: mn=1),
-    dgrad_tc_strided_half's joined column phases (jn=1: DCGAN's 4x4/2, a tile parked in registers) and
-    tc_grouped_packed_half (groups of 4 channels packed 8 to a GEMM group, block-diagonal filters)."""
+    dgrad_tc_strided_half's joined column phases (jn=1: DCGAN's 4x4/2, a tile parked in registers),
+    tc_grouped_packed_half (groups of 4 channels packed 8 to a GEMM group, block-diagonal filters) and
+    tc_implicit_gemm_half's channels-last output staged as halves (eh=1: 16-byte stores)."""
     cases = {("wgrad_tc_nhwc_half", "3x3c64-nhwc"): "N=2,C=64,H=9,W=9,K=24,R=3,S=3,pad=1,pass=wgrad",
              ("dgrad_tc_paired_half", "2x2s2-nhwc"): "N=2,C=8,H=12,W=12,K=16,R=2,S=2,stride=2,pass=dgrad",
              ("dgrad_tc_paired_half", "2x2s2"): "N=2,C=8,H=16,W=16,K=16,R=2,S=2,stride=2,pass=dgrad,layout=nchw",
@@ -171,7 +172,8 @@ def _half_tc_cases() -> Iterator[Case]:
              ("dgrad_tc_strided_half", "4x4s2-joined"):
                  "N=64,C=64,H=32,W=32,K=128,R=4,S=4,stride=2,pad=1,pass=dgrad,layout=nchw",
              ("wgrad_tc_nhwc_half", "1x1s2c128-nhwc"): "N=2,C=128,H=9,W=9,K=64,R=1,S=1,stride=2,pass=wgrad",
-             ("tc_grouped_packed_half", "g16x4-nhwc"): "N=2,C=64,H=9,W=9,K=64,R=3,S=3,pad=1,groups=16"}
+             ("tc_grouped_packed_half", "g16x4-nhwc"): "N=2,C=64,H=9,W=9,K=64,R=3,S=3,pad=1,groups=16",
+             ("tc_implicit_gemm_half", "1x1c64-nhwc"): "N=2,C=64,H=9,W=9,K=128,R=1,S=1"}
     for (name, tag), text in cases.items():
         spec = ConvSpec.parse(f"{text},dtype=fp16" + ("" if "layout=" in text else ",layout=nhwc"))
         label = tag if spec.conv_pass == "fprop" else f"{tag}-{spec.conv_pass}"

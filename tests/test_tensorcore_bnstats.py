@@ -15,7 +15,15 @@ import pytest
 from convforge.kernels import get_variant
 from convforge.kernels.batchnorm import PARTIAL_ROWS
 from convforge.kernels.tensorcore.sm90.cexpr import bind
-from convforge.kernels.tensorcore.sm90.epilogue import COLS, partials, rowmajor_chunks, rowmajor_lets
+from convforge.kernels.tensorcore.sm90.epilogue import (
+    COLS,
+    H8,
+    h8_items,
+    h8_lets,
+    partials,
+    rowmajor_chunks,
+    rowmajor_lets,
+)
 from convforge.kernels.tensorcore.sm90.tiles import TileConfig
 from convforge.params import Params
 from convforge.plan import Epilogue
@@ -27,7 +35,7 @@ SPECS = [ConvSpec.make(1, 24, 9, 11, 40, 3, 3, 1, 1, dtype="float16", layout="nh
          ConvSpec.make(3, 16, 13, 7, 72, 1, 1, 2, 0, dtype="bfloat16", layout="nhwc"),
          ConvSpec.make(2, 64, 15, 15, 96, 3, 3, 1, (0, 1, 2, 1), dtype="float16", layout="nhwc")]
 POINTS = [dict(bm=128, bn=64, cw=2, pp=1), dict(bm=128, bn=64, cw=2, pp=0), dict(bm=256, bn=128, cw=2, pp=0),
-          dict(bm=64, bn=64, cw=1, pp=0)]
+          dict(bm=64, bn=64, cw=1, pp=0), dict(bm=128, bn=128, cw=2, pp=1, eh=0), dict(bm=128, bn=96, cw=2, pp=0)]
 
 
 def _config(v, spec, dev, point):  # type: ignore[no-untyped-def]
@@ -47,6 +55,9 @@ def _owners(spec: ConvSpec, cfg: TileConfig) -> dict[tuple[int, int], tuple[int,
             for row0 in rows:
                 if row0 >= prob.m:
                     continue  # an empty warpgroup writes no partial (its row0 >= M guard)
+                if cfg.eh and cfg.bn % H8 == 0 and prob.n % 8 == 0:  # the half-staged epilogue
+                    _h8_owners(out, prob.m, prob.n, wm, row0, nb * cfg.bn, cfg.bn)
+                    continue
                 for ch, items, quads in rowmajor_chunks(wm, cfg.bn):
                     assert quads == 8, "statistics need whole 32-column chunks"
                     for ct in range(128):
@@ -60,6 +71,23 @@ def _owners(spec: ConvSpec, cfg: TileConfig) -> dict[tuple[int, int], tuple[int,
                                     assert (m, k0 + i) not in out, (m, k0 + i)
                                     out[(m, k0 + i)] = (row0 // (64 * wm), sq, ch)
     return out
+
+
+def _h8_owners(out: dict[tuple[int, int], tuple[int, int, int]], m_total: int, n_total: int, wm: int, row0: int,
+               col0: int, bn: int) -> None:
+    """_owners for one warpgroup tile of the half-staged epilogue: a thread's octet sq = ct % 8 of each
+    64-column chunk (h8_lets), its rows those the float path gives the thread of quad sq (same order)."""
+    for ch in range(bn // H8):
+        for ct in range(128):
+            sq = ct & 7
+            for item in range(h8_items(wm)):
+                env = bind(h8_lets(item), {"ct": ct})
+                assert env[f"eo{item}"] == sq and env[f"er{item}"] == ct // 8 + 16 * item
+                m, k0 = row0 + env[f"er{item}"], col0 + H8 * ch + 8 * sq
+                for i in range(8):
+                    if m < m_total and k0 + i < n_total:
+                        assert (m, k0 + i) not in out, (m, k0 + i)
+                        out[(m, k0 + i)] = (row0 // (64 * wm), sq, ch)
 
 
 @pytest.mark.parametrize("point", POINTS, ids=str)

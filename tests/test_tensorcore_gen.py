@@ -33,8 +33,13 @@ from convforge.kernels import get_variant
 from convforge.kernels.tensorcore.sm90 import epilogue, schedule, tiles, tma
 from convforge.kernels.tensorcore.sm90.cexpr import bind, evaluate
 from convforge.kernels.tensorcore.sm90.epilogue import (
+    H8,
     Output,
     chunks,
+    h8_items,
+    h8_lets,
+    h8_reason,
+    h8_slot,
     readout_lets,
     rowmajor_chunks,
     rowmajor_lets,
@@ -190,7 +195,8 @@ def _krsc(w, cp, ld):
 def emulate(spec: ConvSpec, math, cfg: TileConfig, seed: int = 0, tile_ids=None):
     """Run tiles of a conv plan's GEMM through the generator's expressions; returns (got, ref, written):
     the planar output (NCHW, raw sums; split-K slabs summed), the float64 reference and how often
-    each output was written."""
+    each output was written. An unsplit 16-bit NHWC layer stores into one slab of its own dtype (the
+    half-staged epilogue where ``cfg.eh`` and the output allow it; the values stay unrounded here)."""
     rng = np.random.default_rng(seed)
     xs, ws, ref, cp = _operands(spec, math, rng)
     prob = Problem(spec.n * spec.p * spec.q, spec.k, spec.r * spec.s * cp)
@@ -202,6 +208,8 @@ def emulate(spec: ConvSpec, math, cfg: TileConfig, seed: int = 0, tile_ids=None)
     data = {"a": {p: _nhwc(xs[p], cp) for p in math.parts}, "b": {p: _krsc(ws[p], cp, ld) for p in math.parts}}
     nhwc = spec.layout == "nhwc"  # y row-major: (N P Q) x K
     out = Output("y", prob.m, prob.n, 1 if nhwc else spec.p * spec.q, slab=prob.m * prob.n, epi=None)
+    if nhwc and cfg.ks == 1 and spec.dtype != "float32":
+        out = Output("y", prob.m, prob.n, 1, dtype=spec.dtype)
     y, written = emulate_gemm(cfg, math, prob, a, b, data, out, tile_ids)
     shape = (spec.n, spec.p, spec.q, spec.k) if nhwc else spec.y_shape
     got = y.reshape(cfg.ks, -1).sum(0).reshape(shape)
@@ -304,6 +312,9 @@ def _read_index(desc, rows, esize, mn=False):
 def _epilogue(acc, cfg, out, tl, y, written):
     """Accumulators by the fragment layout -> staging (stage_write) -> read-out (readout_lets) -> the
     planar offsets of ``out`` (raw values): what emit_consumer_epilogue does, per warpgroup."""
+    if cfg.eh and h8_reason(out, cfg.bn, cfg.wm) is None:
+        _h8_epilogue(acc, cfg, out, tl, y, written)
+        return
     if out.rowmajor:
         _rowmajor_epilogue(acc, cfg, out, tl, y, written)
         return
@@ -386,6 +397,44 @@ def _rowmajor_epilogue(acc, cfg, out, tl, y, written):
                         written[o] += 1
 
 
+@functools.cache
+def _h8_map(wm, bn):
+    """Per chunk: {staging word: (accumulator row in the warpgroup's tile, column)} of the pair's first
+    column, by evaluating h8_slot per (warp, lane, register); no two pairs on one word."""
+    maps = [{} for _ in range(bn // H8)]
+    for wq, lane, mi, i in itertools.product(range(4), range(32), range(wm), range(bn // 2)):
+        w = h8_slot(mi, i)
+        if w is None:
+            continue
+        row, col = ACC.coords(wq, lane, i)
+        assert ACC.coords(wq, lane, i + 1) == (row, col + 1), "a staged word is one row's two columns"
+        slot = evaluate(w[0], {"wq": wq, "g": lane >> 2, "t": lane & 3})
+        assert slot not in maps[w[1]], "two pairs staged at one word"
+        maps[w[1]][slot] = (64 * mi + row, col)
+    return maps
+
+
+def _h8_epilogue(acc, cfg, out, tl, y, written):
+    """The half-staged epilogue: accumulator pairs into words (h8_slot), each thread's item a row's 8
+    columns read as 4 words (h8_lets) and stored as one run at ``out``'s offset."""
+    for c in range(cfg.groups):
+        for ch, words in enumerate(_h8_map(cfg.wm, cfg.bn)):
+            assert len(words) == 64 * cfg.wm * H8 // 2, "every word of the chunk staged"
+            for ct, item in itertools.product(range(128), range(h8_items(cfg.wm))):
+                env = bind(h8_lets(item), {"ct": ct})
+                er, eo = env[f"er{item}"], env[f"eo{item}"]
+                k, m = tl["rb0"] + H8 * ch + 8 * eo, tl["ra0"] + c * 64 * cfg.wm + er
+                if m >= out.m or k >= out.n:
+                    continue
+                o = evaluate(out.offset("m", "k", "z"), {"m": m, "k": k, "z": tl["zs"]})
+                for w in range(4):
+                    row, col = words[er * 32 + ((eo ^ (er & 7)) << 2) + w]
+                    assert (row, col) == (er, H8 * ch + 8 * eo + 2 * w), "a word read as another's columns"
+                    for h in (0, 1):
+                        y[o + 2 * w + h] += acc[c * 64 * cfg.wm + row, col + h]
+                        written[o + 2 * w + h] += 1
+
+
 def _cl(spec):
     return ConvSpec.from_dict({**spec.to_dict(), "layout": "nhwc"})
 
@@ -410,7 +459,17 @@ CASES = [(ODD[0], TF32, TileConfig(128, 64, 1, 3, 2)),
          # scaled FP16 (the relaxed class): one 2-byte part, ping-pong, split-K, channels-last
          (ODD[4], SF16, TileConfig(128, 64, 1, 2, 2)),
          (ODD[3], SF16, TileConfig(64, 32, 1, 2, 2, ks=3, pp=1)),
-         (_cl(ODD[1]), SF16, TileConfig(128, 96, 1, 2, 2))]
+         (_cl(ODD[1]), SF16, TileConfig(128, 96, 1, 2, 2)),
+         # 16-bit NHWC output staged as halves (eh=1, the default): a partial last N tile of 8 columns,
+         # a partial last M tile, ping-pong with 128 rows a consumer, 192 columns; eh=0 the float staging
+         (ConvSpec.make(2, 24, 9, 11, 72, 3, 3, 1, 1, dtype="float16", layout="nhwc"), F16,
+          TileConfig(128, 64, 1, 2, 2)),
+         (ConvSpec.make(1, 16, 13, 7, 136, 1, 1, dtype="bfloat16", layout="nhwc"), BF16,
+          TileConfig(128, 128, 1, 2, 2, pp=1)),
+         (ConvSpec.make(3, 8, 5, 7, 200, 3, 3, 2, (0, 1, 1, 0), dtype="float16", layout="nhwc"), F16,
+          TileConfig(128, 192, 1, 2, 2)),
+         (ConvSpec.make(2, 24, 9, 11, 72, 3, 3, 1, 1, dtype="float16", layout="nhwc"), F16,
+          TileConfig(128, 64, 1, 2, 2, eh=0))]
 
 
 @pytest.mark.parametrize("spec, math, cfg", CASES, ids=lambda v: getattr(v, "name", None) or str(v))
@@ -1112,6 +1171,44 @@ def test_staging_conflict_free_and_complete(wm, bn):
             for q0 in range(0, 128, 8):
                 quarter = sorted(offs[q0:q0 + 8])
                 assert quarter == list(range(quarter[0], quarter[0] + 32, 4))
+
+
+@pytest.mark.parametrize("wm, bn", [(1, 64), (2, 128), (1, 256), (2, 192)])
+def test_half_staging_conflict_free_and_coalesced(wm, bn):
+    """Half staging (eh=1): each warp's 32 word writes on 32 banks; 8 consecutive threads' 16-byte
+    read-outs one staged row's 128 bytes (a permutation of its 8 octets) and 128 contiguous output bytes."""
+    for ch in range(bn // H8):
+        for mi, i in itertools.product(range(wm), range(0, bn // 2, 2)):
+            w = h8_slot(mi, i)
+            if w is None or w[1] != ch:
+                continue
+            for wq in range(4):
+                offs = [evaluate(w[0], {"wq": wq, "g": lane >> 2, "t": lane & 3}) for lane in range(32)]
+                assert len({o % 32 for o in offs}) == 32, f"bank conflict staging pair {i}"
+        for item in range(h8_items(wm)):
+            envs = [bind(h8_lets(item), {"ct": ct}) for ct in range(128)]
+            for q0 in range(0, 128, 8):
+                rows = {e[f"er{item}"] for e in envs[q0:q0 + 8]}
+                octets = sorted((e[f"eo{item}"] ^ (e[f"er{item}"] & 7)) for e in envs[q0:q0 + 8])
+                assert len(rows) == 1 and octets == list(range(8))
+                assert [e[f"eo{item}"] for e in envs[q0:q0 + 8]] == list(range(8))
+
+
+def test_half_staging_only_where_rounding_first_is_exact():
+    """h8_reason: fp32, split slabs, columns not in runs of 8 or a tile not of whole 64-column chunks keep
+    the float staging; a bias, a residual (beside at most 64 accumulators a thread) and an activation are
+    applied in registers before the one rounding."""
+    base = Output("y", 100, 64, 1, dtype="float16")
+    assert h8_reason(base, 128) is None and h8_reason(dataclasses.replace(base, dtype="bfloat16"), 64) is None
+    assert h8_reason(dataclasses.replace(base, epi=Epilogue(relu=True)), 64) is None
+    assert h8_reason(dataclasses.replace(base, epi=Epilogue(bias=True, gelu=True)), 64) is None
+    res = dataclasses.replace(base, epi=Epilogue(bias=True, residual=True, relu=True))
+    assert h8_reason(res, 64, 2) is None and h8_reason(res, 128, 1) is None
+    assert "spill" in h8_reason(res, 128, 2)  # 128 accumulators a thread: the float path reads it after staging
+    assert h8_reason(dataclasses.replace(base, dtype="float32"), 64)
+    assert h8_reason(dataclasses.replace(base, slab=6400), 64)
+    assert "runs of 8" in h8_reason(dataclasses.replace(base, n=60), 64)
+    assert "64-column" in h8_reason(base, 96)
 
 
 @pytest.mark.parametrize("wm, bn", [(1, 64), (2, 128), (1, 256), (2, 96), (1, 32)])

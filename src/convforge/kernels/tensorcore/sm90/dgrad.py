@@ -461,7 +461,7 @@ class TcDgradStrided(TcVariant):
 
     def _tile(self, spec: ConvSpec, c: TileConfig, tm: bool = True) -> TileConfig:
         """``c`` unsplit, with TMA when asked and every phase's operands allow it."""
-        cfg = TileConfig(c.bm, c.bn, c.kb, c.st, c.cw, 1, c.ps, c.pi, kr=c.kr)
+        cfg = TileConfig(c.bm, c.bn, c.kb, c.st, c.cw, 1, c.ps, c.pi, kr=c.kr, eh=c.eh)
         return tma.with_tma(cfg, lambda t: self.tma_reason(spec, t)) if tm else cfg
 
     def tma_reason(self, spec: ConvSpec, cfg: TileConfig) -> str | None:

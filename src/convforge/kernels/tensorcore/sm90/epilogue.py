@@ -25,6 +25,7 @@ Winograd's M[z][e][k][t] (pq = T), split-K partials [z][n][k][pix].
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from convforge.codegen.dialect import Buf, Kernel
@@ -343,10 +344,14 @@ def chunks(wm: int, bn: int) -> list[tuple[int, list[int]]]:
 
 
 def emit_consumer_epilogue(code: Code, out: Output, wm: int, bn: int, stage: str, bar: str,
-                           row0: str, col0: str, z: str, prefix: str = "d") -> None:
+                           row0: str, col0: str, z: str, prefix: str = "d", half: bool = False) -> None:
     """The tile's accumulators (``prefix``) to ``out`` through the staging buffer at float pointer
     ``stage``; ``bar``: this warpgroup's named barrier; ``row0``: the warpgroup's first row in the
-    problem, ``col0`` the tile's first column, ``z`` the slab."""
+    problem, ``col0`` the tile's first column, ``z`` the slab. ``half`` (the tile's ``eh``): stage
+    rounded halves and store 16 bytes a thread where the output allows (:func:`h8_reason`)."""
+    if half and h8_reason(out, bn, wm) is None:
+        _h8_epilogue(code, out, wm, bn, stage, bar, row0, col0, z, prefix)
+        return
     if out.rowmajor:
         _rowmajor_epilogue(code, out, wm, bn, stage, bar, row0, col0, z, prefix)
         return
@@ -482,6 +487,175 @@ def _rowmajor_items(code: Code, out: Output, wm: int, stage: str, row0: str, col
                 out.store4_cols(code, "m", "k", z, ["v.x", "v.y", "v.z", "v.w"])
                 if out.stats:
                     _stats_add(code, out)
+
+
+# -- row-major halves staged as halves: 64 columns a chunk, 16-byte stores ------------------------
+H8 = 64  # columns of a half-staged chunk: one 128-byte row of halves
+
+
+H8_RES_ACC = 64  # accumulators a thread above which a residual stays on the float path (ptxas spilled at 128)
+
+
+def h8_reason(out: Output, bn: int, wm: int = 1) -> str | None:
+    """Why ``out`` cannot take the half-staged epilogue (None: it can). It stages each accumulator pair
+    rounded to the storage dtype, so only what is applied before that rounding can be fused: an
+    bias, a residual (both read a column pair at a time, per accumulator pair; a residual only beside at
+    most :data:`H8_RES_ACC` accumulators a thread) and an activation: the same operations in the same order
+    as the float path, so the same stored values."""
+    if not out.rowmajor or out.dtype == "float32" or out.slab or out.park or out.joined or out.kdiv > 1:
+        return "half staging takes one slab of 16-bit row-major (NHWC) output"
+    if bn % H8:
+        return f"half staging takes whole {H8}-column chunks ({bn})"
+    if out.epi is not None and out.epi.residual and wm * bn // 2 > H8_RES_ACC:
+        return (f"a residual's loads beside {wm * bn // 2} accumulators a thread spill: it stays on the float path "
+                "(which reads it after staging)")
+    if out.n % 8 or out.kt % 8 or out.k_offset % 8:
+        return "16-byte stores need columns in whole runs of 8"
+    if out.strided and (not out.pix_q or any(v % 8 for v in (out.ist, out.pix_row, out.pix_col, out.pix_base))):
+        return "16-byte stores need every pixel's row at a multiple of 8 elements"
+    return None
+
+
+def h8_slot(mi: int, i: int) -> tuple[str, int] | None:
+    """(32-bit word of the half staging, chunk) of the accumulator pair (i, i + 1) of block ``mi``, or None
+    for the pair's second register. Rows of 32 words (64 halves); a row's 16-byte octets permuted by
+    XOR with the row's low 3 bits (g): a warp's 32 word writes land on 32 banks."""
+    if i % 2:
+        return None
+    assert ACC.cols[i % ACC.per_chunk] == 0 and ACC.cols[(i + 1) % ACC.per_chunk] == 1
+    j = i // ACC.per_chunk  # the n8 block
+    row = f"({64 * mi} + {ACC.row_expr(i)})"
+    return f"({row} * 32 + (({j % 8} ^ g) << 2) + t)", 8 * j // H8
+
+
+def h8_lets(item: int) -> list[Let]:
+    """Item ``item`` of consumer thread ``ct`` in a half-staged chunk: its row ``er`` and octet ``eo``
+    (8 consecutive threads read one row's 128 contiguous bytes)."""
+    return [Let(f"er{item}", f"((ct + {128 * item}) >> 3)"), Let(f"eo{item}", "(ct & 7)")]
+
+
+def h8_items(wm: int) -> int:
+    """Read-out items of a thread in one chunk: 64 wm rows x 8 octets over 128 threads."""
+    return 4 * wm
+
+
+def _unpack(dtype: str, word: str, hi: bool) -> str:
+    half = f"(unsigned short)({word} >> 16)" if hi else f"(unsigned short)({word} & 0xffffu)"
+    return to_float(dtype, half)
+
+
+def _h8_epilogue(code: Code, out: Output, wm: int, bn: int, stage: str, bar: str,
+                 row0: str, col0: str, z: str, prefix: str) -> None:
+    """emit_consumer_epilogue staging rounded halves: per 64-column chunk, each pair of a row's accumulators
+    packed into one word, then every thread stores 8 columns of a row as one 16-byte store. With
+    ``out.stats`` the same sums as the float path in the same order (:func:`_h8_stats_store`)."""
+    if out.stats and out.stats_reason():
+        raise ValueError(f"epilogue: {out.stats_reason()}")
+    epi = out.epi or Epilogue()
+    words = f"((unsigned*){stage})"
+    for ch in range(bn // H8):
+        code(f"BAR_SYNC({bar}, 128);  // the last chunk's reads are done")
+        with code.block(f"/* chunk {ch}: staged as halves */"):
+            if epi.bias or epi.residual:
+                _h8_columns(code, out, ch, col0, z)
+            for mi, rows in itertools.product(range(wm), range(0, ACC.per_chunk, 2)):  # a row of pairs at a time
+                if epi.residual:
+                    _h8_residual_row(code, out, f"{row0} + {64 * mi} + {ACC.row_expr(rows)}",
+                                     f"{col0} + {H8 * ch} + 2 * t", z, f"{mi}_{rows}")
+                for i in range(rows, bn // 2, ACC.per_chunk):
+                    w = h8_slot(mi, i)
+                    if w is None or w[1] != ch:
+                        continue
+                    j = i // ACC.per_chunk % 8
+                    a, b = (out.value(acc_name(mi, r, prefix), "", "", _unpack(out.dtype, f"hb{j}", h == 1)
+                                      if epi.bias else None,
+                                      _unpack(out.dtype, "hr", h == 1) if epi.residual else None)
+                            for h, r in enumerate((i, i + 1)))
+                    with code.block("" if not epi.residual else f"/* block {mi}, pair {i} */"):
+                        if epi.residual:
+                            hp = f"hp{mi}_{rows}"
+                            code(f"const unsigned hr = hin{mi}_{rows} && hk{j} < {out.n} ? ((unsigned){hp}[{8 * j}]"
+                                 f" | ((unsigned){hp}[{8 * j + 1}] << 16)) : 0u;")
+                        code(f"{words}[{w[0]}] = {_pack2(out.dtype, a, b)};")
+                if epi.residual:  # the next row's residual loads not hoisted above these (registers)
+                    code('asm volatile("" ::: "memory");')
+        code(f"BAR_SYNC({bar}, 128);")
+        with code.block(f"/* chunk {ch}: 16-byte stores{' and batch-norm statistics' if out.stats else ''} */"):
+            if out.stats:
+                _h8_stats_head(code, out, words)
+            for item in range(h8_items(wm)):
+                with code.block(f"/* item {item} */"):
+                    for let in h8_lets(item):
+                        let.emit(code)
+                    slot = f"er{item} * 32 + ((eo{item} ^ (er{item} & 7)) << 2)"
+                    code(f"const uint4 v = *(const uint4*)({words} + {slot});",
+                         f"const int k = {col0} + {H8 * ch} + 8 * eo{item}, m = {row0} + er{item};")
+                    with code.block(f"if (m < {out.m} && k < {out.n})"):
+                        code(f"*(uint4*)({out.buf} + {out.offset('m', 'k', z)}) = v;")
+                    if out.stats:
+                        _h8_stats_add(code, out)
+            if out.stats:
+                _h8_stats_store(code, out, wm, stage, bar, row0, f"{col0} + {H8 * ch}")
+
+
+def _h8_columns(code: Code, out: Output, ch: int, col0: str, z: str) -> None:
+    """This thread's first column ``hk{j}`` of each n8 block j of chunk ``ch`` (columns 8 j + 2 t and + 1)
+    and, with a bias, the pair's bias ``hb{j}``, zero past the last column (runs of 8: a pair is in or out
+    together)."""
+    for j in range(8):
+        code(f"const int hk{j} = {col0} + {H8 * ch + 8 * j} + 2 * t;")
+        if out.epi is not None and out.epi.bias:  # the pair as two halves in one register, widened at use
+            lo, hi = (f"(unsigned)bias[{out.bias_col(f'hk{j} + {h}', z)}]" for h in (0, 1))
+            code(f"const unsigned hb{j} = hk{j} < {out.n} ? ({lo} | ({hi} << 16)) : 0u;")
+
+
+def _h8_residual_row(code: Code, out: Output, m: str, k: str, z: str, tag: str) -> None:
+    """Row ``m``'s residual from this thread's first column ``k`` on (``hp{tag}``; row-major: the pair of
+    n8 block j at 8 j, 8 j + 1) and whether the row is in the output (``hin{tag}``). Each pair is read as
+    two 2-byte loads into one register (``hr``): no alignment assumed of the residual beyond its dtype's."""
+    code(f"const int hm{tag} = {m};", f"const bool hin{tag} = hm{tag} < {out.m};",
+         f"const unsigned short* const hp{tag} = res + {out.offset(f'hm{tag}', k, z)};")
+
+
+def _h8_stats_head(code: Code, out: Output, words: str) -> None:
+    """As :func:`stats_head` for 8 columns a thread: octet ``sq``, shifts bk0..7 (row 0's staged values)."""
+    code("const int sq = ct & 7;  // this thread's column octet in the chunk (every item's)",
+         f"const uint4 bkw = *(const uint4*)({words} + (sq << 2));")
+    for i in range(8):
+        code(f"const float bk{i} = {_unpack(out.dtype, 'bkw.' + 'xyzw'[i // 2], i % 2 == 1)};")
+    code("float " + ", ".join(f"bs1_{i} = 0.0f, bs2_{i} = 0.0f" for i in range(8)) + ";")
+
+
+def _h8_stats_add(code: Code, out: Output) -> None:
+    with code.block(f"if (m < {out.m})"):
+        for i in range(8):
+            code(f"const float d{i} = {_unpack(out.dtype, 'v.' + 'xyzw'[i // 2], i % 2 == 1)} - bk{i};",
+                 f"bs1_{i} += d{i};", f"bs2_{i} = FMA(d{i}, d{i}, bs2_{i});")
+
+
+def _h8_stats_store(code: Code, out: Output, wm: int, stage: str, bar: str, row0: str, col: str) -> None:
+    """As :func:`_stats_store` for 64 columns: per column the same rows, lanes and warps in the same order."""
+    p = partials(out.m, wm)
+    sums = [f"bs{r}_{i}" for r in (1, 2) for i in range(8)]
+    for lane in (8, 16):
+        code(*(f"{s} += SHFL({s}, (tid & 31) ^ {lane});" for s in sums))
+    code(f"BAR_SYNC({bar}, 128);  // every read of the staged chunk done")
+    with code.block("if ((ct & 31) < 8)"):
+        code(*(f"{stage}[(wq * 8 + sq) * 16 + {j}] = {s};" for j, s in enumerate(sums)))
+    with code.block("if (ct < 8)"):
+        code(*(f"{stage}[512 + sq * 8 + {i}] = bk{i};" for i in range(8)))
+    code(f"BAR_SYNC({bar}, 128);")
+    with code.block(f"if (ct < {H8} && {row0} < {out.m})"):
+        code("const int q = ct >> 3, i = ct & 7;",
+             f"const int kk = {col} + ct, pj = ({row0}) / {64 * wm}, nrows = min({out.m} - ({row0}), {64 * wm});")
+        with code.block(f"if (kk < {out.n})"):
+            code(f"float a1 = {stage}[q * 16 + i], a2 = {stage}[q * 16 + 8 + i];")
+            for w in range(1, 4):
+                code(f"a1 += {stage}[({w * 8} + q) * 16 + i];", f"a2 += {stage}[({w * 8} + q) * 16 + 8 + i];")
+            at = f"pj * {out.n} + kk"
+            code(f"bnpart[{at}] = a1;", f"bnpart[{p * out.n} + {at}] = a2;",
+                 f"bnpart[{2 * p * out.n} + {at}] = {stage}[512 + ct];",
+                 f"bnpart[{3 * p * out.n} + {at}] = (float)nrows;")
 
 
 def _rounded(out: Output, v: str) -> str:

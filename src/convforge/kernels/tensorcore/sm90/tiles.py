@@ -30,7 +30,7 @@ from convforge.kernels.tensorcore.sm90.isa import Math, n_ok
 from convforge.kernels.tensorcore.sm90.smem import MAX_SHARED, StageLayout, Tile
 from convforge.params import Params
 
-KEYS = ("bm", "bn", "kb", "st", "cw", "ks", "ps", "pi", "tm", "cl", "sa", "pp", "kr", "mn")
+KEYS = ("bm", "bn", "kb", "st", "cw", "ks", "ps", "pi", "tm", "cl", "sa", "pp", "kr", "mn", "eh")
 WG = 128  # threads of a warpgroup
 ACC_LIMIT = 128  # f32 accumulators per consumer thread that leave room for addresses (<= 232 registers)
 PRODUCER_REGS, CONSUMER_REGS = 80, 200  # setmaxnreg split of 3 warpgroups (128 * 80 + 256 * 200 <= 64K;
@@ -68,6 +68,8 @@ class TileConfig:
     # into FP32 registers by round-to-nearest), so the tensor core truncates k products' sums, not the running sum
     mn: int = 0  # 1: both operands MN-major (16-bit types, TMA): a stage holds kb x 64 K rows of bm and bn
     # elements (channels-last activations whose reduction runs over pixels: wgrad_nhwc.py)
+    eh: int = 1  # 1: a 16-bit row-major output without bias or residual is staged as rounded halves and stored
+    # 16 bytes a thread (epilogue.h8_reason), 0: staged in float32 and stored 8 bytes a thread
 
     @property
     def groups(self) -> int:
@@ -154,6 +156,8 @@ class TileConfig:
             out.append(f"kr ({self.kr}) must be 0, or 1 with pi=0 (the restart promotes every k step)")
         if self.pi < 0 or self.ks < 1 or self.ps not in (0, 1) or self.tm not in (0, 1):
             out.append("pi >= 0, ks >= 1, ps 0 or 1, tm 0 or 1")
+        if self.eh not in (0, 1):
+            out.append(f"eh ({self.eh}) must be 0 or 1")
         if self.cl not in (1, 2) or (self.cl == 2 and not self.tm):
             out.append(f"cl ({self.cl}) must be 1, or 2 with tm=1 (clusters pay through TMA multicast)")
         mn_bad = self.mn and (self.mn != 1 or math.esize != 2 or math.split or math.scaled or not self.tm or self.cl > 1
@@ -198,7 +202,7 @@ class TileConfig:
         return Params({**keys, **({"pi": self.pi} if self.pi else {}), **({"tm": self.tm} if self.tm else {}),
                        **({"cl": self.cl} if self.cl > 1 else {}), **({"sa": self.sa} if self.sa != 128 else {}),
                        **({"pp": self.pp} if self.pp else {}), **({"kr": self.kr} if self.kr else {}),
-                       **({"mn": self.mn} if self.mn else {})})
+                       **({"mn": self.mn} if self.mn else {}), **({} if self.eh else {"eh": 0})})
 
     @classmethod
     def of(cls, p: Params) -> TileConfig:
@@ -208,7 +212,7 @@ class TileConfig:
         return cls(int(p.bm), int(p.bn), int(p.get("kb", 1)), int(p.get("st", 4)), int(p.get("cw", 2)),
                    int(p.get("ks", 1)), int(p.get("ps", 1)), int(p.get("pi", 0)), int(p.get("cl", 1)),
                    int(p.get("tm", 0)), int(p.get("sa", 128)), int(p.get("pp", 0)), int(p.get("kr", 0)),
-                   int(p.get("mn", 0)))
+                   int(p.get("mn", 0)), int(p.get("eh", 1)))
 
 
 # Relative throughput of a block tile's wgmma stream per operand element size (m64nN with both operands in

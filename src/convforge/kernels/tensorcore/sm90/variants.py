@@ -231,9 +231,10 @@ class TcVariant(Variant):
     exact = False
     tensor_cores = True  # wgmma (tests/test_tensorcore_grouped.py checks every plan says so)
     space_lead = 6
-    # TMA, clusters, A's swizzle width, the split modes' k-step restart: plan() says where not
+    # TMA, clusters, A's swizzle width, the split modes' k-step restart, the epilogue's staging in halves:
+    # plan() says where not
     optional_params = {"tm": frozenset({0, 1}), "cl": frozenset({1, 2}), "sa": frozenset({128, 64, 32}),
-                       "pp": frozenset({0, 1}), "kr": frozenset({0, 1})}
+                       "pp": frozenset({0, 1}), "kr": frozenset({0, 1}), "eh": frozenset({0, 1})}
 
     def __init__(self, name: str, dtypes: frozenset[str], x3: bool, precision: str, specialised: int,
                  x3h: bool = False) -> None:
