@@ -35,7 +35,10 @@ TINY = [ConvSpec.make(1, 3, 13, 11, 5, 3, 3, 1, (0, 1, 1, 0)), ConvSpec.make(2, 
         ConvSpec.make(1, 5, 12, 12, 5, 3, 3, 2, 1, groups=5, layout="nhwc"),
         ConvSpec.make(20, 4100, 1, 1, 37, 1, 1),  # fully connected, thin: split-K, sums in chunks of 128
         ConvSpec.make(1, 3, 29, 30, 3, 7, 7, 1, 3, groups=3),  # 7x7 depthwise, 4 output rows a thread
-        ConvSpec.make(2, 40, 9, 11, 36, 1, 1, 2, (1, 0, 0, 1))]  # 1x1 / 2: dgrad_sub_*, one phase interleaved
+        ConvSpec.make(2, 40, 9, 11, 36, 1, 1, 2, (1, 0, 0, 1)),  # 1x1 / 2: dgrad_sub_*, one phase interleaved
+        # channels-last, K in runs of 8: the half-staged epilogue's 16-byte stores (M and K tails, stride 2)
+        ConvSpec.make(2, 24, 9, 11, 72, 3, 3, 1, 1, layout="nhwc"),
+        ConvSpec.make(2, 64, 14, 13, 64, 3, 3, 2, 1, layout="nhwc")]
 LAYERS = {
     "resnet64@56 N32": ConvSpec.make(32, 64, 56, 56, 64, 3, 3, 1, 1),
     "resnet128@28 N32": ConvSpec.make(32, 128, 28, 28, 128, 3, 3, 1, 1),
