@@ -644,7 +644,8 @@ HALF_STAGED_EPILOGUES = [Epilogue(), Epilogue(relu=True), Epilogue(bias=True, si
 def test_half_staging_stores_what_the_float_staging_stores(hopper, spec, epi, dtype):
     """NHWC forwards (M and K tails, stride 2, a ResNet 1x1) at the default tile and at 64- and 128-column
     tiles with and without ping-pong: eh=1 and eh=0 both within tolerance of float64, and equal errors on
-    the same inputs (the same values stored: one rounding of the same float operations)."""
+    the same inputs (the same values stored: one rounding of the same float operations); es=1 (the chunks
+    stored by TMA) where the output allows, equal too."""
     v, spec = get_variant("tc_implicit_gemm_half"), _cl(spec, dtype)
     base = v.default(spec, hopper.device)
     points = [base] + [base.replace(**m) for m in (dict(bn=64, pp=1), dict(bn=128, pp=0), dict(bn=64, pp=0))]
@@ -654,6 +655,13 @@ def test_half_staging_stores_what_the_float_staging_stores(hopper, spec, epi, dt
         half, flt = (check_plan(v.plan(spec, p, hopper.device, epi), hopper, seed=9) for p in (prm, prm.replace(eh=0)))
         assert half.ok and flt.ok, f"[{prm.short()}] {spec.short()}{epi.tag()}: eh=1 {half}, eh=0 {flt}"
         assert half.rel_err == flt.rel_err, f"[{prm.short()}] {spec.short()}{epi.tag()}: {half} != {flt}"
+        try:  # the same chunks stored by TMA (es=1) where the output is one plain matrix
+            plan = v.plan(spec, prm.replace(es=1, ks=1), hopper.device, epi)
+        except ValueError:
+            continue
+        tma_res = check_plan(plan, hopper, seed=9)
+        assert tma_res.ok and (prm.get("ks", 1) > 1 or tma_res.rel_err == flt.rel_err), \
+            f"[{prm.short()} es=1] {spec.short()}{epi.tag()}: {tma_res} / eh=0 {flt}"
 
 
 @pytest.mark.parametrize("name, spec", [("dgrad_tc_implicit_gemm_half", ConvSpec.make(3, 200, 9, 7, 64, 3, 3, 1, 1)),

@@ -36,6 +36,7 @@ from convforge.kernels.tensorcore.sm90.epilogue import (
     H8,
     Output,
     chunks,
+    es_reason,
     h8_items,
     h8_lets,
     h8_reason,
@@ -312,6 +313,10 @@ def _read_index(desc, rows, esize, mn=False):
 def _epilogue(acc, cfg, out, tl, y, written):
     """Accumulators by the fragment layout -> staging (stage_write) -> read-out (readout_lets) -> the
     planar offsets of ``out`` (raw values): what emit_consumer_epilogue does, per warpgroup."""
+    if cfg.es:
+        assert es_reason(out, cfg.bn, cfg.wm) is None, es_reason(out, cfg.bn, cfg.wm)
+        _es_epilogue(acc, cfg, out, tl, y, written)
+        return
     if cfg.eh and h8_reason(out, cfg.bn, cfg.wm) is None:
         _h8_epilogue(acc, cfg, out, tl, y, written)
         return
@@ -435,6 +440,27 @@ def _h8_epilogue(acc, cfg, out, tl, y, written):
                         written[o + 2 * w + h] += 1
 
 
+def _es_epilogue(acc, cfg, out, tl, y, written):
+    """The half-staged chunks stored by TMA (es=1): the staged words (h8_slot) read back as the copy engine
+    reads a 128-byte-swizzled box of 64 columns by the consumer's rows (smem.swizzled: chunk j of row r at
+    j ^ r % 8), stored at the map's coordinates (column, row), nothing past M rows or n columns."""
+    smap = epilogue.store_map(out, cfg.wm)
+    assert smap.box == (H8, 64 * cfg.wm) and smap.dims == (out.n, out.m) and smap.swizzle == 128
+    for c in range(cfg.groups):
+        row0 = tl["ra0"] + c * 64 * cfg.wm
+        for ch, words in enumerate(_h8_map(cfg.wm, cfg.bn)):
+            col0 = tl["rb0"] + H8 * ch
+            for r, col in itertools.product(range(64 * cfg.wm), range(H8)):
+                at = r * 128 + 16 * swizzled_chunk(r, col // 8, 128) + 2 * (col % 8)  # the box element's byte
+                row, first = words[at // 4]
+                assert (row, first + (at % 4) // 2) == (r, H8 * ch + col), "the box reads another element than staged"
+                m, k = row0 + r, col0 + col
+                if m < out.m and k < out.n:
+                    o = evaluate(out.offset("m", "k", "z"), {"m": m, "k": k, "z": tl["zs"]})
+                    y[o] += acc[c * 64 * cfg.wm + row, first + (at % 4) // 2]
+                    written[o] += 1
+
+
 def _cl(spec):
     return ConvSpec.from_dict({**spec.to_dict(), "layout": "nhwc"})
 
@@ -469,7 +495,12 @@ CASES = [(ODD[0], TF32, TileConfig(128, 64, 1, 3, 2)),
          (ConvSpec.make(3, 8, 5, 7, 200, 3, 3, 2, (0, 1, 1, 0), dtype="float16", layout="nhwc"), F16,
           TileConfig(128, 192, 1, 2, 2)),
          (ConvSpec.make(2, 24, 9, 11, 72, 3, 3, 1, 1, dtype="float16", layout="nhwc"), F16,
-          TileConfig(128, 64, 1, 2, 2, eh=0))]
+          TileConfig(128, 64, 1, 2, 2, eh=0)),
+         # the same chunks stored by TMA (es=1): M and K tails, ping-pong, two chunks a tile
+         (ConvSpec.make(2, 24, 9, 11, 72, 3, 3, 1, 1, dtype="float16", layout="nhwc"), F16,
+          TileConfig(128, 64, 1, 2, 2, es=1)),
+         (ConvSpec.make(1, 16, 13, 7, 136, 1, 1, dtype="bfloat16", layout="nhwc"), BF16,
+          TileConfig(128, 128, 1, 2, 2, pp=1, es=1))]
 
 
 @pytest.mark.parametrize("spec, math, cfg", CASES, ids=lambda v: getattr(v, "name", None) or str(v))
@@ -1461,6 +1492,43 @@ def test_tma_plans_compile_without_spills_tensor_copies_in_sass(nvcc_ok):
         _no_spills(label, infos)
         gemm = _gemms(name, sass)[0]
         assert "UTMALDG" in gemm and "HGMMA" in gemm and "LDGSTS" not in gemm, label
+
+
+def test_tma_store_plans_compile_without_spills_tensor_stores_in_sass(nvcc_ok):
+    """es=1 (TMA stores of the half-staged chunks) on a ResNet 1x1 layer at its default tile (128 accumulators
+    a thread), with bias and ReLU, at a 64-column tile with a residual, and its statistics plan: no spill;
+    the GEMM's SASS stores by tensor copies (UTMASTG), no 16-byte global stores (STG.E.128)."""
+    v = get_variant("tc_implicit_gemm_half")
+    spec = ConvSpec.make(32, 64, 56, 56, 256, 1, 1, dtype="float16", layout="nhwc")
+    prm = v.default(spec, NOMINAL_CUDA).replace(es=1)
+    plans = [v.plan(spec, prm, NOMINAL_CUDA, Epilogue(bias=True, relu=True)),
+             v.plan(spec, prm.replace(bn=64), NOMINAL_CUDA, Epilogue(bias=True, residual=True, relu=True)),
+             v.plan_stats(spec, prm, NOMINAL_CUDA)[0]]
+    for i, (infos, sass) in enumerate(sass_reports([p.source("cuda") for p in plans])):
+        _no_spills(f"es=1 plan {i}", infos)
+        gemm = _gemms("tc_implicit_gemm_half", sass)[0]
+        assert "UTMASTG" in gemm and "HGMMA" in gemm and "STG.E.128" not in gemm, i
+
+
+def test_tma_stores_refuse_what_a_box_cannot_address():
+    """es=1 needs a plain M x n row-major output: a strided dgrad's phases, a concat's channel offset, a split
+    reduction's slabs and a residual beside 128 accumulators a thread are refused by name."""
+    v = get_variant("tc_implicit_gemm_half")
+    spec = ConvSpec.make(2, 64, 14, 14, 128, 3, 3, 1, 1, dtype="float16", layout="nhwc")
+    prm = v.default(spec, NOMINAL_CUDA).replace(es=1, ks=1)
+    v.plan(spec, prm, NOMINAL_CUDA)  # a plain output: taken
+    with pytest.raises(ValueError, match="es=1: TMA stores take a plain"):
+        v.plan(spec, prm, NOMINAL_CUDA, Epilogue(k_total=256, k_offset=64))
+    with pytest.raises(ValueError, match="es=1: half staging takes one slab"):
+        v.plan(spec, prm.replace(ks=2), NOMINAL_CUDA)
+    with pytest.raises(ValueError, match="es=1: a residual"):
+        v.plan(spec, prm.replace(bn=128, pp=1), NOMINAL_CUDA, Epilogue(residual=True))
+    d = get_variant("dgrad_tc_strided_half")
+    ds = ConvSpec.from_dict({**ConvSpec.make(2, 128, 14, 13, 64, 3, 3, 2, 1).to_dict(), "dtype": "float16",
+                             "layout": "nhwc", "pass": "dgrad"})
+    with pytest.raises(ValueError, match="es=1"):
+        d.plan(ds, d.default(ds, NOMINAL_CUDA).replace(es=1), NOMINAL_CUDA)
+    assert not any(p.get("es") for p in v.space(spec, NOMINAL_CUDA)), "not in the tuner's space until GPU-timed"
 
 
 def test_cluster_plans_compile_multicast_copies_in_sass(nvcc_ok):

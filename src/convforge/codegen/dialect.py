@@ -116,6 +116,11 @@ A kernel body is plain C using these tokens, which each renderer spells its own 
     TMA_IM2COL_4D_MC(sa, map, c, w, h, n, ow, oh, bar, mask)  offset sa in every block of the cluster whose
                                                           bit is set in mask, completing the mbarrier at
                                                           offset bar in each
+    TMA_STORE_2D(map, sa, c0, c1)                         TMA store of the box at shared address sa to element
+                                                          (c0, c1) of a tiled TensorMap (out of bounds: not
+                                                          written); FENCE_PROXY_ASYNC and a barrier first
+    TMA_STORE_COMMIT() / TMA_STORE_WAIT_READ(n)           close this thread's group of stores / wait until at
+                                                          most n groups still read their shared sources
     Thread-block clusters (Kernel.cluster > 1, CUDA sm_90):
     CLUSTER_RANK() / CLUSTER_ID() / NUM_CLUSTERS()        the block's rank in its cluster, the cluster's
                                                           index, the number of clusters (along x)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from convforge.codegen.dialect import Buf, Kernel
+from convforge.codegen.dialect import Buf, Kernel, TensorMap
 from convforge.codegen.meta import Code, cdiv
 from convforge.kernels.tensorcore.sm90.cexpr import Let
 from convforge.kernels.tensorcore.sm90.isa import ACC
@@ -43,8 +43,10 @@ def staging_ld(wm: int) -> int:
     return 64 * wm + 4
 
 
-def staging_bytes(wm: int) -> int:
-    return 4 * COLS * staging_ld(wm)
+def staging_bytes(wm: int, tma: bool = False) -> int:
+    """A consumer's staging: 32 float columns of its rows, or with TMA stores (``es=1``) one half-staged
+    chunk exactly (its rows of 128 bytes: whole 1024-byte swizzle atoms, as the copy engine reads them)."""
+    return 2 * H8 * 64 * wm if tma else 4 * COLS * staging_ld(wm)
 
 
 # -- storage dtypes on the device ---------------------------------------------------------------
@@ -344,11 +346,19 @@ def chunks(wm: int, bn: int) -> list[tuple[int, list[int]]]:
 
 
 def emit_consumer_epilogue(code: Code, out: Output, wm: int, bn: int, stage: str, bar: str,
-                           row0: str, col0: str, z: str, prefix: str = "d", half: bool = False) -> None:
+                           row0: str, col0: str, z: str, prefix: str = "d", half: bool = False,
+                           tma: str = "") -> None:
     """The tile's accumulators (``prefix``) to ``out`` through the staging buffer at float pointer
     ``stage``; ``bar``: this warpgroup's named barrier; ``row0``: the warpgroup's first row in the
     problem, ``col0`` the tile's first column, ``z`` the slab. ``half`` (the tile's ``eh``): stage
-    rounded halves and store 16 bytes a thread where the output allows (:func:`h8_reason`)."""
+    rounded halves and store 16 bytes a thread where the output allows (:func:`h8_reason`); ``tma``
+    (``es=1``): the staging's shared address, each chunk stored by a TMA copy (:func:`es_reason`)."""
+    if tma:
+        why = es_reason(out, bn, wm)
+        if why:
+            raise ValueError(f"epilogue: es=1: {why}")
+        _h8_epilogue(code, out, wm, bn, stage, bar, row0, col0, z, prefix, tma)
+        return
     if half and h8_reason(out, bn, wm) is None:
         _h8_epilogue(code, out, wm, bn, stage, bar, row0, col0, z, prefix)
         return
@@ -516,6 +526,26 @@ def h8_reason(out: Output, bn: int, wm: int = 1) -> str | None:
     return None
 
 
+def es_reason(out: Output, bn: int, wm: int) -> str | None:
+    """Why the half-staged chunks of ``out`` cannot leave by TMA stores (None: they can): the output must be
+    one plain matrix of M rows by its own n columns (a box past the last column is then dropped by the copy
+    engine, never written into a neighbouring concat's channels)."""
+    why = h8_reason(out, bn, wm)
+    if why:
+        return why
+    if out.strided or out.k_offset or out.kt != out.n or out.pq != 1:
+        return "TMA stores take a plain M x n row-major output (no pixel map, channel offset or wider rows)"
+    return None
+
+
+def store_map(out: Output, wm: int) -> TensorMap:
+    """The tiled tensor map the TMA stores of ``out`` go through: n x M elements (innermost first), boxes of
+    one chunk (64 columns x the consumer's 64 wm rows) in the 128-byte swizzle the staging is laid out in."""
+    es = 2
+    return TensorMap(f"{out.buf}_smap", "tiled", out.dtype, (out.n, out.m), (out.n * es,), (H8, 64 * wm),
+                     source=out.buf, swizzle=128)
+
+
 def h8_slot(mi: int, i: int) -> tuple[str, int] | None:
     """(32-bit word of the half staging, chunk) of the accumulator pair (i, i + 1) of block ``mi``, or None
     for the pair's second register. Rows of 32 words (64 halves); a row's 16-byte octets permuted by
@@ -545,15 +575,19 @@ def _unpack(dtype: str, word: str, hi: bool) -> str:
 
 
 def _h8_epilogue(code: Code, out: Output, wm: int, bn: int, stage: str, bar: str,
-                 row0: str, col0: str, z: str, prefix: str) -> None:
+                 row0: str, col0: str, z: str, prefix: str, tma: str = "") -> None:
     """emit_consumer_epilogue staging rounded halves: per 64-column chunk, each pair of a row's accumulators
-    packed into one word, then every thread stores 8 columns of a row as one 16-byte store. With
-    ``out.stats`` the same sums as the float path in the same order (:func:`_h8_stats_store`)."""
+    packed into one word, then every thread stores 8 columns of a row as one 16-byte store, or (``tma``, the
+    staging's shared address) thread 0 hands the chunk to the copy engine. With ``out.stats`` the same
+    sums as the float path in the same order (:func:`_h8_stats_store`)."""
     if out.stats and out.stats_reason():
         raise ValueError(f"epilogue: {out.stats_reason()}")
     epi = out.epi or Epilogue()
     words = f"((unsigned*){stage})"
     for ch in range(bn // H8):
+        if tma:  # the staging is free once the copy engine has read the last chunk out of it
+            with code.block("if (ct == 0)"):
+                code("TMA_STORE_WAIT_READ(0);")
         code(f"BAR_SYNC({bar}, 128);  // the last chunk's reads are done")
         with code.block(f"/* chunk {ch}: staged as halves */"):
             if epi.bias or epi.residual:
@@ -579,8 +613,18 @@ def _h8_epilogue(code: Code, out: Output, wm: int, bn: int, stage: str, bar: str
                         code(f"{words}[{w[0]}] = {_pack2(out.dtype, a, b)};")
                 if epi.residual:  # the next row's residual loads not hoisted above these (registers)
                     code('asm volatile("" ::: "memory");')
+        if tma:
+            code("FENCE_PROXY_ASYNC();  // the staged words visible to the copy engine")
         code(f"BAR_SYNC({bar}, 128);")
-        with code.block(f"/* chunk {ch}: 16-byte stores{' and batch-norm statistics' if out.stats else ''} */"):
+        if tma:
+            with code.block("if (ct == 0)"):
+                code(f"TMA_STORE_2D({store_map(out, wm).name}, {tma}, {col0} + {H8 * ch}, {row0});",
+                     "TMA_STORE_COMMIT();")
+            if not out.stats:
+                continue
+        stats = " and batch-norm statistics" if out.stats else ""
+        what = "batch-norm statistics" if tma else f"16-byte stores{stats}"
+        with code.block(f"/* chunk {ch}: {what} */"):
             if out.stats:
                 _h8_stats_head(code, out, words)
             for item in range(h8_items(wm)):
@@ -590,12 +634,13 @@ def _h8_epilogue(code: Code, out: Output, wm: int, bn: int, stage: str, bar: str
                     slot = f"er{item} * 32 + ((eo{item} ^ (er{item} & 7)) << 2)"
                     code(f"const uint4 v = *(const uint4*)({words} + {slot});",
                          f"const int k = {col0} + {H8 * ch} + 8 * eo{item}, m = {row0} + er{item};")
-                    with code.block(f"if (m < {out.m} && k < {out.n})"):
-                        code(f"*(uint4*)({out.buf} + {out.offset('m', 'k', z)}) = v;")
+                    if not tma:
+                        with code.block(f"if (m < {out.m} && k < {out.n})"):
+                            code(f"*(uint4*)({out.buf} + {out.offset('m', 'k', z)}) = v;")
                     if out.stats:
                         _h8_stats_add(code, out)
             if out.stats:
-                _h8_stats_store(code, out, wm, stage, bar, row0, f"{col0} + {H8 * ch}")
+                _h8_stats_store(code, out, wm, stage, bar, row0, f"{col0} + {H8 * ch}", tma)
 
 
 def _h8_columns(code: Code, out: Output, ch: int, col0: str, z: str) -> None:
@@ -633,12 +678,17 @@ def _h8_stats_add(code: Code, out: Output) -> None:
                  f"bs1_{i} += d{i};", f"bs2_{i} = FMA(d{i}, d{i}, bs2_{i});")
 
 
-def _h8_stats_store(code: Code, out: Output, wm: int, stage: str, bar: str, row0: str, col: str) -> None:
-    """As :func:`_stats_store` for 64 columns: per column the same rows, lanes and warps in the same order."""
+def _h8_stats_store(code: Code, out: Output, wm: int, stage: str, bar: str, row0: str, col: str,
+                    tma: str = "") -> None:
+    """As :func:`_stats_store` for 64 columns: per column the same rows, lanes and warps in the same order
+    (``tma``: the copy engine's read of the chunk waited for before the sums overwrite the staging)."""
     p = partials(out.m, wm)
     sums = [f"bs{r}_{i}" for r in (1, 2) for i in range(8)]
     for lane in (8, 16):
         code(*(f"{s} += SHFL({s}, (tid & 31) ^ {lane});" for s in sums))
+    if tma:
+        with code.block("if (ct == 0)"):
+            code("TMA_STORE_WAIT_READ(0);")
     code(f"BAR_SYNC({bar}, 128);  // every read of the staged chunk done")
     with code.block("if ((ct & 31) < 8)"):
         code(*(f"{stage}[(wq * 8 + sq) * 16 + {j}] = {s};" for j, s in enumerate(sums)))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from convforge.codegen.dialect import Arg, Kernel, LocalBuf, TensorMap
 from convforge.codegen.meta import Code
-from convforge.kernels.tensorcore.sm90 import tma
+from convforge.kernels.tensorcore.sm90 import epilogue, tma
 from convforge.kernels.tensorcore.sm90.epilogue import Output
 from convforge.kernels.tensorcore.sm90.isa import Math
 from convforge.kernels.tensorcore.sm90.mainloop import Job, Ring, emit_consumer, emit_producer, job_tag
@@ -59,7 +59,8 @@ def jobs_kernel(name: str, math: Math, cfg: TileConfig, jobs: list[Job]) -> Kern
         code("CLUSTER_SYNC();")
     args: tuple[Arg, ...] = ()
     for j, job in enumerate(jobs):
-        for arg in _operand_args(cfg, math, job, job_tag(jobs, j)) + job.out.args():
+        stores = (epilogue.store_map(job.out, cfg.wm),) if cfg.es else ()
+        for arg in _operand_args(cfg, math, job, job_tag(jobs, j)) + job.out.args() + stores:
             if arg.name not in {a.name for a in args}:
                 args += (arg,)
     return Kernel(name, args + (LocalBuf("tc_smem", cfg.shared_bytes(math)),), code.text(), (cfg.threads, 1, 1),

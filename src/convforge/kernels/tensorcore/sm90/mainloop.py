@@ -76,7 +76,7 @@ class Ring:
 
     @property
     def barrier_offset(self) -> int:
-        return self.staging_offset + self.cfg.cw * epilogue.staging_bytes(self.cfg.wm)
+        return self.staging_offset + self.cfg.cw * epilogue.staging_bytes(self.cfg.wm, bool(self.cfg.es))
 
     def full(self, s: str) -> str:
         return f"(bars + 8u * ({s}))"
@@ -242,6 +242,9 @@ def emit_consumer(code: Code, ring: Ring, jobs: list[Job]) -> None:
         code(f"unsigned {', '.join(epilogue.park_names(ring.cfg.wm, ring.cfg.bn))};  // the parked tile")
     for job, head in zip(jobs, schedule.job_heads(ring.cfg, [j.prob for j in jobs]), strict=True):
         _consumer_tiles(code, ring, job.prob, job.out, head, job.ops)
+    if ring.cfg.es:  # the block's shared memory stays until the copy engine has read the last chunk
+        with code.block("if (ct == 0)"):
+            code("TMA_STORE_WAIT_READ(0);")
 
 
 def _consumer_state(code: Code, ring: Ring) -> None:
@@ -255,7 +258,10 @@ def _consumer_state(code: Code, ring: Ring) -> None:
          f"const U64 da0 = {'dsc' if a_high == b_high else 'dsa'} + (U64)(c * {consumer_rows(cfg) // 16});"
          "  // this warpgroup's rows of A",
          f"float* const est = tc_smem + ((sbase - SMEM_U32(tc_smem)) >> 2) + "
-         f"({ring.staging_offset} + c * {epilogue.staging_bytes(cfg.wm)}) / 4;  // its staging",
+         f"({ring.staging_offset} + c * {epilogue.staging_bytes(cfg.wm, bool(cfg.es))}) / 4;  // its staging",
+         *([f"const unsigned esa = sbase + {ring.staging_offset}u + (unsigned)c * "
+            f"{epilogue.staging_bytes(cfg.wm, True)}u;  // its staging's shared address (TMA stores)"]
+           if cfg.es else []),
          f"float {', '.join(acc)};")
     for prefix in ("f", "e")[:cfg.sets - 1]:
         code(f"float {', '.join(acc_names(cfg, prefix))};")
@@ -303,7 +309,7 @@ def _consumer_tiles(code: Code, ring: Ring, prob: Problem, out: Output, head: st
             epilogue.emit_joined_epilogue(code, out, cfg.wm, cfg.bn, "est", "(1 + c)", rows, "rb0", "zs", cfg.summed)
         else:
             epilogue.emit_consumer_epilogue(code, out, cfg.wm, cfg.bn, "est", "(1 + c)", rows, "rb0", "zs",
-                                            cfg.summed, half=bool(cfg.eh))
+                                            cfg.summed, half=bool(cfg.eh), tma="esa" if cfg.es else "")
 
 
 def _check_joined(cfg: TileConfig, jobs: list[Job]) -> None:

@@ -30,7 +30,7 @@ from convforge.kernels.tensorcore.sm90.isa import Math, n_ok
 from convforge.kernels.tensorcore.sm90.smem import MAX_SHARED, StageLayout, Tile
 from convforge.params import Params
 
-KEYS = ("bm", "bn", "kb", "st", "cw", "ks", "ps", "pi", "tm", "cl", "sa", "pp", "kr", "mn", "eh")
+KEYS = ("bm", "bn", "kb", "st", "cw", "ks", "ps", "pi", "tm", "cl", "sa", "pp", "kr", "mn", "eh", "es")
 WG = 128  # threads of a warpgroup
 ACC_LIMIT = 128  # f32 accumulators per consumer thread that leave room for addresses (<= 232 registers)
 PRODUCER_REGS, CONSUMER_REGS = 80, 200  # setmaxnreg split of 3 warpgroups (128 * 80 + 256 * 200 <= 64K;
@@ -70,6 +70,8 @@ class TileConfig:
     # elements (channels-last activations whose reduction runs over pixels: wgrad_nhwc.py)
     eh: int = 1  # 1: a 16-bit row-major output without bias or residual is staged as rounded halves and stored
     # 16 bytes a thread (epilogue.h8_reason), 0: staged in float32 and stored 8 bytes a thread
+    es: int = 0  # 1: the half-staged chunks leave by TMA stores (one thread issues each; the consumer goes on
+    # while the copy engine reads the staging): outputs of plain rows only (epilogue.es_reason)
 
     @property
     def groups(self) -> int:
@@ -119,7 +121,7 @@ class TileConfig:
     def shared_bytes(self, math: Math) -> int:
         """Launch-sized shared memory: 1024 bytes of alignment slack, the stages, the consumers'
         epilogue staging, two mbarriers per stage (and the ping-pong consumers' two turn barriers)."""
-        return (1024 + self.st * self.stage(math).nbytes + self.cw * epilogue.staging_bytes(self.wm)
+        return (1024 + self.st * self.stage(math).nbytes + self.cw * epilogue.staging_bytes(self.wm, bool(self.es))
                 + 16 * self.st + 16 * self.pp)
 
     def regs(self) -> tuple[int, int] | None:
@@ -156,8 +158,9 @@ class TileConfig:
             out.append(f"kr ({self.kr}) must be 0, or 1 with pi=0 (the restart promotes every k step)")
         if self.pi < 0 or self.ks < 1 or self.ps not in (0, 1) or self.tm not in (0, 1):
             out.append("pi >= 0, ks >= 1, ps 0 or 1, tm 0 or 1")
-        if self.eh not in (0, 1):
-            out.append(f"eh ({self.eh}) must be 0 or 1")
+        if self.eh not in (0, 1) or self.es not in (0, 1) or (self.es and not self.eh):
+            out.append(f"eh ({self.eh}) and es ({self.es}) must be 0 or 1, es=1 with eh=1 (TMA stores of half-staged "
+                       "chunks)")
         if self.cl not in (1, 2) or (self.cl == 2 and not self.tm):
             out.append(f"cl ({self.cl}) must be 1, or 2 with tm=1 (clusters pay through TMA multicast)")
         mn_bad = self.mn and (self.mn != 1 or math.esize != 2 or math.split or math.scaled or not self.tm or self.cl > 1
@@ -202,7 +205,8 @@ class TileConfig:
         return Params({**keys, **({"pi": self.pi} if self.pi else {}), **({"tm": self.tm} if self.tm else {}),
                        **({"cl": self.cl} if self.cl > 1 else {}), **({"sa": self.sa} if self.sa != 128 else {}),
                        **({"pp": self.pp} if self.pp else {}), **({"kr": self.kr} if self.kr else {}),
-                       **({"mn": self.mn} if self.mn else {}), **({} if self.eh else {"eh": 0})})
+                       **({"mn": self.mn} if self.mn else {}), **({} if self.eh else {"eh": 0}),
+                       **({"es": 1} if self.es else {})})
 
     @classmethod
     def of(cls, p: Params) -> TileConfig:
@@ -212,7 +216,7 @@ class TileConfig:
         return cls(int(p.bm), int(p.bn), int(p.get("kb", 1)), int(p.get("st", 4)), int(p.get("cw", 2)),
                    int(p.get("ks", 1)), int(p.get("ps", 1)), int(p.get("pi", 0)), int(p.get("cl", 1)),
                    int(p.get("tm", 0)), int(p.get("sa", 128)), int(p.get("pp", 0)), int(p.get("kr", 0)),
-                   int(p.get("mn", 0)), int(p.get("eh", 1)))
+                   int(p.get("mn", 0)), int(p.get("eh", 1)), int(p.get("es", 0)))
 
 
 # Relative throughput of a block tile's wgmma stream per operand element size (m64nN with both operands in

@@ -78,7 +78,7 @@ def gemm_steps(name: str, math: Math, cfg: TileConfig, prob: Problem, a: Operand
     gk = gemm_kernel(f"{name}_gemm", math, cfg, prob, a, b, out)
     kernels: list[Kernel] = [gk]
     steps = [Launch(gk.name, (cfg.grid(prob, units), 1, 1), gk.block,
-                    tuple(x.name for x in a.args() + b.args()) + out.refs())]
+                    tuple(x.name for x in a.args() + b.args()) + out.refs() + ((out.buf,) if cfg.es else ()))]
     if cfg.ks > 1:
         rk, rgrid = reduce_kernel(f"{name}_reduce", final, cfg.ks, prob.batch * prob.m * prob.n, prob.batch)
         kernels.append(rk)
@@ -231,10 +231,11 @@ class TcVariant(Variant):
     exact = False
     tensor_cores = True  # wgmma (tests/test_tensorcore_grouped.py checks every plan says so)
     space_lead = 6
-    # TMA, clusters, A's swizzle width, the split modes' k-step restart, the epilogue's staging in halves:
-    # plan() says where not
+    # TMA, clusters, A's swizzle width, the split modes' k-step restart, the epilogue's staging in halves and
+    # its TMA stores: plan() says where not
     optional_params = {"tm": frozenset({0, 1}), "cl": frozenset({1, 2}), "sa": frozenset({128, 64, 32}),
-                       "pp": frozenset({0, 1}), "kr": frozenset({0, 1}), "eh": frozenset({0, 1})}
+                       "pp": frozenset({0, 1}), "kr": frozenset({0, 1}), "eh": frozenset({0, 1}),
+                       "es": frozenset({0, 1})}
 
     def __init__(self, name: str, dtypes: frozenset[str], x3: bool, precision: str, specialised: int,
                  x3h: bool = False) -> None:
