@@ -579,7 +579,7 @@ def _h8_epilogue(code: Code, out: Output, wm: int, bn: int, stage: str, bar: str
     """emit_consumer_epilogue staging rounded halves: per 64-column chunk, each pair of a row's accumulators
     packed into one word, then every thread stores 8 columns of a row as one 16-byte store, or (``tma``, the
     staging's shared address) thread 0 hands the chunk to the copy engine. With ``out.stats`` the same
-    sums as the float path in the same order (:func:`_h8_stats_store`)."""
+    sums as the float path in the same order (:func:`_stats_store` with 8 lanes)."""
     if out.stats and out.stats_reason():
         raise ValueError(f"epilogue: {out.stats_reason()}")
     epi = out.epi or Epilogue()
@@ -638,9 +638,9 @@ def _h8_epilogue(code: Code, out: Output, wm: int, bn: int, stage: str, bar: str
                         with code.block(f"if (m < {out.m} && k < {out.n})"):
                             code(f"*(uint4*)({out.buf} + {out.offset('m', 'k', z)}) = v;")
                     if out.stats:
-                        _h8_stats_add(code, out)
+                        _stats_add(code, out, half=True)
             if out.stats:
-                _h8_stats_store(code, out, wm, stage, bar, row0, f"{col0} + {H8 * ch}", tma)
+                _stats_store(code, out, wm, stage, bar, row0, f"{col0} + {H8 * ch}", 8, tma)
 
 
 def _h8_columns(code: Code, out: Output, ch: int, col0: str, z: str) -> None:
@@ -671,43 +671,6 @@ def _h8_stats_head(code: Code, out: Output, words: str) -> None:
     code("float " + ", ".join(f"bs1_{i} = 0.0f, bs2_{i} = 0.0f" for i in range(8)) + ";")
 
 
-def _h8_stats_add(code: Code, out: Output) -> None:
-    with code.block(f"if (m < {out.m})"):
-        for i in range(8):
-            code(f"const float d{i} = {_unpack(out.dtype, 'v.' + 'xyzw'[i // 2], i % 2 == 1)} - bk{i};",
-                 f"bs1_{i} += d{i};", f"bs2_{i} = FMA(d{i}, d{i}, bs2_{i});")
-
-
-def _h8_stats_store(code: Code, out: Output, wm: int, stage: str, bar: str, row0: str, col: str,
-                    tma: str = "") -> None:
-    """As :func:`_stats_store` for 64 columns: per column the same rows, lanes and warps in the same order
-    (``tma``: the copy engine's read of the chunk waited for before the sums overwrite the staging)."""
-    p = partials(out.m, wm)
-    sums = [f"bs{r}_{i}" for r in (1, 2) for i in range(8)]
-    for lane in (8, 16):
-        code(*(f"{s} += SHFL({s}, (tid & 31) ^ {lane});" for s in sums))
-    if tma:
-        with code.block("if (ct == 0)"):
-            code("TMA_STORE_WAIT_READ(0);")
-    code(f"BAR_SYNC({bar}, 128);  // every read of the staged chunk done")
-    with code.block("if ((ct & 31) < 8)"):
-        code(*(f"{stage}[(wq * 8 + sq) * 16 + {j}] = {s};" for j, s in enumerate(sums)))
-    with code.block("if (ct < 8)"):
-        code(*(f"{stage}[512 + sq * 8 + {i}] = bk{i};" for i in range(8)))
-    code(f"BAR_SYNC({bar}, 128);")
-    with code.block(f"if (ct < {H8} && {row0} < {out.m})"):
-        code("const int q = ct >> 3, i = ct & 7;",
-             f"const int kk = {col} + ct, pj = ({row0}) / {64 * wm}, nrows = min({out.m} - ({row0}), {64 * wm});")
-        with code.block(f"if (kk < {out.n})"):
-            code(f"float a1 = {stage}[q * 16 + i], a2 = {stage}[q * 16 + 8 + i];")
-            for w in range(1, 4):
-                code(f"a1 += {stage}[({w * 8} + q) * 16 + i];", f"a2 += {stage}[({w * 8} + q) * 16 + 8 + i];")
-            at = f"pj * {out.n} + kk"
-            code(f"bnpart[{at}] = a1;", f"bnpart[{p * out.n} + {at}] = a2;",
-                 f"bnpart[{2 * p * out.n} + {at}] = {stage}[512 + ct];",
-                 f"bnpart[{3 * p * out.n} + {at}] = (float)nrows;")
-
-
 def _rounded(out: Output, v: str) -> str:
     """The float value stored for accumulator expression ``v`` (its storage rounding undone)."""
     return v if out.dtype == "float32" else to_float(out.dtype, from_float(out.dtype, v))
@@ -723,37 +686,45 @@ def stats_head(code: Code, out: Output, stage: str) -> None:
     code("float " + ", ".join(f"bs1_{i} = 0.0f, bs2_{i} = 0.0f" for i in range(4)) + ";")
 
 
-def _stats_add(code: Code, out: Output) -> None:
-    """One item's row into the sums (rows past M add nothing)."""
+def _stats_add(code: Code, out: Output, half: bool = False) -> None:
+    """One item's row into the sums (rows past M add nothing): 4 staged floats, or (``half``) 8 staged halves."""
     with code.block(f"if (m < {out.m})"):
-        for i, c in enumerate("xyzw"):
-            code(f"const float d{i} = {_rounded(out, f'v.{c}')} - bk{i};", f"bs1_{i} += d{i};",
-                 f"bs2_{i} = FMA(d{i}, d{i}, bs2_{i});")
+        values = [_unpack(out.dtype, "v." + "xyzw"[i // 2], i % 2 == 1) for i in range(8)] if half else \
+            [_rounded(out, f"v.{c}") for c in "xyzw"]
+        for i, value in enumerate(values):
+            code(f"const float d{i} = {value} - bk{i};", f"bs1_{i} += d{i};", f"bs2_{i} = FMA(d{i}, d{i}, bs2_{i});")
 
 
-def _stats_store(code: Code, out: Output, wm: int, stage: str, bar: str, row0: str, col: str) -> None:
-    """The chunk's sums: the lanes of a quad by xor shuffles, the warps in order through the staging buffer,
-    then threads 0..31 (one column each) write partial ``row0 / 64 wm``'s four rows."""
-    p = partials(out.m, wm)
-    sums = [f"bs{r}_{i}" for r in (1, 2) for i in range(4)]
+def _stats_store(code: Code, out: Output, wm: int, stage: str, bar: str, row0: str, col: str, lanes: int = 4,
+                 tma: str = "") -> None:
+    """The chunk's sums (``lanes`` columns a thread: 4 staged floats, 8 staged halves): the lanes of a column
+    group by xor shuffles, the warps in order through the staging buffer, then threads 0..8 lanes - 1 (one
+    column each) write partial ``row0 / 64 wm``'s four rows (``tma``: the copy engine's read of the chunk
+    waited for before the sums overwrite the staging)."""
+    p, two = partials(out.m, wm), 2 * lanes
+    sums = [f"bs{r}_{i}" for r in (1, 2) for i in range(lanes)]
     for lane in (8, 16):
         code(*(f"{s} += SHFL({s}, (tid & 31) ^ {lane});" for s in sums))
+    if tma:
+        with code.block("if (ct == 0)"):
+            code("TMA_STORE_WAIT_READ(0);")
     code(f"BAR_SYNC({bar}, 128);  // every read of the staged chunk done")
     with code.block("if ((ct & 31) < 8)"):
-        code(*(f"{stage}[(wq * 8 + sq) * 8 + {j}] = {s};" for j, s in enumerate(sums)))
+        code(*(f"{stage}[(wq * 8 + sq) * {two} + {j}] = {s};" for j, s in enumerate(sums)))
     with code.block("if (ct < 8)"):
-        code(*(f"{stage}[256 + sq * 4 + {i}] = bk{i};" for i in range(4)))
+        code(*(f"{stage}[{64 * lanes} + sq * {lanes} + {i}] = bk{i};" for i in range(lanes)))
     code(f"BAR_SYNC({bar}, 128);")
-    with code.block(f"if (ct < 32 && {row0} < {out.m})"):
-        code("const int q = ct >> 2, i = ct & 3;",
+    with code.block(f"if (ct < {8 * lanes} && {row0} < {out.m})"):
+        code(f"const int q = ct >> {lanes.bit_length() - 1}, i = ct & {lanes - 1};",
              f"const int kk = {col} + ct, pj = ({row0}) / {64 * wm}, nrows = min({out.m} - ({row0}), {64 * wm});")
         with code.block(f"if (kk < {out.n})"):
-            code(f"float a1 = {stage}[q * 8 + i], a2 = {stage}[q * 8 + 4 + i];")
+            code(f"float a1 = {stage}[q * {two} + i], a2 = {stage}[q * {two} + {lanes} + i];")
             for w in range(1, 4):
-                code(f"a1 += {stage}[({w * 8} + q) * 8 + i];", f"a2 += {stage}[({w * 8} + q) * 8 + 4 + i];")
+                code(f"a1 += {stage}[({w * 8} + q) * {two} + i];",
+                     f"a2 += {stage}[({w * 8} + q) * {two} + {lanes} + i];")
             at = f"pj * {out.n} + kk"
             code(f"bnpart[{at}] = a1;", f"bnpart[{p * out.n} + {at}] = a2;",
-                 f"bnpart[{2 * p * out.n} + {at}] = {stage}[256 + ct];",
+                 f"bnpart[{2 * p * out.n} + {at}] = {stage}[{64 * lanes} + ct];",
                  f"bnpart[{3 * p * out.n} + {at}] = (float)nrows;")
 
 
