@@ -121,6 +121,8 @@ A kernel body is plain C using these tokens, which each renderer spells its own 
                                                           written); FENCE_PROXY_ASYNC and a barrier first
     TMA_STORE_COMMIT() / TMA_STORE_WAIT_READ(n)           close this thread's group of stores / wait until at
                                                           most n groups still read their shared sources
+    COMPILER_FENCE()                                      no instruction: the compiler keeps memory accesses on
+                                                          their side of it (loads not hoisted above it)
     Thread-block clusters (Kernel.cluster > 1, CUDA sm_90):
     CLUSTER_RANK() / CLUSTER_ID() / NUM_CLUSTERS()        the block's rank in its cluster, the cluster's
                                                           index, the number of clusters (along x)

@@ -28,7 +28,7 @@ _TOKEN = re.compile(r"\b(GROUP_ID|LOCAL_ID|GROUP_SIZE|NUM_GROUPS|BARRIER|VLOAD4|
                     r"BAR_SYNC|WGMMA_RS|WGMMA_HOLD|WGMMA_TZ|WGMMA_T|WGMMA_Z|WGMMA|TC_F16_TO_F32|TC_BF16_TO_F32|TC_F32_TO_F16|TC_F32_TO_BF16|TC_PACK_F16X2|"
                     r"TC_PACK_BF16X2|MBAR_INIT_FENCE|MBAR_EXPECT_TX|TMA_PREFETCH|TMA_TILE_2D|TMA_TILE_3D|TMA_TILE_4D|TMA_IM2COL_4D|"
                     r"TMA_TILE_2D_MC|TMA_IM2COL_4D_MC|CLUSTER_RANK|CLUSTER_ID|NUM_CLUSTERS|CLUSTER_SYNC|"
-                    r"MBAR_ARRIVE_CLUSTER|TC_X3H_SCALE|TC_X3H_UNSCALE|TMA_STORE_2D|TMA_STORE_COMMIT|TMA_STORE_WAIT_READ)\(")
+                    r"MBAR_ARRIVE_CLUSTER|TC_X3H_SCALE|TC_X3H_UNSCALE|TMA_STORE_2D|TMA_STORE_COMMIT|TMA_STORE_WAIT_READ|COMPILER_FENCE)\(")
 _WORDS = re.compile(r"\b(SHARED|LOCAL_PTR|GLOBAL_PTR|RESTRICT|DEVICE|U64|I64|HALF_T|BF16_T)\b( ?)")
 
 # -- half storage (float16 / bfloat16 buffers, float32 arithmetic; codegen/dialect.py Storage) -------
@@ -502,7 +502,7 @@ _WGMMA_TOKENS = frozenset({"FENCE_PROXY_ASYNC", "WGMMA_FENCE", "WGMMA_COMMIT", "
                              "TMA_TILE_4D", "TMA_IM2COL_4D"}
                           | {"TMA_TILE_2D_MC", "TMA_IM2COL_4D_MC", "CLUSTER_RANK", "CLUSTER_ID", "NUM_CLUSTERS",
                              "CLUSTER_SYNC", "MBAR_ARRIVE_CLUSTER", "TC_X3H_SCALE", "TC_X3H_UNSCALE"}
-                          | {"TMA_STORE_2D", "TMA_STORE_COMMIT", "TMA_STORE_WAIT_READ"})
+                          | {"TMA_STORE_2D", "TMA_STORE_COMMIT", "TMA_STORE_WAIT_READ", "COMPILER_FENCE"})
 
 
 def _asm(text: str, outs: Sequence[str] = (), ins: Sequence[str] = ()) -> str:
@@ -656,6 +656,7 @@ _TC_TOKENS: dict[str, Callable[[list[str]], str]] = {
     "TMA_STORE_2D": lambda a: _asm("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];", (),
                                    [_map_addr(a[0]), f'"r"({a[2]})', f'"r"({a[3]})', f'"r"({a[1]})']),
     "TMA_STORE_COMMIT": lambda a: _asm("cp.async.bulk.commit_group;"),
+    "COMPILER_FENCE": lambda a: 'asm volatile("" ::: "memory")',
     "TMA_STORE_WAIT_READ": lambda a: _asm(f"cp.async.bulk.wait_group.read {int(a[0])};"),
     "CLUSTER_RANK": lambda a: "cf_cluster_reg(0)",
     "CLUSTER_ID": lambda a: "cf_cluster_reg(1)",

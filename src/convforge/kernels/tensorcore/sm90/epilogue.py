@@ -508,7 +508,7 @@ H8_RES_ACC = 64  # accumulators a thread above which a residual stays on the flo
 
 def h8_reason(out: Output, bn: int, wm: int = 1) -> str | None:
     """Why ``out`` cannot take the half-staged epilogue (None: it can). It stages each accumulator pair
-    rounded to the storage dtype, so only what is applied before that rounding can be fused: an
+    rounded to the storage dtype, so only what is applied before that rounding can be fused: a
     bias, a residual (both read a column pair at a time, per accumulator pair; a residual only beside at
     most :data:`H8_RES_ACC` accumulators a thread) and an activation: the same operations in the same order
     as the float path, so the same stored values."""
@@ -612,7 +612,7 @@ def _h8_epilogue(code: Code, out: Output, wm: int, bn: int, stage: str, bar: str
                                  f" | ((unsigned){hp}[{8 * j + 1}] << 16)) : 0u;")
                         code(f"{words}[{w[0]}] = {_pack2(out.dtype, a, b)};")
                 if epi.residual:  # the next row's residual loads not hoisted above these (registers)
-                    code('asm volatile("" ::: "memory");')
+                    code("COMPILER_FENCE();")
         if tma:
             code("FENCE_PROXY_ASYNC();  // the staged words visible to the copy engine")
         code(f"BAR_SYNC({bar}, 128);")
