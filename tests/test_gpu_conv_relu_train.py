@@ -49,7 +49,9 @@ def test_conv_relu_matches_float64(gpu, case, monkeypatch):
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(n, c, h, w, device="cuda", generator=g).requires_grad_()
     z = fused(x)
-    assert type(z.grad_fn).__name__ == "_ConvReluBackward", type(z.grad_fn).__name__
+    # Python's node where the call filed the program, the C++ one (config.native_conv_relu, on by default)
+    # where an earlier call had: the gz-shaped call above, or another case of the same conv in this process
+    assert type(z.grad_fn).__name__ in ("_ConvReluBackward", "CppFunction"), type(z.grad_fn).__name__
     gz = torch.randn(z.shape, device="cuda", generator=g)
     z.backward(gz)
     got = {"z": z, "x": x.grad, **{name: p.grad for name, p in model.named_parameters()}}
@@ -159,7 +161,9 @@ def test_half_and_autocast_take_the_node(gpu, case, mode, dtype, layout):
 
     xin = x0.to(dt) if mode == "half" else x0
     z, gx, grads = run(fused, xin)
-    assert type(z.grad_fn).__name__ == "_ConvReluBackward", type(z.grad_fn).__name__
+    # Python's node where the call filed the program, the C++ one (config.native_conv_relu, on by default)
+    # where an earlier call had: the gz-shaped call above, or another case of the same conv in this process
+    assert type(z.grad_fn).__name__ in ("_ConvReluBackward", "CppFunction"), type(z.grad_fn).__name__
     assert z.dtype == dt and z.is_contiguous(memory_format=fmt) and gx.is_contiguous(memory_format=fmt)
     z_t, gx_t, grads_t = run(theirs_m, xin)
     ones = gz is None

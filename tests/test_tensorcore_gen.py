@@ -2040,3 +2040,46 @@ def test_16_column_tiles_compile_without_spills(nvcc_ok, layout):
     for epi in (Epilogue(), Epilogue(bias=True, residual=True, silu=True)):
         for info in ptxas_report(fwd.plan(spec, params, NOMINAL_CUDA, epi).source("cuda")):
             assert info.spill_stores == 0 and info.spill_loads == 0, info
+
+
+IN_PLACE_FILTERS = [  # (variant, spec, dtype): 16-bit 1x1 layers whose K x C filters the GEMM reads as they lie
+    ("tc_implicit_gemm_half", ConvSpec.make(32, 64, 56, 56, 256, 1, 1, layout="nhwc"), "float16"),  # TMA
+    ("tc_implicit_gemm_half", ConvSpec.make(32, 1024, 14, 14, 2048, 1, 1, 2, layout="nhwc"), "bfloat16"),
+    ("tc_implicit_gemm_half", ConvSpec.make(16, 24, 28, 28, 144, 1, 1, layout="nhwc"), "float16"),  # cp.async tail
+    ("tc_implicit_gemm_half", ConvSpec.make(5, 40, 13, 11, 12, 1, 1, layout="nchw"), "float16"),
+    ("dgrad_tc_implicit_gemm_half", ConvSpec.make(32, 256, 28, 28, 64, 1, 1, conv_pass="dgrad", layout="nhwc"),
+     "float16"),
+]
+
+
+def test_1x1_half_filters_read_in_place_without_a_filter_step(nvcc_ok):
+    """A 16-bit 1x1 layer of whole 16-byte channel chunks: no ``tc_w_krsc`` step and no packed-filter
+    workspace, B = the K x C filters themselves (row length C, not padded: copies past C zero-fill); the
+    stride-1 dgrad keeps its rotation only. Layers that still need the step keep it: 3x3, C not whole
+    chunks, TF32 (the step rounds), the packed grouped GEMM (block-diagonal filters). Every in-place plan
+    compiles without spills."""
+    labels, sources = [], []
+    for name, spec, dtype in IN_PLACE_FILTERS:
+        v = get_variant(name)
+        spec = dataclasses.replace(spec, dtype=dtype)
+        plan = v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA)
+        names = [k.name for k in plan.kernels]
+        assert "tc_w_krsc" not in names, (name, names)
+        assert ("dgrad_rotate" in names) == name.startswith("dgrad"), (name, names)
+        assert not any(n.endswith("wt") for n, _ in plan.workspace), plan.workspace
+        gemm = plan.steps[-1]
+        assert ("w_rot" if name.startswith("dgrad") else "w") in gemm.args, gemm.args
+        labels.append(f"{name} {spec.short()}")
+        sources.append(plan.source("cuda"))
+    kept = [("tc_implicit_gemm_half", ConvSpec.make(32, 64, 56, 56, 64, 3, 3, 1, 1, layout="nhwc"), "float16"),
+            ("tc_implicit_gemm_half", ConvSpec.make(32, 12, 28, 28, 64, 1, 1, layout="nhwc"), "float16"),
+            ("tc_implicit_gemm_tf32", ConvSpec.make(32, 64, 56, 56, 256, 1, 1, layout="nhwc"), "float32"),
+            ("tc_grouped_packed_half", ConvSpec.make(32, 128, 28, 28, 128, 1, 1, groups=32, layout="nhwc"),
+             "float16")]
+    for name, spec, dtype in kept:
+        v = get_variant(name)
+        spec = dataclasses.replace(spec, dtype=dtype)
+        plan = v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA)
+        assert "tc_w_krsc" in [k.name for k in plan.kernels], (name, spec.short())
+    for label, infos in zip(labels, ptxas_reports(sources), strict=True):
+        _no_spills(label, infos)

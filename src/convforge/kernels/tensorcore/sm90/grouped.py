@@ -144,6 +144,9 @@ class TcGrouped(TcImplicitGemm):
     def tma_reason(self, spec: ConvSpec, cfg: TileConfig) -> str | None:
         return "a grouped layer's operands come by cp.async"
 
+    def _w_in_place(self, spec: ConvSpec) -> bool:
+        return False  # each group's filters (block-diagonal where packed) are the filter step's output
+
     def _operands(self, spec: ConvSpec, cfg: TileConfig) -> tuple[Im2colNhwc, DenseRows]:
         math, prob = self.math(spec), self.problem(spec)
         ld = self._ld(spec, cfg)

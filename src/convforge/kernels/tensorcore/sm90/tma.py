@@ -18,7 +18,8 @@ so the consumers need no proxy fence.
   per image are walked, in the GEMM's row order. Rows past M fall in image N and read zeros; so does
   a K tail past R S Cp (its channel coordinate Cp is out of bounds).
 * :class:`~convforge.kernels.tensorcore.sm90.operands.DenseRows` (B): a **tiled** map, box (one atom of K,
-  ``bn`` rows); rows past the matrix read zeros.
+  ``bn`` rows); rows past the matrix read zeros, and so do columns past its row length (a 1x1 layer's
+  filters read in place, C not a whole stage).
 * MN-major operands (``TileConfig.mn``): the same two maps with the roles of rows and K exchanged. A
   stage of :class:`~convforge.kernels.tensorcore.sm90.operands.MnIm2col` is, per block of 64 channels, one
   im2col copy of the stage's ``kb`` x 64 output pixels from pixel ``kt kb 64`` on at the tile's filter
@@ -97,6 +98,8 @@ def reason(op: Operand, rows: int) -> str | None:
     if isinstance(op, MnIm2col):
         return _geometry_reason(op.geo, 64)
     if isinstance(op, DenseRows):
+        if op.ld * op.math.esize % 16:
+            return f"rows of {op.ld} elements are not 16-byte multiples"
         return None if op.batch_stride == 0 else "batched rows are copied by cp.async"
     if not isinstance(op, Im2colNhwc) or op.geo is None:
         return f"{type(op).__name__} operands are copied by cp.async"

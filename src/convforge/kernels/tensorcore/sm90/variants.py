@@ -1,6 +1,7 @@
 """Registered variants of the generator: the implicit GEMM convolution per math mode.
 
-Plan: (1) filters packed K x (R S Cp) in the math mode's format (a weight-only step), (2) x to NHWC
+Plan: (1) filters packed K x (R S Cp) in the math mode's format (a weight-only step; none for a 16-bit
+1x1 layer of whole 16-byte channel chunks, whose K x C filters are read as they lie), (2) x to NHWC
 (C padded to a 16-byte chunk), (3) the wgmma GEMM, M = N P Q pixels x N = K channels x R S Cp,
 stored NCHW with the epilogue (or FP32 partials when split), (4) with split-K the reduce. A
 channels-last layer (``layout="nhwc"``; a linear layer over channels is its 1x1 case) has step (2)
@@ -310,12 +311,22 @@ class TcImplicitGemm(TcVariant):
     def _in_place(self, spec: ConvSpec) -> bool:
         return prep.reads_in_place(spec, self.math(spec))
 
+    def _w_in_place(self, spec: ConvSpec) -> bool:
+        """Whether B is the filters as they lie: a 1x1 layer's K x C filters are K-major rows of the
+        reduction when they are 16-bit operands of one part and C fills whole 16-byte chunks (the copies
+        zero-fill past C), so no filter step runs (in training it ran every step: the weights change)."""
+        math = self.math(spec)
+        return ((spec.r, spec.s) == (1, 1) and spec.groups == 1 and math.esize == 2
+                and not (math.split or math.scaled) and prep.padded_channels(spec.c, math) == spec.c)
+
     def _prep_steps(self, spec: ConvSpec, math: Math, ld: int) -> list[tuple[Kernel, Dim3, str, str]]:
-        """(kernel, grid, source buffer, destination) of the filter step and, unless x is read in
-        place, the activation step."""
+        """(kernel, grid, source buffer, destination) of the filter step (none where the GEMM reads the
+        filters in place) and, unless x is read in place, the activation step."""
         cp = self._geo(spec).cp
-        wk, wgrid = prep.w_krsc(spec, math, cp, ld)
-        out = [(wk, wgrid, "w", "wt")]
+        out = []
+        if not self._w_in_place(spec):
+            wk, wgrid = prep.w_krsc(spec, math, cp, ld)
+            out.append((wk, wgrid, "w", "wt"))
         if not self._in_place(spec):
             xk, xgrid = prep.x_from_nhwc(spec, math, cp) if spec.layout == "nhwc" else prep.x_nhwc(spec, math, cp)
             out.append((xk, xgrid, "x", "xh"))
@@ -358,7 +369,9 @@ class TcImplicitGemm(TcVariant):
         math, prob = self.math(spec), self.problem(spec)
         ld = self._ld(spec, cfg)
         a = Im2colNhwc("a", cfg.a_tile(), math, "x" if self._in_place(spec) else "xh", geo=self._geo(spec))
-        b = DenseRows("b", cfg.b_tile(), math, "wt", rows=spec.k, ld=ld, kred=prob.kred, padded=True)
+        packed = not self._w_in_place(spec)
+        b = DenseRows("b", cfg.b_tile(), math, "wt" if packed else "w", rows=spec.k, ld=ld, kred=prob.kred,
+                      padded=packed)
         return a, b
 
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
@@ -380,7 +393,10 @@ class TcImplicitGemm(TcVariant):
         return (cfg if self.tma_reason(spec, wide) else wide).params()
 
     def _ld(self, spec: ConvSpec, cfg: TileConfig) -> int:
-        """Row length of the packed filters: the reduction padded to a whole stage."""
+        """Row length of the packed filters: the reduction padded to a whole stage (C: the filters read in
+        place)."""
+        if self._w_in_place(spec):
+            return spec.c
         math = self.math(spec)
         return cdiv(self.problem(spec).kred, math.elems(cfg.kb)) * math.elems(cfg.kb)
 
@@ -390,8 +406,11 @@ class TcImplicitGemm(TcVariant):
     def _workspace(self, spec: ConvSpec, cfg: TileConfig) -> tuple[tuple[str, int], ...]:
         math, prob, geo = self.math(spec), self.problem(spec), self._geo(spec)
         parts = math.parts
-        out = tuple((("wt" if p == "hi" else f"wt_{p}"), math.esize * spec.k * self._ld(spec, cfg)) for p in parts)
-        out += prep.scale_workspace("wt", math)
+        out: tuple[tuple[str, int], ...] = ()
+        if not self._w_in_place(spec):
+            out = tuple((("wt" if p == "hi" else f"wt_{p}"), math.esize * spec.k * self._ld(spec, cfg))
+                        for p in parts)
+            out += prep.scale_workspace("wt", math)
         if not self._in_place(spec):
             out += tuple((("xh" if p == "hi" else f"xh_{p}"), math.esize * geo.n * geo.h * geo.w * geo.cp)
                          for p in parts)
@@ -492,6 +511,9 @@ class TcStemGemm(TcImplicitGemm):
 
     def _in_place(self, spec: ConvSpec) -> bool:
         return False
+
+    def _w_in_place(self, spec: ConvSpec) -> bool:
+        return False  # the folded filters are a step's output
 
     def _prep_steps(self, spec: ConvSpec, math: Math, ld: int) -> list[tuple[Kernel, Dim3, str, str]]:
         cp = self._geo(spec).cp
