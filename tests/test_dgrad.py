@@ -501,3 +501,41 @@ def test_many_phases_keep_their_tensor_maps_within_the_parameter_limit():
     with pytest.raises(ValueError, match=r"kernel k: its 300 parameters take \d+ bytes, over the 32764"):
         Kernel("k", tuple(TensorMap(f"m{i}", "tiled", "float32", (64, 64), (256,), (32, 32)) for i in range(300)),
                "", (128, 1, 1))
+
+
+# -- a residual added to dx (a training block's two gradients of one input: torch/residual_grad.py) --------
+RES_SPECS = [ConvSpec.make(2, 8, 9, 7, 12, 3, 3, 1, 1, conv_pass="dgrad"),  # odd planes
+             ConvSpec.make(1, 16, 5, 5, 8, 1, 1, conv_pass="dgrad"),  # N = 1, 1x1
+             ConvSpec.make(3, 5, 11, 13, 7, 3, 3, 1, (2, 0, 1, 1), conv_pass="dgrad")]  # asymmetric padding
+
+
+RES_CASES = [(n, s) for s in RES_SPECS
+             for n in ("dgrad_implicit_gemm", "dgrad_direct_smem", "dgrad_winograd_nonfused_f2")
+             if s.r == 3 or "winograd" not in n]  # Winograd: 3x3 only
+
+
+@pytest.mark.parametrize(("name", "spec"), RES_CASES, ids=lambda c: c if isinstance(c, str) else c.short())
+def test_adapter_adds_a_residual_to_dx_on_pocl(ocl, name, spec):
+    """``Epilogue(residual=True)`` on a stride-1 adapter whose forward stores a residual: dx + res against the
+    float64 reference (check_plan draws res shaped as dx, in dx's layout, and poisons dx first)."""
+    v = get_variant(name)
+    assert v.applies(spec, ocl.device) is None, v.applies(spec, ocl.device)
+    plan = v.plan(spec, v.default(spec, ocl.device), ocl.device, Epilogue(residual=True))
+    assert "res" in plan.steps[-1].args
+    res = check_plan(plan, ocl, seed=3)
+    assert res.ok, f"{name} {spec.short()}: {res}"
+
+
+def test_adapter_residual_refusals_and_the_tensor_core_form_compiles(nvcc_ok):
+    """Only a residual is taken (a bias or an activation names itself), only where the forward stores one; the
+    tensor-core half form with the residual (ResNet-50's 1x1 conv1 dgrad, NHWC) compiles without spills."""
+    spec = ConvSpec.make(32, 256, 28, 28, 64, 1, 1, conv_pass="dgrad", layout="nhwc", dtype="float16")
+    v = get_variant("dgrad_tc_implicit_gemm_half")
+    with pytest.raises(ValueError, match="unsupported epilogue"):
+        v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA, Epilogue(bias=True))
+    with pytest.raises(ValueError, match="unsupported epilogue"):
+        v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA, Epilogue(residual=True, relu=True))
+    plan = v.plan(spec, v.default(spec, NOMINAL_CUDA), NOMINAL_CUDA, Epilogue(residual=True))
+    assert plan.steps[-1].args[-1] == "res" and plan.epilogue.residual
+    for info in ptxas_reports([plan.source("cuda")])[0]:
+        assert info.spill_stores == 0 and info.spill_loads == 0, info

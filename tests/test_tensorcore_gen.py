@@ -2083,3 +2083,22 @@ def test_1x1_half_filters_read_in_place_without_a_filter_step(nvcc_ok):
         assert "tc_w_krsc" in [k.name for k in plan.kernels], (name, spec.short())
     for label, infos in zip(labels, ptxas_reports(sources), strict=True):
         _no_spills(label, infos)
+
+
+def test_a_residual_takes_the_tile_that_stages_halves():
+    """``epilogue_params``: a residual beside the ping-pong tile's 128 accumulators a thread would stay on the
+    float path (its loads spill); the same tile without ping-pong (64 a thread) stages halves with it. No
+    residual, or a tile already within the bound, keeps its parameters; the dgrad adapter asks its forward."""
+    half = get_variant("tc_implicit_gemm_half")
+    spec = ConvSpec.make(128, 64, 56, 56, 256, 1, 1, layout="nhwc", dtype="float16")
+    prm = half.default(spec, NOMINAL_CUDA)
+    assert prm.get("pp") == 1 and TileConfig.of(prm).wm * TileConfig.of(prm).bn // 2 > epilogue.H8_RES_ACC
+    assert half.epilogue_params(spec, prm, Epilogue(bias=True)) == prm
+    flat = half.epilogue_params(spec, prm, Epilogue(residual=True))
+    assert TileConfig.of(flat) == TileConfig.of(prm.replace(pp=0))
+    assert TileConfig.of(flat).wm * TileConfig.of(flat).bn // 2 <= epilogue.H8_RES_ACC
+    assert half.epilogue_params(spec, flat, Epilogue(residual=True)) == flat
+    dgrad = get_variant("dgrad_tc_implicit_gemm_half")
+    ds = ConvSpec.make(128, 256, 56, 56, 64, 1, 1, conv_pass="dgrad", layout="nhwc", dtype="float16")
+    dprm = dgrad.default(ds, NOMINAL_CUDA)
+    assert TileConfig.of(dgrad.epilogue_params(ds, dprm, Epilogue(residual=True))) == TileConfig.of(dprm.replace(pp=0))

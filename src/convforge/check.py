@@ -49,10 +49,12 @@ def pass_inputs(spec: ConvSpec, rng: np.random.Generator, epilogue: Epilogue = E
     """Fresh Uniform(-1, 1) inputs of ``spec``'s pass by buffer name (float32 arrays holding values
     of ``spec.dtype``): fprop x, w (bias, res as its epilogue asks; the prologue's pscale, drawn
     from +-[0.5, 1.5] (a batch norm's scale may be negative), and pshift, Uniform(-0.5, 0.5), as
-    an affine prologue asks); dgrad y (dy) and w; wgrad x, y."""
+    an affine prologue asks); dgrad y (dy) and w (res shaped as dx where the epilogue adds one); wgrad x, y."""
     names = {"fprop": ["x", "w"], "dgrad": ["y", "w"], "wgrad": ["x", "y"]}[spec.conv_pass]
     if spec.conv_pass == "fprop":
         names += (["bias"] if epilogue.bias else []) + (["res"] if epilogue.residual else [])
+    elif spec.conv_pass == "dgrad" and epilogue.residual:
+        names.append("res")
     out = {name: rounded(rng.uniform(-1, 1, spec.shape_of(name)).astype(np.float32), spec.dtype)
            for name in names}
     if spec.conv_pass == "fprop" and prologue.affine:
@@ -65,7 +67,7 @@ def pass_inputs(spec: ConvSpec, rng: np.random.Generator, epilogue: Epilogue = E
 def expected(spec: ConvSpec, inputs: dict[str, np.ndarray], epilogue: Epilogue = Epilogue(),
              n: int | None = None, prologue: Prologue = Prologue()) -> np.ndarray:
     """The float64 answer of ``spec``'s pass on ``inputs`` with ``epilogue`` (the residual is added
-    before the ReLU) and ``prologue`` (fprop on the activated input, padding zero); ``n`` limits an
+    before the ReLU; to dgrad's dx) and ``prologue`` (fprop on the activated input, padding zero); ``n`` limits an
     fprop or dgrad answer to the first images (big layers)."""
     if n is not None and n < spec.n and spec.conv_pass != "wgrad":
         sub = spec.with_batch(n)
@@ -75,6 +77,8 @@ def expected(spec: ConvSpec, inputs: dict[str, np.ndarray], epilogue: Epilogue =
         inputs = {**inputs, "x": activate_ref(inputs["x"], inputs.get("pscale"), inputs.get("pshift"),
                                               prologue.relu)}
     out = pass_ref(spec, inputs)
+    if spec.conv_pass == "dgrad" and "res" in inputs:  # a training block's two gradients of one input
+        out = out + inputs["res"]
     if spec.conv_pass == "fprop":
         if "res" in inputs:
             out = out + inputs["res"]

@@ -138,6 +138,13 @@ def _env_settings(env: Mapping[str, str]) -> dict[str, tuple[str, Callable[[], A
         # sm90/epilogue.py), so the batch norm finalizes them and never reads y for its statistics; off: the
         # batch norm's own statistics pass (for debugging)
         "bn_stats": ("CONVFORGE_BN_STATS", lambda: parse_bool("CONVFORGE_BN_STATS", get("CONVFORGE_BN_STATS") or "1")),
+        # A fused block's input gradient and a later block's residual gradient of the same tensor (a bottleneck's
+        # first and last blocks) summed in the first block's dgrad epilogue (torch/native.cpp PairToken) instead
+        # of by autograd's add. Off by default: on the H200 the residual-adding dgrads cost more than the adds
+        # they replace (docs/NOTES-training.md, twenty-third session); 1 for that experiment (read when the
+        # native module loads and at filing; ``set_residual_grad`` on the native module changes it at run time)
+        "residual_grad": ("CONVFORGE_RESIDUAL_GRAD",
+                          lambda: parse_bool("CONVFORGE_RESIDUAL_GRAD", get("CONVFORGE_RESIDUAL_GRAD") or "0")),
         # A half conv [+ bias] -> ReLU layer in training (FusedConv2d) as one C++ autograd node (torch/native.cpp
         # ConvReluNode: no Python on a warm forward or backward), on by default; 0 keeps Python's
         # conv_relu._ConvRelu (the same kernels and ops in the same order), for debugging
@@ -163,7 +170,7 @@ def _env_settings(env: Mapping[str, str]) -> dict[str, tuple[str, Callable[[], A
 # Settings read afresh on every call that key no cached choice or program (bn_stats: in a block's filing key, not
 # in a conv's): assigning one calls no listener (the native table keeps its entries, so an A/B in one process
 # compares warm paths)
-_SWITCHES = frozenset({"native_block", "native_conv_relu", "bn_stats", "train_ahead"})
+_SWITCHES = frozenset({"native_block", "native_conv_relu", "bn_stats", "train_ahead", "residual_grad"})
 
 
 class Config:
@@ -188,6 +195,7 @@ class Config:
     native_block: bool
     native_conv_relu: bool
     bn_stats: bool
+    residual_grad: bool
     train_ahead: bool
     native_autograd: bool
     finite_exact: bool

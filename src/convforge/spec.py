@@ -460,9 +460,9 @@ class ConvSpec:
         return PASS_OUTPUT[self.conv_pass]
 
     def shape_of(self, buffer: str) -> tuple[int, ...]:
-        """Shape of a conv buffer by name (x, w, y, bias, res)."""
+        """Shape of a conv buffer by name (x, w, y, bias, res: the pass's output's, y or dgrad's dx)."""
         return {"x": self.x_shape, "w": self.w_shape, "y": self.y_shape, "bias": (self.k,),
-                "res": self.y_shape}[buffer]
+                "res": self.x_shape if self.conv_pass == "dgrad" else self.y_shape}[buffer]
 
     def with_pass(self, conv_pass: str) -> ConvSpec:
         """The same layer, another pass."""

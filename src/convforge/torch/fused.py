@@ -61,7 +61,7 @@ from convforge.kernels.batchnorm import ACTS
 from convforge.plan import Epilogue, Prologue
 from convforge.spec import ConvSpec
 from convforge.torch import batchnorm as bn_train
-from convforge.torch import conv_relu
+from convforge.torch import conv_relu, residual_grad
 from convforge.torch.modules import Conv2d, compute_dtype, padding_quad, read_tensor, reads_nhwc
 from convforge.torch.ops import handed_back
 
@@ -256,9 +256,11 @@ class FusedConv2d(Conv2d):
         # conv2d's spelling of the call, as the op's CUDA kernel files it (ops._cuda)
         call = (None, tuple(self.stride), tuple(padding_quad(self)), tuple(self.dilation), self.algo, None, None,
                 False, None, self.precision, self.max_error, self.groups)
-        handle = bn_train.native_handle(module, bn, y, res, self._cf_relu, self._stats_conv(x, w, dt, y),
-                                        self._cf_act)
+        stats = self._stats_conv(x, w, dt, y)
+        handle = bn_train.native_handle(module, bn, y, res, self._cf_relu, stats, self._cf_act)
         self._cf_cache[_block_key(x, dt, res, bn)] = (module, handle, call)
+        # a handle with a statistics conv is filed per conv: one residual-adding dgrad fits its every call
+        residual_grad.note_block(module, self, x, res, handle, dt, stats is not None)
 
     def _stats_conv(self, x: torch.Tensor, w: torch.Tensor, dt: torch.dtype,
                     y: torch.Tensor) -> tuple[Any, int, Any] | None:
@@ -306,6 +308,31 @@ class FusedConv2d(Conv2d):
             return None  # 16-column tile (tiles.narrow, K <= 16) leaves them to the batch norm's own pass
         plan, parts = make(spec, ch.params, backend.device)
         return plan, parts, spec
+
+    def res_dgrad_plan(self, x_shape: tuple[int, ...], w_shape: tuple[int, ...], dt: torch.dtype,
+                       device: int) -> Any | None:
+        """The plan of this block's dgrad on channels-last ``x_shape`` in ``dt`` that also adds a residual
+        shaped as the input (torch/residual_grad.py): the dgrad ``auto`` picks for the layer, where it is the
+        transposed forward of a variant that stores a residual (stride-1 layers on the tensor-core GEMM);
+        None elsewhere, or where the half layer's dgrad is handed to PyTorch. Also what
+        torch/train_ahead.py compiles ahead."""
+        from convforge.frontends.checks import check_options
+        from convforge.kernels.dgrad.transposed import DgradTransposed
+        from convforge.torch.ops import _slow_call
+
+        geo = (tuple(self.stride), padding_quad(self), tuple(self.dilation))
+        if _slow_call("dgrad", x_shape, w_shape, *geo, self.groups, dt, True, device, self.algo, self.precision,
+                      self.max_error):
+            return None
+        spec = ConvSpec.from_shapes(x_shape, w_shape, *geo, self.groups, dtype=dt, conv_pass="dgrad", layout="nhwc")
+        backend = get_backend("cuda", device)
+        _, limit = check_options(False, None, self.precision, self.max_error)
+        ch = dispatch.choose(spec, backend, Epilogue(), algo=self.algo, precision=self.precision,
+                             max_error=self.max_error, workspace_limit=limit)
+        v, epi = ch.variant, Epilogue(residual=True)
+        if type(v) is not DgradTransposed or not v.fwd.residual_ok:
+            return None
+        return v.plan(spec, v.epilogue_params(spec, ch.params, epi), backend.device, epi)
 
     def _conv_relu(self, x: torch.Tensor) -> torch.Tensor | None:
         """conv -> ReLU in training on convforge's kernels (torch/conv_relu.py), or None (the

@@ -168,9 +168,9 @@ void launch_checked(const Program& p, const std::vector<LaunchRec>& runs, const 
 
 // Counted off the hot path, for tests and the host-cost script: filter transforms run, op calls
 // that went to Python (misses, layers convforge leaves to PyTorch).
-std::atomic<uint64_t> transforms{0}, op_fallbacks{0}, pass_runs{0}, block_runs{0}, relu_runs{0};  // pass_runs:
-// backward calls run here, block_runs: conv -> batch norm blocks run by BlockNode, relu_runs: conv -> ReLU
-// layers run by ConvReluNode
+std::atomic<uint64_t> transforms{0}, op_fallbacks{0}, pass_runs{0}, block_runs{0}, relu_runs{0}, pair_runs{0};
+// pass_runs: backward calls run here, block_runs: conv -> batch norm blocks run by BlockNode, relu_runs: conv ->
+// ReLU layers run by ConvReluNode, pair_runs: block dgrads run with a later block's residual gradient added
 
 // The packed filter-derived buffer for w (transformed now if missing or stale), or undefined:
 // inference tensors (no version counter) run the whole plan, as in Python.
@@ -339,12 +339,13 @@ PyObject* py_clear(PyObject*, PyObject*) {
 }
 
 PyObject* py_stats(PyObject*, PyObject*) {
-  return Py_BuildValue("{s:n,s:K,s:K,s:K,s:K,s:K}", "entries", static_cast<Py_ssize_t>(table.size()), "transforms",
-                       static_cast<unsigned long long>(transforms.load()), "op_fallbacks",
+  return Py_BuildValue("{s:n,s:K,s:K,s:K,s:K,s:K,s:K}", "entries", static_cast<Py_ssize_t>(table.size()),
+                       "transforms", static_cast<unsigned long long>(transforms.load()), "op_fallbacks",
                        static_cast<unsigned long long>(op_fallbacks.load()), "pass_runs",
                        static_cast<unsigned long long>(pass_runs.load()), "block_runs",
                        static_cast<unsigned long long>(block_runs.load()), "relu_runs",
-                       static_cast<unsigned long long>(relu_runs.load()));
+                       static_cast<unsigned long long>(relu_runs.load()), "pair_runs",
+                       static_cast<unsigned long long>(pair_runs.load()));
 }
 
 
@@ -399,9 +400,16 @@ PyObject* py_set_native_autograd(PyObject*, PyObject* on) {
   Py_RETURN_NONE;
 }
 
+PyObject* py_set_residual_grad(PyObject*, PyObject* on) {
+  residual_grad = PyObject_IsTrue(on) == 1;
+  Py_RETURN_NONE;
+}
+
 PyMethodDef methods[] = {
     {"set_native_autograd", py_set_native_autograd, METH_O,
      "set_native_autograd(on): the op's autograd node in C++ (True) or Python's ops._Conv2dFn (False)"},
+    {"set_residual_grad", py_set_residual_grad, METH_O,
+     "set_residual_grad(on): pair a block's dgrad with a later block's residual gradient (PairToken) or not"},
     {"run", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_run)), METH_FASTCALL,
      "run(conv2d's 14 arguments) -> the output tensor, or None when the call has no entry"},
     {"run_res", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_run_res)), METH_FASTCALL,
@@ -420,6 +428,8 @@ PyMethodDef methods[] = {
     {"block", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_block)), METH_FASTCALL,
      "block(conv2d's 14 arguments, res, gamma, beta, running_mean, running_var, num_batches_tracked, handle) -> "
      "a conv -> batch norm block's output through one C++ autograd node, or None"},
+    {"attach_res_dgrad", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_attach_res_dgrad)),
+     METH_FASTCALL, "attach_res_dgrad(handle, program, out_shape) -> whether a block's residual-adding dgrad was attached"},
     {"conv_relu", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_conv_relu)), METH_FASTCALL,
      "conv_relu(conv2d's 14 arguments) -> a half conv -> ReLU layer's output through one C++ autograd node, or None"},
     {"register_bn", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_register_bn)), METH_FASTCALL,
@@ -432,7 +442,7 @@ PyMethodDef methods[] = {
      "parts(conv2d's 14 arguments, piece, n) -> seconds of n repetitions of one piece of a warm call"},
 #endif
     {"stats", py_stats, METH_NOARGS,
-     "{entries, transforms, op_fallbacks, pass_runs, block_runs, relu_runs}: table size and counters"},
+     "{entries, transforms, op_fallbacks, pass_runs, block_runs, relu_runs, pair_runs}: table size and counters"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "convforge_native", "convforge's native fast path (torch)", -1,

@@ -15,7 +15,10 @@ the programs the step will build are predicted and compiled on a pool of threads
   them (``dispatch.choose``, the NHWC plans first for channels-last activations);
 - for a fused block whose batch norm trains on convforge's kernels (``FusedConv2d``, torch/batchnorm.py):
   the batch norm's program of its first call, and, under ``config.bn_stats``, the block's conv with the
-  statistics epilogue (``FusedConv2d.stats_plan``) and the batch norm that finalizes those statistics.
+  statistics epilogue (``FusedConv2d.stats_plan``) and the batch norm that finalizes those statistics;
+- for a fused block whose input a later block adds as its residual (a bottleneck's first block), under
+  ``config.residual_grad``: its dgrad that adds that residual gradient (``FusedConv2d.res_dgrad_plan``,
+  torch/residual_grad.py).
 
 A layer PyTorch runs (a half layer handed back) is skipped. A prediction that misses costs one compile
 on the pool, never a wrong result: the step compiles what it needs by the same source, from the cache when
@@ -70,6 +73,10 @@ class LayerCall:
     block: Any = None  # (module, batch norm, residual?, ReLU?, SiLU / HardSwish) of a fused block whose batch norm
     # trains, else None
     relu_node: bool = False  # the layer trains as a conv -> ReLU node (its forward's epilogue applies the ReLU)
+    # the recorded input's and residual's identities (0: none), to find a block whose input a later block adds
+    # (torch/residual_grad.py); not part of what the call needs
+    x_id: int = dataclasses.field(default=0, compare=False)
+    res_id: int = dataclasses.field(default=0, compare=False)
 
 
 def compile_training_ahead(model: torch.nn.Module, *example: Any, **example_kwargs: Any) -> int:
@@ -88,9 +95,12 @@ def compile_training_ahead(model: torch.nn.Module, *example: Any, **example_kwar
         return 0
     work_by_device: dict[int, dict[str, Any]] = {}
     seen: set[Any] = set()
+    blocks: dict[int, LayerCall] = {}  # fused blocks by their input's identity
     for call in record_calls(model, example, example_kwargs):
-        for w in _call_work(call, seen):
+        for w in _call_work(call, seen) + _pair_work(blocks.get(call.res_id) if call.res_id else None, seen):
             work_by_device.setdefault(call.device, {})[w.source] = w
+        if call.block is not None:
+            blocks[call.x_id] = call
     name = type(model).__name__
     compiled = 0
     for dev, work in work_by_device.items():
@@ -112,6 +122,31 @@ def _call_work(call: LayerCall, seen: set[Any]) -> list[Any]:
         passes = ("fprop",) * (fwd is not None) + (("dgrad", "wgrad") if call.needs_dgrad else ("wgrad",))
         out += [w for w in (_pass_work(call, p, fwd if p == "fprop" else None) for p in passes) if w is not None]
     return out + _block_work(call, seen)
+
+
+def _pair_work(first: LayerCall | None, seen: set[Any]) -> list[Any]:
+    """The dgrad that adds a later block's residual gradient into ``first``'s (a fused block whose input
+    that later block adds: torch/residual_grad.py), under ``config.residual_grad`` where its conv writes its
+    batch norm's statistics (the blocks that take one); empty otherwise or when ``seen``."""
+    from convforge.config import config
+
+    if first is None or first.block is None or not config.residual_grad:
+        return []
+    m = first.block[0]
+    key = ("res_dgrad", dataclasses.replace(first, block=None))
+    if key in seen or not m.stats_conv_wanted(first.channels_last):
+        return []
+    seen.add(key)
+    try:
+        plan = m.res_dgrad_plan(first.x_shape, first.w_shape, first.dtype, first.device)
+    except (ValueError, RuntimeError) as err:
+        log.debug("convforge: no residual-adding dgrad to compile ahead for %s (%s)", first.x_shape, err)
+        return []
+    if plan is None:
+        return []
+    from convforge.backends.base import plan_work
+
+    return [plan_work(plan, "cuda")]
 
 
 def record_calls(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[LayerCall]:
@@ -171,7 +206,7 @@ def _layer_call(m: Conv2d, x: torch.Tensor, needs_dgrad: bool, res: Any = None,
             and w.requires_grad)  # FusedConv2d._conv_relu's conditions (torch/conv_relu.py)
     return LayerCall(tuple(x.shape), tuple(w.shape), tuple(m.stride), padding_quad(m), tuple(m.dilation), m.groups,
                      dt, channels_last(x), x.device.index or 0, needs_dgrad, m.algo, m.precision, m.max_error,
-                     m.bias is not None, block, node)
+                     m.bias is not None, block, node, id(x), id(res) if isinstance(res, torch.Tensor) else 0)
 
 
 def _block_work(call: LayerCall, seen: set[Any]) -> list[Any]:

@@ -207,10 +207,21 @@ class DgradTransposed(Variant):
     def workspace_bytes(self, spec: ConvSpec, params: Params) -> int:
         return spec.itemsize * spec.c * spec.kg * spec.r * spec.s + self.fwd.workspace_bytes(self._t(spec), params)
 
+    def epilogue_params(self, spec: ConvSpec, params: Params, epilogue: Epilogue) -> Params:
+        """The forward variant's word on ``params`` for a plan with ``epilogue`` (its ``epilogue_params``,
+        where it has one: the tensor-core GEMM's tile for a residual), on the transposed problem."""
+        fwd = getattr(self.fwd, "epilogue_params", None)
+        return params if fwd is None else fwd(self._t(spec), params, epilogue)  # type: ignore[no-any-return]
+
     def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
              epilogue: Epilogue = Epilogue()) -> Plan:
-        no_epilogue(self.name, epilogue)
-        inner = self.fwd.plan(self._t(spec), params, device)
+        """The rotation, then the forward plan of the transposed problem; ``Epilogue(residual=True)``
+        (where the forward variant stores one: ``residual_ok``) adds "res", a tensor shaped and laid out as
+        dx, before dx's one rounding: a training block's input gradient summed with the residual
+        branch's (torch/fused.py, native.cpp ``BlockNode``). Any other epilogue is refused."""
+        if not (epilogue == Epilogue(residual=True) and self.fwd.residual_ok):
+            no_epilogue(self.name, epilogue)
+        inner = self.fwd.plan(self._t(spec), params, device, epilogue)
         names = {"x": "y", "y": "x", "w": ROTATED, **{n: PREFIX + n for n, _ in inner.workspace}}
         rot, grid = rotate_kernel(spec)
         steps = (Launch(rot.name, grid, rot.block, ("w", ROTATED)),) + tuple(rename_step(s, names) for s in inner.steps)
