@@ -689,12 +689,13 @@ RES_DGRAD = [ConvSpec.make(3, 200, 9, 7, 64, 3, 3, 1, 1), ConvSpec.make(16, 256,
 def test_dgrad_adds_a_residual(hopper, spec, dtype):
     """The stride-1 half dgrad with ``Epilogue(residual=True)`` (a training block's input gradient and a later
     block's residual gradient in one pass: torch/residual_grad.py): dx + res against float64 within the
-    plan's tolerance, at the tile ``epilogue_params`` gives (half-staged) and with eh=0 (the float staging),
-    and the same stored values both ways."""
+    plan's tolerance, at the tile ``epilogue_params`` gives (the residual staged by 16-byte loads, rs=1) and
+    with rs=0, eh=0 (the float staging), and the same stored values both ways."""
     v = get_variant("dgrad_tc_implicit_gemm_half")
     spec = ConvSpec.from_dict({**spec.to_dict(), "dtype": dtype, "layout": "nhwc", "pass": "dgrad"})
     assert v.applies(spec, hopper.device) is None, v.applies(spec, hopper.device)
     epi = Epilogue(residual=True)
     prm = v.epilogue_params(spec, v.default(spec, hopper.device), epi)  # what torch/fused.py plans
-    half, flt = (check_plan(v.plan(spec, p, hopper.device, epi), hopper, seed=6) for p in (prm, prm.replace(eh=0)))
+    flat = prm.replace(rs=0, eh=0)
+    half, flt = (check_plan(v.plan(spec, p, hopper.device, epi), hopper, seed=6) for p in (prm, flat))
     assert half.ok and flt.ok and half.rel_err == flt.rel_err, f"[{prm.short()}] {spec.short()}: {half} / {flt}"

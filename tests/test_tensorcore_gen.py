@@ -2086,19 +2086,63 @@ def test_1x1_half_filters_read_in_place_without_a_filter_step(nvcc_ok):
 
 
 def test_a_residual_takes_the_tile_that_stages_halves():
-    """``epilogue_params``: a residual beside the ping-pong tile's 128 accumulators a thread would stay on the
-    float path (its loads spill); the same tile without ping-pong (64 a thread) stages halves with it. No
-    residual, or a tile already within the bound, keeps its parameters; the dgrad adapter asks its forward."""
+    """``epilogue_params``: a residual is staged by 16-byte loads (``rs=1``) on the tile as chosen, the ping-pong
+    tile's 128 accumulators a thread included; where it cannot be (a split-K slab), a residual beside 128
+    accumulators takes the same tile without ping-pong; no residual keeps the parameters; the dgrad adapter asks
+    its forward."""
     half = get_variant("tc_implicit_gemm_half")
     spec = ConvSpec.make(128, 64, 56, 56, 256, 1, 1, layout="nhwc", dtype="float16")
     prm = half.default(spec, NOMINAL_CUDA)
     assert prm.get("pp") == 1 and TileConfig.of(prm).wm * TileConfig.of(prm).bn // 2 > epilogue.H8_RES_ACC
     assert half.epilogue_params(spec, prm, Epilogue(bias=True)) == prm
-    flat = half.epilogue_params(spec, prm, Epilogue(residual=True))
-    assert TileConfig.of(flat) == TileConfig.of(prm.replace(pp=0))
-    assert TileConfig.of(flat).wm * TileConfig.of(flat).bn // 2 <= epilogue.H8_RES_ACC
-    assert half.epilogue_params(spec, flat, Epilogue(residual=True)) == flat
+    staged = TileConfig.of(half.epilogue_params(spec, prm, Epilogue(residual=True)))
+    assert staged == dataclasses.replace(TileConfig.of(prm), rs=1)
+    deep = ConvSpec.make(128, 512, 28, 28, 256, 1, 1, layout="nhwc", dtype="float16")
+    split = half.default(deep, NOMINAL_CUDA).replace(ks=2)
+    assert TileConfig.of(split).pp and not TileConfig.of(split).problems(F16, half.problem(deep))
+    assert TileConfig.of(half.epilogue_params(deep, split, Epilogue(residual=True))) == TileConfig.of(
+        split.replace(pp=0))
     dgrad = get_variant("dgrad_tc_implicit_gemm_half")
     ds = ConvSpec.make(128, 256, 56, 56, 64, 1, 1, conv_pass="dgrad", layout="nhwc", dtype="float16")
     dprm = dgrad.default(ds, NOMINAL_CUDA)
-    assert TileConfig.of(dgrad.epilogue_params(ds, dprm, Epilogue(residual=True))) == TileConfig.of(dprm.replace(pp=0))
+    assert TileConfig.of(dgrad.epilogue_params(ds, dprm, Epilogue(residual=True))) == dataclasses.replace(
+        TileConfig.of(dprm), rs=1)
+
+
+@pytest.mark.parametrize("wm, bn", [(1, 64), (1, 128), (2, 128), (1, 192), (2, 256)])
+def test_staged_residual_lands_on_its_pairs_words(wm, bn):
+    """``rs=1``: the residual's chunk loaded as the store phase reads it (h8_lets, the swizzled octet slot of
+    ``_h8_stage_residual``) puts every element on the word h8_slot gives its accumulator pair: each pair reads
+    its own row's and columns' residual, and every word of the chunk is loaded once."""
+    for ch, words in enumerate(_h8_map(wm, bn)):
+        staged = {}
+        for ct, item in itertools.product(range(128), range(h8_items(wm))):
+            env = bind(h8_lets(item), {"ct": ct})
+            er, eo = env[f"er{item}"], env[f"eo{item}"]
+            for q in range(4):
+                slot = er * 32 + ((eo ^ (er & 7)) << 2) + q
+                assert slot not in staged, "a word loaded twice"
+                staged[slot] = (er, H8 * ch + 8 * eo + 2 * q)
+        assert set(staged) == set(words)
+        for slot, pair in words.items():
+            assert staged[slot] == pair, (ch, slot, staged[slot], pair)
+
+
+def test_staged_residual_plans_compile_and_refuse_by_name(nvcc_ok):
+    """``rs=1`` on the ping-pong tile (128 accumulators a thread) and the plain one, forward (residual + ReLU,
+    bias + residual) and dgrad: no spills, the residual's 16-byte loads in the SASS; refused by name without a
+    residual, and with eh=0."""
+    half, dgrad = get_variant("tc_implicit_gemm_half"), get_variant("dgrad_tc_implicit_gemm_half")
+    fs = ConvSpec.make(32, 64, 56, 56, 256, 1, 1, layout="nhwc", dtype="bfloat16")
+    ds = ConvSpec.make(32, 512, 28, 28, 128, 1, 1, conv_pass="dgrad", layout="nhwc", dtype="float16")
+    fp, dp = half.default(fs, NOMINAL_CUDA).replace(rs=1), dgrad.default(ds, NOMINAL_CUDA).replace(rs=1)
+    plans = [half.plan(fs, fp, NOMINAL_CUDA, Epilogue(residual=True, relu=True)),
+             half.plan(fs, fp.replace(pp=0), NOMINAL_CUDA, Epilogue(bias=True, residual=True)),
+             dgrad.plan(ds, dp, NOMINAL_CUDA, Epilogue(residual=True))]
+    for plan, (infos, sass) in zip(plans, sass_reports([p.source("cuda") for p in plans]), strict=True):
+        _no_spills(f"rs=1 {plan.variant} {plan.params.short()}", infos)
+        assert "LDG.E.128" in sass, plan.params.short()
+    with pytest.raises(ValueError, match="rs=1 stages a residual"):
+        half.plan(fs, fp, NOMINAL_CUDA, Epilogue())
+    with pytest.raises(ValueError, match="rs"):
+        half.plan(fs, fp.replace(eh=0), NOMINAL_CUDA, Epilogue(residual=True))

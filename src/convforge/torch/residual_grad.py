@@ -10,9 +10,9 @@ and attaches it to A's C++ block program (native.cpp ``attach_res_dgrad``). At r
 (``PairToken``): C leaves its residual gradient for A's dgrad, which adds it before its one rounding.
 
 Off by default: measured on the H200 (docs/NOTES-training.md, twenty-third session), the twelve
-residual-adding dgrads of a ResNet-50 N128 step cost 1.05 ms more than the plain ones (the residual read in the
-epilogue, and the tile without ping-pong that lets it stage halves: ``TcImplicitGemm.epilogue_params``) against
-0.69 ms of adds saved.
+residual-adding dgrads of a ResNet-50 N128 step cost 1.05 ms more than the plain ones (the residual read two
+bytes at a time, on the tile without ping-pong) against 0.69 ms of adds saved. Their plans now stage the
+residual by 16-byte loads on the ping-pong tile (``TcImplicitGemm.epilogue_params``: ``rs=1``), not yet timed.
 
 Only handles filed per conv take one (blocks whose conv writes its batch norm's statistics: their handle's
 key holds the conv), so one attached dgrad fits every call of its handle. The Python nodes (a block's first,

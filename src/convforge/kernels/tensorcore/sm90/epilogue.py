@@ -347,20 +347,23 @@ def chunks(wm: int, bn: int) -> list[tuple[int, list[int]]]:
 
 def emit_consumer_epilogue(code: Code, out: Output, wm: int, bn: int, stage: str, bar: str,
                            row0: str, col0: str, z: str, prefix: str = "d", half: bool = False,
-                           tma: str = "") -> None:
+                           tma: str = "", res_staged: bool = False) -> None:
     """The tile's accumulators (``prefix``) to ``out`` through the staging buffer at float pointer
     ``stage``; ``bar``: this warpgroup's named barrier; ``row0``: the warpgroup's first row in the
     problem, ``col0`` the tile's first column, ``z`` the slab. ``half`` (the tile's ``eh``): stage
     rounded halves and store 16 bytes a thread where the output allows (:func:`h8_reason`); ``tma``
-    (``es=1``): the staging's shared address, each chunk stored by a TMA copy (:func:`es_reason`)."""
+    (``es=1``): the staging's shared address, each chunk stored by a TMA copy (:func:`es_reason`);
+    ``res_staged`` (``rs=1``): the residual comes into the chunk by 16-byte loads first (:func:`rs_reason`)."""
+    if res_staged and rs_reason(out, bn, wm):
+        raise ValueError(f"epilogue: rs=1: {rs_reason(out, bn, wm)}")
     if tma:
         why = es_reason(out, bn, wm)
         if why:
             raise ValueError(f"epilogue: es=1: {why}")
-        _h8_epilogue(code, out, wm, bn, stage, bar, row0, col0, z, prefix, tma)
+        _h8_epilogue(code, out, wm, bn, stage, bar, row0, col0, z, prefix, tma, res_staged)
         return
-    if half and h8_reason(out, bn, wm) is None:
-        _h8_epilogue(code, out, wm, bn, stage, bar, row0, col0, z, prefix)
+    if res_staged or (half and h8_reason(out, bn, wm) is None):
+        _h8_epilogue(code, out, wm, bn, stage, bar, row0, col0, z, prefix, res_staged=res_staged)
         return
     if out.rowmajor:
         _rowmajor_epilogue(code, out, wm, bn, stage, bar, row0, col0, z, prefix)
@@ -506,7 +509,16 @@ H8 = 64  # columns of a half-staged chunk: one 128-byte row of halves
 H8_RES_ACC = 64  # accumulators a thread above which a residual stays on the float path (ptxas spilled at 128)
 
 
-def h8_reason(out: Output, bn: int, wm: int = 1) -> str | None:
+def rs_reason(out: Output, bn: int, wm: int) -> str | None:
+    """Why ``out``'s residual cannot be staged into the half-staged chunk (``rs=1``; None: it can): it needs a
+    residual and the half-staged epilogue, at any accumulator count (the pairs read the residual from shared
+    memory, no global loads beside the accumulators)."""
+    if out.epi is None or not out.epi.residual:
+        return "rs=1 stages a residual: the output has none"
+    return h8_reason(out, bn, wm, res_staged=True)
+
+
+def h8_reason(out: Output, bn: int, wm: int = 1, res_staged: bool = False) -> str | None:
     """Why ``out`` cannot take the half-staged epilogue (None: it can). It stages each accumulator pair
     rounded to the storage dtype, so only what is applied before that rounding can be fused: a
     bias, a residual (both read a column pair at a time, per accumulator pair; a residual only beside at
@@ -516,7 +528,7 @@ def h8_reason(out: Output, bn: int, wm: int = 1) -> str | None:
         return "half staging takes one slab of 16-bit row-major (NHWC) output"
     if bn % H8:
         return f"half staging takes whole {H8}-column chunks ({bn})"
-    if out.epi is not None and out.epi.residual and wm * bn // 2 > H8_RES_ACC:
+    if out.epi is not None and out.epi.residual and not res_staged and wm * bn // 2 > H8_RES_ACC:
         return (f"a residual's loads beside {wm * bn // 2} accumulators a thread spill: it stays on the float path "
                 "(which reads it after staging)")
     if out.n % 8 or out.kt % 8 or out.k_offset % 8:
@@ -575,25 +587,31 @@ def _unpack(dtype: str, word: str, hi: bool) -> str:
 
 
 def _h8_epilogue(code: Code, out: Output, wm: int, bn: int, stage: str, bar: str,
-                 row0: str, col0: str, z: str, prefix: str, tma: str = "") -> None:
+                 row0: str, col0: str, z: str, prefix: str, tma: str = "", res_staged: bool = False) -> None:
     """emit_consumer_epilogue staging rounded halves: per 64-column chunk, each pair of a row's accumulators
     packed into one word, then every thread stores 8 columns of a row as one 16-byte store, or (``tma``, the
     staging's shared address) thread 0 hands the chunk to the copy engine. With ``out.stats`` the same
-    sums as the float path in the same order (:func:`_stats_store` with 8 lanes)."""
+    sums as the float path in the same order (:func:`_stats_store` with 8 lanes). A residual is read per
+    pair from global memory, or (``res_staged``) staged first by :func:`_h8_stage_residual` and read back
+    from the pair's own word, which then takes the packed result."""
     if out.stats and out.stats_reason():
         raise ValueError(f"epilogue: {out.stats_reason()}")
     epi = out.epi or Epilogue()
     words = f"((unsigned*){stage})"
+    staged = res_staged and epi.residual
     for ch in range(bn // H8):
         if tma:  # the staging is free once the copy engine has read the last chunk out of it
             with code.block("if (ct == 0)"):
                 code("TMA_STORE_WAIT_READ(0);")
         code(f"BAR_SYNC({bar}, 128);  // the last chunk's reads are done")
+        if staged:
+            _h8_stage_residual(code, out, wm, words, row0, f"{col0} + {H8 * ch}", z)
+            code(f"BAR_SYNC({bar}, 128);  // the residual staged")
         with code.block(f"/* chunk {ch}: staged as halves */"):
-            if epi.bias or epi.residual:
+            if epi.bias or (epi.residual and not staged):
                 _h8_columns(code, out, ch, col0, z)
             for mi, rows in itertools.product(range(wm), range(0, ACC.per_chunk, 2)):  # a row of pairs at a time
-                if epi.residual:
+                if epi.residual and not staged:
                     _h8_residual_row(code, out, f"{row0} + {64 * mi} + {ACC.row_expr(rows)}",
                                      f"{col0} + {H8 * ch} + 2 * t", z, f"{mi}_{rows}")
                 for i in range(rows, bn // 2, ACC.per_chunk):
@@ -606,12 +624,14 @@ def _h8_epilogue(code: Code, out: Output, wm: int, bn: int, stage: str, bar: str
                                       _unpack(out.dtype, "hr", h == 1) if epi.residual else None)
                             for h, r in enumerate((i, i + 1)))
                     with code.block("" if not epi.residual else f"/* block {mi}, pair {i} */"):
-                        if epi.residual:
+                        if staged:  # its word holds the pair's residual, then the pair
+                            code(f"const unsigned hr = {words}[{w[0]}];")
+                        elif epi.residual:
                             hp = f"hp{mi}_{rows}"
                             code(f"const unsigned hr = hin{mi}_{rows} && hk{j} < {out.n} ? ((unsigned){hp}[{8 * j}]"
                                  f" | ((unsigned){hp}[{8 * j + 1}] << 16)) : 0u;")
                         code(f"{words}[{w[0]}] = {_pack2(out.dtype, a, b)};")
-                if epi.residual:  # the next row's residual loads not hoisted above these (registers)
+                if epi.residual and not staged:  # the next row's residual loads not hoisted above these (registers)
                     code("COMPILER_FENCE();")
         if tma:
             code("FENCE_PROXY_ASYNC();  // the staged words visible to the copy engine")
@@ -641,6 +661,29 @@ def _h8_epilogue(code: Code, out: Output, wm: int, bn: int, stage: str, bar: str
                         _stats_add(code, out, half=True)
             if out.stats:
                 _stats_store(code, out, wm, stage, bar, row0, f"{col0} + {H8 * ch}", 8, tma)
+
+
+def _h8_stage_residual(code: Code, out: Output, wm: int, words: str, row0: str, col0: str, z: str) -> None:
+    """``rs=1``: the residual's 64-column chunk from column ``col0`` into the staging words, each thread's items
+    as the store phase reads them (h8_lets: 8 threads a row, 16 contiguous bytes each, the octets XOR-swizzled),
+    so word :func:`h8_slot` of a pair holds that pair's residual. One 16-byte load an item where the residual's
+    address is 16-byte aligned (its offsets are whole octets: :func:`h8_reason`), else eight 2-byte loads;
+    zeros past M rows and n columns."""
+    with code.block("/* the residual's chunk, 16 bytes a thread, staged as the store phase reads */"):
+        for item in range(h8_items(wm)):
+            with code.block(f"/* item {item} */"):
+                for let in h8_lets(item):
+                    let.emit(code)
+                code(f"const int k = {col0} + 8 * eo{item}, m = {row0} + er{item};",
+                     "uint4 rv = make_uint4(0u, 0u, 0u, 0u);")
+                with code.block(f"if (m < {out.m} && k < {out.n})"):
+                    code(f"const unsigned short* const rp = res + {out.offset('m', 'k', z)};")
+                    with code.block("if (((size_t)rp & 15) == 0)"):
+                        code("rv = *(const uint4*)rp;")
+                    with code.block("else"):
+                        pairs = [f"((unsigned)rp[{2 * q}] | ((unsigned)rp[{2 * q + 1}] << 16))" for q in range(4)]
+                        code(f"rv = make_uint4({', '.join(pairs)});")
+                code(f"*(uint4*)({words} + er{item} * 32 + ((eo{item} ^ (er{item} & 7)) << 2)) = rv;")
 
 
 def _h8_columns(code: Code, out: Output, ch: int, col0: str, z: str) -> None:

@@ -309,7 +309,8 @@ def _consumer_tiles(code: Code, ring: Ring, prob: Problem, out: Output, head: st
             epilogue.emit_joined_epilogue(code, out, cfg.wm, cfg.bn, "est", "(1 + c)", rows, "rb0", "zs", cfg.summed)
         else:
             epilogue.emit_consumer_epilogue(code, out, cfg.wm, cfg.bn, "est", "(1 + c)", rows, "rb0", "zs",
-                                            cfg.summed, half=bool(cfg.eh), tma="esa" if cfg.es else "")
+                                            cfg.summed, half=bool(cfg.eh), tma="esa" if cfg.es else "",
+                                            res_staged=bool(cfg.rs))
 
 
 def _check_joined(cfg: TileConfig, jobs: list[Job]) -> None:

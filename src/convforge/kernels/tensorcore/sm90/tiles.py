@@ -30,7 +30,7 @@ from convforge.kernels.tensorcore.sm90.isa import Math, n_ok
 from convforge.kernels.tensorcore.sm90.smem import MAX_SHARED, StageLayout, Tile
 from convforge.params import Params
 
-KEYS = ("bm", "bn", "kb", "st", "cw", "ks", "ps", "pi", "tm", "cl", "sa", "pp", "kr", "mn", "eh", "es")
+KEYS = ("bm", "bn", "kb", "st", "cw", "ks", "ps", "pi", "tm", "cl", "sa", "pp", "kr", "mn", "eh", "es", "rs")
 WG = 128  # threads of a warpgroup
 ACC_LIMIT = 128  # f32 accumulators per consumer thread that leave room for addresses (<= 232 registers)
 PRODUCER_REGS, CONSUMER_REGS = 80, 200  # setmaxnreg split of 3 warpgroups (128 * 80 + 256 * 200 <= 64K;
@@ -72,6 +72,8 @@ class TileConfig:
     # 16 bytes a thread (epilogue.h8_reason), 0: staged in float32 and stored 8 bytes a thread
     es: int = 0  # 1: the half-staged chunks leave by TMA stores (one thread issues each; the consumer goes on
     # while the copy engine reads the staging): outputs of plain rows only (epilogue.es_reason)
+    rs: int = 0  # 1: a residual comes into the half-staged chunk by 16-byte loads (the store phase's pattern)
+    # before the accumulators are packed, each pair reading its word back from shared memory (epilogue.rs_reason)
 
     @property
     def groups(self) -> int:
@@ -161,6 +163,8 @@ class TileConfig:
         if self.eh not in (0, 1) or self.es not in (0, 1) or (self.es and not self.eh):
             out.append(f"eh ({self.eh}) and es ({self.es}) must be 0 or 1, es=1 with eh=1 (TMA stores of half-staged "
                        "chunks)")
+        if self.rs not in (0, 1) or (self.rs and not self.eh):
+            out.append(f"rs ({self.rs}) must be 0, or 1 with eh=1 (a residual staged into the half-staged chunk)")
         if self.cl not in (1, 2) or (self.cl == 2 and not self.tm):
             out.append(f"cl ({self.cl}) must be 1, or 2 with tm=1 (clusters pay through TMA multicast)")
         mn_bad = self.mn and (self.mn != 1 or math.esize != 2 or math.split or math.scaled or not self.tm or self.cl > 1
@@ -206,7 +210,7 @@ class TileConfig:
                        **({"cl": self.cl} if self.cl > 1 else {}), **({"sa": self.sa} if self.sa != 128 else {}),
                        **({"pp": self.pp} if self.pp else {}), **({"kr": self.kr} if self.kr else {}),
                        **({"mn": self.mn} if self.mn else {}), **({} if self.eh else {"eh": 0}),
-                       **({"es": 1} if self.es else {})})
+                       **({"es": 1} if self.es else {}), **({"rs": 1} if self.rs else {})})
 
     @classmethod
     def of(cls, p: Params) -> TileConfig:
@@ -216,7 +220,7 @@ class TileConfig:
         return cls(int(p.bm), int(p.bn), int(p.get("kb", 1)), int(p.get("st", 4)), int(p.get("cw", 2)),
                    int(p.get("ks", 1)), int(p.get("ps", 1)), int(p.get("pi", 0)), int(p.get("cl", 1)),
                    int(p.get("tm", 0)), int(p.get("sa", 128)), int(p.get("pp", 0)), int(p.get("kr", 0)),
-                   int(p.get("mn", 0)), int(p.get("eh", 1)), int(p.get("es", 0)))
+                   int(p.get("mn", 0)), int(p.get("eh", 1)), int(p.get("es", 0)), int(p.get("rs", 0)))
 
 
 # Relative throughput of a block tile's wgmma stream per operand element size (m64nN with both operands in
