@@ -147,6 +147,9 @@ class TcGrouped(TcImplicitGemm):
     def _w_in_place(self, spec: ConvSpec) -> bool:
         return False  # each group's filters (block-diagonal where packed) are the filter step's output
 
+    def epilogue_params(self, spec: ConvSpec, params: Params, epilogue: Epilogue) -> Params:
+        return params  # the staged residual (rs=1) is not checked on the grouped outputs: their tile as chosen
+
     def _operands(self, spec: ConvSpec, cfg: TileConfig) -> tuple[Im2colNhwc, DenseRows]:
         math, prob = self.math(spec), self.problem(spec)
         ld = self._ld(spec, cfg)
