@@ -41,10 +41,11 @@ def _on_pocl(ocl, kern, grid, src_name, src, dst_shape, dtype):
     return ocl.download(bufs["dst"], dst_shape, dtype)
 
 
-@pytest.mark.parametrize("n, c, hw, cp", [(3, 5, 7, 8), (1, 37, 2, 8), (33, 40, 3, 40)])
+@pytest.mark.parametrize("n, c, hw, cp", [(3, 5, 7, 8), (1, 37, 2, 8), (33, 40, 3, 40), (2, 3, 50, 8), (70, 6, 5, 72)])
 def test_nhwc_to_batch_rows_on_pocl(ocl, n, c, hw, cp):
     """wgrad's operand of a channels-last tensor: dst[ch][p][n] = src[n][p][ch], zeros for n >= N up
-    to the padded batch (odd tiles: a batch and channels past one 32-wide tile, N = 1)."""
+    to the padded batch (odd tiles: a batch and channels past one 32-wide tile, N = 1, a 3-channel stem
+    whose pixels straddle the tiles; odd runs by halves, even ones by words)."""
     rng = np.random.default_rng(n * 100 + c)
     src = rng.uniform(-2, 2, (n, hw, c)).astype(np.float16).astype(np.float32)
     kern, grid = prep.nhwc_to_batch_rows("t", "x", n, c, hw, cp, math_for("float16"), "float16", "dst", "test")
