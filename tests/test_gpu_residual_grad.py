@@ -1,8 +1,8 @@
 """GPU tier of a block's input gradient summed with a later block's residual gradient in one dgrad
 (torch/residual_grad.py, native.cpp ``PairToken``; skips without a CUDA device or torch): a fused stack of
 ResNet bottlenecks under FP16 / BF16 autocast with channels_last activations trains with its first blocks'
-dgrads adding the last blocks' residual gradients (``config.residual_grad``, off by default, switched on
-here; the native counter moves), the input's and every
+dgrads adding the last blocks' residual gradients (``config.residual_grad``, on by default, switched on
+here whatever the environment says; the native counter moves), the input's and every
 parameter's gradient against float64 within 2x the error of PyTorch's own autocast run, and close to the same
 model with the pairing off; a backward that asks for one weight only (the first block's backward never runs)
 leaves nothing behind, and two backwards over a retained graph sum as autograd's.
@@ -55,16 +55,17 @@ def _step(m, x, gz, dt):
 
 @pytest.fixture
 def paired(monkeypatch):
-    """config.residual_grad (off by default) and the native module's switch on for the test, then restored."""
+    """config.residual_grad (on by default) and the native module's switch on for the test, then restored."""
     from convforge.config import config
     from convforge.torch import native
 
     module = native.load()
     assert module is not None, "the native fast path did not build on this GPU machine"
+    prev = bool(config.residual_grad)
     monkeypatch.setattr(config, "residual_grad", True)
     module.set_residual_grad(True)
     yield module
-    module.set_residual_grad(False)
+    module.set_residual_grad(prev)
 
 
 @pytest.mark.parametrize("dt", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])

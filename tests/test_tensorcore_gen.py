@@ -2086,27 +2086,26 @@ def test_1x1_half_filters_read_in_place_without_a_filter_step(nvcc_ok):
 
 
 def test_a_residual_takes_the_tile_that_stages_halves():
-    """``epilogue_params``: a residual is staged by 16-byte loads (``rs=1``) on the tile as chosen, the ping-pong
-    tile's 128 accumulators a thread included; where it cannot be (a split-K slab), a residual beside 128
-    accumulators takes the same tile without ping-pong; no residual keeps the parameters; the dgrad adapter asks
-    its forward."""
+    """``epilogue_params``: a residual comes by ``rs=1`` (prefetched into registers before the main loop): on
+    the ping-pong tile (128 accumulators a thread, no room for the residual's 64 registers) it takes the same
+    tile without ping-pong (64 + 32); a split-K slab keeps its parameters; no residual keeps the parameters;
+    the dgrad adapter asks its forward."""
     half = get_variant("tc_implicit_gemm_half")
     spec = ConvSpec.make(128, 64, 56, 56, 256, 1, 1, layout="nhwc", dtype="float16")
     prm = half.default(spec, NOMINAL_CUDA)
-    assert prm.get("pp") == 1 and TileConfig.of(prm).wm * TileConfig.of(prm).bn // 2 > epilogue.H8_RES_ACC
+    cfg = TileConfig.of(prm)
+    assert cfg.pp == 1 and cfg.wm * cfg.bn // 2 + epilogue.rs_registers(cfg.wm, cfg.bn) > epilogue.RS_REGS
     assert half.epilogue_params(spec, prm, Epilogue(bias=True)) == prm
     staged = TileConfig.of(half.epilogue_params(spec, prm, Epilogue(residual=True)))
-    assert staged == dataclasses.replace(TileConfig.of(prm), rs=1)
+    assert staged == dataclasses.replace(cfg, pp=0, rs=1)
     deep = ConvSpec.make(128, 512, 28, 28, 256, 1, 1, layout="nhwc", dtype="float16")
     split = half.default(deep, NOMINAL_CUDA).replace(ks=2)
-    assert TileConfig.of(split).pp and not TileConfig.of(split).problems(F16, half.problem(deep))
-    assert TileConfig.of(half.epilogue_params(deep, split, Epilogue(residual=True))) == TileConfig.of(
-        split.replace(pp=0))
+    assert half.epilogue_params(deep, split, Epilogue(residual=True)) == split
     dgrad = get_variant("dgrad_tc_implicit_gemm_half")
     ds = ConvSpec.make(128, 256, 56, 56, 64, 1, 1, conv_pass="dgrad", layout="nhwc", dtype="float16")
     dprm = dgrad.default(ds, NOMINAL_CUDA)
     assert TileConfig.of(dgrad.epilogue_params(ds, dprm, Epilogue(residual=True))) == dataclasses.replace(
-        TileConfig.of(dprm), rs=1)
+        TileConfig.of(dprm), pp=0, rs=1)
 
 
 @pytest.mark.parametrize("wm, bn", [(1, 64), (1, 128), (2, 128), (1, 192), (2, 256)])
@@ -2129,15 +2128,16 @@ def test_staged_residual_lands_on_its_pairs_words(wm, bn):
 
 
 def test_staged_residual_plans_compile_and_refuse_by_name(nvcc_ok):
-    """``rs=1`` on the ping-pong tile (128 accumulators a thread) and the plain one, forward (residual + ReLU,
-    bias + residual) and dgrad: no spills, the residual's 16-byte loads in the SASS; refused by name without a
-    residual, and with eh=0."""
+    """``rs=1`` on the tile of two consumers sharing each tile (64 accumulators a thread and the residual's 32
+    registers), forward (residual + ReLU, bias + residual) and dgrad: no spills, the residual's 16-byte loads in
+    the SASS; refused by name without a residual, with eh=0 and on the ping-pong tile (128 accumulators)."""
     half, dgrad = get_variant("tc_implicit_gemm_half"), get_variant("dgrad_tc_implicit_gemm_half")
     fs = ConvSpec.make(32, 64, 56, 56, 256, 1, 1, layout="nhwc", dtype="bfloat16")
     ds = ConvSpec.make(32, 512, 28, 28, 128, 1, 1, conv_pass="dgrad", layout="nhwc", dtype="float16")
-    fp, dp = half.default(fs, NOMINAL_CUDA).replace(rs=1), dgrad.default(ds, NOMINAL_CUDA).replace(rs=1)
+    fp = half.default(fs, NOMINAL_CUDA).replace(rs=1, pp=0)
+    dp = dgrad.default(ds, NOMINAL_CUDA).replace(rs=1, pp=0)
     plans = [half.plan(fs, fp, NOMINAL_CUDA, Epilogue(residual=True, relu=True)),
-             half.plan(fs, fp.replace(pp=0), NOMINAL_CUDA, Epilogue(bias=True, residual=True)),
+             half.plan(fs, fp, NOMINAL_CUDA, Epilogue(bias=True, residual=True)),
              dgrad.plan(ds, dp, NOMINAL_CUDA, Epilogue(residual=True))]
     for plan, (infos, sass) in zip(plans, sass_reports([p.source("cuda") for p in plans]), strict=True):
         _no_spills(f"rs=1 {plan.variant} {plan.params.short()}", infos)
@@ -2146,3 +2146,5 @@ def test_staged_residual_plans_compile_and_refuse_by_name(nvcc_ok):
         half.plan(fs, fp, NOMINAL_CUDA, Epilogue())
     with pytest.raises(ValueError, match="rs"):
         half.plan(fs, fp.replace(eh=0), NOMINAL_CUDA, Epilogue(residual=True))
+    with pytest.raises(ValueError, match="registers a thread through the main loop"):
+        half.plan(fs, fp.replace(pp=1), NOMINAL_CUDA, Epilogue(residual=True))

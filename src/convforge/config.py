@@ -140,11 +140,11 @@ def _env_settings(env: Mapping[str, str]) -> dict[str, tuple[str, Callable[[], A
         "bn_stats": ("CONVFORGE_BN_STATS", lambda: parse_bool("CONVFORGE_BN_STATS", get("CONVFORGE_BN_STATS") or "1")),
         # A fused block's input gradient and a later block's residual gradient of the same tensor (a bottleneck's
         # first and last blocks) summed in the first block's dgrad epilogue (torch/native.cpp PairToken) instead
-        # of by autograd's add. Off by default: on the H200 the residual-adding dgrads cost more than the adds
-        # they replace (docs/NOTES-training.md, twenty-third session); 1 for that experiment (read when the
+        # of by autograd's add, where that dgrad prefetches its residual (16-bit layers); on by default (the adds'
+        # three passes gone: docs/NOTES-training.md, twenty-fourth session), 0 for debugging (read when the
         # native module loads and at filing; ``set_residual_grad`` on the native module changes it at run time)
         "residual_grad": ("CONVFORGE_RESIDUAL_GRAD",
-                          lambda: parse_bool("CONVFORGE_RESIDUAL_GRAD", get("CONVFORGE_RESIDUAL_GRAD") or "0")),
+                          lambda: parse_bool("CONVFORGE_RESIDUAL_GRAD", get("CONVFORGE_RESIDUAL_GRAD") or "1")),
         # A half conv [+ bias] -> ReLU layer in training (FusedConv2d) as one C++ autograd node (torch/native.cpp
         # ConvReluNode: no Python on a warm forward or backward), on by default; 0 keeps Python's
         # conv_relu._ConvRelu (the same kernels and ops in the same order), for debugging

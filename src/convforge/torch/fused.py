@@ -313,8 +313,9 @@ class FusedConv2d(Conv2d):
                        device: int) -> Any | None:
         """The plan of this block's dgrad on channels-last ``x_shape`` in ``dt`` that also adds a residual
         shaped as the input (torch/residual_grad.py): the dgrad ``auto`` picks for the layer, where it is the
-        transposed forward of a variant that stores a residual (stride-1 layers on the tensor-core GEMM);
-        None elsewhere, or where the half layer's dgrad is handed to PyTorch. Also what
+        transposed forward of a variant that stores a residual (stride-1 layers on the tensor-core GEMM) and
+        prefetches it (``rs=1``: 16-bit tiles that stage halves); None elsewhere, or where the half layer's
+        dgrad is handed to PyTorch. Also what
         torch/train_ahead.py compiles ahead."""
         from convforge.frontends.checks import check_options
         from convforge.kernels.dgrad.transposed import DgradTransposed
@@ -332,7 +333,10 @@ class FusedConv2d(Conv2d):
         v, epi = ch.variant, Epilogue(residual=True)
         if type(v) is not DgradTransposed or not v.fwd.residual_ok:
             return None
-        return v.plan(spec, v.epilogue_params(spec, ch.params, epi), backend.device, epi)
+        prm = v.epilogue_params(spec, ch.params, epi)
+        if not prm.get("rs"):  # a residual read after the accumulators costs more than the add it saves
+            return None
+        return v.plan(spec, prm, backend.device, epi)
 
     def _conv_relu(self, x: torch.Tensor) -> torch.Tensor | None:
         """conv -> ReLU in training on convforge's kernels (torch/conv_relu.py), or None (the

@@ -61,7 +61,7 @@ def load() -> ModuleType | None:
             log.warning("convforge: native fast path unavailable (%s); torch calls take the Python fast path", err)
     if module is not None:
         module.set_native_autograd(bool(config.native_autograd))  # CONVFORGE_NATIVE_AUTOGRAD, on by default
-        module.set_residual_grad(bool(config.residual_grad))  # CONVFORGE_RESIDUAL_GRAD, off by default
+        module.set_residual_grad(bool(config.residual_grad))  # CONVFORGE_RESIDUAL_GRAD, on by default
     _STATE["module"] = module
     return module
 

@@ -3,16 +3,16 @@
 In a bottleneck, x feeds the first block's conv (A: conv -> batch norm -> ReLU) and comes back as the last
 block's residual (C: conv -> batch norm -> + x -> ReLU), so x's gradient is A's dgrad plus C's residual
 gradient, which autograd adds in a pass of its own (three activation-sized memory passes a bottleneck; 0.69 ms
-of ResNet-50 N128's AMP step). With ``config.residual_grad`` (``CONVFORGE_RESIDUAL_GRAD=1``) the first
+of ResNet-50 N128's AMP step). With ``config.residual_grad`` (``CONVFORGE_RESIDUAL_GRAD``, on by default) the first
 training call that files C (``FusedConv2d._file_block``) finds A by C's residual, plans A's dgrad with the
 residual in its epilogue (:meth:`FusedConv2d.res_dgrad_plan`: the transposed forward GEMM, which stores one)
 and attaches it to A's C++ block program (native.cpp ``attach_res_dgrad``). At run time native.cpp pairs the two calls
 (``PairToken``): C leaves its residual gradient for A's dgrad, which adds it before its one rounding.
 
-Off by default: measured on the H200 (docs/NOTES-training.md, twenty-third session), the twelve
-residual-adding dgrads of a ResNet-50 N128 step cost 1.05 ms more than the plain ones (the residual read two
-bytes at a time, on the tile without ping-pong) against 0.69 ms of adds saved. Their plans now stage the
-residual by 16-byte loads on the ping-pong tile (``TcImplicitGemm.epilogue_params``: ``rs=1``), not yet timed.
+Where it pays: the dgrad loads its tile's residual into registers before its main loop (``rs=1``,
+``TcImplicitGemm.epilogue_params``), and only such dgrads pair (16-bit layers; elsewhere the add stays
+autograd's). Measured on the H200 (docs/NOTES-training.md, twenty-fourth session): ResNet-50 N128's AMP step
+17.09 -> 16.65 ms of GPU time (the adds' 0.69 ms gone, the twelve dgrads 0.42 ms more).
 
 Only handles filed per conv take one (blocks whose conv writes its batch norm's statistics: their handle's
 key holds the conv), so one attached dgrad fits every call of its handle. The Python nodes (a block's first,

@@ -283,6 +283,9 @@ def _consumer_tiles(code: Code, ring: Ring, prob: Problem, out: Output, head: st
                      f"phase ^= (unsigned)((s2 / {cfg.st}) & 1);",
                      f"stage = s2 % {cfg.st};",
                      "continue;")
+        rows = "ra0" if cfg.pp else f"(ra0 + c * {64 * cfg.wm})"
+        if cfg.rs:  # the residual's loads in flight under the main loop's
+            epilogue.residual_prefetch(code, out, cfg.wm, cfg.bn, rows, "rb0", "zs")
         code(*(f"{d} = 0.0f;" for prefix in ("d", "f", "e")[:cfg.sets] for d in acc_names(cfg, prefix)))
         if cfg.pp:  # consumer 0 first (a fresh barrier passes parity 1), then each after the other
             code(f"MBAR_WAIT({ring.turn('c')}, ((unsigned)turn & 1u) ^ (unsigned)(c == 0));")
@@ -302,7 +305,6 @@ def _consumer_tiles(code: Code, ring: Ring, prob: Problem, out: Output, head: st
                 _promote(code, cfg, tied, wait=False)
         if math.scaled:
             _unscale(code, cfg, ops, cfg.summed)
-        rows = "ra0" if cfg.pp else f"(ra0 + c * {64 * cfg.wm})"
         if out.park:
             epilogue.emit_park(code, out.dtype, cfg.wm, cfg.bn, cfg.summed)
         elif out.joined:

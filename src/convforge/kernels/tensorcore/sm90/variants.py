@@ -32,7 +32,7 @@ from convforge.codegen.dialect import Dim3, Kernel
 from convforge.codegen.meta import cdiv
 from convforge.kernels import register
 from convforge.kernels.tensorcore.sm90 import prep, tiles, tma
-from convforge.kernels.tensorcore.sm90.epilogue import H8_RES_ACC, Output, partials, reduce_kernel, rs_reason
+from convforge.kernels.tensorcore.sm90.epilogue import Output, partials, reduce_kernel, rs_reason
 from convforge.kernels.tensorcore.sm90.isa import Math, device_reason, few_pixels, math_for
 from convforge.kernels.tensorcore.sm90.kernel import gemm_kernel
 from convforge.kernels.tensorcore.sm90.operands import DenseRows, Geometry, Im2colNhwc, Operand
@@ -393,27 +393,22 @@ class TcImplicitGemm(TcVariant):
         return (cfg if self.tma_reason(spec, wide) else wide).params()
 
     def epilogue_params(self, spec: ConvSpec, params: Params, epilogue: Epilogue) -> Params:
-        """``params`` for a plan with ``epilogue`` (what torch/residual_grad.py's dgrads take): a residual read
-        pair by pair (2-byte loads) beside a ping-pong tile's 128 accumulators a thread stays off the
-        half-staged store and reads each element apart after staging (ResNet-50's conv1 dgrads with the
-        residual gradient 2.7x slower on the H200, twenty-third session), and on the tile without ping-pong
-        (64 a thread) it still cost 1.05 ms a step. So where the output takes it, the residual is staged by
-        16-byte loads (``rs=1``, the tile kept: ``epilogue.rs_reason``; compiled without spills at 128, not yet
-        timed on a GPU); else the same tile without ping-pong where that stages halves; else ``params``."""
+        """``params`` for a plan with ``epilogue`` (what torch/residual_grad.py's dgrads take). A residual read
+        after the accumulators, pair by pair or by 16-byte loads into the staging, waits one memory latency a
+        chunk with 8 warps a block: ResNet-50's conv1 dgrads with the residual gradient took 3.6-3.9x the
+        plain dgrad's time on the H200 (twenty-fourth session). So the residual comes by ``rs=1``: loaded into
+        registers at the tile's start, under the main loop's loads (``epilogue.residual_prefetch``), which
+        leaves room beside 64 accumulators a thread: the tile as chosen where it takes that, else the same
+        tile without ping-pong (two consumers sharing each tile's rows); else ``params``."""
         cfg = TileConfig.of(params)
-        if not epilogue.residual:
+        if not epilogue.residual or not cfg.eh or cfg.ks != 1:
             return params
-        staged = dataclasses.replace(cfg, rs=1)
         out = self.output(spec, epilogue)
-        if cfg.eh and cfg.ks == 1 and not rs_reason(out, cfg.bn, cfg.wm) and not staged.problems(
-                self.math(spec), self.problem(spec), MAX_SHARED):
-            return staged.params()
-        if not (cfg.pp and cfg.wm * cfg.bn // 2 > H8_RES_ACC):
-            return params
-        flat = dataclasses.replace(cfg, pp=0)
-        ok = flat.wm * flat.bn // 2 <= H8_RES_ACC and not flat.problems(self.math(spec), self.problem(spec),
-                                                                          MAX_SHARED)
-        return flat.params() if ok else params
+        for c in (cfg, dataclasses.replace(cfg, pp=0)):
+            staged = dataclasses.replace(c, rs=1)
+            if not rs_reason(out, c.bn, c.wm) and not staged.problems(self.math(spec), self.problem(spec), MAX_SHARED):
+                return staged.params()
+        return params
 
     def _ld(self, spec: ConvSpec, cfg: TileConfig) -> int:
         """Row length of the packed filters: the reduction padded to a whole stage (C: the filters read in
