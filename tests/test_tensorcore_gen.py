@@ -2108,6 +2108,27 @@ def test_a_residual_takes_the_tile_that_stages_halves():
         TileConfig.of(dprm), pp=0, rs=1)
 
 
+def test_heuristic_choice_prefetches_a_residual():
+    """dispatch's heuristic choice (no tuning) of a 16-bit channels-last forward with a residual in its
+    epilogue takes the variant's ``epilogue_params`` (rs=1, the tile without ping-pong), as the inference
+    blocks' conv3 runs; without a residual, or in float32, the default stays."""
+    from convforge import dispatch
+
+    class FakeBackend:
+        name = "cuda"
+        device = NOMINAL_CUDA
+
+    be = FakeBackend()
+    spec = ConvSpec.make(128, 64, 56, 56, 256, 1, 1, layout="nhwc", dtype="float16")
+    plain = dispatch.choose(spec, be, Epilogue(bias=True, relu=True))
+    res = dispatch.choose(spec, be, Epilogue(bias=True, residual=True, relu=True))
+    assert plain.variant is res.variant and plain.params.get("pp") == 1
+    assert TileConfig.of(res.params) == dataclasses.replace(TileConfig.of(plain.params), pp=0, rs=1)
+    f32 = dataclasses.replace(spec, dtype="float32")
+    a, b = (dispatch.choose(f32, be, e) for e in (Epilogue(), Epilogue(residual=True)))
+    assert a.params == b.params and not b.params.get("rs")
+
+
 @pytest.mark.parametrize("wm, bn", [(1, 64), (1, 128), (2, 128), (1, 192), (2, 256)])
 def test_staged_residual_lands_on_its_pairs_words(wm, bn):
     """``rs=1``: the residual's chunk loaded as the store phase reads it (h8_lets, the swizzled octet slot of
