@@ -689,8 +689,8 @@ RES_DGRAD = [ConvSpec.make(3, 200, 9, 7, 64, 3, 3, 1, 1), ConvSpec.make(16, 256,
 def test_dgrad_adds_a_residual(hopper, spec, dtype):
     """The stride-1 half dgrad with ``Epilogue(residual=True)`` (a training block's input gradient and a later
     block's residual gradient in one pass: torch/residual_grad.py): dx + res against float64 within the
-    plan's tolerance, at the tile ``epilogue_params`` gives (the residual staged by 16-byte loads, rs=1) and
-    with rs=0, eh=0 (the float staging), and the same stored values both ways."""
+    plan's tolerance, at the tile ``epilogue_params`` gives (the residual prefetched into registers before the
+    main loop, rs=1) and with rs=0, eh=0 (the float staging), and the same stored values both ways."""
     v = get_variant("dgrad_tc_implicit_gemm_half")
     spec = ConvSpec.from_dict({**spec.to_dict(), "dtype": dtype, "layout": "nhwc", "pass": "dgrad"})
     assert v.applies(spec, hopper.device) is None, v.applies(spec, hopper.device)
@@ -698,4 +698,26 @@ def test_dgrad_adds_a_residual(hopper, spec, dtype):
     prm = v.epilogue_params(spec, v.default(spec, hopper.device), epi)  # what torch/fused.py plans
     flat = prm.replace(rs=0, eh=0)
     half, flt = (check_plan(v.plan(spec, p, hopper.device, epi), hopper, seed=6) for p in (prm, flat))
+    assert half.ok and flt.ok and half.rel_err == flt.rel_err, f"[{prm.short()}] {spec.short()}: {half} / {flt}"
+
+
+RES_FWD = [ConvSpec.make(32, 64, 13, 11, 200, 3, 3, 1, 1), ConvSpec.make(16, 64, 28, 28, 256, 1, 1),
+           ConvSpec.make(1, 256, 14, 14, 1024, 1, 1), ConvSpec.make(16, 64, 57, 55, 72, 3, 3, 2, 1)]
+
+
+@pytest.mark.parametrize("spec", RES_FWD, ids=str)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_forward_prefetches_a_residual(hopper, spec, dtype):
+    """A half channels-last forward with bias + residual + ReLU (a folded inference block's conv3) at the
+    parameters dispatch's heuristic gives it (``epilogue_params``: rs=1, the residual prefetched into
+    registers before the main loop) against float64, and the same stored values as the float staging (rs=0,
+    eh=0); odd shapes: N=1, a stride-2 3x3 on odd planes, channels that are not whole tiles."""
+    v = get_variant("tc_implicit_gemm_half")
+    spec = ConvSpec.from_dict({**spec.to_dict(), "dtype": dtype, "layout": "nhwc"})
+    assert v.applies(spec, hopper.device) is None, v.applies(spec, hopper.device)
+    epi = Epilogue(bias=True, residual=True, relu=True)
+    prm = v.epilogue_params(spec, v.default(spec, hopper.device), epi)
+    assert prm.get("rs") == 1, prm.short()
+    half, flt = (check_plan(v.plan(spec, p, hopper.device, epi), hopper, seed=8)
+                 for p in (prm, prm.replace(rs=0, eh=0)))
     assert half.ok and flt.ok and half.rel_err == flt.rel_err, f"[{prm.short()}] {spec.short()}: {half} / {flt}"
