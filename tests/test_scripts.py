@@ -148,6 +148,20 @@ def test_sweep_takes_the_dtype(ocl, tmp_path: Path,  # type: ignore[no-untyped-d
     assert rows and all("float16" in r["spec"] and r["status"] == "ok" for r in rows), rows
 
 
+def test_sweep_takes_an_epilogue(ocl, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """--sweep-epilogue: every point runs with bias + residual + ReLU, checked against float64 with them (a
+    fused block's layer, as the residual-prefetch A/B timed it)."""
+    out = tmp_path / "out"
+    rc, text = run_main(["bench", "--suite", _suite(tmp_path), "--limit", "1", "--backend", "opencl", "--sweep",
+                         "--algo", "direct", "--sweep-mods", "default;tk=2", "--sweep-epilogue", "bias,residual,relu",
+                         "--out", str(out)], capsys)
+    assert rc == 0, text
+    rows = json.loads((out / "sweep.json").read_text())["rows"]
+    assert len(rows) == 2 and all(r["status"] == "ok" and r["rel_err"] < 1e-5 for r in rows), rows
+    assert "epilogue bias,residual,relu" in text
+
+
 BAD_SWEEPS = [
     (["--sweep"], "--sweep needs --algo"),
     (["--sweep", "--algo", "auto"], "--sweep needs --algo"),
@@ -159,6 +173,10 @@ BAD_SWEEPS = [
     (["--sweep", "--algo", "direct", "--sweep-mods", "tk"], "--sweep-mods ('tk')"),
     (["--sweep-limit", "3"], "--sweep-limit goes with --sweep"),
     (["--sweep-mods", "tk=2"], "--sweep-mods goes with --sweep"),
+    (["--sweep-epilogue", "relu"], "--sweep-epilogue goes with --sweep"),
+    (["--sweep", "--algo", "direct", "--sweep-epilogue", "relu,tanh"],
+     "--sweep-epilogue ('relu,tanh'): unknown 'tanh'"),
+    (["--sweep", "--algo", "direct", "--sweep-epilogue", "relu,silu"], "one activation at most"),
     (["--sweep", "--algo", "nosuchvariant"], "--algo ('nosuchvariant') must be a variant or family"),
 ]
 

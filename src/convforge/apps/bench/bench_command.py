@@ -110,6 +110,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep-mods", metavar="'k=v,k=v;k=v'",
                         help="with --sweep: each variant's default and the default changed by each "
                         "';'-separated mod, instead of the space")
+    parser.add_argument("--sweep-epilogue", metavar="'bias,residual,relu'",
+                        help="with --sweep: every point runs with this epilogue (bias, residual and one of relu, "
+                        "gelu, silu, hardswish, mish; checked against float64 with it), as a fused block's layer "
+                        "does; default none")
     parser.add_argument("--ablation", choices=sorted(ABLATIONS),
                         help="time one variant in its ablation configurations instead "
                         "(im2win: all on / no prefetch+double buffer / no vector loads / "

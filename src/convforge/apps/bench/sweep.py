@@ -2,12 +2,13 @@
 
 For each layer and each variant the ``--algo`` options name (a variant, or the applicable variants of a
 family), the first ``--sweep-limit`` points of its space (or, with ``--sweep-mods``, its default and the
-default changed by each mod; ``default`` alone: the default) are compiled in parallel, checked against the
-float64 reference and timed by the tuner's own measurement (``Tuner.measure_many``: the whole plan, every
-launch, inside the timed call). One row per point: time, effective TFLOPS, relative error, parameters, status;
-the fastest point of each layer is marked, and ``--out`` writes ``sweep.json`` (every point, and the fastest
-point of each layer and variant). Nothing is stored in the tuning database. This is how a generator change is
-explored and A/B-tested on a GPU (``scripts/gpu-ab``).
+default changed by each mod; ``default`` alone: the default) are compiled in parallel, with the epilogue
+``--sweep-epilogue`` names (none by default), checked against the float64 reference and timed by the tuner's
+own measurement (``Tuner.measure_many``: the whole plan, every launch, inside the timed call). One row per
+point: time, effective TFLOPS, relative error, parameters, status; the fastest point of each layer is marked,
+and ``--out`` writes ``sweep.json`` (every point, and the fastest point of each layer and variant). Nothing is
+stored in the tuning database. This is how a generator change is explored and A/B-tested on a GPU
+(``scripts/gpu-ab``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from convforge.spec import ConvSpec
 def check_sweep_args(args: argparse.Namespace) -> None:
     """The options a sweep needs and the ones it cannot take: SuiteError naming the option."""
     if not args.sweep:
-        for flag, value in (("--sweep-limit", args.sweep_limit), ("--sweep-mods", args.sweep_mods)):
+        for flag, value in (("--sweep-limit", args.sweep_limit), ("--sweep-mods", args.sweep_mods),
+                            ("--sweep-epilogue", args.sweep_epilogue)):
             if value is not None:
                 raise SuiteError(f"{flag} goes with --sweep")
         return
@@ -58,7 +60,26 @@ def check_sweep_args(args: argparse.Namespace) -> None:
         raise SuiteError(f"--sweep-limit ({args.sweep_limit}) must be >= 1")
     if args.sweep_limit is not None and args.sweep_mods is not None:
         raise SuiteError("--sweep-limit and --sweep-mods exclude each other (mods time the default and its changes)")
-    mods(args.sweep_mods)  # parsed now: a bad mod is refused before anything compiles
+    mods(args.sweep_mods)  # parsed now: a bad mod or epilogue is refused before anything compiles
+    epilogue(args.sweep_epilogue)
+
+
+EPILOGUE_PARTS = ("bias", "residual", "relu", "gelu", "silu", "hardswish", "mish")
+
+
+def epilogue(text: str | None) -> Epilogue:
+    """``'bias,residual,relu'`` -> that Epilogue (None or ``none``: no epilogue)."""
+    if text is None or text.strip() == "none":
+        return Epilogue()
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [p for p in parts if p not in EPILOGUE_PARTS]
+    if bad or not parts:
+        raise SuiteError(f"--sweep-epilogue ({text!r}): {'unknown ' + ', '.join(map(repr, bad)) if bad else 'empty'}"
+                         f"; give a comma-separated list of {', '.join(EPILOGUE_PARTS)}, or none")
+    try:
+        return Epilogue(**{p: True for p in parts})
+    except ValueError as err:
+        raise SuiteError(f"--sweep-epilogue ({text!r}): {err}") from None
 
 
 def mods(text: str | None) -> list[Params]:
@@ -147,7 +168,7 @@ def _sweep_layer(tuner: Any, layer: Layer, args: argparse.Namespace, backend: Ba
     if not pts:
         console.print(f"{escape(layer.name)}: no --algo variant applies on {backend.name}", markup=False)
         return []
-    cands = tuner.measure_many(layer.spec, Epilogue(), pts)
+    cands = tuner.measure_many(layer.spec, epilogue(args.sweep_epilogue), pts)
     mine = [_row(layer, c) for c in cands]
     fastest = min((r["time_ms"] for r in mine if r["status"] == "ok"), default=None)
     for r in mine:
@@ -155,7 +176,8 @@ def _sweep_layer(tuner: Any, layer: Layer, args: argparse.Namespace, backend: Ba
         key = f"{layer.name}|{r['variant']}"
         if r["status"] == "ok" and (key not in best or r["time_ms"] < best[key]["time_ms"]):
             best[key] = r
-    console.print(table(mine, f"{layer.name} ({layer.spec.short()}) on {backend.device.name}"))
+    epi = "" if args.sweep_epilogue is None else f", epilogue {args.sweep_epilogue}"
+    console.print(table(mine, f"{layer.name} ({layer.spec.short()}{epi}) on {backend.device.name}"))
     return mine
 
 
