@@ -225,7 +225,7 @@ def _choose_slow(spec: ConvSpec, backend: Backend, epi: Epilogue, algo: str, pre
     if filters_per_call and algo == "auto" and spec.flops // 2 <= TINY_MACS:
         one = _without_filter_steps(spec, backend, epi, workspace_limit, prec, bound)
         if one is not None and not (finite_exact and growth(one[0], spec) is not None):
-            return Choice(*one, None, "heuristic")
+            return Choice(one[0], _for_epilogue(one[0], spec, one[1], epi), None, "heuristic")
     return Choice(variant, _for_epilogue(variant, spec, prm, epi), None, "heuristic")
 
 

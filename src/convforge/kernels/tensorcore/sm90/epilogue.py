@@ -682,6 +682,9 @@ def residual_prefetch(code: Code, out: Output, wm: int, bn: int, row0: str, col0
     address is 16-byte aligned (its offsets are whole octets: :func:`h8_reason`), else eight 2-byte loads;
     zeros past M rows and n columns. The residual read after the accumulators (one latency a chunk, 8 warps
     a block) made ResNet-50's conv1 dgrads 3.6-3.9x slower (twenty-fourth session, H200)."""
+    why = rs_reason(out, bn, wm)
+    if why:  # before any code names ``res``: a parked or joined job never reaches emit_consumer_epilogue's check
+        raise ValueError(f"epilogue: rs=1: {why}")
     for ch in range(bn // H8):
         for item in range(h8_items(wm)):
             code(f"uint4 rv{ch}_{item} = make_uint4(0u, 0u, 0u, 0u);")
