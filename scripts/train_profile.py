@@ -13,6 +13,8 @@ training section). With --forward: an inference forward, PyTorch FP32 eager agai
                                                 # against PyTorch AMP: bench --train --amp's step
                                     [--kernels]  # also: each side's kernels by launches per step (what
                                                 # a host-bound step's launch count is made of)
+                                    [--each 40]  # also: ours' 40 costliest kernels one by one (full names:
+                                                # a layer's shape), to find the ones far from their roofline
                                     [--bn]      # also: convforge's batch-norm kernels by kind, with the
                                                 # bandwidth their activation reads and writes reach
                                     [--phases]  # with --amp, instead: host ms of each phase of the step
@@ -83,6 +85,18 @@ def kernel_report(name: str, events: Any, steps: int, top: int) -> None:
         print(f"{key:60} {n:7.1f} {ms:7.3f}")
 
 
+def each_report(events: Any, steps: int, top: int) -> None:
+    """The ``top`` kernels with the most GPU time a step, each under its full name (convforge's names carry
+    the layer's shape and tile), with launches a step and microseconds a launch."""
+    rows = [(e.key, e.count / steps, e.self_device_time_total / steps / 1e3) for e in events
+            if str(e.device_type).endswith("CUDA") and e.self_device_time_total > 0]
+    rows.sort(key=lambda r: -r[2])
+    print(f"\nthe {top} costliest kernels a step:")
+    print(f"{'kernel':90} {'a step':>7} {'ms':>7} {'us each':>8}")
+    for key, n, ms in rows[:top]:
+        print(f"{key[:90]:90} {n:7.1f} {ms:7.3f} {1e3 * ms / max(n, 1e-9):8.1f}")
+
+
 def bn_report(events: Any, steps: int, copy_gbs: float = 4036.0) -> None:
     """convforge's batch-norm kernels (kernels/batchnorm.py, ``bn_train_<N>x<C>x<HW><tags>_<kind>``) by
     kind: launches and ms a step, and GB/s of the activation tensors each kind reads and writes (y, res,
@@ -136,6 +150,8 @@ def main() -> None:
                     help="the mixed-precision step (bench --train --amp's: autocast, GradScaler for fp16, model and "
                     "input channels_last) against PyTorch AMP")
     ap.add_argument("--kernels", action="store_true", help="also: the kernels by launches per step")
+    ap.add_argument("--each", type=int, default=0, metavar="N",
+                    help="also: convforge's N costliest kernels, each by its full name (layer shape)")
     ap.add_argument("--bn", action="store_true", help="also: convforge's batch-norm kernels by kind, with bandwidth")
     ap.add_argument("--phases", action="store_true",
                     help="with --amp: host ms per phase of the step (forward + loss, backward, scaler) for PyTorch, "
@@ -191,6 +207,8 @@ def main() -> None:
                 kernel_report(name, events, a.steps, a.top * 3)
             if a.bn and m is ours:
                 bn_report(events, a.steps)
+            if a.each and m is ours:
+                each_report(events, a.steps, a.each)
             if a.host:
                 cpu_report(name, events, a.steps, a.top)
                 host(name, step, a.steps, a.top * 2 if m is ours else 0)

@@ -5,7 +5,8 @@ dgrads adding the last blocks' residual gradients (``config.residual_grad``, on 
 here whatever the environment says; the native counter moves), the input's and every
 parameter's gradient against float64 within 2x the error of PyTorch's own autocast run, and close to the same
 model with the pairing off; a backward that asks for one weight only (the first block's backward never runs)
-leaves nothing behind, and two backwards over a retained graph sum as autograd's.
+leaves nothing behind, and two backwards over a retained graph sum as autograd's. A bottleneck with a
+downsample (stride 1 and 2) pairs its first block's dgrad with the downsample block's input gradient.
 
 Run on the lent GPU: ``python -m pytest -q tests/test_gpu_residual_grad.py``.
 """
@@ -29,12 +30,19 @@ def _rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
-def _model(seed=0):
+def _model(seed=0, stride=0):
+    """Two bottlenecks after a conv -> BN -> ReLU stem; ``stride`` 1 or 2: the first has a downsample (its
+    conv2 and downsample at that stride, a stage's first bottleneck), whose input gradient pairs too."""
     torch.manual_seed(seed)
     from torchvision.models.resnet import Bottleneck
 
-    body = torch.nn.Sequential(torch.nn.Conv2d(16, C, 1, bias=False), torch.nn.BatchNorm2d(C), torch.nn.ReLU(),
-                               Bottleneck(C, WIDTH), Bottleneck(C, WIDTH))
+    stem, first = C, Bottleneck(C, WIDTH)
+    if stride:
+        stem = WIDTH
+        down = torch.nn.Sequential(torch.nn.Conv2d(stem, C, 1, stride, bias=False), torch.nn.BatchNorm2d(C))
+        first = Bottleneck(stem, WIDTH, stride, down)
+    body = torch.nn.Sequential(torch.nn.Conv2d(16, stem, 1, bias=False), torch.nn.BatchNorm2d(stem),
+                               torch.nn.ReLU(), first, Bottleneck(C, WIDTH))
     for m in body.modules():  # non-trivial batch-norm affines: every gradient term matters
         if isinstance(m, torch.nn.BatchNorm2d):
             torch.nn.init.uniform_(m.weight, 0.5, 1.5)
@@ -68,22 +76,26 @@ def paired(monkeypatch):
     module.set_residual_grad(prev)
 
 
-@pytest.mark.parametrize("dt", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_paired_dgrad_sums_both_gradients(gpu, paired, dt):
+@pytest.mark.parametrize("dt,stride", [(torch.float16, 0), (torch.bfloat16, 0), (torch.float16, 1),
+                                       (torch.float16, 2), (torch.bfloat16, 2)],
+                         ids=["fp16", "bf16", "fp16-downsample", "fp16-downsample/2", "bf16-downsample/2"])
+def test_paired_dgrad_sums_both_gradients(gpu, paired, dt, stride):
     import convforge.torch as ct
 
     module = paired
-    model = _model()
+    model = _model(stride=stride)
     ref64, theirs = copy.deepcopy(model).double(), copy.deepcopy(model)
     fused, _ = ct.fuse(copy.deepcopy(model))
     g = torch.Generator(device="cuda").manual_seed(7)
     x = torch.randn(N, 16, HW, HW, device="cuda", generator=g).contiguous(memory_format=torch.channels_last)
-    gz = torch.randn(N, C, HW, HW, device="cuda", generator=g).contiguous(memory_format=torch.channels_last)
+    out = HW // max(stride, 1)
+    gz = torch.randn(N, C, out, out, device="cuda", generator=g).contiguous(memory_format=torch.channels_last)
     for _ in range(2):  # the first call files every block and attaches the pairs' dgrads; the second is warm
         _step(fused, x, gz, dt)
     before = module.stats()["pair_runs"]
     gx, grads = _step(fused, x, gz, dt)
-    assert module.stats()["pair_runs"] - before == 2, "the two bottlenecks' first blocks did not pair"
+    runs = module.stats()["pair_runs"] - before
+    assert runs == 2, f"the two bottlenecks' first blocks paired {runs} times, not 2"
     try:
         module.set_residual_grad(False)
         gx_off, grads_off = _step(fused, x, gz, dt)

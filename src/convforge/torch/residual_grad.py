@@ -7,7 +7,9 @@ of ResNet-50 N128's AMP step). With ``config.residual_grad`` (``CONVFORGE_RESIDU
 training call that files C (``FusedConv2d._file_block``) finds A by C's residual, plans A's dgrad with the
 residual in its epilogue (:meth:`FusedConv2d.res_dgrad_plan`: the transposed forward GEMM, which stores one)
 and attaches it to A's C++ block program (native.cpp ``attach_res_dgrad``). At run time native.cpp pairs the two calls
-(``PairToken``): C leaves its residual gradient for A's dgrad, which adds it before its one rounding.
+(``PairToken``): C leaves its residual gradient for A's dgrad, which adds it before its one rounding. A
+bottleneck with a downsample pairs the same way: its downsample block (D: conv -> batch norm) reads x too, and
+leaves its input gradient for A's dgrad (the add autograd ran at each stage's first bottleneck).
 
 Where it pays: the dgrad loads its tile's residual into registers before its main loop (``rs=1``,
 ``TcImplicitGemm.epilogue_params``), and only such dgrads pair (16-bit layers; elsewhere the add stays
@@ -40,20 +42,30 @@ _TRIED: set[int] = set()  # handles a residual-adding dgrad was planned for (att
 
 def note_block(module: Any, block: Any, x: torch.Tensor, res: Any, handle: int, dt: torch.dtype,
                per_conv: bool) -> None:
-    """A training block just filed with native.cpp under ``handle``: remember its input ``x`` where the
-    handle is filed per conv (``per_conv``) and x is what its conv reads (``dt``, no cast); where its
-    residual ``res`` is an earlier block's input, give that block's handle the dgrad that adds this
-    gradient (:func:`_attach`)."""
+    """A training block just filed with native.cpp under ``handle``: where its input ``x`` (as its conv
+    reads it: ``dt``, no cast) or its residual ``res`` is an earlier block's input, give that block's handle
+    the dgrad that adds this block's gradient of it (:func:`_attach`); else remember x where the handle is
+    filed per conv (``per_conv``)."""
     if not config.residual_grad:
         return
     for k in [k for k, v in _INPUTS.items() if v[0]() is None]:
         del _INPUTS[k]
-    if per_conv and x.dtype == dt:
+    first = _INPUTS.get(id(x)) if x.dtype == dt else None
+    if first is not None and first[0]() is x and first[1]() is not block:
+        _pair(module, first, x)  # D: x feeds an earlier block too (a downsample beside a bottleneck's first conv)
+    elif per_conv and x.dtype == dt:
         _INPUTS[id(x)] = (weakref.ref(x), weakref.ref(block), handle, dt)
     hit = _INPUTS.get(id(res)) if isinstance(res, torch.Tensor) else None
-    if hit is not None and hit[0]() is res and hit[2] not in _TRIED:
-        _TRIED.add(hit[2])
-        _attach(module, hit[1](), hit[2], res, hit[3])
+    if hit is not None and hit[0]() is res:
+        _pair(module, hit, res)  # C: res is an earlier block's input
+
+
+def _pair(module: Any, first: tuple[Any, ...], x: torch.Tensor) -> None:
+    """Attach to ``first``'s handle (an ``_INPUTS`` entry) the dgrad adding a gradient of its input ``x``,
+    once a handle."""
+    if first[2] not in _TRIED:
+        _TRIED.add(first[2])
+        _attach(module, first[1](), first[2], x, first[3])
 
 
 def _attach(module: Any, first: Any, handle: int, x: torch.Tensor, dt: torch.dtype) -> None:
