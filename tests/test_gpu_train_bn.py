@@ -238,7 +238,8 @@ def test_native_block_is_bit_identical_to_the_python_nodes(gpu, monkeypatch, cas
     the second call on, once the first has filed it) and without it (the op's node and _BnAct), every
     output, gradient, running statistic and batch count bit-identical, and BlockNode really ran; in float32,
     under FP16 / BF16 autocast with channels_last activations (gradients of the float32 master weights), and
-    in a half model."""
+    in a half model. Under autocast the master is cast by the block's attached casts, and its gradient comes
+    back in the parameter's layout."""
     import contextlib
 
     from convforge.config import config
@@ -261,7 +262,7 @@ def test_native_block_is_bit_identical_to_the_python_nodes(gpu, monkeypatch, cas
     act = half or amp or torch.float32  # the activations' dtype
     fmt = torch.channels_last if nhwc else torch.contiguous_format
     g = torch.Generator(device="cuda").manual_seed(3)
-    before = module.stats()["block_runs"]
+    before, casts = module.stats()["block_runs"], module.stats()["cast_runs"]
     for step in range(4):
         x = torch.randn(n, c, h, w, device="cuda", generator=g).to(half or torch.float32, memory_format=fmt)
         p, q = (h + 2 * d * (r // 2) - d * (r - 1) - 1) // s + 1, (w + 2 * d * (r // 2) - d * (r - 1) - 1) // s + 1
@@ -280,6 +281,9 @@ def test_native_block_is_bit_identical_to_the_python_nodes(gpu, monkeypatch, cas
                 assert [type(f).__name__ for f, _ in z.grad_fn.next_functions if f][1] == "AccumulateGrad"
             z.backward(gz)
             assert m.weight.grad.dtype == m.weight.dtype  # float32 master weights under autocast
+            # in the parameter's layout (the strides of sizes above 1, as AccumulateGrad compares them): no copy after
+            assert [st for st, sz in zip(m.weight.grad.stride(), m.weight.shape) if sz > 1] == \
+                [st for st, sz in zip(m.weight.stride(), m.weight.shape) if sz > 1]
             got = [z.detach(), xx.grad, m.weight.grad] + ([rr.grad] if residual else [])
             bn = m._cf_bn
             if affine:
@@ -294,6 +298,8 @@ def test_native_block_is_bit_identical_to_the_python_nodes(gpu, monkeypatch, cas
         for i, (a, b) in enumerate(zip(*outs)):
             assert torch.equal(a, b), (step, i, float((a.double() - b.double()).abs().max()))
     assert module.stats()["block_runs"] - before == 3  # calls 2-4; the first filed it
+    if amp is not None:  # the float32 master cast by the block's own casts (torch/filter_casts.py), not Tensor.to
+        assert module.stats()["cast_runs"] - casts == 3
 
 
 @pytest.mark.parametrize("amp", [None, torch.float16, torch.bfloat16], ids=["fp32", "amp16", "ampbf16"])

@@ -261,10 +261,23 @@ def _maxpool_cases() -> Iterator[Case]:
             yield Case(f"maxpool_train.{tag}.{backend}", ("maxpool_train", pt.dtype, "train", backend), make)
 
 
+def _wcast_cases() -> Iterator[Case]:
+    """A training block's filter casts (kernels/wcast.py): a channels-last 3x3 master (permuting) and a 1x1
+    one (4 elements a thread)."""
+    from convforge.kernels.wcast import WCast, source
+
+    cases = {"3x3-cl-f16": WCast(5, 3, 3, 3, "float16", True), "1x1-bf16": WCast(8, 4, 1, 1, "bfloat16")}
+    for backend in ("cuda", "opencl"):
+        for tag, wc in cases.items():
+            def make(wc: WCast = wc, backend: str = backend) -> str:
+                return source(wc, backend)
+            yield Case(f"wcast.{tag}.{backend}", ("wcast", wc.dtype, "train", backend), make)
+
+
 def _all_cases() -> list[Case]:
     cases = [*_variant_cases(), *_half_cases(), *_prologue_cases(), *_full_transform_cases(),
              *_strided_dgrad_cases(), *_stem_cases(), *_half_tc_cases(), *_batchnorm_cases(), *_bias_grad_cases(),
-             *_grad_rows_cases(), *_maxpool_cases()]
+             *_grad_rows_cases(), *_maxpool_cases(), *_wcast_cases()]
     keys = [c.key for c in cases]
     assert len(keys) == len(set(keys)), "two snapshot cases share a key"
     return cases

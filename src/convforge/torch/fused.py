@@ -61,7 +61,7 @@ from convforge.kernels.batchnorm import ACTS
 from convforge.plan import Epilogue, Prologue
 from convforge.spec import ConvSpec
 from convforge.torch import batchnorm as bn_train
-from convforge.torch import conv_relu, residual_grad
+from convforge.torch import conv_relu, filter_casts, residual_grad
 from convforge.torch.modules import Conv2d, compute_dtype, padding_quad, read_tensor, reads_nhwc
 from convforge.torch.ops import handed_back
 
@@ -261,6 +261,7 @@ class FusedConv2d(Conv2d):
         self._cf_cache[_block_key(x, dt, res, bn)] = (module, handle, call)
         # a handle with a statistics conv is filed per conv: one residual-adding dgrad fits its every call
         residual_grad.note_block(module, self, x, res, handle, dt, stats is not None)
+        filter_casts.attach(module, handle, w, dt)
 
     def _stats_conv(self, x: torch.Tensor, w: torch.Tensor, dt: torch.dtype,
                     y: torch.Tensor) -> tuple[Any, int, Any] | None:

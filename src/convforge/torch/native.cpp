@@ -168,9 +168,11 @@ void launch_checked(const Program& p, const std::vector<LaunchRec>& runs, const 
 
 // Counted off the hot path, for tests and the host-cost script: filter transforms run, op calls
 // that went to Python (misses, layers convforge leaves to PyTorch).
-std::atomic<uint64_t> transforms{0}, op_fallbacks{0}, pass_runs{0}, block_runs{0}, relu_runs{0}, pair_runs{0};
+std::atomic<uint64_t> transforms{0}, op_fallbacks{0}, pass_runs{0}, block_runs{0}, relu_runs{0}, pair_runs{0},
+    cast_runs{0};
 // pass_runs: backward calls run here, block_runs: conv -> batch norm blocks run by BlockNode, relu_runs: conv ->
-// ReLU layers run by ConvReluNode, pair_runs: block dgrads run with a later block's residual gradient added
+// ReLU layers run by ConvReluNode, pair_runs: block dgrads run with a later block's residual gradient added,
+// cast_runs: blocks' master filters cast by their attached casts (attach_wcast)
 
 // The packed filter-derived buffer for w (transformed now if missing or stale), or undefined:
 // inference tensors (no version counter) run the whole plan, as in Python.
@@ -339,13 +341,14 @@ PyObject* py_clear(PyObject*, PyObject*) {
 }
 
 PyObject* py_stats(PyObject*, PyObject*) {
-  return Py_BuildValue("{s:n,s:K,s:K,s:K,s:K,s:K,s:K}", "entries", static_cast<Py_ssize_t>(table.size()),
+  return Py_BuildValue("{s:n,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "entries", static_cast<Py_ssize_t>(table.size()),
                        "transforms", static_cast<unsigned long long>(transforms.load()), "op_fallbacks",
                        static_cast<unsigned long long>(op_fallbacks.load()), "pass_runs",
                        static_cast<unsigned long long>(pass_runs.load()), "block_runs",
                        static_cast<unsigned long long>(block_runs.load()), "relu_runs",
                        static_cast<unsigned long long>(relu_runs.load()), "pair_runs",
-                       static_cast<unsigned long long>(pair_runs.load()));
+                       static_cast<unsigned long long>(pair_runs.load()), "cast_runs",
+                       static_cast<unsigned long long>(cast_runs.load()));
 }
 
 
@@ -428,6 +431,8 @@ PyMethodDef methods[] = {
     {"block", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_block)), METH_FASTCALL,
      "block(conv2d's 14 arguments, res, gamma, beta, running_mean, running_var, num_batches_tracked, handle) -> "
      "a conv -> batch norm block's output through one C++ autograd node, or None"},
+    {"attach_wcast", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_attach_wcast)), METH_FASTCALL,
+     "attach_wcast(handle, program, shape, dtype, cl, dims) -> whether a block's filter casts were attached"},
     {"attach_res_dgrad", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_attach_res_dgrad)),
      METH_FASTCALL, "attach_res_dgrad(handle, program, out_shape) -> whether a block's residual-adding dgrad was attached"},
     {"conv_relu", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_conv_relu)), METH_FASTCALL,
