@@ -367,3 +367,21 @@ def test_half_depthwise_writes_at_a_channel_offset(ocl, layout) -> None:
     got = got.transpose(0, 3, 1, 2) if nhwc else got
     assert rel_l2(got[:, 3:3 + spec.k], conv2d_ref(x, w, spec, b)) < 1e-3
     assert np.isnan(got[:, :3]).all() and np.isnan(got[:, 3 + spec.k:]).all()
+
+
+def test_half_nchw_3x3_on_large_planes_counts_itself_slow() -> None:
+    """Depthwise.slow_on: half NCHW forwards of up to 3x3 taps on planes of 56 x 56 and more (measured below
+    cuDNN) go to PyTorch (slow_reason names why); channels-last, float32, 5x5 and larger filters, smaller
+    planes and the other passes stay ours."""
+    from convforge.dispatch import is_fast, slow_reason
+
+    v = get_variant("depthwise")
+    mbv2 = ConvSpec.make(64, 144, 56, 56, 144, 3, 3, 2, 1, groups=144, dtype="float16")  # 144@56/2
+    why = slow_reason(mbv2, NOMINAL_CUDA, v)
+    assert not is_fast(v, mbv2, NOMINAL_CUDA) and why is not None and "3x3 filters on 56x56 NCHW half planes" in why
+    assert slow_reason(dataclasses.replace(mbv2, stride=(1, 1), h=112, w=112, dtype="bfloat16"), NOMINAL_CUDA, v)
+    changes = (dict(layout="nhwc"), dict(dtype="float32"), dict(h=28, w=28), dict(h=55, w=57),
+               dict(r=5, s=5, pad=(2, 2, 2, 2)), dict(r=7, s=7, pad=(3,) * 4), dict(r=3, s=5, pad=(1, 1, 2, 2)))
+    for kept in (dataclasses.replace(mbv2, **change) for change in changes):
+        assert is_fast(v, kept, NOMINAL_CUDA) and slow_reason(kept, NOMINAL_CUDA, v) is None, kept.short()
+    assert slow_reason(dataclasses.replace(mbv2, r=1, s=3, pad=(0, 0, 1, 1)), NOMINAL_CUDA, v)  # 3 taps: small

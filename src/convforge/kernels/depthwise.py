@@ -58,6 +58,9 @@ _SMEM = 48 * 1024  # static shared memory a block may declare
 _LOAD_BATCH = 8  # global loads held in registers before their shared stores
 REG_TAPS = 81  # filters of more taps than this (larger than 9x9) take the tiled form (taps in shared memory)
 ALL_DTYPES = frozenset({"float32", "float16", "bfloat16"})
+# Depthwise.slow_on: half NCHW forwards of filters of at most this many taps on planes of at least this many
+# pixels are measured below cuDNN of the dtype; PyTorch runs them
+SLOW_NCHW_TAPS, SLOW_NCHW_PLANE = 9, 56 * 56
 
 
 @dataclass(frozen=True)
@@ -929,6 +932,16 @@ class Depthwise(Variant):
 
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
         return _nhwc_rank(spec, self.specialised)
+
+    def slow_on(self, spec: ConvSpec) -> str | None:
+        """Half-precision NCHW filters of up to 3x3 taps on planes of 56 x 56 and more: measured below cuDNN of
+        the dtype (docs/NOTES-gemm.md), so such a layer goes to PyTorch; channels-last, larger filters and smaller
+        planes stay ours."""
+        if (spec.layout == "nchw" and spec.dtype in ("float16", "bfloat16") and spec.r * spec.s <= SLOW_NCHW_TAPS
+                and spec.h * spec.w >= SLOW_NCHW_PLANE):
+            return (f"{spec.r}x{spec.s} filters on {spec.h}x{spec.w} NCHW half planes ran at 0.31-0.90x cuDNN-best "
+                    "(docs/NOTES-gemm.md); channels-last runs them at 1.0-1.3x")
+        return None
 
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
         return stencil_default(fprop_stencil(spec), device)
