@@ -25,16 +25,35 @@ _ATTACHED: dict[int, WCast] = {}  # handle -> the casts attached to it last (a f
 _DIMS: dict[tuple[int, WCast], torch.Tensor] = {}  # (device, casts) -> the kernels' sizes on the device, kept for good
 
 
-def attach(module: Any, handle: int, w: torch.Tensor, dt: torch.dtype) -> None:
-    """Attach to ``handle`` the casts between ``w`` (a float32 master, KCRS or channels-last) and the conv's
-    ``dt`` halves; nothing for other weights. Any failure only costs the speed-up (logged)."""
+def casts_of(w: torch.Tensor, dt: torch.dtype) -> WCast | None:
+    """The casts between ``w`` (a float32 master, KCRS or channels-last) and the conv's ``dt`` halves, or None
+    for other weights."""
     if w.dtype != torch.float32 or dt not in (torch.float16, torch.bfloat16) or w.dim() != 4 or not w.is_cuda:
-        return
-    k, c, r, s = w.shape
+        return None
     cl = not w.is_contiguous() and w.is_contiguous(memory_format=torch.channels_last)
     if not (cl or w.is_contiguous()):
+        return None
+    k, c, r, s = w.shape
+    return WCast(k, c, r, s, "float16" if dt == torch.float16 else "bfloat16", cl)
+
+
+def program_work(wc: WCast) -> Any:
+    """The ``Work`` of the program :func:`attach` builds for ``wc`` (the same source): what
+    torch/train_ahead.py compiles ahead, so the first step finds it built."""
+    from convforge.backends.base import Work
+    from convforge.codegen.render import render
+
+    prog = wcast_program(wc)
+    return Work(render(list(prog.kernels), "cuda", title(wc)), tuple(prog.kernels))
+
+
+def attach(module: Any, handle: int, w: torch.Tensor, dt: torch.dtype) -> None:
+    """Attach to ``handle`` the casts between ``w`` and the conv's ``dt`` halves (:func:`casts_of`); nothing
+    for other weights. Any failure only costs the speed-up (logged)."""
+    wc = casts_of(w, dt)
+    if wc is None:
         return
-    wc = WCast(k, c, r, s, "float16" if dt == torch.float16 else "bfloat16", cl)
+    k, c, r, s = w.shape
     if _ATTACHED.get(handle) == wc:
         return
     _ATTACHED[handle] = wc

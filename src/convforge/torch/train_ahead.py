@@ -15,9 +15,10 @@ the programs the step will build are predicted and compiled on a pool of threads
   them (``dispatch.choose``, the NHWC plans first for channels-last activations);
 - for a fused block whose batch norm trains on convforge's kernels (``FusedConv2d``, torch/batchnorm.py):
   the batch norm's program of its first call, and, under ``config.bn_stats``, the block's conv with the
-  statistics epilogue (``FusedConv2d.stats_plan``) and the batch norm that finalizes those statistics;
-- for a fused block whose input a later block adds as its residual (a bottleneck's first block), under
-  ``config.residual_grad``: its dgrad that adds that residual gradient (``FusedConv2d.res_dgrad_plan``,
+  statistics epilogue (``FusedConv2d.stats_plan``) and the batch norm that finalizes those statistics; under
+  autocast, its float32 master's filter casts (torch/filter_casts.py: a program a form, not a layer);
+- for a fused block whose input a later block adds as its residual or reads too (a bottleneck's first block),
+  under ``config.residual_grad``: its dgrad that adds that residual gradient (``FusedConv2d.res_dgrad_plan``,
   torch/residual_grad.py).
 
 A layer PyTorch runs (a half layer handed back) is skipped. A prediction that misses costs one compile
@@ -97,9 +98,12 @@ def compile_training_ahead(model: torch.nn.Module, *example: Any, **example_kwar
     seen: set[Any] = set()
     blocks: dict[int, LayerCall] = {}  # fused blocks by their input's identity
     for call in record_calls(model, example, example_kwargs):
-        for w in _call_work(call, seen) + _pair_work(blocks.get(call.res_id) if call.res_id else None, seen):
+        first = blocks.get(call.res_id) if call.res_id else None  # C: its residual is an earlier block's input
+        if first is None and call.block is not None:
+            first = blocks.get(call.x_id)  # D: its input is an earlier block's too (residual_grad.note_block)
+        for w in _call_work(call, seen) + _pair_work(first, seen):
             work_by_device.setdefault(call.device, {})[w.source] = w
-        if call.block is not None:
+        if call.block is not None and call.x_id not in blocks:
             blocks[call.x_id] = call
     name = type(model).__name__
     compiled = 0
@@ -211,7 +215,8 @@ def _layer_call(m: Conv2d, x: torch.Tensor, needs_dgrad: bool, res: Any = None,
 
 def _block_work(call: LayerCall, seen: set[Any]) -> list[Any]:
     """The programs a fused block's first training call builds besides its conv's (module docstring):
-    its batch norm's, and under ``config.bn_stats`` the statistics conv and the batch norm finishing it;
+    its batch norm's, under ``config.bn_stats`` the statistics conv and the batch norm finishing it, and an
+    autocast block's filter casts (torch/filter_casts.py);
     empty where the block's batch norm is PyTorch's, nothing applies or ``seen`` has them already."""
     from convforge.config import config
     from convforge.spec import ConvSpec
@@ -222,6 +227,12 @@ def _block_work(call: LayerCall, seen: set[Any]) -> list[Any]:
     m, bn, residual, relu, act = call.block
     if not (config.train_bn and type(bn) is torch.nn.BatchNorm2d and bn.momentum is not None):
         return []
+    from convforge.torch import filter_casts
+
+    casts = filter_casts.casts_of(m.weight, call.dtype)  # an autocast block's float32 master: its casts' form
+    cast_work = [] if casts is None or ("wcast", casts.form()) in seen else [filter_casts.program_work(casts)]
+    if casts is not None:
+        seen.add(("wcast", casts.form()))
     try:
         y = ConvSpec.from_shapes(call.x_shape, call.w_shape, call.stride, call.pad, call.dilation, call.groups,
                                  str(call.dtype).replace("torch.", "")).y_shape
@@ -238,7 +249,7 @@ def _block_work(call: LayerCall, seen: set[Any]) -> list[Any]:
 
                 plan, parts, _ = found
                 work += [plan_work(bn_train.partials_in_res(plan), "cuda"), bn_train.program_work(key, parts)]
-        return work
+        return work + cast_work
     except (ValueError, RuntimeError, KeyError) as err:
         log.debug("convforge: no batch-norm programs to compile ahead for %s (%s)", call.x_shape, err)
         return []
