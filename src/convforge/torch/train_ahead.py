@@ -165,6 +165,7 @@ def record_calls(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str
     # the inputs' GPUs only: forking every visible device's generator would make a context on each (DDP)
     devices = sorted({a.device.index or 0 for a in tensors if a.is_cuda})
     calls: list[LayerCall] = []
+    alive: list[Any] = []  # every recorded input and residual until the end: their ids (LayerCall) stay unique
     held = _training_batch_norms(model)
     benchmark = torch.backends.cudnn.benchmark  # PyTorch's stand-in convolutions need no algorithm search
     try:
@@ -173,7 +174,7 @@ def record_calls(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str
             bn.training = False
         ids = {id(bn) for bn in held}
         with torch.random.fork_rng(devices=devices):
-            _record(model, args, kwargs, lambda m, rec: _visiting(m, rec, calls, inputs, ids))  # jobs: never run
+            _record(model, args, kwargs, lambda m, rec: _visiting(m, rec, calls, inputs, ids, alive))  # jobs: never run
     finally:
         for bn in held:
             bn.training = True
@@ -181,13 +182,16 @@ def record_calls(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str
     return calls
 
 
-def _visiting(m: Conv2d, inner: Any, calls: list[LayerCall], inputs: set[int], held: set[int]) -> Any:
+def _visiting(m: Conv2d, inner: Any, calls: list[LayerCall], inputs: set[int], held: set[int],
+              alive: list[Any]) -> Any:
     """``inner`` (the layer's recorded forward), noting the layer's input first; ``held``: the ids of
-    the batch norms that train (held in eval mode while recording)."""
+    the batch norms that train (held in eval mode while recording); ``alive`` keeps each noted input and
+    residual, so no later tensor of the recording takes its id (which pairs blocks: compile_training_ahead)."""
     def forward(x: torch.Tensor, *rest: Any) -> torch.Tensor:
         call = _layer_call(m, x, id(x) not in inputs, rest[0] if rest else None, held)
         if call is not None:
             calls.append(call)
+            alive.append((x, rest[0] if rest else None))
         return inner(x, *rest)  # type: ignore[no-any-return]
 
     return forward
