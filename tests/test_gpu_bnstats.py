@@ -97,7 +97,7 @@ def test_the_batch_norm_finalizes_the_epilogues_partials(hopper) -> None:  # typ
     got = host_run(hopper, bn, "forward", {"y": rows.astype(np.float32).reshape(-1), "gamma": ones, "beta": zeros,
                                            "rmean": zeros.copy(), "rvar": ones.copy(), "nbt": np.zeros(1, np.int64),
                                            "part": part.reshape(-1)}, prog)
-    st = got["st"].reshape(len(ST), c).astype(np.float64)
+    st = got["st"][:len(ST) * c].reshape(len(ST), c).astype(np.float64)
     np.testing.assert_allclose(st[ST.index("k0")] + st[ST.index("dm")], rows.mean(0), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(1.0 / st[ST.index("inv")] ** 2 - bn.eps, rows.var(0), rtol=1e-4)
 

@@ -21,6 +21,17 @@ A kernel body is plain C using these tokens, which each renderer spells its own 
     MISH(a)                                               a * tanh(log1p(exp(a))): Mish (NaN kept)
     DSILU(a), DHSWISH(a)                                  the derivative of SiLU / HardSwish at a (backward)
     LDG(p)                                                read-only load of *p
+    LDCG(p)                                               load of *p from the device-wide level (CUDA L2,
+                                                          not this SM's L1): values other blocks wrote
+                                                          and fenced before a TICKET this block took
+    FENCE_DEVICE()                                        device-wide acquire-release fence (CUDA
+                                                          fence.acq_rel.gpu, sm_70+): with a barrier
+                                                          before it, the block's global writes ordered
+                                                          before a TICKET; after one, others' after it
+    TICKET(p)                                             atomic increment of the 32-bit unsigned counter
+                                                          at float pointer p (its bits: 0.0f is 0),
+                                                          returning the old count: the block that draws
+                                                          the last ticket finishes what every block began
     SHFL(v, lane)                                         warp shuffle (feature "shuffle", CUDA only)
     TEX(t, i)                                             element i of a TexBuf (feature "texture")
     COPY4_ASYNC(dst, src)                                 4 floats global -> shared, 16-byte aligned;

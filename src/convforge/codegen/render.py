@@ -21,7 +21,7 @@ from convforge.codegen.dialect import (
 _TOKEN = re.compile(r"\b(GROUP_ID|LOCAL_ID|GROUP_SIZE|NUM_GROUPS|BARRIER|VLOAD4|VSTORE4|VLOAD2|"
                     r"LD_F16|LDG_F16|ST_F16|VLOAD4_F16|VSTORE4_F16|LD_BF16|LDG_BF16|ST_BF16|VLOAD4_BF16|VSTORE4_BF16|"
                     r"VLOAD8_F16|VSTORE8_F16|VLOAD8_BF16|VSTORE8_BF16|"
-                    r"MAKE_FLOAT4|FMA|MAX|RELU|GELU|SILU|HSWISH|MISH|DSILU|DHSWISH|LDG|SHFL|TEX|COPY4_ASYNC|COPY1_ASYNC|COPY_WAIT|CVT_TF32|"
+                    r"MAKE_FLOAT4|FMA|MAX|RELU|GELU|SILU|HSWISH|MISH|DSILU|DHSWISH|LDG|LDCG|FENCE_DEVICE|TICKET|SHFL|TEX|COPY4_ASYNC|COPY1_ASYNC|COPY_WAIT|CVT_TF32|"
                     r"MMA_TF32_16x8x8|MMA_F16_16x8x16|MMA_BF16_16x8x16|SMEM_U32|CP_ASYNC16|CP_ASYNC4|CP_ASYNC_COMMIT|CP_ASYNC_WAIT|LDMATRIX_X4|LDS_F4|"
                     r"LDS_F1|TF32_RHA|FENCE_PROXY_ASYNC|WGMMA_FENCE|WGMMA_COMMIT|WGMMA_WAIT|WGMMA_TF32|"
                     r"MBAR_INIT|MBAR_WAIT|MBAR_ARRIVE|CP_ASYNC_MBAR_ARRIVE|SETMAXNREG_INC|SETMAXNREG_DEC|"
@@ -349,6 +349,9 @@ class CudaRenderer(Renderer):
             "DSILU": lambda: f"cf_dsilu({args[0]})",
             "DHSWISH": lambda: f"cf_dhswish({args[0]})",
             "LDG": lambda: f"__ldg({args[0]})",
+            "LDCG": lambda: f"__ldcg({args[0]})",
+            "FENCE_DEVICE": lambda: "cf_fence_gpu()",
+            "TICKET": lambda: f"atomicAdd((unsigned int*)({args[0]}), 1u)",
             "SHFL": lambda: f"__shfl_sync(0xffffffffu, {args[0]}, {args[1]})",
             "TEX": lambda: f"tex1Dfetch<float>({args[0]}, {args[1]})",
             "COPY4_ASYNC": lambda: f"cf_copy4_async({args[0]}, {args[1]})",
@@ -400,6 +403,8 @@ class CudaRenderer(Renderer):
             head += _CUDA_HALF8.splitlines() + [""]
         if any(_calls(k.body, "COPY1_ASYNC", "COPY4_ASYNC") for k in kernels):
             head += _CUDA_COPY_ASYNC.splitlines() + [""]
+        if any(_calls(k.body, "FENCE_DEVICE") for k in kernels):
+            head += _CUDA_FENCE.splitlines() + [""]
         if any(_calls(t, "MMA_TF32_16x8x8", "CVT_TF32") for k in kernels for t in (k.body, k.helpers)):
             head += _CUDA_MMA_TF32.splitlines() + [""]
         if any(_calls(t, "MMA_F16_16x8x16", "MMA_BF16_16x8x16") for k in kernels for t in (k.body, k.helpers)):
@@ -461,6 +466,16 @@ __device__ __forceinline__ void cf_copy_wait()
 # Tensor cores, TF32 (sm_80+): cvt.rna rounds to the nearest TF32 value (ties away from zero), as
 # cuDNN rounds its operands; mma.sync m16n8k8 multiplies TF32 fragments with FP32 accumulation in
 # place (D = C). Plain asm (not volatile): the compiler may schedule them like arithmetic.
+# FENCE_DEVICE: the acquire-release fence where the target has it (sm_70+), else the full one
+_CUDA_FENCE = r"""__device__ __forceinline__ void cf_fence_gpu()
+{
+#if __CUDA_ARCH__ >= 700
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+#else
+    __threadfence();
+#endif
+}"""
+
 _CUDA_MMA_TF32 = r"""__device__ __forceinline__ float cf_tf32(float x)
 {
     unsigned r;
@@ -811,6 +826,9 @@ class OpenCLRenderer(Renderer):
             "DSILU": lambda: f"cf_dsilu({args[0]})",
             "DHSWISH": lambda: f"cf_dhswish({args[0]})",
             "LDG": lambda: f"(*({args[0]}))",
+            "LDCG": lambda: f"(*(volatile __global const float*)({args[0]}))",
+            "FENCE_DEVICE": lambda: "mem_fence(CLK_GLOBAL_MEM_FENCE)",
+            "TICKET": lambda: f"atomic_inc((volatile __global uint*)({args[0]}))",
             "COPY4_ASYNC": lambda: f"vstore4(vload4(0, {args[1]}), 0, {args[0]})",
             "COPY1_ASYNC": lambda: (f"(({args[0]})[{args[1]}] = ((({args[4]}) >> ({args[5]})) & 1ul) ? "
                                     f"({args[2]})[{args[3]}] : 0.0f)"),

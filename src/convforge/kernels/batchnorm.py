@@ -1,4 +1,4 @@
-"""Batch norm in training mode, with the residual add and ReLU that follow it, in three kernels a pass.
+"""Batch norm in training mode, with the residual add and ReLU that follow it, in three kernels a pass at most.
 
 conv -> batch norm (batch statistics) [-> + residual] [-> ReLU] is the block of every ResNet. PyTorch runs it
 as ``cudnn_batch_norm`` (a statistics pass and a normalising pass), ``add_`` and ``relu_``: five to eight
@@ -23,7 +23,10 @@ forward   stats     block (j, c): slice j of channel c's N*H*W values as shifted
 backward  reduce    block (j, c): g = dz masked by the ReLU (without a residual the mask is recomputed from
                     y with the forward's own FMA, so z is not read; with one it comes from z and g is
                     written out: it is the residual's gradient), sums of g and g * (y - mean)
-          finalize  channel c: dgamma, dbeta ("dg", 2 x C) and dy's coefficients b, d ("cf", 2 x C)
+          finalize  in the reduce: the block that draws the last ticket of its channel (tile) sums the
+                    slices in a fixed order -> dgamma, dbeta ("dg", 2 x C) and dy's coefficients b, d
+                    ("cf", 2 x C); the tickets live in "st" after its rows, set to 0 by the forward's
+                    finalize and again by the block that used them (``_Tickets``)
           apply     dy = scale * g + b * (y - mean) + d
 
 SiLU or HardSwish after the batch norm (``BnTrain.act``: EfficientNet's and MobileNet-v3's conv -> BN ->
@@ -31,7 +34,8 @@ activation, no ReLU, no residual): the apply writes act(pre), and the backward's
 activation's derivative at the pre-activation, recomputed from y as the ReLU's mask is (DSILU / DHSWISH,
 PyTorch's silu_backward and hardswish_backward formulas): no activation pass and no kernel of its own.
 
-3 passes over the activation forward instead of 5 (8 with a residual), 5 (7) backward instead of 8. Every
+3 passes over the activation forward instead of 5 (8 with a residual), 5 (7) backward instead of 8; 3
+launches forward, 2 backward. Every
 reduction adds in a fixed order, so runs are bit-identical; Inf and NaN propagate (the variance's clamp at 0
 and the ReLU mask keep NaN, as PyTorch's kernels do: a GradScaler must see them).
 
@@ -51,6 +55,7 @@ elementwise kernels take 4 channels a thread where C is a multiple of 4. Element
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -142,13 +147,15 @@ class BnTrain:
 
 @dataclass(frozen=True)
 class BnProgram:
-    """The six kernels and their launches; buffers by name (module docstring), ``part`` floats of
-    scratch for the slices' sums."""
+    """The kernels and their launches; buffers by name (module docstring), ``part`` floats of scratch for
+    the slices' sums, ``st`` floats of the statistics buffer (its ``ST`` rows, then the backward's tickets
+    where it splits the rows: :func:`_tickets`)."""
 
     kernels: tuple[Kernel, ...]
     forward: tuple[Launch, ...]
     backward: tuple[Launch, ...]
     part: int
+    st: int
 
 
 @dataclass(frozen=True)
@@ -177,6 +184,45 @@ class _Rows:
     def width(self) -> int:
         """Channels of a tile."""
         return self.tc * self.v
+
+
+@dataclass(frozen=True)
+class _Tickets:
+    """The split backward's tickets, in "st" from float ``at`` on: per reduction tile of ``width`` channels
+    (NHWC: ``_Rows``' tile; NCHW: a channel) one a group of ``size`` slices (``groups`` of them; none where
+    the slices are few) and one for the tile. The forward's finalize sets them to 0; the block that draws
+    a group's last ticket sums the group, the one that draws the tile's last finalizes it, and each sets
+    its ticket back to 0 (a second backward over a retained graph finds 0 again). Two levels, so no block
+    reads more than about sqrt(slices) rows of partial sums: one block reading all 528 of a 64-channel
+    tile (270 KB from L2 through one SM) is several microseconds at every kernel's end."""
+
+    at: int
+    width: int
+    tiles: int
+    slices: int
+    size: int  # slices a group (= slices: one level)
+
+    @classmethod
+    def of(cls, bn: BnTrain, width: int, sp: int) -> _Tickets:
+        size = sp if sp <= _ONE_LEVEL else math.isqrt(sp - 1) + 1
+        return cls(len(ST) * bn.c, width, cdiv(bn.c, width), sp, size)
+
+    @property
+    def groups(self) -> int:
+        """Groups of slices (0: one level)."""
+        return 0 if self.size == self.slices else cdiv(self.slices, self.size)
+
+    @property
+    def per_tile(self) -> int:
+        return self.groups + 1
+
+    @property
+    def floats(self) -> int:
+        """Floats they take, rounded up to 4 so "part" after them stays 16-byte aligned."""
+        return cdiv(self.tiles * self.per_tile, 4) * 4
+
+
+_ONE_LEVEL = 32  # slices a split backward's last block sums itself (more: in groups, _Tickets)
 
 
 def _threads(device: DeviceInfo) -> int:
@@ -211,12 +257,14 @@ def bn_program(bn: BnTrain, device: DeviceInfo, sp: int | None = None, partials:
     if bn.nhwc:
         rows = _Rows.of(bn, bt)
         v, rgrid, rblock = rows.v, (sp, rows.tiles, 1), (rows.tc * rows.tr, 1, 1)
+        tk = _Tickets.of(bn, rows.width, sp) if sp > 1 else None
         stats = _rows_reduce_kernel(bn, "stats", sp, rows, ix, fused=sp == 1)
-        bred = _rows_reduce_kernel(bn, "bwd_reduce", sp, rows, ix, fused=sp == 1)
+        bred = _rows_reduce_kernel(bn, "bwd_reduce", sp, rows, ix, fused=sp == 1, tk=tk)
     else:
         v, rgrid, rblock = (4 if bn.hw % 4 == 0 else 1), (sp, bn.c, 1), (bt, 1, 1)
+        tk = _Tickets.of(bn, 1, sp) if sp > 1 else None
         stats = _reduce_kernel(bn, "stats", sp, bt, v, ix, fused=sp == 1)
-        bred = _reduce_kernel(bn, "bwd_reduce", sp, bt, v, ix, fused=sp == 1)
+        bred = _reduce_kernel(bn, "bwd_reduce", sp, bt, v, ix, fused=sp == 1, tk=tk)
     egrid, eblock = (cdiv(bn.total // v, BLOCK), 1, 1), (BLOCK, 1, 1)
 
     def finalize(kernel: Kernel, count: int, threads: int = BLOCK) -> Launch:
@@ -229,25 +277,26 @@ def bn_program(bn: BnTrain, device: DeviceInfo, sp: int | None = None, partials:
     kernels: list[Kernel] = []
     if partials is not None:  # statistics from another kernel's partial sums: finalize, apply
         ft = _partial_threads(device)
-        pfin, apply = _finalize_kernel(bn, partials, external=True, threads=ft), _apply_kernel(bn, v, ix)
+        pfin, apply = _finalize_kernel(bn, partials, external=True, threads=ft, tk=tk), _apply_kernel(bn, v, ix)
         kernels += [pfin, apply]
         fwd: tuple[Launch, ...] = (finalize(pfin, partials, ft), launch(apply, egrid, eblock))
     elif sp == 1:  # a block per channel (tile): statistics, finalize and apply in one kernel a pass
         kernels.append(stats)
         fwd = (launch(stats, rgrid, rblock),)
     else:
-        fin, apply = _finalize_kernel(bn, sp), _apply_kernel(bn, v, ix)
+        fin, apply = _finalize_kernel(bn, sp, tk=tk), _apply_kernel(bn, v, ix)
         kernels += [stats, fin, apply]
         fwd = (launch(stats, rgrid, rblock), finalize(fin, sp), launch(apply, egrid, eblock))
     if sp == 1:
         kernels.append(bred)
         bwd: tuple[Launch, ...] = (launch(bred, rgrid, rblock),)
-    else:
-        bfin, bapply = _bwd_finalize_kernel(bn, sp), _bwd_apply_kernel(bn, v, ix)
-        kernels += [bred, bfin, bapply]
-        bwd = (launch(bred, rgrid, rblock), finalize(bfin, sp), launch(bapply, egrid, eblock))
-    part = max(2 * sp * bn.c if sp > 1 else 0, len(PARTIAL_ROWS) * partials * bn.c if partials else 0)
-    return BnProgram(tuple(kernels), fwd, bwd, part)
+    else:  # the reduction's last block of a tile finalizes it (_ticket_tail)
+        bapply = _bwd_apply_kernel(bn, v, ix)
+        kernels += [bred, bapply]
+        bwd = (launch(bred, rgrid, rblock), launch(bapply, egrid, eblock))
+    part = max(2 * (sp + (tk.groups if tk else 0)) * bn.c if sp > 1 else 0,
+               len(PARTIAL_ROWS) * partials * bn.c if partials else 0)
+    return BnProgram(tuple(kernels), fwd, bwd, part, len(ST) * bn.c + (tk.floats if tk else 0))
 
 
 def _names(k: Kernel) -> tuple[str, ...]:
@@ -357,16 +406,19 @@ def _store(s: Storage, v: int, outs: list[str], ptr: str, off: str) -> str:
 
 
 def _bwd_args(bn: BnTrain, fused: bool) -> tuple[Buf, ...]:
-    """The buffers of a backward reduction (``fused``: also its finalize and apply)."""
+    """The buffers of a backward reduction: ``fused`` (one block a tile) also its finalize and apply's,
+    else the split reduction's, whose last block of a tile finalizes it (tickets in "st")."""
     s, writes_gm = _act(bn), bn.relu and bn.residual
-    head = (s.buf("gz"), s.buf("y"), *((s.buf("z"),) if writes_gm else ()), Buf("st"),
+    head = (s.buf("gz"), s.buf("y"), *((s.buf("z"),) if writes_gm else ()), Buf("st", readonly=fused),
             *((s.buf("gm", readonly=False),) if writes_gm else ()))
+    dg = (_par(bn).buf("dg", readonly=False),) if bn.affine else ()
     if not fused:
-        return (*head, Buf("part", readonly=False))
-    return (*head, *((_par(bn).buf("dg", readonly=False),) if bn.affine else ()), s.buf("dy", readonly=False))
+        return (*head, Buf("part", readonly=False), *dg, Buf("cf", readonly=False))
+    return (*head, *dg, s.buf("dy", readonly=False))
 
 
-def _reduce_kernel(bn: BnTrain, what: str, sp: int, bt: int, v: int, ix: str, fused: bool = False) -> Kernel:
+def _reduce_kernel(bn: BnTrain, what: str, sp: int, bt: int, v: int, ix: str, fused: bool = False,
+                   tk: _Tickets | None = None) -> Kernel:
     """NCHW, block (j, c): slice j of channel c. "stats": sums of (y - k) and (y - k)^2, k = y[0, c, 0];
     "bwd_reduce": sums of g and g * (y - mean) (and g written to "gm" with a ReLU and a residual).
     Partial sums land in part[j * C + c] and part[(sp + j) * C + c]; ``fused`` (one slice: the block
@@ -412,9 +464,80 @@ def _reduce_kernel(bn: BnTrain, what: str, sp: int, bt: int, v: int, ix: str, fu
         return _fused_tail(bn, code, bwd, bt, v, ix, what_text)
     with code.block("if (t == 0)"):
         code(f"part[j * {bn.c} + c] = r1[0];", f"part[({sp} + j) * {bn.c} + c] = r2[0];")
+    if bwd:
+        assert tk is not None
+        _ticket_tail(bn, code, sp, tk, "c", bt, 1, 1, "t", "t == 0", "")
+        what_text += ", the last block of a channel its finalize"
     args = _bwd_args(bn, False) if bwd else (s.buf("y"), Buf("part", readonly=False))
     return Kernel(f"{_prefix(bn)}_{what}", args, code.text(), (bt, 1, 1),
                   comment=f"{NAME}: {what_text} per (slice, channel), {sp} slice(s), {bt} threads")
+
+
+def _ticket_tail(bn: BnTrain, code: Code, sp: int, tk: _Tickets, tile: str, rows: int, width: int, v: int,
+                 me: str, first: str, ok: str) -> None:
+    """After a split backward reduction block (slice j) stored its partial sums: the last block of its
+    group of slices to draw a ticket (``_Tickets``) sums the group's rows into a group row after the slices',
+    and the last group's finisher sums those and its ``first`` threads finalize their channels (dgamma,
+    dbeta into "dg", dy's coefficients into "cf", as a finalize kernel would). Each sum is in a fixed order
+    (thread row ``me`` of ``rows`` adds rows me, me + rows, ..., then the tree): the same result whichever
+    block is last. ``ok``: the condition of a thread holding real channels ("": all)."""
+    ch = [f"c + {i}" if v > 1 else "c" for i in range(v)]
+    at = [f"t * {v} + {i}" if v > 1 else "t" for i in range(v)]
+    slot = f"{tk.at} + {tile} * {tk.per_tile}"  # this tile's tickets in st
+    base = f"st + {slot}"
+    code("SHARED int last[1];")
+    if tk.groups:
+        g, size = f"(j / {tk.size})", f"min({tk.size}, {sp} - (j / {tk.size}) * {tk.size})"
+        _draw(code, f"{base} + {g}", f"{size} - 1")
+        code(f"if (t == 0) st[{slot} + {g}] = 0.0f;  // the group's ticket back to 0 (its bits)")
+        _sum_rows(bn, code, sp, f"{g} * {tk.size}", f"{g} * {tk.size} + {size}", rows, width, v, me, ok)
+        rows1, rows2 = f"{2 * sp} + {g}", f"{2 * sp + tk.groups} + {g}"
+        with code.block(f"if ({first})"):
+            code(*[f"part[({rows1}) * {bn.c} + {ch[i]}] = r1[{at[i]}]; part[({rows2}) * {bn.c} + {ch[i]}] = "
+                   f"r2[{at[i]}];" for i in range(v)])
+        _draw(code, f"{base} + {tk.groups}", f"{tk.groups - 1}")
+        code(f"if (t == 0) st[{slot} + {tk.groups}] = 0.0f;  // the tile's ticket back to 0")
+        _sum_rows(bn, code, sp, "0", str(tk.groups), rows, width, v, me, ok, first_row=2 * sp,
+                  second_row=2 * sp + tk.groups)
+    else:
+        _draw(code, base, f"{sp - 1}")
+        code(f"if (t == 0) st[{slot}] = 0.0f;  // the ticket back to 0 (its bits)")
+        _sum_rows(bn, code, sp, "0", str(sp), rows, width, v, me, ok)
+    with code.block(f"if ({first})"):
+        for i, lane in enumerate(_lanes(v)):
+            with code.block(""):
+                code(f"const int cl = {ch[i]};", f"const float s1 = r1[{at[i]}], s2 = r2[{at[i]}];",
+                     *([f"const float sc = scv{lane};"] if v > 1 else []), *_bwd_finalize_lines(bn, "cl"),
+                     "cf[cl] = b;", f"cf[{bn.c} + cl] = d;")
+
+
+def _draw(code: Code, counter: str, last: str) -> None:
+    """Thread 0 draws a ticket of ``counter`` for the block, between fences (the block's writes before a
+    barrier, then thread 0's fence: cumulative, as a grid barrier's); blocks other than the one drawing
+    ticket ``last`` leave."""
+    code("BARRIER();  // the block's sums stored; thread 0's fences order them before its ticket (release)")
+    with code.block("if (t == 0)"):  # and, for the last block, other blocks' sums before its reads (acquire)
+        code("FENCE_DEVICE();", f"last[0] = TICKET({counter}) == (unsigned)({last});", "FENCE_DEVICE();")
+    code("BARRIER();", "if (last[0] == 0) return;")
+
+
+def _sum_rows(bn: BnTrain, code: Code, sp: int, lo: str, hi: str, rows: int, width: int, v: int, me: str, ok: str,
+              first_row: int = 0, second_row: int | None = None) -> None:
+    """Rows lo..hi - 1 of the partial sums (s1 from row ``first_row`` on, s2 from ``second_row``, default sp)
+    of this thread's channels summed through r1 / r2 (thread row ``me`` of ``rows``, then the tree; read
+    from L2: other blocks wrote them)."""
+    second_row = sp if second_row is None else second_row
+    ch = [f"c + {i}" if v > 1 else "c" for i in range(v)]
+    at = [f"t * {v} + {i}" if v > 1 else "t" for i in range(v)]
+    a, q = [f"ta{i}" for i in range(v)], [f"tq{i}" for i in range(v)]
+    with code.block(""):
+        code("float " + ", ".join(f"{a[i]} = 0.0f, {q[i]} = 0.0f" for i in range(v)) + ";")
+        with code.block(f"if ({ok})" if ok else ""):
+            with code.block(f"for (int k = {lo} + {me}; k < {hi}; k += {rows})"):
+                code(*[f"{a[i]} += LDCG(part + ({first_row} + k) * {bn.c} + {ch[i]}); "
+                       f"{q[i]} += LDCG(part + ({second_row} + k) * {bn.c} + {ch[i]});" for i in range(v)])
+        code(*[f"r1[{at[i]}] = {a[i]}; r2[{at[i]}] = {q[i]};" for i in range(v)], "BARRIER();")
+    _tree(code, rows, width, v, me)
 
 
 def _tree(code: Code, rows: int, width: int, v: int, me: str) -> None:
@@ -482,7 +605,8 @@ def _one_args(bn: BnTrain, bwd: bool) -> tuple[tuple[Buf, ...], str]:
     return args, "statistics, running statistics and z"
 
 
-def _rows_reduce_kernel(bn: BnTrain, what: str, sp: int, rows: _Rows, ix: str, fused: bool = False) -> Kernel:
+def _rows_reduce_kernel(bn: BnTrain, what: str, sp: int, rows: _Rows, ix: str, fused: bool = False,
+                        tk: _Tickets | None = None) -> Kernel:
     """NHWC, block (j, t): slab j of the N*H*W rows, channel tile t (``_Rows``). Thread (tx, ty) adds rows
     ty, ty + tr, ... of its slab for its v channels (a warp reads whole lines along C), then the tile's
     rows are summed in a fixed tree through shared memory. Sums as :func:`_reduce_kernel`'s, into
@@ -538,6 +662,10 @@ def _rows_reduce_kernel(bn: BnTrain, what: str, sp: int, rows: _Rows, ix: str, f
         for i in range(v):
             ch = f"c + {i}" if v > 1 else "c"
             code(f"part[j * {bn.c} + {ch}] = r1[{at[i]}];", f"part[({sp} + j) * {bn.c} + {ch}] = r2[{at[i]}];")
+    if bwd:
+        assert tk is not None
+        _ticket_tail(bn, code, sp, tk, "GROUP_ID(1)", rows.tr, w, v, "ty", first, "ok" if ragged else "")
+        what_text += ", the last block of a tile its finalize"
     args = _bwd_args(bn, False) if bwd else (s.buf("y"), Buf("part", readonly=False))
     return Kernel(f"{_prefix(bn)}_{what}", args, code.text(), (rows.tc * rows.tr, 1, 1),
                   comment=f"{NAME}: {what_text} per (slab of rows, channel), {sp} slab(s), {shape}")
@@ -626,10 +754,15 @@ def _sum_slices(bn: BnTrain, sp: int, external: bool = False, threads: int = BLO
     return code, fc, fk
 
 
-def _finalize_kernel(bn: BnTrain, sp: int, external: bool = False, threads: int = BLOCK) -> Kernel:
+def _finalize_kernel(bn: BnTrain, sp: int, external: bool = False, threads: int = BLOCK,
+                     tk: _Tickets | None = None) -> Kernel:
     """Channel c (:func:`_sum_slices`): mean, 1/sqrt(var + eps), scale and beta into st; the running
-    statistics updated. The shift: y[0, c, 0, 0], or (``external``) partial 0's."""
+    statistics updated; the backward's tickets (``tk``) set to 0. The shift: y[0, c, 0, 0], or
+    (``external``) partial 0's."""
     code, fc, fk = _sum_slices(bn, sp, external, threads)
+    if tk is not None:  # the backward's tickets of this channel's tile
+        with code.block(f"if (c % {tk.width} == 0)" if tk.width > 1 else ""):
+            code(f"for (int i = 0; i < {tk.per_tile}; ++i) st[{tk.at} + c / {tk.width} * {tk.per_tile} + i] = 0.0f;")
     if external:
         code(f"const float k0 = part[{2 * sp * bn.c} + c];", *_finalize_lines(bn))
         args: tuple[Buf, ...] = (Buf("part"), *_finalize_args(bn))
@@ -729,17 +862,6 @@ def _act_name(bn: BnTrain) -> str:
     return {"silu": "SiLU", "hardswish": "HardSwish"}.get(bn.act, "ReLU")
 
 
-def _bwd_finalize_kernel(bn: BnTrain, sp: int) -> Kernel:
-    """Channel c (:func:`_sum_slices`): dgamma = sum(g * xhat), dbeta = sum(g); dy's coefficients b and d
-    (module docstring)."""
-    code, fc, fk = _sum_slices(bn, sp)
-    code(_st(bn, "sc"), *_bwd_finalize_lines(bn), "cf[c] = b;", f"cf[{bn.c} + c] = d;")
-    args = (Buf("part"), Buf("st"), *((_par(bn).buf("dg", readonly=False),) if bn.affine else ()),
-            Buf("cf", readonly=False))
-    return Kernel(f"{_prefix(bn)}_bwd_finalize", args, code.text(), (fc * fk, 1, 1),
-                  comment=f"{NAME}: the gradients of gamma and beta, dy's coefficients")
-
-
 def _bwd_apply_kernel(bn: BnTrain, v: int, ix: str) -> Kernel:
     """dy = scale * g + b * (y - mean) + d, g the masked gradient (read back from gm with a residual)."""
     s = _act(bn)
@@ -784,7 +906,7 @@ def host_run(backend: Any, bn: BnTrain, which: str, arrays: dict[str, np.ndarray
     launches = prog.forward if which == "forward" else prog.backward
     program = backend.program(render(list(prog.kernels), backend.name, f"batch norm (training) {bn.tag()}"))
     kernels = {k.name: k for k in prog.kernels}
-    sizes = {"st": len(ST) * bn.c, "part": prog.part, "dg": 2 * bn.c, "cf": 2 * bn.c}
+    sizes = {"st": prog.st, "part": prog.part, "dg": 2 * bn.c, "cf": 2 * bn.c}
     bufs: dict[str, Any] = {}
     for step in launches:
         for name in map(str, step.args):

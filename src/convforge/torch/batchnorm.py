@@ -27,7 +27,7 @@ from torch.autograd.function import once_differentiable
 
 from convforge.backends import get_backend
 from convforge.config import config
-from convforge.kernels.batchnorm import BN_SLOTS, ST, BnProgram, BnTrain, bn_program
+from convforge.kernels.batchnorm import BN_SLOTS, BnProgram, BnTrain, bn_program
 
 _F32 = torch.float32
 _NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -36,7 +36,6 @@ _BN = torch.nn.BatchNorm2d
 _INFERENCE = torch.is_inference_mode_enabled
 _PROGRAMS: dict[tuple[Any, ...], tuple[BnTrain, BnProgram, Any, Any]] = {}  # call key -> (shape, kernels, launcher,
 # torch's raw-stream query)
-_NST = len(ST)
 _HANDLES: dict[tuple[Any, ...], int] = {}  # call key -> native.cpp's register_bn handle
 _DEVICE = 9  # where a call key (key_of) holds the device index
 
@@ -149,7 +148,7 @@ def native_handle(module: Any, bn: torch.nn.BatchNorm2d, y: torch.Tensor, res: t
             shape, prog, run, _ = _program(key, stats[1], keep=False)
         handle = _HANDLES[hkey] = int(module.register_bn(run.native_program(BN_SLOTS, "forward", "backward"),
                                                          shape.n, shape.c, shape.hw, shape.relu, shape.residual,
-                                                         shape.affine, shape.track, prog.part, shape.dtype,
+                                                         shape.affine, shape.track, prog.st, prog.part, shape.dtype,
                                                          shape.pdtype, shape.nhwc,
                                                          None if stats is None else stats[0]))
     return handle
@@ -231,11 +230,11 @@ class _BnAct(torch.autograd.Function):
                 nbt: torch.Tensor | None, prog: tuple[BnTrain, BnProgram, Any, Any]) -> torch.Tensor:
         shape, kernels, run, stream_of = prog
         z = torch.empty_like(y)  # y's dtype and strides
-        ws = y.new_empty(_NST * shape.c + kernels.part, dtype=_F32)
+        ws = y.new_empty(kernels.st + kernels.part, dtype=_F32)
         st = ws.data_ptr()
         run("forward", {"y": y.data_ptr(), "res": _ptr(res), "z": z.data_ptr(), "gamma": _ptr(gamma),
                         "beta": _ptr(beta), "rmean": _ptr(rmean), "rvar": _ptr(rvar), "nbt": _ptr(nbt), "st": st,
-                        "part": st + 4 * _NST * shape.c}, stream_of(y.device.index or 0))
+                        "part": st + 4 * kernels.st}, stream_of(y.device.index or 0))
         if rmean is not None and rvar is not None and nbt is not None:
             torch.autograd.graph.increment_version((rmean, rvar, nbt))
         ctx.prog = prog

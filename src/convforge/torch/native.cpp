@@ -438,7 +438,7 @@ PyMethodDef methods[] = {
     {"conv_relu", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_conv_relu)), METH_FASTCALL,
      "conv_relu(conv2d's 14 arguments) -> a half conv -> ReLU layer's output through one C++ autograd node, or None"},
     {"register_bn", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_register_bn)), METH_FASTCALL,
-     "register_bn(program, n, c, hw, relu, residual, affine, track, part, dtype, pdtype, nhwc[, stats_conv]) -> "
+     "register_bn(program, n, c, hw, relu, residual, affine, track, st, part, dtype, pdtype, nhwc[, stats_conv]) -> "
      "a batch-norm program's handle"},
     {"clear", py_clear, METH_NOARGS, "forget every entry"},
     {"wrap", py_wrap, METH_O, "wrap(python_conv2d) -> conv2d whose warm torch calls stay in C"},
