@@ -274,10 +274,24 @@ def _wcast_cases() -> Iterator[Case]:
             yield Case(f"wcast.{tag}.{backend}", ("wcast", wc.dtype, "train", backend), make)
 
 
+def _se_cases() -> Iterator[Case]:
+    """Squeeze-and-excitation in training (kernels/se.py): EfficientNet's (SiLU, sigmoid, float16 under
+    autocast, float4 channels) and MobileNet-v3's gate on odd channels in float32."""
+    from convforge.kernels.se import SeTrain, source
+
+    cases = {"silu-sigmoid-f16": SeTrain(2, 16, 9, 4, "silu", "sigmoid", "float16"),
+             "relu-hardsigmoid-odd": SeTrain(2, 7, 5, 3, "relu", "hardsigmoid")}
+    for backend in ("cuda", "opencl"):
+        for tag, se in cases.items():
+            def make(se: SeTrain = se, backend: str = backend) -> str:
+                return source(se, backend)
+            yield Case(f"se_train.{tag}.{backend}", ("se_train", se.dtype, "train", backend), make)
+
+
 def _all_cases() -> list[Case]:
     cases = [*_variant_cases(), *_half_cases(), *_prologue_cases(), *_full_transform_cases(),
              *_strided_dgrad_cases(), *_stem_cases(), *_half_tc_cases(), *_batchnorm_cases(), *_bias_grad_cases(),
-             *_grad_rows_cases(), *_maxpool_cases(), *_wcast_cases()]
+             *_grad_rows_cases(), *_maxpool_cases(), *_wcast_cases(), *_se_cases()]
     keys = [c.key for c in cases]
     assert len(keys) == len(set(keys)), "two snapshot cases share a key"
     return cases
