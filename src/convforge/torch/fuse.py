@@ -22,6 +22,11 @@ convs or more, each with its batch norm, and an identity: RepVGG / ACNet-style b
 :class:`~convforge.torch.branches.BranchSum` call each, which runs them as one folded conv in eval inference
 and as the branches in training (torch/branches.py).
 
+Before the convs are swapped, every ``gate(fc2(act(fc1(avgpool(x))))) * x`` (torchvision's
+``SqueezeExcitation``: ReLU or SiLU, sigmoid or hardsigmoid, each intermediate used once) becomes one
+:class:`~convforge.torch.se.SqueezeExcite` call (torch/se.py: one autograd node, 3 launches forward and 4
+backward), a module added at the root as ``_cf_se_<fc1's path>`` holding references to the five modules.
+
 Then linear layers over channels-last activations (torch/linear.py): ``nn.Linear`` -> GELU, and
 ``nn.Linear`` -> permute(0, 3, 1, 2) -> layer scale * . -> [torchvision's stochastic depth] ->
 + residual (ConvNeXt's blocks) become one :class:`FusedLinear` call each at the linear's path, and every
@@ -54,6 +59,8 @@ from convforge.torch.modules import OPTIONS, Conv2d, ConvertReport, ConvTranspos
 from convforge.torch.modules import convert as convert_in_place
 from convforge.torch.pool import MaxPool2d
 from convforge.torch.prepare import prepare_on_first_call
+from convforge.torch.se import SqueezeExcite
+from convforge.torch.se import kinds as se_kinds
 
 _ADDS_F = {operator.add: False, operator.iadd: True, torch.add: False}
 _ADDS_M = {"add": False, "add_": True}
@@ -111,6 +118,7 @@ def fuse(model: torch.nn.Module, **options: Any) -> tuple[torch.nn.Module, Conve
             node.type = None
     report = ConvertReport()
     _fold_branch_sums(graph, root, report, options)
+    _fold_excitations(graph, root, report)
     _rewrite(graph, root, report, options)
     _fold_preactivations(graph, root, report)
     _fuse_linears(graph, root, report, options)
@@ -277,6 +285,52 @@ def _branch_sum(root: Node, modules: dict[str, Any],
     if branch_reason(branches) is not None:
         return None
     return x, branches, [n for p in parts for n in p[2]] + inner
+
+
+def _fold_excitations(graph: Graph, root: torch.nn.Module, report: ConvertReport) -> None:
+    """Replace every ``gate(fc2(act(fc1(avgpool(x))))) * x`` (torchvision's SqueezeExcitation: each
+    intermediate used once) with one :class:`~convforge.torch.se.SqueezeExcite` call (a module added at the
+    root as ``_cf_se_<fc1's path>``, holding references to the five modules, which stay where they are)."""
+    modules = dict(root.named_modules(remove_duplicate=False))
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in (operator.mul, torch.mul) or len(node.args) != 2 \
+                or node.kwargs:
+            continue
+        for gate, x in (node.args, node.args[::-1]):
+            chain = _excitation(gate, x, modules)
+            if chain is None:
+                continue
+            path = "_cf_se_" + str(chain[1].target).replace(".", "_")
+            while hasattr(root, path):
+                path += "_"
+            root.add_module(path, SqueezeExcite(*(modules[str(n.target)] for n in chain)))
+            with graph.inserting_before(node):
+                new = graph.call_module(path, (x,))
+            new.meta = dict(node.meta)
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+            for n in reversed(chain):
+                graph.erase_node(n)
+            report.excitations[str(chain[1].target)] = f"se({getattr(root, path).act}, {getattr(root, path).gate})"
+            break
+    graph.lint()
+
+
+def _excitation(gate: Any, x: Any, modules: dict[str, Any]) -> list[Node] | None:
+    """[pool, fc1, act, fc2, gate] call nodes ending at ``gate`` and starting from ``x``, each used once,
+    that :func:`convforge.torch.se.kinds` takes; None otherwise."""
+    chain: list[Node] = []
+    node = gate
+    for _ in range(5):
+        if not isinstance(node, Node) or node.op != "call_module" or len(node.args) != 1 or node.kwargs \
+                or len(node.users) != 1:
+            return None
+        chain.append(node)
+        node = node.args[0]
+    if node is not x:
+        return None
+    chain.reverse()
+    return chain if se_kinds(*(modules.get(str(n.target)) for n in chain)) is not None else None
 
 
 def _fold_preactivations(graph: Graph, root: torch.nn.Module, report: ConvertReport) -> None:

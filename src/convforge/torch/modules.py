@@ -377,7 +377,8 @@ class ConvertReport:
     the operations after a conv, or the whole model ("" key), stay separate PyTorch operations;
     ``linears`` (``fuse`` only): linear layers over channels-last activations that convforge runs
     (torch/linear.py) -> what they fold ("gelu", "permute+scale+add"); ``pools`` (``fuse`` only): max
-    pools convforge runs (torch/pool.py)."""
+    pools convforge runs (torch/pool.py); ``excitations`` (``fuse`` only): squeeze-and-excitation modules
+    convforge runs as one node (torch/se.py), by their first conv's path -> "se(activation, gate)"."""
 
     converted: list[str] = field(default_factory=list)
     left: dict[str, str] = field(default_factory=dict)
@@ -385,6 +386,7 @@ class ConvertReport:
     unfused: dict[str, str] = field(default_factory=dict)
     linears: dict[str, str] = field(default_factory=dict)
     pools: list[str] = field(default_factory=list)
+    excitations: dict[str, str] = field(default_factory=dict)
 
     @property
     def handed_back(self) -> dict[str, str]:
@@ -396,7 +398,9 @@ class ConvertReport:
         lines = [f"convforge: {len(self.converted)} conv layer(s) converted, {len(self.left)} left to PyTorch"
                  + (f", {len(self.fused)} fused with what follows them" if self.fused else "")
                  + (f"; {len(self.linears)} linear layer(s) fused" if self.linears else "")
-                 + (f"; {len(self.pools)} max pool(s) on convforge's kernels" if self.pools else "")]
+                 + (f"; {len(self.pools)} max pool(s) on convforge's kernels" if self.pools else "")
+                 + (f"; {len(self.excitations)} squeeze-and-excitation(s) as one node each"
+                    if self.excitations else "")]
         lines += [f"  {name or '<model>'}: {why}" for name, why in self.left.items()]
         lines += [f"  {name or '<model>'}: not fused: {why}" for name, why in self.unfused.items()]
         lines += [f"  handed to PyTorch at run time: {layer}: {why}" for layer, why in self.handed_back.items()]
