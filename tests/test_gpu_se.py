@@ -155,3 +155,26 @@ def test_fuse_makes_every_se_block_one_node(gpu, name, count):
     for path in report.excitations:  # every SE's first layer: our gradient against float64 beside PyTorch AMP's
         mine, theirs, g64 = (m.get_submodule(path).weight.grad for m in (model, amp, ref64))
         assert _rel(mine, g64) <= max(3 * _rel(theirs, g64), 1e-2), (path, _rel(mine, g64), _rel(theirs, g64))
+
+
+def test_training_ahead_compiles_the_se_programs(gpu):
+    """The first training step's recording (torch/train_ahead.py) notes each SE node's layer under autocast,
+    and compiling ahead leaves the very program the node's first call builds in the back-end."""
+    import convforge.torch as ct
+    from convforge.backends import get_backend
+    from convforge.torch import se
+    from convforge.torch.train_ahead import compile_training_ahead, record_calls
+
+    tv = pytest.importorskip("torchvision", reason="GPU tier: torchvision not installed")
+    torch.manual_seed(0)
+    model = tv.models.mobilenet_v3_large(num_classes=10).cuda().train().to(memory_format=CL)
+    fused, report = ct.fuse(model)
+    x = torch.randn(2, 3, 64, 64, device="cuda").contiguous(memory_format=CL)
+    noted: list = []
+    with torch.autocast("cuda", torch.float16):
+        record_calls(fused, (x,), {}, noted)
+        compile_training_ahead(fused, x)
+    assert len(noted) >= 4 and all(layer.dtype == "float16" and layer.pdtype == "float32" for layer, _ in noted)
+    be = get_backend("cuda", 0)
+    for layer, dev in noted:
+        assert be._key(se.program_work(layer, dev).source) in be._programs, layer

@@ -182,11 +182,14 @@ def _training_batch_norm(model: torch.nn.Module) -> str | None:
 
 
 def _record(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-            wrap: Callable[[Conv2d, Any], Any] | None = None) -> list[Callable[[], Any]]:
+            wrap: Callable[[Conv2d, Any], Any] | None = None,
+            excite: Callable[[Any, torch.Tensor], None] | None = None) -> list[Callable[[], Any]]:
     """Run ``model`` with PyTorch's convolutions under no_grad, each convforge layer's call turned into
     a job that builds what its first real call will need; the model's own forwards are restored.
-    ``wrap(layer, recorder)``: the forward the layer runs instead of its recorder (train_ahead.py)."""
+    ``wrap(layer, recorder)``: the forward the layer runs instead of its recorder (train_ahead.py);
+    ``excite(layer, x)``: told of each squeeze-and-excitation call (its kernels' layer) instead of making its job."""
     from convforge.torch.fused import FusedConv2d
+    from convforge.torch.se import SqueezeExcite
 
     jobs: dict[tuple[Any, ...], Callable[[], Any]] = {}
     patched: list[tuple[torch.nn.Module, Any]] = []
@@ -196,6 +199,9 @@ def _record(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
                 patched.append((m, m.__dict__.get("forward")))
                 rec = _fused_recorder(m, jobs) if isinstance(m, FusedConv2d) else _conv_recorder(m, jobs)
                 m.forward = rec if wrap is None else wrap(m, rec)  # type: ignore[method-assign]
+            elif isinstance(m, SqueezeExcite):
+                patched.append((m, m.__dict__.get("forward")))
+                m.forward = _se_recorder(m, jobs, excite)  # type: ignore[method-assign]
         with torch.no_grad():
             model(*args, **kwargs)
     finally:
@@ -232,6 +238,24 @@ def _conv_job(m: Conv2d, x: torch.Tensor, jobs: dict[tuple[Any, ...], Callable[[
                 m._prepared(stand, pad)
 
     jobs[key] = job
+
+
+def _se_recorder(m: Any, jobs: dict[tuple[Any, ...], Callable[[], Any]],
+                 excite: Callable[[Any, torch.Tensor], None] | None) -> Callable[..., torch.Tensor]:
+    """A squeeze-and-excitation node's call (torch/se.py): its program's job (or ``excite``), the output as
+    the original modules compute it."""
+    from convforge.torch import se
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        layer = m.layer(x, m._cf_mods[1].weight, m._cf_mods[3].weight)
+        if layer is not None and excite is not None:
+            excite(layer, x)
+        elif layer is not None and ("se", layer, x.device) not in jobs:
+            dev = x.device.index or 0
+            jobs[("se", layer, x.device)] = lambda: se.program_of(layer, dev)
+        return m.reference(x)  # type: ignore[no-any-return]
+
+    return forward
 
 
 def _conv_recorder(m: Conv2d, jobs: dict[tuple[Any, ...], Callable[[], Any]]) -> Callable[..., torch.Tensor]:

@@ -74,7 +74,7 @@ class SqueezeExcite(torch.nn.Module):
         se = self.layer(x, w1, w2)
         if se is None or any(t.dtype != w1.dtype or not t.is_cuda or t.device != x.device for t in (b1, w2, b2)):
             return self.reference(x)
-        hit = _program(se, x.device.index or 0)
+        hit = program_of(se, x.device.index or 0)
         if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w1, b1, w2, b2)):
             return _SqueezeExcite.apply(x, w1, b1, w2, b2, hit)  # type: ignore[no-any-return]
         with torch.no_grad():
@@ -97,7 +97,17 @@ class SqueezeExcite(torch.nn.Module):
         return SeTrain(n, c, h * w, w1.shape[0], self.act, self.gate, _NAMES[x.dtype], _NAMES[w1.dtype])
 
 
-def _program(se: SeTrain, device: int) -> tuple[SeTrain, SeProgram, Any, Any]:
+def program_work(se: SeTrain, device: int) -> Any:
+    """The ``Work`` of the program :func:`program_of` builds for ``se`` on ``device`` (the same source): what
+    torch/train_ahead.py compiles ahead, so the first step finds it built."""
+    from convforge.backends.base import Work
+    from convforge.codegen.render import render
+
+    prog = se_program(se, get_backend("cuda", device).device)
+    return Work(render(list(prog.kernels), "cuda", title(se)), tuple(prog.kernels))
+
+
+def program_of(se: SeTrain, device: int) -> tuple[SeTrain, SeProgram, Any, Any]:
     """(layer, program, launcher on raw pointers, torch's raw-stream query), compiled once per process."""
     hit = _PROGRAMS.get((se, device))
     if hit is None:

@@ -19,7 +19,8 @@ the programs the step will build are predicted and compiled on a pool of threads
   autocast, its float32 master's filter casts (torch/filter_casts.py: a program a form, not a layer);
 - for a fused block whose input a later block adds as its residual or reads too (a bottleneck's first block),
   under ``config.residual_grad``: its dgrad that adds that residual gradient (``FusedConv2d.res_dgrad_plan``,
-  torch/residual_grad.py).
+  torch/residual_grad.py);
+- every squeeze-and-excitation node's program (torch/se.py; its recording runs the original modules).
 
 A layer PyTorch runs (a half layer handed back) is skipped. A prediction that misses costs one compile
 on the pool, never a wrong result: the step compiles what it needs by the same source, from the cache when
@@ -49,6 +50,7 @@ from typing import Any
 import torch
 
 from convforge.torch.modules import Conv2d, compute_dtype, padding_quad
+from convforge.torch.se import program_work as se_program_work
 
 log = logging.getLogger("convforge")
 
@@ -97,7 +99,8 @@ def compile_training_ahead(model: torch.nn.Module, *example: Any, **example_kwar
     work_by_device: dict[int, dict[str, Any]] = {}
     seen: set[Any] = set()
     blocks: dict[int, LayerCall] = {}  # fused blocks by their input's identity
-    for call in record_calls(model, example, example_kwargs):
+    excitations: list[tuple[Any, int]] = []
+    for call in record_calls(model, example, example_kwargs, excitations):
         first = blocks.get(call.res_id) if call.res_id else None  # C: its residual is an earlier block's input
         if first is None and call.block is not None:
             first = blocks.get(call.x_id)  # D: its input is an earlier block's too (residual_grad.note_block)
@@ -105,6 +108,9 @@ def compile_training_ahead(model: torch.nn.Module, *example: Any, **example_kwar
             work_by_device.setdefault(call.device, {})[w.source] = w
         if call.block is not None and call.x_id not in blocks:
             blocks[call.x_id] = call
+    for layer, dev in excitations:  # squeeze-and-excitation nodes' programs (torch/se.py)
+        w = se_program_work(layer, dev)
+        work_by_device.setdefault(dev, {})[w.source] = w
     name = type(model).__name__
     compiled = 0
     for dev, work in work_by_device.items():
@@ -153,11 +159,19 @@ def _pair_work(first: LayerCall | None, seen: set[Any]) -> list[Any]:
     return [plan_work(plan, "cuda")]
 
 
-def record_calls(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[LayerCall]:
+def record_calls(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 excitations: list[tuple[Any, int]] | None = None) -> list[LayerCall]:
     """The convforge layers' inputs when ``model`` runs on ``args`` / ``kwargs`` with PyTorch's
     convolutions (cudnn.benchmark off), no gradients and every training batch norm in eval mode (all
     restored after), the random number generators forked (a dropout or stochastic depth in the recording
-    draws nothing the step would have drawn)."""
+    draws nothing the step would have drawn); ``excitations`` gets each squeeze-and-excitation node's
+    (layer, device) once."""
+    noted: list[tuple[Any, int]] = [] if excitations is None else excitations
+
+    def excite(layer: Any, x: torch.Tensor) -> None:
+        if (layer, x.device.index or 0) not in noted:
+            noted.append((layer, x.device.index or 0))
+
     from convforge.torch.prepare import _record
 
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
@@ -174,7 +188,8 @@ def record_calls(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str
             bn.training = False
         ids = {id(bn) for bn in held}
         with torch.random.fork_rng(devices=devices):
-            _record(model, args, kwargs, lambda m, rec: _visiting(m, rec, calls, inputs, ids, alive))  # jobs: never run
+            _record(model, args, kwargs, lambda m, rec: _visiting(m, rec, calls, inputs, ids, alive),  # jobs: never run
+                    excite)
     finally:
         for bn in held:
             bn.training = True
