@@ -901,11 +901,11 @@ def host_run(backend: Any, bn: BnTrain, which: str, arrays: dict[str, np.ndarray
     float32 (the batch count as int64; the running statistics updated in place), those of the
     activation's size in the shape of ``arrays["y"]``."""
     from convforge.dtypes import storage_dtype, to_storage
+    from convforge.kernels.common import launch_all, poisoned
 
     prog = prog if prog is not None else bn_program(bn, backend.device)
     launches = prog.forward if which == "forward" else prog.backward
     program = backend.program(render(list(prog.kernels), backend.name, f"batch norm (training) {bn.tag()}"))
-    kernels = {k.name: k for k in prog.kernels}
     sizes = {"st": prog.st, "part": prog.part, "dg": 2 * bn.c, "cf": 2 * bn.c}
     bufs: dict[str, Any] = {}
     for step in launches:
@@ -920,14 +920,8 @@ def host_run(backend: Any, bn: BnTrain, which: str, arrays: dict[str, np.ndarray
                 a = np.ascontiguousarray(arrays[name])
                 bufs[name] = backend.upload(a if a.dtype == storage_dtype(dt) else to_storage(a, dt))
             else:
-                count = sizes.get(name, bn.total)
-                nbytes = count * storage_dtype(dt).itemsize
-                bufs[name] = backend.empty(nbytes)
-                backend.fill(bufs[name], float("nan"), nbytes, dt)
-    for step in launches:
-        kernel = kernels[step.kernel]
-        backend.launch(program, backend.function(program, kernel), kernel, step, [bufs[str(a)] for a in step.args])
-    backend.synchronize()
+                bufs[name] = poisoned(backend, sizes.get(name, bn.total), dt)
+    launch_all(backend, program, prog.kernels, launches, bufs)
     act = np.shape(arrays["y"])  # activation-sized buffers come back in y's shape
     sizes["nbt"] = 1
     shapes = {name: np.shape(arrays[name]) if name in arrays else (sizes[name],) if name in sizes else act

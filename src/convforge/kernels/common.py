@@ -1,9 +1,13 @@
-"""Metacode shared by the families: the output (and bias) arguments of a plan, and the prologue's."""
+"""Metacode shared by the families: the output (and bias) arguments of a plan, and the prologue's; and the
+host side of the training kernels' ``host_run`` (tests, the OpenCL path)."""
 
 from __future__ import annotations
 
-from convforge.codegen.dialect import FLOAT32, Arg, Buf, Storage
-from convforge.plan import Epilogue, Prologue
+from collections.abc import Iterable
+from typing import Any
+
+from convforge.codegen.dialect import FLOAT32, Arg, Buf, Kernel, Storage
+from convforge.plan import Epilogue, Launch, Prologue
 from convforge.spec import ConvSpec
 
 
@@ -45,3 +49,24 @@ class ThreadWindow:
     def rows(self) -> int:
         """Input rows one thread reads."""
         return (self.tp - 1) * self.spec.stride[0] + self.spec.eff_r
+
+
+def poisoned(backend: Any, count: int, dtype: str) -> Any:
+    """A buffer of ``count`` elements of ``dtype`` on ``backend``, NaN throughout: an output a test reads back
+    must have been written."""
+    from convforge.dtypes import storage_dtype
+
+    nbytes = count * storage_dtype(dtype).itemsize
+    buf = backend.empty(nbytes)
+    backend.fill(buf, float("nan"), nbytes, dtype)
+    return buf
+
+
+def launch_all(backend: Any, program: Any, kernels: Iterable[Kernel], launches: Iterable[Launch],
+               bufs: dict[str, Any]) -> None:
+    """Run ``launches`` of ``program`` in order on ``backend``, buffers by name, then wait for them."""
+    by_name = {k.name: k for k in kernels}
+    for step in launches:
+        kernel = by_name[step.kernel]
+        backend.launch(program, backend.function(program, kernel), kernel, step, [bufs[str(a)] for a in step.args])
+    backend.synchronize()

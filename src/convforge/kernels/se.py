@@ -367,31 +367,24 @@ def host_run(backend: Any, se: SeTrain, which: str, arrays: dict[str, np.ndarray
     """Run the ``which`` ("forward" / "backward") launches on ``backend`` with NumPy inputs (tests, the OpenCL
     path): x and gy channels-last (N, H*W, C), the weights as S x C and C x S; every buffer the inputs lack
     is poisoned with NaN first; every buffer comes back as float32, flat."""
-    from convforge.dtypes import storage_dtype, to_storage
+    from convforge.dtypes import to_storage
+    from convforge.kernels.common import launch_all, poisoned
 
     prog = prog if prog is not None else se_program(se, backend.device)
     launches = prog.forward if which == "forward" else prog.backward
     program = backend.program(render(list(prog.kernels), backend.name, title(se)))
-    kernels = {k.name: k for k in prog.kernels}
     count = sizes(se, prog)
+
+    def dtype(name: str) -> str:
+        return se.pdtype if name in PARAMS else se.dtype if name in ("x", "y", "gy", "gx") else "float32"
+
     bufs: dict[str, Any] = {}
-    for step in launches:
-        for name in map(str, step.args):
-            if name in bufs:
-                continue
-            dt = se.pdtype if name in PARAMS else se.dtype if name in ("x", "y", "gy", "gx") else "float32"
-            if name in arrays:
-                bufs[name] = backend.upload(to_storage(np.ascontiguousarray(arrays[name], np.float32).ravel(), dt))
-            else:
-                nbytes = count[name] * storage_dtype(dt).itemsize
-                bufs[name] = backend.empty(nbytes)
-                backend.fill(bufs[name], float("nan"), nbytes, dt)
-    for step in launches:
-        kernel = kernels[step.kernel]
-        backend.launch(program, backend.function(program, kernel), kernel, step, [bufs[str(a)] for a in step.args])
-    backend.synchronize()
-    out = {}
-    for name, buf in bufs.items():
-        dt = se.pdtype if name in PARAMS else se.dtype if name in ("x", "y", "gy", "gx") else "float32"
-        out[name] = backend.download(buf, (count[name],), dt)
-    return out
+    for name in (str(a) for step in launches for a in step.args):
+        if name in bufs:
+            continue
+        if name in arrays:
+            bufs[name] = backend.upload(to_storage(np.ascontiguousarray(arrays[name], np.float32).ravel(), dtype(name)))
+        else:
+            bufs[name] = poisoned(backend, count[name], dtype(name))
+    launch_all(backend, program, prog.kernels, launches, bufs)
+    return {name: backend.download(buf, (count[name],), dtype(name)) for name, buf in bufs.items()}
