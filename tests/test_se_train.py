@@ -126,6 +126,8 @@ def test_runs_are_bit_identical_and_inf_reaches_every_gradient(ocl) -> None:  # 
 def test_bad_layers_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match=r"S \(0\)"):
         SeTrain(2, 8, 4, 0)
+    with pytest.raises(ValueError, match=r"S \(5000\) must be at most"):
+        SeTrain(2, 8, 4, 5000)
     with pytest.raises(ValueError, match="gate"):
         SeTrain(2, 8, 4, 2, gate="tanh")
     with pytest.raises(ValueError, match="weights'"):

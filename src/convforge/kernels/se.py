@@ -49,7 +49,7 @@ ACTS = ("relu", "silu")
 GATES = ("sigmoid", "hardsigmoid")
 DTYPES = ("float32", "float16", "bfloat16")
 _SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
-MAX_C = 4096  # channels the mlp keeps in shared memory (16 KB of floats)
+MAX_C = 4096  # channels (and squeezed channels) the mlp keeps in shared memory: 16 KB of floats each
 
 
 @dataclass(frozen=True)
@@ -69,8 +69,8 @@ class SeTrain:
     def __post_init__(self) -> None:
         if min(self.n, self.c, self.hw, self.s) < 1:
             raise ValueError(f"{NAME}: N ({self.n}), C ({self.c}), H*W ({self.hw}) and S ({self.s}) must be >= 1")
-        if self.c > MAX_C:
-            raise ValueError(f"{NAME}: C ({self.c}) must be at most {MAX_C}")
+        if self.c > MAX_C or self.s > MAX_C:
+            raise ValueError(f"{NAME}: C ({self.c}) and S ({self.s}) must be at most {MAX_C} (shared memory)")
         if self.act not in ACTS or self.gate not in GATES:
             raise ValueError(f"{NAME}: activation ({self.act!r}) must be one of {ACTS} and gate ({self.gate!r}) "
                              f"one of {GATES}")

@@ -6,8 +6,8 @@ autograd nodes forward and 20 backward (the two 1x1 convs' weight and bias casts
 which on a host-bound AMP step cost more than the GPU time they launch. Here it is one autograd node of 3
 launches forward and 4 backward, the float32 master weights read and their gradients written as they are.
 Channels-last CUDA tensors of float32, float16 or bfloat16, in an autocast region or not, with grad or
-without; anything else (NCHW input, other dtypes, CPU, ``torch.compile`` tracing, more than
-``kernels.se.MAX_C`` channels) runs the original modules.
+without; anything else (NCHW input, other dtypes, CPU, ``torch.compile`` or ``torch.jit`` tracing (an ONNX
+export), more than ``kernels.se.MAX_C`` channels) runs the original modules.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def kinds(pool: Any, fc1: Any, act: Any, fc2: Any, gate: Any) -> tuple[str, str]
     if type(pool) is not torch.nn.AdaptiveAvgPool2d or size not in (1, (1, 1)):
         return None
     if not (_one_by_one(fc1) and _one_by_one(fc2)) or fc1.out_channels != fc2.in_channels \
-            or fc2.out_channels != fc1.in_channels or fc1.in_channels > MAX_C:
+            or fc2.out_channels != fc1.in_channels or max(fc1.in_channels, fc1.out_channels) > MAX_C:
         return None
     a, g = _ACTS.get(type(act)), _GATES.get(type(gate))
     return None if a is None or g is None else (a, g)
@@ -83,7 +83,7 @@ class SqueezeExcite(torch.nn.Module):
     def layer(self, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> SeTrain | None:
         """The kernels' description of this call, or None where the modules run (module docstring)."""
         if (x.dim() != 4 or not x.is_cuda or x.dtype not in _NAMES or not x.is_contiguous(memory_format=_CL)
-                or x.data_ptr() % 16 or torch.compiler.is_compiling() or x.numel() == 0
+                or x.data_ptr() % 16 or torch.compiler.is_compiling() or torch.jit.is_tracing() or x.numel() == 0
                 or not (w1.is_contiguous() and w2.is_contiguous())):
             return None
         if _AUTOCAST():  # the region's convs would run in its half dtype; here float32 inside
