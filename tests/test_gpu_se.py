@@ -47,7 +47,8 @@ def _run(fn, x, gy, params, autocast):
 
 
 # (N, C, H, W, S, act, gate, x dtype, autocast): autocast FP16 / BF16 over float32 master weights, float32,
-# a .half() model; odd C (one channel a thread), N=1, a 1x1 plane, EfficientNet's first SE's shape
+# a .half() model; odd C (one channel a thread), N=1, a 1x1 plane, EfficientNet's first SE's shape; each
+# channels-last and NCHW
 CASES = [
     (8, 96, 28, 28, 4, "silu", "sigmoid", torch.float16, True),
     (4, 120, 14, 14, 32, "relu", "hardsigmoid", torch.bfloat16, torch.bfloat16),
@@ -58,8 +59,9 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("layout", ["nhwc", "nchw"])
 @pytest.mark.parametrize("n,c,h,w,s,act,gate,dtype,autocast", CASES)
-def test_node_against_float64_beside_pytorch(gpu, n, c, h, w, s, act, gate, dtype, autocast):
+def test_node_against_float64_beside_pytorch(gpu, n, c, h, w, s, act, gate, dtype, autocast, layout):
     """y, gx and the four parameter gradients of the node and of PyTorch's run of the same modules, each
     against float64: ours within a small multiple of PyTorch's error (it keeps float32 where autocast
     rounds to half), x poisoned nowhere: every output is checked finite."""
@@ -68,9 +70,10 @@ def test_node_against_float64_beside_pytorch(gpu, n, c, h, w, s, act, gate, dtyp
         m = m.half()
     node, m64 = _node(m), copy.deepcopy(m).double()
     g = torch.Generator(device="cuda").manual_seed(n * c)
-    x = torch.randn(n, c, h, w, device="cuda", generator=g).to(dtype).contiguous(memory_format=CL)
-    gy = torch.randn(n, c, h, w, device="cuda", generator=g).to(dtype).contiguous(memory_format=CL)
-    assert node.layer(x, m.fc1.weight, m.fc2.weight) is not None or autocast  # the kernels take it
+    fmt = CL if layout == "nhwc" else torch.contiguous_format
+    x = torch.randn(n, c, h, w, device="cuda", generator=g).to(dtype).contiguous(memory_format=fmt)
+    gy = torch.randn(n, c, h, w, device="cuda", generator=g).to(dtype).contiguous(memory_format=fmt)
+    assert node.layer(x, m.fc1.weight, m.fc2.weight) is not None  # the kernels take it
     params = [m.fc1.weight, m.fc1.bias, m.fc2.weight, m.fc2.bias]
     ours = _run(node, x, gy, params, autocast)
     theirs = _run(m, x, gy, params, autocast)
@@ -78,6 +81,8 @@ def test_node_against_float64_beside_pytorch(gpu, n, c, h, w, s, act, gate, dtyp
     names = ["y", "gx", "gw1", "gb1", "gw2", "gb2"]
     for name, a, b, r in zip(names, ours, theirs, ref, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape, (name, a.dtype, b.dtype)
+        if name in ("y", "gx"):
+            assert a.is_contiguous(memory_format=fmt), name  # the input's layout kept
         assert torch.isfinite(a).all(), name
         mine, pt = _rel(a, r), _rel(b, r)
         floor = 1e-5 if dtype == torch.float32 else 4e-3
@@ -116,12 +121,15 @@ def test_overflowing_loss_reaches_the_weight_gradients_and_grad_scaler_skips(gpu
 
 
 def test_fallbacks_run_the_modules(gpu):
-    """NCHW input, a CPU model: the original modules' result, bit for bit."""
+    """Input of other strides, a CPU model: the original modules' result, bit for bit."""
     m = _se(32, 8, "relu", "sigmoid", seed=3)
     node = _node(m)
-    x = torch.randn(2, 32, 6, 6, device="cuda")  # NCHW
+    x = torch.randn(2, 32, 6, 12, device="cuda")[..., ::2]  # every other column: neither layout
     assert node.layer(x, m.fc1.weight, m.fc2.weight) is None
     assert torch.equal(node(x), m(x))
+    cpu = _node(copy.deepcopy(m).cpu())
+    xc = torch.randn(2, 32, 6, 6)
+    assert torch.equal(cpu(xc), cpu.reference(xc))
 
 
 @pytest.mark.parametrize("name,count", [("efficientnet_b0", 16), ("mobilenet_v3_large", 8),

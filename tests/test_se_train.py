@@ -20,6 +20,11 @@ CASES = [
     SeTrain(2, 40, 49, 10, act="silu", dtype="float16"),  # autocast: half activations, float32 master weights
     SeTrain(2, 36, 16, 9, dtype="bfloat16", gate="hardsigmoid"),
     SeTrain(2, 20, 13, 70, act="silu", dtype="float16", pdtype="float16"),  # a .half() model; S > the block
+    # NCHW: planes of 4-pixel vectors, odd planes (one pixel a thread), a 1x1 plane, several channels a block
+    SeTrain(2, 6, 36, 3, act="silu", dtype="float16", layout="nchw"),
+    SeTrain(3, 5, 35, 2, gate="hardsigmoid", layout="nchw"),
+    SeTrain(2, 9, 1, 4, dtype="bfloat16", layout="nchw"),
+    SeTrain(1, 12, 7 * 7, 5, act="silu", layout="nchw"),
 ]
 
 
@@ -80,10 +85,19 @@ def _inputs(se: SeTrain, rng: np.random.Generator) -> dict[str, np.ndarray]:
 
 
 def _run(ocl, se: SeTrain, arrays: dict[str, np.ndarray], sp: int | None) -> dict[str, np.ndarray]:  # type: ignore[no-untyped-def]
+    """Forward and backward; x, gy in and y, gx out as (N, H*W, C) whatever the layer's layout."""
     prog = se_program(se, ocl.device, sp)
-    fwd = se_run(ocl, se, "forward", {k: arrays[k] for k in ("x", "w1", "b1", "w2", "b2")}, prog)
-    bwd = se_run(ocl, se, "backward", {**{k: arrays[k] for k in ("x", "gy", "w1", "w2")}, "sv": fwd["sv"]}, prog)
-    return {**fwd, **bwd}
+
+    def lay(a: np.ndarray) -> np.ndarray:
+        return a if se.nhwc else a.transpose(0, 2, 1)
+
+    acts = {k: lay(arrays[k]) for k in ("x", "gy")}
+    fwd = se_run(ocl, se, "forward", {"x": acts["x"], **{k: arrays[k] for k in ("w1", "b1", "w2", "b2")}}, prog)
+    bwd = se_run(ocl, se, "backward", {**acts, **{k: arrays[k] for k in ("w1", "w2")}, "sv": fwd["sv"]}, prog)
+    out = {**fwd, **bwd}
+    for k in ("y", "gx"):
+        out[k] = out[k] if se.nhwc else out[k].reshape(se.n, se.c, se.hw).transpose(0, 2, 1)
+    return out
 
 
 def _tol(se: SeTrain, name: str) -> float:
@@ -100,10 +114,10 @@ def test_against_float64(ocl, se: SeTrain, sp: int | None) -> None:  # type: ign
     """Forward and backward on fresh inputs (one slice a sample on the CPU device, and 3: the slices' sums
     added in the mlp), against float64 by relative L2."""
     arrays = _inputs(se, np.random.default_rng(len(se.tag()) + (sp or 0)))
-    out = _run(ocl, se, arrays, sp)
+    out = _run(ocl, se, arrays, sp if sp is None else min(sp, se.hw))
     ref = reference(se, *(arrays[k] for k in ("x", "w1", "b1", "w2", "b2", "gy")))
     for name, want in ref.items():
-        got = out[name].reshape(want.shape)
+        got = np.ascontiguousarray(out[name]).reshape(want.shape)
         assert not np.isnan(got).any(), name
         assert rel_l2(got, want) < _tol(se, name), (name, rel_l2(got, want))
 
@@ -128,6 +142,8 @@ def test_bad_layers_are_refused_by_name() -> None:
         SeTrain(2, 8, 4, 0)
     with pytest.raises(ValueError, match=r"S \(5000\) must be at most"):
         SeTrain(2, 8, 4, 5000)
+    with pytest.raises(ValueError, match="layout"):
+        SeTrain(2, 8, 4, 2, layout="nhcw")
     with pytest.raises(ValueError, match="gate"):
         SeTrain(2, 8, 4, 2, gate="tanh")
     with pytest.raises(ValueError, match="weights'"):
@@ -138,15 +154,19 @@ def test_bad_layers_are_refused_by_name() -> None:
 
 def test_slices_fill_the_gpu() -> None:
     """EfficientNet-B0 N128's first SE (32 channels at 112 x 112): several slices a sample on 132 SMs; a
-    7 x 7 plane one."""
+    7 x 7 plane one; NCHW planes split where there are few of them."""
     assert slices(SeTrain(128, 32, 112 * 112, 8), NOMINAL_CUDA) > 1
     assert slices(SeTrain(128, 1152, 49, 48), NOMINAL_CUDA) == 1
+    assert slices(SeTrain(2, 32, 112 * 112, 8, layout="nchw"), NOMINAL_CUDA) > 1  # a block a plane: few planes
 
 
 def test_cuda_source_compiles_without_spills(nvcc_ok) -> None:  # type: ignore[no-untyped-def]
     from helpers import ptxas_reports
 
     progs = [se_program(se, NOMINAL_CUDA) for se in (SeTrain(128, 96, 112 * 112, 4, "silu", dtype="float16"),
+                                                     SeTrain(64, 480, 14 * 14, 20, "silu", dtype="float16",
+                                                             layout="nchw"),
+                                                     SeTrain(32, 40, 7 * 7, 10, layout="nchw"),
                                                      SeTrain(128, 1152, 49, 48, "silu", dtype="bfloat16"),
                                                      SeTrain(64, 120, 28 * 28, 32, gate="hardsigmoid",
                                                              dtype="float16"))]

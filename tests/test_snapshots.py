@@ -276,11 +276,12 @@ def _wcast_cases() -> Iterator[Case]:
 
 def _se_cases() -> Iterator[Case]:
     """Squeeze-and-excitation in training (kernels/se.py): EfficientNet's (SiLU, sigmoid, float16 under
-    autocast, float4 channels) and MobileNet-v3's gate on odd channels in float32."""
+    autocast, float4 channels; NCHW planes) and MobileNet-v3's gate on odd channels in float32."""
     from convforge.kernels.se import SeTrain, source
 
     cases = {"silu-sigmoid-f16": SeTrain(2, 16, 9, 4, "silu", "sigmoid", "float16"),
-             "relu-hardsigmoid-odd": SeTrain(2, 7, 5, 3, "relu", "hardsigmoid")}
+             "relu-hardsigmoid-odd": SeTrain(2, 7, 5, 3, "relu", "hardsigmoid"),
+             "silu-sigmoid-f16-nchw": SeTrain(2, 6, 36, 3, "silu", "sigmoid", "float16", layout="nchw")}
     for backend in ("cuda", "opencl"):
         for tag, se in cases.items():
             def make(se: SeTrain = se, backend: str = backend) -> str:

@@ -9,7 +9,7 @@ with act ReLU or SiLU and gate sigmoid or hardsigmoid. PyTorch runs it as ~11 op
 two convs with their autocast casts of weight and bias, the activations, a broadcast multiply) and ~20
 backward, each a launch and, under autograd, a node: on a host-bound AMP step (EfficientNet-B0 N128 on an
 H200: 38 ms of host work for 19 ms of GPU time) that is a third of the launches. Here, x channels-last
-(N, H*W, C):
+(N, H*W, C) or NCHW (N, C, H*W: the reductions then run along each plane):
 
 forward   pool     block (j, tile, n): slice j of sample n's H*W rows, a tile of channels; sums of x into
                    "part" (slices x N x C, float32)
@@ -65,6 +65,7 @@ class SeTrain:
     gate: str = "sigmoid"
     dtype: str = "float32"
     pdtype: str = "float32"
+    layout: str = "nhwc"  # or "nchw": x, y, gy and gx as (N, C, H*W)
 
     def __post_init__(self) -> None:
         if min(self.n, self.c, self.hw, self.s) < 1:
@@ -74,6 +75,8 @@ class SeTrain:
         if self.act not in ACTS or self.gate not in GATES:
             raise ValueError(f"{NAME}: activation ({self.act!r}) must be one of {ACTS} and gate ({self.gate!r}) "
                              f"one of {GATES}")
+        if self.layout not in ("nhwc", "nchw"):
+            raise ValueError(f"{NAME}: layout ({self.layout!r}) must be 'nhwc' or 'nchw'")
         if self.dtype not in DTYPES or self.pdtype not in ("float32", self.dtype):
             raise ValueError(f"{NAME}: activations' dtype ({self.dtype}) must be one of {', '.join(DTYPES)} and "
                              f"the weights' ({self.pdtype}) float32 or the same")
@@ -83,9 +86,14 @@ class SeTrain:
         return self.n * self.hw * self.c
 
     @property
+    def nhwc(self) -> bool:
+        return self.layout == "nhwc"
+
+    @property
     def v(self) -> int:
-        """Channels a thread of the elementwise and reduction kernels: 4 where C is a multiple of 4."""
-        return 4 if self.c % 4 == 0 else 1
+        """Values a thread of the elementwise and reduction kernels takes at once: 4 channels where C is a
+        multiple of 4 (NHWC), 4 pixels of a plane where H*W is (NCHW); else 1."""
+        return 4 if (self.c if self.nhwc else self.hw) % 4 == 0 else 1
 
     @property
     def sv(self) -> int:
@@ -99,7 +107,8 @@ class SeTrain:
 
     def tag(self) -> str:
         p = "" if self.pdtype == "float32" else "p"
-        return f"{self.n}x{self.c}x{self.hw}_s{self.s}_{self.act}_{self.gate}_{_SHORT[self.dtype]}{p}"
+        return (f"{self.n}x{self.c}x{self.hw}_s{self.s}_{self.act}_{self.gate}_{_SHORT[self.dtype]}{p}"
+                + ("" if self.nhwc else "_nchw"))
 
 
 @dataclass(frozen=True)
@@ -121,8 +130,14 @@ def slices(se: SeTrain, device: DeviceInfo) -> int:
     rows at least; one on CPUs."""
     if not device.is_gpu:
         return 1
-    tiles = cdiv(se.c // se.v, min(se.c // se.v, 32))
+    tiles = cdiv(se.c // se.v, min(se.c // se.v, 32)) if se.nhwc else cdiv(se.c, _plane_shape(se, _threads(device))[0])
     return max(1, min(cdiv(4 * max(device.units, 1), se.n * tiles), se.hw // 64))
+
+
+def _plane_shape(se: SeTrain, bt: int) -> tuple[int, int]:
+    """NCHW reduction blocks: (channels a block, threads a plane: a power of 2 up to the plane's vectors)."""
+    trn = min(bt, 1 << (max(se.hw // se.v, 1) - 1).bit_length())
+    return bt // trn, trn
 
 
 def se_program(se: SeTrain, device: DeviceInfo, sp: int | None = None) -> SeProgram:
@@ -131,14 +146,19 @@ def se_program(se: SeTrain, device: DeviceInfo, sp: int | None = None) -> SeProg
     if not 1 <= sp <= se.hw:
         raise ValueError(f"{NAME}: slices ({sp}) must be in 1..{se.hw} (H*W)")
     bt = _threads(device)
-    cv = se.c // se.v
-    tc = min(cv, 32)
-    tr = 1 << (max(bt // tc, 1).bit_length() - 1)
     ix = "I64" if se.total > 2**31 - 1 else "int"
-    pool, red = _rows_kernel(se, False, sp, tc, tr, ix), _rows_kernel(se, True, sp, tc, tr, ix)
+    if se.nhwc:
+        cv = se.c // se.v
+        tc = min(cv, 32)
+        tr = 1 << (max(bt // tc, 1).bit_length() - 1)
+        pool, red = _rows_kernel(se, False, sp, tc, tr, ix), _rows_kernel(se, True, sp, tc, tr, ix)
+        rgrid, rblock = (sp, cdiv(cv, tc), se.n), (tc * tr, 1, 1)
+    else:
+        tcn, trn = _plane_shape(se, bt)
+        pool, red = _planes_kernel(se, False, sp, tcn, trn, ix), _planes_kernel(se, True, sp, tcn, trn, ix)
+        rgrid, rblock = (sp, cdiv(se.c, tcn), se.n), (tcn * trn, 1, 1)
     mlp, mlp_bwd, wgrad = _mlp_kernel(se, sp, bt), _mlp_bwd_kernel(se, sp, bt), _wgrad_kernel(se)
     scale, dx = _elementwise_kernel(se, False, ix), _elementwise_kernel(se, True, ix)
-    rgrid, rblock = (sp, cdiv(cv, tc), se.n), (tc * tr, 1, 1)
     egrid = (cdiv(se.total // se.v, BLOCK), 1, 1)
     outs = 2 * se.s * se.c + se.s + se.c
 
@@ -196,6 +216,39 @@ def _rows_kernel(se: SeTrain, bwd: bool, sp: int, tc: int, tr: int, ix: str) -> 
     return Kernel(f"{_prefix(se)}_{'reduce' if bwd else 'pool'}", args, code.text(), (tc * tr, 1, 1),
                   comment=f"{NAME}: {what} per (slice of rows, channel tile, sample), {sp} slice(s), "
                           f"{tc} x {tr} threads, {v} channel(s) a thread")
+
+
+def _planes_kernel(se: SeTrain, bwd: bool, sp: int, tcn: int, trn: int, ix: str) -> Kernel:
+    """NCHW, block (j, channel group, n): ``tcn`` channels a block, ``trn`` threads a plane adding its vectors
+    of v pixels in slice j (a fixed tree over the trn threads after), into part[(j N + n) C + c]."""
+    s, v = Storage(se.dtype), se.v
+    vec = se.hw // v
+    per = cdiv(vec, sp)
+    load = (lambda p: s.vload4("0", f"{p} + at")) if v == 4 else (lambda p: s.load(p, "at"))
+    ft = "float4" if v == 4 else "float"
+    lanes = _lanes(v)
+    code = Code()
+    code(f"SHARED float r[{tcn * trn}];", "const int t = LOCAL_ID(0), j = GROUP_ID(0), n = GROUP_ID(2);",
+         f"const int ci = t / {trn}, tr = t % {trn}, c = GROUP_ID(1) * {tcn} + ci;",
+         f"const int e1 = c < {se.c} ? min((j + 1) * {per}, {vec}) : 0;", "float a = 0.0f;")
+    with code.block(f"for (int q = j * {per} + tr; q < e1; q += {trn})"):
+        code(f"const {ix} at = (({ix})n * {se.c} + c) * {se.hw} + q * {v};", f"const {ft} xv = {load('x')};")
+        if bwd:
+            code(f"const {ft} gv = {load('gy')};",
+                 "a += " + " + ".join(f"gv{lane} * xv{lane}" for lane in lanes) + ";")
+        else:
+            code("a += " + " + ".join(f"xv{lane}" for lane in lanes) + ";")
+    code("r[t] = a;", "BARRIER();")
+    half = trn // 2
+    while half >= 1:
+        code(f"if (tr < {half}) r[t] += r[t + {half}];", "BARRIER();")
+        half //= 2
+    code(f"if (tr == 0 && c < {se.c}) part[(j * {se.n} + n) * {se.c} + c] = r[t];")
+    args = (s.buf("x"), *((s.buf("gy"),) if bwd else ()), Buf("part", readonly=False))
+    what = "sums of gy * x" if bwd else "sums of x"
+    return Kernel(f"{_prefix(se)}_{'reduce' if bwd else 'pool'}", args, code.text(), (tcn * trn, 1, 1),
+                  comment=f"{NAME}: {what} per (slice of a plane, channel, sample), {sp} slice(s), {tcn} channel(s) "
+                          f"x {trn} threads, {v} pixel(s) a thread")
 
 
 def _act(se: SeTrain, u: str) -> str:
@@ -324,21 +377,26 @@ def _elementwise_kernel(se: SeTrain, bwd: bool, ix: str) -> Kernel:
     lanes = _lanes(v)
     g_at = f"{se.n * (2 * se.c + se.s)} + nc"
     code = Code()
-    code(f"const {ix} e = ({ix})GROUP_ID(0) * {BLOCK} + LOCAL_ID(0);", f"if (e >= {se.total // v}) return;",
-         f"const int nc = (int)(e / {se.hw * cv}) * {se.c} + (int)(e % {cv}) * {v};  // n C + c")
+    code(f"const {ix} e = ({ix})GROUP_ID(0) * {BLOCK} + LOCAL_ID(0);", f"if (e >= {se.total // v}) return;")
+    if se.nhwc:
+        code(f"const int nc = (int)(e / {se.hw * cv}) * {se.c} + (int)(e % {cv}) * {v};  // n C + c")
+    else:
+        code(f"const int nc = (int)(e / {se.hw // v});  // n C + c: the plane's")
     ld = (lambda p: s.vload4("e", p)) if v == 4 else (lambda p: s.load(p, "e"))
     ft = "float4" if v == 4 else "float"
     src = "gy" if bwd else "x"
     code(f"const {ft} xv = {ld(src)};")
     outs = []
     for i, lane in enumerate(lanes):
-        val = f"xv{lane} * sv[{g_at} + {i}]"
-        outs.append(f"FMA(xv{lane}, sv[{g_at} + {i}], bs[{se.n * (se.c + se.s)} + nc + {i}])" if bwd else val)
+        k = f" + {i}" if se.nhwc else ""  # NHWC: lane i is channel c + i; NCHW: every lane is the plane's channel
+        val = f"xv{lane} * sv[{g_at}{k}]"
+        outs.append(f"FMA(xv{lane}, sv[{g_at}{k}], bs[{se.n * (se.c + se.s)} + nc{k}])" if bwd else val)
     dst = "gx" if bwd else "y"
+    unit = "channel" if se.nhwc else "pixel"
     code(s.vstore4(f"MAKE_FLOAT4({', '.join(outs)})", "e", dst) + ";" if v == 4 else s.store(dst, "e", outs[0]) + ";")
     args = (s.buf(src), Buf("sv"), *((Buf("bs"),) if bwd else ()), s.buf(dst, readonly=False))
     return Kernel(f"{_prefix(se)}_{'dx' if bwd else 'scale'}", args, code.text(), (BLOCK, 1, 1),
-                  comment=f"{NAME}: {'gx = gy * g + gp' if bwd else 'y = x * g'}, {v} channel(s) a thread")
+                  comment=f"{NAME}: {'gx = gy * g + gp' if bwd else 'y = x * g'}, {v} {unit}(s) a thread")
 
 
 def title(se: SeTrain) -> str:

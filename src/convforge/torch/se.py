@@ -5,9 +5,9 @@ torchvision's ``SqueezeExcitation`` pattern (EfficientNet, MobileNet-v3, RegNetY
 autograd nodes forward and 20 backward (the two 1x1 convs' weight and bias casts under autocast among them),
 which on a host-bound AMP step cost more than the GPU time they launch. Here it is one autograd node of 3
 launches forward and 4 backward, the float32 master weights read and their gradients written as they are.
-Channels-last CUDA tensors of float32, float16 or bfloat16, in an autocast region or not, with grad or
-without; anything else (NCHW input, other dtypes, CPU, ``torch.compile`` or ``torch.jit`` tracing (an ONNX
-export), more than ``kernels.se.MAX_C`` channels) runs the original modules.
+Channels-last or NCHW-contiguous CUDA tensors of float32, float16 or bfloat16, in an autocast region or not,
+with grad or without; anything else (other strides, dtypes, CPU, ``torch.compile`` or ``torch.jit`` tracing (an
+ONNX export), more than ``kernels.se.MAX_C`` channels) runs the original modules.
 """
 
 from __future__ import annotations
@@ -82,9 +82,12 @@ class SqueezeExcite(torch.nn.Module):
 
     def layer(self, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> SeTrain | None:
         """The kernels' description of this call, or None where the modules run (module docstring)."""
-        if (x.dim() != 4 or not x.is_cuda or x.dtype not in _NAMES or not x.is_contiguous(memory_format=_CL)
-                or x.data_ptr() % 16 or torch.compiler.is_compiling() or torch.jit.is_tracing() or x.numel() == 0
+        if (x.dim() != 4 or not x.is_cuda or x.dtype not in _NAMES or x.data_ptr() % 16
+                or torch.compiler.is_compiling() or torch.jit.is_tracing() or x.numel() == 0
                 or not (w1.is_contiguous() and w2.is_contiguous())):
+            return None
+        lay = "nhwc" if x.is_contiguous(memory_format=_CL) else "nchw" if x.is_contiguous() else None
+        if lay is None:
             return None
         if _AUTOCAST():  # the region's convs would run in its half dtype; here float32 inside
             if w1.dtype != torch.float32:
@@ -94,7 +97,7 @@ class SqueezeExcite(torch.nn.Module):
         n, c, h, w = x.shape
         if c != w1.shape[1]:
             return None
-        return SeTrain(n, c, h * w, w1.shape[0], self.act, self.gate, _NAMES[x.dtype], _NAMES[w1.dtype])
+        return SeTrain(n, c, h * w, w1.shape[0], self.act, self.gate, _NAMES[x.dtype], _NAMES[w1.dtype], lay)
 
 
 def program_work(se: SeTrain, device: int) -> Any:
@@ -133,7 +136,7 @@ class _SqueezeExcite(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,  # type: ignore[override]
                 b2: torch.Tensor, hit: tuple[SeTrain, SeProgram, Any, Any]) -> torch.Tensor:
         se, prog, run, stream_of = hit
-        y = torch.empty_like(x, memory_format=_CL)
+        y = torch.empty_like(x)  # x's layout (dense: its strides)
         part, sv = _floats(prog.part, x), _floats(se.sv, x)
         run("forward", {"x": x.data_ptr(), "w1": w1.data_ptr(), "b1": b1.data_ptr(), "w2": w2.data_ptr(),
                         "b2": b2.data_ptr(), "part": part.data_ptr(), "sv": sv.data_ptr(), "y": y.data_ptr()},
@@ -147,9 +150,10 @@ class _SqueezeExcite(torch.autograd.Function):
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         se, prog, run, stream_of = ctx.hit
         x, w1, w2, sv = ctx.saved_tensors
-        if not gy.is_contiguous(memory_format=_CL) or gy.data_ptr() % 16 or gy.dtype != x.dtype:
-            gy = gy.to(x.dtype).contiguous(memory_format=_CL).clone(memory_format=_CL)
-        gx = torch.empty_like(x, memory_format=_CL)
+        fmt = _CL if se.nhwc else torch.contiguous_format
+        if not gy.is_contiguous(memory_format=fmt) or gy.data_ptr() % 16 or gy.dtype != x.dtype:
+            gy = gy.to(x.dtype).clone(memory_format=fmt)
+        gx = torch.empty_like(x)
         part, bs = _floats(prog.part, x), _floats(se.bs, x)
         gw1, gw2 = torch.empty_like(w1, memory_format=torch.contiguous_format), \
             torch.empty_like(w2, memory_format=torch.contiguous_format)
