@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 
@@ -50,3 +50,13 @@ def bounds(expr: str, lo: int, hi: int) -> str:
     if lo == 0:
         return f"(unsigned)({expr}) < {hi}u"
     return f"({expr}) >= {lo} && ({expr}) < {hi}"
+
+
+def halving_tree(code: Code, n: int, idx: str, add: Callable[[int], str]) -> None:
+    """A sum over ``n`` threads (a power of 2) through shared memory in a fixed order: for half = n / 2 .. 1
+    the threads whose ``idx`` is below half run ``add(half)`` (adding the value half further on), then a
+    barrier; the sum lands at ``idx`` 0."""
+    half = n // 2
+    while half >= 1:
+        code(f"if ({idx} < {half}) {add(half)}", "BARRIER();")
+        half //= 2

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from convforge.codegen.dialect import Buf, Kernel, Storage
-from convforge.codegen.meta import Code, cdiv, fl
+from convforge.codegen.meta import Code, cdiv, fl, halving_tree
 from convforge.codegen.render import render
 from convforge.plan import DeviceInfo, Launch
 
@@ -239,10 +239,7 @@ def _planes_kernel(se: SeTrain, bwd: bool, sp: int, tcn: int, trn: int, ix: str)
         else:
             code("a += " + " + ".join(f"xv{lane}" for lane in lanes) + ";")
     code("r[t] = a;", "BARRIER();")
-    half = trn // 2
-    while half >= 1:
-        code(f"if (tr < {half}) r[t] += r[t + {half}];", "BARRIER();")
-        half //= 2
+    halving_tree(code, trn, "tr", lambda h: f"r[t] += r[t + {h}];")
     code(f"if (tr == 0 && c < {se.c}) part[(j * {se.n} + n) * {se.c} + c] = r[t];")
     args = (s.buf("x"), *((s.buf("gy"),) if bwd else ()), Buf("part", readonly=False))
     what = "sums of gy * x" if bwd else "sums of x"
@@ -287,10 +284,7 @@ def _dots(code: Code, se: SeTrain, bt: int, rows: int, length: int, term: str, o
         with code.block(f"if (i < {rows})"):
             code(f"for (int k = kk; k < {length}; k += {k}) acc += {term};")
         code("rd[t] = acc;", "BARRIER();")
-        half = k // 2
-        while half >= 1:
-            code(f"if (kk < {half}) rd[t] += rd[t + {half}];", "BARRIER();")
-            half //= 2
+        halving_tree(code, k, "kk", lambda h: f"rd[t] += rd[t + {h}];")
         with code.block(f"if (kk == 0 && i < {rows})"):
             code(out)
         code("BARRIER();")

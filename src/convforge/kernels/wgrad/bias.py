@@ -17,7 +17,7 @@ addition happens in the same order on every run.
 from __future__ import annotations
 
 from convforge.codegen.dialect import Buf, Kernel
-from convforge.codegen.meta import Code, cdiv
+from convforge.codegen.meta import Code, cdiv, halving_tree
 from convforge.kernels.gemm import elementwise
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Launch, Plan
@@ -110,10 +110,7 @@ def _sum_kernel(spec: ConvSpec, bt: int, sp: int, out: str, relu: bool = False) 
         code(f"acc += {value('e')};")
     code("acc = (acc + acc1) + (acc2 + acc3);")
     code("part[t] = acc;", "BARRIER();")
-    half = bt // 2
-    while half >= 1:
-        code(f"if (t < {half}) part[t] += part[t + {half}];", "BARRIER();")
-        half //= 2
+    halving_tree(code, bt, "t", lambda h: f"part[t] += part[t + {h}];")
     code(f"if (t == 0) {out}[j * {spec.k} + k] = part[0];")
     args: tuple[Buf, ...]
     if relu:

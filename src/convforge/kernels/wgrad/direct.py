@@ -9,7 +9,7 @@ result is the same on every run (no atomics). Any stride, dilation, padding and 
 from __future__ import annotations
 
 from convforge.codegen.dialect import Kernel, Storage
-from convforge.codegen.meta import Code
+from convforge.codegen.meta import Code, halving_tree
 from convforge.kernels import register
 from convforge.kernels.dgrad import no_epilogue
 from convforge.kernels.gemm import too_big
@@ -63,10 +63,7 @@ class WgradDirect(Variant):
                 code(f"acc = FMA({st.load('x', f'((n * {spec.c} + c) * {spec.h} + iy) * {spec.w} + ix')},"
                      f" {st.load('y', f'(n * {spec.k} + k) * {pq} + pq')}, acc);")
         code("part[t] = acc;", "BARRIER();")
-        half = bt // 2
-        while half >= 1:
-            code(f"if (t < {half}) part[t] += part[t + {half}];", "BARRIER();")
-            half //= 2
+        halving_tree(code, bt, "t", lambda h: f"part[t] += part[t + {h}];")
         code(f"if (t == 0) {st.store('w', f'(k * {cg} + cl) * {spec.r * spec.s} + rs', 'part[0]')};")
         name = "wgrad_direct"
         kernel = Kernel(name, (st.buf("x"), st.buf("y"), st.buf("w", readonly=False)), code.text(), (bt, 1, 1),
