@@ -10,7 +10,9 @@ training section). With --forward: an inference forward, PyTorch FP32 eager agai
                                     [--ab native_block]  # instead: an A/B of a boolean setting in ONE
                                                 # process, rounds alternating PyTorch, ours on, ours off
                                     [--amp fp16|bf16]  # the AMP step (autocast, GradScaler, channels_last)
-                                                # against PyTorch AMP: bench --train --amp's step
+                                                # against PyTorch AMP: bench --train --amp's step; with
+                                                # --forward: the fused model's forward under autocast
+                                    [--nchw]    # --forward --amp: NCHW input, not channels_last
                                     [--kernels]  # also: each side's kernels by launches per step (what
                                                 # a host-bound step's launch count is made of)
                                     [--each 40]  # also: ours' 40 costliest kernels one by one (full names:
@@ -149,6 +151,7 @@ def main() -> None:
     ap.add_argument("--amp", choices=("fp16", "bf16"),
                     help="the mixed-precision step (bench --train --amp's: autocast, GradScaler for fp16, model and "
                     "input channels_last) against PyTorch AMP")
+    ap.add_argument("--nchw", action="store_true", help="--forward --amp: NCHW input (channels_last otherwise)")
     ap.add_argument("--kernels", action="store_true", help="also: the kernels by launches per step")
     ap.add_argument("--each", type=int, default=0, metavar="N",
                     help="also: convforge's N costliest kernels, each by its full name (layer shape)")
@@ -179,9 +182,21 @@ def main() -> None:
     if a.forward:
         ref.eval()
         ours, _ = ct.fuse(ref, precision=a.precision)
+        if a.amp:  # the fused float32 model under autocast, as bench --model --dtype times it
+            base = f"PyTorch {a.amp} autocast"
+            if not a.nchw:
+                x = x.contiguous(memory_format=torch.channels_last)
+                ref = ref.to(memory_format=torch.channels_last)
         sides = ((f"{base} forward", ref), ("convforge fuse() forward", ours))
         for name, m in sides:
-            report(f"{a.model} N{a.batch} {name}", profile(_forward_fn(m, x), a.steps), a.steps, a.top)
+            events = profile(_forward_fn(m, x, a.amp), a.steps)
+            report(f"{a.model} N{a.batch} {name}", events, a.steps, a.top)
+            if a.kernels:
+                kernel_report(name, events, a.steps, a.top)
+            if a.each:
+                each_report(events, a.steps, a.each)
+            if a.host:
+                host(name, _forward_fn(m, x, a.amp), a.steps, a.top * 2 if m is ours else 0)
         return
     ours = copy.deepcopy(model).cuda()
     if a.fused:
@@ -400,11 +415,13 @@ def host(name: str, step: Any, steps: int, top: int) -> None:
         stats.sort_stats("cumulative").print_stats("convforge", top)  # our Python functions, callers first
 
 
-def _forward_fn(model: Any, x: Any) -> Any:
+def _forward_fn(model: Any, x: Any, amp: str | None = None) -> Any:
     import torch
 
+    dt = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(amp or "")
+
     def run() -> None:
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast("cuda", dtype=dt or torch.float16, enabled=dt is not None):
             model(x)
     return run
 

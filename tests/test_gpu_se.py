@@ -73,7 +73,9 @@ def test_node_against_float64_beside_pytorch(gpu, n, c, h, w, s, act, gate, dtyp
     fmt = CL if layout == "nhwc" else torch.contiguous_format
     x = torch.randn(n, c, h, w, device="cuda", generator=g).to(dtype).contiguous(memory_format=fmt)
     gy = torch.randn(n, c, h, w, device="cuda", generator=g).to(dtype).contiguous(memory_format=fmt)
-    assert node.layer(x, m.fc1.weight, m.fc2.weight) is not None  # the kernels take it
+    dt = autocast if isinstance(autocast, torch.dtype) else torch.float16
+    with torch.autocast("cuda", dt, enabled=bool(autocast)):  # where it decides: inside the region
+        assert node.layer(x, m.fc1.weight, m.fc2.weight) is not None  # the kernels take it
     params = [m.fc1.weight, m.fc1.bias, m.fc2.weight, m.fc2.bias]
     ours = _run(node, x, gy, params, autocast)
     theirs = _run(m, x, gy, params, autocast)
@@ -165,9 +167,11 @@ def test_fuse_makes_every_se_block_one_node(gpu, name, count):
         assert _rel(mine, g64) <= max(3 * _rel(theirs, g64), 1e-2), (path, _rel(mine, g64), _rel(theirs, g64))
 
 
-def test_training_ahead_compiles_the_se_programs(gpu):
+def test_training_ahead_compiles_the_se_programs(gpu, monkeypatch, tmp_path):
     """The first training step's recording (torch/train_ahead.py) notes each SE node's layer under autocast,
     and compiling ahead leaves the very program the node's first call builds in the back-end."""
+    import sys
+
     import convforge.torch as ct
     from convforge.backends import get_backend
     from convforge.torch import se
@@ -178,6 +182,8 @@ def test_training_ahead_compiles_the_se_programs(gpu):
     model = tv.models.mobilenet_v3_large(num_classes=10).cuda().train().to(memory_format=CL)
     fused, report = ct.fuse(model)
     x = torch.randn(2, 3, 64, 64, device="cuda").contiguous(memory_format=CL)
+    ta = sys.modules["convforge.torch.train_ahead"]  # a manifest no earlier run left: else nothing is loaded
+    monkeypatch.setattr(ta, "_manifest", lambda m, a, k: tmp_path / "manifest.json")
     noted: list = []
     with torch.autocast("cuda", torch.float16):
         record_calls(fused, (x,), {}, noted)
