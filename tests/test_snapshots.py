@@ -289,10 +289,24 @@ def _se_cases() -> Iterator[Case]:
             yield Case(f"se_train.{tag}.{backend}", ("se_train", se.dtype, "train", backend), make)
 
 
+def _layernorm_cases() -> Iterator[Case]:
+    """Layer norm over rows (kernels/layernorm.py): ConvNeXt-T's first stage under autocast (half in and out,
+    float32 parameters, float4 vectors, a group of 4 threads) and odd rows in float32."""
+    from convforge.kernels.layernorm import LayerNormRows, source
+
+    cases = {"c96-f16": LayerNormRows(64, 96, 1e-6, "float16", "float16"), "c13-f32": LayerNormRows(5, 13)}
+    for backend in ("cuda", "opencl"):
+        for tag, ln in cases.items():
+            def make(ln: LayerNormRows = ln, backend: str = backend) -> str:
+                return source(ln, backend)
+            yield Case(f"layer_norm.{tag}.{backend}", ("layer_norm", ln.dtype, "fprop", backend), make)
+
+
 def _all_cases() -> list[Case]:
     cases = [*_variant_cases(), *_half_cases(), *_prologue_cases(), *_full_transform_cases(),
              *_strided_dgrad_cases(), *_stem_cases(), *_half_tc_cases(), *_batchnorm_cases(), *_bias_grad_cases(),
-             *_grad_rows_cases(), *_maxpool_cases(), *_wcast_cases(), *_se_cases()]
+             *_grad_rows_cases(), *_maxpool_cases(), *_wcast_cases(), *_se_cases(),
+             *_layernorm_cases()]
     keys = [c.key for c in cases]
     assert len(keys) == len(set(keys)), "two snapshot cases share a key"
     return cases
