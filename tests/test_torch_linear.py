@@ -57,8 +57,9 @@ def test_convnext_block_fuses_both_linears(functional):
     torch.manual_seed(0)
     model = nn.Sequential(Block(8, functional), Block(8, functional)).eval()
     fused, report = ct.fuse(model)
-    assert report.linears == {"0.fc1": "gelu", "0.fc2": "permute+scale+add", "1.fc1": "gelu",
+    assert report.linears == {"0.fc1": "norm+gelu", "0.fc2": "permute+scale+add", "1.fc1": "norm+gelu",
                               "1.fc2": "permute+scale+add"}
+    assert not [n for n in fused.graph.nodes if n.op == "call_module" and n.target.endswith("norm")]  # folded
     assert "linear layer(s) fused" in str(report)
     assert isinstance(fused.get_submodule("0.fc1"), FusedLinear)
     assert fused.state_dict().keys() == model.state_dict().keys()
@@ -86,7 +87,9 @@ def test_torchvision_convnext_tail_with_stochastic_depth():
                 p.uniform_(0.1, 1.0)
     fused, report = ct.fuse(model)
     assert len(report.linears) == 36
-    assert sorted(set(report.linears.values())) == ["gelu", "permute+scale+stochastic_depth+add"]
+    assert sorted(set(report.linears.values())) == ["norm+gelu", "permute+scale+stochastic_depth+add"]
+    assert len(report.norms) == 5 and "layer norm(s) on convforge's kernel" in str(report)  # LayerNorm2d's
+    assert fused.state_dict().keys() == model.state_dict().keys()
     x = torch.randn(1, 3, 64, 64)
     with torch.no_grad():
         torch.testing.assert_close(fused(x), model(x), rtol=0, atol=0)
@@ -107,3 +110,27 @@ def test_from_linear_refuses_gelu_with_the_tail():
         FusedLinear.from_linear(nn.Linear(4, 4), gelu=True, residual=True)
     with pytest.raises(ValueError, match="precision"):
         FusedLinear.from_linear(nn.Linear(4, 4), gelu=True, precision="fast")
+
+
+class SharedNorm(nn.Module):
+    """A layer norm read twice: it stays PyTorch's, the linear after it still fuses with its GELU."""
+
+    def __init__(self, c: int = 8) -> None:
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(c), nn.Linear(c, 2 * c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(x)
+        return F.gelu(self.fc(y)).sum(-1) + y.sum(-1)
+
+
+def test_a_norm_read_twice_is_not_folded():
+    torch.manual_seed(0)
+    model = SharedNorm().eval()
+    fused, report = ct.fuse(model)
+    assert report.linears == {"fc": "gelu"}
+    x = torch.randn(2, 3, 4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), model(x), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="nn.LayerNorm over the linear's 8 input features"):
+        FusedLinear.from_linear(nn.Linear(8, 4), gelu=True, norm=nn.LayerNorm(4))

@@ -124,3 +124,91 @@ def test_torchvision_convnext_tiny(hopper):
         base = _rel(model(x), want)
     assert err < 4 * base + 1e-6, (err, base)
     assert all(_ran(m) for m in fused.modules() if m.__class__.__name__ == "FusedLinear")
+
+
+def _amp_error(model, x, dt, want):
+    """(output, its error against ``want``) of ``model`` under CUDA autocast ``dt``."""
+    with torch.autocast("cuda", dt):
+        y = model(x)
+    return y, _rel(y, want)
+
+
+@pytest.mark.parametrize("dt", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("fmt", ["channels_last", "nchw"])
+def test_convnext_blocks_under_autocast(hopper, monkeypatch, dt, fmt):
+    """A float32 model's ConvNeXt blocks inside autocast: every linear (and its folded layer norm) runs
+    convforge's kernels in the region's dtype, the output has the dtype PyTorch's operations give (float32:
+    the float32 layer scale promotes), and its error against float64 stays within 1.2x PyTorch autocast's."""
+    from convforge.torch.linear import FusedLinear
+
+    torch.manual_seed(3)
+    model = nn.Sequential(Block(48), Block(48)).cuda().eval()
+    fused, report = __import__("convforge.torch", fromlist=["fuse"]).fuse(model)
+    assert set(report.linears.values()) == {"norm+gelu", "permute+scale+add"}
+
+    def refuse(*_a, **_k):
+        raise AssertionError("a fused linear took PyTorch's path")
+
+    x = torch.randn(3, 48, 13, 11, device="cuda")
+    if fmt == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        want = copy.deepcopy(model).double()(x.double())
+        theirs, base = _amp_error(model, x, dt, want)
+        _poison((3 * 13 * 11 * 48 * 4 + 4096,), dt)
+        monkeypatch.setattr(FusedLinear, "unfused", refuse)
+        ours, err = _amp_error(fused, x, dt, want)
+    assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
+    assert err <= 1.2 * base + 1e-4, (err, base)
+
+
+def test_layer_norm_kernel_against_float64(hopper):
+    """torch/layernorm.py on half and float32 rows (ConvNeXt-T's widths and an odd one), half output from
+    float32 parameters as under autocast, the output poisoned first."""
+    from convforge.torch.layernorm import norm_rows
+
+    for c, xdt, out in ((96, torch.float16, torch.float16), (768, torch.bfloat16, torch.bfloat16),
+                        (37, torch.float32, torch.float32), (384, torch.float16, torch.float32)):
+        torch.manual_seed(c)
+        norm = nn.LayerNorm(c, eps=1e-6).cuda()
+        with torch.no_grad():
+            norm.weight.uniform_(0.5, 1.5)
+            norm.bias.uniform_(-0.2, 0.2)
+        x = (2 + torch.randn(4, 9, 7, c, device="cuda")).to(xdt)
+        _poison((4 * 9 * 7 * c + 4096,), out)
+        with torch.no_grad():
+            y = norm_rows(x, norm, out)
+            want = F.layer_norm(x.double(), (c,), norm.weight.double(), norm.bias.double(), 1e-6)
+        assert y is not None and y.dtype == out
+        tol = {torch.float32: 2e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[out]
+        assert _rel(y, want) < tol, (c, xdt, out, _rel(y, want))
+
+
+@pytest.mark.parametrize("dt", [torch.float16, torch.bfloat16], ids=str)
+def test_torchvision_convnext_tiny_under_autocast(hopper, monkeypatch, dt):
+    """The whole model inside autocast, channels-last: every linear and every layer norm (the blocks' folded
+    into their first linear, LayerNorm2d's on their own) on convforge's kernels, within 1.2x PyTorch
+    autocast's error against float64."""
+    torchvision = pytest.importorskip("torchvision", reason="torchvision not installed")
+    torch.manual_seed(0)
+    model = torchvision.models.convnext_tiny().cuda().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("layer_scale"):
+                p.uniform_(0.1, 1.0)
+    fused, report = __import__("convforge.torch", fromlist=["fuse"]).fuse(model)
+    assert len(report.norms) == 5  # the stem's, three downsampling layers', the head's
+    x = torch.randn(2, 3, 96, 96, device="cuda").contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        want = copy.deepcopy(model).double()(x.double())
+        theirs, base = _amp_error(model, x, dt, want)
+
+        def refuse(*_a, **_k):
+            raise AssertionError("PyTorch's layer norm ran")
+
+        monkeypatch.setattr(F, "layer_norm", refuse)
+        ours, err = _amp_error(fused, x, dt, want)
+    assert ours.dtype == theirs.dtype
+    assert err <= 1.2 * base + 1e-4, (err, base)
+    lin = [m for m in fused.modules() if m.__class__.__name__ == "FusedLinear"]
+    assert len(lin) == 36 and all(_ran(m) for m in lin)

@@ -54,6 +54,7 @@ from torch.fx import Graph, GraphModule, Node, Tracer
 
 from convforge.torch.branches import Branch, BranchSum, branch_reason
 from convforge.torch.fused import FusedConv2d, PreActivation
+from convforge.torch.layernorm import RowNorm
 from convforge.torch.linear import FusedLinear
 from convforge.torch.modules import OPTIONS, Conv2d, ConvertReport, ConvTranspose2d, static_reason, swapped
 from convforge.torch.modules import convert as convert_in_place
@@ -122,6 +123,7 @@ def fuse(model: torch.nn.Module, **options: Any) -> tuple[torch.nn.Module, Conve
     _rewrite(graph, root, report, options)
     _fold_preactivations(graph, root, report)
     _fuse_linears(graph, root, report, options)
+    _swap_row_norms(graph, root, report)
     _swap_pools(graph, root, report)
     gm = _graph_module(root, graph, type(model).__name__)
     prepare_on_first_call(gm)
@@ -532,7 +534,8 @@ def _fuse_linears(graph: Graph, root: torch.nn.Module, report: ConvertReport, op
         if nxt is None:
             continue
         if _is_gelu(nxt, node, modules):
-            new = FusedLinear.from_linear(lin, gelu=True, **options)
+            norm = _lone_layer_norm(node, lin, modules, calls)
+            new = FusedLinear.from_linear(lin, gelu=True, norm=norm, **options)
             _replace(graph, [node, nxt], None)
         else:
             found = _scaled_residual(nxt, node, root)
@@ -549,6 +552,59 @@ def _fuse_linears(graph: Graph, root: torch.nn.Module, report: ConvertReport, op
         setattr(root.get_submodule(parent) if parent else root, attr, new)
         report.linears[name] = new.fused_ops()
     graph.lint()
+
+
+def _swap_row_norms(graph: Graph, root: torch.nn.Module, report: ConvertReport) -> None:
+    """Each ``F.layer_norm(x, (C,), weight, bias, eps)`` whose weight and bias are attributes of modules
+    (torchvision's ``LayerNorm2d``) becomes a call of a :class:`RowNorm` added to the root as
+    ``_cf_norm_<weight's path>``."""
+    names = ("input", "normalized_shape", "weight", "bias", "eps")
+    for node in list(graph.nodes):
+        if not (node.op == "call_function" and node.target is F.layer_norm):
+            continue
+        given = dict(zip(names, node.args, strict=False))  # fx records weight, bias and eps as keywords
+        if len(node.args) > len(names) or set(given) & set(node.kwargs) or set(node.kwargs) - set(names):
+            continue
+        given.update(node.kwargs)
+        x, shape, w, b, eps = (given.get(k, 1e-5 if k == "eps" else None) for k in names)
+        if not isinstance(x, Node):
+            continue
+        if not (isinstance(shape, list | tuple) and len(shape) == 1 and isinstance(shape[0], int)
+                and isinstance(eps, float) and isinstance(w, Node) and isinstance(b, Node)
+                and w.op == "get_attr" and b.op == "get_attr"):
+            continue
+        refs = []
+        for t in (w, b):
+            owner_path, _, attr = str(t.target).rpartition(".")
+            refs.append((root.get_submodule(owner_path) if owner_path else root, attr))
+        path = "_cf_norm_" + str(w.target).replace(".", "_")
+        root.add_module(path, RowNorm(shape[0], refs[0], refs[1], eps))
+        with graph.inserting_before(node):
+            new = graph.call_module(path, (x,))
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        for t in (w, b):
+            if not t.users:
+                graph.erase_node(t)
+        report.norms.append(str(w.target).rpartition(".")[0])
+    graph.lint()
+
+
+def _lone_layer_norm(node: Node, lin: torch.nn.Linear, modules: dict[str, Any], calls: Counter[Any]) -> Any:
+    """The ``nn.LayerNorm`` over ``lin``'s input features whose output only ``node`` reads, taken out of the
+    graph (``node`` reads its input instead; the module stays where the model has it), or None."""
+    src = node.args[0]
+    if not (isinstance(src, Node) and src.op == "call_module" and len(src.args) == 1 and not src.kwargs
+            and len(src.users) == 1 and calls[src.target] == 1 and isinstance(src.args[0], Node)):
+        return None
+    norm = modules.get(str(src.target))
+    if norm is None or type(norm) is not torch.nn.LayerNorm or tuple(norm.normalized_shape) != (lin.in_features,):
+        return None
+    node.args = (src.args[0],)
+    graph = node.graph
+    graph.erase_node(src)
+    return norm
 
 
 def _is_gelu(node: Node, src: Node, modules: dict[str, Any]) -> bool:

@@ -378,7 +378,10 @@ class ConvertReport:
     ``linears`` (``fuse`` only): linear layers over channels-last activations that convforge runs
     (torch/linear.py) -> what they fold ("gelu", "permute+scale+add"); ``pools`` (``fuse`` only): max
     pools convforge runs (torch/pool.py); ``excitations`` (``fuse`` only): squeeze-and-excitation modules
-    convforge runs as one node (torch/se.py), by their first conv's path -> "se(activation, gate)"."""
+    convforge runs as one node (torch/se.py), by their first conv's path -> "se(activation, gate)";
+    ``norms`` (``fuse`` only): functional layer norms over the last dimension (torchvision's ``LayerNorm2d``)
+    on convforge's kernel (torch/layernorm.py), by their weight's path (``nn.LayerNorm`` modules in front of a
+    linear layer fold into it: ``linears``' "norm+gelu")."""
 
     converted: list[str] = field(default_factory=list)
     left: dict[str, str] = field(default_factory=dict)
@@ -387,6 +390,7 @@ class ConvertReport:
     linears: dict[str, str] = field(default_factory=dict)
     pools: list[str] = field(default_factory=list)
     excitations: dict[str, str] = field(default_factory=dict)
+    norms: list[str] = field(default_factory=list)
 
     @property
     def handed_back(self) -> dict[str, str]:
@@ -400,7 +404,8 @@ class ConvertReport:
                  + (f"; {len(self.linears)} linear layer(s) fused" if self.linears else "")
                  + (f"; {len(self.pools)} max pool(s) on convforge's kernels" if self.pools else "")
                  + (f"; {len(self.excitations)} squeeze-and-excitation(s) as one node each"
-                    if self.excitations else "")]
+                    if self.excitations else "")
+                 + (f"; {len(self.norms)} layer norm(s) on convforge's kernel" if self.norms else "")]
         lines += [f"  {name or '<model>'}: {why}" for name, why in self.left.items()]
         lines += [f"  {name or '<model>'}: not fused: {why}" for name, why in self.unfused.items()]
         lines += [f"  handed to PyTorch at run time: {layer}: {why}" for layer, why in self.handed_back.items()]
