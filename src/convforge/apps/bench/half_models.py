@@ -15,8 +15,9 @@ One model per name, built as ``bench.models`` builds it (the same random float32
 
 Errors: each output against a float64 run of the float32 model on the input rounded to the dtype
 (the input every side gets), relative L2; ``err_vs_pytorch`` is a row's over the baseline's.
-CUDA events, warm-up first, median of repeats; converted figures exclude filter transforms and casts
-(made once per weight version on the warm-up call).
+CUDA events, warm-up first, then the rows timed in interleaved rounds (``training.time_rounds``: eager
+forwards are host-bound and the host's speed drifts within a call), median of repeats; converted figures
+exclude filter transforms and casts (made once per weight version on the warm-up call).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any
 from rich.console import Console
 
 from convforge.apps.bench import models as M
+from convforge.apps.bench.training import time_rounds
 from convforge.files import csv_text, write_atomic
 
 TAGS = {"float16": "fp16", "bfloat16": "bf16"}
@@ -110,7 +112,7 @@ def bench_half(name: str, batch: int, warmup: int, repeats: int, options: dict[s
         del model64
     flag = f"degenerate: reference spread {spread:.1e} < {M.MIN_SPREAD:g}" if spread < M.MIN_SPREAD else ""
     reports: dict[str, Any] = {}
-    rows = []
+    rows, timed = [], {}
     M._tf32(False)
     for impl, make in _runs(model, x, dtype, warmup, options, reports):
         row: dict[str, Any] = dict(model=name, batch=batch, impl=impl, status="ok", ref_spread=spread,
@@ -119,11 +121,11 @@ def bench_half(name: str, batch: int, warmup: int, repeats: int, options: dict[s
             with torch.no_grad():
                 with M.tuning(tune) if impl.startswith("convforge") else nullcontext():
                     fn = make()
-                    fn()
-                row["time_ms"] = M.time_ms(fn, warmup, repeats)
-                y = fn()
+                    y = fn()
                 torch.cuda.synchronize()
             row["rel_err"] = float((y.double() - want).norm() / want.norm())
+            del y
+            timed[impl] = (_no_grad(fn), lambda: None)
             if flag:
                 row["status"] = f"ok ({flag})"
         except Exception as err:  # noqa: BLE001 - one failing implementation must not hide the others
@@ -134,7 +136,23 @@ def bench_half(name: str, batch: int, warmup: int, repeats: int, options: dict[s
             row["left_to_pytorch"] = "; ".join(f"{k}: {v}" for k, v in {**rep.left, **rep.unfused}.items())
             row["tuned"] = tune
         rows.append(row)
+    times = time_rounds(timed, warmup, repeats)  # interleaved: host-bound forwards drift between moments
+    for row in rows:
+        t = times.get(row["impl"])
+        if isinstance(t, BaseException):
+            row["status"] = f"failed: {type(t).__name__}: {str(t).splitlines()[0][:200]}"
+        elif t is not None:
+            row["time_ms"] = t
     return compare(rows)
+
+
+def _no_grad(fn: Callable[[], Any]) -> Callable[[], Any]:
+    import torch
+
+    def run() -> Any:
+        with torch.no_grad():
+            return fn()
+    return run
 
 
 def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
