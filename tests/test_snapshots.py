@@ -291,15 +291,22 @@ def _se_cases() -> Iterator[Case]:
 
 def _layernorm_cases() -> Iterator[Case]:
     """Layer norm over rows (kernels/layernorm.py): ConvNeXt-T's first stage under autocast (half in and out,
-    float32 parameters, float4 vectors, a group of 4 threads) and odd rows in float32."""
-    from convforge.kernels.layernorm import LayerNormRows, source
+    float32 parameters, float4 vectors, a group of 4 threads; with the training statistics) and odd rows in
+    float32; the backward of both."""
+    from convforge.kernels.layernorm import LayerNormGrad, LayerNormRows, grad_source, source
 
-    cases = {"c96-f16": LayerNormRows(64, 96, 1e-6, "float16", "float16"), "c13-f32": LayerNormRows(5, 13)}
+    cases = {"c96-f16": LayerNormRows(64, 96, 1e-6, "float16", "float16"), "c13-f32": LayerNormRows(5, 13),
+             "c96-f16-stats": LayerNormRows(64, 96, 1e-6, "float16", "float16", stats=True)}
+    grads = {"c96-f16": LayerNormGrad(640, 96, "float16", "float16"), "c13-f32": LayerNormGrad(1000, 13)}
     for backend in ("cuda", "opencl"):
         for tag, ln in cases.items():
             def make(ln: LayerNormRows = ln, backend: str = backend) -> str:
                 return source(ln, backend)
             yield Case(f"layer_norm.{tag}.{backend}", ("layer_norm", ln.dtype, "fprop", backend), make)
+        for tag, lg in grads.items():
+            def make_grad(lg: LayerNormGrad = lg, backend: str = backend) -> str:
+                return grad_source(lg, backend)
+            yield Case(f"layer_norm_bwd.{tag}.{backend}", ("layer_norm", lg.dtype, "bwd", backend), make_grad)
 
 
 def _all_cases() -> list[Case]:
