@@ -212,3 +212,31 @@ def test_torchvision_convnext_tiny_under_autocast(hopper, monkeypatch, dt):
     assert err <= 1.2 * base + 1e-4, (err, base)
     lin = [m for m in fused.modules() if m.__class__.__name__ == "FusedLinear"]
     assert len(lin) == 36 and all(_ran(m) for m in lin)
+
+
+class NormMlp(nn.Module):
+    """LayerNorm -> Linear -> GELU over channels-last rows: one FusedLinear ("norm+gelu")."""
+
+    def __init__(self, c: int = 16) -> None:
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(c, eps=1e-6), nn.Linear(c, 4 * c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.fc(self.norm(x)))
+
+
+def test_a_trace_records_pytorchs_operations(hopper):
+    """torch.jit.trace (what an ONNX export runs) of a fused model on the GPU, after a warm call kept its
+    decision: the norm and the linear are PyTorch's operations in the trace, which computes what the model does."""
+    torch.manual_seed(4)
+    model = NormMlp().cuda().eval()
+    fused, report = __import__("convforge.torch", fromlist=["fuse"]).fuse(model)
+    assert report.linears == {"fc": "norm+gelu"}
+    x = torch.randn(2, 5, 7, 16, device="cuda")
+    with torch.no_grad():
+        fused(x)
+        assert _ran(fused.get_submodule("fc"))
+        traced = torch.jit.trace(fused, x)
+        kinds = {n.kind() for n in traced.inlined_graph.nodes()}
+        assert {"aten::layer_norm", "aten::linear", "aten::gelu"} <= kinds, kinds
+        torch.testing.assert_close(traced(x * 2), model(x * 2), rtol=1e-5, atol=1e-5)

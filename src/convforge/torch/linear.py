@@ -23,8 +23,8 @@ the relaxed class as TF32), and so does a float32 model inside a float16 / bfloa
 product in the region's dtype (x and the parameters cast to it, as autocast casts a linear layer; the
 folded weights cached per version), the output in the dtype PyTorch's operations give (a float32 layer
 scale makes the block's output float32: the residual is then added after the product, in float32).
-Anything else (training, autograd, torch.compile, CPU, other devices) runs the original operations
-through PyTorch, as the traced model did.
+Anything else (training, autograd, torch.compile, ``torch.jit`` tracing (an ONNX export), CPU, other
+devices) runs the original operations through PyTorch, as the traced model did.
 """
 
 from __future__ import annotations
@@ -111,7 +111,8 @@ class FusedLinear(torch.nn.Linear):
         key = (x.shape, x.dtype, x.device, None if res is None else res.dtype,
                autocast_dtype() if _AUTOCAST() else None, self.training, _GEN[0])
         ready = self._cf_ready.get(key)
-        if ready is not None and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        if (ready is not None and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+                and not torch.jit.is_tracing()):
             y = self._go(x, res, *ready)  # this call's kind ran before: its checks hold (``_convforge``)
             if y is not None:
                 return y
@@ -144,6 +145,8 @@ class FusedLinear(torch.nn.Linear):
         calls that need no gradient only."""
         w, b, s, norm = self.weight, self.bias, self.scale(), self._cf_norm
         if not (x.is_cuda and x.dim() == 4 and x.dtype in _DTYPES and w.is_cuda) or torch.compiler.is_compiling():
+            return None
+        if torch.jit.is_tracing():  # an ONNX export records PyTorch's operations, not raw launches
             return None
         dt = autocast_dtype() if _AUTOCAST() else x.dtype
         if dt not in _DTYPES or (_AUTOCAST() and dt not in _HALF):
