@@ -108,9 +108,14 @@ class FusedLinear(torch.nn.Linear):
         return getattr(owner, attr)  # type: ignore[no-any-return]
 
     def forward(self, x: torch.Tensor, res: Any = None) -> torch.Tensor:  # type: ignore[override]
+        if torch.is_grad_enabled() and self._parameters["weight"].requires_grad:  # type: ignore[union-attr]
+            return self.unfused(x, res)  # training: PyTorch's operations, no per-call checks first
         key = (x.shape, x.dtype, x.device, None if res is None else res.dtype,
                autocast_dtype() if _AUTOCAST() else None, self.training, _GEN[0])
-        ready = self._cf_ready.get(key)
+        kept = self.__dict__.get("_cf_ready")
+        if kept is None:  # a module pickled before this cache existed
+            kept = self.__dict__["_cf_ready"] = {}
+        ready = kept.get(key)
         if (ready is not None and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
                 and not torch.jit.is_tracing()):
             y = self._go(x, res, *ready)  # this call's kind ran before: its checks hold (``_convforge``)
@@ -183,7 +188,7 @@ class FusedLinear(torch.nn.Linear):
             return None
         y = self._go(x, res, dt, out, inner, run)
         if y is not None and not _CAPTURING():
-            self._cf_ready[key] = (dt, out, inner, run)
+            self.__dict__.setdefault("_cf_ready", {})[key] = (dt, out, inner, run)
         return y
 
     def _go(self, x: torch.Tensor, res: Any, dt: torch.dtype, out: torch.dtype, inner: bool,
@@ -245,7 +250,7 @@ class FusedLinear(torch.nn.Linear):
     def set_max_error(self, value: float | None) -> None:
         """Conv2d's: the bound changed, the cached runners and the calls' decisions dropped."""
         Conv2d.set_max_error(self, value)  # type: ignore[arg-type]
-        self._cf_ready.clear()
+        self.__dict__["_cf_ready"] = {}
 
     def cf_choice(self, x_shape: tuple[int, ...], device: int,
                   max_error: float | None) -> tuple[ConvSpec, dispatch.Choice] | None:
