@@ -110,8 +110,9 @@ class FusedLinear(torch.nn.Linear):
     def forward(self, x: torch.Tensor, res: Any = None) -> torch.Tensor:  # type: ignore[override]
         if torch.is_grad_enabled() and self._parameters["weight"].requires_grad:  # type: ignore[union-attr]
             return self.unfused(x, res)  # training: PyTorch's operations, no per-call checks first
-        key = (x.shape, x.dtype, x.device, None if res is None else res.dtype,
-               autocast_dtype() if _AUTOCAST() else None, self.training, _GEN[0])
+        drop = self._cf_drop
+        key = (x.shape, x.dtype, x.device, None if res is None else (res.dtype, res.device),
+               autocast_dtype() if _AUTOCAST() else None, self.training, drop is not None and drop.training, _GEN[0])
         kept = self.__dict__.get("_cf_ready")
         if kept is None:  # a module pickled before this cache existed
             kept = self.__dict__["_cf_ready"] = {}
@@ -176,8 +177,9 @@ class FusedLinear(torch.nn.Linear):
     def _convforge(self, x: torch.Tensor, res: Any, dt: torch.dtype, key: Any) -> torch.Tensor | None:
         """The fused call in ``dt``, or None when no convforge variant runs the layer or the residual's
         shape is not the output's. What it decided is kept under ``key`` (x's shape, dtype and device, the
-        residual's dtype, the autocast dtype, training mode, the settings' generation): a later call of the
-        same kind goes straight to ``_go`` while gradients are off."""
+        residual's dtype and device, the autocast dtype, this module's and the stochastic depth's training
+        mode, the settings' generation): a later call of the same kind goes straight to ``_go`` while
+        gradients are off."""
         out = dt
         if _AUTOCAST():  # the dtype PyTorch's operations give: a float32 scale or residual promotes
             for t in (self.scale(), res):
