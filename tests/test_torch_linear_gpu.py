@@ -240,3 +240,24 @@ def test_a_trace_records_pytorchs_operations(hopper):
         kinds = {n.kind() for n in traced.inlined_graph.nodes()}
         assert {"aten::layer_norm", "aten::linear", "aten::gelu"} <= kinds, kinds
         torch.testing.assert_close(traced(x * 2), model(x * 2), rtol=1e-5, atol=1e-5)
+
+
+def test_kept_decisions_follow_the_kind_of_call(hopper):
+    """A warm call's decision serves only calls of its kind: the autocast dtype switching back and forth, a
+    float32 call outside autocast, then a call that needs gradients (PyTorch's differentiable operations)."""
+    torch.manual_seed(6)
+    model = nn.Sequential(Block(32)).cuda().eval()
+    fused, _ = __import__("convforge.torch", fromlist=["fuse"]).fuse(model)
+    x = torch.randn(2, 32, 9, 9, device="cuda").contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        want = copy.deepcopy(model).double()(x.double())
+        for dt in (torch.float16, torch.bfloat16, torch.float16, None):
+            with torch.autocast("cuda", dt or torch.float16, enabled=dt is not None):
+                ours, theirs = fused(x), model(x)
+            assert ours.dtype == theirs.dtype, (dt, ours.dtype, theirs.dtype)
+            assert _rel(ours, want) <= 1.2 * _rel(theirs, want) + (1e-5 if dt is None else 1e-4), dt
+    x.requires_grad_(True)
+    with torch.autocast("cuda", torch.float16):
+        fused(x).float().sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    assert model[0].fc1.weight.grad is not None
