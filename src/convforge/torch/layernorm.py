@@ -14,12 +14,14 @@ from typing import Any
 
 import torch
 
+from convforge import caches
 from convforge.backends import get_backend
 from convforge.kernels.layernorm import MAX_C, LayerNormRows, launch, title
 from convforge.torch.modules import _AUTOCAST
 
 _NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _PROGRAMS: dict[tuple[Any, ...], tuple[Any, Any, int]] = {}  # by (shape, dtypes, eps, device)
+caches.register(_PROGRAMS.clear, "torch.layernorm: the layer-norm launchers of each shape")
 
 
 def usable(norm: Any, c: int) -> bool:
