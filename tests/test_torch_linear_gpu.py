@@ -107,7 +107,9 @@ def test_layer_scale_update_is_seen(hopper):
         assert _rel(fused(x), copy.deepcopy(model).double()(x.double())) < 1e-5
 
 
-def test_torchvision_convnext_tiny(hopper):
+def _convnext_tiny():
+    """torchvision's ConvNeXt-T on the GPU in eval mode, its layer scales drawn from [0.1, 1) (not the 1e-6 they
+    start at: the blocks' branches count in the output)."""
     torchvision = pytest.importorskip("torchvision", reason="torchvision not installed")
     torch.manual_seed(0)
     model = torchvision.models.convnext_tiny().cuda().eval()
@@ -115,6 +117,11 @@ def test_torchvision_convnext_tiny(hopper):
         for name, p in model.named_parameters():
             if name.endswith("layer_scale"):
                 p.uniform_(0.1, 1.0)
+    return model
+
+
+def test_torchvision_convnext_tiny(hopper):
+    model = _convnext_tiny()
     fused, report = __import__("convforge.torch", fromlist=["fuse"]).fuse(model)
     assert len(report.linears) == 36
     x = torch.randn(2, 3, 96, 96, device="cuda")
@@ -189,13 +196,7 @@ def test_torchvision_convnext_tiny_under_autocast(hopper, monkeypatch, dt):
     """The whole model inside autocast, channels-last: every linear and every layer norm (the blocks' folded
     into their first linear, LayerNorm2d's on their own) on convforge's kernels, within 1.2x PyTorch
     autocast's error against float64."""
-    torchvision = pytest.importorskip("torchvision", reason="torchvision not installed")
-    torch.manual_seed(0)
-    model = torchvision.models.convnext_tiny().cuda().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("layer_scale"):
-                p.uniform_(0.1, 1.0)
+    model = _convnext_tiny()
     fused, report = __import__("convforge.torch", fromlist=["fuse"]).fuse(model)
     assert len(report.norms) == 5  # the stem's, three downsampling layers', the head's
     x = torch.randn(2, 3, 96, 96, device="cuda").contiguous(memory_format=torch.channels_last)

@@ -31,6 +31,27 @@ MAX_C = 8192  # channels a row: 8 vectors of 4 (or 32 values) a thread at 256 th
 _SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 
 
+def _check(rows: int, c: int, most: int, where: str, dtypes: tuple[tuple[str, str], ...]) -> None:
+    if rows < 1 or c < 1:
+        raise ValueError(f"{NAME}: rows ({rows}) and C ({c}) must be >= 1")
+    if c > most:
+        raise ValueError(f"{NAME}: C ({c}) must be at most {most}{where} (a row's values sit in registers)")
+    for what, dt in dtypes:
+        if dt not in DTYPES:
+            raise ValueError(f"{NAME}: {what} dtype ({dt}) must be one of {', '.join(DTYPES)}")
+
+
+def _vector(c: int) -> int:
+    return 4 if c % 4 == 0 else 1
+
+
+def _group(c: int, per: int) -> int:
+    """Threads a row: the power of 2 (at most 256) that leaves each at most ``per`` vectors of 4 values, or
+    4 ``per`` single values where C is not a multiple of 4."""
+    v = _vector(c)
+    return min(256, 1 << (cdiv(c // v, per if v == 4 else 4 * per) - 1).bit_length())
+
+
 @dataclass(frozen=True)
 class LayerNormRows:
     """``rows`` rows of ``c`` contiguous values of ``dtype`` normalised into ``out``; gamma and beta (when
@@ -46,26 +67,20 @@ class LayerNormRows:
     stats: bool = False  # also write each row's mean and 1 / sqrt(var + eps) into "st" (training)
 
     def __post_init__(self) -> None:
-        if self.rows < 1 or self.c < 1:
-            raise ValueError(f"{NAME}: rows ({self.rows}) and C ({self.c}) must be >= 1")
-        if self.c > MAX_C:
-            raise ValueError(f"{NAME}: C ({self.c}) must be at most {MAX_C} (a row's values sit in registers)")
+        _check(self.rows, self.c, MAX_C, "", (("input", self.dtype), ("output", self.out),
+                                               ("parameters", self.pdtype)))
         if not self.eps >= 0:
             raise ValueError(f"{NAME}: eps ({self.eps}) must be >= 0")
-        for what, dt in (("input", self.dtype), ("output", self.out), ("parameters", self.pdtype)):
-            if dt not in DTYPES:
-                raise ValueError(f"{NAME}: {what} dtype ({dt}) must be one of {', '.join(DTYPES)}")
 
     @property
     def v(self) -> int:
         """Values a load: 4 where C is a multiple of 4, else 1."""
-        return 4 if self.c % 4 == 0 else 1
+        return _vector(self.c)
 
     @property
     def g(self) -> int:
         """Threads a row: the power of 2 that leaves each at most 8 vectors (32 values where v is 1)."""
-        per = 8 if self.v == 4 else 32
-        return min(256, 1 << (cdiv(self.c // self.v, per) - 1).bit_length())
+        return _group(self.c, 8)
 
     def tag(self) -> str:
         p = "" if self.pdtype == "float32" else f"_p{_SHORT[self.pdtype]}"
@@ -162,23 +177,17 @@ class LayerNormGrad:
     affine: bool = True
 
     def __post_init__(self) -> None:
-        if self.rows < 1 or self.c < 1:
-            raise ValueError(f"{NAME}: rows ({self.rows}) and C ({self.c}) must be >= 1")
-        if self.c > MAX_C_GRAD:
-            raise ValueError(f"{NAME}: C ({self.c}) must be at most {MAX_C_GRAD} in the backward")
-        for what, dt in (("input", self.dtype), ("gradient", self.gdtype), ("parameters", self.pdtype)):
-            if dt not in DTYPES:
-                raise ValueError(f"{NAME}: {what} dtype ({dt}) must be one of {', '.join(DTYPES)}")
+        _check(self.rows, self.c, MAX_C_GRAD, " in the backward", (("input", self.dtype), ("gradient", self.gdtype),
+                                                                   ("parameters", self.pdtype)))
 
     @property
     def v(self) -> int:
-        return 4 if self.c % 4 == 0 else 1
+        return _vector(self.c)
 
     @property
     def g(self) -> int:
         """Threads a row: the power of 2 that leaves each at most 4 vectors (16 values where v is 1)."""
-        per = 4 if self.v == 4 else 16
-        return min(256, 1 << (cdiv(self.c // self.v, per) - 1).bit_length())
+        return _group(self.c, 4)
 
     def tag(self) -> str:
         p = "" if self.pdtype == "float32" else f"_p{_SHORT[self.pdtype]}"
