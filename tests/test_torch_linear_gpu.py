@@ -262,3 +262,67 @@ def test_kept_decisions_follow_the_kind_of_call(hopper):
         fused(x).float().sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
     assert model[0].fc1.weight.grad is not None
+
+
+def _train_grads(model, x, gy, dt):
+    """y, gx and every parameter's gradient of one AMP step's backward (autocast ``dt``), or float64."""
+    x = x.detach().clone().requires_grad_(True)
+    for p in model.parameters():
+        p.grad = None
+    with torch.autocast("cuda", dt or torch.float16, enabled=dt is not None):
+        y = model(x)
+    y.backward(gy.to(y.dtype))
+    return [y, x.grad, *(p.grad for p in model.parameters())]
+
+
+@pytest.mark.parametrize("dt", [torch.float16, torch.bfloat16], ids=str)
+def test_mlp_training_nodes_against_float64(hopper, monkeypatch, dt):
+    """config.mlp_train (torch/mlp_train.py): two ConvNeXt blocks in training under autocast, channels-last: the
+    nodes take every FusedLinear call, and y, gx and every parameter's gradient (float32 master weights) stay
+    within 2x PyTorch AMP's error against float64, with PyTorch's dtypes."""
+    from convforge.config import config
+    from convforge.torch.linear import FusedLinear
+
+    torch.manual_seed(7)
+    model = nn.Sequential(Block(48), Block(48)).cuda().train()
+    fused, _ = __import__("convforge.torch", fromlist=["fuse"]).fuse(model)
+    ref = copy.deepcopy(model).double()
+    x = torch.randn(4, 48, 14, 12, device="cuda").contiguous(memory_format=torch.channels_last)
+    gy = torch.randn(4, 48, 14, 12, device="cuda").contiguous(memory_format=torch.channels_last)
+    want = _train_grads(ref, x.double(), gy.double(), None)
+    theirs = _train_grads(model, x, gy, dt)
+    monkeypatch.setattr(config, "mlp_train", True)
+
+    def refuse(*_a, **_k):
+        raise AssertionError("a FusedLinear took PyTorch's operations")
+
+    monkeypatch.setattr(FusedLinear, "unfused", refuse)
+    ours = _train_grads(fused, x, gy, dt)
+    names = ["y", "gx", *(n for n, _ in model.named_parameters())]
+    for name, a, b, r in zip(names, ours, theirs, want, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape, (name, a.dtype, b.dtype)
+        assert torch.isfinite(a).all(), name
+        assert _rel(a, r) <= max(2 * _rel(b, r), 2e-3), (name, _rel(a, r), _rel(b, r))
+
+
+def test_mlp_training_nodes_pass_an_overflow_to_the_scaler(hopper, monkeypatch):
+    """An overflowing scaled loss through the nodes: Inf / NaN reach the MLP's weight gradients, so GradScaler
+    skips the step (weights unchanged) as it does for PyTorch's operations."""
+    from convforge.config import config
+
+    monkeypatch.setattr(config, "mlp_train", True)
+    torch.manual_seed(8)
+    model = nn.Sequential(Block(32)).cuda().train()
+    fused, _ = __import__("convforge.torch", fromlist=["fuse"]).fuse(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**16)
+    before = [p.detach().clone() for p in model.parameters()]
+    x = torch.randn(2, 32, 9, 9, device="cuda").contiguous(memory_format=torch.channels_last)
+    with torch.autocast("cuda", torch.float16):
+        loss = fused(x).float().sum() * 1e38  # the scaled loss overflows to Inf
+    scaler.scale(loss).backward()
+    assert not torch.isfinite(model[0].fc1.weight.grad).all() and not torch.isfinite(model[0].fc2.weight.grad).all()
+    scaler.step(opt)
+    scaler.update()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    assert scaler.get_scale() < 2.0**16

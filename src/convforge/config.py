@@ -150,6 +150,11 @@ def _env_settings(env: Mapping[str, str]) -> dict[str, tuple[str, Callable[[], A
         # conv_relu._ConvRelu (the same kernels and ops in the same order), for debugging
         "native_conv_relu": ("CONVFORGE_NATIVE_CONV_RELU", lambda: parse_bool(
             "CONVFORGE_NATIVE_CONV_RELU", get("CONVFORGE_NATIVE_CONV_RELU") or "1")),
+        # ConvNeXt's MLP in training (fuse()'s FusedLinear chains: LayerNorm -> Linear -> GELU and Linear -> layer
+        # scale -> stochastic depth -> + input) as two autograd nodes on convforge's kernels (torch/mlp_train.py),
+        # half compute only; off until measured on a GPU (PyTorch's operations, as before)
+        "mlp_train": ("CONVFORGE_MLP_TRAIN",
+                      lambda: parse_bool("CONVFORGE_MLP_TRAIN", get("CONVFORGE_MLP_TRAIN") or "0")),
         # A fused or converted model's first training forward compiles the step's dgrad and wgrad programs ahead
         # on a pool of threads (torch/train_ahead.py); 0: each program compiles when the backward first reaches it
         "train_ahead": ("CONVFORGE_TRAIN_AHEAD",
@@ -170,7 +175,7 @@ def _env_settings(env: Mapping[str, str]) -> dict[str, tuple[str, Callable[[], A
 # Settings read afresh on every call that key no cached choice or program (bn_stats: in a block's filing key, not
 # in a conv's): assigning one calls no listener (the native table keeps its entries, so an A/B in one process
 # compares warm paths)
-_SWITCHES = frozenset({"native_block", "native_conv_relu", "bn_stats", "train_ahead", "residual_grad"})
+_SWITCHES = frozenset({"native_block", "native_conv_relu", "bn_stats", "train_ahead", "residual_grad", "mlp_train"})
 
 
 class Config:
@@ -194,6 +199,7 @@ class Config:
     grad_rows: bool
     native_block: bool
     native_conv_relu: bool
+    mlp_train: bool
     bn_stats: bool
     residual_grad: bool
     train_ahead: bool

@@ -16,12 +16,14 @@ import torch
 
 from convforge import caches
 from convforge.backends import get_backend
-from convforge.kernels.layernorm import MAX_C, LayerNormRows, launch, title
+from convforge.kernels.layernorm import MAX_C, MAX_C_GRAD, LayerNormGrad, LayerNormRows, grad_program, launch, title
 from convforge.torch.modules import _AUTOCAST
 
 _NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-_PROGRAMS: dict[tuple[Any, ...], tuple[Any, Any, int]] = {}  # by (shape, dtypes, eps, device)
+_PROGRAMS: dict[tuple[Any, ...], tuple[Any, Any, int]] = {}  # by (shape, dtypes, eps, device, stats)
+_GRADS: dict[tuple[Any, ...], tuple[Any, Any, int, int]] = {}  # by (shape, dtypes, device): the backward's
 caches.register(_PROGRAMS.clear, "torch.layernorm: the layer-norm launchers of each shape")
+caches.register(_GRADS.clear, "torch.layernorm: the layer-norm backward's launchers of each shape")
 
 
 def usable(norm: Any, c: int) -> bool:
@@ -44,34 +46,84 @@ def norm_rows(x: torch.Tensor, norm: torch.nn.LayerNorm, out: torch.dtype) -> to
 
 
 def _run(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, eps: float,
-         out: torch.dtype) -> torch.Tensor | None:
+         out: torch.dtype, stats: torch.Tensor | None = None) -> torch.Tensor | None:
+    """y in ``out``; with ``stats`` (float32, 2 a row) each row's mean and 1/std written there too."""
     c = x.shape[-1] if x.dim() else 0
-    if (x.dtype not in _NAMES or out not in _NAMES or not x.is_cuda or not x.is_contiguous() or x.numel() == 0
-            or x.data_ptr() % 16 or c > MAX_C):
+    if not _takes(x, w, b, c, MAX_C) or out not in _NAMES:
         return None
-    if w is not None and (b is None or w.device != x.device or b.device != x.device):
-        return None
-    key = (x.shape, x.dtype, out, None if w is None else w.dtype, eps, x.device)
+    key = (x.shape, x.dtype, out, None if w is None else w.dtype, eps, x.device, stats is not None)
     hit = _PROGRAMS.get(key)
     if hit is None:
-        from convforge.backends.cuda import RawLaunches
-        from convforge.frontends.torch_run import torch_stream_queries
-
         ln = LayerNormRows(x.numel() // c, c, eps, _NAMES[x.dtype], _NAMES[out],
-                           _NAMES[w.dtype] if w is not None else "float32", w is not None)
-        dev = x.device.index or 0
-        be = get_backend("cuda", dev)
-        k, step = launch(ln, be.device)
-        run = RawLaunches(be, (k,), {"forward": (step,)}, title(ln))  # type: ignore[arg-type]
-        hit = _PROGRAMS[key] = (run, torch_stream_queries()[0], dev)
+                           _NAMES[w.dtype] if w is not None else "float32", w is not None, stats is not None)
+        k, step = launch(ln, get_backend("cuda", x.device.index or 0).device)
+        hit = _PROGRAMS[key] = _launcher(x, (k,), (step,), title(ln))
     run, stream_of, dev = hit
     y = torch.empty(x.shape, dtype=out, device=x.device)
-    if w is None or b is None:
-        run("forward", {"x": x.data_ptr(), "y": y.data_ptr()}, stream_of(dev))
-    else:
-        run("forward", {"x": x.data_ptr(), "gamma": w.data_ptr(), "beta": b.data_ptr(), "y": y.data_ptr()},
-            stream_of(dev))
+    ptrs = {"x": x.data_ptr(), "y": y.data_ptr()}
+    if w is not None and b is not None:
+        ptrs.update(gamma=w.data_ptr(), beta=b.data_ptr())
+    if stats is not None:
+        ptrs["st"] = stats.data_ptr()
+    run("forward", ptrs, stream_of(dev))
     return y
+
+
+def _takes(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, c: int, most: int) -> bool:
+    if (x.dtype not in _NAMES or not x.is_cuda or not x.is_contiguous() or x.numel() == 0 or x.data_ptr() % 16
+            or c > most):
+        return False
+    return w is None or (b is not None and w.device == x.device and b.device == x.device and w.dtype in _NAMES)
+
+
+def _launcher(x: torch.Tensor, kernels: Any, launches: Any, name: str) -> tuple[Any, Any, int]:
+    """(RawLaunches of ``launches`` as list "forward", torch's raw-stream query, device) on x's device."""
+    from convforge.backends.cuda import RawLaunches
+    from convforge.frontends.torch_run import torch_stream_queries
+
+    dev = x.device.index or 0
+    run = RawLaunches(get_backend("cuda", dev), tuple(kernels), {"forward": tuple(launches)}, name)  # type: ignore[arg-type]
+    return run, torch_stream_queries()[0], dev
+
+
+def train_rows(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, eps: float,
+               out: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(y in ``out``, each row's (mean, 1/std) as float32 rows x 2): the training forward, for
+    :func:`grad_rows`; None where the kernels do not take it (C past the backward's ``MAX_C_GRAD`` too)."""
+    c = x.shape[-1] if x.dim() else 0
+    if c > MAX_C_GRAD:
+        return None
+    st = torch.empty((x.numel() // max(c, 1), 2), dtype=torch.float32, device=x.device)
+    y = _run(x, w, b, eps, out, st)
+    return None if y is None else (y, st)
+
+
+def grad_rows(x: torch.Tensor, gy: torch.Tensor, st: torch.Tensor,
+              w: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+    """(gx in x's dtype, dgamma, dbeta in w's dtype; None without w) of the layer norm whose training forward
+    left ``st``; x and gy contiguous rows of C; None where the kernels do not take it."""
+    c = x.shape[-1] if x.dim() else 0
+    if not (_takes(x, w, w, c, MAX_C_GRAD) and gy.dtype in _NAMES and gy.is_contiguous() and gy.shape == x.shape
+            and gy.data_ptr() % 16 == 0 and gy.device == x.device):
+        return None
+    key = (x.shape, x.dtype, gy.dtype, None if w is None else w.dtype, x.device)
+    hit = _GRADS.get(key)
+    if hit is None:
+        lg = LayerNormGrad(x.numel() // c, c, _NAMES[x.dtype], _NAMES[gy.dtype],
+                           _NAMES[w.dtype] if w is not None else "float32", w is not None)
+        prog = grad_program(lg, get_backend("cuda", x.device.index or 0).device)
+        hit = _GRADS[key] = (*_launcher(x, prog.kernels, prog.launches, f"layer norm backward {lg.tag()}"),
+                             prog.part)
+    run, stream_of, dev, part = hit
+    gx = torch.empty_like(x)
+    ptrs = {"x": x.data_ptr(), "gy": gy.data_ptr(), "st": st.data_ptr(), "gx": gx.data_ptr()}
+    gw = gb = None
+    if w is not None:
+        scratch = torch.empty(part, dtype=torch.float32, device=x.device)
+        gw, gb = torch.empty(c, dtype=w.dtype, device=x.device), torch.empty(c, dtype=w.dtype, device=x.device)
+        ptrs.update(gamma=w.data_ptr(), part=scratch.data_ptr(), ggamma=gw.data_ptr(), gbeta=gb.data_ptr())
+    run("forward", ptrs, stream_of(dev))
+    return gx, gw, gb
 
 
 class RowNorm(torch.nn.Module):

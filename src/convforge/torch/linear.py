@@ -23,8 +23,10 @@ the relaxed class as TF32), and so does a float32 model inside a float16 / bfloa
 product in the region's dtype (x and the parameters cast to it, as autocast casts a linear layer; the
 folded weights cached per version), the output in the dtype PyTorch's operations give (a float32 layer
 scale makes the block's output float32: the residual is then added after the product, in float32).
-Anything else (training, autograd, torch.compile, ``torch.jit`` tracing (an ONNX export), CPU, other
-devices) runs the original operations through PyTorch, as the traced model did.
+In training the chains run PyTorch's operations, or, with ``config.mlp_train`` (off until measured on a
+GPU), ConvNeXt's two chains as autograd nodes on convforge's kernels in half precision (torch/mlp_train.py).
+Anything else (torch.compile, ``torch.jit`` tracing (an ONNX export), CPU, other devices) runs the original
+operations through PyTorch, as the traced model did.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from convforge.backends import get_backend
 from convforge.config import config, parse_precision
 from convforge.plan import Epilogue
 from convforge.spec import ConvSpec
+from convforge.torch import mlp_train
 from convforge.torch.layernorm import norm_rows, usable
 from convforge.torch.modules import _AUTOCAST, Conv2d, autocast_dtype
 
@@ -109,6 +112,10 @@ class FusedLinear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor, res: Any = None) -> torch.Tensor:  # type: ignore[override]
         if torch.is_grad_enabled() and self._parameters["weight"].requires_grad:  # type: ignore[union-attr]
+            if config.mlp_train:  # ConvNeXt's MLP as two autograd nodes (torch/mlp_train.py), half compute
+                y = mlp_train.run(self, x, res)
+                if y is not None:
+                    return y
             return self.unfused(x, res)  # training: PyTorch's operations, no per-call checks first
         drop = self._cf_drop
         key = (x.shape, x.dtype, x.device, None if res is None else (res.dtype, res.device),

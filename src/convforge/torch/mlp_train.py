@@ -1,0 +1,197 @@
+"""ConvNeXt's MLP in training on convforge's kernels: ``fuse()``'s two ``FusedLinear`` chains of a block as
+two autograd nodes, in half precision (FP16 / BF16 autocast over float32 master weights, or a ``.half()`` /
+``.bfloat16()`` model), channels-last activations throughout.
+
+    A  x (N, H, W, C) -> LayerNorm -> Linear(C, 4C) -> GELU                         FusedLinear "norm+gelu"
+    B  g -> Linear(4C, C) -> permute -> * layer scale -> [stochastic depth] -> + res   "permute+scale+...+add"
+
+PyTorch runs a block's MLP under autocast as about 16 operators forward (the casts of x, of the norm's
+output and of four parameters, the norm in float32, two addmm, GELU, the scale, stochastic depth's noise and
+product, the add) and about 25 autograd nodes backward; ConvNeXt-T's AMP step is host-bound on them
+(docs/NOTES-training.md). Here:
+
+A forward: the layer norm kernel (half in, half out, each row's mean and 1/std kept), the GEMM with its bias
+(``convforge::conv2d``'s runner on the channels-last view), GELU (PyTorch's op on the half output, as autocast
+runs it); backward: ``gelu_backward``, the GEMM's dgrad and wgrad ops, the bias sum, the layer norm's backward
+kernel (dgamma and dbeta in the parameters' dtype).
+
+B forward: the GEMM with its bias, then ``res + u * (scale x noise)`` in one ``addcmul`` (float32 where the
+scale is, as PyTorch's ``s * y`` promotes); the noise is the model's own StochasticDepth module applied to
+ones, so the random stream is the one PyTorch's operations draw. Backward: the scale's gradient, the GEMM's
+dgrad and wgrad, the bias sum.
+
+Weights are cast to the half dtype on each call (they change every step) and their gradients returned in the
+parameters' dtype. Inf and NaN of an overflowing scaled loss reach every gradient. Off by default
+(``config.mlp_train``) until measured on a GPU; a call the nodes do not take runs PyTorch's operations.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from convforge import api
+from convforge.frontends import fast_path
+from convforge.torch import layernorm
+from convforge.torch.modules import _AUTOCAST, autocast_dtype
+
+_F32 = torch.float32
+_HALF = (torch.float16, torch.bfloat16)
+_CL = torch.channels_last
+_PASS = ([1, 1], [0, 0, 0, 0], [1, 1], 1, "auto", None, None)  # stride, padding, dilation, groups, algo, ...
+
+
+def run(m: Any, x: torch.Tensor, res: Any) -> torch.Tensor | None:
+    """``m(x, res)`` (a FusedLinear in training) through the nodes, or None where they do not take it."""
+    dt = _dtype(m, x, res)
+    if dt is None:
+        return None
+    if m._cf_gelu and m._cf_norm is not None:
+        norm = m._cf_norm
+        if not layernorm.usable(norm, x.shape[-1]):
+            return None
+        return _NormGelu.apply(x, norm.weight, norm.bias, m.weight, m.bias, (dt, float(norm.eps)))  # type: ignore[no-any-return]
+    if m._cf_nchw and m._cf_residual and m._cf_scale is not None and res is not None:
+        n, h, w_, _ = x.shape
+        s = m.scale()
+        if tuple(res.shape) != (n, m.out_features, h, w_) or s is None or s.numel() != m.out_features:
+            return None
+        noise = _noise(m._cf_drop, n, torch.promote_types(s.dtype, dt), x.device)
+        return _ScaleResidual.apply(x, res, m.weight, m.bias, s, noise, dt)  # type: ignore[no-any-return]
+    return None
+
+
+def _dtype(m: Any, x: torch.Tensor, res: Any) -> torch.dtype | None:
+    """The half dtype the nodes run the call in, or None: CUDA 4-D input, widths that are multiples of 8,
+    parameters float32 or that dtype in an autocast region (that dtype alone outside one)."""
+    if not (isinstance(x, torch.Tensor) and x.is_cuda and x.dim() == 4) or torch.compiler.is_compiling():
+        return None
+    if torch.jit.is_tracing() or m.in_features % 8 or m.out_features % 8 or m.bias is None:
+        return None
+    dt = autocast_dtype() if _AUTOCAST() else x.dtype
+    if dt not in _HALF:
+        return None
+    allowed = (_F32, dt) if _AUTOCAST() else (dt,)
+    norm = m._cf_norm
+    params = (m.weight, m.bias, m.scale(), *(() if norm is None else (norm.weight, norm.bias)))
+    if any(t is not None and (t.dtype not in allowed or t.device != x.device) for t in (x, *params)):
+        return None
+    if res is not None and not (isinstance(res, torch.Tensor) and res.device == x.device and res.dtype in allowed):
+        return None
+    return dt
+
+
+def _noise(drop: Any, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """Stochastic depth's per-sample factor (N, 1, 1, 1) drawn by the model's own module (its random stream),
+    or None where it drops nothing (eval, p = 0, no module)."""
+    if drop is None or not drop.training or getattr(drop, "p", 0.0) == 0:
+        return None
+    return drop(torch.ones((n, 1, 1, 1), dtype=dtype, device=device))  # type: ignore[no-any-return]
+
+
+def _gemm(a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """``a`` (N, H, W, Cin) contiguous times ``w`` (K, Cin) plus ``b``: the 1x1 conv on the channels-last view,
+    (N, K, H, W) in channels_last memory."""
+    k, c = w.shape
+    call = (a.permute(0, 3, 1, 2), w.view(k, c, 1, 1), b, (1, 1), (0, 0, 0, 0), (1, 1), "auto", None, None, False,
+            None, None, None, 1)
+    native = fast_path.RUN
+    y = None if native is None else native(*call)
+    return api.python_conv2d(*call) if y is None else y
+
+
+def _half(t: torch.Tensor | None, dt: torch.dtype) -> torch.Tensor | None:
+    return None if t is None else t.detach().to(dt)
+
+
+def _bias_grad(g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The sum of the (N, K, H, W) gradient per channel, in float32 at least, in ``like``'s dtype."""
+    return g.sum((0, 2, 3), dtype=torch.promote_types(g.dtype, _F32)).to(like.dtype)
+
+
+class _NormGelu(torch.autograd.Function):
+    """Node A (module docstring): saves x, the norm's statistics, its output z, the GEMM's output h and the cast
+    weight."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, lw: torch.Tensor | None, lb: torch.Tensor | None,  # type: ignore[override]
+                w: torch.Tensor, b: torch.Tensor, meta: tuple[torch.dtype, float]) -> torch.Tensor:
+        dt, eps = meta
+        with torch.autocast("cuda", enabled=False):
+            xr = x.contiguous()
+            normed = layernorm.train_rows(xr, lw, lb, eps, dt)
+            if normed is None:
+                raise ValueError("layer norm: the kernel does not take this call")
+            z, st = normed
+            wh = _half(w, dt)
+            h = _gemm(z, wh, _half(b, dt))  # type: ignore[arg-type]
+            g = F.gelu(h)
+        ctx.save_for_backward(xr, st, z, h, wh, lw, b)
+        ctx.w_dtype = w.dtype
+        return g.permute(0, 2, 3, 1)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, gg: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        from convforge.torch.ops import INPUT_OP, WEIGHT_OP
+
+        xr, st, z, h, wh, lw, b = ctx.saved_tensors
+        n, hh, ww, c = xr.shape
+        k = wh.shape[0]
+        gh = torch.ops.aten.gelu_backward(gg.permute(0, 3, 1, 2).to(h.dtype), h).contiguous(memory_format=_CL)
+        gw = gb = None
+        if ctx.needs_input_grad[3]:
+            gw = WEIGHT_OP(z.permute(0, 3, 1, 2), [k, c, 1, 1], gh, *_PASS).view(k, c).to(ctx.w_dtype)
+        if ctx.needs_input_grad[4]:
+            gb = _bias_grad(gh, b)
+        gz = INPUT_OP([n, c, hh, ww], wh.view(k, c, 1, 1), gh, *_PASS).permute(0, 2, 3, 1).contiguous()
+        grads = layernorm.grad_rows(xr, gz, st, lw)
+        if grads is None:
+            raise RuntimeError("layer norm backward: the kernel refused the forward's own shapes")
+        gx, glw, glb = grads
+        return gx, glw, glb, gw, gb, None
+
+
+class _ScaleResidual(torch.autograd.Function):
+    """Node B (module docstring): saves g, the GEMM's output u, the cast weight and the per-channel factor."""
+
+    @staticmethod
+    def forward(ctx: Any, g: torch.Tensor, res: torch.Tensor, w: torch.Tensor, b: torch.Tensor,  # type: ignore[override]
+                s: torch.Tensor, noise: torch.Tensor | None, dt: torch.dtype) -> torch.Tensor:
+        with torch.autocast("cuda", enabled=False):
+            gr = g.contiguous()
+            wh = _half(w, dt)
+            u = _gemm(gr, wh, _half(b, dt))  # type: ignore[arg-type]
+            f = s.detach().reshape(1, -1, 1, 1)
+            f = f if noise is None else f * noise
+            out = torch.addcmul(res.detach(), u, f)
+        ctx.save_for_backward(gr, u, wh, f, noise, b, s)
+        ctx.res_dtype, ctx.w_dtype = res.dtype, w.dtype
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, go: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        from convforge.torch.ops import INPUT_OP, WEIGHT_OP
+
+        gr, u, wh, f, noise, b, s = ctx.saved_tensors
+        n, hh, ww, k4 = gr.shape
+        c = wh.shape[0]
+        gres = go.to(ctx.res_dtype) if ctx.needs_input_grad[1] else None
+        gu = (go * f).to(u.dtype).contiguous(memory_format=_CL)
+        gs = None
+        if ctx.needs_input_grad[4]:
+            acc = torch.promote_types(go.dtype, _F32)
+            per = (go * u).sum((2, 3), dtype=acc)  # (N, C)
+            if noise is not None:
+                per = per * noise.reshape(n, 1).to(acc)
+            gs = per.sum(0).to(s.dtype).reshape(s.shape)
+        gw = WEIGHT_OP(gr.permute(0, 3, 1, 2), [c, k4, 1, 1], gu, *_PASS).view(c, k4).to(ctx.w_dtype) \
+            if ctx.needs_input_grad[2] else None
+        gb = _bias_grad(gu, b) if ctx.needs_input_grad[3] else None
+        gg = INPUT_OP([n, k4, hh, ww], wh.view(c, k4, 1, 1), gu, *_PASS).permute(0, 2, 3, 1) \
+            if ctx.needs_input_grad[0] else None
+        return gg, gres, gw, gb, gs, None, None
