@@ -107,9 +107,23 @@ def _half(t: torch.Tensor | None, dt: torch.dtype) -> torch.Tensor | None:
     return None if t is None else t.detach().to(dt)
 
 
-def _bias_grad(g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """The sum of the (N, K, H, W) gradient per channel, in float32 at least, in ``like``'s dtype."""
-    return g.sum((0, 2, 3), dtype=torch.promote_types(g.dtype, _F32)).to(like.dtype)
+def _linear_grads(a: torch.Tensor, wh: torch.Tensor, gy: torch.Tensor, b: torch.Tensor, w_dtype: torch.dtype,
+                  need: tuple[bool, bool, bool]) -> tuple[Any, Any, Any]:
+    """The backward of :func:`_gemm` (``a`` rows (N, H, W, Cin), ``wh`` (K, Cin) as cast, ``gy`` (N, K, H, W)
+    channels-last): (a's gradient as rows, w's in ``w_dtype``, b's summed in float32 at least, in b's dtype),
+    each where ``need`` asks for it: convforge's dgrad and wgrad ops, PyTorch's sum."""
+    from convforge.torch.ops import INPUT_OP, WEIGHT_OP
+
+    n, h, w_, c = a.shape
+    k = wh.shape[0]
+    ga = gw = gb = None
+    if need[0]:
+        ga = INPUT_OP([n, c, h, w_], wh.view(k, c, 1, 1), gy, *_PASS).permute(0, 2, 3, 1)
+    if need[1]:
+        gw = WEIGHT_OP(a.permute(0, 3, 1, 2), [k, c, 1, 1], gy, *_PASS).view(k, c).to(w_dtype)
+    if need[2]:
+        gb = gy.sum((0, 2, 3), dtype=torch.promote_types(gy.dtype, _F32)).to(b.dtype)
+    return ga, gw, gb
 
 
 class _NormGelu(torch.autograd.Function):
@@ -136,19 +150,10 @@ class _NormGelu(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, gg: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        from convforge.torch.ops import INPUT_OP, WEIGHT_OP
-
         xr, st, z, h, wh, lw, b = ctx.saved_tensors
-        n, hh, ww, c = xr.shape
-        k = wh.shape[0]
         gh = torch.ops.aten.gelu_backward(gg.permute(0, 3, 1, 2).to(h.dtype), h).contiguous(memory_format=_CL)
-        gw = gb = None
-        if ctx.needs_input_grad[3]:
-            gw = WEIGHT_OP(z.permute(0, 3, 1, 2), [k, c, 1, 1], gh, *_PASS).view(k, c).to(ctx.w_dtype)
-        if ctx.needs_input_grad[4]:
-            gb = _bias_grad(gh, b)
-        gz = INPUT_OP([n, c, hh, ww], wh.view(k, c, 1, 1), gh, *_PASS).permute(0, 2, 3, 1).contiguous()
-        grads = layernorm.grad_rows(xr, gz, st, lw)
+        gz, gw, gb = _linear_grads(z, wh, gh, b, ctx.w_dtype, (True, *ctx.needs_input_grad[3:5]))
+        grads = layernorm.grad_rows(xr, gz.contiguous(), st, lw)
         if grads is None:
             raise RuntimeError("layer norm backward: the kernel refused the forward's own shapes")
         gx, glw, glb = grads
@@ -175,11 +180,8 @@ class _ScaleResidual(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, go: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        from convforge.torch.ops import INPUT_OP, WEIGHT_OP
-
         gr, u, wh, f, noise, b, s = ctx.saved_tensors
-        n, hh, ww, k4 = gr.shape
-        c = wh.shape[0]
+        n = gr.shape[0]
         gres = go.to(ctx.res_dtype) if ctx.needs_input_grad[1] else None
         gu = (go * f).to(u.dtype).contiguous(memory_format=_CL)
         gs = None
@@ -189,9 +191,5 @@ class _ScaleResidual(torch.autograd.Function):
             if noise is not None:
                 per = per * noise.reshape(n, 1).to(acc)
             gs = per.sum(0).to(s.dtype).reshape(s.shape)
-        gw = WEIGHT_OP(gr.permute(0, 3, 1, 2), [c, k4, 1, 1], gu, *_PASS).view(c, k4).to(ctx.w_dtype) \
-            if ctx.needs_input_grad[2] else None
-        gb = _bias_grad(gu, b) if ctx.needs_input_grad[3] else None
-        gg = INPUT_OP([n, k4, hh, ww], wh.view(c, k4, 1, 1), gu, *_PASS).permute(0, 2, 3, 1) \
-            if ctx.needs_input_grad[0] else None
+        gg, gw, gb = _linear_grads(gr, wh, gu, b, ctx.w_dtype, (ctx.needs_input_grad[0], *ctx.needs_input_grad[2:4]))
         return gg, gres, gw, gb, gs, None, None
