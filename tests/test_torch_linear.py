@@ -134,3 +134,17 @@ def test_a_norm_read_twice_is_not_folded():
         torch.testing.assert_close(fused(x), model(x), rtol=0, atol=0)
     with pytest.raises(ValueError, match="nn.LayerNorm over the linear's 8 input features"):
         FusedLinear.from_linear(nn.Linear(8, 4), gelu=True, norm=nn.LayerNorm(4))
+
+
+@pytest.mark.parametrize("name", ["swin_t", "vit_b_16"])
+def test_transformer_mlps_fold_their_norms_and_compute_the_same(name):
+    """torchvision's Swin-T and ViT-B/16: each block's LayerNorm -> Linear -> GELU folds ("norm+gelu"), and the
+    fused model computes exactly what the model does on the CPU (PyTorch's operations there)."""
+    torchvision = pytest.importorskip("torchvision", reason="torchvision not installed")
+    torch.manual_seed(0)
+    model = getattr(torchvision.models, name)().eval()
+    fused, report = ct.fuse(model)
+    assert list(report.linears.values()).count("norm+gelu") == 12
+    x = torch.randn(1, 3, 224, 224)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), model(x), rtol=0, atol=0)

@@ -326,3 +326,21 @@ def test_mlp_training_nodes_pass_an_overflow_to_the_scaler(hopper, monkeypatch):
     scaler.update()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
     assert scaler.get_scale() < 2.0**16
+
+
+def test_swin_mlp_norms_fold_and_stay_within_pytorchs_error(hopper):
+    """Swin-T's MLPs (LayerNorm -> Linear -> GELU over (N, H, W, C) windows) fold as ConvNeXt's do: under FP16
+    autocast the fused model stays within 1.2x PyTorch autocast's error against float64, with its dtype."""
+    torchvision = pytest.importorskip("torchvision", reason="torchvision not installed")
+    torch.manual_seed(0)
+    model = torchvision.models.swin_t().cuda().eval()
+    fused, report = __import__("convforge.torch", fromlist=["fuse"]).fuse(model)
+    assert list(report.linears.values()).count("norm+gelu") == 12
+    x = torch.randn(2, 3, 224, 224, device="cuda")
+    with torch.no_grad():
+        want = copy.deepcopy(model).double()(x.double())
+        theirs, base = _amp_error(model, x, torch.float16, want)
+        ours, err = _amp_error(fused, x, torch.float16, want)
+    assert ours.dtype == theirs.dtype
+    assert err <= 1.2 * base + 1e-4, (err, base)
+    assert any(_ran(m) for m in fused.modules() if m.__class__.__name__ == "FusedLinear")
