@@ -1,11 +1,14 @@
-"""Layer norm over the last dimension of a CUDA tensor on convforge's kernel (kernels/layernorm.py), for
-inference (no autograd node: a call that needs a gradient runs PyTorch's):
+"""Layer norm over the last dimension of a CUDA tensor on convforge's kernels (kernels/layernorm.py). In
+inference (no autograd node here: a call that needs a gradient runs PyTorch's):
 
 * ``norm_rows``: what ``FusedLinear`` runs before its product when ``fuse()`` folded the ``nn.LayerNorm`` in
   front of it (ConvNeXt's blocks), written in the dtype the product reads;
 * ``RowNorm``: what ``fuse()`` puts in place of a functional ``F.layer_norm`` over the last dimension whose
   weight and bias are a module's (torchvision's ``LayerNorm2d``: ConvNeXt's stem, downsampling layers and
   head), written in the dtype PyTorch's gives (float32 inside autocast).
+
+In training, ``train_rows`` (the forward, each row's statistics kept) and ``grad_rows`` (its backward) are what
+the ConvNeXt MLP node runs (torch/mlp_train.py).
 """
 
 from __future__ import annotations
@@ -73,7 +76,8 @@ def _takes(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, c: i
     if (x.dtype not in _NAMES or not x.is_cuda or not x.is_contiguous() or x.numel() == 0 or x.data_ptr() % 16
             or c > most):
         return False
-    return w is None or (b is not None and w.device == x.device and b.device == x.device and w.dtype in _NAMES)
+    return w is None or (b is not None and w.device == x.device and b.device == x.device and w.dtype in _NAMES
+                         and b.dtype == w.dtype)  # the kernel reads both as one parameter dtype
 
 
 def _launcher(x: torch.Tensor, kernels: Any, launches: Any, name: str) -> tuple[Any, Any, int]:
