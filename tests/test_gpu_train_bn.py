@@ -355,6 +355,7 @@ def test_blocks_run_natively_again_after_a_setting_is_assigned(gpu, monkeypatch)
 
     module = native.load()
     assert module is not None, "the native fast path did not build on this GPU machine"
+    monkeypatch.setattr(config, "train_graphs", False)  # every step runs the nodes (a replay would not count)
     fused = ct.fuse(_resnet().to(memory_format=torch.channels_last))[0]
     x = torch.randn(3, 3, 64, 64, device="cuda").to(memory_format=torch.channels_last)
     target = torch.randint(0, 10, (3,), device="cuda")

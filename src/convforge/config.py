@@ -155,6 +155,10 @@ def _env_settings(env: Mapping[str, str]) -> dict[str, tuple[str, Callable[[], A
         # half compute only; off until measured on a GPU (PyTorch's operations, as before)
         "mlp_train": ("CONVFORGE_MLP_TRAIN",
                       lambda: parse_bool("CONVFORGE_MLP_TRAIN", get("CONVFORGE_MLP_TRAIN") or "0")),
+        # A fused model's training forward and backward replayed from CUDA graphs once a call's shapes have
+        # run eagerly twice (torch/graphs.py: the host's hundreds of launches a step become two); 0: eager
+        "train_graphs": ("CONVFORGE_TRAIN_GRAPHS",
+                         lambda: parse_bool("CONVFORGE_TRAIN_GRAPHS", get("CONVFORGE_TRAIN_GRAPHS") or "1")),
         # A fused or converted model's first training forward compiles the step's dgrad and wgrad programs ahead
         # on a pool of threads (torch/train_ahead.py); 0: each program compiles when the backward first reaches it
         "train_ahead": ("CONVFORGE_TRAIN_AHEAD",
@@ -175,7 +179,8 @@ def _env_settings(env: Mapping[str, str]) -> dict[str, tuple[str, Callable[[], A
 # Settings read afresh on every call that key no cached choice or program (bn_stats: in a block's filing key, not
 # in a conv's): assigning one calls no listener (the native table keeps its entries, so an A/B in one process
 # compares warm paths)
-_SWITCHES = frozenset({"native_block", "native_conv_relu", "bn_stats", "train_ahead", "residual_grad", "mlp_train"})
+_SWITCHES = frozenset({"native_block", "native_conv_relu", "bn_stats", "train_ahead", "residual_grad", "mlp_train",
+                       "train_graphs"})
 
 
 class Config:
@@ -203,6 +208,7 @@ class Config:
     bn_stats: bool
     residual_grad: bool
     train_ahead: bool
+    train_graphs: bool
     native_autograd: bool
     finite_exact: bool
 

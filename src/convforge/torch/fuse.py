@@ -54,6 +54,7 @@ from torch.fx import Graph, GraphModule, Node, Tracer
 
 from convforge.torch.branches import Branch, BranchSum, branch_reason
 from convforge.torch.fused import FusedConv2d, PreActivation
+from convforge.torch.graphs import graph_training
 from convforge.torch.layernorm import RowNorm
 from convforge.torch.linear import FusedLinear
 from convforge.torch.modules import OPTIONS, Conv2d, ConvertReport, ConvTranspose2d, static_reason, swapped
@@ -113,7 +114,7 @@ def fuse(model: torch.nn.Module, **options: Any) -> tuple[torch.nn.Module, Conve
         first = (str(err).splitlines() or [""])[0][:200]
         report.unfused[""] = (f"torch.fx cannot trace the model ({type(err).__name__}: {first}); "
                               "convert() swapped its convs without fusion")
-        return root, report
+        return graph_training(root), report
     for node in graph.nodes:  # a forward annotated under `from __future__ import annotations` gives
         if isinstance(node.type, str):  # strings, which fx keeps as globals that do not pickle
             node.type = None
@@ -127,7 +128,7 @@ def fuse(model: torch.nn.Module, **options: Any) -> tuple[torch.nn.Module, Conve
     _swap_pools(graph, root, report)
     gm = _graph_module(root, graph, type(model).__name__)
     prepare_on_first_call(gm)
-    return gm, report
+    return graph_training(gm), report
 
 
 def mirror(model: torch.nn.Module) -> torch.nn.Module:
