@@ -190,7 +190,7 @@ def test_training_bench_flow_on_cpu(monkeypatch, tmp_path):
 
 def test_amp_training_bench_flow_on_cpu(monkeypatch):
     """bench_amp's rows end to end with a tiny model on CPU tensors (torch installed; CUDA events, memory
-    counters and the batch replaced; autocast on "cuda" is off without CUDA): the three timed rows are timed in
+    counters and the batch replaced; autocast on "cuda" is off without CUDA): the five timed rows are timed in
     interleaved rounds, each has its first step, peak memory and a loss curve; the curve-only rows join and the
     comparison fills speed-ups."""
     torch = pytest.importorskip("torch", reason="torch not installed: the AMP training bench is not tested")
@@ -208,16 +208,17 @@ def test_amp_training_bench_flow_on_cpu(monkeypatch):
     _tiny_model(monkeypatch, torch)
     monkeypatch.setattr(training, "_samples", samples)
     for name, value in (("synchronize", None), ("memory_allocated", 0), ("max_memory_allocated", 2**30),
-                        ("reset_peak_memory_stats", None)):
+                        ("reset_peak_memory_stats", None), ("memory_snapshot", [])):
         monkeypatch.setattr(torch.cuda, name, lambda value=value: value)
     monkeypatch.setattr(training_amp, "STEPS", 4)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # autocast / GradScaler asked for CUDA on a machine without it
         rows = training_amp.compare(training_amp.bench_amp("tiny", 4, "fp16", 1, 6, {}))
     by = {r["impl"]: r for r in rows}
-    assert set(by) == {"pytorch_amp", "convforge_amp", "convforge_fused_amp", "pytorch_amp_nobench", "pytorch_fp32"}
+    impls = ("pytorch_amp", "pytorch_amp_graphs", "convforge_amp", "convforge_fused_amp", "convforge_fused_eager")
+    assert set(by) == {*impls, "pytorch_amp_nobench", "pytorch_fp32"}
     assert all(r["status"] == "ok" and len(r["loss_curve"]) == 4 for r in rows), rows
-    timed_rows = [by[i] for i in ("pytorch_amp", "convforge_amp", "convforge_fused_amp")]
+    timed_rows = [by[i] for i in impls]
     assert all(r["peak_gib"] == 1.0 and r["first_step_s"] >= 0 and r["time_ms"] == 2.0 and r["speedup"] == 1.0
                for r in timed_rows), timed_rows
-    assert len(timed) == 3 * training.ROUNDS and len(set(timed[:3])) == 3 and timed[3] == timed[1]  # rotated
+    assert len(timed) == 5 * training.ROUNDS and len(set(timed[:5])) == 5 and timed[5] == timed[1]  # rotated

@@ -7,14 +7,18 @@ momentum; cudnn.benchmark on. Rows, each from a fresh copy of ONE model (``model
 - ``pytorch_amp``: PyTorch itself (the baseline of every AMP figure);
 - ``convforge_amp``: ``convforge.torch.convert`` (our convolutions, every pass, in the autocast dtype,
   channels_last through; batch norm and the rest PyTorch's);
-- ``convforge_fused_amp``: ``convforge.torch.fuse`` (the fused model's training path under autocast).
+- ``convforge_fused_amp``: ``convforge.torch.fuse`` (the fused model's training path under autocast), its
+  forward and backward replayed from CUDA graphs after two eager steps (torch/graphs.py, the default);
+- ``convforge_fused_eager``: the same fused model with every call eager (``graphs.without_graphs``);
+- ``pytorch_amp_graphs``: PyTorch's own model replayed the same way (``graphs.graph_training``): what the
+  graphs alone give, so that the fused rows' speed-up over it is the kernels' and the fusion's.
 
 Columns: the step's median time (CUDA events around whole steps after warm-up; the implementations
 timed in interleaved rounds, ``training.time_rounds``), images/s, the peak memory of a step (what the
-implementation allocated above what was allocated before its model was built), the first step's wall
-time in this process (compiling included: run the command twice for the time with a warm on-disk
-cache), and a loss curve of ``STEPS`` steps from the same initial weights. ``loss_noise`` is PyTorch
-AMP's own run-to-run noise: the larger relative deviation, from its curve, of PyTorch AMP with
+implementation allocated above what was allocated before its model was built, its graphs' pools
+included), the first step's wall time in this process (compiling included: run the command twice for
+the time with a warm on-disk cache), and a loss curve of ``STEPS`` steps from the same initial weights.
+``loss_noise`` is PyTorch AMP's own run-to-run noise: the larger relative deviation, from its curve, of PyTorch AMP with
 cudnn.benchmark off (other, equally valid kernels) and of PyTorch FP32; ``within_noise`` says whether
 a convforge row's deviation is at most ``NOISE_SLACK`` times that.
 """
@@ -64,6 +68,7 @@ def _forms(model: Any, options: dict[str, Any], reports: dict[str, Any]) -> list
     import torch
 
     import convforge.torch as ct
+    from convforge.torch import graphs
 
     def fresh() -> Any:
         return copy.deepcopy(model).to(memory_format=torch.channels_last)
@@ -77,7 +82,15 @@ def _forms(model: Any, options: dict[str, Any], reports: dict[str, Any]) -> list
         m, reports["convforge_fused_amp"] = ct.fuse(fresh(), **options)
         return m
 
-    return [("pytorch_amp", fresh), ("convforge_amp", converted), ("convforge_fused_amp", fused)]
+    def fused_eager() -> Any:
+        m, reports["convforge_fused_eager"] = ct.fuse(fresh(), **options)
+        return graphs.without_graphs(m)
+
+    def pytorch_graphs() -> Any:
+        return graphs.graph_training(fresh())
+
+    return [("pytorch_amp", fresh), ("pytorch_amp_graphs", pytorch_graphs), ("convforge_amp", converted),
+            ("convforge_fused_amp", fused), ("convforge_fused_eager", fused_eager)]
 
 
 def bench_amp(name: str, batch: int, dtype_name: str, warmup: int, repeats: int, options: dict[str, Any],
@@ -140,18 +153,28 @@ def _first_step(row: dict[str, Any], make: Callable[[], Any], x: Any, target: An
     import torch
 
     training._flags(False)
-    before = torch.cuda.memory_allocated()
+    before, pools = torch.cuda.memory_allocated(), _graph_pool_bytes()
     with models.tuning(tune):
         step = amp_step_fn(make(), x, target, dtype)
         t0 = time.perf_counter()
         step()
         torch.cuda.synchronize()
         row["first_step_s"] = time.perf_counter() - t0
+    step(), step()  # a graphed model captures its third step
     torch.cuda.reset_peak_memory_stats()
     step()
     torch.cuda.synchronize()
-    row["peak_gib"] = (torch.cuda.max_memory_allocated() - before) / 2**30
+    row["peak_gib"] = (torch.cuda.max_memory_allocated() - before + _graph_pool_bytes() - pools) / 2**30
     return step
+
+
+def _graph_pool_bytes() -> int:
+    """Bytes the caching allocator holds in CUDA graphs' private pools (a replay's activations live there,
+    allocated once at capture, so max_memory_allocated does not see them)."""
+    import torch
+
+    return sum(s["total_size"] for s in torch.cuda.memory_snapshot()
+               if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0))
 
 
 def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -167,7 +190,7 @@ def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row["speedup"] = base["time_ms"] / row["time_ms"]
         if ref and row.get("loss_curve") and row["impl"] != "pytorch_amp":
             row["loss_dev"] = training.deviation(row["loss_curve"], ref)
-            if noise is not None and row["impl"].startswith("convforge"):
+            if noise is not None and row["impl"] not in ("pytorch_amp_nobench", "pytorch_fp32"):
                 row["loss_noise"] = noise
                 row["within_noise"] = row["loss_dev"] <= max(NOISE_SLACK * noise, training.NOISE_FLOOR)
     return rows
