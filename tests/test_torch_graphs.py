@@ -60,3 +60,87 @@ def test_cpu_training_calls_stay_eager() -> None:
     assert graphs.graph_training(other) is other and type(other).__name__ == "Linear"
     other(torch.randn(3, 4)).sum().backward()
     assert other.weight.grad is not None and graphs.status(other) == {}
+
+
+_CAPTURING: list[int] = []
+
+
+class _Rerun:
+    """A stand-in for a captured graph on the CPU: replay() runs the recorded computation again into the same
+    buffers (what a CUDA graph's replay does with the kernels it captured)."""
+
+    def __init__(self, run) -> None:
+        self.replay = run
+
+
+def _cpu_capture(m, args, params):
+    """graphs._capture's result without CUDA: static inputs, outputs, incoming gradients and parameter gradients,
+    the forward and backward re-run from them on every replay."""
+    from convforge.torch import graphs
+
+    inputs = [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
+    names = {id(p): n for n, p in m.named_parameters()}
+    leaves = [p.detach().requires_grad_(True) for p in params]
+
+    def forward():  # inside a capture the model's own calls are eager (graphs._eligible: the stream captures)
+        _CAPTURING.append(1)
+        try:
+            return torch.func.functional_call(m, {names[id(p)]: q for p, q in zip(params, leaves)}, tuple(inputs))
+        finally:
+            _CAPTURING.pop()
+
+    out = forward().detach()
+    grad_out = torch.empty_like(out)
+    grads = [torch.empty_like(p) for p in params]
+
+    def fwd():
+        with torch.no_grad():
+            out.copy_(forward())
+
+    def bwd():
+        with torch.enable_grad():
+            for g, new in zip(grads, torch.autograd.grad(forward(), leaves, grad_out)):
+                g.copy_(new)
+
+    return graphs._Captured(_Rerun(fwd), _Rerun(bwd), inputs, [out], [True], [grad_out], list(grads),
+                            [len(inputs) + i for i in range(len(params))], torch.Tensor)
+
+
+def test_replays_give_eager_gradients_and_keep_their_results(monkeypatch) -> None:
+    """The replay plumbing (graphs._call, _Replay) with a CPU stand-in for the capture: after two eager steps
+    the third call replays; outputs and gradients equal eager autograd's; an output kept from one replay is not
+    changed by the next; gradients accumulate over two backward calls; a second forward before the first's
+    backward runs eagerly; a second backward (retain_graph) after a later replay raises."""
+    from convforge.torch import graphs
+
+    monkeypatch.setattr(graphs, "_eligible", lambda m, args: m.training and torch.is_grad_enabled() and not _CAPTURING)
+    monkeypatch.setattr(graphs, "_capture", _cpu_capture)
+    torch.manual_seed(1)
+    m = graphs.graph_training(nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)))
+    twin = copy.deepcopy(graphs.without_graphs(copy.deepcopy(m)))
+    xs = [torch.randn(4, 6) for _ in range(4)]
+    for i, x in enumerate(xs[:3]):
+        for net in (m, twin):
+            net.zero_grad(set_to_none=True)
+            net(x).square().sum().backward()
+        assert all(torch.allclose(p.grad, q.grad, atol=1e-6) for p, q in zip(m.parameters(), twin.parameters()))
+        assert list(graphs.status(m).values()) == (["captured"] if i == 2 else [f"eager ({i + 1} of 2)"])
+    kept = m(xs[0])
+    first = kept.detach().clone()
+    m.zero_grad(set_to_none=True)
+    twin.zero_grad(set_to_none=True)
+    kept.sum().backward()
+    m(xs[1]).sum().backward()  # accumulates into the same .grad
+    assert torch.equal(kept.detach(), first)
+    twin(xs[0]).sum().backward()
+    twin(xs[1]).sum().backward()
+    assert all(torch.allclose(p.grad, q.grad, atol=1e-6) for p, q in zip(m.parameters(), twin.parameters()))
+    y1, y2 = m(xs[2]), m(xs[3])  # the second runs eagerly: the first's backward is pending
+    assert type(y1.grad_fn).__name__ != type(y2.grad_fn).__name__
+    (y1.sum() + y2.sum()).backward()
+    old = m(xs[0])
+    assert type(old.grad_fn).__name__ == type(y1.grad_fn).__name__  # a replay again
+    old.sum().backward(retain_graph=True)
+    m(xs[1])  # a later replay overwrites what old's graph would read
+    with pytest.raises(RuntimeError, match="replayed by a later call"):
+        old.sum().backward()

@@ -143,19 +143,46 @@ def _eligible(m: torch.nn.Module, args: tuple[Any, ...]) -> bool:
     return not (torch.jit.is_tracing() or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing())
 
 
-def _key(m: torch.nn.Module, args: tuple[torch.Tensor, ...], params: list[torch.Tensor]) -> Any:
+def _scan(m: torch.nn.Module) -> tuple[list[torch.Tensor], tuple[int, ...], bool]:
+    """One walk over the modules: the trainable parameters (``parameters()``'s order), the buffers' addresses
+    (a replay writes batch-norm statistics where they were at the capture), and whether any module has a
+    hook a replay would skip (our one-time pre-hook excepted)."""
+    from convforge.torch.prepare import _prepare_hook
+
+    params: list[torch.Tensor] = []
+    buffers: list[int] = []
+    seen: set[int] = set()
+    hooked = False
+    for sub in m.modules():
+        for p in sub._parameters.values():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                if p.requires_grad:
+                    params.append(p)
+        buffers.extend(b.data_ptr() for b in sub._buffers.values() if b is not None)
+        if sub._forward_hooks or sub._backward_hooks or sub._backward_pre_hooks or (
+                sub._forward_pre_hooks and any(h is not _prepare_hook for h in sub._forward_pre_hooks.values())):
+            hooked = True
+    g = torch.nn.modules.module
+    hooked = hooked or bool(g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks)
+    return params, tuple(buffers), hooked
+
+
+def _key(args: tuple[torch.Tensor, ...], params: list[torch.Tensor], buffers: tuple[int, ...]) -> Any:
     dev = args[0].device
     return (tuple((a.shape, a.stride(), a.dtype, a.device, a.requires_grad) for a in args),
             torch.is_autocast_enabled(dev.type), torch.get_autocast_dtype(dev.type),
-            tuple((p.data_ptr(), p.dtype) for p in params))
+            tuple((p.data_ptr(), p.dtype) for p in params), buffers)
 
 
 def _call(m: torch.nn.Module, args: tuple[torch.Tensor, ...], eager: Any) -> Any:
-    params = [p for p in m.parameters() if p.requires_grad]
+    params, buffers, hooked = _scan(m)
+    if hooked:
+        return eager(*args)  # hooks run (a later call without them may capture)
     state = _STATES.get(m)
     if state is None:
         state = _STATES[m] = _State()
-    key = _key(m, args, params)
+    key = _key(args, params, buffers)
     entry = state.keys.get(key)
     if entry is None:
         if len(state.keys) >= MAX_KEYS:
@@ -168,7 +195,9 @@ def _call(m: torch.nn.Module, args: tuple[torch.Tensor, ...], eager: Any) -> Any
         return _replay(cap, args, params)
     if entry.failed is not None or entry.seen < EAGER_CALLS:
         out = eager(*args)
-        if entry.failed is None:
+        if entry.failed is None and _flat(out) is None:
+            entry.failed = f"the model returns {type(out).__name__}, not a tensor or a tuple or list of tensors"
+        elif entry.failed is None:
             _count_backward(out, entry)
         return out
     try:
@@ -216,31 +245,15 @@ def _flat(out: Any) -> list[torch.Tensor] | None:
     return None
 
 
-def _hooked(m: torch.nn.Module) -> str | None:
-    """The first module whose hooks a replay would skip (a one-time pre-hook of ours excepted)."""
-    from convforge.torch.prepare import _prepare_hook
-
-    g = torch.nn.modules.module
-    if g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks:
-        return "global module hooks"
-    for name, sub in m.named_modules():
-        pre = [h for h in sub._forward_pre_hooks.values() if h is not _prepare_hook]
-        if pre or sub._forward_hooks or sub._backward_hooks or getattr(sub, "_backward_pre_hooks", None):
-            return f"hooks on {name or 'the model'}"
-    return None
-
-
 def _capture(m: torch.nn.Module, args: tuple[torch.Tensor, ...], params: list[torch.Tensor]) -> _Captured:
     """The forward and backward of one call captured (nothing runs: the caller replays them)."""
-    hooked = _hooked(m)
-    if hooked:
-        raise RuntimeError(f"{hooked} (a replay would not call them)")
     inputs = [torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device).copy_(a)
               .requires_grad_(a.requires_grad) for a in args]
     # The capture reads the parameters through new leaves on their storage: a parameter's own gradient
     # accumulator, kept alive from an eager step (by the last loss a caller holds), belongs to the stream
     # of that step, and autograd would make the capture wait on it, which ends the capture.
-    names = [n for n, p in m.named_parameters() if p.requires_grad]
+    name_of = {id(p): n for n, p in m.named_parameters()}
+    names = [name_of[id(p)] for p in params]
     leaves = [p.detach().requires_grad_(True) for p in params]
     dev = args[0].device
     fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
