@@ -60,6 +60,12 @@ def test_cpu_training_calls_stay_eager() -> None:
     assert graphs.graph_training(other) is other and type(other).__name__ == "Linear"
     other(torch.randn(3, 4)).sum().backward()
     assert other.weight.grad is not None and graphs.status(other) == {}
+    buf = io.BytesIO()
+    torch.save(other, buf)  # its class made at run time: pickled as nn.Linear
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert type(loaded) is nn.Linear and torch.equal(loaded.weight, other.weight)
+    assert type(copy.deepcopy(other)) is nn.Linear
 
 
 _CAPTURING: list[int] = []

@@ -95,10 +95,28 @@ class _GraphedCall:
         return _call(m, args, call)
 
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickled (and, outside a GraphModule, copied) as the module's own class: the subclass is made at run
+        time and could not be found by name when loading; the copy runs eagerly."""
+        if isinstance(self, torch.fx.GraphModule):
+            return super().__reduce_ex__(protocol)  # fx's own reduction
+        base = next(b for b in type(self).__mro__[1:] if not issubclass(b, _GraphedCall))
+        state = self.__getstate__() if hasattr(self, "__getstate__") else self.__dict__
+        return _rebuilt, (base, state)
+
+
+def _rebuilt(cls: Any, state: Any) -> Any:
+    """A module of class ``cls`` with ``state`` (what :meth:`_GraphedCall.__reduce_ex__` pickles)."""
+    obj = cls.__new__(cls)
+    obj.__setstate__(state)
+    return obj
+
+
 def graph_training(module: torch.nn.Module) -> torch.nn.Module:
     """Have ``module``'s training calls replay CUDA graphs (module docstring); returns ``module``, whose
-    class becomes a subclass of its own (parameters, buffers, ``state_dict`` and ``deepcopy`` unchanged;
-    a pickled copy runs eagerly)."""
+    class becomes a subclass of its own (parameters, buffers and ``state_dict`` unchanged). A GraphModule
+    (``fuse()``'s) keeps its graphs through ``deepcopy``; a pickle of either, and a copy of another module,
+    runs eagerly."""
     cls = type(module)
     if issubclass(cls, _GraphedCall):
         return module
