@@ -8,7 +8,7 @@ two launches, the loss, the scaler and the optimizer.
 
 How: :func:`graph_training` gives a module's class a ``__call__`` that, in training mode with gradients on
 and CUDA tensor arguments only, keys the call by the arguments' shapes, strides and dtypes, the autocast
-state and the trainable parameters (address, dtype). A key's first calls run eagerly; once two of them
+state, the trainable parameters (address, dtype) and the buffers' addresses. A key's first calls run eagerly; once two of them
 have started their backward, the next call captures the forward and then its backward into one memory
 pool (``torch.cuda.graph``, capture errors local to this thread, autocast's weight cache off inside) and
 replays them from then on: the arguments copied into the captured inputs, one forward replay, the
@@ -94,15 +94,13 @@ class _GraphedCall:
             return call(*args, **kwargs)
         return _call(m, args, call)
 
-
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Pickled (and, outside a GraphModule, copied) as the module's own class: the subclass is made at run
         time and could not be found by name when loading; the copy runs eagerly."""
         if isinstance(self, torch.fx.GraphModule):
             return super().__reduce_ex__(protocol)  # fx's own reduction
         base = next(b for b in type(self).__mro__[1:] if not issubclass(b, _GraphedCall))
-        state = self.__getstate__() if hasattr(self, "__getstate__") else self.__dict__
-        return _rebuilt, (base, state)
+        return _rebuilt, (base, self.__getstate__())
 
 
 def _rebuilt(cls: Any, state: Any) -> Any:
@@ -114,9 +112,9 @@ def _rebuilt(cls: Any, state: Any) -> Any:
 
 def graph_training(module: torch.nn.Module) -> torch.nn.Module:
     """Have ``module``'s training calls replay CUDA graphs (module docstring); returns ``module``, whose
-    class becomes a subclass of its own (parameters, buffers and ``state_dict`` unchanged). A GraphModule
-    (``fuse()``'s) keeps its graphs through ``deepcopy``; a pickle of either, and a copy of another module,
-    runs eagerly."""
+    class becomes a subclass of its own (parameters, buffers and ``state_dict`` unchanged). A deepcopy of a
+    GraphModule (``fuse()``'s) replays too (capturing its own graphs); a pickle of either, and a copy of
+    another module, runs eagerly."""
     cls = type(module)
     if issubclass(cls, _GraphedCall):
         return module
