@@ -9,8 +9,8 @@ two launches, the loss, the scaler and the optimizer.
 How: :func:`graph_training` gives a module's class a ``__call__`` that, in training mode with gradients on
 and CUDA tensor arguments only, keys the call by the arguments' shapes, strides and dtypes, the autocast
 state, the trainable parameters (address, dtype) and the buffers' addresses. A key's first calls run
-eagerly; once two of them have started their backward, the next call captures the forward and then its backward into one memory
-pool (``torch.cuda.graph``, capture errors local to this thread, autocast's weight cache off inside) and
+eagerly; once two of them have started their backward, the next call captures the forward and then its
+backward into one memory pool (``torch.cuda.graph``, capture errors local to this thread, autocast's weight cache off inside) and
 replays them from then on: the arguments copied into the captured inputs, one forward replay, the
 outputs cloned; in the backward the incoming gradients copied in, one replay, the parameters' gradients
 cloned (so ``.grad`` never aliases a captured buffer: accumulation over several backward calls adds as
