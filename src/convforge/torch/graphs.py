@@ -10,12 +10,13 @@ How: :func:`graph_training` gives a module's class a ``__call__`` that, in train
 and CUDA tensor arguments only, keys the call by the arguments' shapes, strides and dtypes, the autocast
 state, the trainable parameters (address, dtype) and the buffers' addresses. A key's first calls run
 eagerly; once two of them have started their backward, the next call captures the forward and then its
-backward into one memory pool (``torch.cuda.graph``, capture errors local to this thread, autocast's weight cache off inside) and
-replays them from then on: the arguments copied into the captured inputs, one forward replay, the
-outputs cloned; in the backward the incoming gradients copied in, one replay, the parameters' gradients
-cloned (so ``.grad`` never aliases a captured buffer: accumulation over several backward calls adds as
-eager autograd does). Batch-norm statistics, ``num_batches_tracked`` and random draws (stochastic depth,
-dropout: PyTorch's generator advances its offset each replay) happen in the replay as in eager.
+backward into one memory pool (``torch.cuda.graph``, capture errors local to this thread, autocast's
+weight cache off inside) and replays them from then on: the arguments copied into the captured inputs, one
+forward replay, the outputs cloned; in the backward the incoming gradients copied in, one replay, the
+parameters' gradients cloned (so ``.grad`` never aliases a captured buffer: accumulation over several
+backward calls adds as eager autograd does). Batch-norm statistics, ``num_batches_tracked`` and random
+draws (stochastic depth, dropout: PyTorch's generator advances its offset each replay) happen in the
+replay as in eager.
 
 What stays eager, every result the same as without graphs: eval mode, ``no_grad``, keyword arguments,
 non-CUDA or non-tensor arguments, outputs other than a tensor or a tuple/list of tensors, a model with
