@@ -15,31 +15,24 @@ F = torch.nn.functional
 CL = torch.channels_last
 
 
-@pytest.fixture(scope="module")
-def gpu():
-    if not torch.cuda.is_available():
-        pytest.skip("GPU tier: no CUDA device")
-    return torch.device("cuda")
-
-
 def _rel(a, b):
     a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
-def _pair(gpu, seed=0):
+def _pair(seed=0):
     """Two fused copies of one small ResNet-18 (channels_last, train mode)."""
     import convforge.torch as ct
 
     torch.manual_seed(seed)
-    base = tv.models.resnet18(num_classes=10).to(gpu).to(memory_format=CL)
+    base = tv.models.resnet18(num_classes=10).to("cuda").to(memory_format=CL)
     return [ct.fuse(copy.deepcopy(base))[0].train() for _ in range(2)]
 
 
-def _batch(gpu, n=8, seed=1):
+def _batch(n=8, seed=1):
     g = torch.Generator(device="cpu").manual_seed(seed)
-    x = torch.randn(n, 3, 64, 64, generator=g).to(gpu).contiguous(memory_format=CL)
-    return x, torch.randint(0, 10, (n,), generator=g).to(gpu)
+    x = torch.randn(n, 3, 64, 64, generator=g).to("cuda").contiguous(memory_format=CL)
+    return x, torch.randint(0, 10, (n,), generator=g).to("cuda")
 
 
 def _steps(m, x, t, graphs, monkeypatch, n=6, scale=2.0**12, dt=torch.float16):
@@ -65,8 +58,8 @@ def _steps(m, x, t, graphs, monkeypatch, n=6, scale=2.0**12, dt=torch.float16):
 def test_graphed_steps_match_eager(gpu, monkeypatch, dt):
     from convforge.torch import graphs
 
-    a, b = _pair(gpu)
-    x, t = _batch(gpu)
+    a, b = _pair()
+    x, t = _batch()
     la, _ = _steps(a, x, t, True, monkeypatch, dt=dt)
     lb, _ = _steps(b, x, t, False, monkeypatch, dt=dt)
     assert list(graphs.status(a).values()) == ["captured"], graphs.status(a)
@@ -85,8 +78,8 @@ def test_graphed_steps_match_eager(gpu, monkeypatch, dt):
 def test_overflow_is_skipped_as_eagerly(gpu, monkeypatch):
     """A scale that overflows FP16 after the capture: Inf reaches the gradients through the replay, the scaler
     skips those steps and lowers its scale exactly as for the eager model."""
-    a, b = _pair(gpu, seed=3)
-    x, t = _batch(gpu, seed=4)
+    a, b = _pair(seed=3)
+    x, t = _batch(seed=4)
     _steps(a, x, t, True, monkeypatch, n=3)
     _steps(b, x, t, False, monkeypatch, n=3)
     before = [p.detach().clone() for p in a.parameters()]
@@ -102,9 +95,9 @@ def test_accumulation_kept_outputs_and_two_forwards(gpu, monkeypatch):
     gradients."""
     from convforge.config import config
 
-    a, b = _pair(gpu, seed=5)
-    x, t = _batch(gpu, seed=6)
-    x2, t2 = _batch(gpu, seed=7)
+    a, b = _pair(seed=5)
+    x, t = _batch(seed=6)
+    x2, t2 = _batch(seed=7)
     _steps(a, x, t, True, monkeypatch, n=3)
     _steps(b, x, t, False, monkeypatch, n=3)
     grads = []
@@ -128,9 +121,9 @@ def test_accumulation_kept_outputs_and_two_forwards(gpu, monkeypatch):
 def test_other_batch_size_and_eval_run_eagerly(gpu, monkeypatch):
     from convforge.torch import graphs
 
-    a, b = _pair(gpu, seed=8)
-    x, t = _batch(gpu, seed=9)
-    small, ts = _batch(gpu, n=3, seed=10)
+    a, b = _pair(seed=8)
+    x, t = _batch(seed=9)
+    small, ts = _batch(n=3, seed=10)
     _steps(a, x, t, True, monkeypatch, n=4)
     _steps(b, x, t, False, monkeypatch, n=4)
     la, _ = _steps(a, small, ts, True, monkeypatch, n=1)
@@ -147,10 +140,10 @@ def test_hooks_keep_a_model_eager(gpu, monkeypatch):
     it is removed, and replays equal the eager twin's steps."""
     from convforge.torch import graphs
 
-    a, b = _pair(gpu, seed=11)
+    a, b = _pair(seed=11)
     calls = []
     handle = a.fc.register_forward_hook(lambda *_: calls.append(1))  # a module the fused graph calls
-    x, t = _batch(gpu, seed=12)
+    x, t = _batch(seed=12)
     la, _ = _steps(a, x, t, True, monkeypatch, n=4)
     assert len(calls) == 4 and graphs.status(a) == {}
     handle.remove()
@@ -168,9 +161,9 @@ def test_convnext_with_stochastic_depth_trains_graphed(gpu, monkeypatch):
     from convforge.torch import graphs
 
     torch.manual_seed(13)
-    base = tv.models.convnext_tiny(num_classes=10, stochastic_depth_prob=0.2).to(gpu).to(memory_format=CL)
+    base = tv.models.convnext_tiny(num_classes=10, stochastic_depth_prob=0.2).to("cuda").to(memory_format=CL)
     a, b = (ct.fuse(copy.deepcopy(base))[0].train() for _ in range(2))
-    x, t = _batch(gpu, n=4, seed=14)
+    x, t = _batch(n=4, seed=14)
     torch.manual_seed(15)
     la, _ = _steps(a, x, t, True, monkeypatch, n=5)
     torch.manual_seed(15)
@@ -197,11 +190,11 @@ def test_a_failed_capture_leaves_the_process_working(gpu):
     mode unless repaired)."""
     from convforge.torch import graphs
 
-    m = graphs.graph_training(_ReadsTheHost().to(gpu).train())
-    x = torch.randn(8, 16, device=gpu)
+    m = graphs.graph_training(_ReadsTheHost().to("cuda").train())
+    x = torch.randn(8, 16, device="cuda")
     for _ in range(4):
         m(x).sum().backward()
     state = list(graphs.status(m).values())
     assert len(state) == 1 and state[0].startswith("failed:"), state
-    assert torch.rand(4, device=gpu).isfinite().all()
+    assert torch.rand(4, device="cuda").isfinite().all()
     m(x).sum().backward()
