@@ -157,3 +157,29 @@ def test_streamed_wgrad_on_real_layers(cuda, base: ConvSpec, dtype: str) -> None
     for prm in space[:1] + random.Random(3).sample(space[1:], min(3, len(space) - 1)):
         res = check_plan(v.plan(spec, prm, cuda.device), cuda, seed=4)
         assert res.ok, f"[{prm.short()}] {spec.short()}: {res}"
+
+
+# depthwise_mma_wgrad (tensor cores, x's row a Hankel block): odd shapes (N = 1, primes, asymmetric
+# padding, 1 x 7 and 7 x 8 filters, stride 2, bands that do not divide the rows) and the real layers at N = 4
+MMA_WGRAD_ODD = [ConvSpec.make(3, 16, 11, 13, 16, 7, 7, 1, 3, groups=16),
+                 ConvSpec.make(1, 24, 9, 37, 24, 5, 5, 1, (2, 1, 3, 1), groups=24),
+                 ConvSpec.make(2, 32, 7, 23, 32, 1, 7, 1, (0, 0, 3, 3), groups=32),
+                 ConvSpec.make(1, 8, 5, 17, 8, 3, 3, 1, 1, groups=8),
+                 ConvSpec.make(5, 16, 6, 19, 16, 7, 8, 1, (4, 2, 0, 5), groups=16),
+                 ConvSpec.make(2, 16, 13, 41, 16, 5, 5, 2, (2, 1, 2, 2), groups=16),
+                 ConvSpec.make(1, 8, 10, 9, 8, 3, 3, 2, (1, 0, 0, 1), groups=8)]
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_depthwise_mma_wgrad_against_float64(cuda, dtype) -> None:
+    """The default and three sampled points of the space (every band, warp and channel-block path), dw
+    and the partial filters poisoned, against float64 of the same half inputs."""
+    v = get_variant("depthwise_mma_wgrad")
+    reals = [dataclasses.replace(b, n=4) for b in REAL]
+    for base in MMA_WGRAD_ODD + reals:
+        spec = _as(base, dtype, "nhwc", "wgrad")
+        assert v.applies(spec, cuda.device) is None, (spec.short(), v.applies(spec, cuda.device))
+        space = v.space(spec, cuda.device)
+        for i, prm in enumerate(space[:1] + random.Random(spec.c + spec.r).sample(space[1:], min(3, len(space) - 1))):
+            res = check_plan(v.plan(spec, prm, cuda.device), cuda, seed=i)
+            assert res.ok, f"{v.name} [{prm.short()}] {spec.short()}: {res}"

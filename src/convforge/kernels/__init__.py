@@ -52,6 +52,7 @@ REGISTRATION_ORDER = (
     "depthwise_nhwc",
     "depthwise_wgrad",
     "tensorcore.sm80.depthwise_mma",
+    "tensorcore.sm80.depthwise_mma_wgrad",
     "gemv",
     "wgrad.direct",
     "wgrad.grouped",
