@@ -218,8 +218,10 @@ def test_refusals_rank_and_errors():
     v = get_variant("depthwise_mma_wgrad")
     base = ConvSpec.parse("N=8,C=96,H=28,W=28,K=96,R=7,S=7,pad=3,groups=96,dtype=fp16,layout=nhwc,pass=wgrad")
     assert v.applies(base, NOMINAL_CUDA) is None
-    small = dataclasses.replace(base, r=3, s=3, pad=(1, 1, 1, 1))
-    assert v.rank(small, NOMINAL_CUDA) < get_variant("depthwise_wgrad").rank(small, NOMINAL_CUDA)
+    assert v.rank(base, NOMINAL_CUDA) > get_variant("depthwise_wgrad").rank(base, NOMINAL_CUDA)
+    for other in (dataclasses.replace(base, r=3, s=3, pad=(1, 1, 1, 1)), dataclasses.replace(base, r=5, s=5),
+                  dataclasses.replace(base, h=7, w=7), dataclasses.replace(base, stride=(2, 2))):
+        assert v.rank(other, NOMINAL_CUDA) < get_variant("depthwise_wgrad").rank(other, NOMINAL_CUDA), other.short()
     assert "stride 1 or 2" in v.applies(dataclasses.replace(base, stride=(3, 3)), NOMINAL_CUDA)
     assert "stride 1 or 2" in v.applies(dataclasses.replace(base, stride=(1, 2)), NOMINAL_CUDA)
     assert "at most 7 rows" in v.applies(dataclasses.replace(base, r=9, s=9, pad=(4, 4, 4, 4)), NOMINAL_CUDA)

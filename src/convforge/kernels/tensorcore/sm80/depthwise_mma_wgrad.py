@@ -471,8 +471,10 @@ class DepthwiseMmaWgrad(Variant):
         return None
 
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
-        """Below ``depthwise_wgrad`` until the device says where it is faster (the tuner still tries it)."""
-        return 0
+        """Above ``depthwise_wgrad`` on 7x7 filters at stride 1 on planes of 14 rows and more (ConvNeXt's
+        96@56, 192@28, 384@14: 1.1-1.9x faster on the H200, 2026-12-02); below it elsewhere, where a step's
+        fixed cost (a barrier, the staging of a row) outweighs its products (5x5, 3x3, 7x7 planes)."""
+        return self.specialised if spec.r * spec.s >= 49 and spec.stride == (1, 1) and spec.p >= 14 else 0
 
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
         geo = default_geo(spec, device)
