@@ -411,7 +411,7 @@ def _candidates(spec: ConvSpec) -> list[Geo]:
     out = []
     for cb in (16, 8, 32):
         for wp in (4, 8, 2):
-            for bh in sorted({spec.h, *(b for b in (32, 28, 16, 14, 8) if b < spec.h)}, reverse=True):
+            for bh in sorted({cdiv(spec.h, k) for k in range(1, 9)}, reverse=True):  # even bands, longest first
                 geo = Geo(spec, cb, wp, bh)
                 if geo.problem() is None:
                     out.append(geo)
@@ -420,13 +420,15 @@ def _candidates(spec: ConvSpec) -> list[Geo]:
 
 def default_geo(spec: ConvSpec, device: DeviceInfo) -> Geo | None:
     """16 channels a block (8 where 16 does not divide C) in 4 warps, 4 landing stages; whole planes a
-    block unless that leaves under 4 blocks an SM, then the longest band that reaches it (a band re-reads
-    R - 1 dy rows and runs R - 1 steps without products); None: nothing fits."""
+    block unless that leaves under 2 blocks an SM, then the longest band that reaches it (a band re-reads
+    R - 1 dy rows and runs R - 1 steps without products). The H200 sweep of 2026-12-02 on ConvNeXt's 7x7
+    layers at N32: 96@56 37 us in bands of 28 rows (384 blocks), 43 us in 16, 54 us whole (192 blocks);
+    192@28 and 384@14 whole planes, as fast as any band. None: nothing fits."""
     cb = 16 if spec.c % 16 == 0 else 8
     mine = [g for g in _candidates(spec) if g.cb == cb and g.wp == 4]  # longest bands first
     if not mine:
         return None
-    want = 4 * max(device.units, 1)
+    want = 2 * max(device.units, 1)
     return next((g for g in mine if g.blocks >= want), mine[-1])
 
 
@@ -483,8 +485,10 @@ class DepthwiseMmaWgrad(Variant):
         return _params(geo)
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
-        """The default, then every tiling (channels a block, warps, bands), each with 1, 2 and 4 images a block."""
-        out = [self.default(spec, device)]
+        """The default and it with 2, 3 and 6 landing stages, then every tiling (channels a block, warps, bands),
+        each with 1, 2 and 4 images a block."""
+        first = self.default(spec, device)
+        out = [first] + [first.replace(ls=k) for k in (2, 3, 6)]
         for geo in _candidates(spec):
             for ni in (1, 2, 4):
                 p = _params(dataclasses.replace(geo, ni=ni))
