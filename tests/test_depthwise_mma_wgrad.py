@@ -259,3 +259,20 @@ def test_defaults_compile_without_spills():
                 plan = v.plan(spec, p, NOMINAL_CUDA)
                 sources.append((f"{spec.short()} {p.short()}", render(list(plan.kernels), "cuda")))
     assert_sources_compile_clean(sources)
+
+
+@pytest.mark.parametrize("text, params", CASES, ids=[c[0] for c in CASES])
+def test_threads_take_every_item_once(text, params):
+    """The staging loops' thread mapping (mix 0 and 1): over the block's threads, the items each one's
+    loop visits partition the step's x copies, dy copies, x items and dy items."""
+    geo = _geo(text, params)
+    for mix in (0, 1):
+        g = dataclasses.replace(geo, mix=mix)
+        loops = [("tid", g.spec.w * g.octets), (g.first(g.spec.w * g.octets), g.spec.q * g.octets),
+                 ("tid", g.x_items), (g.first(g.x_items), g.y_items)]
+        for start, count in loops:
+            seen = []
+            for tid in range(g.threads):
+                e = bind((dw.Let("e0", start),), {"tid": tid})["e0"]
+                seen += list(range(e, count, g.threads))
+            assert sorted(seen) == list(range(count)), (mix, start, count)

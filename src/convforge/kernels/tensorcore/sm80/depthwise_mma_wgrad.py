@@ -67,10 +67,18 @@ class Geo:
     bh: int
     ni: int = 1  # images a block, one after another into the same sums
     ls: int = 4  # landing stages: rows of x and dy in flight (cp.async)
+    mix: int = 0  # 1: a step's dy items start on the threads after its x items (a balanced step; untimed)
 
     @classmethod
     def of(cls, spec: ConvSpec, p: Params) -> Geo:
-        return cls(spec, p.cb, p.wp, p.bh, p.get("ni", 1), p.get("ls", 4))
+        return cls(spec, p.cb, p.wp, p.bh, p.get("ni", 1), p.get("ls", 4), p.get("mix", 0))
+
+    def first(self, before: int) -> str:
+        """The first item of a thread's loop over a step's dy items: tid, or with ``mix`` the thread's place
+        after the ``before`` x items (every item still taken once: a rotation of the threads)."""
+        if not self.mix:
+            return "tid"
+        return f"(tid + {self.threads - before % self.threads}) % {self.threads}"
 
     @property
     def st(self) -> int:
@@ -189,8 +197,8 @@ class Geo:
             return f"cb ({self.cb}) must be a multiple of 8 that divides the channels ({s.c})"
         if not 1 <= self.wp <= 16 or self.cb % self.wp or self.cw > 4:
             return f"wp ({self.wp}) must be 1..16, divide cb ({self.cb}) and leave at most 4 channels a warp"
-        if self.bh < 1 or self.ni < 1 or self.ls < 2:
-            return f"bh ({self.bh}) and ni ({self.ni}) must be >= 1, ls ({self.ls}) >= 2"
+        if self.bh < 1 or self.ni < 1 or self.ls < 2 or self.mix not in (0, 1):
+            return f"bh ({self.bh}) and ni ({self.ni}) must be >= 1, ls ({self.ls}) >= 2, mix ({self.mix}) 0 or 1"
         if self.smem > _MAX_SMEM:
             return f"{self.smem} bytes of shared memory is over {_MAX_SMEM}"
         return None
@@ -300,7 +308,8 @@ def kernel(name: str, geo: Geo) -> Kernel:
                     emit_all(code, geo.store_lets())
                     code(f"if (sok) part[sd] = d{c}_{k};")
     args = (sto.buf("x"), sto.buf("y"), FLOAT32.buf("part", readonly=False), LocalBuf("cf_smem", geo.smem))
-    comment = (f"depthwise_mma_wgrad: {s.short()} cb={geo.cb} wp={geo.wp} bh={geo.bh} ni={geo.ni} ls={geo.ls}; "
+    comment = (f"depthwise_mma_wgrad: {s.short()} cb={geo.cb} wp={geo.wp} bh={geo.bh} ni={geo.ni} ls={geo.ls} "
+               f"mix={geo.mix}; "
                f"{geo.tq} strips a row, {geo.slices} slices, {geo.smem} shared bytes")
     return Kernel(name, args, code.text(), (geo.threads, 1, 1), frozenset({"mma_tf32"}), comment=comment,
                   min_blocks=geo.min_blocks)
@@ -350,7 +359,7 @@ def _copies(code: Code, geo: Geo, j: int | str, slot: str | None = None) -> None
                 emit_all(code, geo.xcopy_lets())
                 code(f"CP_ASYNC16({base} + 4u * cd, (const float*)(x + csrc));")
         with code.block("if (sy)"):
-            with code.block(f"for (int e = tid; e < {s.q * geo.octets}; e += {geo.threads})"):
+            with code.block(f"for (int e = {geo.first(s.w * geo.octets)}; e < {s.q * geo.octets}; e += {geo.threads})"):
                 emit_all(code, geo.ycopy_lets())
                 code(f"CP_ASYNC16({base} + 4u * cd, (const float*)(syok ? y + csrc : y), syok ? 16u : 0u);")
 
@@ -382,7 +391,7 @@ def _transpose(code: Code, geo: Geo, j: str) -> None:
                         lo, hi = geo.pair(a)
                         code(f"xb[xd + {i * geo.xc + a * geo.xo}] = {_perm(f'xp{lo}', f'xp{hi}', i)};")
         with code.block("if (sy)"):
-            with code.block(f"for (int e = tid; e < {geo.y_items}; e += {geo.threads})"):
+            with code.block(f"for (int e = {geo.first(geo.x_items)}; e < {geo.y_items}; e += {geo.threads})"):
                 emit_all(code, geo.y_lets())
                 code(f"const uint4 ya = yok0 ? *(const uint4*)(ls_ + yl) : {zero};",
                      f"const uint4 yb = yok1 ? *(const uint4*)(ls_ + yl + {geo.cb // 2}) : {zero};")
@@ -488,7 +497,7 @@ class DepthwiseMmaWgrad(Variant):
         """The default and it with 2, 3 and 6 landing stages, then every tiling (channels a block, warps, bands),
         each with 1, 2 and 4 images a block."""
         first = self.default(spec, device)
-        out = [first] + [first.replace(ls=k) for k in (2, 3, 6)]
+        out = [first, first.replace(mix=1)] + [first.replace(ls=k) for k in (2, 3, 6)]
         for geo in _candidates(spec):
             for ni in (1, 2, 4):
                 p = _params(dataclasses.replace(geo, ni=ni))
