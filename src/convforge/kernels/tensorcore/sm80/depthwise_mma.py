@@ -415,6 +415,16 @@ def _params(geo: Geo) -> Params:
     return Params(cg=geo.cg, nt=geo.nt, bp=geo.bp, wp=geo.wp)
 
 
+def mma_problem(spec: ConvSpec, device: DeviceInfo) -> str | None:
+    """Why the mma.sync depthwise forms (this module's, depthwise_mma_wgrad's) cannot take ``spec`` on
+    ``device`` whatever its shape: one output channel a channel, a CUDA device of sm_80+; or None."""
+    if not spec.depthwise or spec.k != spec.c:
+        return "only depthwise layers of one output channel a channel (K == groups == C)"
+    if device.backend != "cuda" or not device.cc or device.cc < (8, 0):
+        return "mma.sync .f16 / .bf16 needs a CUDA device of compute capability 8.0 or above"
+    return None
+
+
 class DepthwiseMma(Variant):
     """fprop (or, ``dgrad``, the stride-1 dgrad) of a depthwise layer with one output channel a
     channel, stride 1, no dilation, float16 / bfloat16, NCHW or NHWC, on mma.sync tensor cores by
@@ -441,12 +451,11 @@ class DepthwiseMma(Variant):
         why = super().applies(spec, device)
         if why:
             return why
-        if not spec.depthwise or spec.k != spec.c:
-            return "only depthwise layers of one output channel a channel (K == groups == C)"
         if spec.stride != (1, 1) or spec.dilation != (1, 1):
             return "stride 1 and no dilation only (the Toeplitz blocks of one filter row)"
-        if device.backend != "cuda" or not device.cc or device.cc < (8, 0):
-            return "mma.sync .f16 / .bf16 needs a CUDA device of compute capability 8.0 or above"
+        why = mma_problem(spec, device)
+        if why:
+            return why
         if not _candidates(spec):
             return "no tiling fits: a band of the filter's rows does not fit in shared memory"
         return None

@@ -37,6 +37,7 @@ from convforge.codegen.meta import Code, cdiv
 from convforge.kernels import register
 from convforge.kernels.depthwise_wgrad import slice_sum
 from convforge.kernels.dgrad import no_epilogue
+from convforge.kernels.tensorcore.sm80.depthwise_mma import mma_problem
 from convforge.kernels.tensorcore.sm90.cexpr import Let, emit_all
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
@@ -467,16 +468,15 @@ class DepthwiseMmaWgrad(Variant):
         why = super().applies(spec, device)
         if why:
             return why
-        if not spec.depthwise or spec.k != spec.c:
-            return "only depthwise layers of one output channel a channel (K == groups == C)"
         if spec.stride not in ((1, 1), (2, 2)) or spec.dilation != (1, 1):
             return "stride 1 or 2 (both axes) and no dilation only (x's row in pair arrays of each phase)"
         if spec.r > _MAX_R or spec.s > _MAX_S:
             return f"filters of at most {_MAX_R} rows and {_MAX_S} columns (one mma's rows and columns)"
         if spec.c % 8:
             return f"C ({spec.c}) must be a multiple of 8 (16-byte loads of 8 channels a pixel)"
-        if device.backend != "cuda" or not device.cc or device.cc < (8, 0):
-            return "mma.sync .f16 / .bf16 needs a CUDA device of compute capability 8.0 or above"
+        why = mma_problem(spec, device)
+        if why:
+            return why
         if not _candidates(spec):
             return "no tiling fits in shared memory"
         return None
