@@ -38,7 +38,9 @@ CASES = [
     ("N=3,C=8,H=9,W=15,K=8,R=7,S=7,stride=2,pad=3,groups=8,dtype=fp16,layout=nhwc,pass=wgrad",
      Params(cb=8, wp=2, bh=4)),
     ("N=5,C=16,H=7,W=18,K=16,R=5,S=5,pad=2,groups=16,dtype=fp16,layout=nhwc,pass=wgrad",
-     Params(cb=16, wp=4, bh=3, ni=2, ls=2)),
+     Params(cb=16, wp=4, bh=3, ni=2, ls=2, ac=2)),
+    ("N=2,C=16,H=9,W=37,K=16,R=7,S=7,pad=3,groups=16,dtype=bf16,layout=nhwc,pass=wgrad",
+     Params(cb=16, wp=4, bh=5, mix=1, ac=2)),
 ]
 
 
@@ -154,7 +156,7 @@ def _image(geo: dw.Geo, env: dict, x: np.ndarray, y: np.ndarray, acc: dict) -> N
                 for q in range(geo.tq):
                     a, b = blk.fragments(se["sv"], j, ch, q)
                     with np.errstate(invalid="ignore"):
-                        acc[ch] += a @ b  # rows R.. of A may be unwritten (NaN): D's rows R.. are never stored
+                        acc[ch, q % geo.ac] += a @ b  # A's rows R.. may be unwritten (NaN): D's are never stored
 
 
 def _model(geo: dw.Geo, x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -163,7 +165,7 @@ def _model(geo: dw.Geo, x: np.ndarray, y: np.ndarray) -> np.ndarray:
     part = np.full(geo.slices * s.c * s.r * s.s, np.nan)
     for bid in range(geo.blocks):
         head = bind(geo.head_lets(), {"bid": bid})
-        acc = {ch: np.zeros((16, 8)) for ch in range(geo.cb)}
+        acc = {(ch, a): np.zeros((16, 8)) for ch in range(geo.cb) for a in range(geo.ac)}
         for n in range(head["n0"], min(head["n0"] + geo.ni, s.n)):
             _image(geo, {**head, "n": n}, x, y, acc)
         for warp in range(geo.wp):
@@ -175,7 +177,7 @@ def _model(geo: dw.Geo, x: np.ndarray, y: np.ndarray) -> np.ndarray:
                         le = bind(geo.store_lets(), {**head, "cl": cl, "g": g, "t": t, "k": k})
                         if le["sok"]:
                             assert np.isnan(part[le["sd"]]), "a partial written twice"
-                            part[le["sd"]] = acc[cl][g, 2 * t + k]
+                            part[le["sd"]] = sum(acc[cl, a][g, 2 * t + k] for a in range(geo.ac))
     return part.reshape(geo.slices, s.c, s.r, s.s)
 
 

@@ -69,10 +69,11 @@ class Geo:
     ni: int = 1  # images a block, one after another into the same sums
     ls: int = 4  # landing stages: rows of x and dy in flight (cp.async)
     mix: int = 0  # 1: a step's dy items start on the threads after its x items (a balanced step; untimed)
+    ac: int = 1  # accumulator sets a channel: strip j sums into set j % ac (shorter HMMA chains; untimed)
 
     @classmethod
     def of(cls, spec: ConvSpec, p: Params) -> Geo:
-        return cls(spec, p.cb, p.wp, p.bh, p.get("ni", 1), p.get("ls", 4), p.get("mix", 0))
+        return cls(spec, p.cb, p.wp, p.bh, p.get("ni", 1), p.get("ls", 4), p.get("mix", 0), p.get("ac", 1))
 
     def first(self, before: int) -> str:
         """The first item of a thread's loop over a step's dy items: tid, or with ``mix`` the thread's place
@@ -198,8 +199,9 @@ class Geo:
             return f"cb ({self.cb}) must be a multiple of 8 that divides the channels ({s.c})"
         if not 1 <= self.wp <= 16 or self.cb % self.wp or self.cw > 4:
             return f"wp ({self.wp}) must be 1..16, divide cb ({self.cb}) and leave at most 4 channels a warp"
-        if self.bh < 1 or self.ni < 1 or self.ls < 2 or self.mix not in (0, 1):
-            return f"bh ({self.bh}) and ni ({self.ni}) must be >= 1, ls ({self.ls}) >= 2, mix ({self.mix}) 0 or 1"
+        if self.bh < 1 or self.ni < 1 or self.ls < 2 or self.mix not in (0, 1) or self.ac not in (1, 2):
+            return (f"bh ({self.bh}) and ni ({self.ni}) must be >= 1, ls ({self.ls}) >= 2, mix ({self.mix}) 0 or 1, "
+                    f"ac ({self.ac}) 1 or 2")
         if self.smem > _MAX_SMEM:
             return f"{self.smem} bytes of shared memory is over {_MAX_SMEM}"
         return None
@@ -297,7 +299,8 @@ def kernel(name: str, geo: Geo) -> Kernel:
          f"unsigned* const land = ysm + {geo.cb * geo.dc};",
          "const unsigned land_u32 = SMEM_U32(land);",
          f"const int steps = rows + {s.r - 1};  // virtual input rows h0 - R + 1 .. h0 + rows - 1")
-    code("float " + ", ".join(f"d{c}_{k} = 0.0f" for c in range(geo.cw) for k in range(4)) + ";")
+    code("float " + ", ".join(f"d{c}{_set(a)}_{k} = 0.0f" for c in range(geo.cw) for a in range(geo.ac)
+                              for k in range(4)) + ";")
     with code.block(f"for (int n = n0; n < min(n0 + {geo.ni}, {s.n}); ++n)"):
         _image(code, geo)
     for c in range(geo.cw):
@@ -307,10 +310,11 @@ def kernel(name: str, geo: Geo) -> Kernel:
                 with code.block(""):
                     code(f"const int k = {k};")
                     emit_all(code, geo.store_lets())
-                    code(f"if (sok) part[sd] = d{c}_{k};")
+                    total = " + ".join(f"d{c}{_set(a)}_{k}" for a in range(geo.ac))  # fixed order: deterministic
+                    code(f"if (sok) part[sd] = {total};")
     args = (sto.buf("x"), sto.buf("y"), FLOAT32.buf("part", readonly=False), LocalBuf("cf_smem", geo.smem))
     comment = (f"depthwise_mma_wgrad: {s.short()} cb={geo.cb} wp={geo.wp} bh={geo.bh} ni={geo.ni} ls={geo.ls} "
-               f"mix={geo.mix}; "
+               f"mix={geo.mix} ac={geo.ac}; "
                f"{geo.tq} strips a row, {geo.slices} slices, {geo.smem} shared bytes")
     return Kernel(name, args, code.text(), (geo.threads, 1, 1), frozenset({"mma_tf32"}), comment=comment,
                   min_blocks=geo.min_blocks)
@@ -365,6 +369,11 @@ def _copies(code: Code, geo: Geo, j: int | str, slot: str | None = None) -> None
                 code(f"CP_ASYNC16({base} + 4u * cd, (const float*)(syok ? y + csrc : y), syok ? 16u : 0u);")
 
 
+def _set(a: int) -> str:
+    """The name suffix of accumulator set a (set 0: none, the one-set names)."""
+    return f"s{a}" if a else ""
+
+
 def _perm(lo: str, hi: str, i: int) -> str:
     """The word (channel i of the 8 in uint4 ``lo``, the same of ``hi``)."""
     word = f".{'xyzw'[i // 2]}"
@@ -412,7 +421,7 @@ def _products(code: Code, geo: Geo, dtype: str) -> None:
             code(f"const uint2 {a} = {load if geo.st == 1 else f'aok ? {load} : make_uint2(0u, 0u)'};",
                  f"const unsigned b{c}_{j}0 = xr[ch{c} * {geo.xc} + {8 * j}], "
                  f"b{c}_{j}1 = xr[ch{c} * {geo.xc} + {8 * j + 4}];")
-            d = ", ".join(f"d{c}_{k}" for k in range(4))
+            d = ", ".join(f"d{c}{_set(j % geo.ac)}_{k}" for k in range(4))
             code(f"{_MMA[dtype]}({d}, {a}.x, 0u, {a}.y, 0u, b{c}_{j}0, b{c}_{j}1);")
 
 
@@ -497,7 +506,8 @@ class DepthwiseMmaWgrad(Variant):
         """The default and it with 2, 3 and 6 landing stages, then every tiling (channels a block, warps, bands),
         each with 1, 2 and 4 images a block."""
         first = self.default(spec, device)
-        out = [first, first.replace(mix=1)] + [first.replace(ls=k) for k in (2, 3, 6)]
+        out = [first, first.replace(mix=1), first.replace(ac=2), first.replace(mix=1, ac=2)]
+        out += [first.replace(ls=k) for k in (2, 3, 6)]
         for geo in _candidates(spec):
             for ni in (1, 2, 4):
                 p = _params(dataclasses.replace(geo, ni=ni))
