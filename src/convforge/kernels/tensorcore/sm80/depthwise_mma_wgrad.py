@@ -430,7 +430,7 @@ def _candidates(spec: ConvSpec) -> list[Geo]:
     out = []
     for cb in (16, 8, 32):
         for wp in (4, 8, 2):
-            for bh in sorted({cdiv(spec.h, k) for k in range(1, 9)}, reverse=True):  # even bands, longest first
+            for bh in sorted({cdiv(spec.h, k) for k in range(1, 9)}, reverse=True):
                 geo = Geo(spec, cb, wp, bh)
                 if geo.problem() is None:
                     out.append(geo)
@@ -438,17 +438,20 @@ def _candidates(spec: ConvSpec) -> list[Geo]:
 
 
 def default_geo(spec: ConvSpec, device: DeviceInfo) -> Geo | None:
-    """16 channels a block (8 where 16 does not divide C) in 4 warps, 4 landing stages; whole planes a
-    block unless that leaves under 2 blocks an SM, then the longest band that reaches it (a band re-reads
+    """16 channels a block (8 where 16 does not divide C, or where 16 do not fit; 32 last) in 4 warps (8 for
+    32 channels), 4 landing stages (3, then 2, where shared memory is short: wide planes); whole planes
+    a block unless that leaves under 2 blocks an SM, then the longest band that reaches it (a band re-reads
     R - 1 dy rows and runs R - 1 steps without products). The H200 sweep of 2026-12-02 on ConvNeXt's 7x7
     layers at N32: 96@56 37 us in bands of 28 rows (384 blocks), 43 us in 16, 54 us whole (192 blocks);
     192@28 and 384@14 whole planes, as fast as any band. None: nothing fits."""
-    cb = 16 if spec.c % 16 == 0 else 8
-    mine = [g for g in _candidates(spec) if g.cb == cb and g.wp == 4]  # longest bands first
-    if not mine:
-        return None
+    bands = sorted({cdiv(spec.h, k) for k in range(1, 9)}, reverse=True)  # even bands, longest first
     want = 2 * max(device.units, 1)
-    return next((g for g in mine if g.blocks >= want), mine[-1])
+    for ls in (4, 3, 2):
+        for cb in (16, 8, 32):
+            fit = [g for g in (Geo(spec, cb, max(4, cb // 4), bh, ls=ls) for bh in bands) if g.problem() is None]
+            if fit:
+                return next((g for g in fit if g.blocks >= want), fit[-1])
+    return None
 
 
 def _params(geo: Geo) -> Params:
@@ -486,8 +489,8 @@ class DepthwiseMmaWgrad(Variant):
         why = mma_problem(spec, device)
         if why:
             return why
-        if not _candidates(spec):
-            return "no tiling fits in shared memory"
+        if default_geo(spec, device) is None:
+            return "no tiling fits in shared memory (the x and dy rows of 8 channels, 2 landing stages)"
         return None
 
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
