@@ -1,30 +1,32 @@
 """wgrad of small-filter depthwise layers on tensor cores: ``depthwise_mma_wgrad``, float16 / bfloat16
-NHWC, stride 1, filters up to 7 rows and 8 columns, FP32 sums, deterministic.
+NHWC, stride 1 or 2, filters up to 7 rows and 8 columns, FP32 sums, deterministic.
 
-Per channel, dw[r][s] = sum over images n and input rows h of sum over q of dy[n, h - r + pt, q] .
-x[n, h, q + s - pl]: for one input row a matrix product D[r][s] += A[r][q] B[q][s] with M = r (16, the
-filter's rows in the first 8), N = s (8), K = q (16-column strips of the output row). One mma.sync
-m16n8k16 a (channel, input row, strip), every product summed into the channel's one accumulator
-fragment; the CUDA-core forms spend R*S FMAs an output instead (49 at 7x7).
+Per channel, dw[r][s] = sum over images n and input rows h of sum over q of dy[n, (h - r + pt) / st, q] .
+x[n, h, st q + s - pl] (rows where st divides h - r + pt): for one input row a matrix product D[r][s] +=
+A[r][q] B[q][s] with M = r (16, the filter's rows in the first 8), N = s (8), K = q (16-column strips of
+the output row). One mma.sync m16n8k16 a (channel, input row, strip), summed into the channel's
+accumulator fragment; the CUDA-core forms spend R*S FMAs an output instead (49 at 7x7).
 
-* A (dy rows h + pt - g for lane group g, columns 2t, 2t + 1, 2t + 8, 2t + 9): a ring of the last 8
-  dy rows of each channel in shared memory, each 16-column strip's 8 words stored as 0 4 1 5 2 6 3 7
-  so that a lane's two words are one 8-byte load. A's rows 8..15 are zero registers; rows R..7 read
-  whatever the ring holds (their sums, D's rows R..7, are never stored).
-* B (x[h][16 j + 2t + g - pl] and the next, and the pair 8 further): the x row of each channel as
-  32-bit pairs twice, E[k] = (X[2k], X[2k + 1]) and O[k] = (X[2k + 1], X[2k + 2]) with X[i] =
-  x[i - pl] (zero off the row): lanes of even g read E, odd g read O, each pair one aligned load.
-  O starts 16 banks after E, so the warp's 14 words a load are 14 banks.
-* Staging (NHWC): a thread loads 16 bytes (8 channels) of pixels v, v + 1, v + 2 of x (an E and an O
-  word of each of the 8 channels, by byte permutes) or of pixels q, q + 1 of dy (a word each).
-  Row h + 1's loads are issued before row h's products and stored after them; one barrier a row.
-  dy row h + pt + 1 lands in the ring slot that lane group 7 reads for row h (D's row 7: unused).
+* A (dy rows (h + pt - g) / st for lane group g, columns 2t, 2t + 1, 2t + 8, 2t + 9; zero where st does not
+  divide): a ring of the last 8 dy rows of each channel in shared memory, each 16-column strip's 8 words
+  stored as 0 4 1 5 2 6 3 7 so that a lane's two words are one 8-byte load. A's rows 8..15 are zero
+  registers; rows R..7 read whatever the ring holds (their sums, D's rows R..7, are never stored).
+* B (x[h][st (16 j + 2t) + g - pl], the next column's, and the pair 8 columns further): the x row of each
+  channel as 32-bit pairs in 2 st arrays, one per (phase f < st, shift u < 2), word k = (X[st (2k + u) + f],
+  X[st (2k + u + 1) + f]) with X[i] = x[i - pl] (zero off the row); lane group g reads array (g % st,
+  g / st % 2), each pair one aligned load, the arrays 32 / (2 st) banks apart (a load meets no bank twice).
+* Staging (NHWC): an image is a stream of rows + R - 1 steps (virtual input rows from h0 - R + 1; the first
+  R - 1 bring only dy rows). A step's x and dy rows (W and Q pixels of the block's channels, as in memory)
+  arrive by cp.async in one of ``ls`` landing stages, one group a step; at step j, after one barrier: the
+  copies of step j + ls, the transposition of step j + 1 (16-byte loads of 8 channels a pixel, byte
+  permutes) into its E/O buffer (j + 1) & 1 and the ring, and step j's products. dy row j + 1's ring slot is
+  the one lane group 7 reads at step j (D's row 7: unused).
 
-Blocks: (channel group of ``cb``, image, band of ``bh`` input rows); warp w owns the block's
-channels w, w + wp, ...; each block writes its channels' partial filter (float32) for slice
-(image, band), and ``slice_sum`` adds the N * bands slices in a fixed order. The band's first dy rows
-(R - 1 of them) are read again by the band before.
-CUDA only, compute capability 8.0 and above (mma.sync .f16 / .bf16).
+Blocks: (channel group of ``cb``, ``ni`` images, band of ``bh`` input rows); warp w owns the block's
+channels w, w + wp, ...; each block writes its channels' partial filter (float32) for its slice (images,
+band), and ``slice_sum`` adds the slices in a fixed order. A band's first R - 1 dy rows are read again by
+the band before.
+CUDA only, compute capability 8.0 and above (mma.sync .f16 / .bf16, cp.async).
 """
 
 from __future__ import annotations
@@ -47,7 +49,6 @@ HALF = frozenset({"float16", "bfloat16"})
 _MMA = {"float16": "MMA_F16_16x8x16", "bfloat16": "MMA_BF16_16x8x16"}
 _MAX_SMEM = 227 * 1024
 _MAX_R, _MAX_S = 7, 8  # A's rows 0..7 (row 7 is the ring's slot being refilled), B's 8 columns
-_ZERO4 = "make_uint4(0u, 0u, 0u, 0u)"
 
 
 def _up(n: int, ok: tuple[int, ...]) -> int:
@@ -460,8 +461,8 @@ def _params(geo: Geo) -> Params:
 
 
 class DepthwiseMmaWgrad(Variant):
-    """wgrad of a depthwise layer with one output channel a channel, stride 1, no dilation, filters up
-    to 7 x 8, float16 / bfloat16 NHWC, C a multiple of 8, on mma.sync tensor cores (module docstring)."""
+    """wgrad of a depthwise layer with one output channel a channel, stride 1 or 2, no dilation, filters
+    up to 7 x 8, float16 / bfloat16 NHWC, C a multiple of 8, on mma.sync tensor cores (module docstring)."""
 
     name = "depthwise_mma_wgrad"
     family = "depthwise"
