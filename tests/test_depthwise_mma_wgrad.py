@@ -1,5 +1,6 @@
 """The tensor-core depthwise wgrad (kernels/tensorcore/sm80/depthwise_mma_wgrad.py) modelled on the CPU:
-block after block, row after row, every staged word (E, O and the dy ring), every lane's A / B registers
+block after block, step after step, every staged word (the cp.async landing stages, the x row's pair arrays
+and the dy ring), every lane's A / B registers
 (placed by the PTX mma.m16n8k16 fragment layouts), the products, the partial filters and the slice sum,
 all from the generator's own index expressions, against the float64 filter gradient; then the shared
 banks a warp's loads touch, refusals, rank and the nvcc compile (no spills). The GPU tier
@@ -22,7 +23,8 @@ from convforge.spec import ConvSpec
 from helpers import assert_sources_compile_clean
 
 # N = 1 and odd, primes, asymmetric padding (cropping and widening the output), bands that do not divide
-# the rows, rows over one 16-column strip, 1 x 7 and 3 x 3 filters, several channels a warp
+# the rows, rows over one 16-column strip, 1 x 7, 3 x 3 and 7 x 8 filters, stride 2, several channels a
+# warp, several images a block, 2 and 3 landing stages, both accumulator sets and the mixed staging
 CASES = [
     ("N=3,C=16,H=11,W=13,K=16,R=7,S=7,pad=3,groups=16,dtype=fp16,layout=nhwc,pass=wgrad", Params(cb=8, wp=2, bh=4)),
     ("N=2,C=24,H=9,W=37,K=24,R=5,S=5,pad=2x1x3x1,groups=24,dtype=bf16,layout=nhwc,pass=wgrad",
