@@ -507,8 +507,8 @@ class DepthwiseMmaWgrad(Variant):
         return _params(geo)
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
-        """The default and it with 2, 3 and 6 landing stages, then every tiling (channels a block, warps, bands),
-        each with 1, 2 and 4 images a block."""
+        """The default; it with the mixed staging and two accumulator sets (each, both); with 2, 3 and 6
+        landing stages; then every tiling (channels a block, warps, bands) with 1, 2 and 4 images a block."""
         first = self.default(spec, device)
         out = [first, first.replace(mix=1), first.replace(ac=2), first.replace(mix=1, ac=2)]
         out += [first.replace(ls=k) for k in (2, 3, 6)]
