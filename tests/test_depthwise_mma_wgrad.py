@@ -24,7 +24,7 @@ from helpers import assert_sources_compile_clean
 
 # N = 1 and odd, primes, asymmetric padding (cropping and widening the output), bands that do not divide
 # the rows, rows over one 16-column strip, 1 x 7, 3 x 3 and 7 x 8 filters, stride 2, several channels a
-# warp, several images a block, 2 and 3 landing stages, both accumulator sets and the mixed staging
+# warp, several images a block, 2 and 3 landing stages
 CASES = [
     ("N=3,C=16,H=11,W=13,K=16,R=7,S=7,pad=3,groups=16,dtype=fp16,layout=nhwc,pass=wgrad", Params(cb=8, wp=2, bh=4)),
     ("N=2,C=24,H=9,W=37,K=24,R=5,S=5,pad=2x1x3x1,groups=24,dtype=bf16,layout=nhwc,pass=wgrad",
@@ -40,9 +40,9 @@ CASES = [
     ("N=3,C=8,H=9,W=15,K=8,R=7,S=7,stride=2,pad=3,groups=8,dtype=fp16,layout=nhwc,pass=wgrad",
      Params(cb=8, wp=2, bh=4)),
     ("N=5,C=16,H=7,W=18,K=16,R=5,S=5,pad=2,groups=16,dtype=fp16,layout=nhwc,pass=wgrad",
-     Params(cb=16, wp=4, bh=3, ni=2, ls=2, ac=2)),
+     Params(cb=16, wp=4, bh=3, ni=2, ls=2)),
     ("N=2,C=16,H=9,W=37,K=16,R=7,S=7,pad=3,groups=16,dtype=bf16,layout=nhwc,pass=wgrad",
-     Params(cb=16, wp=4, bh=5, mix=1, ac=2)),
+     Params(cb=16, wp=4, bh=5)),
 ]
 
 
@@ -158,7 +158,7 @@ def _image(geo: dw.Geo, env: dict, x: np.ndarray, y: np.ndarray, acc: dict) -> N
                 for q in range(geo.tq):
                     a, b = blk.fragments(se["sv"], j, ch, q)
                     with np.errstate(invalid="ignore"):
-                        acc[ch, q % geo.ac] += a @ b  # A's rows R.. may be unwritten (NaN): D's are never stored
+                        acc[ch] += a @ b  # A's rows R.. may be unwritten (NaN): D's are never stored
 
 
 def _model(geo: dw.Geo, x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -167,7 +167,7 @@ def _model(geo: dw.Geo, x: np.ndarray, y: np.ndarray) -> np.ndarray:
     part = np.full(geo.slices * s.c * s.r * s.s, np.nan)
     for bid in range(geo.blocks):
         head = bind(geo.head_lets(), {"bid": bid})
-        acc = {(ch, a): np.zeros((16, 8)) for ch in range(geo.cb) for a in range(geo.ac)}
+        acc = {ch: np.zeros((16, 8)) for ch in range(geo.cb)}
         for n in range(head["n0"], min(head["n0"] + geo.ni, s.n)):
             _image(geo, {**head, "n": n}, x, y, acc)
         for warp in range(geo.wp):
@@ -179,7 +179,7 @@ def _model(geo: dw.Geo, x: np.ndarray, y: np.ndarray) -> np.ndarray:
                         le = bind(geo.store_lets(), {**head, "cl": cl, "g": g, "t": t, "k": k})
                         if le["sok"]:
                             assert np.isnan(part[le["sd"]]), "a partial written twice"
-                            part[le["sd"]] = sum(acc[cl, a][g, 2 * t + k] for a in range(geo.ac))
+                            part[le["sd"]] = acc[cl][g, 2 * t + k]
     return part.reshape(geo.slices, s.c, s.r, s.s)
 
 
@@ -263,20 +263,3 @@ def test_defaults_compile_without_spills():
                 plan = v.plan(spec, p, NOMINAL_CUDA)
                 sources.append((f"{spec.short()} {p.short()}", render(list(plan.kernels), "cuda")))
     assert_sources_compile_clean(sources)
-
-
-@pytest.mark.parametrize("text, params", CASES, ids=[c[0] for c in CASES])
-def test_threads_take_every_item_once(text, params):
-    """The staging loops' thread mapping (mix 0 and 1): over the block's threads, the items each one's
-    loop visits partition the step's x copies, dy copies, x items and dy items."""
-    geo = _geo(text, params)
-    for mix in (0, 1):
-        g = dataclasses.replace(geo, mix=mix)
-        loops = [("tid", g.spec.w * g.octets), (g.first(g.spec.w * g.octets), g.spec.q * g.octets),
-                 ("tid", g.x_items), (g.first(g.x_items), g.y_items)]
-        for start, count in loops:
-            seen = []
-            for tid in range(g.threads):
-                e = bind((dw.Let("e0", start),), {"tid": tid})["e0"]
-                seen += list(range(e, count, g.threads))
-            assert sorted(seen) == list(range(count)), (mix, start, count)

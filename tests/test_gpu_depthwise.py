@@ -170,16 +170,15 @@ MMA_WGRAD_ODD = [ConvSpec.make(3, 16, 11, 13, 16, 7, 7, 1, 3, groups=16),
                  ConvSpec.make(1, 8, 10, 9, 8, 3, 3, 2, (1, 0, 0, 1), groups=8)]
 
 
+@pytest.mark.parametrize("base", MMA_WGRAD_ODD + [dataclasses.replace(b, n=4) for b in REAL], ids=lambda b: b.short())
 @pytest.mark.parametrize("dtype", HALF)
-def test_depthwise_mma_wgrad_against_float64(cuda, dtype) -> None:
+def test_depthwise_mma_wgrad_against_float64(cuda, dtype, base) -> None:
     """The default and three sampled points of the space (every band, warp and channel-block path), dw
     and the partial filters poisoned, against float64 of the same half inputs."""
     v = get_variant("depthwise_mma_wgrad")
-    reals = [dataclasses.replace(b, n=4) for b in REAL]
-    for base in MMA_WGRAD_ODD + reals:
-        spec = _as(base, dtype, "nhwc", "wgrad")
-        assert v.applies(spec, cuda.device) is None, (spec.short(), v.applies(spec, cuda.device))
-        space = v.space(spec, cuda.device)
-        for i, prm in enumerate(space[:1] + random.Random(spec.c + spec.r).sample(space[1:], min(3, len(space) - 1))):
-            res = check_plan(v.plan(spec, prm, cuda.device), cuda, seed=i)
-            assert res.ok, f"{v.name} [{prm.short()}] {spec.short()}: {res}"
+    spec = _as(base, dtype, "nhwc", "wgrad")
+    assert v.applies(spec, cuda.device) is None, (spec.short(), v.applies(spec, cuda.device))
+    space = v.space(spec, cuda.device)
+    for i, prm in enumerate(space[:1] + random.Random(spec.c + spec.r).sample(space[1:], min(3, len(space) - 1))):
+        res = check_plan(v.plan(spec, prm, cuda.device), cuda, seed=i)
+        assert res.ok, f"{v.name} [{prm.short()}] {spec.short()}: {res}"

@@ -69,19 +69,10 @@ class Geo:
     bh: int
     ni: int = 1  # images a block, one after another into the same sums
     ls: int = 4  # landing stages: rows of x and dy in flight (cp.async)
-    mix: int = 0  # 1: a step's dy items start on the threads after its x items (a balanced step; untimed)
-    ac: int = 1  # accumulator sets a channel: strip j sums into set j % ac (shorter HMMA chains; untimed)
 
     @classmethod
     def of(cls, spec: ConvSpec, p: Params) -> Geo:
-        return cls(spec, p.cb, p.wp, p.bh, p.get("ni", 1), p.get("ls", 4), p.get("mix", 0), p.get("ac", 1))
-
-    def first(self, before: int) -> str:
-        """The first item of a thread's loop over a step's dy items: tid, or with ``mix`` the thread's place
-        after the ``before`` x items (every item still taken once: a rotation of the threads)."""
-        if not self.mix:
-            return "tid"
-        return f"(tid + {self.threads - before % self.threads}) % {self.threads}"
+        return cls(spec, p.cb, p.wp, p.bh, p.get("ni", 1), p.get("ls", 4))
 
     @property
     def st(self) -> int:
@@ -200,9 +191,8 @@ class Geo:
             return f"cb ({self.cb}) must be a multiple of 8 that divides the channels ({s.c})"
         if not 1 <= self.wp <= 16 or self.cb % self.wp or self.cw > 4:
             return f"wp ({self.wp}) must be 1..16, divide cb ({self.cb}) and leave at most 4 channels a warp"
-        if self.bh < 1 or self.ni < 1 or self.ls < 2 or self.mix not in (0, 1) or self.ac not in (1, 2):
-            return (f"bh ({self.bh}) and ni ({self.ni}) must be >= 1, ls ({self.ls}) >= 2, mix ({self.mix}) 0 or 1, "
-                    f"ac ({self.ac}) 1 or 2")
+        if self.bh < 1 or self.ni < 1 or self.ls < 2:
+            return f"bh ({self.bh}) and ni ({self.ni}) must be >= 1, ls ({self.ls}) >= 2"
         if self.smem > _MAX_SMEM:
             return f"{self.smem} bytes of shared memory is over {_MAX_SMEM}"
         return None
@@ -300,8 +290,7 @@ def kernel(name: str, geo: Geo) -> Kernel:
          f"unsigned* const land = ysm + {geo.cb * geo.dc};",
          "const unsigned land_u32 = SMEM_U32(land);",
          f"const int steps = rows + {s.r - 1};  // virtual input rows h0 - R + 1 .. h0 + rows - 1")
-    code("float " + ", ".join(f"d{c}{_set(a)}_{k} = 0.0f" for c in range(geo.cw) for a in range(geo.ac)
-                              for k in range(4)) + ";")
+    code("float " + ", ".join(f"d{c}_{k} = 0.0f" for c in range(geo.cw) for k in range(4)) + ";")
     with code.block(f"for (int n = n0; n < min(n0 + {geo.ni}, {s.n}); ++n)"):
         _image(code, geo)
     for c in range(geo.cw):
@@ -311,11 +300,9 @@ def kernel(name: str, geo: Geo) -> Kernel:
                 with code.block(""):
                     code(f"const int k = {k};")
                     emit_all(code, geo.store_lets())
-                    total = " + ".join(f"d{c}{_set(a)}_{k}" for a in range(geo.ac))  # fixed order: deterministic
-                    code(f"if (sok) part[sd] = {total};")
+                    code(f"if (sok) part[sd] = d{c}_{k};")
     args = (sto.buf("x"), sto.buf("y"), FLOAT32.buf("part", readonly=False), LocalBuf("cf_smem", geo.smem))
-    comment = (f"depthwise_mma_wgrad: {s.short()} cb={geo.cb} wp={geo.wp} bh={geo.bh} ni={geo.ni} ls={geo.ls} "
-               f"mix={geo.mix} ac={geo.ac}; "
+    comment = (f"depthwise_mma_wgrad: {s.short()} cb={geo.cb} wp={geo.wp} bh={geo.bh} ni={geo.ni} ls={geo.ls}; "
                f"{geo.tq} strips a row, {geo.slices} slices, {geo.smem} shared bytes")
     return Kernel(name, args, code.text(), (geo.threads, 1, 1), frozenset({"mma_tf32"}), comment=comment,
                   min_blocks=geo.min_blocks)
@@ -365,14 +352,9 @@ def _copies(code: Code, geo: Geo, j: int | str, slot: str | None = None) -> None
                 emit_all(code, geo.xcopy_lets())
                 code(f"CP_ASYNC16({base} + 4u * cd, (const float*)(x + csrc));")
         with code.block("if (sy)"):
-            with code.block(f"for (int e = {geo.first(s.w * geo.octets)}; e < {s.q * geo.octets}; e += {geo.threads})"):
+            with code.block(f"for (int e = tid; e < {s.q * geo.octets}; e += {geo.threads})"):
                 emit_all(code, geo.ycopy_lets())
                 code(f"CP_ASYNC16({base} + 4u * cd, (const float*)(syok ? y + csrc : y), syok ? 16u : 0u);")
-
-
-def _set(a: int) -> str:
-    """The name suffix of accumulator set a (set 0: none, the one-set names)."""
-    return f"s{a}" if a else ""
 
 
 def _perm(lo: str, hi: str, i: int) -> str:
@@ -402,7 +384,7 @@ def _transpose(code: Code, geo: Geo, j: str) -> None:
                         lo, hi = geo.pair(a)
                         code(f"xb[xd + {i * geo.xc + a * geo.xo}] = {_perm(f'xp{lo}', f'xp{hi}', i)};")
         with code.block("if (sy)"):
-            with code.block(f"for (int e = {geo.first(geo.x_items)}; e < {geo.y_items}; e += {geo.threads})"):
+            with code.block(f"for (int e = tid; e < {geo.y_items}; e += {geo.threads})"):
                 emit_all(code, geo.y_lets())
                 code(f"const uint4 ya = yok0 ? *(const uint4*)(ls_ + yl) : {zero};",
                      f"const uint4 yb = yok1 ? *(const uint4*)(ls_ + yl + {geo.cb // 2}) : {zero};")
@@ -422,7 +404,7 @@ def _products(code: Code, geo: Geo, dtype: str) -> None:
             code(f"const uint2 {a} = {load if geo.st == 1 else f'aok ? {load} : make_uint2(0u, 0u)'};",
                  f"const unsigned b{c}_{j}0 = xr[ch{c} * {geo.xc} + {8 * j}], "
                  f"b{c}_{j}1 = xr[ch{c} * {geo.xc} + {8 * j + 4}];")
-            d = ", ".join(f"d{c}{_set(j % geo.ac)}_{k}" for k in range(4))
+            d = ", ".join(f"d{c}_{k}" for k in range(4))
             code(f"{_MMA[dtype]}({d}, {a}.x, 0u, {a}.y, 0u, b{c}_{j}0, b{c}_{j}1);")
 
 
@@ -507,10 +489,10 @@ class DepthwiseMmaWgrad(Variant):
         return _params(geo)
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
-        """The default; it with the mixed staging and two accumulator sets (each, both); with 2, 3 and 6
-        landing stages; then every tiling (channels a block, warps, bands) with 1, 2 and 4 images a block."""
+        """The default; it with 2, 3 and 6 landing stages; then every tiling (channels a block, warps, bands)
+        with 1, 2 and 4 images a block."""
         first = self.default(spec, device)
-        out = [first, first.replace(mix=1), first.replace(ac=2), first.replace(mix=1, ac=2)]
+        out = [first]
         out += [first.replace(ls=k) for k in (2, 3, 6)]
         for geo in _candidates(spec):
             for ni in (1, 2, 4):
