@@ -109,14 +109,16 @@ class DepthBlock(Block):
         return (self.sd(y) if self.sd is not None else y) + x
 
 
-def test_off_by_default_and_cpu_calls_take_pytorchs_path():
-    """Without config.mlp_train (the default) or on CPU tensors, training runs PyTorch's operations: the
-    fused blocks' gradients equal the model's bit for bit."""
+@pytest.mark.parametrize("on", [True, False])
+def test_cpu_calls_and_the_switch_off_take_pytorchs_path(monkeypatch, on):
+    """On CPU tensors (config.mlp_train on: the default) or with the switch off, training runs PyTorch's
+    operations: the fused blocks' gradients equal the model's bit for bit."""
     import convforge.torch as ct
-    from convforge.config import config
+    from convforge.config import Config, config
     from convforge.torch import mlp_train
 
-    assert config.mlp_train is False
+    assert Config({}).mlp_train is True
+    monkeypatch.setattr(config, "mlp_train", on)
     torch.manual_seed(1)
     model = nn.Sequential(Block(8)).train()
     fused, _ = ct.fuse(copy.deepcopy(model))
@@ -124,4 +126,4 @@ def test_off_by_default_and_cpu_calls_take_pytorchs_path():
     for a, b in zip(_grads(fused, x), _grads(model, x), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     fc1 = fused.get_submodule("0.fc1")
-    assert mlp_train._dtype(fc1, x.permute(0, 2, 3, 1), None) is None  # CPU: not the nodes' call
+    assert mlp_train.node_of(fc1, x.permute(0, 2, 3, 1), None) is None  # CPU: not the nodes' call

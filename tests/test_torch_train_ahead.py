@@ -2,9 +2,9 @@
 recording pass of a fused model in training mode computes what the model computes, moves no running
 statistic, leaves every batch norm in training mode and the forwards as they were, and records no
 CPU layer; the first-call hook stays quiet on CPU inputs and without gradients; each pass is predicted
-with its own epilogue. On a GPU (tier
-``gpu``): a fused ResNet-18's AMP step compiles ahead the programs its forward and backward then find
-built: its convs' forward, dgrad and wgrad, its batch norms' and the blocks' statistics convs (none
+with its own epilogue. On a GPU (tier ``gpu``): a fused ResNet-18's AMP step (and ConvNeXt-T's with its
+MLP nodes) compiles ahead the programs its forward and backward then find built: its convs' forward,
+dgrad and wgrad, its batch norms' and the blocks' statistics convs, the MLP's GEMMs and layer norms (none
 built in the step, none built twice), a second call finds them listed and records nothing, and the
 step's loss is the one without compiling ahead."""
 
@@ -64,18 +64,28 @@ def test_the_hook_is_quiet_on_cpu_and_without_gradients(monkeypatch: pytest.Monk
 
 
 @pytest.mark.gpu
-def test_step_programs_are_built_ahead(gpu, monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("arch, dtype", [("resnet18", torch.float16), ("convnext_tiny", torch.bfloat16)])
+def test_step_programs_are_built_ahead(gpu, monkeypatch: pytest.MonkeyPatch, tmp_path, arch,  # type: ignore[no-untyped-def]
+                                       dtype) -> None:
+    """ConvNeXt-T with its MLP on convforge's nodes (config.mlp_train): their GEMMs' and layer norms' programs
+    predicted too; its stochastic depth draws the same masks on both sides (the recording draws none)."""
     import torchvision
 
     from convforge.backends import get_backend
+    from convforge.backends.cache import DiskCache
+    from convforge.config import config
 
+    monkeypatch.setattr(config, "mlp_train", True)
     torch.manual_seed(0)
     cl = torch.channels_last
-    model = torchvision.models.resnet18(num_classes=10).cuda().to(memory_format=cl)
+    model = getattr(torchvision.models, arch)(num_classes=10).cuda().to(memory_format=cl)
     ref = copy.deepcopy(model)
     x = torch.randn(4, 3, 64, 64, device="cuda").contiguous(memory_format=cl)
     target = torch.randint(0, 10, (4,), device="cuda")
     be = get_backend("cuda", 0)
+    # a cold cache, on disk and in this process: programs an earlier test or run left would be found, not built
+    monkeypatch.setattr(be, "disk", DiskCache(tmp_path / "programs"))
+    monkeypatch.setattr(be, "_programs", {})
     built: list[str] = []
     real = type(be).build
 
@@ -92,7 +102,7 @@ def test_step_programs_are_built_ahead(gpu, monkeypatch: pytest.MonkeyPatch, tmp
     monkeypatch.setattr(ta, "record_calls", lambda *a: recorded.append(1) or real_record(*a))
     fused = fuse(model)[0].train()
     fused.__dict__["_cf_train_ahead_pending"] = False  # compiled ahead by hand below, not by the hook
-    with torch.autocast("cuda", dtype=torch.float16):
+    with torch.autocast("cuda", dtype=dtype):
         n = compile_training_ahead(fused, x)
         assert manifest.is_file() and recorded == [1]
         assert compile_training_ahead(fused, x) == 0 and recorded == [1]  # listed and cached: nothing recorded
@@ -102,7 +112,8 @@ def test_step_programs_are_built_ahead(gpu, monkeypatch: pytest.MonkeyPatch, tmp
     losses = []
     for m in (fused, fuse(ref)[0].train()):
         m.__dict__["_cf_train_ahead_pending"] = False
-        with torch.autocast("cuda", dtype=torch.float16):
+        torch.manual_seed(1)
+        with torch.autocast("cuda", dtype=dtype):
             loss = F.cross_entropy(m(x), target)
         loss.backward()
         losses.append(float(loss))

@@ -152,9 +152,10 @@ def _env_settings(env: Mapping[str, str]) -> dict[str, tuple[str, Callable[[], A
             "CONVFORGE_NATIVE_CONV_RELU", get("CONVFORGE_NATIVE_CONV_RELU") or "1")),
         # ConvNeXt's MLP in training (fuse()'s FusedLinear chains: LayerNorm -> Linear -> GELU and Linear -> layer
         # scale -> stochastic depth -> + input) as two autograd nodes on convforge's kernels (torch/mlp_train.py),
-        # half compute only; off until measured on a GPU (PyTorch's operations, as before)
+        # half compute only; on by default (ConvNeXt-T's BF16 AMP step 1.38x -> 1.59x PyTorch AMP on the H200,
+        # docs/NOTES-training.md), 0 runs PyTorch's operations (for debugging)
         "mlp_train": ("CONVFORGE_MLP_TRAIN",
-                      lambda: parse_bool("CONVFORGE_MLP_TRAIN", get("CONVFORGE_MLP_TRAIN") or "0")),
+                      lambda: parse_bool("CONVFORGE_MLP_TRAIN", get("CONVFORGE_MLP_TRAIN") or "1")),
         # A fused model's training forward and backward replayed from CUDA graphs once a call's shapes have
         # run eagerly twice (torch/graphs.py: the host's hundreds of launches a step become two); 0: eager
         "train_graphs": ("CONVFORGE_TRAIN_GRAPHS",

@@ -57,8 +57,7 @@ def _run(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, eps: f
     key = (x.shape, x.dtype, out, None if w is None else w.dtype, eps, x.device, stats is not None)
     hit = _PROGRAMS.get(key)
     if hit is None:
-        ln = LayerNormRows(x.numel() // c, c, eps, _NAMES[x.dtype], _NAMES[out],
-                           _NAMES[w.dtype] if w is not None else "float32", w is not None, stats is not None)
+        ln = _rows(x.numel() // c, c, eps, x.dtype, out, None if w is None else w.dtype, stats is not None)
         k, step = launch(ln, get_backend("cuda", x.device.index or 0).device)
         hit = _PROGRAMS[key] = _launcher(x, (k,), (step,), title(ln))
     run, stream_of, dev = hit
@@ -113,11 +112,9 @@ def grad_rows(x: torch.Tensor, gy: torch.Tensor, st: torch.Tensor,
     key = (x.shape, x.dtype, gy.dtype, None if w is None else w.dtype, x.device)
     hit = _GRADS.get(key)
     if hit is None:
-        lg = LayerNormGrad(x.numel() // c, c, _NAMES[x.dtype], _NAMES[gy.dtype],
-                           _NAMES[w.dtype] if w is not None else "float32", w is not None)
+        lg = _grad(x.numel() // c, c, x.dtype, gy.dtype, None if w is None else w.dtype)
         prog = grad_program(lg, get_backend("cuda", x.device.index or 0).device)
-        hit = _GRADS[key] = (*_launcher(x, prog.kernels, prog.launches, f"layer norm backward {lg.tag()}"),
-                             prog.part)
+        hit = _GRADS[key] = (*_launcher(x, prog.kernels, prog.launches, grad_title(lg)), prog.part)
     run, stream_of, dev, part = hit
     gx = torch.empty_like(x)
     ptrs = {"x": x.data_ptr(), "gy": gy.data_ptr(), "st": st.data_ptr(), "gx": gx.data_ptr()}
@@ -128,6 +125,38 @@ def grad_rows(x: torch.Tensor, gy: torch.Tensor, st: torch.Tensor,
         ptrs.update(gamma=w.data_ptr(), part=scratch.data_ptr(), ggamma=gw.data_ptr(), gbeta=gb.data_ptr())
     run("forward", ptrs, stream_of(dev))
     return gx, gw, gb
+
+
+def _rows(rows: int, c: int, eps: float, dtype: torch.dtype, out: torch.dtype, wdtype: torch.dtype | None,
+          stats: bool) -> LayerNormRows:
+    return LayerNormRows(rows, c, eps, _NAMES[dtype], _NAMES[out], _NAMES[wdtype] if wdtype is not None else "float32",
+                         wdtype is not None, stats)
+
+
+def _grad(rows: int, c: int, dtype: torch.dtype, gdtype: torch.dtype, wdtype: torch.dtype | None) -> LayerNormGrad:
+    return LayerNormGrad(rows, c, _NAMES[dtype], _NAMES[gdtype], _NAMES[wdtype] if wdtype is not None else "float32",
+                         wdtype is not None)
+
+
+def grad_title(lg: LayerNormGrad) -> str:
+    return f"layer norm backward {lg.tag()}"
+
+
+def train_works(rows: int, c: int, eps: float, dtype: torch.dtype, out: torch.dtype, wdtype: torch.dtype | None,
+                device: int) -> list[Any]:
+    """The ``Work`` of the two programs a :func:`train_rows` call on ``rows`` rows of ``c`` values of ``dtype``
+    (written in ``out``) and its :func:`grad_rows` build (the same sources): what torch/train_ahead.py compiles
+    ahead for ConvNeXt's MLP node (torch/mlp_train.py)."""
+    from convforge.backends.base import Work
+    from convforge.codegen.render import render
+
+    dev = get_backend("cuda", device).device
+    ln = _rows(rows, c, eps, dtype, out, wdtype, True)
+    k, _ = launch(ln, dev)
+    lg = _grad(rows, c, dtype, out, wdtype)
+    prog = grad_program(lg, dev)
+    return [Work(render([k], "cuda", title(ln)), (k,)),
+            Work(render(list(prog.kernels), "cuda", grad_title(lg)), tuple(prog.kernels))]
 
 
 class RowNorm(torch.nn.Module):

@@ -23,8 +23,8 @@ the relaxed class as TF32), and so does a float32 model inside a float16 / bfloa
 product in the region's dtype (x and the parameters cast to it, as autocast casts a linear layer; the
 folded weights cached per version), the output in the dtype PyTorch's operations give (a float32 layer
 scale makes the block's output float32: the residual is then added after the product, in float32).
-In training the chains run PyTorch's operations, or, with ``config.mlp_train`` (off until measured on a
-GPU), ConvNeXt's two chains as autograd nodes on convforge's kernels in half precision (torch/mlp_train.py).
+In training ConvNeXt's two chains run as autograd nodes on convforge's kernels in half precision
+(torch/mlp_train.py, ``config.mlp_train``, on by default); other chains, and float32 ones, PyTorch's operations.
 Anything else (torch.compile, ``torch.jit`` tracing (an ONNX export), CPU, other devices) runs the original
 operations through PyTorch, as the traced model did.
 """

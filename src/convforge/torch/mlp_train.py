@@ -21,8 +21,9 @@ ones, so the random stream is the one PyTorch's operations draw. Backward: the s
 dgrad and wgrad, the bias sum.
 
 Weights are cast to the half dtype on each call (they change every step) and their gradients returned in the
-parameters' dtype. Inf and NaN of an overflowing scaled loss reach every gradient. Off by default
-(``config.mlp_train``) until measured on a GPU; a call the nodes do not take runs PyTorch's operations.
+parameters' dtype. Inf and NaN of an overflowing scaled loss reach every gradient. On by default
+(``config.mlp_train``; ``CONVFORGE_MLP_TRAIN=0``: PyTorch's operations); a call the nodes do not take runs
+PyTorch's operations. torch/train_ahead.py compiles the nodes' programs ahead of a model's first step.
 """
 
 from __future__ import annotations
@@ -46,21 +47,32 @@ _PASS = ([1, 1], [0, 0, 0, 0], [1, 1], 1, "auto", None, None)  # stride, padding
 
 def run(m: Any, x: torch.Tensor, res: Any) -> torch.Tensor | None:
     """``m(x, res)`` (a FusedLinear in training) through the nodes, or None where they do not take it."""
+    took = node_of(m, x, res)
+    if took is None:
+        return None
+    node, dt = took
+    if node == "A":
+        norm = m._cf_norm
+        return _NormGelu.apply(x, norm.weight, norm.bias, m.weight, m.bias, (dt, float(norm.eps)))  # type: ignore[no-any-return]
+    s = m.scale()
+    noise = _noise(m._cf_drop, x.shape[0], torch.promote_types(s.dtype, dt), x.device)
+    return _ScaleResidual.apply(x, res, m.weight, m.bias, s, noise, dt)  # type: ignore[no-any-return]
+
+
+def node_of(m: Any, x: torch.Tensor, res: Any) -> tuple[str, torch.dtype] | None:
+    """(node "A" or "B", its half dtype) of the call ``m(x, res)`` in training, or None where PyTorch's
+    operations run it (also what torch/train_ahead.py predicts the first step's programs from)."""
     dt = _dtype(m, x, res)
     if dt is None:
         return None
     if m._cf_gelu and m._cf_norm is not None:
-        norm = m._cf_norm
-        if not layernorm.usable(norm, x.shape[-1]):
-            return None
-        return _NormGelu.apply(x, norm.weight, norm.bias, m.weight, m.bias, (dt, float(norm.eps)))  # type: ignore[no-any-return]
+        return ("A", dt) if layernorm.usable(m._cf_norm, x.shape[-1]) else None
     if m._cf_nchw and m._cf_residual and m._cf_scale is not None and res is not None:
         n, h, w_, _ = x.shape
         s = m.scale()
         if tuple(res.shape) != (n, m.out_features, h, w_) or s is None or s.numel() != m.out_features:
             return None
-        noise = _noise(m._cf_drop, n, torch.promote_types(s.dtype, dt), x.device)
-        return _ScaleResidual.apply(x, res, m.weight, m.bias, s, noise, dt)  # type: ignore[no-any-return]
+        return "B", dt
     return None
 
 

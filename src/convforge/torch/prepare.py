@@ -183,12 +183,16 @@ def _training_batch_norm(model: torch.nn.Module) -> str | None:
 
 def _record(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
             wrap: Callable[[Conv2d, Any], Any] | None = None,
-            excite: Callable[[Any, torch.Tensor], None] | None = None) -> list[Callable[[], Any]]:
+            excite: Callable[[Any, torch.Tensor], None] | None = None,
+            linear: Callable[[Any, torch.Tensor, Any], None] | None = None) -> list[Callable[[], Any]]:
     """Run ``model`` with PyTorch's convolutions under no_grad, each convforge layer's call turned into
     a job that builds what its first real call will need; the model's own forwards are restored.
     ``wrap(layer, recorder)``: the forward the layer runs instead of its recorder (train_ahead.py);
-    ``excite(layer, x)``: told of each squeeze-and-excitation call (its kernels' layer) instead of making its job."""
+    ``excite(layer, x)``: told of each squeeze-and-excitation call (its kernels' layer) instead of making its job;
+    ``linear(layer, x, res)``: told of each ``FusedLinear`` call, which then runs PyTorch's operations (a training
+    step's recording: the inference programs it would build otherwise are not the step's)."""
     from convforge.torch.fused import FusedConv2d
+    from convforge.torch.linear import FusedLinear
     from convforge.torch.se import SqueezeExcite
 
     jobs: dict[tuple[Any, ...], Callable[[], Any]] = {}
@@ -202,6 +206,9 @@ def _record(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
             elif isinstance(m, SqueezeExcite):
                 patched.append((m, m.__dict__.get("forward")))
                 m.forward = _se_recorder(m, jobs, excite)  # type: ignore[method-assign]
+            elif isinstance(m, FusedLinear) and linear is not None:
+                patched.append((m, m.__dict__.get("forward")))
+                m.forward = _linear_recorder(m, linear)  # type: ignore[method-assign]
         with torch.no_grad():
             model(*args, **kwargs)
     finally:
@@ -211,6 +218,14 @@ def _record(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
             else:
                 m.forward = own  # type: ignore[method-assign]
     return list(jobs.values())
+
+
+def _linear_recorder(m: Any, linear: Callable[[Any, torch.Tensor, Any], None]) -> Callable[..., torch.Tensor]:
+    def forward(x: torch.Tensor, res: Any = None) -> torch.Tensor:
+        linear(m, x, res)
+        return m.unfused(x, res)  # type: ignore[no-any-return]
+
+    return forward
 
 
 def _stand_in(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -20,7 +20,10 @@ the programs the step will build are predicted and compiled on a pool of threads
 - for a fused block whose input a later block adds as its residual or reads too (a bottleneck's first block),
   under ``config.residual_grad``: its dgrad that adds that residual gradient (``FusedConv2d.res_dgrad_plan``,
   torch/residual_grad.py);
-- every squeeze-and-excitation node's program (torch/se.py; its recording runs the original modules).
+- every squeeze-and-excitation node's program (torch/se.py; its recording runs the original modules);
+- under ``config.mlp_train``, ConvNeXt's MLP nodes' programs (torch/mlp_train.py: each ``FusedLinear`` chain's
+  GEMM forward with its bias, dgrad and wgrad, and node A's layer norm forward and backward; the recording runs
+  PyTorch's operations for these layers, never their inference programs).
 
 A layer PyTorch runs (a half layer handed back) is skipped. A prediction that misses costs one compile
 on the pool, never a wrong result: the step compiles what it needs by the same source, from the cache when
@@ -100,7 +103,8 @@ def compile_training_ahead(model: torch.nn.Module, *example: Any, **example_kwar
     seen: set[Any] = set()
     blocks: dict[int, LayerCall] = {}  # fused blocks by their input's identity
     excitations: list[tuple[Any, int]] = []
-    for call in record_calls(model, example, example_kwargs, excitations):
+    linears: list[tuple[Any, ...]] = []
+    for call in record_calls(model, example, example_kwargs, excitations, linears):
         first = blocks.get(call.res_id) if call.res_id else None  # C: its residual is an earlier block's input
         if first is None and call.block is not None:
             first = blocks.get(call.x_id)  # D: its input is an earlier block's too (residual_grad.note_block)
@@ -111,6 +115,9 @@ def compile_training_ahead(model: torch.nn.Module, *example: Any, **example_kwar
     for layer, dev in excitations:  # squeeze-and-excitation nodes' programs (torch/se.py)
         w = se_program_work(layer, dev)
         work_by_device.setdefault(dev, {})[w.source] = w
+    for noted in linears:  # ConvNeXt's MLP nodes (torch/mlp_train.py)
+        for w in _linear_work(noted, seen):
+            work_by_device.setdefault(noted[-1], {})[w.source] = w
     name = type(model).__name__
     compiled = 0
     for dev, work in work_by_device.items():
@@ -160,17 +167,26 @@ def _pair_work(first: LayerCall | None, seen: set[Any]) -> list[Any]:
 
 
 def record_calls(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 excitations: list[tuple[Any, int]] | None = None) -> list[LayerCall]:
+                 excitations: list[tuple[Any, int]] | None = None,
+                 linears: list[tuple[Any, ...]] | None = None) -> list[LayerCall]:
     """The convforge layers' inputs when ``model`` runs on ``args`` / ``kwargs`` with PyTorch's
     convolutions (cudnn.benchmark off), no gradients and every training batch norm in eval mode (all
     restored after), the random number generators forked (a dropout or stochastic depth in the recording
     draws nothing the step would have drawn); ``excitations`` gets each squeeze-and-excitation node's
-    (layer, device) once."""
+    (layer, device) once; ``linears`` each MLP node's call (:func:`_linear_call`) under ``config.mlp_train``."""
+    from convforge.config import config
+
     noted: list[tuple[Any, int]] = [] if excitations is None else excitations
+    chains: list[tuple[Any, ...]] = [] if linears is None else linears
 
     def excite(layer: Any, x: torch.Tensor) -> None:
         if (layer, x.device.index or 0) not in noted:
             noted.append((layer, x.device.index or 0))
+
+    def linear(layer: Any, x: torch.Tensor, res: Any) -> None:
+        call = _linear_call(layer, x, res) if config.mlp_train else None
+        if call is not None and call not in chains:
+            chains.append(call)
 
     from convforge.torch.prepare import _record
 
@@ -189,7 +205,7 @@ def record_calls(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str
         ids = {id(bn) for bn in held}
         with torch.random.fork_rng(devices=devices):
             _record(model, args, kwargs, lambda m, rec: _visiting(m, rec, calls, inputs, ids, alive),  # jobs: never run
-                    excite)
+                    excite, linear)
     finally:
         for bn in held:
             bn.training = True
@@ -230,6 +246,43 @@ def _layer_call(m: Conv2d, x: torch.Tensor, needs_dgrad: bool, res: Any = None,
     return LayerCall(tuple(x.shape), tuple(w.shape), tuple(m.stride), padding_quad(m), tuple(m.dilation), m.groups,
                      dt, channels_last(x), x.device.index or 0, needs_dgrad, m.algo, m.precision, m.max_error,
                      m.bias is not None, block, node, id(x), id(res) if isinstance(res, torch.Tensor) else 0)
+
+
+def _linear_call(m: Any, x: torch.Tensor, res: Any) -> tuple[Any, ...] | None:
+    """A ``FusedLinear`` call an MLP node takes in training (torch/mlp_train.py ``node_of``), as (node, x's
+    shape and dtype, the half dtype, in and out features, the layer norm's eps and parameter dtype, device);
+    None where PyTorch's operations run it. Autocast's state is the step's: the recording runs under it."""
+    from convforge.torch import mlp_train
+
+    took = mlp_train.node_of(m, x, res)
+    if took is None:
+        return None
+    node, dt = took
+    norm = m._cf_norm if node == "A" else None
+    eps = None if norm is None else float(norm.eps)
+    wdt = None if norm is None or norm.weight is None else norm.weight.dtype
+    return node, tuple(x.shape), x.dtype, dt, m.in_features, m.out_features, eps, wdt, x.device.index or 0
+
+
+def _linear_work(noted: tuple[Any, ...], seen: set[Any]) -> list[Any]:
+    """The programs one MLP node call builds (:func:`_linear_call`): its GEMM's forward with the bias, dgrad and
+    wgrad as the 1x1 conv on the channels-last view (mlp_train ``_gemm``, ``_linear_grads``) and node A's layer
+    norm forward with statistics and backward; what ``seen`` holds already left out."""
+    from convforge.torch import layernorm
+
+    node, shape, xdt, dt, cin, cout, eps, wdt, dev = noted
+    n, h, w, _ = shape
+    gemm = LayerCall((n, cin, h, w), (cout, cin, 1, 1), (1, 1), (0, 0, 0, 0), (1, 1), 1, dt, True, dev, True, "auto",
+                     None, None, has_bias=True)
+    out = _call_work(gemm, seen)
+    key = ("layernorm", n * h * w, cin, eps, xdt, dt, wdt, dev)
+    if node == "A" and key not in seen:
+        seen.add(key)
+        try:
+            out += layernorm.train_works(n * h * w, cin, eps, xdt, dt, wdt, dev)
+        except (ValueError, RuntimeError) as err:
+            log.debug("convforge: no layer-norm programs to compile ahead for %s (%s)", shape, err)
+    return out
 
 
 def _block_work(call: LayerCall, seen: set[Any]) -> list[Any]:
@@ -295,7 +348,8 @@ def _manifest(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     autocast = _autocast()
     layers = [(name, type(m).__name__, *_settings(m)) for name, m in model.named_modules() if _settings(m)]
     what = repr((__version__, tensors, autocast, layers, sorted(kwargs), config.precision, config.max_error,
-                 config.bn_stats, config.native_block, config.train_bn, config.deterministic, db_state))
+                 config.bn_stats, config.native_block, config.train_bn, config.deterministic, config.mlp_train,
+                 db_state))
     return config.cache_dir / "train_ahead" / f"{hashlib.sha256(what.encode()).hexdigest()}.json"
 
 
