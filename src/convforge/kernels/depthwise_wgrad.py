@@ -376,11 +376,16 @@ def _row_loads(t: WTile, device: DeviceInfo) -> WTile:
     wide: ~300), measured fastest all the same (72@56/2: 0.040 ms against 0.052 at 128 registers and no
     spill; 3x3 stride 2: 1.2-1.6x, where 170 registers ran 2x slower). Elsewhere the sweep found the
     branch a row as fast or faster (3x3 stride 1: pr alone 2x slower; NCHW: 1.0-1.06x for 7x7 with
-    spills, slower for 5x5)."""
+    spills, slower for 5x5). 3x3 lanes at stride 1 on planes of <= 14 rows keep the branch a row under a bound
+    of 96 registers (101 unbounded: 4 blocks of 128 threads an SM, 5 bounded; H200, thirty-first session:
+    384@14 0.0195 -> 0.0177 ms, 576@14 0.0201 -> 0.0169, 960@7 and 192@28 unchanged, 32@112 and 144@56 3-4 %
+    slower; 80 registers spill and ran 1.3-1.5x slower)."""
     s = t.spec
     rs = s.r * s.s
     if not device.is_gpu or s.dtype == "float32" or s.layout != "nhwc":
         return t
+    if t.cv > 1 and rs == 9 and max(s.stride) == 1 and s.h <= 14:
+        return dataclasses.replace(t, mb=max(1, min(8, _SM_REGISTERS // (96 * t.threads))))
     if t.cv > 1:
         target = 128 if max(s.stride) > 1 else 0
     else:
