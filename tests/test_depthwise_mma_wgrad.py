@@ -263,3 +263,21 @@ def test_defaults_compile_without_spills():
                 plan = v.plan(spec, p, NOMINAL_CUDA)
                 sources.append((f"{spec.short()} {p.short()}", render(list(plan.kernels), "cuda")))
     assert_sources_compile_clean(sources)
+
+
+@pytest.mark.parametrize("count, threads", [(112, 128), (128, 128), (200, 128), (72, 64), (5, 32)])
+def test_a_steps_items_loop_takes_each_item_once(count, threads):
+    """The unrolled item loop (``_items``) as written, run for every thread: the items it visits partition
+    0..count-1 (the block model above takes the same partition by construction)."""
+    code = dw.Code()
+    with dw._items(code, count, threads):
+        code("SEEN(e);")
+    text = code.text()
+    looped = "for (int u = 0; u < " in text
+    trips = int(text.split("u < ")[1].split(";")[0]) if looped else 1
+    guarded = f"if (e < {count})" in text
+    assert guarded == (count % threads != 0)
+    assert f"const int e = tid + u * {threads};" in text if looped else "const int e = tid;" in text
+    seen = [tid + u * threads for tid in range(threads) for u in range(trips)
+            if not guarded or tid + u * threads < count]
+    assert sorted(seen) == list(range(count))

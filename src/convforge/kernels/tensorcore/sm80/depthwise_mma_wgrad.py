@@ -32,6 +32,8 @@ CUDA only, compute capability 8.0 and above (mma.sync .f16 / .bf16, cp.async).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from convforge.codegen.dialect import FLOAT32, Kernel, LocalBuf, Storage
@@ -348,13 +350,30 @@ def _copies(code: Code, geo: Geo, j: int | str, slot: str | None = None) -> None
             code(f"const int j = {j};")
         emit_all(code, geo.step_lets())
         with code.block("if (sx)"):
-            with code.block(f"for (int e = tid; e < {s.w * geo.octets}; e += {geo.threads})"):
+            with _items(code, s.w * geo.octets, geo.threads):
                 emit_all(code, geo.xcopy_lets())
                 code(f"CP_ASYNC16({base} + 4u * cd, (const float*)(x + csrc));")
         with code.block("if (sy)"):
-            with code.block(f"for (int e = tid; e < {s.q * geo.octets}; e += {geo.threads})"):
+            with _items(code, s.q * geo.octets, geo.threads):
                 emit_all(code, geo.ycopy_lets())
                 code(f"CP_ASYNC16({base} + 4u * cd, (const float*)(syok ? y + csrc : y), syok ? 16u : 0u);")
+
+
+@contextmanager
+def _items(code: Code, count: int, threads: int) -> Iterator[Code]:
+    """A thread's items ``e`` = tid + u * threads of a step's ``count`` (u < ceil(count / threads)), as a loop of
+    known trip count that unrolls (a run-time loop over one or two items cost its bookkeeping every step),
+    ``e < count`` checked where the threads do not divide the items."""
+    trips = cdiv(count, threads)
+    if trips > 1:
+        code("#pragma unroll")
+    with code.block(f"for (int u = 0; u < {trips}; ++u)" if trips > 1 else ""):
+        code(f"const int e = tid + u * {threads};" if trips > 1 else "const int e = tid;")
+        if count % threads:
+            with code.block(f"if (e < {count})"):
+                yield code
+        else:
+            yield code
 
 
 def _perm(lo: str, hi: str, i: int) -> str:
@@ -374,7 +393,7 @@ def _transpose(code: Code, geo: Geo, j: str) -> None:
         code(f"const unsigned* const ls_ = land + (j % {geo.ls}) * {geo.stage};",
              f"unsigned* const xb = xsm + (j & 1) * {geo.xbuf};")
         with code.block("if (sx)"):
-            with code.block(f"for (int e = tid; e < {geo.x_items}; e += {geo.threads})"):
+            with _items(code, geo.x_items, geo.threads):
                 emit_all(code, geo.x_lets())
                 half = geo.cb // 2
                 for v in range(3 * geo.st):
@@ -384,7 +403,7 @@ def _transpose(code: Code, geo: Geo, j: str) -> None:
                         lo, hi = geo.pair(a)
                         code(f"xb[xd + {i * geo.xc + a * geo.xo}] = {_perm(f'xp{lo}', f'xp{hi}', i)};")
         with code.block("if (sy)"):
-            with code.block(f"for (int e = tid; e < {geo.y_items}; e += {geo.threads})"):
+            with _items(code, geo.y_items, geo.threads):
                 emit_all(code, geo.y_lets())
                 code(f"const uint4 ya = yok0 ? *(const uint4*)(ls_ + yl) : {zero};",
                      f"const uint4 yb = yok1 ? *(const uint4*)(ls_ + yl + {geo.cb // 2}) : {zero};")
