@@ -496,10 +496,12 @@ class DepthwiseMmaWgrad(Variant):
         return None
 
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
-        """Above ``depthwise_wgrad`` on 7x7 filters at stride 1 on planes of 14 rows and more (ConvNeXt's
-        96@56, 192@28, 384@14: 1.1-1.9x faster on the H200, 2026-12-02); below it elsewhere, where a step's
-        fixed cost (a barrier, the staging of a row) outweighs its products (5x5, 3x3, 7x7 planes)."""
-        return self.specialised if spec.r * spec.s >= 49 and spec.stride == (1, 1) and spec.p >= 14 else 0
+        """Above ``depthwise_wgrad`` on 5x5 to 7x7 filters at stride 1 on planes of 14 rows and more
+        (H200, FP16 NHWC, 2026-12-02, unrolled staging: ConvNeXt's 7x7 96@56, 192@28, 384@14 1.2-2.3x faster,
+        EfficientNet's 5x5 480@14 1.35x, 240@28 and MobileNet-v3's 120@28 within 2 %); below it elsewhere,
+        where a step's fixed cost (a barrier, the staging of a row) outweighs its products (3x3, stride 2,
+        7-row planes)."""
+        return self.specialised if spec.r * spec.s >= 25 and spec.stride == (1, 1) and spec.p >= 14 else 0
 
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
         geo = default_geo(spec, device)
