@@ -44,8 +44,8 @@ def on_cpu(monkeypatch):
 
     monkeypatch.setattr(config, "mlp_train", True)
     monkeypatch.setattr(mlp_train, "_dtype", lambda m, x, res: torch.float64)
-    monkeypatch.setattr(mlp_train, "_gemm", lambda a, w, b: F.conv2d(a.permute(0, 3, 1, 2),
-                                                                     w.reshape(*w.shape, 1, 1), b))
+    monkeypatch.setattr(mlp_train, "_gemm", lambda a, w, b: (F.conv2d(a.permute(0, 3, 1, 2),
+                                                                      w.reshape(*w.shape, 1, 1), b), None))
     monkeypatch.setattr(layernorm, "train_rows", _train_rows)
     monkeypatch.setattr(layernorm, "grad_rows", _grad_rows)
     monkeypatch.setattr(layernorm, "usable", lambda norm, c: True)

@@ -328,6 +328,66 @@ def test_mlp_training_nodes_pass_an_overflow_to_the_scaler(hopper, monkeypatch):
     assert scaler.get_scale() < 2.0**16
 
 
+class _Withheld(dict):
+    """mlp_train's handle table with nothing filed and nothing kept: every call runs the Python nodes."""
+
+    def get(self, key, default=None):
+        return None
+
+    def __contains__(self, key):
+        return True
+
+
+def _cn_block(c):
+    tv = pytest.importorskip("torchvision", reason="torchvision's ConvNeXt block")
+    return tv.models.convnext.CNBlock(c, 0.5, 0.4)  # layer scale 0.5, stochastic depth p = 0.4
+
+
+@pytest.mark.parametrize("case", ["fp16-autocast", "bf16-autocast-stochastic-depth", "fp16-model"])
+def test_native_mlp_nodes_equal_the_python_nodes(hopper, monkeypatch, case):
+    """native_mlp.inc's C++ nodes against the Python nodes that file them (torch/mlp_train.py), two fused ConvNeXt
+    blocks in training, channels-last: a shape's first call runs Python and files it, the next ones run C++ (the
+    module's counter moves by the four nodes a step); y, gx and every gradient equal, bit for bit, those of the
+    same step with the native path withheld (the same random draws of stochastic depth)."""
+    from convforge.config import config
+    from convforge.torch import mlp_train, native
+
+    module = native.load()
+    if module is None:
+        pytest.skip("the native module did not build on this machine (its log says why)")
+    monkeypatch.setattr(config, "mlp_train", True)
+    torch.manual_seed(12)
+    blocks = [_cn_block(48), _cn_block(48)] if "stochastic" in case else [Block(48), Block(48)]
+    model = nn.Sequential(*blocks).cuda().train()
+    dt = torch.bfloat16 if case.startswith("bf16") else torch.float16
+    auto = "autocast" in case
+    if not auto:
+        model = model.to(dt)
+    fused, _ = __import__("convforge.torch", fromlist=["fuse"]).fuse(model)
+    x = torch.randn(3, 48, 13, 11, device="cuda").contiguous(memory_format=torch.channels_last)
+    gy = torch.randn(3, 48, 13, 11, device="cuda").contiguous(memory_format=torch.channels_last)
+    if not auto:
+        x, gy = x.to(dt), gy.to(dt)
+
+    def step():
+        torch.manual_seed(5)  # stochastic depth's draws
+        return _train_grads(fused, x, gy, dt if auto else None)
+
+    step()  # files the four call shapes
+    before = module.stats()["mlp_runs"]
+    ours = step()
+    assert module.stats()["mlp_runs"] - before == 4, "the C++ nodes did not take the warm calls"
+    monkeypatch.setattr(mlp_train, "_HANDLES", _Withheld())
+    theirs = step()
+    assert module.stats()["mlp_runs"] - before == 4, "the withheld step reached the C++ nodes"
+    names = ["y", "gx", *(n for n, _ in model.named_parameters())]
+    for name, a, b in zip(names, ours, theirs, strict=True):
+        assert a is not None and b is not None, name
+        assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride(), name
+        assert torch.isfinite(a).all(), name
+        assert torch.equal(a, b), (name, float((a.double() - b.double()).abs().max()))
+
+
 def test_swin_mlp_norms_fold_and_stay_within_pytorchs_error(hopper):
     """Swin-T's MLPs (LayerNorm -> Linear -> GELU over (N, H, W, C) windows) fold as ConvNeXt's do: under FP16
     autocast the fused model stays within 1.2x PyTorch autocast's error against float64, with its dtype."""

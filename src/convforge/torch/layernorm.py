@@ -54,13 +54,7 @@ def _run(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, eps: f
     c = x.shape[-1] if x.dim() else 0
     if not _takes(x, w, b, c, MAX_C) or out not in _NAMES:
         return None
-    key = (x.shape, x.dtype, out, None if w is None else w.dtype, eps, x.device, stats is not None)
-    hit = _PROGRAMS.get(key)
-    if hit is None:
-        ln = _rows(x.numel() // c, c, eps, x.dtype, out, None if w is None else w.dtype, stats is not None)
-        k, step = launch(ln, get_backend("cuda", x.device.index or 0).device)
-        hit = _PROGRAMS[key] = _launcher(x, (k,), (step,), title(ln))
-    run, stream_of, dev = hit
+    run, stream_of, dev = _forward_hit(x, out, None if w is None else w.dtype, eps, stats is not None)
     y = torch.empty(x.shape, dtype=out, device=x.device)
     ptrs = {"x": x.data_ptr(), "y": y.data_ptr()}
     if w is not None and b is not None:
@@ -69,6 +63,41 @@ def _run(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, eps: f
         ptrs["st"] = stats.data_ptr()
     run("forward", ptrs, stream_of(dev))
     return y
+
+
+def _forward_hit(x: torch.Tensor, out: torch.dtype, wdtype: torch.dtype | None, eps: float,
+                 stats: bool) -> tuple[Any, Any, int]:
+    """The forward's (launcher, stream query, device) for x's shape and dtypes, built once."""
+    key = (x.shape, x.dtype, out, wdtype, eps, x.device, stats)
+    hit = _PROGRAMS.get(key)
+    if hit is None:
+        c = x.shape[-1]
+        ln = _rows(x.numel() // c, c, eps, x.dtype, out, wdtype, stats)
+        k, step = launch(ln, get_backend("cuda", x.device.index or 0).device)
+        hit = _PROGRAMS[key] = _launcher(x, (k,), (step,), title(ln))
+    return hit
+
+
+def _grad_hit(x: torch.Tensor, gdtype: torch.dtype, wdtype: torch.dtype | None) -> tuple[Any, Any, int, int]:
+    """The backward's (launcher, stream query, device, scratch floats) for x's shape and dtypes, built once."""
+    key = (x.shape, x.dtype, gdtype, wdtype, x.device)
+    hit = _GRADS.get(key)
+    if hit is None:
+        c = x.shape[-1]
+        lg = _grad(x.numel() // c, c, x.dtype, gdtype, wdtype)
+        prog = grad_program(lg, get_backend("cuda", x.device.index or 0).device)
+        hit = _GRADS[key] = (*_launcher(x, prog.kernels, prog.launches, grad_title(lg)), prog.part)
+    return hit
+
+
+def train_launchers(x: torch.Tensor, w: torch.Tensor | None, eps: float, out: torch.dtype) -> tuple[Any, Any, int]:
+    """(forward launcher, backward launcher, the backward's scratch floats) of :func:`train_rows` and
+    :func:`grad_rows` on x's shape with a gradient in ``out``: what native.cpp's MLP node files
+    (torch/mlp_train.py)."""
+    wdtype = None if w is None else w.dtype
+    fwd = _forward_hit(x, out, wdtype, eps, True)[0]
+    bwd, _, _, part = _grad_hit(x, out, wdtype)
+    return fwd, bwd, part
 
 
 def _takes(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, c: int, most: int) -> bool:
@@ -109,13 +138,7 @@ def grad_rows(x: torch.Tensor, gy: torch.Tensor, st: torch.Tensor,
     if not (_takes(x, w, w, c, MAX_C_GRAD) and gy.dtype in _NAMES and gy.is_contiguous() and gy.shape == x.shape
             and gy.data_ptr() % 16 == 0 and gy.device == x.device):
         return None
-    key = (x.shape, x.dtype, gy.dtype, None if w is None else w.dtype, x.device)
-    hit = _GRADS.get(key)
-    if hit is None:
-        lg = _grad(x.numel() // c, c, x.dtype, gy.dtype, None if w is None else w.dtype)
-        prog = grad_program(lg, get_backend("cuda", x.device.index or 0).device)
-        hit = _GRADS[key] = (*_launcher(x, prog.kernels, prog.launches, grad_title(lg)), prog.part)
-    run, stream_of, dev, part = hit
+    run, stream_of, dev, part = _grad_hit(x, gy.dtype, None if w is None else w.dtype)
     gx = torch.empty_like(x)
     ptrs = {"x": x.data_ptr(), "gy": gy.data_ptr(), "st": st.data_ptr(), "gx": gx.data_ptr()}
     gw = gb = None

@@ -21,7 +21,12 @@ ones, so the random stream is the one PyTorch's operations draw. Backward: the s
 dgrad and wgrad, the bias sum.
 
 Weights are cast to the half dtype on each call (they change every step) and their gradients returned in the
-parameters' dtype. Inf and NaN of an overflowing scaled loss reach every gradient. On by default
+parameters' dtype. Inf and NaN of an overflowing scaled loss reach every gradient.
+
+The Python nodes run a call shape's first call and file it with native.cpp (``register_mlp``: the GEMM's filed
+key, the layer norm's launches); later calls of that shape run native_mlp.inc's C++ nodes, the same ops in the
+same order without Python in their forward or backward (the Python nodes where the native module is not
+loaded or the GEMM is no longer filed: a configuration change, whose next Python call files it again). On by default
 (``config.mlp_train``; ``CONVFORGE_MLP_TRAIN=0``: PyTorch's operations); a call the nodes do not take runs
 PyTorch's operations. torch/train_ahead.py compiles the nodes' programs ahead of a model's first step.
 """
@@ -45,18 +50,58 @@ _CL = torch.channels_last
 _PASS = ([1, 1], [0, 0, 0, 0], [1, 1], 1, "auto", None, None)  # stride, padding, dilation, groups, algo, ...
 
 
+# the layer norm's buffers as native_mlp.inc's pointer slots (its MlpSlot)
+NORM_SLOTS = {"x": 0, "y": 1, "gamma": 2, "beta": 3, "st": 4, "gy": 5, "gx": 6, "part": 7, "ggamma": 8, "gbeta": 9}
+_HANDLES: dict[tuple[Any, ...], int] = {}  # a call shape's register_mlp handle (native.cpp keeps its programs)
+
+
 def run(m: Any, x: torch.Tensor, res: Any) -> torch.Tensor | None:
-    """``m(x, res)`` (a FusedLinear in training) through the nodes, or None where they do not take it."""
+    """``m(x, res)`` (a FusedLinear in training) through the nodes, or None where they do not take it: the
+    C++ node where the call's shape is filed, else the Python node (which files it)."""
     took = node_of(m, x, res)
     if took is None:
         return None
     node, dt = took
+    native = fast_path.TORCH
+    key: tuple[Any, ...] = (node, tuple(x.shape), x.dtype, dt, x.device, m.weight.dtype)
     if node == "A":
         norm = m._cf_norm
-        return _NormGelu.apply(x, norm.weight, norm.bias, m.weight, m.bias, (dt, float(norm.eps)))  # type: ignore[no-any-return]
+        key += (None if norm.weight is None else norm.weight.dtype, float(norm.eps))
+        handle = _HANDLES.get(key) if native is not None else None
+        if handle is not None:
+            y = native.mlp_a(x, norm.weight, norm.bias, m.weight, m.bias, handle)
+            if y is not None:
+                return y  # type: ignore[no-any-return]
+        return _NormGelu.apply(x, norm.weight, norm.bias, m.weight, m.bias, (dt, float(norm.eps), key))  # type: ignore[no-any-return]
     s = m.scale()
     noise = _noise(m._cf_drop, x.shape[0], torch.promote_types(s.dtype, dt), x.device)
-    return _ScaleResidual.apply(x, res, m.weight, m.bias, s, noise, dt)  # type: ignore[no-any-return]
+    handle = _HANDLES.get(key) if native is not None else None
+    if handle is not None:
+        y = native.mlp_b(x, res, m.weight, m.bias, s, noise, handle)
+        if y is not None:
+            return y  # type: ignore[no-any-return]
+    return _ScaleResidual.apply(x, res, m.weight, m.bias, s, noise, (dt, key))  # type: ignore[no-any-return]
+
+
+def _file(key: tuple[Any, ...] | None, call: tuple[Any, ...], norm: tuple[Any, ...] | None) -> None:
+    """File a Python node's call shape with native.cpp (``register_mlp``) once its GEMM ``call`` has run:
+    node A with ``norm`` (its contiguous input, the norm's weight, eps, the half dtype), node B without.
+    Nothing while a CUDA graph is captured (the norm's backward may still have to compile)."""
+    module = fast_path.TORCH
+    if key is None or key in _HANDLES or module is None or torch.cuda.is_current_stream_capturing():
+        return
+    prog: tuple[Any, ...] | None = None
+    part = 0
+    if norm is not None:
+        xr, lw, eps, dt = norm
+        fwd, bwd, part = layernorm.train_launchers(xr, lw, eps, dt)
+        f = fwd.native_program(NORM_SLOTS, "forward", "forward")
+        b = bwd.native_program(NORM_SLOTS, "forward", "forward")
+        prog = (f[0], b[0], [], (), (), (), 0, f[7], f"{f[8]}; {b[8]}", (fwd, bwd))
+    handle = module.register_mlp(0 if norm is not None else 1, *call, prog, part,
+                                 norm is not None and norm[1] is not None)
+    if handle is not None:
+        _HANDLES[key] = int(handle)
 
 
 def node_of(m: Any, x: torch.Tensor, res: Any) -> tuple[str, torch.dtype] | None:
@@ -104,15 +149,15 @@ def _noise(drop: Any, n: int, dtype: torch.dtype, device: torch.device) -> torch
     return drop(torch.ones((n, 1, 1, 1), dtype=dtype, device=device))  # type: ignore[no-any-return]
 
 
-def _gemm(a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """``a`` (N, H, W, Cin) contiguous times ``w`` (K, Cin) plus ``b``: the 1x1 conv on the channels-last view,
-    (N, K, H, W) in channels_last memory."""
+def _gemm(a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, tuple[Any, ...]]:
+    """(``a`` (N, H, W, Cin) contiguous times ``w`` (K, Cin) plus ``b``: the 1x1 conv on the channels-last view,
+    (N, K, H, W) in channels_last memory; the conv2d call that ran it, for :func:`_file`)."""
     k, c = w.shape
     call = (a.permute(0, 3, 1, 2), w.view(k, c, 1, 1), b, (1, 1), (0, 0, 0, 0), (1, 1), "auto", None, None, False,
             None, None, None, 1)
     native = fast_path.RUN
     y = None if native is None else native(*call)
-    return api.python_conv2d(*call) if y is None else y
+    return (api.python_conv2d(*call) if y is None else y), call
 
 
 def _half(t: torch.Tensor | None, dt: torch.dtype) -> torch.Tensor | None:
@@ -144,8 +189,8 @@ class _NormGelu(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, lw: torch.Tensor | None, lb: torch.Tensor | None,  # type: ignore[override]
-                w: torch.Tensor, b: torch.Tensor, meta: tuple[torch.dtype, float]) -> torch.Tensor:
-        dt, eps = meta
+                w: torch.Tensor, b: torch.Tensor, meta: tuple[Any, ...]) -> torch.Tensor:
+        dt, eps, key = meta
         with torch.autocast("cuda", enabled=False):
             xr = x.contiguous()
             normed = layernorm.train_rows(xr, lw, lb, eps, dt)
@@ -153,8 +198,9 @@ class _NormGelu(torch.autograd.Function):
                 raise ValueError("layer norm: the kernel does not take this call")
             z, st = normed
             wh = _half(w, dt)
-            h = _gemm(z, wh, _half(b, dt))  # type: ignore[arg-type]
+            h, call = _gemm(z, wh, _half(b, dt))  # type: ignore[arg-type]
             g = F.gelu(h)
+        _file(key, call, (xr, lw, eps, dt))
         ctx.save_for_backward(xr, st, z, h, wh, lw, b)
         ctx.w_dtype = w.dtype
         return g.permute(0, 2, 3, 1)
@@ -177,14 +223,16 @@ class _ScaleResidual(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, g: torch.Tensor, res: torch.Tensor, w: torch.Tensor, b: torch.Tensor,  # type: ignore[override]
-                s: torch.Tensor, noise: torch.Tensor | None, dt: torch.dtype) -> torch.Tensor:
+                s: torch.Tensor, noise: torch.Tensor | None, meta: tuple[Any, ...]) -> torch.Tensor:
+        dt, key = meta
         with torch.autocast("cuda", enabled=False):
             gr = g.contiguous()
             wh = _half(w, dt)
-            u = _gemm(gr, wh, _half(b, dt))  # type: ignore[arg-type]
+            u, call = _gemm(gr, wh, _half(b, dt))  # type: ignore[arg-type]
             f = s.detach().reshape(1, -1, 1, 1)
             f = f if noise is None else f * noise
             out = torch.addcmul(res.detach(), u, f)
+        _file(key, call, None)
         ctx.save_for_backward(gr, u, wh, f, noise, b, s)
         ctx.res_dtype, ctx.w_dtype = res.dtype, w.dtype
         return out

@@ -21,7 +21,11 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/cuda/EmptyTensor.h>
+#include <ATen/ops/addcmul.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/gelu_backward.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/intrusive_ptr.h>
@@ -33,6 +37,7 @@
 
 #include "native_core.h"  // after torch's headers: its driver types shadow cuda.h's here
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -169,10 +174,11 @@ void launch_checked(const Program& p, const std::vector<LaunchRec>& runs, const 
 // Counted off the hot path, for tests and the host-cost script: filter transforms run, op calls
 // that went to Python (misses, layers convforge leaves to PyTorch).
 std::atomic<uint64_t> transforms{0}, op_fallbacks{0}, pass_runs{0}, block_runs{0}, relu_runs{0}, pair_runs{0},
-    cast_runs{0};
+    cast_runs{0}, mlp_runs{0};
 // pass_runs: backward calls run here, block_runs: conv -> batch norm blocks run by BlockNode, relu_runs: conv ->
 // ReLU layers run by ConvReluNode, pair_runs: block dgrads run with a later block's residual gradient added,
-// cast_runs: blocks' master filters cast by their attached casts (attach_wcast)
+// cast_runs: blocks' master filters cast by their attached casts (attach_wcast), mlp_runs: calls run by the MLP
+// nodes (native_mlp.inc)
 
 // The packed filter-derived buffer for w (transformed now if missing or stale), or undefined:
 // inference tensors (no version counter) run the whole plan, as in Python.
@@ -341,19 +347,21 @@ PyObject* py_clear(PyObject*, PyObject*) {
 }
 
 PyObject* py_stats(PyObject*, PyObject*) {
-  return Py_BuildValue("{s:n,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "entries", static_cast<Py_ssize_t>(table.size()),
+  return Py_BuildValue("{s:n,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "entries", static_cast<Py_ssize_t>(table.size()),
                        "transforms", static_cast<unsigned long long>(transforms.load()), "op_fallbacks",
                        static_cast<unsigned long long>(op_fallbacks.load()), "pass_runs",
                        static_cast<unsigned long long>(pass_runs.load()), "block_runs",
                        static_cast<unsigned long long>(block_runs.load()), "relu_runs",
                        static_cast<unsigned long long>(relu_runs.load()), "pair_runs",
                        static_cast<unsigned long long>(pair_runs.load()), "cast_runs",
-                       static_cast<unsigned long long>(cast_runs.load()));
+                       static_cast<unsigned long long>(cast_runs.load()), "mlp_runs",
+                       static_cast<unsigned long long>(mlp_runs.load()));
 }
 
 
 #include "native_ops.inc"    // the ops' CUDA and Autograd kernels
 #include "native_nodes.inc"  // the C++ autograd nodes
+#include "native_mlp.inc"    // ConvNeXt's MLP nodes in training
 
 bool take_two(PyObject* const* a, Py_ssize_t n, std::unique_ptr<torch::Library>& lib, const char* who,
               PyObject*& first, PyObject*& second) {
@@ -440,6 +448,13 @@ PyMethodDef methods[] = {
     {"register_bn", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_register_bn)), METH_FASTCALL,
      "register_bn(program, n, c, hw, relu, residual, affine, track, st, part, dtype, pdtype, nhwc[, stats_conv]) -> "
      "a batch-norm program's handle"},
+    {"register_mlp", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_register_mlp)), METH_FASTCALL,
+     "register_mlp(node, the GEMM's conv2d arguments (14), norm program or None, part, affine) -> an MLP node's "
+     "handle, or None"},
+    {"mlp_a", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_mlp_a)), METH_FASTCALL,
+     "mlp_a(x, norm weight, norm bias, w, b, handle) -> layer norm -> linear -> GELU through one C++ node, or None"},
+    {"mlp_b", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_mlp_b)), METH_FASTCALL,
+     "mlp_b(g, res, w, b, scale, noise, handle) -> res + linear(g) x scale x noise through one C++ node, or None"},
     {"clear", py_clear, METH_NOARGS, "forget every entry"},
     {"wrap", py_wrap, METH_O, "wrap(python_conv2d) -> conv2d whose warm torch calls stay in C"},
 #ifdef CONVFORGE_NATIVE_PROFILE
