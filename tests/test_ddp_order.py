@@ -128,7 +128,9 @@ PY_BANNED_ATTRS = {"synchronize", "item", "cpu", "tolist", "numpy", "asnumpy", "
 # native.cpp: (the function, or "Struct::method"), every one on the path of a warm backward
 CPP_PATHS = ["BlockNode::backward", "ConvNode::backward", "ConvReluNode::backward", "once_differentiable",
              "op_input_cuda", "op_weight_cuda", "pass_cuda", "run_pass", "launch_filtered", "filters_for",
-             "launch_checked", "launch_bn", "scratch"]
+             "launch_checked", "launch_bn", "scratch", "relu_back_f32", "NormGeluNode::backward",
+             "ScaleResidualNode::backward", "mlp_linear_grads", "launch_norm", "SeNode::backward", "launch_se",
+             "PoolNode::backward", "launch_pool"]
 CORE_PATHS = ["launch_all", "capturing"]
 # Python: (module file, "Class.method" or function): the nodes' backward and the launchers they use
 PY_PATHS = [("torch/ops.py", "_Conv2dFn.backward"), ("torch/batchnorm.py", "_BnAct.backward"),

@@ -4,7 +4,8 @@ PyTorch FP32's own error (odd shapes, stride 2, no bias, 1x1, 11x11/4, N=1), hal
 (NCHW and channels_last) within 2x PyTorch's own error of that precision, a VGG-like model's training
 step through the node, the masked gradient's exact zeros, what it leaves to the unfused path, and the
 masked gradient written straight into the tensor-core passes' operands (kernels/tensorcore/sm90/gradrows.py),
-and the half node in C++ (config.native_conv_relu) bit for bit the Python one.
+and the node in C++ (config.native_conv_relu; half, and float32 in both of its backward forms) bit for bit the
+Python one.
 
 Run on the lent GPU: ``python -m pytest -q tests/test_gpu_conv_relu_train.py``.
 """
@@ -218,6 +219,53 @@ def test_native_half_node_equals_pythons(gpu, monkeypatch, case, mode, dtype, la
     assert grads_c.keys() == grads_py.keys()
     for name, value in grads_c.items():
         assert value is not None and torch.equal(value, grads_py[name]), name
+
+
+F32_NATIVE_CASES = [CASES[0], CASES[2], (16, 32, 28, 28, 64, 3, 1, 1, True), (2, 16, 17, 17, 24, 3, 2, 1, True)]
+
+
+@pytest.mark.parametrize("precision", [None, "relaxed"])
+@pytest.mark.parametrize("case", F32_NATIVE_CASES, ids=lambda c: "x".join(map(str, c[:5])) + f"_k{c[5]}s{c[6]}"
+                         + ("" if c[8] else "_nobias"))
+def test_native_float32_node_equals_pythons(gpu, monkeypatch, case, precision):
+    """config.native_conv_relu, float32: a layer's first call runs the Python node, whose backward files the
+    form it took (register_relu_back: the one-kernel masked gradient and the ops, or the gradient rows and both
+    passes' programs, as fp32-class and relaxed plans choose); the warm calls run native.cpp's ConvReluNode (its
+    counter moves, its grad_fn the C++ node's) and their output and every gradient are bit for bit the Python
+    node's, with the input's gradient asked and not."""
+    import convforge.torch as ct
+    from convforge.config import config
+    from convforge.frontends import fast_path
+
+    model = _block(case, seed=2)
+    g = torch.Generator(device="cuda").manual_seed(6)
+    x0 = torch.randn(*case[:4], device="cuda", generator=g)
+    kw = {} if precision is None else {"precision": precision}
+
+    def step(native):
+        monkeypatch.setattr(config, "native_conv_relu", native)
+        fused, _ = ct.fuse(copy.deepcopy(model), **kw)
+        out = []
+        for need_x in (True, True, False):  # the first call files; then warm, with and without x's gradient
+            fused.zero_grad(set_to_none=True)
+            x = x0.detach().requires_grad_(need_x)
+            z = fused(x)
+            z.backward(torch.linspace(-1, 1, z.numel(), device="cuda").reshape(z.shape))
+            out.append((z, type(z.grad_fn).__name__, x.grad, {n: p.grad for n, p in fused.named_parameters()}))
+        return out
+
+    py = step(False)
+    before = fast_path.TORCH.stats()["relu_runs"] if fast_path.TORCH is not None else 0
+    cc = step(True)
+    assert fast_path.TORCH is not None and fast_path.TORCH.stats()["relu_runs"] - before == 2
+    for i, ((z_p, fn_p, gx_p, gp), (z_c, fn_c, gx_c, gc)) in enumerate(zip(py, cc, strict=True)):
+        assert fn_p == "_ConvReluBackward" and (fn_c == fn_p) == (i == 0), (i, fn_p, fn_c)
+        assert torch.equal(z_c, z_p), i
+        assert (gx_c is None) == (gx_p is None) == (i == 2), i
+        assert gx_c is None or torch.equal(gx_c, gx_p), i
+        assert gc.keys() == gp.keys()
+        for name, value in gc.items():
+            assert value is not None and torch.equal(value, gp[name]), (i, name)
 
 
 @pytest.mark.parametrize("why", ["config off", "no grad", "frozen weights"])

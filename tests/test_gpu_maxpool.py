@@ -73,6 +73,42 @@ def test_against_float64_and_pytorch(cuda, geo, dtype, channels_last) -> None:
     assert mine < tol and mine <= 1.01 * theirs + 1e-7, (mine, theirs)
 
 
+@pytest.mark.parametrize("geo", [GEOMETRIES[0], GEOMETRIES[4]], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_native_node_equals_the_python_node(cuda, monkeypatch, geo, dtype, channels_last) -> None:
+    """native_layers.inc's node (the module loaded: it takes the calls, its counter moves) against the Python
+    node (the module withheld): y and gx bit for bit, in training and in a no-grad forward."""
+    from convforge.frontends import fast_path
+    from convforge.torch.pool import MaxPool2d
+
+    module = fast_path.torch_module()
+    if module is None:
+        pytest.skip("the native module did not build on this machine (its log says why)")
+    n, c, h, w, k, s, p, ceil = geo
+    ours = MaxPool2d.from_module(torch.nn.MaxPool2d(k, s, p, ceil_mode=ceil))
+    x = torch.randn(n, c, h, w, device=cuda).to(getattr(torch, dtype))
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    gy = torch.randn_like(ours(x))
+
+    def both():
+        with torch.no_grad():
+            y0 = ours(x)
+        xx = x.detach().requires_grad_(True)
+        y = ours(xx)
+        (gx,) = torch.autograd.grad(y, xx, gy)
+        return [y0, y, gx]
+
+    before = module.stats()["pool_runs"]
+    got = both()
+    assert module.stats()["pool_runs"] - before == 2, "the C++ node did not take the calls"
+    monkeypatch.setattr(fast_path, "TORCH", None)
+    want = both()
+    for name, a, b in zip(["y no grad", "y", "gx"], got, want, strict=True):
+        assert a.stride() == b.stride() and torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_ties_and_nan_land_where_pytorchs_do(cuda, channels_last) -> None:
     from convforge.torch.pool import MaxPool2d

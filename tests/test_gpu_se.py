@@ -102,6 +102,43 @@ def test_runs_are_bit_identical(gpu):
         assert torch.equal(u, v)
 
 
+@pytest.mark.parametrize("layout", ["nhwc", "nchw"])
+@pytest.mark.parametrize("n,c,h,w,s,act,gate,dtype,autocast", CASES[:5])
+def test_native_node_equals_the_python_node(gpu, monkeypatch, n, c, h, w, s, act, gate, dtype, autocast, layout):
+    """native_layers.inc's node (the module loaded: every call takes it, its counter moves) against the Python node
+    (the native module withheld): y and every gradient bit for bit, in training and in a no-grad forward."""
+    from convforge.frontends import fast_path
+
+    module = fast_path.torch_module()
+    if module is None:
+        pytest.skip("the native module did not build on this machine (its log says why)")
+    m = _se(c, s, act, gate, seed=c + s)
+    if dtype != torch.float32 and not autocast:
+        m = m.half()
+    node = _node(m)
+    g = torch.Generator(device="cuda").manual_seed(n * c + 1)
+    fmt = CL if layout == "nhwc" else torch.contiguous_format
+    x = torch.randn(n, c, h, w, device="cuda", generator=g).to(dtype).contiguous(memory_format=fmt)
+    gy = torch.randn(n, c, h, w, device="cuda", generator=g).to(dtype).contiguous(memory_format=fmt)
+    params = [m.fc1.weight, m.fc1.bias, m.fc2.weight, m.fc2.bias]
+    dt = autocast if isinstance(autocast, torch.dtype) else torch.float16
+
+    def both():
+        with torch.no_grad(), torch.autocast("cuda", dt, enabled=bool(autocast)):
+            y0 = node(x)
+        return [y0, *_run(node, x, gy, params, autocast)]
+
+    before = module.stats()["se_runs"]
+    ours = both()
+    assert module.stats()["se_runs"] - before == 2, "the C++ node did not take the calls"
+    monkeypatch.setattr(fast_path, "TORCH", None)
+    theirs = both()
+    assert module.stats()["se_runs"] - before == 2
+    for name, a, b in zip(["y no grad", "y", "gx", "gw1", "gb1", "gw2", "gb2"], ours, theirs, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride(), name
+        assert torch.isfinite(a).all() and torch.equal(a, b), name
+
+
 def test_overflowing_loss_reaches_the_weight_gradients_and_grad_scaler_skips(gpu):
     """A scaled loss that overflows: Inf in the output gradient reaches every parameter's gradient, so a
     GradScaler skips the step (the weights unchanged) and backs its scale off, as with PyTorch's modules."""

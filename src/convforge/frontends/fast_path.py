@@ -99,6 +99,16 @@ def load_torch() -> ModuleType | None:
     return module
 
 
+def torch_module() -> Any:
+    """The torch module, loaded on the first ask in the process (as :func:`file_native` loads it), or None:
+    what a node of its own asks (torch/se.py), where no conv may have run before it."""
+    global _TORCH_TRIED
+    if not _TORCH_TRIED:
+        _TORCH_TRIED = True
+        load_torch()
+    return TORCH
+
+
 def file_native(run: Any, call: tuple[Any, ...], residual: bool = False) -> None:
     """File a validated torch call (conv2d's 14 arguments; ``run``, the runner that just ran it)
     with the native fast path (built on the first torch call), with the filters the runner

@@ -11,8 +11,10 @@ kernel writes it straight into their GEMMs' operand layouts instead (``kernels/t
 Half layers and autocast regions (float16, bfloat16; NCHW or channels_last, which stays so) take the same
 node: the forward applies bias and ReLU in its epilogue, the backward masks the gradient and sums it for the
 bias in PyTorch's elementwise ops, then runs the half dgrad and wgrad ops; the fused pass-writing kernels are
-float32 NCHW only. With ``config.native_conv_relu`` (on by default) a warm half call takes native.cpp's
-ConvReluNode instead (the same ops from C++: no Python in its forward or backward). ``FusedConv2d``
+float32 NCHW only. With ``config.native_conv_relu`` (on by default) a warm call takes native.cpp's
+ConvReluNode instead (the same kernels and ops from C++: no Python in its forward or backward): a half layer
+once its program is filed, a float32 one (NCHW-contiguous input) once its first backward has filed the form it
+chose (:func:`_file_back`: the masking kernel and, for the rows form, both passes' programs). ``FusedConv2d``
 (conv -> ReLU, no batch norm, no residual) takes it in training where :func:`takes` says so; anything else
 (``torch.compile`` tracing, ``config.train_bn`` off, a half layer handed back to PyTorch, a layer no convforge
 variant runs) keeps the unfused path.
@@ -65,7 +67,7 @@ def conv_relu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, conv: tu
     if x.dtype in _HALF and _handed_back(x, w, conv):
         _REFUSED.add(tag)
         return None
-    if x.dtype in _HALF and config.native_conv_relu:
+    if config.native_conv_relu and (x.dtype in _HALF or x.is_contiguous()):
         z = _native_node(x, w, b, conv)
         if z is not None:
             return z
@@ -82,8 +84,9 @@ _REFUSED: set[tuple[Any, ...]] = set()
 
 
 def _native_node(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, conv: tuple[Any, ...]) -> Any:
-    """The layer through native.cpp's ConvReluNode (half storage), or None: the native module is not
-    loaded, or the call is not filed yet (the Python node's first forward files it) or not one it runs."""
+    """The layer through native.cpp's ConvReluNode, or None: the native module is not loaded, or the call is
+    not filed yet (the Python node's first forward files it; a float32 layer's first backward files its
+    backward) or not one it runs."""
     module = fast_path.TORCH
     if module is None:
         return None
@@ -131,9 +134,13 @@ class _ConvRelu(torch.autograd.Function):
         from convforge.torch.ops import activation
 
         xa = x.contiguous() if x.dtype == _F32 else activation(x)  # a half channels_last x stays NHWC
-        z = _forward_conv(xa, w.contiguous(), b, conv)
+        wc = w.contiguous()
+        z = _forward_conv(xa, wc, b, conv)
         ctx.save_for_backward(x, w, z)
         ctx.conv, ctx.has_bias = conv, b is not None
+        # a float32 call the C++ node could run: its first backward files the form it takes
+        filing = x.dtype == _F32 and xa is x and config.native_conv_relu and fast_path.TORCH is not None
+        ctx.filing = _call(x, wc, b, conv) if filing else None
         return z  # type: ignore[no-any-return]
 
     @staticmethod
@@ -146,6 +153,9 @@ class _ConvRelu(torch.autograd.Function):
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         half = z.dtype != _F32
         rows = _rows_backward(x, w, z, ctx.conv, need_x, need_w) if (need_x or need_w) and not half else None
+        if ctx.filing is not None:
+            _file_back(ctx.filing, rows, z)
+            ctx.filing = None
         if rows is not None:
             gx, gw, gb = rows(gz, x, w, z)
             return gx, gw, gb if ctx.has_bias and ctx.needs_input_grad[2] else None, None
@@ -157,6 +167,31 @@ class _ConvRelu(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             gw = WEIGHT_OP(x, list(w.shape), gm, stride, pad, dil, groups, algo, precision, max_error)
         return gx, gw, gb if ctx.has_bias and ctx.needs_input_grad[2] else None, None
+
+
+# the masking kernels' buffers as native.cpp's pointer slots (its ReluSlot); a rows form's workspace buffers after
+RELU_SLOTS = {"y": 0, "z": 1, "gm": 2, "bias": 3, "bpart": 4}
+
+
+def _file_back(call: tuple[Any, ...], rows: _RowsBackward | None, z: torch.Tensor) -> None:
+    """File a float32 layer's backward with native.cpp (``register_relu_back``, under the forward ``call``'s
+    key): the rows form's masking kernel with its operand buffers and both passes' programs, or the one-kernel
+    masked gradient (the ops run on it through the dispatcher). Nothing while a CUDA graph is captured."""
+    module = fast_path.TORCH
+    if module is None or torch.cuda.is_current_stream_capturing():
+        return
+    if rows is not None:
+        names = sorted(rows.ws)
+        slots = {**RELU_SLOTS, **{name: len(RELU_SLOTS) + i for i, name in enumerate(names)}}
+        fixed = tuple((slots[name], rows.ws[name]) for name in names)
+        passes = [None if e is None else e.native_program() for e in (rows.exe_d, rows.exe_w)]
+        module.register_relu_back(*call, True, rows.run.native_program(slots, "backward", "backward"), fixed,
+                                  *passes, rows.part // 4)
+        return
+    n, k, p, q = z.shape
+    run, sp, _ = _program(n, k, p * q, z.device.index or 0)
+    module.register_relu_back(*call, False, run.native_program(RELU_SLOTS, "backward", "backward"), (), None,
+                              None, k * (1 + sp))
 
 
 def _masked_grad_half(gz: torch.Tensor, z: torch.Tensor, x: torch.Tensor,

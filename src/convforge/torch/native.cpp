@@ -37,6 +37,7 @@
 
 #include "native_core.h"  // after torch's headers: its driver types shadow cuda.h's here
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -174,11 +175,11 @@ void launch_checked(const Program& p, const std::vector<LaunchRec>& runs, const 
 // Counted off the hot path, for tests and the host-cost script: filter transforms run, op calls
 // that went to Python (misses, layers convforge leaves to PyTorch).
 std::atomic<uint64_t> transforms{0}, op_fallbacks{0}, pass_runs{0}, block_runs{0}, relu_runs{0}, pair_runs{0},
-    cast_runs{0}, mlp_runs{0};
+    cast_runs{0}, mlp_runs{0}, se_runs{0}, pool_runs{0};
 // pass_runs: backward calls run here, block_runs: conv -> batch norm blocks run by BlockNode, relu_runs: conv ->
 // ReLU layers run by ConvReluNode, pair_runs: block dgrads run with a later block's residual gradient added,
 // cast_runs: blocks' master filters cast by their attached casts (attach_wcast), mlp_runs: calls run by the MLP
-// nodes (native_mlp.inc)
+// nodes (native_mlp.inc), se_runs, pool_runs: calls run by SeNode, PoolNode (native_layers.inc)
 
 // The packed filter-derived buffer for w (transformed now if missing or stale), or undefined:
 // inference tensors (no version counter) run the whole plan, as in Python.
@@ -341,13 +342,8 @@ PyObject* py_register(PyObject*, PyObject* const* a, Py_ssize_t n) {
   Py_RETURN_TRUE;
 }
 
-PyObject* py_clear(PyObject*, PyObject*) {
-  table.clear();
-  Py_RETURN_NONE;
-}
-
 PyObject* py_stats(PyObject*, PyObject*) {
-  return Py_BuildValue("{s:n,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "entries", static_cast<Py_ssize_t>(table.size()),
+  return Py_BuildValue("{s:n,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "entries", static_cast<Py_ssize_t>(table.size()),
                        "transforms", static_cast<unsigned long long>(transforms.load()), "op_fallbacks",
                        static_cast<unsigned long long>(op_fallbacks.load()), "pass_runs",
                        static_cast<unsigned long long>(pass_runs.load()), "block_runs",
@@ -355,13 +351,22 @@ PyObject* py_stats(PyObject*, PyObject*) {
                        static_cast<unsigned long long>(relu_runs.load()), "pair_runs",
                        static_cast<unsigned long long>(pair_runs.load()), "cast_runs",
                        static_cast<unsigned long long>(cast_runs.load()), "mlp_runs",
-                       static_cast<unsigned long long>(mlp_runs.load()));
+                       static_cast<unsigned long long>(mlp_runs.load()), "se_runs",
+                       static_cast<unsigned long long>(se_runs.load()), "pool_runs",
+                       static_cast<unsigned long long>(pool_runs.load()));
 }
 
 
 #include "native_ops.inc"    // the ops' CUDA and Autograd kernels
 #include "native_nodes.inc"  // the C++ autograd nodes
 #include "native_mlp.inc"    // ConvNeXt's MLP nodes in training
+#include "native_layers.inc"  // max pooling and squeeze-and-excitation
+
+PyObject* py_clear(PyObject*, PyObject*) {
+  table.clear();
+  relu_backs.clear();  // their programs hold executables planned under the old settings
+  Py_RETURN_NONE;
+}
 
 bool take_two(PyObject* const* a, Py_ssize_t n, std::unique_ptr<torch::Library>& lib, const char* who,
               PyObject*& first, PyObject*& second) {
@@ -444,7 +449,10 @@ PyMethodDef methods[] = {
     {"attach_res_dgrad", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_attach_res_dgrad)),
      METH_FASTCALL, "attach_res_dgrad(handle, program, out_shape) -> whether a block's residual-adding dgrad was attached"},
     {"conv_relu", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_conv_relu)), METH_FASTCALL,
-     "conv_relu(conv2d's 14 arguments) -> a half conv -> ReLU layer's output through one C++ autograd node, or None"},
+     "conv_relu(conv2d's 14 arguments) -> a conv -> ReLU layer's output through one C++ autograd node, or None"},
+    {"register_relu_back", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_register_relu_back)),
+     METH_FASTCALL, "register_relu_back(conv2d's 14 arguments, rows, mask, fixed, dgrad, wgrad, scratch) -> whether "
+     "a float32 conv -> ReLU layer's backward was filed"},
     {"register_bn", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_register_bn)), METH_FASTCALL,
      "register_bn(program, n, c, hw, relu, residual, affine, track, st, part, dtype, pdtype, nhwc[, stats_conv]) -> "
      "a batch-norm program's handle"},
@@ -455,6 +463,14 @@ PyMethodDef methods[] = {
      "mlp_a(x, norm weight, norm bias, w, b, handle) -> layer norm -> linear -> GELU through one C++ node, or None"},
     {"mlp_b", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_mlp_b)), METH_FASTCALL,
      "mlp_b(g, res, w, b, scale, noise, handle) -> res + linear(g) x scale x noise through one C++ node, or None"},
+    {"register_se", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_register_se)), METH_FASTCALL,
+     "register_se(program, n, c, hw, s, part, sv, bs, dtype, pdtype, nhwc) -> a squeeze-and-excitation's handle"},
+    {"se", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_se)), METH_FASTCALL,
+     "se(x, w1, b1, w2, b2, handle) -> a squeeze-and-excitation's output through one C++ autograd node, or None"},
+    {"register_pool", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_register_pool)), METH_FASTCALL,
+     "register_pool(program, n, c, h, w, p, q, taps, dtype, nhwc, aligned) -> a max pooling's handle"},
+    {"pool", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_pool)), METH_FASTCALL,
+     "pool(x, handle) -> a max pooling's output through one C++ autograd node, or None"},
     {"clear", py_clear, METH_NOARGS, "forget every entry"},
     {"wrap", py_wrap, METH_O, "wrap(python_conv2d) -> conv2d whose warm torch calls stay in C"},
 #ifdef CONVFORGE_NATIVE_PROFILE

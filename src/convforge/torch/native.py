@@ -17,7 +17,8 @@ function it wraps); ``clear()`` forgets every entry (on a configuration change o
 transforms run, op calls that went to Python); ``register_op(cuda_fallback, grad_apply)`` makes
 the ``convforge::conv2d`` op's CUDA and Autograd kernels C++. native.cpp holds the fast call and
 the module; it includes native_ops.inc (the ops' kernels), native_nodes.inc (the C++ autograd
-nodes), native_mlp.inc (ConvNeXt's MLP nodes in training, torch/mlp_train.py) and, built with
+nodes), native_mlp.inc (ConvNeXt's MLP nodes in training, torch/mlp_train.py), native_layers.inc
+(max pooling and squeeze-and-excitation) and, built with
 ``CONVFORGE_NATIVE_PROFILE=1`` only (a library of its own), native_profile.inc (``parts()``: where a
 warm call's host time goes, for scripts/host_cost.py).
 """
@@ -41,7 +42,7 @@ from convforge.config import config
 log = logging.getLogger("convforge")
 SOURCE = Path(__file__).with_name("native.cpp")
 # The files native.cpp includes, by concern (hashed with it: an edit to any rebuilds the library)
-PARTS = tuple(Path(__file__).with_name(f"native_{part}.inc") for part in ("ops", "nodes", "mlp", "profile"))
+PARTS = tuple(Path(__file__).with_name(f"native_{part}.inc") for part in ("ops", "nodes", "mlp", "layers", "profile"))
 _STATE: dict[str, ModuleType | None] = {}
 
 

@@ -8,7 +8,9 @@ input's gradient from its windows: one pass each, deterministic, the same maxima
 (PyTorch's choice among equal maxima and NaN). float32, float16 and bfloat16, NCHW or channels_last,
 the output in the input's memory format; anything else (dilation, ``return_indices``, other strides or
 dtypes, CPU tensors, ``torch.compile`` tracing, a channels-last view off a 16-byte boundary) runs PyTorch's
-``max_pool2d``.
+``max_pool2d``. With the native module loaded the node is native_layers.inc's (the same launches from C++, no
+Python in its forward or backward: ``register_pool`` files each layer's program on its first call), else
+``_MaxPool``.
 """
 
 from __future__ import annotations
@@ -19,11 +21,14 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from convforge.backends import get_backend
+from convforge.frontends import fast_path
 from convforge.kernels.maxpool import PoolProgram, PoolTrain, lanes, pool_program, title
 from convforge.torch.batchnorm import layout
 
 _NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _PROGRAMS: dict[tuple[Any, ...], tuple[PoolTrain, Any, Any]] = {}  # (layer, device) -> (layer, launcher, stream query)
+_HANDLES: dict[tuple[Any, ...], int] = {}  # (layer, device) -> native.cpp's register_pool handle
+POOL_SLOTS = {"x": 0, "y": 1, "ix": 2, "gy": 3, "gx": 4}  # the kernels' buffers as native_layers.inc's PoolSlot
 
 
 def _pair(v: Any) -> tuple[int, int]:
@@ -64,6 +69,15 @@ def _program(pt: PoolTrain, device: int) -> tuple[PoolTrain, Any, Any]:
                           {"forward": prog.forward, "backward": prog.backward}, title(pt))
         hit = _PROGRAMS[(pt, device)] = (pt, run, torch_stream_queries()[0])
     return hit
+
+
+def _file(module: Any, prog: tuple[PoolTrain, Any, Any], device: int) -> int:
+    """The layer's program filed with native.cpp (``register_pool``) once: its handle."""
+    pt, run, _ = prog
+    handle = _HANDLES[(pt, device)] = int(module.register_pool(
+        run.native_program(POOL_SLOTS, "forward", "backward"), pt.n, pt.c, pt.h, pt.w, pt.p, pt.q, pt.y_size,
+        pt.dtype, pt.layout == "nhwc", lanes(pt) > 1))
+    return handle
 
 
 def _format(pt: PoolTrain) -> torch.memory_format:
@@ -112,6 +126,14 @@ class MaxPool2d(torch.nn.MaxPool2d):
         if pt is None:
             return super().forward(x)
         prog = _program(pt, x.device.index or 0)
+        module = fast_path.torch_module()
+        if module is not None:  # native_layers.inc's node: the same launches from C++
+            handle = _HANDLES.get((pt, x.device.index or 0))
+            if handle is None:
+                handle = _file(module, prog, x.device.index or 0)
+            y = module.pool(x, handle)
+            if y is not None:
+                return y  # type: ignore[no-any-return]
         if torch.is_grad_enabled() and x.requires_grad:
             return _MaxPool.apply(x, prog)  # type: ignore[no-any-return]
         with torch.no_grad():

@@ -5,6 +5,8 @@ torchvision's ``SqueezeExcitation`` pattern (EfficientNet, MobileNet-v3, RegNetY
 autograd nodes forward and 20 backward (the two 1x1 convs' weight and bias casts under autocast among them),
 which on a host-bound AMP step cost more than the GPU time they launch. Here it is one autograd node of 3
 launches forward and 4 backward, the float32 master weights read and their gradients written as they are.
+With the native module loaded the node is native_layers.inc's (the same launches from C++, no Python in its forward
+or backward: ``register_se`` files each layer's program on its first call), else ``_SqueezeExcite``.
 Channels-last or NCHW-contiguous CUDA tensors of float32, float16 or bfloat16, in an autocast region or not,
 with grad or without; anything else (other strides, dtypes, CPU, ``torch.compile`` or ``torch.jit`` tracing (an
 ONNX export), more than ``kernels.se.MAX_C`` channels) runs the original modules.
@@ -18,6 +20,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from convforge.backends import get_backend
+from convforge.frontends import fast_path
 from convforge.kernels.se import MAX_C, SeProgram, SeTrain, se_program, title
 from convforge.torch.modules import _AUTOCAST
 
@@ -25,6 +28,10 @@ _NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "b
 _ACTS = {torch.nn.ReLU: "relu", torch.nn.SiLU: "silu"}
 _GATES = {torch.nn.Sigmoid: "sigmoid", torch.nn.Hardsigmoid: "hardsigmoid"}
 _PROGRAMS: dict[tuple[SeTrain, int], tuple[SeTrain, SeProgram, Any, Any]] = {}
+_HANDLES: dict[tuple[SeTrain, int], int] = {}  # native.cpp's register_se handle of each program
+# the kernels' buffers as native_layers.inc's pointer slots (its SeSlot)
+SE_SLOTS = {"x": 0, "w1": 1, "b1": 2, "w2": 3, "b2": 4, "part": 5, "sv": 6, "y": 7, "gy": 8, "bs": 9, "gw1": 10,
+            "gb1": 11, "gw2": 12, "gb2": 13, "gx": 14}
 _CL = torch.channels_last
 
 
@@ -75,6 +82,14 @@ class SqueezeExcite(torch.nn.Module):
         if se is None or any(t.dtype != w1.dtype or not t.is_cuda or t.device != x.device for t in (b1, w2, b2)):
             return self.reference(x)
         hit = program_of(se, x.device.index or 0)
+        module = fast_path.torch_module()
+        if module is not None:  # native_layers.inc's node: the same launches from C++
+            handle = _HANDLES.get((se, x.device.index or 0))
+            if handle is None:
+                handle = _file(module, hit, x.device.index or 0)
+            y = module.se(x, w1, b1, w2, b2, handle)
+            if y is not None:
+                return y  # type: ignore[no-any-return]
         if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w1, b1, w2, b2)):
             return _SqueezeExcite.apply(x, w1, b1, w2, b2, hit)  # type: ignore[no-any-return]
         with torch.no_grad():
@@ -123,6 +138,15 @@ def program_of(se: SeTrain, device: int) -> tuple[SeTrain, SeProgram, Any, Any]:
                           title(se))
         hit = _PROGRAMS[(se, device)] = (se, prog, run, torch_stream_queries()[0])
     return hit
+
+
+def _file(module: Any, hit: tuple[SeTrain, SeProgram, Any, Any], device: int) -> int:
+    """The layer's program filed with native.cpp (``register_se``) once: its handle."""
+    se, prog, run, _ = hit
+    handle = _HANDLES[(se, device)] = int(module.register_se(
+        run.native_program(SE_SLOTS, "forward", "backward"), se.n, se.c, se.hw, se.s, prog.part, se.sv, se.bs,
+        se.dtype, se.pdtype, se.nhwc))
+    return handle
 
 
 def _floats(count: int, like: torch.Tensor) -> torch.Tensor:
