@@ -205,6 +205,8 @@ def _fold_branch_sums(graph: Graph, root: torch.nn.Module, report: ConvertReport
         if found is None:
             continue
         x, branches, inner = found
+        if _preactivated(x, modules):
+            continue  # _fold_preactivations folds its batch norm [and ReLU] into the branches' convs
         users = list(node.users)
         last = users[0] if len(users) == 1 and _is_relu(users[0], node, modules) else node
         names = [str(n.target) for n in inner if n.op == "call_module"
@@ -227,6 +229,21 @@ def _fold_branch_sums(graph: Graph, root: torch.nn.Module, report: ConvertReport
         report.converted += names
         report.fused[names[0]] = f"branches({module.ops()})"
     graph.lint()
+
+
+def _preactivated(x: Node, modules: dict[str, Any]) -> bool:
+    """Whether the branches' input ``x`` is a BatchNorm2d [-> ReLU] read only by convs (a pre-activation
+    unit: one BN -> ReLU read by a conv and its shortcut conv): :func:`_fold_preactivations` folds it into
+    their input loads, which costs no pass over x, where one folded conv of the branches would leave the batch
+    norm and the ReLU to run as passes of their own."""
+    bn = x
+    if x.args and isinstance(x.args[0], Node) and _is_relu(x, x.args[0], modules):
+        bn = x.args[0]
+        if len(bn.users) != 1:
+            return False
+    if bn.op != "call_module" or type(modules.get(str(bn.target))) is not torch.nn.BatchNorm2d:
+        return False
+    return all(u.op == "call_module" and isinstance(modules.get(str(u.target)), torch.nn.Conv2d) for u in x.users)
 
 
 def _order(graph: Graph) -> Any:
