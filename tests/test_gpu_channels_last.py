@@ -290,8 +290,9 @@ def test_resnet50_fused_amp_step_profile(gpu, monkeypatch):
 def test_slow_half_layers_are_handed_to_pytorch_and_reported(gpu, caplog):
     """Issue 59's "no silent fallback": under autocast a pass of a grouped layer no tensor-core or
     memory-bound variant serves goes to PyTorch (logged once, listed in the report, the result PyTorch's
-    own): the filter gradient of groups of 8 channels (wgrad_tc_grouped_half's ``slow_on``). Its forward
-    (the packed grouped GEMM) and dgrad, the depthwise and the dense layers stay ours."""
+    own): the filter gradient of a 7x7 layer of groups of 8 channels (wgrad_tc_grouped_half's ``slow_on``;
+    wgrad_grouped_mma takes 3x3 and 5x5 groups of 4 to 16). Its forward (the packed grouped GEMM) and dgrad,
+    the depthwise and the dense layers stay ours."""
     import logging
 
     import torch
@@ -300,7 +301,7 @@ def test_slow_half_layers_are_handed_to_pytorch_and_reported(gpu, caplog):
 
     caplog.set_level(logging.WARNING, logger="convforge")
     cl = torch.channels_last
-    model = torch.nn.Sequential(torch.nn.Conv2d(64, 64, 3, 1, 1, groups=8, bias=False),
+    model = torch.nn.Sequential(torch.nn.Conv2d(64, 64, 7, 1, 3, groups=8, bias=False),
                                 torch.nn.Conv2d(64, 64, 3, 1, 1, groups=64, bias=False),
                                 torch.nn.Conv2d(64, 32, 1, bias=False)).cuda().to(memory_format=cl)
     ref = copy.deepcopy(model)
@@ -315,5 +316,5 @@ def test_slow_half_layers_are_handed_to_pytorch_and_reported(gpu, caplog):
         err = float((a.grad.double() - b.grad.double()).norm() / b.grad.double().norm())
         assert err < 1e-2, err
     mine = {k: v for k, v in report.handed_back.items() if "C64 29x29" in k}
-    assert [k.split()[0] for k in mine] == ["wgrad"] and " g8 " in next(iter(mine)), mine
+    assert [k.split()[0] for k in mine] == ["wgrad"] and " 7x7 " in next(iter(mine)), mine
     assert "handed to PyTorch at run time" in str(report)

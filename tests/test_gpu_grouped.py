@@ -132,6 +132,37 @@ def test_depthwise_backward_on_real_layers(cuda, conv_pass) -> None:
             assert res.ok, f"{v.name} [{prm.short()}] {spec.short()}: {res}"
 
 
+# wgrad_grouped_mma (narrow groups' wgrad on mma.sync from NHWC tiles): the CPU model's odd shapes and
+# ResNeXt-50's narrow layers (groups of 4, 8, 16; stride 1 and 2) at N = 4, FP16 and BF16
+NARROW_WGRAD = [ConvSpec.make(1, 16, 7, 9, 16, 3, 3, 1, 1, groups=4),
+                ConvSpec.make(3, 32, 11, 13, 32, 3, 3, 1, 1, groups=4),
+                ConvSpec.make(2, 48, 9, 10, 48, 3, 3, 2, 1, groups=6),
+                ConvSpec.make(2, 32, 13, 11, 32, 3, 3, 2, (1, 0, 0, 1), groups=2),
+                ConvSpec.make(1, 32, 6, 7, 32, 5, 5, 1, (2, 1, 3, 1), groups=4),
+                ConvSpec.make(2, 16, 5, 17, 16, 1, 7, 1, (0, 0, 3, 3), groups=2),
+                ConvSpec.make(4, 128, 56, 56, 128, 3, 3, 1, 1, groups=32),
+                ConvSpec.make(4, 256, 56, 56, 256, 3, 3, 2, 1, groups=32),
+                ConvSpec.make(4, 256, 28, 28, 256, 3, 3, 1, 1, groups=32),
+                ConvSpec.make(4, 512, 28, 28, 512, 3, 3, 2, 1, groups=32),
+                ConvSpec.make(4, 512, 14, 14, 512, 3, 3, 1, 1, groups=32)]
+
+
+@pytest.mark.parametrize("base", NARROW_WGRAD, ids=lambda b: b.short())
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_grouped_mma_wgrad_against_float64(cuda, dtype, base) -> None:
+    """The default and two sampled points of the space, dw and the partials poisoned, against float64."""
+    import random
+
+    v = get_variant("wgrad_grouped_mma")
+    spec = ConvSpec.make(base.n, base.c, base.h, base.w, base.k, base.r, base.s, base.stride, base.pad,
+                         groups=base.groups, dtype=dtype, layout="nhwc").with_pass("wgrad")
+    assert v.applies(spec, cuda.device) is None, (spec.short(), v.applies(spec, cuda.device))
+    space = v.space(spec, cuda.device)
+    for i, prm in enumerate(space[:1] + random.Random(spec.c).sample(space[1:], min(2, len(space) - 1))):
+        res = check_plan(v.plan(spec, prm, cuda.device), cuda, seed=i)
+        assert res.ok, f"{v.name} [{prm.short()}] {spec.short()}: {res}"
+
+
 # -- conv2d(groups=) with device arrays ---------------------------------------------------------
 CALLS = [ConvSpec.make(2, 32, 28, 28, 32, 3, 3, 1, 1, groups=32),
          ConvSpec.make(2, 16, 15, 13, 32, 5, 5, 2, 2, groups=16),

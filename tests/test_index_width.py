@@ -56,6 +56,8 @@ def _served(v: Variant, spec: ConvSpec) -> ConvSpec:
         spec = dataclasses.replace(spec, k=spec.c, groups=spec.c)
     elif ("tc_grouped" in v.name or v.name == "wgrad_grouped") and spec.c % 2 == 0 and spec.k % 2 == 0:
         spec = dataclasses.replace(spec, groups=2)  # grouped layers only
+    elif v.name == "wgrad_grouped_mma" and spec.c % 8 == 0:
+        spec = dataclasses.replace(spec, k=spec.c, groups=spec.c // 8)  # groups of 8 channels in and out only
     elif v.name.startswith("dgrad_tc_strided_grouped") and spec.c % 2 == 0 and spec.k % 2 == 0:
         spec = dataclasses.replace(spec, groups=2, stride=(2, 2))  # strided grouped layers only
     return spec

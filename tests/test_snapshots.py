@@ -165,7 +165,8 @@ def _half_tc_cases() -> Iterator[Case]:
     dgrad_tc_strided_half's joined column phases (jn=1: DCGAN's 4x4/2, a tile parked in registers),
     tc_grouped_packed_half (groups of 4 channels packed 8 to a GEMM group, block-diagonal filters),
     tc_implicit_gemm_half's channels-last output staged as halves (eh=1: 16-byte stores) and
-    depthwise_mma_wgrad (7x7 at stride 1, 5x5 at stride 2: its pair arrays of each phase)."""
+    depthwise_mma_wgrad (7x7 at stride 1, 5x5 at stride 2: its pair arrays of each phase) and
+    wgrad_grouped_mma (groups of 4 at stride 1, of 16 at stride 2 with two images a block: two tile buffers)."""
     cases = {("wgrad_tc_nhwc_half", "3x3c64-nhwc"): "N=2,C=64,H=9,W=9,K=24,R=3,S=3,pad=1,pass=wgrad",
              ("dgrad_tc_paired_half", "2x2s2-nhwc"): "N=2,C=8,H=12,W=12,K=16,R=2,S=2,stride=2,pass=dgrad",
              ("dgrad_tc_paired_half", "2x2s2"): "N=2,C=8,H=16,W=16,K=16,R=2,S=2,stride=2,pass=dgrad,layout=nchw",
@@ -177,7 +178,9 @@ def _half_tc_cases() -> Iterator[Case]:
              ("tc_implicit_gemm_half", "1x1c64-nhwc"): "N=2,C=64,H=9,W=9,K=128,R=1,S=1",
              ("depthwise_mma_wgrad", "dw7x7-nhwc"): "N=2,C=16,H=9,W=9,K=16,R=7,S=7,pad=3,groups=16,pass=wgrad",
              ("depthwise_mma_wgrad", "dw5x5s2-nhwc"):
-                 "N=2,C=16,H=11,W=11,K=16,R=5,S=5,stride=2,pad=2,groups=16,pass=wgrad"}
+                 "N=2,C=16,H=11,W=11,K=16,R=5,S=5,stride=2,pad=2,groups=16,pass=wgrad",
+             ("wgrad_grouped_mma", "g4-nhwc"): "N=1,C=32,H=9,W=9,K=32,R=3,S=3,pad=1,groups=8,pass=wgrad",
+             ("wgrad_grouped_mma", "g16s2-nhwc"): "N=4,C=32,H=10,W=10,K=32,R=3,S=3,stride=2,pad=1,groups=2,pass=wgrad"}
     for (name, tag), text in cases.items():
         spec = ConvSpec.parse(f"{text},dtype=fp16" + ("" if "layout=" in text else ",layout=nhwc"))
         label = tag if spec.conv_pass == "fprop" else f"{tag}-{spec.conv_pass}"

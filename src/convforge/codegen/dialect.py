@@ -67,6 +67,11 @@ A kernel body is plain C using these tokens, which each renderer spells its own 
                                                           32-bit words lane l holds (row l / 4, word
                                                           l % 4 of matrices 0..3; lanes 8q..8q+7 give
                                                           matrix q's row addresses)
+    LDSM_T4(d0, d1, d2, d3, sa) / LDSM_T2(d0, d1, sa)    ldmatrix.x4 / .x2 .trans .b16: unsigned lvalues get
+                                                          lane l's word of each matrix transposed (rows
+                                                          2 (l % 4), 2 (l % 4) + 1 of column l / 4:
+                                                          16-byte rows of k-contiguous halves give the
+                                                          mma.sync A / B fragments of their transpose)
     LDS_F4(sa) / LDS_F1(sa)                               float4 / float read at shared address sa
     TF32_RHA(x)                                           x with 0x1000 added to its bits: rounds to
                                                           nearest, ties away, once the tensor core drops

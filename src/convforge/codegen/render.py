@@ -22,7 +22,7 @@ _TOKEN = re.compile(r"\b(GROUP_ID|LOCAL_ID|GROUP_SIZE|NUM_GROUPS|BARRIER|VLOAD4|
                     r"LD_F16|LDG_F16|ST_F16|VLOAD4_F16|VSTORE4_F16|LD_BF16|LDG_BF16|ST_BF16|VLOAD4_BF16|VSTORE4_BF16|"
                     r"VLOAD8_F16|VSTORE8_F16|VLOAD8_BF16|VSTORE8_BF16|"
                     r"MAKE_FLOAT4|FMA|MAX|RELU|GELU|SILU|HSWISH|MISH|DSILU|DHSWISH|LDG|LDCG|FENCE_DEVICE|TICKET|SHFL|TEX|COPY4_ASYNC|COPY1_ASYNC|COPY_WAIT|CVT_TF32|"
-                    r"MMA_TF32_16x8x8|MMA_F16_16x8x16|MMA_BF16_16x8x16|SMEM_U32|CP_ASYNC16|CP_ASYNC4|CP_ASYNC_COMMIT|CP_ASYNC_WAIT|LDMATRIX_X4|LDS_F4|"
+                    r"MMA_TF32_16x8x8|MMA_F16_16x8x16|MMA_BF16_16x8x16|SMEM_U32|CP_ASYNC16|CP_ASYNC4|CP_ASYNC_COMMIT|CP_ASYNC_WAIT|LDMATRIX_X4|LDSM_T4|LDSM_T2|LDS_F4|"
                     r"LDS_F1|TF32_RHA|FENCE_PROXY_ASYNC|WGMMA_FENCE|WGMMA_COMMIT|WGMMA_WAIT|WGMMA_TF32|"
                     r"MBAR_INIT|MBAR_WAIT|MBAR_ARRIVE|CP_ASYNC_MBAR_ARRIVE|SETMAXNREG_INC|SETMAXNREG_DEC|"
                     r"BAR_SYNC|WGMMA_RS|WGMMA_HOLD|WGMMA_TZ|WGMMA_T|WGMMA_Z|WGMMA|TC_F16_TO_F32|TC_BF16_TO_F32|TC_F32_TO_F16|TC_F32_TO_BF16|TC_PACK_F16X2|"
@@ -367,6 +367,8 @@ class CudaRenderer(Renderer):
             "CP_ASYNC_COMMIT": lambda: 'asm volatile("cp.async.commit_group;" ::: "memory")',
             "CP_ASYNC_WAIT": lambda: f'asm volatile("cp.async.wait_group %0;" :: "n"({args[0]}) : "memory")',
             "LDMATRIX_X4": lambda: f"cf_ldsm4({', '.join(args)})",
+            "LDSM_T4": lambda: f"cf_ldsm4t({', '.join(args)})",
+            "LDSM_T2": lambda: f"cf_ldsm2t({', '.join(args)})",
             "LDS_F4": lambda: f"cf_lds4({args[0]})",
             "LDS_F1": lambda: f"cf_lds1({args[0]})",
             "TF32_RHA": lambda: f"__uint_as_float(__float_as_uint({args[0]}) + 0x1000u)",
@@ -411,6 +413,8 @@ class CudaRenderer(Renderer):
             head += _CUDA_MMA_HALF.splitlines() + [""]
         if any(_calls(k.body, "CP_ASYNC16", "CP_ASYNC4", "LDMATRIX_X4", "LDS_F4", "LDS_F1") for k in kernels):
             head += _CUDA_PIPE.splitlines() + [""]
+        if any(_calls(k.body, "LDSM_T4", "LDSM_T2") for k in kernels):
+            head += _CUDA_LDSM_T.splitlines() + [""]
         if any(_calls(k.body, *_TC_HEAD) for k in kernels):
             head += _CUDA_TC.splitlines() + [""]
         if any(isinstance(a, TensorMap) for k in kernels for a in k.args):
@@ -779,6 +783,13 @@ __device__ __forceinline__ float cf_lds1(unsigned addr)
     return v;
 }"""
 
+# ldmatrix .trans into unsigned words (LDSM_T4 / LDSM_T2: 16-bit fragments of k-contiguous rows' transpose).
+_CUDA_LDSM_T = r"""#define cf_ldsm4t(d0, d1, d2, d3, addr) \
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];" \
+                 : "=r"(d0), "=r"(d1), "=r"(d2), "=r"(d3) : "r"(addr))
+#define cf_ldsm2t(d0, d1, addr) \
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];" : "=r"(d0), "=r"(d1) : "r"(addr))"""
+
 # Dialect tokens with no OpenCL spelling, and why.
 _OPENCL_REFUSED = {
     "MMA_TF32_16x8x8": "tensor-core mma.sync (TF32) is a CUDA PTX instruction with no OpenCL C form",
@@ -793,6 +804,8 @@ _OPENCL_REFUSED = {
     "CP_ASYNC_COMMIT": "cp.async groups are CUDA PTX (sm_80+)",
     "CP_ASYNC_WAIT": "cp.async groups are CUDA PTX (sm_80+)",
     "LDMATRIX_X4": "ldmatrix is a CUDA PTX warp instruction (sm_75+)",
+    "LDSM_T4": "ldmatrix is a CUDA PTX warp instruction (sm_75+)",
+    "LDSM_T2": "ldmatrix is a CUDA PTX warp instruction (sm_75+)",
     "LDS_F1": "32-bit shared-window addresses exist only for the CUDA cp.async / ldmatrix path",
     "LDS_F4": "32-bit shared-window addresses exist only for the CUDA cp.async / ldmatrix path",
     "TF32_RHA": "TF32 rounding belongs to the CUDA tensor-core path only",

@@ -56,6 +56,7 @@ REGISTRATION_ORDER = (
     "gemv",
     "wgrad.direct",
     "wgrad.grouped",
+    "tensorcore.sm80.grouped_mma_wgrad",
     "wgrad.gemm",
     "wgrad.winograd",
 )

@@ -13,8 +13,8 @@ fixed shared-memory tree over each lane's threads, in 8 KiB chunks; with ``ns`` 
 partial filter and a second kernel adds them in a fixed order.
 
 Reached by name only (``algo="wgrad_grouped"``, ``named_only``): it ran well below cuDNN-best FP16 on
-ResNeXt-50's layers, whose tensor-core kernels it does not reach (docs/NOTES-wgrad.md), so ``auto`` keeps
-handing such half layers to PyTorch.
+ResNeXt-50's layers (docs/NOTES-wgrad.md); ``auto`` runs such half layers on the tensor cores instead
+(``wgrad_grouped_mma``, kernels/tensorcore/sm80/grouped_mma_wgrad.py).
 """
 
 from __future__ import annotations
