@@ -144,7 +144,12 @@ NARROW_WGRAD = [ConvSpec.make(1, 16, 7, 9, 16, 3, 3, 1, 1, groups=4),
                 ConvSpec.make(4, 256, 56, 56, 256, 3, 3, 2, 1, groups=32),
                 ConvSpec.make(4, 256, 28, 28, 256, 3, 3, 1, 1, groups=32),
                 ConvSpec.make(4, 512, 28, 28, 512, 3, 3, 2, 1, groups=32),
-                ConvSpec.make(4, 512, 14, 14, 512, 3, 3, 1, 1, groups=32)]
+                ConvSpec.make(4, 512, 14, 14, 512, 3, 3, 1, 1, groups=32),
+                ConvSpec.make(2, 16, 9, 11, 16, 3, 3, 1, 1, groups=8),  # groups of 2
+                ConvSpec.make(3, 48, 9, 7, 48, 3, 3, 2, 1, groups=2),  # of 24
+                ConvSpec.make(4, 336, 14, 14, 336, 3, 3, 1, 1, groups=14),  # RegNetY-1.6GF's
+                ConvSpec.make(4, 1024, 14, 14, 1024, 3, 3, 2, 1, groups=32),  # of 32
+                ConvSpec.make(4, 104, 28, 28, 104, 3, 3, 1, 1, groups=13)]  # RegNetY-400MF's (8 channels a block)
 
 
 @pytest.mark.parametrize("base", NARROW_WGRAD, ids=lambda b: b.short())

@@ -37,6 +37,10 @@ CASES = [
     ("N=1,C=32,H=6,W=7,K=32,R=5,S=5,pad=2x1x3x1,groups=4,dtype=fp16,layout=nhwc,pass=wgrad", Params(cb=16, wp=2, bp=2)),
     ("N=2,C=16,H=5,W=17,K=16,R=1,S=7,pad=0x0x3x3,groups=2,dtype=bf16,layout=nhwc,pass=wgrad", None),
     ("N=1,C=24,H=8,W=8,K=24,R=1,S=1,groups=6,dtype=fp16,layout=nhwc,pass=wgrad", Params(cb=8, wp=1, bp=8)),
+    ("N=2,C=16,H=9,W=11,K=16,R=3,S=3,pad=1,groups=8,dtype=fp16,layout=nhwc,pass=wgrad", None),  # groups of 2
+    ("N=3,C=48,H=9,W=7,K=48,R=3,S=3,stride=2,pad=1,groups=2,dtype=bf16,layout=nhwc,pass=wgrad", None),  # of 24
+    ("N=2,C=64,H=7,W=9,K=64,R=3,S=3,pad=1,groups=2,dtype=fp16,layout=nhwc,pass=wgrad",
+     Params(cb=32, wp=16, bp=4, ni=2)),
 ]
 
 
@@ -159,7 +163,7 @@ def test_a_warps_ldmatrix_rows_meet_no_bank_twice_within_a_row(text):
 
 
 def test_refusals():
-    for text, why in [("N=1,C=64,H=8,W=8,K=64,R=3,S=3,pad=1,groups=2,dtype=fp16,layout=nhwc,pass=wgrad", "groups of"),
+    for text, why in [("N=1,C=96,H=8,W=8,K=96,R=3,S=3,pad=1,groups=2,dtype=fp16,layout=nhwc,pass=wgrad", "groups of"),
                       ("N=1,C=32,H=8,W=8,K=32,R=3,S=3,pad=1,groups=8,dtype=fp32,layout=nhwc,pass=wgrad", "float"),
                       ("N=1,C=32,H=8,W=8,K=32,R=3,S=3,pad=1,groups=8,dtype=fp16,pass=wgrad", "NHWC"),
                       ("N=1,C=32,H=9,W=9,K=32,R=3,S=3,stride=3,groups=8,dtype=fp16,layout=nhwc,pass=wgrad", "stride"),
@@ -176,6 +180,8 @@ def test_compiles_without_spills():
     for text in ["N=32,C=128,H=56,W=56,K=128,R=3,S=3,pad=1,groups=32,dtype=fp16,layout=nhwc,pass=wgrad",
                  "N=32,C=256,H=56,W=56,K=256,R=3,S=3,stride=2,pad=1,groups=32,dtype=fp16,layout=nhwc,pass=wgrad",
                  "N=32,C=512,H=28,W=28,K=512,R=3,S=3,stride=2,pad=1,groups=32,dtype=bf16,layout=nhwc,pass=wgrad",
+                 "N=32,C=336,H=14,W=14,K=336,R=3,S=3,pad=1,groups=14,dtype=fp16,layout=nhwc,pass=wgrad",
+                 "N=32,C=1024,H=14,W=14,K=1024,R=3,S=3,stride=2,pad=1,groups=32,dtype=fp16,layout=nhwc,pass=wgrad",
                  CASES[4][0]]:
         spec = ConvSpec.parse(text)
         space = V.space(spec, NOMINAL_CUDA)

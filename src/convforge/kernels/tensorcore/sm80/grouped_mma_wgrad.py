@@ -1,6 +1,6 @@
 """wgrad of narrow grouped layers on tensor cores: ``wgrad_grouped_mma``, float16 / bfloat16 NHWC, groups
-of 4, 8 or 16 channels in and out (ResNeXt's, RegNet's), stride 1 or 2, filters up to 25 taps, FP32 sums,
-deterministic.
+of 2, 4, 8, 16, 24 or 32 channels in and out (ResNeXt's, RegNet's), stride 1 or 2, filters up to 25 taps,
+FP32 sums, deterministic.
 
 dw[k, c, r, s] = sum over the output pixels of dy[pixel, k] . x[pixel's input at tap (r, s), c]: a product
 with M = (tap, input channel), N = output channel, K = pixels, one mma.sync m16n8k16 a (two taps, 8 input
@@ -13,8 +13,8 @@ a product are any 16 (consecutive in the block's band, wrapping rows) and a tap 
   8 consecutive outputs read 8 consecutive pixels at any tap), dy's band of output pixels (zero past it).
   Planes are 2 units (32 bytes) past a multiple of 128 bytes apart: a cp.async round of 8 lanes (two pixels
   of four octets) meets no bank twice. One 16-byte zero row stands for pixels past the band.
-* Products: an octet pair (a of x, b of dy) of one group (groups of 4 or 8: a = b, only the diagonal
-  blocks of the 8 x 8 kept; of 16: the 4 pairs of its two octets); warp w takes pair w % pairs and every
+* Products: an octet pair (a of x, b of dy) of one group (groups of 2 to 8: a = b, only the diagonal
+  blocks of the 8 x 8 kept; of 8 og channels: the og x og pairs of its og octets); warp w takes pair w % pairs and every
   (wp / pairs)-th 16-pixel chunk; per chunk one ldmatrix.x2.trans of dy (B) and, per two taps, one
   ldmatrix.x4.trans of x (A: matrices (tap 2i, pixels 0..7), (2i + 1, 0..7), (2i, 8..15), (2i + 1, 8..15)).
 * Sums: each warp's fragments through shared memory, the warps of a pair added in a fixed order, one
@@ -36,6 +36,7 @@ from convforge.kernels.depthwise_wgrad import slice_sum
 from convforge.kernels.dgrad import no_epilogue
 from convforge.kernels.gemm import too_big
 from convforge.kernels.tensorcore.sm90.cexpr import Let, emit_all
+from convforge.kernels.tensorcore.sm90.grouped import wide_wgrad_slow
 from convforge.params import Params
 from convforge.plan import DeviceInfo, Epilogue, Launch, Plan, Variant
 from convforge.spec import ConvSpec
@@ -44,7 +45,7 @@ HALF = frozenset({"float16", "bfloat16"})
 _MMA = {"float16": "MMA_F16_16x8x16", "bfloat16": "MMA_BF16_16x8x16"}
 _MAX_SMEM = 227 * 1024
 _WANT_SMEM = 113 * 1024  # the default's tile buffers: 2 blocks an SM
-_GROUPS = (4, 8, 16)  # channels a group (in and out) the octet pairs serve
+_GROUPS = (2, 4, 8, 16, 24, 32)  # channels a group (in and out) the octet pairs serve (at most 16 pairs a block)
 _MAX_TAPS = 25
 
 
@@ -86,9 +87,14 @@ class Geo:
         return self.cb // 8
 
     @property
+    def og(self) -> int:
+        """Octets a group spans (1 for groups of up to 8 channels, which share an octet)."""
+        return max(1, self.spec.cg // 8)
+
+    @property
     def pairs(self) -> int:
-        """(x octet, dy octet) pairs of one group: the octets (groups of 4, 8), 2 x 2 a group of 16."""
-        return self.octets * (2 if self.spec.cg == 16 else 1)
+        """(x octet, dy octet) pairs of one group's: the octets (groups of 2 to 8), og x og a wider group."""
+        return self.octets * self.og
 
     @property
     def reps(self) -> int:
@@ -184,7 +190,7 @@ class Geo:
     def problem(self) -> str | None:
         """None when the generator takes this tiling, else what is wrong."""
         s = self.spec
-        step = 16 if s.cg == 16 else 8
+        step = max(8, s.cg)
         if self.cb < step or self.cb % step or s.c % self.cb:
             return f"cb ({self.cb}) must be a multiple of {step} that divides the channels ({s.c})"
         if not 1 <= self.wp <= 16 or self.wp % self.pairs:
@@ -233,11 +239,9 @@ class Geo:
     def warp_lets(self) -> tuple[Let, ...]:
         """Warp w's pair (x octet xa, dy octet yb) and rank wr among the pair's warps; lane's ldmatrix row:
         matrix lm, its row lr, tap parity lpar, pixel offset lk in a chunk (A) and lb (B, lanes 0..15)."""
-        if self.spec.cg == 16:
-            pair = (Let("pi", f"warp % {self.pairs}"), Let("xa", "pi / 4 * 2 + pi / 2 % 2"),
-                    Let("yb", "pi / 4 * 2 + pi % 2"))
-        else:
-            pair = (Let("pi", f"warp % {self.pairs}"), Let("xa", "pi"), Let("yb", "pi"))
+        og = self.og
+        pair = (Let("pi", f"warp % {self.pairs}"), Let("xa", f"pi / {og * og} * {og} + pi / {og} % {og}"),
+                Let("yb", f"pi / {og * og} * {og} + pi % {og}"))
         return pair + (Let("wr", f"warp / {self.pairs}"), Let("lm", "lane >> 3"), Let("lr", "lane & 7"),
                        Let("lpar", "lm & 1"), Let("lk", "lr + 8 * (lm >> 1)"), Let("lb", "lr + 8 * (lm & 1)"))
 
@@ -266,10 +270,9 @@ class Geo:
         (warp spi, rank 0) at rd, later ranks + rs; the element (tap stap, octet channels sm / sn) and
         whether it is kept (sok: a tap, one group) at sd of the slice's partial filter."""
         s, per = self.spec, self.tp * 128
-        if s.cg == 16:
-            pair = (Let("sxa", "spi / 4 * 2 + spi / 2 % 2"), Let("syb", "spi / 4 * 2 + spi % 2"))
-        else:
-            pair = (Let("sxa", "spi"), Let("syb", "spi"))
+        og = self.og
+        pair = (Let("sxa", f"spi / {og * og} * {og} + spi / {og} % {og}"),
+                Let("syb", f"spi / {og * og} * {og} + spi % {og}"))
         return (Let("spi", f"e / {per}"), Let("si", f"e / 128 % {self.tp}"), Let("sj", "e / 32 % 4"),
                 Let("sl", "e % 32")) + pair + (
             Let("rd", f"((spi * {self.tp} + si) * 4 + sj) * 32 + sl"),
@@ -388,9 +391,16 @@ def _sums(code: Code, geo: Geo) -> None:
 
 # -- parameters ------------------------------------------------------------------------------------
 def _geo(spec: ConvSpec, cb: int, bp: int, ni: int = 1) -> Geo:
-    """cb channels in 8 warps (16 where a group of 16's pairs ask), bp rows."""
-    pairs = cb // 8 * (2 if spec.cg == 16 else 1)
+    """cb channels in 8 warps (a warp a pair where a wide group has more: 9 at 24 channels, 16 at 32), bp rows."""
+    pairs = cb // 8 * max(1, spec.cg // 8)
     return Geo(spec, cb, max(8, pairs), bp, ni)
+
+
+def _widths(spec: ConvSpec) -> tuple[int, ...]:
+    """Channels a block to try, the default's first: 16, 32, 8 (groups of up to 16), one group of 24 or 32."""
+    if spec.cg <= 8:
+        return (16, 32, 8)
+    return (16, 32) if spec.cg == 16 else (spec.cg,)
 
 
 def default_geo(spec: ConvSpec, device: DeviceInfo) -> Geo | None:
@@ -401,14 +411,14 @@ def default_geo(spec: ConvSpec, device: DeviceInfo) -> Geo | None:
     partial filters a slice, the next image's copies overlapped); bands that split the rows unevenly
     (10 of 28, 19 of 56) ran 10-25 % behind; 16 channels a block ahead of 32."""
     even = [b for b in range(spec.p, 0, -1) if spec.p % b == 0]
-    for cb in (16, 32, 8):
+    for cb in _widths(spec):
         for bp in even:
             for ni in (8, 4, 2):
                 g = _geo(spec, cb, bp, ni)
                 if ni <= spec.n and g.problem() is None and g.smem <= _WANT_SMEM and g.blocks >= max(device.units, 1):
                     return g
     bands = sorted({cdiv(spec.p, k) for k in range(1, spec.p + 1)}, reverse=True)
-    for cb in (16, 32, 8):
+    for cb in _widths(spec):
         fit = [g for g in (_geo(spec, cb, bp) for bp in bands) if g.problem() is None]
         if fit:
             return next((g for g in fit if g.smem <= _WANT_SMEM), fit[-1])
@@ -420,7 +430,7 @@ def _params(geo: Geo) -> Params:
 
 
 class WgradGroupedMma(Variant):
-    """wgrad of a grouped layer of 4, 8 or 16 channels a group (in and out), stride 1 or 2, float16 / bfloat16
+    """wgrad of a grouped layer of 2 to 32 channels a group (in and out), stride 1 or 2, float16 / bfloat16
     NHWC, on mma.sync tensor cores from NHWC tiles (module docstring)."""
 
     name = "wgrad_grouped_mma"
@@ -453,6 +463,14 @@ class WgradGroupedMma(Variant):
             return "no tiling fits in shared memory (a band of one output row)"
         return None
 
+    def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
+        """First on groups of 2 to 24 channels (H200, ResNeXt-50's groups of 4, 8, 16: 1.1-2.6x cuDNN-best, where
+        wgrad_tc_grouped_half ran 0.33-1.0x); below it on groups of 32, where it ran 0.93-2.70x."""
+        return self.specialised if spec.cg < 32 else 0
+
+    def slow_on(self, spec: ConvSpec) -> str | None:
+        return wide_wgrad_slow(spec)
+
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
         geo = default_geo(spec, device)
         if geo is None:
@@ -462,7 +480,7 @@ class WgradGroupedMma(Variant):
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
         """The default, then channels a block x bands x images a block."""
         out = [self.default(spec, device)]
-        for cb in (16, 32, 8):
+        for cb in _widths(spec):
             for k in (1, 2, 4, 3, 6, 8):
                 for ni in (2, 4, 1, 8):
                     geo = _geo(spec, cb, cdiv(spec.p, k), ni)

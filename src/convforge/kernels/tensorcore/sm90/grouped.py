@@ -75,6 +75,17 @@ def backward_slow(spec: ConvSpec) -> str | None:
     return None
 
 
+def wide_wgrad_slow(spec: ConvSpec) -> str | None:
+    """Why the grouped wgrad of wide groups counts itself slow on ``spec``, or None: 3x3 groups of 32 channels in
+    and out at stride 1 on planes of 14 rows and more (H200, 2026-12-03: ResNeXt-101's 1024g32@14 at N32 ran
+    0.54x cuDNN-best FP16 on wgrad_tc_grouped_half and on wgrad_grouped_mma alike, 0.068 ms against 0.037;
+    the 7-row and stride-2 layers of 32-channel groups ran 1.05-1.80x; wider groups unmeasured)."""
+    if spec.cg == spec.kg == WIDE and spec.stride == (1, 1) and spec.p >= 14 and (spec.r, spec.s) == (3, 3):
+        return (f"groups of {spec.cg} channels, 3x3 at stride 1 on {spec.p}-row planes: the grouped wgrads ran "
+                "0.54x cuDNN-best there (docs/NOTES-wgrad.md)")
+    return None
+
+
 class TcGrouped(TcImplicitGemm):
     """Grouped convolution as one batched GEMM of its groups (see the module docstring)."""
 
@@ -286,7 +297,7 @@ class TcGroupedWgrad(TcWgrad):
         self.named_only = self.name not in BACKWARD_TIMED  # until a GPU has run and timed it
 
     def slow_on(self, spec: ConvSpec) -> str | None:
-        return backward_slow(spec)
+        return backward_slow(spec) or wide_wgrad_slow(spec)
 
     def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
         if spec.groups == 1:
