@@ -200,7 +200,14 @@ def test_model_commands_without_a_cuda_device_say_so(capsys: pytest.CaptureFixtu
         torch = None
     if torch is not None and torch.cuda.is_available():
         pytest.skip("a CUDA device is present: the GPU tier runs these")
-    want = "needs PyTorch" if torch is None else "torch sees none"
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        vision = False
+    else:
+        vision = True
+    # without torch: PyTorch is asked for; with torch but no torchvision (a CPU torch alone): torchvision is
+    want = "needs PyTorch" if torch is None else "torch sees none" if vision else "needs torchvision"
     for argv in (["tune", "--model", "resnet18"], ["bench", "--model", "resnet18:2", "--precision", "both", "--tune"]):
         rc, out = run_main(argv, capsys)
         assert rc == 2 and want in out, out
