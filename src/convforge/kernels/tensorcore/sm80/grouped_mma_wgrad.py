@@ -184,6 +184,11 @@ class Geo:
         return self.spec.c // self.cb * self.slices
 
     @property
+    def partials(self) -> int:
+        """Floats of the slices' partial filters (32-bit offsets: ``too_big`` refuses more)."""
+        return self.slices * self.spec.k * self.spec.cg * self.taps
+
+    @property
     def min_blocks(self) -> int:
         return max(1, min(_MAX_SMEM // max(self.smem, 1), 65536 // (self.threads * 80), 8))
 
@@ -459,9 +464,10 @@ class WgradGroupedMma(Variant):
             return f"filters of at most {_MAX_TAPS} taps (the fragments a warp holds)"
         if device.backend != "cuda" or not device.cc or device.cc < (8, 0):
             return "mma.sync .f16 / .bf16 and ldmatrix need a CUDA device of compute capability 8.0 or above"
-        if default_geo(spec, device) is None:
+        geo = default_geo(spec, device)
+        if geo is None:
             return "no tiling fits in shared memory (a band of one output row)"
-        return None
+        return too_big(spec, geo.partials, "partial filters")
 
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
         """First on groups of 2 to 24 channels (H200, ResNeXt-50's groups of 4, 8, 16: 1.1-2.6x cuDNN-best, where
@@ -489,13 +495,13 @@ class WgradGroupedMma(Variant):
         return out
 
     def workspace_bytes(self, spec: ConvSpec, params: Params) -> int:
-        return 4 * Geo.of(spec, params).slices * spec.k * spec.cg * spec.r * spec.s
+        return 4 * Geo.of(spec, params).partials
 
     def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
              epilogue: Epilogue = Epilogue()) -> Plan:
         no_epilogue(self.name, epilogue)
         geo = Geo.of(spec, params)
-        why = geo.problem()
+        why = geo.problem() or too_big(spec, geo.partials, "partial filters")
         if why:
             raise ValueError(f"{self.name}: {why}")
         name = "wgrad_grouped_mma"
