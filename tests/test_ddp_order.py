@@ -130,7 +130,7 @@ CPP_PATHS = ["BlockNode::backward", "ConvNode::backward", "ConvReluNode::backwar
              "op_input_cuda", "op_weight_cuda", "pass_cuda", "run_pass", "launch_filtered", "filters_for",
              "launch_checked", "launch_bn", "scratch", "relu_back_f32", "NormGeluNode::backward",
              "ScaleResidualNode::backward", "mlp_linear_grads", "launch_norm", "SeNode::backward", "launch_se",
-             "PoolNode::backward", "launch_pool"]
+             "PoolNode::backward", "launch_pool", "BnNode::backward", "bn_backward"]
 CORE_PATHS = ["launch_all", "capturing"]
 # Python: (module file, "Class.method" or function): the nodes' backward and the launchers they use
 PY_PATHS = [("torch/ops.py", "_Conv2dFn.backward"), ("torch/batchnorm.py", "_BnAct.backward"),

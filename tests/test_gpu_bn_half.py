@@ -328,3 +328,86 @@ def test_fused_resnet_amp_step_runs_every_batch_norm_ours(gpu, monkeypatch):
     for (name, p), q, p64 in zip(model.named_parameters(), amp.parameters(), ref64.parameters()):
         mine, theirs = _rel(p.grad, p64.grad), _rel(q.grad, p64.grad)
         assert mine <= max(2 * theirs, 1e-2), (name, mine, theirs)
+
+
+def _node_call(bn, y, res, gz, relu, act, grads):
+    """One training call of bn_act with the inputs in ``grads`` ("y", "res", "weight", "bias") requiring
+    gradients: z, those gradients, the running statistics and the batch count."""
+    from convforge.torch import batchnorm as bt
+
+    yy = y.detach().clone(memory_format=torch.preserve_format).requires_grad_("y" in grads)
+    rr = None if res is None else res.detach().clone(memory_format=torch.preserve_format).requires_grad_(
+        "res" in grads)
+    for name in ("weight", "bias"):
+        if getattr(bn, name) is not None:
+            getattr(bn, name).requires_grad_(name in grads)
+    z = bt.bn_act(yy, bn, rr, relu, act)
+    inputs = [t for name, t in (("y", yy), ("res", rr), ("weight", bn.weight), ("bias", bn.bias))
+              if name in grads and t is not None]
+    got = list(torch.autograd.grad(z, inputs, gz)) if inputs else []
+    return [z, *got, *(t for t in (bn.running_mean, bn.running_var, bn.num_batches_tracked) if t is not None)]
+
+
+# (N, C, H, W, residual, relu, affine, track, act, the inputs requiring gradients)
+NODE_CASES = [(4, 64, 14, 14, False, True, True, True, "", "y weight bias"),  # a pre-activation
+              (1, 3, 7, 7, False, False, True, True, "", "y weight bias"),
+              (2, 5, 9, 11, True, True, True, True, "", "y res weight bias"),
+              (2, 5, 9, 11, True, False, True, True, "", "res bias"),  # the edge count without y's gradient
+              (3, 7, 13, 13, True, True, False, True, "", "res"),  # no affine: res's edge after y's
+              (4, 132, 5, 5, False, True, True, False, "", "weight"),  # no running statistics
+              (8, 16, 6, 6, False, False, True, True, "silu", "y bias"),
+              (16, 24, 1, 1, False, False, True, True, "hardswish", "y weight")]
+
+
+@pytest.mark.parametrize("params", ["float32", "same"], ids=["fp32-params", "same-params"])
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("dtype", [torch.float32, *DTYPES], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("case", NODE_CASES, ids=lambda c: _case_id(c[:8]) + (f"_{c[8]}" if c[8] else "")
+                         + "_" + c[9].replace(" ", "-"))
+def test_native_node_equals_the_python_node(gpu, monkeypatch, case, dtype, fmt, params):
+    """native_nodes.inc's BnNode (the module loaded: it takes the call, its counter moves) against
+    batchnorm._BnAct (the module withheld): z, every gradient asked for, the running statistics and the
+    batch count bit for bit, including calls where only some inputs need a gradient (the node numbers its
+    gradient edges over the tensors given, not the arguments)."""
+    from convforge.frontends import fast_path
+
+    module = fast_path.torch_module()
+    if module is None:
+        pytest.skip("the native module did not build on this machine (its log says why)")
+    n, c, h, w, residual, relu, affine, track, act, grads = case
+    if params == "same" and dtype == torch.float32:
+        pytest.skip("float32 activations: the parameters are float32 in both forms (the fp32-params case)")
+    pdt = torch.float32 if params == "float32" else dtype
+    g = torch.Generator(device="cuda").manual_seed(4)
+    mf = FORMATS[fmt]
+
+    def act_like(scale=1.0, shift=0.0):
+        return (torch.randn(n, c, h, w, device="cuda", generator=g) * scale + shift).to(dtype).contiguous(
+            memory_format=mf)
+
+    y, gz = act_like(2.0, 0.7), act_like()
+    res = act_like() if residual else None
+    before = module.stats()["bn_runs"]
+    got = _node_call(_module(c, affine, track, 0, pdt), y, res, gz, relu, act, grads.split())
+    assert module.stats()["bn_runs"] - before == 1, "the C++ node did not take the call"
+    monkeypatch.setattr(fast_path, "TORCH", None)
+    want = _node_call(_module(c, affine, track, 0, pdt), y, res, gz, relu, act, grads.split())
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert a.dtype == b.dtype and a.stride() == b.stride() and torch.equal(a, b), i
+
+
+def test_native_node_refuses_a_second_differentiation(gpu):
+    """BnNode's gradients are differentiable once, as _BnAct's (once_differentiable): a double backward
+    raises naming the batch norm instead of a silent zero."""
+    from convforge.frontends import fast_path
+    from convforge.torch import batchnorm as bt
+
+    if fast_path.torch_module() is None:
+        pytest.skip("the native module did not build on this machine (its log says why)")
+    bn = _module(8, True, True, 0)
+    y = torch.randn(2, 8, 6, 6, device="cuda").half().requires_grad_()
+    z = bt.bn_act(y, bn, None, True)
+    (gy,) = torch.autograd.grad(z.float().pow(2).sum(), y, create_graph=True)
+    with pytest.raises(RuntimeError, match="batch norm"):
+        gy.float().sum().backward()

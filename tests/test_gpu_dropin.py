@@ -194,6 +194,54 @@ def test_conv_transpose2d_module_trains_like_pytorch(gpu):
         assert yh.dtype == torch.bfloat16 and _rel(yh, y64.detach()) < 2e-2
 
 
+def _transpose_call(x0, w0, b0, grads, geo):
+    """y and the gradients in ``grads`` ("x", "w", "b") of one conv_transpose2d call on copies of the operands."""
+    import convforge.torch as ct
+
+    x = x0.clone(memory_format=torch.preserve_format).requires_grad_("x" in grads)
+    w = w0.clone().requires_grad_("w" in grads)
+    b = None if b0 is None else b0.clone().requires_grad_("b" in grads)
+    y = ct.conv_transpose2d(x, w, b, *geo)
+    inputs = [t for name, t in (("x", x), ("w", w), ("b", b)) if name in grads and t is not None]
+    gy = torch.randn(y.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(6))
+    return [y, *torch.autograd.grad(y, inputs, gy.to(y.dtype))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("grads", ["x w b", "w", "x b"])
+def test_conv_transpose2d_native_node_equals_the_python_node(gpu, monkeypatch, dtype, grads):
+    """native_nodes.inc's TransposeNode (the module loaded: it takes the call, its counter moves) against
+    transposed._ConvTransposeFn (the module withheld): y and each gradient asked for bit for bit; stride 2
+    with output padding and groups, N=1 with a prime width, channels_last input, no bias."""
+    from convforge.frontends import fast_path
+
+    module = fast_path.torch_module()
+    if module is None:
+        pytest.skip("the native module did not build on this machine (its log says why)")
+    g = torch.Generator(device="cuda").manual_seed(5)
+    # (x shape, w shape, bias, stride, padding, output_padding, groups, dilation, channels_last)
+    layers = [((3, 16, 7, 9), (16, 8, 4, 4), True, 2, 1, 0, 1, 1, False),
+              ((2, 12, 5, 6), (12, 3, 3, 3), True, 2, 1, 1, 2, 1, False),
+              ((1, 8, 11, 13), (8, 8, 3, 3), False, 1, 2, 0, 1, 2, False),
+              ((4, 32, 8, 8), (32, 16, 2, 2), True, 2, 0, 0, 1, 1, True)]
+    for xs, ws, has_bias, stride, pad, opad, groups, dil, cl in layers:
+        x0 = torch.randn(xs, device="cuda", generator=g).to(dtype)
+        if cl:
+            x0 = x0.contiguous(memory_format=torch.channels_last)
+        w0 = (torch.randn(ws, device="cuda", generator=g) * 0.1).to(dtype)
+        b0 = torch.randn(ws[1] * groups, device="cuda", generator=g).to(dtype) if has_bias else None
+
+        before = module.stats()["transpose_runs"]
+        args = (x0, w0, b0, grads, (stride, pad, opad, groups, dil))
+        got = _transpose_call(*args)
+        assert module.stats()["transpose_runs"] - before == 1, "the C++ node did not take the call"
+        with monkeypatch.context() as m:
+            m.setattr(fast_path, "TORCH", None)
+            want = _transpose_call(*args)
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert a.dtype == b.dtype and a.stride() == b.stride() and torch.equal(a, b), (xs, ws, i)
+
+
 def test_torch_compile_backend_on_cuda_matches_eager(gpu):
     from convforge.torch import compile_backend
 

@@ -130,8 +130,8 @@ def _env_settings(env: Mapping[str, str]) -> dict[str, tuple[str, Callable[[], A
         "grad_rows": ("CONVFORGE_GRAD_ROWS",
                       lambda: parse_bool("CONVFORGE_GRAD_ROWS", get("CONVFORGE_GRAD_ROWS") or "1")),
         # A fused conv -> batch norm [-> + residual] [-> ReLU] block in training as one C++ autograd node
-        # (torch/native.cpp BlockNode: conv and batch-norm launches from C++); off: the op's node and
-        # batchnorm._BnAct, Python's
+        # (torch/native.cpp BlockNode: conv and batch-norm launches from C++); off: the op's node, then the
+        # batch norm's own node (native_nodes.inc BnNode), for debugging
         "native_block": ("CONVFORGE_NATIVE_BLOCK",
                          lambda: parse_bool("CONVFORGE_NATIVE_BLOCK", get("CONVFORGE_NATIVE_BLOCK") or "1")),
         # That block's conv writes the batch norm's partial sums in its epilogue (tensor-core NHWC forwards:

@@ -27,6 +27,7 @@ from torch.autograd.function import once_differentiable
 
 from convforge.backends import get_backend
 from convforge.config import config
+from convforge.frontends import fast_path
 from convforge.kernels.batchnorm import BN_SLOTS, BnProgram, BnTrain, bn_program
 
 _F32 = torch.float32
@@ -115,12 +116,22 @@ def bn_act(y: torch.Tensor, bn: torch.nn.BatchNorm2d, res: torch.Tensor | None =
     """[ReLU](batch_norm(y) [+ res]), or ``act`` ("silu", "hardswish": no ReLU, no residual) of
     batch_norm(y), with batch statistics, the module's running statistics and batch count updated;
     differentiable in y, res and the module's weight and bias; in y's dtype and memory format. The
-    caller checked :func:`takes`."""
+    caller checked :func:`takes`. With the native module loaded the node is native_nodes.inc's ``BnNode``
+    (filed here before the shape's first call), else :class:`_BnAct`: the same launches either way."""
     p, b = bn._parameters, bn._buffers
     key = _key(bn, y, res, relu, act)
+    args = (y, res, p.get("weight"), p.get("bias"), b.get("running_mean"), b.get("running_var"),
+            b.get("num_batches_tracked"))
+    module = fast_path.torch_module()
+    if module is not None:  # native_nodes.inc's BnNode: the same launches from C++
+        handle = _HANDLES.get(key)
+        if handle is None:
+            handle = native_handle(module, bn, y, res, relu, None, act)
+        z = module.bn(*args, handle)
+        if z is not None:
+            return z  # type: ignore[no-any-return]
     prog = _PROGRAMS.get(key) or _program(key)
-    return _BnAct.apply(y, res, p.get("weight"), p.get("bias"), b.get("running_mean"),  # type: ignore[no-any-return]
-                        b.get("running_var"), b.get("num_batches_tracked"), prog)
+    return _BnAct.apply(*args, prog)  # type: ignore[no-any-return]
 
 
 def block_ok(bn: torch.nn.BatchNorm2d) -> bool:
@@ -132,12 +143,13 @@ def block_ok(bn: torch.nn.BatchNorm2d) -> bool:
 def native_handle(module: Any, bn: torch.nn.BatchNorm2d, y: torch.Tensor, res: torch.Tensor | None,
                   relu: bool, stats: tuple[Any, int, Any] | None = None, act: str = "") -> int:
     """The handle of this call's batch-norm program filed with native.cpp (``register_bn``), for its
-    ``block``: the kernels :func:`bn_act` launches, by the same call key. ``stats``: (the block's conv as a
-    native program whose epilogue writes P partial sums into the "res" slot, P, that conv's identity): the
-    forward then finalizes those (``bn_program(partials=P)``) and the block runs that conv
-    (:func:`stats_conv_program`). The handle then carries the conv, so it is filed by the conv's identity
-    too: two blocks whose batch norms match (a 1x1 and a 3x3 conv into 64 channels) get one each. ``act``:
-    as :func:`bn_act`'s (the node needs no more: it saves and allocates as for a batch norm without ReLU)."""
+    ``block`` (and, without ``stats``, its ``bn``): the kernels :func:`bn_act` launches, by the same call
+    key. ``stats``: (the block's conv as a native program whose epilogue writes P partial sums into the
+    "res" slot, P, that conv's identity): the forward then finalizes those (``bn_program(partials=P)``)
+    and the block runs that conv (:func:`stats_conv_program`). The handle then carries the conv, so it is
+    filed by the conv's identity too: two blocks whose batch norms match (a 1x1 and a 3x3 conv into 64
+    channels) get one each. ``act``: as :func:`bn_act`'s (the node needs no more: it saves and allocates
+    as for a batch norm without ReLU)."""
     key = _key(bn, y, res, relu, act)
     hkey = key if stats is None else (*key, stats[1], stats[2])
     handle = _HANDLES.get(hkey)

@@ -175,11 +175,13 @@ void launch_checked(const Program& p, const std::vector<LaunchRec>& runs, const 
 // Counted off the hot path, for tests and the host-cost script: filter transforms run, op calls
 // that went to Python (misses, layers convforge leaves to PyTorch).
 std::atomic<uint64_t> transforms{0}, op_fallbacks{0}, pass_runs{0}, block_runs{0}, relu_runs{0}, pair_runs{0},
-    cast_runs{0}, mlp_runs{0}, se_runs{0}, pool_runs{0};
+    cast_runs{0}, mlp_runs{0}, se_runs{0}, pool_runs{0}, bn_runs{0},
+    transpose_runs{0};
 // pass_runs: backward calls run here, block_runs: conv -> batch norm blocks run by BlockNode, relu_runs: conv ->
 // ReLU layers run by ConvReluNode, pair_runs: block dgrads run with a later block's residual gradient added,
 // cast_runs: blocks' master filters cast by their attached casts (attach_wcast), mlp_runs: calls run by the MLP
-// nodes (native_mlp.inc), se_runs, pool_runs: calls run by SeNode, PoolNode (native_layers.inc)
+// nodes (native_mlp.inc), se_runs, pool_runs: calls run by SeNode, PoolNode (native_layers.inc),
+// bn_runs, transpose_runs: calls run by BnNode, TransposeNode (native_nodes.inc)
 
 // The packed filter-derived buffer for w (transformed now if missing or stale), or undefined:
 // inference tensors (no version counter) run the whole plan, as in Python.
@@ -343,7 +345,7 @@ PyObject* py_register(PyObject*, PyObject* const* a, Py_ssize_t n) {
 }
 
 PyObject* py_stats(PyObject*, PyObject*) {
-  return Py_BuildValue("{s:n,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "entries", static_cast<Py_ssize_t>(table.size()),
+  return Py_BuildValue("{s:n,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "entries", static_cast<Py_ssize_t>(table.size()),
                        "transforms", static_cast<unsigned long long>(transforms.load()), "op_fallbacks",
                        static_cast<unsigned long long>(op_fallbacks.load()), "pass_runs",
                        static_cast<unsigned long long>(pass_runs.load()), "block_runs",
@@ -353,7 +355,9 @@ PyObject* py_stats(PyObject*, PyObject*) {
                        static_cast<unsigned long long>(cast_runs.load()), "mlp_runs",
                        static_cast<unsigned long long>(mlp_runs.load()), "se_runs",
                        static_cast<unsigned long long>(se_runs.load()), "pool_runs",
-                       static_cast<unsigned long long>(pool_runs.load()));
+                       static_cast<unsigned long long>(pool_runs.load()), "bn_runs",
+                       static_cast<unsigned long long>(bn_runs.load()), "transpose_runs",
+                       static_cast<unsigned long long>(transpose_runs.load()));
 }
 
 
@@ -453,6 +457,12 @@ PyMethodDef methods[] = {
     {"register_relu_back", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_register_relu_back)),
      METH_FASTCALL, "register_relu_back(conv2d's 14 arguments, rows, mask, fixed, dgrad, wgrad, scratch) -> whether "
      "a float32 conv -> ReLU layer's backward was filed"},
+    {"bn", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_bn)), METH_FASTCALL,
+     "bn(y, res, gamma, beta, running_mean, running_var, num_batches_tracked, handle) -> a batch norm's output "
+     "through one C++ autograd node, or None"},
+    {"conv_transpose", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_conv_transpose)), METH_FASTCALL,
+     "conv_transpose(x, w, bias, size, stride, padding, dilation, groups, algo, precision, max_error) -> "
+     "conv_transpose2d through one C++ autograd node, or None"},
     {"register_bn", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_register_bn)), METH_FASTCALL,
      "register_bn(program, n, c, hw, relu, residual, affine, track, st, part, dtype, pdtype, nhwc[, stats_conv]) -> "
      "a batch-norm program's handle"},
@@ -478,7 +488,8 @@ PyMethodDef methods[] = {
      "parts(conv2d's 14 arguments, piece, n) -> seconds of n repetitions of one piece of a warm call"},
 #endif
     {"stats", py_stats, METH_NOARGS,
-     "{entries, transforms, op_fallbacks, pass_runs, block_runs, relu_runs, pair_runs}: table size and counters"},
+     "{entries, transforms, op_fallbacks, pass_runs, block_runs, relu_runs, pair_runs, cast_runs, mlp_runs, "
+     "se_runs, pool_runs, bn_runs, transpose_runs}: table size and counters"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "convforge_native", "convforge's native fast path (torch)", -1,

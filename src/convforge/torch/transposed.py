@@ -5,8 +5,10 @@ Forward: ``convforge::conv2d_input`` (the dgrad of the forward layer whose input
 grad_output = x), the bias added after. Backward (one autograd node): the gradient of x through
 ``convforge::conv2d`` (the forward conv of grad_output with w), of w through ``convforge::conv2d_weight``
 (the forward layer's wgrad, grad_output as its input and x as its grad_output), of the bias through
-``convforge::conv2d_bias``. Every op has a fake implementation, so torch.compile traces it, and each is
-PyTorch's computation on CPU tensors and where no convforge variant runs the pass (logged once).
+``convforge::conv2d_bias``; with the native module loaded that node is native_nodes.inc's
+``TransposeNode`` (the same ops in the same order, no Python in its backward), else ``_ConvTransposeFn``.
+Every op has a fake implementation, so torch.compile traces it, and each is PyTorch's computation on CPU
+tensors and where no convforge variant runs the pass (logged once).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from convforge.frontends import fast_path
 from convforge.spec import transposed_geometry
 from convforge.torch.ops import BIAS_OP, INPUT_OP, OP, WEIGHT_OP
 
@@ -71,7 +74,10 @@ def conv_transpose2d(x: Any, w: Any, bias: Any = None, stride: int | Sequence[in
     call = (xb, w, bias, list(spec.x_shape), list(spec.stride), list(spec.pad), list(spec.dilation), spec.groups,
             algo, precision, max_error)
     if _GRAD_ENABLED() and (xb.requires_grad or w.requires_grad or (bias is not None and bias.requires_grad)):
-        y = _ConvTransposeFn.apply(*call)
+        module = fast_path.torch_module() if xb.is_cuda else None
+        y = None if module is None else module.conv_transpose(*call)  # native_nodes.inc's TransposeNode
+        if y is None:
+            y = _ConvTransposeFn.apply(*call)
     else:
         y = _forward(*call)
     return y.squeeze(0) if unbatched else y
