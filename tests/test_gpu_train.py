@@ -449,19 +449,21 @@ def test_bench_train_rows(gpu, tmp_path):
 
 
 def test_bench_amp_rows(gpu):
-    """``bench --model resnet18:4 --train --amp fp16``'s rows: the three steps timed in interleaved rounds, each
-    with its first step, peak memory and a loss curve of STEPS steps within PyTorch AMP's noise."""
+    """``bench --model resnet18:4 --train --amp fp16``'s rows: the five steps timed in interleaved rounds (PyTorch
+    AMP eager and from CUDA graphs, convert(), fuse() with its graphs and eager), each with its first step, peak
+    memory and a loss curve of STEPS steps within PyTorch AMP's noise; the two noise references beside them."""
     pytest.importorskip("torchvision", reason="torchvision not installed: bench --train needs it")
     from convforge.apps.bench import training_amp
 
     rows = training_amp.bench_amp("resnet18", 4, "fp16", 1, 5, {})
     by = {r["impl"]: r for r in rows}
-    assert set(by) == {"pytorch_amp", "convforge_amp", "convforge_fused_amp", "pytorch_amp_nobench", "pytorch_fp32"}
-    for impl in ("pytorch_amp", "convforge_amp", "convforge_fused_amp"):
+    steps = ("pytorch_amp", "pytorch_amp_graphs", "convforge_amp", "convforge_fused_amp", "convforge_fused_eager")
+    assert set(by) == {*steps, "pytorch_amp_nobench", "pytorch_fp32"}
+    for impl in steps:
         r = by[impl]
         assert r["status"] == "ok" and r["time_ms"] > 0 and r["peak_gib"] > 0 and r["first_step_s"] > 0, r
         assert len(r["loss_curve"]) == training_amp.STEPS and r["speedup"] > 0, r
-    assert by["convforge_amp"]["within_noise"] and by["convforge_fused_amp"]["within_noise"], rows
+    assert all(by[impl]["within_noise"] for impl in steps[1:]), rows
 
 
 def test_numpy_inputs_are_unchanged_by_gpu_runs(gpu, ocl):

@@ -51,6 +51,25 @@ def test_recording_draws_no_random_number_the_step_would_draw() -> None:
     assert torch.equal(torch.get_rng_state(), before)
 
 
+def test_recording_calls_no_forward_hook_of_the_model() -> None:
+    """A user's forward hook (a feature collector, a call counter) never sees the recording's forward, and
+    is back in place after it; a pre-hook (weight_norm computes its weight in one) still runs."""
+    fused = fuse(_net())[0].train()
+    seen: list[str] = []
+    mods = [m for m in fused.modules() if m is not fused]
+    handles = [mods[0].register_forward_hook(lambda *_: seen.append("post")),
+               mods[0].register_forward_hook(lambda *a, **k: seen.append("kw"), with_kwargs=True),
+               fused.register_forward_hook(lambda *_: seen.append("model"), always_call=True),
+               mods[0].register_forward_pre_hook(lambda *_: seen.append("pre"))]
+    x = torch.randn(2, 3, 11, 9)
+    record_calls(fused, (x,), {})
+    assert seen == ["pre"]
+    fused(x)
+    assert sorted(seen[1:]) == ["kw", "model", "post", "pre"]
+    for h in handles:
+        h.remove()
+
+
 def test_the_hook_is_quiet_on_cpu_and_without_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
     ran: list[int] = []
     monkeypatch.setattr(prep_mod, "_train_ahead", lambda m, a, k: ran.append(id(m)))

@@ -20,8 +20,9 @@ first eager inference forward prepares itself without knowing of ``prepare`` (an
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -209,7 +210,7 @@ def _record(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
             elif isinstance(m, FusedLinear) and linear is not None:
                 patched.append((m, m.__dict__.get("forward")))
                 m.forward = _linear_recorder(m, linear)  # type: ignore[method-assign]
-        with torch.no_grad():
+        with torch.no_grad(), _quiet_hooks(model):
             model(*args, **kwargs)
     finally:
         for m, own in patched:
@@ -218,6 +219,25 @@ def _record(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
             else:
                 m.forward = own  # type: ignore[method-assign]
     return list(jobs.values())
+
+
+_POST_HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+@contextlib.contextmanager
+def _quiet_hooks(model: torch.nn.Module) -> Iterator[None]:
+    """The modules' forward (post) hooks held back while the recording runs: a user's hook that collects
+    features or counts calls never sees the recording's extra forward. Pre-hooks stay (weight_norm and
+    the like compute the weights in one)."""
+    held = [(m, name, getattr(m, name)) for m in model.modules() for name in _POST_HOOKS
+            if getattr(m, name, None)]
+    for m, name, _ in held:
+        setattr(m, name, type(getattr(m, name))())
+    try:
+        yield
+    finally:
+        for m, name, hooks in held:
+            setattr(m, name, hooks)
 
 
 def _linear_recorder(m: Any, linear: Callable[[Any, torch.Tensor, Any], None]) -> Callable[..., torch.Tensor]:
