@@ -70,6 +70,32 @@ def test_recording_calls_no_forward_hook_of_the_model() -> None:
         h.remove()
 
 
+def test_a_pre_activation_batch_norm_is_predicted_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A conv that folds a training pre-activation (BN -> ReLU -> conv, DenseNet's) notes the batch norm's input,
+    and the prediction adds that batch norm's program by bn_act's call key, once for calls of one key (DenseNet's
+    first step compiled 58 of them one after another before)."""
+    from convforge.torch import batchnorm as bn_train
+    from convforge.torch import train_ahead
+
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.BatchNorm2d(8),
+                              torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 1))
+    fused = fuse(net)[0].train()
+    mods = dict(fused.named_modules())
+    conv = mods["4"]
+    bn = conv._cf_pre.bn
+    x = torch.randn(2, 8, 5, 7).contiguous(memory_format=torch.channels_last)
+    assert train_ahead._pre_of(conv, x, {id(bn)}) == (bn, True, torch.float32, "nhwc")
+    assert train_ahead._pre_of(conv, x, set()) is None  # a batch norm that does not train: nothing
+    assert train_ahead._pre_of(mods["0"], x, {id(bn)}) is None  # no pre-activation
+    monkeypatch.setattr(bn_train, "program_work", lambda key: ("work", key))
+    call = train_ahead.LayerCall((2, 8, 5, 7), (4, 8, 1, 1), (1, 1), (0, 0, 0, 0), (1, 1), 1, torch.float32, True, 0,
+                                 True, "auto", None, None, pre=(bn, True, torch.float32, "nhwc"))
+    seen: set = set()
+    key = bn_train.key_of(bn, (2, 8, 5, 7), torch.float32, "nhwc", False, True, 0)
+    assert train_ahead._pre_work(call, seen) == [("work", key)]
+    assert train_ahead._pre_work(call, seen) == []
+
+
 def test_the_hook_is_quiet_on_cpu_and_without_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
     ran: list[int] = []
     monkeypatch.setattr(prep_mod, "_train_ahead", lambda m, a, k: ran.append(id(m)))

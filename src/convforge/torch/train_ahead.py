@@ -79,6 +79,9 @@ class LayerCall:
     block: Any = None  # (module, batch norm, residual?, ReLU?, SiLU / HardSwish) of a fused block whose batch norm
     # trains, else None
     relu_node: bool = False  # the layer trains as a conv -> ReLU node (its forward's epilogue applies the ReLU)
+    # (batch norm, ReLU?, x's dtype, x's layout) of the pre-activation this conv folds, whose batch norm trains
+    # on x on its own (fused.PreActivation: batchnorm.bn_act), else None
+    pre: Any = None
     # the recorded input's and residual's identities (0: none), to find a block whose input a later block adds
     # (torch/residual_grad.py); not part of what the call needs
     x_id: int = dataclasses.field(default=0, compare=False)
@@ -131,14 +134,34 @@ def compile_training_ahead(model: torch.nn.Module, *example: Any, **example_kwar
 def _call_work(call: LayerCall, seen: set[Any]) -> list[Any]:
     """The programs one recorded call adds (module docstring), each conv problem and batch norm once:
     ``seen`` holds what earlier calls gave (layers of one shape share their programs)."""
-    conv = dataclasses.replace(call, block=None)
+    conv = dataclasses.replace(call, block=None, pre=None)
     out: list[Any] = []
     if conv not in seen:
         seen.add(conv)
         fwd = _forward_epilogue(call)
         passes = ("fprop",) * (fwd is not None) + (("dgrad", "wgrad") if call.needs_dgrad else ("wgrad",))
         out += [w for w in (_pass_work(call, p, fwd if p == "fprop" else None) for p in passes) if w is not None]
-    return out + _block_work(call, seen)
+    return out + _block_work(call, seen) + _pre_work(call, seen)
+
+
+def _pre_work(call: LayerCall, seen: set[Any]) -> list[Any]:
+    """The batch-norm program a pre-activation's training call builds (``batchnorm.bn_act`` on the conv's
+    input: DenseNet's, a pre-activation ResNet's), once per call key; empty where there is none."""
+    from convforge.config import config
+    from convforge.torch import batchnorm as bn_train
+
+    if call.pre is None or not config.train_bn:
+        return []
+    bn, relu, dtype, lay = call.pre
+    try:
+        key = bn_train.key_of(bn, call.x_shape, dtype, lay, False, relu, call.device)
+        if key in seen:
+            return []
+        seen.add(key)
+        return [bn_train.program_work(key)]
+    except (ValueError, RuntimeError, KeyError) as err:
+        log.debug("convforge: no pre-activation batch-norm program to compile ahead for %s (%s)", call.x_shape, err)
+        return []
 
 
 def _pair_work(first: LayerCall | None, seen: set[Any]) -> list[Any]:
@@ -241,11 +264,27 @@ def _layer_call(m: Conv2d, x: torch.Tensor, needs_dgrad: bool, res: Any = None,
     bn = getattr(m, "_cf_bn", None)
     relu = bool(getattr(m, "_cf_relu", False))
     block = (m, bn, res is not None, relu, str(getattr(m, "_cf_act", ""))) if id(bn) in held else None
+    pre = _pre_of(m, x, held)
     node = (relu and bn is None and res is None and not getattr(m, "_cf_residual", False) and config.train_bn
             and w.requires_grad)  # FusedConv2d._conv_relu's conditions (torch/conv_relu.py)
     return LayerCall(tuple(x.shape), tuple(w.shape), tuple(m.stride), padding_quad(m), tuple(m.dilation), m.groups,
                      dt, channels_last(x), x.device.index or 0, needs_dgrad, m.algo, m.precision, m.max_error,
-                     m.bias is not None, block, node, id(x), id(res) if isinstance(res, torch.Tensor) else 0)
+                     m.bias is not None, block, node, pre, id(x), id(res) if isinstance(res, torch.Tensor) else 0)
+
+
+def _pre_of(m: Conv2d, x: torch.Tensor, held: frozenset[int] | set[int]) -> tuple[Any, ...] | None:
+    """``LayerCall.pre`` of a conv whose pre-activation's batch norm trains (held in eval mode by the
+    recording) and would run on our kernels on ``x`` (batchnorm.takes' checks of the module and of x)."""
+    from convforge.torch import batchnorm as bn_train
+
+    pre = getattr(m, "_cf_pre", None)
+    bn: Any = getattr(pre, "bn", None)
+    if pre is None or id(bn) not in held or type(bn) is not torch.nn.BatchNorm2d or bn.momentum is None:
+        return None
+    lay = bn_train.layout(x)
+    if lay is None or x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or x.shape[1] != bn.num_features:
+        return None
+    return bn, bool(pre.relu), x.dtype, lay
 
 
 def _linear_call(m: Any, x: torch.Tensor, res: Any) -> tuple[Any, ...] | None:
@@ -312,7 +351,7 @@ def _block_work(call: LayerCall, seen: set[Any]) -> list[Any]:
                               call.device, act)
         work = [] if key in seen else [bn_train.program_work(key)]
         seen.add(key)
-        stats = ("stats", dataclasses.replace(call, block=None), key)
+        stats = ("stats", dataclasses.replace(call, block=None, pre=None), key)
         if stats not in seen and m.stats_conv_wanted(call.channels_last):
             seen.add(stats)
             found = m.stats_plan(call.x_shape, call.w_shape, call.dtype, call.device)
