@@ -471,7 +471,63 @@ def test_row_groups_compile_clean_and_refusals(nvcc_ok) -> None:
     """MobileNet-v2's 144@56 FP16 NHWC default with its rows in pairs, through nvcc without a spill; pg
     past the item's rows or past the register budget refused."""
     spec = _as(ConvSpec.make(64, 144, 56, 56, 144, 3, 3, 1, 1, groups=144), "float16", "nhwc")
-    prm = V.default(spec, NOMINAL_CUDA).replace(pg=2)
+    prm = next(p for p in V.space(spec, NOMINAL_CUDA) if p.get("pg", 1) == 2)  # the space's pairs point
     assert_compiles_clean(V, spec, prm, NOMINAL_CUDA)
     with pytest.raises(ValueError, match="pg"):
         V.plan(spec, prm.replace(pg=5), NOMINAL_CUDA)
+
+
+# NHWC half 3x3 layers at stride 1 whose K is not a multiple of 32: all K in one block of lanes of 4 channels
+WHOLE = [ConvSpec.make(2, 24, 13, 11, 24, 3, 3, 1, 1, groups=24),  # 6 lanes x 16 threads
+         ConvSpec.make(1, 144, 9, 7, 144, 3, 3, 1, (0, 1, 1, 0), groups=144)]  # 36 lanes x 8, asymmetric pad
+
+
+@pytest.mark.parametrize("case", range(len(WHOLE)))
+def test_whole_lanes_default_index_space(case) -> None:
+    """The GPU default on layers whose K takes whole lanes (bc = K / 4, not a power of two): every item
+    walked once, every load inside its item's window, every sum stored once."""
+    spec = _as(WHOLE[case], "float16", "nhwc")
+    prm = V.default(spec, NOMINAL_CUDA)
+    assert prm.bc == spec.k // 4 and prm.get("cv") == 4, prm
+    assert gaps(V.plan(spec, prm, NOMINAL_CUDA)) == [], f"[{prm.short()}] {spec.short()}"
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", range(len(WHOLE)))
+def test_whole_lanes_default_on_pocl(ocl, case, dtype) -> None:
+    """The GPU default's whole lanes (288 threads: 36 lanes of 4 channels x 8) and its one-wave slices,
+    run on PoCL against float64, output and workspace poisoned."""
+    spec = _as(WHOLE[case], dtype, "nhwc")
+    prm = V.default(spec, NOMINAL_CUDA)
+    res = check_plan(V.plan(spec, prm, ocl.device), ocl, seed=11)
+    assert res.ok, f"[{prm.short()}] {spec.short()}: {res}"
+
+
+@pytest.mark.parametrize("base, lanes, threads", [
+    (ConvSpec.make(64, 32, 112, 112, 32, 3, 3, 1, 1, groups=32), 8, 128),
+    (ConvSpec.make(64, 96, 112, 112, 96, 3, 3, 2, 1, groups=96), 8, 128),
+    (ConvSpec.make(64, 144, 56, 56, 144, 3, 3, 1, 1, groups=144), 36, 288),
+    (ConvSpec.make(64, 144, 56, 56, 144, 3, 3, 2, 1, groups=144), 8, 128),
+    (ConvSpec.make(64, 960, 7, 7, 960, 3, 3, 1, 1, groups=960), 8, 128),
+    (ConvSpec.make(64, 240, 28, 28, 240, 5, 5, 1, 2, groups=240), 32, 256),
+], ids=["32@112", "96@112/2", "144@56", "144@56/2", "960@7", "5x5-240@28"])
+def test_blocked_default_fills_one_wave(base, lanes, threads) -> None:
+    """The NHWC FP16 blocked defaults under a launch bound of mb blocks a compute unit launch one wave:
+    at most units x mb blocks, and fewer than one more slice's worth short of it (a grid of 2.01 waves
+    ran its last blocks on a few compute units: 144@56 0.064 -> 0.052 ms on the H200)."""
+    spec = _as(base, "float16", "nhwc")
+    prm = V._blocked_default(spec, NOMINAL_CUDA)
+    plan = V.plan(spec, prm, NOMINAL_CUDA)
+    step = next(s for s in plan.steps if s.kernel == "wgrad_depthwise")
+    blocks, slots = step.grid[0] * step.grid[1], NOMINAL_CUDA.units * prm.mb
+    assert prm.bc == lanes and step.block[0] == threads and prm.mb > 1, prm
+    assert slots - step.grid[0] < blocks <= slots, (prm.short(), step.grid, slots)
+
+
+def test_whole_lanes_default_compiles_clean(nvcc_ok) -> None:
+    """MobileNet-v2's 144@56 FP16 NHWC default (36 lanes x 8 threads under a bound of 2 blocks: 96
+    registers) through nvcc without a spill."""
+    spec = _as(ConvSpec.make(64, 144, 56, 56, 144, 3, 3, 1, 1, groups=144), "float16", "nhwc")
+    prm = V.default(spec, NOMINAL_CUDA)
+    assert (prm.bc, prm.bs, prm.mb, prm.ns) == (36, 8, 2, 264), prm
+    assert_compiles_clean(V, spec, prm, NOMINAL_CUDA)

@@ -238,22 +238,27 @@ class DepthwiseWgrad(Variant):
                 tp, bc = (min(4, spec.p), bc) if spec.p >= 28 else (tp, min(16, spec.k))
             if rs <= 9 and WTile(spec, 8, 16, tq, tp, 4).problem(device) is None:
                 bc, cv = 8, 4
+                whole = _whole_lanes(spec)
+                if whole is not None:
+                    t = WTile(spec, whole[0], whole[1], tq, tp, 4)
+                    if t.problem(device) is None:
+                        t = _row_loads(t, device)
+                        return _blocked_params(spec, t, _one_wave(spec, t, device))
         top = 128 if cv > 1 or spec.r * spec.s > 25 else 256  # the sweeps' block sizes (7x7: 128)
         for tq_, tp_ in ((tq, tp), (tq, 1), (min(tq, 4), 1), (1, 1)):
             for bt in ((top // bc, 128 // bc, 64 // bc, 32 // bc, 1) if device.is_gpu else (32 // bc, 1)):
                 t = WTile(spec, bc, max(1, bt), tq_, tp_, cv)
                 if t.problem(device) is None:
-                    ns = blocked_splits(spec, t.threads, t.channels, t.bt, t.items, device, spec.r * spec.s * cv,
-                                        t.tp)
-                    return _blocked_params(spec, _row_loads(t, device), ns)
+                    t = _row_loads(t, device)
+                    return _blocked_params(spec, t, _one_wave(spec, t, device))
         return _blocked_params(spec, WTile(spec, 1, 1, 1, 1), 1)
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
         out = [self.default(spec, device)]
         if not _tiled(spec):  # the blocked form's default (and its rows in pairs) beside the streamed form's sweep
             blocked = self._blocked_default(spec, device)
-            pairs = blocked.replace(pg=2)
-            t = WTile.of(spec, pairs)
+            t = WTile.of(spec, blocked)  # rows in pairs take ~122 registers: a bound that allows them
+            pairs = blocked.replace(pg=2, mb=max(1, min(t.mb, _SM_REGISTERS // (128 * t.threads))))
             out += [blocked] + ([pairs] if not t.pr and t.problem(device) is None else []) + stream_space(spec, device)
         rows = spec.n * spec.p
         if _tiled(spec):
@@ -384,8 +389,8 @@ def _row_loads(t: WTile, device: DeviceInfo) -> WTile:
     rs = s.r * s.s
     if not device.is_gpu or s.dtype == "float32" or s.layout != "nhwc":
         return t
-    if t.cv > 1 and rs == 9 and max(s.stride) == 1 and s.h <= 14:
-        return dataclasses.replace(t, mb=max(1, min(8, _SM_REGISTERS // (96 * t.threads))))
+    if t.cv > 1 and rs == 9 and max(s.stride) == 1:  # the bound names the residency _one_wave fills
+        return dataclasses.replace(t, mb=max(1, min(8, _SM_REGISTERS // ((96 if s.h <= 14 else 104) * t.threads))))
     if t.cv > 1:
         target = 128 if max(s.stride) > 1 else 0
     else:
@@ -394,6 +399,32 @@ def _row_loads(t: WTile, device: DeviceInfo) -> WTile:
         return t
     mb = max(1, min(8, _SM_REGISTERS // (target * t.threads)))
     return dataclasses.replace(t, pr=1, mb=mb)
+
+
+def _whole_lanes(spec: ConvSpec) -> tuple[int, int] | None:
+    """(bc, bt): lanes of 4 channels for all of K in one block, where blocks of 8 lanes (32 channels) would
+    end in a partial block (MobileNet-v2's K = 144: the fifth block of 32 had 16 idle channels) and the
+    threads make whole warps; stride-1 3x3 (its 101 registers take 2 blocks of 288 an SM under a bound
+    of 96; the strided layers' hoisted loads would spill there). None: K a multiple of 32, or no fit.
+    H200, thirty-fifth session, FP16 NHWC 144@56 N64: 0.0580 ms in 105 slices of 8 lanes (one wave)
+    against 0.0515 in 264 slices of 36 x 8 threads (one wave)."""
+    lanes = spec.k // 4
+    if spec.k % 32 == 0 or spec.k % 4 or max(spec.stride) > 1:
+        return None
+    return next(((lanes, bt) for bt in (8, 16, 4) if lanes * bt % 32 == 0 and lanes * bt <= 512), None)
+
+
+def _one_wave(spec: ConvSpec, t: WTile, device: DeviceInfo) -> int:
+    """Slices of the blocked form: where its launch bound names the blocks a compute unit keeps (mb > 1),
+    as many as fill every such slot once (units x mb blocks over the channel blocks; at least one item a
+    thread), else :func:`blocked_splits`. A grid of 2.01 or 1.48 waves ran its last part on a few compute
+    units: H200, thirty-fifth session, FP16 NHWC wgrad, one wave against the old rule's slices:
+    32@112 0.0549 -> 0.0468 ms, 96@112/2 0.0847 -> 0.0689, 144@56 0.0639 -> 0.0580, 144@56/2 0.0410 ->
+    0.0337, 192@28 0.0231 -> 0.0198; two waves ran slower than one on each of these."""
+    if not device.is_gpu or t.mb <= 1:
+        return blocked_splits(spec, t.threads, t.channels, t.bt, t.items, device, spec.r * spec.s * t.cv, t.tp)
+    slots = max(1, device.units) * t.mb
+    return max(1, min(slots // cdiv(spec.k, t.channels), max(1, t.items // t.bt)))
 
 
 def _blocked_params(spec: ConvSpec, t: WTile, ns: int) -> Params:
