@@ -131,6 +131,9 @@ def test_training_comparison_and_files(tmp_path):
     assert by[("convforge_fused", "fp32")]["loss_dev"] == pytest.approx(0.1 / 1.2)
     assert math.isclose(by[("convforge", "fp32")]["loss_noise"], 1e-6 / 1.2, rel_tol=1e-3)
     assert training.deviation([1.0, float("nan")], [1.0, 1.0]) == math.inf
+    # a memorised batch's tail: differences over 1 % of the first loss where the loss fell below it
+    assert training.deviation([8.0, 1.0e-4, 1.5e-4], [8.0, 1.2e-4, 1.0e-4]) == pytest.approx(5e-5 / 0.08)
+    assert training.deviation([8.0, 4.4], [8.0, 4.0]) == pytest.approx(0.1)
     training.write(tmp_path, {"device": "x"}, ["note"], ("fp32", "relaxed"), False, rows)
     doc = json.loads((tmp_path / "train.json").read_text())
     assert doc["steps"] == training.STEPS and len(doc["rows"]) == 6 and doc["rows"][0]["loss_curve"] == base
