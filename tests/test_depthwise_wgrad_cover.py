@@ -479,7 +479,8 @@ def test_row_groups_compile_clean_and_refusals(nvcc_ok) -> None:
 
 # NHWC half 3x3 layers at stride 1 whose K is not a multiple of 32: all K in one block of lanes of 4 channels
 WHOLE = [ConvSpec.make(2, 24, 13, 11, 24, 3, 3, 1, 1, groups=24),  # 6 lanes x 16 threads
-         ConvSpec.make(1, 144, 9, 7, 144, 3, 3, 1, (0, 1, 1, 0), groups=144)]  # 36 lanes x 8, asymmetric pad
+         ConvSpec.make(1, 144, 9, 7, 144, 3, 3, 1, (0, 1, 1, 0), groups=144),  # 36 lanes x 8, asymmetric pad
+         ConvSpec.make(2, 24, 11, 13, 24, 5, 5, 2, 2, groups=24)]  # 5x5 stride 2: 24 lanes of 1 channel x 4
 
 
 @pytest.mark.parametrize("case", range(len(WHOLE)))
@@ -488,7 +489,7 @@ def test_whole_lanes_default_index_space(case) -> None:
     walked once, every load inside its item's window, every sum stored once."""
     spec = _as(WHOLE[case], "float16", "nhwc")
     prm = V.default(spec, NOMINAL_CUDA)
-    assert prm.bc == spec.k // 4 and prm.get("cv") == 4, prm
+    assert prm.bc == spec.k // prm.get("cv", 1) and prm.get("cv", 1) == (4 if spec.r == 3 else 1), prm
     assert gaps(V.plan(spec, prm, NOMINAL_CUDA)) == [], f"[{prm.short()}] {spec.short()}"
 
 
@@ -510,7 +511,9 @@ def test_whole_lanes_default_on_pocl(ocl, case, dtype) -> None:
     (ConvSpec.make(64, 144, 56, 56, 144, 3, 3, 2, 1, groups=144), 8, 128),
     (ConvSpec.make(64, 960, 7, 7, 960, 3, 3, 1, 1, groups=960), 8, 128),
     (ConvSpec.make(64, 240, 28, 28, 240, 5, 5, 1, 2, groups=240), 32, 256),
-], ids=["32@112", "96@112/2", "144@56", "144@56/2", "960@7", "5x5-240@28"])
+    (ConvSpec.make(64, 72, 56, 56, 72, 5, 5, 2, 2, groups=72), 72, 288),
+    (ConvSpec.make(64, 960, 7, 7, 960, 5, 5, 1, 2, groups=960), 32, 256),
+], ids=["32@112", "96@112/2", "144@56", "144@56/2", "960@7", "5x5-240@28", "5x5-72@56/2", "5x5-960@7"])
 def test_blocked_default_fills_one_wave(base, lanes, threads) -> None:
     """The NHWC FP16 blocked defaults under a launch bound of mb blocks a compute unit launch one wave:
     at most units x mb blocks, and fewer than one more slice's worth short of it (a grid of 2.01 waves
@@ -524,10 +527,16 @@ def test_blocked_default_fills_one_wave(base, lanes, threads) -> None:
     assert slots - step.grid[0] < blocks <= slots, (prm.short(), step.grid, slots)
 
 
-def test_whole_lanes_default_compiles_clean(nvcc_ok) -> None:
-    """MobileNet-v2's 144@56 FP16 NHWC default (36 lanes x 8 threads under a bound of 2 blocks: 96
-    registers) through nvcc without a spill."""
-    spec = _as(ConvSpec.make(64, 144, 56, 56, 144, 3, 3, 1, 1, groups=144), "float16", "nhwc")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("base, want", [
+    (ConvSpec.make(64, 144, 56, 56, 144, 3, 3, 1, 1, groups=144), (36, 8, 2, 264)),
+    (ConvSpec.make(64, 72, 56, 56, 72, 5, 5, 2, 2, groups=72), (72, 4, 3, 396)),
+], ids=["3x3-144@56", "5x5-72@56/2"])
+def test_whole_lanes_default_compiles_clean(nvcc_ok, base, want, dtype) -> None:
+    """MobileNet-v2's 144@56 (36 lanes of 4 channels x 8 threads under a bound of 2 blocks: 96 registers)
+    and MobileNet-v3's 72@56/2 5x5 (72 lanes x 4 under 3 blocks) half NHWC defaults through nvcc without
+    a spill."""
+    spec = _as(base, dtype, "nhwc")
     prm = V.default(spec, NOMINAL_CUDA)
-    assert (prm.bc, prm.bs, prm.mb, prm.ns) == (36, 8, 2, 264), prm
+    assert (prm.bc, prm.bs, prm.mb, prm.ns) == want, prm
     assert_compiles_clean(V, spec, prm, NOMINAL_CUDA)

@@ -238,12 +238,12 @@ class DepthwiseWgrad(Variant):
                 tp, bc = (min(4, spec.p), bc) if spec.p >= 28 else (tp, min(16, spec.k))
             if rs <= 9 and WTile(spec, 8, 16, tq, tp, 4).problem(device) is None:
                 bc, cv = 8, 4
-                whole = _whole_lanes(spec)
-                if whole is not None:
-                    t = WTile(spec, whole[0], whole[1], tq, tp, 4)
-                    if t.problem(device) is None:
-                        t = _row_loads(t, device)
-                        return _blocked_params(spec, t, _one_wave(spec, t, device))
+            whole = _whole_lanes(spec, cv)
+            if whole is not None and spec.dtype != "float32":
+                t = WTile(spec, whole[0], whole[1], tq, tp, cv)
+                if t.problem(device) is None:
+                    t = _row_loads(t, device)
+                    return _blocked_params(spec, t, _one_wave(spec, t, device))
         top = 128 if cv > 1 or spec.r * spec.s > 25 else 256  # the sweeps' block sizes (7x7: 128)
         for tq_, tp_ in ((tq, tp), (tq, 1), (min(tq, 4), 1), (1, 1)):
             for bt in ((top // bc, 128 // bc, 64 // bc, 32 // bc, 1) if device.is_gpu else (32 // bc, 1)):
@@ -401,17 +401,18 @@ def _row_loads(t: WTile, device: DeviceInfo) -> WTile:
     return dataclasses.replace(t, pr=1, mb=mb)
 
 
-def _whole_lanes(spec: ConvSpec) -> tuple[int, int] | None:
-    """(bc, bt): lanes of 4 channels for all of K in one block, where blocks of 8 lanes (32 channels) would
-    end in a partial block (MobileNet-v2's K = 144: the fifth block of 32 had 16 idle channels) and the
-    threads make whole warps; stride-1 3x3 (its 101 registers take 2 blocks of 288 an SM under a bound
-    of 96; the strided layers' hoisted loads would spill there). None: K a multiple of 32, or no fit.
-    H200, thirty-fifth session, FP16 NHWC 144@56 N64: 0.0580 ms in 105 slices of 8 lanes (one wave)
-    against 0.0515 in 264 slices of 36 x 8 threads (one wave)."""
-    lanes = spec.k // 4
-    if spec.k % 32 == 0 or spec.k % 4 or max(spec.stride) > 1:
-        return None
-    return next(((lanes, bt) for bt in (8, 16, 4) if lanes * bt % 32 == 0 and lanes * bt <= 512), None)
+def _whole_lanes(spec: ConvSpec, cv: int) -> tuple[int, int] | None:
+    """(bc, bt): lanes of ``cv`` channels for all of K in one block, where blocks of 32 channels would end
+    in a partial block of at least a tenth of K idle (MobileNet-v2's K = 144: the fifth block of 32 had 16
+    idle channels; MobileNet-v3's 72: the third, 24 of 32) and the threads make whole warps (<= 512). Lanes of 4 channels: stride-1 3x3
+    only (its 101 registers take 2 blocks of 288 an SM under a bound of 96; the strided layers' hoisted
+    loads would spill there); lanes of 1: filters up to 5x5 (bounds of 64 to 85 registers). None: K a
+    multiple of 32, or no fit. H200, thirty-fifth session, FP16 NHWC 144@56 N64: 0.0580 ms in 105 slices
+    of 8 lanes (one wave) against 0.0515 in 264 slices of 36 x 8 threads (one wave)."""
+    lanes, idle = spec.k // cv, cdiv(spec.k, 32) * 32 - spec.k
+    if 10 * idle < spec.k or spec.k % cv or (max(spec.stride) > 1 if cv > 1 else spec.r * spec.s > 25):
+        return None  # K = 120, 240: 6 % idle, where 480-thread blocks spilled under the 5x5 bound (bfloat16)
+    return next(((lanes, bt) for bt in (8, 16, 4, 2, 1) if lanes * bt % 32 == 0 and lanes * bt <= 512), None)
 
 
 def _one_wave(spec: ConvSpec, t: WTile, device: DeviceInfo) -> int:
