@@ -399,3 +399,23 @@ def test_variants_that_say_tensor_cores_plan_on_tensor_cores():
                 assert plan.requires & TENSOR_CORE_FEATURES, (v.name, spec.short())
                 checked[v.name] += 1
     assert checked and not [n for n, c in checked.items() if c == 0], checked
+
+
+@pytest.mark.parametrize("shape, slow", [
+    ((32, 512, 56, 56, 512, 3, 3, 2, 1, 32), True),  # ResNeXt-101 512g32@56/2: 0.79x on the H200
+    ((64, 64, 112, 112, 64, 3, 3, 2, 1, 4), True),  # RegNetY-800MF 64@112/2: 0.77x
+    ((64, 144, 56, 56, 144, 3, 3, 2, 1, 9), True),  # RegNetY-800MF 144@56/2: 0.75x
+    ((64, 320, 28, 28, 320, 3, 3, 2, 1, 20), False),  # the same groups on 28 rows: 1.21x
+    ((32, 256, 56, 56, 256, 3, 3, 2, 1, 32), False),  # groups of 8 at stride 2: 1.07x
+    ((32, 512, 28, 28, 512, 3, 3, 1, 1, 32), False),  # stride 1
+], ids=["512g32@56/2", "64@112/2", "144@56/2", "320@28/2", "256g32@56/2", "512g32@28"])
+def test_packed_forward_hands_back_the_strided_layers_measured_slow(shape, slow):
+    """tc_grouped_packed_half counts itself slow (convforge.torch hands the layer to PyTorch) on groups of 16
+    channels at stride 2 on planes of >= 56 rows, measured below cuDNN-best FP16, and only there; it is
+    what auto runs on each of these layers."""
+    n, c, h, w, k, r, s, stride, pad, groups = shape
+    spec = ConvSpec.make(n, c, h, w, k, r, s, stride, pad, groups=groups, dtype="float16", layout="nhwc")
+    v = get_variant("tc_grouped_packed_half")
+    assert [x.name for x in ranked("auto", spec, NOMINAL_CUDA)][0] == v.name
+    assert bool(v.slow_on(spec)) == slow, v.slow_on(spec)
+    assert get_variant("dgrad_tc_grouped_packed_half").slow_on(spec.with_pass("dgrad")) is None

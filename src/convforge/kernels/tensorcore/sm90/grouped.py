@@ -237,6 +237,13 @@ class TcGroupedPacked(TcGrouped):
         return dataclasses.replace(spec, groups=spec.groups // pack_factor(spec))
 
     def slow_on(self, spec: ConvSpec) -> str | None:
+        """Groups of 16 to 31 channels at stride 2 on planes of >= 56 rows (H200, 2026-12-03, the grouped_conv
+        suite in FP16 NHWC at N32-64: ResNeXt-101's 512g32@56/2 0.79x cuDNN-best, RegNetY-800MF's 64@112/2
+        0.77x and 144@56/2 0.75x; the same groups at stride 2 on 28-row planes 1.21-1.42x, groups of 8 at
+        stride 2 on 56- and 112-row planes 1.07-1.17x), else None."""
+        if NARROW <= min(spec.cg, spec.kg) < WIDE and max(spec.stride) > 1 and spec.h >= 56:
+            return (f"groups of {spec.cg} -> {spec.kg} channels at stride {max(spec.stride)} on a {spec.h}-row plane: "
+                    "the packed grouped forward ran 0.75-0.79x cuDNN-best there (docs/BENCHMARKS.md)")
         return None
 
     def dgrad_slow_on(self, spec: ConvSpec) -> str | None:
