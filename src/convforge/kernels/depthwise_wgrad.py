@@ -404,11 +404,12 @@ def _row_loads(t: WTile, device: DeviceInfo) -> WTile:
 def _whole_lanes(spec: ConvSpec, cv: int) -> tuple[int, int] | None:
     """(bc, bt): lanes of ``cv`` channels for all of K in one block, where blocks of 32 channels would end
     in a partial block of at least a tenth of K idle (MobileNet-v2's K = 144: the fifth block of 32 had 16
-    idle channels; MobileNet-v3's 72: the third, 24 of 32) and the threads make whole warps (<= 512). Lanes of 4 channels: stride-1 3x3
-    only (its 101 registers take 2 blocks of 288 an SM under a bound of 96; the strided layers' hoisted
-    loads would spill there); lanes of 1: filters up to 5x5 (bounds of 64 to 85 registers). None: K a
-    multiple of 32, or no fit. H200, thirty-fifth session, FP16 NHWC 144@56 N64: 0.0580 ms in 105 slices
-    of 8 lanes (one wave) against 0.0515 in 264 slices of 36 x 8 threads (one wave)."""
+    idle channels; MobileNet-v3's 72: the third, 24 of 32) and the threads make whole warps (<= 512).
+    Lanes of 4 channels: stride-1 3x3 only (its 101 registers take 2 blocks of 288 an SM under a bound of
+    96; the strided layers' hoisted loads would spill there); lanes of 1: filters up to 5x5 (bounds of 64
+    to 85 registers). None: K a multiple of 32, or no fit. H200, thirty-fifth session, FP16 NHWC 144@56
+    N64: 0.0580 ms in 105 slices of 8 lanes (one wave) against 0.0515 in 264 slices of 36 x 8 threads
+    (one wave); 5x5 72@56/2: 0.0402 -> 0.0285 ms."""
     lanes, idle = spec.k // cv, cdiv(spec.k, 32) * 32 - spec.k
     if 10 * idle < spec.k or spec.k % cv or (max(spec.stride) > 1 if cv > 1 else spec.r * spec.s > 25):
         return None  # K = 120, 240: 6 % idle, where 480-thread blocks spilled under the 5x5 bound (bfloat16)
