@@ -242,15 +242,13 @@ class DepthwiseWgrad(Variant):
             if whole is not None and spec.dtype != "float32":
                 t = WTile(spec, whole[0], whole[1], tq, tp, cv)
                 if t.problem(device) is None:
-                    t = _row_loads(t, device)
-                    return _blocked_params(spec, t, _one_wave(spec, t, device))
+                    return _finished(t, device)
         top = 128 if cv > 1 or spec.r * spec.s > 25 else 256  # the sweeps' block sizes (7x7: 128)
         for tq_, tp_ in ((tq, tp), (tq, 1), (min(tq, 4), 1), (1, 1)):
             for bt in ((top // bc, 128 // bc, 64 // bc, 32 // bc, 1) if device.is_gpu else (32 // bc, 1)):
                 t = WTile(spec, bc, max(1, bt), tq_, tp_, cv)
                 if t.problem(device) is None:
-                    t = _row_loads(t, device)
-                    return _blocked_params(spec, t, _one_wave(spec, t, device))
+                    return _finished(t, device)
         return _blocked_params(spec, WTile(spec, 1, 1, 1, 1), 1)
 
     def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
@@ -427,6 +425,12 @@ def _one_wave(spec: ConvSpec, t: WTile, device: DeviceInfo) -> int:
         return blocked_splits(spec, t.threads, t.channels, t.bt, t.items, device, spec.r * spec.s * t.cv, t.tp)
     slots = max(1, device.units) * t.mb
     return max(1, min(slots // cdiv(spec.k, t.channels), max(1, t.items // t.bt)))
+
+
+def _finished(t: WTile, device: DeviceInfo) -> Params:
+    """The blocked default's parameters for tile ``t``: its row loads and launch bound, then its slices."""
+    t = _row_loads(t, device)
+    return _blocked_params(t.spec, t, _one_wave(t.spec, t, device))
 
 
 def _blocked_params(spec: ConvSpec, t: WTile, ns: int) -> Params:
