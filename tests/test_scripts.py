@@ -34,6 +34,7 @@ SCRIPTS = {
     "train_profile.py": "help (CUDA with torch and torchvision: it profiles a training step)",
     "sass_loads.py": "help, and test_sass_loads_runs_on_the_cpu",
     "tc_sum_model.py": "help, and test_tc_sum_model_runs_on_the_cpu",
+    "waves.py": "help, and test_waves_runs_on_the_cpu",
     "winograd_accuracy.py": "help (its table is docs/NOTES-winograd.md's; a run takes minutes on PoCL)",
 }
 NEEDS = {"host_cost.py": ("torch", "cupy")}  # modules a script imports at its top
@@ -78,6 +79,18 @@ def test_sass_loads_runs_on_the_cpu(nvcc_ok: bool) -> None:
                            "N=1,C=8,H=9,W=9,K=8,R=3,S=3,pad=1", "--variant", "direct"],
                           capture_output=True, text=True, env=ENV, timeout=300)
     assert proc.returncode == 0 and "regs" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_waves_runs_on_the_cpu(nvcc_ok: bool, tmp_path: Path) -> None:
+    """scripts/waves.py on a two-layer depthwise suite: the wgrad default's grid fills one wave, and the
+    whole-lanes block of 288 threads is counted at 2 an SM (its 96 registers: 18 warps in four quarters)."""
+    suite = tmp_path / "dw.json"
+    suite.write_text(json.dumps([{"name": "dw144", "N": 64, "C": 144, "H": 56, "W": 56, "K": 144, "R": 3, "S": 3,
+                                  "stride": 1, "pad": 1, "groups": 144}]))
+    proc = subprocess.run([sys.executable, str(SCRIPTS_DIR / "waves.py"), "--suite", str(suite), "--pass", "wgrad",
+                           "--dtype", "fp16", "--layout", "nhwc"], capture_output=True, text=True, env=ENV, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "wgrad_depthwise 96 regs x 288: 264 blocks, 2 an SM, 1.00 waves" in proc.stdout, proc.stdout
 
 
 # -- convforge bench --sweep (what scripts/gpu_wino_sweep.py did, and scripts/gpu-ab runs) -------------
