@@ -477,7 +477,8 @@ def test_row_groups_compile_clean_and_refusals(nvcc_ok) -> None:
         V.plan(spec, prm.replace(pg=5), NOMINAL_CUDA)
 
 
-# NHWC half 3x3 layers at stride 1 whose K is not a multiple of 32: all K in one block of lanes of 4 channels
+# NHWC half layers whose K would leave a tenth idle in blocks of 32: all K in one block of lanes (of 4 channels
+# on stride-1 3x3, of one channel up to 5x5)
 WHOLE = [ConvSpec.make(2, 24, 13, 11, 24, 3, 3, 1, 1, groups=24),  # 6 lanes x 16 threads
          ConvSpec.make(1, 144, 9, 7, 144, 3, 3, 1, (0, 1, 1, 0), groups=144),  # 36 lanes x 8, asymmetric pad
          ConvSpec.make(2, 24, 11, 13, 24, 5, 5, 2, 2, groups=24)]  # 5x5 stride 2: 24 lanes of 1 channel x 4
@@ -496,7 +497,7 @@ def test_whole_lanes_default_index_space(case) -> None:
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("case", range(len(WHOLE)))
 def test_whole_lanes_default_on_pocl(ocl, case, dtype) -> None:
-    """The GPU default's whole lanes (288 threads: 36 lanes of 4 channels x 8) and its one-wave slices,
+    """The GPU default's whole lanes (6 or 36 lanes of 4 channels, 24 of one) and its one-wave slices,
     run on PoCL against float64, output and workspace poisoned."""
     spec = _as(WHOLE[case], dtype, "nhwc")
     prm = V.default(spec, NOMINAL_CUDA)
