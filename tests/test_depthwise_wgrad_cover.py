@@ -541,3 +541,64 @@ def test_whole_lanes_default_compiles_clean(nvcc_ok, base, want, dtype) -> None:
     prm = V.default(spec, NOMINAL_CUDA)
     assert (prm.bc, prm.bs, prm.mb, prm.ns) == want, prm
     assert_compiles_clean(V, spec, prm, NOMINAL_CUDA)
+
+
+@pytest.mark.parametrize("base, want", [
+    (ConvSpec.make(64, 32, 112, 112, 32, 3, 3, 1, 1, groups=32), (128, 9, 37)),
+    (ConvSpec.make(64, 144, 56, 56, 144, 3, 3, 1, 1, groups=144), (128, 9, 8)),
+    (ConvSpec.make(64, 960, 7, 7, 960, 3, 3, 1, 1, groups=960), (128, 9, 1)),
+    (ConvSpec.make(64, 72, 56, 56, 72, 5, 5, 2, 2, groups=72), (128, 5, 9)),
+    (ConvSpec.make(64, 1152, 7, 7, 1152, 5, 5, 1, 2, groups=1152), (64, 10, 1)),
+    (ConvSpec.make(32, 96, 56, 56, 96, 7, 7, 1, 3, groups=96), (64, 8, 11)),
+    (ConvSpec.make(32, 384, 14, 14, 384, 7, 7, 1, 3, groups=384), (128, 4, 1)),
+    (ConvSpec.make(32, 768, 7, 7, 768, 7, 7, 1, 3, groups=768), (64, 8, 1)),
+], ids=["32@112", "144@56", "960@7", "5x5-72@56/2", "5x5-1152@7", "7x7-96@56", "7x7-384@14", "7x7-768@7"])
+def test_nchw_half_default_takes_the_fewest_waves(base, want) -> None:
+    """NCHW half defaults: blocks of 128 or 64 threads under a bound of 9 (3x3), 5 / 10 (5x5) or 4 / 8
+    (7x7) blocks, whichever launches fewer waves (then fills more), sliced to one wave (H200: 144@56
+    0.0654 -> 0.0469 ms, 7x7 768@7 0.0328 -> 0.0207)."""
+    spec = _as(base, "float16", "nchw")
+    prm = V.default(spec, NOMINAL_CUDA)
+    assert (prm.bt, prm.mb, prm.ns) == want, prm
+    step = next(s for s in V.plan(spec, prm, NOMINAL_CUDA).steps if s.kernel == "wgrad_depthwise")
+    slots = NOMINAL_CUDA.units * prm.mb
+    assert step.grid[0] <= max(slots, spec.k), (prm.short(), step.grid, slots)
+
+
+def test_nchw_half_default_leaves_float32_and_large_filters() -> None:
+    """float32 NCHW keeps the simple form and filters past 7x7 the blocked rule without a bound."""
+    big = ConvSpec.make(8, 64, 28, 28, 64, 9, 9, 1, 4, groups=64)
+    f32 = V.default(_as(big, "float32", "nchw"), NOMINAL_CUDA)
+    assert "tq" not in f32 and "mb" not in f32, f32
+    assert "mb" not in V.default(_as(big, "float16", "nchw"), NOMINAL_CUDA)
+
+
+# NCHW half layers of odd shapes under the GPU default: N = 1, prime channels and planes, stride 2 and 4,
+# asymmetric padding, a multiplier of 2
+NCHW_HALF = [ConvSpec.make(1, 13, 11, 9, 13, 3, 3, 2, (0, 1, 1, 0), groups=13),  # bt 128 under 9 blocks
+             ConvSpec.make(2, 7, 17, 13, 14, 5, 5, 1, 2, groups=7),  # K = 2C, 5x5
+             ConvSpec.make(1, 5, 23, 19, 5, 7, 7, 4, (3, 2, 1, 3), groups=5)]  # 7x7 stride 4
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", range(len(NCHW_HALF)))
+def test_nchw_half_default_on_pocl(ocl, case, dtype) -> None:
+    """The NCHW half GPU default (its bound and one-wave slices) run on PoCL against float64, output and
+    workspace poisoned."""
+    spec = _as(NCHW_HALF[case], dtype, "nchw")
+    prm = V.default(spec, NOMINAL_CUDA)
+    assert prm.get("mb", 1) > 1, prm
+    res = check_plan(V.plan(spec, prm, ocl.device), ocl, seed=13)
+    assert res.ok, f"[{prm.short()}] {spec.short()}: {res}"
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("base", [
+    ConvSpec.make(64, 192, 28, 28, 192, 3, 3, 1, 1, groups=192),  # 56 registers unbounded: the 3x3 bound
+    ConvSpec.make(64, 240, 28, 28, 240, 5, 5, 1, 2, groups=240),
+    ConvSpec.make(32, 192, 28, 28, 192, 7, 7, 1, 3, groups=192),
+], ids=["3x3-192@28", "5x5-240@28", "7x7-192@28"])
+def test_nchw_half_default_compiles_clean(nvcc_ok, base, dtype) -> None:
+    """The NCHW half defaults' bounds (56, 96 and 128 registers) leave ptxas without a spill."""
+    spec = _as(base, dtype, "nchw")
+    assert_compiles_clean(V, spec, V.default(spec, NOMINAL_CUDA), NOMINAL_CUDA)
