@@ -385,3 +385,30 @@ def test_half_nchw_3x3_on_large_planes_counts_itself_slow() -> None:
     for kept in (dataclasses.replace(mbv2, **change) for change in changes):
         assert is_fast(v, kept, NOMINAL_CUDA) and slow_reason(kept, NOMINAL_CUDA, v) is None, kept.short()
     assert slow_reason(dataclasses.replace(mbv2, r=1, s=3, pad=(0, 0, 1, 1)), NOMINAL_CUDA, v)  # 3 taps: small
+
+
+@pytest.mark.parametrize("base, tq", [
+    (ConvSpec.make(64, 192, 28, 28, 192, 3, 3, 2, 1, groups=192), 2),  # 14 super-pixel columns: 4 is ragged
+    (ConvSpec.make(64, 576, 14, 14, 576, 3, 3, 2, 1, groups=576), 1),  # 7 columns
+    (ConvSpec.make(64, 672, 14, 14, 672, 5, 5, 2, 2, groups=672), 1),
+    (ConvSpec.make(64, 144, 56, 56, 144, 3, 3, 2, 1, groups=144), 4),  # 28 columns: whole rows of 4 stay
+], ids=["192@28/2", "576@14/2", "5x5-672@14/2", "144@56/2"])
+def test_ragged_nchw_half_phases_take_narrow_rows(base, tq) -> None:
+    """NCHW half strided dgrad whose super-pixel columns do not split into whole rows of 4: 2 a thread
+    (1 under 8 columns); H200: 192@28/2 0.0627 -> 0.0132 ms, 576@14/2 0.0557 -> 0.0137. NHWC keeps its
+    tiles."""
+    v = get_variant("depthwise_dgrad")
+    assert v.default(_as(base, "float16", "nchw", "dgrad"), NOMINAL_CUDA).tq == tq
+    assert v.default(_as(base, "float16", "nhwc", "dgrad"), NOMINAL_CUDA).tq == 4  # channel vectors: no ragged rows
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("base", [ConvSpec.make(1, 7, 23, 27, 7, 3, 3, 2, (1, 0, 1, 0), groups=7),
+                                  ConvSpec.make(2, 5, 13, 14, 10, 5, 5, 2, 2, groups=5)], ids=["3x3-prime", "5x5-K2C"])
+def test_ragged_nchw_half_phases_on_pocl(ocl, base, dtype) -> None:
+    """The narrow-row GPU default of ragged strided dgrad (N = 1 and 2, prime sizes, asymmetric padding,
+    K = 2C) against float64 on PoCL, output poisoned."""
+    spec = _as(base, dtype, "nchw", "dgrad")
+    prm = get_variant("depthwise_dgrad").default(spec, NOMINAL_CUDA)
+    assert prm.tq in (1, 2), prm
+    _check(ocl, spec, prm, Epilogue(), seed=5)

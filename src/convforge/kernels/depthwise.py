@@ -805,12 +805,17 @@ def _special_default(st: Stencil, device: DeviceInfo) -> Params | None:
     threads; in half storage 4 output rows a thread at stride 1 on planes of 14 rows and more, and 16
     channels (128 threads) where 32 do not divide the channels or the filter is larger than 3x3, the
     strided dgrad's phases excepted (the FP16 sweep of MobileNet-v2's and ConvNeXt-T's forward layers,
-    docs/NOTES-gemm.md; the phases were not in it)."""
+    docs/NOTES-gemm.md; the phases were not in it). NCHW half phases whose super-pixel columns do not
+    split into whole tq (rows that take no vectors): 2 a thread (1 under 8 columns): H200, thirty-sixth
+    session, FP16 NCHW dgrad, MobileNet-v2's 192@28/2 0.0627 -> 0.0138 ms (tq 4 -> 2), 576@14/2 0.0559
+    -> 0.0177 (tq 1), among 48 sampled points of each space."""
     half = st.sto.half
     if st.phases:
         sh, sw = st.out_step
         tq = max(1, min((8 if half else 4) // sw, st.wo))
         tp = max(1, min(2 // sh, st.ho))
+        if half and not st.nhwc and st.wo % tq:
+            tq = 2 if st.wo >= 8 else 1  # ragged NCHW rows (scalar loads): see the docstring
     elif st.big:
         tq, tp = min(8, st.wo), min(4, st.ho)
     elif st.nhwc:
