@@ -4,9 +4,9 @@
                                            [--algo auto|VARIANT] [--params k=v,...]
 
 For each layer: the variant the algo ranks first, its default parameters, and for each of its kernels the
-registers ptxas allots, the threads and shared memory of a block, the blocks a compute unit keeps resident
-(registers in the register file's four 16K quarters, threads, shared memory, 32 blocks), the grid's blocks
-and the waves they make over 132 compute units. A grid of 1.05-1.5 waves runs its last part on a few
+registers ptxas allots (and any spill), the threads and shared memory of a block, the blocks a compute unit
+keeps resident (registers in the register file's four 16K quarters, threads, shared memory, 32 blocks), the
+grid's blocks and the waves they make over 132 compute units. A grid of 1.05-1.5 waves runs its last part on a few
 compute units (the depthwise wgrad's 144@56: 2.01 waves, 0.064 ms; one wave, 0.052).
 """
 
@@ -71,7 +71,8 @@ def main() -> int:
             info, blocks = infos[kern.name], step.grid[0] * step.grid[1] * step.grid[2]
             per_unit = resident(kern, info)
             waves = blocks / (per_unit * _UNITS) if per_unit else float("inf")
-            parts.append(f"{kern.name} {info.registers} regs x {kern.threads}: {blocks} blocks, "
+            spill = f" (spills {info.spill_stores} B)" if info.spill_stores or info.spill_loads else ""
+            parts.append(f"{kern.name} {info.registers} regs{spill} x {kern.threads}: {blocks} blocks, "
                          f"{per_unit} an SM, {waves:.2f} waves")
         print(f"{layer.name} | {v.name} [{prm.short()}] | " + "; ".join(parts))
     return 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -91,6 +92,10 @@ def test_waves_runs_on_the_cpu(nvcc_ok: bool, tmp_path: Path) -> None:
                            "--dtype", "fp16", "--layout", "nhwc"], capture_output=True, text=True, env=ENV, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "wgrad_depthwise 96 regs x 288: 264 blocks, 2 an SM, 1.00 waves" in proc.stdout, proc.stdout
+    squeezed = subprocess.run([sys.executable, str(SCRIPTS_DIR / "waves.py"), "--suite", str(suite), "--pass", "wgrad",
+                               "--dtype", "fp16", "--layout", "nchw", "--params", "bt=256,mb=8"],
+                              capture_output=True, text=True, env=ENV, timeout=300)  # a bound of 32 registers
+    assert re.search(r"wgrad_depthwise 32 regs \(spills \d+ B\) x 256: ", squeezed.stdout), squeezed.stdout + squeezed.stderr
 
 
 # -- convforge bench --sweep (what scripts/gpu_wino_sweep.py did, and scripts/gpu-ab runs) -------------
