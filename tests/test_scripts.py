@@ -95,7 +95,8 @@ def test_waves_runs_on_the_cpu(nvcc_ok: bool, tmp_path: Path) -> None:
     squeezed = subprocess.run([sys.executable, str(SCRIPTS_DIR / "waves.py"), "--suite", str(suite), "--pass", "wgrad",
                                "--dtype", "fp16", "--layout", "nchw", "--params", "bt=256,mb=8"],
                               capture_output=True, text=True, env=ENV, timeout=300)  # a bound of 32 registers
-    assert re.search(r"wgrad_depthwise 32 regs \(spills \d+ B\) x 256: ", squeezed.stdout), squeezed.stdout + squeezed.stderr
+    spilled = re.search(r"wgrad_depthwise 32 regs \(spills \d+ B\) x 256: ", squeezed.stdout)
+    assert spilled, squeezed.stdout + squeezed.stderr
 
 
 # -- convforge bench --sweep (what scripts/gpu_wino_sweep.py did, and scripts/gpu-ab runs) -------------
