@@ -4,6 +4,7 @@ A new script must get its row in SCRIPTS."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -156,6 +157,45 @@ def test_sweep_mods_time_the_default_and_its_changes(ocl, tmp_path: Path,  # typ
     assert got[1] == {**got[0], "tk": 2} and got[2] == {**got[0], "tp": 2, "tq": 1}
 
 
+def test_sweep_points_time_each_layers_own_changes(ocl, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """--sweep-points FILE: each named layer's default and its own mods (named as --pass names it, or by
+    the suite's name); the layers it does not name are skipped."""
+    from convforge import kernels
+    from convforge.apps.bench.suites import parse_row
+
+    dw = [{"name": n, "N": 1, "C": 6, "H": h, "W": 7, "K": 6, "R": 3, "S": 3, "stride": 1, "pad": 1, "groups": 6}
+          for n, h in (("d1", 9), ("d2", 11), ("d3", 5))]
+    suite, pts, out = tmp_path / "dw.json", tmp_path / "points.json", tmp_path / "out"
+    suite.write_text(json.dumps(dw))
+    pts.write_text(json.dumps({"d2:wgrad": ["ns=2", "default", "bt=64,ns=1"], "d3": ["ns=3"]}))
+    rc, text = run_main(["bench", "--suite", str(suite), "--backend", "opencl", "--sweep", "--pass", "wgrad",
+                         "--dtype", "fp16", "--algo", "depthwise_wgrad", "--sweep-points", str(pts),
+                         "--out", str(out)], capsys)
+    rows = json.loads((out / "sweep.json").read_text())["rows"]
+    assert rc == 0 and [r["layer"] for r in rows] == ["d2:wgrad"] * 3 + ["d3:wgrad"] * 2, text
+    v = kernels.get_variant("depthwise_wgrad")
+    spec = parse_row(dw[1], "test").spec.with_pass("wgrad")
+    default = json.loads(v.default(dataclasses.replace(spec, dtype="float16"), ocl.device).to_json())
+    assert [r["params"] for r in rows[:3]] == [default, {**default, "ns": 2}, {**default, "bt": 64, "ns": 1}]
+    assert rows[4]["params"]["ns"] == 3 and all(r["status"] == "ok" for r in rows), rows
+
+
+@pytest.mark.parametrize(("doc", "message"), [
+    ({"t9": ["ns=2"]}, "--sweep-points names layers the suite does not have: 't9'"),
+    (["ns=2"], "must be a JSON object from layer name to a non-empty list"),
+    ({"t1": []}, "must be a JSON object from layer name to a non-empty list"),
+    ({"t1": ["tk"]}, "layer 't1': --sweep-mods ('tk')"),
+], ids=["unknown-layer", "not-an-object", "empty-list", "bad-mod"])
+def test_bad_sweep_points_are_one_clear_error(doc: object, message: str, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    pts = tmp_path / "points.json"
+    pts.write_text(json.dumps(doc))
+    rc, out = run_main(["bench", "--suite", _suite(tmp_path), "--backend", "opencl", "--sweep", "--algo", "direct",
+                        "--sweep-points", str(pts)], capsys)
+    assert rc == 2 and message in out and "Traceback" not in out, out
+
+
 def test_sweep_takes_the_dtype(ocl, tmp_path: Path,  # type: ignore[no-untyped-def]
                               capsys: pytest.CaptureFixture[str]) -> None:
     """--dtype fp16 sweeps the half layers (round 27: the sweep ignored it and found no half variant)."""
@@ -188,6 +228,9 @@ BAD_SWEEPS = [
     (["--sweep", "--algo", "direct", "--compare-backends"], "--sweep cannot be combined with --compare-backends"),
     (["--sweep", "--algo", "direct", "--sweep-limit", "0"], "--sweep-limit (0) must be >= 1"),
     (["--sweep", "--algo", "direct", "--sweep-limit", "2", "--sweep-mods", "tk=2"], "exclude each other"),
+    (["--sweep", "--algo", "direct", "--sweep-mods", "tk=2", "--sweep-points", "p.json"], "exclude each other"),
+    (["--sweep", "--algo", "direct", "--sweep-points", "/nonexistent/p.json"], "--sweep-points (/nonexistent/p.json)"),
+    (["--sweep-points", "p.json"], "--sweep-points goes with --sweep"),
     (["--sweep", "--algo", "direct", "--sweep-mods", ";"], "names no change"),
     (["--sweep", "--algo", "direct", "--sweep-mods", "tk"], "--sweep-mods ('tk')"),
     (["--sweep-limit", "3"], "--sweep-limit goes with --sweep"),

@@ -110,6 +110,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep-mods", metavar="'k=v,k=v;k=v'",
                         help="with --sweep: each variant's default and the default changed by each "
                         "';'-separated mod, instead of the space")
+    parser.add_argument("--sweep-points", metavar="FILE",
+                        help="with --sweep: a JSON object from layer name to a list of 'k=v,k=v' mods; each named "
+                        "layer's default and its own changes (per-layer slice counts, say), the others skipped")
     parser.add_argument("--sweep-epilogue", metavar="'bias,residual,relu'",
                         help="with --sweep: every point runs with this epilogue (bias, residual and one of relu, "
                         "gelu, silu, hardswish, mish; checked against float64 with it), as a fused block's layer "

@@ -2,7 +2,8 @@
 
 For each layer and each variant the ``--algo`` options name (a variant, or the applicable variants of a
 family), the first ``--sweep-limit`` points of its space (or, with ``--sweep-mods``, its default and the
-default changed by each mod; ``default`` alone: the default) are compiled in parallel, with the epilogue
+default changed by each mod; ``default`` alone: the default; with ``--sweep-points FILE``, each layer's own mods,
+a JSON object from layer name to a list of mod strings) are compiled in parallel, with the epilogue
 ``--sweep-epilogue`` names (none by default), checked against the float64 reference and timed by the tuner's
 own measurement (``Tuner.measure_many``: the whole plan, every launch, inside the timed call). One row per
 point: time, effective TFLOPS, relative error, parameters, status; the fastest point of each layer is marked,
@@ -35,7 +36,7 @@ def check_sweep_args(args: argparse.Namespace) -> None:
     """The options a sweep needs and the ones it cannot take: SuiteError naming the option."""
     if not args.sweep:
         for flag, value in (("--sweep-limit", args.sweep_limit), ("--sweep-mods", args.sweep_mods),
-                            ("--sweep-epilogue", args.sweep_epilogue)):
+                            ("--sweep-points", args.sweep_points), ("--sweep-epilogue", args.sweep_epilogue)):
             if value is not None:
                 raise SuiteError(f"{flag} goes with --sweep")
         return
@@ -58,9 +59,13 @@ def check_sweep_args(args: argparse.Namespace) -> None:
         raise SuiteError("--suite is required (a built-in name or a JSON file)")
     if args.sweep_limit is not None and args.sweep_limit < 1:
         raise SuiteError(f"--sweep-limit ({args.sweep_limit}) must be >= 1")
-    if args.sweep_limit is not None and args.sweep_mods is not None:
-        raise SuiteError("--sweep-limit and --sweep-mods exclude each other (mods time the default and its changes)")
-    mods(args.sweep_mods)  # parsed now: a bad mod or epilogue is refused before anything compiles
+    given = [flag for flag, val in (("--sweep-limit", args.sweep_limit), ("--sweep-mods", args.sweep_mods),
+                                    ("--sweep-points", args.sweep_points)) if val is not None]
+    if len(given) > 1:
+        raise SuiteError(f"{' and '.join(given)} exclude each other (limit: the space's first points; mods: the "
+                         "default and its changes; points: each layer's own changes)")
+    mods(args.sweep_mods)  # parsed now: a bad mod, points file or epilogue is refused before anything compiles
+    layer_mods(args.sweep_points)
     epilogue(args.sweep_epilogue)
 
 
@@ -98,6 +103,38 @@ def mods(text: str | None) -> list[Params]:
     if not out:
         raise SuiteError(f"--sweep-mods ({text!r}) names no change: give 'k=v,k=v;k=v' or 'default'")
     return out
+
+
+def layer_mods(path: str | None) -> dict[str, list[Params]]:
+    """``--sweep-points FILE``: a JSON object from layer name to a list of ``'k=v,k=v'`` mods (``default``
+    allowed) -> each layer's changes of the default; SuiteError naming the file and the entry at fault."""
+    if path is None:
+        return {}
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise SuiteError(f"--sweep-points ({path}): {err}") from None
+    if not isinstance(doc, dict) or not all(isinstance(v, list) and v and all(isinstance(m, str) for m in v)
+                                            for v in doc.values()):
+        raise SuiteError(f"--sweep-points ({path}) must be a JSON object from layer name to a non-empty list of "
+                         "'k=v,k=v' mods")
+    out = {}
+    for name, changes in doc.items():
+        try:
+            out[name] = mods(";".join(changes))
+        except SuiteError as err:
+            raise SuiteError(f"--sweep-points ({path}), layer {name!r}: {err}") from None
+    return out
+
+
+def _base(name: str) -> str:
+    """A suite layer's name without the ``:dgrad`` / ``:wgrad`` that ``--pass`` adds."""
+    return name.rsplit(":", 1)[0] if name.endswith((":dgrad", ":wgrad")) else name
+
+
+def _own(name: str, per_layer: dict[str, list[Params]]) -> list[Params] | None:
+    """The ``--sweep-points`` mods of layer ``name`` (by its full name, else its suite name), or None."""
+    return per_layer.get(name, per_layer.get(_base(name)))
 
 
 def points(variant: Variant, spec: ConvSpec, backend: Backend, limit: int | None,
@@ -138,11 +175,20 @@ def run_sweep(args: argparse.Namespace, layers: list[Layer], backend: Backend, p
 
     tuner = Tuner(backend, seed=args.seed, repeats=args.repeats)
     changes = mods(args.sweep_mods)
+    per_layer = layer_mods(args.sweep_points)
+    names = {layer.name for layer in layers} | {_base(layer.name) for layer in layers}
+    unknown = sorted(set(per_layer) - names)
+    if unknown:
+        raise SuiteError(f"--sweep-points names layers the suite does not have: {', '.join(map(repr, unknown))}")
+    if per_layer:
+        layers = [layer for layer in layers if _own(layer.name, per_layer) is not None]
     rows: list[dict[str, Any]] = []
     best: dict[str, dict[str, Any]] = {}
     with phase_bars(console), Phase("sweeping the layers' tuning spaces", len(layers), "layers") as phase:
         for layer in layers:
-            rows += _sweep_layer(tuner, layer, args, backend, precision, changes, best, console)
+            own = _own(layer.name, per_layer)
+            rows += _sweep_layer(tuner, layer, args, backend, precision, changes if own is None else own, best,
+                                 console)
             phase.advance()
     if not rows:
         print("error: no --algo variant applies to any layer of the suite", file=sys.stderr)
