@@ -807,8 +807,8 @@ def _special_default(st: Stencil, device: DeviceInfo) -> Params | None:
     strided dgrad's phases excepted (the FP16 sweep of MobileNet-v2's and ConvNeXt-T's forward layers,
     docs/NOTES-gemm.md; the phases were not in it). NCHW half phases whose super-pixel columns do not
     split into whole tq (rows that take no vectors): 2 a thread (1 under 8 columns): H200, thirty-sixth
-    session, FP16 NCHW dgrad, MobileNet-v2's 192@28/2 0.0627 -> 0.0138 ms (tq 4 -> 2), 576@14/2 0.0559
-    -> 0.0177 (tq 1), among 48 sampled points of each space."""
+    session, FP16 NCHW dgrad, MobileNet-v2's 192@28/2 0.0627 -> 0.0132 ms (tq 4 -> 2), 576@14/2 0.0557
+    -> 0.0137 (tq 1): faster than the best of 48 points sampled from each space."""
     half = st.sto.half
     if st.phases:
         sh, sw = st.out_step
