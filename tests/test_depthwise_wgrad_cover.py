@@ -555,7 +555,7 @@ def test_whole_lanes_default_compiles_clean(nvcc_ok, base, want, dtype) -> None:
 ], ids=["32@112", "144@56", "960@7", "5x5-72@56/2", "5x5-1152@7", "7x7-96@56", "7x7-384@14", "7x7-768@7"])
 def test_nchw_half_default_takes_the_fewest_waves(base, want) -> None:
     """NCHW half defaults: blocks of 128 or 64 threads under a bound of 9 (3x3), 5 / 10 (5x5) or 4 / 8
-    (7x7) blocks, whichever launches fewer waves (then fills more), sliced to one wave (H200: 144@56
+    (7x7) blocks, whichever launches fewer waves (then fills more), sliced to one wave (H200 A/B: 144@56
     0.0654 -> 0.0469 ms, 7x7 768@7 0.0328 -> 0.0207)."""
     spec = _as(base, "float16", "nchw")
     prm = V.default(spec, NOMINAL_CUDA)

@@ -427,9 +427,11 @@ def _nchw_lanes(spec: ConvSpec, tq: int, tp: int, device: DeviceInfo) -> WTile |
     blocks as 56 (3x3), 96 (5x5) or 128 (7x7) registers a thread allow (ptxas takes 44-56, 72-96 and
     105-128 there unbounded), whichever fills the compute units' slots in fewer waves, then more fully
     (128 on a tie); :func:`_one_wave` then slices to one wave. H200, thirty-sixth session, FP16 NCHW
-    wgrad, against 256 threads in ~32 warps' slices (grids of 1.03-2.9 waves of 2-5 blocks an SM):
-    MobileNet-v2's 3x3 1.1-1.4x faster (144@56 0.0654 -> 0.0469 ms), 576@14 within 4 %; ConvNeXt's 7x7
-    1.2-1.6x; the 5x5 layers 1.2-1.45x. None: larger filters (their sums take more registers)."""
+    wgrad, against 256 threads in ~32 warps' slices (grids of 1.03-2.9 waves of 2-5 blocks an SM), the
+    A/B's one-wave points (slices counted from ptxas's residency; the defaults name it by the bound):
+    MobileNet-v2's 3x3 1.1-1.4x faster (144@56 0.0654 -> 0.0469 ms; the default 0.0486 in the bench),
+    576@14 within 4 %; ConvNeXt's 7x7 1.2-1.6x; the 5x5 layers 1.2-1.45x. None: larger filters (their sums
+    take more registers)."""
     rs = spec.r * spec.s
     regs = next((r for taps, r in _NCHW_REGS if rs <= taps), None)
     if regs is None:
