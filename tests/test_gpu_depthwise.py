@@ -74,6 +74,27 @@ def test_sampled_spaces_on_real_layers(cuda, conv_pass, dtype) -> None:
                 assert res.ok, f"{v.name} [{prm.short()}] {spec.short()}: {res}"
 
 
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("conv_pass", ["fprop", "dgrad"])
+def test_rows_spaces_on_real_layers(cuda, conv_pass, dtype) -> None:
+    """depthwise_rows (NCHW rows in registers): random points of its space on the real layers it takes
+    (stride-1 dgrad only), N = 4, bias + residual + SiLU on the forward pass, against float64."""
+    v = get_variant("depthwise_rows" if conv_pass == "fprop" else "depthwise_rows_dgrad")
+    epi = Epilogue(bias=True, residual=True, silu=True) if conv_pass == "fprop" else Epilogue()
+    ran = 0
+    for base in REAL + [ConvSpec.make(4, 32, 112, 112, 32, 3, 3, 1, 1, groups=32),
+                        ConvSpec.make(4, 72, 56, 56, 72, 5, 5, 2, 2, groups=72)]:
+        spec = _as(base.with_batch(4), dtype, "nchw", conv_pass)
+        if v.applies(spec, cuda.device):
+            continue
+        space = v.space(spec, cuda.device)
+        for prm in [space[0]] + random.Random(spec.c).sample(space, min(3, len(space))):
+            res = check_plan(v.plan(spec, prm, cuda.device, epi), cuda, seed=3)
+            assert res.ok, f"{v.name} [{prm.short()}] {spec.short()}: {res}"
+            ran += 1
+    assert ran >= 8
+
+
 def _time_default(cuda, spec: ConvSpec) -> float:  # type: ignore[no-untyped-def]
     """Median ms of the default plan of ``spec`` on fresh buffers (two sets, alternated)."""
     ch = dispatch.choose(spec, cuda)

@@ -49,6 +49,7 @@ REGISTRATION_ORDER = (
     "tensorcore.sm90.dgrad_paired",
     "dgrad.transposed",
     "depthwise",
+    "depthwise_rows",
     "depthwise_nhwc",
     "depthwise_wgrad",
     "tensorcore.sm80.depthwise_mma",

@@ -939,9 +939,10 @@ class Depthwise(Variant):
         return _nhwc_rank(spec, self.specialised)
 
     def slow_on(self, spec: ConvSpec) -> str | None:
-        """Half-precision NCHW filters of up to 3x3 taps on planes of 56 x 56 and more: measured below cuDNN of
-        the dtype (docs/NOTES-gemm.md), so such a layer goes to PyTorch; channels-last, larger filters and smaller
-        planes stay ours."""
+        """Half-precision NCHW filters of up to 3x3 taps on planes of 56 x 56 and more: the tile measured below
+        cuDNN of the dtype (docs/NOTES-gemm.md), so such a layer goes to PyTorch when the tile runs it; where the
+        rows align, ``depthwise_rows`` ranks first and runs it. Channels-last, larger filters and smaller planes
+        stay ours."""
         if (spec.layout == "nchw" and spec.dtype in ("float16", "bfloat16") and spec.r * spec.s <= SLOW_NCHW_TAPS
                 and spec.h * spec.w >= SLOW_NCHW_PLANE):
             return (f"{spec.r}x{spec.s} filters on {spec.h}x{spec.w} NCHW half planes ran at 0.31-0.90x cuDNN-best "
