@@ -147,17 +147,24 @@ def test_rows_bad_params_are_refused() -> None:
     (ConvSpec.make(64, 384, 14, 14, 384, 3, 3, 1, 1, groups=384), False),  # 14 columns: rows do not align
 ])
 def test_auto_ranks_rows_where_measured_faster(base, rows) -> None:
-    """auto's first pick on half NCHW layers: depthwise_rows where the H200 measured it faster than the
-    shared-memory tile, the tile elsewhere; float32 and NHWC never rows first."""
-    for dtype in ("float16", "bfloat16"):
+    """auto's first pick on NCHW layers: depthwise_rows where the H200 measured it faster than the shared-memory
+    tile (half and float32), the tile elsewhere; NHWC never rows."""
+    for dtype in ("float16", "bfloat16", "float32"):
         for conv_pass in ("fprop", "dgrad"):
             spec = _as(base, dtype, conv_pass)
             first = select("auto", spec, NOMINAL_CUDA)[0].name
             want = rows and (conv_pass == "fprop" or base.stride == (1, 1))
             assert first.startswith("depthwise_rows") == want, (spec.short(), first)
-    others = (dataclasses.replace(base, dtype="float32"), dataclasses.replace(base, dtype="float16", layout="nhwc"))
-    for other in others:
-        assert not select("auto", other, NOMINAL_CUDA)[0].name.startswith("depthwise_rows"), other.short()
+    nhwc = dataclasses.replace(base, dtype="float16", layout="nhwc")
+    assert not select("auto", nhwc, NOMINAL_CUDA)[0].name.startswith("depthwise_rows"), nhwc.short()
+
+
+def test_auto_keeps_the_tile_first_on_a_cpu(ocl) -> None:
+    """PoCL's CPU device: the tile (one output a work-item there) stays first; rows were timed on a GPU only."""
+    spec = ConvSpec.make(2, 16, 56, 56, 16, 3, 3, 1, 1, groups=16)
+    assert not ocl.device.is_gpu
+    assert select("auto", spec, ocl.device)[0].name == "depthwise"
+    assert get_variant("depthwise_rows").applies(spec, ocl.device) is None
 
 
 def test_rows_default_keeps_to_two_rows_and_the_registers() -> None:

@@ -251,10 +251,14 @@ def test_depthwise_defaults_compile_clean_on_real_layers(nvcc_ok) -> None:
 
 # -- choices and refusals -----------------------------------------------------------------------
 def test_heuristic_picks_the_depthwise_family() -> None:
+    """The shared-memory tile, or depthwise_rows where rows align and the filter is 3x3 (5x5 at a stride)."""
     for spec in DEPTHWISE + REAL:
-        assert select("auto", spec, NOMINAL_CUDA)[0].name == "depthwise"
+        rows = get_variant("depthwise_rows").applies(spec, NOMINAL_CUDA) is None and (
+            spec.r * spec.s <= 9 or (spec.r * spec.s <= 25 and spec.stride != (1, 1)))
+        assert select("auto", spec, NOMINAL_CUDA)[0].name == ("depthwise_rows" if rows else "depthwise"), spec.short()
         assert select("auto", spec.with_pass("wgrad"), NOMINAL_CUDA)[0].name == "depthwise_wgrad"
-    assert select("auto", REAL[1].with_pass("dgrad"), NOMINAL_CUDA)[0].name == "depthwise_dgrad"
+    assert select("auto", REAL[1].with_pass("dgrad"), NOMINAL_CUDA)[0].name == "depthwise_rows_dgrad"  # 3x3 rows
+    assert select("auto", REAL[2].with_pass("dgrad"), NOMINAL_CUDA)[0].name == "depthwise_dgrad"  # 7x7: the tile
     assert select("auto", REAL[0].with_pass("dgrad"), NOMINAL_CUDA)[0].name == "depthwise_dgrad"  # stride 2: phases
 
 

@@ -275,16 +275,17 @@ def _check(name: str, t: RowsTile, device: DeviceInfo) -> None:
         raise ValueError(f"{name}: {why}")
 
 
-def rows_rank(spec: ConvSpec, specialised: int) -> int:
-    """Above the shared-memory tile (depthwise.py) on half storage with 3x3 filters, and 5x5 at a stride,
-    where the H200 measured it faster (thirty-seventh session, FP16: MobileNet-v2's 3x3 NCHW layers
-    1.5-2.5x the tile's speed in fprop at 2 rows a thread, 1.1-1.6x in dgrad at 4, MobileNet-v3's 5x5 72@56/2
-    1.6x); below it
-    on stride-1 5x5 (EfficientNet's and MobileNet-v3's on 28 x 28 planes: 0.94-0.97x), on 7x7 (ConvNeXt-T:
-    0.45-0.73x, one output row a thread within the registers) and on float32 (not measured)."""
+def rows_rank(spec: ConvSpec, device: DeviceInfo, specialised: int) -> int:
+    """Above the shared-memory tile (depthwise.py) for 3x3 filters, and 5x5 at a stride, where the H200
+    measured it faster (thirty-seventh session: MobileNet-v2's 3x3 NCHW layers 1.5-2.5x the tile's speed in
+    FP16 fprop at 2 rows a thread, 1.1-1.6x in dgrad at 4, 1.1-1.4x in float32 fprop and 1.1-1.3x in dgrad;
+    MobileNet-v3's 5x5 72@56/2 1.6x in FP16); below it on stride-1 5x5 (EfficientNet's and MobileNet-v3's on
+    28 x 28 planes: 0.94-0.97x in FP16) and on 7x7 (ConvNeXt-T: 0.45-0.73x, one output row a thread within
+    the registers). On a CPU device (PoCL runs work-items one after another) the tile's one-output default
+    stays first: this form was not timed there."""
     taps = spec.r * spec.s
     fast = taps <= 9 or (taps <= 25 and spec.stride != (1, 1))
-    return specialised + 2 if spec.dtype != "float32" and fast else specialised
+    return specialised + 2 if fast and device.is_gpu else specialised
 
 
 # -- variants --------------------------------------------------------------------------------------
@@ -309,7 +310,7 @@ class DepthwiseRows(Variant):
         return super().applies(spec, device) or too_big(spec) or _applies(self.name, fprop_stencil(spec), spec, device)
 
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
-        return rows_rank(spec, self.specialised)
+        return rows_rank(spec, device, self.specialised)
 
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
         return rows_default(fprop_stencil(spec), device)
@@ -349,7 +350,7 @@ class DepthwiseRowsDgrad(Variant):
         return super().applies(spec, device) or too_big(spec) or _applies(self.name, dgrad_stencil(spec), spec, device)
 
     def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
-        return rows_rank(spec, self.specialised)
+        return rows_rank(spec, device, self.specialised)
 
     def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
         return rows_default(dgrad_stencil(spec), device)
