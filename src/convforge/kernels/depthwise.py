@@ -404,7 +404,7 @@ def _zero4() -> str:
     return "MAKE_FLOAT4(0.0f, 0.0f, 0.0f, 0.0f)"
 
 
-def _vector(code: Code, st: Stencil, name: str, width: int, ok: str, src: str) -> None:
+def load_vector(code: Code, st: Stencil, name: str, width: int, ok: str, src: str) -> None:
     """``name`` (float, float4, or float4 ``name``a / ``name``b for 8 elements) = the ``width``
     elements at ``src`` where ``ok``, else zeros."""
     sto = st.sto
@@ -417,7 +417,7 @@ def _vector(code: Code, st: Stencil, name: str, width: int, ok: str, src: str) -
              f"if ({ok}) {sto.vload8(f'{name}a', f'{name}b', '0', src)};")
 
 
-def _lane(name: str, width: int, e: int) -> str:
+def vector_lane(name: str, width: int, e: int) -> str:
     """Element ``e`` of a value :func:`_vector` loaded."""
     if width == 1:
         return name
@@ -454,7 +454,7 @@ def _load_flat(code: Code, t: Tile, j: str) -> None:
         for it in batch:
             with code.block(f"if (f{it} < nvalid)"):
                 for e in range(u):
-                    val = _lane(f"v{it}", u, e)
+                    val = vector_lane(f"v{it}", u, e)
                     code(f"const int ci{it}_{e} = (f{it} + {e}) / {hw}, rem{it}_{e} = (f{it} + {e}) % {hw};",
                          f"const int row{it}_{e} = rem{it}_{e} / {st.wi} + {st.pad_t}, "
                          f"col{it}_{e} = rem{it}_{e} % {st.wi} + {st.pad_l};",
@@ -497,13 +497,13 @@ def _load_nhwc(code: Code, t: Tile, j: str) -> None:
             if st.fan_in and st.mult > 1:
                 ch = f"(c0 + ci{it}) * {st.mult} + {j}"
             src = f"{st.src} + ((n * {st.hi} + iy{it}) * {st.wi} + ix{it}) * {st.src_planes} + {ch}"
-            _vector(code, st, f"v{it}", u, ok, src)
+            load_vector(code, st, f"v{it}", u, ok, src)
         for it in batch:
             guard = guarded(it)
             with code.block(f"if (t{it} < {total})" if guard else ""):
                 for e in range(u):
                     at = f"{t.base(f'ci{it}')} + {e * t.plane} + row{it} * {t.iw} + col{it}"
-                    code(f"xs[{at}] = {_lane(f'v{it}', u, e)};")
+                    code(f"xs[{at}] = {vector_lane(f'v{it}', u, e)};")
 
 
 def _load(code: Code, t: Tile, j: str) -> None:
@@ -535,20 +535,21 @@ def _load(code: Code, t: Tile, j: str) -> None:
             if vw == 1:
                 code(f"const float v{it} = ({ok}) ? {st.sto.ldg(src)} : 0.0f;")
             else:
-                _vector(code, st, f"v{it}", vw, ok, src)
+                load_vector(code, st, f"v{it}", vw, ok, src)
         for it in batch:
             guard = guarded(it)
             if t.vec:
                 base = f"(ci{it} * {t.ih} + row{it}) * {t.iw} + col{it}"
                 with code.block(f"if (t{it} < {total})" if guard else ""):
                     for e in range(vw):
-                        code(f"if ((unsigned)(col{it} + {e}) < {t.iw}u) xs[{base} + {e}] = {_lane(f'v{it}', vw, e)};")
+                        val = vector_lane(f"v{it}", vw, e)
+                        code(f"if ((unsigned)(col{it} + {e}) < {t.iw}u) xs[{base} + {e}] = {val};")
             else:
                 when = f"if (t{it} < {total}) " if guard else ""
                 code(f"{when}xs[t{it}] = v{it};")
 
 
-def _filter(code: Code, st: Stencil, k: str) -> None:
+def filter_taps(code: Code, st: Stencil, k: str) -> None:
     """The R*S taps of filter ``k`` into registers f{r}_{s} (rotated for dgrad)."""
     for r, s in itertools.product(range(st.r), range(st.s)):
         rr, ss = (st.r - 1 - r, st.s - 1 - s) if st.flip else (r, s)
@@ -739,7 +740,7 @@ def stencil_body(t: Tile, epi: Epilogue) -> str:
                 _filter_smem(code, t, "j")
                 code("BARRIER();")
             else:
-                _filter(code, st, k)
+                filter_taps(code, st, k)
             code(*(f"float {a} = 0.0f;" for a in accs))
             _compute_any(code, t)
             _store(code, t, kout, epi)
@@ -755,7 +756,7 @@ def stencil_body(t: Tile, epi: Epilogue) -> str:
             _filter_smem(code, t, j)
         code("BARRIER();")
         if not st.big:
-            _filter(code, st, f"cw * {st.mult} + j" if st.mult > 1 else "cw")
+            filter_taps(code, st, f"cw * {st.mult} + j" if st.mult > 1 else "cw")
         _compute_any(code, t)
     _store(code, t, "c", epi)
     return code.text()

@@ -30,7 +30,15 @@ from convforge.codegen.dialect import Kernel, Storage
 from convforge.codegen.meta import Code, cdiv
 from convforge.kernels import register
 from convforge.kernels.common import out_args, out_refs
-from convforge.kernels.depthwise import ALL_DTYPES, Stencil, _filter, _lane, _vector, dgrad_stencil, fprop_stencil
+from convforge.kernels.depthwise import (
+    ALL_DTYPES,
+    Stencil,
+    dgrad_stencil,
+    filter_taps,
+    fprop_stencil,
+    load_vector,
+    vector_lane,
+)
 from convforge.kernels.dgrad import no_epilogue
 from convforge.kernels.gemm import too_big
 from convforge.params import Params
@@ -168,9 +176,9 @@ def _loads(code: Code, t: RowsTile, used: list[int]) -> dict[tuple[int, int], st
             if not any(v * vw <= c < (v + 1) * vw for c in cols):
                 continue
             ok = f"r{ir}" if t.lanes * t.chunk <= st.wi else f"r{ir} && xa + {v * vw} < {st.wi}"
-            _vector(code, st, f"v{ir}_{v}", vw, ok, f"s{ir} + {v * vw}")
+            load_vector(code, st, f"v{ir}_{v}", vw, ok, f"s{ir} + {v * vw}")
             for e in range(vw):
-                value[(ir, v * vw + e)] = _lane(f"v{ir}_{v}", vw, e)
+                value[(ir, v * vw + e)] = vector_lane(f"v{ir}_{v}", vw, e)
         for col in cols:
             if 0 <= col < t.chunk:
                 continue
@@ -207,7 +215,7 @@ def rows_body(t: RowsTile, epi: Epilogue) -> str:
     (sh, sw), (dh, dw) = st.stride, st.dilation
     code = Code()
     _head(code, t)
-    _filter(code, st, "k")
+    filter_taps(code, st, "k")
     users = {ir: [(i, (ir - i * sh) // dh) for i in range(t.tp)
                   if ir >= i * sh and (ir - i * sh) % dh == 0 and (ir - i * sh) // dh < st.r]
              for ir in range(t.rows)}
