@@ -552,11 +552,17 @@ def test_whole_lanes_default_compiles_clean(nvcc_ok, base, want, dtype) -> None:
     (ConvSpec.make(32, 96, 56, 56, 96, 7, 7, 1, 3, groups=96), (64, 8, 11)),
     (ConvSpec.make(32, 384, 14, 14, 384, 7, 7, 1, 3, groups=384), (128, 4, 1)),
     (ConvSpec.make(32, 768, 7, 7, 768, 7, 7, 1, 3, groups=768), (64, 8, 1)),
-], ids=["32@112", "144@56", "960@7", "5x5-72@56/2", "5x5-1152@7", "7x7-96@56", "7x7-384@14", "7x7-768@7"])
+    (ConvSpec.make(64, 384, 14, 14, 384, 3, 3, 1, 1, groups=384), (256, 4, 1)),
+    (ConvSpec.make(64, 240, 28, 28, 240, 5, 5, 1, 2, groups=240), (256, 2, 1)),
+    (ConvSpec.make(64, 576, 14, 14, 576, 3, 3, 1, 1, groups=576), (128, 9, 2)),
+], ids=["32@112", "144@56", "960@7", "5x5-72@56/2", "5x5-1152@7", "7x7-96@56", "7x7-384@14", "7x7-768@7",
+        "384@14", "5x5-240@28", "576@14"])
 def test_nchw_half_default_takes_the_fewest_waves(base, want) -> None:
     """NCHW half defaults: blocks of 128 or 64 threads under a bound of 9 (3x3), 5 / 10 (5x5) or 4 / 8
     (7x7) blocks, whichever launches fewer waves (then fills more), sliced to one wave (H200 A/B: 144@56
-    0.0654 -> 0.0469 ms, 7x7 768@7 0.0328 -> 0.0207)."""
+    0.0654 -> 0.0469 ms, 7x7 768@7 0.0328 -> 0.0207); 3x3 and 5x5 one slice of 256 threads where one
+    wave of them holds every channel at half its slots or more (384@14 0.0188 -> 0.0162, 240@28 0.0598 ->
+    0.0549); 576@14 does not fit one wave of 256."""
     spec = _as(base, "float16", "nchw")
     prm = V.default(spec, NOMINAL_CUDA)
     assert (prm.bt, prm.mb, prm.ns) == want, prm
@@ -597,8 +603,10 @@ def test_nchw_half_default_on_pocl(ocl, case, dtype) -> None:
     ConvSpec.make(64, 192, 28, 28, 192, 3, 3, 1, 1, groups=192),  # 56 registers unbounded: the 3x3 bound
     ConvSpec.make(64, 240, 28, 28, 240, 5, 5, 1, 2, groups=240),
     ConvSpec.make(32, 192, 28, 28, 192, 7, 7, 1, 3, groups=192),
-], ids=["3x3-192@28", "5x5-240@28", "7x7-192@28"])
+    ConvSpec.make(64, 384, 14, 14, 384, 3, 3, 1, 1, groups=384),  # one slice of 256 under 4 blocks: 64
+], ids=["3x3-192@28", "5x5-240@28", "7x7-192@28", "3x3-384@14"])
 def test_nchw_half_default_compiles_clean(nvcc_ok, base, dtype) -> None:
-    """The NCHW half defaults' bounds (56, 96 and 128 registers) leave ptxas without a spill."""
+    """The NCHW half defaults' bounds (56, 96 and 128 registers; one slice of 256 threads: 64 and 128) leave
+    ptxas without a spill."""
     spec = _as(base, dtype, "nchw")
     assert_compiles_clean(V, spec, V.default(spec, NOMINAL_CUDA), NOMINAL_CUDA)

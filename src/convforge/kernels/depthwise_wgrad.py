@@ -431,11 +431,14 @@ def _nchw_lanes(spec: ConvSpec, tq: int, tp: int, device: DeviceInfo) -> WTile |
     A/B's one-wave points (slices counted from ptxas's residency; the defaults name it by the bound):
     MobileNet-v2's 3x3 1.1-1.4x faster (144@56 0.0654 -> 0.0469 ms; the default 0.0486 in the bench),
     576@14 within 4 %; ConvNeXt's 7x7 1.2-1.6x; the 5x5 layers 1.2-1.45x. None: larger filters (their sums
-    take more registers)."""
+    take more registers). First, :func:`_one_slice`."""
     rs = spec.r * spec.s
     regs = next((r for taps, r in _NCHW_REGS if rs <= taps), None)
     if regs is None:
         return None
+    one = _one_slice(spec, tq, tp, regs, device)
+    if one is not None:
+        return one
     best: tuple[tuple[int, float], WTile] | None = None
     for bt in (128, 64):
         mb = max(1, min(32, _SM_REGISTERS // (regs * bt)))
@@ -449,6 +452,22 @@ def _nchw_lanes(spec: ConvSpec, tq: int, tp: int, device: DeviceInfo) -> WTile |
         if best is None or score < best[0]:
             best = (score, t)
     return None if best is None else best[1]
+
+
+def _one_slice(spec: ConvSpec, tq: int, tp: int, regs: int, device: DeviceInfo) -> WTile | None:
+    """3x3 and 5x5 NCHW half: blocks of 256 threads in one slice (no slice sum) where one wave of them under
+    the bound holds every channel's block at half its slots or more; else None. H200, FP16 NCHW wgrad, the
+    A/B points of this tile against :func:`_nchw_lanes`' pick: MobileNet-v2's 384@14 0.0188 -> 0.0162 ms
+    (thirty-sixth and thirty-seventh sessions, the same both times), EfficientNet's 5x5 240@28 0.0598 ->
+    0.0549; the other layers of the two suites do not meet the condition (docs/NOTES-gemm.md)."""
+    if spec.r * spec.s > 25:
+        return None
+    mb = max(1, min(32, _SM_REGISTERS // (regs * 256)))
+    slots = max(1, device.units) * mb
+    t = WTile(spec, 1, 256, tq, tp, mb=mb)
+    if not 2 * spec.k >= slots >= spec.k or t.problem(device) is not None:
+        return None
+    return t
 
 
 def _one_wave(spec: ConvSpec, t: WTile, device: DeviceInfo) -> int:
