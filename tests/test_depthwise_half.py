@@ -412,3 +412,19 @@ def test_ragged_nchw_half_phases_on_pocl(ocl, base, dtype) -> None:
     prm = get_variant("depthwise_dgrad").default(spec, NOMINAL_CUDA)
     assert prm.tq in (1, 2), prm
     _check(ocl, spec, prm, Epilogue(), seed=5)
+
+
+@pytest.mark.parametrize("base, tq", [
+    (ConvSpec.make(64, 96, 112, 112, 96, 3, 3, 2, 1, groups=96), 2),  # 56 outputs a row: 2 a thread
+    (ConvSpec.make(64, 64, 112, 112, 64, 3, 3, 2, 1, groups=64), 2),
+    (ConvSpec.make(64, 144, 56, 56, 144, 3, 3, 2, 1, groups=144), 4),  # 28 outputs a row: 4 stay
+    (ConvSpec.make(64, 32, 112, 112, 32, 3, 3, 1, 1, groups=32), 4),  # stride 1: 4 stay
+], ids=["96@112/2", "64@112/2", "144@56/2", "32@112"])
+def test_nhwc_half_strided_wide_rows_take_two_outputs(base, tq) -> None:
+    """NHWC half forwards at stride 2 on rows of 56 outputs and more: 2 outputs a thread (H200: 96@112/2
+    0.0791 -> 0.0739 ms, 64@112/2 0.0551 -> 0.0517); float32 and narrower rows keep theirs."""
+    v = get_variant("depthwise")
+    for dtype in HALF:
+        prm = v.default(_as(base, dtype, "nhwc", "fprop"), NOMINAL_CUDA)
+        assert prm.tq == tq, prm.short()
+    assert v.default(_as(base, "float32", "nhwc", "fprop"), NOMINAL_CUDA).tq == 4

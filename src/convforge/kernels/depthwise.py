@@ -809,7 +809,10 @@ def _special_default(st: Stencil, device: DeviceInfo) -> Params | None:
     docs/NOTES-gemm.md; the phases were not in it). NCHW half phases whose super-pixel columns do not
     split into whole tq (rows that take no vectors): 2 a thread (1 under 8 columns): H200, thirty-sixth
     session, FP16 NCHW dgrad, MobileNet-v2's 192@28/2 0.0627 -> 0.0132 ms (tq 4 -> 2), 576@14/2 0.0557
-    -> 0.0137 (tq 1): faster than the best of 48 points sampled from each space."""
+    -> 0.0137 (tq 1): faster than the best of 48 points sampled from each space. NHWC half forwards at stride
+    2 on rows of 56 outputs and more: 2 outputs a thread (H200, thirty-seventh session, FP16, the tile's mods:
+    MobileNet-v2's 96@112/2 0.0791 -> 0.0739 ms, MobileNet-v3's 64@112/2 0.0551 -> 0.0517; 28-output rows
+    no faster)."""
     half = st.sto.half
     if st.phases:
         sh, sw = st.out_step
@@ -824,6 +827,8 @@ def _special_default(st: Stencil, device: DeviceInfo) -> Params | None:
         tp = 4 if st.eff_r >= 7 and st.ho >= 28 else 2 if st.ho >= 6 else 1
         if half and st.stride == (1, 1) and st.ho >= 14:
             tp = 4
+        if half and st.stride[1] == 2 and st.wo >= 56:
+            tq = 2  # strided rows of 56 outputs and more: see the docstring
     else:
         return None
     if st.nhwc and not st.big:
