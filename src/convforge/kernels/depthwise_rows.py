@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from convforge.codegen.dialect import Kernel, Storage
+from convforge.codegen.dialect import Arg, Kernel, Storage
 from convforge.codegen.meta import Code, cdiv
 from convforge.kernels import register
 from convforge.kernels.common import out_args, out_refs
@@ -271,18 +271,6 @@ def rows_space(st: Stencil, device: DeviceInfo) -> list[Params]:
     return out
 
 
-def _applies(name: str, st: Stencil, spec: ConvSpec, device: DeviceInfo) -> str | None:
-    if not spec.depthwise:
-        return "only depthwise layers (groups == C > 1)"
-    return RowsTile.of(st, rows_default(st, device)).problem(device)
-
-
-def _check(name: str, t: RowsTile, device: DeviceInfo) -> None:
-    why = t.problem(device)
-    if why:
-        raise ValueError(f"{name}: {why}")
-
-
 def rows_rank(spec: ConvSpec, device: DeviceInfo, specialised: int) -> int:
     """Above the shared-memory tile (depthwise.py) for 3x3 filters, and 5x5 at a stride, where the H200
     measured it faster (thirty-seventh session: MobileNet-v2's 3x3 NCHW layers 1.5-2.5x the tile's speed in
@@ -297,87 +285,90 @@ def rows_rank(spec: ConvSpec, device: DeviceInfo, specialised: int) -> int:
 
 
 # -- variants --------------------------------------------------------------------------------------
-class DepthwiseRows(Variant):
+class _Rows(Variant):
+    """What the two passes share: the stencil of a pass (``stencil``), its kernel's name and buffers."""
+
+    family = "depthwise"
+    grouped = True
+    exact = True
+    tolerance = 1e-5
+    specialised = 19
+    space_lead = 1
+    dtypes = ALL_DTYPES
+    layouts = frozenset({"nchw"})
+    kernel = ""
+
+    def stencil(self, spec: ConvSpec, epilogue: Epilogue = Epilogue()) -> Stencil:
+        raise NotImplementedError
+
+    def buffers(self, sto: Storage, epilogue: Epilogue) -> tuple[tuple[Arg, ...], tuple[str, ...]]:
+        """The kernel's buffers and the launch's argument names."""
+        raise NotImplementedError
+
+    def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
+        why = super().applies(spec, device) or too_big(spec)
+        if why is None and not spec.depthwise:
+            return "only depthwise layers (groups == C > 1)"
+        if why is None:
+            st = self.stencil(spec)
+            why = RowsTile.of(st, rows_default(st, device)).problem(device)
+        return why
+
+    def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
+        return rows_rank(spec, device, self.specialised)
+
+    def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
+        return rows_default(self.stencil(spec), device)
+
+    def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
+        return rows_space(self.stencil(spec), device)
+
+    def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
+             epilogue: Epilogue = Epilogue()) -> Plan:
+        t = RowsTile.of(self.stencil(spec, epilogue), params)
+        why = t.problem(device)
+        if why:
+            raise ValueError(f"{self.name}: {why}")
+        sto = Storage(spec.dtype)
+        bufs, args = self.buffers(sto, epilogue)
+        kernel = Kernel(self.kernel, bufs, rows_body(t, epilogue), (t.bt, 1, 1),
+                        comment=f"{self.name}: {params.short()}")
+        launch = Launch(self.kernel, (t.blocks, 1, 1), (t.bt, 1, 1), args)
+        return Plan(self.name, self.family, spec, params, (kernel,), (launch,), tolerance=self.tolerance,
+                    epilogue=epilogue)
+
+
+class DepthwiseRows(_Rows):
     """fprop of a depthwise layer (any multiplier) on NCHW rows that align to 8 or 16 bytes, filters up to
     7x7, any stride, dilation and padding, float32 or half storage; bias, residual, an activation and a
     concat's channel offset in the epilogue."""
 
     name = "depthwise_rows"
-    family = "depthwise"
-    grouped = True
-    exact = True
     residual_ok = True
     offset_ok = True
-    tolerance = 1e-5
-    specialised = 19
-    space_lead = 1
-    dtypes = ALL_DTYPES
-    layouts = frozenset({"nchw"})
+    kernel = "conv_depthwise_rows"
 
-    def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
-        return super().applies(spec, device) or too_big(spec) or _applies(self.name, fprop_stencil(spec), spec, device)
+    def stencil(self, spec: ConvSpec, epilogue: Epilogue = Epilogue()) -> Stencil:
+        return fprop_stencil(spec, epilogue)
 
-    def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
-        return rows_rank(spec, device, self.specialised)
-
-    def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
-        return rows_default(fprop_stencil(spec), device)
-
-    def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
-        return rows_space(fprop_stencil(spec), device)
-
-    def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
-             epilogue: Epilogue = Epilogue()) -> Plan:
-        t = RowsTile.of(fprop_stencil(spec, epilogue), params)
-        _check(self.name, t, device)
-        name = "conv_depthwise_rows"
-        sto = Storage(spec.dtype)
-        kernel = Kernel(name, (sto.buf("x"), sto.buf("w")) + out_args(epilogue, sto), rows_body(t, epilogue),
-                        (t.bt, 1, 1), comment=f"{self.name}: {params.short()}")
-        launch = Launch(name, (t.blocks, 1, 1), (t.bt, 1, 1), ("x", "w") + out_refs(epilogue))
-        return Plan(self.name, self.family, spec, params, (kernel,), (launch,), tolerance=self.tolerance,
-                    epilogue=epilogue)
+    def buffers(self, sto: Storage, epilogue: Epilogue) -> tuple[tuple[Arg, ...], tuple[str, ...]]:
+        return (sto.buf("x"), sto.buf("w")) + out_args(epilogue, sto), ("x", "w") + out_refs(epilogue)
 
 
-class DepthwiseRowsDgrad(Variant):
+class DepthwiseRowsDgrad(_Rows):
     """dgrad of a stride-1 depthwise layer (multiplier 1) on NCHW rows that align to 8 or 16 bytes, filters
     up to 7x7: the forward kernel on dy with the rotated filter."""
 
     name = "depthwise_rows_dgrad"
-    family = "depthwise"
     passes = frozenset({"dgrad"})
-    grouped = True
-    exact = True
-    tolerance = 1e-5
-    specialised = 19
-    space_lead = 1
-    dtypes = ALL_DTYPES
-    layouts = frozenset({"nchw"})
+    kernel = "dgrad_depthwise_rows"
 
-    def applies(self, spec: ConvSpec, device: DeviceInfo) -> str | None:
-        return super().applies(spec, device) or too_big(spec) or _applies(self.name, dgrad_stencil(spec), spec, device)
-
-    def rank(self, spec: ConvSpec, device: DeviceInfo) -> int:
-        return rows_rank(spec, device, self.specialised)
-
-    def default(self, spec: ConvSpec, device: DeviceInfo) -> Params:
-        return rows_default(dgrad_stencil(spec), device)
-
-    def space(self, spec: ConvSpec, device: DeviceInfo) -> list[Params]:
-        return rows_space(dgrad_stencil(spec), device)
-
-    def plan(self, spec: ConvSpec, params: Params, device: DeviceInfo,
-             epilogue: Epilogue = Epilogue()) -> Plan:
+    def stencil(self, spec: ConvSpec, epilogue: Epilogue = Epilogue()) -> Stencil:
         no_epilogue(self.name, epilogue)
-        t = RowsTile.of(dgrad_stencil(spec), params)
-        _check(self.name, t, device)
-        name = "dgrad_depthwise_rows"
-        sto = Storage(spec.dtype)
-        kernel = Kernel(name, (sto.buf("y"), sto.buf("w"), sto.buf("x", readonly=False)), rows_body(t, epilogue),
-                        (t.bt, 1, 1), comment=f"{self.name}: {params.short()}")
-        launch = Launch(name, (t.blocks, 1, 1), (t.bt, 1, 1), ("y", "w", "x"))
-        return Plan(self.name, self.family, spec, params, (kernel,), (launch,), tolerance=self.tolerance,
-                    epilogue=epilogue)
+        return dgrad_stencil(spec)
+
+    def buffers(self, sto: Storage, epilogue: Epilogue) -> tuple[tuple[Arg, ...], tuple[str, ...]]:
+        return (sto.buf("y"), sto.buf("w"), sto.buf("x", readonly=False)), ("y", "w", "x")
 
 
 register(DepthwiseRows())
