@@ -598,6 +598,23 @@ def test_nchw_half_default_on_pocl(ocl, case, dtype) -> None:
     assert res.ok, f"[{prm.short()}] {spec.short()}: {res}"
 
 
+@pytest.mark.parametrize("base", [
+    ConvSpec.make(1, 11, 13, 9, 11, 3, 3, 2, (0, 1, 1, 0), groups=11),  # N = 1, prime C, stride 2, asym pad
+    ConvSpec.make(2, 4, 17, 13, 8, 5, 5, 1, 2, groups=4),  # K = 2C = 8, 5x5
+], ids=["3x3", "5x5"])
+def test_nchw_half_one_slice_on_pocl(ocl, base) -> None:
+    """The one-slice default (256 threads, no slice sum) on a device of 4 compute units, where one wave
+    of such blocks holds every channel at half its slots or more (16 slots at 3x3, 8 at 5x5): checked
+    on PoCL against float64, output poisoned."""
+    small = dataclasses.replace(NOMINAL_CUDA, units=4)
+    for dtype in ("float16", "bfloat16"):
+        spec = _as(base, dtype, "nchw")
+        prm = V.default(spec, small)
+        assert (prm.bt, prm.ns) == (256, 1), prm
+        res = check_plan(V.plan(spec, prm, ocl.device), ocl, seed=17)
+        assert res.ok, f"[{prm.short()}] {spec.short()}: {res}"
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("base", [
     ConvSpec.make(64, 192, 28, 28, 192, 3, 3, 1, 1, groups=192),  # 56 registers unbounded: the 3x3 bound
