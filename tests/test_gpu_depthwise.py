@@ -180,6 +180,28 @@ def test_streamed_wgrad_on_real_layers(cuda, base: ConvSpec, dtype: str) -> None
         assert res.ok, f"[{prm.short()}] {spec.short()}: {res}"
 
 
+ROLL_REAL = [ConvSpec.make(64, 192, 28, 28, 192, 3, 3, 1, 1, groups=192),
+             ConvSpec.make(64, 192, 28, 28, 192, 3, 3, 2, 1, groups=192),
+             ConvSpec.make(64, 576, 14, 14, 576, 3, 3, 2, 1, groups=576),
+             ConvSpec.make(64, 960, 7, 7, 960, 3, 3, 1, 1, groups=960), REAL[0]]
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("base", ROLL_REAL, ids=lambda s: s.short())
+def test_rolled_wgrad_on_real_layers(cuda, base: ConvSpec, dtype: str) -> None:
+    """depthwise_wgrad's rolled form (rb): its pick (where it has one) and three points of its space at N=4
+    (bands, loads ahead, both lane widths), dw and the partial filters poisoned, against float64."""
+    from convforge.kernels.depthwise_wgrad_roll import roll_pick, roll_space
+
+    spec = _as(dataclasses.replace(base, n=4), dtype, "nhwc", "wgrad")
+    v = get_variant("depthwise_wgrad")
+    space = roll_space(spec, cuda.device)
+    picked = [p for p in (roll_pick(spec, cuda.device),) if p is not None]
+    for prm in picked + random.Random(5).sample(space, min(3, len(space))):
+        res = check_plan(v.plan(spec, prm, cuda.device), cuda, seed=6)
+        assert res.ok, f"[{prm.short()}] {spec.short()}: {res}"
+
+
 # depthwise_mma_wgrad (tensor cores, x's row a Hankel block): odd shapes (N = 1, primes, asymmetric
 # padding, 1 x 7 and 7 x 8 filters, stride 2, bands that do not divide the rows) and the real layers at N = 4
 MMA_WGRAD_ODD = [ConvSpec.make(3, 16, 11, 13, 16, 7, 7, 1, 3, groups=16),

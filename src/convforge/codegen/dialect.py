@@ -11,6 +11,8 @@ A kernel body is plain C using these tokens, which each renderer spells its own 
                                                           past 2^31 - 1: ArrayDesc.index casts to it)
     VLOAD4(off, p) / VSTORE4(v, off, p)                   float4 at p + 4*off
     VLOAD2(off, p)                                        float2 at p + 2*off (any address space)
+    VLOAD2_F16 / VLOAD2_BF16(off, p)                      float2 of the 2 halves at p + 2*off (one
+                                                          4-byte load; the other half tokens: Storage)
     MAKE_FLOAT4(a, b, c, d)                               float4 constructor
     FMA(a, b, c)                                          fused a*b + c
     MAX(a, b)                                             float maximum
@@ -350,7 +352,7 @@ _PUNCT = re.compile(r"[(),]")
 HALF_CTYPES = {"float16": "half", "bfloat16": "bfloat16"}
 _HALF_TAGS = {"float16": "F16", "bfloat16": "BF16"}
 HALF_TOKENS = tuple(f"{op}_{tag}" for tag in ("F16", "BF16")
-                    for op in ("LD", "LDG", "ST", "VLOAD4", "VSTORE4", "VLOAD8", "VSTORE8"))
+                    for op in ("LD", "LDG", "ST", "VLOAD2", "VLOAD4", "VSTORE4", "VLOAD8", "VSTORE8"))
 
 
 @dataclass(frozen=True)
@@ -401,6 +403,10 @@ class Storage:
     def store(self, ptr: str, idx: str, value: str) -> str:
         """The statement (without ';') storing float ``value`` as element ``idx`` of ``ptr``."""
         return f"ST_{_HALF_TAGS[self.dtype]}({ptr}, {idx}, {value})" if self.half else f"{ptr}[{idx}] = {value}"
+
+    def vload2(self, off: str, ptr: str) -> str:
+        """A float2 of the 2 elements at ``ptr + 2*off`` (4 bytes of half storage in one load)."""
+        return f"VLOAD2_{_HALF_TAGS[self.dtype]}({off}, {ptr})" if self.half else f"VLOAD2({off}, {ptr})"
 
     def vload4(self, off: str, ptr: str) -> str:
         """A float4 of the 4 elements at ``ptr + 4*off``."""

@@ -20,6 +20,7 @@ from convforge.codegen.dialect import (
 
 _TOKEN = re.compile(r"\b(GROUP_ID|LOCAL_ID|GROUP_SIZE|NUM_GROUPS|BARRIER|VLOAD4|VSTORE4|VLOAD2|"
                     r"LD_F16|LDG_F16|ST_F16|VLOAD4_F16|VSTORE4_F16|LD_BF16|LDG_BF16|ST_BF16|VLOAD4_BF16|VSTORE4_BF16|"
+                    r"VLOAD2_F16|VLOAD2_BF16|"
                     r"VLOAD8_F16|VSTORE8_F16|VLOAD8_BF16|VSTORE8_BF16|"
                     r"MAKE_FLOAT4|FMA|MAX|RELU|GELU|SILU|HSWISH|MISH|DSILU|DHSWISH|LDG|LDCG|FENCE_DEVICE|TICKET|SHFL|TEX|COPY4_ASYNC|COPY1_ASYNC|COPY_WAIT|CVT_TF32|"
                     r"MMA_TF32_16x8x8|MMA_F16_16x8x16|MMA_BF16_16x8x16|SMEM_U32|CP_ASYNC16|CP_ASYNC4|CP_ASYNC_COMMIT|CP_ASYNC_WAIT|LDMATRIX_X4|LDSM_T4|LDSM_T2|LDS_F4|"
@@ -52,6 +53,11 @@ def _cuda_half(token: str, args: list[str]) -> str:
         return f"cf_{cvt}2f(__ldg({args[0]}))"
     if op == "ST":
         return f"(({args[0]})[{args[1]}] = cf_f2{cvt}({args[2]}))"
+    if op == "VLOAD2":  # one 4-byte load; bfloat16's two halves are the word's low and high 16 bits
+        word = f"__ldg((const unsigned*)(({args[1]}) + 2 * ({args[0]})))"
+        if tag == "F16":
+            return f"cf_h2f2({word})"
+        return f"make_float2(__uint_as_float({word} << 16), __uint_as_float({word} & 0xffff0000u))"
     if op == "VLOAD4":
         return f"cf_{pack}f(*(const uint2*)(({args[1]}) + 4 * ({args[0]})))"
     if op == "VLOAD8":
@@ -76,11 +82,13 @@ def _opencl_half(token: str, args: list[str]) -> str:
         return {"LD": lambda: f"vload_half({args[1]}, {args[0]})",
                 "LDG": lambda: f"vload_half(0, {args[0]})",
                 "ST": lambda: f"vstore_half_rte({args[2]}, {args[1]}, {args[0]})",
+                "VLOAD2": lambda: f"vload_half2({args[0]}, {args[1]})",
                 "VLOAD4": lambda: f"vload_half4({args[0]}, {args[1]})",
                 "VSTORE4": lambda: f"vstore_half4_rte({args[0]}, {args[1]}, {args[2]})"}[op]()
     return {"LD": lambda: f"cf_bf2f(({args[0]})[{args[1]}])",
             "LDG": lambda: f"cf_bf2f(*({args[0]}))",
             "ST": lambda: f"(({args[0]})[{args[1]}] = cf_f2bf({args[2]}))",
+            "VLOAD2": lambda: f"as_float2(convert_uint2(vload2({args[0]}, {args[1]})) << 16)",
             "VLOAD4": lambda: f"cf_bf4f(vload4({args[0]}, {args[1]}))",
             "VSTORE4": lambda: f"vstore4(cf_f4bf({args[0]}), {args[1]}, {args[2]})"}[op]()
 

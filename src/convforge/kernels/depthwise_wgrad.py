@@ -38,6 +38,7 @@ from convforge.codegen.meta import Code, cdiv
 from convforge.kernels import register
 from convforge.kernels.common import ThreadWindow
 from convforge.kernels.depthwise import ALL_DTYPES, REG_TAPS
+from convforge.kernels.depthwise_wgrad_roll import Roll, roll_body, roll_pick, roll_space
 from convforge.kernels.depthwise_wgrad_stream import Stream, stream_body, stream_pick, stream_space
 from convforge.kernels.dgrad import no_epilogue
 from convforge.kernels.gemm import too_big
@@ -171,7 +172,7 @@ class WTile(ThreadWindow):
         return None
 
 
-_Form = TypeVar("_Form", WTile, Stream)  # a parameter set of the blocked or the streamed form
+_Form = TypeVar("_Form", WTile, Stream, Roll)  # a parameter set of the blocked or the streamed form
 _REGS = 160  # a rough cap on the floats a thread of the blocked form holds
 _SM_REGISTERS = 64 * 1024  # 32-bit registers a CUDA compute unit holds (sm_50 .. sm_90): mb's arithmetic
 
@@ -210,9 +211,9 @@ class DepthwiseWgrad(Variant):
             ts = max(ts, next(t for t in (1, 2, 4, 8) if spec.r * _strips(spec, t) <= device.max_threads))
             return Params(ts=ts, ns=wgrad_splits(spec, device))
         if spec.layout == "nhwc":
-            streamed = stream_pick(spec, device)
-            if streamed is not None:
-                return streamed
+            picked = stream_pick(spec, device) or roll_pick(spec, device)
+            if picked is not None:
+                return picked
         if spec.layout == "nchw" and spec.dtype == "float32":
             bt = next((b for b in ((256, 128, 64, 32) if device.is_gpu else (32,)) if self._fits(spec, b, device)), 32)
             return Params(bt=bt, ns=wgrad_splits(spec, device))
@@ -263,6 +264,7 @@ class DepthwiseWgrad(Variant):
             t = WTile.of(spec, blocked)  # rows in pairs take ~122 registers: a bound that allows them
             pairs = blocked.replace(pg=2, mb=max(1, min(t.mb, _SM_REGISTERS // (128 * t.threads))))
             out += [blocked] + ([pairs] if not t.pr and t.problem(device) is None else []) + stream_space(spec, device)
+            out += roll_space(spec, device)
         rows = spec.n * spec.p
         if _tiled(spec):
             for ts, ns in itertools.product((8, 4, 2), (1, 2, 4, 8, 16, 32, 64)):
@@ -315,6 +317,10 @@ class DepthwiseWgrad(Variant):
             store = _store_out(spec, out, f"GROUP_ID(1) * {spec.k * spec.r * spec.s} + {{i}}" if ns > 1 else "{i}",
                                "{v}")
             body, block, grid = stream_body(st, sto, store), (st.threads, 1, 1), (st.cblocks, ns, 1)
+        elif "rb" in params:
+            rl = self._checked(Roll.of(spec, params), ns, device, "bands of rb rows x tq columns")
+            store = _store_out(spec, out, "{i}", "{v}")
+            body, block, grid = roll_body(rl, ns, out, store), (rl.threads, 1, 1), (cdiv(spec.k, rl.channels), ns, 1)
         elif "tq" in params:
             t = self._checked(WTile.of(spec, params), ns, device, "items of tp x tq outputs")
             body, block, grid = _blocked_body(t, ns, out), (t.threads, 1, 1), (cdiv(spec.k, t.channels), ns, 1)
@@ -332,7 +338,7 @@ class DepthwiseWgrad(Variant):
         args = (sto.buf(src[0]), sto.buf(src[1]), wbuf)
         # the blocked form names a launch bound of mb blocks (default 1): with the thread count alone ptxas
         # (13.0) spilled 16 bytes at 48 registers on float16 3x3 (tp 2, tq 8); with it, 56 and none
-        bound = params.get("mb", 1) if "tq" in params and not _tiled(spec) else 0
+        bound = params.get("mb", 1) if ("tq" in params or "rb" in params) and not _tiled(spec) else 0
         kernels.append(Kernel(name, args, body, block, comment=f"{self.name}: {params.short()}", min_blocks=bound))
         steps.append(Launch(name, grid, block, (*src, out)))
         if ns > 1:
