@@ -233,6 +233,32 @@ def test_auto_picks_the_depthwise_family_for_half_layers() -> None:
             assert first.name == ("depthwise_nhwc" if dtype == "float32" else "depthwise"), spec.short()
 
 
+def test_auto_takes_depthwise_nhwc_for_strided_3x3_on_large_half_planes() -> None:
+    """NHWC half 3x3 at stride 2 over input planes of >= 56 rows: depthwise_nhwc first (the H200 A/B of the
+    thirty-eighth session); stride 1, 5x5 and smaller planes keep the tile first, float32 depthwise_nhwc."""
+    cases = [(ConvSpec.make(64, 96, 112, 112, 96, 3, 3, 2, 1, groups=96), "depthwise_nhwc"),
+             (ConvSpec.make(64, 144, 56, 56, 144, 3, 3, 2, 1, groups=144), "depthwise_nhwc"),
+             (ConvSpec.make(64, 192, 28, 28, 192, 3, 3, 2, 1, groups=192), "depthwise"),
+             (ConvSpec.make(64, 144, 56, 56, 144, 3, 3, 1, 1, groups=144), "depthwise"),
+             (ConvSpec.make(64, 72, 56, 56, 72, 5, 5, 2, 2, groups=72), "depthwise")]
+    for base, want in cases:
+        for dtype in HALF:
+            assert select("auto", _as(base, dtype, "nhwc", "fprop"), NOMINAL_CUDA)[0].name == want, base.short()
+        assert select("auto", _as(base, "float32", "nhwc", "fprop"), NOMINAL_CUDA)[0].name == "depthwise_nhwc"
+        assert select("auto", _as(base, "float16", "nchw", "fprop"), NOMINAL_CUDA)[0].name != "depthwise_nhwc"
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_depthwise_nhwc_default_on_a_strided_large_plane_on_pocl(ocl, dtype) -> None:
+    """The default depthwise_nhwc takes on a half strided 3x3 plane of >= 56 rows (now auto's first), odd
+    sizes and asymmetric padding, with a bias + SiLU and a residual epilogue, against float64."""
+    spec = _as(ConvSpec.make(1, 24, 57, 58, 24, 3, 3, 2, (1, 0, 1, 1), groups=24), dtype, "nhwc", "fprop")
+    assert select("auto", spec, NOMINAL_CUDA)[0].name == "depthwise_nhwc"
+    prm = get_variant("depthwise_nhwc").default(spec, NOMINAL_CUDA)
+    _check(ocl, spec, prm, Epilogue(bias=True, silu=True), seed=3, name="depthwise_nhwc")
+    _check(ocl, spec, prm, EPILOGUES[1], seed=4, name="depthwise_nhwc")
+
+
 def test_depthwise_refusals_name_the_problem() -> None:
     from convforge.params import Params
 

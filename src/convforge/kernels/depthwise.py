@@ -908,10 +908,16 @@ def _check_tile(name: str, t: Tile, device: DeviceInfo) -> None:
 
 def _nhwc_rank(spec: ConvSpec, specialised: int) -> int:
     """On NHWC float32, depthwise_nhwc (measured) ranks first; on half storage the shared-memory tile
-    with 16-byte channel-vectorised loads does (not yet measured against it on a GPU)."""
+    with 16-byte channel-vectorised loads does, except on 3x3 filters at stride 2 over input planes of
+    56 rows and more. There depthwise_nhwc (registers, no shared memory) ran faster in the bench's A/B of
+    the two on an H200 (thirty-eighth session, FP16: 96@112/2 0.0736 -> 0.0684 ms, 144@56/2 0.0358 ->
+    0.0316, MobileNet-v3's 64@112/2 0.0516 -> 0.0404; its 5x5 strided layers 2.2-2.4x slower, the other
+    layers not measured: `depthwise-tile-vs-nhwc-strided-fp16-2026-12-03-h200.log`)."""
     if spec.layout != "nhwc":
         return specialised
-    return specialised + 1 if spec.dtype != "float32" else specialised - 1
+    if spec.dtype == "float32" or (spec.r * spec.s <= 9 and max(spec.stride) == 2 and spec.h >= 56):
+        return specialised - 1
+    return specialised + 1
 
 
 # -- variants --------------------------------------------------------------------------------------
