@@ -91,7 +91,7 @@ def test_space_points_plan(text):
 
 def test_lanes_take_every_channel_where_warps_are_whole():
     rl = Roll.of(_real(REAL[2], "float16"), roll_default(_real(REAL[2], "float16"), NOMINAL_CUDA))
-    assert (rl.bc, rl.bs, rl.channels) == (72, 4, 144)
+    assert (rl.bc, rl.bt, rl.channels) == (72, 4, 144)
     rl = Roll.of(_real(REAL[0], "float16"), roll_default(_real(REAL[0], "float16"), NOMINAL_CUDA))
     assert (rl.bc, rl.channels) == (16, 32)
 

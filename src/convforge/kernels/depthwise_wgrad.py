@@ -38,7 +38,7 @@ from convforge.codegen.meta import Code, cdiv
 from convforge.kernels import register
 from convforge.kernels.common import ThreadWindow
 from convforge.kernels.depthwise import ALL_DTYPES, REG_TAPS
-from convforge.kernels.depthwise_wgrad_roll import Roll, roll_body, roll_pick, roll_space
+from convforge.kernels.depthwise_wgrad_roll import ChannelLanes, Roll, roll_body, roll_pick, roll_space
 from convforge.kernels.depthwise_wgrad_stream import Stream, stream_body, stream_pick, stream_space
 from convforge.kernels.dgrad import no_epilogue
 from convforge.kernels.gemm import too_big
@@ -92,7 +92,7 @@ def _vw(spec: ConvSpec) -> int:
 
 
 @dataclass(frozen=True)
-class WTile(ThreadWindow):
+class WTile(ThreadWindow, ChannelLanes):
     """A blocked parameter set on one layer: ``bt`` threads along the items for each of ``bc``
     channel lanes (NHWC; 1 on NCHW), items of ``tp`` x ``tq`` outputs; on NHWC each lane takes ``cv``
     consecutive channels (1, or 4: one 8-byte load of halves a pixel, four sums a tap); ``pr`` 1: input
@@ -116,19 +116,6 @@ class WTile(ThreadWindow):
     def of(cls, spec: ConvSpec, p: Params) -> WTile:
         return cls(spec, p.get("bc", 1), p.bt if spec.layout == "nchw" else p.bs, p.tq, p.tp, p.get("cv", 1),
                    p.get("pr", 0), p.get("mb", 1), p.get("pg", 1))
-
-    @property
-    def threads(self) -> int:
-        return self.bc * self.bt
-
-    @property
-    def channels(self) -> int:
-        """Output channels a block sums: bc lanes of cv."""
-        return self.bc * self.cv
-
-    @property
-    def grid_q(self) -> int:
-        return cdiv(self.spec.q, self.tq)
 
     @property
     def grid_p(self) -> int:
@@ -320,7 +307,7 @@ class DepthwiseWgrad(Variant):
         elif "rb" in params:
             rl = self._checked(Roll.of(spec, params), ns, device, "bands of rb rows x tq columns")
             store = _store_out(spec, out, "{i}", "{v}")
-            body, block, grid = roll_body(rl, ns, out, store), (rl.threads, 1, 1), (cdiv(spec.k, rl.channels), ns, 1)
+            body, block, grid = roll_body(rl, ns, store), (rl.threads, 1, 1), (cdiv(spec.k, rl.channels), ns, 1)
         elif "tq" in params:
             t = self._checked(WTile.of(spec, params), ns, device, "items of tp x tq outputs")
             body, block, grid = _blocked_body(t, ns, out), (t.threads, 1, 1), (cdiv(spec.k, t.channels), ns, 1)

@@ -29,13 +29,37 @@ _SM_REGISTERS = 64 * 1024  # 32-bit registers of a CUDA compute unit (sm_50 .. s
 _OVERHEAD = 40  # registers ptxas (13.0, sm_90a) takes past the floats: indices, pointers, loads hoisted across steps
 
 
+class ChannelLanes:
+    """A block of ``bc`` channel lanes of ``cv`` channels, each walked by ``bt`` threads over strips of ``tq``
+    output columns (mixed into the NHWC parameter sets of the blocked and rolled forms)."""
+
+    spec: ConvSpec
+    bc: int
+    bt: int
+    cv: int
+    tq: int
+
+    @property
+    def threads(self) -> int:
+        return self.bc * self.bt
+
+    @property
+    def channels(self) -> int:
+        """Output channels a block sums: bc lanes of cv."""
+        return self.bc * self.cv
+
+    @property
+    def grid_q(self) -> int:
+        return cdiv(self.spec.q, self.tq)
+
+
 @dataclass(frozen=True)
-class Roll:
+class Roll(ChannelLanes):
     """One parameter set of the rolled form on one layer (module docstring)."""
 
     spec: ConvSpec
     bc: int  # channel lanes a block
-    bs: int  # threads along the items for each lane (a power of two)
+    bt: int  # threads along the items for each lane (a power of two; the parameter bs)
     cv: int  # channels a thread (2 or 4)
     tq: int  # output columns a thread
     rb: int  # output rows an item
@@ -45,18 +69,6 @@ class Roll:
     @classmethod
     def of(cls, spec: ConvSpec, p: Params) -> Roll:
         return cls(spec, p.bc, p.bs, p.cv, p.tq, p.rb, p.get("pd", 1), p.get("mb", 1))
-
-    @property
-    def threads(self) -> int:
-        return self.bc * self.bs
-
-    @property
-    def channels(self) -> int:
-        return self.bc * self.cv
-
-    @property
-    def grid_q(self) -> int:
-        return cdiv(self.spec.q, self.tq)
 
     @property
     def bands(self) -> int:
@@ -98,8 +110,8 @@ class Roll:
             return "the rolled form reads NHWC layers of multiplier 1"
         if self.cv not in (2, 4) or s.k % self.cv:
             return f"cv ({self.cv}) must be 2 or 4 and divide K ({s.k})"
-        if min(self.bc, self.bs, self.tq, self.rb) < 1 or self.bs & (self.bs - 1):
-            return f"bs ({self.bs}) must be a power of two and bc, tq, rb >= 1"
+        if min(self.bc, self.bt, self.tq, self.rb) < 1 or self.bt & (self.bt - 1):
+            return f"bs ({self.bt}) must be a power of two and bc, tq, rb >= 1"
         if self.pd not in (1, 2) or not 1 <= self.mb <= 32:
             return f"pd ({self.pd}) must be 1 or 2 and mb ({self.mb}) 1..32"
         if not 32 <= self.threads <= device.max_threads:
@@ -116,15 +128,15 @@ class Roll:
 
 def roll_params(t: Roll, ns: int) -> Params:
     opt = {k: v for k, v, usual in (("pd", t.pd, 1), ("mb", t.mb, 1)) if v != usual}
-    return Params({"bc": t.bc, "bs": t.bs, "cv": t.cv, "tq": t.tq, "rb": t.rb, **opt, "ns": ns})
+    return Params({"bc": t.bc, "bs": t.bt, "cv": t.cv, "tq": t.tq, "rb": t.rb, **opt, "ns": ns})
 
 
 def roll_slices(t: Roll, device: DeviceInfo) -> int:
     """Slices that fill each compute unit's ``mb`` slots once (at least one item a thread)."""
     if not device.is_gpu:
-        return max(1, min(4, t.items // t.bs))
+        return max(1, min(4, t.items // t.bt))
     slots = max(1, device.units) * t.mb
-    return max(1, min(slots // cdiv(t.spec.k, t.channels), max(1, t.items // t.bs)))
+    return max(1, min(slots // cdiv(t.spec.k, t.channels), max(1, t.items // t.bt)))
 
 
 def _lanes(spec: ConvSpec, cv: int) -> tuple[int, int]:
@@ -192,10 +204,10 @@ def _comp(name: str, v: int) -> str:
     return f"{name}.{'xyzw'[v]}"
 
 
-def roll_body(t: Roll, ns: int, out: str, store_out: str) -> str:
+def roll_body(t: Roll, ns: int, store_out: str) -> str:
     """The rolled kernel's body (module docstring); ``store_out`` formats the statement writing float
     ``{v}`` to filter element ``{i}`` of slice ``GROUP_ID(1)`` (or of dw itself)."""
-    from convforge.kernels.depthwise_wgrad import sum_chunk, tree_store
+    from convforge.kernels.depthwise_wgrad import sum_chunk, tree_store  # that module imports this one
 
     s = t.spec
     sto = Storage(s.dtype)
@@ -220,7 +232,7 @@ def roll_body(t: Roll, ns: int, out: str, store_out: str) -> str:
          f"  // the ring: {z} input rows x {t.seg} columns",
          f"{vt} " + ", ".join(f"g{i}_{j} = zero" for i in range(t.pd + 1) for j in range(t.tq)) + ";"
          f"  // {t.pd + 1} dy rows x {t.tq} columns")
-    with code.block(f"for (int it = it0 + lt; it < it1; it += {t.bs})  /* bands of {t.rb} rows x {t.tq} columns */"):
+    with code.block(f"for (int it = it0 + lt; it < it1; it += {t.bt})  /* bands of {t.rb} rows x {t.tq} columns */"):
         code(f"const int qc = it % {t.grid_q}, pb = (it / {t.grid_q}) % {t.bands}, n = it / {t.grid_q * t.bands};",
              f"const int p0 = pb * {t.rb}, q0 = qc * {t.tq}, pn = min({t.rb}, {s.p} - p0);  // the band's rows",
              f"const int y0 = p0 * {sh} - {s.pad[0]}, x0 = q0 * {sw} - {s.pad[2]};",
@@ -245,7 +257,7 @@ def roll_body(t: Roll, ns: int, out: str, store_out: str) -> str:
                         code(f"a{r}_{c}_{v} = FMA({_comp(xi, v)}, {_comp(gi, v)}, a{r}_{c}_{v});")
     kj = f"(k + j % {cv}) * {rs} + j / {cv}"  # sum j: tap j / cv of channel k + j % cv
     dst = f"GROUP_ID(1) * {s.k * rs} + {kj}" if ns > 1 else kj
-    tree_store(code, accs, chunk, t.threads, t.bc, t.bs, f"if (k < {s.k})",
+    tree_store(code, accs, chunk, t.threads, t.bc, t.bt, f"if (k < {s.k})",
                lambda row: store_out.format(i=dst, v=f"part_[{row} * {t.threads} + lc]"))
     return code.text()
 
